@@ -1,0 +1,195 @@
+"""The contract between the lease core and a token source, and the registry of sources by URL scheme.
+
+A backend is written once, as asyncio code. The synchronous API drives the same code on a
+private event-loop thread (see ``_sync.py``), so there is exactly one implementation of every
+protocol. Each backend module lives in ``fenced.backends`` and is imported only when its URL
+scheme is used, so a missing optional client library affects only that backend.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import enum
+import importlib
+from collections.abc import Callable, Iterable
+from typing import Any, ClassVar
+from urllib.parse import SplitResult, urlsplit
+
+from ._errors import ConfigurationError
+from ._token import FencingToken
+
+__all__ = [
+    "SCHEMES",
+    "Backend",
+    "Characteristic",
+    "Grant",
+    "LockStatus",
+    "LostCallback",
+    "backend_class",
+]
+
+
+class Characteristic(enum.StrEnum):
+    """What a token source promises. ``connect(url, require={...})`` refuses one that lacks any."""
+
+    LINEARIZABLE = "linearizable"
+    """Grants and tokens are decided by a linearizable store, across all its replicas and failovers."""
+    DURABLE = "durable"
+    """An acknowledged grant survives a crash or restart of the source: no token is ever reused."""
+    FIFO = "fifo"
+    """Blocking waiters are granted the lock in the order they started waiting."""
+    DISTRIBUTED = "distributed"
+    """Clients on different machines can share the lock."""
+    SERVER_EXPIRY = "server_expiry"
+    """Lease expiry is judged by the source itself, not by the clients' clocks."""
+    LOST_NOTIFICATION = "lost_notification"
+    """The source tells the holder as soon as its grant is gone (not only at the next renewal)."""
+
+
+LostCallback = Callable[[BaseException], None]
+"""Called by a backend, from any thread, when it learns a grant is gone before its expiry."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Grant:
+    """A lock grant as a backend hands it to the lease core.
+
+    ``sent_at`` is :func:`fenced._clock.now` taken just *before* the request that granted (or
+    last renewed) the lease was sent: the server started its ``ttl`` no earlier than that, so
+    ``sent_at + ttl`` is a safe bound for the holder. ``handle`` is private to the backend.
+    """
+
+    token: FencingToken
+    request_id: str
+    ttl: float
+    sent_at: float
+    handle: Any = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LockStatus:
+    """What ``status(name)`` reports about one lock."""
+
+    name: str
+    holder: str | None
+    """The request id of the current holder, or None when free."""
+    token: FencingToken | None
+    """The current holder's token, or None when free."""
+    last_token: FencingToken | None
+    """The highest token ever granted for this lock (None: never granted, or not known)."""
+    remaining: float | None
+    """Seconds until the current grant expires if not renewed (None when free or not known)."""
+    waiters: int | None = None
+
+
+class Backend(abc.ABC):
+    """A token source. Subclasses live in ``fenced.backends.<module>`` and set the class vars.
+
+    Every method may raise :class:`~fenced.BackendUnavailable` for a dead server or closed
+    connection; native client errors must be translated at this boundary.
+    """
+
+    scheme: ClassVar[str]
+    characteristics: ClassVar[frozenset[Characteristic]]
+
+    @classmethod
+    @abc.abstractmethod
+    async def open(cls, url: SplitResult, options: dict[str, Any]) -> Backend:
+        """Connect to the source named by ``url``. Unknown ``options`` raise ConfigurationError."""
+
+    @abc.abstractmethod
+    async def acquire(
+        self,
+        name: str,
+        *,
+        request_id: str,
+        ttl: float,
+        deadline: float | None,
+        on_lost: LostCallback,
+    ) -> Grant:
+        """Grant ``name`` to ``request_id`` for ``ttl`` seconds, waiting FIFO until ``deadline``.
+
+        ``deadline`` is on the :func:`fenced._clock.now` clock; None waits forever, a deadline
+        already past tries once. Raise :class:`~fenced.LockTimeout` when it passes. While
+        waiting, the backend keeps the waiter's place alive itself. Must be idempotent: if
+        ``request_id`` already holds ``name`` (a retry after a lost reply), return that same
+        grant, not a second one. The token must exceed every token ever granted for ``name``.
+        ``on_lost`` may be called later, from any thread, if the grant is revoked early.
+        """
+
+    @abc.abstractmethod
+    async def renew(self, grant: Grant) -> Grant:
+        """Extend the lease by its ttl; return the grant with the new ``sent_at``.
+
+        Raise :class:`~fenced.LeaseLostError` if the grant is no longer held.
+        """
+
+    @abc.abstractmethod
+    async def release(self, grant: Grant) -> bool:
+        """Give up the grant. Fenced: it never affects a later grant of the same lock.
+
+        Return True if this call released it, False if it was no longer held (expired, taken
+        over, or already released).
+        """
+
+    @abc.abstractmethod
+    async def status(self, name: str) -> LockStatus:
+        """Report the current holder and the highest token of ``name``."""
+
+    @abc.abstractmethod
+    async def aclose(self) -> None:
+        """Close connections. Grants still held are left to expire."""
+
+
+SCHEMES: dict[str, str] = {
+    "memory": "fenced.backends.memory:MemoryBackend",
+    "sqlite": "fenced.backends.sqlite:SQLiteBackend",
+    "etcd": "fenced.backends.etcd:EtcdBackend",
+    "etcd3": "fenced.backends.etcd:EtcdBackend",
+    "zookeeper": "fenced.backends.zookeeper:ZooKeeperBackend",
+    "zk": "fenced.backends.zookeeper:ZooKeeperBackend",
+    "postgresql": "fenced.backends.postgresql:PostgreSQLBackend",
+    "postgres": "fenced.backends.postgresql:PostgreSQLBackend",
+    "redis": "fenced.backends.redis:RedisBackend",
+    "rediss": "fenced.backends.redis:RedisBackend",
+}
+
+
+def parse_url(url: str) -> SplitResult:
+    if not isinstance(url, str) or "://" not in url:
+        raise ConfigurationError(f"not a token source URL: {url!r} (expected e.g. sqlite:///path)")
+    return urlsplit(url)
+
+
+def backend_class(url: str) -> type[Backend]:
+    """The backend class for ``url``'s scheme (``etcd+http`` style suffixes are ignored)."""
+    scheme = parse_url(url).scheme.lower().split("+", 1)[0]
+    target = SCHEMES.get(scheme)
+    if target is None:
+        known = ", ".join(sorted(SCHEMES))
+        raise ConfigurationError(f"unknown token source scheme {scheme!r}; known: {known}")
+    module_name, _, class_name = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        extra = module_name.rsplit(".", 1)[-1]
+        raise ConfigurationError(
+            f"the {scheme!r} token source needs extra packages: pip install 'fenced[{extra}]' ({exc})"
+        ) from exc
+    cls: type[Backend] = getattr(module, class_name)
+    return cls
+
+
+def check_requirements(cls: type[Backend], require: Iterable[str]) -> None:
+    wanted: set[Characteristic] = set()
+    for item in require:
+        try:
+            wanted.add(Characteristic(item))
+        except ValueError:
+            known = ", ".join(c.value for c in Characteristic)
+            raise ConfigurationError(f"unknown characteristic {item!r}; known: {known}") from None
+    missing = wanted - cls.characteristics
+    if missing:
+        names = ", ".join(sorted(m.value for m in missing))
+        raise ConfigurationError(f"the {cls.scheme!r} token source is not {names}")

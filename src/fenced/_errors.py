@@ -1,0 +1,119 @@
+"""The errors fenced raises: one base class, each native error mapped to the most specific one.
+
+Hierarchy::
+
+    FencedError
+    ├── InvalidTokenError (ValueError)       malformed, out-of-range token text or value
+    │   └── WrongLockError                   a token of another lock (also: comparing tokens of two locks)
+    ├── StaleTokenError                      the resource has accepted a higher token: this writer is fenced off
+    ├── ResourceNotFoundError (LookupError)  a guarded row/key/file does not exist (not the same as stale)
+    ├── LockError
+    │   ├── LockTimeout (TimeoutError)       acquire did not succeed before its timeout
+    │   ├── LeaseLostError                   the lease expired or was taken over while held
+    │   └── NotHeldError                     an operation that needs a held lease, on one that is not held
+    ├── BackendError
+    │   ├── BackendUnavailable (ConnectionError)  the token source cannot be reached, or the connection is closed
+    │   └── UnsafeBackendError               the server's configuration cannot give the promised safety
+    └── ConfigurationError (ValueError)      a bad URL, an unknown scheme, or a backend lacking a required characteristic
+
+Native errors of the clients (sqlite3, psycopg, redis, kazoo, grpc) are translated at the
+backend or guard boundary with ``raise ... from exc``, so the original stays in ``__cause__``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ._token import FencingToken
+
+__all__ = [
+    "BackendError",
+    "BackendUnavailable",
+    "ConfigurationError",
+    "FencedError",
+    "InvalidTokenError",
+    "LeaseLostError",
+    "LockError",
+    "LockTimeout",
+    "NotHeldError",
+    "ResourceNotFoundError",
+    "StaleTokenError",
+    "UnsafeBackendError",
+    "WrongLockError",
+]
+
+
+class FencedError(Exception):
+    """Base class of every error fenced raises."""
+
+
+class InvalidTokenError(FencedError, ValueError):
+    """A fencing token that is malformed, out of range, or otherwise unusable."""
+
+
+class WrongLockError(InvalidTokenError):
+    """A token of one lock was offered where a token of another lock is expected."""
+
+
+class StaleTokenError(FencedError):
+    """The resource has already accepted a higher token; this write is rejected.
+
+    ``token`` is the token the writer offered, ``high_water`` the highest token the resource
+    has accepted (``None`` if the guard cannot tell), ``resource`` what was guarded.
+    """
+
+    def __init__(
+        self,
+        token: FencingToken,
+        high_water: FencingToken | None,
+        resource: str | None = None,
+        message: str | None = None,
+    ) -> None:
+        self.token = token
+        self.high_water = high_water
+        self.resource = resource
+        if message is None:
+            where = f" on {resource!r}" if resource else ""
+            seen = f"{high_water}" if high_water is not None else "a higher token"
+            message = f"stale fencing token {token}{where}: the resource has accepted {seen}"
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.token, self.high_water, self.resource, str(self)))
+
+
+class ResourceNotFoundError(FencedError, LookupError):
+    """The guarded row, key or file does not exist (as opposed to existing with a higher token)."""
+
+
+class LockError(FencedError):
+    """Base class of errors about acquiring, holding and releasing a lock."""
+
+
+class LockTimeout(LockError, TimeoutError):
+    """The lock could not be acquired within the timeout."""
+
+
+class LeaseLostError(LockError):
+    """The lease expired or was taken over while it was believed held."""
+
+
+class NotHeldError(LockError):
+    """The operation needs a held lease, and this one is not held."""
+
+
+class BackendError(FencedError):
+    """Base class of errors of the token source."""
+
+
+class BackendUnavailable(BackendError, ConnectionError):
+    """The token source cannot be reached, or its connection has been closed."""
+
+
+class UnsafeBackendError(BackendError):
+    """The token source is configured in a way that cannot provide the promised safety."""
+
+
+class ConfigurationError(FencedError, ValueError):
+    """A bad URL or option, an unknown scheme, or a backend lacking a required characteristic."""

@@ -1,0 +1,491 @@
+"""The asyncio lease API: the single implementation that the synchronous API also runs."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import uuid
+import weakref
+from collections.abc import Awaitable, Callable, Generator, Iterable
+from types import TracebackType
+from typing import Any, Final
+
+from . import _clock
+from ._backend import (
+    Backend,
+    Characteristic,
+    Grant,
+    LockStatus,
+    backend_class,
+    check_requirements,
+    parse_url,
+)
+from ._errors import (
+    BackendUnavailable,
+    LeaseLostError,
+    NotHeldError,
+)
+from ._state import LeaseState, Phase
+from ._token import FencingToken, validate_lock_name
+
+__all__ = ["DEFAULT_TTL", "AsyncLease", "AsyncLocks", "LostSignal"]
+
+logger = logging.getLogger("fenced")
+
+DEFAULT_TTL: Final = 10.0
+_UNSET: Final[Any] = object()
+
+AsyncLostCallback = Callable[["AsyncLease"], Awaitable[None] | None]
+
+
+class LostSignal:
+    """Set when a held lease is lost. ``await lease.lost`` waits for it; returns the cause."""
+
+    __slots__ = ("_cause", "_event")
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+        self._cause: BaseException | None = None
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    @property
+    def cause(self) -> BaseException | None:
+        """Why the lease was lost (a :class:`~fenced.LeaseLostError`), or None."""
+        return self._cause
+
+    async def wait(self) -> BaseException | None:
+        await self._event.wait()
+        return self._cause
+
+    def __await__(self) -> Generator[Any, None, BaseException | None]:
+        return self.wait().__await__()
+
+    def _set(self, cause: BaseException) -> None:
+        self._cause = cause
+        self._event.set()
+
+    def _clear(self) -> None:
+        self._cause = None
+        self._event.clear()
+
+
+class AsyncLease:
+    """One lock, acquired and held by this client; use ``async with`` or acquire()/release().
+
+    Ordering, shown with two clients of one lock ``"jobs"``::
+
+        a = locks.lock("jobs", ttl=5)     # client A
+        ta = await a.acquire()            # jobs:7
+        # ... A is paused for longer than 5 s; its lease expires ...
+        b = other.lock("jobs", ttl=5)     # client B
+        tb = await b.acquire()            # jobs:8   (tb > ta: every grant is higher than all before it)
+        # A wakes and writes with ta: a guarded resource that saw tb rejects it (StaleTokenError).
+        # A's lease.lost is set, and A's release() returns False without touching B's grant.
+
+    While held, a background task renews the lease about every ``ttl/3``; if renewal is refused
+    or cannot succeed before the lease would expire, ``lost`` is set and ``on_lost`` is called.
+    """
+
+    def __init__(
+        self,
+        locks: AsyncLocks,
+        name: str,
+        *,
+        ttl: float = DEFAULT_TTL,
+        timeout: float | None = None,
+        on_lost: AsyncLostCallback | None = None,
+        request_id: str | None = None,
+        safety_margin: float | None = None,
+        auto_renew: bool = True,
+    ) -> None:
+        self._locks = locks
+        self.name = validate_lock_name(name)
+        self.timeout = _check_timeout(timeout)
+        self.on_lost = on_lost
+        self.auto_renew = auto_renew
+        self._request_id = request_id
+        self._state = LeaseState(ttl, safety_margin)
+        self._last_token: FencingToken | None = None
+        self._keepalive: asyncio.Task[None] | None = None
+        self._watchdog: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.lost = LostSignal()
+        self._lost_hooks: list[Callable[[BaseException], None]] = []
+
+    # -- what the holder may know -------------------------------------------------------
+
+    @property
+    def ttl(self) -> float:
+        return self._state.ttl
+
+    @property
+    def token(self) -> FencingToken:
+        """The token of the current (or, after release or loss, the last) grant."""
+        if self._last_token is None:
+            raise NotHeldError(f"lease on {self.name!r} has never been acquired")
+        return self._last_token
+
+    @property
+    def request_id(self) -> str | None:
+        """The client-chosen id of the current or last acquire (makes retries idempotent)."""
+        return self._state.grant.request_id if self._state.grant else self._request_id
+
+    @property
+    def phase(self) -> Phase:
+        return self._state.phase
+
+    @property
+    def held(self) -> bool:
+        """True while the lease is surely held: acquired, not released, not lost, not expired."""
+        return self.remaining() > 0
+
+    def remaining(self) -> float:
+        """Seconds the lease is *surely* still held.
+
+        Counted from when the acquire or last successful renew request was *sent* (the source
+        cannot have started the lease earlier), minus ``safety_margin``. 0 when not held.
+        """
+        return self._state.remaining(_clock.now())
+
+    # -- acquire / renew / release -------------------------------------------------------
+
+    async def acquire(self, timeout: float | None = _UNSET) -> FencingToken:
+        """Block until granted (FIFO among waiters) or ``timeout`` seconds pass.
+
+        ``timeout=None`` waits forever, ``0`` tries once. Returns the token, which is strictly
+        greater than every token granted for this lock before. Raises
+        :class:`~fenced.LockTimeout`; if the source is unreachable, retries with the same
+        request id (so a grant whose reply was lost is not taken twice) until the timeout,
+        then raises :class:`~fenced.BackendUnavailable`.
+        """
+        timeout = self.timeout if timeout is _UNSET else _check_timeout(timeout)
+        backend = await self._locks._get_backend()
+        self._state.start_acquiring()
+        self._loop = asyncio.get_running_loop()
+        request_id = self._request_id or uuid.uuid4().hex
+        start = _clock.now()
+        deadline = None if timeout is None else start + timeout
+        # With no deadline, a dead source is given a bounded time to come back.
+        give_up = deadline if deadline is not None else start + max(self.ttl, 5.0)
+        delay = 0.02
+        try:
+            while True:
+                try:
+                    grant = await backend.acquire(
+                        self.name,
+                        request_id=request_id,
+                        ttl=self.ttl,
+                        deadline=deadline,
+                        on_lost=self._make_backend_lost_callback(request_id),
+                    )
+                    break
+                except BackendUnavailable:
+                    if _clock.now() + delay >= give_up:
+                        raise
+                    logger.debug("acquire %s: source unavailable, retrying", self.name)
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 1.0)
+        except BaseException:
+            self._state.acquire_failed()
+            raise
+        self._state.granted(grant)
+        self._last_token = grant.token
+        self.lost._clear()
+        self._locks._held.add(self)
+        if self._state.remaining(_clock.now()) <= 0:
+            # Granted, but the reply took so long that the lease may have run out already.
+            self._mark_lost(
+                LeaseLostError(f"lease on {self.name!r} expired before the grant arrived")
+            )
+        elif self.auto_renew:
+            self._keepalive = asyncio.create_task(
+                self._keep_alive(), name=f"fenced-keepalive:{self.name}"
+            )
+        else:
+            self._arm_watchdog()
+        return grant.token
+
+    async def renew(self) -> float:
+        """Renew now; return the new :meth:`remaining`. Raises LeaseLostError if it is gone."""
+        grant = self._require_held()
+        try:
+            new = await self._locks._backend_or_fail().renew(grant)
+        except LeaseLostError as exc:
+            self._mark_lost(exc)
+            raise
+        self._state.renewed(new)
+        if not self.auto_renew:
+            self._arm_watchdog()
+        return self.remaining()
+
+    async def release(self) -> bool:
+        """Give the lock up. Fenced: never frees a later holder's grant.
+
+        Returns True if this call released a grant it still held, False otherwise (already
+        released, lost, expired or taken over). Safe to call more than once.
+        """
+        grant = self._state.grant
+        if self._state.phase not in (Phase.HELD, Phase.LOST) or grant is None:
+            return False
+        self._stop_timers()
+        was_held = self._state.phase is Phase.HELD
+        self._state.released()
+        self._locks._held.discard(self)
+        released = await self._locks._backend_or_fail().release(grant)
+        return released and was_held
+
+    async def __aenter__(self) -> AsyncLease:
+        await self.acquire()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        cause = self.lost.cause
+        if exc is None:
+            await self.release()
+            if cause is not None:
+                raise LeaseLostError(
+                    f"lease on {self.name!r} (token {self._last_token}) was lost while held"
+                ) from cause
+        else:
+            with contextlib.suppress(Exception):
+                await self.release()
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _require_held(self) -> Grant:
+        if self._state.phase is Phase.LOST:
+            raise LeaseLostError(f"lease on {self.name!r} was lost") from self._state.lost_cause
+        if self._state.phase is not Phase.HELD or self._state.grant is None:
+            raise NotHeldError(f"lease on {self.name!r} is not held")
+        return self._state.grant
+
+    async def _keep_alive(self) -> None:
+        backend = self._locks._backend_or_fail()
+        state = self._state
+        while state.phase is Phase.HELD:
+            now = _clock.now()
+            remaining = state.remaining(now)
+            if remaining <= 0:
+                self._mark_lost(LeaseLostError(f"lease on {self.name!r} expired: renewals failed"))
+                return
+            await asyncio.sleep(min(state.renew_delay(now), remaining))
+            if state.phase is not Phase.HELD or state.grant is None:
+                return
+            grant = state.grant
+            try:
+                # A renewal that has not come back when the lease runs out cannot save it.
+                async with asyncio.timeout(max(state.remaining(_clock.now()), 0.001)):
+                    new = await backend.renew(grant)
+            except LeaseLostError as exc:
+                self._mark_lost(exc)
+                return
+            except (BackendUnavailable, TimeoutError) as exc:
+                logger.debug("renew %s failed: %r", self.name, exc)
+                state.renew_failed(_clock.now())
+            except Exception as exc:  # a bug in a backend must not silently stop renewals
+                logger.exception("renew %s failed unexpectedly", self.name)
+                state.renew_failed(_clock.now())
+                if state.remaining(_clock.now()) <= 0:
+                    self._mark_lost(LeaseLostError(f"lease on {self.name!r}: {exc!r}"))
+                    return
+            else:
+                state.renewed(new)
+
+    def _arm_watchdog(self) -> None:
+        """Without auto-renew, still report the loss when the lease runs out."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        assert self._loop is not None
+        self._watchdog = self._loop.call_later(
+            self.remaining(),
+            lambda: self._mark_lost(
+                LeaseLostError(f"lease on {self.name!r} expired (not renewed)")
+            ),
+        )
+
+    def _stop_timers(self) -> None:
+        task, self._keepalive = self._keepalive, None
+        if task is not None and task is not _current_task():
+            task.cancel()
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+
+    def _make_backend_lost_callback(self, request_id: str) -> Callable[[BaseException], None]:
+        loop = asyncio.get_running_loop()
+
+        def lost(cause: BaseException) -> None:
+            def on_loop() -> None:
+                grant = self._state.grant
+                if grant is not None and grant.request_id == request_id:
+                    self._mark_lost(cause)
+
+            try:
+                loop.call_soon_threadsafe(on_loop)
+            except RuntimeError:  # loop closed: nobody is left to tell
+                pass
+
+        return lost
+
+    def _mark_lost(self, cause: BaseException) -> None:
+        if not self._state.lose(cause):
+            return
+        self._stop_timers()
+        self._locks._held.discard(self)
+        logger.warning("lease on %s (token %s) lost: %s", self.name, self._last_token, cause)
+        self.lost._set(cause)
+        for hook in self._lost_hooks:
+            _call_safely(hook, cause)
+        if self.on_lost is not None:
+            callback = self.on_lost
+            try:
+                result = callback(self)
+                if inspect.isawaitable(result):
+                    task = asyncio.ensure_future(result)
+                    task.add_done_callback(_log_task_error)
+            except Exception:
+                logger.exception("on_lost callback for %s failed", self.name)
+
+    def __repr__(self) -> str:
+        return f"<AsyncLease {self.name!r} {self._state.phase.value} token={self._last_token}>"
+
+
+class AsyncLocks:
+    """A connection to one token source: ``async with fenced.connect_async(url) as locks``."""
+
+    def __init__(self, url: str, *, require: Iterable[str] = (), **options: Any) -> None:
+        self.url = url
+        self._cls = backend_class(url)
+        check_requirements(self._cls, require)
+        self._options = options
+        self._backend: Backend | None = None
+        self._opening: asyncio.Lock | None = None
+        self._closed = False
+        self._held: weakref.WeakSet[AsyncLease] = weakref.WeakSet()
+
+    @property
+    def characteristics(self) -> frozenset[Characteristic]:
+        """What this token source promises (see :class:`~fenced.Characteristic`)."""
+        return self._cls.characteristics
+
+    @property
+    def backend(self) -> Backend:
+        return self._backend_or_fail()
+
+    async def open(self) -> AsyncLocks:
+        await self._get_backend()
+        return self
+
+    def lock(
+        self,
+        name: str,
+        *,
+        ttl: float = DEFAULT_TTL,
+        timeout: float | None = None,
+        on_lost: AsyncLostCallback | None = None,
+        request_id: str | None = None,
+        safety_margin: float | None = None,
+        auto_renew: bool = True,
+    ) -> AsyncLease:
+        """A lease on ``name`` (not yet acquired): ``async with locks.lock("x", ttl=10) as lease``."""
+        return AsyncLease(
+            self,
+            name,
+            ttl=ttl,
+            timeout=timeout,
+            on_lost=on_lost,
+            request_id=request_id,
+            safety_margin=safety_margin,
+            auto_renew=auto_renew,
+        )
+
+    async def status(self, name: str) -> LockStatus:
+        """Holder, token, highest token and time left of ``name``."""
+        backend = await self._get_backend()
+        return await backend.status(validate_lock_name(name))
+
+    async def aclose(self) -> None:
+        """Release every lease still held through this connection, then close it."""
+        if self._closed:
+            return
+        self._closed = True
+        for lease in list(self._held):
+            with contextlib.suppress(Exception):
+                await lease.release()
+        if self._backend is not None:
+            await self._backend.aclose()
+
+    async def __aenter__(self) -> AsyncLocks:
+        return await self.open()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def _get_backend(self) -> Backend:
+        if self._closed:
+            raise BackendUnavailable(f"connection to {self.url!r} is closed")
+        if self._backend is None:
+            if self._opening is None:
+                self._opening = asyncio.Lock()
+            async with self._opening:
+                if self._backend is None:
+                    self._backend = await self._cls.open(parse_url(self.url), dict(self._options))
+        return self._backend
+
+    def _backend_or_fail(self) -> Backend:
+        if self._backend is None or self._closed:
+            raise BackendUnavailable(f"connection to {self.url!r} is closed or not open")
+        return self._backend
+
+    def __repr__(self) -> str:
+        return f"<AsyncLocks {self._cls.scheme} {_redact(self.url)}>"
+
+
+def connect_async(url: str, *, require: Iterable[str] = (), **options: Any) -> AsyncLocks:
+    """Open a token source by URL, for asyncio code: ``async with connect_async(url) as locks``.
+
+    ``require`` names characteristics (e.g. ``{"linearizable", "durable"}``) the source must
+    have; one lacking any is refused with :class:`~fenced.ConfigurationError`.
+    """
+    return AsyncLocks(url, require=require, **options)
+
+
+def _check_timeout(timeout: float | None) -> float | None:
+    if timeout is not None and not timeout >= 0:
+        raise ValueError(f"timeout must be >= 0 or None, got {timeout!r}")
+    return timeout
+
+
+def _redact(url: str) -> str:
+    parts = parse_url(url)
+    if parts.password:
+        return url.replace(f":{parts.password}@", ":***@")
+    return url
+
+
+def _current_task() -> asyncio.Task[Any] | None:
+    try:
+        return asyncio.current_task()
+    except RuntimeError:
+        return None
+
+
+def _call_safely(fn: Callable[[BaseException], None], cause: BaseException) -> None:
+    try:
+        fn(cause)
+    except Exception:
+        logger.exception("lease-lost hook failed")
+
+
+def _log_task_error(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("on_lost callback failed", exc_info=task.exception())

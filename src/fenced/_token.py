@@ -1,0 +1,152 @@
+"""The fencing token: a lock name and a positive 64-bit integer, ordered within one lock."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Final
+
+from ._errors import InvalidTokenError, WrongLockError
+
+__all__ = ["MAX_TOKEN", "FencingToken", "validate_lock_name"]
+
+MAX_TOKEN: Final = 2**63 - 1
+"""The largest token value: every engine we use stores it as a signed 64-bit integer."""
+
+_NAME_RE: Final = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:@+=-]{0,199}")
+_TEXT_RE: Final = re.compile(
+    r"(?P<lock>[A-Za-z0-9_][A-Za-z0-9_.:@+=-]{0,199}):(?P<value>[1-9][0-9]{0,18})"
+)
+
+
+def validate_lock_name(name: object) -> str:
+    """Return ``name`` if it is a valid lock name, else raise :class:`InvalidTokenError`.
+
+    A name is 1-200 characters of ``A-Z a-z 0-9 _ . : @ + = -``, not starting with a punctuation
+    mark: safe as an SQL value, a Redis key part, an etcd key segment and a ZooKeeper node name.
+    """
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
+        raise InvalidTokenError(
+            f"invalid lock name {name!r}: use 1-200 characters of A-Z a-z 0-9 _ . : @ + = -"
+        )
+    return name
+
+
+class FencingToken:
+    """A grant of one lock: strictly greater than every earlier grant of the same lock.
+
+    Tokens of one lock compare by value; comparing tokens of two different locks raises
+    :class:`WrongLockError`, because their order means nothing. The canonical text form,
+    ``str(token)``, is ``"<lock>:<value>"`` (e.g. ``"invoices:34"``) and is what headers,
+    environment variables and logs carry; :meth:`parse` reads it back strictly.
+
+    >>> a = FencingToken("invoices", 33); b = FencingToken.parse("invoices:34")
+    >>> a < b, str(b), int(b)
+    (True, 'invoices:34', 34)
+    """
+
+    __slots__ = ("_lock", "_value")
+
+    def __init__(self, lock: str, value: int) -> None:
+        validate_lock_name(lock)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InvalidTokenError(f"token value must be an int, not {type(value).__name__}")
+        if not 1 <= value <= MAX_TOKEN:
+            raise InvalidTokenError(f"token value {value} out of range 1..{MAX_TOKEN}")
+        self._lock = lock
+        self._value = value
+
+    @property
+    def lock(self) -> str:
+        """The name of the lock this token was granted for."""
+        return self._lock
+
+    @property
+    def value(self) -> int:
+        """The token's integer value, ``1 <= value <= 2**63 - 1``."""
+        return self._value
+
+    @classmethod
+    def parse(cls, text: object, lock: str | None = None) -> FencingToken:
+        """Parse the canonical text form ``"<lock>:<value>"``, strictly.
+
+        Rejects (with :class:`InvalidTokenError`) anything but that exact form: surrounding
+        whitespace, signs, leading zeros, zero, non-decimal digits and values above
+        ``2**63 - 1``. If ``lock`` is given, a token of any other lock raises
+        :class:`WrongLockError`.
+        """
+        if isinstance(text, bytes):
+            try:
+                text = text.decode("ascii")
+            except UnicodeDecodeError:
+                raise InvalidTokenError(f"malformed fencing token {text!r}") from None
+        if not isinstance(text, str):
+            raise InvalidTokenError(f"fencing token must be text, not {type(text).__name__}")
+        m = _TEXT_RE.fullmatch(text)
+        if m is None:
+            raise InvalidTokenError(
+                f"malformed fencing token {text[:80]!r}: expected '<lock>:<positive integer>'"
+            )
+        value = int(m["value"])
+        if value > MAX_TOKEN:
+            raise InvalidTokenError(f"fencing token value {m['value']} exceeds 2**63-1")
+        token = cls(m["lock"], value)
+        if lock is not None:
+            token.require_lock(lock)
+        return token
+
+    @classmethod
+    def coerce(cls, token: FencingToken | str | bytes, lock: str | None = None) -> FencingToken:
+        """Accept a token or its text form (as guards do), checking the lock if given."""
+        if isinstance(token, FencingToken):
+            if lock is not None:
+                token.require_lock(lock)
+            return token
+        return cls.parse(token, lock)
+
+    def require_lock(self, lock: str) -> FencingToken:
+        """Return self if this is a token of ``lock``, else raise :class:`WrongLockError`."""
+        if self._lock != lock:
+            raise WrongLockError(f"token {self} belongs to lock {self._lock!r}, not {lock!r}")
+        return self
+
+    def _other_value(self, other: object) -> int:
+        if not isinstance(other, FencingToken):
+            raise TypeError(f"cannot compare FencingToken with {type(other).__name__}")
+        if other._lock != self._lock:
+            raise WrongLockError(f"cannot order tokens of different locks: {self} and {other}")
+        return other._value
+
+    def __lt__(self, other: object) -> bool:
+        return self._value < self._other_value(other)
+
+    def __le__(self, other: object) -> bool:
+        return self._value <= self._other_value(other)
+
+    def __gt__(self, other: object) -> bool:
+        return self._value > self._other_value(other)
+
+    def __ge__(self, other: object) -> bool:
+        return self._value >= self._other_value(other)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, FencingToken):
+            return NotImplemented
+        return self._lock == other._lock and self._value == other._value
+
+    def __hash__(self) -> int:
+        return hash((self._lock, self._value))
+
+    def __int__(self) -> int:
+        return self._value
+
+    def __index__(self) -> int:
+        return self._value
+
+    def __str__(self) -> str:
+        return f"{self._lock}:{self._value}"
+
+    def __repr__(self) -> str:
+        return f"FencingToken({self._lock!r}, {self._value})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (FencingToken, (self._lock, self._value))

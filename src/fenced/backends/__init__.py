@@ -1,0 +1,1 @@
+"""Token sources, one module per URL scheme (see ``fenced._backend.SCHEMES``)."""

@@ -1,0 +1,1 @@
+"""Guards: make a resource reject writes that carry a stale fencing token."""

@@ -1,0 +1,534 @@
+"""Real servers on 127.0.0.1, random free ports, temp dirs: start, stop, kill -9, pause, restart.
+
+Each server keeps its data directory across :meth:`Server.restart`, so tests can show that a
+restart loses no high-water mark and reuses no token. Readiness is awaited by polling the
+server's own protocol with a bound, never by sleeping a fixed time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+__all__ = [
+    "EtcdCluster",
+    "EtcdServer",
+    "PostgresServer",
+    "RedisServer",
+    "Server",
+    "ServerUnavailable",
+    "ZooKeeperServer",
+    "free_port",
+]
+
+
+class ServerUnavailable(RuntimeError):
+    """The server binary is not installed, or the server did not become ready in time."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
+    """Poll ``check`` (with a short back-off) until it is true or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    delay = 0.01
+    while True:
+        try:
+            if check():
+                return
+        except Exception:
+            pass
+        if time.monotonic() >= deadline:
+            raise ServerUnavailable(f"{what} not ready after {timeout} s")
+        time.sleep(delay)
+        delay = min(delay * 1.5, 0.2)
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+class Server:
+    """One server process. Subclasses set :meth:`command` and :meth:`ready`."""
+
+    name = "server"
+    start_timeout = 30.0
+
+    def __init__(self, base_dir: str | None = None, port: int | None = None) -> None:
+        self._own_dir = base_dir is None
+        self.dir = Path(base_dir or tempfile.mkdtemp(prefix=f"fenced-{self.name}-"))
+        self.port = port or free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path = self.dir / f"{self.name}.log"
+
+    # subclass hooks
+    def command(self) -> Sequence[str]:
+        raise NotImplementedError
+
+    def ready(self) -> bool:
+        return _port_open(self.port)
+
+    def prepare(self) -> None:
+        """Create the data directory on first start."""
+
+    def env(self) -> dict[str, str] | None:
+        return None
+
+    def popen_user(self) -> str | None:
+        """Run the server as this user (PostgreSQL refuses to run as root)."""
+        return None
+
+    # lifecycle
+    def start(self) -> Server:
+        self.prepare()
+        log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child
+        self.proc = subprocess.Popen(
+            list(self.command()),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=self.env(),
+            start_new_session=True,
+            user=self.popen_user(),
+            group=self.popen_user(),
+        )
+        log.close()
+        try:
+            wait_until(
+                self._ready_and_alive, self.start_timeout, f"{self.name} on port {self.port}"
+            )
+        except ServerUnavailable:
+            tail = self.log_tail()
+            self.kill()
+            raise ServerUnavailable(f"{self.name} did not start; log:\n{tail}") from None
+        return self
+
+    def _ready_and_alive(self) -> bool:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise ServerUnavailable(
+                f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}"
+            )
+        return self.ready()
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """Graceful stop (SIGTERM), then SIGKILL if it does not exit in time."""
+        if self.proc is None or self.proc.poll() is not None:
+            self.proc = None
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGCONT)
+            self.proc.terminate()
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+        self.proc = None
+
+    def kill(self) -> None:
+        """kill -9 the server (and its process group): a crash, with no chance to clean up."""
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        self.proc = None
+
+    def pause(self) -> None:
+        assert self.proc is not None
+        os.killpg(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        os.killpg(self.proc.pid, signal.SIGCONT)
+
+    def restart(self, kill: bool = False) -> Server:
+        """Stop (or kill -9) and start again on the same port and data."""
+        if kill:
+            self.kill()
+        else:
+            self.stop()
+        return self.start()
+
+    def close(self) -> None:
+        self.kill()
+        if self._own_dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> Server:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _require(path: str | None, what: str, package: str) -> str:
+    if not path:
+        raise ServerUnavailable(f"{what} not found: install the Debian package {package!r}")
+    return path
+
+
+class RedisServer(Server):
+    """redis-server with AOF ``appendfsync always``: every acknowledged write survives kill -9."""
+
+    name = "redis"
+
+    def __init__(
+        self, base_dir: str | None = None, port: int | None = None, *, extra: Sequence[str] = ()
+    ) -> None:
+        super().__init__(base_dir, port)
+        self.extra = list(extra)
+        self.binary = _require(shutil.which("redis-server"), "redis-server", "redis-server")
+
+    def command(self) -> Sequence[str]:
+        return [
+            self.binary,
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dir",
+            str(self.dir),
+            "--save",
+            "",
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            "always",
+            "--protected-mode",
+            "no",
+            *self.extra,
+        ]
+
+    def ready(self) -> bool:
+        with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+
+class EtcdServer(Server):
+    """A one-member etcd cluster (or a member of :class:`EtcdCluster`)."""
+
+    name = "etcd"
+
+    def __init__(
+        self,
+        base_dir: str | None = None,
+        port: int | None = None,
+        *,
+        member: str = "e1",
+        peer_port: int | None = None,
+        initial_cluster: str | None = None,
+        cluster_token: str = "fenced-test",
+    ) -> None:
+        super().__init__(base_dir, port)
+        self.binary = _require(shutil.which("etcd"), "etcd", "etcd-server")
+        self.member = member
+        self.peer_port = peer_port or free_port()
+        self.initial_cluster = initial_cluster or f"{member}=http://127.0.0.1:{self.peer_port}"
+        self.cluster_token = cluster_token
+
+    def command(self) -> Sequence[str]:
+        client = f"http://127.0.0.1:{self.port}"
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        return [
+            self.binary,
+            "--name",
+            self.member,
+            "--data-dir",
+            str(self.dir / "data"),
+            "--listen-client-urls",
+            client,
+            "--advertise-client-urls",
+            client,
+            "--listen-peer-urls",
+            peer,
+            "--initial-advertise-peer-urls",
+            peer,
+            "--initial-cluster",
+            self.initial_cluster,
+            "--initial-cluster-token",
+            self.cluster_token,
+            "--initial-cluster-state",
+            "new",
+            "--heartbeat-interval",
+            "50",
+            "--election-timeout",
+            "500",
+            "--logger",
+            "zap",
+            "--log-outputs",
+            "stderr",
+        ]
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["ETCD_UNSUPPORTED_ARCH"] = env.get("ETCD_UNSUPPORTED_ARCH", "")
+        return env
+
+    def ready(self) -> bool:
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=1) as r:
+            return b'"health":"true"' in r.read().replace(b" ", b"")
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"etcd://{self.endpoint}"
+
+
+class EtcdCluster:
+    """Three (or ``size``) etcd members on loopback, started together."""
+
+    def __init__(self, size: int = 3) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="fenced-etcd-cluster-"))
+        peers = [free_port() for _ in range(size)]
+        names = [f"e{i + 1}" for i in range(size)]
+        initial = ",".join(f"{n}=http://127.0.0.1:{p}" for n, p in zip(names, peers, strict=True))
+        self.members = [
+            EtcdServer(
+                str(self.dir / n),
+                member=n,
+                peer_port=p,
+                initial_cluster=initial,
+                cluster_token=f"fenced-{os.getpid()}-{peers[0]}",
+            )
+            for n, p in zip(names, peers, strict=True)
+        ]
+        for m in self.members:
+            m.dir.mkdir(parents=True, exist_ok=True)
+
+    def start(self) -> EtcdCluster:
+        for m in self.members:
+            m.prepare()
+            log = open(m.log_path, "ab")  # noqa: SIM115
+            m.proc = subprocess.Popen(
+                list(m.command()),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+            log.close()
+        for m in self.members:
+            wait_until(m._ready_and_alive, 30, f"etcd member {m.member}")
+        return self
+
+    @property
+    def url(self) -> str:
+        return "etcd://" + ",".join(m.endpoint for m in self.members)
+
+    def close(self) -> None:
+        for m in self.members:
+            m.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> EtcdCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _zookeeper_classpath() -> str:
+    jars = [
+        "/usr/share/java/zookeeper.jar",
+        "/usr/share/java/zookeeper-jute.jar",
+        "/usr/share/java/slf4j-api.jar",
+        "/usr/share/java/slf4j-log4j12.jar",
+        "/usr/share/java/log4j-1.2.jar",
+    ]
+    jars += sorted(glob.glob("/usr/share/java/netty-*.jar"))
+    jars += ["/usr/share/java/commons-cli.jar", "/usr/share/java/commons-io.jar"]
+    present = [j for j in jars if os.path.exists(j)]
+    if "/usr/share/java/zookeeper.jar" not in present:
+        raise ServerUnavailable("ZooKeeper not found: install the Debian package 'zookeeper'")
+    return ":".join(present)
+
+
+class ZooKeeperServer(Server):
+    """A standalone ZooKeeper; ``tick_ms`` sets the minimum session timeout (2 × tick)."""
+
+    name = "zookeeper"
+
+    def __init__(
+        self, base_dir: str | None = None, port: int | None = None, *, tick_ms: int = 200
+    ) -> None:
+        super().__init__(base_dir, port)
+        self.java = _require(shutil.which("java"), "java", "default-jre-headless")
+        self.classpath = _zookeeper_classpath()
+        self.tick_ms = tick_ms
+
+    def prepare(self) -> None:
+        (self.dir / "data").mkdir(parents=True, exist_ok=True)
+        (self.dir / "zoo.cfg").write_text(
+            f"tickTime={self.tick_ms}\n"
+            f"dataDir={self.dir / 'data'}\n"
+            f"clientPort={self.port}\n"
+            "clientPortAddress=127.0.0.1\n"
+            "admin.enableServer=false\n"
+            "4lw.commands.whitelist=ruok,srvr,stat,mntr\n"
+            "maxSessionTimeout=60000\n"
+            "forceSync=yes\n"
+        )
+        (self.dir / "log4j.properties").write_text(
+            "log4j.rootLogger=WARN, CONSOLE\n"
+            "log4j.appender.CONSOLE=org.apache.log4j.ConsoleAppender\n"
+            "log4j.appender.CONSOLE.layout=org.apache.log4j.PatternLayout\n"
+            "log4j.appender.CONSOLE.layout.ConversionPattern=%d %-5p [%t] %c: %m%n\n"
+        )
+
+    def command(self) -> Sequence[str]:
+        return [
+            self.java,
+            "-Xmx256m",
+            "-XX:+UseSerialGC",
+            "-XX:-UsePerfData",
+            f"-Dlog4j.configuration=file:{self.dir / 'log4j.properties'}",
+            "-Dzookeeper.admin.enableServer=false",
+            "-cp",
+            self.classpath,
+            "org.apache.zookeeper.server.ZooKeeperServerMain",
+            str(self.dir / "zoo.cfg"),
+        ]
+
+    def ready(self) -> bool:
+        with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+            s.sendall(b"ruok")
+            return s.recv(8) == b"imok"
+
+    @property
+    def hosts(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"zookeeper://{self.hosts}"
+
+
+def _pg_bin(tool: str) -> str:
+    found = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{tool}"))
+    if found:
+        return found[-1]
+    return _require(shutil.which(tool), tool, "postgresql")
+
+
+class PostgresServer(Server):
+    """PostgreSQL with ``fsync=on``; runs as the ``postgres`` user when started by root."""
+
+    name = "postgresql"
+    start_timeout = 60.0
+
+    def __init__(self, base_dir: str | None = None, port: int | None = None) -> None:
+        super().__init__(base_dir, port)
+        self.initdb = _pg_bin("initdb")
+        self.postgres = _pg_bin("postgres")
+        self.as_root = os.geteuid() == 0
+        if self.as_root:
+            os.chmod(self.dir, 0o755)
+            shutil.chown(self.dir, "postgres", "postgres")
+
+    def popen_user(self) -> str | None:
+        return "postgres" if self.as_root else None
+
+    def prepare(self) -> None:
+        data = self.dir / "data"
+        if (data / "PG_VERSION").exists():
+            return
+        subprocess.run(
+            [
+                self.initdb,
+                "-D",
+                str(data),
+                "-U",
+                "postgres",
+                "--auth=trust",
+                "--no-sync",
+                "-E",
+                "UTF8",
+                "--locale=C",
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            user=self.popen_user(),
+            group=self.popen_user(),
+            cwd=self.dir,
+        )
+
+    def command(self) -> Sequence[str]:
+        return [
+            self.postgres,
+            "-D",
+            str(self.dir / "data"),
+            "-h",
+            "127.0.0.1",
+            "-p",
+            str(self.port),
+            "-k",
+            str(self.dir),
+            "-c",
+            "fsync=on",
+            "-c",
+            "synchronous_commit=on",
+            "-c",
+            "max_connections=200",
+            "-c",
+            "shared_buffers=32MB",
+        ]
+
+    def ready(self) -> bool:
+        import psycopg
+
+        with psycopg.connect(self.dsn, connect_timeout=1) as conn:
+            conn.execute("select 1")
+        return True
+
+    def stop(self, timeout: float = 20.0) -> None:
+        # SIGINT is PostgreSQL's "fast shutdown"; SIGTERM waits for clients to leave.
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGCONT)
+                os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self.proc = None
+
+    @property
+    def dsn(self) -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+
+    @property
+    def url(self) -> str:
+        return self.dsn
