@@ -1,0 +1,302 @@
+"""The behaviour every token source must show, run against each of them (see conftest.py).
+
+A capability a source does not declare (``Characteristic``) is skipped by that declaration,
+never by catching NotImplementedError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+import fenced
+from fenced import Characteristic
+from tests.envs.base import BackendEnv
+from tests.helpers import async_wait_for, unique_name, wait_for
+
+
+def requires(env: BackendEnv, *wanted: Characteristic) -> None:
+    missing = [c.value for c in wanted if c not in env.characteristics]
+    if missing:
+        pytest.skip(f"{env.name} does not declare {', '.join(missing)}")
+
+
+def test_tokens_strictly_increase(env: BackendEnv) -> None:
+    name = unique_name()
+    tokens = []
+    with env.connect() as locks:
+        for _ in range(30):
+            with locks.lock(name, ttl=5) as lease:
+                tokens.append(lease.token)
+        status = locks.status(name)
+    assert all(a < b for a, b in zip(tokens, tokens[1:], strict=False)), tokens
+    assert len({t.value for t in tokens}) == len(tokens)
+    assert all(t.lock == name for t in tokens)
+    assert status.holder is None and status.token is None
+    if status.last_token is not None:
+        assert status.last_token >= tokens[-1]
+
+
+def test_tokens_increase_across_reconnect(env: BackendEnv) -> None:
+    name = unique_name()
+    with env.connect() as locks, locks.lock(name, ttl=5) as lease:
+        first = lease.token
+    with env.connect() as locks, locks.lock(name, ttl=5) as lease:
+        assert lease.token > first
+
+
+def test_tokens_increase_across_restart(env: BackendEnv) -> None:
+    requires(env, Characteristic.DURABLE)
+    name = unique_name()
+    with env.connect() as locks:
+        for _ in range(3):
+            with locks.lock(name, ttl=5) as lease:
+                before = lease.token
+    env.restart()
+    with env.connect() as locks, locks.lock(name, ttl=5, timeout=30) as lease:
+        assert lease.token > before
+
+
+def test_tokens_are_independent_per_lock(env: BackendEnv) -> None:
+    a, b = unique_name(), unique_name()
+    with env.connect() as locks, locks.lock(a, ttl=5) as la, locks.lock(b, ttl=5) as lb:
+        assert la.held and lb.held
+        with pytest.raises(fenced.WrongLockError):
+            _ = la.token < lb.token
+
+
+def test_expiry_then_takeover_with_higher_token(env: BackendEnv) -> None:
+    name = unique_name()
+    ttl = env.min_ttl
+    with env.connect() as locks_a, env.connect() as locks_b:
+        lost_calls: list[fenced.Lease] = []
+        a = locks_a.lock(name, ttl=ttl, auto_renew=False, on_lost=lost_calls.append)
+        token_a = a.acquire()
+        b = locks_b.lock(name, ttl=10)
+        token_b = b.acquire(timeout=ttl * 10 + 10)
+        assert token_b > token_a
+        assert a.lost.wait(ttl * 5 + 5), "the old holder was not told it lost the lease"
+        assert isinstance(a.lost_cause, fenced.LeaseLostError)
+        assert lost_calls == [a]
+        assert not a.held and a.remaining() == 0
+        with pytest.raises(fenced.LeaseLostError):
+            a.renew()
+        # The stale holder's release must not free the new holder's grant.
+        assert a.release() is False
+        assert b.held
+        c = locks_a.lock(name, ttl=5)
+        with pytest.raises(fenced.LockTimeout):
+            c.acquire(timeout=0)
+        status = locks_a.status(name)
+        assert status.token == token_b
+        assert b.release() is True
+
+
+def test_repeated_release_is_harmless(env: BackendEnv) -> None:
+    name = unique_name()
+    with env.connect() as locks:
+        a = locks.lock(name, ttl=5)
+        a.acquire()
+        assert a.release() is True
+        assert a.release() is False
+        b = locks.lock(name, ttl=5)
+        token_b = b.acquire(timeout=0)
+        assert a.release() is False
+        assert b.held and locks.status(name).token == token_b
+        b.release()
+
+
+def test_keepalive_holds_past_ttl(env: BackendEnv) -> None:
+    name = unique_name()
+    ttl = max(env.min_ttl, 1.0)
+    with env.connect() as locks, env.connect() as other:
+        with locks.lock(name, ttl=ttl) as lease:
+            stop = threading.Event()
+            stop.wait(ttl * 2.5)  # the holder is busy for longer than its ttl
+            assert lease.held and not lease.lost.is_set()
+            assert 0 < lease.remaining() <= ttl
+            with pytest.raises(fenced.LockTimeout):
+                other.lock(name, ttl=5).acquire(timeout=0)
+        assert lease.remaining() == 0
+
+
+def test_timeout(env: BackendEnv) -> None:
+    name = unique_name()
+    with env.connect() as locks, env.connect() as other:
+        holder = locks.lock(name, ttl=10)
+        holder.acquire()
+        start = time.monotonic()
+        with pytest.raises(fenced.LockTimeout):
+            other.lock(name, ttl=5).acquire(timeout=0)
+        with pytest.raises(fenced.LockTimeout):
+            other.lock(name, ttl=5).acquire(timeout=0.5)
+        elapsed = time.monotonic() - start
+        assert 0.5 <= elapsed < 5, elapsed
+        holder.release()
+        # A waiter that timed out must not be left in the queue to block the next one.
+        late = other.lock(name, ttl=5)
+        late.acquire(timeout=2)
+        late.release()
+
+
+def test_fifo_among_waiters(env: BackendEnv) -> None:
+    requires(env, Characteristic.FIFO)
+    name = unique_name()
+    n = 4
+    order: list[int] = []
+    errors: list[BaseException] = []
+    conns = [env.connect() for _ in range(n + 1)]
+    try:
+        holder = conns[0].lock(name, ttl=10)
+        holder.acquire()
+
+        def waiter(i: int) -> None:
+            try:
+                with conns[i + 1].lock(name, ttl=10, timeout=30):
+                    order.append(i)
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = []
+        for i in range(n):
+            t = threading.Thread(target=waiter, args=(i,))
+            t.start()
+            threads.append(t)
+            wait_for(lambda i=i: conns[0].status(name).waiters == i + 1, what=f"waiter {i} queued")
+        holder.release()
+        for t in threads:
+            t.join(30)
+        assert not errors, errors
+        assert order == list(range(n))
+    finally:
+        for c in conns:
+            c.close()
+
+
+def test_idempotent_acquire_with_request_id(env: BackendEnv) -> None:
+    name = unique_name()
+    with env.connect() as locks:
+        first = locks.lock(name, ttl=5, request_id="req-1")
+        token = first.acquire()
+        # A retry of the same request (its reply was lost) gets the same grant, not a second one.
+        retry = locks.lock(name, ttl=5, request_id="req-1")
+        assert retry.acquire(timeout=0) == token
+        other = locks.lock(name, ttl=5, request_id="req-2")
+        with pytest.raises(fenced.LockTimeout):
+            other.acquire(timeout=0)
+        assert first.release() is True
+        assert retry.release() is False
+
+
+async def test_backend_acquire_is_idempotent(env: BackendEnv) -> None:
+    name = unique_name()
+    async with env.connect_async() as locks:
+        backend = locks.backend
+        noop = lambda exc: None  # noqa: E731
+        g1 = await backend.acquire(name, request_id="r", ttl=5, deadline=None, on_lost=noop)
+        g2 = await backend.acquire(name, request_id="r", ttl=5, deadline=None, on_lost=noop)
+        assert g1.token == g2.token
+        assert await backend.release(g1) is True
+        assert await backend.release(g2) is False
+        g3 = await backend.acquire(name, request_id="r2", ttl=5, deadline=None, on_lost=noop)
+        assert g3.token > g1.token
+        await backend.release(g3)
+
+
+async def test_async_api(env: BackendEnv) -> None:
+    name = unique_name()
+    async with env.connect_async() as locks:
+        async with locks.lock(name, ttl=5) as lease:
+            assert lease.held and 0 < lease.remaining() <= 5
+            first = lease.token
+        assert lease.remaining() == 0
+        lost_seen: list[fenced.AsyncLease] = []
+
+        async def on_lost(lease: fenced.AsyncLease) -> None:
+            lost_seen.append(lease)
+
+        a = locks.lock(name, ttl=env.min_ttl, auto_renew=False, on_lost=on_lost)
+        ta = await a.acquire()
+        assert ta > first
+        async with env.connect_async() as other:
+            b = other.lock(name, ttl=5)
+            tb = await b.acquire(timeout=env.min_ttl * 10 + 10)
+            assert tb > ta
+            cause = await asyncio.wait_for(a.lost.wait(), env.min_ttl * 5 + 5)
+            assert isinstance(cause, fenced.LeaseLostError)
+            await async_wait_for(lambda: _true_if(lost_seen), what="on_lost")
+            assert await a.release() is False
+            assert await b.release() is True
+
+
+async def _true_if(items: list[object]) -> bool:
+    return bool(items)
+
+
+def test_context_manager_reports_loss(env: BackendEnv) -> None:
+    name = unique_name()
+    with env.connect() as locks, env.connect() as other, pytest.raises(fenced.LeaseLostError):
+        with locks.lock(name, ttl=env.min_ttl, auto_renew=False) as lease:
+            other.lock(name, ttl=5).acquire(timeout=env.min_ttl * 10 + 10)
+            assert lease.lost.wait(10)
+
+
+def test_not_reentrant(env: BackendEnv) -> None:
+    name = unique_name()
+    with env.connect() as locks:
+        lease = locks.lock(name, ttl=5)
+        lease.acquire()
+        with pytest.raises(fenced.LockError):
+            lease.acquire(timeout=0)
+        lease.release()
+
+
+def test_require_characteristics(env: BackendEnv) -> None:
+    have = env.characteristics
+    for c in Characteristic:
+        if c in have:
+            fenced.connect(env.url, require={c.value}, **env.options).close()
+        else:
+            with pytest.raises(fenced.ConfigurationError, match=c.value):
+                fenced.connect(env.url, require={c.value}, **env.options)
+
+
+def test_bad_input(env: BackendEnv) -> None:
+    with env.connect() as locks:
+        for bad in ["", " x", "a b", "a/b", "x" * 201, "é"]:
+            with pytest.raises(fenced.InvalidTokenError):
+                locks.lock(bad)
+        with pytest.raises(ValueError):
+            locks.lock("ok", ttl=0)
+        with pytest.raises(ValueError):
+            locks.lock("ok", timeout=-1)
+
+
+def test_closed_connection_is_a_typed_error(env: BackendEnv) -> None:
+    locks = env.connect()
+    lease = locks.lock(unique_name(), ttl=5)
+    locks.close()
+    with pytest.raises(fenced.BackendUnavailable):
+        lease.acquire(timeout=1)
+    with pytest.raises(fenced.BackendUnavailable):
+        locks.status("x")
+
+
+def test_dead_server_is_a_typed_error(env: BackendEnv) -> None:
+    if not env.can_stop:
+        pytest.skip(f"{env.name} has no server to stop")
+    name = unique_name()
+    with env.connect() as locks:
+        with locks.lock(name, ttl=5) as lease:
+            before = lease.token
+        env.stop()
+        try:
+            with pytest.raises(fenced.BackendUnavailable):
+                locks.lock(name, ttl=5).acquire(timeout=1)
+        finally:
+            env.start()
+    with env.connect() as locks, locks.lock(name, ttl=5, timeout=30) as lease:
+        assert lease.token > before

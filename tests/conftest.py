@@ -1,0 +1,70 @@
+"""Fixtures that give tests real servers: one per pytest worker, started on first use."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from fenced.backends.memory import MemoryBackend
+from fenced.testing.servers import (
+    EtcdServer,
+    PostgresServer,
+    RedisServer,
+    ZooKeeperServer,
+)
+from tests.helpers import unique_name
+
+
+@pytest.fixture
+def lock_name() -> str:
+    return unique_name("lock")
+
+
+@pytest.fixture
+def memory_url() -> Iterator[str]:
+    name = unique_name("mem")
+    yield f"memory://{name}"
+    MemoryBackend.reset(name)
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: object) -> str:
+    return f"sqlite:///{tmp_path}/locks.db"
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    with RedisServer() as server:
+        yield server  # type: ignore[misc]
+
+
+@pytest.fixture(scope="session")
+def etcd_server() -> Iterator[EtcdServer]:
+    with EtcdServer() as server:
+        yield server  # type: ignore[misc]
+
+
+@pytest.fixture(scope="session")
+def zk_server() -> Iterator[ZooKeeperServer]:
+    with ZooKeeperServer() as server:
+        yield server  # type: ignore[misc]
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[PostgresServer]:
+    with PostgresServer() as server:
+        yield server  # type: ignore[misc]
+
+
+@pytest.fixture
+def pg_dsn(pg_server: PostgresServer) -> Iterator[str]:
+    """A fresh database on the worker's PostgreSQL server, dropped afterwards."""
+    import psycopg
+
+    db = unique_name("db").replace("-", "_")
+    with psycopg.connect(pg_server.dsn, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {db}")
+    yield f"postgresql://postgres@127.0.0.1:{pg_server.port}/{db}"
+    with psycopg.connect(pg_server.dsn, autocommit=True) as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {db} WITH (FORCE)")

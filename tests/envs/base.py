@@ -1,0 +1,48 @@
+"""What the conformance suite needs from each token source under test."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import fenced
+from fenced._backend import Characteristic, backend_class
+
+
+class BackendEnv:
+    """One token source under test. Subclasses live in ``tests/envs/<name>.py``.
+
+    ``url`` names the source; ``options`` are passed to ``fenced.connect``. ``restart()``
+    restarts the source on the same data (durable sources: kill -9 then start), and
+    ``stop()``/``start()`` take it away and bring it back for dead-server tests.
+    """
+
+    name = "base"
+    cross_process = True  # can another OS process share these locks?
+    min_ttl = 1.0  # the shortest ttl the source honours precisely enough for expiry tests
+
+    def __init__(self, url: str, **options: Any) -> None:
+        self.url = url
+        self.options = options
+
+    @property
+    def characteristics(self) -> frozenset[Characteristic]:
+        return backend_class(self.url).characteristics
+
+    def connect(self, **options: Any) -> fenced.Locks:
+        return fenced.connect(self.url, **{**self.options, **options})
+
+    def connect_async(self, **options: Any) -> fenced.AsyncLocks:
+        return fenced.connect_async(self.url, **{**self.options, **options})
+
+    def restart(self) -> None:
+        raise NotImplementedError(f"{self.name} has no restart")
+
+    @property
+    def can_stop(self) -> bool:
+        return False
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def start(self) -> None:
+        raise NotImplementedError
