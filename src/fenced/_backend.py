@@ -27,6 +27,7 @@ __all__ = [
     "LockStatus",
     "LostCallback",
     "backend_class",
+    "on_private_loop",
 ]
 
 
@@ -154,6 +155,17 @@ SCHEMES: dict[str, str] = {
     "redis": "fenced.backends.redis:RedisBackend",
     "rediss": "fenced.backends.redis:RedisBackend",
 }
+
+
+def on_private_loop() -> bool:
+    """True when running on the private loop thread of a synchronous ``fenced.connect``.
+
+    Only fenced's own code runs there, so a backend may make short blocking calls (an SQLite
+    transaction) inline instead of paying for a hop to a worker thread.
+    """
+    import asyncio
+
+    return bool(getattr(asyncio.get_running_loop(), "_fenced_private", False))
 
 
 def parse_url(url: str) -> SplitResult:

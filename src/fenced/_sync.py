@@ -32,6 +32,8 @@ class _Portal:
 
     def __init__(self, name: str) -> None:
         self.loop = asyncio.new_event_loop()
+        # Backends may run short blocking calls inline on this loop: nobody else's code runs on it.
+        self.loop._fenced_private = True  # type: ignore[attr-defined]
         ready = threading.Event()
 
         def run() -> None:
