@@ -1,0 +1,267 @@
+"""``fenced demo``: DDIA Figure 8-5 with real OS processes, fenced and then unfenced.
+
+Client 1 takes the lock and is paused (SIGSTOP, a stand-in for a GC pause or a VM migration)
+before it writes. Its lease expires; client 2 takes the lock with a higher token and writes.
+Client 1 is resumed (SIGCONT) and writes as if it still held the lock. With the guard the
+storage rejects that write; without it, client 2's write is silently overwritten.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from queue import Empty, Queue
+from typing import Any
+
+from rich.console import Console
+from rich.panel import Panel
+
+__all__ = ["run_demo"]
+
+LOCK = "file-storage"
+FILE = "report.txt"
+STEP_TIMEOUT = 60.0
+
+
+# -- the client process ------------------------------------------------------------------
+
+
+def _client(url: str, storage: str, who: str, ttl: float, fenced_mode: bool) -> int:
+    """One client: acquire, then obey 'write'/'release' lines on stdin, report JSON on stdout."""
+    import fenced
+    from fenced.guards.sql import SQLGuard
+
+    def emit(event: str, **data: Any) -> None:
+        print(json.dumps({"event": event, "who": who, **data}), flush=True)
+
+    with fenced.connect(url) as locks:
+        lease = locks.lock(LOCK, ttl=ttl, timeout=STEP_TIMEOUT)
+        token = lease.acquire()
+        emit("acquired", token=str(token))
+        db = sqlite3.connect(storage, isolation_level=None)
+        for line in sys.stdin:
+            command, _, arg = line.strip().partition(" ")
+            if command == "write":
+                # The client believes it holds the lock: it checked before its pause.
+                try:
+                    db.execute("BEGIN IMMEDIATE")
+                    if fenced_mode:
+                        SQLGuard(LOCK).check(db, token)
+                    db.execute(
+                        "UPDATE files SET content = ?, written_by = ? WHERE name = ?",
+                        (arg, f"{who} ({token})", FILE),
+                    )
+                    db.execute("COMMIT")
+                    emit("write-ok", token=str(token))
+                except fenced.StaleTokenError as exc:
+                    db.execute("ROLLBACK")
+                    emit("write-rejected", token=str(exc.token), high_water=str(exc.high_water))
+            elif command == "release":
+                emit("released", released=lease.release(), lost=lease.lost.is_set())
+                return 0
+    return 0
+
+
+# -- the orchestrator --------------------------------------------------------------------
+
+
+@dataclass
+class _Proc:
+    who: str
+    popen: subprocess.Popen[str]
+    events: Queue[dict[str, Any]] = field(default_factory=Queue)
+
+    def start_reader(self) -> None:
+        def read() -> None:
+            assert self.popen.stdout is not None
+            for line in self.popen.stdout:
+                try:
+                    self.events.put(json.loads(line))
+                except json.JSONDecodeError:
+                    self.events.put({"event": "output", "line": line.rstrip()})
+            self.events.put({"event": "exit"})
+
+        threading.Thread(target=read, daemon=True).start()
+
+    def send(self, line: str) -> None:
+        assert self.popen.stdin is not None
+        self.popen.stdin.write(line + "\n")
+        self.popen.stdin.flush()
+
+    def expect(self, *events: str) -> dict[str, Any]:
+        deadline = time.monotonic() + STEP_TIMEOUT
+        while True:
+            try:
+                ev = self.events.get(timeout=max(0.0, deadline - time.monotonic()))
+            except Empty:
+                raise RuntimeError(
+                    f"{self.who}: no {'/'.join(events)} within {STEP_TIMEOUT} s"
+                ) from None
+            if ev["event"] in events:
+                return ev
+            if ev["event"] == "exit":
+                err = self.popen.stderr.read() if self.popen.stderr else ""
+                raise RuntimeError(f"{self.who} exited early: {err}")
+
+    def close(self) -> None:
+        if self.popen.poll() is None:
+            os.kill(self.popen.pid, signal.SIGCONT)
+            self.popen.kill()
+        self.popen.wait()
+
+
+class _Timeline:
+    def __init__(self, console: Console) -> None:
+        self.console = console
+        self.t0 = time.monotonic()
+
+    def __call__(self, actor: str, text: str) -> None:
+        style = {
+            "client 1": "cyan",
+            "client 2": "magenta",
+            "storage": "yellow",
+            "clock": "dim",
+        }.get(actor, "white")
+        self.console.print(
+            f"  [dim]{time.monotonic() - self.t0:6.2f}s[/dim]  [{style}]{actor:<9}[/{style}] {text}"
+        )
+
+
+def _spawn(who: str, url: str, storage: Path, ttl: float, fenced_mode: bool) -> _Proc:
+    cmd = [sys.executable, "-m", "fenced._demo", "client", url, str(storage), who, str(ttl)]
+    cmd.append("fenced" if fenced_mode else "unfenced")
+    popen = subprocess.Popen(
+        cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    proc = _Proc(who, popen)
+    proc.start_reader()
+    return proc
+
+
+def _scenario(console: Console, directory: Path, ttl: float, fenced_mode: bool) -> dict[str, Any]:
+    from fenced.guards.sql import SQLGuard
+
+    label = "with the fencing guard" if fenced_mode else "WITHOUT the guard"
+    console.print(Panel.fit(f"Run {1 if fenced_mode else 2}: storage {label}", style="bold"))
+    url = f"sqlite:///{directory / 'locks.db'}"
+    storage = directory / ("storage-fenced.db" if fenced_mode else "storage-unfenced.db")
+    with sqlite3.connect(storage) as db:
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute(
+            "CREATE TABLE IF NOT EXISTS files (name TEXT PRIMARY KEY, content TEXT, written_by TEXT)"
+        )
+        db.execute("INSERT OR REPLACE INTO files VALUES (?, 'original', 'nobody')", (FILE,))
+        if fenced_mode:
+            SQLGuard(LOCK).install(db)
+    db.close()
+
+    log = _Timeline(console)
+    c1 = _spawn("client 1", url, storage, ttl, fenced_mode)
+    c2: _Proc | None = None
+    try:
+        t1 = c1.expect("acquired")["token"]
+        log("client 1", f"acquires the lock → token [bold]{t1}[/bold]")
+        os.kill(c1.popen.pid, signal.SIGSTOP)
+        log("client 1", "[red]paused[/red] (SIGSTOP: a stop-the-world GC pause) before it writes")
+        c2 = _spawn("client 2", url, storage, ttl, fenced_mode)
+        log("client 2", "asks for the lock and waits …")
+        t2 = c2.expect("acquired")["token"]
+        log("clock", f"client 1's lease ({ttl:g} s) expired while it was paused")
+        log("client 2", f"acquires the lock → token [bold]{t2}[/bold]")
+        c2.send("write data written by client 2")
+        ev = c2.expect("write-ok", "write-rejected")
+        ok2 = ev["event"] == "write-ok"
+        log("storage", f"{'accepts' if ok2 else 'REJECTS'} client 2's write (token {t2})")
+        c2.send("release")
+        c2.expect("released")
+        c1.send("write data written by client 1")
+        os.kill(c1.popen.pid, signal.SIGCONT)
+        log(
+            "client 1", "[green]resumed[/green] (SIGCONT), still believes it holds the lock, writes"
+        )
+        ev = c1.expect("write-ok", "write-rejected")
+        ok1 = ev["event"] == "write-ok"
+        if ok1:
+            log(
+                "storage",
+                f"[red]accepts[/red] client 1's stale write (token {t1}): client 2's data is lost",
+            )
+        else:
+            log(
+                "storage",
+                f"[green]rejects[/green] client 1's write: token {ev['token']} < high-water mark {ev['high_water']}",
+            )
+        c1.send("release")
+        rel = c1.expect("released")
+        log("client 1", f"releases: released={rel['released']} (its lease was lost: {rel['lost']})")
+    finally:
+        c1.close()
+        if c2 is not None:
+            c2.close()
+    with sqlite3.connect(storage) as db:
+        content, by = db.execute(
+            "SELECT content, written_by FROM files WHERE name = ?", (FILE,)
+        ).fetchone()
+    db.close()
+    log("storage", f"{FILE} now holds {content!r}, written by {by}")
+    return {"t1": t1, "t2": t2, "ok1": ok1, "ok2": ok2, "content": content}
+
+
+def run_demo(directory: str | None = None, ttl: float = 1.0) -> int:
+    """Run both scenarios; exit status 0 only if both came out as the theory says."""
+    console = Console(highlight=False)
+    console.print(
+        "[bold]fenced demo[/bold] — DDIA Figure 8-5 with real processes: a lock holder is paused "
+        "past its lease,\nanother client takes the lock, and the first one wakes up and writes.\n"
+    )
+    tmp = None
+    if directory is None:
+        tmp = tempfile.TemporaryDirectory(prefix="fenced-demo-")
+        directory = tmp.name
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    try:
+        fenced_run = _scenario(console, path, ttl, fenced_mode=True)
+        console.print()
+        unfenced_run = _scenario(console, path, ttl, fenced_mode=False)
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    console.print()
+    fenced_ok = fenced_run["ok2"] and not fenced_run["ok1"] and "client 2" in fenced_run["content"]
+    unfenced_ok = (
+        unfenced_run["ok2"] and unfenced_run["ok1"] and "client 1" in unfenced_run["content"]
+    )
+    if fenced_ok:
+        console.print(
+            f"[green]✔ fenced:[/green] the stale write (token {fenced_run['t1']}) was rejected; "
+            f"client 2's data (token {fenced_run['t2']}) is intact."
+        )
+    else:
+        console.print(f"[red]✘ fenced run did not behave as expected:[/red] {fenced_run}")
+    if unfenced_ok:
+        console.print(
+            f"[yellow]✔ unfenced:[/yellow] the stale write (token {unfenced_run['t1']}) was accepted "
+            f"and overwrote client 2's write (token {unfenced_run['t2']}): the data is corrupted."
+        )
+    else:
+        console.print(f"[red]✘ unfenced run did not show the corruption:[/red] {unfenced_run}")
+    if directory and tmp is None:
+        console.print(f"[dim]databases kept in {directory}[/dim]")
+    return 0 if fenced_ok and unfenced_ok else 1
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 7 and sys.argv[1] == "client":
+        _, _, url, storage, who, ttl, mode = sys.argv
+        sys.exit(_client(url, storage, who, float(ttl), mode == "fenced"))
+    sys.exit(run_demo())

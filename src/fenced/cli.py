@@ -1,0 +1,241 @@
+"""The ``fenced`` command: ``demo``, ``lock NAME -- COMMAND``, ``status [NAME ...]``.
+
+Exit statuses of ``fenced lock``: the command's own status when it ran to the end with the
+lease held; 1 if the lock was not acquired within ``--timeout`` (as ``flock -w``); 75
+(EX_TEMPFAIL) if the lease was lost while the command ran (the command is then terminated);
+69 (EX_UNAVAILABLE) if the token source cannot be reached; 2 for usage errors; 126/127 if the
+command cannot be run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+
+from rich.console import Console
+from rich.table import Table
+
+from . import _sync
+from ._errors import BackendUnavailable, ConfigurationError, FencedError, LockTimeout
+from ._paths import default_url
+
+__all__ = ["EXIT_LEASE_LOST", "EXIT_TIMEOUT", "EXIT_UNAVAILABLE", "main"]
+
+EXIT_TIMEOUT = 1
+EXIT_USAGE = 2
+EXIT_UNAVAILABLE = 69
+EXIT_LEASE_LOST = 75
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _non_negative(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="fenced",
+        description="Locks with fencing tokens, and resources that reject stale writers.",
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    demo = sub.add_parser(
+        "demo",
+        help="reproduce DDIA Figure 8-5: a paused lock holder's write, fenced and unfenced",
+    )
+    demo.add_argument("--dir", help="keep the demo's databases in this directory")
+    demo.add_argument("--ttl", type=_positive, default=1.0, help="lease ttl in seconds (1)")
+
+    lock = sub.add_parser(
+        "lock",
+        help="run a command while holding a lock (like flock(1)); exports FENCING_TOKEN",
+        usage="fenced lock NAME [options] -- COMMAND [ARGS ...]",
+    )
+    lock.add_argument("name", help="lock name")
+    lock.add_argument(
+        "--url", help="token source URL (default: $FENCED_URL or a local SQLite file)"
+    )
+    lock.add_argument("--ttl", type=_positive, default=10.0, help="lease ttl in seconds (10)")
+    lock.add_argument(
+        "--timeout",
+        type=_non_negative,
+        default=None,
+        help="give up after this many seconds (default: wait)",
+    )
+    lock.add_argument(
+        "--grace",
+        type=_non_negative,
+        default=5.0,
+        help="seconds between SIGTERM and SIGKILL on lease loss (5)",
+    )
+    lock.add_argument("cmd", nargs=argparse.REMAINDER, help="the command, after --")
+
+    status = sub.add_parser("status", help="show holder, token and time left of locks")
+    status.add_argument("names", nargs="+", metavar="NAME")
+    status.add_argument(
+        "--url", help="token source URL (default: $FENCED_URL or a local SQLite file)"
+    )
+    status.add_argument("--json", action="store_true", help="print JSON")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    err = Console(stderr=True, highlight=False)
+    try:
+        if args.command == "demo":
+            from ._demo import run_demo
+
+            return run_demo(directory=args.dir, ttl=args.ttl)
+        if args.command == "lock":
+            return _cmd_lock(args, err)
+        if args.command == "status":
+            return _cmd_status(args)
+    except ConfigurationError as exc:
+        err.print(f"fenced: {exc}")
+        return EXIT_USAGE
+    except BackendUnavailable as exc:
+        err.print(f"fenced: token source unavailable: {exc}")
+        return EXIT_UNAVAILABLE
+    except FencedError as exc:
+        err.print(f"fenced: {exc}")
+        return 1
+    raise AssertionError(args.command)  # pragma: no cover
+
+
+def _cmd_lock(args: argparse.Namespace, err: Console) -> int:
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        err.print("fenced lock: no command given (fenced lock NAME -- COMMAND ...)")
+        return EXIT_USAGE
+    url = args.url or default_url()
+    with _sync.connect(url) as locks:
+        lease = locks.lock(args.name, ttl=args.ttl, timeout=args.timeout)
+        try:
+            token = lease.acquire()
+        except LockTimeout:
+            err.print(f"fenced lock: {args.name!r} not acquired within {args.timeout} s")
+            return EXIT_TIMEOUT
+        try:
+            return _run_holding(lease, str(token), cmd, args.grace, err)
+        finally:
+            lease.release()
+
+
+def _run_holding(lease: _sync.Lease, token: str, cmd: list[str], grace: float, err: Console) -> int:
+    env = dict(os.environ, FENCING_TOKEN=token, FENCED_LOCK=lease.name)
+    try:
+        # Its own process group, so that on lease loss we stop the whole job, not just its head.
+        child = subprocess.Popen(cmd, env=env, start_new_session=True)
+    except FileNotFoundError:
+        err.print(f"fenced lock: command not found: {cmd[0]}")
+        return 127
+    except PermissionError:
+        err.print(f"fenced lock: cannot execute: {cmd[0]}")
+        return 126
+
+    finished = threading.Event()
+    lease.on_lost = lambda _lease: finished.set()
+
+    def wait_child() -> None:
+        child.wait()
+        finished.set()
+
+    threading.Thread(target=wait_child, daemon=True).start()
+
+    def forward(signum: int, _frame: object) -> None:
+        _signal_group(child, signum)
+
+    previous = {
+        s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    }
+    try:
+        if lease.lost.is_set():
+            finished.set()
+        finished.wait()
+        if child.poll() is None and lease.lost.is_set():
+            err.print(
+                f"fenced lock: lease on {lease.name!r} (token {token}) lost: {lease.lost_cause}; "
+                "terminating the command"
+            )
+            _signal_group(child, signal.SIGTERM)
+            try:
+                child.wait(grace)
+            except subprocess.TimeoutExpired:
+                _signal_group(child, signal.SIGKILL)
+                child.wait()
+            return EXIT_LEASE_LOST
+        code = child.wait()
+        if lease.lost.is_set():
+            err.print(
+                f"fenced lock: lease on {lease.name!r} (token {token}) was lost while the command ran"
+            )
+            return EXIT_LEASE_LOST
+        return code if code >= 0 else 128 - code
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _signal_group(child: subprocess.Popen[bytes], signum: int) -> None:
+    try:
+        os.killpg(child.pid, signum)
+    except ProcessLookupError:
+        pass
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    url = args.url or default_url()
+    with _sync.connect(url) as locks:
+        statuses = [locks.status(n) for n in args.names]
+    if args.json:
+        out = [
+            {
+                "name": s.name,
+                "held": s.holder is not None,
+                "holder": s.holder,
+                "token": str(s.token) if s.token else None,
+                "last_token": str(s.last_token) if s.last_token else None,
+                "remaining": s.remaining,
+                "waiters": s.waiters,
+            }
+            for s in statuses
+        ]
+        print(json.dumps(out if len(out) > 1 else out[0], indent=2))
+        return 0
+    table = Table(title=f"fenced status ({url})", title_justify="left")
+    for col in ("lock", "state", "token", "holder", "time left", "waiters", "last token"):
+        table.add_column(col)
+    for s in statuses:
+        table.add_row(
+            s.name,
+            "held" if s.holder else "free",
+            str(s.token) if s.token else "-",
+            s.holder or "-",
+            f"{s.remaining:.1f} s" if s.remaining is not None else "-",
+            str(s.waiters) if s.waiters is not None else "?",
+            str(s.last_token) if s.last_token else "-",
+        )
+    Console(highlight=False).print(table)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
