@@ -417,10 +417,10 @@ class AsyncLocks:
         """Release every lease still held through this connection, then close it."""
         if self._closed:
             return
-        self._closed = True
         for lease in list(self._held):
             with contextlib.suppress(Exception):
                 await lease.release()
+        self._closed = True
         if self._backend is not None:
             await self._backend.aclose()
 

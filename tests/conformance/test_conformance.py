@@ -191,7 +191,8 @@ def test_idempotent_acquire_with_request_id(env: BackendEnv) -> None:
         assert retry.release() is False
 
 
-async def test_backend_acquire_is_idempotent(env: BackendEnv) -> None:
+async def test_backend_contract(env: BackendEnv) -> None:
+    """Straight at the backend: idempotent acquire, fenced release, no renewal of a stale grant."""
     name = unique_name()
     async with env.connect_async() as locks:
         backend = locks.backend
@@ -199,11 +200,21 @@ async def test_backend_acquire_is_idempotent(env: BackendEnv) -> None:
         g1 = await backend.acquire(name, request_id="r", ttl=5, deadline=None, on_lost=noop)
         g2 = await backend.acquire(name, request_id="r", ttl=5, deadline=None, on_lost=noop)
         assert g1.token == g2.token
+        renewed = await backend.renew(g1)
+        assert renewed.token == g1.token and renewed.sent_at >= g1.sent_at
         assert await backend.release(g1) is True
         assert await backend.release(g2) is False
+        with pytest.raises(fenced.LeaseLostError):
+            await backend.renew(g1)
         g3 = await backend.acquire(name, request_id="r2", ttl=5, deadline=None, on_lost=noop)
         assert g3.token > g1.token
-        await backend.release(g3)
+        # A late, repeated release or renewal of the old grant must not touch the new one.
+        assert await backend.release(g1) is False
+        with pytest.raises(fenced.LeaseLostError):
+            await backend.renew(g1)
+        status = await backend.status(name)
+        assert status.token == g3.token and status.holder == "r2"
+        assert await backend.release(g3) is True
 
 
 async def test_async_api(env: BackendEnv) -> None:

@@ -1,0 +1,111 @@
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+import fenced
+from fenced import FencingToken, InvalidTokenError, WrongLockError
+
+
+def test_canonical_text_round_trip() -> None:
+    t = FencingToken("invoices", 34)
+    assert str(t) == "invoices:34"
+    assert FencingToken.parse("invoices:34") == t
+    assert FencingToken.parse(b"invoices:34") == t
+    assert int(t) == 34 and t.value == 34 and t.lock == "invoices"
+    assert FencingToken.parse("a:b:7").lock == "a:b"  # the value follows the last colon
+    assert FencingToken.parse(f"x:{2**63 - 1}").value == fenced.MAX_TOKEN
+    assert pickle.loads(pickle.dumps(t)) == t
+    assert repr(t) == "FencingToken('invoices', 34)"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "invoices",
+        "invoices:",
+        ":5",
+        "invoices:0",
+        "invoices:-1",
+        "invoices:+1",
+        "invoices:007",
+        "invoices:1.0",
+        "invoices:0x10",
+        "invoices:1e3",
+        " invoices:5",
+        "invoices:5 ",
+        "invoices:5\n",
+        "invoices: 5",
+        "inv oices:5",
+        "invoices:٣",  # a non-ASCII digit
+        f"x:{2**63}",
+        f"x:{10**30}",
+        "x:" + "9" * 5000,
+        "é:5",
+    ],
+)
+def test_parse_rejects(text: str) -> None:
+    with pytest.raises(InvalidTokenError):
+        FencingToken.parse(text)
+
+
+@pytest.mark.parametrize("value", [0, -1, 2**63, True, 1.0, "5", None])
+def test_constructor_rejects(value: object) -> None:
+    with pytest.raises(InvalidTokenError):
+        FencingToken("x", value)  # type: ignore[arg-type]
+
+
+def test_parse_rejects_non_text() -> None:
+    for bad in (5, None, b"\xff:1", ["x:1"]):
+        with pytest.raises(InvalidTokenError):
+            FencingToken.parse(bad)
+
+
+def test_wrong_lock() -> None:
+    with pytest.raises(WrongLockError):
+        FencingToken.parse("payroll:5", lock="invoices")
+    with pytest.raises(WrongLockError):
+        FencingToken.coerce(FencingToken("payroll", 5), lock="invoices")
+    assert FencingToken.coerce("invoices:5", lock="invoices").value == 5
+    assert issubclass(WrongLockError, InvalidTokenError)
+
+
+def test_ordering_within_one_lock_only() -> None:
+    a, b = FencingToken("x", 1), FencingToken("x", 2)
+    assert a < b and b > a and a <= a and b >= a and a != b
+    assert sorted([b, a]) == [a, b]
+    other = FencingToken("y", 1)
+    assert other != a  # equality across locks is just False
+    for op in (lambda: a < other, lambda: a <= other, lambda: a > other, lambda: a >= other):
+        with pytest.raises(WrongLockError):
+            op()
+    with pytest.raises(TypeError):
+        _ = a < 5  # type: ignore[operator]
+    assert len({a, FencingToken("x", 1), other}) == 2
+
+
+def test_stale_token_error_carries_both_tokens() -> None:
+    err = fenced.StaleTokenError(FencingToken("x", 3), FencingToken("x", 4), "doc")
+    assert err.token.value == 3 and err.high_water is not None and err.high_water.value == 4
+    assert "x:3" in str(err) and "x:4" in str(err) and "doc" in str(err)
+    again = pickle.loads(pickle.dumps(err))
+    assert again.token == err.token and again.high_water == err.high_water
+
+
+def test_error_tree() -> None:
+    for cls in (
+        fenced.InvalidTokenError,
+        fenced.StaleTokenError,
+        fenced.LockTimeout,
+        fenced.LeaseLostError,
+        fenced.BackendUnavailable,
+        fenced.ConfigurationError,
+        fenced.ResourceNotFoundError,
+        fenced.UnsafeBackendError,
+        fenced.NotHeldError,
+    ):
+        assert issubclass(cls, fenced.FencedError)
+    assert issubclass(fenced.LockTimeout, TimeoutError)
+    assert issubclass(fenced.BackendUnavailable, ConnectionError)
