@@ -25,7 +25,7 @@ from typing import Any
 from rich.console import Console
 from rich.panel import Panel
 
-__all__ = ["run_demo"]
+__all__ = ["as_theory_says", "run_demo", "scenario"]
 
 LOCK = "file-storage"
 FILE = "report.txt"
@@ -35,10 +35,60 @@ STEP_TIMEOUT = 60.0
 # -- the client process ------------------------------------------------------------------
 
 
-def _client(url: str, storage: str, who: str, ttl: float, fenced_mode: bool) -> int:
+class _Storage:
+    """The protected resource: a table in SQLite (a file path) or PostgreSQL (a DSN)."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self.is_pg = target.startswith(("postgresql://", "postgres://"))
+
+    def connect(self) -> Any:
+        if self.is_pg:
+            import psycopg
+
+            return psycopg.connect(self.target, autocommit=True)
+        return sqlite3.connect(self.target, isolation_level=None)
+
+    def begin(self, db: Any) -> None:
+        db.execute("BEGIN" if self.is_pg else "BEGIN IMMEDIATE")
+
+    def sql(self, text: str) -> str:
+        return text.replace("?", "%s") if self.is_pg else text
+
+    def setup(self, fenced_mode: bool) -> None:
+        from fenced.guards.sql import SQLGuard
+
+        db = self.connect()
+        try:
+            if not self.is_pg:
+                db.execute("PRAGMA journal_mode=WAL")
+            db.execute(
+                "CREATE TABLE IF NOT EXISTS files (name TEXT PRIMARY KEY, content TEXT, written_by TEXT)"
+            )
+            db.execute(self.sql("DELETE FROM files WHERE name = ?"), (FILE,))
+            db.execute(self.sql("INSERT INTO files VALUES (?, 'original', 'nobody')"), (FILE,))
+            if fenced_mode:
+                SQLGuard(LOCK).install(db)
+        finally:
+            db.close()
+
+    def read(self) -> tuple[str, str]:
+        db = self.connect()
+        try:
+            row = db.execute(
+                self.sql("SELECT content, written_by FROM files WHERE name = ?"), (FILE,)
+            ).fetchone()
+            return str(row[0]), str(row[1])
+        finally:
+            db.close()
+
+
+def _client(url: str, target: str, who: str, ttl: float, fenced_mode: bool) -> int:
     """One client: acquire, then obey 'write'/'release' lines on stdin, report JSON on stdout."""
     import fenced
     from fenced.guards.sql import SQLGuard
+
+    storage = _Storage(target)
 
     def emit(event: str, **data: Any) -> None:
         print(json.dumps({"event": event, "who": who, **data}), flush=True)
@@ -47,17 +97,17 @@ def _client(url: str, storage: str, who: str, ttl: float, fenced_mode: bool) -> 
         lease = locks.lock(LOCK, ttl=ttl, timeout=STEP_TIMEOUT)
         token = lease.acquire()
         emit("acquired", token=str(token))
-        db = sqlite3.connect(storage, isolation_level=None)
+        db = storage.connect()
         for line in sys.stdin:
             command, _, arg = line.strip().partition(" ")
             if command == "write":
                 # The client believes it holds the lock: it checked before its pause.
                 try:
-                    db.execute("BEGIN IMMEDIATE")
+                    storage.begin(db)
                     if fenced_mode:
                         SQLGuard(LOCK).check(db, token)
                     db.execute(
-                        "UPDATE files SET content = ?, written_by = ? WHERE name = ?",
+                        storage.sql("UPDATE files SET content = ?, written_by = ? WHERE name = ?"),
                         (arg, f"{who} ({token})", FILE),
                     )
                     db.execute("COMMIT")
@@ -136,8 +186,8 @@ class _Timeline:
         )
 
 
-def _spawn(who: str, url: str, storage: Path, ttl: float, fenced_mode: bool) -> _Proc:
-    cmd = [sys.executable, "-m", "fenced._demo", "client", url, str(storage), who, str(ttl)]
+def _spawn(who: str, url: str, storage: str, ttl: float, fenced_mode: bool) -> _Proc:
+    cmd = [sys.executable, "-m", "fenced._demo", "client", url, storage, who, str(ttl)]
     cmd.append("fenced" if fenced_mode else "unfenced")
     popen = subprocess.Popen(
         cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -147,32 +197,24 @@ def _spawn(who: str, url: str, storage: Path, ttl: float, fenced_mode: bool) -> 
     return proc
 
 
-def _scenario(console: Console, directory: Path, ttl: float, fenced_mode: bool) -> dict[str, Any]:
-    from fenced.guards.sql import SQLGuard
-
+def scenario(
+    console: Console, url: str, storage_target: str, ttl: float, fenced_mode: bool
+) -> dict[str, Any]:
+    """One run of Figure 8-5: token source ``url``, resource ``storage_target``."""
     label = "with the fencing guard" if fenced_mode else "WITHOUT the guard"
     console.print(Panel.fit(f"Run {1 if fenced_mode else 2}: storage {label}", style="bold"))
-    url = f"sqlite:///{directory / 'locks.db'}"
-    storage = directory / ("storage-fenced.db" if fenced_mode else "storage-unfenced.db")
-    with sqlite3.connect(storage) as db:
-        db.execute("PRAGMA journal_mode=WAL")
-        db.execute(
-            "CREATE TABLE IF NOT EXISTS files (name TEXT PRIMARY KEY, content TEXT, written_by TEXT)"
-        )
-        db.execute("INSERT OR REPLACE INTO files VALUES (?, 'original', 'nobody')", (FILE,))
-        if fenced_mode:
-            SQLGuard(LOCK).install(db)
-    db.close()
+    storage = _Storage(storage_target)
+    storage.setup(fenced_mode)
 
     log = _Timeline(console)
-    c1 = _spawn("client 1", url, storage, ttl, fenced_mode)
+    c1 = _spawn("client 1", url, storage_target, ttl, fenced_mode)
     c2: _Proc | None = None
     try:
         t1 = c1.expect("acquired")["token"]
         log("client 1", f"acquires the lock → token [bold]{t1}[/bold]")
         os.kill(c1.popen.pid, signal.SIGSTOP)
         log("client 1", "[red]paused[/red] (SIGSTOP: a stop-the-world GC pause) before it writes")
-        c2 = _spawn("client 2", url, storage, ttl, fenced_mode)
+        c2 = _spawn("client 2", url, storage_target, ttl, fenced_mode)
         log("client 2", "asks for the lock and waits …")
         t2 = c2.expect("acquired")["token"]
         log("clock", f"client 1's lease ({ttl:g} s) expired while it was paused")
@@ -207,13 +249,17 @@ def _scenario(console: Console, directory: Path, ttl: float, fenced_mode: bool) 
         c1.close()
         if c2 is not None:
             c2.close()
-    with sqlite3.connect(storage) as db:
-        content, by = db.execute(
-            "SELECT content, written_by FROM files WHERE name = ?", (FILE,)
-        ).fetchone()
-    db.close()
+    content, by = storage.read()
     log("storage", f"{FILE} now holds {content!r}, written by {by}")
     return {"t1": t1, "t2": t2, "ok1": ok1, "ok2": ok2, "content": content}
+
+
+def as_theory_says(run: dict[str, Any], fenced_mode: bool) -> bool:
+    """Fenced: the stale write rejected, client 2's data kept. Unfenced: it overwrote client 2's."""
+    higher = int(run["t2"].rpartition(":")[2]) > int(run["t1"].rpartition(":")[2])
+    if fenced_mode:
+        return bool(higher and run["ok2"] and not run["ok1"] and "client 2" in run["content"])
+    return bool(higher and run["ok2"] and run["ok1"] and "client 1" in run["content"])
 
 
 def run_demo(directory: str | None = None, ttl: float = 1.0) -> int:
@@ -230,9 +276,12 @@ def run_demo(directory: str | None = None, ttl: float = 1.0) -> int:
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     try:
-        fenced_run = _scenario(console, path, ttl, fenced_mode=True)
+        url = f"sqlite:///{path / 'locks.db'}"
+        fenced_run = scenario(console, url, str(path / "storage-fenced.db"), ttl, fenced_mode=True)
         console.print()
-        unfenced_run = _scenario(console, path, ttl, fenced_mode=False)
+        unfenced_run = scenario(
+            console, url, str(path / "storage-unfenced.db"), ttl, fenced_mode=False
+        )
     finally:
         if tmp is not None:
             tmp.cleanup()
