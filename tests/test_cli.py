@@ -1,0 +1,101 @@
+"""The ``fenced`` command, run as real processes against the embedded SQLite source."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import fenced
+from tests.helpers import wait_for
+
+FENCED = [sys.executable, "-m", "fenced"]
+
+
+def run(args: list[str], url: str, **kw: object) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, FENCED_URL=url)
+    return subprocess.run(FENCED + args, env=env, capture_output=True, text=True, timeout=60, **kw)  # type: ignore[call-overload, no-any-return]
+
+
+def test_lock_exports_token_and_passes_exit_code(sqlite_url: str) -> None:
+    out = run(
+        ["lock", "job", "--ttl", "5", "--", "sh", "-c", 'echo "$FENCING_TOKEN"; exit 7'], sqlite_url
+    )
+    assert out.returncode == 7, out.stderr
+    first = fenced.FencingToken.parse(out.stdout.strip(), lock="job")
+    out = run(["lock", "job", "--", "sh", "-c", 'echo "$FENCING_TOKEN $FENCED_LOCK"'], sqlite_url)
+    assert out.returncode == 0, out.stderr
+    token, lock = out.stdout.split()
+    assert fenced.FencingToken.parse(token, lock="job") > first and lock == "job"
+    with fenced.connect(sqlite_url) as locks:
+        assert locks.status("job").holder is None  # released on exit
+
+
+def test_lock_timeout_exits_1(sqlite_url: str) -> None:
+    with fenced.connect(sqlite_url) as locks, locks.lock("busy", ttl=30):
+        out = run(["lock", "busy", "--timeout", "0.2", "--", "true"], sqlite_url)
+    assert out.returncode == 1
+    assert "not acquired" in out.stderr
+
+
+def test_lock_usage_errors(sqlite_url: str) -> None:
+    assert run(["lock", "x"], sqlite_url).returncode == 2
+    assert run(["lock", "x", "--ttl", "-1", "--", "true"], sqlite_url).returncode == 2
+    bad_name = run(["lock", "bad name", "--", "true"], sqlite_url)
+    assert bad_name.returncode == 1 and "invalid lock name" in bad_name.stderr
+    assert run(["lock", "x", "--", "/no/such/command"], sqlite_url).returncode == 127
+    bad_url = run(["lock", "x", "--url", "nosuch://x", "--", "true"], sqlite_url)
+    assert bad_url.returncode == 2 and "unknown token source" in bad_url.stderr
+
+
+def test_lost_lease_terminates_the_command(sqlite_url: str, tmp_path: Path) -> None:
+    """SIGSTOP the `fenced lock` process past its ttl: on resume it kills the job and exits 75."""
+    marker = tmp_path / "child.pid"
+    script = f'echo $$ > {marker}; trap "echo terminated >> {marker}.log; exit 143" TERM; while :; do sleep 0.05; done'
+    env = dict(os.environ, FENCED_URL=sqlite_url)
+    proc = subprocess.Popen(
+        [*FENCED, "lock", "lost", "--ttl", "1", "--grace", "5", "--", "sh", "-c", script],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for(lambda: marker.exists() and marker.read_text().strip(), what="the job to start")
+        os.kill(proc.pid, signal.SIGSTOP)
+        with fenced.connect(sqlite_url) as locks:
+            lease = locks.lock("lost", ttl=10)
+            lease.acquire(timeout=20)  # granted once the paused holder's lease expired
+            os.kill(proc.pid, signal.SIGCONT)
+            assert proc.wait(30) == 75
+            assert lease.held  # the old holder's exit did not free the new grant
+            lease.release()
+        assert "lost" in proc.stderr.read()  # type: ignore[union-attr]
+        assert (tmp_path / "child.pid.log").read_text().strip() == "terminated"
+        child = int(marker.read_text())
+        with pytest.raises(ProcessLookupError):
+            os.kill(child, 0)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+
+
+def test_status(sqlite_url: str) -> None:
+    with fenced.connect(sqlite_url) as locks, locks.lock("s1", ttl=30) as lease:
+        out = run(["status", "s1", "--json"], sqlite_url)
+        assert out.returncode == 0, out.stderr
+        data = json.loads(out.stdout)
+        assert data["held"] is True and data["token"] == str(lease.token)
+        assert 0 < data["remaining"] <= 30
+        table = run(["status", "s1", "s2"], sqlite_url)
+        assert table.returncode == 0 and "held" in table.stdout and "free" in table.stdout
+
+
+def test_status_of_unreachable_source() -> None:
+    out = run(["status", "x"], "postgresql://nobody@127.0.0.1:1/none?connect_timeout=1")
+    assert out.returncode == 69, (out.returncode, out.stderr)
