@@ -1,0 +1,536 @@
+"""``redis://host:port/db``: a token source on one Redis server (redis-py asyncio, Lua scripts).
+
+Every state change is one Lua script, so it is atomic on the server:
+
+* **acquire** grants the lock if it is free and the caller is first in line, taking the token
+  from a per-lock counter with ``INCR`` *in the same script*; the counter key is never given a
+  TTL and never deleted, so tokens only grow. The holder key (a hash of request id, token and
+  ttl) carries a ``PX`` expiry judged by the server's clock.
+* Blocked callers wait FIFO in a per-lock sorted set scored by a queue sequence number, with a
+  second sorted set of heartbeat deadlines (server time) so a waiter that died is skipped.
+  A waiter blocks in ``BLPOP`` on its own wake list: release (or anyone who finds the lock
+  free while a live waiter is first) pushes to the first waiter's list, so there is no
+  polling; a timed re-check at the holder's expiry (and every third of the heartbeat) covers
+  leases that simply run out.
+* **renew** extends the expiry only if the holder is still this grant; **release** deletes the
+  holder only if request id and token match, then wakes the next waiter.
+
+Redis is *not* a linearizable token source: replication is asynchronous, so a failover can lose
+an acknowledged ``INCR`` and hand the same token out twice (Kleppmann, "How to do distributed
+locking", 2016). The backend therefore never declares LINEARIZABLE, and it declares DURABLE
+only for the configuration it checks on connect: ``appendonly yes``, ``appendfsync always``,
+no replicas, and no eviction policy that could evict the counter. Anything else is refused with
+:class:`~fenced.UnsafeBackendError` unless ``allow_unsafe_durability=true`` is given, which
+logs a warning. See ``docs/backend-redis.md``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, ClassVar, Final, TypeVar
+from urllib.parse import SplitResult, parse_qsl, urlencode, urlunsplit
+
+import redis.asyncio as aioredis
+import redis.exceptions as rexc
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from .. import _clock
+from .._backend import Backend, Characteristic, Grant, LockStatus, LostCallback
+from .._errors import (
+    BackendError,
+    BackendUnavailable,
+    ConfigurationError,
+    LeaseLostError,
+    LockTimeout,
+    UnsafeBackendError,
+)
+from .._token import FencingToken
+
+__all__ = ["RedisBackend", "check_server_safety"]
+
+logger = logging.getLogger("fenced.redis")
+
+T = TypeVar("T")
+
+DEFAULT_PREFIX: Final = "fenced:"
+DEFAULT_WAITER_HEARTBEAT: Final = 3.0
+"""Seconds after which a waiter that has not re-checked is considered dead and skipped."""
+
+# Options the backend itself understands (URL query or keyword), and redis-py options passed on.
+_OWN_OPTIONS: Final = frozenset({"allow_unsafe_durability", "key_prefix", "waiter_heartbeat"})
+_CLIENT_OPTIONS: Final = frozenset(
+    {
+        "socket_timeout",
+        "socket_connect_timeout",
+        "username",
+        "password",
+        "client_name",
+        "max_connections",
+        "ssl_ca_certs",
+        "ssl_certfile",
+        "ssl_keyfile",
+        "ssl_cert_reqs",
+        "ssl_check_hostname",
+    }
+)
+_NUMERIC_CLIENT_OPTIONS: Final = frozenset(
+    {"socket_timeout", "socket_connect_timeout", "max_connections"}
+)
+
+# Shared Lua prologue: server time in ms, and dropping waiters whose heartbeat has run out.
+_PRUNE: Final = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local dead = redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', now, 'LIMIT', 0, 500)
+if #dead > 0 then
+  redis.call('ZREM', KEYS[4], unpack(dead))
+  redis.call('ZREM', KEYS[3], unpack(dead))
+end
+local function wake(who)
+  local k = ARGV[5] .. who
+  if redis.call('LLEN', k) == 0 then
+    redis.call('RPUSH', k, '1')
+    redis.call('PEXPIRE', k, ARGV[4])
+  end
+end
+"""
+
+# KEYS: 1 counter, 2 holder, 3 queue (rid -> seq), 4 heartbeats (rid -> deadline ms), 5 queue seq
+# ARGV: 1 request id, 2 ttl ms, 3 mode ('wait' | 'final'), 4 heartbeat ms, 5 wake key prefix
+# Returns {1, token, pttl, ttl} when held by the caller (new grant or idempotent retry),
+# else {0, holder pttl or -1, queue length}. 'wait' joins the queue (or refreshes the caller's
+# heartbeat); 'final' (the deadline has passed) leaves it instead.
+ACQUIRE_LUA: Final = (
+    """
+local rid = ARGV[1]
+local h = redis.call('HMGET', KEYS[2], 'rid', 'token', 'ttl')
+if h[1] == rid then
+  return {1, h[2], redis.call('PTTL', KEYS[2]), tonumber(h[3])}
+end
+"""
+    + _PRUNE
+    + """
+local head = redis.call('ZRANGE', KEYS[3], 0, 0)[1]
+if not h[1] and (not head or head == rid) then
+  if head then
+    redis.call('ZREM', KEYS[3], rid)
+    redis.call('ZREM', KEYS[4], rid)
+  end
+  redis.call('DEL', ARGV[5] .. rid)
+  redis.call('INCR', KEYS[1])
+  local token = redis.call('GET', KEYS[1])
+  redis.call('HSET', KEYS[2], 'rid', rid, 'token', token, 'ttl', ARGV[2])
+  redis.call('PEXPIRE', KEYS[2], ARGV[2])
+  return {1, token, tonumber(ARGV[2]), tonumber(ARGV[2])}
+end
+local pttl = -1
+if h[1] then pttl = redis.call('PTTL', KEYS[2]) end
+if ARGV[3] == 'wait' then
+  if not redis.call('ZSCORE', KEYS[3], rid) then
+    redis.call('ZADD', KEYS[3], redis.call('INCR', KEYS[5]), rid)
+  end
+  redis.call('ZADD', KEYS[4], now + tonumber(ARGV[4]), rid)
+else
+  redis.call('ZREM', KEYS[3], rid)
+  redis.call('ZREM', KEYS[4], rid)
+  redis.call('DEL', ARGV[5] .. rid)
+  head = redis.call('ZRANGE', KEYS[3], 0, 0)[1]
+end
+if not h[1] and head and head ~= rid then
+  wake(head)
+end
+return {0, pttl, redis.call('ZCARD', KEYS[3])}
+"""
+)
+
+# KEYS: as ACQUIRE_LUA   ARGV: 1 request id, 2 -, 3 -, 4 heartbeat ms, 5 wake key prefix
+# An abandoned acquire (cancelled, failed) leaves the queue, and gives back a grant that was
+# made for it while its reply was in flight; then the next waiter is woken if the lock is free.
+LEAVE_LUA: Final = (
+    """
+local h = redis.call('HMGET', KEYS[2], 'rid')
+"""
+    + _PRUNE
+    + """
+redis.call('ZREM', KEYS[3], ARGV[1])
+redis.call('ZREM', KEYS[4], ARGV[1])
+redis.call('DEL', ARGV[5] .. ARGV[1])
+if h[1] == ARGV[1] then
+  redis.call('DEL', KEYS[2])
+  h[1] = false
+end
+if not h[1] then
+  local head = redis.call('ZRANGE', KEYS[3], 0, 0)[1]
+  if head then wake(head) end
+end
+return 1
+"""
+)
+
+# KEYS: 1 holder, 2 counter (unused), 3 queue, 4 heartbeats
+# ARGV: 1 request id, 2 token, 3 -, 4 heartbeat ms, 5 wake key prefix
+RELEASE_LUA: Final = (
+    """
+local h = redis.call('HMGET', KEYS[1], 'rid', 'token')
+if h[1] ~= ARGV[1] or h[2] ~= ARGV[2] then
+  return 0
+end
+redis.call('DEL', KEYS[1])
+"""
+    + _PRUNE
+    + """
+local head = redis.call('ZRANGE', KEYS[3], 0, 0)[1]
+if head then wake(head) end
+return 1
+"""
+)
+
+# KEYS: 1 holder   ARGV: 1 rid, 2 token, 3 ttl ms
+RENEW_LUA: Final = """
+local h = redis.call('HMGET', KEYS[1], 'rid', 'token')
+if h[1] ~= ARGV[1] or h[2] ~= ARGV[2] then
+  return 0
+end
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return 1
+"""
+
+# KEYS: 1 counter, 2 holder, 3 queue, 4 heartbeats   (reads only)
+STATUS_LUA: Final = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local h = redis.call('HMGET', KEYS[2], 'rid', 'token')
+local pttl = -1
+if h[1] then pttl = redis.call('PTTL', KEYS[2]) end
+local last = redis.call('GET', KEYS[1])
+local waiters = redis.call('ZCOUNT', KEYS[4], '(' .. now, '+inf')
+return {h[1] or '', h[2] or '', pttl, last or '', waiters}
+"""
+
+
+def _parse_bool(name: str, value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ConfigurationError(f"option {name!r} must be true or false, got {value!r}")
+
+
+def _parse_seconds(name: str, value: object, low: float, high: float) -> float:
+    try:
+        seconds = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ConfigurationError(f"option {name!r} must be a number of seconds") from None
+    if not low <= seconds <= high:
+        raise ConfigurationError(f"option {name!r} must be in [{low}, {high}], got {seconds}")
+    return seconds
+
+
+async def check_server_safety(client: aioredis.Redis) -> list[str]:
+    """What keeps this server from being a durable token source (empty: nothing).
+
+    Checks ``appendonly yes`` + ``appendfsync always`` (an acknowledged ``INCR`` is on disk),
+    ``role:master`` with ``connected_slaves:0`` (no replica a failover could promote with an
+    older counter), and a ``maxmemory-policy`` that cannot evict the never-expiring counter.
+    """
+    problems: list[str] = []
+    try:
+        config: dict[str | None, str | None] = await client.config_get("*")
+    except rexc.ResponseError as exc:
+        return [f"cannot read the server configuration to verify durability (CONFIG GET: {exc})"]
+    appendonly = config.get("appendonly")
+    fsync = config.get("appendfsync")
+    if appendonly != "yes":
+        problems.append(f"appendonly is {appendonly!r} (needs 'yes')")
+    if fsync != "always":
+        problems.append(
+            f"appendfsync is {fsync!r} (needs 'always'; acknowledged tokens can be lost on a crash)"
+        )
+    policy = config.get("maxmemory-policy") or "noeviction"
+    if policy.startswith("allkeys-"):
+        problems.append(f"maxmemory-policy is {policy!r} (it can evict the token counter)")
+    info: dict[str, Any] = await client.info("replication")
+    role = info.get("role")
+    if role != "master":
+        problems.append(f"the server's role is {role!r} (needs 'master')")
+    slaves = int(info.get("connected_slaves", 0))
+    if slaves:
+        problems.append(
+            f"{slaves} replica(s) attached (replication is asynchronous: a failover can reuse tokens)"
+        )
+    return problems
+
+
+class RedisBackend(Backend):
+    """A Redis token source: FIFO, server-side expiry, durable only when verified so."""
+
+    scheme: ClassVar[str] = "redis"
+    characteristics: ClassVar[frozenset[Characteristic]] = frozenset(
+        {
+            Characteristic.DURABLE,
+            Characteristic.FIFO,
+            Characteristic.DISTRIBUTED,
+            Characteristic.SERVER_EXPIRY,
+        }
+    )
+
+    # The Lua sources, as class attributes so a test can plant a broken variant in a subclass.
+    acquire_lua: ClassVar[str] = ACQUIRE_LUA
+    leave_lua: ClassVar[str] = LEAVE_LUA
+    release_lua: ClassVar[str] = RELEASE_LUA
+    renew_lua: ClassVar[str] = RENEW_LUA
+    status_lua: ClassVar[str] = STATUS_LUA
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        *,
+        prefix: str,
+        waiter_heartbeat: float,
+        allow_unsafe_durability: bool,
+        where: str,
+    ) -> None:
+        self._client = client
+        self._prefix = prefix
+        self._heartbeat = waiter_heartbeat
+        self._heartbeat_ms = max(1, round(waiter_heartbeat * 1000))
+        self._allow_unsafe = allow_unsafe_durability
+        self._where = where
+        self._closed = False
+        self._recheck_safety = False
+        self.verified_durable = False
+        """True when the last check of the server's configuration found it durable."""
+        self._acquire = client.register_script(self.acquire_lua)
+        self._leave_script = client.register_script(self.leave_lua)
+        self._release = client.register_script(self.release_lua)
+        self._renew = client.register_script(self.renew_lua)
+        self._status = client.register_script(self.status_lua)
+
+    # -- connecting ----------------------------------------------------------------------
+
+    @classmethod
+    async def open(cls, url: SplitResult, options: dict[str, Any]) -> RedisBackend:
+        own: dict[str, Any] = {}
+        client_kwargs: dict[str, Any] = {}
+        query: list[tuple[str, str]] = []
+        for key, value in parse_qsl(url.query, keep_blank_values=True):
+            if key in _OWN_OPTIONS:
+                own[key] = value
+            else:
+                query.append((key, value))  # redis-py's own URL options (db, timeouts, ...)
+        for key, value in options.items():
+            if key in _OWN_OPTIONS:
+                own[key] = value
+            elif key in _CLIENT_OPTIONS:
+                client_kwargs[key] = value
+            else:
+                known = ", ".join(sorted(_OWN_OPTIONS | _CLIENT_OPTIONS))
+                raise ConfigurationError(f"unknown redis:// option {key!r}; known: {known}")
+        allow_unsafe = _parse_bool(
+            "allow_unsafe_durability", own.get("allow_unsafe_durability", False)
+        )
+        prefix = own.get("key_prefix", DEFAULT_PREFIX)
+        if not isinstance(prefix, str) or "{" in prefix or "}" in prefix:
+            raise ConfigurationError(f"key_prefix must be text without braces, got {prefix!r}")
+        heartbeat = _parse_seconds(
+            "waiter_heartbeat", own.get("waiter_heartbeat", DEFAULT_WAITER_HEARTBEAT), 0.1, 60.0
+        )
+        for key in _NUMERIC_CLIENT_OPTIONS & client_kwargs.keys():
+            value = client_kwargs[key]
+            if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
+                raise ConfigurationError(f"option {key!r} must be a positive number")
+        # The blocking wait for a wake-up must come back well within the socket timeout.
+        socket_timeout = client_kwargs.setdefault("socket_timeout", 10.0)
+        if socket_timeout < heartbeat / 3 + 1:
+            raise ConfigurationError(
+                f"socket_timeout ({socket_timeout} s) must exceed waiter_heartbeat/3 + 1 s"
+            )
+        client_kwargs.setdefault("socket_connect_timeout", 5.0)
+        scheme = url.scheme.lower().split("+", 1)[0]
+        native_url = urlunsplit((scheme, url.netloc, url.path, urlencode(query), ""))
+        try:
+            client: aioredis.Redis = aioredis.Redis.from_url(
+                native_url,
+                decode_responses=True,
+                # fenced retries acquire itself (with the same request id); a hidden retry of
+                # a release whose reply was lost would turn True into False.
+                retry=Retry(NoBackoff(), 0),
+                **client_kwargs,
+            )
+        except (TypeError, ValueError) as exc:
+            raise ConfigurationError(f"bad redis:// URL or option: {exc}") from exc
+        where = f"{url.hostname or 'localhost'}:{url.port or 6379}"
+        backend = cls(
+            client,
+            prefix=prefix,
+            waiter_heartbeat=heartbeat,
+            allow_unsafe_durability=allow_unsafe,
+            where=where,
+        )
+        try:
+            await backend._verify_safety()
+        except BaseException:
+            await client.aclose()
+            raise
+        return backend
+
+    async def _verify_safety(self) -> None:
+        """Refuse (or, if allowed, warn about) a server that cannot keep tokens from repeating."""
+        problems = await self._call(lambda: check_server_safety(self._client), verify=False)
+        self.verified_durable = not problems
+        self._recheck_safety = False
+        if not problems:
+            return
+        detail = "; ".join(problems)
+        if not self._allow_unsafe:
+            raise UnsafeBackendError(
+                f"redis at {self._where} is not a durable token source: {detail}. Fix the "
+                "server configuration, or pass allow_unsafe_durability=true to accept that "
+                "tokens may be reused after a crash or failover"
+            )
+        logger.warning(
+            "redis at %s is not durable (%s); running anyway because allow_unsafe_durability "
+            "is set: a crash or failover can hand out a token again",
+            self._where,
+            detail,
+        )
+
+    async def _call(self, make: Callable[[], Awaitable[T]], *, verify: bool = True) -> T:
+        """Run one redis-py call, translating its errors into fenced's."""
+        if self._closed:
+            raise BackendUnavailable(f"redis connection to {self._where} is closed")
+        try:
+            if verify and self._recheck_safety:
+                # The connection was lost: the server may have restarted with another config.
+                await self._verify_safety()
+            return await make()
+        except (rexc.ConnectionError, rexc.TimeoutError, OSError) as exc:
+            self._recheck_safety = True
+            raise BackendUnavailable(f"redis at {self._where} unavailable: {exc}") from exc
+        except rexc.ReadOnlyError as exc:
+            self._recheck_safety = True
+            raise UnsafeBackendError(
+                f"redis at {self._where} is a read-only replica (a failover?): {exc}"
+            ) from exc
+        except rexc.RedisError as exc:
+            raise BackendError(f"redis at {self._where}: {exc}") from exc
+
+    # -- keys ----------------------------------------------------------------------------
+
+    def _keys(self, name: str) -> tuple[list[str], str]:
+        # The hash tag keeps one lock's keys in one cluster slot.
+        base = f"{self._prefix}{{{name}}}"
+        keys = [f"{base}:token", f"{base}:holder", f"{base}:queue", f"{base}:hb", f"{base}:seq"]
+        return keys, f"{base}:wake:"
+
+    # -- the Backend contract ------------------------------------------------------------
+
+    async def acquire(
+        self,
+        name: str,
+        *,
+        request_id: str,
+        ttl: float,
+        deadline: float | None,
+        on_lost: LostCallback,
+    ) -> Grant:
+        keys, wake_prefix = self._keys(name)
+        ttl_ms = max(1, round(ttl * 1000))
+        queued = False
+        try:
+            while True:
+                sent_at = _clock.now()
+                final = deadline is not None and sent_at >= deadline
+                args: Sequence[str | int] = (
+                    request_id,
+                    ttl_ms,
+                    "final" if final else "wait",
+                    self._heartbeat_ms,
+                    wake_prefix,
+                )
+                reply = await self._call(functools.partial(self._acquire, keys=keys, args=args))
+                if int(reply[0]) == 1:
+                    queued = False
+                    granted_ttl = int(reply[3]) / 1000
+                    # A retry of a grant made earlier: it started (ttl - pttl) before this call.
+                    started = sent_at + int(reply[2]) / 1000 - granted_ttl
+                    return Grant(
+                        FencingToken(name, int(reply[1])), request_id, granted_ttl, started
+                    )
+                if final:
+                    queued = False
+                    raise LockTimeout(f"lock {name!r} not acquired before the timeout")
+                queued = True
+                holder_pttl = int(reply[1])
+                wait = self._heartbeat / 3
+                if holder_pttl >= 0:  # re-check when the holder's lease runs out
+                    wait = min(wait, holder_pttl / 1000 + 0.002)
+                if deadline is not None:
+                    wait = min(wait, deadline - _clock.now())
+                if wait >= 0.001:
+                    blpop = self._client.blpop
+                    await self._call(
+                        functools.partial(blpop, [wake_prefix + request_id], round(wait, 3))
+                    )
+        except BackendUnavailable:
+            # Keep the place in the queue for fenced's retry with the same request id; if it
+            # never comes back, its heartbeat runs out and the others skip it.
+            queued = False
+            raise
+        finally:
+            if queued:
+                await self._leave(keys, wake_prefix, request_id)
+
+    async def _leave(self, keys: list[str], wake_prefix: str, request_id: str) -> None:
+        """Leave the queue of an abandoned acquire; wake the next waiter if the lock is free."""
+        args = (request_id, 0, "leave", self._heartbeat_ms, wake_prefix)
+        try:
+            await self._call(lambda: self._leave_script(keys=keys, args=args))
+        except Exception:  # the waiter's heartbeat runs out anyway
+            logger.debug("leaving the queue of %s failed", keys[1], exc_info=True)
+
+    async def renew(self, grant: Grant) -> Grant:
+        keys, _ = self._keys(grant.token.lock)
+        sent_at = _clock.now()
+        ttl_ms = max(1, round(grant.ttl * 1000))
+        args = (grant.request_id, grant.token.value, ttl_ms)
+        ok = await self._call(lambda: self._renew(keys=[keys[1]], args=args))
+        if not int(ok):
+            raise LeaseLostError(f"lease {grant.token} is no longer held")
+        return Grant(grant.token, grant.request_id, grant.ttl, sent_at, grant.handle)
+
+    async def release(self, grant: Grant) -> bool:
+        keys, wake_prefix = self._keys(grant.token.lock)
+        args = (grant.request_id, grant.token.value, 0, self._heartbeat_ms, wake_prefix)
+        done = await self._call(
+            lambda: self._release(keys=[keys[1], keys[0], keys[2], keys[3]], args=args)
+        )
+        return bool(int(done))
+
+    async def status(self, name: str) -> LockStatus:
+        keys, _ = self._keys(name)
+        rid, token, pttl, last, waiters = await self._call(lambda: self._status(keys=keys[:4]))
+        held = bool(rid) and int(pttl) >= 0
+        return LockStatus(
+            name=name,
+            holder=rid if held else None,
+            token=FencingToken(name, int(token)) if held else None,
+            last_token=FencingToken(name, int(last)) if last else None,
+            remaining=int(pttl) / 1000 if held else None,
+            waiters=int(waiters),
+        )
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self._client.aclose()
+        except Exception:  # closing a connection to a dead server is not an error
+            logger.debug("closing redis client failed", exc_info=True)
