@@ -1,0 +1,494 @@
+"""Redis guard: fenced writes, each ONE Lua script that checks the token, advances the mark, writes.
+
+::
+
+    guard = RedisGuard(redis.Redis(...), "invoices")            # lock defaults to the token's
+    guard.set("{invoices}:42", payload, lease.token)             # StaleTokenError if fenced off
+    guard.hset("{invoices}:42:meta", {"state": "paid"}, lease.token)
+    guard.delete("{invoices}:41", token=lease.token)
+    guard.eval("return redis.call('INCR', KEYS[1])", ["{invoices}:n"], [], lease.token)
+
+The high-water mark lives in Redis itself, in the hash ``fenced:hw:{<resource>}`` (fields
+``hw``: the highest accepted token value as a decimal integer; ``lock``: the lock whose tokens
+this resource accepts). It has no TTL (every guarded script PERSISTs it), and it is written
+inside the same script as the data, so it is exactly as durable as the data: with AOF, both are
+in one MULTI/EXEC block of the log, fsynced together.
+
+Redis runs a script to completion before any other command, so "compare with the mark, advance
+the mark, write" cannot interleave with another writer: that is the whole atomicity argument.
+A rejected script returns before its first write, so a stale writer changes nothing.
+
+Redis Cluster: a script may only touch keys of one hash slot. The default fence key carries the
+hash tag ``{<resource>}``, so name the guarded keys with the same tag (``{invoices}:42``), or
+pass ``fence_key=`` with your keys' tag. Keys of another slot fail with CROSSSLOT (a
+:class:`~fenced.FencedError`) before anything is written.
+
+The Lua text and the interpretation of its reply are built once, by pure functions; the sync
+(:class:`RedisGuard`, ``redis.Redis``) and async (:class:`AsyncRedisGuard`, ``redis.asyncio``)
+classes only send them.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Final
+
+import redis
+import redis.asyncio
+from redis.commands.core import AsyncScript, Script
+
+from .._errors import (
+    BackendUnavailable,
+    ConfigurationError,
+    FencedError,
+    StaleTokenError,
+    UnsafeBackendError,
+    WrongLockError,
+)
+from .._token import MAX_TOKEN, FencingToken, validate_lock_name
+
+__all__ = ["AsyncRedisGuard", "RedisGuard", "default_fence_key"]
+
+Value = bytes | str | int | float
+"""What redis-py can send as a value."""
+Key = bytes | str
+
+# --- Lua -------------------------------------------------------------------------------------
+
+PRELUDE: Final = """\
+-- fenced guard prelude. KEYS[1] = fence hash, ARGV[1] = lock name, ARGV[2] = token value
+-- (canonical decimal, 1 .. 2^63-1). Lua numbers are doubles, exact only below 2^53, so token
+-- values are compared as digit strings: by length, then in two halves that are each exact.
+local fence, lock, tok = KEYS[1], ARGV[1], ARGV[2]
+local state = redis.call('HMGET', fence, 'lock', 'hw')
+if state[1] and state[1] ~= lock then return {'lock', state[1]} end
+local hw = state[2]
+local c = 1  -- token vs mark: 1 higher (or no mark yet), 0 equal, -1 lower
+if hw then
+  if #hw > 19 or not string.find(hw, '^[1-9][0-9]*$') then return {'corrupt', hw} end
+  if #tok ~= #hw then
+    c = (#tok > #hw) and 1 or -1
+  else
+    local th, hh = tonumber(string.sub(tok, 1, -10)) or 0, tonumber(string.sub(hw, 1, -10)) or 0
+    local tl, hl = tonumber(string.sub(tok, -9)), tonumber(string.sub(hw, -9))
+    if th ~= hh then c = (th > hh) and 1 or -1
+    elseif tl ~= hl then c = (tl > hl) and 1 or -1
+    else c = 0 end
+  end
+end
+if c < 0 then return {'stale', hw} end
+if c > 0 or not state[1] then
+  redis.call('HSET', fence, 'lock', lock, 'hw', (c > 0) and tok or hw)
+end
+redis.call('PERSIST', fence)
+"""
+"""Checks the token against the mark and advances it; returns early (writing nothing) on refusal."""
+
+_SET_BODY: Final = """\
+local r
+if ARGV[4] == '' then r = redis.call('SET', KEYS[2], ARGV[3])
+else r = redis.call('SET', KEYS[2], ARGV[3], 'PX', ARGV[4]) end
+return {'ok', r}
+"""
+
+# unpack() is bounded by Lua's C stack (~8000 values): pass long argument lists in chunks.
+_HSET_BODY: Final = """\
+local n, i = 0, 3
+while i <= #ARGV do
+  local j = math.min(i + 999, #ARGV)
+  n = n + redis.call('HSET', KEYS[2], unpack(ARGV, i, j))
+  i = j + 1
+end
+return {'ok', n}
+"""
+
+_DEL_BODY: Final = """\
+local n, i = 0, 2
+while i <= #KEYS do
+  local j = math.min(i + 999, #KEYS)
+  n = n + redis.call('DEL', unpack(KEYS, i, j))
+  i = j + 1
+end
+return {'ok', n}
+"""
+
+# The caller's Lua sees its own KEYS and ARGV (the fence key and the token are shifted out into
+# locals that shadow the globals) and runs as a function, so its `return` value is wrapped.
+_EVAL_TEMPLATE: Final = """\
+local KEYS, ARGV = (function(k, a)
+  local k2, a2 = {}, {}
+  for i = 2, #k do k2[i - 1] = k[i] end
+  for i = 3, #a do a2[i - 2] = a[i] end
+  return k2, a2
+end)(KEYS, ARGV)
+return {'ok', (function()
+%s
+end)()}
+"""
+
+SET_SCRIPT: Final = PRELUDE + _SET_BODY
+HSET_SCRIPT: Final = PRELUDE + _HSET_BODY
+DEL_SCRIPT: Final = PRELUDE + _DEL_BODY
+
+
+def eval_script(lua_body: str) -> str:
+    """The full script for :meth:`RedisGuard.eval`: the prelude, then ``lua_body`` as a function."""
+    return PRELUDE + _EVAL_TEMPLATE % lua_body
+
+
+# --- pure request building and reply interpretation -------------------------------------------
+
+
+def default_fence_key(resource: str) -> str:
+    """``fenced:hw:{resource}``: the hash tag keeps it in the slot of keys tagged ``{resource}``."""
+    return f"fenced:hw:{{{resource}}}"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GuardedCall:
+    """One fenced write, ready to send: script text, KEYS, ARGV, and how to read the result."""
+
+    script: str
+    keys: list[Key]
+    args: list[Value]
+    token: FencingToken
+    result: Callable[[Any], Any]
+
+
+def _text(value: object) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+def interpret(reply: Any, call: GuardedCall, resource: str) -> Any:
+    """Turn a guarded script's reply into the write's result, or raise the refusal it reports."""
+    if not isinstance(reply, list) or not reply:
+        raise FencedError(f"unexpected reply from the guard script on {resource!r}: {reply!r}")
+    status = _text(reply[0])
+    token = call.token
+    if status == "ok":
+        return call.result(reply[1] if len(reply) > 1 else None)
+    if status == "stale":
+        return _raise_stale(token, int(_text(reply[1])), resource)
+    if status == "lock":
+        raise WrongLockError(
+            f"resource {resource!r} is fenced by lock {_text(reply[1])!r}; "
+            f"token {token} belongs to lock {token.lock!r}"
+        )
+    if status == "corrupt":
+        raise StaleTokenError(
+            token,
+            None,
+            resource,
+            f"write with {token} refused: the high-water mark of {resource!r} is not a token "
+            f"value ({_text(reply[1])[:40]!r}); repair the fence key by hand",
+        )
+    raise FencedError(f"unexpected reply from the guard script on {resource!r}: {reply!r}")
+
+
+def _raise_stale(token: FencingToken, high_water: int, resource: str) -> Any:
+    raise StaleTokenError(token, FencingToken(token.lock, high_water), resource)
+
+
+def parse_state(reply: Sequence[Any], resource: str) -> FencingToken | None:
+    """Read ``HMGET fence lock hw`` as the high-water token (None: nothing accepted yet)."""
+    lock, hw = reply
+    if hw is None:
+        return None
+    try:
+        return FencingToken(_text(lock), int(_text(hw)))
+    except (ValueError, FencedError) as exc:
+        raise FencedError(f"the high-water mark of {resource!r} is corrupt: {reply!r}") from exc
+
+
+def check_policy(policy: str) -> None:
+    """Refuse an eviction policy that may evict the mark (it has no TTL, so volatile-* is fine)."""
+    if policy.startswith("allkeys-"):
+        raise UnsafeBackendError(
+            f"maxmemory-policy {policy!r} may evict the fence key, which resets the high-water "
+            "mark and lets stale writers in; use noeviction or a volatile-* policy"
+        )
+
+
+def map_error(exc: redis.RedisError, resource: str) -> FencedError:
+    """Translate a redis-py error; the caller raises the result ``from exc``."""
+    if isinstance(exc, (redis.ConnectionError, redis.TimeoutError, redis.ReadOnlyError)):
+        return BackendUnavailable(
+            f"Redis unavailable for a guarded write on {resource!r} (outcome unknown if the "
+            f"request was sent): {exc}"
+        )
+    return FencedError(f"Redis refused a guarded write on {resource!r}: {exc}")
+
+
+def _px(px: int | None) -> str:
+    if px is None:
+        return ""
+    if isinstance(px, bool) or not isinstance(px, int) or not 0 < px <= MAX_TOKEN:
+        raise ConfigurationError(f"px must be a positive int of milliseconds, not {px!r}")
+    return str(px)
+
+
+def _ok(reply: Any) -> bool:
+    return _text(reply) == "OK"
+
+
+def _int(reply: Any) -> int:
+    return int(reply)
+
+
+def _same(reply: Any) -> Any:
+    return reply
+
+
+class _GuardBase:
+    """What both guards share: configuration, token checks and the building of each call."""
+
+    _max_scripts = 256
+
+    def __init__(
+        self,
+        client: Any,
+        resource: str,
+        lock: str | None = None,
+        *,
+        fence_key: str | None = None,
+    ) -> None:
+        if not isinstance(resource, str) or not resource:
+            raise ConfigurationError(f"resource must be a non-empty str, not {resource!r}")
+        if fence_key is None and ("{" in resource or "}" in resource):
+            raise ConfigurationError(
+                f"resource {resource!r} contains a brace: pass fence_key= with your hash tag"
+            )
+        self._client = client
+        self.resource = resource
+        self.lock = None if lock is None else validate_lock_name(lock)
+        self.fence_key = fence_key if fence_key is not None else default_fence_key(resource)
+        self._scripts: collections.OrderedDict[str, Any] = collections.OrderedDict()
+
+    def _token(self, token: FencingToken | str | bytes) -> FencingToken:
+        return FencingToken.coerce(token, self.lock)
+
+    def _key(self, key: object) -> Key:
+        if not isinstance(key, (str, bytes)) or not key:
+            raise ConfigurationError(f"a guarded key must be a non-empty str or bytes: {key!r}")
+        if _text(key) == self.fence_key:
+            raise ConfigurationError(f"{key!r} is the fence key of {self.resource!r}")
+        return key
+
+    def _script(self, source: str) -> Any:
+        """The registered script for ``source`` (EVALSHA, loaded again on NOSCRIPT)."""
+        script = self._scripts.get(source)
+        if script is None:
+            script = self._client.register_script(source)
+            self._scripts[source] = script
+            if len(self._scripts) > self._max_scripts:
+                self._scripts.popitem(last=False)
+        else:
+            self._scripts.move_to_end(source)
+        return script
+
+    def _call(
+        self,
+        script: str,
+        token: FencingToken | str | bytes,
+        keys: Iterable[Key],
+        args: Iterable[Value],
+        result: Callable[[Any], Any],
+    ) -> GuardedCall:
+        tok = self._token(token)
+        return GuardedCall(
+            script,
+            [self.fence_key, *keys],
+            [tok.lock, str(tok.value), *args],
+            tok,
+            result,
+        )
+
+    def _set_call(
+        self, key: Key, value: Value, token: FencingToken | str | bytes, px: int | None
+    ) -> GuardedCall:
+        return self._call(self.set_script, token, [self._key(key)], [value, _px(px)], _ok)
+
+    def _hset_call(
+        self, key: Key, mapping: Mapping[Key, Value], token: FencingToken | str | bytes
+    ) -> GuardedCall:
+        if not mapping:
+            raise ConfigurationError("hset needs a non-empty mapping")
+        flat: list[Value] = []
+        for field, value in mapping.items():
+            flat += (field, value)
+        return self._call(self.hset_script, token, [self._key(key)], flat, _int)
+
+    def _delete_call(self, keys: Sequence[Key], token: FencingToken | str | bytes) -> GuardedCall:
+        if not keys:
+            raise ConfigurationError("delete needs at least one key")
+        return self._call(self.del_script, token, [self._key(k) for k in keys], [], _int)
+
+    def _eval_call(
+        self,
+        lua_body: str,
+        keys: Sequence[Key],
+        args: Sequence[Value],
+        token: FencingToken | str | bytes,
+    ) -> GuardedCall:
+        if not isinstance(lua_body, str) or not lua_body.strip():
+            raise ConfigurationError("eval needs a non-empty Lua body")
+        return self._call(
+            self.eval_script(lua_body), token, [self._key(k) for k in keys], list(args), _same
+        )
+
+    # Script texts, as attributes so a test can plant a bug in a subclass.
+    set_script: str = SET_SCRIPT
+    hset_script: str = HSET_SCRIPT
+    del_script: str = DEL_SCRIPT
+
+    @staticmethod
+    def eval_script(lua_body: str) -> str:
+        return eval_script(lua_body)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(resource={self.resource!r}, fence_key={self.fence_key!r})"
+
+
+class RedisGuard(_GuardBase):
+    """Fenced writes through a synchronous ``redis.Redis`` (or ``redis.RedisCluster``).
+
+    ``lock``: the lock whose tokens are accepted; tokens of any other lock raise
+    :class:`~fenced.WrongLockError` before anything is sent. With None, the resource remembers
+    the lock of the first token it accepts and refuses other locks' tokens itself.
+    ``fence_key``: where the mark lives (default ``fenced:hw:{resource}``).
+
+    Every write raises :class:`~fenced.StaleTokenError` (nothing written) if the resource has
+    accepted a higher token, :class:`~fenced.InvalidTokenError` for a malformed token, and
+    :class:`~fenced.BackendUnavailable` when Redis cannot be reached.
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis | redis.RedisCluster,
+        resource: str,
+        lock: str | None = None,
+        *,
+        fence_key: str | None = None,
+    ) -> None:
+        super().__init__(client, resource, lock, fence_key=fence_key)
+
+    def _run(self, call: GuardedCall) -> Any:
+        script: Script = self._script(call.script)
+        try:
+            reply = script(keys=call.keys, args=call.args)
+        except redis.RedisError as exc:
+            raise map_error(exc, self.resource) from exc
+        return interpret(reply, call, self.resource)
+
+    def set(
+        self, key: Key, value: Value, token: FencingToken | str | bytes, px: int | None = None
+    ) -> bool:
+        """``SET key value [PX px]`` if ``token`` is not stale."""
+        return bool(self._run(self._set_call(key, value, token, px)))
+
+    def hset(
+        self, key: Key, mapping: Mapping[Key, Value], token: FencingToken | str | bytes
+    ) -> int:
+        """``HSET key field value ...`` if ``token`` is not stale; the number of new fields."""
+        return int(self._run(self._hset_call(key, mapping, token)))
+
+    def delete(self, *keys: Key, token: FencingToken | str | bytes) -> int:
+        """``DEL keys...`` if ``token`` is not stale; the number of keys removed."""
+        return int(self._run(self._delete_call(keys, token)))
+
+    def eval(
+        self,
+        lua_body: str,
+        keys: Sequence[Key],
+        args: Sequence[Value],
+        token: FencingToken | str | bytes,
+    ) -> Any:
+        """Run your Lua, after the fence check, in the same script; return its return value.
+
+        Your body sees its own ``KEYS`` and ``ARGV`` (the fence key and token are not in
+        them). It must only touch the keys it is given; Redis does not roll back, so raise
+        errors before your first write.
+        """
+        return self._run(self._eval_call(lua_body, keys, args, token))
+
+    def high_water(self) -> FencingToken | None:
+        """The highest token accepted so far (None if none)."""
+        try:
+            reply = self._client.hmget(self.fence_key, ["lock", "hw"])
+        except redis.RedisError as exc:
+            raise map_error(exc, self.resource) from exc
+        return parse_state(reply, self.resource)
+
+    def check_server(self) -> None:
+        """Raise :class:`~fenced.UnsafeBackendError` if Redis may evict the fence key."""
+        try:
+            policy = self._client.config_get("maxmemory-policy")
+        except redis.RedisError as exc:
+            raise map_error(exc, self.resource) from exc
+        check_policy(_text(next(iter(policy.values()), "")))
+
+
+class AsyncRedisGuard(_GuardBase):
+    """:class:`RedisGuard` for ``redis.asyncio.Redis`` (or ``redis.asyncio.RedisCluster``)."""
+
+    def __init__(
+        self,
+        client: redis.asyncio.Redis | redis.asyncio.RedisCluster,
+        resource: str,
+        lock: str | None = None,
+        *,
+        fence_key: str | None = None,
+    ) -> None:
+        super().__init__(client, resource, lock, fence_key=fence_key)
+
+    async def _run(self, call: GuardedCall) -> Any:
+        script: AsyncScript = self._script(call.script)
+        try:
+            reply = await script(keys=call.keys, args=call.args)
+        except redis.RedisError as exc:
+            raise map_error(exc, self.resource) from exc
+        return interpret(reply, call, self.resource)
+
+    async def set(
+        self, key: Key, value: Value, token: FencingToken | str | bytes, px: int | None = None
+    ) -> bool:
+        """See :meth:`RedisGuard.set`."""
+        return bool(await self._run(self._set_call(key, value, token, px)))
+
+    async def hset(
+        self, key: Key, mapping: Mapping[Key, Value], token: FencingToken | str | bytes
+    ) -> int:
+        """See :meth:`RedisGuard.hset`."""
+        return int(await self._run(self._hset_call(key, mapping, token)))
+
+    async def delete(self, *keys: Key, token: FencingToken | str | bytes) -> int:
+        """See :meth:`RedisGuard.delete`."""
+        return int(await self._run(self._delete_call(keys, token)))
+
+    async def eval(
+        self,
+        lua_body: str,
+        keys: Sequence[Key],
+        args: Sequence[Value],
+        token: FencingToken | str | bytes,
+    ) -> Any:
+        """See :meth:`RedisGuard.eval`."""
+        return await self._run(self._eval_call(lua_body, keys, args, token))
+
+    async def high_water(self) -> FencingToken | None:
+        """See :meth:`RedisGuard.high_water`."""
+        try:
+            reply = await self._client.hmget(self.fence_key, ["lock", "hw"])
+        except redis.RedisError as exc:
+            raise map_error(exc, self.resource) from exc
+        return parse_state(reply, self.resource)
+
+    async def check_server(self) -> None:
+        """See :meth:`RedisGuard.check_server`."""
+        try:
+            policy = await self._client.config_get("maxmemory-policy")
+        except redis.RedisError as exc:
+            raise map_error(exc, self.resource) from exc
+        check_policy(_text(next(iter(policy.values()), "")))
