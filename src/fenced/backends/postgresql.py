@@ -1,0 +1,769 @@
+"""``postgresql://user@host:port/db``: a durable, linearizable, FIFO token source on PostgreSQL.
+
+Design (details and measurements in ``docs/backend-postgresql.md``):
+
+* One row per lock in ``<prefix>locks`` holds the lock's counter ``last_token`` and its current
+  holder. A grant advances the counter *in the same transaction* that records the holder, and
+  the row is never reset or deleted, so tokens rise strictly, forever, across restarts.
+* Every session sets ``synchronous_commit = on`` itself: a grant is acknowledged only after
+  its commit is on disk (and, with synchronous replication, on the standbys the server waits for).
+* Expiry is judged only by the database's clock (``clock_timestamp()`` inside the statements).
+* Each operation is one call of a PL/pgSQL function, so the uncontended acquire and release are
+  one round trip and one transaction each. The functions are installed (idempotently, under an
+  advisory lock) by :meth:`PostgreSQLBackend.open`; :meth:`PostgreSQLBackend.schema_sql` gives
+  the same DDL for a DBA to run by hand.
+* Waiters queue FIFO in ``<prefix>waiters`` (a ``bigserial`` id), with an expiry that they
+  renew while waiting, so a dead waiter stops blocking the queue when its row expires. The
+  release (or a queued waiter giving up) sends a ``NOTIFY`` in its transaction to the head
+  waiter only, on a channel private to the waiter's connection. Waiters also re-check at the
+  holder's known expiry time and at their heartbeat, never by blind polling.
+* A backend uses one connection for commands and, only once it has had to wait, a second one
+  that LISTENs. A broken connection is replaced on the next call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import math
+import re
+import secrets
+import select
+from collections.abc import Callable
+from typing import Any, ClassVar, Final
+from urllib.parse import SplitResult, urlunsplit
+
+import psycopg
+from psycopg import pq, sql
+
+from .. import _clock
+from .._backend import Backend, Characteristic, Grant, LockStatus, LostCallback
+from .._errors import (
+    BackendError,
+    BackendUnavailable,
+    ConfigurationError,
+    LeaseLostError,
+    LockTimeout,
+    UnsafeBackendError,
+)
+from .._token import FencingToken
+
+__all__ = ["PostgreSQLBackend"]
+
+_Conn = psycopg.AsyncConnection[tuple[Any, ...]]
+_Row = tuple[Any, ...]
+
+_IDENT: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_MAX_PREFIX: Final = 29  # channel names are prefix + 34 characters, at most 63 bytes
+_INSTALL_LOCK: Final = 0x66656E63  # 'fenc': first key of the advisory lock that serialises installs
+
+# The tables and functions. ``{...}`` are identifiers filled in by psycopg.sql; the DDL runs
+# without parameters, in one transaction. Every function serialises on the lock's row
+# (``FOR UPDATE``), so the queue and the holder of one lock change in one order only.
+_DDL: Final = """
+CREATE TABLE IF NOT EXISTS {locks} (
+    name        text PRIMARY KEY,
+    last_token  bigint NOT NULL DEFAULT 0 CHECK (last_token >= 0),
+    holder      text,
+    token       bigint,
+    ttl         double precision,
+    expires_at  timestamptz
+);
+CREATE TABLE IF NOT EXISTS {waiters} (
+    id          bigserial PRIMARY KEY,
+    name        text NOT NULL,
+    request_id  text NOT NULL,
+    channel     text,
+    expires_at  timestamptz NOT NULL
+);
+CREATE INDEX IF NOT EXISTS {waiters_queue} ON {waiters} (name, id);
+CREATE UNIQUE INDEX IF NOT EXISTS {waiters_request} ON {waiters} (name, md5(request_id));
+
+DROP FUNCTION IF EXISTS {acquire}(text, text, double precision, double precision, text, boolean);
+CREATE FUNCTION {acquire}(
+    p_name text, p_req text, p_ttl double precision, p_wait_ttl double precision,
+    p_channel text, p_enqueue boolean,
+    OUT o_status text, OUT o_token bigint, OUT o_hint double precision)
+LANGUAGE plpgsql AS $fn$
+DECLARE
+    r record;
+    h record;
+    t timestamptz;
+    have_head boolean;
+BEGIN
+    SELECT l.holder, l.token, l.expires_at INTO r FROM {locks} l WHERE l.name = p_name FOR UPDATE;
+    IF NOT FOUND THEN
+        INSERT INTO {locks} (name) VALUES (p_name) ON CONFLICT (name) DO NOTHING;
+        SELECT l.holder, l.token, l.expires_at INTO r FROM {locks} l WHERE l.name = p_name FOR UPDATE;
+    END IF;
+    t := clock_timestamp();
+    IF r.holder IS NOT NULL AND r.expires_at > t THEN
+        IF r.holder = p_req THEN
+            -- A retry of a granted request whose reply was lost: the same grant, renewed
+            -- (a write, so this answer too is durable before it is sent).
+            UPDATE {locks} SET ttl = p_ttl, expires_at = t + make_interval(secs => p_ttl)
+             WHERE name = p_name;
+            DELETE FROM {waiters} WHERE name = p_name AND md5(request_id) = md5(p_req);
+            o_status := 'granted';
+            o_token := r.token;
+            RETURN;
+        END IF;
+        o_hint := extract(epoch FROM r.expires_at - t);
+    ELSE
+        -- Free, or its holder's lease has expired: the head of the queue (if alive) goes first.
+        DELETE FROM {waiters} WHERE name = p_name AND expires_at <= t;
+        SELECT w.request_id, w.channel, w.expires_at INTO h FROM {waiters} w
+         WHERE w.name = p_name ORDER BY w.id LIMIT 1;
+        have_head := FOUND;
+        IF NOT have_head OR h.request_id = p_req THEN
+            -- The grant: the counter advances in this same transaction, and is never reset.
+            UPDATE {locks}
+               SET last_token = last_token + 1, holder = p_req, token = last_token + 1,
+                   ttl = p_ttl, expires_at = t + make_interval(secs => p_ttl)
+             WHERE name = p_name
+            RETURNING token INTO o_token;
+            IF have_head THEN
+                DELETE FROM {waiters} WHERE name = p_name AND md5(request_id) = md5(p_req);
+            END IF;
+            o_status := 'granted';
+            RETURN;
+        END IF;
+        -- An earlier waiter is first in line and the lock is free: wake it.
+        IF h.channel IS NOT NULL THEN
+            PERFORM pg_notify(h.channel, p_name || ' ' || md5(h.request_id));
+        END IF;
+        o_hint := extract(epoch FROM h.expires_at - t);
+    END IF;
+    o_status := 'wait';
+    IF p_enqueue THEN
+        -- A place in the queue is not a grant: it need not wait for the disk.
+        PERFORM set_config('synchronous_commit', 'off', true);
+        INSERT INTO {waiters} (name, request_id, channel, expires_at)
+        VALUES (p_name, p_req, p_channel, t + make_interval(secs => p_wait_ttl))
+        ON CONFLICT (name, md5(request_id))
+        DO UPDATE SET expires_at = excluded.expires_at, channel = excluded.channel;
+    END IF;
+END
+$fn$;
+
+DROP FUNCTION IF EXISTS {release}(text, text, bigint);
+CREATE FUNCTION {release}(p_name text, p_req text, p_token bigint)
+RETURNS boolean LANGUAGE plpgsql AS $fn$
+DECLARE
+    r record;
+    h record;
+    t timestamptz;
+BEGIN
+    SELECT l.holder, l.token, l.expires_at INTO r FROM {locks} l WHERE l.name = p_name FOR UPDATE;
+    IF NOT FOUND OR r.token IS DISTINCT FROM p_token OR r.holder IS DISTINCT FROM p_req THEN
+        RETURN false;  -- fenced: never touches another grant
+    END IF;
+    t := clock_timestamp();
+    UPDATE {locks} SET holder = NULL, token = NULL, ttl = NULL, expires_at = NULL
+     WHERE name = p_name;
+    SELECT w.request_id, w.channel INTO h FROM {waiters} w
+     WHERE w.name = p_name AND w.expires_at > t ORDER BY w.id LIMIT 1;
+    IF FOUND AND h.channel IS NOT NULL THEN
+        PERFORM pg_notify(h.channel, p_name || ' ' || md5(h.request_id));
+    END IF;
+    RETURN r.expires_at > t;
+END
+$fn$;
+
+DROP FUNCTION IF EXISTS {leave}(text, text);
+CREATE FUNCTION {leave}(p_name text, p_req text)
+RETURNS void LANGUAGE plpgsql AS $fn$
+DECLARE
+    r record;
+    h record;
+    t timestamptz;
+BEGIN
+    PERFORM set_config('synchronous_commit', 'off', true);
+    SELECT l.holder, l.expires_at INTO r FROM {locks} l WHERE l.name = p_name FOR UPDATE;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    DELETE FROM {waiters} WHERE name = p_name AND md5(request_id) = md5(p_req);
+    t := clock_timestamp();
+    IF FOUND AND (r.holder IS NULL OR r.expires_at <= t) THEN
+        SELECT w.request_id, w.channel INTO h FROM {waiters} w
+         WHERE w.name = p_name AND w.expires_at > t ORDER BY w.id LIMIT 1;
+        IF FOUND AND h.channel IS NOT NULL THEN
+            PERFORM pg_notify(h.channel, p_name || ' ' || md5(h.request_id));
+        END IF;
+    END IF;
+END
+$fn$;
+"""
+
+_RENEW: Final = """
+UPDATE {locks} SET ttl = %s::float8, expires_at = clock_timestamp() + make_interval(secs => %s::float8)
+ WHERE name = %s::text AND holder = %s::text AND token = %s::bigint AND expires_at > clock_timestamp()
+RETURNING token
+"""
+
+_STATUS: Final = """
+SELECT l.holder, l.token, l.last_token, extract(epoch FROM l.expires_at - c.t)::float8,
+       (SELECT count(*) FROM {waiters} w WHERE w.name = %(name)s::text AND w.expires_at > c.t)
+  FROM (SELECT clock_timestamp() AS t) c LEFT JOIN {locks} l ON l.name = %(name)s::text
+"""
+
+_SESSION: Final = (
+    b"SET synchronous_commit = on; SET default_transaction_isolation = 'read committed'"
+)
+
+
+def _wake_key(name: str, request_id: str) -> str:
+    """The NOTIFY payload that wakes one waiter: the same text as the SQL builds."""
+    return f"{name} {hashlib.md5(request_id.encode()).hexdigest()}"
+
+
+def _option_float(options: dict[str, Any], key: str, default: float, low: float) -> float:
+    value = options.pop(key, default)
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ConfigurationError(
+            f"postgresql option {key!r} must be a number, got {value!r}"
+        ) from None
+    if not (math.isfinite(number) and number >= low):
+        raise ConfigurationError(f"postgresql option {key!r} must be >= {low}, got {value!r}")
+    return number
+
+
+def _option_ident(options: dict[str, Any], key: str, default: str, max_len: int) -> str:
+    value = options.pop(key, default)
+    if not isinstance(value, str) or not _IDENT.fullmatch(value) or len(value) > max_len:
+        raise ConfigurationError(
+            f"postgresql option {key!r} must be an SQL identifier of at most {max_len} "
+            f"characters (letters, digits, _), got {value!r}"
+        )
+    return value
+
+
+class _Names:
+    """The SQL statements of one schema and table prefix, rendered once."""
+
+    def __init__(self, schema: str, prefix: str, ddl: str) -> None:
+        self.schema = schema
+        self.prefix = prefix
+
+        def ident(suffix: str) -> sql.Identifier:
+            return sql.Identifier(schema, prefix + suffix)
+
+        names = {
+            "locks": ident("locks"),
+            "waiters": ident("waiters"),
+            "waiters_queue": sql.Identifier(prefix + "waiters_queue"),
+            "waiters_request": sql.Identifier(prefix + "waiters_request"),
+            "acquire": ident("acquire"),
+            "release": ident("release"),
+            "leave": ident("leave"),
+        }
+        body = sql.SQL(ddl).format(**names).as_string(None)
+        self.marker = "fenced:" + hashlib.sha256(body.encode()).hexdigest()[:16]
+        comment = sql.SQL(
+            "COMMENT ON FUNCTION {acquire}(text, text, double precision, double precision, "
+            "text, boolean) IS {marker};"
+        ).format(acquire=names["acquire"], marker=sql.Literal(self.marker))
+        self.ddl = body + "\n" + comment.as_string(None)
+        self.acquire_sig = (
+            sql.SQL("{}(text, text, double precision, double precision, text, boolean)")
+            .format(names["acquire"])
+            .as_string(None)
+        )
+
+        def render(text: str) -> bytes:
+            return sql.SQL(text).format(**names).as_bytes(None)
+
+        self.q_acquire = render(
+            "SELECT o_status, o_token, o_hint FROM {acquire}"
+            "(%s::text, %s::text, %s::float8, %s::float8, %s::text, %s::boolean)"
+        )
+        self.q_release = render("SELECT {release}(%s::text, %s::text, %s::bigint)")
+        self.q_leave = render("SELECT {leave}(%s::text, %s::text)")
+        self.q_renew = render(_RENEW)
+        self.q_status = render(_STATUS)
+
+
+class _Listener:
+    """The LISTEN connection: one channel private to this backend, one event per waiter.
+
+    The connection is read by an event-loop reader callback, not by a task, so it costs nothing
+    while no notification arrives. If it breaks, every waiter is woken to re-check (and to
+    LISTEN again through a new connection before it waits).
+    """
+
+    def __init__(self, backend: PostgreSQLBackend, channel: str) -> None:
+        self._backend = backend
+        self.channel = channel
+        self._conn: _Conn | None = None
+        self._fd = -1
+        self._lock: asyncio.Lock | None = None
+        self._events: dict[str, set[asyncio.Event]] = {}
+
+    @property
+    def alive(self) -> bool:
+        return self._conn is not None and not self._conn.closed
+
+    def register(self, key: str, event: asyncio.Event) -> None:
+        self._events.setdefault(key, set()).add(event)
+
+    def unregister(self, key: str, event: asyncio.Event) -> None:
+        events = self._events.get(key)
+        if events is not None:
+            events.discard(event)
+            if not events:
+                del self._events[key]
+
+    async def ensure(self) -> None:
+        """Make sure the channel is LISTENed to (so no later NOTIFY to it can be missed)."""
+        if self.alive:
+            return
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            if self.alive:
+                return
+            conn = await self._backend._connect(session=False)
+            try:
+                conn.add_notify_handler(lambda n: self._dispatch(n.payload))
+                listen = sql.SQL("LISTEN {}").format(sql.Identifier(self.channel))
+                async with asyncio.timeout(self._backend._connect_timeout):
+                    await conn.execute(listen)
+                fd = conn.fileno()
+                asyncio.get_running_loop().add_reader(fd, self._on_readable)
+            except (psycopg.Error, OSError, TimeoutError) as exc:
+                await conn.close()
+                raise BackendUnavailable(f"PostgreSQL LISTEN failed: {exc}") from exc
+            self._conn, self._fd = conn, fd
+
+    def _on_readable(self) -> None:
+        conn = self._conn
+        if conn is None:
+            return
+        try:
+            pgconn = conn.pgconn
+            pgconn.consume_input()
+            while (n := pgconn.notifies()) is not None:
+                self._dispatch(n.extra.decode())
+            if pgconn.status != pq.ConnStatus.OK:
+                raise psycopg.OperationalError("listener connection lost")
+        except (psycopg.Error, OSError, UnicodeDecodeError):
+            self.drop()
+
+    def _dispatch(self, payload: str) -> None:
+        for event in self._events.get(payload, ()):
+            event.set()
+
+    def drop(self) -> None:
+        """Forget the connection and wake every waiter to re-check."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().remove_reader(self._fd)
+            self._backend._spawn(conn.close())
+        for events in self._events.values():
+            for event in events:
+                event.set()
+
+
+class PostgreSQLBackend(Backend):
+    """Locks in PostgreSQL tables; see the module docstring for the design.
+
+    Options: ``schema`` (default ``public``), ``prefix`` of the table and function names
+    (default ``fenced_``), ``connect_timeout`` (s, default 5), ``command_timeout`` (s, default
+    30: a statement with no answer by then is abandoned as BackendUnavailable),
+    ``waiter_ttl`` (s, default 6: a waiter that stops renewing its place for this long is
+    skipped), ``allow_unsafe`` (default False: refuse a server running with ``fsync=off``).
+    """
+
+    scheme: ClassVar[str] = "postgresql"
+    characteristics: ClassVar[frozenset[Characteristic]] = frozenset(
+        {
+            Characteristic.LINEARIZABLE,
+            Characteristic.DURABLE,
+            Characteristic.FIFO,
+            Characteristic.DISTRIBUTED,
+            Characteristic.SERVER_EXPIRY,
+        }
+    )
+    _ddl_template: ClassVar[str] = _DDL
+
+    def __init__(
+        self,
+        conninfo: str,
+        *,
+        schema: str = "public",
+        prefix: str = "fenced_",
+        connect_timeout: float = 5.0,
+        command_timeout: float = 30.0,
+        waiter_ttl: float = 6.0,
+        allow_unsafe: bool = False,
+    ) -> None:
+        self._conninfo = conninfo
+        self._names = _Names(schema, prefix, self._ddl_template)
+        self._connect_timeout = connect_timeout
+        self._command_timeout = command_timeout
+        self._waiter_ttl = waiter_ttl
+        self._heartbeat = waiter_ttl / 3
+        self._allow_unsafe = allow_unsafe
+        self._conn: _Conn | None = None
+        self._connecting: asyncio.Lock | None = None
+        self._listener = _Listener(self, f"{prefix}{secrets.token_hex(16)}")
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._closed = False
+
+    # -- opening ------------------------------------------------------------------------
+
+    @classmethod
+    async def open(cls, url: SplitResult, options: dict[str, Any]) -> PostgreSQLBackend:
+        opts = dict(options)
+        kwargs: dict[str, Any] = {
+            "schema": _option_ident(opts, "schema", "public", 63),
+            "prefix": _option_ident(opts, "prefix", "fenced_", _MAX_PREFIX),
+            "connect_timeout": _option_float(opts, "connect_timeout", 5.0, 0.1),
+            "command_timeout": _option_float(opts, "command_timeout", 30.0, 0.1),
+            "waiter_ttl": _option_float(opts, "waiter_ttl", 6.0, 0.1),
+            "allow_unsafe": bool(opts.pop("allow_unsafe", False)),
+        }
+        if opts:
+            raise ConfigurationError(f"unknown postgresql options: {sorted(opts)}")
+        # libpq knows postgresql:// and postgres://; drop a "+driver" suffix.
+        conninfo = urlunsplit(("postgresql", url.netloc, url.path, url.query, url.fragment))
+        backend = cls(conninfo, **kwargs)
+        try:
+            await backend._install()
+        except BaseException:
+            await backend.aclose()
+            raise
+        return backend
+
+    @classmethod
+    def schema_sql(cls, schema: str = "public", prefix: str = "fenced_") -> str:
+        """The DDL that :meth:`open` runs, for installing by hand (e.g. by a DBA)."""
+        opts: dict[str, Any] = {"schema": schema, "prefix": prefix}
+        schema = _option_ident(opts, "schema", "public", 63)
+        prefix = _option_ident(opts, "prefix", "fenced_", _MAX_PREFIX)
+        return _Names(schema, prefix, cls._ddl_template).ddl
+
+    async def _install(self) -> None:
+        """Check the server, then create the tables and functions unless already current."""
+        names = self._names
+        probe = (
+            "SELECT pg_is_in_recovery(), current_setting('fsync'), "
+            "to_regnamespace(%s) IS NOT NULL, obj_description(to_regprocedure(%s), 'pg_proc')"
+        )
+        row = _one(await self._call(probe.encode(), (names.schema, names.acquire_sig)))
+        in_recovery, fsync, have_schema, marker = row
+        if in_recovery:
+            raise BackendUnavailable(
+                "PostgreSQL server is a standby (read-only); connect to the primary "
+                "(e.g. add target_session_attrs=read-write to the URL)"
+            )
+        if fsync != "on" and not self._allow_unsafe:
+            raise UnsafeBackendError(
+                "PostgreSQL runs with fsync=off: a crash can lose granted tokens and reuse "
+                "them (pass allow_unsafe=True to use it anyway)"
+            )
+        if marker == names.marker:
+            return
+        ddl = names.ddl
+        if not have_schema:
+            ddl = (
+                sql.SQL("CREATE SCHEMA IF NOT EXISTS {};\n")
+                .format(sql.Identifier(names.schema))
+                .as_string(None)
+                + ddl
+            )
+        conn = await self._command_conn()
+        try:
+            async with asyncio.timeout(self._command_timeout), conn.transaction():
+                await conn.execute(
+                    b"SELECT pg_advisory_xact_lock(%s, hashtext(%s))",
+                    (_INSTALL_LOCK, f"{names.schema}.{names.prefix}"),
+                )
+                await conn.execute(ddl.encode())
+        except psycopg.errors.InsufficientPrivilege as exc:
+            raise ConfigurationError(
+                f"cannot create fenced's tables in schema {names.schema!r}: {exc}. Grant CREATE "
+                "on the schema, or run PostgreSQLBackend.schema_sql() as its owner"
+            ) from exc
+        except TimeoutError as exc:
+            self._drop(conn)
+            raise BackendUnavailable("PostgreSQL did not finish installing in time") from exc
+        except psycopg.Error as exc:
+            raise self._translate(exc, conn) from exc
+
+    # -- connections --------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BackendUnavailable("postgresql:// connection is closed")
+
+    async def _connect(self, *, session: bool = True) -> _Conn:
+        self._check_open()
+        try:
+            async with asyncio.timeout(self._connect_timeout + 1.0):
+                conn = await psycopg.AsyncConnection.connect(
+                    self._conninfo,
+                    autocommit=True,
+                    connect_timeout=max(2, math.ceil(self._connect_timeout)),
+                    application_name="fenced",
+                )
+                if session:
+                    # Explicit, so a server or role default of "off" cannot weaken durability.
+                    await conn.execute(_SESSION)
+        except (psycopg.Error, OSError, TimeoutError) as exc:
+            raise BackendUnavailable(f"cannot connect to PostgreSQL: {exc}") from exc
+        return conn
+
+    async def _command_conn(self) -> _Conn:
+        conn = self._conn
+        if conn is not None and not _looks_dead(conn):
+            return conn
+        if conn is not None:
+            self._drop(conn)
+        if self._connecting is None:
+            self._connecting = asyncio.Lock()
+        async with self._connecting:
+            if self._conn is None:
+                self._conn = await self._connect()
+            return self._conn
+
+    def _drop(self, conn: _Conn) -> None:
+        """Stop using ``conn``; the next call opens a new connection."""
+        if self._conn is conn:
+            self._conn = None
+        self._spawn(conn.close())
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(_forget(self._tasks))
+
+    def _translate(self, exc: psycopg.Error, conn: _Conn) -> BackendError:
+        if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError) or conn.closed:
+            self._drop(conn)
+            return BackendUnavailable(f"PostgreSQL unavailable: {exc}")
+        if isinstance(exc, psycopg.errors.ReadOnlySqlTransaction):
+            self._drop(conn)
+            return BackendUnavailable(f"PostgreSQL server is read-only (a standby?): {exc}")
+        return BackendError(f"PostgreSQL error: {exc}")
+
+    async def _call(
+        self,
+        query: bytes,
+        params: tuple[Any, ...] | dict[str, Any],
+        *,
+        timeout: float | None = None,
+        late: Callable[[_Row | None], None] | None = None,
+    ) -> _Row | None:
+        """Run one statement and return its row.
+
+        The statement runs in its own task: if the caller is cancelled or times out, it
+        returns at once, the connection is given up (the next call opens another), and
+        ``late`` sees the statement's result when it comes, e.g. to undo a grant nobody took.
+        """
+        self._check_open()
+        conn = await self._command_conn()
+        task = asyncio.ensure_future(_fetch(conn, query, params))
+        try:
+            async with asyncio.timeout(self._command_timeout if timeout is None else timeout):
+                return await asyncio.shield(task)
+        except (asyncio.CancelledError, TimeoutError) as exc:
+            self._abandon(conn, task, late)
+            if isinstance(exc, TimeoutError) and not task.done():
+                raise BackendUnavailable("PostgreSQL did not answer in time") from exc
+            raise
+        except psycopg.Error as exc:
+            raise self._translate(exc, conn) from exc
+
+    def _abandon(
+        self,
+        conn: _Conn,
+        task: asyncio.Future[_Row | None],
+        late: Callable[[_Row | None], None] | None,
+    ) -> None:
+        if not task.done() and self._conn is conn:
+            self._conn = None
+
+        def done(t: asyncio.Future[_Row | None]) -> None:
+            row = None if t.cancelled() or t.exception() is not None else t.result()
+            if self._conn is not conn:
+                self._spawn(conn.close())
+            if late is not None and row is not None:
+                late(row)
+
+        task.add_done_callback(done)
+
+    # -- the Backend API ----------------------------------------------------------------
+
+    async def acquire(
+        self,
+        name: str,
+        *,
+        request_id: str,
+        ttl: float,
+        deadline: float | None,
+        on_lost: LostCallback,
+    ) -> Grant:
+        self._check_open()
+        if not isinstance(request_id, str) or not request_id or "\x00" in request_id:
+            raise ConfigurationError(
+                f"request_id must be a non-empty string without NUL: {request_id!r}"
+            )
+        if not (math.isfinite(ttl) and ttl > 0):
+            raise ConfigurationError(f"ttl must be a positive number of seconds, got {ttl!r}")
+        names = self._names
+        listener = self._listener
+        key = _wake_key(name, request_id)
+        wake = asyncio.Event()
+        listener.register(key, wake)
+        queued = False
+
+        def late(row: _Row | None) -> None:
+            # A grant whose caller gave up before the answer came: give it back.
+            if row is not None and row[0] == "granted":
+                grant = Grant(FencingToken(name, row[1]), request_id, ttl, 0.0)
+                self._spawn(self._quiet_release(grant))
+
+        try:
+            while True:
+                now = _clock.now()
+                last_try = deadline is not None and now >= deadline
+                channel = listener.channel if listener.alive else None
+                wake.clear()
+                timeout = self._command_timeout
+                if deadline is not None:
+                    timeout = min(timeout, max(deadline - now, 0.0) + 1.0)
+                sent_at = _clock.now()
+                params = (name, request_id, ttl, self._waiter_ttl, channel, not last_try)
+                status, token, hint = _one(
+                    await self._call(names.q_acquire, params, timeout=timeout, late=late)
+                )
+                if status == "granted":
+                    queued = False
+                    return Grant(FencingToken(name, token), request_id, ttl, sent_at)
+                queued = queued or not last_try
+                if last_try:
+                    raise LockTimeout(f"lock {name!r} not acquired before the timeout")
+                if channel is None:
+                    # First wait on this connection (or the listener broke): LISTEN, then
+                    # re-check at once, so a release between the two cannot be missed.
+                    await listener.ensure()
+                    continue
+                wait = self._heartbeat
+                if hint is not None:
+                    wait = min(wait, max(float(hint), 0.0) + 0.002)
+                if deadline is not None:
+                    wait = min(wait, deadline - _clock.now())
+                if wait > 0 and not wake.is_set():
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(wait):
+                            await wake.wait()
+        except asyncio.CancelledError:
+            if queued:
+                self._spawn(self._leave(name, request_id))
+            raise
+        except BaseException:
+            if queued:
+                with contextlib.suppress(Exception):
+                    await self._leave(name, request_id)
+            raise
+        finally:
+            listener.unregister(key, wake)
+
+    async def _leave(self, name: str, request_id: str) -> None:
+        """Take a waiter that gave up out of the queue (and wake the next one if free)."""
+        await self._call(self._names.q_leave, (name, request_id))
+
+    async def _quiet_release(self, grant: Grant) -> None:
+        with contextlib.suppress(Exception):
+            await self.release(grant)
+
+    async def renew(self, grant: Grant) -> Grant:
+        sent_at = _clock.now()
+        token = grant.token
+        row = await self._call(
+            self._names.q_renew, (grant.ttl, grant.ttl, token.lock, grant.request_id, token.value)
+        )
+        if row is None:
+            raise LeaseLostError(f"lease {token} is no longer held (expired or taken over)")
+        return Grant(token, grant.request_id, grant.ttl, sent_at, grant.handle)
+
+    async def release(self, grant: Grant) -> bool:
+        token = grant.token
+        row = await self._call(self._names.q_release, (token.lock, grant.request_id, token.value))
+        return bool(row is not None and row[0])
+
+    async def status(self, name: str) -> LockStatus:
+        row = _one(await self._call(self._names.q_status, {"name": name}))
+        holder, token, last, remaining, waiters = row
+        held = holder is not None and remaining is not None and remaining > 0
+        return LockStatus(
+            name=name,
+            holder=holder if held else None,
+            token=FencingToken(name, token) if held else None,
+            last_token=FencingToken(name, last) if last else None,
+            remaining=float(remaining) if held else None,
+            waiters=int(waiters),
+        )
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._listener.drop()
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                await conn.close()
+        tasks = list(self._tasks)
+        if tasks:
+            _done, pending = await asyncio.wait(tasks, timeout=1.0)
+            for task in pending:
+                task.cancel()
+
+
+async def _fetch(
+    conn: _Conn, query: bytes, params: tuple[Any, ...] | dict[str, Any]
+) -> _Row | None:
+    cur = await conn.execute(query, params, prepare=True)
+    return await cur.fetchone()
+
+
+def _one(row: _Row | None) -> _Row:
+    if row is None:
+        raise BackendError("PostgreSQL returned no row where one was expected")
+    return row
+
+
+def _looks_dead(conn: _Conn) -> bool:
+    """True if an idle connection has been closed by the server (restart, admin shutdown).
+
+    Costs one non-blocking ``select``; it lets the first call after a server restart go
+    straight to a new connection instead of failing on the stale one.
+    """
+    if conn.closed:
+        return True
+    if conn.lock.locked():  # in use by another call: its own reply is what is readable
+        return False
+    try:
+        pgconn = conn.pgconn
+        readable, _, _ = select.select([pgconn.socket], [], [], 0)
+        if readable:
+            pgconn.consume_input()
+        return pgconn.status != pq.ConnStatus.OK
+    except (psycopg.Error, OSError, ValueError):
+        return True
+
+
+def _forget(tasks: set[asyncio.Task[Any]]) -> Callable[[asyncio.Task[Any]], None]:
+    def done(task: asyncio.Task[Any]) -> None:
+        tasks.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: background failures are expected and harmless
+
+    return done
