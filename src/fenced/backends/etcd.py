@@ -1,0 +1,657 @@
+"""``etcd://host:port[,host:port,...]``: locks in an etcd v3 cluster; the token is a revision.
+
+Every waiter puts its own key ``<prefix><lock>/<request_id>`` bound to its own etcd lease;
+keys are ordered by the revision that created them (``create_revision``), and the lowest holds
+the lock, as in etcd's ``concurrency.Mutex``. The token is the holder key's create_revision:
+etcd's revision counter is raft-replicated, persisted, and only ever grows, so tokens are
+linearizable, durable and strictly increasing per lock. Each waiter watches only the key just
+before its own (no thundering herd, no polling) and re-checks when it is deleted.
+
+Safety, step by step (see docs/backend-etcd.md for the full argument):
+
+* grant = a linearizable transaction that sees the waiter's own key with its create_revision
+  (so its lease is alive: a key bound to an expired lease is deleted, etcd#11456) and no key
+  with a lower create_revision;
+* release = ``If(create_revision(key) == token) Then(delete key)``, so a retried release never
+  deletes a newer grant of the same request id (etcd#22082);
+* acquire is idempotent: ``If(create_revision(key) == 0) Then(put) Else(get)`` finds a retried
+  request's own key instead of queueing twice.
+
+Hot path: when the lock is free an acquire is one transaction (create the key and read the
+two newest keys of the lock) and a release is one transaction. Leases are recycled: after a
+release deleted its key, the lease (alive, now bound to nothing) is kept for the next acquire
+while it is fresh, so no LeaseGrant/LeaseRevoke pair is paid per acquire.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import math
+from collections.abc import Awaitable, Callable
+from typing import Any, ClassVar, TypeVar
+from urllib.parse import SplitResult, parse_qsl
+
+from aetcd import rpc
+
+from .. import _clock
+from .._backend import Backend, Characteristic, Grant, LockStatus, LostCallback
+from .._errors import (
+    BackendError,
+    BackendUnavailable,
+    ConfigurationError,
+    LeaseLostError,
+    LockTimeout,
+)
+from .._token import FencingToken
+from ._etcd_conn import EtcdClient, LeaseNotFound, Member, WatchHandle
+
+__all__ = [
+    "EtcdBackend",
+    "check_txn",
+    "create_txn",
+    "parse_endpoints",
+    "release_txn",
+]
+
+T = TypeVar("T")
+
+DEFAULT_PREFIX = "/fenced/locks/"
+DEFAULT_PORT = 2379
+MAX_LEASE_TTL = 9_000_000_000  # etcd's MaxLeaseTTL, in seconds
+
+_CREATE = rpc.Compare.CREATE
+_EQUAL = rpc.Compare.EQUAL
+_BY_CREATE = rpc.RangeRequest.CREATE
+_ASCEND = rpc.RangeRequest.ASCEND
+_DESCEND = rpc.RangeRequest.DESCEND
+
+
+# -- the requests, as pure functions of their inputs ------------------------------------------
+
+
+def range_end(prefix: bytes) -> bytes:
+    """The end of the key range holding every key that starts with ``prefix``."""
+    end = bytearray(prefix)
+    for i in reversed(range(len(end))):
+        if end[i] < 0xFF:
+            end[i] += 1
+            return bytes(end[: i + 1])
+    return b"\0"
+
+
+def create_txn(key: bytes, lock_prefix: bytes, lease_id: int) -> Any:
+    """Join the queue once: create ``key`` unless it exists, and read the queue's tail.
+
+    Then: the two newest keys of the lock (the new key, and the one just before it, if any).
+    Else (a retry: the key exists): the key itself, with its create_revision and lease.
+    """
+    return rpc.TxnRequest(
+        compare=[rpc.Compare(key=key, target=_CREATE, result=_EQUAL, create_revision=0)],
+        success=[
+            rpc.RequestOp(request_put=rpc.PutRequest(key=key, value=b"", lease=lease_id)),
+            rpc.RequestOp(
+                request_range=rpc.RangeRequest(
+                    key=lock_prefix,
+                    range_end=range_end(lock_prefix),
+                    sort_target=_BY_CREATE,
+                    sort_order=_DESCEND,
+                    limit=2,
+                    keys_only=True,
+                )
+            ),
+        ],
+        failure=[rpc.RequestOp(request_range=rpc.RangeRequest(key=key, keys_only=True))],
+    )
+
+
+def check_txn(key: bytes, revision: int, lock_prefix: bytes) -> Any:
+    """Is ``key`` (created at ``revision``) still there, and which key is just before it?
+
+    Succeeds only if the own key exists with that create_revision, which proves its lease is
+    alive; then returns the newest key created before it (none: the caller holds the lock).
+    """
+    return rpc.TxnRequest(
+        compare=[rpc.Compare(key=key, target=_CREATE, result=_EQUAL, create_revision=revision)],
+        success=[
+            rpc.RequestOp(
+                request_range=rpc.RangeRequest(
+                    key=lock_prefix,
+                    range_end=range_end(lock_prefix),
+                    max_create_revision=revision - 1,
+                    sort_target=_BY_CREATE,
+                    sort_order=_DESCEND,
+                    limit=1,
+                    keys_only=True,
+                )
+            )
+        ],
+        failure=[],
+    )
+
+
+def release_txn(key: bytes, revision: int) -> Any:
+    """Delete ``key`` only if it is still the one created at ``revision`` (etcd#22082)."""
+    return rpc.TxnRequest(
+        compare=[rpc.Compare(key=key, target=_CREATE, result=_EQUAL, create_revision=revision)],
+        success=[rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key))],
+        failure=[],
+    )
+
+
+# -- URL and options ----------------------------------------------------------------------------
+
+
+def parse_endpoints(url: SplitResult) -> list[str]:
+    """``host:port`` strings from ``etcd://h1:p1,h2:p2`` (default port 2379)."""
+    scheme = url.scheme.lower()
+    base, _, transport = scheme.partition("+")
+    if base not in ("etcd", "etcd3") or transport not in ("", "http"):
+        raise ConfigurationError(
+            f"unsupported etcd URL scheme {url.scheme!r}: use etcd:// (TLS is not supported)"
+        )
+    netloc = url.netloc
+    if "@" in netloc:
+        raise ConfigurationError("etcd:// does not support user names or passwords yet")
+    if url.path not in ("", "/"):
+        raise ConfigurationError(
+            f"etcd:// takes no path ({url.path!r}); set the key prefix with the prefix option"
+        )
+    endpoints = []
+    for part in netloc.split(","):
+        part = part.strip()
+        if not part:
+            raise ConfigurationError(f"empty endpoint in etcd URL {url.geturl()!r}")
+        if part.startswith("["):
+            host, sep, rest = part[1:].partition("]")
+            if not sep or (rest and not rest.startswith(":")):
+                raise ConfigurationError(f"bad etcd endpoint {part!r}")
+            port_text = rest[1:] if rest else ""
+            host = f"[{host}]"
+        else:
+            host, _, port_text = part.partition(":")
+        if not host:
+            raise ConfigurationError(f"bad etcd endpoint {part!r}: no host")
+        port = DEFAULT_PORT
+        if port_text:
+            if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+                raise ConfigurationError(f"bad etcd endpoint {part!r}: port must be 1-65535")
+            port = int(port_text)
+        endpoints.append(f"{host}:{port}")
+    return endpoints
+
+
+def _parse_options(url: SplitResult, options: dict[str, Any]) -> dict[str, Any]:
+    merged: dict[str, Any] = dict(parse_qsl(url.query, keep_blank_values=True))
+    merged.update(options)
+    known = {"prefix", "timeout", "retry_for", "lease_pool"}
+    unknown = set(merged) - known
+    if unknown:
+        raise ConfigurationError(
+            f"unknown etcd:// options {sorted(unknown)}; known: {sorted(known)}"
+        )
+    out: dict[str, Any] = {}
+    prefix = merged.get("prefix", DEFAULT_PREFIX)
+    if not isinstance(prefix, str) or not prefix:
+        raise ConfigurationError(f"etcd prefix must be a non-empty string, got {prefix!r}")
+    out["prefix"] = prefix.encode()
+    for name, default in (("timeout", 2.0), ("retry_for", 5.0)):
+        try:
+            value = float(merged.get(name, default))
+        except (TypeError, ValueError):
+            raise ConfigurationError(f"etcd option {name} must be a number") from None
+        if not (math.isfinite(value) and value > 0):
+            raise ConfigurationError(f"etcd option {name} must be > 0, got {value!r}")
+        out[name] = value
+    try:
+        pool = int(merged.get("lease_pool", 16))
+    except (TypeError, ValueError):
+        raise ConfigurationError("etcd option lease_pool must be an integer") from None
+    if pool < 0:
+        raise ConfigurationError("etcd option lease_pool must be >= 0")
+    out["lease_pool"] = pool
+    return out
+
+
+def lease_seconds(ttl: float) -> int:
+    """etcd leases have whole-second TTLs: round up, never down."""
+    if not (math.isfinite(ttl) and ttl > 0):
+        raise ValueError(f"ttl must be positive, got {ttl!r}")
+    seconds = max(1, math.ceil(ttl - 1e-9))
+    if seconds > MAX_LEASE_TTL:
+        raise ConfigurationError(f"ttl {ttl} exceeds etcd's maximum lease TTL {MAX_LEASE_TTL}")
+    return seconds
+
+
+# -- state ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class _Lease:
+    """An etcd lease as this client knows it."""
+
+    id: int
+    ttl: int
+    """The TTL the server granted (or last renewed to), seconds; may exceed the asked one."""
+    refreshed_at: float
+    """:func:`_clock.now` taken before the grant or last successful keepalive was sent."""
+    asked: int = 0
+    """The TTL this backend asked for (the lease pool's key); 0 for an adopted lease."""
+    owned: bool = True
+    """Granted by this backend (only such a lease is recycled after its key is deleted)."""
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class _Hold:
+    """One key in one lock's queue: ``Grant.handle`` once granted."""
+
+    key: bytes
+    revision: int
+    lease: _Lease
+    released: bool = False
+
+
+class _Vanished(Exception):
+    """The waiter's own key is gone (its lease expired or was revoked): queue again."""
+
+
+class EtcdBackend(Backend):
+    """Fenced locks in etcd v3; see the module docstring."""
+
+    scheme: ClassVar[str] = "etcd"
+    characteristics: ClassVar[frozenset[Characteristic]] = frozenset(
+        {
+            Characteristic.LINEARIZABLE,
+            Characteristic.DURABLE,
+            Characteristic.FIFO,
+            Characteristic.DISTRIBUTED,
+            Characteristic.SERVER_EXPIRY,
+        }
+    )
+
+    def __init__(self, client: EtcdClient, *, prefix: bytes, lease_pool: int) -> None:
+        self._client = client
+        self._prefix = prefix
+        self._pool_size = lease_pool
+        self._pool: dict[int, list[_Lease]] = {}
+        self._holds: dict[bytes, _Hold] = {}
+
+    @classmethod
+    async def open(cls, url: SplitResult, options: dict[str, Any]) -> EtcdBackend:
+        endpoints = parse_endpoints(url)
+        opts = _parse_options(url, options)
+        client = EtcdClient(endpoints, timeout=opts["timeout"], retry_for=opts["retry_for"])
+        try:
+            # Fail early on an unreachable cluster or an endpoint that is not etcd.
+            await client.call(
+                lambda m, t: m.maintenance.Status(rpc.StatusRequest(), timeout=t),
+                what="status",
+            )
+        except BaseException:
+            await client.close()
+            raise
+        return cls(client, prefix=opts["prefix"], lease_pool=opts["lease_pool"])
+
+    # -- small helpers -----------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._client.closed:
+            raise BackendUnavailable("etcd connection is closed")
+
+    def _lock_prefix(self, name: str) -> bytes:
+        return self._prefix + name.encode() + b"/"
+
+    async def _call(
+        self,
+        fn: Callable[[Member, float], Awaitable[T]],
+        what: str,
+        deadline: float | None = None,
+    ) -> T:
+        return await self._client.call(fn, what=what, deadline=deadline)
+
+    async def _txn(self, request: Any, what: str, deadline: float | None = None) -> Any:
+        return await self._call(lambda m, t: m.kv.Txn(request, timeout=t), what, deadline)
+
+    # -- leases --------------------------------------------------------------------------------
+
+    async def _new_lease(self, seconds: int, deadline: float | None) -> _Lease:
+        sent = _clock.now()
+        reply = await self._call(
+            lambda m, t: m.lease.LeaseGrant(rpc.LeaseGrantRequest(TTL=seconds), timeout=t),
+            "lease grant",
+            deadline,
+        )
+        if reply.error:
+            raise BackendError(f"etcd lease grant failed: {reply.error}")
+        return _Lease(reply.ID, reply.TTL, sent, asked=seconds)
+
+    def _pooled_lease(self, seconds: int) -> _Lease | None:
+        """A recycled lease still fresh enough that the holder gets most of its ttl."""
+        pool = self._pool.get(seconds)
+        now = _clock.now()
+        while pool:
+            lease = pool.pop()
+            if now - lease.refreshed_at <= lease.ttl / 4:
+                return lease
+            self._client.spawn(self._revoke(lease.id))
+        return None
+
+    def _recycle(self, lease: _Lease) -> None:
+        """Keep a lease that no key is bound to any more (its key was deleted by us), or revoke it.
+
+        Only a lease this backend granted itself is kept: an adopted one may still be in use
+        by another client of the same request id, whose renewals must then fail.
+        """
+        pool = self._pool.setdefault(lease.asked, [])
+        fresh = _clock.now() - lease.refreshed_at <= lease.ttl / 4
+        if lease.owned and fresh and len(pool) < self._pool_size and not self._client.closed:
+            pool.append(lease)
+        else:
+            self._client.spawn(self._revoke(lease.id))
+
+    async def _revoke(self, lease_id: int) -> None:
+        with contextlib.suppress(LeaseNotFound):
+            await self._call(
+                lambda m, t: m.lease.LeaseRevoke(rpc.LeaseRevokeRequest(ID=lease_id), timeout=t),
+                "lease revoke",
+            )
+
+    async def _keep_waiting(self, lease: _Lease, wake: asyncio.Event, gone: list[bool]) -> None:
+        """Keep a waiter's lease alive (every ttl/3); on its loss, wake the waiter."""
+        while True:
+            await asyncio.sleep(max(0.0, lease.refreshed_at + lease.ttl / 3 - _clock.now()))
+            sent = _clock.now()
+            try:
+                ttl = await self._client.keepalive(lease.id)
+            except BackendError:
+                await asyncio.sleep(min(max(lease.ttl / 10, 0.05), 1.0))
+                continue
+            if ttl <= 0:
+                gone.append(True)
+                wake.set()
+                return
+            lease.ttl = ttl
+            lease.refreshed_at = max(lease.refreshed_at, sent)
+
+    # -- acquire -------------------------------------------------------------------------------
+
+    async def acquire(
+        self,
+        name: str,
+        *,
+        request_id: str,
+        ttl: float,
+        deadline: float | None,
+        on_lost: LostCallback,
+    ) -> Grant:
+        self._check_open()
+        seconds = lease_seconds(ttl)
+        lock_prefix = self._lock_prefix(name)
+        key = lock_prefix + request_id.encode()
+        stale_leases = 0
+        while True:
+            lease = self._pooled_lease(seconds)
+            pooled = lease is not None
+            if lease is None:
+                lease = await self._new_lease(seconds, deadline)
+            try:
+                reply = await self._txn(create_txn(key, lock_prefix, lease.id), "acquire", deadline)
+            except LeaseNotFound:
+                # A recycled lease had expired or was revoked by someone: take a fresh one.
+                stale_leases += 1
+                if not pooled and stale_leases > 3:
+                    raise BackendError("etcd keeps losing freshly granted leases") from None
+                continue
+            # (Any other error leaves it unknown whether the key was created with this lease:
+            # the lease is dropped, not recycled; it expires, or a retry adopts it.)
+            if reply.succeeded:
+                hold = _Hold(key, reply.header.revision, lease)
+                tail = reply.responses[1].response_range.kvs
+                self._holds[key] = hold
+                if len(tail) < 2:  # the new key is the only one: held at once
+                    return self._grant(name, request_id, hold)
+                before: Any = tail[1]
+                seen = reply.header.revision
+            else:
+                self._recycle(lease)  # unused: the request's key exists already
+                kv = reply.responses[0].response_range.kvs[0]
+                adopted = await self._adopt(key, kv, deadline)
+                if adopted is None:
+                    continue  # its lease just ended: the key is gone, queue afresh
+                hold, before, seen = adopted, None, 0
+            try:
+                await self._wait(hold, lock_prefix, before, seen, deadline)
+            except _Vanished:
+                self._forget(hold)
+                continue
+            return self._grant(name, request_id, hold)
+
+    async def _adopt(self, key: bytes, kv: Any, deadline: float | None) -> _Hold | None:
+        """A retried acquire found its own key: take over its lease (and keep it alive)."""
+        known = self._holds.get(key)
+        if known is not None and known.revision == kv.create_revision and not known.released:
+            hold = known
+        else:
+            hold = _Hold(key, kv.create_revision, _Lease(kv.lease, 1, _clock.now(), owned=False))
+        sent = _clock.now()
+        ttl = await self._client.keepalive(hold.lease.id, deadline=deadline)
+        if ttl <= 0:
+            return None
+        hold.lease.ttl = ttl
+        hold.lease.refreshed_at = max(hold.lease.refreshed_at, sent)
+        self._holds[key] = hold
+        return hold
+
+    def _grant(self, name: str, request_id: str, hold: _Hold) -> Grant:
+        return Grant(
+            token=FencingToken(name, hold.revision),
+            request_id=request_id,
+            ttl=float(hold.lease.ttl),
+            sent_at=hold.lease.refreshed_at,
+            handle=hold,
+        )
+
+    def _forget(self, hold: _Hold) -> None:
+        if self._holds.get(hold.key) is hold:
+            del self._holds[hold.key]
+
+    async def _check(self, hold: _Hold, lock_prefix: bytes, deadline: float | None) -> Any:
+        """The key just before ours, or None if we hold the lock; _Vanished if ours is gone."""
+        reply = await self._txn(check_txn(hold.key, hold.revision, lock_prefix), "check", deadline)
+        if not reply.succeeded:
+            raise _Vanished
+        kvs = reply.responses[0].response_range.kvs
+        return (kvs[0] if kvs else None), reply.header.revision
+
+    async def _wait(
+        self,
+        hold: _Hold,
+        lock_prefix: bytes,
+        before: Any,
+        seen: int,
+        deadline: float | None,
+    ) -> None:
+        """Wait in the queue until ``hold`` is the lowest key; return once it holds.
+
+        ``before`` is the key just before ours as seen at revision ``seen`` (None: unknown,
+        check first). Raises _Vanished if our key disappears, LockTimeout at the deadline
+        (after leaving the queue), BackendUnavailable if etcd cannot be reached.
+        """
+        wake = asyncio.Event()
+        gone: list[bool] = []
+        keeper = asyncio.create_task(
+            self._keep_waiting(hold.lease, wake, gone), name="fenced-etcd-waiter-lease"
+        )
+        watch: WatchHandle | None = None
+        watched: tuple[bytes, int] | None = None
+        leave = True  # leave the queue on the way out unless granted/vanished/unreachable
+        try:
+            need_check = before is None
+            while True:
+                if need_check:
+                    before, seen = await self._check(hold, lock_prefix, deadline)
+                    if before is None:
+                        leave = False
+                        return
+                need_check = True
+                if deadline is not None and _clock.now() >= deadline:
+                    raise LockTimeout(_timeout_message(lock_prefix))
+                target = (before.key, before.create_revision)
+                if watch is None or watch.fired.is_set() or watched != target:
+                    if watch is not None:
+                        watch.cancel()
+                    watch = self._client.current.hub().watch_delete(before.key)
+                    watched = target
+                    try:
+                        registered = await self._until(watch.created, deadline)
+                    except BackendUnavailable:
+                        await asyncio.sleep(0.05)  # the stream broke: look again elsewhere
+                        continue
+                    except TimeoutError:
+                        raise LockTimeout(_timeout_message(lock_prefix)) from None
+                    if registered > seen:
+                        # The predecessor may have gone between our look and the watch.
+                        continue
+                if gone:
+                    continue  # the check will find our key gone
+                try:
+                    await self._until(_first(watch.fired, wake), deadline)
+                except TimeoutError:
+                    raise LockTimeout(_timeout_message(lock_prefix)) from None
+                wake.clear()
+        except BackendUnavailable:
+            leave = False  # keep our place: a retry of this request adopts the key
+            raise
+        except _Vanished:
+            leave = False
+            raise
+        finally:
+            keeper.cancel()
+            if watch is not None:
+                watch.cancel()
+            if leave:
+                self._forget(hold)
+                if _cancelling():
+                    self._client.spawn(self._leave(hold))
+                else:
+                    await self._leave(hold)
+
+    async def _until(self, aw: Awaitable[T], deadline: float | None) -> T:
+        if deadline is None:
+            return await aw
+        async with asyncio.timeout(max(0.0, deadline - _clock.now())):
+            return await aw
+
+    async def _leave(self, hold: _Hold) -> None:
+        """Give up a place in the queue (timeout, cancellation): delete the key, keep the lease."""
+        try:
+            reply = await self._txn(release_txn(hold.key, hold.revision), "leave queue")
+        except (BackendError, asyncio.CancelledError):
+            return  # the key goes when its lease (no longer kept alive) expires
+        if reply.succeeded:
+            self._recycle(hold.lease)
+
+    # -- renew / release / status --------------------------------------------------------------
+
+    async def renew(self, grant: Grant) -> Grant:
+        self._check_open()
+        hold: _Hold = grant.handle
+        if hold.released:
+            raise LeaseLostError(f"lease {grant.token} was released")
+        sent = _clock.now()
+        ttl = await self._client.keepalive(hold.lease.id)
+        if ttl <= 0:
+            raise LeaseLostError(
+                f"lease on {grant.token.lock!r} (token {grant.token}) is gone: its etcd lease "
+                f"{hold.lease.id:x} expired or was revoked"
+            )
+        hold.lease.ttl = ttl
+        hold.lease.refreshed_at = max(hold.lease.refreshed_at, sent)
+        return dataclasses.replace(grant, sent_at=sent, ttl=float(ttl))
+
+    async def release(self, grant: Grant) -> bool:
+        self._check_open()
+        hold: _Hold = grant.handle
+        if hold.released:
+            return False
+        reply = await self._txn(self._release_request(hold), "release")
+        hold.released = True
+        self._forget(hold)
+        if not reply.succeeded:
+            return False  # expired, or already released: nothing of ours to delete
+        deleted = bool(reply.responses and reply.responses[0].response_delete_range.deleted)
+        if deleted:
+            self._recycle(hold.lease)
+        return deleted
+
+    def _release_request(self, hold: _Hold) -> Any:
+        return release_txn(hold.key, hold.revision)
+
+    async def status(self, name: str) -> LockStatus:
+        self._check_open()
+        lock_prefix = self._lock_prefix(name)
+        request = rpc.RangeRequest(
+            key=lock_prefix,
+            range_end=range_end(lock_prefix),
+            sort_target=_BY_CREATE,
+            sort_order=_ASCEND,
+            limit=1,
+            keys_only=True,
+        )
+        reply = await self._call(lambda m, t: m.kv.Range(request, timeout=t), "status")
+        if not reply.kvs:
+            return LockStatus(name, None, None, None, None, waiters=0)
+        kv = reply.kvs[0]
+        remaining: float | None = None
+        if kv.lease:
+            info = await self._call(
+                lambda m, t: m.lease.LeaseTimeToLive(
+                    rpc.LeaseTimeToLiveRequest(ID=kv.lease), timeout=t
+                ),
+                "lease time-to-live",
+            )
+            remaining = float(max(info.TTL, 0))
+        token = FencingToken(name, kv.create_revision)
+        return LockStatus(
+            name=name,
+            holder=kv.key[len(lock_prefix) :].decode(errors="replace"),
+            token=token,
+            last_token=token,
+            remaining=remaining,
+            waiters=max(0, reply.count - 1),
+        )
+
+    async def aclose(self) -> None:
+        if self._client.closed:
+            return
+        pooled = [lease for pool in self._pool.values() for lease in pool]
+        self._pool.clear()
+        if pooled:
+            with contextlib.suppress(Exception, TimeoutError):
+                async with asyncio.timeout(1.0):
+                    await asyncio.gather(
+                        *(self._revoke(lease.id) for lease in pooled), return_exceptions=True
+                    )
+        await self._client.close()
+
+
+def _timeout_message(lock_prefix: bytes) -> str:
+    return f"etcd lock {lock_prefix.decode(errors='replace')!r} not acquired before the timeout"
+
+
+def _cancelling() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
+async def _first(*events: asyncio.Event) -> None:
+    """Return as soon as any of ``events`` is set."""
+    if any(e.is_set() for e in events):
+        return
+    waits = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
