@@ -13,29 +13,29 @@ The resource keeps two keys next to the data: ``<prefix>hw/<resource>``, the hig
 token value, and ``<prefix>lock/<resource>``, the lock whose tokens it accepts. Both are plain
 etcd keys (no lease), replicated and fsynced by Raft with the data: exactly as durable as it.
 
-One write is one ``Txn`` — etcd applies a transaction atomically at one revision, so no other
+One write is one ``Txn``. etcd applies a transaction atomically at one revision, so no other
 writer can come between the comparison and the writes::
 
-    if value(lock key) == lock:                        # the resource is bound to this lock
-        if value(hw key) > enc(token):                 # a higher token was accepted: refuse,
-            get hw key                                 #   and report the mark
-        else:                                          # (also taken when hw key is missing)
-            put hw key = enc(token); the caller's put/delete
+    if value(lock key) == lock and value(hw key) < enc(token + 1):    # i.e. high water <= token
+        put hw key = enc(token); the caller's put/delete              # accepted
     else:
-        get lock key                                   # unbound (first write) or another lock
+        get lock key; get hw key                                      # refused: report why
 
-Why the comparison is inverted ("refuse if greater" instead of "accept if less or equal"):
-etcd's compares are ANDed, and a VALUE compare against a key that does not exist is always
-false. Asking "is the mark greater?" puts the missing-mark case in the else branch, with the
-accepted writes — the first write needs no second condition and no retry. The lock key is
-written once, by a separate create-if-absent transaction, when the first write finds it
-missing; the write is then retried (that retry happens at most once per resource's lifetime).
+etcd ANDs the compares of a transaction (there is no OR), and a VALUE compare against a key
+that does not exist is always false. So the success branch can only be taken when both fence
+keys exist: the first write to a resource fails the transaction (writing nothing), sees the
+missing key in the failure branch's reads, creates the fence keys with one create-if-absent
+transaction (``create_revision == 0``; the mark starts at 0, below every token), and tries again.
+That retry happens once in the life of a resource; every later write is exactly one round trip.
+(The other way round — "refuse if value(hw) > enc(token)", so that a missing mark falls into the
+accepting else-branch — needs a nested transaction to also check the lock, and measured slower.)
 
 Byte order: etcd compares values as byte strings, not numbers. Token values are written as
-19-digit zero-padded decimals (``2**63 - 1`` has 19 digits): for strings of one fixed length
-made of the digits ``0-9`` (bytes 0x30-0x39, in order), byte order is numeric order, so
-``value(hw) > enc(token)`` is exactly ``high_water > token``. (``"10" < "9"`` bytewise is the
-bug this padding prevents.) The padded text stays readable in ``etcdctl get``.
+19-digit zero-padded decimals (``2**63`` has 19 digits, so even ``enc(MAX_TOKEN + 1)`` fits):
+for strings of one fixed length made of the digits ``0-9`` (bytes 0x30-0x39, in order), byte
+order is numeric order, so ``value(hw) < enc(token + 1)`` is exactly ``high_water <= token``.
+(Unpadded, ``"10" < "9"`` bytewise: the bug this padding prevents.) The padded text stays
+readable in ``etcdctl get``.
 """
 
 from __future__ import annotations
@@ -82,8 +82,8 @@ def encode_value(value: int) -> bytes:
 
 
 def decode_value(raw: bytes) -> int:
-    """Read a value written by :func:`encode_value`; ValueError for anything else."""
-    if len(raw) != WIDTH or not raw.isdigit() or int(raw) == 0:
+    """Read a value written by :func:`encode_value` (0: the mark of a fresh resource)."""
+    if len(raw) != WIDTH or not raw.isdigit():
         raise ValueError(f"not an encoded token value: {raw[:40]!r}")
     return int(raw)
 
@@ -99,6 +99,10 @@ class FenceKeys:
     hw: bytes
     lock: bytes
 
+    @property
+    def all(self) -> tuple[bytes, bytes]:
+        return (self.hw, self.lock)
+
     @classmethod
     def of(cls, resource: str, prefix: str) -> FenceKeys:
         return cls(f"{prefix}hw/{resource}".encode(), f"{prefix}lock/{resource}".encode())
@@ -107,27 +111,39 @@ class FenceKeys:
 # --- pure request building ----------------------------------------------------------------------
 
 
+# (Sub-messages are filled in place: passing them to a constructor would copy them.)
+
+
 def put_op(key: Key, value: bytes | str, lease: int = 0) -> rpc.RequestOp:
-    return rpc.RequestOp(
-        request_put=rpc.PutRequest(key=_bytes(key), value=_bytes(value), lease=lease)
-    )
+    """A put, for :meth:`AsyncEtcdGuard.write`."""
+    op = rpc.RequestOp()
+    put = op.request_put
+    put.key = _bytes(key)
+    put.value = _bytes(value)
+    put.lease = lease
+    return op
 
 
 def delete_op(key: Key) -> rpc.RequestOp:
-    return rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=_bytes(key)))
+    """A delete of one key, for :meth:`AsyncEtcdGuard.write`."""
+    op = rpc.RequestOp()
+    op.request_delete_range.key = _bytes(key)
+    return op
 
 
 def get_op(key: bytes) -> rpc.RequestOp:
-    return rpc.RequestOp(request_range=rpc.RangeRequest(key=key))
+    op = rpc.RequestOp()
+    op.request_range.key = key
+    return op
 
 
-def stale_compare(keys: FenceKeys, token: FencingToken) -> rpc.Compare:
-    """True when the resource has accepted a higher token than ``token`` (false if no mark)."""
+def accept_compare(keys: FenceKeys, token: FencingToken) -> rpc.Compare:
+    """True when the mark is at most ``token``: ``value(hw) < enc(token + 1)`` (false if no mark)."""
     return rpc.Compare(
         key=keys.hw,
         target=rpc.Compare.VALUE,
-        result=rpc.Compare.GREATER,
-        value=encode_value(token.value),
+        result=rpc.Compare.LESS,
+        value=encode_value(token.value + 1),
     )
 
 
@@ -135,54 +151,59 @@ def write_txn(
     keys: FenceKeys,
     token: FencingToken,
     ops: Sequence[rpc.RequestOp],
-    stale: rpc.Compare | None = None,
+    accept: rpc.Compare | None = None,
 ) -> rpc.TxnRequest:
     """The one transaction of a fenced write (see the module docstring for its shape)."""
-    guarded = rpc.TxnRequest(
-        compare=[stale if stale is not None else stale_compare(keys, token)],
-        success=[get_op(keys.hw)],
-        failure=[put_op(keys.hw, encode_value(token.value)), *ops],
-    )
-    return rpc.TxnRequest(
-        compare=[
-            rpc.Compare(
-                key=keys.lock,
-                target=rpc.Compare.VALUE,
-                result=rpc.Compare.EQUAL,
-                value=token.lock.encode(),
-            )
-        ],
-        success=[rpc.RequestOp(request_txn=guarded)],
-        failure=[get_op(keys.lock)],
-    )
+    request = rpc.TxnRequest()
+    bound = request.compare.add()
+    bound.key = keys.lock
+    bound.target = rpc.Compare.VALUE
+    bound.result = rpc.Compare.EQUAL
+    bound.value = token.lock.encode()
+    request.compare.append(accept if accept is not None else accept_compare(keys, token))
+    request.success.append(put_op(keys.hw, encode_value(token.value)))
+    request.success.extend(ops)
+    request.failure.extend([get_op(keys.lock), get_op(keys.hw)])
+    return request
+
+
+def _create_if_absent(key: bytes, value: bytes) -> rpc.RequestOp:
+    op = rpc.RequestOp()
+    txn = op.request_txn
+    absent = txn.compare.add()
+    absent.key = key
+    absent.target = rpc.Compare.CREATE
+    absent.result = rpc.Compare.EQUAL
+    absent.create_revision = 0
+    txn.success.append(put_op(key, value))
+    return op
 
 
 def bind_txn(keys: FenceKeys, lock: str) -> rpc.TxnRequest:
-    """Create the lock key if it does not exist (create_revision 0 means absent)."""
-    return rpc.TxnRequest(
-        compare=[
-            rpc.Compare(
-                key=keys.lock,
-                target=rpc.Compare.CREATE,
-                result=rpc.Compare.EQUAL,
-                create_revision=0,
-            )
-        ],
-        success=[put_op(keys.lock, lock.encode())],
-        failure=[get_op(keys.lock)],
+    """Create the lock key (``lock``) and the mark (0) where absent; read the lock key back."""
+    request = rpc.TxnRequest()
+    request.success.extend(
+        [
+            _create_if_absent(keys.lock, lock.encode()),
+            _create_if_absent(keys.hw, encode_value(0)),
+            get_op(keys.lock),
+        ]
     )
+    return request
 
 
 def state_txn(keys: FenceKeys) -> rpc.TxnRequest:
     """Read the lock key and the mark at one revision."""
-    return rpc.TxnRequest(success=[get_op(keys.lock), get_op(keys.hw)])
+    request = rpc.TxnRequest()
+    request.success.extend([get_op(keys.lock), get_op(keys.hw)])
+    return request
 
 
 # --- pure reply interpretation -------------------------------------------------------------------
 
 
 UNBOUND: Final = object()
-"""The write found no lock key: bind the resource, then try again."""
+"""The write found a fence key missing: create it (:func:`bind_txn`), then try again."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -200,47 +221,51 @@ def _wrong_lock(stored: bytes, token: FencingToken, resource: str) -> WrongLockE
     )
 
 
+def _corrupt(raw: bytes, token: FencingToken, resource: str) -> StaleTokenError:
+    return StaleTokenError(
+        token,
+        None,
+        resource,
+        f"write with {token} refused: the high-water mark of {resource!r} is not a token "
+        f"value ({raw[:40]!r}); repair the fence key by hand",
+    )
+
+
 def interpret_write(resp: rpc.TxnResponse, token: FencingToken, resource: str) -> Any:
     """:class:`Accepted`, or :data:`UNBOUND`, or raise the refusal the reply reports."""
-    if not resp.succeeded:
-        kvs = resp.responses[0].response_range.kvs
-        if not kvs:
-            return UNBOUND
-        raise _wrong_lock(kvs[0].value, token, resource)
-    guarded = resp.responses[0].response_txn
-    if guarded.succeeded:
-        raw = guarded.responses[0].response_range.kvs[0].value
-        try:
-            high_water = FencingToken(token.lock, decode_value(raw))
-        except (ValueError, FencedError):
-            raise StaleTokenError(
-                token,
-                None,
-                resource,
-                f"write with {token} refused: the high-water mark of {resource!r} is not a "
-                f"token value ({raw[:40]!r}); repair the fence key by hand",
-            ) from None
-        raise StaleTokenError(token, high_water, resource)
-    return Accepted(resp.header.revision, list(guarded.responses[1:]))
+    if resp.succeeded:
+        return Accepted(resp.header.revision, resp.responses[1:])
+    lock_kvs = resp.responses[0].response_range.kvs
+    hw_kvs = resp.responses[1].response_range.kvs
+    if not lock_kvs or not hw_kvs:
+        return UNBOUND
+    if lock_kvs[0].value != token.lock.encode():
+        raise _wrong_lock(lock_kvs[0].value, token, resource)
+    raw = hw_kvs[0].value
+    try:
+        high_water = decode_value(raw)
+    except ValueError:
+        raise _corrupt(raw, token, resource) from None
+    mark = FencingToken(token.lock, high_water) if high_water else None
+    raise StaleTokenError(token, mark, resource)
 
 
 def interpret_bind(resp: rpc.TxnResponse, token: FencingToken, resource: str) -> None:
-    """Raise if the resource turned out to be bound to another lock meanwhile."""
-    if resp.succeeded:
-        return
-    kvs = resp.responses[0].response_range.kvs
-    if kvs and kvs[0].value != token.lock.encode():
-        raise _wrong_lock(kvs[0].value, token, resource)
+    """Raise if the resource turned out to be bound to another lock."""
+    stored = resp.responses[2].response_range.kvs[0].value
+    if stored != token.lock.encode():
+        raise _wrong_lock(stored, token, resource)
 
 
 def interpret_state(resp: rpc.TxnResponse, resource: str) -> FencingToken | None:
+    """The high-water token from :func:`state_txn`'s reply (None: nothing accepted yet)."""
     lock_kvs = resp.responses[0].response_range.kvs
     hw_kvs = resp.responses[1].response_range.kvs
     if not hw_kvs:
         return None
     try:
-        lock = lock_kvs[0].value.decode() if lock_kvs else ""
-        return FencingToken(lock, decode_value(hw_kvs[0].value))
+        value = decode_value(hw_kvs[0].value)
+        return None if value == 0 else FencingToken(lock_kvs[0].value.decode(), value)
     except (ValueError, IndexError, FencedError) as exc:
         raise FencedError(f"the high-water mark of {resource!r} is corrupt") from exc
 
@@ -295,6 +320,7 @@ class AsyncEtcdGuard:
         self.lock = None if lock is None else validate_lock_name(lock)
         self.keys = FenceKeys.of(resource, prefix)
         self.timeout = timeout
+        self._template: tuple[FencingToken, rpc.TxnRequest] | None = None
 
     def _token(self, token: FencingToken | str | bytes) -> FencingToken:
         return FencingToken.coerce(token, self.lock)
@@ -307,9 +333,35 @@ class AsyncEtcdGuard:
             raise ConfigurationError(f"{key!r} is a fence key of {self.resource!r}")
         return raw
 
-    def _stale_compare(self, token: FencingToken) -> rpc.Compare:
-        """The refusal condition; a hook so tests can plant an off-by-one."""
-        return stale_compare(self.keys, token)
+    def _check_op(self, op: Any) -> None:
+        """Only puts and deletes, and none that touches a fence key."""
+        kind = op.WhichOneof("request") if isinstance(op, rpc.RequestOp) else None
+        if kind == "request_put":
+            self._key(op.request_put.key)
+            return
+        if kind == "request_delete_range":
+            start, end = op.request_delete_range.key, op.request_delete_range.range_end
+            self._key(start)
+            # range_end b"\0" means "every key >= start"; any other value bounds the range.
+            if end and any(start <= k and (end == b"\0" or k < end) for k in self.keys.all):
+                raise ConfigurationError(f"the delete range from {start!r} covers a fence key")
+            return
+        raise ConfigurationError(f"a guarded write takes put_op/delete_op requests, not {op!r}")
+
+    def _accept_compare(self, token: FencingToken) -> rpc.Compare:
+        """The acceptance condition; a hook so tests can plant an off-by-one."""
+        return accept_compare(self.keys, token)
+
+    def _request(self, token: FencingToken, ops: Sequence[rpc.RequestOp]) -> rpc.TxnRequest:
+        """:func:`write_txn`, from a copy of a per-token template (5× cheaper to make)."""
+        template = self._template
+        if template is None or template[0] != token:
+            template = (token, write_txn(self.keys, token, (), self._accept_compare(token)))
+            self._template = template
+        request = rpc.TxnRequest()
+        request.CopyFrom(template[1])
+        request.success.extend(ops)
+        return request
 
     async def _txn(self, request: rpc.TxnRequest) -> rpc.TxnResponse:
         client = self._client
@@ -324,7 +376,9 @@ class AsyncEtcdGuard:
     ) -> Accepted:
         """Apply ``ops`` (see :func:`put_op`, :func:`delete_op`) in one fenced transaction."""
         tok = self._token(token)
-        request = write_txn(self.keys, tok, ops, self._stale_compare(tok))
+        for op in ops:
+            self._check_op(op)
+        request = self._request(tok, ops)
         for _ in range(self._bind_attempts):
             outcome = interpret_write(await self._txn(request), tok, self.resource)
             if outcome is not UNBOUND:
