@@ -1,0 +1,165 @@
+"""Small POSIX file-system primitives the file guards are built from.
+
+Everything here is about *making a name appear atomically and durably*: a file is written
+under a temporary name, fsync'd, then published under its final name with ``link`` (which
+fails if the name exists) or ``rename`` (which replaces it), and the directory is fsync'd so
+the new name survives a power loss. Local file systems only: ``flock`` and ``link`` on NFS do
+not give the same guarantees.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import uuid
+from collections.abc import Iterator
+from typing import Final
+
+__all__ = [
+    "TEMP_PREFIX",
+    "TempFile",
+    "collect_temps",
+    "create_with_content",
+    "flocked",
+    "fsync_dir",
+    "write_all",
+]
+
+TEMP_PREFIX: Final = ".tmp-"
+_OPEN_FLAGS: Final = os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
+
+
+def fsync_dir(path: str) -> None:
+    """fsync a directory, making the names created or removed in it durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def flocked(path: str) -> Iterator[int]:
+    """Hold an exclusive ``flock`` on ``path`` (created if missing) for the ``with`` body.
+
+    flock locks belong to the open file description: every call opens the file anew, so two
+    threads of one process exclude each other just like two processes do. The kernel drops
+    the lock when the holder dies (even by SIGKILL), so a crashed writer never wedges others.
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | _OPEN_FLAGS, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield fd
+    finally:
+        os.close(fd)  # closing the last descriptor releases the lock
+
+
+def write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
+    """Write every byte of ``data`` to ``fd`` (os.write may write less than asked)."""
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+class TempFile:
+    """A uniquely named temporary file in ``directory``, locked while its writer lives.
+
+    The writer holds an exclusive ``flock`` on the temp file from creation until it is
+    published or discarded, so :func:`collect_temps` can tell a live writer's temp file (lock
+    busy) from one left by a writer that crashed (lock free) without any timestamps.
+    """
+
+    __slots__ = ("fd", "name", "path")
+
+    def __init__(self, directory: str) -> None:
+        self.name = f"{TEMP_PREFIX}{uuid.uuid4().hex}"
+        self.path = os.path.join(directory, self.name)
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, 0o644)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BaseException:
+            # A collector opened and locked the file in the instant between create and
+            # lock: it is about to unlink it. Give it up; the caller retries with a new name.
+            os.close(self.fd)
+            raise
+
+    def link_to(self, final_path: str) -> None:
+        """Publish the (already fsync'd) content under ``final_path``; fails if it exists.
+
+        Raises FileNotFoundError if a collector removed the temp name (see ``__init__``).
+        """
+        os.link(self.path, final_path, follow_symlinks=False)
+
+    def rename_to(self, final_path: str) -> None:
+        """Publish the content under ``final_path``, atomically replacing what was there."""
+        os.rename(self.path, final_path)
+        self.path = ""
+
+    def close(self) -> None:
+        """Remove the temp name (if still there), then drop the lock by closing."""
+        if self.path:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+            self.path = ""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def collect_temps(directory: str, names: list[str] | None = None) -> int:
+    """Remove temp files whose writer is gone (their flock is free); return how many.
+
+    Safe against live writers: a temp file whose writer is alive is locked and is skipped; a
+    writer whose fresh temp file is taken in the instant before it locks it notices (its
+    ``TempFile()`` or ``link_to`` fails) and retries. Only names starting with
+    :data:`TEMP_PREFIX` are ever removed, never a published file.
+    """
+    if names is None:
+        try:
+            names = os.listdir(directory)
+        except FileNotFoundError:
+            return 0
+    removed = 0
+    for name in names:
+        if not name.startswith(TEMP_PREFIX):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | _OPEN_FLAGS)
+        except FileNotFoundError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    continue  # a live writer holds it
+                raise
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+                removed += 1
+        finally:
+            os.close(fd)
+    return removed
+
+
+def create_with_content(directory: str, name: str, data: bytes) -> bool:
+    """Create ``directory/name`` holding ``data``, atomically and durably, if it does not exist.
+
+    Returns True if this call created it, False if it existed already (content untouched).
+    """
+    temp = TempFile(directory)
+    try:
+        write_all(temp.fd, data)
+        os.fsync(temp.fd)
+        try:
+            temp.link_to(os.path.join(directory, name))
+        except FileExistsError:
+            return False
+        fsync_dir(directory)
+        return True
+    finally:
+        temp.close()

@@ -1,0 +1,444 @@
+"""File guards: versioned files named by their fencing token, and a high-water file.
+
+:class:`FileGuard` is DDIA's "put the fencing token in the file name", done so that it holds
+under concurrency and crashes. Each write of resource ``name`` creates a *new* immutable
+file ``<directory>/<name>/<token:019d>.<seq:06d>``; readers take the highest name, so the
+newest version is the one with the highest token, whatever order the writes arrived in. A
+write whose token is lower than the newest published version is rejected and leaves nothing
+behind. The versions themselves are the high-water mark: it lives in the resource, exactly
+as durable as the data.
+
+Write path, and why it is atomic (one machine, any number of processes and threads):
+
+1. the data goes to a uniquely named temp file in the resource directory, which is
+   fsync'd (no lock held: big or slow writes do not serialize writers);
+2. an exclusive ``flock`` on ``<name>/.lock`` is taken; under it the directory is listed,
+   the token is compared with the newest published version (``token >= newest``), and the
+   temp file is published under its version name with ``link`` (which never replaces an
+   existing name), then the directory is fsync'd; then the lock is released.
+
+Every publish happens inside that critical section, so "is my token >= the newest?" and
+"publish" cannot interleave with another writer's publish: the newest version a writer
+compared against is still the newest when its own name appears. Rejected writers unlink
+their temp file. The kernel releases a flock when its holder dies (even by SIGKILL), and a
+version name only ever appears, via ``link``, for a complete fsync'd file, so a crash leaves
+the old versions, or the old versions plus the complete new one, never a partial file.
+Temp files of dead writers are ignored by readers and removed by later writes (a live
+writer keeps its temp file flocked, which is how a collector tells them apart).
+
+Equal tokens: a token equal to the newest is accepted (the holder of that grant writing
+again) and creates the next *sub-version* ``<token>.<seq+1>``; nothing is ever overwritten,
+and two writers that both hold the same token each get their own version. Readers see the
+highest ``(token, seq)``.
+
+Limits: local file systems only (``flock``/``link`` semantics on NFS are weaker); every
+write lists the resource directory, so keep the number of versions bounded with
+:meth:`FileGuard.prune`. A writer paused (SIGSTOP) inside the few-syscall critical section
+delays the other writers of that resource until it resumes; it cannot make them wrong.
+
+:class:`HighWaterFile` is the other form: one small file holding ``lock:value`` for a
+resource that is updated in place elsewhere. ``with mark.hold(token): <write>`` checks and
+durably advances the mark and keeps the lock across the caller's write, so check and write
+are one step for every writer that goes through the same file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+from collections.abc import Iterable, Iterator
+from typing import Final, Protocol, runtime_checkable
+
+from .._errors import (
+    ConfigurationError,
+    InvalidTokenError,
+    ResourceNotFoundError,
+    StaleTokenError,
+)
+from .._token import FencingToken, validate_lock_name
+from ._files_fs import (
+    TEMP_PREFIX,
+    TempFile,
+    collect_temps,
+    create_with_content,
+    flocked,
+    fsync_dir,
+    write_all,
+)
+
+__all__ = ["FileGuard", "HighWaterFile", "Version", "VersionStore"]
+
+_NAME_RE: Final = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.@+=-]{0,199}")
+_VERSION_RE: Final = re.compile(r"([0-9]{19})\.([0-9]{6,})")
+_LOCK_FILE: Final = ".lock"
+_LOCK_NAME_FILE: Final = ".fenced-lock"
+_RETRIES: Final = 16
+
+Data = bytes | bytearray | memoryview
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Version:
+    """One published version of a resource: its token and its sub-version number.
+
+    ``seq`` counts writes that carried the same token (0 for the first). Versions order by
+    ``(token, seq)``; the newest version is the greatest.
+    """
+
+    token: FencingToken
+    seq: int = 0
+
+    @property
+    def filename(self) -> str:
+        """The version's file (or object key) name: zero-padded so names sort numerically."""
+        return f"{self.token.value:019d}.{self.seq:06d}"
+
+
+@runtime_checkable
+class VersionStore(Protocol):
+    """What a token-versioned store offers; :class:`FileGuard` is the local-disk one.
+
+    An object store with conditional writes maps onto it (see docs/guards-files.md): each
+    version is the object ``<name>/<token:019d>.<seq:06d>`` created with ``If-None-Match: *``.
+    """
+
+    lock: str
+
+    def publish(self, name: str, token: FencingToken | str | bytes, data: Data) -> Version:
+        """Store ``data`` as a new version of ``name`` if ``token`` >= the newest version.
+
+        Raises :class:`~fenced.StaleTokenError` (and stores nothing) if it is lower.
+        """
+        ...
+
+    def latest(self, name: str) -> Version | None:
+        """The newest published version of ``name``, or None if it has none."""
+        ...
+
+    def versions(self, name: str) -> list[Version]:
+        """Every published version of ``name``, oldest first."""
+        ...
+
+    def read_version(self, name: str, version: Version) -> bytes:
+        """The content of one version; ResourceNotFoundError if it does not exist (any more)."""
+        ...
+
+    def prune(self, name: str, keep: int) -> list[Version]:
+        """Delete all but the ``keep`` (>= 1) newest versions; return the deleted ones."""
+        ...
+
+
+def _validate_name(name: object) -> str:
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
+        raise ConfigurationError(
+            f"invalid resource name {name!r}: use 1-200 characters of A-Z a-z 0-9 _ . @ + = -, "
+            "not starting with a punctuation mark"
+        )
+    return name
+
+
+def _as_view(data: object) -> memoryview:
+    if isinstance(data, str) or not isinstance(data, bytes | bytearray | memoryview):
+        raise TypeError(f"data must be bytes-like, not {type(data).__name__}")
+    return memoryview(data)
+
+
+def _parse_versions(names: Iterable[str]) -> list[tuple[int, int]]:
+    """The (token value, seq) of every version file name among ``names``."""
+    found = []
+    for entry in names:
+        m = _VERSION_RE.fullmatch(entry)
+        if m is not None:
+            value = int(m[1])
+            if value > 0:
+                found.append((value, int(m[2])))
+    return found
+
+
+class FileGuard:
+    """Token-versioned files in ``directory``: ``write(name, data, token)``, ``read(name)``.
+
+    ``lock`` is the lock whose tokens this directory accepts; it is recorded in
+    ``<directory>/.fenced-lock`` on first use, and opening the directory with another lock
+    raises :class:`~fenced.ConfigurationError` (tokens of two locks cannot be ordered).
+    Offering a token of another lock raises :class:`~fenced.WrongLockError`; malformed ones,
+    :class:`~fenced.InvalidTokenError`. See the module docstring for the atomicity argument.
+
+    >>> guard = FileGuard("/srv/reports", lock="reports")          # doctest: +SKIP
+    >>> guard.write("daily.csv", b"...", lease.token)               # doctest: +SKIP
+    Version(token=FencingToken('reports', 34), seq=0)
+    >>> guard.read("daily.csv")                                     # doctest: +SKIP
+    (FencingToken('reports', 34), b'...')
+    """
+
+    precheck_bytes: int = 1 << 20
+    """Writes at least this big check the token before writing the data too (a stale writer
+    then fails fast instead of writing a big temp file first). The check that counts is the
+    one under the lock."""
+
+    def __init__(self, directory: str | os.PathLike[str], *, lock: str) -> None:
+        self.lock = validate_lock_name(lock)
+        self.directory = os.fspath(directory)
+        self._known_dirs: set[str] = set()
+        os.makedirs(self.directory, exist_ok=True)
+        marker = os.path.join(self.directory, _LOCK_NAME_FILE)
+        if not create_with_content(self.directory, _LOCK_NAME_FILE, f"{lock}\n".encode()):
+            with open(marker, encoding="ascii", errors="replace") as f:
+                recorded = f.read().strip()
+            if recorded != lock:
+                raise ConfigurationError(
+                    f"{self.directory} is fenced by lock {recorded!r}, not {lock!r}"
+                )
+
+    # -- the write path ---------------------------------------------------------------------
+
+    def write(self, name: str, data: Data, token: FencingToken | str | bytes) -> Version:
+        """Store ``data`` as the newest version of ``name`` if ``token`` >= its newest version.
+
+        Returns the new :class:`Version` once it is durable. Raises StaleTokenError (with the
+        newest version's token as ``high_water``) and leaves nothing behind if the token is
+        lower; InvalidTokenError / WrongLockError for a bad token.
+        """
+        return self.publish(name, token, data)
+
+    def publish(self, name: str, token: FencingToken | str | bytes, data: Data) -> Version:
+        """:class:`VersionStore` spelling of :meth:`write` (note the argument order)."""
+        tok = FencingToken.coerce(token, self.lock)
+        view = _as_view(data)
+        rdir = self._resource_dir(_validate_name(name), create=True)
+        if view.nbytes >= self.precheck_bytes:
+            self._reject_if_stale(name, tok, self._newest(os.listdir(rdir)))
+        for _ in range(_RETRIES):
+            try:
+                temp = TempFile(rdir)
+            except BlockingIOError:  # a collector grabbed the fresh temp file: take another
+                continue
+            try:
+                self._write_temp(temp.fd, view)
+                os.fsync(temp.fd)
+                with self._resource_lock(rdir):
+                    names = os.listdir(rdir)
+                    newest = self._newest(names)
+                    self._reject_if_stale(name, tok, newest)
+                    seq = newest[1] + 1 if newest is not None and newest[0] == tok.value else 0
+                    version = Version(tok, seq)
+                    self._checked(name, version)
+                    try:
+                        temp.link_to(os.path.join(rdir, version.filename))
+                    except FileNotFoundError:
+                        continue  # a collector removed our temp name: write it again
+                    fsync_dir(rdir)
+                    self._published(name, version)
+            finally:
+                temp.close()
+            leftovers = [n for n in names if n.startswith(TEMP_PREFIX) and n != temp.name]
+            if leftovers:
+                collect_temps(rdir, leftovers)
+            return version
+        raise OSError(f"could not publish {name!r} in {rdir}: temp files kept disappearing")
+
+    def _reject_if_stale(
+        self, name: str, token: FencingToken, newest: tuple[int, int] | None
+    ) -> None:
+        if newest is not None and not self._accepts(token.value, newest[0]):
+            raise StaleTokenError(token, FencingToken(self.lock, newest[0]), name)
+
+    # -- hooks (overridden only by tests and planted-bug variants) -------------------------
+
+    def _accepts(self, token: int, newest: int) -> bool:
+        """The fencing rule: a token equal to the newest is accepted, a lower one is not."""
+        return token >= newest
+
+    def _resource_lock(self, rdir: str) -> contextlib.AbstractContextManager[object]:
+        return flocked(os.path.join(rdir, _LOCK_FILE))
+
+    def _write_temp(self, fd: int, data: memoryview) -> None:
+        write_all(fd, data)
+
+    def _checked(self, name: str, version: Version) -> None:
+        """Called under the lock after the check passed, before the version is published."""
+
+    def _published(self, name: str, version: Version) -> None:
+        """Called under the lock once the version is published and durable."""
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def latest(self, name: str) -> Version | None:
+        """The newest published version of ``name``, or None if it has none."""
+        rdir = self._resource_dir(_validate_name(name), create=False)
+        try:
+            newest = self._newest(os.listdir(rdir))
+        except FileNotFoundError:
+            return None
+        return None if newest is None else Version(FencingToken(self.lock, newest[0]), newest[1])
+
+    def high_water(self, name: str) -> FencingToken | None:
+        """The highest token ``name`` has accepted (the newest version's), or None."""
+        v = self.latest(name)
+        return None if v is None else v.token
+
+    def read(self, name: str) -> tuple[FencingToken, bytes]:
+        """The newest complete version of ``name``: ``(token, data)``.
+
+        Raises :class:`~fenced.ResourceNotFoundError` if ``name`` has no version. Never
+        returns a partial file: version names only appear for complete, fsync'd files.
+        """
+        for _ in range(_RETRIES):
+            v = self.latest(name)
+            if v is None:
+                raise ResourceNotFoundError(f"{name!r} has no version in {self.directory}")
+            try:
+                return v.token, self.read_version(name, v)
+            except ResourceNotFoundError:
+                continue  # pruned between listing and opening: look again
+        raise ResourceNotFoundError(f"{name!r}: versions kept disappearing while reading")
+
+    def read_version(self, name: str, version: Version) -> bytes:
+        """The content of one version of ``name``."""
+        try:
+            with open(self.path(name, version), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            raise ResourceNotFoundError(f"{name!r} has no version {version.filename}") from None
+
+    def path(self, name: str, version: Version) -> str:
+        """The file of one version (immutable: safe to open directly until it is pruned)."""
+        rdir = self._resource_dir(_validate_name(name), create=False)
+        version.token.require_lock(self.lock)
+        return os.path.join(rdir, version.filename)
+
+    def versions(self, name: str) -> list[Version]:
+        """Every published version of ``name``, oldest first."""
+        rdir = self._resource_dir(_validate_name(name), create=False)
+        try:
+            found = _parse_versions(os.listdir(rdir))
+        except FileNotFoundError:
+            return []
+        return [Version(FencingToken(self.lock, v), s) for v, s in sorted(found)]
+
+    # -- housekeeping -----------------------------------------------------------------------
+
+    def prune(self, name: str, keep: int = 1) -> list[Version]:
+        """Delete all but the ``keep`` newest versions of ``name``; return what was deleted.
+
+        ``keep`` must be >= 1: the newest version *is* the high-water mark, and deleting it
+        would let a stale writer in again.
+        """
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"keep must be an int >= 1, not {keep!r}")
+        rdir = self._resource_dir(_validate_name(name), create=False)
+        if not os.path.isdir(rdir):
+            return []
+        with self._resource_lock(rdir):
+            existing = sorted(_parse_versions(os.listdir(rdir)))
+            doomed = existing[:-keep]
+            for value, seq in doomed:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(rdir, f"{value:019d}.{seq:06d}"))
+            if doomed:
+                fsync_dir(rdir)
+        return [Version(FencingToken(self.lock, v), s) for v, s in doomed]
+
+    def collect_garbage(self, name: str) -> int:
+        """Remove temp files left by crashed writers of ``name``; return how many.
+
+        Writes do this on their own when they see such files; live writers are never hurt.
+        """
+        return collect_temps(self._resource_dir(_validate_name(name), create=False))
+
+    # -- internals --------------------------------------------------------------------------
+
+    @staticmethod
+    def _newest(names: Iterable[str]) -> tuple[int, int] | None:
+        found = _parse_versions(names)
+        return max(found) if found else None
+
+    def _resource_dir(self, name: str, *, create: bool) -> str:
+        rdir = os.path.join(self.directory, name)
+        if create and rdir not in self._known_dirs:
+            try:
+                os.mkdir(rdir)
+            except FileExistsError:
+                pass
+            else:
+                fsync_dir(self.directory)
+            self._known_dirs.add(rdir)
+        return rdir
+
+    def __repr__(self) -> str:
+        return f"FileGuard({self.directory!r}, lock={self.lock!r})"
+
+
+class HighWaterFile:
+    """A durable high-water mark in one small file, for a resource updated in place elsewhere.
+
+    The file holds the canonical token text ``lock:value``; it is only ever replaced
+    atomically (fixed temp name written under the lock, fsync, rename, fsync the directory),
+    so it is never seen half-written. ``<path>.lock`` is the ``flock`` every writer takes.
+
+    * ``with mark.hold(token): write()`` — check, advance durably, and keep the lock across
+      your write: check and write are one step for everyone using this file. The mark is
+      advanced *before* your write, so a crash in between leaves the mark ahead of the data
+      (harmless: a stale writer is still refused), never behind it.
+    * ``mark.check_and_advance(token)`` — the same check and advance, releasing the lock at
+      once: your later write is a second step. Use it to gate something that is itself
+      ordered or idempotent, not for in-place writes that a slower writer could overwrite.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, lock: str) -> None:
+        self.lock = validate_lock_name(lock)
+        self.path = os.path.abspath(os.fspath(path))
+        self._dir, base = os.path.split(self.path)
+        self._lock_path = self.path + ".lock"
+        self._temp_path = os.path.join(self._dir, f".{base}.tmp")
+
+    def current(self) -> FencingToken | None:
+        """The mark: the highest token accepted so far, or None if none was."""
+        try:
+            with open(self.path, "rb") as f:
+                text = f.read()
+        except FileNotFoundError:
+            return None
+        try:
+            return FencingToken.parse(text.rstrip(b"\n"), self.lock)
+        except InvalidTokenError as exc:
+            raise type(exc)(f"high-water file {self.path}: {exc}") from exc
+
+    def check_and_advance(self, token: FencingToken | str | bytes) -> FencingToken:
+        """Accept ``token`` if >= the mark and make it the mark (durably); return it."""
+        with self.hold(token) as accepted:
+            return accepted
+
+    @contextlib.contextmanager
+    def hold(self, token: FencingToken | str | bytes) -> Iterator[FencingToken]:
+        """Check and advance the mark, then hold the lock for the ``with`` body (your write)."""
+        tok = FencingToken.coerce(token, self.lock)
+        with self._locked():
+            mark = self.current()
+            if mark is not None and not self._accepts(tok.value, mark.value):
+                raise StaleTokenError(tok, mark, self.path)
+            if mark is None or tok.value != mark.value:
+                self._store(tok)
+            yield tok
+
+    # hooks, as in FileGuard
+    def _accepts(self, token: int, mark: int) -> bool:
+        return token >= mark
+
+    def _locked(self) -> contextlib.AbstractContextManager[object]:
+        return flocked(self._lock_path)
+
+    def _store(self, token: FencingToken) -> None:
+        fd = os.open(self._temp_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        try:
+            write_all(fd, f"{token}\n".encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(self._temp_path, self.path)
+        fsync_dir(self._dir)
+
+    def __repr__(self) -> str:
+        return f"HighWaterFile({self.path!r}, lock={self.lock!r})"
