@@ -25,6 +25,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import pytest
 
@@ -87,11 +88,10 @@ class Worker:
         assert self.proc.stdin is not None
         self.proc.stdin.close()
         code = self.proc.wait(timeout)
-        self._reader.join(10)
-        rest = [line for line in iter(self.lines.get_nowait, None)] if code == 0 else []
         if code != 0:
             raise AssertionError(f"worker exited with {code}")
-        return rest
+        self._reader.join(10)
+        return [line for line in iter(self.lines.get_nowait, None) if line is not None]
 
     def __enter__(self) -> Worker:
         return self
@@ -233,25 +233,42 @@ def _cmd_once(args: argparse.Namespace) -> None:
             print("token", lease.token.value, last, flush=True)
 
 
+JOURNAL_SCHEMA = """CREATE TABLE IF NOT EXISTS journal (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    pid INTEGER NOT NULL, token INTEGER NOT NULL, event TEXT NOT NULL,
+    status_token INTEGER NOT NULL, status_mine INTEGER NOT NULL)"""
+
+
+def open_journal(path: str) -> sqlite3.Connection:
+    """The shared append-only log of critical sections (its own file, not the lock database)."""
+    journal = sqlite3.connect(path, isolation_level=None, timeout=30)
+    journal.execute("PRAGMA journal_mode=WAL")
+    journal.execute(JOURNAL_SCHEMA)
+    return journal
+
+
+def record(journal: sqlite3.Connection, locks: Any, lease: Any, event: str) -> None:
+    """Append (token, pid, event) to the journal, with what the lock's own status says."""
+    status = locks.status(lease.name)
+    seen = status.token.value if status.token else 0
+    mine = int(status.holder == lease.request_id)
+    journal.execute(
+        "INSERT INTO journal (pid, token, event, status_token, status_mine) VALUES (?, ?, ?, ?, ?)",
+        (os.getpid(), lease.token.value, event, seen, mine),
+    )
+
+
 def _cmd_journal(args: argparse.Namespace) -> None:
-    """``count`` critical sections, each journaled on entry and exit with the lock's status."""
+    """``count`` critical sections, each journaled on entry and exit."""
     import fenced
 
-    journal = sqlite3.connect(args.journal, isolation_level=None, timeout=30)
-    pid = os.getpid()
+    journal = open_journal(args.journal)
     with fenced.connect(args.url) as locks:
         print("ready", flush=True)
         for _ in range(args.count):
             with locks.lock(args.name, ttl=10, timeout=60) as lease:
-                for event in ("enter", "exit"):
-                    status = locks.status(args.name)
-                    seen = status.token.value if status.token else 0
-                    mine = int(status.holder == lease.request_id)
-                    journal.execute(
-                        "INSERT INTO journal (pid, token, event, status_token, status_mine)"
-                        " VALUES (?, ?, ?, ?, ?)",
-                        (pid, lease.token.value, event, seen, mine),
-                    )
+                record(journal, locks, lease, "enter")
+                record(journal, locks, lease, "exit")
     print("done", flush=True)
 
 
@@ -270,7 +287,8 @@ def _cmd_old_boot(args: argparse.Namespace) -> None:
             target=lambda: other.lock(args.name, ttl=10).acquire(timeout=3600), daemon=True
         )
         waiter.start()
-        while locks.status(args.name).waiters != 1:
+        deadline = time.monotonic() + 30
+        while locks.status(args.name).waiters != 1 and time.monotonic() < deadline:
             time.sleep(0.01)
         print("ready", flush=True)
         _block()

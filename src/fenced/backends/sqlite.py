@@ -264,10 +264,13 @@ class SQLiteBackend(Backend):
         }
     )
 
+    poll_min: ClassVar[float] = POLL_MIN
+    """The first pause between two polls of a waiter, after anything changed."""
+
     def __init__(self, path: str, options: dict[str, float]) -> None:
         self.path = path
         self._waiter_ttl = options["waiter_ttl"]
-        self._poll_interval = max(options["poll_interval"], POLL_MIN)
+        self._poll_interval = options["poll_interval"]
         self._busy_timeout = options["busy_timeout"]
         self._boot = _clock.boot_id()
         self._conns: dict[int, sqlite3.Connection] = {}  # one connection per thread
@@ -573,7 +576,8 @@ class SQLiteBackend(Backend):
     ) -> None:
         """Wait (polling with reads) until the lock looks ours, a heartbeat or the deadline is due."""
         heartbeat_at = _clock.now() + self._waiter_ttl / 3
-        interval = POLL_MIN
+        fastest = min(self.poll_min, self._poll_interval)
+        interval = fastest
         seen: tuple[Any, ...] | None = None
         while True:
             waiter.event.clear()  # before the read: a release after it still wakes us
@@ -587,7 +591,7 @@ class SQLiteBackend(Backend):
             if my_turn:
                 return
             if state != seen:  # something moved: things may move again soon
-                seen, interval = state, POLL_MIN
+                seen, interval = state, fastest
             else:
                 interval = min(interval * 2, self._poll_interval)
             wake = min(now + interval, heartbeat_at)

@@ -1,0 +1,495 @@
+"""The SQLite token source with real OS processes: exclusion, order, crashes, reboots.
+
+Helper processes run ``python -m tests.envs.sqlite COMMAND`` (see that module). Each checker
+here has a planted bug it must catch: the journal checker an overlapping holder, the counter
+checker a counter kept in memory instead of in the file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import sqlite3
+import threading
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+
+import fenced
+from fenced import _clock
+from fenced.backends.sqlite import SQLiteBackend, database_path
+from tests.envs.sqlite import Worker, open_journal, read_counters, record
+from tests.helpers import async_wait_for, unique_name, wait_for
+
+# -- planted bugs -----------------------------------------------------------------------------
+
+
+class UnpersistedCounterBackend(SQLiteBackend):
+    """PLANTED BUG: the counter lives in memory, seeded from the holder rows when first used.
+
+    Within one process its tokens do increase, but holder rows are deleted on release, so a
+    process that opens the file while the lock is idle starts again from 1.
+    """
+
+    def __init__(self, path: str, options: dict[str, float]) -> None:
+        super().__init__(path, options)
+        self._counters: dict[str, int] = {}
+
+    def _next_token(self, conn: sqlite3.Connection, name: str) -> int:
+        if name not in self._counters:
+            row = conn.execute(
+                "SELECT COALESCE(MAX(token), 0) FROM fenced_holders WHERE name = ?", (name,)
+            ).fetchone()
+            self._counters[name] = row[0]
+        self._counters[name] += 1
+        return self._counters[name]
+
+
+class NoExclusionBackend(SQLiteBackend):
+    """PLANTED BUG: breaks the current holder's grant instead of waiting for it."""
+
+    def _tx_acquire(self, conn: sqlite3.Connection, name: str, *args: Any, **kw: Any) -> Any:
+        conn.execute("DELETE FROM fenced_holders WHERE name = ?", (name,))
+        return super()._tx_acquire(conn, name, *args, **kw)
+
+
+# -- checkers ---------------------------------------------------------------------------------
+
+
+def journal_violations(rows: list[tuple[int, int, str, int, int]]) -> list[str]:
+    """Check a journal of (pid, token, event, status_token, status_mine) rows in append order.
+
+    Critical sections must not overlap (enter, exit, enter, exit ...), each exit must match
+    the open enter, tokens must strictly increase from one section to the next, and the lock's
+    own status must name the recording holder, with its token, at entry and at exit.
+    """
+    problems: list[str] = []
+    inside: tuple[int, int] | None = None
+    last_token = 0
+    for i, (pid, token, event, status_token, mine) in enumerate(rows):
+        if status_token != token or not mine:
+            problems.append(
+                f"row {i}: pid {pid} with token {token} but the lock says {status_token}"
+            )
+        if event == "enter":
+            if inside is not None:
+                problems.append(f"row {i}: pid {pid} entered while pid {inside[0]} was inside")
+            if token <= last_token:
+                problems.append(f"row {i}: token {token} after token {last_token}")
+            inside, last_token = (pid, token), max(last_token, token)
+        else:
+            if inside != (pid, token):
+                problems.append(f"row {i}: pid {pid} left (token {token}) but {inside} was inside")
+            inside = None
+    return problems
+
+
+def counter_violations(
+    url: str, name: str, rng: random.Random, *, rounds: int = 3, backend: str | None = None
+) -> list[str]:
+    """Kill -9 a process acquiring in a tight loop at a random point, reopen, repeat.
+
+    Every token a process was told it holds is *acknowledged*. A token handed out later, by
+    any process, after any crash or reopen, must be greater than all of them.
+    """
+    extra = ["--backend", backend] if backend else []
+    problems: list[str] = []
+    acked = 0
+    for r in range(rounds):
+        with Worker("loop", url, name, "--ttl", "0.5", *extra) as worker:
+            tokens = [int(worker.expect("token")) for _ in range(rng.randint(3, 40))]
+            tokens += [int(line.split()[1]) for line in worker.kill() if line.startswith("token")]
+        for a, b in pairwise(tokens):
+            if b <= a:
+                problems.append(f"round {r}: token {b} granted after {a} in one process")
+        if tokens[0] <= acked:
+            problems.append(f"round {r}: token {tokens[0]} granted after {acked} was acknowledged")
+        acked = max(acked, *tokens)
+        with Worker("once", url, name, "--ttl", "5", *extra) as worker:
+            token = int(worker.expect("token").split()[0])
+            worker.finish()
+        if token <= acked:
+            problems.append(f"round {r}, reopened: token {token} after {acked} was acknowledged")
+        acked = max(acked, token)
+    return problems
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> str:
+    return str(tmp_path / "locks.db")
+
+
+def url_of(path: str, **query: object) -> str:
+    q = "&".join(f"{k}={v}" for k, v in query.items())
+    return f"sqlite:///{path}" + (f"?{q}" if q else "")
+
+
+# -- (1) four processes, one lock ---------------------------------------------------------------
+
+
+def test_processes_take_turns_with_increasing_tokens(db: str, tmp_path: Path) -> None:
+    journal_path = str(tmp_path / "journal.db")
+    open_journal(journal_path).close()
+    name = unique_name()
+    workers = [Worker("journal", url_of(db), name, journal_path, "--count", "25") for _ in range(4)]
+    try:
+        for w in workers:
+            w.expect("ready")
+        for w in workers:
+            w.finish(timeout=90)
+    finally:
+        for w in workers:
+            w.__exit__(None, None, None)
+    journal = open_journal(journal_path)
+    rows = journal.execute(
+        "SELECT pid, token, event, status_token, status_mine FROM journal ORDER BY seq"
+    ).fetchall()
+    assert len(rows) == 4 * 25 * 2
+    assert len({r[0] for r in rows}) == 4
+    assert len({r[1] for r in rows}) == 100
+    assert journal_violations(rows) == []
+
+
+def test_journal_check_catches_a_lock_without_exclusion(
+    db: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(
+        fenced._backend.SCHEMES, "sqlite", "tests.test_backend_sqlite:NoExclusionBackend"
+    )
+    journal = open_journal(str(tmp_path / "journal.db"))
+    name = unique_name()
+    with fenced.connect(url_of(db)) as a, fenced.connect(url_of(db)) as b:
+        first = a.lock(name, ttl=10)
+        first.acquire(timeout=1)
+        record(journal, a, first, "enter")
+        second = b.lock(name, ttl=10)
+        second.acquire(timeout=1)  # must have waited; the planted bug grants at once
+        record(journal, b, second, "enter")
+        record(journal, b, second, "exit")
+        record(journal, a, first, "exit")
+    rows = journal.execute(
+        "SELECT pid, token, event, status_token, status_mine FROM journal ORDER BY seq"
+    ).fetchall()
+    problems = journal_violations(rows)
+    assert any("entered while" in p for p in problems), problems
+    assert any("the lock says" in p for p in problems), problems
+
+
+# -- (2) a holder killed while holding -------------------------------------------------------------
+
+
+def test_killed_holder_is_replaced_after_its_ttl_with_a_higher_token(db: str) -> None:
+    name = unique_name()
+    ttl = 1.0
+    with Worker("hold", url_of(db), name, "--ttl", str(ttl)) as worker:
+        dead_token = int(worker.expect("token"))
+        worker.kill()
+    with fenced.connect(url_of(db)) as locks:
+        before = _clock.now()
+        status = locks.status(name)
+        # The lease of the dead process still runs: no grant before it expires.
+        assert status.token is not None and status.token.value == dead_token
+        assert status.remaining is not None and 0 < status.remaining <= ttl
+        with pytest.raises(fenced.LockTimeout):
+            locks.lock(name, ttl=5).acquire(timeout=0)
+        lease = locks.lock(name, ttl=5)
+        token = lease.acquire(timeout=ttl + 10)
+        granted = _clock.now()
+        assert token.value > dead_token
+        assert granted >= before + status.remaining
+        assert granted - before < status.remaining + 1.0
+        lease.release()
+
+
+# -- (3) a waiter killed while queued ----------------------------------------------------------------
+
+
+def test_killed_waiter_does_not_block_the_queue_beyond_its_heartbeat(db: str) -> None:
+    name = unique_name()
+    waiter_ttl = 0.5
+    url = url_of(db, waiter_ttl=waiter_ttl)
+    with fenced.connect(url) as locks, fenced.connect(url) as other:
+        holder = locks.lock(name, ttl=30)
+        holder.acquire()
+        with Worker("wait", url, name) as worker:
+            worker.expect("waiting")
+            wait_for(lambda: locks.status(name).waiters == 1, what="the worker queued")
+            worker.kill()
+        killed = _clock.now()
+        granted: list[float] = []
+        late = other.lock(name, ttl=5)
+
+        def wait_in_line() -> None:
+            late.acquire(timeout=30)
+            granted.append(_clock.now())
+
+        thread = threading.Thread(target=wait_in_line)
+        thread.start()
+        holder.release()
+        thread.join(30)
+        assert granted, "the live waiter never got the lock"
+        # The dead waiter was first in line; its row expired at most waiter_ttl after its
+        # last heartbeat, which was before the kill.
+        assert granted[0] - killed < waiter_ttl + 1.0
+        assert locks.status(name).waiters == 0
+        late.release()
+
+
+# -- (4) and (5) the counter survives kill -9 at any point ----------------------------------------
+
+
+def test_counter_never_goes_back_after_kill_mid_acquire_loop(db: str) -> None:
+    seed = random.randrange(2**32)
+    name = unique_name()
+    problems = counter_violations(url_of(db), name, random.Random(seed), rounds=4)
+    assert problems == [], f"seed {seed}: {problems}"
+    counters = read_counters(db)
+    with fenced.connect(url_of(db)) as locks:
+        status = locks.status(name)
+        assert status.last_token is not None and status.last_token.value == counters[name]
+        with locks.lock(name, ttl=5, timeout=10) as lease:
+            assert lease.token.value == counters[name] + 1
+
+
+def test_counter_check_catches_a_counter_that_is_not_persisted(db: str) -> None:
+    seed = random.randrange(2**32)
+    problems = counter_violations(
+        url_of(db),
+        unique_name(),
+        random.Random(seed),
+        rounds=2,
+        backend="tests.test_backend_sqlite:UnpersistedCounterBackend",
+    )
+    assert problems, f"seed {seed}: the planted unpersisted counter went unnoticed"
+
+
+# -- (6) a reboot -----------------------------------------------------------------------------------
+
+
+def test_rows_of_an_earlier_boot_are_expired(db: str) -> None:
+    name = unique_name()
+    with Worker("old-boot", url_of(db), name) as worker:
+        old_token = int(worker.expect("token"))
+        worker.expect("ready")
+        worker.kill()
+    raw = sqlite3.connect(db)
+    boot, expires = raw.execute(
+        "SELECT boot_id, expires_at FROM fenced_holders WHERE name = ?", (name,)
+    ).fetchone()
+    (queued,) = raw.execute(
+        "SELECT count(*) FROM fenced_waiters WHERE name = ?", (name,)
+    ).fetchone()
+    raw.close()
+    # By time alone the rows would still be live: only the boot id says they are gone.
+    assert boot != _clock.boot_id() and expires > _clock.now() + 3000
+    assert queued == 1
+    with fenced.connect(url_of(db)) as locks:
+        status = locks.status(name)
+        assert status.holder is None and status.waiters == 0
+        assert status.last_token is not None and status.last_token.value == old_token
+        lease = locks.lock(name, ttl=5)
+        assert lease.acquire(timeout=0).value == old_token + 1
+        lease.release()
+
+
+# -- in one process ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("url", "path"),
+    [
+        ("sqlite:///var/x/locks.db", "/var/x/locks.db"),
+        ("sqlite:////var/x/locks.db", "/var/x/locks.db"),
+        ("sqlite://rel/locks.db", "{cwd}/rel/locks.db"),
+        ("sqlite://./locks.db", "{cwd}/locks.db"),
+        ("sqlite:///./rel/locks.db", "{cwd}/rel/locks.db"),
+        ("sqlite://locks.db", "{cwd}/locks.db"),
+    ],
+)
+def test_url_forms(url: str, path: str) -> None:
+    import os
+
+    assert database_path(urlsplit(url)) == path.format(cwd=os.getcwd())
+
+
+@pytest.mark.parametrize("url", ["sqlite://", "sqlite:///", "sqlite:///:memory:", "sqlite:///x/"])
+def test_url_without_a_file_is_refused(url: str) -> None:
+    with pytest.raises(fenced.ConfigurationError):
+        fenced.connect(url)
+
+
+def test_options(db: str) -> None:
+    with pytest.raises(fenced.ConfigurationError, match="unknown"):
+        fenced.connect(url_of(db), nonsense=1)
+    with pytest.raises(fenced.ConfigurationError, match="positive"):
+        fenced.connect(url_of(db, waiter_ttl=0))
+    with pytest.raises(fenced.ConfigurationError, match="number"):
+        fenced.connect(url_of(db, poll_interval="fast"))
+    with fenced.connect(url_of(db, waiter_ttl=7), busy_timeout=3) as locks:
+        backend = locks.aio.backend
+        assert isinstance(backend, SQLiteBackend)
+        assert backend._waiter_ttl == 7 and backend._busy_timeout == 3
+
+
+async def test_creates_directories_and_sets_durable_pragmas(tmp_path: Path) -> None:
+    path = tmp_path / "a" / "b" / "locks.db"
+    async with fenced.connect_async(url_of(str(path))) as locks:
+        backend = locks.backend
+        assert isinstance(backend, SQLiteBackend)
+        journal, sync = await backend._run(
+            lambda c: (
+                c.execute("PRAGMA journal_mode").fetchone()[0],
+                c.execute("PRAGMA synchronous").fetchone()[0],
+            )
+        )
+        assert (journal, sync) == ("wal", 2)  # 2 = FULL: the WAL is fsynced at every commit
+    assert path.exists()
+
+
+def test_unusable_files_are_backend_unavailable(tmp_path: Path) -> None:
+    garbage = tmp_path / "garbage.db"
+    garbage.write_bytes(b"this is not a database" * 100)
+    with pytest.raises(fenced.BackendUnavailable):
+        fenced.connect(url_of(str(garbage)))
+    with pytest.raises(fenced.BackendUnavailable):
+        fenced.connect(url_of(str(tmp_path)))  # a directory
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(fenced.BackendUnavailable):
+        fenced.connect(url_of(str(blocker / "locks.db")))  # its parent is a file
+    assert garbage.read_bytes() == b"this is not a database" * 100  # left alone
+
+
+async def test_write_locked_database(db: str) -> None:
+    name = unique_name()
+    async with fenced.connect_async(url_of(db, busy_timeout=0.3)) as locks:
+        backend = locks.backend
+        grant = await backend.acquire(
+            name, request_id="r", ttl=30, deadline=None, on_lost=lambda exc: None
+        )
+        other = sqlite3.connect(db, isolation_level=None)
+        other.execute("BEGIN IMMEDIATE")  # another process stuck inside a transaction
+        try:
+            start = _clock.now()
+            with pytest.raises(fenced.LockTimeout):
+                await locks.lock(unique_name(), ttl=5).acquire(timeout=0.3)
+            assert 0.3 <= _clock.now() - start < 3
+            with pytest.raises(fenced.BackendUnavailable):
+                await backend.release(grant)
+            with pytest.raises(fenced.BackendUnavailable):
+                await backend.renew(grant)
+            status = await locks.status(name)  # readers are not blocked by a writer (WAL)
+            assert status.token == grant.token
+        finally:
+            other.execute("ROLLBACK")
+            other.close()
+        assert await backend.release(grant) is True
+
+
+def test_counter_rows_refuse_to_shrink_or_vanish(db: str) -> None:
+    name = unique_name()
+    with fenced.connect(url_of(db)) as locks, locks.lock(name, ttl=5):
+        pass
+    raw = sqlite3.connect(db, isolation_level=None)
+    try:
+        with pytest.raises(sqlite3.IntegrityError, match="only grow"):
+            raw.execute("UPDATE fenced_counters SET last_token = 0 WHERE name = ?", (name,))
+        with pytest.raises(sqlite3.IntegrityError, match="never deleted"):
+            raw.execute("DELETE FROM fenced_counters")
+    finally:
+        raw.close()
+    assert read_counters(db) == {name: 1}
+
+
+async def test_no_renewal_after_expiry(db: str) -> None:
+    name = unique_name()
+    noop = lambda exc: None  # noqa: E731
+    async with fenced.connect_async(url_of(db)) as locks:
+        backend = locks.backend
+        grant = await backend.acquire(name, request_id="r", ttl=0.2, deadline=None, on_lost=noop)
+        renewed = await backend.renew(grant)
+        assert renewed.sent_at > grant.sent_at
+        await async_wait_for(lambda: _is_free(locks, name), what="expiry")
+        # Nobody took the lock over, but the lease ran out: it must not come back to life.
+        with pytest.raises(fenced.LeaseLostError):
+            await backend.renew(grant)
+        assert await backend.release(grant) is False
+        again = await backend.acquire(name, request_id="r", ttl=5, deadline=None, on_lost=noop)
+        assert again.token > grant.token
+        await backend.release(again)
+
+
+async def _is_free(locks: fenced.AsyncLocks, name: str) -> bool:
+    return (await locks.status(name)).holder is None
+
+
+def test_release_wakes_waiters_of_this_process_at_once(
+    db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # With every poll 5 s apart, only the in-process wake-up can hand the lock over quickly.
+    monkeypatch.setattr(SQLiteBackend, "poll_min", 5.0)
+    name = unique_name()
+    url = url_of(db, poll_interval=5, waiter_ttl=60)
+    with fenced.connect(url) as locks, fenced.connect(url) as other:
+        holder = locks.lock(name, ttl=30)
+        holder.acquire()
+        granted: list[float] = []
+        waiter = other.lock(name, ttl=30)
+
+        def wait_in_line() -> None:
+            waiter.acquire(timeout=30)
+            granted.append(_clock.now())
+
+        thread = threading.Thread(target=wait_in_line)
+        thread.start()
+        wait_for(lambda: locks.status(name).waiters == 1, what="waiter queued")
+        released = _clock.now()
+        holder.release()
+        thread.join(30)
+        assert granted and granted[0] - released < 1.0
+        waiter.release()
+
+
+async def test_cancelled_waiter_leaves_the_queue(db: str) -> None:
+    name = unique_name()
+    async with fenced.connect_async(url_of(db)) as locks:
+        holder = locks.lock(name, ttl=30)
+        await holder.acquire()
+        task = asyncio.create_task(locks.lock(name, ttl=5).acquire(timeout=30))
+        await async_wait_for(lambda: _waiters_are(locks, name, 1), what="waiter queued")
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await async_wait_for(lambda: _waiters_are(locks, name, 0), what="waiter gone")
+        await holder.release()
+        # The next caller is not stuck behind the cancelled one.
+        lease = locks.lock(name, ttl=5)
+        await lease.acquire(timeout=0)
+        await lease.release()
+
+
+async def _waiters_are(locks: fenced.AsyncLocks, name: str, n: int) -> bool:
+    return (await locks.status(name)).waiters == n
+
+
+async def test_transactions_leave_the_event_loop_free(db: str) -> None:
+    # On an application's loop the (blocking) SQLite calls run on a worker thread.
+    threads: list[int] = []
+
+    class Probe(SQLiteBackend):
+        def _next_token(self, conn: sqlite3.Connection, name: str) -> int:
+            threads.append(threading.get_ident())
+            return super()._next_token(conn, name)
+
+    backend = await Probe.open(urlsplit(url_of(db)), {})
+    try:
+        grant = await backend.acquire(
+            "x", request_id="r", ttl=5, deadline=None, on_lost=lambda exc: None
+        )
+        await backend.release(grant)
+    finally:
+        await backend.aclose()
+    assert threads and threading.get_ident() not in threads
