@@ -1,0 +1,285 @@
+"""Run the SQL guards' plans on a live connection: sqlite3, psycopg 3 sync and async.
+
+The drivers are deliberately thin: execute each statement a plan yields, hand back the rows,
+and translate the driver's errors into fenced's tree at this boundary:
+
+* closed connection, lost or dead server, I/O failure -> :class:`BackendUnavailable`;
+* concurrent-transaction refusals (PostgreSQL SQLSTATE class 40 and 55P03, SQLite
+  ``SQLITE_BUSY``/``SQLITE_LOCKED``) -> :class:`FenceConflictError` (retry the transaction);
+* a missing fence table / token column / unique key -> :class:`ConfigurationError`;
+* anything else (the caller's own SQL state, e.g. an already-failed transaction) is re-raised
+  unchanged.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import sys
+from collections.abc import Callable
+from typing import Any, Final, TypeVar
+
+from .._errors import BackendUnavailable, ConfigurationError, FencedError
+from ._sql_plan import (
+    POSTGRESQL,
+    SQLITE,
+    Dialect,
+    DuplicateColumn,
+    FenceConflictError,
+    Plan,
+    Result,
+    Stmt,
+)
+
+__all__ = [
+    "arun",
+    "arun_install",
+    "in_transaction",
+    "map_error",
+    "require_transaction",
+    "run",
+    "run_install",
+    "sync_dialect",
+]
+
+T = TypeVar("T")
+
+_SQLITE_BUSY: Final = 5
+_SQLITE_LOCKED: Final = 6
+_SQLITE_UNAVAILABLE: Final = frozenset({10, 11, 14, 26})  # IOERR, CORRUPT, CANTOPEN, NOTADB
+_PG_UNAVAILABLE: Final = frozenset({"57P01", "57P02", "57P03"})  # shutdown, crash, starting
+_PG_CONFLICT: Final = frozenset({"55P03"})  # lock_not_available (lock_timeout); and class 40
+_PG_CONFIG: Final = frozenset({"42P01", "42703", "42P10"})  # undefined table/column, no key
+
+
+def _psycopg() -> Any:
+    # psycopg is optional: a connection can only be a psycopg one if psycopg is imported.
+    return sys.modules.get("psycopg")
+
+
+def sync_dialect(conn: object) -> Dialect:
+    """The dialect of a synchronous connection, or a clear TypeError."""
+    if isinstance(conn, sqlite3.Connection):
+        return SQLITE
+    pg = _psycopg()
+    if pg is not None:
+        if isinstance(conn, pg.Connection):
+            return POSTGRESQL
+        if isinstance(conn, pg.AsyncConnection):
+            raise TypeError("an async psycopg connection: use the guard's a...() methods")
+    raise TypeError(
+        f"unsupported connection {type(conn).__name__}: use sqlite3.Connection, "
+        "psycopg.Connection or (with the a...() methods) psycopg.AsyncConnection"
+    )
+
+
+def _async_dialect(conn: object) -> Dialect:
+    pg = _psycopg()
+    if pg is not None and isinstance(conn, pg.AsyncConnection):
+        return POSTGRESQL
+    raise TypeError(
+        f"unsupported async connection {type(conn).__name__}: use psycopg.AsyncConnection, "
+        "or the synchronous methods for sqlite3 and psycopg.Connection"
+    )
+
+
+def in_transaction(conn: Any) -> bool:
+    """Whether a transaction block is open on ``conn`` (sqlite3 or psycopg, sync or async)."""
+    if isinstance(conn, sqlite3.Connection):
+        try:
+            return conn.in_transaction
+        except sqlite3.ProgrammingError:  # closed: let the statement report it
+            return False
+    status = conn.info.transaction_status
+    return bool(status != status.IDLE)
+
+
+def require_transaction(conn: Any) -> None:
+    """Refuse a fence check that would commit on its own, apart from the caller's writes.
+
+    Drivers in their default mode start a transaction implicitly before the fence's INSERT
+    (sqlite3's legacy mode, psycopg without autocommit); only explicit autocommit with no
+    transaction open is refused.
+    """
+    if isinstance(conn, sqlite3.Connection):
+        try:
+            if conn.in_transaction:
+                return
+            autocommit = getattr(conn, "autocommit", -1)  # Python 3.12+; -1 = legacy mode
+            if autocommit is True or (autocommit == -1 and conn.isolation_level is None):
+                raise ConfigurationError(
+                    "SQLGuard.check() needs the caller's transaction: the connection is in "
+                    "autocommit mode; run it inside 'BEGIN IMMEDIATE' ... 'COMMIT'"
+                )
+        except sqlite3.ProgrammingError as exc:
+            raise BackendUnavailable(f"sqlite3 connection unusable: {exc}") from exc
+        return
+    if conn.closed:
+        raise BackendUnavailable("the psycopg connection is closed")
+    if conn.autocommit and not in_transaction(conn):
+        raise ConfigurationError(
+            "SQLGuard.check() needs the caller's transaction: the connection is in autocommit "
+            "mode; run it inside 'with conn.transaction():'"
+        )
+
+
+def map_error(d: Dialect, conn: Any, exc: BaseException) -> FencedError | None:
+    """The fenced error for a driver error raised by one of our statements, or None."""
+    if d is SQLITE:
+        if isinstance(exc, sqlite3.ProgrammingError) and "closed" in str(exc):
+            return BackendUnavailable(f"sqlite3 connection is closed: {exc}")
+        if not isinstance(exc, sqlite3.Error):
+            return None
+        code = getattr(exc, "sqlite_errorcode", None)
+        primary = code & 0xFF if isinstance(code, int) else None
+        msg = str(exc)
+        if primary in (_SQLITE_BUSY, _SQLITE_LOCKED) or "database is locked" in msg:
+            return FenceConflictError(
+                f"SQLite refused the fence ({getattr(exc, 'sqlite_errorname', msg)}): another "
+                "connection holds the write lock or this transaction's snapshot is stale. "
+                "Roll back and retry; start fenced transactions with BEGIN IMMEDIATE"
+            )
+        if primary in _SQLITE_UNAVAILABLE:
+            return BackendUnavailable(f"SQLite database unavailable: {msg}")
+        if msg.startswith("duplicate column name"):
+            return DuplicateColumn(msg)
+        if msg.startswith(("no such table", "no such column", "table ")) or "ON CONFLICT" in msg:
+            return ConfigurationError(f"{msg}: has the guard been installed (guard.install())?")
+        return None
+    pg = _psycopg()
+    if pg is None or not isinstance(exc, pg.Error):
+        return None
+    state = getattr(exc, "sqlstate", None)
+    if state is not None and (state.startswith("40") or state in _PG_CONFLICT):
+        return FenceConflictError(
+            f"PostgreSQL refused the fence ({type(exc).__name__}: {exc}). The transaction "
+            "is aborted: roll back and retry it"
+        )
+    if isinstance(exc, pg.InterfaceError | pg.OperationalError) and (
+        state is None or state.startswith("08") or state in _PG_UNAVAILABLE or conn.broken
+    ):
+        return BackendUnavailable(f"PostgreSQL connection unavailable: {exc}")
+    if state in _PG_CONFIG:
+        return ConfigurationError(f"{exc}: has the guard been installed (guard.install())?")
+    return None
+
+
+def _resume(
+    plan: Plan[Any], d: Dialect, conn: Any, res: Result | None, exc: BaseException | None
+) -> Stmt | _Done:
+    """Advance ``plan`` with a statement's outcome; return the next Stmt or ``_Done``."""
+    try:
+        if exc is None:
+            return next(plan) if res is None else plan.send(res)
+        mapped = map_error(d, conn, exc)
+        if mapped is None:
+            plan.close()
+            raise exc
+        mapped.__cause__ = exc  # as 'raise mapped from exc'
+        return plan.throw(mapped)
+    except StopIteration as stop:
+        return _Done(stop.value)
+
+
+class _Done:
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def _exec_sqlite(conn: sqlite3.Connection, stmt: Stmt) -> Result:
+    cur = conn.execute(stmt.sql, stmt.params)
+    try:
+        return Result(cur.fetchall(), cur.rowcount)
+    finally:
+        cur.close()
+
+
+def _exec_psycopg(conn: Any, stmt: Stmt) -> Result:
+    with conn.cursor() as cur:
+        cur.execute(stmt.sql, stmt.params)
+        return Result(cur.fetchall() if cur.description else [], cur.rowcount)
+
+
+async def _aexec_psycopg(conn: Any, stmt: Stmt) -> Result:
+    async with conn.cursor() as cur:
+        await cur.execute(stmt.sql, stmt.params)
+        return Result(await cur.fetchall() if cur.description else [], cur.rowcount)
+
+
+def run(conn: Any, make_plan: Callable[[Dialect], Plan[T]], *, need_tx: bool = False) -> T:
+    """Run a plan on a synchronous connection (sqlite3 or psycopg)."""
+    d = sync_dialect(conn)
+    if need_tx:
+        require_transaction(conn)
+    execute = _exec_sqlite if d is SQLITE else _exec_psycopg
+    plan = make_plan(d)
+    step = _resume(plan, d, conn, None, None)
+    while isinstance(step, Stmt):
+        try:
+            res, err = execute(conn, step), None
+        except Exception as exc:
+            res, err = None, exc
+        step = _resume(plan, d, conn, res, err)
+    value: T = step.value
+    return value
+
+
+async def arun(conn: Any, make_plan: Callable[[Dialect], Plan[T]], *, need_tx: bool = False) -> T:
+    """Run a plan on a psycopg AsyncConnection."""
+    d = _async_dialect(conn)
+    if need_tx:
+        require_transaction(conn)
+    plan = make_plan(d)
+    step = _resume(plan, d, conn, None, None)
+    while isinstance(step, Stmt):
+        try:
+            res, err = await _aexec_psycopg(conn, step), None
+        except Exception as exc:
+            res, err = None, exc
+        step = _resume(plan, d, conn, res, err)
+    value: T = step.value
+    return value
+
+
+def run_install(conn: Any, make_plan: Callable[[Dialect], Plan[T]]) -> T:
+    """Run DDL in the caller's open transaction, or else in one of its own that it commits."""
+    d = sync_dialect(conn)
+    if in_transaction(conn):
+        return run(conn, make_plan)
+    if d is SQLITE:
+        value = run(conn, make_plan)
+        if conn.in_transaction:
+            conn.commit()
+        return value
+    if conn.closed:
+        raise BackendUnavailable("the psycopg connection is closed")
+    try:
+        with conn.transaction():
+            return run(conn, make_plan)
+    except FencedError:
+        raise
+    except Exception as exc:  # BEGIN/COMMIT themselves failed
+        mapped = map_error(d, conn, exc)
+        if mapped is None:
+            raise
+        raise mapped from exc
+
+
+async def arun_install(conn: Any, make_plan: Callable[[Dialect], Plan[T]]) -> T:
+    """The async :func:`run_install` (psycopg AsyncConnection)."""
+    d = _async_dialect(conn)
+    if in_transaction(conn):
+        return await arun(conn, make_plan)
+    if conn.closed:
+        raise BackendUnavailable("the psycopg connection is closed")
+    try:
+        async with conn.transaction():
+            return await arun(conn, make_plan)
+    except FencedError:
+        raise
+    except Exception as exc:  # BEGIN/COMMIT themselves failed
+        mapped = map_error(d, conn, exc)
+        if mapped is None:
+            raise
+        raise mapped from exc

@@ -1,0 +1,395 @@
+"""The SQL guards' statements and decisions, written once as driver-free "plans".
+
+A plan is a generator: it yields each statement (:class:`Stmt`) it needs run, receives the
+:class:`Result` (or has the mapped error thrown in), and finally returns its answer or raises
+a fenced error. ``_sql_driver`` runs plans on sqlite3, psycopg and psycopg's async
+connections with a few lines each, so the SQL and the accept/reject logic exist exactly once.
+
+Identifiers (table and column names) are validated against a conservative pattern and then
+double-quoted; values (tokens, lock names, keys, the user's column values) are always bound
+parameters, never interpolated.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Generator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, TypeVar
+
+from .._errors import (
+    ConfigurationError,
+    FencedError,
+    ResourceNotFoundError,
+    StaleTokenError,
+    WrongLockError,
+)
+from .._token import FencingToken
+
+__all__ = [
+    "POSTGRESQL",
+    "SQLITE",
+    "Dialect",
+    "DuplicateColumn",
+    "FenceConflictError",
+    "FenceSQL",
+    "Plan",
+    "Result",
+    "RowSQL",
+    "Stmt",
+    "check_plan",
+    "fence_high_water_plan",
+    "fence_install_plan",
+    "fence_sql",
+    "quote_ident",
+    "quote_table",
+    "row_high_water_plan",
+    "row_install_plan",
+    "row_write_plan",
+    "validate_resource",
+]
+
+T = TypeVar("T")
+
+
+class FenceConflictError(FencedError):
+    """The database could not evaluate the fence because of a concurrent transaction.
+
+    Raised for PostgreSQL serialization failures and deadlocks (SQLSTATE class 40) and lock
+    timeouts (55P03), and for SQLite's ``SQLITE_BUSY``/``SQLITE_LOCKED`` (for example a
+    DEFERRED transaction that read first and then could not upgrade to a writer: use
+    ``BEGIN IMMEDIATE``). The fence neither passed nor advanced: roll the transaction back
+    and retry it. The driver's error is in ``__cause__``.
+    """
+
+
+@dataclass(frozen=True, slots=True)
+class Dialect:
+    """What differs between the engines: the parameter marker and a few type names."""
+
+    name: str
+    param: str
+    bigint: str
+
+
+SQLITE: Final = Dialect("sqlite", "?", "INTEGER")
+POSTGRESQL: Final = Dialect("postgresql", "%s", "BIGINT")
+
+
+@dataclass(frozen=True, slots=True)
+class Stmt:
+    """One statement for the driver to execute with bound parameters."""
+
+    sql: str
+    params: tuple[Any, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    """What a statement gave back: its rows (empty if none) and the affected row count."""
+
+    rows: list[tuple[Any, ...]]
+    rowcount: int
+
+
+Plan = Generator[Stmt, Result, T]
+
+# -- identifiers --------------------------------------------------------------------------
+
+_IDENT_RE: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
+
+
+def quote_ident(name: object, what: str = "identifier") -> str:
+    """Validate an SQL identifier and return it double-quoted (so reserved words work).
+
+    Only ``[A-Za-z_][A-Za-z0-9_]*`` of at most 63 characters is accepted: such a name can
+    never close the quotes. Quoted identifiers are case-sensitive: on PostgreSQL, give
+    unquoted-created names in lower case.
+    """
+    if not isinstance(name, str) or not _IDENT_RE.fullmatch(name):
+        raise ConfigurationError(
+            f"invalid SQL {what} {name!r}: use 1-63 characters of A-Z a-z 0-9 _, "
+            "not starting with a digit"
+        )
+    return f'"{name}"'
+
+
+def quote_table(name: object) -> str:
+    """Validate and quote a table name, optionally schema-qualified (``schema.table``)."""
+    if not isinstance(name, str):
+        raise ConfigurationError(f"table name must be a str, not {type(name).__name__}")
+    parts = name.split(".")
+    if len(parts) > 2:
+        raise ConfigurationError(f"invalid table name {name!r}: at most 'schema.table'")
+    return ".".join(quote_ident(p, "table name") for p in parts)
+
+
+def validate_resource(resource: object) -> str:
+    """A resource name is any non-empty text up to 1000 characters without NUL."""
+    if not isinstance(resource, str) or not resource or len(resource) > 1000 or "\0" in resource:
+        raise ConfigurationError(
+            f"invalid resource name {resource!r}: non-empty text, at most 1000 characters"
+        )
+    return resource
+
+
+# -- fence-table form ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class FenceSQL:
+    """The fence table's statements for one dialect and table."""
+
+    create: str
+    accept: str  # params: resource, lock, token -> returns the stored token iff accepted
+    read: str  # params: resource -> (lock_name, token)
+
+
+def fence_sql(d: Dialect, table: str) -> FenceSQL:
+    """Build the fence-table statements (``table`` already quoted)."""
+    p = d.param
+    columns = (
+        "resource TEXT PRIMARY KEY, lock_name TEXT NOT NULL, "
+        f"token {d.bigint} NOT NULL CHECK (token > 0)"
+    )
+    if d is SQLITE:
+        # One b-tree keyed by resource: a fence update dirties a single page.
+        create = f"CREATE TABLE IF NOT EXISTS {table} ({columns}) WITHOUT ROWID"
+    else:
+        # Two first installs racing on CREATE TABLE IF NOT EXISTS can collide on the catalog's
+        # unique index; the exception block turns the loser into a no-op, in one statement.
+        create = (
+            "DO $fenced$ BEGIN "
+            f"CREATE TABLE IF NOT EXISTS {table} ({columns}); "
+            "EXCEPTION WHEN unique_violation OR duplicate_table THEN NULL; "
+            "END $fenced$"
+        )
+    # The single statement that both checks and advances the high-water mark. The WHERE of
+    # DO UPDATE is evaluated on the existing row *after* the row is locked (see sql.py).
+    accept = (
+        f"INSERT INTO {table} AS f (resource, lock_name, token) VALUES ({p}, {p}, {p}) "
+        "ON CONFLICT (resource) DO UPDATE SET token = excluded.token "
+        "WHERE f.token <= excluded.token AND f.lock_name = excluded.lock_name "
+        "RETURNING token"
+    )
+    read = f"SELECT lock_name, token FROM {table} WHERE resource = {p}"
+    return FenceSQL(create, accept, read)
+
+
+def _stored_token(lock: object, value: object) -> FencingToken:
+    if not isinstance(lock, str) or isinstance(value, bool) or not isinstance(value, int):
+        raise FencedError(f"corrupt fence record: lock {lock!r}, token {value!r}")
+    return FencingToken(lock, value)
+
+
+def _rejection(
+    token: FencingToken, resource: str, stored_lock: object, stored_value: object
+) -> FencedError:
+    """Why a fenced write matched no row although the row exists: wrong lock, stale, or race."""
+    if stored_lock is not None and stored_lock != token.lock:
+        return WrongLockError(
+            f"{resource!r} is fenced by lock {stored_lock!r}; token {token} belongs to "
+            f"lock {token.lock!r}"
+        )
+    if stored_value is None or (isinstance(stored_value, int) and stored_value <= token.value):
+        # Only possible if the mark moved or the row changed between our two statements:
+        # the fence did not pass, and the caller should retry the whole transaction.
+        return FenceConflictError(
+            f"the fence of {resource!r} changed concurrently while rejecting {token}; "
+            "roll back and retry"
+        )
+    high = _stored_token(stored_lock if stored_lock is not None else token.lock, stored_value)
+    return StaleTokenError(token, high, resource)
+
+
+def check_plan(sql: FenceSQL, resource: str, token: FencingToken) -> Plan[FencingToken]:
+    """Accept ``token`` and raise the mark to it in one statement, or raise why not."""
+    res = yield Stmt(sql.accept, (resource, token.lock, token.value))
+    if res.rows:
+        return token
+    # Rejected. The conflicting row is now locked by us (PostgreSQL locks it even when the
+    # DO UPDATE's WHERE is false) or the whole database is (SQLite), so this read reports
+    # exactly the mark that rejected us.
+    res = yield Stmt(sql.read, (resource,))
+    if not res.rows:
+        raise FenceConflictError(
+            f"the fence row of {resource!r} vanished while checking {token}; roll back and retry"
+        )
+    lock, value = res.rows[0]
+    raise _rejection(token, resource, lock, value)
+
+
+def fence_high_water_plan(sql: FenceSQL, resource: str) -> Plan[FencingToken | None]:
+    res = yield Stmt(sql.read, (resource,))
+    if not res.rows:
+        return None
+    lock, value = res.rows[0]
+    return _stored_token(lock, value)
+
+
+def fence_install_plan(sql: FenceSQL) -> Plan[None]:
+    yield Stmt(sql.create)
+
+
+# -- row form -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RowSQL:
+    """A row-form table's identifiers, quoted once."""
+
+    table: str  # quoted
+    table_name: str  # as given, for messages
+    keys: tuple[str, ...]  # raw names
+    token: str  # raw name
+    lock: str | None  # raw name of the lock column, if any
+
+
+def _where_key(d: Dialect, spec: RowSQL) -> str:
+    return " AND ".join(f"{quote_ident(k)} = {d.param}" for k in spec.keys)
+
+
+def _key_params(spec: RowSQL, key: Mapping[str, Any]) -> tuple[Any, ...]:
+    if not isinstance(key, Mapping) or set(key) != set(spec.keys):
+        got = sorted(key) if isinstance(key, Mapping) else key
+        raise ConfigurationError(
+            f"key must give exactly the key columns {list(spec.keys)} of {spec.table_name}, "
+            f"got {got!r}"
+        )
+    params = tuple(key[k] for k in spec.keys)
+    if any(v is None for v in params):
+        raise ConfigurationError(f"key values must not be None: {dict(key)!r}")
+    return params
+
+
+def _value_columns(spec: RowSQL, values: Mapping[str, Any]) -> tuple[str, ...]:
+    if not isinstance(values, Mapping):
+        raise ConfigurationError(f"values must be a mapping, not {type(values).__name__}")
+    reserved = {*spec.keys, spec.token, *((spec.lock,) if spec.lock else ())}
+    columns = tuple(values)
+    for c in columns:
+        quote_ident(c, "column name")
+        if c in reserved:
+            raise ConfigurationError(
+                f"values may not set {c!r}: it is a key, token or lock column of the guard"
+            )
+    return columns
+
+
+def _label(spec: RowSQL, key: Mapping[str, Any]) -> str:
+    inner = ", ".join(f"{k}={key[k]!r}" for k in spec.keys)
+    return f"{spec.table_name}({inner})"
+
+
+def _row_read(d: Dialect, spec: RowSQL) -> str:
+    cols = quote_ident(spec.token) + (f", {quote_ident(spec.lock)}" if spec.lock else "")
+    return f"SELECT {cols} FROM {spec.table} WHERE {_where_key(d, spec)}"
+
+
+def _row_guard_clause(d: Dialect, spec: RowSQL, target: str, incoming: str) -> str:
+    """``target`` accepts ``incoming``: never fenced (NULL) or not newer, and the same lock."""
+    tok = quote_ident(spec.token)
+    clause = f"({target}{tok} IS NULL OR {target}{tok} <= {incoming})"
+    if spec.lock:
+        lk = quote_ident(spec.lock)
+        lock_in = f"excluded.{lk}" if incoming.startswith("excluded.") else d.param
+        clause += f" AND ({target}{lk} IS NULL OR {target}{lk} = {lock_in})"
+    return clause
+
+
+def row_write_plan(
+    d: Dialect,
+    spec: RowSQL,
+    token: FencingToken,
+    key: Mapping[str, Any],
+    values: Mapping[str, Any],
+    *,
+    upsert: bool,
+) -> Plan[FencingToken]:
+    """One conditional UPDATE (or INSERT .. ON CONFLICT DO UPDATE) that writes only if fresh."""
+    key_params = _key_params(spec, key)
+    columns = _value_columns(spec, values)
+    value_params = tuple(values[c] for c in columns)
+    p = d.param
+    tok = quote_ident(spec.token)
+    lock_params: tuple[Any, ...] = (token.lock,) if spec.lock else ()
+    if not upsert:
+        sets = [f"{quote_ident(c)} = {p}" for c in columns] + [f"{tok} = {p}"]
+        if spec.lock:
+            sets.append(f"{quote_ident(spec.lock)} = {p}")
+        sql = (
+            f"UPDATE {spec.table} SET {', '.join(sets)} "
+            f"WHERE {_where_key(d, spec)} AND {_row_guard_clause(d, spec, '', p)}"
+        )
+        params = (*value_params, token.value, *lock_params, *key_params, token.value, *lock_params)
+    else:
+        all_cols = [*spec.keys, *columns, spec.token, *((spec.lock,) if spec.lock else ())]
+        updated = [*columns, spec.token, *((spec.lock,) if spec.lock else ())]
+        sql = (
+            f"INSERT INTO {spec.table} AS t ({', '.join(quote_ident(c) for c in all_cols)}) "
+            f"VALUES ({', '.join([p] * len(all_cols))}) "
+            f"ON CONFLICT ({', '.join(quote_ident(k) for k in spec.keys)}) DO UPDATE SET "
+            + ", ".join(f"{quote_ident(c)} = excluded.{quote_ident(c)}" for c in updated)
+            + f" WHERE {_row_guard_clause(d, spec, 't.', 'excluded.' + tok)}"
+        )
+        params = key_params + value_params + (token.value, *lock_params)
+    res = yield Stmt(sql, params)
+    if res.rowcount > 1:
+        raise ConfigurationError(
+            f"key {dict(key)!r} matched {res.rowcount} rows of {spec.table_name}: the key "
+            "columns must identify one row (the transaction must be rolled back)"
+        )
+    if res.rowcount == 1:
+        return token
+    res = yield Stmt(_row_read(d, spec), key_params)
+    if not res.rows:
+        raise ResourceNotFoundError(f"no row {_label(spec, key)} to update")
+    row = res.rows[0]
+    raise _rejection(token, _label(spec, key), row[1] if spec.lock else None, row[0])
+
+
+def row_high_water_plan(
+    d: Dialect, spec: RowSQL, lock: str, key: Mapping[str, Any]
+) -> Plan[FencingToken | None]:
+    key_params = _key_params(spec, key)
+    res = yield Stmt(_row_read(d, spec), key_params)
+    if not res.rows:
+        raise ResourceNotFoundError(f"no row {_label(spec, key)}")
+    row = res.rows[0]
+    if row[0] is None:
+        return None
+    return _stored_token(row[1] if spec.lock and row[1] is not None else lock, row[0])
+
+
+def row_install_plan(d: Dialect, spec: RowSQL) -> Plan[None]:
+    """Add the token (and lock) column if missing; the table itself must exist."""
+    wanted: Sequence[tuple[str, str]] = [(spec.token, d.bigint)]
+    if spec.lock:
+        wanted = [*wanted, (spec.lock, "TEXT")]
+    if d is POSTGRESQL:
+        res = yield Stmt(f"SELECT to_regclass({d.param})", (spec.table,))
+        if not res.rows or res.rows[0][0] is None:
+            raise ConfigurationError(f"table {spec.table_name!r} does not exist")
+        for column, type_ in wanted:
+            yield Stmt(
+                f"ALTER TABLE {spec.table} ADD COLUMN IF NOT EXISTS {quote_ident(column)} {type_}"
+            )
+        return
+    schema, _, name = spec.table_name.rpartition(".")
+    res = yield Stmt(
+        f"SELECT name FROM pragma_table_info({d.param}, {d.param})", (name, schema or "main")
+    )
+    if not res.rows:
+        raise ConfigurationError(f"table {spec.table_name!r} does not exist")
+    present = {r[0] for r in res.rows}
+    for column, type_ in wanted:
+        if column in present:
+            continue
+        try:
+            yield Stmt(f"ALTER TABLE {spec.table} ADD COLUMN {quote_ident(column)} {type_}")
+        except DuplicateColumn:
+            pass  # a concurrent install added it first
+
+
+class DuplicateColumn(ConfigurationError):
+    """SQLite's 'duplicate column name': a column added twice (e.g. by racing installs)."""

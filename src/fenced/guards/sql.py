@@ -1,0 +1,305 @@
+"""Fence SQL databases (SQLite via ``sqlite3``, PostgreSQL via psycopg 3) against stale holders.
+
+Two forms, both checking and advancing the high-water mark in ONE statement inside the
+caller's own transaction, so the mark lives in the resource's database and commits (or rolls
+back) together with the data it protects:
+
+* :class:`SQLGuard`, the **fence-table form**: one row per resource in a small table
+  (``fenced_fences``) holds the highest token accepted. Call :meth:`SQLGuard.check` first in
+  the transaction, then write as usual::
+
+      with db:                                     # sqlite3: commit, or roll back on error
+          SQLGuard("invoices").check(db, lease.token)
+          db.execute("UPDATE invoices SET ...")
+
+      with pg.transaction():                       # psycopg 3
+          SQLGuard("invoices").check(pg, lease.token)
+          pg.execute("UPDATE invoices SET ...")
+
+* :class:`RowGuard`, the **row form**: the guarded table carries its own ``fencing_token``
+  column and each write is one conditional ``UPDATE ... WHERE key AND (fencing_token IS NULL
+  OR fencing_token <= :token)``; no extra statement on success.
+
+Why two racing transactions cannot both pass out of order
+---------------------------------------------------------
+The fence statement is ``INSERT INTO fenced_fences AS f ... ON CONFLICT (resource) DO UPDATE
+SET token = excluded.token WHERE f.token <= excluded.token AND f.lock_name =
+excluded.lock_name RETURNING token``: a row comes back iff the token was accepted.
+
+*PostgreSQL.* DO UPDATE first takes a row lock on the existing fence row (even when its WHERE
+turns out false) and evaluates the WHERE on the newest committed version of the row: under
+READ COMMITTED, if another transaction has updated the row, the statement waits for that
+transaction to end and re-checks against what it committed, never against an old snapshot.
+The lock is held until the caller's transaction ends. So of two transactions carrying tokens
+5 and 7, whichever locks the row first holds it until it commits or rolls back; the other
+waits, then compares with the committed mark. Token 5 can never commit after 7 has: it would
+need the row lock that 7's transaction holds until its commit, after which 5 sees 7 and is
+rejected. The first insert of a resource's row is protected by the primary-key index: a
+concurrent inserter waits for the first and then takes the DO UPDATE path above. Under
+REPEATABLE READ and SERIALIZABLE, if the fence row was written by a transaction that committed
+after the caller's snapshot, PostgreSQL raises a serialization failure instead of evaluating
+the WHERE; this and deadlocks surface as :class:`FenceConflictError` (the transaction is
+aborted; retry it), never as a pass. Note that the row lock serializes all fenced
+transactions of one resource: that is the price of the guarantee.
+
+*SQLite.* A database has one writer at a time: the write lock is taken at the transaction's
+first write and held until it ends, and in WAL mode a transaction may only write if its
+snapshot is the newest, so the fence, the caller's writes and the commit are serialized with
+every other writer. A DEFERRED transaction that *read first* may be unable to upgrade to a
+writer (``SQLITE_BUSY``, or ``SQLITE_BUSY_SNAPSHOT`` in WAL mode, returned without waiting);
+that surfaces as :class:`FenceConflictError`, never as a pass. Start fenced transactions with
+``BEGIN IMMEDIATE`` (or make ``check`` the first statement, which Python's sqlite3 legacy mode
+then opens as a deferred transaction whose first statement is the write) and set a
+``timeout``/``busy_timeout``.
+
+A connection in autocommit mode with no transaction open is refused by ``check`` (the fence
+would commit alone, apart from the writes it is meant to protect). The row form needs no
+transaction: its single statement is the fenced write.
+
+Durability: the mark is an ordinary row committed with the data, so it is exactly as durable as
+the data (PostgreSQL with ``fsync``/``synchronous_commit`` on; SQLite with
+``synchronous=FULL``; in WAL mode ``NORMAL`` may lose the last transactions at power loss,
+data and mark together).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from .._errors import ConfigurationError, InvalidTokenError
+from .._token import FencingToken, validate_lock_name
+from ._sql_driver import arun, arun_install, run, run_install
+from ._sql_plan import (
+    Dialect,
+    FenceConflictError,
+    FenceSQL,
+    Plan,
+    RowSQL,
+    check_plan,
+    fence_high_water_plan,
+    fence_install_plan,
+    fence_sql,
+    quote_ident,
+    quote_table,
+    row_high_water_plan,
+    row_install_plan,
+    row_write_plan,
+    validate_resource,
+)
+
+__all__ = ["FenceConflictError", "RowGuard", "SQLGuard"]
+
+TokenLike = FencingToken | str | bytes
+
+
+def _lock_name(lock: str, what: str) -> str:
+    try:
+        return validate_lock_name(lock)
+    except InvalidTokenError as exc:
+        raise ConfigurationError(f"{what}: {exc}; pass lock='<lock name>'") from None
+
+
+class SQLGuard:
+    """Fence-table guard: the highest token accepted for ``resource`` lives in ``table``.
+
+    ``lock`` is the name of the lock whose tokens are accepted (default: the resource name);
+    the fence row also records it, and a token of another lock is rejected with
+    :class:`~fenced.WrongLockError`. Tokens may be given as :class:`~fenced.FencingToken` or
+    their text form ``"lock:value"``. Call :meth:`install` once (idempotent) to create the
+    table. Works with ``sqlite3.Connection`` and ``psycopg.Connection``; the ``a...`` methods
+    take a ``psycopg.AsyncConnection``.
+    """
+
+    __slots__ = ("_quoted", "_sql", "lock", "resource", "table")
+
+    def __init__(
+        self, resource: str, *, lock: str | None = None, table: str = "fenced_fences"
+    ) -> None:
+        self.resource = validate_resource(resource)
+        self.lock = _lock_name(resource if lock is None else lock, f"lock of {resource!r}")
+        self.table = table
+        self._quoted = quote_table(table)
+        self._sql: dict[str, FenceSQL] = {}
+
+    def __repr__(self) -> str:
+        return f"SQLGuard({self.resource!r}, lock={self.lock!r}, table={self.table!r})"
+
+    def _fence_sql(self, d: Dialect) -> FenceSQL:
+        sql = self._sql.get(d.name)
+        if sql is None:
+            sql = self._sql[d.name] = fence_sql(d, self._quoted)
+        return sql
+
+    def _check_plan(self, d: Dialect, token: FencingToken) -> Plan[FencingToken]:
+        return check_plan(self._fence_sql(d), self.resource, token)
+
+    # -- sync ----------------------------------------------------------------------------
+
+    def check(self, conn: Any, token: TokenLike) -> FencingToken:
+        """Accept ``token`` inside the caller's open transaction, raising the mark to it.
+
+        Returns the accepted token. Raises :class:`~fenced.StaleTokenError` (with the mark)
+        if a higher token was accepted, :class:`~fenced.WrongLockError` for a token of another
+        lock, :class:`~fenced.InvalidTokenError` for malformed text, :class:`FenceConflictError`
+        if a concurrent transaction prevented the check, :class:`~fenced.BackendUnavailable`
+        for a closed connection or dead server. On any error let the transaction roll back.
+        """
+        tok = FencingToken.coerce(token, self.lock)
+        return run(conn, lambda d: self._check_plan(d, tok), need_tx=True)
+
+    def high_water(self, conn: Any) -> FencingToken | None:
+        """The highest token accepted so far, or None if the resource was never fenced."""
+        return run(conn, lambda d: fence_high_water_plan(self._fence_sql(d), self.resource))
+
+    def install(self, conn: Any) -> None:
+        """Create the fence table if missing (idempotent, safe to race).
+
+        Runs in the caller's open transaction if there is one, else in its own, committed.
+        """
+        run_install(conn, lambda d: fence_install_plan(self._fence_sql(d)))
+
+    # -- async (psycopg.AsyncConnection) -------------------------------------------------
+
+    async def acheck(self, conn: Any, token: TokenLike) -> FencingToken:
+        """:meth:`check` on a ``psycopg.AsyncConnection``."""
+        tok = FencingToken.coerce(token, self.lock)
+        return await arun(conn, lambda d: self._check_plan(d, tok), need_tx=True)
+
+    async def ahigh_water(self, conn: Any) -> FencingToken | None:
+        """:meth:`high_water` on a ``psycopg.AsyncConnection``."""
+        return await arun(conn, lambda d: fence_high_water_plan(self._fence_sql(d), self.resource))
+
+    async def ainstall(self, conn: Any) -> None:
+        """:meth:`install` on a ``psycopg.AsyncConnection``."""
+        await arun_install(conn, lambda d: fence_install_plan(self._fence_sql(d)))
+
+
+class RowGuard:
+    """Row-form guard for a table whose rows carry their own token column.
+
+    ``key_columns`` must identify one row (a primary or unique key). A row whose token column
+    is NULL has never been fenced and accepts any token. All rows of the table are fenced by
+    tokens of one lock, ``lock`` (default: the table name); with ``lock_column`` set, each
+    row also records the lock name and rejects tokens of another lock. :meth:`install` adds
+    the token (and lock) column if missing.
+
+    >>> guard = RowGuard("invoices", key_columns=("id",), lock="invoices")   # doctest: +SKIP
+    >>> guard.update(db, lease.token, key={"id": 42}, values={"status": "paid"})  # doctest: +SKIP
+    """
+
+    __slots__ = ("_spec", "key_columns", "lock", "lock_column", "table", "token_column")
+
+    def __init__(
+        self,
+        table: str,
+        *,
+        key_columns: Sequence[str] | str = ("id",),
+        token_column: str = "fencing_token",
+        lock: str | None = None,
+        lock_column: str | None = None,
+    ) -> None:
+        keys = (key_columns,) if isinstance(key_columns, str) else tuple(key_columns)
+        if not keys:
+            raise ConfigurationError("key_columns must name at least one column")
+        for k in keys:
+            quote_ident(k, "key column")
+        quote_ident(token_column, "token column")
+        if lock_column is not None:
+            quote_ident(lock_column, "lock column")
+        names = [*keys, token_column, *((lock_column,) if lock_column else ())]
+        if len(set(names)) != len(names):
+            raise ConfigurationError(f"key, token and lock columns must differ: {names}")
+        self.table = table
+        self.key_columns = keys
+        self.token_column = token_column
+        self.lock_column = lock_column
+        self.lock = _lock_name(table if lock is None else lock, f"lock of table {table!r}")
+        self._spec = RowSQL(quote_table(table), table, keys, token_column, lock_column)
+
+    def __repr__(self) -> str:
+        return (
+            f"RowGuard({self.table!r}, key_columns={self.key_columns!r}, "
+            f"token_column={self.token_column!r}, lock={self.lock!r})"
+        )
+
+    def _write(
+        self, token: FencingToken, key: Mapping[str, Any], values: Mapping[str, Any], upsert: bool
+    ) -> Callable[[Dialect], Plan[FencingToken]]:
+        return lambda d: row_write_plan(d, self._spec, token, key, values, upsert=upsert)
+
+    # -- sync ----------------------------------------------------------------------------
+
+    def update(
+        self,
+        conn: Any,
+        token: TokenLike,
+        *,
+        key: Mapping[str, Any],
+        values: Mapping[str, Any] | None = None,
+    ) -> FencingToken:
+        """Write ``values`` to the row ``key`` and set its token, iff the token is not stale.
+
+        One conditional UPDATE. Raises :class:`~fenced.StaleTokenError` (with the row's
+        token) if the row carries a higher token and :class:`~fenced.ResourceNotFoundError`
+        if there is no such row; nothing is written in either case.
+        """
+        tok = FencingToken.coerce(token, self.lock)
+        return run(conn, self._write(tok, key, values or {}, False))
+
+    def insert_or_update(
+        self,
+        conn: Any,
+        token: TokenLike,
+        *,
+        key: Mapping[str, Any],
+        values: Mapping[str, Any] | None = None,
+    ) -> FencingToken:
+        """Insert the row, or update it like :meth:`update`, in one ``INSERT .. ON CONFLICT``.
+
+        Needs a primary key or unique constraint on exactly ``key_columns``.
+        """
+        tok = FencingToken.coerce(token, self.lock)
+        return run(conn, self._write(tok, key, values or {}, True))
+
+    def high_water(self, conn: Any, key: Mapping[str, Any]) -> FencingToken | None:
+        """The row's token (None if never fenced); ResourceNotFoundError if there is no row."""
+        return run(conn, lambda d: row_high_water_plan(d, self._spec, self.lock, key))
+
+    def install(self, conn: Any) -> None:
+        """Add the token column (and lock column) to the existing table if missing."""
+        run_install(conn, lambda d: row_install_plan(d, self._spec))
+
+    # -- async (psycopg.AsyncConnection) -------------------------------------------------
+
+    async def aupdate(
+        self,
+        conn: Any,
+        token: TokenLike,
+        *,
+        key: Mapping[str, Any],
+        values: Mapping[str, Any] | None = None,
+    ) -> FencingToken:
+        """:meth:`update` on a ``psycopg.AsyncConnection``."""
+        tok = FencingToken.coerce(token, self.lock)
+        return await arun(conn, self._write(tok, key, values or {}, False))
+
+    async def ainsert_or_update(
+        self,
+        conn: Any,
+        token: TokenLike,
+        *,
+        key: Mapping[str, Any],
+        values: Mapping[str, Any] | None = None,
+    ) -> FencingToken:
+        """:meth:`insert_or_update` on a ``psycopg.AsyncConnection``."""
+        tok = FencingToken.coerce(token, self.lock)
+        return await arun(conn, self._write(tok, key, values or {}, True))
+
+    async def ahigh_water(self, conn: Any, key: Mapping[str, Any]) -> FencingToken | None:
+        """:meth:`high_water` on a ``psycopg.AsyncConnection``."""
+        return await arun(conn, lambda d: row_high_water_plan(d, self._spec, self.lock, key))
+
+    async def ainstall(self, conn: Any) -> None:
+        """:meth:`install` on a ``psycopg.AsyncConnection``."""
+        await arun_install(conn, lambda d: row_install_plan(d, self._spec))

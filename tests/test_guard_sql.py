@@ -1,0 +1,958 @@
+"""The SQL guards on real SQLite files and a real PostgreSQL, and planted bugs they must catch.
+
+Most bodies are parametrized over both engines (``env``). The checkers (``attempt``,
+``assert_fenced_history``, the scenarios) are plain functions so the planted-bug tests can run
+the very same checks against broken guard variants and assert that they FAIL.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import sqlite3
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg.conninfo import make_conninfo
+
+from fenced import (
+    MAX_TOKEN,
+    BackendUnavailable,
+    ConfigurationError,
+    FencingToken,
+    InvalidTokenError,
+    ResourceNotFoundError,
+    StaleTokenError,
+    WrongLockError,
+)
+from fenced.guards._sql_plan import Dialect, FenceSQL, Plan, Stmt
+from fenced.guards.sql import FenceConflictError, RowGuard, SQLGuard
+from fenced.testing.servers import PostgresServer
+from tests.helpers import unique_name, wait_for
+
+LOCK = "invoices"
+
+
+def tok(value: int, lock: str = LOCK) -> FencingToken:
+    return FencingToken(lock, value)
+
+
+# -- environments -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Env:
+    """One database to test on: a SQLite file (WAL, synchronous=FULL) or a PostgreSQL DSN."""
+
+    kind: str  # "sqlite" | "pg"
+    target: str
+
+    def connect(self, **kw: Any) -> Any:
+        """A connection in manual mode: explicit BEGIN / COMMIT / ROLLBACK statements."""
+        if self.kind == "sqlite":
+            conn = sqlite3.connect(self.target, isolation_level=None, timeout=20, **kw)
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=FULL")
+            return conn
+        return psycopg.connect(self.target, autocommit=True, **kw)
+
+    def q(self, sql: str) -> str:
+        return sql if self.kind == "sqlite" else sql.replace("?", "%s")
+
+    def begin(self, conn: Any) -> None:
+        conn.execute("BEGIN IMMEDIATE" if self.kind == "sqlite" else "BEGIN")
+
+    def setup(self, guard: SQLGuard) -> None:
+        """The fence table plus the guarded data: a ledger row and a notes table."""
+        with self.connect() as conn:
+            guard.install(conn)
+            conn.execute("CREATE TABLE IF NOT EXISTS ledger (id INTEGER PRIMARY KEY, history TEXT)")
+            conn.execute("CREATE TABLE IF NOT EXISTS notes (token BIGINT NOT NULL)")
+            conn.execute(
+                self.q("INSERT INTO ledger (id, history) VALUES (1, '') ON CONFLICT DO NOTHING")
+            )
+        if self.kind == "sqlite":
+            conn.close()
+
+
+@pytest.fixture(scope="module")
+def pg_module_db(pg_server: PostgresServer) -> Iterator[str]:
+    """One database for this module on the shared server (CREATE DATABASE costs ~1 s)."""
+    db = unique_name("sqlguard").replace("-", "_")
+    with psycopg.connect(pg_server.dsn, autocommit=True) as c:
+        c.execute(f"CREATE DATABASE {db}")
+    yield f"postgresql://postgres@127.0.0.1:{pg_server.port}/{db}"
+    with psycopg.connect(pg_server.dsn, autocommit=True) as c:
+        c.execute(f"DROP DATABASE IF EXISTS {db} WITH (FORCE)")
+
+
+@pytest.fixture
+def pg_dsn(pg_module_db: str) -> str:
+    """A DSN whose search_path is a fresh schema: every test gets its own empty tables."""
+    schema = unique_name("s").replace("-", "_")
+    with psycopg.connect(pg_module_db, autocommit=True) as c:
+        c.execute(f"CREATE SCHEMA {schema}")
+    return make_conninfo(pg_module_db, options=f"-c search_path={schema}")
+
+
+@pytest.fixture(params=["sqlite", "pg"])
+def env(request: pytest.FixtureRequest, tmp_path: Any) -> Env:
+    if request.param == "sqlite":
+        return Env("sqlite", str(tmp_path / "guarded.db"))
+    return Env("pg", request.getfixturevalue("pg_dsn"))
+
+
+@pytest.fixture
+def conn(env: Env) -> Iterator[Any]:
+    c = env.connect()
+    yield c
+    c.close()
+
+
+# -- the checkers -----------------------------------------------------------------------
+
+
+def attempt(
+    env: Env, conn: Any, guard: SQLGuard, token: object, stale: list[StaleTokenError] | None = None
+) -> bool:
+    """One fenced transaction: write a note, check the fence, append to the ledger, commit.
+
+    Returns True if it committed, False if the fence rejected it as stale (rolled back; the
+    error is appended to ``stale`` if given).
+    """
+    env.begin(conn)
+    try:
+        conn.execute(
+            env.q("INSERT INTO notes (token) VALUES (?)"), (int(str(token).split(":")[-1]),)
+        )
+        accepted = guard.check(conn, token)  # type: ignore[arg-type]
+        conn.execute(
+            env.q("UPDATE ledger SET history = history || ? WHERE id = 1"), (f",{int(accepted)}",)
+        )
+    except StaleTokenError as exc:
+        conn.execute("ROLLBACK")
+        if stale is not None:
+            stale.append(exc)
+        return False
+    except FenceConflictError as exc:  # neither accepted nor a clean stale verdict
+        conn.execute("ROLLBACK")
+        raise AssertionError(f"token {token} not accepted: {exc}") from exc
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")
+    return True
+
+
+def history(env: Env, conn: Any) -> list[int]:
+    """The tokens of the committed fenced writes, in commit order (the ledger row's appends)."""
+    (text,) = conn.execute("SELECT history FROM ledger WHERE id = 1").fetchone()
+    return [int(x) for x in text.split(",") if x]
+
+
+def notes(conn: Any) -> list[int]:
+    return sorted(r[0] for r in conn.execute("SELECT token FROM notes").fetchall())
+
+
+def assert_fenced_history(hist: list[int]) -> None:
+    """The fencing invariant: accepted tokens, in commit order, never go down."""
+    for earlier, later in zip(hist, hist[1:], strict=False):
+        assert later >= earlier, f"token {later} committed after {earlier}: history {hist}"
+
+
+def scenario_equal_repeated(env: Env, guard: SQLGuard) -> None:
+    """The current holder writes many times with the same token: every write is accepted."""
+    env.setup(guard)
+    conn = env.connect()
+    try:
+        for _ in range(3):
+            assert attempt(env, conn, guard, tok(5)), "equal token rejected"
+        assert history(env, conn) == [5, 5, 5]
+    finally:
+        conn.close()
+
+
+def scenario_stale_and_current(env: Env, guard: SQLGuard) -> None:
+    env.setup(guard)
+    conn = env.connect()
+    try:
+        assert attempt(env, conn, guard, tok(5))
+        assert not attempt(env, conn, guard, tok(4)), "stale token accepted"
+        assert attempt(env, conn, guard, tok(5)), "current token rejected"
+        assert attempt(env, conn, guard, "invoices:9"), "higher token rejected"
+        assert not attempt(env, conn, guard, tok(5)), "old token accepted after a higher one"
+        assert not attempt(env, conn, guard, tok(8)), "old token accepted after a higher one"
+        assert history(env, conn) == [5, 5, 9]
+        assert notes(conn) == [5, 5, 9], "a rejected transaction's write was kept"
+        assert guard.high_water(conn) == tok(9)
+        assert_fenced_history(history(env, conn))
+    finally:
+        conn.close()
+
+
+# -- planted bugs -----------------------------------------------------------------------
+
+
+class LessThanGuard(SQLGuard):
+    """Planted bug: ``<`` where ``<=`` is right, so the holder's second write is rejected."""
+
+    def _fence_sql(self, d: Dialect) -> FenceSQL:
+        real = super()._fence_sql(d)
+        return FenceSQL(real.create, real.accept.replace("f.token <=", "f.token <"), real.read)
+
+
+class CheckThenWriteGuard(SQLGuard):
+    """Planted bug: SELECT the mark, compare in Python, then UPDATE it: two statements."""
+
+    def _check_plan(self, d: Dialect, token: FencingToken) -> Plan[FencingToken]:
+        p = d.param
+        res = yield Stmt(f"SELECT token FROM fenced_fences WHERE resource = {p}", (self.resource,))
+        if res.rows and res.rows[0][0] > token.value:
+            raise StaleTokenError(token, FencingToken(self.lock, res.rows[0][0]), self.resource)
+        yield Stmt(
+            f"INSERT INTO fenced_fences (resource, lock_name, token) VALUES ({p}, {p}, {p}) "
+            "ON CONFLICT (resource) DO UPDATE SET token = excluded.token",
+            (self.resource, token.lock, token.value),
+        )
+        return token
+
+
+class TempTableGuard(SQLGuard):
+    """Planted bug: the mark is not durable (a TEMP table, gone with the connection)."""
+
+    def _fence_sql(self, d: Dialect) -> FenceSQL:
+        real = super()._fence_sql(d)
+        create = real.create.replace("CREATE TABLE", "CREATE TEMP TABLE").replace(
+            '"fenced_fences"', "fenced_fences"
+        )
+        return FenceSQL(create, real.accept, real.read)
+
+
+# -- basic behaviour, both engines ------------------------------------------------------
+
+
+def test_stale_rejected_and_current_accepted(env: Env) -> None:
+    scenario_stale_and_current(env, SQLGuard("invoices"))
+
+
+def test_equal_token_accepted_repeatedly(env: Env) -> None:
+    scenario_equal_repeated(env, SQLGuard("invoices"))
+
+
+def test_planted_less_than_is_caught(env: Env) -> None:
+    with pytest.raises(AssertionError, match="not accepted"):
+        scenario_equal_repeated(env, LessThanGuard("invoices"))
+    with pytest.raises(AssertionError, match="not accepted"):
+        scenario_stale_and_current(env, LessThanGuard("invoices", table="other_fences"))
+
+
+def test_stale_error_carries_mark_and_commits_nothing(env: Env, conn: Any) -> None:
+    guard = SQLGuard("invoices")
+    env.setup(guard)
+    assert attempt(env, conn, guard, tok(7))
+    env.begin(conn)
+    conn.execute(env.q("INSERT INTO notes (token) VALUES (?)"), (6,))
+    with pytest.raises(StaleTokenError) as info:
+        guard.check(conn, tok(6))
+    conn.execute("ROLLBACK")
+    assert info.value.token == tok(6)
+    assert info.value.high_water == tok(7)
+    assert info.value.resource == "invoices"
+    assert notes(conn) == [7]
+    assert guard.high_water(conn) == tok(7)
+
+
+def test_max_token_boundary(env: Env, conn: Any) -> None:
+    guard = SQLGuard("invoices")
+    env.setup(guard)
+    assert attempt(env, conn, guard, tok(MAX_TOKEN - 1))
+    assert attempt(env, conn, guard, f"invoices:{MAX_TOKEN}")
+    assert not attempt(env, conn, guard, tok(MAX_TOKEN - 1))
+    assert guard.high_water(conn) == tok(MAX_TOKEN)
+
+
+@pytest.mark.parametrize(
+    ("bad", "error"),
+    [
+        ("invoices", InvalidTokenError),
+        ("invoices:", InvalidTokenError),
+        ("invoices:abc", InvalidTokenError),
+        (" invoices:5", InvalidTokenError),
+        ("invoices:05", InvalidTokenError),
+        ("invoices:0", InvalidTokenError),
+        ("invoices:-3", InvalidTokenError),
+        (f"invoices:{MAX_TOKEN + 1}", InvalidTokenError),
+        ("invoices:99999999999999999999999", InvalidTokenError),
+        (12, InvalidTokenError),
+        (None, InvalidTokenError),
+        ("billing:9", WrongLockError),
+        (FencingToken("billing", 9), WrongLockError),
+    ],
+)
+def test_bad_tokens_write_nothing(env: Env, conn: Any, bad: object, error: type) -> None:
+    guard = SQLGuard("invoices")
+    env.setup(guard)
+    assert attempt(env, conn, guard, tok(5))
+    env.begin(conn)
+    with pytest.raises(error):
+        guard.check(conn, bad)  # type: ignore[arg-type]
+    conn.execute("ROLLBACK")
+    assert guard.high_water(conn) == tok(5)
+    assert history(env, conn) == [5]
+    assert attempt(env, conn, guard, tok(5))  # the fence still works
+
+
+def test_token_of_another_lock_rejected_by_the_stored_lock(env: Env, conn: Any) -> None:
+    env.setup(SQLGuard("invoices"))
+    assert attempt(env, conn, SQLGuard("invoices"), tok(5))
+    other = SQLGuard("invoices", lock="billing")  # same resource, misconfigured lock
+    env.begin(conn)
+    with pytest.raises(WrongLockError, match="fenced by lock 'invoices'"):
+        other.check(conn, FencingToken("billing", 100))
+    conn.execute("ROLLBACK")
+    assert SQLGuard("invoices").high_water(conn) == tok(5)
+
+
+def test_install_is_idempotent_and_missing_install_is_explained(env: Env, conn: Any) -> None:
+    guard = SQLGuard("invoices", table="my_fences")
+    env.begin(conn)
+    with pytest.raises(ConfigurationError, match="install"):
+        guard.check(conn, tok(1))
+    conn.execute("ROLLBACK")
+    for _ in range(3):
+        guard.install(conn)
+    assert guard.high_water(conn) is None
+    env.begin(conn)
+    guard.check(conn, tok(1))
+    conn.execute("COMMIT")
+    guard.install(conn)
+    assert guard.high_water(conn) == tok(1)
+
+
+def test_resources_are_independent(env: Env, conn: Any) -> None:
+    a, b = SQLGuard("invoices"), SQLGuard("orders", lock="invoices")
+    env.setup(a)
+    assert attempt(env, conn, a, tok(9))
+    assert attempt(env, conn, b, tok(2))
+    assert a.high_water(conn) == tok(9) and b.high_water(conn) == tok(2)
+
+
+def test_closed_connection_is_backend_unavailable(env: Env) -> None:
+    guard = SQLGuard("invoices")
+    env.setup(guard)
+    conn = env.connect()
+    conn.close()
+    with pytest.raises(BackendUnavailable):
+        guard.check(conn, tok(1))
+    with pytest.raises(BackendUnavailable):
+        guard.high_water(conn)
+    with pytest.raises(BackendUnavailable):
+        guard.install(conn)
+
+
+def test_autocommit_without_transaction_is_refused(env: Env, conn: Any) -> None:
+    guard = SQLGuard("invoices")
+    env.setup(guard)
+    with pytest.raises(ConfigurationError, match="transaction"):
+        guard.check(conn, tok(1))
+    assert guard.high_water(conn) is None
+
+
+def test_bad_configuration() -> None:
+    for table in ("", "a;drop table x", 'x"y', "a.b.c", "1abc", "a b"):
+        with pytest.raises(ConfigurationError):
+            SQLGuard("invoices", table=table)
+    with pytest.raises(ConfigurationError):
+        SQLGuard("")
+    with pytest.raises(ConfigurationError, match="lock"):
+        SQLGuard("invoices/eu")  # fine as a resource, not as a lock name
+    assert SQLGuard("invoices/eu", lock="invoices").resource == "invoices/eu"
+    with pytest.raises(TypeError):
+        SQLGuard("invoices").check(object(), tok(1))
+
+
+# -- the drivers' own transaction idioms --------------------------------------------------
+
+
+def test_sqlite_with_block_rolls_back_stale_writes(tmp_path: Any) -> None:
+    db = sqlite3.connect(tmp_path / "legacy.db")  # legacy mode: implicit deferred BEGIN
+    guard = SQLGuard("invoices")
+    guard.install(db)
+    db.execute("CREATE TABLE invoices (id INTEGER PRIMARY KEY, total INTEGER)")
+    db.execute("INSERT INTO invoices VALUES (1, 100)")
+    db.commit()
+    with db:
+        guard.check(db, "invoices:8")
+        db.execute("UPDATE invoices SET total = 200 WHERE id = 1")
+    with pytest.raises(StaleTokenError), db:
+        guard.check(db, "invoices:7")
+        db.execute("UPDATE invoices SET total = 300 WHERE id = 1")
+    with pytest.raises(StaleTokenError), db:
+        db.execute("UPDATE invoices SET total = 400 WHERE id = 1")  # written before the check
+        guard.check(db, "invoices:7")
+    assert db.execute("SELECT total FROM invoices").fetchone() == (200,)
+    assert not db.in_transaction
+    db.close()
+
+
+def test_psycopg_transaction_idioms(pg_dsn: str) -> None:
+    guard = SQLGuard("invoices")
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        guard.install(conn)
+        conn.execute("CREATE TABLE invoices (id INT PRIMARY KEY, total INT)")
+        conn.execute("INSERT INTO invoices VALUES (1, 100)")
+        with conn.transaction():
+            guard.check(conn, "invoices:8")
+            conn.execute("UPDATE invoices SET total = 200 WHERE id = 1")
+        with pytest.raises(StaleTokenError), conn.transaction():
+            conn.execute("UPDATE invoices SET total = 300 WHERE id = 1")
+            guard.check(conn, "invoices:7")
+    with psycopg.connect(pg_dsn) as conn:  # not autocommit: psycopg BEGINs implicitly
+        guard.check(conn, "invoices:9")
+        conn.execute("UPDATE invoices SET total = 500 WHERE id = 1")
+        conn.commit()
+        with pytest.raises(StaleTokenError):
+            guard.check(conn, "invoices:8")
+        conn.rollback()
+        assert conn.execute("SELECT total FROM invoices").fetchone() == (500,)
+        assert guard.high_water(conn) == tok(9)
+
+
+def test_users_own_sql_error_is_not_swallowed(pg_dsn: str) -> None:
+    guard = SQLGuard("invoices")
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        guard.install(conn)
+        conn.execute("BEGIN")
+        with pytest.raises(psycopg.errors.DivisionByZero):
+            conn.execute("SELECT 1/0")
+        with pytest.raises(psycopg.errors.InFailedSqlTransaction):
+            guard.check(conn, tok(1))
+        conn.execute("ROLLBACK")
+
+
+# -- isolation levels and SQLite's deferred upgrade -----------------------------------------
+
+
+@pytest.mark.parametrize("level", ["REPEATABLE READ", "SERIALIZABLE"])
+@pytest.mark.parametrize("mine", [9, 5])
+def test_pg_snapshot_isolation_conflict_is_an_error_not_a_pass(
+    pg_dsn: str, level: str, mine: int
+) -> None:
+    env = Env("pg", pg_dsn)
+    guard = SQLGuard("invoices")
+    env.setup(guard)
+    a, b = env.connect(), env.connect()
+    try:
+        assert attempt(env, b, guard, tok(3))
+        a.execute(f"BEGIN ISOLATION LEVEL {level}")
+        a.execute("SELECT history FROM ledger").fetchall()  # takes the snapshot
+        assert attempt(env, b, guard, tok(7))  # commits after a's snapshot
+        with pytest.raises(FenceConflictError) as info:
+            guard.check(a, tok(mine))
+        assert isinstance(info.value.__cause__, psycopg.errors.SerializationFailure)
+        a.execute("ROLLBACK")
+        assert guard.high_water(a) == tok(7)
+        # Without a concurrent writer the same isolation level passes normally.
+        a.execute(f"BEGIN ISOLATION LEVEL {level}")
+        assert guard.check(a, tok(8)) == tok(8)
+        a.execute("COMMIT")
+        assert guard.high_water(b) == tok(8)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_sqlite_deferred_transaction_that_read_first_fails_to_upgrade(tmp_path: Any) -> None:
+    env = Env("sqlite", str(tmp_path / "deferred.db"))
+    guard = SQLGuard("invoices")
+    env.setup(guard)
+    a, b = env.connect(), env.connect()
+    try:
+        a.execute("BEGIN")  # DEFERRED
+        a.execute("SELECT history FROM ledger").fetchall()  # read snapshot
+        assert attempt(env, b, guard, tok(7))
+        with pytest.raises(FenceConflictError, match="BEGIN IMMEDIATE") as info:
+            guard.check(a, tok(9))
+        assert isinstance(info.value.__cause__, sqlite3.OperationalError)
+        a.execute("ROLLBACK")
+        assert guard.high_water(a) == tok(7)
+        a.execute("BEGIN IMMEDIATE")
+        assert guard.check(a, tok(9)) == tok(9)
+        a.execute("COMMIT")
+    finally:
+        a.close()
+        b.close()
+
+
+def test_sqlite_busy_writer_is_a_conflict(tmp_path: Any) -> None:
+    env = Env("sqlite", str(tmp_path / "busy.db"))
+    guard = SQLGuard("invoices")
+    env.setup(guard)
+    a = env.connect()
+    b = sqlite3.connect(env.target, isolation_level=None, timeout=0.05)
+    try:
+        a.execute("BEGIN IMMEDIATE")
+        b.execute("BEGIN")
+        with pytest.raises(FenceConflictError):
+            guard.check(b, tok(1))
+        b.execute("ROLLBACK")
+        a.execute("ROLLBACK")
+    finally:
+        a.close()
+        b.close()
+
+
+# -- races ------------------------------------------------------------------------------
+
+RACE_PROCS = 4
+RACE_ROUNDS = 25
+
+
+def _race_worker(env: Env, counter: Any, barrier: Any, out: Any) -> None:
+    """Child process: each round draw a token, wait for the others, then race to commit."""
+    guard = SQLGuard("invoices")
+    conn = env.connect()
+    outcomes: list[tuple[int, bool, int]] = []
+    try:
+        for _ in range(RACE_ROUNDS):
+            with counter.get_lock():
+                counter.value += 1
+                value = counter.value
+            barrier.wait(30)
+            stale: list[StaleTokenError] = []
+            accepted = attempt(env, conn, guard, tok(value), stale)
+            reported = int(stale[0].high_water) if stale and stale[0].high_water else 0
+            outcomes.append((value, accepted, reported))
+        out.put(("ok", outcomes))
+    except BaseException as exc:
+        out.put(("error", repr(exc)))
+    finally:
+        conn.close()
+
+
+def test_racing_processes_commit_tokens_in_order(env: Env) -> None:
+    guard = SQLGuard("invoices")
+    env.setup(guard)
+    ctx = multiprocessing.get_context("spawn")
+    counter = ctx.Value("q", 0)
+    barrier = ctx.Barrier(RACE_PROCS)
+    out = ctx.Queue()
+    procs = [
+        ctx.Process(target=_race_worker, args=(env, counter, barrier, out))
+        for _ in range(RACE_PROCS)
+    ]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=90) for _ in procs]
+    for p in procs:
+        p.join(30)
+    errors = [r[1] for r in results if r[0] != "ok"]
+    assert not errors, errors
+    outcomes = [o for r in results for o in r[1]]
+    accepted = sorted(v for v, ok, _ in outcomes if ok)
+    rejected = [v for v, ok, _ in outcomes if not ok]
+    for value, ok, reported in outcomes:
+        assert ok or reported > value, f"{value} rejected, but the reported mark is {reported}"
+    with env.connect() as conn:
+        hist = history(env, conn)
+        assert_fenced_history(hist)
+        assert sorted(hist) == accepted, "committed writes differ from accepted checks"
+        assert notes(conn) == accepted, "a rejected transaction left a write behind"
+        high = guard.high_water(conn)
+        assert high == tok(max(hist))
+        # Some tokens must have arrived out of order and been rejected, or the race was idle.
+        assert rejected, "no token arrived late: the race did not exercise the fence"
+        for late in {min(rejected), max(hist) - 1}:
+            assert not attempt(env, conn, guard, tok(late)), f"late token {late} accepted"
+        assert history(env, conn) == hist
+    if env.kind == "sqlite":
+        conn.close()
+
+
+# A deterministic two-holder race on PostgreSQL. The old holder A (token 5) starts its fenced
+# transaction first. The new holder B (token 7) runs its whole transaction while A is inside
+# check() - before A's second statement if check() sends several - or, if A's check() is one
+# statement, right after it, before A writes and commits. B either finishes or blocks on a
+# lock; only then does A go on.
+
+_HOOKS: dict[int, Callable[[], None]] = {}
+
+
+class _HookCursor(psycopg.Cursor[Any]):
+    def execute(self, query: Any, params: Any = None, **kw: Any) -> Any:
+        hook = _HOOKS.get(id(self.connection))
+        if hook is not None:
+            hook()
+        return super().execute(query, params, **kw)
+
+
+def race_two_holders(env: Env, guard: SQLGuard) -> list[int]:
+    env.setup(guard)
+    a = psycopg.connect(env.target, autocommit=True, cursor_factory=_HookCursor)
+    b, monitor = env.connect(), env.connect()
+    b_done = threading.Event()
+    b_result: list[object] = []
+
+    def run_b() -> None:
+        try:
+            b_result.append(attempt(env, b, guard, tok(7)))
+        except BaseException as exc:
+            b_result.append(exc)
+        finally:
+            b_done.set()
+
+    b_thread = threading.Thread(target=run_b, daemon=True)
+
+    def b_settled() -> bool:
+        if b_done.is_set():
+            return True
+        row = monitor.execute(
+            "SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", (b.info.backend_pid,)
+        ).fetchone()
+        return row is not None and row[0] == "Lock"
+
+    def let_b_run() -> None:
+        if not b_thread.is_alive() and not b_done.is_set():
+            b_thread.start()
+            wait_for(b_settled, 20, "holder B to commit or block")
+
+    statements = 0
+
+    def before_statement() -> None:
+        nonlocal statements
+        statements += 1
+        if statements == 2:
+            let_b_run()
+
+    try:
+        assert attempt(env, a, guard, tok(1))  # the fence row exists
+        a.execute("BEGIN")
+        a.execute("INSERT INTO notes (token) VALUES (5)")
+        _HOOKS[id(a)] = before_statement
+        try:
+            accepted = guard.check(a, tok(5))
+        except StaleTokenError:
+            accepted = None
+        finally:
+            _HOOKS.pop(id(a), None)
+        let_b_run()
+        if accepted is None:
+            a.execute("ROLLBACK")
+        else:
+            a.execute("UPDATE ledger SET history = history || ',5' WHERE id = 1")
+            a.execute("COMMIT")
+        b_thread.join(20)
+        assert b_done.is_set(), "holder B never finished"
+        assert b_result and not isinstance(b_result[0], BaseException), b_result
+        return history(env, monitor)[1:]
+    finally:
+        a.close()
+        b.close()
+        monitor.close()
+
+
+def test_two_holder_race_is_serialized_by_the_fence(pg_dsn: str) -> None:
+    hist = race_two_holders(Env("pg", pg_dsn), SQLGuard("invoices"))
+    assert hist == [5, 7]  # A locked the fence row first; B waited, then passed
+    assert_fenced_history(hist)
+
+
+def test_planted_check_then_write_is_caught_by_the_race(pg_dsn: str) -> None:
+    hist = race_two_holders(Env("pg", pg_dsn), CheckThenWriteGuard("invoices"))
+    assert hist == [7, 5]
+    with pytest.raises(AssertionError, match="committed after"):
+        assert_fenced_history(hist)
+
+
+def test_concurrent_installs(pg_dsn: str) -> None:
+    guard = SQLGuard("invoices")
+    barrier = threading.Barrier(4)
+    errors: list[BaseException] = []
+
+    def install() -> None:
+        try:
+            with psycopg.connect(pg_dsn, autocommit=True) as conn:
+                barrier.wait(10)
+                guard.install(conn)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=install) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        assert guard.high_water(conn) is None
+
+
+# -- durability: restart ---------------------------------------------------------------
+
+
+def scenario_restart_keeps_mark(env: Env, guard: SQLGuard, restart: Callable[[], None]) -> None:
+    env.setup(guard)
+    conn = env.connect()
+    try:
+        guard.install(conn)  # what an application does at start
+        assert attempt(env, conn, guard, tok(41))
+        assert attempt(env, conn, guard, tok(42))
+    finally:
+        conn.close()
+    restart()
+    conn = env.connect()
+    try:
+        guard.install(conn)  # what an application does at start
+        assert not attempt(env, conn, guard, tok(41)), "mark lost across restart"
+        assert attempt(env, conn, guard, tok(42))
+        assert history(env, conn) == [41, 42, 42]
+    finally:
+        conn.close()
+
+
+def test_sqlite_reopen_keeps_mark(tmp_path: Any) -> None:
+    scenario_restart_keeps_mark(
+        Env("sqlite", str(tmp_path / "r.db")), SQLGuard("invoices"), lambda: None
+    )
+    with pytest.raises(AssertionError, match="mark lost"):
+        scenario_restart_keeps_mark(
+            Env("sqlite", str(tmp_path / "planted.db")), TempTableGuard("invoices"), lambda: None
+        )
+
+
+@pytest.fixture(scope="module")
+def own_pg() -> Iterator[PostgresServer]:
+    """A PostgreSQL of our own, to kill and restart without disturbing the shared one."""
+    with PostgresServer() as server:
+        yield server  # type: ignore[misc]
+
+
+def _fresh_db(server: PostgresServer) -> str:
+    db = unique_name("db").replace("-", "_")
+    with psycopg.connect(server.dsn, autocommit=True) as c:
+        c.execute(f"CREATE DATABASE {db}")
+    return f"postgresql://postgres@127.0.0.1:{server.port}/{db}"
+
+
+def test_pg_restart_keeps_mark(own_pg: PostgresServer) -> None:
+    def crash_and_restart() -> None:
+        own_pg.restart(kill=True)  # kill -9: only what was committed (fsync'd) survives
+
+    scenario_restart_keeps_mark(
+        Env("pg", _fresh_db(own_pg)), SQLGuard("invoices"), crash_and_restart
+    )
+    with pytest.raises(AssertionError, match="mark lost"):
+        scenario_restart_keeps_mark(
+            Env("pg", _fresh_db(own_pg)), TempTableGuard("invoices"), crash_and_restart
+        )
+
+
+def test_pg_dead_server_is_backend_unavailable(own_pg: PostgresServer) -> None:
+    env = Env("pg", _fresh_db(own_pg))
+    guard = SQLGuard("invoices")
+    env.setup(guard)
+    conn = env.connect()
+    try:
+        assert attempt(env, conn, guard, tok(3))
+        conn.execute("BEGIN")
+        own_pg.kill()
+        with pytest.raises(BackendUnavailable) as info:
+            guard.check(conn, tok(4))
+        assert isinstance(info.value.__cause__, psycopg.Error)
+        with pytest.raises(BackendUnavailable):
+            guard.check(conn, tok(4))
+    finally:
+        conn.close()
+        own_pg.start()
+    with env.connect() as conn:
+        assert guard.high_water(conn) == tok(3)
+
+
+def test_pg_terminated_backend_is_backend_unavailable(pg_dsn: str) -> None:
+    env = Env("pg", pg_dsn)
+    guard = SQLGuard("invoices")
+    env.setup(guard)
+    with env.connect() as conn, env.connect() as killer:
+        conn.execute("BEGIN")
+        killer.execute("SELECT pg_terminate_backend(%s)", (conn.info.backend_pid,))
+        with pytest.raises(BackendUnavailable):
+            guard.check(conn, tok(1))
+        assert guard.high_water(killer) is None
+
+
+# -- async (psycopg.AsyncConnection) -----------------------------------------------------
+
+
+async def test_async_check(pg_dsn: str) -> None:
+    guard = SQLGuard("invoices")
+    async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as conn:
+        await guard.ainstall(conn)
+        await guard.ainstall(conn)
+        assert await guard.ahigh_water(conn) is None
+        for _ in range(2):
+            async with conn.transaction():
+                assert await guard.acheck(conn, "invoices:5") == tok(5)
+        with pytest.raises(StaleTokenError) as info:
+            async with conn.transaction():
+                await guard.acheck(conn, tok(4))
+        assert info.value.high_water == tok(5)
+        with pytest.raises(WrongLockError):
+            async with conn.transaction():
+                await guard.acheck(conn, "billing:9")
+        with pytest.raises(ConfigurationError, match="transaction"):
+            await guard.acheck(conn, tok(6))
+        assert await guard.ahigh_water(conn) == tok(5)
+        with pytest.raises(TypeError):
+            guard.check(conn, tok(6))
+    with pytest.raises(BackendUnavailable):
+        await guard.acheck(conn, tok(6))
+    with pytest.raises(BackendUnavailable):
+        await guard.ahigh_water(conn)
+
+
+async def test_async_row_guard(pg_dsn: str) -> None:
+    guard = RowGuard("invoices", lock=LOCK)
+    async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as conn:
+        await conn.execute("CREATE TABLE invoices (id INT PRIMARY KEY, status TEXT)")
+        await conn.execute("INSERT INTO invoices (id, status) VALUES (1, 'new')")
+        await guard.ainstall(conn)
+        assert await guard.aupdate(conn, tok(3), key={"id": 1}, values={"status": "a"}) == tok(3)
+        with pytest.raises(StaleTokenError):
+            await guard.aupdate(conn, tok(2), key={"id": 1}, values={"status": "b"})
+        with pytest.raises(ResourceNotFoundError):
+            await guard.aupdate(conn, tok(3), key={"id": 2}, values={"status": "b"})
+        await guard.ainsert_or_update(conn, tok(4), key={"id": 2}, values={"status": "c"})
+        assert await guard.ahigh_water(conn, {"id": 2}) == tok(4)
+        rows = await (await conn.execute("SELECT * FROM invoices ORDER BY id")).fetchall()
+        assert rows == [(1, "a", 3), (2, "c", 4)]
+
+
+# -- row form ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def rows(env: Env, conn: Any) -> RowGuard:
+    conn.execute("CREATE TABLE invoices (id INTEGER PRIMARY KEY, status TEXT, amount INTEGER)")
+    conn.execute("INSERT INTO invoices (id, status, amount) VALUES (1, 'new', 10), (2, 'new', 20)")
+    guard = RowGuard("invoices", key_columns=("id",), lock=LOCK)
+    guard.install(conn)
+    guard.install(conn)  # idempotent
+    return guard
+
+
+def row(conn: Any, env: Env, key: int) -> tuple[Any, ...]:
+    return tuple(
+        conn.execute(
+            env.q("SELECT status, amount, fencing_token FROM invoices WHERE id = ?"), (key,)
+        ).fetchone()
+    )
+
+
+def test_row_null_token_accepts_then_fences(env: Env, conn: Any, rows: RowGuard) -> None:
+    assert row(conn, env, 1) == ("new", 10, None)
+    assert rows.high_water(conn, {"id": 1}) is None
+    assert rows.update(conn, tok(5), key={"id": 1}, values={"status": "paid"}) == tok(5)
+    assert rows.update(conn, "invoices:5", key={"id": 1}, values={"amount": 11}) == tok(5)
+    assert row(conn, env, 1) == ("paid", 11, 5)
+    with pytest.raises(StaleTokenError) as info:
+        rows.update(conn, tok(4), key={"id": 1}, values={"status": "void", "amount": 0})
+    assert info.value.high_water == tok(5)
+    assert info.value.resource == "invoices(id=1)"
+    assert row(conn, env, 1) == ("paid", 11, 5)
+    assert rows.update(conn, tok(6), key={"id": 1}) == tok(6)  # bump the token only
+    assert row(conn, env, 1) == ("paid", 11, 6)
+    assert row(conn, env, 2) == ("new", 20, None)  # other rows untouched
+
+
+def test_row_stale_vs_missing(env: Env, conn: Any, rows: RowGuard) -> None:
+    rows.update(conn, tok(9), key={"id": 1}, values={"status": "x"})
+    with pytest.raises(StaleTokenError):
+        rows.update(conn, tok(8), key={"id": 1}, values={"status": "y"})
+    with pytest.raises(ResourceNotFoundError, match=r"invoices\(id=3\)"):
+        rows.update(conn, tok(8), key={"id": 3}, values={"status": "y"})
+    with pytest.raises(ResourceNotFoundError):
+        rows.high_water(conn, {"id": 3})
+    assert conn.execute("SELECT COUNT(*) FROM invoices").fetchone() == (2,)
+
+
+def test_row_insert_or_update(env: Env, conn: Any, rows: RowGuard) -> None:
+    key = {"id": 7}
+    assert rows.insert_or_update(conn, tok(3), key=key, values={"status": "a", "amount": 1})
+    assert row(conn, env, 7) == ("a", 1, 3)
+    rows.insert_or_update(conn, tok(3), key=key, values={"status": "b", "amount": 2})
+    with pytest.raises(StaleTokenError) as info:
+        rows.insert_or_update(conn, tok(2), key=key, values={"status": "c", "amount": 3})
+    assert info.value.high_water == tok(3)
+    assert row(conn, env, 7) == ("b", 2, 3)
+    rows.insert_or_update(conn, tok(4), key={"id": 2}, values={"status": "d", "amount": 4})
+    assert row(conn, env, 2) == ("d", 4, 4)
+
+
+def test_row_in_a_transaction_rolls_back_with_it(env: Env, conn: Any, rows: RowGuard) -> None:
+    rows.update(conn, tok(5), key={"id": 1}, values={"status": "paid"})
+    env.begin(conn)
+    rows.update(conn, tok(6), key={"id": 2}, values={"status": "paid"})
+    with pytest.raises(StaleTokenError):
+        rows.update(conn, tok(4), key={"id": 1}, values={"status": "void"})
+    conn.execute("ROLLBACK")
+    assert row(conn, env, 2) == ("new", 20, None)
+
+
+def test_row_bad_input(env: Env, conn: Any, rows: RowGuard) -> None:
+    rows.update(conn, tok(5), key={"id": 1}, values={"status": "paid"})
+    for bad, error in [
+        ("invoices:0", InvalidTokenError),
+        ("invoices:-1", InvalidTokenError),
+        (f"invoices:{MAX_TOKEN + 1}", InvalidTokenError),
+        ("garbage", InvalidTokenError),
+        ("billing:9", WrongLockError),
+    ]:
+        with pytest.raises(error):
+            rows.update(conn, bad, key={"id": 1}, values={"status": "void"})
+    bad_calls: list[tuple[dict[str, Any], dict[str, Any]]] = [
+        ({"nope": 1}, {"status": "x"}),
+        ({"id": None}, {"status": "x"}),
+        ({"id": 1}, {"fencing_token": 99}),
+        ({"id": 1}, {"id": 3}),
+        ({"id": 1}, {"status; DROP TABLE invoices": "x"}),
+    ]
+    for key, values in bad_calls:
+        with pytest.raises(ConfigurationError):
+            rows.update(conn, tok(6), key=key, values=values)
+    assert row(conn, env, 1) == ("paid", 10, 5)
+
+
+def test_row_lock_column(env: Env, conn: Any, rows: RowGuard) -> None:
+    locked = RowGuard("invoices", lock=LOCK, lock_column="fencing_lock")
+    locked.install(conn)
+    locked.update(conn, tok(5), key={"id": 1}, values={"status": "a"})
+    other = RowGuard("invoices", lock="billing", lock_column="fencing_lock")
+    with pytest.raises(WrongLockError):
+        other.update(conn, FencingToken("billing", 50), key={"id": 1}, values={"status": "b"})
+    assert locked.high_water(conn, {"id": 1}) == tok(5)
+    assert other.update(conn, FencingToken("billing", 1), key={"id": 2}) == FencingToken(
+        "billing", 1
+    )
+
+
+def test_row_install_needs_the_table(env: Env, conn: Any) -> None:
+    with pytest.raises(ConfigurationError, match="does not exist"):
+        RowGuard("nowhere").install(conn)
+    conn.execute("CREATE TABLE plain (id INTEGER PRIMARY KEY)")
+    conn.execute("INSERT INTO plain (id) VALUES (1)")
+    with pytest.raises(ConfigurationError, match="install"):
+        RowGuard("plain").update(conn, "plain:1", key={"id": 1})
+    with pytest.raises(ConfigurationError):
+        RowGuard("plain", key_columns=("id",), token_column="id")
+    with pytest.raises(ConfigurationError):
+        RowGuard("plain", key_columns=())
+
+
+def test_row_closed_connection(env: Env, rows: RowGuard) -> None:
+    conn = env.connect()
+    conn.close()
+    with pytest.raises(BackendUnavailable):
+        rows.update(conn, tok(1), key={"id": 1}, values={"status": "x"})
