@@ -1,0 +1,1061 @@
+"""``zookeeper://host:port[,host:port...][/chroot]``: locks in ZooKeeper, token = the node's czxid.
+
+Each lock is a persistent node ``/fenced/locks/<name>``; every acquire creates one ephemeral
+sequential child under it, named ``<request id>.<nonce>-<sequence>``. The child with the lowest
+sequence holds the lock; every other one watches only the child just before it (no herd). The
+fencing token is the holder's ``czxid``, the zxid of the transaction that created its node:
+global to the ensemble, strictly increasing, and never reused across restarts or a re-created
+lock node (the sequence suffix is *not* used: it restarts when the parent is re-created).
+
+The lease is a ZooKeeper session. A backend opens one session per distinct ttl, with the ttl as
+its session timeout, so the server itself removes a holder's node once the holder has been
+silent for its ttl (paused, crashed or cut off). A live holder that stops renewing gives the
+node up at ``sent_at + ttl`` on its own timer. ``Grant.ttl`` is the smaller of the ttl asked for
+and the timeout the server negotiated, so the holder never counts on more than the server gives.
+
+kazoo is thread-based. Its callbacks run on kazoo's connection thread (see :class:`_InlineHandler`)
+and only hand results to the backend's event loop with ``call_soon_threadsafe``; the loop is
+never blocked on a kazoo call. See ``docs/backend-zookeeper.md`` for the safety argument.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import enum
+import logging
+import math
+import re
+import secrets
+from collections.abc import Callable
+from typing import Any, ClassVar, Final
+from urllib.parse import SplitResult, quote, unquote
+
+from kazoo.client import KazooClient
+from kazoo.exceptions import (
+    BadVersionError,
+    ConnectionClosedError,
+    ConnectionLoss,
+    KazooException,
+    NodeExistsError,
+    NoNodeError,
+    OperationTimeoutError,
+    SessionExpiredError,
+)
+from kazoo.handlers.threading import AsyncResult, KazooTimeoutError, SequentialThreadingHandler
+from kazoo.protocol.serialization import Connect
+from kazoo.protocol.states import EventType, KazooState
+from kazoo.retry import KazooRetry
+
+from .. import _clock
+from .._backend import Backend, Characteristic, Grant, LockStatus, LostCallback
+from .._errors import (
+    BackendError,
+    BackendUnavailable,
+    ConfigurationError,
+    LeaseLostError,
+    LockTimeout,
+    UnsafeBackendError,
+)
+from .._lease import DEFAULT_TTL
+from .._token import FencingToken
+
+__all__ = ["ROOT", "ZooKeeperBackend", "node_prefix", "parse_node"]
+
+logger = logging.getLogger("fenced.zookeeper")
+
+ROOT: Final = "/fenced/locks"
+"""Where lock nodes live (inside the URL's chroot, if any)."""
+
+_NODE_RE: Final = re.compile(r"(?P<rid>.*)\.(?P<nonce>[0-9a-f]{8})-(?P<seq>-?[0-9]+)")
+_RESET_SEQ: Final = 2**30
+"""After a release at this sequence number, try to re-create the (empty) lock node: ZooKeeper's
+sequence is a 32-bit counter of child changes and would wrap after 2**31."""
+
+_UNAVAILABLE: Final = (
+    ConnectionLoss,
+    ConnectionClosedError,
+    OperationTimeoutError,
+    KazooTimeoutError,
+)
+"""Errors that say nothing about the session: the request may or may not have been applied."""
+
+
+def node_prefix(request_id: str, nonce: str) -> str:
+    """The name of an acquire's node up to the sequence ZooKeeper appends.
+
+    The request id is percent-encoded (so any text is a legal node name and can be read back);
+    the nonce is fresh per acquire call, so a path is never reused by a later acquire.
+    """
+    return f"{quote(request_id, safe='')}.{nonce}-"
+
+
+def parse_node(name: str) -> tuple[str, str, int] | None:
+    """``(request_id, nonce, sequence)`` of one of our node names, or None for any other name."""
+    m = _NODE_RE.fullmatch(name)
+    if m is None:
+        return None
+    return unquote(m["rid"]), m["nonce"], int(m["seq"])
+
+
+def _serial(a: int, b: int) -> int:
+    """``a - b`` in 32-bit serial arithmetic (negative: ``a`` was created before ``b``).
+
+    Correct even after the sequence counter wraps, as long as coexisting nodes are less than
+    2**31 child changes apart.
+    """
+    return ((a - b + 2**31) % 2**32) - 2**31
+
+
+# -- kazoo, bridged to asyncio ----------------------------------------------------------------
+
+
+class _InlineResult(AsyncResult):  # type: ignore[misc]
+    """A kazoo result whose callbacks run at once, on the thread that completes it."""
+
+    def _do_callbacks(self) -> None:
+        me: Any = self  # kazoo is untyped
+        callbacks: list[Callable[[Any], None]] = me._callbacks
+        me._callbacks = []
+        for callback in callbacks:
+            try:
+                callback(self)
+            except Exception:  # pragma: no cover - our callbacks only schedule work
+                logger.exception("kazoo completion callback failed")
+
+
+class _InlineHandler(SequentialThreadingHandler):  # type: ignore[misc]
+    """Runs completion and watch callbacks on kazoo's connection thread, with no worker threads.
+
+    Every callback a fenced client registers only hands a value to an event loop, so none can
+    block the connection thread. Running them inline keeps responses and watch events in
+    exactly the order the server sent them (ZooKeeper's ordering guarantee, which the waiters
+    rely on) and saves two thread hops per request.
+    """
+
+    def start(self) -> None:
+        with self._state_change:
+            self._running = True
+
+    def stop(self) -> None:
+        with self._state_change:
+            self._running = False
+
+    def async_result(self) -> _InlineResult:
+        return _InlineResult(self)
+
+    def dispatch_callback(self, callback: Any) -> None:
+        try:
+            callback.func(*callback.args)
+        except Exception:  # pragma: no cover - our watchers only schedule work
+            logger.exception("kazoo watch callback failed")
+
+
+def _settle(future: asyncio.Future[Any], result: Any) -> None:
+    if future.done():
+        return
+    exc = result.exception
+    if exc is None:
+        future.set_result(result.value)
+    else:
+        future.set_exception(exc)
+
+
+def _bridge(loop: asyncio.AbstractEventLoop, result: Any) -> asyncio.Future[Any]:
+    """An asyncio future completed (on ``loop``) by a kazoo ``IAsyncResult``."""
+    future = loop.create_future()
+
+    def done(r: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting
+            loop.call_soon_threadsafe(_settle, future, r)
+
+    result.rawlink(done)
+    return future
+
+
+def _ignore(future: asyncio.Future[Any]) -> None:
+    """Mark a future's outcome as handled (its error, if any, is not interesting)."""
+    if future.done():
+        if not future.cancelled():
+            future.exception()
+    else:
+        future.add_done_callback(_ignore)
+
+
+def _unavailable(what: str, exc: BaseException) -> BackendUnavailable:
+    return BackendUnavailable(f"ZooKeeper {what}: {type(exc).__name__} {exc}".rstrip())
+
+
+# -- sessions and nodes -----------------------------------------------------------------------
+
+
+class _Phase(enum.Enum):
+    QUEUED = "queued"
+    HELD = "held"
+    DONE = "done"  # released, lost or expired
+
+
+@dataclasses.dataclass(eq=False)
+class _Node:
+    """One acquire call's node, from queueing to release."""
+
+    lock: str
+    request_id: str
+    session: _Session
+    parent: str
+    prefix: str
+    on_lost: list[LostCallback]
+    ttl: float
+    phase: _Phase = _Phase.QUEUED
+    path: str | None = None
+    seq: int = 0
+    czxid: int = 0
+    version: int = 0
+    session_id: int | None = None
+    uncertain: bool = False  # a create was sent and its reply lost
+    lower: list[str] | None = None  # names of the nodes queued before ours, nearest last
+    gone: set[str] = dataclasses.field(default_factory=set)  # paths seen deleted
+    armed: bool = False  # a watch on our own node is known to be set
+    deleted: bool = False  # our own node is known to be gone
+    wake: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    grant: Grant | None = None
+    expires_at: float = 0.0
+    timer: asyncio.TimerHandle | None = None
+    own_watch: Callable[[Any], None] = dataclasses.field(default=lambda ev: None)
+    pred_watch: Callable[[Any], None] = dataclasses.field(default=lambda ev: None)
+
+    def forget(self) -> None:
+        """Our node is gone (session ended, deleted): the next round creates a new one."""
+        if self.path is not None:
+            self.session.nodes.pop(self.path, None)
+        self.path = None
+        self.session_id = None
+        self.lower = None
+        self.armed = False
+        self.deleted = False
+        self.gone.clear()
+
+
+class _Session:
+    """One ZooKeeper session (one kazoo client) whose timeout is one ttl."""
+
+    def __init__(self, backend: ZooKeeperBackend, timeout_ms: int) -> None:
+        self.backend = backend
+        self.loop = backend._loop
+        self.timeout = timeout_ms / 1000  # the negotiated timeout, once connected
+        self.session_id: int | None = None
+        self.connected = asyncio.Event()
+        self.ever_connected = False
+        self.proven_at = -math.inf  # send time of the latest request this session answered
+        self.nodes: dict[str, _Node] = {}  # path -> node, for nodes of the current session
+        self.queued: set[_Node] = set()  # nodes whose acquire is waiting
+        self.doomed: set[str] = set()  # paths to delete once connected
+        self.orphans: set[tuple[str, str]] = (
+            set()
+        )  # (parent, prefix) of creates whose reply was lost
+        self.work = asyncio.Event()
+        self.janitor: asyncio.Task[None] | None = None
+        self._negotiated_ms = 0
+        retry_cap = max(0.05, min(1.0, self.timeout / 5))
+        self.client = KazooClient(
+            hosts=backend._hosts,
+            timeout=self.timeout,
+            handler=_InlineHandler(),
+            connection_retry=KazooRetry(
+                max_tries=-1, delay=0.02, backoff=2, max_jitter=0.3, max_delay=retry_cap
+            ),
+        )
+        self._hook_negotiation()
+        self.client.add_listener(self._on_state_thread)
+        self.client.start_async()
+
+    def _hook_negotiation(self) -> None:
+        """Learn the session timeout the server granted: kazoo keeps it to itself.
+
+        The server clamps the asked-for timeout into [minSessionTimeout, maxSessionTimeout];
+        a holder that counted on more than it got would be unsafe, so failing to learn it is
+        an error, not a fallback.
+        """
+        connection: Any = getattr(self.client, "_connection", None)
+        invoke = getattr(connection, "_invoke", None)
+        if invoke is None:  # pragma: no cover - a kazoo release that moved its internals
+            raise UnsafeBackendError("this kazoo version hides the negotiated session timeout")
+
+        def hooked(timeout: float, request: Any, xid: int | None = None) -> Any:
+            result = invoke(timeout, request, xid)
+            if isinstance(request, Connect) and isinstance(result, tuple):
+                self._negotiated_ms = int(result[0].time_out)
+            return result
+
+        connection._invoke = hooked
+
+    # -- state changes (kazoo thread -> loop) --------------------------------------------
+
+    def _on_state_thread(self, state: str) -> None:
+        client_id = self.client.client_id
+        session_id = client_id[0] if client_id else None
+        negotiated = self._negotiated_ms
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(self._on_state, state, session_id, negotiated)
+
+    def _on_state(self, state: str, session_id: int | None, negotiated_ms: int) -> None:
+        if state == KazooState.CONNECTED:
+            if self.session_id is not None and session_id != self.session_id:
+                self.session_ended("the ZooKeeper session expired")
+            if negotiated_ms > 0:
+                self.timeout = negotiated_ms / 1000
+            self.session_id = session_id
+            self.ever_connected = True
+            self.connected.set()
+            for node in list(self.nodes.values()):
+                if node.phase is _Phase.HELD and not node.armed:
+                    self.backend._arm(node)
+            if self.doomed or self.orphans:
+                self.work.set()
+        else:
+            self.connected.clear()
+            if state == KazooState.LOST and not self.backend._closing:
+                self.session_ended("the ZooKeeper session expired or was closed")
+        for node in list(self.queued):
+            if state != KazooState.CONNECTED:
+                node.lower = None  # watches are dropped with the connection: list again
+            node.wake.set()
+
+    def session_ended(self, why: str) -> None:
+        """Every node of the session is gone: tell holders, send waiters round again."""
+        self.session_id = None
+        self.proven_at = -math.inf
+        self.doomed.clear()
+        self.orphans.clear()
+        nodes, self.nodes = list(self.nodes.values()), {}
+        for node in nodes:
+            if node.phase is _Phase.HELD:
+                self.backend._lose(node, LeaseLostError(f"lease {_describe(node)} lost: {why}"))
+            node.forget()
+            node.wake.set()
+
+    def proven(self, sent: float, session_id: int | None) -> None:
+        """A request sent at ``sent`` was answered by the session that is still current."""
+        if session_id is not None and session_id == self.session_id and sent > self.proven_at:
+            self.proven_at = sent
+
+    async def wait_connected(self, until: float | None) -> None:
+        if self.connected.is_set():
+            return
+        timeout = None if until is None else until - _clock.now()
+        try:
+            if timeout is not None and timeout <= 0:
+                raise TimeoutError
+            async with asyncio.timeout(timeout):
+                await self.connected.wait()
+        except TimeoutError:
+            raise BackendUnavailable(
+                f"ZooKeeper at {self.backend._hosts!r} is not reachable"
+            ) from None
+
+    def future(self, result: Any) -> asyncio.Future[Any]:
+        return _bridge(self.loop, result)
+
+    # -- background clean-up ---------------------------------------------------------------
+
+    def discard(self, path: str) -> None:
+        self.nodes.pop(path, None)
+        self.doomed.add(path)
+        self.work.set()
+        if self.janitor is None:
+            self.janitor = self.loop.create_task(self._janitor(), name="fenced-zk-janitor")
+
+    def discard_prefix(self, parent: str, prefix: str) -> None:
+        self.orphans.add((parent, prefix))
+        self.work.set()
+        if self.janitor is None:
+            self.janitor = self.loop.create_task(self._janitor(), name="fenced-zk-janitor")
+
+    async def _janitor(self) -> None:
+        """Delete nodes whose owner gave up while the connection was down.
+
+        A node left behind while the session lives would block its lock for good, so every
+        node an acquire or release could not delete at once is deleted here, when connected.
+        """
+        while not self.backend._closed:
+            await self.work.wait()
+            self.work.clear()
+            try:
+                await self.connected.wait()
+                for parent, prefix in list(self.orphans):
+                    children = await self._children(parent)
+                    for child in children:
+                        if child.startswith(prefix):
+                            self.doomed.add(f"{parent}/{child}")
+                    self.orphans.discard((parent, prefix))
+                for path in list(self.doomed):
+                    with contextlib.suppress(NoNodeError, BadVersionError):
+                        await self.future(self.client.delete_async(path))
+                    self.doomed.discard(path)
+            except (*_UNAVAILABLE, SessionExpiredError):
+                self.work.set()  # retried at the next connection (or dropped if it expired)
+            except Exception:  # pragma: no cover - keep cleaning whatever happens
+                logger.exception("ZooKeeper clean-up failed")
+                await asyncio.sleep(0.5)
+                self.work.set()
+
+    async def _children(self, parent: str) -> list[str]:
+        try:
+            children: list[str] = await self.future(self.client.get_children_async(parent))
+        except NoNodeError:
+            return []
+        return children
+
+
+def _describe(node: _Node) -> str:
+    token = f" (token {node.grant.token})" if node.grant is not None else ""
+    return f"on {node.lock!r}{token}"
+
+
+# -- the backend ------------------------------------------------------------------------------
+
+
+class ZooKeeperBackend(Backend):
+    """Sequential ephemeral nodes, one watch per waiter, czxid as the token; see the module doc."""
+
+    scheme: ClassVar[str] = "zookeeper"
+    characteristics: ClassVar[frozenset[Characteristic]] = frozenset(
+        {
+            Characteristic.LINEARIZABLE,
+            Characteristic.DURABLE,
+            Characteristic.FIFO,
+            Characteristic.DISTRIBUTED,
+            Characteristic.SERVER_EXPIRY,
+            Characteristic.LOST_NOTIFICATION,
+        }
+    )
+
+    def __init__(self, hosts: str, connect_timeout: float) -> None:
+        self._hosts = hosts
+        self._connect_timeout = connect_timeout
+        self._loop = asyncio.get_running_loop()
+        self._sessions: dict[int, _Session] = {}
+        self._default: _Session | None = None
+        self._held: dict[tuple[str, str], _Node] = {}
+        self._last_tokens: dict[str, int] = {}
+        self._closed = False
+        self._closing = False
+
+    @classmethod
+    async def open(cls, url: SplitResult, options: dict[str, Any]) -> ZooKeeperBackend:
+        options = dict(options)
+        connect_timeout = options.pop("connect_timeout", 10.0)
+        if options:
+            raise ConfigurationError(
+                f"zookeeper:// takes only the option connect_timeout, got {sorted(options)}"
+            )
+        if not isinstance(connect_timeout, int | float) or not connect_timeout > 0:
+            raise ConfigurationError(f"connect_timeout must be > 0, got {connect_timeout!r}")
+        hosts = url.netloc
+        if not hosts or "@" in hosts or url.query or url.fragment:
+            raise ConfigurationError(
+                "expected zookeeper://host:port[,host:port...][/chroot] (no credentials, "
+                f"query or fragment), got {url.geturl()!r}"
+            )
+        for host in hosts.split(","):
+            _, _, port = host.rpartition(":")
+            if not host or (":" in host and not port.isdigit()):
+                raise ConfigurationError(f"bad ZooKeeper host {host!r} in {url.geturl()!r}")
+        chroot = url.path.rstrip("/")
+        if chroot and any(part in ("", ".", "..") for part in chroot[1:].split("/")):
+            raise ConfigurationError(f"bad ZooKeeper chroot {url.path!r}")
+        backend = cls(hosts + chroot, float(connect_timeout))
+        try:
+            session = backend._session_for(DEFAULT_TTL)
+            backend._default = session
+            await session.wait_connected(_clock.now() + backend._connect_timeout)
+            await session.future(session.client.ensure_path_async(ROOT))
+        except BaseException as exc:
+            await backend.aclose()
+            if isinstance(exc, KazooException):
+                raise _unavailable("is not usable", exc) from exc
+            raise
+        return backend
+
+    # -- acquire ---------------------------------------------------------------------------
+
+    async def acquire(
+        self,
+        name: str,
+        *,
+        request_id: str,
+        ttl: float,
+        deadline: float | None,
+        on_lost: LostCallback,
+    ) -> Grant:
+        self._check_open()
+        held = self._held.get((name, request_id))
+        if held is not None and held.grant is not None and _clock.now() < held.expires_at:
+            if on_lost not in held.on_lost:
+                held.on_lost.append(on_lost)
+            return held.grant  # a retry of a grant whose reply was lost: the same grant
+        prefix = node_prefix(request_id, secrets.token_hex(4))
+        if len(prefix) > 1000:
+            raise ConfigurationError(
+                f"request id too long for a ZooKeeper node name: {request_id!r}"
+            )
+        session = self._session_for(ttl)
+        node = _Node(name, request_id, session, f"{ROOT}/{name}", prefix, [on_lost], ttl)
+        loop = self._loop
+        node.own_watch = lambda ev: _call_soon(loop, self._on_own_event, node, ev)
+        node.pred_watch = lambda ev: _call_soon(loop, _on_pred_event, node, ev)
+        session.queued.add(node)
+        granted = False
+        try:
+            sent_at = await self._wait_turn(session, node, deadline)
+            granted = True
+        except KazooException as exc:
+            raise BackendError(f"ZooKeeper refused to queue for {name!r}: {exc!r}") from exc
+        finally:
+            session.queued.discard(node)
+            if not granted:
+                self._abandon(node)
+        return self._grant(node, ttl, sent_at)
+
+    def _session_for(self, ttl: float) -> _Session:
+        timeout_ms = max(1, round(ttl * 1000))
+        session = self._sessions.get(timeout_ms)
+        if session is None:
+            session = self._sessions[timeout_ms] = _Session(self, timeout_ms)
+        return session
+
+    def _connect_until(self, s: _Session, deadline: float | None) -> float:
+        """How long an acquire waits for its session's connection.
+
+        A new session (its first ttl) gets ``connect_timeout``, but with a deadline at most a
+        second past it: opening a session is not counted against a lock timeout. A dropped
+        connection may come back with the session, and the waiter's place, intact: it is
+        waited for up to the session timeout, or the deadline.
+        """
+        now = _clock.now()
+        if not s.ever_connected:
+            until = now + self._connect_timeout
+            return until if deadline is None else min(until, max(deadline, now + 1.0))
+        until = now + max(s.timeout, 1.0)
+        return until if deadline is None else min(until, deadline)
+
+    async def _wait_turn(self, s: _Session, node: _Node, deadline: float | None) -> float:
+        """Queue ``node`` and wait until it is the lowest; return the grant's ``sent_at``."""
+        trouble_since: float | None = None
+        while True:
+            self._check_open()
+            if not s.connected.is_set():
+                await s.wait_connected(self._connect_until(s, deadline))
+            if node.path is not None and (node.deleted or node.session_id != s.session_id):
+                node.forget()
+            try:
+                sent_at = await self._next_step(s, node, deadline)
+            except (*_UNAVAILABLE, SessionExpiredError) as exc:
+                if isinstance(exc, SessionExpiredError):
+                    node.forget()
+                node.lower = None
+                now = _clock.now()
+                trouble_since = trouble_since or now
+                if self._closed or now - trouble_since > max(s.timeout, 1.0):
+                    raise _unavailable("request failed", exc) from exc
+                if deadline is not None and now >= deadline:
+                    await self._withdraw(node)
+                    raise _unavailable("request failed before the timeout", exc) from exc
+                continue
+            if sent_at is not None:
+                return sent_at
+            trouble_since = None
+
+    async def _next_step(self, s: _Session, node: _Node, deadline: float | None) -> float | None:
+        """One round of the protocol: the ``sent_at`` of the grant, or None to go round again."""
+        if node.path is None:
+            if node.uncertain:
+                listed = await self._find_lost_create(s, node)
+            else:
+                listed = None
+            if listed is None:
+                # Trying once: a lock visibly held is not worth a node written and deleted.
+                if (
+                    deadline is not None
+                    and _clock.now() >= deadline
+                    and any(parse_node(c) for c in await s._children(node.parent))
+                ):
+                    raise LockTimeout(f"lock {node.lock!r} not acquired before the timeout")
+                listed = await self._create(s, node)
+                if listed is None:
+                    return None
+            children, sent = listed
+            return self._place(s, node, children, sent)
+        if node.lower is None:
+            sent, sid = _clock.now(), s.session_id
+            children = await s._children(node.parent)
+            s.proven(sent, sid)
+            return self._place(s, node, children, sent)
+        if not node.lower:
+            return await self._confirm(s, node)
+        pred = f"{node.parent}/{node.lower[-1]}"
+        if pred in node.gone:
+            node.lower.pop()
+            if not node.lower:
+                fresh = self._fresh_proof(s, node)
+                return fresh if fresh is not None else await self._confirm(s, node)
+            return None
+        if deadline is not None and _clock.now() >= deadline:
+            await self._withdraw(node)
+            raise LockTimeout(f"lock {node.lock!r} not acquired before the timeout")
+        node.wake.clear()
+        sent, sid = _clock.now(), s.session_id
+        stat = await s.future(s.client.exists_async(pred, watch=node.pred_watch))
+        s.proven(sent, sid)
+        if stat is None:
+            node.gone.add(pred)
+            return None
+        if not await _sleep(node.wake, deadline):
+            await self._withdraw(node)
+            raise LockTimeout(f"lock {node.lock!r} not acquired before the timeout")
+        return None
+
+    async def _create(self, s: _Session, node: _Node) -> tuple[list[str], float] | None:
+        """Create our node and list the queue in one round trip (ZooKeeper keeps a session's
+        requests in order, so the listing includes the new node)."""
+        client = s.client
+        sent = _clock.now()
+        node.uncertain = True
+        created = s.future(
+            client.create_async(
+                f"{node.parent}/{node.prefix}",
+                b"",
+                ephemeral=True,
+                sequence=True,
+                include_data=True,
+            )
+        )
+        listed = s.future(client.get_children_async(node.parent))
+        try:
+            path, stat = await created
+        except NoNodeError:
+            node.uncertain = False
+            _ignore(listed)
+            with contextlib.suppress(NodeExistsError):
+                await s.future(client.ensure_path_async(node.parent))
+            return None
+        except BaseException:
+            _ignore(listed)
+            raise
+        node.uncertain = False
+        if stat.ephemeralOwner != s.session_id:  # made by a session we no longer have
+            _ignore(listed)
+            s.discard(path)
+            return None
+        self._adopt(s, node, path, stat)
+        self._arm(node)
+        children: list[str] = await listed
+        s.proven(sent, node.session_id)
+        return children, sent
+
+    async def _find_lost_create(self, s: _Session, node: _Node) -> tuple[list[str], float] | None:
+        """After a create whose reply was lost: find the node it may have made, by its prefix."""
+        sent, sid = _clock.now(), s.session_id
+        children = await s._children(node.parent)
+        node.uncertain = False
+        for child in children:
+            if child.startswith(node.prefix):
+                path = f"{node.parent}/{child}"
+                stat = await s.future(s.client.exists_async(path, watch=node.own_watch))
+                if stat is None or stat.ephemeralOwner != s.session_id:
+                    return None
+                self._adopt(s, node, path, stat)
+                node.armed = True
+                s.proven(sent, sid)
+                return children, sent
+        return None
+
+    def _adopt(self, s: _Session, node: _Node, path: str, stat: Any) -> None:
+        parsed = parse_node(path.rsplit("/", 1)[1])
+        assert parsed is not None
+        node.path = path
+        node.seq = parsed[2]
+        node.czxid = stat.czxid
+        node.version = stat.version
+        node.session_id = stat.ephemeralOwner
+        node.lower = None
+        node.gone.clear()
+        node.deleted = False
+        s.nodes[path] = node
+
+    def _place(self, s: _Session, node: _Node, children: list[str], sent: float) -> float | None:
+        """Find our place in a listing; the grant's ``sent_at`` if we are first."""
+        assert node.path is not None
+        own = node.path.rsplit("/", 1)[1]
+        if own not in children:
+            node.forget()
+            return None
+        lower = []
+        for child in children:
+            parsed = parse_node(child)
+            if parsed is not None and _serial(parsed[2], node.seq) < 0:
+                lower.append((_serial(parsed[2], node.seq), child))
+        lower.sort()
+        node.lower = [child for _, child in lower]
+        return None if node.lower else sent
+
+    def _fresh_proof(self, s: _Session, node: _Node) -> float | None:
+        """The last predecessor's deletion was just seen: may we grant without a round trip?
+
+        Yes if the watch on our own node is set (so its deletion would have been seen first:
+        ZooKeeper sends events in order) and this session answered a request recently: the
+        server keeps the session, and so our node, for its timeout after that request.
+        """
+        if not node.armed or node.deleted or node.session_id != s.session_id:
+            return None
+        if _clock.now() - s.proven_at > min(node.ttl, s.timeout) / 4:
+            return None
+        return s.proven_at
+
+    async def _confirm(self, s: _Session, node: _Node) -> float | None:
+        """Check our own node still exists; its request's send time is the grant's ``sent_at``."""
+        assert node.path is not None
+        sent, sid = _clock.now(), s.session_id
+        stat = await s.future(s.client.exists_async(node.path, watch=node.own_watch))
+        if stat is None or stat.czxid != node.czxid:
+            node.forget()
+            return None
+        node.armed = True
+        s.proven(sent, sid)
+        return sent
+
+    def _arm(self, node: _Node) -> None:
+        """Set a watch on our own node, without waiting: its deletion means the lease is gone."""
+        s = node.session
+        if node.path is None:
+            return
+        sent, sid = _clock.now(), s.session_id
+        future = s.future(s.client.exists_async(node.path, watch=node.own_watch))
+
+        def armed(f: asyncio.Future[Any]) -> None:
+            if f.cancelled() or f.exception() is not None:
+                return  # the connection dropped: re-armed when it is back
+            stat = f.result()
+            if node.path is None or node.session_id != sid:
+                return
+            if stat is None or stat.czxid != node.czxid:
+                self._node_deleted(node)
+            else:
+                node.armed = True
+                s.proven(sent, sid)
+
+        future.add_done_callback(armed)
+
+    def _on_own_event(self, node: _Node, event: Any) -> None:
+        if node.path is None or event.path != node.path:
+            return
+        node.armed = False
+        if event.type == EventType.DELETED:
+            self._node_deleted(node)
+        elif event.type != EventType.NONE and node.session.connected.is_set():
+            self._arm(node)  # data changed by someone: keep watching
+        # NONE: the connection dropped; the watch is set again when it is back.
+
+    def _node_deleted(self, node: _Node) -> None:
+        node.deleted = True
+        node.armed = False
+        if node.phase is _Phase.HELD:
+            node.session.nodes.pop(node.path or "", None)
+            self._lose(node, LeaseLostError(f"lease {_describe(node)} lost: its node was deleted"))
+        node.wake.set()
+
+    def _grant(self, node: _Node, ttl: float, sent_at: float) -> Grant:
+        s = node.session
+        token = FencingToken(node.lock, self._token_value(node))
+        grant = Grant(token, node.request_id, min(ttl, s.timeout), sent_at, handle=node)
+        node.grant = grant
+        node.phase = _Phase.HELD
+        node.lower = None
+        node.expires_at = sent_at + grant.ttl
+        node.timer = self._loop.call_later(
+            max(0.0, node.expires_at - _clock.now()), self._on_timer, node
+        )
+        self._held[(node.lock, node.request_id)] = node
+        if token.value > self._last_tokens.get(node.lock, 0):
+            self._last_tokens[node.lock] = token.value
+        return grant
+
+    def _token_value(self, node: _Node) -> int:
+        """The fencing token of a granted node: its czxid (see the module docstring)."""
+        return node.czxid
+
+    def _on_timer(self, node: _Node) -> None:
+        node.timer = None
+        if node.phase is not _Phase.HELD:
+            return
+        left = node.expires_at - _clock.now()
+        if left > 0:
+            node.timer = self._loop.call_later(left, self._on_timer, node)
+            return
+        self._expire(node)
+
+    def _expire(self, node: _Node) -> None:
+        """Not renewed in time: give the node up and tell the holder."""
+        self._lose(node, LeaseLostError(f"lease {_describe(node)} expired: not renewed in time"))
+        s = node.session
+        if node.path is not None and node.session_id == s.session_id:
+            s.discard(node.path)
+
+    def _lose(self, node: _Node, cause: LeaseLostError) -> None:
+        if node.phase is not _Phase.HELD:
+            return
+        node.phase = _Phase.DONE
+        if node.timer is not None:
+            node.timer.cancel()
+            node.timer = None
+        if self._held.get((node.lock, node.request_id)) is node:
+            del self._held[(node.lock, node.request_id)]
+        for callback in node.on_lost:
+            try:
+                callback(cause)
+            except Exception:
+                logger.exception("lost-lease callback failed")
+
+    async def _withdraw(self, node: _Node) -> None:
+        """Leave the queue (timeout): delete our waiter node now if we can, else later."""
+        s = node.session
+        path = node.path
+        if path is None or node.session_id != s.session_id:
+            node.forget()
+            return
+        node.forget()
+        if not s.connected.is_set():
+            s.discard(path)
+            return
+        try:
+            await s.future(s.client.delete_async(path))
+        except (NoNodeError, SessionExpiredError):
+            pass
+        except KazooException:
+            s.discard(path)
+
+    def _abandon(self, node: _Node) -> None:
+        """An acquire ended without a grant (error, cancellation): its node must not stay."""
+        s = node.session
+        if node.path is not None:
+            path = node.path
+            same_session = node.session_id == s.session_id
+            node.forget()
+            if same_session:
+                s.discard(path)
+        elif node.uncertain:
+            node.uncertain = False
+            s.discard_prefix(node.parent, node.prefix)
+
+    # -- renew / release -------------------------------------------------------------------
+
+    async def renew(self, grant: Grant) -> Grant:
+        self._check_open()
+        node = self._node_of(grant)
+        if node is None or node.phase is not _Phase.HELD or node.path is None:
+            raise LeaseLostError(f"lease {grant.token} is no longer held")
+        s = node.session
+        if _clock.now() >= node.expires_at:
+            self._expire(node)
+            raise LeaseLostError(f"lease {grant.token} expired before it was renewed")
+        if node.session_id != s.session_id:
+            raise LeaseLostError(f"lease {grant.token} lost with its ZooKeeper session")
+        if not s.connected.is_set():
+            raise BackendUnavailable("ZooKeeper connection lost; the session may still be alive")
+        sent, sid = _clock.now(), s.session_id
+        try:
+            stat = await s.future(s.client.exists_async(node.path, watch=node.own_watch))
+        except SessionExpiredError as exc:
+            raise LeaseLostError(f"lease {grant.token} lost with its ZooKeeper session") from exc
+        except KazooException as exc:
+            raise _unavailable("renewal failed", exc) from exc
+        if node.phase is not _Phase.HELD:
+            raise LeaseLostError(f"lease {grant.token} was lost while renewing")
+        if stat is None or stat.czxid != node.czxid or s.session_id != sid:
+            self._node_deleted(node)
+            raise LeaseLostError(f"lease {grant.token} is gone: its node was deleted")
+        node.armed = True
+        s.proven(sent, sid)
+        node.expires_at = max(node.expires_at, sent + grant.ttl)
+        renewed = dataclasses.replace(grant, sent_at=sent)
+        if node.grant is None or sent > node.grant.sent_at:
+            node.grant = renewed
+        return renewed
+
+    async def release(self, grant: Grant) -> bool:
+        self._check_open()
+        node = self._node_of(grant)
+        if node is None or node.phase is not _Phase.HELD or node.path is None:
+            return False
+        node.phase = _Phase.DONE
+        if node.timer is not None:
+            node.timer.cancel()
+            node.timer = None
+        if self._held.get((node.lock, node.request_id)) is node:
+            del self._held[(node.lock, node.request_id)]
+        s = node.session
+        path, version, seq = node.path, node.version, node.seq
+        same_session = node.session_id == s.session_id
+        node.forget()
+        if not same_session:
+            return False  # the session, and the node with it, is gone
+        if not s.connected.is_set():
+            s.discard(path)
+            raise BackendUnavailable(
+                "ZooKeeper connection lost: the lock is released once it is back"
+            )
+        return await self._delete_own(s, path, version, seq, node.parent)
+
+    async def _delete_own(
+        self, s: _Session, path: str, version: int, seq: int, parent: str
+    ) -> bool:
+        """Delete exactly our node (its path is unique to one acquire call; version checked)."""
+        try:
+            await s.future(s.client.delete_async(path, version=version))
+        except (NoNodeError, BadVersionError, SessionExpiredError):
+            return False
+        except KazooException as exc:
+            s.discard(path)
+            raise _unavailable("release failed (retried in the background)", exc) from exc
+        if seq >= _RESET_SEQ or seq < 0:
+            # Re-create the lock node (if empty) so its sequence counter starts again; the
+            # tokens are czxids, which keep growing across a re-created parent.
+            _ignore(s.future(s.client.delete_async(parent)))
+        return True
+
+    def _node_of(self, grant: Grant) -> _Node | None:
+        node = grant.handle
+        if isinstance(node, _Node) and node.session.backend is self:
+            return node
+        return None
+
+    # -- status / close --------------------------------------------------------------------
+
+    async def status(self, name: str) -> LockStatus:
+        self._check_open()
+        s = self._status_session()
+        parent = f"{ROOT}/{name}"
+        try:
+            # sync first: the listing then reflects every write committed before this call.
+            synced = s.future(s.client.sync_async(parent))
+            children = await s._children(parent)
+            _ignore(synced)
+            for _ in range(3):
+                queue = _queue_order(children)
+                if not queue:
+                    break
+                holder, request_id = queue[0]
+                path = f"{parent}/{holder}"
+                stat = await s.future(s.client.exists_async(path))
+                if stat is None:  # it just left: look again
+                    children = await s._children(parent)
+                    continue
+                token = FencingToken(name, stat.czxid)
+                last = max(token.value, self._last_tokens.get(name, 0))
+                mine = self._find_local(path)
+                remaining = None
+                if mine is not None and mine.phase is _Phase.HELD:
+                    remaining = max(0.0, mine.expires_at - _clock.now())
+                return LockStatus(
+                    name=name,
+                    holder=request_id,
+                    token=token,
+                    last_token=FencingToken(name, last),
+                    remaining=remaining,
+                    waiters=len(queue) - 1,
+                )
+        except KazooException as exc:
+            raise _unavailable("status failed", exc) from exc
+        last_value = self._last_tokens.get(name)
+        return LockStatus(
+            name=name,
+            holder=None,
+            token=None,
+            last_token=FencingToken(name, last_value) if last_value else None,
+            remaining=None,
+            waiters=0,
+        )
+
+    def _find_local(self, path: str) -> _Node | None:
+        for s in self._sessions.values():
+            node = s.nodes.get(path)
+            if node is not None:
+                return node
+        return None
+
+    def _status_session(self) -> _Session:
+        candidates = [self._default, *self._sessions.values()]
+        for s in candidates:
+            if s is not None and s.connected.is_set():
+                return s
+        raise BackendUnavailable(f"ZooKeeper at {self._hosts!r} is not reachable")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BackendUnavailable("zookeeper:// connection is closed")
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._closing = True
+        sessions = list(self._sessions.values())
+        for s in sessions:
+            for node in list(s.nodes.values()):
+                if node.phase is _Phase.HELD:
+                    self._lose(node, LeaseLostError(f"lease {_describe(node)}: connection closed"))
+            for node in list(s.queued):
+                node.wake.set()
+            if s.janitor is not None:
+                s.janitor.cancel()
+            s.connected.set()  # wake anyone waiting for the connection: they see it closed
+        await asyncio.to_thread(_stop_clients, [s.client for s in sessions])
+
+
+def _stop_clients(clients: list[Any]) -> None:
+    for client in clients:
+        try:
+            client.stop()
+            client.close()
+        except Exception:  # pragma: no cover - closing is best effort
+            logger.debug("closing a kazoo client failed", exc_info=True)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
+    with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting
+        loop.call_soon_threadsafe(fn, *args)
+
+
+def _on_pred_event(node: _Node, event: Any) -> None:
+    if event.type == EventType.DELETED:
+        node.gone.add(event.path)
+    node.wake.set()
+
+
+async def _sleep(event: asyncio.Event, deadline: float | None) -> bool:
+    """Wait for ``event`` until ``deadline``; False if the deadline came first."""
+    if event.is_set():
+        return True
+    if deadline is None:
+        await event.wait()
+        return True
+    timeout = deadline - _clock.now()
+    if timeout <= 0:
+        return False
+    try:
+        async with asyncio.timeout(timeout):
+            await event.wait()
+    except TimeoutError:
+        return event.is_set()
+    return True
+
+
+def _queue_order(children: list[str]) -> list[tuple[str, str]]:
+    """``(child, request_id)`` of our nodes in a listing, in queue order (oldest first)."""
+    parsed = [(c, p) for c in children if (p := parse_node(c)) is not None]
+    if not parsed:
+        return []
+    ref = parsed[0][1][2]  # any member is a valid reference in serial arithmetic
+    parsed.sort(key=lambda cp: _serial(cp[1][2], ref))
+    return [(c, p[0]) for c, p in parsed]
