@@ -26,6 +26,7 @@ logs a warning. See ``docs/backend-redis.md``.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
@@ -300,6 +301,10 @@ class RedisBackend(Backend):
         self._prefix = prefix
         self._heartbeat = waiter_heartbeat
         self._heartbeat_ms = max(1, round(waiter_heartbeat * 1000))
+        # A blocked waiter re-checks (and so heart-beats) this often; the blocking read must
+        # also come back well within the client's socket timeout.
+        socket_timeout = client.connection_pool.connection_kwargs.get("socket_timeout") or 10.0
+        self._recheck = min(waiter_heartbeat / 3, socket_timeout / 2)
         self._allow_unsafe = allow_unsafe_durability
         self._where = where
         self._closed = False
@@ -345,14 +350,9 @@ class RedisBackend(Backend):
             value = client_kwargs[key]
             if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
                 raise ConfigurationError(f"option {key!r} must be a positive number")
-        # The blocking wait for a wake-up must come back well within the socket timeout.
-        socket_timeout = client_kwargs.setdefault("socket_timeout", 10.0)
-        if socket_timeout < heartbeat / 3 + 1:
-            raise ConfigurationError(
-                f"socket_timeout ({socket_timeout} s) must exceed waiter_heartbeat/3 + 1 s"
-            )
+        client_kwargs.setdefault("socket_timeout", 10.0)
         client_kwargs.setdefault("socket_connect_timeout", 5.0)
-        scheme = url.scheme.lower().split("+", 1)[0]
+        scheme = "rediss" if url.scheme.lower().startswith("rediss") else "redis"
         native_url = urlunsplit((scheme, url.netloc, url.path, urlencode(query), ""))
         try:
             client: aioredis.Redis = aioredis.Redis.from_url(
@@ -442,7 +442,11 @@ class RedisBackend(Backend):
     ) -> Grant:
         keys, wake_prefix = self._keys(name)
         ttl_ms = max(1, round(ttl * 1000))
-        queued = False
+        # Until an outcome is known, assume the server has queued us (or even granted us the
+        # lock in a reply we never read): an abandoned acquire must undo that.
+        queued = True
+        task = asyncio.current_task()
+        cancelling = task.cancelling() if task is not None else 0
         try:
             while True:
                 sent_at = _clock.now()
@@ -466,9 +470,8 @@ class RedisBackend(Backend):
                 if final:
                     queued = False
                     raise LockTimeout(f"lock {name!r} not acquired before the timeout")
-                queued = True
                 holder_pttl = int(reply[1])
-                wait = self._heartbeat / 3
+                wait = self._recheck
                 if holder_pttl >= 0:  # re-check when the holder's lease runs out
                     wait = min(wait, holder_pttl / 1000 + 0.002)
                 if deadline is not None:
@@ -478,6 +481,11 @@ class RedisBackend(Backend):
                     await self._call(
                         functools.partial(blpop, [wake_prefix + request_id], round(wait, 3))
                     )
+                if task is not None and task.cancelling() > cancelling:
+                    # Python 3.11's asyncio.wait_for (used by redis-py to send) can swallow a
+                    # cancellation that races with the send completing: honour it here, or
+                    # a cancelled waiter would wait on forever.
+                    raise asyncio.CancelledError
         except BackendUnavailable:
             # Keep the place in the queue for fenced's retry with the same request id; if it
             # never comes back, its heartbeat runs out and the others skip it.

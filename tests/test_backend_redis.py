@@ -1,0 +1,463 @@
+"""The Redis token source beyond the conformance suite: crashes, unsafe configurations, paused
+processes, wake-ups without polling, and planted bugs that the monotonicity checks must catch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+import redis
+
+import fenced
+from fenced import _backend, _clock
+from fenced._backend import Grant, LostCallback
+from fenced._token import FencingToken
+from fenced.backends.redis import RELEASE_LUA, RedisBackend
+from fenced.testing.servers import RedisServer
+from tests.helpers import async_wait_for, unique_name, wait_for
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# -- the checker ------------------------------------------------------------------------------
+
+
+def assert_monotonic(grants: list[int]) -> None:
+    """Tokens recorded by holders, in the order they held the lock, must strictly increase.
+
+    Holders append while holding, so the list is in grant order; a repeated or lower token
+    means a token was reused (a lost counter) or taken out of order (a racy counter).
+    """
+    assert grants, "no grants recorded"
+    for i, (a, b) in enumerate(zip(grants, grants[1:], strict=False)):
+        assert a < b, f"grant #{i + 1} has token {b} after {a}: {grants[max(0, i - 3) : i + 4]}"
+
+
+@pytest.fixture
+def server() -> Iterator[RedisServer]:
+    """A private server for tests that kill or reconfigure it."""
+    with RedisServer() as s:
+        yield s  # type: ignore[misc]
+
+
+def _prefix() -> str:
+    return unique_name("t") + ":"
+
+
+# -- crash: kill -9 mid-run reuses no token --------------------------------------------------
+
+
+def crash_run(server: RedisServer, **options: Any) -> tuple[list[int], int]:
+    """Four clients acquire in a loop; the server is killed (-9) and restarted mid-run.
+
+    Returns the grants in order and how many were made before the kill.
+    """
+    name = unique_name("crash")
+    grants: list[int] = []
+    stop = threading.Event()
+    failures: list[BaseException] = []
+    options = {"key_prefix": _prefix(), **options}
+
+    def client() -> None:
+        with fenced.connect(server.url, **options) as locks:
+            while not stop.is_set():
+                try:
+                    with locks.lock(name, ttl=1, timeout=10) as lease:
+                        grants.append(lease.token.value)
+                except (fenced.BackendUnavailable, fenced.LeaseLostError, fenced.LockTimeout):
+                    continue
+                except BaseException as exc:
+                    failures.append(exc)
+                    return
+
+    threads = [threading.Thread(target=client) for _ in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        wait_for(lambda: len(grants) >= 40, timeout=20, what="grants before the crash")
+        server.kill()
+        before = len(grants)
+        server.start()
+        wait_for(lambda: len(grants) >= before + 40, timeout=30, what="grants after the restart")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+    assert not failures, failures
+    return grants, before
+
+
+def test_kill_9_mid_run_reuses_no_token(server: RedisServer) -> None:
+    grants, before = crash_run(server)
+    assert_monotonic(grants)
+    assert max(grants[before:]) > max(grants[:before])
+
+
+def test_crash_check_catches_a_counter_that_is_not_persisted() -> None:
+    # Planted bug: no AOF at all (explicitly allowed): the counter restarts after kill -9.
+    with RedisServer(extra=["--appendonly", "no"]) as server:
+        grants, _ = crash_run(server, allow_unsafe_durability=True)  # type: ignore[arg-type]
+    with pytest.raises(AssertionError, match="after"):
+        assert_monotonic(grants)
+
+
+# -- unsafe configurations are refused -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("extra", "problem"),
+    [
+        (["--appendfsync", "everysec"], "appendfsync"),
+        (["--appendonly", "no"], "appendonly"),
+        (["--maxmemory", "100mb", "--maxmemory-policy", "allkeys-lru"], "maxmemory-policy"),
+    ],
+)
+def test_refuses_a_server_that_can_lose_tokens(
+    extra: list[str], problem: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with RedisServer(extra=extra) as server:
+        with pytest.raises(fenced.UnsafeBackendError, match=problem):
+            fenced.connect(server.url)
+        # The opt-out, by keyword and in the URL: runs, with a warning.
+        with caplog.at_level(logging.WARNING, logger="fenced.redis"):
+            with fenced.connect(server.url, allow_unsafe_durability=True) as locks:  # type: ignore[arg-type]
+                with locks.lock(unique_name(), ttl=5) as lease:
+                    assert lease.token.value == 1
+                assert locks.aio.backend.verified_durable is False  # type: ignore[attr-defined]
+        assert any("allow_unsafe_durability" in r.getMessage() for r in caplog.records)
+        with fenced.connect(server.url + "?allow_unsafe_durability=true") as locks:
+            assert locks.status(unique_name()).holder is None
+
+
+def test_refuses_a_server_with_a_replica() -> None:
+    with RedisServer() as primary:
+        with RedisServer(extra=["--replicaof", "127.0.0.1", str(primary.port)]) as replica:
+            native = redis.Redis(port=primary.port)
+            wait_for(
+                lambda: native.info("replication")["connected_slaves"] == 1,
+                what="the replica to attach",
+            )
+            native.close()
+            with pytest.raises(fenced.UnsafeBackendError, match="replica"):
+                fenced.connect(primary.url)
+            with pytest.raises(fenced.UnsafeBackendError, match="role"):
+                fenced.connect(replica.url)
+            with fenced.connect(primary.url, allow_unsafe_durability=True) as locks:  # type: ignore[arg-type]
+                with locks.lock(unique_name(), ttl=5):
+                    pass
+
+
+def test_rechecks_the_configuration_after_a_reconnect(server: RedisServer) -> None:
+    name = unique_name()
+    with fenced.connect(server.url, key_prefix=_prefix()) as locks:  # type: ignore[arg-type]
+        with locks.lock(name, ttl=5):
+            pass
+        # The server comes back on the same port and data, but no longer fsyncs every write.
+        server.kill()
+        server.extra = ["--appendfsync", "everysec"]
+        server.start()
+        with pytest.raises(fenced.UnsafeBackendError, match="appendfsync"):
+            locks.lock(name, ttl=5).acquire(timeout=5)
+
+
+def test_the_durable_configuration_is_accepted(redis_server: RedisServer) -> None:
+    with fenced.connect(redis_server.url, require={"durable", "fifo"}) as locks:
+        assert locks.aio.backend.verified_durable is True  # type: ignore[attr-defined]
+
+
+def test_is_not_linearizable(redis_server: RedisServer) -> None:
+    with pytest.raises(fenced.ConfigurationError, match="linearizable"):
+        fenced.connect(redis_server.url, require={"linearizable"})
+    assert fenced.Characteristic.LINEARIZABLE not in RedisBackend.characteristics
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"no_such_option": 1}, "unknown"),
+        ({"allow_unsafe_durability": "maybe"}, "true or false"),
+        ({"key_prefix": "a{b}"}, "braces"),
+        ({"waiter_heartbeat": 0}, "waiter_heartbeat"),
+        ({"socket_timeout": -1}, "socket_timeout"),
+    ],
+)
+def test_bad_options(redis_server: RedisServer, options: dict[str, Any], match: str) -> None:
+    with pytest.raises(fenced.ConfigurationError, match=match):
+        fenced.connect(redis_server.url, **options)
+
+
+# -- paused processes ------------------------------------------------------------------------
+
+_HOLDER = """
+import sys, fenced
+url, prefix, name, ttl = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+with fenced.connect(url, key_prefix=prefix) as locks:
+    lease = locks.lock(name, ttl=ttl, timeout=30)
+    print("token", lease.acquire().value, flush=True)
+    lost = lease.lost.wait(60)
+    print("lost", type(lease.lost_cause).__name__ if lost else None, flush=True)
+    try:
+        lease.renew()
+        print("renew ok", flush=True)
+    except fenced.LeaseLostError:
+        print("renew LeaseLostError", flush=True)
+    print("release", lease.release(), flush=True)
+"""
+
+
+def _spawn(code: str, *args: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
+    return subprocess.Popen(
+        [sys.executable, "-c", code, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+def _line(proc: subprocess.Popen[str]) -> str:
+    assert proc.stdout is not None
+    line = proc.stdout.readline().strip()
+    if not line:
+        assert proc.stderr is not None
+        proc.kill()
+        raise AssertionError(f"client process said nothing; stderr:\n{proc.stderr.read()}")
+    return line
+
+
+def test_paused_holder_is_fenced_off(redis_server: RedisServer) -> None:
+    prefix, name = _prefix(), unique_name()
+    proc = _spawn(_HOLDER, redis_server.url, prefix, name, "1.0")
+    try:
+        word, value = _line(proc).split()
+        assert word == "token"
+        first = FencingToken(name, int(value))
+        os.kill(proc.pid, signal.SIGSTOP)  # paused for longer than its ttl
+        try:
+            with fenced.connect(redis_server.url, key_prefix=prefix) as locks:  # type: ignore[arg-type]
+                lease = locks.lock(name, ttl=10)
+                second = lease.acquire(timeout=10)
+                assert second > first
+                os.kill(proc.pid, signal.SIGCONT)
+                assert _line(proc) == "lost LeaseLostError"
+                assert _line(proc) == "renew LeaseLostError"
+                assert _line(proc) == "release False"
+                # The stale holder's release did not touch the new grant.
+                assert lease.held and locks.status(name).token == second
+                assert lease.release() is True
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGCONT)
+        assert proc.wait(10) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+_WAITER = """
+import sys, fenced
+url, prefix, name = sys.argv[1], sys.argv[2], sys.argv[3]
+with fenced.connect(url, key_prefix=prefix, waiter_heartbeat=0.5) as locks:
+    print("waiting", flush=True)
+    with locks.lock(name, ttl=5, timeout=60) as lease:
+        print("token", lease.token.value, flush=True)
+"""
+
+
+def test_a_paused_waiter_is_skipped(redis_server: RedisServer) -> None:
+    prefix, name = _prefix(), unique_name()
+    with fenced.connect(
+        redis_server.url,
+        key_prefix=prefix,  # type: ignore[arg-type]
+        waiter_heartbeat=0.5,  # type: ignore[arg-type]
+    ) as locks:
+        holder = locks.lock(name, ttl=10)
+        held = holder.acquire()
+        proc = _spawn(_WAITER, redis_server.url, prefix, name)
+        try:
+            assert _line(proc) == "waiting"
+            wait_for(lambda: locks.status(name).waiters == 1, what="the process to queue")
+            second_lease = locks.lock(name, ttl=5)
+            second: list[FencingToken] = []
+            thread = threading.Thread(target=lambda: second.append(second_lease.acquire(20)))
+            thread.start()
+            wait_for(lambda: locks.status(name).waiters == 2, what="the thread to queue")
+            os.kill(proc.pid, signal.SIGSTOP)  # the first waiter stops heart-beating
+            wait_for(lambda: locks.status(name).waiters == 1, what="the paused waiter to lapse")
+            holder.release()
+            thread.join(10)
+            assert second and second[0] > held  # the live waiter was not stuck behind it
+            os.kill(proc.pid, signal.SIGCONT)
+            # The resumed waiter queues again, and gets the lock after the thread lets go.
+            wait_for(lambda: locks.status(name).waiters == 1, what="the waiter to re-queue")
+            assert second_lease.release() is True
+            word, value = _line(proc).split()
+            assert word == "token" and int(value) > second[0].value
+            assert proc.wait(10) == 0
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+            proc.wait()
+
+
+# -- waking without polling ------------------------------------------------------------------
+
+
+async def test_release_wakes_the_next_waiter_at_once(redis_server: RedisServer) -> None:
+    # The waiter's own re-check interval (heartbeat/3 = 20 s) is far longer than the test.
+    url, opts = redis_server.url, {"key_prefix": _prefix(), "waiter_heartbeat": 60}
+    name = unique_name()
+    async with fenced.connect_async(url, **opts) as a, fenced.connect_async(url, **opts) as b:
+        holder = a.lock(name, ttl=30)
+        await holder.acquire()
+        waiter = asyncio.create_task(b.lock(name, ttl=30).acquire(timeout=20))
+        await async_wait_for(lambda: _waiters_are(a, name, 1), what="the waiter to queue")
+        released_at = _clock.now()
+        await holder.release()
+        token = await waiter
+        assert token > holder.token
+        assert _clock.now() - released_at < 1.0
+
+
+async def test_waiter_rechecks_when_the_holder_expires(redis_server: RedisServer) -> None:
+    url, opts = redis_server.url, {"key_prefix": _prefix(), "waiter_heartbeat": 60}
+    name = unique_name()
+    async with fenced.connect_async(url, **opts) as a, fenced.connect_async(url, **opts) as b:
+        holder = a.lock(name, ttl=0.5, auto_renew=False)
+        await holder.acquire()
+        start = _clock.now()
+        token = await b.lock(name, ttl=30).acquire(timeout=15)
+        # Nobody released: the waiter re-checked at the holder's expiry, not 20 s later.
+        assert token > holder.token
+        assert _clock.now() - start < 3.0
+
+
+async def test_cancelled_waiter_leaves_the_queue(redis_server: RedisServer) -> None:
+    url, opts = redis_server.url, {"key_prefix": _prefix()}
+    name = unique_name()
+    async with fenced.connect_async(url, **opts) as locks:
+        holder = locks.lock(name, ttl=30)
+        await holder.acquire()
+        waiter = asyncio.create_task(locks.lock(name, ttl=30).acquire())
+        await async_wait_for(lambda: _waiters_are(locks, name, 1), what="the waiter to queue")
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        assert (await locks.status(name)).waiters == 0
+        await holder.release()
+        # Nobody is left in line: an immediate try gets the lock.
+        async with locks.lock(name, ttl=5, timeout=0) as lease:
+            assert lease.token > holder.token
+
+
+async def _waiters_are(locks: fenced.AsyncLocks, name: str, n: int) -> bool:
+    return (await locks.status(name)).waiters == n
+
+
+# -- planted bugs: the monotonicity check must catch them ------------------------------------
+
+
+async def contend(url: str, clients: int, grants_wanted: int, **options: Any) -> list[int]:
+    """``clients`` connections take one lock in turns; holders record their tokens in order."""
+    name = unique_name("contend")
+    grants: list[int] = []
+
+    async def client() -> None:
+        async with fenced.connect_async(url, **options) as locks:
+            while len(grants) < grants_wanted:
+                async with locks.lock(name, ttl=5, timeout=20) as lease:
+                    grants.append(lease.token.value)
+                    await asyncio.sleep(0)
+
+    await asyncio.gather(*(client() for _ in range(clients)))
+    return grants
+
+
+async def test_tokens_increase_in_grant_order_under_contention(
+    redis_server: RedisServer,
+) -> None:
+    grants = await contend(redis_server.url, 6, 150, key_prefix=_prefix())
+    assert_monotonic(grants)
+
+
+class CounterDeletedWithHolder(RedisBackend):
+    """Planted bug: release deletes the token counter along with the holder key."""
+
+    release_lua: ClassVar[str] = RELEASE_LUA.replace(
+        "redis.call('DEL', KEYS[1])", "redis.call('DEL', KEYS[1], KEYS[2])", 1
+    )
+
+
+_GRAB_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], 'rid', ARGV[1], 'token', ARGV[2], 'ttl', ARGV[3])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return 1
+"""
+
+
+class IncrOutsideTheScript(RedisBackend):
+    """Planted bug: the token is taken with INCR in its own round trip, before the grab."""
+
+    async def acquire(
+        self,
+        name: str,
+        *,
+        request_id: str,
+        ttl: float,
+        deadline: float | None,
+        on_lost: LostCallback,
+    ) -> Grant:
+        keys, _ = self._keys(name)
+        ttl_ms = round(ttl * 1000)
+        token = await self._client.incr(keys[0])
+        grab = self._client.register_script(_GRAB_LUA)
+        while True:
+            sent_at = _clock.now()
+            if await grab(keys=[keys[1]], args=[request_id, token, ttl_ms]):
+                return Grant(FencingToken(name, token), request_id, ttl, sent_at)
+            if deadline is not None and sent_at >= deadline:
+                raise fenced.LockTimeout(name)
+            await asyncio.sleep(0.001)
+
+
+@pytest.mark.parametrize("variant", [CounterDeletedWithHolder, IncrOutsideTheScript])
+async def test_monotonicity_check_catches_planted_bugs(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch, variant: type[RedisBackend]
+) -> None:
+    scheme = "redisplanted"
+    monkeypatch.setitem(_backend.SCHEMES, scheme, f"{__name__}:{variant.__name__}")
+    url = redis_server.url.replace("redis://", f"{scheme}://", 1)
+    grants = await contend(url, 6, 150, key_prefix=_prefix())
+    with pytest.raises(AssertionError, match="after"):
+        assert_monotonic(grants)
+
+
+def test_counter_key_never_expires(redis_server: RedisServer) -> None:
+    prefix, name = _prefix(), unique_name()
+    with fenced.connect(redis_server.url, key_prefix=prefix) as locks:  # type: ignore[arg-type]
+        with locks.lock(name, ttl=1):
+            pass
+    native = redis.Redis(port=redis_server.port, decode_responses=True)
+    try:
+        keys = native.keys(f"{prefix}*")
+        counter = f"{prefix}{{{name}}}:token"
+        assert counter in keys
+        assert native.ttl(counter) == -1  # no expiry
+        assert native.get(counter) == "1"
+        assert f"{prefix}{{{name}}}:holder" not in keys  # released
+    finally:
+        native.close()
