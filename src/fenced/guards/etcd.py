@@ -420,6 +420,8 @@ class EtcdGuard:
     close it with :meth:`close` or a ``with`` block.
     """
 
+    _async_class: type[AsyncEtcdGuard] = AsyncEtcdGuard
+
     def __init__(
         self,
         endpoint: str,
@@ -433,7 +435,9 @@ class EtcdGuard:
         self._portal = _Portal("fenced-etcd-guard")
         try:
             self._client: aetcd.Client = self._portal.run_sync(lambda: aetcd.Client(host, port))
-            self.aio = AsyncEtcdGuard(self._client, resource, lock, prefix=prefix, timeout=timeout)
+            self.aio = self._async_class(
+                self._client, resource, lock, prefix=prefix, timeout=timeout
+            )
         except BaseException:
             self._portal.stop()
             raise

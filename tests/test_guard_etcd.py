@@ -1,0 +1,549 @@
+"""The etcd guard on a real etcd server.
+
+Every property is checked by a function that can fail, and each is shown failing on a planted
+bug: ``<`` instead of ``<=`` (:class:`LtGuard`), check-then-write in two requests
+(:class:`CheckThenWriteGuard`), and a mark kept in the client instead of the resource
+(:class:`ClientSideMarkGuard`). The resource's own log of accepted tokens is the history of
+the data key, read back revision by revision.
+
+This module is also the client process of the multi-process tests:
+``python -m tests.test_guard_etcd race|holder ...`` (see :func:`_worker_main`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import sys
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import aetcd
+import pytest
+from aetcd import rpc
+
+import fenced
+from fenced import (
+    BackendUnavailable,
+    ConfigurationError,
+    FencingToken,
+    InvalidTokenError,
+    StaleTokenError,
+    WrongLockError,
+)
+from fenced.guards.etcd import (
+    Accepted,
+    AsyncEtcdGuard,
+    EtcdGuard,
+    decode_value,
+    delete_op,
+    encode_value,
+    put_op,
+)
+from fenced.testing.servers import EtcdServer
+from tests.helpers import unique_name
+from tests.test_guard_redis import (
+    BAD_TOKENS,
+    STEP_TIMEOUT,
+    _emit,
+    figure_8_5_violations,
+    history_violations,
+    paused_holder,
+    race,
+)
+
+LOCK = "inv-lock"
+
+
+def tok(value: int, lock: str = LOCK) -> FencingToken:
+    return FencingToken(lock, value)
+
+
+# --- planted bugs -----------------------------------------------------------------------------
+
+
+class AsyncLtGuard(AsyncEtcdGuard):
+    """Planted bug: ``value(hw) < enc(token)`` — ``<`` for ``<=``, a token equal to the mark is refused."""
+
+    def _accept_compare(self, token: FencingToken) -> rpc.Compare:
+        return rpc.Compare(
+            key=self.keys.hw,
+            target=rpc.Compare.VALUE,
+            result=rpc.Compare.LESS,
+            value=encode_value(token.value),
+        )
+
+
+class AsyncCheckThenWriteGuard(AsyncEtcdGuard):
+    """Planted bug: read the mark, compare in the client, then write in a second request."""
+
+    between: Callable[[], None] = staticmethod(lambda: None)
+
+    async def write(
+        self, ops: Sequence[rpc.RequestOp], token: FencingToken | str | bytes
+    ) -> Accepted:
+        t = self._token(token)
+        high = await self.high_water()
+        if high is not None and t.value < high.value:
+            raise StaleTokenError(t, high, self.resource)
+        self.between()
+        request = rpc.TxnRequest()
+        request.success.extend(
+            [put_op(self.keys.lock, t.lock), put_op(self.keys.hw, encode_value(t.value)), *ops]
+        )
+        resp = await self._txn(request)
+        return Accepted(resp.header.revision, resp.responses[2:])
+
+
+class AsyncClientSideMarkGuard(AsyncEtcdGuard):
+    """Planted bug: the mark lives in the client process, not in the resource."""
+
+    mark = 0
+
+    async def write(
+        self, ops: Sequence[rpc.RequestOp], token: FencingToken | str | bytes
+    ) -> Accepted:
+        t = self._token(token)
+        if t.value < self.mark:
+            raise StaleTokenError(t, tok(self.mark, t.lock), self.resource)
+        self.mark = t.value
+        request = rpc.TxnRequest()
+        request.success.extend(ops)
+        resp = await self._txn(request)
+        return Accepted(resp.header.revision, resp.responses)
+
+
+class LtGuard(EtcdGuard):
+    _async_class = AsyncLtGuard
+
+
+class CheckThenWriteGuard(EtcdGuard):
+    _async_class = AsyncCheckThenWriteGuard
+
+
+class ClientSideMarkGuard(EtcdGuard):
+    _async_class = AsyncClientSideMarkGuard
+
+
+# --- the resource and its log -------------------------------------------------------------------
+
+
+async def _history(endpoint: str, key: bytes) -> list[str]:
+    """Every value ``key`` has had since it was created, oldest first (walks back by revision)."""
+    host, _, port = endpoint.rpartition(":")
+    async with aetcd.Client(host, int(port)) as client:
+        values: list[str] = []
+        resp = await client.kvstub.Range(rpc.RangeRequest(key=key))
+        revision = resp.kvs[0].mod_revision if resp.kvs else 0
+        while revision > 0:
+            resp = await client.kvstub.Range(rpc.RangeRequest(key=key, revision=revision))
+            if not resp.kvs:
+                break
+            kv = resp.kvs[0]
+            values.append(kv.value.decode())
+            revision = kv.mod_revision - 1 if kv.version > 1 else 0
+        return values[::-1]
+
+
+class Resource:
+    """One guarded resource in etcd: its data key; the data's history is the log."""
+
+    def __init__(self, endpoint: str, name: str | None = None) -> None:
+        self.endpoint = endpoint
+        self.name = name or unique_name("res")
+        self.data = f"{self.name}/data"
+
+    def write(self, guard: EtcdGuard, value: int, who: str = "w") -> None:
+        guard.put(self.data, f"{value}:{who}", tok(value))
+
+    def history(self) -> list[str]:
+        return asyncio.run(_history(self.endpoint, self.data.encode()))
+
+    def accepted(self) -> list[int]:
+        return [int(v.split(":")[0]) for v in self.history()]
+
+    def value(self) -> str | None:
+        history = self.history()
+        return history[-1] if history else None
+
+    def snapshot(self) -> list[tuple[bytes, bytes, int]]:
+        """Every key of the resource (data and fence keys) with its value and mod revision."""
+
+        async def read() -> list[tuple[bytes, bytes, int]]:
+            host, _, port = self.endpoint.rpartition(":")
+            async with aetcd.Client(host, int(port)) as client:
+                out = []
+                for prefix in (
+                    f"{self.name}/",
+                    f"fenced/hw/{self.name}",
+                    f"fenced/lock/{self.name}",
+                ):
+                    resp = await client.kvstub.Range(
+                        rpc.RangeRequest(key=prefix.encode(), range_end=prefix.encode() + b"\xff")
+                    )
+                    out += [(kv.key, kv.value, kv.mod_revision) for kv in resp.kvs]
+                return out
+
+        return asyncio.run(read())
+
+
+# --- checkers (the same as the Redis guard's, on etcd) --------------------------------------
+
+
+def sequential_violations(guard_cls: type[EtcdGuard], endpoint: str) -> list[str]:
+    """One holder writes twice with its token; a later holder's token; the old one again."""
+    res = Resource(endpoint)
+    bad: list[str] = []
+    with guard_cls(endpoint, res.name, LOCK) as guard:
+        for value, should_pass in [
+            (5, True),
+            (5, True),
+            (7, True),
+            (7, True),
+            (6, False),
+            (7, True),
+        ]:
+            try:
+                res.write(guard, value)
+                if not should_pass:
+                    bad.append(f"stale token {value} accepted")
+            except StaleTokenError as exc:
+                if should_pass:
+                    bad.append(f"token {value} refused (mark {exc.high_water})")
+    return bad + history_violations(res.accepted(), res.value())
+
+
+def interleaved_violations(guard_cls: type[EtcdGuard], endpoint: str) -> list[str]:
+    """Two clients, step by step: A (token 6) decides to write, B (token 7) writes, A's lands.
+
+    For a two-step guard, B's write runs in the gap between A's check and A's write. An atomic
+    guard has no such gap: the latest point B can come is just before A's one transaction.
+    """
+    res = Resource(endpoint)
+    with guard_cls(endpoint, res.name, LOCK) as a, guard_cls(endpoint, res.name, LOCK) as b:
+        res.write(a, 5, "first")
+
+        def b_writes() -> None:
+            res.write(b, 7, "B")
+
+        with contextlib.suppress(StaleTokenError):
+            if isinstance(a.aio, AsyncCheckThenWriteGuard):
+                a.aio.between = b_writes
+            else:
+                b_writes()
+            res.write(a, 6, "A")
+        bad = history_violations(res.accepted(), res.value())
+        high = a.high_water()
+        if high is None or high.value != 7:
+            bad.append(f"the mark went back to {high}")
+        return bad
+
+
+def restart_violations(guard_cls: type[EtcdGuard], server: EtcdServer) -> list[str]:
+    """After kill -9 and a restart, a new client process must still refuse the old token."""
+    res = Resource(server.endpoint)
+    with guard_cls(server.endpoint, res.name, LOCK) as guard:
+        res.write(guard, 9, "before")
+    server.restart(kill=True)
+    with guard_cls(server.endpoint, res.name, LOCK) as guard:  # a new process's guard
+        with contextlib.suppress(StaleTokenError):
+            res.write(guard, 8, "stale")
+    return history_violations(res.accepted(), res.value())
+
+
+# --- fixtures ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def guard(etcd_server: EtcdServer) -> Iterator[EtcdGuard]:
+    with EtcdGuard(etcd_server.endpoint, unique_name("res"), LOCK) as g:
+        yield g
+
+
+@pytest.fixture(scope="module")
+def own_server() -> Iterator[EtcdServer]:
+    """A server of this module's own, for tests that kill, pause or restart it."""
+    with EtcdServer() as server:
+        yield server  # type: ignore[misc]
+
+
+# --- the encoding ------------------------------------------------------------------------------
+
+
+def test_encoding_byte_order_is_numeric_order() -> None:
+    rng = random.Random(7)
+    values = [1, 9, 10, 99, 100, 2**53, 2**53 + 1, 2**63 - 2, 2**63 - 1, 2**63]
+    values += [rng.randrange(1, 2**63) for _ in range(2000)]
+    values += [rng.randrange(1, 10 ** rng.randrange(1, 19)) for _ in range(2000)]
+    for a in values:
+        assert len(encode_value(a)) == 19 and decode_value(encode_value(a)) == a
+    ordered = sorted(set(values))
+    assert sorted(encode_value(v) for v in ordered) == [encode_value(v) for v in ordered]
+    # Unpadded decimal text is NOT ordered: the bug the padding prevents.
+    assert str(10).encode() < str(9).encode()
+    for raw in (b"", b"12", b"x" * 19, b"-" + b"1" * 18):
+        with pytest.raises(ValueError):
+            decode_value(raw)
+
+
+# --- the basic contract -------------------------------------------------------------------------
+
+
+def test_stale_refused_current_and_equal_accepted(etcd_server: EtcdServer) -> None:
+    assert sequential_violations(EtcdGuard, etcd_server.endpoint) == []
+
+
+def test_put_delete_write(guard: EtcdGuard, etcd_server: EtcdServer) -> None:
+    res = Resource(etcd_server.endpoint, guard.resource)
+    assert guard.high_water() is None
+    first = guard.put(res.data, "v1", tok(9))  # binds the resource, then writes
+    second = guard.put(res.data, "v2", f"{LOCK}:10")  # the text form works too
+    assert second > first > 0
+    with pytest.raises(StaleTokenError) as info:
+        guard.put(res.data, "stale", tok(9))
+    assert info.value.token == tok(9) and info.value.high_water == tok(10)
+    assert info.value.resource == guard.resource
+    # Byte order across a change of length: 99 -> 100 accepted, then 99 refused.
+    guard.put(res.data, "v3", tok(99))
+    guard.put(res.data, "v4", tok(100))
+    with pytest.raises(StaleTokenError):
+        guard.put(res.data, "stale", tok(99))
+    assert res.history() == ["v1", "v2", "v3", "v4"]
+    assert guard.delete(res.data, tok(100)) is True
+    assert guard.delete(res.data, tok(100)) is False
+    other, third = f"{guard.resource}/other", f"{guard.resource}/third"
+    guard.put(third, "x", tok(100))
+    accepted = guard.write(
+        [put_op(res.data, "a"), put_op(other, "b"), delete_op(third)], tok(2**63 - 1)
+    )
+    assert accepted.replies[2].response_delete_range.deleted == 1
+    assert guard.high_water() == tok(2**63 - 1)
+    assert res.history() == ["a"]  # the data key's life since it was created again
+
+
+def test_lock_binding(etcd_server: EtcdServer) -> None:
+    """Without ``lock=``, the resource binds to the first token's lock and refuses others."""
+    res = Resource(etcd_server.endpoint)
+    with EtcdGuard(etcd_server.endpoint, res.name) as unbound:
+        unbound.put(res.data, "a", tok(10))
+        with pytest.raises(WrongLockError):
+            unbound.put(res.data, "b", FencingToken("other", 10**6))
+    with EtcdGuard(etcd_server.endpoint, res.name, "other") as wrong:
+        with pytest.raises(WrongLockError):
+            wrong.put(res.data, "c", tok(11))  # refused before anything is sent
+        with pytest.raises(WrongLockError):
+            wrong.put(res.data, "c", FencingToken("other", 11))  # refused by the resource
+    assert res.history() == ["a"]
+
+
+@pytest.mark.parametrize("bad", BAD_TOKENS, ids=repr)
+def test_malformed_or_foreign_tokens_change_nothing(
+    guard: EtcdGuard, etcd_server: EtcdServer, bad: Any
+) -> None:
+    res = Resource(etcd_server.endpoint, guard.resource)
+    res.write(guard, 5, "kept")
+    before = res.snapshot()
+    expected: type[Exception] = (
+        WrongLockError if isinstance(bad, FencingToken) else InvalidTokenError
+    )
+    for attempt in (
+        lambda: guard.put(res.data, "x", bad),
+        lambda: guard.delete(res.data, bad),
+        lambda: guard.write([put_op(res.data, "x")], bad),
+    ):
+        with pytest.raises(expected):
+            attempt()
+    assert res.snapshot() == before
+
+
+def test_refused_writes_change_nothing(guard: EtcdGuard, etcd_server: EtcdServer) -> None:
+    res = Resource(etcd_server.endpoint, guard.resource)
+    res.write(guard, 50, "kept")
+    guard.put(f"{res.name}/other", "kept", tok(50))
+    before = res.snapshot()
+    for attempt in (
+        lambda: guard.put(res.data, "x", tok(49)),
+        lambda: guard.delete(res.data, tok(1)),
+        lambda: guard.write(
+            [put_op(f"{res.name}/new", "x"), delete_op(f"{res.name}/other")], tok(49)
+        ),
+    ):
+        with pytest.raises(StaleTokenError):
+            attempt()
+    assert res.snapshot() == before  # same values, same mod revisions: nothing was written
+
+
+def test_bad_arguments(guard: EtcdGuard) -> None:
+    hw_key = f"fenced/hw/{guard.resource}"
+    for attempt in (
+        lambda: guard.put(hw_key, "x", tok(1)),
+        lambda: guard.put(f"fenced/lock/{guard.resource}", "x", tok(1)),
+        lambda: guard.put("k", 5, tok(1)),  # type: ignore[arg-type]
+        lambda: guard.write([_range_delete(b"fenced/", b"fenced0")], tok(1)),
+        lambda: guard.write([_range_delete(b"a", b"\0")], tok(1)),
+        lambda: guard.write([rpc.RequestOp(request_range=rpc.RangeRequest(key=b"k"))], tok(1)),
+    ):
+        with pytest.raises(ConfigurationError):
+            attempt()
+    assert guard.high_water() is None  # nothing was sent
+    guard.write(
+        [_range_delete(f"{guard.resource}/".encode(), f"{guard.resource}0".encode())], tok(1)
+    )
+    with pytest.raises(ConfigurationError):
+        EtcdGuard("no-port", "r")
+
+
+def _range_delete(key: bytes, end: bytes) -> rpc.RequestOp:
+    op = delete_op(key)
+    op.request_delete_range.range_end = end
+    return op
+
+
+async def test_async_guard(etcd_server: EtcdServer) -> None:
+    async with aetcd.Client("127.0.0.1", etcd_server.port) as client:
+        name = unique_name("res")
+        guard = AsyncEtcdGuard(client, name, LOCK)
+        assert await guard.high_water() is None
+        await guard.put(f"{name}/k", "a", tok(2))
+        await guard.put(f"{name}/k", "b", tok(2))
+        with pytest.raises(StaleTokenError):
+            await guard.put(f"{name}/k", "stale", tok(1))
+        with pytest.raises(WrongLockError):
+            await guard.delete(f"{name}/k", FencingToken("x", 9))
+        assert await guard.delete(f"{name}/k", tok(3)) is True
+        assert await guard.high_water() == tok(3)
+        assert (await client.get(f"fenced/hw/{name}".encode())).value == encode_value(3)
+
+
+# --- planted bugs are caught by the same checks --------------------------------------------------
+
+
+def test_sequential_check_catches_lt(etcd_server: EtcdServer) -> None:
+    bad = sequential_violations(LtGuard, etcd_server.endpoint)
+    assert any("token 5 refused" in b for b in bad), bad  # the holder's second write
+
+
+def test_interleaved_writers(etcd_server: EtcdServer) -> None:
+    assert interleaved_violations(EtcdGuard, etcd_server.endpoint) == []
+
+
+def test_interleaved_check_catches_check_then_write(etcd_server: EtcdServer) -> None:
+    bad = interleaved_violations(CheckThenWriteGuard, etcd_server.endpoint)
+    assert any("accepted after" in b for b in bad), bad
+    assert any("mark went back" in b for b in bad), bad
+
+
+# --- restart and dead server ---------------------------------------------------------------------
+
+
+def test_restart_keeps_the_mark(own_server: EtcdServer) -> None:
+    assert restart_violations(EtcdGuard, own_server) == []
+
+
+def test_restart_check_catches_client_side_mark(own_server: EtcdServer) -> None:
+    bad = restart_violations(ClientSideMarkGuard, own_server)
+    assert any("accepted after" in b for b in bad), bad
+
+
+def test_unavailable_server(own_server: EtcdServer) -> None:
+    name = unique_name("res")
+    with EtcdGuard(own_server.endpoint, name, LOCK, timeout=0.5) as guard:
+        guard.put(f"{name}/k", "a", tok(1))
+        own_server.pause()  # a hung server: the request times out
+        try:
+            with pytest.raises(BackendUnavailable):
+                guard.put(f"{name}/k", "b", tok(1))
+        finally:
+            own_server.resume()
+        own_server.kill()  # a dead server: the connection is refused
+        try:
+            for attempt in (lambda: guard.put(f"{name}/k", "c", tok(1)), guard.high_water):
+                with pytest.raises(BackendUnavailable):
+                    attempt()
+        finally:
+            own_server.start()
+    guard.close()
+    with pytest.raises(BackendUnavailable):  # a closed guard
+        guard.put(f"{name}/k", "d", tok(1))
+
+
+# --- separate OS processes -------------------------------------------------------------------
+
+
+def test_racing_processes_never_accept_out_of_order(etcd_server: EtcdServer) -> None:
+    res = Resource(etcd_server.endpoint)
+    counts = race(__name__, etcd_server.endpoint, res.name, writers=4, per_writer=60)
+    log = res.accepted()
+    assert len(log) == sum(counts) > 0
+    assert history_violations(log, res.value()) == []
+    with EtcdGuard(etcd_server.endpoint, res.name, LOCK) as guard:
+        assert guard.high_water() == tok(max(log))
+
+
+@pytest.mark.parametrize("guarded", [True, False], ids=["guarded", "unguarded"])
+def test_paused_holder_end_to_end(etcd_server: EtcdServer, tmp_path: Path, guarded: bool) -> None:
+    res = Resource(etcd_server.endpoint)
+    run = paused_holder(
+        __name__, f"sqlite:///{tmp_path}/locks.db", etcd_server.endpoint, res.name, guarded
+    )
+    bad = figure_8_5_violations(run, res.value())
+    if guarded:
+        assert bad == []
+        assert run["ev1"]["high_water"] == run["t2"]
+    else:  # the checker catches the unguarded write
+        assert "the paused holder's stale write was accepted" in bad
+
+
+# --- the client process -------------------------------------------------------------------------
+
+
+def _worker_main(argv: list[str]) -> None:
+    """``race ENDPOINT RESOURCE FIRST STEP COUNT`` or ``holder SOURCE ENDPOINT RESOURCE TTL MODE``."""
+    import os
+
+    mode = argv[0]
+    if mode == "race":
+        endpoint, resource, first, step, count = argv[1], argv[2], *map(int, argv[3:6])
+        res = Resource(endpoint, resource)
+        with EtcdGuard(endpoint, resource, LOCK) as guard:
+            guard.high_water()  # connected before the start line
+            _emit(event="ready")
+            sys.stdin.readline()
+            accepted = 0
+            for value in range(first, first + step * count, step):
+                with contextlib.suppress(StaleTokenError):
+                    res.write(guard, value, f"pid{os.getpid()}")
+                    accepted += 1
+        _emit(event="done", accepted=accepted)
+    elif mode == "holder":
+        source, endpoint, resource, ttl, how = argv[1], argv[2], argv[3], float(argv[4]), argv[5]
+        data = f"{resource}/data"
+        with EtcdGuard(endpoint, resource, LOCK) as guard, fenced.connect(source) as locks:
+
+            def unguarded(value: str) -> Awaitable[Any]:
+                return guard.aio._client.put(data.encode(), value.encode())
+
+            lease = locks.lock(LOCK, ttl=ttl, timeout=STEP_TIMEOUT)
+            lease.acquire()
+            _emit(event="acquired", token=str(lease.token))
+            for line in sys.stdin:
+                cmd, _, arg = line.strip().partition(" ")
+                if cmd == "write":  # written whether or not the lease is still held
+                    try:
+                        if how == "guarded":
+                            guard.put(data, arg, lease.token)
+                        else:
+                            guard._portal.call(unguarded(arg))
+                        _emit(event="write-ok")
+                    except StaleTokenError as exc:
+                        _emit(event="write-rejected", high_water=str(exc.high_water))
+                elif cmd == "quit":
+                    break
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")
+
+
+if __name__ == "__main__":
+    _worker_main(sys.argv[1:])

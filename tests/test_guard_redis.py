@@ -1,0 +1,761 @@
+"""The Redis guard on a real redis-server (AOF, ``appendfsync always``).
+
+Every property is checked by a function that can fail, and each is shown failing on a planted
+bug: ``<`` instead of ``<=`` (:class:`LtGuard`), check-then-write in two commands
+(:class:`CheckThenWriteGuard`), and a mark kept in the client instead of the resource
+(:class:`ClientSideMarkGuard`).
+
+This module is also the client process of the multi-process tests:
+``python -m tests.test_guard_redis race|holder ...`` (see :func:`_worker_main`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import redis.asyncio
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import NoBackoff
+from redis.crc import key_slot
+from redis.retry import Retry
+
+import fenced
+from fenced import (
+    BackendUnavailable,
+    FencedError,
+    FencingToken,
+    InvalidTokenError,
+    StaleTokenError,
+    UnsafeBackendError,
+    WrongLockError,
+)
+from fenced.guards.redis import (
+    DEL_SCRIPT,
+    HSET_SCRIPT,
+    PRELUDE,
+    SET_SCRIPT,
+    AsyncRedisGuard,
+    GuardedCall,
+    RedisGuard,
+    default_fence_key,
+    eval_script,
+    interpret,
+)
+from fenced.testing.servers import RedisServer
+from tests.helpers import unique_name
+
+ROOT = Path(__file__).resolve().parent.parent
+# redis-py retries a failed command 3 times with 1 s+ back-off by default; dead-server tests
+# would spend that long.
+NO_RETRY = Retry(NoBackoff(), 0)
+ASYNC_NO_RETRY = AsyncRetry(NoBackoff(), 0)
+LOCK = "inv-lock"
+STEP_TIMEOUT = 60.0
+
+# A guarded write that also appends its token to a list in the same script: the resource's
+# own log of accepted tokens, in the order Redis applied them.
+LOG_BODY = """
+redis.call('SET', KEYS[1], ARGV[1] .. ':' .. ARGV[2])
+redis.call('RPUSH', KEYS[2], ARGV[1])
+return 1
+"""
+
+
+def tok(value: int, lock: str = LOCK) -> FencingToken:
+    return FencingToken(lock, value)
+
+
+# --- planted bugs -----------------------------------------------------------------------------
+
+
+def _plant(source: str, old: str, new: str) -> str:
+    assert old in source, f"planted bug: {old!r} not found"
+    return source.replace(old, new)
+
+
+def _lt(source: str) -> str:
+    return _plant(source, "if c < 0 then", "if c <= 0 then")
+
+
+class LtGuard(RedisGuard):
+    """Planted bug: ``<`` for ``<=`` — a token equal to the mark is refused."""
+
+    set_script = _lt(SET_SCRIPT)
+    hset_script = _lt(HSET_SCRIPT)
+    del_script = _lt(DEL_SCRIPT)
+
+    @staticmethod
+    def eval_script(lua_body: str) -> str:
+        return _lt(eval_script(lua_body))
+
+
+class CheckThenWriteGuard(RedisGuard):
+    """Planted bug: read the mark (HMGET), compare in the client, then write in a second command.
+
+    ``between`` runs in the gap between the two, where the test lets another writer in.
+    """
+
+    between: Callable[[], None] = staticmethod(lambda: None)
+
+    def _run(self, call: GuardedCall) -> Any:
+        high = self.high_water()
+        if high is not None and call.token.value < high.value:
+            raise StaleTokenError(call.token, high, self.resource)
+        self.between()
+        unchecked = _plant(
+            call.script, PRELUDE, "redis.call('HSET', KEYS[1], 'lock', ARGV[1], 'hw', ARGV[2])\n"
+        )
+        reply = self._client.eval(unchecked, len(call.keys), *call.keys, *call.args)
+        return interpret(reply, call, self.resource)
+
+
+class ClientSideMarkGuard(RedisGuard):
+    """Planted bug: the mark lives in the client process, not in the resource."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.mark = 0
+
+    def _run(self, call: GuardedCall) -> Any:
+        if call.token.value < self.mark:
+            raise StaleTokenError(call.token, tok(self.mark, call.token.lock), self.resource)
+        self.mark = call.token.value
+        unchecked = _plant(call.script, PRELUDE, "")
+        return interpret(
+            self._client.eval(unchecked, len(call.keys), *call.keys, *call.args),
+            call,
+            self.resource,
+        )
+
+
+PLANTED = [LtGuard, CheckThenWriteGuard, ClientSideMarkGuard]
+
+# --- checkers ---------------------------------------------------------------------------------
+
+
+def history_violations(log: list[int], data: str | None) -> list[str]:
+    """The resource's accepted tokens must never go down, and the data is the last writer's."""
+    bad = [f"token {b} accepted after {a}" for a, b in itertools.pairwise(log) if b < a]
+    if log and (data is None or int(data.split(":")[0]) != max(log)):
+        bad.append(f"data {data!r} is not from the highest accepted token {max(log)}")
+    return bad
+
+
+class Resource:
+    """One guarded resource in a Redis: its data key, log list and fence key."""
+
+    def __init__(self, client: redis.Redis, name: str | None = None) -> None:
+        self.client = client
+        self.name = name or unique_name("res")
+        self.data = f"{{{self.name}}}:data"
+        self.log = f"{{{self.name}}}:log"
+        self.fence = default_fence_key(self.name)
+
+    def write(self, guard: RedisGuard, value: int, who: str = "w") -> None:
+        guard.eval(LOG_BODY, [self.data, self.log], [str(value), who], tok(value))
+
+    def accepted(self) -> list[int]:
+        return [int(x) for x in self.client.lrange(self.log, 0, -1)]
+
+    def value(self) -> str | None:
+        raw = self.client.get(self.data)
+        return None if raw is None else raw.decode()
+
+    def snapshot(self) -> dict[str, Any]:
+        """Every key of the resource, serialised: to show a refused write changed nothing."""
+        keys = sorted(self.client.scan_iter(match=f"*{{{self.name}}}*"))
+        return {k: (self.client.dump(k), self.client.pttl(k)) for k in keys}
+
+
+def sequential_violations(guard_cls: type[RedisGuard], client: redis.Redis) -> list[str]:
+    """One holder writes twice with its token; a later holder's token; the old one again."""
+    res = Resource(client)
+    guard = guard_cls(client, res.name, LOCK)
+    bad: list[str] = []
+    for value, should_pass in [(5, True), (5, True), (7, True), (7, True), (6, False), (7, True)]:
+        try:
+            res.write(guard, value)
+            if not should_pass:
+                bad.append(f"stale token {value} accepted")
+        except StaleTokenError as exc:
+            if should_pass:
+                bad.append(f"token {value} refused (mark {exc.high_water})")
+    return bad + history_violations(res.accepted(), res.value())
+
+
+def interleaved_violations(guard_cls: type[RedisGuard], redis_url: str) -> list[str]:
+    """Two clients, step by step: A (token 6) decides to write, B (token 7) writes, A's lands.
+
+    For a two-step guard, B's write runs in the gap between A's check and A's write. An atomic
+    guard has no such gap: the latest point B can come is just before A's one script.
+    """
+    a_client, b_client = redis.Redis.from_url(redis_url), redis.Redis.from_url(redis_url)
+    try:
+        res = Resource(a_client)
+        a = guard_cls(a_client, res.name, LOCK)
+        b = guard_cls(b_client, res.name, LOCK)
+        res.write(a, 5, "first")
+
+        def b_writes() -> None:
+            res.write(b, 7, "B")
+
+        with contextlib.suppress(StaleTokenError):
+            if isinstance(a, CheckThenWriteGuard):
+                a.between = b_writes
+            else:
+                b_writes()
+            res.write(a, 6, "A")
+        bad = history_violations(res.accepted(), res.value())
+        high = a.high_water()
+        if high is None or high.value != 7:
+            bad.append(f"the mark went back to {high}")
+        return bad
+    finally:
+        a_client.close()
+        b_client.close()
+
+
+def restart_violations(
+    guard_cls: type[RedisGuard], server: RedisServer, client: redis.Redis
+) -> list[str]:
+    """After kill -9 and a restart, a new client process must still refuse the old token."""
+    res = Resource(client)
+    res.write(guard_cls(client, res.name, LOCK), 9, "before")
+    server.restart(kill=True)
+    fresh = redis.Redis(port=server.port)  # a new process's view: a new client and guard
+    try:
+        guard = guard_cls(fresh, res.name, LOCK)
+        with contextlib.suppress(StaleTokenError):
+            res.write(guard, 8, "stale")
+        return history_violations(res.accepted(), res.value())
+    finally:
+        fresh.close()
+
+
+# --- fixtures ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def client(redis_server: RedisServer) -> Iterator[redis.Redis]:
+    c = redis.Redis(port=redis_server.port)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def own_server() -> Iterator[RedisServer]:
+    """A server of this module's own, for tests that restart it, flush scripts or set config."""
+    with RedisServer() as server:
+        yield server  # type: ignore[misc]
+
+
+@pytest.fixture
+def own_client(own_server: RedisServer) -> Iterator[redis.Redis]:
+    c = redis.Redis(port=own_server.port)
+    yield c
+    c.close()
+
+
+# --- the basic contract -------------------------------------------------------------------------
+
+
+def test_stale_refused_current_and_equal_accepted(client: redis.Redis) -> None:
+    assert sequential_violations(RedisGuard, client) == []
+
+
+def test_set_hset_delete(client: redis.Redis) -> None:
+    name = unique_name("res")
+    guard = RedisGuard(client, name, LOCK)
+    k, h = f"{{{name}}}:k", f"{{{name}}}:h"
+    assert guard.high_water() is None
+    assert guard.set(k, "v1", tok(3)) is True
+    assert guard.set(k, "v2", tok(3), px=60_000) is True
+    assert client.get(k) == b"v2" and 0 < client.pttl(k) <= 60_000
+    assert guard.hset(h, {"a": 1, "b": "x"}, f"{LOCK}:4") == 2  # the text form works too
+    assert guard.high_water() == tok(4)
+    with pytest.raises(StaleTokenError) as info:
+        guard.set(k, "stale", tok(3))
+    assert info.value.token == tok(3) and info.value.high_water == tok(4)
+    assert info.value.resource == name
+    assert guard.delete(k, h, token=tok(4)) == 2
+    assert client.exists(k, h) == 0
+    # The mark is a plain hash: an integer, with no TTL.
+    assert client.hgetall(default_fence_key(name)) == {b"lock": LOCK.encode(), b"hw": b"4"}
+    assert client.ttl(default_fence_key(name)) == -1
+
+
+def test_large_writes_and_full_token_range(client: redis.Redis) -> None:
+    name = unique_name("res")
+    guard = RedisGuard(client, name, LOCK)
+    mapping = {f"f{i}": i for i in range(5000)}  # more arguments than one Lua unpack takes
+    assert guard.hset(f"{{{name}}}:h", mapping, tok(2**53 + 1)) == 5000
+    keys = [f"{{{name}}}:k{i}" for i in range(2500)]
+    for k in keys[:3]:
+        client.set(k, 1)
+    assert guard.delete(*keys, token=tok(2**53 + 1)) == 3
+    # Values above 2**53 differ by one: Lua doubles would call them equal; the guard must not.
+    with pytest.raises(StaleTokenError):
+        guard.set(f"{{{name}}}:k", "x", tok(2**53))
+    assert guard.set(f"{{{name}}}:k", "x", tok(2**63 - 1))
+    with pytest.raises(StaleTokenError):
+        guard.set(f"{{{name}}}:k", "x", tok(2**63 - 2))
+    assert guard.high_water() == tok(2**63 - 1)
+
+
+def test_eval_sees_its_own_keys_and_args(client: redis.Redis) -> None:
+    name = unique_name("res")
+    guard = RedisGuard(client, name, LOCK)
+    body = "redis.call('SET', KEYS[1], ARGV[2]); return {#KEYS, #ARGV, KEYS[1], ARGV[1]}"
+    out = guard.eval(body, [f"{{{name}}}:x"], ["first", "second"], tok(1))
+    assert out == [1, 2, f"{{{name}}}:x".encode(), b"first"]
+    assert client.get(f"{{{name}}}:x") == b"second"
+    assert guard.eval("return nil", [], [], tok(1)) is None
+    with pytest.raises(FencedError, match="boom"):
+        guard.eval("error('boom')", [], [], tok(1))
+
+
+def test_lock_binding(client: redis.Redis) -> None:
+    """Without ``lock=``, the resource binds to the first token's lock and refuses others."""
+    name = unique_name("res")
+    unbound = RedisGuard(client, name)
+    assert unbound.set(f"{{{name}}}:k", "a", tok(10))
+    with pytest.raises(WrongLockError):
+        unbound.set(f"{{{name}}}:k", "b", FencingToken("other", 10**6))
+    # A guard configured for another lock is refused before anything is sent.
+    with pytest.raises(WrongLockError):
+        RedisGuard(client, name, "other").set(f"{{{name}}}:k", "c", tok(11))
+    assert client.get(f"{{{name}}}:k") == b"a"
+    assert unbound.high_water() == tok(10)
+
+
+BAD_TOKENS: list[Any] = [
+    "inv-lock:0",
+    "inv-lock:-1",
+    "inv-lock:01",
+    " inv-lock:5",
+    "inv-lock:5 ",
+    "inv-lock:9223372036854775808",
+    "inv-lock",
+    "",
+    b"\xff\xfe",
+    5,
+    None,
+    FencingToken("other-lock", 10**9),
+]
+
+
+@pytest.mark.parametrize("bad", BAD_TOKENS, ids=repr)
+def test_malformed_or_foreign_tokens_change_nothing(client: redis.Redis, bad: Any) -> None:
+    res = Resource(client)
+    guard = RedisGuard(client, res.name, LOCK)
+    res.write(guard, 5, "kept")
+    client.hset(f"{{{res.name}}}:h", "f", "kept")
+    before = res.snapshot()
+    expected: type[Exception] = (
+        WrongLockError if isinstance(bad, FencingToken) else InvalidTokenError
+    )
+    for attempt in (
+        lambda: guard.set(res.data, "x", bad),
+        lambda: guard.hset(f"{{{res.name}}}:h", {"f": "x"}, bad),
+        lambda: guard.delete(res.data, token=bad),
+        lambda: guard.eval(LOG_BODY, [res.data, res.log], ["9", "x"], bad),
+    ):
+        with pytest.raises(expected):
+            attempt()
+    assert res.snapshot() == before
+
+
+def test_refused_writes_change_nothing(client: redis.Redis) -> None:
+    res = Resource(client)
+    guard = RedisGuard(client, res.name, LOCK)
+    res.write(guard, 50, "kept")
+    client.hset(f"{{{res.name}}}:h", "f", "kept")
+    guard.set(f"{{{res.name}}}:ttl", "kept", tok(50), px=600_000)
+    before = res.snapshot()
+    for attempt in (
+        lambda: guard.set(res.data, "x", tok(49)),
+        lambda: guard.set(f"{{{res.name}}}:ttl", "x", tok(49), px=1),
+        lambda: guard.hset(f"{{{res.name}}}:h", {"f": "x", "g": "y"}, tok(49)),
+        lambda: guard.delete(res.data, f"{{{res.name}}}:h", token=tok(1)),
+        lambda: res.write(guard, 49, "stale"),
+    ):
+        with pytest.raises(StaleTokenError):
+            attempt()
+    after = res.snapshot()
+    assert after.keys() == before.keys()
+    for key, (dump, pttl) in after.items():
+        assert dump == before[key][0], key
+        assert (pttl == -1) == (before[key][1] == -1), key
+
+
+def test_bad_arguments(client: redis.Redis) -> None:
+    name = unique_name("res")
+    guard = RedisGuard(client, name, LOCK)
+    with pytest.raises(fenced.ConfigurationError):
+        guard.set(default_fence_key(name), "x", tok(1))  # writing the mark itself
+    with pytest.raises(fenced.ConfigurationError):
+        guard.set(f"{{{name}}}:k", "x", tok(1), px=0)
+    with pytest.raises(fenced.ConfigurationError):
+        guard.hset(f"{{{name}}}:k", {}, tok(1))
+    with pytest.raises(fenced.ConfigurationError):
+        guard.delete(token=tok(1))
+    with pytest.raises(fenced.ConfigurationError):
+        RedisGuard(client, "with{brace}")
+    assert guard.high_water() is None  # nothing was sent
+
+
+def test_corrupt_mark_refuses(client: redis.Redis) -> None:
+    name = unique_name("res")
+    client.hset(default_fence_key(name), mapping={"lock": LOCK, "hw": "12abc"})
+    with pytest.raises(StaleTokenError, match="not a token value"):
+        RedisGuard(client, name, LOCK).set(f"{{{name}}}:k", "x", tok(10**6))
+    assert client.exists(f"{{{name}}}:k") == 0
+
+
+def test_fence_key_shares_the_slot_of_tagged_keys() -> None:
+    assert key_slot(default_fence_key("invoices").encode()) == key_slot(b"{invoices}:42")
+    assert key_slot(default_fence_key("invoices").encode()) != key_slot(b"invoices:42")
+
+
+def test_mark_never_expires(client: redis.Redis) -> None:
+    name = unique_name("res")
+    guard = RedisGuard(client, name, LOCK)
+    guard.set(f"{{{name}}}:k", "x", tok(3))
+    client.expire(default_fence_key(name), 1000)  # someone sets a TTL on the mark
+    guard.set(f"{{{name}}}:k", "y", tok(3))  # the next write (even with the same token) clears it
+    assert client.ttl(default_fence_key(name)) == -1
+
+
+def test_script_cache_flushed(own_client: redis.Redis) -> None:
+    name = unique_name("res")
+    guard = RedisGuard(own_client, name, LOCK)
+    guard.set(f"{{{name}}}:k", "x", tok(1))
+    own_client.script_flush()
+    assert guard.set(f"{{{name}}}:k", "y", tok(1))  # NOSCRIPT: loaded again, then run
+    assert own_client.get(f"{{{name}}}:k") == b"y"
+    # After a flush a stale write is still refused: the reloaded script is the same check.
+    guard.set(f"{{{name}}}:k", "y2", tok(2))
+    own_client.script_flush()
+    with pytest.raises(StaleTokenError):
+        RedisGuard(own_client, name, LOCK).set(f"{{{name}}}:k", "z", tok(1))
+    assert own_client.get(f"{{{name}}}:k") == b"y2"
+
+
+def test_check_server_refuses_allkeys_eviction(own_client: redis.Redis) -> None:
+    guard = RedisGuard(own_client, unique_name("res"), LOCK)
+    guard.check_server()  # default noeviction
+    own_client.config_set("maxmemory-policy", "volatile-lru")
+    guard.check_server()  # the mark has no TTL: volatile-* never evicts it
+    own_client.config_set("maxmemory-policy", "allkeys-lru")
+    try:
+        with pytest.raises(UnsafeBackendError):
+            guard.check_server()
+    finally:
+        own_client.config_set("maxmemory-policy", "noeviction")
+
+
+async def test_async_guard(redis_server: RedisServer) -> None:
+    client = redis.asyncio.Redis(port=redis_server.port)
+    try:
+        name = unique_name("res")
+        guard = AsyncRedisGuard(client, name, LOCK)
+        assert await guard.set(f"{{{name}}}:k", "a", tok(2))
+        assert await guard.set(f"{{{name}}}:k", "b", tok(2))
+        assert await guard.hset(f"{{{name}}}:h", {"f": 1}, tok(3)) == 1
+        assert await guard.eval("return ARGV[1]", [], ["hi"], tok(3)) == b"hi"
+        with pytest.raises(StaleTokenError):
+            await guard.set(f"{{{name}}}:k", "stale", tok(2))
+        with pytest.raises(WrongLockError):
+            await guard.delete(f"{{{name}}}:k", token=FencingToken("x", 9))
+        assert await guard.delete(f"{{{name}}}:k", token=tok(3)) == 1
+        assert await guard.high_water() == tok(3)
+        await guard.check_server()
+    finally:
+        await client.aclose()
+
+
+async def test_async_guard_dead_server() -> None:
+    server = RedisServer().start()
+    client = redis.asyncio.Redis(port=server.port, retry=ASYNC_NO_RETRY)
+    try:
+        guard = AsyncRedisGuard(client, unique_name("res"), LOCK)
+        assert await guard.set(f"{{{guard.resource}}}:k", "a", tok(1))
+        server.kill()
+        with pytest.raises(BackendUnavailable):
+            await guard.set(f"{{{guard.resource}}}:k", "a", tok(1))
+    finally:
+        await client.aclose()
+        server.close()
+
+
+def test_decode_responses_client(redis_server: RedisServer) -> None:
+    client = redis.Redis(port=redis_server.port, decode_responses=True)
+    try:
+        name = unique_name("res")
+        guard = RedisGuard(client, name, LOCK)
+        assert guard.set(f"{{{name}}}:k", "a", tok(4))
+        with pytest.raises(StaleTokenError) as info:
+            guard.set(f"{{{name}}}:k", "b", tok(3))
+        assert info.value.high_water == tok(4)
+        assert guard.high_water() == tok(4)
+    finally:
+        client.close()
+
+
+# --- planted bugs are caught by the same checks --------------------------------------------------
+
+
+def test_sequential_check_catches_lt(client: redis.Redis) -> None:
+    bad = sequential_violations(LtGuard, client)
+    assert any("token 5 refused" in b for b in bad), bad  # the holder's second write
+
+
+def test_interleaved_writers(redis_server: RedisServer) -> None:
+    assert interleaved_violations(RedisGuard, redis_server.url) == []
+
+
+def test_interleaved_check_catches_check_then_write(redis_server: RedisServer) -> None:
+    bad = interleaved_violations(CheckThenWriteGuard, redis_server.url)
+    assert any("accepted after" in b for b in bad), bad
+    assert any("mark went back" in b for b in bad), bad
+
+
+# --- restart and dead server ---------------------------------------------------------------------
+
+
+def test_restart_keeps_the_mark(own_server: RedisServer, own_client: redis.Redis) -> None:
+    assert restart_violations(RedisGuard, own_server, own_client) == []
+
+
+def test_restart_check_catches_client_side_mark(
+    own_server: RedisServer, own_client: redis.Redis
+) -> None:
+    bad = restart_violations(ClientSideMarkGuard, own_server, own_client)
+    assert any("accepted after" in b for b in bad), bad
+
+
+def test_dead_server_is_backend_unavailable() -> None:
+    server = RedisServer().start()
+    client = redis.Redis(port=server.port, socket_timeout=2, retry=NO_RETRY)
+    try:
+        name = unique_name("res")
+        guard = RedisGuard(client, name, LOCK)
+        guard.set(f"{{{name}}}:k", "a", tok(1))
+        server.kill()
+        for attempt in (
+            lambda: guard.set(f"{{{name}}}:k", "b", tok(1)),
+            lambda: guard.eval("return 1", [], [], tok(1)),
+            guard.high_water,
+        ):
+            with pytest.raises(BackendUnavailable):
+                attempt()
+    finally:
+        client.close()
+        server.close()
+
+
+# --- separate OS processes -------------------------------------------------------------------
+
+
+class Proc:
+    """A client process speaking JSON lines on stdout, commands on stdin."""
+
+    def __init__(self, *args: str) -> None:
+        self.popen = subprocess.Popen(
+            [sys.executable, *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        )
+        self.events: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.popen.stdout is not None
+        for line in self.popen.stdout:
+            with contextlib.suppress(ValueError):
+                self.events.put(json.loads(line))
+        self.events.put(None)
+
+    def expect(self, *events: str, timeout: float = STEP_TIMEOUT) -> dict[str, Any]:
+        try:
+            ev = self.events.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"no {events} from the client after {timeout} s") from None
+        if ev is None or ev["event"] not in events:
+            self.popen.kill()
+            assert self.popen.stderr is not None
+            raise AssertionError(
+                f"expected {events}, got {ev}; stderr:\n{self.popen.stderr.read()}"
+            )
+        return ev
+
+    def send(self, line: str) -> None:
+        assert self.popen.stdin is not None
+        self.popen.stdin.write(line + "\n")
+        self.popen.stdin.flush()
+
+    def close(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.popen.pid, signal.SIGCONT)
+        self.popen.kill()
+        self.popen.wait()
+
+
+def race(module: str, target: str, resource: str, writers: int, per_writer: int) -> list[int]:
+    """Start ``writers`` processes; writer i offers tokens i+1, i+1+writers, ... all at once.
+
+    Returns how many writes each process saw accepted, in process order.
+    """
+    procs = [
+        Proc("-m", module, "race", target, resource, str(i + 1), str(writers), str(per_writer))
+        for i in range(writers)
+    ]
+    try:
+        for p in procs:
+            p.expect("ready")
+        for p in procs:
+            p.send("go")
+        return [p.expect("done")["accepted"] for p in procs]
+    finally:
+        for p in procs:
+            p.close()
+
+
+def paused_holder(
+    module: str, source_url: str, target: str, resource: str, guarded: bool
+) -> dict[str, Any]:
+    """Figure 8-5: holder 1 is SIGSTOPped past its ttl, holder 2 writes, holder 1 resumes and writes."""
+    mode = "guarded" if guarded else "unguarded"
+    c1 = Proc("-m", module, "holder", source_url, target, resource, "1.0", mode)
+    c2: Proc | None = None
+    try:
+        t1 = c1.expect("acquired")["token"]
+        os.kill(c1.popen.pid, signal.SIGSTOP)  # before it writes
+        c2 = Proc("-m", module, "holder", source_url, target, resource, "1.0", mode)
+        t2 = c2.expect("acquired")["token"]  # only after c1's lease ran out
+        c2.send("write 2:client-2")
+        ok2 = c2.expect("write-ok", "write-rejected")["event"] == "write-ok"
+        c2.send("quit")
+        c1.send("write 1:client-1")
+        os.kill(c1.popen.pid, signal.SIGCONT)
+        ev1 = c1.expect("write-ok", "write-rejected")
+        c1.send("quit")
+        return {"t1": t1, "t2": t2, "ok1": ev1["event"] == "write-ok", "ok2": ok2, "ev1": ev1}
+    finally:
+        c1.close()
+        if c2 is not None:
+            c2.close()
+
+
+def figure_8_5_violations(run: dict[str, Any], data: str | None) -> list[str]:
+    bad = []
+    if not FencingToken.parse(run["t2"]) > FencingToken.parse(run["t1"]):
+        bad.append("the second holder's token is not higher")
+    if not run["ok2"]:
+        bad.append("the current holder's write was refused")
+    if run["ok1"]:
+        bad.append("the paused holder's stale write was accepted")
+    if data is None or not data.endswith("client-2"):
+        bad.append(f"the data is {data!r}, not the current holder's")
+    return bad
+
+
+def test_racing_processes_never_accept_out_of_order(redis_server: RedisServer) -> None:
+    client = redis.Redis(port=redis_server.port)
+    try:
+        res = Resource(client)
+        counts = race(__name__, redis_server.url, res.name, writers=4, per_writer=150)
+        log = res.accepted()
+        assert len(log) == sum(counts) > 0
+        assert history_violations(log, res.value()) == []
+        assert RedisGuard(client, res.name, LOCK).high_water() == tok(max(log))
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("guarded", [True, False], ids=["guarded", "unguarded"])
+def test_paused_holder_end_to_end(redis_server: RedisServer, tmp_path: Path, guarded: bool) -> None:
+    resource = unique_name("res")
+    run = paused_holder(
+        __name__, f"sqlite:///{tmp_path}/locks.db", redis_server.url, resource, guarded
+    )
+    client = redis.Redis(port=redis_server.port)
+    try:
+        raw = client.get(f"{{{resource}}}:data")
+    finally:
+        client.close()
+    bad = figure_8_5_violations(run, None if raw is None else raw.decode())
+    if guarded:
+        assert bad == []
+        assert run["ev1"]["high_water"] == run["t2"]
+    else:  # the checker catches the unguarded write
+        assert "the paused holder's stale write was accepted" in bad
+
+
+# --- the client process -------------------------------------------------------------------------
+
+
+def _emit(**event: Any) -> None:
+    print(json.dumps(event), flush=True)
+
+
+def _worker_main(argv: list[str]) -> None:
+    """``race URL RESOURCE FIRST STEP COUNT`` or ``holder SOURCE URL RESOURCE TTL MODE``."""
+    mode = argv[0]
+    if mode == "race":
+        url, resource, first, step, count = argv[1], argv[2], *map(int, argv[3:6])
+        client = redis.Redis.from_url(url)
+        res = Resource(client, resource)
+        guard = RedisGuard(client, resource, LOCK)
+        guard.high_water()  # connected before the start line
+        _emit(event="ready")
+        sys.stdin.readline()
+        accepted = 0
+        for value in range(first, first + step * count, step):
+            with contextlib.suppress(StaleTokenError):
+                res.write(guard, value, f"pid{os.getpid()}")
+                accepted += 1
+        _emit(event="done", accepted=accepted)
+    elif mode == "holder":
+        source, url, resource, ttl, how = argv[1], argv[2], argv[3], float(argv[4]), argv[5]
+        client = redis.Redis.from_url(url)
+        guard = RedisGuard(client, resource, LOCK)
+        with fenced.connect(source) as locks:
+            lease = locks.lock(LOCK, ttl=ttl, timeout=STEP_TIMEOUT)
+            lease.acquire()
+            _emit(event="acquired", token=str(lease.token))
+            for line in sys.stdin:
+                cmd, _, arg = line.strip().partition(" ")
+                if cmd == "write":  # written whether or not the lease is still held
+                    try:
+                        if how == "guarded":
+                            guard.set(f"{{{resource}}}:data", arg, lease.token)
+                        else:
+                            client.set(f"{{{resource}}}:data", arg)
+                        _emit(event="write-ok")
+                    except StaleTokenError as exc:
+                        _emit(event="write-rejected", high_water=str(exc.high_water))
+                elif cmd == "quit":
+                    break
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")
+
+
+if __name__ == "__main__":
+    _worker_main(sys.argv[1:])
