@@ -213,11 +213,11 @@ def scenario(
         t1 = c1.expect("acquired")["token"]
         log("client 1", f"acquires the lock → token [bold]{t1}[/bold]")
         os.kill(c1.popen.pid, signal.SIGSTOP)
-        log("client 1", "[red]paused[/red] (SIGSTOP: a stop-the-world GC pause) before it writes")
+        log("client 1", "[red]paused[/red] by SIGSTOP (think: a long GC pause) before it writes")
         c2 = _spawn("client 2", url, storage_target, ttl, fenced_mode)
         log("client 2", "asks for the lock and waits …")
         t2 = c2.expect("acquired")["token"]
-        log("clock", f"client 1's lease ({ttl:g} s) expired while it was paused")
+        log("clock", f"client 1's {ttl:g} s lease expired during its pause")
         log("client 2", f"acquires the lock → token [bold]{t2}[/bold]")
         c2.send("write data written by client 2")
         ev = c2.expect("write-ok", "write-rejected")
@@ -227,30 +227,28 @@ def scenario(
         c2.expect("released")
         c1.send("write data written by client 1")
         os.kill(c1.popen.pid, signal.SIGCONT)
-        log(
-            "client 1", "[green]resumed[/green] (SIGCONT), still believes it holds the lock, writes"
-        )
+        log("client 1", "[green]resumed[/green] by SIGCONT; believes it holds the lock; writes")
         ev = c1.expect("write-ok", "write-rejected")
         ok1 = ev["event"] == "write-ok"
         if ok1:
             log(
                 "storage",
-                f"[red]accepts[/red] client 1's stale write (token {t1}): client 2's data is lost",
+                f"[red]accepts[/red] the stale write ({t1}): client 2's data is lost",
             )
         else:
             log(
                 "storage",
-                f"[green]rejects[/green] client 1's write: token {ev['token']} < high-water mark {ev['high_water']}",
+                f"[green]rejects[/green] it: {ev['token']} < high-water mark {ev['high_water']}",
             )
         c1.send("release")
         rel = c1.expect("released")
-        log("client 1", f"releases: released={rel['released']} (its lease was lost: {rel['lost']})")
+        log("client 1", f"release → {rel['released']}; lease lost: {rel['lost']}")
     finally:
         c1.close()
         if c2 is not None:
             c2.close()
     content, by = storage.read()
-    log("storage", f"{FILE} now holds {content!r}, written by {by}")
+    log("storage", f"{FILE}: {content!r} by {by}")
     return {"t1": t1, "t2": t2, "ok1": ok1, "ok2": ok2, "content": content}
 
 
@@ -266,8 +264,9 @@ def run_demo(directory: str | None = None, ttl: float = 1.0) -> int:
     """Run both scenarios; exit status 0 only if both came out as the theory says."""
     console = Console(highlight=False)
     console.print(
-        "[bold]fenced demo[/bold] — DDIA Figure 8-5 with real processes: a lock holder is paused "
-        "past its lease,\nanother client takes the lock, and the first one wakes up and writes.\n"
+        "[bold]fenced demo[/bold]: DDIA Figure 8-5 with real processes. A lock holder is\n"
+        "paused past its lease, another client takes the lock and writes, and the\n"
+        "first one wakes up and writes too.\n"
     )
     tmp = None
     if directory is None:
@@ -292,15 +291,15 @@ def run_demo(directory: str | None = None, ttl: float = 1.0) -> int:
     )
     if fenced_ok:
         console.print(
-            f"[green]✔ fenced:[/green] the stale write (token {fenced_run['t1']}) was rejected; "
-            f"client 2's data (token {fenced_run['t2']}) is intact."
+            f"[green]✔ fenced:[/green] the stale write ({fenced_run['t1']}) was rejected;\n"
+            f"  client 2's data ({fenced_run['t2']}) is intact."
         )
     else:
         console.print(f"[red]✘ fenced run did not behave as expected:[/red] {fenced_run}")
     if unfenced_ok:
         console.print(
-            f"[yellow]✔ unfenced:[/yellow] the stale write (token {unfenced_run['t1']}) was accepted "
-            f"and overwrote client 2's write (token {unfenced_run['t2']}): the data is corrupted."
+            f"[yellow]✔ unfenced:[/yellow] the stale write ({unfenced_run['t1']}) was accepted and\n"
+            f"  overwrote client 2's write ({unfenced_run['t2']}): the data is corrupted."
         )
     else:
         console.print(f"[red]✘ unfenced run did not show the corruption:[/red] {unfenced_run}")

@@ -83,7 +83,6 @@ def _parser() -> argparse.ArgumentParser:
         default=5.0,
         help="seconds between SIGTERM and SIGKILL on lease loss (5)",
     )
-    lock.add_argument("cmd", nargs=argparse.REMAINDER, help="the command, after --")
 
     status = sub.add_parser("status", help="show holder, token and time left of locks")
     status.add_argument("names", nargs="+", metavar="NAME")
@@ -95,7 +94,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Everything after the first "--" is the command of `fenced lock`, options and all.
+    command: list[str] = []
+    if "--" in argv:
+        split = argv.index("--")
+        argv, command = argv[:split], argv[split + 1 :]
     args = _parser().parse_args(argv)
+    args.cmd = command
     err = Console(stderr=True, highlight=False)
     try:
         if args.command == "demo":
@@ -120,8 +126,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _cmd_lock(args: argparse.Namespace, err: Console) -> int:
     cmd = list(args.cmd)
-    if cmd and cmd[0] == "--":
-        cmd = cmd[1:]
     if not cmd:
         err.print("fenced lock: no command given (fenced lock NAME -- COMMAND ...)")
         return EXIT_USAGE
