@@ -55,7 +55,7 @@ from fenced.guards.redis import (
     interpret,
 )
 from fenced.testing.servers import RedisServer
-from tests.helpers import unique_name
+from tests.helpers import unique_name, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 # redis-py retries a failed command 3 times with 1 s+ back-off by default; dead-server tests
@@ -428,6 +428,27 @@ def test_corrupt_mark_refuses(client: redis.Redis) -> None:
 def test_fence_key_shares_the_slot_of_tagged_keys() -> None:
     assert key_slot(default_fence_key("invoices").encode()) == key_slot(b"{invoices}:42")
     assert key_slot(default_fence_key("invoices").encode()) != key_slot(b"invoices:42")
+
+
+def test_redis_cluster_same_slot_only(tmp_path: Path) -> None:
+    """A one-node Redis Cluster: tagged keys work; a key of another slot writes nothing."""
+    extra = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
+    with RedisServer(str(tmp_path), extra=extra) as server:
+        admin = redis.Redis(port=server.port)
+        admin.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
+        wait_for(lambda: b"cluster_state:ok" in admin.execute_command("CLUSTER", "INFO"), 30)
+        cluster = redis.RedisCluster(host="127.0.0.1", port=server.port)
+        try:
+            name = unique_name("res")
+            guard = RedisGuard(cluster, name, LOCK)
+            assert guard.set(f"{{{name}}}:k", "a", tok(3))
+            with pytest.raises(FencedError, match="hash tag"):
+                guard.set(f"{name}:untagged", "b", tok(4))
+            assert admin.exists(f"{name}:untagged") == 0
+            assert guard.high_water() == tok(3)
+        finally:
+            cluster.close()
+            admin.close()
 
 
 def test_mark_never_expires(client: redis.Redis) -> None:

@@ -211,14 +211,29 @@ def check_policy(policy: str) -> None:
         )
 
 
-def map_error(exc: redis.RedisError, resource: str) -> FencedError:
+_UNAVAILABLE: Final = (
+    redis.ConnectionError,
+    redis.TimeoutError,
+    redis.ReadOnlyError,
+    redis.exceptions.ClusterDownError,
+    redis.exceptions.SlotNotCoveredError,
+)
+
+_NATIVE_ERRORS: Final = (redis.RedisError, redis.exceptions.RedisClusterException)
+"""What redis-py raises (its cluster client's errors do not all derive from RedisError)."""
+
+
+def map_error(exc: Exception, resource: str) -> FencedError:
     """Translate a redis-py error; the caller raises the result ``from exc``."""
-    if isinstance(exc, (redis.ConnectionError, redis.TimeoutError, redis.ReadOnlyError)):
+    if isinstance(exc, _UNAVAILABLE):
         return BackendUnavailable(
             f"Redis unavailable for a guarded write on {resource!r} (outcome unknown if the "
             f"request was sent): {exc}"
         )
-    return FencedError(f"Redis refused a guarded write on {resource!r}: {exc}")
+    hint = ""
+    if "slot" in str(exc).lower():
+        hint = " (in Redis Cluster, the fence key and the data keys must share a hash tag)"
+    return FencedError(f"Redis refused a guarded write on {resource!r}: {exc}{hint}")
 
 
 def _px(px: int | None) -> str:
@@ -378,7 +393,7 @@ class RedisGuard(_GuardBase):
         script: Script = self._script(call.script)
         try:
             reply = script(keys=call.keys, args=call.args)
-        except redis.RedisError as exc:
+        except _NATIVE_ERRORS as exc:
             raise map_error(exc, self.resource) from exc
         return interpret(reply, call, self.resource)
 
@@ -417,7 +432,7 @@ class RedisGuard(_GuardBase):
         """The highest token accepted so far (None if none)."""
         try:
             reply = self._client.hmget(self.fence_key, ["lock", "hw"])
-        except redis.RedisError as exc:
+        except _NATIVE_ERRORS as exc:
             raise map_error(exc, self.resource) from exc
         return parse_state(reply, self.resource)
 
@@ -425,7 +440,7 @@ class RedisGuard(_GuardBase):
         """Raise :class:`~fenced.UnsafeBackendError` if Redis may evict the fence key."""
         try:
             policy = self._client.config_get("maxmemory-policy")
-        except redis.RedisError as exc:
+        except _NATIVE_ERRORS as exc:
             raise map_error(exc, self.resource) from exc
         check_policy(_text(next(iter(policy.values()), "")))
 
@@ -447,7 +462,7 @@ class AsyncRedisGuard(_GuardBase):
         script: AsyncScript = self._script(call.script)
         try:
             reply = await script(keys=call.keys, args=call.args)
-        except redis.RedisError as exc:
+        except _NATIVE_ERRORS as exc:
             raise map_error(exc, self.resource) from exc
         return interpret(reply, call, self.resource)
 
@@ -481,7 +496,7 @@ class AsyncRedisGuard(_GuardBase):
         """See :meth:`RedisGuard.high_water`."""
         try:
             reply = await self._client.hmget(self.fence_key, ["lock", "hw"])
-        except redis.RedisError as exc:
+        except _NATIVE_ERRORS as exc:
             raise map_error(exc, self.resource) from exc
         return parse_state(reply, self.resource)
 
@@ -489,6 +504,6 @@ class AsyncRedisGuard(_GuardBase):
         """See :meth:`RedisGuard.check_server`."""
         try:
             policy = await self._client.config_get("maxmemory-policy")
-        except redis.RedisError as exc:
+        except _NATIVE_ERRORS as exc:
             raise map_error(exc, self.resource) from exc
         check_policy(_text(next(iter(policy.values()), "")))
