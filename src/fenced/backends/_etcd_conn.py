@@ -78,15 +78,21 @@ class WatchHandle:
     cancels the watch, or when the stream breaks: the waiter must re-check in every case.
     """
 
-    __slots__ = ("_hub", "cancelled", "created", "fired", "key", "watch_id")
+    __slots__ = ("_hub", "_wake", "cancelled", "created", "fired", "key", "watch_id")
 
-    def __init__(self, hub: _WatchHub, key: bytes) -> None:
+    def __init__(self, hub: _WatchHub, key: bytes, wake: asyncio.Event) -> None:
         self._hub = hub
+        self._wake = wake
         self.key = key
         self.created: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self.fired = asyncio.Event()
+        self.fired = False
         self.watch_id: int | None = None
         self.cancelled = False
+
+    @property
+    def member(self) -> Member:
+        """The member whose watch stream carries this watch."""
+        return self._hub.member
 
     def cancel(self) -> None:
         """Stop watching (idempotent)."""
@@ -95,7 +101,8 @@ class WatchHandle:
             self._hub._cancel(self)
 
     def _fire(self) -> None:
-        self.fired.set()
+        self.fired = True
+        self._wake.set()
 
 
 class _WatchHub:
@@ -107,7 +114,7 @@ class _WatchHub:
     """
 
     def __init__(self, member: Member) -> None:
-        self._member = member
+        self.member = member
         self._requests: asyncio.Queue[rpc.WatchRequest | None] = asyncio.Queue()
         self._pending: collections.deque[WatchHandle] = collections.deque()
         self._active: dict[int, WatchHandle] = {}
@@ -123,9 +130,12 @@ class _WatchHub:
                 return
             yield request
 
-    def watch_delete(self, key: bytes) -> WatchHandle:
-        """Watch ``key`` for its deletion, from the revision the server registers it at."""
-        handle = WatchHandle(self, key)
+    def watch_delete(self, key: bytes, wake: asyncio.Event) -> WatchHandle:
+        """Watch ``key`` for its deletion, from the revision the server registers it at.
+
+        ``wake`` is set when the watch fires (see :class:`WatchHandle`).
+        """
+        handle = WatchHandle(self, key, wake)
         if self.dead:
             handle.created.set_exception(BackendUnavailable("etcd watch stream is closed"))
             handle._fire()
@@ -188,7 +198,7 @@ class _WatchHub:
         if self.dead:
             return
         self.dead = True
-        cause = BackendUnavailable(f"etcd watch stream to {self._member.endpoint} ended")
+        cause = BackendUnavailable(f"etcd watch stream to {self.member.endpoint} ended")
         if error is not None:
             cause.__cause__ = error
         while self._pending:

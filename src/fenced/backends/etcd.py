@@ -145,11 +145,12 @@ def release_txn(key: bytes, revision: int) -> Any:
 
 def parse_endpoints(url: SplitResult) -> list[str]:
     """``host:port`` strings from ``etcd://h1:p1,h2:p2`` (default port 2379)."""
-    scheme = url.scheme.lower()
-    base, _, transport = scheme.partition("+")
-    if base not in ("etcd", "etcd3") or transport not in ("", "http"):
+    # The registry picked this backend by the scheme's base (etcd, etcd3); only the
+    # transport suffix is checked here.
+    _, _, transport = url.scheme.lower().partition("+")
+    if transport not in ("", "http"):
         raise ConfigurationError(
-            f"unsupported etcd URL scheme {url.scheme!r}: use etcd:// (TLS is not supported)"
+            f"unsupported etcd URL scheme {url.scheme!r}: use etcd:// (TLS is not supported yet)"
         )
     netloc = url.netloc
     if "@" in netloc:
@@ -478,7 +479,7 @@ class EtcdBackend(Backend):
         check first). Raises _Vanished if our key disappears, LockTimeout at the deadline
         (after leaving the queue), BackendUnavailable if etcd cannot be reached.
         """
-        wake = asyncio.Event()
+        wake = asyncio.Event()  # set by the watch, or by the lease keeper when our lease is gone
         gone: list[bool] = []
         keeper = asyncio.create_task(
             self._keep_waiting(hold.lease, wake, gone), name="fenced-etcd-waiter-lease"
@@ -498,10 +499,11 @@ class EtcdBackend(Backend):
                 if deadline is not None and _clock.now() >= deadline:
                     raise LockTimeout(_timeout_message(lock_prefix))
                 target = (before.key, before.create_revision)
-                if watch is None or watch.fired.is_set() or watched != target:
+                if watch is None or watch.fired or watched != target:
                     if watch is not None:
                         watch.cancel()
-                    watch = self._client.current.hub().watch_delete(before.key)
+                    wake.clear()
+                    watch = self._client.current.hub().watch_delete(before.key, wake)
                     watched = target
                     try:
                         registered = await self._until(watch.created, deadline)
@@ -510,13 +512,12 @@ class EtcdBackend(Backend):
                         continue
                     except TimeoutError:
                         raise LockTimeout(_timeout_message(lock_prefix)) from None
-                    if registered > seen:
-                        # The predecessor may have gone between our look and the watch.
-                        continue
+                    if registered > seen and not await self._still_there(watch, before):
+                        continue  # it went between our look and the watch: look again
                 if gone:
                     continue  # the check will find our key gone
                 try:
-                    await self._until(_first(watch.fired, wake), deadline)
+                    await self._until(wake.wait(), deadline)
                 except TimeoutError:
                     raise LockTimeout(_timeout_message(lock_prefix)) from None
                 wake.clear()
@@ -536,6 +537,20 @@ class EtcdBackend(Backend):
                     self._client.spawn(self._leave(hold))
                 else:
                     await self._leave(hold)
+
+    async def _still_there(self, watch: WatchHandle, before: Any) -> bool:
+        """Does ``before`` still exist at or after the revision ``watch`` was registered at?
+
+        Only decides whether to wait on the watch or look again (never whether we hold the
+        lock), so a serializable read of the watch's own member is enough: its state is at
+        least as new as the watch registration. Any doubt answers False (look again).
+        """
+        request = rpc.RangeRequest(key=before.key, keys_only=True, serializable=True)
+        try:
+            reply = await watch.member.kv.Range(request, timeout=self._client.timeout)
+        except Exception:
+            return False
+        return bool(reply.kvs) and reply.kvs[0].create_revision == before.create_revision
 
     async def _until(self, aw: Awaitable[T], deadline: float | None) -> T:
         if deadline is None:
@@ -643,15 +658,3 @@ def _timeout_message(lock_prefix: bytes) -> str:
 def _cancelling() -> bool:
     task = asyncio.current_task()
     return task is not None and task.cancelling() > 0
-
-
-async def _first(*events: asyncio.Event) -> None:
-    """Return as soon as any of ``events`` is set."""
-    if any(e.is_set() for e in events):
-        return
-    waits = [asyncio.ensure_future(e.wait()) for e in events]
-    try:
-        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for w in waits:
-            w.cancel()
