@@ -197,6 +197,8 @@ def parse_state(reply: Sequence[Any], resource: str) -> FencingToken | None:
     if hw is None:
         return None
     try:
+        if lock is None:
+            raise ValueError("no lock field")
         return FencingToken(_text(lock), int(_text(hw)))
     except (ValueError, FencedError) as exc:
         raise FencedError(f"the high-water mark of {resource!r} is corrupt: {reply!r}") from exc
