@@ -79,9 +79,8 @@ if hw then
   end
 end
 if c < 0 then return {'stale', hw} end
-if c > 0 or not state[1] then
-  redis.call('HSET', fence, 'lock', lock, 'hw', (c > 0) and tok or hw)
-end
+if not state[1] then redis.call('HSET', fence, 'lock', lock, 'hw', (c > 0) and tok or hw)
+elseif c > 0 then redis.call('HSET', fence, 'hw', tok) end
 redis.call('PERSIST', fence)
 """
 """Checks the token against the mark and advances it; returns early (writing nothing) on refusal."""
