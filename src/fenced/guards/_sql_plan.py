@@ -12,6 +12,7 @@ parameters, never interpolated.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass
@@ -234,7 +235,7 @@ def fence_install_plan(sql: FenceSQL) -> Plan[None]:
 # -- row form -----------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)  # identity hash: a cheap cache key
 class RowSQL:
     """A row-form table's identifiers, quoted once."""
 
@@ -250,30 +251,23 @@ def _where_key(d: Dialect, spec: RowSQL) -> str:
 
 
 def _key_params(spec: RowSQL, key: Mapping[str, Any]) -> tuple[Any, ...]:
-    if not isinstance(key, Mapping) or set(key) != set(spec.keys):
-        got = sorted(key) if isinstance(key, Mapping) else key
+    is_mapping = type(key) is dict or isinstance(key, Mapping)
+    if not is_mapping or len(key) != len(spec.keys) or any(k not in key for k in spec.keys):
+        got = sorted(key) if is_mapping else key
         raise ConfigurationError(
             f"key must give exactly the key columns {list(spec.keys)} of {spec.table_name}, "
             f"got {got!r}"
         )
-    params = tuple(key[k] for k in spec.keys)
+    params = tuple([key[k] for k in spec.keys])
     if any(v is None for v in params):
         raise ConfigurationError(f"key values must not be None: {dict(key)!r}")
     return params
 
 
-def _value_columns(spec: RowSQL, values: Mapping[str, Any]) -> tuple[str, ...]:
-    if not isinstance(values, Mapping):
+def _value_columns(values: Mapping[str, Any]) -> tuple[str, ...]:
+    if type(values) is not dict and not isinstance(values, Mapping):
         raise ConfigurationError(f"values must be a mapping, not {type(values).__name__}")
-    reserved = {*spec.keys, spec.token, *((spec.lock,) if spec.lock else ())}
-    columns = tuple(values)
-    for c in columns:
-        quote_ident(c, "column name")
-        if c in reserved:
-            raise ConfigurationError(
-                f"values may not set {c!r}: it is a key, token or lock column of the guard"
-            )
-    return columns
+    return tuple(values)
 
 
 def _label(spec: RowSQL, key: Mapping[str, Any]) -> str:
@@ -297,6 +291,37 @@ def _row_guard_clause(d: Dialect, spec: RowSQL, target: str, incoming: str) -> s
     return clause
 
 
+@functools.lru_cache(maxsize=512)
+def _row_write_sql(d: Dialect, spec: RowSQL, columns: tuple[str, ...], upsert: bool) -> str:
+    """The conditional write's SQL for these value columns (validated here, then cached)."""
+    reserved = {*spec.keys, spec.token, *((spec.lock,) if spec.lock else ())}
+    for c in columns:
+        quote_ident(c, "column name")
+        if c in reserved:
+            raise ConfigurationError(
+                f"values may not set {c!r}: it is a key, token or lock column of the guard"
+            )
+    p = d.param
+    tok = quote_ident(spec.token)
+    if not upsert:
+        sets = [f"{quote_ident(c)} = {p}" for c in columns] + [f"{tok} = {p}"]
+        if spec.lock:
+            sets.append(f"{quote_ident(spec.lock)} = {p}")
+        return (
+            f"UPDATE {spec.table} SET {', '.join(sets)} "
+            f"WHERE {_where_key(d, spec)} AND {_row_guard_clause(d, spec, '', p)}"
+        )
+    all_cols = [*spec.keys, *columns, spec.token, *((spec.lock,) if spec.lock else ())]
+    updated = [*columns, spec.token, *((spec.lock,) if spec.lock else ())]
+    return (
+        f"INSERT INTO {spec.table} AS t ({', '.join(quote_ident(c) for c in all_cols)}) "
+        f"VALUES ({', '.join([p] * len(all_cols))}) "
+        f"ON CONFLICT ({', '.join(quote_ident(k) for k in spec.keys)}) DO UPDATE SET "
+        + ", ".join(f"{quote_ident(c)} = excluded.{quote_ident(c)}" for c in updated)
+        + f" WHERE {_row_guard_clause(d, spec, 't.', 'excluded.' + tok)}"
+    )
+
+
 def row_write_plan(
     d: Dialect,
     spec: RowSQL,
@@ -308,31 +333,14 @@ def row_write_plan(
 ) -> Plan[FencingToken]:
     """One conditional UPDATE (or INSERT .. ON CONFLICT DO UPDATE) that writes only if fresh."""
     key_params = _key_params(spec, key)
-    columns = _value_columns(spec, values)
+    columns = _value_columns(values)
+    sql = _row_write_sql(d, spec, columns, upsert)
     value_params = tuple(values[c] for c in columns)
-    p = d.param
-    tok = quote_ident(spec.token)
     lock_params: tuple[Any, ...] = (token.lock,) if spec.lock else ()
-    if not upsert:
-        sets = [f"{quote_ident(c)} = {p}" for c in columns] + [f"{tok} = {p}"]
-        if spec.lock:
-            sets.append(f"{quote_ident(spec.lock)} = {p}")
-        sql = (
-            f"UPDATE {spec.table} SET {', '.join(sets)} "
-            f"WHERE {_where_key(d, spec)} AND {_row_guard_clause(d, spec, '', p)}"
-        )
-        params = (*value_params, token.value, *lock_params, *key_params, token.value, *lock_params)
+    if upsert:
+        params = (*key_params, *value_params, token.value, *lock_params)
     else:
-        all_cols = [*spec.keys, *columns, spec.token, *((spec.lock,) if spec.lock else ())]
-        updated = [*columns, spec.token, *((spec.lock,) if spec.lock else ())]
-        sql = (
-            f"INSERT INTO {spec.table} AS t ({', '.join(quote_ident(c) for c in all_cols)}) "
-            f"VALUES ({', '.join([p] * len(all_cols))}) "
-            f"ON CONFLICT ({', '.join(quote_ident(k) for k in spec.keys)}) DO UPDATE SET "
-            + ", ".join(f"{quote_ident(c)} = excluded.{quote_ident(c)}" for c in updated)
-            + f" WHERE {_row_guard_clause(d, spec, 't.', 'excluded.' + tok)}"
-        )
-        params = key_params + value_params + (token.value, *lock_params)
+        params = (*value_params, token.value, *lock_params, *key_params, token.value, *lock_params)
     res = yield Stmt(sql, params)
     if res.rowcount > 1:
         raise ConfigurationError(
