@@ -28,7 +28,8 @@ missing key in the failure branch's reads, creates the fence keys with one creat
 transaction (``create_revision == 0``; the mark starts at 0, below every token), and tries again.
 That retry happens once in the life of a resource; every later write is exactly one round trip.
 (The other way round — "refuse if value(hw) > enc(token)", so that a missing mark falls into the
-accepting else-branch — needs a nested transaction to also check the lock, and measured slower.)
+accepting else-branch — needs a nested transaction to also check the lock; the flat form is
+simpler and was not slower, ~2 % faster in our measurement, within noise.)
 
 Byte order: etcd compares values as byte strings, not numbers. Token values are written as
 19-digit zero-padded decimals (``2**63`` has 19 digits, so even ``enc(MAX_TOKEN + 1)`` fits):
