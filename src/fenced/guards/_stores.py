@@ -1,0 +1,543 @@
+"""Where the HTTP guard keeps its high-water marks: SQLite, PostgreSQL or Redis.
+
+Every store answers one question atomically, ``await store.advance(resource, token)``:
+accept ``token`` if it is >= the highest token accepted for ``resource`` and make it the new
+mark, or raise :class:`~fenced.StaleTokenError`. The stores do not re-implement that
+statement: they run the project's resource guards —
+:class:`fenced.guards.sql.SQLGuard` (one ``INSERT .. ON CONFLICT .. DO UPDATE .. WHERE
+token <= excluded.token RETURNING``) and :class:`fenced.guards.redis.AsyncRedisGuard` (one
+Lua script) — so the mark a request advanced is the same row or hash a handler writes through
+when it wants its own write fenced in the same transaction (:meth:`SQLiteFenceStore.transaction`,
+:meth:`PostgresFenceStore.transaction`, :meth:`RedisFenceStore.guard`).
+
+Errors: a dead server or closed connection raises :class:`~fenced.BackendUnavailable`; a
+concurrent-transaction refusal :class:`~fenced.guards.sql.FenceConflictError`; a resource
+already fenced by another lock :class:`~fenced.WrongLockError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import contextlib
+import logging
+import sqlite3
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Final, Generic, Literal, Protocol, TypeVar, runtime_checkable
+
+from .._errors import BackendUnavailable, ConfigurationError, FencedError
+from .._token import FencingToken
+from ._sql_driver import map_error
+from ._sql_plan import SQLITE
+from .sql import SQLGuard
+
+if TYPE_CHECKING:
+    from .redis import AsyncRedisGuard
+
+__all__ = [
+    "FenceStore",
+    "PostgresFenceStore",
+    "RedisFenceStore",
+    "SQLiteFenceStore",
+]
+
+logger = logging.getLogger("fenced.guards.http")
+
+T = TypeVar("T")
+G = TypeVar("G")
+
+_SQLITE_BUSY: Final = 5
+_GUARD_CACHE: Final = 1024
+
+
+@runtime_checkable
+class FenceStore(Protocol):
+    """A durable high-water mark per resource, checked and advanced in one atomic step."""
+
+    async def advance(self, resource: str, token: FencingToken) -> None:
+        """Accept ``token`` for ``resource`` if >= its mark and raise the mark to it.
+
+        Raises :class:`~fenced.StaleTokenError` (``high_water`` = the mark) if it is lower.
+        """
+        ...
+
+
+class _Guards(Generic[G]):
+    """A small LRU of guard objects per (resource, lock): they cache their SQL or scripts."""
+
+    def __init__(self, make: Callable[[str, str], G]) -> None:
+        self._make = make
+        self._cache: collections.OrderedDict[tuple[str, str], G] = collections.OrderedDict()
+
+    def get(self, resource: str, lock: str) -> G:
+        key = (resource, lock)
+        guard = self._cache.get(key)
+        if guard is None:
+            guard = self._cache[key] = self._make(resource, lock)
+            if len(self._cache) > _GUARD_CACHE:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(key)
+        return guard
+
+
+def _map_sqlite(conn: sqlite3.Connection, exc: BaseException) -> BaseException:
+    mapped = map_error(SQLITE, conn, exc)
+    if mapped is None:
+        return exc
+    mapped.__cause__ = exc
+    return mapped
+
+
+def _is_busy(exc: sqlite3.Error) -> bool:
+    code = getattr(exc, "sqlite_errorcode", None)
+    return (isinstance(code, int) and code & 0xFF == _SQLITE_BUSY) or "locked" in str(exc)
+
+
+# -- SQLite -------------------------------------------------------------------------------------
+
+
+class SQLiteFenceStore:
+    """Marks in a SQLite database file (WAL mode), in the fence table of :class:`SQLGuard`.
+
+    ``synchronous``:
+
+    * ``"FULL"`` (default) — every accepted token is fsync'd before the request goes on:
+      durable against power loss. The fsync must not stall the event loop, so all work
+      runs on the store's one worker thread (SQLite has one writer at a time anyway).
+    * ``"NORMAL"`` — WAL commits are not fsync'd (checkpoints are): an accepted token
+      survives a crash of the process, but the last ones may be lost at power loss or an OS
+      crash. Then a mark could go back while data written elsewhere stays, letting one stale
+      writer in. Choose it when the fenced data lives in the same database (written through
+      :meth:`transaction`, so it goes back together with the mark) or when that risk is
+      acceptable. A commit then costs ~20 µs of CPU, so ``advance`` runs inline on the event
+      loop (never waiting for a lock: if another connection holds the write lock it moves to
+      the worker thread), and WAL checkpoints run on the worker thread.
+
+    ``inline`` overrides where ``advance`` runs (default: inline iff ``synchronous="NORMAL"``).
+    :meth:`transaction` always runs on the worker thread: it runs your code.
+    """
+
+    guard_class: type[SQLGuard] = SQLGuard
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        table: str = "fenced_fences",
+        synchronous: Literal["FULL", "NORMAL"] = "FULL",
+        inline: bool | None = None,
+        busy_timeout: float = 5.0,
+        checkpoint_every: int = 256,
+    ) -> None:
+        if synchronous not in ("FULL", "NORMAL"):
+            raise ConfigurationError(f"synchronous must be 'FULL' or 'NORMAL', not {synchronous!r}")
+        self.path = str(path)
+        self.table = table
+        self.synchronous = synchronous
+        self.inline = synchronous == "NORMAL" if inline is None else bool(inline)
+        self.busy_timeout = float(busy_timeout)
+        self.checkpoint_every = int(checkpoint_every)
+        self._guards: _Guards[SQLGuard] = _Guards(self._make_guard)
+        self._installer = self.guard_class("fenced-install", lock="fenced", table=table)
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._conn: sqlite3.Connection | None = None  # used on the worker thread only
+        self._inline_conn: sqlite3.Connection | None = None  # used on the loop only
+        self._opening: asyncio.Lock | None = None
+        self._since_checkpoint = 0
+
+    def _make_guard(self, resource: str, lock: str) -> SQLGuard:
+        return self.guard_class(resource, lock=lock, table=self.table)
+
+    def guard(self, resource: str, lock: str) -> SQLGuard:
+        """The :class:`SQLGuard` this store uses for ``resource``."""
+        return self._guards.get(resource, lock)
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def _connect(self, busy_timeout: float) -> sqlite3.Connection:
+        try:
+            conn = sqlite3.connect(
+                self.path, timeout=busy_timeout, isolation_level=None, check_same_thread=False
+            )
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute(f"PRAGMA synchronous={self.synchronous}")
+        except sqlite3.Error as exc:
+            raise BackendUnavailable(f"cannot open SQLite database {self.path!r}: {exc}") from exc
+        return conn
+
+    def _open_sync(self) -> None:
+        conn = self._connect(self.busy_timeout)
+        try:
+            self._installer.install(conn)
+            if self.inline:
+                inline = self._connect(0.0)
+                inline.execute("PRAGMA wal_autocheckpoint=0")  # checkpoints: worker thread
+                self._inline_conn = inline
+        except BaseException:
+            conn.close()
+            raise
+        self._conn = conn
+
+    async def open(self) -> SQLiteFenceStore:
+        """Open the database and create the fence table if needed (done on first use too)."""
+        if self._conn is not None:
+            return self
+        if self._opening is None:
+            self._opening = asyncio.Lock()
+        async with self._opening:
+            if self._conn is None:
+                if self._executor is None:
+                    self._executor = concurrent.futures.ThreadPoolExecutor(
+                        1, thread_name_prefix="fenced-sqlite"
+                    )
+                await self._in_thread(self._open_sync)
+        return self
+
+    async def close(self) -> None:
+        """Close the connections and stop the worker thread."""
+        executor, self._executor = self._executor, None
+        if executor is None:
+            return
+
+        def close_all() -> None:
+            for conn in (self._inline_conn, self._conn):
+                if conn is not None:
+                    conn.close()
+            self._inline_conn = self._conn = None
+
+        await asyncio.get_running_loop().run_in_executor(executor, close_all)
+        executor.shutdown(wait=False)
+
+    async def __aenter__(self) -> SQLiteFenceStore:
+        return await self.open()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def _in_thread(self, fn: Callable[[], T]) -> T:
+        if self._executor is None:
+            raise BackendUnavailable(f"SQLiteFenceStore({self.path!r}) is closed")
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+
+    # -- the fenced transaction -------------------------------------------------------------
+
+    def _run_sync(
+        self,
+        conn: sqlite3.Connection,
+        resource: str,
+        token: FencingToken,
+        fn: Callable[[sqlite3.Connection], T] | None,
+        *,
+        begun: bool = False,
+    ) -> T | None:
+        """BEGIN IMMEDIATE; fence check; ``fn(conn)``; COMMIT — or ROLLBACK on any error."""
+        if not begun:
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+            except sqlite3.Error as exc:
+                raise _map_sqlite(conn, exc) from exc
+        try:
+            self._guards.get(resource, token.lock).check(conn, token)
+            result = fn(conn) if fn is not None else None
+            conn.execute("COMMIT")
+        except BaseException as exc:
+            if conn.in_transaction:
+                with contextlib.suppress(sqlite3.Error):
+                    conn.execute("ROLLBACK")
+            if isinstance(exc, sqlite3.Error):
+                raise _map_sqlite(conn, exc) from exc
+            raise
+        return result
+
+    async def advance(self, resource: str, token: FencingToken) -> None:
+        """Check and advance ``resource``'s mark (see the class docstring for where it runs)."""
+        if self._conn is None:
+            await self.open()
+        inline = self._inline_conn
+        if inline is not None:
+            try:
+                inline.execute("BEGIN IMMEDIATE")  # busy_timeout 0: never waits on the loop
+            except sqlite3.Error as exc:
+                if not (isinstance(exc, sqlite3.OperationalError) and _is_busy(exc)):
+                    raise _map_sqlite(inline, exc) from exc
+                # another connection is writing: wait for it on the thread, not on the loop
+            else:
+                self._run_sync(inline, resource, token, None, begun=True)
+                self._after_inline_commit()
+                return
+        conn = self._conn
+        assert conn is not None
+        await self._in_thread(lambda: self._run_sync(conn, resource, token, None))
+
+    def _after_inline_commit(self) -> None:
+        self._since_checkpoint += 1
+        if self._since_checkpoint >= self.checkpoint_every and self._executor is not None:
+            self._since_checkpoint = 0
+            conn = self._conn
+            if conn is not None:
+                future = self._executor.submit(conn.execute, "PRAGMA wal_checkpoint(PASSIVE)")
+                future.add_done_callback(_log_failure)
+
+    async def transaction(
+        self, resource: str, token: FencingToken, fn: Callable[[sqlite3.Connection], T]
+    ) -> T:
+        """Run ``fn(conn)`` on the worker thread in ONE transaction with the fence check.
+
+        ``BEGIN IMMEDIATE``, advance the mark, ``fn(conn)``, ``COMMIT``; if the token is
+        stale, ``fn`` is not called; if ``fn`` raises, everything rolls back (the mark too).
+        This is how a handler's write is fenced atomically: the middleware's own check was
+        an earlier, separate transaction.
+        """
+        if self._conn is None:
+            await self.open()
+        conn = self._conn
+        assert conn is not None
+        result = await self._in_thread(lambda: self._run_sync(conn, resource, token, fn))
+        return result  # type: ignore[return-value]
+
+    async def high_water(self, resource: str, lock: str) -> FencingToken | None:
+        """The highest token accepted for ``resource`` (None if none)."""
+        if self._conn is None:
+            await self.open()
+        conn = self._conn
+        assert conn is not None
+        return await self._in_thread(lambda: self._guards.get(resource, lock).high_water(conn))
+
+    def __repr__(self) -> str:
+        return f"SQLiteFenceStore({self.path!r}, synchronous={self.synchronous!r})"
+
+
+def _log_failure(future: concurrent.futures.Future[Any]) -> None:
+    exc = future.exception()
+    if exc is not None:
+        logger.warning("WAL checkpoint failed: %r", exc)
+
+
+# -- PostgreSQL ---------------------------------------------------------------------------------
+
+
+class _AsyncPool(Protocol):
+    def connection(self) -> contextlib.AbstractAsyncContextManager[Any]: ...
+
+
+class _SmallPool:
+    """Up to ``size`` psycopg AsyncConnections; broken ones are dropped and replaced."""
+
+    def __init__(self, dsn: str, size: int, connect_timeout: float) -> None:
+        self.dsn = dsn
+        self.size = size
+        self.connect_timeout = connect_timeout
+        self._idle: collections.deque[Any] = collections.deque()
+        self._count = 0
+        self._freed: asyncio.Condition | None = None
+
+    @contextlib.asynccontextmanager
+    async def connection(self) -> AsyncIterator[Any]:
+        conn = await self._get()
+        try:
+            yield conn
+        finally:
+            await self._put(conn)
+
+    async def _get(self) -> Any:
+        if self._freed is None:
+            self._freed = asyncio.Condition()
+        async with self._freed:
+            while not self._idle and self._count >= self.size:
+                await self._freed.wait()
+            if self._idle:
+                return self._idle.popleft()
+            self._count += 1
+        try:
+            import psycopg
+
+            return await psycopg.AsyncConnection.connect(
+                self.dsn, connect_timeout=max(1, round(self.connect_timeout))
+            )
+        except BaseException as exc:
+            await self._forget()
+            if isinstance(exc, Exception) and type(exc).__module__.startswith("psycopg"):
+                raise BackendUnavailable(f"cannot connect to PostgreSQL: {exc}") from exc
+            raise
+
+    async def _put(self, conn: Any) -> None:
+        healthy = not conn.closed and not conn.broken
+        if healthy:
+            status = conn.info.transaction_status
+            healthy = status == status.IDLE
+        if not healthy:
+            with contextlib.suppress(Exception):
+                await conn.close()
+            await self._forget()
+            return
+        assert self._freed is not None
+        async with self._freed:
+            self._idle.append(conn)
+            self._freed.notify()
+
+    async def _forget(self) -> None:
+        assert self._freed is not None
+        async with self._freed:
+            self._count -= 1
+            self._freed.notify()
+
+    async def close(self) -> None:
+        while self._idle:
+            conn = self._idle.popleft()
+            self._count -= 1
+            with contextlib.suppress(Exception):
+                await conn.close()
+
+
+class PostgresFenceStore:
+    """Marks in a PostgreSQL table (the fence table of :class:`SQLGuard`), via psycopg 3.
+
+    ``dsn_or_pool``: a connection string (the store keeps up to ``pool_size`` connections),
+    or a pool with an ``async with pool.connection() as conn`` method, such as
+    ``psycopg_pool.AsyncConnectionPool``. Each :meth:`advance` is one transaction: BEGIN,
+    the fence statement, COMMIT; it is durable when COMMIT returns (with the server's
+    default ``synchronous_commit=on``).
+    """
+
+    guard_class: type[SQLGuard] = SQLGuard
+
+    def __init__(
+        self,
+        dsn_or_pool: str | _AsyncPool,
+        *,
+        table: str = "fenced_fences",
+        pool_size: int = 4,
+        connect_timeout: float = 5.0,
+    ) -> None:
+        self.table = table
+        self._own_pool = isinstance(dsn_or_pool, str)
+        self._pool: _AsyncPool = (
+            _SmallPool(dsn_or_pool, pool_size, connect_timeout)
+            if isinstance(dsn_or_pool, str)
+            else dsn_or_pool
+        )
+        self._guards: _Guards[SQLGuard] = _Guards(self._make_guard)
+        self._installer = self.guard_class("fenced-install", lock="fenced", table=table)
+        self._installed = False
+
+    def _make_guard(self, resource: str, lock: str) -> SQLGuard:
+        return self.guard_class(resource, lock=lock, table=self.table)
+
+    def guard(self, resource: str, lock: str) -> SQLGuard:
+        """The :class:`SQLGuard` this store uses for ``resource``."""
+        return self._guards.get(resource, lock)
+
+    @contextlib.asynccontextmanager
+    async def _connection(self) -> AsyncIterator[Any]:
+        async with self._pool.connection() as conn:
+            if not self._installed:
+                await self._installer.ainstall(conn)
+                self._installed = True
+            yield conn
+
+    async def open(self) -> PostgresFenceStore:
+        """Connect and create the fence table if needed (done on first use too)."""
+        async with self._connection():
+            pass
+        return self
+
+    async def close(self) -> None:
+        """Close the store's own connections (a pool passed in is left to its owner)."""
+        if isinstance(self._pool, _SmallPool):
+            await self._pool.close()
+
+    async def __aenter__(self) -> PostgresFenceStore:
+        return await self.open()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def transaction(
+        self, resource: str, token: FencingToken, fn: Callable[[Any], Awaitable[T]]
+    ) -> T:
+        """``await fn(conn)`` in ONE transaction with the fence check (see SQLite's)."""
+        guard = self._guards.get(resource, token.lock)
+        try:
+            async with self._connection() as conn, conn.transaction():
+                await guard.acheck(conn, token)
+                return await fn(conn)
+        except FencedError:
+            raise
+        except Exception as exc:  # BEGIN/COMMIT themselves failed
+            raise _map_psycopg(exc) from exc
+
+    async def advance(self, resource: str, token: FencingToken) -> None:
+        """Check and advance ``resource``'s mark in one committed transaction."""
+        guard = self._guards.get(resource, token.lock)
+        try:
+            async with self._connection() as conn, conn.transaction():
+                await guard.acheck(conn, token)
+        except FencedError:
+            raise
+        except Exception as exc:
+            raise _map_psycopg(exc) from exc
+
+    async def high_water(self, resource: str, lock: str) -> FencingToken | None:
+        """The highest token accepted for ``resource`` (None if none)."""
+        guard = self._guards.get(resource, lock)
+        try:
+            async with self._connection() as conn:
+                value = await guard.ahigh_water(conn)
+                await conn.rollback()
+                return value
+        except FencedError:
+            raise
+        except Exception as exc:
+            raise _map_psycopg(exc) from exc
+
+
+def _map_psycopg(exc: Exception) -> BaseException:
+    import psycopg
+
+    if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError):
+        return BackendUnavailable(f"PostgreSQL unavailable: {exc}")
+    return exc
+
+
+# -- Redis ----------------------------------------------------------------------------------------
+
+
+class RedisFenceStore:
+    """Marks in Redis, one hash per resource (``fenced:hw:{resource}``), via one Lua script.
+
+    ``client`` is a ``redis.asyncio.Redis``. Durability is the server's: run it with
+    ``appendonly yes`` and ``appendfsync always`` for marks that survive power loss
+    (``everysec`` may lose the last second). Use :meth:`guard` in a handler to write data
+    keys in the same script as the fence check.
+    """
+
+    def __init__(self, client: Any) -> None:
+        from .redis import AsyncRedisGuard
+
+        self.guard_class: type[AsyncRedisGuard] = AsyncRedisGuard
+        self._client = client
+        self._guards: _Guards[AsyncRedisGuard] = _Guards(self._make_guard)
+
+    def _make_guard(self, resource: str, lock: str) -> AsyncRedisGuard:
+        return self.guard_class(self._client, resource, lock)
+
+    def guard(self, resource: str, lock: str) -> AsyncRedisGuard:
+        """The :class:`~fenced.guards.redis.AsyncRedisGuard` for ``resource``: its ``set``,
+        ``hset``, ``delete`` and ``eval`` check the token in the same script as the write."""
+        return self._guards.get(resource, lock)
+
+    async def advance(self, resource: str, token: FencingToken) -> None:
+        """Check and advance ``resource``'s mark: the guard's prelude with an empty body."""
+        await self._guards.get(resource, token.lock).eval("return 1", [], [], token)
+
+    async def high_water(self, resource: str, lock: str) -> FencingToken | None:
+        """The highest token accepted for ``resource`` (None if none)."""
+        return await self._guards.get(resource, lock).high_water()
+
+    async def close(self) -> None:
+        """Nothing to do: the client belongs to the caller."""
+
+    def __repr__(self) -> str:
+        return f"RedisFenceStore({self._client!r})"
