@@ -344,6 +344,9 @@ def test_paused_holder_process_loses_its_lease(etcd_server: EtcdServer, prefix: 
             os.kill(child.pid, signal.SIGCONT)
         child.kill()
         child.wait()
+        for pipe in (child.stdin, child.stdout):
+            if pipe is not None:
+                pipe.close()
 
 
 # -- (3) kill -9 and restart of the single server ---------------------------------------------

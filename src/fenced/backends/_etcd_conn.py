@@ -26,7 +26,7 @@ import grpc.aio  # type: ignore[import-untyped]
 from aetcd import rpc
 
 from .. import _clock
-from .._errors import BackendError, BackendUnavailable
+from .._errors import BackendError, BackendUnavailable, LockTimeout
 
 __all__ = ["EtcdClient", "LeaseNotFound", "Member", "WatchHandle"]
 
@@ -301,7 +301,9 @@ class EtcdClient:
         """Run an idempotent request, failing over between members.
 
         Gives up (BackendUnavailable) after ``retry_for`` seconds, or at ``deadline`` if that
-        is later than one round over the members; each attempt is bounded by ``timeout``.
+        comes first (but not before one round over the members); each attempt is bounded by
+        ``timeout``. A request cut short by ``deadline`` itself raises LockTimeout: only
+        acquire passes a deadline.
         """
         if self.closed:
             raise BackendUnavailable("etcd connection is closed")
@@ -329,6 +331,13 @@ class EtcdClient:
                 self._failed(member, exc)
                 tried += 1
                 now = _clock.now()
+                if (
+                    deadline is not None
+                    and now >= deadline
+                    and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                ):
+                    # The caller's own deadline cut the request short: etcd is slow, not gone.
+                    raise LockTimeout(f"etcd {what} did not finish before the timeout") from exc
                 if now >= give_up and tried >= len(self.members):
                     raise BackendUnavailable(
                         f"etcd {what}: no member answered ({exc.code().name}: {exc.details()})"

@@ -404,8 +404,12 @@ class EtcdBackend(Backend):
                 if not pooled and stale_leases > 3:
                     raise BackendError("etcd keeps losing freshly granted leases") from None
                 continue
-            # (Any other error leaves it unknown whether the key was created with this lease:
-            # the lease is dropped, not recycled; it expires, or a retry adopts it.)
+            except LockTimeout:
+                # Maybe the key was created: revoking the lease removes it from the queue.
+                self._client.spawn(self._revoke(lease.id))
+                raise
+            # (Unavailable: it is unknown whether the key was created with this lease. The
+            # lease is dropped, not recycled: it expires, or a retry of this request adopts it.)
             if reply.succeeded:
                 hold = _Hold(key, reply.header.revision, lease)
                 tail = reply.responses[1].response_range.kvs
