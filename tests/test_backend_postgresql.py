@@ -1,0 +1,600 @@
+"""Fault tests of the PostgreSQL token source, each with a planted bug its checker must catch.
+
+* kill -9 of the whole server while clients acquire in a loop: no token reused, strictly rising;
+* a holder OS process paused (SIGSTOP) past its ttl: the next holder gets a higher token, the
+  resumed holder's lease reports lost and its renewal is refused by the server;
+* waiters are woken by NOTIFY (their timed re-check is made hours long, and they still get
+  the lock promptly);
+* a dead waiter (process killed) stops blocking the queue once its place expires.
+
+The planted bugs are subclasses whose SQL differs by one deliberate mistake.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any, ClassVar
+from urllib.parse import urlsplit
+
+import psycopg
+import pytest
+
+import fenced
+from fenced import _clock
+from fenced._backend import SCHEMES, Grant
+from fenced.backends.postgresql import _DDL, PostgreSQLBackend
+from fenced.testing.servers import PostgresServer
+from tests.envs.postgresql import crash
+from tests.helpers import async_wait_for, unique_name
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _noop(exc: BaseException) -> None:
+    pass
+
+
+def _plant(original: str, replacement: str) -> str:
+    assert original in _DDL, f"planted bug no longer applies: {original!r}"
+    return _DDL.replace(original, replacement)
+
+
+# -- planted bugs ---------------------------------------------------------------------------
+
+
+class MaxPlusOne(PostgreSQLBackend):
+    """BUG: the token is MAX(token)+1 over the current holders, which release deletes."""
+
+    _ddl_template: ClassVar[str] = _plant(
+        "SET last_token = last_token + 1, holder = p_req, token = last_token + 1,",
+        "SET holder = p_req, token = (SELECT coalesce(max(x.token), 0) + 1 FROM {locks} x"
+        " WHERE x.name = p_name AND x.holder IS NOT NULL),",
+    )
+
+
+class CounterAtRelease(PostgreSQLBackend):
+    """BUG: the counter is advanced in a separate transaction (at release), not in the grant's."""
+
+    _ddl_template: ClassVar[str] = _plant(
+        "SET last_token = last_token + 1, holder = p_req, token = last_token + 1,",
+        "SET holder = p_req, token = last_token + 1,",
+    ).replace(
+        "UPDATE {locks} SET holder = NULL, token = NULL,",
+        "UPDATE {locks} SET last_token = greatest(last_token, token), holder = NULL, token = NULL,",
+    )
+
+
+class RenewAfterExpiry(PostgreSQLBackend):
+    """BUG: renewal does not check that the lease is still unexpired."""
+
+    _renew_sql: ClassVar[str] = "AND expires_at > clock_timestamp()"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        renew = self._names.q_renew
+        assert self._renew_sql.encode() in renew
+        self._names.q_renew = renew.replace(self._renew_sql.encode(), b"")
+
+
+class NoNotify(PostgreSQLBackend):
+    """BUG: release does not NOTIFY the head waiter (waiters rely on their timed re-check)."""
+
+    _ddl_template: ClassVar[str] = _plant(
+        "    IF FOUND AND h.channel IS NOT NULL THEN\n"
+        "        PERFORM pg_notify(h.channel, p_name || ' ' || md5(h.request_id));\n"
+        "    END IF;\n"
+        "    RETURN r.expires_at > t;",
+        "    RETURN r.expires_at > t;",
+    )
+
+
+class DeadWaitersBlock(PostgreSQLBackend):
+    """BUG: expired (dead) waiters are never dropped from the head of the queue."""
+
+    _ddl_template: ClassVar[str] = _plant(
+        "DELETE FROM {waiters} WHERE name = p_name AND expires_at <= t;", ""
+    )
+
+
+# -- helpers --------------------------------------------------------------------------------
+
+
+async def open_backend(
+    dsn: str, cls: type[PostgreSQLBackend] = PostgreSQLBackend, **options: Any
+) -> PostgreSQLBackend:
+    backend = await cls.open(urlsplit(dsn), options)
+    assert isinstance(backend, cls)
+    return backend
+
+
+@contextlib.asynccontextmanager
+async def backends(
+    dsn: str, n: int, cls: type[PostgreSQLBackend] = PostgreSQLBackend, **options: Any
+) -> AsyncIterator[list[PostgreSQLBackend]]:
+    opened = [await open_backend(dsn, cls, **options) for _ in range(n)]
+    try:
+        yield opened
+    finally:
+        for b in opened:
+            await b.aclose()
+
+
+def check_tokens(tokens: list[int]) -> None:
+    """The invariant: every acknowledged grant's token is new and higher than all before it."""
+    assert len(set(tokens)) == len(tokens), f"a token was granted twice: {tokens}"
+    assert all(a < b for a, b in zip(tokens, tokens[1:], strict=False)), tokens
+
+
+async def db_rows(dsn: str, query: str) -> list[tuple[Any, ...]]:
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        cur = await conn.execute(query.encode())
+        return await cur.fetchall() if cur.description is not None else []
+
+
+async def queued_with_channel(dsn: str) -> int:
+    """Waiters whose place names their LISTEN channel: they are now waiting for a NOTIFY."""
+    rows = await db_rows(
+        dsn,
+        "SELECT count(*) FROM fenced_waiters WHERE channel IS NOT NULL"
+        " AND expires_at > clock_timestamp()",
+    )
+    return int(rows[0][0])
+
+
+def script_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT)])
+    return env
+
+
+async def readline(proc: subprocess.Popen[str], timeout: float = 30.0) -> str:
+    assert proc.stdout is not None
+    line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), timeout)
+    assert line, f"child exited early with {proc.poll()}"
+    return line.strip()
+
+
+# -- (1) kill -9 of the server while clients acquire in a loop --------------------------------
+
+
+async def crash_while_acquiring(
+    cls: type[PostgreSQLBackend], dsn: str, server: PostgresServer, *, clients: int = 3
+) -> list[int]:
+    """Clients acquire and release in a loop; the server is killed while one of them holds.
+
+    The holder's release fails (the server is down), so its grant is still recorded when
+    the server comes back; it expires, and the next grants must still be higher. Returns the
+    tokens of every acknowledged grant, in the order they were acknowledged.
+    """
+    name = unique_name()
+    ttl = 2.0
+    target, after = 6, 12
+    tokens: list[int] = []
+    triggered = asyncio.Event()
+    crashed = asyncio.Event()
+    release_tried = asyncio.Event()
+    stop = asyncio.Event()
+
+    async def acquire(backend: PostgreSQLBackend) -> Grant | None:
+        request_id = uuid.uuid4().hex  # retries reuse it: a grant whose reply was lost is found
+        while not stop.is_set():
+            try:
+                return await backend.acquire(
+                    name, request_id=request_id, ttl=ttl, deadline=_clock.now() + 5, on_lost=_noop
+                )
+            except fenced.BackendUnavailable:
+                await asyncio.sleep(0.05)  # back-off while the server restarts
+            except fenced.LockTimeout:
+                pass
+        return None
+
+    async def client(backend: PostgreSQLBackend) -> None:
+        while not stop.is_set():
+            grant = await acquire(backend)
+            if grant is None:
+                return
+            tokens.append(grant.token.value)
+            is_trigger = not triggered.is_set() and len(tokens) >= target
+            if is_trigger:
+                triggered.set()
+                await crashed.wait()  # still holding while the server dies
+            with contextlib.suppress(fenced.BackendUnavailable):
+                await backend.release(grant)
+            if is_trigger:
+                release_tried.set()
+
+    async with backends(dsn, clients, cls) as opened:
+        tasks = [asyncio.create_task(client(b)) for b in opened]
+        try:
+            await asyncio.wait_for(triggered.wait(), 30)
+            await asyncio.to_thread(crash, server)
+            crashed.set()
+            await asyncio.wait_for(release_tried.wait(), 30)
+            await asyncio.to_thread(server.start)
+
+            async def enough() -> bool:
+                return len(tokens) >= target + after
+
+            await async_wait_for(enough, timeout=60, what="grants after the restart")
+        finally:
+            stop.set()
+            await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 30)
+    return tokens
+
+
+async def test_server_killed_mid_run_reuses_no_token(
+    pg_dsn: str, pg_server: PostgresServer
+) -> None:
+    tokens = await crash_while_acquiring(PostgreSQLBackend, pg_dsn, pg_server)
+    check_tokens(tokens)
+    assert len(tokens) >= 18
+
+
+@pytest.mark.parametrize("planted", [MaxPlusOne, CounterAtRelease], ids=lambda c: c.__name__)
+async def test_planted_token_bugs_are_caught_by_the_crash_check(
+    pg_dsn: str, pg_server: PostgresServer, planted: type[PostgreSQLBackend]
+) -> None:
+    tokens = await crash_while_acquiring(planted, pg_dsn, pg_server)
+    with pytest.raises(AssertionError, match="granted twice"):
+        check_tokens(tokens)
+
+
+# -- (2) a holder process paused past its ttl -----------------------------------------------
+
+PAUSED_HOLDER = r"""
+import sys
+import fenced
+from fenced._backend import SCHEMES
+
+url, name, planted = sys.argv[1:4]
+if planted != "-":
+    SCHEMES["pgplanted"] = planted
+with fenced.connect(url) as locks:
+    lease = locks.lock(name, ttl=1.0)
+    token = lease.acquire(timeout=10)
+    print("granted", token.value, lease.request_id, flush=True)
+    for line in sys.stdin:
+        cmd = line.strip()
+        if cmd == "lost?":
+            print("lost", lease.lost.wait(10), lease.held, flush=True)
+        elif cmd == "renew":
+            try:
+                lease.renew()
+                print("renewed", flush=True)
+            except fenced.LeaseLostError:
+                print("renew-refused", flush=True)
+        elif cmd == "release":
+            print("released", lease.release(), flush=True)
+        elif cmd == "quit":
+            break
+"""
+
+
+async def paused_holder(url: str, planted: str = "-") -> None:
+    """Holder process A is SIGSTOPped past its ttl; B takes over; A resumes. Checks all of it."""
+    name = unique_name()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PAUSED_HOLDER, url, name, planted],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=script_env(),
+    )
+    assert proc.stdin is not None
+
+    async def ask(cmd: str) -> str:
+        assert proc.stdin is not None
+        proc.stdin.write(cmd + "\n")
+        proc.stdin.flush()
+        return await readline(proc)
+
+    try:
+        _, value, request_id = (await readline(proc)).split()
+        paused = fenced.FencingToken(name, int(value))
+        os.kill(proc.pid, signal.SIGSTOP)
+        async with fenced.connect_async(url) as locks:
+            b = locks.lock(name, ttl=10)
+            started = _clock.now()
+            token = await b.acquire(timeout=20)
+            # Granted only once A's lease ran out on the database's clock, with a higher token.
+            assert _clock.now() - started > 0.3
+            assert token > paused, (token, paused)
+            os.kill(proc.pid, signal.SIGCONT)
+            assert await ask("lost?") == "lost True False"
+            assert await ask("renew") == "renew-refused"
+            assert await ask("release") == "released False"
+            # The server itself refuses the old grant: no renewal, no release.
+            stale = Grant(paused, request_id, 1.0, 0.0)
+            with pytest.raises(fenced.LeaseLostError):
+                await locks.backend.renew(stale)
+            assert await locks.backend.release(stale) is False
+            status = await locks.status(name)
+            assert status.token == token and b.held
+            assert await b.release() is True
+        proc.stdin.write("quit\n")
+        proc.stdin.flush()
+        assert await asyncio.to_thread(proc.wait, 10) == 0
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGCONT)
+        proc.kill()
+        proc.wait()
+
+
+async def test_paused_holder_loses_to_a_higher_token(pg_dsn: str) -> None:
+    await paused_holder(pg_dsn)
+
+
+async def test_planted_counter_bug_is_caught_by_the_paused_holder_check(
+    pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    target = f"{__name__}:{CounterAtRelease.__name__}"
+    monkeypatch.setitem(SCHEMES, "pgplanted", target)
+    url = pg_dsn.replace("postgresql://", "pgplanted://", 1)
+    with pytest.raises(AssertionError):
+        await paused_holder(url, target)
+
+
+async def renew_after_expiry_is_refused(cls: type[PostgreSQLBackend], dsn: str) -> None:
+    """No grant after expiry: once the DB clock has passed the expiry, renewal must fail."""
+    name = unique_name()
+    async with backends(dsn, 1, cls) as (backend,):
+        grant = await backend.acquire(name, request_id="a", ttl=0.3, deadline=None, on_lost=_noop)
+
+        async def expired() -> bool:
+            return (await backend.status(name)).holder is None
+
+        await async_wait_for(expired, timeout=10, what="expiry on the database clock")
+        with pytest.raises(fenced.LeaseLostError):
+            await backend.renew(grant)
+        assert await backend.release(grant) is False
+
+
+async def test_renew_after_expiry_is_refused(pg_dsn: str) -> None:
+    await renew_after_expiry_is_refused(PostgreSQLBackend, pg_dsn)
+
+
+async def test_planted_renew_bug_is_caught(pg_dsn: str) -> None:
+    with pytest.raises(pytest.fail.Exception, match="DID NOT RAISE"):
+        await renew_after_expiry_is_refused(RenewAfterExpiry, pg_dsn)
+
+
+# -- (3) waiters are woken by NOTIFY --------------------------------------------------------
+
+
+async def handoff_latencies(cls: type[PostgreSQLBackend], dsn: str, n: int) -> list[float]:
+    """Release → next grant latency, with a waiter whose own re-checks are 200 s apart.
+
+    The holder's ttl (60 s) and the waiter's heartbeat (waiter_ttl/3 = 200 s) bound every
+    timed re-check far above the 2 s allowed here: only a NOTIFY can wake the waiter in time.
+    """
+    name = unique_name()
+    latencies = []
+    async with backends(dsn, 2, cls, waiter_ttl=600.0) as (holder, waiter):
+        for i in range(n):
+            grant = await holder.acquire(
+                name, request_id=f"h{i}", ttl=60, deadline=None, on_lost=_noop
+            )
+            task = asyncio.create_task(
+                waiter.acquire(name, request_id=f"w{i}", ttl=60, deadline=None, on_lost=_noop)
+            )
+
+            async def queued() -> bool:
+                return await queued_with_channel(dsn) == 1  # noqa: B023
+
+            await async_wait_for(queued, what="the waiter to LISTEN and wait")
+            started = time.perf_counter()
+            assert await holder.release(grant) is True
+            try:
+                got = await asyncio.wait_for(asyncio.shield(task), 2.0)
+            except TimeoutError:
+                task.cancel()
+                raise AssertionError(f"handoff {i}: the waiter was not woken within 2 s") from None
+            latencies.append(time.perf_counter() - started)
+            assert got.token > grant.token
+            await waiter.release(got)
+    return latencies
+
+
+def check_prompt(latencies: list[float]) -> None:
+    assert statistics.median(latencies) < 0.05, latencies
+
+
+async def test_waiters_are_woken_by_notify(pg_dsn: str) -> None:
+    latencies = await handoff_latencies(PostgreSQLBackend, pg_dsn, 15)
+    check_prompt(latencies)
+
+
+async def test_planted_missing_notify_is_caught(pg_dsn: str) -> None:
+    with pytest.raises(AssertionError, match="not woken"):
+        await handoff_latencies(NoNotify, pg_dsn, 1)
+
+
+# -- (4) a dead waiter does not block the queue ---------------------------------------------
+
+DEAD_WAITER = r"""
+import sys
+import fenced
+from fenced._backend import SCHEMES
+
+url, name, planted = sys.argv[1:4]
+if planted != "-":
+    SCHEMES["pgplanted"] = planted
+with fenced.connect(url, waiter_ttl=1.0) as locks:
+    locks.lock(name, ttl=5).acquire(timeout=120)
+    print("granted", flush=True)
+"""
+
+
+async def dead_waiter_skipped(cls: type[PostgreSQLBackend], dsn: str) -> float:
+    """Holder H, waiter process D (killed -9 while queued), then waiter W: W gets the lock."""
+    name = unique_name()
+    # The waiter process runs the same class (a scheme registered there) as this process.
+    planted, url = "-", dsn
+    if cls is not PostgreSQLBackend:
+        planted = f"{__name__}:{cls.__name__}"
+        url = dsn.replace("postgresql://", "pgplanted://", 1)
+    async with backends(dsn, 2, cls, waiter_ttl=1.0) as (holder, waiter):
+        grant = await holder.acquire(name, request_id="h", ttl=30, deadline=None, on_lost=_noop)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", DEAD_WAITER, url, name, planted],
+            stdout=subprocess.PIPE,
+            env=script_env(),
+        )
+        try:
+
+            async def queued(n: int) -> Callable[[], Any]:
+                async def check() -> bool:
+                    return await queued_with_channel(dsn) == n
+
+                return check
+
+            await async_wait_for(await queued(1), timeout=30, what="the doomed waiter to queue")
+            task = asyncio.create_task(
+                waiter.acquire(name, request_id="w", ttl=5, deadline=None, on_lost=_noop)
+            )
+            await async_wait_for(await queued(2), timeout=30, what="the second waiter to queue")
+            proc.kill()  # its connection dies; its place stays until it expires
+            proc.wait()
+            started = _clock.now()
+            assert await holder.release(grant) is True
+            try:
+                got = await asyncio.wait_for(asyncio.shield(task), 5.0)
+            except TimeoutError:
+                task.cancel()
+                raise AssertionError("the queue is blocked by a dead waiter") from None
+            elapsed = _clock.now() - started
+            assert got.token > grant.token
+            assert (await holder.status(name)).waiters == 0
+            await waiter.release(got)
+            return elapsed
+        finally:
+            proc.kill()
+            proc.wait()
+
+
+async def test_dead_waiter_does_not_block(pg_dsn: str) -> None:
+    elapsed = await dead_waiter_skipped(PostgreSQLBackend, pg_dsn)
+    assert elapsed < 3.0  # about the dead waiter's remaining place (waiter_ttl = 1 s)
+
+
+async def test_planted_dead_waiter_bug_is_caught(pg_dsn: str) -> None:
+    with pytest.raises(AssertionError, match="blocked by a dead waiter"):
+        await dead_waiter_skipped(DeadWaitersBlock, pg_dsn)
+
+
+# -- configuration, durability settings, reconnects ----------------------------------------
+
+
+async def test_session_forces_synchronous_commit(pg_dsn: str) -> None:
+    db = urlsplit(pg_dsn).path.lstrip("/")
+    await db_rows(pg_dsn, f"ALTER DATABASE {db} SET synchronous_commit = off")
+    assert (await db_rows(pg_dsn, "SHOW synchronous_commit"))[0][0] == "off"
+    async with backends(pg_dsn, 1) as (backend,):
+        row = await backend._call(b"SHOW synchronous_commit", ())
+        assert row == ("on",)
+
+
+async def test_reconnects_after_server_restart(pg_dsn: str, pg_server: PostgresServer) -> None:
+    name = unique_name()
+    async with backends(pg_dsn, 1) as (backend,):
+        first = await backend.acquire(name, request_id="a", ttl=5, deadline=None, on_lost=_noop)
+        await asyncio.to_thread(crash, pg_server)
+        with pytest.raises(fenced.BackendUnavailable):
+            await backend.status(name)
+        await asyncio.to_thread(pg_server.start)
+        # The first call after the restart already works: the stale connection is noticed.
+        status = await backend.status(name)
+        assert status.token == first.token and status.last_token == first.token
+        assert await backend.release(first) is True
+        again = await backend.acquire(name, request_id="b", ttl=5, deadline=None, on_lost=_noop)
+        assert again.token > first.token
+
+
+async def test_cancelled_waiter_leaves_the_queue(pg_dsn: str) -> None:
+    name = unique_name()
+    async with backends(pg_dsn, 2) as (holder, waiter):
+        grant = await holder.acquire(name, request_id="h", ttl=30, deadline=None, on_lost=_noop)
+        task = asyncio.create_task(
+            waiter.acquire(name, request_id="w", ttl=5, deadline=None, on_lost=_noop)
+        )
+
+        async def waiting(n: int) -> Callable[[], Any]:
+            async def check() -> bool:
+                return (await holder.status(name)).waiters == n
+
+            return check
+
+        await async_wait_for(await waiting(1), what="the waiter to queue")
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await async_wait_for(await waiting(0), what="the cancelled waiter to leave")
+        assert await holder.release(grant) is True
+
+
+async def test_status_reports_database_clock(pg_dsn: str) -> None:
+    name = unique_name()
+    async with backends(pg_dsn, 2) as (a, b):
+        empty = await a.status(name)
+        assert (empty.holder, empty.token, empty.last_token, empty.waiters) == (None, None, None, 0)
+        grant = await a.acquire(name, request_id="r1", ttl=8, deadline=None, on_lost=_noop)
+        status = await b.status(name)
+        assert status.holder == "r1" and status.token == grant.token
+        assert status.remaining is not None and 7 < status.remaining <= 8
+        # A retry of the same request (a lost reply) returns the same grant, renewed.
+        again = await b.acquire(name, request_id="r1", ttl=8, deadline=None, on_lost=_noop)
+        assert again.token == grant.token
+        assert await a.release(grant) is True
+        status = await b.status(name)
+        assert status.holder is None and status.last_token == grant.token
+
+
+async def test_custom_schema_and_prefix(pg_dsn: str) -> None:
+    name = unique_name()
+    async with backends(pg_dsn, 1, schema="locking", prefix="app_") as (backend,):
+        grant = await backend.acquire(name, request_id="r", ttl=5, deadline=None, on_lost=_noop)
+        rows = await db_rows(pg_dsn, "SELECT name, last_token FROM locking.app_locks")
+        assert rows == [(name, grant.token.value)]
+    ddl = PostgreSQLBackend.schema_sql(schema="locking", prefix="app_")
+    assert '"locking"."app_locks"' in ddl and "synchronous_commit" in ddl
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"schema": "bad schema"},
+        {"prefix": "x" * 40},
+        {"prefix": "1abc"},
+        {"connect_timeout": "soon"},
+        {"waiter_ttl": -1},
+        {"nonsense": 1},
+    ],
+)
+async def test_bad_options(pg_dsn: str, options: dict[str, Any]) -> None:
+    with pytest.raises(fenced.ConfigurationError):
+        await open_backend(pg_dsn, **options)
+
+
+async def test_unreachable_server_is_backend_unavailable() -> None:
+    with socket_port() as port:
+        url = f"postgresql://postgres@127.0.0.1:{port}/nope"
+        with pytest.raises(fenced.BackendUnavailable):
+            await open_backend(url, connect_timeout=1)
+
+
+@contextlib.contextmanager
+def socket_port() -> Any:
+    from fenced.testing.servers import free_port
+
+    yield free_port()
