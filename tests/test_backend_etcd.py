@@ -28,6 +28,7 @@ from aetcd import rpc
 import fenced
 from fenced import _clock
 from fenced._backend import SCHEMES
+from fenced.backends._etcd_conn import EtcdClient
 from fenced.backends.etcd import (
     EtcdBackend,
     lease_seconds,
@@ -635,6 +636,74 @@ async def test_retried_acquire_of_a_waiter_keeps_its_place(
     finally:
         for x in (a, b, c):
             await x.aclose()
+
+
+async def test_closing_under_a_waiter_is_backend_unavailable(
+    etcd_server: EtcdServer, prefix: str
+) -> None:
+    a = await open_backend(EtcdBackend, etcd_server.url, prefix)
+    b = await open_backend(EtcdBackend, etcd_server.url, prefix)
+    name = unique_name()
+    try:
+        held = await a.acquire(name, request_id="a", ttl=10, deadline=None, on_lost=NOOP)
+        task = asyncio.create_task(
+            b.acquire(name, request_id="b", ttl=10, deadline=None, on_lost=NOOP)
+        )
+
+        async def queued() -> bool:
+            return (await a.status(name)).waiters == 1
+
+        await async_wait_for(queued, 10, "b queued")
+        await b.aclose()
+        # gRPC cancels the calls of a closed channel with CancelledError: that must surface
+        # as the typed error, not as a cancellation of the caller's task.
+        with pytest.raises(fenced.BackendUnavailable):
+            await asyncio.wait_for(task, 10)
+        with pytest.raises(fenced.BackendUnavailable):
+            await b.status(name)
+        await a.release(held)
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
+async def test_a_channel_closed_under_a_call_is_not_a_cancellation(
+    etcd_server: EtcdServer,
+) -> None:
+    client = EtcdClient([etcd_server.endpoint], timeout=2.0, retry_for=5.0)
+    attempts: list[asyncio.Event] = []
+
+    async def first_hangs(member: Any, timeout: float) -> Any:
+        started = asyncio.Event()
+        attempts.append(started)
+        if len(attempts) == 1 or (client.closed is False and len(attempts) == 3):
+            call = member.watch_stub.Watch()
+            started.set()
+            return await call.read()  # never answers
+        return await member.kv.Range(rpc.RangeRequest(key=b"x"), timeout=timeout)
+
+    try:
+        # A failover reset closes the channel under the call: it is retried, not cancelled.
+        task = asyncio.create_task(client.call(first_hangs, what="test"))
+        await async_wait_for(_is_set(attempts, 0), 5, "first attempt")
+        await client.members[0].reset()
+        reply = await asyncio.wait_for(task, 10)
+        assert reply.header.revision > 0 and len(attempts) == 2
+        # aclose under a call: the typed error.
+        task = asyncio.create_task(client.call(first_hangs, what="test"))
+        await async_wait_for(_is_set(attempts, 2), 5, "third attempt")
+        await client.close()
+        with pytest.raises(fenced.BackendUnavailable):
+            await asyncio.wait_for(task, 10)
+    finally:
+        await client.close()
+
+
+def _is_set(events: list[asyncio.Event], i: int) -> Callable[[], Any]:
+    async def check() -> bool:
+        return len(events) > i and events[i].is_set()
+
+    return check
 
 
 def test_failover_past_a_dead_endpoint(etcd_server: EtcdServer, prefix: str) -> None:

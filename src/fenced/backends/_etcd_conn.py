@@ -28,7 +28,7 @@ from aetcd import rpc
 from .. import _clock
 from .._errors import BackendError, BackendUnavailable, LockTimeout
 
-__all__ = ["EtcdClient", "LeaseNotFound", "Member", "WatchHandle"]
+__all__ = ["EtcdClient", "LeaseNotFound", "Member", "WatchHandle", "cancelling"]
 
 logger = logging.getLogger("fenced.etcd")
 
@@ -64,6 +64,12 @@ _RETRYABLE = frozenset(
 
 class LeaseNotFound(BackendError):
     """etcd says the lease does not exist (expired, revoked, or never granted)."""
+
+
+def cancelling() -> bool:
+    """True if the current task is being cancelled (as opposed to gRPC's own CancelledError)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def _is_lease_not_found(exc: grpc.aio.AioRpcError) -> bool:
@@ -275,8 +281,11 @@ class EtcdClient:
     def current(self) -> Member:
         return self.members[self._current].open()
 
-    def _failed(self, member: Member, exc: grpc.aio.AioRpcError) -> None:
-        """Move on from ``member``; drop its channel if the connection itself failed."""
+    def _failed(self, member: Member, exc: grpc.aio.AioRpcError, *, full_wait: bool) -> None:
+        """Move on from ``member``; drop its channel if the member itself seems gone or hung.
+
+        (Not for etcd's own "no leader"/"leader changed" answers: that member is alive.)
+        """
         if self.members[self._current] is member and len(self.members) > 1:
             self._current = (self._current + 1) % len(self.members)
             logger.debug(
@@ -285,10 +294,12 @@ class EtcdClient:
                 exc.code(),
                 self.members[self._current].endpoint,
             )
-        details = exc.details() or ""
-        if exc.code() == grpc.StatusCode.UNAVAILABLE and not details.startswith("etcdserver:"):
-            # Let calls still queued on a dead connection fail now; the watch stream breaks
-            # and wakes its waiters, who re-check through a live member.
+        code, details = exc.code(), exc.details() or ""
+        dead = code == grpc.StatusCode.UNAVAILABLE and not details.startswith("etcdserver:")
+        hung = code == grpc.StatusCode.DEADLINE_EXCEEDED and full_wait
+        if dead or hung:
+            # Calls still queued on that connection fail now, and its watch stream breaks,
+            # waking its waiters, who look again through a live member.
             self.spawn(member.reset())
 
     async def call(
@@ -328,7 +339,7 @@ class EtcdClient:
                     raise BackendError(
                         f"etcd {what} failed: {exc.code().name}: {exc.details()}"
                     ) from exc
-                self._failed(member, exc)
+                self._failed(member, exc, full_wait=attempt_timeout >= self.timeout)
                 tried += 1
                 now = _clock.now()
                 if (
@@ -345,13 +356,16 @@ class EtcdClient:
                 if tried % len(self.members) == 0:
                     await asyncio.sleep(max(min(delay, give_up - now), 0))
                     delay = min(delay * 2, 0.5)
-            except (grpc.aio.UsageError, RuntimeError) as exc:
-                # A channel closed under us: by aclose (closed) or by a failover reset.
+            except (asyncio.CancelledError, grpc.aio.UsageError, RuntimeError) as exc:
+                # gRPC raises CancelledError in calls whose channel is closed under them (by
+                # aclose, or by a failover reset): that is not a cancellation of this task.
+                if isinstance(exc, asyncio.CancelledError) and cancelling():
+                    raise
                 if self.closed:
-                    raise BackendUnavailable("etcd connection is closed") from exc
+                    raise BackendUnavailable("etcd connection is closed") from None
                 tried += 1
                 if _clock.now() >= give_up and tried >= len(self.members):
-                    raise BackendUnavailable(f"etcd {what}: {exc}") from exc
+                    raise BackendUnavailable(f"etcd {what}: channel closed") from None
                 await asyncio.sleep(0.01)
 
     async def keepalive(self, lease_id: int, *, deadline: float | None = None) -> int:

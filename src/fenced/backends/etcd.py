@@ -45,7 +45,7 @@ from .._errors import (
     LockTimeout,
 )
 from .._token import FencingToken
-from ._etcd_conn import EtcdClient, LeaseNotFound, Member, WatchHandle
+from ._etcd_conn import EtcdClient, LeaseNotFound, Member, WatchHandle, cancelling
 
 __all__ = [
     "EtcdBackend",
@@ -537,7 +537,7 @@ class EtcdBackend(Backend):
                 watch.cancel()
             if leave:
                 self._forget(hold)
-                if _cancelling():
+                if cancelling():
                     self._client.spawn(self._leave(hold))
                 else:
                     await self._leave(hold)
@@ -552,6 +552,10 @@ class EtcdBackend(Backend):
         request = rpc.RangeRequest(key=before.key, keys_only=True, serializable=True)
         try:
             reply = await watch.member.kv.Range(request, timeout=self._client.timeout)
+        except asyncio.CancelledError:
+            if cancelling():
+                raise
+            return False  # the member's channel was closed under the call
         except Exception:
             return False
         return bool(reply.kvs) and reply.kvs[0].create_revision == before.create_revision
@@ -657,8 +661,3 @@ class EtcdBackend(Backend):
 
 def _timeout_message(lock_prefix: bytes) -> str:
     return f"etcd lock {lock_prefix.decode(errors='replace')!r} not acquired before the timeout"
-
-
-def _cancelling() -> bool:
-    task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0
