@@ -6,9 +6,13 @@ fsync=on, synchronous_commit=on), one sequential client each. Each transaction i
 
 * unfenced - no fence (the peer);
 * SQLGuard - ``SQLGuard.check`` (one extra INSERT .. ON CONFLICT DO UPDATE .. RETURNING);
-* RowGuard - the UPDATE itself carries the fence (``RowGuard.update``).
+* RowGuard - the UPDATE itself carries the fence (``RowGuard.update``);
+* +SELECT 1 - unfenced plus one trivial statement: the price of any extra statement (on
+  PostgreSQL, of one extra round trip), to explain the SQLGuard figure.
 
-Variants are interleaved in rounds so drift (other load, checkpoints) hits them alike.
+Variants are interleaved transaction by transaction, so drifting load hits them alike; the
+client's CPU time per transaction is measured too (``process_time``), since on a busy machine
+wall-clock differences of a few µs of Python get stretched by CPU contention.
 Target: fenced time <= 1.10x unfenced. Run: ``.venv/bin/python bench/bench_sql_guard.py``.
 """
 
@@ -19,47 +23,65 @@ import sqlite3
 import statistics
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from typing import Any
 
 import psycopg
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import Result, fmt_us, measure, table
+from _common import Result, fmt_us, table
 
 from fenced import FencingToken
 from fenced.guards.sql import RowGuard, SQLGuard
 from fenced.testing.servers import PostgresServer
 
 TOKEN = FencingToken("accounts", 42)
-ROUNDS = 20
+SLICES = 20
+VARIANTS = ("unfenced", "SQLGuard", "RowGuard", "+SELECT 1")
 
 
-def interleaved(
-    variants: dict[str, Callable[[], object]], n: int
-) -> tuple[dict[str, Result], dict[str, list[float]]]:
-    """Run the variants in ``ROUNDS`` alternating rounds of ``n``; merge each one's samples.
+class Run:
+    """Wall-clock samples and total client CPU time of each variant."""
 
-    Also returns, per variant, its mean time / the unfenced mean time in each round: the
-    median of those is robust to load that drifts during the run.
-    """
-    merged = {name: Result(name) for name in variants}
-    ratios: dict[str, list[float]] = {name: [] for name in variants}
-    for r in range(ROUNDS):
-        order = list(variants.items())
-        if r % 2:
-            order.reverse()
-        this_round = {}
-        for name, op in order:
-            res = measure(name, op, n=n, warmup=10)
-            this_round[name] = res.mean
-            m = merged[name]
-            m.samples += res.samples
-            m.elapsed += res.elapsed
-            m.ops += res.ops
-        for name, mean in this_round.items():
-            ratios[name].append(mean / this_round["unfenced"])
-    return merged, ratios
+    def __init__(self) -> None:
+        self.results = {name: Result(name) for name in VARIANTS}
+        self.cpu = dict.fromkeys(VARIANTS, 0.0)
+
+    def cpu_us(self, name: str) -> float:
+        return self.cpu[name] / self.results[name].ops * 1e6
+
+    def slice_ratios(self, name: str) -> list[float]:
+        """Mean time / unfenced mean time, in each of SLICES consecutive slices."""
+        a, b = self.results[name].samples, self.results["unfenced"].samples
+        size = max(1, len(a) // SLICES)
+        return [
+            statistics.fmean(a[i : i + size]) / statistics.fmean(b[i : i + size])
+            for i in range(0, len(a) - size + 1, size)
+        ]
+
+
+def interleaved(variants: dict[str, Callable[[], object]], n: int) -> Run:
+    """Time ``n`` transactions of each variant, interleaved one by one in rotating order."""
+    for op in variants.values():
+        for _ in range(20):
+            op()
+    run = Run()
+    names = list(variants)
+    wall, cpu = time.perf_counter, time.process_time
+    for i in range(n):
+        k = i % len(names)
+        for name in names[k:] + names[:k]:
+            op = variants[name]
+            c0, t0 = cpu(), wall()
+            op()
+            t1, c1 = wall(), cpu()
+            run.results[name].samples.append(t1 - t0)
+            run.cpu[name] += c1 - c0
+    for r in run.results.values():
+        r.elapsed = sum(r.samples)
+        r.ops = len(r.samples)
+    return run
 
 
 def make_ops(conn: Any, begin: str, q: Callable[[str], str]) -> dict[str, Callable[[], object]]:
@@ -87,23 +109,35 @@ def make_ops(conn: Any, begin: str, q: Callable[[str], str]) -> dict[str, Callab
         rows.update(conn, TOKEN, key={"id": 1}, values={"balance": next(counter)})
         conn.execute("COMMIT")
 
-    return {"unfenced": unfenced, "SQLGuard": fence_table, "RowGuard": row_form}
+    def one_more_statement() -> None:
+        conn.execute(begin)
+        conn.execute("SELECT 1").fetchall()
+        conn.execute(update, (next(counter),))
+        conn.execute("COMMIT")
+
+    return {
+        "unfenced": unfenced,
+        "SQLGuard": fence_table,
+        "RowGuard": row_form,
+        "+SELECT 1": one_more_statement,
+    }
 
 
-def report(engine: str, res: dict[str, Result], ratios: dict[str, list[float]]) -> list[str]:
-    base = res["unfenced"]
+def report(engine: str, run: Run) -> list[str]:
+    base = run.results["unfenced"]
     lines = []
-    for name in ("SQLGuard", "RowGuard"):
-        r = res[name]
+    for name in VARIANTS[1:]:
+        r = run.results[name]
         lines.append(
-            f"{engine} {name}: time fenced/unfenced: median of {ROUNDS} rounds "
-            f"{statistics.median(ratios[name]):.3f}x, overall mean {r.mean / base.mean:.3f}x, "
-            f"p50 {r.p50 / base.p50:.3f}x ({fmt_us(r.p50 - base.p50)} per transaction at p50)"
+            f"{engine:10s} {name:9s} time / unfenced: median of {SLICES} slices "
+            f"{statistics.median(run.slice_ratios(name)):.3f}x, mean {r.mean / base.mean:.3f}x, "
+            f"p50 {r.p50 / base.p50:.3f}x ({fmt_us(r.p50 - base.p50)}); client CPU "
+            f"{run.cpu_us(name):.0f} µs vs {run.cpu_us('unfenced'):.0f} µs per transaction"
         )
     return lines
 
 
-def bench_sqlite(n: int) -> tuple[dict[str, Result], dict[str, list[float]]]:
+def bench_sqlite(n: int) -> Run:
     with tempfile.TemporaryDirectory(prefix="fenced-bench-sql-") as d:
         conn = sqlite3.connect(os.path.join(d, "bench.db"), isolation_level=None)
         conn.execute("PRAGMA journal_mode=WAL")
@@ -114,23 +148,28 @@ def bench_sqlite(n: int) -> tuple[dict[str, Result], dict[str, list[float]]]:
             conn.close()
 
 
-def bench_postgres(n: int) -> tuple[dict[str, Result], dict[str, list[float]]]:
+def bench_postgres(n: int) -> Run:
     with PostgresServer() as server, psycopg.connect(server.dsn, autocommit=True) as conn:
         return interleaved(make_ops(conn, "BEGIN", lambda s: s.replace("?", "%s")), n)
 
 
 def main() -> None:
+    load_before = os.getloadavg()[0]
     notes: list[str] = []
     rows: list[tuple[str, Result, Result]] = []
-    for engine, run, n in (("SQLite", bench_sqlite, 250), ("PostgreSQL", bench_postgres, 150)):
-        res, ratios = run(n)
-        for name in ("SQLGuard", "RowGuard"):
-            rows.append((f"{engine}: 1-row UPDATE txn", res[name], res["unfenced"]))
-        notes += report(engine, res, ratios)
+    for engine, bench, n in (("SQLite", bench_sqlite, 5000), ("PostgreSQL", bench_postgres, 3000)):
+        run = bench(n)
+        for name in VARIANTS[1:]:
+            rows.append((f"{engine}: 1-row UPDATE txn", run.results[name], run.results["unfenced"]))
+        notes += report(engine, run)
+    notes.append(
+        f"load average (1 min) {load_before:.1f} before, {os.getloadavg()[0]:.1f} after, "
+        f"on {os.cpu_count()} CPUs; target: fenced time <= 1.10x unfenced"
+    )
     table(
         "SQL guard: fenced vs unfenced one-row UPDATE transaction (ratio = fenced ops/s ÷ unfenced)",
         rows,
-        "\n".join(notes) + "\ntarget: fenced time <= 1.10x unfenced",
+        "\n".join(notes),
     )
 
 

@@ -64,7 +64,7 @@ class FenceConflictError(FencedError):
     """
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)  # two singletons; identity hash for caches
 class Dialect:
     """What differs between the engines: the parameter marker and a few type names."""
 
@@ -146,6 +146,7 @@ class FenceSQL:
     read: str  # params: resource -> (lock_name, token)
 
 
+@functools.lru_cache(maxsize=128)
 def fence_sql(d: Dialect, table: str) -> FenceSQL:
     """Build the fence-table statements (``table`` already quoted)."""
     p = d.param

@@ -111,7 +111,7 @@ class SQLGuard:
     take a ``psycopg.AsyncConnection``.
     """
 
-    __slots__ = ("_quoted", "_sql", "lock", "resource", "table")
+    __slots__ = ("_quoted", "lock", "resource", "table")
 
     def __init__(
         self, resource: str, *, lock: str | None = None, table: str = "fenced_fences"
@@ -120,16 +120,12 @@ class SQLGuard:
         self.lock = _lock_name(resource if lock is None else lock, f"lock of {resource!r}")
         self.table = table
         self._quoted = quote_table(table)
-        self._sql: dict[str, FenceSQL] = {}
 
     def __repr__(self) -> str:
         return f"SQLGuard({self.resource!r}, lock={self.lock!r}, table={self.table!r})"
 
     def _fence_sql(self, d: Dialect) -> FenceSQL:
-        sql = self._sql.get(d.name)
-        if sql is None:
-            sql = self._sql[d.name] = fence_sql(d, self._quoted)
-        return sql
+        return fence_sql(d, self._quoted)  # cached: a guard built per call costs no SQL building
 
     def _check_plan(self, d: Dialect, token: FencingToken) -> Plan[FencingToken]:
         return check_plan(self._fence_sql(d), self.resource, token)
