@@ -1,0 +1,266 @@
+"""fenced's ZooKeeper lock vs kazoo's own ``Lock`` recipe, on one ZooKeeper server.
+
+    .venv/bin/python bench/bench_zookeeper.py [--n 600] [--seconds 4]
+
+Rows (fenced = ``zookeeper://`` through the lease API, peer = ``kazoo.recipe.lock.Lock`` on a
+plain ``KazooClient``; same server, same machine):
+
+* uncontended acquire+release, one client. fenced async (``AsyncLocks``) and fenced sync
+  (``Locks``, i.e. through the private loop thread) are each alternated call by call with the
+  native recipe, so load from other processes hits both sides alike; ops/s is computed from
+  the time spent in each side's own calls. fenced also hands out a fencing token (the czxid).
+* contended handoff: 10 and 100 waiters on one lock, each re-queueing as soon as it has
+  released. One client (one ZooKeeper session) per side: fenced waiters are tasks on one
+  ``AsyncLocks``, native waiters are threads, each with its own ``Lock`` on one ``KazooClient``.
+  ops/s is grants/s; p50/p99 is the release→next-grant latency (from the moment the holder
+  calls release to the moment the next holder's acquire returns). The two sides alternate in
+  rounds.
+
+Targets: uncontended ≥ 1.0× native; contended grants/s ≥ 2× native with p99 flat as waiters grow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+
+from _common import Result, table
+from kazoo.client import KazooClient
+from kazoo.recipe.lock import Lock
+
+import fenced
+from fenced.testing.servers import ZooKeeperServer
+
+TTL = 10.0
+
+
+def _finish(res: Result) -> Result:
+    res.ops = len(res.samples)
+    res.elapsed = sum(res.samples)
+    return res
+
+
+async def uncontended_async(url: str, hosts: str, n: int) -> tuple[Result, Result]:
+    clock = time.perf_counter
+    client = KazooClient(hosts=hosts, timeout=TTL)
+    client.start()
+    native = Lock(client, f"/bench/native-{uuid.uuid4().hex[:8]}")
+    name = f"async-{uuid.uuid4().hex[:8]}"
+    ours, peer = Result("fenced async"), Result("kazoo Lock")
+    async with fenced.connect_async(url) as locks:
+        lease = locks.lock(name, ttl=TTL)
+
+        async def fenced_op() -> None:
+            await lease.acquire()
+            await lease.release()
+
+        def native_op() -> None:
+            native.acquire()
+            native.release()
+
+        for _ in range(100):
+            await fenced_op()
+            native_op()
+        for i in range(n):
+            first_ours = i % 2 == 0
+            for side in (0, 1) if first_ours else (1, 0):
+                t0 = clock()
+                if side == 0:
+                    await fenced_op()
+                    ours.samples.append(clock() - t0)
+                else:
+                    native_op()
+                    peer.samples.append(clock() - t0)
+    client.stop()
+    client.close()
+    return _finish(ours), _finish(peer)
+
+
+def uncontended_sync(url: str, hosts: str, n: int) -> tuple[Result, Result]:
+    clock = time.perf_counter
+    client = KazooClient(hosts=hosts, timeout=TTL)
+    client.start()
+    native = Lock(client, f"/bench/native-{uuid.uuid4().hex[:8]}")
+    name = f"sync-{uuid.uuid4().hex[:8]}"
+    ours, peer = Result("fenced sync"), Result("kazoo Lock")
+    with fenced.connect(url) as locks:
+        lease = locks.lock(name, ttl=TTL)
+
+        def fenced_op() -> None:
+            lease.acquire()
+            lease.release()
+
+        def native_op() -> None:
+            native.acquire()
+            native.release()
+
+        ops: tuple[tuple[Callable[[], None], Result], ...] = ((fenced_op, ours), (native_op, peer))
+        for _ in range(100):
+            fenced_op()
+            native_op()
+        for i in range(n):
+            for op, res in ops if i % 2 == 0 else ops[::-1]:
+                t0 = clock()
+                op()
+                res.samples.append(clock() - t0)
+    client.stop()
+    client.close()
+    return _finish(ours), _finish(peer)
+
+
+class Handoffs:
+    """Grants counted and release→grant latencies, shared by the waiters of one run."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup = warmup
+        self.grants = 0
+        self.released_at: float | None = None
+        self.latencies: list[float] = []
+        self.started: float | None = None
+        self.tokens: list[int] = []
+
+    def granted(self, token: int | None = None) -> None:
+        now = time.perf_counter()
+        self.grants += 1
+        if token is not None:
+            self.tokens.append(token)
+        if self.grants == self.warmup:
+            self.started = now
+        elif self.grants > self.warmup and self.released_at is not None:
+            self.latencies.append(now - self.released_at)
+
+    def releasing(self) -> None:
+        self.released_at = time.perf_counter()
+
+    def result(self, name: str, ended: float) -> Result:
+        res = Result(name, samples=self.latencies)
+        res.ops = self.grants - self.warmup
+        res.elapsed = ended - (self.started or ended)
+        return res
+
+
+async def contended_fenced(url: str, waiters: int, seconds: float) -> Result:
+    name = f"cont-{uuid.uuid4().hex[:8]}"
+    stats = Handoffs(warmup=waiters * 2)
+    stop = asyncio.Event()
+    async with fenced.connect_async(url) as locks:
+
+        async def waiter() -> None:
+            lease = locks.lock(name, ttl=TTL)
+            while not stop.is_set():
+                token = await lease.acquire()
+                stats.granted(token.value)
+                stats.releasing()
+                await lease.release()
+
+        tasks = [asyncio.create_task(waiter()) for _ in range(waiters)]
+        await _run_for(seconds, stats, stop)
+        ended = time.perf_counter()
+        await asyncio.gather(*tasks)
+    tokens = stats.tokens
+    assert all(a < b for a, b in zip(tokens, tokens[1:], strict=False)), "tokens not increasing"
+    return stats.result(f"fenced ×{waiters}", ended)
+
+
+async def _run_for(seconds: float, stats: Handoffs, stop: asyncio.Event) -> None:
+    deadline = time.monotonic() + 60
+    while stats.started is None and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(seconds)
+    stop.set()
+
+
+def contended_native(hosts: str, waiters: int, seconds: float) -> Result:
+    path = f"/bench/cont-{uuid.uuid4().hex[:8]}"
+    client = KazooClient(hosts=hosts, timeout=TTL)
+    client.start()
+    stats = Handoffs(warmup=waiters * 2)
+    stop = threading.Event()
+    ended = 0.0
+
+    def waiter() -> None:
+        lock = Lock(client, path)
+        while not stop.is_set():
+            lock.acquire()
+            stats.granted()
+            stats.releasing()
+            lock.release()
+
+    threads = [threading.Thread(target=waiter, daemon=True) for _ in range(waiters)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while stats.started is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(seconds)
+    stop.set()
+    ended = time.perf_counter()
+    for t in threads:
+        t.join(30)
+    client.stop()
+    client.close()
+    return stats.result(f"kazoo Lock ×{waiters}", ended)
+
+
+def merge(results: list[Result]) -> Result:
+    out = Result(results[0].name)
+    for r in results:
+        out.samples += r.samples
+        out.ops += r.ops
+        out.elapsed += r.elapsed
+    return out
+
+
+def run(coro: Awaitable[Result] | Callable[[], Result]) -> Result:
+    if callable(coro):
+        return coro()
+    return asyncio.run(coro)  # type: ignore[arg-type]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--n", type=int, default=600, help="uncontended pairs per API")
+    parser.add_argument("--seconds", type=float, default=4.0, help="per contended round")
+    parser.add_argument("--rounds", type=int, default=2, help="contended rounds per side")
+    args = parser.parse_args()
+    with ZooKeeperServer() as zk:
+        setup = KazooClient(hosts=zk.hosts)
+        setup.start()
+        setup.ensure_path("/bench")
+        setup.stop()
+        setup.close()
+        rows: list[tuple[str, Result, Result]] = []
+        ours, peer = asyncio.run(uncontended_async(zk.url, zk.hosts, args.n))
+        rows.append(("uncontended acquire+release, async", ours, peer))
+        ours, peer = uncontended_sync(zk.url, zk.hosts, args.n)
+        rows.append(("uncontended acquire+release, sync", ours, peer))
+        for waiters in (10, 100):
+            mine: list[Result] = []
+            theirs: list[Result] = []
+            for _ in range(args.rounds):
+                mine.append(asyncio.run(contended_fenced(zk.url, waiters, args.seconds)))
+                theirs.append(contended_native(zk.hosts, waiters, args.seconds))
+            rows.append(
+                (f"contended, {waiters} waiters (grants/s, handoff)", merge(mine), merge(theirs))
+            )
+        table(
+            "ZooKeeper: fenced zookeeper:// vs kazoo Lock recipe (ratio = fenced/native ops/s)",
+            rows,
+            note=(
+                "uncontended: ops/s from the time in each side's own calls, alternated call by "
+                "call; contended: grants/s, p50/p99 = release→next grant."
+            ),
+        )
+
+
+if __name__ == "__main__":
+    main()
