@@ -546,9 +546,14 @@ def test_racing_processes_commit_tokens_in_order(env: Env) -> None:
     ]
     for p in procs:
         p.start()
-    results = [out.get(timeout=90) for _ in procs]
-    for p in procs:
-        p.join(30)
+    try:
+        results = [out.get(timeout=90) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():  # only on failure: never leave a racer behind
+                p.kill()
+                p.join(10)
     errors = [r[1] for r in results if r[0] != "ok"]
     assert not errors, errors
     outcomes = [o for r in results for o in r[1]]
@@ -849,6 +854,48 @@ def row(conn: Any, env: Env, key: int) -> tuple[Any, ...]:
             env.q("SELECT status, amount, fencing_token FROM invoices WHERE id = ?"), (key,)
         ).fetchone()
     )
+
+
+class LessThanRowGuard(RowGuard):
+    """Planted bug in the row form: ``<`` where ``<=`` is right."""
+
+    def _write(
+        self, token: FencingToken, key: Any, values: Any, upsert: bool
+    ) -> Callable[[Dialect], Plan[FencingToken]]:
+        real = super()._write(token, key, values, upsert)
+
+        def plan(d: Dialect) -> Plan[FencingToken]:
+            inner = real(d)
+            stmt = next(inner)
+            while True:
+                res = yield Stmt(
+                    stmt.sql.replace('"fencing_token" <=', '"fencing_token" <'), stmt.params
+                )
+                try:
+                    stmt = inner.send(res)
+                except StopIteration as stop:
+                    return stop.value  # type: ignore[no-any-return]
+
+        return plan
+
+
+def scenario_row_holder_writes_twice(env: Env, conn: Any, guard: RowGuard) -> None:
+    """The row's current holder updates it twice with the same token: both are accepted."""
+    for status in ("paid", "refunded"):
+        try:
+            guard.update(conn, tok(5), key={"id": 1}, values={"status": status})
+        except (StaleTokenError, FenceConflictError) as exc:
+            raise AssertionError(f"the holder's write was not accepted: {exc}") from exc
+    assert row(conn, env, 1) == ("refunded", 10, 5)
+
+
+def test_row_holder_writes_twice(env: Env, conn: Any, rows: RowGuard) -> None:
+    scenario_row_holder_writes_twice(env, conn, rows)
+
+
+def test_planted_row_less_than_is_caught(env: Env, conn: Any, rows: RowGuard) -> None:
+    with pytest.raises(AssertionError, match="not accepted"):
+        scenario_row_holder_writes_twice(env, conn, LessThanRowGuard("invoices", lock=LOCK))
 
 
 def test_row_null_token_accepts_then_fences(env: Env, conn: Any, rows: RowGuard) -> None:
