@@ -16,21 +16,19 @@ time from a holder starting its release to the next holder's grant).
 from __future__ import annotations
 
 import asyncio
-import os
+import collections
+import dataclasses
 import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
-sys.path.insert(0, os.path.dirname(__file__))
+import aetcd
+from _common import Result, table
 
-import aetcd  # noqa: E402
-from _common import Result, table  # noqa: E402
-
-import fenced  # noqa: E402
-from fenced.testing.servers import EtcdServer  # noqa: E402
+import fenced
+from fenced.testing.servers import EtcdServer
 
 TTL = 10
 
@@ -102,16 +100,32 @@ async def uncontended(side: Side, n: int, warmup: int = 50) -> Result:
         await side.close(conn)
 
 
-async def contended(side: Side, waiters: int, seconds: float) -> Result:
+@dataclasses.dataclass
+class Fairness:
+    grantees: list[int] = dataclasses.field(default_factory=list)
+
+    def describe(self, waiters: int) -> str:
+        g = self.grantees
+        same = sum(1 for a, b in zip(g, g[1:], strict=False) if a == b)
+        counts = collections.Counter(g)
+        least = min(counts.get(i, 0) for i in range(waiters))
+        return (
+            f"{100 * same / max(1, len(g) - 1):.0f}% of grants went back to the releasing "
+            f"client; grants per client {least}..{max(counts.values(), default=0)}"
+        )
+
+
+async def contended(side: Side, waiters: int, seconds: float) -> tuple[Result, Fairness]:
     """``waiters`` tasks, each with its own connection, take one lock in turn for ``seconds``."""
     conns = await asyncio.gather(*(side.connect() for _ in range(waiters)))
     key = f"c-{uuid.uuid4().hex[:8]}"
     clock = time.perf_counter
     res = Result(side.name)
+    fairness = Fairness()
     state: dict[str, Any] = {"released_at": None, "grants": 0, "measuring": False}
     holders = [0]
 
-    async def worker(conn: Any) -> None:
+    async def worker(who: int, conn: Any) -> None:
         while True:
             release = await side.acquire(conn, key)
             now = clock()
@@ -120,13 +134,14 @@ async def contended(side: Side, waiters: int, seconds: float) -> Result:
                 raise AssertionError("two holders at once")
             if state["measuring"]:
                 state["grants"] += 1
+                fairness.grantees.append(who)
                 if state["released_at"] is not None:
                     res.samples.append(now - state["released_at"])
             holders[0] -= 1
             state["released_at"] = clock()
             await release()
 
-    tasks = [asyncio.create_task(worker(c)) for c in conns]
+    tasks = [asyncio.create_task(worker(i, c)) for i, c in enumerate(conns)]
     try:
         await asyncio.sleep(min(1.0, seconds / 4))  # let every waiter join the queue
         state["measuring"] = True
@@ -143,7 +158,7 @@ async def contended(side: Side, waiters: int, seconds: float) -> Result:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await asyncio.gather(*(side.close(c) for c in conns), return_exceptions=True)
-    return res
+    return res, fairness
 
 
 async def main(quick: bool) -> None:
@@ -161,10 +176,12 @@ async def main(quick: bool) -> None:
         nopool_u = await uncontended(no_pool, n)
         rows.append(("uncontended acquire+release", ours_u, peer_u))
         rows.append(("  (without lease recycling)", nopool_u, peer_u))
+        fair: list[str] = []
         for w in (10, 100):
-            ours_c = await contended(ours, w, secs)
-            peer_c = await contended(peer, w, secs)
+            ours_c, ours_f = await contended(ours, w, secs)
+            peer_c, peer_f = await contended(peer, w, secs)
             rows.append((f"contended, {w} waiters: grants/s, hand-off", ours_c, peer_c))
+            fair.append(f"{w} waiters: fenced {ours_f.describe(w)}; aetcd {peer_f.describe(w)}")
     table(
         "etcd 3.4 single member (loopback, fsync on): fenced etcd:// vs aetcd's Lock",
         rows,
@@ -174,7 +191,9 @@ async def main(quick: bool) -> None:
             "fenced: 1 txn to acquire a free lock, 1 txn to release (recycled lease); "
             "a waiter watches only its predecessor.\n"
             "aetcd Lock: LeaseGrant + txn per attempt, every waiter watches the one key "
-            "(each release wakes all of them), release txn; no token, leases never revoked."
+            "(each release wakes all of them), release txn; no token, leases never revoked.\n"
+            "Fairness (a barging lock re-grants to the releasing client without any wake-up):\n"
+            + "\n".join(fair)
         ),
     )
 
