@@ -7,7 +7,7 @@ Rows (fenced = the guard, peer = the same write without a guard, same client and
 * Redis, same token: ``RedisGuard.set`` with the holder's token (the common case: one holder
   writes many times) vs ``SET``.
 * Redis, new token each write: every write advances the mark (HSET + SET in one script).
-* etcd async: ``AsyncEtcdGuard.put`` (one nested Txn) vs ``aetcd.Client.put``.
+* etcd async: ``AsyncEtcdGuard.put`` (one Txn) vs ``aetcd.Client.put``.
 * etcd sync: ``EtcdGuard.put`` (the same coroutine through the private loop) vs ``put``
   through the same kind of loop thread.
 
@@ -26,6 +26,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
@@ -41,10 +42,20 @@ from fenced.guards.redis import RedisGuard
 from fenced.testing.servers import EtcdServer, RedisServer
 
 
-def _finish(res: Result) -> Result:
+class Side(Result):
+    """A Result that also counts this process's CPU time (all threads) spent in the calls."""
+
+    cpu: float = 0.0
+
+
+def _finish(res: Side) -> Side:
     res.ops = len(res.samples)
     res.elapsed = sum(res.samples)  # ops/s over the time spent in this side's calls only
     return res
+
+
+def _pairs(i: int, a: Side, b: Side, ours: Any, peer: Any) -> tuple[tuple[Any, Side], ...]:
+    return ((ours, a), (peer, b)) if i % 2 == 0 else ((peer, b), (ours, a))
 
 
 def alternate(
@@ -54,18 +65,19 @@ def alternate(
     n: int,
     names: tuple[str, str],
     warmup: int = 50,
-) -> tuple[Result, Result]:
+) -> tuple[Side, Side]:
     """Time ``ours`` and ``peer`` one call each in turn (order swapped every other pair)."""
     for _ in range(warmup):
         ours()
         peer()
-    a, b = Result(names[0]), Result(names[1])
-    clock = time.perf_counter
+    a, b = Side(names[0]), Side(names[1])
+    clock, cpu = time.perf_counter, time.process_time
     for i in range(n):
-        for op, res in ((ours, a), (peer, b)) if i % 2 == 0 else ((peer, b), (ours, a)):
-            t0 = clock()
+        for op, res in _pairs(i, a, b, ours, peer):
+            c0, t0 = cpu(), clock()
             op()
             res.samples.append(clock() - t0)
+            res.cpu += cpu() - c0
     return _finish(a), _finish(b)
 
 
@@ -76,60 +88,73 @@ async def aalternate(
     n: int,
     names: tuple[str, str],
     warmup: int = 50,
-) -> tuple[Result, Result]:
+) -> tuple[Side, Side]:
     """:func:`alternate` for coroutines."""
     for _ in range(warmup):
         await ours()
         await peer()
-    a, b = Result(names[0]), Result(names[1])
-    clock = time.perf_counter
+    a, b = Side(names[0]), Side(names[1])
+    clock, cpu = time.perf_counter, time.process_time
     for i in range(n):
-        for op, res in ((ours, a), (peer, b)) if i % 2 == 0 else ((peer, b), (ours, a)):
-            t0 = clock()
+        for op, res in _pairs(i, a, b, ours, peer):
+            c0, t0 = cpu(), clock()
             await op()
             res.samples.append(clock() - t0)
+            res.cpu += cpu() - c0
     return _finish(a), _finish(b)
 
 
-def bench_redis(n: int) -> list[tuple[str, Result, Result]]:
-    rows = []
+def server_usec(client: redis.Redis, command: str) -> float:
+    stats = client.info("commandstats").get(f"cmdstat_{command}", {})
+    return float(stats.get("usec_per_call", float("nan")))
+
+
+Rows = list[tuple[str, Side, Side]]
+
+
+def bench_redis(n: int, notes: list[str]) -> Rows:
+    rows: Rows = []
     with RedisServer() as server:
         client = redis.Redis(host="127.0.0.1", port=server.port)
         guard = RedisGuard(client, "bench", "bench")
-        token = FencingToken("bench", 1)
         value = b"x" * 100
-        rows.append(
-            (
-                "Redis set, same token",
-                *alternate(
-                    lambda: guard.set("{bench}:k", value, token),
-                    lambda: client.set("{bench}:k", value),
-                    n=n,
-                    names=("RedisGuard.set", "SET"),
-                ),
-            )
-        )
         counter = itertools.count(2)
-        rows.append(
+        cases: list[tuple[str, Callable[[], object]]] = [
+            ("Redis set, same token", lambda: guard.set("{bench}:k", value, FENCE_1)),
             (
                 "Redis set, new token each",
-                *alternate(
-                    lambda: guard.set("{bench}:k", value, FencingToken("bench", next(counter))),
-                    lambda: client.set("{bench}:k", value),
-                    n=n,
-                    names=("RedisGuard.set", "SET"),
-                ),
+                lambda: guard.set("{bench}:k", value, FencingToken("bench", next(counter))),
+            ),
+        ]
+        for what, guarded in cases:
+            client.config_resetstat()
+            rows.append(
+                (
+                    what,
+                    *alternate(
+                        guarded,
+                        lambda: client.set("{bench}:k", value),
+                        n=n,
+                        names=("RedisGuard.set", "SET"),
+                    ),
+                )
             )
-        )
+            notes.append(
+                f"{what}: Redis server CPU per call: EVALSHA {server_usec(client, 'evalsha'):.1f} µs"
+                f" vs SET {server_usec(client, 'set'):.1f} µs"
+            )
         client.close()
     return rows
 
 
-def bench_etcd(n: int) -> list[tuple[str, Result, Result]]:
-    rows = []
+FENCE_1 = FencingToken("bench", 1)
+
+
+def bench_etcd(n: int) -> Rows:
+    rows: Rows = []
     with EtcdServer() as server:
 
-        async def run_async() -> tuple[Result, Result]:
+        async def run_async() -> tuple[Side, Side]:
             async with aetcd.Client("127.0.0.1", server.port) as client:
                 guard = AsyncEtcdGuard(client, "bench", "bench")
                 token = FencingToken("bench", 1)
@@ -168,7 +193,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=2000, help="writes per side per row")
     args = parser.parse_args()
-    rows = bench_redis(args.n) + bench_etcd(args.n)
+    notes: list[str] = []
+    rows = bench_redis(args.n, notes) + bench_etcd(args.n)
     table(
         "fenced guards vs unguarded writes (one client, loopback; ratio = guarded/unguarded ops/s)",
         rows,
@@ -177,9 +203,12 @@ def main() -> None:
     print()
     for what, ours, peer in rows:
         print(
-            f"{what:28s} time ratio (mean) {ours.mean / peer.mean:.3f}×  "
-            f"(p50 {ours.p50 / peer.p50:.3f}×)"
+            f"{what:27s} time ratio: mean {ours.mean / peer.mean:.3f}×, "
+            f"p50 {ours.p50 / peer.p50:.3f}×;  client CPU per call {ours.cpu / ours.ops * 1e6:.0f}"
+            f" vs {peer.cpu / peer.ops * 1e6:.0f} µs"
         )
+    for note in notes:
+        print(note)
 
 
 if __name__ == "__main__":

@@ -52,7 +52,6 @@ from fenced.guards.redis import (
     RedisGuard,
     default_fence_key,
     eval_script,
-    interpret,
 )
 from fenced.testing.servers import RedisServer
 from tests.helpers import unique_name, wait_for
@@ -118,8 +117,7 @@ class CheckThenWriteGuard(RedisGuard):
         unchecked = _plant(
             call.script, PRELUDE, "redis.call('HSET', KEYS[1], 'lock', ARGV[1], 'hw', ARGV[2])\n"
         )
-        reply = self._client.eval(unchecked, len(call.keys), *call.keys, *call.args)
-        return interpret(reply, call, self.resource)
+        return self._client.eval(unchecked, len(call.keys), *call.keys, *call.args)
 
 
 class ClientSideMarkGuard(RedisGuard):
@@ -134,11 +132,7 @@ class ClientSideMarkGuard(RedisGuard):
             raise StaleTokenError(call.token, tok(self.mark, call.token.lock), self.resource)
         self.mark = call.token.value
         unchecked = _plant(call.script, PRELUDE, "")
-        return interpret(
-            self._client.eval(unchecked, len(call.keys), *call.keys, *call.args),
-            call,
-            self.resource,
-        )
+        return self._client.eval(unchecked, len(call.keys), *call.keys, *call.args)
 
 
 PLANTED = [LtGuard, CheckThenWriteGuard, ClientSideMarkGuard]

@@ -23,7 +23,7 @@ hash tag ``{<resource>}``, so name the guarded keys with the same tag (``{invoic
 pass ``fence_key=`` with your keys' tag. Keys of another slot fail with CROSSSLOT (a
 :class:`~fenced.FencedError`) before anything is written.
 
-The Lua text and the interpretation of its reply are built once, by pure functions; the sync
+The Lua text and the reading of its refusals are written once, as pure functions; the sync
 (:class:`RedisGuard`, ``redis.Redis``) and async (:class:`AsyncRedisGuard`, ``redis.asyncio``)
 classes only send them.
 """
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final
 
 import redis
@@ -63,11 +63,13 @@ PRELUDE: Final = """\
 -- values are compared as digit strings: by length, then in two halves that are each exact.
 local fence, lock, tok = KEYS[1], ARGV[1], ARGV[2]
 local state = redis.call('HMGET', fence, 'lock', 'hw')
-if state[1] and state[1] ~= lock then return {'lock', state[1]} end
+if state[1] and state[1] ~= lock then return redis.error_reply('FENCEDGUARD lock ' .. state[1]) end
 local hw = state[2]
 local c = 1  -- token vs mark: 1 higher (or no mark yet), 0 equal, -1 lower
 if hw then
-  if #hw > 19 or not string.find(hw, '^[1-9][0-9]*$') then return {'corrupt', hw} end
+  if #hw > 19 or not string.find(hw, '^[1-9][0-9]*$') then
+    return redis.error_reply('FENCEDGUARD corrupt ' .. hw)
+  end
   if #tok ~= #hw then
     c = (#tok > #hw) and 1 or -1
   else
@@ -78,18 +80,19 @@ if hw then
     else c = 0 end
   end
 end
-if c < 0 then return {'stale', hw} end
+if c < 0 then return redis.error_reply('FENCEDGUARD stale ' .. hw) end
 if not state[1] then redis.call('HSET', fence, 'lock', lock, 'hw', (c > 0) and tok or hw)
 elseif c > 0 then redis.call('HSET', fence, 'hw', tok) end
 redis.call('PERSIST', fence)
 """
-"""Checks the token against the mark and advances it; returns early (writing nothing) on refusal."""
+"""Checks the token against the mark and advances it; returns early (writing nothing) on refusal.
+
+A refusal is an error reply ``FENCEDGUARD <stale|lock|corrupt> <detail>``; an accepted write
+returns the write's own reply, so the common path parses no more than the unguarded command."""
 
 _SET_BODY: Final = """\
-local r
-if ARGV[4] == '' then r = redis.call('SET', KEYS[2], ARGV[3])
-else r = redis.call('SET', KEYS[2], ARGV[3], 'PX', ARGV[4]) end
-return {'ok', r}
+if ARGV[4] == '' then return redis.call('SET', KEYS[2], ARGV[3]) end
+return redis.call('SET', KEYS[2], ARGV[3], 'PX', ARGV[4])
 """
 
 # unpack() is bounded by Lua's C stack (~8000 values): pass long argument lists in chunks.
@@ -100,7 +103,7 @@ while i <= #ARGV do
   n = n + redis.call('HSET', KEYS[2], unpack(ARGV, i, j))
   i = j + 1
 end
-return {'ok', n}
+return n
 """
 
 _DEL_BODY: Final = """\
@@ -110,11 +113,11 @@ while i <= #KEYS do
   n = n + redis.call('DEL', unpack(KEYS, i, j))
   i = j + 1
 end
-return {'ok', n}
+return n
 """
 
 # The caller's Lua sees its own KEYS and ARGV (the fence key and the token are shifted out into
-# locals that shadow the globals) and runs as a function, so its `return` value is wrapped.
+# locals that shadow the globals) and runs as a function, whose return value is the reply.
 _EVAL_TEMPLATE: Final = """\
 local KEYS, ARGV = (function(k, a)
   local k2, a2 = {}, {}
@@ -122,9 +125,9 @@ local KEYS, ARGV = (function(k, a)
   for i = 3, #a do a2[i - 2] = a[i] end
   return k2, a2
 end)(KEYS, ARGV)
-return {'ok', (function()
+return (function()
 %s
-end)()}
+end)()
 """
 
 SET_SCRIPT: Final = PRELUDE + _SET_BODY
@@ -145,7 +148,7 @@ def default_fence_key(resource: str) -> str:
     return f"fenced:hw:{{{resource}}}"
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class GuardedCall:
     """One fenced write, ready to send: script text, KEYS, ARGV, and how to read the result."""
 
@@ -153,41 +156,35 @@ class GuardedCall:
     keys: list[Key]
     args: list[Value]
     token: FencingToken
-    result: Callable[[Any], Any]
 
 
 def _text(value: object) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
-def interpret(reply: Any, call: GuardedCall, resource: str) -> Any:
-    """Turn a guarded script's reply into the write's result, or raise the refusal it reports."""
-    if not isinstance(reply, list) or not reply:
-        raise FencedError(f"unexpected reply from the guard script on {resource!r}: {reply!r}")
-    status = _text(reply[0])
-    token = call.token
-    if status == "ok":
-        return call.result(reply[1] if len(reply) > 1 else None)
-    if status == "stale":
-        return _raise_stale(token, int(_text(reply[1])), resource)
-    if status == "lock":
-        raise WrongLockError(
-            f"resource {resource!r} is fenced by lock {_text(reply[1])!r}; "
+REFUSAL: Final = "FENCEDGUARD "
+"""The prefix of the error replies by which a guard script refuses a write."""
+
+
+def refusal(message: str, token: FencingToken, resource: str) -> FencedError | None:
+    """The error a guard script's refusal reply stands for; None if it is not one."""
+    if not message.startswith(REFUSAL):
+        return None
+    kind, _, detail = message[len(REFUSAL) :].partition(" ")
+    if kind == "stale":
+        return StaleTokenError(token, FencingToken(token.lock, int(detail)), resource)
+    if kind == "lock":
+        return WrongLockError(
+            f"resource {resource!r} is fenced by lock {detail!r}; "
             f"token {token} belongs to lock {token.lock!r}"
         )
-    if status == "corrupt":
-        raise StaleTokenError(
-            token,
-            None,
-            resource,
-            f"write with {token} refused: the high-water mark of {resource!r} is not a token "
-            f"value ({_text(reply[1])[:40]!r}); repair the fence key by hand",
-        )
-    raise FencedError(f"unexpected reply from the guard script on {resource!r}: {reply!r}")
-
-
-def _raise_stale(token: FencingToken, high_water: int, resource: str) -> Any:
-    raise StaleTokenError(token, FencingToken(token.lock, high_water), resource)
+    return StaleTokenError(
+        token,
+        None,
+        resource,
+        f"write with {token} refused: the high-water mark of {resource!r} is not a token "
+        f"value ({detail[:40]!r}); repair the fence key by hand",
+    )
 
 
 def parse_state(reply: Sequence[Any], resource: str) -> FencingToken | None:
@@ -224,13 +221,17 @@ _NATIVE_ERRORS: Final = (redis.RedisError, redis.exceptions.RedisClusterExceptio
 """What redis-py raises (its cluster client's errors do not all derive from RedisError)."""
 
 
-def map_error(exc: Exception, resource: str) -> FencedError:
-    """Translate a redis-py error; the caller raises the result ``from exc``."""
+def map_error(exc: Exception, resource: str, token: FencingToken | None = None) -> FencedError:
+    """Translate a redis-py error (or a guard script's refusal); raise the result ``from exc``."""
     if isinstance(exc, _UNAVAILABLE):
         return BackendUnavailable(
             f"Redis unavailable for a guarded write on {resource!r} (outcome unknown if the "
             f"request was sent): {exc}"
         )
+    if token is not None and isinstance(exc, redis.ResponseError):
+        refused = refusal(str(exc), token, resource)
+        if refused is not None:
+            return refused
     hint = ""
     if "slot" in str(exc).lower():
         hint = " (in Redis Cluster, the fence key and the data keys must share a hash tag)"
@@ -243,18 +244,6 @@ def _px(px: int | None) -> str:
     if isinstance(px, bool) or not isinstance(px, int) or not 0 < px <= MAX_TOKEN:
         raise ConfigurationError(f"px must be a positive int of milliseconds, not {px!r}")
     return str(px)
-
-
-def _ok(reply: Any) -> bool:
-    return _text(reply) == "OK"
-
-
-def _int(reply: Any) -> int:
-    return int(reply)
-
-
-def _same(reply: Any) -> Any:
-    return reply
 
 
 class _GuardBase:
@@ -280,10 +269,13 @@ class _GuardBase:
         self.resource = resource
         self.lock = None if lock is None else validate_lock_name(lock)
         self.fence_key = fence_key if fence_key is not None else default_fence_key(resource)
+        # Script objects (EVALSHA, then SCRIPT LOAD on NOSCRIPT): the fixed ones, and an LRU
+        # of the scripts made from eval() bodies.
+        self._fixed = {
+            src: client.register_script(src)
+            for src in (self.set_script, self.hset_script, self.del_script)
+        }
         self._scripts: collections.OrderedDict[str, Any] = collections.OrderedDict()
-
-    def _token(self, token: FencingToken | str | bytes) -> FencingToken:
-        return FencingToken.coerce(token, self.lock)
 
     def _key(self, key: object) -> Key:
         if not isinstance(key, (str, bytes)) or not key:
@@ -293,7 +285,10 @@ class _GuardBase:
         return key
 
     def _script(self, source: str) -> Any:
-        """The registered script for ``source`` (EVALSHA, loaded again on NOSCRIPT)."""
+        """The registered script for ``source``."""
+        script = self._fixed.get(source)
+        if script is not None:
+            return script
         script = self._scripts.get(source)
         if script is None:
             script = self._client.register_script(source)
@@ -310,21 +305,14 @@ class _GuardBase:
         token: FencingToken | str | bytes,
         keys: Iterable[Key],
         args: Iterable[Value],
-        result: Callable[[Any], Any],
     ) -> GuardedCall:
-        tok = self._token(token)
-        return GuardedCall(
-            script,
-            [self.fence_key, *keys],
-            [tok.lock, str(tok.value), *args],
-            tok,
-            result,
-        )
+        tok = FencingToken.coerce(token, self.lock)
+        return GuardedCall(script, [self.fence_key, *keys], [tok.lock, str(tok.value), *args], tok)
 
     def _set_call(
         self, key: Key, value: Value, token: FencingToken | str | bytes, px: int | None
     ) -> GuardedCall:
-        return self._call(self.set_script, token, [self._key(key)], [value, _px(px)], _ok)
+        return self._call(self.set_script, token, [self._key(key)], [value, _px(px)])
 
     def _hset_call(
         self, key: Key, mapping: Mapping[Key, Value], token: FencingToken | str | bytes
@@ -334,12 +322,12 @@ class _GuardBase:
         flat: list[Value] = []
         for field, value in mapping.items():
             flat += (field, value)
-        return self._call(self.hset_script, token, [self._key(key)], flat, _int)
+        return self._call(self.hset_script, token, [self._key(key)], flat)
 
     def _delete_call(self, keys: Sequence[Key], token: FencingToken | str | bytes) -> GuardedCall:
         if not keys:
             raise ConfigurationError("delete needs at least one key")
-        return self._call(self.del_script, token, [self._key(k) for k in keys], [], _int)
+        return self._call(self.del_script, token, [self._key(k) for k in keys], [])
 
     def _eval_call(
         self,
@@ -351,7 +339,7 @@ class _GuardBase:
         if not isinstance(lua_body, str) or not lua_body.strip():
             raise ConfigurationError("eval needs a non-empty Lua body")
         return self._call(
-            self.eval_script(lua_body), token, [self._key(k) for k in keys], list(args), _same
+            self.eval_script(lua_body), token, [self._key(k) for k in keys], list(args)
         )
 
     # Script texts, as attributes so a test can plant a bug in a subclass.
@@ -393,10 +381,9 @@ class RedisGuard(_GuardBase):
     def _run(self, call: GuardedCall) -> Any:
         script: Script = self._script(call.script)
         try:
-            reply = script(keys=call.keys, args=call.args)
+            return script(keys=call.keys, args=call.args)
         except _NATIVE_ERRORS as exc:
-            raise map_error(exc, self.resource) from exc
-        return interpret(reply, call, self.resource)
+            raise map_error(exc, self.resource, call.token) from exc
 
     def set(
         self, key: Key, value: Value, token: FencingToken | str | bytes, px: int | None = None
@@ -462,10 +449,9 @@ class AsyncRedisGuard(_GuardBase):
     async def _run(self, call: GuardedCall) -> Any:
         script: AsyncScript = self._script(call.script)
         try:
-            reply = await script(keys=call.keys, args=call.args)
+            return await script(keys=call.keys, args=call.args)
         except _NATIVE_ERRORS as exc:
-            raise map_error(exc, self.resource) from exc
-        return interpret(reply, call, self.resource)
+            raise map_error(exc, self.resource, call.token) from exc
 
     async def set(
         self, key: Key, value: Value, token: FencingToken | str | bytes, px: int | None = None
