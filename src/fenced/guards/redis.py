@@ -2,7 +2,7 @@
 
 ::
 
-    guard = RedisGuard(redis.Redis(...), "invoices")            # lock defaults to the token's
+    guard = RedisGuard(redis.Redis(...), "invoices", "invoices")  # resource, lock
     guard.set("{invoices}:42", payload, lease.token)             # StaleTokenError if fenced off
     guard.hset("{invoices}:42:meta", {"state": "paid"}, lease.token)
     guard.delete("{invoices}:41", token=lease.token)
