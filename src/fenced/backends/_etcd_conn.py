@@ -327,7 +327,8 @@ class EtcdClient:
         while True:
             member = self.current
             now = _clock.now()
-            attempt_timeout = max(min(self.timeout, give_up - now), 0.2)
+            # Even past the deadline ("try once") an attempt gets a fair chance to answer.
+            attempt_timeout = max(min(self.timeout, give_up - now), min(self.timeout, 1.0))
             try:
                 return await fn(member, attempt_timeout)
             except grpc.aio.AioRpcError as exc:
