@@ -70,20 +70,18 @@ class LtSQLGuard(SQLGuard):
     def _fence_sql(self, d: Any) -> Any:
         sql = super()._fence_sql(d)
         bad = sql.accept.replace("f.token <= excluded.token", "f.token < excluded.token")
-        assert bad != sql.accept
+        assert bad != sql.accept, "the fence SQL changed: re-plant the bug"
         return dataclasses.replace(sql, accept=bad)
 
 
 class LtRedisGuard(AsyncRedisGuard):
-    """PLANTED BUG: the Lua fence rejects an equal token (``<=`` for ``<``)."""
+    """PLANTED BUG: the Lua fence rejects an equal token (``c <= 0`` for ``c < 0``)."""
 
     @staticmethod
     def eval_script(lua_body: str) -> str:
         good = AsyncRedisGuard.eval_script(lua_body)
-        bad = good.replace(
-            "if c < 0 then return {'stale', hw} end", "if c <= 0 then return {'stale', hw} end"
-        )
-        assert bad != good
+        bad = good.replace("if c < 0 then", "if c <= 0 then")
+        assert bad.count("if c <= 0 then") == 1, "the guard's Lua changed: re-plant the bug"
         return bad
 
 
