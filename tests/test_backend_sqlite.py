@@ -453,6 +453,52 @@ def test_release_wakes_waiters_of_this_process_at_once(
         waiter.release()
 
 
+def test_release_rings_a_waiter_in_another_process(db: str) -> None:
+    # The waiter polls only every 5 s: it can only get the lock sooner if the release rings it.
+    name = unique_name()
+    url = url_of(db, poll_interval=5, waiter_ttl=60)
+    with fenced.connect(url) as locks, Worker("wait", url, name, "--poll-min", "5") as worker:
+        holder = locks.lock(name, ttl=30)
+        holder.acquire()
+        worker.expect("waiting")
+        wait_for(lambda: locks.status(name).waiters == 1, what="the worker queued")
+        released = _clock.now()
+        holder.release()
+        token = int(worker.expect("token", timeout=30))
+        assert _clock.now() - released < 2.0
+        assert token == holder.token.value + 1
+
+
+async def test_queue_rows_never_relax_durability(db: str) -> None:
+    """Waiting commits without fsync (synchronous=NORMAL), but the connection is always put
+    back to FULL, so the next grant is fsynced; the expected-contention path still grants."""
+    name = unique_name()
+    noop = lambda exc: None  # noqa: E731
+    async with fenced.connect_async(url_of(db)) as a, fenced.connect_async(url_of(db)) as b:
+        ba, bb = a.backend, b.backend
+        assert isinstance(ba, SQLiteBackend) and isinstance(bb, SQLiteBackend)
+        first = await ba.acquire(name, request_id="a1", ttl=30, deadline=None, on_lost=noop)
+        waiting = asyncio.create_task(
+            bb.acquire(name, request_id="b1", ttl=30, deadline=None, on_lost=noop)
+        )
+        await async_wait_for(lambda: _waiters_are(a, name, 1), what="b queued")
+        assert await ba.release(first) is True  # b was waiting: a expects contention next time
+        second = await waiting
+        assert name in ba._contended
+        assert await bb.release(second) is True
+        # a queues first (no fsync), finds the lock free, and comes back to take it durably.
+        third = await ba.acquire(
+            name, request_id="a2", ttl=30, deadline=_clock.now() + 5, on_lost=noop
+        )
+        assert third.token > second.token > first.token
+        status = await a.status(name)
+        assert status.waiters == 0 and status.token == third.token
+        for backend in (ba, bb):
+            level = await backend._run(lambda c: c.execute("PRAGMA synchronous").fetchone()[0])
+            assert level == 2  # FULL
+        await ba.release(third)
+
+
 async def test_cancelled_waiter_leaves_the_queue(db: str) -> None:
     name = unique_name()
     async with fenced.connect_async(url_of(db)) as locks:

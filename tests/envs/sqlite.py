@@ -200,7 +200,10 @@ def _cmd_hold(args: argparse.Namespace) -> None:
 
 def _cmd_wait(args: argparse.Namespace) -> None:
     import fenced
+    from fenced.backends.sqlite import SQLiteBackend
 
+    if args.poll_min is not None:  # slow polling down: only a ring can wake us early
+        SQLiteBackend.poll_min = args.poll_min
     with fenced.connect(args.url) as locks:
         print("waiting", flush=True)
         lease = locks.lock(args.name, ttl=args.ttl)
@@ -307,6 +310,7 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--ttl", type=float, default=10.0)
         p.add_argument("--count", type=int, default=10**9)
         p.add_argument("--backend", default=None)
+        p.add_argument("--poll-min", type=float, default=None)
         p.set_defaults(fn=fn)
     p = sub.add_parser("once")
     p.add_argument("url")

@@ -10,10 +10,10 @@ One SQLite file holds three tables:
   sequence; each waiter re-stamps (heartbeats) its row while it waits, so the row of a waiter
   that crashed expires and is skipped.
 
-**Durability.** The journal is WAL with ``synchronous=FULL``: every commit fsyncs the WAL
-before it returns (one fsync per transaction), so an acknowledged grant, and with it the
-counter value, survives ``kill -9`` at any point and a power loss. A transaction interrupted
-by a crash is rolled back when the file is next opened.
+**Durability.** The journal is WAL with ``synchronous=FULL``: every commit that writes a
+counter or a holder fsyncs the WAL before it returns, so an acknowledged grant, and with it
+the counter value, survives ``kill -9`` at any point and a power loss. A transaction
+interrupted by a crash is rolled back when the file is next opened.
 
 **Concurrency.** Every change is one ``BEGIN IMMEDIATE`` transaction, so SQLite serialises
 the writers of all processes (LINEARIZABLE on one machine). ``SQLITE_BUSY`` is retried until
@@ -27,13 +27,19 @@ while the same token still holds the lock *and* its lease has not run out.
 
 **Cost.** An uncontended acquire is one transaction (read the holder and the head of the
 queue, bump the counter, write the holder), a release one (fenced ``DELETE`` on token and
-request id). On fenced's private loop (the synchronous API) these run inline, since nothing
-else runs there; on an application's event loop they run on one worker thread per backend.
+request id): one fsync each. Queue rows need no durability (if a crash loses one, its waiter
+died with it), so a caller that has to wait joins the queue in a transaction committed with
+``synchronous=NORMAL`` (no fsync); a transaction that grants is always FULL. On fenced's
+private loop (the synchronous API) transactions run inline, since nothing else runs there; on
+an application's event loop they run on one worker thread per backend.
 
 **Waking waiters.** A release wakes the blocked callers of that lock in the same process at
-once (an asyncio event per waiter, process-wide per database file). Callers in other processes
-poll the file with cheap reads (no write, no fsync) at an adaptive interval, from 1 ms after
-anything changed up to ``poll_interval`` (default 10 ms), and at the holder's expiry.
+once (an asyncio event per waiter, process-wide per database file), and rings the head of the
+queue if it is in another process: each waiting process has a datagram socket in Linux's
+abstract namespace, whose address its queue row carries. Rings are hints; waiters also poll the
+file with reads (no write, no fsync), backing off from 1 ms to ``poll_interval`` (default
+10 ms), and wake at the holder's expiry. Where rings are unavailable (another OS, another
+network namespace), polls stay at 1-2 ms for the head of the queue after any change.
 
 Not DISTRIBUTED: clocks, boot ids and file locks are per machine. Never put the file on a
 network filesystem. Processes in different time namespaces (containers with their own
@@ -57,9 +63,12 @@ import dataclasses
 import functools
 import logging
 import os
+import socket
 import sqlite3
 import threading
-from collections.abc import Callable
+import time
+import uuid
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, Final, TypeVar
 from urllib.parse import SplitResult, parse_qsl
 
@@ -109,6 +118,7 @@ SCHEMA: Final = (
         request_id TEXT NOT NULL,
         expires_at REAL NOT NULL,
         boot_id TEXT NOT NULL,
+        wake BLOB,
         UNIQUE (name, request_id)
     )""",
     "CREATE INDEX IF NOT EXISTS fenced_waiters_queue ON fenced_waiters (name, seq)",
@@ -136,8 +146,11 @@ SQL_RENEW: Final = """
 UPDATE fenced_holders SET expires_at = max(expires_at, ?)
  WHERE name = ? AND token = ? AND request_id = ? AND boot_id = ? AND expires_at > ?"""
 SQL_ENQUEUE: Final = """
-INSERT INTO fenced_waiters (name, request_id, expires_at, boot_id) VALUES (?, ?, ?, ?)
-ON CONFLICT (name, request_id) DO UPDATE SET expires_at = excluded.expires_at"""
+INSERT INTO fenced_waiters (name, request_id, expires_at, boot_id, wake) VALUES (?, ?, ?, ?, ?)
+ON CONFLICT (name, request_id) DO UPDATE SET expires_at = excluded.expires_at, wake = excluded.wake"""
+SQL_HEAD_WAKE: Final = """
+SELECT wake FROM fenced_waiters WHERE name = ? AND boot_id = ? AND expires_at > ?
+ ORDER BY seq LIMIT 1"""
 SQL_DEQUEUE: Final = "DELETE FROM fenced_waiters WHERE name = ? AND request_id = ?"
 SQL_PURGE_WAITERS: Final = (
     "DELETE FROM fenced_waiters WHERE name = ? AND (boot_id != ? OR expires_at <= ?)"
@@ -153,8 +166,11 @@ PRAGMAS: Final = ("PRAGMA journal_mode=WAL", "PRAGMA synchronous=FULL")
 """Set on every connection (the benchmark's bare-SQL peer uses the same)."""
 
 BUSY_WAIT: Final = 0.05
-"""Seconds one statement waits inside SQLite for another process's write lock. Short, because
-on the private loop the wait blocks the loop thread; longer waits are retried from asyncio."""
+"""Seconds one transaction is retried on the spot while another connection holds the write
+lock, before the retry moves to asyncio (on the private loop these retries block its thread)."""
+_BUSY_SLEEPS: Final = (0.00005, 0.0001, 0.0002, 0.0004, 0.0008, 0.0015)
+"""Back-off between those retries. SQLite's own busy handler sleeps 1, 2, 5, 10 ms ...: far
+longer than a fenced transaction holds the lock (~0.2 ms), so it is not used (timeout=0)."""
 
 POLL_MIN: Final = 0.001
 _OPTIONS: Final = {"waiter_ttl": 2.0, "poll_interval": 0.01, "busy_timeout": 5.0}
@@ -174,7 +190,7 @@ def database_path(url: SplitResult) -> str:
         raise ConfigurationError(f"sqlite URL names no file: {url.geturl()!r}")
     if ":memory:" in path or url.query.startswith("mode=memory"):
         raise ConfigurationError("an in-memory SQLite database cannot be a token source")
-    return os.path.abspath(path)
+    return os.path.realpath(path)  # one name per file: the key of in-process wake-ups
 
 
 def _parse_options(url: SplitResult, options: dict[str, Any]) -> dict[str, float]:
@@ -197,6 +213,25 @@ def _parse_options(url: SplitResult, options: dict[str, Any]) -> dict[str, float
     return parsed
 
 
+@contextlib.contextmanager
+def _relaxed(conn: sqlite3.Connection) -> Iterator[None]:
+    """Commit without fsync (synchronous=NORMAL), for queue rows only.
+
+    A waiter's row needs no durability: if a crash loses it, its owner died with it. Counters
+    and holders are never written under this. The next FULL commit's fsync of the WAL also
+    covers these frames, which precede it in the file. The level cannot change inside a
+    transaction, so one left open is rolled back first; if FULL cannot be restored, the
+    error propagates and the caller discards the connection.
+    """
+    conn.execute("PRAGMA synchronous=NORMAL")
+    try:
+        yield
+    finally:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        conn.execute("PRAGMA synchronous=FULL")
+
+
 def _is_busy(exc: sqlite3.Error) -> bool:
     code = getattr(exc, "sqlite_errorcode", None)
     if code is not None:
@@ -210,8 +245,19 @@ class _Attempt:
 
     grant: Grant | None = None
     fresh: bool = False  # this transaction created the grant (not an idempotent repeat)
-    timed_out: bool = False
-    holder_expires: float | None = None  # while queued: when the live holder's lease runs out
+    queued: bool = False  # not granted, and our row is (now) in the queue
+    retry: bool = False  # queued without fsync but found the lock free: come back for it
+    holder_expires: float | None = None  # not granted: when the live holder's lease runs out
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Poll:
+    """What a waiter's read of the lock found."""
+
+    my_turn: bool  # the lock is free and we are first in line (or the line is empty)
+    next_in_line: bool  # our row heads the queue
+    holder_expires: float | None  # when the live holder's lease runs out, if held
+    state: tuple[Any, ...]  # the raw row, to notice any change
 
 
 class _LocalWaiter:
@@ -251,6 +297,79 @@ def _notify(key: tuple[str, str]) -> None:
             waiter.loop.call_soon_threadsafe(waiter.event.set)
 
 
+class _Waker:
+    """This process's doorbell: a datagram socket other processes ring when a lock frees up.
+
+    The head of a queue stores the address in its waiter row; whoever releases the lock (or
+    leaves the queue) reads it in the same transaction and, after the commit, sends the
+    database path and lock name there. A thread here turns that into :func:`_notify`. It is a
+    hint only: a lost datagram costs one poll interval, never correctness.
+    """
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.address = b"\0fenced-sqlite-" + uuid.uuid4().hex.encode()
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
+            self.sock.bind(self.address)  # Linux abstract namespace: no file, gone with us
+        except OSError:
+            self.sock.close()
+            raise
+        self.thread = threading.Thread(target=self._run, name="fenced-sqlite-waker", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                data = self.sock.recv(8192)
+            except OSError:
+                return
+            path, _, name = data.decode("utf-8", "replace").partition("\0")
+            _notify((path, name))
+
+
+_waker_mutex = threading.Lock()
+_waker_instance: _Waker | None = None
+_waker_failed = False
+_sender: socket.socket | None = None
+
+
+def _my_wake_address() -> bytes | None:
+    """This process's doorbell address (made on first use; None where unsupported)."""
+    global _waker_instance, _waker_failed
+    waker = _waker_instance
+    if waker is not None and waker.pid == os.getpid():
+        return waker.address
+    with _waker_mutex:
+        if _waker_instance is None or _waker_instance.pid != os.getpid():  # first, or forked
+            if _waker_failed:
+                return None
+            try:
+                _waker_instance = _Waker()
+            except (OSError, AttributeError):  # no AF_UNIX / abstract names on this platform
+                _waker_failed = True
+                return None
+        return _waker_instance.address
+
+
+def _ring(address: bytes | None, path: str, name: str) -> None:
+    """Wake the waiters of ``name`` in the process at ``address`` (best effort, never blocks)."""
+    global _sender
+    if not address:
+        return
+    waker = _waker_instance
+    if waker is not None and waker.address == address and waker.pid == os.getpid():
+        _notify((path, name))  # ourselves
+        return
+    try:
+        if _sender is None:
+            _sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            _sender.setblocking(False)
+        _sender.sendto(f"{path}\0{name}".encode(), address)
+    except OSError:  # the waiter's process is gone, or its queue is full: it polls anyway
+        pass
+
+
 class SQLiteBackend(Backend):
     """Locks in one SQLite file, shared by every process on this machine (see module doc)."""
 
@@ -275,6 +394,8 @@ class SQLiteBackend(Backend):
         self._boot = _clock.boot_id()
         self._conns: dict[int, sqlite3.Connection] = {}  # one connection per thread
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._private_loop: asyncio.AbstractEventLoop | None = None
+        self._contended: set[str] = set()  # locks that had waiters when we last looked
         self._closed = False
 
     @classmethod
@@ -294,9 +415,7 @@ class SQLiteBackend(Backend):
     # -- running transactions ----------------------------------------------------------------
 
     def _connect(self) -> sqlite3.Connection:
-        conn = sqlite3.connect(
-            self.path, timeout=BUSY_WAIT, isolation_level=None, cached_statements=64
-        )
+        conn = sqlite3.connect(self.path, timeout=0, isolation_level=None, cached_statements=64)
         try:
             for pragma in PRAGMAS:
                 conn.execute(pragma).fetchall()
@@ -316,18 +435,30 @@ class SQLiteBackend(Backend):
         conn = self._conns.get(ident)
         if conn is None:
             conn = self._conns[ident] = self._connect()
-        try:
-            return fn(conn)
-        except BaseException as exc:
-            if conn.in_transaction:
-                with contextlib.suppress(sqlite3.Error):
-                    conn.execute("ROLLBACK")
-            if isinstance(exc, sqlite3.Error) and not _is_busy(exc):
-                # The connection may be broken (I/O error, file replaced): start afresh.
-                self._conns.pop(ident, None)
-                with contextlib.suppress(sqlite3.Error):
-                    conn.close()
-            raise
+        give_up: float | None = None
+        attempt = 0
+        while True:
+            try:
+                return fn(conn)
+            except BaseException as exc:
+                if conn.in_transaction:
+                    with contextlib.suppress(sqlite3.Error):
+                        conn.execute("ROLLBACK")
+                if not isinstance(exc, sqlite3.Error):
+                    raise
+                if not _is_busy(exc):
+                    # The connection may be broken (I/O error, file replaced): start afresh.
+                    self._conns.pop(ident, None)
+                    with contextlib.suppress(sqlite3.Error):
+                        conn.close()
+                    raise
+                now = _clock.now()
+                if give_up is None:
+                    give_up = now + BUSY_WAIT
+                elif now >= give_up:
+                    raise
+            time.sleep(_BUSY_SLEEPS[min(attempt, len(_BUSY_SLEEPS) - 1)])
+            attempt += 1
 
     async def _run(
         self,
@@ -339,7 +470,7 @@ class SQLiteBackend(Backend):
         ``orphan`` receives the result of a transaction that completed after its caller was
         cancelled (the worker cannot be interrupted mid-transaction).
         """
-        if on_private_loop():
+        if self._inline():
             return self._call(fn)
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(
@@ -380,30 +511,33 @@ class SQLiteBackend(Backend):
                     ) from exc
             await asyncio.sleep(0)
 
+    def _inline(self) -> bool:
+        """True on fenced's private loop: run transactions right here (see ``on_private_loop``)."""
+        loop = asyncio.get_running_loop()
+        if loop is self._private_loop:
+            return True
+        if on_private_loop():
+            self._private_loop = loop
+            return True
+        return False
+
     def _check_open(self) -> None:
         if self._closed:
             raise BackendUnavailable(f"sqlite connection to {self.path} is closed")
 
     def _forget(self, name: str, request_id: str) -> None:
         """Best effort, never waiting: take an abandoned waiter's row out of the queue."""
-        key = (self.path, name)
-
-        def dequeue(conn: sqlite3.Connection) -> None:
-            conn.execute("BEGIN IMMEDIATE")
-            conn.execute(SQL_DEQUEUE, (name, request_id))
-            conn.execute("COMMIT")
-            _notify(key)
 
         def quietly() -> None:
             try:
-                self._call(dequeue)
+                self._call(functools.partial(self._tx_dequeue, name=name, request_id=request_id))
             except (sqlite3.Error, FencedError) as exc:  # it expires by itself
                 logger.debug("could not dequeue %s from %s: %r", request_id, name, exc)
 
         if self._closed:
             return
         try:
-            if on_private_loop() or self._executor is None:
+            if self._executor is None or self._inline():
                 quietly()
             else:
                 self._executor.submit(quietly)
@@ -431,50 +565,73 @@ class SQLiteBackend(Backend):
         return value
 
     def _tx_acquire(
-        self, conn: sqlite3.Connection, name: str, request_id: str, ttl: float, final: bool
+        self, conn: sqlite3.Connection, name: str, request_id: str, ttl: float, mode: str
     ) -> _Attempt:
-        sent_at = _clock.now()  # before the transaction: the lease cannot start earlier
-        conn.execute("BEGIN IMMEDIATE")
-        now = _clock.now()
-        boot = self._boot
-        holder, token, held_ttl, expires, row_boot, head = conn.execute(
-            SQL_LOCK_STATE, (name, boot, now)
-        ).fetchone()
-        live = holder is not None and row_boot == boot and expires > now
-        if live and holder == request_id:  # a retry of a request that was granted
-            conn.execute(SQL_DEQUEUE, (name, request_id))
-            conn.execute("COMMIT")
-            grant = Grant(FencingToken(name, token), request_id, held_ttl, expires - held_ttl)
-            return _Attempt(grant=grant)
-        if not live and (head is None or head == request_id):
-            value = self._next_token(conn, name)
-            conn.execute(SQL_SET_HOLDER, (name, request_id, value, ttl, sent_at + ttl, boot))
-            if head is not None:  # it was us, at the head of the queue
-                conn.execute(SQL_DEQUEUE, (name, request_id))
-            conn.execute("COMMIT")
-            grant = Grant(FencingToken(name, value), request_id, ttl, sent_at)
-            return _Attempt(grant=grant, fresh=True)
-        if final:
-            conn.execute(SQL_DEQUEUE, (name, request_id))
-            conn.execute("COMMIT")
-            return _Attempt(timed_out=True)
-        # Join the queue, or stamp our place in it; clear out waiters that died meanwhile.
-        conn.execute(SQL_PURGE_WAITERS, (name, boot, now))
-        conn.execute(SQL_ENQUEUE, (name, request_id, now + self._waiter_ttl, boot))
-        conn.execute("COMMIT")
-        return _Attempt(holder_expires=expires if live else None)
+        """One acquire attempt; joining (or re-stamping our place in) the queue atomically.
 
-    def _tx_poll(
-        self, conn: sqlite3.Connection, name: str, request_id: str
-    ) -> tuple[bool, float | None, tuple[Any, ...]]:
-        """A read (no write lock, no fsync): is it our turn, and when does the holder expire."""
+        ``mode`` "grant": grant if the lock is free and we are first in line, else queue.
+        "queue" (when the lock is expected to be taken): never grant, only queue, committed
+        without fsync (queue rows need no durability); if the lock turns out to be free the
+        caller comes straight back with "grant". "last" (the deadline has passed): grant or
+        change nothing. A transaction that writes nothing commits without an fsync.
+        """
+        relaxed = mode == "queue"
+        with _relaxed(conn) if relaxed else contextlib.nullcontext():
+            sent_at = _clock.now()  # before the transaction: the lease cannot start earlier
+            conn.execute("BEGIN IMMEDIATE")
+            now = _clock.now()
+            boot = self._boot
+            holder, token, held_ttl, expires, row_boot, head = conn.execute(
+                SQL_LOCK_STATE, (name, boot, now)
+            ).fetchone()
+            live = holder is not None and row_boot == boot and expires > now
+            if live and holder == request_id:  # a retry of a request that was granted
+                conn.execute(SQL_DEQUEUE, (name, request_id))  # writes only if it was queued
+                conn.execute("COMMIT")
+                grant = Grant(FencingToken(name, token), request_id, held_ttl, expires - held_ttl)
+                return _Attempt(grant=grant)
+            free = not live and (head is None or head == request_id)
+            if free and not relaxed:
+                value = self._next_token(conn, name)
+                conn.execute(SQL_SET_HOLDER, (name, request_id, value, ttl, sent_at + ttl, boot))
+                if head is not None:  # it was us, at the head of the queue
+                    conn.execute(SQL_DEQUEUE, (name, request_id))
+                conn.execute("COMMIT")
+                grant = Grant(FencingToken(name, value), request_id, ttl, sent_at)
+                return _Attempt(grant=grant, fresh=True)
+            if mode == "last":
+                conn.execute("COMMIT")  # nothing written: no fsync
+                return _Attempt(holder_expires=expires if live else None)
+            conn.execute(SQL_PURGE_WAITERS, (name, boot, now))  # waiters that died meanwhile
+            conn.execute(
+                SQL_ENQUEUE, (name, request_id, now + self._waiter_ttl, boot, _my_wake_address())
+            )
+            conn.execute("COMMIT")
+            return _Attempt(queued=True, retry=free, holder_expires=expires if live else None)
+
+    def _tx_dequeue(self, conn: sqlite3.Connection, name: str, request_id: str) -> None:
+        """Leave the queue, and ring whoever heads it now (the lock may be free for them)."""
+        with _relaxed(conn):
+            conn.execute("BEGIN IMMEDIATE")
+            conn.execute(SQL_DEQUEUE, (name, request_id))
+            head = conn.execute(SQL_HEAD_WAKE, (name, self._boot, _clock.now())).fetchone()
+            conn.execute("COMMIT")
+        _notify((self.path, name))
+        _ring(head and head[0], self.path, name)
+
+    def _tx_poll(self, conn: sqlite3.Connection, name: str, request_id: str) -> _Poll:
+        """A read (no write lock, no fsync): is it our turn, are we next, who holds it."""
         now = _clock.now()
         boot = self._boot
         row = conn.execute(SQL_LOCK_STATE, (name, boot, now)).fetchone()
         holder, _, _, expires, row_boot, head = row
         live = holder is not None and row_boot == boot and expires > now
-        my_turn = not live and (head is None or head == request_id)
-        return my_turn, (expires if live else None), row
+        return _Poll(
+            my_turn=not live and (head is None or head == request_id),
+            next_in_line=head == request_id,
+            holder_expires=expires if live else None,
+            state=row,
+        )
 
     def _tx_renew(self, conn: sqlite3.Connection, grant: Grant) -> float | None:
         sent_at = _clock.now()
@@ -490,11 +647,20 @@ class SQLiteBackend(Backend):
         return sent_at if renewed else None
 
     def _tx_release(self, conn: sqlite3.Connection, grant: Grant) -> bool:
+        """Fenced release: delete the holder row only if token and request id match."""
         conn.execute("BEGIN IMMEDIATE")
         now = _clock.now()
-        token = grant.token
-        rows = conn.execute(SQL_RELEASE, (token.lock, token.value, grant.request_id)).fetchall()
+        name = grant.token.lock
+        rows = conn.execute(SQL_RELEASE, (name, grant.token.value, grant.request_id)).fetchall()
+        head = conn.execute(SQL_HEAD_WAKE, (name, self._boot, now)).fetchone() if rows else None
         conn.execute("COMMIT")
+        if rows:
+            _notify((self.path, name))
+            _ring(head and head[0], self.path, name)
+            if head is None:
+                self._contended.discard(name)
+            else:
+                self._contended.add(name)
         return any(boot == self._boot and expires > now for expires, boot in rows)
 
     def _tx_status(self, conn: sqlite3.Connection, name: str) -> LockStatus:
@@ -537,29 +703,38 @@ class SQLiteBackend(Backend):
                 grant = attempt.grant
                 with contextlib.suppress(sqlite3.Error, FencedError):
                     self._call(lambda conn: self._tx_release(conn, grant))
-                _notify(key)
 
+        # A caller that found this lock taken last time queues first, without an fsync.
+        mode = "queue" if name in self._contended else "grant"
         try:
             while True:
-                final = deadline is not None and _clock.now() >= deadline
+                if deadline is not None and _clock.now() >= deadline:
+                    mode = "last"
+                elif not queued:
+                    queued = True  # before: a cancelled attempt may still run on the worker
                 attempt = await self._transact(
                     functools.partial(
-                        self._tx_acquire, name=name, request_id=request_id, ttl=ttl, final=final
+                        self._tx_acquire, name=name, request_id=request_id, ttl=ttl, mode=mode
                     ),
                     limit=deadline,
                     busy=timeout,
                     orphan=orphan,
                 )
-                if attempt.grant is not None or attempt.timed_out:
-                    queued = False
-                    if attempt.grant is not None:
-                        return attempt.grant
-                    raise timeout()
-                queued = True
+                if attempt.grant is not None:
+                    queued = False  # the granting transaction took us out of the queue
+                    return attempt.grant
+                if attempt.retry:
+                    mode = "grant"
+                    continue
+                if mode == "last":
+                    raise timeout()  # the finally clause leaves the queue
+                self._contended.add(name)
                 if waiter is None:
                     waiter = _LocalWaiter(asyncio.get_running_loop())
                     _register(key, waiter)
-                await self._await_turn(name, request_id, waiter, deadline, attempt.holder_expires)
+                mode = await self._await_turn(
+                    name, request_id, waiter, deadline, attempt.holder_expires
+                )
         finally:
             if waiter is not None:
                 _unregister(key, waiter)
@@ -573,27 +748,35 @@ class SQLiteBackend(Backend):
         waiter: _LocalWaiter,
         deadline: float | None,
         holder_expires: float | None,
-    ) -> None:
-        """Wait (polling with reads) until the lock looks ours, a heartbeat or the deadline is due."""
+    ) -> str:
+        """Wait until the lock looks ours ("grant"), a heartbeat is due ("queue": re-stamp our
+        row) or the deadline has passed ("last"). Polls with reads; a release rings us."""
         heartbeat_at = _clock.now() + self._waiter_ttl / 3
+        rung = _my_wake_address() is not None
         fastest = min(self.poll_min, self._poll_interval)
         interval = fastest
         seen: tuple[Any, ...] | None = None
         while True:
             waiter.event.clear()  # before the read: a release after it still wakes us
             now = _clock.now()
-            if now >= heartbeat_at or (deadline is not None and now >= deadline):
-                return
-            my_turn, holder_expires, state = await self._transact(
+            if deadline is not None and now >= deadline:
+                return "last"
+            if now >= heartbeat_at:
+                return "queue"
+            poll = await self._transact(
                 lambda conn: self._tx_poll(conn, name, request_id),
                 limit=now + self._busy_timeout,
             )
-            if my_turn:
-                return
-            if state != seen:  # something moved: things may move again soon
-                seen, interval = state, fastest
-            else:
-                interval = min(interval * 2, self._poll_interval)
+            if poll.my_turn:
+                return "grant"
+            holder_expires = poll.holder_expires
+            if rung:  # releases ring us: polls only cover a lost ring, or a dead head's turn
+                interval = max(fastest, min(interval * 2, self._poll_interval))
+            elif poll.state != seen:  # something moved, and may soon move again: look soon
+                seen, interval = poll.state, fastest
+            else:  # next in line: keep looking often; behind others: back off further
+                cap = self._poll_interval / 5 if poll.next_in_line else self._poll_interval
+                interval = max(fastest, min(interval * 2, cap))
             wake = min(now + interval, heartbeat_at)
             if deadline is not None:
                 wake = min(wake, deadline)
@@ -617,11 +800,9 @@ class SQLiteBackend(Backend):
 
     async def release(self, grant: Grant) -> bool:
         self._check_open()
-        released = await self._transact(
+        return await self._transact(
             lambda conn: self._tx_release(conn, grant), limit=_clock.now() + self._busy_timeout
         )
-        _notify((self.path, grant.token.lock))
-        return released
 
     async def status(self, name: str) -> LockStatus:
         self._check_open()
