@@ -562,14 +562,20 @@ def test_restart_check_catches_client_side_mark(
     assert any("accepted after" in b for b in bad), bad
 
 
-def test_dead_server_is_backend_unavailable() -> None:
+def test_hung_or_dead_server_is_backend_unavailable() -> None:
     server = RedisServer().start()
-    client = redis.Redis(port=server.port, socket_timeout=2, retry=NO_RETRY)
+    client = redis.Redis(port=server.port, socket_timeout=0.5, retry=NO_RETRY)
     try:
         name = unique_name("res")
         guard = RedisGuard(client, name, LOCK)
         guard.set(f"{{{name}}}:k", "a", tok(1))
-        server.kill()
+        server.pause()  # a hung server: the reply never comes
+        try:
+            with pytest.raises(BackendUnavailable):
+                guard.set(f"{{{name}}}:k", "b", tok(1))
+        finally:
+            server.resume()
+        server.kill()  # a dead server: the connection is refused
         for attempt in (
             lambda: guard.set(f"{{{name}}}:k", "b", tok(1)),
             lambda: guard.eval("return 1", [], [], tok(1)),
