@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
+import shutil
 import sqlite3
+import subprocess
+import sys
+import tempfile
 import threading
 from itertools import pairwise
 from pathlib import Path
@@ -20,8 +25,8 @@ import pytest
 
 import fenced
 from fenced import _clock
-from fenced.backends.sqlite import SQLiteBackend, database_path
-from tests.envs.sqlite import Worker, open_journal, read_counters, record
+from fenced.backends.sqlite import SQLiteBackend, _relaxed, database_path
+from tests.envs.sqlite import ROOT, Worker, open_journal, read_counters, record
 from tests.helpers import async_wait_for, unique_name, wait_for
 
 # -- planted bugs -----------------------------------------------------------------------------
@@ -54,6 +59,14 @@ class NoExclusionBackend(SQLiteBackend):
     def _tx_acquire(self, conn: sqlite3.Connection, name: str, *args: Any, **kw: Any) -> Any:
         conn.execute("DELETE FROM fenced_holders WHERE name = ?", (name,))
         return super()._tx_acquire(conn, name, *args, **kw)
+
+
+class RelaxedGrantBackend(SQLiteBackend):
+    """PLANTED BUG: every acquire transaction, grants included, commits without fsync."""
+
+    def _tx_acquire(self, conn: sqlite3.Connection, *args: Any, **kw: Any) -> Any:
+        with _relaxed(conn):
+            return super()._tx_acquire(conn, *args, **kw)
 
 
 # -- checkers ---------------------------------------------------------------------------------
@@ -115,6 +128,36 @@ def counter_violations(
             problems.append(f"round {r}, reopened: token {token} after {acked} was acknowledged")
         acked = max(acked, token)
     return problems
+
+
+def fsync_shortfall(url: str, name: str, backend: str | None = None) -> str | None:
+    """Run 2 connections taking turns on a lock under strace; every grant and every release
+    must have been followed by an fsync (WAL, synchronous=FULL), queueing need not.
+    Returns what is missing, or None."""
+    with tempfile.NamedTemporaryFile("r", suffix=".strace") as out:
+        extra = ["--backend", backend] if backend else []
+        proc = subprocess.run(
+            [
+                *("strace", "-f", "-c", "-e", "trace=fsync,fdatasync", "-o", out.name),
+                *(sys.executable, "-m", "tests.envs.sqlite", "contend", url, name, *extra),
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
+        calls = re.findall(
+            r"^\s*[\d.]+\s+[\d.]+\s+\d+\s+(\d+)\s+(?:\d+\s+)?f(?:data)?sync$", out.read(), re.M
+        )
+    fsyncs = sum(int(c) for c in calls)
+    grants, released = (int(x) for x in proc.stdout.split()[1::2])
+    if fsyncs < grants + released:
+        return f"{fsyncs} fsyncs for {grants} grants and {released} releases"
+    return None
+
+
+needs_strace = pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace")
 
 
 @pytest.fixture
@@ -497,6 +540,25 @@ async def test_queue_rows_never_relax_durability(db: str) -> None:
             level = await backend._run(lambda c: c.execute("PRAGMA synchronous").fetchone()[0])
             assert level == 2  # FULL
         await ba.release(third)
+
+
+@needs_strace
+def test_every_grant_and_release_is_fsynced(db: str) -> None:
+    assert fsync_shortfall(url_of(db), unique_name()) is None
+
+
+@needs_strace
+def test_fsync_check_catches_grants_committed_without_fsync(db: str) -> None:
+    backend = "tests.test_backend_sqlite:RelaxedGrantBackend"
+    assert fsync_shortfall(url_of(db), unique_name(), backend) is not None
+
+
+def test_a_connection_that_cannot_be_made_durable_again_is_closed(db: str) -> None:
+    conn = sqlite3.connect(db, isolation_level=None)
+    with pytest.raises(sqlite3.OperationalError, match="restore"), _relaxed(conn):
+        conn.close()  # stands for any failure that leaves synchronous=NORMAL behind
+    with pytest.raises(sqlite3.ProgrammingError):
+        conn.execute("SELECT 1")
 
 
 async def test_cancelled_waiter_leaves_the_queue(db: str) -> None:

@@ -224,6 +224,28 @@ def _cmd_loop(args: argparse.Namespace) -> None:
     print("done", flush=True)
 
 
+def _cmd_contend(args: argparse.Namespace) -> None:
+    """``threads`` connections take turns on one lock, ``count`` grants each; then a report."""
+    import fenced
+
+    _use_backend(args.backend)
+    released = []
+
+    def one() -> None:
+        with fenced.connect(args.url) as locks:
+            for _ in range(args.count):
+                lease = locks.lock(args.name, ttl=10)
+                lease.acquire(timeout=60)
+                released.append(lease.release())
+
+    threads = [threading.Thread(target=one) for _ in range(args.threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    print("grants", len(released), "released", sum(released), flush=True)
+
+
 def _cmd_once(args: argparse.Namespace) -> None:
     """Open the database afresh, take one token, report it and the counter, release, exit."""
     import fenced
@@ -312,6 +334,13 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--backend", default=None)
         p.add_argument("--poll-min", type=float, default=None)
         p.set_defaults(fn=fn)
+    p = sub.add_parser("contend")
+    p.add_argument("url")
+    p.add_argument("name")
+    p.add_argument("--count", type=int, default=20)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--backend", default=None)
+    p.set_defaults(fn=_cmd_contend)
     p = sub.add_parser("once")
     p.add_argument("url")
     p.add_argument("name")

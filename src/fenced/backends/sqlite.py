@@ -221,15 +221,20 @@ def _relaxed(conn: sqlite3.Connection) -> Iterator[None]:
     and holders are never written under this. The next FULL commit's fsync of the WAL also
     covers these frames, which precede it in the file. The level cannot change inside a
     transaction, so one left open is rolled back first; if FULL cannot be restored, the
-    error propagates and the caller discards the connection.
+    connection is closed, and the error (never a "busy" one) makes the caller discard it.
     """
     conn.execute("PRAGMA synchronous=NORMAL")
     try:
         yield
     finally:
-        if conn.in_transaction:
-            conn.execute("ROLLBACK")
-        conn.execute("PRAGMA synchronous=FULL")
+        try:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            conn.execute("PRAGMA synchronous=FULL")
+        except sqlite3.Error as exc:
+            # Never let this connection commit a grant without fsync: it must not be reused.
+            conn.close()
+            raise sqlite3.OperationalError("could not restore synchronous=FULL") from exc
 
 
 def _is_busy(exc: sqlite3.Error) -> bool:
@@ -342,6 +347,9 @@ def _my_wake_address() -> bytes | None:
         return waker.address
     with _waker_mutex:
         if _waker_instance is None or _waker_instance.pid != os.getpid():  # first, or forked
+            if _waker_instance is not None:  # the parent's socket: not ours to read
+                _waker_instance.sock.close()
+                _waker_instance = None
             if _waker_failed:
                 return None
             try:
@@ -441,16 +449,19 @@ class SQLiteBackend(Backend):
             try:
                 return fn(conn)
             except BaseException as exc:
-                if conn.in_transaction:
-                    with contextlib.suppress(sqlite3.Error):
-                        conn.execute("ROLLBACK")
-                if not isinstance(exc, sqlite3.Error):
-                    raise
-                if not _is_busy(exc):
-                    # The connection may be broken (I/O error, file replaced): start afresh.
+                usable = _is_busy(exc) if isinstance(exc, sqlite3.Error) else True
+                if usable:
+                    try:
+                        if conn.in_transaction:
+                            conn.execute("ROLLBACK")
+                    except sqlite3.Error:
+                        usable = False
+                if not usable:
+                    # Broken (I/O error, file replaced, closed): the next call starts afresh.
                     self._conns.pop(ident, None)
                     with contextlib.suppress(sqlite3.Error):
                         conn.close()
+                if not usable or not isinstance(exc, sqlite3.Error):
                     raise
                 now = _clock.now()
                 if give_up is None:
