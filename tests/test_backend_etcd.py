@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -552,9 +552,10 @@ async def test_waiters_form_a_chain_each_watching_its_predecessor(
             tasks.append(asyncio.create_task(waiter(i)))
 
             async def queued(i: int = i) -> bool:
-                return (await backends[0].status(name)).waiters == i
+                hub = backends[i]._client.current.hub()
+                return (await backends[0].status(name)).waiters == i and len(hub._active) == 1
 
-            await async_wait_for(queued, 10, f"waiter {i}")
+            await async_wait_for(queued, 10, f"waiter {i} queued and watching")
         # Each waiter watches only the key just before its own: one watch per waiter.
         watched = [list(b._client.current.hub()._active.values()) for b in backends[1:]]
         assert [len(w) for w in watched] == [1] * n
@@ -607,32 +608,36 @@ async def test_retried_acquire_of_a_waiter_keeps_its_place(
     b = await open_backend(EtcdBackend, etcd_server.url, prefix)
     c = await open_backend(EtcdBackend, etcd_server.url, prefix)
     name = unique_name()
+    key = f"{prefix}{name}/b".encode()
     try:
         held = await a.acquire(name, request_id="a", ttl=10, deadline=None, on_lost=NOOP)
         first_try = asyncio.create_task(
             b.acquire(name, request_id="b", ttl=10, deadline=None, on_lost=NOOP)
         )
 
-        async def queued() -> bool:
-            return (await a.status(name)).waiters == 1
+        def waiters(n: int) -> Callable[[], Awaitable[bool]]:
+            async def check() -> bool:
+                return (await a.status(name)).waiters == n
 
-        await async_wait_for(queued, 10, "b queued")
-        # b's client dies; its retry (same request id, another connection) adopts the key.
-        first_try.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await first_try
+            return check
+
+        await async_wait_for(waiters(1), 10, "b queued")
+        with grpc.insecure_channel(etcd_server.endpoint) as channel:
+            place = rpc.KVStub(channel).Range(rpc.RangeRequest(key=key), timeout=2).kvs[0]
+        # b's connection breaks mid-wait: the acquire fails as unreachable and leaves its key
+        # (a retry may come); the retry, over another connection, takes the same key back.
         await b.aclose()
+        with pytest.raises(fenced.BackendUnavailable):
+            await asyncio.wait_for(first_try, 10)
         retry = asyncio.create_task(
             c.acquire(name, request_id="b", ttl=10, deadline=_clock.now() + 20, on_lost=NOOP)
         )
-        late = await open_backend(EtcdBackend, etcd_server.url, prefix)
-        try:
-            await a.release(held)
-            grant = await asyncio.wait_for(retry, 20)
-            assert (await late.status(name)).holder == "b"
-            await c.release(grant)
-        finally:
-            await late.aclose()
+        await async_wait_for(waiters(1), 10, "still one waiter")
+        await a.release(held)
+        grant = await asyncio.wait_for(retry, 20)
+        assert grant.token.value == place.create_revision  # the same place in the queue
+        assert (await a.status(name)).holder == "b"
+        assert await c.release(grant) is True
     finally:
         for x in (a, b, c):
             await x.aclose()
