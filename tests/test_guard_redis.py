@@ -319,6 +319,9 @@ def test_eval_sees_its_own_keys_and_args(client: redis.Redis) -> None:
     assert guard.eval("return nil", [], [], tok(1)) is None
     with pytest.raises(FencedError, match="boom"):
         guard.eval("error('boom')", [], [], tok(1))
+    guard._max_scripts = 2  # the cache of eval scripts is bounded
+    assert [guard.eval(f"return {i}", [], [], tok(1)) for i in range(5)] == [0, 1, 2, 3, 4]
+    assert len(guard._scripts) == 2
 
 
 def test_lock_binding(client: redis.Redis) -> None:

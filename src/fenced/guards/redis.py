@@ -31,6 +31,7 @@ classes only send them.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final
@@ -290,13 +291,15 @@ class _GuardBase:
         if script is not None:
             return script
         script = self._scripts.get(source)
-        if script is None:
-            script = self._client.register_script(source)
-            self._scripts[source] = script
-            if len(self._scripts) > self._max_scripts:
-                self._scripts.popitem(last=False)
-        else:
-            self._scripts.move_to_end(source)
+        # (KeyError: another thread moved or dropped the same entry meanwhile; harmless.)
+        with contextlib.suppress(KeyError):
+            if script is None:
+                script = self._client.register_script(source)
+                self._scripts[source] = script
+                while len(self._scripts) > self._max_scripts:
+                    self._scripts.popitem(last=False)
+            else:
+                self._scripts.move_to_end(source)
         return script
 
     def _call(
