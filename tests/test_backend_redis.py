@@ -70,16 +70,26 @@ def crash_run(server: RedisServer, **options: Any) -> tuple[list[int], int]:
     options = {"key_prefix": _prefix(), **options}
 
     def client() -> None:
-        with fenced.connect(server.url, **options) as locks:
+        try:
             while not stop.is_set():
                 try:
-                    with locks.lock(name, ttl=1, timeout=10) as lease:
-                        grants.append(lease.token.value)
-                except (fenced.BackendUnavailable, fenced.LeaseLostError, fenced.LockTimeout):
+                    locks = fenced.connect(server.url, **options)
+                except fenced.BackendUnavailable:  # the server is down right now
+                    stop.wait(0.05)
                     continue
-                except BaseException as exc:
-                    failures.append(exc)
-                    return
+                with locks:
+                    while not stop.is_set():
+                        try:
+                            with locks.lock(name, ttl=1, timeout=10) as lease:
+                                grants.append(lease.token.value)
+                        except (
+                            fenced.BackendUnavailable,
+                            fenced.LeaseLostError,
+                            fenced.LockTimeout,
+                        ):
+                            continue
+        except BaseException as exc:
+            failures.append(exc)
 
     threads = [threading.Thread(target=client) for _ in range(4)]
     for t in threads:
@@ -317,7 +327,8 @@ def test_a_paused_waiter_is_skipped(redis_server: RedisServer) -> None:
 
 
 async def test_release_wakes_the_next_waiter_at_once(redis_server: RedisServer) -> None:
-    # The waiter's own re-check interval (heartbeat/3 = 20 s) is far longer than the test.
+    # The waiter's own re-check interval (heartbeat/3, capped at socket_timeout/2 = 5 s) is
+    # far longer than the hand-off may take.
     url, opts = redis_server.url, {"key_prefix": _prefix(), "waiter_heartbeat": 60}
     name = unique_name()
     async with fenced.connect_async(url, **opts) as a, fenced.connect_async(url, **opts) as b:
@@ -397,7 +408,7 @@ class CounterDeletedWithHolder(RedisBackend):
     """Planted bug: release deletes the token counter along with the holder key."""
 
     release_lua: ClassVar[str] = RELEASE_LUA.replace(
-        "redis.call('DEL', KEYS[1])", "redis.call('DEL', KEYS[1], KEYS[2])", 1
+        "redis.call('DEL', KEYS[2])", "redis.call('DEL', KEYS[2], KEYS[1])", 1
     )
 
 
@@ -459,5 +470,26 @@ def test_counter_key_never_expires(redis_server: RedisServer) -> None:
         assert native.ttl(counter) == -1  # no expiry
         assert native.get(counter) == "1"
         assert f"{prefix}{{{name}}}:holder" not in keys  # released
+    finally:
+        native.close()
+
+
+def test_tokens_beyond_2_53_and_at_the_maximum(redis_server: RedisServer) -> None:
+    prefix, name = _prefix(), unique_name()
+    native = redis.Redis(port=redis_server.port)
+    counter = f"{prefix}{{{name}}}:token"
+    try:
+        with fenced.connect(redis_server.url, key_prefix=prefix) as locks:  # type: ignore[arg-type]
+            native.set(counter, 2**53 + 5)  # a Lua number is no longer exact here
+            with locks.lock(name, ttl=5) as lease:
+                assert lease.token.value == 2**53 + 6
+            native.set(counter, fenced.MAX_TOKEN - 1)
+            with locks.lock(name, ttl=5) as lease:
+                assert lease.token.value == fenced.MAX_TOKEN
+            # The counter cannot go past 2**63-1: a typed error, and nothing is granted.
+            with pytest.raises(fenced.BackendError, match="overflow"):
+                locks.lock(name, ttl=5).acquire(timeout=0)
+            status = locks.status(name)
+            assert status.holder is None and status.last_token.value == fenced.MAX_TOKEN  # type: ignore[union-attr]
     finally:
         native.close()

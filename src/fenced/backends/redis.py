@@ -81,29 +81,74 @@ _NUMERIC_CLIENT_OPTIONS: Final = frozenset(
     {"socket_timeout", "socket_connect_timeout", "max_connections"}
 )
 
-# Shared Lua prologue: server time in ms, and dropping waiters whose heartbeat has run out.
-_PRUNE: Final = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local dead = redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', now, 'LIMIT', 0, 500)
-if #dead > 0 then
-  redis.call('ZREM', KEYS[4], unpack(dead))
-  redis.call('ZREM', KEYS[3], unpack(dead))
+# Every script that changes a lock gets the same keys and its first five arguments:
+# KEYS: 1 token counter (never expires), 2 holder (hash rid/token/ttl, PX expiry),
+#       3 queue (zset rid -> arrival number), 4 heartbeats (zset rid -> deadline, server ms),
+#       5 arrival counter, 6 waiters' ttls (hash rid -> ttl ms)
+# ARGV: 1 request id, 2 ttl ms, 3 mode, 4 heartbeat ms, 5 wake-list key prefix
+#
+# The prelude forgets waiters whose heartbeat ran out (by the server clock), and defines
+# hand_off(): when the lock is free, grant it straight to the first live waiter (its token
+# from the counter, its own ttl) and push "token:ttl" onto that waiter's wake list, where its
+# BLPOP picks it up - the hand-off costs the new holder no round trip of its own.
+_PRELUDE: Final = """
+local now_ms = nil
+local function now()
+  if not now_ms then
+    local t = redis.call('TIME')
+    now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  end
+  return now_ms
 end
-local function wake(who)
-  local k = ARGV[5] .. who
-  if redis.call('LLEN', k) == 0 then
-    redis.call('RPUSH', k, '1')
-    redis.call('PEXPIRE', k, ARGV[4])
+local function forget(who)
+  redis.call('ZREM', KEYS[3], who)
+  redis.call('ZREM', KEYS[4], who)
+  redis.call('HDEL', KEYS[6], who)
+end
+local has_waiters = redis.call('ZCARD', KEYS[3]) > 0
+if has_waiters then
+  local dead = redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', now(), 'LIMIT', 0, 100)
+  for _, who in ipairs(dead) do forget(who) end
+end
+local function first()
+  while has_waiters do
+    local head = redis.call('ZRANGE', KEYS[3], 0, 0)[1]
+    if not head then return nil end
+    local ttl = redis.call('HGET', KEYS[6], head)
+    if ttl and redis.call('ZSCORE', KEYS[4], head) then return head, ttl end
+    forget(head)
+  end
+  return nil
+end
+local function grant(who, ttl)
+  local n = redis.call('INCR', KEYS[1])
+  local token
+  if n < 9007199254740992 then
+    token = string.format('%d', n)
+  else
+    token = redis.call('GET', KEYS[1])  -- beyond 2^53 a Lua number is not exact
+  end
+  redis.call('HSET', KEYS[2], 'rid', who, 'token', token, 'ttl', ttl)
+  redis.call('PEXPIRE', KEYS[2], ttl)
+  return token
+end
+local function hand_off()
+  local head, ttl = first()
+  if head then
+    forget(head)
+    local token = grant(head, ttl)
+    local k = ARGV[5] .. head
+    redis.call('DEL', k)
+    redis.call('RPUSH', k, token .. ':' .. ttl)
+    redis.call('PEXPIRE', k, ttl)
   end
 end
 """
 
-# KEYS: 1 counter, 2 holder, 3 queue (rid -> seq), 4 heartbeats (rid -> deadline ms), 5 queue seq
-# ARGV: 1 request id, 2 ttl ms, 3 mode ('wait' | 'final'), 4 heartbeat ms, 5 wake key prefix
-# Returns {1, token, pttl, ttl} when held by the caller (new grant or idempotent retry),
-# else {0, holder pttl or -1, queue length}. 'wait' joins the queue (or refreshes the caller's
-# heartbeat); 'final' (the deadline has passed) leaves it instead.
+# ARGV[3]: 'wait' joins the queue (or refreshes the caller's heartbeat) if not granted;
+# 'final' (the deadline has passed) leaves it instead.
+# Returns {1, token, pttl, ttl} when the caller holds the lock (a new grant, a hand-off it has
+# not read yet, or a retried request), else {0, holder pttl or -1, queue length}.
 ACQUIRE_LUA: Final = (
     """
 local rid = ARGV[1]
@@ -112,79 +157,63 @@ if h[1] == rid then
   return {1, h[2], redis.call('PTTL', KEYS[2]), tonumber(h[3])}
 end
 """
-    + _PRUNE
+    + _PRELUDE
     + """
-local head = redis.call('ZRANGE', KEYS[3], 0, 0)[1]
-if not h[1] and (not head or head == rid) then
-  if head then
-    redis.call('ZREM', KEYS[3], rid)
-    redis.call('ZREM', KEYS[4], rid)
+-- Not the holder: whatever hand-off was pushed to us earlier has expired since.
+redis.call('DEL', ARGV[5] .. rid)
+if not h[1] then
+  local head = first()
+  if not head or head == rid then
+    forget(rid)
+    local token = grant(rid, ARGV[2])
+    return {1, token, tonumber(ARGV[2]), tonumber(ARGV[2])}
   end
-  redis.call('DEL', ARGV[5] .. rid)
-  redis.call('INCR', KEYS[1])
-  local token = redis.call('GET', KEYS[1])
-  redis.call('HSET', KEYS[2], 'rid', rid, 'token', token, 'ttl', ARGV[2])
-  redis.call('PEXPIRE', KEYS[2], ARGV[2])
-  return {1, token, tonumber(ARGV[2]), tonumber(ARGV[2])}
+  hand_off()
 end
-local pttl = -1
-if h[1] then pttl = redis.call('PTTL', KEYS[2]) end
 if ARGV[3] == 'wait' then
   if not redis.call('ZSCORE', KEYS[3], rid) then
     redis.call('ZADD', KEYS[3], redis.call('INCR', KEYS[5]), rid)
   end
-  redis.call('ZADD', KEYS[4], now + tonumber(ARGV[4]), rid)
+  redis.call('ZADD', KEYS[4], now() + tonumber(ARGV[4]), rid)
+  redis.call('HSET', KEYS[6], rid, ARGV[2])
 else
-  redis.call('ZREM', KEYS[3], rid)
-  redis.call('ZREM', KEYS[4], rid)
-  redis.call('DEL', ARGV[5] .. rid)
-  head = redis.call('ZRANGE', KEYS[3], 0, 0)[1]
+  forget(rid)
 end
-if not h[1] and head and head ~= rid then
-  wake(head)
-end
-return {0, pttl, redis.call('ZCARD', KEYS[3])}
+return {0, redis.call('PTTL', KEYS[2]), redis.call('ZCARD', KEYS[3])}
 """
 )
 
-# KEYS: as ACQUIRE_LUA   ARGV: 1 request id, 2 -, 3 -, 4 heartbeat ms, 5 wake key prefix
 # An abandoned acquire (cancelled, failed) leaves the queue, and gives back a grant that was
-# made for it while its reply was in flight; then the next waiter is woken if the lock is free.
+# made for it while it was not listening; then a free lock goes to the next waiter.
 LEAVE_LUA: Final = (
     """
 local h = redis.call('HMGET', KEYS[2], 'rid')
 """
-    + _PRUNE
+    + _PRELUDE
     + """
-redis.call('ZREM', KEYS[3], ARGV[1])
-redis.call('ZREM', KEYS[4], ARGV[1])
+forget(ARGV[1])
 redis.call('DEL', ARGV[5] .. ARGV[1])
 if h[1] == ARGV[1] then
   redis.call('DEL', KEYS[2])
   h[1] = false
 end
-if not h[1] then
-  local head = redis.call('ZRANGE', KEYS[3], 0, 0)[1]
-  if head then wake(head) end
-end
+if not h[1] then hand_off() end
 return 1
 """
 )
 
-# KEYS: 1 holder, 2 counter (unused), 3 queue, 4 heartbeats
-# ARGV: 1 request id, 2 token, 3 -, 4 heartbeat ms, 5 wake key prefix
+# ARGV[6]: the token being released. Returns 1 if it was held (and is now released), else 0.
 RELEASE_LUA: Final = (
     """
-local h = redis.call('HMGET', KEYS[1], 'rid', 'token')
-if h[1] ~= ARGV[1] or h[2] ~= ARGV[2] then
+local h = redis.call('HMGET', KEYS[2], 'rid', 'token')
+if h[1] ~= ARGV[1] or h[2] ~= ARGV[6] then
   return 0
 end
-redis.call('DEL', KEYS[1])
+redis.call('DEL', KEYS[2])
 """
-    + _PRUNE
+    + _PRELUDE
     + """
-local head = redis.call('ZRANGE', KEYS[3], 0, 0)[1]
-if head then wake(head) end
+hand_off()
 return 1
 """
 )
@@ -236,7 +265,8 @@ def _parse_seconds(name: str, value: object, low: float, high: float) -> float:
 async def check_server_safety(client: aioredis.Redis) -> list[str]:
     """What keeps this server from being a durable token source (empty: nothing).
 
-    Checks ``appendonly yes`` + ``appendfsync always`` (an acknowledged ``INCR`` is on disk),
+    Checks ``appendonly yes`` + ``appendfsync always`` and ``no-appendfsync-on-rewrite no``
+    (an acknowledged ``INCR`` is on disk),
     ``role:master`` with ``connected_slaves:0`` (no replica a failover could promote with an
     older counter), and a ``maxmemory-policy`` that cannot evict the never-expiring counter.
     """
@@ -252,6 +282,10 @@ async def check_server_safety(client: aioredis.Redis) -> list[str]:
     if fsync != "always":
         problems.append(
             f"appendfsync is {fsync!r} (needs 'always'; acknowledged tokens can be lost on a crash)"
+        )
+    if config.get("no-appendfsync-on-rewrite") == "yes":
+        problems.append(
+            "no-appendfsync-on-rewrite is 'yes' (writes are not fsynced during a rewrite)"
         )
     policy = config.get("maxmemory-policy") or "noeviction"
     if policy.startswith("allkeys-"):
@@ -308,6 +342,7 @@ class RedisBackend(Backend):
         self._allow_unsafe = allow_unsafe_durability
         self._where = where
         self._closed = False
+        self._key_cache: dict[str, tuple[list[str], str]] = {}
         self._recheck_safety = False
         self.verified_durable = False
         """True when the last check of the server's configuration found it durable."""
@@ -424,9 +459,22 @@ class RedisBackend(Backend):
     # -- keys ----------------------------------------------------------------------------
 
     def _keys(self, name: str) -> tuple[list[str], str]:
+        cached = self._key_cache.get(name)
+        if cached is not None:
+            return cached
+        if len(self._key_cache) >= 1024:
+            self._key_cache.clear()
         # The hash tag keeps one lock's keys in one cluster slot.
         base = f"{self._prefix}{{{name}}}"
-        keys = [f"{base}:token", f"{base}:holder", f"{base}:queue", f"{base}:hb", f"{base}:seq"]
+        keys = [
+            f"{base}:token",
+            f"{base}:holder",
+            f"{base}:queue",
+            f"{base}:hb",
+            f"{base}:seq",
+            f"{base}:ttls",
+        ]
+        self._key_cache[name] = (keys, f"{base}:wake:")
         return keys, f"{base}:wake:"
 
     # -- the Backend contract ------------------------------------------------------------
@@ -476,9 +524,10 @@ class RedisBackend(Backend):
                     wait = min(wait, holder_pttl / 1000 + 0.002)
                 if deadline is not None:
                     wait = min(wait, deadline - _clock.now())
+                handed: Any = None
                 if wait >= 0.001:
                     blpop = self._client.blpop
-                    await self._call(
+                    handed = await self._call(
                         functools.partial(blpop, [wake_prefix + request_id], round(wait, 3))
                     )
                 if task is not None and task.cancelling() > cancelling:
@@ -486,6 +535,17 @@ class RedisBackend(Backend):
                     # cancellation that races with the send completing: honour it here, or
                     # a cancelled waiter would wait on forever.
                     raise asyncio.CancelledError
+                if handed is not None:
+                    # The lock was handed to us after the acquire script sent at ``sent_at``
+                    # ran (that script cleared older hand-offs), so ``sent_at`` bounds the
+                    # grant's start. If that bound is too stale, ask the server instead.
+                    token, _, granted_ms = handed[1].partition(":")
+                    granted_ttl = int(granted_ms) / 1000
+                    if _clock.now() - sent_at <= granted_ttl / 4:
+                        queued = False
+                        return Grant(
+                            FencingToken(name, int(token)), request_id, granted_ttl, sent_at
+                        )
         except BackendUnavailable:
             # Keep the place in the queue for fenced's retry with the same request id; if it
             # never comes back, its heartbeat runs out and the others skip it.
@@ -496,7 +556,7 @@ class RedisBackend(Backend):
                 await self._leave(keys, wake_prefix, request_id)
 
     async def _leave(self, keys: list[str], wake_prefix: str, request_id: str) -> None:
-        """Leave the queue of an abandoned acquire; wake the next waiter if the lock is free."""
+        """Leave the queue of an abandoned acquire; a free lock goes to the next waiter."""
         args = (request_id, 0, "leave", self._heartbeat_ms, wake_prefix)
         try:
             await self._call(lambda: self._leave_script(keys=keys, args=args))
@@ -515,10 +575,8 @@ class RedisBackend(Backend):
 
     async def release(self, grant: Grant) -> bool:
         keys, wake_prefix = self._keys(grant.token.lock)
-        args = (grant.request_id, grant.token.value, 0, self._heartbeat_ms, wake_prefix)
-        done = await self._call(
-            lambda: self._release(keys=[keys[1], keys[0], keys[2], keys[3]], args=args)
-        )
+        args = (grant.request_id, 0, "release", self._heartbeat_ms, wake_prefix, grant.token.value)
+        done = await self._call(lambda: self._release(keys=keys, args=args))
         return bool(int(done))
 
     async def status(self, name: str) -> LockStatus:

@@ -1,0 +1,304 @@
+"""fenced's Redis lock vs redis-py's own ``Lock`` (``redis.lock.Lock``), side by side.
+
+Both run against the same redis-server (``appendonly yes``, ``appendfsync always``: every
+acknowledged write is fsynced) on loopback. The peer is redis-py's ``Lock`` with its defaults:
+``SET NX PX`` to acquire, a Lua compare-and-delete to release, and a blocked caller that
+*polls* with ``sleep=0.1`` s between attempts. It hands out no token and has no queue. fenced
+hands out a fencing token (one Lua script: grant + INCR), queues waiters FIFO, and wakes the
+next one on release (BLPOP on a per-waiter list) instead of polling.
+
+    .venv/bin/python bench/bench_redis.py [--quick]
+
+Rows: uncontended acquire+release by one client (sync API and asyncio API; ops/s, p50, p99 of
+one acquire+release), and contended hand-off with 10 and 100 clients on one lock, each with
+its own connection, in one asyncio loop (grants/s, and p50/p99 of the time from a holder
+starting its release to the next holder's grant). A second table shows the Redis commands
+the server ran per grant (from INFO commandstats), which is where polling shows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+sys.path.insert(0, os.path.dirname(__file__))
+
+import redis
+import redis.asyncio as aioredis
+from _common import Result, measure, table
+from rich.console import Console
+from rich.table import Table
+
+import fenced
+from fenced.testing.servers import RedisServer
+
+TTL = 10
+
+
+# Commands the two clients send themselves (the Lua scripts' inner calls are counted apart by
+# INFO commandstats; our scripts never call SET, redis-py's Lock sends SET to acquire).
+_CLIENT_COMMANDS = ("cmdstat_evalsha", "cmdstat_eval", "cmdstat_blpop", "cmdstat_set")
+
+
+def server_commands(port: int) -> int:
+    """Requests the lock clients have sent so far (from INFO commandstats)."""
+    client = redis.Redis(port=port)
+    try:
+        stats = client.info("commandstats")
+    finally:
+        client.close()
+    return sum(int(stats[k]["calls"]) for k in _CLIENT_COMMANDS if k in stats)
+
+
+# -- the two lock clients behind one tiny interface ------------------------------------------
+
+
+class FencedSide:
+    name = "fenced redis://"
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    async def connect(self) -> Any:
+        return await fenced.connect_async(self.url, key_prefix="bench:").open()
+
+    async def close(self, conn: Any) -> None:
+        await conn.aclose()
+
+    async def acquire(self, conn: Any, key: str) -> Callable[[], Awaitable[Any]]:
+        lease = conn.lock(key, ttl=TTL)
+        await lease.acquire()
+        return lease.release
+
+
+class RedisPySide:
+    name = "redis-py Lock"
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+
+    async def connect(self) -> Any:
+        return aioredis.Redis(port=self.port)
+
+    async def close(self, conn: Any) -> None:
+        await conn.aclose()
+
+    async def acquire(self, conn: Any, key: str) -> Callable[[], Awaitable[Any]]:
+        lock = conn.lock(f"bench-native:{key}", timeout=TTL)  # sleep=0.1: its default
+        if not await lock.acquire():
+            raise RuntimeError("redis-py lock not acquired")
+        return lock.release
+
+
+Side = FencedSide | RedisPySide
+
+
+ROUNDS = 5  # uncontended runs alternate between the two sides, so load drift hits both
+
+
+def merge(name: str, parts: list[Result]) -> Result:
+    res = Result(name)
+    for part in parts:
+        res.samples += part.samples
+        res.elapsed += part.elapsed
+        res.ops += part.ops
+    return res
+
+
+async def ameasure(name: str, op: Callable[[], Awaitable[object]], n: int) -> Result:
+    res = Result(name)
+    clock = time.perf_counter
+    start = clock()
+    for _ in range(n):
+        t0 = clock()
+        await op()
+        res.samples.append(clock() - t0)
+    res.elapsed = clock() - start
+    res.ops = n
+    return res
+
+
+async def uncontended(ours: FencedSide, peer: RedisPySide, n: int) -> tuple[Result, Result]:
+    key = f"u-{uuid.uuid4().hex[:8]}"
+    conns = [await ours.connect(), await peer.connect()]
+    try:
+
+        def op(side: Side, conn: Any) -> Callable[[], Awaitable[object]]:
+            async def run() -> None:
+                release = await side.acquire(conn, key)
+                await release()
+
+            return run
+
+        ops = [op(ours, conns[0]), op(peer, conns[1])]
+        for fn in ops:
+            for _ in range(50):
+                await fn()
+        parts: list[list[Result]] = [[], []]
+        for _ in range(ROUNDS):
+            for i, fn in enumerate(ops):
+                parts[i].append(await ameasure("", fn, n // ROUNDS))
+        return merge(f"{ours.name} (async)", parts[0]), merge(f"{peer.name} (async)", parts[1])
+    finally:
+        await ours.close(conns[0])
+        await peer.close(conns[1])
+
+
+def uncontended_sync(url: str, port: int, n: int) -> tuple[Result, Result]:
+    key = f"s-{uuid.uuid4().hex[:8]}"
+    native = redis.Redis(port=port)
+    lock = native.lock(f"bench-native:{key}", timeout=TTL)
+
+    def native_op() -> None:
+        lock.acquire()
+        lock.release()
+
+    with fenced.connect(url, key_prefix="bench:") as locks:
+        lease = locks.lock(key, ttl=TTL)
+
+        def fenced_op() -> None:
+            lease.acquire()
+            lease.release()
+
+        parts: list[list[Result]] = [[], []]
+        for r in range(ROUNDS):
+            warm = 50 if r == 0 else 0
+            parts[0].append(measure("", fenced_op, n=n // ROUNDS, warmup=warm))
+            parts[1].append(measure("", native_op, n=n // ROUNDS, warmup=warm))
+    native.close()
+    return merge("fenced redis:// (sync)", parts[0]), merge("redis-py Lock (sync)", parts[1])
+
+
+async def contended(
+    side: Side, waiters: int, seconds: float, port: int, *, barge: bool = False
+) -> tuple[Result, float, float]:
+    """One holder and ``waiters`` waiting clients (own connection each) share one lock.
+
+    A client that releases re-queues only once the lock has passed to someone else, so there
+    are always ``waiters`` clients waiting and every grant is a real hand-off. With ``barge``
+    it re-queues at once instead (a lock without a queue may then give itself back to the
+    client that just released it). Returns the result (ops = grants, samples = time from a
+    holder starting its release to the next grant), requests per grant, and the share of
+    grants that went to the client that had just released.
+    """
+    clients = waiters + 1
+    conns = await asyncio.gather(*(side.connect() for _ in range(clients)))
+    key = f"c-{uuid.uuid4().hex[:8]}"
+    clock = time.perf_counter
+    res = Result(side.name)
+    state: dict[str, Any] = {
+        "released_at": None,
+        "last": None,
+        "grants": 0,
+        "regrants": 0,
+        "measuring": False,
+        "stop": False,
+        "granted": asyncio.Event(),
+    }
+    holders = [0]
+
+    async def worker(me: int, conn: Any) -> None:
+        while not state["stop"]:
+            release = await side.acquire(conn, key)
+            now = clock()
+            holders[0] += 1
+            if holders[0] != 1:
+                raise AssertionError("two holders at once")
+            if state["measuring"]:
+                state["grants"] += 1
+                state["regrants"] += state["last"] == me
+                if state["released_at"] is not None:
+                    res.samples.append(now - state["released_at"])
+            state["last"] = me
+            granted, state["granted"] = state["granted"], asyncio.Event()
+            granted.set()
+            holders[0] -= 1
+            next_grant = state["granted"]
+            state["released_at"] = clock()
+            await release()
+            if not barge:
+                while not state["stop"] and not next_grant.is_set():
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(next_grant.wait(), 0.5)
+
+    tasks = [asyncio.create_task(worker(i, c)) for i, c in enumerate(conns)]
+    try:
+        await asyncio.sleep(min(1.0, seconds / 3))  # let every client join in
+        commands_before = await asyncio.to_thread(server_commands, port)
+        state["measuring"] = True
+        start = clock()
+        await asyncio.sleep(seconds)
+        state["measuring"] = False
+        res.elapsed = clock() - start
+        commands = await asyncio.to_thread(server_commands, port) - commands_before
+        res.ops = state["grants"]
+        for t in tasks:
+            if t.done() and t.exception() is not None:
+                raise t.exception()  # type: ignore[misc]
+    finally:
+        # Let the workers finish their turn (cancelling redis-py calls is not reliable on
+        # Python 3.11: asyncio.wait_for can swallow the cancellation), then cancel stragglers.
+        state["stop"] = True
+        _, pending = await asyncio.wait(tasks, timeout=30)
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*(side.close(c) for c in conns), return_exceptions=True)
+    grants = max(res.ops, 1)
+    return res, commands / grants, state["regrants"] / grants
+
+
+async def run_async(server: RedisServer, n: int, secs: float) -> list[tuple[Any, ...]]:
+    ours, peer = FencedSide(server.url), RedisPySide(server.port)
+    rows: list[tuple[Any, ...]] = []
+    ours_u, peer_u = await uncontended(ours, peer, n)
+    rows.append(("uncontended acquire+release", ours_u, peer_u, None, None))
+    for barge in (False, True):
+        for waiters in (10, 100):
+            what = f"contended, {waiters} waiters" + (", re-queue at once" if barge else "")
+            ours_c, *ours_x = await contended(ours, waiters, secs, server.port, barge=barge)
+            peer_c, *peer_x = await contended(peer, waiters, secs, server.port, barge=barge)
+            rows.append((what, ours_c, peer_c, ours_x, peer_x))
+    return rows
+
+
+def main(quick: bool) -> None:
+    n = 300 if quick else 2000
+    secs = 1.5 if quick else 4.0
+    with RedisServer() as server:
+        sync_ours, sync_peer = uncontended_sync(server.url, server.port, n)
+        rows = asyncio.run(run_async(server, n, secs))
+    all_rows = [("uncontended acquire+release", sync_ours, sync_peer)]
+    all_rows += [(what, ours, peer) for what, ours, peer, _, _ in rows]
+    table(
+        "Redis 7.0 (loopback, appendonly yes, appendfsync always): fenced redis:// vs redis-py Lock",
+        all_rows,
+        note=(
+            "uncontended: p50/p99 of one acquire+release by one client. contended: ops/s = "
+            "grants/s, p50/p99 = time from a holder starting release to the next grant; a "
+            "client that released re-queues once the lock has passed on (every grant is a "
+            "hand-off to a waiter), or at once ('re-queue at once': redis-py's Lock then mostly "
+            "hands the lock back to the releaser, see the second table).\n"
+            "fenced: 1 Lua script to acquire (grant + token INCR), 1 to release; waiters queue "
+            "FIFO and block in BLPOP, woken by the release.\n"
+            "redis-py Lock: SET NX PX to acquire, Lua compare-and-delete to release; a blocked "
+            "caller polls every 0.1 s (its default `sleep`, used as is); no token, no queue."
+        ),
+    )
+    t = Table(title="Per grant, contended: requests sent to the server (EVALSHA/BLPOP/SET)")
+    for col in ("what", "fenced", "redis-py Lock", "fenced: to releaser", "redis-py: to releaser"):
+        t.add_column(col, justify="left" if col == "what" else "right")
+    for what, _, _, (ours_cmds, ours_re), (peer_cmds, peer_re) in rows[1:]:
+        t.add_row(what, f"{ours_cmds:.1f}", f"{peer_cmds:.1f}", f"{ours_re:.0%}", f"{peer_re:.0%}")
+    Console(width=160).print(t)
+
+
+if __name__ == "__main__":
+    main("--quick" in sys.argv)
