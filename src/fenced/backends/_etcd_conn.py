@@ -125,7 +125,9 @@ class _WatchHub:
         self._pending: collections.deque[WatchHandle] = collections.deque()
         self._active: dict[int, WatchHandle] = {}
         self.dead = False
-        call = member.watch_stub.Watch(self._request_stream())
+        # "hasleader": a member that loses its leader (partitioned away) ends the stream
+        # instead of silently sending no more events (etcd's WithRequireLeader).
+        call = member.watch_stub.Watch(self._request_stream(), metadata=(("hasleader", "true"),))
         self._call: Any = call
         self._reader = asyncio.create_task(self._read(call), name="fenced-etcd-watch")
 
