@@ -39,10 +39,11 @@ _CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.initial_reconnect_backoff_ms", 50),
     ("grpc.min_reconnect_backoff_ms", 50),
     ("grpc.max_reconnect_backoff_ms", 1000),
-    # etcd refuses pings more often than every 5 s (--grpc-keepalive-min-time).
+    # Find a dead peer under an open watch stream. etcd refuses pings more often than every
+    # 5 s (--grpc-keepalive-min-time), and any ping while no call is open.
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.keepalive_permit_without_calls", 0),
 )
 
 # gRPC codes worth retrying on the next member. etcd itself answers UNAVAILABLE for "no
@@ -80,8 +81,9 @@ class WatchHandle:
     """One watch for the deletion of one key, on one member's shared watch stream.
 
     ``created`` resolves to the store revision at which the watch was registered (events
-    after it are delivered); ``fired`` is set when the key is deleted, when the server
-    cancels the watch, or when the stream breaks: the waiter must re-check in every case.
+    after it are delivered). The watch fires (``fired`` becomes True and the waiter's
+    ``wake`` event is set) when the key is deleted, when the server cancels the watch, or
+    when the stream breaks: the waiter must look again in every case.
     """
 
     __slots__ = ("_hub", "_wake", "cancelled", "created", "fired", "key", "watch_id")
