@@ -70,7 +70,8 @@ class BareSQL:
     def release(self, name: str, token: int, request_id: str) -> None:
         conn = self.conn
         conn.execute("BEGIN IMMEDIATE")
-        conn.execute(S.SQL_RELEASE, (name, token, request_id)).fetchall()
+        now = _clock.now()
+        conn.execute(S.SQL_RELEASE, (name, token, request_id, self.boot, now)).fetchone()
         conn.execute("COMMIT")
 
     def op(self) -> None:

@@ -140,8 +140,11 @@ SQL_SET_HOLDER: Final = """
 INSERT OR REPLACE INTO fenced_holders (name, request_id, token, ttl, expires_at, boot_id)
 VALUES (?, ?, ?, ?, ?, ?)"""
 SQL_RELEASE: Final = """
-DELETE FROM fenced_holders WHERE name = ? AND token = ? AND request_id = ?
-RETURNING expires_at, boot_id"""
+DELETE FROM fenced_holders WHERE name = ?1 AND token = ?2 AND request_id = ?3
+RETURNING expires_at, boot_id,
+  (SELECT w.wake FROM fenced_waiters AS w
+    WHERE w.name = ?1 AND w.boot_id = ?4 AND w.expires_at > ?5
+    ORDER BY w.seq LIMIT 1)"""
 SQL_RENEW: Final = """
 UPDATE fenced_holders SET expires_at = max(expires_at, ?)
  WHERE name = ? AND token = ? AND request_id = ? AND boot_id = ? AND expires_at > ?"""
@@ -662,17 +665,21 @@ class SQLiteBackend(Backend):
         conn.execute("BEGIN IMMEDIATE")
         now = _clock.now()
         name = grant.token.lock
-        rows = conn.execute(SQL_RELEASE, (name, grant.token.value, grant.request_id)).fetchall()
-        head = conn.execute(SQL_HEAD_WAKE, (name, self._boot, now)).fetchone() if rows else None
+        boot = self._boot
+        row = conn.execute(
+            SQL_RELEASE, (name, grant.token.value, grant.request_id, boot, now)
+        ).fetchone()
         conn.execute("COMMIT")
-        if rows:
-            _notify((self.path, name))
-            _ring(head and head[0], self.path, name)
-            if head is None:
-                self._contended.discard(name)
-            else:
-                self._contended.add(name)
-        return any(boot == self._boot and expires > now for expires, boot in rows)
+        if row is None:
+            return False
+        expires, row_boot, head = row
+        _notify((self.path, name))
+        if head is None:
+            self._contended.discard(name)
+        else:
+            self._contended.add(name)
+            _ring(head, self.path, name)
+        return row_boot == boot and expires > now
 
     def _tx_status(self, conn: sqlite3.Connection, name: str) -> LockStatus:
         now = _clock.now()
