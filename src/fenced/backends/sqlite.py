@@ -679,7 +679,7 @@ class SQLiteBackend(Backend):
         else:
             self._contended.add(name)
             _ring(head, self.path, name)
-        return row_boot == boot and expires > now
+        return bool(row_boot == boot and expires > now)
 
     def _tx_status(self, conn: sqlite3.Connection, name: str) -> LockStatus:
         now = _clock.now()
