@@ -6,6 +6,7 @@ Hierarchy::
     ├── InvalidTokenError (ValueError)       malformed, out-of-range token text or value
     │   └── WrongLockError                   a token of another lock (also: comparing tokens of two locks)
     ├── StaleTokenError                      the resource has accepted a higher token: this writer is fenced off
+    ├── FenceConflictError                   a concurrent transaction kept the guard from deciding: retry
     ├── ResourceNotFoundError (LookupError)  a guarded row/key/file does not exist (not the same as stale)
     ├── LockError
     │   ├── LockTimeout (TimeoutError)       acquire did not succeed before its timeout
@@ -31,6 +32,7 @@ __all__ = [
     "BackendError",
     "BackendUnavailable",
     "ConfigurationError",
+    "FenceConflictError",
     "FencedError",
     "InvalidTokenError",
     "LeaseLostError",
@@ -81,6 +83,17 @@ class StaleTokenError(FencedError):
 
     def __reduce__(self) -> tuple[object, ...]:
         return (type(self), (self.token, self.high_water, self.resource, str(self)))
+
+
+class FenceConflictError(FencedError):
+    """The database could not evaluate the fence because of a concurrent transaction.
+
+    Raised for PostgreSQL serialization failures and deadlocks (SQLSTATE class 40) and lock
+    timeouts (55P03), and for SQLite's ``SQLITE_BUSY``/``SQLITE_LOCKED`` (for example a
+    DEFERRED transaction that read first and then could not upgrade to a writer: use
+    ``BEGIN IMMEDIATE``). The fence neither passed nor advanced: roll the transaction back
+    and retry it. The driver's error is in ``__cause__``.
+    """
 
 
 class ResourceNotFoundError(FencedError, LookupError):

@@ -20,6 +20,7 @@ from typing import Any, Final, TypeVar
 
 from .._errors import (
     ConfigurationError,
+    FenceConflictError,
     FencedError,
     ResourceNotFoundError,
     StaleTokenError,
@@ -51,17 +52,6 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-
-
-class FenceConflictError(FencedError):
-    """The database could not evaluate the fence because of a concurrent transaction.
-
-    Raised for PostgreSQL serialization failures and deadlocks (SQLSTATE class 40) and lock
-    timeouts (55P03), and for SQLite's ``SQLITE_BUSY``/``SQLITE_LOCKED`` (for example a
-    DEFERRED transaction that read first and then could not upgrade to a writer: use
-    ``BEGIN IMMEDIATE``). The fence neither passed nor advanced: roll the transaction back
-    and retry it. The driver's error is in ``__cause__``.
-    """
 
 
 @dataclass(frozen=True, slots=True, eq=False)  # two singletons; identity hash for caches
