@@ -29,6 +29,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
@@ -118,15 +119,26 @@ def uncontended_sync(url: str, hosts: str, n: int) -> tuple[Result, Result]:
 
 
 class Handoffs:
-    """Grants counted and release→grant latencies, shared by the waiters of one run."""
+    """Grants counted and release→grant latencies, shared by the waiters of one run.
+
+    Each handoff is also split in three, from marks that the patched kazoo connection sets
+    (see :func:`trace_kazoo`): release called → the releasing write on the socket, → the
+    watch event back from the server, → the next holder's acquire returns.
+    """
+
+    current: Handoffs | None = None
 
     def __init__(self, warmup: int) -> None:
         self.warmup = warmup
         self.grants = 0
         self.released_at: float | None = None
+        self.sent_at: float | None = None
+        self.event_at: float | None = None
         self.latencies: list[float] = []
+        self.parts: list[tuple[float, float, float]] = []
         self.started: float | None = None
         self.tokens: list[int] = []
+        Handoffs.current = self
 
     def granted(self, token: int | None = None) -> None:
         now = time.perf_counter()
@@ -137,15 +149,65 @@ class Handoffs:
             self.started = now
         elif self.grants > self.warmup and self.released_at is not None:
             self.latencies.append(now - self.released_at)
+            if self.sent_at is not None and self.event_at is not None:
+                self.parts.append(
+                    (
+                        self.sent_at - self.released_at,
+                        self.event_at - self.sent_at,
+                        now - self.event_at,
+                    )
+                )
 
     def releasing(self) -> None:
+        self.sent_at = self.event_at = None
         self.released_at = time.perf_counter()
 
     def result(self, name: str, ended: float) -> Result:
         res = Result(name, samples=self.latencies)
         res.ops = self.grants - self.warmup
         res.elapsed = ended - (self.started or ended)
+        res.parts = self.parts  # type: ignore[attr-defined]
         return res
+
+
+def trace_kazoo() -> None:
+    """Mark when the releasing write leaves and when the next watch event arrives."""
+    from kazoo.protocol import connection
+
+    handler = connection.ConnectionHandler
+    submit, read_event = handler._submit, handler._read_watch_event
+
+    def traced_submit(self: Any, request: Any, timeout: float, xid: int | None = None) -> Any:
+        h = Handoffs.current
+        if (
+            h is not None
+            and h.released_at is not None
+            and h.sent_at is None
+            and type(request).__name__ in ("Delete", "Transaction")
+        ):
+            h.sent_at = time.perf_counter()
+        return submit(self, request, timeout, xid)
+
+    def traced_event(self: Any, buffer: Any, offset: int) -> Any:
+        h = Handoffs.current
+        if h is not None and h.sent_at is not None and h.event_at is None:
+            h.event_at = time.perf_counter()
+        return read_event(self, buffer, offset)
+
+    handler._submit = traced_submit
+    handler._read_watch_event = traced_event
+
+
+def breakdown(res: Result) -> str:
+    parts: list[tuple[float, float, float]] = getattr(res, "parts", [])
+    if not parts:
+        return f"{res.name}: no breakdown"
+    cols = [sorted(p[i] for p in parts) for i in range(3)]
+    med = [c[len(c) // 2] * 1e3 for c in cols]
+    return (
+        f"{res.name:>16}: release→write sent {med[0]:.2f} ms, server (write + event) "
+        f"{med[1]:.2f} ms, event→granted {med[2]:.2f} ms (medians of {len(parts)})"
+    )
 
 
 async def contended_fenced(url: str, waiters: int, seconds: float) -> Result:
@@ -213,10 +275,13 @@ def contended_native(hosts: str, waiters: int, seconds: float) -> Result:
 
 def merge(results: list[Result]) -> Result:
     out = Result(results[0].name)
+    parts: list[tuple[float, float, float]] = []
     for r in results:
         out.samples += r.samples
         out.ops += r.ops
         out.elapsed += r.elapsed
+        parts += getattr(r, "parts", [])
+    out.parts = parts  # type: ignore[attr-defined]
     return out
 
 
@@ -232,6 +297,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=4.0, help="per contended round")
     parser.add_argument("--rounds", type=int, default=2, help="contended rounds per side")
     args = parser.parse_args()
+    trace_kazoo()
+    notes: list[str] = []
     with ZooKeeperServer() as zk:
         setup = KazooClient(hosts=zk.hosts)
         setup.start()
@@ -249,15 +316,20 @@ def main() -> None:
             for _ in range(args.rounds):
                 mine.append(asyncio.run(contended_fenced(zk.url, waiters, args.seconds)))
                 theirs.append(contended_native(zk.hosts, waiters, args.seconds))
+            ours_merged, theirs_merged = merge(mine), merge(theirs)
             rows.append(
-                (f"contended, {waiters} waiters (grants/s, handoff)", merge(mine), merge(theirs))
+                (f"contended, {waiters} waiters (grants/s, handoff)", ours_merged, theirs_merged)
             )
+            notes += [breakdown(ours_merged), breakdown(theirs_merged)]
         table(
             "ZooKeeper: fenced zookeeper:// vs kazoo Lock recipe (ratio = fenced/native ops/s)",
             rows,
-            note=(
-                "uncontended: ops/s from the time in each side's own calls, alternated call by "
-                "call; contended: grants/s, p50/p99 = release→next grant."
+            note="\n".join(
+                [
+                    "uncontended: ops/s from the time in each side's own calls, alternated call "
+                    "by call; contended: grants/s, p50/p99 = release→next grant. Handoffs:",
+                    *notes,
+                ]
             ),
         )
 

@@ -21,13 +21,14 @@ never blocked on a kazoo call. See ``docs/backend-zookeeper.md`` for the safety 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import enum
 import logging
 import math
+import random
 import re
-import secrets
 import select
 from collections.abc import Callable
 from typing import Any, ClassVar, Final
@@ -75,6 +76,8 @@ when missing (a kazoo chroot must exist beforehand)."""
 _NODE_RE: Final = re.compile(r"(?P<rid>.*)\.(?P<nonce>[0-9a-f]{8})-(?P<seq>-?[0-9]+)")
 _RELEASED: Final = b"released"
 """Data a holder writes to its node in the same transaction that deletes it (see release)."""
+_ARM_DELAY: Final = 0.05
+"""Seconds after a grant before its holder's node is watched (see ``_grant``)."""
 _RESET_SEQ: Final = 2**30
 """After a release at this sequence number, try to re-create the (empty) lock node: ZooKeeper's
 sequence is a 32-bit counter of child changes and would wrap after 2**31."""
@@ -203,16 +206,43 @@ def _settle(future: asyncio.Future[Any], result: Any) -> None:
         future.set_exception(exc)
 
 
-def _bridge(loop: asyncio.AbstractEventLoop, result: Any) -> asyncio.Future[Any]:
-    """An asyncio future completed (on ``loop``) by a kazoo ``IAsyncResult``."""
-    future = loop.create_future()
+class _Mailbox:
+    """Hands work from kazoo's connection thread to the event loop, in order.
 
-    def done(r: Any) -> None:
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting
-            loop.call_soon_threadsafe(_settle, future, r)
+    One ``call_soon_threadsafe`` (one write to the loop's self-pipe) per burst rather than
+    per item: responses and watch events often arrive several at a time.
+    """
 
-    result.rawlink(done)
-    return future
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.items: collections.deque[tuple[Callable[..., None], tuple[Any, ...]]] = (
+            collections.deque()
+        )
+        self.scheduled = False
+
+    def post(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run ``fn(*args)`` on the loop (from any thread; dropped if the loop is closed)."""
+        self.items.append((fn, args))
+        if not self.scheduled:
+            self.scheduled = True
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting
+                self.loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        self.scheduled = False
+        items = self.items
+        while items:
+            fn, args = items.popleft()
+            try:
+                fn(*args)
+            except Exception:  # pragma: no cover - our handlers do not raise
+                logger.exception("ZooKeeper event handler failed")
+
+    def future(self, result: Any) -> asyncio.Future[Any]:
+        """An asyncio future completed (on the loop) by a kazoo ``IAsyncResult``."""
+        future = self.loop.create_future()
+        result.rawlink(lambda r: self.post(_settle, future, r))
+        return future
 
 
 def _ignore(future: asyncio.Future[Any]) -> None:
@@ -259,6 +289,7 @@ class _Node:
     gone: set[str] = dataclasses.field(default_factory=set)  # paths seen deleted
     held_preds: set[str] = dataclasses.field(default_factory=set)  # seen released by a holder
     armed: bool = False  # a watch on our own node is known to be set
+    arming: bool = False  # a request to set it is on its way
     deleted: bool = False  # our own node is known to be gone
     wake: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     grant: Grant | None = None
@@ -340,7 +371,7 @@ class _Session:
         session_id = client_id[0] if client_id else None
         negotiated = self._negotiated_ms
         with contextlib.suppress(RuntimeError):
-            self.loop.call_soon_threadsafe(self._on_state, state, session_id, negotiated)
+            self.backend._mailbox.post(self._on_state, state, session_id, negotiated)
 
     def _on_state(self, state: str, session_id: int | None, negotiated_ms: int) -> None:
         if state == KazooState.CONNECTED:
@@ -398,7 +429,7 @@ class _Session:
             ) from None
 
     def future(self, result: Any) -> asyncio.Future[Any]:
-        return _bridge(self.loop, result)
+        return self.backend._mailbox.future(result)
 
     # -- background clean-up ---------------------------------------------------------------
 
@@ -479,6 +510,8 @@ class ZooKeeperBackend(Backend):
         self._root = chroot + ROOT
         self._connect_timeout = connect_timeout
         self._loop = asyncio.get_running_loop()
+        self._mailbox = _Mailbox(self._loop)
+        self._random = random.Random()
         self._sessions: dict[int, _Session] = {}
         self._default: _Session | None = None
         self._held: dict[tuple[str, str], _Node] = {}
@@ -539,16 +572,16 @@ class ZooKeeperBackend(Backend):
             if on_lost not in held.on_lost:
                 held.on_lost.append(on_lost)
             return held.grant  # a retry of a grant whose reply was lost: the same grant
-        prefix = node_prefix(request_id, secrets.token_hex(4))
+        prefix = node_prefix(request_id, f"{self._random.getrandbits(32):08x}")
         if len(prefix) > 1000:
             raise ConfigurationError(
                 f"request id too long for a ZooKeeper node name: {request_id!r}"
             )
         session = self._session_for(ttl)
         node = _Node(name, request_id, session, f"{self._root}/{name}", prefix, [on_lost], ttl)
-        loop = self._loop
-        node.own_watch = lambda ev: _call_soon(loop, self._on_own_event, node, ev)
-        node.pred_watch = lambda ev: _call_soon(loop, _on_pred_event, node, ev)
+        post = self._mailbox.post
+        node.own_watch = lambda ev: post(self._on_own_event, node, ev)
+        node.pred_watch = lambda ev: post(_on_pred_event, node, ev)
         session.queued.add(node)
         granted = False
         try:
@@ -696,7 +729,6 @@ class ZooKeeperBackend(Backend):
             s.discard(path)
             return None
         self._adopt(s, node, path, stat)
-        self._arm(node)
         children: list[str] = await listed
         s.proven(sent, node.session_id)
         return children, sent
@@ -745,7 +777,11 @@ class ZooKeeperBackend(Backend):
                 lower.append((_serial(parsed[2], node.seq), child))
         lower.sort()
         node.lower = [child for _, child in lower]
-        return None if node.lower else sent
+        if not node.lower:
+            return sent
+        if not node.armed and not node.arming:
+            self._arm(node)  # a waiter needs it to take the lock without a round trip
+        return None
 
     def _fresh_proof(self, s: _Session, node: _Node) -> float | None:
         """The last predecessor's deletion was just seen: may we grant without a round trip?
@@ -778,9 +814,11 @@ class ZooKeeperBackend(Backend):
         if node.path is None:
             return
         sent, sid = _clock.now(), s.session_id
+        node.arming = True
         future = s.future(s.client.exists_async(node.path, watch=node.own_watch))
 
         def armed(f: asyncio.Future[Any]) -> None:
+            node.arming = False
             if f.cancelled() or f.exception() is not None:
                 return  # the connection dropped: re-armed when it is back
             stat = f.result()
@@ -826,7 +864,22 @@ class ZooKeeperBackend(Backend):
         self._held[(node.lock, node.request_id)] = node
         if token.value > self._last_tokens.get(node.lock, 0):
             self._last_tokens[node.lock] = token.value
+        if not node.armed and not node.arming:
+            # Watch our node for deletion, unless the lock is released at once: most
+            # critical sections are short, and the watch would cost them a request.
+            self._loop.call_later(_ARM_DELAY, self._arm_if_held, node)
         return grant
+
+    def _arm_if_held(self, node: _Node) -> None:
+        s = node.session
+        if (
+            node.phase is _Phase.HELD
+            and not node.armed
+            and not node.arming
+            and s.connected.is_set()
+            and node.session_id == s.session_id
+        ):
+            self._arm(node)
 
     def _token_value(self, node: _Node) -> int:
         """The fencing token of a granted node: its czxid (see the module docstring)."""
@@ -1078,11 +1131,6 @@ def _stop_clients(clients: list[Any]) -> None:
             client.close()
         except Exception:  # pragma: no cover - closing is best effort
             logger.debug("closing a kazoo client failed", exc_info=True)
-
-
-def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
-    with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting
-        loop.call_soon_threadsafe(fn, *args)
 
 
 def _on_pred_event(node: _Node, event: Any) -> None:
