@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, ClassVar
 from urllib.parse import urlsplit
@@ -101,9 +101,7 @@ class NoNotify(PostgreSQLBackend):
 class DeadWaitersBlock(PostgreSQLBackend):
     """BUG: expired (dead) waiters are never dropped from the head of the queue."""
 
-    _ddl_template: ClassVar[str] = _plant(
-        "DELETE FROM {waiters} WHERE name = p_name AND expires_at <= t;", ""
-    )
+    _ddl_template: ClassVar[str] = _plant("EXIT WHEN NOT have_head OR h.expires_at > t;", "EXIT;")
 
 
 # -- helpers --------------------------------------------------------------------------------
@@ -149,6 +147,13 @@ async def queued_with_channel(dsn: str) -> int:
         " AND expires_at > clock_timestamp()",
     )
     return int(rows[0][0])
+
+
+def queued(dsn: str, n: int) -> Callable[[], Awaitable[bool]]:
+    async def check() -> bool:
+        return await queued_with_channel(dsn) == n
+
+    return check
 
 
 def script_env() -> dict[str, str]:
@@ -390,7 +395,7 @@ async def handoff_latencies(cls: type[PostgreSQLBackend], dsn: str, n: int) -> l
             )
 
             async def queued() -> bool:
-                return await queued_with_channel(dsn) == 1  # noqa: B023
+                return await queued_with_channel(dsn) == 1
 
             await async_wait_for(queued, what="the waiter to LISTEN and wait")
             started = time.perf_counter()
@@ -452,18 +457,11 @@ async def dead_waiter_skipped(cls: type[PostgreSQLBackend], dsn: str) -> float:
             env=script_env(),
         )
         try:
-
-            async def queued(n: int) -> Callable[[], Any]:
-                async def check() -> bool:
-                    return await queued_with_channel(dsn) == n
-
-                return check
-
-            await async_wait_for(await queued(1), timeout=30, what="the doomed waiter to queue")
+            await async_wait_for(queued(dsn, 1), timeout=30, what="the doomed waiter to queue")
             task = asyncio.create_task(
                 waiter.acquire(name, request_id="w", ttl=5, deadline=None, on_lost=_noop)
             )
-            await async_wait_for(await queued(2), timeout=30, what="the second waiter to queue")
+            await async_wait_for(queued(dsn, 2), timeout=30, what="the second waiter to queue")
             proc.kill()  # its connection dies; its place stays until it expires
             proc.wait()
             started = _clock.now()
@@ -529,17 +527,17 @@ async def test_cancelled_waiter_leaves_the_queue(pg_dsn: str) -> None:
             waiter.acquire(name, request_id="w", ttl=5, deadline=None, on_lost=_noop)
         )
 
-        async def waiting(n: int) -> Callable[[], Any]:
+        def waiting(n: int) -> Callable[[], Awaitable[bool]]:
             async def check() -> bool:
                 return (await holder.status(name)).waiters == n
 
             return check
 
-        await async_wait_for(await waiting(1), what="the waiter to queue")
+        await async_wait_for(waiting(1), what="the waiter to queue")
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        await async_wait_for(await waiting(0), what="the cancelled waiter to leave")
+        await async_wait_for(waiting(0), what="the cancelled waiter to leave")
         assert await holder.release(grant) is True
 
 
@@ -598,3 +596,26 @@ def socket_port() -> Any:
     from fenced.testing.servers import free_port
 
     yield free_port()
+
+
+async def test_idle_listener_is_closed_and_reopened(pg_dsn: str) -> None:
+    """Every NOTIFY wakes every listening backend of the database: idle listeners must go."""
+    name = unique_name()
+    async with backends(pg_dsn, 2, waiter_ttl=0.3) as (holder, waiter):
+        for i in range(2):
+            grant = await holder.acquire(
+                name, request_id=f"h{i}", ttl=30, deadline=None, on_lost=_noop
+            )
+            task = asyncio.create_task(
+                waiter.acquire(name, request_id=f"w{i}", ttl=5, deadline=None, on_lost=_noop)
+            )
+            await async_wait_for(queued(pg_dsn, 1), what="the waiter to LISTEN and wait")
+            assert waiter._listener.alive
+            assert await holder.release(grant) is True
+            got = await asyncio.wait_for(task, 5)
+            assert await waiter.release(got) is True
+
+            async def closed() -> bool:
+                return not waiter._listener.alive
+
+            await async_wait_for(closed, timeout=5, what="the idle listener to close")

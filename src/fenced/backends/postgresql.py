@@ -111,11 +111,15 @@ BEGIN
         END IF;
         o_hint := extract(epoch FROM r.expires_at - t);
     ELSE
-        -- Free, or its holder's lease has expired: the head of the queue (if alive) goes first.
-        DELETE FROM {waiters} WHERE name = p_name AND expires_at <= t;
-        SELECT w.request_id, w.channel, w.expires_at INTO h FROM {waiters} w
-         WHERE w.name = p_name ORDER BY w.id LIMIT 1;
-        have_head := FOUND;
+        -- Free, or its holder's lease has expired: the head of the queue goes first, unless
+        -- it is dead (its place expired); dead heads are dropped one by one (O(1) each).
+        LOOP
+            SELECT w.id, w.request_id, w.channel, w.expires_at INTO h FROM {waiters} w
+             WHERE w.name = p_name ORDER BY w.id LIMIT 1;
+            have_head := FOUND;
+            EXIT WHEN NOT have_head OR h.expires_at > t;
+            DELETE FROM {waiters} WHERE id = h.id;
+        END LOOP;
         IF NOT have_head OR h.request_id = p_req THEN
             -- The grant: the counter advances in this same transaction, and is never reset.
             UPDATE {locks}
@@ -129,8 +133,9 @@ BEGIN
             o_status := 'granted';
             RETURN;
         END IF;
-        -- An earlier waiter is first in line and the lock is free: wake it.
-        IF h.channel IS NOT NULL THEN
+        -- An earlier waiter is first in line. If the lock was freed by expiry, nobody has
+        -- told it yet: wake it (a release or a leaving waiter has already notified it).
+        IF r.holder IS NOT NULL AND h.channel IS NOT NULL THEN
             PERFORM pg_notify(h.channel, p_name || ' ' || md5(h.request_id));
         END IF;
         o_hint := extract(epoch FROM h.expires_at - t);
@@ -292,12 +297,16 @@ class _Listener:
 
     The connection is read by an event-loop reader callback, not by a task, so it costs nothing
     while no notification arrives. If it breaks, every waiter is woken to re-check (and to
-    LISTEN again through a new connection before it waits).
+    LISTEN again through a new connection before it waits). It is closed once no waiter has
+    needed it for ``linger`` seconds: PostgreSQL (up to 18 at least) signals *every* listening
+    backend of the database on each NOTIFY, whatever the channel, so idle listeners are not free.
     """
 
-    def __init__(self, backend: PostgreSQLBackend, channel: str) -> None:
+    def __init__(self, backend: PostgreSQLBackend, channel: str, linger: float) -> None:
         self._backend = backend
         self.channel = channel
+        self._linger = linger
+        self._idle_timer: asyncio.TimerHandle | None = None
         self._conn: _Conn | None = None
         self._fd = -1
         self._lock: asyncio.Lock | None = None
@@ -308,6 +317,9 @@ class _Listener:
         return self._conn is not None and not self._conn.closed
 
     def register(self, key: str, event: asyncio.Event) -> None:
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
         self._events.setdefault(key, set()).add(event)
 
     def unregister(self, key: str, event: asyncio.Event) -> None:
@@ -316,6 +328,15 @@ class _Listener:
             events.discard(event)
             if not events:
                 del self._events[key]
+        if not self._events and self.alive and self._idle_timer is None:
+            self._idle_timer = asyncio.get_running_loop().call_later(
+                self._linger, self._close_if_idle
+            )
+
+    def _close_if_idle(self) -> None:
+        self._idle_timer = None
+        if not self._events:
+            self.drop()
 
     async def ensure(self) -> None:
         """Make sure the channel is LISTENed to (so no later NOTIFY to it can be missed)."""
@@ -359,6 +380,9 @@ class _Listener:
 
     def drop(self) -> None:
         """Forget the connection and wake every waiter to re-check."""
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
         conn, self._conn = self._conn, None
         if conn is not None:
             with contextlib.suppress(Exception):
@@ -411,7 +435,7 @@ class PostgreSQLBackend(Backend):
         self._allow_unsafe = allow_unsafe
         self._conn: _Conn | None = None
         self._connecting: asyncio.Lock | None = None
-        self._listener = _Listener(self, f"{prefix}{secrets.token_hex(16)}")
+        self._listener = _Listener(self, f"{prefix}{secrets.token_hex(16)}", linger=waiter_ttl)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closed = False
 
