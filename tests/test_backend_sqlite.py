@@ -426,6 +426,8 @@ async def test_write_locked_database(db: str) -> None:
                 await backend.renew(grant)
             status = await locks.status(name)  # readers are not blocked by a writer (WAL)
             assert status.token == grant.token
+            async with fenced.connect_async(url_of(db)) as late:  # nor is connecting
+                assert (await late.status(name)).token == grant.token
         finally:
             other.execute("ROLLBACK")
             other.close()
@@ -577,6 +579,34 @@ async def test_cancelled_waiter_leaves_the_queue(db: str) -> None:
         lease = locks.lock(name, ttl=5)
         await lease.acquire(timeout=0)
         await lease.release()
+
+
+async def test_a_grant_made_after_its_caller_was_cancelled_is_given_back(db: str) -> None:
+    # On an application's loop the transaction runs on a worker thread and cannot be stopped
+    # halfway: if it grants after the caller gave up, the grant must not block the lock.
+    entered, gate = threading.Event(), threading.Event()
+
+    class Slow(SQLiteBackend):
+        def _next_token(self, conn: sqlite3.Connection, name: str) -> int:
+            entered.set()
+            gate.wait(10)
+            return super()._next_token(conn, name)
+
+    backend = await Slow.open(urlsplit(url_of(db)), {})
+    try:
+        task = asyncio.create_task(
+            backend.acquire("x", request_id="r", ttl=30, deadline=None, on_lost=lambda exc: None)
+        )
+        assert await asyncio.to_thread(entered.wait, 10)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        gate.set()
+        status = await backend.status("x")  # runs on the worker after the give-back
+        assert status.holder is None and status.last_token == fenced.FencingToken("x", 1)
+    finally:
+        gate.set()
+        await backend.aclose()
 
 
 async def _waiters_are(locks: fenced.AsyncLocks, name: str, n: int) -> bool:

@@ -135,12 +135,17 @@ class SQLiteEnv(BackendEnv):
         wal = Path(self.path + "-wal")
         wal_before = wal.stat().st_size if wal.exists() else 0
         with Worker("crash-mid-transaction", self.path) as worker:
+            acked = {}  # the tokens the helper was granted before it crashed
+            for _ in before:
+                name, value = worker.expect("token").split()
+                acked[name] = int(value)
             wal_during = int(worker.expect("ready"))
             worker.kill()
         # The crash must have left uncommitted frames in the WAL, or it proved nothing.
         assert wal_during > wal_before + 1_000_000, (wal_before, wal_during)
         after = read_counters(self.path)
-        lost = {k: (v, after.get(k)) for k, v in before.items() if after.get(k, 0) < v}
+        assert set(acked) == set(before)
+        lost = {k: (v, after.get(k)) for k, v in acked.items() if after.get(k, 0) < v}
         assert not lost, f"counters went back after the crash: {lost}"
 
 
@@ -164,7 +169,7 @@ def _cmd_crash_mid_transaction(args: argparse.Namespace) -> None:
     with fenced.connect(f"sqlite:///{path}") as locks:
         for name in read_counters(path):
             with locks.lock(name, ttl=30, timeout=30) as lease:
-                print("token", lease.token.value, flush=True)
+                print("token", name, lease.token.value, flush=True)
         conn = sqlite3.connect(path, isolation_level=None)
         conn.execute("PRAGMA cache_size=16")  # spill the uncommitted pages into the WAL
         conn.execute("BEGIN IMMEDIATE")

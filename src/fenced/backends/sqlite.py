@@ -561,6 +561,8 @@ class SQLiteBackend(Backend):
     # -- transactions (each runs in the thread that owns ``conn``) ------------------------------
 
     def _tx_setup(self, conn: sqlite3.Connection) -> None:
+        if conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION:
+            return  # ready: no need for the write lock (another process may hold it)
         conn.execute("BEGIN IMMEDIATE")
         version = conn.execute("PRAGMA user_version").fetchone()[0]
         if version > SCHEMA_VERSION:
