@@ -10,17 +10,19 @@ next one on release (BLPOP on a per-waiter list) instead of polling.
     .venv/bin/python bench/bench_redis.py [--quick]
 
 Rows: uncontended acquire+release by one client (sync API and asyncio API; ops/s, p50, p99 of
-one acquire+release), and contended hand-off with 10 and 100 clients on one lock, each with
-its own connection, in one asyncio loop (grants/s, and p50/p99 of the time from a holder
-starting its release to the next holder's grant). A second table shows the Redis commands
-the server ran per grant (from INFO commandstats), which is where polling shows.
+one acquire+release, alternating between the two sides in rounds); hand-off with 10 and 100
+waiters on one lock, each with its own connection, in one asyncio loop (grants/s, and p50/p99
+of the time from a holder starting its release to the next holder's grant); and the same
+clients looping without pause ("steady"). A second table shows the requests the clients sent
+per grant (from INFO commandstats), which is where polling shows, and how often a grant went
+back to the client that had just released.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
+import random
 import sys
 import time
 import uuid
@@ -177,16 +179,14 @@ def uncontended_sync(url: str, port: int, n: int) -> tuple[Result, Result]:
 
 
 async def contended(
-    side: Side, waiters: int, seconds: float, port: int, *, barge: bool = False
+    side: Side, waiters: int, seconds: float, port: int
 ) -> tuple[Result, float, float]:
-    """One holder and ``waiters`` waiting clients (own connection each) share one lock.
+    """Steady state: ``waiters`` + 1 clients (own connection each) loop on one lock for ``seconds``.
 
-    A client that releases re-queues only once the lock has passed to someone else, so there
-    are always ``waiters`` clients waiting and every grant is a real hand-off. With ``barge``
-    it re-queues at once instead (a lock without a queue may then give itself back to the
-    client that just released it). Returns the result (ops = grants, samples = time from a
-    holder starting its release to the next grant), requests per grant, and the share of
-    grants that went to the client that had just released.
+    A client that releases asks for the lock again at once, so a lock without a queue may
+    give itself straight back to the client that just released it. Returns the result (ops =
+    grants, samples = time from a holder starting its release to the next grant), requests
+    per grant, and the share of grants that went to the client that had just released.
     """
     clients = waiters + 1
     conns = await asyncio.gather(*(side.connect() for _ in range(clients)))
@@ -200,7 +200,6 @@ async def contended(
         "regrants": 0,
         "measuring": False,
         "stop": False,
-        "granted": asyncio.Event(),
     }
     holders = [0]
 
@@ -217,16 +216,9 @@ async def contended(
                 if state["released_at"] is not None:
                     res.samples.append(now - state["released_at"])
             state["last"] = me
-            granted, state["granted"] = state["granted"], asyncio.Event()
-            granted.set()
             holders[0] -= 1
-            next_grant = state["granted"]
             state["released_at"] = clock()
             await release()
-            if not barge:
-                while not state["stop"] and not next_grant.is_set():
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(next_grant.wait(), 0.5)
 
     tasks = [asyncio.create_task(worker(i, c)) for i, c in enumerate(conns)]
     try:
@@ -255,17 +247,72 @@ async def contended(
     return res, commands / grants, state["regrants"] / grants
 
 
+async def rounds(
+    side: Side, waiters: int, seconds: float, port: int
+) -> tuple[Result, float, float]:
+    """Hand-off: ``waiters`` clients (own connection each) queue on a held lock, then take it once each.
+
+    Each round a gate client holds the lock while the waiters arrive at random moments over
+    0.1 s (so a polling client's attempts are spread out, as with independent arrivals);
+    then the gate releases and each waiter, once granted, releases at once. Nobody takes the
+    lock twice in a round, so every grant is a hand-off to a client that was waiting. Rounds
+    repeat for about ``seconds``. ops = grants, elapsed = time from the gate's release to the
+    round's last grant, samples = time from a holder starting its release to the next grant.
+    """
+    conns = await asyncio.gather(*(side.connect() for _ in range(waiters + 1)))
+    gate_conn, waiter_conns = conns[0], conns[1:]
+    key = f"r-{uuid.uuid4().hex[:8]}"
+    clock = time.perf_counter
+    res = Result(side.name)
+    rng = random.Random(42)
+    commands = 0
+    try:
+        deadline = clock() + seconds
+        while clock() < deadline or res.ops == 0:
+            release_gate = await side.acquire(gate_conn, key)
+            state: dict[str, Any] = {"released_at": None, "last_grant": 0.0, "holders": 0}
+
+            async def waiter(conn: Any, delay: float, st: dict[str, Any] = state) -> None:
+                await asyncio.sleep(delay)
+                release = await side.acquire(conn, key)
+                now = clock()
+                st["holders"] += 1
+                if st["holders"] != 1:
+                    raise AssertionError("two holders at once")
+                res.samples.append(now - st["released_at"])
+                st["last_grant"] = now
+                st["holders"] -= 1
+                st["released_at"] = clock()
+                await release()
+
+            tasks = [asyncio.create_task(waiter(c, rng.uniform(0, 0.1))) for c in waiter_conns]
+            await asyncio.sleep(0.15)  # every waiter has arrived and tried once
+            before = await asyncio.to_thread(server_commands, port)
+            state["released_at"] = start = clock()
+            await release_gate()
+            await asyncio.gather(*tasks)
+            res.elapsed += state["last_grant"] - start
+            res.ops += waiters
+            commands += await asyncio.to_thread(server_commands, port) - before
+    finally:
+        await asyncio.gather(*(side.close(c) for c in conns), return_exceptions=True)
+    return res, commands / max(res.ops, 1), 0.0
+
+
 async def run_async(server: RedisServer, n: int, secs: float) -> list[tuple[Any, ...]]:
     ours, peer = FencedSide(server.url), RedisPySide(server.port)
     rows: list[tuple[Any, ...]] = []
     ours_u, peer_u = await uncontended(ours, peer, n)
     rows.append(("uncontended acquire+release", ours_u, peer_u, None, None))
-    for barge in (False, True):
-        for waiters in (10, 100):
-            what = f"contended, {waiters} waiters" + (", re-queue at once" if barge else "")
-            ours_c, *ours_x = await contended(ours, waiters, secs, server.port, barge=barge)
-            peer_c, *peer_x = await contended(peer, waiters, secs, server.port, barge=barge)
-            rows.append((what, ours_c, peer_c, ours_x, peer_x))
+    for waiters in (10, 100):
+        ours_c, *ours_x = await rounds(ours, waiters, secs, server.port)
+        peer_c, *peer_x = await rounds(peer, waiters, secs, server.port)
+        rows.append((f"hand-off, {waiters} waiters", ours_c, peer_c, ours_x, peer_x))
+    for waiters in (10, 100):
+        ours_c, *ours_x = await contended(ours, waiters, secs, server.port)
+        peer_c, *peer_x = await contended(peer, waiters, secs, server.port)
+        what = f"steady, {waiters} waiters, re-queue at once"
+        rows.append((what, ours_c, peer_c, ours_x, peer_x))
     return rows
 
 
@@ -281,22 +328,31 @@ def main(quick: bool) -> None:
         "Redis 7.0 (loopback, appendonly yes, appendfsync always): fenced redis:// vs redis-py Lock",
         all_rows,
         note=(
-            "uncontended: p50/p99 of one acquire+release by one client. contended: ops/s = "
-            "grants/s, p50/p99 = time from a holder starting release to the next grant; a "
-            "client that released re-queues once the lock has passed on (every grant is a "
-            "hand-off to a waiter), or at once ('re-queue at once': redis-py's Lock then mostly "
-            "hands the lock back to the releaser, see the second table).\n"
-            "fenced: 1 Lua script to acquire (grant + token INCR), 1 to release; waiters queue "
-            "FIFO and block in BLPOP, woken by the release.\n"
+            "uncontended: p50/p99 of one acquire+release by one client (sync API: the "
+            "caller's thread and fenced's loop thread, one hop each way per call).\n"
+            "hand-off: N waiters arrive (spread over 0.1 s) while a gate client holds the lock, "
+            "then take it once each: ops/s = grants/s, p50/p99 = from a holder starting its "
+            "release to the next grant. steady: N+1 clients loop, re-asking at once after a "
+            "release (a lock without a queue then often goes back to the releaser: second "
+            "table).\n"
+            "fenced: 1 Lua script to acquire (grant + token INCR), 1 to release, which hands the "
+            "lock (and its token) straight to the first waiter, blocked in BLPOP: no polling.\n"
             "redis-py Lock: SET NX PX to acquire, Lua compare-and-delete to release; a blocked "
             "caller polls every 0.1 s (its default `sleep`, used as is); no token, no queue."
         ),
     )
-    t = Table(title="Per grant, contended: requests sent to the server (EVALSHA/BLPOP/SET)")
+    t = Table(title="Per grant: requests the clients sent to the server (EVALSHA, BLPOP, SET)")
     for col in ("what", "fenced", "redis-py Lock", "fenced: to releaser", "redis-py: to releaser"):
         t.add_column(col, justify="left" if col == "what" else "right")
     for what, _, _, (ours_cmds, ours_re), (peer_cmds, peer_re) in rows[1:]:
-        t.add_row(what, f"{ours_cmds:.1f}", f"{peer_cmds:.1f}", f"{ours_re:.0%}", f"{peer_re:.0%}")
+        steady = what.startswith("steady")
+        t.add_row(
+            what,
+            f"{ours_cmds:.1f}",
+            f"{peer_cmds:.1f}",
+            f"{ours_re:.0%}" if steady else "-",
+            f"{peer_re:.0%}" if steady else "-",
+        )
     Console(width=160).print(t)
 
 

@@ -414,8 +414,7 @@ class CounterDeletedWithHolder(RedisBackend):
 
 _GRAB_LUA = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-redis.call('HSET', KEYS[1], 'rid', ARGV[1], 'token', ARGV[2], 'ttl', ARGV[3])
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
+redis.call('SET', KEYS[1], ARGV[2] .. ' ' .. ARGV[3] .. ' ' .. ARGV[1], 'PX', ARGV[3])
 return 1
 """
 

@@ -82,15 +82,24 @@ _NUMERIC_CLIENT_OPTIONS: Final = frozenset(
 )
 
 # Every script that changes a lock gets the same keys and its first five arguments:
-# KEYS: 1 token counter (never expires), 2 holder (hash rid/token/ttl, PX expiry),
+# KEYS: 1 token counter (never expires), 2 holder ("<token> <ttl ms> <request id>", PX expiry),
 #       3 queue (zset rid -> arrival number), 4 heartbeats (zset rid -> deadline, server ms),
 #       5 arrival counter, 6 waiters' ttls (hash rid -> ttl ms)
 # ARGV: 1 request id, 2 ttl ms, 3 mode, 4 heartbeat ms, 5 wake-list key prefix
-#
+_HOLDER: Final = """
+local function holder()
+  local v = redis.call('GET', KEYS[2])
+  if not v then return nil end
+  local token, ttl, rid = string.match(v, '^(%d+) (%d+) (.*)$')
+  return rid, token, ttl
+end
+"""
+
 # The prelude forgets waiters whose heartbeat ran out (by the server clock), and defines
 # hand_off(): when the lock is free, grant it straight to the first live waiter (its token
 # from the counter, its own ttl) and push "token:ttl" onto that waiter's wake list, where its
-# BLPOP picks it up - the hand-off costs the new holder no round trip of its own.
+# BLPOP picks it up - the hand-off costs the new holder no round trip of its own. With nobody
+# waiting, it costs one ZCARD.
 _PRELUDE: Final = """
 local now_ms = nil
 local function now()
@@ -128,8 +137,7 @@ local function grant(who, ttl)
   else
     token = redis.call('GET', KEYS[1])  -- beyond 2^53 a Lua number is not exact
   end
-  redis.call('HSET', KEYS[2], 'rid', who, 'token', token, 'ttl', ttl)
-  redis.call('PEXPIRE', KEYS[2], ttl)
+  redis.call('SET', KEYS[2], token .. ' ' .. ttl .. ' ' .. who, 'PX', ttl)
   return token
 end
 local function hand_off()
@@ -148,28 +156,29 @@ end
 # ARGV[3]: 'wait' joins the queue (or refreshes the caller's heartbeat) if not granted;
 # 'final' (the deadline has passed) leaves it instead.
 # Returns {1, token, pttl, ttl} when the caller holds the lock (a new grant, a hand-off it has
-# not read yet, or a retried request), else {0, holder pttl or -1, queue length}.
+# not read yet, or a retried request), else {0, holder pttl, queue length}.
 ACQUIRE_LUA: Final = (
-    """
+    _HOLDER
+    + """
 local rid = ARGV[1]
-local h = redis.call('HMGET', KEYS[2], 'rid', 'token', 'ttl')
-if h[1] == rid then
-  return {1, h[2], redis.call('PTTL', KEYS[2]), tonumber(h[3])}
+local h_rid, h_token, h_ttl = holder()
+if h_rid == rid then
+  return {1, h_token, redis.call('PTTL', KEYS[2]), tonumber(h_ttl)}
 end
 """
     + _PRELUDE
     + """
--- Not the holder: whatever hand-off was pushed to us earlier has expired since.
-redis.call('DEL', ARGV[5] .. rid)
-if not h[1] then
+if not h_rid then
   local head = first()
   if not head or head == rid then
-    forget(rid)
+    if head then forget(rid) end
     local token = grant(rid, ARGV[2])
     return {1, token, tonumber(ARGV[2]), tonumber(ARGV[2])}
   end
   hand_off()
 end
+-- Not the holder: a hand-off pushed to us earlier has expired since; drop it before we block.
+redis.call('DEL', ARGV[5] .. rid)
 if ARGV[3] == 'wait' then
   if not redis.call('ZSCORE', KEYS[3], rid) then
     redis.call('ZADD', KEYS[3], redis.call('INCR', KEYS[5]), rid)
@@ -186,27 +195,29 @@ return {0, redis.call('PTTL', KEYS[2]), redis.call('ZCARD', KEYS[3])}
 # An abandoned acquire (cancelled, failed) leaves the queue, and gives back a grant that was
 # made for it while it was not listening; then a free lock goes to the next waiter.
 LEAVE_LUA: Final = (
-    """
-local h = redis.call('HMGET', KEYS[2], 'rid')
+    _HOLDER
+    + """
+local h_rid = holder()
 """
     + _PRELUDE
     + """
 forget(ARGV[1])
 redis.call('DEL', ARGV[5] .. ARGV[1])
-if h[1] == ARGV[1] then
+if h_rid == ARGV[1] then
   redis.call('DEL', KEYS[2])
-  h[1] = false
+  h_rid = nil
 end
-if not h[1] then hand_off() end
+if not h_rid then hand_off() end
 return 1
 """
 )
 
 # ARGV[6]: the token being released. Returns 1 if it was held (and is now released), else 0.
 RELEASE_LUA: Final = (
-    """
-local h = redis.call('HMGET', KEYS[2], 'rid', 'token')
-if h[1] ~= ARGV[1] or h[2] ~= ARGV[6] then
+    _HOLDER
+    + """
+local h_rid, h_token = holder()
+if h_rid ~= ARGV[1] or h_token ~= ARGV[6] then
   return 0
 end
 redis.call('DEL', KEYS[2])
@@ -218,27 +229,33 @@ return 1
 """
 )
 
-# KEYS: 1 holder   ARGV: 1 rid, 2 token, 3 ttl ms
-RENEW_LUA: Final = """
-local h = redis.call('HMGET', KEYS[1], 'rid', 'token')
-if h[1] ~= ARGV[1] or h[2] ~= ARGV[2] then
+# KEYS: as above (only 2 is used)   ARGV: 1 request id, 2 token, 3 ttl ms
+RENEW_LUA: Final = (
+    _HOLDER
+    + """
+local h_rid, h_token = holder()
+if h_rid ~= ARGV[1] or h_token ~= ARGV[2] then
   return 0
 end
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
+redis.call('PEXPIRE', KEYS[2], ARGV[3])
 return 1
 """
+)
 
-# KEYS: 1 counter, 2 holder, 3 queue, 4 heartbeats   (reads only)
-STATUS_LUA: Final = """
+# KEYS: as above (reads only)
+STATUS_LUA: Final = (
+    _HOLDER
+    + """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local h = redis.call('HMGET', KEYS[2], 'rid', 'token')
+local h_rid, h_token = holder()
 local pttl = -1
-if h[1] then pttl = redis.call('PTTL', KEYS[2]) end
+if h_rid then pttl = redis.call('PTTL', KEYS[2]) end
 local last = redis.call('GET', KEYS[1])
 local waiters = redis.call('ZCOUNT', KEYS[4], '(' .. now, '+inf')
-return {h[1] or '', h[2] or '', pttl, last or '', waiters}
+return {h_rid or '', h_token or '', pttl, last or '', waiters}
 """
+)
 
 
 def _parse_bool(name: str, value: object) -> bool:
@@ -568,7 +585,7 @@ class RedisBackend(Backend):
         sent_at = _clock.now()
         ttl_ms = max(1, round(grant.ttl * 1000))
         args = (grant.request_id, grant.token.value, ttl_ms)
-        ok = await self._call(lambda: self._renew(keys=[keys[1]], args=args))
+        ok = await self._call(lambda: self._renew(keys=keys, args=args))
         if not int(ok):
             raise LeaseLostError(f"lease {grant.token} is no longer held")
         return Grant(grant.token, grant.request_id, grant.ttl, sent_at, grant.handle)
@@ -581,7 +598,7 @@ class RedisBackend(Backend):
 
     async def status(self, name: str) -> LockStatus:
         keys, _ = self._keys(name)
-        rid, token, pttl, last, waiters = await self._call(lambda: self._status(keys=keys[:4]))
+        rid, token, pttl, last, waiters = await self._call(lambda: self._status(keys=keys))
         held = bool(rid) and int(pttl) >= 0
         return LockStatus(
             name=name,
