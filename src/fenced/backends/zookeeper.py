@@ -14,8 +14,8 @@ node up at ``sent_at + ttl`` on its own timer. ``Grant.ttl`` is the smaller of t
 and the timeout the server negotiated, so the holder never counts on more than the server gives.
 
 kazoo is thread-based. Its callbacks run on kazoo's connection thread (see :class:`_InlineHandler`)
-and only hand results to the backend's event loop with ``call_soon_threadsafe``; the loop is
-never blocked on a kazoo call. See ``docs/backend-zookeeper.md`` for the safety argument.
+and only hand results to the backend's event loop (see :class:`_Mailbox`); the loop is never
+blocked on a kazoo call. See ``docs/backend-zookeeper.md`` for the safety argument.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ _ARM_DELAY: Final = 0.05
 """Seconds after a grant before its holder's node is watched (see ``_grant``)."""
 _RESET_SEQ: Final = 2**30
 """After a release at this sequence number, try to re-create the (empty) lock node: ZooKeeper's
-sequence is a 32-bit counter of child changes and would wrap after 2**31."""
+sequence is a signed 32-bit counter per parent node and would wrap after 2**31."""
 
 _UNAVAILABLE: Final = (
     ConnectionLoss,
@@ -933,7 +933,10 @@ class ZooKeeperBackend(Backend):
         except (NoNodeError, SessionExpiredError):
             pass
         except KazooException:
+            s.discard(path)  # the connection dropped: deleted once it is back
+        except BaseException:  # cancelled meanwhile
             s.discard(path)
+            raise
 
     def _abandon(self, node: _Node) -> None:
         """An acquire ended without a grant (error, cancellation): its node must not stay."""
@@ -1028,7 +1031,17 @@ class ZooKeeperBackend(Backend):
             s.discard(path)
             raise _unavailable("release failed (retried in the background)", exc) from exc
         if any(isinstance(r, Exception) for r in results):
-            return False  # gone already (or not ours): nothing was changed
+            if not isinstance(results[0], BadVersionError):
+                return False  # gone already (expired or deleted): nothing was changed
+            # Someone else wrote to our node (only fenced should): it is still ours by its
+            # path, and must not stay behind to block the lock.
+            try:
+                await s.future(s.client.delete_async(path))
+            except NoNodeError:
+                return False
+            except KazooException as exc:
+                s.discard(path)
+                raise _unavailable("release failed (retried in the background)", exc) from exc
         if seq >= _RESET_SEQ or seq < 0:
             # Re-create the lock node (if empty) so its sequence counter starts again; the
             # tokens are czxids, which keep growing across a re-created parent.
