@@ -619,3 +619,78 @@ async def test_idle_listener_is_closed_and_reopened(pg_dsn: str) -> None:
                 return not waiter._listener.alive
 
             await async_wait_for(closed, timeout=5, what="the idle listener to close")
+
+
+class KeepsOrphanGrants(PostgreSQLBackend):
+    """BUG: the late result of a cancelled acquire is ignored (its grant blocks until expiry)."""
+
+    def _abandon(self, conn: Any, task: Any, late: Any) -> None:
+        super()._abandon(conn, task, None)
+
+
+async def cancelled_grant_given_back(cls: type[PostgreSQLBackend], pg_dsn: str) -> None:
+    """The acquire statement is in flight (blocked on the lock's row) when its caller is
+    cancelled; it then grants, and nobody will take that grant: the backend releases it."""
+    name = unique_name()
+    async with backends(pg_dsn, 1, cls) as (backend,):
+        first = await backend.acquire(name, request_id="a", ttl=5, deadline=None, on_lost=_noop)
+        assert await backend.release(first) is True
+        async with await psycopg.AsyncConnection.connect(pg_dsn) as blocker:
+            await blocker.execute(b"SELECT 1 FROM fenced_locks WHERE name = %s FOR UPDATE", (name,))
+            task = asyncio.create_task(
+                backend.acquire(name, request_id="b", ttl=30, deadline=None, on_lost=_noop)
+            )
+
+            async def blocked() -> bool:
+                rows = await db_rows(
+                    pg_dsn,
+                    "SELECT count(*) FROM pg_locks WHERE NOT granted AND locktype = 'transactionid'",
+                )
+                return int(rows[0][0]) >= 1
+
+            await async_wait_for(blocked, what="the acquire to block on the row")
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await blocker.commit()  # the abandoned statement now grants
+
+        async def given_back() -> bool:
+            status = await backend.status(name)
+            return (
+                status.last_token is not None
+                and status.last_token > first.token
+                and status.holder is None
+            )
+
+        await async_wait_for(given_back, timeout=3, what="the orphaned grant to be released")
+
+
+async def test_grant_of_a_cancelled_acquire_is_given_back(pg_dsn: str) -> None:
+    await cancelled_grant_given_back(PostgreSQLBackend, pg_dsn)
+
+
+async def test_planted_orphan_grant_is_caught(pg_dsn: str) -> None:
+    with pytest.raises(AssertionError, match="orphaned grant"):
+        await cancelled_grant_given_back(KeepsOrphanGrants, pg_dsn)
+
+
+async def test_grant_of_a_timed_out_call_is_found_by_the_retry(pg_dsn: str) -> None:
+    """A call that times out is not undone: the retry under the same request id finds it."""
+    name = unique_name()
+    async with backends(pg_dsn, 1, command_timeout=0.3) as (backend,):
+        first = await backend.acquire(name, request_id="a", ttl=5, deadline=None, on_lost=_noop)
+        assert await backend.release(first) is True
+        async with await psycopg.AsyncConnection.connect(pg_dsn) as blocker:
+            await blocker.execute(b"SELECT 1 FROM fenced_locks WHERE name = %s FOR UPDATE", (name,))
+            with pytest.raises(fenced.BackendUnavailable, match="in time"):
+                await backend.acquire(name, request_id="b", ttl=30, deadline=None, on_lost=_noop)
+            await blocker.commit()
+
+        async def granted() -> bool:
+            return (await backend.status(name)).holder == "b"
+
+        await async_wait_for(granted, what="the timed-out statement to grant")
+        retry = await backend.acquire(name, request_id="b", ttl=30, deadline=None, on_lost=_noop)
+        assert retry.token > first.token
+        assert (await backend.status(name)).token == retry.token
+        assert await backend.release(retry) is True

@@ -586,20 +586,27 @@ class PostgreSQLBackend(Backend):
     ) -> _Row | None:
         """Run one statement and return its row.
 
-        The statement runs in its own task: if the caller is cancelled or times out, it
-        returns at once, the connection is given up (the next call opens another), and
-        ``late`` sees the statement's result when it comes, e.g. to undo a grant nobody took.
+        The statement runs in its own task, so a caller that is cancelled or times out returns
+        at once (psycopg would otherwise wait up to 10 s for a server-side cancel). The
+        connection is then given up (the next call opens another). On cancellation ``late``
+        sees the statement's result when it comes, e.g. to give back a grant nobody will take;
+        not on a timeout, which the caller retries under the same request id (and so finds
+        that grant by the idempotent path).
         """
         self._check_open()
         conn = await self._command_conn()
         task = asyncio.ensure_future(_fetch(conn, query, params))
         try:
-            async with asyncio.timeout(self._command_timeout if timeout is None else timeout):
-                return await asyncio.shield(task)
-        except (asyncio.CancelledError, TimeoutError) as exc:
-            self._abandon(conn, task, late)
-            if isinstance(exc, TimeoutError) and not task.done():
+            try:
+                async with asyncio.timeout(self._command_timeout if timeout is None else timeout):
+                    return await asyncio.shield(task)
+            except TimeoutError as exc:
+                if task.done():  # answered just as the time ran out
+                    return task.result()
+                self._abandon(conn, task, None)
                 raise BackendUnavailable("PostgreSQL did not answer in time") from exc
+        except asyncio.CancelledError:
+            self._abandon(conn, task, late)
             raise
         except psycopg.Error as exc:
             raise self._translate(exc, conn) from exc
