@@ -25,6 +25,7 @@ import pytest
 
 import fenced
 from fenced import _clock
+from fenced.backends import sqlite as sqlite_backend
 from fenced.backends.sqlite import SQLiteBackend, _relaxed, database_path
 from tests.envs.sqlite import ROOT, Worker, open_journal, read_counters, record
 from tests.helpers import async_wait_for, unique_name, wait_for
@@ -471,11 +472,15 @@ async def _is_free(locks: fenced.AsyncLocks, name: str) -> bool:
     return (await locks.status(name)).holder is None
 
 
+@pytest.mark.parametrize("doorbell", [True, False], ids=["doorbell", "no-doorbell"])
 def test_release_wakes_waiters_of_this_process_at_once(
-    db: str, monkeypatch: pytest.MonkeyPatch
+    db: str, monkeypatch: pytest.MonkeyPatch, doorbell: bool
 ) -> None:
-    # With every poll 5 s apart, only the in-process wake-up can hand the lock over quickly.
+    # With every poll 5 s apart, only the in-process wake-up can hand the lock over quickly,
+    # also where this process has no doorbell socket (another OS).
     monkeypatch.setattr(SQLiteBackend, "poll_min", 5.0)
+    if not doorbell:
+        monkeypatch.setattr(sqlite_backend, "_my_wake_address", lambda: None)
     name = unique_name()
     url = url_of(db, poll_interval=5, waiter_ttl=60)
     with fenced.connect(url) as locks, fenced.connect(url) as other:

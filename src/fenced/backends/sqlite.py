@@ -118,7 +118,7 @@ SCHEMA: Final = (
         request_id TEXT NOT NULL,
         expires_at REAL NOT NULL,
         boot_id TEXT NOT NULL,
-        wake BLOB,
+        wake BLOB NOT NULL,  -- request id, NUL, doorbell address of its process (if any)
         UNIQUE (name, request_id)
     )""",
     "CREATE INDEX IF NOT EXISTS fenced_waiters_queue ON fenced_waiters (name, seq)",
@@ -269,12 +269,13 @@ class _Poll:
 
 
 class _LocalWaiter:
-    """A blocked acquire in this process, woken by releases made in this process."""
+    """A blocked acquire in this process, woken when the lock may have become its."""
 
-    __slots__ = ("event", "loop")
+    __slots__ = ("event", "loop", "request_id")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, request_id: str) -> None:
         self.loop = loop
+        self.request_id = request_id
         self.event = asyncio.Event()
 
 
@@ -296,10 +297,16 @@ def _unregister(key: tuple[str, str], waiter: _LocalWaiter) -> None:
                 del _local_waiters[key]
 
 
-def _notify(key: tuple[str, str]) -> None:
-    """Wake every blocked acquire of this lock in this process (from any thread)."""
+def _notify(key: tuple[str, str], request_id: str | None = None) -> None:
+    """Wake the blocked acquire ``request_id`` of this lock in this process, or all of them
+    (from any thread). Only the head of the queue can take a freed lock: the others are left
+    to poll rather than all re-reading the file at once."""
     with _local_mutex:
-        waiters = list(_local_waiters.get(key, ()))
+        waiters = [
+            w
+            for w in _local_waiters.get(key, ())
+            if request_id is None or w.request_id == request_id
+        ]
     for waiter in waiters:
         with contextlib.suppress(RuntimeError):  # its loop is closed: it is gone
             waiter.loop.call_soon_threadsafe(waiter.event.set)
@@ -332,8 +339,8 @@ class _Waker:
                 data = self.sock.recv(8192)
             except OSError:
                 return
-            path, _, name = data.decode("utf-8", "replace").partition("\0")
-            _notify((path, name))
+            path, name, request_id = [*data.decode("utf-8", "replace").split("\0"), "", ""][:3]
+            _notify((path, name), request_id or None)
 
 
 _waker_mutex = threading.Lock()
@@ -363,20 +370,23 @@ def _my_wake_address() -> bytes | None:
         return _waker_instance.address
 
 
-def _ring(address: bytes | None, path: str, name: str) -> None:
-    """Wake the waiters of ``name`` in the process at ``address`` (best effort, never blocks)."""
+def _ring(head: bytes | None, path: str, name: str) -> None:
+    """Wake the head of the queue of ``name``, in this or another process (best effort, never
+    blocks). ``head`` is its request id, a NUL, and its process's doorbell address."""
     global _sender
-    if not address:
+    if not head:
         return
+    request_id, _, address = head.partition(b"\0")
     waker = _waker_instance
-    if waker is not None and waker.address == address and waker.pid == os.getpid():
-        _notify((path, name))  # ourselves
+    here = waker is not None and waker.pid == os.getpid() and waker.address == address
+    if here or not address:  # ours, or a process without a doorbell: if it is here, wake it
+        _notify((path, name), request_id.decode("utf-8", "replace"))
         return
     try:
         if _sender is None:
             _sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
             _sender.setblocking(False)
-        _sender.sendto(f"{path}\0{name}".encode(), address)
+        _sender.sendto(path.encode() + b"\0" + name.encode() + b"\0" + request_id, address)
     except OSError:  # the waiter's process is gone, or its queue is full: it polls anyway
         pass
 
@@ -619,9 +629,8 @@ class SQLiteBackend(Backend):
                 conn.execute("COMMIT")  # nothing written: no fsync
                 return _Attempt(holder_expires=expires if live else None)
             conn.execute(SQL_PURGE_WAITERS, (name, boot, now))  # waiters that died meanwhile
-            conn.execute(
-                SQL_ENQUEUE, (name, request_id, now + self._waiter_ttl, boot, _my_wake_address())
-            )
+            wake = request_id.encode() + b"\0" + (_my_wake_address() or b"")
+            conn.execute(SQL_ENQUEUE, (name, request_id, now + self._waiter_ttl, boot, wake))
             conn.execute("COMMIT")
             return _Attempt(queued=True, retry=free, holder_expires=expires if live else None)
 
@@ -632,7 +641,6 @@ class SQLiteBackend(Backend):
             conn.execute(SQL_DEQUEUE, (name, request_id))
             head = conn.execute(SQL_HEAD_WAKE, (name, self._boot, _clock.now())).fetchone()
             conn.execute("COMMIT")
-        _notify((self.path, name))
         _ring(head and head[0], self.path, name)
 
     def _tx_poll(self, conn: sqlite3.Connection, name: str, request_id: str) -> _Poll:
@@ -675,7 +683,6 @@ class SQLiteBackend(Backend):
         if row is None:
             return False
         expires, row_boot, head = row
-        _notify((self.path, name))
         if head is None:
             self._contended.discard(name)
         else:
@@ -750,7 +757,7 @@ class SQLiteBackend(Backend):
                     raise timeout()  # the finally clause leaves the queue
                 self._contended.add(name)
                 if waiter is None:
-                    waiter = _LocalWaiter(asyncio.get_running_loop())
+                    waiter = _LocalWaiter(asyncio.get_running_loop(), request_id)
                     _register(key, waiter)
                 mode = await self._await_turn(
                     name, request_id, waiter, deadline, attempt.holder_expires
