@@ -53,7 +53,7 @@ from fenced.guards.redis import (
     default_fence_key,
     eval_script,
 )
-from fenced.testing.servers import RedisServer
+from fenced.testing.servers import RedisServer, free_port
 from tests.helpers import unique_name, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -430,6 +430,7 @@ def test_fence_key_shares_the_slot_of_tagged_keys() -> None:
 def test_redis_cluster_same_slot_only(tmp_path: Path) -> None:
     """A one-node Redis Cluster: tagged keys work; a key of another slot writes nothing."""
     extra = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
+    extra += ["--cluster-port", str(free_port())]  # (default: port + 10000, may be > 65535)
     with RedisServer(str(tmp_path), extra=extra) as server:
         admin = redis.Redis(port=server.port)
         admin.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
