@@ -131,6 +131,7 @@ def test_crash_check_catches_a_counter_that_is_not_persisted() -> None:
         (["--appendfsync", "everysec"], "appendfsync"),
         (["--appendonly", "no"], "appendonly"),
         (["--maxmemory", "100mb", "--maxmemory-policy", "allkeys-lru"], "maxmemory-policy"),
+        (["--no-appendfsync-on-rewrite", "yes"], "no-appendfsync-on-rewrite"),
     ],
 )
 def test_refuses_a_server_that_can_lose_tokens(
@@ -205,6 +206,27 @@ def test_is_not_linearizable(redis_server: RedisServer) -> None:
 def test_bad_options(redis_server: RedisServer, options: dict[str, Any], match: str) -> None:
     with pytest.raises(fenced.ConfigurationError, match=match):
         fenced.connect(redis_server.url, **options)
+
+
+@pytest.mark.parametrize(
+    ("query", "match"),
+    [("bogus=1", "unknown"), ("socket_timeout=abc", "socket_timeout"), ("key_prefix=a{", "braces")],
+)
+def test_bad_url_options(redis_server: RedisServer, query: str, match: str) -> None:
+    with pytest.raises(fenced.ConfigurationError, match=match):
+        fenced.connect(f"{redis_server.url}?{query}")
+
+
+def test_url_options(redis_server: RedisServer) -> None:
+    prefix, name = _prefix(), unique_name()
+    url = f"{redis_server.url.rsplit('/', 1)[0]}/3?key_prefix={prefix}&socket_timeout=7"
+    with fenced.connect(url) as locks, locks.lock(name, ttl=5):
+        pass
+    native = redis.Redis(port=redis_server.port, db=3)
+    try:
+        assert native.get(f"{prefix}{{{name}}}:token") == b"1"
+    finally:
+        native.close()
 
 
 # -- paused processes ------------------------------------------------------------------------

@@ -2,24 +2,26 @@
 
 Every state change is one Lua script, so it is atomic on the server:
 
-* **acquire** grants the lock if it is free and the caller is first in line, taking the token
-  from a per-lock counter with ``INCR`` *in the same script*; the counter key is never given a
-  TTL and never deleted, so tokens only grow. The holder key (a hash of request id, token and
-  ttl) carries a ``PX`` expiry judged by the server's clock.
-* Blocked callers wait FIFO in a per-lock sorted set scored by a queue sequence number, with a
-  second sorted set of heartbeat deadlines (server time) so a waiter that died is skipped.
-  A waiter blocks in ``BLPOP`` on its own wake list: release (or anyone who finds the lock
-  free while a live waiter is first) pushes to the first waiter's list, so there is no
-  polling; a timed re-check at the holder's expiry (and every third of the heartbeat) covers
-  leases that simply run out.
-* **renew** extends the expiry only if the holder is still this grant; **release** deletes the
-  holder only if request id and token match, then wakes the next waiter.
+* **acquire** grants the lock if it is free and nobody is waiting ahead of the caller, taking
+  the token from a per-lock counter with ``INCR`` *in the same script*; the counter key is never
+  given a TTL and never deleted, so tokens only grow. The holder key (``"<token> <ttl>
+  <request id>"``) carries a ``PX`` expiry judged by the server's clock.
+* Blocked callers wait FIFO in a per-lock sorted set scored by an arrival number, with a second
+  sorted set of heartbeat deadlines (server time), so a waiter that died is skipped. A waiter
+  blocks in ``BLPOP`` on its own list. When the lock becomes free (release, an abandoned
+  acquire, or an expired holder noticed by anyone), the script grants it straight to the first
+  live waiter and pushes the token onto that waiter's list: no polling, and no extra round
+  trip for the new holder. A waiter also re-checks at the holder's expiry time and every third
+  of its heartbeat period.
+* **renew** extends the expiry only if the holder is still this grant (else LeaseLostError);
+  **release** deletes the holder only if request id and token match, then hands off.
 
 Redis is *not* a linearizable token source: replication is asynchronous, so a failover can lose
 an acknowledged ``INCR`` and hand the same token out twice (Kleppmann, "How to do distributed
 locking", 2016). The backend therefore never declares LINEARIZABLE, and it declares DURABLE
-only for the configuration it checks on connect: ``appendonly yes``, ``appendfsync always``,
-no replicas, and no eviction policy that could evict the counter. Anything else is refused with
+only for the configuration it checks on connect (and again after reconnecting): ``appendonly
+yes``, ``appendfsync always``, ``no-appendfsync-on-rewrite no``, no replicas, ``role:master``,
+and no ``allkeys-*`` eviction policy. Anything else is refused with
 :class:`~fenced.UnsafeBackendError` unless ``allow_unsafe_durability=true`` is given, which
 logs a warning. See ``docs/backend-redis.md``.
 """
@@ -376,18 +378,20 @@ class RedisBackend(Backend):
         own: dict[str, Any] = {}
         client_kwargs: dict[str, Any] = {}
         query: list[tuple[str, str]] = []
+        known = ", ".join(sorted(_OWN_OPTIONS | _CLIENT_OPTIONS | {"db"}))
         for key, value in parse_qsl(url.query, keep_blank_values=True):
             if key in _OWN_OPTIONS:
                 own[key] = value
+            elif key in _CLIENT_OPTIONS or key == "db":
+                query.append((key, value))  # redis-py parses these from the URL itself
             else:
-                query.append((key, value))  # redis-py's own URL options (db, timeouts, ...)
+                raise ConfigurationError(f"unknown redis:// URL option {key!r}; known: {known}")
         for key, value in options.items():
             if key in _OWN_OPTIONS:
                 own[key] = value
             elif key in _CLIENT_OPTIONS:
                 client_kwargs[key] = value
             else:
-                known = ", ".join(sorted(_OWN_OPTIONS | _CLIENT_OPTIONS))
                 raise ConfigurationError(f"unknown redis:// option {key!r}; known: {known}")
         allow_unsafe = _parse_bool(
             "allow_unsafe_durability", own.get("allow_unsafe_durability", False)
