@@ -1,6 +1,6 @@
 """fenced's ZooKeeper lock vs kazoo's own ``Lock`` recipe, on one ZooKeeper server.
 
-    .venv/bin/python bench/bench_zookeeper.py [--n 600] [--seconds 4]
+    .venv/bin/python bench/bench_zookeeper.py [--n 600] [--seconds 3] [--rounds 3]
 
 Rows (fenced = ``zookeeper://`` through the lease API, peer = ``kazoo.recipe.lock.Lock`` on a
 plain ``KazooClient``; same server, same machine):
@@ -210,27 +210,31 @@ def breakdown(res: Result) -> str:
     )
 
 
-async def contended_fenced(url: str, waiters: int, seconds: float) -> Result:
+async def contended_fenced(url: str, waiters: int, seconds: float, clients: int = 1) -> Result:
     name = f"cont-{uuid.uuid4().hex[:8]}"
     stats = Handoffs(warmup=waiters * 2)
     stop = asyncio.Event()
-    async with fenced.connect_async(url) as locks:
+    conns = [fenced.connect_async(url) for _ in range(clients)]
+    for conn in conns:
+        await conn.open()
 
-        async def waiter() -> None:
-            lease = locks.lock(name, ttl=TTL)
-            while not stop.is_set():
-                token = await lease.acquire()
-                stats.granted(token.value)
-                stats.releasing()
-                await lease.release()
+    async def waiter(locks: fenced.AsyncLocks) -> None:
+        lease = locks.lock(name, ttl=TTL)
+        while not stop.is_set():
+            token = await lease.acquire()
+            stats.granted(token.value)
+            stats.releasing()
+            await lease.release()
 
-        tasks = [asyncio.create_task(waiter()) for _ in range(waiters)]
-        await _run_for(seconds, stats, stop)
-        ended = time.perf_counter()
-        await asyncio.gather(*tasks)
+    tasks = [asyncio.create_task(waiter(conns[i % clients])) for i in range(waiters)]
+    await _run_for(seconds, stats, stop)
+    ended = time.perf_counter()
+    await asyncio.gather(*tasks)
+    for conn in conns:
+        await conn.aclose()
     tokens = stats.tokens
     assert all(a < b for a, b in zip(tokens, tokens[1:], strict=False)), "tokens not increasing"
-    return stats.result(f"fenced ×{waiters}", ended)
+    return stats.result(f"fenced ×{waiters}" + (f"/{clients}" if clients > 1 else ""), ended)
 
 
 async def _run_for(seconds: float, stats: Handoffs, stop: asyncio.Event) -> None:
@@ -241,15 +245,16 @@ async def _run_for(seconds: float, stats: Handoffs, stop: asyncio.Event) -> None
     stop.set()
 
 
-def contended_native(hosts: str, waiters: int, seconds: float) -> Result:
+def contended_native(hosts: str, waiters: int, seconds: float, clients: int = 1) -> Result:
     path = f"/bench/cont-{uuid.uuid4().hex[:8]}"
-    client = KazooClient(hosts=hosts, timeout=TTL)
-    client.start()
+    kazoos = [KazooClient(hosts=hosts, timeout=TTL) for _ in range(clients)]
+    for client in kazoos:
+        client.start()
     stats = Handoffs(warmup=waiters * 2)
     stop = threading.Event()
     ended = 0.0
 
-    def waiter() -> None:
+    def waiter(client: Any) -> None:
         lock = Lock(client, path)
         while not stop.is_set():
             lock.acquire()
@@ -257,7 +262,10 @@ def contended_native(hosts: str, waiters: int, seconds: float) -> Result:
             stats.releasing()
             lock.release()
 
-    threads = [threading.Thread(target=waiter, daemon=True) for _ in range(waiters)]
+    threads = [
+        threading.Thread(target=waiter, args=(kazoos[i % clients],), daemon=True)
+        for i in range(waiters)
+    ]
     for t in threads:
         t.start()
     deadline = time.monotonic() + 60
@@ -268,9 +276,10 @@ def contended_native(hosts: str, waiters: int, seconds: float) -> Result:
     ended = time.perf_counter()
     for t in threads:
         t.join(30)
-    client.stop()
-    client.close()
-    return stats.result(f"kazoo Lock ×{waiters}", ended)
+    for client in kazoos:
+        client.stop()
+        client.close()
+    return stats.result(f"kazoo Lock ×{waiters}" + (f"/{clients}" if clients > 1 else ""), ended)
 
 
 def merge(results: list[Result]) -> Result:
@@ -294,8 +303,8 @@ def run(coro: Awaitable[Result] | Callable[[], Result]) -> Result:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=int, default=600, help="uncontended pairs per API")
-    parser.add_argument("--seconds", type=float, default=4.0, help="per contended round")
-    parser.add_argument("--rounds", type=int, default=2, help="contended rounds per side")
+    parser.add_argument("--seconds", type=float, default=3.0, help="per contended round")
+    parser.add_argument("--rounds", type=int, default=3, help="contended rounds per side")
     args = parser.parse_args()
     trace_kazoo()
     notes: list[str] = []
