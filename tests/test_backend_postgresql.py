@@ -501,6 +501,11 @@ async def test_session_forces_synchronous_commit(pg_dsn: str) -> None:
     async with backends(pg_dsn, 1) as (backend,):
         row = await backend._call(b"SHOW synchronous_commit", ())
         assert row == ("on",)
+    # A stronger setting is kept.
+    await db_rows(pg_dsn, f"ALTER DATABASE {db} SET synchronous_commit = remote_apply")
+    async with backends(pg_dsn, 1) as (backend,):
+        row = await backend._call(b"SHOW synchronous_commit", ())
+        assert row == ("remote_apply",)
 
 
 async def test_reconnects_after_server_restart(pg_dsn: str, pg_server: PostgresServer) -> None:

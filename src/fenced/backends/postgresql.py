@@ -214,8 +214,11 @@ SELECT l.holder, l.token, l.last_token, extract(epoch FROM l.expires_at - c.t)::
   FROM (SELECT clock_timestamp() AS t) c LEFT JOIN {locks} l ON l.name = %(name)s::text
 """
 
+# "on" unless the server asks for more (remote_apply): never weaker, whatever the defaults.
 _SESSION: Final = (
-    b"SET synchronous_commit = on; SET default_transaction_isolation = 'read committed'"
+    b"SELECT set_config('synchronous_commit', CASE current_setting('synchronous_commit')"
+    b" WHEN 'remote_apply' THEN 'remote_apply' ELSE 'on' END, false);"
+    b" SET default_transaction_isolation = 'read committed'"
 )
 
 
