@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -23,7 +24,7 @@ import fenced
 from fenced import _backend, _clock
 from fenced._backend import Grant, LostCallback
 from fenced._token import FencingToken
-from fenced.backends.redis import RELEASE_LUA, RedisBackend
+from fenced.backends.redis import ACQUIRE_LUA, LEAVE_LUA, RELEASE_LUA, RedisBackend
 from fenced.testing.servers import RedisServer
 from tests.helpers import async_wait_for, unique_name, wait_for
 
@@ -434,6 +435,18 @@ class CounterDeletedWithHolder(RedisBackend):
     )
 
 
+_INCR = "local n = redis.call('INCR', KEYS[1])"
+_INCR_WITH_TTL = _INCR + " redis.call('PEXPIRE', KEYS[1], ttl)"
+
+
+class CounterWithTTL(RedisBackend):
+    """Planted bug: the token counter expires along with the lease that last used it."""
+
+    acquire_lua: ClassVar[str] = ACQUIRE_LUA.replace(_INCR, _INCR_WITH_TTL)
+    release_lua: ClassVar[str] = RELEASE_LUA.replace(_INCR, _INCR_WITH_TTL)
+    leave_lua: ClassVar[str] = LEAVE_LUA.replace(_INCR, _INCR_WITH_TTL)
+
+
 _GRAB_LUA = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 redis.call('SET', KEYS[1], ARGV[2] .. ' ' .. ARGV[3] .. ' ' .. ARGV[1], 'PX', ARGV[3])
@@ -470,10 +483,48 @@ class IncrOutsideTheScript(RedisBackend):
 async def test_monotonicity_check_catches_planted_bugs(
     redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch, variant: type[RedisBackend]
 ) -> None:
+    planted = variant.release_lua != RELEASE_LUA or variant.acquire is not RedisBackend.acquire
+    assert planted, "the variant is the real backend"
     scheme = "redisplanted"
     monkeypatch.setitem(_backend.SCHEMES, scheme, f"{__name__}:{variant.__name__}")
     url = redis_server.url.replace("redis://", f"{scheme}://", 1)
     grants = await contend(url, 6, 150, key_prefix=_prefix())
+    with pytest.raises(AssertionError, match="after"):
+        assert_monotonic(grants)
+
+
+async def idle_run(url: str) -> list[int]:
+    """Two grants with the lock idle in between for twice the ttl."""
+    prefix, name = _prefix(), unique_name()
+    grants: list[int] = []
+    async with fenced.connect_async(url, key_prefix=prefix) as locks:
+        for _ in range(2):
+            async with locks.lock(name, ttl=0.3) as lease:
+                grants.append(lease.token.value)
+            # Anything that expires with a lease has expired before the next grant.
+            idle_until = _clock.now() + 0.6
+            await async_wait_for(functools.partial(_past, idle_until), what="an idle spell")
+    return grants
+
+
+async def _past(deadline: float) -> bool:
+    return _clock.now() >= deadline
+
+
+async def test_tokens_increase_after_the_lock_sat_idle(redis_server: RedisServer) -> None:
+    grants = await idle_run(redis_server.url)
+    assert len(grants) == 2
+    assert_monotonic(grants)
+
+
+async def test_monotonicity_check_catches_a_counter_with_a_ttl(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert CounterWithTTL.acquire_lua != ACQUIRE_LUA  # the bug is really planted
+    scheme = "redisplanted"
+    monkeypatch.setitem(_backend.SCHEMES, scheme, f"{__name__}:CounterWithTTL")
+    url = redis_server.url.replace("redis://", f"{scheme}://", 1)
+    grants = await idle_run(url)
     with pytest.raises(AssertionError, match="after"):
         assert_monotonic(grants)
 
