@@ -41,8 +41,8 @@ file with reads (no write, no fsync), backing off from 1 ms to ``poll_interval``
 10 ms), and wake at the holder's expiry. Where rings are unavailable (another OS, another
 network namespace), polls stay at 1-2 ms for the head of the queue after any change.
 Measured with ``bench/bench_sqlite_source.py`` (2 cores shared with other work, fsync
-0.2-0.4 ms): 4 processes taking turns on one lock get 450-620 grants/s, FIFO, and a handoff
-(release started -> next process granted) of 1.4-2.0 ms p50, 6.5-7 ms p99.
+0.2-0.4 ms): 4 processes taking turns on one lock get 340-620 grants/s, FIFO, and a handoff
+(release started -> next process granted) of 1.4-2.0 ms p50, 6.5-13 ms p99.
 
 Not DISTRIBUTED: clocks, boot ids and file locks are per machine. Never put the file on a
 network filesystem. Processes in different time namespaces (containers with their own
