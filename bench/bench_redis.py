@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import redis
 import redis.asyncio as aioredis
-from _common import Result, measure, table
+from _common import Result, fmt_us, measure, table
 from rich.console import Console
 from rich.table import Table
 
@@ -181,7 +181,7 @@ def uncontended_sync(url: str, port: int, n: int) -> tuple[Result, Result]:
 
 async def contended(
     side: Side, waiters: int, seconds: float, port: int
-) -> tuple[Result, float, float]:
+) -> tuple[Result, float, float, float]:
     """Steady state: ``waiters`` + 1 clients (own connection each) loop on one lock for ``seconds``.
 
     A client that releases asks for the lock again at once, so a lock without a queue may
@@ -226,10 +226,11 @@ async def contended(
         await asyncio.sleep(min(1.0, seconds / 3))  # let every client join in
         commands_before = await asyncio.to_thread(server_commands, port, side.commands)
         state["measuring"] = True
-        start = clock()
+        start, cpu_start = clock(), time.process_time()
         await asyncio.sleep(seconds)
         state["measuring"] = False
         res.elapsed = clock() - start
+        cpu = time.process_time() - cpu_start
         commands = await asyncio.to_thread(server_commands, port, side.commands) - commands_before
         res.ops = state["grants"]
         for t in tasks:
@@ -245,12 +246,12 @@ async def contended(
         await asyncio.gather(*tasks, return_exceptions=True)
         await asyncio.gather(*(side.close(c) for c in conns), return_exceptions=True)
     grants = max(res.ops, 1)
-    return res, commands / grants, state["regrants"] / grants
+    return res, commands / grants, state["regrants"] / grants, cpu / grants
 
 
 async def rounds(
     side: Side, waiters: int, seconds: float, port: int
-) -> tuple[Result, float, float]:
+) -> tuple[Result, float, float, float]:
     """Hand-off: ``waiters`` clients (own connection each) queue on a held lock, then take it once each.
 
     Each round a gate client holds the lock while the waiters arrive at random moments over
@@ -267,10 +268,13 @@ async def rounds(
     res = Result(side.name)
     rng = random.Random(42)
     commands = 0
+    cpu = 0.0
     try:
         deadline = clock() + seconds
         while clock() < deadline or res.ops == 0:
             release_gate = await side.acquire(gate_conn, key)
+            before = await asyncio.to_thread(server_commands, port, side.commands)
+            cpu_start = time.process_time()
             state: dict[str, Any] = {"released_at": None, "last_grant": 0.0, "holders": 0}
 
             async def waiter(conn: Any, delay: float, st: dict[str, Any] = state) -> None:
@@ -288,16 +292,16 @@ async def rounds(
 
             tasks = [asyncio.create_task(waiter(c, rng.uniform(0, 0.1))) for c in waiter_conns]
             await asyncio.sleep(0.15)  # every waiter has arrived and tried once
-            before = await asyncio.to_thread(server_commands, port, side.commands)
             state["released_at"] = start = clock()
             await release_gate()
             await asyncio.gather(*tasks)
             res.elapsed += state["last_grant"] - start
             res.ops += waiters
+            cpu += time.process_time() - cpu_start
             commands += await asyncio.to_thread(server_commands, port, side.commands) - before
     finally:
         await asyncio.gather(*(side.close(c) for c in conns), return_exceptions=True)
-    return res, commands / max(res.ops, 1), 0.0
+    return res, commands / max(res.ops, 1), 0.0, cpu / max(res.ops, 1)
 
 
 async def run_async(server: RedisServer, n: int, secs: float) -> list[tuple[Any, ...]]:
@@ -343,18 +347,22 @@ def main(quick: bool) -> None:
         ),
     )
     t = Table(
-        title="Per grant: requests the clients sent (fenced: EVALSHA, BLPOP; redis-py: SET, EVALSHA)"
+        title="Per grant: requests the clients sent (fenced: EVALSHA, BLPOP; redis-py: SET, "
+        "EVALSHA), client CPU (all clients run in this one process), share to the releaser"
     )
-    for col in ("what", "fenced", "redis-py Lock", "fenced: to releaser", "redis-py: to releaser"):
+    cols = ("what", "fenced req", "redis-py req", "fenced CPU", "redis-py CPU")
+    for col in (*cols, "fenced: to releaser", "redis-py: to releaser"):
         t.add_column(col, justify="left" if col == "what" else "right")
-    for what, _, _, (ours_cmds, ours_re), (peer_cmds, peer_re) in rows[1:]:
+    for what, _, _, ours_x, peer_x in rows[1:]:
         steady = what.startswith("steady")
         t.add_row(
             what,
-            f"{ours_cmds:.1f}",
-            f"{peer_cmds:.1f}",
-            f"{ours_re:.0%}" if steady else "-",
-            f"{peer_re:.0%}" if steady else "-",
+            f"{ours_x[0]:.1f}",
+            f"{peer_x[0]:.1f}",
+            fmt_us(ours_x[2]),
+            fmt_us(peer_x[2]),
+            f"{ours_x[1]:.0%}" if steady else "-",
+            f"{peer_x[1]:.0%}" if steady else "-",
         )
     Console(width=160).print(t)
 
