@@ -372,7 +372,8 @@ async def contended(url: str, dsn: str, waiters: int) -> dict[str, Result]:
 
 
 async def main() -> None:
-    with BenchServer() as server:
+    server = BenchServer()
+    with server:
         with psycopg.connect(server.dsn, autocommit=True) as conn:
             conn.execute("CREATE DATABASE bench")
         dsn = f"postgresql://postgres@127.0.0.1:{server.port}/bench"

@@ -581,6 +581,7 @@ async def test_custom_schema_and_prefix(pg_dsn: str) -> None:
         {"prefix": "1abc"},
         {"connect_timeout": "soon"},
         {"waiter_ttl": -1},
+        {"allow_unsafe": "false"},
         {"nonsense": 1},
     ],
 )
@@ -699,3 +700,21 @@ async def test_grant_of_a_timed_out_call_is_found_by_the_retry(pg_dsn: str) -> N
         assert retry.token > first.token
         assert (await backend.status(name)).token == retry.token
         assert await backend.release(retry) is True
+
+
+class NoFsyncServer(PostgresServer):
+    def command(self) -> list[str]:
+        return [a.replace("fsync=on", "fsync=off") for a in super().command()]
+
+
+async def test_server_without_fsync_is_refused() -> None:
+    """fsync=off can lose acknowledged grants in a crash: refused unless allow_unsafe=True."""
+    server = NoFsyncServer()
+    server.start()
+    try:
+        with pytest.raises(fenced.UnsafeBackendError, match="fsync"):
+            await open_backend(server.dsn)
+        backend = await open_backend(server.dsn, allow_unsafe=True)
+        await backend.aclose()
+    finally:
+        server.close()

@@ -453,8 +453,12 @@ class PostgreSQLBackend(Backend):
             "connect_timeout": _option_float(opts, "connect_timeout", 5.0, 0.1),
             "command_timeout": _option_float(opts, "command_timeout", 30.0, 0.1),
             "waiter_ttl": _option_float(opts, "waiter_ttl", 6.0, 0.1),
-            "allow_unsafe": bool(opts.pop("allow_unsafe", False)),
+            "allow_unsafe": opts.pop("allow_unsafe", False),
         }
+        if not isinstance(kwargs["allow_unsafe"], bool):
+            raise ConfigurationError(
+                f"postgresql option 'allow_unsafe' must be True or False, got {kwargs['allow_unsafe']!r}"
+            )
         if opts:
             raise ConfigurationError(f"unknown postgresql options: {sorted(opts)}")
         # libpq knows postgresql:// and postgres://; drop a "+driver" suffix.
