@@ -146,7 +146,10 @@ def test_refuses_a_server_that_can_lose_tokens(
             with fenced.connect(server.url, allow_unsafe_durability=True) as locks:  # type: ignore[arg-type]
                 with locks.lock(unique_name(), ttl=5) as lease:
                     assert lease.token.value == 1
-                assert locks.aio.backend.verified_durable is False  # type: ignore[attr-defined]
+                backend = locks.aio.backend
+                assert backend.verified_durable is False  # type: ignore[attr-defined]
+                have = backend.effective_characteristics  # type: ignore[attr-defined]
+                assert fenced.Characteristic.DURABLE not in have
         assert any("allow_unsafe_durability" in r.getMessage() for r in caplog.records)
         with fenced.connect(server.url + "?allow_unsafe_durability=true") as locks:
             assert locks.status(unique_name()).holder is None
@@ -185,7 +188,9 @@ def test_rechecks_the_configuration_after_a_reconnect(server: RedisServer) -> No
 
 def test_the_durable_configuration_is_accepted(redis_server: RedisServer) -> None:
     with fenced.connect(redis_server.url, require={"durable", "fifo"}) as locks:
-        assert locks.aio.backend.verified_durable is True  # type: ignore[attr-defined]
+        backend = locks.aio.backend
+        assert backend.verified_durable is True  # type: ignore[attr-defined]
+        assert backend.effective_characteristics == RedisBackend.characteristics  # type: ignore[attr-defined]
 
 
 def test_is_not_linearizable(redis_server: RedisServer) -> None:

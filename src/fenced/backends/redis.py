@@ -371,6 +371,14 @@ class RedisBackend(Backend):
         self._renew = client.register_script(self.renew_lua)
         self._status = client.register_script(self.status_lua)
 
+    @property
+    def effective_characteristics(self) -> frozenset[Characteristic]:
+        """What this connection really promises: without DURABLE if the server failed the
+        durability checks and ``allow_unsafe_durability`` let it run anyway."""
+        if self.verified_durable:
+            return self.characteristics
+        return self.characteristics - {Characteristic.DURABLE}
+
     # -- connecting ----------------------------------------------------------------------
 
     @classmethod
