@@ -173,6 +173,17 @@ def test_refuses_a_server_with_a_replica() -> None:
                     pass
 
 
+def test_same_connection_survives_a_server_restart(server: RedisServer) -> None:
+    name = unique_name()
+    with fenced.connect(server.url, key_prefix=_prefix()) as locks:  # type: ignore[arg-type]
+        with locks.lock(name, ttl=5) as lease:
+            before = lease.token
+        server.restart(kill=True)
+        with locks.lock(name, ttl=5, timeout=10) as lease:
+            assert lease.token > before
+        assert locks.aio.backend.verified_durable is True  # type: ignore[attr-defined]
+
+
 def test_rechecks_the_configuration_after_a_reconnect(server: RedisServer) -> None:
     name = unique_name()
     with fenced.connect(server.url, key_prefix=_prefix()) as locks:  # type: ignore[arg-type]

@@ -46,6 +46,7 @@ from .._errors import (
     BackendError,
     BackendUnavailable,
     ConfigurationError,
+    FencedError,
     LeaseLostError,
     LockTimeout,
     UnsafeBackendError,
@@ -474,6 +475,8 @@ class RedisBackend(Backend):
                 # The connection was lost: the server may have restarted with another config.
                 await self._verify_safety()
             return await make()
+        except FencedError:  # already translated (by the safety re-check)
+            raise
         except (rexc.ConnectionError, rexc.TimeoutError, OSError) as exc:
             self._recheck_safety = True
             raise BackendUnavailable(f"redis at {self._where} unavailable: {exc}") from exc
