@@ -435,6 +435,32 @@ class ZooKeeperServer(Server):
         return f"zookeeper://{self.hosts}"
 
 
+def _children(pid: int) -> list[int]:
+    """Processes whose parent is ``pid`` (from /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # "pid (comm) state ppid ...": comm may contain spaces, so split after the last ')'.
+        fields = stat.rsplit(")", 1)[-1].split()
+        if len(fields) > 1 and int(fields[1]) == pid:
+            found.append(int(entry))
+    return found
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] == "Z"  # a zombie holds nothing
+    except OSError:
+        return True
+
+
 def _pg_bin(tool: str) -> str:
     found = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{tool}"))
     if found:
@@ -512,6 +538,20 @@ class PostgresServer(Server):
         with psycopg.connect(self.dsn, connect_timeout=1) as conn:
             conn.execute("select 1")
         return True
+
+    def kill(self) -> None:
+        """kill -9 the postmaster and every backend: they setsid(), so killpg alone misses them."""
+        if self.proc is None:
+            return
+        postmaster = self.proc.pid
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(postmaster, signal.SIGSTOP)  # no new children from here on
+        children = _children(postmaster)
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        super().kill()
+        wait_until(lambda: all(_gone(p) for p in children), 10, "PostgreSQL backends to exit")
 
     def stop(self, timeout: float = 20.0) -> None:
         # SIGINT is PostgreSQL's "fast shutdown"; SIGTERM waits for clients to leave.
