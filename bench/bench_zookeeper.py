@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import sys
 import threading
 import time
@@ -306,6 +307,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=3.0, help="per contended round")
     parser.add_argument("--rounds", type=int, default=3, help="contended rounds per side")
     args = parser.parse_args()
+    logging.getLogger("kazoo").setLevel(logging.ERROR)  # reconnects while the server starts
     trace_kazoo()
     notes: list[str] = []
     with ZooKeeperServer() as zk:
