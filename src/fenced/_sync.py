@@ -7,13 +7,17 @@ keepalives, so a sync holder's lease is renewed while its own thread is busy.
 
 from __future__ import annotations
 
+import _thread
 import asyncio
+import contextlib
+import logging
 import threading
 from collections.abc import Callable, Coroutine, Iterable
 from concurrent.futures import Future
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
+from . import _clock
 from ._backend import Characteristic, LockStatus
 from ._errors import BackendUnavailable
 from ._lease import _UNSET, DEFAULT_TTL, AsyncLease, AsyncLocks
@@ -23,6 +27,8 @@ from ._token import FencingToken
 __all__ = ["Lease", "Locks", "connect"]
 
 T = TypeVar("T")
+
+logger = logging.getLogger("fenced")
 
 SyncLostCallback = Callable[["Lease"], None]
 
@@ -34,6 +40,8 @@ class _Portal:
         self.loop = asyncio.new_event_loop()
         # Backends may run short blocking calls inline on this loop: nobody else's code runs on it.
         self.loop._fenced_private = True  # type: ignore[attr-defined]
+        self._stopping = False
+        self._undoing: set[asyncio.Task[object]] = set()
         ready = threading.Event()
 
         def run() -> None:
@@ -45,20 +53,86 @@ class _Portal:
         self.thread.start()
         ready.wait()
 
-    def call(self, coro: Coroutine[Any, Any, T]) -> T:
+    @property
+    def closed(self) -> bool:
+        return self._stopping or self.loop.is_closed()
+
+    def call(
+        self,
+        coro: Coroutine[Any, Any, T],
+        *,
+        undo: Callable[[T], Coroutine[Any, Any, object]] | None = None,
+    ) -> T:
+        """Run ``coro`` on the loop and wait for its outcome.
+
+        If the wait is interrupted (KeyboardInterrupt, or an exception from a signal handler),
+        the call is cancelled, and if it completes anyway (its result was on its way) the
+        result is handed to ``undo`` on the loop: an acquire nobody will see is released.
+        """
         if threading.current_thread() is self.thread:
             coro.close()
             raise RuntimeError("a blocking fenced call was made from a lost-lease callback")
-        if self.loop.is_closed():
+        if self.closed:
             coro.close()
             raise BackendUnavailable("this fenced connection is closed")
-        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        done: Future[T] = Future()
+        started: list[asyncio.Task[T]] = []
+
+        def deliver(task: asyncio.Task[T]) -> None:
+            if task.cancelled():  # only stop() cancels a call that someone still waits for
+                done.set_exception(BackendUnavailable("the fenced connection was closed"))
+            elif (exc := task.exception()) is not None:
+                done.set_exception(exc)
+            else:
+                done.set_result(task.result())
+
+        def start() -> None:
+            task = self.loop.create_task(coro)
+            started.append(task)
+            task.add_done_callback(deliver)
+
         try:
-            return future.result()
-        except BaseException:
-            # KeyboardInterrupt etc. while waiting: do not leave the call running behind us.
-            future.cancel()
+            self.loop.call_soon_threadsafe(start)
+        except RuntimeError:  # closed meanwhile
+            coro.close()
+            raise BackendUnavailable("this fenced connection is closed") from None
+        try:
+            return done.result()
+        except BaseException as exc:
+            if not (done.done() and done.exception() is exc):
+                # Interrupted while waiting. Decide on the loop thread, where the task ends,
+                # so that "cancelled in time" and "completed, so undo it" cannot both miss.
+                with contextlib.suppress(RuntimeError):
+                    self.loop.call_soon_threadsafe(self._abandon, started, coro, undo)
             raise
+
+    def _abandon(
+        self,
+        started: list[asyncio.Task[T]],
+        coro: Coroutine[Any, Any, T],
+        undo: Callable[[T], Coroutine[Any, Any, object]] | None,
+    ) -> None:
+        if not started:  # interrupted before it was even scheduled
+            coro.close()
+            return
+
+        def after(task: asyncio.Task[T]) -> None:
+            if undo is not None and not task.cancelled() and task.exception() is None:
+                job: asyncio.Task[object] = self.loop.create_task(undo(task.result()))
+                self._undoing.add(job)
+                job.add_done_callback(self._undone)
+
+        task = started[0]
+        if task.done():
+            after(task)
+        else:
+            task.cancel()
+            task.add_done_callback(after)
+
+    def _undone(self, job: asyncio.Task[object]) -> None:
+        self._undoing.discard(job)
+        if not job.cancelled() and job.exception() is not None:
+            logger.warning("undoing an interrupted call failed: %r", job.exception())
 
     def run_sync(self, fn: Callable[[], T]) -> T:
         """Run a plain function on the loop thread (for objects that must be made there)."""
@@ -74,12 +148,29 @@ class _Portal:
         return result.result()
 
     def stop(self) -> None:
-        if self.loop.is_closed():
+        if self.closed:
             return
+        if threading.current_thread() is self.thread:
+            raise RuntimeError("a fenced connection cannot be closed from a lost-lease callback")
+        self._stopping = True  # from now on call() refuses: nothing new is queued on the loop
+        # Calls still running (an acquire waiting in another thread) are cancelled, so their
+        # callers get BackendUnavailable instead of waiting forever on a stopped loop.
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(_cancel_all(), self.loop).result(timeout=10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10)
         if not self.thread.is_alive():
             self.loop.close()
+
+
+async def _cancel_all(timeout: float = 5.0) -> None:
+    """Cancel every other task on this loop and give them ``timeout`` seconds to finish."""
+    me = asyncio.current_task()
+    deadline = _clock.now() + timeout
+    while (tasks := [t for t in asyncio.all_tasks() if t is not me]) and _clock.now() < deadline:
+        for task in tasks:
+            task.cancel()
+        await asyncio.wait(tasks, timeout=max(0.0, deadline - _clock.now()))
 
 
 class Lease:
@@ -135,9 +226,16 @@ class Lease:
         return self._inner.remaining()
 
     def acquire(self, timeout: float | None = _UNSET) -> FencingToken:
-        """Block until granted or ``timeout`` (None: forever, 0: try once); return the token."""
+        """Block until granted or ``timeout`` (None: forever, 0: try once); return the token.
+
+        If interrupted (Ctrl-C), the lock is not left held: a grant that arrives anyway is
+        released.
+        """
         self.lost.clear()
-        return self._locks._portal.call(self._inner.acquire(timeout))
+        return self._locks._portal.call(self._inner.acquire(timeout), undo=self._undo_acquire)
+
+    async def _undo_acquire(self, _token: FencingToken) -> None:
+        await self._inner.release()
 
     def renew(self) -> float:
         return self._locks._portal.call(self._inner.renew())
@@ -217,9 +315,15 @@ class Locks:
         return self._portal.call(self._async.status(name))
 
     def close(self) -> None:
-        """Release every lease still held through this connection, close it, stop its thread."""
-        if self._portal.loop.is_closed():
+        """Release every lease still held through this connection, close it, stop its thread.
+
+        Not from an ``on_lost`` callback (it runs on the thread this would stop): that raises
+        RuntimeError and leaves the connection open and working.
+        """
+        if self._portal.closed:
             return
+        if threading.current_thread() is self._portal.thread:
+            raise RuntimeError("a fenced connection cannot be closed from a lost-lease callback")
         try:
             self._portal.call(self._async.aclose())
         finally:
