@@ -6,6 +6,7 @@ from typing import Any
 
 import fenced
 from fenced._backend import Characteristic, backend_class
+from fenced.testing.servers import Server
 
 
 class BackendEnv:
@@ -46,3 +47,37 @@ class BackendEnv:
 
     def start(self) -> None:
         raise NotImplementedError
+
+
+class ServerEnv(BackendEnv):
+    """A source backed by one of the worker's session servers (``fenced.testing.servers``)."""
+
+    stop_by_kill = False  # take the server away with kill -9 instead of a clean stop
+
+    def __init__(self, server: Server, url: str | None = None, **options: Any) -> None:
+        super().__init__(url or server.url, **options)  # type: ignore[attr-defined]
+        self.server = server
+
+    def restart(self) -> None:
+        self.server.restart(kill=True)
+
+    @property
+    def can_stop(self) -> bool:
+        return True
+
+    def stop(self) -> None:
+        if self.stop_by_kill:
+            self.server.kill()
+        else:
+            self.server.stop()
+
+    def start(self) -> None:
+        self.server.start()
+
+
+def session_server(request: Any, fixture: str) -> Any:
+    """The worker's session server named by ``fixture``, started if a failed test left it down."""
+    server = request.getfixturevalue(fixture)
+    if server.proc is None:
+        server.start()
+    return server
