@@ -404,8 +404,9 @@ class EtcdBackend(Backend):
                 if not pooled and stale_leases > 3:
                     raise BackendError("etcd keeps losing freshly granted leases") from None
                 continue
-            except LockTimeout:
+            except (LockTimeout, asyncio.CancelledError):
                 # Maybe the key was created: revoking the lease removes it from the queue.
+                # (A CancelledError here is this task's: the transport turns gRPC's own.)
                 self._client.spawn(self._revoke(lease.id))
                 raise
             # (Unavailable: it is unknown whether the key was created with this lease. The
@@ -418,6 +419,13 @@ class EtcdBackend(Backend):
                     return self._grant(name, request_id, hold)
                 before: Any = tail[1]
                 seen = reply.header.revision
+            elif reply.responses[0].response_range.kvs[0].lease == lease.id:
+                # Our own put: an attempt whose reply was lost ("request timed out", a dead
+                # member) was applied, and the failover replayed the transaction. The key is
+                # bound to this lease, which must neither be pooled nor treated as adopted.
+                kv = reply.responses[0].response_range.kvs[0]
+                hold, before, seen = _Hold(key, kv.create_revision, lease), None, 0
+                self._holds[key] = hold
             else:
                 self._recycle(lease)  # unused: the request's key exists already
                 kv = reply.responses[0].response_range.kvs[0]
