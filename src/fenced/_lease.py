@@ -184,7 +184,8 @@ class AsyncLease:
                     )
                     break
                 except BackendUnavailable:
-                    if _clock.now() + delay >= give_up:
+                    # A closed connection will not come back: only a dead source is retried.
+                    if self._locks._closed or _clock.now() + delay >= give_up:
                         raise
                     logger.debug("acquire %s: source unavailable, retrying", self.name)
                     await asyncio.sleep(delay)
@@ -215,7 +216,10 @@ class AsyncLease:
         try:
             new = await self._locks._backend_or_fail().renew(grant)
         except LeaseLostError as exc:
-            self._mark_lost(exc)
+            # Only if it is still the grant we renewed: a release() and acquire() may have
+            # run while this renewal was in flight, and the new grant is not lost.
+            if self._state.grant is grant:
+                self._mark_lost(exc)
             raise
         self._state.renewed(new)
         if not self.auto_renew:

@@ -69,6 +69,8 @@ class LeaseState:
         """A renewal succeeded. Only ever moves the expiry forward."""
         if self.phase is not Phase.HELD or self.grant is None:
             return
+        if grant.token != self.grant.token:
+            return  # the late reply of a renewal of an earlier grant (released, re-acquired)
         if grant.sent_at >= self.grant.sent_at:
             self.grant = grant
         self._failed_since = None
@@ -104,7 +106,10 @@ class LeaseState:
         """Seconds to wait before the next renewal attempt."""
         if self.grant is None:
             return 0.0
+        # Pace renewals by the lease actually granted: a source may grant less than asked
+        # (ZooKeeper caps the session timeout), and ttl/3 of the ask could fall past its end.
+        ttl = min(self.ttl, self.grant.ttl)
         if self._failed_since is not None:
             # After a failure retry often, but leave the source some room.
-            return min(max(self.ttl / 10, 0.05), 1.0)
-        return max(0.0, self.grant.sent_at + self.ttl / 3 - now)
+            return min(max(ttl / 10, 0.05), 1.0)
+        return max(0.0, self.grant.sent_at + ttl / 3 - now)

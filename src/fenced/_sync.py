@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable, Coroutine, Iterable
 from concurrent.futures import Future
 from types import TracebackType
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 from . import _clock
 from ._backend import Characteristic, LockStatus
@@ -52,6 +52,7 @@ class _Portal:
         self.thread = threading.Thread(target=run, name=name, daemon=True)
         self.thread.start()
         ready.wait()
+        self._thread_id = self.thread.ident
 
     @property
     def closed(self) -> bool:
@@ -65,66 +66,81 @@ class _Portal:
     ) -> T:
         """Run ``coro`` on the loop and wait for its outcome.
 
-        If the wait is interrupted (KeyboardInterrupt, or an exception from a signal handler),
-        the call is cancelled, and if it completes anyway (its result was on its way) the
-        result is handed to ``undo`` on the loop: an acquire nobody will see is released.
+        The outcome is handed over through a bare lock that the loop releases (cheaper than a
+        ``concurrent.futures.Future``). If the wait is interrupted (KeyboardInterrupt, or an
+        exception from a signal handler), the call is cancelled, and if it completes anyway
+        (its result was on its way) the result goes to ``undo`` on the loop: an acquire nobody
+        will see is released, not kept alive by its keepalive.
         """
-        if threading.current_thread() is self.thread:
-            coro.close()
-            raise RuntimeError("a blocking fenced call was made from a lost-lease callback")
-        if self.closed:
+        if self.closed:  # first: once the loop thread has ended, its id may be reused
             coro.close()
             raise BackendUnavailable("this fenced connection is closed")
-        done: Future[T] = Future()
-        started: list[asyncio.Task[T]] = []
+        if _thread.get_ident() == self._thread_id:
+            coro.close()
+            raise RuntimeError("a blocking fenced call was made from a lost-lease callback")
+        latch = _thread.allocate_lock()
+        latch.acquire()
+        result: list[T] = []
+        error: list[BaseException] = []
+        started: list[asyncio.Task[None]] = []
 
-        def deliver(task: asyncio.Task[T]) -> None:
-            if task.cancelled():  # only stop() cancels a call that someone still waits for
-                done.set_exception(BackendUnavailable("the fenced connection was closed"))
-            elif (exc := task.exception()) is not None:
-                done.set_exception(exc)
-            else:
-                done.set_result(task.result())
+        async def runner() -> None:
+            try:
+                result.append(await coro)
+            except asyncio.CancelledError:  # only stop() cancels a call someone waits for
+                error.append(BackendUnavailable("the fenced connection was closed"))
+            except BaseException as exc:
+                error.append(exc)
+            finally:
+                latch.release()
+
+        run = runner()
 
         def start() -> None:
-            task = self.loop.create_task(coro)
-            started.append(task)
-            task.add_done_callback(deliver)
+            started.append(self.loop.create_task(run))
 
         try:
             self.loop.call_soon_threadsafe(start)
         except RuntimeError:  # closed meanwhile
+            run.close()
             coro.close()
             raise BackendUnavailable("this fenced connection is closed") from None
         try:
-            return done.result()
-        except BaseException as exc:
-            if not (done.done() and done.exception() is exc):
-                # Interrupted while waiting. Decide on the loop thread, where the task ends,
-                # so that "cancelled in time" and "completed, so undo it" cannot both miss.
-                with contextlib.suppress(RuntimeError):
-                    self.loop.call_soon_threadsafe(self._abandon, started, coro, undo)
+            latch.acquire()
+        except BaseException:
+            # Interrupted while waiting. Decide on the loop thread, where the call ends, so
+            # that "cancelled in time" and "completed, so undo it" cannot both miss.
+            with contextlib.suppress(RuntimeError):
+                self.loop.call_soon_threadsafe(
+                    self._abandon, started, run, coro, result if undo else None, undo
+                )
             raise
+        if error:
+            raise error[0]
+        return result[0]
 
     def _abandon(
         self,
-        started: list[asyncio.Task[T]],
+        started: list[asyncio.Task[None]],
+        run: Coroutine[Any, Any, None],
         coro: Coroutine[Any, Any, T],
+        result: list[T] | None,
         undo: Callable[[T], Coroutine[Any, Any, object]] | None,
     ) -> None:
         if not started:  # interrupted before it was even scheduled
+            run.close()
             coro.close()
             return
 
-        def after(task: asyncio.Task[T]) -> None:
-            if undo is not None and not task.cancelled() and task.exception() is None:
-                job: asyncio.Task[object] = self.loop.create_task(undo(task.result()))
+        def after(_task: object = None) -> None:
+            if undo is not None and result:
+                job: asyncio.Task[object] = self.loop.create_task(undo(result[0]))
                 self._undoing.add(job)
                 job.add_done_callback(self._undone)
 
         task = started[0]
         if task.done():
-            after(task)
+            after()
         else:
             task.cancel()
             task.add_done_callback(after)

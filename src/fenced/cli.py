@@ -10,6 +10,7 @@ command cannot be run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -138,9 +139,18 @@ def _cmd_lock(args: argparse.Namespace, err: Console) -> int:
             err.print(f"fenced lock: {args.name!r} not acquired within {args.timeout} s")
             return EXIT_TIMEOUT
         try:
-            return _run_holding(lease, str(token), cmd, args.grace, err)
-        finally:
+            code = _run_holding(lease, str(token), cmd, args.grace, err)
+        except BaseException:
+            with contextlib.suppress(FencedError):
+                lease.release()
+            raise
+        try:
             lease.release()
+        except FencedError as exc:
+            # The command's outcome stands (75 if the lease was lost while it ran): a failed
+            # release must not turn it into 69. The grant simply expires after its ttl.
+            err.print(f"fenced lock: could not release {args.name!r} ({exc}); it expires by itself")
+        return code
 
 
 def _run_holding(lease: _sync.Lease, token: str, cmd: list[str], grace: float, err: Console) -> int:

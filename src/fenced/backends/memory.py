@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import threading
 from typing import Any, ClassVar
@@ -68,6 +69,7 @@ class MemoryBackend(Backend):
     def __init__(self, store: _Store) -> None:
         self._store = store
         self._closed = False
+        self._waiters: set[_Waiter] = set()  # this connection's, woken (to fail) by aclose
 
     @classmethod
     async def open(cls, url: SplitResult, options: dict[str, Any]) -> MemoryBackend:
@@ -133,6 +135,7 @@ class MemoryBackend(Backend):
             while True:
                 now = _clock.now()
                 with store.mutex:
+                    self._check_open()  # under the mutex: aclose cannot slip in unseen
                     lock = store.locks[name]
                     self._expire(name, lock, now)
                     holder = lock.holder
@@ -144,6 +147,7 @@ class MemoryBackend(Backend):
                     if holder is None and first:
                         if waiter is not None:
                             lock.queue.popleft()
+                            self._waiters.discard(waiter)
                             waiter = None
                         return self._grant(name, lock, request_id, ttl, now, on_lost)
                     if deadline is not None and now >= deadline:
@@ -151,6 +155,7 @@ class MemoryBackend(Backend):
                     if waiter is None:
                         waiter = _Waiter(request_id, asyncio.get_running_loop(), asyncio.Event())
                         lock.queue.append(waiter)
+                        self._waiters.add(waiter)
                     waiter.wake.clear()
                     wait_until = holder.expires_at if holder is not None else None
                 if deadline is not None:
@@ -167,6 +172,7 @@ class MemoryBackend(Backend):
                     lock = store.locks[name]
                     was_head = bool(lock.queue) and lock.queue[0] is waiter
                     lock.queue.remove(waiter)
+                    self._waiters.discard(waiter)
                     if was_head and lock.holder is None:
                         self._wake_head(lock)
 
@@ -211,4 +217,9 @@ class MemoryBackend(Backend):
             )
 
     async def aclose(self) -> None:
-        self._closed = True
+        with self._store.mutex:
+            self._closed = True
+            waiters = list(self._waiters)
+        for waiter in waiters:  # each sees the closed connection and leaves the queue
+            with contextlib.suppress(RuntimeError):  # its loop is gone
+                waiter.loop.call_soon_threadsafe(waiter.wake.set)
