@@ -132,6 +132,7 @@ def test_crash_check_catches_a_counter_that_is_not_persisted() -> None:
         (["--appendfsync", "everysec"], "appendfsync"),
         (["--appendonly", "no"], "appendonly"),
         (["--maxmemory", "100mb", "--maxmemory-policy", "allkeys-lru"], "maxmemory-policy"),
+        (["--maxmemory", "100mb", "--maxmemory-policy", "volatile-ttl"], "maxmemory-policy"),
         (["--no-appendfsync-on-rewrite", "yes"], "no-appendfsync-on-rewrite"),
     ],
 )

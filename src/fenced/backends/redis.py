@@ -21,7 +21,7 @@ an acknowledged ``INCR`` and hand the same token out twice (Kleppmann, "How to d
 locking", 2016). The backend therefore never declares LINEARIZABLE, and it declares DURABLE
 only for the configuration it checks on connect (and again after reconnecting): ``appendonly
 yes``, ``appendfsync always``, ``no-appendfsync-on-rewrite no``, no replicas, ``role:master``,
-and no ``allkeys-*`` eviction policy. Anything else is refused with
+and the ``noeviction`` memory policy. Anything else is refused with
 :class:`~fenced.UnsafeBackendError` unless ``allow_unsafe_durability=true`` is given, which
 logs a warning. See ``docs/backend-redis.md``.
 """
@@ -288,7 +288,8 @@ async def check_server_safety(client: aioredis.Redis) -> list[str]:
     Checks ``appendonly yes`` + ``appendfsync always`` and ``no-appendfsync-on-rewrite no``
     (an acknowledged ``INCR`` is on disk),
     ``role:master`` with ``connected_slaves:0`` (no replica a failover could promote with an
-    older counter), and a ``maxmemory-policy`` that cannot evict the never-expiring counter.
+    older counter), and ``maxmemory-policy noeviction`` (``allkeys-*`` can evict the counter, ``volatile-*`` a
+    holder's key).
     """
     problems: list[str] = []
     try:
@@ -310,6 +311,10 @@ async def check_server_safety(client: aioredis.Redis) -> list[str]:
     policy = config.get("maxmemory-policy") or "noeviction"
     if policy.startswith("allkeys-"):
         problems.append(f"maxmemory-policy is {policy!r} (it can evict the token counter)")
+    elif policy != "noeviction":
+        # volatile-* cannot evict the counter, but can evict a holder key under memory
+        # pressure: the lock would be free while its holder still counts on its ttl.
+        problems.append(f"maxmemory-policy is {policy!r} (it can evict a holder's key early)")
     info: dict[str, Any] = await client.info("replication")
     role = info.get("role")
     if role != "master":
