@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -25,6 +26,8 @@ from fenced import _backend
 from fenced._backend import Grant, LostCallback
 from fenced._state import LeaseState, Phase
 from fenced.backends.memory import MemoryBackend
+from fenced.guards import _sql_plan
+from fenced.guards.sql import RowGuard
 from tests.helpers import async_wait_for, wait_for
 
 T = TypeVar("T")
@@ -325,3 +328,72 @@ def test_cli_keeps_the_commands_status_if_only_the_release_fails() -> None:
     out = _fenced_lock(["x", "--url", "goneaftergrant://cli", "--", "sh", "-c", "exit 3"])
     assert out.returncode == 3, (out.returncode, out.stderr)
     assert "release" in out.stderr
+
+
+# -- the SQL row guard -----------------------------------------------------------------------
+
+
+def _jobs_with_text_token_column() -> sqlite3.Connection:
+    """A table whose token column the application made itself, as TEXT."""
+    db = sqlite3.connect(":memory:", isolation_level=None)
+    db.execute("CREATE TABLE jobs (id INTEGER PRIMARY KEY, state TEXT, fencing_token TEXT)")
+    db.execute("INSERT INTO jobs (id, state) VALUES (1, 'new')")
+    return db
+
+
+def _stale_write_is_refused(db: sqlite3.Connection, guard: RowGuard) -> bool:
+    """The checker: after token 10 wrote, token 3 is refused and 10's data is intact."""
+    guard.update(db, "jobs:10", key={"id": 1}, values={"state": "by 10"})
+    try:
+        guard.update(db, "jobs:3", key={"id": 1}, values={"state": "by 3 (stale)"})
+    except fenced.StaleTokenError as exc:
+        assert exc.high_water == fenced.FencingToken("jobs", 10)
+        return bool(db.execute("SELECT state FROM jobs").fetchone()[0] == "by 10")
+    return False
+
+
+def test_row_guard_on_a_text_token_column_refuses_stale_tokens() -> None:
+    """Bug: SQLite compared a TEXT token column as text ('10' <= '3'): jobs:3 overwrote jobs:10."""
+    db = _jobs_with_text_token_column()
+    guard = RowGuard("jobs", lock="jobs")
+    assert _stale_write_is_refused(db, guard)
+    assert guard.high_water(db, {"id": 1}) == fenced.FencingToken("jobs", 10)
+
+
+def test_text_comparison_planted_back_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checker above fails on the unfixed comparison (the planted bug)."""
+    monkeypatch.setattr(_sql_plan, "_as_int", lambda _d, expr: expr)
+    _sql_plan._row_write_sql.cache_clear()
+    try:
+        assert not _stale_write_is_refused(_jobs_with_text_token_column(), RowGuard("jobs"))
+    finally:
+        _sql_plan._row_write_sql.cache_clear()
+
+
+def test_row_guard_install_refuses_a_token_column_that_cannot_hold_tokens() -> None:
+    with pytest.raises(fenced.ConfigurationError, match="64-bit integer"):
+        RowGuard("jobs").install(_jobs_with_text_token_column())
+    db = sqlite3.connect(":memory:", isolation_level=None)
+    db.execute("CREATE TABLE jobs (id INTEGER PRIMARY KEY, fencing_token BIGINT)")
+    RowGuard("jobs").install(db)  # any INTEGER-affinity type is fine
+
+
+def test_row_guard_install_refuses_narrow_or_text_token_columns_on_postgresql(
+    pg_dsn: str,
+) -> None:
+    """text <= bigint raised a raw psycopg error at every write; int4 overflowed at 2**31
+    (a ZooKeeper zxid token is above 2**32): install now says so, as ConfigurationError."""
+    import psycopg
+
+    with psycopg.connect(pg_dsn, autocommit=True) as db:
+        for type_ in ("TEXT", "INTEGER", "DOUBLE PRECISION"):
+            db.execute("DROP TABLE IF EXISTS jobs")
+            db.execute(f"CREATE TABLE jobs (id INTEGER PRIMARY KEY, fencing_token {type_})")
+            with pytest.raises(fenced.ConfigurationError, match="64-bit integer"):
+                RowGuard("jobs").install(db)
+        db.execute("DROP TABLE jobs")
+        db.execute("CREATE TABLE jobs (id INTEGER PRIMARY KEY, fencing_token BIGINT)")
+        RowGuard("jobs").install(db)
+        db.execute("INSERT INTO jobs (id) VALUES (1)")
+        big = fenced.FencingToken("jobs", fenced.MAX_TOKEN)
+        assert RowGuard("jobs").update(db, big, key={"id": 1}) == big

@@ -266,15 +266,28 @@ def _label(spec: RowSQL, key: Mapping[str, Any]) -> str:
     return f"{spec.table_name}({inner})"
 
 
+def _as_int(d: Dialect, expr: str) -> str:
+    """``expr`` compared as an integer whatever the token column's declared type.
+
+    SQLite compares by column affinity: in a user-made ``TEXT`` token column the mark is
+    stored as text and ``'10' <= '3'`` holds, which would let a stale token in. Comparing a
+    column with an INTEGER-affinity CAST applies numeric affinity to the column's value, so
+    the comparison is numeric (a no-op on an INTEGER column). PostgreSQL refuses ``text <=
+    bigint`` by itself, and :func:`row_install_plan` refuses token columns of other types.
+    """
+    return f"CAST({expr} AS INTEGER)" if d is SQLITE else expr
+
+
 def _row_read(d: Dialect, spec: RowSQL) -> str:
-    cols = quote_ident(spec.token) + (f", {quote_ident(spec.lock)}" if spec.lock else "")
+    cols = _as_int(d, quote_ident(spec.token))
+    cols += f", {quote_ident(spec.lock)}" if spec.lock else ""
     return f"SELECT {cols} FROM {spec.table} WHERE {_where_key(d, spec)}"
 
 
 def _row_guard_clause(d: Dialect, spec: RowSQL, target: str, incoming: str) -> str:
     """``target`` accepts ``incoming``: never fenced (NULL) or not newer, and the same lock."""
     tok = quote_ident(spec.token)
-    clause = f"({target}{tok} IS NULL OR {target}{tok} <= {incoming})"
+    clause = f"({target}{tok} IS NULL OR {target}{tok} <= {_as_int(d, incoming)})"
     if spec.lock:
         lk = quote_ident(spec.lock)
         lock_in = f"excluded.{lk}" if incoming.startswith("excluded.") else d.param
@@ -369,6 +382,14 @@ def row_install_plan(d: Dialect, spec: RowSQL) -> Plan[None]:
         res = yield Stmt(f"SELECT to_regclass({d.param})", (spec.table,))
         if not res.rows or res.rows[0][0] is None:
             raise ConfigurationError(f"table {spec.table_name!r} does not exist")
+        res = yield Stmt(
+            "SELECT format_type(atttypid, atttypmod) FROM pg_attribute "
+            f"WHERE attrelid = to_regclass({d.param}) AND attname = {d.param} "
+            "AND NOT attisdropped",
+            (spec.table, spec.token),
+        )
+        if res.rows and res.rows[0][0] != "bigint":
+            raise _bad_token_column(spec, res.rows[0][0])
         for column, type_ in wanted:
             yield Stmt(
                 f"ALTER TABLE {spec.table} ADD COLUMN IF NOT EXISTS {quote_ident(column)} {type_}"
@@ -376,11 +397,14 @@ def row_install_plan(d: Dialect, spec: RowSQL) -> Plan[None]:
         return
     schema, _, name = spec.table_name.rpartition(".")
     res = yield Stmt(
-        f"SELECT name FROM pragma_table_info({d.param}, {d.param})", (name, schema or "main")
+        f"SELECT name, type FROM pragma_table_info({d.param}, {d.param})",
+        (name, schema or "main"),
     )
     if not res.rows:
         raise ConfigurationError(f"table {spec.table_name!r} does not exist")
-    present = {r[0] for r in res.rows}
+    present = {r[0]: str(r[1]) for r in res.rows}
+    if spec.token in present and "INT" not in present[spec.token].upper():
+        raise _bad_token_column(spec, present[spec.token] or "(no type)")
     for column, type_ in wanted:
         if column in present:
             continue
@@ -388,6 +412,14 @@ def row_install_plan(d: Dialect, spec: RowSQL) -> Plan[None]:
             yield Stmt(f"ALTER TABLE {spec.table} ADD COLUMN {quote_ident(column)} {type_}")
         except DuplicateColumn:
             pass  # a concurrent install added it first
+
+
+def _bad_token_column(spec: RowSQL, type_: object) -> ConfigurationError:
+    # Text compares '10' < '3'; int4 overflows at 2**31; floats round large tokens together.
+    return ConfigurationError(
+        f"token column {spec.token!r} of {spec.table_name!r} is {type_}: it must be a 64-bit "
+        "integer column (BIGINT on PostgreSQL, INTEGER on SQLite)"
+    )
 
 
 class DuplicateColumn(ConfigurationError):
