@@ -440,6 +440,12 @@ class PostgreSQLBackend(Backend):
         self._connecting: asyncio.Lock | None = None
         self._listener = _Listener(self, f"{prefix}{secrets.token_hex(16)}", linger=waiter_ttl)
         self._tasks: set[asyncio.Task[Any]] = set()
+        # Per (name, request id): the marker of a cancelled acquire whose statement may still
+        # grant or queue, and the clean-ups (give-back, leave) still running for it. A later
+        # acquire of the same request id takes the statement's outcome over (and waits for
+        # the clean-ups first), so a give-back never frees the grant that acquire returns.
+        self._in_flight: dict[tuple[str, str], object] = {}
+        self._cleanups: dict[tuple[str, str], set[asyncio.Task[Any]]] = {}
         self._closed = False
 
     # -- opening ------------------------------------------------------------------------
@@ -569,10 +575,24 @@ class PostgreSQLBackend(Backend):
             self._conn = None
         self._spawn(conn.close())
 
-    def _spawn(self, coro: Any) -> None:
-        task = asyncio.ensure_future(coro)
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task: asyncio.Task[Any] = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(_forget(self._tasks))
+        return task
+
+    def _clean_up(self, key: tuple[str, str], coro: Any) -> None:
+        """Run the clean-up of an abandoned acquire; a later acquire of ``key`` waits for it."""
+        task = self._spawn(coro)
+        pending = self._cleanups.setdefault(key, set())
+        pending.add(task)
+
+        def done(t: asyncio.Task[Any]) -> None:
+            pending.discard(t)
+            if not pending and self._cleanups.get(key) is pending:
+                del self._cleanups[key]
+
+        task.add_done_callback(done)
 
     def _translate(self, exc: psycopg.Error, conn: _Conn) -> BackendError:
         if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError) or conn.closed:
@@ -596,9 +616,9 @@ class PostgreSQLBackend(Backend):
         The statement runs in its own task, so a caller that is cancelled or times out returns
         at once (psycopg would otherwise wait up to 10 s for a server-side cancel). The
         connection is then given up (the next call opens another). On cancellation ``late``
-        sees the statement's result when it comes, e.g. to give back a grant nobody will take;
-        not on a timeout, which the caller retries under the same request id (and so finds
-        that grant by the idempotent path).
+        sees the statement's result when it comes (None if it failed), e.g. to give back a
+        grant nobody will take; not on a timeout, which the caller retries under the same
+        request id (and so finds that grant by the idempotent path).
         """
         self._check_open()
         conn = await self._command_conn()
@@ -631,7 +651,7 @@ class PostgreSQLBackend(Backend):
             row = None if t.cancelled() or t.exception() is not None else t.result()
             if self._conn is not conn:
                 self._spawn(conn.close())
-            if late is not None and row is not None:
+            if late is not None:
                 late(row)
 
         task.add_done_callback(done)
@@ -656,16 +676,31 @@ class PostgreSQLBackend(Backend):
             raise ConfigurationError(f"ttl must be a positive number of seconds, got {ttl!r}")
         names = self._names
         listener = self._listener
+        ident = (name, request_id)
+        # A cancelled acquire of this very request may still have a statement in flight:
+        # whatever it grants, this call finds by the idempotent path, so it must not be
+        # given back; and a give-back or leave already under way goes first.
+        self._in_flight.pop(ident, None)
+        pending = self._cleanups.get(ident)
+        if pending:
+            await asyncio.wait(set(pending), timeout=self._command_timeout)
         key = _wake_key(name, request_id)
         wake = asyncio.Event()
         listener.register(key, wake)
         queued = False
+        marker = object()
+        enqueue = False
 
         def late(row: _Row | None) -> None:
-            # A grant whose caller gave up before the answer came: give it back.
+            # The answer to a statement whose caller was cancelled: unless a later acquire of
+            # the same request has taken it over, give back its grant or leave its queue place.
+            if not self._settled(ident, marker):
+                return
             if row is not None and row[0] == "granted":
                 grant = Grant(FencingToken(name, row[1]), request_id, ttl, 0.0)
-                self._spawn(self._quiet_release(grant))
+                self._clean_up(ident, self._quiet_release(grant))
+            elif row is not None and enqueue:
+                self._clean_up(ident, self._quiet_leave(name, request_id))
 
         try:
             while True:
@@ -677,10 +712,12 @@ class PostgreSQLBackend(Backend):
                 if deadline is not None:
                     timeout = min(timeout, max(deadline - now, 0.0) + 1.0)
                 sent_at = _clock.now()
-                params = (name, request_id, ttl, self._waiter_ttl, channel, not last_try)
-                status, token, hint = _one(
-                    await self._call(names.q_acquire, params, timeout=timeout, late=late)
-                )
+                enqueue = not last_try
+                params = (name, request_id, ttl, self._waiter_ttl, channel, enqueue)
+                self._in_flight[ident] = marker
+                row = await self._call(names.q_acquire, params, timeout=timeout, late=late)
+                self._settled(ident, marker)
+                status, token, hint = _one(row)
                 if status == "granted":
                     queued = False
                     return Grant(FencingToken(name, token), request_id, ttl, sent_at)
@@ -703,9 +740,10 @@ class PostgreSQLBackend(Backend):
                             await wake.wait()
         except asyncio.CancelledError:
             if queued:
-                self._spawn(self._leave(name, request_id))
+                self._clean_up(ident, self._quiet_leave(name, request_id))
             raise
         except BaseException:
+            self._settled(ident, marker)  # no answer will come (late is not called)
             if queued:
                 with contextlib.suppress(Exception):
                     await self._leave(name, request_id)
@@ -716,6 +754,17 @@ class PostgreSQLBackend(Backend):
     async def _leave(self, name: str, request_id: str) -> None:
         """Take a waiter that gave up out of the queue (and wake the next one if free)."""
         await self._call(self._names.q_leave, (name, request_id))
+
+    def _settled(self, ident: tuple[str, str], marker: object) -> bool:
+        """Forget the in-flight marker of one acquire statement; False if taken over."""
+        if self._in_flight.get(ident) is not marker:
+            return False
+        del self._in_flight[ident]
+        return True
+
+    async def _quiet_leave(self, name: str, request_id: str) -> None:
+        with contextlib.suppress(Exception):
+            await self._leave(name, request_id)
 
     async def _quiet_release(self, grant: Grant) -> None:
         with contextlib.suppress(Exception):
