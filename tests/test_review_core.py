@@ -271,6 +271,32 @@ async def test_late_renew_failure_of_an_old_grant_does_not_lose_the_new_one(
         MemoryBackend.reset("review-gated")
 
 
+async def test_late_renew_failure_of_the_current_grant_still_loses_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The fix above must not hide a real loss: the renewed copy of a grant is the same grant."""
+    _register(monkeypatch, GatedSource)
+    gate = GatedSource.gate = asyncio.Event()
+    try:
+        async with fenced.connect_async("gated://review-gated2") as locks:
+            lease = locks.lock("x", ttl=30, auto_renew=False)
+            await lease.acquire()
+            slow = asyncio.create_task(lease.renew())
+            await asyncio.sleep(0)  # let it reach the gate
+            GatedSource.gate = None
+            await lease.renew()  # a later renewal replaces the grant with its renewed copy
+            backend = locks.backend
+            assert isinstance(backend, MemoryBackend)
+            backend._store.locks["x"].holder = None  # the source revokes the grant
+            gate.set()
+            with pytest.raises(fenced.LeaseLostError):
+                await slow
+            assert lease.lost.is_set() and lease.phase is Phase.LOST
+    finally:
+        GatedSource.gate = None
+        MemoryBackend.reset("review-gated2")
+
+
 async def test_aclose_fails_an_acquire_in_flight_promptly(memory_url: str) -> None:
     """Bug: an acquire queued on a connection being closed waited for the holder's expiry
     (forever, while it renews) and then retried on the closed connection."""

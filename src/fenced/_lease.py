@@ -218,7 +218,8 @@ class AsyncLease:
         except LeaseLostError as exc:
             # Only if it is still the grant we renewed: a release() and acquire() may have
             # run while this renewal was in flight, and the new grant is not lost.
-            if self._state.grant is grant:
+            current = self._state.grant
+            if current is not None and current.token == grant.token:
                 self._mark_lost(exc)
             raise
         self._state.renewed(new)
