@@ -22,7 +22,7 @@ from urllib.parse import SplitResult
 import pytest
 
 import fenced
-from fenced import _backend
+from fenced import _backend, _clock
 from fenced._backend import Grant, LostCallback
 from fenced._state import LeaseState, Phase
 from fenced.backends.memory import MemoryBackend
@@ -295,6 +295,27 @@ async def test_late_renew_failure_of_the_current_grant_still_loses_it(
     finally:
         GatedSource.gate = None
         MemoryBackend.reset("review-gated2")
+
+
+async def test_reacquire_with_the_same_request_id_is_not_lost_by_the_old_grants_expiry(
+    memory_url: str,
+) -> None:
+    """Bug: the source's lost-notification for the expired first grant (same request id)
+    arrived just after the second grant and marked the new grant lost."""
+    async with fenced.connect_async(memory_url) as locks:
+        lease = locks.lock("x", ttl=0.3, auto_renew=False, request_id="job-1")
+        first = await lease.acquire()
+        server_expiry = _clock.now() + 0.3
+        await asyncio.wait_for(lease.lost.wait(), 5)  # the local watchdog: lost
+        while _clock.now() <= server_expiry:  # bounded: the source's own expiry passes too
+            await asyncio.sleep(0.01)
+        second = await lease.acquire(timeout=5)  # the source expires the first grant now
+        assert second > first
+        await asyncio.sleep(0)  # let the notification about the first grant arrive
+        await asyncio.sleep(0)
+        assert not lease.lost.is_set(), lease.lost.cause
+        assert lease.held
+        assert await lease.release()
 
 
 async def test_aclose_fails_an_acquire_in_flight_promptly(memory_url: str) -> None:

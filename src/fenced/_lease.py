@@ -172,6 +172,8 @@ class AsyncLease:
         # With no deadline, a dead source is given a bounded time to come back.
         give_up = deadline if deadline is not None else start + max(self.ttl, 5.0)
         delay = 0.02
+        granted: list[FencingToken] = []  # the grant this acquire's lost-callback is about
+        on_lost = self._make_backend_lost_callback(granted)
         try:
             while True:
                 try:
@@ -180,7 +182,7 @@ class AsyncLease:
                         request_id=request_id,
                         ttl=self.ttl,
                         deadline=deadline,
-                        on_lost=self._make_backend_lost_callback(request_id),
+                        on_lost=on_lost,
                     )
                     break
                 except BackendUnavailable:
@@ -193,6 +195,7 @@ class AsyncLease:
         except BaseException:
             self._state.acquire_failed()
             raise
+        granted.append(grant.token)
         self._state.granted(grant)
         self._last_token = grant.token
         self.lost._clear()
@@ -325,13 +328,17 @@ class AsyncLease:
             self._watchdog.cancel()
             self._watchdog = None
 
-    def _make_backend_lost_callback(self, request_id: str) -> Callable[[BaseException], None]:
+    def _make_backend_lost_callback(
+        self, granted: list[FencingToken]
+    ) -> Callable[[BaseException], None]:
         loop = asyncio.get_running_loop()
 
         def lost(cause: BaseException) -> None:
             def on_loop() -> None:
+                # Matched by token, not request id: with a caller-chosen request id, a late
+                # notice about an earlier grant must not mark a newer grant lost.
                 grant = self._state.grant
-                if grant is not None and grant.request_id == request_id:
+                if grant is not None and granted and grant.token == granted[0]:
                     self._mark_lost(cause)
 
             try:
