@@ -377,6 +377,43 @@ def test_cli_keeps_the_commands_status_if_only_the_release_fails() -> None:
     assert "release" in out.stderr
 
 
+def test_cli_ctrl_c_right_after_the_command_started_stops_the_command(
+    monkeypatch: pytest.MonkeyPatch, memory_url: str
+) -> None:
+    """Bug: the signal handlers were installed only after the command started: a Ctrl-C in
+    between ended `fenced lock` (releasing the lock) and left the command running unlocked.
+    The Ctrl-C is delivered deterministically, the instant Popen returns."""
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signals are delivered to the main thread only")
+    from fenced import cli
+
+    started: list[subprocess.Popen[bytes]] = []
+
+    class InterruptedRightAfterStart(subprocess.Popen[bytes]):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            started.append(self)
+            signal.raise_signal(signal.SIGINT)
+
+    monkeypatch.setattr(cli.subprocess, "Popen", InterruptedRightAfterStart)
+    code: int | None = None
+    try:
+        try:
+            code = cli.main(["lock", "x", "--url", memory_url, "--", "sleep", "30"])
+        except KeyboardInterrupt:
+            code = None
+        assert started
+        assert started[0].poll() is not None, "the command was left running without the lock"
+        assert code == 128 + signal.SIGINT  # it was passed the Ctrl-C, and died of it
+        with fenced.connect(memory_url) as locks:
+            assert locks.status("x").holder is None
+    finally:
+        for child in started:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+
+
 # -- the SQL row guard -----------------------------------------------------------------------
 
 

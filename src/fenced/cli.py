@@ -155,16 +155,44 @@ def _cmd_lock(args: argparse.Namespace, err: Console) -> int:
 
 def _run_holding(lease: _sync.Lease, token: str, cmd: list[str], grace: float, err: Console) -> int:
     env = dict(os.environ, FENCING_TOKEN=token, FENCED_LOCK=lease.name)
-    try:
-        # Its own process group, so that on lease loss we stop the whole job, not just its head.
-        child = subprocess.Popen(cmd, env=env, start_new_session=True)
-    except FileNotFoundError:
-        err.print(f"fenced lock: command not found: {cmd[0]}")
-        return 127
-    except PermissionError:
-        err.print(f"fenced lock: cannot execute: {cmd[0]}")
-        return 126
+    # The handlers go in before the command starts: a Ctrl-C or SIGTERM in between would
+    # otherwise end `fenced lock` (releasing the lock) and leave the command running.
+    child: subprocess.Popen[bytes] | None = None
+    early: list[int] = []
 
+    def forward(signum: int, _frame: object) -> None:
+        if child is None:
+            early.append(signum)  # passed on as soon as the command exists
+        else:
+            _signal_group(child, signum)
+
+    previous = {
+        s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    }
+    try:
+        if early:
+            return 128 + early[0]
+        try:
+            # Its own process group, so that on lease loss we stop the whole job, not its head.
+            child = subprocess.Popen(cmd, env=env, start_new_session=True)
+        except FileNotFoundError:
+            err.print(f"fenced lock: command not found: {cmd[0]}")
+            return 127
+        except PermissionError:
+            err.print(f"fenced lock: cannot execute: {cmd[0]}")
+            return 126
+        for signum in early:
+            _signal_group(child, signum)
+        return _supervise(lease, token, child, grace, err)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _supervise(
+    lease: _sync.Lease, token: str, child: subprocess.Popen[bytes], grace: float, err: Console
+) -> int:
+    """Wait for the command; if the lease is lost first, terminate it (SIGTERM, then SIGKILL)."""
     finished = threading.Event()
     lease.on_lost = lambda _lease: finished.set()
 
@@ -174,38 +202,28 @@ def _run_holding(lease: _sync.Lease, token: str, cmd: list[str], grace: float, e
 
     threading.Thread(target=wait_child, daemon=True).start()
 
-    def forward(signum: int, _frame: object) -> None:
-        _signal_group(child, signum)
-
-    previous = {
-        s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-    }
-    try:
-        if lease.lost.is_set():
-            finished.set()
-        finished.wait()
-        if child.poll() is None and lease.lost.is_set():
-            err.print(
-                f"fenced lock: lease on {lease.name!r} (token {token}) lost: {lease.lost_cause}; "
-                "terminating the command"
-            )
-            _signal_group(child, signal.SIGTERM)
-            try:
-                child.wait(grace)
-            except subprocess.TimeoutExpired:
-                _signal_group(child, signal.SIGKILL)
-                child.wait()
-            return EXIT_LEASE_LOST
-        code = child.wait()
-        if lease.lost.is_set():
-            err.print(
-                f"fenced lock: lease on {lease.name!r} (token {token}) was lost while the command ran"
-            )
-            return EXIT_LEASE_LOST
-        return code if code >= 0 else 128 - code
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+    if lease.lost.is_set():
+        finished.set()
+    finished.wait()
+    if child.poll() is None and lease.lost.is_set():
+        err.print(
+            f"fenced lock: lease on {lease.name!r} (token {token}) lost: {lease.lost_cause}; "
+            "terminating the command"
+        )
+        _signal_group(child, signal.SIGTERM)
+        try:
+            child.wait(grace)
+        except subprocess.TimeoutExpired:
+            _signal_group(child, signal.SIGKILL)
+            child.wait()
+        return EXIT_LEASE_LOST
+    code = child.wait()
+    if lease.lost.is_set():
+        err.print(
+            f"fenced lock: lease on {lease.name!r} (token {token}) was lost while the command ran"
+        )
+        return EXIT_LEASE_LOST
+    return code if code >= 0 else 128 - code
 
 
 def _signal_group(child: subprocess.Popen[bytes], signum: int) -> None:
