@@ -143,3 +143,45 @@ async def test_pg_retry_after_cancel_keeps_the_grant_it_returns(pg_dsn: str) -> 
             f"the retry returned {grant.token} but the source shows {status}"
         )
         assert await backend.release(grant) is True
+
+
+async def test_pg_abandoned_connection_is_not_closed_under_a_queued_call(pg_dsn: str) -> None:
+    """A cancelled acquire gives its connection up. Another call of the same backend that was
+    already queued on that connection must still run on it: closing the socket under it failed
+    that call on a healthy server, and left its fd registered in the event loop, so the next
+    connection to reuse the fd number failed too ("connection socket closed")."""
+    name, other = unique_name(), unique_name()
+    async with pg_backends(pg_dsn, 1) as (backend,):
+        grant = await backend.acquire(other, request_id="o", ttl=30, deadline=None, on_lost=_noop)
+        first = await backend.acquire(name, request_id="a", ttl=5, deadline=None, on_lost=_noop)
+        assert await backend.release(first) is True
+        conn = backend._conn
+        assert conn is not None
+        async with await psycopg.AsyncConnection.connect(pg_dsn) as blocker:
+            await blocker.execute(b"SELECT 1 FROM fenced_locks WHERE name = %s FOR UPDATE", (name,))
+            task = asyncio.create_task(
+                backend.acquire(name, request_id="b", ttl=30, deadline=None, on_lost=_noop)
+            )
+            await async_wait_for(_blocked_on_row(pg_dsn), what="the acquire to block on the row")
+            renewal = asyncio.create_task(backend.renew(grant))
+
+            async def renewal_queued() -> bool:
+                return bool(conn.lock._waiters)  # type: ignore[attr-defined]
+
+            await async_wait_for(renewal_queued, what="the renewal to queue on the connection")
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await blocker.commit()
+        renewed = await asyncio.wait_for(renewal, 10)
+        assert renewed.token == grant.token
+        await async_wait_for(_tasks_done(backend), what="background clean-up")
+        # New connections (which may reuse the old fd number) work.
+        for i in range(3):
+            again = await backend.acquire(
+                name, request_id=f"c{i}", ttl=5, deadline=None, on_lost=_noop
+            )
+            assert await backend.release(again) is True
+            backend._drop(backend._conn)  # type: ignore[arg-type]
+            await async_wait_for(_tasks_done(backend), what="the close")
+        assert await backend.release(grant) is True

@@ -573,7 +573,7 @@ class PostgreSQLBackend(Backend):
         """Stop using ``conn``; the next call opens a new connection."""
         if self._conn is conn:
             self._conn = None
-        self._spawn(conn.close())
+        self._spawn(_close_when_idle(conn))
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task: asyncio.Task[Any] = asyncio.ensure_future(coro)
@@ -650,7 +650,7 @@ class PostgreSQLBackend(Backend):
         def done(t: asyncio.Future[_Row | None]) -> None:
             row = None if t.cancelled() or t.exception() is not None else t.result()
             if self._conn is not conn:
-                self._spawn(conn.close())
+                self._spawn(_close_when_idle(conn))
             if late is not None:
                 late(row)
 
@@ -806,7 +806,7 @@ class PostgreSQLBackend(Backend):
         conn, self._conn = self._conn, None
         if conn is not None:
             with contextlib.suppress(Exception):
-                await conn.close()
+                await _close_when_idle(conn, timeout=1.0)
         tasks = list(self._tasks)
         if tasks:
             _done, pending = await asyncio.wait(tasks, timeout=1.0)
@@ -819,6 +819,20 @@ async def _fetch(
 ) -> _Row | None:
     cur = await conn.execute(query, params, prepare=True)
     return await cur.fetchone()
+
+
+async def _close_when_idle(conn: _Conn, timeout: float | None = None) -> None:
+    """Close ``conn`` once the calls already queued on it are done (or ``timeout`` passed).
+
+    psycopg's close() does not wait for them: closing the socket under a running call hangs or
+    fails it on a healthy server, and leaves its fd registered in the event loop, which then
+    breaks the next connection that reuses the fd number ("connection socket closed").
+    """
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(timeout), conn.lock:
+            await conn.close()
+            return
+    await conn.close()
 
 
 def _one(row: _Row | None) -> _Row:
