@@ -154,6 +154,10 @@ def test_refuses_a_server_that_can_lose_tokens(
         assert any("allow_unsafe_durability" in r.getMessage() for r in caplog.records)
         with fenced.connect(server.url + "?allow_unsafe_durability=true") as locks:
             assert locks.status(unique_name()).holder is None
+            assert fenced.Characteristic.DURABLE not in locks.characteristics
+        # The opt-out never satisfies a requirement of durability.
+        with pytest.raises(fenced.ConfigurationError, match="durable"):
+            fenced.connect(server.url, require={"durable"}, allow_unsafe_durability=True)  # type: ignore[arg-type]
 
 
 def test_refuses_a_server_with_a_replica() -> None:

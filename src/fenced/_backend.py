@@ -142,6 +142,12 @@ class Backend(abc.ABC):
     async def aclose(self) -> None:
         """Close connections. Grants still held are left to expire."""
 
+    @property
+    def effective_characteristics(self) -> frozenset[Characteristic]:
+        """What this open connection really promises: the class's declaration, less anything
+        the server's configuration turned out not to support (and the user allowed anyway)."""
+        return self.characteristics
+
 
 SCHEMES: dict[str, str] = {
     "memory": "fenced.backends.memory:MemoryBackend",
@@ -193,7 +199,10 @@ def backend_class(url: str) -> type[Backend]:
     return cls
 
 
-def check_requirements(cls: type[Backend], require: Iterable[str]) -> None:
+def check_requirements(
+    cls: type[Backend], require: Iterable[str], have: frozenset[Characteristic] | None = None
+) -> frozenset[Characteristic]:
+    """Refuse (ConfigurationError) a source lacking a required characteristic; return them."""
     wanted: set[Characteristic] = set()
     for item in require:
         try:
@@ -201,7 +210,9 @@ def check_requirements(cls: type[Backend], require: Iterable[str]) -> None:
         except ValueError:
             known = ", ".join(c.value for c in Characteristic)
             raise ConfigurationError(f"unknown characteristic {item!r}; known: {known}") from None
-    missing = wanted - cls.characteristics
+    missing = wanted - (cls.characteristics if have is None else have)
     if missing:
         names = ", ".join(sorted(m.value for m in missing))
-        raise ConfigurationError(f"the {cls.scheme!r} token source is not {names}")
+        which = "token source" if have is None else "connection (as the server is configured)"
+        raise ConfigurationError(f"the {cls.scheme!r} {which} is not {names}")
+    return frozenset(wanted)

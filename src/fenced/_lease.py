@@ -377,7 +377,7 @@ class AsyncLocks:
     def __init__(self, url: str, *, require: Iterable[str] = (), **options: Any) -> None:
         self.url = url
         self._cls = backend_class(url)
-        check_requirements(self._cls, require)
+        self._require = check_requirements(self._cls, require)
         self._options = options
         self._backend: Backend | None = None
         self._opening: asyncio.Lock | None = None
@@ -386,7 +386,10 @@ class AsyncLocks:
 
     @property
     def characteristics(self) -> frozenset[Characteristic]:
-        """What this token source promises (see :class:`~fenced.Characteristic`)."""
+        """What this token source promises (see :class:`~fenced.Characteristic`); once open,
+        what this connection promises as the server is configured."""
+        if self._backend is not None:
+            return self._backend.effective_characteristics
         return self._cls.characteristics
 
     @property
@@ -450,7 +453,17 @@ class AsyncLocks:
                 self._opening = asyncio.Lock()
             async with self._opening:
                 if self._backend is None:
-                    self._backend = await self._cls.open(parse_url(self.url), dict(self._options))
+                    backend = await self._cls.open(parse_url(self.url), dict(self._options))
+                    try:
+                        # A server may fail a check the user opted out of (Redis without
+                        # fsync): the requirement is judged again against what it is.
+                        check_requirements(
+                            self._cls, self._require, backend.effective_characteristics
+                        )
+                    except BaseException:
+                        await backend.aclose()
+                        raise
+                    self._backend = backend
         return self._backend
 
     def _backend_or_fail(self) -> Backend:
