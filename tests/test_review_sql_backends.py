@@ -77,7 +77,7 @@ def _tasks_done(backend: PostgreSQLBackend) -> Callable[[], Awaitable[bool]]:
 # -- PostgreSQL ------------------------------------------------------------------------------
 
 
-async def test_pg_acquire_cancelled_while_enqueuing_leaves_the_queue(pg_dsn: str) -> None:
+async def test_postgresql_acquire_cancelled_while_enqueuing_leaves_the_queue(pg_dsn: str) -> None:
     """A waiter cancelled while its first (enqueuing) statement is in flight must not stay
     queued: its row would head the queue, and every later waiter would wait for it to expire
     (``waiter_ttl``) after the lock is released."""
@@ -114,7 +114,7 @@ async def _waiters_are(backend: PostgreSQLBackend, name: str, n: int) -> bool:
     return (await backend.status(name)).waiters == n
 
 
-async def test_pg_retry_after_cancel_keeps_the_grant_it_returns(pg_dsn: str) -> None:
+async def test_postgresql_retry_after_cancel_keeps_the_grant_it_returns(pg_dsn: str) -> None:
     """Cancelled, then retried under the same request id (the contract's idempotent retry):
     the retry returns the grant the abandoned statement made, so the give-back of that
     "orphan" must not free it behind the holder's back."""
@@ -145,7 +145,9 @@ async def test_pg_retry_after_cancel_keeps_the_grant_it_returns(pg_dsn: str) -> 
         assert await backend.release(grant) is True
 
 
-async def test_pg_abandoned_connection_is_not_closed_under_a_queued_call(pg_dsn: str) -> None:
+async def test_postgresql_abandoned_connection_is_not_closed_under_a_queued_call(
+    pg_dsn: str,
+) -> None:
     """A cancelled acquire gives its connection up. Another call of the same backend that was
     already queued on that connection must still run on it: closing the socket under it failed
     that call on a healthy server, and left its fd registered in the event loop, so the next
