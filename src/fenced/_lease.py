@@ -112,6 +112,7 @@ class AsyncLease:
         self._last_token: FencingToken | None = None
         self._keepalive: asyncio.Task[None] | None = None
         self._watchdog: asyncio.TimerHandle | None = None
+        self._keepalive_timer: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.lost = LostSignal()
         self._lost_hooks: list[Callable[[BaseException], None]] = []
@@ -206,9 +207,11 @@ class AsyncLease:
                 LeaseLostError(f"lease on {self.name!r} expired before the grant arrived")
             )
         elif self.auto_renew:
-            self._keepalive = asyncio.create_task(
-                self._keep_alive(), name=f"fenced-keepalive:{self.name}"
-            )
+            # A timer, not a task, until the first renewal is due: most critical sections end
+            # before that, and a task per acquire is a measurable share of a fast acquire.
+            now = _clock.now()
+            delay = min(self._state.renew_delay(now), self._state.remaining(now))
+            self._keepalive_timer = self._loop.call_later(delay, self._start_keepalive)
         else:
             self._arm_watchdog()
         return grant.token
@@ -276,6 +279,13 @@ class AsyncLease:
             raise NotHeldError(f"lease on {self.name!r} is not held")
         return self._state.grant
 
+    def _start_keepalive(self) -> None:
+        self._keepalive_timer = None
+        if self._state.phase is Phase.HELD:
+            self._keepalive = asyncio.create_task(
+                self._keep_alive(), name=f"fenced-keepalive:{self.name}"
+            )
+
     async def _keep_alive(self) -> None:
         backend = self._locks._backend_or_fail()
         state = self._state
@@ -321,6 +331,9 @@ class AsyncLease:
         )
 
     def _stop_timers(self) -> None:
+        if self._keepalive_timer is not None:
+            self._keepalive_timer.cancel()
+            self._keepalive_timer = None
         task, self._keepalive = self._keepalive, None
         if task is not None and task is not _current_task():
             task.cancel()
