@@ -718,3 +718,21 @@ async def test_server_without_fsync_is_refused() -> None:
         await backend.aclose()
     finally:
         server.close()
+
+
+def test_concurrent_first_installs_do_not_break_each_other(pg_dsn: str) -> None:
+    """Processes that open a fresh schema at once: one installs, the others must not drop and
+    recreate the functions under the calls the first is already making."""
+    script = (
+        "import sys, fenced\n"
+        "with fenced.connect(sys.argv[1]) as locks:\n"
+        "    for _ in range(40):\n"
+        "        with locks.lock('install-race', ttl=5, timeout=60):\n"
+        "            pass\n"
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-c", script, pg_dsn], stderr=subprocess.PIPE, text=True)
+        for _ in range(5)
+    ]
+    errors = [p.stderr.read() if p.wait(120) else "" for p in procs]  # type: ignore[union-attr]
+    assert not any(errors), errors

@@ -516,12 +516,25 @@ class PostgreSQLBackend(Backend):
             )
         conn = await self._command_conn()
         try:
-            async with asyncio.timeout(self._command_timeout), conn.transaction():
-                await conn.execute(
-                    b"SELECT pg_advisory_xact_lock(%s, hashtext(%s))",
-                    (_INSTALL_LOCK, f"{names.schema}.{names.prefix}"),
-                )
-                await conn.execute(ddl.encode())
+            key = (_INSTALL_LOCK, f"{names.schema}.{names.prefix}")
+            async with asyncio.timeout(self._command_timeout):
+                # A session lock, so that the look below runs in a transaction of its own: only
+                # a new transaction is sure to see functions another client installed while we
+                # waited (a catalog cache may keep answering "no such function" within one).
+                # Installing twice would drop the fresh functions under the calls the first
+                # client is already making ("cache lookup failed for function").
+                await conn.execute(b"SELECT pg_advisory_lock(%s, hashtext(%s))", key)
+                try:
+                    cur = await conn.execute(
+                        b"SELECT obj_description(to_regprocedure(%s), 'pg_proc')",
+                        (names.acquire_sig,),
+                    )
+                    current = await cur.fetchone()
+                    if current is None or current[0] != names.marker:
+                        async with conn.transaction():
+                            await conn.execute(ddl.encode())
+                finally:
+                    await conn.execute(b"SELECT pg_advisory_unlock(%s, hashtext(%s))", key)
         except psycopg.errors.InsufficientPrivilege as exc:
             raise ConfigurationError(
                 f"cannot create fenced's tables in schema {names.schema!r}: {exc}. Grant CREATE "
