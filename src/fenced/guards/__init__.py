@@ -1,1 +1,16 @@
-"""Guards: make a resource reject writes that carry a stale fencing token."""
+"""Guards: make a resource reject writes that carry a stale fencing token.
+
+One module per kind of resource, each imported on its own (they need different clients):
+
+- ``fenced.guards.sql`` — ``SQLGuard`` (a fence table) and ``RowGuard`` (a token column), for
+  sqlite3 and psycopg 3, inside the caller's own transaction;
+- ``fenced.guards.redis`` — ``RedisGuard`` / ``AsyncRedisGuard``: one Lua script per write;
+- ``fenced.guards.etcd`` — ``EtcdGuard`` / ``AsyncEtcdGuard``: one transaction per write;
+- ``fenced.guards.files`` — ``FileGuard`` (a new file per token) and ``HighWaterFile``;
+- ``fenced.guards.asgi`` — ``FencingMiddleware`` for HTTP services, with SQLite, PostgreSQL
+  and Redis fence stores; ``fenced.guards.httpx`` — ``FencingAuth`` for the client side.
+
+Every guard accepts a token at least as high as the resource's high-water mark (and raises
+the mark to it) and rejects a lower one with :class:`~fenced.StaleTokenError`, in one atomic
+step in the resource itself.
+"""
