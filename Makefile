@@ -31,14 +31,14 @@ servers:
 
 test: $(PY) servers
 	$(PIP) install -e '.[test]'
-	$(VENV)/bin/ruff check src tests bench tools
-	$(VENV)/bin/ruff format --check src tests bench tools
+	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/ruff format --check src tests bench
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -n 2 --dist loadgroup -q
 
 lint:
-	$(VENV)/bin/ruff check src tests bench tools
-	$(VENV)/bin/ruff format src tests bench tools
+	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/ruff format src tests bench
 
 bench: $(PY)
 	$(PIP) install -e '.[all]'
