@@ -195,3 +195,33 @@ def test_characteristics_are_declared_for_every_scheme() -> None:
 def test_lock_status_fields() -> None:
     fields = {f.name for f in dataclasses.fields(LockStatus)}
     assert {"name", "holder", "token", "last_token", "remaining", "waiters"} <= fields
+
+
+class ReleaseFindsItGone(MemoryBackend):
+    """The source had already let the grant go when the holder releases it."""
+
+    scheme: ClassVar[str] = "gone"
+
+    @classmethod
+    async def open(cls, url: SplitResult, options: dict[str, Any]) -> MemoryBackend:
+        return cls((await MemoryBackend.open(url, options))._store)
+
+    async def release(self, grant: Grant) -> bool:
+        await super().release(grant)
+        return False
+
+
+def test_release_that_finds_the_grant_gone_reports_the_loss(
+    monkeypatch: pytest.MonkeyPatch, memory_url: str
+) -> None:
+    monkeypatch.setitem(_backend.SCHEMES, "gone", "tests.test_lease_core:ReleaseFindsItGone")
+    seen: list[fenced.Lease] = []
+    with fenced.connect(memory_url.replace("memory://", "gone://")) as locks:
+        lease = locks.lock("x", ttl=5, on_lost=seen.append)
+        with pytest.raises(fenced.LeaseLostError, match="lost while held"):
+            with lease:
+                pass
+        assert lease.lost.is_set() and seen == [lease]
+        assert "when it was released" in str(lease.lost_cause)
+        # A release that found nothing because it was already released says nothing.
+        assert lease.release() is False and seen == [lease]

@@ -247,6 +247,15 @@ class AsyncLease:
         self._state.released()
         self._locks._held.discard(self)
         released = await self._locks._backend_or_fail().release(grant)
+        if was_held and not released:
+            # We believed we held it, but the source had already let it go: the critical
+            # section just ended ran, at least in part, unprotected. Say so.
+            self._signal_lost(
+                LeaseLostError(
+                    f"lease on {self.name!r} (token {grant.token}) had already expired or been "
+                    "taken over when it was released"
+                )
+            )
         return released and was_held
 
     async def __aenter__(self) -> AsyncLease:
@@ -259,9 +268,9 @@ class AsyncLease:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        cause = self.lost.cause
         if exc is None:
             await self.release()
+            cause = self.lost.cause
             if cause is not None:
                 raise LeaseLostError(
                     f"lease on {self.name!r} (token {self._last_token}) was lost while held"
@@ -366,6 +375,9 @@ class AsyncLease:
             return
         self._stop_timers()
         self._locks._held.discard(self)
+        self._signal_lost(cause)
+
+    def _signal_lost(self, cause: BaseException) -> None:
         logger.warning("lease on %s (token %s) lost: %s", self.name, self._last_token, cause)
         self.lost._set(cause)
         for hook in self._lost_hooks:
