@@ -14,8 +14,9 @@ demo: $(PY)
 	$(PIP) install -e .
 	$(VENV)/bin/fenced demo
 
-# Debian packages for the real servers the tests start (only when root; otherwise they
-# must already be installed). PostgreSQL 15 is looked for under /usr/lib/postgresql.
+# Debian packages for the real servers the tests start, and strace for the fsync counts
+# (only when root; otherwise they must already be installed). PostgreSQL is looked for
+# under /usr/lib/postgresql.
 servers:
 	@if [ "$$(id -u)" = 0 ]; then \
 	  missing=""; \
@@ -24,6 +25,7 @@ servers:
 	  [ -f /usr/share/java/zookeeper.jar ] || missing="$$missing zookeeper"; \
 	  ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || missing="$$missing postgresql"; \
 	  command -v java >/dev/null || missing="$$missing default-jre-headless"; \
+	  command -v strace >/dev/null || missing="$$missing strace"; \
 	  if [ -n "$$missing" ]; then \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
 	  fi; \
