@@ -10,11 +10,8 @@ import functools
 import logging
 import os
 import signal
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
@@ -26,10 +23,7 @@ from fenced._backend import Grant, LostCallback
 from fenced._token import FencingToken
 from fenced.backends.redis import ACQUIRE_LUA, LEAVE_LUA, RELEASE_LUA, RedisBackend
 from fenced.testing.servers import RedisServer
-from tests.helpers import async_wait_for, unique_name, wait_for
-
-ROOT = Path(__file__).resolve().parent.parent
-
+from tests.helpers import async_wait_for, read_line, spawn_python, unique_name, wait_for
 
 # -- the checker ------------------------------------------------------------------------------
 
@@ -270,32 +264,11 @@ with fenced.connect(url, key_prefix=prefix) as locks:
 """
 
 
-def _spawn(code: str, *args: str) -> subprocess.Popen[str]:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
-    return subprocess.Popen(
-        [sys.executable, "-c", code, *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-
-
-def _line(proc: subprocess.Popen[str]) -> str:
-    assert proc.stdout is not None
-    line = proc.stdout.readline().strip()
-    if not line:
-        assert proc.stderr is not None
-        proc.kill()
-        raise AssertionError(f"client process said nothing; stderr:\n{proc.stderr.read()}")
-    return line
-
-
 def test_paused_holder_is_fenced_off(redis_server: RedisServer) -> None:
     prefix, name = _prefix(), unique_name()
-    proc = _spawn(_HOLDER, redis_server.url, prefix, name, "1.0")
+    proc = spawn_python(_HOLDER, redis_server.url, prefix, name, "1.0")
     try:
-        word, value = _line(proc).split()
+        word, value = read_line(proc).split()
         assert word == "token"
         first = FencingToken(name, int(value))
         os.kill(proc.pid, signal.SIGSTOP)  # paused for longer than its ttl
@@ -305,9 +278,9 @@ def test_paused_holder_is_fenced_off(redis_server: RedisServer) -> None:
                 second = lease.acquire(timeout=10)
                 assert second > first
                 os.kill(proc.pid, signal.SIGCONT)
-                assert _line(proc) == "lost LeaseLostError"
-                assert _line(proc) == "renew LeaseLostError"
-                assert _line(proc) == "release False"
+                assert read_line(proc) == "lost LeaseLostError"
+                assert read_line(proc) == "renew LeaseLostError"
+                assert read_line(proc) == "release False"
                 # The stale holder's release did not touch the new grant.
                 assert lease.held and locks.status(name).token == second
                 assert lease.release() is True
@@ -339,9 +312,9 @@ def test_a_paused_waiter_is_skipped(redis_server: RedisServer) -> None:
     ) as locks:
         holder = locks.lock(name, ttl=10)
         held = holder.acquire()
-        proc = _spawn(_WAITER, redis_server.url, prefix, name)
+        proc = spawn_python(_WAITER, redis_server.url, prefix, name)
         try:
-            assert _line(proc) == "waiting"
+            assert read_line(proc) == "waiting"
             wait_for(lambda: locks.status(name).waiters == 1, what="the process to queue")
             second_lease = locks.lock(name, ttl=5)
             second: list[FencingToken] = []
@@ -357,7 +330,7 @@ def test_a_paused_waiter_is_skipped(redis_server: RedisServer) -> None:
             # The resumed waiter queues again, and gets the lock after the thread lets go.
             wait_for(lambda: locks.status(name).waiters == 1, what="the waiter to re-queue")
             assert second_lease.release() is True
-            word, value = _line(proc).split()
+            word, value = read_line(proc).split()
             assert word == "token" and int(value) > second[0].value
             assert proc.wait(10) == 0
         finally:

@@ -10,12 +10,9 @@ import dataclasses
 import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -29,9 +26,7 @@ from fenced._token import FencingToken
 from fenced.backends import zookeeper as zk
 from fenced.backends.zookeeper import ROOT, ZooKeeperBackend, node_prefix, parse_node
 from fenced.testing.servers import ZooKeeperServer, free_port
-from tests.helpers import async_wait_for, unique_name, wait_for
-
-ROOT_DIR = Path(__file__).resolve().parent.parent
+from tests.helpers import async_wait_for, read_line, spawn_python, unique_name, wait_for
 
 
 def noop(exc: BaseException) -> None:
@@ -300,32 +295,11 @@ with fenced.connect(url) as locks:
 """
 
 
-def _spawn(code: str, *args: str) -> subprocess.Popen[str]:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT_DIR / 'src'}{os.pathsep}{ROOT_DIR}"}
-    return subprocess.Popen(
-        [sys.executable, "-c", code, *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-
-
-def _line(proc: subprocess.Popen[str]) -> str:
-    assert proc.stdout is not None
-    line = proc.stdout.readline().strip()
-    if not line:
-        assert proc.stderr is not None
-        proc.kill()
-        raise AssertionError(f"client process said nothing; stderr:\n{proc.stderr.read()}")
-    return line
-
-
 def test_paused_holder_process_is_fenced_off(zk_server: ZooKeeperServer) -> None:
     name = unique_name()
-    proc = _spawn(_HOLDER, zk_server.url, name, "1.5")
+    proc = spawn_python(_HOLDER, zk_server.url, name, "1.5")
     try:
-        word, value = _line(proc).split()
+        word, value = read_line(proc).split()
         assert word == "token"
         first = FencingToken(name, int(value))
         os.kill(proc.pid, signal.SIGSTOP)  # silent for longer than its session timeout
@@ -335,9 +309,9 @@ def test_paused_holder_process_is_fenced_off(zk_server: ZooKeeperServer) -> None
                 second = lease.acquire(timeout=20)
                 assert second > first
                 os.kill(proc.pid, signal.SIGCONT)
-                assert _line(proc) == "lost LeaseLostError"
-                assert _line(proc) == "renew LeaseLostError"
-                assert _line(proc) == "release False"
+                assert read_line(proc) == "lost LeaseLostError"
+                assert read_line(proc) == "renew LeaseLostError"
+                assert read_line(proc) == "release False"
                 # The stale holder's release did not touch the new grant.
                 assert lease.held and locks.status(name).token == second
                 assert lease.release() is True
