@@ -23,6 +23,7 @@ import concurrent.futures
 import contextlib
 import logging
 import sqlite3
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Final, Generic, Literal, Protocol, TypeVar, runtime_checkable
 
@@ -64,22 +65,27 @@ class FenceStore(Protocol):
 
 
 class _Guards(Generic[G]):
-    """A small LRU of guard objects per (resource, lock): they cache their SQL or scripts."""
+    """A small LRU of guard objects per (resource, lock): they cache their SQL or scripts.
+
+    Used from the event loop and from a store's worker thread at once, hence the mutex.
+    """
 
     def __init__(self, make: Callable[[str, str], G]) -> None:
         self._make = make
         self._cache: collections.OrderedDict[tuple[str, str], G] = collections.OrderedDict()
+        self._mutex = threading.Lock()
 
     def get(self, resource: str, lock: str) -> G:
         key = (resource, lock)
-        guard = self._cache.get(key)
-        if guard is None:
-            guard = self._cache[key] = self._make(resource, lock)
-            if len(self._cache) > _GUARD_CACHE:
-                self._cache.popitem(last=False)
-        else:
-            self._cache.move_to_end(key)
-        return guard
+        with self._mutex:
+            guard = self._cache.get(key)
+            if guard is None:
+                guard = self._cache[key] = self._make(resource, lock)
+                if len(self._cache) > _GUARD_CACHE:
+                    self._cache.popitem(last=False)
+            else:
+                self._cache.move_to_end(key)
+            return guard
 
 
 def _map_sqlite(conn: sqlite3.Connection, exc: BaseException) -> BaseException:
