@@ -1003,3 +1003,20 @@ def test_row_closed_connection(env: Env, rows: RowGuard) -> None:
     conn.close()
     with pytest.raises(BackendUnavailable):
         rows.update(conn, tok(1), key={"id": 1}, values={"status": "x"})
+
+
+@pytest.mark.parametrize("column_type", ["TEXT", "INTEGER"])
+def test_row_guard_on_a_badly_typed_pg_column_is_a_configuration_error(
+    pg_dsn: str, column_type: str
+) -> None:
+    """Without install(), a TEXT or int4 token column gives a typed error, and writes nothing."""
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        c.execute(
+            f"CREATE TABLE docs (id INTEGER PRIMARY KEY, body TEXT, fencing_token {column_type})"
+        )
+        c.execute("INSERT INTO docs VALUES (1, 'original', NULL)")
+        guard = RowGuard("docs", lock=LOCK)
+        token = FencingToken(LOCK, 2**40)  # above int4, as ZooKeeper tokens are
+        with pytest.raises(ConfigurationError, match="BIGINT"), c.transaction():
+            guard.update(c, token, key={"id": 1}, values={"body": "new"})
+        assert c.execute("SELECT body FROM docs WHERE id = 1").fetchone() == ("original",)

@@ -49,6 +49,7 @@ _SQLITE_UNAVAILABLE: Final = frozenset({10, 11, 14, 26})  # IOERR, CORRUPT, CANT
 _PG_UNAVAILABLE: Final = frozenset({"57P01", "57P02", "57P03"})  # shutdown, crash, starting
 _PG_CONFLICT: Final = frozenset({"55P03"})  # lock_not_available (lock_timeout); and class 40
 _PG_CONFIG: Final = frozenset({"42P01", "42703", "42P10"})  # undefined table/column, no key
+_PG_TYPE: Final = frozenset({"42883", "22003"})  # e.g. text <= bigint; int4 column overflow
 
 
 def _psycopg() -> Any:
@@ -160,6 +161,11 @@ def map_error(d: Dialect, conn: Any, exc: BaseException) -> FencedError | None:
         return BackendUnavailable(f"PostgreSQL connection unavailable: {exc}")
     if state in _PG_CONFIG:
         return ConfigurationError(f"{exc}: has the guard been installed (guard.install())?")
+    if state in _PG_TYPE:
+        return ConfigurationError(
+            f"{exc}: a column has the wrong type; the token column must be BIGINT "
+            "(guard.install() checks it)"
+        )
     return None
 
 
