@@ -65,3 +65,60 @@ def read_line(proc: subprocess.Popen[str]) -> str:
         proc.kill()
         raise AssertionError(f"client process said nothing; stderr:\n{proc.stderr.read()}")
     return line
+
+
+_PAUSED_HOLDER = """
+import json, sys, fenced
+url, options, name, ttl = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], float(sys.argv[4])
+with fenced.connect(url, **options) as locks:
+    lease = locks.lock(name, ttl=ttl, timeout=30)
+    print("token", lease.acquire().value, flush=True)
+    lost = lease.lost.wait(60)
+    print("lost", type(lease.lost_cause).__name__ if lost else None, flush=True)
+    try:
+        lease.renew()
+        print("renew ok", flush=True)
+    except fenced.LeaseLostError:
+        print("renew LeaseLostError", flush=True)
+    print("release", lease.release(), flush=True)
+"""
+
+
+def check_paused_holder_is_fenced_off(
+    url: str, *, ttl: float, acquire_timeout: float, **options: object
+) -> None:
+    """A holder process paused (SIGSTOP) past its ttl: the next holder gets a higher token, and
+    the resumed one is told it lost the lease, cannot renew it, and cannot release the new grant.
+    """
+    import contextlib
+    import json
+    import signal
+
+    import fenced
+
+    name = unique_name()
+    proc = spawn_python(_PAUSED_HOLDER, url, json.dumps(options), name, str(ttl))
+    try:
+        word, value = read_line(proc).split()
+        assert word == "token"
+        first = fenced.FencingToken(name, int(value))
+        os.kill(proc.pid, signal.SIGSTOP)  # silent for longer than its ttl
+        try:
+            with fenced.connect(url, **options) as locks:
+                lease = locks.lock(name, ttl=10)
+                second = lease.acquire(timeout=acquire_timeout)
+                assert second > first
+                os.kill(proc.pid, signal.SIGCONT)
+                assert read_line(proc) == "lost LeaseLostError"
+                assert read_line(proc) == "renew LeaseLostError"
+                assert read_line(proc) == "release False"
+                # The stale holder's release did not touch the new grant.
+                assert lease.held and locks.status(name).token == second
+                assert lease.release() is True
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGCONT)
+        assert proc.wait(10) == 0
+    finally:
+        proc.kill()
+        proc.wait()

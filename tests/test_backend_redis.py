@@ -23,7 +23,14 @@ from fenced._backend import Grant, LostCallback
 from fenced._token import FencingToken
 from fenced.backends.redis import ACQUIRE_LUA, LEAVE_LUA, RELEASE_LUA, RedisBackend
 from fenced.testing.servers import RedisServer
-from tests.helpers import async_wait_for, read_line, spawn_python, unique_name, wait_for
+from tests.helpers import (
+    async_wait_for,
+    check_paused_holder_is_fenced_off,
+    read_line,
+    spawn_python,
+    unique_name,
+    wait_for,
+)
 
 # -- the checker ------------------------------------------------------------------------------
 
@@ -247,50 +254,11 @@ def test_url_options(redis_server: RedisServer) -> None:
 
 # -- paused processes ------------------------------------------------------------------------
 
-_HOLDER = """
-import sys, fenced
-url, prefix, name, ttl = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
-with fenced.connect(url, key_prefix=prefix) as locks:
-    lease = locks.lock(name, ttl=ttl, timeout=30)
-    print("token", lease.acquire().value, flush=True)
-    lost = lease.lost.wait(60)
-    print("lost", type(lease.lost_cause).__name__ if lost else None, flush=True)
-    try:
-        lease.renew()
-        print("renew ok", flush=True)
-    except fenced.LeaseLostError:
-        print("renew LeaseLostError", flush=True)
-    print("release", lease.release(), flush=True)
-"""
-
 
 def test_paused_holder_is_fenced_off(redis_server: RedisServer) -> None:
-    prefix, name = _prefix(), unique_name()
-    proc = spawn_python(_HOLDER, redis_server.url, prefix, name, "1.0")
-    try:
-        word, value = read_line(proc).split()
-        assert word == "token"
-        first = FencingToken(name, int(value))
-        os.kill(proc.pid, signal.SIGSTOP)  # paused for longer than its ttl
-        try:
-            with fenced.connect(redis_server.url, key_prefix=prefix) as locks:  # type: ignore[arg-type]
-                lease = locks.lock(name, ttl=10)
-                second = lease.acquire(timeout=10)
-                assert second > first
-                os.kill(proc.pid, signal.SIGCONT)
-                assert read_line(proc) == "lost LeaseLostError"
-                assert read_line(proc) == "renew LeaseLostError"
-                assert read_line(proc) == "release False"
-                # The stale holder's release did not touch the new grant.
-                assert lease.held and locks.status(name).token == second
-                assert lease.release() is True
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signal.SIGCONT)
-        assert proc.wait(10) == 0
-    finally:
-        proc.kill()
-        proc.wait()
+    check_paused_holder_is_fenced_off(
+        redis_server.url, ttl=1.0, acquire_timeout=10, key_prefix=_prefix()
+    )
 
 
 _WAITER = """

@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import os
-import signal
 import socket
 import threading
 import time
@@ -22,11 +20,15 @@ from kazoo.client import KazooClient
 import fenced
 from fenced import _backend, _clock
 from fenced._backend import Grant
-from fenced._token import FencingToken
 from fenced.backends import zookeeper as zk
 from fenced.backends.zookeeper import ROOT, ZooKeeperBackend, node_prefix, parse_node
 from fenced.testing.servers import ZooKeeperServer, free_port
-from tests.helpers import async_wait_for, read_line, spawn_python, unique_name, wait_for
+from tests.helpers import (
+    async_wait_for,
+    check_paused_holder_is_fenced_off,
+    unique_name,
+    wait_for,
+)
 
 
 def noop(exc: BaseException) -> None:
@@ -278,50 +280,10 @@ async def _true(value: bool) -> bool:
 
 # -- (2) a paused holder process ---------------------------------------------------------------
 
-_HOLDER = """
-import sys, fenced
-url, name, ttl = sys.argv[1], sys.argv[2], float(sys.argv[3])
-with fenced.connect(url) as locks:
-    lease = locks.lock(name, ttl=ttl, timeout=30)
-    print("token", lease.acquire().value, flush=True)
-    lost = lease.lost.wait(60)
-    print("lost", type(lease.lost_cause).__name__ if lost else None, flush=True)
-    try:
-        lease.renew()
-        print("renew ok", flush=True)
-    except fenced.LeaseLostError:
-        print("renew LeaseLostError", flush=True)
-    print("release", lease.release(), flush=True)
-"""
-
 
 def test_paused_holder_process_is_fenced_off(zk_server: ZooKeeperServer) -> None:
-    name = unique_name()
-    proc = spawn_python(_HOLDER, zk_server.url, name, "1.5")
-    try:
-        word, value = read_line(proc).split()
-        assert word == "token"
-        first = FencingToken(name, int(value))
-        os.kill(proc.pid, signal.SIGSTOP)  # silent for longer than its session timeout
-        try:
-            with fenced.connect(zk_server.url) as locks:
-                lease = locks.lock(name, ttl=10)
-                second = lease.acquire(timeout=20)
-                assert second > first
-                os.kill(proc.pid, signal.SIGCONT)
-                assert read_line(proc) == "lost LeaseLostError"
-                assert read_line(proc) == "renew LeaseLostError"
-                assert read_line(proc) == "release False"
-                # The stale holder's release did not touch the new grant.
-                assert lease.held and locks.status(name).token == second
-                assert lease.release() is True
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signal.SIGCONT)
-        assert proc.wait(10) == 0
-    finally:
-        proc.kill()
-        proc.wait()
+    # Silent for longer than its session timeout.
+    check_paused_holder_is_fenced_off(zk_server.url, ttl=1.5, acquire_timeout=20)
 
 
 # -- (3) kill -9 of the server ------------------------------------------------------------------
