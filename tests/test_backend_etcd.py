@@ -286,8 +286,13 @@ def test_cluster_leader_killed_tokens_stay_ordered() -> None:
             assert resource.grants() >= before + 20
             status = long_locks.status(long.name)
             if long.lost.is_set():
+                # Lost as the client judges it: the renewal could not be confirmed in time.
+                # The conservative judgement may come before etcd's own expiry, so etcd may
+                # still list the grant for a moment; what matters is that the client no
+                # longer believes it holds the lock.
                 assert isinstance(long.lost_cause, fenced.LeaseLostError)
-                assert status.token != long.token
+                assert not long.held and long.remaining() == 0
+                del status
             else:
                 # Survived: renewed through another member, and etcd agrees it still holds.
                 assert long.held and long.remaining() > 0

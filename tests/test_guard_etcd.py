@@ -28,6 +28,7 @@ import fenced
 from fenced import (
     BackendUnavailable,
     ConfigurationError,
+    CorruptMarkError,
     FencingToken,
     InvalidTokenError,
     StaleTokenError,
@@ -65,15 +66,10 @@ def tok(value: int, lock: str = LOCK) -> FencingToken:
 
 
 class AsyncLtGuard(AsyncEtcdGuard):
-    """Planted bug: ``value(hw) < enc(token)`` — ``<`` for ``<=``, a token equal to the mark is refused."""
+    """Planted bug: ``<`` for ``<=`` — a token equal to the mark is refused."""
 
-    def _accept_compare(self, token: FencingToken) -> rpc.Compare:
-        return rpc.Compare(
-            key=self.keys.hw,
-            target=rpc.Compare.VALUE,
-            result=rpc.Compare.LESS,
-            value=encode_value(token.value),
-        )
+    def _accepts(self, token: int, mark: int) -> bool:
+        return mark < token
 
 
 class AsyncCheckThenWriteGuard(AsyncEtcdGuard):
@@ -274,7 +270,7 @@ def own_server() -> Iterator[EtcdServer]:
 
 def test_encoding_byte_order_is_numeric_order() -> None:
     rng = random.Random(7)
-    values = [1, 9, 10, 99, 100, 2**53, 2**53 + 1, 2**63 - 2, 2**63 - 1, 2**63]
+    values = [1, 9, 10, 99, 100, 2**53, 2**53 + 1, 2**63 - 2, 2**63 - 1]
     values += [rng.randrange(1, 2**63) for _ in range(2000)]
     values += [rng.randrange(1, 10 ** rng.randrange(1, 19)) for _ in range(2000)]
     for a in values:
@@ -283,7 +279,7 @@ def test_encoding_byte_order_is_numeric_order() -> None:
     assert sorted(encode_value(v) for v in ordered) == [encode_value(v) for v in ordered]
     # Unpadded decimal text is NOT ordered: the bug the padding prevents.
     assert str(10).encode() < str(9).encode()
-    for raw in (b"", b"12", b"x" * 19, b"-" + b"1" * 18):
+    for raw in (b"", b"12", b"x" * 19, b"-" + b"1" * 18, encode_value(2**63), b"9" * 19):
         with pytest.raises(ValueError):
             decode_value(raw)
 
@@ -336,6 +332,106 @@ def test_lock_binding(etcd_server: EtcdServer) -> None:
         with pytest.raises(WrongLockError):
             wrong.put(res.data, "c", FencingToken("other", 11))  # refused by the resource
     assert res.history() == ["a"]
+
+
+def _etcd_put(endpoint: str, key: str, value: bytes | None) -> None:
+    """Set (or, with None, delete) a key directly, as an operator or a bug would."""
+
+    async def go() -> None:
+        host, _, port = endpoint.rpartition(":")
+        async with aetcd.Client(host, int(port)) as client:
+            if value is None:
+                await client.delete(key.encode())
+            else:
+                await client.put(key.encode(), value)
+
+    asyncio.run(go())
+
+
+CORRUPT_MARKS = [
+    b"",
+    b" ",
+    b"-5",
+    b"+5000",
+    b"0",
+    b"000",
+    b"0" * 20,
+    b"0" * 18 + b"5x",
+    b"9" * 19,
+    b"1e3",
+    b"000000000000000001\n",
+]
+
+
+@pytest.mark.parametrize("mark", CORRUPT_MARKS, ids=repr)
+def test_corrupt_mark_fails_closed(etcd_server: EtcdServer, mark: bytes) -> None:
+    """A damaged mark refuses every write (old code accepted any token: bytes sort below it)."""
+    res = Resource(etcd_server.endpoint)
+    with EtcdGuard(etcd_server.endpoint, res.name, LOCK) as guard:
+        res.write(guard, 10, "ten")
+        _etcd_put(etcd_server.endpoint, f"fenced/hw/{res.name}", mark)
+        for value in (1, 3, 10, 11, 2**63 - 1):
+            with pytest.raises(CorruptMarkError, match="corrupt") as info:
+                res.write(guard, value, "late")
+            assert info.value.resource == res.name
+        with pytest.raises(CorruptMarkError):
+            guard.high_water()
+    assert res.history() == ["10:ten"]
+
+
+@pytest.mark.parametrize("missing", ["hw", "lock"])
+def test_mark_missing_but_bound_fails_closed(etcd_server: EtcdServer, missing: str) -> None:
+    """Deleting one fence key is damage, not a fresh resource (the mark would restart at 0)."""
+    res = Resource(etcd_server.endpoint)
+    with EtcdGuard(etcd_server.endpoint, res.name, LOCK) as guard:
+        res.write(guard, 10, "ten")
+        _etcd_put(etcd_server.endpoint, f"fenced/{missing}/{res.name}", None)
+        for value in (3, 11):
+            with pytest.raises(CorruptMarkError):
+                res.write(guard, value, "late")
+    assert res.history() == ["10:ten"]
+
+
+def test_no_write_touches_any_fence_key(etcd_server: EtcdServer) -> None:
+    """Resource A's guard cannot rewrite B's mark or lock key, by put or by a delete range."""
+    a_res, b_res = Resource(etcd_server.endpoint), Resource(etcd_server.endpoint)
+    with (
+        EtcdGuard(etcd_server.endpoint, a_res.name, LOCK) as a,
+        EtcdGuard(etcd_server.endpoint, b_res.name, LOCK) as b,
+    ):
+        res_b_write = b.put(b_res.data, "b10", tok(10))
+        assert res_b_write > 0
+        wide = delete_op(b"a")
+        wide.request_delete_range.range_end = b"\0"
+        for attempt in (
+            lambda: a.put(f"fenced/hw/{b_res.name}", encode_value(1), tok(20)),
+            lambda: a.put(f"fenced/lock/{b_res.name}", "x", tok(20)),
+            lambda: a.delete(f"fenced/hw/{b_res.name}", tok(20)),
+            lambda: a.put("fenced/other", "x", tok(20)),
+            lambda: a.write([wide], tok(20)),
+        ):
+            with pytest.raises(ConfigurationError, match="reserved"):
+                attempt()
+        assert b.high_water() == tok(10)
+        with pytest.raises(StaleTokenError):
+            b.put(b_res.data, "b3", tok(3))
+
+
+def test_new_holder_after_handoff_and_many_writers(etcd_server: EtcdServer) -> None:
+    """Two guards (two processes' views) interleave: each sees the other's mark and adapts."""
+    res = Resource(etcd_server.endpoint)
+    with (
+        EtcdGuard(etcd_server.endpoint, res.name, LOCK) as old,
+        EtcdGuard(etcd_server.endpoint, res.name, LOCK) as new,
+    ):
+        res.write(old, 5, "old")
+        res.write(old, 5, "old")
+        res.write(new, 9, "new")  # its guess (9) misses, reads 5, writes: two round trips
+        with pytest.raises(StaleTokenError) as info:
+            res.write(old, 5, "old")  # its cached mark (5) is out of date: refused all the same
+        assert info.value.high_water == tok(9)
+        res.write(new, 9, "new")
+    assert res.accepted() == [5, 5, 9, 9]
 
 
 @pytest.mark.parametrize("bad", BAD_TOKENS, ids=repr)

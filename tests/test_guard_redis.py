@@ -35,6 +35,8 @@ from redis.retry import Retry
 import fenced
 from fenced import (
     BackendUnavailable,
+    ConfigurationError,
+    CorruptMarkError,
     FencedError,
     FencingToken,
     InvalidTokenError,
@@ -414,12 +416,103 @@ def test_bad_arguments(client: redis.Redis) -> None:
     assert guard.high_water() is None  # nothing was sent
 
 
-def test_corrupt_mark_refuses(client: redis.Redis) -> None:
+CORRUPT_MARKS = [
+    "",
+    " ",
+    "-5",
+    "+5000",
+    "0",
+    "000",
+    "0000000000000000000",
+    "12abc",
+    "1e3",
+    "9223372036854775808",
+    "99999999999999999999",
+    "１２",
+]
+
+
+@pytest.mark.parametrize("mark", CORRUPT_MARKS)
+def test_corrupt_mark_fails_closed(client: redis.Redis, mark: str) -> None:
+    """A stored mark that is not a canonical token value refuses every write, writing nothing."""
     name = unique_name("res")
-    client.hset(default_fence_key(name), mapping={"lock": LOCK, "hw": "12abc"})
-    with pytest.raises(StaleTokenError, match="not a token value"):
-        RedisGuard(client, name, LOCK).set(f"{{{name}}}:k", "x", tok(10**6))
+    client.hset(default_fence_key(name), mapping={"lock": LOCK, "hw": mark})
+    guard = RedisGuard(client, name, LOCK)
+    for value in (1, 3, 10**6, 2**63 - 1):
+        with pytest.raises(CorruptMarkError, match=f"{name}.*corrupt") as info:
+            guard.set(f"{{{name}}}:k", "x", tok(value))
+        assert info.value.resource == name
     assert client.exists(f"{{{name}}}:k") == 0
+    with pytest.raises(CorruptMarkError):
+        guard.high_water()
+    assert client.hget(default_fence_key(name), "hw") == mark.encode()
+
+
+@pytest.mark.parametrize("missing", ["hw", "lock"])
+def test_mark_missing_but_bound_fails_closed(client: redis.Redis, missing: str) -> None:
+    """HDEL of one field of the fence hash is damage, not a fresh resource."""
+    name = unique_name("res")
+    guard = RedisGuard(client, name, LOCK)
+    guard.set(f"{{{name}}}:k", "ten", tok(10))
+    client.hdel(default_fence_key(name), missing)
+    with pytest.raises(CorruptMarkError):
+        guard.set(f"{{{name}}}:k", "three", tok(3))
+    with pytest.raises(CorruptMarkError):
+        guard.set(f"{{{name}}}:k", "eleven", tok(11))
+    assert client.get(f"{{{name}}}:k") == b"ten"
+
+
+def test_no_write_touches_any_fence_key(client: redis.Redis) -> None:
+    """Resource A's guard cannot rewrite B's mark (nor any key of fenced's namespace)."""
+    a_name, b_name = unique_name("a"), unique_name("b")
+    a, b = RedisGuard(client, a_name, LOCK), RedisGuard(client, b_name, LOCK)
+    b.set(f"{{{b_name}}}:k", "b10", tok(10))
+    for attempt in (
+        lambda: a.set(b.fence_key, "x", tok(20)),
+        lambda: a.hset(b.fence_key, {"hw": "1"}, tok(20)),
+        lambda: a.delete(f"{{{a_name}}}:k", b.fence_key, token=tok(20)),
+        lambda: a.eval("return 1", [b.fence_key], [], tok(20)),
+        lambda: a.set("fenced:anything", "x", tok(20)),
+        lambda: a.set(b"fenced:hw:{x}", "x", tok(20)),
+    ):
+        with pytest.raises(ConfigurationError, match="reserved"):
+            attempt()
+    assert b.high_water() == tok(10)
+    with pytest.raises(StaleTokenError):
+        b.set(f"{{{b_name}}}:k", "b3", tok(3))
+    with pytest.raises(ConfigurationError, match="must start with 'fenced:'"):
+        RedisGuard(client, "x", LOCK, fence_key="{x}:my-mark")
+
+
+def test_timed_out_write_is_applied_at_most_once(redis_server: RedisServer) -> None:
+    """redis-py re-sends a timed-out command (10 times by default); the guard never does.
+
+    The script busy-waits longer than the client's socket timeout, so its reply times out
+    after Redis applied it: the write must be applied once and reported as unknown."""
+    user_client = redis.Redis(port=redis_server.port, socket_timeout=0.2)  # default retries
+    assert user_client.get_retry().get_retries() > 0
+    name = unique_name("res")
+    slow_incr = """
+local t = redis.call('TIME')
+local until_us = (tonumber(t[1]) * 1000000 + tonumber(t[2])) + 350000
+repeat t = redis.call('TIME') until tonumber(t[1]) * 1000000 + tonumber(t[2]) >= until_us
+return redis.call('INCRBY', KEYS[1], 100)
+"""
+    with RedisGuard(user_client, name, LOCK) as guard:
+        with pytest.raises(BackendUnavailable, match="outcome unknown"):
+            guard.eval(slow_incr, [f"{{{name}}}:n"], [], tok(5))
+    checker = redis.Redis(port=redis_server.port)
+    wait_for(lambda: checker.get(f"{{{name}}}:n") is not None, 10)
+    assert checker.get(f"{{{name}}}:n") == b"100"
+    checker.close()
+    user_client.close()
+
+
+def test_cluster_client_with_retries_is_refused() -> None:
+    cluster = redis.RedisCluster.__new__(redis.RedisCluster)
+    cluster.retry = Retry(NoBackoff(), 3)
+    with pytest.raises(ConfigurationError, match="re-sends timed-out commands"):
+        RedisGuard(cluster, "res", LOCK)
 
 
 def test_fence_key_shares_the_slot_of_tagged_keys() -> None:
@@ -435,7 +528,7 @@ def test_redis_cluster_same_slot_only(tmp_path: Path) -> None:
         admin = redis.Redis(port=server.port)
         admin.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
         wait_for(lambda: b"cluster_state:ok" in admin.execute_command("CLUSTER", "INFO"), 30)
-        cluster = redis.RedisCluster(host="127.0.0.1", port=server.port)
+        cluster = redis.RedisCluster(host="127.0.0.1", port=server.port, retry=NO_RETRY)
         try:
             name = unique_name("res")
             guard = RedisGuard(cluster, name, LOCK)

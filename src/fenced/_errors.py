@@ -6,6 +6,7 @@ Hierarchy::
     ├── InvalidTokenError (ValueError)       malformed, out-of-range token text or value
     │   └── WrongLockError                   a token of another lock (also: comparing tokens of two locks)
     ├── StaleTokenError                      the resource has accepted a higher token: this writer is fenced off
+    ├── CorruptMarkError                     the resource's stored high-water mark is unreadable: every write is refused
     ├── FenceConflictError                   a concurrent transaction kept the guard from deciding: retry
     ├── ResourceNotFoundError (LookupError)  a guarded row/key/file does not exist (not the same as stale)
     ├── LockError
@@ -32,6 +33,7 @@ __all__ = [
     "BackendError",
     "BackendUnavailable",
     "ConfigurationError",
+    "CorruptMarkError",
     "FenceConflictError",
     "FencedError",
     "InvalidTokenError",
@@ -83,6 +85,30 @@ class StaleTokenError(FencedError):
 
     def __reduce__(self) -> tuple[object, ...]:
         return (type(self), (self.token, self.high_water, self.resource, str(self)))
+
+
+class CorruptMarkError(FencedError):
+    """The resource's stored high-water mark cannot be read as a token: fail closed.
+
+    Raised for a mark that is missing while the resource is bound to a lock, empty, not a
+    canonical decimal, out of range (0, negative, above ``MAX_TOKEN``) or stored in a
+    column or value of the wrong type. No write is accepted, whatever its token, until an
+    operator repairs the mark (set it to at least the highest token ever granted). This is
+    about the *stored* value; a malformed token offered by the caller is
+    :class:`InvalidTokenError`. ``resource`` names the guarded resource, ``detail`` what was
+    found (truncated).
+    """
+
+    def __init__(self, resource: str, detail: str) -> None:
+        self.resource = resource
+        self.detail = detail
+        super().__init__(
+            f"the high-water mark of {resource!r} is corrupt ({detail}): every write is "
+            "refused until it is repaired"
+        )
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.resource, self.detail))
 
 
 class FenceConflictError(FencedError):

@@ -38,11 +38,15 @@ from typing import Any, Final
 
 import redis
 import redis.asyncio
+import redis.asyncio.retry
+from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript, Script
+from redis.retry import Retry
 
 from .._errors import (
     BackendUnavailable,
     ConfigurationError,
+    CorruptMarkError,
     FencedError,
     StaleTokenError,
     UnsafeBackendError,
@@ -64,12 +68,17 @@ PRELUDE: Final = """\
 -- values are compared as digit strings: by length, then in two halves that are each exact.
 local fence, lock, tok = KEYS[1], ARGV[1], ARGV[2]
 local state = redis.call('HMGET', fence, 'lock', 'hw')
+-- A mark without its lock binding, or a binding without its mark, was damaged: fail closed.
+if not state[1] ~= not state[2] then
+  return redis.error_reply('FENCEDGUARD corrupt ' .. (state[1] and 'no hw field' or 'no lock field'))
+end
 if state[1] and state[1] ~= lock then return redis.error_reply('FENCEDGUARD lock ' .. state[1]) end
 local hw = state[2]
 local c = 1  -- token vs mark: 1 higher (or no mark yet), 0 equal, -1 lower
 if hw then
-  if #hw > 19 or not string.find(hw, '^[1-9][0-9]*$') then
-    return redis.error_reply('FENCEDGUARD corrupt ' .. hw)
+  if #hw > 19 or not string.find(hw, '^[1-9][0-9]*$')
+     or (#hw == 19 and hw > '9223372036854775807') then
+    return redis.error_reply('FENCEDGUARD corrupt hw=' .. string.sub(hw, 1, 40))
   end
   if #tok ~= #hw then
     c = (#tok > #hw) and 1 or -1
@@ -144,9 +153,68 @@ def eval_script(lua_body: str) -> str:
 # --- pure request building and reply interpretation -------------------------------------------
 
 
+NAMESPACE: Final = "fenced:"
+"""The key space reserved for fence keys: no guarded write may touch a key that starts with it.
+
+Every fence key is in it (a custom ``fence_key=`` must be too), so one resource's guarded
+write can never rewrite another resource's mark. ``fenced:hw:{<resource>}`` is injective in
+the resource (a resource name may not contain braces), so no two resources share a mark."""
+
+
 def default_fence_key(resource: str) -> str:
     """``fenced:hw:{resource}``: the hash tag keeps it in the slot of keys tagged ``{resource}``."""
-    return f"fenced:hw:{{{resource}}}"
+    return f"{NAMESPACE}hw:{{{resource}}}"
+
+
+def _no_retry_client(client: Any) -> Any:
+    """A client for the guard's scripts that never re-sends a command on its own.
+
+    redis-py re-sends a command whose reply timed out (10 times by default): a guarded
+    ``INCRBY`` would be applied several times, and a retry that arrives after a newer holder's
+    write is refused although the first attempt was applied. The guard's writes are sent once;
+    an unknown outcome is reported as :class:`~fenced.BackendUnavailable`. For a plain client,
+    a sibling pool with the same connection settings and no retries is made; a cluster client
+    or another kind of pool must itself be configured with ``retry=Retry(NoBackoff(), 0)``.
+    """
+    pool: Any = getattr(client, "connection_pool", None)
+    if isinstance(client, redis.asyncio.Redis) and type(pool) in (
+        redis.asyncio.ConnectionPool,
+        redis.asyncio.BlockingConnectionPool,
+    ):
+        kwargs = {**pool.connection_kwargs, "retry": redis.asyncio.retry.Retry(NoBackoff(), 0)}
+        kwargs.pop("retry_on_error", None)
+        kwargs.pop("retry_on_timeout", None)
+        return redis.asyncio.Redis(
+            connection_pool=redis.asyncio.ConnectionPool(
+                connection_class=pool.connection_class,
+                max_connections=pool.max_connections,
+                **kwargs,
+            )
+        )
+    if isinstance(client, redis.Redis) and type(pool) in (
+        redis.ConnectionPool,
+        redis.BlockingConnectionPool,
+    ):
+        kwargs = {**pool.connection_kwargs, "retry": Retry(NoBackoff(), 0)}
+        kwargs.pop("retry_on_error", None)
+        kwargs.pop("retry_on_timeout", None)
+        return redis.Redis(
+            connection_pool=redis.ConnectionPool(
+                connection_class=pool.connection_class,
+                max_connections=pool.max_connections,
+                **kwargs,
+            )
+        )
+    retry = getattr(client, "retry", None)
+    if retry is None and hasattr(client, "get_retry"):
+        retry = client.get_retry()
+    if retry is not None and retry.get_retries() > 0:
+        raise ConfigurationError(
+            f"{type(client).__name__} re-sends timed-out commands ({retry.get_retries()} "
+            "retries), which would apply a guarded write twice: create it with "
+            "retry=redis.retry.Retry(redis.backoff.NoBackoff(), 0) for the guard"
+        )
+    return client
 
 
 @dataclasses.dataclass(slots=True)
@@ -179,26 +247,25 @@ def refusal(message: str, token: FencingToken, resource: str) -> FencedError | N
             f"resource {resource!r} is fenced by lock {detail!r}; "
             f"token {token} belongs to lock {token.lock!r}"
         )
-    return StaleTokenError(
-        token,
-        None,
-        resource,
-        f"write with {token} refused: the high-water mark of {resource!r} is not a token "
-        f"value ({detail[:40]!r}); repair the fence key by hand",
-    )
+    return CorruptMarkError(resource, detail)
 
 
 def parse_state(reply: Sequence[Any], resource: str) -> FencingToken | None:
     """Read ``HMGET fence lock hw`` as the high-water token (None: nothing accepted yet)."""
     lock, hw = reply
-    if hw is None:
+    if lock is None and hw is None:
         return None
+    if hw is None:
+        raise CorruptMarkError(resource, f"lock {_text(lock)[:40]!r} bound, no hw field")
+    if lock is None:
+        raise CorruptMarkError(resource, f"hw {_text(hw)[:40]!r} without a lock field")
+    text = _text(hw)
+    if not text.isascii() or not text.isdigit() or text.startswith("0") or len(text) > 19:
+        raise CorruptMarkError(resource, f"hw={text[:40]!r}")
     try:
-        if lock is None:
-            raise ValueError("no lock field")
-        return FencingToken(_text(lock), int(_text(hw)))
-    except (ValueError, FencedError) as exc:
-        raise FencedError(f"the high-water mark of {resource!r} is corrupt: {reply!r}") from exc
+        return FencingToken(_text(lock), int(text))
+    except FencedError as exc:
+        raise CorruptMarkError(resource, f"lock={_text(lock)[:40]!r} hw={text[:40]!r}") from exc
 
 
 def check_policy(policy: str) -> None:
@@ -266,14 +333,23 @@ class _GuardBase:
             raise ConfigurationError(
                 f"resource {resource!r} contains a brace: pass fence_key= with your hash tag"
             )
+        if fence_key is not None and (
+            not isinstance(fence_key, str) or not fence_key.startswith(NAMESPACE)
+        ):
+            raise ConfigurationError(
+                f"fence_key must start with {NAMESPACE!r} (the reserved key space that "
+                f"every guard refuses to write), not {fence_key!r}"
+            )
         self._client = client
+        # Scripts go through a client that never re-sends them (see _no_retry_client).
+        self._writer = _no_retry_client(client)
         self.resource = resource
         self.lock = None if lock is None else validate_lock_name(lock)
         self.fence_key = fence_key if fence_key is not None else default_fence_key(resource)
         # Script objects (EVALSHA, then SCRIPT LOAD on NOSCRIPT): the fixed ones, and an LRU
         # of the scripts made from eval() bodies.
         self._fixed = {
-            src: client.register_script(src)
+            src: self._writer.register_script(src)
             for src in (self.set_script, self.hset_script, self.del_script)
         }
         self._scripts: collections.OrderedDict[str, Any] = collections.OrderedDict()
@@ -281,8 +357,12 @@ class _GuardBase:
     def _key(self, key: object) -> Key:
         if not isinstance(key, (str, bytes)) or not key:
             raise ConfigurationError(f"a guarded key must be a non-empty str or bytes: {key!r}")
-        if _text(key) == self.fence_key:
-            raise ConfigurationError(f"{key!r} is the fence key of {self.resource!r}")
+        text = _text(key)
+        if text == self.fence_key or text.startswith(NAMESPACE):
+            raise ConfigurationError(
+                f"{key!r} is in fenced's reserved key space {NAMESPACE!r}: a guarded write "
+                "may not touch a fence key"
+            )
         return key
 
     def _script(self, source: str) -> Any:
@@ -294,7 +374,7 @@ class _GuardBase:
         # (KeyError: another thread moved or dropped the same entry meanwhile; harmless.)
         with contextlib.suppress(KeyError):
             if script is None:
-                script = self._client.register_script(source)
+                script = self._writer.register_script(source)
                 self._scripts[source] = script
                 while len(self._scripts) > self._max_scripts:
                     self._scripts.popitem(last=False)
@@ -435,6 +515,17 @@ class RedisGuard(_GuardBase):
             raise map_error(exc, self.resource) from exc
         check_policy(_text(next(iter(policy.values()), "")))
 
+    def close(self) -> None:
+        """Close the guard's own connections (the client you passed stays open)."""
+        if self._writer is not self._client:
+            self._writer.close()
+
+    def __enter__(self) -> RedisGuard:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
 
 class AsyncRedisGuard(_GuardBase):
     """:class:`RedisGuard` for ``redis.asyncio.Redis`` (or ``redis.asyncio.RedisCluster``)."""
@@ -497,3 +588,14 @@ class AsyncRedisGuard(_GuardBase):
         except _NATIVE_ERRORS as exc:
             raise map_error(exc, self.resource) from exc
         check_policy(_text(next(iter(policy.values()), "")))
+
+    async def aclose(self) -> None:
+        """Close the guard's own connections (the client you passed stays open)."""
+        if self._writer is not self._client:
+            await self._writer.aclose()
+
+    async def __aenter__(self) -> AsyncRedisGuard:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
