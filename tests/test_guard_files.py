@@ -23,6 +23,7 @@ import pytest
 
 from fenced import (
     ConfigurationError,
+    CorruptMarkError,
     FencingToken,
     InvalidTokenError,
     ResourceNotFoundError,
@@ -188,7 +189,6 @@ def test_foreign_files_are_ignored(guard: FileGuard) -> None:
     guard.write("a", b"x", tok(3))
     rdir = Path(guard.directory, "a")
     (rdir / "README").write_text("not a version")
-    (rdir / "0000000000000000000.000000").write_text("token 0 is not a token")
     (rdir / "99.000000").write_text("wrong width")
     assert tokens_of(guard, "a") == [3]
     guard.write("a", b"y", tok(4))
@@ -671,10 +671,39 @@ def test_high_water_file_refuses_a_foreign_or_corrupt_mark(tmp_path: Path) -> No
     (tmp_path / "foreign").write_text("other:3\n")
     with pytest.raises(WrongLockError):
         HighWaterFile(tmp_path / "foreign", lock=LOCK).check_and_advance(tok(10))
-    (tmp_path / "corrupt").write_text("jobs:\n")
-    with pytest.raises(InvalidTokenError, match="high-water file"):
-        HighWaterFile(tmp_path / "corrupt", lock=LOCK).check_and_advance(tok(10))
-    assert (tmp_path / "corrupt").read_text() == "jobs:\n"  # not "repaired" by a write
+    for i, text in enumerate(
+        [
+            "jobs:\n",
+            "",
+            " ",
+            "jobs:-5\n",
+            "jobs:+5000\n",
+            "jobs:0\n",
+            "jobs:0005\n",
+            "jobs:9223372036854775808\n",
+            "garbage",
+        ]
+    ):
+        path = tmp_path / f"corrupt{i}"
+        path.write_text(text)
+        with pytest.raises(CorruptMarkError, match="high-water file") as info:
+            HighWaterFile(path, lock=LOCK).check_and_advance(tok(10))
+        assert info.value.resource == str(path)
+        assert path.read_text() == text  # not "repaired" by a write
+
+
+@pytest.mark.parametrize("bad", ["0000000000000000000.000000", "9999999999999999999.000000"])
+def test_file_guard_refuses_a_version_name_it_never_wrote(tmp_path: Path, bad: str) -> None:
+    """A version name of token 0 or above MAX_TOKEN is a damaged mark: every write refused."""
+    guard = FileGuard(tmp_path, lock=LOCK)
+    guard.write("r", b"ten", tok(10))
+    (tmp_path / "r" / bad).write_bytes(b"?")
+    for value in (3, 10, 11):
+        with pytest.raises(CorruptMarkError):
+            guard.write("r", b"late", tok(value))
+    assert sorted(
+        p.name for p in (tmp_path / "r").iterdir() if not p.name.startswith(".")
+    ) == sorted(["0000000000000000010.000000", bad])
 
 
 class UnlockedMark(HighWaterFile):

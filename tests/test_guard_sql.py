@@ -22,6 +22,7 @@ from fenced import (
     MAX_TOKEN,
     BackendUnavailable,
     ConfigurationError,
+    CorruptMarkError,
     FencingToken,
     InvalidTokenError,
     ResourceNotFoundError,
@@ -201,7 +202,7 @@ class LessThanGuard(SQLGuard):
 
     def _fence_sql(self, d: Dialect) -> FenceSQL:
         real = super()._fence_sql(d)
-        return FenceSQL(real.create, real.accept.replace("f.token <=", "f.token <"), real.read)
+        return FenceSQL(real.create, real.accept.replace(" <= CAST(", " < CAST("), real.read)
 
 
 class CheckThenWriteGuard(SQLGuard):
@@ -868,9 +869,7 @@ class LessThanRowGuard(RowGuard):
             inner = real(d)
             stmt = next(inner)
             while True:
-                res = yield Stmt(
-                    stmt.sql.replace('"fencing_token" <=', '"fencing_token" <'), stmt.params
-                )
+                res = yield Stmt(stmt.sql.replace(" <= CAST(", " < CAST("), stmt.params)
                 try:
                     stmt = inner.send(res)
                 except StopIteration as stop:
@@ -1020,3 +1019,105 @@ def test_row_guard_on_a_badly_typed_pg_column_is_a_configuration_error(
         with pytest.raises(ConfigurationError, match="BIGINT"), c.transaction():
             guard.update(c, token, key={"id": 1}, values={"body": "new"})
         assert c.execute("SELECT body FROM docs WHERE id = 1").fetchone() == ("original",)
+
+
+# -- fail closed on a fence table or token column the guard did not make ------------------
+
+
+def test_install_refuses_an_existing_fence_table_with_a_text_token(env: Env, conn: Any) -> None:
+    """A TEXT token column compares '9' > '10': install and check both refuse the table."""
+    conn.execute(
+        "CREATE TABLE fenced_fences (resource TEXT PRIMARY KEY, lock_name TEXT NOT NULL, "
+        "token TEXT NOT NULL)"
+    )
+    conn.execute(env.q("INSERT INTO fenced_fences VALUES ('r', ?, '10')"), (LOCK,))
+    guard = SQLGuard("r", lock=LOCK)
+    with pytest.raises(ConfigurationError, match="token"):
+        guard.install(conn)
+    for value in (9, 3, 11):
+        env.begin(conn)
+        with pytest.raises(ConfigurationError, match="token"):
+            guard.check(conn, tok(value))
+        conn.execute("ROLLBACK")
+    assert conn.execute("SELECT token FROM fenced_fences").fetchall() == [("10",)]
+
+
+@pytest.mark.parametrize("mark", [None, 0, -5])
+def test_a_null_zero_or_negative_fence_mark_fails_closed(env: Env, conn: Any, mark: Any) -> None:
+    conn.execute(
+        "CREATE TABLE fenced_fences (resource TEXT PRIMARY KEY, lock_name TEXT NOT NULL, "
+        "token BIGINT)"
+    )
+    conn.execute(env.q("INSERT INTO fenced_fences VALUES ('r', ?, ?)"), (LOCK, mark))
+    guard = SQLGuard("r", lock=LOCK)
+    guard.install(conn)  # the table's shape is fine; its content is not
+    for value in (1, 3, 2**63 - 1):
+        env.begin(conn)
+        with pytest.raises(CorruptMarkError, match="'r'"):
+            guard.check(conn, tok(value))
+        conn.execute("ROLLBACK")
+    with pytest.raises(CorruptMarkError):
+        guard.high_water(conn)
+    assert conn.execute("SELECT token FROM fenced_fences").fetchall() == [(mark,)]
+
+
+def test_row_upsert_on_a_text_token_column_never_compares_text(env: Env, conn: Any) -> None:
+    """Without install(), token 9 must not pass after 10 (PostgreSQL compared '9' > '10')."""
+    conn.execute("CREATE TABLE docs (id INTEGER PRIMARY KEY, body TEXT, fencing_token TEXT)")
+    guard = RowGuard("docs", lock=LOCK)
+    if env.kind == "pg":  # refused at first use: text is never compared with a token
+        with pytest.raises(ConfigurationError, match="wrong type"):
+            guard.insert_or_update(conn, tok(10), key={"id": 1}, values={"body": "ten"})
+        conn.execute("INSERT INTO docs VALUES (1, 'ten', '10')")
+    else:  # SQLite compares the CAST value: numeric
+        guard.insert_or_update(conn, tok(10), key={"id": 1}, values={"body": "ten"})
+    with pytest.raises((StaleTokenError, ConfigurationError)):
+        guard.insert_or_update(conn, tok(9), key={"id": 1}, values={"body": "nine"})
+    with pytest.raises((StaleTokenError, ConfigurationError)):
+        guard.update(conn, tok(9), key={"id": 1}, values={"body": "nine"})
+    assert conn.execute("SELECT body FROM docs").fetchall() == [("ten",)]
+
+
+@pytest.mark.parametrize("stored", [(None, LOCK), (0, LOCK), (-5, None)])
+def test_row_mark_missing_but_bound_or_out_of_range_fails_closed(
+    env: Env, conn: Any, stored: tuple[Any, Any]
+) -> None:
+    conn.execute(
+        "CREATE TABLE docs (id INTEGER PRIMARY KEY, body TEXT, fencing_token BIGINT, lk TEXT)"
+    )
+    conn.execute(env.q("INSERT INTO docs VALUES (1, 'original', ?, ?)"), stored)
+    guard = RowGuard("docs", lock=LOCK, lock_column="lk")
+    for value in (1, 3, 2**63 - 1):
+        with pytest.raises(CorruptMarkError):
+            guard.update(conn, tok(value), key={"id": 1}, values={"body": "new"})
+        with pytest.raises(CorruptMarkError):
+            guard.insert_or_update(conn, tok(value), key={"id": 1}, values={"body": "new"})
+    assert conn.execute("SELECT body FROM docs").fetchall() == [("original",)]
+
+
+def test_row_write_on_a_default_connection_is_committed(env: Env, tmp_path: Any) -> None:
+    """sqlite3 and psycopg open a transaction implicitly; the row form commits what it opened
+    (an acknowledged write was lost on close), and leaves a caller's own transaction open."""
+    with env.connect() as setup:
+        setup.execute("CREATE TABLE docs (id INTEGER PRIMARY KEY, body TEXT)")
+        setup.execute("INSERT INTO docs VALUES (1, 'original')")
+        RowGuard("docs", lock=LOCK).install(setup)
+    # The drivers' defaults: sqlite3's legacy implicit transactions, psycopg's autocommit off.
+    conn = sqlite3.connect(env.target) if env.kind == "sqlite" else psycopg.connect(env.target)
+    guard = RowGuard("docs", lock=LOCK)
+    guard.update(conn, tok(5), key={"id": 1}, values={"body": "five"})
+    assert not (conn.in_transaction if env.kind == "sqlite" else conn.info.transaction_status)
+    with pytest.raises(StaleTokenError):
+        guard.update(conn, tok(4), key={"id": 1}, values={"body": "four"})
+    assert not (conn.in_transaction if env.kind == "sqlite" else conn.info.transaction_status)
+    # Inside the caller's transaction the write stays uncommitted until the caller decides.
+    conn.execute("SELECT 1")  # opens one on psycopg; on sqlite3 use an explicit BEGIN
+    if env.kind == "sqlite":
+        conn.execute("BEGIN")
+    guard.update(conn, tok(6), key={"id": 1}, values={"body": "six"})
+    conn.rollback()
+    conn.close()
+    with env.connect() as check:
+        assert check.execute("SELECT body FROM docs").fetchall() == [("five",)]
+    if env.kind == "sqlite":
+        check.close()

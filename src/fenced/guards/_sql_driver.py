@@ -33,11 +33,13 @@ from ._sql_plan import (
 __all__ = [
     "arun",
     "arun_install",
+    "arun_own",
     "in_transaction",
     "map_error",
     "require_transaction",
     "run",
     "run_install",
+    "run_own",
     "sync_dialect",
 ]
 
@@ -211,6 +213,65 @@ async def _aexec_psycopg(conn: Any, stmt: Stmt) -> Result:
     async with conn.cursor() as cur:
         await cur.execute(stmt.sql, stmt.params)
         return Result(await cur.fetchall() if cur.description else [], cur.rowcount)
+
+
+def run_own(conn: Any, make_plan: Callable[[Dialect], Plan[T]]) -> T:
+    """Run a one-statement write; if the driver had to open a transaction for it, end it.
+
+    sqlite3 (legacy mode) and psycopg (autocommit off) open a transaction implicitly before a
+    write. Left open, the acknowledged write would be lost when the connection closes (and
+    SQLite's write lock held meanwhile). So a transaction this call opened is committed on
+    success and rolled back on refusal; a transaction the caller had open is left to them.
+    """
+    sync_dialect(conn)
+    if in_transaction(conn):
+        return run(conn, make_plan)
+    try:
+        value = run(conn, make_plan)
+    except BaseException:
+        if in_transaction(conn):
+            _end(conn, commit=False)
+        raise
+    if in_transaction(conn):
+        _end(conn, commit=True)
+    return value
+
+
+async def arun_own(conn: Any, make_plan: Callable[[Dialect], Plan[T]]) -> T:
+    """The async :func:`run_own` (psycopg AsyncConnection)."""
+    _async_dialect(conn)
+    if in_transaction(conn):
+        return await arun(conn, make_plan)
+    try:
+        value = await arun(conn, make_plan)
+    except BaseException:
+        if in_transaction(conn):
+            await _aend(conn, commit=False)
+        raise
+    if in_transaction(conn):
+        await _aend(conn, commit=True)
+    return value
+
+
+def _end(conn: Any, *, commit: bool) -> None:
+    d = sync_dialect(conn)
+    try:
+        conn.commit() if commit else conn.rollback()
+    except Exception as exc:
+        mapped = map_error(d, conn, exc)
+        if mapped is None:
+            raise
+        raise mapped from exc
+
+
+async def _aend(conn: Any, *, commit: bool) -> None:
+    try:
+        await (conn.commit() if commit else conn.rollback())
+    except Exception as exc:
+        mapped = map_error(POSTGRESQL, conn, exc)
+        if mapped is None:
+            raise
+        raise mapped from exc
 
 
 def run(conn: Any, make_plan: Callable[[Dialect], Plan[T]], *, need_tx: bool = False) -> T:

@@ -20,13 +20,14 @@ from typing import Any, Final, TypeVar
 
 from .._errors import (
     ConfigurationError,
+    CorruptMarkError,
     FenceConflictError,
     FencedError,
     ResourceNotFoundError,
     StaleTokenError,
     WrongLockError,
 )
-from .._token import FencingToken
+from .._token import MAX_TOKEN, FencingToken
 
 __all__ = [
     "POSTGRESQL",
@@ -158,19 +159,37 @@ def fence_sql(d: Dialect, table: str) -> FenceSQL:
         )
     # The single statement that both checks and advances the high-water mark. The WHERE of
     # DO UPDATE is evaluated on the existing row *after* the row is locked (see sql.py).
+    # A NULL, zero or negative mark (a table the guard did not create, or a hand edit) matches
+    # no accept condition, so it is refused and reported as corrupt: fail closed. Both sides
+    # are compared as integers whatever the column's declared type (see _as_int); a token
+    # column that is not an integer column is reported by check_plan from the returned value.
+    mark, incoming = _as_int(d, "f.token", stored=True), _as_int(d, "excluded.token")
     accept = (
         f"INSERT INTO {table} AS f (resource, lock_name, token) VALUES ({p}, {p}, {p}) "
         "ON CONFLICT (resource) DO UPDATE SET token = excluded.token "
-        "WHERE f.token <= excluded.token AND f.lock_name = excluded.lock_name "
+        f"WHERE {mark} > 0 AND {mark} <= {incoming} AND f.lock_name = excluded.lock_name "
         "RETURNING token"
     )
     read = f"SELECT lock_name, token FROM {table} WHERE resource = {p}"
     return FenceSQL(create, accept, read)
 
 
-def _stored_token(lock: object, value: object) -> FencingToken:
-    if not isinstance(lock, str) or isinstance(value, bool) or not isinstance(value, int):
-        raise FencedError(f"corrupt fence record: lock {lock!r}, token {value!r}")
+def _bad_type(value: object) -> bool:
+    return isinstance(value, bool) or (value is not None and not isinstance(value, int))
+
+
+def _type_error(resource: str, value: object) -> ConfigurationError:
+    return ConfigurationError(
+        f"the token column of {resource!r} holds {type(value).__name__} values: it must be "
+        "a 64-bit integer column (BIGINT on PostgreSQL, INTEGER on SQLite)"
+    )
+
+
+def _stored_token(lock: object, value: object, resource: str = "?") -> FencingToken:
+    if _bad_type(value):
+        raise _type_error(resource, value)
+    if not isinstance(lock, str) or not isinstance(value, int) or not 0 < value <= MAX_TOKEN:
+        raise CorruptMarkError(resource, f"lock {lock!r}, token {value!r}")
     return FencingToken(lock, value)
 
 
@@ -178,6 +197,10 @@ def _rejection(
     token: FencingToken, resource: str, stored_lock: object, stored_value: object
 ) -> FencedError:
     """Why a fenced write matched no row although the row exists: wrong lock, stale, or race."""
+    if _bad_type(stored_value):
+        return _type_error(resource, stored_value)
+    if stored_value is not None and not 0 < stored_value <= MAX_TOKEN:  # type: ignore[operator]
+        return CorruptMarkError(resource, f"token {stored_value!r}")
     if stored_lock is not None and stored_lock != token.lock:
         return WrongLockError(
             f"{resource!r} is fenced by lock {stored_lock!r}; token {token} belongs to "
@@ -198,6 +221,8 @@ def check_plan(sql: FenceSQL, resource: str, token: FencingToken) -> Plan[Fencin
     """Accept ``token`` and raise the mark to it in one statement, or raise why not."""
     res = yield Stmt(sql.accept, (resource, token.lock, token.value))
     if res.rows:
+        if type(res.rows[0][0]) is not int:  # a TEXT (or REAL...) token column, adopted
+            _stored_token(token.lock, res.rows[0][0], resource)
         return token
     # Rejected. The conflicting row is now locked by us (PostgreSQL locks it even when the
     # DO UPDATE's WHERE is false) or the whole database is (SQLite), so this read reports
@@ -208,6 +233,8 @@ def check_plan(sql: FenceSQL, resource: str, token: FencingToken) -> Plan[Fencin
             f"the fence row of {resource!r} vanished while checking {token}; roll back and retry"
         )
     lock, value = res.rows[0]
+    if value is None:
+        raise CorruptMarkError(resource, "the fence row has no token")
     raise _rejection(token, resource, lock, value)
 
 
@@ -216,11 +243,57 @@ def fence_high_water_plan(sql: FenceSQL, resource: str) -> Plan[FencingToken | N
     if not res.rows:
         return None
     lock, value = res.rows[0]
-    return _stored_token(lock, value)
+    return _stored_token(lock, value, resource)
 
 
-def fence_install_plan(sql: FenceSQL) -> Plan[None]:
+def fence_install_plan(d: Dialect, sql: FenceSQL, table_name: str) -> Plan[None]:
+    """Create the fence table if missing, then verify the table found: never trust it.
+
+    A pre-existing table (made by hand, by an old version, by another tool) must have a
+    ``resource`` text key, a ``lock_name`` text column and a 64-bit integer ``token`` column:
+    a TEXT token column would compare ``'10' < '9'`` and let stale writers in.
+    """
     yield Stmt(sql.create)
+    columns = yield from _columns(d, table_name)
+    problems = []
+    if "resource" not in columns:
+        problems.append("no 'resource' column")
+    if "lock_name" not in columns:
+        problems.append("no 'lock_name' column")
+    token_type = columns.get("token")
+    if token_type is None:
+        problems.append("no 'token' column")
+    elif not _is_bigint(d, token_type):
+        problems.append(f"its 'token' column is {token_type or '(no type)'}, not a 64-bit integer")
+    if problems:
+        raise ConfigurationError(
+            f"fence table {table_name!r} exists but cannot be used: {'; '.join(problems)} "
+            "(drop or rename it, or pass table= to use another)"
+        )
+
+
+def _is_bigint(d: Dialect, type_: str) -> bool:
+    if d is POSTGRESQL:
+        return type_ == "bigint"
+    return "INT" in type_.upper()  # SQLite's rule for INTEGER affinity; 64-bit storage
+
+
+def _columns(d: Dialect, table_name: str) -> Plan[dict[str, str]]:
+    """The table's column names and declared types (empty if the table does not exist)."""
+    if d is POSTGRESQL:
+        res = yield Stmt(
+            "SELECT attname, format_type(atttypid, atttypmod) FROM pg_attribute "
+            f"WHERE attrelid = to_regclass({d.param}) AND attnum > 0 AND NOT attisdropped",
+            (quote_table(table_name),),
+        )
+    else:
+        schema, _, name = table_name.rpartition(".")
+        # Without a schema, SQLite looks the name up as a statement would (temp, main, ...).
+        res = yield Stmt(
+            f"SELECT name, type FROM pragma_table_info({d.param}{', ' + d.param if schema else ''})",
+            (name, schema) if schema else (name,),
+        )
+    return {str(r[0]): str(r[1] or "") for r in res.rows}
 
 
 # -- row form -----------------------------------------------------------------------------
@@ -266,20 +339,24 @@ def _label(spec: RowSQL, key: Mapping[str, Any]) -> str:
     return f"{spec.table_name}({inner})"
 
 
-def _as_int(d: Dialect, expr: str) -> str:
+def _as_int(d: Dialect, expr: str, *, stored: bool = False) -> str:
     """``expr`` compared as an integer whatever the token column's declared type.
 
-    SQLite compares by column affinity: in a user-made ``TEXT`` token column the mark is
-    stored as text and ``'10' <= '3'`` holds, which would let a stale token in. Comparing a
-    column with an INTEGER-affinity CAST applies numeric affinity to the column's value, so
-    the comparison is numeric (a no-op on an INTEGER column). PostgreSQL refuses ``text <=
-    bigint`` by itself, and :func:`row_install_plan` refuses token columns of other types.
+    The incoming token (a bound parameter, or ``excluded.<token>`` of an upsert, which has the
+    column's type) is always cast to a 64-bit integer. A stored value is cast on SQLite only:
+    SQLite compares by column affinity, and in a user-made ``TEXT`` column ``'10' <= '9'``
+    holds, while a CAST gives it numeric affinity (a no-op on an INTEGER column). On
+    PostgreSQL a stored ``text`` compared with ``bigint`` is an error (42883), which becomes a
+    :class:`~fenced.ConfigurationError` naming the column's type: refused at first use, never
+    compared as text; ``integer`` and ``numeric`` columns compare numerically.
     """
-    return f"CAST({expr} AS INTEGER)" if d is SQLITE else expr
+    if stored and d is POSTGRESQL:
+        return expr
+    return f"CAST({expr} AS {d.bigint})"
 
 
 def _row_read(d: Dialect, spec: RowSQL) -> str:
-    cols = _as_int(d, quote_ident(spec.token))
+    cols = _as_int(d, quote_ident(spec.token), stored=True)
     cols += f", {quote_ident(spec.lock)}" if spec.lock else ""
     return f"SELECT {cols} FROM {spec.table} WHERE {_where_key(d, spec)}"
 
@@ -287,12 +364,17 @@ def _row_read(d: Dialect, spec: RowSQL) -> str:
 def _row_guard_clause(d: Dialect, spec: RowSQL, target: str, incoming: str) -> str:
     """``target`` accepts ``incoming``: never fenced (NULL) or not newer, and the same lock."""
     tok = quote_ident(spec.token)
-    clause = f"({target}{tok} IS NULL OR {target}{tok} <= {_as_int(d, incoming)})"
-    if spec.lock:
-        lk = quote_ident(spec.lock)
-        lock_in = f"excluded.{lk}" if incoming.startswith("excluded.") else d.param
-        clause += f" AND ({target}{lk} IS NULL OR {target}{lk} = {lock_in})"
-    return clause
+    stored = _as_int(d, f"{target}{tok}", stored=True)
+    ordered = f"{stored} > 0 AND {stored} <= {_as_int(d, incoming)}"
+    if not spec.lock:
+        return f"({target}{tok} IS NULL OR ({ordered}))"
+    # A row whose lock column is set but whose token is NULL lost its mark: corrupt, refused.
+    lk = quote_ident(spec.lock)
+    lock_in = f"excluded.{lk}" if incoming.startswith("excluded.") else d.param
+    return (
+        f"(({target}{tok} IS NULL AND {target}{lk} IS NULL) OR "
+        f"({ordered} AND ({target}{lk} IS NULL OR {target}{lk} = {lock_in})))"
+    )
 
 
 @functools.lru_cache(maxsize=512)
@@ -357,6 +439,8 @@ def row_write_plan(
     if not res.rows:
         raise ResourceNotFoundError(f"no row {_label(spec, key)} to update")
     row = res.rows[0]
+    if row[0] is None:  # refused with a NULL token: only if the lock column is set
+        raise CorruptMarkError(_label(spec, key), f"lock {row[1]!r} bound, token NULL")
     raise _rejection(token, _label(spec, key), row[1] if spec.lock else None, row[0])
 
 
@@ -370,7 +454,9 @@ def row_high_water_plan(
     row = res.rows[0]
     if row[0] is None:
         return None
-    return _stored_token(row[1] if spec.lock and row[1] is not None else lock, row[0])
+    return _stored_token(
+        row[1] if spec.lock and row[1] is not None else lock, row[0], _label(spec, key)
+    )
 
 
 def row_install_plan(d: Dialect, spec: RowSQL) -> Plan[None]:

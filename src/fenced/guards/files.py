@@ -53,11 +53,13 @@ from typing import Final, Protocol, runtime_checkable
 
 from .._errors import (
     ConfigurationError,
+    CorruptMarkError,
     InvalidTokenError,
     ResourceNotFoundError,
     StaleTokenError,
+    WrongLockError,
 )
-from .._token import FencingToken, validate_lock_name
+from .._token import MAX_TOKEN, FencingToken, validate_lock_name
 from ._files_fs import (
     TEMP_PREFIX,
     TempFile,
@@ -145,15 +147,21 @@ def _as_view(data: object) -> memoryview:
     return memoryview(data)
 
 
-def _parse_versions(names: Iterable[str]) -> list[tuple[int, int]]:
-    """The (token value, seq) of every version file name among ``names``."""
+def _parse_versions(names: Iterable[str], resource: str = "") -> list[tuple[int, int]]:
+    """The (token value, seq) of every version file name among ``names``.
+
+    A version name whose token is 0 or above ``MAX_TOKEN`` was never published by a guard:
+    the mark it would stand for is unknown, so it raises :class:`~fenced.CorruptMarkError`
+    (fail closed) rather than being ignored or trusted.
+    """
     found = []
     for entry in names:
         m = _VERSION_RE.fullmatch(entry)
         if m is not None:
             value = int(m[1])
-            if value > 0:
-                found.append((value, int(m[2])))
+            if not 0 < value <= MAX_TOKEN:
+                raise CorruptMarkError(resource or entry, f"version file {entry!r}")
+            found.append((value, int(m[2])))
     return found
 
 
@@ -209,7 +217,7 @@ class FileGuard:
         view = _as_view(data)
         rdir = self._resource_dir(_validate_name(name), create=True)
         if view.nbytes >= self.precheck_bytes:
-            self._reject_if_stale(name, tok, self._newest(os.listdir(rdir)))
+            self._reject_if_stale(name, tok, self._newest(os.listdir(rdir), name))
         for _ in range(_RETRIES):
             try:
                 temp = TempFile(rdir)
@@ -220,7 +228,7 @@ class FileGuard:
                 os.fsync(temp.fd)
                 with self._resource_lock(rdir):
                     names = os.listdir(rdir)
-                    newest = self._newest(names)
+                    newest = self._newest(names, name)
                     self._reject_if_stale(name, tok, newest)
                     seq = newest[1] + 1 if newest is not None and newest[0] == tok.value else 0
                     version = Version(tok, seq)
@@ -269,7 +277,7 @@ class FileGuard:
         """The newest published version of ``name``, or None if it has none."""
         rdir = self._resource_dir(_validate_name(name), create=False)
         try:
-            newest = self._newest(os.listdir(rdir))
+            newest = self._newest(os.listdir(rdir), name)
         except FileNotFoundError:
             return None
         return None if newest is None else Version(FencingToken(self.lock, newest[0]), newest[1])
@@ -313,7 +321,7 @@ class FileGuard:
         """Every published version of ``name``, oldest first."""
         rdir = self._resource_dir(_validate_name(name), create=False)
         try:
-            found = _parse_versions(os.listdir(rdir))
+            found = _parse_versions(os.listdir(rdir), name)
         except FileNotFoundError:
             return []
         return [Version(FencingToken(self.lock, v), s) for v, s in sorted(found)]
@@ -332,7 +340,7 @@ class FileGuard:
         if not os.path.isdir(rdir):
             return []
         with self._resource_lock(rdir):
-            existing = sorted(_parse_versions(os.listdir(rdir)))
+            existing = sorted(_parse_versions(os.listdir(rdir), name))
             doomed = existing[:-keep]
             for value, seq in doomed:
                 with contextlib.suppress(FileNotFoundError):
@@ -351,8 +359,8 @@ class FileGuard:
     # -- internals --------------------------------------------------------------------------
 
     @staticmethod
-    def _newest(names: Iterable[str]) -> tuple[int, int] | None:
-        found = _parse_versions(names)
+    def _newest(names: Iterable[str], resource: str = "") -> tuple[int, int] | None:
+        found = _parse_versions(names, resource)
         return max(found) if found else None
 
     def _resource_dir(self, name: str, *, create: bool) -> str:
@@ -403,8 +411,10 @@ class HighWaterFile:
             return None
         try:
             return FencingToken.parse(text.rstrip(b"\n"), self.lock)
+        except WrongLockError as exc:
+            raise WrongLockError(f"high-water file {self.path}: {exc}") from exc
         except InvalidTokenError as exc:
-            raise type(exc)(f"high-water file {self.path}: {exc}") from exc
+            raise CorruptMarkError(self.path, f"high-water file holds {text[:40]!r}") from exc
 
     def check_and_advance(self, token: FencingToken | str | bytes) -> FencingToken:
         """Accept ``token`` if >= the mark and make it the mark (durably); return it."""

@@ -54,7 +54,10 @@ then opens as a deferred transaction whose first statement is the write) and set
 
 A connection in autocommit mode with no transaction open is refused by ``check`` (the fence
 would commit alone, apart from the writes it is meant to protect). The row form needs no
-transaction: its single statement is the fenced write.
+transaction: its single statement is the fenced write. Inside the caller's open transaction it
+commits with it; otherwise, if the driver opened a transaction for it (sqlite3's legacy mode,
+psycopg without autocommit), the row form commits that transaction on success and rolls it
+back on refusal, so an acknowledged write is never left uncommitted.
 
 Durability: the mark is an ordinary row committed with the data, so it is exactly as durable as
 the data (PostgreSQL with ``fsync``/``synchronous_commit`` on; SQLite with
@@ -69,7 +72,7 @@ from typing import Any
 
 from .._errors import ConfigurationError, InvalidTokenError
 from .._token import FencingToken, validate_lock_name
-from ._sql_driver import arun, arun_install, run, run_install
+from ._sql_driver import arun, arun_install, arun_own, run, run_install, run_own
 from ._sql_plan import (
     Dialect,
     FenceConflictError,
@@ -153,7 +156,7 @@ class SQLGuard:
 
         Runs in the caller's open transaction if there is one, else in its own, committed.
         """
-        run_install(conn, lambda d: fence_install_plan(self._fence_sql(d)))
+        run_install(conn, lambda d: fence_install_plan(d, self._fence_sql(d), self.table))
 
     # -- async (psycopg.AsyncConnection) -------------------------------------------------
 
@@ -168,7 +171,7 @@ class SQLGuard:
 
     async def ainstall(self, conn: Any) -> None:
         """:meth:`install` on a ``psycopg.AsyncConnection``."""
-        await arun_install(conn, lambda d: fence_install_plan(self._fence_sql(d)))
+        await arun_install(conn, lambda d: fence_install_plan(d, self._fence_sql(d), self.table))
 
 
 class RowGuard:
@@ -241,7 +244,7 @@ class RowGuard:
         if there is no such row; nothing is written in either case.
         """
         tok = FencingToken.coerce(token, self.lock)
-        return run(conn, self._write(tok, key, values or {}, False))
+        return run_own(conn, self._write(tok, key, values or {}, False))
 
     def insert_or_update(
         self,
@@ -256,7 +259,7 @@ class RowGuard:
         Needs a primary key or unique constraint on exactly ``key_columns``.
         """
         tok = FencingToken.coerce(token, self.lock)
-        return run(conn, self._write(tok, key, values or {}, True))
+        return run_own(conn, self._write(tok, key, values or {}, True))
 
     def high_water(self, conn: Any, key: Mapping[str, Any]) -> FencingToken | None:
         """The row's token (None if never fenced); ResourceNotFoundError if there is no row."""
@@ -278,7 +281,7 @@ class RowGuard:
     ) -> FencingToken:
         """:meth:`update` on a ``psycopg.AsyncConnection``."""
         tok = FencingToken.coerce(token, self.lock)
-        return await arun(conn, self._write(tok, key, values or {}, False))
+        return await arun_own(conn, self._write(tok, key, values or {}, False))
 
     async def ainsert_or_update(
         self,
@@ -290,7 +293,7 @@ class RowGuard:
     ) -> FencingToken:
         """:meth:`insert_or_update` on a ``psycopg.AsyncConnection``."""
         tok = FencingToken.coerce(token, self.lock)
-        return await arun(conn, self._write(tok, key, values or {}, True))
+        return await arun_own(conn, self._write(tok, key, values or {}, True))
 
     async def ahigh_water(self, conn: Any, key: Mapping[str, Any]) -> FencingToken | None:
         """:meth:`high_water` on a ``psycopg.AsyncConnection``."""
