@@ -32,6 +32,7 @@ from starlette.routing import Route
 import fenced
 from fenced import (
     BackendUnavailable,
+    ConfigurationError,
     FencingToken,
     LeaseLostError,
     NotHeldError,
@@ -69,7 +70,7 @@ class LtSQLGuard(SQLGuard):
 
     def _fence_sql(self, d: Any) -> Any:
         sql = super()._fence_sql(d)
-        bad = sql.accept.replace("f.token <= excluded.token", "f.token < excluded.token")
+        bad = sql.accept.replace(" <= CAST(excluded.token", " < CAST(excluded.token")
         assert bad != sql.accept, "the fence SQL changed: re-plant the bug"
         return dataclasses.replace(sql, accept=bad)
 
@@ -251,6 +252,63 @@ async def test_sqlite_transaction_is_one_step_with_the_fence(tmp_path: Path) -> 
         assert await store.high_water("jobs", LOCK) == tok(5)  # rolled back with the data
     with sqlite3.connect(path) as db:
         assert db.execute("SELECT body, token FROM jobs").fetchall() == [("five", 5)]
+
+
+async def test_sqlite_transaction_fn_cannot_end_the_fenced_transaction(tmp_path: Path) -> None:
+    """fn got an autocommit connection: a COMMIT inside it let later writes land unfenced,
+    and an async fn was silently never run while the mark committed. Both are refused now,
+    with everything rolled back."""
+    path = str(tmp_path / "fences.db")
+    with sqlite3.connect(path) as db:
+        db.execute("CREATE TABLE jobs (id TEXT PRIMARY KEY, body TEXT)")
+    async with SQLiteFenceStore(path) as store:
+
+        def escapes(how: str) -> Callable[[sqlite3.Connection], None]:
+            def fn(conn: sqlite3.Connection) -> None:
+                conn.execute("INSERT INTO jobs VALUES ('a', 'before')")
+                if how == "commit":
+                    conn.commit()
+                elif how == "execute":
+                    conn.execute("COMMIT")
+                elif how == "script":
+                    conn.executescript("COMMIT; INSERT INTO jobs VALUES ('b', 'after');")
+                else:
+                    conn.execute("SAVEPOINT s")
+                conn.execute("INSERT INTO jobs VALUES ('c', 'unfenced')")
+
+            return fn
+
+        for value, how in enumerate(["commit", "execute", "script", "savepoint"], start=5):
+            with pytest.raises(ConfigurationError, match="begin, commit or roll back"):
+                await store.transaction("jobs", tok(value), escapes(how))
+
+        async def async_fn(conn: Any) -> None:
+            conn.execute("INSERT INTO jobs VALUES ('d', 'async')")
+
+        with pytest.raises(ConfigurationError, match="plain"):
+            await store.transaction("jobs", tok(20), async_fn)
+        with pytest.raises(ConfigurationError, match="awaitable"):
+            await store.transaction("jobs", tok(21), lambda conn: async_fn(conn))
+        assert await store.high_water("jobs", LOCK) is None  # no mark committed alone
+    with sqlite3.connect(path) as db:
+        assert db.execute("SELECT * FROM jobs").fetchall() == []
+
+
+async def test_postgres_transaction_fn_contract(pg_dsn: str) -> None:
+    import psycopg
+
+    with psycopg.connect(pg_dsn, autocommit=True) as db:
+        db.execute("CREATE TABLE jobs (id TEXT PRIMARY KEY, body TEXT)")
+    async with PostgresFenceStore(pg_dsn, pool_size=1) as store:
+        with pytest.raises(ConfigurationError, match="async def"):
+            await store.transaction("jobs", tok(5), lambda conn: None)
+
+        async def commits(conn: Any) -> None:
+            await conn.execute("INSERT INTO jobs VALUES ('a', 'x')")
+            await conn.execute("COMMIT")
+
+        with pytest.raises(ConfigurationError, match="ended the fenced transaction"):
+            await store.transaction("jobs", tok(6), commits)
 
 
 async def test_postgres_transaction_is_one_step_with_the_fence(pg_dsn: str) -> None:

@@ -21,6 +21,7 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import inspect
 import logging
 import sqlite3
 import threading
@@ -246,7 +247,7 @@ class SQLiteFenceStore:
                 raise _map_sqlite(conn, exc) from exc
         try:
             self._guards.get(resource, token.lock).check(conn, token)
-            result = fn(conn) if fn is not None else None
+            result = _call_inside(conn, fn) if fn is not None else None
             conn.execute("COMMIT")
         except BaseException as exc:
             if conn.in_transaction:
@@ -296,6 +297,7 @@ class SQLiteFenceStore:
         This is how a handler's write is fenced atomically: the middleware's own check was
         an earlier, separate transaction.
         """
+        _check_transaction_fn(fn, want_async=False)
         if self._conn is None:
             await self.open()
         conn = self._conn
@@ -313,6 +315,65 @@ class SQLiteFenceStore:
 
     def __repr__(self) -> str:
         return f"SQLiteFenceStore({self.path!r}, synchronous={self.synchronous!r})"
+
+
+def _check_transaction_fn(fn: Callable[..., Any], *, want_async: bool) -> None:
+    """The one contract of ``transaction(resource, token, fn)``, checked before anything runs.
+
+    ``fn(conn)`` runs inside the store's fenced transaction and must not end it. It is a plain
+    function for :class:`SQLiteFenceStore` (it runs on the store's worker thread, with the
+    ``sqlite3`` connection) and an ``async def`` for :class:`PostgresFenceStore` (awaited on
+    the loop, with the ``psycopg.AsyncConnection``).
+    """
+    is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None)  # noqa: B004 - an object with an async __call__
+    )
+    if not callable(fn) or is_async != want_async:
+        kind = "an async def" if want_async else "a plain (non-async) function"
+        raise ConfigurationError(f"transaction() needs {kind} taking the connection, not {fn!r}")
+
+
+_TRANSACTION_CONTROL: Final = frozenset({sqlite3.SQLITE_TRANSACTION, sqlite3.SQLITE_SAVEPOINT})
+
+
+def _call_inside(conn: sqlite3.Connection, fn: Callable[[sqlite3.Connection], T]) -> T:
+    """``fn(conn)`` with BEGIN/COMMIT/ROLLBACK/SAVEPOINT denied, so it cannot end the fence.
+
+    SQLite's authorizer sees every statement as it is prepared (``commit()``,
+    ``executescript`` and cached statements included: setting it expires them), so a write
+    can never escape the fenced transaction into an unfenced one.
+    """
+    tried: list[int] = []
+
+    def authorize(action: int, *_: object) -> int:
+        if action in _TRANSACTION_CONTROL:
+            tried.append(action)
+            return sqlite3.SQLITE_DENY
+        return sqlite3.SQLITE_OK
+
+    conn.set_authorizer(authorize)
+    try:
+        result = fn(conn)
+    except sqlite3.DatabaseError as exc:
+        if tried:
+            raise _ended_inside() from exc
+        raise
+    finally:
+        conn.set_authorizer(None)
+    if inspect.isawaitable(result):
+        if inspect.iscoroutine(result):
+            result.close()
+        raise ConfigurationError("transaction() fn returned an awaitable: pass a plain function")
+    if tried or not conn.in_transaction:
+        raise _ended_inside()
+    return result
+
+
+def _ended_inside() -> ConfigurationError:
+    return ConfigurationError(
+        "transaction() fn tried to begin, commit or roll back: the store ends the fenced "
+        "transaction itself (everything was rolled back)"
+    )
 
 
 def _log_failure(future: concurrent.futures.Future[Any]) -> None:
@@ -463,12 +524,24 @@ class PostgresFenceStore:
     async def transaction(
         self, resource: str, token: FencingToken, fn: Callable[[Any], Awaitable[T]]
     ) -> T:
-        """``await fn(conn)`` in ONE transaction with the fence check (see SQLite's)."""
+        """``await fn(conn)`` in ONE transaction with the fence check (see SQLite's).
+
+        ``fn`` must be an ``async def``; if it ends the transaction itself (a raw ``COMMIT``),
+        :class:`~fenced.ConfigurationError` is raised, as psycopg does for ``commit()``.
+        """
+        _check_transaction_fn(fn, want_async=True)
         guard = self._guards.get(resource, token.lock)
         try:
             async with self._connection() as conn, conn.transaction():
                 await guard.acheck(conn, token)
-                return await fn(conn)
+                result = await fn(conn)
+                status = conn.info.transaction_status
+                if status not in (status.INTRANS, status.INERROR):
+                    raise ConfigurationError(
+                        "transaction() fn ended the fenced transaction itself; writes it made "
+                        "after that were not fenced: never COMMIT or ROLLBACK inside fn"
+                    )
+                return result
         except FencedError:
             raise
         except Exception as exc:  # BEGIN/COMMIT themselves failed

@@ -23,8 +23,11 @@ back) together with the data it protects:
 Why two racing transactions cannot both pass out of order
 ---------------------------------------------------------
 The fence statement is ``INSERT INTO fenced_fences AS f ... ON CONFLICT (resource) DO UPDATE
-SET token = excluded.token WHERE f.token <= excluded.token AND f.lock_name =
-excluded.lock_name RETURNING token``: a row comes back iff the token was accepted.
+SET token = excluded.token WHERE f.token > 0 AND f.token <= excluded.token AND f.lock_name =
+excluded.lock_name RETURNING token`` (both sides compared as 64-bit integers): a row comes back
+iff the token was accepted. A mark that is NULL, zero or negative matches nothing and is
+reported as :class:`~fenced.CorruptMarkError`; a token column that is not an integer column
+as :class:`~fenced.ConfigurationError`, at install and at check.
 
 *PostgreSQL.* DO UPDATE first takes a row lock on the existing fence row (even when its WHERE
 turns out false) and evaluates the WHERE on the newest committed version of the row: under
