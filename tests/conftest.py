@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
+import fenced
 from fenced.backends.memory import MemoryBackend
 from fenced.testing.servers import (
     EtcdServer,
@@ -14,6 +15,16 @@ from fenced.testing.servers import (
     ZooKeeperServer,
 )
 from tests.helpers import unique_name
+
+
+@pytest.fixture
+def register_scheme(request: pytest.FixtureRequest) -> Callable[[str, str], None]:
+    """Register a token source for a URL scheme for one test (fenced.register_backend)."""
+
+    def register(scheme: str, target: str) -> None:
+        request.addfinalizer(fenced.register_backend(scheme, target))
+
+    return register
 
 
 @pytest.fixture

@@ -27,7 +27,6 @@ from aetcd import rpc
 
 import fenced
 from fenced import _clock
-from fenced._backend import SCHEMES
 from fenced.backends._etcd_conn import EtcdClient
 from fenced.backends.etcd import (
     EtcdBackend,
@@ -210,9 +209,9 @@ def run_clients(
 
 
 def test_planted_no_queue_is_caught_by_the_history_check(
-    etcd_server: EtcdServer, prefix: str, monkeypatch: pytest.MonkeyPatch
+    etcd_server: EtcdServer, prefix: str, register_scheme: Callable[[str, str], None]
 ) -> None:
-    monkeypatch.setitem(SCHEMES, "etcdplanted", f"{__name__}:NoQueue")
+    register_scheme("etcdplanted", f"{__name__}:NoQueue")
     url = f"etcdplanted://{etcd_server.endpoint}"
     resource = Resource()
     stop, threads, lost, errors = run_clients(3, url, unique_name(), resource, prefix=prefix)

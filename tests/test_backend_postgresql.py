@@ -31,7 +31,7 @@ import pytest
 
 import fenced
 from fenced import _clock
-from fenced._backend import SCHEMES, Grant
+from fenced._backend import Grant
 from fenced.backends.postgresql import _DDL, PostgreSQLBackend
 from fenced.testing.servers import PostgresServer
 from tests.envs.postgresql import crash
@@ -259,11 +259,11 @@ async def test_planted_token_bugs_are_caught_by_the_crash_check(
 PAUSED_HOLDER = r"""
 import sys
 import fenced
-from fenced._backend import SCHEMES
+import fenced._backend
 
 url, name, planted = sys.argv[1:4]
 if planted != "-":
-    SCHEMES["pgplanted"] = planted
+    fenced.register_backend("pgplanted", planted)
 with fenced.connect(url) as locks:
     lease = locks.lock(name, ttl=1.0)
     token = lease.acquire(timeout=10)
@@ -341,10 +341,10 @@ async def test_paused_holder_loses_to_a_higher_token(pg_dsn: str) -> None:
 
 
 async def test_planted_counter_bug_is_caught_by_the_paused_holder_check(
-    pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+    pg_dsn: str, register_scheme: Callable[[str, str], None]
 ) -> None:
     target = f"{__name__}:{CounterAtRelease.__name__}"
-    monkeypatch.setitem(SCHEMES, "pgplanted", target)
+    register_scheme("pgplanted", target)
     url = pg_dsn.replace("postgresql://", "pgplanted://", 1)
     with pytest.raises(AssertionError):
         await paused_holder(url, target)
@@ -430,11 +430,11 @@ async def test_planted_missing_notify_is_caught(pg_dsn: str) -> None:
 DEAD_WAITER = r"""
 import sys
 import fenced
-from fenced._backend import SCHEMES
+import fenced._backend
 
 url, name, planted = sys.argv[1:4]
 if planted != "-":
-    SCHEMES["pgplanted"] = planted
+    fenced.register_backend("pgplanted", planted)
 with fenced.connect(url, waiter_ttl=1.0) as locks:
     locks.lock(name, ttl=5).acquire(timeout=120)
     print("granted", flush=True)

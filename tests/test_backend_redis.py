@@ -11,14 +11,14 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 import pytest
 import redis
 
 import fenced
-from fenced import _backend, _clock
+from fenced import _clock
 from fenced._backend import Grant, LostCallback
 from fenced._token import FencingToken
 from fenced.backends.redis import ACQUIRE_LUA, LEAVE_LUA, RELEASE_LUA, RedisBackend
@@ -443,12 +443,14 @@ class IncrOutsideTheScript(RedisBackend):
 
 @pytest.mark.parametrize("variant", [CounterDeletedWithHolder, IncrOutsideTheScript])
 async def test_monotonicity_check_catches_planted_bugs(
-    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch, variant: type[RedisBackend]
+    redis_server: RedisServer,
+    register_scheme: Callable[[str, str], None],
+    variant: type[RedisBackend],
 ) -> None:
     planted = variant.release_lua != RELEASE_LUA or variant.acquire is not RedisBackend.acquire
     assert planted, "the variant is the real backend"
     scheme = "redisplanted"
-    monkeypatch.setitem(_backend.SCHEMES, scheme, f"{__name__}:{variant.__name__}")
+    register_scheme(scheme, f"{__name__}:{variant.__name__}")
     url = redis_server.url.replace("redis://", f"{scheme}://", 1)
     grants = await contend(url, 6, 150, key_prefix=_prefix())
     with pytest.raises(AssertionError, match="after"):
@@ -480,11 +482,11 @@ async def test_tokens_increase_after_the_lock_sat_idle(redis_server: RedisServer
 
 
 async def test_monotonicity_check_catches_a_counter_with_a_ttl(
-    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+    redis_server: RedisServer, register_scheme: Callable[[str, str], None]
 ) -> None:
     assert CounterWithTTL.acquire_lua != ACQUIRE_LUA  # the bug is really planted
     scheme = "redisplanted"
-    monkeypatch.setitem(_backend.SCHEMES, scheme, f"{__name__}:CounterWithTTL")
+    register_scheme(scheme, f"{__name__}:CounterWithTTL")
     url = redis_server.url.replace("redis://", f"{scheme}://", 1)
     grants = await idle_run(url)
     with pytest.raises(AssertionError, match="after"):

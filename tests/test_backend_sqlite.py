@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -198,11 +199,9 @@ def test_processes_take_turns_with_increasing_tokens(db: str, tmp_path: Path) ->
 
 
 def test_journal_check_catches_a_lock_without_exclusion(
-    db: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    db: str, tmp_path: Path, register_scheme: Callable[[str, str], None]
 ) -> None:
-    monkeypatch.setitem(
-        fenced._backend.SCHEMES, "sqlite", "tests.test_backend_sqlite:NoExclusionBackend"
-    )
+    register_scheme("sqlite", "tests.test_backend_sqlite:NoExclusionBackend")
     journal = open_journal(str(tmp_path / "journal.db"))
     name = unique_name()
     with fenced.connect(url_of(db)) as a, fenced.connect(url_of(db)) as b:

@@ -10,7 +10,7 @@ import dataclasses
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -18,7 +18,7 @@ import pytest
 from kazoo.client import KazooClient
 
 import fenced
-from fenced import _backend, _clock
+from fenced import _clock
 from fenced._backend import Grant
 from fenced.backends import zookeeper as zk
 from fenced.backends.zookeeper import ROOT, ZooKeeperBackend, node_prefix, parse_node
@@ -232,11 +232,9 @@ class IgnoresNegotiatedTimeout(ZooKeeperBackend):
 
 
 async def test_lapse_check_catches_a_holder_that_counts_on_too_much(
-    proxy: Proxy, zk_server: ZooKeeperServer, monkeypatch: pytest.MonkeyPatch
+    proxy: Proxy, zk_server: ZooKeeperServer, register_scheme: Callable[[str, str], None]
 ) -> None:
-    monkeypatch.setitem(
-        _backend.SCHEMES, "zk-clamped", f"{__name__}:{IgnoresNegotiatedTimeout.__name__}"
-    )
+    register_scheme("zk-clamped", f"{__name__}:{IgnoresNegotiatedTimeout.__name__}")
     with pytest.raises(AssertionError, match="still counts on"):
         await check_holder_lapses_before_takeover(
             proxy, zk_server.url, f"zk-clamped://127.0.0.1:{proxy.port}"

@@ -99,3 +99,40 @@ def test_status(sqlite_url: str) -> None:
 def test_status_of_unreachable_source() -> None:
     out = run(["status", "x"], "postgresql://nobody@127.0.0.1:1/none?connect_timeout=1")
     assert out.returncode == 69, (out.returncode, out.stderr)
+
+
+@pytest.mark.parametrize(
+    "option",
+    [
+        ["--ttl", "0.001"],
+        ["--ttl", "0"],
+        ["--ttl", "-1"],
+        ["--ttl", "inf"],
+        ["--ttl", "1e400"],
+        ["--ttl", "nan"],
+        ["--ttl", "1e12"],
+        ["--ttl", "ten"],
+        ["--timeout", "-1"],
+        ["--timeout", "nan"],
+        ["--timeout", "1e300"],
+        ["--grace", "inf"],
+    ],
+)
+def test_absurd_numbers_are_usage_errors_before_anything_runs(
+    sqlite_url: str, tmp_path: Path, option: list[str]
+) -> None:
+    """Exit 2 with one line on stderr, and the command never starts (before: --ttl 0.001 ran
+    it under a lease that was already lost, then exited 75)."""
+    marker = tmp_path / "ran"
+    out = run(["lock", "job", *option, "--", "touch", str(marker)], sqlite_url)
+    assert out.returncode == 2, out
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "Traceback" not in out.stderr
+    assert not marker.exists()
+
+
+def test_help_documents_every_exit_status() -> None:
+    out = subprocess.run(FENCED + ["--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0
+    for code in ("0", "1", "2", "69", "75", "126", "127"):
+        assert f"  {code} " in out.stdout or f": {code}" in out.stdout, code

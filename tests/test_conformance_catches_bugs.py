@@ -14,7 +14,7 @@ from urllib.parse import SplitResult
 
 import pytest
 
-from fenced import FencedError, _backend, _clock
+from fenced import FencedError, _clock
 from fenced._backend import Grant, LostCallback
 from fenced._token import FencingToken
 from fenced.backends.memory import MemoryBackend, _Lock
@@ -121,10 +121,12 @@ MUTANTS: list[tuple[type[_Mutant], Callable[..., Any]]] = [
 
 
 @pytest.fixture
-def mutant_env(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+def mutant_env(
+    request: pytest.FixtureRequest, register_scheme: Callable[[str, str], None]
+) -> Iterator[Any]:
     def make(cls: type[_Mutant]) -> MemoryEnv:
         scheme = "m" + cls.__name__.lower().lstrip("_")
-        monkeypatch.setitem(_backend.SCHEMES, scheme, f"{__name__}:{cls.__name__}")
+        register_scheme(scheme, f"{__name__}:{cls.__name__}")
         return MemoryEnv(f"{scheme}://{unique_name()}")
 
     yield make

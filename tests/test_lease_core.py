@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
+import subprocess
+import sys
+from collections.abc import Callable
 from typing import Any, ClassVar
 from urllib.parse import SplitResult
 
@@ -98,8 +102,8 @@ class FlakyBackend(MemoryBackend):
 
 
 @pytest.fixture
-def flaky(monkeypatch: pytest.MonkeyPatch, memory_url: str) -> str:
-    monkeypatch.setitem(_backend.SCHEMES, "flaky", "tests.test_lease_core:FlakyBackend")
+def flaky(register_scheme: Callable[[str, str], None], memory_url: str) -> str:
+    register_scheme("flaky", "tests.test_lease_core:FlakyBackend")
     FlakyBackend.fail_renew = False
     FlakyBackend.fail_acquires = 0
     FlakyBackend.acquire_calls = []
@@ -185,7 +189,7 @@ def test_unknown_scheme_and_bad_url() -> None:
 
 def test_characteristics_are_declared_for_every_scheme() -> None:
     """Every registered module exists and declares what it promises (no silent gaps)."""
-    for scheme in _backend.SCHEMES:
+    for scheme in _backend.known_schemes():
         cls = _backend.backend_class(f"{scheme}://x")
         assert issubclass(cls, Backend)
         assert isinstance(cls.characteristics, frozenset)
@@ -212,9 +216,9 @@ class ReleaseFindsItGone(MemoryBackend):
 
 
 def test_release_that_finds_the_grant_gone_reports_the_loss(
-    monkeypatch: pytest.MonkeyPatch, memory_url: str
+    register_scheme: Callable[[str, str], None], memory_url: str
 ) -> None:
-    monkeypatch.setitem(_backend.SCHEMES, "gone", "tests.test_lease_core:ReleaseFindsItGone")
+    register_scheme("gone", "tests.test_lease_core:ReleaseFindsItGone")
     seen: list[fenced.Lease] = []
     with fenced.connect(memory_url.replace("memory://", "gone://")) as locks:
         lease = locks.lock("x", ttl=5, on_lost=seen.append)
@@ -225,3 +229,104 @@ def test_release_that_finds_the_grant_gone_reports_the_loss(
         assert "when it was released" in str(lease.lost_cause)
         # A release that found nothing because it was already released says nothing.
         assert lease.release() is False and seen == [lease]
+
+
+class LateReplies(MemoryBackend):
+    """A memory source whose first ``late`` grants arrive after their lease ran out."""
+
+    scheme: ClassVar[str] = "late"
+    late = 0
+
+    @classmethod
+    async def open(cls, url: SplitResult, options: dict[str, Any]) -> MemoryBackend:
+        return cls((await MemoryBackend.open(url, options))._store)
+
+    async def acquire(
+        self,
+        name: str,
+        *,
+        request_id: str,
+        ttl: float,
+        deadline: float | None,
+        on_lost: LostCallback,
+    ) -> Grant:
+        grant = await super().acquire(
+            name, request_id=request_id, ttl=ttl, deadline=deadline, on_lost=on_lost
+        )
+        if LateReplies.late:
+            LateReplies.late -= 1
+            # As if the request had been sent a whole ttl ago: nothing surely left of it.
+            return dataclasses.replace(grant, sent_at=grant.sent_at - ttl)
+        return grant
+
+
+@pytest.mark.parametrize("late", [1, 2])
+def test_acquire_never_returns_a_lease_with_no_time_left(
+    register_scheme: Callable[[str, str], None], memory_url: str, late: int
+) -> None:
+    """A grant that arrives after its lease ran out is given back and asked for again
+    (before: lock() returned it already lost, and `fenced lock` ran the command)."""
+    register_scheme("late", "tests.test_lease_core:LateReplies")
+    LateReplies.late = late
+    with fenced.connect(memory_url.replace("memory://", "late://")) as locks:
+        with locks.lock("x", ttl=5, timeout=5) as lease:
+            assert lease.remaining() > 0 and lease.held and not lease.lost.is_set()
+            assert lease.token.value == late + 1  # the late grants were released, not kept
+            assert locks.status("x").token == lease.token
+
+
+def test_acquire_gives_up_when_every_grant_arrives_too_late(
+    register_scheme: Callable[[str, str], None], memory_url: str
+) -> None:
+    register_scheme("late", "tests.test_lease_core:LateReplies")
+    LateReplies.late = 10
+    with fenced.connect(memory_url.replace("memory://", "late://")) as locks:
+        lease = locks.lock("x", ttl=5, timeout=5)
+        with pytest.raises(fenced.LeaseLostError, match="too short"):
+            lease.acquire()
+        assert not lease.held
+        assert locks.status("x").holder is None  # nothing left behind
+    LateReplies.late = 0
+
+
+@pytest.mark.parametrize(
+    "ttl", [0, -1, 0.001, 0.099, 86_401, 1e12, 1e300, float("inf"), float("nan"), "5", True]
+)
+def test_absurd_ttls_are_configuration_errors(memory_url: str, ttl: Any) -> None:
+    with fenced.connect(memory_url) as locks, pytest.raises(fenced.ConfigurationError, match="ttl"):
+        locks.lock("x", ttl=ttl)
+
+
+@pytest.mark.parametrize("timeout", [-1, 1e12, float("inf"), float("nan"), "3"])
+def test_absurd_timeouts_are_configuration_errors(memory_url: str, timeout: Any) -> None:
+    with fenced.connect(memory_url) as locks:
+        with pytest.raises(fenced.ConfigurationError, match="timeout"):
+            locks.lock("x", timeout=timeout)
+        lease = locks.lock("x")
+        with pytest.raises(fenced.ConfigurationError, match="timeout"):
+            lease.acquire(timeout=timeout)
+
+
+def test_a_scheme_registered_by_entry_point_is_used(tmp_path: Any) -> None:
+    """A third party adds a token source through the ``fenced.backends`` entry-point group."""
+    dist = tmp_path / "fenced_plugin_demo-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: fenced-plugin-demo\nVersion: 1.0\n"
+    )
+    (dist / "entry_points.txt").write_text(
+        "[fenced.backends]\nplugmem = fenced.backends.memory:MemoryBackend\n"
+    )
+    code = (
+        "import fenced\n"
+        "with fenced.connect('plugmem://x') as locks, locks.lock('j') as lease:\n"
+        "    print(lease.token)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]))
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "j:1"
+    with pytest.raises(fenced.ConfigurationError, match="unknown token source scheme 'plugmem'"):
+        fenced.connect("plugmem://x")  # not installed in this process

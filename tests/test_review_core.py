@@ -22,7 +22,7 @@ from urllib.parse import SplitResult
 import pytest
 
 import fenced
-from fenced import _backend, _clock
+from fenced import _clock
 from fenced._backend import Grant, LostCallback
 from fenced._state import LeaseState, Phase
 from fenced.backends.memory import MemoryBackend
@@ -117,8 +117,8 @@ class GoneAfterGrantSource(_TestSource):
         raise fenced.BackendUnavailable("the source went away")
 
 
-def _register(monkeypatch: pytest.MonkeyPatch, cls: type[_TestSource]) -> None:
-    monkeypatch.setitem(_backend.SCHEMES, cls.scheme, f"tests.test_review_core:{cls.__name__}")
+def _register(register_scheme: Callable[[str, str], None], cls: type[_TestSource]) -> None:
+    register_scheme(cls.scheme, f"tests.test_review_core:{cls.__name__}")
 
 
 # -- the sync portal -------------------------------------------------------------------------
@@ -233,8 +233,10 @@ def test_renewal_is_scheduled_within_a_shortened_grant() -> None:
     assert state.renew_delay(100.5) <= 0.3 + 1e-9  # and retries at a tenth of it
 
 
-def test_keepalive_holds_a_lease_the_source_shortened(monkeypatch: pytest.MonkeyPatch) -> None:
-    _register(monkeypatch, CappedSource)
+def test_keepalive_holds_a_lease_the_source_shortened(
+    register_scheme: Callable[[str, str], None],
+) -> None:
+    _register(register_scheme, CappedSource)
     with fenced.connect("capped://review-capped") as locks:
         lease = locks.lock("x", ttl=3)
         lease.acquire()
@@ -246,10 +248,10 @@ def test_keepalive_holds_a_lease_the_source_shortened(monkeypatch: pytest.Monkey
 
 
 async def test_late_renew_failure_of_an_old_grant_does_not_lose_the_new_one(
-    monkeypatch: pytest.MonkeyPatch,
+    register_scheme: Callable[[str, str], None],
 ) -> None:
     """Bug: a renew() in flight across release()+acquire() marked the *new* grant lost."""
-    _register(monkeypatch, GatedSource)
+    _register(register_scheme, GatedSource)
     GatedSource.gate = asyncio.Event()
     try:
         async with fenced.connect_async("gated://review-gated") as locks:
@@ -272,10 +274,10 @@ async def test_late_renew_failure_of_an_old_grant_does_not_lose_the_new_one(
 
 
 async def test_late_renew_failure_of_the_current_grant_still_loses_it(
-    monkeypatch: pytest.MonkeyPatch,
+    register_scheme: Callable[[str, str], None],
 ) -> None:
     """The fix above must not hide a real loss: the renewed copy of a grant is the same grant."""
-    _register(monkeypatch, GatedSource)
+    _register(register_scheme, GatedSource)
     gate = GatedSource.gate = asyncio.Event()
     try:
         async with fenced.connect_async("gated://review-gated2") as locks:
@@ -343,7 +345,7 @@ async def test_aclose_fails_an_acquire_in_flight_promptly(memory_url: str) -> No
 _CLI_WITH_TEST_SOURCE = (
     "import sys\n"
     "from fenced import _backend\n"
-    "_backend.SCHEMES['goneaftergrant'] = 'tests.test_review_core:GoneAfterGrantSource'\n"
+    "_backend.register_backend('goneaftergrant', 'tests.test_review_core:GoneAfterGrantSource')\n"
     "from fenced.cli import main\n"
     "sys.exit(main(sys.argv[1:]))\n"
 )
@@ -446,7 +448,7 @@ def test_row_guard_on_a_text_token_column_refuses_stale_tokens() -> None:
 
 def test_text_comparison_planted_back_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """The checker above fails on the unfixed comparison (the planted bug)."""
-    monkeypatch.setattr(_sql_plan, "_as_int", lambda _d, expr: expr)
+    monkeypatch.setattr(_sql_plan, "_as_int", lambda _d, expr, stored=False: expr)
     _sql_plan._row_write_sql.cache_clear()
     try:
         assert not _stale_write_is_refused(_jobs_with_text_token_column(), RowGuard("jobs"))

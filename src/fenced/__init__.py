@@ -8,7 +8,7 @@ reject writes from stale lock holders.
     invoices:1
 """
 
-from ._backend import Backend, Characteristic, Grant, LockStatus
+from ._backend import Backend, Characteristic, Grant, LockStatus, register_backend
 from ._errors import (
     BackendError,
     BackendUnavailable,
@@ -65,4 +65,5 @@ __all__ = [
     "__version__",
     "connect",
     "connect_async",
+    "register_backend",
 ]

@@ -11,23 +11,31 @@ from __future__ import annotations
 import abc
 import dataclasses
 import enum
+import functools
 import importlib
-from collections.abc import Callable, Iterable
-from typing import Any, ClassVar
+import importlib.metadata
+import re
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from types import MappingProxyType
+from typing import Any, ClassVar, Final
 from urllib.parse import SplitResult, urlsplit
 
 from ._errors import ConfigurationError
 from ._token import FencingToken
 
 __all__ = [
-    "SCHEMES",
+    "BUILTIN_SCHEMES",
+    "ENTRY_POINT_GROUP",
     "Backend",
     "Characteristic",
     "Grant",
     "LockStatus",
     "LostCallback",
     "backend_class",
+    "known_schemes",
     "on_private_loop",
+    "register_backend",
 ]
 
 
@@ -149,18 +157,69 @@ class Backend(abc.ABC):
         return self.characteristics
 
 
-SCHEMES: dict[str, str] = {
-    "memory": "fenced.backends.memory:MemoryBackend",
-    "sqlite": "fenced.backends.sqlite:SQLiteBackend",
-    "etcd": "fenced.backends.etcd:EtcdBackend",
-    "etcd3": "fenced.backends.etcd:EtcdBackend",
-    "zookeeper": "fenced.backends.zookeeper:ZooKeeperBackend",
-    "zk": "fenced.backends.zookeeper:ZooKeeperBackend",
-    "postgresql": "fenced.backends.postgresql:PostgreSQLBackend",
-    "postgres": "fenced.backends.postgresql:PostgreSQLBackend",
-    "redis": "fenced.backends.redis:RedisBackend",
-    "rediss": "fenced.backends.redis:RedisBackend",
-}
+BUILTIN_SCHEMES: Final[Mapping[str, str]] = MappingProxyType(
+    {
+        "memory": "fenced.backends.memory:MemoryBackend",
+        "sqlite": "fenced.backends.sqlite:SQLiteBackend",
+        "etcd": "fenced.backends.etcd:EtcdBackend",
+        "etcd3": "fenced.backends.etcd:EtcdBackend",
+        "zookeeper": "fenced.backends.zookeeper:ZooKeeperBackend",
+        "zk": "fenced.backends.zookeeper:ZooKeeperBackend",
+        "postgresql": "fenced.backends.postgresql:PostgreSQLBackend",
+        "postgres": "fenced.backends.postgresql:PostgreSQLBackend",
+        "redis": "fenced.backends.redis:RedisBackend",
+        "rediss": "fenced.backends.redis:RedisBackend",
+    }
+)
+"""fenced's own token sources: URL scheme -> ``module:Class``."""
+
+ENTRY_POINT_GROUP: Final = "fenced.backends"
+"""Installed distributions add token sources under this entry-point group:
+``[project.entry-points."fenced.backends"] myscheme = "mypkg.backend:MyBackend"``."""
+
+_registered: dict[str, str | type[Backend]] = {}
+_registry_lock = threading.Lock()
+
+
+def register_backend(scheme: str, target: str | type[Backend]) -> Callable[[], None]:
+    """Make ``scheme://...`` URLs use ``target`` (a Backend class or ``"module:Class"``).
+
+    For plugins that are not installed as a distribution, and for tests (a planted broken
+    source joins the conformance suite this way). Returns a function that removes the
+    registration again. Registered schemes take precedence over entry points, which take
+    precedence over fenced's own.
+    """
+    if not isinstance(scheme, str) or not _SCHEME_RE.fullmatch(scheme):
+        raise ConfigurationError(f"invalid URL scheme {scheme!r}")
+    key = scheme.lower()
+    with _registry_lock:
+        previous = _registered.get(key)
+        _registered[key] = target
+
+    def unregister() -> None:
+        with _registry_lock:
+            if _registered.get(key) is target:
+                if previous is None:
+                    del _registered[key]
+                else:
+                    _registered[key] = previous
+
+    return unregister
+
+
+_SCHEME_RE: Final = re.compile(r"[A-Za-z][A-Za-z0-9.-]{0,31}")
+
+
+@functools.lru_cache(maxsize=1)
+def _entry_points() -> Mapping[str, str]:
+    found: dict[str, str] = {}
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        found.setdefault(ep.name.lower(), ep.value)
+    return found
+
+
+def known_schemes() -> list[str]:
+    return sorted({*BUILTIN_SCHEMES, *_entry_points(), *_registered})
 
 
 def on_private_loop() -> bool:
@@ -183,10 +242,12 @@ def parse_url(url: str) -> SplitResult:
 def backend_class(url: str) -> type[Backend]:
     """The backend class for ``url``'s scheme (``etcd+http`` style suffixes are ignored)."""
     scheme = parse_url(url).scheme.lower().split("+", 1)[0]
-    target = SCHEMES.get(scheme)
+    target = _registered.get(scheme) or _entry_points().get(scheme) or BUILTIN_SCHEMES.get(scheme)
     if target is None:
-        known = ", ".join(sorted(SCHEMES))
+        known = ", ".join(known_schemes())
         raise ConfigurationError(f"unknown token source scheme {scheme!r}; known: {known}")
+    if not isinstance(target, str):
+        return target
     module_name, _, class_name = target.partition(":")
     try:
         module = importlib.import_module(module_name)

@@ -24,17 +24,19 @@ from ._backend import (
 )
 from ._errors import (
     BackendUnavailable,
+    FencedError,
     LeaseLostError,
     NotHeldError,
 )
-from ._state import LeaseState, Phase
+from ._state import DEFAULT_TTL, LeaseState, Phase, check_timeout
 from ._token import FencingToken, validate_lock_name
 
 __all__ = ["DEFAULT_TTL", "AsyncLease", "AsyncLocks", "LostSignal"]
 
+_MAX_LATE_GRANTS: Final = 3
+
 logger = logging.getLogger("fenced")
 
-DEFAULT_TTL: Final = 10.0
 _UNSET: Final[Any] = object()
 
 AsyncLostCallback = Callable[["AsyncLease"], Awaitable[None] | None]
@@ -104,7 +106,7 @@ class AsyncLease:
     ) -> None:
         self._locks = locks
         self.name = validate_lock_name(name)
-        self.timeout = _check_timeout(timeout)
+        self.timeout = check_timeout(timeout)
         self.on_lost = on_lost
         self.auto_renew = auto_renew
         self._request_id = request_id
@@ -163,7 +165,7 @@ class AsyncLease:
         request id (so a grant whose reply was lost is not taken twice) until the timeout,
         then raises :class:`~fenced.BackendUnavailable`.
         """
-        timeout = self.timeout if timeout is _UNSET else _check_timeout(timeout)
+        timeout = self.timeout if timeout is _UNSET else check_timeout(timeout)
         backend = await self._locks._get_backend()
         self._state.start_acquiring()
         self._loop = asyncio.get_running_loop()
@@ -175,6 +177,7 @@ class AsyncLease:
         delay = 0.02
         granted: list[FencingToken] = []  # the grant this acquire's lost-callback is about
         on_lost = self._make_backend_lost_callback(granted)
+        late = 0  # grants that arrived with no time left
         try:
             while True:
                 try:
@@ -185,7 +188,6 @@ class AsyncLease:
                         deadline=deadline,
                         on_lost=on_lost,
                     )
-                    break
                 except BackendUnavailable:
                     # A closed connection will not come back: only a dead source is retried.
                     if self._locks._closed or _clock.now() + delay >= give_up:
@@ -193,6 +195,22 @@ class AsyncLease:
                     logger.debug("acquire %s: source unavailable, retrying", self.name)
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, 1.0)
+                    continue
+                if self._state.remaining_of(grant, _clock.now()) > 0:
+                    break
+                # Granted, but the reply took so long that the lease may already have run
+                # out: never hand out a lease that is not surely held. Give it back (fenced:
+                # it cannot free anyone else's) and ask again, with a new request id.
+                late += 1
+                with contextlib.suppress(FencedError):
+                    await backend.release(grant)
+                request_id = uuid.uuid4().hex
+                if late >= _MAX_LATE_GRANTS or (deadline is not None and _clock.now() >= deadline):
+                    raise LeaseLostError(
+                        f"lease on {self.name!r} expired before the grant arrived ({late} "
+                        f"time(s)): a ttl of {self.ttl:g} s is too short for this source's "
+                        "round trip"
+                    )
         except BaseException:
             self._state.acquire_failed()
             raise
@@ -201,12 +219,7 @@ class AsyncLease:
         self._last_token = grant.token
         self.lost._clear()
         self._locks._held.add(self)
-        if self._state.remaining(_clock.now()) <= 0:
-            # Granted, but the reply took so long that the lease may have run out already.
-            self._mark_lost(
-                LeaseLostError(f"lease on {self.name!r} expired before the grant arrived")
-            )
-        elif self.auto_renew:
+        if self.auto_renew:
             # A timer, not a task, until the first renewal is due: most critical sections end
             # before that, and a task per acquire is a measurable share of a fast acquire.
             now = _clock.now()
@@ -507,12 +520,6 @@ def connect_async(url: str, *, require: Iterable[str] = (), **options: Any) -> A
     have; one lacking any is refused with :class:`~fenced.ConfigurationError`.
     """
     return AsyncLocks(url, require=require, **options)
-
-
-def _check_timeout(timeout: float | None) -> float | None:
-    if timeout is not None and not timeout >= 0:
-        raise ValueError(f"timeout must be >= 0 or None, got {timeout!r}")
-    return timeout
 
 
 def _redact(url: str) -> str:

@@ -7,11 +7,61 @@ questions: how long is the lease *surely* still held, and when to renew next.
 from __future__ import annotations
 
 import enum
+import math
+from typing import Final
 
 from ._backend import Grant
-from ._errors import LockError
+from ._errors import ConfigurationError, LockError
 
-__all__ = ["LeaseState", "Phase", "default_safety_margin"]
+__all__ = [
+    "DEFAULT_TTL",
+    "MAX_TIMEOUT",
+    "MAX_TTL",
+    "MIN_TTL",
+    "LeaseState",
+    "Phase",
+    "check_timeout",
+    "check_ttl",
+    "default_safety_margin",
+]
+
+DEFAULT_TTL: Final = 10.0
+MIN_TTL: Final = 0.1
+"""Seconds. Below this a lease is gone before a round trip and a renewal can be made."""
+MAX_TTL: Final = 86_400.0
+"""Seconds (one day). A longer lease only delays recovery from a dead holder."""
+MAX_TIMEOUT: Final = 31_536_000.0
+"""Seconds (a year) an acquire may wait; ``None`` waits without limit."""
+
+
+def _seconds(value: object) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    number = float(value)
+    return None if math.isnan(number) else number
+
+
+def check_ttl(ttl: object) -> float:
+    """``ttl`` as float seconds, or :class:`~fenced.ConfigurationError` naming the bounds."""
+    number = _seconds(ttl)
+    if number is None or not MIN_TTL <= number <= MAX_TTL:
+        raise ConfigurationError(
+            f"ttl must be a number of seconds from {MIN_TTL:g} to {MAX_TTL:g}, not {ttl!r}"
+        )
+    return number
+
+
+def check_timeout(timeout: object) -> float | None:
+    """``timeout`` as float seconds (or None: no limit), or ConfigurationError."""
+    if timeout is None:
+        return None
+    number = _seconds(timeout)
+    if number is None or not 0 <= number <= MAX_TIMEOUT:
+        raise ConfigurationError(
+            f"timeout must be None or a number of seconds from 0 to {MAX_TIMEOUT:g}, "
+            f"not {timeout!r}"
+        )
+    return number
 
 
 class Phase(enum.Enum):
@@ -38,11 +88,12 @@ class LeaseState:
     __slots__ = ("_failed_since", "grant", "lost_cause", "phase", "safety_margin", "ttl")
 
     def __init__(self, ttl: float, safety_margin: float | None = None) -> None:
-        if not ttl > 0:
-            raise ValueError(f"ttl must be positive, got {ttl!r}")
-        margin = default_safety_margin(ttl) if safety_margin is None else safety_margin
-        if not 0 <= margin < ttl:
-            raise ValueError(f"safety_margin must be in [0, ttl), got {margin!r}")
+        ttl = check_ttl(ttl)
+        margin = default_safety_margin(ttl) if safety_margin is None else _seconds(safety_margin)
+        if margin is None or not 0 <= margin < ttl:
+            raise ConfigurationError(
+                f"safety_margin must be a number of seconds in [0, ttl), not {safety_margin!r}"
+            )
         self.ttl = float(ttl)
         self.safety_margin = float(margin)
         self.phase = Phase.IDLE
@@ -95,6 +146,10 @@ class LeaseState:
         if self.grant is None:
             return float("-inf")
         return self.grant.sent_at + min(self.ttl, self.grant.ttl) - self.safety_margin
+
+    def remaining_of(self, grant: Grant, now: float) -> float:
+        """How long ``grant`` would surely be held if it were taken now (may be <= 0)."""
+        return grant.sent_at + min(self.ttl, grant.ttl) - self.safety_margin - now
 
     def remaining(self, now: float) -> float:
         """Seconds the lease is surely still held: 0 unless HELD."""

@@ -12,12 +12,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import signal
 import subprocess
 import sys
 import threading
 from collections.abc import Sequence
+from typing import NoReturn
 
 from rich.console import Console
 from rich.table import Table
@@ -25,6 +27,7 @@ from rich.table import Table
 from . import _sync
 from ._errors import BackendUnavailable, ConfigurationError, FencedError, LockTimeout
 from ._paths import default_url
+from ._state import check_timeout, check_ttl
 
 __all__ = ["EXIT_LEASE_LOST", "EXIT_TIMEOUT", "EXIT_UNAVAILABLE", "main"]
 
@@ -33,34 +36,73 @@ EXIT_USAGE = 2
 EXIT_UNAVAILABLE = 69
 EXIT_LEASE_LOST = 75
 
+EXIT_STATUSES = """\
+exit status:
+  0      success (fenced lock: the command's own status when it ran to the end holding the lock)
+  1      the lock was not acquired within --timeout, or another fenced error
+  2      usage or configuration error (bad option, URL, lock name, number)
+  69     the token source could not be reached (EX_UNAVAILABLE)
+  75     the lease was lost while the command ran; the command was terminated (EX_TEMPFAIL)
+  126    the command could not be executed
+  127    the command was not found
+"""
 
-def _positive(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+
+def _number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds, not {text!r}")
     return value
 
 
-def _non_negative(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+def _ttl(text: str) -> float:
+    try:
+        return check_ttl(_number(text))
+    except ConfigurationError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _timeout(text: str) -> float:
+    try:
+        value = check_timeout(_number(text))
+    except ConfigurationError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    assert value is not None
     return value
+
+
+def _grace(text: str) -> float:
+    value = _number(text)
+    if not 0 <= value <= 3600:
+        raise argparse.ArgumentTypeError(f"must be from 0 to 3600 seconds, not {text!r}")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with usage errors on one line (``fenced: error: ...``) and exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="fenced",
         description="Locks with fencing tokens, and resources that reject stale writers.",
+        epilog=EXIT_STATUSES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
 
     demo = sub.add_parser(
         "demo",
         help="reproduce DDIA Figure 8-5: a paused lock holder's write, fenced and unfenced",
     )
     demo.add_argument("--dir", help="keep the demo's databases in this directory")
-    demo.add_argument("--ttl", type=_positive, default=1.0, help="lease ttl in seconds (1)")
+    demo.add_argument("--ttl", type=_ttl, default=1.0, help="lease ttl in seconds (1)")
 
     lock = sub.add_parser(
         "lock",
@@ -71,16 +113,16 @@ def _parser() -> argparse.ArgumentParser:
     lock.add_argument(
         "--url", help="token source URL (default: $FENCED_URL or a local SQLite file)"
     )
-    lock.add_argument("--ttl", type=_positive, default=10.0, help="lease ttl in seconds (10)")
+    lock.add_argument("--ttl", type=_ttl, default=10.0, help="lease ttl in seconds (10)")
     lock.add_argument(
         "--timeout",
-        type=_non_negative,
+        type=_timeout,
         default=None,
         help="give up after this many seconds (default: wait)",
     )
     lock.add_argument(
         "--grace",
-        type=_non_negative,
+        type=_grace,
         default=5.0,
         help="seconds between SIGTERM and SIGKILL on lease loss (5)",
     )
@@ -172,6 +214,10 @@ def _run_holding(lease: _sync.Lease, token: str, cmd: list[str], grace: float, e
     try:
         if early:
             return 128 + early[0]
+        if lease.remaining() <= 0:
+            # Never start the command unless the lease is surely held right now.
+            err.print(f"fenced lock: lease on {lease.name!r} ran out before the command started")
+            return EXIT_LEASE_LOST
         try:
             # Its own process group, so that on lease loss we stop the whole job, not its head.
             child = subprocess.Popen(cmd, env=env, start_new_session=True)

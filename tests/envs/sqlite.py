@@ -190,7 +190,7 @@ def _use_backend(target: str | None) -> None:
     if target:
         from fenced import _backend
 
-        _backend.SCHEMES["sqlite"] = target
+        _backend.register_backend("sqlite", target)
 
 
 def _cmd_hold(args: argparse.Namespace) -> None:

@@ -60,7 +60,7 @@ from .._errors import (
     LockTimeout,
     UnsafeBackendError,
 )
-from .._lease import DEFAULT_TTL
+from .._state import DEFAULT_TTL
 from .._token import FencingToken
 
 __all__ = ["ROOT", "ZooKeeperBackend", "node_prefix", "parse_node"]
