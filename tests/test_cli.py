@@ -132,7 +132,7 @@ def test_absurd_numbers_are_usage_errors_before_anything_runs(
 
 
 def test_help_documents_every_exit_status() -> None:
-    out = subprocess.run(FENCED + ["--help"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([*FENCED, "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0
     for code in ("0", "1", "2", "69", "75", "126", "127"):
         assert f"  {code} " in out.stdout or f": {code}" in out.stdout, code

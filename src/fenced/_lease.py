@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import inspect
 import logging
+import os
 import uuid
 import weakref
 from collections.abc import Awaitable, Callable, Generator, Iterable
@@ -118,6 +119,26 @@ class AsyncLease:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.lost = LostSignal()
         self._lost_hooks: list[Callable[[BaseException], None]] = []
+        self._pid = os.getpid()
+
+    def add_lost_hook(self, hook: Callable[[BaseException], None]) -> None:
+        """Call ``hook(cause)`` (on the loop, before ``on_lost``) each time the lease is lost.
+
+        For wrappers of this lease (the synchronous :class:`~fenced.Lease`); must not block.
+        """
+        self._lost_hooks.append(hook)
+
+    def _check_fork(self) -> None:
+        """In a forked child, start over: the parent's grant, timers and loop stay its own."""
+        if self._pid == os.getpid():
+            return
+        _left_behind(self._state, self._keepalive, self._watchdog, self._keepalive_timer)
+        self._pid = os.getpid()
+        self._state = LeaseState(self._state.ttl, self._state.safety_margin)
+        self._last_token = None
+        self._keepalive = self._watchdog = self._keepalive_timer = None
+        self._loop = None
+        self.lost = LostSignal()
 
     # -- what the holder may know -------------------------------------------------------
 
@@ -128,6 +149,7 @@ class AsyncLease:
     @property
     def token(self) -> FencingToken:
         """The token of the current (or, after release or loss, the last) grant."""
+        self._check_fork()
         if self._last_token is None:
             raise NotHeldError(f"lease on {self.name!r} has never been acquired")
         return self._last_token
@@ -152,6 +174,7 @@ class AsyncLease:
         Counted from when the acquire or last successful renew request was *sent* (the source
         cannot have started the lease earlier), minus ``safety_margin``. 0 when not held.
         """
+        self._check_fork()
         return self._state.remaining(_clock.now())
 
     # -- acquire / renew / release -------------------------------------------------------
@@ -166,6 +189,7 @@ class AsyncLease:
         then raises :class:`~fenced.BackendUnavailable`.
         """
         timeout = self.timeout if timeout is _UNSET else check_timeout(timeout)
+        self._check_fork()
         backend = await self._locks._get_backend()
         self._state.start_acquiring()
         self._loop = asyncio.get_running_loop()
@@ -231,6 +255,7 @@ class AsyncLease:
 
     async def renew(self) -> float:
         """Renew now; return the new :meth:`remaining`. Raises LeaseLostError if it is gone."""
+        self._check_fork()
         grant = self._require_held()
         try:
             new = await self._locks._backend_or_fail().renew(grant)
@@ -252,6 +277,7 @@ class AsyncLease:
         Returns True if this call released a grant it still held, False otherwise (already
         released, lost, expired or taken over). Safe to call more than once.
         """
+        self._check_fork()
         grant = self._state.grant
         if self._state.phase not in (Phase.HELD, Phase.LOST) or grant is None:
             return False
@@ -281,6 +307,11 @@ class AsyncLease:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        await self.finish(exc_type, exc)
+
+    async def finish(self, exc_type: type[BaseException] | None, exc: BaseException | None) -> None:
+        """End a ``with`` block: release; if the body succeeded but the lease was lost while
+        it ran, raise :class:`~fenced.LeaseLostError` (the block ran partly unprotected)."""
         if exc is None:
             await self.release()
             cause = self.lost.cause
@@ -421,6 +452,21 @@ class AsyncLocks:
         self._opening: asyncio.Lock | None = None
         self._closed = False
         self._held: weakref.WeakSet[AsyncLease] = weakref.WeakSet()
+        self._pid = os.getpid()
+
+    def _check_fork(self) -> None:
+        """In a forked child: a new connection on first use; the parent's is never touched.
+
+        The inherited backend shares sockets and sessions with the parent: using or closing
+        it here would cut or corrupt the parent's connection, so it is kept aside for good.
+        """
+        if self._pid == os.getpid():
+            return
+        _left_behind(self._backend, self._opening, self._held)
+        self._pid = os.getpid()
+        self._backend = None
+        self._opening = None
+        self._held = weakref.WeakSet()
 
     @property
     def characteristics(self) -> frozenset[Characteristic]:
@@ -468,6 +514,7 @@ class AsyncLocks:
 
     async def aclose(self) -> None:
         """Release every lease still held through this connection, then close it."""
+        self._check_fork()
         if self._closed:
             return
         for lease in list(self._held):
@@ -484,6 +531,7 @@ class AsyncLocks:
         await self.aclose()
 
     async def _get_backend(self) -> Backend:
+        self._check_fork()
         if self._closed:
             raise BackendUnavailable(f"connection to {self.url!r} is closed")
         if self._backend is None:
@@ -505,12 +553,21 @@ class AsyncLocks:
         return self._backend
 
     def _backend_or_fail(self) -> Backend:
+        self._check_fork()
         if self._backend is None or self._closed:
             raise BackendUnavailable(f"connection to {self.url!r} is closed or not open")
         return self._backend
 
     def __repr__(self) -> str:
         return f"<AsyncLocks {self._cls.scheme} {_redact(self.url)}>"
+
+
+_LEFT_BEHIND: list[object] = []
+
+
+def _left_behind(*things: object) -> None:
+    """Keep what a forked child inherited alive, so that no finalizer of it runs in the child."""
+    _LEFT_BEHIND.extend(t for t in things if t is not None)
 
 
 def connect_async(url: str, *, require: Iterable[str] = (), **options: Any) -> AsyncLocks:

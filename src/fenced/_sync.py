@@ -11,6 +11,7 @@ import _thread
 import asyncio
 import contextlib
 import logging
+import os
 import threading
 from collections.abc import Callable, Coroutine, Iterable
 from concurrent.futures import Future
@@ -20,7 +21,7 @@ from typing import Any, TypeVar
 from . import _clock
 from ._backend import Characteristic, LockStatus
 from ._errors import BackendUnavailable
-from ._lease import _UNSET, DEFAULT_TTL, AsyncLease, AsyncLocks
+from ._lease import _UNSET, DEFAULT_TTL, AsyncLease, AsyncLocks, _left_behind
 from ._state import Phase
 from ._token import FencingToken
 
@@ -53,10 +54,16 @@ class _Portal:
         self.thread.start()
         ready.wait()
         self._thread_id = self.thread.ident
+        self.pid = os.getpid()
 
     @property
     def closed(self) -> bool:
         return self._stopping or self.loop.is_closed()
+
+    @property
+    def forked(self) -> bool:
+        """True in a child process forked after this portal started: its thread is not here."""
+        return self.pid != os.getpid()
 
     def call(
         self,
@@ -75,6 +82,12 @@ class _Portal:
         if self.closed:  # first: once the loop thread has ended, its id may be reused
             coro.close()
             raise BackendUnavailable("this fenced connection is closed")
+        if self.forked:  # the loop thread stayed in the parent: waiting would hang forever
+            coro.close()
+            raise BackendUnavailable(
+                f"this fenced object was made in process {self.pid}, before a fork; "
+                "make a new one in this process"
+            )
         if _thread.get_ident() == self._thread_id:
             coro.close()
             raise RuntimeError("a blocking fenced call was made from a lost-lease callback")
@@ -166,6 +179,10 @@ class _Portal:
     def stop(self) -> None:
         if self.closed:
             return
+        if self.forked:
+            _left_behind(self)  # the parent's loop and thread: nothing of them runs here
+            self._stopping = True
+            return
         if threading.current_thread() is self.thread:
             raise RuntimeError("a fenced connection cannot be closed from a lost-lease callback")
         self._stopping = True  # from now on call() refuses: nothing new is queued on the loop
@@ -201,7 +218,16 @@ class Lease:
         self._inner = inner
         self.on_lost = on_lost
         self.lost = threading.Event()
-        inner._lost_hooks.append(self._on_inner_lost)
+        self._pid = os.getpid()
+        inner.add_lost_hook(self._on_inner_lost)
+
+    def _check_fork(self) -> None:
+        # In a forked child the parent's grant stays the parent's: this lease starts over, not
+        # held, and may be acquired anew through the child's own connection.
+        if self._pid != os.getpid():
+            self._pid = os.getpid()
+            self._locks._check_fork()
+            self.lost.clear()
 
     def _on_inner_lost(self, cause: BaseException) -> None:
         self.lost.set()
@@ -231,6 +257,7 @@ class Lease:
 
     @property
     def held(self) -> bool:
+        self._check_fork()
         return self._inner.held
 
     @property
@@ -239,6 +266,7 @@ class Lease:
 
     def remaining(self) -> float:
         """Seconds the lease is surely still held (see :meth:`AsyncLease.remaining`)."""
+        self._check_fork()
         return self._inner.remaining()
 
     def acquire(self, timeout: float | None = _UNSET) -> FencingToken:
@@ -247,6 +275,7 @@ class Lease:
         If interrupted (Ctrl-C), the lock is not left held: a grant that arrives anyway is
         released.
         """
+        self._check_fork()
         self.lost.clear()
         return self._locks._portal.call(self._inner.acquire(timeout), undo=self._undo_acquire)
 
@@ -254,10 +283,12 @@ class Lease:
         await self._inner.release()
 
     def renew(self) -> float:
+        self._check_fork()
         return self._locks._portal.call(self._inner.renew())
 
     def release(self) -> bool:
         """Give the lock up; False if it was no longer held. Never frees a later grant."""
+        self._check_fork()
         return self._locks._portal.call(self._inner.release())
 
     def __enter__(self) -> Lease:
@@ -270,7 +301,8 @@ class Lease:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self._locks._portal.call(self._inner.__aexit__(exc_type, exc, tb))
+        self._check_fork()
+        self._locks._portal.call(self._inner.finish(exc_type, exc))
 
     def __repr__(self) -> str:
         return repr(self._inner).replace("AsyncLease", "Lease", 1)
@@ -281,12 +313,29 @@ class Locks:
 
     def __init__(self, url: str, *, require: Iterable[str] = (), **options: Any) -> None:
         self._async = AsyncLocks(url, require=require, **options)
-        self._portal = _Portal(name=f"fenced-{self._async._cls.scheme}")
+        self._portal_now = _Portal(name=f"fenced-{self._async._cls.scheme}")
         try:
-            self._portal.call(self._async.open())
+            self._portal_now.call(self._async.open())
         except BaseException:
-            self._portal.stop()
+            self._portal_now.stop()
             raise
+
+    @property
+    def _portal(self) -> _Portal:
+        self._check_fork()
+        return self._portal_now
+
+    def _check_fork(self) -> None:
+        """In a child forked after connect(): a new loop thread and, lazily, a new connection.
+
+        Nothing the parent made is used or closed here (a closed socket or a finished
+        session would cut the parent's connection too): it is kept aside for good. Grants
+        the parent holds stay the parent's.
+        """
+        if self._portal_now.forked:
+            old = self._portal_now
+            _left_behind(old)
+            self._portal_now = _Portal(name=old.thread.name)
 
     @property
     def url(self) -> str:
@@ -336,6 +385,7 @@ class Locks:
         Not from an ``on_lost`` callback (it runs on the thread this would stop): that raises
         RuntimeError and leaves the connection open and working.
         """
+        self._check_fork()
         if self._portal.closed:
             return
         if threading.current_thread() is self._portal.thread:

@@ -20,6 +20,7 @@ class BackendEnv:
     name = "base"
     cross_process = True  # can another OS process share these locks?
     min_ttl = 1.0  # the shortest ttl the source honours precisely enough for expiry tests
+    survives_fork = True  # False: a child forked after connect() gets a clear error instead
 
     def __init__(self, url: str, **options: Any) -> None:
         self.url = url

@@ -15,6 +15,7 @@ class EtcdEnv(ServerEnv):
     # etcd leases are whole seconds, at least 1 s with the test server's 500 ms election
     # timeout, and the server revokes expired leases on a 500 ms tick.
     min_ttl = 1.0
+    survives_fork = False  # gRPC does not survive fork (see check_grpc_usable)
 
 
 def make_env(request: pytest.FixtureRequest) -> Iterator[BackendEnv]:

@@ -18,6 +18,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -26,9 +27,42 @@ import grpc.aio  # type: ignore[import-untyped]
 from aetcd import rpc
 
 from .. import _clock
-from .._errors import BackendError, BackendUnavailable, LockTimeout
+from .._errors import BackendError, BackendUnavailable, ConfigurationError, LockTimeout
 
-__all__ = ["EtcdClient", "LeaseNotFound", "Member", "WatchHandle", "cancelling"]
+__all__ = [
+    "EtcdClient",
+    "LeaseNotFound",
+    "Member",
+    "WatchHandle",
+    "cancelling",
+    "check_grpc_usable",
+]
+
+_grpc_started_in: int | None = None
+"""The pid of the process that first opened a gRPC channel (inherited across fork)."""
+
+
+def check_grpc_usable() -> None:
+    """Refuse gRPC in a process forked after gRPC started; note its start otherwise.
+
+    gRPC's core does not survive fork: in such a child a new channel crashes the process
+    (SIGSEGV, seen here with grpcio 1.7x), and with ``GRPC_ENABLE_FORK_SUPPORT`` the parent's
+    channels are shut down instead (its leases are lost). A clear error at once is the only
+    safe answer: open etcd connections in processes started by ``spawn``/``forkserver``, or
+    in the parent only after forking (Celery: ``worker_process_init``).
+    """
+    global _grpc_started_in
+    pid = os.getpid()
+    if _grpc_started_in is None:
+        _grpc_started_in = pid
+    elif _grpc_started_in != pid:
+        raise ConfigurationError(
+            f"etcd cannot be used in this process: it was forked from process "
+            f"{_grpc_started_in} after that process started gRPC, and gRPC does not survive "
+            "fork; connect to etcd only in processes started with spawn/forkserver, or "
+            "before any etcd use in the parent"
+        )
+
 
 logger = logging.getLogger("fenced.etcd")
 
@@ -244,6 +278,7 @@ class Member:
 
     def open(self) -> Member:
         if self._channel is None:
+            check_grpc_usable()
             channel = grpc.aio.insecure_channel(self.endpoint, options=_CHANNEL_OPTIONS)
             self._channel = channel
             self.kv = rpc.KVStub(channel)

@@ -71,6 +71,7 @@ from .._errors import (
 )
 from .._sync import _Portal
 from .._token import MAX_TOKEN, FencingToken, validate_lock_name
+from ..backends._etcd_conn import check_grpc_usable
 
 __all__ = [
     "Accepted",
@@ -400,6 +401,7 @@ class AsyncEtcdGuard:
 
     async def _txn(self, request: rpc.TxnRequest) -> rpc.TxnResponse:
         client = self._client
+        check_grpc_usable()
         try:
             await client.connect()
             return await client.kvstub.Txn(request, timeout=self.timeout, metadata=client.metadata)
