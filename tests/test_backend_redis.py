@@ -220,7 +220,7 @@ def test_is_not_linearizable(redis_server: RedisServer) -> None:
     ("options", "match"),
     [
         ({"no_such_option": 1}, "unknown"),
-        ({"allow_unsafe_durability": "maybe"}, "true or false"),
+        ({"allow_unsafe_durability": "maybe"}, "True or False"),
         ({"key_prefix": "a{b}"}, "braces"),
         ({"waiter_heartbeat": 0}, "waiter_heartbeat"),
         ({"socket_timeout": -1}, "socket_timeout"),

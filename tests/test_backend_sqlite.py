@@ -367,7 +367,7 @@ def test_url_without_a_file_is_refused(url: str) -> None:
 def test_options(db: str) -> None:
     with pytest.raises(fenced.ConfigurationError, match="unknown"):
         fenced.connect(url_of(db), nonsense=1)
-    with pytest.raises(fenced.ConfigurationError, match="positive"):
+    with pytest.raises(fenced.ConfigurationError, match="> 0"):
         fenced.connect(url_of(db, waiter_ttl=0))
     with pytest.raises(fenced.ConfigurationError, match="number"):
         fenced.connect(url_of(db, poll_interval="fast"))

@@ -22,6 +22,7 @@ from typing import Any, ClassVar, Final
 from urllib.parse import SplitResult, urlsplit
 
 from ._errors import ConfigurationError
+from ._options import Option, merge_options, parse_query
 from ._token import FencingToken
 
 __all__ = [
@@ -101,11 +102,28 @@ class Backend(abc.ABC):
 
     scheme: ClassVar[str]
     characteristics: ClassVar[frozenset[Characteristic]]
+    option_schema: ClassVar[Mapping[str, Option]] = MappingProxyType({})
+    """The options this source takes (URL query or keyword); see :func:`options`."""
 
     @classmethod
     @abc.abstractmethod
     async def open(cls, url: SplitResult, options: dict[str, Any]) -> Backend:
-        """Connect to the source named by ``url``. Unknown ``options`` raise ConfigurationError."""
+        """Connect to the source named by ``url``. Unknown ``options`` raise ConfigurationError.
+
+        Must be safe to cancel (the core bounds it by the caller's connect timeout): release
+        whatever it opened on any exception, CancelledError included.
+        """
+
+    @classmethod
+    def options(
+        cls, url: SplitResult, given: Mapping[str, Any], *, query: bool = True
+    ) -> dict[str, Any]:
+        """``given`` merged over the URL query and checked against :attr:`option_schema`.
+
+        ``query=False`` for a source whose URL query belongs to its client library (libpq).
+        """
+        from_url = parse_query(cls.scheme, url.query) if query else {}
+        return merge_options(cls.scheme, cls.option_schema, from_url, given)
 
     @abc.abstractmethod
     async def acquire(
@@ -234,9 +252,25 @@ def on_private_loop() -> bool:
 
 
 def parse_url(url: str) -> SplitResult:
+    """``url`` split; a malformed one (``redis://[::1``, a bad port) is a ConfigurationError."""
     if not isinstance(url, str) or "://" not in url:
         raise ConfigurationError(f"not a token source URL: {url!r} (expected e.g. sqlite:///path)")
-    return urlsplit(url)
+    try:
+        parts = urlsplit(url)
+        if "," not in parts.netloc:  # (a host list is the source's to parse)
+            parts.port  # noqa: B018 - validates the port (urlsplit itself does not)
+    except ValueError as exc:
+        raise ConfigurationError(f"malformed token source URL {_redacted(url)!r}: {exc}") from None
+    return parts
+
+
+def _redacted(url: str) -> str:
+    """``url`` without its password, for messages and logs (works on malformed URLs too)."""
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, host = rest.rpartition("@")
+    if at and ":" in userinfo:
+        userinfo = userinfo.split(":", 1)[0] + ":***"
+    return f"{scheme}{sep}{userinfo}{at}{host}"
 
 
 def backend_class(url: str) -> type[Backend]:

@@ -19,22 +19,28 @@ from ._backend import (
     Characteristic,
     Grant,
     LockStatus,
+    _redacted,
     backend_class,
     check_requirements,
     parse_url,
 )
 from ._errors import (
     BackendUnavailable,
+    ConfigurationError,
     FencedError,
     LeaseLostError,
     NotHeldError,
 )
-from ._state import DEFAULT_TTL, LeaseState, Phase, check_timeout
+from ._options import Option
+from ._state import DEFAULT_TTL, MAX_TIMEOUT, LeaseState, Phase, check_timeout
 from ._token import FencingToken, validate_lock_name
 
 __all__ = ["DEFAULT_TTL", "AsyncLease", "AsyncLocks", "LostSignal"]
 
 _MAX_LATE_GRANTS: Final = 3
+DEFAULT_CONNECT_TIMEOUT: Final = 10.0
+"""Seconds opening a connection may take (retrying a source that is down) by default."""
+_CONNECT_TIMEOUT: Final = Option("number", low=0, low_open=True, high=MAX_TIMEOUT)
 
 logger = logging.getLogger("fenced")
 
@@ -190,11 +196,11 @@ class AsyncLease:
         """
         timeout = self.timeout if timeout is _UNSET else check_timeout(timeout)
         self._check_fork()
-        backend = await self._locks._get_backend()
+        start = _clock.now()
+        backend = await self._locks._get_backend(None if timeout is None else start + timeout)
         self._state.start_acquiring()
         self._loop = asyncio.get_running_loop()
         request_id = self._request_id or uuid.uuid4().hex
-        start = _clock.now()
         deadline = None if timeout is None else start + timeout
         # With no deadline, a dead source is given a bounded time to come back.
         give_up = deadline if deadline is not None else start + max(self.ttl, 5.0)
@@ -447,6 +453,15 @@ class AsyncLocks:
         self.url = url
         self._cls = backend_class(url)
         self._require = check_requirements(self._cls, require)
+        # connect_timeout bounds opening, whatever the source; a source with an option of
+        # that name (its per-attempt bound) gets it too.
+        given = options.get("connect_timeout", DEFAULT_CONNECT_TIMEOUT)
+        try:
+            self.connect_timeout = _CONNECT_TIMEOUT.convert(given)
+        except ValueError as exc:
+            raise ConfigurationError(f"connect_timeout={given!r}: {exc}") from None
+        if "connect_timeout" not in self._cls.option_schema:
+            options.pop("connect_timeout", None)
         self._options = options
         self._backend: Backend | None = None
         self._opening: asyncio.Lock | None = None
@@ -530,7 +545,36 @@ class AsyncLocks:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
-    async def _get_backend(self) -> Backend:
+    async def _open(self, deadline: float | None) -> Backend:
+        """Open the backend, retrying a source that is down (with back-off) until the deadline.
+
+        The deadline is the caller's (an acquire's timeout) or else ``connect_timeout`` from
+        now; every attempt is cut off at it (so a client library's own longer connect
+        timeout does not count), and a configuration error is raised at once.
+        """
+        start = _clock.now()
+        end = start + self.connect_timeout if deadline is None else deadline
+        url = parse_url(self.url)
+        delay = 0.05
+        while True:
+            # At least one real attempt, even when the deadline has already passed.
+            budget = max(end - _clock.now(), 0.25)
+            try:
+                async with asyncio.timeout(budget):
+                    return await self._cls.open(url, dict(self._options))
+            except TimeoutError:
+                raise BackendUnavailable(
+                    f"{self._cls.scheme} source {_redact(self.url)} not reachable within "
+                    f"{_clock.now() - start:.1f} s"
+                ) from None
+            except BackendUnavailable as exc:
+                if _clock.now() + delay >= end:
+                    raise
+                logger.debug("opening %s: %s; retrying in %.2f s", _redact(self.url), exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
+    async def _get_backend(self, deadline: float | None = None) -> Backend:
         self._check_fork()
         if self._closed:
             raise BackendUnavailable(f"connection to {self.url!r} is closed")
@@ -539,7 +583,7 @@ class AsyncLocks:
                 self._opening = asyncio.Lock()
             async with self._opening:
                 if self._backend is None:
-                    backend = await self._cls.open(parse_url(self.url), dict(self._options))
+                    backend = await self._open(deadline)
                     try:
                         # A server may fail a check the user opted out of (Redis without
                         # fsync): the requirement is judged again against what it is.
@@ -580,10 +624,7 @@ def connect_async(url: str, *, require: Iterable[str] = (), **options: Any) -> A
 
 
 def _redact(url: str) -> str:
-    parts = parse_url(url)
-    if parts.password:
-        return url.replace(f":{parts.password}@", ":***@")
-    return url
+    return _redacted(url)
 
 
 def _current_task() -> asyncio.Task[Any] | None:

@@ -30,8 +30,9 @@ import contextlib
 import dataclasses
 import math
 from collections.abc import Awaitable, Callable
-from typing import Any, ClassVar, TypeVar
-from urllib.parse import SplitResult, parse_qsl
+from types import MappingProxyType
+from typing import Any, ClassVar, Final, TypeVar
+from urllib.parse import SplitResult
 
 from aetcd import rpc
 
@@ -44,6 +45,7 @@ from .._errors import (
     LeaseLostError,
     LockTimeout,
 )
+from .._options import Option
 from .._token import FencingToken
 from ._etcd_conn import EtcdClient, LeaseNotFound, Member, WatchHandle, cancelling
 
@@ -183,36 +185,14 @@ def parse_endpoints(url: SplitResult) -> list[str]:
     return endpoints
 
 
-def _parse_options(url: SplitResult, options: dict[str, Any]) -> dict[str, Any]:
-    merged: dict[str, Any] = dict(parse_qsl(url.query, keep_blank_values=True))
-    merged.update(options)
-    known = {"prefix", "timeout", "retry_for", "lease_pool"}
-    unknown = set(merged) - known
-    if unknown:
-        raise ConfigurationError(
-            f"unknown etcd:// options {sorted(unknown)}; known: {sorted(known)}"
-        )
-    out: dict[str, Any] = {}
-    prefix = merged.get("prefix", DEFAULT_PREFIX)
-    if not isinstance(prefix, str) or not prefix:
-        raise ConfigurationError(f"etcd prefix must be a non-empty string, got {prefix!r}")
-    out["prefix"] = prefix.encode()
-    for name, default in (("timeout", 2.0), ("retry_for", 5.0)):
-        try:
-            value = float(merged.get(name, default))
-        except (TypeError, ValueError):
-            raise ConfigurationError(f"etcd option {name} must be a number") from None
-        if not (math.isfinite(value) and value > 0):
-            raise ConfigurationError(f"etcd option {name} must be > 0, got {value!r}")
-        out[name] = value
-    try:
-        pool = int(merged.get("lease_pool", 16))
-    except (TypeError, ValueError):
-        raise ConfigurationError("etcd option lease_pool must be an integer") from None
-    if pool < 0:
-        raise ConfigurationError("etcd option lease_pool must be >= 0")
-    out["lease_pool"] = pool
-    return out
+_OPTIONS: Final = MappingProxyType(
+    {
+        "prefix": Option("str", DEFAULT_PREFIX, check=lambda v: None if v else "must not be empty"),
+        "timeout": Option("number", 2.0, low=0, low_open=True, high=3600),
+        "retry_for": Option("number", 5.0, low=0, low_open=True, high=86_400),
+        "lease_pool": Option("int", 16, low=0, high=10_000),
+    }
+)
 
 
 def lease_seconds(ttl: float) -> int:
@@ -271,6 +251,8 @@ class EtcdBackend(Backend):
         }
     )
 
+    option_schema = _OPTIONS
+
     def __init__(self, client: EtcdClient, *, prefix: bytes, lease_pool: int) -> None:
         self._client = client
         self._prefix = prefix
@@ -281,7 +263,7 @@ class EtcdBackend(Backend):
     @classmethod
     async def open(cls, url: SplitResult, options: dict[str, Any]) -> EtcdBackend:
         endpoints = parse_endpoints(url)
-        opts = _parse_options(url, options)
+        opts = cls.options(url, options)
         client = EtcdClient(endpoints, timeout=opts["timeout"], retry_for=opts["retry_for"])
         try:
             # Fail early on an unreachable cluster or an endpoint that is not etcd.
@@ -292,7 +274,7 @@ class EtcdBackend(Backend):
         except BaseException:
             await client.close()
             raise
-        return cls(client, prefix=opts["prefix"], lease_pool=opts["lease_pool"])
+        return cls(client, prefix=opts["prefix"].encode(), lease_pool=opts["lease_pool"])
 
     # -- small helpers -----------------------------------------------------------------------
 

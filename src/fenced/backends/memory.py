@@ -16,7 +16,7 @@ from urllib.parse import SplitResult
 
 from .. import _clock
 from .._backend import Backend, Characteristic, Grant, LockStatus, LostCallback
-from .._errors import BackendUnavailable, ConfigurationError, LeaseLostError, LockTimeout
+from .._errors import BackendUnavailable, LeaseLostError, LockTimeout
 from .._token import FencingToken
 
 __all__ = ["MemoryBackend"]
@@ -73,8 +73,7 @@ class MemoryBackend(Backend):
 
     @classmethod
     async def open(cls, url: SplitResult, options: dict[str, Any]) -> MemoryBackend:
-        if options:
-            raise ConfigurationError(f"memory:// takes no options, got {sorted(options)}")
+        cls.options(url, options)  # none: refuses any given
         key = url.netloc + url.path
         with _stores_mutex:
             store = _stores.setdefault(key, _Store())

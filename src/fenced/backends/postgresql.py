@@ -31,8 +31,9 @@ import re
 import secrets
 import select
 from collections.abc import Callable
+from types import MappingProxyType
 from typing import Any, ClassVar, Final
-from urllib.parse import SplitResult, urlunsplit
+from urllib.parse import SplitResult, urlsplit, urlunsplit
 
 import psycopg
 from psycopg import pq, sql
@@ -47,6 +48,7 @@ from .._errors import (
     LockTimeout,
     UnsafeBackendError,
 )
+from .._options import Option, parse_query
 from .._token import FencingToken
 
 __all__ = ["PostgreSQLBackend"]
@@ -227,27 +229,43 @@ def _wake_key(name: str, request_id: str) -> str:
     return f"{name} {hashlib.md5(request_id.encode()).hexdigest()}"
 
 
-def _option_float(options: dict[str, Any], key: str, default: float, low: float) -> float:
-    value = options.pop(key, default)
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise ConfigurationError(
-            f"postgresql option {key!r} must be a number, got {value!r}"
-        ) from None
-    if not (math.isfinite(number) and number >= low):
-        raise ConfigurationError(f"postgresql option {key!r} must be >= {low}, got {value!r}")
-    return number
+def _ident(max_len: int) -> Callable[[str], str | None]:
+    def check(value: str) -> str | None:
+        if _IDENT.fullmatch(value) and len(value) <= max_len:
+            return None
+        return f"must be an SQL identifier of at most {max_len} characters (letters, digits, _)"
+
+    return check
 
 
-def _option_ident(options: dict[str, Any], key: str, default: str, max_len: int) -> str:
-    value = options.pop(key, default)
-    if not isinstance(value, str) or not _IDENT.fullmatch(value) or len(value) > max_len:
+_OPTIONS: Final = MappingProxyType(
+    {
+        "schema": Option("str", "public", check=_ident(63)),
+        "prefix": Option("str", "fenced_", check=_ident(_MAX_PREFIX)),
+        "connect_timeout": Option("number", 5.0, low=0.1, high=3600),
+        "command_timeout": Option("number", 30.0, low=0.1, high=86_400),
+        "waiter_ttl": Option("number", 6.0, low=0.1, high=3600),
+        "allow_unsafe": Option("bool", False),
+    }
+)
+
+
+def _check_libpq_query(url: SplitResult) -> None:
+    """The URL query belongs to libpq: refuse a parameter it does not know, here, typed.
+
+    (libpq itself would refuse it only when connecting, which surfaced as BackendUnavailable.)
+    """
+    query = parse_query("postgresql", url.query)
+    known = {o.keyword.decode() for o in psycopg.pq.Conninfo.get_defaults()}
+    unknown = sorted(set(query) - known)
+    if unknown:
+        hint = ""
+        if set(unknown) & set(_OPTIONS):
+            hint = " (fenced's own options are keyword arguments of connect(), not URL query)"
         raise ConfigurationError(
-            f"postgresql option {key!r} must be an SQL identifier of at most {max_len} "
-            f"characters (letters, digits, _), got {value!r}"
+            f"unknown PostgreSQL connection parameter(s) {', '.join(map(repr, unknown))} in the "
+            f"URL{hint}"
         )
-    return value
 
 
 class _Names:
@@ -407,6 +425,7 @@ class PostgreSQLBackend(Backend):
     """
 
     scheme: ClassVar[str] = "postgresql"
+    option_schema = _OPTIONS
     characteristics: ClassVar[frozenset[Characteristic]] = frozenset(
         {
             Characteristic.LINEARIZABLE,
@@ -452,21 +471,8 @@ class PostgreSQLBackend(Backend):
 
     @classmethod
     async def open(cls, url: SplitResult, options: dict[str, Any]) -> PostgreSQLBackend:
-        opts = dict(options)
-        kwargs: dict[str, Any] = {
-            "schema": _option_ident(opts, "schema", "public", 63),
-            "prefix": _option_ident(opts, "prefix", "fenced_", _MAX_PREFIX),
-            "connect_timeout": _option_float(opts, "connect_timeout", 5.0, 0.1),
-            "command_timeout": _option_float(opts, "command_timeout", 30.0, 0.1),
-            "waiter_ttl": _option_float(opts, "waiter_ttl", 6.0, 0.1),
-            "allow_unsafe": opts.pop("allow_unsafe", False),
-        }
-        if not isinstance(kwargs["allow_unsafe"], bool):
-            raise ConfigurationError(
-                f"postgresql option 'allow_unsafe' must be True or False, got {kwargs['allow_unsafe']!r}"
-            )
-        if opts:
-            raise ConfigurationError(f"unknown postgresql options: {sorted(opts)}")
+        _check_libpq_query(url)
+        kwargs = cls.options(url, options, query=False)
         # libpq knows postgresql:// and postgres://; drop a "+driver" suffix.
         conninfo = urlunsplit(("postgresql", url.netloc, url.path, url.query, url.fragment))
         backend = cls(conninfo, **kwargs)
@@ -480,9 +486,8 @@ class PostgreSQLBackend(Backend):
     @classmethod
     def schema_sql(cls, schema: str = "public", prefix: str = "fenced_") -> str:
         """The DDL that :meth:`open` runs, for installing by hand (e.g. by a DBA)."""
-        opts: dict[str, Any] = {"schema": schema, "prefix": prefix}
-        schema = _option_ident(opts, "schema", "public", 63)
-        prefix = _option_ident(opts, "prefix", "fenced_", _MAX_PREFIX)
+        opts = cls.options(urlsplit("postgresql://"), {"schema": schema, "prefix": prefix})
+        schema, prefix = opts["schema"], opts["prefix"]
         return _Names(schema, prefix, cls._ddl_template).ddl
 
     async def _install(self) -> None:

@@ -32,8 +32,9 @@ import asyncio
 import functools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
+from types import MappingProxyType
 from typing import Any, ClassVar, Final, TypeVar
-from urllib.parse import SplitResult, parse_qsl, urlencode, urlunsplit
+from urllib.parse import SplitResult, urlunsplit
 
 import redis.asyncio as aioredis
 import redis.exceptions as rexc
@@ -51,6 +52,7 @@ from .._errors import (
     LockTimeout,
     UnsafeBackendError,
 )
+from .._options import Option
 from .._token import FencingToken
 
 __all__ = ["RedisBackend", "check_server_safety"]
@@ -63,26 +65,39 @@ DEFAULT_PREFIX: Final = "fenced:"
 DEFAULT_WAITER_HEARTBEAT: Final = 3.0
 """Seconds after which a waiter that has not re-checked is considered dead and skipped."""
 
-# Options the backend itself understands (URL query or keyword), and redis-py options passed on.
+
+def _no_braces(value: str) -> str | None:
+    return "must be text without braces" if "{" in value or "}" in value else None
+
+
+def _cert_reqs(value: str) -> str | None:
+    return (
+        None if value in ("none", "optional", "required") else "must be none, optional or required"
+    )
+
+
+# The backend's own options, then redis-py's, checked here and passed on as keywords.
 _OWN_OPTIONS: Final = frozenset({"allow_unsafe_durability", "key_prefix", "waiter_heartbeat"})
-_CLIENT_OPTIONS: Final = frozenset(
+_OPTIONS: Final = MappingProxyType(
     {
-        "socket_timeout",
-        "socket_connect_timeout",
-        "username",
-        "password",
-        "client_name",
-        "max_connections",
-        "ssl_ca_certs",
-        "ssl_certfile",
-        "ssl_keyfile",
-        "ssl_cert_reqs",
-        "ssl_check_hostname",
+        "allow_unsafe_durability": Option("bool", False),
+        "key_prefix": Option("str", DEFAULT_PREFIX, check=_no_braces),
+        "waiter_heartbeat": Option("number", DEFAULT_WAITER_HEARTBEAT, low=0.1, high=60),
+        "db": Option("int", low=0, high=1_000_000),
+        "socket_timeout": Option("number", 10.0, low=0, low_open=True, high=3600),
+        "socket_connect_timeout": Option("number", 5.0, low=0, low_open=True, high=3600),
+        "username": Option("str"),
+        "password": Option("str"),
+        "client_name": Option("str"),
+        "max_connections": Option("int", low=1, high=100_000),
+        "ssl_ca_certs": Option("str"),
+        "ssl_certfile": Option("str"),
+        "ssl_keyfile": Option("str"),
+        "ssl_cert_reqs": Option("str", check=_cert_reqs),
+        "ssl_check_hostname": Option("bool"),
     }
 )
-_NUMERIC_CLIENT_OPTIONS: Final = frozenset(
-    {"socket_timeout", "socket_connect_timeout", "max_connections"}
-)
+
 
 # Every script that changes a lock gets the same keys and its first five arguments:
 # KEYS: 1 token counter (never expires), 2 holder ("<token> <ttl ms> <request id>", PX expiry),
@@ -261,27 +276,6 @@ return {h_rid or '', h_token or '', pttl, last or '', waiters}
 )
 
 
-def _parse_bool(name: str, value: object) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise ConfigurationError(f"option {name!r} must be true or false, got {value!r}")
-
-
-def _parse_seconds(name: str, value: object, low: float, high: float) -> float:
-    try:
-        seconds = float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        raise ConfigurationError(f"option {name!r} must be a number of seconds") from None
-    if not low <= seconds <= high:
-        raise ConfigurationError(f"option {name!r} must be in [{low}, {high}], got {seconds}")
-    return seconds
-
-
 async def check_server_safety(client: aioredis.Redis) -> list[str]:
     """What keeps this server from being a durable token source (empty: nothing).
 
@@ -331,6 +325,7 @@ class RedisBackend(Backend):
     """A Redis token source: FIFO, server-side expiry, durable only when verified so."""
 
     scheme: ClassVar[str] = "redis"
+    option_schema = _OPTIONS
     characteristics: ClassVar[frozenset[Characteristic]] = frozenset(
         {
             Characteristic.DURABLE,
@@ -389,41 +384,18 @@ class RedisBackend(Backend):
 
     @classmethod
     async def open(cls, url: SplitResult, options: dict[str, Any]) -> RedisBackend:
-        own: dict[str, Any] = {}
-        client_kwargs: dict[str, Any] = {}
-        query: list[tuple[str, str]] = []
-        known = ", ".join(sorted(_OWN_OPTIONS | _CLIENT_OPTIONS | {"db"}))
-        for key, value in parse_qsl(url.query, keep_blank_values=True):
-            if key in _OWN_OPTIONS:
-                own[key] = value
-            elif key in _CLIENT_OPTIONS or key == "db":
-                query.append((key, value))  # redis-py parses these from the URL itself
-            else:
-                raise ConfigurationError(f"unknown redis:// URL option {key!r}; known: {known}")
-        for key, value in options.items():
-            if key in _OWN_OPTIONS:
-                own[key] = value
-            elif key in _CLIENT_OPTIONS:
-                client_kwargs[key] = value
-            else:
-                raise ConfigurationError(f"unknown redis:// option {key!r}; known: {known}")
-        allow_unsafe = _parse_bool(
-            "allow_unsafe_durability", own.get("allow_unsafe_durability", False)
-        )
-        prefix = own.get("key_prefix", DEFAULT_PREFIX)
-        if not isinstance(prefix, str) or "{" in prefix or "}" in prefix:
-            raise ConfigurationError(f"key_prefix must be text without braces, got {prefix!r}")
-        heartbeat = _parse_seconds(
-            "waiter_heartbeat", own.get("waiter_heartbeat", DEFAULT_WAITER_HEARTBEAT), 0.1, 60.0
-        )
-        for key in _NUMERIC_CLIENT_OPTIONS & client_kwargs.keys():
-            value = client_kwargs[key]
-            if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
-                raise ConfigurationError(f"option {key!r} must be a positive number")
-        client_kwargs.setdefault("socket_timeout", 10.0)
-        client_kwargs.setdefault("socket_connect_timeout", 5.0)
+        opts = cls.options(url, options)
+        own = {k: opts.pop(k) for k in _OWN_OPTIONS}
+        client_kwargs = opts
+        db_path = url.path.strip("/")
+        if db_path:
+            if "db" in client_kwargs or not db_path.isdigit():
+                raise ConfigurationError(
+                    f"redis:// URL path must be /<db number> (and not also db=), got {url.path!r}"
+                )
+            client_kwargs["db"] = int(db_path)
         scheme = "rediss" if url.scheme.lower().startswith("rediss") else "redis"
-        native_url = urlunsplit((scheme, url.netloc, url.path, urlencode(query), ""))
+        native_url = urlunsplit((scheme, url.netloc, "", "", ""))
         try:
             client: aioredis.Redis = aioredis.Redis.from_url(
                 native_url,
@@ -434,13 +406,14 @@ class RedisBackend(Backend):
                 **client_kwargs,
             )
         except (TypeError, ValueError) as exc:
-            raise ConfigurationError(f"bad redis:// URL or option: {exc}") from exc
+            detail = str(exc).replace(url.password, "***") if url.password else str(exc)
+            raise ConfigurationError(f"bad redis:// URL or option: {detail}") from None
         where = f"{url.hostname or 'localhost'}:{url.port or 6379}"
         backend = cls(
             client,
-            prefix=prefix,
-            waiter_heartbeat=heartbeat,
-            allow_unsafe_durability=allow_unsafe,
+            prefix=own["key_prefix"],
+            waiter_heartbeat=own["waiter_heartbeat"],
+            allow_unsafe_durability=own["allow_unsafe_durability"],
             where=where,
         )
         try:

@@ -72,8 +72,9 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from types import MappingProxyType
 from typing import Any, ClassVar, Final, TypeVar
-from urllib.parse import SplitResult, parse_qsl
+from urllib.parse import SplitResult
 
 from .. import _clock
 from .._backend import Backend, Characteristic, Grant, LockStatus, LostCallback, on_private_loop
@@ -85,6 +86,7 @@ from .._errors import (
     LockTimeout,
     UnsafeBackendError,
 )
+from .._options import Option
 from .._token import FencingToken
 
 __all__ = ["SQLiteBackend", "database_path"]
@@ -179,7 +181,13 @@ _BUSY_SLEEPS: Final = (0.00005, 0.0001, 0.0002, 0.0004, 0.0008, 0.0015)
 longer than a fenced transaction holds the lock (~0.2 ms), so it is not used (timeout=0)."""
 
 POLL_MIN: Final = 0.001
-_OPTIONS: Final = {"waiter_ttl": 2.0, "poll_interval": 0.01, "busy_timeout": 5.0}
+_OPTIONS: Final = MappingProxyType(
+    {
+        "waiter_ttl": Option("number", 2.0, low=0, low_open=True, high=3600),
+        "poll_interval": Option("number", 0.01, low=0, low_open=True, high=60),
+        "busy_timeout": Option("number", 5.0, low=0, low_open=True, high=3600),
+    }
+)
 _SQLITE_BUSY: Final = (5, 6)  # SQLITE_BUSY, SQLITE_LOCKED (any extended code)
 
 
@@ -197,26 +205,6 @@ def database_path(url: SplitResult) -> str:
     if ":memory:" in path or url.query.startswith("mode=memory"):
         raise ConfigurationError("an in-memory SQLite database cannot be a token source")
     return os.path.realpath(path)  # one name per file: the key of in-process wake-ups
-
-
-def _parse_options(url: SplitResult, options: dict[str, Any]) -> dict[str, float]:
-    given: dict[str, Any] = dict(parse_qsl(url.query, keep_blank_values=True))
-    given.update(options)
-    unknown = sorted(set(given) - set(_OPTIONS))
-    if unknown:
-        raise ConfigurationError(
-            f"unknown sqlite option(s) {unknown}; known: {', '.join(sorted(_OPTIONS))}"
-        )
-    parsed = dict(_OPTIONS)
-    for key, value in given.items():
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            raise ConfigurationError(f"sqlite option {key}={value!r} is not a number") from None
-        if not 0 < number < float("inf"):
-            raise ConfigurationError(f"sqlite option {key} must be positive, got {value!r}")
-        parsed[key] = number
-    return parsed
 
 
 @contextlib.contextmanager
@@ -407,6 +395,7 @@ class SQLiteBackend(Backend):
         }
     )
 
+    option_schema = _OPTIONS
     poll_min: ClassVar[float] = POLL_MIN
     """The first pause between two polls of a waiter, after anything changed."""
 
@@ -424,7 +413,7 @@ class SQLiteBackend(Backend):
 
     @classmethod
     async def open(cls, url: SplitResult, options: dict[str, Any]) -> SQLiteBackend:
-        backend = cls(database_path(url), _parse_options(url, options))
+        backend = cls(database_path(url), cls.options(url, options))
         try:
             os.makedirs(os.path.dirname(backend.path), exist_ok=True)
         except OSError as exc:

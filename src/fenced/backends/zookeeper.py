@@ -31,6 +31,7 @@ import random
 import re
 import select
 from collections.abc import Callable
+from types import MappingProxyType
 from typing import Any, ClassVar, Final
 from urllib.parse import SplitResult, quote, unquote
 
@@ -60,6 +61,7 @@ from .._errors import (
     LockTimeout,
     UnsafeBackendError,
 )
+from .._options import Option
 from .._state import DEFAULT_TTL
 from .._token import FencingToken
 
@@ -490,10 +492,22 @@ def _describe(node: _Node) -> str:
 # -- the backend ------------------------------------------------------------------------------
 
 
+def _bad_path_char(c: str) -> bool:
+    """A character ZooKeeper refuses in a path (its PathUtils.validatePath)."""
+    o = ord(c)
+    return o <= 0x1F or 0x7F <= o <= 0x9F or 0xD800 <= o <= 0xF8FF or 0xFFF0 <= o <= 0xFFFF
+
+
+_OPTIONS: Final = MappingProxyType(
+    {"connect_timeout": Option("number", 10.0, low=0, low_open=True, high=3600)}
+)
+
+
 class ZooKeeperBackend(Backend):
     """Sequential ephemeral nodes, one watch per waiter, czxid as the token; see the module doc."""
 
     scheme: ClassVar[str] = "zookeeper"
+    option_schema = _OPTIONS
     characteristics: ClassVar[frozenset[Characteristic]] = frozenset(
         {
             Characteristic.LINEARIZABLE,
@@ -521,27 +535,26 @@ class ZooKeeperBackend(Backend):
 
     @classmethod
     async def open(cls, url: SplitResult, options: dict[str, Any]) -> ZooKeeperBackend:
-        options = dict(options)
-        connect_timeout = options.pop("connect_timeout", 10.0)
-        if options:
-            raise ConfigurationError(
-                f"zookeeper:// takes only the option connect_timeout, got {sorted(options)}"
-            )
-        if not isinstance(connect_timeout, int | float) or not connect_timeout > 0:
-            raise ConfigurationError(f"connect_timeout must be > 0, got {connect_timeout!r}")
+        connect_timeout = cls.options(url, options)["connect_timeout"]
         hosts = url.netloc
-        if not hosts or "@" in hosts or url.query or url.fragment:
+        if not hosts or "@" in hosts or url.fragment:
             raise ConfigurationError(
-                "expected zookeeper://host:port[,host:port...][/chroot] (no credentials, "
-                f"query or fragment), got {url.geturl()!r}"
+                "expected zookeeper://host:port[,host:port...][/chroot] (no credentials or "
+                f"fragment), got {url.geturl()!r}"
             )
         for host in hosts.split(","):
             _, _, port = host.rpartition(":")
             if not host or (":" in host and not port.isdigit()):
                 raise ConfigurationError(f"bad ZooKeeper host {host!r} in {url.geturl()!r}")
         chroot = url.path.rstrip("/")
-        if chroot and any(part in ("", ".", "..") for part in chroot[1:].split("/")):
-            raise ConfigurationError(f"bad ZooKeeper chroot {url.path!r}")
+        if chroot and (
+            any(part in ("", ".", "..") for part in chroot[1:].split("/"))
+            or any(_bad_path_char(c) for c in chroot)
+        ):
+            raise ConfigurationError(
+                f"bad ZooKeeper chroot {url.path!r}: no empty, '.' or '..' parts, and no "
+                "control, surrogate or private-use characters"
+            )
         backend = cls(hosts, float(connect_timeout), chroot)
         try:
             session = backend._session_for(DEFAULT_TTL)
