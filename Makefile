@@ -11,7 +11,7 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 demo: $(PY)
-	$(PIP) install -e .
+	$(PIP) install -e '.[cli]'
 	$(VENV)/bin/fenced demo
 
 # Debian packages for the real servers the tests start, and strace for the fsync counts

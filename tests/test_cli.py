@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -47,7 +48,7 @@ def test_lock_usage_errors(sqlite_url: str) -> None:
     assert run(["lock", "x"], sqlite_url).returncode == 2
     assert run(["lock", "x", "--ttl", "-1", "--", "true"], sqlite_url).returncode == 2
     bad_name = run(["lock", "bad name", "--", "true"], sqlite_url)
-    assert bad_name.returncode == 1 and "invalid lock name" in bad_name.stderr
+    assert bad_name.returncode == 2 and "invalid lock name" in bad_name.stderr
     assert run(["lock", "x", "--", "/no/such/command"], sqlite_url).returncode == 127
     bad_url = run(["lock", "x", "--url", "nosuch://x", "--", "true"], sqlite_url)
     assert bad_url.returncode == 2 and "unknown token source" in bad_url.stderr
@@ -136,3 +137,78 @@ def test_help_documents_every_exit_status() -> None:
     assert out.returncode == 0
     for code in ("0", "1", "2", "69", "75", "126", "127"):
         assert f"  {code} " in out.stdout or f": {code}" in out.stdout, code
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://[::1",
+        "postgresql://[",
+        "etcd://[::1",
+        "redis://127.0.0.1:99999/0",
+        "memory://x?bogus=1",
+        "redis://127.0.0.1:6379/abc",
+        "redis://127.0.0.1:6379/0?socket_timeout=-1",
+        "redis://127.0.0.1:6379/0?socket_timeout=1&socket_timeout=2",
+        "postgresql://u@127.0.0.1:5432/db?no_such_libpq_option=1",
+        "sqlite:///tmp/x.db?waiter_ttl=soon",
+        "zookeeper://127.0.0.1:2181/a/\x01b",
+        "nosuch://x",
+    ],
+)
+def test_bad_urls_are_usage_errors_on_one_line(sqlite_url: str, url: str) -> None:
+    url = url.replace("\\x01", "\x01")
+    for args in (
+        ["lock", "x", "--url", url, "--timeout", "5", "--", "true"],
+        ["status", "--url", url],
+    ):
+        out = run(args, sqlite_url)
+        assert out.returncode == 2, (url, out)
+        assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+        assert out.stderr.startswith("fenced: ")
+
+
+def test_status_lists_every_lock_the_source_knows(sqlite_url: str) -> None:
+    with fenced.connect(sqlite_url) as locks:
+        with locks.lock("alpha", ttl=30):
+            pass
+        held = locks.lock("beta", ttl=30)
+        held.acquire()
+        out = run(["status"], sqlite_url)
+        assert out.returncode == 0, out.stderr
+        lines = out.stdout.splitlines()
+        assert lines[0].split()[:3] == ["LOCK", "STATE", "TOKEN"]
+        rows = {line.split()[0]: line.split() for line in lines[1:]}
+        assert rows["alpha"][1] == "free" and rows["beta"][1] == "held"
+        assert rows["beta"][2] == str(held.token)
+        listed = json.loads(run(["status", "--json"], sqlite_url).stdout)
+        assert [entry["name"] for entry in listed] == ["alpha", "beta"]
+        one = json.loads(run(["status", "--json", "beta"], sqlite_url).stdout)
+        assert one["token"] == str(held.token) and one["held"] is True
+        held.release()
+    assert run(["status", "bad name"], sqlite_url).returncode == 2
+
+
+def test_status_of_an_empty_source(tmp_path: Path) -> None:
+    out = run(["status"], f"sqlite:///{tmp_path}/empty.db")
+    assert out.returncode == 0 and "no locks known" in out.stdout
+
+
+def test_unreachable_source_honours_the_timeout_with_one_line(sqlite_url: str) -> None:
+    """Redis/PostgreSQL gave up after 0.4 s, etcd took 5.3 s and ZooKeeper 10.2 s with
+    --timeout 3 (printing 16-19 client log lines); each now retries until the deadline."""
+    for url in (
+        "redis://127.0.0.1:1/0",
+        "postgresql://u@127.0.0.1:1/db",
+        "zookeeper://127.0.0.1:1",
+    ):
+        start = time.monotonic()
+        out = run(["lock", "x", "--url", url, "--timeout", "2", "--", "true"], sqlite_url)
+        took = time.monotonic() - start
+        assert out.returncode == 69, out
+        assert 1.8 <= took <= 5.0, (url, took)
+        assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+        verbose = run(
+            ["lock", "-v", "x", "--url", url, "--timeout", "0.5", "--", "true"], sqlite_url
+        )
+        assert verbose.returncode == 69 and len(verbose.stderr.splitlines()) > 1

@@ -330,3 +330,39 @@ def test_a_scheme_registered_by_entry_point_is_used(tmp_path: Any) -> None:
     assert out.stdout.strip() == "j:1"
     with pytest.raises(fenced.ConfigurationError, match="unknown token source scheme 'plugmem'"):
         fenced.connect("plugmem://x")  # not installed in this process
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://[::1",
+        "postgresql://[",
+        "etcd://[::1",
+        "memory://x?bogus=1",
+        "memory://x?a&b",
+        "redis://127.0.0.1:6379/abc",
+        "redis://127.0.0.1:6379/0?socket_timeout=-1",
+        "postgresql://u@127.0.0.1:5432/db?bogus=1",
+        "zookeeper://127.0.0.1:2181/app\x00x",
+        "zookeeper://127.0.0.1:2181/a/\ud800",
+        "sqlite:///tmp/x.db?busy_timeout=nan",
+        "etcd://127.0.0.1:2379?lease_pool=-1",
+    ],
+)
+async def test_bad_urls_are_configuration_errors_sync_and_async(url: str) -> None:
+    """Before: raw ValueError (urlsplit), BackendUnavailable (libpq, ZooKeeper) or accepted."""
+    with pytest.raises(fenced.ConfigurationError):
+        fenced.connect(url, connect_timeout=2)
+    with pytest.raises(fenced.ConfigurationError):
+        async with fenced.connect_async(url, connect_timeout=2):
+            pass
+
+
+def test_keyword_options_must_have_their_type(memory_url: str, tmp_path: Any) -> None:
+    url = f"sqlite:///{tmp_path}/x.db"
+    with pytest.raises(fenced.ConfigurationError, match="not text"):
+        fenced.connect(url, busy_timeout="5")
+    with pytest.raises(fenced.ConfigurationError, match="connect_timeout"):
+        fenced.connect(url, connect_timeout=-1)
+    with fenced.connect(url + "?busy_timeout=3", busy_timeout=4.0) as locks:  # keyword wins
+        assert locks.aio.backend._busy_timeout == 4.0  # type: ignore[attr-defined]

@@ -146,6 +146,11 @@ class Backend(abc.ABC):
         """
 
     @abc.abstractmethod
+    async def lock_names(self) -> list[str]:
+        """The names of the locks the source knows (held, waited for, or granted before in
+        a way the source remembers), sorted: what an operator's listing shows."""
+
+    @abc.abstractmethod
     async def renew(self, grant: Grant) -> Grant:
         """Extend the lease by its ttl; return the grant with the new ``sent_at``.
 

@@ -22,8 +22,7 @@ from pathlib import Path
 from queue import Empty, Queue
 from typing import Any
 
-from rich.console import Console
-from rich.panel import Panel
+from ._console import Printer, make_printer, panel
 
 __all__ = ["as_theory_says", "run_demo", "scenario"]
 
@@ -170,7 +169,7 @@ class _Proc:
 
 
 class _Timeline:
-    def __init__(self, console: Console) -> None:
+    def __init__(self, console: Printer) -> None:
         self.console = console
         self.t0 = time.monotonic()
 
@@ -198,11 +197,11 @@ def _spawn(who: str, url: str, storage: str, ttl: float, fenced_mode: bool) -> _
 
 
 def scenario(
-    console: Console, url: str, storage_target: str, ttl: float, fenced_mode: bool
+    console: Printer, url: str, storage_target: str, ttl: float, fenced_mode: bool
 ) -> dict[str, Any]:
     """One run of Figure 8-5: token source ``url``, resource ``storage_target``."""
     label = "with the fencing guard" if fenced_mode else "WITHOUT the guard"
-    console.print(Panel.fit(f"Run {1 if fenced_mode else 2}: storage {label}", style="bold"))
+    console.print(panel(f"Run {1 if fenced_mode else 2}: storage {label}"))
     storage = _Storage(storage_target)
     storage.setup(fenced_mode)
 
@@ -262,7 +261,7 @@ def as_theory_says(run: dict[str, Any], fenced_mode: bool) -> bool:
 
 def run_demo(directory: str | None = None, ttl: float = 1.0) -> int:
     """Run both scenarios; exit status 0 only if both came out as the theory says."""
-    console = Console(highlight=False)
+    console = make_printer()
     console.print(
         "[bold]fenced demo[/bold]: DDIA Figure 8-5 with real processes. A lock holder is\n"
         "paused past its lease, another client takes the lock and writes, and the\n"

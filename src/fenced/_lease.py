@@ -527,6 +527,11 @@ class AsyncLocks:
         backend = await self._get_backend()
         return await backend.status(validate_lock_name(name))
 
+    async def lock_names(self) -> list[str]:
+        """The names of the locks the source knows, sorted (see ``fenced status``)."""
+        backend = await self._get_backend()
+        return await backend.lock_names()
+
     async def aclose(self) -> None:
         """Release every lease still held through this connection, then close it."""
         self._check_fork()
@@ -568,10 +573,12 @@ class AsyncLocks:
                     f"{_clock.now() - start:.1f} s"
                 ) from None
             except BackendUnavailable as exc:
-                if _clock.now() + delay >= end:
+                left = end - _clock.now()
+                if left <= 0:
                     raise
-                logger.debug("opening %s: %s; retrying in %.2f s", _redact(self.url), exc, delay)
-                await asyncio.sleep(delay)
+                pause = min(delay, left)  # the last attempt is made at the deadline
+                logger.debug("opening %s: %s; retrying in %.2f s", _redact(self.url), exc, pause)
+                await asyncio.sleep(pause)
                 delay = min(delay * 2, 1.0)
 
     async def _get_backend(self, deadline: float | None = None) -> Backend:

@@ -377,7 +377,12 @@ class Locks:
         return Lease(self, inner, on_lost)
 
     def status(self, name: str) -> LockStatus:
+        """Holder, token, highest token and time left of ``name``."""
         return self._portal.call(self._async.status(name))
+
+    def lock_names(self) -> list[str]:
+        """The names of the locks the source knows, sorted."""
+        return self._portal.call(self._async.lock_names())
 
     def close(self) -> None:
         """Release every lease still held through this connection, close it, stop its thread.

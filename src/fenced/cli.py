@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import math
 import os
 import signal
@@ -21,13 +22,18 @@ import threading
 from collections.abc import Sequence
 from typing import NoReturn
 
-from rich.console import Console
-from rich.table import Table
-
-from . import _sync
-from ._errors import BackendUnavailable, ConfigurationError, FencedError, LockTimeout
+from . import _clock, _sync
+from ._backend import _redacted
+from ._errors import (
+    BackendUnavailable,
+    ConfigurationError,
+    FencedError,
+    InvalidTokenError,
+    LockTimeout,
+)
 from ._paths import default_url
 from ._state import check_timeout, check_ttl
+from ._token import validate_lock_name
 
 __all__ = ["EXIT_LEASE_LOST", "EXIT_TIMEOUT", "EXIT_UNAVAILABLE", "main"]
 
@@ -95,10 +101,19 @@ def _parser() -> argparse.ArgumentParser:
         epilog=EXIT_STATUSES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    p.add_argument(
+        "-v", "--verbose", action="store_true", help="log what fenced and its clients do (debug)"
+    )
+    # -v also after the subcommand (fenced lock -v ...), without overriding one given before.
+    common = _Parser(add_help=False)
+    common.add_argument(
+        "-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
+    )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
 
     demo = sub.add_parser(
         "demo",
+        parents=[common],
         help="reproduce DDIA Figure 8-5: a paused lock holder's write, fenced and unfenced",
     )
     demo.add_argument("--dir", help="keep the demo's databases in this directory")
@@ -106,6 +121,7 @@ def _parser() -> argparse.ArgumentParser:
 
     lock = sub.add_parser(
         "lock",
+        parents=[common],
         help="run a command while holding a lock (like flock(1)); exports FENCING_TOKEN",
         usage="fenced lock NAME [options] -- COMMAND [ARGS ...]",
     )
@@ -127,10 +143,20 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds between SIGTERM and SIGKILL on lease loss (5)",
     )
 
-    status = sub.add_parser("status", help="show holder, token and time left of locks")
-    status.add_argument("names", nargs="+", metavar="NAME")
+    status = sub.add_parser(
+        "status",
+        parents=[common],
+        help="show holder, token and time left of locks (all the source knows by default)",
+    )
+    status.add_argument("names", nargs="*", metavar="NAME", help="locks to show (default: all)")
     status.add_argument(
         "--url", help="token source URL (default: $FENCED_URL or a local SQLite file)"
+    )
+    status.add_argument(
+        "--timeout",
+        type=_timeout,
+        default=10.0,
+        help="give up reaching the source after this many seconds (10)",
     )
     status.add_argument("--json", action="store_true", help="print JSON")
     return p
@@ -145,43 +171,94 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv, command = argv[:split], argv[split + 1 :]
     args = _parser().parse_args(argv)
     args.cmd = command
-    err = Console(stderr=True, highlight=False)
+    _setup_logging(args.verbose)
     try:
         if args.command == "demo":
             from ._demo import run_demo
 
             return run_demo(directory=args.dir, ttl=args.ttl)
         if args.command == "lock":
-            return _cmd_lock(args, err)
+            return _cmd_lock(args)
         if args.command == "status":
             return _cmd_status(args)
-    except ConfigurationError as exc:
-        err.print(f"fenced: {exc}")
-        return EXIT_USAGE
+    except (ConfigurationError, InvalidTokenError) as exc:
+        return _fail(EXIT_USAGE, str(exc), exc, args.verbose)
     except BackendUnavailable as exc:
-        err.print(f"fenced: token source unavailable: {exc}")
-        return EXIT_UNAVAILABLE
+        return _fail(EXIT_UNAVAILABLE, f"token source unavailable: {exc}", exc, args.verbose)
     except FencedError as exc:
-        err.print(f"fenced: {exc}")
-        return 1
+        return _fail(1, str(exc), exc, args.verbose)
     raise AssertionError(args.command)  # pragma: no cover
 
 
-def _cmd_lock(args: argparse.Namespace, err: Console) -> int:
+def _one_line(text: str) -> str:
+    """Client libraries' messages span lines (libpq's hints): fenced prints one line each."""
+    return " ".join(text.split())
+
+
+def _say(text: str) -> None:
+    print(f"fenced: {_one_line(text)}", file=sys.stderr, flush=True)
+
+
+def _fail(code: int, text: str, exc: BaseException, verbose: bool) -> int:
+    _say(text)
+    if verbose:  # the chain of causes, one line each
+        cause = exc.__cause__ or exc.__context__
+        while cause is not None:
+            _say(f"  caused by {type(cause).__name__}: {cause}")
+            cause = cause.__cause__ or cause.__context__
+    return code
+
+
+class _Once(logging.Filter):
+    """Without -v, only fenced's own warnings, each message once (a client library's retries
+    would repeat the same line many times a second)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.name.startswith("fenced"):
+            return False
+        text = record.getMessage()
+        if text in self._seen:
+            return False
+        self._seen.add(text)
+        return True
+
+
+def _setup_logging(verbose: bool) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("fenced: %(name)s: %(message)s"))
+    root = logging.getLogger()
+    if verbose:
+        root.setLevel(logging.DEBUG)
+    else:
+        root.setLevel(logging.WARNING)
+        handler.addFilter(_Once())
+    root.addHandler(handler)
+
+
+def _cmd_lock(args: argparse.Namespace) -> int:
     cmd = list(args.cmd)
     if not cmd:
-        err.print("fenced lock: no command given (fenced lock NAME -- COMMAND ...)")
+        _say("lock: no command given (fenced lock NAME -- COMMAND ...)")
         return EXIT_USAGE
     url = args.url or default_url()
-    with _sync.connect(url) as locks:
-        lease = locks.lock(args.name, ttl=args.ttl, timeout=args.timeout)
+    # --timeout bounds everything before the command starts, reaching the source included.
+    deadline = None if args.timeout is None else _clock.now() + args.timeout
+    connect_timeout = None if args.timeout is None else max(args.timeout, 0.1)
+    options = {} if connect_timeout is None else {"connect_timeout": connect_timeout}
+    with _sync.connect(url, **options) as locks:
+        remaining = None if deadline is None else max(0.0, deadline - _clock.now())
+        lease = locks.lock(args.name, ttl=args.ttl, timeout=remaining)
         try:
             token = lease.acquire()
         except LockTimeout:
-            err.print(f"fenced lock: {args.name!r} not acquired within {args.timeout} s")
+            _say(f"lock: {args.name!r} not acquired within {args.timeout:g} s")
             return EXIT_TIMEOUT
         try:
-            code = _run_holding(lease, str(token), cmd, args.grace, err)
+            code = _run_holding(lease, str(token), cmd, args.grace)
         except BaseException:
             with contextlib.suppress(FencedError):
                 lease.release()
@@ -191,11 +268,11 @@ def _cmd_lock(args: argparse.Namespace, err: Console) -> int:
         except FencedError as exc:
             # The command's outcome stands (75 if the lease was lost while it ran): a failed
             # release must not turn it into 69. The grant simply expires after its ttl.
-            err.print(f"fenced lock: could not release {args.name!r} ({exc}); it expires by itself")
+            _say(f"lock: could not release {args.name!r} ({exc}); it expires by itself")
         return code
 
 
-def _run_holding(lease: _sync.Lease, token: str, cmd: list[str], grace: float, err: Console) -> int:
+def _run_holding(lease: _sync.Lease, token: str, cmd: list[str], grace: float) -> int:
     env = dict(os.environ, FENCING_TOKEN=token, FENCED_LOCK=lease.name)
     # The handlers go in before the command starts: a Ctrl-C or SIGTERM in between would
     # otherwise end `fenced lock` (releasing the lock) and leave the command running.
@@ -216,28 +293,26 @@ def _run_holding(lease: _sync.Lease, token: str, cmd: list[str], grace: float, e
             return 128 + early[0]
         if lease.remaining() <= 0:
             # Never start the command unless the lease is surely held right now.
-            err.print(f"fenced lock: lease on {lease.name!r} ran out before the command started")
+            _say(f"lock: lease on {lease.name!r} ran out before the command started")
             return EXIT_LEASE_LOST
         try:
             # Its own process group, so that on lease loss we stop the whole job, not its head.
             child = subprocess.Popen(cmd, env=env, start_new_session=True)
         except FileNotFoundError:
-            err.print(f"fenced lock: command not found: {cmd[0]}")
+            _say(f"lock: command not found: {cmd[0]}")
             return 127
         except PermissionError:
-            err.print(f"fenced lock: cannot execute: {cmd[0]}")
+            _say(f"lock: cannot execute: {cmd[0]}")
             return 126
         for signum in early:
             _signal_group(child, signum)
-        return _supervise(lease, token, child, grace, err)
+        return _supervise(lease, token, child, grace)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
 
 
-def _supervise(
-    lease: _sync.Lease, token: str, child: subprocess.Popen[bytes], grace: float, err: Console
-) -> int:
+def _supervise(lease: _sync.Lease, token: str, child: subprocess.Popen[bytes], grace: float) -> int:
     """Wait for the command; if the lease is lost first, terminate it (SIGTERM, then SIGKILL)."""
     finished = threading.Event()
     lease.on_lost = lambda _lease: finished.set()
@@ -252,8 +327,8 @@ def _supervise(
         finished.set()
     finished.wait()
     if child.poll() is None and lease.lost.is_set():
-        err.print(
-            f"fenced lock: lease on {lease.name!r} (token {token}) lost: {lease.lost_cause}; "
+        _say(
+            f"lock: lease on {lease.name!r} (token {token}) lost: {lease.lost_cause}; "
             "terminating the command"
         )
         _signal_group(child, signal.SIGTERM)
@@ -265,9 +340,7 @@ def _supervise(
         return EXIT_LEASE_LOST
     code = child.wait()
     if lease.lost.is_set():
-        err.print(
-            f"fenced lock: lease on {lease.name!r} (token {token}) was lost while the command ran"
-        )
+        _say(f"lock: lease on {lease.name!r} (token {token}) was lost while the command ran")
         return EXIT_LEASE_LOST
     return code if code >= 0 else 128 - code
 
@@ -281,8 +354,11 @@ def _signal_group(child: subprocess.Popen[bytes], signum: int) -> None:
 
 def _cmd_status(args: argparse.Namespace) -> int:
     url = args.url or default_url()
-    with _sync.connect(url) as locks:
-        statuses = [locks.status(n) for n in args.names]
+    for name in args.names:
+        validate_lock_name(name)  # a usage error before anything is contacted
+    with _sync.connect(url, connect_timeout=max(args.timeout, 0.1)) as locks:
+        names = args.names or locks.lock_names()
+        statuses = [locks.status(n) for n in names]
     if args.json:
         out = [
             {
@@ -296,13 +372,11 @@ def _cmd_status(args: argparse.Namespace) -> int:
             }
             for s in statuses
         ]
-        print(json.dumps(out if len(out) > 1 else out[0], indent=2))
+        print(json.dumps(out[0] if len(args.names) == 1 else out, indent=2))
         return 0
-    table = Table(title=f"fenced status ({url})", title_justify="left")
-    for col in ("lock", "state", "token", "holder", "time left", "waiters", "last token"):
-        table.add_column(col)
-    for s in statuses:
-        table.add_row(
+    header = ("LOCK", "STATE", "TOKEN", "HOLDER", "TIME LEFT", "WAITERS", "LAST TOKEN")
+    rows = [
+        (
             s.name,
             "held" if s.holder else "free",
             str(s.token) if s.token else "-",
@@ -311,7 +385,13 @@ def _cmd_status(args: argparse.Namespace) -> int:
             str(s.waiters) if s.waiters is not None else "?",
             str(s.last_token) if s.last_token else "-",
         )
-    Console(highlight=False).print(table)
+        for s in statuses
+    ]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    if not rows:
+        print(f"(no locks known to {_redacted(url)})")
     return 0
 
 

@@ -601,6 +601,17 @@ class EtcdBackend(Backend):
     def _release_request(self, hold: _Hold) -> Any:
         return release_txn(hold.key, hold.revision)
 
+    async def lock_names(self) -> list[str]:
+        self._check_open()
+        prefix = self._prefix
+        request = rpc.RangeRequest(key=prefix, range_end=range_end(prefix), keys_only=True)
+        reply = await self._call(lambda m, t: m.kv.Range(request, timeout=t), "list")
+        # Keys are <prefix><name>/<waiter>; a lock name has no '/'.
+        names = {
+            kv.key[len(prefix) :].split(b"/", 1)[0].decode(errors="replace") for kv in reply.kvs
+        }
+        return sorted(n for n in names if n)
+
     async def status(self, name: str) -> LockStatus:
         self._check_open()
         lock_prefix = self._lock_prefix(name)

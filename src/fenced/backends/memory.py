@@ -198,6 +198,11 @@ class MemoryBackend(Backend):
             self._wake_head(lock)
             return True
 
+    async def lock_names(self) -> list[str]:
+        self._check_open()
+        with self._store.mutex:
+            return sorted(self._store.locks)
+
     async def status(self, name: str) -> LockStatus:
         self._check_open()
         now = _clock.now()

@@ -311,6 +311,7 @@ class _Names:
         self.q_leave = render("SELECT {leave}(%s::text, %s::text)")
         self.q_renew = render(_RENEW)
         self.q_status = render(_STATUS)
+        self.q_names = render("SELECT coalesce(array_agg(name ORDER BY name), '{{}}') FROM {locks}")
 
 
 class _Listener:
@@ -802,6 +803,9 @@ class PostgreSQLBackend(Backend):
         token = grant.token
         row = await self._call(self._names.q_release, (token.lock, grant.request_id, token.value))
         return bool(row is not None and row[0])
+
+    async def lock_names(self) -> list[str]:
+        return list(_one(await self._call(self._names.q_names, ()))[0])
 
     async def status(self, name: str) -> LockStatus:
         row = _one(await self._call(self._names.q_status, {"name": name}))

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import re
 from collections.abc import Awaitable, Callable, Sequence
 from types import MappingProxyType
 from typing import Any, ClassVar, Final, TypeVar
@@ -588,6 +589,20 @@ class RedisBackend(Backend):
         args = (grant.request_id, 0, "release", self._heartbeat_ms, wake_prefix, grant.token.value)
         done = await self._call(lambda: self._release(keys=keys, args=args))
         return bool(int(done))
+
+    async def lock_names(self) -> list[str]:
+        # Every lock ever granted keeps its token counter: "<prefix>{<name>}:token".
+        pattern = re.sub(r"([*?\[\]\\])", r"\\\1", self._prefix) + "{*}:token"
+
+        async def scan() -> list[str]:
+            found = set()
+            async for key in self._client.scan_iter(match=pattern, count=1000):
+                inner = key[len(self._prefix) :]
+                if inner.startswith("{") and inner.endswith("}:token"):
+                    found.add(inner[1 : -len("}:token")])
+            return sorted(found)
+
+        return await self._call(scan)
 
     async def status(self, name: str) -> LockStatus:
         keys, _ = self._keys(name)

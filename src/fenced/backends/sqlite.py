@@ -823,6 +823,17 @@ class SQLiteBackend(Backend):
             lambda conn: self._tx_release(conn, grant), limit=_clock.now() + self._busy_timeout
         )
 
+    async def lock_names(self) -> list[str]:
+        self._check_open()
+
+        def names(conn: sqlite3.Connection) -> list[str]:
+            rows = conn.execute(
+                "SELECT name FROM fenced_counters UNION SELECT name FROM fenced_waiters ORDER BY 1"
+            ).fetchall()
+            return [r[0] for r in rows]
+
+        return await self._transact(names, limit=_clock.now() + self._busy_timeout)
+
     async def status(self, name: str) -> LockStatus:
         self._check_open()
         return await self._transact(

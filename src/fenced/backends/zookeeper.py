@@ -341,6 +341,7 @@ class _Session:
             connection_retry=KazooRetry(
                 max_tries=-1, delay=0.02, backoff=2, max_jitter=0.3, max_delay=retry_cap
             ),
+            logger=_KAZOO_LOG,
         )
         self._hook_negotiation()
         self.client.add_listener(self._on_state_thread)
@@ -490,6 +491,20 @@ def _describe(node: _Node) -> str:
 
 
 # -- the backend ------------------------------------------------------------------------------
+
+
+class _DebugOnly(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """kazoo's own log lines ("Connection dropped: ..." once per retry, many a second while a
+    server is down) at debug level: fenced reports what matters once, as a typed error."""
+
+    def log(self, level: int, msg: object, *args: Any, **kwargs: Any) -> None:
+        super().log(min(level, logging.DEBUG), msg, *args, **kwargs)
+
+    def isEnabledFor(self, level: int) -> bool:
+        return bool(self.logger.isEnabledFor(min(level, logging.DEBUG)))
+
+
+_KAZOO_LOG: Final = _DebugOnly(logging.getLogger("fenced.zookeeper.kazoo"), {})
 
 
 def _bad_path_char(c: str) -> bool:
@@ -1068,6 +1083,14 @@ class ZooKeeperBackend(Backend):
         return None
 
     # -- status / close --------------------------------------------------------------------
+
+    async def lock_names(self) -> list[str]:
+        self._check_open()
+        s = self._status_session()
+        try:
+            return sorted(await s.future(s.client.get_children_async(self._root)))
+        except KazooException as exc:
+            raise _unavailable("listing failed", exc) from exc
 
     async def status(self, name: str) -> LockStatus:
         self._check_open()
