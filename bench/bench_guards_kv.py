@@ -36,7 +36,7 @@ import redis
 from _common import Result, table
 
 from fenced import FencingToken
-from fenced._sync import _Portal
+from fenced._portal import Portal
 from fenced.guards.etcd import AsyncEtcdGuard, EtcdGuard
 from fenced.guards.redis import RedisGuard
 from fenced.testing.servers import EtcdServer, RedisServer
@@ -169,7 +169,7 @@ def bench_etcd(n: int) -> Rows:
         rows.append(("etcd put, async", *asyncio.run(run_async())))
 
         with EtcdGuard(server.endpoint, "bench", "bench") as guard:
-            portal = _Portal("bench-etcd")
+            portal = Portal("bench-etcd")
             client = portal.run_sync(lambda: aetcd.Client("127.0.0.1", server.port))
             token = FencingToken("bench", 1)
             value = b"x" * 100

@@ -39,6 +39,7 @@ from _common import Result, fmt_us, table
 
 import fenced
 from fenced import _clock
+from fenced._portal import mark_private
 from fenced.backends import sqlite as S
 
 HERE = os.path.abspath(__file__)
@@ -153,7 +154,7 @@ def uncontended(root: str, n: int) -> None:
     async def on_loop(private: bool) -> list[tuple[Result, Result]]:
         """The async API on this loop: flagged private, the way the sync API runs it."""
         if private:
-            asyncio.get_running_loop()._fenced_private = True  # type: ignore[attr-defined]
+            mark_private(asyncio.get_running_loop())
         where = "fenced's loop, no hop" if private else "app loop, worker thread"
         out = []
         async with fenced.connect_async(url) as alocks:

@@ -23,6 +23,7 @@ from urllib.parse import SplitResult, urlsplit
 
 from ._errors import ConfigurationError
 from ._options import Option, merge_options, parse_query
+from ._portal import on_private_loop
 from ._token import FencingToken
 
 __all__ = [
@@ -243,17 +244,6 @@ def _entry_points() -> Mapping[str, str]:
 
 def known_schemes() -> list[str]:
     return sorted({*BUILTIN_SCHEMES, *_entry_points(), *_registered})
-
-
-def on_private_loop() -> bool:
-    """True when running on the private loop thread of a synchronous ``fenced.connect``.
-
-    Only fenced's own code runs there, so a backend may make short blocking calls (an SQLite
-    transaction) inline instead of paying for a hop to a worker thread.
-    """
-    import asyncio
-
-    return bool(getattr(asyncio.get_running_loop(), "_fenced_private", False))
 
 
 def parse_url(url: str) -> SplitResult:

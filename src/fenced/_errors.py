@@ -24,10 +24,18 @@ backend or guard boundary with ``raise ... from exc``, so the original stays in 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from ._token import FencingToken
+
+class _Token(Protocol):
+    """What an error needs of a token (``_token`` imports this module, not the reverse)."""
+
+    @property
+    def lock(self) -> str: ...
+
+    @property
+    def value(self) -> int: ...
+
 
 __all__ = [
     "BackendError",
@@ -69,8 +77,8 @@ class StaleTokenError(FencedError):
 
     def __init__(
         self,
-        token: FencingToken,
-        high_water: FencingToken | None,
+        token: _Token,
+        high_water: _Token | None,
         resource: str | None = None,
         message: str | None = None,
     ) -> None:

@@ -93,11 +93,6 @@ class TempFile:
         """
         os.link(self.path, final_path, follow_symlinks=False)
 
-    def rename_to(self, final_path: str) -> None:
-        """Publish the content under ``final_path``, atomically replacing what was there."""
-        os.rename(self.path, final_path)
-        self.path = ""
-
     def close(self) -> None:
         """Remove the temp name (if still there), then drop the lock by closing."""
         if self.path:

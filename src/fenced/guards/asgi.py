@@ -181,7 +181,8 @@ def problem_for(
     where = {"resource": resource}
     shown = {"token": sent[:200].decode("latin-1")} if sent is not None else {}
     if isinstance(exc, StaleTokenError):
-        mark = exc.high_water
+        seen = exc.high_water
+        mark = None if seen is None else FencingToken(seen.lock, seen.value)
         extra = {"token": str(exc.token), "high_water": None if mark is None else str(mark)}
         return Problem(
             409, "stale", "stale-token", "Stale fencing token", str(exc), {**extra, **where}, mark

@@ -69,7 +69,7 @@ from .._errors import (
     StaleTokenError,
     WrongLockError,
 )
-from .._sync import _Portal
+from .._portal import Portal
 from .._token import MAX_TOKEN, FencingToken, validate_lock_name
 from ..backends._etcd_conn import check_grpc_usable
 
@@ -492,7 +492,7 @@ class EtcdGuard:
         timeout: float | None = DEFAULT_TIMEOUT,
     ) -> None:
         host, port = _endpoint(endpoint)
-        self._portal = _Portal("fenced-etcd-guard")
+        self._portal = Portal("fenced-etcd-guard")
         try:
             self._client: aetcd.Client = self._portal.run_sync(lambda: aetcd.Client(host, port))
             self.aio = self._async_class(

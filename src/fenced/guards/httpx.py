@@ -25,8 +25,8 @@ from typing import Any, Protocol
 
 import httpx
 
+from .. import Phase
 from .._errors import FencedError, LeaseLostError, NotHeldError, StaleTokenError
-from .._state import Phase
 from .._token import FencingToken
 
 __all__ = ["FencingAuth", "acheck_stale", "check_stale", "stale_error"]
