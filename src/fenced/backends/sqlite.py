@@ -87,6 +87,7 @@ from .._errors import (
     UnsafeBackendError,
 )
 from .._options import Option
+from .._sqlite_errors import is_busy
 from .._token import FencingToken
 
 __all__ = ["SQLiteBackend", "database_path"]
@@ -188,7 +189,6 @@ _OPTIONS: Final = MappingProxyType(
         "busy_timeout": Option("number", 5.0, low=0, low_open=True, high=3600),
     }
 )
-_SQLITE_BUSY: Final = (5, 6)  # SQLITE_BUSY, SQLITE_LOCKED (any extended code)
 
 
 def database_path(url: SplitResult) -> str:
@@ -229,13 +229,6 @@ def _relaxed(conn: sqlite3.Connection) -> Iterator[None]:
             # Never let this connection commit a grant without fsync: it must not be reused.
             conn.close()
             raise sqlite3.OperationalError("could not restore synchronous=FULL") from exc
-
-
-def _is_busy(exc: sqlite3.Error) -> bool:
-    code = getattr(exc, "sqlite_errorcode", None)
-    if code is not None:
-        return (code & 0xFF) in _SQLITE_BUSY
-    return "locked" in str(exc)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -454,7 +447,7 @@ class SQLiteBackend(Backend):
             try:
                 return fn(conn)
             except BaseException as exc:
-                usable = _is_busy(exc) if isinstance(exc, sqlite3.Error) else True
+                usable = is_busy(exc) if isinstance(exc, sqlite3.Error) else True
                 if usable:
                     try:
                         if conn.in_transaction:
@@ -517,7 +510,7 @@ class SQLiteBackend(Backend):
             try:
                 return await self._run(fn, orphan)
             except sqlite3.Error as exc:
-                if not _is_busy(exc):
+                if not is_busy(exc):
                     raise BackendUnavailable(f"sqlite {self.path}: {exc}") from exc
                 if limit is not None and _clock.now() >= limit:
                     if busy is not None:

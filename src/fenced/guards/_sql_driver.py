@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any, Final, TypeVar
 
 from .._errors import BackendUnavailable, ConfigurationError, FencedError
+from .._sqlite_errors import is_busy, is_unavailable
 from ._sql_plan import (
     POSTGRESQL,
     SQLITE,
@@ -45,9 +46,6 @@ __all__ = [
 
 T = TypeVar("T")
 
-_SQLITE_BUSY: Final = 5
-_SQLITE_LOCKED: Final = 6
-_SQLITE_UNAVAILABLE: Final = frozenset({10, 11, 14, 26})  # IOERR, CORRUPT, CANTOPEN, NOTADB
 _PG_UNAVAILABLE: Final = frozenset({"57P01", "57P02", "57P03"})  # shutdown, crash, starting
 _PG_CONFLICT: Final = frozenset({"55P03"})  # lock_not_available (lock_timeout); and class 40
 _PG_CONFIG: Final = frozenset({"42P01", "42703", "42P10"})  # undefined table/column, no key
@@ -132,16 +130,14 @@ def map_error(d: Dialect, conn: Any, exc: BaseException) -> FencedError | None:
             return BackendUnavailable(f"sqlite3 connection is closed: {exc}")
         if not isinstance(exc, sqlite3.Error):
             return None
-        code = getattr(exc, "sqlite_errorcode", None)
-        primary = code & 0xFF if isinstance(code, int) else None
         msg = str(exc)
-        if primary in (_SQLITE_BUSY, _SQLITE_LOCKED) or "database is locked" in msg:
+        if is_busy(exc) or "database is locked" in msg:
             return FenceConflictError(
                 f"SQLite refused the fence ({getattr(exc, 'sqlite_errorname', msg)}): another "
                 "connection holds the write lock or this transaction's snapshot is stale. "
                 "Roll back and retry; start fenced transactions with BEGIN IMMEDIATE"
             )
-        if primary in _SQLITE_UNAVAILABLE:
+        if is_unavailable(exc):
             return BackendUnavailable(f"SQLite database unavailable: {msg}")
         if msg.startswith("duplicate column name"):
             return DuplicateColumn(msg)

@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Final, Generic, Literal, Protocol, TypeVar, runtime_checkable
 
 from .._errors import BackendUnavailable, ConfigurationError, FencedError
+from .._sqlite_errors import is_busy
 from .._token import FencingToken
 from ._sql_driver import map_error
 from ._sql_plan import SQLITE
@@ -49,7 +50,6 @@ logger = logging.getLogger("fenced.guards.http")
 T = TypeVar("T")
 G = TypeVar("G")
 
-_SQLITE_BUSY: Final = 5
 _GUARD_CACHE: Final = 1024
 
 
@@ -95,11 +95,6 @@ def _map_sqlite(conn: sqlite3.Connection, exc: BaseException) -> BaseException:
         return exc
     mapped.__cause__ = exc
     return mapped
-
-
-def _is_busy(exc: sqlite3.Error) -> bool:
-    code = getattr(exc, "sqlite_errorcode", None)
-    return (isinstance(code, int) and code & 0xFF == _SQLITE_BUSY) or "locked" in str(exc)
 
 
 # -- SQLite -------------------------------------------------------------------------------------
@@ -267,7 +262,7 @@ class SQLiteFenceStore:
             try:
                 inline.execute("BEGIN IMMEDIATE")  # busy_timeout 0: never waits on the loop
             except sqlite3.Error as exc:
-                if not (isinstance(exc, sqlite3.OperationalError) and _is_busy(exc)):
+                if not (isinstance(exc, sqlite3.OperationalError) and is_busy(exc)):
                     raise _map_sqlite(inline, exc) from exc
                 # another connection is writing: wait for it on the thread, not on the loop
             else:
