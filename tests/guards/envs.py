@@ -1,0 +1,478 @@
+"""Every guard behind one small interface, for the guard conformance suite.
+
+A :class:`GuardEnv` guards one data item in one real resource. ``write(token, value)`` is a
+guarded write through the real guard; ``raw_write(value)`` writes the item without any
+fencing (what a client that skips the guard does); ``read()`` reads the item;
+``reopen()`` drops every guard and connection object and makes new ones on the same
+resource (a restarted client). ``planted(bug)`` returns a broken ``write`` for the same
+resource, so the suite can show that each of its checkers catches that bug:
+
+* ``"lt"`` — ``<`` for ``<=``: a holder's second write with its own token is refused;
+* ``"check_then_write"`` — read the mark, compare in the client, then write separately (the
+  hook ``between`` runs in the gap, where another writer can slip in);
+* ``"client_side"`` — the mark kept in the client process, not in the resource.
+
+The last two are built here once from ``high_water``/``raw_write``; ``"lt"`` is planted in
+each guard's own comparison (its SQL, Lua, compare hook), so it runs the guard's real path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sqlite3
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import aetcd
+import psycopg
+import pytest
+import redis
+
+from fenced import FencingToken, StaleTokenError
+from fenced.guards._sql_plan import Dialect, FenceSQL, Plan, Stmt
+from fenced.guards.etcd import AsyncEtcdGuard, EtcdGuard
+from fenced.guards.files import FileGuard, HighWaterFile
+from fenced.guards.redis import SET_SCRIPT, RedisGuard
+from fenced.guards.sql import RowGuard, SQLGuard
+from tests.helpers import unique_name
+
+LOCK = "conformance"
+Write = Callable[[FencingToken, str], None]
+
+
+def tok(value: int, lock: str = LOCK) -> FencingToken:
+    return FencingToken(lock, value)
+
+
+class GuardEnv:
+    name = "base"
+
+    def write(self, token: FencingToken | str, value: str) -> None:
+        raise NotImplementedError
+
+    def raw_write(self, value: str) -> None:
+        raise NotImplementedError
+
+    def read(self) -> str | None:
+        raise NotImplementedError
+
+    def high_water(self) -> FencingToken | None:
+        raise NotImplementedError
+
+    def reopen(self) -> None:
+        raise NotImplementedError
+
+    def planted_lt(self) -> Write:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+    def planted(self, bug: str, between: Callable[[], None] = lambda: None) -> Write:
+        if bug == "lt":
+            return self.planted_lt()
+        if bug == "check_then_write":
+
+            def check_then_write(token: FencingToken, value: str) -> None:
+                mark = self.high_water()
+                if mark is not None and token.value < mark.value:
+                    raise StaleTokenError(token, mark, self.name)
+                between()
+                self.raw_write(value)
+
+            return check_then_write
+        if bug == "client_side":
+            seen: list[int] = [0]
+
+            def client_side(token: FencingToken, value: str) -> None:
+                if token.value < seen[0]:
+                    raise StaleTokenError(token, tok(seen[0]), self.name)
+                seen[0] = token.value
+                self.raw_write(value)
+
+            return client_side
+        raise ValueError(bug)
+
+    def reopened_planted(self, bug: str) -> Write:
+        """The planted write, as a restarted client would make it (fresh state)."""
+        return self.planted(bug)
+
+
+# -- SQL ----------------------------------------------------------------------------------
+
+
+class _SQLEnv(GuardEnv):
+    """A table ``data`` (id, v) in SQLite or PostgreSQL; one connection in manual mode."""
+
+    def __init__(self, kind: str, target: str) -> None:
+        self.kind = kind
+        self.target = target
+        self.table = unique_name("data").replace("-", "_")
+        self._local = threading.local()
+        self._all: list[Any] = []
+        self.setup()
+
+    @property
+    def conn(self) -> Any:
+        """This thread's connection (racing writers each need their own transaction)."""
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = self._local.conn = self._connect()
+            self._all.append(conn)
+        return conn
+
+    def _connect(self) -> Any:
+        if self.kind == "sqlite":
+            conn = sqlite3.connect(
+                self.target, isolation_level=None, timeout=20, check_same_thread=False
+            )
+            conn.execute("PRAGMA journal_mode=WAL")
+            return conn
+        return psycopg.connect(self.target, autocommit=True)
+
+    def q(self, sql: str) -> str:
+        return sql if self.kind == "sqlite" else sql.replace("?", "%s")
+
+    def begin(self) -> None:
+        self.conn.execute("BEGIN IMMEDIATE" if self.kind == "sqlite" else "BEGIN")
+
+    def setup(self) -> None:
+        raise NotImplementedError
+
+    def read(self) -> str | None:
+        row = self.conn.execute(f"SELECT v FROM {self.table} WHERE id = 1").fetchone()
+        return None if row is None else row[0]
+
+    def reopen(self) -> None:
+        self.close()
+        self._local = threading.local()
+
+    def close(self) -> None:
+        for conn in self._all:
+            conn.close()
+        self._all.clear()
+
+
+class SQLFenceEnv(_SQLEnv):
+    """:class:`SQLGuard`: the fence table, checked first in the caller's transaction."""
+
+    guard_class: type[SQLGuard] = SQLGuard
+
+    def setup(self) -> None:
+        self.guard = self.guard_class(self.table, lock=LOCK)
+        self.guard.install(self.conn)
+        self.conn.execute(f"CREATE TABLE {self.table} (id INTEGER PRIMARY KEY, v TEXT)")
+
+    def _transaction(self, guard: SQLGuard | None, token: Any, value: str) -> None:
+        self.begin()
+        try:
+            if guard is not None:
+                guard.check(self.conn, token)
+            self.conn.execute(
+                self.q(
+                    f"INSERT INTO {self.table} (id, v) VALUES (1, ?) "
+                    "ON CONFLICT (id) DO UPDATE SET v = excluded.v"
+                ),
+                (value,),
+            )
+        except BaseException:
+            self.conn.execute("ROLLBACK")
+            raise
+        self.conn.execute("COMMIT")
+
+    def write(self, token: FencingToken | str, value: str) -> None:
+        self._transaction(self.guard, token, value)
+
+    def raw_write(self, value: str) -> None:
+        self._transaction(None, None, value)
+
+    def high_water(self) -> FencingToken | None:
+        return self.guard.high_water(self.conn)
+
+    def reopen(self) -> None:
+        super().reopen()
+        self.guard = self.guard_class(self.table, lock=LOCK)
+
+    def planted_lt(self) -> Write:
+        class LtGuard(SQLGuard):
+            def _fence_sql(self, d: Dialect) -> FenceSQL:
+                real = super()._fence_sql(d)
+                return FenceSQL(
+                    real.create, real.accept.replace(" <= CAST(", " < CAST("), real.read
+                )
+
+        guard = LtGuard(self.table, lock=LOCK)
+        return lambda token, value: self._transaction(guard, token, value)
+
+
+class SQLRowEnv(_SQLEnv):
+    """:class:`RowGuard`: the token column in the guarded row, one conditional upsert."""
+
+    def setup(self) -> None:
+        self.conn.execute(f"CREATE TABLE {self.table} (id INTEGER PRIMARY KEY, v TEXT)")
+        self.guard = RowGuard(self.table, lock=LOCK)
+        self.guard.install(self.conn)
+
+    def write(self, token: FencingToken | str, value: str) -> None:
+        self.guard.insert_or_update(self.conn, token, key={"id": 1}, values={"v": value})
+
+    def raw_write(self, value: str) -> None:
+        self.conn.execute(
+            self.q(
+                f"INSERT INTO {self.table} (id, v) VALUES (1, ?) "
+                "ON CONFLICT (id) DO UPDATE SET v = excluded.v"
+            ),
+            (value,),
+        )
+
+    def high_water(self) -> FencingToken | None:
+        try:
+            return self.guard.high_water(self.conn, {"id": 1})
+        except LookupError:
+            return None
+
+    def reopen(self) -> None:
+        super().reopen()
+        self.guard = RowGuard(self.table, lock=LOCK)
+
+    def planted_lt(self) -> Write:
+        class LtRowGuard(RowGuard):
+            def _write(self, token: Any, key: Any, values: Any, upsert: bool) -> Any:
+                real = super()._write(token, key, values, upsert)
+
+                def plan(d: Dialect) -> Plan[FencingToken]:
+                    inner = real(d)
+                    stmt = next(inner)
+                    while True:
+                        res = yield Stmt(stmt.sql.replace(" <= CAST(", " < CAST("), stmt.params)
+                        try:
+                            stmt = inner.send(res)
+                        except StopIteration as stop:
+                            return stop.value  # type: ignore[no-any-return]
+
+                return plan
+
+        guard = LtRowGuard(self.table, lock=LOCK)
+        return lambda token, value: guard.insert_or_update(
+            self.conn, token, key={"id": 1}, values={"v": value}
+        )
+
+
+# -- Redis --------------------------------------------------------------------------------
+
+
+class RedisEnv(GuardEnv):
+    name = "redis"
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.resource = unique_name("res")
+        self.key = f"{{{self.resource}}}:data"
+        self.reopen()
+
+    def reopen(self) -> None:
+        if hasattr(self, "guard"):
+            self.close()
+        self.client = redis.Redis(port=self.port)
+        self.guard = RedisGuard(self.client, self.resource, LOCK)
+
+    def write(self, token: FencingToken | str, value: str) -> None:
+        self.guard.set(self.key, value, token)
+
+    def raw_write(self, value: str) -> None:
+        self.client.set(self.key, value)
+
+    def read(self) -> str | None:
+        raw = self.client.get(self.key)
+        return None if raw is None else raw.decode()
+
+    def high_water(self) -> FencingToken | None:
+        return self.guard.high_water()
+
+    def planted_lt(self) -> Write:
+        class LtRedisGuard(RedisGuard):
+            set_script = SET_SCRIPT.replace("if c < 0 then", "if c <= 0 then")
+
+        assert LtRedisGuard.set_script != SET_SCRIPT, "re-plant the bug"
+        guard = LtRedisGuard(self.client, self.resource, LOCK)
+        return lambda token, value: bool(guard.set(self.key, value, token))  # type: ignore[func-returns-value]
+
+    def close(self) -> None:
+        self.guard.close()
+        self.client.close()
+
+
+# -- etcd ---------------------------------------------------------------------------------
+
+
+class EtcdEnv(GuardEnv):
+    name = "etcd"
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self.resource = unique_name("res")
+        self.key = f"{self.resource}/data"
+        self.guard = EtcdGuard(endpoint, self.resource, LOCK)
+
+    def reopen(self) -> None:
+        self.guard.close()
+        self.guard = EtcdGuard(self.endpoint, self.resource, LOCK)
+
+    def write(self, token: FencingToken | str, value: str) -> None:
+        self.guard.put(self.key, value, token)
+
+    def _client_call(self, make: Callable[[aetcd.Client], Any]) -> Any:
+        async def go() -> Any:
+            host, _, port = self.endpoint.rpartition(":")
+            async with aetcd.Client(host, int(port)) as client:
+                return await make(client)
+
+        return asyncio.run(go())
+
+    def raw_write(self, value: str) -> None:
+        self._client_call(lambda c: c.put(self.key.encode(), value.encode()))
+
+    def read(self) -> str | None:
+        got = self._client_call(lambda c: c.get(self.key.encode()))
+        return None if got is None else got.value.decode()
+
+    def high_water(self) -> FencingToken | None:
+        return self.guard.high_water()
+
+    def planted_lt(self) -> Write:
+        class AsyncLt(AsyncEtcdGuard):
+            def _accepts(self, token: int, mark: int) -> bool:
+                return mark < token
+
+        class Lt(EtcdGuard):
+            _async_class = AsyncLt
+
+        guard = Lt(self.endpoint, self.resource, LOCK)
+        self._planted = guard
+        return lambda token, value: bool(guard.put(self.key, value, token))  # type: ignore[func-returns-value]
+
+    def close(self) -> None:
+        self.guard.close()
+        planted = getattr(self, "_planted", None)
+        if planted is not None:
+            planted.close()
+
+
+# -- files --------------------------------------------------------------------------------
+
+
+class FileGuardEnv(GuardEnv):
+    name = "files"
+    guard_class: type[FileGuard] = FileGuard
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.guard = FileGuard(directory, lock=LOCK)
+
+    def reopen(self) -> None:
+        self.guard = FileGuard(self.directory, lock=LOCK)
+
+    def write(self, token: FencingToken | str, value: str) -> None:
+        self.guard.write("item", value.encode(), token)
+
+    def raw_write(self, value: str) -> None:
+        # Unfenced: a version with a token above everything, as a client that ignores the
+        # rule would publish (the highest name wins for readers).
+        rdir = self.directory / "item"
+        rdir.mkdir(exist_ok=True)
+        (rdir / f"{2**62:019d}.{os.getpid() % 10**6:06d}").write_bytes(value.encode())
+
+    def read(self) -> str | None:
+        try:
+            return self.guard.read("item")[1].decode()
+        except LookupError:
+            return None
+
+    def high_water(self) -> FencingToken | None:
+        mark = self.guard.high_water("item")
+        return None if mark is None or mark.value >= 2**62 else mark
+
+    def planted_lt(self) -> Write:
+        class Lt(FileGuard):
+            def _accepts(self, token: int, newest: int) -> bool:
+                return token > newest
+
+        guard = Lt(self.directory, lock=LOCK)
+        return lambda token, value: bool(guard.write("item", value.encode(), token))  # type: ignore[func-returns-value]
+
+
+class HighWaterFileEnv(GuardEnv):
+    name = "high-water-file"
+
+    def __init__(self, directory: Path) -> None:
+        self.data = directory / "data.txt"
+        self.mark_path = directory / "mark"
+        self.mark = HighWaterFile(self.mark_path, lock=LOCK)
+
+    def reopen(self) -> None:
+        self.mark = HighWaterFile(self.mark_path, lock=LOCK)
+
+    def _hold_and_write(self, mark: HighWaterFile, token: Any, value: str) -> None:
+        with mark.hold(token):
+            self.raw_write(value)
+
+    def write(self, token: FencingToken | str, value: str) -> None:
+        self._hold_and_write(self.mark, token, value)
+
+    def raw_write(self, value: str) -> None:
+        self.data.write_text(value)
+
+    def read(self) -> str | None:
+        return self.data.read_text() if self.data.exists() else None
+
+    def high_water(self) -> FencingToken | None:
+        return self.mark.current()
+
+    def planted_lt(self) -> Write:
+        class Lt(HighWaterFile):
+            def _accepts(self, token: int, mark: int) -> bool:
+                return token > mark
+
+        mark = Lt(self.mark_path, lock=LOCK)
+        return lambda token, value: self._hold_and_write(mark, token, value)
+
+
+# -- the fixture --------------------------------------------------------------------------
+
+GUARDS = [
+    "sql-fence-sqlite",
+    "sql-fence-postgresql",
+    "sql-row-sqlite",
+    "sql-row-postgresql",
+    "redis",
+    "etcd",
+    "files",
+    "high-water-file",
+]
+
+
+def make_env(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[GuardEnv]:
+    env: GuardEnv
+    if kind.startswith("sql-"):
+        _, form, engine = kind.split("-")
+        if engine == "sqlite":
+            target = str(tmp_path / "guarded.db")
+        else:
+            target = request.getfixturevalue("pg_dsn")
+        env = (SQLFenceEnv if form == "fence" else SQLRowEnv)(engine, target)
+    elif kind == "redis":
+        env = RedisEnv(request.getfixturevalue("redis_server").port)
+    elif kind == "etcd":
+        env = EtcdEnv(request.getfixturevalue("etcd_server").endpoint)
+    elif kind == "files":
+        env = FileGuardEnv(tmp_path / "files")
+    else:
+        env = HighWaterFileEnv(tmp_path)
+    env.name = kind
+    try:
+        yield env
+    finally:
+        env.close()
