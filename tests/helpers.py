@@ -6,10 +6,12 @@ import asyncio
 import os
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 
 def unique_name(prefix: str = "t") -> str:
@@ -122,3 +124,28 @@ def check_paused_holder_is_fenced_off(
     finally:
         proc.kill()
         proc.wait()
+
+
+T = TypeVar("T")
+
+
+def bounded(fn: Callable[[], T], timeout: float = 5.0) -> T:
+    """Run ``fn`` in a daemon thread; fail (instead of hanging the suite) if it does not return."""
+    out: list[Any] = []
+
+    def target() -> None:
+        try:
+            out.append(("ok", fn()))
+        except BaseException as exc:
+            out.append(("err", exc))
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        raise AssertionError(f"call did not return within {timeout} s (hung)")
+    kind, value = out[0]
+    if kind == "err":
+        raise value
+    result: T = value
+    return result

@@ -7,8 +7,10 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -212,3 +214,81 @@ def test_unreachable_source_honours_the_timeout_with_one_line(sqlite_url: str) -
             ["lock", "-v", "x", "--url", url, "--timeout", "0.5", "--", "true"], sqlite_url
         )
         assert verbose.returncode == 69 and len(verbose.stderr.splitlines()) > 1
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# -- the CLI -----------------------------------------------------------------------------------
+
+_CLI_WITH_TEST_SOURCE = (
+    "import sys\n"
+    "from fenced import _backend\n"
+    "_backend.register_backend('goneaftergrant', 'tests.sources:GoneAfterGrantSource')\n"
+    "from fenced.cli import main\n"
+    "sys.exit(main(sys.argv[1:]))\n"
+)
+
+
+def _fenced_lock(args: list[str]) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}{os.pathsep}{ROOT}")
+    return subprocess.run(
+        [sys.executable, "-c", _CLI_WITH_TEST_SOURCE, "lock", *args],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_cli_lost_lease_exits_75_even_if_release_fails() -> None:
+    """Bug: the failed release in ``finally`` replaced the documented 75 with 69."""
+    out = _fenced_lock(
+        ["x", "--url", "goneaftergrant://cli", "--ttl", "0.5", "--grace", "1", "--", "sleep", "30"]
+    )
+    assert out.returncode == 75, (out.returncode, out.stderr)
+    assert "lost" in out.stderr
+
+
+def test_cli_keeps_the_commands_status_if_only_the_release_fails() -> None:
+    """The command ran to its end with the lease held: its status counts, with a warning."""
+    out = _fenced_lock(["x", "--url", "goneaftergrant://cli", "--", "sh", "-c", "exit 3"])
+    assert out.returncode == 3, (out.returncode, out.stderr)
+    assert "release" in out.stderr
+
+
+def test_cli_ctrl_c_right_after_the_command_started_stops_the_command(
+    monkeypatch: pytest.MonkeyPatch, memory_url: str
+) -> None:
+    """Bug: the signal handlers were installed only after the command started: a Ctrl-C in
+    between ended `fenced lock` (releasing the lock) and left the command running unlocked.
+    The Ctrl-C is delivered deterministically, the instant Popen returns."""
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signals are delivered to the main thread only")
+    from fenced import cli
+
+    started: list[subprocess.Popen[bytes]] = []
+
+    class InterruptedRightAfterStart(subprocess.Popen[bytes]):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            started.append(self)
+            signal.raise_signal(signal.SIGINT)
+
+    monkeypatch.setattr(cli.subprocess, "Popen", InterruptedRightAfterStart)
+    code: int | None = None
+    try:
+        try:
+            code = cli.main(["lock", "x", "--url", memory_url, "--", "sleep", "30"])
+        except KeyboardInterrupt:
+            code = None
+        assert started
+        assert started[0].poll() is not None, "the command was left running without the lock"
+        assert code == 128 + signal.SIGINT  # it was passed the Ctrl-C, and died of it
+        with fenced.connect(memory_url) as locks:
+            assert locks.status("x").holder is None
+    finally:
+        for child in started:
+            if child.poll() is None:
+                child.kill()
+                child.wait()

@@ -18,6 +18,7 @@ import psycopg
 import pytest
 from psycopg.conninfo import make_conninfo
 
+import fenced
 from fenced import (
     MAX_TOKEN,
     BackendUnavailable,
@@ -29,6 +30,7 @@ from fenced import (
     StaleTokenError,
     WrongLockError,
 )
+from fenced.guards import _sql_plan
 from fenced.guards._sql_plan import Dialect, FenceSQL, Plan, Stmt
 from fenced.guards.sql import FenceConflictError, RowGuard, SQLGuard
 from fenced.testing.servers import PostgresServer
@@ -1121,3 +1123,72 @@ def test_row_write_on_a_default_connection_is_committed(env: Env, tmp_path: Any)
         assert check.execute("SELECT body FROM docs").fetchall() == [("five",)]
     if env.kind == "sqlite":
         check.close()
+
+
+# -- the SQL row guard -----------------------------------------------------------------------
+
+
+def _jobs_with_text_token_column() -> sqlite3.Connection:
+    """A table whose token column the application made itself, as TEXT."""
+    db = sqlite3.connect(":memory:", isolation_level=None)
+    db.execute("CREATE TABLE jobs (id INTEGER PRIMARY KEY, state TEXT, fencing_token TEXT)")
+    db.execute("INSERT INTO jobs (id, state) VALUES (1, 'new')")
+    return db
+
+
+def _stale_write_is_refused(db: sqlite3.Connection, guard: RowGuard) -> bool:
+    """The checker: after token 10 wrote, token 3 is refused and 10's data is intact."""
+    guard.update(db, "jobs:10", key={"id": 1}, values={"state": "by 10"})
+    try:
+        guard.update(db, "jobs:3", key={"id": 1}, values={"state": "by 3 (stale)"})
+    except fenced.StaleTokenError as exc:
+        assert exc.high_water == fenced.FencingToken("jobs", 10)
+        return bool(db.execute("SELECT state FROM jobs").fetchone()[0] == "by 10")
+    return False
+
+
+def test_row_guard_on_a_text_token_column_refuses_stale_tokens() -> None:
+    """Bug: SQLite compared a TEXT token column as text ('10' <= '3'): jobs:3 overwrote jobs:10."""
+    db = _jobs_with_text_token_column()
+    guard = RowGuard("jobs", lock="jobs")
+    assert _stale_write_is_refused(db, guard)
+    assert guard.high_water(db, {"id": 1}) == fenced.FencingToken("jobs", 10)
+
+
+def test_text_comparison_planted_back_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checker above fails on the unfixed comparison (the planted bug)."""
+    monkeypatch.setattr(_sql_plan, "_as_int", lambda _d, expr, stored=False: expr)
+    _sql_plan._row_write_sql.cache_clear()
+    try:
+        assert not _stale_write_is_refused(_jobs_with_text_token_column(), RowGuard("jobs"))
+    finally:
+        _sql_plan._row_write_sql.cache_clear()
+
+
+def test_row_guard_install_refuses_a_token_column_that_cannot_hold_tokens() -> None:
+    with pytest.raises(fenced.ConfigurationError, match="64-bit integer"):
+        RowGuard("jobs").install(_jobs_with_text_token_column())
+    db = sqlite3.connect(":memory:", isolation_level=None)
+    db.execute("CREATE TABLE jobs (id INTEGER PRIMARY KEY, fencing_token BIGINT)")
+    RowGuard("jobs").install(db)  # any INTEGER-affinity type is fine
+
+
+def test_row_guard_install_refuses_narrow_or_text_token_columns_on_postgresql(
+    pg_dsn: str,
+) -> None:
+    """text <= bigint raised a raw psycopg error at every write; int4 overflowed at 2**31
+    (a ZooKeeper zxid token is above 2**32): install now says so, as ConfigurationError."""
+    import psycopg
+
+    with psycopg.connect(pg_dsn, autocommit=True) as db:
+        for type_ in ("TEXT", "INTEGER", "DOUBLE PRECISION"):
+            db.execute("DROP TABLE IF EXISTS jobs")
+            db.execute(f"CREATE TABLE jobs (id INTEGER PRIMARY KEY, fencing_token {type_})")
+            with pytest.raises(fenced.ConfigurationError, match="64-bit integer"):
+                RowGuard("jobs").install(db)
+        db.execute("DROP TABLE jobs")
+        db.execute("CREATE TABLE jobs (id INTEGER PRIMARY KEY, fencing_token BIGINT)")
+        RowGuard("jobs").install(db)
+        db.execute("INSERT INTO jobs (id) VALUES (1)")
+        big = fenced.FencingToken("jobs", fenced.MAX_TOKEN)
+        assert RowGuard("jobs").update(db, big, key={"id": 1}) == big

@@ -5,8 +5,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import signal
 import subprocess
 import sys
+import threading
+import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar
 from urllib.parse import SplitResult
@@ -18,6 +21,8 @@ from fenced import _backend, _clock
 from fenced._backend import Backend, Characteristic, Grant, LockStatus, LostCallback
 from fenced._state import LeaseState, Phase
 from fenced.backends.memory import MemoryBackend
+from tests.helpers import async_wait_for, bounded, wait_for
+from tests.sources import CappedSource, GatedSource, register_source
 
 
 def _grant(sent_at: float, ttl: float = 10.0) -> Grant:
@@ -366,3 +371,222 @@ def test_keyword_options_must_have_their_type(memory_url: str, tmp_path: Any) ->
         fenced.connect(url, connect_timeout=-1)
     with fenced.connect(url + "?busy_timeout=3", busy_timeout=4.0) as locks:  # keyword wins
         assert locks.aio.backend._busy_timeout == 4.0  # type: ignore[attr-defined]
+
+
+# -- the sync portal -------------------------------------------------------------------------
+
+
+def test_close_fails_an_acquire_waiting_in_another_thread(memory_url: str) -> None:
+    """Bug: close() stopped the loop under a waiting acquire, whose thread then hung forever."""
+    with fenced.connect(memory_url) as holder:
+        held = holder.lock("x", ttl=30)
+        held.acquire()
+        locks = fenced.connect(memory_url)
+        waiter = locks.lock("x", ttl=30)
+        outcome: list[BaseException | fenced.FencingToken] = []
+
+        def wait_in_acquire() -> None:
+            try:
+                outcome.append(waiter.acquire())
+            except BaseException as exc:
+                outcome.append(exc)
+
+        thread = threading.Thread(target=wait_in_acquire, daemon=True)
+        thread.start()
+        wait_for(lambda: holder.status("x").waiters == 1, what="the waiter to queue")
+        bounded(locks.close)
+        thread.join(5)
+        assert not thread.is_alive(), "acquire still blocked after its connection was closed"
+        assert isinstance(outcome[0], fenced.BackendUnavailable), outcome
+        assert holder.status("x").waiters == 0  # it left the queue
+        assert held.held
+
+
+def test_close_from_on_lost_callback_does_not_wedge_the_connection(memory_url: str) -> None:
+    """Bug: close() from on_lost stopped the loop thread but not the loop: every later call hung."""
+    errors: list[BaseException] = []
+    locks = fenced.connect(memory_url)
+
+    def on_lost(_lease: fenced.Lease) -> None:
+        try:
+            locks.close()
+        except BaseException as exc:
+            errors.append(exc)
+
+    lease = locks.lock("x", ttl=0.3, auto_renew=False, on_lost=on_lost)
+    lease.acquire()
+    assert lease.lost.wait(5)
+    wait_for(lambda: errors, what="the callback to run")
+    assert isinstance(errors[0], RuntimeError) and "callback" in str(errors[0])
+    # The connection still works, and closes normally afterwards.
+    assert bounded(lambda: locks.status("x")).name == "x"
+    bounded(locks.close)
+    with pytest.raises(fenced.BackendUnavailable):
+        bounded(lambda: locks.status("x"))
+
+
+def test_interrupted_acquire_never_leaves_the_grant_held(memory_url: str) -> None:
+    """Bug: Ctrl-C while acquire() waits, at the instant the grant arrives, dropped the result
+    but kept the grant, renewed by the keepalive forever: the caller believed it had no lock.
+
+    The interrupt is timed deterministically: the grant's bookkeeping (``_held.add``, on the
+    loop thread) sends SIGINT to the waiting main thread and waits until it has been raised.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signals are delivered to the main thread only")
+    main = threading.main_thread().ident
+    assert main is not None
+    raised = threading.Event()
+    fired = threading.Event()
+
+    class InterruptOnGrant(weakref.WeakSet[fenced.AsyncLease]):
+        def add(self, item: fenced.AsyncLease) -> None:
+            super().add(item)
+            if not fired.is_set():
+                fired.set()
+                signal.pthread_kill(main, signal.SIGINT)
+                raised.wait(5)
+
+    with fenced.connect(memory_url) as holder, fenced.connect(memory_url) as locks:
+        held = holder.lock("x", ttl=30)
+        held.acquire()
+        locks.aio._held = InterruptOnGrant()
+        lease = locks.lock("x", ttl=30)
+
+        def release_when_queued() -> None:
+            wait_for(lambda: holder.status("x").waiters == 1, what="the waiter to queue")
+            held.release()
+
+        helper = threading.Thread(target=release_when_queued, daemon=True)
+        helper.start()
+        with pytest.raises(KeyboardInterrupt):
+            try:
+                lease.acquire()
+            finally:
+                raised.set()
+        helper.join(5)
+        assert fired.is_set()
+        # The grant made for the interrupted call is given back, not kept alive.
+        wait_for(lambda: holder.status("x").holder is None, what="the grant to be given back")
+        assert lease.phase is Phase.RELEASED and not lease.held
+
+
+# -- the lease core --------------------------------------------------------------------------
+
+
+def test_renewal_is_scheduled_within_a_shortened_grant() -> None:
+    """Bug: the keepalive waited ttl/3 of the ttl *asked for* even when the source granted less."""
+    state = LeaseState(ttl=30)
+    state.start_acquiring()
+    state.granted(Grant(fenced.FencingToken("x", 1), "r", 3.0, 100.0))
+    assert state.renew_delay(100.0) <= 1.0 + 1e-9  # a third of the 3 s actually granted
+    assert state.renew_delay(100.0) < state.remaining(100.0)
+    state.renew_failed(100.5)
+    assert state.renew_delay(100.5) <= 0.3 + 1e-9  # and retries at a tenth of it
+
+
+def test_keepalive_holds_a_lease_the_source_shortened(
+    register_scheme: Callable[[str, str], None],
+) -> None:
+    register_source(register_scheme, CappedSource)
+    with fenced.connect("capped://review-capped") as locks:
+        lease = locks.lock("x", ttl=3)
+        lease.acquire()
+        # Held for 3x the granted 0.6 s: it is renewed in time, not declared lost at 0.55 s.
+        assert not lease.lost.wait(1.8), lease.lost_cause
+        assert lease.held
+        assert lease.release()
+    MemoryBackend.reset("review-capped")
+
+
+async def test_late_renew_failure_of_an_old_grant_does_not_lose_the_new_one(
+    register_scheme: Callable[[str, str], None],
+) -> None:
+    """Bug: a renew() in flight across release()+acquire() marked the *new* grant lost."""
+    register_source(register_scheme, GatedSource)
+    GatedSource.gate = asyncio.Event()
+    try:
+        async with fenced.connect_async("gated://review-gated") as locks:
+            lease = locks.lock("x", ttl=30, auto_renew=False)
+            first = await lease.acquire()
+            renewing = asyncio.create_task(lease.renew())
+            await asyncio.sleep(0)  # let it reach the gate
+            await lease.release()
+            second = await lease.acquire()
+            assert second > first
+            GatedSource.gate.set()
+            with pytest.raises(fenced.LeaseLostError):
+                await renewing  # the old grant is gone: that renewal fails ...
+            assert not lease.lost.is_set()  # ... but the new grant is not lost
+            assert lease.phase is Phase.HELD and lease.held and lease.token == second
+            assert await lease.release()
+    finally:
+        GatedSource.gate = None
+        MemoryBackend.reset("review-gated")
+
+
+async def test_late_renew_failure_of_the_current_grant_still_loses_it(
+    register_scheme: Callable[[str, str], None],
+) -> None:
+    """The fix above must not hide a real loss: the renewed copy of a grant is the same grant."""
+    register_source(register_scheme, GatedSource)
+    gate = GatedSource.gate = asyncio.Event()
+    try:
+        async with fenced.connect_async("gated://review-gated2") as locks:
+            lease = locks.lock("x", ttl=30, auto_renew=False)
+            await lease.acquire()
+            slow = asyncio.create_task(lease.renew())
+            await asyncio.sleep(0)  # let it reach the gate
+            GatedSource.gate = None
+            await lease.renew()  # a later renewal replaces the grant with its renewed copy
+            backend = locks.backend
+            assert isinstance(backend, MemoryBackend)
+            backend._store.locks["x"].holder = None  # the source revokes the grant
+            gate.set()
+            with pytest.raises(fenced.LeaseLostError):
+                await slow
+            assert lease.lost.is_set() and lease.phase is Phase.LOST
+    finally:
+        GatedSource.gate = None
+        MemoryBackend.reset("review-gated2")
+
+
+async def test_reacquire_with_the_same_request_id_is_not_lost_by_the_old_grants_expiry(
+    memory_url: str,
+) -> None:
+    """Bug: the source's lost-notification for the expired first grant (same request id)
+    arrived just after the second grant and marked the new grant lost."""
+    async with fenced.connect_async(memory_url) as locks:
+        lease = locks.lock("x", ttl=0.3, auto_renew=False, request_id="job-1")
+        first = await lease.acquire()
+        server_expiry = _clock.now() + 0.3
+        await asyncio.wait_for(lease.lost.wait(), 5)  # the local watchdog: lost
+        while _clock.now() <= server_expiry:  # bounded: the source's own expiry passes too
+            await asyncio.sleep(0.01)
+        second = await lease.acquire(timeout=5)  # the source expires the first grant now
+        assert second > first
+        await asyncio.sleep(0)  # let the notification about the first grant arrive
+        await asyncio.sleep(0)
+        assert not lease.lost.is_set(), lease.lost.cause
+        assert lease.held
+        assert await lease.release()
+
+
+async def test_aclose_fails_an_acquire_in_flight_promptly(memory_url: str) -> None:
+    """Bug: an acquire queued on a connection being closed waited for the holder's expiry
+    (forever, while it renews) and then retried on the closed connection."""
+    async with fenced.connect_async(memory_url) as holder:
+        held = holder.lock("x", ttl=30)
+        await held.acquire()
+        locks = await fenced.connect_async(memory_url).open()
+        task = asyncio.create_task(locks.lock("x", ttl=30).acquire())
+
+        async def queued() -> bool:
+            return (await holder.status("x")).waiters == 1
+
+        await async_wait_for(queued, what="the waiter to queue")
+        await locks.aclose()
+        with pytest.raises(fenced.BackendUnavailable):
+            await asyncio.wait_for(task, 3)
+        assert (await holder.status("x")).waiters == 0
+        assert held.held

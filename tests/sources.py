@@ -1,0 +1,78 @@
+"""Token sources for tests: the memory source with one behaviour changed.
+
+Registered by scheme with the ``register_scheme`` fixture (or ``fenced.register_backend`` in
+a child process), as ``tests.sources:<Class>``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any, ClassVar
+from urllib.parse import SplitResult
+
+import fenced
+from fenced._backend import Grant, LostCallback
+from fenced.backends.memory import MemoryBackend
+
+
+class _TestSource(MemoryBackend):
+    @classmethod
+    async def open(cls, url: SplitResult, options: dict[str, Any]) -> MemoryBackend:
+        return cls((await MemoryBackend.open(url, options))._store)
+
+
+class CappedSource(_TestSource):
+    """Grants a shorter lease than asked (as ZooKeeper does when it negotiates the session)."""
+
+    scheme: ClassVar[str] = "capped"
+    cap: ClassVar[float] = 0.6
+
+    async def acquire(
+        self,
+        name: str,
+        *,
+        request_id: str,
+        ttl: float,
+        deadline: float | None,
+        on_lost: LostCallback,
+    ) -> Grant:
+        return await super().acquire(
+            name,
+            request_id=request_id,
+            ttl=min(ttl, CappedSource.cap),
+            deadline=deadline,
+            on_lost=on_lost,
+        )
+
+    async def renew(self, grant: Grant) -> Grant:
+        await asyncio.sleep(0.05)  # a real source answers after a round trip, not instantly
+        return await super().renew(grant)
+
+
+class GatedSource(_TestSource):
+    """Renewals wait at a gate, like a renewal whose reply is still on the network."""
+
+    scheme: ClassVar[str] = "gated"
+    gate: ClassVar[asyncio.Event | None] = None
+
+    async def renew(self, grant: Grant) -> Grant:
+        if GatedSource.gate is not None:
+            await GatedSource.gate.wait()
+        return await super().renew(grant)
+
+
+class GoneAfterGrantSource(_TestSource):
+    """Grants, then becomes unreachable: every renew and release fails."""
+
+    scheme: ClassVar[str] = "goneaftergrant"
+
+    async def renew(self, grant: Grant) -> Grant:
+        raise fenced.BackendUnavailable("the source went away")
+
+    async def release(self, grant: Grant) -> bool:
+        raise fenced.BackendUnavailable("the source went away")
+
+
+def register_source(register_scheme: Callable[[str, str], None], cls: type[_TestSource]) -> None:
+    register_scheme(cls.scheme, f"tests.sources:{cls.__name__}")
