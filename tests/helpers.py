@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import socket
 import subprocess
 import sys
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -149,3 +151,30 @@ def bounded(fn: Callable[[], T], timeout: float = 5.0) -> T:
         raise value
     result: T = value
     return result
+
+
+@contextlib.contextmanager
+def serve(app: Any) -> Iterator[str]:
+    """Run the ASGI ``app`` in uvicorn on a free loopback port; yield its base URL."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, lifespan="on", log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: server.started or not thread.is_alive(), 20, "uvicorn to start")
+        assert server.started
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(20)
+        sock.close()
+
+
+def pattern(value: int, size: int = 256 * 1024) -> bytes:
+    """Recognisable data of ``size`` bytes for version ``value`` (a torn write shows)."""
+    unit = f"<{value:019d}>".encode()
+    return unit * (size // len(unit))

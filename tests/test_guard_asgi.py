@@ -14,8 +14,7 @@ import dataclasses
 import json
 import socket
 import sqlite3
-import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +52,7 @@ from fenced.guards.httpx import FencingAuth, acheck_stale, check_stale, stale_er
 from fenced.guards.redis import AsyncRedisGuard
 from fenced.guards.sql import SQLGuard
 from fenced.testing.servers import RedisServer
-from tests.helpers import unique_name, wait_for
+from tests.helpers import serve, unique_name
 
 LOCK = "jobs"
 
@@ -703,26 +702,6 @@ async def test_non_http_scopes_pass_through_untouched(tmp_path: Path) -> None:
 
 
 # -- a real server: uvicorn on a random port -----------------------------------------------------
-
-
-@contextlib.contextmanager
-def serve(app: Any) -> Iterator[str]:
-    import uvicorn
-
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, lifespan="on", log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        wait_for(lambda: server.started or not thread.is_alive(), 20, "uvicorn to start")
-        assert server.started
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(20)
-        sock.close()
 
 
 def test_real_server_with_sync_client_and_leases(tmp_path: Path, memory_url: str) -> None:

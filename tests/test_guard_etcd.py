@@ -6,8 +6,7 @@ bug: ``<`` instead of ``<=`` (:class:`LtGuard`), check-then-write in two request
 (:class:`ClientSideMarkGuard`). The resource's own log of accepted tokens is the history of
 the data key, read back revision by revision.
 
-This module is also the client process of the multi-process tests:
-``python -m tests.test_guard_etcd race|holder ...`` (see :func:`_worker_main`).
+The multi-process tests run ``tests.workers.guard_writer`` as their client processes.
 """
 
 from __future__ import annotations
@@ -15,8 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-import sys
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +22,6 @@ import aetcd
 import pytest
 from aetcd import rpc
 
-import fenced
 from fenced import (
     BackendUnavailable,
     ConfigurationError,
@@ -44,18 +41,15 @@ from fenced.guards.etcd import (
     put_op,
 )
 from fenced.testing.servers import EtcdServer
-from tests.helpers import unique_name
-from tests.test_guard_redis import (
+from tests.guards.processes import (
     BAD_TOKENS,
-    STEP_TIMEOUT,
-    _emit,
+    LOCK,
     figure_8_5_violations,
     history_violations,
     paused_holder,
     race,
 )
-
-LOCK = "inv-lock"
+from tests.helpers import unique_name
 
 
 def tok(value: int, lock: str = LOCK) -> FencingToken:
@@ -570,7 +564,7 @@ def test_unavailable_server(own_server: EtcdServer) -> None:
 
 def test_racing_processes_never_accept_out_of_order(etcd_server: EtcdServer) -> None:
     res = Resource(etcd_server.endpoint)
-    counts = race(__name__, etcd_server.endpoint, res.name, writers=4, per_writer=60)
+    counts = race(f"etcd:{etcd_server.endpoint}", res.name, writers=4, per_writer=60)
     log = res.accepted()
     assert len(log) == sum(counts) > 0
     assert history_violations(log, res.value()) == []
@@ -582,7 +576,7 @@ def test_racing_processes_never_accept_out_of_order(etcd_server: EtcdServer) -> 
 def test_paused_holder_end_to_end(etcd_server: EtcdServer, tmp_path: Path, guarded: bool) -> None:
     res = Resource(etcd_server.endpoint)
     run = paused_holder(
-        __name__, f"sqlite:///{tmp_path}/locks.db", etcd_server.endpoint, res.name, guarded
+        f"sqlite:///{tmp_path}/locks.db", f"etcd:{etcd_server.endpoint}", res.name, guarded
     )
     bad = figure_8_5_violations(run, res.value())
     if guarded:
@@ -590,56 +584,3 @@ def test_paused_holder_end_to_end(etcd_server: EtcdServer, tmp_path: Path, guard
         assert run["ev1"]["high_water"] == run["t2"]
     else:  # the checker catches the unguarded write
         assert "the paused holder's stale write was accepted" in bad
-
-
-# --- the client process -------------------------------------------------------------------------
-
-
-def _worker_main(argv: list[str]) -> None:
-    """``race ENDPOINT RESOURCE FIRST STEP COUNT`` or ``holder SOURCE ENDPOINT RESOURCE TTL MODE``."""
-    import os
-
-    mode = argv[0]
-    if mode == "race":
-        endpoint, resource, first, step, count = argv[1], argv[2], *map(int, argv[3:6])
-        res = Resource(endpoint, resource)
-        with EtcdGuard(endpoint, resource, LOCK) as guard:
-            guard.high_water()  # connected before the start line
-            _emit(event="ready")
-            sys.stdin.readline()
-            accepted = 0
-            for value in range(first, first + step * count, step):
-                with contextlib.suppress(StaleTokenError):
-                    res.write(guard, value, f"pid{os.getpid()}")
-                    accepted += 1
-        _emit(event="done", accepted=accepted)
-    elif mode == "holder":
-        source, endpoint, resource, ttl, how = argv[1], argv[2], argv[3], float(argv[4]), argv[5]
-        data = f"{resource}/data"
-        with EtcdGuard(endpoint, resource, LOCK) as guard, fenced.connect(source) as locks:
-
-            def unguarded(value: str) -> Awaitable[Any]:
-                return guard.aio._client.put(data.encode(), value.encode())
-
-            lease = locks.lock(LOCK, ttl=ttl, timeout=STEP_TIMEOUT)
-            lease.acquire()
-            _emit(event="acquired", token=str(lease.token))
-            for line in sys.stdin:
-                cmd, _, arg = line.strip().partition(" ")
-                if cmd == "write":  # written whether or not the lease is still held
-                    try:
-                        if how == "guarded":
-                            guard.put(data, arg, lease.token)
-                        else:
-                            guard._portal.call(unguarded(arg))
-                        _emit(event="write-ok")
-                    except StaleTokenError as exc:
-                        _emit(event="write-rejected", high_water=str(exc.high_water))
-                elif cmd == "quit":
-                    break
-    else:
-        raise SystemExit(f"unknown mode {mode!r}")
-
-
-if __name__ == "__main__":
-    _worker_main(sys.argv[1:])

@@ -32,7 +32,7 @@ from fenced import (
 )
 from fenced.guards._files_fs import TEMP_PREFIX
 from fenced.guards.files import FileGuard, HighWaterFile, Version, VersionStore
-from tests.helpers import wait_for
+from tests.helpers import pattern, wait_for
 
 LOCK = "jobs"
 REPO = Path(__file__).resolve().parent.parent
@@ -490,11 +490,6 @@ def test_planted_bug_strict_comparison_is_caught(tmp_path: Path) -> None:
 # -- readers never see partial files ---------------------------------------------------------------
 
 
-def pattern(value: int, size: int = 256 * 1024) -> bytes:
-    unit = f"<{value:019d}>".encode()
-    return unit * (size // len(unit))
-
-
 def test_concurrent_reader_sees_only_complete_versions(guard: FileGuard) -> None:
     guard.write("big", pattern(1), tok(1))
     stop = threading.Event()
@@ -612,7 +607,7 @@ def test_collect_garbage_spares_live_writers(guard: FileGuard) -> None:
 _LOOP_WRITER = """
 import sys
 from fenced.guards.files import FileGuard
-from tests.test_guard_files import pattern
+from tests.helpers import pattern
 guard = FileGuard(sys.argv[1], lock="jobs")
 v = int(sys.argv[2])
 while True:

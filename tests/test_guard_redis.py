@@ -5,21 +5,12 @@ bug: ``<`` instead of ``<=`` (:class:`LtGuard`), check-then-write in two command
 (:class:`CheckThenWriteGuard`), and a mark kept in the client instead of the resource
 (:class:`ClientSideMarkGuard`).
 
-This module is also the client process of the multi-process tests:
-``python -m tests.test_guard_redis race|holder ...`` (see :func:`_worker_main`).
+The multi-process tests run ``tests.workers.guard_writer`` as their client processes.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
-import json
-import os
-import queue
-import signal
-import subprocess
-import sys
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -56,23 +47,22 @@ from fenced.guards.redis import (
     eval_script,
 )
 from fenced.testing.servers import RedisServer, free_port
+from tests.guards.processes import (
+    BAD_TOKENS,
+    LOCK,
+    figure_8_5_violations,
+    history_violations,
+    paused_holder,
+    race,
+)
 from tests.helpers import unique_name, wait_for
+from tests.workers.guard_writer import LOG_BODY
 
 ROOT = Path(__file__).resolve().parent.parent
 # redis-py retries a failed command 3 times with 1 s+ back-off by default; dead-server tests
 # would spend that long.
 NO_RETRY = Retry(NoBackoff(), 0)
 ASYNC_NO_RETRY = AsyncRetry(NoBackoff(), 0)
-LOCK = "inv-lock"
-STEP_TIMEOUT = 60.0
-
-# A guarded write that also appends its token to a list in the same script: the resource's
-# own log of accepted tokens, in the order Redis applied them.
-LOG_BODY = """
-redis.call('SET', KEYS[1], ARGV[1] .. ':' .. ARGV[2])
-redis.call('RPUSH', KEYS[2], ARGV[1])
-return 1
-"""
 
 
 def tok(value: int, lock: str = LOCK) -> FencingToken:
@@ -140,14 +130,6 @@ class ClientSideMarkGuard(RedisGuard):
 PLANTED = [LtGuard, CheckThenWriteGuard, ClientSideMarkGuard]
 
 # --- checkers ---------------------------------------------------------------------------------
-
-
-def history_violations(log: list[int], data: str | None) -> list[str]:
-    """The resource's accepted tokens must never go down, and the data is the last writer's."""
-    bad = [f"token {b} accepted after {a}" for a, b in itertools.pairwise(log) if b < a]
-    if log and (data is None or int(data.split(":")[0]) != max(log)):
-        bad.append(f"data {data!r} is not from the highest accepted token {max(log)}")
-    return bad
 
 
 class Resource:
@@ -338,22 +320,6 @@ def test_lock_binding(client: redis.Redis) -> None:
         RedisGuard(client, name, "other").set(f"{{{name}}}:k", "c", tok(11))
     assert client.get(f"{{{name}}}:k") == b"a"
     assert unbound.high_water() == tok(10)
-
-
-BAD_TOKENS: list[Any] = [
-    "inv-lock:0",
-    "inv-lock:-1",
-    "inv-lock:01",
-    " inv-lock:5",
-    "inv-lock:5 ",
-    "inv-lock:9223372036854775808",
-    "inv-lock",
-    "",
-    b"\xff\xfe",
-    5,
-    None,
-    FencingToken("other-lock", 10**9),
-]
 
 
 @pytest.mark.parametrize("bad", BAD_TOKENS, ids=repr)
@@ -688,117 +654,11 @@ def test_hung_or_dead_server_is_backend_unavailable() -> None:
 # --- separate OS processes -------------------------------------------------------------------
 
 
-class Proc:
-    """A client process speaking JSON lines on stdout, commands on stdin."""
-
-    def __init__(self, *args: str) -> None:
-        self.popen = subprocess.Popen(
-            [sys.executable, *args],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=ROOT,
-        )
-        self.events: queue.Queue[dict[str, Any] | None] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.popen.stdout is not None
-        for line in self.popen.stdout:
-            with contextlib.suppress(ValueError):
-                self.events.put(json.loads(line))
-        self.events.put(None)
-
-    def expect(self, *events: str, timeout: float = STEP_TIMEOUT) -> dict[str, Any]:
-        try:
-            ev = self.events.get(timeout=timeout)
-        except queue.Empty:
-            raise AssertionError(f"no {events} from the client after {timeout} s") from None
-        if ev is None or ev["event"] not in events:
-            self.popen.kill()
-            assert self.popen.stderr is not None
-            raise AssertionError(
-                f"expected {events}, got {ev}; stderr:\n{self.popen.stderr.read()}"
-            )
-        return ev
-
-    def send(self, line: str) -> None:
-        assert self.popen.stdin is not None
-        self.popen.stdin.write(line + "\n")
-        self.popen.stdin.flush()
-
-    def close(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.popen.pid, signal.SIGCONT)
-        self.popen.kill()
-        self.popen.wait()
-
-
-def race(module: str, target: str, resource: str, writers: int, per_writer: int) -> list[int]:
-    """Start ``writers`` processes; writer i offers tokens i+1, i+1+writers, ... all at once.
-
-    Returns how many writes each process saw accepted, in process order.
-    """
-    procs = [
-        Proc("-m", module, "race", target, resource, str(i + 1), str(writers), str(per_writer))
-        for i in range(writers)
-    ]
-    try:
-        for p in procs:
-            p.expect("ready")
-        for p in procs:
-            p.send("go")
-        return [p.expect("done")["accepted"] for p in procs]
-    finally:
-        for p in procs:
-            p.close()
-
-
-def paused_holder(
-    module: str, source_url: str, target: str, resource: str, guarded: bool
-) -> dict[str, Any]:
-    """Figure 8-5: holder 1 is SIGSTOPped past its ttl, holder 2 writes, holder 1 resumes and writes."""
-    mode = "guarded" if guarded else "unguarded"
-    c1 = Proc("-m", module, "holder", source_url, target, resource, "1.0", mode)
-    c2: Proc | None = None
-    try:
-        t1 = c1.expect("acquired")["token"]
-        os.kill(c1.popen.pid, signal.SIGSTOP)  # before it writes
-        c2 = Proc("-m", module, "holder", source_url, target, resource, "1.0", mode)
-        t2 = c2.expect("acquired")["token"]  # only after c1's lease ran out
-        c2.send("write 2:client-2")
-        ok2 = c2.expect("write-ok", "write-rejected")["event"] == "write-ok"
-        c2.send("quit")
-        c1.send("write 1:client-1")
-        os.kill(c1.popen.pid, signal.SIGCONT)
-        ev1 = c1.expect("write-ok", "write-rejected")
-        c1.send("quit")
-        return {"t1": t1, "t2": t2, "ok1": ev1["event"] == "write-ok", "ok2": ok2, "ev1": ev1}
-    finally:
-        c1.close()
-        if c2 is not None:
-            c2.close()
-
-
-def figure_8_5_violations(run: dict[str, Any], data: str | None) -> list[str]:
-    bad = []
-    if not FencingToken.parse(run["t2"]) > FencingToken.parse(run["t1"]):
-        bad.append("the second holder's token is not higher")
-    if not run["ok2"]:
-        bad.append("the current holder's write was refused")
-    if run["ok1"]:
-        bad.append("the paused holder's stale write was accepted")
-    if data is None or not data.endswith("client-2"):
-        bad.append(f"the data is {data!r}, not the current holder's")
-    return bad
-
-
 def test_racing_processes_never_accept_out_of_order(redis_server: RedisServer) -> None:
     client = redis.Redis(port=redis_server.port)
     try:
         res = Resource(client)
-        counts = race(__name__, redis_server.url, res.name, writers=4, per_writer=150)
+        counts = race(f"redis:{redis_server.url}", res.name, writers=4, per_writer=150)
         log = res.accepted()
         assert len(log) == sum(counts) > 0
         assert history_violations(log, res.value()) == []
@@ -811,7 +671,7 @@ def test_racing_processes_never_accept_out_of_order(redis_server: RedisServer) -
 def test_paused_holder_end_to_end(redis_server: RedisServer, tmp_path: Path, guarded: bool) -> None:
     resource = unique_name("res")
     run = paused_holder(
-        __name__, f"sqlite:///{tmp_path}/locks.db", redis_server.url, resource, guarded
+        f"sqlite:///{tmp_path}/locks.db", f"redis:{redis_server.url}", resource, guarded
     )
     client = redis.Redis(port=redis_server.port)
     try:
@@ -824,56 +684,3 @@ def test_paused_holder_end_to_end(redis_server: RedisServer, tmp_path: Path, gua
         assert run["ev1"]["high_water"] == run["t2"]
     else:  # the checker catches the unguarded write
         assert "the paused holder's stale write was accepted" in bad
-
-
-# --- the client process -------------------------------------------------------------------------
-
-
-def _emit(**event: Any) -> None:
-    print(json.dumps(event), flush=True)
-
-
-def _worker_main(argv: list[str]) -> None:
-    """``race URL RESOURCE FIRST STEP COUNT`` or ``holder SOURCE URL RESOURCE TTL MODE``."""
-    mode = argv[0]
-    if mode == "race":
-        url, resource, first, step, count = argv[1], argv[2], *map(int, argv[3:6])
-        client = redis.Redis.from_url(url)
-        res = Resource(client, resource)
-        guard = RedisGuard(client, resource, LOCK)
-        guard.high_water()  # connected before the start line
-        _emit(event="ready")
-        sys.stdin.readline()
-        accepted = 0
-        for value in range(first, first + step * count, step):
-            with contextlib.suppress(StaleTokenError):
-                res.write(guard, value, f"pid{os.getpid()}")
-                accepted += 1
-        _emit(event="done", accepted=accepted)
-    elif mode == "holder":
-        source, url, resource, ttl, how = argv[1], argv[2], argv[3], float(argv[4]), argv[5]
-        client = redis.Redis.from_url(url)
-        guard = RedisGuard(client, resource, LOCK)
-        with fenced.connect(source) as locks:
-            lease = locks.lock(LOCK, ttl=ttl, timeout=STEP_TIMEOUT)
-            lease.acquire()
-            _emit(event="acquired", token=str(lease.token))
-            for line in sys.stdin:
-                cmd, _, arg = line.strip().partition(" ")
-                if cmd == "write":  # written whether or not the lease is still held
-                    try:
-                        if how == "guarded":
-                            guard.set(f"{{{resource}}}:data", arg, lease.token)
-                        else:
-                            client.set(f"{{{resource}}}:data", arg)
-                        _emit(event="write-ok")
-                    except StaleTokenError as exc:
-                        _emit(event="write-rejected", high_water=str(exc.high_water))
-                elif cmd == "quit":
-                    break
-    else:
-        raise SystemExit(f"unknown mode {mode!r}")
-
-
-if __name__ == "__main__":
-    _worker_main(sys.argv[1:])

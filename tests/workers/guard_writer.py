@@ -1,0 +1,169 @@
+"""A client process for the guard tests: ``python -m tests.workers.guard_writer MODE ...``.
+
+* ``race TARGET RESOURCE FIRST STEP COUNT`` — after a line on stdin, offer tokens FIRST,
+  FIRST+STEP, ... (COUNT of them) as fast as possible; print how many were accepted.
+* ``holder SOURCE TARGET RESOURCE TTL MODE`` — take lock ``LOCK`` from SOURCE, print the
+  token; then each ``write VALUE`` line writes VALUE, guarded (MODE ``guarded``) or not,
+  whether or not the lease is still held: the resource must be the one to refuse.
+
+TARGET is ``redis:URL``, ``etcd:HOST:PORT``, ``files:DIR`` or ``http:BASE_URL``. Events are
+JSON lines on stdout (see :class:`tests.guards.processes.Proc`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Final
+
+import fenced
+from fenced import FencingToken, StaleTokenError
+
+LOCK: Final = "inv-lock"
+STEP_TIMEOUT: Final = 60.0
+
+# A guarded Redis write that also appends its token to a list in the same script: the
+# resource's own log of accepted tokens, in the order Redis applied them.
+LOG_BODY: Final = """
+redis.call('SET', KEYS[1], ARGV[1] .. ':' .. ARGV[2])
+redis.call('RPUSH', KEYS[2], ARGV[1])
+return 1
+"""
+
+Writer = Callable[[str, FencingToken, bool], None]
+"""write(value, token, guarded)"""
+
+
+def emit(**event: Any) -> None:
+    print(json.dumps(event), flush=True)
+
+
+def plain_write(path: Path, data: bytes) -> None:
+    """What an unguarded file writer does: atomic replace, last writer wins."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def writer(target: str, resource: str) -> Any:
+    """The write function for ``target``, connected before the caller starts timing."""
+    kind, _, where = target.partition(":")
+    if kind == "redis":
+        import redis
+
+        from fenced.guards.redis import RedisGuard
+
+        client = redis.Redis.from_url(where)
+        guard = RedisGuard(client, resource, LOCK)
+        guard.high_water()
+        data, log = f"{{{resource}}}:data", f"{{{resource}}}:log"
+
+        def write_redis(value: str, token: FencingToken, guarded: bool) -> None:
+            if not guarded:
+                client.set(data, value)
+            elif value.startswith("log:"):  # a race write: logged in the same script
+                guard.eval(LOG_BODY, [data, log], [str(token.value), value[4:]], token)
+            else:
+                guard.set(data, value, token)
+
+        try:
+            yield write_redis
+        finally:
+            guard.close()
+            client.close()
+    elif kind == "etcd":
+        from fenced.guards.etcd import EtcdGuard
+
+        key = f"{resource}/data"
+        with EtcdGuard(where, resource, LOCK) as etcd_guard:
+            etcd_guard.high_water()
+
+            def write_etcd(value: str, token: FencingToken, guarded: bool) -> None:
+                if value.startswith("log:"):
+                    value = f"{token.value}:{value[4:]}"
+                if guarded:
+                    etcd_guard.put(key, value, token)
+                else:
+                    client = etcd_guard.aio._client
+                    etcd_guard._portal.call(client.put(key.encode(), value.encode()))
+
+            yield write_etcd
+    elif kind == "files":
+        from fenced.guards.files import FileGuard
+
+        def write_file(value: str, token: FencingToken, guarded: bool) -> None:
+            if guarded:
+                FileGuard(where, lock=LOCK).write(resource, value.encode(), token)
+            else:
+                plain_write(Path(where) / "plain" / resource, value.encode())
+
+        yield write_file
+    elif kind == "http":
+        import httpx
+
+        from fenced.guards.httpx import FencingAuth
+
+        def write_http(value: str, token: FencingToken, guarded: bool) -> None:
+            # A fixed token read before the pause (not the lease, which would refuse to send
+            # now that it knows it is lost): the server must be the one to refuse.
+            route = "fenced" if guarded else "plain"
+            auth = FencingAuth(token) if guarded else None
+            with httpx.Client(base_url=where, auth=auth) as client:
+                client.put(f"/{route}/{resource}", content=value).raise_for_status()
+
+        yield write_http
+    else:
+        raise SystemExit(f"unknown target {target!r}")
+
+
+def race(target: str, resource: str, first: int, step: int, count: int) -> None:
+    with writer(target, resource) as write:
+        emit(event="ready")
+        sys.stdin.readline()
+        accepted = 0
+        for value in range(first, first + step * count, step):
+            with contextlib.suppress(StaleTokenError):
+                write(f"log:pid{os.getpid()}", FencingToken(LOCK, value), True)
+                accepted += 1
+    emit(event="done", accepted=accepted)
+
+
+def holder(source: str, target: str, resource: str, ttl: float, how: str) -> None:
+    with writer(target, resource) as write, fenced.connect(source) as locks:
+        lease = locks.lock(LOCK, ttl=ttl, timeout=STEP_TIMEOUT)
+        token = lease.acquire()
+        emit(event="acquired", token=str(token))
+        for line in sys.stdin:
+            cmd, _, arg = line.strip().partition(" ")
+            if cmd == "write":
+                try:
+                    write(arg, token, how == "guarded")
+                    emit(event="write-ok")
+                except StaleTokenError as exc:
+                    emit(event="write-rejected", high_water=str(exc.high_water))
+            elif cmd == "quit":
+                break
+
+
+def main(argv: list[str]) -> None:
+    mode = argv[0]
+    if mode == "race":
+        race(argv[1], argv[2], *map(int, argv[3:6]))
+    elif mode == "holder":
+        holder(argv[1], argv[2], argv[3], float(argv[4]), argv[5])
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
