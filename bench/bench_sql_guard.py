@@ -6,6 +6,7 @@ fsync=on, synchronous_commit=on), one sequential client each. Each transaction i
 
 * unfenced - no fence (the peer);
 * SQLGuard - ``SQLGuard.check`` (one extra INSERT .. ON CONFLICT DO UPDATE .. RETURNING);
+* SQLGuard.begin - ``SQLGuard.begin``: BEGIN and the fence in one round trip (PostgreSQL);
 * RowGuard - the UPDATE itself carries the fence (``RowGuard.update``);
 * +SELECT 1 - unfenced plus one trivial statement: the price of any extra statement (on
   PostgreSQL, of one extra round trip), to explain the SQLGuard figure.
@@ -38,7 +39,7 @@ from fenced.testing.servers import PostgresServer
 
 TOKEN = FencingToken("accounts", 42)
 SLICES = 20
-VARIANTS = ("unfenced", "SQLGuard", "RowGuard", "+SELECT 1")
+VARIANTS = ("unfenced", "SQLGuard", "SQLGuard.begin", "RowGuard", "+SELECT 1")
 
 
 class Run:
@@ -104,6 +105,11 @@ def make_ops(conn: Any, begin: str, q: Callable[[str], str]) -> dict[str, Callab
         conn.execute(update, (next(counter),))
         conn.execute("COMMIT")
 
+    def fence_begin() -> None:
+        guard.begin(conn, TOKEN)  # BEGIN and the fence together: one round trip on PostgreSQL
+        conn.execute(update, (next(counter),))
+        conn.execute("COMMIT")
+
     def row_form() -> None:
         conn.execute(begin)
         rows.update(conn, TOKEN, key={"id": 1}, values={"balance": next(counter)})
@@ -118,6 +124,7 @@ def make_ops(conn: Any, begin: str, q: Callable[[str], str]) -> dict[str, Callab
     return {
         "unfenced": unfenced,
         "SQLGuard": fence_table,
+        "SQLGuard.begin": fence_begin,
         "RowGuard": row_form,
         "+SELECT 1": one_more_statement,
     }
@@ -129,7 +136,7 @@ def report(engine: str, run: Run) -> list[str]:
     for name in VARIANTS[1:]:
         r = run.results[name]
         lines.append(
-            f"{engine:10s} {name:9s} time / unfenced: median of {SLICES} slices "
+            f"{engine:10s} {name:14s} time / unfenced: median of {SLICES} slices "
             f"{statistics.median(run.slice_ratios(name)):.3f}x, mean {r.mean / base.mean:.3f}x, "
             f"p50 {r.p50 / base.p50:.3f}x ({fmt_us(r.p50 - base.p50)}); client CPU "
             f"{run.cpu_us(name):.0f} µs vs {run.cpu_us('unfenced'):.0f} µs per transaction"

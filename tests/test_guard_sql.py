@@ -1192,3 +1192,41 @@ def test_row_guard_install_refuses_narrow_or_text_token_columns_on_postgresql(
         db.execute("INSERT INTO jobs (id) VALUES (1)")
         big = fenced.FencingToken("jobs", fenced.MAX_TOKEN)
         assert RowGuard("jobs").update(db, big, key={"id": 1}) == big
+
+
+def test_begin_starts_the_transaction_and_checks_in_one_step(env: Env) -> None:
+    """SQLGuard.begin: BEGIN and the fence together (one round trip on PostgreSQL); both
+    sides of the rule, and a connection already in a transaction refused."""
+    guard = SQLGuard("ledger", lock=LOCK)
+    env.setup(guard)
+    conn = env.connect()
+    try:
+        for value, ok in [(5, True), (5, True), (7, True), (6, False), (7, True)]:
+            if ok:
+                assert guard.begin(conn, tok(value)) == tok(value)
+                conn.execute(env.q("UPDATE ledger SET history = ? WHERE id = 1"), (str(value),))
+                conn.execute("COMMIT")
+            else:
+                with pytest.raises(StaleTokenError) as info:
+                    guard.begin(conn, tok(value))
+                assert info.value.high_water == tok(7)
+                conn.execute("ROLLBACK")
+        assert conn.execute("SELECT history FROM ledger").fetchall() == [("7",)]
+        env.begin(conn)
+        with pytest.raises(ConfigurationError, match="already open"):
+            guard.begin(conn, tok(8))
+        conn.execute("ROLLBACK")
+    finally:
+        conn.close()
+
+
+async def test_abegin_on_an_async_connection(pg_dsn: str) -> None:
+    guard = SQLGuard("ledger", lock=LOCK)
+    async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as conn:
+        await guard.ainstall(conn)
+        assert await guard.abegin(conn, tok(3)) == tok(3)
+        await conn.execute("COMMIT")
+        with pytest.raises(StaleTokenError):
+            await guard.abegin(conn, tok(2))
+        await conn.execute("ROLLBACK")
+        assert await guard.ahigh_water(conn) == tok(3)

@@ -13,6 +13,7 @@ and translate the driver's errors into fenced's tree at this boundary:
 
 from __future__ import annotations
 
+import functools
 import sqlite3
 import sys
 from collections.abc import Callable
@@ -199,6 +200,29 @@ def _exec_sqlite(conn: sqlite3.Connection, stmt: Stmt) -> Result:
         cur.close()
 
 
+def _begin_stmt(conn: Any, stmt: Stmt) -> bytes:
+    """``BEGIN; <stmt>`` with the parameters rendered as literals (by psycopg, quoted safely):
+    the simple-query protocol carries both in one round trip (it takes no parameters)."""
+    return _render_begin(stmt.sql, stmt.params, conn.info.encoding, _quoting(conn))
+
+
+def _quoting(conn: Any) -> str:
+    # Literal quoting depends on standard_conforming_strings (on since PostgreSQL 9.1).
+    return str(conn.info.parameter_status("standard_conforming_strings"))
+
+
+@functools.lru_cache(maxsize=256)
+def _render_begin(sql: str, params: tuple[Any, ...], encoding: str, quoting: str) -> bytes:
+    # (Rendering with psycopg.sql costs ~50 µs; a holder repeats the same token: cached.)
+    pg = _psycopg()
+    template = sql.replace("{", "{{").replace("}", "}}").replace("%s", "{}")
+    query = pg.sql.SQL(template).format(*map(pg.sql.Literal, params))
+    rendered: bytes = query.as_string(None).encode(encoding) if quoting == "on" else b""
+    if not rendered:
+        raise ConfigurationError("begin() needs standard_conforming_strings = on")
+    return b"BEGIN; " + rendered
+
+
 def _exec_psycopg(conn: Any, stmt: Stmt) -> Result:
     with conn.cursor() as cur:
         cur.execute(stmt.sql, stmt.params)
@@ -270,14 +294,64 @@ async def _aend(conn: Any, *, commit: bool) -> None:
         raise mapped from exc
 
 
-def run(conn: Any, make_plan: Callable[[Dialect], Plan[T]], *, need_tx: bool = False) -> T:
-    """Run a plan on a synchronous connection (sqlite3 or psycopg)."""
+def _refuse_open_transaction(conn: Any) -> None:
+    if in_transaction(conn):
+        raise ConfigurationError(
+            "begin() starts the transaction, and one is already open: use check() inside it"
+        )
+
+
+def _begin_psycopg(conn: Any, stmt: Stmt) -> Result:
+    with conn.cursor() as cur:
+        cur.execute(_begin_stmt(conn, stmt))
+        cur.nextset()  # past BEGIN's empty result, to the statement's
+        return Result(cur.fetchall() if cur.description else [], cur.rowcount)
+
+
+async def _abegin_psycopg(conn: Any, stmt: Stmt) -> Result:
+    async with conn.cursor() as cur:
+        await cur.execute(_begin_stmt(conn, stmt))
+        cur.nextset()
+        return Result(await cur.fetchall() if cur.description else [], cur.rowcount)
+
+
+def run(
+    conn: Any,
+    make_plan: Callable[[Dialect], Plan[T]],
+    *,
+    need_tx: bool = False,
+    begin: bool = False,
+) -> T:
+    """Run a plan on a synchronous connection (sqlite3 or psycopg).
+
+    ``begin``: start the caller's transaction with the plan's first statement (PostgreSQL in
+    autocommit mode: in one round trip; otherwise BEGIN IMMEDIATE / the driver's own BEGIN).
+    """
     d = sync_dialect(conn)
-    if need_tx:
+    first: Callable[[Any, Stmt], Result] | None = None
+    if begin:
+        _refuse_open_transaction(conn)
+        if d is SQLITE:
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+            except Exception as exc:
+                mapped = map_error(d, conn, exc)
+                if mapped is None:
+                    raise
+                raise mapped from exc
+        elif conn.autocommit:
+            first = _begin_psycopg
+    elif need_tx:
         require_transaction(conn)
     execute = _exec_sqlite if d is SQLITE else _exec_psycopg
     plan = make_plan(d)
     step = _resume(plan, d, conn, None, None)
+    if first is not None and isinstance(step, Stmt):
+        try:
+            res, err = first(conn, step), None
+        except Exception as exc:
+            res, err = None, exc
+        step = _resume(plan, d, conn, res, err)
     while isinstance(step, Stmt):
         try:
             res, err = execute(conn, step), None
@@ -288,13 +362,27 @@ def run(conn: Any, make_plan: Callable[[Dialect], Plan[T]], *, need_tx: bool = F
     return value
 
 
-async def arun(conn: Any, make_plan: Callable[[Dialect], Plan[T]], *, need_tx: bool = False) -> T:
-    """Run a plan on a psycopg AsyncConnection."""
+async def arun(
+    conn: Any,
+    make_plan: Callable[[Dialect], Plan[T]],
+    *,
+    need_tx: bool = False,
+    begin: bool = False,
+) -> T:
+    """Run a plan on a psycopg AsyncConnection (``begin``: see :func:`run`)."""
     d = _async_dialect(conn)
-    if need_tx:
+    if begin:
+        _refuse_open_transaction(conn)
+    elif need_tx:
         require_transaction(conn)
     plan = make_plan(d)
     step = _resume(plan, d, conn, None, None)
+    if begin and conn.autocommit and isinstance(step, Stmt):
+        try:
+            res, err = await _abegin_psycopg(conn, step), None
+        except Exception as exc:
+            res, err = None, exc
+        step = _resume(plan, d, conn, res, err)
     while isinstance(step, Stmt):
         try:
             res, err = await _aexec_psycopg(conn, step), None

@@ -150,6 +150,17 @@ class SQLGuard:
         tok = FencingToken.coerce(token, self.lock)
         return run(conn, lambda d: self._check_plan(d, tok), need_tx=True)
 
+    def begin(self, conn: Any, token: TokenLike) -> FencingToken:
+        """Start the caller's transaction and :meth:`check` the fence, as its first statement.
+
+        On PostgreSQL (autocommit connection) ``BEGIN`` and the fence go in one round trip, so
+        the fence costs no round trip of its own; on SQLite this is ``BEGIN IMMEDIATE`` then
+        the check. The transaction stays open for the caller's writes and COMMIT; on an error
+        it is left open too (roll it back). Refuses a connection already in a transaction.
+        """
+        tok = FencingToken.coerce(token, self.lock)
+        return run(conn, lambda d: self._check_plan(d, tok), begin=True)
+
     def high_water(self, conn: Any) -> FencingToken | None:
         """The highest token accepted so far, or None if the resource was never fenced."""
         return run(conn, lambda d: fence_high_water_plan(self._fence_sql(d), self.resource))
@@ -167,6 +178,11 @@ class SQLGuard:
         """:meth:`check` on a ``psycopg.AsyncConnection``."""
         tok = FencingToken.coerce(token, self.lock)
         return await arun(conn, lambda d: self._check_plan(d, tok), need_tx=True)
+
+    async def abegin(self, conn: Any, token: TokenLike) -> FencingToken:
+        """:meth:`begin` on a ``psycopg.AsyncConnection``."""
+        tok = FencingToken.coerce(token, self.lock)
+        return await arun(conn, lambda d: self._check_plan(d, tok), begin=True)
 
     async def ahigh_water(self, conn: Any) -> FencingToken | None:
         """:meth:`high_water` on a ``psycopg.AsyncConnection``."""
