@@ -481,8 +481,9 @@ def test_bad_arguments(guard: EtcdGuard) -> None:
     guard.write(
         [_range_delete(f"{guard.resource}/".encode(), f"{guard.resource}0".encode())], tok(1)
     )
-    with pytest.raises(ConfigurationError):
-        EtcdGuard("no-port", "r")
+    for bad in ("h:x", "h:0", "h:1,,h:2", "u:p@h:1", "etcd+https://h:1", "[::1"):
+        with pytest.raises(ConfigurationError):
+            EtcdGuard(bad, "r")
 
 
 def _range_delete(key: bytes, end: bytes) -> rpc.RequestOp:
@@ -584,3 +585,31 @@ def test_paused_holder_end_to_end(etcd_server: EtcdServer, tmp_path: Path, guard
         assert run["ev1"]["high_water"] == run["t2"]
     else:  # the checker catches the unguarded write
         assert "the paused holder's stale write was accepted" in bad
+
+
+def test_the_guard_fails_over_to_another_member() -> None:
+    """One etcd client layer: the guard uses the source's transport. With a three-member
+    cluster, stopping the member it talks to costs at most one write (outcome unknown,
+    BackendUnavailable); the next write goes to another member, and the rule still holds."""
+    from fenced.testing.servers import EtcdCluster
+
+    with EtcdCluster(3) as cluster:
+        endpoints = ",".join(m.endpoint for m in cluster.members)
+        res = Resource(cluster.members[0].endpoint)
+        with EtcdGuard(endpoints, res.name, LOCK, timeout=2) as guard:
+            res.write(guard, 5, "before")
+            current = guard.aio._client.current.endpoint  # type: ignore[union-attr]
+            victim = next(m for m in cluster.members if m.endpoint == current)
+            victim.stop()
+            outcomes = []
+            for _ in range(3):
+                try:
+                    guard.put(res.data, "6:after", tok(6))
+                    outcomes.append("ok")
+                except BackendUnavailable:
+                    outcomes.append("unknown")
+            assert outcomes.count("ok") >= 2, outcomes
+            assert outcomes[-1] == "ok"
+            with pytest.raises(StaleTokenError):
+                guard.put(res.data, "4:stale", tok(4))
+            assert guard.high_water() == tok(6)

@@ -82,7 +82,7 @@ def writer(target: str, resource: str) -> Any:
             guard.close()
             client.close()
     elif kind == "etcd":
-        from fenced.guards.etcd import EtcdGuard
+        from fenced.guards.etcd import EtcdGuard, put_op
 
         key = f"{resource}/data"
         with EtcdGuard(where, resource, LOCK) as etcd_guard:
@@ -94,8 +94,12 @@ def writer(target: str, resource: str) -> Any:
                 if guarded:
                     etcd_guard.put(key, value, token)
                 else:
-                    client = etcd_guard.aio._client
-                    etcd_guard._portal.call(client.put(key.encode(), value.encode()))
+                    put = put_op(key, value).request_put
+                    etcd_guard._portal.call(
+                        etcd_guard.aio._client.call(
+                            lambda m, t: m.kv.Put(put, timeout=t), what="unguarded put"
+                        )
+                    )
 
             yield write_etcd
     elif kind == "files":

@@ -408,6 +408,33 @@ class EtcdClient:
                     raise BackendUnavailable(f"etcd {what}: channel closed") from None
                 await asyncio.sleep(0.01)
 
+    async def call_once(self, fn: Callable[[Member, float], Awaitable[T]], *, what: str) -> T:
+        """Run a request that must not be sent twice (a guarded write): one attempt.
+
+        On a failure that may have left the request applied, the member is marked failed
+        (the next call goes to the next member: failover) and BackendUnavailable says the
+        outcome is unknown; the caller decides whether to retry.
+        """
+        if self.closed:
+            raise BackendUnavailable("etcd connection is closed")
+        member = self.current
+        try:
+            return await fn(member, self.timeout)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() not in _RETRYABLE:
+                raise BackendError(
+                    f"etcd {what} failed: {exc.code().name}: {exc.details()}"
+                ) from exc
+            self._failed(member, exc, full_wait=True)
+            raise BackendUnavailable(
+                f"etcd {what}: {member.endpoint} failed ({exc.code().name}); outcome unknown, "
+                "the next call goes to another member"
+            ) from exc
+        except (asyncio.CancelledError, grpc.aio.UsageError, RuntimeError) as exc:
+            if isinstance(exc, asyncio.CancelledError) and cancelling():
+                raise
+            raise BackendUnavailable(f"etcd {what}: channel closed; outcome unknown") from None
+
     async def keepalive(self, lease_id: int, *, deadline: float | None = None) -> int:
         """One LeaseKeepAlive round trip: the lease's new TTL in seconds, 0 if it is gone."""
 

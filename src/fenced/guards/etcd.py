@@ -56,11 +56,13 @@ import dataclasses
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, Final
+from urllib.parse import urlsplit
 
 import aetcd
 from aetcd import rpc
 
 from .._errors import (
+    BackendError,
     BackendUnavailable,
     ConfigurationError,
     CorruptMarkError,
@@ -71,7 +73,8 @@ from .._errors import (
 )
 from .._portal import Portal
 from .._token import MAX_TOKEN, FencingToken, validate_lock_name
-from ..backends._etcd_conn import check_grpc_usable
+from ..backends._etcd_conn import EtcdClient, Member, check_grpc_usable
+from ..backends.etcd import parse_endpoints
 
 __all__ = [
     "Accepted",
@@ -316,7 +319,12 @@ def map_error(exc: Exception, resource: str) -> FencedError:
 
 
 class AsyncEtcdGuard:
-    """Fenced writes to etcd through an ``aetcd.Client``.
+    """Fenced writes to etcd, through an ``aetcd.Client`` or the etcd source's transport.
+
+    :meth:`open` makes the guard its own connection to one or several members (the transport
+    the ``etcd://`` source uses: failover to the next member when one fails; a write is sent
+    once, reads are retried). An ``aetcd.Client`` you pass stays yours and talks to one
+    endpoint.
 
     ``lock``: the lock whose tokens are accepted; any other lock's token raises
     :class:`~fenced.WrongLockError` before anything is sent. With None, the resource is bound
@@ -327,10 +335,37 @@ class AsyncEtcdGuard:
 
     _bind_attempts = 3
     _max_attempts = 64
+    _owns_client = False
+
+    @classmethod
+    def open(
+        cls,
+        endpoints: str,
+        resource: str,
+        lock: str | None = None,
+        *,
+        prefix: str = "fenced/",
+        timeout: float | None = DEFAULT_TIMEOUT,
+    ) -> AsyncEtcdGuard:
+        """A guard with its own connection to ``"h1:p1,h2:p2"`` (close it with :meth:`aclose`)."""
+        guard = cls(etcd_client(endpoints, timeout), resource, lock, prefix=prefix, timeout=timeout)
+        guard._owns_client = True
+        return guard
+
+    async def aclose(self) -> None:
+        """Close the connection :meth:`open` made (a client you passed is left open)."""
+        if self._owns_client and isinstance(self._client, EtcdClient):
+            await self._client.close()
+
+    async def __aenter__(self) -> AsyncEtcdGuard:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
 
     def __init__(
         self,
-        client: aetcd.Client,
+        client: aetcd.Client | EtcdClient,
         resource: str,
         lock: str | None = None,
         *,
@@ -399,9 +434,24 @@ class AsyncEtcdGuard:
         request.success.extend(ops)
         return request
 
-    async def _txn(self, request: rpc.TxnRequest) -> rpc.TxnResponse:
+    async def _txn(self, request: rpc.TxnRequest, *, write: bool = True) -> rpc.TxnResponse:
         client = self._client
         check_grpc_usable()
+        if isinstance(client, EtcdClient):
+            # The etcd source's own transport: several members, failover. A write is sent
+            # once (a re-sent write could be refused after it was applied); a read retries.
+            def txn(member: Member, timeout: float) -> Any:
+                return member.kv.Txn(request, timeout=timeout)
+
+            what = f"guarded {'write' if write else 'read'} on {self.resource!r}"
+            try:
+                if write:
+                    return await client.call_once(txn, what=what)
+                return await client.call(txn, what=what)
+            except BackendUnavailable:
+                raise
+            except BackendError as exc:
+                raise FencedError(str(exc)) from exc
         try:
             await client.connect()
             return await client.kvstub.Txn(request, timeout=self.timeout, metadata=client.metadata)
@@ -422,7 +472,7 @@ class AsyncEtcdGuard:
         # Each retry saw the mark move (it only grows) or created the fence keys: bounded.
         for _ in range(self._max_attempts):
             if mark is None:
-                resp = await self._txn(state_txn(self.keys))
+                resp = await self._txn(state_txn(self.keys), write=False)
                 outcome = interpret_found(resp, tok, self.resource)
             else:
                 resp = await self._txn(self._request(tok, mark, ops))
@@ -462,22 +512,29 @@ class AsyncEtcdGuard:
 
     async def high_water(self) -> FencingToken | None:
         """The highest token accepted so far (None if none)."""
-        return interpret_state(await self._txn(state_txn(self.keys)), self.resource)
+        return interpret_state(await self._txn(state_txn(self.keys), write=False), self.resource)
 
 
-def _endpoint(endpoint: str) -> tuple[str, int]:
-    text = endpoint.split("://", 1)[-1].split(",", 1)[0].rstrip("/")
-    host, _, port = text.rpartition(":")
-    if not host or not port.isdigit():
-        raise ConfigurationError(f"etcd endpoint must be host:port, not {endpoint!r}")
-    return host, int(port)
+def etcd_client(endpoints: str, timeout: float | None = DEFAULT_TIMEOUT) -> EtcdClient:
+    """The etcd source's transport for ``"h1:p1,h2:p2"`` or ``"etcd://h1:p1,h2:p2"``."""
+    url = endpoints if "://" in endpoints else f"etcd://{endpoints}"
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:
+        raise ConfigurationError(
+            f"etcd endpoints must be host:port[,host:port...]: {exc}"
+        ) from None
+    per_call = DEFAULT_TIMEOUT if timeout is None else timeout
+    return EtcdClient(parse_endpoints(parts), timeout=per_call, retry_for=per_call)
 
 
 class EtcdGuard:
     """The synchronous :class:`AsyncEtcdGuard`: the same code, run on a private loop thread.
 
-    ``endpoint`` is ``host:port`` (or ``etcd://host:port``); the guard owns its connection:
-    close it with :meth:`close` or a ``with`` block.
+    ``endpoint`` is ``host:port``, or several (``h1:p1,h2:p2``, also as ``etcd://...``): the
+    guard talks to the cluster through the etcd source's own transport, and moves to the next
+    member when one fails. It owns that connection: close it with :meth:`close` or a ``with``
+    block.
     """
 
     _async_class: type[AsyncEtcdGuard] = AsyncEtcdGuard
@@ -491,10 +548,9 @@ class EtcdGuard:
         prefix: str = "fenced/",
         timeout: float | None = DEFAULT_TIMEOUT,
     ) -> None:
-        host, port = _endpoint(endpoint)
         self._portal = Portal("fenced-etcd-guard")
         try:
-            self._client: aetcd.Client = self._portal.run_sync(lambda: aetcd.Client(host, port))
+            self._client = self._portal.run_sync(lambda: etcd_client(endpoint, timeout))
             self.aio = self._async_class(
                 self._client, resource, lock, prefix=prefix, timeout=timeout
             )
