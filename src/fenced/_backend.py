@@ -21,7 +21,8 @@ from types import MappingProxyType
 from typing import Any, ClassVar, Final
 from urllib.parse import SplitResult, urlsplit
 
-from ._errors import ConfigurationError
+from . import _clock
+from ._errors import BackendUnavailable, ConfigurationError, LockTimeout
 from ._options import Option, merge_options, parse_query
 from ._portal import on_private_loop
 from ._token import FencingToken
@@ -36,8 +37,10 @@ __all__ = [
     "LostCallback",
     "backend_class",
     "known_schemes",
+    "lock_timeout",
     "on_private_loop",
     "register_backend",
+    "wait_budget",
 ]
 
 
@@ -114,6 +117,18 @@ class Backend(abc.ABC):
         Must be safe to cancel (the core bounds it by the caller's connect timeout): release
         whatever it opened on any exception, CancelledError included.
         """
+
+    _closed: bool = False
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`aclose` has run (a backend may derive it from its connection)."""
+        return self._closed
+
+    def _check_open(self) -> None:
+        """Raise :class:`~fenced.BackendUnavailable` if the connection is closed."""
+        if self.closed:
+            raise BackendUnavailable(f"{self.scheme}:// connection is closed")
 
     @classmethod
     def options(
@@ -244,6 +259,20 @@ def _entry_points() -> Mapping[str, str]:
 
 def known_schemes() -> list[str]:
     return sorted({*BUILTIN_SCHEMES, *_entry_points(), *_registered})
+
+
+def lock_timeout(name: str) -> LockTimeout:
+    """The error every source raises when an acquire's deadline passes."""
+    return LockTimeout(f"lock {name!r} not acquired before the timeout")
+
+
+def wait_budget(deadline: float | None, *caps: float | None) -> float:
+    """How long a waiting acquire may sleep before it looks again: the smallest of ``caps``
+    (a heartbeat, a holder's remaining lease...) and the time left before ``deadline``."""
+    wait = min((c for c in caps if c is not None), default=float("inf"))
+    if deadline is not None:
+        wait = min(wait, deadline - _clock.now())
+    return wait
 
 
 def parse_url(url: str) -> SplitResult:

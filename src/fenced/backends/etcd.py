@@ -278,9 +278,9 @@ class EtcdBackend(Backend):
 
     # -- small helpers -----------------------------------------------------------------------
 
-    def _check_open(self) -> None:
-        if self._client.closed:
-            raise BackendUnavailable("etcd connection is closed")
+    @property
+    def closed(self) -> bool:
+        return self._client.closed
 
     def _lock_prefix(self, name: str) -> bytes:
         return self._prefix + name.encode() + b"/"

@@ -15,8 +15,15 @@ from typing import Any, ClassVar
 from urllib.parse import SplitResult
 
 from .. import _clock
-from .._backend import Backend, Characteristic, Grant, LockStatus, LostCallback
-from .._errors import BackendUnavailable, LeaseLostError, LockTimeout
+from .._backend import (
+    Backend,
+    Characteristic,
+    Grant,
+    LockStatus,
+    LostCallback,
+    lock_timeout,
+)
+from .._errors import LeaseLostError
 from .._token import FencingToken
 
 __all__ = ["MemoryBackend"]
@@ -85,10 +92,6 @@ class MemoryBackend(Backend):
         with _stores_mutex:
             _stores.pop(name, None)
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise BackendUnavailable("memory:// connection is closed")
-
     def _expire(self, name: str, lock: _Lock, now: float) -> None:
         holder = lock.holder
         if holder is not None and holder.expires_at <= now:
@@ -150,7 +153,7 @@ class MemoryBackend(Backend):
                             waiter = None
                         return self._grant(name, lock, request_id, ttl, now, on_lost)
                     if deadline is not None and now >= deadline:
-                        raise LockTimeout(f"lock {name!r} not acquired before the timeout")
+                        raise lock_timeout(name)
                     if waiter is None:
                         waiter = _Waiter(request_id, asyncio.get_running_loop(), asyncio.Event())
                         lock.queue.append(waiter)

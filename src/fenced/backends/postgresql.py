@@ -39,13 +39,20 @@ import psycopg
 from psycopg import pq, sql
 
 from .. import _clock
-from .._backend import Backend, Characteristic, Grant, LockStatus, LostCallback
+from .._backend import (
+    Backend,
+    Characteristic,
+    Grant,
+    LockStatus,
+    LostCallback,
+    lock_timeout,
+    wait_budget,
+)
 from .._errors import (
     BackendError,
     BackendUnavailable,
     ConfigurationError,
     LeaseLostError,
-    LockTimeout,
     UnsafeBackendError,
 )
 from .._options import Option, parse_query
@@ -554,10 +561,6 @@ class PostgreSQLBackend(Backend):
 
     # -- connections --------------------------------------------------------------------
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise BackendUnavailable("postgresql:// connection is closed")
-
     async def _connect(self, *, session: bool = True) -> _Conn:
         self._check_open()
         try:
@@ -742,17 +745,14 @@ class PostgreSQLBackend(Backend):
                     return Grant(FencingToken(name, token), request_id, ttl, sent_at)
                 queued = queued or not last_try
                 if last_try:
-                    raise LockTimeout(f"lock {name!r} not acquired before the timeout")
+                    raise lock_timeout(name)
                 if channel is None:
                     # First wait on this connection (or the listener broke): LISTEN, then
                     # re-check at once, so a release between the two cannot be missed.
                     await listener.ensure()
                     continue
-                wait = self._heartbeat
-                if hint is not None:
-                    wait = min(wait, max(float(hint), 0.0) + 0.002)
-                if deadline is not None:
-                    wait = min(wait, deadline - _clock.now())
+                hinted = None if hint is None else max(float(hint), 0.0) + 0.002
+                wait = wait_budget(deadline, self._heartbeat, hinted)
                 if wait > 0 and not wake.is_set():
                     with contextlib.suppress(TimeoutError):
                         async with asyncio.timeout(wait):

@@ -43,14 +43,21 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from .. import _clock
-from .._backend import Backend, Characteristic, Grant, LockStatus, LostCallback
+from .._backend import (
+    Backend,
+    Characteristic,
+    Grant,
+    LockStatus,
+    LostCallback,
+    lock_timeout,
+    wait_budget,
+)
 from .._errors import (
     BackendError,
     BackendUnavailable,
     ConfigurationError,
     FencedError,
     LeaseLostError,
-    LockTimeout,
     UnsafeBackendError,
 )
 from .._options import Option
@@ -528,13 +535,11 @@ class RedisBackend(Backend):
                     )
                 if final:
                     queued = False
-                    raise LockTimeout(f"lock {name!r} not acquired before the timeout")
+                    raise lock_timeout(name)
                 holder_pttl = int(reply[1])
-                wait = self._recheck
-                if holder_pttl >= 0:  # re-check when the holder's lease runs out
-                    wait = min(wait, holder_pttl / 1000 + 0.002)
-                if deadline is not None:
-                    wait = min(wait, deadline - _clock.now())
+                # Re-check when the holder's lease runs out, at the latest.
+                expiry = holder_pttl / 1000 + 0.002 if holder_pttl >= 0 else None
+                wait = wait_budget(deadline, self._recheck, expiry)
                 handed: Any = None
                 if wait >= 0.001:
                     blpop = self._client.blpop

@@ -77,13 +77,20 @@ from typing import Any, ClassVar, Final, TypeVar
 from urllib.parse import SplitResult
 
 from .. import _clock
-from .._backend import Backend, Characteristic, Grant, LockStatus, LostCallback, on_private_loop
+from .._backend import (
+    Backend,
+    Characteristic,
+    Grant,
+    LockStatus,
+    LostCallback,
+    lock_timeout,
+    on_private_loop,
+)
 from .._errors import (
     BackendUnavailable,
     ConfigurationError,
     FencedError,
     LeaseLostError,
-    LockTimeout,
     UnsafeBackendError,
 )
 from .._options import Option
@@ -531,7 +538,7 @@ class SQLiteBackend(Backend):
         return False
 
     def _check_open(self) -> None:
-        if self._closed:
+        if self._closed:  # (with the file's name: several sqlite:// files may be in use)
             raise BackendUnavailable(f"sqlite connection to {self.path} is closed")
 
     def _forget(self, name: str, request_id: str) -> None:
@@ -707,7 +714,7 @@ class SQLiteBackend(Backend):
         queued = False
 
         def timeout() -> FencedError:
-            return LockTimeout(f"lock {name!r} not acquired before the timeout")
+            return lock_timeout(name)
 
         def orphan(attempt: _Attempt) -> None:
             # Granted after the caller was cancelled: nobody will use it, so free it now.

@@ -52,13 +52,19 @@ from kazoo.protocol.states import EventType, KazooState
 from kazoo.retry import KazooRetry
 
 from .. import _clock
-from .._backend import Backend, Characteristic, Grant, LockStatus, LostCallback
+from .._backend import (
+    Backend,
+    Characteristic,
+    Grant,
+    LockStatus,
+    LostCallback,
+    lock_timeout,
+)
 from .._errors import (
     BackendError,
     BackendUnavailable,
     ConfigurationError,
     LeaseLostError,
-    LockTimeout,
     UnsafeBackendError,
 )
 from .._options import Option
@@ -686,7 +692,7 @@ class ZooKeeperBackend(Backend):
                     and _clock.now() >= deadline
                     and any(parse_node(c) for c in await s._children(node.parent))
                 ):
-                    raise LockTimeout(f"lock {node.lock!r} not acquired before the timeout")
+                    raise lock_timeout(node.lock)
                 listed = await self._create(s, node)
                 if listed is None:
                     return None
@@ -711,7 +717,7 @@ class ZooKeeperBackend(Backend):
             return None
         if deadline is not None and _clock.now() >= deadline:
             await self._withdraw(node)
-            raise LockTimeout(f"lock {node.lock!r} not acquired before the timeout")
+            raise lock_timeout(node.lock)
         node.wake.clear()
         sent, sid = _clock.now(), s.session_id
         stat = await s.future(s.client.exists_async(pred, watch=node.pred_watch))
@@ -721,7 +727,7 @@ class ZooKeeperBackend(Backend):
             return None
         if not await _sleep(node.wake, deadline):
             await self._withdraw(node)
-            raise LockTimeout(f"lock {node.lock!r} not acquired before the timeout")
+            raise lock_timeout(node.lock)
         return None
 
     async def _create(self, s: _Session, node: _Node) -> tuple[list[str], float] | None:
@@ -1150,10 +1156,6 @@ class ZooKeeperBackend(Backend):
             if s is not None and s.connected.is_set():
                 return s
         raise BackendUnavailable(f"ZooKeeper at {self._hosts!r} is not reachable")
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise BackendUnavailable("zookeeper:// connection is closed")
 
     async def aclose(self) -> None:
         if self._closed:
