@@ -684,3 +684,16 @@ def test_paused_holder_end_to_end(redis_server: RedisServer, tmp_path: Path, gua
         assert run["ev1"]["high_water"] == run["t2"]
     else:  # the checker catches the unguarded write
         assert "the paused holder's stale write was accepted" in bad
+
+
+def test_guards_of_one_client_share_one_no_retry_pool(client: redis.Redis) -> None:
+    """An ASGI store makes one guard per resource: each with its own pool leaked connections."""
+    guards = [RedisGuard(client, unique_name("res"), LOCK) for _ in range(50)]
+    assert len({id(g._writer) for g in guards}) == 1
+    assert guards[0]._writer is not client  # the sibling without retries
+    for i, g in enumerate(guards):
+        g.set(f"{{{g.resource}}}:k", "v", tok(i + 1))
+    pool = guards[0]._writer.connection_pool
+    assert pool._created_connections == 1  # sequential writes through one connection
+    guards[0].close()
+    guards[1].set(f"{{{guards[1].resource}}}:k", "again", tok(2))  # reconnects after close

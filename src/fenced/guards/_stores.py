@@ -88,6 +88,10 @@ class _Guards(Generic[G]):
                 self._cache.move_to_end(key)
             return guard
 
+    def all(self) -> list[G]:
+        with self._mutex:
+            return list(self._cache.values())
+
 
 def _map_sqlite(conn: sqlite3.Connection, exc: BaseException) -> BaseException:
     mapped = map_error(SQLITE, conn, exc)
@@ -611,7 +615,10 @@ class RedisFenceStore:
         return await self._guards.get(resource, lock).high_water()
 
     async def close(self) -> None:
-        """Nothing to do: the client belongs to the caller."""
+        """Close the guards' own connections (the client belongs to the caller)."""
+        guards = self._guards.all()
+        if guards:  # (they share one pool per client: closing one closes it)
+            await guards[0].aclose()
 
     def __repr__(self) -> str:
         return f"RedisFenceStore({self._client!r})"

@@ -33,6 +33,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import threading
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final
 
@@ -166,7 +168,26 @@ def default_fence_key(resource: str) -> str:
     return f"{NAMESPACE}hw:{{{resource}}}"
 
 
+_WRITERS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+_WRITERS_LOCK = threading.Lock()
+
+
 def _no_retry_client(client: Any) -> Any:
+    """:func:`_make_no_retry_client`, made once per client and shared by its guards (an ASGI
+    store makes a guard per resource: one pool each would leak connections)."""
+    with _WRITERS_LOCK:
+        try:
+            writer = _WRITERS.get(client)
+        except TypeError:  # not weak-referenceable: one per guard
+            return _make_no_retry_client(client)
+        if writer is None:
+            writer = _make_no_retry_client(client)
+            if writer is not client:
+                _WRITERS[client] = writer
+        return writer
+
+
+def _make_no_retry_client(client: Any) -> Any:
     """A client for the guard's scripts that never re-sends a command on its own.
 
     redis-py re-sends a command whose reply timed out (10 times by default): a guarded
@@ -516,9 +537,12 @@ class RedisGuard(_GuardBase):
         check_policy(_text(next(iter(policy.values()), "")))
 
     def close(self) -> None:
-        """Close the guard's own connections (the client you passed stays open)."""
+        """Close the connections the guard made (the client you passed stays open).
+
+        The sibling pool is shared by the guards of one client; a guard that writes again
+        after ``close`` simply reconnects."""
         if self._writer is not self._client:
-            self._writer.close()
+            self._writer.connection_pool.disconnect()
 
     def __enter__(self) -> RedisGuard:
         return self
@@ -590,9 +614,9 @@ class AsyncRedisGuard(_GuardBase):
         check_policy(_text(next(iter(policy.values()), "")))
 
     async def aclose(self) -> None:
-        """Close the guard's own connections (the client you passed stays open)."""
+        """See :meth:`RedisGuard.close`."""
         if self._writer is not self._client:
-            await self._writer.aclose()
+            await self._writer.connection_pool.disconnect()
 
     async def __aenter__(self) -> AsyncRedisGuard:
         return self
