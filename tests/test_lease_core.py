@@ -590,3 +590,29 @@ async def test_aclose_fails_an_acquire_in_flight_promptly(memory_url: str) -> No
             await asyncio.wait_for(task, 3)
         assert (await holder.status("x")).waiters == 0
         assert held.held
+
+
+async def test_an_unopened_async_connection_opens_within_the_acquires_timeout() -> None:
+    """Connecting counts against the acquire's timeout (not the 10 s connect_timeout)."""
+    from fenced.testing.servers import free_port
+
+    locks = fenced.connect_async(f"redis://127.0.0.1:{free_port()}/0")
+    start = asyncio.get_running_loop().time()
+    with pytest.raises(fenced.BackendUnavailable):
+        await locks.lock("x", ttl=5).acquire(timeout=1.0)
+    took = asyncio.get_running_loop().time() - start
+    assert 0.9 <= took < 4.0, took
+    await locks.aclose()
+
+
+def test_demo_output_without_rich(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    """rich is only in the cli extra: without it the demo's printer writes plain text."""
+    import sys as _sys
+
+    from fenced import _console
+
+    monkeypatch.setitem(_sys.modules, "rich.console", None)
+    monkeypatch.setitem(_sys.modules, "rich.panel", None)
+    printer = _console.make_printer()
+    printer.print("[bold]fenced demo[/bold]: [red]paused[/red] " + str(_console.panel("Run 1")))
+    assert capsys.readouterr().out == "fenced demo: paused == Run 1 ==\n"
