@@ -7,6 +7,7 @@ a child process), as ``tests.sources:<Class>``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable
 from typing import Any, ClassVar
 from urllib.parse import SplitResult
@@ -76,3 +77,70 @@ class GoneAfterGrantSource(_TestSource):
 
 def register_source(register_scheme: Callable[[str, str], None], cls: type[_TestSource]) -> None:
     register_scheme(cls.scheme, f"tests.sources:{cls.__name__}")
+
+
+class FlakyBackend(_TestSource):
+    """A memory source whose renewals (or first acquires) can be made to fail."""
+
+    scheme: ClassVar[str] = "flaky"
+    fail_renew = False
+    fail_acquires = 0
+    acquire_calls: ClassVar[list[str]] = []
+
+    async def acquire(
+        self,
+        name: str,
+        *,
+        request_id: str,
+        ttl: float,
+        deadline: float | None,
+        on_lost: LostCallback,
+    ) -> Grant:
+        FlakyBackend.acquire_calls.append(request_id)
+        grant = await super().acquire(
+            name, request_id=request_id, ttl=ttl, deadline=deadline, on_lost=on_lost
+        )
+        if FlakyBackend.fail_acquires:
+            FlakyBackend.fail_acquires -= 1
+            raise fenced.BackendUnavailable("reply lost")  # granted, but the reply never arrived
+        return grant
+
+    async def renew(self, grant: Grant) -> Grant:
+        if FlakyBackend.fail_renew:
+            raise fenced.BackendUnavailable("partitioned")
+        return await super().renew(grant)
+
+
+class ReleaseFindsItGone(_TestSource):
+    """The source had already let the grant go when the holder releases it."""
+
+    scheme: ClassVar[str] = "gone"
+
+    async def release(self, grant: Grant) -> bool:
+        await super().release(grant)
+        return False
+
+
+class LateReplies(_TestSource):
+    """A memory source whose first ``late`` grants arrive after their lease ran out."""
+
+    scheme: ClassVar[str] = "late"
+    late = 0
+
+    async def acquire(
+        self,
+        name: str,
+        *,
+        request_id: str,
+        ttl: float,
+        deadline: float | None,
+        on_lost: LostCallback,
+    ) -> Grant:
+        grant = await super().acquire(
+            name, request_id=request_id, ttl=ttl, deadline=deadline, on_lost=on_lost
+        )
+        if LateReplies.late:
+            LateReplies.late -= 1
+            # As if the request had been sent a whole ttl ago: nothing surely left of it.
+            return dataclasses.replace(grant, sent_at=grant.sent_at - ttl)
+        return grant

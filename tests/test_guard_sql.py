@@ -34,6 +34,7 @@ from fenced.guards import _sql_plan
 from fenced.guards._sql_plan import Dialect, FenceSQL, Plan, Stmt
 from fenced.guards.sql import FenceConflictError, RowGuard, SQLGuard
 from fenced.testing.servers import PostgresServer
+from tests.guards.planted import LessThanGuard, LessThanRowGuard
 from tests.helpers import unique_name, wait_for
 
 LOCK = "invoices"
@@ -197,14 +198,6 @@ def scenario_stale_and_current(env: Env, guard: SQLGuard) -> None:
 
 
 # -- planted bugs -----------------------------------------------------------------------
-
-
-class LessThanGuard(SQLGuard):
-    """Planted bug: ``<`` where ``<=`` is right, so the holder's second write is rejected."""
-
-    def _fence_sql(self, d: Dialect) -> FenceSQL:
-        real = super()._fence_sql(d)
-        return FenceSQL(real.create, real.accept.replace(" <= CAST(", " < CAST("), real.read)
 
 
 class CheckThenWriteGuard(SQLGuard):
@@ -857,27 +850,6 @@ def row(conn: Any, env: Env, key: int) -> tuple[Any, ...]:
             env.q("SELECT status, amount, fencing_token FROM invoices WHERE id = ?"), (key,)
         ).fetchone()
     )
-
-
-class LessThanRowGuard(RowGuard):
-    """Planted bug in the row form: ``<`` where ``<=`` is right."""
-
-    def _write(
-        self, token: FencingToken, key: Any, values: Any, upsert: bool
-    ) -> Callable[[Dialect], Plan[FencingToken]]:
-        real = super()._write(token, key, values, upsert)
-
-        def plan(d: Dialect) -> Plan[FencingToken]:
-            inner = real(d)
-            stmt = next(inner)
-            while True:
-                res = yield Stmt(stmt.sql.replace(" <= CAST(", " < CAST("), stmt.params)
-                try:
-                    stmt = inner.send(res)
-                except StopIteration as stop:
-                    return stop.value  # type: ignore[no-any-return]
-
-        return plan
 
 
 def scenario_row_holder_writes_twice(env: Env, conn: Any, guard: RowGuard) -> None:

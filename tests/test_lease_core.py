@@ -11,18 +11,23 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any, ClassVar
-from urllib.parse import SplitResult
+from typing import Any
 
 import pytest
 
 import fenced
 from fenced import _backend, _clock
-from fenced._backend import Backend, Characteristic, Grant, LockStatus, LostCallback
+from fenced._backend import Backend, Characteristic, Grant, LockStatus
 from fenced._state import LeaseState, Phase
 from fenced.backends.memory import MemoryBackend
 from tests.helpers import async_wait_for, bounded, wait_for
-from tests.sources import CappedSource, GatedSource, register_source
+from tests.sources import (
+    CappedSource,
+    FlakyBackend,
+    GatedSource,
+    LateReplies,
+    register_source,
+)
 
 
 def _grant(sent_at: float, ttl: float = 10.0) -> Grant:
@@ -70,45 +75,9 @@ def test_default_safety_margin() -> None:
         LeaseState(1, safety_margin=1)
 
 
-class FlakyBackend(MemoryBackend):
-    """A memory source whose renewals (or first acquires) can be made to fail."""
-
-    scheme: ClassVar[str] = "flaky"
-    fail_renew = False
-    fail_acquires = 0
-    acquire_calls: ClassVar[list[str]] = []
-
-    @classmethod
-    async def open(cls, url: SplitResult, options: dict[str, Any]) -> MemoryBackend:
-        return cls((await MemoryBackend.open(url, options))._store)
-
-    async def acquire(
-        self,
-        name: str,
-        *,
-        request_id: str,
-        ttl: float,
-        deadline: float | None,
-        on_lost: LostCallback,
-    ) -> Grant:
-        FlakyBackend.acquire_calls.append(request_id)
-        grant = await super().acquire(
-            name, request_id=request_id, ttl=ttl, deadline=deadline, on_lost=on_lost
-        )
-        if FlakyBackend.fail_acquires:
-            FlakyBackend.fail_acquires -= 1
-            raise fenced.BackendUnavailable("reply lost")  # granted, but the reply never arrived
-        return grant
-
-    async def renew(self, grant: Grant) -> Grant:
-        if FlakyBackend.fail_renew:
-            raise fenced.BackendUnavailable("partitioned")
-        return await super().renew(grant)
-
-
 @pytest.fixture
 def flaky(register_scheme: Callable[[str, str], None], memory_url: str) -> str:
-    register_scheme("flaky", "tests.test_lease_core:FlakyBackend")
+    register_scheme("flaky", "tests.sources:FlakyBackend")
     FlakyBackend.fail_renew = False
     FlakyBackend.fail_acquires = 0
     FlakyBackend.acquire_calls = []
@@ -206,24 +175,10 @@ def test_lock_status_fields() -> None:
     assert {"name", "holder", "token", "last_token", "remaining", "waiters"} <= fields
 
 
-class ReleaseFindsItGone(MemoryBackend):
-    """The source had already let the grant go when the holder releases it."""
-
-    scheme: ClassVar[str] = "gone"
-
-    @classmethod
-    async def open(cls, url: SplitResult, options: dict[str, Any]) -> MemoryBackend:
-        return cls((await MemoryBackend.open(url, options))._store)
-
-    async def release(self, grant: Grant) -> bool:
-        await super().release(grant)
-        return False
-
-
 def test_release_that_finds_the_grant_gone_reports_the_loss(
     register_scheme: Callable[[str, str], None], memory_url: str
 ) -> None:
-    register_scheme("gone", "tests.test_lease_core:ReleaseFindsItGone")
+    register_scheme("gone", "tests.sources:ReleaseFindsItGone")
     seen: list[fenced.Lease] = []
     with fenced.connect(memory_url.replace("memory://", "gone://")) as locks:
         lease = locks.lock("x", ttl=5, on_lost=seen.append)
@@ -236,42 +191,13 @@ def test_release_that_finds_the_grant_gone_reports_the_loss(
         assert lease.release() is False and seen == [lease]
 
 
-class LateReplies(MemoryBackend):
-    """A memory source whose first ``late`` grants arrive after their lease ran out."""
-
-    scheme: ClassVar[str] = "late"
-    late = 0
-
-    @classmethod
-    async def open(cls, url: SplitResult, options: dict[str, Any]) -> MemoryBackend:
-        return cls((await MemoryBackend.open(url, options))._store)
-
-    async def acquire(
-        self,
-        name: str,
-        *,
-        request_id: str,
-        ttl: float,
-        deadline: float | None,
-        on_lost: LostCallback,
-    ) -> Grant:
-        grant = await super().acquire(
-            name, request_id=request_id, ttl=ttl, deadline=deadline, on_lost=on_lost
-        )
-        if LateReplies.late:
-            LateReplies.late -= 1
-            # As if the request had been sent a whole ttl ago: nothing surely left of it.
-            return dataclasses.replace(grant, sent_at=grant.sent_at - ttl)
-        return grant
-
-
 @pytest.mark.parametrize("late", [1, 2])
 def test_acquire_never_returns_a_lease_with_no_time_left(
     register_scheme: Callable[[str, str], None], memory_url: str, late: int
 ) -> None:
     """A grant that arrives after its lease ran out is given back and asked for again
     (before: lock() returned it already lost, and `fenced lock` ran the command)."""
-    register_scheme("late", "tests.test_lease_core:LateReplies")
+    register_scheme("late", "tests.sources:LateReplies")
     LateReplies.late = late
     with fenced.connect(memory_url.replace("memory://", "late://")) as locks:
         with locks.lock("x", ttl=5, timeout=5) as lease:
@@ -283,7 +209,7 @@ def test_acquire_never_returns_a_lease_with_no_time_left(
 def test_acquire_gives_up_when_every_grant_arrives_too_late(
     register_scheme: Callable[[str, str], None], memory_url: str
 ) -> None:
-    register_scheme("late", "tests.test_lease_core:LateReplies")
+    register_scheme("late", "tests.sources:LateReplies")
     LateReplies.late = 10
     with fenced.connect(memory_url.replace("memory://", "late://")) as locks:
         lease = locks.lock("x", ttl=5, timeout=5)

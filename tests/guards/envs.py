@@ -32,11 +32,11 @@ import pytest
 import redis
 
 from fenced import FencingToken, StaleTokenError
-from fenced.guards._sql_plan import Dialect, FenceSQL, Plan, Stmt
 from fenced.guards.etcd import AsyncEtcdGuard, EtcdGuard
 from fenced.guards.files import FileGuard, HighWaterFile
 from fenced.guards.redis import SET_SCRIPT, RedisGuard
 from fenced.guards.sql import RowGuard, SQLGuard
+from tests.guards.planted import LessThanGuard, LessThanRowGuard
 from tests.helpers import unique_name
 
 LOCK = "conformance"
@@ -197,14 +197,7 @@ class SQLFenceEnv(_SQLEnv):
         self.guard = self.guard_class(self.table, lock=LOCK)
 
     def planted_lt(self) -> Write:
-        class LtGuard(SQLGuard):
-            def _fence_sql(self, d: Dialect) -> FenceSQL:
-                real = super()._fence_sql(d)
-                return FenceSQL(
-                    real.create, real.accept.replace(" <= CAST(", " < CAST("), real.read
-                )
-
-        guard = LtGuard(self.table, lock=LOCK)
+        guard = LessThanGuard(self.table, lock=LOCK)
         return lambda token, value: self._transaction(guard, token, value)
 
 
@@ -239,26 +232,10 @@ class SQLRowEnv(_SQLEnv):
         self.guard = RowGuard(self.table, lock=LOCK)
 
     def planted_lt(self) -> Write:
-        class LtRowGuard(RowGuard):
-            def _write(self, token: Any, key: Any, values: Any, upsert: bool) -> Any:
-                real = super()._write(token, key, values, upsert)
-
-                def plan(d: Dialect) -> Plan[FencingToken]:
-                    inner = real(d)
-                    stmt = next(inner)
-                    while True:
-                        res = yield Stmt(stmt.sql.replace(" <= CAST(", " < CAST("), stmt.params)
-                        try:
-                            stmt = inner.send(res)
-                        except StopIteration as stop:
-                            return stop.value  # type: ignore[no-any-return]
-
-                return plan
-
-        guard = LtRowGuard(self.table, lock=LOCK)
-        return lambda token, value: guard.insert_or_update(
-            self.conn, token, key={"id": 1}, values={"v": value}
-        )
+        guard = LessThanRowGuard(self.table, lock=LOCK)
+        return lambda token, value: bool(
+            guard.insert_or_update(self.conn, token, key={"id": 1}, values={"v": value})
+        )  # type: ignore[func-returns-value]
 
 
 # -- Redis --------------------------------------------------------------------------------

@@ -1,0 +1,53 @@
+"""Planted broken SQL guards: ``<`` for ``<=``, in the fence-table and the row form.
+
+Shared by the SQL guard's own tests and the guard conformance suite, so the bug is planted
+in one place and re-planted in one place when the guards' SQL changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from fenced import FencingToken
+from fenced.guards._sql_plan import Dialect, FenceSQL, Plan, Stmt
+from fenced.guards.sql import RowGuard, SQLGuard
+
+__all__ = ["LessThanGuard", "LessThanRowGuard", "plant_lt"]
+
+
+def plant_lt(sql: str) -> str:
+    """The fence comparison with ``<`` for ``<=``; refuses to plant nothing."""
+    planted = sql.replace(" <= CAST(", " < CAST(")
+    if sql.startswith(("INSERT", "UPDATE")):  # (a refusal's read has no comparison)
+        assert planted != sql, "the fence SQL changed: re-plant the bug"
+    return planted
+
+
+class LessThanGuard(SQLGuard):
+    """Planted bug: ``<`` where ``<=`` is right, so the holder's second write is rejected."""
+
+    def _fence_sql(self, d: Dialect) -> FenceSQL:
+        real = super()._fence_sql(d)
+        return FenceSQL(real.create, plant_lt(real.accept), real.read)
+
+
+class LessThanRowGuard(RowGuard):
+    """Planted bug in the row form: ``<`` where ``<=`` is right."""
+
+    def _write(
+        self, token: FencingToken, key: Any, values: Any, upsert: bool
+    ) -> Callable[[Dialect], Plan[FencingToken]]:
+        real = super()._write(token, key, values, upsert)
+
+        def plan(d: Dialect) -> Plan[FencingToken]:
+            inner = real(d)
+            stmt = next(inner)
+            while True:
+                res = yield Stmt(plant_lt(stmt.sql), stmt.params)
+                try:
+                    stmt = inner.send(res)
+                except StopIteration as stop:
+                    return stop.value  # type: ignore[no-any-return]
+
+        return plan
