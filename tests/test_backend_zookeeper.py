@@ -392,7 +392,7 @@ class ReleaseLowest(ZooKeeperBackend):
         if not queue:
             return False
         await s.future(s.client.delete_async(f"{parent}/{queue[0][0]}"))
-        grant.handle.phase = zk._Phase.DONE
+        grant.handle.phase = zk.NodePhase.DONE
         return True
 
 
@@ -589,7 +589,7 @@ async def test_a_create_whose_reply_was_lost_is_found_not_repeated(
         await s.wait_connected(_clock.now() + 10)
         parent = f"{ROOT}/{name}"
         await s.future(s.client.ensure_path_async(parent))
-        node = zk._Node(name, "r", s, parent, node_prefix("r", "0badf00d"), [noop], 5.0)
+        node = zk.Node(name, "r", s, parent, node_prefix("r", "0badf00d"), [noop], 5.0)
         node.own_watch = lambda ev: None
         node.pred_watch = lambda ev: None
         # The create reached the server, but its reply never came back.

@@ -13,43 +13,31 @@ silent for its ttl (paused, crashed or cut off). A live holder that stops renewi
 node up at ``sent_at + ttl`` on its own timer. ``Grant.ttl`` is the smaller of the ttl asked for
 and the timeout the server negotiated, so the holder never counts on more than the server gives.
 
-kazoo is thread-based. Its callbacks run on kazoo's connection thread (see :class:`_InlineHandler`)
-and only hand results to the backend's event loop (see :class:`_Mailbox`); the loop is never
+kazoo is thread-based. Its callbacks run on kazoo's connection thread (see :class:`InlineHandler`)
+and only hand results to the backend's event loop (see :class:`Mailbox`); the loop is never
 blocked on a kazoo call. See ``docs/backend-zookeeper.md`` for the safety argument.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import dataclasses
-import enum
 import logging
-import math
 import random
 import re
-import select
-from collections.abc import Callable
 from types import MappingProxyType
 from typing import Any, ClassVar, Final
 from urllib.parse import SplitResult, quote, unquote
 
-from kazoo.client import KazooClient
 from kazoo.exceptions import (
     BadVersionError,
-    ConnectionClosedError,
-    ConnectionLoss,
     KazooException,
     NodeExistsError,
     NoNodeError,
-    OperationTimeoutError,
     SessionExpiredError,
 )
-from kazoo.handlers.threading import AsyncResult, KazooTimeoutError, SequentialThreadingHandler
-from kazoo.protocol.serialization import Connect
-from kazoo.protocol.states import EventType, KazooState
-from kazoo.retry import KazooRetry
+from kazoo.protocol.states import EventType
 
 from .. import _clock
 from .._backend import (
@@ -65,11 +53,20 @@ from .._errors import (
     BackendUnavailable,
     ConfigurationError,
     LeaseLostError,
-    UnsafeBackendError,
 )
 from .._options import Option
 from .._state import DEFAULT_TTL
 from .._token import FencingToken
+from ._zookeeper_session import (
+    UNAVAILABLE,
+    Mailbox,
+    Node,
+    NodePhase,
+    Session,
+    describe,
+    ignore,
+    unavailable,
+)
 
 __all__ = ["ROOT", "ZooKeeperBackend", "node_prefix", "parse_node"]
 
@@ -89,14 +86,6 @@ _ARM_DELAY: Final = 0.05
 _RESET_SEQ: Final = 2**30
 """After a release at this sequence number, try to re-create the (empty) lock node: ZooKeeper's
 sequence is a signed 32-bit counter per parent node and would wrap after 2**31."""
-
-_UNAVAILABLE: Final = (
-    ConnectionLoss,
-    ConnectionClosedError,
-    OperationTimeoutError,
-    KazooTimeoutError,
-)
-"""Errors that say nothing about the session: the request may or may not have been applied."""
 
 
 def node_prefix(request_id: str, nonce: str) -> str:
@@ -125,392 +114,7 @@ def _serial(a: int, b: int) -> int:
     return ((a - b + 2**31) % 2**32) - 2**31
 
 
-# -- kazoo, bridged to asyncio ----------------------------------------------------------------
-
-
-class _InlineResult(AsyncResult):  # type: ignore[misc]
-    """A kazoo result whose callbacks run at once, on the thread that completes it."""
-
-    def _do_callbacks(self) -> None:
-        me: Any = self  # kazoo is untyped
-        callbacks: list[Callable[[Any], None]] = me._callbacks
-        me._callbacks = []
-        for callback in callbacks:
-            try:
-                callback(self)
-            except Exception:  # pragma: no cover - our callbacks only schedule work
-                logger.exception("kazoo completion callback failed")
-
-
-class _InlineHandler(SequentialThreadingHandler):  # type: ignore[misc]
-    """Runs completion and watch callbacks on kazoo's connection thread, with no worker threads.
-
-    Every callback a fenced client registers only hands a value to an event loop, so none can
-    block the connection thread. Running them inline keeps responses and watch events in
-    exactly the order the server sent them (ZooKeeper's ordering guarantee, which the waiters
-    rely on) and saves two thread hops per request.
-    """
-
-    def start(self) -> None:
-        with self._state_change:
-            self._running = True
-
-    def stop(self) -> None:
-        with self._state_change:
-            self._running = False
-
-    def async_result(self) -> _InlineResult:
-        return _InlineResult(self)
-
-    def select(
-        self, rlist: list[Any], wlist: list[Any], xlist: list[Any], timeout: float | None = None
-    ) -> tuple[list[Any], list[Any], list[Any]]:
-        """One ``poll(2)`` call; kazoo's own builds and closes an epoll set on every call.
-
-        kazoo calls this at least twice per request (to wait for work, and before each write),
-        so the four syscalls saved each time are a good part of a request's client-side cost.
-        """
-        poller = select.poll()
-        masks: dict[int, int] = {}
-        owners: dict[int, list[Any]] = {}
-        for objs, mask in ((rlist, select.POLLIN), (wlist, select.POLLOUT)):
-            for obj in objs:
-                fd = obj if isinstance(obj, int) else obj.fileno()
-                masks[fd] = masks.get(fd, 0) | mask
-                owners.setdefault(fd, []).append(obj)
-        for fd, mask in masks.items():
-            poller.register(fd, mask)
-        wait_ms = None if timeout is None else max(0, math.ceil(timeout * 1000))
-        readable: list[Any] = []
-        writable: list[Any] = []
-        for fd, events in poller.poll(wait_ms):
-            for obj in owners[fd]:
-                if obj in rlist and events & _READ_EVENTS:
-                    readable.append(obj)
-                if obj in wlist and events & _WRITE_EVENTS:
-                    writable.append(obj)
-        return readable, writable, []
-
-    def dispatch_callback(self, callback: Any) -> None:
-        try:
-            callback.func(*callback.args)
-        except Exception:  # pragma: no cover - our watchers only schedule work
-            logger.exception("kazoo watch callback failed")
-
-
-_READ_EVENTS: Final = (
-    select.POLLIN | select.POLLPRI | select.POLLHUP | select.POLLERR | select.POLLNVAL
-)
-_WRITE_EVENTS: Final = select.POLLOUT | select.POLLHUP | select.POLLERR | select.POLLNVAL
-
-
-def _settle(future: asyncio.Future[Any], result: Any) -> None:
-    if future.done():
-        return
-    exc = result.exception
-    if exc is None:
-        future.set_result(result.value)
-    else:
-        future.set_exception(exc)
-
-
-class _Mailbox:
-    """Hands work from kazoo's connection thread to the event loop, in order.
-
-    One ``call_soon_threadsafe`` (one write to the loop's self-pipe) per burst rather than
-    per item: responses and watch events often arrive several at a time.
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.items: collections.deque[tuple[Callable[..., None], tuple[Any, ...]]] = (
-            collections.deque()
-        )
-        self.scheduled = False
-
-    def post(self, fn: Callable[..., None], *args: Any) -> None:
-        """Run ``fn(*args)`` on the loop (from any thread; dropped if the loop is closed)."""
-        self.items.append((fn, args))
-        if not self.scheduled:
-            self.scheduled = True
-            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting
-                self.loop.call_soon_threadsafe(self._drain)
-
-    def _drain(self) -> None:
-        self.scheduled = False
-        items = self.items
-        while items:
-            fn, args = items.popleft()
-            try:
-                fn(*args)
-            except Exception:  # pragma: no cover - our handlers do not raise
-                logger.exception("ZooKeeper event handler failed")
-
-    def future(self, result: Any) -> asyncio.Future[Any]:
-        """An asyncio future completed (on the loop) by a kazoo ``IAsyncResult``."""
-        future = self.loop.create_future()
-        result.rawlink(lambda r: self.post(_settle, future, r))
-        return future
-
-
-def _ignore(future: asyncio.Future[Any]) -> None:
-    """Mark a future's outcome as handled (its error, if any, is not interesting)."""
-    if future.done():
-        if not future.cancelled():
-            future.exception()
-    else:
-        future.add_done_callback(_ignore)
-
-
-def _unavailable(what: str, exc: BaseException) -> BackendUnavailable:
-    return BackendUnavailable(f"ZooKeeper {what}: {type(exc).__name__} {exc}".rstrip())
-
-
-# -- sessions and nodes -----------------------------------------------------------------------
-
-
-class _Phase(enum.Enum):
-    QUEUED = "queued"
-    HELD = "held"
-    DONE = "done"  # released, lost or expired
-
-
-@dataclasses.dataclass(eq=False)
-class _Node:
-    """One acquire call's node, from queueing to release."""
-
-    lock: str
-    request_id: str
-    session: _Session
-    parent: str
-    prefix: str
-    on_lost: list[LostCallback]
-    ttl: float
-    phase: _Phase = _Phase.QUEUED
-    path: str | None = None
-    seq: int = 0
-    czxid: int = 0
-    version: int = 0
-    session_id: int | None = None
-    uncertain: bool = False  # a create was sent and its reply lost
-    lower: list[str] | None = None  # names of the nodes queued before ours, nearest last
-    gone: set[str] = dataclasses.field(default_factory=set)  # paths seen deleted
-    held_preds: set[str] = dataclasses.field(default_factory=set)  # seen released by a holder
-    armed: bool = False  # a watch on our own node is known to be set
-    arming: bool = False  # a request to set it is on its way
-    deleted: bool = False  # our own node is known to be gone
-    wake: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
-    grant: Grant | None = None
-    expires_at: float = 0.0
-    timer: asyncio.TimerHandle | None = None
-    own_watch: Callable[[Any], None] = dataclasses.field(default=lambda ev: None)
-    pred_watch: Callable[[Any], None] = dataclasses.field(default=lambda ev: None)
-
-    def forget(self) -> None:
-        """Our node is gone (session ended, deleted): the next round creates a new one."""
-        if self.path is not None:
-            self.session.nodes.pop(self.path, None)
-        self.path = None
-        self.session_id = None
-        self.lower = None
-        self.armed = False
-        self.deleted = False
-        self.gone.clear()
-        self.held_preds.clear()
-
-
-class _Session:
-    """One ZooKeeper session (one kazoo client) whose timeout is one ttl."""
-
-    def __init__(self, backend: ZooKeeperBackend, timeout_ms: int) -> None:
-        self.backend = backend
-        self.loop = backend._loop
-        self.timeout = timeout_ms / 1000  # the negotiated timeout, once connected
-        self.session_id: int | None = None
-        self.connected = asyncio.Event()
-        self.ever_connected = False
-        self.proven_at = -math.inf  # send time of the latest request this session answered
-        self.nodes: dict[str, _Node] = {}  # path -> node, for nodes of the current session
-        self.queued: set[_Node] = set()  # nodes whose acquire is waiting
-        self.doomed: set[str] = set()  # paths to delete once connected
-        self.orphans: set[tuple[str, str]] = (
-            set()
-        )  # (parent, prefix) of creates whose reply was lost
-        self.work = asyncio.Event()
-        self.janitor: asyncio.Task[None] | None = None
-        self._negotiated_ms = 0
-        retry_cap = max(0.05, min(1.0, self.timeout / 5))
-        self.client = KazooClient(
-            hosts=backend._hosts,
-            timeout=self.timeout,
-            handler=_InlineHandler(),
-            connection_retry=KazooRetry(
-                max_tries=-1, delay=0.02, backoff=2, max_jitter=0.3, max_delay=retry_cap
-            ),
-            logger=_KAZOO_LOG,
-        )
-        self._hook_negotiation()
-        self.client.add_listener(self._on_state_thread)
-        self.client.start_async()
-
-    def _hook_negotiation(self) -> None:
-        """Learn the session timeout the server granted: kazoo keeps it to itself.
-
-        The server clamps the asked-for timeout into [minSessionTimeout, maxSessionTimeout];
-        a holder that counted on more than it got would be unsafe, so failing to learn it is
-        an error, not a fallback.
-        """
-        connection: Any = getattr(self.client, "_connection", None)
-        invoke = getattr(connection, "_invoke", None)
-        if invoke is None:  # pragma: no cover - a kazoo release that moved its internals
-            raise UnsafeBackendError("this kazoo version hides the negotiated session timeout")
-
-        def hooked(timeout: float, request: Any, xid: int | None = None) -> Any:
-            result = invoke(timeout, request, xid)
-            if isinstance(request, Connect) and isinstance(result, tuple):
-                self._negotiated_ms = int(result[0].time_out)
-            return result
-
-        connection._invoke = hooked
-
-    # -- state changes (kazoo thread -> loop) --------------------------------------------
-
-    def _on_state_thread(self, state: str) -> None:
-        client_id = self.client.client_id
-        session_id = client_id[0] if client_id else None
-        negotiated = self._negotiated_ms
-        with contextlib.suppress(RuntimeError):
-            self.backend._mailbox.post(self._on_state, state, session_id, negotiated)
-
-    def _on_state(self, state: str, session_id: int | None, negotiated_ms: int) -> None:
-        if state == KazooState.CONNECTED:
-            if self.session_id is not None and session_id != self.session_id:
-                self.session_ended("the ZooKeeper session expired")
-            if negotiated_ms > 0:
-                self.timeout = negotiated_ms / 1000
-            self.session_id = session_id
-            self.ever_connected = True
-            self.connected.set()
-            for node in list(self.nodes.values()):
-                if node.phase is _Phase.HELD and not node.armed:
-                    self.backend._arm(node)
-            if self.doomed or self.orphans:
-                self.work.set()
-        else:
-            self.connected.clear()
-            if state == KazooState.LOST and not self.backend._closing:
-                self.session_ended("the ZooKeeper session expired or was closed")
-        for node in list(self.queued):
-            if state != KazooState.CONNECTED:
-                node.lower = None  # watches are dropped with the connection: list again
-            node.wake.set()
-
-    def session_ended(self, why: str) -> None:
-        """Every node of the session is gone: tell holders, send waiters round again."""
-        self.session_id = None
-        self.proven_at = -math.inf
-        self.doomed.clear()
-        self.orphans.clear()
-        nodes, self.nodes = list(self.nodes.values()), {}
-        for node in nodes:
-            if node.phase is _Phase.HELD:
-                self.backend._lose(node, LeaseLostError(f"lease {_describe(node)} lost: {why}"))
-            node.forget()
-            node.wake.set()
-
-    def proven(self, sent: float, session_id: int | None) -> None:
-        """A request sent at ``sent`` was answered by the session that is still current."""
-        if session_id is not None and session_id == self.session_id and sent > self.proven_at:
-            self.proven_at = sent
-
-    async def wait_connected(self, until: float | None) -> None:
-        if self.connected.is_set():
-            return
-        timeout = None if until is None else until - _clock.now()
-        try:
-            if timeout is not None and timeout <= 0:
-                raise TimeoutError
-            async with asyncio.timeout(timeout):
-                await self.connected.wait()
-        except TimeoutError:
-            raise BackendUnavailable(
-                f"ZooKeeper at {self.backend._hosts!r} is not reachable"
-            ) from None
-
-    def future(self, result: Any) -> asyncio.Future[Any]:
-        return self.backend._mailbox.future(result)
-
-    # -- background clean-up ---------------------------------------------------------------
-
-    def discard(self, path: str) -> None:
-        self.nodes.pop(path, None)
-        self.doomed.add(path)
-        self.work.set()
-        if self.janitor is None:
-            self.janitor = self.loop.create_task(self._janitor(), name="fenced-zk-janitor")
-
-    def discard_prefix(self, parent: str, prefix: str) -> None:
-        self.orphans.add((parent, prefix))
-        self.work.set()
-        if self.janitor is None:
-            self.janitor = self.loop.create_task(self._janitor(), name="fenced-zk-janitor")
-
-    async def _janitor(self) -> None:
-        """Delete nodes whose owner gave up while the connection was down.
-
-        A node left behind while the session lives would block its lock for good, so every
-        node an acquire or release could not delete at once is deleted here, when connected.
-        """
-        while not self.backend._closed:
-            await self.work.wait()
-            self.work.clear()
-            try:
-                await self.connected.wait()
-                for parent, prefix in list(self.orphans):
-                    children = await self._children(parent)
-                    for child in children:
-                        if child.startswith(prefix):
-                            self.doomed.add(f"{parent}/{child}")
-                    self.orphans.discard((parent, prefix))
-                for path in list(self.doomed):
-                    with contextlib.suppress(NoNodeError, BadVersionError):
-                        await self.future(self.client.delete_async(path))
-                    self.doomed.discard(path)
-            except (*_UNAVAILABLE, SessionExpiredError):
-                self.work.set()  # retried at the next connection (or dropped if it expired)
-            except Exception:  # pragma: no cover - keep cleaning whatever happens
-                logger.exception("ZooKeeper clean-up failed")
-                await asyncio.sleep(0.5)
-                self.work.set()
-
-    async def _children(self, parent: str) -> list[str]:
-        try:
-            children: list[str] = await self.future(self.client.get_children_async(parent))
-        except NoNodeError:
-            return []
-        return children
-
-
-def _describe(node: _Node) -> str:
-    token = f" (token {node.grant.token})" if node.grant is not None else ""
-    return f"on {node.lock!r}{token}"
-
-
 # -- the backend ------------------------------------------------------------------------------
-
-
-class _DebugOnly(logging.LoggerAdapter):  # type: ignore[type-arg]
-    """kazoo's own log lines ("Connection dropped: ..." once per retry, many a second while a
-    server is down) at debug level: fenced reports what matters once, as a typed error."""
-
-    def log(self, level: int, msg: object, *args: Any, **kwargs: Any) -> None:
-        super().log(min(level, logging.DEBUG), msg, *args, **kwargs)
-
-    def isEnabledFor(self, level: int) -> bool:
-        return bool(self.logger.isEnabledFor(min(level, logging.DEBUG)))
-
-
-_KAZOO_LOG: Final = _DebugOnly(logging.getLogger("fenced.zookeeper.kazoo"), {})
 
 
 def _bad_path_char(c: str) -> bool:
@@ -545,11 +149,11 @@ class ZooKeeperBackend(Backend):
         self._root = chroot + ROOT
         self._connect_timeout = connect_timeout
         self._loop = asyncio.get_running_loop()
-        self._mailbox = _Mailbox(self._loop)
+        self._mailbox = Mailbox(self._loop)
         self._random = random.Random()
-        self._sessions: dict[int, _Session] = {}
-        self._default: _Session | None = None
-        self._held: dict[tuple[str, str], _Node] = {}
+        self._sessions: dict[int, Session] = {}
+        self._default: Session | None = None
+        self._held: dict[tuple[str, str], Node] = {}
         self._last_tokens: dict[str, int] = {}
         self._closed = False
         self._closing = False
@@ -585,7 +189,7 @@ class ZooKeeperBackend(Backend):
         except BaseException as exc:
             await backend.aclose()
             if isinstance(exc, KazooException):
-                raise _unavailable("is not usable", exc) from exc
+                raise unavailable("is not usable", exc) from exc
             raise
         return backend
 
@@ -612,7 +216,7 @@ class ZooKeeperBackend(Backend):
                 f"request id too long for a ZooKeeper node name: {request_id!r}"
             )
         session = self._session_for(ttl)
-        node = _Node(name, request_id, session, f"{self._root}/{name}", prefix, [on_lost], ttl)
+        node = Node(name, request_id, session, f"{self._root}/{name}", prefix, [on_lost], ttl)
         post = self._mailbox.post
         node.own_watch = lambda ev: post(self._on_own_event, node, ev)
         node.pred_watch = lambda ev: post(_on_pred_event, node, ev)
@@ -629,14 +233,14 @@ class ZooKeeperBackend(Backend):
                 self._abandon(node)
         return self._grant(node, ttl, sent_at)
 
-    def _session_for(self, ttl: float) -> _Session:
+    def _session_for(self, ttl: float) -> Session:
         timeout_ms = max(1, round(ttl * 1000))
         session = self._sessions.get(timeout_ms)
         if session is None:
-            session = self._sessions[timeout_ms] = _Session(self, timeout_ms)
+            session = self._sessions[timeout_ms] = Session(self, timeout_ms)
         return session
 
-    def _connect_until(self, s: _Session, deadline: float | None) -> float:
+    def _connect_until(self, s: Session, deadline: float | None) -> float:
         """How long an acquire waits for its session's connection.
 
         A new session (its first ttl) gets ``connect_timeout``, but with a deadline at most a
@@ -651,7 +255,7 @@ class ZooKeeperBackend(Backend):
         until = now + max(s.timeout, 1.0)
         return until if deadline is None else min(until, deadline)
 
-    async def _wait_turn(self, s: _Session, node: _Node, deadline: float | None) -> float:
+    async def _wait_turn(self, s: Session, node: Node, deadline: float | None) -> float:
         """Queue ``node`` and wait until it is the lowest; return the grant's ``sent_at``."""
         trouble_since: float | None = None
         while True:
@@ -662,23 +266,23 @@ class ZooKeeperBackend(Backend):
                 node.forget()
             try:
                 sent_at = await self._next_step(s, node, deadline)
-            except (*_UNAVAILABLE, SessionExpiredError) as exc:
+            except (*UNAVAILABLE, SessionExpiredError) as exc:
                 if isinstance(exc, SessionExpiredError):
                     node.forget()
                 node.lower = None
                 now = _clock.now()
                 trouble_since = trouble_since or now
                 if self._closed or now - trouble_since > max(s.timeout, 1.0):
-                    raise _unavailable("request failed", exc) from exc
+                    raise unavailable("request failed", exc) from exc
                 if deadline is not None and now >= deadline:
                     await self._withdraw(node)
-                    raise _unavailable("request failed before the timeout", exc) from exc
+                    raise unavailable("request failed before the timeout", exc) from exc
                 continue
             if sent_at is not None:
                 return sent_at
             trouble_since = None
 
-    async def _next_step(self, s: _Session, node: _Node, deadline: float | None) -> float | None:
+    async def _next_step(self, s: Session, node: Node, deadline: float | None) -> float | None:
         """One round of the protocol: the ``sent_at`` of the grant, or None to go round again."""
         if node.path is None:
             if node.uncertain:
@@ -730,7 +334,7 @@ class ZooKeeperBackend(Backend):
             raise lock_timeout(node.lock)
         return None
 
-    async def _create(self, s: _Session, node: _Node) -> tuple[list[str], float] | None:
+    async def _create(self, s: Session, node: Node) -> tuple[list[str], float] | None:
         """Create our node and list the queue in one round trip (ZooKeeper keeps a session's
         requests in order, so the listing includes the new node)."""
         client = s.client
@@ -750,16 +354,16 @@ class ZooKeeperBackend(Backend):
             path, stat = await created
         except NoNodeError:
             node.uncertain = False
-            _ignore(listed)
+            ignore(listed)
             with contextlib.suppress(NodeExistsError):
                 await s.future(client.ensure_path_async(node.parent))
             return None
         except BaseException:
-            _ignore(listed)
+            ignore(listed)
             raise
         node.uncertain = False
         if stat.ephemeralOwner != s.session_id:  # made by a session we no longer have
-            _ignore(listed)
+            ignore(listed)
             s.discard(path)
             return None
         self._adopt(s, node, path, stat)
@@ -767,7 +371,7 @@ class ZooKeeperBackend(Backend):
         s.proven(sent, node.session_id)
         return children, sent
 
-    async def _find_lost_create(self, s: _Session, node: _Node) -> tuple[list[str], float] | None:
+    async def _find_lost_create(self, s: Session, node: Node) -> tuple[list[str], float] | None:
         """After a create whose reply was lost: find the node it may have made, by its prefix."""
         sent, sid = _clock.now(), s.session_id
         children = await s._children(node.parent)
@@ -784,7 +388,7 @@ class ZooKeeperBackend(Backend):
                 return children, sent
         return None
 
-    def _adopt(self, s: _Session, node: _Node, path: str, stat: Any) -> None:
+    def _adopt(self, s: Session, node: Node, path: str, stat: Any) -> None:
         parsed = parse_node(path.rsplit("/", 1)[1])
         assert parsed is not None
         node.path = path
@@ -797,7 +401,7 @@ class ZooKeeperBackend(Backend):
         node.deleted = False
         s.nodes[path] = node
 
-    def _place(self, s: _Session, node: _Node, children: list[str], sent: float) -> float | None:
+    def _place(self, s: Session, node: Node, children: list[str], sent: float) -> float | None:
         """Find our place in a listing; the grant's ``sent_at`` if we are first."""
         assert node.path is not None
         own = node.path.rsplit("/", 1)[1]
@@ -817,7 +421,7 @@ class ZooKeeperBackend(Backend):
             self._arm(node)  # a waiter needs it to take the lock without a round trip
         return None
 
-    def _fresh_proof(self, s: _Session, node: _Node) -> float | None:
+    def _fresh_proof(self, s: Session, node: Node) -> float | None:
         """The last predecessor's deletion was just seen: may we grant without a round trip?
 
         Yes if the watch on our own node is set (so its deletion would have been seen first:
@@ -830,7 +434,7 @@ class ZooKeeperBackend(Backend):
             return None
         return s.proven_at
 
-    async def _confirm(self, s: _Session, node: _Node) -> float | None:
+    async def _confirm(self, s: Session, node: Node) -> float | None:
         """Check our own node still exists; its request's send time is the grant's ``sent_at``."""
         assert node.path is not None
         sent, sid = _clock.now(), s.session_id
@@ -842,7 +446,7 @@ class ZooKeeperBackend(Backend):
         s.proven(sent, sid)
         return sent
 
-    def _arm(self, node: _Node) -> None:
+    def _arm(self, node: Node) -> None:
         """Set a watch on our own node, without waiting: its deletion means the lease is gone."""
         s = node.session
         if node.path is None:
@@ -866,8 +470,8 @@ class ZooKeeperBackend(Backend):
 
         future.add_done_callback(armed)
 
-    def _on_own_event(self, node: _Node, event: Any) -> None:
-        if node.path is None or event.path != node.path or node.phase is _Phase.DONE:
+    def _on_own_event(self, node: Node, event: Any) -> None:
+        if node.path is None or event.path != node.path or node.phase is NodePhase.DONE:
             return
         node.armed = False
         if event.type == EventType.DELETED:
@@ -876,20 +480,20 @@ class ZooKeeperBackend(Backend):
             self._arm(node)  # data changed by someone: keep watching
         # NONE: the connection dropped; the watch is set again when it is back.
 
-    def _node_deleted(self, node: _Node) -> None:
+    def _node_deleted(self, node: Node) -> None:
         node.deleted = True
         node.armed = False
-        if node.phase is _Phase.HELD:
+        if node.phase is NodePhase.HELD:
             node.session.nodes.pop(node.path or "", None)
-            self._lose(node, LeaseLostError(f"lease {_describe(node)} lost: its node was deleted"))
+            self._lose(node, LeaseLostError(f"lease {describe(node)} lost: its node was deleted"))
         node.wake.set()
 
-    def _grant(self, node: _Node, ttl: float, sent_at: float) -> Grant:
+    def _grant(self, node: Node, ttl: float, sent_at: float) -> Grant:
         s = node.session
         token = FencingToken(node.lock, self._token_value(node))
         grant = Grant(token, node.request_id, min(ttl, s.timeout), sent_at, handle=node)
         node.grant = grant
-        node.phase = _Phase.HELD
+        node.phase = NodePhase.HELD
         node.lower = None
         node.expires_at = sent_at + grant.ttl
         node.timer = self._loop.call_later(
@@ -904,10 +508,10 @@ class ZooKeeperBackend(Backend):
             self._loop.call_later(_ARM_DELAY, self._arm_if_held, node)
         return grant
 
-    def _arm_if_held(self, node: _Node) -> None:
+    def _arm_if_held(self, node: Node) -> None:
         s = node.session
         if (
-            node.phase is _Phase.HELD
+            node.phase is NodePhase.HELD
             and not node.armed
             and not node.arming
             and s.connected.is_set()
@@ -915,13 +519,13 @@ class ZooKeeperBackend(Backend):
         ):
             self._arm(node)
 
-    def _token_value(self, node: _Node) -> int:
+    def _token_value(self, node: Node) -> int:
         """The fencing token of a granted node: its czxid (see the module docstring)."""
         return node.czxid
 
-    def _on_timer(self, node: _Node) -> None:
+    def _on_timer(self, node: Node) -> None:
         node.timer = None
-        if node.phase is not _Phase.HELD:
+        if node.phase is not NodePhase.HELD:
             return
         left = node.expires_at - _clock.now()
         if left > 0:
@@ -929,17 +533,17 @@ class ZooKeeperBackend(Backend):
             return
         self._expire(node)
 
-    def _expire(self, node: _Node) -> None:
+    def _expire(self, node: Node) -> None:
         """Not renewed in time: give the node up and tell the holder."""
-        self._lose(node, LeaseLostError(f"lease {_describe(node)} expired: not renewed in time"))
+        self._lose(node, LeaseLostError(f"lease {describe(node)} expired: not renewed in time"))
         s = node.session
         if node.path is not None and node.session_id == s.session_id:
             s.discard(node.path)
 
-    def _lose(self, node: _Node, cause: LeaseLostError) -> None:
-        if node.phase is not _Phase.HELD:
+    def _lose(self, node: Node, cause: LeaseLostError) -> None:
+        if node.phase is not NodePhase.HELD:
             return
-        node.phase = _Phase.DONE
+        node.phase = NodePhase.DONE
         if node.timer is not None:
             node.timer.cancel()
             node.timer = None
@@ -951,7 +555,7 @@ class ZooKeeperBackend(Backend):
             except Exception:
                 logger.exception("lost-lease callback failed")
 
-    async def _withdraw(self, node: _Node) -> None:
+    async def _withdraw(self, node: Node) -> None:
         """Leave the queue (timeout): delete our waiter node now if we can, else later."""
         s = node.session
         path = node.path
@@ -972,7 +576,7 @@ class ZooKeeperBackend(Backend):
             s.discard(path)
             raise
 
-    def _abandon(self, node: _Node) -> None:
+    def _abandon(self, node: Node) -> None:
         """An acquire ended without a grant (error, cancellation): its node must not stay."""
         s = node.session
         if node.path is not None:
@@ -990,7 +594,7 @@ class ZooKeeperBackend(Backend):
     async def renew(self, grant: Grant) -> Grant:
         self._check_open()
         node = self._node_of(grant)
-        if node is None or node.phase is not _Phase.HELD or node.path is None:
+        if node is None or node.phase is not NodePhase.HELD or node.path is None:
             raise LeaseLostError(f"lease {grant.token} is no longer held")
         s = node.session
         if _clock.now() >= node.expires_at:
@@ -1006,8 +610,8 @@ class ZooKeeperBackend(Backend):
         except SessionExpiredError as exc:
             raise LeaseLostError(f"lease {grant.token} lost with its ZooKeeper session") from exc
         except KazooException as exc:
-            raise _unavailable("renewal failed", exc) from exc
-        if node.phase is not _Phase.HELD:
+            raise unavailable("renewal failed", exc) from exc
+        if node.phase is not NodePhase.HELD:
             raise LeaseLostError(f"lease {grant.token} was lost while renewing")
         if stat is None or stat.czxid != node.czxid or s.session_id != sid:
             self._node_deleted(node)
@@ -1023,9 +627,9 @@ class ZooKeeperBackend(Backend):
     async def release(self, grant: Grant) -> bool:
         self._check_open()
         node = self._node_of(grant)
-        if node is None or node.phase is not _Phase.HELD or node.path is None:
+        if node is None or node.phase is not NodePhase.HELD or node.path is None:
             return False
-        node.phase = _Phase.DONE
+        node.phase = NodePhase.DONE
         if node.timer is not None:
             node.timer.cancel()
             node.timer = None
@@ -1044,9 +648,7 @@ class ZooKeeperBackend(Backend):
             )
         return await self._delete_own(s, path, version, seq, node.parent)
 
-    async def _delete_own(
-        self, s: _Session, path: str, version: int, seq: int, parent: str
-    ) -> bool:
+    async def _delete_own(self, s: Session, path: str, version: int, seq: int, parent: str) -> bool:
         """Delete exactly our node: one transaction marks it released, then deletes it.
 
         The path names one acquire call (request id, nonce, sequence), so no other grant can
@@ -1063,7 +665,7 @@ class ZooKeeperBackend(Backend):
             return False
         except KazooException as exc:
             s.discard(path)
-            raise _unavailable("release failed (retried in the background)", exc) from exc
+            raise unavailable("release failed (retried in the background)", exc) from exc
         if any(isinstance(r, Exception) for r in results):
             if not isinstance(results[0], BadVersionError):
                 return False  # gone already (expired or deleted): nothing was changed
@@ -1075,16 +677,16 @@ class ZooKeeperBackend(Backend):
                 return False
             except KazooException as exc:
                 s.discard(path)
-                raise _unavailable("release failed (retried in the background)", exc) from exc
+                raise unavailable("release failed (retried in the background)", exc) from exc
         if seq >= _RESET_SEQ or seq < 0:
             # Re-create the lock node (if empty) so its sequence counter starts again; the
             # tokens are czxids, which keep growing across a re-created parent.
-            _ignore(s.future(s.client.delete_async(parent)))
+            ignore(s.future(s.client.delete_async(parent)))
         return True
 
-    def _node_of(self, grant: Grant) -> _Node | None:
+    def _node_of(self, grant: Grant) -> Node | None:
         node = grant.handle
-        if isinstance(node, _Node) and node.session.backend is self:
+        if isinstance(node, Node) and node.session.backend is self:
             return node
         return None
 
@@ -1096,7 +698,7 @@ class ZooKeeperBackend(Backend):
         try:
             return sorted(await s.future(s.client.get_children_async(self._root)))
         except KazooException as exc:
-            raise _unavailable("listing failed", exc) from exc
+            raise unavailable("listing failed", exc) from exc
 
     async def status(self, name: str) -> LockStatus:
         self._check_open()
@@ -1106,7 +708,7 @@ class ZooKeeperBackend(Backend):
             # sync first: the listing then reflects every write committed before this call.
             synced = s.future(s.client.sync_async(parent))
             children = await s._children(parent)
-            _ignore(synced)
+            ignore(synced)
             for _ in range(3):
                 queue = _queue_order(children)
                 if not queue:
@@ -1121,7 +723,7 @@ class ZooKeeperBackend(Backend):
                 last = max(token.value, self._last_tokens.get(name, 0))
                 mine = self._find_local(path)
                 remaining = None
-                if mine is not None and mine.phase is _Phase.HELD:
+                if mine is not None and mine.phase is NodePhase.HELD:
                     remaining = max(0.0, mine.expires_at - _clock.now())
                 return LockStatus(
                     name=name,
@@ -1132,7 +734,7 @@ class ZooKeeperBackend(Backend):
                     waiters=len(queue) - 1,
                 )
         except KazooException as exc:
-            raise _unavailable("status failed", exc) from exc
+            raise unavailable("status failed", exc) from exc
         last_value = self._last_tokens.get(name)
         return LockStatus(
             name=name,
@@ -1143,14 +745,14 @@ class ZooKeeperBackend(Backend):
             waiters=0,
         )
 
-    def _find_local(self, path: str) -> _Node | None:
+    def _find_local(self, path: str) -> Node | None:
         for s in self._sessions.values():
             node = s.nodes.get(path)
             if node is not None:
                 return node
         return None
 
-    def _status_session(self) -> _Session:
+    def _status_session(self) -> Session:
         candidates = [self._default, *self._sessions.values()]
         for s in candidates:
             if s is not None and s.connected.is_set():
@@ -1165,8 +767,8 @@ class ZooKeeperBackend(Backend):
         sessions = list(self._sessions.values())
         for s in sessions:
             for node in list(s.nodes.values()):
-                if node.phase is _Phase.HELD:
-                    self._lose(node, LeaseLostError(f"lease {_describe(node)}: connection closed"))
+                if node.phase is NodePhase.HELD:
+                    self._lose(node, LeaseLostError(f"lease {describe(node)}: connection closed"))
             for node in list(s.queued):
                 node.wake.set()
             if s.janitor is not None:
@@ -1184,7 +786,7 @@ def _stop_clients(clients: list[Any]) -> None:
             logger.debug("closing a kazoo client failed", exc_info=True)
 
 
-def _on_pred_event(node: _Node, event: Any) -> None:
+def _on_pred_event(node: Node, event: Any) -> None:
     if event.type == EventType.CHANGED:
         # Only a holder's release writes a lock node, in the transaction that deletes it.
         node.held_preds.add(event.path)

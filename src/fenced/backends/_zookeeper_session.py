@@ -1,0 +1,456 @@
+"""The transport under ``zookeeper://``: kazoo driven from asyncio, sessions and lock nodes.
+
+One kazoo client per session, its callbacks delivered into the event loop (``Mailbox``), its
+connection state turned into the session's ``connected``/lost signals, and the nodes a
+session owns (``Node``). The lock recipe itself is in ``zookeeper.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import enum
+import logging
+import math
+import select
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Final
+
+from kazoo.client import KazooClient
+from kazoo.exceptions import (
+    BadVersionError,
+    ConnectionClosedError,
+    ConnectionLoss,
+    NoNodeError,
+    OperationTimeoutError,
+    SessionExpiredError,
+)
+from kazoo.handlers.threading import AsyncResult, KazooTimeoutError, SequentialThreadingHandler
+from kazoo.protocol.serialization import Connect
+from kazoo.protocol.states import KazooState
+from kazoo.retry import KazooRetry
+
+from .. import _clock
+from .._backend import (
+    Grant,
+    LostCallback,
+)
+from .._errors import (
+    BackendUnavailable,
+    LeaseLostError,
+    UnsafeBackendError,
+)
+
+if TYPE_CHECKING:
+    from .zookeeper import ZooKeeperBackend
+
+__all__ = [
+    "KAZOO_LOG",
+    "UNAVAILABLE",
+    "InlineHandler",
+    "Mailbox",
+    "Node",
+    "NodePhase",
+    "Session",
+    "describe",
+    "ignore",
+    "settle",
+    "unavailable",
+]
+
+logger = logging.getLogger("fenced.zookeeper")
+
+UNAVAILABLE: Final = (
+    ConnectionLoss,
+    ConnectionClosedError,
+    OperationTimeoutError,
+    KazooTimeoutError,
+)
+"""Errors that say nothing about the session: the request may or may not have been applied."""
+
+
+class DebugOnly(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """kazoo's own log lines ("Connection dropped: ..." once per retry, many a second while a
+    server is down) at debug level: fenced reports what matters once, as a typed error."""
+
+    def log(self, level: int, msg: object, *args: Any, **kwargs: Any) -> None:
+        super().log(min(level, logging.DEBUG), msg, *args, **kwargs)
+
+    def isEnabledFor(self, level: int) -> bool:
+        return bool(self.logger.isEnabledFor(min(level, logging.DEBUG)))
+
+
+KAZOO_LOG: Final = DebugOnly(logging.getLogger("fenced.zookeeper.kazoo"), {})
+
+
+# -- kazoo, bridged to asyncio ----------------------------------------------------------------
+
+
+class InlineResult(AsyncResult):  # type: ignore[misc]
+    """A kazoo result whose callbacks run at once, on the thread that completes it."""
+
+    def _do_callbacks(self) -> None:
+        me: Any = self  # kazoo is untyped
+        callbacks: list[Callable[[Any], None]] = me._callbacks
+        me._callbacks = []
+        for callback in callbacks:
+            try:
+                callback(self)
+            except Exception:  # pragma: no cover - our callbacks only schedule work
+                logger.exception("kazoo completion callback failed")
+
+
+class InlineHandler(SequentialThreadingHandler):  # type: ignore[misc]
+    """Runs completion and watch callbacks on kazoo's connection thread, with no worker threads.
+
+    Every callback a fenced client registers only hands a value to an event loop, so none can
+    block the connection thread. Running them inline keeps responses and watch events in
+    exactly the order the server sent them (ZooKeeper's ordering guarantee, which the waiters
+    rely on) and saves two thread hops per request.
+    """
+
+    def start(self) -> None:
+        with self._state_change:
+            self._running = True
+
+    def stop(self) -> None:
+        with self._state_change:
+            self._running = False
+
+    def async_result(self) -> InlineResult:
+        return InlineResult(self)
+
+    def select(
+        self, rlist: list[Any], wlist: list[Any], xlist: list[Any], timeout: float | None = None
+    ) -> tuple[list[Any], list[Any], list[Any]]:
+        """One ``poll(2)`` call; kazoo's own builds and closes an epoll set on every call.
+
+        kazoo calls this at least twice per request (to wait for work, and before each write),
+        so the four syscalls saved each time are a good part of a request's client-side cost.
+        """
+        poller = select.poll()
+        masks: dict[int, int] = {}
+        owners: dict[int, list[Any]] = {}
+        for objs, mask in ((rlist, select.POLLIN), (wlist, select.POLLOUT)):
+            for obj in objs:
+                fd = obj if isinstance(obj, int) else obj.fileno()
+                masks[fd] = masks.get(fd, 0) | mask
+                owners.setdefault(fd, []).append(obj)
+        for fd, mask in masks.items():
+            poller.register(fd, mask)
+        wait_ms = None if timeout is None else max(0, math.ceil(timeout * 1000))
+        readable: list[Any] = []
+        writable: list[Any] = []
+        for fd, events in poller.poll(wait_ms):
+            for obj in owners[fd]:
+                if obj in rlist and events & READ_EVENTS:
+                    readable.append(obj)
+                if obj in wlist and events & WRITE_EVENTS:
+                    writable.append(obj)
+        return readable, writable, []
+
+    def dispatch_callback(self, callback: Any) -> None:
+        try:
+            callback.func(*callback.args)
+        except Exception:  # pragma: no cover - our watchers only schedule work
+            logger.exception("kazoo watch callback failed")
+
+
+READ_EVENTS: Final = (
+    select.POLLIN | select.POLLPRI | select.POLLHUP | select.POLLERR | select.POLLNVAL
+)
+WRITE_EVENTS: Final = select.POLLOUT | select.POLLHUP | select.POLLERR | select.POLLNVAL
+
+
+def settle(future: asyncio.Future[Any], result: Any) -> None:
+    if future.done():
+        return
+    exc = result.exception
+    if exc is None:
+        future.set_result(result.value)
+    else:
+        future.set_exception(exc)
+
+
+class Mailbox:
+    """Hands work from kazoo's connection thread to the event loop, in order.
+
+    One ``call_soon_threadsafe`` (one write to the loop's self-pipe) per burst rather than
+    per item: responses and watch events often arrive several at a time.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.items: collections.deque[tuple[Callable[..., None], tuple[Any, ...]]] = (
+            collections.deque()
+        )
+        self.scheduled = False
+
+    def post(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run ``fn(*args)`` on the loop (from any thread; dropped if the loop is closed)."""
+        self.items.append((fn, args))
+        if not self.scheduled:
+            self.scheduled = True
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting
+                self.loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        self.scheduled = False
+        items = self.items
+        while items:
+            fn, args = items.popleft()
+            try:
+                fn(*args)
+            except Exception:  # pragma: no cover - our handlers do not raise
+                logger.exception("ZooKeeper event handler failed")
+
+    def future(self, result: Any) -> asyncio.Future[Any]:
+        """An asyncio future completed (on the loop) by a kazoo ``IAsyncResult``."""
+        future = self.loop.create_future()
+        result.rawlink(lambda r: self.post(settle, future, r))
+        return future
+
+
+def ignore(future: asyncio.Future[Any]) -> None:
+    """Mark a future's outcome as handled (its error, if any, is not interesting)."""
+    if future.done():
+        if not future.cancelled():
+            future.exception()
+    else:
+        future.add_done_callback(ignore)
+
+
+def unavailable(what: str, exc: BaseException) -> BackendUnavailable:
+    return BackendUnavailable(f"ZooKeeper {what}: {type(exc).__name__} {exc}".rstrip())
+
+
+# -- sessions and nodes -----------------------------------------------------------------------
+
+
+class NodePhase(enum.Enum):
+    QUEUED = "queued"
+    HELD = "held"
+    DONE = "done"  # released, lost or expired
+
+
+@dataclasses.dataclass(eq=False)
+class Node:
+    """One acquire call's node, from queueing to release."""
+
+    lock: str
+    request_id: str
+    session: Session
+    parent: str
+    prefix: str
+    on_lost: list[LostCallback]
+    ttl: float
+    phase: NodePhase = NodePhase.QUEUED
+    path: str | None = None
+    seq: int = 0
+    czxid: int = 0
+    version: int = 0
+    session_id: int | None = None
+    uncertain: bool = False  # a create was sent and its reply lost
+    lower: list[str] | None = None  # names of the nodes queued before ours, nearest last
+    gone: set[str] = dataclasses.field(default_factory=set)  # paths seen deleted
+    held_preds: set[str] = dataclasses.field(default_factory=set)  # seen released by a holder
+    armed: bool = False  # a watch on our own node is known to be set
+    arming: bool = False  # a request to set it is on its way
+    deleted: bool = False  # our own node is known to be gone
+    wake: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    grant: Grant | None = None
+    expires_at: float = 0.0
+    timer: asyncio.TimerHandle | None = None
+    own_watch: Callable[[Any], None] = dataclasses.field(default=lambda ev: None)
+    pred_watch: Callable[[Any], None] = dataclasses.field(default=lambda ev: None)
+
+    def forget(self) -> None:
+        """Our node is gone (session ended, deleted): the next round creates a new one."""
+        if self.path is not None:
+            self.session.nodes.pop(self.path, None)
+        self.path = None
+        self.session_id = None
+        self.lower = None
+        self.armed = False
+        self.deleted = False
+        self.gone.clear()
+        self.held_preds.clear()
+
+
+class Session:
+    """One ZooKeeper session (one kazoo client) whose timeout is one ttl."""
+
+    def __init__(self, backend: ZooKeeperBackend, timeout_ms: int) -> None:
+        self.backend = backend
+        self.loop = backend._loop
+        self.timeout = timeout_ms / 1000  # the negotiated timeout, once connected
+        self.session_id: int | None = None
+        self.connected = asyncio.Event()
+        self.ever_connected = False
+        self.proven_at = -math.inf  # send time of the latest request this session answered
+        self.nodes: dict[str, Node] = {}  # path -> node, for nodes of the current session
+        self.queued: set[Node] = set()  # nodes whose acquire is waiting
+        self.doomed: set[str] = set()  # paths to delete once connected
+        self.orphans: set[tuple[str, str]] = (
+            set()
+        )  # (parent, prefix) of creates whose reply was lost
+        self.work = asyncio.Event()
+        self.janitor: asyncio.Task[None] | None = None
+        self._negotiated_ms = 0
+        retry_cap = max(0.05, min(1.0, self.timeout / 5))
+        self.client = KazooClient(
+            hosts=backend._hosts,
+            timeout=self.timeout,
+            handler=InlineHandler(),
+            connection_retry=KazooRetry(
+                max_tries=-1, delay=0.02, backoff=2, max_jitter=0.3, max_delay=retry_cap
+            ),
+            logger=KAZOO_LOG,
+        )
+        self._hook_negotiation()
+        self.client.add_listener(self._on_state_thread)
+        self.client.start_async()
+
+    def _hook_negotiation(self) -> None:
+        """Learn the session timeout the server granted: kazoo keeps it to itself.
+
+        The server clamps the asked-for timeout into [minSessionTimeout, maxSessionTimeout];
+        a holder that counted on more than it got would be unsafe, so failing to learn it is
+        an error, not a fallback.
+        """
+        connection: Any = getattr(self.client, "_connection", None)
+        invoke = getattr(connection, "_invoke", None)
+        if invoke is None:  # pragma: no cover - a kazoo release that moved its internals
+            raise UnsafeBackendError("this kazoo version hides the negotiated session timeout")
+
+        def hooked(timeout: float, request: Any, xid: int | None = None) -> Any:
+            result = invoke(timeout, request, xid)
+            if isinstance(request, Connect) and isinstance(result, tuple):
+                self._negotiated_ms = int(result[0].time_out)
+            return result
+
+        connection._invoke = hooked
+
+    # -- state changes (kazoo thread -> loop) --------------------------------------------
+
+    def _on_state_thread(self, state: str) -> None:
+        client_id = self.client.client_id
+        session_id = client_id[0] if client_id else None
+        negotiated = self._negotiated_ms
+        with contextlib.suppress(RuntimeError):
+            self.backend._mailbox.post(self._on_state, state, session_id, negotiated)
+
+    def _on_state(self, state: str, session_id: int | None, negotiated_ms: int) -> None:
+        if state == KazooState.CONNECTED:
+            if self.session_id is not None and session_id != self.session_id:
+                self.session_ended("the ZooKeeper session expired")
+            if negotiated_ms > 0:
+                self.timeout = negotiated_ms / 1000
+            self.session_id = session_id
+            self.ever_connected = True
+            self.connected.set()
+            for node in list(self.nodes.values()):
+                if node.phase is NodePhase.HELD and not node.armed:
+                    self.backend._arm(node)
+            if self.doomed or self.orphans:
+                self.work.set()
+        else:
+            self.connected.clear()
+            if state == KazooState.LOST and not self.backend._closing:
+                self.session_ended("the ZooKeeper session expired or was closed")
+        for node in list(self.queued):
+            if state != KazooState.CONNECTED:
+                node.lower = None  # watches are dropped with the connection: list again
+            node.wake.set()
+
+    def session_ended(self, why: str) -> None:
+        """Every node of the session is gone: tell holders, send waiters round again."""
+        self.session_id = None
+        self.proven_at = -math.inf
+        self.doomed.clear()
+        self.orphans.clear()
+        nodes, self.nodes = list(self.nodes.values()), {}
+        for node in nodes:
+            if node.phase is NodePhase.HELD:
+                self.backend._lose(node, LeaseLostError(f"lease {describe(node)} lost: {why}"))
+            node.forget()
+            node.wake.set()
+
+    def proven(self, sent: float, session_id: int | None) -> None:
+        """A request sent at ``sent`` was answered by the session that is still current."""
+        if session_id is not None and session_id == self.session_id and sent > self.proven_at:
+            self.proven_at = sent
+
+    async def wait_connected(self, until: float | None) -> None:
+        if self.connected.is_set():
+            return
+        timeout = None if until is None else until - _clock.now()
+        try:
+            if timeout is not None and timeout <= 0:
+                raise TimeoutError
+            async with asyncio.timeout(timeout):
+                await self.connected.wait()
+        except TimeoutError:
+            raise BackendUnavailable(
+                f"ZooKeeper at {self.backend._hosts!r} is not reachable"
+            ) from None
+
+    def future(self, result: Any) -> asyncio.Future[Any]:
+        return self.backend._mailbox.future(result)
+
+    # -- background clean-up ---------------------------------------------------------------
+
+    def discard(self, path: str) -> None:
+        self.nodes.pop(path, None)
+        self.doomed.add(path)
+        self.work.set()
+        if self.janitor is None:
+            self.janitor = self.loop.create_task(self._janitor(), name="fenced-zk-janitor")
+
+    def discard_prefix(self, parent: str, prefix: str) -> None:
+        self.orphans.add((parent, prefix))
+        self.work.set()
+        if self.janitor is None:
+            self.janitor = self.loop.create_task(self._janitor(), name="fenced-zk-janitor")
+
+    async def _janitor(self) -> None:
+        """Delete nodes whose owner gave up while the connection was down.
+
+        A node left behind while the session lives would block its lock for good, so every
+        node an acquire or release could not delete at once is deleted here, when connected.
+        """
+        while not self.backend._closed:
+            await self.work.wait()
+            self.work.clear()
+            try:
+                await self.connected.wait()
+                for parent, prefix in list(self.orphans):
+                    children = await self._children(parent)
+                    for child in children:
+                        if child.startswith(prefix):
+                            self.doomed.add(f"{parent}/{child}")
+                    self.orphans.discard((parent, prefix))
+                for path in list(self.doomed):
+                    with contextlib.suppress(NoNodeError, BadVersionError):
+                        await self.future(self.client.delete_async(path))
+                    self.doomed.discard(path)
+            except (*UNAVAILABLE, SessionExpiredError):
+                self.work.set()  # retried at the next connection (or dropped if it expired)
+            except Exception:  # pragma: no cover - keep cleaning whatever happens
+                logger.exception("ZooKeeper clean-up failed")
+                await asyncio.sleep(0.5)
+                self.work.set()
+
+    async def _children(self, parent: str) -> list[str]:
+        try:
+            children: list[str] = await self.future(self.client.get_children_async(parent))
+        except NoNodeError:
+            return []
+        return children
+
+
+def describe(node: Node) -> str:
+    token = f" (token {node.grant.token})" if node.grant is not None else ""
+    return f"on {node.lock!r}{token}"
