@@ -32,7 +32,8 @@ import pytest
 import fenced
 from fenced import _clock
 from fenced._backend import Grant
-from fenced.backends.postgresql import _DDL, PostgreSQLBackend
+from fenced.backends._postgresql_schema import DDL
+from fenced.backends.postgresql import PostgreSQLBackend
 from fenced.testing.servers import PostgresServer
 from tests.envs.postgresql import crash
 from tests.helpers import async_wait_for, unique_name
@@ -45,8 +46,8 @@ def _noop(exc: BaseException) -> None:
 
 
 def _plant(original: str, replacement: str) -> str:
-    assert original in _DDL, f"planted bug no longer applies: {original!r}"
-    return _DDL.replace(original, replacement)
+    assert original in DDL, f"planted bug no longer applies: {original!r}"
+    return DDL.replace(original, replacement)
 
 
 # -- planted bugs ---------------------------------------------------------------------------

@@ -25,14 +25,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import math
-import re
 import secrets
 import select
 from collections.abc import Callable
-from types import MappingProxyType
-from typing import Any, ClassVar, Final
+from typing import Any, ClassVar
 from urllib.parse import SplitResult, urlsplit, urlunsplit
 
 import psycopg
@@ -55,270 +52,21 @@ from .._errors import (
     LeaseLostError,
     UnsafeBackendError,
 )
-from .._options import Option, parse_query
 from .._token import FencingToken
+from ._postgresql_schema import (
+    DDL,
+    INSTALL_LOCK,
+    OPTIONS,
+    SESSION_SETUP,
+    Names,
+    check_libpq_query,
+    wake_key,
+)
 
 __all__ = ["PostgreSQLBackend"]
 
 _Conn = psycopg.AsyncConnection[tuple[Any, ...]]
 _Row = tuple[Any, ...]
-
-_IDENT: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_MAX_PREFIX: Final = 29  # channel names are prefix + 34 characters, at most 63 bytes
-_INSTALL_LOCK: Final = 0x66656E63  # 'fenc': first key of the advisory lock that serialises installs
-
-# The tables and functions. ``{...}`` are identifiers filled in by psycopg.sql; the DDL runs
-# without parameters, in one transaction. Every function serialises on the lock's row
-# (``FOR UPDATE``), so the queue and the holder of one lock change in one order only.
-_DDL: Final = """
-CREATE TABLE IF NOT EXISTS {locks} (
-    name        text PRIMARY KEY,
-    last_token  bigint NOT NULL DEFAULT 0 CHECK (last_token >= 0),
-    holder      text,
-    token       bigint,
-    ttl         double precision,
-    expires_at  timestamptz
-);
-CREATE TABLE IF NOT EXISTS {waiters} (
-    id          bigserial PRIMARY KEY,
-    name        text NOT NULL,
-    request_id  text NOT NULL,
-    channel     text,
-    expires_at  timestamptz NOT NULL
-);
-CREATE INDEX IF NOT EXISTS {waiters_queue} ON {waiters} (name, id);
-CREATE UNIQUE INDEX IF NOT EXISTS {waiters_request} ON {waiters} (name, md5(request_id));
-
-DROP FUNCTION IF EXISTS {acquire}(text, text, double precision, double precision, text, boolean);
-CREATE FUNCTION {acquire}(
-    p_name text, p_req text, p_ttl double precision, p_wait_ttl double precision,
-    p_channel text, p_enqueue boolean,
-    OUT o_status text, OUT o_token bigint, OUT o_hint double precision)
-LANGUAGE plpgsql AS $fn$
-DECLARE
-    r record;
-    h record;
-    t timestamptz;
-    have_head boolean;
-BEGIN
-    SELECT l.holder, l.token, l.expires_at INTO r FROM {locks} l WHERE l.name = p_name FOR UPDATE;
-    IF NOT FOUND THEN
-        INSERT INTO {locks} (name) VALUES (p_name) ON CONFLICT (name) DO NOTHING;
-        SELECT l.holder, l.token, l.expires_at INTO r FROM {locks} l WHERE l.name = p_name FOR UPDATE;
-    END IF;
-    t := clock_timestamp();
-    IF r.holder IS NOT NULL AND r.expires_at > t THEN
-        IF r.holder = p_req THEN
-            -- A retry of a granted request whose reply was lost: the same grant, renewed
-            -- (a write, so this answer too is durable before it is sent).
-            UPDATE {locks} SET ttl = p_ttl, expires_at = t + make_interval(secs => p_ttl)
-             WHERE name = p_name;
-            DELETE FROM {waiters} WHERE name = p_name AND md5(request_id) = md5(p_req);
-            o_status := 'granted';
-            o_token := r.token;
-            RETURN;
-        END IF;
-        o_hint := extract(epoch FROM r.expires_at - t);
-    ELSE
-        -- Free, or its holder's lease has expired: the head of the queue goes first, unless
-        -- it is dead (its place expired); dead heads are dropped one by one (O(1) each).
-        LOOP
-            SELECT w.id, w.request_id, w.channel, w.expires_at INTO h FROM {waiters} w
-             WHERE w.name = p_name ORDER BY w.id LIMIT 1;
-            have_head := FOUND;
-            EXIT WHEN NOT have_head OR h.expires_at > t;
-            DELETE FROM {waiters} WHERE id = h.id;
-        END LOOP;
-        IF NOT have_head OR h.request_id = p_req THEN
-            -- The grant: the counter advances in this same transaction, and is never reset.
-            UPDATE {locks}
-               SET last_token = last_token + 1, holder = p_req, token = last_token + 1,
-                   ttl = p_ttl, expires_at = t + make_interval(secs => p_ttl)
-             WHERE name = p_name
-            RETURNING token INTO o_token;
-            IF have_head THEN
-                DELETE FROM {waiters} WHERE name = p_name AND md5(request_id) = md5(p_req);
-            END IF;
-            o_status := 'granted';
-            RETURN;
-        END IF;
-        -- An earlier waiter is first in line. If the lock was freed by expiry, nobody has
-        -- told it yet: wake it (a release or a leaving waiter has already notified it).
-        IF r.holder IS NOT NULL AND h.channel IS NOT NULL THEN
-            PERFORM pg_notify(h.channel, p_name || ' ' || md5(h.request_id));
-        END IF;
-        o_hint := extract(epoch FROM h.expires_at - t);
-    END IF;
-    o_status := 'wait';
-    IF p_enqueue THEN
-        -- A place in the queue is not a grant: it need not wait for the disk.
-        PERFORM set_config('synchronous_commit', 'off', true);
-        INSERT INTO {waiters} (name, request_id, channel, expires_at)
-        VALUES (p_name, p_req, p_channel, t + make_interval(secs => p_wait_ttl))
-        ON CONFLICT (name, md5(request_id))
-        DO UPDATE SET expires_at = excluded.expires_at, channel = excluded.channel;
-    END IF;
-END
-$fn$;
-
-DROP FUNCTION IF EXISTS {release}(text, text, bigint);
-CREATE FUNCTION {release}(p_name text, p_req text, p_token bigint)
-RETURNS boolean LANGUAGE plpgsql AS $fn$
-DECLARE
-    r record;
-    h record;
-    t timestamptz;
-BEGIN
-    SELECT l.holder, l.token, l.expires_at INTO r FROM {locks} l WHERE l.name = p_name FOR UPDATE;
-    IF NOT FOUND OR r.token IS DISTINCT FROM p_token OR r.holder IS DISTINCT FROM p_req THEN
-        RETURN false;  -- fenced: never touches another grant
-    END IF;
-    t := clock_timestamp();
-    UPDATE {locks} SET holder = NULL, token = NULL, ttl = NULL, expires_at = NULL
-     WHERE name = p_name;
-    SELECT w.request_id, w.channel INTO h FROM {waiters} w
-     WHERE w.name = p_name AND w.expires_at > t ORDER BY w.id LIMIT 1;
-    IF FOUND AND h.channel IS NOT NULL THEN
-        PERFORM pg_notify(h.channel, p_name || ' ' || md5(h.request_id));
-    END IF;
-    RETURN r.expires_at > t;
-END
-$fn$;
-
-DROP FUNCTION IF EXISTS {leave}(text, text);
-CREATE FUNCTION {leave}(p_name text, p_req text)
-RETURNS void LANGUAGE plpgsql AS $fn$
-DECLARE
-    r record;
-    h record;
-    t timestamptz;
-BEGIN
-    PERFORM set_config('synchronous_commit', 'off', true);
-    SELECT l.holder, l.expires_at INTO r FROM {locks} l WHERE l.name = p_name FOR UPDATE;
-    IF NOT FOUND THEN
-        RETURN;
-    END IF;
-    DELETE FROM {waiters} WHERE name = p_name AND md5(request_id) = md5(p_req);
-    t := clock_timestamp();
-    IF FOUND AND (r.holder IS NULL OR r.expires_at <= t) THEN
-        SELECT w.request_id, w.channel INTO h FROM {waiters} w
-         WHERE w.name = p_name AND w.expires_at > t ORDER BY w.id LIMIT 1;
-        IF FOUND AND h.channel IS NOT NULL THEN
-            PERFORM pg_notify(h.channel, p_name || ' ' || md5(h.request_id));
-        END IF;
-    END IF;
-END
-$fn$;
-"""
-
-_RENEW: Final = """
-UPDATE {locks} SET ttl = %s::float8, expires_at = clock_timestamp() + make_interval(secs => %s::float8)
- WHERE name = %s::text AND holder = %s::text AND token = %s::bigint AND expires_at > clock_timestamp()
-RETURNING token
-"""
-
-_STATUS: Final = """
-SELECT l.holder, l.token, l.last_token, extract(epoch FROM l.expires_at - c.t)::float8,
-       (SELECT count(*) FROM {waiters} w WHERE w.name = %(name)s::text AND w.expires_at > c.t)
-  FROM (SELECT clock_timestamp() AS t) c LEFT JOIN {locks} l ON l.name = %(name)s::text
-"""
-
-# "on" unless the server asks for more (remote_apply): never weaker, whatever the defaults.
-_SESSION: Final = (
-    b"SELECT set_config('synchronous_commit', CASE current_setting('synchronous_commit')"
-    b" WHEN 'remote_apply' THEN 'remote_apply' ELSE 'on' END, false);"
-    b" SET default_transaction_isolation = 'read committed'"
-)
-
-
-def _wake_key(name: str, request_id: str) -> str:
-    """The NOTIFY payload that wakes one waiter: the same text as the SQL builds."""
-    return f"{name} {hashlib.md5(request_id.encode()).hexdigest()}"
-
-
-def _ident(max_len: int) -> Callable[[str], str | None]:
-    def check(value: str) -> str | None:
-        if _IDENT.fullmatch(value) and len(value) <= max_len:
-            return None
-        return f"must be an SQL identifier of at most {max_len} characters (letters, digits, _)"
-
-    return check
-
-
-_OPTIONS: Final = MappingProxyType(
-    {
-        "schema": Option("str", "public", check=_ident(63)),
-        "prefix": Option("str", "fenced_", check=_ident(_MAX_PREFIX)),
-        "connect_timeout": Option("number", 5.0, low=0.1, high=3600),
-        "command_timeout": Option("number", 30.0, low=0.1, high=86_400),
-        "waiter_ttl": Option("number", 6.0, low=0.1, high=3600),
-        "allow_unsafe": Option("bool", False),
-    }
-)
-
-
-def _check_libpq_query(url: SplitResult) -> None:
-    """The URL query belongs to libpq: refuse a parameter it does not know, here, typed.
-
-    (libpq itself would refuse it only when connecting, which surfaced as BackendUnavailable.)
-    """
-    query = parse_query("postgresql", url.query)
-    known = {o.keyword.decode() for o in psycopg.pq.Conninfo.get_defaults()}
-    unknown = sorted(set(query) - known)
-    if unknown:
-        hint = ""
-        if set(unknown) & set(_OPTIONS):
-            hint = " (fenced's own options are keyword arguments of connect(), not URL query)"
-        raise ConfigurationError(
-            f"unknown PostgreSQL connection parameter(s) {', '.join(map(repr, unknown))} in the "
-            f"URL{hint}"
-        )
-
-
-class _Names:
-    """The SQL statements of one schema and table prefix, rendered once."""
-
-    def __init__(self, schema: str, prefix: str, ddl: str) -> None:
-        self.schema = schema
-        self.prefix = prefix
-
-        def ident(suffix: str) -> sql.Identifier:
-            return sql.Identifier(schema, prefix + suffix)
-
-        names = {
-            "locks": ident("locks"),
-            "waiters": ident("waiters"),
-            "waiters_queue": sql.Identifier(prefix + "waiters_queue"),
-            "waiters_request": sql.Identifier(prefix + "waiters_request"),
-            "acquire": ident("acquire"),
-            "release": ident("release"),
-            "leave": ident("leave"),
-        }
-        body = sql.SQL(ddl).format(**names).as_string(None)
-        self.marker = "fenced:" + hashlib.sha256(body.encode()).hexdigest()[:16]
-        comment = sql.SQL(
-            "COMMENT ON FUNCTION {acquire}(text, text, double precision, double precision, "
-            "text, boolean) IS {marker};"
-        ).format(acquire=names["acquire"], marker=sql.Literal(self.marker))
-        self.ddl = body + "\n" + comment.as_string(None)
-        self.acquire_sig = (
-            sql.SQL("{}(text, text, double precision, double precision, text, boolean)")
-            .format(names["acquire"])
-            .as_string(None)
-        )
-
-        def render(text: str) -> bytes:
-            return sql.SQL(text).format(**names).as_bytes(None)
-
-        self.q_acquire = render(
-            "SELECT o_status, o_token, o_hint FROM {acquire}"
-            "(%s::text, %s::text, %s::float8, %s::float8, %s::text, %s::boolean)"
-        )
-        self.q_release = render("SELECT {release}(%s::text, %s::text, %s::bigint)")
-        self.q_leave = render("SELECT {leave}(%s::text, %s::text)")
-        self.q_renew = render(_RENEW)
-        self.q_status = render(_STATUS)
-        self.q_names = render("SELECT coalesce(array_agg(name ORDER BY name), '{{}}') FROM {locks}")
 
 
 class _Listener:
@@ -433,7 +181,7 @@ class PostgreSQLBackend(Backend):
     """
 
     scheme: ClassVar[str] = "postgresql"
-    option_schema = _OPTIONS
+    option_schema = OPTIONS
     characteristics: ClassVar[frozenset[Characteristic]] = frozenset(
         {
             Characteristic.LINEARIZABLE,
@@ -443,7 +191,7 @@ class PostgreSQLBackend(Backend):
             Characteristic.SERVER_EXPIRY,
         }
     )
-    _ddl_template: ClassVar[str] = _DDL
+    _ddl_template: ClassVar[str] = DDL
 
     def __init__(
         self,
@@ -457,7 +205,7 @@ class PostgreSQLBackend(Backend):
         allow_unsafe: bool = False,
     ) -> None:
         self._conninfo = conninfo
-        self._names = _Names(schema, prefix, self._ddl_template)
+        self._names = Names(schema, prefix, self._ddl_template)
         self._connect_timeout = connect_timeout
         self._command_timeout = command_timeout
         self._waiter_ttl = waiter_ttl
@@ -479,7 +227,7 @@ class PostgreSQLBackend(Backend):
 
     @classmethod
     async def open(cls, url: SplitResult, options: dict[str, Any]) -> PostgreSQLBackend:
-        _check_libpq_query(url)
+        check_libpq_query(url)
         kwargs = cls.options(url, options, query=False)
         # libpq knows postgresql:// and postgres://; drop a "+driver" suffix.
         conninfo = urlunsplit(("postgresql", url.netloc, url.path, url.query, url.fragment))
@@ -496,7 +244,7 @@ class PostgreSQLBackend(Backend):
         """The DDL that :meth:`open` runs, for installing by hand (e.g. by a DBA)."""
         opts = cls.options(urlsplit("postgresql://"), {"schema": schema, "prefix": prefix})
         schema, prefix = opts["schema"], opts["prefix"]
-        return _Names(schema, prefix, cls._ddl_template).ddl
+        return Names(schema, prefix, cls._ddl_template).ddl
 
     async def _install(self) -> None:
         """Check the server, then create the tables and functions unless already current."""
@@ -529,7 +277,7 @@ class PostgreSQLBackend(Backend):
             )
         conn = await self._command_conn()
         try:
-            key = (_INSTALL_LOCK, f"{names.schema}.{names.prefix}")
+            key = (INSTALL_LOCK, f"{names.schema}.{names.prefix}")
             async with asyncio.timeout(self._command_timeout):
                 # A session lock, so that the look below runs in a transaction of its own: only
                 # a new transaction is sure to see functions another client installed while we
@@ -573,7 +321,7 @@ class PostgreSQLBackend(Backend):
                 )
                 if session:
                     # Explicit, so a server or role default of "off" cannot weaken durability.
-                    await conn.execute(_SESSION)
+                    await conn.execute(SESSION_SETUP)
         except (psycopg.Error, OSError, TimeoutError) as exc:
             raise BackendUnavailable(f"cannot connect to PostgreSQL: {exc}") from exc
         return conn
@@ -706,7 +454,7 @@ class PostgreSQLBackend(Backend):
         pending = self._cleanups.get(ident)
         if pending:
             await asyncio.wait(set(pending), timeout=self._command_timeout)
-        key = _wake_key(name, request_id)
+        key = wake_key(name, request_id)
         wake = asyncio.Event()
         listener.register(key, wake)
         queued = False
