@@ -479,7 +479,7 @@ def test_release_wakes_waiters_of_this_process_at_once(
     # also where this process has no doorbell socket (another OS).
     monkeypatch.setattr(SQLiteBackend, "poll_min", 5.0)
     if not doorbell:
-        monkeypatch.setattr(sqlite_backend, "_my_wake_address", lambda: None)
+        monkeypatch.setattr(sqlite_backend, "my_wake_address", lambda: None)
     name = unique_name()
     url = url_of(db, poll_interval=5, waiter_ttl=60)
     with fenced.connect(url) as locks, fenced.connect(url) as other:

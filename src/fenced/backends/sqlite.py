@@ -66,11 +66,9 @@ import dataclasses
 import functools
 import logging
 import os
-import socket
 import sqlite3
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from types import MappingProxyType
 from typing import Any, ClassVar, Final, TypeVar
@@ -96,6 +94,31 @@ from .._errors import (
 from .._options import Option
 from .._sqlite_errors import is_busy
 from .._token import FencingToken
+from ._sqlite_schema import (
+    PRAGMAS,
+    SCHEMA,
+    SCHEMA_VERSION,
+    SQL_DEQUEUE,
+    SQL_ENQUEUE,
+    SQL_HEAD_WAKE,
+    SQL_LOCK_STATE,
+    SQL_NEXT_TOKEN,
+    SQL_PURGE_WAITERS,
+    SQL_RELEASE,
+    SQL_RENEW,
+    SQL_SET_HOLDER,
+    SQL_STATUS,
+)
+from ._sqlite_wake import (
+    LocalWaiter,
+    local_mutex,
+    local_waiters,
+    my_wake_address,
+    notify,
+    register,
+    ring,
+    unregister,
+)
 
 __all__ = ["SQLiteBackend", "database_path"]
 
@@ -103,82 +126,6 @@ logger = logging.getLogger("fenced.sqlite")
 
 T = TypeVar("T")
 
-SCHEMA_VERSION: Final = 1
-
-SCHEMA: Final = (
-    """CREATE TABLE IF NOT EXISTS fenced_counters (
-        name TEXT PRIMARY KEY,
-        last_token INTEGER NOT NULL CHECK (last_token BETWEEN 1 AND 9223372036854775807)
-    ) WITHOUT ROWID""",
-    """CREATE TRIGGER IF NOT EXISTS fenced_counters_only_grow
-        BEFORE UPDATE OF last_token ON fenced_counters
-        WHEN NEW.last_token <= OLD.last_token
-        BEGIN SELECT RAISE(ABORT, 'fenced: a token counter may only grow'); END""",
-    """CREATE TRIGGER IF NOT EXISTS fenced_counters_are_kept
-        BEFORE DELETE ON fenced_counters
-        BEGIN SELECT RAISE(ABORT, 'fenced: a token counter is never deleted'); END""",
-    """CREATE TABLE IF NOT EXISTS fenced_holders (
-        name TEXT PRIMARY KEY,
-        request_id TEXT NOT NULL,
-        token INTEGER NOT NULL,
-        ttl REAL NOT NULL,
-        expires_at REAL NOT NULL,
-        boot_id TEXT NOT NULL
-    ) WITHOUT ROWID""",
-    """CREATE TABLE IF NOT EXISTS fenced_waiters (
-        seq INTEGER PRIMARY KEY AUTOINCREMENT,
-        name TEXT NOT NULL,
-        request_id TEXT NOT NULL,
-        expires_at REAL NOT NULL,
-        boot_id TEXT NOT NULL,
-        wake BLOB NOT NULL,  -- request id, NUL, doorbell address of its process (if any)
-        UNIQUE (name, request_id)
-    )""",
-    "CREATE INDEX IF NOT EXISTS fenced_waiters_queue ON fenced_waiters (name, seq)",
-)
-
-# The statements of the hot paths, as module constants so the benchmark runs the very same SQL.
-# ?1 name, ?2 boot id, ?3 now: the holder row (if any) and the first live waiter.
-SQL_LOCK_STATE: Final = """
-SELECT h.request_id, h.token, h.ttl, h.expires_at, h.boot_id,
-       (SELECT w.request_id FROM fenced_waiters AS w
-         WHERE w.name = ?1 AND w.boot_id = ?2 AND w.expires_at > ?3
-         ORDER BY w.seq LIMIT 1)
-  FROM (SELECT 1) LEFT JOIN fenced_holders AS h ON h.name = ?1"""
-SQL_NEXT_TOKEN: Final = """
-INSERT INTO fenced_counters (name, last_token) VALUES (?, 1)
-ON CONFLICT (name) DO UPDATE SET last_token = last_token + 1
-RETURNING last_token"""
-SQL_SET_HOLDER: Final = """
-INSERT OR REPLACE INTO fenced_holders (name, request_id, token, ttl, expires_at, boot_id)
-VALUES (?, ?, ?, ?, ?, ?)"""
-SQL_RELEASE: Final = """
-DELETE FROM fenced_holders WHERE name = ?1 AND token = ?2 AND request_id = ?3
-RETURNING expires_at, boot_id,
-  (SELECT w.wake FROM fenced_waiters AS w
-    WHERE w.name = ?1 AND w.boot_id = ?4 AND w.expires_at > ?5
-    ORDER BY w.seq LIMIT 1)"""
-SQL_RENEW: Final = """
-UPDATE fenced_holders SET expires_at = max(expires_at, ?)
- WHERE name = ? AND token = ? AND request_id = ? AND boot_id = ? AND expires_at > ?"""
-SQL_ENQUEUE: Final = """
-INSERT INTO fenced_waiters (name, request_id, expires_at, boot_id, wake) VALUES (?, ?, ?, ?, ?)
-ON CONFLICT (name, request_id) DO UPDATE SET expires_at = excluded.expires_at, wake = excluded.wake"""
-SQL_HEAD_WAKE: Final = """
-SELECT wake FROM fenced_waiters WHERE name = ? AND boot_id = ? AND expires_at > ?
- ORDER BY seq LIMIT 1"""
-SQL_DEQUEUE: Final = "DELETE FROM fenced_waiters WHERE name = ? AND request_id = ?"
-SQL_PURGE_WAITERS: Final = (
-    "DELETE FROM fenced_waiters WHERE name = ? AND (boot_id != ? OR expires_at <= ?)"
-)
-SQL_STATUS: Final = """
-SELECT (SELECT last_token FROM fenced_counters WHERE name = ?1),
-       h.request_id, h.token, h.expires_at, h.boot_id,
-       (SELECT count(*) FROM fenced_waiters AS w
-         WHERE w.name = ?1 AND w.boot_id = ?2 AND w.expires_at > ?3)
-  FROM (SELECT 1) LEFT JOIN fenced_holders AS h ON h.name = ?1"""
-
-PRAGMAS: Final = ("PRAGMA journal_mode=WAL", "PRAGMA synchronous=FULL")
 """Set on every connection (the benchmark's bare-SQL peer uses the same)."""
 
 BUSY_WAIT: Final = 0.05
@@ -257,129 +204,6 @@ class _Poll:
     next_in_line: bool  # our row heads the queue
     holder_expires: float | None  # when the live holder's lease runs out, if held
     state: tuple[Any, ...]  # the raw row, to notice any change
-
-
-class _LocalWaiter:
-    """A blocked acquire in this process, woken when the lock may have become its."""
-
-    __slots__ = ("event", "loop", "request_id")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, request_id: str) -> None:
-        self.loop = loop
-        self.request_id = request_id
-        self.event = asyncio.Event()
-
-
-_local_mutex = threading.Lock()
-_local_waiters: dict[tuple[str, str], set[_LocalWaiter]] = {}
-
-
-def _register(key: tuple[str, str], waiter: _LocalWaiter) -> None:
-    with _local_mutex:
-        _local_waiters.setdefault(key, set()).add(waiter)
-
-
-def _unregister(key: tuple[str, str], waiter: _LocalWaiter) -> None:
-    with _local_mutex:
-        waiters = _local_waiters.get(key)
-        if waiters is not None:
-            waiters.discard(waiter)
-            if not waiters:
-                del _local_waiters[key]
-
-
-def _notify(key: tuple[str, str], request_id: str | None = None) -> None:
-    """Wake the blocked acquire ``request_id`` of this lock in this process, or all of them
-    (from any thread). Only the head of the queue can take a freed lock: the others are left
-    to poll rather than all re-reading the file at once."""
-    with _local_mutex:
-        waiters = [
-            w
-            for w in _local_waiters.get(key, ())
-            if request_id is None or w.request_id == request_id
-        ]
-    for waiter in waiters:
-        with contextlib.suppress(RuntimeError):  # its loop is closed: it is gone
-            waiter.loop.call_soon_threadsafe(waiter.event.set)
-
-
-class _Waker:
-    """This process's doorbell: a datagram socket other processes ring when a lock frees up.
-
-    The head of a queue stores the address in its waiter row; whoever releases the lock (or
-    leaves the queue) reads it in the same transaction and, after the commit, sends the
-    database path and lock name there. A thread here turns that into :func:`_notify`. It is a
-    hint only: a lost datagram costs one poll interval, never correctness.
-    """
-
-    def __init__(self) -> None:
-        self.pid = os.getpid()
-        self.address = b"\0fenced-sqlite-" + uuid.uuid4().hex.encode()
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        try:
-            self.sock.bind(self.address)  # Linux abstract namespace: no file, gone with us
-        except OSError:
-            self.sock.close()
-            raise
-        self.thread = threading.Thread(target=self._run, name="fenced-sqlite-waker", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while True:
-            try:
-                data = self.sock.recv(8192)
-            except OSError:
-                return
-            path, name, request_id = [*data.decode("utf-8", "replace").split("\0"), "", ""][:3]
-            _notify((path, name), request_id or None)
-
-
-_waker_mutex = threading.Lock()
-_waker_instance: _Waker | None = None
-_waker_failed = False
-_sender: socket.socket | None = None
-
-
-def _my_wake_address() -> bytes | None:
-    """This process's doorbell address (made on first use; None where unsupported)."""
-    global _waker_instance, _waker_failed
-    waker = _waker_instance
-    if waker is not None and waker.pid == os.getpid():
-        return waker.address
-    with _waker_mutex:
-        if _waker_instance is None or _waker_instance.pid != os.getpid():  # first, or forked
-            if _waker_instance is not None:  # the parent's socket: not ours to read
-                _waker_instance.sock.close()
-                _waker_instance = None
-            if _waker_failed:
-                return None
-            try:
-                _waker_instance = _Waker()
-            except (OSError, AttributeError):  # no AF_UNIX / abstract names on this platform
-                _waker_failed = True
-                return None
-        return _waker_instance.address
-
-
-def _ring(head: bytes | None, path: str, name: str) -> None:
-    """Wake the head of the queue of ``name``, in this or another process (best effort, never
-    blocks). ``head`` is its request id, a NUL, and its process's doorbell address."""
-    global _sender
-    if not head:
-        return
-    request_id, _, address = head.partition(b"\0")
-    waker = _waker_instance
-    here = waker is not None and waker.pid == os.getpid() and waker.address == address
-    if here or not address:  # ours, or a process without a doorbell: if it is here, wake it
-        _notify((path, name), request_id.decode("utf-8", "replace"))
-        return
-    try:
-        if _sender is None:
-            _sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-            _sender.setblocking(False)
-        _sender.sendto(path.encode() + b"\0" + name.encode() + b"\0" + request_id, address)
-    except OSError:  # the waiter's process is gone, or its queue is full: it polls anyway
-        pass
 
 
 class SQLiteBackend(Backend):
@@ -621,7 +445,7 @@ class SQLiteBackend(Backend):
                 conn.execute("COMMIT")  # nothing written: no fsync
                 return _Attempt(holder_expires=expires if live else None)
             conn.execute(SQL_PURGE_WAITERS, (name, boot, now))  # waiters that died meanwhile
-            wake = request_id.encode() + b"\0" + (_my_wake_address() or b"")
+            wake = request_id.encode() + b"\0" + (my_wake_address() or b"")
             conn.execute(SQL_ENQUEUE, (name, request_id, now + self._waiter_ttl, boot, wake))
             conn.execute("COMMIT")
             return _Attempt(queued=True, retry=free, holder_expires=expires if live else None)
@@ -633,7 +457,7 @@ class SQLiteBackend(Backend):
             conn.execute(SQL_DEQUEUE, (name, request_id))
             head = conn.execute(SQL_HEAD_WAKE, (name, self._boot, _clock.now())).fetchone()
             conn.execute("COMMIT")
-        _ring(head and head[0], self.path, name)
+        ring(head and head[0], self.path, name)
 
     def _tx_poll(self, conn: sqlite3.Connection, name: str, request_id: str) -> _Poll:
         """A read (no write lock, no fsync): is it our turn, are we next, who holds it."""
@@ -679,7 +503,7 @@ class SQLiteBackend(Backend):
             self._contended.discard(name)
         else:
             self._contended.add(name)
-            _ring(head, self.path, name)
+            ring(head, self.path, name)
         return bool(row_boot == boot and expires > now)
 
     def _tx_status(self, conn: sqlite3.Connection, name: str) -> LockStatus:
@@ -710,7 +534,7 @@ class SQLiteBackend(Backend):
     ) -> Grant:
         self._check_open()
         key = (self.path, name)
-        waiter: _LocalWaiter | None = None
+        waiter: LocalWaiter | None = None
         queued = False
 
         def timeout() -> FencedError:
@@ -749,14 +573,14 @@ class SQLiteBackend(Backend):
                     raise timeout()  # the finally clause leaves the queue
                 self._contended.add(name)
                 if waiter is None:
-                    waiter = _LocalWaiter(asyncio.get_running_loop(), request_id)
-                    _register(key, waiter)
+                    waiter = LocalWaiter(asyncio.get_running_loop(), request_id)
+                    register(key, waiter)
                 mode = await self._await_turn(
                     name, request_id, waiter, deadline, attempt.holder_expires
                 )
         finally:
             if waiter is not None:
-                _unregister(key, waiter)
+                unregister(key, waiter)
             if queued:
                 self._forget(name, request_id)
 
@@ -764,14 +588,14 @@ class SQLiteBackend(Backend):
         self,
         name: str,
         request_id: str,
-        waiter: _LocalWaiter,
+        waiter: LocalWaiter,
         deadline: float | None,
         holder_expires: float | None,
     ) -> str:
         """Wait until the lock looks ours ("grant"), a heartbeat is due ("queue": re-stamp our
         row) or the deadline has passed ("last"). Polls with reads; a release rings us."""
         heartbeat_at = _clock.now() + self._waiter_ttl / 3
-        rung = _my_wake_address() is not None
+        rung = my_wake_address() is not None
         fastest = min(self.poll_min, self._poll_interval)
         interval = fastest
         seen: tuple[Any, ...] | None = None
@@ -844,10 +668,10 @@ class SQLiteBackend(Backend):
         if self._closed:
             return
         self._closed = True
-        with _local_mutex:  # wake our blocked acquires so they see the connection closed
-            keys = [key for key in _local_waiters if key[0] == self.path]
+        with local_mutex:  # wake our blocked acquires so they see the connection closed
+            keys = [key for key in local_waiters if key[0] == self.path]
         for key in keys:
-            _notify(key)
+            notify(key)
         executor, self._executor = self._executor, None
         if executor is not None:
             closing = executor.submit(self._close_thread_connection)
