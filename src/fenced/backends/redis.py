@@ -61,6 +61,7 @@ from .._errors import (
     UnsafeBackendError,
 )
 from .._options import Option
+from .._redis_errors import NATIVE, kind
 from .._token import FencingToken
 
 __all__ = ["RedisBackend", "check_server_safety"]
@@ -463,15 +464,16 @@ class RedisBackend(Backend):
             return await make()
         except FencedError:  # already translated (by the safety re-check)
             raise
-        except (rexc.ConnectionError, rexc.TimeoutError, OSError) as exc:
-            self._recheck_safety = True
-            raise BackendUnavailable(f"redis at {self._where} unavailable: {exc}") from exc
-        except rexc.ReadOnlyError as exc:
-            self._recheck_safety = True
-            raise UnsafeBackendError(
-                f"redis at {self._where} is a read-only replica (a failover?): {exc}"
-            ) from exc
-        except rexc.RedisError as exc:
+        except NATIVE as exc:
+            what = kind(exc)
+            if what == "unreachable":
+                self._recheck_safety = True
+                raise BackendUnavailable(f"redis at {self._where} unavailable: {exc}") from exc
+            if what == "read-only":
+                self._recheck_safety = True
+                raise UnsafeBackendError(
+                    f"redis at {self._where} is a read-only replica (a failover?): {exc}"
+                ) from exc
             raise BackendError(f"redis at {self._where}: {exc}") from exc
 
     # -- keys ----------------------------------------------------------------------------

@@ -54,6 +54,7 @@ from .._errors import (
     UnsafeBackendError,
     WrongLockError,
 )
+from .._redis_errors import NATIVE, kind
 from .._token import MAX_TOKEN, FencingToken, validate_lock_name
 
 __all__ = ["AsyncRedisGuard", "RedisGuard", "default_fence_key"]
@@ -298,21 +299,12 @@ def check_policy(policy: str) -> None:
         )
 
 
-_UNAVAILABLE: Final = (
-    redis.ConnectionError,
-    redis.TimeoutError,
-    redis.ReadOnlyError,
-    redis.exceptions.ClusterDownError,
-    redis.exceptions.SlotNotCoveredError,
-)
-
-_NATIVE_ERRORS: Final = (redis.RedisError, redis.exceptions.RedisClusterException)
-"""What redis-py raises (its cluster client's errors do not all derive from RedisError)."""
+_NATIVE_ERRORS: Final = NATIVE
 
 
 def map_error(exc: Exception, resource: str, token: FencingToken | None = None) -> FencedError:
     """Translate a redis-py error (or a guard script's refusal); raise the result ``from exc``."""
-    if isinstance(exc, _UNAVAILABLE):
+    if kind(exc) != "refused":  # unreachable, or a read-only replica: not writable now
         return BackendUnavailable(
             f"Redis unavailable for a guarded write on {resource!r} (outcome unknown if the "
             f"request was sent): {exc}"
