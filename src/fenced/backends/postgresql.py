@@ -52,6 +52,7 @@ from .._errors import (
     LeaseLostError,
     UnsafeBackendError,
 )
+from .._pg_errors import kind as pg_kind
 from .._token import FencingToken
 from ._postgresql_schema import (
     DDL,
@@ -365,10 +366,13 @@ class PostgreSQLBackend(Backend):
         task.add_done_callback(done)
 
     def _translate(self, exc: psycopg.Error, conn: _Conn) -> BackendError:
-        if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError) or conn.closed:
+        what = pg_kind(exc, conn)
+        # For the source, any operational error (a lock timeout too) means: try again,
+        # on a fresh connection.
+        if what in ("unreachable", "conflict") or isinstance(exc, psycopg.OperationalError):
             self._drop(conn)
             return BackendUnavailable(f"PostgreSQL unavailable: {exc}")
-        if isinstance(exc, psycopg.errors.ReadOnlySqlTransaction):
+        if what == "read-only":
             self._drop(conn)
             return BackendUnavailable(f"PostgreSQL server is read-only (a standby?): {exc}")
         return BackendError(f"PostgreSQL error: {exc}")

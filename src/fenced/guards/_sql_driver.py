@@ -17,9 +17,10 @@ import functools
 import sqlite3
 import sys
 from collections.abc import Callable
-from typing import Any, Final, TypeVar
+from typing import Any, TypeVar
 
 from .._errors import BackendUnavailable, ConfigurationError, FencedError
+from .._pg_errors import kind as pg_kind
 from .._sqlite_errors import is_busy, is_unavailable
 from ._sql_plan import (
     POSTGRESQL,
@@ -46,11 +47,6 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-
-_PG_UNAVAILABLE: Final = frozenset({"57P01", "57P02", "57P03"})  # shutdown, crash, starting
-_PG_CONFLICT: Final = frozenset({"55P03"})  # lock_not_available (lock_timeout); and class 40
-_PG_CONFIG: Final = frozenset({"42P01", "42703", "42P10"})  # undefined table/column, no key
-_PG_TYPE: Final = frozenset({"42883", "22003"})  # e.g. text <= bigint; int4 column overflow
 
 
 def _psycopg() -> Any:
@@ -145,22 +141,17 @@ def map_error(d: Dialect, conn: Any, exc: BaseException) -> FencedError | None:
         if msg.startswith(("no such table", "no such column", "table ")) or "ON CONFLICT" in msg:
             return ConfigurationError(f"{msg}: has the guard been installed (guard.install())?")
         return None
-    pg = _psycopg()
-    if pg is None or not isinstance(exc, pg.Error):
-        return None
-    state = getattr(exc, "sqlstate", None)
-    if state is not None and (state.startswith("40") or state in _PG_CONFLICT):
+    what = pg_kind(exc, conn)
+    if what == "conflict":
         return FenceConflictError(
             f"PostgreSQL refused the fence ({type(exc).__name__}: {exc}). The transaction "
             "is aborted: roll back and retry it"
         )
-    if isinstance(exc, pg.InterfaceError | pg.OperationalError) and (
-        state is None or state.startswith("08") or state in _PG_UNAVAILABLE or conn.broken
-    ):
+    if what == "unreachable":
         return BackendUnavailable(f"PostgreSQL connection unavailable: {exc}")
-    if state in _PG_CONFIG:
+    if what == "schema":
         return ConfigurationError(f"{exc}: has the guard been installed (guard.install())?")
-    if state in _PG_TYPE:
+    if what == "type":
         return ConfigurationError(
             f"{exc}: a column has the wrong type; the token column must be BIGINT "
             "(guard.install() checks it)"
