@@ -228,9 +228,12 @@ class _Once(logging.Filter):
 
 
 def _setup_logging(verbose: bool) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("fenced: %(name)s: %(message)s"))
     root = logging.getLogger()
+    for old in [h for h in root.handlers if getattr(h, "_fenced_cli", False)]:
+        root.removeHandler(old)  # (main() called again in one process: one handler only)
+    handler = logging.StreamHandler(sys.stderr)
+    handler._fenced_cli = True  # type: ignore[attr-defined]
+    handler.setFormatter(logging.Formatter("fenced: %(name)s: %(message)s"))
     if verbose:
         root.setLevel(logging.DEBUG)
     else:
