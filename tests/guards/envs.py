@@ -282,6 +282,143 @@ class RedisEnv(GuardEnv):
         self.client.close()
 
 
+class _OnOneLoop:
+    """Runs an async guard's coroutines on one event loop of the env's, one at a time (the
+    suite's racing threads then take turns: the atomicity shown is the resource's)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._turn = threading.Lock()
+
+    def run(self, coro: Any) -> Any:
+        with self._turn:
+            return self.loop.run_until_complete(coro)
+
+    def close(self) -> None:
+        self.loop.close()
+
+
+class AsyncRedisEnv(GuardEnv):
+    """:class:`AsyncRedisGuard` (``redis.asyncio``): the same Lua, sent by the async twin."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.resource = unique_name("res")
+        self.key = f"{{{self.resource}}}:data"
+        self.on = _OnOneLoop()
+        self.sync = redis.Redis(port=port)
+        self.reopen()
+
+    def reopen(self) -> None:
+        import redis.asyncio as aioredis
+
+        from fenced.guards.redis import AsyncRedisGuard
+
+        old = getattr(self, "client", None)
+        if old is not None:
+            self.on.run(old.aclose())
+        self.client = aioredis.Redis(port=self.port)
+        self.guard = AsyncRedisGuard(self.client, self.resource, LOCK)
+
+    def write(self, token: FencingToken | str, value: str) -> None:
+        self.on.run(self.guard.set(self.key, value, token))
+
+    def raw_write(self, value: str) -> None:
+        self.sync.set(self.key, value)
+
+    def read(self) -> str | None:
+        raw = self.sync.get(self.key)
+        return None if raw is None else raw.decode()
+
+    def high_water(self) -> FencingToken | None:
+        return self.on.run(self.guard.high_water())  # type: ignore[no-any-return]
+
+    def planted_lt(self) -> Write:
+        from fenced.guards.redis import AsyncRedisGuard
+
+        class Lt(AsyncRedisGuard):
+            set_script = SET_SCRIPT.replace("if c < 0 then", "if c <= 0 then")
+
+        guard = Lt(self.client, self.resource, LOCK)
+        return lambda token, value: bool(self.on.run(guard.set(self.key, value, token)))  # type: ignore[func-returns-value]
+
+    def close(self) -> None:
+        self.on.run(self.guard.aclose())
+        self.on.run(self.client.aclose())
+        self.on.close()
+        self.sync.close()
+
+
+class SQLiteStoreEnv(GuardEnv):
+    """The ASGI middleware's :class:`SQLiteFenceStore`: ``transaction(resource, token, fn)``
+    runs ``fn`` in one SQLite transaction with the fence check."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+        with sqlite3.connect(self.path) as db:
+            db.execute("CREATE TABLE IF NOT EXISTS data (id INTEGER PRIMARY KEY, v TEXT)")
+        db.close()
+        self.on = _OnOneLoop()
+        self.reopen()
+
+    def reopen(self) -> None:
+        from fenced.guards.asgi import SQLiteFenceStore
+
+        old = getattr(self, "store", None)
+        if old is not None:
+            self.on.run(old.close())
+        self.store = SQLiteFenceStore(self.path)
+
+    @staticmethod
+    def _put(value: str) -> Callable[[sqlite3.Connection], None]:
+        def fn(conn: sqlite3.Connection) -> None:
+            conn.execute(
+                "INSERT INTO data VALUES (1, ?) ON CONFLICT (id) DO UPDATE SET v = excluded.v",
+                (value,),
+            )
+
+        return fn
+
+    def write(self, token: FencingToken | str, value: str) -> None:
+        tok_ = FencingToken.coerce(token, LOCK)
+        self.on.run(self.store.transaction("item", tok_, self._put(value)))
+
+    def raw_write(self, value: str) -> None:
+        with sqlite3.connect(self.path, isolation_level=None) as db:
+            self._put(value)(db)
+        db.close()
+
+    def read(self) -> str | None:
+        with sqlite3.connect(self.path) as db:
+            row = db.execute("SELECT v FROM data WHERE id = 1").fetchone()
+        db.close()
+        return None if row is None else row[0]
+
+    def high_water(self) -> FencingToken | None:
+        return self.on.run(self.store.high_water("item", LOCK))  # type: ignore[no-any-return]
+
+    def planted_lt(self) -> Write:
+        from fenced.guards.asgi import SQLiteFenceStore
+
+        class LtStore(SQLiteFenceStore):
+            guard_class = LessThanGuard
+
+        store = LtStore(self.path)
+        self._planted = store
+
+        def write(token: FencingToken, value: str) -> None:
+            self.on.run(store.transaction("item", token, self._put(value)))
+
+        return write
+
+    def close(self) -> None:
+        self.on.run(self.store.close())
+        planted = getattr(self, "_planted", None)
+        if planted is not None:
+            self.on.run(planted.close())
+        self.on.close()
+
+
 # -- etcd ---------------------------------------------------------------------------------
 
 
@@ -425,6 +562,8 @@ GUARDS = [
     "sql-row-sqlite",
     "sql-row-postgresql",
     "redis",
+    "redis-async",
+    "sqlite-store",
     "etcd",
     "files",
     "high-water-file",
@@ -442,6 +581,10 @@ def make_env(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> Itera
         env = (SQLFenceEnv if form == "fence" else SQLRowEnv)(engine, target)
     elif kind == "redis":
         env = RedisEnv(request.getfixturevalue("redis_server").port)
+    elif kind == "redis-async":
+        env = AsyncRedisEnv(request.getfixturevalue("redis_server").port)
+    elif kind == "sqlite-store":
+        env = SQLiteStoreEnv(tmp_path / "store.db")
     elif kind == "etcd":
         env = EtcdEnv(request.getfixturevalue("etcd_server").endpoint)
     elif kind == "files":
