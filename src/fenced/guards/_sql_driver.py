@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 from .._errors import BackendUnavailable, ConfigurationError, FencedError
 from .._pg_errors import kind as pg_kind
 from .._sqlite_errors import is_busy, is_unavailable
+from ._plan import adrive, drive
 from ._sql_plan import (
     POSTGRESQL,
     SQLITE,
@@ -157,30 +158,6 @@ def map_error(d: Dialect, conn: Any, exc: BaseException) -> FencedError | None:
             "(guard.install() checks it)"
         )
     return None
-
-
-def _resume(
-    plan: Plan[Any], d: Dialect, conn: Any, res: Result | None, exc: BaseException | None
-) -> Stmt | _Done:
-    """Advance ``plan`` with a statement's outcome; return the next Stmt or ``_Done``."""
-    try:
-        if exc is None:
-            return next(plan) if res is None else plan.send(res)
-        mapped = map_error(d, conn, exc)
-        if mapped is None:
-            plan.close()
-            raise exc
-        mapped.__cause__ = exc  # as 'raise mapped from exc'
-        return plan.throw(mapped)
-    except StopIteration as stop:
-        return _Done(stop.value)
-
-
-class _Done:
-    __slots__ = ("value",)
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
 
 
 def _exec_sqlite(conn: sqlite3.Connection, stmt: Stmt) -> Result:
@@ -319,7 +296,8 @@ def run(
     autocommit mode: in one round trip; otherwise BEGIN IMMEDIATE / the driver's own BEGIN).
     """
     d = sync_dialect(conn)
-    first: Callable[[Any, Stmt], Result] | None = None
+    execute: Callable[[Any, Stmt], Result] = _exec_sqlite if d is SQLITE else _exec_psycopg
+    send = execute
     if begin:
         _refuse_open_transaction(conn)
         if d is SQLITE:
@@ -331,26 +309,25 @@ def run(
                     raise
                 raise mapped from exc
         elif conn.autocommit:
-            first = _begin_psycopg
+            send = _first_with(_begin_psycopg, execute)
     elif need_tx:
         require_transaction(conn)
-    execute = _exec_sqlite if d is SQLITE else _exec_psycopg
-    plan = make_plan(d)
-    step = _resume(plan, d, conn, None, None)
-    if first is not None and isinstance(step, Stmt):
-        try:
-            res, err = first(conn, step), None
-        except Exception as exc:
-            res, err = None, exc
-        step = _resume(plan, d, conn, res, err)
-    while isinstance(step, Stmt):
-        try:
-            res, err = execute(conn, step), None
-        except Exception as exc:
-            res, err = None, exc
-        step = _resume(plan, d, conn, res, err)
-    value: T = step.value
-    return value
+    return drive(make_plan(d), lambda stmt: send(conn, stmt), lambda exc: map_error(d, conn, exc))
+
+
+def _first_with(
+    first: Callable[[Any, Stmt], Result], then: Callable[[Any, Stmt], Result]
+) -> Callable[[Any, Stmt], Result]:
+    """A sender whose first statement goes out through ``first`` (BEGIN with it)."""
+    used: list[bool] = []
+
+    def send(conn: Any, stmt: Stmt) -> Result:
+        if used:
+            return then(conn, stmt)
+        used.append(True)
+        return first(conn, stmt)
+
+    return send
 
 
 async def arun(
@@ -366,22 +343,16 @@ async def arun(
         _refuse_open_transaction(conn)
     elif need_tx:
         require_transaction(conn)
-    plan = make_plan(d)
-    step = _resume(plan, d, conn, None, None)
-    if begin and conn.autocommit and isinstance(step, Stmt):
-        try:
-            res, err = await _abegin_psycopg(conn, step), None
-        except Exception as exc:
-            res, err = None, exc
-        step = _resume(plan, d, conn, res, err)
-    while isinstance(step, Stmt):
-        try:
-            res, err = await _aexec_psycopg(conn, step), None
-        except Exception as exc:
-            res, err = None, exc
-        step = _resume(plan, d, conn, res, err)
-    value: T = step.value
-    return value
+    begun = not (begin and conn.autocommit)
+
+    async def send(stmt: Stmt) -> Result:
+        nonlocal begun
+        if begun:
+            return await _aexec_psycopg(conn, stmt)
+        begun = True
+        return await _abegin_psycopg(conn, stmt)
+
+    return await adrive(make_plan(d), send, lambda exc: map_error(d, conn, exc))
 
 
 def run_install(conn: Any, make_plan: Callable[[Dialect], Plan[T]]) -> T:

@@ -75,6 +75,7 @@ from .._portal import Portal
 from .._token import MAX_TOKEN, FencingToken, validate_lock_name
 from ..backends._etcd_conn import EtcdClient, Member, check_grpc_usable
 from ..backends.etcd import parse_endpoints
+from ._plan import GuardPlan, adrive
 
 __all__ = [
     "Accepted",
@@ -215,6 +216,14 @@ def state_txn(keys: FenceKeys) -> rpc.TxnRequest:
 
 
 # --- pure reply interpretation -------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Request:
+    """One transaction a guard plan asks for; ``write``: it may change keys (sent once)."""
+
+    txn: rpc.TxnRequest
+    write: bool
 
 
 UNBOUND: Final = object()
@@ -458,6 +467,50 @@ class AsyncEtcdGuard:
         except (rpc.AioRpcError, aetcd.exceptions.ClientError) as exc:
             raise map_error(exc, self.resource) from exc
 
+    def write_plan(
+        self, token: FencingToken, ops: Sequence[rpc.RequestOp]
+    ) -> GuardPlan[Request, rpc.TxnResponse, Accepted]:
+        """The fenced write as a plan (see ``_plan``): yields ``(txn, is_write)`` requests.
+
+        Sends the write with the mark it expects (a guess it would accept: the last mark it
+        saw, or the token); from a refusal's reads it learns the real mark and tries again
+        with it, binds a fresh resource, or raises stale / another lock / corrupt.
+        """
+        guess = self._mark if self._mark is not None else token.value
+        # A guess the rule would refuse is not sent: read the real mark first.
+        mark: int | None = guess if self._accepts(token.value, guess) else None
+        binds = 0
+        # Each retry saw the mark move (it only grows) or created the fence keys: bounded.
+        for _ in range(self._max_attempts):
+            if mark is None:
+                resp = yield Request(state_txn(self.keys), write=False)
+                outcome = interpret_found(resp, token, self.resource)
+            else:
+                resp = yield Request(self._request(token, mark, ops), write=True)
+                outcome = interpret_write(resp, token, self.resource)
+                if isinstance(outcome, Accepted):
+                    self._mark = token.value
+                    return outcome
+            if outcome is UNBOUND:
+                binds += 1
+                if binds > self._bind_attempts:
+                    break
+                bind = yield Request(bind_txn(self.keys, token.lock), write=True)
+                interpret_bind(bind, token, self.resource)
+                mark = 0
+                continue
+            self._mark = outcome
+            if not self._accepts(token.value, outcome):
+                high = FencingToken(token.lock, outcome) if outcome else None
+                raise StaleTokenError(token, high, self.resource)
+            mark = outcome
+        raise FenceConflictError(
+            f"the fence of {self.resource!r} kept changing while writing with {token}; retry"
+        )
+
+    async def _send(self, request: Request) -> rpc.TxnResponse:
+        return await self._txn(request.txn, write=request.write)
+
     async def write(
         self, ops: Sequence[rpc.RequestOp], token: FencingToken | str | bytes
     ) -> Accepted:
@@ -465,37 +518,8 @@ class AsyncEtcdGuard:
         tok = self._token(token)
         for op in ops:
             self._check_op(op)
-        guess = self._mark if self._mark is not None else tok.value
-        # A guess the rule would refuse is not sent: read the real mark first.
-        mark: int | None = guess if self._accepts(tok.value, guess) else None
-        binds = 0
-        # Each retry saw the mark move (it only grows) or created the fence keys: bounded.
-        for _ in range(self._max_attempts):
-            if mark is None:
-                resp = await self._txn(state_txn(self.keys), write=False)
-                outcome = interpret_found(resp, tok, self.resource)
-            else:
-                resp = await self._txn(self._request(tok, mark, ops))
-                outcome = interpret_write(resp, tok, self.resource)
-                if isinstance(outcome, Accepted):
-                    self._mark = tok.value
-                    return outcome
-            if outcome is UNBOUND:
-                binds += 1
-                if binds > self._bind_attempts:
-                    break
-                bind = await self._txn(bind_txn(self.keys, tok.lock))
-                interpret_bind(bind, tok, self.resource)
-                mark = 0
-                continue
-            self._mark = outcome
-            if not self._accepts(tok.value, outcome):
-                high = FencingToken(tok.lock, outcome) if outcome else None
-                raise StaleTokenError(tok, high, self.resource)
-            mark = outcome
-        raise FenceConflictError(
-            f"the fence of {self.resource!r} kept changing while writing with {tok}; retry"
-        )
+        # (Transport errors are already fenced errors here: they pass through the plan.)
+        return await adrive(self.write_plan(tok, ops), self._send, lambda exc: None)
 
     async def put(
         self, key: Key, value: bytes | str, token: FencingToken | str | bytes, *, lease: int = 0

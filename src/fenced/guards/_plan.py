@@ -1,0 +1,91 @@
+"""The one shape every guard is written in: a sans-I/O *plan* and thin sync/async drivers.
+
+A plan is a generator. It yields each request it needs sent to the resource (an SQL
+statement, an etcd transaction, ...), receives the reply (or has the driver's mapped error
+thrown in, so it can decide what a failure means), and finally returns its answer or raises a
+fenced error. All the deciding — what to send, whether a reply means accepted, stale, another
+lock's resource or a damaged mark — lives in the plan, written once. A driver only sends:
+
+    value = drive(plan, send, map_error)          # send(request) -> reply
+    value = await adrive(plan, asend, map_error)  # await asend(request) -> reply
+
+``map_error(exc)`` turns a client library's exception into a fenced error (thrown into the
+plan, with the native error as ``__cause__``) or returns None (the native error propagates
+unchanged, the plan is closed). A guard for a new resource writes its plan and one ``send``
+per client library (sync, async); see ``_sql_plan``/``_sql_driver`` and ``etcd``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Generator
+from typing import Any, TypeVar
+
+from .._errors import FencedError
+
+__all__ = ["GuardPlan", "adrive", "drive", "step"]
+
+T = TypeVar("T")
+Req = TypeVar("Req")
+Rep = TypeVar("Rep")
+
+GuardPlan = Generator[Req, Rep, T]
+MapError = Callable[[BaseException], FencedError | None]
+
+
+class Done:
+    """The plan's answer (a sentinel wrapper, so that any request type can be yielded)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def step(
+    plan: Generator[Any, Any, Any],
+    reply: Any,
+    exc: BaseException | None,
+    map_error: MapError,
+    *,
+    first: bool = False,
+) -> Any:
+    """Advance ``plan`` with one outcome; return its next request, or :class:`Done`."""
+    try:
+        if exc is None:
+            return next(plan) if first else plan.send(reply)
+        mapped = map_error(exc)
+        if mapped is None:
+            plan.close()
+            raise exc
+        mapped.__cause__ = exc  # as 'raise mapped from exc'
+        return plan.throw(mapped)
+    except StopIteration as stop:
+        return Done(stop.value)
+
+
+def drive(plan: Generator[Any, Any, T], send: Callable[[Any], Any], map_error: MapError) -> T:
+    """Run ``plan`` with a blocking ``send``."""
+    request = step(plan, None, None, map_error, first=True)
+    while not isinstance(request, Done):
+        try:
+            reply, err = send(request), None
+        except Exception as exc:
+            reply, err = None, exc
+        request = step(plan, reply, err, map_error)
+    value: T = request.value
+    return value
+
+
+async def adrive(
+    plan: Generator[Any, Any, T], send: Callable[[Any], Awaitable[Any]], map_error: MapError
+) -> T:
+    """Run ``plan`` with an async ``send``."""
+    request = step(plan, None, None, map_error, first=True)
+    while not isinstance(request, Done):
+        try:
+            reply, err = await send(request), None
+        except Exception as exc:
+            reply, err = None, exc
+        request = step(plan, reply, err, map_error)
+    value: T = request.value
+    return value
