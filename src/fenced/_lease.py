@@ -6,14 +6,13 @@ import asyncio
 import contextlib
 import inspect
 import logging
-import os
 import uuid
 import weakref
 from collections.abc import Awaitable, Callable, Generator, Iterable
 from types import TracebackType
 from typing import Any, Final
 
-from . import _clock
+from . import _clock, _fork
 from ._backend import (
     Backend,
     Characteristic,
@@ -125,7 +124,7 @@ class AsyncLease:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.lost = LostSignal()
         self._lost_hooks: list[Callable[[BaseException], None]] = []
-        self._pid = os.getpid()
+        self._fork_gen = _fork.generation()
 
     def add_lost_hook(self, hook: Callable[[BaseException], None]) -> None:
         """Call ``hook(cause)`` (on the loop, before ``on_lost``) each time the lease is lost.
@@ -136,10 +135,10 @@ class AsyncLease:
 
     def _check_fork(self) -> None:
         """In a forked child, start over: the parent's grant, timers and loop stay its own."""
-        if self._pid == os.getpid():
+        if self._fork_gen == _fork.generation():
             return
-        _left_behind(self._state, self._keepalive, self._watchdog, self._keepalive_timer)
-        self._pid = os.getpid()
+        _fork.left_behind(self._state, self._keepalive, self._watchdog, self._keepalive_timer)
+        self._fork_gen = _fork.generation()
         self._state = LeaseState(self._state.ttl, self._state.safety_margin)
         self._last_token = None
         self._keepalive = self._watchdog = self._keepalive_timer = None
@@ -467,7 +466,7 @@ class AsyncLocks:
         self._opening: asyncio.Lock | None = None
         self._closed = False
         self._held: weakref.WeakSet[AsyncLease] = weakref.WeakSet()
-        self._pid = os.getpid()
+        self._fork_gen = _fork.generation()
 
     def _check_fork(self) -> None:
         """In a forked child: a new connection on first use; the parent's is never touched.
@@ -475,10 +474,10 @@ class AsyncLocks:
         The inherited backend shares sockets and sessions with the parent: using or closing
         it here would cut or corrupt the parent's connection, so it is kept aside for good.
         """
-        if self._pid == os.getpid():
+        if self._fork_gen == _fork.generation():
             return
-        _left_behind(self._backend, self._opening, self._held)
-        self._pid = os.getpid()
+        _fork.left_behind(self._backend, self._opening, self._held)
+        self._fork_gen = _fork.generation()
         self._backend = None
         self._opening = None
         self._held = weakref.WeakSet()
@@ -611,14 +610,6 @@ class AsyncLocks:
 
     def __repr__(self) -> str:
         return f"<AsyncLocks {self._cls.scheme} {_redact(self.url)}>"
-
-
-_LEFT_BEHIND: list[object] = []
-
-
-def _left_behind(*things: object) -> None:
-    """Keep what a forked child inherited alive, so that no finalizer of it runs in the child."""
-    _LEFT_BEHIND.extend(t for t in things if t is not None)
 
 
 def connect_async(url: str, *, require: Iterable[str] = (), **options: Any) -> AsyncLocks:

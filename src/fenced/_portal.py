@@ -19,7 +19,7 @@ from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from . import _clock
+from . import _clock, _fork
 from ._errors import BackendUnavailable
 
 __all__ = ["Portal", "mark_private", "on_private_loop"]
@@ -29,7 +29,6 @@ T = TypeVar("T")
 logger = logging.getLogger("fenced")
 
 _PRIVATE_LOOPS: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
-_LEFT_BEHIND: list[object] = []
 
 
 def mark_private(loop: asyncio.AbstractEventLoop) -> None:
@@ -65,7 +64,8 @@ class Portal:
         self.thread.start()
         ready.wait()
         self._thread_id = self.thread.ident
-        self.pid = os.getpid()
+        self.pid = os.getpid()  # (for messages)
+        self._fork_gen = _fork.generation()
 
     @property
     def closed(self) -> bool:
@@ -74,7 +74,7 @@ class Portal:
     @property
     def forked(self) -> bool:
         """True in a child process forked after this portal started: its thread is not here."""
-        return self.pid != os.getpid()
+        return self._fork_gen != _fork.generation()
 
     def call(
         self,
@@ -191,7 +191,7 @@ class Portal:
         if self.closed:
             return
         if self.forked:
-            _LEFT_BEHIND.append(self)  # the parent's loop and thread: nothing of them runs here
+            _fork.left_behind(self)  # the parent's loop and thread: nothing of them runs here
             self._stopping = True
             return
         if threading.current_thread() is self.thread:

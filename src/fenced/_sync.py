@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
 from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import Any, TypeVar
 
+from . import _fork
 from ._backend import Characteristic, LockStatus
-from ._lease import _UNSET, DEFAULT_TTL, AsyncLease, AsyncLocks, _left_behind
+from ._lease import _UNSET, DEFAULT_TTL, AsyncLease, AsyncLocks
 from ._portal import Portal
 from ._state import Phase
 from ._token import FencingToken
@@ -42,14 +42,14 @@ class Lease:
         self._inner = inner
         self.on_lost = on_lost
         self.lost = threading.Event()
-        self._pid = os.getpid()
+        self._fork_gen = _fork.generation()
         inner.add_lost_hook(self._on_inner_lost)
 
     def _check_fork(self) -> None:
         # In a forked child the parent's grant stays the parent's: this lease starts over, not
         # held, and may be acquired anew through the child's own connection.
-        if self._pid != os.getpid():
-            self._pid = os.getpid()
+        if self._fork_gen != _fork.generation():
+            self._fork_gen = _fork.generation()
             self._locks._check_fork()
             self.lost.clear()
 
@@ -158,7 +158,7 @@ class Locks:
         """
         if self._portal_now.forked:
             old = self._portal_now
-            _left_behind(old)
+            _fork.left_behind(old)
             self._portal_now = Portal(name=old.thread.name)
 
     @property

@@ -26,7 +26,7 @@ import grpc  # type: ignore[import-untyped]
 import grpc.aio  # type: ignore[import-untyped]
 from aetcd import rpc
 
-from .. import _clock
+from .. import _clock, _fork
 from .._errors import BackendError, BackendUnavailable, ConfigurationError, LockTimeout
 
 __all__ = [
@@ -38,8 +38,8 @@ __all__ = [
     "check_grpc_usable",
 ]
 
-_grpc_started_in: int | None = None
-"""The pid of the process that first opened a gRPC channel (inherited across fork)."""
+_grpc_started: tuple[int, int] | None = None
+"""(fork generation, pid) of the process that first opened a gRPC channel (inherited by forks)."""
 
 
 def check_grpc_usable() -> None:
@@ -51,14 +51,13 @@ def check_grpc_usable() -> None:
     safe answer: open etcd connections in processes started by ``spawn``/``forkserver``, or
     in the parent only after forking (Celery: ``worker_process_init``).
     """
-    global _grpc_started_in
-    pid = os.getpid()
-    if _grpc_started_in is None:
-        _grpc_started_in = pid
-    elif _grpc_started_in != pid:
+    global _grpc_started
+    if _grpc_started is None:
+        _grpc_started = (_fork.generation(), os.getpid())
+    elif _grpc_started[0] != _fork.generation():
         raise ConfigurationError(
             f"etcd cannot be used in this process: it was forked from process "
-            f"{_grpc_started_in} after that process started gRPC, and gRPC does not survive "
+            f"{_grpc_started[1]} after that process started gRPC, and gRPC does not survive "
             "fork; connect to etcd only in processes started with spawn/forkserver, or "
             "before any etcd use in the parent"
         )
