@@ -171,24 +171,20 @@ def _exec_sqlite(conn: sqlite3.Connection, stmt: Stmt) -> Result:
 def _begin_stmt(conn: Any, stmt: Stmt) -> bytes:
     """``BEGIN; <stmt>`` with the parameters rendered as literals (by psycopg, quoted safely):
     the simple-query protocol carries both in one round trip (it takes no parameters)."""
-    return _render_begin(stmt.sql, stmt.params, conn.info.encoding, _quoting(conn))
-
-
-def _quoting(conn: Any) -> str:
-    # Literal quoting depends on standard_conforming_strings (on since PostgreSQL 9.1).
-    return str(conn.info.parameter_status("standard_conforming_strings"))
+    if conn.info.parameter_status("standard_conforming_strings") != "on":
+        raise ConfigurationError("begin() needs standard_conforming_strings = on")
+    rendered: bytes = _render_begin(stmt.sql, stmt.params, conn.info.encoding)
+    return rendered
 
 
 @functools.lru_cache(maxsize=256)
-def _render_begin(sql: str, params: tuple[Any, ...], encoding: str, quoting: str) -> bytes:
+def _render_begin(sql: str, params: tuple[Any, ...], encoding: str) -> bytes:
     # (Rendering with psycopg.sql costs ~50 µs; a holder repeats the same token: cached.)
     pg = _psycopg()
     template = sql.replace("{", "{{").replace("}", "}}").replace("%s", "{}")
     query = pg.sql.SQL(template).format(*map(pg.sql.Literal, params))
-    rendered: bytes = query.as_string(None).encode(encoding) if quoting == "on" else b""
-    if not rendered:
-        raise ConfigurationError("begin() needs standard_conforming_strings = on")
-    return b"BEGIN; " + rendered
+    text: str = query.as_string(None)
+    return b"BEGIN; " + text.encode(encoding)
 
 
 def _exec_psycopg(conn: Any, stmt: Stmt) -> Result:
@@ -297,7 +293,7 @@ def run(
     """
     d = sync_dialect(conn)
     execute: Callable[[Any, Stmt], Result] = _exec_sqlite if d is SQLITE else _exec_psycopg
-    send = execute
+    begun = True
     if begin:
         _refuse_open_transaction(conn)
         if d is SQLITE:
@@ -308,26 +304,19 @@ def run(
                 if mapped is None:
                     raise
                 raise mapped from exc
-        elif conn.autocommit:
-            send = _first_with(_begin_psycopg, execute)
+        else:
+            begun = not conn.autocommit  # psycopg begins by itself then
     elif need_tx:
         require_transaction(conn)
-    return drive(make_plan(d), lambda stmt: send(conn, stmt), lambda exc: map_error(d, conn, exc))
 
+    def send(stmt: Stmt) -> Result:
+        nonlocal begun
+        if begun:
+            return execute(conn, stmt)
+        begun = True
+        return _begin_psycopg(conn, stmt)  # BEGIN and the first statement in one round trip
 
-def _first_with(
-    first: Callable[[Any, Stmt], Result], then: Callable[[Any, Stmt], Result]
-) -> Callable[[Any, Stmt], Result]:
-    """A sender whose first statement goes out through ``first`` (BEGIN with it)."""
-    used: list[bool] = []
-
-    def send(conn: Any, stmt: Stmt) -> Result:
-        if used:
-            return then(conn, stmt)
-        used.append(True)
-        return first(conn, stmt)
-
-    return send
+    return drive(make_plan(d), send, lambda exc: map_error(d, conn, exc))
 
 
 async def arun(

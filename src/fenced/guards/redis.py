@@ -188,6 +188,23 @@ def _no_retry_client(client: Any) -> Any:
         return writer
 
 
+# (client class, the pool classes whose settings can be copied, the sibling's pool, its Retry)
+_SIBLINGS: Final[tuple[tuple[Any, tuple[Any, ...], Any, Any], ...]] = (
+    (
+        redis.asyncio.Redis,
+        (redis.asyncio.ConnectionPool, redis.asyncio.BlockingConnectionPool),
+        redis.asyncio.ConnectionPool,
+        redis.asyncio.retry.Retry,
+    ),
+    (
+        redis.Redis,
+        (redis.ConnectionPool, redis.BlockingConnectionPool),
+        redis.ConnectionPool,
+        Retry,
+    ),
+)
+
+
 def _make_no_retry_client(client: Any) -> Any:
     """A client for the guard's scripts that never re-sends a command on its own.
 
@@ -199,34 +216,17 @@ def _make_no_retry_client(client: Any) -> Any:
     or another kind of pool must itself be configured with ``retry=Retry(NoBackoff(), 0)``.
     """
     pool: Any = getattr(client, "connection_pool", None)
-    if isinstance(client, redis.asyncio.Redis) and type(pool) in (
-        redis.asyncio.ConnectionPool,
-        redis.asyncio.BlockingConnectionPool,
-    ):
-        kwargs = {**pool.connection_kwargs, "retry": redis.asyncio.retry.Retry(NoBackoff(), 0)}
-        kwargs.pop("retry_on_error", None)
-        kwargs.pop("retry_on_timeout", None)
-        return redis.asyncio.Redis(
-            connection_pool=redis.asyncio.ConnectionPool(
+    for client_class, pool_classes, pool_class, retry_class in _SIBLINGS:
+        if isinstance(client, client_class) and type(pool) in pool_classes:
+            kwargs = {**pool.connection_kwargs, "retry": retry_class(NoBackoff(), 0)}
+            kwargs.pop("retry_on_error", None)
+            kwargs.pop("retry_on_timeout", None)
+            sibling = pool_class(
                 connection_class=pool.connection_class,
                 max_connections=pool.max_connections,
                 **kwargs,
             )
-        )
-    if isinstance(client, redis.Redis) and type(pool) in (
-        redis.ConnectionPool,
-        redis.BlockingConnectionPool,
-    ):
-        kwargs = {**pool.connection_kwargs, "retry": Retry(NoBackoff(), 0)}
-        kwargs.pop("retry_on_error", None)
-        kwargs.pop("retry_on_timeout", None)
-        return redis.Redis(
-            connection_pool=redis.ConnectionPool(
-                connection_class=pool.connection_class,
-                max_connections=pool.max_connections,
-                **kwargs,
-            )
-        )
+            return client_class(connection_pool=sibling)
     retry = getattr(client, "retry", None)
     if retry is None and hasattr(client, "get_retry"):
         retry = client.get_retry()
