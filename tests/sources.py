@@ -18,16 +18,12 @@ from fenced.backends.memory import MemoryBackend
 
 
 class _TestSource(MemoryBackend):
+    """The memory source, with the acquire contract's signature written once: subclasses
+    change what is asked (``_ask``) or what comes back (``_answer``)."""
+
     @classmethod
     async def open(cls, url: SplitResult, options: dict[str, Any]) -> MemoryBackend:
         return cls((await MemoryBackend.open(url, options))._store)
-
-
-class CappedSource(_TestSource):
-    """Grants a shorter lease than asked (as ZooKeeper does when it negotiates the session)."""
-
-    scheme: ClassVar[str] = "capped"
-    cap: ClassVar[float] = 0.6
 
     async def acquire(
         self,
@@ -38,13 +34,30 @@ class CappedSource(_TestSource):
         deadline: float | None,
         on_lost: LostCallback,
     ) -> Grant:
-        return await super().acquire(
+        grant = await super().acquire(
             name,
             request_id=request_id,
-            ttl=min(ttl, CappedSource.cap),
+            ttl=self._ask(request_id, ttl),
             deadline=deadline,
             on_lost=on_lost,
         )
+        return self._answer(grant, ttl)
+
+    def _ask(self, request_id: str, ttl: float) -> float:
+        return ttl
+
+    def _answer(self, grant: Grant, ttl: float) -> Grant:
+        return grant
+
+
+class CappedSource(_TestSource):
+    """Grants a shorter lease than asked (as ZooKeeper does when it negotiates the session)."""
+
+    scheme: ClassVar[str] = "capped"
+    cap: ClassVar[float] = 0.6
+
+    def _ask(self, request_id: str, ttl: float) -> float:
+        return min(ttl, CappedSource.cap)
 
     async def renew(self, grant: Grant) -> Grant:
         await asyncio.sleep(0.05)  # a real source answers after a round trip, not instantly
@@ -87,19 +100,11 @@ class FlakyBackend(_TestSource):
     fail_acquires = 0
     acquire_calls: ClassVar[list[str]] = []
 
-    async def acquire(
-        self,
-        name: str,
-        *,
-        request_id: str,
-        ttl: float,
-        deadline: float | None,
-        on_lost: LostCallback,
-    ) -> Grant:
+    def _ask(self, request_id: str, ttl: float) -> float:
         FlakyBackend.acquire_calls.append(request_id)
-        grant = await super().acquire(
-            name, request_id=request_id, ttl=ttl, deadline=deadline, on_lost=on_lost
-        )
+        return ttl
+
+    def _answer(self, grant: Grant, ttl: float) -> Grant:
         if FlakyBackend.fail_acquires:
             FlakyBackend.fail_acquires -= 1
             raise fenced.BackendUnavailable("reply lost")  # granted, but the reply never arrived
@@ -127,18 +132,7 @@ class LateReplies(_TestSource):
     scheme: ClassVar[str] = "late"
     late = 0
 
-    async def acquire(
-        self,
-        name: str,
-        *,
-        request_id: str,
-        ttl: float,
-        deadline: float | None,
-        on_lost: LostCallback,
-    ) -> Grant:
-        grant = await super().acquire(
-            name, request_id=request_id, ttl=ttl, deadline=deadline, on_lost=on_lost
-        )
+    def _answer(self, grant: Grant, ttl: float) -> Grant:
         if LateReplies.late:
             LateReplies.late -= 1
             # As if the request had been sent a whole ttl ago: nothing surely left of it.
