@@ -574,9 +574,11 @@ class EtcdGuard:
     ) -> None:
         self._portal = Portal("fenced-etcd-guard")
         try:
-            self._client = self._portal.run_sync(lambda: etcd_client(endpoint, timeout))
-            self.aio = self._async_class(
-                self._client, resource, lock, prefix=prefix, timeout=timeout
+            # AsyncEtcdGuard.open, made on the loop thread that will run it.
+            self.aio = self._portal.run_sync(
+                lambda: self._async_class.open(
+                    endpoint, resource, lock, prefix=prefix, timeout=timeout
+                )
             )
         except BaseException:
             self._portal.stop()
@@ -608,7 +610,7 @@ class EtcdGuard:
         if self._portal.loop.is_closed():
             return
         try:
-            self._portal.call(self._client.close())
+            self._portal.call(self.aio.aclose())
         finally:
             self._portal.stop()
 
