@@ -5,7 +5,8 @@
     (imported from ``fenced.backends.sqlite``), same pragmas (WAL, synchronous=FULL), on a plain
     ``sqlite3`` connection in the calling thread: two ``BEGIN IMMEDIATE`` transactions, two
     fsyncs. Extra rows split fenced's cost into the SQL, the backend's Python, the lease core,
-    and the hop to the sync API's loop thread.
+    and the sync API's portal (driven by the caller's thread when fenced's loop thread is idle;
+    a "hop" row forces the old way, a round trip to the loop thread per call).
 (b) Contended handoff: 4 OS processes acquire and release one lock in a loop; handoff latency is
     release started -> next holder granted (both read on CLOCK_BOOTTIME, machine-wide). The
     peer is the same SQL hand-rolled as a spin lock (retry the acquire transaction every 1 ms
@@ -39,7 +40,7 @@ from _common import Result, fmt_us, table
 
 import fenced
 from fenced import _clock
-from fenced._portal import mark_private
+from fenced._portal import Portal, mark_private
 from fenced.backends import sqlite as S
 
 HERE = os.path.abspath(__file__)
@@ -142,13 +143,23 @@ def uncontended(root: str, n: int) -> None:
         lease.acquire()
         lease.release()
 
+    # The same, with caller-driven calls turned off: every call hops to the loop thread.
+    hopping = fenced.connect(url)
+    hopping._portal.drive = False
+
+    def sync_hop() -> None:
+        with hopping.lock("hop", ttl=30):
+            pass
+
     rows = interleaved(
         [
             ("sync API: with locks.lock()", sync_with, "bare SQL", bare.op),
             ("sync API: reused lease", sync_reused, "bare SQL", bare.op),
+            ("sync API, a hop per call (before)", sync_hop, "bare SQL", bare.op),
         ],
         n,
     )
+    hopping.close()
     noop: Callable[[BaseException], None] = lambda exc: None  # noqa: E731
 
     async def on_loop(private: bool) -> list[tuple[Result, Result]]:
@@ -185,11 +196,18 @@ def uncontended(root: str, n: int) -> None:
         return None
 
     clock = time.perf_counter
-    hop = Result("portal round trip")
+    driven = Result("portal call, caller-driven")
     for _ in range(n):
         t0 = clock()
         locks._portal.call(empty())
+        driven.samples.append(clock() - t0)
+    hopping = Portal("bench-hop")
+    hop = Result("portal round trip")
+    for _ in range(n):
+        t0 = clock()
+        hopping.call(empty())
         hop.samples.append(clock() - t0)
+    hopping.stop()
     one_tx = Result("bare SQL, 1 transaction")
     for _ in range(n):
         t0 = clock()
@@ -201,8 +219,9 @@ def uncontended(root: str, n: int) -> None:
         " (ratio = fenced ops/s ÷ bare-SQL ops/s; target ≥ 0.8×)",
         [("acquire+release", ours, peer) for ours, peer in rows],
         note=(
-            f"one sync-API call, caller thread -> fenced's loop thread -> back, empty coroutine:"
-            f" p50 {fmt_us(hop.p50)}, mean {fmt_us(hop.mean)} (2 per acquire+release);"
+            f"one sync-API call of an empty coroutine (2 per acquire+release): run by the caller's"
+            f" thread p50 {fmt_us(driven.p50)}, mean {fmt_us(driven.mean)}; by a hop to fenced's"
+            f" loop thread and back p50 {fmt_us(hop.p50)}, mean {fmt_us(hop.mean)};"
             f" one bare transaction with its fsync: p50 {fmt_us(one_tx.p50)},"
             f" mean {fmt_us(one_tx.mean)}"
         ),

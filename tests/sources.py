@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import signal
 from collections.abc import Callable
 from typing import Any, ClassVar
 from urllib.parse import SplitResult
@@ -137,4 +138,17 @@ class LateReplies(_TestSource):
             LateReplies.late -= 1
             # As if the request had been sent a whole ttl ago: nothing surely left of it.
             return dataclasses.replace(grant, sent_at=grant.sent_at - ttl)
+        return grant
+
+
+class InterruptedAfterGrant(_TestSource):
+    """SIGINT arrives (once) just after the source granted, before the client recorded it."""
+
+    scheme: ClassVar[str] = "sigint"
+    armed = False
+
+    def _answer(self, grant: Grant, ttl: float) -> Grant:
+        if InterruptedAfterGrant.armed:
+            InterruptedAfterGrant.armed = False
+            signal.raise_signal(signal.SIGINT)
         return grant

@@ -108,6 +108,11 @@ class Backend(abc.ABC):
     characteristics: ClassVar[frozenset[Characteristic]]
     option_schema: ClassVar[Mapping[str, Option]] = MappingProxyType({})
     """The options this source takes (URL query or keyword); see :func:`options`."""
+    caller_driven: ClassVar[bool] = False
+    """True if this backend's code may run on whichever thread is running fenced's private
+    loop (it keeps no state tied to one thread): the synchronous API then runs a call on the
+    caller's own thread whenever the loop thread is idle, saving two thread switches (see
+    ``_portal``). Leave False for client libraries with threads or loop hooks of their own."""
 
     @classmethod
     @abc.abstractmethod

@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import inspect
 import logging
-import uuid
 import weakref
 from collections.abc import Awaitable, Callable, Generator, Iterable
 from types import TracebackType
@@ -199,7 +198,7 @@ class AsyncLease:
         backend = await self._locks._get_backend(None if timeout is None else start + timeout)
         self._state.start_acquiring()
         self._loop = asyncio.get_running_loop()
-        request_id = self._request_id or uuid.uuid4().hex
+        request_id = self._request_id or _fork.request_id()
         deadline = None if timeout is None else start + timeout
         # With no deadline, a dead source is given a bounded time to come back.
         give_up = deadline if deadline is not None else start + max(self.ttl, 5.0)
@@ -233,7 +232,7 @@ class AsyncLease:
                 late += 1
                 with contextlib.suppress(FencedError):
                     await backend.release(grant)
-                request_id = uuid.uuid4().hex
+                request_id = _fork.request_id()
                 if late >= _MAX_LATE_GRANTS or (deadline is not None and _clock.now() >= deadline):
                     raise LeaseLostError(
                         f"lease on {self.name!r} expired before the grant arrived ({late} "

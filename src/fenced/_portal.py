@@ -4,16 +4,30 @@ The synchronous API (``_sync``) and the synchronous guards drive fenced's asynci
 a :class:`Portal`. Only fenced's own code runs on a portal's loop, which is what
 :func:`on_private_loop` tells a backend: it may then make short blocking calls (an SQLite
 transaction) inline instead of paying for a hop to a worker thread.
+
+**Caller-driven calls.** A hop to the loop thread and back costs two thread switches (50-90 µs
+on a VM), more than an SQLite transaction. So a portal made with ``drive=True`` lets the
+calling thread run the loop's work itself whenever the loop thread is idle. The loop is
+guarded by one lock (like a GIL for the loop): its thread holds it at all times except while
+it waits in ``select()``. A caller that takes the lock without waiting runs its coroutine as a
+task of the portal's loop, on its own thread; if the task has to wait (for I/O, a timer,
+another thread), the caller hands the loop back and waits for the loop thread to finish it,
+exactly as a hop would. So there is still one implementation of every protocol, and the loop
+thread still runs keepalives while callers are busy elsewhere.
 """
 
 from __future__ import annotations
 
+import _signal  # type: ignore[import-not-found]  # (C module: signal's enum wrappers are slow)
 import _thread
 import asyncio
 import contextlib
 import logging
+import math
 import os
+import selectors
 import threading
+import time
 import weakref
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
@@ -44,21 +58,63 @@ def on_private_loop() -> bool:
         return False
 
 
-class Portal:
-    """An event loop on a daemon thread, and a way to run coroutines on it from other threads."""
+class _SharedSelector(selectors.DefaultSelector):
+    """The loop's selector: the loop thread gives up the loop's lock while it waits in it."""
 
-    def __init__(self, name: str) -> None:
-        self.loop = asyncio.new_event_loop()
+    def __init__(self, lock: _thread.LockType) -> None:
+        super().__init__()
+        self._lock = lock
+        self.wakes_at = -math.inf
+        """When the waiting loop thread will look at its timers next (-inf: it is not waiting)."""
+        self.wanted = False
+        """True while the loop thread waits for a caller to hand the loop back."""
+
+    def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
+        self.wakes_at = math.inf if timeout is None else time.monotonic() + timeout
+        self._lock.release()
+        try:
+            ready = super().select(timeout)
+        finally:
+            if not self._lock.acquire(False):
+                # A caller is running the loop's work: it finishes its step, and no caller
+                # starts another until this thread has had its turn (timers must not starve).
+                self.wanted = True
+                self._lock.acquire()
+                self.wanted = False
+            self.wakes_at = -math.inf
+        # A caller may have driven the loop meanwhile and unregistered or replaced a file
+        # descriptor: an event for a key that is no longer registered is dropped.
+        keys = self.get_map()
+        return [(key, events) for key, events in ready if keys.get(key.fd) is key]
+
+
+class Portal:
+    """An event loop on a daemon thread, and a way to run coroutines on it from other threads.
+
+    With ``drive=True`` a caller runs its coroutine on its own thread while the loop thread is
+    idle (see the module's docstring): for code that does not mind which thread runs it.
+    """
+
+    def __init__(self, name: str, *, drive: bool = False) -> None:
+        self._loop_lock = _thread.allocate_lock()
+        self.loop: asyncio.AbstractEventLoop = asyncio.SelectorEventLoop(
+            _SharedSelector(self._loop_lock)
+        )
+        self._selector: _SharedSelector = self.loop._selector  # type: ignore[attr-defined]
         # Backends may run short blocking calls inline on this loop: nobody else's code runs on it.
         mark_private(self.loop)
         self._stopping = False
         self._undoing: set[asyncio.Task[object]] = set()
+        self._driver: int | None = None  # the thread running the loop's work instead of its own
+        # (asyncio's debug mode checks that only the loop's own thread schedules on it)
+        self.drive = drive and _CAN_DRIVE and not self.loop.get_debug()
         ready = threading.Event()
 
         def run() -> None:
             asyncio.set_event_loop(self.loop)
             self.loop.call_soon(ready.set)
-            self.loop.run_forever()
+            with self._loop_lock:
+                self.loop.run_forever()
 
         self.thread = threading.Thread(target=run, name=name, daemon=True)
         self.thread.start()
@@ -70,6 +126,12 @@ class Portal:
     @property
     def closed(self) -> bool:
         return self._stopping or self.loop.is_closed()
+
+    def running_loop_code(self, ident: int | None = None) -> bool:
+        """True on the thread running this loop's work now (its own, or a driving caller's):
+        a blocking call into the portal from there would wait for itself."""
+        ident = _thread.get_ident() if ident is None else ident
+        return ident == self._thread_id or ident == self._driver
 
     @property
     def forked(self) -> bool:
@@ -99,7 +161,8 @@ class Portal:
                 f"this fenced object was made in process {self.pid}, before a fork; "
                 "make a new one in this process"
             )
-        if _thread.get_ident() == self._thread_id:
+        ident = _thread.get_ident()
+        if self.running_loop_code(ident):
             coro.close()
             raise RuntimeError("a blocking fenced call was made from a lost-lease callback")
         latch = _thread.allocate_lock()
@@ -123,25 +186,96 @@ class Portal:
         def start() -> None:
             started.append(self.loop.create_task(run))
 
+        # Ctrl-C (SIGINT, on the main thread) is let through only while this thread waits
+        # for the outcome: there the call is cancelled, or undone if it completed. Anywhere
+        # else (running the loop's work here, or taking the outcome) it could strike between
+        # a grant and its bookkeeping, so it is held back and raised inside the ``try``.
+        gate = _SigintGate.enter(ident)
         try:
-            self.loop.call_soon_threadsafe(start)
-        except RuntimeError:  # closed meanwhile
-            run.close()
-            coro.close()
-            raise BackendUnavailable("this fenced connection is closed") from None
-        try:
-            latch.acquire()
-        except BaseException:
-            # Interrupted while waiting. Decide on the loop thread, where the call ends, so
-            # that "cancelled in time" and "completed, so undo it" cannot both miss.
-            with contextlib.suppress(RuntimeError):
-                self.loop.call_soon_threadsafe(
-                    self._abandon, started, run, coro, result if undo else None, undo
-                )
-            raise
+            try:
+                if self.drive:
+                    driven = self._try_drive(ident, run, started)
+                    if driven is None:
+                        coro.close()
+                        raise BackendUnavailable("this fenced connection is closed")
+                else:
+                    driven = False
+                if not driven:
+                    try:
+                        self.loop.call_soon_threadsafe(start)
+                    except RuntimeError:  # closed meanwhile
+                        run.close()
+                        coro.close()
+                        raise BackendUnavailable("this fenced connection is closed") from None
+                if gate is not None:
+                    gate.waiting = True
+                latch.acquire()
+                if gate is not None and gate.leave():
+                    raise KeyboardInterrupt
+            except BaseException:
+                # Interrupted. Decide on the loop thread, where the call ends, so that
+                # "cancelled in time" and "completed, so undo it" cannot both miss.
+                with contextlib.suppress(RuntimeError):
+                    self.loop.call_soon_threadsafe(
+                        self._abandon, started, run, coro, result if undo else None, undo
+                    )
+                raise
+        finally:
+            if gate is not None:
+                gate.leave()
         if error:
             raise error[0]
         return result[0]
+
+    def _try_drive(
+        self, ident: int, run: Coroutine[Any, Any, None], started: list[asyncio.Task[None]]
+    ) -> bool | None:
+        """If the loop thread is idle, run ``run`` as a task of the loop on this thread, as far
+        as it goes without waiting, then hand the loop back (waking its thread if it has work
+        sooner than it planned). False if the loop was busy; None if the portal is closed.
+        """
+        if self._selector.wanted or not self._loop_lock.acquire(False):
+            return False
+        loop = self.loop
+        saved = asyncio._get_running_loop()
+        ready: Any = loop._ready  # type: ignore[attr-defined]
+        queued = len(ready)
+        try:
+            if self._stopping or not loop.is_running():
+                run.close()
+                return None
+            self._driver = ident
+            asyncio._set_running_loop(loop)
+            task = loop.create_task(run)
+            started.append(task)
+            while not task.done():
+                step = _take_step(ready, task)
+                if step is None:
+                    break  # it waits for something: the loop thread takes it from here
+                step._run()
+        finally:
+            asyncio._set_running_loop(saved)
+            self._driver = None
+            try:
+                if self._needs_loop_thread(loop, len(ready) > queued):
+                    loop._write_to_self()  # type: ignore[attr-defined]
+            finally:
+                self._loop_lock.release()
+        return True
+
+    def _needs_loop_thread(self, loop: asyncio.AbstractEventLoop, queued_more: bool) -> bool:
+        """True if the waiting loop thread must wake now rather than when it planned to:
+        this thread queued callbacks (those queued from other threads woke it already), or
+        armed a timer due before it planned to look."""
+        if queued_more:
+            return True
+        timers: list[asyncio.TimerHandle] = loop._scheduled  # type: ignore[attr-defined]
+        if not timers:
+            return False
+        # Cancelled timers stay in the heap until the loop thread pops them: let it tidy up.
+        if loop._timer_cancelled_count > 1000 + len(timers) // 2:  # type: ignore[attr-defined]
+            return True
+        return timers[0].when() < self._selector.wakes_at - 0.001
 
     def _abandon(
         self,
@@ -194,7 +328,7 @@ class Portal:
             _fork.left_behind(self)  # the parent's loop and thread: nothing of them runs here
             self._stopping = True
             return
-        if threading.current_thread() is self.thread:
+        if self.running_loop_code():
             raise RuntimeError("a fenced connection cannot be closed from a lost-lease callback")
         self._stopping = True  # from now on call() refuses: nothing new is queued on the loop
         # Calls still running (an acquire waiting in another thread) are cancelled, so their
@@ -205,6 +339,80 @@ class Portal:
         self.thread.join(timeout=10)
         if not self.thread.is_alive():
             self.loop.close()
+
+
+class _SigintGate:
+    """Python's default SIGINT handler, replaced for one portal call on the main thread: it
+    raises KeyboardInterrupt only while the caller waits, and otherwise notes it."""
+
+    __slots__ = ("held", "replaced", "waiting")
+
+    def __init__(self) -> None:
+        self.held = False
+        self.waiting = False
+        self.replaced = True
+
+    def __call__(self, signum: int, frame: object) -> None:
+        if self.waiting:
+            raise KeyboardInterrupt
+        self.held = True
+
+    @staticmethod
+    def enter(ident: int) -> _SigintGate | None:
+        """A gate in place of the default handler; None off the main thread or when the
+        application installed a handler of its own (which is then left alone)."""
+        if ident != _MAIN_THREAD or _signal.getsignal(_signal.SIGINT) is not _DEFAULT_SIGINT:
+            return None
+        gate = _SigintGate()
+        _signal.signal(_signal.SIGINT, gate)
+        return gate
+
+    def leave(self) -> bool:
+        """Put the default handler back; True if SIGINT arrived while it was held back."""
+        self.waiting = False
+        if self.replaced:
+            self.replaced = False
+            _signal.signal(_signal.SIGINT, _DEFAULT_SIGINT)
+        return self.held
+
+
+def _take_step(ready: Any, task: asyncio.Task[None]) -> asyncio.Handle | None:
+    """Remove and return the next step of ``task`` from the loop's ready queue, if it is there."""
+    for handle in ready:
+        if getattr(handle._callback, "__self__", None) is task:
+            ready.remove(handle)
+            return handle  # type: ignore[no-any-return]
+    return None
+
+
+def _can_drive() -> bool:
+    """The loop internals caller-driven calls rely on (CPython 3.11-3.13's asyncio)."""
+    loop = asyncio.SelectorEventLoop()
+    try:
+
+        async def probe() -> None:
+            pass
+
+        task = loop.create_task(probe())
+        step = _take_step(getattr(loop, "_ready", ()), task)
+        if step is not None:
+            step._run()
+        return (
+            task.done()
+            and hasattr(loop, "_scheduled")
+            and hasattr(loop, "_timer_cancelled_count")
+            and hasattr(loop, "_selector")
+            and hasattr(loop, "_write_to_self")
+        )
+    except Exception:
+        return False
+    finally:
+        loop.close()
+
+
+_MAIN_THREAD = threading.main_thread().ident
+_DEFAULT_SIGINT = _signal.default_int_handler
+_CAN_DRIVE = _can_drive()
 
 
 async def _cancel_all(timeout: float = 5.0) -> None:

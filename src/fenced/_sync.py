@@ -29,6 +29,8 @@ logger = logging.getLogger("fenced")
 
 SyncLostCallback = Callable[["Lease"], None]
 
+_MAKING_EVENTS = threading.Lock()
+
 
 class Lease:
     """A lease held through a synchronous :class:`Locks`; see :class:`~fenced.AsyncLease`.
@@ -41,9 +43,22 @@ class Lease:
         self._locks = locks
         self._inner = inner
         self.on_lost = on_lost
-        self.lost = threading.Event()
+        self._lost: threading.Event | None = None  # made when first asked for (most never are)
         self._fork_gen = _fork.generation()
         inner.add_lost_hook(self._on_inner_lost)
+
+    @property
+    def lost(self) -> threading.Event:
+        """Set when the lease is lost (see :attr:`AsyncLease.lost`); cleared by acquire()."""
+        if self._lost is None:
+            # Under a lock: the loop's lost-hook may be making it at the same moment.
+            with _MAKING_EVENTS:
+                if self._lost is None:
+                    event = threading.Event()
+                    if self._inner.lost.is_set():
+                        event.set()
+                    self._lost = event
+        return self._lost
 
     def _check_fork(self) -> None:
         # In a forked child the parent's grant stays the parent's: this lease starts over, not
@@ -51,7 +66,8 @@ class Lease:
         if self._fork_gen != _fork.generation():
             self._fork_gen = _fork.generation()
             self._locks._check_fork()
-            self.lost.clear()
+            if self._lost is not None:
+                self._lost.clear()
 
     def _on_inner_lost(self, cause: BaseException) -> None:
         self.lost.set()
@@ -100,7 +116,8 @@ class Lease:
         released.
         """
         self._check_fork()
-        self.lost.clear()
+        if self._lost is not None:
+            self._lost.clear()
         return self._locks._portal.call(self._inner.acquire(timeout), undo=self._undo_acquire)
 
     async def _undo_acquire(self, _token: FencingToken) -> None:
@@ -137,7 +154,8 @@ class Locks:
 
     def __init__(self, url: str, *, require: Iterable[str] = (), **options: Any) -> None:
         self._async = AsyncLocks(url, require=require, **options)
-        self._portal_now = Portal(name=f"fenced-{self._async._cls.scheme}")
+        cls = self._async._cls
+        self._portal_now = Portal(name=f"fenced-{cls.scheme}", drive=cls.caller_driven)
         try:
             self._portal_now.call(self._async.open())
         except BaseException:
@@ -159,7 +177,7 @@ class Locks:
         if self._portal_now.forked:
             old = self._portal_now
             _fork.left_behind(old)
-            self._portal_now = Portal(name=old.thread.name)
+            self._portal_now = Portal(name=old.thread.name, drive=old.drive)
 
     @property
     def url(self) -> str:
@@ -217,7 +235,7 @@ class Locks:
         self._check_fork()
         if self._portal.closed:
             return
-        if threading.current_thread() is self._portal.thread:
+        if self._portal.running_loop_code():
             raise RuntimeError("a fenced connection cannot be closed from a lost-lease callback")
         try:
             self._portal.call(self._async.aclose())

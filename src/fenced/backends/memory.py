@@ -72,6 +72,7 @@ class MemoryBackend(Backend):
             Characteristic.LOST_NOTIFICATION,
         }
     )
+    caller_driven: ClassVar[bool] = True  # plain Python state, no threads of its own
 
     def __init__(self, store: _Store) -> None:
         self._store = store

@@ -220,6 +220,7 @@ class SQLiteBackend(Backend):
     )
 
     option_schema = _OPTIONS
+    caller_driven = True  # one connection for the loop, whichever thread runs it (see _call)
     poll_min: ClassVar[float] = POLL_MIN
     """The first pause between two polls of a waiter, after anything changed."""
 
@@ -229,7 +230,9 @@ class SQLiteBackend(Backend):
         self._poll_interval = options["poll_interval"]
         self._busy_timeout = options["busy_timeout"]
         self._boot = _clock.boot_id()
-        self._conns: dict[int, sqlite3.Connection] = {}  # one connection per thread
+        # One connection per worker thread, and one (key 0) for fenced's private loop, used by
+        # whichever thread runs the loop: the loop's lock lets one at a time in.
+        self._conns: dict[int, sqlite3.Connection] = {}
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._private_loop: asyncio.AbstractEventLoop | None = None
         self._contended: set[str] = set()  # locks that had waiters when we last looked
@@ -251,8 +254,14 @@ class SQLiteBackend(Backend):
 
     # -- running transactions ----------------------------------------------------------------
 
-    def _connect(self) -> sqlite3.Connection:
-        conn = sqlite3.connect(self.path, timeout=0, isolation_level=None, cached_statements=64)
+    def _connect(self, shared: bool = False) -> sqlite3.Connection:
+        conn = sqlite3.connect(
+            self.path,
+            timeout=0,
+            isolation_level=None,
+            cached_statements=64,
+            check_same_thread=not shared,
+        )
         try:
             for pragma in PRAGMAS:
                 conn.execute(pragma).fetchall()
@@ -265,13 +274,14 @@ class SQLiteBackend(Backend):
         return conn
 
     def _call(self, fn: Callable[[sqlite3.Connection], T]) -> T:
-        """Run ``fn`` on this thread's connection (in the thread that owns it)."""
+        """Run ``fn`` on this thread's connection, or the private loop's when on that loop."""
         if self._closed:
             raise BackendUnavailable(f"sqlite connection to {self.path} is closed")
-        ident = threading.get_ident()
+        loop = asyncio._get_running_loop()
+        ident = 0 if loop is not None and loop is self._private_loop else threading.get_ident()
         conn = self._conns.get(ident)
         if conn is None:
-            conn = self._conns[ident] = self._connect()
+            conn = self._conns[ident] = self._connect(shared=ident == 0)
         give_up: float | None = None
         attempt = 0
         while True:
@@ -678,11 +688,12 @@ class SQLiteBackend(Backend):
             executor.shutdown(wait=False)
             with contextlib.suppress(Exception):
                 await asyncio.wrap_future(closing)
+        self._close_thread_connection(0)
         self._close_thread_connection()
         # Connections of other threads (none in normal use) are closed by the garbage collector.
 
-    def _close_thread_connection(self) -> None:
-        conn = self._conns.pop(threading.get_ident(), None)
+    def _close_thread_connection(self, ident: int | None = None) -> None:
+        conn = self._conns.pop(threading.get_ident() if ident is None else ident, None)
         if conn is not None:
             with contextlib.suppress(sqlite3.Error):
                 conn.close()
