@@ -911,3 +911,52 @@ async def test_postgresql_abandoned_connection_is_not_closed_under_a_queued_call
             backend._drop(backend._conn)  # type: ignore[arg-type]
             await async_wait_for(_tasks_done(backend), what="the close")
         assert await backend.release(grant) is True
+
+
+def _socket_urls(server: PostgresServer, db: str) -> dict[str, str]:
+    sock, port = str(server.dir), server.port
+    quoted = sock.replace("/", "%2F")
+    return {
+        "no host, socket dir in the query": f"postgresql:///{db}?host={sock}&port={port}&user=postgres",
+        "user, no host": f"postgresql://postgres@/{db}?host={sock}&port={port}",
+        "percent-encoded socket dir as host": f"postgresql://postgres@{quoted}:{port}/{db}",
+        "two hosts, the first one down": (
+            f"postgresql://postgres@127.0.0.1:1,{quoted}:{port}/{db}?connect_timeout=2"
+        ),
+        "postgres:// and a +driver suffix": f"postgres+psycopg:///{db}?host={sock}&port={port}&user=postgres",
+    }
+
+
+@pytest.mark.parametrize(
+    "form",
+    [
+        "no host, socket dir in the query",
+        "user, no host",
+        "percent-encoded socket dir as host",
+        "two hosts, the first one down",
+        "postgres:// and a +driver suffix",
+    ],
+)
+def test_libpq_url_forms_reach_the_server_over_its_unix_socket(
+    pg_server: PostgresServer, pg_dsn: str, form: str
+) -> None:
+    """Bug: ``postgresql:///db`` (libpq's default-socket form) was rebuilt as
+    ``postgresql:/db``, which libpq refuses. Every form libpq takes reaches it intact."""
+    db = urlsplit(pg_dsn).path.lstrip("/")
+    url = _socket_urls(pg_server, db)[form]
+    with fenced.connect(url, connect_timeout=10) as locks, locks.lock("x", ttl=5) as lease:
+        assert lease.token.value == 1
+    with fenced.connect(pg_dsn) as over_tcp:  # the grant went to the same database
+        assert over_tcp.status("x").last_token == lease.token
+
+
+def test_the_default_socket_comes_from_the_environment(
+    pg_server: PostgresServer, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``postgresql:///db`` with nothing else: libpq's defaults (PGHOST, PGPORT, PGUSER)."""
+    db = urlsplit(pg_dsn).path.lstrip("/")
+    monkeypatch.setenv("PGHOST", str(pg_server.dir))
+    monkeypatch.setenv("PGPORT", str(pg_server.port))
+    monkeypatch.setenv("PGUSER", "postgres")
+    with fenced.connect(f"postgresql:///{db}") as locks, locks.lock("x", ttl=5) as lease:
+        assert lease.token.value == 1

@@ -30,7 +30,7 @@ import secrets
 import select
 from collections.abc import Callable
 from typing import Any, ClassVar
-from urllib.parse import SplitResult, urlsplit, urlunsplit
+from urllib.parse import SplitResult, urlsplit
 
 import psycopg
 from psycopg import pq, sql
@@ -171,6 +171,19 @@ class _Listener:
                 event.set()
 
 
+def libpq_url(url: SplitResult) -> str:
+    """The URL for libpq, exactly as given but for the scheme (libpq knows ``postgresql://``
+    and ``postgres://``; a ``+driver`` suffix is dropped). Rebuilt by hand: ``urlunsplit``
+    turns ``postgresql:///db`` (no host: the default Unix socket) into ``postgresql:/db``,
+    which libpq refuses."""
+    text = f"postgresql://{url.netloc}{url.path}"
+    if url.query:
+        text += f"?{url.query}"
+    if url.fragment:
+        text += f"#{url.fragment}"
+    return text
+
+
 class PostgreSQLBackend(Backend):
     """Locks in PostgreSQL tables; see the module docstring for the design.
 
@@ -230,8 +243,7 @@ class PostgreSQLBackend(Backend):
     async def open(cls, url: SplitResult, options: dict[str, Any]) -> PostgreSQLBackend:
         check_libpq_query(url)
         kwargs = cls.options(url, options, query=False)
-        # libpq knows postgresql:// and postgres://; drop a "+driver" suffix.
-        conninfo = urlunsplit(("postgresql", url.netloc, url.path, url.query, url.fragment))
+        conninfo = libpq_url(url)
         backend = cls(conninfo, **kwargs)
         try:
             await backend._install()
