@@ -344,24 +344,47 @@ def test_rows_of_an_earlier_boot_are_expired(db: str) -> None:
 @pytest.mark.parametrize(
     ("url", "path"),
     [
-        ("sqlite:///var/x/locks.db", "/var/x/locks.db"),
         ("sqlite:////var/x/locks.db", "/var/x/locks.db"),
-        ("sqlite://rel/locks.db", "{cwd}/rel/locks.db"),
-        ("sqlite://./locks.db", "{cwd}/locks.db"),
         ("sqlite:///./rel/locks.db", "{cwd}/rel/locks.db"),
-        ("sqlite://locks.db", "{cwd}/locks.db"),
+        ("sqlite:///../locks.db", "{parent}/locks.db"),
     ],
 )
-def test_url_forms(url: str, path: str) -> None:
+def test_url_forms_follow_sqlalchemy(url: str, path: str) -> None:
     import os
 
-    assert database_path(urlsplit(url)) == path.format(cwd=os.getcwd())
+    cwd = os.getcwd()
+    assert database_path(urlsplit(url)) == path.format(cwd=cwd, parent=os.path.dirname(cwd))
+
+
+@pytest.mark.parametrize(
+    ("url", "match"),
+    [
+        ("sqlite:///var/x/locks.db", "ambiguous.*sqlite:////var/x/locks.db"),
+        ("sqlite:///locks.db", "ambiguous.*sqlite:///./locks.db"),
+        ("sqlite://rel/locks.db", "host part"),
+        ("sqlite://./locks.db", "host part"),
+        ("sqlite://locks.db", "host part"),
+    ],
+)
+def test_ambiguous_url_forms_are_refused(url: str, match: str) -> None:
+    """Bug: ``sqlite:///x.db`` was absolute here but relative in SQLAlchemy, and
+    ``sqlite://rel/x.db`` silently relative: two processes could use two files."""
+    with pytest.raises(fenced.ConfigurationError, match=match):
+        fenced.connect(url)
 
 
 @pytest.mark.parametrize("url", ["sqlite://", "sqlite:///", "sqlite:///:memory:", "sqlite:///x/"])
 def test_url_without_a_file_is_refused(url: str) -> None:
     with pytest.raises(fenced.ConfigurationError):
         fenced.connect(url)
+
+
+def test_a_missing_directory_is_refused_not_created(tmp_path: Path) -> None:
+    """Bug: missing directories were created silently (as root, one at the filesystem root)."""
+    target = tmp_path / "typo" / "locks.db"
+    with pytest.raises(fenced.ConfigurationError, match="does not exist"):
+        fenced.connect(f"sqlite:///{target}")
+    assert not target.parent.exists()
 
 
 def test_options(db: str) -> None:
@@ -377,8 +400,8 @@ def test_options(db: str) -> None:
         assert backend._waiter_ttl == 7 and backend._busy_timeout == 3
 
 
-async def test_creates_directories_and_sets_durable_pragmas(tmp_path: Path) -> None:
-    path = tmp_path / "a" / "b" / "locks.db"
+async def test_creates_the_file_and_sets_durable_pragmas(tmp_path: Path) -> None:
+    path = tmp_path / "locks.db"
     async with fenced.connect_async(url_of(str(path))) as locks:
         backend = locks.backend
         assert isinstance(backend, SQLiteBackend)
@@ -401,7 +424,7 @@ def test_unusable_files_are_backend_unavailable(tmp_path: Path) -> None:
         fenced.connect(url_of(str(tmp_path)))  # a directory
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    with pytest.raises(fenced.BackendUnavailable):
+    with pytest.raises(fenced.ConfigurationError, match="does not exist"):
         fenced.connect(url_of(str(blocker / "locks.db")))  # its parent is a file
     assert garbage.read_bytes() == b"this is not a database" * 100  # left alone
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -15,7 +16,7 @@ from typing import Any
 import pytest
 
 import fenced
-from tests.helpers import wait_for
+from tests.helpers import ROOT, wait_for
 
 FENCED = [sys.executable, "-m", "fenced"]
 
@@ -39,11 +40,23 @@ def test_lock_exports_token_and_passes_exit_code(sqlite_url: str) -> None:
         assert locks.status("job").holder is None  # released on exit
 
 
-def test_lock_timeout_exits_1(sqlite_url: str) -> None:
+def test_lock_timeout_has_its_own_exit_status(sqlite_url: str) -> None:
+    """Bug: a lock timeout exited 1, the same as the command's own ``false``."""
     with fenced.connect(sqlite_url) as locks, locks.lock("busy", ttl=30):
         out = run(["lock", "busy", "--timeout", "0.2", "--", "true"], sqlite_url)
-    assert out.returncode == 1
-    assert "not acquired" in out.stderr
+        assert out.returncode == 124 and "not acquired" in out.stderr
+        nonblock = run(["lock", "-n", "busy", "--", "true"], sqlite_url)
+        assert nonblock.returncode == 124 and "within 0 s" in nonblock.stderr
+        chosen = run(["lock", "busy", "-n", "-E", "9", "--", "true"], sqlite_url)
+        assert chosen.returncode == 9
+    assert run(["lock", "busy", "-n", "--timeout", "1", "--", "true"], sqlite_url).returncode == 2
+    assert run(["lock", "busy", "-E", "256", "--", "true"], sqlite_url).returncode == 2
+    assert run(["lock", "busy", "--", "false"], sqlite_url).returncode == 1  # the command's
+
+
+def test_version(sqlite_url: str) -> None:
+    out = run(["--version"], sqlite_url)
+    assert out.returncode == 0 and out.stdout.strip() == f"fenced {fenced.__version__}"
 
 
 def test_lock_usage_errors(sqlite_url: str) -> None:
@@ -137,7 +150,7 @@ def test_absurd_numbers_are_usage_errors_before_anything_runs(
 def test_help_documents_every_exit_status() -> None:
     out = subprocess.run([*FENCED, "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0
-    for code in ("0", "1", "2", "69", "75", "126", "127"):
+    for code in ("0", "2", "69", "70", "75", "124", "126", "127", "130"):
         assert f"  {code} " in out.stdout or f": {code}" in out.stdout, code
 
 
@@ -153,7 +166,7 @@ def test_help_documents_every_exit_status() -> None:
         "redis://127.0.0.1:6379/0?socket_timeout=-1",
         "redis://127.0.0.1:6379/0?socket_timeout=1&socket_timeout=2",
         "postgresql://u@127.0.0.1:5432/db?no_such_libpq_option=1",
-        "sqlite:///tmp/x.db?waiter_ttl=soon",
+        "sqlite:////tmp/x.db?waiter_ttl=soon",
         "zookeeper://127.0.0.1:2181/a/\x01b",
         "nosuch://x",
     ],
@@ -215,8 +228,6 @@ def test_unreachable_source_honours_the_timeout_with_one_line(sqlite_url: str) -
         )
         assert verbose.returncode == 69 and len(verbose.stderr.splitlines()) > 1
 
-
-ROOT = Path(__file__).resolve().parent.parent
 
 # -- the CLI -----------------------------------------------------------------------------------
 
@@ -292,3 +303,56 @@ def test_cli_ctrl_c_right_after_the_command_started_stops_the_command(
             if child.poll() is None:
                 child.kill()
                 child.wait()
+
+
+@pytest.mark.parametrize("planted", [False, True], ids=["fenced", "planted-close-before-dequeue"])
+def test_ctrl_c_while_waiting_exits_130_quietly_and_leaves_the_queue(
+    sqlite_url: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, planted: bool
+) -> None:
+    """Bug: Ctrl-C on a waiting `fenced lock` printed a KeyboardInterrupt traceback (and the
+    close marked the connection closed before the waiter left the queue, so its row stayed
+    until it expired). Ctrl-C as a terminal sends it: SIGINT to the foreground group, with
+    stdout and stderr on a pseudo-terminal."""
+    import pty
+
+    # A long waiter_ttl: the planted bug's row must still be there when it is looked for.
+    env = dict(os.environ, FENCED_URL=f"{sqlite_url}?waiter_ttl=30")
+    if planted:  # the waiter's row is left to expire, as before the fix
+        env["PYTHONPATH"] = f"{ROOT / 'src'}{os.pathsep}{ROOT}"
+        code = (
+            "import sys; from fenced.backends import sqlite as s; "
+            "s.SQLiteBackend._forget = lambda self, name, rid: None; "
+            "from fenced.cli import main; sys.exit(main(sys.argv[1:]))"
+        )
+        command = [sys.executable, "-c", code]
+    else:
+        command = list(FENCED)
+    master, slave = pty.openpty()
+    with fenced.connect(sqlite_url) as locks, locks.lock("busy", ttl=30):
+        proc = subprocess.Popen(
+            [*command, "lock", "busy", "--", "true"],
+            env=env,
+            stdin=slave,
+            stdout=slave,
+            stderr=slave,
+            start_new_session=True,
+        )
+        os.close(slave)
+        try:
+            wait_for(lambda: locks.status("busy").waiters == 1, what="the CLI to queue")
+            os.killpg(proc.pid, signal.SIGINT)
+            assert proc.wait(30) == 130
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        output = b""
+        with contextlib.suppress(OSError):
+            while chunk := os.read(master, 4096):
+                output += chunk
+        os.close(master)
+        waiters = locks.status("busy").waiters
+    if planted:
+        assert waiters == 1  # the row outlives the interrupted waiter: caught
+        return
+    assert b"Traceback" not in output and output.strip() == b"", output
+    assert waiters == 0

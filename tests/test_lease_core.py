@@ -11,6 +11,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -276,7 +277,7 @@ def test_a_scheme_registered_by_entry_point_is_used(tmp_path: Any) -> None:
         "postgresql://u@127.0.0.1:5432/db?bogus=1",
         "zookeeper://127.0.0.1:2181/app\x00x",
         "zookeeper://127.0.0.1:2181/a/\ud800",
-        "sqlite:///tmp/x.db?busy_timeout=nan",
+        "sqlite:////tmp/x.db?busy_timeout=nan",
         "etcd://127.0.0.1:2379?lease_pool=-1",
     ],
 )
@@ -542,3 +543,41 @@ def test_demo_output_without_rich(monkeypatch: pytest.MonkeyPatch, capsys: Any) 
     printer = _console.make_printer()
     printer.print("[bold]fenced demo[/bold]: [red]paused[/red] " + str(_console.panel("Run 1")))
     assert capsys.readouterr().out == "fenced demo: paused == Run 1 ==\n"
+
+
+@pytest.mark.parametrize("planted", [False, True], ids=["fenced", "planted-no-null-handler"])
+def test_the_library_prints_nothing_in_an_application_without_logging(planted: bool) -> None:
+    """Bug: a lost lease's warning reached stderr through Python's last-resort handler in an
+    application that configured no logging (and the CLI then reported the loss twice)."""
+    code = (
+        "import logging, fenced\n"
+        + ("logging.getLogger('fenced').handlers.clear()\n" if planted else "")
+        + "with fenced.connect('memory://quiet') as locks:\n"
+        "    lease = locks.lock('x', ttl=0.2, auto_renew=False)\n"
+        "    lease.acquire()\n"
+        "    assert lease.lost.wait(5)\n"
+        "print('lost')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent / "src")}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert out.returncode == 0 and out.stdout == "lost\n", out.stderr
+    if planted:
+        assert "lost" in out.stderr  # the planted bug is caught
+    else:
+        assert out.stderr == ""
+
+
+def test_cli_output_is_not_hard_wrapped_when_piped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bug: rich wrapped messages at 80 columns even when stdout was not a terminal."""
+    pytest.importorskip("rich")
+    import io
+
+    from fenced._console import make_printer
+
+    buffer = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", buffer)
+    line = "word " * 60
+    make_printer().print(line)
+    assert buffer.getvalue().count("\n") == 1

@@ -8,6 +8,8 @@ reject writes from stale lock holders.
     invoices:1
 """
 
+import logging as _logging
+
 from ._backend import Backend, Characteristic, Grant, LockStatus, register_backend
 from ._errors import (
     BackendError,
@@ -32,6 +34,10 @@ from ._sync import Lease, Locks, connect
 from ._token import MAX_TOKEN, FencingToken
 
 __version__ = "0.1.0"
+
+# A library never prints by itself: without this, Python's last-resort handler wrote fenced's
+# warnings (a lost lease) to stderr in applications that had configured no logging.
+_logging.getLogger("fenced").addHandler(_logging.NullHandler())
 
 __all__ = [
     "DEFAULT_TTL",

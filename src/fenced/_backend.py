@@ -283,7 +283,9 @@ def wait_budget(deadline: float | None, *caps: float | None) -> float:
 def parse_url(url: str) -> SplitResult:
     """``url`` split; a malformed one (``redis://[::1``, a bad port) is a ConfigurationError."""
     if not isinstance(url, str) or "://" not in url:
-        raise ConfigurationError(f"not a token source URL: {url!r} (expected e.g. sqlite:///path)")
+        raise ConfigurationError(
+            f"not a token source URL: {url!r} (expected e.g. sqlite:////abs/path.db)"
+        )
     try:
         parts = urlsplit(url)
         if "," not in parts.netloc:  # (a host list is the source's to parse)

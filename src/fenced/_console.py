@@ -34,7 +34,9 @@ def make_printer(*, stderr: bool = False) -> Printer:
         from rich.console import Console
     except ImportError:
         return _Plain(sys.stderr if stderr else sys.stdout)
-    console: Printer = Console(stderr=stderr, highlight=False)
+    stream = sys.stderr if stderr else sys.stdout
+    # Piped or redirected: no hard wrap at rich's default 80 columns (one line stays one line).
+    console: Printer = Console(stderr=stderr, highlight=False, soft_wrap=not stream.isatty())
     return console
 
 

@@ -253,7 +253,7 @@ class Locks:
 
 
 def connect(url: str, *, require: Iterable[str] = (), **options: Any) -> Locks:
-    """Open a token source by URL: ``sqlite:///path``, ``etcd://h:p``, ``postgresql://…`` …
+    """Open a token source by URL: ``sqlite:////abs/path.db``, ``etcd://h:p``, ``postgresql://…`` …
 
     ``require`` names characteristics (e.g. ``{"linearizable"}``) that the source must have;
     one lacking any is refused with :class:`~fenced.ConfigurationError`. Further keyword

@@ -22,7 +22,7 @@ import threading
 from collections.abc import Sequence
 from typing import NoReturn
 
-from . import _clock, _sync
+from . import __version__, _clock, _sync
 from ._backend import _redacted
 from ._errors import (
     BackendUnavailable,
@@ -37,20 +37,24 @@ from ._token import validate_lock_name
 
 __all__ = ["EXIT_LEASE_LOST", "EXIT_TIMEOUT", "EXIT_UNAVAILABLE", "main"]
 
-EXIT_TIMEOUT = 1
 EXIT_USAGE = 2
 EXIT_UNAVAILABLE = 69
+EXIT_SOFTWARE = 70
 EXIT_LEASE_LOST = 75
+EXIT_TIMEOUT = 124  # as timeout(1): not 1, which commands use for their own failures
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
 
 EXIT_STATUSES = """\
-exit status:
+exit status (fenced's own outcomes never use 1, which commands use for their own failures):
   0      success (fenced lock: the command's own status when it ran to the end holding the lock)
-  1      the lock was not acquired within --timeout, or another fenced error
   2      usage or configuration error (bad option, URL, lock name, number)
   69     the token source could not be reached (EX_UNAVAILABLE)
+  70     another fenced error (EX_SOFTWARE)
   75     the lease was lost while the command ran; the command was terminated (EX_TEMPFAIL)
+  124    the lock was not acquired within --timeout / -n (change it with -E, as flock -E)
   126    the command could not be executed
   127    the command was not found
+  130    interrupted (Ctrl-C) while waiting for the lock
 """
 
 
@@ -61,6 +65,16 @@ def _number(text: str) -> float:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"must be a finite number of seconds, not {text!r}")
+    return value
+
+
+def _exit_code(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an exit status: {text!r}") from None
+    if not 0 <= value <= 255:
+        raise argparse.ArgumentTypeError(f"an exit status is 0-255, not {value}")
     return value
 
 
@@ -104,6 +118,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "-v", "--verbose", action="store_true", help="log what fenced and its clients do (debug)"
     )
+    p.add_argument("--version", action="version", version=f"fenced {__version__}")
     # -v also after the subcommand (fenced lock -v ...), without overriding one given before.
     common = _Parser(add_help=False)
     common.add_argument(
@@ -127,14 +142,33 @@ def _parser() -> argparse.ArgumentParser:
     )
     lock.add_argument("name", help="lock name")
     lock.add_argument(
-        "--url", help="token source URL (default: $FENCED_URL or a local SQLite file)"
+        "--url",
+        help="token source URL (default: $FENCED_URL, else /var/tmp/fenced/locks.db, shared "
+        "by every user of this machine)",
     )
     lock.add_argument("--ttl", type=_ttl, default=10.0, help="lease ttl in seconds (10)")
-    lock.add_argument(
+    wait = lock.add_mutually_exclusive_group()
+    wait.add_argument(
         "--timeout",
         type=_timeout,
         default=None,
         help="give up after this many seconds (default: wait)",
+    )
+    wait.add_argument(
+        "-n",
+        "--nonblock",
+        dest="timeout",
+        action="store_const",
+        const=0.0,
+        help="fail at once if the lock is held (--timeout 0)",
+    )
+    lock.add_argument(
+        "-E",
+        "--conflict-exit-code",
+        type=_exit_code,
+        default=EXIT_TIMEOUT,
+        metavar="N",
+        help=f"exit status when the lock is not acquired in time ({EXIT_TIMEOUT})",
     )
     lock.add_argument(
         "--grace",
@@ -150,7 +184,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     status.add_argument("names", nargs="*", metavar="NAME", help="locks to show (default: all)")
     status.add_argument(
-        "--url", help="token source URL (default: $FENCED_URL or a local SQLite file)"
+        "--url",
+        help="token source URL (default: $FENCED_URL, else /var/tmp/fenced/locks.db, shared "
+        "by every user of this machine)",
     )
     status.add_argument(
         "--timeout",
@@ -185,8 +221,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(EXIT_USAGE, str(exc), exc, args.verbose)
     except BackendUnavailable as exc:
         return _fail(EXIT_UNAVAILABLE, f"token source unavailable: {exc}", exc, args.verbose)
+    except KeyboardInterrupt:  # Ctrl-C while waiting: the connection left the queue on close
+        return EXIT_INTERRUPTED
     except FencedError as exc:
-        return _fail(1, str(exc), exc, args.verbose)
+        return _fail(EXIT_SOFTWARE, str(exc), exc, args.verbose)
     raise AssertionError(args.command)  # pragma: no cover
 
 
@@ -259,7 +297,7 @@ def _cmd_lock(args: argparse.Namespace) -> int:
             token = lease.acquire()
         except LockTimeout:
             _say(f"lock: {args.name!r} not acquired within {args.timeout:g} s")
-            return EXIT_TIMEOUT
+            return int(args.conflict_exit_code)
         try:
             code = _run_holding(lease, str(token), cmd, args.grace)
         except BaseException:

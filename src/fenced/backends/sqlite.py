@@ -1,4 +1,4 @@
-"""``sqlite:///path/locks.db``: the embedded token source, for processes on one machine.
+"""``sqlite:////path/locks.db``: the embedded token source, for processes on one machine.
 
 One SQLite file holds three tables:
 
@@ -48,10 +48,11 @@ Not DISTRIBUTED: clocks, boot ids and file locks are per machine. Never put the 
 network filesystem. Processes in different time namespaces (containers with their own
 ``CLOCK_BOOTTIME`` offset) must not share a file either.
 
-URL forms: ``sqlite:///abs/path.db`` and ``sqlite:////abs/path.db`` name an absolute path;
-``sqlite://relative/path.db``, ``sqlite://./path.db`` and ``sqlite:///./path.db`` a path
-relative to the working directory at connect time (made absolute then). Missing parent
-directories are created. Options (URL query or keyword): ``waiter_ttl`` (seconds a waiter's
+URL forms, as SQLAlchemy's: ``sqlite:////abs/path.db`` names an absolute path,
+``sqlite:///./path.db`` a path relative to the working directory at connect time (made
+absolute then). ``sqlite:///path.db`` is refused as ambiguous (SQLAlchemy: relative; fenced
+0.1: absolute), and so is a host part (``sqlite://rel/path.db``). The directory must exist:
+fenced creates none. Options (URL query or keyword): ``waiter_ttl`` (seconds a waiter's
 queue row outlives its last heartbeat, default 2), ``poll_interval`` (longest pause between two
 polls of a cross-process waiter, default 0.01), ``busy_timeout`` (how long renew, release and
 status retry a write-locked database before BackendUnavailable, default 5).
@@ -146,18 +147,35 @@ _OPTIONS: Final = MappingProxyType(
 
 
 def database_path(url: SplitResult) -> str:
-    """The absolute file path named by a ``sqlite://`` URL (see the module docstring)."""
-    netloc, path = url.netloc, url.path
-    if netloc:  # sqlite://relative/path.db, sqlite://./path.db
-        path = netloc + path
-    elif path.startswith(("/./", "/../")):  # sqlite:///./path.db
-        path = path[1:]
-    elif path.startswith("//"):  # sqlite:////abs/path.db (SQLAlchemy's absolute form)
-        path = "/" + path.lstrip("/")
-    if not path or path in ("/", ".", "./") or path.endswith("/"):
-        raise ConfigurationError(f"sqlite URL names no file: {url.geturl()!r}")
+    """The absolute file path named by a ``sqlite://`` URL (see the module docstring).
+
+    SQLAlchemy's forms, minus the ambiguous one: ``sqlite:////abs/path.db`` is absolute and
+    ``sqlite:///./rel/path.db`` relative; ``sqlite:///path.db`` is refused, because
+    SQLAlchemy reads it as relative and fenced 0.1 read it as absolute, and guessing wrong
+    gives two processes two different files, each with its own locks.
+    """
+    given = f"{url.scheme}://{url.netloc}{url.path}"
+    if url.netloc:
+        raise ConfigurationError(
+            f"sqlite URL {given!r} has a host part; write sqlite:////abs/path.db (absolute) "
+            "or sqlite:///./rel/path.db (relative to the working directory)"
+        )
+    path = url.path
     if ":memory:" in path or url.query.startswith("mode=memory"):
         raise ConfigurationError("an in-memory SQLite database cannot be a token source")
+    if path.startswith("//"):  # sqlite:////abs/path.db
+        path = "/" + path.lstrip("/")
+    elif path.startswith(("/./", "/../")):  # sqlite:///./path.db
+        path = path[1:]
+    elif path not in ("", "/"):
+        rest = path[1:]
+        raise ConfigurationError(
+            f"sqlite URL {given!r} is ambiguous: SQLAlchemy reads it as the relative path "
+            f"{rest!r}, fenced 0.1 read it as /{rest}; write sqlite:////{rest} for the "
+            f"absolute path, or sqlite:///./{rest} for a path relative to the working directory"
+        )
+    if not path or path in ("/", ".", "./") or path.endswith("/"):
+        raise ConfigurationError(f"sqlite URL names no file: {given!r}")
     return os.path.realpath(path)  # one name per file: the key of in-process wake-ups
 
 
@@ -236,15 +254,18 @@ class SQLiteBackend(Backend):
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._private_loop: asyncio.AbstractEventLoop | None = None
         self._contended: set[str] = set()  # locks that had waiters when we last looked
+        self._in_queue: set[tuple[str, str]] = set()  # (lock, request id) rows we may have queued
         self._closed = False
 
     @classmethod
     async def open(cls, url: SplitResult, options: dict[str, Any]) -> SQLiteBackend:
         backend = cls(database_path(url), cls.options(url, options))
-        try:
-            os.makedirs(os.path.dirname(backend.path), exist_ok=True)
-        except OSError as exc:
-            raise BackendUnavailable(f"cannot create the directory of {backend.path}") from exc
+        directory = os.path.dirname(backend.path)
+        if not os.path.isdir(directory):  # never made unasked (as root: anywhere at all)
+            raise ConfigurationError(
+                f"directory {directory} (of {backend.path}) does not exist; fenced creates "
+                "no directories: create it, with the permissions its users need"
+            )
         try:
             await backend._transact(backend._tx_setup, limit=_clock.now() + backend._busy_timeout)
         except BaseException:
@@ -377,6 +398,7 @@ class SQLiteBackend(Backend):
 
     def _forget(self, name: str, request_id: str) -> None:
         """Best effort, never waiting: take an abandoned waiter's row out of the queue."""
+        self._in_queue.discard((name, request_id))
 
         def quietly() -> None:
             try:
@@ -565,6 +587,7 @@ class SQLiteBackend(Backend):
                     mode = "last"
                 elif not queued:
                     queued = True  # before: a cancelled attempt may still run on the worker
+                    self._in_queue.add((name, request_id))
                 attempt = await self._transact(
                     functools.partial(
                         self._tx_acquire, name=name, request_id=request_id, ttl=ttl, mode=mode
@@ -575,6 +598,7 @@ class SQLiteBackend(Backend):
                 )
                 if attempt.grant is not None:
                     queued = False  # the granting transaction took us out of the queue
+                    self._in_queue.discard((name, request_id))
                     return attempt.grant
                 if attempt.retry:
                     mode = "grant"
@@ -677,6 +701,10 @@ class SQLiteBackend(Backend):
     async def aclose(self) -> None:
         if self._closed:
             return
+        # Waiters still queued leave the queue first: woken below, they would find the
+        # connection closed and leave their rows to expire (Ctrl-C on `fenced lock`).
+        for name, request_id in list(self._in_queue):
+            self._forget(name, request_id)
         self._closed = True
         with local_mutex:  # wake our blocked acquires so they see the connection closed
             keys = [key for key in local_waiters if key[0] == self.path]
