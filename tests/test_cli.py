@@ -105,11 +105,13 @@ def test_status(sqlite_url: str) -> None:
     with fenced.connect(sqlite_url) as locks, locks.lock("s1", ttl=30) as lease:
         out = run(["status", "s1", "--json"], sqlite_url)
         assert out.returncode == 0, out.stderr
-        data = json.loads(out.stdout)
+        (data,) = json.loads(out.stdout)  # always a list, even for one name
         assert data["held"] is True and data["token"] == str(lease.token)
-        assert 0 < data["remaining"] <= 30
+        assert data["state"] == "held" and 0 < data["remaining"] <= 30
         table = run(["status", "s1", "s2"], sqlite_url)
-        assert table.returncode == 0 and "held" in table.stdout and "free" in table.stdout
+        assert table.returncode == 0 and "held" in table.stdout
+        # A lock never granted is told apart from one granted and released.
+        assert "unused" in table.stdout.splitlines()[2]
 
 
 def test_status_of_unreachable_source() -> None:
@@ -198,7 +200,7 @@ def test_status_lists_every_lock_the_source_knows(sqlite_url: str) -> None:
         assert rows["beta"][2] == str(held.token)
         listed = json.loads(run(["status", "--json"], sqlite_url).stdout)
         assert [entry["name"] for entry in listed] == ["alpha", "beta"]
-        one = json.loads(run(["status", "--json", "beta"], sqlite_url).stdout)
+        (one,) = json.loads(run(["status", "--json", "beta"], sqlite_url).stdout)
         assert one["token"] == str(held.token) and one["held"] is True
         held.release()
     assert run(["status", "bad name"], sqlite_url).returncode == 2

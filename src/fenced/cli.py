@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from . import __version__, _clock, _sync
-from ._backend import _redacted
+from ._backend import LockStatus, _redacted
 from ._errors import (
     BackendUnavailable,
     ConfigurationError,
@@ -393,6 +393,13 @@ def _signal_group(child: subprocess.Popen[bytes], signum: int) -> None:
         pass
 
 
+def _state(status: LockStatus) -> str:
+    """held; free (granted before, not now); unused (never granted: a typo, or not yet used)."""
+    if status.holder is not None:
+        return "held"
+    return "free" if status.last_token is not None else "unused"
+
+
 def _cmd_status(args: argparse.Namespace) -> int:
     url = args.url or default_url()
     for name in args.names:
@@ -404,6 +411,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
         out = [
             {
                 "name": s.name,
+                "state": _state(s),
                 "held": s.holder is not None,
                 "holder": s.holder,
                 "token": str(s.token) if s.token else None,
@@ -413,13 +421,13 @@ def _cmd_status(args: argparse.Namespace) -> int:
             }
             for s in statuses
         ]
-        print(json.dumps(out[0] if len(args.names) == 1 else out, indent=2))
+        print(json.dumps(out, indent=2))  # always a list, whatever the number of names
         return 0
     header = ("LOCK", "STATE", "TOKEN", "HOLDER", "TIME LEFT", "WAITERS", "LAST TOKEN")
     rows = [
         (
             s.name,
-            "held" if s.holder else "free",
+            _state(s),
             str(s.token) if s.token else "-",
             s.holder or "-",
             f"{s.remaining:.1f} s" if s.remaining is not None else "-",

@@ -70,6 +70,7 @@ import os
 import sqlite3
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Iterator
 from types import MappingProxyType
 from typing import Any, ClassVar, Final, TypeVar
@@ -255,6 +256,8 @@ class SQLiteBackend(Backend):
         self._private_loop: asyncio.AbstractEventLoop | None = None
         self._contended: set[str] = set()  # locks that had waiters when we last looked
         self._in_queue: set[tuple[str, str]] = set()  # (lock, request id) rows we may have queued
+        # A file this user may read but not write (a monitoring user): status only.
+        self.read_only = os.path.exists(path) and not os.access(path, os.W_OK)
         self._closed = False
 
     @classmethod
@@ -276,6 +279,8 @@ class SQLiteBackend(Backend):
     # -- running transactions ----------------------------------------------------------------
 
     def _connect(self, shared: bool = False) -> sqlite3.Connection:
+        if self.read_only:
+            return self._connect_read_only(shared)
         conn = sqlite3.connect(
             self.path,
             timeout=0,
@@ -293,6 +298,36 @@ class SQLiteBackend(Backend):
             conn.close()
             raise
         return conn
+
+    def _connect_read_only(self, shared: bool) -> sqlite3.Connection:
+        """For a user who may only read the file. SQLite reads a WAL database read-only
+        through its ``-shm`` file, which exists while a writer has the database open; with
+        none open (no ``-wal`` file either), the file alone is complete, and is opened as
+        immutable (no locks, no ``-shm``)."""
+        uri = f"file:{urllib.parse.quote(self.path)}?mode=ro"
+        for extra in ("", "&immutable=1"):
+            if extra and os.path.exists(self.path + "-wal"):
+                break  # a writer is at work: its WAL must be read, so immutable would lie
+            conn = sqlite3.connect(
+                uri + extra,
+                uri=True,
+                timeout=0,
+                isolation_level=None,
+                check_same_thread=not shared,
+            )
+            try:
+                conn.execute("PRAGMA user_version").fetchone()
+            except sqlite3.OperationalError:
+                conn.close()
+                continue
+            return conn
+        raise sqlite3.OperationalError(f"{self.path} is not readable by this user right now")
+
+    def _check_writable(self) -> None:
+        if self.read_only:
+            raise ConfigurationError(
+                f"{self.path} is read-only for this user: it can show status, not take locks"
+            )
 
     def _call(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         """Run ``fn`` on this thread's connection, or the private loop's when on that loop."""
@@ -421,6 +456,11 @@ class SQLiteBackend(Backend):
     def _tx_setup(self, conn: sqlite3.Connection) -> None:
         if conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION:
             return  # ready: no need for the write lock (another process may hold it)
+        if self.read_only:
+            raise ConfigurationError(
+                f"{self.path} is read-only for this user and holds no fenced schema "
+                f"(version {conn.execute('PRAGMA user_version').fetchone()[0]})"
+            )
         conn.execute("BEGIN IMMEDIATE")
         version = conn.execute("PRAGMA user_version").fetchone()[0]
         if version > SCHEMA_VERSION:
@@ -565,6 +605,7 @@ class SQLiteBackend(Backend):
         on_lost: LostCallback,
     ) -> Grant:
         self._check_open()
+        self._check_writable()
         key = (self.path, name)
         waiter: LocalWaiter | None = None
         queued = False

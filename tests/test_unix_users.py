@@ -1,7 +1,8 @@
-"""The CLI's machine-wide default source, shared by every local user (tested with real users)."""
+"""fenced used by several real Unix users: the CLI's machine-wide default, read-only status."""
 
 from __future__ import annotations
 
+import json
 import os
 import pwd
 import shutil
@@ -180,3 +181,36 @@ def test_two_users_share_the_default_and_exclude_each_other(
     owners = {p.name: pwd.getpwuid(p.stat().st_uid).pw_name for p in machine.iterdir()}
     assert owners["locks.db"] == a  # a made it; b could use it
     assert stat.S_IMODE(machine.stat().st_mode) == 0o1777
+
+
+@pytest.mark.parametrize("writer_open", [True, False], ids=["writer-open", "no-writer"])
+def test_status_works_for_a_user_who_can_only_read(shared_root: Path, writer_open: bool) -> None:
+    """Bug: `fenced status` failed on a database the user could read but not write (a
+    monitoring user). It now reads it, and refuses only to take a lock, with a usage error."""
+    python = _python_for_others()
+    if python is None:
+        pytest.skip("no Python >= 3.11 that the test users may run")
+    private = shared_root / "owned-by-root"
+    private.mkdir(mode=0o755)
+    private.chmod(0o755)
+    db = private / "locks.db"
+    url = f"sqlite:///{db}"
+    with fenced.connect(url) as locks:
+        with locks.lock("nightly", ttl=5):
+            pass
+        held = locks.lock("reports", ttl=60)
+        held.acquire()
+        if not writer_open:
+            held.release()
+            locks.close()  # the -wal and -shm files go away with the last writer
+            assert not (private / "locks.db-wal").exists()
+        db.chmod(0o644)
+        status = _fenced_as(USERS[0], python, shared_root, "status", "--json", "--url", url)
+        out, err = status.communicate(timeout=30)
+        assert status.returncode == 0, err
+        shown = {entry["name"]: entry for entry in json.loads(out)}
+        assert shown["nightly"]["last_token"] == "nightly:1"
+        assert shown["reports"]["held"] is writer_open
+        taking = _fenced_as(USERS[0], python, shared_root, "lock", "x", "--url", url, "--", "true")
+        _, err = taking.communicate(timeout=30)
+        assert taking.returncode == 2 and "read-only" in err, err
