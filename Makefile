@@ -32,7 +32,7 @@ servers:
 	fi
 
 test: $(PY) servers
-	$(PIP) install -e '.[test]'
+	$(PIP) install -e '.[dev]'
 	$(VENV)/bin/ruff check src tests bench
 	$(VENV)/bin/ruff format --check src tests bench
 	$(VENV)/bin/mypy
