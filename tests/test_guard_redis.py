@@ -275,6 +275,61 @@ def test_set_hset_delete(client: redis.Redis) -> None:
     assert client.ttl(default_fence_key(name)) == -1
 
 
+def test_counters_lists_streams_and_expiry_are_fenced_both_ways(client: redis.Redis) -> None:
+    """The writes people fence most, each one script like set(): a stale token changes
+    nothing (the reply says why), the current holder's token is accepted, again and again."""
+    name = unique_name("res")
+    guard = RedisGuard(client, name, LOCK)
+    n, h, q, s = (f"{{{name}}}:{suffix}" for suffix in ("n", "h", "q", "s"))
+    assert guard.incrby(n, 5, token=tok(2)) == 5
+    assert guard.incrby(n, token=tok(2)) == 6  # the same holder again
+    assert guard.hincrby(h, "paid", 2, token=tok(2)) == 2
+    assert guard.rpush(q, "a", "b", token=tok(3)) == 2
+    entry = guard.xadd(s, {"event": "paid", "amount": 10}, token=tok(3))
+    assert client.xrange(s)[0][0].decode() == entry
+    assert guard.expire(q, 60, token=tok(3)) is True and 0 < client.ttl(q) <= 60
+    assert guard.command("ltrim", q, 0, 0, token=tok(3)) in (b"OK", "OK", True)
+    before = {k: client.dump(k) for k in (n, h, q, s)}
+    stale = [
+        lambda: guard.incrby(n, 100, token=tok(2)),
+        lambda: guard.hincrby(h, "paid", 100, token=tok(2)),
+        lambda: guard.rpush(q, "stale", token=tok(2)),
+        lambda: guard.xadd(s, {"event": "stale"}, token=tok(2)),
+        lambda: guard.expire(q, 1, token=tok(2)),
+        lambda: guard.command("DEL", q, token=tok(3)),  # not one of COMMANDS: several keys
+    ]
+    for write in stale[:-1]:
+        with pytest.raises(StaleTokenError):
+            write()
+    with pytest.raises(fenced.ConfigurationError, match="not a guarded Redis command"):
+        stale[-1]()
+    assert {k: client.dump(k) for k in (n, h, q, s)} == before  # nothing written
+    assert guard.high_water() == tok(3)
+    # fenced's own keys stay out of reach of these commands too.
+    with pytest.raises(fenced.ConfigurationError):
+        guard.incrby(default_fence_key(name), 1, token=tok(3))
+    assert client.hget(default_fence_key(name), "hw") == b"3"
+
+
+async def test_async_counters_lists_streams_and_expiry(redis_server: RedisServer) -> None:
+    client = redis.asyncio.Redis(port=redis_server.port)
+    try:
+        name = unique_name("res")
+        guard = AsyncRedisGuard(client, name, LOCK)
+        n, q, s = (f"{{{name}}}:{suffix}" for suffix in ("n", "q", "s"))
+        assert await guard.incrby(n, 2, token=tok(4)) == 2
+        assert await guard.hincrby(f"{{{name}}}:h", "f", token=tok(4)) == 1
+        assert await guard.rpush(q, "a", token=tok(4)) == 1
+        assert await guard.xadd(s, {"k": "v"}, token=tok(4))
+        assert await guard.expire(q, 60, token=tok(4)) is True
+        assert await guard.command("LPUSH", q, "b", token=tok(5)) == 2
+        with pytest.raises(StaleTokenError):
+            await guard.incrby(n, 1, token=tok(4))
+        assert await client.get(n) == b"2"
+    finally:
+        await client.aclose()
+
+
 def test_large_writes_and_full_token_range(client: redis.Redis) -> None:
     name = unique_name("res")
     guard = RedisGuard(client, name, LOCK)

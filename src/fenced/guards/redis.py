@@ -6,6 +6,8 @@
     guard.set("{invoices}:42", payload, lease.token)             # StaleTokenError if fenced off
     guard.hset("{invoices}:42:meta", {"state": "paid"}, lease.token)
     guard.delete("{invoices}:41", token=lease.token)
+    guard.incrby("{invoices}:count", 1, token=lease.token)         # also hincrby, rpush, xadd,
+    guard.command("LTRIM", "{invoices}:log", 0, 999, token=lease.token)  # expire, COMMANDS
     guard.eval("return redis.call('INCR', KEYS[1])", ["{invoices}:n"], [], lease.token)
 
 The high-water mark lives in Redis itself, in the hash ``fenced:hw:{<resource>}`` (fields
@@ -57,7 +59,7 @@ from .._errors import (
 from .._redis_errors import NATIVE, kind
 from .._token import MAX_TOKEN, FencingToken, validate_lock_name
 
-__all__ = ["AsyncRedisGuard", "RedisGuard", "default_fence_key"]
+__all__ = ["COMMANDS", "AsyncRedisGuard", "RedisGuard", "default_fence_key"]
 
 Value = bytes | str | int | float
 """What redis-py can send as a value."""
@@ -143,9 +145,36 @@ return (function()
 end)()
 """
 
+# One Redis command on one key, the key its first argument (see COMMANDS): ARGV[3] is the
+# command's name, KEYS[2] the key, ARGV[4..] its other arguments.
+_COMMAND_BODY: Final = """\
+return redis.call(ARGV[3], KEYS[2], unpack(ARGV, 4, #ARGV))
+"""
+
+COMMANDS: Final = frozenset(
+    {
+        # strings and counters
+        "APPEND", "DECR", "DECRBY", "GETDEL", "INCR", "INCRBY", "INCRBYFLOAT", "SETRANGE",
+        # expiry
+        "EXPIRE", "EXPIREAT", "PERSIST", "PEXPIRE", "PEXPIREAT",
+        # hashes
+        "HDEL", "HINCRBY", "HINCRBYFLOAT", "HSETNX",
+        # lists
+        "LINSERT", "LPOP", "LPUSH", "LREM", "LSET", "LTRIM", "RPOP", "RPUSH",
+        # sets, sorted sets, streams, HyperLogLog, bits
+        "SADD", "SREM", "ZADD", "ZINCRBY", "ZREM", "ZREMRANGEBYRANK", "ZREMRANGEBYSCORE",
+        "XADD", "XDEL", "XTRIM", "PFADD", "SETBIT",
+    }
+)  # fmt: skip
+"""The writes :meth:`RedisGuard.command` fences: each touches exactly one key, its first
+argument, so the guard can check that key (never one of fenced's) and its slot."""
+
+_MAX_ARGS: Final = 7000  # unpack() is bounded by Lua's C stack (~8000 values)
+
 SET_SCRIPT: Final = PRELUDE + _SET_BODY
 HSET_SCRIPT: Final = PRELUDE + _HSET_BODY
 DEL_SCRIPT: Final = PRELUDE + _DEL_BODY
+COMMAND_SCRIPT: Final = PRELUDE + _COMMAND_BODY
 
 
 def eval_script(lua_body: str) -> str:
@@ -319,6 +348,15 @@ def map_error(exc: Exception, resource: str, token: FencingToken | None = None) 
     return FencedError(f"Redis refused a guarded write on {resource!r}: {exc}{hint}")
 
 
+def _xadd_args(fields: Mapping[Key, Value], id: str) -> list[Value]:
+    if not fields:
+        raise ConfigurationError("xadd needs at least one field")
+    flat: list[Value] = [id]
+    for field, value in fields.items():
+        flat += (field, value)
+    return flat
+
+
 def _px(px: int | None) -> str:
     if px is None:
         return ""
@@ -425,6 +463,19 @@ class _GuardBase:
             raise ConfigurationError("delete needs at least one key")
         return self._call(self.del_script, token, [self._key(k) for k in keys], [])
 
+    def _command_call(
+        self, name: str, key: Key, args: Sequence[Value], token: FencingToken | str | bytes
+    ) -> GuardedCall:
+        command = name.upper() if isinstance(name, str) else name
+        if command not in COMMANDS:
+            raise ConfigurationError(
+                f"{name!r} is not a guarded Redis command (one key, the first argument): "
+                f"use one of {', '.join(sorted(COMMANDS))}, or eval()"
+            )
+        if len(args) > _MAX_ARGS:
+            raise ConfigurationError(f"{command} with {len(args)} arguments: at most {_MAX_ARGS}")
+        return self._call(self.command_script, token, [self._key(key)], [command, *args])
+
     def _eval_call(
         self,
         lua_body: str,
@@ -442,6 +493,7 @@ class _GuardBase:
     set_script: str = SET_SCRIPT
     hset_script: str = HSET_SCRIPT
     del_script: str = DEL_SCRIPT
+    command_script: str = COMMAND_SCRIPT
 
     @staticmethod
     def eval_script(lua_body: str) -> str:
@@ -496,6 +548,40 @@ class RedisGuard(_GuardBase):
     def delete(self, *keys: Key, token: FencingToken | str | bytes) -> int:
         """``DEL keys...`` if ``token`` is not stale; the number of keys removed."""
         return int(self._run(self._delete_call(keys, token)))
+
+    def command(self, name: str, key: Key, *args: Value, token: FencingToken | str | bytes) -> Any:
+        """Any write of :data:`COMMANDS` (one key, the first argument), if ``token`` is not
+        stale: ``guard.command("LTRIM", "{q}:log", 0, 999, token=t)``; its own reply."""
+        return self._run(self._command_call(name, key, args, token))
+
+    def incrby(self, key: Key, amount: int = 1, *, token: FencingToken | str | bytes) -> int:
+        """``INCRBY key amount`` if ``token`` is not stale; the new value."""
+        return int(self._run(self._command_call("INCRBY", key, [amount], token)))
+
+    def hincrby(
+        self, key: Key, field: Key, amount: int = 1, *, token: FencingToken | str | bytes
+    ) -> int:
+        """``HINCRBY key field amount`` if ``token`` is not stale; the new value."""
+        return int(self._run(self._command_call("HINCRBY", key, [field, amount], token)))
+
+    def rpush(self, key: Key, *values: Value, token: FencingToken | str | bytes) -> int:
+        """``RPUSH key values...`` if ``token`` is not stale; the list's new length."""
+        return int(self._run(self._command_call("RPUSH", key, values, token)))
+
+    def xadd(
+        self,
+        key: Key,
+        fields: Mapping[Key, Value],
+        *,
+        token: FencingToken | str | bytes,
+        id: str = "*",
+    ) -> str:
+        """``XADD key id field value ...`` if ``token`` is not stale; the entry's id."""
+        return _text(self._run(self._command_call("XADD", key, _xadd_args(fields, id), token)))
+
+    def expire(self, key: Key, seconds: int, *, token: FencingToken | str | bytes) -> bool:
+        """``EXPIRE key seconds`` if ``token`` is not stale; False if the key does not exist."""
+        return bool(self._run(self._command_call("EXPIRE", key, [seconds], token)))
 
     def eval(
         self,
@@ -578,6 +664,42 @@ class AsyncRedisGuard(_GuardBase):
     async def delete(self, *keys: Key, token: FencingToken | str | bytes) -> int:
         """See :meth:`RedisGuard.delete`."""
         return int(await self._run(self._delete_call(keys, token)))
+
+    async def command(
+        self, name: str, key: Key, *args: Value, token: FencingToken | str | bytes
+    ) -> Any:
+        """See :meth:`RedisGuard.command`."""
+        return await self._run(self._command_call(name, key, args, token))
+
+    async def incrby(self, key: Key, amount: int = 1, *, token: FencingToken | str | bytes) -> int:
+        """See :meth:`RedisGuard.incrby`."""
+        return int(await self._run(self._command_call("INCRBY", key, [amount], token)))
+
+    async def hincrby(
+        self, key: Key, field: Key, amount: int = 1, *, token: FencingToken | str | bytes
+    ) -> int:
+        """See :meth:`RedisGuard.hincrby`."""
+        return int(await self._run(self._command_call("HINCRBY", key, [field, amount], token)))
+
+    async def rpush(self, key: Key, *values: Value, token: FencingToken | str | bytes) -> int:
+        """See :meth:`RedisGuard.rpush`."""
+        return int(await self._run(self._command_call("RPUSH", key, values, token)))
+
+    async def xadd(
+        self,
+        key: Key,
+        fields: Mapping[Key, Value],
+        *,
+        token: FencingToken | str | bytes,
+        id: str = "*",
+    ) -> str:
+        """See :meth:`RedisGuard.xadd`."""
+        args = _xadd_args(fields, id)
+        return _text(await self._run(self._command_call("XADD", key, args, token)))
+
+    async def expire(self, key: Key, seconds: int, *, token: FencingToken | str | bytes) -> bool:
+        """See :meth:`RedisGuard.expire`."""
+        return bool(await self._run(self._command_call("EXPIRE", key, [seconds], token)))
 
     async def eval(
         self,
