@@ -32,7 +32,7 @@ from fenced import (
 )
 from fenced.guards import _sql_plan
 from fenced.guards._sql_plan import Dialect, FenceSQL, Plan, Stmt
-from fenced.guards.sql import FenceConflictError, RowGuard, SQLGuard
+from fenced.guards.sql import Add, FenceConflictError, RowGuard, SQLGuard
 from fenced.testing.servers import PostgresServer
 from tests.guards.planted import LessThanGuard, LessThanRowGuard
 from tests.helpers import unique_name, wait_for
@@ -909,6 +909,32 @@ def test_row_insert_or_update(env: Env, conn: Any, rows: RowGuard) -> None:
     assert row(conn, env, 7) == ("b", 2, 3)
     rows.insert_or_update(conn, tok(4), key={"id": 2}, values={"status": "d", "amount": 4})
     assert row(conn, env, 2) == ("d", 4, 4)
+
+
+def test_row_relative_updates_are_bound_and_fenced(env: Env, conn: Any, rows: RowGuard) -> None:
+    """Bug: only literal values: {"amount": "amount + 1"} stored that text. Add(n) adds in the
+    guarded statement itself (a bound number, never SQL): accepted for the holder, refused
+    with nothing written for a stale token, and a missing row or NULL counts as 0."""
+    assert rows.update(conn, tok(5), key={"id": 1}, values={"amount": Add(5)}) == tok(5)
+    assert rows.update(conn, tok(5), key={"id": 1}, values={"amount": Add(-3)}) == tok(5)
+    assert row(conn, env, 1) == ("new", 12, 5)
+    with pytest.raises(StaleTokenError):
+        rows.update(conn, tok(4), key={"id": 1}, values={"amount": Add(100)})
+    assert row(conn, env, 1) == ("new", 12, 5)
+    rows.insert_or_update(conn, tok(5), key={"id": 9}, values={"amount": Add(7), "status": "n"})
+    rows.insert_or_update(conn, tok(6), key={"id": 9}, values={"amount": Add(7)})
+    assert row(conn, env, 9) == ("n", 14, 6)
+    with pytest.raises(StaleTokenError):
+        rows.insert_or_update(conn, tok(5), key={"id": 9}, values={"amount": Add(1)})
+    assert row(conn, env, 9) == ("n", 14, 6)
+    conn.execute(env.q("UPDATE invoices SET amount = NULL WHERE id = ?"), (2,))
+    rows.update(conn, tok(6), key={"id": 2}, values={"amount": Add(2)})
+    assert row(conn, env, 2) == ("new", 2, 6)
+    # The amount is a parameter: text that looks like SQL is refused, not run.
+    with pytest.raises(fenced.ConfigurationError, match="number"):
+        Add("1; DROP TABLE invoices")  # type: ignore[arg-type]
+    with pytest.raises(fenced.ConfigurationError, match="number"):
+        Add(True)
 
 
 def test_row_in_a_transaction_rolls_back_with_it(env: Env, conn: Any, rows: RowGuard) -> None:

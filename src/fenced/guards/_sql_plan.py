@@ -12,6 +12,7 @@ parameters, never interpolated.
 
 from __future__ import annotations
 
+import decimal
 import functools
 import re
 from collections.abc import Generator, Mapping, Sequence
@@ -32,6 +33,7 @@ from .._token import MAX_TOKEN, FencingToken
 __all__ = [
     "POSTGRESQL",
     "SQLITE",
+    "Add",
     "Dialect",
     "DuplicateColumn",
     "FenceConflictError",
@@ -328,6 +330,21 @@ def _key_params(spec: RowSQL, key: Mapping[str, Any]) -> tuple[Any, ...]:
     return params
 
 
+@dataclass(frozen=True, slots=True)
+class Add:
+    """A relative write for :class:`~fenced.guards.sql.RowGuard`: ``values={"balance": Add(-25)}``
+    sets ``balance = COALESCE(balance, 0) + :amount`` in the same guarded statement (the
+    amount is a bound parameter, never SQL text). On insert, a missing row counts as 0."""
+
+    amount: int | float | decimal.Decimal
+
+    def __post_init__(self) -> None:
+        if isinstance(self.amount, bool) or not isinstance(
+            self.amount, int | float | decimal.Decimal
+        ):
+            raise ConfigurationError(f"Add() takes a number, not {self.amount!r}")
+
+
 def _value_columns(values: Mapping[str, Any]) -> tuple[str, ...]:
     if type(values) is not dict and not isinstance(values, Mapping):
         raise ConfigurationError(f"values must be a mapping, not {type(values).__name__}")
@@ -378,8 +395,15 @@ def _row_guard_clause(d: Dialect, spec: RowSQL, target: str, incoming: str) -> s
 
 
 @functools.lru_cache(maxsize=512)
-def _row_write_sql(d: Dialect, spec: RowSQL, columns: tuple[str, ...], upsert: bool) -> str:
-    """The conditional write's SQL for these value columns (validated here, then cached)."""
+def _row_write_sql(
+    d: Dialect,
+    spec: RowSQL,
+    columns: tuple[str, ...],
+    upsert: bool,
+    relative: frozenset[str] = frozenset(),
+) -> str:
+    """The conditional write's SQL for these value columns (validated here, then cached);
+    the ``relative`` ones are added to (:class:`Add`), not set."""
     reserved = {*spec.keys, spec.token, *((spec.lock,) if spec.lock else ())}
     for c in columns:
         quote_ident(c, "column name")
@@ -389,8 +413,13 @@ def _row_write_sql(d: Dialect, spec: RowSQL, columns: tuple[str, ...], upsert: b
             )
     p = d.param
     tok = quote_ident(spec.token)
+
+    def set_to(c: str, target: str, value: str) -> str:
+        q = quote_ident(c)
+        return f"{q} = COALESCE({target}{q}, 0) + {value}" if c in relative else f"{q} = {value}"
+
     if not upsert:
-        sets = [f"{quote_ident(c)} = {p}" for c in columns] + [f"{tok} = {p}"]
+        sets = [set_to(c, "", p) for c in columns] + [f"{tok} = {p}"]
         if spec.lock:
             sets.append(f"{quote_ident(spec.lock)} = {p}")
         return (
@@ -403,7 +432,7 @@ def _row_write_sql(d: Dialect, spec: RowSQL, columns: tuple[str, ...], upsert: b
         f"INSERT INTO {spec.table} AS t ({', '.join(quote_ident(c) for c in all_cols)}) "
         f"VALUES ({', '.join([p] * len(all_cols))}) "
         f"ON CONFLICT ({', '.join(quote_ident(k) for k in spec.keys)}) DO UPDATE SET "
-        + ", ".join(f"{quote_ident(c)} = excluded.{quote_ident(c)}" for c in updated)
+        + ", ".join(set_to(c, "t.", f"excluded.{quote_ident(c)}") for c in updated)
         + f" WHERE {_row_guard_clause(d, spec, 't.', 'excluded.' + tok)}"
     )
 
@@ -420,8 +449,9 @@ def row_write_plan(
     """One conditional UPDATE (or INSERT .. ON CONFLICT DO UPDATE) that writes only if fresh."""
     key_params = _key_params(spec, key)
     columns = _value_columns(values)
-    sql = _row_write_sql(d, spec, columns, upsert)
-    value_params = tuple(values[c] for c in columns)
+    relative = frozenset(c for c in columns if isinstance(values[c], Add))
+    sql = _row_write_sql(d, spec, columns, upsert, relative)
+    value_params = tuple(values[c].amount if c in relative else values[c] for c in columns)
     lock_params: tuple[Any, ...] = (token.lock,) if spec.lock else ()
     if upsert:
         params = (*key_params, *value_params, token.value, *lock_params)

@@ -77,6 +77,7 @@ from .._errors import ConfigurationError, InvalidTokenError
 from .._token import FencingToken, validate_lock_name
 from ._sql_driver import arun, arun_install, arun_own, run, run_install, run_own
 from ._sql_plan import (
+    Add,
     Dialect,
     FenceConflictError,
     FenceSQL,
@@ -94,7 +95,7 @@ from ._sql_plan import (
     validate_resource,
 )
 
-__all__ = ["FenceConflictError", "RowGuard", "SQLGuard"]
+__all__ = ["Add", "FenceConflictError", "RowGuard", "SQLGuard"]
 
 TokenLike = FencingToken | str | bytes
 
@@ -204,6 +205,10 @@ class RowGuard:
 
     >>> guard = RowGuard("invoices", key_columns=("id",), lock="invoices")   # doctest: +SKIP
     >>> guard.update(db, lease.token, key={"id": 42}, values={"status": "paid"})  # doctest: +SKIP
+    >>> guard.update(db, lease.token, key={"id": 42}, values={"paid": Add(25)})   # doctest: +SKIP
+
+    Values are bound parameters, never SQL: ``{"balance": "balance + 1"}`` writes that text.
+    For a relative write use :class:`Add` (``balance = COALESCE(balance, 0) + 1``).
     """
 
     __slots__ = ("_spec", "key_columns", "lock", "lock_column", "table", "token_column")
