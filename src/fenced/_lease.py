@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import logging
 import weakref
-from collections.abc import Awaitable, Callable, Generator, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterable
 from types import TracebackType
-from typing import Any, Final
+from typing import Any, Final, ParamSpec, TypeVar
 
 from . import _clock, _fork
 from ._backend import (
@@ -43,6 +44,9 @@ _CONNECT_TIMEOUT: Final = Option("number", low=0, low_open=True, high=MAX_TIMEOU
 logger = logging.getLogger("fenced")
 
 _UNSET: Final[Any] = object()
+
+P = ParamSpec("P")
+T = TypeVar("T")
 
 AsyncLostCallback = Callable[["AsyncLease"], Awaitable[None] | None]
 
@@ -520,6 +524,31 @@ class AsyncLocks:
             auto_renew=auto_renew,
         )
 
+    def locked(
+        self, name: str, *, ttl: float = DEFAULT_TTL, timeout: float | None = None, **options: Any
+    ) -> Callable[[Callable[P, Awaitable[T]]], Callable[P, Coroutine[Any, Any, T]]]:
+        """Decorate a coroutine function to run while holding ``name`` (see
+        :meth:`Locks.locked <fenced.Locks.locked>`): ``@locks.locked("nightly", ttl=60)``."""
+
+        def decorate(fn: Callable[P, Awaitable[T]]) -> Callable[P, Coroutine[Any, Any, T]]:
+            if not inspect.iscoroutinefunction(fn):
+                raise TypeError(
+                    f"{getattr(fn, '__qualname__', fn)!r} is not a coroutine function: decorate "
+                    "it with Locks.locked (fenced.connect), not AsyncLocks.locked"
+                )
+            pass_token = _wants_token(fn)
+
+            @functools.wraps(fn)
+            async def run(*args: P.args, **kwargs: P.kwargs) -> T:
+                async with self.lock(name, ttl=ttl, timeout=timeout, **options) as lease:
+                    if pass_token:
+                        kwargs["token"] = lease.token
+                    return await fn(*args, **kwargs)
+
+            return run
+
+        return decorate
+
     async def status(self, name: str) -> LockStatus:
         """Holder, token, highest token and time left of ``name``."""
         backend = await self._get_backend()
@@ -622,6 +651,14 @@ def connect_async(url: str, *, require: Iterable[str] = (), **options: Any) -> A
 
 def _redact(url: str) -> str:
     return _redacted(url)
+
+
+def _wants_token(fn: Callable[..., Any]) -> bool:
+    """True if ``fn`` takes a parameter named ``token`` (the decorators pass it the grant's)."""
+    try:
+        return "token" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
 
 
 def _current_task() -> asyncio.Task[Any] | None:

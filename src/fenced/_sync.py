@@ -8,15 +8,17 @@ keepalives, so a sync holder's lease is renewed while its own thread is busy.
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
 import logging
 import threading
 from collections.abc import Callable, Iterable
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 from . import _fork
 from ._backend import Characteristic, LockStatus
-from ._lease import _UNSET, DEFAULT_TTL, AsyncLease, AsyncLocks
+from ._lease import _UNSET, DEFAULT_TTL, AsyncLease, AsyncLocks, _wants_token
 from ._portal import Portal
 from ._state import Phase
 from ._token import FencingToken
@@ -24,6 +26,7 @@ from ._token import FencingToken
 __all__ = ["Lease", "Locks", "connect"]
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 logger = logging.getLogger("fenced")
 
@@ -217,6 +220,37 @@ class Locks:
             auto_renew=auto_renew,
         )
         return Lease(self, inner, on_lost)
+
+    def locked(
+        self, name: str, *, ttl: float = DEFAULT_TTL, timeout: float | None = None, **options: Any
+    ) -> Callable[[Callable[P, T]], Callable[P, T]]:
+        """Decorate a function to run while holding ``name``: ``@locks.locked("nightly", ttl=60)``.
+
+        Each call acquires (waiting up to ``timeout``), runs the function and releases, as
+        ``with locks.lock(...)`` does (LeaseLostError if the lease was lost meanwhile). If the
+        function has a parameter named ``token``, the grant's :class:`FencingToken` is passed
+        to it by keyword, for the guarded writes it makes.
+        """
+        wants_token = _wants_token
+
+        def decorate(fn: Callable[P, T]) -> Callable[P, T]:
+            if inspect.iscoroutinefunction(fn):
+                raise TypeError(
+                    f"{fn.__qualname__} is a coroutine function: decorate it with "
+                    "AsyncLocks.locked (fenced.connect_async), not Locks.locked"
+                )
+            pass_token = wants_token(fn)
+
+            @functools.wraps(fn)
+            def run(*args: P.args, **kwargs: P.kwargs) -> T:
+                with self.lock(name, ttl=ttl, timeout=timeout, **options) as lease:
+                    if pass_token:
+                        kwargs["token"] = lease.token
+                    return fn(*args, **kwargs)
+
+            return run
+
+        return decorate
 
     def status(self, name: str) -> LockStatus:
         """Holder, token, highest token and time left of ``name``."""
