@@ -19,6 +19,7 @@ import fenced
 from tests.helpers import ROOT, wait_for
 
 FENCED = [sys.executable, "-m", "fenced"]
+FENCED_SHELL = f"{sys.executable} -m fenced"  # the same, inside `sh -c`
 
 
 def run(args: list[str], url: str, **kw: object) -> subprocess.CompletedProcess[str]:
@@ -358,3 +359,21 @@ def test_ctrl_c_while_waiting_exits_130_quietly_and_leaves_the_queue(
         return
     assert b"Traceback" not in output and output.strip() == b"", output
     assert waiters == 0
+
+
+def test_fenced_write_fences_a_shell_job_end_to_end(sqlite_url: str, tmp_path: Path) -> None:
+    """`fenced lock` jobs fenced without Python: `fenced write DIR/NAME` stores stdin as a
+    version with $FENCING_TOKEN; an older token is refused (exit 77, nothing written)."""
+    target = tmp_path / "daily.csv"
+    job = f"echo first | {FENCED_SHELL} write {target}"
+    out = run(["lock", "reports", "--", "sh", "-c", job], sqlite_url)
+    assert out.returncode == 0, out.stderr
+    out = run(["lock", "reports", "--", "sh", "-c", job.replace("first", "second")], sqlite_url)
+    assert out.returncode == 0, out.stderr
+    assert (target / "current").read_text() == "second\n"
+    stale = run(["write", str(target), "--token", "reports:1"], sqlite_url, input="stale\n")
+    assert stale.returncode == 77 and "refused" in stale.stderr and "reports:2" in stale.stderr
+    assert (target / "current").read_text() == "second\n"
+    assert len(list(target.glob("0*"))) == 2  # nothing written by the stale writer
+    no_token = run(["write", str(target)], sqlite_url, input="x")
+    assert no_token.returncode == 2 and "token" in no_token.stderr

@@ -81,6 +81,35 @@ def test_accepts_higher_and_rejects_lower_leaving_nothing_behind(guard: FileGuar
     assert guard.high_water("a") == tok(9)
 
 
+def test_plain_tools_read_the_newest_version_at_current(guard: FileGuard) -> None:
+    """Bug: `cat report.txt` stopped working once the guard made it a directory of versions.
+    ``<name>/current`` is a relative symlink that follows the newest version, and a refused
+    write leaves it alone; after many racing writers it names the highest version."""
+    current = Path(guard.directory) / "r" / "current"
+    guard.write("r", b"one", tok(1))
+    assert current.read_bytes() == b"one" and not os.path.isabs(os.readlink(current))
+    guard.write("r", b"two", tok(2))
+    guard.write("r", b"two again", tok(2))  # a sub-version of the same token
+    assert current.read_bytes() == b"two again"
+    with pytest.raises(StaleTokenError):
+        guard.write("r", b"stale", tok(1))
+    assert current.read_bytes() == b"two again"
+    assert guard.versions("r")[-1].filename == os.readlink(current)
+
+    def writer(i: int) -> None:
+        with contextlib.suppress(StaleTokenError):
+            guard.write("race", f"v{i}".encode(), tok(i))
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(1, 21)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    race = Path(guard.directory) / "race" / "current"
+    assert os.readlink(race) == guard.versions("race")[-1].filename
+    assert race.read_bytes() == guard.read("race")[1]
+
+
 def test_equal_token_is_accepted_as_a_new_sub_version(guard: FileGuard) -> None:
     guard.write("a", b"first", tok(3))
     second = guard.write("a", b"second", tok(3))
@@ -698,7 +727,8 @@ def test_file_guard_refuses_a_version_name_it_never_wrote(tmp_path: Path, bad: s
             guard.write("r", b"late", tok(value))
     assert sorted(
         p.name for p in (tmp_path / "r").iterdir() if not p.name.startswith(".")
-    ) == sorted(["0000000000000000010.000000", bad])
+    ) == sorted(["0000000000000000010.000000", bad, "current"])
+    assert os.readlink(tmp_path / "r" / "current") == "0000000000000000010.000000"
 
 
 class UnlockedMark(HighWaterFile):

@@ -30,10 +30,11 @@ from ._errors import (
     FencedError,
     InvalidTokenError,
     LockTimeout,
+    StaleTokenError,
 )
 from ._paths import default_url
 from ._state import check_timeout, check_ttl
-from ._token import validate_lock_name
+from ._token import FencingToken, validate_lock_name
 
 __all__ = ["EXIT_LEASE_LOST", "EXIT_TIMEOUT", "EXIT_UNAVAILABLE", "main"]
 
@@ -41,6 +42,7 @@ EXIT_USAGE = 2
 EXIT_UNAVAILABLE = 69
 EXIT_SOFTWARE = 70
 EXIT_LEASE_LOST = 75
+EXIT_STALE = 77  # EX_NOPERM: a guarded write refused, the writer's token is stale
 EXIT_TIMEOUT = 124  # as timeout(1): not 1, which commands use for their own failures
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
 
@@ -51,6 +53,7 @@ exit status (fenced's own outcomes never use 1, which commands use for their own
   69     the token source could not be reached (EX_UNAVAILABLE)
   70     another fenced error (EX_SOFTWARE)
   75     the lease was lost while the command ran; the command was terminated (EX_TEMPFAIL)
+  77     fenced write: refused, the token is older than the newest version (EX_NOPERM)
   124    the lock was not acquired within --timeout / -n (change it with -E, as flock -E)
   126    the command could not be executed
   127    the command was not found
@@ -177,6 +180,22 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds between SIGTERM and SIGKILL on lease loss (5)",
     )
 
+    write = sub.add_parser(
+        "write",
+        parents=[common],
+        help="store stdin as a new version of DIR/NAME (files guard), if the token is not stale",
+        description=(
+            "Store standard input as the newest version of DIR/NAME through the files guard: "
+            "refused (exit 77, nothing written) if DIR/NAME has a version with a higher token. "
+            "Inside `fenced lock` the token comes from $FENCING_TOKEN. Plain tools read the "
+            "newest version at DIR/NAME/current."
+        ),
+    )
+    write.add_argument("path", metavar="DIR/NAME", help="the resource: its directory and name")
+    write.add_argument(
+        "--token", help="the fencing token, e.g. reports:34 (default: $FENCING_TOKEN)"
+    )
+
     status = sub.add_parser(
         "status",
         parents=[common],
@@ -217,6 +236,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_lock(args)
         if args.command == "status":
             return _cmd_status(args)
+        if args.command == "write":
+            return _cmd_write(args)
     except (ConfigurationError, InvalidTokenError) as exc:
         return _fail(EXIT_USAGE, str(exc), exc, args.verbose)
     except BackendUnavailable as exc:
@@ -391,6 +412,27 @@ def _signal_group(child: subprocess.Popen[bytes], signum: int) -> None:
         os.killpg(child.pid, signum)
     except ProcessLookupError:
         pass
+
+
+def _cmd_write(args: argparse.Namespace) -> int:
+    from .guards.files import FileGuard
+
+    text = args.token or os.environ.get("FENCING_TOKEN")
+    if not text:
+        _say("write: no token: pass --token or run inside `fenced lock` ($FENCING_TOKEN)")
+        return EXIT_USAGE
+    token = FencingToken.parse(text)
+    directory, name = os.path.split(os.path.abspath(args.path))
+    if not os.path.isdir(directory):
+        _say(f"write: directory {directory} does not exist")
+        return EXIT_USAGE
+    data = sys.stdin.buffer.read()
+    try:
+        FileGuard(directory, lock=token.lock).write(name, data, token)
+    except StaleTokenError as exc:
+        _say(f"write refused: {exc}")
+        return EXIT_STALE
+    return 0
 
 
 def _state(status: LockStatus) -> str:

@@ -3,7 +3,9 @@
 :class:`FileGuard` is DDIA's "put the fencing token in the file name", done so that it holds
 under concurrency and crashes. Each write of resource ``name`` creates a *new* immutable
 file ``<directory>/<name>/<token:019d>.<seq:06d>``; readers take the highest name, so the
-newest version is the one with the highest token, whatever order the writes arrived in. A
+newest version is the one with the highest token, whatever order the writes arrived in.
+``<directory>/<name>/current`` is a symlink to the newest version, so plain tools read it too
+(``cat /srv/reports/daily.csv/current``). A
 write whose token is lower than the newest published version is rejected and leaves nothing
 behind. The versions themselves are the high-water mark: it lives in the resource, exactly
 as durable as the data.
@@ -75,6 +77,8 @@ __all__ = ["FileGuard", "HighWaterFile", "Version", "VersionStore"]
 _NAME_RE: Final = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.@+=-]{0,199}")
 _VERSION_RE: Final = re.compile(r"([0-9]{19})\.([0-9]{6,})")
 _LOCK_FILE: Final = ".lock"
+CURRENT: Final = "current"
+"""``<directory>/<name>/current``: a symlink to the newest version, for plain tools."""
 _LOCK_NAME_FILE: Final = ".fenced-lock"
 _RETRIES: Final = 16
 
@@ -130,6 +134,18 @@ class VersionStore(Protocol):
     def prune(self, name: str, keep: int) -> list[Version]:
         """Delete all but the ``keep`` (>= 1) newest versions; return the deleted ones."""
         ...
+
+
+def _point_current(rdir: str, filename: str) -> None:
+    """Point ``<name>/current`` at the version just published (a relative symlink, replaced
+    with one rename), so that ``cat reports/daily.csv/current`` reads the newest version.
+    Done under the resource's lock, so it always moves forward; after a crash it may name
+    the version before the newest until the next write (``read()`` is never misled)."""
+    temp = os.path.join(rdir, f".current-{os.getpid()}")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(temp)
+    os.symlink(filename, temp)
+    os.replace(temp, os.path.join(rdir, CURRENT))
 
 
 def _validate_name(name: object) -> str:
@@ -237,6 +253,7 @@ class FileGuard:
                         temp.link_to(os.path.join(rdir, version.filename))
                     except FileNotFoundError:
                         continue  # a collector removed our temp name: write it again
+                    _point_current(rdir, version.filename)
                     fsync_dir(rdir)
                     self._published(name, version)
             finally:
