@@ -65,7 +65,9 @@ class BareSQL:
         now = _clock.now()
         conn.execute(S.SQL_LOCK_STATE, (name, self.boot, now)).fetchone()
         value: int = conn.execute(S.SQL_NEXT_TOKEN, (name,)).fetchone()[0]
-        conn.execute(S.SQL_SET_HOLDER, (name, request_id, value, ttl, sent_at + ttl, self.boot))
+        conn.execute(
+            S.SQL_SET_HOLDER, (name, request_id, value, ttl, sent_at + ttl, self.boot, "bench")
+        )
         conn.execute("COMMIT")
         return value
 
@@ -248,7 +250,9 @@ def naive_acquire(bare: BareSQL, name: str, request_id: str) -> int:
         ).fetchone()
         if holder is None or boot != bare.boot or expires <= now:
             value: int = conn.execute(S.SQL_NEXT_TOKEN, (name,)).fetchone()[0]
-            conn.execute(S.SQL_SET_HOLDER, (name, request_id, value, 30.0, sent_at + 30, bare.boot))
+            conn.execute(
+                S.SQL_SET_HOLDER, (name, request_id, value, 30.0, sent_at + 30, bare.boot, "b")
+            )
             conn.execute("COMMIT")
             return value
         conn.execute("COMMIT")  # read only: no fsync

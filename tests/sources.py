@@ -34,6 +34,7 @@ class _TestSource(MemoryBackend):
         ttl: float,
         deadline: float | None,
         on_lost: LostCallback,
+        owner: str = "",
     ) -> Grant:
         grant = await super().acquire(
             name,
@@ -41,6 +42,7 @@ class _TestSource(MemoryBackend):
             ttl=self._ask(request_id, ttl),
             deadline=deadline,
             on_lost=on_lost,
+            owner=owner,
         )
         return self._answer(grant, ttl)
 

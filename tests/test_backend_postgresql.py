@@ -960,3 +960,21 @@ def test_the_default_socket_comes_from_the_environment(
     monkeypatch.setenv("PGUSER", "postgres")
     with fenced.connect(f"postgresql:///{db}") as locks, locks.lock("x", ttl=5) as lease:
         assert lease.token.value == 1
+
+
+def test_fenced_0_1_acquire_signature_still_grants_beside_the_owner_one(pg_dsn: str) -> None:
+    """A database shared with fenced 0.1 processes while they are upgraded: their six-argument
+    acquire() still grants (with no owner shown), and the owner of an earlier grant is never
+    shown for it."""
+    with fenced.connect(pg_dsn) as locks:
+        with locks.lock("x", ttl=5, description="new client"):
+            assert (locks.status("x").owner or "").endswith(": new client")
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            row = conn.execute(
+                "SELECT o_status, o_token FROM fenced_acquire(%s::text, %s::text, %s::float8, "
+                "%s::float8, %s::text, %s::boolean)",
+                ("x", "old-client", 5.0, 6.0, None, False),
+            ).fetchone()
+        assert row == ("granted", 2)
+        status = locks.status("x")
+        assert status.holder == "old-client" and status.owner is None

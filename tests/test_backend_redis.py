@@ -427,6 +427,7 @@ class IncrOutsideTheScript(RedisBackend):
         ttl: float,
         deadline: float | None,
         on_lost: LostCallback,
+        owner: str = "",
     ) -> Grant:
         keys, _ = self._keys(name)
         ttl_ms = round(ttl * 1000)

@@ -658,3 +658,31 @@ async def test_transactions_leave_the_event_loop_free(db: str) -> None:
     finally:
         await backend.aclose()
     assert threads and threading.get_ident() not in threads
+
+
+def test_a_file_made_by_fenced_0_1_gains_the_owner_column(tmp_path: Path) -> None:
+    """Files of fenced 0.1 have no owner column: it is added (nullable, schema version kept),
+    and a 0.1 process writing a holder row without it keeps working on the same file."""
+    from fenced.backends import _sqlite_schema as schema
+
+    path = tmp_path / "old.db"
+    old = sqlite3.connect(path, isolation_level=None)
+    old.execute("PRAGMA journal_mode=WAL").fetchall()
+    for statement in schema.SCHEMA:
+        old.execute(re.sub(r",\s*owner TEXT[^\n]*", "", statement))
+    old.execute(f"PRAGMA user_version = {schema.SCHEMA_VERSION}")
+    assert "owner" not in [r[1] for r in old.execute("PRAGMA table_info(fenced_holders)")]
+    with fenced.connect(f"sqlite:///{path}") as locks:
+        with locks.lock("x", ttl=5, description="upgraded") as lease:
+            assert (locks.status("x").owner or "").endswith(": upgraded")
+        # fenced 0.1's statement, without the owner column, on the upgraded file:
+        old.execute(
+            "INSERT OR REPLACE INTO fenced_holders (name, request_id, token, ttl, expires_at, "
+            "boot_id) VALUES (?, ?, ?, ?, ?, ?)",
+            ("y", "r", 1, 5.0, _clock.now() + 5, _clock.boot_id()),
+        )
+        status = locks.status("y")
+        assert status.holder == "r" and status.owner is None
+    assert lease.token.value == 1
+    assert old.execute("PRAGMA user_version").fetchone()[0] == schema.SCHEMA_VERSION
+    old.close()

@@ -52,9 +52,10 @@ class CounterNotKept(_Mutant):
         ttl: float,
         sent_at: float,
         on_lost: LostCallback,
+        owner: str = "",
     ) -> Grant:
         lock.last_value = 0
-        return super()._grant(name, lock, request_id, ttl, sent_at, on_lost)
+        return super()._grant(name, lock, request_id, ttl, sent_at, on_lost, owner)
 
 
 class RenewAfterExpiry(_Mutant):
@@ -75,9 +76,15 @@ class NotIdempotent(_Mutant):
         ttl: float,
         deadline: float | None,
         on_lost: LostCallback,
+        owner: str = "",
     ) -> Grant:
         return await super().acquire(
-            name, request_id=request_id + unique_name(), ttl=ttl, deadline=deadline, on_lost=on_lost
+            name,
+            request_id=request_id + unique_name(),
+            ttl=ttl,
+            deadline=deadline,
+            on_lost=on_lost,
+            owner=owner,
         )
 
 
@@ -102,11 +109,28 @@ class SameTokenTwice(_Mutant):
         ttl: float,
         sent_at: float,
         on_lost: LostCallback,
+        owner: str = "",
     ) -> Grant:
         SameTokenTwice.calls += 1
         if SameTokenTwice.calls % 2 == 0 and lock.last_value:
             lock.last_value -= 1
-        return super()._grant(name, lock, request_id, ttl, sent_at, on_lost)
+        return super()._grant(name, lock, request_id, ttl, sent_at, on_lost, owner)
+
+
+class OwnerNotKept(_Mutant):
+    """The holder's description is dropped: status cannot say who holds the lock."""
+
+    def _grant(
+        self,
+        name: str,
+        lock: _Lock,
+        request_id: str,
+        ttl: float,
+        sent_at: float,
+        on_lost: LostCallback,
+        owner: str = "",
+    ) -> Grant:
+        return super()._grant(name, lock, request_id, ttl, sent_at, on_lost, "")
 
 
 MUTANTS: list[tuple[type[_Mutant], Callable[..., Any]]] = [
@@ -117,6 +141,7 @@ MUTANTS: list[tuple[type[_Mutant], Callable[..., Any]]] = [
     (RenewAfterExpiry, suite.test_backend_contract),
     (NotIdempotent, suite.test_idempotent_acquire_with_request_id),
     (LifoWaiters, suite.test_fifo_among_waiters),
+    (OwnerNotKept, suite.test_status_shows_who_holds_it),
 ]
 
 

@@ -30,6 +30,7 @@ from ._token import FencingToken
 __all__ = [
     "BUILTIN_SCHEMES",
     "ENTRY_POINT_GROUP",
+    "MAX_OWNER",
     "Backend",
     "Characteristic",
     "Grant",
@@ -81,6 +82,10 @@ class Grant:
     handle: Any = None
 
 
+MAX_OWNER: Final = 200
+"""The longest holder description a backend must keep (see :meth:`Backend.acquire`)."""
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class LockStatus:
     """What ``status(name)`` reports about one lock."""
@@ -95,6 +100,9 @@ class LockStatus:
     remaining: float | None
     """Seconds until the current grant expires if not renewed (None when free or not known)."""
     waiters: int | None = None
+    owner: str | None = None
+    """Who holds it, as the holder described itself (``user@host pid N: description``), or
+    None when free or not recorded (a grant made by fenced 0.1)."""
 
 
 class Backend(abc.ABC):
@@ -155,8 +163,13 @@ class Backend(abc.ABC):
         ttl: float,
         deadline: float | None,
         on_lost: LostCallback,
+        owner: str = "",
     ) -> Grant:
         """Grant ``name`` to ``request_id`` for ``ttl`` seconds, waiting FIFO until ``deadline``.
+
+        ``owner`` describes the holder for operators (``user@host pid N: description``, at
+        most :data:`MAX_OWNER` characters, printable); the backend keeps it with the grant and
+        reports it in :meth:`status`.
 
         ``deadline`` is on the :func:`fenced._clock.now` clock; None waits forever, a deadline
         already past tries once. Raise :class:`~fenced.LockTimeout` when it passes. While

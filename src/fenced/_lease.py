@@ -14,6 +14,7 @@ from typing import Any, Final, ParamSpec, TypeVar
 
 from . import _clock, _fork
 from ._backend import (
+    MAX_OWNER,
     Backend,
     Characteristic,
     Grant,
@@ -112,9 +113,11 @@ class AsyncLease:
         request_id: str | None = None,
         safety_margin: float | None = None,
         auto_renew: bool = True,
+        description: str | None = None,
     ) -> None:
         self._locks = locks
         self.name = validate_lock_name(name)
+        self.description = check_description(description)
         self.timeout = check_timeout(timeout)
         self.on_lost = on_lost
         self.auto_renew = auto_renew
@@ -172,6 +175,14 @@ class AsyncLease:
         return self._state.phase
 
     @property
+    def owner(self) -> str:
+        """How this holder describes itself to operators (``fenced status``): ``user@host pid
+        N``, and ``: <description>`` when one was given to :meth:`AsyncLocks.lock`."""
+        me = _fork.whoami()
+        owner = f"{me}: {self.description}" if self.description else me
+        return owner[:MAX_OWNER]
+
+    @property
     def held(self) -> bool:
         """True while the lease is surely held: acquired, not released, not lost, not expired."""
         return self.remaining() > 0
@@ -219,6 +230,7 @@ class AsyncLease:
                         ttl=self.ttl,
                         deadline=deadline,
                         on_lost=on_lost,
+                        owner=self.owner,
                     )
                 except BackendUnavailable:
                     # A closed connection will not come back: only a dead source is retried.
@@ -511,8 +523,12 @@ class AsyncLocks:
         request_id: str | None = None,
         safety_margin: float | None = None,
         auto_renew: bool = True,
+        description: str | None = None,
     ) -> AsyncLease:
-        """A lease on ``name`` (not yet acquired): ``async with locks.lock("x", ttl=10) as lease``."""
+        """A lease on ``name`` (not yet acquired): ``async with locks.lock("x", ttl=10) as lease``.
+
+        ``description`` (e.g. ``"nightly report"``) is shown to operators with the holder's
+        user, host and pid while it holds the lock (``fenced status``)."""
         return AsyncLease(
             self,
             name,
@@ -522,6 +538,7 @@ class AsyncLocks:
             request_id=request_id,
             safety_margin=safety_margin,
             auto_renew=auto_renew,
+            description=description,
         )
 
     def locked(
@@ -651,6 +668,17 @@ def connect_async(url: str, *, require: Iterable[str] = (), **options: Any) -> A
 
 def _redact(url: str) -> str:
     return _redacted(url)
+
+
+def check_description(description: object) -> str | None:
+    """A holder's description: text, its control characters (newlines included) made spaces,
+    cut to fit :data:`MAX_OWNER` with the holder's user, host and pid."""
+    if description is None:
+        return None
+    if not isinstance(description, str):
+        raise ConfigurationError(f"description must be text, not {type(description).__name__}")
+    clean = "".join(c if c.isprintable() else " " for c in description).strip()
+    return clean[:MAX_OWNER] or None
 
 
 def _wants_token(fn: Callable[..., Any]) -> bool:

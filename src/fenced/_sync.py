@@ -209,8 +209,11 @@ class Locks:
         request_id: str | None = None,
         safety_margin: float | None = None,
         auto_renew: bool = True,
+        description: str | None = None,
     ) -> Lease:
-        """A lease on ``name`` (not yet acquired): ``with locks.lock("x", ttl=10) as lease``."""
+        """A lease on ``name`` (not yet acquired): ``with locks.lock("x", ttl=10) as lease``.
+
+        ``description`` is shown to operators with the holder's user, host and pid."""
         inner = self._async.lock(
             name,
             ttl=ttl,
@@ -218,6 +221,7 @@ class Locks:
             request_id=request_id,
             safety_margin=safety_margin,
             auto_renew=auto_renew,
+            description=description,
         )
         return Lease(self, inner, on_lost)
 

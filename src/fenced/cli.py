@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -313,7 +314,7 @@ def _cmd_lock(args: argparse.Namespace) -> int:
     options = {} if connect_timeout is None else {"connect_timeout": connect_timeout}
     with _sync.connect(url, **options) as locks:
         remaining = None if deadline is None else max(0.0, deadline - _clock.now())
-        lease = locks.lock(args.name, ttl=args.ttl, timeout=remaining)
+        lease = locks.lock(args.name, ttl=args.ttl, timeout=remaining, description=shlex.join(cmd))
         try:
             token = lease.acquire()
         except LockTimeout:
@@ -456,6 +457,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
                 "state": _state(s),
                 "held": s.holder is not None,
                 "holder": s.holder,
+                "owner": s.owner,
                 "token": str(s.token) if s.token else None,
                 "last_token": str(s.last_token) if s.last_token else None,
                 "remaining": s.remaining,
@@ -465,16 +467,17 @@ def _cmd_status(args: argparse.Namespace) -> int:
         ]
         print(json.dumps(out, indent=2))  # always a list, whatever the number of names
         return 0
-    header = ("LOCK", "STATE", "TOKEN", "HOLDER", "TIME LEFT", "WAITERS", "LAST TOKEN")
+    header = ("LOCK", "STATE", "TOKEN", "TIME LEFT", "WAITERS", "LAST TOKEN", "HOLDER")
     rows = [
         (
             s.name,
             _state(s),
             str(s.token) if s.token else "-",
-            s.holder or "-",
             f"{s.remaining:.1f} s" if s.remaining is not None else "-",
             str(s.waiters) if s.waiters is not None else "?",
             str(s.last_token) if s.last_token else "-",
+            # who: as the holder described itself, else its request id (a 0.1 client)
+            s.owner or s.holder or "-",
         )
         for s in statuses
     ]

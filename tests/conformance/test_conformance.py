@@ -179,6 +179,37 @@ def test_fifo_among_waiters(env: BackendEnv) -> None:
             c.close()
 
 
+def test_status_shows_who_holds_it(env: BackendEnv) -> None:
+    """Bug: status showed a 32-hex request id. Every source keeps the holder's own description
+    (user@host pid N: description) with the grant, also when the grant is a hand-off to a
+    waiter, and forgets it when the lock is released."""
+    import os
+
+    name = unique_name()
+    me = f"pid {os.getpid()}"
+    with env.connect() as locks, env.connect() as other:
+        first = locks.lock(name, ttl=10, description="nightly report\nline two")
+        first.acquire()
+        owner = locks.status(name).owner
+        assert owner is not None and me in owner and "@" in owner, owner
+        assert owner.endswith(": nightly report line two"), owner  # one printable line
+        waiter = other.lock(name, ttl=10, description="the next one")
+        queued = threading.Thread(target=waiter.acquire, daemon=True)
+        queued.start()
+        wait_for(lambda: (locks.status(name).waiters or 0) >= 1, what="the waiter to queue")
+        first.release()
+        queued.join(20)
+        assert waiter.held
+        handed = locks.status(name)
+        assert handed.token == waiter.token and handed.owner is not None
+        assert handed.owner.endswith(": the next one"), handed.owner
+        waiter.release()
+        assert locks.status(name).owner is None
+        with locks.lock(name, ttl=10):  # no description: still who and where
+            plain = locks.status(name).owner
+            assert plain is not None and plain.endswith(me), plain
+
+
 def test_idempotent_acquire_with_request_id(env: BackendEnv) -> None:
     name = unique_name()
     with env.connect() as locks:

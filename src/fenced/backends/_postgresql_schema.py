@@ -47,6 +47,10 @@ CREATE TABLE IF NOT EXISTS {locks} (
     ttl         double precision,
     expires_at  timestamptz
 );
+-- Who holds it, for operators; shown only while owner_token is the current token (a grant
+-- made by fenced 0.1's acquire() leaves them alone).
+ALTER TABLE {locks} ADD COLUMN IF NOT EXISTS owner text,
+                    ADD COLUMN IF NOT EXISTS owner_token bigint;
 CREATE TABLE IF NOT EXISTS {waiters} (
     id          bigserial PRIMARY KEY,
     name        text NOT NULL,
@@ -58,9 +62,11 @@ CREATE INDEX IF NOT EXISTS {waiters_queue} ON {waiters} (name, id);
 CREATE UNIQUE INDEX IF NOT EXISTS {waiters_request} ON {waiters} (name, md5(request_id));
 
 DROP FUNCTION IF EXISTS {acquire}(text, text, double precision, double precision, text, boolean);
-CREATE FUNCTION {acquire}(
+DROP FUNCTION IF EXISTS {acquire_as}(
+    text, text, double precision, double precision, text, boolean, text);
+CREATE FUNCTION {acquire_as}(
     p_name text, p_req text, p_ttl double precision, p_wait_ttl double precision,
-    p_channel text, p_enqueue boolean,
+    p_channel text, p_enqueue boolean, p_owner text,
     OUT o_status text, OUT o_token bigint, OUT o_hint double precision)
 LANGUAGE plpgsql AS $fn$
 DECLARE
@@ -101,7 +107,8 @@ BEGIN
             -- The grant: the counter advances in this same transaction, and is never reset.
             UPDATE {locks}
                SET last_token = last_token + 1, holder = p_req, token = last_token + 1,
-                   ttl = p_ttl, expires_at = t + make_interval(secs => p_ttl)
+                   ttl = p_ttl, expires_at = t + make_interval(secs => p_ttl),
+                   owner = p_owner, owner_token = last_token + 1
              WHERE name = p_name
             RETURNING token INTO o_token;
             IF have_head THEN
@@ -127,6 +134,15 @@ BEGIN
         DO UPDATE SET expires_at = excluded.expires_at, channel = excluded.channel;
     END IF;
 END
+$fn$;
+
+-- The signature of fenced 0.1, kept for its processes while both versions share a database.
+CREATE FUNCTION {acquire}(
+    p_name text, p_req text, p_ttl double precision, p_wait_ttl double precision,
+    p_channel text, p_enqueue boolean,
+    OUT o_status text, OUT o_token bigint, OUT o_hint double precision)
+LANGUAGE sql AS $fn$
+    SELECT * FROM {acquire_as}(p_name, p_req, p_ttl, p_wait_ttl, p_channel, p_enqueue, NULL)
 $fn$;
 
 DROP FUNCTION IF EXISTS {release}(text, text, bigint);
@@ -187,7 +203,8 @@ RETURNING token
 
 STATUS_SQL: Final = """
 SELECT l.holder, l.token, l.last_token, extract(epoch FROM l.expires_at - c.t)::float8,
-       (SELECT count(*) FROM {waiters} w WHERE w.name = %(name)s::text AND w.expires_at > c.t)
+       (SELECT count(*) FROM {waiters} w WHERE w.name = %(name)s::text AND w.expires_at > c.t),
+       CASE WHEN l.owner_token = l.token THEN l.owner END
   FROM (SELECT clock_timestamp() AS t) c LEFT JOIN {locks} l ON l.name = %(name)s::text
 """
 
@@ -259,6 +276,7 @@ class Names:
             "waiters_queue": sql.Identifier(prefix + "waiters_queue"),
             "waiters_request": sql.Identifier(prefix + "waiters_request"),
             "acquire": ident("acquire"),
+            "acquire_as": ident("acquire_as"),
             "release": ident("release"),
             "leave": ident("leave"),
         }
@@ -279,8 +297,8 @@ class Names:
             return sql.SQL(text).format(**names).as_bytes(None)
 
         self.q_acquire = render(
-            "SELECT o_status, o_token, o_hint FROM {acquire}"
-            "(%s::text, %s::text, %s::float8, %s::float8, %s::text, %s::boolean)"
+            "SELECT o_status, o_token, o_hint FROM {acquire_as}"
+            "(%s::text, %s::text, %s::float8, %s::float8, %s::text, %s::boolean, %s::text)"
         )
         self.q_release = render("SELECT {release}(%s::text, %s::text, %s::bigint)")
         self.q_leave = render("SELECT {leave}(%s::text, %s::text)")

@@ -8,8 +8,10 @@ __all__ = [
     "PRAGMAS",
     "SCHEMA",
     "SCHEMA_VERSION",
+    "SQL_ADD_OWNER",
     "SQL_DEQUEUE",
     "SQL_ENQUEUE",
+    "SQL_HAS_OWNER",
     "SQL_HEAD_WAKE",
     "SQL_LOCK_STATE",
     "SQL_NEXT_TOKEN",
@@ -40,7 +42,8 @@ SCHEMA: Final = (
         token INTEGER NOT NULL,
         ttl REAL NOT NULL,
         expires_at REAL NOT NULL,
-        boot_id TEXT NOT NULL
+        boot_id TEXT NOT NULL,
+        owner TEXT  -- who holds it (user@host pid N: description); NULL from fenced 0.1
     ) WITHOUT ROWID""",
     """CREATE TABLE IF NOT EXISTS fenced_waiters (
         seq INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -67,8 +70,15 @@ INSERT INTO fenced_counters (name, last_token) VALUES (?, 1)
 ON CONFLICT (name) DO UPDATE SET last_token = last_token + 1
 RETURNING last_token"""
 SQL_SET_HOLDER: Final = """
-INSERT OR REPLACE INTO fenced_holders (name, request_id, token, ttl, expires_at, boot_id)
-VALUES (?, ?, ?, ?, ?, ?)"""
+INSERT OR REPLACE INTO fenced_holders (name, request_id, token, ttl, expires_at, boot_id, owner)
+VALUES (?, ?, ?, ?, ?, ?, ?)"""
+# A file made by fenced 0.1 gains the owner column (nullable: 0.1 processes still write rows
+# without it, so both versions can share the file while it is upgraded; the schema version
+# stays 1).
+SQL_ADD_OWNER: Final = "ALTER TABLE fenced_holders ADD COLUMN owner TEXT"
+SQL_HAS_OWNER: Final = (
+    "SELECT count(*) FROM pragma_table_info('fenced_holders') WHERE name = 'owner'"
+)
 SQL_RELEASE: Final = """
 DELETE FROM fenced_holders WHERE name = ?1 AND token = ?2 AND request_id = ?3
 RETURNING expires_at, boot_id,
@@ -92,7 +102,8 @@ SQL_STATUS: Final = """
 SELECT (SELECT last_token FROM fenced_counters WHERE name = ?1),
        h.request_id, h.token, h.expires_at, h.boot_id,
        (SELECT count(*) FROM fenced_waiters AS w
-         WHERE w.name = ?1 AND w.boot_id = ?2 AND w.expires_at > ?3)
+         WHERE w.name = ?1 AND w.boot_id = ?2 AND w.expires_at > ?3),
+       {owner}
   FROM (SELECT 1) LEFT JOIN fenced_holders AS h ON h.name = ?1"""
 
 PRAGMAS: Final = ("PRAGMA journal_mode=WAL", "PRAGMA synchronous=FULL")

@@ -265,6 +265,7 @@ class Node:
     timer: asyncio.TimerHandle | None = None
     own_watch: Callable[[Any], None] = dataclasses.field(default=lambda ev: None)
     pred_watch: Callable[[Any], None] = dataclasses.field(default=lambda ev: None)
+    owner: bytes = b""  # the node's data: who queued it (user@host pid N: description)
 
     def forget(self) -> None:
         """Our node is gone (session ended, deleted): the next round creates a new one."""

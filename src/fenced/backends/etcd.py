@@ -83,8 +83,9 @@ def range_end(prefix: bytes) -> bytes:
     return b"\0"
 
 
-def create_txn(key: bytes, lock_prefix: bytes, lease_id: int) -> Any:
-    """Join the queue once: create ``key`` unless it exists, and read the queue's tail.
+def create_txn(key: bytes, lock_prefix: bytes, lease_id: int, owner: bytes = b"") -> Any:
+    """Join the queue once: create ``key`` (its value: the holder's description) unless it
+    exists, and read the queue's tail.
 
     Then: the two newest keys of the lock (the new key, and the one just before it, if any).
     Else (a retry: the key exists): the key itself, with its create_revision and lease.
@@ -92,7 +93,7 @@ def create_txn(key: bytes, lock_prefix: bytes, lease_id: int) -> Any:
     return rpc.TxnRequest(
         compare=[rpc.Compare(key=key, target=_CREATE, result=_EQUAL, create_revision=0)],
         success=[
-            rpc.RequestOp(request_put=rpc.PutRequest(key=key, value=b"", lease=lease_id)),
+            rpc.RequestOp(request_put=rpc.PutRequest(key=key, value=owner, lease=lease_id)),
             rpc.RequestOp(
                 request_range=rpc.RangeRequest(
                     key=lock_prefix,
@@ -367,6 +368,7 @@ class EtcdBackend(Backend):
         ttl: float,
         deadline: float | None,
         on_lost: LostCallback,
+        owner: str = "",
     ) -> Grant:
         self._check_open()
         seconds = lease_seconds(ttl)
@@ -379,7 +381,9 @@ class EtcdBackend(Backend):
             if lease is None:
                 lease = await self._new_lease(seconds, deadline)
             try:
-                reply = await self._txn(create_txn(key, lock_prefix, lease.id), "acquire", deadline)
+                reply = await self._txn(
+                    create_txn(key, lock_prefix, lease.id, owner.encode()), "acquire", deadline
+                )
             except LeaseNotFound:
                 # A recycled lease had expired or was revoked by someone: take a fresh one.
                 stale_leases += 1
@@ -621,7 +625,6 @@ class EtcdBackend(Backend):
             sort_target=_BY_CREATE,
             sort_order=_ASCEND,
             limit=1,
-            keys_only=True,
         )
         reply = await self._call(lambda m, t: m.kv.Range(request, timeout=t), "status")
         if not reply.kvs:
@@ -644,6 +647,7 @@ class EtcdBackend(Backend):
             last_token=token,
             remaining=remaining,
             waiters=max(0, reply.count - 1),
+            owner=kv.value.decode(errors="replace") or None,
         )
 
     async def aclose(self) -> None:

@@ -36,6 +36,7 @@ class _Holder:
     ttl: float
     expires_at: float
     on_lost: LostCallback
+    owner: str = ""
 
 
 @dataclasses.dataclass(eq=False)
@@ -107,10 +108,11 @@ class MemoryBackend(Backend):
         ttl: float,
         sent_at: float,
         on_lost: LostCallback,
+        owner: str = "",
     ) -> Grant:
         lock.last_value += 1
         token = FencingToken(name, lock.last_value)
-        lock.holder = _Holder(request_id, token, ttl, sent_at + ttl, on_lost)
+        lock.holder = _Holder(request_id, token, ttl, sent_at + ttl, on_lost, owner)
         return Grant(token, request_id, ttl, sent_at)
 
     def _wake_head(self, lock: _Lock) -> None:
@@ -130,6 +132,7 @@ class MemoryBackend(Backend):
         ttl: float,
         deadline: float | None,
         on_lost: LostCallback,
+        owner: str = "",
     ) -> Grant:
         self._check_open()
         store = self._store
@@ -152,7 +155,7 @@ class MemoryBackend(Backend):
                             lock.queue.popleft()
                             self._waiters.discard(waiter)
                             waiter = None
-                        return self._grant(name, lock, request_id, ttl, now, on_lost)
+                        return self._grant(name, lock, request_id, ttl, now, on_lost, owner)
                     if deadline is not None and now >= deadline:
                         raise lock_timeout(name)
                     if waiter is None:
@@ -222,6 +225,7 @@ class MemoryBackend(Backend):
                 last_token=last,
                 remaining=max(0.0, holder.expires_at - now) if holder else None,
                 waiters=len(lock.queue),
+                owner=(holder.owner or None) if holder else None,
             )
 
     async def aclose(self) -> None:

@@ -452,6 +452,7 @@ class PostgreSQLBackend(Backend):
         ttl: float,
         deadline: float | None,
         on_lost: LostCallback,
+        owner: str = "",
     ) -> Grant:
         self._check_open()
         if not isinstance(request_id, str) or not request_id or "\x00" in request_id:
@@ -499,7 +500,7 @@ class PostgreSQLBackend(Backend):
                     timeout = min(timeout, max(deadline - now, 0.0) + 1.0)
                 sent_at = _clock.now()
                 enqueue = not last_try
-                params = (name, request_id, ttl, self._waiter_ttl, channel, enqueue)
+                params = (name, request_id, ttl, self._waiter_ttl, channel, enqueue, owner or None)
                 self._in_flight[ident] = marker
                 row = await self._call(names.q_acquire, params, timeout=timeout, late=late)
                 self._settled(ident, marker)
@@ -573,7 +574,7 @@ class PostgreSQLBackend(Backend):
 
     async def status(self, name: str) -> LockStatus:
         row = _one(await self._call(self._names.q_status, {"name": name}))
-        holder, token, last, remaining, waiters = row
+        holder, token, last, remaining, waiters, owner = row
         held = holder is not None and remaining is not None and remaining > 0
         return LockStatus(
             name=name,
@@ -582,6 +583,7 @@ class PostgreSQLBackend(Backend):
             last_token=FencingToken(name, last) if last else None,
             remaining=float(remaining) if held else None,
             waiters=int(waiters),
+            owner=owner if held else None,
         )
 
     async def aclose(self) -> None:

@@ -109,16 +109,19 @@ _OPTIONS: Final = MappingProxyType(
 
 
 # Every script that changes a lock gets the same keys and its first five arguments:
-# KEYS: 1 token counter (never expires), 2 holder ("<token> <ttl ms> <request id>", PX expiry),
-#       3 queue (zset rid -> arrival number), 4 heartbeats (zset rid -> deadline, server ms),
-#       5 arrival counter, 6 waiters' ttls (hash rid -> ttl ms)
+# KEYS: 1 token counter (never expires), 2 holder ("<token> <ttl ms> <request id>", then
+#       "\n<owner>" if the holder described itself; PX expiry), 3 queue (zset rid -> arrival
+#       number), 4 heartbeats (zset rid -> deadline, server ms), 5 arrival counter, 6 waiters'
+#       ttls (hash rid -> ttl ms), 7 waiters' owners (hash rid -> owner, for a hand-off)
 # ARGV: 1 request id, 2 ttl ms, 3 mode, 4 heartbeat ms, 5 wake-list key prefix
+# (fenced 0.1's scripts pass six keys and read "\n<owner>" as part of a request id that is
+# never theirs: both versions can share a server while it is upgraded.)
 _HOLDER: Final = """
 local function holder()
   local v = redis.call('GET', KEYS[2])
   if not v then return nil end
-  local token, ttl, rid = string.match(v, '^(%d+) (%d+) (.*)$')
-  return rid, token, ttl
+  local token, ttl, rid, owner = string.match(v, '^(%d+) (%d+) ([^\\n]*)\\n?(.*)$')
+  return rid, token, ttl, owner
 end
 """
 
@@ -140,6 +143,7 @@ local function forget(who)
   redis.call('ZREM', KEYS[3], who)
   redis.call('ZREM', KEYS[4], who)
   redis.call('HDEL', KEYS[6], who)
+  redis.call('HDEL', KEYS[7], who)
 end
 local has_waiters = redis.call('ZCARD', KEYS[3]) > 0
 if has_waiters then
@@ -156,7 +160,7 @@ local function first()
   end
   return nil
 end
-local function grant(who, ttl)
+local function grant(who, ttl, owner)
   local n = redis.call('INCR', KEYS[1])
   local token
   if n < 9007199254740992 then
@@ -164,14 +168,17 @@ local function grant(who, ttl)
   else
     token = redis.call('GET', KEYS[1])  -- beyond 2^53 a Lua number is not exact
   end
-  redis.call('SET', KEYS[2], token .. ' ' .. ttl .. ' ' .. who, 'PX', ttl)
+  local value = token .. ' ' .. ttl .. ' ' .. who
+  if owner and owner ~= '' then value = value .. '\\n' .. owner end
+  redis.call('SET', KEYS[2], value, 'PX', ttl)
   return token
 end
 local function hand_off()
   local head, ttl = first()
   if head then
+    local owner = redis.call('HGET', KEYS[7], head)
     forget(head)
-    local token = grant(head, ttl)
+    local token = grant(head, ttl, owner)
     local k = ARGV[5] .. head
     redis.call('DEL', k)
     redis.call('RPUSH', k, token .. ':' .. ttl)
@@ -181,7 +188,7 @@ end
 """
 
 # ARGV[3]: 'wait' joins the queue (or refreshes the caller's heartbeat) if not granted;
-# 'final' (the deadline has passed) leaves it instead.
+# 'final' (the deadline has passed) leaves it instead. ARGV[6]: the caller's owner text.
 # Returns {1, token, pttl, ttl} when the caller holds the lock (a new grant, a hand-off it has
 # not read yet, or a retried request), else {0, holder pttl, queue length}.
 ACQUIRE_LUA: Final = (
@@ -199,7 +206,7 @@ if not h_rid then
   local head = first()
   if not head or head == rid then
     if head then forget(rid) end
-    local token = grant(rid, ARGV[2])
+    local token = grant(rid, ARGV[2], ARGV[6])
     return {1, token, tonumber(ARGV[2]), tonumber(ARGV[2])}
   end
   hand_off()
@@ -212,6 +219,7 @@ if ARGV[3] == 'wait' then
   end
   redis.call('ZADD', KEYS[4], now() + tonumber(ARGV[4]), rid)
   redis.call('HSET', KEYS[6], rid, ARGV[2])
+  if ARGV[6] ~= '' then redis.call('HSET', KEYS[7], rid, ARGV[6]) end
 else
   forget(rid)
 end
@@ -275,12 +283,12 @@ STATUS_LUA: Final = (
     + """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local h_rid, h_token = holder()
+local h_rid, h_token, _, h_owner = holder()
 local pttl = -1
 if h_rid then pttl = redis.call('PTTL', KEYS[2]) end
 local last = redis.call('GET', KEYS[1])
 local waiters = redis.call('ZCOUNT', KEYS[4], '(' .. now, '+inf')
-return {h_rid or '', h_token or '', pttl, last or '', waiters}
+return {h_rid or '', h_token or '', pttl, last or '', waiters, h_owner or ''}
 """
 )
 
@@ -493,6 +501,7 @@ class RedisBackend(Backend):
             f"{base}:hb",
             f"{base}:seq",
             f"{base}:ttls",
+            f"{base}:owners",
         ]
         self._key_cache[name] = (keys, f"{base}:wake:")
         return keys, f"{base}:wake:"
@@ -507,6 +516,7 @@ class RedisBackend(Backend):
         ttl: float,
         deadline: float | None,
         on_lost: LostCallback,
+        owner: str = "",
     ) -> Grant:
         keys, wake_prefix = self._keys(name)
         ttl_ms = max(1, round(ttl * 1000))
@@ -525,6 +535,7 @@ class RedisBackend(Backend):
                     "final" if final else "wait",
                     self._heartbeat_ms,
                     wake_prefix,
+                    owner.replace("\n", " "),
                 )
                 reply = await self._call(functools.partial(self._acquire, keys=keys, args=args))
                 if int(reply[0]) == 1:
@@ -613,7 +624,7 @@ class RedisBackend(Backend):
 
     async def status(self, name: str) -> LockStatus:
         keys, _ = self._keys(name)
-        rid, token, pttl, last, waiters = await self._call(lambda: self._status(keys=keys))
+        rid, token, pttl, last, waiters, owner = await self._call(lambda: self._status(keys=keys))
         held = bool(rid) and int(pttl) >= 0
         return LockStatus(
             name=name,
@@ -622,6 +633,7 @@ class RedisBackend(Backend):
             last_token=FencingToken(name, int(last)) if last else None,
             remaining=int(pttl) / 1000 if held else None,
             waiters=int(waiters),
+            owner=(owner or None) if held else None,
         )
 
     async def aclose(self) -> None:

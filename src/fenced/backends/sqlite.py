@@ -100,8 +100,10 @@ from ._sqlite_schema import (
     PRAGMAS,
     SCHEMA,
     SCHEMA_VERSION,
+    SQL_ADD_OWNER,
     SQL_DEQUEUE,
     SQL_ENQUEUE,
+    SQL_HAS_OWNER,
     SQL_HEAD_WAKE,
     SQL_LOCK_STATE,
     SQL_NEXT_TOKEN,
@@ -258,6 +260,7 @@ class SQLiteBackend(Backend):
         self._in_queue: set[tuple[str, str]] = set()  # (lock, request id) rows we may have queued
         # A file this user may read but not write (a monitoring user): status only.
         self.read_only = os.path.exists(path) and not os.access(path, os.W_OK)
+        self._sql_status = SQL_STATUS.format(owner="h.owner")
         self._closed = False
 
     @classmethod
@@ -454,7 +457,11 @@ class SQLiteBackend(Backend):
     # -- transactions (each runs in the thread that owns ``conn``) ------------------------------
 
     def _tx_setup(self, conn: sqlite3.Connection) -> None:
-        if conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION:
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        if version == SCHEMA_VERSION and (
+            self.read_only or conn.execute(SQL_HAS_OWNER).fetchone()[0]
+        ):
+            self._set_owner_column(conn)
             return  # ready: no need for the write lock (another process may hold it)
         if self.read_only:
             raise ConfigurationError(
@@ -469,9 +476,17 @@ class SQLiteBackend(Backend):
             )
         for statement in SCHEMA:
             conn.execute(statement)
+        if not conn.execute(SQL_HAS_OWNER).fetchone()[0]:
+            conn.execute(SQL_ADD_OWNER)
         if version < SCHEMA_VERSION:
             conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         conn.execute("COMMIT")
+        self._set_owner_column(conn)
+
+    def _set_owner_column(self, conn: sqlite3.Connection) -> None:
+        # (a read-only user may look at a fenced 0.1 file, which has no owner column)
+        has = conn.execute(SQL_HAS_OWNER).fetchone()[0]
+        self._sql_status = SQL_STATUS.format(owner="h.owner" if has else "NULL")
 
     def _next_token(self, conn: sqlite3.Connection, name: str) -> int:
         """Bump and return the lock's persistent counter (inside the granting transaction)."""
@@ -479,7 +494,13 @@ class SQLiteBackend(Backend):
         return value
 
     def _tx_acquire(
-        self, conn: sqlite3.Connection, name: str, request_id: str, ttl: float, mode: str
+        self,
+        conn: sqlite3.Connection,
+        name: str,
+        request_id: str,
+        ttl: float,
+        mode: str,
+        owner: str = "",
     ) -> _Attempt:
         """One acquire attempt; joining (or re-stamping our place in) the queue atomically.
 
@@ -507,7 +528,10 @@ class SQLiteBackend(Backend):
             free = not live and (head is None or head == request_id)
             if free and not relaxed:
                 value = self._next_token(conn, name)
-                conn.execute(SQL_SET_HOLDER, (name, request_id, value, ttl, sent_at + ttl, boot))
+                conn.execute(
+                    SQL_SET_HOLDER,
+                    (name, request_id, value, ttl, sent_at + ttl, boot, owner or None),
+                )
                 if head is not None:  # it was us, at the head of the queue
                     conn.execute(SQL_DEQUEUE, (name, request_id))
                 conn.execute("COMMIT")
@@ -580,8 +604,8 @@ class SQLiteBackend(Backend):
 
     def _tx_status(self, conn: sqlite3.Connection, name: str) -> LockStatus:
         now = _clock.now()
-        last, holder, token, expires, row_boot, waiters = conn.execute(
-            SQL_STATUS, (name, self._boot, now)
+        last, holder, token, expires, row_boot, waiters, owner = conn.execute(
+            self._sql_status, (name, self._boot, now)
         ).fetchone()
         live = holder is not None and row_boot == self._boot and expires > now
         return LockStatus(
@@ -591,6 +615,7 @@ class SQLiteBackend(Backend):
             last_token=FencingToken(name, last) if last else None,
             remaining=max(0.0, expires - now) if live else None,
             waiters=waiters,
+            owner=owner if live else None,
         )
 
     # -- the Backend API -------------------------------------------------------------------------
@@ -603,6 +628,7 @@ class SQLiteBackend(Backend):
         ttl: float,
         deadline: float | None,
         on_lost: LostCallback,
+        owner: str = "",
     ) -> Grant:
         self._check_open()
         self._check_writable()
@@ -631,7 +657,12 @@ class SQLiteBackend(Backend):
                     self._in_queue.add((name, request_id))
                 attempt = await self._transact(
                     functools.partial(
-                        self._tx_acquire, name=name, request_id=request_id, ttl=ttl, mode=mode
+                        self._tx_acquire,
+                        name=name,
+                        request_id=request_id,
+                        ttl=ttl,
+                        mode=mode,
+                        owner=owner,
                     ),
                     limit=deadline,
                     busy=timeout,

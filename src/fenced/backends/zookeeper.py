@@ -203,6 +203,7 @@ class ZooKeeperBackend(Backend):
         ttl: float,
         deadline: float | None,
         on_lost: LostCallback,
+        owner: str = "",
     ) -> Grant:
         self._check_open()
         held = self._held.get((name, request_id))
@@ -217,6 +218,7 @@ class ZooKeeperBackend(Backend):
             )
         session = self._session_for(ttl)
         node = Node(name, request_id, session, f"{self._root}/{name}", prefix, [on_lost], ttl)
+        node.owner = owner.encode()
         post = self._mailbox.post
         node.own_watch = lambda ev: post(self._on_own_event, node, ev)
         node.pred_watch = lambda ev: post(_on_pred_event, node, ev)
@@ -343,7 +345,7 @@ class ZooKeeperBackend(Backend):
         created = s.future(
             client.create_async(
                 f"{node.parent}/{node.prefix}",
-                b"",
+                node.owner,
                 ephemeral=True,
                 sequence=True,
                 include_data=True,
@@ -715,8 +717,9 @@ class ZooKeeperBackend(Backend):
                     break
                 holder, request_id = queue[0]
                 path = f"{parent}/{holder}"
-                stat = await s.future(s.client.exists_async(path))
-                if stat is None:  # it just left: look again
+                try:
+                    data, stat = await s.future(s.client.get_async(path))
+                except NoNodeError:  # it just left: look again
                     children = await s._children(parent)
                     continue
                 token = FencingToken(name, stat.czxid)
@@ -732,6 +735,7 @@ class ZooKeeperBackend(Backend):
                     last_token=FencingToken(name, last),
                     remaining=remaining,
                     waiters=len(queue) - 1,
+                    owner=bytes(data).decode(errors="replace") or None,
                 )
         except KazooException as exc:
             raise unavailable("status failed", exc) from exc
