@@ -377,3 +377,22 @@ def test_fenced_write_fences_a_shell_job_end_to_end(sqlite_url: str, tmp_path: P
     assert len(list(target.glob("0*"))) == 2  # nothing written by the stale writer
     no_token = run(["write", str(target)], sqlite_url, input="x")
     assert no_token.returncode == 2 and "token" in no_token.stderr
+
+
+def test_release_force_frees_a_stuck_holder(sqlite_url: str) -> None:
+    """An operator frees a lock held by a stuck process: `fenced release --force NAME`,
+    optionally only if a given grant still holds it; without --force it refuses."""
+    with fenced.connect(sqlite_url) as locks:
+        stuck = locks.lock("nightly", ttl=30, description="stuck job")
+        token = stuck.acquire()
+        refused = run(["release", "nightly"], sqlite_url)
+        assert refused.returncode == 2 and "--force" in refused.stderr
+        other = run(["release", "--force", "nightly", "--token", "nightly:99"], sqlite_url)
+        assert other.returncode == 0 and "not held by nightly:99" in other.stdout
+        assert locks.status("nightly").token == token
+        out = run(["release", "--force", "nightly"], sqlite_url)
+        assert out.returncode == 0, out.stderr
+        assert f"released {token}" in out.stdout and "stuck job" in out.stdout
+        assert locks.status("nightly").holder is None
+        again = run(["release", "--force", "nightly"], sqlite_url)
+        assert again.returncode == 0 and "not held" in again.stdout

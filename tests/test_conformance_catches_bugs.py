@@ -117,6 +117,13 @@ class SameTokenTwice(_Mutant):
         return super()._grant(name, lock, request_id, ttl, sent_at, on_lost, owner)
 
 
+class UnfencedForceRelease(_Mutant):
+    """force_release() frees the lock whatever grant holds it, ignoring ``token``."""
+
+    async def force_release(self, name: str, token: FencingToken | None = None) -> Any:
+        return await super().force_release(name, None)
+
+
 class OwnerNotKept(_Mutant):
     """The holder's description is dropped: status cannot say who holds the lock."""
 
@@ -142,6 +149,7 @@ MUTANTS: list[tuple[type[_Mutant], Callable[..., Any]]] = [
     (NotIdempotent, suite.test_idempotent_acquire_with_request_id),
     (LifoWaiters, suite.test_fifo_among_waiters),
     (OwnerNotKept, suite.test_status_shows_who_holds_it),
+    (UnfencedForceRelease, suite.test_force_release_frees_only_that_grant_and_the_holder_learns),
 ]
 
 

@@ -203,6 +203,28 @@ class Backend(abc.ABC):
     async def status(self, name: str) -> LockStatus:
         """Report the current holder and the highest token of ``name``."""
 
+    async def force_release(
+        self, name: str, token: FencingToken | None = None
+    ) -> LockStatus | None:
+        """Free ``name`` whoever holds it: an operator's tool (``fenced release --force``).
+
+        Returns the status of the grant it freed, or None if the lock was not held (or, with
+        ``token``, not held by that grant). The freed grant's token keeps protecting the data:
+        guarded resources refuse it once the next holder has written. Its holder learns of the
+        loss at its next renewal at the latest. This default releases the current grant by its
+        own request id and token (so it can never free a later grant), retrying if the holder
+        changed meanwhile; a source whose release needs more than that overrides it.
+        """
+        for _ in range(5):
+            status = await self.status(name)
+            if status.token is None or status.holder is None:
+                return None
+            if token is not None and status.token != token:
+                return None
+            if await self.release(Grant(status.token, status.holder, 0.0, 0.0)):
+                return status
+        raise BackendUnavailable(f"{name!r} kept changing hands while being released")
+
     @abc.abstractmethod
     async def aclose(self) -> None:
         """Close connections. Grants still held are left to expire."""

@@ -571,6 +571,23 @@ class AsyncLocks:
         backend = await self._get_backend()
         return await backend.status(validate_lock_name(name))
 
+    async def force_release(
+        self, name: str, token: FencingToken | str | None = None
+    ) -> LockStatus | None:
+        """Free ``name`` whoever holds it: an operator's tool (``fenced release --force``).
+
+        Returns the status of the grant freed (its token, who held it), or None if ``name``
+        was not held, or with ``token``, not held by that grant. Safe for the data: the freed
+        grant's token is refused by every guarded resource once the next holder has written,
+        and its holder learns of the loss (at once on ZooKeeper and the memory source, at its
+        next renewal, within ``ttl/3``, elsewhere). Not safe for what that holder does without
+        a guard: use it for a holder that is stuck or gone.
+        """
+        backend = await self._get_backend()
+        name = validate_lock_name(name)
+        tok = None if token is None else FencingToken.coerce(token, name)
+        return await backend.force_release(name, tok)
+
     async def lock_names(self) -> list[str]:
         """The names of the locks the source knows, sorted (see ``fenced status``)."""
         backend = await self._get_backend()

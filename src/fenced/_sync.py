@@ -260,6 +260,12 @@ class Locks:
         """Holder, token, highest token and time left of ``name``."""
         return self._portal.call(self._async.status(name))
 
+    def force_release(
+        self, name: str, token: FencingToken | str | None = None
+    ) -> LockStatus | None:
+        """Free ``name`` whoever holds it (see :meth:`AsyncLocks.force_release`)."""
+        return self._portal.call(self._async.force_release(name, token))
+
     def lock_names(self) -> list[str]:
         """The names of the locks the source knows, sorted."""
         return self._portal.call(self._async.lock_names())

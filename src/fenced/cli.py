@@ -181,6 +181,35 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds between SIGTERM and SIGKILL on lease loss (5)",
     )
 
+    release = sub.add_parser(
+        "release",
+        parents=[common],
+        help="free a lock whoever holds it (--force): for a holder that is stuck or gone",
+        description=(
+            "Free NAME whoever holds it. The freed grant's token still protects the data: "
+            "guarded resources refuse it once the next holder has written, and its holder "
+            "learns of the loss (at its next renewal at the latest). Whatever that holder "
+            "does without a guard is not protected: use it for a holder that is stuck or gone."
+        ),
+    )
+    release.add_argument("name", metavar="NAME", help="the lock")
+    release.add_argument(
+        "--force", action="store_true", help="required: say you mean it (there is no other kind)"
+    )
+    release.add_argument(
+        "--token", help="only if this grant still holds it, e.g. nightly:7 (as fenced status shows)"
+    )
+    release.add_argument(
+        "--url",
+        help="token source URL (default: $FENCED_URL, else /var/tmp/fenced/locks.db)",
+    )
+    release.add_argument(
+        "--timeout",
+        type=_timeout,
+        default=10.0,
+        help="give up reaching the source after this many seconds (10)",
+    )
+
     write = sub.add_parser(
         "write",
         parents=[common],
@@ -239,6 +268,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_status(args)
         if args.command == "write":
             return _cmd_write(args)
+        if args.command == "release":
+            return _cmd_release(args)
     except (ConfigurationError, InvalidTokenError) as exc:
         return _fail(EXIT_USAGE, str(exc), exc, args.verbose)
     except BackendUnavailable as exc:
@@ -413,6 +444,24 @@ def _signal_group(child: subprocess.Popen[bytes], signum: int) -> None:
         os.killpg(child.pid, signum)
     except ProcessLookupError:
         pass
+
+
+def _cmd_release(args: argparse.Namespace) -> int:
+    if not args.force:
+        _say("release: --force is required (it frees the lock from whoever holds it)")
+        return EXIT_USAGE
+    name = validate_lock_name(args.name)
+    token = None if args.token is None else FencingToken.parse(args.token, lock=name)
+    url = args.url or default_url()
+    with _sync.connect(url, connect_timeout=max(args.timeout, 0.1)) as locks:
+        freed = locks.force_release(name, token)
+    if freed is None:
+        which = f" by {token}" if token is not None else ""
+        print(f"{name}: not held{which}; nothing released")
+        return 0
+    who = freed.owner or freed.holder
+    print(f"{name}: released {freed.token} (held by {who})")
+    return 0
 
 
 def _cmd_write(args: argparse.Namespace) -> int:

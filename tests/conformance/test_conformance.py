@@ -210,6 +210,27 @@ def test_status_shows_who_holds_it(env: BackendEnv) -> None:
             assert plain is not None and plain.endswith(me), plain
 
 
+def test_force_release_frees_only_that_grant_and_the_holder_learns(env: BackendEnv) -> None:
+    """An operator's forced release (``fenced release --force``): it frees the current grant,
+    never a later one (``token=``), hands the lock on with a higher token, and the old holder
+    finds out (lost, at its next renewal at the latest)."""
+    name = unique_name()
+    with env.connect() as locks, env.connect() as other:
+        stuck = locks.lock(name, ttl=1.5)
+        first = stuck.acquire()
+        assert other.force_release(name, token=fenced.FencingToken(name, first.value + 1)) is None
+        assert locks.status(name).token == first  # a different token: nothing freed
+        freed = other.force_release(name)
+        assert freed is not None and freed.token == first and freed.owner
+        assert other.force_release(name) is None  # nothing left to free
+        with other.lock(name, ttl=5, timeout=10) as lease:
+            assert lease.token > first
+            assert stuck.lost.wait(10), "the old holder never learned it lost the lock"
+            assert not stuck.held
+            assert stuck.release() is False  # and its release frees nothing of the new grant
+            assert other.status(name).token == lease.token
+
+
 def test_idempotent_acquire_with_request_id(env: BackendEnv) -> None:
     name = unique_name()
     with env.connect() as locks:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import math
 from collections.abc import Awaitable, Callable
 from types import MappingProxyType
@@ -81,6 +82,10 @@ def range_end(prefix: bytes) -> bytes:
             end[i] += 1
             return bytes(end[: i + 1])
     return b"\0"
+
+
+def _range_of(key: bytes, member: Any, timeout: float) -> Any:
+    return member.kv.Range(rpc.RangeRequest(key=key), timeout=timeout)
 
 
 def create_txn(key: bytes, lock_prefix: bytes, lease_id: int, owner: bytes = b"") -> Any:
@@ -604,6 +609,33 @@ class EtcdBackend(Backend):
 
     def _release_request(self, hold: _Hold) -> Any:
         return release_txn(hold.key, hold.revision)
+
+    async def force_release(
+        self, name: str, token: FencingToken | None = None
+    ) -> LockStatus | None:
+        """Delete the holder's key if it is still that grant (``create_revision`` compared in
+        one transaction), then revoke its etcd lease, so that the holder's next keepalive
+        fails (a deleted key alone would not tell it). The lease is that grant's alone: a
+        lease is only recycled by its holder's own release, which finds the key gone."""
+        self._check_open()
+        for _ in range(5):
+            status = await self.status(name)
+            if status.token is None or status.holder is None:
+                return None
+            if token is not None and status.token != token:
+                return None
+            key = self._lock_prefix(name) + status.holder.encode()
+            got = await self._call(functools.partial(_range_of, key), "force release")
+            if not got.kvs or got.kvs[0].create_revision != status.token.value:
+                continue
+            lease_id = got.kvs[0].lease
+            reply = await self._txn(release_txn(key, status.token.value), "force release")
+            if not reply.succeeded:
+                continue  # released or expired meanwhile: look again
+            if lease_id:
+                await self._revoke(lease_id)
+            return status
+        raise BackendUnavailable(f"{name!r} kept changing hands while being released")
 
     async def lock_names(self) -> list[str]:
         self._check_open()

@@ -705,40 +705,12 @@ class ZooKeeperBackend(Backend):
     async def status(self, name: str) -> LockStatus:
         self._check_open()
         s = self._status_session()
-        parent = f"{self._root}/{name}"
         try:
-            # sync first: the listing then reflects every write committed before this call.
-            synced = s.future(s.client.sync_async(parent))
-            children = await s._children(parent)
-            ignore(synced)
-            for _ in range(3):
-                queue = _queue_order(children)
-                if not queue:
-                    break
-                holder, request_id = queue[0]
-                path = f"{parent}/{holder}"
-                try:
-                    data, stat = await s.future(s.client.get_async(path))
-                except NoNodeError:  # it just left: look again
-                    children = await s._children(parent)
-                    continue
-                token = FencingToken(name, stat.czxid)
-                last = max(token.value, self._last_tokens.get(name, 0))
-                mine = self._find_local(path)
-                remaining = None
-                if mine is not None and mine.phase is NodePhase.HELD:
-                    remaining = max(0.0, mine.expires_at - _clock.now())
-                return LockStatus(
-                    name=name,
-                    holder=request_id,
-                    token=token,
-                    last_token=FencingToken(name, last),
-                    remaining=remaining,
-                    waiters=len(queue) - 1,
-                    owner=bytes(data).decode(errors="replace") or None,
-                )
+            found = await self._holder_node(s, name)
         except KazooException as exc:
             raise unavailable("status failed", exc) from exc
+        if found is not None:
+            return found[0]
         last_value = self._last_tokens.get(name)
         return LockStatus(
             name=name,
@@ -748,6 +720,66 @@ class ZooKeeperBackend(Backend):
             remaining=None,
             waiters=0,
         )
+
+    async def _holder_node(self, s: Session, name: str) -> tuple[LockStatus, str, int] | None:
+        """The holder's status, node path and node version (None: not held)."""
+        parent = f"{self._root}/{name}"
+        # sync first: the listing then reflects every write committed before this call.
+        synced = s.future(s.client.sync_async(parent))
+        children = await s._children(parent)
+        ignore(synced)
+        for _ in range(3):
+            queue = _queue_order(children)
+            if not queue:
+                return None
+            holder, request_id = queue[0]
+            path = f"{parent}/{holder}"
+            try:
+                data, stat = await s.future(s.client.get_async(path))
+            except NoNodeError:  # it just left: look again
+                children = await s._children(parent)
+                continue
+            token = FencingToken(name, stat.czxid)
+            last = max(token.value, self._last_tokens.get(name, 0))
+            mine = self._find_local(path)
+            remaining = None
+            if mine is not None and mine.phase is NodePhase.HELD:
+                remaining = max(0.0, mine.expires_at - _clock.now())
+            status = LockStatus(
+                name=name,
+                holder=request_id,
+                token=token,
+                last_token=FencingToken(name, last),
+                remaining=remaining,
+                waiters=len(queue) - 1,
+                owner=bytes(data).decode(errors="replace") or None,
+            )
+            return status, path, stat.version
+        return None
+
+    async def force_release(
+        self, name: str, token: FencingToken | None = None
+    ) -> LockStatus | None:
+        """Delete the holder's node (checking its version: exactly that grant). Its session's
+        watch tells the holder at once; the next waiter's watch wakes it."""
+        self._check_open()
+        s = self._status_session()
+        try:
+            for _ in range(5):
+                found = await self._holder_node(s, name)
+                if found is None:
+                    return None
+                status, path, version = found
+                if token is not None and status.token != token:
+                    return None
+                try:
+                    await s.future(s.client.delete_async(path, version=version))
+                except (NoNodeError, BadVersionError):
+                    continue  # it changed hands meanwhile: look again
+                return status
+        except KazooException as exc:
+            raise unavailable("force release failed", exc) from exc
+        raise BackendUnavailable(f"{name!r} kept changing hands while being released")
 
     def _find_local(self, path: str) -> Node | None:
         for s in self._sessions.values():
