@@ -14,9 +14,9 @@ demo: $(PY)
 	$(PIP) install -e '.[cli]'
 	$(VENV)/bin/fenced demo
 
-# Debian packages for the real servers the tests start, and strace for the fsync counts
-# (only when root; otherwise they must already be installed). PostgreSQL is looked for
-# under /usr/lib/postgresql.
+# Debian packages for the real servers the tests start, strace for the fsync counts and
+# Chromium for the pictures' rendering check (only when root; otherwise they must already be
+# installed). PostgreSQL is looked for under /usr/lib/postgresql.
 servers:
 	@if [ "$$(id -u)" = 0 ]; then \
 	  missing=""; \
@@ -26,6 +26,7 @@ servers:
 	  ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || missing="$$missing postgresql"; \
 	  command -v java >/dev/null || missing="$$missing default-jre-headless"; \
 	  command -v strace >/dev/null || missing="$$missing strace"; \
+	  command -v chromium >/dev/null || missing="$$missing chromium"; \
 	  if [ -n "$$missing" ]; then \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
 	  fi; \
@@ -33,14 +34,14 @@ servers:
 
 test: $(PY) servers
 	$(PIP) install -e '.[dev]'
-	$(VENV)/bin/ruff check src tests bench
-	$(VENV)/bin/ruff format --check src tests bench
+	$(VENV)/bin/ruff check src tests bench docs/img
+	$(VENV)/bin/ruff format --check src tests bench docs/img
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -n 2 --dist loadgroup -q
 
 lint:
-	$(VENV)/bin/ruff check src tests bench
-	$(VENV)/bin/ruff format src tests bench
+	$(VENV)/bin/ruff check src tests bench docs/img
+	$(VENV)/bin/ruff format src tests bench docs/img
 
 bench: $(PY)
 	$(PIP) install -e '.[all]'

@@ -1,0 +1,207 @@
+"""Draw the pictures of the README and docs as SVG, from the numbers of a real scenario.
+
+    python docs/img/make_pictures.py          # rewrites docs/img/*.svg
+
+tests/test_pictures.py runs this and fails if a committed picture differs from what it draws,
+then renders each picture in headless Chromium and checks what is on the screen.
+
+* ``paused-writer.svg``: DDIA Figure 8-5 as ``fenced demo`` plays it: client 1 takes the lock
+  (token 33), is paused past its lease, client 2 takes it (token 34) and writes, client 1
+  wakes and writes with 33: the guarded storage refuses it.
+* ``lease-timeline.svg``: what ``lease.remaining()`` counts: from when the request was sent,
+  the ttl less the safety margin; renewals every ttl/3.
+* ``guard-flow.svg``: what a guard does with a write, in one atomic step.
+"""
+
+from __future__ import annotations
+
+import html
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+FONT = "font-family='DejaVu Sans, Helvetica, Arial, sans-serif'"
+INK = "#1f2933"
+GREY = "#9aa5b1"
+LEASE_1 = "#4c8bf5"
+LEASE_2 = "#2e9d5b"
+REFUSED = "#d64545"
+ACCEPTED = "#2e9d5b"
+
+
+def _text(x: float, y: float, s: str, size: int = 14, anchor: str = "start", **style: str) -> str:
+    extra = "".join(f" {k.replace('_', '-')}='{v}'" for k, v in style.items() if k != "fill")
+    return (
+        f"<text x='{x:g}' y='{y:g}' {FONT} font-size='{size}' fill='{style.get('fill', INK)}' "
+        f"text-anchor='{anchor}'{extra}>{html.escape(s)}</text>"
+    )
+
+
+def _svg(width: int, height: int, title: str, body: list[str]) -> str:
+    head = (
+        f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' "
+        f"viewBox='0 0 {width} {height}' role='img' aria-label='{html.escape(title)}'>"
+        f"<title>{html.escape(title)}</title>"
+        f"<rect width='{width}' height='{height}' fill='white'/>"
+    )
+    return head + "".join(body) + "</svg>\n"
+
+
+def _arrow(x1: float, y1: float, x2: float, y2: float, color: str) -> str:
+    return (
+        f"<line x1='{x1:g}' y1='{y1:g}' x2='{x2:g}' y2='{y2:g}' stroke='{color}' "
+        f"stroke-width='2' marker-end='url(#head-{color[1:]})'/>"
+    )
+
+
+def _marker(color: str) -> str:
+    return (
+        f"<marker id='head-{color[1:]}' viewBox='0 0 10 10' refX='9' refY='5' markerWidth='7' "
+        f"markerHeight='7' orient='auto-start-reverse'><path d='M0,0 L10,5 L0,10 z' "
+        f"fill='{color}'/></marker>"
+    )
+
+
+def paused_writer() -> str:
+    """Three lanes (client 1, client 2, storage) on one time axis, in seconds."""
+    w, h = 860, 330
+    x0, x1 = 150, 820
+    t_end = 10.0
+
+    def x(t: float) -> float:
+        return x0 + (x1 - x0) * t / t_end
+
+    lanes = {"client 1": 70, "client 2": 150, "storage (guarded)": 250}
+    body = ["<defs>", *(_marker(c) for c in (INK, REFUSED, ACCEPTED)), "</defs>"]
+    body.append(_text(20, 28, "A paused lock holder wakes up and writes: the token stops it", 17,
+                      font_weight="bold"))  # fmt: skip
+    for label, y in lanes.items():
+        body.append(_text(20, y + 5, label, 14))
+        body.append(
+            f"<line x1='{x0}' y1='{y}' x2='{x1}' y2='{y}' stroke='{GREY}' stroke-dasharray='4 4'/>"
+        )
+    c1, c2, st = lanes["client 1"], lanes["client 2"], lanes["storage (guarded)"]
+    # client 1: lease with token 33 from t=0.5 to 4.5, paused from 1.5 to 6.5
+    body.append(
+        f"<rect x='{x(0.5):g}' y='{c1 - 12}' width='{x(4.5) - x(0.5):g}' height='24' "
+        f"fill='{LEASE_1}' opacity='0.25' rx='4'/>"
+    )
+    body.append(_text(x(0.6), c1 - 18, "lease, token 33", 12, fill=LEASE_1))
+    body.append(
+        f"<rect x='{x(1.5):g}' y='{c1 - 6}' width='{x(6.5) - x(1.5):g}' height='12' "
+        f"fill='{INK}' opacity='0.8'/>"
+    )
+    body.append(_text(x(4.0), c1 + 26, "paused (GC, SIGSTOP, a VM migration)", 12, "middle"))
+    body.append(_text(x(4.5) + 4, c1 - 18, "lease expires", 12, fill=GREY))
+    # client 2: lease with token 34 from 5.0, writes at 5.8
+    body.append(
+        f"<rect x='{x(5.0):g}' y='{c2 - 12}' width='{x(9.8) - x(5.0):g}' height='24' "
+        f"fill='{LEASE_2}' opacity='0.25' rx='4'/>"
+    )
+    body.append(_text(x(5.1), c2 - 18, "lease, token 34", 12, fill=LEASE_2))
+    body.append(_arrow(x(5.8), c2 + 12, x(5.8), st - 6, ACCEPTED))
+    body.append(_text(x(5.8) + 6, st - 40, "write, token 34", 12, fill=ACCEPTED))
+    body.append(_text(x(5.8) + 6, st + 24, "accepted: mark = 34", 12, fill=ACCEPTED))
+    # client 1 wakes at 6.5 and writes with 33 at 7.2: refused
+    body.append(_arrow(x(7.4), c1 + 8, x(7.4), st - 6, REFUSED))
+    body.append(_text(x(7.4) + 6, st - 70, "stale write, token 33", 12, fill=REFUSED))
+    body.append(_text(x1, st + 44, "refused: 33 < 34 (StaleTokenError), nothing written", 12,
+                      "end", fill=REFUSED, font_weight="bold"))  # fmt: skip
+    body.append(_text(x1, h - 12, "time →", 12, "end", fill=GREY))
+    return _svg(w, h, "A paused lock holder's stale write is refused by the guarded storage", body)
+
+
+def lease_timeline() -> str:
+    w, h = 860, 220
+    x0, x1 = 60, 820
+    ttl = 9.0
+
+    def x(t: float) -> float:
+        return x0 + (x1 - x0) * t / 10.5
+
+    body = ["<defs>", _marker(INK), "</defs>"]
+    body.append(_text(20, 28, "What lease.remaining() counts", 17, font_weight="bold"))
+    y = 110
+    body.append(f"<line x1='{x0}' y1='{y}' x2='{x1}' y2='{y}' stroke='{GREY}'/>")
+    sent, granted, margin = 0.5, 1.1, 0.9
+    body.append(
+        f"<rect x='{x(sent):g}' y='{y - 16}' width='{x(sent + ttl - margin) - x(sent):g}' "
+        f"height='32' fill='{LEASE_1}' opacity='0.3' rx='4'/>"
+    )
+    body.append(
+        f"<rect x='{x(sent + ttl - margin):g}' y='{y - 16}' width='{x(sent + ttl) - x(sent + ttl - margin):g}' "
+        f"height='32' fill='{REFUSED}' opacity='0.25'/>"
+    )  # fmt: skip
+    for t in (sent, granted):
+        body.append(
+            f"<line x1='{x(t):g}' y1='{y - 40}' x2='{x(t):g}' y2='{y + 40}' stroke='{INK}'/>"
+        )
+    body.append(_text(x(sent), y - 46, "request sent", 12, "middle"))
+    body.append(_text(x(granted), y + 56, "grant arrives", 12, "middle"))
+    for k in (1, 2):
+        t = sent + k * ttl / 3
+        body.append(_arrow(x(t), y - 40, x(t), y - 18, INK))
+        body.append(_text(x(t), y - 46, f"renew ({k}·ttl/3)", 12, "middle"))
+    body.append(
+        _text(x(sent + (ttl - margin) / 2), y + 5, "remaining() > 0: surely held", 13, "middle")
+    )
+    body.append(
+        _text(x(sent + ttl - margin / 2), y + 56, "safety margin", 12, "middle", fill=REFUSED)
+    )
+    body.append(
+        f"<line x1='{x(sent + ttl):g}' y1='{y - 40}' x2='{x(sent + ttl):g}' y2='{y + 24}' "
+        f"stroke='{INK}' stroke-dasharray='3 3'/>"
+    )
+    body.append(_text(x(sent + ttl), y - 46, "sent + ttl", 12, "middle"))
+    body.append(_text(x0, h - 14, "The source cannot have started the lease before the request was "
+                      "sent, so counting from there never overstates what is left.", 12))  # fmt: skip
+    return _svg(w, h, "The lease timeline: remaining() counts from the request's sending", body)
+
+
+def guard_flow() -> str:
+    w, h = 860, 200
+    body = ["<defs>", *(_marker(c) for c in (INK, REFUSED, ACCEPTED)), "</defs>"]
+    body.append(_text(20, 28, "A guarded write: check and write are one atomic step", 17,
+                      font_weight="bold"))  # fmt: skip
+    boxes = [
+        (20, "write + token T", INK),
+        (250, "T ≥ mark?", INK),
+        (520, "mark := T, write the data", ACCEPTED),
+    ]
+    for bx, label, color in boxes:
+        body.append(
+            f"<rect x='{bx}' y='70' width='210' height='50' rx='8' fill='white' "
+            f"stroke='{color}' stroke-width='2'/>"
+        )
+        body.append(_text(bx + 105, 100, label, 14, "middle", fill=color))
+    body.append(_arrow(230, 95, 248, 95, INK))
+    body.append(_arrow(460, 95, 518, 95, ACCEPTED))
+    body.append(_text(489, 88, "yes", 12, "middle", fill=ACCEPTED))
+    body.append(_arrow(355, 120, 355, 160, REFUSED))
+    body.append(_text(365, 178, "no: StaleTokenError, nothing written", 13, fill=REFUSED))
+    body.append(
+        f"<rect x='240' y='60' width='500' height='70' rx='10' fill='none' stroke='{GREY}' "
+        "stroke-dasharray='6 4'/>"
+    )
+    body.append(_text(745, 58, "one transaction / script / txn", 12, "end", fill=GREY))
+    return _svg(
+        w, h, "A guard checks the token against the mark and writes in one atomic step", body
+    )
+
+
+PICTURES = {
+    "paused-writer.svg": paused_writer,
+    "lease-timeline.svg": lease_timeline,
+    "guard-flow.svg": guard_flow,
+}
+
+
+def main(out: Path = HERE) -> int:
+    for name, draw in PICTURES.items():
+        (out / name).write_text(draw(), encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(Path(sys.argv[1]) if len(sys.argv) > 1 else HERE))
