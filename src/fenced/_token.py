@@ -7,28 +7,47 @@ from typing import Any, Final
 
 from ._errors import InvalidTokenError, WrongLockError
 
-__all__ = ["MAX_TOKEN", "FencingToken", "validate_lock_name"]
+__all__ = ["MAX_TOKEN", "FencingToken", "escape_name", "unescape_name", "validate_lock_name"]
 
 MAX_TOKEN: Final = 2**63 - 1
 """The largest token value: every engine we use stores it as a signed 64-bit integer."""
 
-_NAME_RE: Final = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:@+=-]{0,199}")
-_TEXT_RE: Final = re.compile(
-    r"(?P<lock>[A-Za-z0-9_][A-Za-z0-9_.:@+=-]{0,199}):(?P<value>[1-9][0-9]{0,18})"
-)
+# Segments of A-Z a-z 0-9 _ . : @ + = -, each starting with a letter, digit or _, joined by "/"
+# (path-like names, as etcd, ZooKeeper and Consul users write them: "jobs/nightly").
+_SEGMENT: Final = r"[A-Za-z0-9_][A-Za-z0-9_.:@+=-]*"
+_NAME: Final = rf"{_SEGMENT}(?:/{_SEGMENT})*"
+_NAME_RE: Final = re.compile(_NAME)
+# The token's text form: the name, ":", the value in decimal. The value has no ":", so the last
+# ":" always separates them ("a:b:7" is lock "a:b", value 7): never ambiguous.
+_TEXT_RE: Final = re.compile(rf"(?P<lock>{_NAME}):(?P<value>[1-9][0-9]{{0,18}})")
+MAX_NAME: Final = 200
 
 
 def validate_lock_name(name: object) -> str:
     """Return ``name`` if it is a valid lock name, else raise :class:`InvalidTokenError`.
 
-    A name is 1-200 characters of ``A-Z a-z 0-9 _ . : @ + = -``, not starting with a punctuation
-    mark: safe as an SQL value, a Redis key part, an etcd key segment and a ZooKeeper node name.
+    A name is 1-200 characters: segments of ``A-Z a-z 0-9 _ . : @ + = -`` joined by ``/``, each
+    segment starting with a letter, a digit or ``_`` (``jobs/nightly``; not ``/x``, ``x/``,
+    ``x//y`` or ``x/.y``). Sources that keep names in paths (etcd keys, ZooKeeper nodes) store
+    ``/`` escaped (:func:`escape_name`), so ``jobs`` and ``jobs/nightly`` are two locks that
+    never share a key prefix.
     """
-    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
+    if not isinstance(name, str) or len(name) > MAX_NAME or not _NAME_RE.fullmatch(name):
         raise InvalidTokenError(
-            f"invalid lock name {name!r}: use 1-200 characters of A-Z a-z 0-9 _ . : @ + = -"
+            f"invalid lock name {name!r}: use 1-200 characters of A-Z a-z 0-9 _ . : @ + = -, "
+            "in segments joined by '/', each starting with a letter, digit or _"
         )
     return name
+
+
+def escape_name(name: str) -> str:
+    """``name`` as one path segment: ``/`` becomes ``%2F`` (names have no ``%``, so
+    :func:`unescape_name` reads it back exactly)."""
+    return name.replace("/", "%2F")
+
+
+def unescape_name(segment: str) -> str:
+    return segment.replace("%2F", "/")
 
 
 class FencingToken:

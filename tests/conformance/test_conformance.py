@@ -231,6 +231,32 @@ def test_force_release_frees_only_that_grant_and_the_holder_learns(env: BackendE
             assert other.status(name).token == lease.token
 
 
+def test_path_like_names_are_separate_locks(env: BackendEnv) -> None:
+    """Names like paths (``jobs/nightly``), as etcd, ZooKeeper and Consul users write them: a
+    lock and the locks "under" it are unrelated locks (a key-prefix or node-path source must
+    not let one's queue cover the other's), listed and reported by their own names."""
+    base = unique_name()
+    names = [base, f"{base}/nightly", f"{base}/nightly/eu-1", f"{base}:x/y"]
+    with env.connect() as locks, env.connect() as other:
+        held = [locks.lock(n, ttl=10) for n in names]
+        for lease in held:
+            lease.acquire(timeout=5)  # none of them waits for another
+        for n, lease in zip(names, held, strict=True):
+            status = other.status(n)
+            assert status.token == lease.token and status.waiters == 0, (n, status)
+            assert lease.token.value >= 1 and str(lease.token) == f"{n}:{lease.token.value}"
+            assert fenced.FencingToken.parse(str(lease.token)) == lease.token
+        with pytest.raises(fenced.LockTimeout):
+            other.lock(names[1], ttl=10).acquire(timeout=0)
+        listed = set(other.lock_names())  # (while held: etcd lists only locks with keys)
+        assert set(names) <= listed, listed
+        for lease in held:
+            lease.release()
+    for bad in (f"/{base}", f"{base}/", f"{base}//x", f"{base}/.x", f"{base}/-x"):
+        with pytest.raises(fenced.InvalidTokenError):
+            fenced.FencingToken(bad, 1)
+
+
 def test_idempotent_acquire_with_request_id(env: BackendEnv) -> None:
     name = unique_name()
     with env.connect() as locks:

@@ -47,7 +47,7 @@ from .._errors import (
     LockTimeout,
 )
 from .._options import Option
-from .._token import FencingToken
+from .._token import FencingToken, escape_name, unescape_name
 from ._etcd_conn import EtcdClient, LeaseNotFound, Member, WatchHandle, cancelling
 
 __all__ = [
@@ -289,7 +289,8 @@ class EtcdBackend(Backend):
         return self._client.closed
 
     def _lock_prefix(self, name: str) -> bytes:
-        return self._prefix + name.encode() + b"/"
+        # "/" in a name is escaped: the prefix of "jobs" must not cover "jobs/nightly"'s keys.
+        return self._prefix + escape_name(name).encode() + b"/"
 
     async def _call(
         self,
@@ -642,9 +643,10 @@ class EtcdBackend(Backend):
         prefix = self._prefix
         request = rpc.RangeRequest(key=prefix, range_end=range_end(prefix), keys_only=True)
         reply = await self._call(lambda m, t: m.kv.Range(request, timeout=t), "list")
-        # Keys are <prefix><name>/<waiter>; a lock name has no '/'.
+        # Keys are <prefix><escaped name>/<waiter>: the escaped name has no '/'.
         names = {
-            kv.key[len(prefix) :].split(b"/", 1)[0].decode(errors="replace") for kv in reply.kvs
+            unescape_name(kv.key[len(prefix) :].split(b"/", 1)[0].decode(errors="replace"))
+            for kv in reply.kvs
         }
         return sorted(n for n in names if n)
 

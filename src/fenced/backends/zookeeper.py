@@ -56,7 +56,7 @@ from .._errors import (
 )
 from .._options import Option
 from .._state import DEFAULT_TTL
-from .._token import FencingToken
+from .._token import FencingToken, escape_name, unescape_name
 from ._zookeeper_session import (
     UNAVAILABLE,
     Mailbox,
@@ -217,7 +217,8 @@ class ZooKeeperBackend(Backend):
                 f"request id too long for a ZooKeeper node name: {request_id!r}"
             )
         session = self._session_for(ttl)
-        node = Node(name, request_id, session, f"{self._root}/{name}", prefix, [on_lost], ttl)
+        parent = f"{self._root}/{escape_name(name)}"
+        node = Node(name, request_id, session, parent, prefix, [on_lost], ttl)
         node.owner = owner.encode()
         post = self._mailbox.post
         node.own_watch = lambda ev: post(self._on_own_event, node, ev)
@@ -698,7 +699,8 @@ class ZooKeeperBackend(Backend):
         self._check_open()
         s = self._status_session()
         try:
-            return sorted(await s.future(s.client.get_children_async(self._root)))
+            children = await s.future(s.client.get_children_async(self._root))
+            return sorted(unescape_name(c) for c in children)
         except KazooException as exc:
             raise unavailable("listing failed", exc) from exc
 
@@ -723,7 +725,7 @@ class ZooKeeperBackend(Backend):
 
     async def _holder_node(self, s: Session, name: str) -> tuple[LockStatus, str, int] | None:
         """The holder's status, node path and node version (None: not held)."""
-        parent = f"{self._root}/{name}"
+        parent = f"{self._root}/{escape_name(name)}"
         # sync first: the listing then reflects every write committed before this call.
         synced = s.future(s.client.sync_async(parent))
         children = await s._children(parent)
