@@ -88,7 +88,7 @@ def main() -> None:
                 data: bytes = data, name: str = name, tokens: itertools.count[int] = tokens
             ) -> None:
                 value = next(tokens)
-                guard.write(name, data, FencingToken("bench", value))
+                guard.write(name, data, token=FencingToken("bench", value))
                 if value % 100 == 0:
                     guard.prune(name, keep=10)
 

@@ -123,7 +123,7 @@ def bench_redis(n: int, notes: list[str]) -> Rows:
             ("Redis set, same token", lambda: guard.set("{bench}:k", value, FENCE_1)),
             (
                 "Redis set, new token each",
-                lambda: guard.set("{bench}:k", value, FencingToken("bench", next(counter))),
+                lambda: guard.set("{bench}:k", value, token=FencingToken("bench", next(counter))),
             ),
         ]
         for what, guarded in cases:
@@ -160,7 +160,7 @@ def bench_etcd(n: int) -> Rows:
                 token = FencingToken("bench", 1)
                 value = b"x" * 100
                 return await aalternate(
-                    lambda: guard.put("bench/k", value, token),
+                    lambda: guard.put("bench/k", value, token=token),
                     lambda: client.put(b"bench/k", value),
                     n=n,
                     names=("AsyncEtcdGuard.put", "aetcd put"),
@@ -177,7 +177,7 @@ def bench_etcd(n: int) -> Rows:
                 (
                     "etcd put, sync",
                     *alternate(
-                        lambda: guard.put("bench/k", value, token),
+                        lambda: guard.put("bench/k", value, token=token),
                         lambda: portal.call(client.put(b"bench/k", value)),
                         n=n,
                         names=("EtcdGuard.put", "put via loop thread"),

@@ -31,7 +31,7 @@ def main(url: str, storage: str, lock: str, m: int) -> None:
             with locks.lock(lock, ttl=10, timeout=120) as lease:
                 db.execute(begin)
                 try:
-                    guard.check(db, lease.token)
+                    guard.check(db, token=lease.token)
                     (value,) = db.execute("SELECT value FROM counter WHERE id = 1").fetchone()
                     db.execute(f"UPDATE counter SET value = {p} WHERE id = 1", (value + 1,))
                     db.execute(

@@ -343,9 +343,9 @@ async def test_redis_guard_writes_in_the_same_script(redis_server: RedisServer) 
         await store.advance(resource, tok(5))
         guard = store.guard(resource, LOCK)
         key = f"{{{resource}}}:data"
-        assert await guard.set(key, "five", tok(5))
+        assert await guard.set(key, "five", token=tok(5))
         with pytest.raises(StaleTokenError):
-            await guard.set(key, "four", tok(4))
+            await guard.set(key, "four", token=tok(4))
         assert await client.get(key) == b"five"
     finally:
         await client.aclose()

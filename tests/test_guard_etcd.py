@@ -146,7 +146,7 @@ class Resource:
         self.data = f"{self.name}/data"
 
     def write(self, guard: EtcdGuard, value: int, who: str = "w") -> None:
-        guard.put(self.data, f"{value}:{who}", tok(value))
+        guard.put(self.data, f"{value}:{who}", token=tok(value))
 
     def history(self) -> list[str]:
         return asyncio.run(_history(self.endpoint, self.data.encode()))
@@ -288,25 +288,25 @@ def test_stale_refused_current_and_equal_accepted(etcd_server: EtcdServer) -> No
 def test_put_delete_write(guard: EtcdGuard, etcd_server: EtcdServer) -> None:
     res = Resource(etcd_server.endpoint, guard.resource)
     assert guard.high_water() is None
-    first = guard.put(res.data, "v1", tok(9))  # binds the resource, then writes
-    second = guard.put(res.data, "v2", f"{LOCK}:10")  # the text form works too
+    first = guard.put(res.data, "v1", token=tok(9))  # binds the resource, then writes
+    second = guard.put(res.data, "v2", token=f"{LOCK}:10")  # the text form works too
     assert second > first > 0
     with pytest.raises(StaleTokenError) as info:
-        guard.put(res.data, "stale", tok(9))
+        guard.put(res.data, "stale", token=tok(9))
     assert info.value.token == tok(9) and info.value.high_water == tok(10)
     assert info.value.resource == guard.resource
     # Byte order across a change of length: 99 -> 100 accepted, then 99 refused.
-    guard.put(res.data, "v3", tok(99))
-    guard.put(res.data, "v4", tok(100))
+    guard.put(res.data, "v3", token=tok(99))
+    guard.put(res.data, "v4", token=tok(100))
     with pytest.raises(StaleTokenError):
-        guard.put(res.data, "stale", tok(99))
+        guard.put(res.data, "stale", token=tok(99))
     assert res.history() == ["v1", "v2", "v3", "v4"]
-    assert guard.delete(res.data, tok(100)) is True
-    assert guard.delete(res.data, tok(100)) is False
+    assert guard.delete(res.data, token=tok(100)) is True
+    assert guard.delete(res.data, token=tok(100)) is False
     other, third = f"{guard.resource}/other", f"{guard.resource}/third"
-    guard.put(third, "x", tok(100))
+    guard.put(third, "x", token=tok(100))
     accepted = guard.write(
-        [put_op(res.data, "a"), put_op(other, "b"), delete_op(third)], tok(2**63 - 1)
+        [put_op(res.data, "a"), put_op(other, "b"), delete_op(third)], token=tok(2**63 - 1)
     )
     assert accepted.replies[2].response_delete_range.deleted == 1
     assert guard.high_water() == tok(2**63 - 1)
@@ -317,14 +317,14 @@ def test_lock_binding(etcd_server: EtcdServer) -> None:
     """Without ``lock=``, the resource binds to the first token's lock and refuses others."""
     res = Resource(etcd_server.endpoint)
     with EtcdGuard(etcd_server.endpoint, res.name) as unbound:
-        unbound.put(res.data, "a", tok(10))
+        unbound.put(res.data, "a", token=tok(10))
         with pytest.raises(WrongLockError):
-            unbound.put(res.data, "b", FencingToken("other", 10**6))
+            unbound.put(res.data, "b", token=FencingToken("other", 10**6))
     with EtcdGuard(etcd_server.endpoint, res.name, "other") as wrong:
         with pytest.raises(WrongLockError):
-            wrong.put(res.data, "c", tok(11))  # refused before anything is sent
+            wrong.put(res.data, "c", token=tok(11))  # refused before anything is sent
         with pytest.raises(WrongLockError):
-            wrong.put(res.data, "c", FencingToken("other", 11))  # refused by the resource
+            wrong.put(res.data, "c", token=FencingToken("other", 11))  # refused by the resource
     assert res.history() == ["a"]
 
 
@@ -393,22 +393,22 @@ def test_no_write_touches_any_fence_key(etcd_server: EtcdServer) -> None:
         EtcdGuard(etcd_server.endpoint, a_res.name, LOCK) as a,
         EtcdGuard(etcd_server.endpoint, b_res.name, LOCK) as b,
     ):
-        res_b_write = b.put(b_res.data, "b10", tok(10))
+        res_b_write = b.put(b_res.data, "b10", token=tok(10))
         assert res_b_write > 0
         wide = delete_op(b"a")
         wide.request_delete_range.range_end = b"\0"
         for attempt in (
-            lambda: a.put(f"fenced/hw/{b_res.name}", encode_value(1), tok(20)),
-            lambda: a.put(f"fenced/lock/{b_res.name}", "x", tok(20)),
-            lambda: a.delete(f"fenced/hw/{b_res.name}", tok(20)),
-            lambda: a.put("fenced/other", "x", tok(20)),
-            lambda: a.write([wide], tok(20)),
+            lambda: a.put(f"fenced/hw/{b_res.name}", encode_value(1), token=tok(20)),
+            lambda: a.put(f"fenced/lock/{b_res.name}", "x", token=tok(20)),
+            lambda: a.delete(f"fenced/hw/{b_res.name}", token=tok(20)),
+            lambda: a.put("fenced/other", "x", token=tok(20)),
+            lambda: a.write([wide], token=tok(20)),
         ):
             with pytest.raises(ConfigurationError, match="reserved"):
                 attempt()
         assert b.high_water() == tok(10)
         with pytest.raises(StaleTokenError):
-            b.put(b_res.data, "b3", tok(3))
+            b.put(b_res.data, "b3", token=tok(3))
 
 
 def test_new_holder_after_handoff_and_many_writers(etcd_server: EtcdServer) -> None:
@@ -439,9 +439,9 @@ def test_malformed_or_foreign_tokens_change_nothing(
         WrongLockError if isinstance(bad, FencingToken) else InvalidTokenError
     )
     for attempt in (
-        lambda: guard.put(res.data, "x", bad),
-        lambda: guard.delete(res.data, bad),
-        lambda: guard.write([put_op(res.data, "x")], bad),
+        lambda: guard.put(res.data, "x", token=bad),
+        lambda: guard.delete(res.data, token=bad),
+        lambda: guard.write([put_op(res.data, "x")], token=bad),
     ):
         with pytest.raises(expected):
             attempt()
@@ -451,13 +451,13 @@ def test_malformed_or_foreign_tokens_change_nothing(
 def test_refused_writes_change_nothing(guard: EtcdGuard, etcd_server: EtcdServer) -> None:
     res = Resource(etcd_server.endpoint, guard.resource)
     res.write(guard, 50, "kept")
-    guard.put(f"{res.name}/other", "kept", tok(50))
+    guard.put(f"{res.name}/other", "kept", token=tok(50))
     before = res.snapshot()
     for attempt in (
-        lambda: guard.put(res.data, "x", tok(49)),
-        lambda: guard.delete(res.data, tok(1)),
+        lambda: guard.put(res.data, "x", token=tok(49)),
+        lambda: guard.delete(res.data, token=tok(1)),
         lambda: guard.write(
-            [put_op(f"{res.name}/new", "x"), delete_op(f"{res.name}/other")], tok(49)
+            [put_op(f"{res.name}/new", "x"), delete_op(f"{res.name}/other")], token=tok(49)
         ),
     ):
         with pytest.raises(StaleTokenError):
@@ -468,18 +468,20 @@ def test_refused_writes_change_nothing(guard: EtcdGuard, etcd_server: EtcdServer
 def test_bad_arguments(guard: EtcdGuard) -> None:
     hw_key = f"fenced/hw/{guard.resource}"
     for attempt in (
-        lambda: guard.put(hw_key, "x", tok(1)),
-        lambda: guard.put(f"fenced/lock/{guard.resource}", "x", tok(1)),
-        lambda: guard.put("k", 5, tok(1)),  # type: ignore[arg-type]
-        lambda: guard.write([_range_delete(b"fenced/", b"fenced0")], tok(1)),
-        lambda: guard.write([_range_delete(b"a", b"\0")], tok(1)),
-        lambda: guard.write([rpc.RequestOp(request_range=rpc.RangeRequest(key=b"k"))], tok(1)),
+        lambda: guard.put(hw_key, "x", token=tok(1)),
+        lambda: guard.put(f"fenced/lock/{guard.resource}", "x", token=tok(1)),
+        lambda: guard.put("k", 5, token=tok(1)),  # type: ignore[arg-type]
+        lambda: guard.write([_range_delete(b"fenced/", b"fenced0")], token=tok(1)),
+        lambda: guard.write([_range_delete(b"a", b"\0")], token=tok(1)),
+        lambda: guard.write(
+            [rpc.RequestOp(request_range=rpc.RangeRequest(key=b"k"))], token=tok(1)
+        ),
     ):
         with pytest.raises(ConfigurationError):
             attempt()
     assert guard.high_water() is None  # nothing was sent
     guard.write(
-        [_range_delete(f"{guard.resource}/".encode(), f"{guard.resource}0".encode())], tok(1)
+        [_range_delete(f"{guard.resource}/".encode(), f"{guard.resource}0".encode())], token=tok(1)
     )
     for bad in ("h:x", "h:0", "h:1,,h:2", "u:p@h:1", "etcd+https://h:1", "[::1"):
         with pytest.raises(ConfigurationError):
@@ -497,13 +499,13 @@ async def test_async_guard(etcd_server: EtcdServer) -> None:
         name = unique_name("res")
         guard = AsyncEtcdGuard(client, name, LOCK)
         assert await guard.high_water() is None
-        await guard.put(f"{name}/k", "a", tok(2))
-        await guard.put(f"{name}/k", "b", tok(2))
+        await guard.put(f"{name}/k", "a", token=tok(2))
+        await guard.put(f"{name}/k", "b", token=tok(2))
         with pytest.raises(StaleTokenError):
-            await guard.put(f"{name}/k", "stale", tok(1))
+            await guard.put(f"{name}/k", "stale", token=tok(1))
         with pytest.raises(WrongLockError):
-            await guard.delete(f"{name}/k", FencingToken("x", 9))
-        assert await guard.delete(f"{name}/k", tok(3)) is True
+            await guard.delete(f"{name}/k", token=FencingToken("x", 9))
+        assert await guard.delete(f"{name}/k", token=tok(3)) is True
         assert await guard.high_water() == tok(3)
         assert (await client.get(f"fenced/hw/{name}".encode())).value == encode_value(3)
 
@@ -541,23 +543,23 @@ def test_restart_check_catches_client_side_mark(own_server: EtcdServer) -> None:
 def test_unavailable_server(own_server: EtcdServer) -> None:
     name = unique_name("res")
     with EtcdGuard(own_server.endpoint, name, LOCK, timeout=0.5) as guard:
-        guard.put(f"{name}/k", "a", tok(1))
+        guard.put(f"{name}/k", "a", token=tok(1))
         own_server.pause()  # a hung server: the request times out
         try:
             with pytest.raises(BackendUnavailable):
-                guard.put(f"{name}/k", "b", tok(1))
+                guard.put(f"{name}/k", "b", token=tok(1))
         finally:
             own_server.resume()
         own_server.kill()  # a dead server: the connection is refused
         try:
-            for attempt in (lambda: guard.put(f"{name}/k", "c", tok(1)), guard.high_water):
+            for attempt in (lambda: guard.put(f"{name}/k", "c", token=tok(1)), guard.high_water):
                 with pytest.raises(BackendUnavailable):
                     attempt()
         finally:
             own_server.start()
     guard.close()
     with pytest.raises(BackendUnavailable):  # a closed guard
-        guard.put(f"{name}/k", "d", tok(1))
+        guard.put(f"{name}/k", "d", token=tok(1))
 
 
 # --- separate OS processes -------------------------------------------------------------------
@@ -604,12 +606,12 @@ def test_the_guard_fails_over_to_another_member() -> None:
             outcomes = []
             for _ in range(3):
                 try:
-                    guard.put(res.data, "6:after", tok(6))
+                    guard.put(res.data, "6:after", token=tok(6))
                     outcomes.append("ok")
                 except BackendUnavailable:
                     outcomes.append("unknown")
             assert outcomes.count("ok") >= 2, outcomes
             assert outcomes[-1] == "ok"
             with pytest.raises(StaleTokenError):
-                guard.put(res.data, "4:stale", tok(4))
+                guard.put(res.data, "4:stale", token=tok(4))
             assert guard.high_water() == tok(6)

@@ -61,21 +61,21 @@ def guard(tmp_path: Path) -> FileGuard:
 def test_accepts_higher_and_rejects_lower_leaving_nothing_behind(guard: FileGuard) -> None:
     assert isinstance(guard, VersionStore)
     assert guard.latest("a") is None and guard.versions("a") == [] and guard.high_water("a") is None
-    v5 = guard.write("a", b"five", tok(5))
+    v5 = guard.write("a", b"five", token=tok(5))
     assert v5 == Version(tok(5), 0)
     assert guard.read("a") == (tok(5), b"five")
-    guard.write("a", b"eight", "jobs:8")  # the text form is accepted too
+    guard.write("a", b"eight", token="jobs:8")  # the text form is accepted too
     assert guard.read("a") == (tok(8), b"eight")
 
     with pytest.raises(StaleTokenError) as info:
-        guard.write("a", b"seven", tok(7))
+        guard.write("a", b"seven", token=tok(7))
     err = info.value
     assert (err.token, err.high_water, err.resource) == (tok(7), tok(8), "a")
     assert guard.read("a") == (tok(8), b"eight")
     assert tokens_of(guard, "a") == [5, 8]
     assert temps(guard, "a") == []  # the rejected writer's temp file is gone
 
-    guard.write("a", b"nine", tok(9))
+    guard.write("a", b"nine", token=tok(9))
     assert guard.read("a") == (tok(9), b"nine")
     assert guard.read_version("a", v5) == b"five"  # old versions are immutable
     assert guard.high_water("a") == tok(9)
@@ -86,19 +86,19 @@ def test_plain_tools_read_the_newest_version_at_current(guard: FileGuard) -> Non
     ``<name>/current`` is a relative symlink that follows the newest version, and a refused
     write leaves it alone; after many racing writers it names the highest version."""
     current = Path(guard.directory) / "r" / "current"
-    guard.write("r", b"one", tok(1))
+    guard.write("r", b"one", token=tok(1))
     assert current.read_bytes() == b"one" and not os.path.isabs(os.readlink(current))
-    guard.write("r", b"two", tok(2))
-    guard.write("r", b"two again", tok(2))  # a sub-version of the same token
+    guard.write("r", b"two", token=tok(2))
+    guard.write("r", b"two again", token=tok(2))  # a sub-version of the same token
     assert current.read_bytes() == b"two again"
     with pytest.raises(StaleTokenError):
-        guard.write("r", b"stale", tok(1))
+        guard.write("r", b"stale", token=tok(1))
     assert current.read_bytes() == b"two again"
     assert guard.versions("r")[-1].filename == os.readlink(current)
 
     def writer(i: int) -> None:
         with contextlib.suppress(StaleTokenError):
-            guard.write("race", f"v{i}".encode(), tok(i))
+            guard.write("race", f"v{i}".encode(), token=tok(i))
 
     threads = [threading.Thread(target=writer, args=(i,)) for i in range(1, 21)]
     for t in threads:
@@ -111,30 +111,30 @@ def test_plain_tools_read_the_newest_version_at_current(guard: FileGuard) -> Non
 
 
 def test_equal_token_is_accepted_as_a_new_sub_version(guard: FileGuard) -> None:
-    guard.write("a", b"first", tok(3))
-    second = guard.write("a", b"second", tok(3))
+    guard.write("a", b"first", token=tok(3))
+    second = guard.write("a", b"second", token=tok(3))
     assert second == Version(tok(3), 1)
     assert guard.read("a") == (tok(3), b"second")
     assert guard.versions("a") == [Version(tok(3), 0), Version(tok(3), 1)]
     assert guard.read_version("a", Version(tok(3), 0)) == b"first"
-    guard.write("a", b"higher", tok(4))
+    guard.write("a", b"higher", token=tok(4))
     assert guard.latest("a") == Version(tok(4), 0)  # seq restarts for a new token
 
 
 def test_resources_are_independent(guard: FileGuard) -> None:
-    guard.write("a", b"x", tok(10))
-    guard.write("b", b"y", tok(2))  # b has its own mark
+    guard.write("a", b"x", token=tok(10))
+    guard.write("b", b"y", token=tok(2))  # b has its own mark
     with pytest.raises(StaleTokenError):
-        guard.write("a", b"z", tok(2))
+        guard.write("a", b"z", token=tok(2))
 
 
 def test_big_write_from_a_stale_writer_fails_before_writing(guard: FileGuard) -> None:
     guard.precheck_bytes = 16
-    guard.write("a", b"x" * 32, tok(2))
+    guard.write("a", b"x" * 32, token=tok(2))
     written: list[int] = []
     guard._write_temp = lambda fd, data: written.append(len(data))  # type: ignore[method-assign]
     with pytest.raises(StaleTokenError):
-        guard.write("a", b"y" * 32, tok(1))
+        guard.write("a", b"y" * 32, token=tok(1))
     assert written == [] and temps(guard, "a") == []
 
 
@@ -159,23 +159,23 @@ def test_big_write_from_a_stale_writer_fails_before_writing(guard: FileGuard) ->
     ],
 )
 def test_malformed_tokens_are_refused_and_change_nothing(guard: FileGuard, bad: object) -> None:
-    guard.write("a", b"good", tok(5))
+    guard.write("a", b"good", token=tok(5))
     with pytest.raises(InvalidTokenError):
-        guard.write("a", b"bad", bad)  # type: ignore[arg-type]
+        guard.write("a", b"bad", token=bad)  # type: ignore[arg-type]
     assert guard.read("a") == (tok(5), b"good") and tokens_of(guard, "a") == [5]
     assert temps(guard, "a") == []
 
 
 @pytest.mark.parametrize("other", [FencingToken("other", 99), "other:99", "jobs2:99"])
 def test_tokens_of_another_lock_are_refused(guard: FileGuard, other: object) -> None:
-    guard.write("a", b"good", tok(5))
+    guard.write("a", b"good", token=tok(5))
     with pytest.raises(WrongLockError):
-        guard.write("a", b"bad", other)  # type: ignore[arg-type]
+        guard.write("a", b"bad", token=other)  # type: ignore[arg-type]
     assert tokens_of(guard, "a") == [5]
 
 
 def test_max_token_is_accepted(guard: FileGuard) -> None:
-    guard.write("a", b"max", f"jobs:{2**63 - 1}")
+    guard.write("a", b"max", token=f"jobs:{2**63 - 1}")
     assert guard.read("a") == (tok(2**63 - 1), b"max")
 
 
@@ -184,23 +184,23 @@ def test_max_token_is_accepted(guard: FileGuard) -> None:
 )
 def test_bad_resource_names(guard: FileGuard, name: object) -> None:
     with pytest.raises(ConfigurationError):
-        guard.write(name, b"x", tok(1))  # type: ignore[arg-type]
+        guard.write(name, b"x", token=tok(1))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("data", ["text", 5, None, [1, 2]])
 def test_data_must_be_bytes(guard: FileGuard, data: object) -> None:
     with pytest.raises(TypeError):
-        guard.write("a", data, tok(1))  # type: ignore[arg-type]
+        guard.write("a", data, token=tok(1))  # type: ignore[arg-type]
 
 
 def test_bytes_like_data(guard: FileGuard) -> None:
-    guard.write("a", bytearray(b"ba"), tok(1))
-    guard.write("a", memoryview(b"mv"), tok(2))
+    guard.write("a", bytearray(b"ba"), token=tok(1))
+    guard.write("a", memoryview(b"mv"), token=tok(2))
     assert guard.read("a") == (tok(2), b"mv")
 
 
 def test_directory_is_bound_to_its_lock(tmp_path: Path) -> None:
-    FileGuard(tmp_path, lock=LOCK).write("a", b"x", tok(3))
+    FileGuard(tmp_path, lock=LOCK).write("a", b"x", token=tok(3))
     with pytest.raises(ConfigurationError):
         FileGuard(tmp_path, lock="other")
     with pytest.raises(InvalidTokenError):
@@ -215,12 +215,12 @@ def test_read_of_missing_resource(guard: FileGuard) -> None:
 
 
 def test_foreign_files_are_ignored(guard: FileGuard) -> None:
-    guard.write("a", b"x", tok(3))
+    guard.write("a", b"x", token=tok(3))
     rdir = Path(guard.directory, "a")
     (rdir / "README").write_text("not a version")
     (rdir / "99.000000").write_text("wrong width")
     assert tokens_of(guard, "a") == [3]
-    guard.write("a", b"y", tok(4))
+    guard.write("a", b"y", token=tok(4))
     assert guard.read("a") == (tok(4), b"y")
 
 
@@ -229,7 +229,7 @@ def test_foreign_files_are_ignored(guard: FileGuard) -> None:
 
 def test_prune_keeps_the_mark(guard: FileGuard) -> None:
     for v in range(1, 8):
-        guard.write("a", str(v).encode(), tok(v))
+        guard.write("a", str(v).encode(), token=tok(v))
     deleted = guard.prune("a", keep=3)
     assert [d.token.value for d in deleted] == [1, 2, 3, 4]
     assert tokens_of(guard, "a") == [5, 6, 7]
@@ -237,7 +237,7 @@ def test_prune_keeps_the_mark(guard: FileGuard) -> None:
     guard.prune("a", keep=1)
     assert tokens_of(guard, "a") == [7]
     with pytest.raises(StaleTokenError):  # the mark survived pruning
-        guard.write("a", b"late", tok(6))
+        guard.write("a", b"late", token=tok(6))
     for bad in (0, -1, True, 1.5):
         with pytest.raises(ValueError):
             guard.prune("a", keep=bad)  # type: ignore[arg-type]
@@ -275,8 +275,8 @@ def test_mark_survives_a_new_guard_and_a_new_process(tmp_path: Path) -> None:
     fresh = FileGuard(store, lock=LOCK)
     assert fresh.read("a") == (tok(40), b"from-child")
     with pytest.raises(StaleTokenError):
-        fresh.write("a", b"stale", tok(39))
-    fresh.write("a", b"ok", tok(40))
+        fresh.write("a", b"stale", token=tok(39))
+    fresh.write("a", b"ok", token=tok(40))
     assert FileGuard(store, lock=LOCK).latest("a") == Version(tok(40), 1)
 
 
@@ -475,13 +475,13 @@ def race_check(cls: type[LoggedGuard], directory: Path) -> bool:
     """A (token 7) is stopped between its check and its publish while B (token 8) writes."""
     plan = Interleaving()
     guard = cls(directory, lock=LOCK, plan=plan, pause_token=7)
-    guard.write("r", b"six", tok(6))
+    guard.write("r", b"six", token=tok(6))
     outcomes: list[tuple[int, bool, int | None]] = [(6, True, None)]
 
     def writer(value: int) -> Callable[[], None]:
         def write() -> None:
             try:
-                guard.write("r", f"v{value}".encode(), tok(value))
+                guard.write("r", f"v{value}".encode(), token=tok(value))
                 outcomes.append((value, True, None))
             except StaleTokenError as e:
                 outcomes.append((value, False, e.high_water.value if e.high_water else None))
@@ -505,8 +505,8 @@ def test_planted_bug_unlocked_check_then_publish_is_caught(tmp_path: Path) -> No
 
 
 def equal_token_check(guard: FileGuard) -> None:
-    guard.write("e", b"one", tok(11))
-    guard.write("e", b"two", tok(11))
+    guard.write("e", b"one", token=tok(11))
+    guard.write("e", b"two", token=tok(11))
     assert guard.read("e") == (tok(11), b"two")
 
 
@@ -520,7 +520,7 @@ def test_planted_bug_strict_comparison_is_caught(tmp_path: Path) -> None:
 
 
 def test_concurrent_reader_sees_only_complete_versions(guard: FileGuard) -> None:
-    guard.write("big", pattern(1), tok(1))
+    guard.write("big", pattern(1), token=tok(1))
     stop = threading.Event()
     seen: list[int] = []
     problems: list[str] = []
@@ -536,7 +536,7 @@ def test_concurrent_reader_sees_only_complete_versions(guard: FileGuard) -> None
     th.start()
     try:
         for v in range(2, 40):
-            guard.write("big", pattern(v), tok(v))
+            guard.write("big", pattern(v), token=tok(v))
             if v % 10 == 0:
                 guard.prune("big", keep=2)  # pruning under a reader: it retries
     finally:
@@ -591,7 +591,7 @@ def stopped_child(
 
 
 def test_sigkill_mid_write_leaves_the_old_version(guard: FileGuard) -> None:
-    guard.write("k", b"old", tok(1))
+    guard.write("k", b"old", token=tok(1))
     with stopped_child(Path(guard.directory), "k", "jobs:2", "half") as child:
         assert len(temps(guard, "k")) == 1  # its half-written temp file
         assert guard.read("k") == (tok(1), b"old")  # readers ignore it
@@ -600,17 +600,19 @@ def test_sigkill_mid_write_leaves_the_old_version(guard: FileGuard) -> None:
     assert child.returncode == -signal.SIGKILL
     assert guard.read("k") == (tok(1), b"old") and tokens_of(guard, "k") == [1]
     assert len(temps(guard, "k")) == 1  # left behind by the dead writer
-    guard.write("k", b"new", tok(3))  # the next write works, and collects the leftover
+    guard.write("k", b"new", token=tok(3))  # the next write works, and collects the leftover
     assert guard.read("k") == (tok(3), b"new")
     assert temps(guard, "k") == []
 
 
 def test_sigkill_inside_the_critical_section_does_not_wedge_others(guard: FileGuard) -> None:
-    guard.write("k", b"old", tok(1))
+    guard.write("k", b"old", token=tok(1))
     with stopped_child(Path(guard.directory), "k", "jobs:2", "checked") as child:
         lock_path = os.path.join(guard.directory, "k", ".lock")
         # while it holds the lock, another writer waits for it
-        blocked = threading.Thread(target=guard.write, args=("k", b"waiting", tok(5)))
+        blocked = threading.Thread(
+            target=guard.write, args=("k", b"waiting"), kwargs={"token": tok(5)}
+        )
         blocked.start()
         wait_for(lambda: flock_waiters(lock_path) > 0, what="the second writer to wait")
         assert tokens_of(guard, "k") == [1]
@@ -624,7 +626,7 @@ def test_sigkill_inside_the_critical_section_does_not_wedge_others(guard: FileGu
 
 
 def test_collect_garbage_spares_live_writers(guard: FileGuard) -> None:
-    guard.write("k", b"old", tok(1))
+    guard.write("k", b"old", token=tok(1))
     with stopped_child(Path(guard.directory), "k", "jobs:2", "half") as child:
         assert guard.collect_garbage("k") == 0  # alive: its temp file is locked
         assert len(temps(guard, "k")) == 1
@@ -666,7 +668,7 @@ def test_sigkill_at_arbitrary_points_never_leaves_a_partial_version(tmp_path: Pa
         newest, data = guard.read("loop")
         assert data == pattern(newest.value)
         next_token = newest.value + 1
-    guard.write("loop", pattern(next_token), tok(next_token))  # still writable
+    guard.write("loop", pattern(next_token), token=tok(next_token))  # still writable
     assert temps(guard, "loop") == []
 
 
@@ -720,11 +722,11 @@ def test_high_water_file_refuses_a_foreign_or_corrupt_mark(tmp_path: Path) -> No
 def test_file_guard_refuses_a_version_name_it_never_wrote(tmp_path: Path, bad: str) -> None:
     """A version name of token 0 or above MAX_TOKEN is a damaged mark: every write refused."""
     guard = FileGuard(tmp_path, lock=LOCK)
-    guard.write("r", b"ten", tok(10))
+    guard.write("r", b"ten", token=tok(10))
     (tmp_path / "r" / bad).write_bytes(b"?")
     for value in (3, 10, 11):
         with pytest.raises(CorruptMarkError):
-            guard.write("r", b"late", tok(value))
+            guard.write("r", b"late", token=tok(value))
     assert sorted(
         p.name for p in (tmp_path / "r").iterdir() if not p.name.startswith(".")
     ) == sorted(["0000000000000000010.000000", bad, "current"])
@@ -753,7 +755,7 @@ def in_place_race(cls: type[HighWaterFile], tmp_path: Path) -> None:
 
     def writer(value: int) -> Callable[[], None]:
         def write() -> None:
-            with contextlib.suppress(StaleTokenError), mark.hold(tok(value)):
+            with contextlib.suppress(StaleTokenError), mark.hold(token=tok(value)):
                 if value == 7:
                     plan.pause_a()
                 data.write_text(str(value))

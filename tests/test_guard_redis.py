@@ -143,7 +143,7 @@ class Resource:
         self.fence = default_fence_key(self.name)
 
     def write(self, guard: RedisGuard, value: int, who: str = "w") -> None:
-        guard.eval(LOG_BODY, [self.data, self.log], [str(value), who], tok(value))
+        guard.eval(LOG_BODY, [self.data, self.log], [str(value), who], token=tok(value))
 
     def accepted(self) -> list[int]:
         return [int(x) for x in self.client.lrange(self.log, 0, -1)]
@@ -259,13 +259,13 @@ def test_set_hset_delete(client: redis.Redis) -> None:
     guard = RedisGuard(client, name, LOCK)
     k, h = f"{{{name}}}:k", f"{{{name}}}:h"
     assert guard.high_water() is None
-    assert guard.set(k, "v1", tok(3)) is True
-    assert guard.set(k, "v2", tok(3), px=60_000) is True
+    assert guard.set(k, "v1", token=tok(3)) is True
+    assert guard.set(k, "v2", token=tok(3), px=60_000) is True
     assert client.get(k) == b"v2" and 0 < client.pttl(k) <= 60_000
-    assert guard.hset(h, {"a": 1, "b": "x"}, f"{LOCK}:4") == 2  # the text form works too
+    assert guard.hset(h, {"a": 1, "b": "x"}, token=f"{LOCK}:4") == 2  # the text form works too
     assert guard.high_water() == tok(4)
     with pytest.raises(StaleTokenError) as info:
-        guard.set(k, "stale", tok(3))
+        guard.set(k, "stale", token=tok(3))
     assert info.value.token == tok(3) and info.value.high_water == tok(4)
     assert info.value.resource == name
     assert guard.delete(k, h, token=tok(4)) == 2
@@ -334,17 +334,17 @@ def test_large_writes_and_full_token_range(client: redis.Redis) -> None:
     name = unique_name("res")
     guard = RedisGuard(client, name, LOCK)
     mapping = {f"f{i}": i for i in range(5000)}  # more arguments than one Lua unpack takes
-    assert guard.hset(f"{{{name}}}:h", mapping, tok(2**53 + 1)) == 5000
+    assert guard.hset(f"{{{name}}}:h", mapping, token=tok(2**53 + 1)) == 5000
     keys = [f"{{{name}}}:k{i}" for i in range(2500)]
     for k in keys[:3]:
         client.set(k, 1)
     assert guard.delete(*keys, token=tok(2**53 + 1)) == 3
     # Values above 2**53 differ by one: Lua doubles would call them equal; the guard must not.
     with pytest.raises(StaleTokenError):
-        guard.set(f"{{{name}}}:k", "x", tok(2**53))
-    assert guard.set(f"{{{name}}}:k", "x", tok(2**63 - 1))
+        guard.set(f"{{{name}}}:k", "x", token=tok(2**53))
+    assert guard.set(f"{{{name}}}:k", "x", token=tok(2**63 - 1))
     with pytest.raises(StaleTokenError):
-        guard.set(f"{{{name}}}:k", "x", tok(2**63 - 2))
+        guard.set(f"{{{name}}}:k", "x", token=tok(2**63 - 2))
     assert guard.high_water() == tok(2**63 - 1)
 
 
@@ -352,14 +352,14 @@ def test_eval_sees_its_own_keys_and_args(client: redis.Redis) -> None:
     name = unique_name("res")
     guard = RedisGuard(client, name, LOCK)
     body = "redis.call('SET', KEYS[1], ARGV[2]); return {#KEYS, #ARGV, KEYS[1], ARGV[1]}"
-    out = guard.eval(body, [f"{{{name}}}:x"], ["first", "second"], tok(1))
+    out = guard.eval(body, [f"{{{name}}}:x"], ["first", "second"], token=tok(1))
     assert out == [1, 2, f"{{{name}}}:x".encode(), b"first"]
     assert client.get(f"{{{name}}}:x") == b"second"
-    assert guard.eval("return nil", [], [], tok(1)) is None
+    assert guard.eval("return nil", [], [], token=tok(1)) is None
     with pytest.raises(FencedError, match="boom"):
-        guard.eval("error('boom')", [], [], tok(1))
+        guard.eval("error('boom')", [], [], token=tok(1))
     guard._max_scripts = 2  # the cache of eval scripts is bounded
-    assert [guard.eval(f"return {i}", [], [], tok(1)) for i in range(5)] == [0, 1, 2, 3, 4]
+    assert [guard.eval(f"return {i}", [], [], token=tok(1)) for i in range(5)] == [0, 1, 2, 3, 4]
     assert len(guard._scripts) == 2
 
 
@@ -367,12 +367,12 @@ def test_lock_binding(client: redis.Redis) -> None:
     """Without ``lock=``, the resource binds to the first token's lock and refuses others."""
     name = unique_name("res")
     unbound = RedisGuard(client, name)
-    assert unbound.set(f"{{{name}}}:k", "a", tok(10))
+    assert unbound.set(f"{{{name}}}:k", "a", token=tok(10))
     with pytest.raises(WrongLockError):
-        unbound.set(f"{{{name}}}:k", "b", FencingToken("other", 10**6))
+        unbound.set(f"{{{name}}}:k", "b", token=FencingToken("other", 10**6))
     # A guard configured for another lock is refused before anything is sent.
     with pytest.raises(WrongLockError):
-        RedisGuard(client, name, "other").set(f"{{{name}}}:k", "c", tok(11))
+        RedisGuard(client, name, "other").set(f"{{{name}}}:k", "c", token=tok(11))
     assert client.get(f"{{{name}}}:k") == b"a"
     assert unbound.high_water() == tok(10)
 
@@ -388,10 +388,10 @@ def test_malformed_or_foreign_tokens_change_nothing(client: redis.Redis, bad: An
         WrongLockError if isinstance(bad, FencingToken) else InvalidTokenError
     )
     for attempt in (
-        lambda: guard.set(res.data, "x", bad),
-        lambda: guard.hset(f"{{{res.name}}}:h", {"f": "x"}, bad),
+        lambda: guard.set(res.data, "x", token=bad),
+        lambda: guard.hset(f"{{{res.name}}}:h", {"f": "x"}, token=bad),
         lambda: guard.delete(res.data, token=bad),
-        lambda: guard.eval(LOG_BODY, [res.data, res.log], ["9", "x"], bad),
+        lambda: guard.eval(LOG_BODY, [res.data, res.log], ["9", "x"], token=bad),
     ):
         with pytest.raises(expected):
             attempt()
@@ -403,12 +403,12 @@ def test_refused_writes_change_nothing(client: redis.Redis) -> None:
     guard = RedisGuard(client, res.name, LOCK)
     res.write(guard, 50, "kept")
     client.hset(f"{{{res.name}}}:h", "f", "kept")
-    guard.set(f"{{{res.name}}}:ttl", "kept", tok(50), px=600_000)
+    guard.set(f"{{{res.name}}}:ttl", "kept", token=tok(50), px=600_000)
     before = res.snapshot()
     for attempt in (
-        lambda: guard.set(res.data, "x", tok(49)),
-        lambda: guard.set(f"{{{res.name}}}:ttl", "x", tok(49), px=1),
-        lambda: guard.hset(f"{{{res.name}}}:h", {"f": "x", "g": "y"}, tok(49)),
+        lambda: guard.set(res.data, "x", token=tok(49)),
+        lambda: guard.set(f"{{{res.name}}}:ttl", "x", token=tok(49), px=1),
+        lambda: guard.hset(f"{{{res.name}}}:h", {"f": "x", "g": "y"}, token=tok(49)),
         lambda: guard.delete(res.data, f"{{{res.name}}}:h", token=tok(1)),
         lambda: res.write(guard, 49, "stale"),
     ):
@@ -425,11 +425,11 @@ def test_bad_arguments(client: redis.Redis) -> None:
     name = unique_name("res")
     guard = RedisGuard(client, name, LOCK)
     with pytest.raises(fenced.ConfigurationError):
-        guard.set(default_fence_key(name), "x", tok(1))  # writing the mark itself
+        guard.set(default_fence_key(name), "x", token=tok(1))  # writing the mark itself
     with pytest.raises(fenced.ConfigurationError):
-        guard.set(f"{{{name}}}:k", "x", tok(1), px=0)
+        guard.set(f"{{{name}}}:k", "x", token=tok(1), px=0)
     with pytest.raises(fenced.ConfigurationError):
-        guard.hset(f"{{{name}}}:k", {}, tok(1))
+        guard.hset(f"{{{name}}}:k", {}, token=tok(1))
     with pytest.raises(fenced.ConfigurationError):
         guard.delete(token=tok(1))
     with pytest.raises(fenced.ConfigurationError):
@@ -461,7 +461,7 @@ def test_corrupt_mark_fails_closed(client: redis.Redis, mark: str) -> None:
     guard = RedisGuard(client, name, LOCK)
     for value in (1, 3, 10**6, 2**63 - 1):
         with pytest.raises(CorruptMarkError, match=f"{name}.*corrupt") as info:
-            guard.set(f"{{{name}}}:k", "x", tok(value))
+            guard.set(f"{{{name}}}:k", "x", token=tok(value))
         assert info.value.resource == name
     assert client.exists(f"{{{name}}}:k") == 0
     with pytest.raises(CorruptMarkError):
@@ -474,12 +474,12 @@ def test_mark_missing_but_bound_fails_closed(client: redis.Redis, missing: str) 
     """HDEL of one field of the fence hash is damage, not a fresh resource."""
     name = unique_name("res")
     guard = RedisGuard(client, name, LOCK)
-    guard.set(f"{{{name}}}:k", "ten", tok(10))
+    guard.set(f"{{{name}}}:k", "ten", token=tok(10))
     client.hdel(default_fence_key(name), missing)
     with pytest.raises(CorruptMarkError):
-        guard.set(f"{{{name}}}:k", "three", tok(3))
+        guard.set(f"{{{name}}}:k", "three", token=tok(3))
     with pytest.raises(CorruptMarkError):
-        guard.set(f"{{{name}}}:k", "eleven", tok(11))
+        guard.set(f"{{{name}}}:k", "eleven", token=tok(11))
     assert client.get(f"{{{name}}}:k") == b"ten"
 
 
@@ -487,20 +487,20 @@ def test_no_write_touches_any_fence_key(client: redis.Redis) -> None:
     """Resource A's guard cannot rewrite B's mark (nor any key of fenced's namespace)."""
     a_name, b_name = unique_name("a"), unique_name("b")
     a, b = RedisGuard(client, a_name, LOCK), RedisGuard(client, b_name, LOCK)
-    b.set(f"{{{b_name}}}:k", "b10", tok(10))
+    b.set(f"{{{b_name}}}:k", "b10", token=tok(10))
     for attempt in (
-        lambda: a.set(b.fence_key, "x", tok(20)),
-        lambda: a.hset(b.fence_key, {"hw": "1"}, tok(20)),
+        lambda: a.set(b.fence_key, "x", token=tok(20)),
+        lambda: a.hset(b.fence_key, {"hw": "1"}, token=tok(20)),
         lambda: a.delete(f"{{{a_name}}}:k", b.fence_key, token=tok(20)),
-        lambda: a.eval("return 1", [b.fence_key], [], tok(20)),
-        lambda: a.set("fenced:anything", "x", tok(20)),
-        lambda: a.set(b"fenced:hw:{x}", "x", tok(20)),
+        lambda: a.eval("return 1", [b.fence_key], [], token=tok(20)),
+        lambda: a.set("fenced:anything", "x", token=tok(20)),
+        lambda: a.set(b"fenced:hw:{x}", "x", token=tok(20)),
     ):
         with pytest.raises(ConfigurationError, match="reserved"):
             attempt()
     assert b.high_water() == tok(10)
     with pytest.raises(StaleTokenError):
-        b.set(f"{{{b_name}}}:k", "b3", tok(3))
+        b.set(f"{{{b_name}}}:k", "b3", token=tok(3))
     with pytest.raises(ConfigurationError, match="must start with 'fenced:'"):
         RedisGuard(client, "x", LOCK, fence_key="{x}:my-mark")
 
@@ -521,7 +521,7 @@ return redis.call('INCRBY', KEYS[1], 100)
 """
     with RedisGuard(user_client, name, LOCK) as guard:
         with pytest.raises(BackendUnavailable, match="outcome unknown"):
-            guard.eval(slow_incr, [f"{{{name}}}:n"], [], tok(5))
+            guard.eval(slow_incr, [f"{{{name}}}:n"], [], token=tok(5))
     checker = redis.Redis(port=redis_server.port)
     wait_for(lambda: checker.get(f"{{{name}}}:n") is not None, 10)
     assert checker.get(f"{{{name}}}:n") == b"100"
@@ -553,9 +553,9 @@ def test_redis_cluster_same_slot_only(tmp_path: Path) -> None:
         try:
             name = unique_name("res")
             guard = RedisGuard(cluster, name, LOCK)
-            assert guard.set(f"{{{name}}}:k", "a", tok(3))
+            assert guard.set(f"{{{name}}}:k", "a", token=tok(3))
             with pytest.raises(FencedError, match="hash tag"):
-                guard.set(f"{name}:untagged", "b", tok(4))
+                guard.set(f"{name}:untagged", "b", token=tok(4))
             assert admin.exists(f"{name}:untagged") == 0
             assert guard.high_water() == tok(3)
         finally:
@@ -566,24 +566,26 @@ def test_redis_cluster_same_slot_only(tmp_path: Path) -> None:
 def test_mark_never_expires(client: redis.Redis) -> None:
     name = unique_name("res")
     guard = RedisGuard(client, name, LOCK)
-    guard.set(f"{{{name}}}:k", "x", tok(3))
+    guard.set(f"{{{name}}}:k", "x", token=tok(3))
     client.expire(default_fence_key(name), 1000)  # someone sets a TTL on the mark
-    guard.set(f"{{{name}}}:k", "y", tok(3))  # the next write (even with the same token) clears it
+    guard.set(
+        f"{{{name}}}:k", "y", token=tok(3)
+    )  # the next write (even with the same token) clears it
     assert client.ttl(default_fence_key(name)) == -1
 
 
 def test_script_cache_flushed(own_client: redis.Redis) -> None:
     name = unique_name("res")
     guard = RedisGuard(own_client, name, LOCK)
-    guard.set(f"{{{name}}}:k", "x", tok(1))
+    guard.set(f"{{{name}}}:k", "x", token=tok(1))
     own_client.script_flush()
-    assert guard.set(f"{{{name}}}:k", "y", tok(1))  # NOSCRIPT: loaded again, then run
+    assert guard.set(f"{{{name}}}:k", "y", token=tok(1))  # NOSCRIPT: loaded again, then run
     assert own_client.get(f"{{{name}}}:k") == b"y"
     # After a flush a stale write is still refused: the reloaded script is the same check.
-    guard.set(f"{{{name}}}:k", "y2", tok(2))
+    guard.set(f"{{{name}}}:k", "y2", token=tok(2))
     own_client.script_flush()
     with pytest.raises(StaleTokenError):
-        RedisGuard(own_client, name, LOCK).set(f"{{{name}}}:k", "z", tok(1))
+        RedisGuard(own_client, name, LOCK).set(f"{{{name}}}:k", "z", token=tok(1))
     assert own_client.get(f"{{{name}}}:k") == b"y2"
 
 
@@ -605,12 +607,12 @@ async def test_async_guard(redis_server: RedisServer) -> None:
     try:
         name = unique_name("res")
         guard = AsyncRedisGuard(client, name, LOCK)
-        assert await guard.set(f"{{{name}}}:k", "a", tok(2))
-        assert await guard.set(f"{{{name}}}:k", "b", tok(2))
-        assert await guard.hset(f"{{{name}}}:h", {"f": 1}, tok(3)) == 1
-        assert await guard.eval("return ARGV[1]", [], ["hi"], tok(3)) == b"hi"
+        assert await guard.set(f"{{{name}}}:k", "a", token=tok(2))
+        assert await guard.set(f"{{{name}}}:k", "b", token=tok(2))
+        assert await guard.hset(f"{{{name}}}:h", {"f": 1}, token=tok(3)) == 1
+        assert await guard.eval("return ARGV[1]", [], ["hi"], token=tok(3)) == b"hi"
         with pytest.raises(StaleTokenError):
-            await guard.set(f"{{{name}}}:k", "stale", tok(2))
+            await guard.set(f"{{{name}}}:k", "stale", token=tok(2))
         with pytest.raises(WrongLockError):
             await guard.delete(f"{{{name}}}:k", token=FencingToken("x", 9))
         assert await guard.delete(f"{{{name}}}:k", token=tok(3)) == 1
@@ -625,10 +627,10 @@ async def test_async_guard_dead_server() -> None:
     client = redis.asyncio.Redis(port=server.port, retry=ASYNC_NO_RETRY)
     try:
         guard = AsyncRedisGuard(client, unique_name("res"), LOCK)
-        assert await guard.set(f"{{{guard.resource}}}:k", "a", tok(1))
+        assert await guard.set(f"{{{guard.resource}}}:k", "a", token=tok(1))
         server.kill()
         with pytest.raises(BackendUnavailable):
-            await guard.set(f"{{{guard.resource}}}:k", "a", tok(1))
+            await guard.set(f"{{{guard.resource}}}:k", "a", token=tok(1))
     finally:
         await client.aclose()
         server.close()
@@ -639,9 +641,9 @@ def test_decode_responses_client(redis_server: RedisServer) -> None:
     try:
         name = unique_name("res")
         guard = RedisGuard(client, name, LOCK)
-        assert guard.set(f"{{{name}}}:k", "a", tok(4))
+        assert guard.set(f"{{{name}}}:k", "a", token=tok(4))
         with pytest.raises(StaleTokenError) as info:
-            guard.set(f"{{{name}}}:k", "b", tok(3))
+            guard.set(f"{{{name}}}:k", "b", token=tok(3))
         assert info.value.high_water == tok(4)
         assert guard.high_water() == tok(4)
     finally:
@@ -686,17 +688,17 @@ def test_hung_or_dead_server_is_backend_unavailable() -> None:
     try:
         name = unique_name("res")
         guard = RedisGuard(client, name, LOCK)
-        guard.set(f"{{{name}}}:k", "a", tok(1))
+        guard.set(f"{{{name}}}:k", "a", token=tok(1))
         server.pause()  # a hung server: the reply never comes
         try:
             with pytest.raises(BackendUnavailable):
-                guard.set(f"{{{name}}}:k", "b", tok(1))
+                guard.set(f"{{{name}}}:k", "b", token=tok(1))
         finally:
             server.resume()
         server.kill()  # a dead server: the connection is refused
         for attempt in (
-            lambda: guard.set(f"{{{name}}}:k", "b", tok(1)),
-            lambda: guard.eval("return 1", [], [], tok(1)),
+            lambda: guard.set(f"{{{name}}}:k", "b", token=tok(1)),
+            lambda: guard.eval("return 1", [], [], token=tok(1)),
             guard.high_water,
         ):
             with pytest.raises(BackendUnavailable):
@@ -747,8 +749,8 @@ def test_guards_of_one_client_share_one_no_retry_pool(client: redis.Redis) -> No
     assert len({id(g._writer) for g in guards}) == 1
     assert guards[0]._writer is not client  # the sibling without retries
     for i, g in enumerate(guards):
-        g.set(f"{{{g.resource}}}:k", "v", tok(i + 1))
+        g.set(f"{{{g.resource}}}:k", "v", token=tok(i + 1))
     pool = guards[0]._writer.connection_pool
     assert pool._created_connections == 1  # sequential writes through one connection
     guards[0].close()
-    guards[1].set(f"{{{guards[1].resource}}}:k", "again", tok(2))  # reconnects after close
+    guards[1].set(f"{{{guards[1].resource}}}:k", "again", token=tok(2))  # reconnects after close

@@ -132,7 +132,7 @@ def attempt(
         conn.execute(
             env.q("INSERT INTO notes (token) VALUES (?)"), (int(str(token).split(":")[-1]),)
         )
-        accepted = guard.check(conn, token)  # type: ignore[arg-type]
+        accepted = guard.check(conn, token=token)  # type: ignore[arg-type]
         conn.execute(
             env.q("UPDATE ledger SET history = history || ? WHERE id = 1"), (f",{int(accepted)}",)
         )
@@ -252,7 +252,7 @@ def test_stale_error_carries_mark_and_commits_nothing(env: Env, conn: Any) -> No
     env.begin(conn)
     conn.execute(env.q("INSERT INTO notes (token) VALUES (?)"), (6,))
     with pytest.raises(StaleTokenError) as info:
-        guard.check(conn, tok(6))
+        guard.check(conn, token=tok(6))
     conn.execute("ROLLBACK")
     assert info.value.token == tok(6)
     assert info.value.high_water == tok(7)
@@ -294,7 +294,7 @@ def test_bad_tokens_write_nothing(env: Env, conn: Any, bad: object, error: type)
     assert attempt(env, conn, guard, tok(5))
     env.begin(conn)
     with pytest.raises(error):
-        guard.check(conn, bad)  # type: ignore[arg-type]
+        guard.check(conn, token=bad)  # type: ignore[arg-type]
     conn.execute("ROLLBACK")
     assert guard.high_water(conn) == tok(5)
     assert history(env, conn) == [5]
@@ -307,7 +307,7 @@ def test_token_of_another_lock_rejected_by_the_stored_lock(env: Env, conn: Any) 
     other = SQLGuard("invoices", lock="billing")  # same resource, misconfigured lock
     env.begin(conn)
     with pytest.raises(WrongLockError, match="fenced by lock 'invoices'"):
-        other.check(conn, FencingToken("billing", 100))
+        other.check(conn, token=FencingToken("billing", 100))
     conn.execute("ROLLBACK")
     assert SQLGuard("invoices").high_water(conn) == tok(5)
 
@@ -316,13 +316,13 @@ def test_install_is_idempotent_and_missing_install_is_explained(env: Env, conn: 
     guard = SQLGuard("invoices", table="my_fences")
     env.begin(conn)
     with pytest.raises(ConfigurationError, match="install"):
-        guard.check(conn, tok(1))
+        guard.check(conn, token=tok(1))
     conn.execute("ROLLBACK")
     for _ in range(3):
         guard.install(conn)
     assert guard.high_water(conn) is None
     env.begin(conn)
-    guard.check(conn, tok(1))
+    guard.check(conn, token=tok(1))
     conn.execute("COMMIT")
     guard.install(conn)
     assert guard.high_water(conn) == tok(1)
@@ -342,7 +342,7 @@ def test_closed_connection_is_backend_unavailable(env: Env) -> None:
     conn = env.connect()
     conn.close()
     with pytest.raises(BackendUnavailable):
-        guard.check(conn, tok(1))
+        guard.check(conn, token=tok(1))
     with pytest.raises(BackendUnavailable):
         guard.high_water(conn)
     with pytest.raises(BackendUnavailable):
@@ -353,7 +353,7 @@ def test_autocommit_without_transaction_is_refused(env: Env, conn: Any) -> None:
     guard = SQLGuard("invoices")
     env.setup(guard)
     with pytest.raises(ConfigurationError, match="transaction"):
-        guard.check(conn, tok(1))
+        guard.check(conn, token=tok(1))
     assert guard.high_water(conn) is None
 
 
@@ -364,10 +364,11 @@ def test_bad_configuration() -> None:
     with pytest.raises(ConfigurationError):
         SQLGuard("")
     with pytest.raises(ConfigurationError, match="lock"):
-        SQLGuard("invoices/eu")  # fine as a resource, not as a lock name
-    assert SQLGuard("invoices/eu", lock="invoices").resource == "invoices/eu"
+        SQLGuard("invoices eu")  # fine as a resource, not as a lock name
+    assert SQLGuard("invoices eu", lock="invoices").resource == "invoices eu"
+    assert SQLGuard("invoices/eu").lock == "invoices/eu"  # a path-like lock name is one
     with pytest.raises(TypeError):
-        SQLGuard("invoices").check(object(), tok(1))
+        SQLGuard("invoices").check(object(), token=tok(1))
 
 
 # -- the drivers' own transaction idioms --------------------------------------------------
@@ -381,14 +382,14 @@ def test_sqlite_with_block_rolls_back_stale_writes(tmp_path: Any) -> None:
     db.execute("INSERT INTO invoices VALUES (1, 100)")
     db.commit()
     with db:
-        guard.check(db, "invoices:8")
+        guard.check(db, token="invoices:8")
         db.execute("UPDATE invoices SET total = 200 WHERE id = 1")
     with pytest.raises(StaleTokenError), db:
-        guard.check(db, "invoices:7")
+        guard.check(db, token="invoices:7")
         db.execute("UPDATE invoices SET total = 300 WHERE id = 1")
     with pytest.raises(StaleTokenError), db:
         db.execute("UPDATE invoices SET total = 400 WHERE id = 1")  # written before the check
-        guard.check(db, "invoices:7")
+        guard.check(db, token="invoices:7")
     assert db.execute("SELECT total FROM invoices").fetchone() == (200,)
     assert not db.in_transaction
     db.close()
@@ -401,17 +402,17 @@ def test_psycopg_transaction_idioms(pg_dsn: str) -> None:
         conn.execute("CREATE TABLE invoices (id INT PRIMARY KEY, total INT)")
         conn.execute("INSERT INTO invoices VALUES (1, 100)")
         with conn.transaction():
-            guard.check(conn, "invoices:8")
+            guard.check(conn, token="invoices:8")
             conn.execute("UPDATE invoices SET total = 200 WHERE id = 1")
         with pytest.raises(StaleTokenError), conn.transaction():
             conn.execute("UPDATE invoices SET total = 300 WHERE id = 1")
-            guard.check(conn, "invoices:7")
+            guard.check(conn, token="invoices:7")
     with psycopg.connect(pg_dsn) as conn:  # not autocommit: psycopg BEGINs implicitly
-        guard.check(conn, "invoices:9")
+        guard.check(conn, token="invoices:9")
         conn.execute("UPDATE invoices SET total = 500 WHERE id = 1")
         conn.commit()
         with pytest.raises(StaleTokenError):
-            guard.check(conn, "invoices:8")
+            guard.check(conn, token="invoices:8")
         conn.rollback()
         assert conn.execute("SELECT total FROM invoices").fetchone() == (500,)
         assert guard.high_water(conn) == tok(9)
@@ -425,7 +426,7 @@ def test_users_own_sql_error_is_not_swallowed(pg_dsn: str) -> None:
         with pytest.raises(psycopg.errors.DivisionByZero):
             conn.execute("SELECT 1/0")
         with pytest.raises(psycopg.errors.InFailedSqlTransaction):
-            guard.check(conn, tok(1))
+            guard.check(conn, token=tok(1))
         conn.execute("ROLLBACK")
 
 
@@ -447,13 +448,13 @@ def test_pg_snapshot_isolation_conflict_is_an_error_not_a_pass(
         a.execute("SELECT history FROM ledger").fetchall()  # takes the snapshot
         assert attempt(env, b, guard, tok(7))  # commits after a's snapshot
         with pytest.raises(FenceConflictError) as info:
-            guard.check(a, tok(mine))
+            guard.check(a, token=tok(mine))
         assert isinstance(info.value.__cause__, psycopg.errors.SerializationFailure)
         a.execute("ROLLBACK")
         assert guard.high_water(a) == tok(7)
         # Without a concurrent writer the same isolation level passes normally.
         a.execute(f"BEGIN ISOLATION LEVEL {level}")
-        assert guard.check(a, tok(8)) == tok(8)
+        assert guard.check(a, token=tok(8)) == tok(8)
         a.execute("COMMIT")
         assert guard.high_water(b) == tok(8)
     finally:
@@ -471,12 +472,12 @@ def test_sqlite_deferred_transaction_that_read_first_fails_to_upgrade(tmp_path: 
         a.execute("SELECT history FROM ledger").fetchall()  # read snapshot
         assert attempt(env, b, guard, tok(7))
         with pytest.raises(FenceConflictError, match="BEGIN IMMEDIATE") as info:
-            guard.check(a, tok(9))
+            guard.check(a, token=tok(9))
         assert isinstance(info.value.__cause__, sqlite3.OperationalError)
         a.execute("ROLLBACK")
         assert guard.high_water(a) == tok(7)
         a.execute("BEGIN IMMEDIATE")
-        assert guard.check(a, tok(9)) == tok(9)
+        assert guard.check(a, token=tok(9)) == tok(9)
         a.execute("COMMIT")
     finally:
         a.close()
@@ -493,7 +494,7 @@ def test_sqlite_busy_writer_is_a_conflict(tmp_path: Any) -> None:
         a.execute("BEGIN IMMEDIATE")
         b.execute("BEGIN")
         with pytest.raises(FenceConflictError):
-            guard.check(b, tok(1))
+            guard.check(b, token=tok(1))
         b.execute("ROLLBACK")
         a.execute("ROLLBACK")
     finally:
@@ -634,7 +635,7 @@ def race_two_holders(env: Env, guard: SQLGuard) -> list[int]:
         a.execute("INSERT INTO notes (token) VALUES (5)")
         _HOOKS[id(a)] = before_statement
         try:
-            accepted = guard.check(a, tok(5))
+            accepted = guard.check(a, token=tok(5))
         except StaleTokenError:
             accepted = None
         finally:
@@ -761,10 +762,10 @@ def test_pg_dead_server_is_backend_unavailable(own_pg: PostgresServer) -> None:
         conn.execute("BEGIN")
         own_pg.kill()
         with pytest.raises(BackendUnavailable) as info:
-            guard.check(conn, tok(4))
+            guard.check(conn, token=tok(4))
         assert isinstance(info.value.__cause__, psycopg.Error)
         with pytest.raises(BackendUnavailable):
-            guard.check(conn, tok(4))
+            guard.check(conn, token=tok(4))
     finally:
         conn.close()
         own_pg.start()
@@ -780,7 +781,7 @@ def test_pg_terminated_backend_is_backend_unavailable(pg_dsn: str) -> None:
         conn.execute("BEGIN")
         killer.execute("SELECT pg_terminate_backend(%s)", (conn.info.backend_pid,))
         with pytest.raises(BackendUnavailable):
-            guard.check(conn, tok(1))
+            guard.check(conn, token=tok(1))
         assert guard.high_water(killer) is None
 
 
@@ -795,21 +796,21 @@ async def test_async_check(pg_dsn: str) -> None:
         assert await guard.ahigh_water(conn) is None
         for _ in range(2):
             async with conn.transaction():
-                assert await guard.acheck(conn, "invoices:5") == tok(5)
+                assert await guard.acheck(conn, token="invoices:5") == tok(5)
         with pytest.raises(StaleTokenError) as info:
             async with conn.transaction():
-                await guard.acheck(conn, tok(4))
+                await guard.acheck(conn, token=tok(4))
         assert info.value.high_water == tok(5)
         with pytest.raises(WrongLockError):
             async with conn.transaction():
-                await guard.acheck(conn, "billing:9")
+                await guard.acheck(conn, token="billing:9")
         with pytest.raises(ConfigurationError, match="transaction"):
-            await guard.acheck(conn, tok(6))
+            await guard.acheck(conn, token=tok(6))
         assert await guard.ahigh_water(conn) == tok(5)
         with pytest.raises(TypeError):
-            guard.check(conn, tok(6))
+            guard.check(conn, token=tok(6))
     with pytest.raises(BackendUnavailable):
-        await guard.acheck(conn, tok(6))
+        await guard.acheck(conn, token=tok(6))
     with pytest.raises(BackendUnavailable):
         await guard.ahigh_water(conn)
 
@@ -820,12 +821,14 @@ async def test_async_row_guard(pg_dsn: str) -> None:
         await conn.execute("CREATE TABLE invoices (id INT PRIMARY KEY, status TEXT)")
         await conn.execute("INSERT INTO invoices (id, status) VALUES (1, 'new')")
         await guard.ainstall(conn)
-        assert await guard.aupdate(conn, tok(3), key={"id": 1}, values={"status": "a"}) == tok(3)
+        assert await guard.aupdate(
+            conn, token=tok(3), key={"id": 1}, values={"status": "a"}
+        ) == tok(3)
         with pytest.raises(StaleTokenError):
-            await guard.aupdate(conn, tok(2), key={"id": 1}, values={"status": "b"})
+            await guard.aupdate(conn, token=tok(2), key={"id": 1}, values={"status": "b"})
         with pytest.raises(ResourceNotFoundError):
-            await guard.aupdate(conn, tok(3), key={"id": 2}, values={"status": "b"})
-        await guard.ainsert_or_update(conn, tok(4), key={"id": 2}, values={"status": "c"})
+            await guard.aupdate(conn, token=tok(3), key={"id": 2}, values={"status": "b"})
+        await guard.ainsert_or_update(conn, token=tok(4), key={"id": 2}, values={"status": "c"})
         assert await guard.ahigh_water(conn, {"id": 2}) == tok(4)
         rows = await (await conn.execute("SELECT * FROM invoices ORDER BY id")).fetchall()
         assert rows == [(1, "a", 3), (2, "c", 4)]
@@ -856,7 +859,7 @@ def scenario_row_holder_writes_twice(env: Env, conn: Any, guard: RowGuard) -> No
     """The row's current holder updates it twice with the same token: both are accepted."""
     for status in ("paid", "refunded"):
         try:
-            guard.update(conn, tok(5), key={"id": 1}, values={"status": status})
+            guard.update(conn, token=tok(5), key={"id": 1}, values={"status": status})
         except (StaleTokenError, FenceConflictError) as exc:
             raise AssertionError(f"the holder's write was not accepted: {exc}") from exc
     assert row(conn, env, 1) == ("refunded", 10, 5)
@@ -874,25 +877,25 @@ def test_planted_row_less_than_is_caught(env: Env, conn: Any, rows: RowGuard) ->
 def test_row_null_token_accepts_then_fences(env: Env, conn: Any, rows: RowGuard) -> None:
     assert row(conn, env, 1) == ("new", 10, None)
     assert rows.high_water(conn, {"id": 1}) is None
-    assert rows.update(conn, tok(5), key={"id": 1}, values={"status": "paid"}) == tok(5)
-    assert rows.update(conn, "invoices:5", key={"id": 1}, values={"amount": 11}) == tok(5)
+    assert rows.update(conn, token=tok(5), key={"id": 1}, values={"status": "paid"}) == tok(5)
+    assert rows.update(conn, token="invoices:5", key={"id": 1}, values={"amount": 11}) == tok(5)
     assert row(conn, env, 1) == ("paid", 11, 5)
     with pytest.raises(StaleTokenError) as info:
-        rows.update(conn, tok(4), key={"id": 1}, values={"status": "void", "amount": 0})
+        rows.update(conn, token=tok(4), key={"id": 1}, values={"status": "void", "amount": 0})
     assert info.value.high_water == tok(5)
     assert info.value.resource == "invoices(id=1)"
     assert row(conn, env, 1) == ("paid", 11, 5)
-    assert rows.update(conn, tok(6), key={"id": 1}) == tok(6)  # bump the token only
+    assert rows.update(conn, token=tok(6), key={"id": 1}) == tok(6)  # bump the token only
     assert row(conn, env, 1) == ("paid", 11, 6)
     assert row(conn, env, 2) == ("new", 20, None)  # other rows untouched
 
 
 def test_row_stale_vs_missing(env: Env, conn: Any, rows: RowGuard) -> None:
-    rows.update(conn, tok(9), key={"id": 1}, values={"status": "x"})
+    rows.update(conn, token=tok(9), key={"id": 1}, values={"status": "x"})
     with pytest.raises(StaleTokenError):
-        rows.update(conn, tok(8), key={"id": 1}, values={"status": "y"})
+        rows.update(conn, token=tok(8), key={"id": 1}, values={"status": "y"})
     with pytest.raises(ResourceNotFoundError, match=r"invoices\(id=3\)"):
-        rows.update(conn, tok(8), key={"id": 3}, values={"status": "y"})
+        rows.update(conn, token=tok(8), key={"id": 3}, values={"status": "y"})
     with pytest.raises(ResourceNotFoundError):
         rows.high_water(conn, {"id": 3})
     assert conn.execute("SELECT COUNT(*) FROM invoices").fetchone() == (2,)
@@ -900,14 +903,14 @@ def test_row_stale_vs_missing(env: Env, conn: Any, rows: RowGuard) -> None:
 
 def test_row_insert_or_update(env: Env, conn: Any, rows: RowGuard) -> None:
     key = {"id": 7}
-    assert rows.insert_or_update(conn, tok(3), key=key, values={"status": "a", "amount": 1})
+    assert rows.insert_or_update(conn, token=tok(3), key=key, values={"status": "a", "amount": 1})
     assert row(conn, env, 7) == ("a", 1, 3)
-    rows.insert_or_update(conn, tok(3), key=key, values={"status": "b", "amount": 2})
+    rows.insert_or_update(conn, token=tok(3), key=key, values={"status": "b", "amount": 2})
     with pytest.raises(StaleTokenError) as info:
-        rows.insert_or_update(conn, tok(2), key=key, values={"status": "c", "amount": 3})
+        rows.insert_or_update(conn, token=tok(2), key=key, values={"status": "c", "amount": 3})
     assert info.value.high_water == tok(3)
     assert row(conn, env, 7) == ("b", 2, 3)
-    rows.insert_or_update(conn, tok(4), key={"id": 2}, values={"status": "d", "amount": 4})
+    rows.insert_or_update(conn, token=tok(4), key={"id": 2}, values={"status": "d", "amount": 4})
     assert row(conn, env, 2) == ("d", 4, 4)
 
 
@@ -915,20 +918,22 @@ def test_row_relative_updates_are_bound_and_fenced(env: Env, conn: Any, rows: Ro
     """Bug: only literal values: {"amount": "amount + 1"} stored that text. Add(n) adds in the
     guarded statement itself (a bound number, never SQL): accepted for the holder, refused
     with nothing written for a stale token, and a missing row or NULL counts as 0."""
-    assert rows.update(conn, tok(5), key={"id": 1}, values={"amount": Add(5)}) == tok(5)
-    assert rows.update(conn, tok(5), key={"id": 1}, values={"amount": Add(-3)}) == tok(5)
+    assert rows.update(conn, token=tok(5), key={"id": 1}, values={"amount": Add(5)}) == tok(5)
+    assert rows.update(conn, token=tok(5), key={"id": 1}, values={"amount": Add(-3)}) == tok(5)
     assert row(conn, env, 1) == ("new", 12, 5)
     with pytest.raises(StaleTokenError):
-        rows.update(conn, tok(4), key={"id": 1}, values={"amount": Add(100)})
+        rows.update(conn, token=tok(4), key={"id": 1}, values={"amount": Add(100)})
     assert row(conn, env, 1) == ("new", 12, 5)
-    rows.insert_or_update(conn, tok(5), key={"id": 9}, values={"amount": Add(7), "status": "n"})
-    rows.insert_or_update(conn, tok(6), key={"id": 9}, values={"amount": Add(7)})
+    rows.insert_or_update(
+        conn, token=tok(5), key={"id": 9}, values={"amount": Add(7), "status": "n"}
+    )
+    rows.insert_or_update(conn, token=tok(6), key={"id": 9}, values={"amount": Add(7)})
     assert row(conn, env, 9) == ("n", 14, 6)
     with pytest.raises(StaleTokenError):
-        rows.insert_or_update(conn, tok(5), key={"id": 9}, values={"amount": Add(1)})
+        rows.insert_or_update(conn, token=tok(5), key={"id": 9}, values={"amount": Add(1)})
     assert row(conn, env, 9) == ("n", 14, 6)
     conn.execute(env.q("UPDATE invoices SET amount = NULL WHERE id = ?"), (2,))
-    rows.update(conn, tok(6), key={"id": 2}, values={"amount": Add(2)})
+    rows.update(conn, token=tok(6), key={"id": 2}, values={"amount": Add(2)})
     assert row(conn, env, 2) == ("new", 2, 6)
     # The amount is a parameter: text that looks like SQL is refused, not run.
     with pytest.raises(fenced.ConfigurationError, match="number"):
@@ -938,17 +943,17 @@ def test_row_relative_updates_are_bound_and_fenced(env: Env, conn: Any, rows: Ro
 
 
 def test_row_in_a_transaction_rolls_back_with_it(env: Env, conn: Any, rows: RowGuard) -> None:
-    rows.update(conn, tok(5), key={"id": 1}, values={"status": "paid"})
+    rows.update(conn, token=tok(5), key={"id": 1}, values={"status": "paid"})
     env.begin(conn)
-    rows.update(conn, tok(6), key={"id": 2}, values={"status": "paid"})
+    rows.update(conn, token=tok(6), key={"id": 2}, values={"status": "paid"})
     with pytest.raises(StaleTokenError):
-        rows.update(conn, tok(4), key={"id": 1}, values={"status": "void"})
+        rows.update(conn, token=tok(4), key={"id": 1}, values={"status": "void"})
     conn.execute("ROLLBACK")
     assert row(conn, env, 2) == ("new", 20, None)
 
 
 def test_row_bad_input(env: Env, conn: Any, rows: RowGuard) -> None:
-    rows.update(conn, tok(5), key={"id": 1}, values={"status": "paid"})
+    rows.update(conn, token=tok(5), key={"id": 1}, values={"status": "paid"})
     for bad, error in [
         ("invoices:0", InvalidTokenError),
         ("invoices:-1", InvalidTokenError),
@@ -957,7 +962,7 @@ def test_row_bad_input(env: Env, conn: Any, rows: RowGuard) -> None:
         ("billing:9", WrongLockError),
     ]:
         with pytest.raises(error):
-            rows.update(conn, bad, key={"id": 1}, values={"status": "void"})
+            rows.update(conn, token=bad, key={"id": 1}, values={"status": "void"})
     bad_calls: list[tuple[dict[str, Any], dict[str, Any]]] = [
         ({"nope": 1}, {"status": "x"}),
         ({"id": None}, {"status": "x"}),
@@ -967,19 +972,19 @@ def test_row_bad_input(env: Env, conn: Any, rows: RowGuard) -> None:
     ]
     for key, values in bad_calls:
         with pytest.raises(ConfigurationError):
-            rows.update(conn, tok(6), key=key, values=values)
+            rows.update(conn, token=tok(6), key=key, values=values)
     assert row(conn, env, 1) == ("paid", 10, 5)
 
 
 def test_row_lock_column(env: Env, conn: Any, rows: RowGuard) -> None:
     locked = RowGuard("invoices", lock=LOCK, lock_column="fencing_lock")
     locked.install(conn)
-    locked.update(conn, tok(5), key={"id": 1}, values={"status": "a"})
+    locked.update(conn, token=tok(5), key={"id": 1}, values={"status": "a"})
     other = RowGuard("invoices", lock="billing", lock_column="fencing_lock")
     with pytest.raises(WrongLockError):
-        other.update(conn, FencingToken("billing", 50), key={"id": 1}, values={"status": "b"})
+        other.update(conn, token=FencingToken("billing", 50), key={"id": 1}, values={"status": "b"})
     assert locked.high_water(conn, {"id": 1}) == tok(5)
-    assert other.update(conn, FencingToken("billing", 1), key={"id": 2}) == FencingToken(
+    assert other.update(conn, token=FencingToken("billing", 1), key={"id": 2}) == FencingToken(
         "billing", 1
     )
 
@@ -990,7 +995,7 @@ def test_row_install_needs_the_table(env: Env, conn: Any) -> None:
     conn.execute("CREATE TABLE plain (id INTEGER PRIMARY KEY)")
     conn.execute("INSERT INTO plain (id) VALUES (1)")
     with pytest.raises(ConfigurationError, match="install"):
-        RowGuard("plain").update(conn, "plain:1", key={"id": 1})
+        RowGuard("plain").update(conn, token="plain:1", key={"id": 1})
     with pytest.raises(ConfigurationError):
         RowGuard("plain", key_columns=("id",), token_column="id")
     with pytest.raises(ConfigurationError):
@@ -1001,7 +1006,7 @@ def test_row_closed_connection(env: Env, rows: RowGuard) -> None:
     conn = env.connect()
     conn.close()
     with pytest.raises(BackendUnavailable):
-        rows.update(conn, tok(1), key={"id": 1}, values={"status": "x"})
+        rows.update(conn, token=tok(1), key={"id": 1}, values={"status": "x"})
 
 
 @pytest.mark.parametrize("column_type", ["TEXT", "INTEGER"])
@@ -1017,7 +1022,7 @@ def test_row_guard_on_a_badly_typed_pg_column_is_a_configuration_error(
         guard = RowGuard("docs", lock=LOCK)
         token = FencingToken(LOCK, 2**40)  # above int4, as ZooKeeper tokens are
         with pytest.raises(ConfigurationError, match="BIGINT"), c.transaction():
-            guard.update(c, token, key={"id": 1}, values={"body": "new"})
+            guard.update(c, token=token, key={"id": 1}, values={"body": "new"})
         assert c.execute("SELECT body FROM docs WHERE id = 1").fetchone() == ("original",)
 
 
@@ -1037,7 +1042,7 @@ def test_install_refuses_an_existing_fence_table_with_a_text_token(env: Env, con
     for value in (9, 3, 11):
         env.begin(conn)
         with pytest.raises(ConfigurationError, match="token"):
-            guard.check(conn, tok(value))
+            guard.check(conn, token=tok(value))
         conn.execute("ROLLBACK")
     assert conn.execute("SELECT token FROM fenced_fences").fetchall() == [("10",)]
 
@@ -1054,7 +1059,7 @@ def test_a_null_zero_or_negative_fence_mark_fails_closed(env: Env, conn: Any, ma
     for value in (1, 3, 2**63 - 1):
         env.begin(conn)
         with pytest.raises(CorruptMarkError, match="'r'"):
-            guard.check(conn, tok(value))
+            guard.check(conn, token=tok(value))
         conn.execute("ROLLBACK")
     with pytest.raises(CorruptMarkError):
         guard.high_water(conn)
@@ -1067,14 +1072,14 @@ def test_row_upsert_on_a_text_token_column_never_compares_text(env: Env, conn: A
     guard = RowGuard("docs", lock=LOCK)
     if env.kind == "pg":  # refused at first use: text is never compared with a token
         with pytest.raises(ConfigurationError, match="wrong type"):
-            guard.insert_or_update(conn, tok(10), key={"id": 1}, values={"body": "ten"})
+            guard.insert_or_update(conn, token=tok(10), key={"id": 1}, values={"body": "ten"})
         conn.execute("INSERT INTO docs VALUES (1, 'ten', '10')")
     else:  # SQLite compares the CAST value: numeric
-        guard.insert_or_update(conn, tok(10), key={"id": 1}, values={"body": "ten"})
+        guard.insert_or_update(conn, token=tok(10), key={"id": 1}, values={"body": "ten"})
     with pytest.raises((StaleTokenError, ConfigurationError)):
-        guard.insert_or_update(conn, tok(9), key={"id": 1}, values={"body": "nine"})
+        guard.insert_or_update(conn, token=tok(9), key={"id": 1}, values={"body": "nine"})
     with pytest.raises((StaleTokenError, ConfigurationError)):
-        guard.update(conn, tok(9), key={"id": 1}, values={"body": "nine"})
+        guard.update(conn, token=tok(9), key={"id": 1}, values={"body": "nine"})
     assert conn.execute("SELECT body FROM docs").fetchall() == [("ten",)]
 
 
@@ -1089,9 +1094,9 @@ def test_row_mark_missing_but_bound_or_out_of_range_fails_closed(
     guard = RowGuard("docs", lock=LOCK, lock_column="lk")
     for value in (1, 3, 2**63 - 1):
         with pytest.raises(CorruptMarkError):
-            guard.update(conn, tok(value), key={"id": 1}, values={"body": "new"})
+            guard.update(conn, token=tok(value), key={"id": 1}, values={"body": "new"})
         with pytest.raises(CorruptMarkError):
-            guard.insert_or_update(conn, tok(value), key={"id": 1}, values={"body": "new"})
+            guard.insert_or_update(conn, token=tok(value), key={"id": 1}, values={"body": "new"})
     assert conn.execute("SELECT body FROM docs").fetchall() == [("original",)]
 
 
@@ -1105,16 +1110,16 @@ def test_row_write_on_a_default_connection_is_committed(env: Env, tmp_path: Any)
     # The drivers' defaults: sqlite3's legacy implicit transactions, psycopg's autocommit off.
     conn = sqlite3.connect(env.target) if env.kind == "sqlite" else psycopg.connect(env.target)
     guard = RowGuard("docs", lock=LOCK)
-    guard.update(conn, tok(5), key={"id": 1}, values={"body": "five"})
+    guard.update(conn, token=tok(5), key={"id": 1}, values={"body": "five"})
     assert not (conn.in_transaction if env.kind == "sqlite" else conn.info.transaction_status)
     with pytest.raises(StaleTokenError):
-        guard.update(conn, tok(4), key={"id": 1}, values={"body": "four"})
+        guard.update(conn, token=tok(4), key={"id": 1}, values={"body": "four"})
     assert not (conn.in_transaction if env.kind == "sqlite" else conn.info.transaction_status)
     # Inside the caller's transaction the write stays uncommitted until the caller decides.
     conn.execute("SELECT 1")  # opens one on psycopg; on sqlite3 use an explicit BEGIN
     if env.kind == "sqlite":
         conn.execute("BEGIN")
-    guard.update(conn, tok(6), key={"id": 1}, values={"body": "six"})
+    guard.update(conn, token=tok(6), key={"id": 1}, values={"body": "six"})
     conn.rollback()
     conn.close()
     with env.connect() as check:
@@ -1136,9 +1141,9 @@ def _jobs_with_text_token_column() -> sqlite3.Connection:
 
 def _stale_write_is_refused(db: sqlite3.Connection, guard: RowGuard) -> bool:
     """The checker: after token 10 wrote, token 3 is refused and 10's data is intact."""
-    guard.update(db, "jobs:10", key={"id": 1}, values={"state": "by 10"})
+    guard.update(db, token="jobs:10", key={"id": 1}, values={"state": "by 10"})
     try:
-        guard.update(db, "jobs:3", key={"id": 1}, values={"state": "by 3 (stale)"})
+        guard.update(db, token="jobs:3", key={"id": 1}, values={"state": "by 3 (stale)"})
     except fenced.StaleTokenError as exc:
         assert exc.high_water == fenced.FencingToken("jobs", 10)
         return bool(db.execute("SELECT state FROM jobs").fetchone()[0] == "by 10")
@@ -1189,7 +1194,7 @@ def test_row_guard_install_refuses_narrow_or_text_token_columns_on_postgresql(
         RowGuard("jobs").install(db)
         db.execute("INSERT INTO jobs (id) VALUES (1)")
         big = fenced.FencingToken("jobs", fenced.MAX_TOKEN)
-        assert RowGuard("jobs").update(db, big, key={"id": 1}) == big
+        assert RowGuard("jobs").update(db, token=big, key={"id": 1}) == big
 
 
 def test_begin_starts_the_transaction_and_checks_in_one_step(env: Env) -> None:
@@ -1201,18 +1206,18 @@ def test_begin_starts_the_transaction_and_checks_in_one_step(env: Env) -> None:
     try:
         for value, ok in [(5, True), (5, True), (7, True), (6, False), (7, True)]:
             if ok:
-                assert guard.begin(conn, tok(value)) == tok(value)
+                assert guard.begin(conn, token=tok(value)) == tok(value)
                 conn.execute(env.q("UPDATE ledger SET history = ? WHERE id = 1"), (str(value),))
                 conn.execute("COMMIT")
             else:
                 with pytest.raises(StaleTokenError) as info:
-                    guard.begin(conn, tok(value))
+                    guard.begin(conn, token=tok(value))
                 assert info.value.high_water == tok(7)
                 conn.execute("ROLLBACK")
         assert conn.execute("SELECT history FROM ledger").fetchall() == [("7",)]
         env.begin(conn)
         with pytest.raises(ConfigurationError, match="already open"):
-            guard.begin(conn, tok(8))
+            guard.begin(conn, token=tok(8))
         conn.execute("ROLLBACK")
     finally:
         conn.close()
@@ -1222,9 +1227,9 @@ async def test_abegin_on_an_async_connection(pg_dsn: str) -> None:
     guard = SQLGuard("ledger", lock=LOCK)
     async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as conn:
         await guard.ainstall(conn)
-        assert await guard.abegin(conn, tok(3)) == tok(3)
+        assert await guard.abegin(conn, token=tok(3)) == tok(3)
         await conn.execute("COMMIT")
         with pytest.raises(StaleTokenError):
-            await guard.abegin(conn, tok(2))
+            await guard.abegin(conn, token=tok(2))
         await conn.execute("ROLLBACK")
         assert await guard.ahigh_water(conn) == tok(3)

@@ -104,7 +104,7 @@ def _client(url: str, target: str, who: str, ttl: float, fenced_mode: bool) -> i
                 try:
                     storage.begin(db)
                     if fenced_mode:
-                        SQLGuard(LOCK).check(db, token)
+                        SQLGuard(LOCK).check(db, token=token)
                     db.execute(
                         storage.sql("UPDATE files SET content = ?, written_by = ? WHERE name = ?"),
                         (arg, f"{who} ({token})", FILE),

@@ -478,7 +478,7 @@ def _cmd_write(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     data = sys.stdin.buffer.read()
     try:
-        FileGuard(directory, lock=token.lock).write(name, data, token)
+        FileGuard(directory, lock=token.lock).write(name, data, token=token)
     except StaleTokenError as exc:
         _say(f"write refused: {exc}")
         return EXIT_STALE

@@ -170,7 +170,7 @@ class SQLFenceEnv(_SQLEnv):
         self.begin()
         try:
             if guard is not None:
-                guard.check(self.conn, token)
+                guard.check(self.conn, token=token)
             self.conn.execute(
                 self.q(
                     f"INSERT INTO {self.table} (id, v) VALUES (1, ?) "
@@ -210,7 +210,7 @@ class SQLRowEnv(_SQLEnv):
         self.guard.install(self.conn)
 
     def write(self, token: FencingToken | str, value: str) -> None:
-        self.guard.insert_or_update(self.conn, token, key={"id": 1}, values={"v": value})
+        self.guard.insert_or_update(self.conn, token=token, key={"id": 1}, values={"v": value})
 
     def raw_write(self, value: str) -> None:
         self.conn.execute(
@@ -234,7 +234,7 @@ class SQLRowEnv(_SQLEnv):
     def planted_lt(self) -> Write:
         guard = LessThanRowGuard(self.table, lock=LOCK)
         return lambda token, value: bool(
-            guard.insert_or_update(self.conn, token, key={"id": 1}, values={"v": value})
+            guard.insert_or_update(self.conn, token=token, key={"id": 1}, values={"v": value})
         )  # type: ignore[func-returns-value]
 
 
@@ -257,7 +257,7 @@ class RedisEnv(GuardEnv):
         self.guard = RedisGuard(self.client, self.resource, LOCK)
 
     def write(self, token: FencingToken | str, value: str) -> None:
-        self.guard.set(self.key, value, token)
+        self.guard.set(self.key, value, token=token)
 
     def raw_write(self, value: str) -> None:
         self.client.set(self.key, value)
@@ -275,7 +275,7 @@ class RedisEnv(GuardEnv):
 
         assert LtRedisGuard.set_script != SET_SCRIPT, "re-plant the bug"
         guard = LtRedisGuard(self.client, self.resource, LOCK)
-        return lambda token, value: bool(guard.set(self.key, value, token))  # type: ignore[func-returns-value]
+        return lambda token, value: bool(guard.set(self.key, value, token=token))  # type: ignore[func-returns-value]
 
     def close(self) -> None:
         self.guard.close()
@@ -321,7 +321,7 @@ class AsyncRedisEnv(GuardEnv):
         self.guard = AsyncRedisGuard(self.client, self.resource, LOCK)
 
     def write(self, token: FencingToken | str, value: str) -> None:
-        self.on.run(self.guard.set(self.key, value, token))
+        self.on.run(self.guard.set(self.key, value, token=token))
 
     def raw_write(self, value: str) -> None:
         self.sync.set(self.key, value)
@@ -340,7 +340,7 @@ class AsyncRedisEnv(GuardEnv):
             set_script = SET_SCRIPT.replace("if c < 0 then", "if c <= 0 then")
 
         guard = Lt(self.client, self.resource, LOCK)
-        return lambda token, value: bool(self.on.run(guard.set(self.key, value, token)))  # type: ignore[func-returns-value]
+        return lambda token, value: bool(self.on.run(guard.set(self.key, value, token=token)))  # type: ignore[func-returns-value]
 
     def close(self) -> None:
         self.on.run(self.guard.aclose())
@@ -436,7 +436,7 @@ class EtcdEnv(GuardEnv):
         self.guard = EtcdGuard(self.endpoint, self.resource, LOCK)
 
     def write(self, token: FencingToken | str, value: str) -> None:
-        self.guard.put(self.key, value, token)
+        self.guard.put(self.key, value, token=token)
 
     def _client_call(self, make: Callable[[aetcd.Client], Any]) -> Any:
         async def go() -> Any:
@@ -466,7 +466,7 @@ class EtcdEnv(GuardEnv):
 
         guard = Lt(self.endpoint, self.resource, LOCK)
         self._planted = guard
-        return lambda token, value: bool(guard.put(self.key, value, token))  # type: ignore[func-returns-value]
+        return lambda token, value: bool(guard.put(self.key, value, token=token))  # type: ignore[func-returns-value]
 
     def close(self) -> None:
         self.guard.close()
@@ -490,7 +490,7 @@ class FileGuardEnv(GuardEnv):
         self.guard = FileGuard(self.directory, lock=LOCK)
 
     def write(self, token: FencingToken | str, value: str) -> None:
-        self.guard.write("item", value.encode(), token)
+        self.guard.write("item", value.encode(), token=token)
 
     def raw_write(self, value: str) -> None:
         # Unfenced: a version with a token above everything, as a client that ignores the
@@ -515,7 +515,7 @@ class FileGuardEnv(GuardEnv):
                 return token > newest
 
         guard = Lt(self.directory, lock=LOCK)
-        return lambda token, value: bool(guard.write("item", value.encode(), token))  # type: ignore[func-returns-value]
+        return lambda token, value: bool(guard.write("item", value.encode(), token=token))  # type: ignore[func-returns-value]
 
 
 class HighWaterFileEnv(GuardEnv):
@@ -530,7 +530,7 @@ class HighWaterFileEnv(GuardEnv):
         self.mark = HighWaterFile(self.mark_path, lock=LOCK)
 
     def _hold_and_write(self, mark: HighWaterFile, token: Any, value: str) -> None:
-        with mark.hold(token):
+        with mark.hold(token=token):
             self.raw_write(value)
 
     def write(self, token: FencingToken | str, value: str) -> None:

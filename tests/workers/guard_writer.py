@@ -72,9 +72,9 @@ def writer(target: str, resource: str) -> Any:
             if not guarded:
                 client.set(data, value)
             elif value.startswith("log:"):  # a race write: logged in the same script
-                guard.eval(LOG_BODY, [data, log], [str(token.value), value[4:]], token)
+                guard.eval(LOG_BODY, [data, log], [str(token.value), value[4:]], token=token)
             else:
-                guard.set(data, value, token)
+                guard.set(data, value, token=token)
 
         try:
             yield write_redis
@@ -92,7 +92,7 @@ def writer(target: str, resource: str) -> Any:
                 if value.startswith("log:"):
                     value = f"{token.value}:{value[4:]}"
                 if guarded:
-                    etcd_guard.put(key, value, token)
+                    etcd_guard.put(key, value, token=token)
                 else:
                     put = put_op(key, value).request_put
                     etcd_guard._portal.call(
@@ -107,7 +107,7 @@ def writer(target: str, resource: str) -> Any:
 
         def write_file(value: str, token: FencingToken, guarded: bool) -> None:
             if guarded:
-                FileGuard(where, lock=LOCK).write(resource, value.encode(), token)
+                FileGuard(where, lock=LOCK).write(resource, value.encode(), token=token)
             else:
                 plain_write(Path(where) / "plain" / resource, value.encode())
 

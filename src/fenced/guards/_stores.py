@@ -245,7 +245,7 @@ class SQLiteFenceStore:
             except sqlite3.Error as exc:
                 raise _map_sqlite(conn, exc) from exc
         try:
-            self._guards.get(resource, token.lock).check(conn, token)
+            self._guards.get(resource, token.lock).check(conn, token=token)
             result = _call_inside(conn, fn) if fn is not None else None
             conn.execute("COMMIT")
         except BaseException as exc:
@@ -532,7 +532,7 @@ class PostgresFenceStore:
         guard = self._guards.get(resource, token.lock)
         try:
             async with self._connection() as conn, conn.transaction():
-                await guard.acheck(conn, token)
+                await guard.acheck(conn, token=token)
                 result = await fn(conn)
                 status = conn.info.transaction_status
                 if status not in (status.INTRANS, status.INERROR):
@@ -551,7 +551,7 @@ class PostgresFenceStore:
         guard = self._guards.get(resource, token.lock)
         try:
             async with self._connection() as conn, conn.transaction():
-                await guard.acheck(conn, token)
+                await guard.acheck(conn, token=token)
         except FencedError:
             raise
         except Exception as exc:
@@ -608,7 +608,7 @@ class RedisFenceStore:
 
     async def advance(self, resource: str, token: FencingToken) -> None:
         """Check and advance ``resource``'s mark: the guard's prelude with an empty body."""
-        await self._guards.get(resource, token.lock).eval("return 1", [], [], token)
+        await self._guards.get(resource, token.lock).eval("return 1", [], [], token=token)
 
     async def high_water(self, resource: str, lock: str) -> FencingToken | None:
         """The highest token accepted for ``resource`` (None if none)."""

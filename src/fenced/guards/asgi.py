@@ -34,7 +34,7 @@ The middleware check turns stale writers away early (before any work is done) an
 enough when the handler's writes are themselves ordered by the same mark; for the write
 to be fenced atomically, the handler writes *through the same guard in the same
 transaction*: ``await store.transaction(resource, token, fn)`` (SQLite, PostgreSQL) or
-``store.guard(resource, lock).set(key, value, token)`` (Redis). ``scope["state"]`` carries
+``store.guard(resource, lock).set(key, value, token=t)`` (Redis). ``scope["state"]`` carries
 ``fencing_token``, ``fencing_resource`` and ``fencing_store`` for that.
 """
 

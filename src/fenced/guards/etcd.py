@@ -4,10 +4,10 @@
 
     async with aetcd.Client("127.0.0.1", 2379) as client:
         guard = AsyncEtcdGuard(client, "invoices")
-        await guard.put("invoices/42", payload, lease.token)   # StaleTokenError if fenced off
+        await guard.put("invoices/42", payload, token=lease.token)   # StaleTokenError if fenced off
 
     with EtcdGuard("127.0.0.1:2379", "invoices") as guard:      # sync: same code, private loop
-        guard.put("invoices/42", payload, lease.token)
+        guard.put("invoices/42", payload, token=lease.token)
 
 The resource keeps two keys next to the data: ``<prefix>hw/<resource>``, the highest accepted
 token value, and ``<prefix>lock/<resource>``, the lock whose tokens it accepts. Both are plain
@@ -76,6 +76,7 @@ from .._token import MAX_TOKEN, FencingToken, validate_lock_name
 from ..backends._etcd_conn import EtcdClient, Member, check_grpc_usable
 from ..backends.etcd import parse_endpoints
 from ._plan import GuardPlan, adrive
+from ._token_arg import token_keyword
 
 __all__ = [
     "Accepted",
@@ -511,8 +512,9 @@ class AsyncEtcdGuard:
     async def _send(self, request: Request) -> rpc.TxnResponse:
         return await self._txn(request.txn, write=request.write)
 
+    @token_keyword()
     async def write(
-        self, ops: Sequence[rpc.RequestOp], token: FencingToken | str | bytes
+        self, ops: Sequence[rpc.RequestOp], *, token: FencingToken | str | bytes
     ) -> Accepted:
         """Apply ``ops`` (see :func:`put_op`, :func:`delete_op`) in one fenced transaction."""
         tok = self._token(token)
@@ -521,17 +523,19 @@ class AsyncEtcdGuard:
         # (Transport errors are already fenced errors here: they pass through the plan.)
         return await adrive(self.write_plan(tok, ops), self._send, lambda exc: None)
 
+    @token_keyword()
     async def put(
-        self, key: Key, value: bytes | str, token: FencingToken | str | bytes, *, lease: int = 0
+        self, key: Key, value: bytes | str, *, token: FencingToken | str | bytes, lease: int = 0
     ) -> int:
         """Put ``key = value`` if ``token`` is not stale; return the write's revision."""
         if not isinstance(value, (str, bytes)):
             raise ConfigurationError(f"an etcd value must be str or bytes, not {value!r}")
-        return (await self.write([put_op(self._key(key), value, lease)], token)).revision
+        return (await self.write([put_op(self._key(key), value, lease)], token=token)).revision
 
-    async def delete(self, key: Key, token: FencingToken | str | bytes) -> bool:
+    @token_keyword()
+    async def delete(self, key: Key, *, token: FencingToken | str | bytes) -> bool:
         """Delete ``key`` if ``token`` is not stale; True if it existed."""
-        accepted = await self.write([delete_op(self._key(key))], token)
+        accepted = await self.write([delete_op(self._key(key))], token=token)
         return bool(accepted.replies[0].response_delete_range.deleted > 0)
 
     async def high_water(self) -> FencingToken | None:
@@ -588,19 +592,22 @@ class EtcdGuard:
     def resource(self) -> str:
         return self.aio.resource
 
-    def write(self, ops: Sequence[rpc.RequestOp], token: FencingToken | str | bytes) -> Accepted:
+    @token_keyword()
+    def write(self, ops: Sequence[rpc.RequestOp], *, token: FencingToken | str | bytes) -> Accepted:
         """See :meth:`AsyncEtcdGuard.write`."""
-        return self._portal.call(self.aio.write(ops, token))
+        return self._portal.call(self.aio.write(ops, token=token))
 
+    @token_keyword()
     def put(
-        self, key: Key, value: bytes | str, token: FencingToken | str | bytes, *, lease: int = 0
+        self, key: Key, value: bytes | str, *, token: FencingToken | str | bytes, lease: int = 0
     ) -> int:
         """See :meth:`AsyncEtcdGuard.put`."""
-        return self._portal.call(self.aio.put(key, value, token, lease=lease))
+        return self._portal.call(self.aio.put(key, value, token=token, lease=lease))
 
-    def delete(self, key: Key, token: FencingToken | str | bytes) -> bool:
+    @token_keyword()
+    def delete(self, key: Key, *, token: FencingToken | str | bytes) -> bool:
         """See :meth:`AsyncEtcdGuard.delete`."""
-        return self._portal.call(self.aio.delete(key, token))
+        return self._portal.call(self.aio.delete(key, token=token))
 
     def high_water(self) -> FencingToken | None:
         """See :meth:`AsyncEtcdGuard.high_water`."""

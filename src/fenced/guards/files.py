@@ -39,7 +39,7 @@ write lists the resource directory, so keep the number of versions bounded with
 delays the other writers of that resource until it resumes; it cannot make them wrong.
 
 :class:`HighWaterFile` is the other form: one small file holding ``lock:value`` for a
-resource that is updated in place elsewhere. ``with mark.hold(token): <write>`` checks and
+resource that is updated in place elsewhere. ``with mark.hold(token=t): <write>`` checks and
 durably advances the mark and keeps the lock across the caller's write, so check and write
 are one step for every writer that goes through the same file.
 """
@@ -51,7 +51,7 @@ import dataclasses
 import os
 import re
 from collections.abc import Iterable, Iterator
-from typing import Final, Protocol, runtime_checkable
+from typing import Any, Final, Protocol, runtime_checkable
 
 from .._errors import (
     ConfigurationError,
@@ -71,6 +71,7 @@ from ._files_fs import (
     fsync_dir,
     write_all,
 )
+from ._token_arg import token_keyword, warn_positional
 
 __all__ = ["FileGuard", "HighWaterFile", "Version", "VersionStore"]
 
@@ -112,7 +113,7 @@ class VersionStore(Protocol):
 
     lock: str
 
-    def publish(self, name: str, token: FencingToken | str | bytes, data: Data) -> Version:
+    def publish(self, name: str, data: Data, *, token: FencingToken | str | bytes) -> Version:
         """Store ``data`` as a new version of ``name`` if ``token`` >= the newest version.
 
         Raises :class:`~fenced.StaleTokenError` (and stores nothing) if it is lower.
@@ -191,7 +192,7 @@ class FileGuard:
     :class:`~fenced.InvalidTokenError`. See the module docstring for the atomicity argument.
 
     >>> guard = FileGuard("/srv/reports", lock="reports")          # doctest: +SKIP
-    >>> guard.write("daily.csv", b"...", lease.token)               # doctest: +SKIP
+    >>> guard.write("daily.csv", b"...", token=lease.token)               # doctest: +SKIP
     Version(token=FencingToken('reports', 34), seq=0)
     >>> guard.read("daily.csv")                                     # doctest: +SKIP
     (FencingToken('reports', 34), b'...')
@@ -218,17 +219,31 @@ class FileGuard:
 
     # -- the write path ---------------------------------------------------------------------
 
-    def write(self, name: str, data: Data, token: FencingToken | str | bytes) -> Version:
+    @token_keyword()
+    def write(self, name: str, data: Data, *, token: FencingToken | str | bytes) -> Version:
         """Store ``data`` as the newest version of ``name`` if ``token`` >= its newest version.
 
         Returns the new :class:`Version` once it is durable. Raises StaleTokenError (with the
         newest version's token as ``high_water``) and leaves nothing behind if the token is
         lower; InvalidTokenError / WrongLockError for a bad token.
         """
-        return self.publish(name, token, data)
+        return self._publish(name, data, token)
 
-    def publish(self, name: str, token: FencingToken | str | bytes, data: Data) -> Version:
-        """:class:`VersionStore` spelling of :meth:`write` (note the argument order)."""
+    def publish(self, name: str, *args: Any, token: Any = None, data: Any = None) -> Version:
+        """:class:`VersionStore` spelling of :meth:`write`: ``publish(name, data, token=t)``.
+
+        (0.1 had the token before the data, ``publish(name, token, data)``: still accepted
+        for one release, with a DeprecationWarning.)"""
+        if len(args) == 2 and token is None and data is None:
+            warn_positional(f"{type(self).__qualname__}.publish")
+            token, data = args
+        elif len(args) == 1 and data is None and token is not None:
+            (data,) = args
+        elif args or token is None or data is None:
+            raise TypeError("publish(name, data, *, token): give the data and token=")
+        return self._publish(name, data, token)
+
+    def _publish(self, name: str, data: Data, token: FencingToken | str | bytes) -> Version:
         tok = FencingToken.coerce(token, self.lock)
         view = _as_view(data)
         rdir = self._resource_dir(_validate_name(name), create=True)
@@ -403,7 +418,7 @@ class HighWaterFile:
     atomically (fixed temp name written under the lock, fsync, rename, fsync the directory),
     so it is never seen half-written. ``<path>.lock`` is the ``flock`` every writer takes.
 
-    * ``with mark.hold(token): write()`` — check, advance durably, and keep the lock across
+    * ``with mark.hold(token=t): write()`` — check, advance durably, and keep the lock across
       your write: check and write are one step for everyone using this file. The mark is
       advanced *before* your write, so a crash in between leaves the mark ahead of the data
       (harmless: a stale writer is still refused), never behind it.
@@ -435,11 +450,12 @@ class HighWaterFile:
 
     def check_and_advance(self, token: FencingToken | str | bytes) -> FencingToken:
         """Accept ``token`` if >= the mark and make it the mark (durably); return it."""
-        with self.hold(token) as accepted:
+        with self.hold(token=token) as accepted:
             return accepted
 
     @contextlib.contextmanager
-    def hold(self, token: FencingToken | str | bytes) -> Iterator[FencingToken]:
+    @token_keyword()
+    def hold(self, *, token: FencingToken | str | bytes) -> Iterator[FencingToken]:
         """Check and advance the mark, then hold the lock for the ``with`` body (your write)."""
         tok = FencingToken.coerce(token, self.lock)
         with self._locked():

@@ -3,12 +3,12 @@
 ::
 
     guard = RedisGuard(redis.Redis(...), "invoices", "invoices")  # resource, lock
-    guard.set("{invoices}:42", payload, lease.token)             # StaleTokenError if fenced off
-    guard.hset("{invoices}:42:meta", {"state": "paid"}, lease.token)
+    guard.set("{invoices}:42", payload, token=lease.token)             # StaleTokenError if fenced off
+    guard.hset("{invoices}:42:meta", {"state": "paid"}, token=lease.token)
     guard.delete("{invoices}:41", token=lease.token)
     guard.incrby("{invoices}:count", 1, token=lease.token)         # also hincrby, rpush, xadd,
     guard.command("LTRIM", "{invoices}:log", 0, 999, token=lease.token)  # expire, COMMANDS
-    guard.eval("return redis.call('INCR', KEYS[1])", ["{invoices}:n"], [], lease.token)
+    guard.eval("return redis.call('INCR', KEYS[1])", ["{invoices}:n"], [], token=lease.token)
 
 The high-water mark lives in Redis itself, in the hash ``fenced:hw:{<resource>}`` (fields
 ``hw``: the highest accepted token value as a decimal integer; ``lock``: the lock whose tokens
@@ -58,6 +58,7 @@ from .._errors import (
 )
 from .._redis_errors import NATIVE, kind
 from .._token import MAX_TOKEN, FencingToken, validate_lock_name
+from ._token_arg import token_keyword
 
 __all__ = ["COMMANDS", "AsyncRedisGuard", "RedisGuard", "default_fence_key"]
 
@@ -533,14 +534,16 @@ class RedisGuard(_GuardBase):
         except _NATIVE_ERRORS as exc:
             raise map_error(exc, self.resource, call.token) from exc
 
+    @token_keyword("px")
     def set(
-        self, key: Key, value: Value, token: FencingToken | str | bytes, px: int | None = None
+        self, key: Key, value: Value, *, token: FencingToken | str | bytes, px: int | None = None
     ) -> bool:
         """``SET key value [PX px]`` if ``token`` is not stale."""
         return bool(self._run(self._set_call(key, value, token, px)))
 
+    @token_keyword()
     def hset(
-        self, key: Key, mapping: Mapping[Key, Value], token: FencingToken | str | bytes
+        self, key: Key, mapping: Mapping[Key, Value], *, token: FencingToken | str | bytes
     ) -> int:
         """``HSET key field value ...`` if ``token`` is not stale; the number of new fields."""
         return int(self._run(self._hset_call(key, mapping, token)))
@@ -583,11 +586,13 @@ class RedisGuard(_GuardBase):
         """``EXPIRE key seconds`` if ``token`` is not stale; False if the key does not exist."""
         return bool(self._run(self._command_call("EXPIRE", key, [seconds], token)))
 
+    @token_keyword()
     def eval(
         self,
         lua_body: str,
         keys: Sequence[Key],
         args: Sequence[Value],
+        *,
         token: FencingToken | str | bytes,
     ) -> Any:
         """Run your Lua, after the fence check, in the same script; return its return value.
@@ -649,14 +654,16 @@ class AsyncRedisGuard(_GuardBase):
         except _NATIVE_ERRORS as exc:
             raise map_error(exc, self.resource, call.token) from exc
 
+    @token_keyword("px")
     async def set(
-        self, key: Key, value: Value, token: FencingToken | str | bytes, px: int | None = None
+        self, key: Key, value: Value, *, token: FencingToken | str | bytes, px: int | None = None
     ) -> bool:
         """See :meth:`RedisGuard.set`."""
         return bool(await self._run(self._set_call(key, value, token, px)))
 
+    @token_keyword()
     async def hset(
-        self, key: Key, mapping: Mapping[Key, Value], token: FencingToken | str | bytes
+        self, key: Key, mapping: Mapping[Key, Value], *, token: FencingToken | str | bytes
     ) -> int:
         """See :meth:`RedisGuard.hset`."""
         return int(await self._run(self._hset_call(key, mapping, token)))
@@ -701,11 +708,13 @@ class AsyncRedisGuard(_GuardBase):
         """See :meth:`RedisGuard.expire`."""
         return bool(await self._run(self._command_call("EXPIRE", key, [seconds], token)))
 
+    @token_keyword()
     async def eval(
         self,
         lua_body: str,
         keys: Sequence[Key],
         args: Sequence[Value],
+        *,
         token: FencingToken | str | bytes,
     ) -> Any:
         """See :meth:`RedisGuard.eval`."""

@@ -9,11 +9,11 @@ back) together with the data it protects:
   the transaction, then write as usual::
 
       with db:                                     # sqlite3: commit, or roll back on error
-          SQLGuard("invoices").check(db, lease.token)
+          SQLGuard("invoices").check(db, token=lease.token)
           db.execute("UPDATE invoices SET ...")
 
       with pg.transaction():                       # psycopg 3
-          SQLGuard("invoices").check(pg, lease.token)
+          SQLGuard("invoices").check(pg, token=lease.token)
           pg.execute("UPDATE invoices SET ...")
 
 * :class:`RowGuard`, the **row form**: the guarded table carries its own ``fencing_token``
@@ -94,6 +94,7 @@ from ._sql_plan import (
     row_write_plan,
     validate_resource,
 )
+from ._token_arg import token_keyword
 
 __all__ = ["Add", "FenceConflictError", "RowGuard", "SQLGuard"]
 
@@ -139,7 +140,8 @@ class SQLGuard:
 
     # -- sync ----------------------------------------------------------------------------
 
-    def check(self, conn: Any, token: TokenLike) -> FencingToken:
+    @token_keyword()
+    def check(self, conn: Any, *, token: TokenLike) -> FencingToken:
         """Accept ``token`` inside the caller's open transaction, raising the mark to it.
 
         Returns the accepted token. Raises :class:`~fenced.StaleTokenError` (with the mark)
@@ -151,7 +153,8 @@ class SQLGuard:
         tok = FencingToken.coerce(token, self.lock)
         return run(conn, lambda d: self._check_plan(d, tok), need_tx=True)
 
-    def begin(self, conn: Any, token: TokenLike) -> FencingToken:
+    @token_keyword()
+    def begin(self, conn: Any, *, token: TokenLike) -> FencingToken:
         """Start the caller's transaction and :meth:`check` the fence, as its first statement.
 
         On PostgreSQL (autocommit connection) ``BEGIN`` and the fence go in one round trip, so
@@ -175,12 +178,14 @@ class SQLGuard:
 
     # -- async (psycopg.AsyncConnection) -------------------------------------------------
 
-    async def acheck(self, conn: Any, token: TokenLike) -> FencingToken:
+    @token_keyword()
+    async def acheck(self, conn: Any, *, token: TokenLike) -> FencingToken:
         """:meth:`check` on a ``psycopg.AsyncConnection``."""
         tok = FencingToken.coerce(token, self.lock)
         return await arun(conn, lambda d: self._check_plan(d, tok), need_tx=True)
 
-    async def abegin(self, conn: Any, token: TokenLike) -> FencingToken:
+    @token_keyword()
+    async def abegin(self, conn: Any, *, token: TokenLike) -> FencingToken:
         """:meth:`begin` on a ``psycopg.AsyncConnection``."""
         tok = FencingToken.coerce(token, self.lock)
         return await arun(conn, lambda d: self._check_plan(d, tok), begin=True)
@@ -204,8 +209,8 @@ class RowGuard:
     the token (and lock) column if missing.
 
     >>> guard = RowGuard("invoices", key_columns=("id",), lock="invoices")   # doctest: +SKIP
-    >>> guard.update(db, lease.token, key={"id": 42}, values={"status": "paid"})  # doctest: +SKIP
-    >>> guard.update(db, lease.token, key={"id": 42}, values={"paid": Add(25)})   # doctest: +SKIP
+    >>> guard.update(db, token=lease.token, key={"id": 42}, values={"status": "paid"})  # doctest: +SKIP
+    >>> guard.update(db, token=lease.token, key={"id": 42}, values={"paid": Add(25)})   # doctest: +SKIP
 
     Values are bound parameters, never SQL: ``{"balance": "balance + 1"}`` writes that text.
     For a relative write use :class:`Add` (``balance = COALESCE(balance, 0) + 1``).
@@ -253,11 +258,12 @@ class RowGuard:
 
     # -- sync ----------------------------------------------------------------------------
 
+    @token_keyword()
     def update(
         self,
         conn: Any,
-        token: TokenLike,
         *,
+        token: TokenLike,
         key: Mapping[str, Any],
         values: Mapping[str, Any] | None = None,
     ) -> FencingToken:
@@ -270,11 +276,12 @@ class RowGuard:
         tok = FencingToken.coerce(token, self.lock)
         return run_own(conn, self._write(tok, key, values or {}, False))
 
+    @token_keyword()
     def insert_or_update(
         self,
         conn: Any,
-        token: TokenLike,
         *,
+        token: TokenLike,
         key: Mapping[str, Any],
         values: Mapping[str, Any] | None = None,
     ) -> FencingToken:
@@ -295,11 +302,12 @@ class RowGuard:
 
     # -- async (psycopg.AsyncConnection) -------------------------------------------------
 
+    @token_keyword()
     async def aupdate(
         self,
         conn: Any,
-        token: TokenLike,
         *,
+        token: TokenLike,
         key: Mapping[str, Any],
         values: Mapping[str, Any] | None = None,
     ) -> FencingToken:
@@ -307,11 +315,12 @@ class RowGuard:
         tok = FencingToken.coerce(token, self.lock)
         return await arun_own(conn, self._write(tok, key, values or {}, False))
 
+    @token_keyword()
     async def ainsert_or_update(
         self,
         conn: Any,
-        token: TokenLike,
         *,
+        token: TokenLike,
         key: Mapping[str, Any],
         values: Mapping[str, Any] | None = None,
     ) -> FencingToken:
