@@ -216,14 +216,22 @@ class Backend(abc.ABC):
         changed meanwhile; a source whose release needs more than that overrides it.
         """
         for _ in range(5):
-            status = await self.status(name)
-            if status.token is None or status.holder is None:
+            status = await self._held_by(name, token)
+            if status is None:
                 return None
-            if token is not None and status.token != token:
-                return None
+            assert status.token is not None and status.holder is not None
             if await self.release(Grant(status.token, status.holder, 0.0, 0.0)):
                 return status
         raise BackendUnavailable(f"{name!r} kept changing hands while being released")
+
+    async def _held_by(self, name: str, token: FencingToken | None) -> LockStatus | None:
+        """The status of ``name`` if it is held (by the grant ``token``, when given)."""
+        status = await self.status(name)
+        if status.token is None or status.holder is None:
+            return None
+        if token is not None and status.token != token:
+            return None
+        return status
 
     @abc.abstractmethod
     async def aclose(self) -> None:

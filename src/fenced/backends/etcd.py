@@ -620,10 +620,8 @@ class EtcdBackend(Backend):
         lease is only recycled by its holder's own release, which finds the key gone."""
         self._check_open()
         for _ in range(5):
-            status = await self.status(name)
-            if status.token is None or status.holder is None:
-                return None
-            if token is not None and status.token != token:
+            status = await self._held_by(name, token)
+            if status is None or status.token is None or status.holder is None:
                 return None
             key = self._lock_prefix(name) + status.holder.encode()
             got = await self._call(functools.partial(_range_of, key), "force release")

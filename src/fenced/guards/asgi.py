@@ -229,7 +229,34 @@ async def fencing_exception_handler(request: Any, exc: Exception) -> Any:
     )
 
 
-class FencingMiddleware:
+class MiddlewareSettings:
+    """What the ASGI and WSGI middlewares share: the store, the lock, the header, the methods
+    that pass unfenced, metrics, and how a refusal is counted and written."""
+
+    def __init__(
+        self,
+        store: FenceStore,
+        lock: str,
+        header: str,
+        safe_methods: Iterable[str],
+        metrics: FenceMetrics | None,
+        problem_base: str,
+    ) -> None:
+        self.store = store
+        self.lock = validate_lock_name(lock)
+        self.header = header
+        self.safe_methods = frozenset(m.upper() for m in safe_methods)
+        self.metrics = metrics
+        self.problem_base = problem_base
+
+    def _refused(self, resource: str, problem: Problem) -> bytes:
+        """Count the refusal; its body."""
+        if self.metrics is not None:
+            self.metrics.rejected(resource, problem.reason, problem.mark)
+        return problem.body(self.problem_base)
+
+
+class FencingMiddleware(MiddlewareSettings):
     """Plain ASGI middleware: fence requests to the routes ``resource(scope)`` names.
 
     ``store``: a :class:`FenceStore` (``SQLiteFenceStore``, ``PostgresFenceStore``,
@@ -258,14 +285,9 @@ class FencingMiddleware:
         problem_base: str = DEFAULT_PROBLEM_BASE,
     ) -> None:
         self.app = app
-        self.store = store
-        self.lock = validate_lock_name(lock)
         self.resource = resource if resource is not None else (lambda scope: self.lock)
-        self.header = header
         self._header_key = header.lower().encode("latin-1")
-        self.safe_methods = frozenset(m.upper() for m in safe_methods)
-        self.metrics = metrics
-        self.problem_base = problem_base
+        MiddlewareSettings.__init__(self, store, lock, header, safe_methods, metrics, problem_base)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in self.safe_methods:
@@ -320,9 +342,7 @@ class FencingMiddleware:
             await self._send_problem(send, key, problem)
 
     async def _send_problem(self, send: Send, resource: str, problem: Problem) -> None:
-        if self.metrics is not None:
-            self.metrics.rejected(resource, problem.reason, problem.mark)
-        body = problem.body(self.problem_base)
+        body = self._refused(resource, problem)
         await send(
             {
                 "type": "http.response.start",

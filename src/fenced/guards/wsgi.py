@@ -34,12 +34,13 @@ from typing import Any
 
 from .._errors import StaleTokenError
 from .._portal import Portal
-from .._token import FencingToken, validate_lock_name
+from .._token import FencingToken
 from .asgi import (
     DEFAULT_PROBLEM_BASE,
     SAFE_METHODS,
     FenceMetrics,
     FenceStore,
+    MiddlewareSettings,
     Problem,
     problem_for,
 )
@@ -53,7 +54,7 @@ WSGIApp = Callable[[Environ, StartResponse], Iterable[bytes]]
 _STATUS_TEXT = {400: "Bad Request", 409: "Conflict", 428: "Precondition Required", 503: "Service Unavailable"}  # fmt: skip
 
 
-class FencingWSGIMiddleware:
+class FencingWSGIMiddleware(MiddlewareSettings):
     """Plain WSGI middleware: fence requests to the routes ``resource(environ)`` names.
 
     Arguments as :class:`~fenced.guards.asgi.FencingMiddleware`'s, with ``resource`` taking
@@ -74,14 +75,9 @@ class FencingWSGIMiddleware:
         problem_base: str = DEFAULT_PROBLEM_BASE,
     ) -> None:
         self.app = app
-        self.store = store
-        self.lock = validate_lock_name(lock)
         self.resource = resource if resource is not None else (lambda environ: self.lock)
-        self.header = header
         self._environ_key = "HTTP_" + header.upper().replace("-", "_")
-        self.safe_methods = frozenset(m.upper() for m in safe_methods)
-        self.metrics = metrics
-        self.problem_base = problem_base
+        MiddlewareSettings.__init__(self, store, lock, header, safe_methods, metrics, problem_base)
         # The async stores run here; only fenced's code runs on this loop.
         self._portal = Portal("fenced-wsgi")
 
@@ -142,9 +138,7 @@ class FencingWSGIMiddleware:
     def _problem(
         self, start_response: StartResponse, resource: str, problem: Problem
     ) -> list[bytes]:
-        if self.metrics is not None:
-            self.metrics.rejected(resource, problem.reason, problem.mark)
-        body = problem.body(self.problem_base)
+        body = self._refused(resource, problem)
         status = f"{problem.status} {_STATUS_TEXT.get(problem.status, '')}".rstrip()
         start_response(status, [(k.decode(), v.decode()) for k, v in problem.headers(body)])
         return [body]
