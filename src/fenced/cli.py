@@ -112,6 +112,21 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def _source_arguments(parser: argparse.ArgumentParser) -> None:
+    """--url and --timeout, for the subcommands that only talk to the token source."""
+    parser.add_argument(
+        "--url",
+        help="token source URL (default: $FENCED_URL, else /var/tmp/fenced/locks.db, shared "
+        "by every user of this machine)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=_timeout,
+        default=10.0,
+        help="give up reaching the source after this many seconds (10)",
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="fenced",
@@ -199,16 +214,7 @@ def _parser() -> argparse.ArgumentParser:
     release.add_argument(
         "--token", help="only if this grant still holds it, e.g. nightly:7 (as fenced status shows)"
     )
-    release.add_argument(
-        "--url",
-        help="token source URL (default: $FENCED_URL, else /var/tmp/fenced/locks.db)",
-    )
-    release.add_argument(
-        "--timeout",
-        type=_timeout,
-        default=10.0,
-        help="give up reaching the source after this many seconds (10)",
-    )
+    _source_arguments(release)
 
     write = sub.add_parser(
         "write",
@@ -232,17 +238,7 @@ def _parser() -> argparse.ArgumentParser:
         help="show holder, token and time left of locks (all the source knows by default)",
     )
     status.add_argument("names", nargs="*", metavar="NAME", help="locks to show (default: all)")
-    status.add_argument(
-        "--url",
-        help="token source URL (default: $FENCED_URL, else /var/tmp/fenced/locks.db, shared "
-        "by every user of this machine)",
-    )
-    status.add_argument(
-        "--timeout",
-        type=_timeout,
-        default=10.0,
-        help="give up reaching the source after this many seconds (10)",
-    )
+    _source_arguments(status)
     status.add_argument("--json", action="store_true", help="print JSON")
     return p
 
