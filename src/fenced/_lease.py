@@ -13,6 +13,7 @@ from types import TracebackType
 from typing import Any, Final, ParamSpec, TypeVar
 
 from . import _clock, _fork
+from ._adopt import adopt_client
 from ._backend import (
     MAX_OWNER,
     Backend,
@@ -463,7 +464,10 @@ class AsyncLease:
 class AsyncLocks:
     """A connection to one token source: ``async with fenced.connect_async(url) as locks``."""
 
-    def __init__(self, url: str, *, require: Iterable[str] = (), **options: Any) -> None:
+    def __init__(self, url: str | object, *, require: Iterable[str] = (), **options: Any) -> None:
+        if not isinstance(url, str):  # a client the application already has (see _adopt)
+            url, adopted = adopt_client(url)
+            options = {**adopted, **options}
         self.url = url
         self._cls = backend_class(url)
         self._require = check_requirements(self._cls, require)
@@ -674,8 +678,11 @@ class AsyncLocks:
         return f"<AsyncLocks {self._cls.scheme} {_redact(self.url)}>"
 
 
-def connect_async(url: str, *, require: Iterable[str] = (), **options: Any) -> AsyncLocks:
+def connect_async(url: str | object, *, require: Iterable[str] = (), **options: Any) -> AsyncLocks:
     """Open a token source by URL, for asyncio code: ``async with connect_async(url) as locks``.
+
+    Instead of a URL, a client the application already has: a redis-py client, a psycopg
+    connection or pool, a ``KazooClient`` (fenced opens its own connection where it points).
 
     ``require`` names characteristics (e.g. ``{"linearizable", "durable"}``) the source must
     have; one lacking any is refused with :class:`~fenced.ConfigurationError`.

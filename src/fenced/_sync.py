@@ -155,7 +155,7 @@ class Lease:
 class Locks:
     """A connection to one token source, for synchronous code: ``with fenced.connect(url) as locks``."""
 
-    def __init__(self, url: str, *, require: Iterable[str] = (), **options: Any) -> None:
+    def __init__(self, url: str | object, *, require: Iterable[str] = (), **options: Any) -> None:
         self._async = AsyncLocks(url, require=require, **options)
         cls = self._async._cls
         self._portal_now = Portal(name=f"fenced-{cls.scheme}", drive=cls.caller_driven)
@@ -296,8 +296,12 @@ class Locks:
         return repr(self._async).replace("AsyncLocks", "Locks", 1)
 
 
-def connect(url: str, *, require: Iterable[str] = (), **options: Any) -> Locks:
+def connect(url: str | object, *, require: Iterable[str] = (), **options: Any) -> Locks:
     """Open a token source by URL: ``sqlite:////abs/path.db``, ``etcd://h:p``, ``postgresql://…`` …
+
+    Instead of a URL, a client the application already has: ``fenced.connect(redis_client)``
+    (redis-py, sync or asyncio), a psycopg connection or pool, a ``KazooClient``. fenced reads
+    where it points and opens its own connection there; every safety check still runs.
 
     ``require`` names characteristics (e.g. ``{"linearizable"}``) that the source must have;
     one lacking any is refused with :class:`~fenced.ConfigurationError`. Further keyword
