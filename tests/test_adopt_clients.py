@@ -80,6 +80,16 @@ def test_a_kazoo_client(zk_server: ZooKeeperServer) -> None:
     assert adopt_client(client)[0] == f"zookeeper://{zk_server.hosts}/adopted"
 
 
+def test_an_aetcd_client(etcd_server: Any) -> None:
+    import aetcd
+
+    client = aetcd.Client(host="127.0.0.1", port=int(etcd_server.endpoint.rsplit(":", 1)[1]))
+    with fenced.connect(client) as locks, locks.lock(unique_name(), ttl=5) as lease:
+        assert lease.token.value > 0
+    with pytest.raises(fenced.ConfigurationError, match="authenticate"):
+        fenced.connect(aetcd.Client(host="127.0.0.1", username="u", password="p"))
+
+
 @pytest.mark.parametrize("thing", [object(), Path("/tmp"), 42])
 def test_anything_else_is_a_configuration_error(thing: Any) -> None:
     with pytest.raises(fenced.ConfigurationError, match="give a URL"):

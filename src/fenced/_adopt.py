@@ -1,6 +1,7 @@
 """Open a token source from a client the application already has, instead of a URL.
 
-``fenced.connect(redis.Redis(...))``, a psycopg connection or pool, a ``KazooClient``: fenced
+``fenced.connect(redis.Redis(...))``, a psycopg connection or pool, a ``KazooClient``, an
+``aetcd.Client``: fenced
 reads where the client points (server, database, credentials, TLS) and opens its own
 connection there with the settings its protocol needs, so every safety check of the source
 still runs (Redis's AOF and replicas, PostgreSQL's ``fsync``). It does not share the client's
@@ -27,7 +28,7 @@ def adopt_client(client: object) -> tuple[str, dict[str, Any]]:
         raise ConfigurationError(
             f"cannot open a token source from a {type(client).__module__}."
             f"{type(client).__qualname__}: give a URL, or a redis-py client, a psycopg "
-            "connection or pool, or a KazooClient"
+            "connection or pool, a KazooClient or an aetcd client"
         )
     return adopt(client)
 
@@ -88,7 +89,18 @@ def _host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
+def _aetcd(client: Any) -> tuple[str, dict[str, Any]]:
+    # (aetcd keeps where it points in private attributes; read them, never its channel)
+    if getattr(client, "_username", None) or getattr(client, "_password", None):
+        raise ConfigurationError(
+            "an etcd client with a user name and password: fenced's etcd source does not "
+            "authenticate yet; give an etcd:// URL of a member that needs no auth"
+        )
+    return f"etcd://{_host(str(client._host))}:{int(client._port)}", {}
+
+
 _ADOPTERS = {
+    "aetcd": _aetcd,
     "redis": _redis,
     "psycopg": _psycopg,
     "psycopg_pool": _psycopg,
