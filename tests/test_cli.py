@@ -396,3 +396,14 @@ def test_release_force_frees_a_stuck_holder(sqlite_url: str) -> None:
         assert locks.status("nightly").holder is None
         again = run(["release", "--force", "nightly"], sqlite_url)
         assert again.returncode == 0 and "not held" in again.stdout
+
+
+def test_another_fenced_error_exits_70(sqlite_url: str, tmp_path: Path) -> None:
+    """Exit 70 (EX_SOFTWARE) for a fenced error that is none of the others: here a damaged
+    mark (a version name the files guard could not have written), which fails closed."""
+    target = tmp_path / "report.txt"
+    target.mkdir()
+    (target / "0000000000000000000.000000").write_bytes(b"?")
+    out = run(["write", str(target), "--token", "jobs:5"], sqlite_url, input="x")
+    assert out.returncode == 70, out.stderr
+    assert "corrupt" in out.stderr.lower() and len(out.stderr.splitlines()) == 1
