@@ -889,3 +889,36 @@ def test_fastapi_app_if_installed(tmp_path: Path) -> None:
             "token": "jobs:2"
         }
         assert client.post("/jobs/a", headers={"Fencing-Token": "jobs:1"}).status_code == 409
+
+
+async def test_middleware_with_verify_keys_takes_only_well_signed_tokens(tmp_path: Path) -> None:
+    """The header must carry a token signed by a key the middleware holds: unsigned, forged
+    and unknown-key tokens get 400 before the mark moves; a signed stale one still 409."""
+    from fenced import HmacKey, Keyring
+    from fenced._signing import token_message
+    from fenced.guards.asgi import FencingMiddleware
+
+    key = HmacKey("k1", b"s" * 32)
+
+    def signed(value: int, k: HmacKey = key) -> str:
+        sig = k.sign(token_message("jobs", value, k.kid))
+        return str(FencingToken("jobs", value, (k.kid, sig)))
+
+    async def ok(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async with SQLiteFenceStore(str(tmp_path / "f.db")) as store:
+        app = FencingMiddleware(ok, store=store, lock="jobs", verify_keys=Keyring([key]))
+        async with client_for(app) as client:
+
+            async def post(token: str) -> httpx.Response:
+                return await client.post("/x", headers={"Fencing-Token": token})
+
+            assert (await post(signed(5))).status_code == 200
+            for bad in ("jobs:6", signed(7)[:-2] + "AA", signed(8, HmacKey("k9", b"o" * 32))):
+                reply = await post(bad)
+                assert reply.status_code == 400, bad
+                assert problem(reply)["type"].endswith("invalid-token")
+            assert (await post(signed(4))).status_code == 409
+            assert await store.high_water("jobs", "jobs") == FencingToken("jobs", 5)

@@ -29,6 +29,15 @@ from ._errors import (
     WrongLockError,
 )
 from ._lease import DEFAULT_TTL, AsyncLease, AsyncLocks, LostSignal, connect_async
+from ._signing import (
+    Ed25519SigningKey,
+    Ed25519VerifyKey,
+    HmacKey,
+    Keyring,
+    SignatureError,
+    load_key,
+    load_keys,
+)
 from ._state import Phase
 from ._sync import Lease, Locks, connect
 from ._token import MAX_TOKEN, FencingToken
@@ -50,11 +59,15 @@ __all__ = [
     "Characteristic",
     "ConfigurationError",
     "CorruptMarkError",
+    "Ed25519SigningKey",
+    "Ed25519VerifyKey",
     "FenceConflictError",
     "FencedError",
     "FencingToken",
     "Grant",
+    "HmacKey",
     "InvalidTokenError",
+    "Keyring",
     "Lease",
     "LeaseLostError",
     "LockError",
@@ -65,11 +78,14 @@ __all__ = [
     "NotHeldError",
     "Phase",
     "ResourceNotFoundError",
+    "SignatureError",
     "StaleTokenError",
     "UnsafeBackendError",
     "WrongLockError",
     "__version__",
     "connect",
     "connect_async",
+    "load_key",
+    "load_keys",
     "register_backend",
 ]

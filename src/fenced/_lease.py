@@ -33,6 +33,7 @@ from ._errors import (
     NotHeldError,
 )
 from ._options import Option
+from ._signing import signer, token_message
 from ._state import DEFAULT_TTL, MAX_TIMEOUT, LeaseState, Phase, check_timeout
 from ._token import FencingToken, validate_lock_name
 
@@ -261,7 +262,7 @@ class AsyncLease:
             raise
         granted.append(grant.token)
         self._state.granted(grant)
-        self._last_token = grant.token
+        token = self._last_token = self._locks._sign(grant.token)
         self.lost._clear()
         self._locks._held.add(self)
         if self.auto_renew:
@@ -272,7 +273,7 @@ class AsyncLease:
             self._keepalive_timer = self._loop.call_later(delay, self._start_keepalive)
         else:
             self._arm_watchdog()
-        return grant.token
+        return token
 
     async def renew(self) -> float:
         """Renew now; return the new :meth:`remaining`. Raises LeaseLostError if it is gone."""
@@ -468,6 +469,8 @@ class AsyncLocks:
         if not isinstance(url, str):  # a client the application already has (see _adopt)
             url, adopted = adopt_client(url)
             options = {**adopted, **options}
+        # Signing is the core's, whatever the source: every grant's token leaves signed.
+        self._signer = signer(options.pop("signing_key", None))
         self.url = url
         self._cls = backend_class(url)
         self._require = check_requirements(self._cls, require)
@@ -667,6 +670,14 @@ class AsyncLocks:
                         raise
                     self._backend = backend
         return self._backend
+
+    def _sign(self, token: FencingToken) -> FencingToken:
+        """The grant's token as the holder gets it: signed when a signing key was given."""
+        key = self._signer
+        if key is None:
+            return token
+        signature = key.sign(token_message(token.lock, token.value, key.kid))
+        return FencingToken(token.lock, token.value, (key.kid, signature))
 
     def _backend_or_fail(self) -> Backend:
         self._check_fork()

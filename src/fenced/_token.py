@@ -6,6 +6,7 @@ import re
 from typing import Any, Final
 
 from ._errors import InvalidTokenError, WrongLockError
+from ._signing import KID_RE, Keyring, b64, unb64
 
 __all__ = ["MAX_TOKEN", "FencingToken", "escape_name", "unescape_name", "validate_lock_name"]
 
@@ -19,7 +20,12 @@ _NAME: Final = rf"{_SEGMENT}(?:/{_SEGMENT})*"
 _NAME_RE: Final = re.compile(_NAME)
 # The token's text form: the name, ":", the value in decimal. The value has no ":", so the last
 # ":" always separates them ("a:b:7" is lock "a:b", value 7): never ambiguous.
-_TEXT_RE: Final = re.compile(rf"(?P<lock>{_NAME}):(?P<value>[1-9][0-9]{{0,18}})")
+# A signed token appends ".<key id>.<signature>" (base64url: 43 characters for HMAC-SHA256,
+# 86 for Ed25519); neither has a ":", so the last ":" still ends the name.
+_TEXT_RE: Final = re.compile(
+    rf"(?P<lock>{_NAME}):(?P<value>[1-9][0-9]{{0,18}})"
+    r"(?:\.(?P<kid>[A-Za-z0-9_-]{1,32})\.(?P<sig>[A-Za-z0-9_-]{43}|[A-Za-z0-9_-]{86}))?"
+)
 MAX_NAME: Final = 200
 
 
@@ -63,16 +69,32 @@ class FencingToken:
     (True, 'invoices:34', 34)
     """
 
-    __slots__ = ("_lock", "_value")
+    __slots__ = ("_lock", "_sig", "_value")
 
-    def __init__(self, lock: str, value: int) -> None:
+    def __init__(self, lock: str, value: int, signature: tuple[str, bytes] | None = None) -> None:
         validate_lock_name(lock)
         if isinstance(value, bool) or not isinstance(value, int):
             raise InvalidTokenError(f"token value must be an int, not {type(value).__name__}")
         if not 1 <= value <= MAX_TOKEN:
             raise InvalidTokenError(f"token value {value} out of range 1..{MAX_TOKEN}")
+        if signature is not None:
+            kid, sig = signature
+            if not isinstance(kid, str) or not KID_RE.fullmatch(kid):
+                raise InvalidTokenError(f"malformed key id {kid!r} in a signed token")
+            if not isinstance(sig, bytes) or len(sig) not in (32, 64):
+                raise InvalidTokenError("a token signature is 32 (HMAC) or 64 (Ed25519) bytes")
         self._lock = lock
         self._value = value
+        self._sig = signature
+
+    @property
+    def signature(self) -> tuple[str, bytes] | None:
+        """``(key id, signature)`` of a signed token (see :mod:`fenced._signing`), else None.
+        Equality and order ignore it: a token is its lock and value."""
+        return self._sig
+
+    def unsigned(self) -> FencingToken:
+        return self if self._sig is None else FencingToken(self._lock, self._value)
 
     @property
     def lock(self) -> str:
@@ -108,19 +130,30 @@ class FencingToken:
         value = int(m["value"])
         if value > MAX_TOKEN:
             raise InvalidTokenError(f"fencing token value {m['value']} exceeds 2**63-1")
-        token = cls(m["lock"], value)
+        signature = None if m["kid"] is None else (m["kid"], unb64(m["sig"]))
+        token = cls(m["lock"], value, signature)
         if lock is not None:
             token.require_lock(lock)
         return token
 
     @classmethod
-    def coerce(cls, token: FencingToken | str | bytes, lock: str | None = None) -> FencingToken:
-        """Accept a token or its text form (as guards do), checking the lock if given."""
+    def coerce(
+        cls,
+        token: FencingToken | str | bytes,
+        lock: str | None = None,
+        keys: Keyring | None = None,
+    ) -> FencingToken:
+        """Accept a token or its text form (as guards do), checking the lock if given, and
+        with ``keys`` its signature (:class:`~fenced.SignatureError` if it is missing or not
+        good): what every guard does before it touches its mark."""
         if isinstance(token, FencingToken):
             if lock is not None:
                 token.require_lock(lock)
-            return token
-        return cls.parse(token, lock)
+        else:
+            token = cls.parse(token, lock)
+        if keys is not None:
+            keys.verify(token._lock, token._value, token._sig)
+        return token
 
     def require_lock(self, lock: str) -> FencingToken:
         """Return self if this is a token of ``lock``, else raise :class:`WrongLockError`."""
@@ -162,10 +195,13 @@ class FencingToken:
         return self._value
 
     def __str__(self) -> str:
-        return f"{self._lock}:{self._value}"
+        if self._sig is None:
+            return f"{self._lock}:{self._value}"
+        return f"{self._lock}:{self._value}.{self._sig[0]}.{b64(self._sig[1])}"
 
     def __repr__(self) -> str:
-        return f"FencingToken({self._lock!r}, {self._value})"
+        signed = "" if self._sig is None else f", signed by {self._sig[0]!r}"
+        return f"FencingToken({self._lock!r}, {self._value}{signed})"
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (FencingToken, (self._lock, self._value))
+        return (FencingToken, (self._lock, self._value, self._sig))

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from . import __version__, _clock, _sync
 from ._backend import LockStatus, _redacted
@@ -190,6 +190,11 @@ def _parser() -> argparse.ArgumentParser:
         help=f"exit status when the lock is not acquired in time ({EXIT_TIMEOUT})",
     )
     lock.add_argument(
+        "--signing-key",
+        metavar="FILE",
+        help="sign the token with this key file (fenced keygen); default: $FENCED_SIGNING_KEY",
+    )
+    lock.add_argument(
         "--grace",
         type=_grace,
         default=5.0,
@@ -215,6 +220,20 @@ def _parser() -> argparse.ArgumentParser:
         "--token", help="only if this grant still holds it, e.g. nightly:7 (as fenced status shows)"
     )
     _source_arguments(release)
+
+    keygen = sub.add_parser(
+        "keygen",
+        parents=[common],
+        help="make a key for signed tokens: hmac (shared) or ed25519 (FILE and FILE.pub)",
+        description=(
+            "Write a new signing key to FILE (mode 0600; never overwrites). hmac: a shared "
+            "secret that signs and verifies. ed25519: the private key for the token source, "
+            "and FILE.pub, the public key for resources, which can verify but never sign."
+        ),
+    )
+    keygen.add_argument("kind", choices=["hmac", "ed25519"])
+    keygen.add_argument("kid", metavar="KEY_ID", help="the key's id (1-32 of A-Z a-z 0-9 _ -)")
+    keygen.add_argument("file", metavar="FILE")
 
     write = sub.add_parser(
         "write",
@@ -266,6 +285,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_write(args)
         if args.command == "release":
             return _cmd_release(args)
+        if args.command == "keygen":
+            return _cmd_keygen(args)
     except (ConfigurationError, InvalidTokenError) as exc:
         return _fail(EXIT_USAGE, str(exc), exc, args.verbose)
     except BackendUnavailable as exc:
@@ -338,7 +359,12 @@ def _cmd_lock(args: argparse.Namespace) -> int:
     # --timeout bounds everything before the command starts, reaching the source included.
     deadline = None if args.timeout is None else _clock.now() + args.timeout
     connect_timeout = None if args.timeout is None else max(args.timeout, 0.1)
-    options = {} if connect_timeout is None else {"connect_timeout": connect_timeout}
+    options: dict[str, Any] = {}
+    if connect_timeout is not None:
+        options["connect_timeout"] = connect_timeout
+    key_file = args.signing_key or os.environ.get("FENCED_SIGNING_KEY")
+    if key_file:
+        options["signing_key"] = key_file  # FENCING_TOKEN then carries the signed form
     with _sync.connect(url, **options) as locks:
         remaining = None if deadline is None else max(0.0, deadline - _clock.now())
         lease = locks.lock(args.name, ttl=args.ttl, timeout=remaining, description=shlex.join(cmd))
@@ -440,6 +466,27 @@ def _signal_group(child: subprocess.Popen[bytes], signum: int) -> None:
         os.killpg(child.pid, signum)
     except ProcessLookupError:
         pass
+
+
+def _cmd_keygen(args: argparse.Namespace) -> int:
+    from ._signing import Ed25519SigningKey, generate_key, key_text
+
+    key = generate_key(args.kind, args.kid)
+    _write_new(args.file, key_text(key), 0o600)
+    if isinstance(key, Ed25519SigningKey):
+        _write_new(args.file + ".pub", key_text(key.public()), 0o644)
+    return 0
+
+
+def _write_new(path: str, text: str, mode: int) -> None:
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    except FileExistsError:
+        raise ConfigurationError(f"{path} exists: fenced keygen never overwrites a key") from None
+    except OSError as exc:
+        raise ConfigurationError(f"cannot create {path}: {exc.strerror}") from None
+    with os.fdopen(fd, "w", encoding="ascii") as f:
+        f.write(text)
 
 
 def _cmd_release(args: argparse.Namespace) -> int:

@@ -14,7 +14,17 @@ from typing import Any
 
 import pytest
 
-from fenced import FencedError, FencingToken, InvalidTokenError, StaleTokenError, WrongLockError
+from fenced import (
+    FencedError,
+    FencingToken,
+    HmacKey,
+    InvalidTokenError,
+    Keyring,
+    SignatureError,
+    StaleTokenError,
+    WrongLockError,
+)
+from fenced._signing import token_message
 from tests.guards.envs import GUARDS, LOCK, GuardEnv, Write, make_env, tok
 
 
@@ -186,3 +196,92 @@ def test_interleaving_check_catches_check_then_write(env: GuardEnv) -> None:
     env.write(tok(1), "start")
     write_a = env.planted("check_then_write", between=lambda: env.write(tok(7), "b7"))
     assert interleaving_violations(env, write_a) != []
+
+
+# -- signed tokens (fenced._signing) ------------------------------------------------------
+
+KEY = HmacKey("k1", b"k" * 32)
+OTHER_KEY = HmacKey("k2", b"o" * 32)
+
+
+def signed(token: FencingToken, key: HmacKey = KEY, kid: str | None = None) -> FencingToken:
+    kid = key.kid if kid is None else kid
+    return FencingToken(
+        token.lock, token.value, (kid, key.sign(token_message(token.lock, token.value, kid)))
+    )
+
+
+def signature_violations(env: GuardEnv, keys: Keyring) -> list[str]:
+    """With verify keys, every token but a good signed one is refused before the mark or the
+    data move; a good signed stale token is still stale; a good current one is accepted."""
+    env.verify_keys = keys
+    env.reopen()
+    bad: list[str] = []
+    env.write(signed(tok(5)), "five")
+    good = signed(tok(9))
+    flipped = good.signature[1][:-1] + bytes([good.signature[1][-1] ^ 1])  # type: ignore[index]
+    refused = {
+        "unsigned": tok(6),
+        "forged (last byte flipped)": FencingToken(LOCK, 9, ("k1", flipped)),
+        "unknown key": signed(tok(10), OTHER_KEY),
+        "another key's signature under k1": signed(tok(11), OTHER_KEY, kid="k1"),
+        "re-labelled from another lock": FencingToken(
+            LOCK, 12, signed(FencingToken("elsewhere", 12)).signature
+        ),
+        "moved to another value": FencingToken(LOCK, 13, signed(tok(14)).signature),
+        "huge forged": FencingToken(LOCK, 2**63 - 1, ("k1", b"x" * 32)),
+        "truncated text": str(signed(tok(15)))[:-1],
+    }
+    for what, token in refused.items():
+        try:
+            env.write(token, what)
+            bad.append(f"{what}: accepted")
+        except InvalidTokenError:
+            pass
+        if env.read() != "five" or env.high_water() != tok(5):
+            bad.append(f"{what}: the data or the mark moved")
+    try:
+        env.write(signed(tok(4)), "old")
+        bad.append("a good signature on a stale token: accepted")
+    except StaleTokenError:
+        pass
+    try:
+        env.write(signed(tok(5)), "five again")  # the holder writes again
+        env.write(signed(tok(6)), "six")
+    except FencedError as exc:
+        bad.append(f"a good signed token was refused: {exc}")
+    if env.read() != "six" or env.high_water() != tok(6):
+        bad.append("good signed tokens were not accepted")
+    return bad
+
+
+def test_only_well_signed_tokens_pass_when_signing_is_required(env: GuardEnv) -> None:
+    if not env.signs:
+        pytest.skip("the middleware in front of this store verifies (tests/test_guard_asgi.py)")
+    assert signature_violations(env, Keyring([KEY])) == []
+
+
+class PrefixKeyring(Keyring):
+    """PLANTED BUG: compares only the first bytes of a signature."""
+
+    def verify(self, lock: str, value: int, signature: tuple[str, bytes] | None) -> None:
+        if signature is None:
+            raise SignatureError("unsigned")
+        good = KEY.sign(token_message(lock, value, signature[0]))
+        if good[:8] != signature[1][:8]:
+            raise SignatureError("bad")
+
+
+class UnsignedPassKeyring(Keyring):
+    """PLANTED BUG: an unsigned token skips verification (``required`` ignored)."""
+
+    def verify(self, lock: str, value: int, signature: tuple[str, bytes] | None) -> None:
+        if signature is not None:
+            super().verify(lock, value, signature)
+
+
+@pytest.mark.parametrize("planted", [PrefixKeyring, UnsignedPassKeyring])
+def test_signature_check_catches_planted_verifiers(env: GuardEnv, planted: type[Keyring]) -> None:
+    if not env.signs:
+        pytest.skip("this store's middleware verifies signatures")
+    assert signature_violations(env, planted([KEY])) != []

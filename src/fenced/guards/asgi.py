@@ -53,6 +53,7 @@ from .._errors import (
     StaleTokenError,
     WrongLockError,
 )
+from .._signing import Keyring
 from .._token import FencingToken, validate_lock_name
 from ._stores import FenceStore, PostgresFenceStore, RedisFenceStore, SQLiteFenceStore
 
@@ -241,7 +242,9 @@ class MiddlewareSettings:
         safe_methods: Iterable[str],
         metrics: FenceMetrics | None,
         problem_base: str,
+        verify_keys: Keyring | None = None,
     ) -> None:
+        self.verify_keys = verify_keys  # signed tokens required (see fenced._signing)
         self.store = store
         self.lock = validate_lock_name(lock)
         self.header = header
@@ -283,11 +286,14 @@ class FencingMiddleware(MiddlewareSettings):
         safe_methods: Iterable[str] = SAFE_METHODS,
         metrics: FenceMetrics | None = None,
         problem_base: str = DEFAULT_PROBLEM_BASE,
+        verify_keys: Keyring | None = None,
     ) -> None:
         self.app = app
         self.resource = resource if resource is not None else (lambda scope: self.lock)
         self._header_key = header.lower().encode("latin-1")
-        MiddlewareSettings.__init__(self, store, lock, header, safe_methods, metrics, problem_base)
+        MiddlewareSettings.__init__(
+            self, store, lock, header, safe_methods, metrics, problem_base, verify_keys
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in self.safe_methods:
@@ -313,7 +319,7 @@ class FencingMiddleware(MiddlewareSettings):
         # Several headers are ambiguous: joined, they fail to parse (400).
         raw = values[0] if len(values) == 1 else b",".join(values)
         try:
-            token = FencingToken.parse(raw, self.lock)
+            token = FencingToken.coerce(raw, self.lock, self.verify_keys)
             await self.store.advance(key, token)
         except Exception as exc:
             problem = problem_for(exc, key, self.lock, raw)

@@ -72,6 +72,7 @@ from .._errors import (
     WrongLockError,
 )
 from .._portal import Portal
+from .._signing import Keyring
 from .._token import MAX_TOKEN, FencingToken, validate_lock_name
 from ..backends._etcd_conn import EtcdClient, Member, check_grpc_usable
 from ..backends.etcd import parse_endpoints
@@ -356,9 +357,17 @@ class AsyncEtcdGuard:
         *,
         prefix: str = "fenced/",
         timeout: float | None = DEFAULT_TIMEOUT,
+        verify_keys: Keyring | None = None,
     ) -> AsyncEtcdGuard:
         """A guard with its own connection to ``"h1:p1,h2:p2"`` (close it with :meth:`aclose`)."""
-        guard = cls(etcd_client(endpoints, timeout), resource, lock, prefix=prefix, timeout=timeout)
+        guard = cls(
+            etcd_client(endpoints, timeout),
+            resource,
+            lock,
+            prefix=prefix,
+            timeout=timeout,
+            verify_keys=verify_keys,
+        )
         guard._owns_client = True
         return guard
 
@@ -381,7 +390,9 @@ class AsyncEtcdGuard:
         *,
         prefix: str = "fenced/",
         timeout: float | None = DEFAULT_TIMEOUT,
+        verify_keys: Keyring | None = None,
     ) -> None:
+        self.verify_keys = verify_keys  # signed tokens required (see fenced._signing)
         if not isinstance(resource, str) or not resource:
             raise ConfigurationError(f"resource must be a non-empty str, not {resource!r}")
         if not isinstance(prefix, str) or not prefix:
@@ -396,7 +407,7 @@ class AsyncEtcdGuard:
         self._template: tuple[FencingToken, int, rpc.TxnRequest] | None = None
 
     def _token(self, token: FencingToken | str | bytes) -> FencingToken:
-        return FencingToken.coerce(token, self.lock)
+        return FencingToken.coerce(token, self.lock, self.verify_keys)
 
     def _key(self, key: object) -> bytes:
         if not isinstance(key, (str, bytes)) or not key:
@@ -575,13 +586,19 @@ class EtcdGuard:
         *,
         prefix: str = "fenced/",
         timeout: float | None = DEFAULT_TIMEOUT,
+        verify_keys: Keyring | None = None,
     ) -> None:
         self._portal = Portal("fenced-etcd-guard")
         try:
             # AsyncEtcdGuard.open, made on the loop thread that will run it.
             self.aio = self._portal.run_sync(
                 lambda: self._async_class.open(
-                    endpoint, resource, lock, prefix=prefix, timeout=timeout
+                    endpoint,
+                    resource,
+                    lock,
+                    prefix=prefix,
+                    timeout=timeout,
+                    verify_keys=verify_keys,
                 )
             )
         except BaseException:

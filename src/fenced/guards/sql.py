@@ -74,6 +74,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .._errors import ConfigurationError, InvalidTokenError
+from .._signing import Keyring
 from .._token import FencingToken, validate_lock_name
 from ._sql_driver import arun, arun_install, arun_own, run, run_install, run_own
 from ._sql_plan import (
@@ -119,11 +120,17 @@ class SQLGuard:
     take a ``psycopg.AsyncConnection``.
     """
 
-    __slots__ = ("_quoted", "lock", "resource", "table")
+    __slots__ = ("_quoted", "lock", "resource", "table", "verify_keys")
 
     def __init__(
-        self, resource: str, *, lock: str | None = None, table: str = "fenced_fences"
+        self,
+        resource: str,
+        *,
+        lock: str | None = None,
+        table: str = "fenced_fences",
+        verify_keys: Keyring | None = None,
     ) -> None:
+        self.verify_keys = verify_keys  # signed tokens required (see fenced._signing)
         self.resource = validate_resource(resource)
         self.lock = _lock_name(resource if lock is None else lock, f"lock of {resource!r}")
         self.table = table
@@ -150,7 +157,7 @@ class SQLGuard:
         if a concurrent transaction prevented the check, :class:`~fenced.BackendUnavailable`
         for a closed connection or dead server. On any error let the transaction roll back.
         """
-        tok = FencingToken.coerce(token, self.lock)
+        tok = FencingToken.coerce(token, self.lock, self.verify_keys)
         return run(conn, lambda d: self._check_plan(d, tok), need_tx=True)
 
     @token_keyword()
@@ -162,7 +169,7 @@ class SQLGuard:
         the check. The transaction stays open for the caller's writes and COMMIT; on an error
         it is left open too (roll it back). Refuses a connection already in a transaction.
         """
-        tok = FencingToken.coerce(token, self.lock)
+        tok = FencingToken.coerce(token, self.lock, self.verify_keys)
         return run(conn, lambda d: self._check_plan(d, tok), begin=True)
 
     def high_water(self, conn: Any) -> FencingToken | None:
@@ -181,13 +188,13 @@ class SQLGuard:
     @token_keyword()
     async def acheck(self, conn: Any, *, token: TokenLike) -> FencingToken:
         """:meth:`check` on a ``psycopg.AsyncConnection``."""
-        tok = FencingToken.coerce(token, self.lock)
+        tok = FencingToken.coerce(token, self.lock, self.verify_keys)
         return await arun(conn, lambda d: self._check_plan(d, tok), need_tx=True)
 
     @token_keyword()
     async def abegin(self, conn: Any, *, token: TokenLike) -> FencingToken:
         """:meth:`begin` on a ``psycopg.AsyncConnection``."""
-        tok = FencingToken.coerce(token, self.lock)
+        tok = FencingToken.coerce(token, self.lock, self.verify_keys)
         return await arun(conn, lambda d: self._check_plan(d, tok), begin=True)
 
     async def ahigh_water(self, conn: Any) -> FencingToken | None:
@@ -216,7 +223,15 @@ class RowGuard:
     For a relative write use :class:`Add` (``balance = COALESCE(balance, 0) + 1``).
     """
 
-    __slots__ = ("_spec", "key_columns", "lock", "lock_column", "table", "token_column")
+    __slots__ = (
+        "_spec",
+        "key_columns",
+        "lock",
+        "lock_column",
+        "table",
+        "token_column",
+        "verify_keys",
+    )
 
     def __init__(
         self,
@@ -226,24 +241,26 @@ class RowGuard:
         token_column: str = "fencing_token",
         lock: str | None = None,
         lock_column: str | None = None,
+        verify_keys: Keyring | None = None,
     ) -> None:
-        keys = (key_columns,) if isinstance(key_columns, str) else tuple(key_columns)
-        if not keys:
+        self.verify_keys = verify_keys  # signed tokens required (see fenced._signing)
+        key_cols = (key_columns,) if isinstance(key_columns, str) else tuple(key_columns)
+        if not key_cols:
             raise ConfigurationError("key_columns must name at least one column")
-        for k in keys:
+        for k in key_cols:
             quote_ident(k, "key column")
         quote_ident(token_column, "token column")
         if lock_column is not None:
             quote_ident(lock_column, "lock column")
-        names = [*keys, token_column, *((lock_column,) if lock_column else ())]
+        names = [*key_cols, token_column, *((lock_column,) if lock_column else ())]
         if len(set(names)) != len(names):
             raise ConfigurationError(f"key, token and lock columns must differ: {names}")
         self.table = table
-        self.key_columns = keys
+        self.key_columns = key_cols
         self.token_column = token_column
         self.lock_column = lock_column
         self.lock = _lock_name(table if lock is None else lock, f"lock of table {table!r}")
-        self._spec = RowSQL(quote_table(table), table, keys, token_column, lock_column)
+        self._spec = RowSQL(quote_table(table), table, key_cols, token_column, lock_column)
 
     def __repr__(self) -> str:
         return (
@@ -273,7 +290,7 @@ class RowGuard:
         token) if the row carries a higher token and :class:`~fenced.ResourceNotFoundError`
         if there is no such row; nothing is written in either case.
         """
-        tok = FencingToken.coerce(token, self.lock)
+        tok = FencingToken.coerce(token, self.lock, self.verify_keys)
         return run_own(conn, self._write(tok, key, values or {}, False))
 
     @token_keyword()
@@ -289,7 +306,7 @@ class RowGuard:
 
         Needs a primary key or unique constraint on exactly ``key_columns``.
         """
-        tok = FencingToken.coerce(token, self.lock)
+        tok = FencingToken.coerce(token, self.lock, self.verify_keys)
         return run_own(conn, self._write(tok, key, values or {}, True))
 
     def high_water(self, conn: Any, key: Mapping[str, Any]) -> FencingToken | None:
@@ -312,7 +329,7 @@ class RowGuard:
         values: Mapping[str, Any] | None = None,
     ) -> FencingToken:
         """:meth:`update` on a ``psycopg.AsyncConnection``."""
-        tok = FencingToken.coerce(token, self.lock)
+        tok = FencingToken.coerce(token, self.lock, self.verify_keys)
         return await arun_own(conn, self._write(tok, key, values or {}, False))
 
     @token_keyword()
@@ -325,7 +342,7 @@ class RowGuard:
         values: Mapping[str, Any] | None = None,
     ) -> FencingToken:
         """:meth:`insert_or_update` on a ``psycopg.AsyncConnection``."""
-        tok = FencingToken.coerce(token, self.lock)
+        tok = FencingToken.coerce(token, self.lock, self.verify_keys)
         return await arun_own(conn, self._write(tok, key, values or {}, True))
 
     async def ahigh_water(self, conn: Any, key: Mapping[str, Any]) -> FencingToken | None:
