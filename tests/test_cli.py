@@ -407,3 +407,21 @@ def test_another_fenced_error_exits_70(sqlite_url: str, tmp_path: Path) -> None:
     out = run(["write", str(target), "--token", "jobs:5"], sqlite_url, input="x")
     assert out.returncode == 70, out.stderr
     assert "corrupt" in out.stderr.lower() and len(out.stderr.splitlines()) == 1
+
+
+def test_check_token_exit_statuses(sqlite_url: str) -> None:
+    """`fenced check-token`: 0 current, 77 stale, 78 neither, 2 malformed or never issued."""
+    with fenced.connect(sqlite_url) as locks:
+        first = locks.lock("jobs", ttl=30)
+        t1 = first.acquire()
+        assert run(["check-token", str(t1)], sqlite_url).returncode == 0
+        first.release()
+        assert run(["check-token", str(t1)], sqlite_url).returncode == 78
+        with locks.lock("jobs", ttl=30) as second:
+            stale = run(["check-token", "--json", str(t1)], sqlite_url)
+            assert stale.returncode == 77
+            doc = json.loads(stale.stdout)
+            assert doc["verdict"] == "stale" and doc["highest"] == str(second.token)
+        forged = run(["check-token", "jobs:999999"], sqlite_url)
+        assert forged.returncode == 2 and "never-granted" in forged.stdout
+        assert run(["check-token", "jobs:0"], sqlite_url).returncode == 2

@@ -124,6 +124,13 @@ class UnfencedForceRelease(_Mutant):
         return await super().force_release(name, None)
 
 
+class StatusHidesTheHolder(_Mutant):
+    """status() never reports a holder: a check cannot tell the live grant from a stale one."""
+
+    async def status(self, name: str) -> Any:
+        return dataclasses.replace(await super().status(name), holder=None, token=None)
+
+
 class OwnerNotKept(_Mutant):
     """The holder's description is dropped: status cannot say who holds the lock."""
 
@@ -149,6 +156,7 @@ MUTANTS: list[tuple[type[_Mutant], Callable[..., Any]]] = [
     (NotIdempotent, suite.test_idempotent_acquire_with_request_id),
     (LifoWaiters, suite.test_fifo_among_waiters),
     (OwnerNotKept, suite.test_status_shows_who_holds_it),
+    (StatusHidesTheHolder, suite.test_check_says_current_stale_or_unknown),
     (UnfencedForceRelease, suite.test_force_release_frees_only_that_grant_and_the_holder_learns),
 ]
 

@@ -10,7 +10,7 @@ reject writes from stale lock holders.
 
 import logging as _logging
 
-from ._backend import Backend, Characteristic, Grant, LockStatus, register_backend
+from ._backend import Backend, Characteristic, Grant, LockStatus, TokenCheck, register_backend
 from ._errors import (
     BackendError,
     BackendUnavailable,
@@ -80,6 +80,7 @@ __all__ = [
     "ResourceNotFoundError",
     "SignatureError",
     "StaleTokenError",
+    "TokenCheck",
     "UnsafeBackendError",
     "WrongLockError",
     "__version__",

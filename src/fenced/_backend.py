@@ -36,6 +36,7 @@ __all__ = [
     "Grant",
     "LockStatus",
     "LostCallback",
+    "TokenCheck",
     "backend_class",
     "known_schemes",
     "lock_timeout",
@@ -82,6 +83,38 @@ class Grant:
     handle: Any = None
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class TokenCheck:
+    """What the token source says about a token (``locks.check(token)``; Chubby's
+    ``CheckSequencer``).
+
+    ``current``: it is the live grant of its lock right now. ``highest``: the highest token the
+    source has granted for the lock, when it knows it (None: never granted, or not known —
+    ZooKeeper forgets a released lock's last grant). A token below ``highest`` is **stale**: a
+    later holder exists. A check is a snapshot: by the time a resource acts on it, it may have
+    changed (see docs/signing.md for the pattern that narrows the gap).
+    """
+
+    token: FencingToken
+    current: bool
+    highest: FencingToken | None
+
+    @property
+    def stale(self) -> bool:
+        """A later grant of the lock exists."""
+        return self.highest is not None and self.highest.value > self.token.value
+
+    @property
+    def is_highest(self) -> bool:
+        return self.highest is not None and self.highest.value == self.token.value
+
+    @property
+    def never_granted(self) -> bool:
+        """Above every grant the source knows of: not a token it issued (yet) — forged, or
+        from another deployment of the source."""
+        return self.highest is not None and self.token.value > self.highest.value
+
+
 MAX_OWNER: Final = 200
 """The longest holder description a backend must keep (see :meth:`Backend.acquire`)."""
 
@@ -96,7 +129,9 @@ class LockStatus:
     token: FencingToken | None
     """The current holder's token, or None when free."""
     last_token: FencingToken | None
-    """The highest token ever granted for this lock (None: never granted, or not known)."""
+    """The highest token ever granted for this lock (None: never granted, or not known). On
+    sources that keep no counter (``knows_highest`` False: etcd, ZooKeeper) it is exact only
+    while the lock is held; when free, at most what this connection has seen."""
     remaining: float | None
     """Seconds until the current grant expires if not renewed (None when free or not known)."""
     waiters: int | None = None
@@ -116,6 +151,9 @@ class Backend(abc.ABC):
     characteristics: ClassVar[frozenset[Characteristic]]
     option_schema: ClassVar[Mapping[str, Option]] = MappingProxyType({})
     """The options this source takes (URL query or keyword); see :func:`options`."""
+    knows_highest: ClassVar[bool] = True
+    """True if :meth:`status`'s ``last_token`` is the highest grant even when the lock is free
+    (the source keeps a counter); False if it is exact only while held."""
     caller_driven: ClassVar[bool] = False
     """True if this backend's code may run on whichever thread is running fenced's private
     loop (it keeps no state tied to one thread): the synchronous API then runs a call on the

@@ -20,6 +20,7 @@ from ._backend import (
     Characteristic,
     Grant,
     LockStatus,
+    TokenCheck,
     _redacted,
     backend_class,
     check_requirements,
@@ -33,7 +34,7 @@ from ._errors import (
     NotHeldError,
 )
 from ._options import Option
-from ._signing import signer, token_message
+from ._signing import Keyring, signer, token_message
 from ._state import DEFAULT_TTL, MAX_TIMEOUT, LeaseState, Phase, check_timeout
 from ._token import FencingToken, validate_lock_name
 
@@ -594,6 +595,25 @@ class AsyncLocks:
         name = validate_lock_name(name)
         tok = None if token is None else FencingToken.coerce(token, name)
         return await backend.force_release(name, tok)
+
+    async def check(self, token: FencingToken | str) -> TokenCheck:
+        """Ask the source about ``token`` (Chubby's ``CheckSequencer``): is it the live grant
+        of its lock, and which is the highest granted? See :class:`~fenced.TokenCheck`.
+
+        With a signing key, a signed token is checked against this connection's key first
+        (:class:`~fenced.SignatureError` if it does not match), so a forged one cannot pass
+        as stale-but-genuine."""
+        tok = FencingToken.coerce(token)
+        if tok.signature is not None and self._signer is not None:
+            key = self._signer
+            public = key.public() if hasattr(key, "public") else key
+            Keyring([public]).verify(tok.lock, tok.value, tok.signature)
+        status = await self.status(tok.lock)
+        current = status.token is not None and status.token.value == tok.value
+        # A source without a counter knows its highest grant only while it is held: then
+        # the holder's token is the latest grant, every earlier one having ended.
+        highest = status.last_token if self._cls.knows_highest else status.token
+        return TokenCheck(tok, current, highest)
 
     async def lock_names(self) -> list[str]:
         """The names of the locks the source knows, sorted (see ``fenced status``)."""

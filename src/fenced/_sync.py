@@ -17,7 +17,7 @@ from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
 
 from . import _fork
-from ._backend import Characteristic, LockStatus
+from ._backend import Characteristic, LockStatus, TokenCheck
 from ._lease import _UNSET, DEFAULT_TTL, AsyncLease, AsyncLocks, _wants_token
 from ._portal import Portal
 from ._state import Phase
@@ -265,6 +265,10 @@ class Locks:
     ) -> LockStatus | None:
         """Free ``name`` whoever holds it (see :meth:`AsyncLocks.force_release`)."""
         return self._portal.call(self._async.force_release(name, token))
+
+    def check(self, token: FencingToken | str) -> TokenCheck:
+        """Ask the source about ``token`` (see :meth:`AsyncLocks.check`)."""
+        return self._portal.call(self._async.check(token))
 
     def lock_names(self) -> list[str]:
         """The names of the locks the source knows, sorted."""

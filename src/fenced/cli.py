@@ -44,6 +44,7 @@ EXIT_UNAVAILABLE = 69
 EXIT_SOFTWARE = 70
 EXIT_LEASE_LOST = 75
 EXIT_STALE = 77  # EX_NOPERM: a guarded write refused, the writer's token is stale
+EXIT_NOT_CURRENT = 78  # check-token: released or expired, and no later grant known
 EXIT_TIMEOUT = 124  # as timeout(1): not 1, which commands use for their own failures
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
 
@@ -54,7 +55,8 @@ exit status (fenced's own outcomes never use 1, which commands use for their own
   69     the token source could not be reached (EX_UNAVAILABLE)
   70     another fenced error (EX_SOFTWARE)
   75     the lease was lost while the command ran; the command was terminated (EX_TEMPFAIL)
-  77     fenced write: refused, the token is older than the newest version (EX_NOPERM)
+  77     fenced write: refused, the token is older than the newest version; check-token: stale
+  78     check-token: the token is not current, and no later grant is known
   124    the lock was not acquired within --timeout / -n (change it with -E, as flock -E)
   126    the command could not be executed
   127    the command was not found
@@ -221,6 +223,22 @@ def _parser() -> argparse.ArgumentParser:
     )
     _source_arguments(release)
 
+    check = sub.add_parser(
+        "check-token",
+        parents=[common],
+        help="ask the token source whether a token is current (exit 0), stale (77) or neither (78)",
+        description=(
+            "Ask the token source about TOKEN (as $FENCING_TOKEN carries it): exit 0 if it is "
+            "the live grant of its lock, 77 if a later grant exists (stale), 78 if it is "
+            "neither (released or expired, and no later grant known), 2 if it is malformed or "
+            "above every grant the source knows (never issued). "
+            "A check is a snapshot: a resource that acts on it acts a moment later."
+        ),
+    )
+    check.add_argument("token", metavar="TOKEN")
+    check.add_argument("--json", action="store_true", help="print the result as JSON")
+    _source_arguments(check)
+
     keygen = sub.add_parser(
         "keygen",
         parents=[common],
@@ -287,6 +305,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_release(args)
         if args.command == "keygen":
             return _cmd_keygen(args)
+        if args.command == "check-token":
+            return _cmd_check_token(args)
     except (ConfigurationError, InvalidTokenError) as exc:
         return _fail(EXIT_USAGE, str(exc), exc, args.verbose)
     except BackendUnavailable as exc:
@@ -466,6 +486,39 @@ def _signal_group(child: subprocess.Popen[bytes], signum: int) -> None:
         os.killpg(child.pid, signum)
     except ProcessLookupError:
         pass
+
+
+def _cmd_check_token(args: argparse.Namespace) -> int:
+    token = FencingToken.parse(args.token)
+    url = args.url or default_url()
+    options: dict[str, Any] = {"connect_timeout": max(args.timeout, 0.1)}
+    key_file = os.environ.get("FENCED_SIGNING_KEY")
+    if key_file:
+        options["signing_key"] = key_file
+    with _sync.connect(url, **options) as locks:
+        result = locks.check(token)
+    if result.current:
+        verdict = "current"
+    elif result.stale:
+        verdict = "stale"
+    elif result.never_granted:
+        verdict = "never-granted"
+    else:
+        verdict = "not-current"
+    if args.json:
+        doc = {
+            "token": str(token.unsigned()),
+            "verdict": verdict,
+            "current": result.current,
+            "stale": result.stale,
+            "highest": None if result.highest is None else str(result.highest),
+        }
+        print(json.dumps(doc))
+    else:
+        print(f"{token.unsigned()}: {verdict} (highest granted: {result.highest or 'unknown'})")
+    if result.never_granted:
+        return EXIT_USAGE  # (invalid: not a token the source issued)
+    return 0 if result.current else (EXIT_STALE if result.stale else EXIT_NOT_CURRENT)
 
 
 def _cmd_keygen(args: argparse.Namespace) -> int:

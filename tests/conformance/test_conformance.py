@@ -257,6 +257,30 @@ def test_path_like_names_are_separate_locks(env: BackendEnv) -> None:
             fenced.FencingToken(bad, 1)
 
 
+def test_check_says_current_stale_or_unknown(env: BackendEnv) -> None:
+    """``locks.check(token)`` (Chubby's CheckSequencer) on every source: the live grant is
+    current; after a takeover the old token is stale; a lock never granted knows no highest.
+    etcd and ZooKeeper know the highest grant only while the lock is held (they keep no
+    counter), so a released token there is "not current" without being provably stale."""
+    name = unique_name()
+    with env.connect() as locks, env.connect() as other:
+        never = locks.check(fenced.FencingToken(unique_name(), 1))
+        assert not never.current and never.highest is None and not never.stale
+        first = locks.lock(name, ttl=10)
+        t1 = first.acquire()
+        now = other.check(t1)
+        assert now.current and now.is_highest and not now.stale
+        assert other.check(str(t1)).current  # the text form too
+        first.release()
+        with other.lock(name, ttl=10) as second:
+            old = locks.check(t1)
+            assert not old.current and old.stale and old.highest == second.token
+            assert locks.check(second.token).current
+        after = locks.check(second.token)
+        assert not after.current and not after.stale
+        assert after.highest in (second.token, None)  # (None: etcd, ZooKeeper)
+
+
 def test_idempotent_acquire_with_request_id(env: BackendEnv) -> None:
     name = unique_name()
     with env.connect() as locks:

@@ -258,6 +258,7 @@ class EtcdBackend(Backend):
     )
 
     option_schema = _OPTIONS
+    knows_highest = False  # no counter: the highest grant is the holder's, while held
 
     def __init__(self, client: EtcdClient, *, prefix: bytes, lease_pool: int) -> None:
         self._client = client

@@ -133,6 +133,7 @@ class ZooKeeperBackend(Backend):
 
     scheme: ClassVar[str] = "zookeeper"
     option_schema = _OPTIONS
+    knows_highest = False  # no counter: the highest grant is the holder's, while held
     characteristics: ClassVar[frozenset[Characteristic]] = frozenset(
         {
             Characteristic.LINEARIZABLE,
