@@ -116,9 +116,12 @@ class HmacKey:
         if not isinstance(secret, bytes) or len(secret) < 32:
             raise ConfigurationError(f"HMAC key {kid!r}: the secret must be at least 32 bytes")
         self._secret = secret
+        self._mac = hmac.new(secret, digestmod=hashlib.sha256)  # keyed once; copied per use
 
     def sign(self, message: bytes) -> bytes:
-        return hmac.new(self._secret, message, hashlib.sha256).digest()
+        mac = self._mac.copy()
+        mac.update(message)
+        return mac.digest()
 
     def verify(self, message: bytes, signature: bytes) -> bool:
         return hmac.compare_digest(self.sign(message), signature)
@@ -223,6 +226,9 @@ class Keyring:
         if not self._keys:
             raise ConfigurationError("a keyring needs at least one key")
         self.required = required
+        # Signatures already found good: a holder writes many times with one token, and the
+        # answer for the same (lock, value, key id, signature) and the same keys never changes.
+        self._good: dict[tuple[str, int, str, bytes], None] = {}
 
     @property
     def kids(self) -> frozenset[str]:
@@ -235,11 +241,17 @@ class Keyring:
                 raise SignatureError(f"unsigned fencing token {lock}:{value}: signing is required")
             return
         kid, sig = signature
+        seen = (lock, value, kid, sig)
+        if seen in self._good:
+            return
         key = self._keys.get(kid)
         if key is None:
             raise SignatureError(f"fencing token {lock}:{value} is signed with unknown key {kid!r}")
         if not key.verify(token_message(lock, value, kid), sig):
             raise SignatureError(f"fencing token {lock}:{value}: bad signature (key {kid!r})")
+        if len(self._good) >= 4096:
+            self._good.clear()
+        self._good[seen] = None
 
     def __repr__(self) -> str:
         return f"Keyring(kids={sorted(self._keys)!r}, required={self.required})"
