@@ -93,8 +93,8 @@ def main() -> None:
     db.execute("INSERT INTO t VALUES (1, 0)")
     guards = {
         "none": SQLGuard("plain", lock="bench"),
-        "HMAC-SHA256": SQLGuard("hmac", lock="bench", verify_keys=Keyring([HMAC])),
-        "Ed25519": SQLGuard("ed", lock="bench", verify_keys=Keyring([ED.public()])),
+        "HMAC-SHA256": SQLGuard("hmac", lock="bench", verify=Keyring([HMAC])),
+        "Ed25519": SQLGuard("ed", lock="bench", verify=Keyring([ED.public()])),
     }
     for guard in guards.values():
         guard.install(db)
@@ -123,7 +123,7 @@ def main() -> None:
     for kind, key, verify_key in (("HMAC-SHA256", HMAC, HMAC), ("Ed25519", ED, ED.public())):
         pre = [signed(FencingToken("bench2", v), key) for v in range(1, N + 60)]
         counters = {"v": iter(range(N + 60)), "p": iter(range(N + 60))}
-        guard_v = SQLGuard(f"fresh-{kind}", lock="bench2", verify_keys=Keyring([verify_key]))
+        guard_v = SQLGuard(f"fresh-{kind}", lock="bench2", verify=Keyring([verify_key]))
         guard_p = SQLGuard(f"fresh-plain-{kind}", lock="bench2")
         guard_v.install(db)
         guard_p.install(db)
@@ -154,8 +154,8 @@ def main() -> None:
         client = redis.Redis(port=server.port)
         rguards = {
             "none": RedisGuard(client, "plain", "bench"),
-            "HMAC-SHA256": RedisGuard(client, "hmac", "bench", verify_keys=Keyring([HMAC])),
-            "Ed25519": RedisGuard(client, "ed", "bench", verify_keys=Keyring([ED.public()])),
+            "HMAC-SHA256": RedisGuard(client, "hmac", "bench", verify=Keyring([HMAC])),
+            "Ed25519": RedisGuard(client, "ed", "bench", verify=Keyring([ED.public()])),
         }
 
         def redis_write(kind: str) -> Callable[[], None]:

@@ -909,7 +909,7 @@ async def test_middleware_with_verify_keys_takes_only_well_signed_tokens(tmp_pat
         await send({"type": "http.response.body", "body": b"ok"})
 
     async with SQLiteFenceStore(str(tmp_path / "f.db")) as store:
-        app = FencingMiddleware(ok, store=store, lock="jobs", verify_keys=Keyring([key]))
+        app = FencingMiddleware(ok, store=store, lock="jobs", verify=Keyring([key]))
         async with client_for(app) as client:
 
             async def post(token: str) -> httpx.Response:

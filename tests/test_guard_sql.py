@@ -1233,3 +1233,43 @@ async def test_abegin_on_an_async_connection(pg_dsn: str) -> None:
             await guard.abegin(conn, token=tok(2))
         await conn.execute("ROLLBACK")
         assert await guard.ahigh_water(conn) == tok(3)
+
+
+class VerifyAfterTheMark(SQLGuard):
+    """PLANTED BUG: the token's signature is checked after the mark was raised."""
+
+    def check(self, conn: Any, *, token: Any) -> FencingToken:  # type: ignore[override]
+        verifier, self.verifier = self.verifier, None
+        try:
+            accepted = super().check(conn, token=token)
+        finally:
+            self.verifier = verifier
+        FencingToken.coerce(token, self.lock, self.verifier)
+        return accepted
+
+
+@pytest.mark.parametrize("guard_class", [SQLGuard, VerifyAfterTheMark], ids=["fenced", "planted"])
+def test_a_forged_token_never_moves_the_mark(tmp_path: Any, guard_class: type[SQLGuard]) -> None:
+    """Verification comes before the mark: a forged huge token leaves it where it was (the
+    planted guard that verifies afterwards raises it first: caught)."""
+    from fenced import HmacKey, Keyring, SignatureError
+    from fenced._signing import token_message
+
+    key = HmacKey("k1", b"q" * 32)
+    db = sqlite3.connect(tmp_path / "db", isolation_level=None)
+    guard = guard_class("invoices", verify=Keyring([key]))
+    guard.install(db)
+    good = FencingToken("invoices", 5, ("k1", key.sign(token_message("invoices", 5, "k1"))))
+    db.execute("BEGIN IMMEDIATE")
+    guard.check(db, token=good)
+    db.execute("COMMIT")
+    forged = FencingToken("invoices", 2**62, ("k1", b"\0" * 32))
+    db.execute("BEGIN IMMEDIATE")
+    with pytest.raises(SignatureError):
+        guard.check(db, token=forged)
+    db.execute("COMMIT")  # (a caller that commits anyway: the mark must not have moved)
+    mark = guard.high_water(db)
+    if guard_class is VerifyAfterTheMark:
+        assert mark == FencingToken("invoices", 2**62)  # the planted bug is caught
+    else:
+        assert mark == FencingToken("invoices", 5)

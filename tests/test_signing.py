@@ -131,3 +131,39 @@ def test_keygen_and_fenced_lock_carry_a_signed_token(tmp_path: Path) -> None:
     ring.verify(token.lock, token.value, token.signature)
     assert isinstance(load_key(str(key) + ".pub"), fenced.Ed25519VerifyKey)
     assert generate_key("hmac", "x").kind == "hmac"
+
+
+def test_a_ceiling_fails_closed_when_the_source_cannot_say(etcd_server: object) -> None:
+    """etcd keeps no counter: for a free lock it cannot say which grant is the highest, so a
+    ceiling refuses (when in doubt, fail closed); while the lock is held it can."""
+    url = f"etcd://{etcd_server.endpoint}"  # type: ignore[attr-defined]
+    with fenced.connect(url) as locks:
+        name = f"ceiling-{os.getpid()}-{id(locks)}"
+        ceiling = fenced.Ceiling(locks)
+        with pytest.raises(fenced.AboveCeilingError, match="unknown"):
+            ceiling.verify(name, 1, None)
+        with locks.lock(name, ttl=5) as lease:
+            ceiling.verify(name, lease.token.value, None)  # the live grant: known, accepted
+            with pytest.raises(fenced.AboveCeilingError):
+                ceiling.verify(name, lease.token.value + 1, None)
+    with pytest.raises(fenced.ConfigurationError):
+        fenced.Ceiling(object(), slack=-1)
+
+
+def test_the_key_id_decides_which_key_verifies() -> None:
+    """Planted check: a keyring that tries every key (ignoring the key id) accepts a signature
+    of one key labelled with another's id; the real one refuses it."""
+    other = HmacKey("k2", b"o" * 32)
+    mislabelled = sign(FencingToken("jobs", 4), other)
+    mislabelled = FencingToken("jobs", 4, ("k1", other.sign(token_message("jobs", 4, "k1"))))
+
+    class AnyKey(Keyring):
+        def verify(self, lock: str, value: int, signature: tuple[str, bytes] | None) -> None:
+            assert signature is not None
+            message = token_message(lock, value, signature[0])
+            if not any(k.verify(message, signature[1]) for k in (KEY, other)):
+                raise SignatureError("bad")
+
+    with pytest.raises(SignatureError):
+        Keyring([KEY, other]).verify("jobs", 4, mislabelled.signature)
+    AnyKey([KEY, other]).verify("jobs", 4, mislabelled.signature)  # the planted bug lets it in

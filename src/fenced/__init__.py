@@ -30,6 +30,8 @@ from ._errors import (
 )
 from ._lease import DEFAULT_TTL, AsyncLease, AsyncLocks, LostSignal, connect_async
 from ._signing import (
+    AboveCeilingError,
+    Ceiling,
     Ed25519SigningKey,
     Ed25519VerifyKey,
     HmacKey,
@@ -37,6 +39,7 @@ from ._signing import (
     SignatureError,
     load_key,
     load_keys,
+    verify_all,
 )
 from ._state import Phase
 from ._sync import Lease, Locks, connect
@@ -51,11 +54,13 @@ _logging.getLogger("fenced").addHandler(_logging.NullHandler())
 __all__ = [
     "DEFAULT_TTL",
     "MAX_TOKEN",
+    "AboveCeilingError",
     "AsyncLease",
     "AsyncLocks",
     "Backend",
     "BackendError",
     "BackendUnavailable",
+    "Ceiling",
     "Characteristic",
     "ConfigurationError",
     "CorruptMarkError",
@@ -89,4 +94,5 @@ __all__ = [
     "load_key",
     "load_keys",
     "register_backend",
+    "verify_all",
 ]

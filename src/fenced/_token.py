@@ -6,7 +6,7 @@ import re
 from typing import Any, Final
 
 from ._errors import InvalidTokenError, WrongLockError
-from ._signing import KID_RE, Keyring, b64, unb64
+from ._signing import KID_RE, TokenVerifier, b64, unb64
 
 __all__ = ["MAX_TOKEN", "FencingToken", "escape_name", "unescape_name", "validate_lock_name"]
 
@@ -141,7 +141,7 @@ class FencingToken:
         cls,
         token: FencingToken | str | bytes,
         lock: str | None = None,
-        keys: Keyring | None = None,
+        keys: TokenVerifier | None = None,
     ) -> FencingToken:
         """Accept a token or its text form (as guards do), checking the lock if given, and
         with ``keys`` its signature (:class:`~fenced.SignatureError` if it is missing or not

@@ -31,7 +31,7 @@ import psycopg
 import pytest
 import redis
 
-from fenced import FencingToken, Keyring, StaleTokenError
+from fenced import FencingToken, StaleTokenError
 from fenced.guards.etcd import AsyncEtcdGuard, EtcdGuard
 from fenced.guards.files import FileGuard, HighWaterFile
 from fenced.guards.redis import SET_SCRIPT, RedisGuard
@@ -49,7 +49,7 @@ def tok(value: int, lock: str = LOCK) -> FencingToken:
 
 class GuardEnv:
     name = "base"
-    verify_keys: Keyring | None = None  # set, then reopen(): the guards require signed tokens
+    verify_keys: Any = None  # set, then reopen(): the guards check tokens with it (verify=)
     signs = True  # False: a store whose middleware, not the store, verifies signatures
 
     def write(self, token: FencingToken | str, value: str) -> None:
@@ -164,7 +164,7 @@ class SQLFenceEnv(_SQLEnv):
     guard_class: type[SQLGuard] = SQLGuard
 
     def setup(self) -> None:
-        self.guard = self.guard_class(self.table, lock=LOCK, verify_keys=self.verify_keys)
+        self.guard = self.guard_class(self.table, lock=LOCK, verify=self.verify_keys)
         self.guard.install(self.conn)
         self.conn.execute(f"CREATE TABLE {self.table} (id INTEGER PRIMARY KEY, v TEXT)")
 
@@ -196,7 +196,7 @@ class SQLFenceEnv(_SQLEnv):
 
     def reopen(self) -> None:
         super().reopen()
-        self.guard = self.guard_class(self.table, lock=LOCK, verify_keys=self.verify_keys)
+        self.guard = self.guard_class(self.table, lock=LOCK, verify=self.verify_keys)
 
     def planted_lt(self) -> Write:
         guard = LessThanGuard(self.table, lock=LOCK)
@@ -208,7 +208,7 @@ class SQLRowEnv(_SQLEnv):
 
     def setup(self) -> None:
         self.conn.execute(f"CREATE TABLE {self.table} (id INTEGER PRIMARY KEY, v TEXT)")
-        self.guard = RowGuard(self.table, lock=LOCK, verify_keys=self.verify_keys)
+        self.guard = RowGuard(self.table, lock=LOCK, verify=self.verify_keys)
         self.guard.install(self.conn)
 
     def write(self, token: FencingToken | str, value: str) -> None:
@@ -231,7 +231,7 @@ class SQLRowEnv(_SQLEnv):
 
     def reopen(self) -> None:
         super().reopen()
-        self.guard = RowGuard(self.table, lock=LOCK, verify_keys=self.verify_keys)
+        self.guard = RowGuard(self.table, lock=LOCK, verify=self.verify_keys)
 
     def planted_lt(self) -> Write:
         guard = LessThanRowGuard(self.table, lock=LOCK)
@@ -256,7 +256,7 @@ class RedisEnv(GuardEnv):
         if hasattr(self, "guard"):
             self.close()
         self.client = redis.Redis(port=self.port)
-        self.guard = RedisGuard(self.client, self.resource, LOCK, verify_keys=self.verify_keys)
+        self.guard = RedisGuard(self.client, self.resource, LOCK, verify=self.verify_keys)
 
     def write(self, token: FencingToken | str, value: str) -> None:
         self.guard.set(self.key, value, token=token)
@@ -320,7 +320,7 @@ class AsyncRedisEnv(GuardEnv):
         if old is not None:
             self.on.run(old.aclose())
         self.client = aioredis.Redis(port=self.port)
-        self.guard = AsyncRedisGuard(self.client, self.resource, LOCK, verify_keys=self.verify_keys)
+        self.guard = AsyncRedisGuard(self.client, self.resource, LOCK, verify=self.verify_keys)
 
     def write(self, token: FencingToken | str, value: str) -> None:
         self.on.run(self.guard.set(self.key, value, token=token))
@@ -433,11 +433,11 @@ class EtcdEnv(GuardEnv):
         self.endpoint = endpoint
         self.resource = unique_name("res")
         self.key = f"{self.resource}/data"
-        self.guard = EtcdGuard(endpoint, self.resource, LOCK, verify_keys=self.verify_keys)
+        self.guard = EtcdGuard(endpoint, self.resource, LOCK, verify=self.verify_keys)
 
     def reopen(self) -> None:
         self.guard.close()
-        self.guard = EtcdGuard(self.endpoint, self.resource, LOCK, verify_keys=self.verify_keys)
+        self.guard = EtcdGuard(self.endpoint, self.resource, LOCK, verify=self.verify_keys)
 
     def write(self, token: FencingToken | str, value: str) -> None:
         self.guard.put(self.key, value, token=token)
@@ -488,10 +488,10 @@ class FileGuardEnv(GuardEnv):
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self.guard = FileGuard(directory, lock=LOCK, verify_keys=self.verify_keys)
+        self.guard = FileGuard(directory, lock=LOCK, verify=self.verify_keys)
 
     def reopen(self) -> None:
-        self.guard = FileGuard(self.directory, lock=LOCK, verify_keys=self.verify_keys)
+        self.guard = FileGuard(self.directory, lock=LOCK, verify=self.verify_keys)
 
     def write(self, token: FencingToken | str, value: str) -> None:
         self.guard.write("item", value.encode(), token=token)
@@ -528,10 +528,10 @@ class HighWaterFileEnv(GuardEnv):
     def __init__(self, directory: Path) -> None:
         self.data = directory / "data.txt"
         self.mark_path = directory / "mark"
-        self.mark = HighWaterFile(self.mark_path, lock=LOCK, verify_keys=self.verify_keys)
+        self.mark = HighWaterFile(self.mark_path, lock=LOCK, verify=self.verify_keys)
 
     def reopen(self) -> None:
-        self.mark = HighWaterFile(self.mark_path, lock=LOCK, verify_keys=self.verify_keys)
+        self.mark = HighWaterFile(self.mark_path, lock=LOCK, verify=self.verify_keys)
 
     def _hold_and_write(self, mark: HighWaterFile, token: Any, value: str) -> None:
         with mark.hold(token=token):

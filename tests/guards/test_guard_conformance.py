@@ -14,7 +14,10 @@ from typing import Any
 
 import pytest
 
+import fenced
 from fenced import (
+    AboveCeilingError,
+    Ceiling,
     FencedError,
     FencingToken,
     HmacKey,
@@ -285,3 +288,50 @@ def test_signature_check_catches_planted_verifiers(env: GuardEnv, planted: type[
     if not env.signs:
         pytest.skip("this store's middleware verifies signatures")
     assert signature_violations(env, planted([KEY])) != []
+
+
+class _NoCeiling:
+    """PLANTED BUG: a ceiling that never refuses."""
+
+    def verify(self, lock: str, value: int, signature: tuple[str, bytes] | None) -> None:
+        return None
+
+
+def ceiling_violations(env: GuardEnv, make: Callable[[Any], Any], url: str) -> list[str]:
+    """A ceiling (for resources that cannot hold a key): tokens the source granted pass, and
+    so do tokens at most ``slack`` above the highest grant; a huge forged one is refused
+    before the mark or the data move."""
+    bad: list[str] = []
+    with fenced.connect(url) as locks:
+        for _ in range(3):
+            with locks.lock(LOCK, ttl=5) as lease:
+                granted = lease.token
+        env.verify_keys = make(locks)
+        env.reopen()
+        env.write(granted, "real")
+        env.write(tok(granted.value + 2), "within slack")
+        for value in (2**62, granted.value + 3):
+            try:
+                env.write(tok(value), "forged")
+                bad.append(f"{value}: accepted")
+            except AboveCeilingError:
+                pass
+            except FencedError as exc:  # (refused, but only because a forged one got in)
+                bad.append(f"{value}: {exc}")
+        if env.read() != "within slack" or env.high_water() != tok(granted.value + 2):
+            bad.append("the data or the mark moved")
+    return bad
+
+
+def test_a_ceiling_refuses_tokens_far_above_the_sources_grants(
+    env: GuardEnv, memory_url: str
+) -> None:
+    if not env.signs:
+        pytest.skip("the middleware in front of this store checks tokens")
+    assert ceiling_violations(env, lambda locks: Ceiling(locks, slack=2), memory_url) == []
+
+
+def test_ceiling_check_catches_a_planted_no_op(env: GuardEnv, memory_url: str) -> None:
+    if not env.signs:
+        pytest.skip("the middleware in front of this store checks tokens")
+    assert ceiling_violations(env, lambda locks: _NoCeiling(), memory_url) != []

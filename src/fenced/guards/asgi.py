@@ -53,7 +53,7 @@ from .._errors import (
     StaleTokenError,
     WrongLockError,
 )
-from .._signing import Keyring
+from .._signing import TokenVerifier
 from .._token import FencingToken, validate_lock_name
 from ._stores import FenceStore, PostgresFenceStore, RedisFenceStore, SQLiteFenceStore
 
@@ -242,9 +242,9 @@ class MiddlewareSettings:
         safe_methods: Iterable[str],
         metrics: FenceMetrics | None,
         problem_base: str,
-        verify_keys: Keyring | None = None,
+        verify: TokenVerifier | None = None,
     ) -> None:
-        self.verify_keys = verify_keys  # signed tokens required (see fenced._signing)
+        self.verifier = verify  # signed tokens required (see fenced._signing)
         self.store = store
         self.lock = validate_lock_name(lock)
         self.header = header
@@ -286,13 +286,13 @@ class FencingMiddleware(MiddlewareSettings):
         safe_methods: Iterable[str] = SAFE_METHODS,
         metrics: FenceMetrics | None = None,
         problem_base: str = DEFAULT_PROBLEM_BASE,
-        verify_keys: Keyring | None = None,
+        verify: TokenVerifier | None = None,
     ) -> None:
         self.app = app
         self.resource = resource if resource is not None else (lambda scope: self.lock)
         self._header_key = header.lower().encode("latin-1")
         MiddlewareSettings.__init__(
-            self, store, lock, header, safe_methods, metrics, problem_base, verify_keys
+            self, store, lock, header, safe_methods, metrics, problem_base, verify
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -319,7 +319,7 @@ class FencingMiddleware(MiddlewareSettings):
         # Several headers are ambiguous: joined, they fail to parse (400).
         raw = values[0] if len(values) == 1 else b",".join(values)
         try:
-            token = FencingToken.coerce(raw, self.lock, self.verify_keys)
+            token = FencingToken.coerce(raw, self.lock, self.verifier)
             await self.store.advance(key, token)
         except Exception as exc:
             problem = problem_for(exc, key, self.lock, raw)

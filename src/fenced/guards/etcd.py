@@ -72,7 +72,7 @@ from .._errors import (
     WrongLockError,
 )
 from .._portal import Portal
-from .._signing import Keyring
+from .._signing import TokenVerifier
 from .._token import MAX_TOKEN, FencingToken, validate_lock_name
 from ..backends._etcd_conn import EtcdClient, Member, check_grpc_usable
 from ..backends.etcd import parse_endpoints
@@ -357,7 +357,7 @@ class AsyncEtcdGuard:
         *,
         prefix: str = "fenced/",
         timeout: float | None = DEFAULT_TIMEOUT,
-        verify_keys: Keyring | None = None,
+        verify: TokenVerifier | None = None,
     ) -> AsyncEtcdGuard:
         """A guard with its own connection to ``"h1:p1,h2:p2"`` (close it with :meth:`aclose`)."""
         guard = cls(
@@ -366,7 +366,7 @@ class AsyncEtcdGuard:
             lock,
             prefix=prefix,
             timeout=timeout,
-            verify_keys=verify_keys,
+            verify=verify,
         )
         guard._owns_client = True
         return guard
@@ -390,9 +390,9 @@ class AsyncEtcdGuard:
         *,
         prefix: str = "fenced/",
         timeout: float | None = DEFAULT_TIMEOUT,
-        verify_keys: Keyring | None = None,
+        verify: TokenVerifier | None = None,
     ) -> None:
-        self.verify_keys = verify_keys  # signed tokens required (see fenced._signing)
+        self.verifier = verify  # signed tokens required (see fenced._signing)
         if not isinstance(resource, str) or not resource:
             raise ConfigurationError(f"resource must be a non-empty str, not {resource!r}")
         if not isinstance(prefix, str) or not prefix:
@@ -407,7 +407,7 @@ class AsyncEtcdGuard:
         self._template: tuple[FencingToken, int, rpc.TxnRequest] | None = None
 
     def _token(self, token: FencingToken | str | bytes) -> FencingToken:
-        return FencingToken.coerce(token, self.lock, self.verify_keys)
+        return FencingToken.coerce(token, self.lock, self.verifier)
 
     def _key(self, key: object) -> bytes:
         if not isinstance(key, (str, bytes)) or not key:
@@ -586,7 +586,7 @@ class EtcdGuard:
         *,
         prefix: str = "fenced/",
         timeout: float | None = DEFAULT_TIMEOUT,
-        verify_keys: Keyring | None = None,
+        verify: TokenVerifier | None = None,
     ) -> None:
         self._portal = Portal("fenced-etcd-guard")
         try:
@@ -598,7 +598,7 @@ class EtcdGuard:
                     lock,
                     prefix=prefix,
                     timeout=timeout,
-                    verify_keys=verify_keys,
+                    verify=verify,
                 )
             )
         except BaseException:

@@ -61,7 +61,7 @@ from .._errors import (
     StaleTokenError,
     WrongLockError,
 )
-from .._signing import Keyring
+from .._signing import TokenVerifier
 from .._token import MAX_TOKEN, FencingToken, validate_lock_name
 from ._files_fs import (
     TEMP_PREFIX,
@@ -209,9 +209,9 @@ class FileGuard:
         directory: str | os.PathLike[str],
         *,
         lock: str,
-        verify_keys: Keyring | None = None,
+        verify: TokenVerifier | None = None,
     ) -> None:
-        self.verify_keys = verify_keys  # signed tokens required (see fenced._signing)
+        self.verifier = verify  # signed tokens required (see fenced._signing)
         self.lock = validate_lock_name(lock)
         self.directory = os.fspath(directory)
         self._known_dirs: set[str] = set()
@@ -252,7 +252,7 @@ class FileGuard:
         return self._publish(name, data, token)
 
     def _publish(self, name: str, data: Data, token: FencingToken | str | bytes) -> Version:
-        tok = FencingToken.coerce(token, self.lock, self.verify_keys)
+        tok = FencingToken.coerce(token, self.lock, self.verifier)
         view = _as_view(data)
         rdir = self._resource_dir(_validate_name(name), create=True)
         if view.nbytes >= self.precheck_bytes:
@@ -436,9 +436,9 @@ class HighWaterFile:
     """
 
     def __init__(
-        self, path: str | os.PathLike[str], *, lock: str, verify_keys: Keyring | None = None
+        self, path: str | os.PathLike[str], *, lock: str, verify: TokenVerifier | None = None
     ) -> None:
-        self.verify_keys = verify_keys  # signed tokens required (see fenced._signing)
+        self.verifier = verify  # signed tokens required (see fenced._signing)
         self.lock = validate_lock_name(lock)
         self.path = os.path.abspath(os.fspath(path))
         self._dir, base = os.path.split(self.path)
@@ -468,7 +468,7 @@ class HighWaterFile:
     @token_keyword()
     def hold(self, *, token: FencingToken | str | bytes) -> Iterator[FencingToken]:
         """Check and advance the mark, then hold the lock for the ``with`` body (your write)."""
-        tok = FencingToken.coerce(token, self.lock, self.verify_keys)
+        tok = FencingToken.coerce(token, self.lock, self.verifier)
         with self._locked():
             mark = self.current()
             if mark is not None and not self._accepts(tok.value, mark.value):

@@ -57,7 +57,7 @@ from .._errors import (
     WrongLockError,
 )
 from .._redis_errors import NATIVE, kind
-from .._signing import Keyring
+from .._signing import TokenVerifier
 from .._token import MAX_TOKEN, FencingToken, validate_lock_name
 from ._token_arg import token_keyword
 
@@ -379,9 +379,9 @@ class _GuardBase:
         lock: str | None = None,
         *,
         fence_key: str | None = None,
-        verify_keys: Keyring | None = None,
+        verify: TokenVerifier | None = None,
     ) -> None:
-        self.verify_keys = verify_keys  # signed tokens required (see fenced._signing)
+        self.verifier = verify  # signed tokens required (see fenced._signing)
         if not isinstance(resource, str) or not resource:
             raise ConfigurationError(f"resource must be a non-empty str, not {resource!r}")
         if fence_key is None and ("{" in resource or "}" in resource):
@@ -444,7 +444,7 @@ class _GuardBase:
         keys: Iterable[Key],
         args: Iterable[Value],
     ) -> GuardedCall:
-        tok = FencingToken.coerce(token, self.lock, self.verify_keys)
+        tok = FencingToken.coerce(token, self.lock, self.verifier)
         return GuardedCall(script, [self.fence_key, *keys], [tok.lock, str(tok.value), *args], tok)
 
     def _set_call(
@@ -527,9 +527,9 @@ class RedisGuard(_GuardBase):
         lock: str | None = None,
         *,
         fence_key: str | None = None,
-        verify_keys: Keyring | None = None,
+        verify: TokenVerifier | None = None,
     ) -> None:
-        super().__init__(client, resource, lock, fence_key=fence_key, verify_keys=verify_keys)
+        super().__init__(client, resource, lock, fence_key=fence_key, verify=verify)
 
     def _run(self, call: GuardedCall) -> Any:
         script: Script = self._script(call.script)
@@ -648,9 +648,9 @@ class AsyncRedisGuard(_GuardBase):
         lock: str | None = None,
         *,
         fence_key: str | None = None,
-        verify_keys: Keyring | None = None,
+        verify: TokenVerifier | None = None,
     ) -> None:
-        super().__init__(client, resource, lock, fence_key=fence_key, verify_keys=verify_keys)
+        super().__init__(client, resource, lock, fence_key=fence_key, verify=verify)
 
     async def _run(self, call: GuardedCall) -> Any:
         script: AsyncScript = self._script(call.script)

@@ -74,7 +74,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .._errors import ConfigurationError, InvalidTokenError
-from .._signing import Keyring
+from .._signing import TokenVerifier
 from .._token import FencingToken, validate_lock_name
 from ._sql_driver import arun, arun_install, arun_own, run, run_install, run_own
 from ._sql_plan import (
@@ -120,7 +120,7 @@ class SQLGuard:
     take a ``psycopg.AsyncConnection``.
     """
 
-    __slots__ = ("_quoted", "lock", "resource", "table", "verify_keys")
+    __slots__ = ("_quoted", "lock", "resource", "table", "verifier")
 
     def __init__(
         self,
@@ -128,9 +128,9 @@ class SQLGuard:
         *,
         lock: str | None = None,
         table: str = "fenced_fences",
-        verify_keys: Keyring | None = None,
+        verify: TokenVerifier | None = None,
     ) -> None:
-        self.verify_keys = verify_keys  # signed tokens required (see fenced._signing)
+        self.verifier = verify  # signed tokens required (see fenced._signing)
         self.resource = validate_resource(resource)
         self.lock = _lock_name(resource if lock is None else lock, f"lock of {resource!r}")
         self.table = table
@@ -157,7 +157,7 @@ class SQLGuard:
         if a concurrent transaction prevented the check, :class:`~fenced.BackendUnavailable`
         for a closed connection or dead server. On any error let the transaction roll back.
         """
-        tok = FencingToken.coerce(token, self.lock, self.verify_keys)
+        tok = FencingToken.coerce(token, self.lock, self.verifier)
         return run(conn, lambda d: self._check_plan(d, tok), need_tx=True)
 
     @token_keyword()
@@ -169,7 +169,7 @@ class SQLGuard:
         the check. The transaction stays open for the caller's writes and COMMIT; on an error
         it is left open too (roll it back). Refuses a connection already in a transaction.
         """
-        tok = FencingToken.coerce(token, self.lock, self.verify_keys)
+        tok = FencingToken.coerce(token, self.lock, self.verifier)
         return run(conn, lambda d: self._check_plan(d, tok), begin=True)
 
     def high_water(self, conn: Any) -> FencingToken | None:
@@ -188,13 +188,13 @@ class SQLGuard:
     @token_keyword()
     async def acheck(self, conn: Any, *, token: TokenLike) -> FencingToken:
         """:meth:`check` on a ``psycopg.AsyncConnection``."""
-        tok = FencingToken.coerce(token, self.lock, self.verify_keys)
+        tok = FencingToken.coerce(token, self.lock, self.verifier)
         return await arun(conn, lambda d: self._check_plan(d, tok), need_tx=True)
 
     @token_keyword()
     async def abegin(self, conn: Any, *, token: TokenLike) -> FencingToken:
         """:meth:`begin` on a ``psycopg.AsyncConnection``."""
-        tok = FencingToken.coerce(token, self.lock, self.verify_keys)
+        tok = FencingToken.coerce(token, self.lock, self.verifier)
         return await arun(conn, lambda d: self._check_plan(d, tok), begin=True)
 
     async def ahigh_water(self, conn: Any) -> FencingToken | None:
@@ -230,7 +230,7 @@ class RowGuard:
         "lock_column",
         "table",
         "token_column",
-        "verify_keys",
+        "verifier",
     )
 
     def __init__(
@@ -241,9 +241,9 @@ class RowGuard:
         token_column: str = "fencing_token",
         lock: str | None = None,
         lock_column: str | None = None,
-        verify_keys: Keyring | None = None,
+        verify: TokenVerifier | None = None,
     ) -> None:
-        self.verify_keys = verify_keys  # signed tokens required (see fenced._signing)
+        self.verifier = verify  # signed tokens required (see fenced._signing)
         key_cols = (key_columns,) if isinstance(key_columns, str) else tuple(key_columns)
         if not key_cols:
             raise ConfigurationError("key_columns must name at least one column")
@@ -290,7 +290,7 @@ class RowGuard:
         token) if the row carries a higher token and :class:`~fenced.ResourceNotFoundError`
         if there is no such row; nothing is written in either case.
         """
-        tok = FencingToken.coerce(token, self.lock, self.verify_keys)
+        tok = FencingToken.coerce(token, self.lock, self.verifier)
         return run_own(conn, self._write(tok, key, values or {}, False))
 
     @token_keyword()
@@ -306,7 +306,7 @@ class RowGuard:
 
         Needs a primary key or unique constraint on exactly ``key_columns``.
         """
-        tok = FencingToken.coerce(token, self.lock, self.verify_keys)
+        tok = FencingToken.coerce(token, self.lock, self.verifier)
         return run_own(conn, self._write(tok, key, values or {}, True))
 
     def high_water(self, conn: Any, key: Mapping[str, Any]) -> FencingToken | None:
@@ -329,7 +329,7 @@ class RowGuard:
         values: Mapping[str, Any] | None = None,
     ) -> FencingToken:
         """:meth:`update` on a ``psycopg.AsyncConnection``."""
-        tok = FencingToken.coerce(token, self.lock, self.verify_keys)
+        tok = FencingToken.coerce(token, self.lock, self.verifier)
         return await arun_own(conn, self._write(tok, key, values or {}, False))
 
     @token_keyword()
@@ -342,7 +342,7 @@ class RowGuard:
         values: Mapping[str, Any] | None = None,
     ) -> FencingToken:
         """:meth:`insert_or_update` on a ``psycopg.AsyncConnection``."""
-        tok = FencingToken.coerce(token, self.lock, self.verify_keys)
+        tok = FencingToken.coerce(token, self.lock, self.verifier)
         return await arun_own(conn, self._write(tok, key, values or {}, True))
 
     async def ahigh_water(self, conn: Any, key: Mapping[str, Any]) -> FencingToken | None:

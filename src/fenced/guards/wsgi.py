@@ -34,7 +34,7 @@ from typing import Any
 
 from .._errors import StaleTokenError
 from .._portal import Portal
-from .._signing import Keyring
+from .._signing import TokenVerifier
 from .._token import FencingToken
 from .asgi import (
     DEFAULT_PROBLEM_BASE,
@@ -74,13 +74,13 @@ class FencingWSGIMiddleware(MiddlewareSettings):
         safe_methods: Iterable[str] = SAFE_METHODS,
         metrics: FenceMetrics | None = None,
         problem_base: str = DEFAULT_PROBLEM_BASE,
-        verify_keys: Keyring | None = None,
+        verify: TokenVerifier | None = None,
     ) -> None:
         self.app = app
         self.resource = resource if resource is not None else (lambda environ: self.lock)
         self._environ_key = "HTTP_" + header.upper().replace("-", "_")
         MiddlewareSettings.__init__(
-            self, store, lock, header, safe_methods, metrics, problem_base, verify_keys
+            self, store, lock, header, safe_methods, metrics, problem_base, verify
         )
         # The async stores run here; only fenced's code runs on this loop.
         self._portal = Portal("fenced-wsgi")
@@ -107,7 +107,7 @@ class FencingWSGIMiddleware(MiddlewareSettings):
         # (WSGI servers join repeated headers with ","; that fails to parse: 400, as in ASGI)
         raw = raw_text.encode("latin-1", "replace")
         try:
-            token = FencingToken.coerce(raw, self.lock, self.verify_keys)
+            token = FencingToken.coerce(raw, self.lock, self.verifier)
             self._portal.call(self.store.advance(key, token))
         except Exception as exc:
             problem = problem_for(exc, key, self.lock, raw)
