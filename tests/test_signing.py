@@ -167,3 +167,19 @@ def test_the_key_id_decides_which_key_verifies() -> None:
     with pytest.raises(SignatureError):
         Keyring([KEY, other]).verify("jobs", 4, mislabelled.signature)
     AnyKey([KEY, other]).verify("jobs", 4, mislabelled.signature)  # the planted bug lets it in
+
+
+def test_a_signing_key_from_an_environment_variable(tmp_path: Path) -> None:
+    """$FENCED_SIGNING_KEY may hold the key line itself (secrets injected as variables)."""
+    env = {
+        **os.environ,
+        "FENCED_URL": f"sqlite:///{tmp_path}/l.db",
+        "FENCED_SIGNING_KEY": key_text(KEY).strip(),
+    }
+    out = subprocess.run(
+        [sys.executable, "-m", "fenced", "lock", "jobs", "--", "sh", "-c", 'echo "$FENCING_TOKEN"'],
+        env=env, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    token = FencingToken.parse(out.stdout.strip())
+    Keyring([KEY]).verify(token.lock, token.value, token.signature)
+    assert "fenced-key" not in out.stderr and KEY.kid in out.stdout

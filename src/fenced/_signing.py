@@ -23,7 +23,9 @@ get from the source (a bug, a replay with an edited number, a hostile client of 
 library). What it does not: a client that writes to the resource *without* the guard library
 (it never presents a token at all); and a thief of a signing key.
 
-Keys are files (``fenced keygen``): one line ``fenced-key 1 <kind> <key id> <base64url>``.
+Keys are files (``fenced keygen``): one line ``fenced-key 1 <kind> <key id> <base64url>``;
+``signing_key=`` and ``$FENCED_SIGNING_KEY`` take that line itself too (for secrets injected as
+environment variables), or a key file's path.
 A key's ``repr`` and every error name the key id only, never the secret.
 """
 
@@ -55,6 +57,7 @@ __all__ = [
     "generate_key",
     "load_key",
     "load_keys",
+    "parse_key",
     "signer",
     "token_message",
     "verify_all",
@@ -349,7 +352,12 @@ def load_key(path: str | os.PathLike[str]) -> HmacKey | Ed25519SigningKey | Ed25
         text = Path(where).read_text(encoding="ascii").strip()
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigurationError(f"cannot read key file {where}: {exc}") from None
-    parts = text.split(" ")
+    return parse_key(text, where)
+
+
+def parse_key(text: str, where: str = "the key") -> HmacKey | Ed25519SigningKey | Ed25519VerifyKey:
+    """A key from its one-line text (a key file's content, or an environment variable's)."""
+    parts = text.strip().split(" ")
     if len(parts) != 5 or " ".join(parts[:2]) != _FILE_MAGIC or parts[2] not in _KINDS:
         raise ConfigurationError(f"{where} is not a fenced key file")
     try:
@@ -373,7 +381,9 @@ def signer(key: object) -> HmacKey | Ed25519SigningKey | None:
     """``connect(signing_key=...)``: a signing key, or a path to its key file, or None."""
     if key is None:
         return None
-    if isinstance(key, str | os.PathLike):
+    if isinstance(key, str) and key.startswith(_FILE_MAGIC + " "):
+        key = parse_key(key, "the signing key")  # the key itself (an environment variable's)
+    elif isinstance(key, str | os.PathLike):
         key = load_key(key)
     if not isinstance(key, HmacKey | Ed25519SigningKey):
         raise ConfigurationError(

@@ -63,6 +63,23 @@ def test_tokens_increase_across_restart(env: BackendEnv) -> None:
         assert lease.token > before
 
 
+def test_check_after_a_restart_still_knows_the_stale_token(env: BackendEnv) -> None:
+    """After the source restarts, a check still tells the new holder's token (current) from an
+    earlier one (stale), and a token above every grant from a real one where it knows."""
+    requires(env, Characteristic.DURABLE)
+    name = unique_name()
+    with env.connect() as locks:
+        with locks.lock(name, ttl=5) as lease:
+            before = lease.token
+    env.restart()
+    with env.connect() as locks, locks.lock(name, ttl=10, timeout=30) as lease:
+        old, now = locks.check(before), locks.check(lease.token)
+        assert old.stale and not old.current, old
+        assert now.current and not now.stale, now
+        forged = locks.check(fenced.FencingToken(name, lease.token.value + 10**6))
+        assert forged.never_granted and not forged.current
+
+
 def test_tokens_are_independent_per_lock(env: BackendEnv) -> None:
     a, b = unique_name(), unique_name()
     with env.connect() as locks, locks.lock(a, ttl=5) as la, locks.lock(b, ttl=5) as lb:
