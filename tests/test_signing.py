@@ -183,3 +183,14 @@ def test_a_signing_key_from_an_environment_variable(tmp_path: Path) -> None:
     token = FencingToken.parse(out.stdout.strip())
     Keyring([KEY]).verify(token.lock, token.value, token.signature)
     assert "fenced-key" not in out.stderr and KEY.kid in out.stdout
+
+
+async def test_async_check_and_signing(memory_url: str) -> None:
+    async with fenced.connect_async(memory_url, signing_key=KEY) as locks:
+        async with locks.lock("jobs", ttl=5) as lease:
+            assert lease.token.signature is not None
+            result = await locks.check(lease.token)
+            assert result.current and result.is_highest
+        forged = FencingToken("jobs", lease.token.value, ("k1", b"\0" * 32))
+        with pytest.raises(SignatureError):
+            await locks.check(forged)  # a signed token is checked against the key first
