@@ -61,6 +61,35 @@ def measure(name: str, op: Callable[[], object], *, n: int, warmup: int = 20) ->
     return res
 
 
+def finish(r: Result, n: int) -> Result:
+    """Close a result timed op by op: its elapsed time is the sum of its samples."""
+    r.elapsed, r.ops = sum(r.samples), n
+    return r
+
+
+def interleaved(
+    pairs: list[tuple[str, Callable[[], object], str, Callable[[], object]]], n: int
+) -> list[tuple[Result, Result]]:
+    """Time each (ours, peer) pair alternately, op by op, all pairs in one round-robin (so
+    load from other processes and disk drift hit both sides alike)."""
+    results = [(Result(a), Result(b)) for a, _, b, _ in pairs]
+    clock = time.perf_counter
+    for _, ours, _, peer in pairs:
+        for _ in range(50):
+            ours()
+            peer()
+    for _ in range(n):
+        for (_, ours, _, peer), (ra, rb) in zip(pairs, results, strict=True):
+            t0 = clock()
+            ours()
+            t1 = clock()
+            peer()
+            t2 = clock()
+            ra.samples.append(t1 - t0)
+            rb.samples.append(t2 - t1)
+    return [(finish(ra, n), finish(rb, n)) for ra, rb in results]
+
+
 def fmt_us(seconds: float) -> str:
     return f"{seconds * 1e6:,.0f} µs" if seconds < 0.01 else f"{seconds * 1e3:,.1f} ms"
 

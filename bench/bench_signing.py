@@ -17,13 +17,12 @@ import os
 import sqlite3
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import redis
-from _common import Result, table
+from _common import Result, interleaved, table
 
 import fenced
 from fenced import FencingToken, HmacKey, Keyring
@@ -37,25 +36,10 @@ HMAC = HmacKey("h1", os.urandom(32))
 ED = Ed25519SigningKey("e1", os.urandom(32))
 
 
-def interleaved(
+def pair(
     ours: Callable[[], object], peer: Callable[[], object], a: str, b: str
 ) -> tuple[Result, Result]:
-    ra, rb = Result(a), Result(b)
-    clock = time.perf_counter
-    for _ in range(50):
-        ours()
-        peer()
-    for _ in range(N):
-        t0 = clock()
-        ours()
-        t1 = clock()
-        peer()
-        t2 = clock()
-        ra.samples.append(t1 - t0)
-        rb.samples.append(t2 - t1)
-    for r in (ra, rb):
-        r.elapsed, r.ops = sum(r.samples), N
-    return ra, rb
+    return interleaved([(a, ours, b, peer)], N)[0]
 
 
 def signed(token: FencingToken, key: HmacKey | Ed25519SigningKey) -> FencingToken:
@@ -82,7 +66,7 @@ def main() -> None:
             with plain.lock(name, ttl=30):
                 pass
 
-        ours, peer = interleaved(with_key, without, f"signed ({label})", "unsigned")
+        ours, peer = pair(with_key, without, f"signed ({label})", "unsigned")
         rows.append((f"acquire+release, SQLite source ({label})", ours, peer))
         signing.close()
     plain.close()
@@ -114,9 +98,7 @@ def main() -> None:
         return op
 
     for kind in ("HMAC-SHA256", "Ed25519"):
-        ours, peer = interleaved(
-            sql_write(kind), sql_write("none"), f"verified ({kind})", "unverified"
-        )
+        ours, peer = pair(sql_write(kind), sql_write("none"), f"verified ({kind})", "unverified")
         rows.append((f"SQLGuard write, SQLite ({kind}), the holder's same token", ours, peer))
 
     # The first write of every token pays the whole verification (no earlier good answer).
@@ -142,7 +124,7 @@ def main() -> None:
 
             return op
 
-        ours, peer = interleaved(
+        ours, peer = pair(
             first_write(guard_v, counters["v"], pre.__getitem__),
             first_write(guard_p, counters["p"], lambda i: FencingToken("bench2", i + 1)),
             f"verified ({kind})",
@@ -163,7 +145,7 @@ def main() -> None:
             return lambda: rguards[kind].set(key, "v", token=tokens[kind])
 
         for kind in ("HMAC-SHA256", "Ed25519"):
-            ours, peer = interleaved(
+            ours, peer = pair(
                 redis_write(kind), redis_write("none"), f"verified ({kind})", "unverified"
             )
             rows.append((f"RedisGuard.set, Redis AOF always ({kind})", ours, peer))

@@ -36,7 +36,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import Result, fmt_us, table
+from _common import Result, finish, fmt_us, interleaved, table
 
 import fenced
 from fenced import _clock
@@ -83,28 +83,6 @@ class BareSQL:
         self.release("bare", token, "r")
 
 
-def interleaved(
-    pairs: list[tuple[str, Callable[[], object], str, Callable[[], object]]], n: int
-) -> list[tuple[Result, Result]]:
-    """Time each (ours, peer) pair alternately, op by op, all pairs in one round-robin."""
-    results = [(Result(a), Result(b)) for a, _, b, _ in pairs]
-    clock = time.perf_counter
-    for _, ours, _, peer in pairs:
-        for _ in range(50):
-            ours()
-            peer()
-    for _ in range(n):
-        for (_, ours, _, peer), (ra, rb) in zip(pairs, results, strict=True):
-            t0 = clock()
-            ours()
-            t1 = clock()
-            peer()
-            t2 = clock()
-            ra.samples.append(t1 - t0)
-            rb.samples.append(t2 - t1)
-    return [(_finish(ra, n), _finish(rb, n)) for ra, rb in results]
-
-
 async def interleaved_async(
     ours_name: str, ours: Callable[[], Awaitable[object]], peer: Callable[[], object], n: int
 ) -> tuple[Result, Result]:
@@ -122,12 +100,7 @@ async def interleaved_async(
         t2 = clock()
         ra.samples.append(t1 - t0)
         rb.samples.append(t2 - t1)
-    return _finish(ra, n), _finish(rb, n)
-
-
-def _finish(r: Result, n: int) -> Result:
-    r.elapsed, r.ops = sum(r.samples), n
-    return r
+    return finish(ra, n), finish(rb, n)
 
 
 def uncontended(root: str, n: int) -> None:
