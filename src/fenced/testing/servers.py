@@ -50,6 +50,8 @@ def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
         try:
             if check():
                 return
+        except ServerUnavailable:
+            raise  # (the process died: waiting longer cannot help)
         except Exception:
             pass
         if time.monotonic() >= deadline:
@@ -73,6 +75,8 @@ class Server:
     def __init__(self, base_dir: str | None = None, port: int | None = None) -> None:
         self._own_dir = base_dir is None
         self.dir = Path(base_dir or tempfile.mkdtemp(prefix=f"fenced-{self.name}-"))
+        self._auto_ports = port is None  # chosen here: another may be picked if it is taken
+        self._started = False
         self.port = port or free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = self.dir / f"{self.name}.log"
@@ -94,8 +98,26 @@ class Server:
         """Run the server as this user (PostgreSQL refuses to run as root)."""
         return None
 
+    def new_ports(self) -> None:
+        """Pick fresh ports (a free port can be taken between finding it and binding it)."""
+        self.port = free_port()
+
     # lifecycle
     def start(self) -> Server:
+        for attempt in range(3):
+            try:
+                self._start_once()
+            except ServerUnavailable as exc:
+                retry = self._auto_ports and not self._started and attempt < 2
+                if retry and "address already in use" in str(exc).lower():
+                    self.new_ports()
+                    continue
+                raise
+            self._started = True
+            return self
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _start_once(self) -> None:
         self.prepare()
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child
         self.proc = subprocess.Popen(
@@ -117,7 +139,6 @@ class Server:
             tail = self.log_tail()
             self.kill()
             raise ServerUnavailable(f"{self.name} did not start; log:\n{tail}") from None
-        return self
 
     def _ready_and_alive(self) -> bool:
         if self.proc is not None and self.proc.poll() is not None:
@@ -249,9 +270,15 @@ class EtcdServer(Server):
         super().__init__(base_dir, port)
         self.binary = _require(shutil.which("etcd"), "etcd", "etcd-server")
         self.member = member
+        self._auto_ports = self._auto_ports and peer_port is None and initial_cluster is None
         self.peer_port = peer_port or free_port()
         self.initial_cluster = initial_cluster or f"{member}=http://127.0.0.1:{self.peer_port}"
         self.cluster_token = cluster_token
+
+    def new_ports(self) -> None:
+        super().new_ports()
+        self.peer_port = free_port()
+        self.initial_cluster = f"{self.member}=http://127.0.0.1:{self.peer_port}"
 
     def command(self) -> Sequence[str]:
         client = f"http://127.0.0.1:{self.port}"
@@ -310,7 +337,12 @@ class EtcdCluster:
     """Three (or ``size``) etcd members on loopback, started together."""
 
     def __init__(self, size: int = 3) -> None:
+        self.size = size
         self.dir = Path(tempfile.mkdtemp(prefix="fenced-etcd-cluster-"))
+        self._members()
+
+    def _members(self) -> None:
+        size = self.size
         peers = [free_port() for _ in range(size)]
         names = [f"e{i + 1}" for i in range(size)]
         initial = ",".join(f"{n}=http://127.0.0.1:{p}" for n, p in zip(names, peers, strict=True))
@@ -328,6 +360,24 @@ class EtcdCluster:
             m.dir.mkdir(parents=True, exist_ok=True)
 
     def start(self) -> EtcdCluster:
+        for attempt in range(3):
+            try:
+                return self._start_once()
+            except ServerUnavailable as exc:
+                taken = "address already in use" in str(exc).lower() or any(
+                    "address already in use" in m.log_tail().lower() for m in self.members
+                )
+                for m in self.members:
+                    m.kill()
+                if not taken or attempt == 2:
+                    raise
+                # A port was taken between choosing it and binding it: new ports, new dirs.
+                shutil.rmtree(self.dir, ignore_errors=True)
+                self.dir.mkdir(parents=True)
+                self._members()
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _start_once(self) -> EtcdCluster:
         for m in self.members:
             m.prepare()
             log = open(m.log_path, "ab")  # noqa: SIM115
