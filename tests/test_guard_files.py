@@ -798,3 +798,26 @@ HighWaterFile(sys.argv[1], lock="jobs").check_and_advance(sys.argv[2])
     assert child.returncode == 0, err
     with pytest.raises(StaleTokenError):
         HighWaterFile(tmp_path / "mark", lock=LOCK).check_and_advance(tok(11))
+
+
+async def test_async_file_guard_both_sides_and_concurrent_writers(tmp_path: Path) -> None:
+    """The asyncio face of the one implementation: the rule both ways, and 20 concurrent
+    writers on the event loop end with the highest token as the newest version."""
+    import asyncio
+
+    from fenced.guards.files import AsyncFileGuard
+
+    guard = AsyncFileGuard(tmp_path / "store", lock=LOCK)
+    await guard.write("r", b"five", token=tok(5))
+    with pytest.raises(StaleTokenError):
+        await guard.write("r", b"four", token=tok(4))
+    assert await guard.read("r") == (tok(5), b"five")
+
+    async def writer(i: int) -> None:
+        with contextlib.suppress(StaleTokenError):
+            await guard.write("race", f"v{i}".encode(), token=tok(i))
+
+    await asyncio.gather(*(writer(i) for i in range(1, 21)))
+    # The highest token is never stale, so it always lands, and last: it is the newest.
+    assert await guard.read("race") == (tok(20), b"v20")
+    assert await guard.high_water("race") == tok(20)

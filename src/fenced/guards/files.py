@@ -46,6 +46,7 @@ are one step for every writer that goes through the same file.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import os
@@ -74,7 +75,7 @@ from ._files_fs import (
 )
 from ._token_arg import token_keyword, warn_positional
 
-__all__ = ["FileGuard", "HighWaterFile", "Version", "VersionStore"]
+__all__ = ["AsyncFileGuard", "FileGuard", "HighWaterFile", "Version", "VersionStore"]
 
 _NAME_RE: Final = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.@+=-]{0,199}")
 _VERSION_RE: Final = re.compile(r"([0-9]{19})\.([0-9]{6,})")
@@ -417,6 +418,50 @@ class FileGuard:
 
     def __repr__(self) -> str:
         return f"FileGuard({self.directory!r}, lock={self.lock!r})"
+
+
+class AsyncFileGuard:
+    """:class:`FileGuard` for asyncio code: the same implementation, each call run on a worker
+    thread (``asyncio.to_thread``), because writing, fsync and ``flock`` block.
+
+    As with any work handed to a thread, a write whose caller is cancelled may still complete
+    (it is then a normal, fenced write: a later holder's token still wins). ``sync`` is the
+    :class:`FileGuard` underneath.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        lock: str,
+        verify: TokenVerifier | None = None,
+    ) -> None:
+        self.sync = FileGuard(directory, lock=lock, verify=verify)
+        self.lock = self.sync.lock
+        self.directory = self.sync.directory
+
+    async def write(self, name: str, data: Data, *, token: FencingToken | str | bytes) -> Version:
+        """See :meth:`FileGuard.write`."""
+        return await asyncio.to_thread(self.sync.write, name, data, token=token)
+
+    async def read(self, name: str) -> tuple[FencingToken, bytes]:
+        """See :meth:`FileGuard.read`."""
+        return await asyncio.to_thread(self.sync.read, name)
+
+    async def latest(self, name: str) -> Version | None:
+        return await asyncio.to_thread(self.sync.latest, name)
+
+    async def high_water(self, name: str) -> FencingToken | None:
+        return await asyncio.to_thread(self.sync.high_water, name)
+
+    async def versions(self, name: str) -> list[Version]:
+        return await asyncio.to_thread(self.sync.versions, name)
+
+    async def prune(self, name: str, keep: int = 1) -> list[Version]:
+        return await asyncio.to_thread(self.sync.prune, name, keep)
+
+    def __repr__(self) -> str:
+        return repr(self.sync).replace("FileGuard", "AsyncFileGuard", 1)
 
 
 class HighWaterFile:
