@@ -522,6 +522,33 @@ class FileGuardEnv(GuardEnv):
         return lambda token, value: bool(guard.write("item", value.encode(), token=token))  # type: ignore[func-returns-value]
 
 
+class AsyncFileGuardEnv(FileGuardEnv):
+    """:class:`AsyncFileGuard`: the same guard from asyncio, through a worker thread."""
+
+    def __init__(self, directory: Path) -> None:
+        self.on = _OnOneLoop()
+        super().__init__(directory)
+        self.reopen()
+
+    def reopen(self) -> None:
+        from fenced.guards.files import AsyncFileGuard
+
+        super().reopen()
+        self.aguard = AsyncFileGuard(self.directory, lock=LOCK, verify=self.verify_keys)
+
+    def write(self, token: FencingToken | str, value: str) -> None:
+        self.on.run(self.aguard.write("item", value.encode(), token=token))
+
+    def read(self) -> str | None:
+        try:
+            return self.on.run(self.aguard.read("item"))[1].decode()  # type: ignore[no-any-return]
+        except LookupError:
+            return None
+
+    def close(self) -> None:
+        self.on.close()
+
+
 class HighWaterFileEnv(GuardEnv):
     name = "high-water-file"
 
@@ -570,6 +597,7 @@ GUARDS = [
     "sqlite-store",
     "etcd",
     "files",
+    "files-async",
     "high-water-file",
 ]
 
@@ -593,6 +621,8 @@ def make_env(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> Itera
         env = EtcdEnv(request.getfixturevalue("etcd_server").endpoint)
     elif kind == "files":
         env = FileGuardEnv(tmp_path / "files")
+    elif kind == "files-async":
+        env = AsyncFileGuardEnv(tmp_path / "files")
     else:
         env = HighWaterFileEnv(tmp_path)
     env.name = kind
