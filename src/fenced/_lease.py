@@ -472,6 +472,8 @@ class AsyncLocks:
             options = {**adopted, **options}
         # Signing is the core's, whatever the source: every grant's token leaves signed.
         self._signer = signer(options.pop("signing_key", None))
+        # check() verifies a signed token against the same key (its public half), once made
+        self._own_keys = None if self._signer is None else Keyring([self._signer.public()])
         self.url = url
         self._cls = backend_class(url)
         self._require = check_requirements(self._cls, require)
@@ -604,10 +606,8 @@ class AsyncLocks:
         (:class:`~fenced.SignatureError` if it does not match), so a forged one cannot pass
         as stale-but-genuine."""
         tok = FencingToken.coerce(token)
-        if tok.signature is not None and self._signer is not None:
-            key = self._signer
-            public = key.public() if hasattr(key, "public") else key
-            Keyring([public]).verify(tok.lock, tok.value, tok.signature)
+        if tok.signature is not None and self._own_keys is not None:
+            self._own_keys.verify(tok.lock, tok.value, tok.signature)
         status = await self.status(tok.lock)
         current = status.token is not None and status.token.value == tok.value
         # A source without a counter knows its highest grant only while it is held: then

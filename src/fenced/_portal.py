@@ -321,7 +321,18 @@ class Portal:
         self.loop.call_soon_threadsafe(target)
         return result.result()
 
-    def stop(self) -> None:
+    def stop(self, final: Coroutine[Any, Any, object] | None = None) -> None:
+        """Stop the loop and its thread. ``final`` (what closes the objects living on the
+        loop) runs there first, while it still can; the loop stops even if it fails."""
+        if final is not None:
+            if self.closed or self.forked:
+                final.close()
+            else:
+                try:
+                    self.call(final)
+                finally:
+                    self.stop()
+                return
         if self.closed:
             return
         if self.forked:

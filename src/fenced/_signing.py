@@ -188,20 +188,21 @@ class Ed25519SigningKey:
         except ValueError:
             raise ConfigurationError(f"Ed25519 key {kid!r}: not a 32-byte private key") from None
         self._raw = private
+        from cryptography.hazmat.primitives import serialization
+
+        public = self._key.public_key().public_bytes(
+            serialization.Encoding.Raw, serialization.PublicFormat.Raw
+        )
+        self._public = Ed25519VerifyKey(self.kid, public)
 
     def sign(self, message: bytes) -> bytes:
         return bytes(self._key.sign(message))
 
     def public(self) -> Ed25519VerifyKey:
-        from cryptography.hazmat.primitives import serialization
-
-        raw = self._key.public_key().public_bytes(
-            serialization.Encoding.Raw, serialization.PublicFormat.Raw
-        )
-        return Ed25519VerifyKey(self.kid, raw)
+        return self._public
 
     def verify(self, message: bytes, signature: bytes) -> bool:
-        return self.public().verify(message, signature)
+        return self._public.verify(message, signature)
 
     def _material(self) -> bytes:
         return self._raw

@@ -235,7 +235,6 @@ class Locks:
         function has a parameter named ``token``, the grant's :class:`FencingToken` is passed
         to it by keyword, for the guarded writes it makes.
         """
-        wants_token = _wants_token
 
         def decorate(fn: Callable[P, T]) -> Callable[P, T]:
             if inspect.iscoroutinefunction(fn):
@@ -243,7 +242,7 @@ class Locks:
                     f"{fn.__qualname__} is a coroutine function: decorate it with "
                     "AsyncLocks.locked (fenced.connect_async), not Locks.locked"
                 )
-            pass_token = wants_token(fn)
+            pass_token = _wants_token(fn)
 
             @functools.wraps(fn)
             def run(*args: P.args, **kwargs: P.kwargs) -> T:
@@ -285,10 +284,7 @@ class Locks:
             return
         if self._portal.running_loop_code():
             raise RuntimeError("a fenced connection cannot be closed from a lost-lease callback")
-        try:
-            self._portal.call(self._async.aclose())
-        finally:
-            self._portal.stop()
+        self._portal.stop(final=self._async.aclose())
 
     def __enter__(self) -> Locks:
         return self

@@ -244,7 +244,7 @@ class MiddlewareSettings:
         problem_base: str,
         verify: TokenVerifier | None = None,
     ) -> None:
-        self.verifier = verify  # signed tokens required (see fenced._signing)
+        self.verifier = verify  # checks each token before the mark (see fenced._signing)
         self.store = store
         self.lock = validate_lock_name(lock)
         self.header = header

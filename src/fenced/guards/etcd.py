@@ -392,7 +392,7 @@ class AsyncEtcdGuard:
         timeout: float | None = DEFAULT_TIMEOUT,
         verify: TokenVerifier | None = None,
     ) -> None:
-        self.verifier = verify  # signed tokens required (see fenced._signing)
+        self.verifier = verify  # checks each token before the mark (see fenced._signing)
         if not isinstance(resource, str) or not resource:
             raise ConfigurationError(f"resource must be a non-empty str, not {resource!r}")
         if not isinstance(prefix, str) or not prefix:
@@ -631,12 +631,8 @@ class EtcdGuard:
         return self._portal.call(self.aio.high_water())
 
     def close(self) -> None:
-        if self._portal.loop.is_closed():
-            return
-        try:
-            self._portal.call(self.aio.aclose())
-        finally:
-            self._portal.stop()
+        if not self._portal.closed:
+            self._portal.stop(final=self.aio.aclose())
 
     def __enter__(self) -> EtcdGuard:
         return self

@@ -212,7 +212,7 @@ class FileGuard:
         lock: str,
         verify: TokenVerifier | None = None,
     ) -> None:
-        self.verifier = verify  # signed tokens required (see fenced._signing)
+        self.verifier = verify  # checks each token before the mark (see fenced._signing)
         self.lock = validate_lock_name(lock)
         self.directory = os.fspath(directory)
         self._known_dirs: set[str] = set()
@@ -483,7 +483,7 @@ class HighWaterFile:
     def __init__(
         self, path: str | os.PathLike[str], *, lock: str, verify: TokenVerifier | None = None
     ) -> None:
-        self.verifier = verify  # signed tokens required (see fenced._signing)
+        self.verifier = verify  # checks each token before the mark (see fenced._signing)
         self.lock = validate_lock_name(lock)
         self.path = os.path.abspath(os.fspath(path))
         self._dir, base = os.path.split(self.path)

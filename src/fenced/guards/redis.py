@@ -381,7 +381,7 @@ class _GuardBase:
         fence_key: str | None = None,
         verify: TokenVerifier | None = None,
     ) -> None:
-        self.verifier = verify  # signed tokens required (see fenced._signing)
+        self.verifier = verify  # checks each token before the mark (see fenced._signing)
         if not isinstance(resource, str) or not resource:
             raise ConfigurationError(f"resource must be a non-empty str, not {resource!r}")
         if fence_key is None and ("{" in resource or "}" in resource):

@@ -130,7 +130,7 @@ class SQLGuard:
         table: str = "fenced_fences",
         verify: TokenVerifier | None = None,
     ) -> None:
-        self.verifier = verify  # signed tokens required (see fenced._signing)
+        self.verifier = verify  # checks each token before the mark (see fenced._signing)
         self.resource = validate_resource(resource)
         self.lock = _lock_name(resource if lock is None else lock, f"lock of {resource!r}")
         self.table = table
@@ -243,7 +243,7 @@ class RowGuard:
         lock_column: str | None = None,
         verify: TokenVerifier | None = None,
     ) -> None:
-        self.verifier = verify  # signed tokens required (see fenced._signing)
+        self.verifier = verify  # checks each token before the mark (see fenced._signing)
         key_cols = (key_columns,) if isinstance(key_columns, str) else tuple(key_columns)
         if not key_cols:
             raise ConfigurationError("key_columns must name at least one column")

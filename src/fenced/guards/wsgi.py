@@ -150,15 +150,9 @@ class FencingWSGIMiddleware(MiddlewareSettings):
     def close(self, *, close_store: bool = False) -> None:
         """Stop the middleware's event-loop thread; with ``close_store``, close the store
         first, on the loop it ran on (otherwise the store is yours to close)."""
-        if self._portal.closed:
-            return
-        try:
-            if close_store:
-                closer = getattr(self.store, "close", None)
-                if closer is not None:
-                    self._portal.call(closer())
-        finally:
-            self._portal.stop()
+        closer = getattr(self.store, "close", None) if close_store else None
+        if not self._portal.closed:
+            self._portal.stop(final=None if closer is None else closer())
 
     def __enter__(self) -> FencingWSGIMiddleware:
         return self
