@@ -12,6 +12,7 @@ import logging as _logging
 
 from ._backend import Backend, Characteristic, Grant, LockStatus, TokenCheck, register_backend
 from ._errors import (
+    AccessDenied,
     BackendError,
     BackendUnavailable,
     ConfigurationError,
@@ -55,6 +56,7 @@ __all__ = [
     "DEFAULT_TTL",
     "MAX_TOKEN",
     "AboveCeilingError",
+    "AccessDenied",
     "AsyncLease",
     "AsyncLocks",
     "Backend",

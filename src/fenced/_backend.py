@@ -22,7 +22,7 @@ from typing import Any, ClassVar, Final
 from urllib.parse import SplitResult, urlsplit
 
 from . import _clock
-from ._errors import BackendUnavailable, ConfigurationError, LockTimeout
+from ._errors import BackendUnavailable, ConfigurationError, LeaseLostError, LockTimeout
 from ._options import Option, merge_options, parse_query
 from ._portal import on_private_loop
 from ._token import FencingToken
@@ -262,6 +262,29 @@ class Backend(abc.ABC):
                 return status
         raise BackendUnavailable(f"{name!r} kept changing hands while being released")
 
+    async def check(self, token: FencingToken) -> TokenCheck:
+        """What the source says about ``token`` (:meth:`fenced.AsyncLocks.check`). This default
+        reads :meth:`status`; a source that is itself a service asks it directly."""
+        status = await self.status(token.lock)
+        current = status.token is not None and status.token.value == token.value
+        # A source without a counter knows its highest grant only while it is held: then
+        # the holder's token is the latest grant, every earlier one having ended.
+        highest = status.last_token if self.knows_highest else status.token
+        return TokenCheck(token, current, highest)
+
+    async def resume(self, name: str, token: FencingToken, request_id: str, ttl: float) -> Grant:
+        """Take over a live grant made through another connection to the same source (a lock
+        service's other gateway), to renew or release it here; raise
+        :class:`~fenced.LeaseLostError` if ``request_id`` no longer holds ``token``.
+
+        The returned grant's ``sent_at`` is 0: nothing is known of when it was last renewed,
+        so it must be renewed before anyone relies on it. This default suits sources whose
+        grants are rows or keys named by the request id (no ``handle``)."""
+        status = await self.status(name)
+        if status.holder != request_id or status.token is None or status.token != token:
+            raise LeaseLostError(f"lease on {name!r} (token {token}) is no longer held")
+        return Grant(status.token, request_id, ttl, 0.0)
+
     async def _held_by(self, name: str, token: FencingToken | None) -> LockStatus | None:
         """The status of ``name`` if it is held (by the grant ``token``, when given)."""
         status = await self.status(name)
@@ -294,6 +317,8 @@ BUILTIN_SCHEMES: Final[Mapping[str, str]] = MappingProxyType(
         "postgres": "fenced.backends.postgresql:PostgreSQLBackend",
         "redis": "fenced.backends.redis:RedisBackend",
         "rediss": "fenced.backends.redis:RedisBackend",
+        "http": "fenced.backends.http:HttpBackend",
+        "https": "fenced.backends.http:HttpsBackend",
     }
 )
 """fenced's own token sources: URL scheme -> ``module:Class``."""

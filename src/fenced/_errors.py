@@ -17,7 +17,8 @@ Hierarchy::
     │   └── NotHeldError                     an operation that needs a held lease, on one that is not held
     ├── BackendError
     │   ├── BackendUnavailable (ConnectionError)  the token source cannot be reached, or the connection is closed
-    │   └── UnsafeBackendError               the server's configuration cannot give the promised safety
+    │   ├── UnsafeBackendError               the server's configuration cannot give the promised safety
+    │   └── AccessDenied (PermissionError)   a lock service refused this client's API key (missing, unknown, not allowed)
     └── ConfigurationError (ValueError)      a bad URL, an unknown scheme, or a backend lacking a required characteristic
 
 Native errors of the clients (sqlite3, psycopg, redis, kazoo, grpc) are translated at the
@@ -40,6 +41,7 @@ class _Token(Protocol):
 
 
 __all__ = [
+    "AccessDenied",
     "BackendError",
     "BackendUnavailable",
     "ConfigurationError",
@@ -162,6 +164,11 @@ class BackendUnavailable(BackendError, ConnectionError):
 
 class UnsafeBackendError(BackendError):
     """The token source is configured in a way that cannot provide the promised safety."""
+
+
+class AccessDenied(BackendError, PermissionError):
+    """A lock service (``fenced serve``) refused this client: no API key, an unknown one, or one
+    not allowed this verb on this lock name. Nothing was changed."""
 
 
 class ConfigurationError(FencedError, ValueError):

@@ -35,7 +35,7 @@ from ._errors import (
 )
 from ._options import Option
 from ._signing import Keyring, signer, token_message
-from ._state import DEFAULT_TTL, MAX_TIMEOUT, LeaseState, Phase, check_timeout
+from ._state import DEFAULT_TTL, MAX_TIMEOUT, LeaseState, Phase, check_request_id, check_timeout
 from ._token import FencingToken, validate_lock_name
 
 __all__ = ["DEFAULT_TTL", "AsyncLease", "AsyncLocks", "LostSignal"]
@@ -124,7 +124,7 @@ class AsyncLease:
         self.timeout = check_timeout(timeout)
         self.on_lost = on_lost
         self.auto_renew = auto_renew
-        self._request_id = request_id
+        self._request_id = None if request_id is None else check_request_id(request_id)
         self._state = LeaseState(ttl, safety_margin)
         self._last_token: FencingToken | None = None
         self._keepalive: asyncio.Task[None] | None = None
@@ -608,12 +608,8 @@ class AsyncLocks:
         tok = FencingToken.coerce(token)
         if tok.signature is not None and self._own_keys is not None:
             self._own_keys.verify(tok.lock, tok.value, tok.signature)
-        status = await self.status(tok.lock)
-        current = status.token is not None and status.token.value == tok.value
-        # A source without a counter knows its highest grant only while it is held: then
-        # the holder's token is the latest grant, every earlier one having ended.
-        highest = status.last_token if self._cls.knows_highest else status.token
-        return TokenCheck(tok, current, highest)
+        backend = await self._get_backend()
+        return await backend.check(tok)
 
     async def lock_names(self) -> list[str]:
         """The names of the locks the source knows, sorted (see ``fenced status``)."""

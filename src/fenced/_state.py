@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import math
+import re
 from typing import Final
 
 from ._backend import Grant
@@ -20,6 +21,7 @@ __all__ = [
     "MIN_TTL",
     "LeaseState",
     "Phase",
+    "check_request_id",
     "check_timeout",
     "check_ttl",
     "default_safety_margin",
@@ -49,6 +51,21 @@ def check_ttl(ttl: object) -> float:
             f"ttl must be a number of seconds from {MIN_TTL:g} to {MAX_TTL:g}, not {ttl!r}"
         )
     return number
+
+
+_REQUEST_ID_RE: Final = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]{0,63}")
+
+
+def check_request_id(request_id: object) -> str:
+    """A client-chosen request id: 1-64 characters of ``A-Z a-z 0-9 _ . : -`` (sources keep it
+    in keys and node names, so nothing that could reach into another key), or
+    :class:`~fenced.ConfigurationError`."""
+    if not isinstance(request_id, str) or not _REQUEST_ID_RE.fullmatch(request_id):
+        raise ConfigurationError(
+            f"request_id must be 1-64 characters of A-Z a-z 0-9 _ . : - "
+            f"(starting with a letter, digit or _), not {str(request_id)[:80]!r}"
+        )
+    return request_id
 
 
 def check_timeout(timeout: object) -> float | None:

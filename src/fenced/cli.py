@@ -269,6 +269,65 @@ def _parser() -> argparse.ArgumentParser:
         "--token", help="the fencing token, e.g. reports:34 (default: $FENCING_TOKEN)"
     )
 
+    serve = sub.add_parser(
+        "serve",
+        parents=[common],
+        help="run the lock service over HTTP for clients in any language (docs/server.md)",
+        description=(
+            "Serve the locks of one token source over HTTP/JSON (OpenAPI at /openapi.json, a "
+            "dashboard at /, Prometheus metrics at /metrics). Stateless: run several in front "
+            "of one etcd, PostgreSQL or Redis and any may die. Without --api-keys it listens "
+            "on loopback only, unless --insecure-no-auth. On SIGTERM it stops answering; held "
+            "leases are left to expire, never released on their holders' behalf."
+        ),
+    )
+    serve.add_argument(
+        "--url",
+        help="token source URL (default: $FENCED_URL, else /var/tmp/fenced/locks.db)",
+    )
+    serve.add_argument(
+        "--listen",
+        default="127.0.0.1:7400",
+        metavar="HOST:PORT",
+        help="address to listen on (127.0.0.1:7400; port 0 picks one and prints it)",
+    )
+    serve.add_argument(
+        "--api-keys",
+        metavar="FILE",
+        help="TOML file of API keys, each allowed verbs on lock-name prefixes (docs/server.md)",
+    )
+    serve.add_argument(
+        "--insecure-no-auth",
+        action="store_true",
+        help="allow listening beyond loopback without --api-keys (anyone reaching it may lock)",
+    )
+    serve.add_argument(
+        "--signing-key",
+        metavar="FILE",
+        help="sign every token with this key (fenced keygen); default: $FENCED_SIGNING_KEY",
+    )
+    serve.add_argument("--tls-cert", metavar="FILE", help="serve HTTPS with this certificate")
+    serve.add_argument("--tls-key", metavar="FILE", help="the certificate's private key")
+    serve.add_argument(
+        "--max-wait",
+        type=_timeout,
+        default=60.0,
+        help="longest one acquire request waits before answering 409 timeout (60)",
+    )
+    serve.add_argument(
+        "--default-ttl", type=_ttl, default=10.0, help="lease seconds when a client gives none (10)"
+    )
+    serve.add_argument(
+        "--log-format", choices=["text", "json"], default="text", help="log lines (text)"
+    )
+    serve.add_argument("--access-log", action="store_true", help="log every request")
+    serve.add_argument(
+        "--timeout",
+        type=_timeout,
+        default=10.0,
+        help="give up reaching the source at start after this many seconds (10)",
+    )
+
     status = sub.add_parser(
         "status",
         parents=[common],
@@ -307,6 +366,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_keygen(args)
         if args.command == "check-token":
             return _cmd_check_token(args)
+        if args.command == "serve":
+            return _cmd_serve(args)
     except (ConfigurationError, InvalidTokenError) as exc:
         return _fail(EXIT_USAGE, str(exc), exc, args.verbose)
     except BackendUnavailable as exc:
@@ -586,6 +647,47 @@ def _state(status: LockStatus) -> str:
     if status.holder is not None:
         return "held"
     return "free" if status.last_token is not None else "unused"
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        from .server._app import ServerSettings
+        from .server._auth import load_api_keys
+        from .server._run import is_loopback, parse_listen, serve
+    except ImportError as exc:
+        raise ConfigurationError(
+            f"fenced serve needs extra packages: pip install 'fenced[server]' ({exc})"
+        ) from None
+    host, port = parse_listen(args.listen)
+    keys = load_api_keys(args.api_keys) if args.api_keys else None
+    if keys is None and not is_loopback(host) and not args.insecure_no_auth:
+        raise ConfigurationError(
+            f"refusing to listen on {host} without --api-keys: anyone who reaches it could "
+            "take and release locks (give --api-keys FILE, or --insecure-no-auth)"
+        )
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise ConfigurationError("--tls-cert and --tls-key go together")
+    options: dict[str, object] = {"connect_timeout": args.timeout}
+    key_file = args.signing_key or os.environ.get("FENCED_SIGNING_KEY")
+    if key_file:
+        options["signing_key"] = key_file
+    settings = ServerSettings(
+        url=args.url or default_url(),
+        options=options,
+        api_keys=keys,
+        max_wait=args.max_wait,
+        default_ttl=args.default_ttl,
+    )
+    serve(
+        settings,
+        host,
+        port,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        log_format=args.log_format,
+        access_log=args.access_log,
+    )
+    return 0
 
 
 def _cmd_status(args: argparse.Namespace) -> int:

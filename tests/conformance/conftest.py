@@ -10,7 +10,10 @@ import pytest
 
 from tests.envs.base import BackendEnv
 
-ALL_SOURCES = ["memory", "sqlite", "etcd", "zookeeper", "postgresql", "redis"]
+ALL_SOURCES = [
+    *("memory", "sqlite", "etcd", "zookeeper", "postgresql", "redis"),
+    *("http_sqlite", "http_etcd", "http_postgresql"),  # the same, through `fenced serve`
+]
 SOURCES = [n for n in ALL_SOURCES if importlib.util.find_spec(f"tests.envs.{n}") is not None]
 
 

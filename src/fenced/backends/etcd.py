@@ -594,6 +594,19 @@ class EtcdBackend(Backend):
         hold.lease.refreshed_at = max(hold.lease.refreshed_at, sent)
         return dataclasses.replace(grant, sent_at=sent, ttl=float(ttl))
 
+    async def resume(self, name: str, token: FencingToken, request_id: str, ttl: float) -> Grant:
+        """Adopt the holder's key (``create_revision`` = token) and its etcd lease, which any
+        client of the cluster may keep alive or revoke: a gateway takes over another's grant."""
+        self._check_open()
+        key = self._lock_prefix(name) + request_id.encode()
+        got = await self._call(functools.partial(_range_of, key), "resume")
+        if not got.kvs or got.kvs[0].create_revision != token.value:
+            raise LeaseLostError(f"lease on {name!r} (token {token}) is no longer held")
+        hold = await self._adopt(key, got.kvs[0], None)
+        if hold is None:
+            raise LeaseLostError(f"lease on {name!r} (token {token}): its etcd lease expired")
+        return self._grant(name, request_id, hold)
+
     async def release(self, grant: Grant) -> bool:
         self._check_open()
         hold: _Hold = grant.handle

@@ -628,6 +628,14 @@ class ZooKeeperBackend(Backend):
             node.grant = renewed
         return renewed
 
+    async def resume(self, name: str, token: FencingToken, request_id: str, ttl: float) -> Grant:
+        """Refused: a grant lives exactly as long as the ZooKeeper session (of the gateway)
+        that made it, and no other session can keep it alive."""
+        raise LeaseLostError(
+            f"lease on {name!r} (token {token}) was granted through another ZooKeeper session: "
+            "on ZooKeeper a grant lives and dies with the gateway that made it"
+        )
+
     async def release(self, grant: Grant) -> bool:
         self._check_open()
         node = self._node_of(grant)

@@ -22,6 +22,7 @@ from pathlib import Path
 __all__ = [
     "EtcdCluster",
     "EtcdServer",
+    "FencedServer",
     "PostgresServer",
     "RedisServer",
     "Server",
@@ -622,3 +623,72 @@ class PostgresServer(Server):
     @property
     def url(self) -> str:
         return self.dsn
+
+
+class FencedServer(Server):
+    """``fenced serve`` (this process's Python and fenced) in front of the token source
+    ``source_url``: a real OS process on loopback, killable like any other server."""
+
+    name = "fenced-serve"
+    start_timeout = 30.0
+
+    def __init__(
+        self,
+        source_url: str,
+        base_dir: str | None = None,
+        port: int | None = None,
+        *,
+        args: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(base_dir, port)
+        self.source_url = source_url
+        self.args = list(args)
+        self._env = env
+
+    def command(self) -> Sequence[str]:
+        import sys
+
+        return [
+            sys.executable,
+            "-m",
+            "fenced.cli",
+            "serve",
+            "--url",
+            self.source_url,
+            "--listen",
+            f"127.0.0.1:{self.port}",
+            *self.args,
+        ]
+
+    def env(self) -> dict[str, str]:
+        import fenced
+
+        src = str(Path(fenced.__file__).resolve().parents[1])  # this checkout's fenced
+        path = os.environ.get("PYTHONPATH", "")
+        return {
+            **os.environ,
+            "PYTHONPATH": f"{src}{os.pathsep}{path}" if path else src,
+            **(self._env or {}),
+        }
+
+    def ready(self) -> bool:
+        # The line `fenced serve` prints once the source is open and the socket listens.
+        try:
+            return (
+                "fenced serve: listening on"
+                in self.log_path.read_text(errors="replace")[self._log_start :]
+            )
+        except OSError:
+            return False
+
+    def _start_once(self) -> None:
+        try:
+            self._log_start = len(self.log_path.read_text(errors="replace"))
+        except OSError:
+            self._log_start = 0
+        super()._start_once()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"

@@ -1,0 +1,281 @@
+"""``http://`` and ``https://``: a ``fenced serve`` lock service as a token source.
+
+``fenced.connect("http://10.0.0.5:7400,10.0.0.6:7400", api_key=...)`` lists one or more
+gateways in front of the same source; a request that cannot reach one goes to the next. The
+lease core runs here, in the client, as for every source: it renews through the service, and
+a gateway that dies costs its holders nothing (another gateway resumes their grants from the
+source). What the source promises (characteristics) is the service's source's, as the
+service reports it at ``/v1/info``.
+
+Requests that may be repeated safely (acquire and renew, by request id; reads) move on to the
+next gateway after any transport error; a release or force release only when it surely was
+not sent (connection refused), because a repeated release whose first reply was lost would
+answer False for a grant it did release.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any, ClassVar, Final
+from urllib.parse import SplitResult, quote
+
+import httpx
+
+from .. import _clock
+from .._backend import Backend, Characteristic, Grant, LockStatus, LostCallback, TokenCheck
+from .._errors import (
+    AccessDenied,
+    BackendUnavailable,
+    ConfigurationError,
+    InvalidTokenError,
+    LeaseLostError,
+    LockTimeout,
+)
+from .._options import Option
+from .._token import FencingToken
+
+__all__ = ["HttpBackend"]
+
+_OPTIONS: Final = MappingProxyType(
+    {
+        "api_key": Option("str"),
+        "request_timeout": Option("number", 10.0, low=0, low_open=True, high=3600),
+        "ca_file": Option("str"),
+    }
+)
+
+# The server's long polls: an acquire asks for at most this long, then asks again.
+_POLL: Final = 30.0
+
+
+class HttpBackend(Backend):
+    scheme: ClassVar[str] = "http"
+    # What the source behind the service has is known after open(): declared here in full,
+    # narrowed by effective_characteristics.
+    characteristics: ClassVar[frozenset[Characteristic]] = frozenset(Characteristic)
+    option_schema: ClassVar[Mapping[str, Option]] = _OPTIONS
+
+    def __init__(self, client: httpx.AsyncClient, bases: list[str], timeout: float) -> None:
+        self._client = client
+        self._bases = bases
+        self._current = 0
+        self._timeout = timeout
+        self._have: frozenset[Characteristic] = frozenset()
+        self._knows_highest = True
+
+    @classmethod
+    async def open(cls, url: SplitResult, options: dict[str, Any]) -> HttpBackend:
+        opts = cls.options(url, options)
+        scheme = "https" if url.scheme.lower().startswith("https") else "http"
+        hosts = [h.strip() for h in url.netloc.rpartition("@")[2].split(",") if h.strip()]
+        if not hosts:
+            raise ConfigurationError(f"{scheme}:// URL names no server")
+        path = url.path.rstrip("/")
+        bases = [f"{scheme}://{h}{path}" for h in hosts]
+        key = opts.get("api_key") or os.environ.get("FENCED_API_KEY") or url.password
+        headers = {"user-agent": "fenced-python"}
+        if key:
+            headers["authorization"] = f"Bearer {key}"
+        timeout = opts["request_timeout"]
+        client = httpx.AsyncClient(
+            headers=headers,
+            timeout=httpx.Timeout(timeout),
+            verify=opts.get("ca_file") or True,
+            limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
+        )
+        backend = cls(client, bases, timeout)
+        try:
+            info = await backend._call("GET", "/v1/info", idempotent=True)
+            backend._have = frozenset(
+                Characteristic(c) for c in info["characteristics"] if c in _KNOWN
+            )
+            backend._knows_highest = bool(info["knows_highest"])
+        except BaseException:
+            await client.aclose()
+            raise
+        return backend
+
+    @property
+    def effective_characteristics(self) -> frozenset[Characteristic]:
+        return self._have
+
+    @property
+    def knows_highest(self) -> bool:  # type: ignore[override]
+        return self._knows_highest
+
+    # -- transport -------------------------------------------------------------------------------
+
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        *,
+        idempotent: bool,
+        wait: float = 0.0,
+        params: dict[str, str] | None = None,
+    ) -> Any:
+        """One request, moved on to the next gateway when one cannot be reached; the answer's
+        JSON, or the error it stands for."""
+        self._check_open()
+        last: Exception | None = None
+        for i in range(len(self._bases)):
+            base = self._bases[(self._current + i) % len(self._bases)]
+            try:
+                reply = await self._client.request(
+                    method,
+                    base + path,
+                    json=body,
+                    params=params,
+                    timeout=httpx.Timeout(self._timeout + wait, connect=self._timeout),
+                )
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                last = exc  # never sent: safe to send elsewhere
+                continue
+            except httpx.TransportError as exc:
+                last = exc
+                if idempotent:
+                    continue
+                raise BackendUnavailable(f"{base}: {type(exc).__name__}: {exc}") from exc
+            self._current = (self._current + i) % len(self._bases)
+            if reply.status_code == 503 and idempotent and i + 1 < len(self._bases):
+                last = BackendUnavailable(_message(reply))
+                continue
+            return _answer(reply)
+        raise BackendUnavailable(
+            f"no fenced server answered ({', '.join(self._bases)}): {last}"
+        ) from last
+
+    # -- the Backend API -------------------------------------------------------------------------
+
+    async def acquire(
+        self,
+        name: str,
+        *,
+        request_id: str,
+        ttl: float,
+        deadline: float | None,
+        on_lost: LostCallback,
+        owner: str = "",
+    ) -> Grant:
+        path = f"/v1/locks/{_path(name)}/acquire"
+        while True:
+            now = _clock.now()
+            wait = _POLL if deadline is None else max(0.0, min(_POLL, deadline - now))
+            body = {"ttl": ttl, "timeout": wait, "request_id": request_id}
+            if owner:
+                body["owner"] = owner
+            sent = _clock.now()
+            try:
+                got = await self._call("POST", path, body, idempotent=True, wait=wait)
+            except LockTimeout:
+                if deadline is not None and _clock.now() >= deadline:
+                    raise
+                continue  # one long poll ended: ask again, same request id
+            signed = got.get("signed")
+            token = FencingToken.parse(signed or got["token"], name)
+            return Grant(token, request_id, float(got["ttl"]), sent)
+
+    async def renew(self, grant: Grant) -> Grant:
+        body = {"token": str(grant.token), "request_id": grant.request_id, "ttl": grant.ttl}
+        sent = _clock.now()
+        got = await self._call(
+            "POST", f"/v1/locks/{_path(grant.token.lock)}/renew", body, idempotent=True
+        )
+        return Grant(grant.token, grant.request_id, float(got["ttl"]), sent, grant.handle)
+
+    async def release(self, grant: Grant) -> bool:
+        body = {"token": str(grant.token), "request_id": grant.request_id}
+        got = await self._call(
+            "POST", f"/v1/locks/{_path(grant.token.lock)}/release", body, idempotent=False
+        )
+        return bool(got["released"])
+
+    async def status(self, name: str) -> LockStatus:
+        got = await self._call("GET", f"/v1/locks/{_path(name)}", idempotent=True)
+        return _status(got)
+
+    async def lock_names(self) -> list[str]:
+        got = await self._call("GET", "/v1/locks", idempotent=True)
+        return list(got["locks"])
+
+    async def force_release(
+        self, name: str, token: FencingToken | None = None
+    ) -> LockStatus | None:
+        body = {"token": str(token)} if token is not None else {}
+        got = await self._call(
+            "POST", f"/v1/locks/{_path(name)}/force-release", body, idempotent=False
+        )
+        return _status(got["released"]) if got["released"] else None
+
+    async def check(self, token: FencingToken) -> TokenCheck:
+        got = await self._call("POST", "/v1/check", {"token": str(token)}, idempotent=True)
+        highest = FencingToken.parse(got["highest"]) if got["highest"] else None
+        return TokenCheck(token, bool(got["current"]), highest)
+
+    async def resume(self, name: str, token: FencingToken, request_id: str, ttl: float) -> Grant:
+        grant = Grant(token, request_id, ttl, 0.0)
+        return await self.renew(grant)
+
+    async def aclose(self) -> None:
+        self._closed = True
+        await self._client.aclose()
+
+
+_KNOWN: Final = {c.value for c in Characteristic}
+
+
+def _path(name: str) -> str:
+    return quote(name, safe="/:@+=")
+
+
+def _message(reply: httpx.Response) -> str:
+    try:
+        data = reply.json()
+        return f"{data['error']}: {data['message']}"
+    except Exception:
+        return f"HTTP {reply.status_code}"
+
+
+def _answer(reply: httpx.Response) -> Any:
+    """The JSON of a success; a failure as the error the service's code stands for."""
+    if reply.status_code == 200:
+        try:
+            return reply.json()
+        except ValueError:
+            raise BackendUnavailable("the server's answer is not JSON") from None
+    try:
+        data = reply.json()
+        code, message = str(data["error"]), str(data["message"])
+    except Exception:
+        code, message = "http_error", f"HTTP {reply.status_code} from {reply.url.host}"
+    status = reply.status_code
+    if status == 409 and code == "timeout":
+        raise LockTimeout(message)
+    if status == 410:
+        raise LeaseLostError(message)
+    if status in (401, 403):
+        raise AccessDenied(f"fenced server refused: {message}")
+    if status == 400 and code == "invalid_token":
+        raise InvalidTokenError(message)
+    if status == 400:
+        raise ConfigurationError(message)
+    raise BackendUnavailable(f"fenced server: {message} (HTTP {status})")
+
+
+def _status(d: Mapping[str, Any]) -> LockStatus:
+    return LockStatus(
+        name=d["name"],
+        holder=d["holder"],
+        token=FencingToken.parse(d["token"]) if d["token"] else None,
+        last_token=FencingToken.parse(d["last_token"]) if d["last_token"] else None,
+        remaining=d["remaining"],
+        waiters=d["waiters"],
+        owner=d["owner"],
+    )
+
+
+class HttpsBackend(HttpBackend):
+    scheme: ClassVar[str] = "https"

@@ -1,0 +1,23 @@
+"""``fenced serve``: the lock service over HTTP, for clients in any language.
+
+A thin, stateless gateway over a token source (any of fenced's): grants, renewals and releases
+are decided by the source, so several gateways in front of one etcd, PostgreSQL or Redis serve
+the same locks and any of them may die. Its Python client is one more token source scheme:
+``fenced.connect("http://127.0.0.1:7400")``. See docs/server.md.
+"""
+
+from __future__ import annotations
+
+from ._app import ServerSettings, create_app
+from ._auth import ApiKey, Keys, Verb, hash_secret, load_api_keys, new_secret
+
+__all__ = [
+    "ApiKey",
+    "Keys",
+    "ServerSettings",
+    "Verb",
+    "create_app",
+    "hash_secret",
+    "load_api_keys",
+    "new_secret",
+]

@@ -1,0 +1,715 @@
+"""The HTTP/JSON API of ``fenced serve`` (FastAPI on Starlette; OpenAPI at ``/openapi.json``).
+
+Every answer that is not a success is ``{"error": <code>, "message": <one line>}`` with a
+fitting status: 400 invalid_request / invalid_token, 401 unauthenticated, 403 forbidden,
+404 not_found, 409 timeout, 410 lease_lost, 503 unavailable. A refused request changes
+nothing. See docs/server.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable
+from importlib import resources
+from typing import Annotated, Any, Literal
+
+from fastapi import Body, Depends, FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from .. import __version__, _clock
+from .._backend import LockStatus, TokenCheck
+from .._errors import (
+    BackendUnavailable,
+    ConfigurationError,
+    FencedError,
+    InvalidTokenError,
+    LeaseLostError,
+    LockTimeout,
+)
+from .._lease import AsyncLocks, check_description
+from .._signing import Keyring
+from .._state import DEFAULT_TTL, check_request_id, check_timeout, check_ttl
+from .._token import FencingToken, validate_lock_name
+from ._auth import ApiKey, Keys, Verb
+from ._gateway import Gateway
+from ._metrics import CONTENT_TYPE_LATEST
+
+__all__ = ["ServerSettings", "create_app"]
+
+logger = logging.getLogger("fenced.server")
+
+
+@dataclasses.dataclass
+class ServerSettings:
+    """How one server runs. ``url`` and ``options`` open the token source (as
+    :func:`fenced.connect_async` does); ``api_keys`` None means no authentication (the CLI
+    then listens on loopback only unless told otherwise)."""
+
+    url: str
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    api_keys: Keys | None = None
+    max_wait: float = 60.0
+    """The longest one acquire request waits (a long poll); a client wanting longer asks again."""
+    default_ttl: float = DEFAULT_TTL
+    watch_interval: float = 0.25
+    """How often a watch looks at the source for changes made elsewhere (expiry, another
+    gateway); changes made through this server are seen at once."""
+    readiness_timeout: float = 2.0
+
+
+# -- the wire format ------------------------------------------------------------------------------
+
+
+class _In(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class AcquireIn(_In):
+    ttl: float | None = Field(default=None, description="Lease seconds (0.1-86400). Default 10.")
+    timeout: float | None = Field(
+        default=None,
+        description="Seconds to wait for the lock, FIFO (0 or absent: try once). One request "
+        "waits at most the server's max wait (60 s by default) and then answers 409 timeout; "
+        "ask again with the same request_id to keep waiting.",
+    )
+    request_id: str | None = Field(
+        default=None,
+        description="Your id for this acquire (1-64 of A-Z a-z 0-9 _ . : -). A retry with the "
+        "same id returns the same grant, never a second one. Generated if absent.",
+    )
+    owner: str | None = Field(
+        default=None, description="Who you are, for operators (status, dashboard)."
+    )
+
+
+class GrantOut(BaseModel):
+    lock: str
+    token: str = Field(description="'<lock>:<value>': send it with every write.")
+    value: int
+    signed: str | None = Field(description="The token signed by the server (if signing is on).")
+    request_id: str
+    lease_id: str = Field(description="The same as request_id: it names this grant.")
+    ttl: float
+    expires_in: float = Field(description="Seconds the lease surely lasts unless renewed.")
+
+
+class LeaseIn(_In):
+    token: str = Field(description="The grant's token, plain or signed.")
+    request_id: str | None = None
+    lease_id: str | None = Field(default=None, description="Accepted in place of request_id.")
+    ttl: float | None = Field(
+        None, description="For a renewal through a gateway that did not make the grant."
+    )
+
+
+class RenewOut(BaseModel):
+    ttl: float
+    expires_in: float
+
+
+class ReleaseOut(BaseModel):
+    released: bool = Field(
+        description="False if the grant had already ended (expired, taken over)."
+    )
+
+
+class ForceIn(_In):
+    token: str | None = Field(
+        default=None, description="Free the lock only if this grant holds it."
+    )
+
+
+class StatusOut(BaseModel):
+    name: str
+    held: bool
+    token: str | None
+    last_token: str | None = Field(description="The highest grant known (None: never, or unknown).")
+    remaining: float | None
+    waiters: int | None
+    owner: str | None
+    holder: str | None = Field(
+        description="The holder's request id: shown only to keys that may acquire this lock."
+    )
+    version: str = Field(description="Changes whenever holder or token changes (for ?index=).")
+
+
+class ForceOut(BaseModel):
+    released: StatusOut | None
+
+
+class ListOut(BaseModel):
+    locks: list[str]
+
+
+class CheckIn(_In):
+    token: str
+
+
+class CheckOut(BaseModel):
+    token: str
+    lock: str
+    current: bool = Field(description="It is the live grant of its lock.")
+    highest: str | None
+    stale: bool = Field(description="A later grant exists: refuse this writer.")
+    never_granted: bool = Field(description="Above every grant: forged or from elsewhere.")
+    verdict: Literal["current", "stale", "not_current", "never_granted", "unknown"]
+
+
+class ErrorOut(BaseModel):
+    error: str
+    message: str
+
+
+class InfoOut(BaseModel):
+    version: str
+    source: str
+    characteristics: list[str]
+    knows_highest: bool
+    signing: dict[str, str] | None
+    max_wait: float
+    default_ttl: float
+    auth: bool
+
+
+class DashboardOut(BaseModel):
+    locks: list[StatusOut]
+    counters: dict[str, float]
+    events: list[dict[str, Any]]
+    info: InfoOut
+    truncated: bool
+
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorOut, "description": "invalid_request or invalid_token"},
+    401: {"model": ErrorOut, "description": "unauthenticated"},
+    403: {"model": ErrorOut, "description": "forbidden"},
+    503: {"model": ErrorOut, "description": "unavailable: the token source cannot be reached"},
+}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message = status, code, message
+
+
+def _error(status: int, code: str, message: str) -> JSONResponse:
+    return JSONResponse({"error": code, "message": message}, status_code=status)
+
+
+def _status_out(status: LockStatus, show_holder: bool) -> StatusOut:
+    held = status.token is not None
+    version = (
+        f"{status.token.value}:held"
+        if status.token
+        else (f"{status.last_token.value}:free" if status.last_token else "0:free")
+    )
+    return StatusOut(
+        name=status.name,
+        held=held,
+        token=str(status.token) if status.token else None,
+        last_token=str(status.last_token) if status.last_token else None,
+        remaining=status.remaining,
+        waiters=status.waiters,
+        owner=status.owner,
+        holder=status.holder if show_holder else None,
+        version=version,
+    )
+
+
+def _check_out(result: TokenCheck, verdict: str) -> CheckOut:
+    return CheckOut(
+        token=str(result.token.unsigned()),
+        lock=result.token.lock,
+        current=result.current,
+        highest=str(result.highest) if result.highest else None,
+        stale=result.stale,
+        never_granted=result.never_granted,
+        verdict=verdict,  # type: ignore[arg-type]
+    )
+
+
+def _verdict(result: TokenCheck) -> str:
+    if result.current:
+        return "current"
+    if result.stale:
+        return "stale"
+    if result.never_granted:
+        return "never_granted"
+    return "not_current" if result.is_highest else "unknown"
+
+
+# -- who is asking --------------------------------------------------------------------------------
+
+_bearer = HTTPBearer(auto_error=False, description="An API key's secret, if the server has keys.")
+
+
+async def _principal(
+    request: Request, _: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+) -> ApiKey | None:
+    """The API key of the request (None when the server has no keys); 401 without one."""
+    keys: Keys | None = request.app.state.keys
+    if keys is None:
+        return None
+    gw: Gateway = request.app.state.gateway
+    scheme, _sep, secret = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not secret.strip():
+        gw.metrics.refused.labels("unauthenticated").inc()
+        raise ApiError(401, "unauthenticated", "send Authorization: Bearer <API key>")
+    key = keys.find(secret.strip())
+    if key is None:
+        gw.metrics.refused.labels("unauthenticated").inc()
+        raise ApiError(401, "unauthenticated", "unknown API key")
+    return key
+
+
+Principal = Annotated[ApiKey | None, Depends(_principal)]
+
+
+# -- the app ---------------------------------------------------------------------------------------
+
+
+def create_app(settings: ServerSettings) -> FastAPI:
+    """The ASGI app of ``fenced serve``; run it with any ASGI server (the CLI uses uvicorn)."""
+    locks = AsyncLocks(settings.url, **settings.options)
+    gw = Gateway(locks, max_wait=settings.max_wait, default_ttl=settings.default_ttl)
+    keys = settings.api_keys
+    verifier = Keyring([locks._signer.public()]) if locks._signer is not None else None
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await gw.start()
+        try:
+            yield
+        finally:
+            await gw.stop()
+
+    app = FastAPI(
+        title="fenced",
+        version=__version__,
+        summary="A lock service that hands out fencing tokens.",
+        description=(
+            "Locks with leases and **fencing tokens**: every grant returns a token strictly "
+            "greater than every earlier grant of that lock. Send it with every write; the "
+            "resource refuses a lower one. Authentication (when configured): "
+            "`Authorization: Bearer <secret>`."
+        ),
+        lifespan=lifespan,
+        docs_url=None,  # (Swagger UI loads scripts from a CDN: not on an air-gapped host)
+        redoc_url=None,
+        responses=_ERRORS,
+    )
+    app.state.gateway = gw
+    app.state.keys = keys
+
+    # -- errors ------------------------------------------------------------------------------
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return _error(exc.status, exc.code, exc.message)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        gw.metrics.refused.labels("invalid").inc()
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "request"
+        return _error(400, "invalid_request", f"{where}: {first.get('msg', 'invalid')}")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return _error(exc.status_code, code, str(exc.detail))
+
+    def fail(exc: BaseException) -> ApiError:
+        """A library error as an API answer (the source's own words, never a secret)."""
+        if isinstance(exc, LockTimeout):
+            return ApiError(409, "timeout", str(exc))
+        if isinstance(exc, LeaseLostError):
+            return ApiError(410, "lease_lost", str(exc))
+        if isinstance(exc, InvalidTokenError):
+            gw.metrics.refused.labels("invalid").inc()
+            return ApiError(400, "invalid_token", str(exc))
+        if isinstance(exc, ConfigurationError):
+            gw.metrics.refused.labels("invalid").inc()
+            return ApiError(400, "invalid_request", str(exc))
+        if isinstance(exc, BackendUnavailable):
+            return ApiError(503, "unavailable", str(exc))
+        return ApiError(503, "unavailable", f"{type(exc).__name__}: {exc}")
+
+    async def call(aw: Awaitable[Any]) -> Any:
+        try:
+            return await aw
+        except FencedError as exc:
+            raise fail(exc) from exc
+
+    # -- auth --------------------------------------------------------------------------------
+
+    def allow(key: ApiKey | None, verb: Verb, name: str | None = None) -> None:
+        if key is not None and not key.allows(verb, name):
+            gw.metrics.refused.labels("forbidden").inc()
+            what = f" on {name!r}" if name else ""
+            raise ApiError(403, "forbidden", f"key {key.id!r} may not {verb.value}{what}")
+
+    def readable(key: ApiKey | None, name: str) -> None:
+        if key is not None and not key.sees(name):
+            gw.metrics.refused.labels("forbidden").inc()
+            raise ApiError(403, "forbidden", f"key {key.id!r} may not read {name!r}")
+
+    def shows_holder(key: ApiKey | None, name: str) -> bool:
+        return key is None or key.allows(Verb.ACQUIRE, name)
+
+    def lock_name(name: str) -> str:
+        try:
+            return validate_lock_name(name)
+        except InvalidTokenError as exc:
+            gw.metrics.refused.labels("invalid").inc()
+            raise ApiError(400, "invalid_request", str(exc)) from None
+
+    def parse(token: str, name: str | None, keys_: Keyring | None = None) -> FencingToken:
+        try:
+            return FencingToken.coerce(token, name, keys_)
+        except InvalidTokenError as exc:
+            raise fail(exc) from None
+
+    def lease_args(name: str, body: LeaseIn) -> tuple[FencingToken, str]:
+        rid = body.request_id or body.lease_id
+        if rid is None:
+            raise ApiError(400, "invalid_request", "request_id (or lease_id) is required")
+        try:
+            check_request_id(rid)
+        except ConfigurationError as exc:
+            raise fail(exc) from None
+        return parse(body.token, name, verifier if _signed(body.token) else None), rid
+
+    # -- locks -------------------------------------------------------------------------------
+
+    @app.post(
+        "/v1/locks/{name:path}/acquire",
+        response_model=GrantOut,
+        responses={409: {"model": ErrorOut, "description": "timeout: not granted in time"}},
+        tags=["locks"],
+        summary="Acquire a lock (a long poll while it waits)",
+    )
+    async def acquire(
+        name: str,
+        request: Request,
+        key: Principal,
+        body: Annotated[AcquireIn | None, Body()] = None,
+    ) -> GrantOut:
+        name = lock_name(name)
+        allow(key, Verb.ACQUIRE, name)
+        body = body or AcquireIn()
+        try:
+            ttl = check_ttl(body.ttl if body.ttl is not None else settings.default_ttl)
+            timeout = check_timeout(body.timeout if body.timeout is not None else 0.0)
+            rid = check_request_id(body.request_id or gw.new_request_id())
+            described = check_description(body.owner)
+        except ConfigurationError as exc:
+            raise fail(exc) from None
+        client = request.client.host if request.client else "?"
+        owner = described or f"http client {client}"
+        if key is not None:
+            owner = f"{key.id}: {owner}"
+        wait = min(timeout or 0.0, settings.max_wait)
+        sent = _clock.now()
+        grant, signed = await call(
+            _unless_gone(request, gw, gw.acquire(name, rid, ttl, wait, owner[:200]))
+        )
+        return GrantOut(
+            lock=name,
+            token=str(grant.token),
+            value=grant.token.value,
+            signed=str(signed) if signed.signature else None,
+            request_id=rid,
+            lease_id=rid,
+            ttl=grant.ttl,
+            expires_in=max(0.0, grant.sent_at + grant.ttl - _clock.now())
+            if grant.sent_at
+            else max(0.0, sent + grant.ttl - _clock.now()),
+        )
+
+    @app.post(
+        "/v1/locks/{name:path}/renew",
+        response_model=RenewOut,
+        responses={410: {"model": ErrorOut, "description": "lease_lost: the grant has ended"}},
+        tags=["locks"],
+        summary="Renew a lease (any gateway in front of the same source can)",
+    )
+    async def renew(name: str, body: LeaseIn, key: Principal) -> RenewOut:
+        name = lock_name(name)
+        allow(key, Verb.ACQUIRE, name)
+        token, rid = lease_args(name, body)
+        ttl = None
+        if body.ttl is not None:
+            try:
+                ttl = check_ttl(body.ttl)
+            except ConfigurationError as exc:
+                raise fail(exc) from None
+        grant = await call(gw.renew(name, token, rid, ttl))
+        return RenewOut(
+            ttl=grant.ttl, expires_in=max(0.0, grant.sent_at + grant.ttl - _clock.now())
+        )
+
+    @app.post(
+        "/v1/locks/{name:path}/release",
+        response_model=ReleaseOut,
+        tags=["locks"],
+        summary="Release a grant (fenced: never frees a later grant)",
+    )
+    async def release(name: str, body: LeaseIn, key: Principal) -> ReleaseOut:
+        name = lock_name(name)
+        allow(key, Verb.ACQUIRE, name)
+        token, rid = lease_args(name, body)
+        return ReleaseOut(released=await call(gw.release(name, token, rid)))
+
+    @app.post(
+        "/v1/locks/{name:path}/force-release",
+        response_model=ForceOut,
+        tags=["admin"],
+        summary="Free a lock whoever holds it (operators; its token stays fenced)",
+    )
+    async def force_release(
+        name: str, key: Principal, body: Annotated[ForceIn | None, Body()] = None
+    ) -> ForceOut:
+        name = lock_name(name)
+        allow(key, Verb.ADMIN, name)
+        token = parse(body.token, name) if body and body.token else None
+        freed = await call(gw.force_release(name, token))
+        return ForceOut(released=_status_out(freed, True) if freed else None)
+
+    @app.get(
+        "/v1/locks/{name:path}/watch",
+        tags=["locks"],
+        summary="Server-sent events: the lock's status now and at every change",
+        response_class=StreamingResponse,
+        responses={200: {"content": {"text/event-stream": {}}}},
+    )
+    async def watch(name: str, request: Request, key: Principal) -> StreamingResponse:
+        name = lock_name(name)
+        readable(key, name)
+        show = shows_holder(key, name)
+        await call(gw.backend.status(name))  # unreachable source: 503 now, not a dead stream
+
+        async def events() -> AsyncIterator[bytes]:
+            changes = gw.changes(name, settings.watch_interval)
+            beat = _clock.now()
+            try:
+                async for status in changes:
+                    data = _status_out(status, show).model_dump_json()
+                    yield f"event: status\ndata: {data}\n\n".encode()
+                    if _clock.now() - beat > 15:
+                        beat = _clock.now()
+                        yield b": keepalive\n\n"
+            except FencedError as exc:
+                msg = json.dumps({"error": "unavailable", "message": str(exc)})
+                yield f"event: error\ndata: {msg}\n\n".encode()
+
+        return StreamingResponse(
+            events(), media_type="text/event-stream", headers={"cache-control": "no-store"}
+        )
+
+    @app.get(
+        "/v1/locks/{name:path}",
+        response_model=StatusOut,
+        tags=["locks"],
+        summary="Status of one lock; with index and wait, a blocking query (Consul's)",
+    )
+    async def status(
+        name: str,
+        request: Request,
+        key: Principal,
+        index: Annotated[
+            str | None, Query(max_length=64, description="A version seen before")
+        ] = None,
+        wait: Annotated[float, Query(ge=0, le=600, description="Seconds to wait for a change")] = 0,
+    ) -> StatusOut:
+        name = lock_name(name)
+        readable(key, name)
+        show = shows_holder(key, name)
+        deadline = _clock.now() + min(wait, settings.max_wait)
+        out = _status_out(await call(gw.backend.status(name)), show)
+        if index is None or out.version != index or wait <= 0:
+            return out
+
+        async def until_changed() -> StatusOut:
+            async for st in gw.changes(name, settings.watch_interval):
+                now_out = _status_out(st, show)
+                if now_out.version != index:
+                    return now_out
+            raise BackendUnavailable("server shutting down")
+
+        try:
+            async with asyncio.timeout(max(0.0, deadline - _clock.now())):
+                changed: StatusOut = await call(_unless_gone(request, gw, until_changed()))
+                return changed
+        except TimeoutError:
+            return _status_out(await call(gw.backend.status(name)), show)
+
+    @app.get("/v1/locks", response_model=ListOut, tags=["locks"], summary="Names of all locks")
+    async def list_locks(key: Principal) -> ListOut:
+        names = await call(gw.backend.lock_names())
+        return ListOut(locks=[n for n in names if key is None or key.sees(n)])
+
+    # -- tokens ------------------------------------------------------------------------------
+
+    @app.post(
+        "/v1/check",
+        response_model=CheckOut,
+        tags=["tokens"],
+        summary="Is this token the current grant of its lock? (Chubby's CheckSequencer)",
+        description=(
+            "A check and a later write are two steps: the answer may be stale by the time the "
+            "resource writes. Safe use: a resource that keeps its own high-water mark. Without "
+            "one, check inside the resource's own critical section and keep it short; see "
+            "docs/server.md. With signing on, an unsigned or forged token is refused (400)."
+        ),
+    )
+    async def check(body: CheckIn, key: Principal) -> CheckOut:
+        try:
+            token = FencingToken.coerce(body.token, None, verifier)
+        except InvalidTokenError as exc:
+            gw.metrics.checks.labels("invalid").inc()
+            raise ApiError(400, "invalid_token", str(exc)) from None
+        allow(key, Verb.CHECK, token.lock)
+        result = await call(gw.check(token))
+        return _check_out(result, _verdict(result))
+
+    # -- the server --------------------------------------------------------------------------
+
+    def info() -> InfoOut:
+        backend = gw.backend
+        signer = locks._signer
+        return InfoOut(
+            version=__version__,
+            source=backend.scheme,
+            characteristics=sorted(c.value for c in backend.effective_characteristics),
+            knows_highest=backend.knows_highest,
+            signing={"kid": signer.kid, "algorithm": type(signer).__name__} if signer else None,
+            max_wait=settings.max_wait,
+            default_ttl=settings.default_ttl,
+            auth=keys is not None,
+        )
+
+    @app.get("/v1/info", response_model=InfoOut, tags=["server"], summary="What this server is")
+    async def get_info() -> InfoOut:
+        return info()
+
+    @app.get("/v1/health", tags=["server"], summary="Liveness: the process answers")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get(
+        "/v1/ready",
+        tags=["server"],
+        summary="Readiness: the token source answers",
+        responses={503: {"model": ErrorOut}},
+    )
+    async def ready() -> dict[str, str]:
+        if gw.stopping.is_set():
+            raise ApiError(503, "unavailable", "shutting down")
+        try:
+            async with asyncio.timeout(settings.readiness_timeout):
+                await gw.backend.status("_fenced-ready")
+        except (FencedError, TimeoutError) as exc:
+            raise ApiError(503, "unavailable", f"token source: {exc or 'timed out'}") from None
+        return {"status": "ready"}
+
+    @app.get("/metrics", tags=["server"], summary="Prometheus metrics", response_class=Response)
+    async def metrics(key: Principal) -> Response:
+        allow(key, Verb.METRICS)
+        return Response(gw.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/dashboard", response_model=DashboardOut, tags=["server"], include_in_schema=True)
+    async def dashboard_data(key: Principal) -> DashboardOut:
+        names = [n for n in await call(gw.backend.lock_names()) if key is None or key.sees(n)]
+        shown = names[:500]
+        statuses = await call(asyncio.gather(*(gw.backend.status(n) for n in shown)))
+        counters: dict[str, float] = {}
+        for family in gw.metrics.registry.collect():
+            for sample in family.samples:
+                if sample.name.endswith("_total") or sample.name in (
+                    "fenced_acquires_waiting",
+                    "fenced_leases_tracked",
+                ):
+                    label = ",".join(f"{v}" for v in sample.labels.values())
+                    counters[sample.name + (f"{{{label}}}" if label else "")] = sample.value
+        return DashboardOut(
+            locks=[_status_out(s, shows_holder(key, s.name)) for s in statuses],
+            counters=counters,
+            events=[e.json() for e in reversed(gw.events) if key is None or key.sees(e.lock)],
+            info=info(),
+            truncated=len(names) > len(shown),
+        )
+
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    async def dashboard() -> HTMLResponse:
+        page = resources.files("fenced.server").joinpath("dashboard.html").read_text()
+        return HTMLResponse(page, headers={"cache-control": "no-store"})
+
+    app.add_middleware(_Timing, gateway=gw)
+    return app
+
+
+def _signed(token: str) -> bool:
+    return token.count(".") >= 2
+
+
+async def _unless_gone(request: Request, gw: Gateway, aw: Awaitable[Any]) -> Any:
+    """Run ``aw`` unless the client hangs up or the server stops first (then it is cancelled:
+    a waiting acquire leaves the queue; a grant made meanwhile is the same request id's, which
+    the client's retry gets back)."""
+    work = asyncio.ensure_future(aw)
+    gone = asyncio.ensure_future(_disconnected(request))
+    stop = asyncio.ensure_future(gw.stopping.wait())
+    try:
+        await asyncio.wait({work, gone, stop}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        stop.cancel()
+    if not work.done():
+        work.cancel()
+        with contextlib.suppress(BaseException):
+            await work
+        raise ApiError(503, "unavailable", "server shutting down" if stop.done() else "client gone")
+    return work.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class _Timing:
+    """Request latency by route template (never by lock name), as a pure ASGI middleware; and
+    every POST body read as JSON."""
+
+    def __init__(self, app: ASGIApp, gateway: Gateway) -> None:
+        self.app, self.gw = app, gateway
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if scope["method"] == "POST":
+            # Bodies are JSON whatever the Content-Type says: `curl -d '{...}'` sends a form type.
+            headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+            scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
+        start = _clock.now()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            route = scope.get("route")
+            path = getattr(route, "path", None)
+            if path is not None and not path.endswith("/watch"):
+                self.gw.metrics.latency.labels(path, scope["method"]).observe(_clock.now() - start)

@@ -1,0 +1,246 @@
+"""What one ``fenced serve`` process knows: the token source, the grants made or resumed
+here, recent transitions, counters. The HTTP layer (``_app``) only translates.
+
+A gateway keeps **no lock state of its own**: every grant, renewal and release is decided by
+the token source behind it, through the same backend contract the library uses. Its table
+of grants is a cache of handles (an etcd lease id, a ZooKeeper node): a renewal or release
+of a grant made through another gateway *resumes* it from the source
+(:meth:`~fenced._backend.Backend.resume`), so any gateway can die and its holders carry on
+through another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from .. import _clock, _fork
+from .._backend import Backend, Grant, LockStatus, TokenCheck
+from .._errors import LeaseLostError, LockTimeout
+from .._lease import AsyncLocks
+from .._token import FencingToken
+from ._metrics import Metrics
+
+__all__ = ["Gateway", "Transition"]
+
+logger = logging.getLogger("fenced.server")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Transition:
+    at: float  # wall clock, for people
+    lock: str
+    event: str  # granted, released, expired, forced
+    token: str
+    owner: str | None
+
+    def json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class Gateway:
+    def __init__(
+        self, locks: AsyncLocks, *, max_wait: float, default_ttl: float, events: int = 200
+    ) -> None:
+        self.locks = locks
+        self.max_wait = max_wait
+        self.default_ttl = default_ttl
+        self.metrics = Metrics()
+        self.events: collections.deque[Transition] = collections.deque(maxlen=events)
+        self.stopping = asyncio.Event()
+        self._backend: Backend | None = None
+        self._grants: dict[tuple[str, str], Grant] = {}
+        self._owners: dict[tuple[str, str], str] = {}
+        self._changed: dict[str, asyncio.Event] = {}
+        self._sweeper: asyncio.Task[None] | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    async def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        await self.locks.open()
+        self._backend = await self.locks._get_backend()
+        self._sweeper = asyncio.create_task(self._sweep(), name="fenced-server-sweep")
+
+    async def stop(self) -> None:
+        """Stop answering; leave every grant to expire (never release on a holder's behalf)."""
+        self.stopping.set()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+        self._grants.clear()
+        await self.locks.aclose()  # holds no leases of its own: nothing is released
+
+    @property
+    def backend(self) -> Backend:
+        assert self._backend is not None
+        return self._backend
+
+    # -- grants -------------------------------------------------------------------------------
+
+    async def acquire(
+        self, name: str, request_id: str, ttl: float, wait: float, owner: str
+    ) -> tuple[Grant, FencingToken]:
+        """Grant ``name`` to ``request_id`` (idempotent), waiting FIFO up to ``wait`` seconds;
+        LockTimeout after that. Returns the grant and its token as the holder gets it."""
+        start = _clock.now()
+        self.metrics.waiting.inc()
+        try:
+            grant = await self.backend.acquire(
+                name,
+                request_id=request_id,
+                ttl=ttl,
+                deadline=start + wait,
+                on_lost=lambda exc: self._lost(name, request_id, exc),
+                owner=owner,
+            )
+        except LockTimeout:
+            self.metrics.acquire_timeouts.inc()
+            raise
+        finally:
+            self.metrics.waiting.dec()
+        self.metrics.grants.inc()
+        self.metrics.wait.observe(_clock.now() - start)
+        key = (name, request_id)
+        if key not in self._grants or self._grants[key].token != grant.token:
+            self._note(name, "granted", grant.token, owner)
+        self._grants[key] = grant
+        self._owners[key] = owner
+        self.metrics.tracked.set(len(self._grants))
+        return grant, self.locks._sign(grant.token)
+
+    async def _grant_of(self, name: str, token: FencingToken, request_id: str, ttl: float) -> Grant:
+        grant = self._grants.get((name, request_id))
+        if grant is not None and grant.token == token:
+            return grant
+        return await self.backend.resume(name, token.unsigned(), request_id, ttl)
+
+    async def renew(
+        self, name: str, token: FencingToken, request_id: str, ttl: float | None
+    ) -> Grant:
+        key = (name, request_id)
+        try:
+            grant = await self._grant_of(name, token, request_id, ttl or self.default_ttl)
+            new = await self.backend.renew(grant)
+        except LeaseLostError:
+            self.metrics.renewals.labels("lost").inc()
+            self.metrics.expiries.inc()
+            if self._grants.pop(key, None) is not None:
+                self._note(name, "expired", token, self._owners.pop(key, None))
+            self.metrics.tracked.set(len(self._grants))
+            raise
+        except Exception:
+            self.metrics.renewals.labels("error").inc()
+            raise
+        self.metrics.renewals.labels("ok").inc()
+        self._grants[key] = new
+        self.metrics.tracked.set(len(self._grants))
+        return new
+
+    async def release(self, name: str, token: FencingToken, request_id: str) -> bool:
+        key = (name, request_id)
+        try:
+            grant = await self._grant_of(name, token, request_id, self.default_ttl)
+        except LeaseLostError:
+            released = False
+        else:
+            released = await self.backend.release(grant)
+        self._grants.pop(key, None)
+        owner = self._owners.pop(key, None)
+        self.metrics.tracked.set(len(self._grants))
+        self.metrics.releases.labels("released" if released else "not_held").inc()
+        if released:
+            self._note(name, "released", token, owner)
+        else:
+            self.metrics.expiries.inc()
+        return released
+
+    async def force_release(self, name: str, token: FencingToken | None) -> LockStatus | None:
+        freed = await self.backend.force_release(name, token)
+        if freed is not None and freed.token is not None:
+            self.metrics.forced.inc()
+            self._note(name, "forced", freed.token, freed.owner)
+        return freed
+
+    async def check(self, token: FencingToken) -> TokenCheck:
+        result = await self.locks.check(token)
+        if result.current:
+            verdict = "current"
+        elif result.stale:
+            verdict = "stale"
+        elif result.never_granted:
+            verdict = "never_granted"
+        elif result.is_highest:
+            verdict = "not_current"
+        else:
+            verdict = "unknown"
+        self.metrics.checks.labels(verdict).inc()
+        return result
+
+    def _lost(self, name: str, request_id: str, exc: BaseException) -> None:
+        """The source revoked a grant made here (a session ended, a forced release)."""
+        key = (name, request_id)
+        grant = self._grants.pop(key, None)
+        if grant is not None:
+            self.metrics.expiries.inc()
+            self._note(name, "expired", grant.token, self._owners.pop(key, None))
+            self.metrics.tracked.set(len(self._grants))
+
+    async def _sweep(self) -> None:
+        """Forget grants not renewed here for longer than their ttl (their holders stopped, or
+        renew through another gateway): the table is a cache, never the truth."""
+        while True:
+            await asyncio.sleep(1.0)
+            now = _clock.now()
+            for key, grant in list(self._grants.items()):
+                # (sent_at is 0 for a resumed grant until it is renewed: not forgotten early,
+                # because a resume is always followed by that renewal or a release)
+                # Silently: its holder may be renewing it through another gateway.
+                if grant.sent_at and grant.sent_at + grant.ttl + 1.0 < now:
+                    del self._grants[key]
+                    self._owners.pop(key, None)
+            self.metrics.tracked.set(len(self._grants))
+
+    # -- transitions and watching ---------------------------------------------------------------
+
+    def _note(self, name: str, event: str, token: FencingToken, owner: str | None) -> None:
+        self.events.append(Transition(time.time(), name, event, str(token.unsigned()), owner))
+        logger.info(
+            "%s lock=%s token=%s owner=%s", event, name, token.unsigned().value, owner or "-"
+        )
+        changed = self._changed.pop(name, None)
+        if changed is not None:
+            changed.set()
+
+    async def changes(self, name: str, interval: float) -> AsyncIterator[LockStatus]:
+        """The lock's status now, then each time it changes. Changes made here are seen at
+        once; changes made through another gateway or by expiry within ``interval``."""
+        last: tuple[Any, ...] | None = None
+        while not self.stopping.is_set():
+            status = await self.backend.status(name)
+            seen = (status.token, status.holder, status.last_token)
+            if seen != last:
+                last = seen
+                yield status
+            event = self._changed.setdefault(name, asyncio.Event())
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(interval):
+                    await _first(event.wait(), self.stopping.wait())
+
+    def new_request_id(self) -> str:
+        return _fork.request_id()
+
+
+async def _first(*aws: Any) -> None:
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in tasks:
+            t.cancel()

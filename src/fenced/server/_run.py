@@ -1,0 +1,139 @@
+"""Running the app: uvicorn on a socket bound here (so ``--listen 127.0.0.1:0`` can report the
+port it got), TLS by uvicorn's own options, logs as text or JSON lines."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import logging
+import socket
+import sys
+import time
+from typing import Any
+
+from .._errors import ConfigurationError
+from ._app import ServerSettings, create_app
+
+__all__ = ["parse_listen", "serve"]
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[::1]:7400`` for IPv6) or ``PORT`` alone (loopback)."""
+    host, sep, port = text.rpartition(":")
+    if not sep:
+        host, port = "127.0.0.1", text
+    host = host.strip("[]") or "127.0.0.1"
+    try:
+        number = int(port)
+    except ValueError:
+        number = -1
+    if not 0 <= number <= 65535:
+        raise ConfigurationError(f"--listen: expected HOST:PORT, not {text!r}")
+    return host, number
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class _JsonLines(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            out["error"] = self.formatException(record.exc_info).splitlines()[-1]
+        return json.dumps(out)
+
+
+def setup_logging(fmt: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(_JsonLines())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    for name in ("fenced", "uvicorn.error"):
+        log = logging.getLogger(name)
+        log.handlers[:] = [handler]
+        log.setLevel(logging.INFO)
+        log.propagate = False
+
+
+def serve(
+    settings: ServerSettings,
+    host: str,
+    port: int,
+    *,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
+    log_format: str = "text",
+    access_log: bool = False,
+    graceful: int = 5,
+) -> None:
+    """Serve until SIGTERM or SIGINT. In-flight requests get ``graceful`` seconds; waiting
+    acquires are answered 503 at once; held leases are left to expire."""
+    import uvicorn
+
+    setup_logging(log_format)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigurationError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock.listen(2048)
+    bound = sock.getsockname()[1]
+    app = create_app(settings)
+    config = uvicorn.Config(
+        app,
+        log_config=None,
+        access_log=access_log,
+        ssl_certfile=tls_cert,
+        ssl_keyfile=tls_key,
+        timeout_graceful_shutdown=graceful,
+        lifespan="on",
+    )
+    server = uvicorn.Server(config)
+    scheme = "https" if tls_cert else "http"
+    shown = f"[{host}]" if ":" in host else host
+
+    # Said once the app has started (the source is open), on stderr, for people and scripts.
+    original = server.startup
+
+    async def startup(sockets: list[socket.socket] | None = None) -> None:
+        await original(sockets=sockets)
+        if server.started:
+            print(
+                f"fenced serve: listening on {scheme}://{shown}:{bound}",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    server.startup = startup  # type: ignore[method-assign]
+
+    # On SIGTERM/SIGINT, long polls (acquires, watches) end at once with 503 instead of
+    # holding the shutdown for the grace period; the lifespan then closes the source.
+    handle_exit = server.handle_exit
+    gateway = app.state.gateway
+
+    def on_exit(sig: int, frame: Any) -> None:
+        handle_exit(sig, frame)
+        loop = gateway.loop
+        if loop is not None:
+            loop.call_soon_threadsafe(gateway.stopping.set)
+
+    server.handle_exit = on_exit  # type: ignore[method-assign]
+    server.run(sockets=[sock])
+    if not server.started:
+        raise SystemExit(70)
