@@ -1,0 +1,396 @@
+"""``fenced serve``: the HTTP API, auth, signing, metrics, shutdown, the loopback rule.
+
+Every server here is a real ``fenced serve`` OS process (``FencedServer``) on a random port in
+front of a real source; requests are plain HTTP (httpx), as any language would send them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+import fenced
+from fenced import cli
+from fenced.guards.sql import SQLGuard
+from fenced.server import hash_secret
+from fenced.testing.servers import FencedServer
+from tests.helpers import ROOT, wait_for
+
+
+@pytest.fixture
+def source(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'locks.db'}"
+
+
+@pytest.fixture
+def server(source: str) -> Iterator[FencedServer]:
+    with FencedServer(source) as s:
+        yield s  # type: ignore[misc]
+
+
+def post(url: str, body: object = None, key: str | None = None, **kw: object) -> httpx.Response:
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(url, json=body, headers=headers, timeout=30, **kw)  # type: ignore[arg-type]
+
+
+def get(url: str, key: str | None = None) -> httpx.Response:
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    return httpx.get(url, headers=headers, timeout=30)
+
+
+# -- the API ---------------------------------------------------------------------------------------
+
+
+def test_acquire_renew_release_round_trip_with_increasing_tokens(server: FencedServer) -> None:
+    u = server.url
+    a = post(f"{u}/v1/locks/invoices/acquire", {"ttl": 5, "request_id": "a-1"}).json()
+    assert a["token"] == "invoices:1" and a["lease_id"] == "a-1" and 0 < a["expires_in"] <= 5
+    # a second client is refused while it is held (try once), then granted a higher token
+    busy = post(f"{u}/v1/locks/invoices/acquire", {"ttl": 5})
+    assert busy.status_code == 409 and busy.json()["error"] == "timeout"
+    again = post(f"{u}/v1/locks/invoices/acquire", {"ttl": 5, "request_id": "a-1"}).json()
+    assert again["token"] == "invoices:1"  # idempotent by request id: the same grant
+    renewed = post(f"{u}/v1/locks/invoices/renew", {"token": "invoices:1", "request_id": "a-1"})
+    assert renewed.status_code == 200 and renewed.json()["ttl"] == 5
+    wrong = post(f"{u}/v1/locks/invoices/release", {"token": "invoices:1", "request_id": "b"})
+    assert wrong.json() == {"released": False}  # fenced: another request id frees nothing
+    assert get(f"{u}/v1/locks/invoices").json()["held"] is True
+    done = post(f"{u}/v1/locks/invoices/release", {"token": "invoices:1", "request_id": "a-1"})
+    assert done.json() == {"released": True}
+    lost = post(f"{u}/v1/locks/invoices/renew", {"token": "invoices:1", "request_id": "a-1"})
+    assert lost.status_code == 410 and lost.json()["error"] == "lease_lost"
+    b = post(f"{u}/v1/locks/invoices/acquire", {"ttl": 5}).json()
+    assert b["value"] == 2
+    status = get(f"{u}/v1/locks/invoices").json()
+    assert status["token"] == "invoices:2" and status["last_token"] == "invoices:2"
+    assert get(f"{u}/v1/locks").json() == {"locks": ["invoices"]}
+
+
+def test_a_waiting_acquire_is_a_long_poll_granted_at_release(server: FencedServer) -> None:
+    u = server.url
+    held = post(f"{u}/v1/locks/q/acquire", {"ttl": 10, "request_id": "h"}).json()
+    got: list[httpx.Response] = []
+    waiter = threading.Thread(
+        target=lambda: got.append(post(f"{u}/v1/locks/q/acquire", {"ttl": 10, "timeout": 20}))
+    )
+    waiter.start()
+    wait_for(lambda: get(f"{u}/v1/locks/q").json()["waiters"] == 1, 10, "the waiter to queue")
+    post(f"{u}/v1/locks/q/release", {"token": held["token"], "request_id": "h"})
+    waiter.join(20)
+    assert got[0].status_code == 200 and got[0].json()["value"] == held["value"] + 1
+
+
+def test_check_tells_current_stale_and_never_granted(server: FencedServer) -> None:
+    u = server.url
+    first = post(f"{u}/v1/locks/c/acquire", {"request_id": "one"}).json()
+    post(f"{u}/v1/locks/c/release", {"token": first["token"], "request_id": "one"})
+    second = post(f"{u}/v1/locks/c/acquire").json()
+    verdicts = {t: post(f"{u}/v1/check", {"token": t}).json() for t in ("c:1", "c:2", "c:9")}
+    assert verdicts["c:2"]["verdict"] == "current" and verdicts["c:2"]["current"]
+    assert verdicts["c:1"]["verdict"] == "stale" and verdicts["c:1"]["stale"]
+    assert verdicts["c:9"]["verdict"] == "never_granted"
+    assert second["token"] == "c:2"
+    bad = post(f"{u}/v1/check", {"token": "c:0"})
+    assert bad.status_code == 400 and bad.json()["error"] == "invalid_token"
+
+
+def test_bad_input_gets_a_one_line_400_and_changes_nothing(server: FencedServer) -> None:
+    u = server.url
+    cases = [
+        ("/v1/locks/a//b/acquire", {}),
+        ("/v1/locks/x/acquire", {"ttl": 0}),
+        ("/v1/locks/x/acquire", {"ttl": "5"}),
+        ("/v1/locks/x/acquire", {"timeout": -1}),
+        ("/v1/locks/x/acquire", {"request_id": "../../etc"}),
+        ("/v1/locks/x/acquire", {"unknown": 1}),
+        ("/v1/locks/x/acquire", [1, 2]),
+        ("/v1/locks/x/renew", {"token": "y:1", "request_id": "r"}),
+        ("/v1/locks/x/release", {"token": "x:1"}),
+    ]
+    for path, body in cases:
+        r = post(u + path, body)
+        assert r.status_code == 400, (path, body, r.text)
+        assert set(r.json()) == {"error", "message"} and "\n" not in r.json()["message"]
+    r = httpx.post(u + "/v1/locks/x/acquire", content=b"{not json", timeout=10)
+    assert r.status_code == 400
+    assert get(f"{u}/v1/locks").json() == {"locks": []}
+
+
+def test_curl_bodies_without_a_json_content_type_are_read_as_json(server: FencedServer) -> None:
+    r = httpx.post(
+        f"{server.url}/v1/locks/invoices/acquire",
+        content=b'{"ttl": 10, "timeout": 1}',
+        headers={"content-type": "application/x-www-form-urlencoded"},  # what curl -d sends
+        timeout=10,
+    )
+    assert r.status_code == 200 and r.json()["ttl"] == 10
+
+
+def test_the_served_openapi_document_is_valid_and_covers_the_api(server: FencedServer) -> None:
+    from openapi_spec_validator import validate
+
+    doc = get(f"{server.url}/openapi.json").json()
+    validate(doc)
+    paths = set(doc["paths"])
+    for expected in (
+        "/v1/locks/{name}/acquire",
+        "/v1/locks/{name}/renew",
+        "/v1/locks/{name}/release",
+        "/v1/locks/{name}/force-release",
+        "/v1/locks/{name}/watch",
+        "/v1/locks/{name}",
+        "/v1/locks",
+        "/v1/check",
+        "/v1/health",
+        "/v1/ready",
+        "/metrics",
+    ):
+        assert expected in paths, expected
+    assert "bearer" in json.dumps(doc["components"]["securitySchemes"]).lower()
+    # A planted error: the validator must be able to fail.
+    broken = json.loads(json.dumps(doc))
+    broken["paths"]["/v1/check"]["post"]["responses"] = "none"
+    with pytest.raises(Exception):  # noqa: B017 - the validator's own error type
+        validate(broken)
+
+
+def test_watch_streams_each_change_and_a_blocking_query_returns_on_change(
+    server: FencedServer,
+) -> None:
+    u = server.url
+    events: list[dict[str, object]] = []
+    first = threading.Event()
+
+    def watch() -> None:
+        with httpx.stream("GET", f"{u}/v1/locks/w/watch", timeout=30) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(json.loads(line[6:]))
+                    first.set()
+                    if len(events) == 3:
+                        return
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    assert first.wait(10)
+    version = get(f"{u}/v1/locks/w").json()["version"]
+    blocked: list[dict[str, object]] = []
+    query = threading.Thread(
+        target=lambda: blocked.append(get(f"{u}/v1/locks/w?index={version}&wait=20").json())
+    )
+    query.start()
+    g = post(f"{u}/v1/locks/w/acquire", {"request_id": "w1"}).json()
+    post(f"{u}/v1/locks/w/release", {"token": g["token"], "request_id": "w1"})
+    t.join(10)
+    query.join(10)
+    assert [e["held"] for e in events] == [False, True, False]
+    assert events[1]["token"] == "w:1"
+    assert blocked and blocked[0]["version"] != version
+
+
+def test_health_ready_and_info(server: FencedServer) -> None:
+    assert get(f"{server.url}/v1/health").json() == {"status": "ok"}
+    assert get(f"{server.url}/v1/ready").json() == {"status": "ready"}
+    info = get(f"{server.url}/v1/info").json()
+    assert info["source"] == "sqlite" and "durable" in info["characteristics"]
+    assert info["signing"] is None and info["auth"] is False
+
+
+def test_metrics_count_grants_checks_and_refusals(server: FencedServer) -> None:
+    u = server.url
+    g = post(f"{u}/v1/locks/m/acquire").json()
+    post(f"{u}/v1/locks/m/acquire")  # timeout
+    post(f"{u}/v1/check", {"token": g["token"]})
+    post(f"{u}/v1/check", {"token": "m:0"})
+    text = get(f"{u}/metrics").text
+
+    def value(sample: str) -> float:
+        for line in text.splitlines():
+            if line.startswith(sample + " "):
+                return float(line.split()[-1])
+        raise AssertionError(f"{sample} not in metrics")
+
+    assert value("fenced_grants_total") == 1
+    assert value("fenced_acquire_timeouts_total") == 1
+    assert value('fenced_checks_total{result="current"}') == 1
+    assert value('fenced_checks_total{result="invalid"}') == 1
+    assert value('fenced_request_seconds_count{method="POST",route="/v1/check"}') == 2
+
+
+# -- auth ------------------------------------------------------------------------------------------
+
+SECRETS = {
+    "billing": "fk_billing_secret_000000000000",
+    "reader": "fk_reader_secret_0000000000000",
+    "ops": "fk_ops_secret_000000000000000000",
+}
+
+
+@pytest.fixture
+def keyed(source: str, tmp_path: Path) -> Iterator[FencedServer]:
+    keys = tmp_path / "keys.toml"
+    keys.write_text(
+        f"""
+[[keys]]
+id = "billing"
+sha256 = "{hash_secret(SECRETS["billing"])}"
+prefixes = ["invoices/"]
+verbs = ["acquire", "check"]
+
+[[keys]]
+id = "reader"
+sha256 = "{hash_secret(SECRETS["reader"])}"
+prefixes = [""]
+verbs = ["check"]
+
+[[keys]]
+id = "ops"
+secret = "{SECRETS["ops"]}"
+verbs = ["admin"]
+"""
+    )
+    with FencedServer(source, args=["--api-keys", str(keys)]) as s:
+        yield s  # type: ignore[misc]
+
+
+def test_a_key_outside_its_prefix_gets_403_and_changes_nothing(keyed: FencedServer) -> None:
+    u, billing = keyed.url, SECRETS["billing"]
+    assert post(f"{u}/v1/locks/invoices/a/acquire").status_code == 401
+    assert post(f"{u}/v1/locks/invoices/a/acquire", key="fk_wrong_0000000000").status_code == 401
+    ok = post(f"{u}/v1/locks/invoices/a/acquire", key=billing)
+    assert ok.status_code == 200
+    refused = post(f"{u}/v1/locks/payroll/acquire", key=billing)
+    assert refused.status_code == 403 and refused.json()["error"] == "forbidden"
+    reader = post(f"{u}/v1/locks/invoices/b/acquire", key=SECRETS["reader"])
+    assert reader.status_code == 403
+    # the reader can read and check, but does not see the holder's request id
+    status = get(f"{u}/v1/locks/invoices/a", key=SECRETS["reader"]).json()
+    assert status["held"] and status["holder"] is None and status["owner"].startswith("billing:")
+    assert post(f"{u}/v1/check", {"token": "invoices/a:1"}, key=SECRETS["reader"]).json()["current"]
+    # the reader may not free it; ops may
+    force = f"{u}/v1/locks/invoices/a/force-release"
+    assert post(force, key=SECRETS["reader"]).status_code == 403
+    assert post(force, key=billing).status_code == 403
+    assert get(f"{u}/v1/locks/invoices/a", key=SECRETS["ops"]).json()["held"] is True
+    assert post(force, key=SECRETS["ops"]).json()["released"]["token"] == "invoices/a:1"
+    # nothing refused touched a lock: payroll and invoices/b were never created
+    assert get(f"{u}/v1/locks", key=SECRETS["ops"]).json() == {"locks": ["invoices/a"]}
+    assert get(f"{u}/metrics", key=billing).status_code == 403
+    # no secret in the server's log
+    log = keyed.log_path.read_text()
+    assert not any(secret in log for secret in SECRETS.values())
+
+
+def test_the_python_client_with_a_key_and_without(keyed: FencedServer) -> None:
+    with fenced.connect(keyed.url, api_key=SECRETS["billing"]) as locks:
+        with locks.lock("invoices/7", ttl=5) as lease:
+            assert lease.token.value == 1
+        with pytest.raises(fenced.AccessDenied):
+            locks.lock("payroll", ttl=5).acquire(timeout=1)
+    with pytest.raises(fenced.AccessDenied) as info:
+        fenced.connect(keyed.url, api_key="fk_not_a_key_000000").lock("invoices/1").acquire()
+    assert "fk_not_a_key" not in str(info.value)
+
+
+def test_without_keys_it_refuses_to_listen_beyond_loopback(source: str) -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "fenced.cli", "serve", "--url", source, "--listen", "0.0.0.0:0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+    )
+    assert r.returncode == 2
+    assert "without --api-keys" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_a_bad_keys_file_is_one_line_that_quotes_no_secret(source: str, tmp_path: Path) -> None:
+    keys = tmp_path / "keys.toml"
+    keys.write_text('[[keys]]\nid = "x"\nsecret = "short-secret"\nverbs = ["acquire"]\n')
+    r = subprocess.run(
+        [sys.executable, "-m", "fenced.cli", "serve", "--url", source, "--api-keys", str(keys)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+    )
+    assert r.returncode == 2 and "16+ characters" in r.stderr
+    assert "short-secret" not in r.stderr
+
+
+# -- signing ---------------------------------------------------------------------------------------
+
+
+def test_signed_tokens_verify_at_a_guard_and_forged_ones_are_refused_by_check(
+    source: str, tmp_path: Path
+) -> None:
+    key_file = tmp_path / "signing.key"
+    assert cli.main(["keygen", "hmac", "k1", str(key_file)]) == 0
+    with FencedServer(source, args=["--signing-key", str(key_file)]) as server:
+        u = server.url
+        raw = post(f"{u}/v1/locks/acct/acquire").json()
+        assert raw["signed"].startswith("acct:1.k1.")
+        keyring = fenced.Keyring([fenced.load_key(str(key_file))])
+        import sqlite3
+
+        db = sqlite3.connect(tmp_path / "data.db")
+        db.execute("CREATE TABLE t (v TEXT)")
+        guard = SQLGuard("acct", verify=keyring)
+        guard.install(db)
+        with db:  # the signed token, as the client got it, is accepted
+            guard.check(db, token=raw["signed"])
+            db.execute("INSERT INTO t VALUES ('ok')")
+        for bad in (
+            "acct:1",
+            raw["signed"][:-2] + ("AA" if not raw["signed"].endswith("AA") else "BB"),
+        ):
+            with pytest.raises(fenced.SignatureError), db:
+                guard.check(db, token=bad)
+            r = post(f"{u}/v1/check", {"token": bad})
+            assert r.status_code == 400 and r.json()["error"] == "invalid_token", bad
+        assert post(f"{u}/v1/check", {"token": raw["signed"]}).json()["verdict"] == "current"
+        # and the Python client's lease carries the signed token
+        with fenced.connect(u) as locks:
+            post(
+                f"{u}/v1/locks/acct/release",
+                {"token": raw["signed"], "request_id": raw["request_id"]},
+            )
+            with locks.lock("acct", ttl=5) as lease:
+                assert lease.token.signature is not None and lease.token.value == 2
+                keyring.verify("acct", 2, lease.token.signature)
+
+
+# -- shutdown --------------------------------------------------------------------------------------
+
+
+def test_sigterm_answers_waiters_at_once_and_leaves_held_leases_to_expire(
+    server: FencedServer, source: str
+) -> None:
+    u = server.url
+    held = post(f"{u}/v1/locks/s/acquire", {"ttl": 30, "request_id": "holder"}).json()
+    got: list[httpx.Response] = []
+    waiter = threading.Thread(
+        target=lambda: got.append(post(f"{u}/v1/locks/s/acquire", {"timeout": 50}))
+    )
+    waiter.start()
+    wait_for(lambda: get(f"{u}/v1/locks/s").json()["waiters"] == 1, 10, "the waiter")
+    assert server.proc is not None
+    server.proc.send_signal(signal.SIGTERM)
+    waiter.join(15)  # well before its 50 s
+    assert not waiter.is_alive() and got[0].status_code == 503
+    # (uvicorn re-raises the signal once shut down: the status says "ended by SIGTERM")
+    assert server.proc.wait(15) in (0, -signal.SIGTERM)
+    assert "Application shutdown complete" in server.log_path.read_text()
+    with fenced.connect(source) as locks:  # the source itself: the grant is still there
+        status = locks.status("s")
+        assert status.token is not None and status.token.value == held["value"]
+        assert status.holder == "holder"
