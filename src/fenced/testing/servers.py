@@ -640,19 +640,21 @@ class FencedServer(Server):
         *,
         args: Sequence[str] = (),
         env: dict[str, str] | None = None,
+        prelude: str = "",
     ) -> None:
         super().__init__(base_dir, port)
         self.source_url = source_url
         self.args = list(args)
         self._env = env
+        self.prelude = prelude  # Python run first (a test plants a broken source this way)
 
     def command(self) -> Sequence[str]:
         import sys
 
         return [
             sys.executable,
-            "-m",
-            "fenced.cli",
+            "-c",
+            f"import sys\n{self.prelude}\nfrom fenced.cli import main\nsys.exit(main())",
             "serve",
             "--url",
             self.source_url,
