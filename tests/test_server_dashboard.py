@@ -132,7 +132,7 @@ def test_the_dashboard_shows_locks_counters_and_transitions(
     assert dom.body.get("data-loaded") == "yes"
     locks = {row[0]: row for row in dom.tables["locks"]}
     assert set(locks) == {"invoices", "reports"}
-    name, state, token, highest, left, waiters, holder = locks["invoices"]
+    _, state, token, highest, left, waiters, holder = locks["invoices"]
     assert (state, token, highest, waiters) == ("held", "1", "1", "0")
     assert holder == "billing worker 7"
     assert left.endswith(" s") and 500 < float(left.split()[0]) <= 600
