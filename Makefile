@@ -15,7 +15,8 @@ demo: $(PY)
 	$(VENV)/bin/fenced demo
 
 # Debian packages for the real servers the tests start, strace for the fsync counts and
-# Chromium for the pictures' rendering check (only when root; otherwise they must already be
+# Chromium for the pictures' and the dashboard's rendering checks, Node and curl for the
+# non-Python clients of `fenced serve` (only when root; otherwise they must already be
 # installed). PostgreSQL is looked for under /usr/lib/postgresql.
 servers:
 	@if [ "$$(id -u)" = 0 ]; then \
@@ -27,6 +28,8 @@ servers:
 	  command -v java >/dev/null || missing="$$missing default-jre-headless"; \
 	  command -v strace >/dev/null || missing="$$missing strace"; \
 	  command -v chromium >/dev/null || missing="$$missing chromium"; \
+	  command -v node >/dev/null || missing="$$missing nodejs"; \
+	  command -v curl >/dev/null || missing="$$missing curl"; \
 	  if [ -n "$$missing" ]; then \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
 	  fi; \
@@ -34,8 +37,8 @@ servers:
 
 test: $(PY) servers
 	$(PIP) install -e '.[dev]'
-	$(VENV)/bin/ruff check src tests bench docs/img
-	$(VENV)/bin/ruff format --check src tests bench docs/img
+	$(VENV)/bin/ruff check src tests bench docs/img examples
+	$(VENV)/bin/ruff format --check src tests bench docs/img examples
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -n 2 --dist loadgroup -q
 
