@@ -44,8 +44,15 @@ def storage(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[str]:
     port = free_port()
     plant = ["--no-fencing"] if request.param == "unguarded" else []
     proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "examples" / "storage_service.py"), "--port", str(port)]
-        + ["--dir", str(tmp_path / "storage"), *plant],
+        [
+            sys.executable,
+            str(ROOT / "examples" / "storage_service.py"),
+            "--port",
+            str(port),
+            "--dir",
+            str(tmp_path / "storage"),
+            *plant,
+        ],
         env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
     )
 
@@ -93,8 +100,15 @@ class Node:
 
     def __init__(self, server: str, lock: str, storage: str, data: str, ttl: float) -> None:
         self.proc = subprocess.Popen(
-            [_need("node"), str(ROOT / "examples" / "fenced_client.mjs")]
-            + [server, lock, storage, data, str(ttl)],
+            [
+                _need("node"),
+                str(ROOT / "examples" / "fenced_client.mjs"),
+                server,
+                lock,
+                storage,
+                data,
+                str(ttl),
+            ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -166,16 +180,34 @@ def _figure_8_5(server: FencedServer, storage: str) -> tuple[str, str]:
         assert one.line() == "token 1"
         os.kill(one.proc.pid, signal.SIGSTOP)  # paused: no renewals, no writes
         r = subprocess.run(  # client 2 waits in line until client 1's lease has expired
-            [curl, "-s", "-X", "POST", f"{server.url}/v1/locks/files/acquire"]
-            + ["-d", '{"ttl": 30, "timeout": 20, "request_id": "client-2"}'],
+            [
+                curl,
+                "-s",
+                "-X",
+                "POST",
+                f"{server.url}/v1/locks/files/acquire",
+                "-d",
+                '{"ttl": 30, "timeout": 20, "request_id": "client-2"}',
+            ],
             capture_output=True,
             text=True,
             timeout=60,
         )
         assert json.loads(r.stdout)["token"] == "files:2", r.stdout
         wrote = subprocess.run(
-            [curl, "-s", "-w", " %{http_code}", "-X", "PUT", target]
-            + ["-H", "Fencing-Token: files:2", "--data-binary", "client 2's write"],
+            [
+                curl,
+                "-s",
+                "-w",
+                " %{http_code}",
+                "-X",
+                "PUT",
+                target,
+                "-H",
+                "Fencing-Token: files:2",
+                "--data-binary",
+                "client 2's write",
+            ],
             capture_output=True,
             text=True,
             timeout=60,
