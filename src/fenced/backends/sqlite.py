@@ -31,7 +31,10 @@ request id): one fsync each. Queue rows need no durability (if a crash loses one
 died with it), so a caller that has to wait joins the queue in a transaction committed with
 ``synchronous=NORMAL`` (no fsync); a transaction that grants is always FULL. On fenced's
 private loop (the synchronous API) transactions run inline, since nothing else runs there; on
-an application's event loop they run on one worker thread per backend.
+an application's event loop they run on one worker thread per backend, with **group commit**:
+the acquires, renewals and releases that queued up while the last commit's fsync ran share
+the next transaction (each in a savepoint) and its one fsync, and hear their outcome only
+after it (``_drain``). A server with many concurrent clients (``fenced serve``) gains most.
 
 **Waking waiters.** A release wakes the blocked callers of that lock in the same process at
 once (an asyncio event per waiter, process-wide per database file), and rings the head of the
