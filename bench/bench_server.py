@@ -153,8 +153,17 @@ async def group_commit(gateway: FencedServer, etcd: EtcdServer, seconds: float) 
     if shutil.which("strace"):
         out = tempfile.NamedTemporaryFile(suffix=".strace", delete=False)  # noqa: SIM115
         tracer = subprocess.Popen(
-            ["strace", "-f", "-c", "-e", "trace=fsync,fdatasync", "-o", out.name]
-            + ["-p", str(gateway.proc.pid)],
+            [
+                "strace",
+                "-f",
+                "-c",
+                "-e",
+                "trace=fsync,fdatasync",
+                "-o",
+                out.name,
+                "-p",
+                str(gateway.proc.pid),
+            ],
             stderr=subprocess.DEVNULL,
         )
         time.sleep(1.0)  # (strace attaches to every thread)
@@ -164,7 +173,8 @@ async def group_commit(gateway: FencedServer, etcd: EtcdServer, seconds: float) 
     if tracer is not None:
         tracer.send_signal(signal.SIGINT)
         tracer.wait(30)
-        text = open(out.name).read()
+        with open(out.name) as f:
+            text = f.read()
         os.unlink(out.name)
         calls = re.findall(
             r"^\s*[\d.]+\s+[\d.]+\s+\d+\s+(\d+)\s+(?:\d+\s+)?f(?:data)?sync$", text, re.M
@@ -208,7 +218,9 @@ async def live_leases(gateway: FencedServer, n: int, seconds: float, ttl: float)
 
         async def take(i: int) -> None:
             async with sem:
-                lease = locks.lock(f"live/{i}", ttl=ttl, on_lost=lambda l: lost.append(l.name))
+                lease = locks.lock(
+                    f"live/{i}", ttl=ttl, on_lost=lambda lease: lost.append(lease.name)
+                )
                 await lease.acquire(timeout=120)
                 leases.append(lease)
 
@@ -223,8 +235,6 @@ async def live_leases(gateway: FencedServer, n: int, seconds: float, ttl: float)
             samples += 1
         held = sum(1 for lease in leases if lease.held)
         after = rss_kib(gateway.proc.pid)
-        for lease in leases:
-            lease._locks = lease._locks  # (released by the connection's close)
     print(
         f"(c) {n:,} live leases (ttl {ttl:g} s, renewed every ttl/3 by the client's lease core, "
         f"~{n / (ttl / 3):,.0f} renewals/s) through one server process pinned to one core, "

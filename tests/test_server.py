@@ -394,3 +394,29 @@ def test_sigterm_answers_waiters_at_once_and_leaves_held_leases_to_expire(
         status = locks.status("s")
         assert status.token is not None and status.token.value == held["value"]
         assert status.holder == "holder"
+
+
+async def test_connections_of_the_listening_socket_send_without_delay() -> None:
+    """The server's answers are written in two parts; with Nagle's algorithm on, the second
+    waited for the client's delayed ACK (40 ms a request on a keep-alive connection)."""
+    import asyncio
+    import socket
+
+    from fenced.server._run import listen_socket
+
+    sock = listen_socket("127.0.0.1", 0)
+    seen: list[int] = []
+    accepted = asyncio.Event()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        sock_ = writer.get_extra_info("socket")
+        seen.append(sock_.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+        accepted.set()
+        writer.close()
+
+    server = await asyncio.start_server(handle, sock=sock)
+    async with server:
+        _, writer = await asyncio.open_connection("127.0.0.1", sock.getsockname()[1])
+        await asyncio.wait_for(accepted.wait(), 10)
+        writer.close()
+    assert seen == [1]
