@@ -178,3 +178,16 @@ def pattern(value: int, size: int = 256 * 1024) -> bytes:
     """Recognisable data of ``size`` bytes for version ``value`` (a torn write shows)."""
     unit = f"<{value:019d}>".encode()
     return unit * (size // len(unit))
+
+
+def chromium() -> str:
+    """Chromium's path, or skip the test (``make test`` installs Debian's chromium as root)."""
+    import shutil
+
+    import pytest
+
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        path = shutil.which(name)
+        if path:
+            return path
+    pytest.skip("no Chromium (make test installs Debian's chromium when run as root)")

@@ -8,14 +8,13 @@ page, with the colours that carry its meaning on the screen.
 from __future__ import annotations
 
 import importlib.util
-import shutil
 import subprocess
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, chromium
 from tests.png import count_near, read_png
 
 IMG = ROOT / "docs" / "img"
@@ -41,18 +40,10 @@ def test_the_committed_pictures_are_what_the_script_draws(tmp_path: Path) -> Non
     assert "docs/img/paused-writer.svg" in (ROOT / "README.md").read_text()
 
 
-def _chromium() -> str:
-    for name in ("chromium", "chromium-browser", "google-chrome"):
-        path = shutil.which(name)
-        if path:
-            return path
-    pytest.skip("no Chromium (make test installs Debian's chromium when run as root)")
-
-
 def _screenshot(svg: Path, out: Path, height: int) -> list[bytes]:
     subprocess.run(
         [
-            _chromium(),
+            chromium(),
             "--headless",
             "--no-sandbox",
             "--disable-gpu",

@@ -420,3 +420,77 @@ async def test_connections_of_the_listening_socket_send_without_delay() -> None:
         await asyncio.wait_for(accepted.wait(), 10)
         writer.close()
     assert seen == [1]
+
+
+# -- TLS, logs, help -------------------------------------------------------------------------------
+
+
+def _self_signed(tmp_path: Path) -> tuple[Path, Path]:
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .sign(key, hashes.SHA256())
+    )
+    cert_file, key_file = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return cert_file, key_file
+
+
+def test_https_with_the_servers_tls_options(source: str, tmp_path: Path) -> None:
+    cert, key = _self_signed(tmp_path)
+    args = ["--tls-cert", str(cert), "--tls-key", str(key), "--log-format", "json"]
+    with FencedServer(source, args=args) as server:
+        url = f"https://127.0.0.1:{server.port}"
+        with fenced.connect(url, ca_file=str(cert)) as locks:
+            with locks.lock("tls", ttl=5) as lease:
+                assert lease.token.value == 1
+        with pytest.raises(fenced.BackendUnavailable):  # an unknown CA is refused
+            fenced.connect(url, connect_timeout=1).close()
+        assert httpx.get(f"{url}/v1/health", verify=str(cert), timeout=10).status_code == 200
+        lines = [ln for ln in server.log_path.read_text().splitlines() if ln.startswith("{")]
+    events = [json.loads(ln) for ln in lines]
+    assert any(e["message"].startswith("granted lock=tls token=1") for e in events), events
+    assert all({"time", "level", "logger", "message"} <= set(e) for e in events)
+
+
+def test_serve_help_lists_every_option() -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "fenced.cli", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+    )
+    assert r.returncode == 0
+    for option in (
+        "--url", "--listen", "--api-keys", "--insecure-no-auth", "--signing-key", "--tls-cert",
+        "--tls-key", "--max-wait", "--default-ttl", "--log-format", "--access-log", "--timeout",
+    ):  # fmt: skip
+        assert option in r.stdout, option

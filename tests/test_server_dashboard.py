@@ -5,7 +5,6 @@ last transitions), and a screenshot with the colours that carry meaning."""
 from __future__ import annotations
 
 import html.parser
-import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,24 +13,17 @@ import httpx
 import pytest
 
 from fenced.testing.servers import FencedServer
+from tests.helpers import chromium
 from tests.png import count_near, read_png
 
 HELD_GREEN = (0x1F, 0x7A, 0x44)
 WARN = (0xB4, 0x54, 0x1A)
 
 
-def _chromium() -> str:
-    for name in ("chromium", "chromium-browser", "google-chrome"):
-        path = shutil.which(name)
-        if path:
-            return path
-    pytest.skip("no Chromium (make test installs Debian's chromium when run as root)")
-
-
 def _chromium_run(*args: str) -> str:
     out = subprocess.run(
         [
-            _chromium(),
+            chromium(),
             "--headless",
             "--no-sandbox",
             "--disable-gpu",

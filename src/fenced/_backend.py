@@ -109,6 +109,16 @@ class TokenCheck:
         return self.highest is not None and self.highest.value == self.token.value
 
     @property
+    def verdict(self) -> str:
+        """One word: ``current``; ``stale`` (a later grant exists); ``never_granted`` (above
+        every grant known); ``not_current`` (ended, and no later grant known)."""
+        if self.current:
+            return "current"
+        if self.stale:
+            return "stale"
+        return "never_granted" if self.never_granted else "not_current"
+
+    @property
     def never_granted(self) -> bool:
         """Above every grant the source knows of: not a token it issued (yet) — forged, or
         from another deployment of the source."""

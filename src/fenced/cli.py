@@ -558,14 +558,7 @@ def _cmd_check_token(args: argparse.Namespace) -> int:
         options["signing_key"] = key_file
     with _sync.connect(url, **options) as locks:
         result = locks.check(token)
-    if result.current:
-        verdict = "current"
-    elif result.stale:
-        verdict = "stale"
-    elif result.never_granted:
-        verdict = "never-granted"
-    else:
-        verdict = "not-current"
+    verdict = result.verdict.replace("_", "-")
     if args.json:
         doc = {
             "token": str(token.unsigned()),

@@ -48,6 +48,9 @@ _OPTIONS: Final = MappingProxyType(
 
 # The server's long polls: an acquire asks for at most this long, then asks again.
 _POLL: Final = 30.0
+# Connections to the gateways, shared by every lease of this connection (acquires waiting in
+# long polls hold one each).
+_MAX_CONNECTIONS: Final = 256
 
 
 class HttpBackend(Backend):
@@ -83,7 +86,9 @@ class HttpBackend(Backend):
             headers=headers,
             timeout=httpx.Timeout(timeout),
             verify=opts.get("ca_file") or True,
-            limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
+            limits=httpx.Limits(
+                max_connections=_MAX_CONNECTIONS, max_keepalive_connections=_MAX_CONNECTIONS
+            ),
         )
         backend = cls(client, bases, timeout)
         try:
@@ -134,6 +139,10 @@ class HttpBackend(Backend):
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 last = exc  # never sent: safe to send elsewhere
                 continue
+            except httpx.PoolTimeout as exc:  # congestion here, not a dead server
+                raise BackendUnavailable(
+                    f"{base}: all {_MAX_CONNECTIONS} connections busy for the whole timeout"
+                ) from exc
             except httpx.TransportError as exc:
                 last = exc
                 if idempotent:
@@ -144,8 +153,9 @@ class HttpBackend(Backend):
                 last = BackendUnavailable(_message(reply))
                 continue
             return _answer(reply)
+        what = f"{type(last).__name__}: {last}" if last is not None else "no server listed"
         raise BackendUnavailable(
-            f"no fenced server answered ({', '.join(self._bases)}): {last}"
+            f"no fenced server answered ({', '.join(self._bases)}): {what}"
         ) from last
 
     # -- the Backend API -------------------------------------------------------------------------

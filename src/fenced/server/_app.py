@@ -161,7 +161,7 @@ class CheckOut(BaseModel):
     highest: str | None
     stale: bool = Field(description="A later grant exists: refuse this writer.")
     never_granted: bool = Field(description="Above every grant: forged or from elsewhere.")
-    verdict: Literal["current", "stale", "not_current", "never_granted", "unknown"]
+    verdict: Literal["current", "stale", "not_current", "never_granted"]
 
 
 class ErrorOut(BaseModel):
@@ -226,7 +226,7 @@ def _status_out(status: LockStatus, show_holder: bool) -> StatusOut:
     )
 
 
-def _check_out(result: TokenCheck, verdict: str) -> CheckOut:
+def _check_out(result: TokenCheck) -> CheckOut:
     return CheckOut(
         token=str(result.token.unsigned()),
         lock=result.token.lock,
@@ -234,18 +234,8 @@ def _check_out(result: TokenCheck, verdict: str) -> CheckOut:
         highest=str(result.highest) if result.highest else None,
         stale=result.stale,
         never_granted=result.never_granted,
-        verdict=verdict,  # type: ignore[arg-type]
+        verdict=result.verdict,  # type: ignore[arg-type]
     )
-
-
-def _verdict(result: TokenCheck) -> str:
-    if result.current:
-        return "current"
-    if result.stale:
-        return "stale"
-    if result.never_granted:
-        return "never_granted"
-    return "not_current" if result.is_highest else "unknown"
 
 
 # -- who is asking --------------------------------------------------------------------------------
@@ -581,7 +571,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
             raise ApiError(400, "invalid_token", str(exc)) from None
         allow(key, Verb.CHECK, token.lock)
         result = await call(gw.check(token))
-        return _check_out(result, _verdict(result))
+        return _check_out(result)
 
     # -- the server --------------------------------------------------------------------------
 

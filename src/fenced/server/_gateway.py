@@ -170,17 +170,7 @@ class Gateway:
 
     async def check(self, token: FencingToken) -> TokenCheck:
         result = await self.locks.check(token)
-        if result.current:
-            verdict = "current"
-        elif result.stale:
-            verdict = "stale"
-        elif result.never_granted:
-            verdict = "never_granted"
-        elif result.is_highest:
-            verdict = "not_current"
-        else:
-            verdict = "unknown"
-        self.metrics.checks.labels(verdict).inc()
+        self.metrics.checks.labels(result.verdict).inc()
         return result
 
     def _lost(self, name: str, request_id: str, exc: BaseException) -> None:

@@ -39,8 +39,8 @@ class Metrics:
         self.forced = Counter("fenced_forced_releases", "Operators' force releases", registry=r)
         self.checks = Counter(
             "fenced_checks",
-            "Token checks: current, stale, not_current (highest but ended), never_granted, "
-            "unknown, invalid (malformed or bad signature)",
+            "Token checks: current, stale, not_current (ended, no later grant known), "
+            "never_granted, invalid (malformed or bad signature)",
             ["result"],
             registry=r,
         )
