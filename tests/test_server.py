@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import threading
@@ -473,7 +474,10 @@ def test_https_with_the_servers_tls_options(source: str, tmp_path: Path) -> None
                 assert lease.token.value == 1
         with pytest.raises(fenced.BackendUnavailable):  # an unknown CA is refused
             fenced.connect(url, connect_timeout=1).close()
-        assert httpx.get(f"{url}/v1/health", verify=str(cert), timeout=10).status_code == 200
+        trusted = ssl.create_default_context(cafile=str(cert))
+        assert httpx.get(f"{url}/v1/health", verify=trusted, timeout=10).status_code == 200
+        with pytest.raises(fenced.ConfigurationError):  # a CA file that is not one: one line
+            fenced.connect(url, ca_file=str(tmp_path / "missing.pem"))
         lines = [ln for ln in server.log_path.read_text().splitlines() if ln.startswith("{")]
     events = [json.loads(ln) for ln in lines]
     assert any(e["message"].startswith("granted lock=tls token=1") for e in events), events
