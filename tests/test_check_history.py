@@ -1,0 +1,164 @@
+"""The check kit's history and checkers (``fenced.testing.check``) on a real run: worker
+processes take a lock from the SQLite source and increment a counter behind ``SQLGuard``,
+each step appended to one fsynced history; one worker is stopped with SIGSTOP past its lease
+in the middle of its read-modify-write, so its late write must be refused. Every checker
+passes on the real history, and each one fails on a history showing the fault it exists for
+(the bug planted in the history a faulty resource or source would have produced)."""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fenced.testing.check import CHECKERS, History, check_all, read_history
+from tests.helpers import ROOT
+
+WORKER = """
+import sqlite3, sys, time, fenced
+from fenced.guards.sql import SQLGuard
+from fenced.testing.check import History
+url, db, path, name, rounds, pause_flag = sys.argv[1:7]
+guard = SQLGuard("counter")
+history = History(path, name)
+with fenced.connect(url) as locks:
+    for i in range(int(rounds)):
+        lease = locks.lock("counter", ttl=1.0)
+        token = lease.acquire(timeout=60)
+        history.append("grant", lock="counter", token=token.value,
+                       surely_until=fenced._clock.now() + lease.remaining())
+        conn = sqlite3.connect(db, timeout=30)
+        value = conn.execute("SELECT n FROM counter").fetchone()[0] + 1  # read ...
+        if pause_flag.startswith("pause") and i == 1:
+            print("paused", flush=True)
+            sys.stdin.readline()  # (SIGSTOPped here by the test, then told to go on)
+        try:
+            with conn:  # ... modify-write, fenced: one transaction with the guard's check
+                if pause_flag != "pause-unguarded":  # (the planted fault: no fence check)
+                    guard.check(conn, token=token)
+                conn.execute("UPDATE counter SET n = ?", (value,))
+                conn.execute("INSERT INTO log (token, value) VALUES (?, ?)", (token.value, value))
+            history.append("write", lock="counter", token=token.value, value=value, ok=True)
+        except fenced.StaleTokenError:
+            history.append("write", lock="counter", token=token.value, value=value, ok=False)
+        conn.close()
+        released = lease.release()
+        history.append("release", lock="counter", token=token.value, released=released)
+print("done", flush=True)
+"""
+
+
+def _spawn(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", WORKER, *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"},
+    )
+
+
+@pytest.fixture(scope="module")
+def real_history(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return _run(tmp_path_factory.mktemp("history"), "pause")
+
+
+def test_the_checkers_catch_a_real_run_without_the_guard(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Planted in the system, not the history: the paused worker writes without the fence
+    check, and its stale read-modify-write lands."""
+    found = {v.checker for v in check_all(_run(tmp_path_factory.mktemp("h"), "pause-unguarded"))}
+    assert {"acceptance order", "lost update"} <= found, found
+
+
+def _run(tmp: Path, mode: str) -> list[dict[str, Any]]:
+    db, path = tmp / "data.db", tmp / "history.jsonl"
+    conn = sqlite3.connect(db)
+    conn.execute("CREATE TABLE counter (n INTEGER NOT NULL)")
+    conn.execute("INSERT INTO counter VALUES (0)")
+    conn.execute("CREATE TABLE log (seq INTEGER PRIMARY KEY, token INTEGER, value INTEGER)")
+    conn.commit()
+    from fenced.guards.sql import SQLGuard
+
+    SQLGuard("counter").install(conn)
+    conn.commit()
+    url = f"sqlite:///{tmp / 'locks.db'}"
+    paused = _spawn(url, str(db), str(path), "w-paused", "3", mode)
+    assert paused.stdout is not None
+    assert paused.stdout.readline().strip() == "paused"
+    os.kill(paused.pid, signal.SIGSTOP)  # past its 1 s lease, holding a value it read
+    others = [_spawn(url, str(db), str(path), f"w{i}", "8", "-") for i in range(2)]
+    for p in others:
+        assert p.wait(120) == 0
+    os.kill(paused.pid, signal.SIGCONT)
+    assert paused.stdin is not None
+    paused.stdin.write("go\n")  # it writes with the token it had before the pause
+    paused.stdin.flush()
+    assert paused.wait(60) == 0
+    with History(path, "checker") as h:
+        log = [list(r) for r in conn.execute("SELECT token, value FROM log ORDER BY seq")]
+        mark = SQLGuard("counter").high_water(conn)
+        h.append("final", lock="counter", mark=mark.value if mark else 0, log=log)
+    conn.close()
+    return read_history(path)
+
+
+def test_the_real_history_passes_every_checker(real_history: list[dict[str, Any]]) -> None:
+    assert [e for e in real_history if e["op"] == "grant"]
+    assert check_all(real_history) == []
+
+
+def _plant(history: list[dict[str, Any]], fault: str) -> list[dict[str, Any]]:
+    """The history a faulty resource or source would have produced."""
+    h = copy.deepcopy(history)
+    final = next(e for e in reversed(h) if e["op"] == "final")
+    log = final["log"]
+    grants = [e for e in h if e["op"] == "grant"]
+    if fault == "acceptance order":  # a guard comparing with < let a stale write in last
+        log.append([log[0][0], log[-1][1] + 1])
+    elif fault == "mark":  # the mark kept in memory, lost at a restart
+        final["mark"] = log[-1][0] - 1
+    elif fault == "token reuse":  # a counter not fsynced: a restart handed a token out again
+        h.append({**grants[0], "worker": "w-after-restart", "mono": grants[-1]["mono"] + 1})
+    elif fault == "lost update":  # check-then-write: two writers built on the same value
+        log.append([log[-1][0], log[-1][1]])
+    elif fault == "acknowledged writes":  # an accepted write that the resource did not keep
+        del log[-1]
+        final["mark"] = max(t for t, _ in log)
+    elif fault == "overlap":  # a grant made while the previous lease was surely held
+        second = next(g for g in grants if g["token"] == grants[0]["token"] + 1)
+        second["mono"] = grants[0]["mono"] + 0.001
+        h = [e for e in h if not (e["op"] == "release" and e["token"] == grants[0]["token"])]
+    return h
+
+
+@pytest.mark.parametrize("name", sorted(CHECKERS))
+def test_each_checker_catches_its_planted_fault(
+    real_history: list[dict[str, Any]], name: str
+) -> None:
+    planted = _plant(real_history, name)
+    assert CHECKERS[name](planted), f"{name} missed its fault"
+
+
+def test_the_paused_workers_late_write_was_refused(real_history: list[dict[str, Any]]) -> None:
+    late = [e for e in real_history if e["op"] == "write" and e["worker"] == "w-paused"]
+    refused = [e for e in late if not e["ok"]]
+    assert len(refused) == 1 and late[1] is refused[0]  # its second round: the paused one
+    assert refused[0]["token"] < max(e["token"] for e in real_history if e["op"] == "grant")
+
+
+def test_a_kill_leaves_only_complete_lines(tmp_path: Path) -> None:
+    path = tmp_path / "h.jsonl"
+    with History(path, "w") as h:
+        h.append("grant", lock="x", token=1, surely_until=1.0)
+    with open(path, "a") as f:
+        f.write('{"worker": "w", "op": "wri')  # a line cut short by SIGKILL
+    assert [e["op"] for e in read_history(path)] == ["grant"]
