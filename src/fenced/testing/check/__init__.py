@@ -8,6 +8,7 @@ violations it found (:func:`check_all` runs them all). See docs/testing.md.
 
 from __future__ import annotations
 
+from ._campaign import NEMESES, PLANTS, CampaignResult, run_campaign
 from ._checkers import (
     CHECKERS,
     Violation,
@@ -23,6 +24,9 @@ from ._history import Event, History, read_history
 
 __all__ = [
     "CHECKERS",
+    "NEMESES",
+    "PLANTS",
+    "CampaignResult",
     "Event",
     "History",
     "Violation",
@@ -33,5 +37,6 @@ __all__ = [
     "no_lost_update",
     "no_token_granted_twice",
     "read_history",
+    "run_campaign",
     "tokens_never_decrease_in_acceptance_order",
 ]

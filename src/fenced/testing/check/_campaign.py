@@ -1,0 +1,154 @@
+"""A check campaign: worker processes on the user's token source, a seeded nemesis, one
+history, every checker (see docs/testing.md).
+
+The resource is an embedded SQLite counter behind ``SQLGuard`` in the campaign's directory
+(the user's own resources come with the kit's adapters, still to come). The nemesis pauses
+workers with SIGSTOP for two ttls and kills them with SIGKILL (a replacement starts), on a
+schedule drawn from ``seed``: the same seed, the same schedule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from ...guards.sql import SQLGuard
+from ._checkers import Violation, check_all
+from ._history import History, read_history
+
+__all__ = ["NEMESES", "PLANTS", "CampaignResult", "run_campaign"]
+
+NEMESES = ("pause", "kill")
+PLANTS = ("no-fence",)
+
+
+@dataclasses.dataclass
+class CampaignResult:
+    violations: list[Violation]
+    history: Path
+    grants: int
+    accepted: int
+    refused: int
+    faults: dict[str, int]
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+
+def _setup_resource(db: Path) -> None:
+    conn = sqlite3.connect(db)
+    conn.execute("CREATE TABLE counter (n INTEGER NOT NULL)")
+    conn.execute("INSERT INTO counter VALUES (0)")
+    conn.execute("CREATE TABLE log (seq INTEGER PRIMARY KEY, token INTEGER, value INTEGER)")
+    SQLGuard("counter").install(conn)
+    conn.commit()
+    conn.close()
+
+
+def run_campaign(
+    source: str,
+    out: str | Path,
+    *,
+    workers: int = 3,
+    seconds: float = 20.0,
+    ttl: float = 1.0,
+    nemesis: Sequence[str] = NEMESES,
+    seed: int = 0,
+    plant: str = "",
+    progress: Callable[[str], None] | None = None,
+) -> CampaignResult:
+    unknown = set(nemesis) - set(NEMESES)
+    if unknown or (plant and plant not in PLANTS):
+        raise ValueError(f"unknown nemesis {sorted(unknown)} or plant {plant!r}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    db, path = out / "resource.db", out / "history.jsonl"
+    for stale in (db, path):
+        stale.unlink(missing_ok=True)
+    _setup_resource(db)
+    rng = random.Random(seed)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    serial = 0
+
+    def spawn() -> subprocess.Popen[bytes]:
+        nonlocal serial
+        serial += 1
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "fenced.testing.check._worker",
+                source,
+                str(db),
+                str(path),
+                f"w{serial}",
+                str(ttl),
+                str(seed),
+                plant,
+            ],
+            stdin=subprocess.PIPE,
+            env=env,
+            start_new_session=True,  # its own process group: signals reach it alone
+        )
+
+    procs = [spawn() for _ in range(workers)]
+    history = History(path, "nemesis")
+    faults = {n: 0 for n in nemesis}
+    start = time.monotonic()
+    try:
+        while time.monotonic() - start < seconds:
+            time.sleep(rng.uniform(0.5, 1.5) * ttl)  # (the schedule's own clock, not a sync)
+            if not nemesis:
+                continue
+            kind = rng.choice(list(nemesis))
+            i = rng.randrange(len(procs))
+            victim = procs[i]
+            faults[kind] += 1
+            history.append("nemesis", kind=kind, pid=victim.pid)
+            if progress:
+                progress(f"{time.monotonic() - start:5.1f} s: {kind} pid {victim.pid}")
+            if kind == "pause":
+                os.killpg(victim.pid, signal.SIGSTOP)
+                time.sleep(2 * ttl)  # past its lease: a successor is granted meanwhile
+                os.killpg(victim.pid, signal.SIGCONT)
+            else:
+                os.killpg(victim.pid, signal.SIGKILL)
+                victim.wait()
+                procs[i] = spawn()
+    finally:
+        for p in procs:
+            if p.stdin is not None:
+                p.stdin.close()  # finish the current round and stop
+        for p in procs:
+            try:
+                p.wait(30 * ttl + 30)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        conn = sqlite3.connect(db)
+        log = [list(r) for r in conn.execute("SELECT token, value FROM log ORDER BY seq")]
+        mark = SQLGuard("counter").high_water(conn)
+        conn.close()
+        history.append("final", lock="counter", mark=mark.value if mark else 0, log=log)
+        history.close()
+    events = read_history(path)
+    writes = [e for e in events if e["op"] == "write"]
+    return CampaignResult(
+        violations=check_all(events),
+        history=path,
+        grants=sum(1 for e in events if e["op"] == "grant"),
+        accepted=sum(1 for e in writes if e["ok"]),
+        refused=sum(1 for e in writes if not e["ok"]),
+        faults=faults,
+        seconds=time.monotonic() - start,
+    )

@@ -1,0 +1,74 @@
+"""One worker of a check campaign, as its own OS process:
+
+    python -m fenced.testing.check._worker SOURCE_URL DATA_DB HISTORY NAME TTL SEED [PLANT]
+
+Loops until its stdin closes (or it is killed): acquire the lock ``counter`` → read the
+counter → think → the guarded read-modify-write (``SQLGuard`` in the same transaction) →
+release; each step appended to the shared history. ``PLANT`` ``no-fence`` leaves the fence
+check out (a planted fault the checkers must catch).
+"""
+
+from __future__ import annotations
+
+import random
+import sqlite3
+import sys
+import threading
+import time
+
+import fenced
+from fenced import _clock
+from fenced.guards.sql import SQLGuard
+
+from ._history import History
+
+LOCK = "counter"
+
+
+def main(argv: list[str]) -> None:
+    url, db, path, name, ttl_text, seed_text, *rest = argv
+    plant = rest[0] if rest else ""
+    ttl = float(ttl_text)
+    rng = random.Random(f"{seed_text}-{name}")
+    stop = threading.Event()
+
+    def until_stdin_closes() -> None:
+        sys.stdin.read()
+        stop.set()
+
+    threading.Thread(target=until_stdin_closes, daemon=True).start()
+    guard = SQLGuard(LOCK)
+    history = History(path, name)
+    with fenced.connect(url) as locks:
+        while not stop.is_set():
+            lease = locks.lock(LOCK, ttl=ttl)
+            try:
+                token = lease.acquire(timeout=ttl * 20)
+            except fenced.LockTimeout:
+                continue
+            history.append(
+                "grant", lock=LOCK, token=token.value, surely_until=_clock.now() + lease.remaining()
+            )
+            conn = sqlite3.connect(db, timeout=30)
+            try:
+                value = conn.execute("SELECT n FROM counter").fetchone()[0] + 1
+                time.sleep(rng.uniform(0, ttl / 4))  # think
+                try:
+                    with conn:
+                        if plant != "no-fence":
+                            guard.check(conn, token=token)
+                        conn.execute("UPDATE counter SET n = ?", (value,))
+                        conn.execute(
+                            "INSERT INTO log (token, value) VALUES (?, ?)", (token.value, value)
+                        )
+                    history.append("write", lock=LOCK, token=token.value, value=value, ok=True)
+                except fenced.StaleTokenError:
+                    history.append("write", lock=LOCK, token=token.value, value=value, ok=False)
+            finally:
+                conn.close()
+            released = lease.release()
+            history.append("release", lock=LOCK, token=token.value, released=released)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
