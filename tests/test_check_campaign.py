@@ -15,8 +15,23 @@ from tests.helpers import ROOT
 
 def _check(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "fenced.cli", "check", "--source", f"sqlite:///{tmp_path}/l.db"]
-        + ["--time", "5", "--ttl", "0.5", "--seed", "1", "--report", str(tmp_path / "r"), *extra],
+        [
+            sys.executable,
+            "-m",
+            "fenced.cli",
+            "check",
+            "--source",
+            f"sqlite:///{tmp_path}/l.db",
+            "--time",
+            "5",
+            "--ttl",
+            "0.5",
+            "--seed",
+            "1",
+            "--report",
+            str(tmp_path / "r"),
+            *extra,
+        ],
         capture_output=True,
         text=True,
         timeout=120,
