@@ -10,7 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, chromium
+from tests.png import count_near, read_png
 
 
 def _check(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
@@ -58,3 +59,46 @@ def test_a_campaign_catches_a_resource_without_the_fence_check(tmp_path: Path) -
     r = _check(tmp_path, "--plant", "no-fence")
     assert r.returncode == 1, r.stdout + r.stderr
     assert "VIOLATION" in r.stdout
+
+
+def _dom(page: Path) -> str:
+    return subprocess.run(
+        [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", page.as_uri()],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+
+
+def test_the_report_renders_the_run_and_its_verdict(tmp_path: Path) -> None:
+    assert _check(tmp_path).returncode == 0
+    events = [json.loads(x) for x in (tmp_path / "r" / "history.jsonl").read_text().splitlines()]
+    accepted = sum(1 for e in events if e["op"] == "write" and e["ok"])
+    dom = _dom(tmp_path / "r" / "report.html")
+    assert "Every invariant held." in dom
+    assert dom.count('class="accepted"') == accepted
+    assert dom.count('class="nemesis"') == len(_faults(tmp_path))
+    shot = tmp_path / "report.png"
+    subprocess.run(
+        [
+            chromium(),
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--hide-scrollbars",
+            "--window-size=1040,320",
+            f"--screenshot={shot}",
+            (tmp_path / "r" / "report.html").as_uri(),
+        ],
+        capture_output=True,
+        timeout=120,
+        check=True,
+    )
+    _, _, rows = read_png(shot)
+    assert count_near(rows, (0x2E, 0x9D, 0x5B), tolerance=30) > 30  # the accepted writes
+
+    planted = tmp_path / "planted"
+    assert _check(planted, "--plant", "no-fence").returncode == 1
+    dom = _dom(planted / "r" / "report.html")
+    assert "violation(s); the first:" in dom and "Every invariant held." not in dom

@@ -734,7 +734,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     faults = ", ".join(f"{n} {k}" for k, n in result.faults.items()) or "none"
     print(
         f"{result.grants} grants, {result.accepted} writes accepted, {result.refused} refused "
-        f"(stale), faults: {faults}; history: {result.history}"
+        f"(stale), faults: {faults}; report: {result.report}"
     )
     for violation in result.violations:
         print(f"VIOLATION {violation}")

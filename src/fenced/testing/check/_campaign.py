@@ -23,6 +23,7 @@ from pathlib import Path
 from ...guards.sql import SQLGuard
 from ._checkers import Violation, check_all
 from ._history import History, read_history
+from ._report import write_report
 
 __all__ = ["NEMESES", "PLANTS", "CampaignResult", "run_campaign"]
 
@@ -33,6 +34,7 @@ PLANTS = ("no-fence",)
 @dataclasses.dataclass
 class CampaignResult:
     violations: list[Violation]
+    report: Path
     history: Path
     grants: int
     accepted: int
@@ -114,7 +116,9 @@ def run_campaign(
             i = rng.randrange(len(procs))
             victim = procs[i]
             faults[kind] += 1
-            history.append("nemesis", kind=kind, pid=victim.pid)
+            history.append(
+                "nemesis", kind=kind, pid=victim.pid, seconds=2 * ttl if kind == "pause" else 0
+            )
             if progress:
                 progress(f"{time.monotonic() - start:5.1f} s: {kind} pid {victim.pid}")
             if kind == "pause":
@@ -143,8 +147,11 @@ def run_campaign(
         history.close()
     events = read_history(path)
     writes = [e for e in events if e["op"] == "write"]
+    violations = check_all(events)
+    report = write_report(events, violations, out / "report.html")
     return CampaignResult(
-        violations=check_all(events),
+        violations=violations,
+        report=report,
         history=path,
         grants=sum(1 for e in events if e["op"] == "grant"),
         accepted=sum(1 for e in writes if e["ok"]),

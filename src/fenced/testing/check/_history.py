@@ -38,7 +38,13 @@ class History:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def append(self, op: str, **fields: Any) -> Event:
-        event: Event = {"worker": self.worker, "op": op, "mono": _clock.now(), "wall": time.time()}
+        event: Event = {
+            "worker": self.worker,
+            "pid": os.getpid(),
+            "op": op,
+            "mono": _clock.now(),
+            "wall": time.time(),
+        }
         event.update(fields)
         line = (json.dumps(event, separators=(",", ":")) + "\n").encode()
         os.write(self._fd, line)
