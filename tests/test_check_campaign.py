@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from fenced.testing.servers import RedisServer
 from tests.helpers import ROOT, chromium
 from tests.png import count_near, read_png
 
@@ -102,3 +103,42 @@ def test_the_report_renders_the_run_and_its_verdict(tmp_path: Path) -> None:
     assert _check(planted, "--plant", "no-fence").returncode == 1
     dom = _dom(planted / "r" / "report.html")
     assert "violation(s); the first:" in dom and "Every invariant held." not in dom
+
+
+def test_a_campaign_on_redis_with_partitions_holds_every_invariant(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    if redis_server.proc is None:
+        redis_server.start()
+    source = f"{redis_server.url}?key_prefix=check-{tmp_path.name}:"
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fenced.cli",
+            "check",
+            "--source",
+            source,
+            "--time",
+            "6",
+            "--ttl",
+            "0.5",
+            "--seed",
+            "2",
+            "--nemesis",
+            "partition,pause",
+            "--report",
+            str(tmp_path / "r"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "partition" in _faults(tmp_path)
+
+
+def test_partitions_need_a_source_reached_over_tcp(tmp_path: Path) -> None:
+    r = _check(tmp_path, "--nemesis", "partition")
+    assert r.returncode == 2 and "host:port" in r.stderr and len(r.stderr.splitlines()) == 1

@@ -49,8 +49,9 @@ with fenced.connect(url) as locks:
         except fenced.StaleTokenError:
             history.append("write", lock="counter", token=token.value, value=value, ok=False)
         conn.close()
+        sent = fenced._clock.now()
         released = lease.release()
-        history.append("release", lock="counter", token=token.value, released=released)
+        history.append("release", lock="counter", token=token.value, released=released, sent=sent)
 print("done", flush=True)
 """
 

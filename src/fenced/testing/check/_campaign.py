@@ -3,8 +3,10 @@ history, every checker (see docs/testing.md).
 
 The resource is an embedded SQLite counter behind ``SQLGuard`` in the campaign's directory
 (the user's own resources come with the kit's adapters, still to come). The nemesis pauses
-workers with SIGSTOP for two ttls and kills them with SIGKILL (a replacement starts), on a
-schedule drawn from ``seed``: the same seed, the same schedule.
+workers with SIGSTOP for two ttls, kills them with SIGKILL (a replacement starts), and (for a
+source reached over TCP) partitions one worker from the source for two ttls through its own
+:class:`~fenced.testing.proxy.TcpProxy`, on a schedule drawn from ``seed``: the same seed,
+the same schedule.
 """
 
 from __future__ import annotations
@@ -19,15 +21,18 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
+from ..._errors import ConfigurationError
 from ...guards.sql import SQLGuard
+from ..proxy import TcpProxy
 from ._checkers import Violation, check_all
 from ._history import History, read_history
 from ._report import write_report
 
 __all__ = ["NEMESES", "PLANTS", "CampaignResult", "run_campaign"]
 
-NEMESES = ("pause", "kill")
+NEMESES = ("pause", "kill", "partition")
 PLANTS = ("no-fence",)
 
 
@@ -71,7 +76,7 @@ def run_campaign(
 ) -> CampaignResult:
     unknown = set(nemesis) - set(NEMESES)
     if unknown or (plant and plant not in PLANTS):
-        raise ValueError(f"unknown nemesis {sorted(unknown)} or plant {plant!r}")
+        raise ConfigurationError(f"unknown nemesis {sorted(unknown)} or plant {plant!r}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     db, path = out / "resource.db", out / "history.jsonl"
@@ -85,12 +90,14 @@ def run_campaign(
     def spawn() -> subprocess.Popen[bytes]:
         nonlocal serial
         serial += 1
-        return subprocess.Popen(
+        slot: list[TcpProxy] = []
+        url = worker_url(slot)
+        proc = subprocess.Popen(
             [
                 sys.executable,
                 "-m",
                 "fenced.testing.check._worker",
-                source,
+                url,
                 str(db),
                 str(path),
                 f"w{serial}",
@@ -101,6 +108,27 @@ def run_campaign(
             stdin=subprocess.PIPE,
             env=env,
             start_new_session=True,  # its own process group: signals reach it alone
+        )
+        if slot:
+            proxies[proc.pid] = slot[0]
+        return proc
+
+    proxies: dict[int, TcpProxy] = {}  # worker pid -> its own way to the source
+
+    def worker_url(pid_slot: list[TcpProxy]) -> str:
+        if "partition" not in nemesis:
+            return source
+        parts = urlsplit(source)
+        if not parts.hostname or not parts.port or "," in parts.netloc:
+            raise ConfigurationError(
+                "the partition nemesis needs a source at one host:port (not a file, not a list)"
+            )
+        proxy = TcpProxy(parts.hostname, parts.port).start()
+        pid_slot.append(proxy)
+        netloc = parts.netloc.rsplit("@", 1)
+        host = f"127.0.0.1:{proxy.port}"
+        return urlunsplit(
+            parts._replace(netloc=f"{netloc[0]}@{host}" if len(netloc) == 2 else host)
         )
 
     procs = [spawn() for _ in range(workers)]
@@ -125,9 +153,16 @@ def run_campaign(
                 os.killpg(victim.pid, signal.SIGSTOP)
                 time.sleep(2 * ttl)  # past its lease: a successor is granted meanwhile
                 os.killpg(victim.pid, signal.SIGCONT)
+            elif kind == "partition":
+                proxies[victim.pid].partition()  # its renewals cannot reach the source
+                time.sleep(2 * ttl)
+                proxies[victim.pid].heal()
             else:
                 os.killpg(victim.pid, signal.SIGKILL)
                 victim.wait()
+                old = proxies.pop(victim.pid, None)
+                if old is not None:
+                    old.close()
                 procs[i] = spawn()
     finally:
         for p in procs:
@@ -139,6 +174,8 @@ def run_campaign(
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
+        for proxy in proxies.values():
+            proxy.close()
         conn = sqlite3.connect(db)
         log = [list(r) for r in conn.execute("SELECT token, value FROM log ORDER BY seq")]
         mark = SQLGuard("counter").high_water(conn)

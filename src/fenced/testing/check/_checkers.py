@@ -149,7 +149,9 @@ def grants_do_not_overlap_in_grant_order(history: list[Event]) -> list[Violation
         if e["op"] == "grant":
             by_lock.setdefault(e["lock"], []).append(e)
         elif e["op"] == "release" and e.get("released"):
-            released[(e["lock"], e["token"])] = e["mono"]
+            # From when the release was sent: the source may grant the next holder before
+            # the releasing worker hears back and records it.
+            released[(e["lock"], e["token"])] = e.get("sent", e["mono"])
     out = []
     for lock, grants in by_lock.items():
         grants.sort(key=lambda e: e["token"])

@@ -9,7 +9,8 @@ and the wall clock (for people).
 Events (``op``) and their fields besides ``worker``, ``op``, ``mono``, ``wall``:
 
 * ``grant``: ``lock``, ``token``, ``surely_until`` (mono + the lease's ``remaining()``)
-* ``release``: ``lock``, ``token``, ``released`` (what the source said)
+* ``release``: ``lock``, ``token``, ``released`` (what the source said), ``sent`` (mono when
+  the release was sent: the next grant may come before the answer)
 * ``write``: ``lock``, ``token``, ``value``, ``ok`` (accepted or refused by the resource)
 * ``final``: what the resource holds at the end: ``mark`` (its high-water mark) and ``log``,
   the accepted writes in the resource's own order, as ``[token, value]`` pairs

@@ -66,8 +66,9 @@ def main(argv: list[str]) -> None:
                     history.append("write", lock=LOCK, token=token.value, value=value, ok=False)
             finally:
                 conn.close()
+            sent = _clock.now()  # (a successor may be granted before release() returns)
             released = lease.release()
-            history.append("release", lock=LOCK, token=token.value, released=released)
+            history.append("release", lock=LOCK, token=token.value, released=released, sent=sent)
 
 
 if __name__ == "__main__":
