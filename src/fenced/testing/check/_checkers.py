@@ -151,7 +151,7 @@ def grants_do_not_overlap_in_grant_order(history: list[Event]) -> list[Violation
         elif e["op"] == "release" and e.get("released"):
             # From when the release was sent: the source may grant the next holder before
             # the releasing worker hears back and records it.
-            released[(e["lock"], e["token"])] = float(e.get("sent", e["mono"]))
+            released[(e["lock"], e["token"])] = float(e["sent"] if "sent" in e else e["mono"])
     out = []
     for lock, grants in by_lock.items():
         grants.sort(key=lambda e: e["token"])
