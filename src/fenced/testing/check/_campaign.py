@@ -111,9 +111,11 @@ def run_campaign(
         )
         if slot:
             proxies[proc.pid] = slot[0]
+        names[proc.pid] = f"w{serial}"
         return proc
 
     proxies: dict[int, TcpProxy] = {}  # worker pid -> its own way to the source
+    names: dict[int, str] = {}  # worker pid -> its name in the history
 
     def worker_url(pid_slot: list[TcpProxy]) -> str:
         if "partition" not in nemesis:
@@ -145,10 +147,13 @@ def run_campaign(
             victim = procs[i]
             faults[kind] += 1
             history.append(
-                "nemesis", kind=kind, pid=victim.pid, seconds=2 * ttl if kind == "pause" else 0
+                "nemesis",
+                kind=kind,
+                victim=names[victim.pid],
+                seconds=2 * ttl if kind in ("pause", "partition") else 0,
             )
             if progress:
-                progress(f"{time.monotonic() - start:5.1f} s: {kind} pid {victim.pid}")
+                progress(f"{time.monotonic() - start:5.1f} s: {kind} {names[victim.pid]}")
             if kind == "pause":
                 os.killpg(victim.pid, signal.SIGSTOP)
                 time.sleep(2 * ttl)  # past its lease: a successor is granted meanwhile

@@ -17,10 +17,9 @@ GREEN, RED, GREY, BLUE, INK = "#2e9d5b", "#d64545", "#9aa3ad", "#4c8bf5", "#1d24
 
 def write_report(events: list[Event], violations: list[Violation], path: str | Path) -> Path:
     path = Path(path)
-    workers = sorted({e["worker"] for e in events if e["worker"] not in ("nemesis", "checker")},
-                     key=lambda w: (len(w), w))  # fmt: skip
-    lane = {w: i for i, w in enumerate(workers)}
-    pid_worker = {e["pid"]: e["worker"] for e in events if e["worker"] in lane and "pid" in e}
+    named = {e["worker"] for e in events if e["worker"] not in ("nemesis", "checker")}
+    named |= {e["victim"] for e in events if e["op"] == "nemesis"}  # (killed before a step)
+    lane = {w: i for i, w in enumerate(sorted(named, key=lambda w: (len(w), w)))}
     times = [e["mono"] for e in events]
     t0, t1 = (min(times), max(times)) if times else (0.0, 1.0)
     width, left, row = 1000, 70, 34
@@ -68,11 +67,8 @@ def write_report(events: list[Event], violations: list[Violation], path: str | P
             else:
                 parts.append(f'<g class="refused"><title>refused: token {e["token"]}</title><line x1="{cx - 5:.1f}" x2="{cx + 5:.1f}" y1="{y - 5}" y2="{y + 5}" stroke="{RED}" stroke-width="3"/><line x1="{cx - 5:.1f}" x2="{cx + 5:.1f}" y1="{y + 5}" y2="{y - 5}" stroke="{RED}" stroke-width="3"/></g>')  # fmt: skip
         elif e["op"] == "nemesis":
-            victim = pid_worker.get(e["pid"])
-            if victim is None:
-                continue
-            y = 20 + lane[victim] * row
-            label = "paused" if e["kind"] == "pause" else "killed"
+            y = 20 + lane[e["victim"]] * row
+            label = {"pause": "paused", "kill": "killed", "partition": "partitioned"}[e["kind"]]
             span = max(4.0, e.get("seconds", 0) * scale)
             parts.append(f'<rect class="nemesis" x="{x(e["mono"]):.1f}" y="{y}" width="{span:.1f}" height="22" fill="{GREY}" fill-opacity="0.6"><title>{label}</title></rect>')  # fmt: skip
     height = 30 + len(lane) * row
