@@ -25,11 +25,11 @@ def _check(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
             "--source",
             f"sqlite:///{tmp_path}/l.db",
             "--time",
-            "5",
+            "6",
             "--ttl",
             "0.5",
             "--seed",
-            "1",
+            "3",
             "--report",
             str(tmp_path / "r"),
             *extra,
@@ -51,15 +51,25 @@ def test_a_campaign_with_pauses_and_kills_holds_every_invariant(tmp_path: Path) 
     assert r.returncode == 0, r.stdout + r.stderr
     assert "every invariant held" in r.stdout
     faults = _faults(tmp_path)
-    assert {"pause", "kill"} <= set(faults)
+    assert {"pause", "stall", "kill"} <= set(faults), faults
     again = _check(tmp_path / "again")
     assert again.returncode == 0 and _faults(tmp_path / "again") == faults  # the seed's schedule
 
 
-def test_a_campaign_catches_a_resource_without_the_fence_check(tmp_path: Path) -> None:
-    r = _check(tmp_path, "--plant", "no-fence")
-    assert r.returncode == 1, r.stdout + r.stderr
-    assert "VIOLATION" in r.stdout
+def test_stalls_inside_the_critical_section_are_refused_and_the_plant_caught(
+    tmp_path: Path,
+) -> None:
+    """The stall nemesis stops a worker between its read and its guarded write, past its
+    lease: the guard refuses its late writes (stale), and without the fence check (planted)
+    they land — lost updates, tokens out of order."""
+    r = _check(tmp_path, "--nemesis", "stall")
+    assert r.returncode == 0, r.stdout + r.stderr
+    refused = int(r.stdout.split(" refused")[0].rsplit(", ", 1)[1].split()[0])
+    assert refused >= 1, r.stdout
+    planted = _check(tmp_path / "planted", "--nemesis", "stall", "--plant", "no-fence")
+    assert planted.returncode == 1, planted.stdout + planted.stderr
+    assert "VIOLATION lost update" in planted.stdout
+    assert "VIOLATION acceptance order" in planted.stdout
 
 
 def _dom(page: Path) -> str:

@@ -347,7 +347,9 @@ def _parser() -> argparse.ArgumentParser:
     check_kit.add_argument("--workers", type=int, default=3, help="worker processes (3)")
     check_kit.add_argument("--ttl", type=_ttl, default=1.0, help="the workers' lease ttl (1)")
     check_kit.add_argument(
-        "--nemesis", default="pause,kill", help="faults to inject: pause, kill (both)"
+        "--nemesis",
+        default="pause,stall,kill",
+        help="faults: pause, stall (a pause between read and write), kill, partition",
     )
     check_kit.add_argument("--seed", type=int, default=0, help="the fault schedule's seed (0)")
     check_kit.add_argument("--report", default="fenced-check", help="directory for the history")

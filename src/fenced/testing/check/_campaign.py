@@ -3,7 +3,8 @@ history, every checker (see docs/testing.md).
 
 The resource is an embedded SQLite counter behind ``SQLGuard`` in the campaign's directory
 (the user's own resources come with the kit's adapters, still to come). The nemesis pauses
-workers with SIGSTOP for two ttls, kills them with SIGKILL (a replacement starts), and (for a
+workers with SIGSTOP for two ttls (``pause``: anywhere; ``stall``: inside the critical
+section, between the read and the guarded write — DDIA's GC pause), kills them with SIGKILL (a replacement starts), and (for a
 source reached over TCP) partitions one worker from the source for two ttls through its own
 :class:`~fenced.testing.proxy.TcpProxy`, on a schedule drawn from ``seed``: the same seed,
 the same schedule.
@@ -32,7 +33,7 @@ from ._report import write_report
 
 __all__ = ["NEMESES", "PLANTS", "CampaignResult", "run_campaign"]
 
-NEMESES = ("pause", "kill", "partition")
+NEMESES = ("pause", "stall", "kill", "partition")
 PLANTS = ("no-fence",)
 
 
@@ -50,6 +51,19 @@ class CampaignResult:
     @property
     def ok(self) -> bool:
         return not self.violations
+
+
+def _until_stopped(pid: int, limit: float) -> None:
+    """Wait (bounded) until ``pid`` has stopped itself; it may be between two rounds."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                    return
+        except OSError:
+            return
+        time.sleep(0.01)
 
 
 def _setup_resource(db: Path) -> None:
@@ -150,13 +164,18 @@ def run_campaign(
                 "nemesis",
                 kind=kind,
                 victim=names[victim.pid],
-                seconds=2 * ttl if kind in ("pause", "partition") else 0,
+                seconds=2 * ttl if kind in ("pause", "stall", "partition") else 0,
             )
             if progress:
                 progress(f"{time.monotonic() - start:5.1f} s: {kind} {names[victim.pid]}")
             if kind == "pause":
                 os.killpg(victim.pid, signal.SIGSTOP)
                 time.sleep(2 * ttl)  # past its lease: a successor is granted meanwhile
+                os.killpg(victim.pid, signal.SIGCONT)
+            elif kind == "stall":  # stopped inside its critical section, past its lease
+                os.kill(victim.pid, signal.SIGUSR1)
+                _until_stopped(victim.pid, limit=5 * ttl + 5)
+                time.sleep(2 * ttl)
                 os.killpg(victim.pid, signal.SIGCONT)
             elif kind == "partition":
                 proxies[victim.pid].partition()  # its renewals cannot reach the source

@@ -68,7 +68,12 @@ def write_report(events: list[Event], violations: list[Violation], path: str | P
                 parts.append(f'<g class="refused"><title>refused: token {e["token"]}</title><line x1="{cx - 5:.1f}" x2="{cx + 5:.1f}" y1="{y - 5}" y2="{y + 5}" stroke="{RED}" stroke-width="3"/><line x1="{cx - 5:.1f}" x2="{cx + 5:.1f}" y1="{y + 5}" y2="{y - 5}" stroke="{RED}" stroke-width="3"/></g>')  # fmt: skip
         elif e["op"] == "nemesis":
             y = 20 + lane[e["victim"]] * row
-            label = {"pause": "paused", "kill": "killed", "partition": "partitioned"}[e["kind"]]
+            label = {
+                "pause": "paused",
+                "stall": "stalled",
+                "kill": "killed",
+                "partition": "partitioned",
+            }[e["kind"]]
             span = max(4.0, e.get("seconds", 0) * scale)
             parts.append(f'<rect class="nemesis" x="{x(e["mono"]):.1f}" y="{y}" width="{span:.1f}" height="22" fill="{GREY}" fill-opacity="0.6"><title>{label}</title></rect>')  # fmt: skip
     height = 30 + len(lane) * row

@@ -4,13 +4,16 @@
 
 Loops until its stdin closes (or it is killed): acquire the lock ``counter`` → read the
 counter → think → the guarded read-modify-write (``SQLGuard`` in the same transaction) →
-release; each step appended to the shared history. ``PLANT`` ``no-fence`` leaves the fence
+release; each step appended to the shared history. On SIGUSR1 it stops itself (SIGSTOP)
+at its next critical point, after reading and before writing. ``PLANT`` ``no-fence`` leaves the fence
 check out (a planted fault the checkers must catch).
 """
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import sqlite3
 import sys
 import threading
@@ -37,6 +40,10 @@ def main(argv: list[str]) -> None:
         stop.set()
 
     threading.Thread(target=until_stdin_closes, daemon=True).start()
+    # SIGUSR1 (the "stall" nemesis): stop this whole process (renewals included) at the next
+    # critical point, between reading the counter and the guarded write: DDIA's GC pause.
+    stall = threading.Event()
+    signal.signal(signal.SIGUSR1, lambda *_: stall.set())
     guard = SQLGuard(LOCK)
     history = History(path, name)
     with fenced.connect(url) as locks:
@@ -53,6 +60,10 @@ def main(argv: list[str]) -> None:
             try:
                 value = conn.execute("SELECT n FROM counter").fetchone()[0] + 1
                 time.sleep(rng.uniform(0, ttl / 4))  # think
+                if stall.is_set():
+                    stall.clear()
+                    history.append("stalled", lock=LOCK, token=token.value)
+                    os.kill(os.getpid(), signal.SIGSTOP)  # the nemesis sends SIGCONT later
                 try:
                     with conn:
                         if plant != "no-fence":
