@@ -191,3 +191,25 @@ def chromium() -> str:
         if path:
             return path
     pytest.skip("no Chromium (make test installs Debian's chromium when run as root)")
+
+
+def headless(*args: str, budget_ms: int = 0) -> str:
+    """Run headless Chromium with ``args`` (``--dump-dom URL``, ``--screenshot=F URL``...);
+    its stdout. ``budget_ms``: virtual time for the page's scripts before the DOM is taken."""
+    budget = [f"--virtual-time-budget={budget_ms}"] if budget_ms else []
+    out = subprocess.run(
+        [
+            chromium(),
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--hide-scrollbars",
+            *budget,
+            *args,
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return out.stdout

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from fenced.testing.servers import RedisServer
-from tests.helpers import ROOT, chromium
+from tests.helpers import ROOT, headless
 from tests.png import count_near, read_png
 
 
@@ -73,13 +73,7 @@ def test_stalls_inside_the_critical_section_are_refused_and_the_plant_caught(
 
 
 def _dom(page: Path) -> str:
-    return subprocess.run(
-        [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", page.as_uri()],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    ).stdout
+    return headless("--dump-dom", page.as_uri())
 
 
 def test_the_report_renders_the_run_and_its_verdict(tmp_path: Path) -> None:
@@ -91,20 +85,8 @@ def test_the_report_renders_the_run_and_its_verdict(tmp_path: Path) -> None:
     assert dom.count('class="accepted"') == accepted
     assert dom.count('class="nemesis"') == len(_faults(tmp_path))
     shot = tmp_path / "report.png"
-    subprocess.run(
-        [
-            chromium(),
-            "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-            "--hide-scrollbars",
-            "--window-size=1040,320",
-            f"--screenshot={shot}",
-            (tmp_path / "r" / "report.html").as_uri(),
-        ],
-        capture_output=True,
-        timeout=120,
-        check=True,
+    headless(
+        "--window-size=1040,320", f"--screenshot={shot}", (tmp_path / "r" / "report.html").as_uri()
     )
     _, _, rows = read_png(shot)
     assert count_near(rows, (0x2E, 0x9D, 0x5B), tolerance=30) > 30  # the accepted writes

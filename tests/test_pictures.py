@@ -8,13 +8,12 @@ page, with the colours that carry its meaning on the screen.
 from __future__ import annotations
 
 import importlib.util
-import subprocess
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-from tests.helpers import ROOT, chromium
+from tests.helpers import ROOT, headless
 from tests.png import count_near, read_png
 
 IMG = ROOT / "docs" / "img"
@@ -41,21 +40,7 @@ def test_the_committed_pictures_are_what_the_script_draws(tmp_path: Path) -> Non
 
 
 def _screenshot(svg: Path, out: Path, height: int) -> list[bytes]:
-    subprocess.run(
-        [
-            chromium(),
-            "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-            "--hide-scrollbars",
-            f"--window-size=860,{height}",
-            f"--screenshot={out}",
-            svg.as_uri(),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=120,
-    )
+    headless(f"--window-size=860,{height}", f"--screenshot={out}", svg.as_uri())
     width, got_height, rows = read_png(out)
     assert (width, got_height) == (860, height)
     return rows

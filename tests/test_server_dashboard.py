@@ -5,7 +5,6 @@ last transitions), and a screenshot with the colours that carry meaning."""
 from __future__ import annotations
 
 import html.parser
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import httpx
 import pytest
 
 from fenced.testing.servers import FencedServer
-from tests.helpers import chromium
+from tests.helpers import headless
 from tests.png import count_near, read_png
 
 HELD_GREEN = (0x1F, 0x7A, 0x44)
@@ -21,22 +20,7 @@ WARN = (0xB4, 0x54, 0x1A)
 
 
 def _chromium_run(*args: str) -> str:
-    out = subprocess.run(
-        [
-            chromium(),
-            "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-            "--hide-scrollbars",
-            "--virtual-time-budget=4000",  # the page's first fetches and renders, then the DOM
-            *args,
-        ],
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    return out.stdout
+    return headless(*args, budget_ms=4000)  # the page's first fetches and renders, then the DOM
 
 
 class _Dom(html.parser.HTMLParser):
