@@ -134,3 +134,13 @@ def test_a_campaign_on_redis_with_partitions_holds_every_invariant(
 def test_partitions_need_a_source_reached_over_tcp(tmp_path: Path) -> None:
     r = _check(tmp_path, "--nemesis", "partition")
     assert r.returncode == 2 and "host:port" in r.stderr and len(r.stderr.splitlines()) == 1
+
+
+def test_an_unfenced_read_is_caught_as_a_lost_update(tmp_path: Path) -> None:
+    """Planted: the write is fenced, the read is not. A stalled holder's late write lands
+    between the next holder's read and its write (the mark was not raised by the read), and
+    the next holder's write, built on what it read, loses it. Found by this kit in its own
+    first workload."""
+    r = _check(tmp_path, "--nemesis", "stall", "--plant", "unfenced-read", "--time", "10")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "VIOLATION lost update" in r.stdout

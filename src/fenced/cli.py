@@ -354,7 +354,10 @@ def _parser() -> argparse.ArgumentParser:
     check_kit.add_argument("--seed", type=int, default=0, help="the fault schedule's seed (0)")
     check_kit.add_argument("--report", default="fenced-check", help="directory for the history")
     check_kit.add_argument(
-        "--plant", default="", choices=["", "no-fence"], help="plant a fault, to see it caught"
+        "--plant",
+        default="",
+        choices=["", "no-fence", "unfenced-read"],
+        help="plant a fault, to see it caught",
     )
 
     status = sub.add_parser(

@@ -12,6 +12,7 @@ the same schedule.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import random
@@ -19,6 +20,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -34,7 +36,7 @@ from ._report import write_report
 __all__ = ["NEMESES", "PLANTS", "CampaignResult", "run_campaign"]
 
 NEMESES = ("pause", "stall", "kill", "partition")
-PLANTS = ("no-fence",)
+PLANTS = ("no-fence", "unfenced-read")
 
 
 @dataclasses.dataclass
@@ -53,17 +55,23 @@ class CampaignResult:
         return not self.violations
 
 
-def _until_stopped(pid: int, limit: float) -> None:
-    """Wait (bounded) until ``pid`` has stopped itself; it may be between two rounds."""
+def _stopped(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "T"
+    except OSError:
+        return True  # gone: nothing to wait for
+
+
+def _resume_after(pid: int, seconds: float, limit: float = 30.0) -> None:
+    """Once ``pid`` has stopped itself (it may be between two rounds), let it sleep
+    ``seconds`` — past its lease — and continue it."""
     deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "T":
-                    return
-        except OSError:
-            return
-        time.sleep(0.01)
+    while not _stopped(pid) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    time.sleep(seconds)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGCONT)
 
 
 def _setup_resource(db: Path) -> None:
@@ -150,6 +158,7 @@ def run_campaign(
     procs = [spawn() for _ in range(workers)]
     history = History(path, "nemesis")
     faults = {n: 0 for n in nemesis}
+    stalls: list[threading.Thread] = []
     start = time.monotonic()
     try:
         while time.monotonic() - start < seconds:
@@ -172,11 +181,12 @@ def run_campaign(
                 os.killpg(victim.pid, signal.SIGSTOP)
                 time.sleep(2 * ttl)  # past its lease: a successor is granted meanwhile
                 os.killpg(victim.pid, signal.SIGCONT)
-            elif kind == "stall":  # stopped inside its critical section, past its lease
+            elif kind == "stall":  # it stops itself inside its critical section
                 os.kill(victim.pid, signal.SIGUSR1)
-                _until_stopped(victim.pid, limit=5 * ttl + 5)
-                time.sleep(2 * ttl)
-                os.killpg(victim.pid, signal.SIGCONT)
+                stalls.append(
+                    threading.Thread(target=_resume_after, args=(victim.pid, 2 * ttl), daemon=True)
+                )
+                stalls[-1].start()
             elif kind == "partition":
                 proxies[victim.pid].partition()  # its renewals cannot reach the source
                 time.sleep(2 * ttl)
@@ -189,6 +199,12 @@ def run_campaign(
                     old.close()
                 procs[i] = spawn()
     finally:
+        for t in stalls:
+            t.join(10 * ttl + 10)
+        for p in procs:  # (a stall asked for but not yet taken must not stop it for good)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGUSR2)
+                os.killpg(p.pid, signal.SIGCONT)
         for p in procs:
             if p.stdin is not None:
                 p.stdin.close()  # finish the current round and stop

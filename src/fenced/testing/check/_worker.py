@@ -2,11 +2,11 @@
 
     python -m fenced.testing.check._worker SOURCE_URL DATA_DB HISTORY NAME TTL SEED [PLANT]
 
-Loops until its stdin closes (or it is killed): acquire the lock ``counter`` → read the
-counter → think → the guarded read-modify-write (``SQLGuard`` in the same transaction) →
-release; each step appended to the shared history. On SIGUSR1 it stops itself (SIGSTOP)
-at its next critical point, after reading and before writing. ``PLANT`` ``no-fence`` leaves the fence
-check out (a planted fault the checkers must catch).
+Loops until its stdin closes (or it is killed): acquire the lock ``counter`` → fenced read
+of the counter → think → guarded write (``SQLGuard`` in the same transaction) → release; each step appended to the shared history. On SIGUSR1 it stops itself (SIGSTOP)
+at its next critical point, after reading and before writing. ``PLANT`` (a fault the checkers must
+catch): ``no-fence`` leaves every fence check out; ``unfenced-read`` fences the write only,
+so a holder whose lease ended can still write between the next holder's read and write.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ def main(argv: list[str]) -> None:
     # critical point, between reading the counter and the guarded write: DDIA's GC pause.
     stall = threading.Event()
     signal.signal(signal.SIGUSR1, lambda *_: stall.set())
+    signal.signal(signal.SIGUSR2, lambda *_: stall.clear())  # the campaign is ending
     guard = SQLGuard(LOCK)
     history = History(path, name)
     with fenced.connect(url) as locks:
@@ -58,7 +59,13 @@ def main(argv: list[str]) -> None:
             )
             conn = sqlite3.connect(db, timeout=30)
             try:
-                value = conn.execute("SELECT n FROM counter").fetchone()[0] + 1
+                # A fenced read: the mark is raised to this token *before* reading, so a
+                # holder whose lease ended earlier can no longer write under what we read
+                # (an unfenced read lets its late write land first: a lost update).
+                with conn:
+                    if plant not in ("no-fence", "unfenced-read"):
+                        guard.check(conn, token=token)
+                    value = conn.execute("SELECT n FROM counter").fetchone()[0] + 1
                 time.sleep(rng.uniform(0, ttl / 4))  # think
                 if stall.is_set():
                     stall.clear()
