@@ -498,3 +498,23 @@ def test_serve_help_lists_every_option() -> None:
         "--tls-key", "--max-wait", "--default-ttl", "--log-format", "--access-log", "--timeout",
     ):  # fmt: skip
         assert option in r.stdout, option
+
+
+def test_with_signing_on_an_unsigned_token_of_a_dotted_lock_name_still_renews(
+    source: str, tmp_path: Path
+) -> None:
+    """Renew and release accept the plain token (the request id proves the grant) and verify
+    a signed one. A lock name with dots ("a.b.c") must not be taken for a signed token."""
+    key_file = tmp_path / "signing.key"
+    assert cli.main(["keygen", "hmac", "k1", str(key_file)]) == 0
+    with FencedServer(source, args=["--signing-key", str(key_file)]) as server:
+        u = server.url
+        g = post(f"{u}/v1/locks/app.jobs.v2/acquire", {"request_id": "r"}).json()
+        assert g["token"] == "app.jobs.v2:1" and g["signed"]
+        plain = {"token": g["token"], "request_id": "r"}
+        assert post(f"{u}/v1/locks/app.jobs.v2/renew", plain).status_code == 200
+        forged = {"token": g["signed"][:-2] + ("AA" if not g["signed"].endswith("AA") else "BB"),
+                  "request_id": "r"}  # fmt: skip
+        r = post(f"{u}/v1/locks/app.jobs.v2/renew", forged)
+        assert r.status_code == 400 and r.json()["error"] == "invalid_token"
+        assert post(f"{u}/v1/locks/app.jobs.v2/release", plain).json() == {"released": True}

@@ -281,10 +281,7 @@ def _parser() -> argparse.ArgumentParser:
             "leases are left to expire, never released on their holders' behalf."
         ),
     )
-    serve.add_argument(
-        "--url",
-        help="token source URL (default: $FENCED_URL, else /var/tmp/fenced/locks.db)",
-    )
+    _source_arguments(serve)
     serve.add_argument(
         "--listen",
         default="127.0.0.1:7400",
@@ -321,12 +318,6 @@ def _parser() -> argparse.ArgumentParser:
         "--log-format", choices=["text", "json"], default="text", help="log lines (text)"
     )
     serve.add_argument("--access-log", action="store_true", help="log every request")
-    serve.add_argument(
-        "--timeout",
-        type=_timeout,
-        default=10.0,
-        help="give up reaching the source at start after this many seconds (10)",
-    )
 
     check_kit = sub.add_parser(
         "check",
@@ -335,9 +326,10 @@ def _parser() -> argparse.ArgumentParser:
         description=(
             "Worker processes take a lock from --source and increment a counter behind fenced's "
             "SQL guard (an embedded SQLite resource in --report), while a seeded nemesis "
-            "pauses (SIGSTOP past the ttl) and kills (SIGKILL) them. Every step goes to "
-            "REPORT/history.jsonl; then every checker runs over it. Exit 0 if every invariant "
-            "held, 1 if one did not (docs/testing.md)."
+            "pauses them (SIGSTOP past the ttl), stalls them between read and write, kills "
+            "them (SIGKILL) and cuts them off a TCP source (partition). Every step goes to "
+            "REPORT/history.jsonl, every checker runs over it, REPORT/report.html draws it. "
+            "Exit 0 if every invariant held, 1 if one did not (docs/testing.md)."
         ),
     )
     check_kit.add_argument(

@@ -378,7 +378,13 @@ def create_app(settings: ServerSettings) -> FastAPI:
             check_request_id(rid)
         except ConfigurationError as exc:
             raise fail(exc) from None
-        return parse(body.token, name, verifier if _signed(body.token) else None), rid
+        token = parse(body.token, name)
+        if token.signature is not None and verifier is not None:  # (plain ones: the request
+            try:  # id proves the grant; a signed one must be this server's)
+                verifier.verify(token.lock, token.value, token.signature)
+            except InvalidTokenError as exc:
+                raise fail(exc) from None
+        return token, rid
 
     # -- locks -------------------------------------------------------------------------------
 
@@ -410,10 +416,9 @@ def create_app(settings: ServerSettings) -> FastAPI:
         if key is not None:
             owner = f"{key.id}: {owner}"
         wait = min(timeout or 0.0, settings.max_wait)
-        sent = _clock.now()
-        grant, signed = await call(
-            _unless_gone(request, gw, gw.acquire(name, rid, ttl, wait, owner[:200]))
-        )
+        granting = gw.acquire(name, rid, ttl, wait, owner[:200])
+        # Only a waiting acquire (a long poll) watches for the client leaving or a shutdown.
+        grant, signed = await call(_unless_gone(request, gw, granting) if wait else granting)
         return GrantOut(
             lock=name,
             token=str(grant.token),
@@ -422,9 +427,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
             request_id=rid,
             lease_id=rid,
             ttl=grant.ttl,
-            expires_in=max(0.0, grant.sent_at + grant.ttl - _clock.now())
-            if grant.sent_at
-            else max(0.0, sent + grant.ttl - _clock.now()),
+            expires_in=max(0.0, grant.sent_at + grant.ttl - _clock.now()),
         )
 
     @app.post(
@@ -649,10 +652,6 @@ def create_app(settings: ServerSettings) -> FastAPI:
     return app
 
 
-def _signed(token: str) -> bool:
-    return token.count(".") >= 2
-
-
 async def _unless_gone(request: Request, gw: Gateway, aw: Awaitable[Any]) -> Any:
     """Run ``aw`` unless the client hangs up or the server stops first (then it is cancelled:
     a waiting acquire leaves the queue; a grant made meanwhile is the same request id's, which
@@ -691,7 +690,10 @@ class _Timing:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if scope["method"] == "POST":
+        if (
+            scope["method"] == "POST"
+            and (b"content-type", b"application/json") not in scope["headers"]
+        ):
             # Bodies are JSON whatever the Content-Type says: `curl -d '{...}'` sends a form type.
             headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
             scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
