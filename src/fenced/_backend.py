@@ -290,10 +290,10 @@ class Backend(abc.ABC):
         The returned grant's ``sent_at`` is 0: nothing is known of when it was last renewed,
         so it must be renewed before anyone relies on it. This default suits sources whose
         grants are rows or keys named by the request id (no ``handle``)."""
-        status = await self.status(name)
-        if status.holder != request_id or status.token is None or status.token != token:
+        status = await self._held_by(name, token)
+        if status is None or status.holder != request_id:
             raise LeaseLostError(f"lease on {name!r} (token {token}) is no longer held")
-        return Grant(status.token, request_id, ttl, 0.0)
+        return Grant(token, request_id, ttl, 0.0)
 
     async def _held_by(self, name: str, token: FencingToken | None) -> LockStatus | None:
         """The status of ``name`` if it is held (by the grant ``token``, when given)."""

@@ -29,6 +29,7 @@ __all__ = [
     "ServerUnavailable",
     "ZooKeeperServer",
     "free_port",
+    "python_env",
 ]
 
 
@@ -625,6 +626,16 @@ class PostgresServer(Server):
         return self.dsn
 
 
+def python_env() -> dict[str, str]:
+    """This environment, for a child Python process that must import this very fenced (a
+    checkout's ``src`` first on its path)."""
+    import fenced
+
+    src = str(Path(fenced.__file__).resolve().parents[1])
+    path = os.environ.get("PYTHONPATH", "")
+    return {**os.environ, "PYTHONPATH": f"{src}{os.pathsep}{path}" if path else src}
+
+
 class FencedServer(Server):
     """``fenced serve`` (this process's Python and fenced) in front of the token source
     ``source_url``: a real OS process on loopback, killable like any other server."""
@@ -664,15 +675,7 @@ class FencedServer(Server):
         ]
 
     def env(self) -> dict[str, str]:
-        import fenced
-
-        src = str(Path(fenced.__file__).resolve().parents[1])  # this checkout's fenced
-        path = os.environ.get("PYTHONPATH", "")
-        return {
-            **os.environ,
-            "PYTHONPATH": f"{src}{os.pathsep}{path}" if path else src,
-            **(self._env or {}),
-        }
+        return {**python_env(), **(self._env or {})}
 
     def ready(self) -> bool:
         # The line `fenced serve` prints once the source is open and the socket listens.

@@ -29,6 +29,7 @@ from urllib.parse import urlsplit, urlunsplit
 from ..._errors import ConfigurationError
 from ...guards.sql import SQLGuard
 from ..proxy import TcpProxy
+from ..servers import python_env
 from ._checkers import Violation, check_all
 from ._history import History, read_history
 from ._report import write_report
@@ -106,7 +107,7 @@ def run_campaign(
         stale.unlink(missing_ok=True)
     _setup_resource(db)
     rng = random.Random(seed)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    env = python_env()
     serial = 0
 
     def spawn() -> subprocess.Popen[bytes]:
