@@ -70,6 +70,10 @@ def test_stalls_inside_the_critical_section_are_refused_and_the_plant_caught(
     assert planted.returncode == 1, planted.stdout + planted.stderr
     assert "VIOLATION lost update" in planted.stdout
     assert "VIOLATION acceptance order" in planted.stdout
+    page = _dom(tmp_path / "planted" / "r" / "report.html")
+    assert 'class="violation"' in page  # the first violation's writes, ringed
+    stalls = sum(1 for k in _faults(tmp_path / "planted") if k == "stall")
+    assert 0 < page.count('class="nemesis"') <= stalls  # drawn where a worker really stopped
 
 
 def _dom(page: Path) -> str:
@@ -83,7 +87,9 @@ def test_the_report_renders_the_run_and_its_verdict(tmp_path: Path) -> None:
     dom = _dom(tmp_path / "r" / "report.html")
     assert "Every invariant held." in dom
     assert dom.count('class="accepted"') == accepted
-    assert dom.count('class="nemesis"') == len(_faults(tmp_path))
+    drawn = [k for k in _faults(tmp_path) if k != "stall"]  # stalls: where they happened
+    drawn += [e for e in events if e["op"] == "stalled"]
+    assert dom.count('class="nemesis"') == len(drawn)
     shot = tmp_path / "report.png"
     headless(
         "--window-size=1040,320", f"--screenshot={shot}", (tmp_path / "r" / "report.html").as_uri()

@@ -104,11 +104,17 @@ def no_lost_update(history: list[Event]) -> list[Violation]:
     final = _final(history)
     if final is None:
         return []
-    values = [v for _, v in final["log"]]
+    log = [tuple(entry) for entry in final["log"]]
     out = []
-    for a, b in zip(values, values[1:], strict=False):
+    for (ta, a), (tb, b) in zip(log, log[1:], strict=False):
         if b != a + 1:
-            out.append(Violation("lost update", f"value {b} accepted right after {a}", (a, b)))
+            out.append(
+                Violation(
+                    "lost update",
+                    f"value {b} (token {tb}) accepted right after {a} (token {ta})",
+                    ((ta, a), (tb, b)),
+                )
+            )
     return out
 
 

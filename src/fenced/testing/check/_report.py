@@ -44,6 +44,7 @@ def write_report(events: list[Event], violations: list[Violation], path: str | P
             f'<line x1="{left}" x2="{width - 10}" y1="{y + 11}" y2="{y + 11}" stroke="#e3e6ea"/>'
         )
     granted: dict[tuple[str, int], float] = {}
+    stall_for: dict[str, float] = {}
     for e in events:
         w = e["worker"]
         if w not in lane and e["op"] != "nemesis":
@@ -66,6 +67,12 @@ def write_report(events: list[Event], violations: list[Violation], path: str | P
                 parts.append(f'<circle class="accepted" cx="{cx:.1f}" cy="{y}" r="4" fill="{GREEN}"><title>accepted: token {e["token"]} value {e["value"]}</title></circle>')  # fmt: skip
             else:
                 parts.append(f'<g class="refused"><title>refused: token {e["token"]}</title><line x1="{cx - 5:.1f}" x2="{cx + 5:.1f}" y1="{y - 5}" y2="{y + 5}" stroke="{RED}" stroke-width="3"/><line x1="{cx - 5:.1f}" x2="{cx + 5:.1f}" y1="{y + 5}" y2="{y - 5}" stroke="{RED}" stroke-width="3"/></g>')  # fmt: skip
+        elif e["op"] == "stalled":  # drawn where the worker stopped, not where it was asked
+            y = 20 + lane[w] * row
+            span = max(4.0, stall_for.get(w, 0.0) * scale)
+            parts.append(f'<rect class="nemesis" x="{x(e["mono"]):.1f}" y="{y}" width="{span:.1f}" height="22" fill="{GREY}" fill-opacity="0.6"><title>stalled between read and write</title></rect>')  # fmt: skip
+        elif e["op"] == "nemesis" and e["kind"] == "stall":
+            stall_for[e["victim"]] = e.get("seconds", 0.0)
         elif e["op"] == "nemesis":
             y = 20 + lane[e["victim"]] * row
             label = {
@@ -101,7 +108,7 @@ body {{ font: 14px/1.45 system-ui, sans-serif; color: {INK}; margin: 1.2rem 1.5r
 refused, {len(faults)} faults, {t1 - t0:.1f} s.</p>
 <div id="verdict">{verdict}</div>
 <p class="key"><span style="color:{BLUE}">■ lease held</span><span style="color:{GREEN}">● write accepted</span>
-<span style="color:{RED}">✕ write refused (stale)</span><span style="color:{GREY}">▮ paused / killed</span></p>
+<span style="color:{RED}">✕ write refused (stale)</span><span style="color:{GREY}">▮ paused, stalled, killed, cut off</span></p>
 <svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}">
 {"".join(parts)}
 </svg>
