@@ -30,6 +30,7 @@ servers:
 	  command -v chromium >/dev/null || missing="$$missing chromium"; \
 	  command -v node >/dev/null || missing="$$missing nodejs"; \
 	  command -v curl >/dev/null || missing="$$missing curl"; \
+	  command -v faketime >/dev/null || missing="$$missing faketime"; \
 	  if [ -n "$$missing" ]; then \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
 	  fi; \

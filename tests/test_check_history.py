@@ -134,6 +134,11 @@ def _plant(history: list[dict[str, Any]], fault: str) -> list[dict[str, Any]]:
     elif fault == "acknowledged writes":  # an accepted write that the resource did not keep
         del log[-1]
         final["mark"] = max(t for t, _ in log)
+    elif fault == "forged token":  # a signature check skipped: a made-up token got in
+        write = next(e for e in h if e["op"] == "write" and e["ok"])
+        h.append({**write, "token": 10**9, "value": log[-1][1] + 1})
+    elif fault == "nothing checked":  # a resource that refused everyone, or a dead source
+        h = [e for e in h if e["op"] != "write" or not e["ok"]]
     elif fault == "overlap":  # a grant made while the previous lease was surely held
         second = next(g for g in grants if g["token"] == grants[0]["token"] + 1)
         second["mono"] = grants[0]["mono"] + 0.001
@@ -147,6 +152,27 @@ def test_each_checker_catches_its_planted_fault(
 ) -> None:
     planted = _plant(real_history, name)
     assert CHECKERS[name](planted), f"{name} missed its fault"
+
+
+def test_a_stale_write_accepted_after_a_newer_one_was_acknowledged_is_caught(
+    real_history: list[dict[str, Any]],
+) -> None:
+    """The real-time rule of the acceptance order: the final state may not show a stale
+    write (a later writer may have replaced the whole register), the history does."""
+    h = copy.deepcopy(real_history)
+    refused = next(e for e in h if e["op"] == "write" and not e["ok"])
+    refused["ok"] = True  # the paused worker's late write, let in
+    found = CHECKERS["acceptance order"](h)
+    assert any("sent after" in v.message for v in found), found
+
+
+def test_two_accepted_writes_of_one_value_are_a_lost_update(
+    real_history: list[dict[str, Any]],
+) -> None:
+    h = copy.deepcopy(real_history)
+    writes = [e for e in h if e["op"] == "write" and e["ok"]]
+    writes[1]["value"] = writes[0]["value"]  # both built on the same read
+    assert any("written twice" in v.message for v in CHECKERS["lost update"](h))
 
 
 def test_the_paused_workers_late_write_was_refused(real_history: list[dict[str, Any]]) -> None:

@@ -20,7 +20,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from . import __version__, _clock, _sync
@@ -322,34 +322,45 @@ def _parser() -> argparse.ArgumentParser:
     check_kit = sub.add_parser(
         "check",
         parents=[common],
-        help="run a stale-writer campaign against a token source and check the history",
+        help="run a stale-writer campaign against a token source and a resource, check it",
         description=(
-            "Worker processes take a lock from --source and increment a counter behind fenced's "
-            "SQL guard (an embedded SQLite resource in --report), while a seeded nemesis "
-            "pauses them (SIGSTOP past the ttl), stalls them between read and write, kills "
-            "them (SIGKILL) and cuts them off a TCP source (partition). Every step goes to "
-            "REPORT/history.jsonl, every checker runs over it, REPORT/report.html draws it. "
-            "Exit 0 if every invariant held, 1 if one did not (docs/testing.md)."
+            "Worker processes take one lock from --source and read-modify-write a register in "
+            "--resource under its token (default: an embedded SQLite table behind fenced's SQL "
+            "guard), while a seeded nemesis pauses them past their ttl, stalls them between "
+            "read and write, kills them, cuts them off or delays their traffic, restarts the "
+            "source or steps their clocks. Every step goes to REPORT/history.jsonl, every "
+            "checker runs over it, REPORT/report.html draws it. Exit 0 if every invariant "
+            "held, 1 if one did not (docs/testing.md)."
         ),
     )
     check_kit.add_argument(
-        "--source", help="token source URL (default: $FENCED_URL, else the machine's)"
+        "--source",
+        help="token source URL, or redis|etcd|postgresql|zookeeper to start one "
+        "(default: $FENCED_URL, else the machine's)",
     )
+    check_kit.add_argument(
+        "--resource",
+        default="",
+        help="sql+sqlite:///PATH, sql+postgresql://..., redis://..., etcd://..., file:///DIR, "
+        "http(s)://... or python:MODULE:CLASS (default: an embedded SQLite register)",
+    )
+    check_kit.add_argument("--lock", default="counter", help="the lock the workers take")
     check_kit.add_argument("--time", type=_grace, default=20.0, help="seconds of faults (20)")
     check_kit.add_argument("--workers", type=int, default=3, help="worker processes (3)")
     check_kit.add_argument("--ttl", type=_ttl, default=1.0, help="the workers' lease ttl (1)")
     check_kit.add_argument(
         "--nemesis",
         default="pause,stall,kill",
-        help="faults: pause, stall (a pause between read and write), kill, partition",
+        help="faults, comma-separated: pause, stall (a pause between read and write), kill, "
+        "partition, delay, restart (a source the kit started), clock (libfaketime)",
     )
     check_kit.add_argument("--seed", type=int, default=0, help="the fault schedule's seed (0)")
     check_kit.add_argument("--report", default="fenced-check", help="directory for the history")
     check_kit.add_argument(
         "--plant",
         default="",
-        choices=["", "no-fence", "unfenced-read"],
-        help="plant a fault, to see it caught",
+        metavar="FAULT",
+        help="plant a fault to see it caught: " + ", ".join(_plant_names()),
     )
 
     status = sub.add_parser(
@@ -709,34 +720,92 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plant_names() -> list[str]:
+    from .testing.check._plants import PLANTS
+
+    return list(PLANTS)
+
+
 def _cmd_check(args: argparse.Namespace) -> int:
     from .testing.check import NEMESES, run_campaign
+    from .testing.check._plants import plant_role
 
     nemesis = [n for n in args.nemesis.split(",") if n]
     if set(nemesis) - set(NEMESES):
         raise ConfigurationError(f"--nemesis: choose from {', '.join(NEMESES)}")
     if not 1 <= args.workers <= 64:
         raise ConfigurationError("--workers must be 1-64")
-    result = run_campaign(
-        args.source or default_url(),
-        args.report,
-        workers=args.workers,
-        seconds=args.time,
-        ttl=args.ttl,
-        nemesis=nemesis,
-        seed=args.seed,
-        plant=args.plant,
-        progress=_say if args.verbose else None,
-    )
+    validate_lock_name(args.lock)
+    plant_role(args.plant)  # an unknown plant: a usage error before anything starts
+    progress = _progress_bar(args.time)
+    with progress as tick:
+        result = run_campaign(
+            args.source,
+            args.report,
+            resource=args.resource,
+            lock=args.lock,
+            workers=args.workers,
+            seconds=args.time,
+            ttl=args.ttl,
+            nemesis=nemesis,
+            seed=args.seed,
+            plant=args.plant,
+            progress=tick,
+        )
+    from ._console import make_printer
+
+    out = make_printer()
     faults = ", ".join(f"{n} {k}" for k, n in result.faults.items()) or "none"
-    print(
+    out.print(
         f"{result.grants} grants, {result.accepted} writes accepted, {result.refused} refused "
-        f"(stale), faults: {faults}; report: {result.report}"
+        f"(stale), {result.unknown} unanswered; {result.ops_per_second:.0f} writes/s; "
+        f"faults: {faults}"
     )
-    for violation in result.violations:
-        print(f"VIOLATION {violation}")
-    print("every invariant held" if result.ok else f"{len(result.violations)} violation(s)")
+    for violation in result.violations[:20]:
+        out.print(f"[bold red]VIOLATION[/bold red] {violation}")
+    if len(result.violations) > 20:
+        out.print(f"... and {len(result.violations) - 20} more (see the report)")
+    if result.ok:
+        out.print("[bold green]every invariant held[/bold green]")
+    else:
+        first = result.first_violation_after
+        when = f", the first {first:.1f} s in" if first is not None else ""
+        out.print(f"[bold red]{len(result.violations)} violation(s){when}[/bold red]")
+    out.print(f"report: {result.report}  history: {result.history}")
     return 0 if result.ok else 1
+
+
+class _progress_bar:
+    """A rich progress bar over the campaign's seconds, on stderr (nothing without rich or a
+    terminal); the context value is the campaign's ``progress`` callback."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._bar: Any = None
+        self._task: Any = None
+
+    def __enter__(self) -> Callable[[float, str], None]:
+        try:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+        except ImportError:
+            return lambda elapsed, what: None
+        if not sys.stderr.isatty():
+            return lambda elapsed, what: None
+        self._bar = Progress(
+            TextColumn("fenced check"), BarColumn(), TextColumn("{task.description}"),
+            TimeRemainingColumn(), transient=True,
+        )  # fmt: skip
+        self._bar.start()
+        self._task = self._bar.add_task("starting", total=self.seconds)
+
+        def tick(elapsed: float, what: str) -> None:
+            self._bar.update(self._task, completed=min(elapsed, self.seconds), description=what)
+
+        return tick
+
+    def __exit__(self, *exc: object) -> None:
+        if self._bar is not None:
+            self._bar.stop()
 
 
 def _cmd_status(args: argparse.Namespace) -> int:

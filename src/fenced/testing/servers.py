@@ -82,6 +82,7 @@ class Server:
         self.port = port or free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = self.dir / f"{self.name}.log"
+        self.extra_env: dict[str, str] = {}  # added to its environment (the check kit's faketime)
 
     # subclass hooks
     def command(self) -> Sequence[str]:
@@ -127,7 +128,7 @@ class Server:
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=self.env(),
+            env={**(self.env() or os.environ), **self.extra_env} if self.extra_env else self.env(),
             start_new_session=True,
             user=self.popen_user(),
             group=self.popen_user(),

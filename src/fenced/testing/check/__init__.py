@@ -1,5 +1,4 @@
-"""The check kit's history and checkers (issue 13; the campaign runner, nemeses schedule and
-report build on these).
+"""The check kit: worker processes, nemeses, a history, checkers, a report (``fenced check``).
 
 A *history* is what workers saw, one JSON object a line, appended and fsynced as it happens
 (:class:`History`). *Checkers* are pure functions over a history; each returns the
@@ -8,7 +7,7 @@ violations it found (:func:`check_all` runs them all). See docs/testing.md.
 
 from __future__ import annotations
 
-from ._campaign import NEMESES, PLANTS, CampaignResult, run_campaign
+from ._campaign import ENGINES, NEMESES, PLANTS, CampaignResult, faketime_library, run_campaign
 from ._checkers import (
     CHECKERS,
     Violation,
@@ -18,24 +17,31 @@ from ._checkers import (
     mark_is_the_highest_accepted,
     no_lost_update,
     no_token_granted_twice,
+    only_granted_tokens_accepted,
     tokens_never_decrease_in_acceptance_order,
 )
 from ._history import Event, History, read_history
+from ._resources import Resource, open_resource
 
 __all__ = [
     "CHECKERS",
+    "ENGINES",
     "NEMESES",
     "PLANTS",
     "CampaignResult",
     "Event",
     "History",
+    "Resource",
     "Violation",
     "acknowledged_writes_survive",
     "check_all",
+    "faketime_library",
     "grants_do_not_overlap_in_grant_order",
     "mark_is_the_highest_accepted",
     "no_lost_update",
     "no_token_granted_twice",
+    "only_granted_tokens_accepted",
+    "open_resource",
     "read_history",
     "run_campaign",
     "tokens_never_decrease_in_acceptance_order",

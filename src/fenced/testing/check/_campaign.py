@@ -1,43 +1,73 @@
-"""A check campaign: worker processes on the user's token source, a seeded nemesis, one
+"""A check campaign: worker processes on a token source and a resource, a seeded nemesis, one
 history, every checker (see docs/testing.md).
 
-The resource is an embedded SQLite counter behind ``SQLGuard`` in the campaign's directory
-(the user's own resources come with the kit's adapters, still to come). The nemesis pauses
-workers with SIGSTOP for two ttls (``pause``: anywhere; ``stall``: inside the critical
-section, between the read and the guarded write — DDIA's GC pause), kills them with SIGKILL (a replacement starts), and (for a
-source reached over TCP) partitions one worker from the source for two ttls through its own
-:class:`~fenced.testing.proxy.TcpProxy`, on a schedule drawn from ``seed``: the same seed,
-the same schedule.
+The nemesis, on a schedule drawn from ``seed`` (the same seed, the same schedule):
+
+- ``pause``: SIGSTOP a worker's process group for 1.2-3 ttls, anywhere in its loop;
+- ``stall``: the worker stops itself inside its critical section, between its read and its
+  guarded write (DDIA's GC pause), until a successor has been granted the lock, and a
+  moment more: its late write lands inside the successor's round;
+- ``kill``: SIGKILL a worker; a replacement starts;
+- ``partition``: cut one worker off the source and the resource for 1.2-3 ttls (its own
+  :class:`~fenced.testing.proxy.TcpProxy` on each path reached over TCP);
+- ``delay``: hold every byte between one worker and the source and resource for 1.5 ttls
+  for 1.2-3 ttls (a write sent while its lease was good arrives after it ended);
+- ``restart``: kill -9 and restart the token source, when the kit started it itself
+  (``--source redis|etcd|postgresql|zookeeper``);
+- ``clock``: step the wall clock of a source the kit started (libfaketime; PostgreSQL, whose
+  lease expiry fenced judges by the database's clock) up to a minute either way: leases may
+  then end early — the overlap checker reports it — and the resource's fence must still
+  hold. (Workers' clocks are not stepped: libfaketime 0.9.10 makes Python's ``time.sleep``
+  fail when the monotonic clock is left real; fenced's lease core reads only monotonic
+  clocks anyway.)
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import random
+import selectors
+import shutil
 import signal
-import sqlite3
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from ..._errors import ConfigurationError
-from ...guards.sql import SQLGuard
 from ..proxy import TcpProxy
 from ..servers import python_env
 from ._checkers import Violation, check_all
 from ._history import History, read_history
+from ._plants import PLANTS, plant_role, source_plant_server
 from ._report import write_report
+from ._resources import open_resource
 
-__all__ = ["NEMESES", "PLANTS", "CampaignResult", "run_campaign"]
+__all__ = ["ENGINES", "NEMESES", "PLANTS", "CampaignError", "CampaignResult", "run_campaign"]
 
-NEMESES = ("pause", "stall", "kill", "partition")
-PLANTS = ("no-fence", "unfenced-read")
+NEMESES = ("pause", "stall", "kill", "partition", "delay", "restart", "clock")
+ENGINES = ("redis", "etcd", "postgresql", "zookeeper")
+_NEEDS_TCP = frozenset({"partition", "delay"})
+_LASTING = frozenset({"pause", "stall", "partition", "delay"})
+_FAKETIME_ENGINES = frozenset({"postgresql"})
+FAKETIME_LIBS = (
+    "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1",
+    "/usr/lib/aarch64-linux-gnu/faketime/libfaketime.so.1",
+    "/usr/lib/faketime/libfaketime.so.1",
+)
+
+
+class CampaignError(ConfigurationError):
+    """A campaign could not run as asked (a worker died by itself, a part would not start):
+    nothing was checked."""
 
 
 @dataclasses.dataclass
@@ -48,12 +78,18 @@ class CampaignResult:
     grants: int
     accepted: int
     refused: int
+    unknown: int
     faults: dict[str, int]
     seconds: float
+    first_violation_after: float | None  # seconds from the start to the first bad event
 
     @property
     def ok(self) -> bool:
         return not self.violations
+
+    @property
+    def ops_per_second(self) -> float:
+        return (self.accepted + self.refused + self.unknown) / max(self.seconds, 1e-9)
 
 
 def _stopped(pid: int) -> bool:
@@ -64,140 +100,296 @@ def _stopped(pid: int) -> bool:
         return True  # gone: nothing to wait for
 
 
-def _resume_after(pid: int, seconds: float, limit: float = 30.0) -> None:
-    """Once ``pid`` has stopped itself (it may be between two rounds), let it sleep
-    ``seconds`` — past its lease — and continue it."""
+def _resume_after(pid: int, name: str, path: Path, delay: float, limit: float) -> None:
+    """Once worker ``pid`` has stopped itself inside its critical section, wait until a
+    successor is granted the lock (a higher token in the history), then ``delay`` more, and
+    continue it: the late write then lands inside the successor's own round — the window a
+    missing fence on the read, or a check apart from its write, leaves open. (After
+    ``limit`` seconds it is continued anyway.)"""
     deadline = time.monotonic() + limit
-    while not _stopped(pid) and time.monotonic() < deadline:
+    stalled_at: int | None = None
+    offset = 0
+    while time.monotonic() < deadline:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            chunk = f.read()
+        complete = chunk[: chunk.rfind(b"\n") + 1]
+        offset += len(complete)
+        for line in complete.splitlines():
+            e = json.loads(line)
+            if e["op"] == "stalled" and e["worker"] == name:
+                stalled_at = e["token"]
+            elif e["op"] == "grant" and stalled_at is not None and e["token"] > stalled_at:
+                deadline = 0.0  # a successor holds it now
         time.sleep(0.005)
-    time.sleep(seconds)
+    if stalled_at is not None:
+        time.sleep(delay)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGCONT)
 
 
-def _setup_resource(db: Path) -> None:
-    conn = sqlite3.connect(db)
-    conn.execute("CREATE TABLE counter (n INTEGER NOT NULL)")
-    conn.execute("INSERT INTO counter VALUES (0)")
-    conn.execute("CREATE TABLE log (seq INTEGER PRIMARY KEY, token INTEGER, value INTEGER)")
-    SQLGuard("counter").install(conn)
-    conn.commit()
-    conn.close()
+def _wait_ready(proc: subprocess.Popen[bytes], log: Path, limit: float = 60.0) -> None:
+    """Until the worker says it has its signal handlers (a SIGUSR1 before that kills it)."""
+    assert proc.stdout is not None
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        line = proc.stdout.readline() if sel.select(limit) else b""
+    if line.strip() != b"ready":
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        tail = log.read_text(errors="replace").strip().splitlines()
+        raise CampaignError(
+            f"a worker did not start: {tail[-1] if tail else 'no output'} (see {log})"
+        )
+
+
+def faketime_library() -> str | None:
+    """libfaketime's preload library (Debian ``faketime``), or None."""
+    return next((p for p in FAKETIME_LIBS if os.path.exists(p)), None)
+
+
+def _via_proxy(url: str, proxies: list[TcpProxy]) -> str:
+    """``url`` with its one host:port replaced by a new proxy's (appended to ``proxies``)."""
+    parts = urlsplit(url)
+    if not parts.hostname or not parts.port or "," in parts.netloc:
+        raise ConfigurationError(
+            f"partition/delay need a source and resource at one host:port, not {url.split('?')[0]!r}"
+        )
+    proxy = TcpProxy(parts.hostname, parts.port).start()
+    proxies.append(proxy)
+    userinfo = parts.netloc.rsplit("@", 1)
+    host = f"127.0.0.1:{proxy.port}"
+    return urlunsplit(
+        parts._replace(netloc=f"{userinfo[0]}@{host}" if len(userinfo) == 2 else host)
+    )
+
+
+def _tcp(url: str) -> bool:
+    parts = urlsplit(url)
+    return bool(parts.hostname and parts.port) and "," not in parts.netloc
+
+
+def _start_engine(name: str, base: str, clock_file: Path | None) -> Any:
+    from .. import servers
+
+    kinds: dict[str, type[servers.Server]] = {
+        "redis": servers.RedisServer,
+        "etcd": servers.EtcdServer,
+        "postgresql": servers.PostgresServer,
+        "zookeeper": servers.ZooKeeperServer,
+    }
+    made = kinds[name](base)
+    if clock_file is not None:
+        made.extra_env = _faketime_env(clock_file)
+    return made.start()
+
+
+def _faketime_env(offset_file: Path) -> dict[str, str]:
+    return {
+        "LD_PRELOAD": str(faketime_library()),
+        "FAKETIME_TIMESTAMP_FILE": str(offset_file),
+        "FAKETIME_NO_CACHE": "1",  # read the offset at every call: steps take effect at once
+        "DONT_FAKE_MONOTONIC": "1",  # a step of the wall clock, as NTP makes them
+    }
 
 
 def run_campaign(
-    source: str,
+    source: str | None,
     out: str | Path,
     *,
+    resource: str = "",
+    lock: str = "counter",
     workers: int = 3,
     seconds: float = 20.0,
     ttl: float = 1.0,
-    nemesis: Sequence[str] = NEMESES,
+    nemesis: Sequence[str] = ("pause", "stall", "kill"),
     seed: int = 0,
     plant: str = "",
-    progress: Callable[[str], None] | None = None,
+    progress: Callable[[float, str], None] | None = None,
 ) -> CampaignResult:
+    """Run one campaign and check it. ``source``: a token-source URL, an engine name the kit
+    starts itself (:data:`ENGINES`), or None for the machine's default. ``resource``: a URL
+    of :func:`~fenced.testing.check.open_resource` ("" for an embedded SQLite register in
+    ``out``). ``progress(elapsed, what)`` is called as the run goes."""
     unknown = set(nemesis) - set(NEMESES)
-    if unknown or (plant and plant not in PLANTS):
-        raise ConfigurationError(f"unknown nemesis {sorted(unknown)} or plant {plant!r}")
+    if unknown:
+        raise ConfigurationError(
+            f"no nemesis {', '.join(sorted(unknown))}: use {', '.join(NEMESES)}"
+        )
+    role = plant_role(plant)
+    if role == "resource" and resource:
+        raise ConfigurationError(
+            f"--plant {plant} plants a fault in the kit's own resource: drop --resource"
+        )
+    if role == "source" and source:
+        raise ConfigurationError(
+            f"--plant {plant} plants a fault in a source the kit starts: drop --source"
+        )
+    if "clock" in nemesis and source not in _FAKETIME_ENGINES:
+        raise ConfigurationError(
+            "the clock nemesis steps the clock of a source the kit starts: --source postgresql "
+            "(Redis will not run under libfaketime, etcd's Go runtime reads the clock past it)"
+        )
+    if "clock" in nemesis and faketime_library() is None:
+        raise ConfigurationError(
+            "the clock nemesis needs libfaketime (Debian: apt-get install faketime)"
+        )
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    db, path = out / "resource.db", out / "history.jsonl"
-    for stale in (db, path):
-        stale.unlink(missing_ok=True)
-    _setup_resource(db)
-    rng = random.Random(seed)
-    env = python_env()
-    serial = 0
-
-    def spawn() -> subprocess.Popen[bytes]:
-        nonlocal serial
-        serial += 1
-        slot: list[TcpProxy] = []
-        url = worker_url(slot)
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "fenced.testing.check._worker",
-                url,
-                str(db),
-                str(path),
-                f"w{serial}",
-                str(ttl),
-                str(seed),
-                plant,
-            ],
-            stdin=subprocess.PIPE,
-            env=env,
-            start_new_session=True,  # its own process group: signals reach it alone
-        )
-        if slot:
-            proxies[proc.pid] = slot[0]
-        names[proc.pid] = f"w{serial}"
-        return proc
-
-    proxies: dict[int, TcpProxy] = {}  # worker pid -> its own way to the source
+    path = out / "history.jsonl"
+    path.unlink(missing_ok=True)
+    scratch = tempfile.mkdtemp(prefix="fenced-check-")
+    server: Any = None
+    server_clock: Path | None = None  # the kit-started source's libfaketime offset
+    proxies: dict[int, list[TcpProxy]] = {}  # worker pid -> its own ways to source and resource
     names: dict[int, str] = {}  # worker pid -> its name in the history
-
-    def worker_url(pid_slot: list[TcpProxy]) -> str:
-        if "partition" not in nemesis:
-            return source
-        parts = urlsplit(source)
-        if not parts.hostname or not parts.port or "," in parts.netloc:
-            raise ConfigurationError(
-                "the partition nemesis needs a source at one host:port (not a file, not a list)"
-            )
-        proxy = TcpProxy(parts.hostname, parts.port).start()
-        pid_slot.append(proxy)
-        netloc = parts.netloc.rsplit("@", 1)
-        host = f"127.0.0.1:{proxy.port}"
-        return urlunsplit(
-            parts._replace(netloc=f"{netloc[0]}@{host}" if len(netloc) == 2 else host)
-        )
-
-    procs = [spawn() for _ in range(workers)]
-    history = History(path, "nemesis")
-    faults = {n: 0 for n in nemesis}
+    procs: list[subprocess.Popen[bytes]] = []
     stalls: list[threading.Thread] = []
+    history: History | None = None
     start = time.monotonic()
     try:
+        if role == "source":
+            server = source_plant_server(plant, scratch).start()
+            source = (
+                # The planted mistake made on purpose: fenced refuses a Redis without AOF unless
+                # told to accept that tokens may be reused.
+                f"{server.url}?allow_unsafe_durability=true"
+                if plant == "counter-not-fsynced"
+                else f"http://127.0.0.1:{server.port}"
+            )
+        elif source in ENGINES:
+            if "clock" in nemesis:
+                clock_dir = Path(tempfile.mkdtemp(prefix="fenced-clock-", dir=scratch))
+                clock_dir.chmod(0o755)  # (PostgreSQL runs as its own user)
+                server_clock = clock_dir / "offset"
+                server_clock.write_text("+0\n")
+                server_clock.chmod(0o644)
+            os.chmod(scratch, 0o711)  # (PostgreSQL runs as its own user, below it)
+            (Path(scratch) / "server").mkdir()
+            try:
+                server = _start_engine(str(source), str(Path(scratch) / "server"), server_clock)
+            except Exception as exc:
+                raise CampaignError(f"could not start {source}: {exc}") from exc
+            source = server.url
+        elif source is None:
+            from ..._paths import default_url
+
+            source = default_url()
+        if "restart" in nemesis and server is None:
+            raise ConfigurationError(
+                "the restart nemesis restarts a source the kit started: --source redis|etcd|postgresql|zookeeper"
+            )
+        if not resource:
+            db = out / "resource.db"
+            db.unlink(missing_ok=True)
+            scheme = "planted+sqlite" if role == "resource" else "sql+sqlite"
+            resource = f"{scheme}://{db.resolve()}" + (
+                f"?plant={plant}" if role == "resource" else ""
+            )
+        tcp_resource = _tcp(resource)
+        if set(nemesis) & _NEEDS_TCP and not _tcp(source):
+            raise ConfigurationError(
+                f"partition/delay need a source at one host:port, not {source.split('?')[0]!r}"
+            )
+        from ... import _sync
+
+        with _sync.connect(source, connect_timeout=30):  # a bad source: a typed error, now
+            pass
+        try:
+            setup = open_resource(resource, lock)
+            try:
+                setup.reset()
+            finally:
+                setup.close()
+        except ConfigurationError:
+            raise
+        except Exception as exc:  # (any adapter's own error: one line, with its type)
+            shown = resource.split("?")[0]
+            raise CampaignError(f"resource {shown}: {type(exc).__name__}: {exc}") from exc
+        rng = random.Random(seed)
+        env = python_env()
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), os.getcwd()]))
+        serial = 0
+
+        def spawn() -> subprocess.Popen[bytes]:
+            nonlocal serial
+            serial += 1
+            ways: list[TcpProxy] = []
+            src, res = source, resource
+            if set(nemesis) & _NEEDS_TCP:
+                src = _via_proxy(src, ways)
+                if tcp_resource:
+                    res = _via_proxy(res, ways)
+            cfg = {
+                "source": src, "resource": res, "history": str(path), "name": f"w{serial}",
+                "ttl": ttl, "seed": seed, "plant": plant, "lock": lock,
+            }  # fmt: skip
+            with open(out / f"worker-w{serial}.log", "wb") as log:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "fenced.testing.check._worker", json.dumps(cfg)],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=log,
+                    env=env,
+                    start_new_session=True,  # its own process group: signals reach it alone
+                )
+            proxies[proc.pid] = ways
+            names[proc.pid] = f"w{serial}"
+            _wait_ready(proc, out / f"worker-w{serial}.log")
+            return proc
+
+        procs.extend(spawn() for _ in range(workers))
+        history = History(path, "nemesis")
+        faults = {n: 0 for n in nemesis}
         while time.monotonic() - start < seconds:
             time.sleep(rng.uniform(0.5, 1.5) * ttl)  # (the schedule's own clock, not a sync)
+            for p in procs:
+                if p.poll() is not None:  # (the kill nemesis waits for its victim: not here)
+                    log_name = f"worker-{names[p.pid]}.log"
+                    tail = (out / log_name).read_text(errors="replace").strip().splitlines()
+                    raise CampaignError(
+                        f"worker {names[p.pid]} exited with status {p.returncode}: "
+                        f"{tail[-1] if tail else 'no output'} (see {out / log_name})"
+                    )
             if not nemesis:
                 continue
             kind = rng.choice(list(nemesis))
             i = rng.randrange(len(procs))
             victim = procs[i]
             faults[kind] += 1
-            history.append(
-                "nemesis",
-                kind=kind,
-                victim=names[victim.pid],
-                seconds=2 * ttl if kind in ("pause", "stall", "partition") else 0,
-            )
+            # Past the lease, by a varying margin: a late writer then lands anywhere in its
+            # successor's round (between its read and its write too).
+            lasts = rng.uniform(1.2, 3.0) * ttl if kind in _LASTING else 0.0
+            who = "source" if kind in ("restart", "clock") else names[victim.pid]
+            history.append("nemesis", kind=kind, victim=who, seconds=lasts)
             if progress:
-                progress(f"{time.monotonic() - start:5.1f} s: {kind} {names[victim.pid]}")
+                progress(time.monotonic() - start, f"{kind} {who}")
             if kind == "pause":
                 os.killpg(victim.pid, signal.SIGSTOP)
-                time.sleep(2 * ttl)  # past its lease: a successor is granted meanwhile
+                time.sleep(lasts)  # past its lease: a successor is granted meanwhile
                 os.killpg(victim.pid, signal.SIGCONT)
             elif kind == "stall":  # it stops itself inside its critical section
                 os.kill(victim.pid, signal.SIGUSR1)
-                stalls.append(
-                    threading.Thread(target=_resume_after, args=(victim.pid, 2 * ttl), daemon=True)
-                )
+                args = (victim.pid, who, path, rng.uniform(0, ttl / 4), 4 * ttl + 2)
+                stalls.append(threading.Thread(target=_resume_after, args=args, daemon=True))
                 stalls[-1].start()
-            elif kind == "partition":
-                proxies[victim.pid].partition()  # its renewals cannot reach the source
-                time.sleep(2 * ttl)
-                proxies[victim.pid].heal()
+            elif kind in ("partition", "delay"):
+                for proxy in proxies[victim.pid]:
+                    proxy.partition() if kind == "partition" else proxy.delay(1.5 * ttl)
+                time.sleep(lasts)
+                for proxy in proxies[victim.pid]:
+                    proxy.heal() if kind == "partition" else proxy.delay(0.0)
+            elif kind == "restart":
+                server.restart(kill=True)
+            elif kind == "clock":  # the source's wall clock jumps up to a minute either way
+                assert server_clock is not None
+                step = rng.choice([-1, 1]) * rng.uniform(5 * ttl, 60)
+                server_clock.write_text(f"{step:+.3f}\n")
             else:
                 os.killpg(victim.pid, signal.SIGKILL)
                 victim.wait()
-                old = proxies.pop(victim.pid, None)
-                if old is not None:
-                    old.close()
+                for proxy in proxies.pop(victim.pid, []):
+                    proxy.close()
                 procs[i] = spawn()
     finally:
         for t in stalls:
@@ -206,6 +398,10 @@ def run_campaign(
             with contextlib.suppress(ProcessLookupError):
                 os.kill(p.pid, signal.SIGUSR2)
                 os.killpg(p.pid, signal.SIGCONT)
+        for ways in proxies.values():
+            for proxy in ways:
+                proxy.heal()
+                proxy.delay(0.0)
         for p in procs:
             if p.stdin is not None:
                 p.stdin.close()  # finish the current round and stop
@@ -215,14 +411,25 @@ def run_campaign(
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
-        for proxy in proxies.values():
-            proxy.close()
-        conn = sqlite3.connect(db)
-        log = [list(r) for r in conn.execute("SELECT token, value FROM log ORDER BY seq")]
-        mark = SQLGuard("counter").high_water(conn)
-        conn.close()
-        history.append("final", lock="counter", mark=mark.value if mark else 0, log=log)
-        history.close()
+        for ways in proxies.values():
+            for proxy in ways:
+                proxy.close()
+        try:
+            if procs:
+                final = open_resource(resource, lock)
+                try:
+                    data, mark = final.final()
+                finally:
+                    final.close()
+                if history is None:
+                    history = History(path, "nemesis")
+                history.append("final", lock=lock, mark=mark, log=_log(data))
+        finally:
+            if history is not None:
+                history.close()
+            if server is not None:
+                server.close()
+            shutil.rmtree(scratch, ignore_errors=True)
     events = read_history(path)
     writes = [e for e in events if e["op"] == "write"]
     violations = check_all(events)
@@ -232,8 +439,42 @@ def run_campaign(
         report=report,
         history=path,
         grants=sum(1 for e in events if e["op"] == "grant"),
-        accepted=sum(1 for e in writes if e["ok"]),
-        refused=sum(1 for e in writes if not e["ok"]),
+        accepted=sum(1 for e in writes if e["ok"] is True),
+        refused=sum(1 for e in writes if e["ok"] is False),
+        unknown=sum(1 for e in writes if e["ok"] is None),
         faults=faults,
         seconds=time.monotonic() - start,
+        first_violation_after=_first_violation_after(events, violations),
     )
+
+
+def _log(data: bytes | None) -> list[list[int]] | None:
+    """The register's entries, or None when it holds something the workers did not write
+    (every checker that needs the final state then says so)."""
+    if not data:
+        return []
+    try:
+        loaded = json.loads(data)
+    except ValueError:
+        return None
+    ok = isinstance(loaded, list) and all(
+        isinstance(e, list) and len(e) == 2 and all(type(v) is int for v in e) for e in loaded
+    )
+    return loaded if ok else None
+
+
+def _first_violation_after(events: list[Any], violations: list[Violation]) -> float | None:
+    """Seconds from the first event to the earliest event a violation names (None if none
+    names one)."""
+    if not events or not violations:
+        return None
+    t0 = events[0]["mono"]
+    times = [e["mono"] for v in violations for e in v.events if isinstance(e, dict) and "mono" in e]
+    by_value = {(e["token"], e["value"]): e["mono"] for e in events if e["op"] == "write"}
+    times += [
+        by_value[(int(e[0]), int(e[1]))]
+        for v in violations
+        for e in v.events
+        if isinstance(e, tuple | list) and len(e) == 2 and (int(e[0]), int(e[1])) in by_value
+    ]
+    return min(times) - t0 if times else None

@@ -21,6 +21,8 @@ __all__ = [
     "mark_is_the_highest_accepted",
     "no_lost_update",
     "no_token_granted_twice",
+    "only_granted_tokens_accepted",
+    "something_was_checked",
     "tokens_never_decrease_in_acceptance_order",
 ]
 
@@ -40,14 +42,24 @@ def _final(history: Iterable[Event]) -> Event | None:
     return finals[-1] if finals else None
 
 
+def _sent(write: Event) -> float:
+    """When a write was sent (histories before 0.2 recorded only when it was answered)."""
+    return float(write["sent"] if "sent" in write else write["mono"])
+
+
+def _accepted(history: list[Event]) -> list[Event]:
+    return [e for e in history if e["op"] == "write" and e["ok"] is True]
+
+
 def tokens_never_decrease_in_acceptance_order(history: list[Event]) -> list[Violation]:
     """The resource accepted writes in non-decreasing token order (a lower token after a
-    higher one is a stale writer let in)."""
+    higher one is a stale writer let in): in the final state's own order, and in real time —
+    a write sent after a higher token's write was acknowledged must not be accepted."""
     final = _final(history)
     if final is None:
         return [Violation("acceptance order", "no final state of the resource in the history")]
     out = []
-    log = final["log"]
+    log = final["log"] or []
     for (t1, v1), (t2, v2) in zip(log, log[1:], strict=False):
         if t2 < t1:
             out.append(
@@ -57,21 +69,43 @@ def tokens_never_decrease_in_acceptance_order(history: list[Event]) -> list[Viol
                     ((t1, v1), (t2, v2)),
                 )
             )
+    acked = sorted(_accepted(history), key=lambda e: e["mono"])
+    highest: Event | None = None  # the highest-token write acknowledged so far
+    done = 0
+    for e in sorted(_accepted(history), key=_sent):
+        while done < len(acked) and acked[done]["mono"] < _sent(e):
+            if highest is None or acked[done]["token"] > highest["token"]:
+                highest = acked[done]
+            done += 1
+        if highest is not None and e["token"] < highest["token"]:
+            out.append(
+                Violation(
+                    "acceptance order",
+                    f"{e['worker']}'s write with token {e['token']} was accepted, sent after "
+                    f"{highest['worker']}'s write with token {highest['token']} was",
+                    (highest, e),
+                )
+            )
     return out
 
 
 def mark_is_the_highest_accepted(history: list[Event]) -> list[Violation]:
-    """The resource's high-water mark equals the highest token it accepted (a mark lower than
-    that lets a stale writer in next; a higher one refuses the current holder)."""
+    """The resource's high-water mark is at least the highest token it accepted (a lower mark
+    lets a stale writer in next) and no higher than the highest granted (a fenced read may
+    raise it past the last write, nothing else may)."""
     final = _final(history)
-    if final is None or not final["log"]:
+    if final is None or final.get("mark") is None:
         return []
-    highest = max(t for t, _ in final["log"])
-    if final["mark"] != highest:
+    mark = final["mark"]
+    accepted = [e["token"] for e in _accepted(history)]
+    granted = [e["token"] for e in history if e["op"] == "grant" and e["lock"] == final["lock"]]
+    if accepted and mark < max(accepted):
         return [
-            Violation(
-                "mark", f"the resource's mark is {final['mark']}, its highest write {highest}"
-            )
+            Violation("mark", f"the resource's mark is {mark}, below its accepted {max(accepted)}")
+        ]
+    if granted and mark > max(granted):
+        return [
+            Violation("mark", f"the resource's mark is {mark}, above every grant ({max(granted)})")
         ]
     return []
 
@@ -99,13 +133,26 @@ def no_token_granted_twice(history: list[Event]) -> list[Violation]:
 
 
 def no_lost_update(history: list[Event]) -> list[Violation]:
-    """A read-modify-write counter: each accepted write's value is one more than the one
-    accepted before it (a write built on a value someone else had already replaced is lost)."""
-    final = _final(history)
-    if final is None:
-        return []
-    log = [tuple(entry) for entry in final["log"]]
+    """A read-modify-write counter: no two accepted writes built on the same state (the same
+    value), and in the final state each value is one more than the one before (a write built
+    on a value someone else had already replaced is a lost update)."""
     out = []
+    first: dict[int, Event] = {}
+    for e in sorted(_accepted(history), key=lambda e: e["mono"]):
+        if e["value"] in first:
+            a = first[e["value"]]
+            out.append(
+                Violation(
+                    "lost update",
+                    f"value {e['value']} written twice and accepted twice: by {a['worker']} "
+                    f"(token {a['token']}) and by {e['worker']} (token {e['token']})",
+                    (a, e),
+                )
+            )
+        else:
+            first[e["value"]] = e
+    final = _final(history)
+    log = [tuple(entry) for entry in (final["log"] or [])] if final else []
     for (ta, a), (tb, b) in zip(log, log[1:], strict=False):
         if b != a + 1:
             out.append(
@@ -124,18 +171,25 @@ def acknowledged_writes_survive(history: list[Event]) -> list[Violation]:
     final = _final(history)
     if final is None:
         return []
+    if final["log"] is None:
+        return [
+            Violation(
+                "acknowledged write",
+                "the resource's final state is not the register the workers wrote",
+            )
+        ]
     kept = {(t, v) for t, v in final["log"]}
     out = []
     for e in history:
         if e["op"] != "write":
             continue
         there = (e["token"], e["value"]) in kept
-        if e["ok"] and not there:
+        if e["ok"] is True and not there:
             out.append(
                 Violation("acknowledged write", f"{e['worker']}'s accepted write {e['value']} "
                           f"(token {e['token']}) is not in the final state", (e,))
             )  # fmt: skip
-        if not e["ok"] and there:
+        if e["ok"] is False and there:
             out.append(
                 Violation("refused write", f"{e['worker']}'s refused write {e['value']} "
                           f"(token {e['token']}) is in the final state", (e,))
@@ -175,6 +229,28 @@ def grants_do_not_overlap_in_grant_order(history: list[Event]) -> list[Violation
     return out
 
 
+def only_granted_tokens_accepted(history: list[Event]) -> list[Violation]:
+    """Every token the resource accepted was granted by the source (an accepted token nobody
+    was granted is a forged or corrupted one let in)."""
+    granted = {(e["lock"], e["token"]) for e in history if e["op"] == "grant"}
+    out = []
+    for e in _accepted(history):
+        if (e["lock"], e["token"]) not in granted:
+            out.append(
+                Violation("forged token", f"{e['worker']}'s write with token {e['token']} was "
+                          "accepted, and no grant had that token", (e,))
+            )  # fmt: skip
+    return out
+
+
+def something_was_checked(history: list[Event]) -> list[Violation]:
+    """At least one write was accepted: a run in which no write got through proves nothing
+    (a dead source, a resource refusing everyone) and must not pass."""
+    if not _accepted(history):
+        return [Violation("nothing checked", "no write was accepted in the whole run")]
+    return []
+
+
 CHECKERS: dict[str, Callable[[list[Event]], list[Violation]]] = {
     "acceptance order": tokens_never_decrease_in_acceptance_order,
     "mark": mark_is_the_highest_accepted,
@@ -182,6 +258,8 @@ CHECKERS: dict[str, Callable[[list[Event]], list[Violation]]] = {
     "lost update": no_lost_update,
     "acknowledged writes": acknowledged_writes_survive,
     "overlap": grants_do_not_overlap_in_grant_order,
+    "forged token": only_granted_tokens_accepted,
+    "nothing checked": something_was_checked,
 }
 
 

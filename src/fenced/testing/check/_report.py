@@ -15,6 +15,17 @@ __all__ = ["write_report"]
 GREEN, RED, GREY, BLUE, INK = "#2e9d5b", "#d64545", "#9aa3ad", "#4c8bf5", "#1d2430"
 
 
+_LABELS = {
+    "pause": "paused",
+    "stall": "stalled",
+    "kill": "killed",
+    "partition": "partitioned",
+    "delay": "traffic delayed",
+    "restart": "killed -9 and restarted",
+    "clock": "wall clock stepped",
+}
+
+
 def write_report(events: list[Event], violations: list[Violation], path: str | Path) -> Path:
     path = Path(path)
     named = {e["worker"] for e in events if e["worker"] not in ("nemesis", "checker")}
@@ -74,15 +85,14 @@ def write_report(events: list[Event], violations: list[Violation], path: str | P
         elif e["op"] == "nemesis" and e["kind"] == "stall":
             stall_for[e["victim"]] = e.get("seconds", 0.0)
         elif e["op"] == "nemesis":
-            y = 20 + lane[e["victim"]] * row
-            label = {
-                "pause": "paused",
-                "stall": "stalled",
-                "kill": "killed",
-                "partition": "partitioned",
-            }[e["kind"]]
+            label = str(_LABELS.get(e["kind"], e["kind"]))
             span = max(4.0, e.get("seconds", 0) * scale)
-            parts.append(f'<rect class="nemesis" x="{x(e["mono"]):.1f}" y="{y}" width="{span:.1f}" height="22" fill="{GREY}" fill-opacity="0.6"><title>{label}</title></rect>')  # fmt: skip
+            if e["victim"] in lane:
+                y, tall = 20 + lane[e["victim"]] * row, 22
+            else:  # the source or resource itself: a band across every lane
+                y, tall = 14, len(lane) * row + 6
+                label = f"{label}: {e['victim']}"
+            parts.append(f'<rect class="nemesis" x="{x(e["mono"]):.1f}" y="{y}" width="{span:.1f}" height="{tall}" fill="{GREY}" fill-opacity="0.6"><title>{html.escape(label)}</title></rect>')  # fmt: skip
     height = 30 + len(lane) * row
     verdict = (
         '<p class="ok">Every invariant held.</p>'
@@ -108,7 +118,7 @@ body {{ font: 14px/1.45 system-ui, sans-serif; color: {INK}; margin: 1.2rem 1.5r
 refused, {len(faults)} faults, {t1 - t0:.1f} s.</p>
 <div id="verdict">{verdict}</div>
 <p class="key"><span style="color:{BLUE}">■ lease held</span><span style="color:{GREEN}">● write accepted</span>
-<span style="color:{RED}">✕ write refused (stale)</span><span style="color:{GREY}">▮ paused, stalled, killed, cut off</span></p>
+<span style="color:{RED}">✕ write refused (stale)</span><span style="color:{GREY}">▮ paused, stalled, killed, cut off, delayed, restarted, clock stepped</span></p>
 <svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}">
 {"".join(parts)}
 </svg>

@@ -1,38 +1,46 @@
 """One worker of a check campaign, as its own OS process:
 
-    python -m fenced.testing.check._worker SOURCE_URL DATA_DB HISTORY NAME TTL SEED [PLANT]
+    python -m fenced.testing.check._worker CONFIG_JSON
 
-Loops until its stdin closes (or it is killed): acquire the lock ``counter`` → fenced read
-of the counter → think → guarded write (``SQLGuard`` in the same transaction) → release; each step appended to the shared history. On SIGUSR1 it stops itself (SIGSTOP)
-at its next critical point, after reading and before writing. ``PLANT`` (a fault the checkers must
-catch): ``no-fence`` leaves every fence check out; ``unfenced-read`` fences the write only,
-so a holder whose lease ended can still write between the next holder's read and write.
+Loops until its stdin closes (or it is killed): acquire the lock → fenced read of the
+register → think → guarded write of the register with one more entry → release; each step
+appended to the shared history, with the worker's view of its lease. On SIGUSR1 it stops
+itself (SIGSTOP) at its next critical point, between reading and writing (DDIA's GC pause);
+SIGUSR2 takes a stall back. The register holds ``[[token, value], ...]``: the whole past of
+a read-modify-write counter (see ``_resources``).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
-import sqlite3
 import sys
 import threading
 import time
+from typing import Any
 
 import fenced
 from fenced import _clock
-from fenced.guards.sql import SQLGuard
 
 from ._history import History
+from ._resources import open_resource
 
-LOCK = "counter"
+
+def _entries(data: bytes | None) -> list[list[int]]:
+    if not data:
+        return []
+    loaded = json.loads(data)
+    if not isinstance(loaded, list):
+        raise ValueError("the register holds no list: was it written by fenced check?")
+    return loaded
 
 
 def main(argv: list[str]) -> None:
-    url, db, path, name, ttl_text, seed_text, *rest = argv
-    plant = rest[0] if rest else ""
-    ttl = float(ttl_text)
-    rng = random.Random(f"{seed_text}-{name}")
+    cfg: dict[str, Any] = json.loads(argv[0])
+    lock, ttl, plant = cfg["lock"], float(cfg["ttl"]), cfg["plant"]
+    rng = random.Random(f"{cfg['seed']}-{cfg['name']}")
     stop = threading.Event()
 
     def until_stdin_closes() -> None:
@@ -40,53 +48,86 @@ def main(argv: list[str]) -> None:
         stop.set()
 
     threading.Thread(target=until_stdin_closes, daemon=True).start()
-    # SIGUSR1 (the "stall" nemesis): stop this whole process (renewals included) at the next
-    # critical point, between reading the counter and the guarded write: DDIA's GC pause.
     stall = threading.Event()
     signal.signal(signal.SIGUSR1, lambda *_: stall.set())
     signal.signal(signal.SIGUSR2, lambda *_: stall.clear())  # the campaign is ending
-    guard = SQLGuard(LOCK)
-    history = History(path, name)
-    with fenced.connect(url) as locks:
+    history = History(cfg["history"], cfg["name"])
+    print("ready", flush=True)  # (the nemesis signals a worker only once it can take them)
+
+    def critical(token: int) -> None:
+        if stall.is_set():
+            stall.clear()
+            history.append("stalled", lock=lock, token=token)
+            os.kill(os.getpid(), signal.SIGSTOP)  # the nemesis sends SIGCONT later
+
+    resource: Any = open_resource(cfg["resource"], lock)
+    with fenced.connect(cfg["source"]) as locks:
         while not stop.is_set():
-            lease = locks.lock(LOCK, ttl=ttl)
+            lease = locks.lock(lock, ttl=ttl)
             try:
                 token = lease.acquire(timeout=ttl * 20)
             except fenced.LockTimeout:
                 continue
+            except fenced.FencedError as exc:  # the source is cut off or restarting
+                history.append("error", lock=lock, step="acquire", error=type(exc).__name__)
+                stop.wait(ttl / 4)
+                continue
+            surely = lease.remaining() * (1.5 if plant == "lease-overestimated" else 1.0)
             history.append(
-                "grant", lock=LOCK, token=token.value, surely_until=_clock.now() + lease.remaining()
+                "grant", lock=lock, token=token.value, surely_until=_clock.now() + surely
             )
-            conn = sqlite3.connect(db, timeout=30)
             try:
-                # A fenced read: the mark is raised to this token *before* reading, so a
-                # holder whose lease ended earlier can no longer write under what we read
-                # (an unfenced read lets its late write land first: a lost update).
-                with conn:
-                    if plant not in ("no-fence", "unfenced-read"):
-                        guard.check(conn, token=token)
-                    value = conn.execute("SELECT n FROM counter").fetchone()[0] + 1
-                time.sleep(rng.uniform(0, ttl / 4))  # think
-                if stall.is_set():
-                    stall.clear()
-                    history.append("stalled", lock=LOCK, token=token.value)
-                    os.kill(os.getpid(), signal.SIGSTOP)  # the nemesis sends SIGCONT later
-                try:
-                    with conn:
-                        if plant != "no-fence":
-                            guard.check(conn, token=token)
-                        conn.execute("UPDATE counter SET n = ?", (value,))
-                        conn.execute(
-                            "INSERT INTO log (token, value) VALUES (?, ?)", (token.value, value)
-                        )
-                    history.append("write", lock=LOCK, token=token.value, value=value, ok=True)
-                except fenced.StaleTokenError:
-                    history.append("write", lock=LOCK, token=token.value, value=value, ok=False)
-            finally:
-                conn.close()
+                step(resource, token, lease, history, rng, ttl, critical)
+            except Exception as exc:  # (a user's adapter may raise anything: record, go on)
+                history.append("error", lock=lock, token=token.value, error=type(exc).__name__)
             sent = _clock.now()  # (a successor may be granted before release() returns)
-            released = lease.release()
-            history.append("release", lock=LOCK, token=token.value, released=released, sent=sent)
+            try:
+                if plant == "unfenced-release":
+                    released = locks.force_release(lock) is not None
+                else:
+                    released = lease.release()
+            except fenced.FencedError:
+                released = False
+            history.append("release", lock=lock, token=token.value, released=released, sent=sent)
+    resource.close()
+
+
+def step(
+    resource: Any,
+    token: fenced.FencingToken,
+    lease: Any,
+    history: History,
+    rng: random.Random,
+    ttl: float,
+    critical: Any,
+) -> None:
+    """One read-modify-write of the register under ``token``."""
+    lock = token.lock
+    try:
+        entries = _entries(resource.read(token))
+    except fenced.StaleTokenError:
+        history.append("read", lock=lock, token=token.value, ok=False)
+        return
+    value = entries[-1][1] + 1 if entries else 1
+    entries.append([token.value, value])
+    time.sleep(rng.uniform(0, ttl / 4))  # think
+    if getattr(resource, "takes_critical", False):
+        resource.critical = lambda: critical(token.value)
+    else:
+        critical(token.value)
+    sent = _clock.now()
+    remaining = lease.remaining()
+    try:
+        resource.write(token, json.dumps(entries, separators=(",", ":")).encode())
+        ok: bool | None = True
+    except fenced.StaleTokenError:
+        ok = False
+    except Exception as exc:  # no answer: the write may or may not have landed
+        history.append("error", lock=lock, token=token.value, error=type(exc).__name__)
+        ok = None
+    history.append(
+        "write", lock=lock, token=token.value, value=value, ok=ok, sent=sent, remaining=remaining
+    )
 
 
 if __name__ == "__main__":

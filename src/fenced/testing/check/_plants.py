@@ -1,0 +1,165 @@
+"""Planted faults: bugs the kit must catch, so a user can watch it catch them
+(``fenced check --plant NAME``) and the kit's own tests can prove every checker can fail.
+
+Each is a mistake people make when they build fencing by hand, put in one place:
+
+- in the **resource** (a hand-written fence over the same SQLite register, ``planted+sqlite``):
+  ``no-fence``, ``unfenced-read``, ``off-by-one``, ``check-then-write``, ``mark-in-memory``,
+  ``mark-not-raised``, ``write-then-check``;
+- in the **worker's use of its lease**: ``lease-overestimated``, ``unfenced-release``;
+- in the **token source** (one the kit starts and kills -9 and restarts): ``token-in-memory``
+  (fenced serve over ``memory://``), ``counter-not-fsynced`` (Redis without its AOF).
+
+With no plant the same hand-written fence is correct: ``tests/test_check_plants.py`` runs
+it clean, so a caught plant is the plant, not the harness.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import urlsplit
+
+from ..._errors import ConfigurationError, StaleTokenError
+from ..._token import FencingToken
+from ._resources import KEY, _query, _sqlite_transaction
+
+__all__ = ["PLANTS", "PlantedSQLite", "plant_role"]
+
+PLANTS: dict[str, str] = {
+    "no-fence": "the resource checks no token at all",
+    "unfenced-read": "the write is fenced but the read before it is not",
+    "off-by-one": "refuses only tokens two below the mark (`token + 1 < mark` for `<=`)",
+    "check-then-write": "checks the token in one transaction, writes in the next",
+    "mark-in-memory": "each process keeps the mark in its own memory",
+    "mark-not-raised": "checks against the mark but never raises it",
+    "write-then-check": "writes first, then checks; a refusal leaves the write in place",
+    "lease-overestimated": "the holder believes its lease lasts 1.5 x its ttl",
+    "unfenced-release": "release frees the lock whoever holds it (no token)",
+    "token-in-memory": "the token source keeps its counter in memory and is restarted",
+    "counter-not-fsynced": "the token source (Redis, no AOF) loses its counter on kill -9",
+}
+
+_RESOURCE_PLANTS = frozenset(list(PLANTS)[:7])
+_WORKER_PLANTS = frozenset({"lease-overestimated", "unfenced-release"})
+
+
+def plant_role(name: str) -> str:
+    """Where a plant lives: ``resource``, ``worker`` or ``source`` ("" for no plant)."""
+    if not name:
+        return ""
+    if name not in PLANTS:
+        raise ConfigurationError(f"no planted fault {name!r}: choose from {', '.join(PLANTS)}")
+    if name in _RESOURCE_PLANTS:
+        return "resource"
+    return "worker" if name in _WORKER_PLANTS else "source"
+
+
+class PlantedSQLite:
+    """The SQLite register of the default resource, fenced by hand in a table
+    ``planted_fence(resource, mark)`` — correctly with ``plant=""``, else with the named
+    mistake. URL: ``planted+sqlite:///PATH?plant=NAME``."""
+
+    def __init__(self, url: str, lock: str) -> None:
+        self.plant = _query(url).get("plant", "")
+        if self.plant and plant_role(self.plant) != "resource":
+            raise ConfigurationError(f"{self.plant!r} is not a planted resource fault")
+        self.path = urlsplit(url).path
+        self.lock = lock
+        self.critical: Callable[[], None] = lambda: None  # the worker's stall point
+        self.takes_critical = self.plant == "check-then-write"
+        self._memory = 0  # mark-in-memory: this process's idea of the mark
+        self._conn: sqlite3.Connection | None = None
+
+    def _db(self) -> sqlite3.Connection:
+        if self._conn is None:
+            self._conn = sqlite3.connect(self.path, timeout=30, isolation_level=None)
+            self._conn.execute("PRAGMA journal_mode=WAL")
+        return self._conn
+
+    def reset(self) -> None:
+        db = self._db()
+        db.execute("CREATE TABLE IF NOT EXISTS fenced_check (id TEXT PRIMARY KEY, data TEXT)")
+        db.execute("CREATE TABLE IF NOT EXISTS planted_fence (resource TEXT PRIMARY KEY, mark)")
+        db.execute("DELETE FROM fenced_check")
+        db.execute("DELETE FROM planted_fence")
+
+    def _stored_mark(self, db: sqlite3.Connection) -> int:
+        if self.plant == "mark-in-memory":
+            return self._memory
+        row = db.execute("SELECT mark FROM planted_fence WHERE resource = ?", (KEY,)).fetchone()
+        return 0 if row is None else int(row[0])
+
+    def _fence(self, db: sqlite3.Connection, token: FencingToken) -> None:
+        """Check ``token`` against the mark and raise the mark (inside the caller's
+        transaction), with the plant's mistake if it has one."""
+        if token.lock != self.lock:
+            raise ConfigurationError(f"token of lock {token.lock!r}, not {self.lock!r}")
+        mark = self._stored_mark(db)
+        stale = token.value + 1 < mark if self.plant == "off-by-one" else token.value < mark
+        if stale:
+            raise StaleTokenError(token, FencingToken(self.lock, mark), KEY)
+        if self.plant == "mark-not-raised" and mark:
+            return
+        if self.plant == "mark-in-memory":
+            self._memory = max(mark, token.value)
+            return
+        db.execute(
+            "INSERT INTO planted_fence VALUES (?, ?) ON CONFLICT (resource) DO UPDATE "
+            "SET mark = max(mark, excluded.mark)",
+            (KEY, token.value),
+        )
+
+    def read(self, token: FencingToken) -> bytes | None:
+        db = self._db()
+        with _sqlite_transaction(db):
+            if self.plant not in ("no-fence", "unfenced-read"):
+                self._fence(db, token)
+            row = db.execute("SELECT data FROM fenced_check WHERE id = ?", (KEY,)).fetchone()
+        return None if row is None else str(row[0]).encode()
+
+    def _put(self, db: sqlite3.Connection, data: bytes) -> None:
+        db.execute("INSERT OR REPLACE INTO fenced_check VALUES (?, ?)", (KEY, data.decode()))
+
+    def write(self, token: FencingToken, data: bytes) -> None:
+        db = self._db()
+        if self.plant == "check-then-write":
+            with _sqlite_transaction(db):
+                self._fence(db, token)
+            self.critical()  # (a pause here lets a newer holder write first)
+            with _sqlite_transaction(db):
+                self._put(db, data)
+        elif self.plant == "write-then-check":
+            with _sqlite_transaction(db):
+                self._put(db, data)
+            with _sqlite_transaction(db):
+                self._fence(db, token)
+        else:
+            with _sqlite_transaction(db):
+                if self.plant != "no-fence":
+                    self._fence(db, token)
+                self._put(db, data)
+
+    def final(self) -> tuple[bytes | None, int | None]:
+        with contextlib.closing(sqlite3.connect(self.path)) as db:
+            row = db.execute("SELECT mark FROM planted_fence WHERE resource = ?", (KEY,)).fetchone()
+            data = db.execute("SELECT data FROM fenced_check WHERE id = ?", (KEY,)).fetchone()
+        mark = None if row is None else int(row[0])
+        return (None if data is None else str(data[0]).encode()), mark
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+
+def source_plant_server(name: str, base_dir: str) -> Any:
+    """The token-source server a source plant needs (not started)."""
+    from ..servers import FencedServer, RedisServer
+
+    if name == "token-in-memory":
+        return FencedServer("memory://", base_dir, args=["--insecure-no-auth"])
+    # The planted mistake: no append-only file, no snapshots — the counter lives in memory.
+    return RedisServer(base_dir, extra=["--appendonly", "no"])

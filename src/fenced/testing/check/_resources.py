@@ -1,0 +1,383 @@
+"""The resource under test: a register the workers read and write under their token.
+
+The kit needs four things of a resource, and nothing about what it stores:
+
+- ``read(token)``: the register's bytes (None when empty), read *fenced* if the resource can
+  (the read raises the mark to ``token``, so no holder older than this one can write under
+  what was read — see docs/guards-sql.md, "fence the read too");
+- ``write(token, data)``: replace the register if ``token`` is not below the mark, as one
+  atomic step; raise :class:`~fenced.StaleTokenError` (and write nothing) if it is;
+- ``final()``: at the end, the register's bytes and the resource's high-water mark (None
+  when it cannot say), read without a token;
+- ``reset()`` (once, in the campaign process, before any worker) and ``close()``.
+
+The workers keep, in the register, the list of every write that built on it (``[[token,
+value], ...]``, each value one more than the last): a read-modify-write counter whose whole
+past is in the final state, so the checkers can see a lost or a stale write in any resource.
+
+A resource is named by a URL (:func:`open_resource`)::
+
+    sql+sqlite:///PATH?table=T            a row of table T (default fenced_check) + SQLGuard
+    sql+postgresql://USER@HOST:PORT/DB?table=T
+    redis://HOST:PORT/DB?key=K            key K (default fenced-check) + RedisGuard (Lua)
+    etcd://HOST:PORT[,HOST:PORT]?key=K    key K + EtcdGuard (txn)
+    file:///DIR                           versions of DIR/register + FileGuard
+    http://HOST:PORT/PATH                 GET/PUT PATH with a Fencing-Token header; 409 = refused
+    python:MODULE:CLASS                   CLASS() implements the four methods above
+
+With no URL the kit uses an embedded SQLite file in the report directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import sqlite3
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+from urllib.parse import parse_qs, urlsplit, urlunsplit
+
+from ..._errors import ConfigurationError, StaleTokenError
+from ..._token import FencingToken
+
+__all__ = ["HttpResource", "Resource", "SQLResource", "open_resource"]
+
+KEY = "fenced-check"
+
+
+@runtime_checkable
+class Resource(Protocol):
+    def reset(self) -> None: ...
+
+    def read(self, token: FencingToken) -> bytes | None: ...
+
+    def write(self, token: FencingToken, data: bytes) -> None: ...
+
+    def final(self) -> tuple[bytes | None, int | None]: ...
+
+    def close(self) -> None: ...
+
+
+def _query(url: str) -> dict[str, str]:
+    return {k: v[-1] for k, v in parse_qs(urlsplit(url).query).items()}
+
+
+def _without_query(url: str) -> str:
+    return urlunsplit(urlsplit(url)._replace(query="", fragment=""))
+
+
+class SQLResource:
+    """One row ``(id, data)`` of a table, fenced by :class:`~fenced.guards.sql.SQLGuard` in the
+    same transaction as the read and the write (SQLite file or PostgreSQL)."""
+
+    def __init__(self, url: str, lock: str) -> None:
+        from ...guards._sql_plan import quote_table
+        from ...guards.sql import SQLGuard
+
+        scheme = urlsplit(url).scheme
+        self.driver = scheme.split("+", 1)[1]
+        if self.driver not in ("sqlite", "postgresql"):
+            raise ConfigurationError(
+                f"sql resource: no driver {self.driver!r} (sqlite, postgresql)"
+            )
+        self.table = _query(url).get("table", "fenced_check")
+        self._quoted = quote_table(self.table)
+        parts = urlsplit(url)
+        # (a file path for SQLite; the libpq URL, without the kit's own query, for PostgreSQL)
+        self.target = (
+            parts.path if self.driver == "sqlite" else _without_query(url).split("+", 1)[1]
+        )
+        self.guard = SQLGuard(KEY, lock=lock)
+        self._conn: Any = None
+        self.mark_param = "?" if self.driver == "sqlite" else "%s"
+
+    def _connect(self) -> Any:
+        if self._conn is None:
+            if self.driver == "sqlite":
+                self._conn = sqlite3.connect(self.target, timeout=30, isolation_level=None)
+                self._conn.execute("PRAGMA journal_mode=WAL")
+            else:
+                import psycopg
+
+                self._conn = psycopg.connect(self.target, autocommit=True)
+        return self._conn
+
+    def _sql(self, text: str) -> str:
+        return text.replace("?", self.mark_param).replace("{t}", self._quoted)
+
+    def reset(self) -> None:
+        conn = self._connect()
+        conn.execute(self._sql("CREATE TABLE IF NOT EXISTS {t} (id TEXT PRIMARY KEY, data TEXT)"))
+        conn.execute(self._sql("DELETE FROM {t} WHERE id = ?"), (KEY,))
+        self.guard.install(conn)
+        fences = self.guard.table
+        conn.execute(self._sql(f"DELETE FROM {fences} WHERE resource = ?"), (KEY,))
+
+    def _get(self, conn: Any) -> bytes | None:
+        row = conn.execute(self._sql("SELECT data FROM {t} WHERE id = ?"), (KEY,)).fetchone()
+        return None if row is None else str(row[0]).encode()
+
+    def _transaction(self, conn: Any) -> Any:
+        if self.driver == "sqlite":
+            return _sqlite_transaction(conn)
+        return conn.transaction()
+
+    def read(self, token: FencingToken) -> bytes | None:
+        conn = self._connect()
+        with self._transaction(conn):
+            self.guard.check(conn, token=token)
+            return self._get(conn)
+
+    def write(self, token: FencingToken, data: bytes) -> None:
+        conn = self._connect()
+        with self._transaction(conn):
+            self.guard.check(conn, token=token)
+            conn.execute(self._sql("DELETE FROM {t} WHERE id = ?"), (KEY,))
+            conn.execute(self._sql("INSERT INTO {t} VALUES (?, ?)"), (KEY, data.decode()))
+
+    def final(self) -> tuple[bytes | None, int | None]:
+        conn = self._connect()
+        tok = self.guard.high_water(conn)
+        return self._get(conn), None if tok is None else tok.value
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+
+@contextlib.contextmanager
+def _sqlite_transaction(conn: sqlite3.Connection) -> Any:
+    conn.execute("BEGIN IMMEDIATE")  # the writer's lock first: no upgrade deadlock
+    try:
+        yield
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")
+
+
+class RedisResource:
+    """A key behind :class:`~fenced.guards.redis.RedisGuard`: the read is a guarded ``GET``
+    (the fence check, the mark's advance and the read in one script)."""
+
+    def __init__(self, url: str, lock: str) -> None:
+        import redis
+
+        from ...guards.redis import RedisGuard
+
+        self.key = _query(url).get("key", KEY)
+        self.client = redis.Redis.from_url(_without_query(url))
+        self.guard = RedisGuard(self.client, self.key, lock)
+
+    def reset(self) -> None:
+        self.client.delete(self.key, self.guard.fence_key)
+
+    def read(self, token: FencingToken) -> bytes | None:
+        got = self.guard.eval("return redis.call('GET', KEYS[1])", [self.key], [], token=token)
+        return got if got else None
+
+    def write(self, token: FencingToken, data: bytes) -> None:
+        self.guard.set(self.key, data, token=token)
+
+    def final(self) -> tuple[bytes | None, int | None]:
+        tok = self.guard.high_water()
+        data = self.client.get(self.key)
+        return (data if isinstance(data, bytes) else None), None if tok is None else tok.value
+
+    def close(self) -> None:
+        self.guard.close()
+
+
+class EtcdResource:
+    """A key behind :class:`~fenced.guards.etcd.EtcdGuard`. A guarded transaction takes only
+    writes, so the fenced read is a guarded put of ``KEY.read`` (which raises the mark) and
+    then the read: from then on no older holder can write, so what is read stays theirs."""
+
+    def __init__(self, url: str, lock: str) -> None:
+        from ...guards.etcd import EtcdGuard
+
+        self.key = _query(url).get("key", KEY)
+        self.endpoint = _without_query(url)
+        self.guard = EtcdGuard(self.endpoint, self.key, lock)
+
+    def _txn(self, ops: list[Any], write: bool) -> Any:
+        from aetcd import rpc
+
+        txn = rpc.TxnRequest()
+        for op in ops:
+            txn.success.append(op)
+        return self.guard._portal.call(self.guard.aio._txn(txn, write=write))
+
+    def _get(self) -> bytes | None:
+        from ...guards.etcd import get_op
+
+        kvs = self._txn([get_op(self.key.encode())], write=False).responses[0].response_range.kvs
+        return bytes(kvs[0].value) if kvs else None
+
+    def reset(self) -> None:
+        from ...guards.etcd import delete_op
+
+        keys = (self.key.encode(), f"{self.key}.read".encode(), *self.guard.aio.keys.all)
+        self._txn([delete_op(k) for k in keys], write=True)
+
+    def read(self, token: FencingToken) -> bytes | None:
+        self.guard.put(f"{self.key}.read", str(token.value), token=token)
+        return self._get()
+
+    def write(self, token: FencingToken, data: bytes) -> None:
+        self.guard.put(self.key, data, token=token)
+
+    def final(self) -> tuple[bytes | None, int | None]:
+        tok = self.guard.high_water()
+        return self._get(), None if tok is None else tok.value
+
+    def close(self) -> None:
+        self.guard.close()
+
+
+class FileResource:
+    """Versions of ``DIR/register`` behind :class:`~fenced.guards.files.FileGuard`.
+
+    A file guard orders whole versions; it has no read that raises the mark. The read here
+    fences by publishing what it read again under its own token, then checks that no version
+    slipped in between (a stale writer can, until the mark is raised): if one did, it reads
+    again — after its own version the mark refuses every older writer, so twice is enough.
+    """
+
+    def __init__(self, url: str, lock: str) -> None:
+        from ...guards.files import FileGuard
+
+        self.dir = Path(urlsplit(url).path)
+        self.guard = FileGuard(self.dir, lock=lock)
+
+    def reset(self) -> None:
+        for v in self.guard.versions("register"):
+            Path(self.guard.path("register", v)).unlink(missing_ok=True)
+        self.guard.collect_garbage("register")
+
+    def read(self, token: FencingToken) -> bytes | None:
+        for _ in range(3):
+            latest = self.guard.latest("register")
+            data = None if latest is None else self.guard.read_version("register", latest)
+            if latest is not None and latest.token.value >= token.value:
+                return data  # (already ours, or a newer holder's: the write will be refused)
+            mine = self.guard.write("register", data or b"", token=token)
+            versions = self.guard.versions("register")
+            before = versions[versions.index(mine) - 1] if versions.index(mine) else None
+            if before == latest:
+                return data
+        raise StaleTokenError(token, None, "register")  # (cannot happen: see the docstring)
+
+    def write(self, token: FencingToken, data: bytes) -> None:
+        self.guard.write("register", data, token=token)
+
+    def final(self) -> tuple[bytes | None, int | None]:
+        latest = self.guard.latest("register")
+        if latest is None:
+            return None, None
+        return self.guard.read_version("register", latest), latest.token.value
+
+    def close(self) -> None:
+        pass
+
+
+class HttpResource:
+    """Any HTTP service that fences on a ``Fencing-Token`` header (as
+    :mod:`fenced.guards.asgi` does): ``GET URL`` reads (200 with the bytes, 404 when empty),
+    ``PUT URL`` writes (2xx accepted, 409 refused as stale), each with the token; ``DELETE
+    URL`` resets; a ``Fenced-High-Water`` response header, if sent, is the mark."""
+
+    def __init__(self, url: str, lock: str) -> None:
+        import httpx
+
+        self.url = url
+        self.client = httpx.Client(timeout=30)
+        self._mark: int | None = None
+
+    def _headers(self, token: FencingToken) -> dict[str, str]:
+        return {"Fencing-Token": str(token)}
+
+    def _refused(self, response: Any, token: FencingToken) -> None:
+        if response.status_code == 409:
+            raise StaleTokenError(token, None, self.url)
+        response.raise_for_status()
+
+    def reset(self) -> None:
+        r = self.client.delete(self.url)
+        if r.status_code not in (200, 204, 404, 405):
+            r.raise_for_status()
+
+    def read(self, token: FencingToken) -> bytes | None:
+        r = self.client.get(self.url, headers=self._headers(token))
+        if r.status_code == 404:
+            return None
+        self._refused(r, token)
+        return r.content or None
+
+    def write(self, token: FencingToken, data: bytes) -> None:
+        self._refused(self.client.put(self.url, content=data, headers=self._headers(token)), token)
+
+    def final(self) -> tuple[bytes | None, int | None]:
+        r = self.client.get(self.url)
+        mark = r.headers.get("fenced-high-water")
+        if r.status_code == 404:
+            return None, None
+        r.raise_for_status()
+        return r.content or None, int(mark) if mark and mark.isdigit() else None
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def _python(spec: str, lock: str) -> Resource:
+    target = spec.removeprefix("python:")
+    module_name, _, attr = target.partition(":")
+    if not module_name or not attr:
+        raise ConfigurationError(f"resource {spec!r}: give python:MODULE:CLASS")
+    try:
+        factory: Callable[..., Any] = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigurationError(f"resource {spec!r}: {exc}") from exc
+    made = factory(lock) if _takes_argument(factory) else factory()
+    missing = [m for m in ("reset", "read", "write", "final", "close") if not hasattr(made, m)]
+    if missing:
+        raise ConfigurationError(f"resource {spec!r}: the adapter has no {', '.join(missing)}")
+    return made  # type: ignore[no-any-return]
+
+
+def _takes_argument(factory: Callable[..., Any]) -> bool:
+    import inspect
+
+    try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+
+
+def open_resource(spec: str, lock: str) -> Resource:
+    """The resource a URL names (see the module docstring). Raises
+    :class:`~fenced.ConfigurationError` for a URL it does not know."""
+    scheme = urlsplit(spec).scheme
+    if spec.startswith("python:"):
+        return _python(spec, lock)
+    if scheme == "planted+sqlite":
+        from ._plants import PlantedSQLite
+
+        return PlantedSQLite(spec, lock)
+    if scheme.startswith("sql+"):
+        return SQLResource(spec, lock)
+    if scheme == "redis":
+        return RedisResource(spec, lock)
+    if scheme == "etcd":
+        return EtcdResource(spec, lock)
+    if scheme == "file":
+        return FileResource(spec, lock)
+    if scheme in ("http", "https"):
+        return HttpResource(spec, lock)
+    raise ConfigurationError(
+        f"resource {spec!r}: use sql+sqlite://, sql+postgresql://, redis://, etcd://, file://, "
+        "http(s):// or python:MODULE:CLASS"
+    )
