@@ -208,9 +208,12 @@ def grants_do_not_overlap_in_grant_order(history: list[Event]) -> list[Violation
     for e in history:
         if e["op"] == "grant":
             by_lock.setdefault(e["lock"], []).append(e)
-        elif e["op"] == "release" and e.get("released"):
-            # From when the release was sent: the source may grant the next holder before
-            # the releasing worker hears back and records it.
+        elif e["op"] == "releasing":  # written before the release is sent (it may die next)
+            released[(e["lock"], e["token"])] = float(e["mono"])
+        elif e["op"] == "release" and (e["lock"], e["token"]) not in released:
+            # From when the release was sent, whatever came back: the source may grant the
+            # next holder before the releasing worker hears back, and a release whose reply
+            # was lost may have been carried out (the holder stopped acting at the send).
             released[(e["lock"], e["token"])] = float(e["sent"] if "sent" in e else e["mono"])
     out = []
     for lock, grants in by_lock.items():

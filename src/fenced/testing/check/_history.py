@@ -9,9 +9,17 @@ and the wall clock (for people).
 Events (``op``) and their fields besides ``worker``, ``op``, ``mono``, ``wall``:
 
 * ``grant``: ``lock``, ``token``, ``surely_until`` (mono + the lease's ``remaining()``)
+* ``releasing``: ``lock``, ``token``, written just before a release is sent (a worker killed
+  while releasing has let go all the same)
 * ``release``: ``lock``, ``token``, ``released`` (what the source said), ``sent`` (mono when
   the release was sent: the next grant may come before the answer)
-* ``write``: ``lock``, ``token``, ``value``, ``ok`` (accepted or refused by the resource)
+* ``write``: ``lock``, ``token``, ``value``, ``ok`` (accepted, refused as stale, or None: no
+  answer, it may have landed), ``sent`` (mono when it was sent), ``remaining`` (the worker's
+  view of its lease then)
+* ``read``: ``ok`` and ``value`` (the counter read), or ``ok`` False: the fenced read was
+  refused (stale); ``error``: a step that failed
+  (``step``, ``error``); ``stalled``: the worker stopped itself in its critical section;
+  ``nemesis``: a fault (``kind``, ``victim``, ``seconds``)
 * ``final``: what the resource holds at the end: ``mark`` (its high-water mark) and ``log``,
   the accepted writes in the resource's own order, as ``[token, value]`` pairs
 """

@@ -143,7 +143,11 @@ class PlantedSQLite:
                 self._put(db, data)
 
     def final(self) -> tuple[bytes | None, int | None]:
-        with contextlib.closing(sqlite3.connect(self.path)) as db:
+        with contextlib.ExitStack() as stack:
+            if self.path == ":memory:":  # (the simulator's: one connection holds it all)
+                db = self._db()
+            else:
+                db = stack.enter_context(contextlib.closing(sqlite3.connect(self.path)))
             row = db.execute("SELECT mark FROM planted_fence WHERE resource = ?", (KEY,)).fetchone()
             data = db.execute("SELECT data FROM fenced_check WHERE id = ?", (KEY,)).fetchone()
         mark = None if row is None else int(row[0])

@@ -80,7 +80,10 @@ def main(argv: list[str]) -> None:
                 step(resource, token, lease, history, rng, ttl, critical)
             except Exception as exc:  # (a user's adapter may raise anything: record, go on)
                 history.append("error", lock=lock, token=token.value, error=type(exc).__name__)
-            sent = _clock.now()  # (a successor may be granted before release() returns)
+            # Said before it is sent: a worker killed while releasing has still let go, and
+            # a successor may be granted before release() returns.
+            history.append("releasing", lock=lock, token=token.value)
+            sent = _clock.now()
             try:
                 if plant == "unfenced-release":
                     released = locks.force_release(lock) is not None
@@ -109,6 +112,7 @@ def step(
         history.append("read", lock=lock, token=token.value, ok=False)
         return
     value = entries[-1][1] + 1 if entries else 1
+    history.append("read", lock=lock, token=token.value, ok=True, value=value - 1)
     entries.append([token.value, value])
     time.sleep(rng.uniform(0, ttl / 4))  # think
     if getattr(resource, "takes_critical", False):

@@ -1,0 +1,101 @@
+"""Many seeds, in parallel; a failing seed shrunk to the smallest run that still fails."""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import os
+import time
+from collections.abc import Callable, Iterator
+
+from ._world import Config, Outcome, simulate
+
+__all__ = ["SeedsResult", "run_seeds", "shrink"]
+
+_CHUNK = 200
+
+
+@dataclasses.dataclass
+class SeedsResult:
+    seeds: int
+    failed: list[int]  # the failing seeds, lowest first
+    seconds: float
+
+    @property
+    def per_second(self) -> float:
+        return self.seeds / max(self.seconds, 1e-9)
+
+
+def _chunk(args: tuple[Config, int, int]) -> list[int]:
+    template, start, count = args
+    failed = []
+    for seed in range(start, start + count):
+        if not simulate(dataclasses.replace(template, seed=seed)).ok:
+            failed.append(seed)
+    return failed
+
+
+def run_seeds(
+    template: Config,
+    start: int,
+    count: int,
+    *,
+    jobs: int = 0,
+    stop_at_first: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+) -> SeedsResult:
+    """Simulate seeds ``start`` .. ``start + count - 1`` of ``template`` on ``jobs``
+    processes (0: one per CPU)."""
+    began = time.monotonic()
+    jobs = jobs or len(os.sched_getaffinity(0))
+    chunks = [
+        (template, s, min(_CHUNK, start + count - s)) for s in range(start, start + count, _CHUNK)
+    ]
+    failed: list[int] = []
+    done = 0
+    results: Iterator[list[int]]
+    if jobs == 1:
+        results = map(_chunk, chunks)
+        pool = None
+    else:
+        pool = multiprocessing.get_context("fork").Pool(jobs)
+        results = pool.imap(_chunk, chunks)
+    try:
+        for (_, _, n), bad in zip(chunks, results, strict=True):
+            failed += bad
+            done += n
+            if progress:
+                progress(done, len(failed))
+            if stop_at_first and failed:
+                break
+    finally:
+        if pool is not None:
+            pool.terminate()
+    return SeedsResult(done, sorted(failed), time.monotonic() - began)
+
+
+def shrink(cfg: Config) -> Outcome:
+    """The smallest variation of a failing ``cfg`` (fewer rounds, fewer clients, fewer kinds
+    of fault; the same seed) that still fails, and its run."""
+    best = simulate(cfg)
+    if best.ok:
+        return best
+    changed = True
+    while changed:
+        changed = False
+        options = [dataclasses.replace(best.config, rounds=r) for r in range(1, best.config.rounds)]
+        options += [
+            dataclasses.replace(best.config, clients=n) for n in range(1, best.config.clients)
+        ]
+        options += [
+            dataclasses.replace(
+                best.config, faults=tuple(f for f in best.config.faults if f != drop)
+            )
+            for drop in best.config.faults
+        ]
+        for option in options:
+            tried = simulate(option)
+            if not tried.ok and len(tried.trace) < len(best.trace):
+                best, changed = tried, True
+                break
+    return best

@@ -1,0 +1,480 @@
+"""One simulated world: clients running fenced's real lease core (:class:`fenced.AsyncLocks`)
+against a simulated token source, writing through a network to a resource fenced by the real
+:class:`~fenced.guards.sql.SQLGuard` (or a planted fence) on an in-memory SQLite database —
+all on one :class:`VirtualLoop`, every choice drawn from one seeded ``random.Random``.
+
+Faults: ``pause`` (a client stops: its worker and its renewals), ``stall`` (a client stops
+between its read and its write), ``crash`` (a client dies; a new one starts), ``source``
+(the token source is down for a while, then back with its durable state — the counter and
+the grants; without its volatile state if a plant says so), ``resource`` (the same for the
+resource), and on every message: delay, loss of the request or the reply, duplication and
+reordering. The source's clock runs up to 2 % off the clients' (within the lease core's
+safety margin for the ttl used). The history is the check kit's, checked by its checkers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import random
+from collections.abc import Callable
+from typing import Any, ClassVar
+from urllib.parse import SplitResult
+
+from ... import _clock
+from ..._backend import Backend, Characteristic, Grant, LockStatus, LostCallback, lock_timeout
+from ..._errors import (
+    BackendUnavailable,
+    ConfigurationError,
+    FencedError,
+    LeaseLostError,
+    LockTimeout,
+    StaleTokenError,
+)
+from ..._lease import AsyncLocks
+from ..._token import FencingToken
+from ..check._checkers import Violation, check_all
+from ..check._plants import PLANTS, PlantedSQLite, plant_role
+from ..check._resources import SQLResource
+from ._loop import Stuck, VirtualLoop
+
+__all__ = ["FAULTS", "SIM_PLANTS", "Config", "Outcome", "simulate"]
+
+LOCK = "counter"
+RPC_TIMEOUT = 0.5  # a client gives up on an answer after this long (the message may land later)
+FAULTS = ("pause", "stall", "crash", "source", "resource", "loss", "dup", "delay")
+# The check kit's plants the simulator can play, plus one of its own.
+SIM_PLANTS: dict[str, str] = {
+    **{k: v for k, v in PLANTS.items() if k not in ("token-in-memory",)},
+    "clock-fast": "the source's clock runs 30 % fast: leases end before their holders think",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    seed: int
+    clients: int = 3
+    rounds: int = 6
+    ttl: float = 1.0
+    plant: str = ""
+    faults: tuple[str, ...] = FAULTS
+
+    def replay(self) -> str:
+        faults = ",".join(self.faults)
+        plant = f" --plant {self.plant}" if self.plant else ""
+        return (
+            f"fenced sim --replay {self.seed} --clients {self.clients} --rounds {self.rounds} "
+            f"--faults {faults}{plant}"
+        )
+
+
+@dataclasses.dataclass
+class Outcome:
+    config: Config
+    violations: list[Violation]
+    trace: list[dict[str, Any]]
+    virtual_seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    def trace_text(self, events: list[dict[str, Any]] | None = None) -> str:
+        return "".join(json.dumps(e, sort_keys=True) + "\n" for e in (events or self.trace))
+
+    def short_trace(self) -> list[dict[str, Any]]:
+        """The events that explain the first violation: those of the clients it names (and
+        the faults that hit them, the source or the resource), from two ttls before its
+        first event to its last, and the final state."""
+        if not self.violations:
+            return self.trace
+        named = [e for e in self.violations[0].events if isinstance(e, dict) and "mono" in e]
+        if not named:  # (it names writes by value: every event up to the end)
+            return self.trace
+        who = {e["worker"] for e in named}
+        start = min(e["mono"] for e in named) - 2 * self.config.ttl
+        end = max(e["mono"] for e in named)
+
+        def relevant(e: dict[str, Any]) -> bool:
+            if e["op"] == "final":
+                return True
+            if not start <= e["mono"] <= end:
+                return False
+            if e["op"] == "nemesis":  # a fault on one of them, or on the source or resource
+                return e["victim"] in who or e["victim"] in ("source", "resource")
+            return e["worker"] in who
+
+        return [e for e in self.trace if relevant(e)]
+
+
+class _World:
+    def __init__(self, cfg: Config, loop: VirtualLoop) -> None:
+        self.cfg = cfg
+        self.loop = loop
+        self.rng = random.Random(cfg.seed)
+        self.trace: list[dict[str, Any]] = []
+        self.faults = set(cfg.faults)
+        # the source: durable (counter, grants) and whether it is up; its clock's rate
+        self.counter = 0
+        self.holder: tuple[str, int, float, float] | None = None  # request id, token, expiry, ttl
+        self.source_up = True
+        self.source_rate = 1.30 if cfg.plant == "clock-fast" else 1 + self.rng.uniform(-0.02, 0.02)
+        self.resource_up = True
+        self.resource = self._resource()
+        self.resource.reset()
+
+    def _resource(self) -> Any:
+        if self.cfg.plant in PLANTS and plant_role(self.cfg.plant) == "resource":
+            res = PlantedSQLite(f"planted+sqlite:///sim?plant={self.cfg.plant}", LOCK)
+            res.path = ":memory:"
+            return res
+        real = SQLResource("sql+sqlite:///sim", LOCK)
+        real.target = ":memory:"
+        return real
+
+    def now(self) -> float:
+        return self.loop.time()
+
+    def record(self, worker: str, op: str, **fields: Any) -> None:
+        self.trace.append({"worker": worker, "op": op, "mono": round(self.now(), 9), **fields})
+
+    # -- the source, as its server sees it (its own clock) ----------------------------------
+
+    def source_clock(self) -> float:
+        return self.now() * self.source_rate
+
+    def _expire(self) -> None:
+        if self.holder is not None and self.holder[2] <= self.source_clock():
+            self.holder = None
+
+    def try_acquire(self, request_id: str, ttl: float) -> tuple[FencingToken, float] | None:
+        """The grant and the time it has left (a retry of a grant made earlier, whose reply
+        was lost, has less than its ttl left: it started at the earlier request)."""
+        self._expire()
+        if self.holder is not None:
+            rid, value, expires, _ = self.holder
+            left = expires - self.source_clock()
+            return (FencingToken(LOCK, value), left) if rid == request_id else None
+        self.counter += 1
+        self.holder = (request_id, self.counter, self.source_clock() + ttl, ttl)
+        return FencingToken(LOCK, self.counter), ttl
+
+    def renew(self, token: FencingToken) -> None:
+        self._expire()
+        if self.holder is None or self.holder[1] != token.value:
+            raise LeaseLostError(f"lease {token} is no longer held")
+        rid, value, _, ttl = self.holder
+        self.holder = (rid, value, self.source_clock() + ttl, ttl)
+
+    def release(self, token: FencingToken | None) -> bool:
+        self._expire()
+        if self.holder is None or (token is not None and self.holder[1] != token.value):
+            return False
+        self.holder = None
+        return True
+
+    # -- the network -------------------------------------------------------------------------
+
+    def _delay(self) -> float:
+        if "delay" in self.faults and self.rng.random() < 0.05:
+            return self.rng.uniform(0.0, 2 * self.cfg.ttl)  # (overtaken by later messages)
+        return self.rng.uniform(0.0005, 0.005)
+
+    def _lost(self) -> bool:
+        return "loss" in self.faults and self.rng.random() < 0.03
+
+    async def call(self, client: _Client, to: str, apply: Callable[[], Any]) -> Any:
+        """Send ``apply`` to the source or the resource and wait for its answer (at most
+        RPC_TIMEOUT: then BackendUnavailable, though the request may still land)."""
+        await client.running.wait()  # a stopped process sends nothing
+        if client.dead:
+            raise BackendUnavailable("sim: this client is dead")
+        answer: asyncio.Future[Any] = self.loop.create_future()
+
+        def deliver(reply: bool) -> None:
+            if not (self.source_up if to == "source" else self.resource_up):
+                return  # lost with the server
+            try:
+                result, error = apply(), None
+            except FencedError as exc:
+                result, error = None, exc
+            if reply and not self._lost() and not client.dead:
+                self.loop.call_later(self._delay(), settle, result, error)
+
+        def settle(result: Any, error: BaseException | None) -> None:
+            if not answer.done():
+                answer.set_exception(error) if error else answer.set_result(result)
+
+        if not self._lost():
+            self.loop.call_later(self._delay(), deliver, True)
+        if "dup" in self.faults and self.rng.random() < 0.03:
+            self.loop.call_later(self._delay() + self._delay(), deliver, False)
+        try:
+            return await asyncio.wait_for(answer, RPC_TIMEOUT)
+        except TimeoutError:
+            raise BackendUnavailable(f"sim: no answer from the {to}") from None
+
+
+class SimBackend(Backend):
+    """A client's connection to the simulated source: each call one message each way."""
+
+    scheme: ClassVar[str] = "sim"
+    characteristics: ClassVar[frozenset[Characteristic]] = frozenset(
+        {Characteristic.LINEARIZABLE, Characteristic.SERVER_EXPIRY}
+    )
+    caller_driven: ClassVar[bool] = True
+    _worlds: ClassVar[dict[str, tuple[_World, _Client]]] = {}
+
+    def __init__(self, world: _World, client: _Client) -> None:
+        self.world, self.client = world, client
+
+    @classmethod
+    async def open(cls, url: SplitResult, options: dict[str, Any]) -> SimBackend:
+        return cls(*cls._worlds[url.netloc])
+
+    async def acquire(
+        self,
+        name: str,
+        *,
+        request_id: str,
+        ttl: float,
+        deadline: float | None,
+        on_lost: LostCallback,
+        owner: str = "",
+    ) -> Grant:
+        w = self.world
+        while True:
+            sent = _clock.now()
+            got = await w.call(self.client, "source", lambda: w.try_acquire(request_id, ttl))
+            if got is not None:
+                token, left = got
+                return Grant(token, request_id, ttl, sent + left - ttl)
+            if deadline is not None and _clock.now() >= deadline:
+                raise lock_timeout(name)
+            await asyncio.sleep(w.rng.uniform(0.05, 0.25))  # poll again (no wake-ups: simpler)
+
+    async def renew(self, grant: Grant) -> Grant:
+        sent = _clock.now()
+        await self.world.call(self.client, "source", lambda: self.world.renew(grant.token))
+        return dataclasses.replace(grant, sent_at=sent)
+
+    async def release(self, grant: Grant) -> bool:
+        return bool(
+            await self.world.call(self.client, "source", lambda: self.world.release(grant.token))
+        )
+
+    async def status(self, name: str) -> LockStatus:
+        raise NotImplementedError
+
+    async def lock_names(self) -> list[str]:
+        return [LOCK]
+
+    async def aclose(self) -> None:
+        pass
+
+
+@dataclasses.dataclass(eq=False)
+class _Client:
+    name: str
+    running: asyncio.Event
+    dead: bool = False
+    stall: bool = False
+
+
+async def _client_loop(w: _World, c: _Client, rounds: int) -> None:
+    cfg = w.cfg
+    SimBackend._worlds[f"{id(w)}-{c.name}"] = (w, c)
+    locks = AsyncLocks(f"sim://{id(w)}-{c.name}")
+    for r in range(rounds):
+        await c.running.wait()
+        lease = locks.lock(LOCK, ttl=cfg.ttl, request_id=f"{c.name}-{r}")
+        try:
+            token = await lease.acquire(timeout=5 * cfg.ttl)
+        except (LockTimeout, BackendUnavailable, LeaseLostError) as exc:
+            w.record(c.name, "error", step="acquire", error=type(exc).__name__)
+            continue
+        believed = lease.remaining() * (1.5 if cfg.plant == "lease-overestimated" else 1.0)
+        w.record(c.name, "grant", lock=LOCK, token=token.value, surely_until=w.now() + believed)
+        await _round(w, c, token, lease)
+        w.record(c.name, "releasing", lock=LOCK, token=token.value)
+        sent = w.now()
+        try:
+            if cfg.plant == "unfenced-release":
+                released = bool(await w.call(c, "source", lambda: w.release(None)))
+                await lease.release()  # (its own bookkeeping; the grant is already gone)
+            else:
+                released = await lease.release()
+        except FencedError:
+            released = False
+        w.record(c.name, "release", lock=LOCK, token=token.value, released=released, sent=sent)
+
+
+async def _round(w: _World, c: _Client, token: FencingToken, lease: Any) -> None:
+    cfg, res = w.cfg, w.resource
+    try:
+        data = await w.call(c, "resource", lambda: res.read(token))
+    except StaleTokenError:
+        w.record(c.name, "read", lock=LOCK, token=token.value, ok=False)
+        return
+    except BackendUnavailable:
+        w.record(c.name, "error", lock=LOCK, token=token.value, step="read")
+        return
+    entries = json.loads(data) if data else []
+    value = entries[-1][1] + 1 if entries else 1
+    w.record(c.name, "read", lock=LOCK, token=token.value, ok=True, value=value - 1)
+    entries.append([token.value, value])
+    blob = json.dumps(entries, separators=(",", ":")).encode()
+    await asyncio.sleep(w.rng.uniform(0, cfg.ttl / 4))  # think
+    if cfg.plant == "check-then-write":  # two messages: check, (a stall lands here), write
+        try:
+            await w.call(c, "resource", lambda: _check_only(res, token))
+        except (StaleTokenError, BackendUnavailable):
+            w.record(
+                c.name, "write", lock=LOCK, token=token.value, value=value, ok=False, sent=w.now()
+            )
+            return
+    if c.stall:
+        c.stall = False
+        w.record(c.name, "stalled", lock=LOCK, token=token.value)
+        c.running.clear()  # the whole process stops, renewals included
+        await asyncio.sleep(w.rng.uniform(1.2, 3.0) * cfg.ttl)
+        c.running.set()
+    sent = w.now()
+    ok: bool | None
+    try:
+        if cfg.plant == "check-then-write":
+            await w.call(c, "resource", lambda: _put_only(res, blob))
+        else:
+            await w.call(c, "resource", lambda: res.write(token, blob))
+        ok = True
+    except StaleTokenError:
+        ok = False
+    except BackendUnavailable:
+        ok = None  # (it may land later: the checkers treat it as unknown)
+    w.record(c.name, "write", lock=LOCK, token=token.value, value=value, ok=ok, sent=sent)
+
+
+def _check_only(res: PlantedSQLite, token: FencingToken) -> None:
+    db = res._db()
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        res._fence(db, token)
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
+    db.execute("COMMIT")
+
+
+def _put_only(res: PlantedSQLite, data: bytes) -> None:
+    db = res._db()
+    db.execute("BEGIN IMMEDIATE")
+    res._put(db, data)
+    db.execute("COMMIT")
+
+
+async def _nemesis(w: _World, clients: list[_Client], tasks: list[asyncio.Task[None]]) -> None:
+    cfg, rng = w.cfg, w.rng
+    kinds = [k for k in ("pause", "stall", "crash", "source", "resource") if k in w.faults]
+    serial = len(clients)
+    while kinds:
+        await asyncio.sleep(rng.uniform(0.3, 1.5) * cfg.ttl)
+        kind = rng.choice(kinds)
+        i = rng.randrange(len(clients))
+        c = clients[i]
+        w.record(
+            "nemesis",
+            "nemesis",
+            kind=kind,
+            victim=c.name if kind in ("pause", "stall", "crash") else kind,
+        )
+        if kind == "pause":
+            c.running.clear()
+            w.loop.call_later(rng.uniform(1.2, 3.0) * cfg.ttl, c.running.set)
+        elif kind == "stall":
+            c.stall = True
+        elif kind == "crash":
+            c.dead = True
+            tasks[i].cancel()
+            serial += 1
+            clients[i] = _Client(f"c{serial}", _running())
+            tasks[i] = asyncio.ensure_future(_client_loop(w, clients[i], cfg.rounds))
+        elif kind == "source":
+            w.source_up = False
+            w.loop.call_later(rng.uniform(0.2, 2.0) * cfg.ttl, _restart_source, w)
+        else:
+            w.resource_up = False
+            w.loop.call_later(rng.uniform(0.2, 1.0) * cfg.ttl, _restart_resource, w)
+
+
+def _restart_source(w: _World) -> None:
+    w.source_up = True
+    if w.cfg.plant == "counter-not-fsynced":  # nothing it had was on disk
+        w.counter, w.holder = 0, None
+
+
+def _restart_resource(w: _World) -> None:
+    w.resource_up = True
+    if w.cfg.plant == "mark-in-memory":
+        w.resource._memory = 0
+
+
+def _running() -> asyncio.Event:
+    e = asyncio.Event()
+    e.set()
+    return e
+
+
+async def _main(w: _World) -> None:
+    clients = [_Client(f"c{i + 1}", _running()) for i in range(w.cfg.clients)]
+    tasks = [asyncio.ensure_future(_client_loop(w, c, w.cfg.rounds)) for c in clients]
+    nemesis = asyncio.ensure_future(_nemesis(w, clients, tasks))
+    try:
+        while not all(t.done() for t in tasks):  # (crashed clients' tasks are replaced)
+            pending = [t for t in tasks if not t.done()]
+            await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        nemesis.cancel()
+        for c in clients:
+            c.running.set()
+
+
+def simulate(cfg: Config) -> Outcome:
+    """Run one seed; the same config gives the same trace, byte for byte."""
+    if cfg.plant and cfg.plant not in SIM_PLANTS:
+        raise ConfigurationError(
+            f"no plant {cfg.plant!r} in the simulator: {', '.join(SIM_PLANTS)}"
+        )
+    loop = VirtualLoop()
+    quiet = logging.getLogger("fenced")
+    was_disabled, quiet.disabled = quiet.disabled, True  # (a lost lease is routine here)
+    real_now = _clock.now
+    _clock.now = loop.time  # the lease core's clock is the simulation's
+    w: _World | None = None
+    try:
+        w = _World(cfg, loop)
+        stuck: list[Violation] = []
+        try:
+            loop.run_until_complete(_main(w))
+        except Stuck as exc:
+            stuck.append(
+                Violation("stuck", f"the simulated system hung at {loop.time():.3f} s: {exc}")
+            )
+        data, mark = w.resource.final()
+        w.record("checker", "final", lock=LOCK, mark=mark, log=json.loads(data) if data else [])
+        violations = stuck + check_all(w.trace)
+        return Outcome(cfg, violations, w.trace, loop.time())
+    finally:
+        for task in asyncio.all_tasks(loop):
+            task.cancel()
+        with contextlib.suppress(Exception, Stuck):
+            loop.run_until_complete(asyncio.sleep(0))
+        loop.close()
+        _clock.now = real_now
+        quiet.disabled = was_disabled
+        if w is not None:
+            w.resource.close()
+            for key in [k for k in SimBackend._worlds if k.startswith(f"{id(w)}-")]:
+                del SimBackend._worlds[key]
