@@ -464,17 +464,23 @@ def _log(data: bytes | None) -> list[list[int]] | None:
 
 
 def _first_violation_after(events: list[Any], violations: list[Violation]) -> float | None:
-    """Seconds from the first event to the earliest event a violation names (None if none
-    names one)."""
+    """Seconds from the first event to the first moment a violation could be seen: for each
+    violation the latest event it names, the earliest of those (None if none names one)."""
     if not events or not violations:
         return None
     t0 = events[0]["mono"]
-    times = [e["mono"] for v in violations for e in v.events if isinstance(e, dict) and "mono" in e]
     by_value = {(e["token"], e["value"]): e["mono"] for e in events if e["op"] == "write"}
-    times += [
-        by_value[(int(e[0]), int(e[1]))]
-        for v in violations
-        for e in v.events
-        if isinstance(e, tuple | list) and len(e) == 2 and (int(e[0]), int(e[1])) in by_value
-    ]
-    return min(times) - t0 if times else None
+
+    def when(item: Any) -> float | None:
+        if isinstance(item, dict) and "mono" in item:
+            return float(item["mono"])
+        if isinstance(item, tuple | list) and len(item) == 2:
+            return by_value.get((int(item[0]), int(item[1])))
+        return None
+
+    seen = []
+    for v in violations:
+        times = [t for t in map(when, v.events) if t is not None]
+        if times:
+            seen.append(max(times))
+    return min(seen) - t0 if seen else None
