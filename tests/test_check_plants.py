@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fenced.testing.check import PLANTS, run_campaign
+from fenced.testing.check import PLANTS, read_history, run_campaign
 from fenced.testing.check._plants import plant_role
 
 # The faults that open each plant's window, and the checkers expected to see it.
@@ -17,6 +17,8 @@ NEMESIS = {
     "unfenced-release": ["stall", "pause"],  # a holder that wakes up late and releases
     "token-in-memory": ["restart", "stall"],
     "counter-not-fsynced": ["restart", "stall"],
+    "signature-skipped": ["forge", "stall"],
+    "key-id-ignored": ["forge", "stall"],
 }
 EXPECTED = {
     "no-fence": {"lost update", "acceptance order", "acknowledged write"},
@@ -26,6 +28,8 @@ EXPECTED = {
     "mark-in-memory": {"lost update", "acceptance order", "acknowledged write"},
     "mark-not-raised": {"mark", "lost update", "acceptance order", "acknowledged write"},
     "write-then-check": {"refused write", "lost update", "acknowledged write"},
+    "signature-skipped": {"forged token"},
+    "key-id-ignored": {"forged token"},
     "lease-overestimated": {"overlap"},
     "unfenced-release": {"overlap"},
     "token-in-memory": {"token reuse"},
@@ -63,8 +67,11 @@ def test_the_planted_resource_without_a_plant_holds_every_invariant(tmp_path: Pa
         resource=f"planted+sqlite://{db}?plant=",
         seconds=8,
         ttl=0.5,
-        nemesis=["stall", "pause", "kill"],
+        nemesis=["stall", "pause", "kill", "forge"],
         seed=1,
+        signing=True,
     )
     assert result.ok, [str(v) for v in result.violations]
     assert result.refused >= 1  # the late writers were there, and turned away
+    forged = [e for e in read_history(result.history) if e.get("forged")]
+    assert forged and not any(e["ok"] for e in forged)  # forged tokens: refused too

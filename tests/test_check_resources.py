@@ -54,10 +54,25 @@ def test_a_postgresql_table(tmp_path: Path, pg_dsn: str) -> None:
     _holds(_campaign(tmp_path, f"sql+{pg_dsn}?table=accounts"))
 
 
-def test_a_redis_key(tmp_path: Path, redis_server: RedisServer) -> None:
+def test_a_redis_key_with_signed_tokens_forged_tokens_and_clock_steps(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """Signing on: the forger's tokens are refused by RedisGuard's verification; workers'
+    wall clocks jump up to a minute either way, and nothing changes."""
     if redis_server.proc is None:
         redis_server.start()
-    _holds(_campaign(tmp_path, f"{redis_server.url}?key=check-{tmp_path.name}"))
+    result = run_campaign(
+        f"sqlite:///{tmp_path}/locks.db",
+        tmp_path / "r",
+        resource=f"{redis_server.url}?key=check-{tmp_path.name}",
+        nemesis=["stall", "kill", "forge", "clock"],
+        seconds=8,
+        ttl=0.5,
+        seed=2,
+        signing=True,
+    )
+    _holds(result)
+    assert result.faults["forge"] >= 1 and result.faults["clock"] >= 1, result.faults
 
 
 def test_an_etcd_key(tmp_path: Path, etcd_server: EtcdServer) -> None:

@@ -353,7 +353,13 @@ def _parser() -> argparse.ArgumentParser:
         "--nemesis",
         default="pause,stall,kill",
         help="faults, comma-separated: pause, stall (a pause between read and write), kill, "
-        "partition, delay, restart (a source the kit started), clock (libfaketime)",
+        "partition, delay, restart (a source the kit started), clock (wall-clock steps), "
+        "forge (forged tokens; needs --signing)",
+    )
+    check_kit.add_argument(
+        "--signing",
+        action="store_true",
+        help="sign every token (a key made for the run); the resource's guard verifies them",
     )
     check_kit.add_argument("--seed", type=int, default=0, help="the fault schedule's seed (0)")
     check_kit.add_argument("--report", default="fenced-check", help="directory for the history")
@@ -774,6 +780,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
             nemesis=nemesis,
             seed=args.seed,
             plant=args.plant,
+            signing=args.signing,
             progress=tick,
         )
     from ._console import make_printer

@@ -14,12 +14,14 @@ The nemesis, on a schedule drawn from ``seed`` (the same seed, the same schedule
   for 1.2-3 ttls (a write sent while its lease was good arrives after it ended);
 - ``restart``: kill -9 and restart the token source, when the kit started it itself
   (``--source redis|etcd|postgresql|zookeeper``);
-- ``clock``: step the wall clock of a source the kit started (libfaketime; PostgreSQL, whose
-  lease expiry fenced judges by the database's clock) up to a minute either way: leases may
-  then end early — the overlap checker reports it — and the resource's fence must still
-  hold. (Workers' clocks are not stepped: libfaketime 0.9.10 makes Python's ``time.sleep``
-  fail when the monotonic clock is left real; fenced's lease core reads only monotonic
-  clocks anyway.)
+- ``clock``: step a wall clock up to a minute either way: a worker's (``time.time()`` in the
+  worker's Python, on SIGWINCH: fenced's leases read only monotonic clocks, so nothing may
+  change), or, when the kit started a PostgreSQL source, the database server's (libfaketime;
+  fenced's PostgreSQL source judges expiry by the database's clock, so a forward step ends
+  leases early — the overlap checker reports it — and the resource's fence must still hold);
+- ``forge`` (with ``signing``): write to the resource through its guard with a token nobody
+  was granted — a high value under a forged signature, or under a key id the resource does
+  not know — as a client that edits its token would; it must be refused.
 """
 
 from __future__ import annotations
@@ -42,18 +44,19 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from ... import _clock
 from ..._errors import ConfigurationError
 from ..proxy import TcpProxy
 from ..servers import python_env
 from ._checkers import Violation, check_all
 from ._history import History, read_history
-from ._plants import PLANTS, plant_role, source_plant_server
+from ._plants import PLANTS, SIGNING_PLANTS, plant_role, source_plant_server
 from ._report import write_report
 from ._resources import open_resource
 
 __all__ = ["ENGINES", "NEMESES", "PLANTS", "CampaignError", "CampaignResult", "run_campaign"]
 
-NEMESES = ("pause", "stall", "kill", "partition", "delay", "restart", "clock")
+NEMESES = ("pause", "stall", "kill", "partition", "delay", "restart", "clock", "forge")
 ENGINES = ("redis", "etcd", "postgresql", "zookeeper")
 _NEEDS_TCP = frozenset({"partition", "delay"})
 _LASTING = frozenset({"pause", "stall", "partition", "delay"})
@@ -126,6 +129,34 @@ def _resume_after(pid: int, name: str, path: Path, delay: float, limit: float) -
         time.sleep(delay)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGCONT)
+
+
+def _forge(resource: Any, lock: str, history: History, rng: random.Random, n: int) -> None:
+    """One forged write: the register with one more entry, under a token no grant had (far
+    above any real one), signed with a made-up signature under the real key id, or under a
+    key id the resource does not know (every other time)."""
+    from ..._errors import FencedError
+    from ..._token import FencingToken
+
+    data, _ = resource.final()
+    try:
+        entries = json.loads(data) if data else []
+    except ValueError:
+        entries = []
+    value = entries[-1][1] + 1 if entries else 1
+    forged = 1_000_000_000 + n
+    kid = "check" if n % 2 else "stolen"
+    token = FencingToken(lock, forged, (kid, rng.randbytes(32)))
+    entries.append([forged, value])
+    sent = _clock.now()
+    try:
+        resource.write(token, json.dumps(entries, separators=(",", ":")).encode())
+        ok: bool | None = True
+    except FencedError:
+        ok = False  # (a SignatureError: refused before the mark, as it must be)
+    except Exception:
+        ok = None
+    history.append("write", lock=lock, token=forged, value=value, ok=ok, sent=sent, forged=True)
 
 
 def _wait_ready(proc: subprocess.Popen[bytes], log: Path, limit: float = 60.0) -> None:
@@ -205,12 +236,14 @@ def run_campaign(
     nemesis: Sequence[str] = ("pause", "stall", "kill"),
     seed: int = 0,
     plant: str = "",
+    signing: bool = False,
     progress: Callable[[float, str], None] | None = None,
 ) -> CampaignResult:
     """Run one campaign and check it. ``source``: a token-source URL, an engine name the kit
     starts itself (:data:`ENGINES`), or None for the machine's default. ``resource``: a URL
     of :func:`~fenced.testing.check.open_resource` ("" for an embedded SQLite register in
-    ``out``). ``progress(elapsed, what)`` is called as the run goes."""
+    ``out``). ``signing``: workers get signed tokens (an HMAC key made for the run) and the
+    resource's guard verifies them. ``progress(elapsed, what)`` is called as the run goes."""
     unknown = set(nemesis) - set(NEMESES)
     if unknown:
         raise ConfigurationError(
@@ -225,15 +258,13 @@ def run_campaign(
         raise ConfigurationError(
             f"--plant {plant} plants a fault in a source the kit starts: drop --source"
         )
-    if "clock" in nemesis and source not in _FAKETIME_ENGINES:
+    if "clock" in nemesis and source in _FAKETIME_ENGINES and faketime_library() is None:
         raise ConfigurationError(
-            "the clock nemesis steps the clock of a source the kit starts: --source postgresql "
-            "(Redis will not run under libfaketime, etcd's Go runtime reads the clock past it)"
+            "stepping a PostgreSQL server's clock needs libfaketime (Debian: apt-get install faketime)"
         )
-    if "clock" in nemesis and faketime_library() is None:
-        raise ConfigurationError(
-            "the clock nemesis needs libfaketime (Debian: apt-get install faketime)"
-        )
+    signing = signing or plant in SIGNING_PLANTS
+    if "forge" in nemesis and not signing:
+        raise ConfigurationError("the forge nemesis needs signed tokens: --signing")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "history.jsonl"
@@ -241,6 +272,7 @@ def run_campaign(
     scratch = tempfile.mkdtemp(prefix="fenced-check-")
     server: Any = None
     server_clock: Path | None = None  # the kit-started source's libfaketime offset
+    forger: Any = None
     proxies: dict[int, list[TcpProxy]] = {}  # worker pid -> its own ways to source and resource
     names: dict[int, str] = {}  # worker pid -> its name in the history
     procs: list[subprocess.Popen[bytes]] = []
@@ -306,6 +338,17 @@ def run_campaign(
         except Exception as exc:  # (any adapter's own error: one line, with its type)
             shown = resource.split("?")[0]
             raise CampaignError(f"resource {shown}: {type(exc).__name__}: {exc}") from exc
+        key_file: Path | None = None
+        keyring: Any = None
+        if signing:
+            from ..._signing import Keyring, generate_key, key_text
+
+            key = generate_key("hmac", "check")
+            key_file = Path(scratch) / "signing.key"
+            key_file.write_text(key_text(key))
+            key_file.chmod(0o600)
+            keyring = Keyring([key])
+        forger = open_resource(resource, lock, keyring) if "forge" in nemesis else None
         rng = random.Random(seed)
         env = python_env()
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), os.getcwd()]))
@@ -323,14 +366,20 @@ def run_campaign(
             cfg = {
                 "source": src, "resource": res, "history": str(path), "name": f"w{serial}",
                 "ttl": ttl, "seed": seed, "plant": plant, "lock": lock,
+                "signing_key": str(key_file) if key_file else None,
             }  # fmt: skip
+            worker_env = env
+            if "clock" in nemesis:
+                offset = Path(scratch) / f"clock-w{serial}"
+                offset.write_text("0\n")
+                worker_env = {**env, "FENCED_CHECK_CLOCK": str(offset)}
             with open(out / f"worker-w{serial}.log", "wb") as log:
                 proc = subprocess.Popen(
                     [sys.executable, "-m", "fenced.testing.check._worker", json.dumps(cfg)],
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     stderr=log,
-                    env=env,
+                    env=worker_env,
                     start_new_session=True,  # its own process group: signals reach it alone
                 )
             proxies[proc.pid] = ways
@@ -360,7 +409,10 @@ def run_campaign(
             # Past the lease, by a varying margin: a late writer then lands anywhere in its
             # successor's round (between its read and its write too).
             lasts = rng.uniform(1.2, 3.0) * ttl if kind in _LASTING else 0.0
-            who = "source" if kind in ("restart", "clock") else names[victim.pid]
+            on_server = kind == "restart" or (
+                kind == "clock" and server_clock and rng.random() < 0.5
+            )
+            who = "source" if on_server else "resource" if kind == "forge" else names[victim.pid]
             history.append("nemesis", kind=kind, victim=who, seconds=lasts)
             if progress:
                 progress(time.monotonic() - start, f"{kind} {who}")
@@ -381,10 +433,17 @@ def run_campaign(
                     proxy.heal() if kind == "partition" else proxy.delay(0.0)
             elif kind == "restart":
                 server.restart(kill=True)
-            elif kind == "clock":  # the source's wall clock jumps up to a minute either way
-                assert server_clock is not None
+            elif kind == "clock":  # a wall clock jumps up to a minute either way
                 step = rng.choice([-1, 1]) * rng.uniform(5 * ttl, 60)
-                server_clock.write_text(f"{step:+.3f}\n")
+                if on_server:
+                    assert server_clock is not None
+                    server_clock.write_text(f"{step:+.3f}\n")
+                else:
+                    (Path(scratch) / f"clock-{who}").write_text(f"{step:.3f}\n")
+                    os.kill(victim.pid, signal.SIGWINCH)
+            elif kind == "forge":
+                assert forger is not None
+                _forge(forger, lock, history, rng, len(faults) and faults["forge"])
             else:
                 os.killpg(victim.pid, signal.SIGKILL)
                 victim.wait()
@@ -414,6 +473,8 @@ def run_campaign(
         for ways in proxies.values():
             for proxy in ways:
                 proxy.close()
+        if forger is not None:
+            forger.close()
         try:
             if procs:
                 final = open_resource(resource, lock)

@@ -5,7 +5,8 @@ Each is a mistake people make when they build fencing by hand, put in one place:
 
 - in the **resource** (a hand-written fence over the same SQLite register, ``planted+sqlite``):
   ``no-fence``, ``unfenced-read``, ``off-by-one``, ``check-then-write``, ``mark-in-memory``,
-  ``mark-not-raised``, ``write-then-check``;
+  ``mark-not-raised``, ``write-then-check``, and with signed tokens ``signature-skipped``,
+  ``key-id-ignored`` (the ``forge`` nemesis writes with forged tokens);
 - in the **worker's use of its lease**: ``lease-overestimated``, ``unfenced-release``;
 - in the **token source** (one the kit starts and kills -9 and restarts): ``token-in-memory``
   (fenced serve over ``memory://``), ``counter-not-fsynced`` (Redis without its AOF).
@@ -23,10 +24,11 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ..._errors import ConfigurationError, StaleTokenError
+from ..._signing import TokenVerifier
 from ..._token import FencingToken
 from ._resources import KEY, _query, _sqlite_transaction
 
-__all__ = ["PLANTS", "PlantedSQLite", "plant_role"]
+__all__ = ["PLANTS", "SIGNING_PLANTS", "PlantedSQLite", "plant_role"]
 
 PLANTS: dict[str, str] = {
     "no-fence": "the resource checks no token at all",
@@ -36,13 +38,16 @@ PLANTS: dict[str, str] = {
     "mark-in-memory": "each process keeps the mark in its own memory",
     "mark-not-raised": "checks against the mark but never raises it",
     "write-then-check": "writes first, then checks; a refusal leaves the write in place",
+    "signature-skipped": "signing is on, but the resource never verifies a token's signature",
+    "key-id-ignored": "a token signed under a key id the resource does not know is let through",
     "lease-overestimated": "the holder believes its lease lasts 1.5 x its ttl",
     "unfenced-release": "release frees the lock whoever holds it (no token)",
     "token-in-memory": "the token source keeps its counter in memory and is restarted",
     "counter-not-fsynced": "the token source (Redis, no AOF) loses its counter on kill -9",
 }
 
-_RESOURCE_PLANTS = frozenset(list(PLANTS)[:7])
+_RESOURCE_PLANTS = frozenset(list(PLANTS)[:9])
+SIGNING_PLANTS = frozenset({"signature-skipped", "key-id-ignored"})
 _WORKER_PLANTS = frozenset({"lease-overestimated", "unfenced-release"})
 
 
@@ -62,8 +67,9 @@ class PlantedSQLite:
     ``planted_fence(resource, mark)`` — correctly with ``plant=""``, else with the named
     mistake. URL: ``planted+sqlite:///PATH?plant=NAME``."""
 
-    def __init__(self, url: str, lock: str) -> None:
+    def __init__(self, url: str, lock: str, verify: TokenVerifier | None = None) -> None:
         self.plant = _query(url).get("plant", "")
+        self.verify = verify
         if self.plant and plant_role(self.plant) != "resource":
             raise ConfigurationError(f"{self.plant!r} is not a planted resource fault")
         self.path = urlsplit(url).path
@@ -97,6 +103,7 @@ class PlantedSQLite:
         transaction), with the plant's mistake if it has one."""
         if token.lock != self.lock:
             raise ConfigurationError(f"token of lock {token.lock!r}, not {self.lock!r}")
+        self._verify(token)
         mark = self._stored_mark(db)
         stale = token.value + 1 < mark if self.plant == "off-by-one" else token.value < mark
         if stale:
@@ -111,6 +118,16 @@ class PlantedSQLite:
             "SET mark = max(mark, excluded.mark)",
             (KEY, token.value),
         )
+
+    def _verify(self, token: FencingToken) -> None:
+        """The signature, before the mark is touched (a SignatureError refuses the write)."""
+        if self.verify is None or self.plant == "signature-skipped":
+            return
+        signature = token.signature
+        kids: frozenset[str] = getattr(self.verify, "kids", frozenset())
+        if self.plant == "key-id-ignored" and signature is not None and signature[0] not in kids:
+            return  # the mistake: an unknown key id falls through instead of failing
+        self.verify.verify(token.lock, token.value, signature)
 
     def read(self, token: FencingToken) -> bytes | None:
         db = self._db()

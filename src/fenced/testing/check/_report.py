@@ -23,6 +23,7 @@ _LABELS = {
     "delay": "traffic delayed",
     "restart": "killed -9 and restarted",
     "clock": "wall clock stepped",
+    "forge": "a forged token written",
 }
 
 

@@ -39,6 +39,7 @@ from typing import Any, Protocol, runtime_checkable
 from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 from ..._errors import ConfigurationError, StaleTokenError
+from ..._signing import TokenVerifier
 from ..._token import FencingToken
 
 __all__ = ["HttpResource", "Resource", "SQLResource", "open_resource"]
@@ -71,7 +72,7 @@ class SQLResource:
     """One row ``(id, data)`` of a table, fenced by :class:`~fenced.guards.sql.SQLGuard` in the
     same transaction as the read and the write (SQLite file or PostgreSQL)."""
 
-    def __init__(self, url: str, lock: str) -> None:
+    def __init__(self, url: str, lock: str, verify: TokenVerifier | None = None) -> None:
         from ...guards._sql_plan import quote_table
         from ...guards.sql import SQLGuard
 
@@ -88,7 +89,7 @@ class SQLResource:
         self.target = (
             parts.path if self.driver == "sqlite" else _without_query(url).split("+", 1)[1]
         )
-        self.guard = SQLGuard(KEY, lock=lock)
+        self.guard = SQLGuard(KEY, lock=lock, verify=verify)
         self._conn: Any = None
         self.mark_param = "?" if self.driver == "sqlite" else "%s"
 
@@ -162,14 +163,14 @@ class RedisResource:
     """A key behind :class:`~fenced.guards.redis.RedisGuard`: the read is a guarded ``GET``
     (the fence check, the mark's advance and the read in one script)."""
 
-    def __init__(self, url: str, lock: str) -> None:
+    def __init__(self, url: str, lock: str, verify: TokenVerifier | None = None) -> None:
         import redis
 
         from ...guards.redis import RedisGuard
 
         self.key = _query(url).get("key", KEY)
         self.client = redis.Redis.from_url(_without_query(url))
-        self.guard = RedisGuard(self.client, self.key, lock)
+        self.guard = RedisGuard(self.client, self.key, lock, verify=verify)
 
     def reset(self) -> None:
         self.client.delete(self.key, self.guard.fence_key)
@@ -195,12 +196,12 @@ class EtcdResource:
     writes, so the fenced read is a guarded put of ``KEY.read`` (which raises the mark) and
     then the read: from then on no older holder can write, so what is read stays theirs."""
 
-    def __init__(self, url: str, lock: str) -> None:
+    def __init__(self, url: str, lock: str, verify: TokenVerifier | None = None) -> None:
         from ...guards.etcd import EtcdGuard
 
         self.key = _query(url).get("key", KEY)
         self.endpoint = _without_query(url)
-        self.guard = EtcdGuard(self.endpoint, self.key, lock)
+        self.guard = EtcdGuard(self.endpoint, self.key, lock, verify=verify)
 
     def _txn(self, ops: list[Any], write: bool) -> Any:
         from aetcd import rpc
@@ -246,11 +247,11 @@ class FileResource:
     again — after its own version the mark refuses every older writer, so twice is enough.
     """
 
-    def __init__(self, url: str, lock: str) -> None:
+    def __init__(self, url: str, lock: str, verify: TokenVerifier | None = None) -> None:
         from ...guards.files import FileGuard
 
         self.dir = Path(urlsplit(url).path)
-        self.guard = FileGuard(self.dir, lock=lock)
+        self.guard = FileGuard(self.dir, lock=lock, verify=verify)
 
     def reset(self) -> None:
         for v in self.guard.versions("register"):
@@ -289,7 +290,7 @@ class HttpResource:
     ``PUT URL`` writes (2xx accepted, 409 refused as stale), each with the token; ``DELETE
     URL`` resets; a ``Fenced-High-Water`` response header, if sent, is the mark."""
 
-    def __init__(self, url: str, lock: str) -> None:
+    def __init__(self, url: str, lock: str, verify: TokenVerifier | None = None) -> None:
         import httpx
 
         self.url = url
@@ -357,26 +358,28 @@ def _takes_argument(factory: Callable[..., Any]) -> bool:
     return any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
 
 
-def open_resource(spec: str, lock: str) -> Resource:
-    """The resource a URL names (see the module docstring). Raises
-    :class:`~fenced.ConfigurationError` for a URL it does not know."""
+def open_resource(spec: str, lock: str, verify: TokenVerifier | None = None) -> Resource:
+    """The resource a URL names (see the module docstring), its guard verifying token
+    signatures with ``verify`` when given (an HTTP service verifies for itself, a ``python:``
+    adapter as it likes). Raises :class:`~fenced.ConfigurationError` for a URL it does not
+    know."""
     scheme = urlsplit(spec).scheme
     if spec.startswith("python:"):
         return _python(spec, lock)
     if scheme == "planted+sqlite":
         from ._plants import PlantedSQLite
 
-        return PlantedSQLite(spec, lock)
+        return PlantedSQLite(spec, lock, verify)
     if scheme.startswith("sql+"):
-        return SQLResource(spec, lock)
+        return SQLResource(spec, lock, verify)
     if scheme == "redis":
-        return RedisResource(spec, lock)
+        return RedisResource(spec, lock, verify)
     if scheme == "etcd":
-        return EtcdResource(spec, lock)
+        return EtcdResource(spec, lock, verify)
     if scheme == "file":
-        return FileResource(spec, lock)
+        return FileResource(spec, lock, verify)
     if scheme in ("http", "https"):
-        return HttpResource(spec, lock)
+        return HttpResource(spec, lock, verify)
     raise ConfigurationError(
         f"resource {spec!r}: use sql+sqlite://, sql+postgresql://, redis://, etcd://, file://, "
         "http(s):// or python:MODULE:CLASS"

@@ -60,8 +60,14 @@ def main(argv: list[str]) -> None:
             history.append("stalled", lock=lock, token=token)
             os.kill(os.getpid(), signal.SIGSTOP)  # the nemesis sends SIGCONT later
 
-    resource: Any = open_resource(cfg["resource"], lock)
-    with fenced.connect(cfg["source"]) as locks:
+    _wall_clock_steps(os.environ.get("FENCED_CHECK_CLOCK"))
+    verify = None
+    if cfg.get("signing_key"):
+        from fenced._signing import Keyring, load_key
+
+        verify = Keyring([load_key(cfg["signing_key"])])
+    resource: Any = open_resource(cfg["resource"], lock, verify)
+    with fenced.connect(cfg["source"], signing_key=cfg.get("signing_key")) as locks:
         while not stop.is_set():
             lease = locks.lock(lock, ttl=ttl)
             try:
@@ -93,6 +99,26 @@ def main(argv: list[str]) -> None:
                 released = False
             history.append("release", lock=lock, token=token.value, released=released, sent=sent)
     resource.close()
+
+
+def _wall_clock_steps(offset_file: str | None) -> None:
+    """The ``clock`` nemesis for a worker: on SIGWINCH, read an offset in seconds from
+    ``offset_file`` and add it to ``time.time()`` / ``time.time_ns()`` from then on — the wall
+    clock as this process's Python code (fenced's and the resource adapter's) reads it.
+    (libfaketime cannot do this for Python: with the monotonic clock left real, it makes
+    ``time.sleep`` fail.) fenced's leases read only monotonic clocks, so nothing may change."""
+    if not offset_file:
+        return
+    real_time, real_time_ns = time.time, time.time_ns
+    offset = [0.0]
+
+    def read_offset(*_: object) -> None:
+        with open(offset_file) as f:
+            offset[0] = float(f.read().strip() or 0)
+
+    time.time = lambda: real_time() + offset[0]
+    time.time_ns = lambda: real_time_ns() + int(offset[0] * 1e9)
+    signal.signal(signal.SIGWINCH, read_offset)
 
 
 def step(
