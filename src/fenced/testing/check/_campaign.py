@@ -273,6 +273,7 @@ def run_campaign(
     server: Any = None
     server_clock: Path | None = None  # the kit-started source's libfaketime offset
     forger: Any = None
+    forger_history: History | None = None
     proxies: dict[int, list[TcpProxy]] = {}  # worker pid -> its own ways to source and resource
     names: dict[int, str] = {}  # worker pid -> its name in the history
     procs: list[subprocess.Popen[bytes]] = []
@@ -412,7 +413,7 @@ def run_campaign(
             on_server = kind == "restart" or (
                 kind == "clock" and server_clock and rng.random() < 0.5
             )
-            who = "source" if on_server else "resource" if kind == "forge" else names[victim.pid]
+            who = "source" if on_server else "forger" if kind == "forge" else names[victim.pid]
             history.append("nemesis", kind=kind, victim=who, seconds=lasts)
             if progress:
                 progress(time.monotonic() - start, f"{kind} {who}")
@@ -443,7 +444,9 @@ def run_campaign(
                     os.kill(victim.pid, signal.SIGWINCH)
             elif kind == "forge":
                 assert forger is not None
-                _forge(forger, lock, history, rng, len(faults) and faults["forge"])
+                if forger_history is None:
+                    forger_history = History(path, "forger")  # (a lane of its own)
+                _forge(forger, lock, forger_history, rng, faults["forge"])
             else:
                 os.killpg(victim.pid, signal.SIGKILL)
                 victim.wait()
@@ -475,6 +478,8 @@ def run_campaign(
                 proxy.close()
         if forger is not None:
             forger.close()
+        if forger_history is not None:
+            forger_history.close()
         try:
             if procs:
                 final = open_resource(resource, lock)

@@ -136,6 +136,7 @@ def step(
         entries = _entries(resource.read(token))
     except fenced.StaleTokenError:
         history.append("read", lock=lock, token=token.value, ok=False)
+        time.sleep(rng.uniform(0, ttl / 4))  # (a client backs off before it tries again)
         return
     value = entries[-1][1] + 1 if entries else 1
     history.append("read", lock=lock, token=token.value, ok=True, value=value - 1)
