@@ -11,6 +11,8 @@ then renders each picture in headless Chromium and checks what is on the screen.
 * ``lease-timeline.svg``: what ``lease.remaining()`` counts: from when the request was sent,
   the ttl less the safety margin; renewals every ttl/3.
 * ``guard-flow.svg``: what a guard does with a write, in one atomic step.
+* ``failover.svg``: ``fenced elect``'s failover: node A leads (epoch 7), freezes; its lease
+  runs out; B is elected (epoch 8), fences A, and only then starts its service.
 """
 
 from __future__ import annotations
@@ -190,7 +192,49 @@ def guard_flow() -> str:
     )
 
 
+def failover() -> str:
+    w, h = 860, 300
+    x0, x1 = 110, 840
+
+    def x(t: float) -> float:
+        return x0 + (x1 - x0) * t / 10.0
+
+    body = ["<defs>", *(_marker(c) for c in (INK, REFUSED, ACCEPTED)), "</defs>"]
+    body.append(_text(20, 28, "fenced elect: fence the old leader before the new one starts", 17,
+                      font_weight="bold"))  # fmt: skip
+    ya, yb = 90, 190
+    for y, label in ((ya, "node A"), (yb, "node B")):
+        body.append(_text(20, y + 5, label, 14, font_weight="bold"))
+        body.append(f"<line x1='{x0}' y1='{y}' x2='{x1}' y2='{y}' stroke='{GREY}'/>")
+    # A: leader with epoch 7, service running, frozen at t=2.5; lease surely held until 4.2
+    body.append(f"<rect x='{x(0):g}' y='{ya - 14}' width='{x(4.2) - x(0):g}' height='28' "
+                f"fill='{LEASE_1}' opacity='0.3' rx='4'/>")  # fmt: skip
+    body.append(_text(x(0.2), ya - 22, "leader, epoch 7: service runs", 12))
+    body.append(f"<rect x='{x(2.5):g}' y='{ya - 16}' width='{x(6.2) - x(2.5):g}' height='32' "
+                f"fill='{GREY}' opacity='0.55'/>")  # fmt: skip
+    body.append(_text(x(4.35), ya + 34, "frozen (GC, VM pause, SIGSTOP)", 12, "middle"))
+    body.append(f"<line x1='{x(4.2):g}' y1='{ya - 30}' x2='{x(4.2):g}' y2='{yb + 30}' "
+                f"stroke='{INK}' stroke-dasharray='3 3'/>")  # fmt: skip
+    body.append(_text(x(4.2), yb + 46, "A's lease ends at the source", 12, "middle"))
+    # B: candidate, elected at 4.4 with epoch 8; fence command 4.4-5.6; service from 5.6
+    body.append(_text(x(0.2), yb - 22, "candidate: waits", 12, fill=GREY))
+    body.append(f"<rect x='{x(4.4):g}' y='{yb - 14}' width='{x(10) - x(4.4):g}' height='28' "
+                f"fill='{LEASE_2}' opacity='0.3' rx='4'/>")  # fmt: skip
+    body.append(f"<rect x='{x(4.4):g}' y='{yb - 14}' width='{x(5.6) - x(4.4):g}' height='28' "
+                f"fill='{REFUSED}' opacity='0.35'/>")  # fmt: skip
+    body.append(_text(x(5.0), yb + 30, "fence command", 12, "middle", fill=REFUSED))
+    body.append(_arrow(x(5.0), yb - 16, x(5.9), ya + 18, REFUSED))
+    body.append(_text(x(5.95), ya + 52, "power off / poison pill / marks at epoch 8", 12,
+                      fill=REFUSED))  # fmt: skip
+    body.append(_text(x(5.8), yb - 22, "elected, epoch 8: service starts only now", 12,
+                      fill=ACCEPTED))  # fmt: skip
+    body.append(_text(x0 - 90, h - 16, "Never two services: A stops itself when its lease is "
+                      "no longer sure, and B starts only after A is fenced.", 12))  # fmt: skip
+    return _svg(w, h, "Failover with fencing: the new leader fences the old before starting", body)
+
+
 PICTURES = {
+    "failover.svg": failover,
     "paused-writer.svg": paused_writer,
     "lease-timeline.svg": lease_timeline,
     "guard-flow.svg": guard_flow,

@@ -14,7 +14,8 @@ Hierarchy::
     ├── LockError
     │   ├── LockTimeout (TimeoutError)       acquire did not succeed before its timeout
     │   ├── LeaseLostError                   the lease expired or was taken over while held
-    │   └── NotHeldError                     an operation that needs a held lease, on one that is not held
+    │   ├── NotHeldError                     an operation that needs a held lease, on one that is not held
+    │   └── FenceError                       granted, but a resource in fence= could not be fenced (the grant was given back)
     ├── BackendError
     │   ├── BackendUnavailable (ConnectionError)  the token source cannot be reached, or the connection is closed
     │   ├── UnsafeBackendError               the server's configuration cannot give the promised safety
@@ -27,7 +28,7 @@ backend or guard boundary with ``raise ... from exc``, so the original stays in 
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class _Token(Protocol):
@@ -47,6 +48,7 @@ __all__ = [
     "ConfigurationError",
     "CorruptMarkError",
     "FenceConflictError",
+    "FenceError",
     "FencedError",
     "InvalidTokenError",
     "LeaseLostError",
@@ -152,6 +154,16 @@ class LeaseLostError(LockError):
 
 class NotHeldError(LockError):
     """The operation needs a held lease, and this one is not held."""
+
+
+class FenceError(LockError):
+    """The lock was granted, but ``fence=`` resources could not have their high-water mark
+    raised to the new token (``not_fenced``: ``(target, error)`` pairs); the grant was given
+    back. ``fence_errors="report"`` returns the lease instead, with ``lease.not_fenced``."""
+
+    def __init__(self, message: str, not_fenced: list[Any]) -> None:
+        super().__init__(message)
+        self.not_fenced = not_fenced
 
 
 class BackendError(FencedError):

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import inspect
 import logging
 import weakref
-from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator, Iterable
 from types import TracebackType
-from typing import Any, Final, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Final, ParamSpec, TypeVar
 
 from . import _clock, _fork
 from ._adopt import adopt_client
@@ -30,6 +31,7 @@ from ._errors import (
     BackendUnavailable,
     ConfigurationError,
     FencedError,
+    FenceError,
     LeaseLostError,
     NotHeldError,
 )
@@ -38,7 +40,10 @@ from ._signing import Keyring, signer, token_message
 from ._state import DEFAULT_TTL, MAX_TIMEOUT, LeaseState, Phase, check_request_id, check_timeout
 from ._token import FencingToken, validate_lock_name
 
-__all__ = ["DEFAULT_TTL", "AsyncLease", "AsyncLocks", "LostSignal"]
+if TYPE_CHECKING:
+    from .election import AsyncLeadership, Leader
+
+__all__ = ["DEFAULT_TTL", "AsyncLease", "AsyncLocks", "FenceTarget", "LostSignal", "NotFenced"]
 
 _MAX_LATE_GRANTS: Final = 3
 DEFAULT_CONNECT_TIMEOUT: Final = 10.0
@@ -53,6 +58,43 @@ P = ParamSpec("P")
 T = TypeVar("T")
 
 AsyncLostCallback = Callable[["AsyncLease"], Awaitable[None] | None]
+
+FenceTarget = Any
+"""Something ``fence=`` can raise to a new token: an object with a ``fence(token)`` method
+(sync or async: every guard of :mod:`fenced.guards` has one, SQL through
+``SQLGuard.fencer(connect)``), or a callable ``fn(token)``."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class NotFenced:
+    """A ``fence=`` target whose mark could not be raised, and why."""
+
+    target: Any
+    error: BaseException
+
+    def __str__(self) -> str:
+        return f"{self.target!r}: {type(self.error).__name__}: {self.error}"
+
+
+async def fence_all(token: FencingToken, targets: tuple[Any, ...]) -> list[NotFenced]:
+    """Raise every target's mark to ``token``, all at once; the ones that failed. A
+    synchronous ``fence`` runs on a worker thread (it may block on its database)."""
+
+    async def one(target: Any) -> NotFenced | None:
+        fn = getattr(target, "fence", target)
+        try:
+            if inspect.iscoroutinefunction(fn):
+                await fn(token)
+            else:
+                result = await asyncio.to_thread(fn, token)
+                if inspect.isawaitable(result):
+                    await result
+        except Exception as exc:  # (each failure is reported, never swallowed)
+            return NotFenced(target, exc)
+        return None
+
+    results = await asyncio.gather(*(one(t) for t in targets))
+    return [r for r in results if r is not None]
 
 
 class LostSignal:
@@ -117,9 +159,21 @@ class AsyncLease:
         safety_margin: float | None = None,
         auto_renew: bool = True,
         description: str | None = None,
+        fence: Iterable[FenceTarget] = (),
+        fence_errors: str = "raise",
     ) -> None:
         self._locks = locks
         self.name = validate_lock_name(name)
+        self.fence_targets = tuple(fence)
+        for target in self.fence_targets:
+            if not callable(getattr(target, "fence", target)):
+                raise ConfigurationError(
+                    f"fence=: {target!r} has no fence(token) and is not callable"
+                )
+        if fence_errors not in ("raise", "report"):
+            raise ConfigurationError(f"fence_errors={fence_errors!r}: 'raise' or 'report'")
+        self.fence_errors = fence_errors
+        self.not_fenced: list[NotFenced] = []
         self.description = check_description(description)
         self.timeout = check_timeout(timeout)
         self.on_lost = on_lost
@@ -266,6 +320,8 @@ class AsyncLease:
         token = self._last_token = self._locks._sign(grant.token)
         self.lost._clear()
         self._locks._held.add(self)
+        if self.fence_targets:
+            await self._fence_on_acquire(token)
         if self.auto_renew:
             # A timer, not a task, until the first renewal is due: most critical sections end
             # before that, and a task per acquire is a measurable share of a fast acquire.
@@ -275,6 +331,24 @@ class AsyncLease:
         else:
             self._arm_watchdog()
         return token
+
+    async def _fence_on_acquire(self, token: FencingToken) -> None:
+        """Raise every ``fence=`` resource's mark to the new token before the holder gets it
+        (Junqueira: the new holder marks the resource before anything else), so an earlier
+        holder is refused there even if this one never writes there. With
+        ``fence_errors="raise"`` a failure gives the grant back and raises FenceError."""
+        self.not_fenced = await fence_all(token, self.fence_targets)
+        if self.not_fenced and self.fence_errors == "raise":
+            with contextlib.suppress(FencedError):
+                await self.release()
+            n, total = len(self.not_fenced), len(self.fence_targets)
+            raise FenceError(
+                f"{self.name!r}: {n} of {total} resource(s) could not be fenced with {token}, "
+                f"so the lock was given back: {self.not_fenced[0]}",
+                self.not_fenced,
+            ) from self.not_fenced[0].error
+        for miss in self.not_fenced:
+            logger.warning("lock %s: not fenced with %s: %s", self.name, token, miss)
 
     async def renew(self) -> float:
         """Renew now; return the new :meth:`remaining`. Raises LeaseLostError if it is gone."""
@@ -534,11 +608,20 @@ class AsyncLocks:
         safety_margin: float | None = None,
         auto_renew: bool = True,
         description: str | None = None,
+        fence: Iterable[FenceTarget] = (),
+        fence_errors: str = "raise",
     ) -> AsyncLease:
         """A lease on ``name`` (not yet acquired): ``async with locks.lock("x", ttl=10) as lease``.
 
         ``description`` (e.g. ``"nightly report"``) is shown to operators with the holder's
-        user, host and pid while it holds the lock (``fenced status``)."""
+        user, host and pid while it holds the lock (``fenced status``).
+
+        ``fence=[guard, ...]``: on every grant, before acquire returns, raise each guarded
+        resource's high-water mark to the new token (all at once), so every earlier holder
+        is refused there even if this holder never writes there. If one cannot be fenced,
+        ``fence_errors="raise"`` (the default) gives the grant back and raises
+        :class:`~fenced.FenceError`; ``"report"`` returns the lease with the failures in
+        ``lease.not_fenced`` (and logs a warning) — never silently."""
         return AsyncLease(
             self,
             name,
@@ -549,7 +632,35 @@ class AsyncLocks:
             safety_margin=safety_margin,
             auto_renew=auto_renew,
             description=description,
+            fence=fence,
+            fence_errors=fence_errors,
         )
+
+    async def elect(
+        self,
+        name: str,
+        value: str = "",
+        *,
+        ttl: float = DEFAULT_TTL,
+        timeout: float | None = None,
+        fence: Iterable[FenceTarget] = (),
+        fence_errors: str = "raise",
+        on_lost: AsyncLostCallback | None = None,
+    ) -> AsyncLeadership:
+        """Campaign for leadership of ``name`` until elected (or ``timeout``); see
+        :mod:`fenced.election`. ``value`` is what observers see (an address, a node name)."""
+        from .election import elect
+
+        return await elect(
+            self, name, value, ttl=ttl, timeout=timeout, fence=fence,
+            fence_errors=fence_errors, on_lost=on_lost,
+        )  # fmt: skip
+
+    def observe(self, name: str, *, interval: float = 0.1) -> AsyncIterator[Leader]:
+        """Who leads ``name``, each time it changes (see :mod:`fenced.election`)."""
+        from .election import observe
+
+        return observe(self, validate_lock_name(name), interval=interval)
 
     def locked(
         self, name: str, *, ttl: float = DEFAULT_TTL, timeout: float | None = None, **options: Any

@@ -12,16 +12,28 @@ import functools
 import inspect
 import logging
 import threading
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Callable, Iterable, Iterator
 from types import TracebackType
-from typing import Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from . import _fork
 from ._backend import Characteristic, LockStatus, TokenCheck
-from ._lease import _UNSET, DEFAULT_TTL, AsyncLease, AsyncLocks, _wants_token
+from ._lease import (
+    _UNSET,
+    DEFAULT_TTL,
+    AsyncLease,
+    AsyncLocks,
+    FenceTarget,
+    NotFenced,
+    _wants_token,
+)
 from ._portal import Portal
 from ._state import Phase
-from ._token import FencingToken
+from ._token import FencingToken, validate_lock_name
+
+if TYPE_CHECKING:
+    from .election import Leader, Leadership
 
 __all__ = ["Lease", "Locks", "connect"]
 
@@ -102,6 +114,11 @@ class Lease:
     def held(self) -> bool:
         self._check_fork()
         return self._inner.held
+
+    @property
+    def not_fenced(self) -> list[NotFenced]:
+        """The ``fence=`` targets that could not be fenced (``fence_errors="report"``)."""
+        return self._inner.not_fenced
 
     @property
     def lost_cause(self) -> BaseException | None:
@@ -210,10 +227,14 @@ class Locks:
         safety_margin: float | None = None,
         auto_renew: bool = True,
         description: str | None = None,
+        fence: Iterable[FenceTarget] = (),
+        fence_errors: str = "raise",
     ) -> Lease:
         """A lease on ``name`` (not yet acquired): ``with locks.lock("x", ttl=10) as lease``.
 
-        ``description`` is shown to operators with the holder's user, host and pid."""
+        ``description`` is shown to operators with the holder's user, host and pid.
+        ``fence=``: resources whose marks are raised to each new token before acquire returns
+        (see :meth:`AsyncLocks.lock`)."""
         inner = self._async.lock(
             name,
             ttl=ttl,
@@ -222,8 +243,42 @@ class Locks:
             safety_margin=safety_margin,
             auto_renew=auto_renew,
             description=description,
+            fence=fence,
+            fence_errors=fence_errors,
         )
         return Lease(self, inner, on_lost)
+
+    def elect(
+        self,
+        name: str,
+        value: str = "",
+        *,
+        ttl: float = DEFAULT_TTL,
+        timeout: float | None = None,
+        fence: Iterable[FenceTarget] = (),
+        fence_errors: str = "raise",
+        on_lost: SyncLostCallback | None = None,
+    ) -> Leadership:
+        """Campaign for leadership of ``name`` until elected (see :mod:`fenced.election`)."""
+        from .election import Leadership
+
+        lease = self.lock(
+            name, ttl=ttl, timeout=timeout, on_lost=on_lost, description=value or None,
+            fence=fence, fence_errors=fence_errors,
+        )  # fmt: skip
+        lease.acquire()
+        return Leadership(lease, value)
+
+    def observe(self, name: str, *, interval: float = 0.1) -> Iterator[Leader]:
+        """Who leads ``name``, each time it changes (see :mod:`fenced.election`)."""
+        from .election import LeaderChanges
+
+        changes = LeaderChanges(validate_lock_name(name))
+        while True:
+            change = changes.update(self.status(name))
+            if change is not None:
+                yield change
+            time.sleep(interval)
 
     def locked(
         self, name: str, *, ttl: float = DEFAULT_TTL, timeout: float | None = None, **options: Any

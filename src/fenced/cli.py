@@ -55,9 +55,11 @@ exit status (fenced's own outcomes never use 1, which commands use for their own
   2      usage or configuration error (bad option, URL, lock name, number)
   69     the token source could not be reached (EX_UNAVAILABLE)
   70     another fenced error (EX_SOFTWARE)
-  75     the lease was lost while the command ran; the command was terminated (EX_TEMPFAIL)
+  75     the lease was lost while the command ran; the command was terminated (EX_TEMPFAIL);
+         fenced elect: leadership no longer sure, or a poison pill: the command was stopped
   77     fenced write: refused, the token is older than the newest version; check-token: stale
   78     check-token: the token is not current, and no later grant is known
+  79     fenced elect: the fence command never succeeded; the command was not started
   124    the lock was not acquired within --timeout / -n (change it with -E, as flock -E)
   126    the command could not be executed
   127    the command was not found
@@ -370,6 +372,54 @@ def _parser() -> argparse.ArgumentParser:
         help="plant a fault to see it caught: " + ", ".join(_plant_names()),
     )
 
+    elect = sub.add_parser(
+        "elect",
+        parents=[common],
+        help="run a command only while this process leads NAME (HA failover with fencing)",
+        usage="fenced elect NAME [options] -- COMMAND ...",
+        description=(
+            "Campaign for leadership of NAME; once elected, run --fence-cmd (with the previous "
+            "leader's FENCED_PREVIOUS_VALUE, _OWNER, _PID, _EPOCH and FENCING_TOKEN in its "
+            "environment) until it succeeds, then COMMAND with FENCING_TOKEN set to this "
+            "leader's epoch. When leadership is no longer sure, COMMAND is stopped (SIGTERM "
+            "at --term-grace seconds left, SIGKILL at 0) before any successor can be elected. "
+            "Without --fence-cmd it refuses to run unless --no-fence is given. See "
+            "docs/failover.md."
+        ),
+    )
+    elect.add_argument("name", help="the election's (lock's) name")
+    elect.add_argument("--value", default=None, help="what observers see (default: host name)")
+    elect.add_argument("--ttl", type=_ttl, default=10.0, help="leadership lease ttl (10)")
+    elect.add_argument("--fence-cmd", help="shell command that fences the previous leader")
+    elect.add_argument(
+        "--no-fence", action="store_true", help="run without a fence command (unsafe)"
+    )
+    elect.add_argument(
+        "--fence-timeout", type=_grace, default=60.0, help="give up fencing after S s (60)"
+    )
+    elect.add_argument(
+        "--term-grace", type=_grace, default=1.0,
+        help="SIGTERM the command this many seconds before leadership may end (1)",
+    )  # fmt: skip
+    elect.add_argument(
+        "--poison", metavar="DIR", help="watch DIR for a poison pill naming a later epoch"
+    )
+    _source_arguments(elect)
+
+    poison = sub.add_parser(
+        "poison",
+        help="fence an old leader SBD-style: write a poison pill its fenced elect obeys",
+        description=(
+            "Write DIR/NAME.pill with EPOCH (atomically, fsynced), then wait --wait seconds "
+            "for the old leader's fenced elect (--poison DIR) to see it and kill its command. "
+            'Use as --fence-cmd \'fenced poison DIR "$FENCED_LOCK" --epoch "$FENCED_EPOCH"\'.'
+        ),
+    )
+    poison.add_argument("dir", metavar="DIR", help="the shared directory the leaders watch")
+    poison.add_argument("name", help="the election's name")
+    poison.add_argument("--epoch", type=int, required=True, help="the new leader's epoch")
+    poison.add_argument("--wait", type=_grace, default=1.0, help="seconds to wait after (1)")
+
     sim = sub.add_parser(
         "sim",
         help="simulate fencing deterministically over many seeds (virtual time)",
@@ -435,6 +485,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_check(args)
         if args.command == "sim":
             return _cmd_sim(args)
+        if args.command == "elect":
+            return _cmd_elect(args)
+        if args.command == "poison":
+            from ._elect_cmd import poison
+
+            validate_lock_name(args.name)
+            poison(args.dir, args.name, args.epoch, args.wait)
+            return 0
     except (ConfigurationError, InvalidTokenError) as exc:
         return _fail(EXIT_USAGE, str(exc), exc, args.verbose)
     except BackendUnavailable as exc:
@@ -804,6 +862,37 @@ def _cmd_check(args: argparse.Namespace) -> int:
         out.print(f"[bold red]{len(result.violations)} violation(s){when}[/bold red]")
     out.print(f"report: {result.report}  history: {result.history}")
     return 0 if result.ok else 1
+
+
+def _cmd_elect(args: argparse.Namespace) -> int:
+    import socket
+
+    from ._elect_cmd import run_elected
+
+    cmd = list(args.cmd)
+    if not cmd:
+        raise ConfigurationError("elect: no command given (fenced elect NAME -- COMMAND ...)")
+    if args.fence_cmd is None and not args.no_fence:
+        raise ConfigurationError(
+            "elect: no --fence-cmd: without one an old leader may still be running its command "
+            "when this one starts; give a fence command, or --no-fence to run unfenced"
+        )
+    validate_lock_name(args.name)
+    if args.term_grace >= args.ttl:
+        raise ConfigurationError("elect: --term-grace must be shorter than --ttl")
+    url = args.url or default_url()
+    with _sync.connect(url, connect_timeout=max(args.timeout, 0.1)) as locks:
+        return run_elected(
+            locks,
+            args.name,
+            cmd,
+            value=args.value if args.value is not None else socket.gethostname(),
+            ttl=args.ttl,
+            fence_cmd=args.fence_cmd,
+            fence_timeout=args.fence_timeout,
+            term_grace=args.term_grace,
+            poison_dir=args.poison,
+        )
 
 
 def _cmd_sim(args: argparse.Namespace) -> int:

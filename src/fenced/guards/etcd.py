@@ -534,6 +534,11 @@ class AsyncEtcdGuard:
         # (Transport errors are already fenced errors here: they pass through the plan.)
         return await adrive(self.write_plan(tok, ops), self._send, lambda exc: None)
 
+    async def fence(self, token: FencingToken | str | bytes) -> None:
+        """Raise the mark to ``token`` and write nothing else (``fence=`` on acquire): every
+        lower token is refused from now on. StaleTokenError if a higher one was accepted."""
+        await self.write([], token=token)
+
     @token_keyword()
     async def put(
         self, key: Key, value: bytes | str, *, token: FencingToken | str | bytes, lease: int = 0
@@ -613,6 +618,10 @@ class EtcdGuard:
     def write(self, ops: Sequence[rpc.RequestOp], *, token: FencingToken | str | bytes) -> Accepted:
         """See :meth:`AsyncEtcdGuard.write`."""
         return self._portal.call(self.aio.write(ops, token=token))
+
+    def fence(self, token: FencingToken | str | bytes) -> None:
+        """See :meth:`AsyncEtcdGuard.fence`."""
+        self._portal.call(self.aio.fence(token))
 
     @token_keyword()
     def put(

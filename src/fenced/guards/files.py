@@ -57,6 +57,7 @@ from typing import Any, Final, Protocol, runtime_checkable
 from .._errors import (
     ConfigurationError,
     CorruptMarkError,
+    FenceConflictError,
     InvalidTokenError,
     ResourceNotFoundError,
     StaleTokenError,
@@ -404,6 +405,39 @@ class FileGuard:
         found = _parse_versions(names, resource)
         return max(found) if found else None
 
+    def claim(self, name: str, token: FencingToken | str | bytes) -> bytes | None:
+        """Raise ``name``'s mark to ``token`` without changing what it holds; return what it
+        holds (None if it has no version). A file's mark is its newest version's token, so
+        this publishes the newest data again under ``token``; a stale writer may slip a
+        version in between the read and that publish, so it then checks that the version
+        before its own is the one it copied, and copies again if not (after its own version
+        every older writer is refused: twice is enough). For a read-modify-write whose read
+        must be fenced, and for ``fence=`` on acquire."""
+        tok = FencingToken.coerce(token, self.lock, self.verifier)
+        for _ in range(3):
+            latest = self.latest(name)
+            data = None if latest is None else self.read_version(name, latest)
+            if latest is not None and latest.token.value >= tok.value:
+                if latest.token.value > tok.value:
+                    raise StaleTokenError(tok, latest.token, name)
+                return data
+            mine = self._publish(name, data or b"", tok)
+            versions = self.versions(name)
+            at = versions.index(mine)
+            if (versions[at - 1] if at else None) == latest:
+                return data
+        raise FenceConflictError(f"versions of {name!r} kept arriving while fencing with {tok}")
+
+    def fence(self, token: FencingToken | str | bytes, names: Iterable[str] | None = None) -> None:
+        """:meth:`claim` every file of the directory (or ``names``): ``fence=`` on acquire."""
+        if names is None:
+            names = sorted(
+                n for n in os.listdir(self.directory)
+                if not n.startswith(".") and os.path.isdir(os.path.join(self.directory, n))
+            )  # fmt: skip
+        for name in names:
+            self.claim(name, token)
+
     def _resource_dir(self, name: str, *, create: bool) -> str:
         rdir = os.path.join(self.directory, name)
         if create and rdir not in self._known_dirs:
@@ -508,6 +542,10 @@ class HighWaterFile:
         """Accept ``token`` if >= the mark and make it the mark (durably); return it."""
         with self.hold(token=token) as accepted:
             return accepted
+
+    def fence(self, token: FencingToken | str | bytes) -> None:
+        """``fence=`` on acquire: :meth:`check_and_advance`."""
+        self.check_and_advance(token)
 
     @contextlib.contextmanager
     @token_keyword()

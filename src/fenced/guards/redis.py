@@ -607,6 +607,11 @@ class RedisGuard(_GuardBase):
         """
         return self._run(self._eval_call(lua_body, keys, args, token))
 
+    def fence(self, token: FencingToken | str | bytes) -> None:
+        """Raise the mark to ``token`` and write nothing else (``fence=`` on acquire): every
+        lower token is refused from now on. StaleTokenError if a higher one was accepted."""
+        self._run(self._eval_call("return 0", [], [], token))
+
     def high_water(self) -> FencingToken | None:
         """The highest token accepted so far (None if none)."""
         try:
@@ -724,6 +729,10 @@ class AsyncRedisGuard(_GuardBase):
     ) -> Any:
         """See :meth:`RedisGuard.eval`."""
         return await self._run(self._eval_call(lua_body, keys, args, token))
+
+    async def fence(self, token: FencingToken | str | bytes) -> None:
+        """See :meth:`RedisGuard.fence`."""
+        await self._run(self._eval_call("return 0", [], [], token))
 
     async def high_water(self) -> FencingToken | None:
         """See :meth:`RedisGuard.high_water`."""

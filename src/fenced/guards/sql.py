@@ -70,6 +70,7 @@ data and mark together).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -97,7 +98,7 @@ from ._sql_plan import (
 )
 from ._token_arg import token_keyword
 
-__all__ = ["Add", "FenceConflictError", "RowGuard", "SQLGuard"]
+__all__ = ["Add", "FenceConflictError", "RowGuard", "SQLFencer", "SQLGuard"]
 
 TokenLike = FencingToken | str | bytes
 
@@ -176,6 +177,12 @@ class SQLGuard:
         """The highest token accepted so far, or None if the resource was never fenced."""
         return run(conn, lambda d: fence_high_water_plan(self._fence_sql(d), self.resource))
 
+    def fencer(self, connect: Callable[[], Any]) -> SQLFencer:
+        """A ``fence=`` target for ``locks.lock(..., fence=[...])``: on each grant it opens a
+        connection with ``connect()``, raises the mark to the new token in a transaction of
+        its own, commits and closes (a connection is not shared with fenced's thread)."""
+        return SQLFencer(self, connect)
+
     def install(self, conn: Any) -> None:
         """Create the fence table if missing (idempotent, safe to race).
 
@@ -204,6 +211,29 @@ class SQLGuard:
     async def ainstall(self, conn: Any) -> None:
         """:meth:`install` on a ``psycopg.AsyncConnection``."""
         await arun_install(conn, lambda d: fence_install_plan(d, self._fence_sql(d), self.table))
+
+
+class SQLFencer:
+    """See :meth:`SQLGuard.fencer`."""
+
+    def __init__(self, guard: SQLGuard, connect: Callable[[], Any]) -> None:
+        self.guard = guard
+        self.connect = connect
+
+    def fence(self, token: TokenLike) -> None:
+        conn = self.connect()
+        try:
+            self.guard.begin(conn, token=token)  # BEGIN and the fence: its own transaction
+            conn.execute("COMMIT")
+        except BaseException:
+            with contextlib.suppress(Exception):
+                conn.execute("ROLLBACK")
+            raise
+        finally:
+            conn.close()
+
+    def __repr__(self) -> str:
+        return f"SQLFencer({self.guard.resource!r})"
 
 
 class RowGuard:

@@ -241,10 +241,9 @@ class EtcdResource:
 class FileResource:
     """Versions of ``DIR/register`` behind :class:`~fenced.guards.files.FileGuard`.
 
-    A file guard orders whole versions; it has no read that raises the mark. The read here
-    fences by publishing what it read again under its own token, then checks that no version
-    slipped in between (a stale writer can, until the mark is raised): if one did, it reads
-    again — after its own version the mark refuses every older writer, so twice is enough.
+    A file's mark is its newest version's token: the fenced read is
+    :meth:`~fenced.guards.files.FileGuard.claim`, which publishes what it read again under
+    its own token (and copies again if a stale writer slipped a version in between).
     """
 
     def __init__(self, url: str, lock: str, verify: TokenVerifier | None = None) -> None:
@@ -259,17 +258,7 @@ class FileResource:
         self.guard.collect_garbage("register")
 
     def read(self, token: FencingToken) -> bytes | None:
-        for _ in range(3):
-            latest = self.guard.latest("register")
-            data = None if latest is None else self.guard.read_version("register", latest)
-            if latest is not None and latest.token.value >= token.value:
-                return data  # (already ours, or a newer holder's: the write will be refused)
-            mine = self.guard.write("register", data or b"", token=token)
-            versions = self.guard.versions("register")
-            before = versions[versions.index(mine) - 1] if versions.index(mine) else None
-            if before == latest:
-                return data
-        raise StaleTokenError(token, None, "register")  # (cannot happen: see the docstring)
+        return self.guard.claim("register", token) or None
 
     def write(self, token: FencingToken, data: bytes) -> None:
         self.guard.write("register", data, token=token)

@@ -1,0 +1,106 @@
+"""Leader election on every token source (``locks.elect`` / ``locks.observe``): one leader
+at a time, epochs strictly increasing across resignation, expiry and a restart of the source,
+resignation handing over at once, observers seeing each change in epoch order."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+import pytest
+
+import fenced
+from fenced.election import Leader
+from tests.envs.base import BackendEnv
+from tests.helpers import unique_name, wait_for
+
+
+def test_one_leader_at_a_time_and_epochs_only_rise(env: BackendEnv) -> None:
+    name = unique_name("elect")
+    with env.connect() as a, env.connect() as b:
+        first = a.elect(name, "node-a", ttl=max(env.min_ttl, 2.0))
+        assert first.value == "node-a" and first.held
+        elected: list[fenced.election.Leadership] = []
+        waiter = threading.Thread(target=lambda: elected.append(b.elect(name, "node-b", ttl=2.0)))
+        waiter.start()
+        time.sleep(0.3)  # (a candidate that must not win while the leader holds)
+        assert not elected and first.held
+        resigned_at = time.monotonic()
+        assert first.resign()
+        waiter.join(10)
+        second = elected[0]
+        assert time.monotonic() - resigned_at < 1.5  # resigning hands over at once, no ttl wait
+        assert second.epoch > first.epoch and second.value == "node-b"
+        assert not first.held
+        second.resign()
+
+
+def test_epochs_rise_across_expiry(env: BackendEnv) -> None:
+    name = unique_name("elect")
+    ttl = env.min_ttl
+    with env.connect() as a, env.connect() as b:
+        lease = a.lock(name, ttl=ttl, auto_renew=False, description="node-a")
+        old = lease.acquire()  # a leader that stops renewing (as a paused one does)
+        new = b.elect(name, "node-b", ttl=ttl, timeout=ttl * 10)
+        assert new.epoch > old
+        new.resign()
+
+
+def test_epochs_rise_across_a_source_restart(env: BackendEnv) -> None:
+    if env.name == "memory" or not env.cross_process:
+        pytest.skip("the memory source does not survive its process")
+    name = unique_name("elect")
+    with env.connect() as a:
+        first = a.elect(name, "a", ttl=2.0)
+        epoch = first.epoch
+        first.resign()
+    try:
+        env.restart()
+    except NotImplementedError:
+        pytest.skip(f"{env.name} cannot be restarted here")
+    with env.connect() as b:
+        again = b.elect(name, "b", ttl=2.0, timeout=30)
+        assert again.epoch > epoch
+        again.resign()
+
+
+def test_observers_see_every_change_in_epoch_order(env: BackendEnv) -> None:
+    name = unique_name("elect")
+    seen: list[Leader] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        with env.connect() as o, contextlib.suppress(fenced.FencedError):
+            for leader in o.observe(name, interval=0.05):  # (until the source goes away)
+                seen.append(leader)
+                if stop.is_set():
+                    return
+
+    observer = threading.Thread(target=watch, daemon=True)
+    observer.start()
+    epochs = []
+    with env.connect() as c:
+        for i in range(3):
+            with c.elect(name, f"node-{i}", ttl=2.0) as leader:
+                epochs.append(leader.epoch)
+                wait_for(lambda: any(s.epoch == leader.epoch for s in seen), timeout=10)
+            wait_for(lambda: seen and seen[-1].epoch is None, timeout=10)
+    stop.set()
+    leaders = [s for s in seen if s.epoch is not None]
+    assert [s.epoch for s in leaders] == epochs  # each one, once, in order
+    assert [s.value for s in leaders] == ["node-0", "node-1", "node-2"]
+    assert all(s.owner and "pid" in s.owner for s in leaders)
+
+
+async def test_async_election_and_lost_signal(env: BackendEnv) -> None:
+    name = unique_name("elect")
+    async with env.connect_async() as a:
+        leader = await a.elect(name, "x", ttl=2.0)
+        changes = a.observe(name, interval=0.05)
+        now = await anext(changes)
+        await changes.aclose()  # type: ignore[attr-defined]
+        assert now.epoch == leader.epoch and now.value == "x"
+        assert leader.epoch.lock == name and leader.remaining() > 0
+        await leader.resign()
+        assert not leader.held
