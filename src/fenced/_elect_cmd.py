@@ -113,6 +113,7 @@ def run_elected(
     fence_timeout: float,
     term_grace: float,
     poison_dir: str | None,
+    lock_delay: float = 0.0,
 ) -> int:
     seen = _Previous()
     stop_watch = threading.Event()
@@ -121,7 +122,7 @@ def run_elected(
     )
     watcher.start()
     try:
-        leader = locks.elect(name, value, ttl=ttl)
+        leader = locks.elect(name, value, ttl=ttl, lock_delay=lock_delay)
     finally:
         stop_watch.set()
         watcher.join(5)

@@ -37,7 +37,15 @@ from ._errors import (
 )
 from ._options import Option
 from ._signing import Keyring, signer, token_message
-from ._state import DEFAULT_TTL, MAX_TIMEOUT, LeaseState, Phase, check_request_id, check_timeout
+from ._state import (
+    DEFAULT_TTL,
+    MAX_TIMEOUT,
+    LeaseState,
+    Phase,
+    check_lock_delay,
+    check_request_id,
+    check_timeout,
+)
 from ._token import FencingToken, validate_lock_name
 
 if TYPE_CHECKING:
@@ -161,9 +169,11 @@ class AsyncLease:
         description: str | None = None,
         fence: Iterable[FenceTarget] = (),
         fence_errors: str = "raise",
+        lock_delay: float = 0.0,
     ) -> None:
         self._locks = locks
         self.name = validate_lock_name(name)
+        self.lock_delay = check_lock_delay(lock_delay)
         self.fence_targets = tuple(fence)
         for target in self.fence_targets:
             if not callable(getattr(target, "fence", target)):
@@ -284,7 +294,11 @@ class AsyncLease:
                     grant = await backend.acquire(
                         self.name,
                         request_id=request_id,
-                        ttl=self.ttl,
+                        # Lock-delay: the source keeps the grant ``lock_delay`` past the
+                        # holder's own view of it (which stays ``ttl``), so after an expiry
+                        # no one else is granted it for that long, by the source's clock; a
+                        # release frees it at once.
+                        ttl=self.ttl + self.lock_delay,
                         deadline=deadline,
                         on_lost=on_lost,
                         owner=self.owner,
@@ -315,6 +329,13 @@ class AsyncLease:
         except BaseException:
             self._state.acquire_failed()
             raise
+        if self.lock_delay and grant.ttl < self.ttl + self.lock_delay - 1e-3:
+            with contextlib.suppress(FencedError):
+                await backend.release(grant)
+            raise ConfigurationError(
+                f"lock_delay={self.lock_delay:g}: the source granted {grant.ttl:g} s, not the "
+                f"{self.ttl + self.lock_delay:g} s (ttl + lock_delay) it needs; lower one of them"
+            )
         granted.append(grant.token)
         self._state.granted(grant)
         token = self._last_token = self._locks._sign(grant.token)
@@ -610,6 +631,7 @@ class AsyncLocks:
         description: str | None = None,
         fence: Iterable[FenceTarget] = (),
         fence_errors: str = "raise",
+        lock_delay: float = 0.0,
     ) -> AsyncLease:
         """A lease on ``name`` (not yet acquired): ``async with locks.lock("x", ttl=10) as lease``.
 
@@ -621,7 +643,12 @@ class AsyncLocks:
         is refused there even if this holder never writes there. If one cannot be fenced,
         ``fence_errors="raise"`` (the default) gives the grant back and raises
         :class:`~fenced.FenceError`; ``"report"`` returns the lease with the failures in
-        ``lease.not_fenced`` (and logs a warning) — never silently."""
+        ``lease.not_fenced`` (and logs a warning) — never silently.
+
+        ``lock_delay``: after this grant ends by *expiry* (not by release), nobody else is
+        granted ``name`` for ``lock_delay`` more seconds, by the source's clock (Chubby's and
+        Consul's lock-delay): a buffer for resources that cannot check a token, so that a
+        holder that lost its lease has time to stop before the next one starts."""
         return AsyncLease(
             self,
             name,
@@ -634,6 +661,7 @@ class AsyncLocks:
             description=description,
             fence=fence,
             fence_errors=fence_errors,
+            lock_delay=lock_delay,
         )
 
     async def elect(
@@ -646,6 +674,7 @@ class AsyncLocks:
         fence: Iterable[FenceTarget] = (),
         fence_errors: str = "raise",
         on_lost: AsyncLostCallback | None = None,
+        lock_delay: float = 0.0,
     ) -> AsyncLeadership:
         """Campaign for leadership of ``name`` until elected (or ``timeout``); see
         :mod:`fenced.election`. ``value`` is what observers see (an address, a node name)."""
@@ -653,7 +682,7 @@ class AsyncLocks:
 
         return await elect(
             self, name, value, ttl=ttl, timeout=timeout, fence=fence,
-            fence_errors=fence_errors, on_lost=on_lost,
+            fence_errors=fence_errors, on_lost=on_lost, lock_delay=lock_delay,
         )  # fmt: skip
 
     def observe(self, name: str, *, interval: float = 0.1) -> AsyncIterator[Leader]:

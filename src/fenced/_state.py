@@ -21,6 +21,7 @@ __all__ = [
     "MIN_TTL",
     "LeaseState",
     "Phase",
+    "check_lock_delay",
     "check_request_id",
     "check_timeout",
     "check_ttl",
@@ -66,6 +67,16 @@ def check_request_id(request_id: object) -> str:
             f"(starting with a letter, digit or _), not {str(request_id)[:80]!r}"
         )
     return request_id
+
+
+def check_lock_delay(delay: object) -> float:
+    """A lock-delay in seconds: a finite number in [0, 3600]."""
+    seconds = _seconds(delay)
+    if seconds is None or not 0 <= seconds <= 3600:
+        raise ConfigurationError(
+            f"lock_delay must be a number of seconds in [0, 3600], not {delay!r}"
+        )
+    return float(seconds)
 
 
 def check_timeout(timeout: object) -> float | None:

@@ -229,6 +229,7 @@ class Locks:
         description: str | None = None,
         fence: Iterable[FenceTarget] = (),
         fence_errors: str = "raise",
+        lock_delay: float = 0.0,
     ) -> Lease:
         """A lease on ``name`` (not yet acquired): ``with locks.lock("x", ttl=10) as lease``.
 
@@ -245,6 +246,7 @@ class Locks:
             description=description,
             fence=fence,
             fence_errors=fence_errors,
+            lock_delay=lock_delay,
         )
         return Lease(self, inner, on_lost)
 
@@ -258,13 +260,14 @@ class Locks:
         fence: Iterable[FenceTarget] = (),
         fence_errors: str = "raise",
         on_lost: SyncLostCallback | None = None,
+        lock_delay: float = 0.0,
     ) -> Leadership:
         """Campaign for leadership of ``name`` until elected (see :mod:`fenced.election`)."""
         from .election import Leadership
 
         lease = self.lock(
             name, ttl=ttl, timeout=timeout, on_lost=on_lost, description=value or None,
-            fence=fence, fence_errors=fence_errors,
+            fence=fence, fence_errors=fence_errors, lock_delay=lock_delay,
         )  # fmt: skip
         lease.acquire()
         return Leadership(lease, value)

@@ -205,6 +205,12 @@ def _parser() -> argparse.ArgumentParser:
         default=5.0,
         help="seconds between SIGTERM and SIGKILL on lease loss (5)",
     )
+    lock.add_argument(
+        "--lock-delay",
+        type=_grace,
+        default=0.0,
+        help="if this lease expires (not released), grant nobody the lock for S more seconds (0)",
+    )
 
     release = sub.add_parser(
         "release",
@@ -404,6 +410,10 @@ def _parser() -> argparse.ArgumentParser:
     elect.add_argument(
         "--poison", metavar="DIR", help="watch DIR for a poison pill naming a later epoch"
     )
+    elect.add_argument(
+        "--lock-delay", type=_grace, default=0.0,
+        help="after this leader's lease expires, elect nobody for S more seconds (0)",
+    )  # fmt: skip
     _source_arguments(elect)
 
     poison = sub.add_parser(
@@ -573,7 +583,13 @@ def _cmd_lock(args: argparse.Namespace) -> int:
         options["signing_key"] = key_file  # FENCING_TOKEN then carries the signed form
     with _sync.connect(url, **options) as locks:
         remaining = None if deadline is None else max(0.0, deadline - _clock.now())
-        lease = locks.lock(args.name, ttl=args.ttl, timeout=remaining, description=shlex.join(cmd))
+        lease = locks.lock(
+            args.name,
+            ttl=args.ttl,
+            timeout=remaining,
+            description=shlex.join(cmd),
+            lock_delay=args.lock_delay,
+        )
         try:
             token = lease.acquire()
         except LockTimeout:
@@ -892,6 +908,7 @@ def _cmd_elect(args: argparse.Namespace) -> int:
             fence_timeout=args.fence_timeout,
             term_grace=args.term_grace,
             poison_dir=args.poison,
+            lock_delay=args.lock_delay,
         )
 
 

@@ -128,6 +128,7 @@ async def elect(
     fence: Iterable[FenceTarget] = (),
     fence_errors: str = "raise",
     on_lost: AsyncLostCallback | None = None,
+    lock_delay: float = 0.0,
 ) -> AsyncLeadership:
     lease = locks.lock(
         name,
@@ -137,6 +138,7 @@ async def elect(
         description=value or None,
         fence=fence,
         fence_errors=fence_errors,
+        lock_delay=lock_delay,
     )
     await lease.acquire()
     return AsyncLeadership(lease, value)

@@ -104,3 +104,27 @@ async def test_async_election_and_lost_signal(env: BackendEnv) -> None:
         assert leader.epoch.lock == name and leader.remaining() > 0
         await leader.resign()
         assert not leader.held
+
+
+def test_lock_delay_after_expiry_but_not_after_release(env: BackendEnv) -> None:
+    """Lock-delay, judged by the source's clock: a grant that expires keeps everyone else out
+    for ``lock_delay`` more seconds; a released one is free at once."""
+    name = unique_name("delay")
+    ttl, delay = env.min_ttl, 1.5
+    with env.connect() as a, env.connect() as b:
+        sent = time.monotonic()
+        holder = a.lock(name, ttl=ttl, auto_renew=False, lock_delay=delay)
+        holder.acquire()  # and then never renewed: it expires
+        b.lock(name, ttl=ttl).acquire(timeout=ttl + delay + 30)
+        waited = time.monotonic() - sent
+        assert waited >= ttl + delay - 0.05, waited  # (not before: the source's clock decides)
+        assert holder.remaining() == 0
+    with env.connect() as a, env.connect() as b:
+        released = a.lock(name, ttl=ttl, lock_delay=30)
+        released.acquire(timeout=60)
+        t = time.monotonic()
+        released.release()
+        b.lock(name, ttl=ttl).acquire(timeout=10)
+        assert time.monotonic() - t < 2.0  # a release is not held back by the delay
+    with env.connect() as c, pytest.raises(fenced.ConfigurationError):
+        c.lock(name, lock_delay=-1)
