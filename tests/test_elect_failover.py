@@ -254,3 +254,33 @@ def test_a_poison_pill_stops_a_leader_that_believes_it_still_leads(
         wait_for(lambda: nodes.wrote("b"), timeout=30)
         assert a.wait(10) == 75
         assert check_log(nodes.lines(), "a", "b") == []
+
+
+def test_a_wall_clock_step_on_the_leader_changes_nothing(nodes: Nodes, tmp_path: Path) -> None:
+    """The leader's wall clock (``time.time()`` in its Python, stepped an hour either way on
+    SIGWINCH, as the check kit's clock nemesis does it; libfaketime would make Python's sleep
+    fail) jumps back and forth: leadership runs on monotonic clocks, so it neither ends nor
+    doubles — the candidate never starts while the leader lives, and takes over once it dies."""
+    offset = tmp_path / "offset"
+    offset.write_text("0")
+    prelude = (
+        "import os\nos.environ['FENCED_CHECK_CLOCK'] = " + repr(str(offset)) + "\n"
+        "from fenced.testing.check._worker import _wall_clock_steps\n"
+        "_wall_clock_steps(os.environ['FENCED_CHECK_CLOCK'])\n"
+    )
+    a = nodes.start("a", fence="true", prelude=prelude)
+    wait_for(lambda: nodes.wrote("a"), timeout=30)
+    nodes.start("b", fence="true")
+    for step in ("3600", "-3600", "86400", "-86400"):
+        offset.write_text(step)
+        os.kill(a.pid, signal.SIGWINCH)
+        before = sum(1 for line in nodes.lines() if line[0] == "a")
+        wait_for(
+            lambda: sum(1 for line in nodes.lines() if line[0] == "a") > before + 25, timeout=30
+        )
+    assert (
+        not nodes.wrote("b") and a.poll() is None
+    )  # ~2 s of steps: no failover, no second service
+    _group_signal(nodes, "a", signal.SIGKILL)
+    wait_for(lambda: nodes.wrote("b"), timeout=30)
+    assert check_log(nodes.lines(), "a", "b") == []

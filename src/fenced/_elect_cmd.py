@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import shlex
 import signal
 import subprocess
 import threading
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from . import _sync
+from ._command import spawn
 from ._errors import FencedError
 
 __all__ = ["poison", "run_elected"]
@@ -141,14 +141,9 @@ def run_elected(
         if leader.remaining() <= 0:
             _say("leadership ran out before the command started; not starting it")
             return EXIT_LEASE_LOST
-        try:
-            child = subprocess.Popen(cmd, env=env, start_new_session=True)
-        except FileNotFoundError:
-            _say(f"command not found: {cmd[0]}")
-            return 127
-        except PermissionError:
-            _say(f"cannot execute: {cmd[0]}")
-            return 126
+        child = spawn(cmd, env, _say)
+        if isinstance(child, int):
+            return child
         return _supervise(leader, child, term_grace, poison_dir, name)
     finally:
         with contextlib.suppress(FencedError):
@@ -223,7 +218,3 @@ def _supervise(
     finally:
         for s, handler in forward.items():
             signal.signal(s, handler)
-
-
-def describe(cmd: list[str]) -> str:
-    return shlex.join(cmd)

@@ -26,6 +26,7 @@ from typing import Any, NoReturn
 
 from . import __version__, _clock, _sync
 from ._backend import LockStatus, _redacted
+from ._command import spawn
 from ._errors import (
     BackendUnavailable,
     ConfigurationError,
@@ -633,15 +634,10 @@ def _run_holding(lease: _sync.Lease, token: str, cmd: list[str], grace: float) -
             # Never start the command unless the lease is surely held right now.
             _say(f"lock: lease on {lease.name!r} ran out before the command started")
             return EXIT_LEASE_LOST
-        try:
-            # Its own process group, so that on lease loss we stop the whole job, not its head.
-            child = subprocess.Popen(cmd, env=env, start_new_session=True)
-        except FileNotFoundError:
-            _say(f"lock: command not found: {cmd[0]}")
-            return 127
-        except PermissionError:
-            _say(f"lock: cannot execute: {cmd[0]}")
-            return 126
+        started = spawn(cmd, env, lambda text: _say(f"lock: {text}"))
+        if isinstance(started, int):
+            return started
+        child = started
         for signum in early:
             _signal_group(child, signum)
         return _supervise(lease, token, child, grace)
