@@ -279,7 +279,7 @@ def test_a_wall_clock_step_on_the_leader_changes_nothing(nodes: Nodes, tmp_path:
         offset.write_text(step)
         os.kill(a.pid, signal.SIGWINCH)
         goal = _lines_of(nodes, "a") + 25  # (half a second more of its service, at least)
-        wait_for(lambda goal=goal: _lines_of(nodes, "a") > goal, timeout=30)  # type: ignore[misc]
+        wait_for(lambda goal=goal: _lines_of(nodes, "a") > goal, timeout=30)
     # Some 2 s of steps, over two ttls: no failover, no second service.
     assert not nodes.wrote("b") and a.poll() is None
     _group_signal(nodes, "a", signal.SIGKILL)
