@@ -61,8 +61,8 @@ def _kill(proc: subprocess.Popen[bytes], marker: Path) -> None:
     proc.wait()
 
 
-def _one(start: Callable[[str, Path], subprocess.Popen[bytes]], tmp: Path, run: int) -> float:
-    a_marker, b_marker = tmp / f"a{run}", tmp / f"b{run}"
+def _one(start: Callable[[str, Path], subprocess.Popen[bytes]], tmp: Path, run: str) -> float:
+    a_marker, b_marker = tmp / f"a-{run}", tmp / f"b-{run}"
     a = start("a", a_marker)
     _wait_file(a_marker)
     b = start("b", b_marker)
@@ -144,18 +144,18 @@ def main() -> None:
         print(f"ttl {args.ttl} s; a fence command `true` takes {fence_cost * 1000:.1f} ms\n")
         for name, url in sources.items():
             times = [
-                _one(fenced_elect(url, args.ttl, f"f{name}{i}", "true"), tmp, i)
+                _one(fenced_elect(url, args.ttl, f"f{name}{i}", "true"), tmp, f"{name}{i}")
                 for i in range(args.runs)
             ]
             print(_summary(f"fenced elect on {name}", times), flush=True)
         times = [
-            _one(kazoo_election(zk.hosts, args.ttl, f"/kazoo-election-{i}"), tmp, 1000 + i)
+            _one(kazoo_election(zk.hosts, args.ttl, f"/kazoo-election-{i}"), tmp, f"kazoo{i}")
             for i in range(args.runs)
         ]
         print(_summary("kazoo Election on zookeeper", times), flush=True)
         if args.etcdctl_runs:
             times = [
-                _one(etcdctl_elect(e.endpoint, f"etcdctl-e{i}"), tmp, 2000 + i)
+                _one(etcdctl_elect(e.endpoint, f"etcdctl-e{i}"), tmp, f"etcdctl{i}")
                 for i in range(args.etcdctl_runs)
             ]
             print(_summary("etcdctl elect on etcd (60 s session)", times), flush=True)

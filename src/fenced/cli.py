@@ -987,6 +987,8 @@ class _progress_bar:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
+    from .election import leader_value
+
     url = args.url or default_url()
     for name in args.names:
         validate_lock_name(name)  # a usage error before anything is contacted
@@ -1001,6 +1003,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
                 "held": s.holder is not None,
                 "holder": s.holder,
                 "owner": s.owner,
+                # an election's leader: what it advertised (elect(value=...)), and its epoch
+                "value": leader_value(s.owner)[1] if s.holder is not None else None,
+                "epoch": s.token.value if s.token else None,
                 "token": str(s.token) if s.token else None,
                 "last_token": str(s.last_token) if s.last_token else None,
                 "remaining": s.remaining,

@@ -128,3 +128,33 @@ def test_lock_delay_after_expiry_but_not_after_release(env: BackendEnv) -> None:
         assert time.monotonic() - t < 2.0  # a release is not held back by the delay
     with env.connect() as c, pytest.raises(fenced.ConfigurationError):
         c.lock(name, lock_delay=-1)
+
+
+def test_fenced_status_shows_the_leader_and_its_epoch(env: BackendEnv) -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    if not env.cross_process:
+        pytest.skip("the memory source lives in one process")
+    from urllib.parse import urlencode
+
+    from tests.helpers import ROOT
+
+    name = unique_name("elect")
+    # (the env's options, e.g. a per-test key prefix, as the URL's query: the CLI's only input)
+    url = (
+        env.url + ("&" if "?" in env.url else "?") + urlencode(env.options)
+        if env.options
+        else env.url
+    )
+    with env.connect() as c, c.elect(name, "10.0.0.7:8080", ttl=5) as leader:
+        out = subprocess.run(
+            [sys.executable, "-m", "fenced.cli", "status", name, "--json", "--url", url],
+            capture_output=True, text=True, timeout=60,
+            env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        (row,) = json.loads(out.stdout)
+        assert row["value"] == "10.0.0.7:8080" and row["epoch"] == leader.epoch.value
