@@ -444,7 +444,11 @@ async def _main(w: _World) -> None:
 
 
 def simulate(cfg: Config) -> Outcome:
-    """Run one seed; the same config gives the same trace, byte for byte."""
+    """Run one seed; the same config gives the same trace, byte for byte.
+
+    For the length of the run, fenced's clock (``fenced._clock.now``) in this process is the
+    simulation's: run it in a process of its own (``fenced sim``, a test), not beside live
+    leases of a real application."""
     if cfg.plant and cfg.plant not in SIM_PLANTS:
         raise ConfigurationError(
             f"no plant {cfg.plant!r} in the simulator: {', '.join(SIM_PLANTS)}"
