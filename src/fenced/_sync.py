@@ -12,7 +12,6 @@ import functools
 import inspect
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
@@ -272,16 +271,21 @@ class Locks:
         lease.acquire()
         return Leadership(lease, value)
 
-    def observe(self, name: str, *, interval: float = 0.1) -> Iterator[Leader]:
-        """Who leads ``name``, each time it changes (see :mod:`fenced.election`)."""
+    def observe(
+        self, name: str, *, interval: float = 0.1, stop: threading.Event | None = None
+    ) -> Iterator[Leader]:
+        """Who leads ``name``, each time it changes (see :mod:`fenced.election`); ends when
+        ``stop`` is set (an observer on a thread of its own has no other way out while
+        nothing changes)."""
         from .election import LeaderChanges
 
         changes = LeaderChanges(validate_lock_name(name))
-        while True:
+        stop = stop or threading.Event()
+        while not stop.is_set():
             change = changes.update(self.status(name))
             if change is not None:
                 yield change
-            time.sleep(interval)
+            stop.wait(interval)
 
     def locked(
         self, name: str, *, ttl: float = DEFAULT_TTL, timeout: float | None = None, **options: Any

@@ -447,7 +447,7 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--start", type=int, default=0, help="the first seed (0)")
     sim.add_argument("--jobs", type=int, default=0, help="processes (default: one per CPU)")
     sim.add_argument("--clients", type=int, default=3, help="simulated clients (3)")
-    sim.add_argument("--rounds", type=int, default=6, help="rounds per client (6)")
+    sim.add_argument("--rounds", type=int, default=4, help="rounds per client (4)")
     sim.add_argument("--faults", default="", help="comma-separated subset of the faults (all)")
     sim.add_argument("--plant", default="", metavar="FAULT", help="plant a fault, to see it caught")
     sim.add_argument("--replay", type=int, metavar="SEED", help="run one seed and print its trace")

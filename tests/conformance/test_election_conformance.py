@@ -4,7 +4,6 @@ resignation handing over at once, observers seeing each change in epoch order.""
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 
@@ -71,13 +70,11 @@ def test_observers_see_every_change_in_epoch_order(env: BackendEnv) -> None:
     stop = threading.Event()
 
     def watch() -> None:
-        with env.connect() as o, contextlib.suppress(fenced.FencedError):
-            for leader in o.observe(name, interval=0.05):  # (until the source goes away)
+        with env.connect() as o:
+            for leader in o.observe(name, interval=0.05, stop=stop):
                 seen.append(leader)
-                if stop.is_set():
-                    return
 
-    observer = threading.Thread(target=watch, daemon=True)
+    observer = threading.Thread(target=watch)
     observer.start()
     epochs = []
     with env.connect() as c:
@@ -87,6 +84,8 @@ def test_observers_see_every_change_in_epoch_order(env: BackendEnv) -> None:
                 wait_for(lambda: any(s.epoch == leader.epoch for s in seen), timeout=10)
             wait_for(lambda: seen and seen[-1].epoch is None, timeout=10)
     stop.set()
+    observer.join(10)
+    assert not observer.is_alive()  # (stopped, its connection closed: nothing left running)
     leaders = [s for s in seen if s.epoch is not None]
     assert [s.epoch for s in leaders] == epochs  # each one, once, in order
     assert [s.value for s in leaders] == ["node-0", "node-1", "node-2"]

@@ -59,7 +59,7 @@ SIM_PLANTS: dict[str, str] = {
 class Config:
     seed: int
     clients: int = 3
-    rounds: int = 6
+    rounds: int = 4
     ttl: float = 1.0
     plant: str = ""
     faults: tuple[str, ...] = FAULTS
@@ -125,6 +125,7 @@ class _World:
         self.source_up = True
         self.source_rate = 1.30 if cfg.plant == "clock-fast" else 1 + self.rng.uniform(-0.02, 0.02)
         self.resource_up = True
+        self.freed: asyncio.Future[None] = loop.create_future()  # resolved when it may be free
         self.resource = self._resource()
         self.resource.reset()
 
@@ -162,6 +163,7 @@ class _World:
             return (FencingToken(LOCK, value), left) if rid == request_id else None
         self.counter += 1
         self.holder = (request_id, self.counter, self.source_clock() + ttl, ttl)
+        self._wake_at_expiry()
         return FencingToken(LOCK, self.counter), ttl
 
     def renew(self, token: FencingToken) -> None:
@@ -170,13 +172,34 @@ class _World:
             raise LeaseLostError(f"lease {token} is no longer held")
         rid, value, _, ttl = self.holder
         self.holder = (rid, value, self.source_clock() + ttl, ttl)
+        self._wake_at_expiry()
 
     def release(self, token: FencingToken | None) -> bool:
         self._expire()
         if self.holder is None or (token is not None and self.holder[1] != token.value):
             return False
         self.holder = None
+        self._wake_waiters()
         return True
+
+    def _wake_waiters(self) -> None:
+        """Tell the clients waiting for the lock it may be free (a push message, delayed
+        like any other; lost with the source if it is down)."""
+        woken, self.freed = self.freed, self.loop.create_future()
+        if self.source_up:
+            self.loop.call_later(self._delay(), _resolve, woken)
+
+    def _wake_at_expiry(self) -> None:
+        """A grant's expiry frees the lock without a request: wake the waiters then (a renewal
+        since makes them find it held still, and wait again)."""
+        if self.holder is not None:
+            when = self.holder[2] / self.source_rate  # (its expiry, in clients' time)
+            self.loop.call_at(max(when, self.now()), self._wake_if_expired)
+
+    def _wake_if_expired(self) -> None:
+        self._expire()
+        if self.holder is None:  # (renewed since: a later timer is set for the new expiry)
+            self._wake_waiters()
 
     # -- the network -------------------------------------------------------------------------
 
@@ -214,10 +237,22 @@ class _World:
             self.loop.call_later(self._delay(), deliver, True)
         if "dup" in self.faults and self.rng.random() < 0.03:
             self.loop.call_later(self._delay() + self._delay(), deliver, False)
+        # (A timer on the answer itself: asyncio.wait_for would cost a wrapper per message.)
+        timer = self.loop.call_later(RPC_TIMEOUT, _no_answer, answer, to)
         try:
-            return await asyncio.wait_for(answer, RPC_TIMEOUT)
-        except TimeoutError:
-            raise BackendUnavailable(f"sim: no answer from the {to}") from None
+            return await answer
+        finally:
+            timer.cancel()
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def _no_answer(answer: asyncio.Future[Any], to: str) -> None:
+    if not answer.done():
+        answer.set_exception(BackendUnavailable(f"sim: no answer from the {to}"))
 
 
 class SimBackend(Backend):
@@ -256,7 +291,9 @@ class SimBackend(Backend):
                 return Grant(token, request_id, ttl, sent + left - ttl)
             if deadline is not None and _clock.now() >= deadline:
                 raise lock_timeout(name)
-            await asyncio.sleep(w.rng.uniform(0.05, 0.25))  # poll again (no wake-ups: simpler)
+            # Wait for the source's word that it may be free (or poll again, if that is lost).
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(w.freed), w.rng.uniform(0.5, 1.0))
 
     async def renew(self, grant: Grant) -> Grant:
         sent = _clock.now()
