@@ -31,6 +31,7 @@ servers:
 	  command -v node >/dev/null || missing="$$missing nodejs"; \
 	  command -v curl >/dev/null || missing="$$missing curl"; \
 	  command -v faketime >/dev/null || missing="$$missing faketime"; \
+	  PATH="$$PATH:/usr/sbin" command -v mariadbd >/dev/null || missing="$$missing mariadb-server"; \
 	  if [ -n "$$missing" ]; then \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
 	  fi; \

@@ -53,3 +53,32 @@ def test_an_etcd_cluster_whose_peer_port_was_taken_starts_anyway(
         with EtcdCluster() as cluster:
             assert taken not in [m.peer_port for m in cluster.members]
             assert cluster.url.startswith("etcd://")
+
+
+def test_mariadb_starts_on_loopback_and_keeps_committed_rows_across_kill_9() -> None:
+    """The MariaDB the MySQL guard (issue 16) will be tested on: a temp datadir, a free port,
+    loopback only, and InnoDB's durable commits — a committed row survives kill -9."""
+    import pymysql
+
+    from fenced.testing.servers import MariaDBServer
+
+    with MariaDBServer() as db:
+        db.start()
+
+        def connect() -> pymysql.connections.Connection:
+            return pymysql.connect(host="127.0.0.1", port=db.port, user="root", database="fenced")
+
+        conn = connect()
+        with conn.cursor() as cur:
+            cur.execute("CREATE TABLE t (k INT PRIMARY KEY, v TEXT) ENGINE=InnoDB")
+            cur.execute("INSERT INTO t VALUES (1, 'committed')")
+            cur.execute("SELECT @@bind_address")
+            assert cur.fetchone() == ("127.0.0.1",)
+        conn.commit()
+        conn.close()
+        db.restart(kill=True)
+        conn = connect()
+        with conn.cursor() as cur:
+            cur.execute("SELECT v FROM t WHERE k = 1")
+            assert cur.fetchone() == ("committed",)
+        conn.close()
