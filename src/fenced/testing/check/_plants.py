@@ -40,7 +40,7 @@ PLANTS: dict[str, str] = {
     "write-then-check": "writes first, then checks; a refusal leaves the write in place",
     "signature-skipped": "signing is on, but the resource never verifies a token's signature",
     "key-id-ignored": "a token signed under a key id the resource does not know is let through",
-    "lease-overestimated": "the holder believes its lease lasts 1.5 x its ttl",
+    "lease-overestimated": "the holder believes its lease lasts twice its ttl",
     "unfenced-release": "release frees the lock whoever holds it (no token)",
     "token-in-memory": "the token source keeps its counter in memory and is restarted",
     "counter-not-fsynced": "the token source (Redis, no AOF) loses its counter on kill -9",

@@ -78,7 +78,7 @@ def main(argv: list[str]) -> None:
                 history.append("error", lock=lock, step="acquire", error=type(exc).__name__)
                 stop.wait(ttl / 4)
                 continue
-            surely = lease.remaining() * (1.5 if plant == "lease-overestimated" else 1.0)
+            surely = lease.remaining() * (2.0 if plant == "lease-overestimated" else 1.0)
             history.append(
                 "grant", lock=lock, token=token.value, surely_until=_clock.now() + surely
             )

@@ -335,7 +335,7 @@ async def _client_loop(w: _World, c: _Client, rounds: int) -> None:
         except (LockTimeout, BackendUnavailable, LeaseLostError) as exc:
             w.record(c.name, "error", step="acquire", error=type(exc).__name__)
             continue
-        believed = lease.remaining() * (1.5 if cfg.plant == "lease-overestimated" else 1.0)
+        believed = lease.remaining() * (2.0 if cfg.plant == "lease-overestimated" else 1.0)
         w.record(c.name, "grant", lock=LOCK, token=token.value, surely_until=w.now() + believed)
         await _round(w, c, token, lease)
         w.record(c.name, "releasing", lock=LOCK, token=token.value)
