@@ -215,16 +215,24 @@ def grants_do_not_overlap_in_grant_order(history: list[Event]) -> list[Violation
             # next holder before the releasing worker hears back, and a release whose reply
             # was lost may have been carried out (the holder stopped acting at the send).
             released[(e["lock"], e["token"])] = float(e["sent"] if "sent" in e else e["mono"])
+
+    def belief(e: Event, lock: str) -> tuple[float, float]:
+        """When the holder believed it surely held: from hearing of the grant to the end."""
+        end = min(e["surely_until"], released.get((lock, e["token"]), float("inf")))
+        return e["mono"], end
+
     out = []
     for lock, grants in by_lock.items():
         grants.sort(key=lambda e: e["token"])
         for prev, nxt in zip(grants, grants[1:], strict=False):
-            ended = min(prev["surely_until"], released.get((lock, prev["token"]), float("inf")))
-            if nxt["mono"] < ended:
+            # Two holders believing at once. (A holder paused between its grant and hearing
+            # of it may hear after the next grant, with no time left: no belief, no overlap.)
+            (p0, p1), (n0, n1) = belief(prev, lock), belief(nxt, lock)
+            if max(p0, n0) < min(p1, n1):
                 out.append(
                     Violation(
                         "overlap",
-                        f"{lock!r} token {nxt['token']} granted {ended - nxt['mono']:.3f} s "
+                        f"{lock!r} token {nxt['token']} granted {p1 - n0:.3f} s "
                         f"before token {prev['token']}'s lease had surely ended",
                         (prev, nxt),
                     )
