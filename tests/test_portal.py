@@ -148,6 +148,38 @@ def test_ctrl_c_during_a_driven_acquire_never_leaves_the_grant_held(
             assert not lease.held
 
 
+@pytest.mark.parametrize("planted", [False, True], ids=["fenced", "planted-held-sigint-waits"])
+def test_ctrl_c_held_back_while_driving_stops_the_wait_that_follows(
+    portal: Portal, monkeypatch: pytest.MonkeyPatch, planted: bool
+) -> None:
+    """Bug (CI, `fenced lock` on a busy lock): Ctrl-C struck while the caller drove its acquire
+    (queued at the source by then), was held back, and the caller then waited for the grant,
+    which never came: the process hung. A held-back Ctrl-C ends the call before it waits."""
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signals are delivered to the main thread only")
+    if planted:
+
+        def wait_begins(self: Any) -> bool:
+            self.waiting = True
+            return False
+
+        monkeypatch.setattr(_portal._SigintGate, "wait_begins", wait_begins)
+    finished: list[bool] = []
+
+    async def queue_then_wait() -> None:
+        signal.raise_signal(signal.SIGINT)  # on this (the driving, main) thread: held back
+        await asyncio.sleep(2)  # the wait for a grant; only the loop thread waits for timers
+        finished.append(True)
+
+    _wait_until_idle(portal)
+    with pytest.raises(KeyboardInterrupt):
+        portal.call(queue_then_wait())
+    if planted:
+        assert finished == [True]  # it sat out the whole wait: caught
+    else:
+        assert finished == []  # cancelled without waiting
+
+
 @pytest.mark.parametrize("planted", [False, True], ids=["fenced", "planted-no-driver-check"])
 def test_a_blocking_call_from_on_lost_on_a_driving_thread_fails_instead_of_hanging(
     register_scheme: Callable[[str, str], None],

@@ -207,8 +207,8 @@ class Portal:
                         run.close()
                         coro.close()
                         raise BackendUnavailable("this fenced connection is closed") from None
-                if gate is not None:
-                    gate.waiting = True
+                if gate is not None and gate.wait_begins():
+                    raise KeyboardInterrupt
                 latch.acquire()
                 if gate is not None and gate.leave():
                     raise KeyboardInterrupt
@@ -377,6 +377,12 @@ class _SigintGate:
         gate = _SigintGate()
         _signal.signal(_signal.SIGINT, gate)
         return gate
+
+    def wait_begins(self) -> bool:
+        """From now on SIGINT raises; True if one was held back already (while this thread
+        drove the call, which may be queued at the source by now): raise it, don't wait."""
+        self.waiting = True
+        return self.held
 
     def leave(self) -> bool:
         """Put the default handler back; True if SIGINT arrived while it was held back."""
