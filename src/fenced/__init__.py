@@ -10,7 +10,15 @@ reject writes from stale lock holders.
 
 import logging as _logging
 
-from ._backend import Backend, Characteristic, Grant, LockStatus, TokenCheck, register_backend
+from ._backend import (
+    Backend,
+    Characteristic,
+    Grant,
+    LockStatus,
+    Record,
+    TokenCheck,
+    register_backend,
+)
 from ._errors import (
     AccessDenied,
     BackendError,
@@ -25,7 +33,10 @@ from ._errors import (
     LockError,
     LockTimeout,
     NotHeldError,
+    RecordConflict,
+    ReplicationError,
     ResourceNotFoundError,
+    StaleEpochError,
     StaleTokenError,
     UnsafeBackendError,
     WrongLockError,
@@ -86,8 +97,12 @@ __all__ = [
     "LostSignal",
     "NotHeldError",
     "Phase",
+    "Record",
+    "RecordConflict",
+    "ReplicationError",
     "ResourceNotFoundError",
     "SignatureError",
+    "StaleEpochError",
     "StaleTokenError",
     "TokenCheck",
     "UnsafeBackendError",

@@ -31,11 +31,13 @@ __all__ = [
     "BUILTIN_SCHEMES",
     "ENTRY_POINT_GROUP",
     "MAX_OWNER",
+    "MAX_RECORD",
     "Backend",
     "Characteristic",
     "Grant",
     "LockStatus",
     "LostCallback",
+    "Record",
     "TokenCheck",
     "backend_class",
     "known_schemes",
@@ -123,6 +125,24 @@ class TokenCheck:
         """Above every grant the source knows of: not a token it issued (yet) — forged, or
         from another deployment of the source."""
         return self.highest is not None and self.token.value > self.highest.value
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Record:
+    """A small versioned record kept by the token source, changed only by compare-and-set
+    (:meth:`Backend.swap_record`): the configurations of replicated groups live in these, so
+    their changes are totally ordered by the same linearizable, durable store as the grants.
+
+    ``version`` counts the swaps: 1 for the first value, one more for each change, never
+    reused (records are never deleted)."""
+
+    name: str
+    version: int
+    value: str
+
+
+MAX_RECORD: Final = 65536
+"""The longest record value (characters) every source must keep."""
 
 
 MAX_OWNER: Final = 200
@@ -303,6 +323,18 @@ class Backend(abc.ABC):
         if token is not None and status.token != token:
             return None
         return status
+
+    async def read_record(self, name: str) -> Record | None:
+        """The record ``name`` (None: never written). Linearizable on a linearizable source:
+        it reflects every swap acknowledged before it was asked."""
+        raise ConfigurationError(f"the {self.scheme!r} token source keeps no records")
+
+    async def swap_record(self, name: str, version: int, value: str) -> Record:
+        """Store ``value`` as version ``version + 1`` if the record is at ``version`` now (0: it
+        does not exist); else raise :class:`~fenced.RecordConflict` with the version found.
+        One atomic step in the source; a reply lost in transit is for the caller to read back
+        (the record's value tells whether its swap landed)."""
+        raise ConfigurationError(f"the {self.scheme!r} token source keeps no records")
 
     @abc.abstractmethod
     async def aclose(self) -> None:

@@ -11,6 +11,9 @@ Hierarchy::
     ├── CorruptMarkError                     the resource's stored high-water mark is unreadable: every write is refused
     ├── FenceConflictError                   a concurrent transaction kept the guard from deciding: retry
     ├── ResourceNotFoundError (LookupError)  a guarded row/key/file does not exist (not the same as stale)
+    ├── RecordConflict                       a compare-and-set of a record in the source lost: it changed meanwhile
+    ├── ReplicationError                     a replicated group could not complete a write, read or change
+    │   └── StaleEpochError                  a member has moved to a later configuration than the caller's
     ├── LockError
     │   ├── LockTimeout (TimeoutError)       acquire did not succeed before its timeout
     │   ├── LeaseLostError                   the lease expired or was taken over while held
@@ -55,7 +58,10 @@ __all__ = [
     "LockError",
     "LockTimeout",
     "NotHeldError",
+    "RecordConflict",
+    "ReplicationError",
     "ResourceNotFoundError",
+    "StaleEpochError",
     "StaleTokenError",
     "UnsafeBackendError",
     "WrongLockError",
@@ -134,6 +140,40 @@ class FenceConflictError(FencedError):
     ``BEGIN IMMEDIATE``). The fence neither passed nor advanced: roll the transaction back
     and retry it. The driver's error is in ``__cause__``.
     """
+
+
+class RecordConflict(FencedError):
+    """A compare-and-set of a record in the token source (``locks.swap_record``) found another
+    version than the one it was based on: someone changed it meanwhile. ``current`` is the
+    version found (0: no record). Nothing was written; read it again and decide anew."""
+
+    def __init__(self, name: str, expected: int, current: int) -> None:
+        super().__init__(
+            f"record {name!r} is at version {current}, not {expected}: it changed meanwhile"
+        )
+        self.name, self.expected, self.current = name, expected, current
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.name, self.expected, self.current))
+
+
+class ReplicationError(FencedError):
+    """A replicated group (``fenced.replicated``) could not complete a write, read or change:
+    a member could not be reached and could not be removed (the configuration would lose
+    every member that holds the acknowledged writes, or drop below ``min_members``).
+    ``failed`` maps member names to their errors. A write that raises it was not
+    acknowledged: it may be on some members, and the next writer either completes it on
+    all or none."""
+
+    def __init__(self, message: str, failed: dict[str, BaseException] | None = None) -> None:
+        super().__init__(message)
+        self.failed = dict(failed or {})
+
+
+class StaleEpochError(ReplicationError):
+    """A member refused a configuration epoch lower than one it has seen: the group was
+    reconfigured. Writers and readers reload the configuration and retry by themselves;
+    this reaches the caller only if the configuration kept changing until its deadline."""
 
 
 class ResourceNotFoundError(FencedError, LookupError):

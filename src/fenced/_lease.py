@@ -17,10 +17,12 @@ from . import _clock, _fork
 from ._adopt import adopt_client
 from ._backend import (
     MAX_OWNER,
+    MAX_RECORD,
     Backend,
     Characteristic,
     Grant,
     LockStatus,
+    Record,
     TokenCheck,
     _redacted,
     backend_class,
@@ -750,6 +752,24 @@ class AsyncLocks:
             self._own_keys.verify(tok.lock, tok.value, tok.signature)
         backend = await self._get_backend()
         return await backend.check(tok)
+
+    async def read_record(self, name: str) -> Record | None:
+        """The source's record ``name`` (see :class:`~fenced.Record`), None if never written."""
+        backend = await self._get_backend()
+        return await backend.read_record(validate_lock_name(name))
+
+    async def swap_record(self, name: str, version: int, value: str) -> Record:
+        """Compare-and-set: store ``value`` as the next version if ``name`` is at ``version``
+        now (0: not yet written); :class:`~fenced.RecordConflict` if it changed meanwhile.
+        Changes of a record are totally ordered by the source (replicated groups keep their
+        configurations in records)."""
+        validate_lock_name(name)
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ConfigurationError(f"a record version is an int >= 0, not {version!r}")
+        if not isinstance(value, str) or len(value) > MAX_RECORD:
+            raise ConfigurationError(f"a record value is a str of at most {MAX_RECORD} characters")
+        backend = await self._get_backend()
+        return await backend.swap_record(name, version, value)
 
     async def lock_names(self) -> list[str]:
         """The names of the locks the source knows, sorted (see ``fenced status``)."""

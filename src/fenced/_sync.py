@@ -17,7 +17,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from . import _fork
-from ._backend import Characteristic, LockStatus, TokenCheck
+from ._backend import Characteristic, LockStatus, Record, TokenCheck
 from ._lease import (
     _UNSET,
     DEFAULT_TTL,
@@ -330,6 +330,14 @@ class Locks:
     def check(self, token: FencingToken | str) -> TokenCheck:
         """Ask the source about ``token`` (see :meth:`AsyncLocks.check`)."""
         return self._portal.call(self._async.check(token))
+
+    def read_record(self, name: str) -> Record | None:
+        """The source's record ``name`` (see :meth:`AsyncLocks.read_record`)."""
+        return self._portal.call(self._async.read_record(name))
+
+    def swap_record(self, name: str, version: int, value: str) -> Record:
+        """Compare-and-set a record (see :meth:`AsyncLocks.swap_record`)."""
+        return self._portal.call(self._async.swap_record(name, version, value))
 
     def lock_names(self) -> list[str]:
         """The names of the locks the source knows, sorted."""

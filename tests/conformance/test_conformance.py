@@ -463,3 +463,80 @@ def test_a_forked_child_gets_its_own_connection(env: BackendEnv, mode: str) -> N
         timeout=150,
     )
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_records_change_only_by_compare_and_set(env: BackendEnv) -> None:
+    """A record (a replicated group's configuration) changes only from the version read:
+    a swap from an older version is refused with the version found, and nothing is written."""
+    name = unique_name()
+    with env.connect() as locks:
+        assert locks.read_record(name) is None
+        first = locks.swap_record(name, 0, '{"members": ["a"]}')
+        assert first == fenced.Record(name, 1, '{"members": ["a"]}')
+        with pytest.raises(fenced.RecordConflict) as caught:
+            locks.swap_record(name, 0, "lost")
+        assert (caught.value.expected, caught.value.current) == (0, 1)
+        second = locks.swap_record(name, 1, "ünïcode ✓" * 100)
+        assert second.version == 2
+        with pytest.raises(fenced.RecordConflict) as caught:
+            locks.swap_record(name, 1, "lost")
+        assert caught.value.current == 2
+        with pytest.raises(fenced.RecordConflict):
+            locks.swap_record(name, 7, "ahead")
+        assert locks.read_record(name) == second
+        assert name not in locks.lock_names()  # records are not locks
+        with pytest.raises(fenced.ConfigurationError):
+            locks.swap_record(name, -1, "x")
+    with env.connect() as other:  # another connection sees the latest
+        assert other.read_record(name) == second
+
+
+def test_racing_swaps_from_one_version_let_exactly_one_win(env: BackendEnv) -> None:
+    name = unique_name()
+    with env.connect() as locks:
+        locks.swap_record(name, 0, "start")
+    results: list[str] = []
+    go = threading.Barrier(6)
+
+    def racer(i: int) -> None:
+        with env.connect() as mine:
+            go.wait(timeout=30)
+            try:
+                mine.swap_record(name, 1, f"racer {i}")
+                results.append(f"won {i}")
+            except fenced.RecordConflict:
+                results.append("lost")
+
+    threads = [threading.Thread(target=racer, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    winners = [r for r in results if r.startswith("won")]
+    assert len(results) == 6 and len(winners) == 1, results
+    with env.connect() as locks:
+        record = locks.read_record(name)
+    assert record is not None and record.version == 2
+    assert record.value == "racer " + winners[0].split()[1]
+
+
+def test_records_survive_a_restart(env: BackendEnv) -> None:
+    requires(env, Characteristic.DURABLE)
+    name = unique_name()
+    with env.connect() as locks:
+        locks.swap_record(name, 0, "one")
+        locks.swap_record(name, 1, "two")
+    env.restart()
+    with env.connect() as locks:
+        wait_for(lambda: _readable(locks, name), what="the source to come back")
+        assert locks.read_record(name) == fenced.Record(name, 2, "two")
+        with pytest.raises(fenced.RecordConflict):
+            locks.swap_record(name, 1, "stale")
+
+
+def _readable(locks: fenced.Locks, name: str) -> bool:
+    try:
+        locks.read_record(name)
+        return True
+    except fenced.BackendUnavailable:
+        return False

@@ -58,6 +58,12 @@ CREATE TABLE IF NOT EXISTS {waiters} (
     channel     text,
     expires_at  timestamptz NOT NULL
 );
+-- Versioned records (replicated groups' configurations), changed only by compare-and-set.
+CREATE TABLE IF NOT EXISTS {records} (
+    name     text PRIMARY KEY,
+    version  bigint NOT NULL CHECK (version >= 1),
+    value    text NOT NULL
+);
 CREATE INDEX IF NOT EXISTS {waiters_queue} ON {waiters} (name, id);
 CREATE UNIQUE INDEX IF NOT EXISTS {waiters_request} ON {waiters} (name, md5(request_id));
 
@@ -273,6 +279,7 @@ class Names:
         names = {
             "locks": ident("locks"),
             "waiters": ident("waiters"),
+            "records": ident("records"),
             "waiters_queue": sql.Identifier(prefix + "waiters_queue"),
             "waiters_request": sql.Identifier(prefix + "waiters_request"),
             "acquire": ident("acquire"),
@@ -304,4 +311,13 @@ class Names:
         self.q_leave = render("SELECT {leave}(%s::text, %s::text)")
         self.q_renew = render(RENEW_SQL)
         self.q_status = render(STATUS_SQL)
+        self.q_record = render("SELECT version, value FROM {records} WHERE name = %s")
+        self.q_record_insert = render(
+            "INSERT INTO {records} (name, version, value) VALUES (%s, 1, %s) "
+            "ON CONFLICT (name) DO NOTHING RETURNING version"
+        )
+        self.q_record_update = render(
+            "UPDATE {records} SET version = version + 1, value = %s "
+            "WHERE name = %s AND version = %s RETURNING version"
+        )
         self.q_names = render("SELECT coalesce(array_agg(name ORDER BY name), '{{}}') FROM {locks}")

@@ -16,6 +16,10 @@ __all__ = [
     "SQL_LOCK_STATE",
     "SQL_NEXT_TOKEN",
     "SQL_PURGE_WAITERS",
+    "SQL_RECORDS",
+    "SQL_RECORD_INSERT",
+    "SQL_RECORD_READ",
+    "SQL_RECORD_UPDATE",
     "SQL_RELEASE",
     "SQL_RENEW",
     "SQL_SET_HOLDER",
@@ -107,3 +111,19 @@ SELECT (SELECT last_token FROM fenced_counters WHERE name = ?1),
   FROM (SELECT 1) LEFT JOIN fenced_holders AS h ON h.name = ?1"""
 
 PRAGMAS: Final = ("PRAGMA journal_mode=WAL", "PRAGMA synchronous=FULL")
+
+# Records (replicated groups' configurations), made on first use: a file of schema version 1
+# may predate them, and a reader must not need the write lock to find there are none.
+SQL_RECORDS: Final = """CREATE TABLE IF NOT EXISTS fenced_records (
+    name TEXT PRIMARY KEY,
+    version INTEGER NOT NULL CHECK (version >= 1),
+    value TEXT NOT NULL
+) WITHOUT ROWID"""
+SQL_RECORD_READ: Final = "SELECT version, value FROM fenced_records WHERE name = ?"
+SQL_RECORD_INSERT: Final = (
+    "INSERT INTO fenced_records (name, version, value) VALUES (?, 1, ?) "
+    "ON CONFLICT (name) DO NOTHING"
+)
+SQL_RECORD_UPDATE: Final = (
+    "UPDATE fenced_records SET version = version + 1, value = ?3 WHERE name = ?1 AND version = ?2"
+)

@@ -38,13 +38,14 @@ from urllib.parse import SplitResult
 from aetcd import rpc
 
 from .. import _clock
-from .._backend import Backend, Characteristic, Grant, LockStatus, LostCallback
+from .._backend import Backend, Characteristic, Grant, LockStatus, LostCallback, Record
 from .._errors import (
     BackendError,
     BackendUnavailable,
     ConfigurationError,
     LeaseLostError,
     LockTimeout,
+    RecordConflict,
 )
 from .._options import Option
 from .._token import FencingToken, escape_name, unescape_name
@@ -65,6 +66,7 @@ DEFAULT_PORT = 2379
 MAX_LEASE_TTL = 9_000_000_000  # etcd's MaxLeaseTTL, in seconds
 
 _CREATE = rpc.Compare.CREATE
+_VERSION = rpc.Compare.VERSION
 _EQUAL = rpc.Compare.EQUAL
 _BY_CREATE = rpc.RangeRequest.CREATE
 _ASCEND = rpc.RangeRequest.ASCEND
@@ -136,6 +138,17 @@ def check_txn(key: bytes, revision: int, lock_prefix: bytes) -> Any:
             )
         ],
         failure=[],
+    )
+
+
+def swap_txn(key: bytes, version: int, value: bytes) -> Any:
+    """Put ``value`` at ``key`` if the key's etcd version (its number of puts since it was
+    created; 0: absent) is ``version``; else read it. Records are never deleted, so the
+    etcd version is the record's version."""
+    return rpc.TxnRequest(
+        compare=[rpc.Compare(key=key, target=_VERSION, result=_EQUAL, version=version)],
+        success=[rpc.RequestOp(request_put=rpc.PutRequest(key=key, value=value))],
+        failure=[rpc.RequestOp(request_range=rpc.RangeRequest(key=key, keys_only=True))],
     )
 
 
@@ -695,6 +708,29 @@ class EtcdBackend(Backend):
             waiters=max(0, reply.count - 1),
             owner=kv.value.decode(errors="replace") or None,
         )
+
+    def _record_key(self, name: str) -> bytes:
+        # Beside the locks' prefix, outside its range: lock_names() does not list records.
+        return self._prefix.rstrip(b"/") + b".records/" + escape_name(name).encode()
+
+    async def read_record(self, name: str) -> Record | None:
+        self._check_open()
+        request = rpc.RangeRequest(key=self._record_key(name))
+        reply = await self._call(lambda m, t: m.kv.Range(request, timeout=t), "read record")
+        if not reply.kvs:
+            return None
+        kv = reply.kvs[0]
+        return Record(name, kv.version, kv.value.decode())
+
+    async def swap_record(self, name: str, version: int, value: str) -> Record:
+        self._check_open()
+        reply = await self._txn(
+            swap_txn(self._record_key(name), version, value.encode()), "swap record"
+        )
+        if not reply.succeeded:
+            kvs = reply.responses[0].response_range.kvs
+            raise RecordConflict(name, version, kvs[0].version if kvs else 0)
+        return Record(name, version + 1, value)
 
     async def aclose(self) -> None:
         if self._client.closed:

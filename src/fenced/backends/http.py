@@ -25,7 +25,15 @@ from urllib.parse import SplitResult, quote
 import httpx
 
 from .. import _clock
-from .._backend import Backend, Characteristic, Grant, LockStatus, LostCallback, TokenCheck
+from .._backend import (
+    Backend,
+    Characteristic,
+    Grant,
+    LockStatus,
+    LostCallback,
+    Record,
+    TokenCheck,
+)
 from .._errors import (
     AccessDenied,
     BackendUnavailable,
@@ -33,6 +41,7 @@ from .._errors import (
     InvalidTokenError,
     LeaseLostError,
     LockTimeout,
+    RecordConflict,
 )
 from .._options import Option
 from .._token import FencingToken
@@ -226,6 +235,15 @@ class HttpBackend(Backend):
         highest = FencingToken.parse(got["highest"]) if got["highest"] else None
         return TokenCheck(token, bool(got["current"]), highest)
 
+    async def read_record(self, name: str) -> Record | None:
+        got = await self._call("GET", f"/v1/records/{_path(name)}", idempotent=True)
+        return Record(name, int(got["version"]), got["value"]) if got["version"] else None
+
+    async def swap_record(self, name: str, version: int, value: str) -> Record:
+        body = {"version": version, "value": value}
+        got = await self._call("POST", f"/v1/records/{_path(name)}/swap", body, idempotent=False)
+        return Record(name, int(got["version"]), got["value"])
+
     async def resume(self, name: str, token: FencingToken, request_id: str, ttl: float) -> Grant:
         grant = Grant(token, request_id, ttl, 0.0)
         return await self.renew(grant)
@@ -273,6 +291,8 @@ def _answer(reply: httpx.Response) -> Any:
     status = reply.status_code
     if status == 409 and code == "timeout":
         raise LockTimeout(message)
+    if status == 409 and code == "conflict":
+        raise RecordConflict(str(data["name"]), int(data["expected"]), int(data["current"]))
     if status == 410:
         raise LeaseLostError(message)
     if status in (401, 403):

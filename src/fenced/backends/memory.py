@@ -21,9 +21,10 @@ from .._backend import (
     Grant,
     LockStatus,
     LostCallback,
+    Record,
     lock_timeout,
 )
-from .._errors import LeaseLostError
+from .._errors import LeaseLostError, RecordConflict
 from .._token import FencingToken
 
 __all__ = ["MemoryBackend"]
@@ -57,6 +58,7 @@ class _Store:
     def __init__(self) -> None:
         self.mutex = threading.Lock()
         self.locks: dict[str, _Lock] = collections.defaultdict(_Lock)
+        self.records: dict[str, Record] = {}
 
 
 _stores: dict[str, _Store] = {}
@@ -245,6 +247,21 @@ class MemoryBackend(Backend):
                 waiters=len(lock.queue),
                 owner=(holder.owner or None) if holder else None,
             )
+
+    async def read_record(self, name: str) -> Record | None:
+        self._check_open()
+        with self._store.mutex:
+            return self._store.records.get(name)
+
+    async def swap_record(self, name: str, version: int, value: str) -> Record:
+        self._check_open()
+        with self._store.mutex:
+            current = self._store.records.get(name)
+            found = 0 if current is None else current.version
+            if found != version:
+                raise RecordConflict(name, version, found)
+            record = self._store.records[name] = Record(name, version + 1, value)
+            return record
 
     async def aclose(self) -> None:
         with self._store.mutex:

@@ -42,6 +42,7 @@ from .._backend import (
     Grant,
     LockStatus,
     LostCallback,
+    Record,
     lock_timeout,
     wait_budget,
 )
@@ -50,6 +51,7 @@ from .._errors import (
     BackendUnavailable,
     ConfigurationError,
     LeaseLostError,
+    RecordConflict,
     UnsafeBackendError,
 )
 from .._pg_errors import kind as pg_kind
@@ -585,6 +587,22 @@ class PostgreSQLBackend(Backend):
             waiters=int(waiters),
             owner=owner if held else None,
         )
+
+    async def read_record(self, name: str) -> Record | None:
+        row = await self._call(self._names.q_record, (name,))
+        return None if row is None else Record(name, int(row[0]), row[1])
+
+    async def swap_record(self, name: str, version: int, value: str) -> Record:
+        # One statement each way: an INSERT only where there is none, an UPDATE only from
+        # the version the caller read (the row lock orders concurrent swaps).
+        if version == 0:
+            row = await self._call(self._names.q_record_insert, (name, value))
+        else:
+            row = await self._call(self._names.q_record_update, (value, name, version))
+        if row is None:
+            found = await self.read_record(name)
+            raise RecordConflict(name, version, 0 if found is None else found.version)
+        return Record(name, int(row[0]), value)
 
     async def aclose(self) -> None:
         if self._closed:

@@ -49,6 +49,7 @@ from .._backend import (
     Grant,
     LockStatus,
     LostCallback,
+    Record,
     lock_timeout,
     wait_budget,
 )
@@ -58,6 +59,7 @@ from .._errors import (
     ConfigurationError,
     FencedError,
     LeaseLostError,
+    RecordConflict,
     UnsafeBackendError,
 )
 from .._options import Option
@@ -65,6 +67,15 @@ from .._redis_errors import NATIVE, kind
 from .._token import FencingToken
 
 __all__ = ["RedisBackend", "check_server_safety"]
+
+SWAP_RECORD_LUA: Final = """\
+local v = tonumber(redis.call('HGET', KEYS[1], 'v') or '0')
+if v ~= tonumber(ARGV[1]) then return {0, v} end
+redis.call('HSET', KEYS[1], 'v', v + 1, 'value', ARGV[2])
+return {1, v + 1}
+"""
+"""Compare-and-set of a record (a hash: ``v`` its version, ``value``): {1, new version}, or
+{0, the version found} with nothing written."""
 
 logger = logging.getLogger("fenced.redis")
 
@@ -388,6 +399,7 @@ class RedisBackend(Backend):
         self._release = client.register_script(self.release_lua)
         self._renew = client.register_script(self.renew_lua)
         self._status = client.register_script(self.status_lua)
+        self._swap = client.register_script(SWAP_RECORD_LUA)
 
     @property
     def effective_characteristics(self) -> frozenset[Characteristic]:
@@ -635,6 +647,22 @@ class RedisBackend(Backend):
             waiters=int(waiters),
             owner=(owner or None) if held else None,
         )
+
+    def _record_key(self, name: str) -> str:
+        # The lock's hash tag, and not ":token": lock_names() does not list it.
+        return f"{self._prefix}{{{name}}}:record"
+
+    async def read_record(self, name: str) -> Record | None:
+        key = self._record_key(name)
+        version, value = await self._call(lambda: self._client.hmget(key, ["v", "value"]))
+        return None if version is None else Record(name, int(version), value or "")
+
+    async def swap_record(self, name: str, version: int, value: str) -> Record:
+        key = self._record_key(name)
+        swapped, found = await self._call(lambda: self._swap(keys=[key], args=[version, value]))
+        if not int(swapped):
+            raise RecordConflict(name, version, int(found))
+        return Record(name, int(found), value)
 
     async def aclose(self) -> None:
         if self._closed:

@@ -86,6 +86,7 @@ from .._backend import (
     Grant,
     LockStatus,
     LostCallback,
+    Record,
     lock_timeout,
     on_private_loop,
 )
@@ -94,6 +95,7 @@ from .._errors import (
     ConfigurationError,
     FencedError,
     LeaseLostError,
+    RecordConflict,
     UnsafeBackendError,
 )
 from .._options import Option
@@ -111,6 +113,10 @@ from ._sqlite_schema import (
     SQL_LOCK_STATE,
     SQL_NEXT_TOKEN,
     SQL_PURGE_WAITERS,
+    SQL_RECORD_INSERT,
+    SQL_RECORD_READ,
+    SQL_RECORD_UPDATE,
+    SQL_RECORDS,
     SQL_RELEASE,
     SQL_RENEW,
     SQL_SET_HOLDER,
@@ -877,6 +883,47 @@ class SQLiteBackend(Backend):
             return [r[0] for r in rows]
 
         return await self._transact(names, limit=_clock.now() + self._busy_timeout)
+
+    async def read_record(self, name: str) -> Record | None:
+        self._check_open()
+
+        def read(conn: sqlite3.Connection) -> Record | None:
+            try:
+                row = conn.execute(SQL_RECORD_READ, (name,)).fetchone()
+            except sqlite3.OperationalError as exc:
+                if "no such table" in str(exc):
+                    return None
+                raise
+            return None if row is None else Record(name, row[0], row[1])
+
+        return await self._transact(read, limit=_clock.now() + self._busy_timeout)
+
+    async def swap_record(self, name: str, version: int, value: str) -> Record:
+        self._check_open()
+        self._check_writable()
+
+        def swap(conn: sqlite3.Connection) -> int:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                conn.execute(SQL_RECORDS)
+                if version == 0:
+                    changed = conn.execute(SQL_RECORD_INSERT, (name, value)).rowcount
+                else:
+                    changed = conn.execute(SQL_RECORD_UPDATE, (name, version, value)).rowcount
+                found = None
+                if not changed:
+                    row = conn.execute(SQL_RECORD_READ, (name,)).fetchone()
+                    found = 0 if row is None else row[0]
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+            conn.execute("COMMIT")
+            return version + 1 if found is None else -found - 1
+
+        outcome = await self._transact(swap, limit=_clock.now() + self._busy_timeout)
+        if outcome < 0:
+            raise RecordConflict(name, version, -outcome - 1)
+        return Record(name, outcome, value)
 
     async def status(self, name: str) -> LockStatus:
         self._check_open()

@@ -46,6 +46,7 @@ from .._backend import (
     Grant,
     LockStatus,
     LostCallback,
+    Record,
     lock_timeout,
 )
 from .._errors import (
@@ -53,6 +54,7 @@ from .._errors import (
     BackendUnavailable,
     ConfigurationError,
     LeaseLostError,
+    RecordConflict,
 )
 from .._options import Option
 from .._state import DEFAULT_TTL
@@ -731,6 +733,42 @@ class ZooKeeperBackend(Backend):
             remaining=None,
             waiters=0,
         )
+
+    def _record_path(self, name: str) -> str:
+        # Beside the locks' root, not under it: lock_names() does not list records.
+        return f"{self._root}-records/{escape_name(name)}"
+
+    async def read_record(self, name: str) -> Record | None:
+        self._check_open()
+        s = self._status_session()
+        path = self._record_path(name)
+        try:
+            await s.future(s.client.sync_async(path))  # then the read sees every swap before it
+            data, stat = await s.future(s.client.get_async(path))
+        except NoNodeError:
+            return None
+        except KazooException as exc:
+            raise unavailable("reading a record failed", exc) from exc
+        return Record(name, stat.version + 1, data.decode())
+
+    async def swap_record(self, name: str, version: int, value: str) -> Record:
+        # A znode's version counts its sets since it was created (0 at creation): the
+        # record's version is one more. Records are never deleted.
+        self._check_open()
+        s = self._status_session()
+        path = self._record_path(name)
+        data = value.encode()
+        try:
+            if version == 0:
+                await s.future(s.client.create_async(path, data, makepath=True))
+            else:
+                await s.future(s.client.set_async(path, data, version=version - 1))
+        except (NodeExistsError, NoNodeError, BadVersionError) as exc:
+            found = await self.read_record(name)
+            raise RecordConflict(name, version, 0 if found is None else found.version) from exc
+        except KazooException as exc:
+            raise unavailable("swapping a record failed", exc) from exc
+        return Record(name, version + 1, value)
 
     async def _holder_node(self, s: Session, name: str) -> tuple[LockStatus, str, int] | None:
         """The holder's status, node path and node version (None: not held)."""

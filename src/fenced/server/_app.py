@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .. import __version__, _clock
-from .._backend import LockStatus, TokenCheck
+from .._backend import MAX_RECORD, LockStatus, TokenCheck
 from .._errors import (
     BackendUnavailable,
     ConfigurationError,
@@ -34,6 +34,7 @@ from .._errors import (
     InvalidTokenError,
     LeaseLostError,
     LockTimeout,
+    RecordConflict,
 )
 from .._lease import AsyncLocks, check_description
 from .._signing import Keyring
@@ -196,14 +197,30 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
+class RecordOut(BaseModel):
+    name: str
+    version: int = Field(description="0: never written; each swap adds one")
+    value: str | None
+
+
+class SwapIn(_In):
+    version: int = Field(ge=0, description="The version the change is based on (0: none yet)")
+    value: str = Field(max_length=MAX_RECORD)
+
+
 class ApiError(Exception):
-    def __init__(self, status: int, code: str, message: str) -> None:
+    def __init__(
+        self, status: int, code: str, message: str, extra: dict[str, Any] | None = None
+    ) -> None:
         super().__init__(message)
         self.status, self.code, self.message = status, code, message
+        self.extra = extra or {}
 
 
-def _error(status: int, code: str, message: str) -> JSONResponse:
-    return JSONResponse({"error": code, "message": message}, status_code=status)
+def _error(
+    status: int, code: str, message: str, extra: dict[str, Any] | None = None
+) -> JSONResponse:
+    return JSONResponse({"error": code, "message": message, **(extra or {})}, status_code=status)
 
 
 def _status_out(status: LockStatus, show_holder: bool) -> StatusOut:
@@ -305,7 +322,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return _error(exc.status, exc.code, exc.message)
+        return _error(exc.status, exc.code, exc.message, exc.extra)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -321,6 +338,9 @@ def create_app(settings: ServerSettings) -> FastAPI:
 
     def fail(exc: BaseException) -> ApiError:
         """A library error as an API answer (the source's own words, never a secret)."""
+        if isinstance(exc, RecordConflict):
+            extra = {"name": exc.name, "expected": exc.expected, "current": exc.current}
+            return ApiError(409, "conflict", str(exc), extra)
         if isinstance(exc, LockTimeout):
             return ApiError(409, "timeout", str(exc))
         if isinstance(exc, LeaseLostError):
@@ -551,6 +571,35 @@ def create_app(settings: ServerSettings) -> FastAPI:
     async def list_locks(key: Principal) -> ListOut:
         names = await call(gw.backend.lock_names())
         return ListOut(locks=[n for n in names if key is None or key.sees(n)])
+
+    # -- records -----------------------------------------------------------------------------
+
+    @app.get(
+        "/v1/records/{name:path}",
+        response_model=RecordOut,
+        tags=["records"],
+        summary="A versioned record (a replicated group's configuration)",
+    )
+    async def read_record(name: str, key: Principal) -> RecordOut:
+        name = lock_name(name)
+        readable(key, name)
+        record = await call(gw.backend.read_record(name))
+        if record is None:
+            return RecordOut(name=name, version=0, value=None)
+        return RecordOut(name=name, version=record.version, value=record.value)
+
+    @app.post(
+        "/v1/records/{name:path}/swap",
+        response_model=RecordOut,
+        responses={409: {"model": ErrorOut, "description": "conflict: the record changed"}},
+        tags=["records"],
+        summary="Compare-and-set a record: store value if it is at version now",
+    )
+    async def swap_record(name: str, body: SwapIn, key: Principal) -> RecordOut:
+        name = lock_name(name)
+        allow(key, Verb.ACQUIRE, name)
+        record = await call(gw.backend.swap_record(name, body.version, body.value))
+        return RecordOut(name=name, version=record.version, value=record.value)
 
     # -- tokens ------------------------------------------------------------------------------
 
