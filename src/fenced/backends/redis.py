@@ -655,7 +655,7 @@ class RedisBackend(Backend):
     async def read_record(self, name: str) -> Record | None:
         key = self._record_key(name)
         version, value = await self._call(lambda: self._client.hmget(key, ["v", "value"]))
-        return None if version is None else Record(name, int(version), value or "")
+        return None if version is None else Record(name, int(version), str(value or ""))
 
     async def swap_record(self, name: str, version: int, value: str) -> Record:
         key = self._record_key(name)
