@@ -173,7 +173,15 @@ class ReplicationError(FencedError):
 class StaleEpochError(ReplicationError):
     """A member refused a configuration epoch lower than one it has seen: the group was
     reconfigured. Writers and readers reload the configuration and retry by themselves;
-    this reaches the caller only if the configuration kept changing until its deadline."""
+    this reaches the caller only if the configuration kept changing until its deadline.
+    ``found``: the epoch the member is at, when known."""
+
+    def __init__(self, message: str, found: int | None = None) -> None:
+        super().__init__(message)
+        self.found = found
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (str(self), self.found))
 
 
 class ResourceNotFoundError(FencedError, LookupError):
