@@ -1,0 +1,237 @@
+"""One process of a replicated-group campaign: a writer (takes the lock, increments a counter
+through the group) or a reader. Run as ``python -m fenced.testing.check._group_worker CONFIG``.
+
+Every step is appended to the process's own history file (one JSON object a line), with
+``time.monotonic()`` times, before and after it happens; a process killed mid-step leaves an
+invocation without its completion, which the checkers treat as an unknown outcome.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import sqlite3
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import fenced
+from fenced.replicated import Group, Item, Member, Snapshot
+from fenced.replicated._group import AsyncGroup
+
+from ._group_plants import apply_plant
+
+
+class History:
+    def __init__(self, path: str, proc: str) -> None:
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self.proc = proc
+        self._configs: set[int] = set()
+
+    def log(self, **event: Any) -> None:
+        event["proc"] = self.proc
+        os.write(self._fd, (json.dumps(event, separators=(",", ":")) + "\n").encode())
+
+    def configs(self, group: AsyncGroup) -> None:
+        for c in group.observed:
+            if c.epoch not in self._configs:
+                self._configs.add(c.epoch)
+                self.log(op="config", epoch=c.epoch, members=list(c.members), base=c.base, id=c.id)
+
+
+class Traced:
+    """A member that logs each change it is asked for, and its answer."""
+
+    def __init__(self, name: str, inner: Member, history: History) -> None:
+        self.name, self.inner, self.history = name, inner, history
+
+    async def apply(self, token: Any, epoch: int, items: Sequence[Item]) -> None:
+        start = time.monotonic()
+        ok: Any = True
+        try:
+            await self.inner.apply(token, epoch, items)
+        except fenced.StaleTokenError:
+            ok = "stale token"
+            raise
+        except fenced.StaleEpochError:
+            ok = "stale epoch"
+            raise
+        except BaseException as exc:
+            ok = f"error: {type(exc).__name__}"
+            raise
+        finally:
+            self.history.log(
+                op="apply",
+                member=self.name,
+                token=None if token is None else token.value,
+                epoch=epoch,
+                stamps=[i.stamp for i in items],
+                start=start,
+                end=time.monotonic(),
+                ok=ok,
+            )
+
+    async def read(self, keys: Sequence[str] | None = None) -> Snapshot:
+        return await self.inner.read(keys)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+def make_members(specs: list[dict[str, Any]], group: str, timeout: float) -> dict[str, Any]:
+    from fenced.guards.sql import SQLGuard
+
+    out: dict[str, Any] = {}
+    for spec in specs:
+        kind = spec["kind"]
+        if kind == "redis":
+            import redis
+
+            from fenced.guards.redis import RedisGuard
+
+            client = redis.Redis(
+                host="127.0.0.1",
+                port=spec["port"],
+                socket_timeout=timeout,
+                socket_connect_timeout=timeout,
+            )
+            out[spec["name"]] = RedisGuard(client, group)
+        elif kind == "postgresql":
+            import psycopg
+
+            url = spec["url"]
+
+            def connect(url: str = url) -> Any:
+                return psycopg.connect(
+                    url,
+                    autocommit=True,
+                    connect_timeout=max(1, round(timeout)),
+                    tcp_user_timeout=int(timeout * 1000),
+                    keepalives_idle=1,
+                    keepalives_interval=1,
+                    keepalives_count=2,
+                )
+
+            out[spec["name"]] = SQLGuard(group).fencer(connect)
+        elif kind == "sqlite":
+            path = spec["path"]
+            out[spec["name"]] = SQLGuard(group).fencer(
+                lambda path=path: sqlite3.connect(path, timeout=timeout, check_same_thread=False)
+            )
+        elif kind == "etcd":
+            from fenced.guards.etcd import EtcdGuard
+
+            out[spec["name"]] = EtcdGuard(spec["endpoint"], group, timeout=timeout)
+        else:
+            raise SystemExit(f"unknown member kind {kind!r}")
+    return out
+
+
+def traced_group(
+    locks: fenced.Locks, config: dict[str, Any], history: History
+) -> tuple[Group, dict[str, Any]]:
+    guards = make_members(config["members"], config["group"], config["timeout"])
+    group = Group(config["group"], locks, guards, timeout=config["timeout"] * 2)
+    group.aio._members = {n: Traced(n, m, history) for n, m in group.aio._members.items()}
+    return group, guards
+
+
+def _stop_here(config: dict[str, Any], point: str, history: History) -> None:
+    """Scenario hooks: stop this process (SIGSTOP) at a named point; the runner resumes it."""
+    if point in config.get("stop_at", ()):
+        history.log(op="stopped", at=point, mono=time.monotonic())
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def read(group: Group, history: History, key: str = "counter") -> tuple[bool, str | None]:
+    ident = uuid.uuid4().hex
+    history.log(op="invoke", id=ident, kind="read", key=key, start=time.monotonic())
+    try:
+        raw = group.read(key)
+    except fenced.FencedError as exc:
+        history.log(op="complete", id=ident, ok=False, end=time.monotonic(), error=str(exc))
+        return False, None
+    value = None if raw is None else raw.decode()
+    history.log(op="complete", id=ident, ok=True, end=time.monotonic(), value=value)
+    return True, value
+
+
+def writer(config: dict[str, Any], history: History) -> None:
+    rng = random.Random(config["seed"])
+    with fenced.connect(config["source"]) as locks:
+        group, _ = traced_group(locks, config, history)
+        rounds = 0
+        while not os.path.exists(config["stop_file"]):
+            if config.get("rounds") is not None and rounds >= config["rounds"]:
+                break
+            rounds += 1
+            try:
+                with locks.lock(config["group"], ttl=config["ttl"], timeout=5) as lease:
+                    history.log(op="granted", token=lease.token.value, mono=time.monotonic())
+                    w = group.writer(lease)
+                    history.configs(group.aio)
+                    for i in range(config["ops"]):
+                        ok, value = read(group, history)
+                        if not ok:
+                            break
+                        _stop_here(config, "after_read", history)
+                        count = int(value.split(":", 1)[0]) + 1 if value else 1
+                        new = f"{count}:{history.proc}:{rounds}.{i}"
+                        ident = uuid.uuid4().hex
+                        stamp_next = fenced.replicated.stamp(w.token.value, w.aio._seq + 1)
+                        history.log(
+                            op="invoke",
+                            id=ident,
+                            kind="write",
+                            key="counter",
+                            value=new,
+                            stamp=stamp_next,
+                            token=w.token.value,
+                            start=time.monotonic(),
+                        )
+                        try:
+                            w.set("counter", new)
+                            outcome: Any = True
+                        except fenced.FencedError as exc:
+                            outcome = "unknown"  # it may be on some members
+                            history.log(op="note", error=f"{type(exc).__name__}: {exc}")
+                        history.log(op="complete", id=ident, ok=outcome, end=time.monotonic())
+                        history.configs(group.aio)
+                        if outcome is not True:
+                            break
+                        time.sleep(rng.uniform(0, config.get("think", 0.02)))
+            except fenced.FencedError as exc:
+                history.log(op="note", error=f"{type(exc).__name__}: {exc}")
+            history.configs(group.aio)
+            time.sleep(rng.uniform(0, 0.05))
+
+
+def reader(config: dict[str, Any], history: History) -> None:
+    rng = random.Random(config["seed"])
+    with fenced.connect(config["source"]) as locks:
+        group, _ = traced_group(locks, config, history)
+        while not os.path.exists(config["stop_file"]):
+            read(group, history)
+            history.configs(group.aio)
+            time.sleep(rng.uniform(0, 0.05))
+
+
+def main(argv: list[str]) -> int:
+    config = json.loads(argv[0])
+    if config.get("plant"):
+        apply_plant(config["plant"])
+    history = History(config["history"], config["proc"])
+    print("ready", flush=True)
+    if config["role"] == "writer":
+        writer(config, history)
+    else:
+        reader(config, history)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,218 @@
+"""Each kind of group member keeps two marks (lock token, configuration epoch) and the data,
+and changes them in one atomic step: both sides of each mark, on real servers, and the marks
+survive a kill -9 of the server."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+import fenced
+from fenced import FencingToken
+from fenced.guards.etcd import EtcdGuard
+from fenced.guards.redis import RedisGuard
+from fenced.guards.sql import SQLGuard
+from fenced.replicated import Item, Member, stamp
+from fenced.replicated._members import as_member
+from fenced.testing.servers import EtcdServer, PostgresServer, RedisServer
+from tests.helpers import unique_name
+
+KINDS = ["redis", "postgresql", "sqlite", "etcd"]
+
+
+class Made:
+    """A member of one kind on a server of its own (restartable), and the plain guard."""
+
+    def __init__(self, kind: str, tmp: Path) -> None:
+        self.kind = kind
+        self.resource = unique_name("res")
+        self.server: Any = None
+        self.tmp = tmp
+        self._closers: list[Callable[[], None]] = []
+        if kind == "redis":
+            self.server = RedisServer().start()
+        elif kind == "postgresql":
+            self.server = PostgresServer().start()
+        elif kind == "etcd":
+            self.server = EtcdServer().start()
+        self.guard = self._guard()
+
+    def _guard(self) -> Any:
+        if self.kind == "redis":
+            return RedisGuard(redis.Redis(port=self.server.port), self.resource)
+        if self.kind == "etcd":
+            g = EtcdGuard(f"127.0.0.1:{self.server.port}", self.resource)
+            self._closers.append(g.close)
+            return g
+        if self.kind == "postgresql":
+            import psycopg
+
+            dsn = self.server.dsn
+            return SQLGuard(self.resource).fencer(lambda: psycopg.connect(dsn, autocommit=True))
+        path = str(self.tmp / "member.db")
+        return SQLGuard(self.resource).fencer(
+            lambda: sqlite3.connect(path, check_same_thread=False)
+        )
+
+    def member(self, group: str = "g") -> Member:
+        return as_member(self.guard, group)
+
+    def restart(self) -> None:
+        if self.server is not None:
+            self.server.restart(kill=True)
+        self.guard = self._guard()
+
+    def close(self) -> None:
+        for c in self._closers:
+            c()
+        if self.server is not None:
+            self.server.close()
+
+
+@pytest.fixture(params=KINDS)
+def made(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Made]:
+    m = Made(request.param, tmp_path)
+    try:
+        yield m
+    finally:
+        m.close()
+
+
+def run(aw: Any) -> Any:
+    return asyncio.run(aw)
+
+
+def tok(made: Made, value: int) -> FencingToken:
+    return FencingToken(made.resource, value)
+
+
+def test_a_lower_token_is_refused_and_writes_nothing_the_holder_is_accepted(made: Made) -> None:
+    async def go() -> None:
+        m = made.member()
+        await m.apply(tok(made, 5), 1, [Item("k", stamp(5, 1), b"five")])
+        with pytest.raises(fenced.StaleTokenError):
+            await m.apply(tok(made, 4), 1, [Item("k", stamp(4, 9), b"stale")])
+        await m.apply(tok(made, 5), 1, [Item("k", stamp(5, 2), b"again")])  # equal: accepted
+        snap = await m.read(None)
+        assert snap.token == 5 and snap.items["k"].value == b"again"
+        await m.apply(tok(made, 7), 1, [])  # a fence alone raises the mark
+        with pytest.raises(fenced.StaleTokenError):
+            await m.apply(tok(made, 5), 1, [Item("k", stamp(5, 3), b"late")])
+        snap = await m.read(["k"])
+        assert snap.token == 7 and snap.items["k"].value == b"again"
+        await m.aclose()
+
+    run(go())
+
+
+def test_a_lower_epoch_is_refused_and_writes_nothing(made: Made) -> None:
+    async def go() -> None:
+        m = made.member()
+        await m.apply(tok(made, 3), 2, [Item("k", stamp(3, 1), b"v")])
+        await m.apply(None, 4, [])  # an operator's change: epoch only
+        with pytest.raises(fenced.StaleEpochError) as caught:
+            await m.apply(tok(made, 9), 3, [Item("k", stamp(9, 1), b"old config")])
+        assert caught.value.found == 4
+        snap = await m.read(None)
+        assert snap.epoch == 4 and snap.items["k"].value == b"v"
+        assert snap.token == 3  # refused before the lock mark moved
+        await m.apply(tok(made, 9), 4, [Item("k", stamp(9, 1), b"new")])
+        assert (await m.read(["k"])).items["k"].value == b"new"
+        await m.aclose()
+
+    run(go())
+
+
+def test_an_older_item_never_overwrites_a_newer_one_and_deletes_are_kept(made: Made) -> None:
+    async def go() -> None:
+        m = made.member()
+        await m.apply(
+            tok(made, 2), 1, [Item("a", stamp(2, 5), b"new"), Item("b", stamp(2, 6), None)]
+        )
+        await m.apply(
+            tok(made, 2), 1, [Item("a", stamp(2, 4), b"older"), Item("c", stamp(1, 1), b"c")]
+        )
+        snap = await m.read(None)
+        assert snap.items["a"].value == b"new"
+        assert snap.items["b"].value is None and snap.items["b"].stamp == stamp(2, 6)
+        assert snap.items["c"].value == b"c"
+        assert set((await m.read(["a", "zz"])).items) == {"a"}
+        await m.aclose()
+
+    run(go())
+
+
+def test_the_member_and_the_plain_guard_share_one_lock_mark(made: Made) -> None:
+    """``fence=[guard]`` on acquire and the group fence the same mark: a stale holder is
+    refused by either path."""
+
+    async def go() -> None:
+        m = made.member()
+        await m.apply(tok(made, 10), 1, [])
+        await m.aclose()
+
+    run(go())
+    guard = made.guard
+    with pytest.raises(fenced.StaleTokenError):
+        guard.fence(tok(made, 9))
+    guard.fence(tok(made, 11))
+
+    async def after() -> None:
+        m = made.member()
+        with pytest.raises(fenced.StaleTokenError):
+            await m.apply(tok(made, 10), 1, [])
+        await m.aclose()
+
+    run(after())
+
+
+def test_marks_and_data_survive_a_kill_of_the_server(made: Made) -> None:
+    async def before() -> None:
+        m = made.member()
+        await m.apply(tok(made, 8), 3, [Item("k", stamp(8, 1), b"kept")])
+        await m.aclose()
+
+    run(before())
+    made.restart()
+
+    async def after() -> None:
+        m = made.member()
+        snap = await m.read(None)
+        assert (snap.token, snap.epoch, snap.items["k"].value) == (8, 3, b"kept")
+        with pytest.raises(fenced.StaleTokenError):
+            await m.apply(tok(made, 7), 3, [])
+        with pytest.raises(fenced.StaleEpochError):
+            await m.apply(tok(made, 8), 2, [])
+        await m.aclose()
+
+    run(after())
+
+
+def test_an_unreachable_member_is_a_typed_error(made: Made) -> None:
+    if made.server is None:
+        pytest.skip("a file has no server to stop")
+    made.server.kill()
+
+    async def go() -> None:
+        m = made.member()
+        with pytest.raises(fenced.BackendUnavailable):
+            async with asyncio.timeout(30):
+                await m.apply(tok(made, 1), 1, [])
+        await m.aclose()
+
+    run(go())
+    made.server.start()
+
+
+def test_items_only_with_a_token() -> None:
+    m = as_member(SQLGuard("x").fencer(lambda: sqlite3.connect(":memory:")), "g")
+    with pytest.raises(fenced.ConfigurationError):
+        asyncio.run(m.apply(None, 1, [Item("k", stamp(1, 1), b"v")]))
+    with pytest.raises(fenced.ConfigurationError):
+        as_member(object(), "g")
