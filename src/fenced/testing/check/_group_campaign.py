@@ -8,7 +8,8 @@ one replica per entry of ``replicas`` — ``redis`` (its own redis-server, AOF `
 ``sqlite`` (a file). Each networked replica is reached by the workers through its own
 :class:`~fenced.testing.proxy.TcpProxy`, so the nemesis can cut it off.
 
-The nemesis, drawn from ``seed`` (the same seed, the same schedule):
+The nemesis, drawn from ``seed`` (the same seed, the same schedule; every fault once per
+round, in a shuffled order):
 
 - ``pause``: SIGSTOP a writer for 2-3 ttls (past its lease), then SIGCONT: it wakes up and
   writes as if it still held the lock;
@@ -352,9 +353,13 @@ def _nemesis(
 ) -> None:
     start = time.monotonic()
     writers = [p for n, p in workers.procs.items() if n.startswith("w")]
+    deck: list[str] = []
     while time.monotonic() - start < seconds:
         time.sleep(rng.uniform(0.3, 0.8))  # (the schedule's own pace, not a synchronisation)
-        kind = rng.choice(list(nemesis)) if nemesis else None
+        if not deck:  # every fault once per round, in a seeded order: none is left out
+            deck = list(nemesis)
+            rng.shuffle(deck)
+        kind = deck.pop() if deck else None
         if kind == "pause" and writers:
             victim = rng.choice(writers)
             os.killpg(victim.pid, signal.SIGSTOP)

@@ -12,7 +12,7 @@ from typing import Any
 from ...replicated._group import AsyncGroup, AsyncWriter, Configuration
 from ...replicated._members import Item
 
-__all__ = ["GROUP_PLANTS", "apply_plant"]
+__all__ = ["GROUP_PLANTS", "apply_plant", "plant_patches"]
 
 
 async def _no_fence_establish(self: AsyncWriter) -> Configuration:
@@ -75,15 +75,23 @@ GROUP_PLANTS: dict[str, str] = {
 }
 
 
-def apply_plant(name: str) -> None:
-    if name == "no-fence-on-takeover":
-        AsyncWriter.establish = _no_fence_establish  # type: ignore[method-assign]
-    elif name == "ack-before-all":
-        AsyncWriter._write = _ack_before_all  # type: ignore[method-assign]
-    elif name == "blind-swap":
-        AsyncGroup._install = _blind_install  # type: ignore[assignment,method-assign]
-    elif name == "no-overlap":
-        AsyncGroup._plan = _no_overlap_plan  # type: ignore[method-assign]
-        AsyncGroup._change = _no_overlap_change  # type: ignore[method-assign]
-    else:
+def plant_patches(name: str) -> list[tuple[Any, str, Any]]:
+    """The (class, attribute, replacement) pairs that plant ``name`` (for ``setattr``, or a
+    test's ``monkeypatch.setattr``, which puts them back)."""
+    patches: dict[str, list[tuple[Any, str, Any]]] = {
+        "no-fence-on-takeover": [(AsyncWriter, "establish", _no_fence_establish)],
+        "ack-before-all": [(AsyncWriter, "_write", _ack_before_all)],
+        "blind-swap": [(AsyncGroup, "_install", _blind_install)],
+        "no-overlap": [
+            (AsyncGroup, "_plan", _no_overlap_plan),
+            (AsyncGroup, "_change", _no_overlap_change),
+        ],
+    }
+    if name not in patches:
         raise ValueError(f"unknown group plant {name!r}; known: {', '.join(GROUP_PLANTS)}")
+    return patches[name]
+
+
+def apply_plant(name: str) -> None:
+    for owner, attr, value in plant_patches(name):
+        setattr(owner, attr, value)

@@ -8,6 +8,7 @@ invocation without its completion, which the checkers treat as an unknown outcom
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -120,7 +121,7 @@ def make_members(specs: list[dict[str, Any]], group: str, timeout: float) -> dic
         elif kind == "sqlite":
             path = spec["path"]
             out[spec["name"]] = SQLGuard(group).fencer(
-                lambda path=path: sqlite3.connect(path, timeout=timeout, check_same_thread=False)
+                functools.partial(sqlite3.connect, path, timeout=timeout, check_same_thread=False)
             )
         elif kind == "etcd":
             from fenced.guards.etcd import EtcdGuard
