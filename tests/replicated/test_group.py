@@ -29,8 +29,8 @@ def sqlite_member(tmp: Path, name: str) -> Any:
 
 @pytest.fixture
 def locks(tmp_path: Path) -> Iterator[fenced.Locks]:
-    with fenced.connect(f"sqlite:///{tmp_path}/locks.db") as l:
-        yield l
+    with fenced.connect(f"sqlite:///{tmp_path}/locks.db") as source:
+        yield source
 
 
 @pytest.fixture
