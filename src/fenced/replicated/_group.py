@@ -13,7 +13,8 @@ are totally ordered, and each is built from its predecessor (``base``).
 1. every member kept is fenced at epoch E+1 (it refuses epoch E from now on) — all must be
    reached, and at least one must be kept: it holds every write acknowledged so far;
 2. members removed are fenced too when they can be reached (best effort);
-3. each member added gets the state of a kept member (state transfer), at epoch E+1;
+3. each member added gets the state of a kept member (state transfer), at epoch E+1, in
+   place of anything it held (what it took while outside the configuration is forgotten);
 4. the record is swapped from E to E+1.
 
 A write acknowledged at epoch E was accepted by *every* member of E (write-all), so a kept
@@ -314,7 +315,9 @@ class AsyncGroup:
             snap = await self._bounded(self.member(kept[0]).read(None), f"member {kept[0]!r}")
             carry = FencingToken(self.name, snap.token) if snap.token else token
             items = list(snap.items.values())
-            loaded = await self._each(added, lambda n, m: m.apply(carry, epoch, items))
+            loaded = await self._each(
+                added, functools.partial(_apply, carry, epoch, items, reset=True)
+            )
             bad = {n: e for n, e in loaded.items() if isinstance(e, BaseException)}
             if any(isinstance(e, StaleEpochError) for e in bad.values()):
                 return None
@@ -621,9 +624,15 @@ def _unreachable(exc: BaseException) -> bool:
 
 
 def _apply(
-    token: FencingToken | None, epoch: int, items: Sequence[Item], name: str, member: Member
+    token: FencingToken | None,
+    epoch: int,
+    items: Sequence[Item],
+    name: str,
+    member: Member,
+    *,
+    reset: bool = False,
 ) -> Awaitable[None]:
-    return member.apply(token, epoch, items)
+    return member.apply(token, epoch, items, reset=reset)
 
 
 def _apply_each(

@@ -87,10 +87,19 @@ class Snapshot:
 class Member(Protocol):
     """What a group needs of a member (async; adapters wrap sync clients)."""
 
-    async def apply(self, token: FencingToken | None, epoch: int, items: Sequence[Item]) -> None:
+    async def apply(
+        self,
+        token: FencingToken | None,
+        epoch: int,
+        items: Sequence[Item],
+        *,
+        reset: bool = False,
+    ) -> None:
         """In one atomic step: refuse a token below the lock mark (StaleTokenError) or an epoch
         below the epoch mark (StaleEpochError); else raise both marks and apply each item
-        whose stamp is newer than the stored one. ``token`` None: only the epoch (no items)."""
+        whose stamp is newer than the stored one. ``token`` None: only the epoch (no items).
+        ``reset``: first forget every item held (state transfer to a member joining: what it
+        took while outside the configuration must not come back)."""
         ...
 
     async def read(self, keys: Sequence[str] | None = None) -> Snapshot:
@@ -129,14 +138,16 @@ class _Threaded:
 # -- Redis --------------------------------------------------------------------------------------
 
 # KEYS: 1 fence hash (the guard's), 2 epoch, 3 stamps hash, 4 data hash.
-# ARGV: 1 lock, 2 token (the guard's prelude), 3 epoch, then (key, stamp, has, value) per item.
+# ARGV: 1 lock, 2 token (the guard's prelude), 3 epoch, 4 reset (1: forget all items first),
+# then (key, stamp, has, value) per item.
 _EPOCH_FIRST: Final = """\
 local e = tonumber(redis.call('GET', KEYS[2]) or '0')
 if e > tonumber(ARGV[3]) then return {'epoch', tostring(e)} end
 """
 _APPLY_BODY: Final = """\
 if tonumber(ARGV[3]) > e then redis.call('SET', KEYS[2], ARGV[3]) end
-local i = 4
+if ARGV[4] == '1' then redis.call('DEL', KEYS[3], KEYS[4]) end
+local i = 5
 while i <= #ARGV do
   local old = redis.call('HGET', KEYS[3], ARGV[i])
   if (not old) or old < ARGV[i + 1] then
@@ -195,7 +206,14 @@ class RedisMember(_Threaded):
             return await fn()
         return await self._run(fn)
 
-    async def apply(self, token: FencingToken | None, epoch: int, items: Sequence[Item]) -> None:
+    async def apply(
+        self,
+        token: FencingToken | None,
+        epoch: int,
+        items: Sequence[Item],
+        *,
+        reset: bool = False,
+    ) -> None:
         from ..guards import redis as redis_guard
 
         if token is None:
@@ -207,7 +225,7 @@ class RedisMember(_Threaded):
             except redis_guard._NATIVE_ERRORS as exc:
                 raise redis_guard.map_error(exc, self.resource) from exc
         else:
-            args: list[Any] = [epoch]
+            args: list[Any] = [epoch, "1" if reset else "0"]
             for item in items:
                 has = item.value is not None
                 args += [item.key, item.stamp, "1" if has else "0", item.value if has else ""]
@@ -346,7 +364,12 @@ class SQLMember(_Threaded):
             self._drop()
 
     def _apply(
-        self, conn: Any, token: FencingToken | None, epoch: int, items: Sequence[Item]
+        self,
+        conn: Any,
+        token: FencingToken | None,
+        epoch: int,
+        items: Sequence[Item],
+        reset: bool,
     ) -> None:
         if token is not None:
             self.guard.begin(conn, token=token)  # BEGIN and the lock fence, one statement
@@ -359,16 +382,25 @@ class SQLMember(_Threaded):
                 (self._group,),
             ).fetchone()
             raise _refused_epoch(self.resource, int(found[0]) if found else 0, epoch)
+        if reset:
+            conn.execute(self._sql("DELETE FROM fenced_group_data WHERE grp = {p}"), (self._group,))
         if items:
             rows = [(self._group, i.key, i.stamp, i.value) for i in items]
             cursor = conn.cursor()
             cursor.executemany(self._sql(_SQL_ITEM), rows)
         conn.execute("COMMIT")
 
-    async def apply(self, token: FencingToken | None, epoch: int, items: Sequence[Item]) -> None:
+    async def apply(
+        self,
+        token: FencingToken | None,
+        epoch: int,
+        items: Sequence[Item],
+        *,
+        reset: bool = False,
+    ) -> None:
         if token is None and items:
             raise ConfigurationError("items are written only with a lock token")
-        await self._run(lambda: self._guarded(lambda c: self._apply(c, token, epoch, items)))
+        await self._run(lambda: self._guarded(lambda c: self._apply(c, token, epoch, items, reset)))
 
     def _read(self, conn: Any, keys: Sequence[str] | None) -> Snapshot:
         conn.execute("BEGIN")  # one snapshot for the marks and the data
@@ -472,16 +504,24 @@ class EtcdMember:
                 revisions[key] = kv.mod_revision
         return Snapshot(mark.value if mark else 0, epoch, items), revisions
 
-    async def apply(self, token: FencingToken | None, epoch: int, items: Sequence[Item]) -> None:
+    async def apply(
+        self,
+        token: FencingToken | None,
+        epoch: int,
+        items: Sequence[Item],
+        *,
+        reset: bool = False,
+    ) -> None:
         from aetcd import rpc
 
+        from ..backends.etcd import range_end
         from ..guards import etcd as etcd_guard
         from ..guards._plan import adrive
 
         if token is None and items:
             raise ConfigurationError("items are written only with a lock token")
         for _ in range(self._ATTEMPTS):
-            snap, revisions = await self._snapshot([i.key for i in items])
+            snap, revisions = await self._snapshot(None if reset else [i.key for i in items])
             if snap.epoch > epoch:
                 raise _refused_epoch(self.resource, snap.epoch, epoch)
             inner = rpc.TxnRequest()
@@ -507,6 +547,22 @@ class EtcdMember:
                 inner.success.append(
                     etcd_guard.put_op(self._epoch_key, etcd_guard.encode_value(epoch))
                 )
+            if reset:  # every key held is compared below, so none can slip in meanwhile
+                for key in snap.items:
+                    inner.compare.append(
+                        rpc.Compare(
+                            key=self._data + key.encode(),
+                            target=rpc.Compare.MOD,
+                            result=rpc.Compare.EQUAL,
+                            mod_revision=revisions[key],
+                        )
+                    )
+                drop = rpc.RequestOp()
+                drop.request_delete_range.key = self._data
+                drop.request_delete_range.range_end = range_end(self._data)
+                inner.success.append(drop)
+                snap = Snapshot(snap.token, snap.epoch, {})
+                revisions = {}
             for item in items:
                 held = snap.items.get(item.key)
                 if held is not None and held.stamp >= item.stamp:

@@ -50,11 +50,13 @@ class Traced:
     def __init__(self, name: str, inner: Member, history: History) -> None:
         self.name, self.inner, self.history = name, inner, history
 
-    async def apply(self, token: Any, epoch: int, items: Sequence[Item]) -> None:
+    async def apply(
+        self, token: Any, epoch: int, items: Sequence[Item], *, reset: bool = False
+    ) -> None:
         start = time.monotonic()
         ok: Any = True
         try:
-            await self.inner.apply(token, epoch, items)
+            await self.inner.apply(token, epoch, items, reset=reset)
         except fenced.StaleTokenError:
             ok = "stale token"
             raise
