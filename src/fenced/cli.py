@@ -33,6 +33,7 @@ from ._errors import (
     FencedError,
     InvalidTokenError,
     LockTimeout,
+    ReplicationError,
     StaleTokenError,
 )
 from ._paths import default_url
@@ -54,7 +55,7 @@ EXIT_STATUSES = """\
 exit status (fenced's own outcomes never use 1, which commands use for their own failures):
   0      success (fenced lock: the command's own status when it ran to the end holding the lock)
   2      usage or configuration error (bad option, URL, lock name, number)
-  69     the token source could not be reached (EX_UNAVAILABLE)
+  69     the token source (fenced group: a member) could not be reached (EX_UNAVAILABLE)
   70     another fenced error (EX_SOFTWARE)
   75     the lease was lost while the command ran; the command was terminated (EX_TEMPFAIL);
          fenced elect: leadership no longer sure, or a poison pill: the command was stopped
@@ -452,6 +453,26 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--plant", default="", metavar="FAULT", help="plant a fault, to see it caught")
     sim.add_argument("--replay", type=int, metavar="SEED", help="run one seed and print its trace")
 
+    group = sub.add_parser(
+        "group",
+        parents=[common],
+        help="a replicated group's configuration and members (fenced.replicated)",
+    )
+    group.add_argument("action", choices=("status", "remove", "add"))
+    group.add_argument("name", metavar="GROUP", help="the group (its lock's name)")
+    group.add_argument("names", nargs="*", metavar="MEMBER", help="members to remove or add")
+    group.add_argument(
+        "--member",
+        action="append",
+        default=[],
+        metavar="NAME=URL",
+        help="how to reach a member: redis://h:p/db, postgresql://..., sqlite:///path, "
+        "etcd://h:p (repeat; status shows these members' marks)",
+    )
+    group.add_argument("--resource", help="the members' guarded resource (default: GROUP)")
+    _source_arguments(group)
+    group.add_argument("--json", action="store_true", help="print JSON (status)")
+
     status = sub.add_parser(
         "status",
         parents=[common],
@@ -494,6 +515,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_serve(args)
         if args.command == "check":
             return _cmd_check(args)
+        if args.command == "group":
+            from ._group_cmd import run_group
+
+            return run_group(args, args.url or default_url())
         if args.command == "sim":
             return _cmd_sim(args)
         if args.command == "elect":
@@ -508,6 +533,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(EXIT_USAGE, str(exc), exc, args.verbose)
     except BackendUnavailable as exc:
         return _fail(EXIT_UNAVAILABLE, f"token source unavailable: {exc}", exc, args.verbose)
+    except ReplicationError as exc:  # members of a replicated group could not be reached
+        return _fail(EXIT_UNAVAILABLE, str(exc), exc, args.verbose)
     except KeyboardInterrupt:  # Ctrl-C while waiting: the connection left the queue on close
         return EXIT_INTERRUPTED
     except FencedError as exc:

@@ -1,0 +1,160 @@
+"""``fenced group``: an operator's view and changes of a replicated group (``fenced.replicated``).
+
+The configuration (epoch, members) lives in the token source, so ``status`` needs only the
+source; each member's marks and data are shown for the members given with ``--member
+NAME=URL`` (``redis://host:port/db``, ``postgresql://...``, ``sqlite:///path``,
+``etcd://host:port``). ``remove`` and ``add`` change the configuration as the library does:
+they need every member that stays (to fence it) and every member added (to copy the data to).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sqlite3
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import urlsplit
+
+from . import _sync
+from ._errors import ConfigurationError
+from ._token import validate_lock_name
+
+__all__ = ["member_from_url", "run_group"]
+
+
+def member_from_url(url: str, resource: str, timeout: float = 5.0) -> tuple[Any, Any]:
+    """A group member (a guard) for ``url``, and what closes it (or None)."""
+    from .guards.sql import SQLGuard
+
+    scheme = urlsplit(url).scheme.lower()
+    if scheme in ("redis", "rediss"):
+        import redis
+
+        from .guards.redis import RedisGuard
+
+        client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+        return RedisGuard(client, resource), client.close
+    if scheme in ("postgresql", "postgres"):
+        import psycopg
+
+        def connect() -> Any:
+            return psycopg.connect(url, autocommit=True, connect_timeout=max(1, round(timeout)))
+
+        return SQLGuard(resource).fencer(connect), None
+    if scheme == "sqlite":
+        from urllib.parse import quote
+
+        from .backends.sqlite import database_path
+
+        path = database_path(urlsplit(url))  # the same forms as the sqlite:// source
+        uri = f"file:{quote(path)}?mode=rw"  # an existing database: a typo must not make one
+
+        def connect_sqlite() -> sqlite3.Connection:
+            return sqlite3.connect(uri, uri=True, timeout=timeout, check_same_thread=False)
+
+        return SQLGuard(resource).fencer(connect_sqlite), None
+    if scheme in ("etcd", "etcd3"):
+        from .guards.etcd import EtcdGuard
+
+        guard = EtcdGuard(urlsplit(url).netloc, resource, timeout=timeout)
+        return guard, guard.close
+    raise ConfigurationError(
+        f"unknown member URL {url.split('?')[0]!r}: redis://, postgresql://, sqlite:///, etcd://"
+    )
+
+
+@contextlib.contextmanager
+def _group(args: Any, locks: _sync.Locks) -> Iterator[Any]:
+    from .replicated import Group
+
+    members: dict[str, Any] = {}
+    closers = []
+    try:
+        for spec in args.member:
+            name, sep, url = spec.partition("=")
+            if not sep or not name or not url:
+                raise ConfigurationError(f"--member takes NAME=URL, not {spec!r}")
+            guard, close = member_from_url(url, args.resource or args.name, args.timeout)
+            members[name] = guard
+            if close is not None:
+                closers.append(close)
+        # (A group object needs a member; with none given, status shows the configuration.)
+        group = Group(args.name, locks, members or {"-": _Absent()}, timeout=args.timeout)
+        try:
+            yield group
+        finally:
+            group.close()
+    finally:
+        for close in closers:
+            with contextlib.suppress(Exception):
+                close()
+
+
+class _Absent:
+    async def apply(self, *a: Any, **k: Any) -> None:
+        raise ConfigurationError("no member given")
+
+    async def read(self, keys: Any = None) -> Any:
+        raise ConfigurationError("no member given")
+
+    async def aclose(self) -> None:
+        pass
+
+
+def run_group(args: Any, url: str) -> int:
+    validate_lock_name(args.name)
+    with (
+        _sync.connect(url, connect_timeout=max(args.timeout, 0.1)) as locks,
+        _group(args, locks) as group,
+    ):
+        if args.action == "status":
+            record = locks.read_record(group.aio.record)
+            if record is None:
+                print(f"group {args.name!r}: no configuration yet (made on first use)")
+                return 0
+            cfg, members = group.status()
+            shown = [m for m in members if m.name != "-"]
+            if args.json:
+                out = {
+                    "group": args.name,
+                    "epoch": cfg.epoch,
+                    "members": list(cfg.members),
+                    "base": cfg.base,
+                    "member_status": [_row(m) for m in shown],
+                }
+                print(json.dumps(out, indent=2))
+                return 0
+            print(f"group {args.name}: configuration {cfg.epoch} (from {cfg.base}): "
+                  f"{', '.join(cfg.members)}")  # fmt: skip
+            for m in shown:
+                where = "member" if m.in_configuration else "not a member"
+                if m.reachable:
+                    print(f"  {m.name:<10} {where:<12} token {m.token}  epoch {m.epoch}  "
+                          f"{m.keys} keys")  # fmt: skip
+                else:
+                    error = m.error
+                    if error == "not given to this process":
+                        error = "not shown (give --member NAME=URL)"
+                    else:
+                        error = f"unreachable: {error}"
+                    print(f"  {m.name:<10} {where:<12} {error}")
+            return 0
+        if args.action == "remove":
+            cfg = group.remove(*args.names)
+        else:
+            cfg = group.reconfigure(add=list(args.names))
+        print(f"group {args.name}: configuration {cfg.epoch}: {', '.join(cfg.members)}")
+        return 0
+
+
+def _row(m: Any) -> dict[str, Any]:
+    return {
+        "name": m.name,
+        "in_configuration": m.in_configuration,
+        "reachable": m.reachable,
+        "token": m.token,
+        "epoch": m.epoch,
+        "keys": m.keys,
+        "error": m.error,
+    }

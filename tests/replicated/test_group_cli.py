@@ -1,0 +1,74 @@
+"""``fenced group``: status from the source alone, members' marks when given, changes."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+import fenced
+from fenced.cli import main
+from fenced.guards.sql import SQLGuard
+from fenced.replicated import Group
+
+
+@pytest.fixture
+def setup(tmp_path: Path) -> tuple[str, list[str]]:
+    for n in "abc":
+        sqlite3.connect(tmp_path / f"{n}.db").close()
+    url = f"sqlite:///{tmp_path}/locks.db"
+    with fenced.connect(url) as locks:
+        members = {
+            n: SQLGuard("orders").fencer(
+                lambda n=n: sqlite3.connect(tmp_path / f"{n}.db", check_same_thread=False)
+            )
+            for n in "abc"
+        }
+        g = Group("orders", locks, members)
+        with locks.lock("orders", ttl=5) as lease:
+            g.writer(lease).set("k", "v")
+        g.close()
+    args = [f"--member={n}=sqlite:///{tmp_path}/{n}.db" for n in "abc"]
+    return url, ["--url", url, *args]
+
+
+def test_status_shows_the_configuration_and_each_members_marks(
+    setup: tuple[str, list[str]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    url, args = setup
+    assert main(["group", "status", "orders", "--url", url]) == 0
+    assert "configuration 1 (from 0): a, b, c" in capsys.readouterr().out
+    assert main(["group", "status", "orders", *args, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["epoch"] == 1 and out["members"] == ["a", "b", "c"]
+    assert [(m["name"], m["token"], m["keys"]) for m in out["member_status"]] == [
+        ("a", 1, 1), ("b", 1, 1), ("c", 1, 1)
+    ]  # fmt: skip
+
+
+def test_remove_and_add_change_the_configuration_in_order(
+    setup: tuple[str, list[str]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, args = setup
+    assert main(["group", "remove", "orders", "b", *args]) == 0
+    assert "configuration 2: a, c" in capsys.readouterr().out
+    assert main(["group", "add", "orders", "b", *args]) == 0
+    assert "configuration 3: a, c, b" in capsys.readouterr().out
+
+
+def test_bad_input_is_one_line_and_changes_nothing(
+    setup: tuple[str, list[str]], capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    url, args = setup
+    assert main(["group", "remove", "orders", "a", "b", "c", *args]) == 2
+    assert main(["group", "status", "orders", "--url", url, "--member", "x=ftp://h"]) == 2
+    assert main(["group", "status", "orders", "--url", url, "--member", "nonsense"]) == 2
+    missing = f"--member=a=sqlite:///{tmp_path}/nope.db"
+    assert main(["group", "remove", "orders", "b", "--url", url, missing]) == 69  # unavailable
+    err = capsys.readouterr().err
+    assert all(line.startswith("fenced: ") for line in err.strip().splitlines()), err
+    assert not (tmp_path / "nope.db").exists()  # a typo makes no new database
+    assert main(["group", "status", "orders", "--url", url]) == 0
+    assert "configuration 1 (from 0)" in capsys.readouterr().out
