@@ -159,6 +159,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--dir", help="keep the demo's databases in this directory")
     demo.add_argument("--ttl", type=_ttl, default=1.0, help="lease ttl in seconds (1)")
+    demo.add_argument(
+        "--replicated",
+        action="store_true",
+        help="three replicas, a crash and reconfiguration: epoch fencing (fenced.replicated)",
+    )
 
     lock = sub.add_parser(
         "lock",
@@ -498,6 +503,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "demo":
             from ._demo import run_demo
 
+            if args.replicated:
+                from ._demo_replicated import run_replicated_demo
+
+                return run_replicated_demo(directory=args.dir, ttl=args.ttl)
             return run_demo(directory=args.dir, ttl=args.ttl)
         if args.command == "lock":
             return _cmd_lock(args)

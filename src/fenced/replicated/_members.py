@@ -297,8 +297,11 @@ class SQLMember(_Threaded):
     epoch's conditional upsert, the items' conditional upserts; it commits all or nothing.
     Tables ``fenced_group_epochs`` and ``fenced_group_data`` are made on first use."""
 
-    def __init__(self, guard: Any, connect: Callable[[], Any], group: str) -> None:
+    def __init__(
+        self, guard: Any, connect: Callable[[], Any], group: str, *, keep_connection: bool = True
+    ) -> None:
         super().__init__(f"fenced-member-{guard.resource}")
+        self.keep_connection = keep_connection  # False: connect for each change or read
         self.guard = guard
         self.resource: str = guard.resource
         self._connect = connect
@@ -352,6 +355,9 @@ class SQLMember(_Threaded):
         except Exception as exc:
             self._drop()
             raise BackendUnavailable(f"member {self.resource!r}: {exc}") from exc
+        finally:
+            if not self.keep_connection:
+                self._drop()
 
     def _rollback(self, conn: Any) -> None:
         try:
