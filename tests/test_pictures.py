@@ -51,6 +51,7 @@ EXPECTED = {  # picture: (height, colours that must be on the screen)
     "lease-timeline.svg": (220, [RED, (0xC9, 0xDC, 0xFC)]),  # the lease: blue at 30 %
     "guard-flow.svg": (200, [RED, GREEN]),
     "failover.svg": (300, [RED, (0xC9, 0xDC, 0xFC)]),
+    "replicated.svg": (360, [RED, GREEN, (0xC9, 0xDC, 0xFC)]),
 }
 
 

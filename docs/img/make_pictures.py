@@ -11,6 +11,9 @@ then renders each picture in headless Chromium and checks what is on the screen.
 * ``lease-timeline.svg``: what ``lease.remaining()`` counts: from when the request was sent,
   the ttl less the safety margin; renewals every ttl/3.
 * ``guard-flow.svg``: what a guard does with a write, in one atomic step.
+* ``replicated.svg``: ``fenced demo --replicated``: writer 1 writes to three replicas, c
+  crashes, writer 2 fences a and b and removes c (a new configuration in the token source),
+  writer 1 wakes and is refused, c is copied from a and joins again.
 * ``failover.svg``: ``fenced elect``'s failover: node A leads (epoch 7), freezes; its lease
   runs out; B is elected (epoch 8), fences A, and only then starts its service.
 """
@@ -233,7 +236,61 @@ def failover() -> str:
     return _svg(w, h, "Failover with fencing: the new leader fences the old before starting", body)
 
 
+def replicated() -> str:
+    w, h = 860, 360
+    x0, x1 = 130, 840
+
+    def x(t: float) -> float:
+        return x0 + (x1 - x0) * t / 10.0
+
+    body = ["<defs>", *(_marker(c) for c in (INK, REFUSED, ACCEPTED, LEASE_1)), "</defs>"]
+    body.append(_text(20, 28, "fenced.replicated: epochs fence every replica; the source "
+                      "orders configurations", 17, font_weight="bold"))  # fmt: skip
+    lanes = {"source": 75, "a": 150, "b": 210, "c": 270}
+    for name, y in lanes.items():
+        label = "token source" if name == "source" else f"replica {name}"
+        body.append(_text(20, y + 5, label, 14, font_weight="bold"))
+        body.append(f"<line x1='{x0}' y1='{y}' x2='{x1}' y2='{y}' stroke='{GREY}'/>")
+    ys = lanes["source"]
+    # configurations in the source: 1 {a,b,c} until 4.6, 2 {a,b} until 8.2, then 3 {a,b,c}
+    for t0, t1, label in ((0, 4.6, "config 1: a b c"), (4.6, 8.2, "config 2: a b"),
+                          (8.2, 10, "config 3: a b c")):  # fmt: skip
+        body.append(f"<rect x='{x(t0):g}' y='{ys - 13}' width='{x(t1) - x(t0) - 3:g}' "
+                    f"height='26' fill='{LEASE_1}' opacity='0.3' rx='4'/>")  # fmt: skip
+        body.append(_text(x(t0) + 8, ys + 5, label, 12))
+    # writer 1 (token 1) writes to all three
+    for r in "abc":
+        body.append(_arrow(x(0.8), ys + 16, x(1.2), lanes[r] - 6, ACCEPTED))
+    body.append(_text(x(0.3), ys - 22, "writer 1, token 1: write to a b c", 12, fill=ACCEPTED))
+    # c crashes
+    yc = lanes["c"]
+    body.append(f"<rect x='{x(2.6):g}' y='{yc - 16}' width='{x(8.0) - x(2.6):g}' height='32' "
+                f"fill='{GREY}' opacity='0.55'/>")  # fmt: skip
+    body.append(_text(x(5.3), yc + 36, "c crashed", 12, "middle"))
+    # writer 2 (token 2): fences a and b, removes c (config 2), writes
+    body.append(_text(x(3.6), ys - 22, "writer 2, token 2: fence, remove c, write",
+                      12, fill=LEASE_2))  # fmt: skip
+    for r in "ab":
+        body.append(_arrow(x(4.1), ys + 16, x(4.5), lanes[r] - 6, ACCEPTED))
+    # writer 1 resumes: refused by a and b
+    body.append(_text(x(5.2), 118, "writer 1 wakes: refused (token 1 < 2)", 12, fill=REFUSED))
+    for r in "ab":
+        y = lanes[r]
+        body.append(_arrow(x(6.0), 124, x(6.4), y - 8, REFUSED))
+        body.append(f"<path d='M{x(6.4) - 6:g},{y - 6} l12,12 M{x(6.4) + 6:g},{y - 6} l-12,12' "
+                    f"stroke='{REFUSED}' stroke-width='3'/>")  # fmt: skip
+    # c comes back: state copied from a, then config 3
+    body.append(_arrow(x(8.25), lanes["a"] + 8, x(8.6), yc - 8, LEASE_1))
+    body.append(_text(x(8.75), lanes["b"] + 30, "copy from a,", 12, fill=LEASE_1))
+    body.append(_text(x(8.75), lanes["b"] + 46, "then join", 12, fill=LEASE_1))
+    body.append(_text(20, h - 16, "A write is acknowledged only when every member of the "
+                      "configuration took it; a change keeps a member, fences it, copies "
+                      "from it.", 12))  # fmt: skip
+    return _svg(w, h, "A replicated group: fenced writes and reconfiguration", body)
+
+
 PICTURES = {
+    "replicated.svg": replicated,
     "failover.svg": failover,
     "paused-writer.svg": paused_writer,
     "lease-timeline.svg": lease_timeline,

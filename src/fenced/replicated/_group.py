@@ -239,12 +239,14 @@ class AsyncGroup:
         remove: Iterable[str] = (),
         token: FencingToken | None = None,
         base: Configuration | None = None,
+        fence_removed: bool = True,
     ) -> Configuration:
         """Move to a new configuration: the current members, less ``remove``, plus ``add``
         (names, or name -> guard for members this process does not know yet). See the module
         doc for the steps. ``token``: the caller's lock token (a writer's), raised on the
         members with the epoch; None for an operator. ``base``: change only from this
-        configuration (else from the current one, read first). Raises
+        configuration (else from the current one, read first). ``fence_removed``: tell the
+        members removed (False when they are removed because they did not answer). Raises
         :class:`~fenced.ConfigurationError` if no current member would stay, and
         :class:`~fenced.ReplicationError` if a member that stays cannot be fenced.
         """
@@ -257,7 +259,7 @@ class AsyncGroup:
         while True:
             cfg = base if base is not None else await self.configuration()
             new = self._plan(cfg, adding, removing)
-            result = await self._change(cfg, new, token)
+            result = await self._change(cfg, new, token, fence_removed)
             if result is not None:
                 return result
             if base is not None:
@@ -290,7 +292,11 @@ class AsyncGroup:
         return new
 
     async def _change(
-        self, cfg: Configuration, new: list[str], token: FencingToken | None
+        self,
+        cfg: Configuration,
+        new: list[str],
+        token: FencingToken | None,
+        fence_removed: bool = True,
     ) -> Configuration | None:
         epoch = cfg.epoch + 1
         kept = [m for m in new if m in cfg.members]
@@ -310,7 +316,8 @@ class AsyncGroup:
                 failed,
             )
         # Removed members are told when they can be: a writer still using them is refused.
-        await self._each(removed, lambda n, m: m.apply(None, epoch, []))
+        if fence_removed:
+            await self._each(removed, functools.partial(_apply, None, epoch, []))
         if added:
             snap = await self._bounded(self.member(kept[0]).read(None), f"member {kept[0]!r}")
             carry = FencingToken(self.name, snap.token) if snap.token else token
@@ -553,7 +560,7 @@ class AsyncWriter:
                 dict(unreachable),
             )
         try:
-            await g.reconfigure(remove=unreachable, token=self.token, base=cfg)
+            await g.reconfigure(remove=unreachable, token=self.token, base=cfg, fence_removed=False)
         except StaleEpochError:
             pass  # someone else changed it first: start over from the record
         except (ConfigurationError, ReplicationError) as exc:

@@ -55,10 +55,10 @@ _real_change = AsyncGroup._change
 
 
 async def _no_overlap_change(
-    self: AsyncGroup, cfg: Configuration, new: list[str], token: Any
+    self: AsyncGroup, cfg: Configuration, new: list[str], token: Any, fence_removed: bool = True
 ) -> Configuration | None:
     if any(m in cfg.members for m in new):
-        return await _real_change(self, cfg, new, token)
+        return await _real_change(self, cfg, new, token, fence_removed)
     # Nothing kept: nothing to copy from, and the new members start empty.
     epoch = cfg.epoch + 1
     await self._each(new, lambda n, m: m.apply(None, epoch, []))
