@@ -23,12 +23,13 @@ from fenced.testing.servers import EtcdServer, FencedServer
 from tests.helpers import ROOT, read_line, unique_name, wait_for
 
 CLIENT = """
-import sys, fenced
+import os, sys, fenced
 url, name, role = sys.argv[1:4]
+rid = f"{role}-{os.getpid()}"
 with fenced.connect(url) as locks:
-    lease = locks.lock(name, ttl=2)
+    lease = locks.lock(name, ttl=2, request_id=rid)
     token = lease.acquire(timeout=120)
-    print("token", token.value, flush=True)
+    print("token", token.value, "kept-place" if lease.request_id == rid else "requeued", flush=True)
     if role == "holder":
         sys.stdin.readline()
         print("held", lease.held, type(lease.lost_cause).__name__, flush=True)
@@ -83,8 +84,9 @@ def _waiters(gateway: FencedServer, name: str) -> int:
 
 def _kill_a_gateway_under_a_holder_and_waiters(
     gateways: list[FencedServer],
-) -> tuple[str, list[int]]:
-    """Returns the holder's report after the kill, and every token granted, in grant order."""
+) -> tuple[str, list[int], list[str]]:
+    """Returns the holder's report after the kill, every token granted in grant order, and
+    whether each waiter was granted the place it queued for (or gave a grant back)."""
     a, b = gateways
     url = f"http://127.0.0.1:{a.port},127.0.0.1:{b.port}"  # a first: everyone starts on a
     name = unique_name("lead")
@@ -101,12 +103,14 @@ def _kill_a_gateway_under_a_holder_and_waiters(
         holder.stdin.write("report\n")
         holder.stdin.flush()
         report = read_line(holder)
-        tokens = [first]
+        tokens, places = [first], []
         for p in procs[1:]:
-            tokens.append(int(read_line(p).split()[1]))
+            _, token, place = read_line(p).split()
+            tokens.append(int(token))
+            places.append(place)
         for p in procs:
             p.wait(60)
-        return report, tokens
+        return report, tokens, places
     finally:
         for p in procs:
             p.kill()
@@ -115,14 +119,16 @@ def _kill_a_gateway_under_a_holder_and_waiters(
 def test_a_gateway_killed_mid_run_costs_holders_and_waiters_nothing(
     gateways: list[FencedServer],
 ) -> None:
-    report, tokens = _kill_a_gateway_under_a_holder_and_waiters(gateways)
+    report, tokens, places = _kill_a_gateway_under_a_holder_and_waiters(gateways)
     assert report == "held True NoneType", report
-    # no token reused, and the waiters granted in the order they queued
+    # no token reused, and the waiters granted in the order they queued, each in the place it
+    # queued for through the dead gateway (its etcd key adopted, no grant given back)
     assert tokens == sorted(tokens) and len(set(tokens)) == 4, tokens
+    assert places == ["kept-place"] * 3, places
 
 
 def test_the_kill_test_catches_a_gateway_that_cannot_resume(
     planted_gateways: list[FencedServer],
 ) -> None:
-    report, _ = _kill_a_gateway_under_a_holder_and_waiters(planted_gateways)
+    report, _, _ = _kill_a_gateway_under_a_holder_and_waiters(planted_gateways)
     assert report == "held False LeaseLostError", report

@@ -196,6 +196,32 @@ def test_fifo_among_waiters(env: BackendEnv) -> None:
             c.close()
 
 
+def test_a_waiter_that_waits_past_its_ttl_gets_the_grant_it_queued_for(env: BackendEnv) -> None:
+    """Bug: over ``http://`` a long poll's grant was dated from when the poll was sent, so a
+    waiter that waited longer than its ttl took its grant for expired, gave it back and queued
+    again at the end (with a new request id): FIFO lost, one grant wasted."""
+    name = unique_name()
+    holder_conn, waiter_conn = env.connect(), env.connect()
+    try:
+        holder = holder_conn.lock(name, ttl=10)
+        holder.acquire()
+        waiter = waiter_conn.lock(name, ttl=1, request_id="queued-once")
+        result: list[object] = []
+        thread = threading.Thread(target=lambda: result.append(waiter.acquire(timeout=30)))
+        thread.start()
+        wait_for(lambda: holder_conn.status(name).waiters == 1, what="the waiter to queue")
+        time.sleep(3.0)  # the waiter must wait three of its ttls
+        holder.release()
+        thread.join(30)
+        assert result and waiter.held, result
+        assert waiter.request_id == "queued-once"
+        assert waiter.token.value > holder.token.value
+        waiter.release()
+    finally:
+        holder_conn.close()
+        waiter_conn.close()
+
+
 def test_status_shows_who_holds_it(env: BackendEnv) -> None:
     """Bug: status showed a 32-hex request id. Every source keeps the holder's own description
     (user@host pid N: description) with the grant, also when the grant is a hand-off to a

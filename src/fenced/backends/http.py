@@ -196,7 +196,18 @@ class HttpBackend(Backend):
                 continue  # one long poll ended: ask again, same request id
             signed = got.get("signed")
             token = FencingToken.parse(signed or got["token"], name)
-            return Grant(token, request_id, float(got["ttl"]), sent)
+            grant = Grant(token, request_id, float(got["ttl"]), sent)
+            if _clock.now() - sent <= grant.ttl / 3:
+                return grant
+            # A long poll: the grant was made near the end of the wait, and ``sent + ttl``
+            # (all this client can vouch for) may be long past although the gateway kept the
+            # waiter's lease alive. A renewal sent now bounds the lease from now on; without
+            # it the lease core would take the grant for expired, give it back and queue again
+            # at the end of the line.
+            try:
+                return await self.renew(grant)
+            except LeaseLostError:
+                return grant  # it did run out: the lease core gives it back and asks again
 
     async def renew(self, grant: Grant) -> Grant:
         body = {"token": str(grant.token), "request_id": grant.request_id, "ttl": grant.ttl}
