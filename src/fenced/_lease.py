@@ -72,7 +72,9 @@ AsyncLostCallback = Callable[["AsyncLease"], Awaitable[None] | None]
 FenceTarget = Any
 """Something ``fence=`` can raise to a new token: an object with a ``fence(token)`` method
 (sync or async: every guard of :mod:`fenced.guards` has one, SQL through
-``SQLGuard.fencer(connect)``), or a callable ``fn(token)``."""
+``SQLGuard.fencer(connect)``), or a callable ``fn(token)``. An object that lives on the
+connection's own loop (a synchronous :class:`fenced.replicated.Group`) offers
+``async_fence(token)``, awaited there instead."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -91,9 +93,9 @@ async def fence_all(token: FencingToken, targets: tuple[Any, ...]) -> list[NotFe
     synchronous ``fence`` runs on a worker thread (it may block on its database)."""
 
     async def one(target: Any) -> NotFenced | None:
-        fn = getattr(target, "fence", target)
+        fn = getattr(target, "async_fence", None) or getattr(target, "fence", target)
         try:
-            if inspect.iscoroutinefunction(fn):
+            if hasattr(target, "async_fence") or inspect.iscoroutinefunction(fn):
                 await fn(token)
             else:
                 result = await asyncio.to_thread(fn, token)

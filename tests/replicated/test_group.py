@@ -78,6 +78,27 @@ def test_a_new_holder_fences_every_member_before_it_writes(
     assert group.read("k") == b"old" and t1 < second.token
 
 
+def test_fence_on_acquire_takes_the_group_and_cuts_off_the_old_writer_everywhere(
+    group: Group, locks: fenced.Locks
+) -> None:
+    first = locks.lock("orders", ttl=5)
+    first.acquire()
+    old = group.writer(first)
+    old.set("k", b"old")
+    locks.force_release("orders")  # as an expiry would: the old writer does not know yet
+    with locks.lock("orders", ttl=5, fence=[group]) as second:
+        # fenced before the lock was handed over: no writer was made, nothing written
+        for n in "abc":
+            assert member_state(group, n).token == second.token.value
+        with pytest.raises(fenced.StaleTokenError):
+            old.set("k", b"late")
+        assert group.read("k") == b"old"
+        group.writer(second).set("k", b"new")  # the current holder is accepted
+    assert group.read("k") == b"new"
+    with pytest.raises(fenced.ConfigurationError, match="tokens of the lock"):
+        group.fence(fenced.FencingToken("other", 99))
+
+
 def test_a_new_holder_completes_a_write_left_on_one_member(
     group: Group, locks: fenced.Locks
 ) -> None:

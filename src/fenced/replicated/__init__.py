@@ -20,11 +20,12 @@ module's :class:`Group`) and async (:class:`AsyncGroup`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Iterable, Mapping
 from typing import Any
 
 from .._portal import Portal
 from .._sync import Lease, Locks
+from .._token import FencingToken
 from ._group import AsyncGroup, AsyncWriter, Configuration, MemberStatus
 from ._members import EtcdMember, Item, Member, RedisMember, Snapshot, SQLMember, stamp
 
@@ -97,6 +98,15 @@ class Group:
     def status(self) -> tuple[Configuration, list[MemberStatus]]:
         """See :meth:`AsyncGroup.status`."""
         return self._portal.call(self.aio.status())
+
+    def fence(self, token: FencingToken) -> Configuration:
+        """See :meth:`AsyncGroup.fence`."""
+        return self._portal.call(self.aio.fence(token))
+
+    def async_fence(self, token: FencingToken) -> Awaitable[Configuration]:
+        """:meth:`AsyncGroup.fence`, for ``locks.lock(name, fence=[group])``: the group runs on
+        the connection's loop, where the lease fences its targets."""
+        return self.aio.fence(token)
 
     def writer(self, lease: Lease) -> Writer:
         """See :meth:`AsyncGroup.writer`."""

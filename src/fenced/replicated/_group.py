@@ -430,6 +430,37 @@ class AsyncGroup:
                 out.append(MemberStatus(n, n in cfg.members, False, error=error))
         return cfg, out
 
+    async def fence(self, token: FencingToken) -> Configuration:
+        """Raise every member of the current configuration to ``token`` at the current epoch,
+        so that every earlier holder is refused on all of them, whether or not this holder
+        ever writes: what ``locks.lock(name, fence=[group])`` calls (fence on acquire).
+        :class:`~fenced.ReplicationError` if a member cannot be fenced (the others are);
+        :class:`~fenced.StaleTokenError` if a later holder fenced them first."""
+        if not isinstance(token, FencingToken) or token.lock != self.name:
+            raise ConfigurationError(
+                f"group {self.name!r} is fenced by tokens of the lock {self.name!r}, not {token!r}"
+            )
+        for _ in range(10):
+            cfg = await self.configuration()
+            fenced = await self._each(cfg.members, functools.partial(_apply, token, cfg.epoch, []))
+            failed = {n: e for n, e in fenced.items() if isinstance(e, BaseException)}
+            if any(isinstance(e, StaleEpochError) for e in failed.values()):
+                continue  # a change is under way: fence its members instead
+            for e in failed.values():
+                if isinstance(e, StaleTokenError):
+                    raise e
+            if failed:
+                raise ReplicationError(
+                    f"group {self.name!r}: members {sorted(failed)} cannot be fenced with "
+                    f"{token}: {_first(failed)}",
+                    failed,
+                )
+            return cfg
+        raise ReplicationError(
+            f"group {self.name!r}: the configuration kept changing while fencing with {token}",
+            {},
+        )
+
     async def writer(self, lease: AsyncLease) -> AsyncWriter:
         """A writer for the holder of ``lease`` (of the lock named like the group), ready: every
         member fenced with the lease's token and brought up to date (see :class:`AsyncWriter`)."""
