@@ -10,6 +10,7 @@ import fenced
 from fenced.backends.memory import MemoryBackend
 from fenced.testing.servers import (
     EtcdServer,
+    MariaDBServer,
     PostgresServer,
     RedisServer,
     ZooKeeperServer,
@@ -66,6 +67,27 @@ def zk_server() -> Iterator[ZooKeeperServer]:
 def pg_server() -> Iterator[PostgresServer]:
     with PostgresServer() as server:
         yield server  # type: ignore[misc]
+
+
+@pytest.fixture(scope="session")
+def mariadb_server() -> Iterator[MariaDBServer]:
+    with MariaDBServer() as server:
+        yield server  # type: ignore[misc]
+
+
+@pytest.fixture
+def mysql_db(mariadb_server: MariaDBServer) -> Iterator[dict[str, object]]:
+    """A fresh database on the worker's MariaDB server (PyMySQL/asyncmy connect arguments),
+    dropped afterwards."""
+    import pymysql
+
+    db = unique_name("db").replace("-", "_")
+    args: dict[str, object] = {"host": "127.0.0.1", "port": mariadb_server.port, "user": "root"}
+    with pymysql.connect(**args, autocommit=True) as conn:  # type: ignore[arg-type]
+        conn.cursor().execute(f"CREATE DATABASE {db}")
+    yield {**args, "database": db}
+    with pymysql.connect(**args, autocommit=True) as conn:  # type: ignore[arg-type]
+        conn.cursor().execute(f"DROP DATABASE IF EXISTS {db}")
 
 
 @pytest.fixture

@@ -109,9 +109,10 @@ class GuardEnv:
 class _SQLEnv(GuardEnv):
     """A table ``data`` (id, v) in SQLite or PostgreSQL; one connection in manual mode."""
 
-    def __init__(self, kind: str, target: str) -> None:
+    def __init__(self, kind: str, target: str, *, mysql: dict[str, Any] | None = None) -> None:
         self.kind = kind
         self.target = target
+        self.mysql = mysql or {}
         self.table = unique_name("data").replace("-", "_")
         self._local = threading.local()
         self._all: list[Any] = []
@@ -133,9 +134,16 @@ class _SQLEnv(GuardEnv):
             )
             conn.execute("PRAGMA journal_mode=WAL")
             return conn
+        if self.kind == "mysql":
+            return MySQLConn(self.mysql)
         return psycopg.connect(self.target, autocommit=True)
 
     def q(self, sql: str) -> str:
+        if self.kind == "mysql":
+            sql = sql.replace(
+                "ON CONFLICT (id) DO UPDATE SET v = excluded.v",
+                "ON DUPLICATE KEY UPDATE v = VALUES(v)",
+            )
         return sql if self.kind == "sqlite" else sql.replace("?", "%s")
 
     def begin(self) -> None:
@@ -158,6 +166,28 @@ class _SQLEnv(GuardEnv):
         self._all.clear()
 
 
+class MySQLConn:
+    """A PyMySQL connection in autocommit mode, spoken to like the others (``execute`` with
+    ``?`` already turned into ``%s``); the guards get the PyMySQL connection itself."""
+
+    def __init__(self, args: dict[str, Any]) -> None:
+        import pymysql
+
+        self.raw = pymysql.connect(**args, autocommit=True)
+
+    def execute(self, sql: str, params: tuple[Any, ...] = ()) -> Any:
+        cur = self.raw.cursor()
+        cur.execute(sql, params)
+        return cur
+
+    def close(self) -> None:
+        self.raw.close()
+
+
+def _raw(conn: Any) -> Any:
+    return conn.raw if isinstance(conn, MySQLConn) else conn
+
+
 class SQLFenceEnv(_SQLEnv):
     """:class:`SQLGuard`: the fence table, checked first in the caller's transaction."""
 
@@ -165,14 +195,14 @@ class SQLFenceEnv(_SQLEnv):
 
     def setup(self) -> None:
         self.guard = self.guard_class(self.table, lock=LOCK, verify=self.verify_keys)
-        self.guard.install(self.conn)
+        self.guard.install(_raw(self.conn))
         self.conn.execute(f"CREATE TABLE {self.table} (id INTEGER PRIMARY KEY, v TEXT)")
 
     def _transaction(self, guard: SQLGuard | None, token: Any, value: str) -> None:
         self.begin()
         try:
             if guard is not None:
-                guard.check(self.conn, token=token)
+                guard.check(_raw(self.conn), token=token)
             self.conn.execute(
                 self.q(
                     f"INSERT INTO {self.table} (id, v) VALUES (1, ?) "
@@ -192,7 +222,7 @@ class SQLFenceEnv(_SQLEnv):
         self._transaction(None, None, value)
 
     def high_water(self) -> FencingToken | None:
-        return self.guard.high_water(self.conn)
+        return self.guard.high_water(_raw(self.conn))
 
     def reopen(self) -> None:
         super().reopen()
@@ -209,10 +239,12 @@ class SQLRowEnv(_SQLEnv):
     def setup(self) -> None:
         self.conn.execute(f"CREATE TABLE {self.table} (id INTEGER PRIMARY KEY, v TEXT)")
         self.guard = RowGuard(self.table, lock=LOCK, verify=self.verify_keys)
-        self.guard.install(self.conn)
+        self.guard.install(_raw(self.conn))
 
     def write(self, token: FencingToken | str, value: str) -> None:
-        self.guard.insert_or_update(self.conn, token=token, key={"id": 1}, values={"v": value})
+        self.guard.insert_or_update(
+            _raw(self.conn), token=token, key={"id": 1}, values={"v": value}
+        )
 
     def raw_write(self, value: str) -> None:
         self.conn.execute(
@@ -225,7 +257,7 @@ class SQLRowEnv(_SQLEnv):
 
     def high_water(self) -> FencingToken | None:
         try:
-            return self.guard.high_water(self.conn, {"id": 1})
+            return self.guard.high_water(_raw(self.conn), {"id": 1})
         except LookupError:
             return None
 
@@ -236,7 +268,7 @@ class SQLRowEnv(_SQLEnv):
     def planted_lt(self) -> Write:
         guard = LessThanRowGuard(self.table, lock=LOCK)
         return lambda token, value: bool(
-            guard.insert_or_update(self.conn, token=token, key={"id": 1}, values={"v": value})
+            guard.insert_or_update(_raw(self.conn), token=token, key={"id": 1}, values={"v": value})
         )  # type: ignore[func-returns-value]
 
 
@@ -592,6 +624,8 @@ GUARDS = [
     "sql-fence-postgresql",
     "sql-row-sqlite",
     "sql-row-postgresql",
+    "sql-fence-mysql",
+    "sql-row-mysql",
     "redis",
     "redis-async",
     "sqlite-store",
@@ -606,11 +640,13 @@ def make_env(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> Itera
     env: GuardEnv
     if kind.startswith("sql-"):
         _, form, engine = kind.split("-")
+        cls = SQLFenceEnv if form == "fence" else SQLRowEnv
         if engine == "sqlite":
-            target = str(tmp_path / "guarded.db")
+            env = cls(engine, str(tmp_path / "guarded.db"))
+        elif engine == "mysql":
+            env = cls(engine, "", mysql=request.getfixturevalue("mysql_db"))
         else:
-            target = request.getfixturevalue("pg_dsn")
-        env = (SQLFenceEnv if form == "fence" else SQLRowEnv)(engine, target)
+            env = cls(engine, request.getfixturevalue("pg_dsn"))
     elif kind == "redis":
         env = RedisEnv(request.getfixturevalue("redis_server").port)
     elif kind == "redis-async":

@@ -6,6 +6,7 @@ in one place and re-planted in one place when the guards' SQL changes.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -29,7 +30,7 @@ class LessThanGuard(SQLGuard):
 
     def _fence_sql(self, d: Dialect) -> FenceSQL:
         real = super()._fence_sql(d)
-        return FenceSQL(real.create, plant_lt(real.accept), real.read)
+        return dataclasses.replace(real, accept=plant_lt(real.accept))
 
 
 class LessThanRowGuard(RowGuard):

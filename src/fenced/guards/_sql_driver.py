@@ -1,11 +1,13 @@
-"""Run the SQL guards' plans on a live connection: sqlite3, psycopg 3 sync and async.
+"""Run the SQL guards' plans on a live connection: sqlite3, psycopg 3 sync and async, PyMySQL
+and asyncmy (MySQL/MariaDB).
 
 The drivers are deliberately thin: execute each statement a plan yields, hand back the rows,
 and translate the driver's errors into fenced's tree at this boundary:
 
 * closed connection, lost or dead server, I/O failure -> :class:`BackendUnavailable`;
 * concurrent-transaction refusals (PostgreSQL SQLSTATE class 40 and 55P03, SQLite
-  ``SQLITE_BUSY``/``SQLITE_LOCKED``) -> :class:`FenceConflictError` (retry the transaction);
+  ``SQLITE_BUSY``/``SQLITE_LOCKED``, MySQL deadlock 1213 and lock wait timeout 1205) ->
+  :class:`FenceConflictError` (retry the transaction);
 * a missing fence table / token column / unique key -> :class:`ConfigurationError`;
 * anything else (the caller's own SQL state, e.g. an already-failed transaction) is re-raised
   unchanged.
@@ -24,6 +26,7 @@ from .._pg_errors import kind as pg_kind
 from .._sqlite_errors import is_busy, is_unavailable
 from ._plan import adrive, drive
 from ._sql_plan import (
+    MYSQL,
     POSTGRESQL,
     SQLITE,
     Dialect,
@@ -55,6 +58,22 @@ def _psycopg() -> Any:
     return sys.modules.get("psycopg")
 
 
+def _pymysql_connection(conn: object) -> bool:
+    mod = sys.modules.get("pymysql.connections")
+    return mod is not None and isinstance(conn, mod.Connection)
+
+
+def _asyncmy_connection(conn: object) -> bool:
+    mod = sys.modules.get("asyncmy.connection")
+    return mod is not None and isinstance(conn, mod.Connection)
+
+
+_SYNC_KINDS = (
+    "sqlite3.Connection, psycopg.Connection, pymysql.connections.Connection, or (with the "
+    "a...() methods) psycopg.AsyncConnection and asyncmy's Connection"
+)
+
+
 def sync_dialect(conn: object) -> Dialect:
     """The dialect of a synchronous connection, or a clear TypeError."""
     if isinstance(conn, sqlite3.Connection):
@@ -65,29 +84,38 @@ def sync_dialect(conn: object) -> Dialect:
             return POSTGRESQL
         if isinstance(conn, pg.AsyncConnection):
             raise TypeError("an async psycopg connection: use the guard's a...() methods")
-    raise TypeError(
-        f"unsupported connection {type(conn).__name__}: use sqlite3.Connection, "
-        "psycopg.Connection or (with the a...() methods) psycopg.AsyncConnection"
-    )
+    if _pymysql_connection(conn):
+        return MYSQL
+    if _asyncmy_connection(conn):
+        raise TypeError("an asyncmy connection: use the guard's a...() methods")
+    raise TypeError(f"unsupported connection {type(conn).__name__}: use {_SYNC_KINDS}")
 
 
 def _async_dialect(conn: object) -> Dialect:
     pg = _psycopg()
     if pg is not None and isinstance(conn, pg.AsyncConnection):
         return POSTGRESQL
-    raise TypeError(
-        f"unsupported async connection {type(conn).__name__}: use psycopg.AsyncConnection, "
-        "or the synchronous methods for sqlite3 and psycopg.Connection"
-    )
+    if _asyncmy_connection(conn):
+        return MYSQL
+    raise TypeError(f"unsupported async connection {type(conn).__name__}: use {_SYNC_KINDS}")
+
+
+_MYSQL_IN_TRANS = 1  # SERVER_STATUS_IN_TRANS in the server's status flags
+
+
+def _mysql_open(conn: Any) -> bool:
+    return bool(conn.connected if _asyncmy_connection(conn) else conn.open)
 
 
 def in_transaction(conn: Any) -> bool:
-    """Whether a transaction block is open on ``conn`` (sqlite3 or psycopg, sync or async)."""
+    """Whether a transaction block is open on ``conn`` (any supported driver)."""
     if isinstance(conn, sqlite3.Connection):
         try:
             return conn.in_transaction
         except sqlite3.ProgrammingError:  # closed: let the statement report it
             return False
+    if _pymysql_connection(conn) or _asyncmy_connection(conn):
+        return bool(conn.server_status & _MYSQL_IN_TRANS)
     status = conn.info.transaction_status
     return bool(status != status.IDLE)
 
@@ -112,6 +140,15 @@ def require_transaction(conn: Any) -> None:
         except sqlite3.ProgrammingError as exc:
             raise BackendUnavailable(f"sqlite3 connection unusable: {exc}") from exc
         return
+    if _pymysql_connection(conn) or _asyncmy_connection(conn):
+        if not _mysql_open(conn):
+            raise BackendUnavailable("the MySQL connection is closed")
+        if conn.get_autocommit() and not in_transaction(conn):
+            raise ConfigurationError(
+                "SQLGuard.check() needs the caller's transaction: the connection is in "
+                "autocommit mode; call conn.begin() first"
+            )
+        return
     if conn.closed:
         raise BackendUnavailable("the psycopg connection is closed")
     if conn.autocommit and not in_transaction(conn):
@@ -121,8 +158,38 @@ def require_transaction(conn: Any) -> None:
         )
 
 
+_MYSQL_CONFLICT = frozenset({1062, 1205, 1213})  # duplicate key, lock wait timeout, deadlock
+_MYSQL_GONE = frozenset({0, 1053, 1927, 2003, 2006, 2013, 2055, 4031})
+_MYSQL_SCHEMA = frozenset({1054, 1146})  # unknown column, no such table
+
+
+def _map_mysql(exc: BaseException) -> FencedError | None:
+    module = type(exc).__module__
+    if not module.startswith(("pymysql", "asyncmy")):
+        if isinstance(exc, ConnectionError | OSError):  # asyncmy lets socket errors through
+            return BackendUnavailable(f"MySQL connection unavailable: {exc}")
+        return None
+    code = exc.args[0] if exc.args and isinstance(exc.args[0], int) else None
+    name = type(exc).__name__
+    if code in _MYSQL_CONFLICT:
+        return FenceConflictError(
+            f"MySQL refused the fence ({name} {code}: {exc.args[-1]}): roll back and retry"
+        )
+    if code == 1060:
+        return DuplicateColumn(str(exc.args[-1]))
+    if code in _MYSQL_SCHEMA:
+        return ConfigurationError(
+            f"{exc.args[-1]}: has the guard been installed (guard.install())?"
+        )
+    if code in _MYSQL_GONE or name == "InterfaceError" or str(exc) == "Already closed":
+        return BackendUnavailable(f"MySQL connection unavailable: {name}: {exc}")
+    return None
+
+
 def map_error(d: Dialect, conn: Any, exc: BaseException) -> FencedError | None:
     """The fenced error for a driver error raised by one of our statements, or None."""
+    if d is MYSQL:
+        return _map_mysql(exc)
     if d is SQLITE:
         if isinstance(exc, sqlite3.ProgrammingError) and "closed" in str(exc):
             return BackendUnavailable(f"sqlite3 connection is closed: {exc}")
@@ -187,6 +254,20 @@ def _render_begin(sql: str, params: tuple[Any, ...], encoding: str) -> bytes:
     return b"BEGIN; " + text.encode(encoding)
 
 
+def _exec_mysql(conn: Any, stmt: Stmt) -> Result:
+    with conn.cursor() as cur:
+        cur.execute(stmt.sql, stmt.params)
+        rows = list(cur.fetchall()) if cur.description else []
+        return Result(rows, cur.rowcount, cur.lastrowid or 0)
+
+
+async def _aexec_mysql(conn: Any, stmt: Stmt) -> Result:
+    async with conn.cursor() as cur:
+        await cur.execute(stmt.sql, stmt.params)
+        rows = list(await cur.fetchall()) if cur.description else []
+        return Result(rows, cur.rowcount, cur.lastrowid or 0)
+
+
 def _exec_psycopg(conn: Any, stmt: Stmt) -> Result:
     with conn.cursor() as cur:
         cur.execute(stmt.sql, stmt.params)
@@ -249,13 +330,24 @@ def _end(conn: Any, *, commit: bool) -> None:
 
 
 async def _aend(conn: Any, *, commit: bool) -> None:
+    d = _async_dialect(conn)
     try:
         await (conn.commit() if commit else conn.rollback())
     except Exception as exc:
-        mapped = map_error(POSTGRESQL, conn, exc)
+        mapped = map_error(d, conn, exc)
         if mapped is None:
             raise
         raise mapped from exc
+
+
+def _refuse_ddl_in_transaction(conn: Any) -> None:
+    if not _mysql_open(conn):
+        raise BackendUnavailable("the MySQL connection is closed")
+    if in_transaction(conn):
+        raise ConfigurationError(
+            "install() on MySQL runs DDL, which commits the open transaction: call it "
+            "outside a transaction"
+        )
 
 
 def _refuse_open_transaction(conn: Any) -> None:
@@ -292,13 +384,15 @@ def run(
     autocommit mode: in one round trip; otherwise BEGIN IMMEDIATE / the driver's own BEGIN).
     """
     d = sync_dialect(conn)
-    execute: Callable[[Any, Stmt], Result] = _exec_sqlite if d is SQLITE else _exec_psycopg
+    execute: Callable[[Any, Stmt], Result] = (
+        _exec_sqlite if d is SQLITE else _exec_mysql if d is MYSQL else _exec_psycopg
+    )
     begun = True
     if begin:
         _refuse_open_transaction(conn)
-        if d is SQLITE:
+        if d is not POSTGRESQL:
             try:
-                conn.execute("BEGIN IMMEDIATE")
+                conn.execute("BEGIN IMMEDIATE") if d is SQLITE else conn.begin()
             except Exception as exc:
                 mapped = map_error(d, conn, exc)
                 if mapped is None:
@@ -332,6 +426,18 @@ async def arun(
         _refuse_open_transaction(conn)
     elif need_tx:
         require_transaction(conn)
+    if d is MYSQL:
+        if begin:
+            try:
+                await conn.begin()
+            except Exception as exc:
+                mapped = map_error(d, conn, exc)
+                if mapped is None:
+                    raise
+                raise mapped from exc
+        return await adrive(
+            make_plan(d), lambda stmt: _aexec_mysql(conn, stmt), lambda e: map_error(d, conn, e)
+        )
     begun = not (begin and conn.autocommit)
 
     async def send(stmt: Stmt) -> Result:
@@ -347,6 +453,11 @@ async def arun(
 def run_install(conn: Any, make_plan: Callable[[Dialect], Plan[T]]) -> T:
     """Run DDL in the caller's open transaction, or else in one of its own that it commits."""
     d = sync_dialect(conn)
+    if d is MYSQL:
+        _refuse_ddl_in_transaction(conn)
+        value = run(conn, make_plan)
+        _end(conn, commit=True)  # (the checks after the DDL may have opened one)
+        return value
     if in_transaction(conn):
         return run(conn, make_plan)
     if d is SQLITE:
@@ -371,6 +482,11 @@ def run_install(conn: Any, make_plan: Callable[[Dialect], Plan[T]]) -> T:
 async def arun_install(conn: Any, make_plan: Callable[[Dialect], Plan[T]]) -> T:
     """The async :func:`run_install` (psycopg AsyncConnection)."""
     d = _async_dialect(conn)
+    if d is MYSQL:
+        _refuse_ddl_in_transaction(conn)
+        value = await arun(conn, make_plan)
+        await _aend(conn, commit=True)
+        return value
     if in_transaction(conn):
         return await arun(conn, make_plan)
     if conn.closed:

@@ -2,12 +2,19 @@
 
 A plan is a generator: it yields each statement (:class:`Stmt`) it needs run, receives the
 :class:`Result` (or has the mapped error thrown in), and finally returns its answer or raises
-a fenced error. ``_sql_driver`` runs plans on sqlite3, psycopg and psycopg's async
-connections with a few lines each, so the SQL and the accept/reject logic exist exactly once.
+a fenced error. ``_sql_driver`` runs plans on sqlite3, psycopg (sync and async), PyMySQL and
+asyncmy with a few lines each, so the SQL and the accept/reject logic exist exactly once.
 
 Identifiers (table and column names) are validated against a conservative pattern and then
-double-quoted; values (tokens, lock names, keys, the user's column values) are always bound
-parameters, never interpolated.
+double-quoted (backquoted for MySQL); values (tokens, lock names, keys, the user's column
+values) are always bound parameters, never interpolated.
+
+MySQL/MariaDB has no ``RETURNING`` on UPDATE and no ``ON CONFLICT … WHERE``: its plans are a
+conditional ``UPDATE`` (InnoDB evaluates an UPDATE's WHERE on the newest committed row and
+keeps the row X-locked to the end of the transaction, under every isolation level), then, only
+when it matched nothing, a *locking* read (``FOR UPDATE``: the newest committed row, never the
+transaction's snapshot) to decide between "no row yet" (INSERT; a duplicate key means a racing
+first write committed: decide again) and a refusal.
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ from .._errors import (
 from .._token import MAX_TOKEN, FencingToken
 
 __all__ = [
+    "MYSQL",
+    "MYSQL_MAX_NAME",
     "POSTGRESQL",
     "SQLITE",
     "Add",
@@ -64,10 +73,22 @@ class Dialect:
     name: str
     param: str
     bigint: str
+    cast: str  # CAST(x AS <cast>) to a 64-bit integer
 
 
-SQLITE: Final = Dialect("sqlite", "?", "INTEGER")
-POSTGRESQL: Final = Dialect("postgresql", "%s", "BIGINT")
+SQLITE: Final = Dialect("sqlite", "?", "INTEGER", "INTEGER")
+POSTGRESQL: Final = Dialect("postgresql", "%s", "BIGINT", "BIGINT")
+MYSQL: Final = Dialect("mysql", "%s", "BIGINT", "SIGNED")
+
+MYSQL_MAX_NAME: Final = 700
+"""The longest resource name the MySQL fence table keys (InnoDB keys are at most 3072 bytes:
+768 four-byte characters)."""
+
+
+def _backquoted(sql: str) -> str:
+    """MySQL spelling of our SQL: identifiers are validated ``[A-Za-z0-9_]`` and values are
+    bound, so the only double quotes in the text are identifier quotes."""
+    return sql.replace('"', "`")
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +105,7 @@ class Result:
 
     rows: list[tuple[Any, ...]]
     rowcount: int
+    insert_id: int = 0  # MySQL: the OK packet's insert id (our verdict marker, see _mysql_verdict)
 
 
 Plan = Generator[Stmt, Result, T]
@@ -137,11 +159,14 @@ class FenceSQL:
     create: str
     accept: str  # params: resource, lock, token -> returns the stored token iff accepted
     read: str  # params: resource -> (lock_name, token)
+    mysql: bool = False  # accept's verdict is in the insert id; read locks the row
 
 
 @functools.lru_cache(maxsize=128)
 def fence_sql(d: Dialect, table: str) -> FenceSQL:
     """Build the fence-table statements (``table`` already quoted)."""
+    if d is MYSQL:
+        return _mysql_fence_sql(table)
     p = d.param
     columns = (
         "resource TEXT PRIMARY KEY, lock_name TEXT NOT NULL, "
@@ -176,6 +201,50 @@ def fence_sql(d: Dialect, table: str) -> FenceSQL:
     return FenceSQL(create, accept, read)
 
 
+_ACCEPTED, _REFUSED = 1, 2  # what LAST_INSERT_ID(expr) reports of an existing row
+
+
+def _mysql_verdict(cond: str) -> str:
+    """An expression that is ``cond`` and also leaves its verdict in the statement's insert id
+    (``LAST_INSERT_ID(expr)`` sets the OK packet's insert id): 1 accepted, 2 refused; a fresh
+    insert leaves 0. MySQL has no RETURNING: this is how one statement says what it decided,
+    whether or not the client counts found rows (then affected-row counts say nothing)."""
+    return f"LAST_INSERT_ID(IF({cond}, {_ACCEPTED}, {_REFUSED})) = {_ACCEPTED}"
+
+
+def _mysql_fence_sql(table: str) -> FenceSQL:
+    """The fence table on MySQL/MariaDB: binary collations (names compare exactly, as
+    everywhere else: ``Orders`` is not ``orders``), InnoDB (transactional, row locks).
+
+    The check is one ``INSERT … ON DUPLICATE KEY UPDATE``: a first check inserts the row; later
+    ones update it only if the condition holds on the existing row, which InnoDB has X-locked
+    (the newest committed version, not a snapshot) until the transaction ends. Assignments run
+    left to right on the row as updated so far, so the verdict is taken first and ``token`` is
+    set last; ``checks`` counts accepted checks.
+    """
+    table = _backquoted(table)
+    create = (
+        f"CREATE TABLE IF NOT EXISTS {table} ("
+        f"resource VARCHAR({MYSQL_MAX_NAME}) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin "
+        "NOT NULL PRIMARY KEY, "
+        "lock_name VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL, "
+        "token BIGINT NOT NULL, checks BIGINT NOT NULL DEFAULT 0, "
+        "CONSTRAINT fenced_token_positive CHECK (token > 0)) ENGINE=InnoDB"
+    )
+    mark, incoming = _as_int(MYSQL, "token", stored=True), _as_int(MYSQL, "VALUES(token)")
+    cond = (
+        f"{mark} > 0 AND {mark} <= {incoming} "
+        "AND CAST(lock_name AS BINARY) = CAST(VALUES(lock_name) AS BINARY)"
+    )
+    accept = (
+        f"INSERT INTO {table} (resource, lock_name, token) VALUES (%s, %s, CAST(%s AS SIGNED)) "
+        f"ON DUPLICATE KEY UPDATE checks = IF({_mysql_verdict(cond)}, checks + 1, checks), "
+        f"token = IF({cond}, VALUES(token), token)"
+    )
+    read = f"SELECT lock_name, token FROM {table} WHERE resource = %s FOR UPDATE"
+    return FenceSQL(create, accept, read, mysql=True)
+
+
 def _bad_type(value: object) -> bool:
     return isinstance(value, bool) or (value is not None and not isinstance(value, int))
 
@@ -183,7 +252,7 @@ def _bad_type(value: object) -> bool:
 def _type_error(resource: str, value: object) -> ConfigurationError:
     return ConfigurationError(
         f"the token column of {resource!r} holds {type(value).__name__} values: it must be "
-        "a 64-bit integer column (BIGINT on PostgreSQL, INTEGER on SQLite)"
+        "a 64-bit integer column (BIGINT on PostgreSQL and MySQL, INTEGER on SQLite)"
     )
 
 
@@ -221,6 +290,8 @@ def _rejection(
 
 def check_plan(sql: FenceSQL, resource: str, token: FencingToken) -> Plan[FencingToken]:
     """Accept ``token`` and raise the mark to it in one statement, or raise why not."""
+    if sql.mysql:
+        return (yield from _mysql_check_plan(sql, resource, token))
     res = yield Stmt(sql.accept, (resource, token.lock, token.value))
     if res.rows:
         if type(res.rows[0][0]) is not int:  # a TEXT (or REAL...) token column, adopted
@@ -240,8 +311,38 @@ def check_plan(sql: FenceSQL, resource: str, token: FencingToken) -> Plan[Fencin
     raise _rejection(token, resource, lock, value)
 
 
-def fence_high_water_plan(sql: FenceSQL, resource: str) -> Plan[FencingToken | None]:
+def _mysql_name(resource: str) -> str:
+    if len(resource) > MYSQL_MAX_NAME:
+        raise ConfigurationError(
+            f"resource name of {len(resource)} characters: the MySQL fence table keys at most "
+            f"{MYSQL_MAX_NAME}"
+        )
+    return resource
+
+
+def _mysql_check_plan(sql: FenceSQL, resource: str, token: FencingToken) -> Plan[FencingToken]:
+    """One statement decides (see _mysql_fence_sql); a refusal reads the row it refused on
+    (locked by that statement) to say why."""
+    res = yield Stmt(sql.accept, (_mysql_name(resource), token.lock, token.value))
+    verdict = res.insert_id
+    if verdict == _ACCEPTED or (verdict == 0 and res.rowcount == 1):
+        return token
     res = yield Stmt(sql.read, (resource,))
+    if not res.rows:
+        raise FenceConflictError(
+            f"the fence row of {resource!r} vanished while checking {token}; roll back and retry"
+        )
+    lock, value = res.rows[0]
+    if verdict != _REFUSED and lock == token.lock and value == token.value:
+        return token  # (a driver that reports no insert id: the row says it was accepted)
+    if value is None:
+        raise CorruptMarkError(resource, "the fence row has no token")
+    raise _rejection(token, resource, lock, value)
+
+
+def fence_high_water_plan(sql: FenceSQL, resource: str) -> Plan[FencingToken | None]:
+    # (MySQL's read locks the row for a refusal's report; a look at the mark need not)
+    res = yield Stmt(sql.read.removesuffix(" FOR UPDATE"), (resource,))
     if not res.rows:
         return None
     lock, value = res.rows[0]
@@ -256,6 +357,9 @@ def fence_install_plan(d: Dialect, sql: FenceSQL, table_name: str) -> Plan[None]
     a TEXT token column would compare ``'10' < '9'`` and let stale writers in.
     """
     yield Stmt(sql.create)
+    if d is MYSQL:
+        yield from _mysql_verify_fence_table(table_name)
+        return
     columns = yield from _columns(d, table_name)
     problems = []
     if "resource" not in columns:
@@ -272,6 +376,61 @@ def fence_install_plan(d: Dialect, sql: FenceSQL, table_name: str) -> Plan[None]
             f"fence table {table_name!r} exists but cannot be used: {'; '.join(problems)} "
             "(drop or rename it, or pass table= to use another)"
         )
+
+
+def _mysql_table(table_name: str) -> tuple[str | None, str]:
+    schema, _, name = table_name.rpartition(".")
+    return (schema or None), name
+
+
+def _mysql_columns(table_name: str) -> Plan[tuple[str | None, dict[str, tuple[str, str]]]]:
+    """The table's engine (None: no such table) and its columns' (data type, collation)."""
+    schema, name = _mysql_table(table_name)
+    where = "TABLE_SCHEMA = COALESCE(%s, DATABASE()) AND TABLE_NAME = %s"
+    res = yield Stmt(f"SELECT ENGINE FROM information_schema.TABLES WHERE {where}", (schema, name))
+    if not res.rows:
+        return None, {}
+    engine = str(res.rows[0][0] or "")
+    res = yield Stmt(
+        "SELECT COLUMN_NAME, DATA_TYPE, COALESCE(COLLATION_NAME, '') "
+        f"FROM information_schema.COLUMNS WHERE {where}",
+        (schema, name),
+    )
+    return engine, {str(r[0]): (str(r[1]).lower(), str(r[2])) for r in res.rows}
+
+
+def _not_innodb(table_name: str, engine: str) -> ConfigurationError:
+    return ConfigurationError(
+        f"table {table_name!r} uses the {engine} engine: a guarded table must be InnoDB "
+        "(transactions and row locks; without them a refused transaction keeps its writes)"
+    )
+
+
+def _mysql_verify_fence_table(table_name: str) -> Plan[None]:
+    engine, columns = yield from _mysql_columns(table_name)
+    if engine is None:
+        raise ConfigurationError(f"fence table {table_name!r} was not created")
+    if engine.lower() != "innodb":
+        raise _not_innodb(table_name, engine)
+    problems = []
+    for text in ("resource", "lock_name"):
+        if text not in columns:
+            problems.append(f"no {text!r} column")
+        elif not columns[text][1].endswith("_bin") and columns[text][0] not in _MYSQL_BINARY:
+            problems.append(f"its {text!r} column compares case-insensitively ({columns[text][1]})")
+    for number in ("token", "checks"):
+        if number not in columns:
+            problems.append(f"no {number!r} column")
+        elif columns[number][0] != "bigint":
+            problems.append(f"its {number!r} column is {columns[number][0]}, not bigint")
+    if problems:
+        raise ConfigurationError(
+            f"fence table {table_name!r} exists but cannot be used: {'; '.join(problems)} "
+            "(drop or rename it, or pass table= to use another)"
+        )
+
+
+_MYSQL_BINARY: Final = frozenset({"varbinary", "binary", "blob"})
 
 
 def _is_bigint(d: Dialect, type_: str) -> bool:
@@ -369,13 +528,20 @@ def _as_int(d: Dialect, expr: str, *, stored: bool = False) -> str:
     """
     if stored and d is POSTGRESQL:
         return expr
-    return f"CAST({expr} AS {d.bigint})"
+    return f"CAST({expr} AS {d.cast})"
 
 
-def _row_read(d: Dialect, spec: RowSQL) -> str:
-    cols = _as_int(d, quote_ident(spec.token), stored=True)
+def _row_read(d: Dialect, spec: RowSQL, *, locking: bool = False) -> str:
+    """The row's token (and lock). ``locking`` (MySQL, after a write that matched nothing):
+    ``FOR UPDATE``, which reads the newest committed row, not the transaction's snapshot."""
+    cols = (
+        quote_ident(spec.token) if d is MYSQL else _as_int(d, quote_ident(spec.token), stored=True)
+    )
     cols += f", {quote_ident(spec.lock)}" if spec.lock else ""
-    return f"SELECT {cols} FROM {spec.table} WHERE {_where_key(d, spec)}"
+    sql = f"SELECT {cols} FROM {spec.table} WHERE {_where_key(d, spec)}"
+    if d is MYSQL:
+        return _backquoted(sql + (" FOR UPDATE" if locking else ""))
+    return sql
 
 
 def _row_guard_clause(d: Dialect, spec: RowSQL, target: str, incoming: str) -> str:
@@ -387,10 +553,18 @@ def _row_guard_clause(d: Dialect, spec: RowSQL, target: str, incoming: str) -> s
         return f"({target}{tok} IS NULL OR ({ordered}))"
     # A row whose lock column is set but whose token is NULL lost its mark: corrupt, refused.
     lk = quote_ident(spec.lock)
-    lock_in = f"excluded.{lk}" if incoming.startswith("excluded.") else d.param
+    if incoming.startswith("excluded."):
+        lock_in = f"excluded.{lk}"
+    elif incoming.startswith("VALUES("):
+        lock_in = f"VALUES({lk})"
+    else:
+        lock_in = d.param
+    same_lock = f"{target}{lk} = {lock_in}"
+    if d is MYSQL:  # whatever the column's collation: lock names compare exactly
+        same_lock = f"CAST({target}{lk} AS BINARY) = CAST({lock_in} AS BINARY)"
     return (
         f"(({target}{tok} IS NULL AND {target}{lk} IS NULL) OR "
-        f"({ordered} AND ({target}{lk} IS NULL OR {target}{lk} = {lock_in})))"
+        f"({ordered} AND ({target}{lk} IS NULL OR {same_lock})))"
     )
 
 
@@ -418,15 +592,31 @@ def _row_write_sql(
         q = quote_ident(c)
         return f"{q} = COALESCE({target}{q}, 0) + {value}" if c in relative else f"{q} = {value}"
 
+    all_cols = [*spec.keys, *columns, spec.token, *((spec.lock,) if spec.lock else ())]
+    if d is MYSQL and upsert:
+        # (see _mysql_fence_sql) values first, then the token, then the lock: each condition
+        # is then evaluated on a row that still says what the first one said
+        cond = _row_guard_clause(d, spec, "", "VALUES(" + tok + ")")
+        updated = [*columns, spec.token, *((spec.lock,) if spec.lock else ())]
+        sets = []
+        for i, c in enumerate(updated):
+            q = quote_ident(c)
+            new = f"COALESCE({q}, 0) + VALUES({q})" if c in relative else f"VALUES({q})"
+            test = _mysql_verdict(cond) if i == 0 else cond
+            sets.append(f"{q} = IF({test}, {new}, {q})")
+        return _backquoted(
+            f"INSERT INTO {spec.table} ({', '.join(quote_ident(c) for c in all_cols)}) "
+            f"VALUES ({', '.join([p] * len(all_cols))}) ON DUPLICATE KEY UPDATE " + ", ".join(sets)
+        )
     if not upsert:
         sets = [set_to(c, "", p) for c in columns] + [f"{tok} = {p}"]
         if spec.lock:
             sets.append(f"{quote_ident(spec.lock)} = {p}")
-        return (
+        sql = (
             f"UPDATE {spec.table} SET {', '.join(sets)} "
             f"WHERE {_where_key(d, spec)} AND {_row_guard_clause(d, spec, '', p)}"
         )
-    all_cols = [*spec.keys, *columns, spec.token, *((spec.lock,) if spec.lock else ())]
+        return _backquoted(sql) if d is MYSQL else sql
     updated = [*columns, spec.token, *((spec.lock,) if spec.lock else ())]
     return (
         f"INSERT INTO {spec.table} AS t ({', '.join(quote_ident(c) for c in all_cols)}) "
@@ -450,9 +640,26 @@ def row_write_plan(
     key_params = _key_params(spec, key)
     columns = _value_columns(values)
     relative = frozenset(c for c in columns if isinstance(values[c], Add))
-    sql = _row_write_sql(d, spec, columns, upsert, relative)
     value_params = tuple(values[c].amount if c in relative else values[c] for c in columns)
     lock_params: tuple[Any, ...] = (token.lock,) if spec.lock else ()
+    if d is MYSQL:
+        update = _row_write_sql(d, spec, columns, False, relative)
+        update_params = (
+            *value_params,
+            token.value,
+            *lock_params,
+            *key_params,
+            token.value,
+            *lock_params,
+        )
+        both = None
+        if upsert:
+            both = (
+                _row_write_sql(d, spec, columns, True, relative),
+                (*key_params, *value_params, token.value, *lock_params),
+            )
+        return (yield from _mysql_row_write(spec, token, key, (update, update_params), both))
+    sql = _row_write_sql(d, spec, columns, upsert, relative)
     if upsert:
         params = (*key_params, *value_params, token.value, *lock_params)
     else:
@@ -472,6 +679,52 @@ def row_write_plan(
     if row[0] is None:  # refused with a NULL token: only if the lock column is set
         raise CorruptMarkError(_label(spec, key), f"lock {row[1]!r} bound, token NULL")
     raise _rejection(token, _label(spec, key), row[1] if spec.lock else None, row[0])
+
+
+def _mysql_row_write(
+    spec: RowSQL,
+    token: FencingToken,
+    key: Mapping[str, Any],
+    update: tuple[str, tuple[Any, ...]],
+    upsert: tuple[str, tuple[Any, ...]] | None,
+) -> Plan[FencingToken]:
+    """An upsert decides in one statement (its verdict in the insert id, see
+    _mysql_fence_sql). An UPDATE that changed nothing may have matched a row whose values
+    were already these (MySQL counts changed rows): a locking read of that row tells."""
+    key_params = _key_params(spec, key)
+    verdict = None
+    if upsert is not None:
+        res = yield Stmt(*upsert)
+        verdict = res.insert_id
+        if verdict == _ACCEPTED or (verdict == 0 and res.rowcount == 1):
+            return token
+    else:
+        res = yield Stmt(*update)
+        if res.rowcount > 1:
+            raise ConfigurationError(
+                f"key {dict(key)!r} matched {res.rowcount} rows of {spec.table_name}: the key "
+                "columns must identify one row (the transaction must be rolled back)"
+            )
+        if res.rowcount == 1:
+            return token
+    res = yield Stmt(_row_read(MYSQL, spec, locking=True), key_params)
+    if not res.rows:
+        if upsert is None:
+            raise ResourceNotFoundError(f"no row {_label(spec, key)} to update")
+        raise FenceConflictError(
+            f"row {_label(spec, key)} vanished while writing with {token}; roll back and retry"
+        )
+    row = res.rows[0]
+    stored, lock = row[0], (row[1] if spec.lock else None)
+    if _bad_type(stored):
+        raise _type_error(_label(spec, key), stored)
+    if verdict != _REFUSED and stored == token.value and lock in (None, token.lock):
+        # matched and already so (MySQL counts changed rows), or no insert id reported:
+        # the row carries this token, so the write stands
+        return token
+    if stored is None:
+        raise CorruptMarkError(_label(spec, key), f"lock {lock!r} bound, token NULL")
+    raise _rejection(token, _label(spec, key), lock, stored)
 
 
 def row_high_water_plan(
@@ -494,6 +747,30 @@ def row_install_plan(d: Dialect, spec: RowSQL) -> Plan[None]:
     wanted: Sequence[tuple[str, str]] = [(spec.token, d.bigint)]
     if spec.lock:
         wanted = [*wanted, (spec.lock, "TEXT")]
+    if d is MYSQL:
+        engine, columns = yield from _mysql_columns(spec.table_name)
+        if engine is None:
+            raise ConfigurationError(f"table {spec.table_name!r} does not exist")
+        if engine.lower() != "innodb":
+            raise _not_innodb(spec.table_name, engine)
+        if spec.token in columns and columns[spec.token][0] != "bigint":
+            raise _bad_token_column(spec, columns[spec.token][0])
+        types = {
+            spec.token: "BIGINT",
+            spec.lock or "": "VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin",
+        }
+        for column, _ in wanted:
+            if column in columns:
+                continue
+            try:
+                yield Stmt(
+                    _backquoted(
+                        f"ALTER TABLE {spec.table} ADD COLUMN {quote_ident(column)} {types[column]}"
+                    )
+                )
+            except DuplicateColumn:
+                pass  # a concurrent install added it first
+        return
     if d is POSTGRESQL:
         res = yield Stmt(f"SELECT to_regclass({d.param})", (spec.table,))
         if not res.rows or res.rows[0][0] is None:
@@ -534,9 +811,9 @@ def _bad_token_column(spec: RowSQL, type_: object) -> ConfigurationError:
     # Text compares '10' < '3'; int4 overflows at 2**31; floats round large tokens together.
     return ConfigurationError(
         f"token column {spec.token!r} of {spec.table_name!r} is {type_}: it must be a 64-bit "
-        "integer column (BIGINT on PostgreSQL, INTEGER on SQLite)"
+        "integer column (BIGINT on PostgreSQL and MySQL, INTEGER on SQLite)"
     )
 
 
 class DuplicateColumn(ConfigurationError):
-    """SQLite's 'duplicate column name': a column added twice (e.g. by racing installs)."""
+    """'duplicate column name': a column added twice (e.g. by racing installs)."""

@@ -1,4 +1,5 @@
-"""Fence SQL databases (SQLite via ``sqlite3``, PostgreSQL via psycopg 3) against stale holders.
+"""Fence SQL databases against stale holders: SQLite (``sqlite3``), PostgreSQL (psycopg 3, sync
+and async) and MySQL/MariaDB (PyMySQL, and asyncmy for asyncio).
 
 Two forms, both checking and advancing the high-water mark in ONE statement inside the
 caller's own transaction, so the mark lives in the resource's database and commits (or rolls
@@ -44,6 +45,26 @@ after the caller's snapshot, PostgreSQL raises a serialization failure instead o
 the WHERE; this and deadlocks surface as :class:`FenceConflictError` (the transaction is
 aborted; retry it), never as a pass. Note that the row lock serializes all fenced
 transactions of one resource: that is the price of the guarantee.
+
+*MySQL/MariaDB (InnoDB).* The fence is a conditional ``UPDATE fenced_fences SET token = :t,
+checks = checks + 1 WHERE resource = :r AND token > 0 AND token <= :t AND lock_name = :lock``
+(names compared as bytes). InnoDB evaluates an UPDATE's WHERE on the newest committed version
+of the row — a *locking read*, under REPEATABLE READ as under READ COMMITTED, never the
+transaction's snapshot — and keeps the row X-locked until the transaction ends. So, as on
+PostgreSQL, of two transactions carrying 5 and 7 the second to reach the row waits for the
+first to end and then compares with what it committed: 5 cannot commit after 7. Only when the
+UPDATE matched nothing does the guard read the row, with ``SELECT … FOR UPDATE`` (a locking
+read too: a plain SELECT under REPEATABLE READ would show the snapshot, perhaps a mark older
+than the one that refused), to report the refusal, or, when there is no row, ``INSERT`` it:
+the primary key makes a racing first insert fail with a duplicate key, and the guard decides
+again against the committed row. The ``checks`` counter makes an equal token change the row,
+so one statement suffices whether or not the client counts found rows. Deadlocks (1213) and
+lock wait timeouts (1205) surface as :class:`FenceConflictError`. ``install()`` runs DDL,
+which commits implicitly, so it refuses to run inside a transaction; it verifies a table it
+did not create (InnoDB, binary collations, BIGINT token). The row form is a conditional
+UPDATE too; a row it matched but did not change (same values) is told from a refusal by the
+same locking read, and an upsert inserts a missing row (no ``ON DUPLICATE KEY UPDATE``, whose
+affected-row count cannot tell a refusal from a no-op when the client counts found rows).
 
 *SQLite.* A database has one writer at a time: the write lock is taken at the transaction's
 first write and held until it ends, and in WAL mode a transaction may only write if its
@@ -117,8 +138,9 @@ class SQLGuard:
     the fence row also records it, and a token of another lock is rejected with
     :class:`~fenced.WrongLockError`. Tokens may be given as :class:`~fenced.FencingToken` or
     their text form ``"lock:value"``. Call :meth:`install` once (idempotent) to create the
-    table. Works with ``sqlite3.Connection`` and ``psycopg.Connection``; the ``a...`` methods
-    take a ``psycopg.AsyncConnection``.
+    table. Works with ``sqlite3.Connection``, ``psycopg.Connection`` and PyMySQL's
+    ``Connection``; the ``a...`` methods take a ``psycopg.AsyncConnection`` or an asyncmy
+    connection.
     """
 
     __slots__ = ("_quoted", "lock", "resource", "table", "verifier")
@@ -222,12 +244,14 @@ class SQLFencer:
 
     def fence(self, token: TokenLike) -> None:
         conn = self.connect()
+        # (PyMySQL's connections have no execute(); sqlite3 and psycopg end BEGIN by SQL)
+        plain = hasattr(conn, "execute")
         try:
             self.guard.begin(conn, token=token)  # BEGIN and the fence: its own transaction
-            conn.execute("COMMIT")
+            conn.execute("COMMIT") if plain else conn.commit()
         except BaseException:
             with contextlib.suppress(Exception):
-                conn.execute("ROLLBACK")
+                conn.execute("ROLLBACK") if plain else conn.rollback()
             raise
         finally:
             conn.close()
