@@ -6,7 +6,8 @@
   token; then each ``write VALUE`` line writes VALUE, guarded (MODE ``guarded``) or not,
   whether or not the lease is still held: the resource must be the one to refuse.
 
-TARGET is ``redis:URL``, ``etcd:HOST:PORT``, ``files:DIR`` or ``http:BASE_URL``. Events are
+TARGET is ``redis:URL``, ``etcd:HOST:PORT``, ``files:DIR``, ``http:BASE_URL`` or
+``mysql:mysql://USER@HOST:PORT/DB`` (tables ``data`` and ``log`` made by the test). Events are
 JSON lines on stdout (see :class:`tests.guards.processes.Proc`).
 """
 
@@ -126,6 +127,43 @@ def writer(target: str, resource: str) -> Any:
                 client.put(f"/{route}/{resource}", content=value).raise_for_status()
 
         yield write_http
+    elif kind == "mysql":
+        from urllib.parse import urlsplit
+
+        import pymysql
+
+        from fenced.guards.sql import SQLGuard
+
+        url = urlsplit(where)
+        conn = pymysql.connect(
+            host=url.hostname, port=url.port, user=url.username, database=url.path[1:]
+        )
+        guard = SQLGuard(resource, lock=LOCK)
+        guard.high_water(conn)
+        conn.commit()
+
+        def write_mysql(value: str, token: FencingToken, guarded: bool) -> None:
+            try:
+                with conn.cursor() as cur:
+                    if guarded:
+                        guard.check(conn, token=token)
+                    if value.startswith("log:"):  # a race write: logged in its transaction
+                        cur.execute("INSERT INTO log (token) VALUES (%s)", (token.value,))
+                        value = f"{token.value}:{value[4:]}"
+                    cur.execute(
+                        "INSERT INTO data (id, v) VALUES (1, %s) "
+                        "ON DUPLICATE KEY UPDATE v = VALUES(v)",
+                        (value,),
+                    )
+                conn.commit()
+            except BaseException:
+                conn.rollback()
+                raise
+
+        try:
+            yield write_mysql
+        finally:
+            conn.close()
     else:
         raise SystemExit(f"unknown target {target!r}")
 

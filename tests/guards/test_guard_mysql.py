@@ -1,0 +1,419 @@
+"""The SQL guards on a real MariaDB (InnoDB), beyond the guard conformance suite: racing
+transactions under REPEATABLE READ and READ COMMITTED in both orders, the snapshot trap a
+plain read would fall into, clients that count found rows, a kill -9 of the server, DDIA
+Figure 8-5 with a SIGSTOPped process, racing processes, asyncmy, and bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pymysql
+import pytest
+from pymysql.constants import CLIENT
+
+import fenced
+from fenced import FencingToken
+from fenced.guards._sql_plan import FenceSQL
+from fenced.guards.sql import Add, RowGuard, SQLGuard
+from fenced.testing.servers import MariaDBServer
+from tests.guards.processes import (
+    LOCK,
+    figure_8_5_violations,
+    history_violations,
+    paused_holder,
+    race,
+)
+from tests.helpers import wait_for
+
+pytestmark = pytest.mark.xdist_group("mariadb")
+
+
+def tok(value: int, lock: str = "orders") -> FencingToken:
+    return FencingToken(lock, value)
+
+
+@pytest.fixture
+def connect(mysql_db: dict[str, Any]) -> Iterator[Any]:
+    made: list[pymysql.connections.Connection] = []
+
+    def connect(**extra: Any) -> pymysql.connections.Connection:
+        conn = pymysql.connect(**{**mysql_db, **extra})
+        made.append(conn)
+        return conn
+
+    yield connect
+    for c in made:
+        if c.open:
+            c.close()
+
+
+def sql(conn: Any, statement: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    with conn.cursor() as cur:
+        cur.execute(statement, params)
+        return list(cur.fetchall()) if cur.description else []
+
+
+def fence_table(connect: Any) -> SQLGuard:
+    guard = SQLGuard("orders")
+    conn = connect(autocommit=True)
+    guard.install(conn)
+    sql(conn, "CREATE TABLE data (id INT PRIMARY KEY, v TEXT) ENGINE=InnoDB")
+    return guard
+
+
+def waiting_for_a_lock(connect: Any) -> bool:
+    rows = sql(
+        connect(autocommit=True),
+        "SELECT COUNT(*) FROM information_schema.INNODB_TRX WHERE trx_state = 'LOCK WAIT'",
+    )
+    return bool(rows[0][0])
+
+
+# -- racing transactions ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("isolation", ["REPEATABLE READ", "READ COMMITTED"])
+@pytest.mark.parametrize("first", ["higher", "lower"])
+def test_two_racing_transactions_cannot_both_pass_out_of_order(
+    connect: Any, isolation: str, first: str
+) -> None:
+    """The first transaction checks its token and holds; the second's check must wait for it
+    (it locks the fence row) and then compare with what the first committed."""
+    guard = fence_table(connect)
+    seed = connect()
+    guard.check(seed, token=tok(5))
+    seed.commit()
+    a, b = connect(), connect()
+    for c in (a, b):
+        sql(c, f"SET SESSION TRANSACTION ISOLATION LEVEL {isolation}")
+        c.begin()
+        sql(c, "SELECT COUNT(*) FROM data")  # a snapshot taken before either check
+    low, high = tok(6), tok(7)
+    one, two = (high, low) if first == "higher" else (low, high)
+    guard.check(a, token=one)
+    sql(a, "INSERT INTO data VALUES (1, %s)", (str(one.value),))
+    outcome: list[object] = []
+
+    def second() -> None:
+        try:
+            outcome.append(guard.check(b, token=two))
+            sql(b, "INSERT INTO data VALUES (2, %s)", (str(two.value),))
+            b.commit()
+        except Exception as exc:
+            b.rollback()
+            outcome.append(exc)
+
+    thread = threading.Thread(target=second)
+    thread.start()
+    wait_for(lambda: waiting_for_a_lock(connect), 20, "the second check to wait for the row")
+    assert not outcome  # it cannot decide while the first holds the row
+    a.commit()
+    thread.join(20)
+    if first == "higher":
+        assert isinstance(outcome[0], fenced.StaleTokenError), outcome
+        assert outcome[0].high_water == high
+        assert sql(connect(), "SELECT id FROM data") == [(1,)]
+    else:
+        assert outcome == [high]
+        assert sorted(sql(connect(), "SELECT id FROM data")) == [(1,), (2,)]
+    assert guard.high_water(connect()) == high
+
+
+def test_the_row_form_races_the_same_way(connect: Any) -> None:
+    conn = connect(autocommit=True)
+    sql(conn, "CREATE TABLE accounts (id INT PRIMARY KEY, balance INT) ENGINE=InnoDB")
+    sql(conn, "INSERT INTO accounts VALUES (1, 0)")
+    guard = RowGuard("accounts", lock="orders")
+    guard.install(conn)
+    a, b = connect(), connect()
+    for c in (a, b):
+        sql(c, "SET SESSION TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        c.begin()
+        sql(c, "SELECT * FROM accounts")
+    guard.update(a, token=tok(9), key={"id": 1}, values={"balance": Add(10)})
+    outcome: list[object] = []
+
+    def second() -> None:
+        try:
+            outcome.append(guard.update(b, token=tok(8), key={"id": 1}, values={"balance": Add(1)}))
+        except Exception as exc:
+            outcome.append(exc)
+        b.rollback()
+
+    thread = threading.Thread(target=second)
+    thread.start()
+    wait_for(lambda: waiting_for_a_lock(connect), 20, "the second write to wait for the row")
+    a.commit()
+    thread.join(20)
+    assert isinstance(outcome[0], fenced.StaleTokenError) and outcome[0].high_water == tok(9)
+    assert sql(connect(), "SELECT balance, fencing_token FROM accounts") == [(10, 9)]
+
+
+class SnapshotReadGuard(SQLGuard):
+    """Planted: the refusal's read is a plain SELECT, which under REPEATABLE READ shows the
+    transaction's snapshot rather than the mark that refused."""
+
+    def _fence_sql(self, d: Any) -> FenceSQL:
+        real = super()._fence_sql(d)
+        return dataclasses.replace(real, read=real.read.removesuffix(" FOR UPDATE"))
+
+
+def _refusal_after_an_old_snapshot(connect: Any, guard: SQLGuard) -> object:
+    fence_table(connect)
+    seed = connect()
+    guard.check(seed, token=tok(3))
+    seed.commit()
+    old = connect()
+    sql(old, "SET SESSION TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+    old.begin()
+    sql(old, "SELECT * FROM fenced_fences")  # the snapshot: mark 3
+    newer = connect()
+    guard.check(newer, token=tok(7))
+    newer.commit()
+    try:
+        return guard.check(old, token=tok(5))
+    except fenced.FencedError as exc:
+        return exc
+    finally:
+        old.rollback()
+
+
+def test_a_refusal_names_the_mark_that_refused_not_the_snapshot(connect: Any) -> None:
+    got = _refusal_after_an_old_snapshot(connect, SQLGuard("orders"))
+    assert isinstance(got, fenced.StaleTokenError) and got.high_water == tok(7), got
+
+
+def test_the_snapshot_trap_test_catches_a_plain_read(connect: Any) -> None:
+    got = _refusal_after_an_old_snapshot(connect, SnapshotReadGuard("orders"))
+    assert not isinstance(got, fenced.StaleTokenError), got
+
+
+@pytest.mark.parametrize("form", ["fence", "row"])
+def test_clients_that_count_found_rows_get_the_same_verdicts(connect: Any, form: str) -> None:
+    """SQLAlchemy's MySQL dialects set CLIENT.FOUND_ROWS: affected-row counts then mean
+    matched rows, and a refused upsert reports 1 like an insert. The verdict must not
+    depend on it."""
+    conn = connect(client_flag=CLIENT.FOUND_ROWS)
+    if form == "fence":
+        guard = fence_table(connect)
+
+        def write(token: FencingToken) -> None:
+            try:
+                guard.check(conn, token=token)
+                sql(conn, "REPLACE INTO data VALUES (1, %s)", (str(token.value),))
+                conn.commit()
+            except BaseException:
+                conn.rollback()
+                raise
+
+        read = "SELECT v FROM data"
+    else:
+        sql(connect(autocommit=True), "CREATE TABLE data (id INT PRIMARY KEY, v TEXT)")
+        row = RowGuard("data", lock="orders")
+        row.install(conn)
+
+        def write(token: FencingToken) -> None:
+            row.insert_or_update(conn, token=token, key={"id": 1}, values={"v": str(token.value)})
+
+        read = "SELECT v FROM data"
+    write(tok(5))
+    write(tok(5))  # equal: accepted (no change to count)
+    write(tok(6))
+    with pytest.raises(fenced.StaleTokenError):
+        write(tok(4))
+    assert sql(connect(), read) == [("6",)]
+
+
+# -- durability, processes ----------------------------------------------------------------------
+
+
+def test_the_mark_survives_kill_9_of_the_server() -> None:
+    with MariaDBServer() as db:
+        args = {"host": "127.0.0.1", "port": db.port, "user": "root", "database": "fenced"}
+        guard = SQLGuard("orders")
+        conn = pymysql.connect(**args, autocommit=True)
+        guard.install(conn)
+        conn.begin()
+        guard.check(conn, token=tok(10))
+        conn.commit()
+        conn.close()
+        db.restart(kill=True)
+        conn = pymysql.connect(**args)
+        with pytest.raises(fenced.StaleTokenError):
+            guard.check(conn, token=tok(9))
+        conn.rollback()
+        assert guard.check(conn, token=tok(10)) == tok(10)  # the holder goes on
+        conn.commit()
+        conn.close()
+
+
+@pytest.fixture
+def mysql_target(mysql_db: dict[str, Any]) -> str:
+    conn = pymysql.connect(**mysql_db, autocommit=True)
+    sql(conn, "CREATE TABLE data (id INT PRIMARY KEY, v TEXT) ENGINE=InnoDB")
+    sql(conn, "CREATE TABLE log (n INT AUTO_INCREMENT PRIMARY KEY, token BIGINT) ENGINE=InnoDB")
+    SQLGuard("inv", lock=LOCK).install(conn)
+    conn.close()
+    return "mysql:mysql://root@127.0.0.1:{port}/{database}".format(**mysql_db)
+
+
+def _data(mysql_db: dict[str, Any]) -> str | None:
+    conn = pymysql.connect(**mysql_db)
+    try:
+        rows = sql(conn, "SELECT v FROM data WHERE id = 1")
+        return rows[0][0] if rows else None
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("guarded", [True, False], ids=["guarded", "unguarded"])
+def test_figure_8_5_a_paused_process_is_refused(
+    mysql_target: str, mysql_db: dict[str, Any], tmp_path: Any, guarded: bool
+) -> None:
+    run = paused_holder(f"sqlite:///{tmp_path}/locks.db", mysql_target, "inv", guarded)
+    bad = figure_8_5_violations(run, _data(mysql_db))
+    if guarded:
+        assert bad == [], bad
+    else:  # the same run without the guard: the stale write lands (the test can fail)
+        assert "the paused holder's stale write was accepted" in bad, bad
+
+
+def test_racing_processes_commit_tokens_in_order(
+    mysql_target: str, mysql_db: dict[str, Any]
+) -> None:
+    accepted = race(mysql_target, "inv", writers=4, per_writer=25)
+    conn = pymysql.connect(**mysql_db)
+    log = [r[0] for r in sql(conn, "SELECT token FROM log ORDER BY n")]
+    conn.close()
+    assert sum(accepted) == len(log) > 0
+    assert history_violations(log, _data(mysql_db)) == []
+
+
+# -- asyncmy ------------------------------------------------------------------------------------
+
+
+def test_asyncmy_is_the_same_guard(mysql_db: dict[str, Any]) -> None:
+    import asyncmy
+
+    async def go() -> None:
+        conn = await asyncmy.connect(**mysql_db, autocommit=True)
+        try:
+            guard = SQLGuard("orders")
+            await guard.ainstall(conn)
+            async with conn.cursor() as cur:
+                await cur.execute("CREATE TABLE acc (id INT PRIMARY KEY, v TEXT) ENGINE=InnoDB")
+            assert await guard.abegin(conn, token=tok(4)) == tok(4)
+            await conn.commit()
+            with pytest.raises(fenced.ConfigurationError, match="autocommit"):
+                await guard.acheck(conn, token=tok(4))  # autocommit, no transaction open
+            await conn.begin()
+            with pytest.raises(fenced.StaleTokenError):
+                await guard.acheck(conn, token=tok(3))
+            await conn.rollback()
+            assert await guard.ahigh_water(conn) == tok(4)
+            row = RowGuard("acc", lock="orders")
+            await row.ainstall(conn)
+            await row.ainsert_or_update(conn, token=tok(4), key={"id": 1}, values={"v": "a"})
+            await row.aupdate(conn, token=tok(5), key={"id": 1}, values={"v": "b"})
+            with pytest.raises(fenced.StaleTokenError):
+                await row.aupdate(conn, token=tok(4), key={"id": 1}, values={"v": "stale"})
+            with pytest.raises(fenced.ResourceNotFoundError):
+                await row.aupdate(conn, token=tok(5), key={"id": 2}, values={"v": "x"})
+            async with conn.cursor() as cur:
+                await cur.execute("SELECT v, fencing_token FROM acc")
+                assert await cur.fetchall() == (("b", 5),)
+        finally:
+            conn.close()
+
+    asyncio.run(go())
+
+
+# -- bad input ----------------------------------------------------------------------------------
+
+
+def test_install_refuses_to_commit_the_callers_transaction(connect: Any) -> None:
+    conn = connect()
+    sql(conn, "CREATE TABLE t (id INT PRIMARY KEY) ENGINE=InnoDB")
+    conn.begin()
+    sql(conn, "INSERT INTO t VALUES (1)")
+    with pytest.raises(fenced.ConfigurationError, match="commits the open transaction"):
+        SQLGuard("orders").install(conn)
+    conn.rollback()
+    assert sql(conn, "SELECT * FROM t") == []  # nothing committed behind the caller's back
+
+
+def test_a_check_outside_a_transaction_in_autocommit_is_refused(connect: Any) -> None:
+    guard = fence_table(connect)
+    with pytest.raises(fenced.ConfigurationError, match="autocommit"):
+        guard.check(connect(autocommit=True), token=tok(1))
+
+
+def test_tables_that_would_fail_open_are_refused(connect: Any) -> None:
+    conn = connect(autocommit=True)
+    sql(conn, "CREATE TABLE myisam_fences (resource VARCHAR(100) PRIMARY KEY) ENGINE=MyISAM")
+    with pytest.raises(fenced.ConfigurationError, match="MyISAM"):
+        SQLGuard("orders", table="myisam_fences").install(conn)
+    sql(
+        conn,
+        "CREATE TABLE ci_fences (resource VARCHAR(100) COLLATE utf8mb4_general_ci PRIMARY KEY, "
+        "lock_name VARCHAR(100) COLLATE utf8mb4_general_ci, token BIGINT, checks BIGINT) "
+        "ENGINE=InnoDB",
+    )
+    with pytest.raises(fenced.ConfigurationError, match="case-insensitively"):
+        SQLGuard("orders", table="ci_fences").install(conn)
+    sql(
+        conn,
+        "CREATE TABLE text_fences (resource VARCHAR(100) COLLATE utf8mb4_bin PRIMARY KEY, "
+        "lock_name VARCHAR(100) COLLATE utf8mb4_bin, token TEXT, checks BIGINT) ENGINE=InnoDB",
+    )
+    with pytest.raises(fenced.ConfigurationError, match="not bigint"):
+        SQLGuard("orders", table="text_fences").install(conn)
+    sql(conn, "CREATE TABLE rows_text (id INT PRIMARY KEY, fencing_token VARCHAR(20))")
+    with pytest.raises(fenced.ConfigurationError, match="64-bit"):
+        RowGuard("rows_text", lock="orders").install(conn)
+    with pytest.raises(fenced.ConfigurationError, match="does not exist"):
+        RowGuard("missing", lock="orders").install(conn)
+    long = SQLGuard("r" * 701, lock="orders")
+    fence_table(connect)
+    c = connect()
+    with pytest.raises(fenced.ConfigurationError, match="at most 700"):
+        long.check(c, token=tok(1))
+
+
+def test_names_compare_exactly_whatever_the_collation(connect: Any) -> None:
+    guard = fence_table(connect)
+    conn = connect()
+    guard.check(conn, token=tok(5))
+    conn.commit()
+    with pytest.raises(fenced.WrongLockError):
+        SQLGuard("orders", lock="ORDERS").check(conn, token=tok(6, "ORDERS"))
+    conn.rollback()
+    other = SQLGuard("ORDERS", lock="orders")  # another resource, not the same row
+    assert other.check(conn, token=tok(1)) == tok(1)
+    conn.commit()
+    # a row table whose lock column compares case-insensitively still refuses another lock
+    plain = connect(autocommit=True)
+    sql(
+        plain,
+        "CREATE TABLE r (id INT PRIMARY KEY, v TEXT, lk VARCHAR(50) COLLATE utf8mb4_general_ci)",
+    )
+    rows = RowGuard("r", lock="orders", lock_column="lk")
+    rows.install(plain)
+    rows.insert_or_update(plain, token=tok(5), key={"id": 1}, values={"v": "a"})
+    with pytest.raises(fenced.WrongLockError):
+        RowGuard("r", lock="ORDERS", lock_column="lk").insert_or_update(
+            plain, token=tok(6, "ORDERS"), key={"id": 1}, values={"v": "b"}
+        )
+    assert sql(plain, "SELECT v, fencing_token, lk FROM r") == [("a", 5, "orders")]
+
+
+def test_a_closed_connection_is_backend_unavailable(connect: Any) -> None:
+    guard = fence_table(connect)
+    conn = connect()
+    conn.close()
+    with pytest.raises(fenced.BackendUnavailable):
+        guard.check(conn, token=tok(1))
