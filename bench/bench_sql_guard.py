@@ -1,7 +1,8 @@
 """Cost of the SQL guard: a one-row UPDATE transaction, fenced vs unfenced.
 
-Engines: SQLite (file, WAL, synchronous=FULL) and PostgreSQL (a fresh ``PostgresServer``,
-fsync=on, synchronous_commit=on), one sequential client each. Each transaction is
+Engines: SQLite (file, WAL, synchronous=FULL), PostgreSQL (a fresh ``PostgresServer``,
+fsync=on, synchronous_commit=on) and MariaDB (a fresh ``MariaDBServer``, InnoDB,
+innodb_flush_log_at_trx_commit=1; PyMySQL), one sequential client each. Each transaction is
 ``BEGIN; [fence]; UPDATE accounts SET balance = ? WHERE id = 1; COMMIT``:
 
 * unfenced - no fence (the peer);
@@ -35,7 +36,7 @@ from _common import Result, fmt_us, table
 
 from fenced import FencingToken
 from fenced.guards.sql import RowGuard, SQLGuard
-from fenced.testing.servers import PostgresServer
+from fenced.testing.servers import MariaDBServer, PostgresServer
 
 TOKEN = FencingToken("accounts", 42)
 SLICES = 20
@@ -160,11 +161,80 @@ def bench_postgres(n: int) -> Run:
         return interleaved(make_ops(conn, "BEGIN", lambda s: s.replace("?", "%s")), n)
 
 
+def make_mysql_ops(conn: Any) -> dict[str, Callable[[], object]]:
+    """The same five transactions through PyMySQL (a cursor per statement, as users write),
+    autocommit off (PyMySQL's default): a transaction opens at its first statement, so the
+    peer is UPDATE + COMMIT and no variant sends BEGIN."""
+    guard, rows = SQLGuard("accounts"), RowGuard("accounts", lock="accounts")
+    guard.install(conn)
+
+    def run(sql: str, params: tuple[Any, ...] = ()) -> None:
+        with conn.cursor() as cur:
+            cur.execute(sql, params)
+            cur.fetchall()
+
+    run("CREATE TABLE IF NOT EXISTS accounts (id INT PRIMARY KEY, balance BIGINT) ENGINE=InnoDB")
+    run("INSERT IGNORE INTO accounts (id, balance) VALUES (1, 0)")
+    conn.commit()
+    rows.install(conn)
+    update = "UPDATE accounts SET balance = %s WHERE id = 1"
+    counter = iter(range(10**9))
+
+    def unfenced() -> None:
+        run(update, (next(counter),))
+        conn.commit()
+
+    def fence_table() -> None:
+        guard.check(conn, token=TOKEN)
+        run(update, (next(counter),))
+        conn.commit()
+
+    def fence_begin() -> None:
+        guard.begin(conn, token=TOKEN)
+        run(update, (next(counter),))
+        conn.commit()
+
+    def row_form() -> None:
+        # the whole transaction: a guarded write outside an open transaction commits itself
+        rows.update(conn, token=TOKEN, key={"id": 1}, values={"balance": next(counter)})
+
+    def one_more_statement() -> None:
+        run("SELECT 1")
+        run(update, (next(counter),))
+        conn.commit()
+
+    return {
+        "unfenced": unfenced,
+        "SQLGuard": fence_table,
+        "SQLGuard.begin": fence_begin,
+        "RowGuard": row_form,
+        "+SELECT 1": one_more_statement,
+    }
+
+
+def bench_mysql(n: int) -> Run:
+    import pymysql
+
+    with MariaDBServer() as server:
+        conn = pymysql.connect(host="127.0.0.1", port=server.port, user="root", database="fenced")
+        try:
+            return interleaved(make_mysql_ops(conn), n)
+        finally:
+            conn.close()
+
+
+ENGINES = {"SQLite": (bench_sqlite, 5000), "PostgreSQL": (bench_postgres, 3000)}
+ENGINES["MariaDB"] = (bench_mysql, 3000)
+
+
 def main() -> None:
     load_before = os.getloadavg()[0]
     notes: list[str] = []
     rows: list[tuple[str, Result, Result]] = []
-    for engine, bench, n in (("SQLite", bench_sqlite, 5000), ("PostgreSQL", bench_postgres, 3000)):
+    only = sys.argv[1:]  # engine names to run (default: all)
+    for engine, (bench, n) in ENGINES.items():
+        if only and engine not in only:
+            continue
         run = bench(n)
         for name in VARIANTS[1:]:
             rows.append((f"{engine}: 1-row UPDATE txn", run.results[name], run.results["unfenced"]))

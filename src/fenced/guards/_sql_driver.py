@@ -390,7 +390,8 @@ def run(
     begun = True
     if begin:
         _refuse_open_transaction(conn)
-        if d is not POSTGRESQL:
+        if d is SQLITE or (d is MYSQL and conn.get_autocommit()):
+            # (MySQL without autocommit opens the transaction at the fence itself: no BEGIN)
             try:
                 conn.execute("BEGIN IMMEDIATE") if d is SQLITE else conn.begin()
             except Exception as exc:
@@ -398,7 +399,7 @@ def run(
                 if mapped is None:
                     raise
                 raise mapped from exc
-        else:
+        elif d is POSTGRESQL:
             begun = not conn.autocommit  # psycopg begins by itself then
     elif need_tx:
         require_transaction(conn)
@@ -427,7 +428,7 @@ async def arun(
     elif need_tx:
         require_transaction(conn)
     if d is MYSQL:
-        if begin:
+        if begin and conn.get_autocommit():
             try:
                 await conn.begin()
             except Exception as exc:
