@@ -29,6 +29,7 @@ import dataclasses
 import json
 import os
 import random
+import re
 import selectors
 import shutil
 import signal
@@ -361,7 +362,7 @@ def _nemesis(
             rng.shuffle(deck)
         kind = deck.pop() if deck else None
         if kind == "pause" and writers:
-            victim = rng.choice(writers)
+            victim = _holder(op, writers) or rng.choice(writers)
             os.killpg(victim.pid, signal.SIGSTOP)
             time.sleep(rng.uniform(2.0, 3.0) * ttl)
             os.killpg(victim.pid, signal.SIGCONT)
@@ -389,6 +390,18 @@ def _nemesis(
             continue
         faults[kind] += 1
         _rejoin(cluster, op)
+
+
+def _holder(op: fenced.replicated.Group, writers: list[Any]) -> Any:
+    """The writer holding the group's lock now, if any: pausing it is the fault that matters
+    (it wakes past its lease in the middle of its writes; a paused waiter tests little)."""
+    try:
+        status = op._portal.call(op.aio.source.status(GROUP))
+    except fenced.FencedError:
+        return None
+    found = re.search(r"\bpid (\d+)", status.owner or "") if status.holder else None
+    pid = int(found.group(1)) if found else None
+    return next((p for p in writers if p.pid == pid), None)
 
 
 def _heal_all(cluster: GroupCluster) -> None:
