@@ -1,5 +1,7 @@
 """Run the SQL guards' plans on a live connection: sqlite3, psycopg 3 sync and async, PyMySQL
-and asyncmy (MySQL/MariaDB).
+and asyncmy (MySQL/MariaDB) — or a SQLAlchemy ``Connection``/``Session`` over any of them
+(and ``AsyncConnection``/``AsyncSession``), whose statements go through ``exec_driver_sql`` in
+the caller's SQLAlchemy transaction.
 
 The drivers are deliberately thin: execute each statement a plan yields, hand back the rows,
 and translate the driver's errors into fenced's tree at this boundary:
@@ -66,6 +68,144 @@ def _pymysql_connection(conn: object) -> bool:
 def _asyncmy_connection(conn: object) -> bool:
     mod = sys.modules.get("asyncmy.connection")
     return mod is not None and isinstance(conn, mod.Connection)
+
+
+# -- SQLAlchemy ------------------------------------------------------------------------------
+
+_SA_DIALECTS = {"sqlite": SQLITE, "postgresql": POSTGRESQL, "mysql": MYSQL, "mariadb": MYSQL}
+
+
+def sa_connection(conn: object) -> Any:
+    """The SQLAlchemy ``Connection`` behind ``conn`` (itself, or a ``Session``'s connection for
+    its current transaction, which this begins), or None if ``conn`` is no SQLAlchemy object."""
+    if "sqlalchemy" not in sys.modules:
+        return None
+    from sqlalchemy.engine import Connection
+    from sqlalchemy.orm import Session
+
+    if isinstance(conn, Session):
+        return conn.connection()
+    if isinstance(conn, Connection):
+        return conn
+    return None
+
+
+def sa_connection_kind(conn: object) -> bool:
+    """Is ``conn`` a SQLAlchemy ``Connection`` or ``Session`` (without beginning anything)?"""
+    if "sqlalchemy" not in sys.modules:
+        return False
+    from sqlalchemy.engine import Connection
+    from sqlalchemy.orm import Session
+
+    return isinstance(conn, Connection | Session)
+
+
+def sa_async(conn: object) -> bool:
+    """Is ``conn`` a SQLAlchemy ``AsyncConnection`` or ``AsyncSession``?"""
+    if "sqlalchemy.ext.asyncio" not in sys.modules:
+        return False
+    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+
+    return isinstance(conn, AsyncConnection | AsyncSession)
+
+
+def sa_in_transaction(conn: Any) -> bool:
+    """A SQLAlchemy Connection or Session: is a transaction open (before we begin one)?"""
+    return bool(conn.in_transaction())
+
+
+def _sa_dialect(sa_conn: Any) -> Dialect:
+    d = _SA_DIALECTS.get(sa_conn.dialect.name)
+    if d is None:
+        raise TypeError(
+            f"SQLAlchemy dialect {sa_conn.dialect.name!r}: the SQL guards support sqlite, "
+            "postgresql, mysql and mariadb"
+        )
+    # our statements carry the driver's own markers (? or %s): the driver must take them
+    wanted = ("qmark",) if d is SQLITE else ("format", "pyformat")
+    if sa_conn.dialect.paramstyle not in wanted:
+        raise TypeError(
+            f"SQLAlchemy driver {sa_conn.dialect.driver!r} takes {sa_conn.dialect.paramstyle} "
+            f"parameters; the SQL guards support {d.name} drivers taking {' or '.join(wanted)} "
+            "(sqlite3/aiosqlite, psycopg, PyMySQL, asyncmy)"
+        )
+    return d
+
+
+def _sa_map(d: Dialect, sa_conn: Any) -> Callable[[BaseException], FencedError | None]:
+    def mapped(exc: BaseException) -> FencedError | None:
+        from sqlalchemy import exc as sa_exc
+
+        if isinstance(exc, sa_exc.DBAPIError) and exc.orig is not None:
+            return map_error(d, None, exc.orig)
+        if isinstance(exc, sa_exc.ResourceClosedError):
+            return BackendUnavailable(f"the SQLAlchemy connection is closed: {exc}")
+        return None
+
+    return mapped
+
+
+def _sa_require_transaction(sa_conn: Any) -> None:
+    """Refuse an engine in AUTOCOMMIT isolation (the fence would commit on its own)."""
+    if sa_conn.closed:
+        raise BackendUnavailable("the SQLAlchemy connection is closed")
+    raw = sa_conn.connection.driver_connection
+    level = sa_conn.get_execution_options().get("isolation_level")
+    autocommit = level == "AUTOCOMMIT"
+    if isinstance(raw, sqlite3.Connection):
+        autocommit = autocommit or (raw.isolation_level is None and not raw.in_transaction)
+    elif _pymysql_connection(raw) or _asyncmy_connection(raw):
+        autocommit = autocommit or (raw.get_autocommit() and not in_transaction(raw))
+    elif hasattr(raw, "autocommit") and hasattr(raw, "info"):  # psycopg
+        autocommit = autocommit or (raw.autocommit and not in_transaction(raw))
+    if autocommit:
+        raise ConfigurationError(
+            "SQLGuard.check() needs the caller's transaction: this SQLAlchemy connection runs "
+            "in AUTOCOMMIT isolation; use a transactional connection or session"
+        )
+
+
+CHECKED = "fenced.checked"
+"""``Session.info`` key: resource -> token checked in the session's current transaction."""
+
+
+def note_checked(conn: Any, resource: str, token: object) -> None:
+    """Remember in a SQLAlchemy session that ``resource`` was checked (for require_fence)."""
+    session = getattr(conn, "sync_session", conn)
+    orm = sys.modules.get("sqlalchemy.orm")
+    if orm is not None and isinstance(session, orm.Session):
+        session.info.setdefault(CHECKED, {})[resource] = token
+
+
+def sa_install(conn: Any, make_plan: Callable[[Dialect], Plan[T]]) -> T:
+    """DDL through SQLAlchemy: in the caller's transaction if one is open (MySQL: refused, DDL
+    commits it), else in one of its own that it commits."""
+    was_open = sa_in_transaction(conn)
+    sa_conn = sa_connection(conn)
+    if _sa_dialect(sa_conn) is MYSQL and was_open:
+        raise ConfigurationError(
+            "install() on MySQL runs DDL, which commits the open transaction: call it "
+            "outside a transaction"
+        )
+    value = run_sa(sa_conn, make_plan)
+    if not was_open:
+        conn.commit()
+    return value
+
+
+def run_sa(sa_conn: Any, make_plan: Callable[[Dialect], Plan[T]], *, need_tx: bool = False) -> T:
+    """Run a plan through a SQLAlchemy Connection, in its (auto-begun) transaction."""
+    d = _sa_dialect(sa_conn)
+    if need_tx:
+        _sa_require_transaction(sa_conn)
+
+    def send(stmt: Stmt) -> Result:
+        result = sa_conn.exec_driver_sql(stmt.sql, stmt.params)
+        rows = [tuple(r) for r in result.fetchall()] if result.returns_rows else []
+        insert_id = (result.lastrowid or 0) if d is MYSQL else 0
+        return Result(rows, result.rowcount, insert_id)
+
+    return drive(make_plan(d), send, _sa_map(d, sa_conn))
 
 
 _SYNC_KINDS = (
@@ -288,6 +428,9 @@ def run_own(conn: Any, make_plan: Callable[[Dialect], Plan[T]]) -> T:
     SQLite's write lock held meanwhile). So a transaction this call opened is committed on
     success and rolled back on refusal; a transaction the caller had open is left to them.
     """
+    sa_conn = sa_connection(conn)
+    if sa_conn is not None:  # the caller's unit of work commits, as SQLAlchemy users expect
+        return run_sa(sa_conn, make_plan)
     sync_dialect(conn)
     if in_transaction(conn):
         return run(conn, make_plan)
@@ -303,7 +446,9 @@ def run_own(conn: Any, make_plan: Callable[[Dialect], Plan[T]]) -> T:
 
 
 async def arun_own(conn: Any, make_plan: Callable[[Dialect], Plan[T]]) -> T:
-    """The async :func:`run_own` (psycopg AsyncConnection)."""
+    """The async :func:`run_own`."""
+    if sa_async(conn):
+        return await conn.run_sync(lambda c: run_own(c, make_plan))  # type: ignore[no-any-return]
     _async_dialect(conn)
     if in_transaction(conn):
         return await arun(conn, make_plan)
@@ -378,11 +523,15 @@ def run(
     need_tx: bool = False,
     begin: bool = False,
 ) -> T:
-    """Run a plan on a synchronous connection (sqlite3 or psycopg).
+    """Run a plan on a synchronous connection (see the module doc).
 
     ``begin``: start the caller's transaction with the plan's first statement (PostgreSQL in
-    autocommit mode: in one round trip; otherwise BEGIN IMMEDIATE / the driver's own BEGIN).
+    autocommit mode: in one round trip; otherwise BEGIN IMMEDIATE / the driver's own BEGIN;
+    SQLAlchemy begins by itself).
     """
+    sa_conn = sa_connection(conn)
+    if sa_conn is not None:
+        return run_sa(sa_conn, make_plan, need_tx=need_tx or begin)
     d = sync_dialect(conn)
     execute: Callable[[Any, Stmt], Result] = (
         _exec_sqlite if d is SQLITE else _exec_mysql if d is MYSQL else _exec_psycopg
@@ -421,7 +570,11 @@ async def arun(
     need_tx: bool = False,
     begin: bool = False,
 ) -> T:
-    """Run a plan on a psycopg AsyncConnection (``begin``: see :func:`run`)."""
+    """Run a plan on an async connection (``begin``: see :func:`run`)."""
+    if sa_async(conn):
+        return await conn.run_sync(  # type: ignore[no-any-return]
+            lambda c: run(c, make_plan, need_tx=need_tx, begin=begin)
+        )
     d = _async_dialect(conn)
     if begin:
         _refuse_open_transaction(conn)
@@ -453,6 +606,8 @@ async def arun(
 
 def run_install(conn: Any, make_plan: Callable[[Dialect], Plan[T]]) -> T:
     """Run DDL in the caller's open transaction, or else in one of its own that it commits."""
+    if sa_connection_kind(conn):
+        return sa_install(conn, make_plan)
     d = sync_dialect(conn)
     if d is MYSQL:
         _refuse_ddl_in_transaction(conn)
@@ -481,7 +636,9 @@ def run_install(conn: Any, make_plan: Callable[[Dialect], Plan[T]]) -> T:
 
 
 async def arun_install(conn: Any, make_plan: Callable[[Dialect], Plan[T]]) -> T:
-    """The async :func:`run_install` (psycopg AsyncConnection)."""
+    """The async :func:`run_install`."""
+    if sa_async(conn):
+        return await conn.run_sync(lambda c: sa_install(c, make_plan))  # type: ignore[no-any-return]
     d = _async_dialect(conn)
     if d is MYSQL:
         _refuse_ddl_in_transaction(conn)

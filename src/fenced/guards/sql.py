@@ -98,8 +98,20 @@ from typing import Any
 from .._errors import ConfigurationError, InvalidTokenError
 from .._signing import TokenVerifier
 from .._token import FencingToken, validate_lock_name
-from ._sql_driver import arun, arun_install, arun_own, run, run_install, run_own
+from ._sql_driver import (
+    CHECKED,
+    arun,
+    arun_install,
+    arun_own,
+    note_checked,
+    run,
+    run_install,
+    run_own,
+)
 from ._sql_plan import (
+    MYSQL,
+    POSTGRESQL,
+    SQLITE,
     Add,
     Dialect,
     FenceConflictError,
@@ -119,7 +131,7 @@ from ._sql_plan import (
 )
 from ._token_arg import token_keyword
 
-__all__ = ["Add", "FenceConflictError", "RowGuard", "SQLFencer", "SQLGuard"]
+__all__ = ["Add", "FenceConflictError", "RowGuard", "SQLFencer", "SQLGuard", "require_fence"]
 
 TokenLike = FencingToken | str | bytes
 
@@ -138,9 +150,11 @@ class SQLGuard:
     the fence row also records it, and a token of another lock is rejected with
     :class:`~fenced.WrongLockError`. Tokens may be given as :class:`~fenced.FencingToken` or
     their text form ``"lock:value"``. Call :meth:`install` once (idempotent) to create the
-    table. Works with ``sqlite3.Connection``, ``psycopg.Connection`` and PyMySQL's
-    ``Connection``; the ``a...`` methods take a ``psycopg.AsyncConnection`` or an asyncmy
-    connection.
+    table. Works with ``sqlite3.Connection``, ``psycopg.Connection``, PyMySQL's ``Connection``
+    and a SQLAlchemy ``Connection`` or ``Session`` over any of them; the ``a...`` methods take
+    a ``psycopg.AsyncConnection``, an asyncmy connection, or a SQLAlchemy ``AsyncConnection``
+    or ``AsyncSession``. Through SQLAlchemy the check runs in the session's transaction and
+    nothing is committed for you.
     """
 
     __slots__ = ("_quoted", "lock", "resource", "table", "verifier")
@@ -181,7 +195,9 @@ class SQLGuard:
         for a closed connection or dead server. On any error let the transaction roll back.
         """
         tok = FencingToken.coerce(token, self.lock, self.verifier)
-        return run(conn, lambda d: self._check_plan(d, tok), need_tx=True)
+        accepted = run(conn, lambda d: self._check_plan(d, tok), need_tx=True)
+        note_checked(conn, self.resource, accepted)
+        return accepted
 
     @token_keyword()
     def begin(self, conn: Any, *, token: TokenLike) -> FencingToken:
@@ -193,7 +209,9 @@ class SQLGuard:
         it is left open too (roll it back). Refuses a connection already in a transaction.
         """
         tok = FencingToken.coerce(token, self.lock, self.verifier)
-        return run(conn, lambda d: self._check_plan(d, tok), begin=True)
+        accepted = run(conn, lambda d: self._check_plan(d, tok), begin=True)
+        note_checked(conn, self.resource, accepted)
+        return accepted
 
     def high_water(self, conn: Any) -> FencingToken | None:
         """The highest token accepted so far, or None if the resource was never fenced."""
@@ -204,6 +222,17 @@ class SQLGuard:
         connection with ``connect()``, raises the mark to the new token in a transaction of
         its own, commits and closes (a connection is not shared with fenced's thread)."""
         return SQLFencer(self, connect)
+
+    def ddl(self, dialect: str) -> str:
+        """The fence table's DDL for ``dialect`` (``sqlite``, ``postgresql``, ``mysql``,
+        ``mariadb``), idempotent, for a migration: ``op.execute(guard.ddl(
+        op.get_bind().dialect.name))`` in Alembic. :meth:`install` runs the same and verifies."""
+        d = _DIALECTS.get(dialect)
+        if d is None:
+            raise ConfigurationError(
+                f"unknown SQL dialect {dialect!r}: sqlite, postgresql, mysql or mariadb"
+            )
+        return self._fence_sql(d).create
 
     def install(self, conn: Any) -> None:
         """Create the fence table if missing (idempotent, safe to race).
@@ -218,13 +247,17 @@ class SQLGuard:
     async def acheck(self, conn: Any, *, token: TokenLike) -> FencingToken:
         """:meth:`check` on a ``psycopg.AsyncConnection``."""
         tok = FencingToken.coerce(token, self.lock, self.verifier)
-        return await arun(conn, lambda d: self._check_plan(d, tok), need_tx=True)
+        accepted = await arun(conn, lambda d: self._check_plan(d, tok), need_tx=True)
+        note_checked(conn, self.resource, accepted)
+        return accepted
 
     @token_keyword()
     async def abegin(self, conn: Any, *, token: TokenLike) -> FencingToken:
         """:meth:`begin` on a ``psycopg.AsyncConnection``."""
         tok = FencingToken.coerce(token, self.lock, self.verifier)
-        return await arun(conn, lambda d: self._check_plan(d, tok), begin=True)
+        accepted = await arun(conn, lambda d: self._check_plan(d, tok), begin=True)
+        note_checked(conn, self.resource, accepted)
+        return accepted
 
     async def ahigh_water(self, conn: Any) -> FencingToken | None:
         """:meth:`high_water` on a ``psycopg.AsyncConnection``."""
@@ -233,6 +266,47 @@ class SQLGuard:
     async def ainstall(self, conn: Any) -> None:
         """:meth:`install` on a ``psycopg.AsyncConnection``."""
         await arun_install(conn, lambda d: fence_install_plan(d, self._fence_sql(d), self.table))
+
+
+_DIALECTS = {"sqlite": SQLITE, "postgresql": POSTGRESQL, "mysql": MYSQL, "mariadb": MYSQL}
+
+
+def require_fence(target: Any, guard: SQLGuard, tables: Sequence[str]) -> None:
+    """Refuse to flush changes to ``tables`` in a SQLAlchemy session transaction in which
+    ``guard.check(session, token=...)`` (or ``begin``/``acheck``) has not passed.
+
+    ``target``: a ``Session``, a ``sessionmaker`` or a ``Session`` subclass (for an
+    ``AsyncSession``, its ``sync_session``, or ``sessionmaker(class_=AsyncSession)``'s
+    ``sync_session_class``). A flush that would insert, update or delete an object mapped to
+    one of ``tables`` raises :class:`~fenced.ConfigurationError` before any SQL is sent; the
+    check is remembered until the session's transaction ends. This catches a code path that
+    forgot the fence; it does not replace it (writes through ``session.execute`` bypass it).
+    """
+    from sqlalchemy import event
+    from sqlalchemy import inspect as sa_inspect
+
+    names = frozenset(tables)
+    if not names:
+        raise ConfigurationError("require_fence() needs at least one table name")
+
+    def before_flush(session: Any, _context: Any, _instances: Any) -> None:
+        if guard.resource in session.info.get(CHECKED, {}):
+            return
+        for obj in (*session.new, *session.dirty, *session.deleted):
+            table = sa_inspect(obj).mapper.local_table
+            if getattr(table, "name", None) in names:
+                raise ConfigurationError(
+                    f"flushing a change to table {table.name!r}, fenced by "
+                    f"SQLGuard({guard.resource!r}), without a checked token in this "
+                    "transaction: call guard.check(session, token=...) first"
+                )
+
+    def after_transaction_end(session: Any, transaction: Any) -> None:
+        if transaction.parent is None:
+            session.info.pop(CHECKED, None)
+
+    event.listen(target, "before_flush", before_flush)
+    event.listen(target, "after_transaction_end", after_transaction_end)
 
 
 class SQLFencer:
