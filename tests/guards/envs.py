@@ -36,6 +36,7 @@ from fenced.guards.etcd import AsyncEtcdGuard, EtcdGuard
 from fenced.guards.files import FileGuard, HighWaterFile
 from fenced.guards.redis import SET_SCRIPT, RedisGuard
 from fenced.guards.sql import RowGuard, SQLGuard
+from fenced.guards.zookeeper import ZooKeeperGuard
 from tests.guards.planted import LessThanGuard, LessThanRowGuard
 from tests.helpers import unique_name
 
@@ -511,6 +512,70 @@ class EtcdEnv(GuardEnv):
             planted.close()
 
 
+# -- ZooKeeper ----------------------------------------------------------------------------
+
+
+class ZooKeeperEnv(GuardEnv):
+    """:class:`ZooKeeperGuard`: a znode written in one multi with the mark's version check."""
+
+    name = "zookeeper"
+
+    def __init__(self, hosts: str) -> None:
+        self.hosts = hosts
+        self.resource = unique_name("res")
+        self.path = f"/data/{self.resource}/item"
+        self._clients: list[Any] = []
+        self.client = self._client()
+        self.guard = ZooKeeperGuard(self.client, self.resource, LOCK, verify=self.verify_keys)
+
+    def _client(self) -> Any:
+        from kazoo.client import KazooClient
+
+        client = KazooClient(hosts=self.hosts)
+        client.start(timeout=20)
+        self._clients.append(client)
+        return client
+
+    def reopen(self) -> None:
+        self.close()
+        self.client = self._client()
+        self.guard = ZooKeeperGuard(self.client, self.resource, LOCK, verify=self.verify_keys)
+
+    def write(self, token: FencingToken | str, value: str) -> None:
+        self.guard.set(self.path, value.encode(), token=token)
+
+    def raw_write(self, value: str) -> None:
+        if self.client.exists(self.path) is None:
+            self.client.create(self.path, value.encode(), makepath=True)
+        else:
+            self.client.set(self.path, value.encode())
+
+    def read(self) -> str | None:
+        from kazoo.exceptions import NoNodeError
+
+        try:
+            return self.client.get(self.path)[0].decode()  # type: ignore[no-any-return]
+        except NoNodeError:
+            return None
+
+    def high_water(self) -> FencingToken | None:
+        return self.guard.high_water()
+
+    def planted_lt(self) -> Write:
+        class Lt(ZooKeeperGuard):
+            def _accepts(self, token: int, mark: int) -> bool:
+                return mark < token
+
+        guard = Lt(self.client, self.resource, LOCK)
+        return lambda token, value: bool(guard.set(self.path, value.encode(), token=token))
+
+    def close(self) -> None:
+        for c in self._clients:
+            c.stop()
+            c.close()
+        self._clients.clear()
+
+
 # -- files --------------------------------------------------------------------------------
 
 
@@ -630,6 +695,7 @@ GUARDS = [
     "redis-async",
     "sqlite-store",
     "etcd",
+    "zookeeper",
     "files",
     "files-async",
     "high-water-file",
@@ -655,6 +721,8 @@ def make_env(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> Itera
         env = SQLiteStoreEnv(tmp_path / "store.db")
     elif kind == "etcd":
         env = EtcdEnv(request.getfixturevalue("etcd_server").endpoint)
+    elif kind == "zookeeper":
+        env = ZooKeeperEnv(request.getfixturevalue("zk_server").hosts)
     elif kind == "files":
         env = FileGuardEnv(tmp_path / "files")
     elif kind == "files-async":

@@ -3,9 +3,11 @@
 One module per kind of resource, each imported on its own (they need different clients):
 
 - ``fenced.guards.sql`` — ``SQLGuard`` (a fence table) and ``RowGuard`` (a token column), for
-  sqlite3 and psycopg 3, inside the caller's own transaction;
+  sqlite3, psycopg 3, PyMySQL/asyncmy and SQLAlchemy, inside the caller's own transaction;
 - ``fenced.guards.redis`` — ``RedisGuard`` / ``AsyncRedisGuard``: one Lua script per write;
 - ``fenced.guards.etcd`` — ``EtcdGuard`` / ``AsyncEtcdGuard``: one transaction per write;
+- ``fenced.guards.zookeeper`` — ``ZooKeeperGuard`` / ``AsyncZooKeeperGuard``: one ``multi``
+  per write, checking the mark znode's version;
 - ``fenced.guards.files`` — ``FileGuard`` (a new file per token) and ``HighWaterFile``;
 - ``fenced.guards.asgi`` — ``FencingMiddleware`` for HTTP services, with SQLite, PostgreSQL
   and Redis fence stores; ``fenced.guards.httpx`` — ``FencingAuth`` for the client side.

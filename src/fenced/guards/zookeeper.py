@@ -1,0 +1,305 @@
+"""ZooKeeper as the fenced resource: writes to znodes, each ONE ``multi`` that checks the mark.
+
+Junqueira's note asks what a master fences when the resource is ZooKeeper itself ("an obvious
+candidate"): here, the znodes it writes. ::
+
+    zk = KazooClient("127.0.0.1:2181"); zk.start()
+    guard = ZooKeeperGuard(zk, "scheduler")
+    guard.set("/scheduler/plan", b"...", token=lease.token)     # StaleTokenError if fenced off
+    guard.delete("/scheduler/old", token=lease.token)
+
+The resource's mark is one znode, ``<root>/marks/<resource>`` (default root ``/fenced``),
+whose data is ``<lock>\\n<19-digit token>``. A write is one ZooKeeper transaction (``multi``),
+applied atomically or not at all::
+
+    read the mark node: (lock, m) at version v      # m: the highest token accepted
+    refuse now if token < m (StaleTokenError) or lock differs (WrongLockError)
+    multi:  set mark = token if version == v   (or: check version == v, when token == m;
+                                                or: create the mark node, when there is none)
+            the caller's create / set / delete
+    a failed version check (another writer moved the mark meanwhile): read again, decide again
+
+The comparison is made on a mark read at version ``v``, and the multi applies only if the
+mark is still at version ``v``: check and write are one atomic step (optimistic, like etcd's
+compare on a value). The mark only grows, so the retries end.
+
+**Sessions.** The caution in the note is a client that silently gets a *new session* (its old
+one expired while it was paused or cut off) and carries on as master. This guard does not rely
+on the session at all: the mark is a persistent znode and every write carries the token, so a
+client on its second session is refused exactly like one on its first once a later holder has
+raised the mark (tested: a session expired under the holder, kazoo reconnects, the stale write
+is refused). Ephemeral nodes and session ids are liveness, never safety.
+
+Every path under ``root`` is reserved: a guarded write may not touch it, so no resource can
+rewrite another's mark. A mark that does not parse is :class:`~fenced.CorruptMarkError` and
+refuses every write. :class:`AsyncZooKeeperGuard` runs the same code on a worker thread (kazoo
+is a threaded client; its calls block).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Final
+from urllib.parse import quote
+
+from kazoo.exceptions import (
+    BadVersionError,
+    ConnectionClosedError,
+    ConnectionLoss,
+    NodeExistsError,
+    NoNodeError,
+    NotEmptyError,
+    RolledBackError,
+    SessionExpiredError,
+)
+from kazoo.handlers.threading import KazooTimeoutError
+
+from .._errors import (
+    BackendUnavailable,
+    ConfigurationError,
+    CorruptMarkError,
+    FenceConflictError,
+    InvalidTokenError,
+    ResourceNotFoundError,
+    StaleTokenError,
+    WrongLockError,
+)
+from .._signing import TokenVerifier
+from .._token import MAX_TOKEN, FencingToken, validate_lock_name
+
+__all__ = ["AsyncZooKeeperGuard", "ZooKeeperGuard"]
+
+TokenLike = FencingToken | str | bytes
+_RETRIES: Final = 50  # mark moves under a writer; each retry reads the newer mark
+_GONE: Final = (ConnectionLoss, ConnectionClosedError, SessionExpiredError, KazooTimeoutError)
+
+
+def _encode(lock: str, value: int) -> bytes:
+    return f"{lock}\n{value:019d}".encode()
+
+
+class ZooKeeperGuard:
+    """Fenced writes to znodes for ``resource``, with the mark in ZooKeeper (see the module).
+
+    ``client``: a started ``KazooClient`` (yours: the guard never stops it). ``lock``: the
+    lock whose tokens are accepted (default: the resource name). ``root``: fenced's reserved
+    subtree. ``verify``: check signed tokens before the mark (see ``fenced._signing``).
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        resource: str,
+        lock: str | None = None,
+        *,
+        root: str = "/fenced",
+        verify: TokenVerifier | None = None,
+    ) -> None:
+        if (
+            not isinstance(resource, str)
+            or not resource
+            or len(resource) > 1000
+            or "\0" in resource
+        ):
+            raise ConfigurationError(
+                f"invalid resource name {resource!r}: non-empty text, at most 1000 characters"
+            )
+        if (
+            not isinstance(root, str)
+            or not root.startswith("/")
+            or root == "/"
+            or root.endswith("/")
+        ):
+            raise ConfigurationError(
+                f"root must be an absolute znode path like '/fenced', not {root!r}"
+            )
+        self.client = client
+        self.resource = resource
+        try:
+            self.lock = validate_lock_name(resource if lock is None else lock)
+        except InvalidTokenError as exc:
+            raise ConfigurationError(f"lock of {resource!r}: {exc}; pass lock=") from None
+        self.root = root
+        self.verifier = verify
+        # percent-encoded: one path segment for any resource name, never "." or ".."
+        self.mark_path = f"{root}/marks/r-{quote(resource, safe='')}"
+
+    def __repr__(self) -> str:
+        return f"ZooKeeperGuard({self.resource!r}, lock={self.lock!r}, root={self.root!r})"
+
+    # -- the mark -------------------------------------------------------------------------------
+
+    def _accepts(self, token: int, mark: int) -> bool:
+        return mark <= token
+
+    def _parse(self, raw: bytes) -> tuple[str, int]:
+        try:
+            lock, digits = raw.decode("ascii").split("\n")
+            value = int(digits)
+            if len(digits) != 19 or not digits.isdigit() or not 0 < value <= MAX_TOKEN:
+                raise ValueError(digits)
+            validate_lock_name(lock)
+        except Exception as exc:  # undecodable, malformed, out of range, a bad lock name
+            raise CorruptMarkError(self.resource, f"mark node holds {raw[:60]!r}") from exc
+        return lock, value
+
+    def _read_mark(self) -> tuple[str, int, int] | None:
+        """(lock, mark, version) of the mark node, or None if the resource was never fenced."""
+        try:
+            raw, stat = self.client.get(self.mark_path)
+        except NoNodeError:
+            return None
+        lock, value = self._parse(raw)
+        return lock, value, stat.version
+
+    def high_water(self) -> FencingToken | None:
+        """The highest token accepted so far, or None if never fenced."""
+        try:
+            got = self._read_mark()
+        except _GONE as exc:
+            raise BackendUnavailable(f"ZooKeeper unavailable: {type(exc).__name__}") from exc
+        return None if got is None else FencingToken(got[0], got[1])
+
+    # -- writes ---------------------------------------------------------------------------------
+
+    def _path(self, path: object) -> str:
+        if not isinstance(path, str) or not path.startswith("/") or "\0" in path:
+            raise ConfigurationError(f"a znode path is an absolute str path, not {path!r}")
+        if path.rstrip("/") == "" or path.endswith("/"):
+            raise ConfigurationError(f"invalid znode path {path!r}")
+        if path == self.root or path.startswith(self.root + "/"):
+            raise ConfigurationError(
+                f"{path!r} is in fenced's reserved subtree {self.root!r}: a guarded write may "
+                "not touch the marks"
+            )
+        return path
+
+    def _write(self, token: TokenLike, ops: Any) -> FencingToken:
+        """Run the caller's ops (a function adding them to a kazoo transaction) in one multi
+        with the mark's check-and-raise; retry while the mark moves under us."""
+        tok = FencingToken.coerce(token, self.lock, self.verifier)
+        try:
+            return self._write_once_or_retry(tok, ops)
+        except _GONE as exc:
+            raise BackendUnavailable(
+                f"ZooKeeper unavailable while writing {self.resource!r}: {type(exc).__name__} "
+                "(the write may or may not have been applied)"
+            ) from exc
+
+    def _write_once_or_retry(self, tok: FencingToken, ops: Any) -> FencingToken:
+        for _ in range(_RETRIES):
+            got = self._read_mark()
+            if got is not None:
+                lock, mark, _ = got
+                if lock != tok.lock:
+                    raise WrongLockError(
+                        f"{self.resource!r} is fenced by lock {lock!r}; token {tok} belongs to "
+                        f"lock {tok.lock!r}"
+                    )
+                if not self._accepts(tok.value, mark):
+                    raise StaleTokenError(tok, FencingToken(lock, mark), self.resource)
+            else:
+                self.client.ensure_path(self.mark_path.rsplit("/", 1)[0])
+            t = self.client.transaction()
+            if got is None:
+                t.create(self.mark_path, _encode(tok.lock, tok.value))
+            elif tok.value > got[1]:
+                t.set_data(self.mark_path, _encode(tok.lock, tok.value), version=got[2])
+            else:
+                t.check(self.mark_path, got[2])
+            path, racy = ops(t)
+            results = t.commit()
+            failed = [r for r in results if isinstance(r, Exception)]
+            if not failed:
+                return tok
+            if isinstance(results[0], BadVersionError | NodeExistsError | NoNodeError):
+                continue  # the mark moved (or appeared) since we read it: decide again
+            why = next((r for r in results[1:] if not isinstance(r, RolledBackError)), failed[0])
+            if racy and isinstance(why, NodeExistsError | NoNodeError):
+                continue  # set(): the znode appeared or went since we looked
+            raise _data_error(why, path)
+        raise FenceConflictError(
+            f"the mark of {self.resource!r} kept moving while writing with {tok}; try again"
+        )
+
+    def fence(self, token: TokenLike) -> None:
+        """Raise the mark to ``token`` without writing (fence on acquire)."""
+        self._write(token, lambda t: (None, False))
+
+    def set(self, path: str, data: bytes, *, token: TokenLike) -> FencingToken:
+        """Set ``path``'s data (creating the znode, and its parents, if missing) iff the token
+        is not stale; one multi with the mark check. Returns the accepted token."""
+        path = self._path(path)
+        data = _data(data)
+
+        def ops(t: Any) -> tuple[str, bool]:
+            if self.client.exists(path) is None:
+                self.client.ensure_path(path.rsplit("/", 1)[0] or "/")
+                t.create(path, data)
+            else:
+                t.set_data(path, data)
+            return path, True
+
+        return self._write(token, ops)
+
+    def create(self, path: str, data: bytes = b"", *, token: TokenLike) -> FencingToken:
+        """Create ``path`` (its parent must exist) iff the token is not stale;
+        :class:`~fenced.FencedError` subclasses for refusals, ``ConfigurationError`` if it
+        exists."""
+        path = self._path(path)
+        data = _data(data)
+
+        def ops(t: Any) -> tuple[str, bool]:
+            t.create(path, data)
+            return path, False
+
+        return self._write(token, ops)
+
+    def delete(self, path: str, *, token: TokenLike) -> FencingToken:
+        """Delete ``path`` (it must exist and have no children) iff the token is not stale."""
+        path = self._path(path)
+
+        def ops(t: Any) -> tuple[str, bool]:
+            t.delete(path)
+            return path, False
+
+        return self._write(token, ops)
+
+
+def _data(data: object) -> bytes:
+    if not isinstance(data, bytes):
+        raise ConfigurationError(f"znode data must be bytes, not {type(data).__name__}")
+    return data
+
+
+def _data_error(exc: Exception, path: object) -> Exception:
+    if isinstance(exc, NoNodeError):
+        return ResourceNotFoundError(f"no znode {path!r} (or its parent)")
+    if isinstance(exc, NodeExistsError):
+        return ConfigurationError(f"znode {path!r} exists already")
+    if isinstance(exc, NotEmptyError):
+        return ConfigurationError(f"znode {path!r} has children")
+    return exc
+
+
+class AsyncZooKeeperGuard:
+    """:class:`ZooKeeperGuard` for asyncio: the same code, each call on a worker thread."""
+
+    def __init__(self, client: Any, resource: str, lock: str | None = None, **kw: Any) -> None:
+        self.sync = ZooKeeperGuard(client, resource, lock, **kw)
+        self.resource = self.sync.resource
+
+    async def fence(self, token: TokenLike) -> None:
+        await asyncio.to_thread(self.sync.fence, token)
+
+    async def set(self, path: str, data: bytes, *, token: TokenLike) -> FencingToken:
+        return await asyncio.to_thread(lambda: self.sync.set(path, data, token=token))
+
+    async def create(self, path: str, data: bytes = b"", *, token: TokenLike) -> FencingToken:
+        return await asyncio.to_thread(lambda: self.sync.create(path, data, token=token))
+
+    async def delete(self, path: str, *, token: TokenLike) -> FencingToken:
+        return await asyncio.to_thread(lambda: self.sync.delete(path, token=token))
+
+    async def high_water(self) -> FencingToken | None:
+        return await asyncio.to_thread(self.sync.high_water)

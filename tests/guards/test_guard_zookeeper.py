@@ -1,0 +1,190 @@
+"""ZooKeeper as the fenced resource (Junqueira's note), beyond the guard conformance suite: a
+holder whose session expired and that kazoo quietly gave a new one is still refused; the
+reserved subtree; corrupt marks fail closed; create/delete; a kill -9 of the server; asyncio;
+fence on acquire with a real lock."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kazoo.client import KazooClient, KazooState
+
+import fenced
+from fenced import FencingToken
+from fenced.guards.zookeeper import AsyncZooKeeperGuard, ZooKeeperGuard
+from fenced.testing.servers import ZooKeeperServer
+from tests.helpers import unique_name, wait_for
+
+
+def tok(value: int) -> FencingToken:
+    return FencingToken("master", value)
+
+
+@pytest.fixture
+def clients(zk_server: ZooKeeperServer) -> Iterator[Any]:
+    made: list[KazooClient] = []
+
+    def connect() -> KazooClient:
+        client = KazooClient(hosts=zk_server.hosts)
+        client.start(timeout=20)
+        made.append(client)
+        return client
+
+    yield connect
+    for c in made:
+        c.stop()
+        c.close()
+
+
+@pytest.fixture
+def resource() -> str:
+    return unique_name("res")
+
+
+def test_a_holder_on_a_new_session_is_refused_like_on_its_old_one(
+    zk_server: ZooKeeperServer, clients: Any, resource: str
+) -> None:
+    """The note's caution: a client whose session expired (paused, cut off) and which kazoo
+    silently reconnected with a new session must not slip past the fence."""
+    old_client, new_client = clients(), clients()
+    old = ZooKeeperGuard(old_client, resource, "master")
+    new = ZooKeeperGuard(new_client, resource, "master")
+    old.set(f"/app/{resource}/plan", b"old plan", token=tok(1))
+    states: list[str] = []
+    old_client.add_listener(states.append)
+    first_session = old_client.client_id[0]
+    # expire the old holder's session from outside, as the server does after a long pause
+    twin = KazooClient(hosts=zk_server.hosts, client_id=old_client.client_id)
+    twin.start(timeout=20)
+    twin.stop()
+    twin.close()
+    wait_for(lambda: KazooState.LOST in states, 30, "the old session to expire")
+    new.fence(tok(2))  # the next master fences before anything else
+    wait_for(
+        lambda: old_client.connected and old_client.client_id[0] != first_session,
+        30,
+        "kazoo to reconnect the old holder with a new session",
+    )
+    with pytest.raises(fenced.StaleTokenError) as stale:
+        old.set(f"/app/{resource}/plan", b"stale plan", token=tok(1))
+    assert stale.value.high_water == tok(2)
+    new.set(f"/app/{resource}/plan", b"new plan", token=tok(2))
+    assert new_client.get(f"/app/{resource}/plan")[0] == b"new plan"
+
+
+def test_the_reserved_subtree_and_bad_input(clients: Any, resource: str) -> None:
+    client = clients()
+    guard = ZooKeeperGuard(client, resource, "master")
+    other = ZooKeeperGuard(client, "other-" + resource, "master")
+    other.fence(tok(50))
+    for path in ("/fenced", other.mark_path, guard.mark_path, "/fenced/anything"):
+        with pytest.raises(fenced.ConfigurationError, match="reserved"):
+            guard.set(path, b"x", token=tok(99))
+    assert other.high_water() == tok(50)  # another resource's mark untouched
+    for path in ("relative", "/trailing/", "", 5):
+        with pytest.raises(fenced.ConfigurationError):
+            guard.set(path, b"x", token=tok(1))  # type: ignore[arg-type]
+    with pytest.raises(fenced.ConfigurationError, match="bytes"):
+        guard.set("/x", "text", token=tok(1))  # type: ignore[arg-type]
+    with pytest.raises(fenced.InvalidTokenError):
+        guard.set("/x", b"x", token="master:0")
+    with pytest.raises(fenced.WrongLockError):
+        guard.set("/x", b"x", token=FencingToken("another", 5))
+    with pytest.raises(fenced.ConfigurationError):
+        ZooKeeperGuard(client, resource, root="fenced")
+    with pytest.raises(fenced.ConfigurationError):
+        ZooKeeperGuard(client, "", "master")
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        b"",
+        b"master",
+        b"master\n-000000000000000005",
+        b"master\n0000000000000000000",
+        b"master\n+000000000000000005",
+        b"master\n5",
+        b"\xff\n0000000000000000005",
+        b"master\n0000000000000000005\n",
+    ],
+)
+def test_a_corrupt_mark_refuses_every_write(clients: Any, resource: str, damage: bytes) -> None:
+    client = clients()
+    guard = ZooKeeperGuard(client, resource, "master")
+    guard.set(f"/app/{resource}", b"kept", token=tok(5))
+    client.set(guard.mark_path, damage)
+    for value in (1, 5, 10**6):
+        with pytest.raises(fenced.CorruptMarkError):
+            guard.set(f"/app/{resource}", b"overwritten", token=tok(value))
+    assert client.get(f"/app/{resource}")[0] == b"kept"
+
+
+def test_create_and_delete_are_fenced_too(clients: Any, resource: str) -> None:
+    client = clients()
+    guard = ZooKeeperGuard(client, resource, "master")
+    client.ensure_path(f"/app/{resource}")
+    path = f"/app/{resource}/job"
+    guard.create(path, b"1", token=tok(3))
+    with pytest.raises(fenced.ConfigurationError, match="exists"):
+        guard.create(path, b"2", token=tok(3))
+    with pytest.raises(fenced.StaleTokenError):
+        guard.delete(path, token=tok(2))
+    assert client.exists(path) is not None  # refused: nothing deleted
+    guard.delete(path, token=tok(4))
+    assert client.exists(path) is None
+    with pytest.raises(fenced.ResourceNotFoundError):
+        guard.delete(path, token=tok(4))
+    assert guard.high_water() == tok(4)
+
+
+def test_the_mark_survives_kill_9_of_the_server(tmp_path: Path) -> None:
+    with ZooKeeperServer(str(tmp_path / "zk")) as server:
+        client = KazooClient(hosts=server.hosts)
+        client.start(timeout=20)
+        guard = ZooKeeperGuard(client, "jobs", "master")
+        guard.set("/jobs/plan", b"v10", token=tok(10))
+        client.stop()
+        client.close()
+        server.restart(kill=True)
+        client = KazooClient(hosts=server.hosts)
+        client.start(timeout=30)
+        try:
+            guard = ZooKeeperGuard(client, "jobs", "master")
+            with pytest.raises(fenced.StaleTokenError):
+                guard.set("/jobs/plan", b"v9", token=tok(9))
+            guard.set("/jobs/plan", b"v10b", token=tok(10))
+            assert client.get("/jobs/plan")[0] == b"v10b"
+        finally:
+            client.stop()
+            client.close()
+
+
+def test_the_async_guard_is_the_same_code(clients: Any, resource: str) -> None:
+    guard = AsyncZooKeeperGuard(clients(), resource, "master")
+
+    async def go() -> None:
+        await guard.set(f"/app/{resource}", b"a", token=tok(2))
+        with pytest.raises(fenced.StaleTokenError):
+            await guard.set(f"/app/{resource}", b"b", token=tok(1))
+        await guard.fence(tok(3))
+        assert await guard.high_water() == tok(3)
+
+    asyncio.run(go())
+
+
+def test_fence_on_acquire_raises_the_znode_mark(
+    clients: Any, resource: str, tmp_path: Path
+) -> None:
+    guard = ZooKeeperGuard(clients(), resource, "master")
+    with fenced.connect(f"sqlite:///{tmp_path}/locks.db") as locks:
+        with locks.lock("master", ttl=5, fence=[guard]) as first:
+            assert guard.high_water() == first.token
+        with locks.lock("master", ttl=5, fence=[guard]) as second:
+            assert guard.high_water() == second.token
+            with pytest.raises(fenced.StaleTokenError):
+                guard.set(f"/app/{resource}", b"late", token=first.token)
