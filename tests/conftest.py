@@ -11,6 +11,7 @@ from fenced.backends.memory import MemoryBackend
 from fenced.testing.servers import (
     EtcdServer,
     MariaDBServer,
+    MotoServer,
     PostgresServer,
     RedisServer,
     ZooKeeperServer,
@@ -88,6 +89,36 @@ def mysql_db(mariadb_server: MariaDBServer) -> Iterator[dict[str, object]]:
     yield {**args, "database": db}
     with pymysql.connect(**args, autocommit=True) as conn:  # type: ignore[arg-type]
         conn.cursor().execute(f"DROP DATABASE IF EXISTS {db}")
+
+
+@pytest.fixture(scope="session")
+def moto_server() -> Iterator[MotoServer]:
+    """moto's server mode: the DynamoDB/S3 emulator (no real AWS here)."""
+    with MotoServer() as server:
+        yield server  # type: ignore[misc]
+
+
+@pytest.fixture
+def dynamodb_table(moto_server: MotoServer) -> Iterator[tuple[object, str]]:
+    """A boto3 DynamoDB client on the emulator and a fresh table (hash key ``pk``, a string)."""
+    import boto3
+
+    client = boto3.client(
+        "dynamodb",
+        endpoint_url=moto_server.url,
+        region_name="us-east-1",
+        aws_access_key_id="test",
+        aws_secret_access_key="test",
+    )
+    table = unique_name("t")
+    client.create_table(
+        TableName=table,
+        KeySchema=[{"AttributeName": "pk", "KeyType": "HASH"}],
+        AttributeDefinitions=[{"AttributeName": "pk", "AttributeType": "S"}],
+        BillingMode="PAY_PER_REQUEST",
+    )
+    yield client, table
+    client.delete_table(TableName=table)
 
 
 @pytest.fixture

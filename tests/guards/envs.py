@@ -32,6 +32,7 @@ import pytest
 import redis
 
 from fenced import FencingToken, StaleTokenError
+from fenced.guards.dynamodb import DynamoDBGuard
 from fenced.guards.etcd import AsyncEtcdGuard, EtcdGuard
 from fenced.guards.files import FileGuard, HighWaterFile
 from fenced.guards.redis import SET_SCRIPT, RedisGuard
@@ -576,6 +577,52 @@ class ZooKeeperEnv(GuardEnv):
         self._clients.clear()
 
 
+# -- DynamoDB (moto's server mode) ---------------------------------------------------------
+
+
+class DynamoDBEnv(GuardEnv):
+    """:class:`DynamoDBGuard`, mark in the item: one conditional PutItem per write."""
+
+    name = "dynamodb"
+
+    def __init__(self, client: Any, table: str) -> None:
+        self.client, self.table = client, table
+        self.key = {"pk": {"S": unique_name("item")}}
+        self.guard = DynamoDBGuard(client, table, lock=LOCK, verify=self.verify_keys)
+
+    def reopen(self) -> None:
+        self.guard = DynamoDBGuard(self.client, self.table, lock=LOCK, verify=self.verify_keys)
+
+    def write(self, token: FencingToken | str, value: str) -> None:
+        self.guard.put_item({**self.key, "v": {"S": value}}, token=token)
+
+    def raw_write(self, value: str) -> None:
+        self.client.update_item(
+            TableName=self.table,
+            Key=self.key,
+            UpdateExpression="SET v = :v",
+            ExpressionAttributeValues={":v": {"S": value}},
+        )
+
+    def read(self) -> str | None:
+        item = self.client.get_item(TableName=self.table, Key=self.key, ConsistentRead=True)
+        v = item.get("Item", {}).get("v")
+        return None if v is None else str(v["S"])
+
+    def high_water(self) -> FencingToken | None:
+        return self.guard.high_water(self.key)
+
+    def planted_lt(self) -> Write:
+        class Lt(DynamoDBGuard):
+            def _condition(self) -> str:
+                return super()._condition().replace(" <= ", " < ")
+
+        guard = Lt(self.client, self.table, lock=LOCK)
+        return lambda token, value: bool(
+            guard.put_item({**self.key, "v": {"S": value}}, token=token)
+        )
+
+
 # -- files --------------------------------------------------------------------------------
 
 
@@ -696,6 +743,7 @@ GUARDS = [
     "sqlite-store",
     "etcd",
     "zookeeper",
+    "dynamodb",
     "files",
     "files-async",
     "high-water-file",
@@ -723,6 +771,8 @@ def make_env(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> Itera
         env = EtcdEnv(request.getfixturevalue("etcd_server").endpoint)
     elif kind == "zookeeper":
         env = ZooKeeperEnv(request.getfixturevalue("zk_server").hosts)
+    elif kind == "dynamodb":
+        env = DynamoDBEnv(*request.getfixturevalue("dynamodb_table"))
     elif kind == "files":
         env = FileGuardEnv(tmp_path / "files")
     elif kind == "files-async":

@@ -8,6 +8,8 @@ One module per kind of resource, each imported on its own (they need different c
 - ``fenced.guards.etcd`` — ``EtcdGuard`` / ``AsyncEtcdGuard``: one transaction per write;
 - ``fenced.guards.zookeeper`` — ``ZooKeeperGuard`` / ``AsyncZooKeeperGuard``: one ``multi``
   per write, checking the mark znode's version;
+- ``fenced.guards.dynamodb`` — ``DynamoDBGuard`` / ``AsyncDynamoDBGuard``: one conditional
+  request (or transaction) per write;
 - ``fenced.guards.files`` — ``FileGuard`` (a new file per token) and ``HighWaterFile``;
 - ``fenced.guards.asgi`` — ``FencingMiddleware`` for HTTP services, with SQLite, PostgreSQL
   and Redis fence stores; ``fenced.guards.httpx`` — ``FencingAuth`` for the client side.

@@ -14,15 +14,19 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Final
 
 __all__ = [
     "EtcdCluster",
     "EtcdServer",
     "FencedServer",
+    "MariaDBServer",
+    "MotoServer",
     "PostgresServer",
     "RedisServer",
     "Server",
@@ -694,6 +698,42 @@ class MariaDBServer(Server):
     @property
     def url(self) -> str:
         return f"mysql://root@127.0.0.1:{self.port}/fenced"
+
+
+_MOTO_SERIAL: Final = """
+import sys
+from werkzeug.serving import run_simple
+from moto.moto_server.werkzeug_app import (
+    DomainDispatcherApplication, MotoRequestHandler, create_backend_app)
+run_simple("127.0.0.1", int(sys.argv[1]), DomainDispatcherApplication(create_backend_app),
+           threaded=False, request_handler=MotoRequestHandler)
+"""
+
+
+class MotoServer(Server):
+    """moto's server mode: an emulator of AWS APIs (DynamoDB, S3) on loopback, in its own
+    process, for the guards no real server can be run for here. State is in memory: a
+    restart loses it (durability of the real services is AWS's; tests do not claim it).
+
+    It serves one request at a time. moto's own ``moto_server`` is threaded, and there two
+    racing conditional writes to one item can both pass their condition (its check and write
+    are not isolated); DynamoDB and S3 apply a conditional write atomically. Serving requests
+    one by one makes the emulator keep that promise, so the guards' racing tests test the
+    guards, not the emulator's race."""
+
+    name = "moto"
+
+    def command(self) -> Sequence[str]:
+        return [sys.executable, "-c", _MOTO_SERIAL, str(self.port)]
+
+    def ready(self) -> bool:
+        with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+            s.sendall(b"GET /moto-api/ HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
+            return s.recv(16).startswith(b"HTTP/1.")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
 
 
 class FencedServer(Server):

@@ -1,0 +1,164 @@
+"""The DynamoDB guard against moto's server mode (an emulator in its own process: no real
+DynamoDB is reachable here), beyond the guard conformance suite: the fence-item form in one
+TransactWriteItems, update and delete, corrupt marks, reserved attributes, an unreachable
+endpoint, asyncio, fence on acquire."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+
+import fenced
+from fenced import FencingToken
+from fenced.guards.dynamodb import AsyncDynamoDBGuard, DynamoDBGuard
+from fenced.testing.servers import free_port
+
+FENCE = {"pk": {"S": "fenced#orders"}}
+
+
+def tok(value: int) -> FencingToken:
+    return FencingToken("orders", value)
+
+
+def item(client: Any, table: str, pk: str) -> dict[str, Any] | None:
+    got = client.get_item(TableName=table, Key={"pk": {"S": pk}}, ConsistentRead=True)
+    return got.get("Item")  # type: ignore[no-any-return]
+
+
+def put(table: str, pk: str, value: str) -> dict[str, Any]:
+    return {"Put": {"TableName": table, "Item": {"pk": {"S": pk}, "v": {"S": value}}}}
+
+
+def test_the_fence_item_form_writes_all_or_nothing(dynamodb_table: tuple[Any, str]) -> None:
+    client, table = dynamodb_table
+    guard = DynamoDBGuard(client, table, lock="orders", fence_key=FENCE)
+    guard.transact([put(table, "a", "1"), put(table, "b", "1")], token=tok(5))
+    guard.transact([put(table, "a", "2")], token=tok(5))  # equal: the holder again
+    with pytest.raises(fenced.StaleTokenError) as stale:
+        guard.transact([put(table, "a", "stale"), put(table, "c", "stale")], token=tok(4))
+    assert stale.value.high_water == tok(5)
+    assert item(client, table, "a")["v"] == {"S": "2"}  # type: ignore[index]
+    assert item(client, table, "c") is None  # nothing of the refused transaction
+    assert guard.high_water() == tok(5)
+    # the caller's own condition failing: their error, nothing written, the mark unmoved
+    own = {
+        "ConditionCheck": {
+            "TableName": table,
+            "Key": {"pk": {"S": "missing"}},
+            "ConditionExpression": "attribute_exists(pk)",
+        }
+    }
+    with pytest.raises(client.exceptions.TransactionCanceledException):
+        guard.transact([put(table, "d", "x"), own], token=tok(9))
+    assert item(client, table, "d") is None and guard.high_water() == tok(5)
+    with pytest.raises(fenced.ConfigurationError, match="fence item"):
+        guard.transact([put(table, "fenced#orders", "x")], token=tok(9))
+
+
+def test_update_and_delete_in_the_item(dynamodb_table: tuple[Any, str]) -> None:
+    client, table = dynamodb_table
+    guard = DynamoDBGuard(client, table, lock="orders")
+    key = {"pk": {"S": "order#1"}}
+    guard.update_item(key, {"status": {"S": "new"}}, token=tok(3))  # creates it
+    guard.update_item(key, {"status": {"S": "paid"}}, token=tok(4))
+    with pytest.raises(fenced.StaleTokenError):
+        guard.update_item(key, {"status": {"S": "stale"}}, token=tok(3))
+    with pytest.raises(fenced.StaleTokenError):
+        guard.delete_item(key, token=tok(3))
+    got = item(client, table, "order#1")
+    assert got is not None and got["status"] == {"S": "paid"} and got["fencing_token"] == {"N": "4"}
+    guard.delete_item(key, token=tok(4))
+    assert item(client, table, "order#1") is None
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        {"fencing_token": {"S": "9"}, "fencing_lock": {"S": "orders"}},
+        {"fencing_token": {"N": "0"}, "fencing_lock": {"S": "orders"}},
+        {"fencing_token": {"N": "-5"}, "fencing_lock": {"S": "orders"}},
+        {"fencing_lock": {"S": "orders"}},
+        {"fencing_token": {"N": "5"}},
+        {"fencing_token": {"N": "5"}, "fencing_lock": {"N": "1"}},
+    ],
+    ids=["string", "zero", "negative", "lock-without-token", "token-without-lock", "lock-number"],
+)
+def test_a_corrupt_mark_refuses_every_write(
+    dynamodb_table: tuple[Any, str], damage: dict[str, Any]
+) -> None:
+    client, table = dynamodb_table
+    client.put_item(TableName=table, Item={"pk": {"S": "x"}, "v": {"S": "kept"}, **damage})
+    guard = DynamoDBGuard(client, table, lock="orders")
+    for value in (1, 5, 10**6):
+        with pytest.raises(fenced.CorruptMarkError):
+            guard.put_item({"pk": {"S": "x"}, "v": {"S": "over"}}, token=tok(value))
+    assert item(client, table, "x")["v"] == {"S": "kept"}  # type: ignore[index]
+
+
+def test_bad_input_and_an_unreachable_endpoint(dynamodb_table: tuple[Any, str]) -> None:
+    client, table = dynamodb_table
+    guard = DynamoDBGuard(client, table, lock="orders")
+    with pytest.raises(fenced.ConfigurationError, match="fencing_token"):
+        guard.put_item({"pk": {"S": "y"}, "fencing_token": {"N": "99"}}, token=tok(1))
+    with pytest.raises(fenced.ConfigurationError, match="reserved"):
+        guard.put_item(
+            {"pk": {"S": "y"}},
+            token=tok(1),
+            condition="#fenced_x = :a",
+            ExpressionAttributeNames={"#fenced_x": "v"},
+        )
+    with pytest.raises(fenced.WrongLockError):
+        guard.put_item({"pk": {"S": "y"}}, token=tok(1))  # binds the item to "orders"
+        guard.put_item({"pk": {"S": "y"}}, token=FencingToken("other", 5))
+    with pytest.raises(fenced.ConfigurationError, match="does not exist"):
+        DynamoDBGuard(client, "no-such-table", lock="orders").put_item(
+            {"pk": {"S": "y"}}, token=tok(1)
+        )
+    with pytest.raises(fenced.ConfigurationError, match="fence_key"):
+        guard.fence(tok(1))
+    with pytest.raises(fenced.ConfigurationError):
+        DynamoDBGuard(client, table, lock="not a lock name")
+    dead = boto3.client(
+        "dynamodb",
+        endpoint_url=f"http://127.0.0.1:{free_port()}",
+        region_name="us-east-1",
+        aws_access_key_id="test",
+        aws_secret_access_key="test",
+        config=boto3.session.Config(connect_timeout=1, retries={"max_attempts": 1}),
+    )
+    with pytest.raises(fenced.BackendUnavailable):
+        DynamoDBGuard(dead, table, lock="orders").put_item({"pk": {"S": "y"}}, token=tok(1))
+
+
+def test_the_async_guard_is_the_same_code(dynamodb_table: tuple[Any, str]) -> None:
+    client, table = dynamodb_table
+    guard = AsyncDynamoDBGuard(client, table, lock="orders", fence_key=FENCE)
+
+    async def go() -> None:
+        await guard.put_item({"pk": {"S": "k"}, "v": {"S": "a"}}, token=tok(2))
+        with pytest.raises(fenced.StaleTokenError):
+            await guard.put_item({"pk": {"S": "k"}, "v": {"S": "b"}}, token=tok(1))
+        await guard.fence(tok(3))
+        assert await guard.high_water() == tok(3)
+        await guard.transact([put(table, "k2", "c")], token=tok(3))
+
+    asyncio.run(go())
+    assert item(client, table, "k")["v"] == {"S": "a"}  # type: ignore[index]
+
+
+def test_fence_on_acquire_raises_the_fence_item(
+    dynamodb_table: tuple[Any, str], tmp_path: Path
+) -> None:
+    client, table = dynamodb_table
+    guard = DynamoDBGuard(client, table, lock="orders", fence_key=FENCE)
+    with fenced.connect(f"sqlite:///{tmp_path}/locks.db") as locks:
+        with locks.lock("orders", ttl=5, fence=[guard]) as first:
+            pass
+        with locks.lock("orders", ttl=5, fence=[guard]) as second:
+            assert guard.high_water() == second.token
+            with pytest.raises(fenced.StaleTokenError):
+                guard.transact([put(table, "late", "x")], token=first.token)
