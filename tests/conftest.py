@@ -122,6 +122,23 @@ def dynamodb_table(moto_server: MotoServer) -> Iterator[tuple[object, str]]:
 
 
 @pytest.fixture
+def s3_bucket(moto_server: MotoServer) -> Iterator[tuple[object, str]]:
+    """A boto3 S3 client on the emulator and a fresh bucket."""
+    import boto3
+
+    client = boto3.client(
+        "s3",
+        endpoint_url=moto_server.url,
+        region_name="us-east-1",
+        aws_access_key_id="test",
+        aws_secret_access_key="test",
+    )
+    bucket = unique_name("b").lower().replace("_", "-")
+    client.create_bucket(Bucket=bucket)
+    yield client, bucket
+
+
+@pytest.fixture
 def pg_dsn(pg_server: PostgresServer) -> Iterator[str]:
     """A fresh database on the worker's PostgreSQL server, dropped afterwards."""
     import psycopg

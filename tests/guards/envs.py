@@ -19,6 +19,7 @@ each guard's own comparison (its SQL, Lua, compare hook), so it runs the guard's
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import sqlite3
 import threading
@@ -36,6 +37,7 @@ from fenced.guards.dynamodb import DynamoDBGuard
 from fenced.guards.etcd import AsyncEtcdGuard, EtcdGuard
 from fenced.guards.files import FileGuard, HighWaterFile
 from fenced.guards.redis import SET_SCRIPT, RedisGuard
+from fenced.guards.s3 import S3VersionStore
 from fenced.guards.sql import RowGuard, SQLGuard
 from fenced.guards.zookeeper import ZooKeeperGuard
 from tests.guards.planted import LessThanGuard, LessThanRowGuard
@@ -623,6 +625,54 @@ class DynamoDBEnv(GuardEnv):
         )
 
 
+# -- S3 (moto's server mode) ---------------------------------------------------------------
+
+
+class S3Env(GuardEnv):
+    """:class:`S3VersionStore`: a version object per write, the mark swapped with If-Match."""
+
+    name = "s3"
+
+    def __init__(self, client: Any, bucket: str) -> None:
+        self.client, self.bucket = client, bucket
+        self.store = S3VersionStore(client, bucket, lock=LOCK, verify=self.verify_keys)
+
+    def reopen(self) -> None:
+        self.store = S3VersionStore(self.client, self.bucket, lock=LOCK, verify=self.verify_keys)
+
+    def write(self, token: FencingToken | str, value: str) -> None:
+        self.store.publish("item", value.encode(), token=token)
+
+    def raw_write(self, value: str) -> None:
+        # Unfenced: overwrite the current version object in place (no mark, no condition),
+        # or make the first one, as a client that ignores the rule would.
+        current = self.store.latest("item")
+        key = f"item/{current.filename if current else '0000000000000000001.000000'}"
+        self.client.put_object(Bucket=self.bucket, Key=key, Body=value.encode())
+        if current is None:
+            doc = {"lock": LOCK, "token": 1, "version": "0000000000000000001.000000"}
+            self.client.put_object(
+                Bucket=self.bucket, Key="item/.mark", Body=json.dumps(doc).encode()
+            )
+
+    def read(self) -> str | None:
+        try:
+            return self.store.read("item")[1].decode()
+        except LookupError:
+            return None
+
+    def high_water(self) -> FencingToken | None:
+        return self.store.high_water("item")
+
+    def planted_lt(self) -> Write:
+        class Lt(S3VersionStore):
+            def _accepts(self, token: int, mark: int) -> bool:
+                return mark < token
+
+        store = Lt(self.client, self.bucket, lock=LOCK)
+        return lambda token, value: bool(store.publish("item", value.encode(), token=token))  # type: ignore[func-returns-value]
+
+
 # -- files --------------------------------------------------------------------------------
 
 
@@ -744,6 +794,7 @@ GUARDS = [
     "etcd",
     "zookeeper",
     "dynamodb",
+    "s3",
     "files",
     "files-async",
     "high-water-file",
@@ -773,6 +824,8 @@ def make_env(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> Itera
         env = ZooKeeperEnv(request.getfixturevalue("zk_server").hosts)
     elif kind == "dynamodb":
         env = DynamoDBEnv(*request.getfixturevalue("dynamodb_table"))
+    elif kind == "s3":
+        env = S3Env(*request.getfixturevalue("s3_bucket"))
     elif kind == "files":
         env = FileGuardEnv(tmp_path / "files")
     elif kind == "files-async":

@@ -110,8 +110,9 @@ class Version:
 class VersionStore(Protocol):
     """What a token-versioned store offers; :class:`FileGuard` is the local-disk one.
 
-    An object store with conditional writes maps onto it (see docs/guards-files.md): each
-    version is the object ``<name>/<token:019d>.<seq:06d>`` created with ``If-None-Match: *``.
+    An object store with conditional writes maps onto it: :class:`fenced.guards.s3.
+    S3VersionStore` (version objects ``<name>/<token:019d>.<seq:06d>`` created with
+    ``If-None-Match: *``, a mark object swapped with ``If-Match``).
     """
 
     lock: str

@@ -1,0 +1,356 @@
+"""S3 (and compatible object stores) as the fenced resource: the files guard's
+:class:`~fenced.guards.files.VersionStore` over conditional writes.
+
+DDIA's advice for a file store — put the token in the file name — as objects::
+
+    store = S3VersionStore(boto3.client("s3"), "reports-bucket", lock="reports")
+    store.publish("daily", b"...", token=lease.token)     # StaleTokenError if fenced off
+    token, data = store.read("daily")                      # the newest accepted version
+
+Per name, the bucket holds immutable **version objects** ``<prefix><name>/<token:019d>.<seq:06d>``
+and one **mark object** ``<prefix><name>/.mark`` (JSON: the lock, the highest token accepted,
+and the version that is current). Publishing is::
+
+    read the mark (its ETag E): refuse if token < mark's token, or another lock
+    PUT the version object           If-None-Match: *    (never overwrites: a taken name -> next seq)
+    PUT the mark -> this version     If-Match: E         (If-None-Match: * for the first one)
+
+The mark's conditional PUT is the commit point: a compare-and-swap on one object, so
+publishes are totally ordered by it, and a reader (mark, then the version it names) sees
+exactly the committed versions. A publisher that lost the race re-reads the mark and is
+refused if it is now stale: its version object was uploaded but is never current (an
+*orphan*; :meth:`~S3VersionStore.prune` deletes it). So a stale writer can upload bytes but
+can never make them the current version, and a version object, once current, never changes.
+``fence(token)`` raises the mark's token alone (fence on acquire).
+
+Which stores support it: the store must enforce ``If-None-Match: *`` and ``If-Match`` on PUT.
+Amazon S3 documents both (``If-None-Match`` since August 2024, ``If-Match`` since November
+2024); moto, the emulator the tests run against, enforces both. For any other store (MinIO,
+R2, Ceph, ...), call :meth:`~S3VersionStore.verify_conditional` once against a bucket: a store
+that ignores the headers would silently lose the guarantee, and this checks that it refuses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import Iterator
+from typing import Any, Final
+
+from .._errors import (
+    BackendUnavailable,
+    ConfigurationError,
+    CorruptMarkError,
+    FenceConflictError,
+    InvalidTokenError,
+    ResourceNotFoundError,
+    StaleTokenError,
+    WrongLockError,
+)
+from .._signing import TokenVerifier
+from .._token import MAX_TOKEN, FencingToken, validate_lock_name
+from .files import Data, Version
+
+__all__ = ["AsyncS3VersionStore", "S3VersionStore"]
+
+TokenLike = FencingToken | str | bytes
+_NAME_RE: Final = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.@+=-]{0,199}")
+_VERSION_RE: Final = re.compile(r"([0-9]{19})\.([0-9]{6})")
+_MARK: Final = ".mark"
+_RETRIES: Final = 50
+
+
+class S3VersionStore:
+    """Token-versioned objects in ``bucket`` under ``prefix`` for the lock ``lock``."""
+
+    def __init__(
+        self,
+        client: Any,
+        bucket: str,
+        *,
+        lock: str,
+        prefix: str = "",
+        verify: TokenVerifier | None = None,
+    ) -> None:
+        if not isinstance(bucket, str) or not bucket:
+            raise ConfigurationError(f"bucket must be a bucket name, not {bucket!r}")
+        if not isinstance(prefix, str) or (prefix and not prefix.endswith("/")):
+            raise ConfigurationError(f"prefix must be empty or end with '/', not {prefix!r}")
+        try:
+            self.lock = validate_lock_name(lock)
+        except InvalidTokenError as exc:
+            raise ConfigurationError(f"lock of bucket {bucket!r}: {exc}") from None
+        self.client, self.bucket, self.prefix, self.verifier = client, bucket, prefix, verify
+
+    def __repr__(self) -> str:
+        return f"S3VersionStore({self.bucket!r}, prefix={self.prefix!r}, lock={self.lock!r})"
+
+    # -- keys and the mark ----------------------------------------------------------------------
+
+    def _name(self, name: object) -> str:
+        if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
+            raise ConfigurationError(
+                f"invalid name {name!r}: 1-200 characters of A-Z a-z 0-9 _ . @ + = -, "
+                "not starting with a punctuation mark"
+            )
+        return name
+
+    def _key(self, name: str, leaf: str) -> str:
+        return f"{self.prefix}{name}/{leaf}"
+
+    def _where(self, name: str) -> str:
+        return f"s3://{self.bucket}/{self.prefix}{name}"
+
+    def _accepts(self, token: int, mark: int) -> bool:
+        return mark <= token
+
+    def _call(self, op: str, **kw: Any) -> Any:
+        try:
+            return getattr(self.client, op)(**kw)
+        except Exception as exc:
+            code = _code(exc)
+            if code in ("NoSuchBucket",):
+                raise ConfigurationError(f"bucket {self.bucket!r} does not exist") from exc
+            if code is None and type(exc).__module__.startswith(("botocore", "urllib3")):
+                raise BackendUnavailable(
+                    f"object store unreachable: {type(exc).__name__}: {exc}"
+                ) from exc
+            raise
+
+    def _read_mark(self, name: str) -> tuple[str, int, Version | None, str] | None:
+        """(lock, token, current version, ETag) of ``name``'s mark, or None if never written."""
+        try:
+            got = self._call("get_object", Bucket=self.bucket, Key=self._key(name, _MARK))
+        except Exception as exc:
+            if _code(exc) in ("NoSuchKey", "404"):
+                return None
+            raise
+        raw = got["Body"].read()
+        try:
+            doc = json.loads(raw)
+            lock, value, current = doc["lock"], doc["token"], doc["version"]
+            if set(doc) != {"lock", "token", "version"} or type(value) is not int:
+                raise ValueError(doc)
+            if not 0 < value <= MAX_TOKEN:
+                raise ValueError(value)
+            validate_lock_name(lock)
+            version = None
+            if current is not None:
+                m = _VERSION_RE.fullmatch(current)
+                if m is None or not 0 < int(m.group(1)) <= value:
+                    raise ValueError(current)
+                version = Version(FencingToken(lock, int(m.group(1))), int(m.group(2)))
+        except Exception as exc:
+            raise CorruptMarkError(self._where(name), f"mark object holds {raw[:80]!r}") from exc
+        return lock, value, version, got["ETag"]
+
+    def _check(self, name: str, tok: FencingToken, mark: tuple[str, int, Any, str] | None) -> None:
+        if mark is None:
+            return
+        lock, value = mark[0], mark[1]
+        if lock != tok.lock:
+            raise WrongLockError(
+                f"{self._where(name)} is fenced by lock {lock!r}; token {tok} belongs to lock "
+                f"{tok.lock!r}"
+            )
+        if not self._accepts(tok.value, value):
+            raise StaleTokenError(tok, FencingToken(lock, value), self._where(name))
+
+    def _swap_mark(self, name: str, mark: Any, tok: FencingToken, version: Version | None) -> bool:
+        """Compare-and-swap the mark; False if it changed since it was read."""
+        body = json.dumps(
+            {
+                "lock": tok.lock,
+                "token": max(tok.value, mark[1] if mark else 0),
+                "version": version.filename
+                if version
+                else (mark[2].filename if mark and mark[2] else None),
+            }
+        ).encode()
+        cond = {"IfMatch": mark[3]} if mark else {"IfNoneMatch": "*"}
+        try:
+            self._call(
+                "put_object", Bucket=self.bucket, Key=self._key(name, _MARK), Body=body, **cond
+            )
+        except Exception as exc:
+            if _code(exc) in ("PreconditionFailed", "ConditionalRequestConflict", "412", "409"):
+                return False
+            raise
+        return True
+
+    # -- the VersionStore protocol --------------------------------------------------------------
+
+    def publish(self, name: str, data: Data, *, token: TokenLike) -> Version:
+        """Store ``data`` as the new current version of ``name`` iff ``token`` is not stale."""
+        name = self._name(name)
+        tok = FencingToken.coerce(token, self.lock, self.verifier)
+        body = bytes(data)
+        for _ in range(_RETRIES):
+            mark = self._read_mark(name)
+            self._check(name, tok, mark)
+            current = mark[2] if mark else None
+            seq = current.seq + 1 if current is not None and current.token.value == tok.value else 0
+            while True:  # a free name for this token: If-None-Match never overwrites
+                version = Version(tok, seq)
+                try:
+                    self._call(
+                        "put_object",
+                        Bucket=self.bucket,
+                        Key=self._key(name, version.filename),
+                        Body=body,
+                        IfNoneMatch="*",
+                    )
+                    break
+                except Exception as exc:
+                    if _code(exc) not in (
+                        "PreconditionFailed",
+                        "412",
+                        "ConditionalRequestConflict",
+                        "409",
+                    ):
+                        raise
+                    seq += 1
+            if self._swap_mark(name, mark, tok, version):
+                return version
+            # the mark moved: decide again (the uploaded object is an orphan, never current)
+        raise FenceConflictError(f"the mark of {self._where(name)} kept moving; try again")
+
+    write = publish
+
+    def fence(self, token: TokenLike, names: list[str] | None = None) -> None:
+        """Raise the marks of ``names`` (default: every name under the prefix) to ``token``."""
+        tok = FencingToken.coerce(token, self.lock, self.verifier)
+        for name in names if names is not None else self.names():
+            name = self._name(name)
+            for _ in range(_RETRIES):
+                mark = self._read_mark(name)
+                self._check(name, tok, mark)
+                if self._swap_mark(name, mark, tok, None):
+                    break
+            else:
+                raise FenceConflictError(f"the mark of {self._where(name)} kept moving")
+
+    def latest(self, name: str) -> Version | None:
+        mark = self._read_mark(self._name(name))
+        return mark[2] if mark else None
+
+    def high_water(self, name: str) -> FencingToken | None:
+        mark = self._read_mark(self._name(name))
+        return FencingToken(mark[0], mark[1]) if mark else None
+
+    def read(self, name: str) -> tuple[FencingToken, bytes]:
+        """The current version's token and content (ResourceNotFoundError if none)."""
+        version = self.latest(name)
+        if version is None:
+            raise ResourceNotFoundError(f"{self._where(name)} has no version")
+        return version.token, self.read_version(name, version)
+
+    def read_version(self, name: str, version: Version) -> bytes:
+        try:
+            got = self._call(
+                "get_object", Bucket=self.bucket, Key=self._key(self._name(name), version.filename)
+            )
+        except Exception as exc:
+            if _code(exc) in ("NoSuchKey", "404"):
+                raise ResourceNotFoundError(
+                    f"{self._where(name)}/{version.filename} is gone"
+                ) from exc
+            raise
+        return bytes(got["Body"].read())
+
+    def _objects(self, name: str) -> Iterator[tuple[Version, str]]:
+        paginator = self.client.get_paginator("list_objects_v2")
+        pages = paginator.paginate(Bucket=self.bucket, Prefix=self._key(name, ""))
+        for page in pages:
+            for obj in page.get("Contents", []):
+                m = _VERSION_RE.fullmatch(obj["Key"].rsplit("/", 1)[-1])
+                if m:
+                    yield (
+                        Version(FencingToken(self.lock, int(m.group(1))), int(m.group(2))),
+                        obj["Key"],
+                    )
+
+    def versions(self, name: str) -> list[Version]:
+        """The version objects up to the current one, oldest first (a stale publish refused
+        after its upload leaves an orphan among them that never was current)."""
+        current = self.latest(name)
+        if current is None:
+            return []
+        return sorted(v for v, _ in self._objects(self._name(name)) if v <= current)
+
+    def prune(self, name: str, keep: int = 1) -> list[Version]:
+        """Delete versions older than the ``keep`` newest up to the current one (and orphans
+        among them). Objects above the current one may be in-flight publishes: kept."""
+        if keep < 1:
+            raise ConfigurationError("prune keeps at least the current version (keep >= 1)")
+        name = self._name(name)
+        current = self.latest(name)
+        if current is None:
+            return []
+        older = sorted((v, k) for v, k in self._objects(name) if v <= current)
+        doomed = older[: max(0, len(older) - keep)]
+        for _, key in doomed:
+            self._call("delete_object", Bucket=self.bucket, Key=key)
+        return [v for v, _ in doomed]
+
+    def names(self) -> list[str]:
+        """Every name that has a mark under the prefix."""
+        paginator = self.client.get_paginator("list_objects_v2")
+        out = []
+        for page in paginator.paginate(Bucket=self.bucket, Prefix=self.prefix):
+            for obj in page.get("Contents", []):
+                rest = obj["Key"][len(self.prefix) :]
+                if rest.endswith("/" + _MARK) and rest.count("/") == 1:
+                    out.append(rest.split("/", 1)[0])
+        return out
+
+    def verify_conditional(self) -> None:
+        """Check once that the store enforces ``If-None-Match: *`` and ``If-Match`` (a store
+        that ignores them would let a stale writer in); ConfigurationError if it does not."""
+        key = f"{self.prefix}.fenced-probe"
+        self._call("put_object", Bucket=self.bucket, Key=key, Body=b"1")
+        try:
+            for cond in ({"IfNoneMatch": "*"}, {"IfMatch": '"0000"'}):
+                try:
+                    self._call("put_object", Bucket=self.bucket, Key=key, Body=b"2", **cond)
+                except Exception as exc:
+                    if _code(exc) in ("PreconditionFailed", "412"):
+                        continue
+                    raise
+                raise ConfigurationError(
+                    f"the store behind bucket {self.bucket!r} ignores {next(iter(cond))}: it "
+                    "cannot be fenced with conditional writes"
+                )
+        finally:
+            self._call("delete_object", Bucket=self.bucket, Key=key)
+
+
+def _code(exc: BaseException) -> str | None:
+    response = getattr(exc, "response", None)
+    if not isinstance(response, dict):
+        return None
+    code = response.get("Error", {}).get("Code")
+    return str(code) if code is not None else None
+
+
+class AsyncS3VersionStore:
+    """:class:`S3VersionStore` for asyncio: the same code, each call on a worker thread."""
+
+    def __init__(self, client: Any, bucket: str, **kw: Any) -> None:
+        self.sync = S3VersionStore(client, bucket, **kw)
+
+    async def publish(self, name: str, data: Data, *, token: TokenLike) -> Version:
+        return await asyncio.to_thread(lambda: self.sync.publish(name, data, token=token))
+
+    async def read(self, name: str) -> tuple[FencingToken, bytes]:
+        return await asyncio.to_thread(self.sync.read, name)
+
+    async def latest(self, name: str) -> Version | None:
+        return await asyncio.to_thread(self.sync.latest, name)
+
+    async def fence(self, token: TokenLike, names: list[str] | None = None) -> None:
+        await asyncio.to_thread(self.sync.fence, token, names)
+
+    async def prune(self, name: str, keep: int = 1) -> list[Version]:
+        return await asyncio.to_thread(self.sync.prune, name, keep)
