@@ -82,6 +82,10 @@ class S3VersionStore:
         except InvalidTokenError as exc:
             raise ConfigurationError(f"lock of bucket {bucket!r}: {exc}") from None
         self.client, self.bucket, self.prefix, self.verifier = client, bucket, prefix, verify
+        # name -> the mark as this store last wrote it (lock, token, current, ETag): a holder
+        # publishing again skips the GET; the If-Match on the ETag is what decides, and marks
+        # only grow, so a stale entry costs a retry, never a wrong acceptance.
+        self._seen: dict[str, tuple[str, int, Version | None, str]] = {}
 
     def __repr__(self) -> str:
         return f"S3VersionStore({self.bucket!r}, prefix={self.prefix!r}, lock={self.lock!r})"
@@ -157,8 +161,10 @@ class S3VersionStore:
         if not self._accepts(tok.value, value):
             raise StaleTokenError(tok, FencingToken(lock, value), self._where(name))
 
-    def _swap_mark(self, name: str, mark: Any, tok: FencingToken, version: Version | None) -> bool:
-        """Compare-and-swap the mark; False if it changed since it was read."""
+    def _swap_mark(
+        self, name: str, mark: Any, tok: FencingToken, version: Version | None
+    ) -> str | None:
+        """Compare-and-swap the mark; its new ETag, or None if it changed since it was read."""
         body = json.dumps(
             {
                 "lock": tok.lock,
@@ -170,14 +176,16 @@ class S3VersionStore:
         ).encode()
         cond = {"IfMatch": mark[3]} if mark else {"IfNoneMatch": "*"}
         try:
-            self._call(
+            got = self._call(
                 "put_object", Bucket=self.bucket, Key=self._key(name, _MARK), Body=body, **cond
             )
         except Exception as exc:
             if _code(exc) in ("PreconditionFailed", "ConditionalRequestConflict", "412", "409"):
-                return False
+                return None
             raise
-        return True
+        new = version or (mark[2] if mark else None)
+        self._seen[name] = (tok.lock, max(tok.value, mark[1] if mark else 0), new, got["ETag"])
+        return str(got["ETag"])
 
     # -- the VersionStore protocol --------------------------------------------------------------
 
@@ -186,8 +194,15 @@ class S3VersionStore:
         name = self._name(name)
         tok = FencingToken.coerce(token, self.lock, self.verifier)
         body = bytes(data)
+        cached = self._seen.pop(name, None)  # as this store last left it: no GET (see _seen)
         for _ in range(_RETRIES):
-            mark = self._read_mark(name)
+            mark = cached if cached is not None else self._read_mark(name)
+            if cached is not None and (
+                cached[0] != tok.lock or not self._accepts(tok.value, cached[1])
+            ):
+                cached = None
+                continue  # a refusal is decided on what the store holds now
+            cached = None
             self._check(name, tok, mark)
             current = mark[2] if mark else None
             seq = current.seq + 1 if current is not None and current.token.value == tok.value else 0

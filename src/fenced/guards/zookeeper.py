@@ -123,6 +123,8 @@ class ZooKeeperGuard:
         self.verifier = verify
         # percent-encoded: one path segment for any resource name, never "." or ".."
         self.mark_path = f"{root}/marks/r-{quote(resource, safe='')}"
+        self._seen: tuple[str, int, int] | None = None
+        self._present: set[str] = set()  # znodes set() found existing: try set_data first
 
     def __repr__(self) -> str:
         return f"ZooKeeperGuard({self.resource!r}, lock={self.lock!r}, root={self.root!r})"
@@ -187,10 +189,18 @@ class ZooKeeperGuard:
             ) from exc
 
     def _write_once_or_retry(self, tok: FencingToken, ops: Any) -> FencingToken:
+        # The mark as this guard last left it: a holder writing again needs no read (one round
+        # trip). Only a version check that passes makes a decision final, and marks only grow,
+        # so a stale cache can cost a retry, never a wrong acceptance.
+        seen = self._seen
         for _ in range(_RETRIES):
-            got = self._read_mark()
+            cached, got = seen is not None, seen if seen is not None else self._read_mark()
+            seen = None
             if got is not None:
                 lock, mark, _ = got
+                if cached and (lock != tok.lock or not self._accepts(tok.value, mark)):
+                    self._seen = None
+                    continue  # a refusal is decided on what the node holds now
                 if lock != tok.lock:
                     raise WrongLockError(
                         f"{self.resource!r} is fenced by lock {lock!r}; token {tok} belongs to "
@@ -211,11 +221,19 @@ class ZooKeeperGuard:
             results = t.commit()
             failed = [r for r in results if isinstance(r, Exception)]
             if not failed:
+                if got is None:
+                    self._seen = (tok.lock, tok.value, 0)
+                elif tok.value > got[1]:
+                    self._seen = (tok.lock, tok.value, got[2] + 1)
+                else:
+                    self._seen = got
                 return tok
             if isinstance(results[0], BadVersionError | NodeExistsError | NoNodeError):
+                self._seen = None
                 continue  # the mark moved (or appeared) since we read it: decide again
             why = next((r for r in results[1:] if not isinstance(r, RolledBackError)), failed[0])
             if racy and isinstance(why, NodeExistsError | NoNodeError):
+                self._present.discard(path)
                 continue  # set(): the znode appeared or went since we looked
             raise _data_error(why, path)
         raise FenceConflictError(
@@ -233,11 +251,14 @@ class ZooKeeperGuard:
         data = _data(data)
 
         def ops(t: Any) -> tuple[str, bool]:
-            if self.client.exists(path) is None:
+            # (known to exist: set_data in the multi, no look first; a NoNode sends us round
+            # again, and then we look)
+            if path in self._present or self.client.exists(path) is not None:
+                self._present.add(path)
+                t.set_data(path, data)
+            else:
                 self.client.ensure_path(path.rsplit("/", 1)[0] or "/")
                 t.create(path, data)
-            else:
-                t.set_data(path, data)
             return path, True
 
         return self._write(token, ops)
