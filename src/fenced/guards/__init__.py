@@ -12,6 +12,8 @@ One module per kind of resource, each imported on its own (they need different c
   request (or transaction) per write;
 - ``fenced.guards.s3`` — ``S3VersionStore``: versions named by token, committed by a
   conditional PUT of a mark object;
+- ``fenced.guards.streams`` — ``FencedStreamConsumer``: fenced claim, read and commit of a
+  Redis Streams consumer group;
 - ``fenced.guards.files`` — ``FileGuard`` (a new file per token) and ``HighWaterFile``;
 - ``fenced.guards.asgi`` — ``FencingMiddleware`` for HTTP services, with SQLite, PostgreSQL
   and Redis fence stores; ``fenced.guards.httpx`` — ``FencingAuth`` for the client side.
