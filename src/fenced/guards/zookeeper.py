@@ -66,6 +66,7 @@ from .._errors import (
 )
 from .._signing import TokenVerifier
 from .._token import MAX_TOKEN, FencingToken, validate_lock_name
+from ._sql_plan import validate_resource  # (the one rule for resource names)
 
 __all__ = ["AsyncZooKeeperGuard", "ZooKeeperGuard"]
 
@@ -95,15 +96,7 @@ class ZooKeeperGuard:
         root: str = "/fenced",
         verify: TokenVerifier | None = None,
     ) -> None:
-        if (
-            not isinstance(resource, str)
-            or not resource
-            or len(resource) > 1000
-            or "\0" in resource
-        ):
-            raise ConfigurationError(
-                f"invalid resource name {resource!r}: non-empty text, at most 1000 characters"
-            )
+        validate_resource(resource)
         if (
             not isinstance(root, str)
             or not root.startswith("/")
