@@ -6,8 +6,10 @@
   token; then each ``write VALUE`` line writes VALUE, guarded (MODE ``guarded``) or not,
   whether or not the lease is still held: the resource must be the one to refuse.
 
-TARGET is ``redis:URL``, ``etcd:HOST:PORT``, ``files:DIR``, ``http:BASE_URL`` or
-``mysql:mysql://USER@HOST:PORT/DB`` (tables ``data`` and ``log`` made by the test). Events are
+TARGET is ``redis:URL``, ``etcd:HOST:PORT``, ``files:DIR``, ``http:BASE_URL``,
+``mysql:mysql://USER@HOST:PORT/DB`` (tables ``data`` and ``log`` made by the test),
+``zookeeper:HOSTS``, ``dynamodb:ENDPOINT|TABLE``, ``s3:ENDPOINT|BUCKET`` (moto) or
+``sqlalchemy:URL`` (a table ``data`` made by the test). Events are
 JSON lines on stdout (see :class:`tests.guards.processes.Proc`).
 """
 
@@ -164,6 +166,77 @@ def writer(target: str, resource: str) -> Any:
             yield write_mysql
         finally:
             conn.close()
+    elif kind == "zookeeper":
+        from kazoo.client import KazooClient
+
+        from fenced.guards.zookeeper import ZooKeeperGuard
+
+        zk = KazooClient(hosts=where)
+        zk.start(timeout=30)
+        zk_guard = ZooKeeperGuard(zk, resource, LOCK)
+        zk_guard.high_water()
+
+        def write_zk(value: str, token: FencingToken, guarded: bool) -> None:
+            if guarded:
+                zk_guard.set(f"/data/{resource}", value.encode(), token=token)
+            else:
+                zk.ensure_path(f"/plain/{resource}")
+                zk.set(f"/plain/{resource}", value.encode())
+
+        try:
+            yield write_zk
+        finally:
+            zk.stop()
+            zk.close()
+    elif kind in ("dynamodb", "s3"):
+        import boto3
+
+        from fenced.guards.dynamodb import DynamoDBGuard
+        from fenced.guards.s3 import S3VersionStore
+
+        endpoint, _, container = where.partition("|")
+        aws = boto3.client(
+            kind,
+            endpoint_url=endpoint,
+            region_name="us-east-1",
+            aws_access_key_id="test",
+            aws_secret_access_key="test",
+        )
+        ddb = DynamoDBGuard(aws, container, lock=LOCK) if kind == "dynamodb" else None
+        store = S3VersionStore(aws, container, lock=LOCK) if kind == "s3" else None
+
+        def write_aws(value: str, token: FencingToken, guarded: bool) -> None:
+            item = {"pk": {"S": resource if guarded else f"plain-{resource}"}, "v": {"S": value}}
+            if ddb is not None and guarded:
+                ddb.put_item(item, token=token)
+            elif ddb is not None:
+                aws.put_item(TableName=container, Item=item)
+            elif store is not None and guarded:
+                store.publish(resource, value.encode(), token=token)
+            else:
+                aws.put_object(Bucket=container, Key=f"plain/{resource}", Body=value.encode())
+
+        yield write_aws
+    elif kind == "sqlalchemy":
+        import sqlalchemy as sa
+        from sqlalchemy.orm import Session
+
+        from fenced.guards.sql import SQLGuard
+
+        engine = sa.create_engine(where)
+        sa_guard = SQLGuard(resource, lock=LOCK)
+
+        def write_sa(value: str, token: FencingToken, guarded: bool) -> None:
+            with Session(engine) as session:
+                if guarded:
+                    sa_guard.check(session, token=token)
+                session.execute(sa.text("UPDATE data SET v = :v WHERE id = 1"), {"v": value})
+                session.commit()
+
+        try:
+            yield write_sa
+        finally:
+            engine.dispose()
     else:
         raise SystemExit(f"unknown target {target!r}")
 
