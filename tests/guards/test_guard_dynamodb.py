@@ -16,6 +16,7 @@ import fenced
 from fenced import FencingToken
 from fenced.guards.dynamodb import AsyncDynamoDBGuard, DynamoDBGuard
 from fenced.testing.servers import free_port
+from tests.guards.processes import history_violations, race
 
 FENCE = {"pk": {"S": "fenced#orders"}}
 
@@ -162,3 +163,18 @@ def test_fence_on_acquire_raises_the_fence_item(
             assert guard.high_water() == second.token
             with pytest.raises(fenced.StaleTokenError):
                 guard.transact([put(table, "late", "x")], token=first.token)
+
+
+def test_racing_processes_commit_tokens_in_order(
+    moto_server: Any, dynamodb_table: tuple[Any, str]
+) -> None:
+    """Four processes offer interleaved tokens; each accepted transaction appends its token to
+    a log item in the same TransactWriteItems: the order DynamoDB (here moto) applied them."""
+    client, table = dynamodb_table
+    accepted = race(f"dynamodb:{moto_server.url}|{table}", "race", writers=4, per_writer=25)
+    log_item = item(client, table, "log#race")
+    assert log_item is not None
+    log = [int(v["N"]) for v in log_item["tokens"]["L"]]
+    data = item(client, table, "race")["v"]["S"]  # type: ignore[index]
+    assert sum(accepted) == len(log) > 0
+    assert history_violations(log, data) == []

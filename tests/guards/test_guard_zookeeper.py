@@ -17,6 +17,7 @@ import fenced
 from fenced import FencingToken
 from fenced.guards.zookeeper import AsyncZooKeeperGuard, ZooKeeperGuard
 from fenced.testing.servers import ZooKeeperServer
+from tests.guards.processes import history_violations, race
 from tests.helpers import unique_name, wait_for
 
 
@@ -188,3 +189,30 @@ def test_fence_on_acquire_raises_the_znode_mark(
             assert guard.high_water() == second.token
             with pytest.raises(fenced.StaleTokenError):
                 guard.set(f"/app/{resource}", b"late", token=first.token)
+
+
+def test_racing_processes_commit_tokens_in_order(zk_server: ZooKeeperServer, clients: Any) -> None:
+    """Four processes offer interleaved tokens as fast as they can; each accepted write also
+    appends its token to a sequential znode in the same multi: ZooKeeper's own order."""
+    resource = unique_name("race")
+    accepted = race(f"zookeeper:{zk_server.hosts}", resource, writers=4, per_writer=25)
+    client = clients()
+    children = sorted(client.get_children(f"/log/{resource}"))
+    log = [int(client.get(f"/log/{resource}/{c}")[0]) for c in children]
+    data = client.get(f"/data/{resource}")[0].decode()
+    assert sum(accepted) == len(log) > 0
+    assert history_violations(log, data) == []
+
+
+def test_a_transaction_of_your_own_is_fenced_and_kept_out_of_the_marks(
+    clients: Any, resource: str
+) -> None:
+    client = clients()
+    guard = ZooKeeperGuard(client, resource, "master")
+    client.ensure_path(f"/app/{resource}")
+    guard.transaction(lambda t: t.create(f"/app/{resource}/a", b"1"), token=tok(2))
+    with pytest.raises(fenced.StaleTokenError):
+        guard.transaction(lambda t: t.create(f"/app/{resource}/b", b"1"), token=tok(1))
+    assert client.exists(f"/app/{resource}/b") is None
+    with pytest.raises(fenced.ConfigurationError, match="reserved"):
+        guard.transaction(lambda t: t.set_data(guard.mark_path, b"x"), token=tok(2))

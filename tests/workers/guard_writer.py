@@ -175,9 +175,19 @@ def writer(target: str, resource: str) -> Any:
         zk.start(timeout=30)
         zk_guard = ZooKeeperGuard(zk, resource, LOCK)
         zk_guard.high_water()
+        zk.ensure_path(f"/data/{resource}")
+        zk.ensure_path(f"/log/{resource}")
 
         def write_zk(value: str, token: FencingToken, guarded: bool) -> None:
-            if guarded:
+            if value.startswith("log:"):  # a race write: logged in the same multi
+                data = f"{token.value}:{value[4:]}".encode()
+
+                def build(t: Any) -> None:
+                    t.set_data(f"/data/{resource}", data)
+                    t.create(f"/log/{resource}/e-", str(token.value).encode(), sequence=True)
+
+                zk_guard.transaction(build, token=token)
+            elif guarded:
                 zk_guard.set(f"/data/{resource}", value.encode(), token=token)
             else:
                 zk.ensure_path(f"/plain/{resource}")
@@ -204,10 +214,27 @@ def writer(target: str, resource: str) -> Any:
         )
         ddb = DynamoDBGuard(aws, container, lock=LOCK) if kind == "dynamodb" else None
         store = S3VersionStore(aws, container, lock=LOCK) if kind == "s3" else None
+        fence_item = {"pk": {"S": f"fenced#{resource}"}}
+        ddb_tx = DynamoDBGuard(aws, container, lock=LOCK, fence_key=fence_item)
 
         def write_aws(value: str, token: FencingToken, guarded: bool) -> None:
             item = {"pk": {"S": resource if guarded else f"plain-{resource}"}, "v": {"S": value}}
-            if ddb is not None and guarded:
+            if ddb is not None and value.startswith("log:"):  # a race write, logged with it
+                data = {"pk": {"S": resource}, "v": {"S": f"{token.value}:{value[4:]}"}}
+                log = {
+                    "TableName": container,
+                    "Key": {"pk": {"S": f"log#{resource}"}},
+                    "UpdateExpression": "SET tokens = list_append(if_not_exists(tokens, :e), :t)",
+                    "ExpressionAttributeValues": {
+                        ":e": {"L": []},
+                        ":t": {"L": [{"N": str(token.value)}]},
+                    },
+                }
+                ddb_tx.transact(
+                    [{"Put": {"TableName": container, "Item": data}}, {"Update": log}],
+                    token=token,
+                )
+            elif ddb is not None and guarded:
                 ddb.put_item(item, token=token)
             elif ddb is not None:
                 aws.put_item(TableName=container, Item=item)

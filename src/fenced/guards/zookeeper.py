@@ -269,6 +269,21 @@ class ZooKeeperGuard:
 
         return self._write(token, ops)
 
+    def transaction(self, build: Any, *, token: TokenLike) -> FencingToken:
+        """Your own operations in the fenced ``multi``: ``build(t)`` adds ``create``,
+        ``set_data``, ``delete`` or ``check`` to the kazoo transaction ``t`` (after the mark's
+        check), and all are applied or none. A path in the reserved subtree is refused before
+        anything is sent. ``build`` may run again if the mark moves meanwhile."""
+
+        def ops(t: Any) -> tuple[str, bool]:
+            before = len(t.operations)
+            build(t)
+            for op in t.operations[before:]:
+                self._path(op.path)
+            return "(the transaction's paths)", False
+
+        return self._write(token, ops)
+
     def delete(self, path: str, *, token: TokenLike) -> FencingToken:
         """Delete ``path`` (it must exist and have no children) iff the token is not stale."""
         path = self._path(path)
