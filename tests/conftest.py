@@ -16,7 +16,7 @@ from fenced.testing.servers import (
     RedisServer,
     ZooKeeperServer,
 )
-from tests.helpers import unique_name
+from tests.helpers import aws_client, unique_name
 
 
 @pytest.fixture
@@ -101,15 +101,7 @@ def moto_server() -> Iterator[MotoServer]:
 @pytest.fixture
 def dynamodb_table(moto_server: MotoServer) -> Iterator[tuple[object, str]]:
     """A boto3 DynamoDB client on the emulator and a fresh table (hash key ``pk``, a string)."""
-    import boto3
-
-    client = boto3.client(
-        "dynamodb",
-        endpoint_url=moto_server.url,
-        region_name="us-east-1",
-        aws_access_key_id="test",
-        aws_secret_access_key="test",
-    )
+    client = aws_client("dynamodb", moto_server.url)
     table = unique_name("t")
     client.create_table(
         TableName=table,
@@ -124,15 +116,7 @@ def dynamodb_table(moto_server: MotoServer) -> Iterator[tuple[object, str]]:
 @pytest.fixture
 def s3_bucket(moto_server: MotoServer) -> Iterator[tuple[object, str]]:
     """A boto3 S3 client on the emulator and a fresh bucket."""
-    import boto3
-
-    client = boto3.client(
-        "s3",
-        endpoint_url=moto_server.url,
-        region_name="us-east-1",
-        aws_access_key_id="test",
-        aws_secret_access_key="test",
-    )
+    client = aws_client("s3", moto_server.url)
     bucket = unique_name("b").lower().replace("_", "-")
     client.create_bucket(Bucket=bucket)
     yield client, bucket

@@ -213,3 +213,21 @@ def headless(*args: str, budget_ms: int = 0) -> str:
         timeout=120,
     )
     return out.stdout
+
+
+def aws_client(kind: str, endpoint: str, *, dead: bool = False) -> Any:
+    """A boto3 client ("dynamodb", "s3") for moto's emulator at ``endpoint`` (test
+    credentials); ``dead``: one try, a 1 s connect timeout, for an endpoint nobody serves."""
+    import boto3
+
+    extra: dict[str, Any] = {}
+    if dead:
+        extra["config"] = boto3.session.Config(connect_timeout=1, retries={"max_attempts": 1})
+    return boto3.client(
+        kind,
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id="test",
+        aws_secret_access_key="test",
+        **extra,
+    )

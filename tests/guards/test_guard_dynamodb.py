@@ -9,7 +9,6 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-import boto3
 import pytest
 
 import fenced
@@ -17,6 +16,7 @@ from fenced import FencingToken
 from fenced.guards.dynamodb import AsyncDynamoDBGuard, DynamoDBGuard
 from fenced.testing.servers import free_port
 from tests.guards.processes import history_violations, race
+from tests.helpers import aws_client
 
 FENCE = {"pk": {"S": "fenced#orders"}}
 
@@ -123,14 +123,7 @@ def test_bad_input_and_an_unreachable_endpoint(dynamodb_table: tuple[Any, str]) 
         guard.fence(tok(1))
     with pytest.raises(fenced.ConfigurationError):
         DynamoDBGuard(client, table, lock="not a lock name")
-    dead = boto3.client(
-        "dynamodb",
-        endpoint_url=f"http://127.0.0.1:{free_port()}",
-        region_name="us-east-1",
-        aws_access_key_id="test",
-        aws_secret_access_key="test",
-        config=boto3.session.Config(connect_timeout=1, retries={"max_attempts": 1}),
-    )
+    dead = aws_client("dynamodb", f"http://127.0.0.1:{free_port()}", dead=True)
     with pytest.raises(fenced.BackendUnavailable):
         DynamoDBGuard(dead, table, lock="orders").put_item({"pk": {"S": "y"}}, token=tok(1))
 

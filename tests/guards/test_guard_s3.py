@@ -8,7 +8,6 @@ import asyncio
 import json
 from typing import Any
 
-import boto3
 import pytest
 
 import fenced
@@ -16,6 +15,7 @@ from fenced import FencingToken
 from fenced.guards.files import Version
 from fenced.guards.s3 import AsyncS3VersionStore, S3VersionStore
 from fenced.testing.servers import free_port
+from tests.helpers import aws_client
 
 
 def tok(value: int) -> FencingToken:
@@ -133,14 +133,7 @@ def test_bad_input_missing_bucket_and_unreachable_store(s3_bucket: tuple[Any, st
         S3VersionStore(client, bucket, lock="other").publish(
             "daily", b"x", token=FencingToken("other", 9)
         )
-    dead = boto3.client(
-        "s3",
-        endpoint_url=f"http://127.0.0.1:{free_port()}",
-        region_name="us-east-1",
-        aws_access_key_id="test",
-        aws_secret_access_key="test",
-        config=boto3.session.Config(connect_timeout=1, retries={"max_attempts": 1}),
-    )
+    dead = aws_client("s3", f"http://127.0.0.1:{free_port()}", dead=True)
     with pytest.raises(fenced.BackendUnavailable):
         S3VersionStore(dead, bucket, lock="reports").publish("d", b"x", token=tok(1))
 
