@@ -215,6 +215,22 @@ def headless(*args: str, budget_ms: int = 0) -> str:
     return out.stdout
 
 
+def aio_aws_client(kind: str, endpoint: str, *, dead: bool = False) -> Any:
+    """The aiobotocore twin of :func:`aws_client`: an async context manager giving the client."""
+    from aiobotocore.config import AioConfig
+    from aiobotocore.session import get_session
+
+    config = AioConfig(connect_timeout=1, retries={"max_attempts": 1}) if dead else None
+    return get_session().create_client(
+        kind,
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id="test",
+        aws_secret_access_key="test",
+        config=config,
+    )
+
+
 def aws_client(kind: str, endpoint: str, *, dead: bool = False) -> Any:
     """A boto3 client ("dynamodb", "s3") for moto's emulator at ``endpoint`` (test
     credentials); ``dead``: one try, a 1 s connect timeout, for an endpoint nobody serves."""

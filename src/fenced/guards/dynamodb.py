@@ -30,12 +30,15 @@ it costs no second request. Writes never read first: there is no check-then-writ
 
 Tested against moto's server mode (an emulator in its own process, ``MotoServer``): no real
 DynamoDB is reachable from the test machines. The requests are the ones sent to AWS; nothing
-branches on the endpoint. :class:`AsyncDynamoDBGuard` runs the same code on a worker thread.
+branches on the endpoint.
+
+:class:`AsyncDynamoDBGuard` takes an aiobotocore client (``session.create_client("dynamodb")``)
+and awaits it; given a boto3 client it runs each request on a worker thread. Both guards run
+the same request plans (``_aws``): each operation is written once.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
@@ -51,6 +54,7 @@ from .._errors import (
 )
 from .._signing import TokenVerifier
 from .._token import MAX_TOKEN, FencingToken, validate_lock_name
+from ._aws import Call, Plan, arun, is_transport_error, run
 
 __all__ = ["AsyncDynamoDBGuard", "DynamoDBGuard"]
 
@@ -69,8 +73,8 @@ _CONFLICT: Final = frozenset(
 )
 
 
-class DynamoDBGuard:
-    """Fenced writes to DynamoDB table ``table`` for the lock ``lock`` (see the module doc)."""
+class _Plans:
+    """The guard's state and its operations as request plans (run by the two classes below)."""
 
     def __init__(
         self,
@@ -99,7 +103,7 @@ class DynamoDBGuard:
         self.verifier = verify
 
     def __repr__(self) -> str:
-        return f"DynamoDBGuard({self.table!r}, lock={self.lock!r})"
+        return f"{type(self).__name__}({self.table!r}, lock={self.lock!r})"
 
     # -- the condition, once ------------------------------------------------------------------
 
@@ -168,16 +172,16 @@ class DynamoDBGuard:
             return StaleTokenError(tok, FencingToken(lock_name, value), where)
         return FenceConflictError(f"the mark of {where} changed while writing; try again")
 
-    def _send(self, op: str, request: dict[str, Any], tok: FencingToken, where: str) -> Any:
+    def _send(self, op: str, request: dict[str, Any], tok: FencingToken, where: str) -> Plan[Any]:
         try:
-            return getattr(self.client, op)(**request)
+            return (yield Call(op, request))
         except Exception as exc:
             raise self._mapped(exc, tok, where) from exc
 
     def _mapped(self, exc: Exception, tok: FencingToken, where: str) -> Exception:
         response = getattr(exc, "response", None)
         if not isinstance(response, Mapping):
-            if type(exc).__module__.startswith(("botocore", "urllib3")):
+            if is_transport_error(exc):
                 return BackendUnavailable(f"DynamoDB unreachable: {type(exc).__name__}: {exc}")
             return exc
         code = response.get("Error", {}).get("Code", "")
@@ -201,11 +205,9 @@ class DynamoDBGuard:
     def _where(self, key: Mapping[str, Any]) -> str:
         return f"{self.table}{dict(key)!r}"
 
-    def put_item(
-        self, item: Item, *, token: TokenLike, condition: str | None = None, **extra: Any
-    ) -> FencingToken:
-        """Put ``item`` (typed form) with the token and lock in it, iff it is not stale.
-        ``condition`` (with ``ExpressionAttributeNames/Values`` in ``extra``) is ANDed."""
+    def _put_item(
+        self, item: Item, token: TokenLike, condition: str | None, extra: dict[str, Any]
+    ) -> Plan[FencingToken]:
         tok = self._token(token)
         self._no_reserved(item, "put_item")
         body = {
@@ -215,20 +217,17 @@ class DynamoDBGuard:
         }
         request: dict[str, Any] = {"TableName": self.table, "Item": body, **extra}
         self._fenced(tok, request, condition)
-        self._send("put_item", request, tok, self._where(item))
+        yield from self._send("put_item", request, tok, self._where(item))
         return tok
 
-    def update_item(
+    def _update_item(
         self,
         key: Item,
         values: Mapping[str, Mapping[str, Any]],
-        *,
         token: TokenLike,
-        condition: str | None = None,
-        **extra: Any,
-    ) -> FencingToken:
-        """``SET`` each of ``values`` (typed form) and the mark on the item ``key``, iff the
-        token is not stale (a missing item is created, as UpdateItem does)."""
+        condition: str | None,
+        extra: dict[str, Any],
+    ) -> Plan[FencingToken]:
         tok = self._token(token)
         self._no_reserved(values, "update_item")
         names = {f"#fenced_a{i}": n for i, n in enumerate(values)}
@@ -244,25 +243,22 @@ class DynamoDBGuard:
         self._fenced(tok, request, condition)
         request["ExpressionAttributeNames"] |= names
         request["ExpressionAttributeValues"] |= vals
-        self._send("update_item", request, tok, self._where(key))
+        yield from self._send("update_item", request, tok, self._where(key))
         return tok
 
-    def delete_item(
-        self, key: Item, *, token: TokenLike, condition: str | None = None, **extra: Any
-    ) -> FencingToken:
-        """Delete the item ``key`` iff its mark is not above the token. (The mark goes with
-        the item: a later stale put_item would be accepted. Delete with the fence-item form,
-        ``transact``, where that matters.)"""
+    def _delete_item(
+        self, key: Item, token: TokenLike, condition: str | None, extra: dict[str, Any]
+    ) -> Plan[FencingToken]:
         tok = self._token(token)
         request: dict[str, Any] = {"TableName": self.table, "Key": dict(key), **extra}
         self._fenced(tok, request, condition)
-        self._send("delete_item", request, tok, self._where(key))
+        yield from self._send("delete_item", request, tok, self._where(key))
         return tok
 
-    def high_water(self, key: Item | None = None) -> FencingToken | None:
-        """The mark of the item ``key`` (default: the fence item), strongly consistent."""
+    def _high_water(self, key: Item | None) -> Plan[FencingToken | None]:
         key = key if key is not None else self._fence_key()
-        got = self.client.get_item(TableName=self.table, Key=dict(key), ConsistentRead=True)
+        request = {"TableName": self.table, "Key": dict(key), "ConsistentRead": True}
+        got = yield Call("get_item", request)
         item = got.get("Item")
         if not item or self.token_attribute not in item:
             return None
@@ -288,10 +284,9 @@ class DynamoDBGuard:
         self._fenced(tok, update, None)
         return update
 
-    def transact(self, actions: Sequence[Mapping[str, Any]], *, token: TokenLike) -> FencingToken:
-        """One ``TransactWriteItems``: the fence item's conditional update, then ``actions``
-        (``{"Put": ...}``, ``{"Update": ...}``, ``{"Delete": ...}``, ``{"ConditionCheck":
-        ...}``, at most 99), all or nothing."""
+    def _transact(
+        self, actions: Sequence[Mapping[str, Any]], token: TokenLike
+    ) -> Plan[FencingToken]:
         tok = self._token(token)
         fence = self._fence_key()
         if not 0 < len(actions) <= 99:
@@ -308,7 +303,7 @@ class DynamoDBGuard:
                     f"{kind} targets the fence item: the guard keeps the mark there"
                 )
         where = self._where(fence)
-        self._send(
+        yield from self._send(
             "transact_write_items",
             {"TransactItems": [{"Update": self._fence_update(tok)}, *actions]},
             tok,
@@ -316,38 +311,92 @@ class DynamoDBGuard:
         )
         return tok
 
-    def fence(self, token: TokenLike) -> None:
-        """Raise the fence item's mark to ``token`` (fence on acquire)."""
+    def _fence(self, token: TokenLike) -> Plan[None]:
         tok = self._token(token)
-        self._send("update_item", self._fence_update(tok), tok, self._where(self._fence_key()))
-
-
-class AsyncDynamoDBGuard:
-    """:class:`DynamoDBGuard` for asyncio: the same code, each call on a worker thread."""
-
-    def __init__(self, client: Any, table: str, **kw: Any) -> None:
-        self.sync = DynamoDBGuard(client, table, **kw)
-
-    async def put_item(self, item: Item, *, token: TokenLike, **kw: Any) -> FencingToken:
-        return await asyncio.to_thread(lambda: self.sync.put_item(item, token=token, **kw))
-
-    async def update_item(
-        self, key: Item, values: Mapping[str, Mapping[str, Any]], *, token: TokenLike, **kw: Any
-    ) -> FencingToken:
-        return await asyncio.to_thread(
-            lambda: self.sync.update_item(key, values, token=token, **kw)
+        yield from self._send(
+            "update_item", self._fence_update(tok), tok, self._where(self._fence_key())
         )
 
-    async def delete_item(self, key: Item, *, token: TokenLike, **kw: Any) -> FencingToken:
-        return await asyncio.to_thread(lambda: self.sync.delete_item(key, token=token, **kw))
+
+class DynamoDBGuard(_Plans):
+    """Fenced writes to DynamoDB table ``table`` for the lock ``lock`` (see the module doc),
+    on a boto3 DynamoDB client."""
+
+    def put_item(
+        self, item: Item, *, token: TokenLike, condition: str | None = None, **extra: Any
+    ) -> FencingToken:
+        """Put ``item`` (typed form) with the token and lock in it, iff it is not stale.
+        ``condition`` (with ``ExpressionAttributeNames/Values`` in ``extra``) is ANDed."""
+        return run(self.client, self._put_item(item, token, condition, extra))
+
+    def update_item(
+        self,
+        key: Item,
+        values: Mapping[str, Mapping[str, Any]],
+        *,
+        token: TokenLike,
+        condition: str | None = None,
+        **extra: Any,
+    ) -> FencingToken:
+        """``SET`` each of ``values`` (typed form) and the mark on the item ``key``, iff the
+        token is not stale (a missing item is created, as UpdateItem does)."""
+        return run(self.client, self._update_item(key, values, token, condition, extra))
+
+    def delete_item(
+        self, key: Item, *, token: TokenLike, condition: str | None = None, **extra: Any
+    ) -> FencingToken:
+        """Delete the item ``key`` iff its mark is not above the token. (The mark goes with
+        the item: a later stale put_item would be accepted. Delete with the fence-item form,
+        ``transact``, where that matters.)"""
+        return run(self.client, self._delete_item(key, token, condition, extra))
+
+    def transact(self, actions: Sequence[Mapping[str, Any]], *, token: TokenLike) -> FencingToken:
+        """One ``TransactWriteItems``: the fence item's conditional update, then ``actions``
+        (``{"Put": ...}``, ``{"Update": ...}``, ``{"Delete": ...}``, ``{"ConditionCheck":
+        ...}``, at most 99), all or nothing."""
+        return run(self.client, self._transact(actions, token))
+
+    def fence(self, token: TokenLike) -> None:
+        """Raise the fence item's mark to ``token`` (fence on acquire)."""
+        run(self.client, self._fence(token))
+
+    def high_water(self, key: Item | None = None) -> FencingToken | None:
+        """The mark of the item ``key`` (default: the fence item), strongly consistent."""
+        return run(self.client, self._high_water(key))
+
+
+class AsyncDynamoDBGuard(_Plans):
+    """:class:`DynamoDBGuard` for asyncio, on an aiobotocore client (or a boto3 client, each
+    request on a worker thread): the same request plans, awaited."""
+
+    async def put_item(
+        self, item: Item, *, token: TokenLike, condition: str | None = None, **extra: Any
+    ) -> FencingToken:
+        return await arun(self.client, self._put_item(item, token, condition, extra))
+
+    async def update_item(
+        self,
+        key: Item,
+        values: Mapping[str, Mapping[str, Any]],
+        *,
+        token: TokenLike,
+        condition: str | None = None,
+        **extra: Any,
+    ) -> FencingToken:
+        return await arun(self.client, self._update_item(key, values, token, condition, extra))
+
+    async def delete_item(
+        self, key: Item, *, token: TokenLike, condition: str | None = None, **extra: Any
+    ) -> FencingToken:
+        return await arun(self.client, self._delete_item(key, token, condition, extra))
 
     async def transact(
         self, actions: Sequence[Mapping[str, Any]], *, token: TokenLike
     ) -> FencingToken:
-        return await asyncio.to_thread(lambda: self.sync.transact(actions, token=token))
+        return await arun(self.client, self._transact(actions, token))
 
     async def fence(self, token: TokenLike) -> None:
-        await asyncio.to_thread(self.sync.fence, token)
+        await arun(self.client, self._fence(token))
 
     async def high_water(self, key: Item | None = None) -> FencingToken | None:
-        return await asyncio.to_thread(self.sync.high_water, key)
+        return await arun(self.client, self._high_water(key))

@@ -28,14 +28,16 @@ Amazon S3 documents both (``If-None-Match`` since August 2024, ``If-Match`` sinc
 2024); moto, the emulator the tests run against, enforces both. For any other store (MinIO,
 R2, Ceph, ...), call :meth:`~S3VersionStore.verify_conditional` once against a bucket: a store
 that ignores the headers would silently lose the guarantee, and this checks that it refuses.
+
+:class:`AsyncS3VersionStore` takes an aiobotocore client and awaits it (given a boto3 client,
+it runs each request on a worker thread). Both run the same request plans (``_aws``): the
+protocol above is written once.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
-from collections.abc import Iterator
 from typing import Any, Final
 
 from .._errors import (
@@ -50,6 +52,7 @@ from .._errors import (
 )
 from .._signing import TokenVerifier
 from .._token import MAX_TOKEN, FencingToken, validate_lock_name
+from ._aws import Call, Plan, arun, error_code, is_transport_error, run
 from .files import Data, Version
 
 __all__ = ["AsyncS3VersionStore", "S3VersionStore"]
@@ -61,8 +64,8 @@ _MARK: Final = ".mark"
 _RETRIES: Final = 50
 
 
-class S3VersionStore:
-    """Token-versioned objects in ``bucket`` under ``prefix`` for the lock ``lock``."""
+class _Plans:
+    """The store's state and its operations as request plans (run by the two classes below)."""
 
     def __init__(
         self,
@@ -88,7 +91,7 @@ class S3VersionStore:
         self._seen: dict[str, tuple[str, int, Version | None, str]] = {}
 
     def __repr__(self) -> str:
-        return f"S3VersionStore({self.bucket!r}, prefix={self.prefix!r}, lock={self.lock!r})"
+        return f"{type(self).__name__}({self.bucket!r}, prefix={self.prefix!r}, lock={self.lock!r})"
 
     # -- keys and the mark ----------------------------------------------------------------------
 
@@ -109,28 +112,30 @@ class S3VersionStore:
     def _accepts(self, token: int, mark: int) -> bool:
         return mark <= token
 
-    def _call(self, op: str, **kw: Any) -> Any:
+    def _call(self, op: str, *, body: bool = False, **kw: Any) -> Plan[Any]:
         try:
-            return getattr(self.client, op)(**kw)
+            return (yield Call(op, kw, body))
         except Exception as exc:
             code = _code(exc)
             if code in ("NoSuchBucket",):
                 raise ConfigurationError(f"bucket {self.bucket!r} does not exist") from exc
-            if code is None and type(exc).__module__.startswith(("botocore", "urllib3")):
+            if code is None and is_transport_error(exc):
                 raise BackendUnavailable(
                     f"object store unreachable: {type(exc).__name__}: {exc}"
                 ) from exc
             raise
 
-    def _read_mark(self, name: str) -> tuple[str, int, Version | None, str] | None:
+    def _read_mark(self, name: str) -> Plan[tuple[str, int, Version | None, str] | None]:
         """(lock, token, current version, ETag) of ``name``'s mark, or None if never written."""
         try:
-            got = self._call("get_object", Bucket=self.bucket, Key=self._key(name, _MARK))
+            got = yield from self._call(
+                "get_object", body=True, Bucket=self.bucket, Key=self._key(name, _MARK)
+            )
         except Exception as exc:
             if _code(exc) in ("NoSuchKey", "404"):
                 return None
             raise
-        raw = got["Body"].read()
+        raw = got["Body"]
         try:
             doc = json.loads(raw)
             lock, value, current = doc["lock"], doc["token"], doc["version"]
@@ -163,7 +168,7 @@ class S3VersionStore:
 
     def _swap_mark(
         self, name: str, mark: Any, tok: FencingToken, version: Version | None
-    ) -> str | None:
+    ) -> Plan[str | None]:
         """Compare-and-swap the mark; its new ETag, or None if it changed since it was read."""
         body = json.dumps(
             {
@@ -176,7 +181,7 @@ class S3VersionStore:
         ).encode()
         cond = {"IfMatch": mark[3]} if mark else {"IfNoneMatch": "*"}
         try:
-            got = self._call(
+            got = yield from self._call(
                 "put_object", Bucket=self.bucket, Key=self._key(name, _MARK), Body=body, **cond
             )
         except Exception as exc:
@@ -187,16 +192,15 @@ class S3VersionStore:
         self._seen[name] = (tok.lock, max(tok.value, mark[1] if mark else 0), new, got["ETag"])
         return str(got["ETag"])
 
-    # -- the VersionStore protocol --------------------------------------------------------------
+    # -- the VersionStore protocol, as plans --------------------------------------------------
 
-    def publish(self, name: str, data: Data, *, token: TokenLike) -> Version:
-        """Store ``data`` as the new current version of ``name`` iff ``token`` is not stale."""
+    def _publish(self, name: str, data: Data, token: TokenLike) -> Plan[Version]:
         name = self._name(name)
         tok = FencingToken.coerce(token, self.lock, self.verifier)
         body = bytes(data)
         cached = self._seen.pop(name, None)  # as this store last left it: no GET (see _seen)
         for _ in range(_RETRIES):
-            mark = cached if cached is not None else self._read_mark(name)
+            mark = cached if cached is not None else (yield from self._read_mark(name))
             if cached is not None and (
                 cached[0] != tok.lock or not self._accepts(tok.value, cached[1])
             ):
@@ -209,7 +213,7 @@ class S3VersionStore:
             while True:  # a free name for this token: If-None-Match never overwrites
                 version = Version(tok, seq)
                 try:
-                    self._call(
+                    yield from self._call(
                         "put_object",
                         Bucket=self.bucket,
                         Key=self._key(name, version.filename),
@@ -226,109 +230,109 @@ class S3VersionStore:
                     ):
                         raise
                     seq += 1
-            if self._swap_mark(name, mark, tok, version):
+            if (yield from self._swap_mark(name, mark, tok, version)):
                 return version
             # the mark moved: decide again (the uploaded object is an orphan, never current)
         raise FenceConflictError(f"the mark of {self._where(name)} kept moving; try again")
 
-    write = publish
-
-    def fence(self, token: TokenLike, names: list[str] | None = None) -> None:
-        """Raise the marks of ``names`` (default: every name under the prefix) to ``token``."""
+    def _fence(self, token: TokenLike, names: list[str] | None) -> Plan[None]:
         tok = FencingToken.coerce(token, self.lock, self.verifier)
-        for name in names if names is not None else self.names():
+        for name in names if names is not None else (yield from self._names()):
             name = self._name(name)
             for _ in range(_RETRIES):
-                mark = self._read_mark(name)
+                mark = yield from self._read_mark(name)
                 self._check(name, tok, mark)
-                if self._swap_mark(name, mark, tok, None):
+                if (yield from self._swap_mark(name, mark, tok, None)):
                     break
             else:
                 raise FenceConflictError(f"the mark of {self._where(name)} kept moving")
 
-    def latest(self, name: str) -> Version | None:
-        mark = self._read_mark(self._name(name))
+    def _latest(self, name: str) -> Plan[Version | None]:
+        mark = yield from self._read_mark(self._name(name))
         return mark[2] if mark else None
 
-    def high_water(self, name: str) -> FencingToken | None:
-        mark = self._read_mark(self._name(name))
+    def _high_water(self, name: str) -> Plan[FencingToken | None]:
+        mark = yield from self._read_mark(self._name(name))
         return FencingToken(mark[0], mark[1]) if mark else None
 
-    def read(self, name: str) -> tuple[FencingToken, bytes]:
-        """The current version's token and content (ResourceNotFoundError if none)."""
-        version = self.latest(name)
+    def _read(self, name: str) -> Plan[tuple[FencingToken, bytes]]:
+        version = yield from self._latest(name)
         if version is None:
             raise ResourceNotFoundError(f"{self._where(name)} has no version")
-        return version.token, self.read_version(name, version)
+        return version.token, (yield from self._read_version(name, version))
 
-    def read_version(self, name: str, version: Version) -> bytes:
+    def _read_version(self, name: str, version: Version) -> Plan[bytes]:
+        key = self._key(self._name(name), version.filename)
         try:
-            got = self._call(
-                "get_object", Bucket=self.bucket, Key=self._key(self._name(name), version.filename)
-            )
+            got = yield from self._call("get_object", body=True, Bucket=self.bucket, Key=key)
         except Exception as exc:
             if _code(exc) in ("NoSuchKey", "404"):
                 raise ResourceNotFoundError(
                     f"{self._where(name)}/{version.filename} is gone"
                 ) from exc
             raise
-        return bytes(got["Body"].read())
+        return bytes(got["Body"])
 
-    def _objects(self, name: str) -> Iterator[tuple[Version, str]]:
-        paginator = self.client.get_paginator("list_objects_v2")
-        pages = paginator.paginate(Bucket=self.bucket, Prefix=self._key(name, ""))
-        for page in pages:
-            for obj in page.get("Contents", []):
-                m = _VERSION_RE.fullmatch(obj["Key"].rsplit("/", 1)[-1])
-                if m:
-                    yield (
-                        Version(FencingToken(self.lock, int(m.group(1))), int(m.group(2))),
-                        obj["Key"],
-                    )
+    def _keys(self, prefix: str) -> Plan[list[str]]:
+        """Every key under ``prefix`` (ListObjectsV2, page by page)."""
+        keys: list[str] = []
+        more: dict[str, Any] = {}
+        while True:
+            page = yield from self._call(
+                "list_objects_v2", Bucket=self.bucket, Prefix=prefix, **more
+            )
+            keys += [obj["Key"] for obj in page.get("Contents", [])]
+            if not page.get("IsTruncated"):
+                return keys
+            more = {"ContinuationToken": page["NextContinuationToken"]}
 
-    def versions(self, name: str) -> list[Version]:
-        """The version objects up to the current one, oldest first (a stale publish refused
-        after its upload leaves an orphan among them that never was current)."""
-        current = self.latest(name)
+    def _objects(self, name: str) -> Plan[list[tuple[Version, str]]]:
+        out = []
+        for key in (yield from self._keys(self._key(name, ""))):
+            m = _VERSION_RE.fullmatch(key.rsplit("/", 1)[-1])
+            if m:
+                out.append(
+                    (Version(FencingToken(self.lock, int(m.group(1))), int(m.group(2))), key)
+                )
+        return out
+
+    def _versions(self, name: str) -> Plan[list[Version]]:
+        current = yield from self._latest(name)
         if current is None:
             return []
-        return sorted(v for v, _ in self._objects(self._name(name)) if v <= current)
+        return sorted(v for v, _ in (yield from self._objects(self._name(name))) if v <= current)
 
-    def prune(self, name: str, keep: int = 1) -> list[Version]:
-        """Delete versions older than the ``keep`` newest up to the current one (and orphans
-        among them). Objects above the current one may be in-flight publishes: kept."""
+    def _prune(self, name: str, keep: int) -> Plan[list[Version]]:
         if keep < 1:
             raise ConfigurationError("prune keeps at least the current version (keep >= 1)")
         name = self._name(name)
-        current = self.latest(name)
+        current = yield from self._latest(name)
         if current is None:
             return []
-        older = sorted((v, k) for v, k in self._objects(name) if v <= current)
+        older = sorted((v, k) for v, k in (yield from self._objects(name)) if v <= current)
         doomed = older[: max(0, len(older) - keep)]
         for _, key in doomed:
-            self._call("delete_object", Bucket=self.bucket, Key=key)
+            yield from self._call("delete_object", Bucket=self.bucket, Key=key)
         return [v for v, _ in doomed]
 
-    def names(self) -> list[str]:
-        """Every name that has a mark under the prefix."""
-        paginator = self.client.get_paginator("list_objects_v2")
+    def _names(self) -> Plan[list[str]]:
         out = []
-        for page in paginator.paginate(Bucket=self.bucket, Prefix=self.prefix):
-            for obj in page.get("Contents", []):
-                rest = obj["Key"][len(self.prefix) :]
-                if rest.endswith("/" + _MARK) and rest.count("/") == 1:
-                    out.append(rest.split("/", 1)[0])
+        for key in (yield from self._keys(self.prefix)):
+            rest = key[len(self.prefix) :]
+            if rest.endswith("/" + _MARK) and rest.count("/") == 1:
+                out.append(rest.split("/", 1)[0])
         return out
 
-    def verify_conditional(self) -> None:
-        """Check once that the store enforces ``If-None-Match: *`` and ``If-Match`` (a store
-        that ignores them would let a stale writer in); ConfigurationError if it does not."""
+    def _verify_conditional(self) -> Plan[None]:
         key = f"{self.prefix}.fenced-probe"
-        self._call("put_object", Bucket=self.bucket, Key=key, Body=b"1")
+        yield from self._call("put_object", Bucket=self.bucket, Key=key, Body=b"1")
         try:
-            for cond in ({"IfNoneMatch": "*"}, {"IfMatch": '"0000"'}):
+            conds: tuple[dict[str, Any], ...] = ({"IfNoneMatch": "*"}, {"IfMatch": '"0000"'})
+            for cond in conds:
                 try:
-                    self._call("put_object", Bucket=self.bucket, Key=key, Body=b"2", **cond)
+                    yield from self._call(
+                        "put_object", Bucket=self.bucket, Key=key, Body=b"2", **cond
+                    )
                 except Exception as exc:
                     if _code(exc) in ("PreconditionFailed", "412"):
                         continue
@@ -338,34 +342,94 @@ class S3VersionStore:
                     "cannot be fenced with conditional writes"
                 )
         finally:
-            self._call("delete_object", Bucket=self.bucket, Key=key)
+            yield from self._call("delete_object", Bucket=self.bucket, Key=key)
 
 
-def _code(exc: BaseException) -> str | None:
-    response = getattr(exc, "response", None)
-    if not isinstance(response, dict):
-        return None
-    code = response.get("Error", {}).get("Code")
-    return str(code) if code is not None else None
+class S3VersionStore(_Plans):
+    """Token-versioned objects in ``bucket`` under ``prefix`` for the lock ``lock``, on a
+    boto3 S3 client (see the module doc)."""
+
+    def publish(self, name: str, data: Data, *, token: TokenLike) -> Version:
+        """Store ``data`` as the new current version of ``name`` iff ``token`` is not stale."""
+        return run(self.client, self._publish(name, data, token))
+
+    write = publish
+
+    def fence(self, token: TokenLike, names: list[str] | None = None) -> None:
+        """Raise the marks of ``names`` (default: every name under the prefix) to ``token``."""
+        run(self.client, self._fence(token, names))
+
+    def latest(self, name: str) -> Version | None:
+        """The current version of ``name`` (None if never published)."""
+        return run(self.client, self._latest(name))
+
+    def high_water(self, name: str) -> FencingToken | None:
+        """The highest token ``name``'s mark holds (None if never written)."""
+        return run(self.client, self._high_water(name))
+
+    def read(self, name: str) -> tuple[FencingToken, bytes]:
+        """The current version's token and content (ResourceNotFoundError if none)."""
+        return run(self.client, self._read(name))
+
+    def read_version(self, name: str, version: Version) -> bytes:
+        """The content of one version object (ResourceNotFoundError if pruned)."""
+        return run(self.client, self._read_version(name, version))
+
+    def versions(self, name: str) -> list[Version]:
+        """The version objects up to the current one, oldest first (a stale publish refused
+        after its upload leaves an orphan among them that never was current)."""
+        return run(self.client, self._versions(name))
+
+    def prune(self, name: str, keep: int = 1) -> list[Version]:
+        """Delete versions older than the ``keep`` newest up to the current one (and orphans
+        among them). Objects above the current one may be in-flight publishes: kept."""
+        return run(self.client, self._prune(name, keep))
+
+    def names(self) -> list[str]:
+        """Every name that has a mark under the prefix."""
+        return run(self.client, self._names())
+
+    def verify_conditional(self) -> None:
+        """Check once that the store enforces ``If-None-Match: *`` and ``If-Match`` (a store
+        that ignores them would let a stale writer in); ConfigurationError if it does not."""
+        run(self.client, self._verify_conditional())
 
 
-class AsyncS3VersionStore:
-    """:class:`S3VersionStore` for asyncio: the same code, each call on a worker thread."""
+_code = error_code
 
-    def __init__(self, client: Any, bucket: str, **kw: Any) -> None:
-        self.sync = S3VersionStore(client, bucket, **kw)
+
+class AsyncS3VersionStore(_Plans):
+    """:class:`S3VersionStore` for asyncio, on an aiobotocore client (or a boto3 client, each
+    request on a worker thread): the same request plans, awaited."""
 
     async def publish(self, name: str, data: Data, *, token: TokenLike) -> Version:
-        return await asyncio.to_thread(lambda: self.sync.publish(name, data, token=token))
+        return await arun(self.client, self._publish(name, data, token))
 
-    async def read(self, name: str) -> tuple[FencingToken, bytes]:
-        return await asyncio.to_thread(self.sync.read, name)
-
-    async def latest(self, name: str) -> Version | None:
-        return await asyncio.to_thread(self.sync.latest, name)
+    write = publish
 
     async def fence(self, token: TokenLike, names: list[str] | None = None) -> None:
-        await asyncio.to_thread(self.sync.fence, token, names)
+        await arun(self.client, self._fence(token, names))
+
+    async def latest(self, name: str) -> Version | None:
+        return await arun(self.client, self._latest(name))
+
+    async def high_water(self, name: str) -> FencingToken | None:
+        return await arun(self.client, self._high_water(name))
+
+    async def read(self, name: str) -> tuple[FencingToken, bytes]:
+        return await arun(self.client, self._read(name))
+
+    async def read_version(self, name: str, version: Version) -> bytes:
+        return await arun(self.client, self._read_version(name, version))
+
+    async def versions(self, name: str) -> list[Version]:
+        return await arun(self.client, self._versions(name))
 
     async def prune(self, name: str, keep: int = 1) -> list[Version]:
-        return await asyncio.to_thread(self.sync.prune, name, keep)
+        return await arun(self.client, self._prune(name, keep))
+
+    async def names(self) -> list[str]:
+        return await arun(self.client, self._names())
+
+    async def verify_conditional(self) -> None:
+        await arun(self.client, self._verify_conditional())
