@@ -14,7 +14,8 @@ import fenced
 from fenced import FencingToken
 from fenced.guards.files import Version
 from fenced.guards.s3 import AsyncS3VersionStore, S3VersionStore
-from fenced.testing.servers import free_port
+from fenced.testing.servers import MotoServer, free_port
+from tests.guards.processes import LOCK, history_violations, race
 from tests.helpers import aws_client
 
 
@@ -148,3 +149,49 @@ def test_the_async_store_is_the_same_code(s3_bucket: tuple[Any, str]) -> None:
         assert await store.read("daily") == (tok(2), b"a")
 
     asyncio.run(go())
+
+
+def committed_log(client: Any, bucket: str, name: str) -> list[dict[str, Any]]:
+    """Every version the mark object ever had, oldest first: with bucket versioning on, S3's
+    own record of the committed publishes, in the order the store applied them (a listing
+    gives a key's versions newest first)."""
+    got = client.list_object_versions(Bucket=bucket, Prefix=f"{name}/.mark")
+    assert not got.get("IsTruncated")
+    marks = []
+    for v in reversed(got.get("Versions", [])):
+        body = client.get_object(Bucket=bucket, Key=f"{name}/.mark", VersionId=v["VersionId"])
+        marks.append(json.loads(body["Body"].read()))
+    return marks
+
+
+def race_violations(
+    moto: MotoServer, client: Any, bucket: str, kind: str, per_writer: int
+) -> list[str]:
+    client.put_bucket_versioning(Bucket=bucket, VersioningConfiguration={"Status": "Enabled"})
+    accepted = race(f"{kind}:{moto.url}|{bucket}", "race", writers=4, per_writer=per_writer)
+    marks = committed_log(client, bucket, "race")
+    log = [int(m["version"][:19]) for m in marks]  # the token of each version made current
+    _, data = S3VersionStore(client, bucket, lock=LOCK).read("race")
+    bad = history_violations(log, data.decode())
+    if sum(accepted) != len(marks) or not marks:
+        bad.append(f"{sum(accepted)} publishes acknowledged, {len(marks)} committed")
+    if len({m["version"] for m in marks}) != len(marks):
+        bad.append("a version was made current twice")
+    return bad
+
+
+def test_racing_publisher_processes_commit_in_token_order(
+    moto_server: MotoServer, s3_bucket: tuple[Any, str]
+) -> None:
+    """Four processes publish interleaved tokens at once. The mark object's versions (bucket
+    versioning) are the commit log: the versions made current never go down in token, each
+    acknowledged publish is there once, and the current data is the highest token's."""
+    assert race_violations(moto_server, *s3_bucket, "s3", 60) == []
+
+
+def test_the_race_check_catches_a_store_whose_mark_never_refuses(
+    moto_server: MotoServer, s3_bucket: tuple[Any, str]
+) -> None:
+    assert any(
+        "accepted after" in v for v in race_violations(moto_server, *s3_bucket, "s3-unfenced", 20)
+    )

@@ -8,7 +8,8 @@
 
 TARGET is ``redis:URL``, ``etcd:HOST:PORT``, ``files:DIR``, ``http:BASE_URL``,
 ``mysql:mysql://USER@HOST:PORT/DB`` (tables ``data`` and ``log`` made by the test),
-``zookeeper:HOSTS``, ``dynamodb:ENDPOINT|TABLE``, ``s3:ENDPOINT|BUCKET`` (moto) or
+``zookeeper:HOSTS``, ``dynamodb:ENDPOINT|TABLE``, ``s3:ENDPOINT|BUCKET`` (moto;
+``s3-unfenced:`` plants a store whose mark never refuses) or
 ``sqlalchemy:URL`` (a table ``data`` made by the test). Events are
 JSON lines on stdout (see :class:`tests.guards.processes.Proc`).
 """
@@ -198,7 +199,7 @@ def writer(target: str, resource: str) -> Any:
         finally:
             zk.stop()
             zk.close()
-    elif kind in ("dynamodb", "s3"):
+    elif kind in ("dynamodb", "s3", "s3-unfenced"):
         import boto3
 
         from fenced.guards.dynamodb import DynamoDBGuard
@@ -206,7 +207,7 @@ def writer(target: str, resource: str) -> Any:
 
         endpoint, _, container = where.partition("|")
         aws = boto3.client(
-            kind,
+            kind[:2] if kind.startswith("s3") else kind,
             endpoint_url=endpoint,
             region_name="us-east-1",
             aws_access_key_id="test",
@@ -214,6 +215,13 @@ def writer(target: str, resource: str) -> Any:
         )
         ddb = DynamoDBGuard(aws, container, lock=LOCK) if kind == "dynamodb" else None
         store = S3VersionStore(aws, container, lock=LOCK) if kind == "s3" else None
+        if kind == "s3-unfenced":  # planted: the mark's token never refuses (the swap stays)
+
+            class Unfenced(S3VersionStore):
+                def _accepts(self, token: int, mark: int) -> bool:
+                    return True
+
+            store = Unfenced(aws, container, lock=LOCK)
         fence_item = {"pk": {"S": f"fenced#{resource}"}}
         ddb_tx = DynamoDBGuard(aws, container, lock=LOCK, fence_key=fence_item)
 
@@ -238,6 +246,8 @@ def writer(target: str, resource: str) -> Any:
                 ddb.put_item(item, token=token)
             elif ddb is not None:
                 aws.put_item(TableName=container, Item=item)
+            elif store is not None and value.startswith("log:"):  # a race write: token first
+                store.publish(resource, f"{token.value}:{value[4:]}".encode(), token=token)
             elif store is not None and guarded:
                 store.publish(resource, value.encode(), token=token)
             else:
@@ -274,7 +284,9 @@ def race(target: str, resource: str, first: int, step: int, count: int) -> None:
         sys.stdin.readline()
         accepted = 0
         for value in range(first, first + step * count, step):
-            with contextlib.suppress(StaleTokenError):
+            # (FenceConflictError: "try again", nothing made current — the S3 store's mark
+            # kept moving under many publishers)
+            with contextlib.suppress(StaleTokenError, fenced.FenceConflictError):
                 write(f"log:pid{os.getpid()}", FencingToken(LOCK, value), True)
                 accepted += 1
     emit(event="done", accepted=accepted)

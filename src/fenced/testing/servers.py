@@ -710,13 +710,19 @@ class MariaDBServer(Server):
         return f"mysql://root@127.0.0.1:{self.port}/fenced"
 
 
+# A thread per connection (a keep-alive client must not hold the server: racing clients
+# interleave request by request), and one request applied at a time.
 _MOTO_SERIAL: Final = """
-import sys
+import sys, threading
 from werkzeug.serving import run_simple
 from moto.moto_server.werkzeug_app import (
     DomainDispatcherApplication, MotoRequestHandler, create_backend_app)
-run_simple("127.0.0.1", int(sys.argv[1]), DomainDispatcherApplication(create_backend_app),
-           threaded=False, request_handler=MotoRequestHandler)
+app, one = DomainDispatcherApplication(create_backend_app), threading.Lock()
+def serial(environ, start_response):
+    with one:
+        return list(app(environ, start_response))
+run_simple("127.0.0.1", int(sys.argv[1]), serial, threaded=True,
+           request_handler=MotoRequestHandler)
 """
 
 
@@ -725,11 +731,13 @@ class MotoServer(Server):
     process, for the guards no real server can be run for here. State is in memory: a
     restart loses it (durability of the real services is AWS's; tests do not claim it).
 
-    It serves one request at a time. moto's own ``moto_server`` is threaded, and there two
+    It applies one request at a time. moto's own ``moto_server`` is threaded, and there two
     racing conditional writes to one item can both pass their condition (its check and write
-    are not isolated); DynamoDB and S3 apply a conditional write atomically. Serving requests
+    are not isolated); DynamoDB and S3 apply a conditional write atomically. Applying requests
     one by one makes the emulator keep that promise, so the guards' racing tests test the
-    guards, not the emulator's race."""
+    guards, not the emulator's race. Connections are served by threads, so racing clients on
+    keep-alive connections interleave request by request (a single-threaded server would
+    serve one client's connection to its end first: no race at all)."""
 
     name = "moto"
 
