@@ -1,8 +1,9 @@
 """One AWS request plan, two ways to run it: the DynamoDB guard and the S3 store, sync and async.
 
-A guard's operation is written once, as a generator that yields :class:`Call` (an API
-operation and its keyword arguments) and gets back the response, or has the client's
-exception thrown in at the ``yield`` (so the plan maps it where it has the context)::
+A guard's operation is written once, as a plan (``_plan``: the one shape of every guard) that
+yields :class:`Call` (an API operation and its keyword arguments) and gets back the response,
+or has the client's exception thrown in at the ``yield`` as it is (the plan maps it where it
+has the context)::
 
     def _publish(...) -> Plan[Version]:
         got = yield Call("get_object", {"Bucket": b, "Key": k}, body=True)
@@ -19,6 +20,8 @@ import asyncio
 from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
+
+from ._plan import adrive, drive
 
 __all__ = ["Call", "Plan", "arun", "error_code", "is_async_client", "is_transport_error", "run"]
 
@@ -40,45 +43,25 @@ Plan = Generator[Call, Any, T]
 
 def run(client: Any, plan: Plan[T]) -> T:
     """Drive ``plan`` on a synchronous (boto3) client."""
-    value: Any = None
-    exc: BaseException | None = None
-    while True:
-        try:
-            call = plan.throw(exc) if exc is not None else plan.send(value)
-        except StopIteration as stop:
-            return stop.value  # type: ignore[no-any-return]
-        value, exc = None, None
-        try:
-            value = getattr(client, call.op)(**call.kwargs)
-            if call.body:
-                value = {**value, "Body": value["Body"].read()}
-        except Exception as e:
-            exc = e
+    return drive(plan, lambda call: _sync_call(getattr(client, call.op), call), None)
 
 
 async def arun(client: Any, plan: Plan[T]) -> T:
     """Drive ``plan`` on an aiobotocore client, or on a boto3 client through worker threads."""
-    native = is_async_client(client)
-    value: Any = None
-    exc: BaseException | None = None
-    while True:
-        try:
-            call = plan.throw(exc) if exc is not None else plan.send(value)
-        except StopIteration as stop:
-            return stop.value  # type: ignore[no-any-return]
-        value, exc = None, None
-        try:
-            method = getattr(client, call.op)
-            if native:
-                value = await method(**call.kwargs)
-                if call.body:
-                    stream = value["Body"]
-                    async with stream:  # back to the pool, read or not
-                        value = {**value, "Body": await stream.read()}
-            else:
-                value = await asyncio.to_thread(_sync_call, method, call)
-        except Exception as e:
-            exc = e
+    if not is_async_client(client):
+        return await adrive(
+            plan, lambda call: asyncio.to_thread(_sync_call, getattr(client, call.op), call), None
+        )
+
+    async def send(call: Call) -> Any:
+        value = await getattr(client, call.op)(**call.kwargs)
+        if call.body:
+            stream = value["Body"]
+            async with stream:  # back to the pool, read or not
+                value = {**value, "Body": await stream.read()}
+        return value
+
+    return await adrive(plan, send, None)
 
 
 def is_async_client(client: Any) -> bool:

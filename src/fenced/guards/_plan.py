@@ -11,7 +11,8 @@ lock's resource or a damaged mark — lives in the plan, written once. A driver 
 
 ``map_error(exc)`` turns a client library's exception into a fenced error (thrown into the
 plan, with the native error as ``__cause__``) or returns None (the native error propagates
-unchanged, the plan is closed). A guard for a new resource writes its plan and one ``send``
+unchanged, the plan is closed); with ``map_error=None`` every error is thrown into the plan as
+it is (the AWS plans read the service's error codes there). A guard for a new resource writes its plan and one ``send``
 per client library (sync, async); see ``_sql_plan``/``_sql_driver`` and ``etcd``.
 """
 
@@ -45,7 +46,7 @@ def step(
     plan: Generator[Any, Any, Any],
     reply: Any,
     exc: BaseException | None,
-    map_error: MapError,
+    map_error: MapError | None,
     *,
     first: bool = False,
 ) -> Any:
@@ -53,6 +54,8 @@ def step(
     try:
         if exc is None:
             return next(plan) if first else plan.send(reply)
+        if map_error is None:
+            return plan.throw(exc)
         mapped = map_error(exc)
         if mapped is None:
             plan.close()
@@ -63,7 +66,9 @@ def step(
         return Done(stop.value)
 
 
-def drive(plan: Generator[Any, Any, T], send: Callable[[Any], Any], map_error: MapError) -> T:
+def drive(
+    plan: Generator[Any, Any, T], send: Callable[[Any], Any], map_error: MapError | None
+) -> T:
     """Run ``plan`` with a blocking ``send``."""
     request = step(plan, None, None, map_error, first=True)
     while not isinstance(request, Done):
@@ -77,7 +82,9 @@ def drive(plan: Generator[Any, Any, T], send: Callable[[Any], Any], map_error: M
 
 
 async def adrive(
-    plan: Generator[Any, Any, T], send: Callable[[Any], Awaitable[Any]], map_error: MapError
+    plan: Generator[Any, Any, T],
+    send: Callable[[Any], Awaitable[Any]],
+    map_error: MapError | None,
 ) -> T:
     """Run ``plan`` with an async ``send``."""
     request = step(plan, None, None, map_error, first=True)
