@@ -10,7 +10,11 @@ innodb_flush_log_at_trx_commit=1; PyMySQL), one sequential client each. Each tra
 * SQLGuard.begin - ``SQLGuard.begin``: BEGIN and the fence in one round trip (PostgreSQL);
 * RowGuard - the UPDATE itself carries the fence (``RowGuard.update``);
 * +SELECT 1 - unfenced plus one trivial statement: the price of any extra statement (on
-  PostgreSQL, of one extra round trip), to explain the SQLGuard figure.
+  PostgreSQL, of one extra round trip), to explain the SQLGuard figure;
+* fence SQL by hand - unfenced plus SQLGuard's own statement sent straight through the driver,
+  no fenced code: the floor of the fence-table form (what the statement itself costs);
+* row SQL by hand - RowGuard's conditional UPDATE sent straight through the driver instead of
+  the plain UPDATE: the floor of the row form.
 
 Variants are interleaved transaction by transaction, so drifting load hits them alike; the
 client's CPU time per transaction is measured too (``process_time``), since on a busy machine
@@ -35,12 +39,21 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _common import Result, fmt_us, table
 
 from fenced import FencingToken
+from fenced.guards._sql_plan import MYSQL, POSTGRESQL, SQLITE, Dialect, _row_write_sql, fence_sql
 from fenced.guards.sql import RowGuard, SQLGuard
 from fenced.testing.servers import MariaDBServer, PostgresServer
 
 TOKEN = FencingToken("accounts", 42)
 SLICES = 20
-VARIANTS = ("unfenced", "SQLGuard", "SQLGuard.begin", "RowGuard", "+SELECT 1")
+VARIANTS = (
+    "unfenced",
+    "SQLGuard",
+    "SQLGuard.begin",
+    "RowGuard",
+    "+SELECT 1",
+    "fence SQL by hand",
+    "row SQL by hand",
+)
 
 
 class Run:
@@ -86,7 +99,16 @@ def interleaved(variants: dict[str, Callable[[], object]], n: int) -> Run:
     return run
 
 
-def make_ops(conn: Any, begin: str, q: Callable[[str], str]) -> dict[str, Callable[[], object]]:
+def by_hand(d: Dialect, guard: SQLGuard, rows: RowGuard) -> tuple[str, tuple[Any, ...], str]:
+    """The guards' own statements (fence: its params; row: its SQL), to send without fenced."""
+    fence = fence_sql(d, guard._quoted).accept
+    row = _row_write_sql(d, rows._spec, ("balance",), False)
+    return fence, (guard.resource, TOKEN.lock, TOKEN.value), row
+
+
+def make_ops(
+    conn: Any, begin: str, q: Callable[[str], str], d: Dialect
+) -> dict[str, Callable[[], object]]:
     guard, rows = SQLGuard("accounts"), RowGuard("accounts", lock="accounts")
     guard.install(conn)
     conn.execute("CREATE TABLE IF NOT EXISTS accounts (id INTEGER PRIMARY KEY, balance BIGINT)")
@@ -122,12 +144,27 @@ def make_ops(conn: Any, begin: str, q: Callable[[str], str]) -> dict[str, Callab
         conn.execute(update, (next(counter),))
         conn.execute("COMMIT")
 
+    fence, fence_params, row = by_hand(d, guard, rows)
+
+    def fence_by_hand() -> None:
+        conn.execute(begin)
+        conn.execute(fence, fence_params).fetchall()
+        conn.execute(update, (next(counter),))
+        conn.execute("COMMIT")
+
+    def row_by_hand() -> None:
+        conn.execute(begin)
+        conn.execute(row, (next(counter), TOKEN.value, 1, TOKEN.value))
+        conn.execute("COMMIT")
+
     return {
         "unfenced": unfenced,
         "SQLGuard": fence_table,
         "SQLGuard.begin": fence_begin,
         "RowGuard": row_form,
         "+SELECT 1": one_more_statement,
+        "fence SQL by hand": fence_by_hand,
+        "row SQL by hand": row_by_hand,
     }
 
 
@@ -151,14 +188,14 @@ def bench_sqlite(n: int) -> Run:
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=FULL")
         try:
-            return interleaved(make_ops(conn, "BEGIN IMMEDIATE", lambda s: s), n)
+            return interleaved(make_ops(conn, "BEGIN IMMEDIATE", lambda s: s, SQLITE), n)
         finally:
             conn.close()
 
 
 def bench_postgres(n: int) -> Run:
     with PostgresServer() as server, psycopg.connect(server.dsn, autocommit=True) as conn:
-        return interleaved(make_ops(conn, "BEGIN", lambda s: s.replace("?", "%s")), n)
+        return interleaved(make_ops(conn, "BEGIN", lambda s: s.replace("?", "%s"), POSTGRESQL), n)
 
 
 def make_mysql_ops(conn: Any) -> dict[str, Callable[[], object]]:
@@ -203,12 +240,25 @@ def make_mysql_ops(conn: Any) -> dict[str, Callable[[], object]]:
         run(update, (next(counter),))
         conn.commit()
 
+    fence, fence_params, row = by_hand(MYSQL, guard, rows)
+
+    def fence_by_hand() -> None:
+        run(fence, fence_params)
+        run(update, (next(counter),))
+        conn.commit()
+
+    def row_by_hand() -> None:
+        run(row, (next(counter), TOKEN.value, 1, TOKEN.value))
+        conn.commit()
+
     return {
         "unfenced": unfenced,
         "SQLGuard": fence_table,
         "SQLGuard.begin": fence_begin,
         "RowGuard": row_form,
         "+SELECT 1": one_more_statement,
+        "fence SQL by hand": fence_by_hand,
+        "row SQL by hand": row_by_hand,
     }
 
 

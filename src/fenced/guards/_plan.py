@@ -70,15 +70,20 @@ def drive(
     plan: Generator[Any, Any, T], send: Callable[[Any], Any], map_error: MapError | None
 ) -> T:
     """Run ``plan`` with a blocking ``send``."""
-    request = step(plan, None, None, map_error, first=True)
-    while not isinstance(request, Done):
-        try:
-            reply, err = send(request), None
-        except Exception as exc:
-            reply, err = None, exc
-        request = step(plan, reply, err, map_error)
-    value: T = request.value
-    return value
+    # (The step() machine inlined for replies, the hot path of every guarded write.)
+    try:
+        request = next(plan)
+        while True:
+            try:
+                reply = send(request)
+            except Exception as exc:
+                request = step(plan, None, exc, map_error)
+                if isinstance(request, Done):
+                    return request.value  # type: ignore[no-any-return]
+                continue
+            request = plan.send(reply)
+    except StopIteration as stop:
+        return stop.value  # type: ignore[no-any-return]
 
 
 async def adrive(

@@ -431,11 +431,11 @@ def run_own(conn: Any, make_plan: Callable[[Dialect], Plan[T]]) -> T:
     sa_conn = sa_connection(conn)
     if sa_conn is not None:  # the caller's unit of work commits, as SQLAlchemy users expect
         return run_sa(sa_conn, make_plan)
-    sync_dialect(conn)
+    d = sync_dialect(conn)
     if in_transaction(conn):
-        return run(conn, make_plan)
+        return _run(conn, d, make_plan)
     try:
-        value = run(conn, make_plan)
+        value = _run(conn, d, make_plan)
     except BaseException:
         if in_transaction(conn):
             _end(conn, commit=False)
@@ -532,26 +532,39 @@ def run(
     sa_conn = sa_connection(conn)
     if sa_conn is not None:
         return run_sa(sa_conn, make_plan, need_tx=need_tx or begin)
-    d = sync_dialect(conn)
+    return _run(conn, sync_dialect(conn), make_plan, need_tx=need_tx, begin=begin)
+
+
+def _run(
+    conn: Any,
+    d: Dialect,
+    make_plan: Callable[[Dialect], Plan[T]],
+    *,
+    need_tx: bool = False,
+    begin: bool = False,
+) -> T:
     execute: Callable[[Any, Stmt], Result] = (
         _exec_sqlite if d is SQLITE else _exec_mysql if d is MYSQL else _exec_psycopg
     )
+    if not begin:  # the hot path: statements as they are
+        if need_tx:
+            require_transaction(conn)
+        return drive(
+            make_plan(d), lambda stmt: execute(conn, stmt), lambda exc: map_error(d, conn, exc)
+        )
     begun = True
-    if begin:
-        _refuse_open_transaction(conn)
-        if d is SQLITE or (d is MYSQL and conn.get_autocommit()):
-            # (MySQL without autocommit opens the transaction at the fence itself: no BEGIN)
-            try:
-                conn.execute("BEGIN IMMEDIATE") if d is SQLITE else conn.begin()
-            except Exception as exc:
-                mapped = map_error(d, conn, exc)
-                if mapped is None:
-                    raise
-                raise mapped from exc
-        elif d is POSTGRESQL:
-            begun = not conn.autocommit  # psycopg begins by itself then
-    elif need_tx:
-        require_transaction(conn)
+    _refuse_open_transaction(conn)
+    if d is SQLITE or (d is MYSQL and conn.get_autocommit()):
+        # (MySQL without autocommit opens the transaction at the fence itself: no BEGIN)
+        try:
+            conn.execute("BEGIN IMMEDIATE") if d is SQLITE else conn.begin()
+        except Exception as exc:
+            mapped = map_error(d, conn, exc)
+            if mapped is None:
+                raise
+            raise mapped from exc
+    elif d is POSTGRESQL:
+        begun = not conn.autocommit  # psycopg begins by itself then
 
     def send(stmt: Stmt) -> Result:
         nonlocal begun

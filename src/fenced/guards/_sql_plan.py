@@ -476,6 +476,17 @@ def _where_key(d: Dialect, spec: RowSQL) -> str:
 
 
 def _key_params(spec: RowSQL, key: Mapping[str, Any]) -> tuple[Any, ...]:
+    if type(key) is dict and len(key) == len(spec.keys):  # the usual case, checked cheaply
+        try:
+            params = tuple([key[k] for k in spec.keys])
+        except KeyError:
+            pass
+        else:
+            for v in params:
+                if v is None:
+                    break
+            else:
+                return params
     is_mapping = type(key) is dict or isinstance(key, Mapping)
     if not is_mapping or len(key) != len(spec.keys) or any(k not in key for k in spec.keys):
         got = sorted(key) if is_mapping else key
@@ -502,6 +513,9 @@ class Add:
             self.amount, int | float | decimal.Decimal
         ):
             raise ConfigurationError(f"Add() takes a number, not {self.amount!r}")
+
+
+_NO_COLUMNS: Final = frozenset[str]()
 
 
 def _value_columns(values: Mapping[str, Any]) -> tuple[str, ...]:
@@ -639,8 +653,13 @@ def row_write_plan(
     """One conditional UPDATE (or INSERT .. ON CONFLICT DO UPDATE) that writes only if fresh."""
     key_params = _key_params(spec, key)
     columns = _value_columns(values)
-    relative = frozenset(c for c in columns if isinstance(values[c], Add))
-    value_params = tuple(values[c].amount if c in relative else values[c] for c in columns)
+    value_params = tuple(values.values())
+    relative = _NO_COLUMNS
+    for v in value_params:
+        if isinstance(v, Add):  # (rare: only then the relative columns are worked out)
+            relative = frozenset(c for c in columns if isinstance(values[c], Add))
+            value_params = tuple(values[c].amount if c in relative else values[c] for c in columns)
+            break
     lock_params: tuple[Any, ...] = (token.lock,) if spec.lock else ()
     if d is MYSQL:
         update = _row_write_sql(d, spec, columns, False, relative)
