@@ -484,6 +484,22 @@ def test_https_with_the_servers_tls_options(source: str, tmp_path: Path) -> None
     assert all({"time", "level", "logger", "message"} <= set(e) for e in events)
 
 
+@pytest.mark.parametrize("level", ["info", "warning"])
+def test_the_log_level_decides_whether_transitions_are_logged(source: str, level: str) -> None:
+    with FencedServer(source, args=["--log-level", level]) as server:
+        g = post(f"{server.url}/v1/locks/audit/acquire", {"ttl": 5}).json()
+        post(
+            f"{server.url}/v1/locks/audit/release", {"token": g["token"], "lease_id": g["lease_id"]}
+        )
+        server.stop()
+        log = server.log_path.read_text()
+    lines = [ln for ln in log.splitlines() if "lock=audit" in ln]
+    if level == "info":
+        assert len(lines) == 2 and "granted" in lines[0] and "released" in lines[1], lines
+    else:
+        assert lines == []
+
+
 def test_serve_help_lists_every_option() -> None:
     r = subprocess.run(
         [sys.executable, "-m", "fenced.cli", "serve", "--help"],
@@ -496,6 +512,7 @@ def test_serve_help_lists_every_option() -> None:
     for option in (
         "--url", "--listen", "--api-keys", "--insecure-no-auth", "--signing-key", "--tls-cert",
         "--tls-key", "--max-wait", "--default-ttl", "--log-format", "--access-log", "--timeout",
+        "--log-level",
     ):  # fmt: skip
         assert option in r.stdout, option
 

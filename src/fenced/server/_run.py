@@ -55,7 +55,7 @@ class _JsonLines(logging.Formatter):
         return json.dumps(out)
 
 
-def setup_logging(fmt: str) -> None:
+def setup_logging(fmt: str, level: str = "info") -> None:
     handler = logging.StreamHandler(sys.stderr)
     if fmt == "json":
         handler.setFormatter(_JsonLines())
@@ -64,7 +64,7 @@ def setup_logging(fmt: str) -> None:
     for name in ("fenced", "uvicorn.error"):
         log = logging.getLogger(name)
         log.handlers[:] = [handler]
-        log.setLevel(logging.INFO)
+        log.setLevel(level.upper())
         log.propagate = False
 
 
@@ -93,6 +93,7 @@ def serve(
     tls_cert: str | None = None,
     tls_key: str | None = None,
     log_format: str = "text",
+    log_level: str = "info",
     access_log: bool = False,
     graceful: int = 5,
 ) -> None:
@@ -100,7 +101,7 @@ def serve(
     acquires are answered 503 at once; held leases are left to expire."""
     import uvicorn
 
-    setup_logging(log_format)
+    setup_logging(log_format, log_level)
     sock = listen_socket(host, port)
     bound = sock.getsockname()[1]
     app = create_app(settings)
