@@ -5,16 +5,21 @@ without, gets the same statuses and bodies; good requests take the lane, bad one
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, assume, example, given, seed, settings
+from hypothesis import strategies as st
 
 from fenced.server._app import ServerSettings, _FastLane, create_app
 from fenced.server._auth import load_api_keys
+from tests.test_server_fuzz import bodies, headers
 
 SECRET, OTHER = "s3cret-key-number-one", "s3cret-key-number-two"
 
@@ -25,6 +30,7 @@ SCRIPT: list[tuple[str, str, Any, str | None]] = [
     ("POST", "/v1/locks/inv/acquire", {"ttl": 5}, SECRET),  # busy: 409
     ("POST", "/v1/locks/inv/acquire", None, SECRET),  # no body: defaults, busy
     ("POST", "/v1/locks/inv/acquire", b"", SECRET),
+    ("POST", "/v1/locks/inv/acquire", b" \n", SECRET),  # whitespace is not "no body"
     ("POST", "/v1/locks/inv/acquire", b"{not json", SECRET),
     ("POST", "/v1/locks/inv/acquire", b"[1, 2]", SECRET),
     ("POST", "/v1/locks/inv/acquire", b"null", SECRET),
@@ -57,7 +63,7 @@ SCRIPT: list[tuple[str, str, Any, str | None]] = [
 # Taken by the lane: bodies that validate, from a key allowed on the lock — including the
 # handlers' own refusals (a ttl out of range, a bad request id or lock name, another lock's
 # token), answered there by the same code. Bad bodies, missing or wrong keys, other routes: not.
-GOOD = {0, 1, 2, 3, 4, 10, 11, 13, 14, 19, 20, 21, 22, 23, 27, 28, 29, 30}
+GOOD = {0, 1, 2, 3, 4, 11, 12, 14, 15, 20, 21, 22, 23, 24, 28, 29, 30, 31}
 
 
 def keys_file(tmp_path: Path) -> Path:
@@ -163,4 +169,93 @@ async def test_the_comparison_catches_a_lane_that_answers_differently(
     monkeypatch.setattr(_FastLane, "_model", staticmethod(sloppy))
     slow, _ = await run_script(tmp_path, fast=False)
     fast, _ = await run_script(tmp_path, fast=True)
-    assert [i for i, (a, b) in enumerate(zip(slow, fast, strict=True)) if a != b] == [8]
+    assert [i for i, (a, b) in enumerate(zip(slow, fast, strict=True)) if a != b] == [9]
+
+
+EXAMPLES = int(os.environ.get("FENCED_FUZZ_EXAMPLES", "250"))
+
+
+def _short_lease(body: Any) -> bool:
+    """A body asking for a lease short enough to expire between the two apps' answers."""
+    if not isinstance(body, dict):
+        return False
+    ttl = body.get("ttl")
+    return isinstance(ttl, int | float) and not isinstance(ttl, bool) and ttl < 30
+
+
+def test_random_requests_get_the_same_answer_with_and_without_the_lane(tmp_path: Path) -> None:
+    """Differential fuzz: the same random request (the API fuzz's bodies and headers, on the
+    lane's three routes) to an app with the lane and to one without, in the same state."""
+    _differential(tmp_path)
+
+
+def test_the_differential_fuzz_catches_a_lane_that_takes_whitespace_for_no_body(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Planted: the lane's first version, which read a blank body as "no body" (FastAPI: 400)."""
+    original = _FastLane._model
+
+    def blank_is_empty(lane: Any, body: bytes) -> Any:
+        return original(lane, b"" if not body.strip() else body)
+
+    monkeypatch.setattr(_FastLane, "_model", staticmethod(blank_is_empty))
+    with pytest.raises(AssertionError, match="/v1/locks/inv/acquire"):
+        _differential(tmp_path)
+
+
+def _differential(tmp_path: Path) -> None:
+    loop = asyncio.new_event_loop()
+    apps, clients, lifespans = [], [], []
+    for fast in (True, False):
+        app = create_app(
+            ServerSettings(
+                url=f"sqlite:///{tmp_path / f'{fast}.db'}",
+                api_keys=load_api_keys(keys_file(tmp_path)),
+                max_wait=0.05,
+                default_ttl=3600,  # (no lease may expire between the two apps' answers)
+                fast_lane=fast,
+            )
+        )
+        lifespan = app.router.lifespan_context(app)
+        loop.run_until_complete(lifespan.__aenter__())
+        apps.append(app)
+        lifespans.append(lifespan)
+        transport = httpx.ASGITransport(app=app)
+        clients.append(httpx.AsyncClient(transport=transport, base_url="http://t"))
+    key = {"authorization": f"Bearer {SECRET}"}
+    keyed = st.one_of(st.just(key), st.just(key), headers)  # (mostly a key that may)
+
+    async def both(verb: str, name: str, body: Any, hdrs: dict[str, Any]) -> None:
+        raw = {"content": body} if isinstance(body, bytes) else {"json": body}
+        path = f"/v1/locks/{name}/{verb}"
+        a, b = [await c.post(path, headers=hdrs, **raw) for c in clients]
+        assert (a.status_code, normal(a.content)) == (b.status_code, normal(b.content)), (
+            path, body, hdrs, a.text, b.text,
+        )  # fmt: skip
+
+    @seed(20261125)
+    @settings(
+        max_examples=EXAMPLES,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow],
+        database=None,
+    )
+    @given(
+        st.sampled_from(["acquire", "renew", "release"]),
+        st.sampled_from(["inv", "reports/daily", "a b", "x" * 300]),
+        st.one_of(bodies, st.sampled_from([b" ", b"\n", b"\t{}", b"{} ", b"{}{}", b"0"])),
+        keyed,
+    )
+    @example("acquire", "inv", b" ", key)  # (the lane's first version answered this wrongly)
+    @example("acquire", "inv", b"", key)
+    def fuzz(verb: str, name: str, body: Any, hdrs: dict[str, Any]) -> None:
+        assume(not _short_lease(body))
+        loop.run_until_complete(both(verb, name, body, hdrs))
+
+    try:
+        fuzz()
+    finally:
+        for client, lifespan in zip(clients, lifespans, strict=True):
+            loop.run_until_complete(client.aclose())
+            loop.run_until_complete(lifespan.__aexit__(None, None, None))
+        loop.close()
