@@ -225,6 +225,13 @@ def test_metrics_count_grants_checks_and_refusals(server: FencedServer) -> None:
     assert value('fenced_checks_total{result="current"}') == 1
     assert value('fenced_checks_total{result="invalid"}') == 1
     assert value('fenced_request_seconds_count{method="POST",route="/v1/check"}') == 2
+    # the SQLite source's own commits: one more per sequential grant and release
+    commits = value("fenced_source_commits_total")
+    assert commits >= 1
+    post(f"{u}/v1/locks/m/release", {"token": g["token"], "lease_id": g["lease_id"]})
+    g2 = post(f"{u}/v1/locks/m2/acquire").json()
+    text = get(f"{u}/metrics").text
+    assert value("fenced_source_commits_total") == commits + 2, g2
 
 
 # -- auth ------------------------------------------------------------------------------------------

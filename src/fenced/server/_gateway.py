@@ -51,15 +51,19 @@ class Gateway:
         self.locks = locks
         self.max_wait = max_wait
         self.default_ttl = default_ttl
-        self.metrics = Metrics()
+        self._backend: Backend | None = None
+        self.metrics = Metrics(source_commits=self._source_commits)
         self.events: collections.deque[Transition] = collections.deque(maxlen=events)
         self.stopping = asyncio.Event()
-        self._backend: Backend | None = None
         self._grants: dict[tuple[str, str], Grant] = {}
         self._owners: dict[tuple[str, str], str] = {}
         self._changed: dict[str, asyncio.Event] = {}
         self._sweeper: asyncio.Task[None] | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
+
+    def _source_commits(self) -> int | None:
+        n = getattr(self._backend, "commits", None)
+        return n if isinstance(n, int) else None
 
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()

@@ -3,7 +3,10 @@ tests, never share counters). No label carries a lock name: names are unbounded.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 __all__ = ["CONTENT_TYPE_LATEST", "Metrics"]
@@ -12,9 +15,29 @@ _LATENCY = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 
 _WAITS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300)
 
 
+class _SourceCommits:
+    """The source's own count of write commits, where it keeps one (the embedded SQLite
+    source: one fsync each), read at scrape time. Grants ÷ commits is how well concurrent
+    grants share commits (group commit)."""
+
+    def __init__(self, read: Callable[[], int | None]) -> None:
+        self.read = read
+
+    def collect(self) -> Iterator[Metric]:
+        n = self.read()
+        if n is not None:
+            yield CounterMetricFamily(
+                "fenced_source_commits",
+                "Write transactions the token source committed (SQLite: one fsync each)",
+                value=n,
+            )
+
+
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, source_commits: Callable[[], int | None] | None = None) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
+        if source_commits is not None:
+            r.register(_SourceCommits(source_commits))
         self.grants = Counter("fenced_grants", "Locks granted", registry=r)
         self.acquire_timeouts = Counter(
             "fenced_acquire_timeouts", "Acquires whose timeout passed before a grant", registry=r
