@@ -18,11 +18,14 @@ Rows:
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import itertools
 import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -32,8 +35,8 @@ from _common import interleaved, table
 from kazoo.client import KazooClient
 
 from fenced import FencingToken
-from fenced.guards.dynamodb import DynamoDBGuard
-from fenced.guards.s3 import S3VersionStore
+from fenced.guards.dynamodb import AsyncDynamoDBGuard, DynamoDBGuard
+from fenced.guards.s3 import AsyncS3VersionStore, S3VersionStore
 from fenced.guards.sql import RowGuard, SQLGuard
 from fenced.guards.zookeeper import ZooKeeperGuard
 from fenced.testing.servers import MariaDBServer, MotoServer, ZooKeeperServer
@@ -107,6 +110,46 @@ def moto_pairs(url: str) -> list[tuple]:
     ]
 
 
+def aio_moto_pairs(url: str, loop: asyncio.AbstractEventLoop, stack: Any) -> list[tuple]:
+    """The async guards on aiobotocore clients (made by moto_pairs' table and bucket), each op
+    one ``run_until_complete`` on both sides."""
+    from aiobotocore.session import get_session
+
+    def client(kind: str) -> Any:
+        made = get_session().create_client(
+            kind,
+            endpoint_url=url,
+            region_name="us-east-1",
+            aws_access_key_id="test",
+            aws_secret_access_key="test",
+        )
+        return loop.run_until_complete(stack.enter_async_context(made))
+
+    ddb, s3 = client("dynamodb"), client("s3")
+    guard = AsyncDynamoDBGuard(ddb, "bench", lock="bench")
+    store = AsyncS3VersionStore(s3, "bench-bucket", lock="bench")
+    n = itertools.count()
+    run = loop.run_until_complete
+
+    def item(pk: str) -> dict:
+        return {"pk": {"S": pk}, "v": {"S": str(next(n))}}
+
+    return [
+        (
+            "AsyncDynamoDBGuard.put_item (aiobotocore)",
+            lambda: run(guard.put_item(item("e"), token=TOKEN)),
+            "PutItem (aiobotocore)",
+            lambda: run(ddb.put_item(TableName="bench", Item=item("f"))),
+        ),
+        (
+            "AsyncS3VersionStore.publish (aiobotocore)",
+            lambda: run(store.publish("async", b"x" * 1024, token=TOKEN)),
+            "PutObject (aiobotocore)",
+            lambda: run(s3.put_object(Bucket="bench-bucket", Key="plain2", Body=b"x" * 1024)),
+        ),
+    ]
+
+
 def sqlalchemy_pairs(url: str, label: str) -> list[tuple]:
     engine = sa.create_engine(url)
     with engine.begin() as conn:
@@ -155,6 +198,15 @@ def main() -> None:
         labels = ["DynamoDB (emulator)"] * 2 + ["S3 (emulator)"]
         for (a, b), what in zip(results, labels, strict=True):
             rows.append((what, a, b))
+        loop = asyncio.new_event_loop()
+        stack = contextlib.AsyncExitStack()
+        try:
+            results = interleaved(aio_moto_pairs(moto.url, loop, stack), n)
+            for (a, b), what in zip(results, ["DynamoDB (emulator)", "S3 (emulator)"], strict=True):
+                rows.append((what, a, b))
+        finally:
+            loop.run_until_complete(stack.aclose())
+            loop.close()
     with tempfile.TemporaryDirectory() as d:
         url = f"sqlite:///{os.path.join(d, 'bench.db')}"
         e = sa.create_engine(url)
