@@ -108,6 +108,16 @@ def normal(body: bytes) -> Any:
     return clean(doc)
 
 
+def counters(text: str) -> dict[str, str]:
+    """The metrics that count (not latencies, not creation times)."""
+    out = {}
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if line.startswith("fenced_") and "_seconds" not in name and "_created" not in name:
+            out[name] = value
+    return out
+
+
 async def run_script(tmp_path: Path, fast: bool) -> tuple[list[tuple[int, Any]], set[int]]:
     settings = ServerSettings(
         url=f"sqlite:///{tmp_path / ('fast' if fast else 'slow')}.db",
@@ -134,6 +144,8 @@ async def run_script(tmp_path: Path, fast: bool) -> tuple[list[tuple[int, Any]],
             lane = lane_of(app)  # (built at the first request)
             if lane is not None and lane.taken > before:
                 taken.add(i)
+        metrics = await client.get("/metrics", headers={"authorization": f"Bearer {SECRET}"})
+        answers.append((metrics.status_code, counters(metrics.text)))
     return answers, taken
 
 
@@ -142,8 +154,11 @@ async def test_the_fast_lane_answers_what_fastapi_answers(tmp_path: Path) -> Non
     slow, none = await run_script(tmp_path, fast=False)
     fast, taken = await run_script(tmp_path, fast=True)
     assert none == set()  # (no lane in that app)
-    for i, (a, b) in enumerate(zip(slow, fast, strict=True)):
+    for i, (a, b) in enumerate(zip(slow[:-1], fast[:-1], strict=True)):
         assert a == b, f"request {i} {SCRIPT[i][:2]}: FastAPI {a}, fast lane {b}"
+    # and the same counters afterwards: every refusal counted once, by whichever path took it
+    assert slow[-1] == fast[-1] and slow[-1][0] == 200
+    assert fast[-1][1]['fenced_refused_requests_total{reason="unauthenticated"}'] == "2.0"
     statuses = [status for status, _ in fast]
     assert statuses.count(200) >= 8 and {400, 401, 403, 409, 410} <= set(statuses)
     assert taken == GOOD
@@ -169,7 +184,33 @@ async def test_the_comparison_catches_a_lane_that_answers_differently(
     monkeypatch.setattr(_FastLane, "_model", staticmethod(sloppy))
     slow, _ = await run_script(tmp_path, fast=False)
     fast, _ = await run_script(tmp_path, fast=True)
-    assert [i for i, (a, b) in enumerate(zip(slow, fast, strict=True)) if a != b] == [9]
+    # the answer to request 9, and the counters (that refusal went uncounted)
+    assert [i for i, (a, b) in enumerate(zip(slow, fast, strict=True)) if a != b] == [9, 34]
+
+
+@pytest.mark.asyncio
+async def test_the_comparison_catches_a_lane_that_counts_a_refusal_twice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Planted: the lane's first version looked keys up through the counting path, so a bad
+    key was counted there and again by FastAPI."""
+    from fenced.server._app import ApiError, Verb, _find_key
+
+    def counting(self: Any, scope: Any, name: str) -> Any:
+        auth = [v for k, v in scope["headers"] if k == b"authorization"]
+        if len(auth) != 1:
+            return False
+        try:
+            key = _find_key(self.keys, self.gw, auth[0].decode("latin-1"))
+        except ApiError:
+            return False
+        return key if key is not None and key.allows(Verb.ACQUIRE, name) else False
+
+    monkeypatch.setattr(_FastLane, "_key", counting)
+    slow, _ = await run_script(tmp_path, fast=False)
+    fast, _ = await run_script(tmp_path, fast=True)
+    assert slow[:-1] == fast[:-1]  # every answer the same ...
+    assert slow[-1] != fast[-1]  # ... and the double count caught in the counters
 
 
 EXAMPLES = int(os.environ.get("FENCED_FUZZ_EXAMPLES", "250"))
@@ -252,8 +293,14 @@ def _differential(tmp_path: Path) -> None:
         assume(not _short_lease(body))
         loop.run_until_complete(both(verb, name, body, hdrs))
 
+    async def metrics() -> list[dict[str, str]]:
+        auth = {"authorization": f"Bearer {SECRET}"}
+        return [counters((await c.get("/metrics", headers=auth)).text) for c in clients]
+
     try:
         fuzz()
+        fast, slow = loop.run_until_complete(metrics())
+        assert fast == slow  # every refusal counted once, whichever path answered it
     finally:
         for client, lifespan in zip(clients, lifespans, strict=True):
             loop.run_until_complete(client.aclose())

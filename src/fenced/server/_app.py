@@ -278,15 +278,20 @@ def _find_key(keys: Keys | None, gw: Gateway, authorization: str | None) -> ApiK
     """The API key an ``Authorization`` header names (None without keys); ApiError 401."""
     if keys is None:
         return None
-    scheme, _sep, secret = (authorization or "").partition(" ")
-    if scheme.lower() != "bearer" or not secret.strip():
+    secret = _bearer_secret(authorization)
+    if secret is None:
         gw.metrics.refused.labels("unauthenticated").inc()
         raise ApiError(401, "unauthenticated", "send Authorization: Bearer <API key>")
-    key = keys.find(secret.strip())
+    key = keys.find(secret)
     if key is None:
         gw.metrics.refused.labels("unauthenticated").inc()
         raise ApiError(401, "unauthenticated", "unknown API key")
     return key
+
+
+def _bearer_secret(authorization: str | None) -> str | None:
+    scheme, _sep, secret = (authorization or "").partition(" ")
+    return secret.strip() if scheme.lower() == "bearer" and secret.strip() else None
 
 
 Principal = Annotated[ApiKey | None, Depends(_principal)]
@@ -857,16 +862,13 @@ class _FastLane:
             return None
 
     def _key(self, scope: Scope, name: str) -> ApiKey | Literal[False] | None:
-        """The request's key if it may acquire ``name``; False: let FastAPI refuse it."""
+        """The request's key if it may acquire ``name``; False: let FastAPI refuse it (and
+        count the refusal: nothing here touches a metric)."""
         if self.keys is None:
             return None
         auth = [v for k, v in scope["headers"] if k == b"authorization"]
-        if len(auth) != 1:
-            return False
-        try:
-            key = _find_key(self.keys, self.gw, auth[0].decode("latin-1"))
-        except ApiError:
-            return False
+        secret = _bearer_secret(auth[0].decode("latin-1")) if len(auth) == 1 else None
+        key = self.keys.find(secret) if secret is not None else None
         return key if key is not None and key.allows(Verb.ACQUIRE, name) else False
 
 
