@@ -93,7 +93,9 @@ def _highest(ids: list[str]) -> str:
 
 
 class _Base:
-    def __init__(self, guard: Any, stream: str, group: str, *, progress_key: str | None) -> None:
+    def __init__(
+        self, guard: Any, stream: str, group: str, *, progress_key: str | None = None
+    ) -> None:
         for what, value in (("stream", stream), ("group", group)):
             if not isinstance(value, str) or not value:
                 raise ConfigurationError(f"{what} must be a non-empty str, not {value!r}")
@@ -162,11 +164,6 @@ class FencedStreamConsumer(_Base):
     """Fenced ``XACK`` + progress for consumer group ``group`` of ``stream``, on a
     :class:`~fenced.guards.redis.RedisGuard` (whose mark and lock it uses)."""
 
-    def __init__(
-        self, guard: Any, stream: str, group: str, *, progress_key: str | None = None
-    ) -> None:
-        super().__init__(guard, stream, group, progress_key=progress_key)
-
     def claim(
         self,
         consumer: str,
@@ -202,11 +199,6 @@ class FencedStreamConsumer(_Base):
 
 class AsyncFencedStreamConsumer(_Base):
     """:class:`FencedStreamConsumer` on an :class:`~fenced.guards.redis.AsyncRedisGuard`."""
-
-    def __init__(
-        self, guard: Any, stream: str, group: str, *, progress_key: str | None = None
-    ) -> None:
-        super().__init__(guard, stream, group, progress_key=progress_key)
 
     async def claim(
         self,

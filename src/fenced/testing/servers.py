@@ -37,6 +37,13 @@ __all__ = [
 ]
 
 
+def _answers(port: int, probe: bytes, expected: bytes) -> bool:
+    """A server's readiness: it answers ``probe`` on loopback with ``expected`` first."""
+    with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+        s.sendall(probe)
+        return s.recv(len(expected) + 8).startswith(expected)
+
+
 class ServerUnavailable(RuntimeError):
     """The server binary is not installed, or the server did not become ready in time."""
 
@@ -253,9 +260,7 @@ class RedisServer(Server):
         ]
 
     def ready(self) -> bool:
-        with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
-            s.sendall(b"PING\r\n")
-            return s.recv(16).startswith(b"+PONG")
+        return _answers(self.port, b"PING\r\n", b"+PONG")
 
     @property
     def url(self) -> str:
@@ -482,9 +487,7 @@ class ZooKeeperServer(Server):
         ]
 
     def ready(self) -> bool:
-        with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
-            s.sendall(b"ruok")
-            return s.recv(8) == b"imok"
+        return _answers(self.port, b"ruok", b"imok")
 
     @property
     def hosts(self) -> str:
@@ -745,9 +748,9 @@ class MotoServer(Server):
         return [sys.executable, "-c", _MOTO_SERIAL, str(self.port)]
 
     def ready(self) -> bool:
-        with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
-            s.sendall(b"GET /moto-api/ HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
-            return s.recv(16).startswith(b"HTTP/1.")
+        return _answers(
+            self.port, b"GET /moto-api/ HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n", b"HTTP/1."
+        )
 
     @property
     def url(self) -> str:
