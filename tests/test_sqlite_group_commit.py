@@ -10,7 +10,6 @@ catch a planted batcher that gets them wrong.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import os
 import signal
 import sqlite3
@@ -24,7 +23,7 @@ from typing import Any, ClassVar
 import pytest
 
 import fenced
-from fenced.backends.sqlite import SQLiteBackend
+from fenced.backends.sqlite import SQLiteBackend, _Job
 from tests.envs.sqlite import read_counters
 from tests.helpers import ROOT
 
@@ -37,17 +36,15 @@ class SavepointlessBatches(SQLiteBackend):
         def together(conn: sqlite3.Connection) -> list[tuple[bool, Any]]:
             conn.execute("BEGIN IMMEDIATE")
             out: list[tuple[bool, Any]] = []
-            for fn, _ in items:
+            for job in items:
                 try:
-                    out.append((True, fn(_NoTx(conn))))
+                    out.append((True, job.fn(_NoTx(conn))))
                 except Exception as exc:
                     out.append((False, exc))
             conn.execute("COMMIT")
             return out
 
-        outcomes = self._call(together)
-        for (_, future), (ok, value) in zip(items, outcomes, strict=True):
-            (future.set_result if ok else future.set_exception)(value)
+        self._settle(items, self._call(together))
 
 
 class ReportsBeforeCommit(SQLiteBackend):
@@ -58,11 +55,13 @@ class ReportsBeforeCommit(SQLiteBackend):
     def _commit_together(self, items: list[Any]) -> None:
         def together(conn: sqlite3.Connection) -> None:
             conn.execute("BEGIN IMMEDIATE")
-            for fn, future in items:
+            outcomes: list[tuple[bool, Any]] = []
+            for job in items:
                 try:
-                    future.set_result(fn(_NoTx(conn)))
+                    outcomes.append((True, job.fn(_NoTx(conn))))
                 except Exception as exc:
-                    future.set_exception(exc)
+                    outcomes.append((False, exc))
+            self._settle(items, outcomes)
             time.sleep(self.window)  # (the window a real bug leaves open, made wide)
             conn.execute("COMMIT")
 
@@ -99,12 +98,12 @@ async def test_concurrent_acquires_share_commits(tmp_path: Path) -> None:
     assert backend.commits < transactions / 8, (backend.commits, transactions)
 
 
-def _run_batch(backend: SQLiteBackend, fns: list[Callable[[Any], Any]]) -> list[Any]:
-    futures: list[concurrent.futures.Future[Any]] = [concurrent.futures.Future() for _ in fns]
-    for f in futures:
-        f.set_running_or_notify_cancel()
-    backend._commit_together(list(zip(fns, futures, strict=True)))
-    return [f.exception() or f.result() for f in futures]
+async def _run_batch(backend: SQLiteBackend, fns: list[Callable[[Any], Any]]) -> list[Any]:
+    """``fns`` as one batch of the worker (run on another thread), their outcomes in order."""
+    loop = asyncio.get_running_loop()
+    jobs = [_Job(fn, loop.create_future(), loop) for fn in fns]
+    await asyncio.to_thread(backend._commit_together, jobs)
+    return await asyncio.gather(*(job.waiter for job in jobs), return_exceptions=True)
 
 
 @pytest.mark.parametrize("cls", [SQLiteBackend, SavepointlessBatches], ids=["real", "planted"])
@@ -131,10 +130,7 @@ async def test_one_failing_transaction_undoes_only_its_own_part(
             conn.execute("INSERT INTO t VALUES ('half-done')")
             raise RuntimeError("a bug in the middle of a transaction")
 
-        loop = asyncio.get_running_loop()
-        out = await loop.run_in_executor(
-            None, _run_batch, backend, [writes("a"), fails, writes("b")]
-        )
+        out = await _run_batch(backend, [writes("a"), fails, writes("b")])
         rows = await backend._transact(
             lambda conn: sorted(r[0] for r in conn.execute("SELECT v FROM t")),
             limit=time.monotonic() + 5,

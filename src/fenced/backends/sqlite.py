@@ -291,7 +291,7 @@ class SQLiteBackend(Backend):
         self._closed = False
         # Group commit (see _drain): transactions waiting for the worker thread.
         self._batch_lock = threading.Lock()
-        self._pending: list[tuple[Callable[[Any], Any], concurrent.futures.Future[Any]]] = []
+        self._pending: list[_Job] = []
         self._draining = False
         self.commits = 0  # write transactions committed on the worker (for benchmarks)
         self.batches = 0  # commits that carried more than one transaction
@@ -422,16 +422,10 @@ class SQLiteBackend(Backend):
             self._executor = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="fenced-sqlite"
             )
+        if batch:
+            return await self._run_batched(fn, orphan)
         try:
-            if batch:
-                future: concurrent.futures.Future[T] = concurrent.futures.Future()
-                with self._batch_lock:
-                    self._pending.append((fn, future))
-                    start, self._draining = not self._draining, True
-                if start:
-                    self._executor.submit(self._drain)
-            else:
-                future = self._executor.submit(self._call, fn)
+            future = self._executor.submit(self._call, fn)
         except RuntimeError as exc:  # executor shut down
             raise BackendUnavailable(f"sqlite connection to {self.path} is closed") from exc
         try:
@@ -440,6 +434,53 @@ class SQLiteBackend(Backend):
             if orphan is not None:
                 future.add_done_callback(lambda f: _pass_result(f, orphan))
             raise
+
+    async def _run_batched(
+        self, fn: Callable[[sqlite3.Connection], T], orphan: Callable[[T], None] | None
+    ) -> T:
+        """Queue ``fn`` for the next group commit and wait for its outcome.
+
+        Outcomes come back one call per commit and loop (:meth:`_deliver`), not one thread-safe
+        call per transaction: each of those would wake the loop on its own, and the loop would
+        resume its callers one at a time while the worker still hands out the rest, so the
+        next commit would gather only the first few of them.
+        """
+        loop = asyncio.get_running_loop()
+        job = _Job(fn, loop.create_future(), loop)
+        with self._batch_lock:
+            self._pending.append(job)
+            start, self._draining = not self._draining, True
+        if start:
+            try:
+                self._executor.submit(self._drain)  # type: ignore[union-attr]
+            except RuntimeError as exc:  # executor shut down
+                with self._batch_lock:
+                    self._draining = False
+                raise BackendUnavailable(f"sqlite connection to {self.path} is closed") from exc
+        try:
+            return await job.waiter  # type: ignore[no-any-return]
+        except asyncio.CancelledError:
+            if orphan is not None:
+                with self._batch_lock:  # (against the worker settling it: see _settle)
+                    outcome, job.orphan = job.outcome, orphan
+                if outcome is not None and outcome[0]:  # it committed: undo it, on the worker
+                    with contextlib.suppress(RuntimeError):  # shut down: it expires by itself
+                        self._executor.submit(_guarded, orphan, outcome[1])  # type: ignore[union-attr]
+            raise
+
+    def _settle(self, jobs: list[_Job], outcomes: list[tuple[bool, Any]]) -> None:
+        """On the worker, after a commit: note each job's outcome, undo at once (before any
+        later transaction) what a caller that gave up meanwhile was given, and hand the
+        outcomes to their loops."""
+        undo = []
+        with self._batch_lock:
+            for job, outcome in zip(jobs, outcomes, strict=True):
+                job.outcome = outcome
+                if job.orphan is not None and outcome[0]:
+                    undo.append((job.orphan, outcome[1]))
+        for orphan, value in undo:
+            _guarded(orphan, value)
+        self._post(jobs, outcomes)
 
     def _drain(self) -> None:
         """Group commit, on the worker thread: the transactions that queued up while the last
@@ -453,29 +494,50 @@ class SQLiteBackend(Backend):
                 if not items:
                     self._draining = False
                     return
-            live = [(fn, f) for fn, f in items if f.set_running_or_notify_cancel()]
+            # (a caller cancelled meanwhile may still be seen live: :meth:`_deliver` undoes it)
+            live = [job for job in items if not job.waiter.cancelled()]
             if len(live) == 1:
-                fn, future = live[0]
                 try:
-                    future.set_result(self._call(fn))
+                    outcome: tuple[bool, Any] = (True, self._call(live[0].fn))
                 except BaseException as exc:
-                    future.set_exception(exc)
+                    outcome = (False, exc)
                 self.commits += 1
+                self._settle(live, [outcome])
             elif live:
                 self._commit_together(live)
 
-    def _commit_together(
-        self, items: list[tuple[Callable[[Any], Any], concurrent.futures.Future[Any]]]
-    ) -> None:
+    def _post(self, jobs: list[_Job], outcomes: list[tuple[bool, Any]]) -> None:
+        """Hand the outcomes of one commit to their loops: one thread-safe call a loop."""
+        loop = jobs[0].loop
+        if any(job.loop is not loop for job in jobs):
+            for other in {job.loop for job in jobs}:
+                pairs = [(j, o) for j, o in zip(jobs, outcomes, strict=True) if j.loop is other]
+                self._post([j for j, _ in pairs], [o for _, o in pairs])
+            return
+        with contextlib.suppress(RuntimeError):  # its loop is closed: nobody waits
+            loop.call_soon_threadsafe(self._deliver, jobs, outcomes)
+
+    def _deliver(self, jobs: list[_Job], outcomes: list[tuple[bool, Any]]) -> None:
+        """On the callers' loop: resolve each waiter (a cancelled one's is undone elsewhere)."""
+        for job, (ok, value) in zip(jobs, outcomes, strict=True):
+            waiter = job.waiter
+            if waiter.cancelled():
+                continue
+            if ok:
+                waiter.set_result(value)
+            else:
+                waiter.set_exception(value)
+
+    def _commit_together(self, items: list[_Job]) -> None:
         def together(conn: sqlite3.Connection) -> tuple[list[Any], list[Callable[[], None]]]:
             outcomes: list[tuple[bool, Any]] = []
             after: list[Callable[[], None]] = []
             conn.execute("BEGIN IMMEDIATE")
-            for fn, _ in items:
+            for job in items:
                 part = _InBatch(conn)
                 conn.execute("SAVEPOINT fenced_part")
                 try:
-                    outcomes.append((True, fn(part)))
+                    outcomes.append((True, job.fn(part)))
                 except Exception as exc:
                     conn.execute("ROLLBACK TO fenced_part")  # (if this fails: the whole batch)
                     outcomes.append((False, exc))
@@ -491,17 +553,12 @@ class SQLiteBackend(Backend):
         try:
             outcomes, after = self._call(together)
         except BaseException as exc:
-            for _, future in items:
-                future.set_exception(exc)
+            self._settle(items, [(False, exc)] * len(items))
             return
         for effect in after:  # (wake-ups, once what they announce is committed)
             with contextlib.suppress(Exception):
                 effect()
-        for (_, future), (ok, value) in zip(items, outcomes, strict=True):
-            if ok:
-                future.set_result(value)
-            else:
-                future.set_exception(value)
+        self._settle(items, outcomes)
 
     def _after_commit(self, conn: Any, effect: Callable[[], None]) -> None:
         """Run ``effect`` once the transaction on ``conn`` has committed (now, when it has)."""
@@ -958,6 +1015,28 @@ class SQLiteBackend(Backend):
         if conn is not None:
             with contextlib.suppress(sqlite3.Error):
                 conn.close()
+
+
+class _Job:
+    """A transaction waiting for a group commit: its waiter lives on its caller's loop."""
+
+    __slots__ = ("fn", "loop", "orphan", "outcome", "waiter")
+
+    def __init__(
+        self, fn: Callable[[Any], Any], waiter: asyncio.Future[Any], loop: asyncio.AbstractEventLoop
+    ) -> None:
+        self.fn = fn
+        self.waiter = waiter
+        self.loop = loop
+        self.orphan: Callable[[Any], None] | None = None  # set if its caller gave up
+        self.outcome: tuple[bool, Any] | None = None  # set once committed (or failed)
+
+
+def _guarded(handler: Callable[[T], None], value: T) -> None:
+    try:
+        handler(value)
+    except Exception:
+        logger.exception("cleaning up after a cancelled sqlite transaction failed")
 
 
 def _pass_result(future: concurrent.futures.Future[T], handler: Callable[[T], None]) -> None:
