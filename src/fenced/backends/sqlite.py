@@ -530,6 +530,30 @@ class SQLiteBackend(Backend):
 
     def _commit_together(self, items: list[_Job]) -> None:
         def together(conn: sqlite3.Connection) -> tuple[list[Any], list[Callable[[], None]]]:
+            # First all in one go: a transaction that fails is rare, and two savepoint
+            # statements for each would cost about as much as its own work. If one fails, the
+            # batch is rolled back and run again with a savepoint around each (the
+            # transactions are safe to run again: _call retries them after SQLITE_BUSY too).
+            outcomes: list[tuple[bool, Any]] = []
+            after: list[Callable[[], None]] = []
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                for job in items:
+                    part = _InBatch(conn)
+                    outcomes.append((True, job.fn(part)))
+                    after.extend(part.after)
+            except Exception:
+                conn.execute("ROLLBACK")
+                outcomes, after = each_in_a_savepoint(conn)
+            conn.execute("COMMIT")
+            self.commits += 1
+            self.batches += 1
+            self.batched += len(items)
+            return outcomes, after
+
+        def each_in_a_savepoint(
+            conn: sqlite3.Connection,
+        ) -> tuple[list[Any], list[Callable[[], None]]]:
             outcomes: list[tuple[bool, Any]] = []
             after: list[Callable[[], None]] = []
             conn.execute("BEGIN IMMEDIATE")
@@ -544,10 +568,6 @@ class SQLiteBackend(Backend):
                 else:
                     after.extend(part.after)
                 conn.execute("RELEASE fenced_part")
-            conn.execute("COMMIT")
-            self.commits += 1
-            self.batches += 1
-            self.batched += len(items)
             return outcomes, after
 
         try:
