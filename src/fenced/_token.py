@@ -38,12 +38,22 @@ def validate_lock_name(name: object) -> str:
     ``/`` escaped (:func:`escape_name`), so ``jobs`` and ``jobs/nightly`` are two locks that
     never share a key prefix.
     """
+    if name.__class__ is str and name in _VALID_NAMES:  # (a str subclass may hash oddly)
+        return name  # type: ignore[return-value]
     if not isinstance(name, str) or len(name) > MAX_NAME or not _NAME_RE.fullmatch(name):
         raise InvalidTokenError(
             f"invalid lock name {name!r}: use 1-200 characters of A-Z a-z 0-9 _ . : @ + = -, "
             "in segments joined by '/', each starting with a letter, digit or _"
         )
+    if name.__class__ is str:
+        if len(_VALID_NAMES) >= 4096:
+            _VALID_NAMES.clear()
+        _VALID_NAMES.add(name)
     return name
+
+
+# Names seen valid lately: every grant makes a token, and the pattern costs more than a lookup.
+_VALID_NAMES: set[str] = set()
 
 
 def escape_name(name: str) -> str:
