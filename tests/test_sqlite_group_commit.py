@@ -15,6 +15,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -66,6 +67,38 @@ class ReportsBeforeCommit(SQLiteBackend):
             conn.execute("COMMIT")
 
         self._call(together)
+
+
+class TurnReportsBeforeCommit(SQLiteBackend):
+    """Planted: the per-turn commit (a loop marked ``commit_per_turn``) answers its callers
+    first and commits a while later, in another turn."""
+
+    window: ClassVar[float] = 0.2
+    _open = False
+
+    def _end_turn(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._open:  # the last turn's commit is still to come
+            loop.call_later(0.01, self._end_turn)
+            return
+        jobs, self._turn = self._turn, []
+        live = [job for job in jobs if not job.waiter.cancelled()]
+        if not live:
+            return
+
+        def begin_and_run(conn: sqlite3.Connection) -> Any:
+            conn.execute("BEGIN IMMEDIATE")
+            return [(True, job.fn(_NoTx(conn))) for job in live], conn
+
+        outcomes, conn = self._call(begin_and_run)
+        self._open = True
+        self._deliver(live, outcomes)
+
+        def commit() -> None:
+            conn.execute("COMMIT")
+            self._open = False
+
+        loop.call_later(self.window, commit)
 
 
 class _NoTx:
@@ -156,6 +189,9 @@ from fenced import _backend
 if sys.argv[2]:
     _backend.register_backend("sqlite", sys.argv[2])
 async def main():
+    if sys.argv[3] == "turn":  # as `fenced serve` runs: commits made on the loop, a turn each
+        from fenced._portal import mark_private
+        mark_private(asyncio.get_running_loop(), commit_per_turn=True)
     async with fenced.connect_async(sys.argv[1]) as locks:
         async def client(i):
             while True:
@@ -168,14 +204,17 @@ asyncio.run(main())
 """
 
 
-def _killed_mid_run(tmp_path: Path, backend: str) -> list[tuple[str, int, int]]:
+def _killed_mid_run(
+    tmp_path: Path, backend: str, mode: str = "worker"
+) -> list[tuple[str, int, int]]:
     """A child takes grants on 32 locks at once and prints each; it is killed with SIGKILL
     after 200 lines. Returns (lock, printed token, counter in the file) for every token
-    the child printed above what the file kept."""
+    the child printed above what the file kept. ``mode``: "worker" (commits on the worker
+    thread, an application's loop) or "turn" (on the loop, a commit per turn)."""
     db = tmp_path / "l.db"
     fenced.connect(f"sqlite:///{db}").close()
     child = subprocess.Popen(
-        [sys.executable, "-c", CHILD, f"sqlite:///{db}", backend],
+        [sys.executable, "-c", CHILD, f"sqlite:///{db}", backend, mode],
         stdout=subprocess.PIPE,
         text=True,
         env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"},
@@ -197,9 +236,89 @@ def _killed_mid_run(tmp_path: Path, backend: str) -> list[tuple[str, int, int]]:
     return [(n, v, kept.get(n, 0)) for n, v in printed.items() if v > kept.get(n, 0)]
 
 
-def test_no_grant_is_reported_before_it_is_durable(tmp_path: Path) -> None:
-    assert _killed_mid_run(tmp_path, "") == []
+@pytest.mark.parametrize("mode", ["worker", "turn"])
+def test_no_grant_is_reported_before_it_is_durable(tmp_path: Path, mode: str) -> None:
+    assert _killed_mid_run(tmp_path, "", mode) == []
 
 
-def test_the_crash_check_catches_a_batcher_that_reports_before_commit(tmp_path: Path) -> None:
-    assert _killed_mid_run(tmp_path, "tests.test_sqlite_group_commit:ReportsBeforeCommit")
+@pytest.mark.parametrize(
+    ("mode", "plant"),
+    [("worker", "ReportsBeforeCommit"), ("turn", "TurnReportsBeforeCommit")],
+)
+def test_the_crash_check_catches_a_batcher_that_reports_before_commit(
+    tmp_path: Path, mode: str, plant: str
+) -> None:
+    assert _killed_mid_run(tmp_path, f"tests.test_sqlite_group_commit:{plant}", mode)
+
+
+def _on_a_turn_loop(scenario: Callable[[], Any]) -> Any:
+    """Run ``scenario()`` on a fresh loop marked as ``fenced serve`` marks its own."""
+    from fenced._portal import mark_private
+
+    async def main() -> Any:
+        mark_private(asyncio.get_running_loop(), commit_per_turn=True)
+        return await scenario()
+
+    return asyncio.run(main())
+
+
+def test_a_busy_loop_commits_once_for_many_turns_of_writes(tmp_path: Path) -> None:
+    # `fenced serve`: the writes of a turn of its loop (and of up to two more turns while they
+    # keep coming) share one commit made on the loop itself, with no worker thread.
+    async def scenario() -> tuple[list[list[int]], SQLiteBackend, set[str]]:
+        threads: set[str] = set()
+        async with fenced.connect_async(f"sqlite:///{tmp_path / 'l.db'}") as locks:
+            backend = await locks._get_backend()
+            assert isinstance(backend, SQLiteBackend)
+
+            async def client(i: int) -> list[int]:
+                tokens = []
+                for _ in range(20):
+                    async with locks.lock(f"k{i}", ttl=30) as lease:
+                        tokens.append(lease.token.value)
+                return tokens
+
+            results = await asyncio.gather(*(client(i) for i in range(64)))
+            assert backend._per_turn  # (the mode under test)
+            threads = {t.name for t in threading.enumerate() if t.name.startswith("fenced-sqlite")}
+            return results, backend, threads
+
+    results, backend, workers = _on_a_turn_loop(scenario)
+    assert all(r == list(range(1, 21)) for r in results)
+    assert workers == set()  # no worker thread was started
+    transactions = 64 * 20 * 2
+    assert backend.commits < transactions / 16, (backend.commits, transactions)
+
+
+def test_a_turn_commit_gives_back_a_grant_whose_caller_was_cancelled(tmp_path: Path) -> None:
+    # Cancelled after the turn's commit granted it, before it could resume: given back.
+    async def scenario() -> tuple[Any, Any]:
+        async with fenced.connect_async(f"sqlite:///{tmp_path / 'l.db'}") as locks:
+            backend = await locks._get_backend()
+            assert isinstance(backend, SQLiteBackend)
+            task = asyncio.create_task(
+                backend.acquire("x", request_id="r", ttl=30, deadline=None, on_lost=print)
+            )
+            deliver = backend._deliver
+
+            def deliver_then_cancel(jobs: Any, outcomes: Any) -> None:
+                deliver(jobs, outcomes)
+                task.cancel()  # (the grant is in its future; the task has not run yet)
+
+            backend._deliver = deliver_then_cancel  # type: ignore[method-assign]
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            backend._deliver = deliver  # type: ignore[method-assign]
+            # Cancelled before its turn's commit: it is never run.
+            early = asyncio.create_task(
+                backend.acquire("y", request_id="r", ttl=30, deadline=None, on_lost=print)
+            )
+            await asyncio.sleep(0)  # (it has joined the turn)
+            early.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await early
+            return await backend.status("x"), await backend.status("y")
+
+    x, y = _on_a_turn_loop(scenario)
+    assert x.holder is None and x.last_token == fenced.FencingToken("x", 1)
+    assert y.holder is None and y.last_token is None

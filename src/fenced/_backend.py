@@ -24,7 +24,7 @@ from urllib.parse import SplitResult, urlsplit
 from . import _clock
 from ._errors import BackendUnavailable, ConfigurationError, LeaseLostError, LockTimeout
 from ._options import Option, merge_options, parse_query
-from ._portal import on_private_loop
+from ._portal import commits_per_turn, on_private_loop
 from ._token import FencingToken
 
 __all__ = [
@@ -40,6 +40,7 @@ __all__ = [
     "Record",
     "TokenCheck",
     "backend_class",
+    "commits_per_turn",
     "known_schemes",
     "lock_timeout",
     "on_private_loop",

@@ -36,18 +36,32 @@ from typing import Any, TypeVar
 from . import _clock, _fork
 from ._errors import BackendUnavailable
 
-__all__ = ["Portal", "mark_private", "on_private_loop"]
+__all__ = ["Portal", "commits_per_turn", "mark_private", "on_private_loop"]
 
 T = TypeVar("T")
 
 logger = logging.getLogger("fenced")
 
 _PRIVATE_LOOPS: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
+_TURN_LOOPS: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
 
 
-def mark_private(loop: asyncio.AbstractEventLoop) -> None:
-    """Declare that only fenced's code runs on ``loop`` (a portal's, or a benchmark's)."""
+def mark_private(loop: asyncio.AbstractEventLoop, *, commit_per_turn: bool = False) -> None:
+    """Declare that only fenced's code runs on ``loop`` (a portal's, a server's, a benchmark's).
+
+    ``commit_per_turn``: for a loop serving many concurrent callers (``fenced serve``), a
+    source may gather the writes of one turn of the loop into one commit, made on the loop
+    itself at the end of the turn (what Redis does with its append-only file before it
+    answers), instead of handing each to a worker thread.
+    """
     _PRIVATE_LOOPS.add(loop)
+    if commit_per_turn:
+        _TURN_LOOPS.add(loop)
+
+
+def commits_per_turn(loop: asyncio.AbstractEventLoop) -> bool:
+    """True if ``loop`` was marked private with ``commit_per_turn``."""
+    return loop in _TURN_LOOPS
 
 
 def on_private_loop() -> bool:

@@ -39,7 +39,7 @@ def validate_lock_name(name: object) -> str:
     never share a key prefix.
     """
     if name.__class__ is str and name in _VALID_NAMES:  # (a str subclass may hash oddly)
-        return name  # type: ignore[return-value]
+        return name
     if not isinstance(name, str) or len(name) > MAX_NAME or not _NAME_RE.fullmatch(name):
         raise InvalidTokenError(
             f"invalid lock name {name!r}: use 1-200 characters of A-Z a-z 0-9 _ . : @ + = -, "

@@ -87,6 +87,7 @@ from .._backend import (
     LockStatus,
     LostCallback,
     Record,
+    commits_per_turn,
     lock_timeout,
     on_private_loop,
 )
@@ -142,6 +143,7 @@ T = TypeVar("T")
 """Set on every connection (the benchmark's bare-SQL peer uses the same)."""
 
 BUSY_WAIT: Final = 0.05
+_TURN_WAITS = 2  # (see SQLiteBackend._end_turn)
 """Seconds one transaction is retried on the spot while another connection holds the write
 lock, before the retry moves to asyncio (on the private loop these retries block its thread)."""
 _BUSY_SLEEPS: Final = (0.00005, 0.0001, 0.0002, 0.0004, 0.0008, 0.0015)
@@ -283,6 +285,9 @@ class SQLiteBackend(Backend):
         self._conns: dict[int, sqlite3.Connection] = {}
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._private_loop: asyncio.AbstractEventLoop | None = None
+        self._per_turn = False  # the private loop asked for a group commit per turn
+        self._turn: list[_Job] = []  # what that loop's turn has gathered so far
+        self._turn_seen = self._turn_waits = 0  # (see _end_turn)
         self._public_loop: asyncio.AbstractEventLoop | None = None  # the last other loop seen
         self._contended: set[str] = set()  # locks that had waiters when we last looked
         self._in_queue: set[tuple[str, str]] = set()  # (lock, request id) rows we may have queued
@@ -469,6 +474,52 @@ class SQLiteBackend(Backend):
                         self._executor.submit(_guarded, orphan, outcome[1])  # type: ignore[union-attr]
             raise
 
+    async def _run_this_turn(
+        self, fn: Callable[[sqlite3.Connection], T], orphan: Callable[[T], None] | None
+    ) -> T:
+        """On a loop marked ``commit_per_turn``: join this turn's commit (:meth:`_end_turn`)."""
+        loop = asyncio.get_running_loop()
+        job = _Job(fn, loop.create_future(), loop)
+        self._turn.append(job)
+        if len(self._turn) == 1:
+            # Queued behind everything the loop has ready now: the callers this turn resumes
+            # and the requests it reads all get to add their transactions first.
+            self._turn_seen, self._turn_waits = 1, 0
+            loop.call_soon(self._end_turn)
+        try:
+            return await job.waiter  # type: ignore[no-any-return]
+        except asyncio.CancelledError:
+            waiter = job.waiter
+            committed = waiter.done() and not waiter.cancelled() and waiter.exception() is None
+            if orphan is not None and committed:
+                _guarded(orphan, waiter.result())  # committed, then cancelled: undo it
+            raise
+
+    def _end_turn(self) -> None:
+        """Commit what this turn of the loop gathered, on the loop (one fsync), then answer.
+
+        While each turn keeps bringing more (a busy server), the commit waits for up to
+        ``_TURN_WAITS`` more turns, as PostgreSQL's ``commit_delay`` does when others are
+        active: the loop is busy anyway, and one commit then carries their writes too."""
+        n = len(self._turn)
+        if n > self._turn_seen and self._turn_waits < _TURN_WAITS:
+            self._turn_seen, self._turn_waits = n, self._turn_waits + 1
+            asyncio.get_running_loop().call_soon(self._end_turn)
+            return
+        jobs, self._turn = self._turn, []
+        live = [job for job in jobs if not job.waiter.cancelled()]
+        if not live:
+            return
+        if len(live) == 1:
+            try:
+                outcomes: list[tuple[bool, Any]] = [(True, self._call(live[0].fn))]
+            except BaseException as exc:
+                outcomes = [(False, exc)]
+            self.commits += 1
+        else:
+            outcomes = self._run_together(live)
+        self._deliver(live, outcomes)
+
     def _settle(self, jobs: list[_Job], outcomes: list[tuple[bool, Any]]) -> None:
         """On the worker, after a commit: note each job's outcome, undo at once (before any
         later transaction) what a caller that gave up meanwhile was given, and hand the
@@ -530,6 +581,12 @@ class SQLiteBackend(Backend):
                 waiter.set_exception(value)
 
     def _commit_together(self, items: list[_Job]) -> None:
+        """On the worker: commit ``items`` together, then settle them."""
+        self._settle(items, self._run_together(items))
+
+    def _run_together(self, items: list[_Job]) -> list[tuple[bool, Any]]:
+        """Run ``items`` in one transaction and one commit; each one's outcome, in order."""
+
         def together(conn: sqlite3.Connection) -> tuple[list[Any], list[Callable[[], None]]]:
             # First all in one go: a transaction that fails is rare, and two savepoint
             # statements for each would cost about as much as its own work. If one fails, the
@@ -574,12 +631,11 @@ class SQLiteBackend(Backend):
         try:
             outcomes, after = self._call(together)
         except BaseException as exc:
-            self._settle(items, [(False, exc)] * len(items))
-            return
+            return [(False, exc)] * len(items)
         for effect in after:  # (wake-ups, once what they announce is committed)
             with contextlib.suppress(Exception):
                 effect()
-        self._settle(items, outcomes)
+        return outcomes
 
     def _after_commit(self, conn: Any, effect: Callable[[], None]) -> None:
         """Run ``effect`` once the transaction on ``conn`` has committed (now, when it has)."""
@@ -603,6 +659,8 @@ class SQLiteBackend(Backend):
             try:
                 # (_run's dispatch, inlined: one coroutine less on every grant's path)
                 if self._inline():
+                    if batch and self._per_turn:
+                        return await self._run_this_turn(fn, orphan)
                     return self._call(fn)
                 if batch and self._executor is not None:
                     return await self._run_batched(fn, orphan)
@@ -627,6 +685,7 @@ class SQLiteBackend(Backend):
             return False
         if on_private_loop():
             self._private_loop = loop
+            self._per_turn = commits_per_turn(loop)
             return True
         self._public_loop = loop
         return False

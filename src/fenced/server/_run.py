@@ -3,6 +3,7 @@ port it got), TLS by uvicorn's own options, logs as text or JSON lines."""
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import json
 import logging
@@ -12,6 +13,7 @@ import time
 from typing import Any
 
 from .._errors import ConfigurationError
+from .._portal import mark_private
 from ._app import ServerSettings, create_app
 
 __all__ = ["parse_listen", "serve"]
@@ -122,6 +124,9 @@ def serve(
     original = server.startup
 
     async def startup(sockets: list[socket.socket] | None = None) -> None:
+        # Only fenced's code runs on this loop: the SQLite source may commit there, once per
+        # turn of the loop for every write the turn gathered (no worker thread to wait for).
+        mark_private(asyncio.get_running_loop(), commit_per_turn=True)
         await original(sockets=sockets)
         if server.started:
             print(
