@@ -115,11 +115,12 @@ class LostSignal:
     __slots__ = ("_cause", "_event")
 
     def __init__(self) -> None:
-        self._event = asyncio.Event()
+        # Made when first waited on: most leases end without anyone waiting on their loss.
+        self._event: asyncio.Event | None = None
         self._cause: BaseException | None = None
 
     def is_set(self) -> bool:
-        return self._event.is_set()
+        return self._cause is not None
 
     @property
     def cause(self) -> BaseException | None:
@@ -127,7 +128,10 @@ class LostSignal:
         return self._cause
 
     async def wait(self) -> BaseException | None:
-        await self._event.wait()
+        if self._cause is None:
+            if self._event is None:
+                self._event = asyncio.Event()
+            await self._event.wait()
         return self._cause
 
     def __await__(self) -> Generator[Any, None, BaseException | None]:
@@ -135,11 +139,13 @@ class LostSignal:
 
     def _set(self, cause: BaseException) -> None:
         self._cause = cause
-        self._event.set()
+        if self._event is not None:
+            self._event.set()
 
     def _clear(self) -> None:
         self._cause = None
-        self._event.clear()
+        if self._event is not None:
+            self._event.clear()
 
 
 class AsyncLease:
