@@ -770,54 +770,41 @@ class SQLiteBackend(Backend):
         caller comes straight back with "grant". "last" (the deadline has passed): grant or
         change nothing. A transaction that writes nothing commits without an fsync.
         """
-        if mode == "queue":
-            with _relaxed(conn):
-                return self._attempt(conn, name, request_id, ttl, mode, owner)
-        return self._attempt(conn, name, request_id, ttl, mode, owner)
-
-    def _attempt(
-        self,
-        conn: sqlite3.Connection,
-        name: str,
-        request_id: str,
-        ttl: float,
-        mode: str,
-        owner: str,
-    ) -> _Attempt:
         relaxed = mode == "queue"
-        sent_at = _clock.now()  # before the transaction: the lease cannot start earlier
-        conn.execute("BEGIN IMMEDIATE")
-        now = _clock.now()
-        boot = self._boot
-        holder, token, held_ttl, expires, row_boot, head = conn.execute(
-            SQL_LOCK_STATE, (name, boot, now)
-        ).fetchone()
-        live = holder is not None and row_boot == boot and expires > now
-        if live and holder == request_id:  # a retry of a request that was granted
-            conn.execute(SQL_DEQUEUE, (name, request_id))  # writes only if it was queued
+        with _relaxed(conn) if relaxed else contextlib.nullcontext():
+            sent_at = _clock.now()  # before the transaction: the lease cannot start earlier
+            conn.execute("BEGIN IMMEDIATE")
+            now = _clock.now()
+            boot = self._boot
+            holder, token, held_ttl, expires, row_boot, head = conn.execute(
+                SQL_LOCK_STATE, (name, boot, now)
+            ).fetchone()
+            live = holder is not None and row_boot == boot and expires > now
+            if live and holder == request_id:  # a retry of a request that was granted
+                conn.execute(SQL_DEQUEUE, (name, request_id))  # writes only if it was queued
+                conn.execute("COMMIT")
+                grant = Grant(FencingToken(name, token), request_id, held_ttl, expires - held_ttl)
+                return _Attempt(grant=grant)
+            free = not live and (head is None or head == request_id)
+            if free and not relaxed:
+                value = self._next_token(conn, name)
+                conn.execute(
+                    SQL_SET_HOLDER,
+                    (name, request_id, value, ttl, sent_at + ttl, boot, owner or None),
+                )
+                if head is not None:  # it was us, at the head of the queue
+                    conn.execute(SQL_DEQUEUE, (name, request_id))
+                conn.execute("COMMIT")
+                grant = Grant(FencingToken(name, value), request_id, ttl, sent_at)
+                return _Attempt(grant=grant, fresh=True)
+            if mode == "last":
+                conn.execute("COMMIT")  # nothing written: no fsync
+                return _Attempt(holder_expires=expires if live else None)
+            conn.execute(SQL_PURGE_WAITERS, (name, boot, now))  # waiters that died meanwhile
+            wake = request_id.encode() + b"\0" + (my_wake_address() or b"")
+            conn.execute(SQL_ENQUEUE, (name, request_id, now + self._waiter_ttl, boot, wake))
             conn.execute("COMMIT")
-            grant = Grant(FencingToken(name, token), request_id, held_ttl, expires - held_ttl)
-            return _Attempt(grant=grant)
-        free = not live and (head is None or head == request_id)
-        if free and not relaxed:
-            value = self._next_token(conn, name)
-            conn.execute(
-                SQL_SET_HOLDER,
-                (name, request_id, value, ttl, sent_at + ttl, boot, owner or None),
-            )
-            if head is not None:  # it was us, at the head of the queue
-                conn.execute(SQL_DEQUEUE, (name, request_id))
-            conn.execute("COMMIT")
-            grant = Grant(FencingToken(name, value), request_id, ttl, sent_at)
-            return _Attempt(grant=grant, fresh=True)
-        if mode == "last":
-            conn.execute("COMMIT")  # nothing written: no fsync
-            return _Attempt(holder_expires=expires if live else None)
-        conn.execute(SQL_PURGE_WAITERS, (name, boot, now))  # waiters that died meanwhile
-        wake = request_id.encode() + b"\0" + (my_wake_address() or b"")
-        conn.execute(SQL_ENQUEUE, (name, request_id, now + self._waiter_ttl, boot, wake))
-        conn.execute("COMMIT")
-        return _Attempt(queued=True, retry=free, holder_expires=expires if live else None)
+            return _Attempt(queued=True, retry=free, holder_expires=expires if live else None)
 
     def _tx_dequeue(self, conn: sqlite3.Connection, name: str, request_id: str) -> None:
         """Leave the queue, and ring whoever heads it now (the lock may be free for them)."""
