@@ -287,7 +287,10 @@ class AsyncLease:
         timeout = self.timeout if timeout is _UNSET else check_timeout(timeout)
         self._check_fork()
         start = _clock.now()
-        backend = await self._locks._get_backend(None if timeout is None else start + timeout)
+        locks = self._locks
+        backend = locks._backend  # (open already, nearly always: then no coroutine to await)
+        if backend is None or locks._closed or locks._fork_gen != _fork.generation():
+            backend = await locks._get_backend(None if timeout is None else start + timeout)
         self._state.start_acquiring()
         self._loop = asyncio.get_running_loop()
         request_id = self._request_id or _fork.request_id()

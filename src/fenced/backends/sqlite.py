@@ -32,9 +32,11 @@ died with it), so a caller that has to wait joins the queue in a transaction com
 ``synchronous=NORMAL`` (no fsync); a transaction that grants is always FULL. On fenced's
 private loop (the synchronous API) transactions run inline, since nothing else runs there; on
 an application's event loop they run on one worker thread per backend, with **group commit**:
-the acquires, renewals and releases that queued up while the last commit's fsync ran share
-the next transaction (each in a savepoint) and its one fsync, and hear their outcome only
-after it (``_drain``). A server with many concurrent clients (``fenced serve``) gains most.
+the acquires, renewals and releases that queued up while the last commit ran share the next
+transaction and its one fsync, and hear their outcome only after it, all in one hand-over to
+the loop (``_drain``). ``fenced serve``'s loop (marked ``commit_per_turn``) has no worker:
+the writes of a turn of the loop, and of up to two more turns while they keep coming, are
+committed together on the loop itself (``_end_turn``), so no batch waits for the GIL.
 
 **Waking waiters.** A release wakes the blocked callers of that lock in the same process at
 once (an asyncio event per waiter, process-wide per database file), and rings the head of the
@@ -595,11 +597,11 @@ class SQLiteBackend(Backend):
             outcomes: list[tuple[bool, Any]] = []
             after: list[Callable[[], None]] = []
             conn.execute("BEGIN IMMEDIATE")
+            part = _InBatch(conn)  # (one for all: if one fails, all run again, one apiece)
             try:
                 for job in items:
-                    part = _InBatch(conn)
                     outcomes.append((True, job.fn(part)))
-                    after.extend(part.after)
+                after = part.after
             except Exception:
                 conn.execute("ROLLBACK")
                 outcomes, after = each_in_a_savepoint(conn)
