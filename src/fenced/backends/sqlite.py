@@ -145,9 +145,10 @@ T = TypeVar("T")
 """Set on every connection (the benchmark's bare-SQL peer uses the same)."""
 
 BUSY_WAIT: Final = 0.05
-_TURN_WAITS = 2  # (see SQLiteBackend._end_turn)
 """Seconds one transaction is retried on the spot while another connection holds the write
 lock, before the retry moves to asyncio (on the private loop these retries block its thread)."""
+_TURN_WAITS: Final = 2
+"""Turns of a busy ``commit_per_turn`` loop a commit may wait for more writes (``_end_turn``)."""
 _BUSY_SLEEPS: Final = (0.00005, 0.0001, 0.0002, 0.0004, 0.0008, 0.0015)
 """Back-off between those retries. SQLite's own busy handler sleeps 1, 2, 5, 10 ms ...: far
 longer than a fenced transaction holds the lock (~0.2 ms), so it is not used (timeout=0)."""
@@ -301,7 +302,7 @@ class SQLiteBackend(Backend):
         self._batch_lock = threading.Lock()
         self._pending: list[_Job] = []
         self._draining = False
-        self.commits = 0  # write transactions committed on the worker (for benchmarks)
+        self.commits = 0  # group commits (worker or per turn), one fsync each (for metrics)
         self.batches = 0  # commits that carried more than one transaction
         self.batched = 0  # the transactions they carried
 
@@ -538,17 +539,17 @@ class SQLiteBackend(Backend):
 
     def _drain(self) -> None:
         """Group commit, on the worker thread: the transactions that queued up while the last
-        commit's fsync ran are run together, each in a savepoint, under one ``BEGIN
-        IMMEDIATE`` and one ``COMMIT`` (one fsync). Each caller learns its outcome only after
-        that commit, so nothing is reported that is not durable; one transaction's error rolls
-        back only its own savepoint. A transaction alone runs exactly as without batching."""
+        commit ran are run together under one ``BEGIN IMMEDIATE`` and one ``COMMIT`` (one
+        fsync; see :meth:`_run_together`). Each caller learns its outcome only after
+        that commit, so nothing is reported that is not durable; one transaction's error
+        undoes only its own part. A transaction alone runs exactly as without batching."""
         while True:
             with self._batch_lock:
                 items, self._pending = self._pending, []
                 if not items:
                     self._draining = False
                     return
-            # (a caller cancelled meanwhile may still be seen live: :meth:`_deliver` undoes it)
+            # (a caller cancelled from now on is undone by _settle or by its own except clause)
             live = [job for job in items if not job.waiter.cancelled()]
             if len(live) == 1:
                 try:
