@@ -339,7 +339,8 @@ def _parser() -> argparse.ArgumentParser:
         choices=["debug", "info", "warning"],
         default="info",
         help="info (default): a line per grant, release, expiry and forced release; warning: "
-        "only problems (the transitions cost ~10%% of a busy server's CPU)",
+        "only problems (the transition lines cost a quarter to a third of a busy server's "
+        "throughput)",
     )
 
     check_kit = sub.add_parser(

@@ -412,29 +412,21 @@ class SQLiteBackend(Backend):
             time.sleep(_BUSY_SLEEPS[min(attempt, len(_BUSY_SLEEPS) - 1)])
             attempt += 1
 
-    async def _run(
-        self,
-        fn: Callable[[sqlite3.Connection], T],
-        orphan: Callable[[T], None] | None = None,
-        batch: bool = False,
-    ) -> T:
-        """Run one short transaction: inline on fenced's private loop, else on the worker.
-
-        ``orphan`` receives the result of a transaction that completed after its caller was
-        cancelled (the worker cannot be interrupted mid-transaction). ``batch``: the
-        transaction may share one commit with others waiting for the worker (group commit,
-        see :meth:`_drain`).
-        """
-        if self._inline():
-            return self._call(fn)
+    def _worker(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The worker thread (made on first use) that runs transactions for other loops."""
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="fenced-sqlite"
             )
-        if batch:
-            return await self._run_batched(fn, orphan)
+        return self._executor
+
+    async def _on_worker(
+        self, fn: Callable[[sqlite3.Connection], T], orphan: Callable[[T], None] | None
+    ) -> T:
+        """Run one transaction alone on the worker. ``orphan`` receives the result of one that
+        completed after its caller was cancelled (the worker cannot stop mid-transaction)."""
         try:
-            future = self._executor.submit(self._call, fn)
+            future = self._worker().submit(self._call, fn)
         except RuntimeError as exc:  # executor shut down
             raise BackendUnavailable(f"sqlite connection to {self.path} is closed") from exc
         try:
@@ -461,7 +453,7 @@ class SQLiteBackend(Backend):
             start, self._draining = not self._draining, True
         if start:
             try:
-                self._executor.submit(self._drain)  # type: ignore[union-attr]
+                self._worker().submit(self._drain)
             except RuntimeError as exc:  # executor shut down
                 with self._batch_lock:
                     self._draining = False
@@ -660,14 +652,15 @@ class SQLiteBackend(Backend):
         while True:
             self._check_open()
             try:
-                # (_run's dispatch, inlined: one coroutine less on every grant's path)
+                # Inline on fenced's private loop (per turn where it asks for group commit),
+                # else on the worker: with others (group commit, see _drain) or alone.
                 if self._inline():
                     if batch and self._per_turn:
                         return await self._run_this_turn(fn, orphan)
                     return self._call(fn)
-                if batch and self._executor is not None:
+                if batch:
                     return await self._run_batched(fn, orphan)
-                return await self._run(fn, orphan, batch)
+                return await self._on_worker(fn, orphan)
             except sqlite3.Error as exc:
                 if not is_busy(exc):
                     raise BackendUnavailable(f"sqlite {self.path}: {exc}") from exc
