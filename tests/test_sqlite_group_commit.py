@@ -281,6 +281,9 @@ def test_a_busy_loop_commits_once_for_many_turns_of_writes(tmp_path: Path) -> No
     assert all(r == list(range(1, 21)) for r in results)
     assert no_worker  # the worker thread was never started
     transactions = 64 * 20 * 2
+    # Every transaction went through a turn's commit (one run inline on its own would not
+    # be counted: shown on a planted loop that skips the turn), and commits were shared.
+    assert backend.batched + (backend.commits - backend.batches) == transactions
     assert backend.commits < transactions / 16, (backend.commits, transactions)
 
 
