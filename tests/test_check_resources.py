@@ -143,7 +143,6 @@ def test_redis_source_and_resource_with_partitions_delays_and_restarts(tmp_path:
     """The kit starts its own Redis as the source (and kills -9 and restarts it), and puts a
     proxy on each worker's way to the source and to the resource."""
     with RedisServer() as resource_server:
-        resource_server.start()
         result = _campaign(
             tmp_path,
             f"{resource_server.url}?key=check",

@@ -6,6 +6,7 @@ process, and the start waited 30 s for a member that had already exited.)
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from collections.abc import Iterator
@@ -15,6 +16,18 @@ import pytest
 
 from fenced.testing import servers
 from fenced.testing.servers import EtcdCluster, RedisServer
+
+
+def test_starting_a_running_server_again_leaves_one_process() -> None:
+    # Two tests once started a server inside ``with Server() as s`` (which had started it):
+    # the first process was left running after the test, one Redis and one MariaDB a CI run.
+    with RedisServer() as server:
+        assert server.proc is not None
+        first = server.proc.pid
+        server.start()
+        assert server.proc.pid == first
+    with pytest.raises(ProcessLookupError):
+        os.kill(first, 0)  # stopped with the rest
 
 
 @contextmanager
@@ -63,7 +76,6 @@ def test_mariadb_starts_on_loopback_and_keeps_committed_rows_across_kill_9() -> 
     from fenced.testing.servers import MariaDBServer
 
     with MariaDBServer() as db:
-        db.start()
 
         def connect() -> pymysql.connections.Connection:
             return pymysql.connect(host="127.0.0.1", port=db.port, user="root", database="fenced")

@@ -118,6 +118,10 @@ class Server:
 
     # lifecycle
     def start(self) -> Server:
+        """Start the server; a running one is left as it is (a second process would take over
+        ``proc`` and outlive every later stop, kill and close)."""
+        if self.proc is not None and self.proc.poll() is None:
+            return self
         for attempt in range(3):
             try:
                 self._start_once()
