@@ -62,6 +62,9 @@ class Run:
     def __init__(self) -> None:
         self.results = {name: Result(name) for name in VARIANTS}
         self.cpu = dict.fromkeys(VARIANTS, 0.0)
+        self.pairs: dict[str, tuple[float, float, float]] = {}
+        """Guard -> (median slice ratio, its CPU µs, the peer's CPU µs) when run alone with
+        the peer, A/B op by op as the other benchmarks do (see measure)."""
 
     def cpu_us(self, name: str) -> float:
         return self.cpu[name] / self.results[name].ops * 1e6
@@ -99,6 +102,23 @@ def interleaved(variants: dict[str, Callable[[], object]], n: int) -> Run:
     return run
 
 
+PAIRED = ("SQLGuard", "RowGuard")
+
+
+def measure(variants: dict[str, Callable[[], object]], n: int) -> Run:
+    """All variants in rotation (the floors beside each guard), then each guard alone with the
+    peer, A/B. In the rotation every transaction follows five others' code, which evicts the
+    guard's Python from the CPU caches: the same few µs of it then cost several times more
+    (the peer's code is small). The A/B pair is how the other benchmarks, and the targets,
+    measure a guarded write against an unguarded one; both are reported."""
+    run = interleaved(variants, n)
+    for name in PAIRED:
+        pair = interleaved({"unfenced": variants["unfenced"], name: variants[name]}, n)
+        ratio = statistics.median(pair.slice_ratios(name))
+        run.pairs[name] = (ratio, pair.cpu_us(name), pair.cpu_us("unfenced"))
+    return run
+
+
 def by_hand(d: Dialect, guard: SQLGuard, rows: RowGuard) -> tuple[str, tuple[Any, ...], str]:
     """The guards' own statements (fence: its params; row: its SQL), to send without fenced."""
     fence = fence_sql(d, guard._quoted).accept
@@ -124,18 +144,18 @@ def make_ops(
 
     def fence_table() -> None:
         conn.execute(begin)
-        guard.check(conn, TOKEN)
+        guard.check(conn, token=TOKEN)
         conn.execute(update, (next(counter),))
         conn.execute("COMMIT")
 
     def fence_begin() -> None:
-        guard.begin(conn, TOKEN)  # BEGIN and the fence together: one round trip on PostgreSQL
+        guard.begin(conn, token=TOKEN)  # BEGIN and the fence together: one round trip on PostgreSQL
         conn.execute(update, (next(counter),))
         conn.execute("COMMIT")
 
     def row_form() -> None:
         conn.execute(begin)
-        rows.update(conn, TOKEN, key={"id": 1}, values={"balance": next(counter)})
+        rows.update(conn, token=TOKEN, key={"id": 1}, values={"balance": next(counter)})
         conn.execute("COMMIT")
 
     def one_more_statement() -> None:
@@ -179,6 +199,11 @@ def report(engine: str, run: Run) -> list[str]:
             f"p50 {r.p50 / base.p50:.3f}x ({fmt_us(r.p50 - base.p50)}); client CPU "
             f"{run.cpu_us(name):.0f} µs vs {run.cpu_us('unfenced'):.0f} µs per transaction"
         )
+    for name, (ratio, cpu, peer_cpu) in run.pairs.items():
+        lines.append(
+            f"{engine:10s} {name:14s} alone with the peer (A/B): median of {SLICES} slices "
+            f"{ratio:.3f}x; client CPU {cpu:.0f} µs vs {peer_cpu:.0f} µs per transaction"
+        )
     return lines
 
 
@@ -188,14 +213,14 @@ def bench_sqlite(n: int) -> Run:
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=FULL")
         try:
-            return interleaved(make_ops(conn, "BEGIN IMMEDIATE", lambda s: s, SQLITE), n)
+            return measure(make_ops(conn, "BEGIN IMMEDIATE", lambda s: s, SQLITE), n)
         finally:
             conn.close()
 
 
 def bench_postgres(n: int) -> Run:
     with PostgresServer() as server, psycopg.connect(server.dsn, autocommit=True) as conn:
-        return interleaved(make_ops(conn, "BEGIN", lambda s: s.replace("?", "%s"), POSTGRESQL), n)
+        return measure(make_ops(conn, "BEGIN", lambda s: s.replace("?", "%s"), POSTGRESQL), n)
 
 
 def make_mysql_ops(conn: Any) -> dict[str, Callable[[], object]]:
@@ -268,7 +293,7 @@ def bench_mysql(n: int) -> Run:
     with MariaDBServer() as server:
         conn = pymysql.connect(host="127.0.0.1", port=server.port, user="root", database="fenced")
         try:
-            return interleaved(make_mysql_ops(conn), n)
+            return measure(make_mysql_ops(conn), n)
         finally:
             conn.close()
 

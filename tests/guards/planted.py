@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fenced import FencingToken
-from fenced.guards._sql_plan import Dialect, FenceSQL, Plan, Stmt
+from fenced.guards._sql_plan import Dialect, FenceSQL, Stmt
 from fenced.guards.sql import RowGuard, SQLGuard
 
 __all__ = ["LessThanGuard", "LessThanRowGuard", "plant_lt"]
@@ -36,19 +36,13 @@ class LessThanGuard(SQLGuard):
 class LessThanRowGuard(RowGuard):
     """Planted bug in the row form: ``<`` where ``<=`` is right."""
 
-    def _write(
+    def _statement(
         self, token: FencingToken, key: Any, values: Any, upsert: bool
-    ) -> Callable[[Dialect], Plan[FencingToken]]:
-        real = super()._write(token, key, values, upsert)
+    ) -> Callable[[Dialect], tuple[Stmt, tuple[Any, ...]]]:
+        real = super()._statement(token, key, values, upsert)
 
-        def plan(d: Dialect) -> Plan[FencingToken]:
-            inner = real(d)
-            stmt = next(inner)
-            while True:
-                res = yield Stmt(plant_lt(stmt.sql), stmt.params)
-                try:
-                    stmt = inner.send(res)
-                except StopIteration as stop:
-                    return stop.value  # type: ignore[no-any-return]
+        def statement(d: Dialect) -> tuple[Stmt, tuple[Any, ...]]:
+            stmt, key_params = real(d)
+            return Stmt(plant_lt(stmt.sql), stmt.params), key_params
 
-        return plan
+        return statement

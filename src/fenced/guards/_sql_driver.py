@@ -20,12 +20,13 @@ from __future__ import annotations
 import functools
 import sqlite3
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from .._errors import BackendUnavailable, ConfigurationError, FencedError
 from .._pg_errors import kind as pg_kind
 from .._sqlite_errors import is_busy, is_unavailable
+from .._token import FencingToken
 from ._plan import adrive, drive
 from ._sql_plan import (
     MYSQL,
@@ -36,7 +37,11 @@ from ._sql_plan import (
     FenceConflictError,
     Plan,
     Result,
+    RowSQL,
     Stmt,
+    row_write_accepted,
+    row_write_plan,
+    row_write_rest,
 )
 
 __all__ = [
@@ -49,6 +54,7 @@ __all__ = [
     "run",
     "run_install",
     "run_own",
+    "run_own_row",
     "sync_dialect",
 ]
 
@@ -60,14 +66,47 @@ def _psycopg() -> Any:
     return sys.modules.get("psycopg")
 
 
-def _pymysql_connection(conn: object) -> bool:
+# Which driver a connection belongs to, learnt once per connection type: a guarded write asks
+# several times (dialect, open transaction, SQLAlchemy or not), and a chain of isinstance
+# checks and module look-ups each time was a measurable share of a guarded write's Python.
+_KINDS: dict[type, str] = {}
+_KIND_LIMIT = 64  # (types are few; a program making classes on the fly must not grow it)
+
+
+def _learn_kind(conn: object) -> str:
+    if isinstance(conn, sqlite3.Connection):
+        return "sqlite3"
+    pg = _psycopg()
+    if pg is not None:
+        if isinstance(conn, pg.Connection):
+            return "psycopg"
+        if isinstance(conn, pg.AsyncConnection):
+            return "psycopg-async"
     mod = sys.modules.get("pymysql.connections")
-    return mod is not None and isinstance(conn, mod.Connection)
+    if mod is not None and isinstance(conn, mod.Connection):
+        return "pymysql"
+    mod = sys.modules.get("asyncmy.connection")
+    if mod is not None and isinstance(conn, mod.Connection):
+        return "asyncmy"
+    return ""  # none of ours (a SQLAlchemy object, or unsupported)
+
+
+def _kind(conn: object) -> str:
+    """ "sqlite3", "psycopg", "psycopg-async", "pymysql", "asyncmy", or "" for none of them."""
+    kind = _KINDS.get(type(conn))
+    if kind is None:
+        kind = _learn_kind(conn)
+        if len(_KINDS) < _KIND_LIMIT:
+            _KINDS[type(conn)] = kind
+    return kind
+
+
+def _pymysql_connection(conn: object) -> bool:
+    return _kind(conn) == "pymysql"
 
 
 def _asyncmy_connection(conn: object) -> bool:
-    mod = sys.modules.get("asyncmy.connection")
-    return mod is not None and isinstance(conn, mod.Connection)
+    return _kind(conn) == "asyncmy"
 
 
 # -- SQLAlchemy ------------------------------------------------------------------------------
@@ -78,7 +117,7 @@ _SA_DIALECTS = {"sqlite": SQLITE, "postgresql": POSTGRESQL, "mysql": MYSQL, "mar
 def sa_connection(conn: object) -> Any:
     """The SQLAlchemy ``Connection`` behind ``conn`` (itself, or a ``Session``'s connection for
     its current transaction, which this begins), or None if ``conn`` is no SQLAlchemy object."""
-    if "sqlalchemy" not in sys.modules:
+    if "sqlalchemy" not in sys.modules or _kind(conn):  # (a driver's own connection)
         return None
     from sqlalchemy.engine import Connection
     from sqlalchemy.orm import Session
@@ -214,29 +253,27 @@ _SYNC_KINDS = (
 )
 
 
+_SYNC_DIALECTS = {"sqlite3": SQLITE, "psycopg": POSTGRESQL, "pymysql": MYSQL}
+_ASYNC_DIALECTS = {"psycopg-async": POSTGRESQL, "asyncmy": MYSQL}
+
+
 def sync_dialect(conn: object) -> Dialect:
     """The dialect of a synchronous connection, or a clear TypeError."""
-    if isinstance(conn, sqlite3.Connection):
-        return SQLITE
-    pg = _psycopg()
-    if pg is not None:
-        if isinstance(conn, pg.Connection):
-            return POSTGRESQL
-        if isinstance(conn, pg.AsyncConnection):
-            raise TypeError("an async psycopg connection: use the guard's a...() methods")
-    if _pymysql_connection(conn):
-        return MYSQL
-    if _asyncmy_connection(conn):
+    kind = _kind(conn)
+    d = _SYNC_DIALECTS.get(kind)
+    if d is not None:
+        return d
+    if kind == "psycopg-async":
+        raise TypeError("an async psycopg connection: use the guard's a...() methods")
+    if kind == "asyncmy":
         raise TypeError("an asyncmy connection: use the guard's a...() methods")
     raise TypeError(f"unsupported connection {type(conn).__name__}: use {_SYNC_KINDS}")
 
 
 def _async_dialect(conn: object) -> Dialect:
-    pg = _psycopg()
-    if pg is not None and isinstance(conn, pg.AsyncConnection):
-        return POSTGRESQL
-    if _asyncmy_connection(conn):
-        return MYSQL
+    d = _ASYNC_DIALECTS.get(_kind(conn))
+    if d is not None:
+        return d
     raise TypeError(f"unsupported async connection {type(conn).__name__}: use {_SYNC_KINDS}")
 
 
@@ -249,13 +286,14 @@ def _mysql_open(conn: Any) -> bool:
 
 def in_transaction(conn: Any) -> bool:
     """Whether a transaction block is open on ``conn`` (any supported driver)."""
-    if isinstance(conn, sqlite3.Connection):
+    kind = _kind(conn)
+    if kind == "pymysql" or kind == "asyncmy":
+        return bool(conn.server_status & _MYSQL_IN_TRANS)
+    if kind == "sqlite3":
         try:
-            return conn.in_transaction
+            return conn.in_transaction  # type: ignore[no-any-return]
         except sqlite3.ProgrammingError:  # closed: let the statement report it
             return False
-    if _pymysql_connection(conn) or _asyncmy_connection(conn):
-        return bool(conn.server_status & _MYSQL_IN_TRANS)
     status = conn.info.transaction_status
     return bool(status != status.IDLE)
 
@@ -420,6 +458,13 @@ async def _aexec_psycopg(conn: Any, stmt: Stmt) -> Result:
         return Result(await cur.fetchall() if cur.description else [], cur.rowcount)
 
 
+_EXECUTE_BY_KIND: dict[str, Callable[[Any, Stmt], Result]] = {
+    "sqlite3": _exec_sqlite,
+    "psycopg": _exec_psycopg,
+    "pymysql": _exec_mysql,
+}
+
+
 def run_own(conn: Any, make_plan: Callable[[Dialect], Plan[T]]) -> T:
     """Run a one-statement write; if the driver had to open a transaction for it, end it.
 
@@ -445,6 +490,49 @@ def run_own(conn: Any, make_plan: Callable[[Dialect], Plan[T]]) -> T:
     return value
 
 
+def run_own_row(
+    conn: Any,
+    spec: RowSQL,
+    token: FencingToken,
+    key: Mapping[str, Any],
+    statement: Callable[[Dialect], tuple[Stmt, tuple[Any, ...]]],
+    *,
+    upsert: bool,
+) -> FencingToken:
+    """:class:`RowGuard`'s write (``statement``: see :func:`row_write_stmt`): :func:`run_own`
+    of :func:`row_write_plan`, with the plan's first step taken here. The one statement goes
+    straight to the driver, and only a reply that does not plainly accept goes on through
+    the plan (:func:`row_write_rest`): the plan's machinery around a guarded write was most
+    of what it cost above the statement itself (bench/bench_sql_guard.py)."""
+    kind = _kind(conn)
+    execute = _EXECUTE_BY_KIND.get(kind)
+    if execute is None:  # SQLAlchemy, or not a connection we know: the general way
+        return run_own(
+            conn, lambda d: row_write_plan(d, spec, token, key, statement(d), upsert=upsert)
+        )
+    d = _SYNC_DIALECTS[kind]
+    stmt, key_params = statement(d)
+    opened = not in_transaction(conn)
+    try:
+        try:
+            res = execute(conn, stmt)
+        except Exception as exc:
+            mapped = map_error(d, conn, exc)
+            if mapped is None:
+                raise
+            raise mapped from exc
+        if not row_write_accepted(d, res, upsert):
+            rest = row_write_rest(d, spec, token, key, key_params, res, upsert=upsert)
+            drive(rest, lambda stmt: execute(conn, stmt), lambda exc: map_error(d, conn, exc))
+    except BaseException:
+        if opened and in_transaction(conn):
+            _end(conn, commit=False, d=d)
+        raise
+    if opened and in_transaction(conn):
+        _end(conn, commit=True, d=d)
+    return token
+
+
 async def arun_own(conn: Any, make_plan: Callable[[Dialect], Plan[T]]) -> T:
     """The async :func:`run_own`."""
     if sa_async(conn):
@@ -463,8 +551,8 @@ async def arun_own(conn: Any, make_plan: Callable[[Dialect], Plan[T]]) -> T:
     return value
 
 
-def _end(conn: Any, *, commit: bool) -> None:
-    d = sync_dialect(conn)
+def _end(conn: Any, *, commit: bool, d: Dialect | None = None) -> None:
+    d = sync_dialect(conn) if d is None else d
     try:
         conn.commit() if commit else conn.rollback()
     except Exception as exc:

@@ -641,7 +641,7 @@ def _row_write_sql(
     )
 
 
-def row_write_plan(
+def row_write_stmt(
     d: Dialect,
     spec: RowSQL,
     token: FencingToken,
@@ -649,8 +649,9 @@ def row_write_plan(
     values: Mapping[str, Any],
     *,
     upsert: bool,
-) -> Plan[FencingToken]:
-    """One conditional UPDATE (or INSERT .. ON CONFLICT DO UPDATE) that writes only if fresh."""
+) -> tuple[Stmt, tuple[Any, ...]]:
+    """The row form's one conditional statement (UPDATE, or the dialect's upsert), which
+    writes only if the token is fresh; and the key's parameters, for a read after it."""
     key_params = _key_params(spec, key)
     columns = _value_columns(values)
     value_params = tuple(values.values())
@@ -660,75 +661,78 @@ def row_write_plan(
             relative = frozenset(c for c in columns if isinstance(values[c], Add))
             value_params = tuple(values[c].amount if c in relative else values[c] for c in columns)
             break
-    lock_params: tuple[Any, ...] = (token.lock,) if spec.lock else ()
-    if d is MYSQL:
-        update = _row_write_sql(d, spec, columns, False, relative)
-        update_params = (
-            *value_params,
-            token.value,
-            *lock_params,
-            *key_params,
-            token.value,
-            *lock_params,
-        )
-        both = None
-        if upsert:
-            both = (
-                _row_write_sql(d, spec, columns, True, relative),
-                (*key_params, *value_params, token.value, *lock_params),
-            )
-        return (yield from _mysql_row_write(spec, token, key, (update, update_params), both))
     sql = _row_write_sql(d, spec, columns, upsert, relative)
+    lock_params: tuple[Any, ...] = (token.lock,) if spec.lock else ()
     if upsert:
         params = (*key_params, *value_params, token.value, *lock_params)
     else:
         params = (*value_params, token.value, *lock_params, *key_params, token.value, *lock_params)
-    res = yield Stmt(sql, params)
-    if res.rowcount > 1:
+    return Stmt(sql, params), key_params
+
+
+def row_write_accepted(d: Dialect, res: Result, upsert: bool) -> bool:
+    """True if the statement's reply alone shows the write was accepted (the usual case);
+    otherwise :func:`row_write_rest` decides, reading the row where it must."""
+    if d is MYSQL and upsert:  # (its verdict is in the insert id, see _mysql_fence_sql)
+        return res.insert_id == _ACCEPTED or (res.insert_id == 0 and res.rowcount == 1)
+    return res.rowcount == 1
+
+
+def row_write_plan(
+    d: Dialect,
+    spec: RowSQL,
+    token: FencingToken,
+    key: Mapping[str, Any],
+    first: tuple[Stmt, tuple[Any, ...]],
+    *,
+    upsert: bool,
+) -> Plan[FencingToken]:
+    """One conditional UPDATE (or INSERT .. ON CONFLICT DO UPDATE) that writes only if fresh:
+    ``first``, from :func:`row_write_stmt`.
+
+    Drivers may run that statement themselves and go on with :func:`row_write_rest` only
+    when :func:`row_write_accepted` is False: the same three steps as this plan.
+    """
+    stmt, key_params = first
+    res = yield stmt
+    if row_write_accepted(d, res, upsert):
+        return token
+    return (yield from row_write_rest(d, spec, token, key, key_params, res, upsert=upsert))
+
+
+def row_write_rest(
+    d: Dialect,
+    spec: RowSQL,
+    token: FencingToken,
+    key: Mapping[str, Any],
+    key_params: tuple[Any, ...],
+    res: Result,
+    *,
+    upsert: bool,
+) -> Plan[FencingToken]:
+    """After a row-form statement that did not plainly accept: refuse with the row's reason.
+
+    MySQL counts *changed* rows, so an UPDATE that changed nothing may have matched a row
+    whose values were already these, and an upsert may report no verdict: a locking read of
+    the row tells. Elsewhere a statement that matched no row was refused (or found none).
+    """
+    if res.rowcount > 1 and not (d is MYSQL and upsert):  # (MySQL's upsert counts 2 a row)
         raise ConfigurationError(
             f"key {dict(key)!r} matched {res.rowcount} rows of {spec.table_name}: the key "
             "columns must identify one row (the transaction must be rolled back)"
         )
-    if res.rowcount == 1:
-        return token
-    res = yield Stmt(_row_read(d, spec), key_params)
-    if not res.rows:
-        raise ResourceNotFoundError(f"no row {_label(spec, key)} to update")
-    row = res.rows[0]
-    if row[0] is None:  # refused with a NULL token: only if the lock column is set
-        raise CorruptMarkError(_label(spec, key), f"lock {row[1]!r} bound, token NULL")
-    raise _rejection(token, _label(spec, key), row[1] if spec.lock else None, row[0])
-
-
-def _mysql_row_write(
-    spec: RowSQL,
-    token: FencingToken,
-    key: Mapping[str, Any],
-    update: tuple[str, tuple[Any, ...]],
-    upsert: tuple[str, tuple[Any, ...]] | None,
-) -> Plan[FencingToken]:
-    """An upsert decides in one statement (its verdict in the insert id, see
-    _mysql_fence_sql). An UPDATE that changed nothing may have matched a row whose values
-    were already these (MySQL counts changed rows): a locking read of that row tells."""
-    key_params = _key_params(spec, key)
-    verdict = None
-    if upsert is not None:
-        res = yield Stmt(*upsert)
-        verdict = res.insert_id
-        if verdict == _ACCEPTED or (verdict == 0 and res.rowcount == 1):
-            return token
-    else:
-        res = yield Stmt(*update)
-        if res.rowcount > 1:
-            raise ConfigurationError(
-                f"key {dict(key)!r} matched {res.rowcount} rows of {spec.table_name}: the key "
-                "columns must identify one row (the transaction must be rolled back)"
-            )
-        if res.rowcount == 1:
-            return token
+    if d is not MYSQL:
+        res = yield Stmt(_row_read(d, spec), key_params)
+        if not res.rows:
+            raise ResourceNotFoundError(f"no row {_label(spec, key)} to update")
+        row = res.rows[0]
+        if row[0] is None:  # refused with a NULL token: only if the lock column is set
+            raise CorruptMarkError(_label(spec, key), f"lock {row[1]!r} bound, token NULL")
+        raise _rejection(token, _label(spec, key), row[1] if spec.lock else None, row[0])
+    verdict = res.insert_id if upsert else None
     res = yield Stmt(_row_read(MYSQL, spec, locking=True), key_params)
     if not res.rows:
-        if upsert is None:
+        if not upsert:
             raise ResourceNotFoundError(f"no row {_label(spec, key)} to update")
         raise FenceConflictError(
             f"row {_label(spec, key)} vanished while writing with {token}; roll back and retry"

@@ -106,7 +106,7 @@ from ._sql_driver import (
     note_checked,
     run,
     run_install,
-    run_own,
+    run_own_row,
 )
 from ._sql_plan import (
     MYSQL,
@@ -118,6 +118,7 @@ from ._sql_plan import (
     FenceSQL,
     Plan,
     RowSQL,
+    Stmt,
     check_plan,
     fence_high_water_plan,
     fence_install_plan,
@@ -127,6 +128,7 @@ from ._sql_plan import (
     row_high_water_plan,
     row_install_plan,
     row_write_plan,
+    row_write_stmt,
     validate_resource,
 )
 from ._token_arg import token_keyword
@@ -396,10 +398,17 @@ class RowGuard:
             f"token_column={self.token_column!r}, lock={self.lock!r})"
         )
 
+    def _statement(
+        self, token: FencingToken, key: Mapping[str, Any], values: Mapping[str, Any], upsert: bool
+    ) -> Callable[[Dialect], tuple[Stmt, tuple[Any, ...]]]:
+        """The conditional write, per dialect (the one place its SQL is chosen)."""
+        return lambda d: row_write_stmt(d, self._spec, token, key, values, upsert=upsert)
+
     def _write(
         self, token: FencingToken, key: Mapping[str, Any], values: Mapping[str, Any], upsert: bool
     ) -> Callable[[Dialect], Plan[FencingToken]]:
-        return lambda d: row_write_plan(d, self._spec, token, key, values, upsert=upsert)
+        statement = self._statement(token, key, values, upsert)
+        return lambda d: row_write_plan(d, self._spec, token, key, statement(d), upsert=upsert)
 
     # -- sync ----------------------------------------------------------------------------
 
@@ -419,7 +428,9 @@ class RowGuard:
         if there is no such row; nothing is written in either case.
         """
         tok = FencingToken.coerce(token, self.lock, self.verifier)
-        return run_own(conn, self._write(tok, key, values or {}, False))
+        return run_own_row(
+            conn, self._spec, tok, key, self._statement(tok, key, values or {}, False), upsert=False
+        )
 
     @token_keyword()
     def insert_or_update(
@@ -435,7 +446,9 @@ class RowGuard:
         Needs a primary key or unique constraint on exactly ``key_columns``.
         """
         tok = FencingToken.coerce(token, self.lock, self.verifier)
-        return run_own(conn, self._write(tok, key, values or {}, True))
+        return run_own_row(
+            conn, self._spec, tok, key, self._statement(tok, key, values or {}, True), upsert=True
+        )
 
     def high_water(self, conn: Any, key: Mapping[str, Any]) -> FencingToken | None:
         """The row's token (None if never fenced); ResourceNotFoundError if there is no row."""
