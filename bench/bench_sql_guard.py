@@ -62,9 +62,9 @@ class Run:
     def __init__(self) -> None:
         self.results = {name: Result(name) for name in VARIANTS}
         self.cpu = dict.fromkeys(VARIANTS, 0.0)
-        self.pairs: dict[str, tuple[float, float, float]] = {}
-        """Guard -> (median slice ratio, its CPU µs, the peer's CPU µs) when run alone with
-        the peer, A/B op by op as the other benchmarks do (see measure)."""
+        self.pairs: dict[str, tuple[float, float, float, float]] = {}
+        """Guard -> (median slice ratio, p50 ratio, its CPU µs, the peer's CPU µs) when run
+        alone with the peer, A/B op by op as the other benchmarks do (see measure)."""
 
     def cpu_us(self, name: str) -> float:
         return self.cpu[name] / self.results[name].ops * 1e6
@@ -115,7 +115,8 @@ def measure(variants: dict[str, Callable[[], object]], n: int) -> Run:
     for name in PAIRED:
         pair = interleaved({"unfenced": variants["unfenced"], name: variants[name]}, n)
         ratio = statistics.median(pair.slice_ratios(name))
-        run.pairs[name] = (ratio, pair.cpu_us(name), pair.cpu_us("unfenced"))
+        p50 = pair.results[name].p50 / pair.results["unfenced"].p50
+        run.pairs[name] = (ratio, p50, pair.cpu_us(name), pair.cpu_us("unfenced"))
     return run
 
 
@@ -199,10 +200,11 @@ def report(engine: str, run: Run) -> list[str]:
             f"p50 {r.p50 / base.p50:.3f}x ({fmt_us(r.p50 - base.p50)}); client CPU "
             f"{run.cpu_us(name):.0f} µs vs {run.cpu_us('unfenced'):.0f} µs per transaction"
         )
-    for name, (ratio, cpu, peer_cpu) in run.pairs.items():
+    for name, (ratio, p50, cpu, peer_cpu) in run.pairs.items():
         lines.append(
             f"{engine:10s} {name:14s} alone with the peer (A/B): median of {SLICES} slices "
-            f"{ratio:.3f}x; client CPU {cpu:.0f} µs vs {peer_cpu:.0f} µs per transaction"
+            f"{ratio:.3f}x, p50 {p50:.3f}x; client CPU {cpu:.0f} µs vs {peer_cpu:.0f} µs per "
+            "transaction"
         )
     return lines
 
