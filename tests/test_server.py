@@ -21,6 +21,7 @@ import pytest
 
 import fenced
 from fenced import cli
+from fenced._backend import MAX_RECORD
 from fenced.guards.sql import SQLGuard
 from fenced.server import hash_secret
 from fenced.testing.servers import FencedServer
@@ -542,3 +543,70 @@ def test_with_signing_on_an_unsigned_token_of_a_dotted_lock_name_still_renews(
         r = post(f"{u}/v1/locks/app.jobs.v2/renew", forged)
         assert r.status_code == 400 and r.json()["error"] == "invalid_token"
         assert post(f"{u}/v1/locks/app.jobs.v2/release", plain).json() == {"released": True}
+
+
+# -- request size ------------------------------------------------------------------------------
+
+
+def refused_too_large(server: FencedServer) -> float:
+    for line in get(f"{server.url}/metrics").text.splitlines():
+        if line.startswith('fenced_refused_requests_total{reason="too_large"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_a_body_over_the_limit_is_refused_and_changes_nothing(source: str) -> None:
+    """413 too_large for a body over --max-request-bytes, declared (Content-Length) or
+    streamed (chunked, no length): the lock is not taken, the refusal is counted, and the
+    server goes on serving. A body within the limit is served as before."""
+    with FencedServer(source, args=["--max-request-bytes", "4096"]) as server:
+        u = f"{server.url}/v1/locks/jobs"
+        big = {"owner": "x" * 10_000}
+        r = httpx.post(f"{u}/acquire", json=big, timeout=30)
+        assert r.status_code == 413, r.text
+        assert r.json() == {"error": "too_large", "message": "request body over 4096 bytes"}
+
+        def chunks() -> Iterator[bytes]:
+            yield b'{"owner": "'
+            for _ in range(10):
+                yield b"y" * 1000
+            yield b'"}'
+
+        r = httpx.post(
+            f"{u}/acquire", content=chunks(), headers={"content-type": "application/json"}
+        )
+        assert "content-length" not in r.request.headers  # (sent chunked)
+        assert r.status_code == 413, r.text
+        assert refused_too_large(server) == 2
+        assert get(u).json()["holder"] is None  # nothing was granted
+        # Within the limit: served, through the fast lane and through FastAPI alike.
+        ok = post(f"{u}/acquire", {"ttl": 30, "owner": "z" * 3000})
+        assert ok.status_code == 200, ok.text
+        lease = ok.json()
+        assert post(f"{u}/release", {"token": lease["token"], "lease_id": lease["lease_id"]}).json()
+        bad = post(f"{u}/acquire", {"ttl": "thirty"})
+        assert bad.status_code == 400 and bad.json()["error"] == "invalid_request"
+        assert refused_too_large(server) == 2
+
+
+def test_the_largest_record_fits_under_the_default_limit(server: FencedServer) -> None:
+    """The biggest request fenced takes — a 64 Ki-character record, every character escaped
+    in JSON — is under the default 1 MiB limit; one byte-heavy body over it is refused."""
+    value = "\u2028" * MAX_RECORD
+    body = json.dumps({"version": 0, "value": value})  # (ensure_ascii: 6 bytes a character)
+    assert MAX_RECORD * 6 < len(body) < 1 << 20
+    r = httpx.post(
+        f"{server.url}/v1/records/big/swap",
+        content=body,
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
+    assert r.status_code == 200, r.text
+    assert get(f"{server.url}/v1/records/big").json()["value"] == value
+    r = httpx.post(
+        f"{server.url}/v1/records/big/swap",
+        content=b" " * (1 << 20) + body.encode(),
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
+    assert r.status_code == 413, r.text

@@ -105,6 +105,16 @@ def _timeout(text: str) -> float:
     return value
 
 
+def _body_limit(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of bytes: {text!r}") from None
+    if not 1024 <= value <= 1 << 30:
+        raise argparse.ArgumentTypeError(f"a body limit is 1024 bytes to 1 GiB, not {value}")
+    return value
+
+
 def _grace(text: str) -> float:
     value = _number(text)
     if not 0 <= value <= 3600:
@@ -329,6 +339,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--default-ttl", type=_ttl, default=10.0, help="lease seconds when a client gives none (10)"
+    )
+    serve.add_argument(
+        "--max-request-bytes",
+        type=_body_limit,
+        default=1 << 20,
+        metavar="N",
+        help="refuse a request body over N bytes with 413, before holding it (1048576)",
     )
     serve.add_argument(
         "--log-format", choices=["text", "json"], default="text", help="log lines (text)"
@@ -851,6 +868,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         api_keys=keys,
         max_wait=args.max_wait,
         default_ttl=args.default_ttl,
+        max_request_bytes=args.max_request_bytes,
     )
     serve(
         settings,

@@ -69,7 +69,7 @@ class Metrics:
         )
         self.refused = Counter(
             "fenced_refused_requests",
-            "Requests refused: unauthenticated, forbidden, invalid",
+            "Requests refused: unauthenticated, forbidden, invalid, too_large",
             ["reason"],
             registry=r,
         )
