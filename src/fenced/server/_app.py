@@ -203,6 +203,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorOut, "description": "invalid_request or invalid_token"},
     401: {"model": ErrorOut, "description": "unauthenticated"},
     403: {"model": ErrorOut, "description": "forbidden"},
+    413: {"model": ErrorOut, "description": "too_large: a body over --max-request-bytes"},
     503: {"model": ErrorOut, "description": "unavailable: the token source cannot be reached"},
 }
 
