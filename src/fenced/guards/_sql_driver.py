@@ -92,7 +92,8 @@ def _learn_kind(conn: object) -> str:
 
 
 def _kind(conn: object) -> str:
-    """ "sqlite3", "psycopg", "psycopg-async", "pymysql", "asyncmy", or "" for none of them."""
+    """The driver of ``conn``: "sqlite3", "psycopg", "psycopg-async", "pymysql", "asyncmy",
+    or "" for none of them."""
     kind = _KINDS.get(type(conn))
     if kind is None:
         kind = _learn_kind(conn)
@@ -521,16 +522,19 @@ def run_own_row(
             if mapped is None:
                 raise
             raise mapped from exc
+        accepted = token
         if not row_write_accepted(d, res, upsert):
             rest = row_write_rest(d, spec, token, key, key_params, res, upsert=upsert)
-            drive(rest, lambda stmt: execute(conn, stmt), lambda exc: map_error(d, conn, exc))
+            accepted = drive(
+                rest, lambda stmt: execute(conn, stmt), lambda exc: map_error(d, conn, exc)
+            )
     except BaseException:
         if opened and in_transaction(conn):
             _end(conn, commit=False, d=d)
         raise
     if opened and in_transaction(conn):
         _end(conn, commit=True, d=d)
-    return token
+    return accepted
 
 
 async def arun_own(conn: Any, make_plan: Callable[[Dialect], Plan[T]]) -> T:
