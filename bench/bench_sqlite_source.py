@@ -6,7 +6,8 @@
     ``sqlite3`` connection in the calling thread: two ``BEGIN IMMEDIATE`` transactions, two
     fsyncs. Extra rows split fenced's cost into the SQL, the backend's Python, the lease core,
     and the sync API's portal (driven by the caller's thread when fenced's loop thread is idle;
-    a "hop" row forces the old way, a round trip to the loop thread per call).
+    a "hop" row forces the old way, a round trip to the loop thread per call; a "bound" row
+    replaces the portal by a bare ``coro.send``, the most the sync layer could ever save).
 (b) Contended handoff: 4 OS processes acquire and release one lock in a loop; handoff latency is
     release started -> next holder granted (both read on CLOCK_BOOTTIME, machine-wide). The
     peer is the same SQL hand-rolled as a spin lock (retry the acquire transaction every 1 ms
@@ -31,8 +32,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -44,6 +45,7 @@ from fenced._portal import Portal, mark_private
 from fenced.backends import sqlite as S
 
 HERE = os.path.abspath(__file__)
+T = TypeVar("T")
 
 
 # -- the peer: the same two transactions, bare ------------------------------------------------
@@ -118,6 +120,27 @@ def uncontended(root: str, n: int) -> None:
         lease.acquire()
         lease.release()
 
+    # A bound, not a design: the sync API with a portal that costs nothing — the lease core's
+    # coroutine sent straight on this thread (no task, no Ctrl-C gate, no latch; it would
+    # fail on the first coroutine that waits). What the sync layer could at best save.
+    def free_portal(coro: Coroutine[Any, Any, T]) -> T:
+        portal = locks._portal
+        saved = asyncio._get_running_loop()
+        with portal._loop_lock:
+            asyncio._set_running_loop(portal.loop)
+            try:
+                coro.send(None)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+            finally:
+                asyncio._set_running_loop(saved)
+        raise RuntimeError("the bound's coroutine waited: not an uncontended acquire")
+
+    def sync_free_portal() -> None:
+        inner = locks.lock("bound", ttl=30)._inner
+        free_portal(inner.acquire(None))
+        free_portal(inner.finish(None, None))
+
     # The same, with caller-driven calls turned off: every call hops to the loop thread.
     hopping = fenced.connect(url)
     hopping._portal.drive = False
@@ -131,6 +154,7 @@ def uncontended(root: str, n: int) -> None:
             ("sync API: with locks.lock()", sync_with, "bare SQL", bare.op),
             ("sync API: reused lease", sync_reused, "bare SQL", bare.op),
             ("sync API, a hop per call (before)", sync_hop, "bare SQL", bare.op),
+            ("bound: sync API with a free portal", sync_free_portal, "bare SQL", bare.op),
         ],
         n,
     )
