@@ -15,6 +15,7 @@ from typing import Any
 from .._errors import ConfigurationError
 from .._portal import mark_private
 from ._app import ServerSettings, create_app
+from ._http import http_protocol
 
 __all__ = ["parse_listen", "serve"]
 
@@ -115,6 +116,7 @@ def serve(
         ssl_keyfile=tls_key,
         timeout_graceful_shutdown=graceful,
         lifespan="on",
+        http=http_protocol(),  # (httptools, with a bound on a request's head)
     )
     server = uvicorn.Server(config)
     scheme = "https" if tls_cert else "http"
