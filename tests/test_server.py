@@ -15,6 +15,7 @@ import ssl
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -646,3 +647,36 @@ def test_a_request_head_over_the_bound_is_refused_and_the_server_goes_on(
     )
     assert reply.startswith(b"HTTP/1.1 200 "), reply[:200]
     assert get(f"{server.url}/v1/health").json() == {"status": "ok"}
+
+
+def test_a_request_head_that_is_too_slow_is_closed_with_408(source: str) -> None:
+    """A connection that sends nothing, or a head a piece at a time, is held no longer than
+    --head-timeout (a slow-headers client would otherwise keep each connection for good);
+    a request whose head arrives in time is served on the same server."""
+    with FencedServer(source, args=["--head-timeout", "1"]) as server:
+        port = int(server.url.rsplit(":", 1)[1])
+        for first in (b"", b"GET /v1/health HTTP/1.1\r\nhost: x\r\n"):
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+                started = time.monotonic()
+                conn.sendall(first)
+                reply = b""
+                while piece := conn.recv(65536):  # (until the server closes it)
+                    reply += piece
+                took = time.monotonic() - started
+            assert reply.startswith(b"HTTP/1.1 408 "), reply[:200]
+            assert 0.9 < took < 5, took
+        assert get(f"{server.url}/v1/health").json() == {"status": "ok"}
+        reply = head_reply(
+            server, b"GET /v1/health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"
+        )
+        assert reply.startswith(b"HTTP/1.1 200 "), reply[:200]
+
+
+def test_serve_refuses_a_head_timeout_of_zero(tmp_path: Path) -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "fenced", "serve", "--head-timeout", "0", "--url", "memory://"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2 and "more than 0 seconds" in r.stderr, r.stderr

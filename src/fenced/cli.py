@@ -105,6 +105,13 @@ def _timeout(text: str) -> float:
     return value
 
 
+def _head_timeout(text: str) -> float:
+    value = _timeout(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"a head timeout is more than 0 seconds, not {text!r}")
+    return value
+
+
 def _body_limit(text: str) -> int:
     try:
         value = int(text)
@@ -339,6 +346,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--default-ttl", type=_ttl, default=10.0, help="lease seconds when a client gives none (10)"
+    )
+    serve.add_argument(
+        "--head-timeout",
+        type=_head_timeout,
+        default=30.0,
+        metavar="SECONDS",
+        help="close a connection whose request line and headers take longer, with 408 (30)",
     )
     serve.add_argument(
         "--max-request-bytes",
@@ -879,6 +893,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         log_format=args.log_format,
         log_level=args.log_level,
         access_log=args.access_log,
+        head_timeout=args.head_timeout,
     )
     return 0
 

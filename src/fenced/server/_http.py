@@ -4,7 +4,8 @@ uvicorn's httptools protocol keeps whatever a client sends of a request's head u
 blank line that ends it, and has no limit of its own (its h11 protocol has one, 16 KiB): one
 connection sending headers without end would make the server hold them all. Here a head over
 ``MAX_HEAD_BYTES`` is answered ``431 Request Header Fields Too Large`` and the connection
-closed, before the app sees anything. (nginx allows 32 KiB of headers by default, Node.js
+closed, before the app sees anything; and one not complete within ``HEAD_TIMEOUT`` (counted
+from the connection's opening or the request's first byte) ``408 Request Timeout``. (nginx allows 32 KiB of headers by default, Node.js
 16 KiB; a bearer key and the few headers a client of the API sends fit in well under 4 KiB.)
 A body is bounded elsewhere: uvicorn stops reading while the app has not taken what it has,
 and the app refuses one over ``--max-request-bytes`` (``_app._BodyLimit``).
@@ -21,13 +22,18 @@ __all__ = ["MAX_HEAD_BYTES", "http_protocol"]
 logger = logging.getLogger("fenced.server")
 
 MAX_HEAD_BYTES = 64 * 1024
+HEAD_TIMEOUT = 30.0
+"""Default seconds a request's head may take, from the connection's opening or the request's first
+byte (a client that opens connections and sends nothing, or a header every few seconds, would
+otherwise hold each open for good: nginx waits 60 s, Apache 20-40 s)."""
 
 _REFUSAL = b"request line and headers over %d bytes\n" % MAX_HEAD_BYTES
 
 
-def http_protocol() -> type[asyncio.Protocol] | str:
-    """The protocol class for ``uvicorn.Config(http=...)``: httptools with the bound, or h11
-    (which has a bound of its own) where httptools is not installed."""
+def http_protocol(head_timeout: float = HEAD_TIMEOUT) -> type[asyncio.Protocol] | str:
+    """The protocol class for ``uvicorn.Config(http=...)``: httptools with the bounds, or h11
+    (which bounds a head's size, not its time) where httptools is not installed."""
+    too_slow = b"request line and headers not received within %g s\n" % head_timeout
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     except ImportError:  # (httptools comes with fenced[server]; without it, h11's 16 KiB)
@@ -42,35 +48,60 @@ def http_protocol() -> type[asyncio.Protocol] | str:
             super().__init__(*args, **kwargs)
             self._in_head = True  # (a connection starts with a request's head)
             self._head_bytes = 0
+            self._head_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._arm_head_timer()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm_head_timer()
+            super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
             if self._in_head:
                 self._head_bytes += len(data)
             super().data_received(data)
             if self._in_head and self._head_bytes > MAX_HEAD_BYTES:
-                self._refuse_head()
+                self._refuse(431, "Request Header Fields Too Large", _REFUSAL, "passed %d bytes")
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
             self._in_head = True
+            self._arm_head_timer()
 
         def on_headers_complete(self) -> None:
             self._in_head = False
             self._head_bytes = 0  # (the next request's head counts from here)
+            self._disarm_head_timer()
             super().on_headers_complete()
 
-        def _refuse_head(self) -> None:
+        def _arm_head_timer(self) -> None:
+            if self._head_timer is None:
+                self._head_timer = self.loop.call_later(head_timeout, self._head_too_slow)
+
+        def _disarm_head_timer(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _head_too_slow(self) -> None:
+            self._head_timer = None
+            if self._in_head:
+                self._refuse(408, "Request Timeout", too_slow, "took over %g s")
+
+        def _refuse(self, status: int, reason: str, body: bytes, why: str) -> None:
+            self._disarm_head_timer()
             if self.transport.is_closing():
                 return
             self._in_head = False  # (what else is in flight goes with the socket)
             peer = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
-            logger.warning(
-                "refused a request from %s: its head passed %d bytes", peer, MAX_HEAD_BYTES
-            )
+            limit = MAX_HEAD_BYTES if status == 431 else head_timeout
+            logger.warning("refused a request from %s: its head " + why, peer, limit)
             self.transport.write(
-                b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
-                b"content-type: text/plain; charset=utf-8\r\n"
-                b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(_REFUSAL), _REFUSAL)
+                b"HTTP/1.1 %d %s\r\ncontent-type: text/plain; charset=utf-8\r\n"
+                b"content-length: %d\r\nconnection: close\r\n\r\n%s"
+                % (status, reason.encode(), len(body), body)
             )
             self.transport.close()
 
