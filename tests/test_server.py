@@ -649,11 +649,11 @@ def test_a_request_head_over_the_bound_is_refused_and_the_server_goes_on(
     assert get(f"{server.url}/v1/health").json() == {"status": "ok"}
 
 
-def test_a_request_head_that_is_too_slow_is_closed_with_408(source: str) -> None:
-    """A connection that sends nothing, or a head a piece at a time, is held no longer than
-    --head-timeout (a slow-headers client would otherwise keep each connection for good);
-    a request whose head arrives in time is served on the same server."""
-    with FencedServer(source, args=["--head-timeout", "1"]) as server:
+def test_a_request_that_is_too_slow_is_closed_with_408(source: str) -> None:
+    """A connection that sends nothing, a head a piece at a time, or a body that stops half
+    way, is held no longer than --read-timeout (a slow client would otherwise keep each
+    connection for good); a request that arrives in time is served on the same server."""
+    with FencedServer(source, args=["--read-timeout", "1"]) as server:
         port = int(server.url.rsplit(":", 1)[1])
         for first in (b"", b"GET /v1/health HTTP/1.1\r\nhost: x\r\n"):
             with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
@@ -665,6 +665,17 @@ def test_a_request_head_that_is_too_slow_is_closed_with_408(source: str) -> None
                 took = time.monotonic() - started
             assert reply.startswith(b"HTTP/1.1 408 "), reply[:200]
             assert 0.9 < took < 5, took
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+            started = time.monotonic()
+            conn.sendall(
+                b"POST /v1/locks/jobs/acquire HTTP/1.1\r\nhost: x\r\n"
+                b'content-type: application/json\r\ncontent-length: 100\r\n\r\n{"ttl": '
+            )
+            reply = conn.recv(65536)
+            took = time.monotonic() - started
+        assert reply.startswith(b"HTTP/1.1 408 ") and b'"too_slow"' in reply, reply[:300]
+        assert 0.9 < took < 5, took
+        assert get(f"{server.url}/v1/locks/jobs").json()["holder"] is None
         assert get(f"{server.url}/v1/health").json() == {"status": "ok"}
         reply = head_reply(
             server, b"GET /v1/health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"
@@ -672,9 +683,9 @@ def test_a_request_head_that_is_too_slow_is_closed_with_408(source: str) -> None
         assert reply.startswith(b"HTTP/1.1 200 "), reply[:200]
 
 
-def test_serve_refuses_a_head_timeout_of_zero(tmp_path: Path) -> None:
+def test_serve_refuses_a_read_timeout_of_zero(tmp_path: Path) -> None:
     r = subprocess.run(
-        [sys.executable, "-m", "fenced", "serve", "--head-timeout", "0", "--url", "memory://"],
+        [sys.executable, "-m", "fenced", "serve", "--read-timeout", "0", "--url", "memory://"],
         capture_output=True,
         text=True,
         timeout=60,

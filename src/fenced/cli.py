@@ -105,10 +105,10 @@ def _timeout(text: str) -> float:
     return value
 
 
-def _head_timeout(text: str) -> float:
+def _read_timeout(text: str) -> float:
     value = _timeout(text)
     if value <= 0:
-        raise argparse.ArgumentTypeError(f"a head timeout is more than 0 seconds, not {text!r}")
+        raise argparse.ArgumentTypeError(f"a read timeout is more than 0 seconds, not {text!r}")
     return value
 
 
@@ -348,11 +348,11 @@ def _parser() -> argparse.ArgumentParser:
         "--default-ttl", type=_ttl, default=10.0, help="lease seconds when a client gives none (10)"
     )
     serve.add_argument(
-        "--head-timeout",
-        type=_head_timeout,
+        "--read-timeout",
+        type=_read_timeout,
         default=30.0,
         metavar="SECONDS",
-        help="close a connection whose request line and headers take longer, with 408 (30)",
+        help="answer 408 and close when a request's head, or its body, takes longer to arrive (30)",
     )
     serve.add_argument(
         "--max-request-bytes",
@@ -883,6 +883,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         max_wait=args.max_wait,
         default_ttl=args.default_ttl,
         max_request_bytes=args.max_request_bytes,
+        read_timeout=args.read_timeout,
     )
     serve(
         settings,
@@ -893,7 +894,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         log_format=args.log_format,
         log_level=args.log_level,
         access_log=args.access_log,
-        head_timeout=args.head_timeout,
     )
     return 0
 

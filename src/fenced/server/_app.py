@@ -2,8 +2,8 @@
 
 Every answer that is not a success is ``{"error": <code>, "message": <one line>}`` with a
 fitting status: 400 invalid_request / invalid_token, 401 unauthenticated, 403 forbidden,
-404 not_found, 409 timeout, 410 lease_lost, 413 too_large, 503 unavailable. A refused
-request changes nothing. See docs/server.md.
+404 not_found, 408 too_slow, 409 timeout, 410 lease_lost, 413 too_large, 503 unavailable.
+A refused request changes nothing. See docs/server.md.
 """
 
 from __future__ import annotations
@@ -75,6 +75,10 @@ class ServerSettings:
     """A request body over this many bytes is refused (413 too_large) before it is held in
     memory. The largest request fenced takes is a 64 Ki-character record (JSON-escaped, under
     400 KiB); etcd caps a request at 1.5 MiB, Consul a KV value at 512 KiB."""
+    read_timeout: float = 30.0
+    """Seconds a request's body may take to arrive (408 after that); the same bound holds for
+    its head, in the HTTP protocol (``_http``). A long poll's wait is not counted: it starts
+    once the request has arrived."""
 
 
 # -- the wire format ------------------------------------------------------------------------------
@@ -203,6 +207,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorOut, "description": "invalid_request or invalid_token"},
     401: {"model": ErrorOut, "description": "unauthenticated"},
     403: {"model": ErrorOut, "description": "forbidden"},
+    408: {"model": ErrorOut, "description": "too_slow: the body took over --read-timeout"},
     413: {"model": ErrorOut, "description": "too_large: a body over --max-request-bytes"},
     503: {"model": ErrorOut, "description": "unavailable: the token source cannot be reached"},
 }
@@ -765,7 +770,9 @@ def create_app(settings: ServerSettings) -> FastAPI:
     if settings.fast_lane:
         app.add_middleware(_FastLane, lanes=lanes, keys=keys, gateway=gw)
     app.add_middleware(_Timing, gateway=gw)  # (it times the fast lane too)
-    app.add_middleware(_BodyLimit, limit=settings.max_request_bytes, gateway=gw)  # (outermost)
+    app.add_middleware(  # (outermost)
+        _BodyLimit, limit=settings.max_request_bytes, timeout=settings.read_timeout, gateway=gw
+    )
     return app
 
 
@@ -892,13 +899,13 @@ class _FastLane:
 class _BodyLimit:
     """Refuse a request body over ``limit`` bytes with 413 too_large, before more of it than
     that is held: at once by its Content-Length, else (chunked) as soon as the count passes
-    the limit. A body within it is read here and handed on whole (every route reads its body
+    the limit; and one not received within ``timeout`` seconds with 408 too_slow. A body within it is read here and handed on whole (every route reads its body
     whole anyway), then ``receive`` passes through: a long poll still sees the disconnect."""
 
     _NO_BODY = frozenset({"GET", "HEAD", "OPTIONS"})
 
-    def __init__(self, app: ASGIApp, limit: int, gateway: Gateway) -> None:
-        self.app, self.limit, self.gw = app, limit, gateway
+    def __init__(self, app: ASGIApp, limit: int, timeout: float, gateway: Gateway) -> None:
+        self.app, self.limit, self.timeout, self.gw = app, limit, timeout, gateway
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in self._NO_BODY:
@@ -910,17 +917,24 @@ class _BodyLimit:
             return
         chunks: list[bytes] = []
         size, more, message = 0, True, None
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":  # (the client went away)
-                break
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.limit:
-                await self._refuse(scope, receive, send)
-                return
-            chunks.append(chunk)
-            more = message.get("more_body", False)
+        try:
+            async with asyncio.timeout(self.timeout):  # (a body sent a byte at a time)
+                while more:
+                    message = await receive()
+                    if message["type"] != "http.request":  # (the client went away)
+                        break
+                    chunk = message.get("body", b"")
+                    size += len(chunk)
+                    if size > self.limit:
+                        await self._refuse(scope, receive, send)
+                        return
+                    chunks.append(chunk)
+                    more = message.get("more_body", False)
+        except TimeoutError:
+            self.gw.metrics.refused.labels("too_slow").inc()
+            text = f"request body not received within {self.timeout:g} s"
+            await _error(408, "too_slow", text)(scope, receive, send)
+            return
         first: Message | None = (
             {"type": "http.request", "body": b"".join(chunks), "more_body": False}
             if message is None or message["type"] == "http.request"

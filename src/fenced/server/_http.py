@@ -4,7 +4,7 @@ uvicorn's httptools protocol keeps whatever a client sends of a request's head u
 blank line that ends it, and has no limit of its own (its h11 protocol has one, 16 KiB): one
 connection sending headers without end would make the server hold them all. Here a head over
 ``MAX_HEAD_BYTES`` is answered ``431 Request Header Fields Too Large`` and the connection
-closed, before the app sees anything; and one not complete within ``HEAD_TIMEOUT`` (counted
+closed, before the app sees anything; and one not complete within ``READ_TIMEOUT`` (counted
 from the connection's opening or the request's first byte) ``408 Request Timeout``. (nginx allows 32 KiB of headers by default, Node.js
 16 KiB; a bearer key and the few headers a client of the API sends fit in well under 4 KiB.)
 A body is bounded elsewhere: uvicorn stops reading while the app has not taken what it has,
@@ -22,15 +22,16 @@ __all__ = ["MAX_HEAD_BYTES", "http_protocol"]
 logger = logging.getLogger("fenced.server")
 
 MAX_HEAD_BYTES = 64 * 1024
-HEAD_TIMEOUT = 30.0
-"""Default seconds a request's head may take, from the connection's opening or the request's first
-byte (a client that opens connections and sends nothing, or a header every few seconds, would
-otherwise hold each open for good: nginx waits 60 s, Apache 20-40 s)."""
+READ_TIMEOUT = 30.0
+"""Default seconds a request's head may take, from the connection's opening or the request's
+first byte (a client that opens connections and sends nothing, or a header every few seconds,
+would otherwise hold each open for good: nginx waits 60 s, Apache 20-40 s); the app gives its
+body as long (``_app._BodyLimit``)."""
 
 _REFUSAL = b"request line and headers over %d bytes\n" % MAX_HEAD_BYTES
 
 
-def http_protocol(head_timeout: float = HEAD_TIMEOUT) -> type[asyncio.Protocol] | str:
+def http_protocol(head_timeout: float = READ_TIMEOUT) -> type[asyncio.Protocol] | str:
     """The protocol class for ``uvicorn.Config(http=...)``: httptools with the bounds, or h11
     (which bounds a head's size, not its time) where httptools is not installed."""
     too_slow = b"request line and headers not received within %g s\n" % head_timeout

@@ -69,7 +69,7 @@ class Metrics:
         )
         self.refused = Counter(
             "fenced_refused_requests",
-            "Requests refused: unauthenticated, forbidden, invalid, too_large",
+            "Requests refused: unauthenticated, forbidden, invalid, too_large, too_slow",
             ["reason"],
             registry=r,
         )

@@ -15,7 +15,7 @@ from typing import Any
 from .._errors import ConfigurationError
 from .._portal import mark_private
 from ._app import ServerSettings, create_app
-from ._http import HEAD_TIMEOUT, http_protocol
+from ._http import http_protocol
 
 __all__ = ["parse_listen", "serve"]
 
@@ -99,7 +99,6 @@ def serve(
     log_level: str = "info",
     access_log: bool = False,
     graceful: int = 5,
-    head_timeout: float = HEAD_TIMEOUT,
 ) -> None:
     """Serve until SIGTERM or SIGINT. In-flight requests get ``graceful`` seconds; waiting
     acquires are answered 503 at once; held leases are left to expire."""
@@ -117,7 +116,7 @@ def serve(
         ssl_keyfile=tls_key,
         timeout_graceful_shutdown=graceful,
         lifespan="on",
-        http=http_protocol(head_timeout),  # (httptools, with bounds on a request's head)
+        http=http_protocol(settings.read_timeout),  # (httptools, with bounds on a request's head)
     )
     server = uvicorn.Server(config)
     scheme = "https" if tls_cert else "http"
