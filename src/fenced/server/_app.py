@@ -44,6 +44,7 @@ from .._state import DEFAULT_TTL, check_request_id, check_timeout, check_ttl
 from .._token import FencingToken, validate_lock_name
 from ._auth import ApiKey, Keys, Verb
 from ._gateway import Gateway
+from ._http import READ_TIMEOUT
 from ._metrics import CONTENT_TYPE_LATEST
 
 __all__ = ["ServerSettings", "create_app"]
@@ -75,7 +76,7 @@ class ServerSettings:
     """A request body over this many bytes is refused (413 too_large) before it is held in
     memory. The largest request fenced takes is a 64 Ki-character record (JSON-escaped, under
     400 KiB); etcd caps a request at 1.5 MiB, Consul a KV value at 512 KiB."""
-    read_timeout: float = 30.0
+    read_timeout: float = READ_TIMEOUT
     """Seconds a request's body may take to arrive (408 after that); the same bound holds for
     its head, in the HTTP protocol (``_http``). A long poll's wait is not counted: it starts
     once the request has arrived."""
@@ -899,8 +900,9 @@ class _FastLane:
 class _BodyLimit:
     """Refuse a request body over ``limit`` bytes with 413 too_large, before more of it than
     that is held: at once by its Content-Length, else (chunked) as soon as the count passes
-    the limit; and one not received within ``timeout`` seconds with 408 too_slow. A body within it is read here and handed on whole (every route reads its body
-    whole anyway), then ``receive`` passes through: a long poll still sees the disconnect."""
+    the limit; and one not received within ``timeout`` seconds with 408 too_slow. A body
+    within both is read here and handed on whole (every route reads its body whole anyway),
+    then ``receive`` passes through: a long poll still sees the disconnect."""
 
     _NO_BODY = frozenset({"GET", "HEAD", "OPTIONS"})
 
@@ -926,14 +928,16 @@ class _BodyLimit:
                     chunk = message.get("body", b"")
                     size += len(chunk)
                     if size > self.limit:
-                        await self._refuse(scope, receive, send)
-                        return
+                        break
                     chunks.append(chunk)
                     more = message.get("more_body", False)
         except TimeoutError:
             self.gw.metrics.refused.labels("too_slow").inc()
             text = f"request body not received within {self.timeout:g} s"
             await _error(408, "too_slow", text)(scope, receive, send)
+            return
+        if size > self.limit:
+            await self._refuse(scope, receive, send)
             return
         first: Message | None = (
             {"type": "http.request", "body": b"".join(chunks), "more_body": False}

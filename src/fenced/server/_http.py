@@ -1,14 +1,16 @@
-"""uvicorn's HTTP protocol with a bound on a request's head (its request line and headers).
+"""uvicorn's HTTP protocol with bounds on a request's head (its request line and headers).
 
 uvicorn's httptools protocol keeps whatever a client sends of a request's head until the
-blank line that ends it, and has no limit of its own (its h11 protocol has one, 16 KiB): one
-connection sending headers without end would make the server hold them all. Here a head over
-``MAX_HEAD_BYTES`` is answered ``431 Request Header Fields Too Large`` and the connection
-closed, before the app sees anything; and one not complete within ``READ_TIMEOUT`` (counted
-from the connection's opening or the request's first byte) ``408 Request Timeout``. (nginx allows 32 KiB of headers by default, Node.js
+blank line that ends it, with no limit of its own (its h11 protocol has one, 16 KiB), and
+waits for it for good: one connection sending headers without end would make the server hold
+them all, and connections that send nothing, or a header every few seconds, would each be
+held open for good. Here a head over ``MAX_HEAD_BYTES`` is answered ``431 Request Header
+Fields Too Large``, and one not complete within the read timeout (counted from the
+connection's opening or the request's first byte) ``408 Request Timeout``; the connection is
+closed, before the app sees anything. (nginx allows 32 KiB of headers and waits 60 s, Node.js
 16 KiB; a bearer key and the few headers a client of the API sends fit in well under 4 KiB.)
-A body is bounded elsewhere: uvicorn stops reading while the app has not taken what it has,
-and the app refuses one over ``--max-request-bytes`` (``_app._BodyLimit``).
+A body is bounded by the app (``_app._BodyLimit``: its size and the same read timeout), and
+uvicorn stops reading while the app has not taken what it has.
 """
 
 from __future__ import annotations
@@ -17,16 +19,12 @@ import asyncio
 import logging
 from typing import Any
 
-__all__ = ["MAX_HEAD_BYTES", "http_protocol"]
+__all__ = ["MAX_HEAD_BYTES", "READ_TIMEOUT", "http_protocol"]
 
 logger = logging.getLogger("fenced.server")
 
 MAX_HEAD_BYTES = 64 * 1024
-READ_TIMEOUT = 30.0
-"""Default seconds a request's head may take, from the connection's opening or the request's
-first byte (a client that opens connections and sends nothing, or a header every few seconds,
-would otherwise hold each open for good: nginx waits 60 s, Apache 20-40 s); the app gives its
-body as long (``_app._BodyLimit``)."""
+READ_TIMEOUT = 30.0  # (the default of ``fenced serve --read-timeout``)
 
 _REFUSAL = b"request line and headers over %d bytes\n" % MAX_HEAD_BYTES
 

@@ -116,7 +116,7 @@ def serve(
         ssl_keyfile=tls_key,
         timeout_graceful_shutdown=graceful,
         lifespan="on",
-        http=http_protocol(settings.read_timeout),  # (httptools, with bounds on a request's head)
+        http=http_protocol(settings.read_timeout),  # (httptools, bounding a request's head)
     )
     server = uvicorn.Server(config)
     scheme = "https" if tls_cert else "http"
