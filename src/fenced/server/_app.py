@@ -934,7 +934,7 @@ class _BodyLimit:
         except TimeoutError:
             self.gw.metrics.refused.labels("too_slow").inc()
             text = f"request body not received within {self.timeout:g} s"
-            await _error(408, "too_slow", text)(scope, receive, send)
+            await _closing(_error(408, "too_slow", text))(scope, receive, send)
             return
         if size > self.limit:
             await self._refuse(scope, receive, send)
@@ -957,7 +957,14 @@ class _BodyLimit:
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.gw.metrics.refused.labels("too_large").inc()
         message = f"request body over {self.limit} bytes"
-        await _error(413, "too_large", message)(scope, receive, send)
+        await _closing(_error(413, "too_large", message))(scope, receive, send)
+
+
+def _closing(response: JSONResponse) -> JSONResponse:
+    """The answer to a request whose body was not read to its end: the connection cannot
+    carry another request after it, so it is closed (uvicorn does, on this header)."""
+    response.headers["connection"] = "close"
+    return response
 
 
 class _Timing:
