@@ -525,6 +525,26 @@ async def test_reconnects_after_server_restart(pg_dsn: str, pg_server: PostgresS
         assert again.token > first.token
 
 
+async def test_a_live_connection_is_kept_in_a_process_with_many_files(pg_dsn: str) -> None:
+    """select() cannot watch a file numbered 1024 or above (a busy ``fenced serve`` has that
+    many connections): the look at whether an idle connection is still alive must not then
+    take every connection for dead and open a new one for each call."""
+    pipes = [os.pipe() for _ in range(600)]  # 1,200 files: the next socket is numbered above
+    try:
+        async with backends(pg_dsn, 1) as (backend,):
+            name = unique_name()
+            grant = await backend.acquire(name, request_id="a", ttl=5, deadline=None, on_lost=_noop)
+            conn = backend._conn
+            assert conn is not None and conn.pgconn.socket >= 1024
+            assert await backend.release(grant) is True
+            await backend.status(name)
+            assert backend._conn is conn  # the same connection, not a new one per call
+    finally:
+        for r, w in pipes:
+            os.close(r)
+            os.close(w)
+
+
 async def test_cancelled_waiter_leaves_the_queue(pg_dsn: str) -> None:
     name = unique_name()
     async with backends(pg_dsn, 2) as (holder, waiter):

@@ -650,8 +650,10 @@ def _one(row: _Row | None) -> _Row:
 def _looks_dead(conn: _Conn) -> bool:
     """True if an idle connection has been closed by the server (restart, admin shutdown).
 
-    Costs one non-blocking ``select``; it lets the first call after a server restart go
-    straight to a new connection instead of failing on the stale one.
+    Costs one non-blocking ``poll``; it lets the first call after a server restart go
+    straight to a new connection instead of failing on the stale one. (Not ``select``, which
+    cannot watch a file numbered 1024 or above, as in a server with many clients: every
+    connection then looked dead, and each call opened a new one.)
     """
     if conn.closed:
         return True
@@ -659,12 +661,19 @@ def _looks_dead(conn: _Conn) -> bool:
         return False
     try:
         pgconn = conn.pgconn
-        readable, _, _ = select.select([pgconn.socket], [], [], 0)
-        if readable:
+        if _readable_now(pgconn.socket):
             pgconn.consume_input()
         return pgconn.status != pq.ConnStatus.OK
     except (psycopg.Error, OSError, ValueError):
         return True
+
+
+def _readable_now(fd: int) -> bool:
+    if not hasattr(select, "poll"):  # (Windows: its select has no such limit on numbers)
+        return bool(select.select([fd], [], [], 0)[0])
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 def _forget(tasks: set[asyncio.Task[Any]]) -> Callable[[asyncio.Task[Any]], None]:
