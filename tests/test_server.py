@@ -693,3 +693,21 @@ def test_serve_refuses_a_read_timeout_of_zero(tmp_path: Path) -> None:
         timeout=60,
     )
     assert r.returncode == 2 and "more than 0 seconds" in r.stderr, r.stderr
+
+
+def test_serve_raises_its_open_files_limit_to_the_hard_limit(source: str) -> None:
+    """Each client holds a connection: a soft limit of 1,024 would refuse the 1,000th, so
+    ``fenced serve`` raises its soft limit to the hard one (started here with 256)."""
+    import resource
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    lower = "import resource\nresource.setrlimit(resource.RLIMIT_NOFILE, (256, {}))".format(
+        "resource.RLIM_INFINITY" if hard == resource.RLIM_INFINITY else hard
+    )
+    with FencedServer(source, prelude=lower) as server:
+        assert server.proc is not None
+        limits = Path(f"/proc/{server.proc.pid}/limits").read_text()
+        soft = next(line.split()[3] for line in limits.splitlines() if "open files" in line)
+        assert int(soft) > 256, limits
+        if hard != resource.RLIM_INFINITY:
+            assert int(soft) == hard

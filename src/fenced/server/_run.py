@@ -88,6 +88,27 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def raise_file_limit() -> int:
+    """Let this process open as many files as its hard limit allows, and return the limit.
+
+    Each client holds a connection (keep-alive, long polls), and a soft limit of 1,024 — the
+    usual login default — would refuse the 1,000th; Go's runtime raises it the same way for
+    etcd and Consul. Only the soft limit moves, never past the hard one."""
+    try:
+        import resource
+    except ImportError:  # (Windows: no such limit)
+        return -1
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft == resource.RLIM_INFINITY or soft >= wanted:
+        return soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+    except (OSError, ValueError):  # (e.g. over the kernel's nr_open): keep what we have
+        return soft
+    return wanted
+
+
 def serve(
     settings: ServerSettings,
     host: str,
@@ -105,6 +126,7 @@ def serve(
     import uvicorn
 
     setup_logging(log_format, log_level)
+    raise_file_limit()
     sock = listen_socket(host, port)
     bound = sock.getsockname()[1]
     app = create_app(settings)
