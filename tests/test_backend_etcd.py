@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -897,3 +898,59 @@ async def _bounded(aw: Awaitable[Any], seconds: float = 10.0) -> Any:
 
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
+
+def test_grpc_fork_support_is_off_unless_the_user_chose(etcd_server: EtcdServer) -> None:
+    """gRPC's fork support runs its handlers around every fork of the process — pausing the
+    parent's channels, and now and then running gRPC's poller in the child before exec (one
+    fork in ~300 here; a test server started that way once never ran). fenced refuses gRPC in
+    forked children anyway, so it turns that support off before gRPC is imported, and keeps
+    a value the user set. A process holding an etcd lease then forks (a real ``fork()``:
+    subprocess with ``group=``, as the test servers are started) without gRPC's handlers
+    running, and keeps its lease; with the user's "true" they run (the check can fail)."""
+    script = textwrap.dedent(
+        f"""
+        import os, subprocess, threading
+        import fenced
+        with fenced.connect({etcd_server.url!r}) as locks:  # (imports gRPC)
+            from grpc._cython import cygrpc
+            print(os.environ.get("GRPC_ENABLE_FORK_SUPPORT"), cygrpc._GRPC_ENABLE_FORK_SUPPORT)
+            lease = locks.lock("fork-support", ttl=10)
+            lease.acquire()
+            stop = threading.Event()
+            def churn():
+                while not stop.is_set():
+                    locks.status("fork-support")
+            t = threading.Thread(target=churn)
+            t.start()
+            failed = 0
+            for _ in range(100):
+                child = subprocess.run(["true"], group=os.getgid(), timeout=30)
+                failed += child.returncode != 0
+            stop.set()
+            t.join()
+            print("held", lease.held, "failed children", failed)
+            lease.release()
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_ENABLE_FORK_SUPPORT"}
+    env["GRPC_VERBOSITY"] = "INFO"  # (gRPC logs its fork handlers' work)
+
+    def run(**extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-c", script],
+            env={**env, **extra},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    off = run()
+    assert off.returncode == 0, off.stderr[-2000:]
+    assert off.stdout.split("\n")[:2] == ["false False", "held True failed children 0"], (
+        off.stdout + off.stderr[-2000:]
+    )
+    assert "fork_posix" not in off.stderr, off.stderr[-2000:]
+    on = run(GRPC_ENABLE_FORK_SUPPORT="true")
+    assert on.stdout.startswith("true True"), on.stdout + on.stderr[-2000:]
+    assert "fork_posix" in on.stderr, on.stderr[-2000:]

@@ -22,6 +22,9 @@ import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
+from .. import _grpc  # noqa: F401  (first: gRPC reads it when imported)
+
+# isort: split
 import grpc  # type: ignore[import-untyped]
 import grpc.aio  # type: ignore[import-untyped]
 from aetcd import rpc

@@ -35,6 +35,9 @@ from types import MappingProxyType
 from typing import Any, ClassVar, Final, TypeVar
 from urllib.parse import SplitResult
 
+from .. import _grpc  # noqa: F401  (first: gRPC reads it when imported)
+
+# isort: split
 from aetcd import rpc
 
 from .. import _clock

@@ -58,6 +58,9 @@ from types import TracebackType
 from typing import Any, Final
 from urllib.parse import urlsplit
 
+from .. import _grpc  # noqa: F401  (first: gRPC reads it when imported)
+
+# isort: split
 import aetcd
 from aetcd import rpc
 
