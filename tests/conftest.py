@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+# First, before any test module imports gRPC (aetcd): gRPC's fork support off, as fenced's
+# etcd support sets it, so the test servers this process forks cannot crash before exec.
+import fenced._grpc  # isort: skip
+
 from collections.abc import Callable, Iterator
 
 import pytest
