@@ -503,17 +503,8 @@ class SQLiteBackend(Backend):
             return
         jobs, self._turn = self._turn, []
         live = [job for job in jobs if not job.waiter.cancelled()]
-        if not live:
-            return
-        if len(live) == 1:
-            try:
-                outcomes: list[tuple[bool, Any]] = [(True, self._call(live[0].fn))]
-            except BaseException as exc:
-                outcomes = [(False, exc)]
-            self.commits += 1
-        else:
-            outcomes = self._run_together(live)
-        self._deliver(live, outcomes)
+        if live:
+            self._deliver(live, self._run_jobs(live))
 
     def _settle(self, jobs: list[_Job], outcomes: list[tuple[bool, Any]]) -> None:
         """On the worker, after a commit: note each job's outcome, undo at once (before any
@@ -543,14 +534,7 @@ class SQLiteBackend(Backend):
                     return
             # (a caller cancelled from now on is undone by _settle or by its own except clause)
             live = [job for job in items if not job.waiter.cancelled()]
-            if len(live) == 1:
-                try:
-                    outcome: tuple[bool, Any] = (True, self._call(live[0].fn))
-                except BaseException as exc:
-                    outcome = (False, exc)
-                self.commits += 1
-                self._settle(live, [outcome])
-            elif live:
+            if live:
                 self._commit_together(live)
 
     def _post(self, jobs: list[_Job], outcomes: list[tuple[bool, Any]]) -> None:
@@ -577,7 +561,19 @@ class SQLiteBackend(Backend):
 
     def _commit_together(self, items: list[_Job]) -> None:
         """On the worker: commit ``items`` together, then settle them."""
-        self._settle(items, self._run_together(items))
+        self._settle(items, self._run_jobs(items))
+
+    def _run_jobs(self, items: list[_Job]) -> list[tuple[bool, Any]]:
+        """One commit for ``items`` (the worker's batch, or a turn's): a transaction alone
+        runs exactly as without batching; more run together (:meth:`_run_together`)."""
+        if len(items) > 1:
+            return self._run_together(items)
+        try:
+            outcomes: list[tuple[bool, Any]] = [(True, self._call(items[0].fn))]
+        except BaseException as exc:
+            outcomes = [(False, exc)]
+        self.commits += 1
+        return outcomes
 
     def _run_together(self, items: list[_Job]) -> list[tuple[bool, Any]]:
         """Run ``items`` in one transaction and one commit; each one's outcome, in order."""
@@ -766,41 +762,54 @@ class SQLiteBackend(Backend):
         caller comes straight back with "grant". "last" (the deadline has passed): grant or
         change nothing. A transaction that writes nothing commits without an fsync.
         """
+        if mode == "queue":  # (without fsync; a context manager only here: not on a grant)
+            with _relaxed(conn):
+                return self._attempt(conn, name, request_id, ttl, mode, owner)
+        return self._attempt(conn, name, request_id, ttl, mode, owner)
+
+    def _attempt(
+        self,
+        conn: sqlite3.Connection,
+        name: str,
+        request_id: str,
+        ttl: float,
+        mode: str,
+        owner: str,
+    ) -> _Attempt:
         relaxed = mode == "queue"
-        with _relaxed(conn) if relaxed else contextlib.nullcontext():
-            sent_at = _clock.now()  # before the transaction: the lease cannot start earlier
-            conn.execute("BEGIN IMMEDIATE")
-            now = _clock.now()
-            boot = self._boot
-            holder, token, held_ttl, expires, row_boot, head = conn.execute(
-                SQL_LOCK_STATE, (name, boot, now)
-            ).fetchone()
-            live = holder is not None and row_boot == boot and expires > now
-            if live and holder == request_id:  # a retry of a request that was granted
-                conn.execute(SQL_DEQUEUE, (name, request_id))  # writes only if it was queued
-                conn.execute("COMMIT")
-                grant = Grant(FencingToken(name, token), request_id, held_ttl, expires - held_ttl)
-                return _Attempt(grant=grant)
-            free = not live and (head is None or head == request_id)
-            if free and not relaxed:
-                value = self._next_token(conn, name)
-                conn.execute(
-                    SQL_SET_HOLDER,
-                    (name, request_id, value, ttl, sent_at + ttl, boot, owner or None),
-                )
-                if head is not None:  # it was us, at the head of the queue
-                    conn.execute(SQL_DEQUEUE, (name, request_id))
-                conn.execute("COMMIT")
-                grant = Grant(FencingToken(name, value), request_id, ttl, sent_at)
-                return _Attempt(grant=grant, fresh=True)
-            if mode == "last":
-                conn.execute("COMMIT")  # nothing written: no fsync
-                return _Attempt(holder_expires=expires if live else None)
-            conn.execute(SQL_PURGE_WAITERS, (name, boot, now))  # waiters that died meanwhile
-            wake = request_id.encode() + b"\0" + (my_wake_address() or b"")
-            conn.execute(SQL_ENQUEUE, (name, request_id, now + self._waiter_ttl, boot, wake))
+        sent_at = _clock.now()  # before the transaction: the lease cannot start earlier
+        conn.execute("BEGIN IMMEDIATE")
+        now = _clock.now()
+        boot = self._boot
+        holder, token, held_ttl, expires, row_boot, head = conn.execute(
+            SQL_LOCK_STATE, (name, boot, now)
+        ).fetchone()
+        live = holder is not None and row_boot == boot and expires > now
+        if live and holder == request_id:  # a retry of a request that was granted
+            conn.execute(SQL_DEQUEUE, (name, request_id))  # writes only if it was queued
             conn.execute("COMMIT")
-            return _Attempt(queued=True, retry=free, holder_expires=expires if live else None)
+            grant = Grant(FencingToken(name, token), request_id, held_ttl, expires - held_ttl)
+            return _Attempt(grant=grant)
+        free = not live and (head is None or head == request_id)
+        if free and not relaxed:
+            value = self._next_token(conn, name)
+            conn.execute(
+                SQL_SET_HOLDER,
+                (name, request_id, value, ttl, sent_at + ttl, boot, owner or None),
+            )
+            if head is not None:  # it was us, at the head of the queue
+                conn.execute(SQL_DEQUEUE, (name, request_id))
+            conn.execute("COMMIT")
+            grant = Grant(FencingToken(name, value), request_id, ttl, sent_at)
+            return _Attempt(grant=grant, fresh=True)
+        if mode == "last":
+            conn.execute("COMMIT")  # nothing written: no fsync
+            return _Attempt(holder_expires=expires if live else None)
+        conn.execute(SQL_PURGE_WAITERS, (name, boot, now))  # waiters that died meanwhile
+        wake = request_id.encode() + b"\0" + (my_wake_address() or b"")
+        conn.execute(SQL_ENQUEUE, (name, request_id, now + self._waiter_ttl, boot, wake))
+        conn.execute("COMMIT")
+        return _Attempt(queued=True, retry=free, holder_expires=expires if live else None)
 
     def _tx_dequeue(self, conn: sqlite3.Connection, name: str, request_id: str) -> None:
         """Leave the queue, and ring whoever heads it now (the lock may be free for them)."""
