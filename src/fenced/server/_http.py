@@ -39,14 +39,16 @@ def http_protocol(head_timeout: float = READ_TIMEOUT) -> type[asyncio.Protocol] 
         return "h11"
 
     class BoundedHeadProtocol(HttpToolsProtocol):
-        """Counts the bytes that arrive while a request's head is incomplete and refuses the
-        request once they pass the bound (checked after each read is parsed, so a read that
-        also carries the body, or the next request, is never miscounted)."""
+        """Counts a request's head as its bytes arrive, up to the blank line that ends it
+        (never its body, nor a request after it), and refuses the request before the parser
+        sees a read that takes the head past the bound — whether the head comes in many reads
+        or, as on a busy server, in one."""
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self._in_head = True  # (a connection starts with a request's head)
             self._head_bytes = 0
+            self._tail = b""  # the last bytes of the head so far: its end may span two reads
             self._head_timer: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport: Any) -> None:
@@ -59,10 +61,16 @@ def http_protocol(head_timeout: float = READ_TIMEOUT) -> type[asyncio.Protocol] 
 
         def data_received(self, data: bytes) -> None:
             if self._in_head:
-                self._head_bytes += len(data)
+                seen = self._tail + data
+                end = seen.find(b"\r\n\r\n")
+                self._head_bytes += len(data) if end < 0 else end + 4 - len(self._tail)
+                if self._head_bytes > MAX_HEAD_BYTES:
+                    self._refuse(
+                        431, "Request Header Fields Too Large", _REFUSAL, "passed %d bytes"
+                    )
+                    return
+                self._tail = seen[-3:]
             super().data_received(data)
-            if self._in_head and self._head_bytes > MAX_HEAD_BYTES:
-                self._refuse(431, "Request Header Fields Too Large", _REFUSAL, "passed %d bytes")
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
@@ -71,7 +79,7 @@ def http_protocol(head_timeout: float = READ_TIMEOUT) -> type[asyncio.Protocol] 
 
         def on_headers_complete(self) -> None:
             self._in_head = False
-            self._head_bytes = 0  # (the next request's head counts from here)
+            self._head_bytes, self._tail = 0, b""  # (the next request's head counts afresh)
             self._disarm_head_timer()
             super().on_headers_complete()
 
