@@ -307,3 +307,19 @@ def test_a_mark_deleted_after_the_guard_saw_it_is_corrupt(clients: Any, resource
         guard.set(f"/app/{resource}", b"late", token=tok(5))
     guard.set(f"/app/{resource}", b"v6", token=tok(6))
     assert client.get(f"/app/{resource}")[0] == b"v6"
+
+
+def test_a_mark_created_again_lower_is_corrupt(clients: Any, resource: str) -> None:
+    """Deleted outside fenced and bound again by a guard that never saw it (a new process),
+    the mark is lower than the first guard saw: it refuses instead of taking the low mark."""
+    client = clients()
+    seen = ZooKeeperGuard(client, resource, "master")
+    seen.set(f"/app/{resource}", b"v5", token=tok(5))
+    client.delete(seen.mark_path)
+    fresh = ZooKeeperGuard(client, resource, "master")  # cannot know: binds the mark at 2
+    fresh.set(f"/app/{resource}", b"v2", token=tok(2))
+    with pytest.raises(fenced.CorruptMarkError, match="went back"):
+        seen.set(f"/app/{resource}", b"late", token=tok(3))
+    with pytest.raises(fenced.CorruptMarkError):
+        seen.high_water()
+    assert client.get(f"/app/{resource}")[0] == b"v2"

@@ -39,9 +39,10 @@ chroot), or names a mark of any root (a component ``marks`` followed by one star
 So no guard can rewrite or delete another resource's mark, nor its own.
 
 A mark that does not parse is :class:`~fenced.CorruptMarkError` and refuses every write; so is
-a mark node that is missing after this guard has seen it (deleted outside fenced: recreating
-it would restart the mark below tokens already accepted). :class:`AsyncZooKeeperGuard` runs the same code on a worker thread (kazoo
-is a threaded client; its calls block).
+a mark node that is missing, or lower, after this guard has seen it (deleted outside fenced,
+perhaps created again lower: the mark would restart below tokens already accepted).
+:class:`AsyncZooKeeperGuard` runs the same code on a worker thread (kazoo is a threaded
+client; its calls block).
 """
 
 from __future__ import annotations
@@ -172,6 +173,13 @@ class ZooKeeperGuard:
                 ) from None
             return None
         lock, value = self._parse(raw)
+        if self._highest is not None and value < self._highest:
+            # Marks only grow: deleted and created again lower (by a guard that never saw it)
+            raise CorruptMarkError(
+                self.resource,
+                f"the mark went back to {value}, after this guard saw token {self._highest} "
+                "accepted",
+            )
         self._saw(value)
         return lock, value, stat.version
 
