@@ -342,7 +342,7 @@ class Session:
         whole session timeout. A server may take a connection and never answer it: after a
         kill -9, a Connect sent as the restarting server's port opened got neither a reply
         nor a close, kazoo waited the full 10 s of a 10 s session while the server was
-        serving others, and the holder's lease ran out (1 run in 13 of the kill -9 test). So
+        serving others (2 runs in 20 of the kill -9 test; in one the lease ran out). So
         an attempt waits ``_connect_base()`` at first; each attempt that times out doubles the
         bound (a slow server is still reached), up to kazoo's own; a reply resets it.
         """
