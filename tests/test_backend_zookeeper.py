@@ -88,12 +88,19 @@ class Proxy:
         self.flowing.set()
         self.closed = False
         self.sockets: list[socket.socket] = []
+        self.swallow = threading.Event()  # take the next connection and never answer it
+        self.swallowed = threading.Event()
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
         while not self.closed:
             try:
                 client, _ = self.listener.accept()
+                if self.swallow.is_set():
+                    self.swallow.clear()
+                    self.sockets.append(client)  # open, silent: neither a reply nor a close
+                    self.swallowed.set()
+                    continue
                 upstream = socket.create_connection(("127.0.0.1", self.upstream))
             except OSError:
                 if self.closed:
@@ -274,6 +281,31 @@ async def test_a_short_blip_keeps_the_session_and_the_lock(
 
 async def _true(value: bool) -> bool:
     return value
+
+
+async def test_a_connect_left_unanswered_is_tried_again_promptly(proxy: Proxy) -> None:
+    """A server may take a connection and never answer its Connect (seen after a kill -9:
+    the restarting server's port was open, the reply never came). kazoo alone waits for it
+    as long as the whole session (10 s here) and the lease runs out; the holder gives up on
+    it after a fraction of that, connects again and keeps its lease."""
+    async with fenced.connect_async(proxy.url) as locks:
+        lease = locks.lock(unique_name(), ttl=10)
+        token = await lease.acquire()
+        session = session_of(lease)
+        proxy.swallow.set()
+        proxy.reset()  # the connection breaks; the first attempt to reconnect is swallowed
+        await async_wait_for(
+            lambda: _true(proxy.swallowed.is_set()), 10, "a reconnection attempt swallowed"
+        )
+        swallowed_at = _clock.now()
+        await async_wait_for(
+            lambda: _true(session.connected.is_set()), 10, "the session to reconnect"
+        )
+        # kazoo's own wait would be the session's 10 s; the holder's first bound is 1 s
+        assert _clock.now() - swallowed_at < 5  # half the ttl
+        assert await lease.renew() > 0
+        assert lease.held and not lease.lost.is_set() and lease.token == token
+        assert await lease.release() is True
 
 
 # -- (2) a paused holder process ---------------------------------------------------------------

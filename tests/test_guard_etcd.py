@@ -411,6 +411,57 @@ def test_no_write_touches_any_fence_key(etcd_server: EtcdServer) -> None:
             b.put(b_res.data, "b3", token=tok(3))
 
 
+def test_no_guard_touches_the_default_fence_keys_whatever_its_prefix(
+    etcd_server: EtcdServer,
+) -> None:
+    """A guard with another prefix cannot rewrite or delete the default prefix's marks, nor
+    the etcd lock source's keys; its writes outside fenced's key spaces are accepted."""
+    res, other = Resource(etcd_server.endpoint), Resource(etcd_server.endpoint)
+    with (
+        EtcdGuard(etcd_server.endpoint, res.name, LOCK) as owner,
+        EtcdGuard(etcd_server.endpoint, other.name, LOCK, prefix="custom/") as attacker,
+    ):
+        res.write(owner, 10, "ten")
+        for attempt in (
+            lambda: attacker.delete(f"fenced/hw/{res.name}", token=tok(20)),
+            lambda: attacker.delete(f"fenced/lock/{res.name}", token=tok(20)),
+            lambda: attacker.put(f"fenced/hw/{res.name}", encode_value(1), token=tok(20)),
+            lambda: attacker.delete("/fenced/locks/jobs/holder", token=tok(20)),
+            lambda: attacker.write([_range_delete(b"fenced", b"fencee")], token=tok(20)),
+            lambda: attacker.write([_range_delete(b"/", b"/g")], token=tok(20)),
+        ):
+            with pytest.raises(ConfigurationError, match="reserved"):
+                attempt()
+        assert owner.high_water() == tok(10)
+        with pytest.raises(StaleTokenError):
+            res.write(owner, 3, "late")
+        assert attacker.put(f"{other.name}/fenced/x", "ok", token=tok(20)) > 0  # not a prefix
+        assert attacker.put(other.data, "ok", token=tok(20)) > 0
+    assert res.history() == ["10:ten"]
+
+
+def test_fence_keys_gone_or_lower_after_being_seen_fail_closed(etcd_server: EtcdServer) -> None:
+    """Both fence keys deleted (an operator, a bug) would rebind the mark at 0: the guard that
+    saw the mark refuses; so it does once a fresh guard has bound them again lower."""
+    res = Resource(etcd_server.endpoint)
+    with EtcdGuard(etcd_server.endpoint, res.name, LOCK) as seen:
+        res.write(seen, 10, "ten")
+        for key in ("hw", "lock"):
+            _etcd_put(etcd_server.endpoint, f"fenced/{key}/{res.name}", None)
+        for value in (3, 10, 11):
+            with pytest.raises(CorruptMarkError, match="gone"):
+                res.write(seen, value, "late")
+        with pytest.raises(CorruptMarkError):
+            seen.high_water()
+        with EtcdGuard(etcd_server.endpoint, res.name, LOCK) as fresh:
+            res.write(fresh, 4, "four")  # cannot know: binds the mark again at 4
+        with pytest.raises(CorruptMarkError, match="went back"):
+            res.write(seen, 5, "late")
+        with pytest.raises(CorruptMarkError, match="went back"):
+            seen.high_water()
+    assert res.history() == ["10:ten", "4:four"]
+
+
 def test_new_holder_after_handoff_and_many_writers(etcd_server: EtcdServer) -> None:
     """Two guards (two processes' views) interleave: each sees the other's mark and adapts."""
     res = Resource(etcd_server.endpoint)

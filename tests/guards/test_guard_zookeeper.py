@@ -216,3 +216,110 @@ def test_a_transaction_of_your_own_is_fenced_and_kept_out_of_the_marks(
     assert client.exists(f"/app/{resource}/b") is None
     with pytest.raises(fenced.ConfigurationError, match="reserved"):
         guard.transaction(lambda t: t.set_data(guard.mark_path, b"x"), token=tok(2))
+
+
+def test_no_guard_reaches_a_mark_whatever_its_root_or_chroot(
+    zk_server: ZooKeeperServer, clients: Any, resource: str
+) -> None:
+    """Marks under a chroot and under a custom root, attacked through the guarded writes of
+    guards with other roots and other chroots (the transaction too): all refused, the marks
+    unchanged, a stale token still refused; writes outside fenced's nodes still accepted."""
+    tenant = f"/{unique_name('tenant')}"
+    plain = clients()
+    plain.ensure_path(tenant)
+    plain.ensure_path(f"{tenant}/myroot")
+    chrooted = KazooClient(hosts=zk_server.hosts + tenant)
+    chrooted.start(timeout=20)
+    deep = KazooClient(hosts=zk_server.hosts + f"{tenant}/myroot/marks")
+    try:
+        owner = ZooKeeperGuard(chrooted, resource, "master")  # /fenced under the chroot
+        custom = ZooKeeperGuard(chrooted, resource, "master", root="/myroot")
+        owner.fence(tok(5))
+        custom.fence(tok(5))
+        deep.start(timeout=20)
+        attacker = ZooKeeperGuard(plain, "att-" + resource, "master", root="/other")
+        deep_attacker = ZooKeeperGuard(deep, "att-" + resource, "master", root="/elsewhere")
+        own_mark = f"{tenant}{owner.mark_path}"  # absolute: the chroot prepended
+        custom_mark = f"{tenant}{custom.mark_path}"
+        refused: list[tuple[ZooKeeperGuard, str]] = [
+            (attacker, own_mark),
+            (attacker, custom_mark),
+            (attacker, "/" + own_mark.replace("/", "//")),  # kazoo collapses '//'
+            (attacker, f"{tenant}/myroot/marks/r-new"),  # a mark of a resource not yet fenced
+            (attacker, "/fenced/locks/jobs"),  # the lock source's nodes
+            (deep_attacker, "/" + custom.mark_path.rsplit("/", 1)[1]),  # chroot .../marks
+            (owner, owner.mark_path),  # its own root, through the chroot
+            (owner, "/" + owner.mark_path),
+            (custom, "/fenced/marks/r-x"),  # the default root's namespace, from another root
+        ]
+        for guard, path in refused:
+            with pytest.raises(fenced.ConfigurationError, match="reserved"):
+                guard.delete(path, token=tok(9))
+            with pytest.raises(fenced.ConfigurationError, match="reserved"):
+                guard.set(path, b"master\n0000000000000000001", token=tok(9))
+            with pytest.raises(fenced.ConfigurationError, match="reserved"):
+                guard.create(path + "x", b"", token=tok(9))
+            with pytest.raises(fenced.ConfigurationError, match="reserved"):
+                guard.transaction(lambda t, p=path: t.delete(p), token=tok(9))
+            with pytest.raises(fenced.ConfigurationError, match="reserved"):
+                guard.transaction(
+                    lambda t, p=path: (t.create(f"{tenant}-ok"), t.set_data(p, b"x")),
+                    token=tok(9),
+                )
+        assert plain.exists(f"{tenant}-ok") is None  # a refused transaction sends nothing
+        for guard in (owner, custom):
+            assert guard.high_water() == tok(5)
+            with pytest.raises(fenced.StaleTokenError):
+                guard.set("/app/plan", b"stale", token=tok(4))
+        # the rightful writes: the owners' own, and the attackers' outside fenced's nodes
+        owner.set("/app/plan", b"v5", token=tok(5))
+        assert plain.get(f"{tenant}/app/plan")[0] == b"v5"
+        for path in (f"{tenant}/app/marks/plan", f"{tenant}/app/markers/r-1", "/fencedx/r-1"):
+            attacker.set(path, b"ok", token=tok(9))
+            assert plain.get(path)[0] == b"ok"
+        attacker.transaction(lambda t: t.delete(f"{tenant}/app/marks/plan"), token=tok(9))
+        assert plain.exists(f"{tenant}/app/marks/plan") is None
+        deep_attacker.set("/data", b"ok", token=tok(3))
+        assert plain.get(f"{tenant}/myroot/marks/data")[0] == b"ok"
+    finally:
+        for c in (chrooted, deep):
+            c.stop()
+            c.close()
+
+
+def test_a_mark_deleted_after_the_guard_saw_it_is_corrupt(clients: Any, resource: str) -> None:
+    """Deleted outside fenced, the mark would restart below the tokens already accepted: the
+    guard that saw it refuses every write (and high_water) instead of creating it again."""
+    client = clients()
+    guard = ZooKeeperGuard(client, resource, "master")
+    guard.set(f"/app/{resource}", b"v5", token=tok(5))
+    client.delete(guard.mark_path)
+    for value in (3, 5, 6):
+        with pytest.raises(fenced.CorruptMarkError, match="gone"):
+            guard.set(f"/app/{resource}", b"late", token=tok(value))
+    with pytest.raises(fenced.CorruptMarkError):
+        guard.high_water()
+    assert client.get(f"/app/{resource}")[0] == b"v5"
+    assert client.exists(guard.mark_path) is None  # not recreated
+    # an operator's repair (the mark set to at least the highest token) lets writes in again
+    client.create(guard.mark_path, b"master\n0000000000000000006")
+    with pytest.raises(fenced.StaleTokenError):
+        guard.set(f"/app/{resource}", b"late", token=tok(5))
+    guard.set(f"/app/{resource}", b"v6", token=tok(6))
+    assert client.get(f"/app/{resource}")[0] == b"v6"
+
+
+def test_a_mark_created_again_lower_is_corrupt(clients: Any, resource: str) -> None:
+    """Deleted outside fenced and bound again by a guard that never saw it (a new process),
+    the mark is lower than the first guard saw: it refuses instead of taking the low mark."""
+    client = clients()
+    seen = ZooKeeperGuard(client, resource, "master")
+    seen.set(f"/app/{resource}", b"v5", token=tok(5))
+    client.delete(seen.mark_path)
+    fresh = ZooKeeperGuard(client, resource, "master")  # cannot know: binds the mark at 2
+    fresh.set(f"/app/{resource}", b"v2", token=tok(2))
+    with pytest.raises(fenced.CorruptMarkError, match="went back"):
+        seen.set(f"/app/{resource}", b"late", token=tok(3))
+    with pytest.raises(fenced.CorruptMarkError):
+        seen.high_water()
+    assert client.get(f"/app/{resource}")[0] == b"v2"

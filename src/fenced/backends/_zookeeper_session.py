@@ -111,6 +111,10 @@ class InlineHandler(SequentialThreadingHandler):  # type: ignore[misc]
     rely on) and saves two thread hops per request.
     """
 
+    connect_timeout: float | None = None
+    """Seconds a TCP connect may take at most (kazoo's own bound is the whole session
+    timeout); set by :class:`Session`, see :meth:`Session._hook_connect`."""
+
     def start(self) -> None:
         with self._state_change:
             self._running = True
@@ -150,6 +154,12 @@ class InlineHandler(SequentialThreadingHandler):  # type: ignore[misc]
                 if obj in wlist and events & WRITE_EVENTS:
                     writable.append(obj)
         return readable, writable, []
+
+    def create_connection(self, *args: Any, **kwargs: Any) -> Any:
+        bound, timeout = self.connect_timeout, kwargs.get("timeout")
+        if bound is not None and isinstance(timeout, int | float):
+            kwargs["timeout"] = min(timeout, bound)
+        return super().create_connection(*args, **kwargs)
 
     def dispatch_callback(self, callback: Any) -> None:
         try:
@@ -301,35 +311,59 @@ class Session:
         self.janitor: asyncio.Task[None] | None = None
         self._negotiated_ms = 0
         retry_cap = max(0.05, min(1.0, self.timeout / 5))
+        self.handler = InlineHandler()
         self.client = KazooClient(
             hosts=backend._hosts,
             timeout=self.timeout,
-            handler=InlineHandler(),
+            handler=self.handler,
             connection_retry=KazooRetry(
                 max_tries=-1, delay=0.02, backoff=2, max_jitter=0.3, max_delay=retry_cap
             ),
             logger=KAZOO_LOG,
         )
-        self._hook_negotiation()
+        self._hook_connect()
         self.client.add_listener(self._on_state_thread)
         self.client.start_async()
 
-    def _hook_negotiation(self) -> None:
-        """Learn the session timeout the server granted: kazoo keeps it to itself.
+    def _connect_base(self) -> float:
+        """The first bound on a connection attempt: a tenth of the session timeout, in
+        [0.25 s, 1 s] (a live server answers a Connect in milliseconds)."""
+        timeout = self._negotiated_ms / 1000 if self._negotiated_ms > 0 else self.timeout
+        return max(0.25, min(1.0, timeout / 10))
 
-        The server clamps the asked-for timeout into [minSessionTimeout, maxSessionTimeout];
-        a holder that counted on more than it got would be unsafe, so failing to learn it is
-        an error, not a fallback.
+    def _hook_connect(self) -> None:
+        """Learn the session timeout the server granted, and bound each connection attempt.
+
+        Negotiation: the server clamps the asked-for timeout into [minSessionTimeout,
+        maxSessionTimeout]; a holder that counted on more than it got would be unsafe, and
+        kazoo keeps it to itself, so failing to learn it is an error, not a fallback.
+
+        Attempts: kazoo waits for the TCP connect and for the Connect's reply as long as the
+        whole session timeout. A server may take a connection and never answer it: after a
+        kill -9, a Connect sent as the restarting server's port opened got neither a reply
+        nor a close, kazoo waited the full 10 s of a 10 s session while the server was
+        serving others (2 runs in 20 of the kill -9 test; in one the lease ran out). So
+        an attempt waits ``_connect_base()`` at first; each attempt that times out doubles the
+        bound (a slow server is still reached), up to kazoo's own; a reply resets it.
         """
         connection: Any = getattr(self.client, "_connection", None)
         invoke = getattr(connection, "_invoke", None)
         if invoke is None:  # pragma: no cover - a kazoo release that moved its internals
             raise UnsafeBackendError("this kazoo version hides the negotiated session timeout")
+        self.handler.connect_timeout = self._connect_base()
 
         def hooked(timeout: float, request: Any, xid: int | None = None) -> Any:
-            result = invoke(timeout, request, xid)
-            if isinstance(request, Connect) and isinstance(result, tuple):
+            if not isinstance(request, Connect):
+                return invoke(timeout, request, xid)
+            bound = self.handler.connect_timeout or timeout
+            try:
+                result = invoke(min(timeout, bound), request, xid)
+            except KazooTimeoutError:
+                self.handler.connect_timeout = min(bound * 2, timeout)
+                raise
+            if isinstance(result, tuple):
                 self._negotiated_ms = int(result[0].time_out)
+            self.handler.connect_timeout = self._connect_base()
             return result
 
         connection._invoke = hooked

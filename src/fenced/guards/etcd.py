@@ -45,6 +45,11 @@ otherwise restart the mark at 0): that is :class:`~fenced.CorruptMarkError` too.
 Every key under the guard's ``prefix`` (default ``fenced/``) is reserved: a guarded put or
 delete may not touch it, so no resource's write can rewrite another resource's mark. The keys
 ``<prefix>hw/<resource>`` and ``<prefix>lock/<resource>`` are distinct for distinct resources.
+Whatever its own prefix, no guard may touch fenced's default key spaces either (``fenced/``,
+the guards' default, and ``/fenced/``, the etcd lock source's): a guard with another prefix
+cannot delete the default marks or a holder's key. Both fence keys missing after this guard
+saw the mark is :class:`~fenced.CorruptMarkError` too (binding them again would restart the
+mark at 0).
 
 Encoding: token values are written as 19-digit zero-padded decimals (``2**63 - 1`` has 19
 digits), readable in ``etcdctl get``; anything else stored in the mark is corrupt.
@@ -243,6 +248,11 @@ class Accepted:
     replies: Sequence[rpc.ResponseOp]
 
 
+RESERVED: Final = (b"fenced/", b"/fenced/")
+"""Key spaces no guarded write may touch, whatever the guard's prefix: the guards' default
+prefix and the etcd lock source's default (``/fenced/locks/``)."""
+
+
 def _wrong_lock(stored: bytes, token: FencingToken, resource: str) -> WrongLockError:
     return WrongLockError(
         f"resource {resource!r} is fenced by lock {stored.decode(errors='replace')!r}; "
@@ -407,6 +417,8 @@ class AsyncEtcdGuard:
         self.keys = FenceKeys.of(resource, prefix)
         self.timeout = timeout
         self._mark: int | None = None  # the mark this guard saw last (a hint, never trusted)
+        self._highest = 0  # the highest mark seen: once seen, the fence keys may not vanish
+        self._reserved = (self.prefix, *(p for p in RESERVED if p != self.prefix))
         self._template: tuple[FencingToken, int, rpc.TxnRequest] | None = None
 
     def _token(self, token: FencingToken | str | bytes) -> FencingToken:
@@ -416,11 +428,12 @@ class AsyncEtcdGuard:
         if not isinstance(key, (str, bytes)) or not key:
             raise ConfigurationError(f"a guarded key must be a non-empty str or bytes: {key!r}")
         raw = _bytes(key)
-        if raw.startswith(self.prefix):
-            raise ConfigurationError(
-                f"{key!r} is in fenced's reserved key space {self.prefix!r}: a guarded write "
-                "may not touch a fence key"
-            )
+        for prefix in self._reserved:
+            if raw.startswith(prefix):
+                raise ConfigurationError(
+                    f"{key!r} is in fenced's reserved key space {prefix!r}: a guarded write "
+                    "may not touch a fence key"
+                )
         return raw
 
     def _check_op(self, op: Any) -> None:
@@ -434,10 +447,12 @@ class AsyncEtcdGuard:
             self._key(start)
             # [start, end) meets [prefix, prefix_end) unless it lies wholly before it (start is
             # outside the prefix, so it cannot lie after it). range_end b"\0" is "to the end".
-            if end and (end == b"\0" or end > self.prefix) and start < self.prefix:
-                raise ConfigurationError(
-                    f"the delete range from {start!r} covers fenced's reserved key space"
-                )
+            for prefix in self._reserved:
+                if end and (end == b"\0" or end > prefix) and start < prefix:
+                    raise ConfigurationError(
+                        f"the delete range from {start!r} covers fenced's reserved key space "
+                        f"{prefix!r}"
+                    )
             return
         raise ConfigurationError(f"a guarded write takes put_op/delete_op requests, not {op!r}")
 
@@ -505,7 +520,10 @@ class AsyncEtcdGuard:
                 outcome = interpret_write(resp, token, self.resource)
                 if isinstance(outcome, Accepted):
                     self._mark = token.value
+                    self._highest = max(self._highest, token.value)
                     return outcome
+            if outcome is UNBOUND and self._highest:
+                raise self._vanished()
             if outcome is UNBOUND:
                 binds += 1
                 if binds > self._bind_attempts:
@@ -514,7 +532,10 @@ class AsyncEtcdGuard:
                 interpret_bind(bind, token, self.resource)
                 mark = 0
                 continue
+            if outcome < self._highest:  # marks only grow: this one was reset
+                raise self._vanished(outcome)
             self._mark = outcome
+            self._highest = outcome
             if not self._accepts(token.value, outcome):
                 high = FencingToken(token.lock, outcome) if outcome else None
                 raise StaleTokenError(token, high, self.resource)
@@ -559,7 +580,21 @@ class AsyncEtcdGuard:
 
     async def high_water(self) -> FencingToken | None:
         """The highest token accepted so far (None if none)."""
-        return interpret_state(await self._txn(state_txn(self.keys), write=False), self.resource)
+        found = interpret_state(await self._txn(state_txn(self.keys), write=False), self.resource)
+        if found is None and self._highest:
+            raise self._vanished()
+        if found is not None:
+            if found.value < self._highest:
+                raise self._vanished(found.value)
+            self._highest = found.value
+        return found
+
+    def _vanished(self, now: int | None = None) -> CorruptMarkError:
+        """The mark went back (deleted, or reset below what this guard saw): damage."""
+        what = "both fence keys are gone" if now is None else f"the mark went back to {now}"
+        return CorruptMarkError(
+            self.resource, f"{what}, after this guard saw token {self._highest} accepted"
+        )
 
 
 def etcd_client(endpoints: str, timeout: float | None = DEFAULT_TIMEOUT) -> EtcdClient:

@@ -30,15 +30,25 @@ client on its second session is refused exactly like one on its first once a lat
 raised the mark (tested: a session expired under the holder, kazoo reconnects, the stale write
 is refused). Ephemeral nodes and session ids are liveness, never safety.
 
-Every path under ``root`` is reserved: a guarded write may not touch it, so no resource can
-rewrite another's mark. A mark that does not parse is :class:`~fenced.CorruptMarkError` and
-refuses every write. :class:`AsyncZooKeeperGuard` runs the same code on a worker thread (kazoo
-is a threaded client; its calls block).
+**Reserved paths.** No guarded operation (``set``, ``create``, ``delete``, every op of a
+``transaction``) may touch fenced's nodes, whichever ``root`` the guard has and whatever chroot
+its client uses. A path is judged as the server will see it (the client's chroot prepended,
+empty parts dropped, as kazoo does) and refused if it lies under the guard's own ``root``, has
+a component ``fenced`` (the default root and the lock source's ``/fenced/locks``, under any
+chroot), or names a mark of any root (a component ``marks`` followed by one starting ``r-``).
+So no guard can rewrite or delete another resource's mark, nor its own.
+
+A mark that does not parse is :class:`~fenced.CorruptMarkError` and refuses every write; so is
+a mark node that is missing, or lower, after this guard has seen it (deleted outside fenced,
+perhaps created again lower: the mark would restart below tokens already accepted).
+:class:`AsyncZooKeeperGuard` runs the same code on a worker thread (kazoo is a threaded
+client; its calls block).
 """
 
 from __future__ import annotations
 
 import asyncio
+from itertools import pairwise
 from typing import Any, Final
 from urllib.parse import quote
 
@@ -72,6 +82,13 @@ __all__ = ["AsyncZooKeeperGuard", "ZooKeeperGuard"]
 
 TokenLike = FencingToken | str | bytes
 _RETRIES: Final = 50  # mark moves under a writer; each retry reads the newer mark
+NAMESPACE: Final = "fenced"
+"""A path component no guarded operation may contain, under any chroot: fenced's own nodes
+(the default root ``/fenced``, the lock source's ``/fenced/locks``)."""
+MARKS: Final = "marks"
+MARK_PREFIX: Final = "r-"
+"""A mark is ``<root>/marks/r-<resource>``: a component ``marks`` followed by one starting
+``r-`` is a mark of some root, and reserved whatever the guard's own root is."""
 _GONE: Final = (ConnectionLoss, ConnectionClosedError, SessionExpiredError, KazooTimeoutError)
 
 
@@ -100,8 +117,7 @@ class ZooKeeperGuard:
         if (
             not isinstance(root, str)
             or not root.startswith("/")
-            or root == "/"
-            or root.endswith("/")
+            or any(part in ("", ".", "..") for part in root[1:].split("/"))
         ):
             raise ConfigurationError(
                 f"root must be an absolute znode path like '/fenced', not {root!r}"
@@ -115,8 +131,12 @@ class ZooKeeperGuard:
         self.root = root
         self.verifier = verify
         # percent-encoded: one path segment for any resource name, never "." or ".."
-        self.mark_path = f"{root}/marks/r-{quote(resource, safe='')}"
+        self.mark_path = f"{root}/{MARKS}/{MARK_PREFIX}{quote(resource, safe='')}"
+        # the root as the server sees it: under the client's chroot (kazoo prepends it)
+        self._root_parts = _parts(f"{_chroot(client)}{root}")
         self._seen: tuple[str, int, int] | None = None
+        # the highest mark this guard has seen: once seen, the mark node may not vanish
+        self._highest: int | None = None
         self._present: set[str] = set()  # znodes set() found existing: try set_data first
 
     def __repr__(self) -> str:
@@ -143,9 +163,29 @@ class ZooKeeperGuard:
         try:
             raw, stat = self.client.get(self.mark_path)
         except NoNodeError:
+            if self._highest is not None:
+                # Deleted outside fenced (a guarded write cannot reach it): creating it
+                # again would accept tokens below ones already accepted. Fail closed.
+                raise CorruptMarkError(
+                    self.resource,
+                    f"the mark node {self.mark_path!r} is gone, after this guard saw token "
+                    f"{self._highest} accepted",
+                ) from None
             return None
         lock, value = self._parse(raw)
+        if self._highest is not None and value < self._highest:
+            # Marks only grow: deleted and created again lower (by a guard that never saw it)
+            raise CorruptMarkError(
+                self.resource,
+                f"the mark went back to {value}, after this guard saw token {self._highest} "
+                "accepted",
+            )
+        self._saw(value)
         return lock, value, stat.version
+
+    def _saw(self, value: int) -> None:
+        if self._highest is None or value > self._highest:
+            self._highest = value
 
     def high_water(self) -> FencingToken | None:
         """The highest token accepted so far, or None if never fenced."""
@@ -158,16 +198,29 @@ class ZooKeeperGuard:
     # -- writes ---------------------------------------------------------------------------------
 
     def _path(self, path: object) -> str:
+        """``path``, if a guarded operation may touch it (relative to the client's chroot)."""
         if not isinstance(path, str) or not path.startswith("/") or "\0" in path:
             raise ConfigurationError(f"a znode path is an absolute str path, not {path!r}")
         if path.rstrip("/") == "" or path.endswith("/"):
             raise ConfigurationError(f"invalid znode path {path!r}")
-        if path == self.root or path.startswith(self.root + "/"):
-            raise ConfigurationError(
-                f"{path!r} is in fenced's reserved subtree {self.root!r}: a guarded write may "
-                "not touch the marks"
-            )
+        if any(part in (".", "..") for part in path.split("/")):
+            raise ConfigurationError(f"a znode path has no '.' or '..' parts: {path!r}")
+        self._check_absolute(path, _parts(f"{_chroot(self.client)}{path}"))
         return path
+
+    def _check_absolute(self, shown: str, parts: tuple[str, ...]) -> None:
+        """Refuse a path (its components as the server sees them) in fenced's nodes."""
+        why = None
+        if parts[: len(self._root_parts)] == self._root_parts:
+            why = f"is in this guard's root {self.root!r}"
+        elif NAMESPACE in parts:
+            why = f"has a component {NAMESPACE!r} (fenced's namespace)"
+        elif any(a == MARKS and b.startswith(MARK_PREFIX) for a, b in pairwise(parts)):
+            why = f"names a fenced mark ('{MARKS}/{MARK_PREFIX}...')"
+        if why is not None:
+            raise ConfigurationError(
+                f"{shown!r} {why}: a guarded write may not touch fenced's reserved nodes"
+            )
 
     def _write(self, token: TokenLike, ops: Any) -> FencingToken:
         """Run the caller's ops (a function adding them to a kazoo transaction) in one multi
@@ -214,6 +267,7 @@ class ZooKeeperGuard:
             results = t.commit()
             failed = [r for r in results if isinstance(r, Exception)]
             if not failed:
+                self._saw(tok.value)
                 if got is None:
                     self._seen = (tok.lock, tok.value, 0)
                 elif tok.value > got[1]:
@@ -276,10 +330,17 @@ class ZooKeeperGuard:
         anything is sent. ``build`` may run again if the mark moves meanwhile."""
 
         def ops(t: Any) -> tuple[str, bool]:
-            before = len(t.operations)
-            build(t)
-            for op in t.operations[before:]:
-                self._path(op.path)
+            # build() gets a transaction of its own: it cannot reach the mark's op, and every
+            # op it adds is checked (its path as kazoo made it: chroot prepended, normalised)
+            # before any is sent.
+            scratch = self.client.transaction()
+            build(scratch)
+            for op in scratch.operations:
+                path = getattr(op, "path", None)
+                if not isinstance(path, str):
+                    raise ConfigurationError(f"not a znode operation: {op!r}")
+                self._check_absolute(path, _parts(path))
+            t.operations.extend(scratch.operations)
             return "(the transaction's paths)", False
 
         return self._write(token, ops)
@@ -293,6 +354,17 @@ class ZooKeeperGuard:
             return path, False
 
         return self._write(token, ops)
+
+
+def _chroot(client: Any) -> str:
+    """The chroot kazoo prepends to every path of ``client`` ("" for none)."""
+    chroot = getattr(client, "chroot", None)
+    return chroot if isinstance(chroot, str) else ""
+
+
+def _parts(path: str) -> tuple[str, ...]:
+    """A path's components as kazoo sends it: ``//`` collapsed, so ``/a//b`` is ``/a/b``."""
+    return tuple(part for part in path.split("/") if part)
 
 
 def _data(data: object) -> bytes:
