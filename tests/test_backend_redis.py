@@ -10,7 +10,10 @@ import functools
 import logging
 import os
 import signal
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
@@ -530,3 +533,58 @@ def test_tokens_beyond_2_53_and_at_the_maximum(redis_server: RedisServer) -> Non
             assert status.holder is None and status.last_token.value == fenced.MAX_TOKEN  # type: ignore[union-attr]
     finally:
         native.close()
+
+
+FENCED_LOCK = (sys.executable, "-m", "fenced", "lock")
+
+
+def test_a_wrong_or_missing_password_fails_at_once_as_configuration() -> None:
+    """Credentials the server refuses are the caller's configuration: no retry for the whole
+    connect timeout, no raw server text, no password in the message; the CLI exits 2 at once."""
+    with RedisServer() as server:
+        redis.Redis(port=server.port).config_set("requirepass", "s3cret-pw")
+        where = f"127.0.0.1:{server.port}/0"
+        for url in (f"redis://{where}", f"redis://:wrong-pw@{where}"):
+            start = time.monotonic()
+            with pytest.raises(fenced.AccessDenied, match="refused fenced's credentials") as info:
+                fenced.connect(url, connect_timeout=10)  # type: ignore[arg-type]
+            assert time.monotonic() - start < 2.0
+            assert "wrong-pw" not in str(info.value)
+            assert "otherwise" not in str(info.value)  # Redis's long NOAUTH hint is cut
+            start = time.monotonic()
+            out = subprocess.run(
+                [*FENCED_LOCK, "--url", url, "--timeout", "10", "j", "--", "true"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert out.returncode == 2, out.stderr
+            assert time.monotonic() - start < 5.0
+            assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+            assert "wrong-pw" not in out.stderr
+        # The right password is served as before.
+        with fenced.connect(f"redis://:s3cret-pw@{where}") as locks:
+            with locks.lock(unique_name(), ttl=5) as lease:
+                assert lease.token.value == 1
+
+
+def test_an_unsafe_server_is_a_configuration_error_for_the_cli() -> None:
+    with RedisServer(extra=["--appendonly", "no"]) as server:
+        out = subprocess.run(
+            [sys.executable, "-m", "fenced", "lock", "--url", server.url, "j", "--", "true"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 2, out.stderr
+        assert "not a durable token source" in out.stderr
+        # ... and `fenced status` still reads it, with the warning.
+        out = subprocess.run(
+            [sys.executable, "-m", "fenced", "status", "--url", server.url, "j"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 0, out.stderr
+        assert "not a durable token source" in out.stderr
+        assert "j" in out.stdout

@@ -35,15 +35,17 @@ def test_python_recipes(index: int, tmp_path: Path) -> None:
     pytest.importorskip("apscheduler")
     (tmp_path / "reports").mkdir()
     code = blocks("python")[index].replace("/var/lib/app", str(tmp_path))
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-        env=_env(tmp_path),
-    )
-    assert out.returncode == 0, out.stderr
+    # Twice: on a fresh database, then on the one the first run left (a recipe is run again).
+    for run in ("fresh", "existing"):
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=tmp_path,
+            env=_env(tmp_path),
+        )
+        assert out.returncode == 0, f"{run} database: {out.stderr}"
 
 
 def test_cron_recipe_skips_a_run_while_the_last_one_holds_the_lock(tmp_path: Path) -> None:

@@ -227,8 +227,9 @@ class UnsafeBackendError(BackendError):
 
 
 class AccessDenied(BackendError, PermissionError):
-    """A lock service (``fenced serve``) refused this client: no API key, an unknown one, or one
-    not allowed this verb on this lock name. Nothing was changed."""
+    """The token source refused this client's credentials: a lock service (``fenced serve``)
+    its API key (none, an unknown one, or one not allowed this verb on this lock name), or a
+    server its user or password (Redis). Nothing was changed; no retry mends it."""
 
 
 class ConfigurationError(FencedError, ValueError):

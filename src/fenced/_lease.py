@@ -38,6 +38,7 @@ from ._errors import (
     NotHeldError,
 )
 from ._options import Option
+from ._paths import default_url
 from ._signing import Keyring, signer, token_message
 from ._state import (
     DEFAULT_TTL,
@@ -876,8 +877,13 @@ class AsyncLocks:
         return f"<AsyncLocks {self._cls.scheme} {_redact(self.url)}>"
 
 
-def connect_async(url: str | object, *, require: Iterable[str] = (), **options: Any) -> AsyncLocks:
+def connect_async(
+    url: str | object | None = None, *, require: Iterable[str] = (), **options: Any
+) -> AsyncLocks:
     """Open a token source by URL, for asyncio code: ``async with connect_async(url) as locks``.
+
+    With no URL, the one the command line uses: ``$FENCED_URL``, else the machine-wide SQLite
+    file (``/var/tmp/fenced/locks.db``, shared by every local user).
 
     Instead of a URL, a client the application already has: a redis-py client, a psycopg
     connection or pool, a ``KazooClient`` (fenced opens its own connection where it points).
@@ -885,7 +891,7 @@ def connect_async(url: str | object, *, require: Iterable[str] = (), **options: 
     ``require`` names characteristics (e.g. ``{"linearizable", "durable"}``) the source must
     have; one lacking any is refused with :class:`~fenced.ConfigurationError`.
     """
-    return AsyncLocks(url, require=require, **options)
+    return AsyncLocks(default_url() if url is None else url, require=require, **options)
 
 
 def _redact(url: str) -> str:

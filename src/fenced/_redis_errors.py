@@ -12,7 +12,16 @@ from typing import Final, Literal
 import redis
 import redis.exceptions as rexc
 
-__all__ = ["NATIVE", "UNREACHABLE", "kind"]
+__all__ = ["DENIED", "NATIVE", "UNREACHABLE", "kind"]
+
+DENIED: Final = (
+    rexc.AuthenticationError,
+    rexc.AuthorizationError,
+    rexc.AuthenticationWrongNumberOfArgsError,
+    rexc.NoPermissionError,
+)
+"""The server refused these credentials (a wrong or missing password, an ACL): configuration,
+which no retry mends. (redis-py derives the first two from ConnectionError.)"""
 
 UNREACHABLE: Final = (
     rexc.ConnectionError,
@@ -27,9 +36,12 @@ NATIVE: Final = (redis.RedisError, rexc.RedisClusterException, OSError)
 """Everything redis-py raises (its cluster client's errors do not all derive from RedisError)."""
 
 
-def kind(exc: BaseException) -> Literal["unreachable", "read-only", "refused"]:
-    """``unreachable``, ``read-only`` (a replica), or ``refused`` (a reply error: the request
-    arrived and was refused, e.g. a script error, WRONGTYPE, CROSSSLOT)."""
+def kind(exc: BaseException) -> Literal["unreachable", "read-only", "denied", "refused"]:
+    """``unreachable``, ``read-only`` (a replica), ``denied`` (authentication or an ACL), or
+    ``refused`` (a reply error: the request arrived and was refused, e.g. a script error,
+    WRONGTYPE, CROSSSLOT)."""
+    if isinstance(exc, DENIED):
+        return "denied"
     if isinstance(exc, rexc.ReadOnlyError):
         return "read-only"
     if isinstance(exc, UNREACHABLE):

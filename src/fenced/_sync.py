@@ -27,6 +27,7 @@ from ._lease import (
     NotFenced,
     _wants_token,
 )
+from ._paths import default_url
 from ._portal import Portal
 from ._state import Phase
 from ._token import FencingToken, validate_lock_name
@@ -366,8 +367,13 @@ class Locks:
         return repr(self._async).replace("AsyncLocks", "Locks", 1)
 
 
-def connect(url: str | object, *, require: Iterable[str] = (), **options: Any) -> Locks:
+def connect(
+    url: str | object | None = None, *, require: Iterable[str] = (), **options: Any
+) -> Locks:
     """Open a token source by URL: ``sqlite:////abs/path.db``, ``etcd://h:p``, ``postgresql://…`` …
+
+    With no URL, the one the command line uses: ``$FENCED_URL``, else the machine-wide SQLite
+    file (``/var/tmp/fenced/locks.db``, shared by every local user).
 
     Instead of a URL, a client the application already has: ``fenced.connect(redis_client)``
     (redis-py, sync or asyncio), a psycopg connection or pool, a ``KazooClient``. fenced reads
@@ -377,4 +383,4 @@ def connect(url: str | object, *, require: Iterable[str] = (), **options: Any) -
     one lacking any is refused with :class:`~fenced.ConfigurationError`. Further keyword
     options go to the backend.
     """
-    return Locks(url, require=require, **options)
+    return Locks(default_url() if url is None else url, require=require, **options)

@@ -28,6 +28,7 @@ from . import __version__, _clock, _sync
 from ._backend import LockStatus, _redacted
 from ._command import spawn
 from ._errors import (
+    AccessDenied,
     BackendUnavailable,
     ConfigurationError,
     FencedError,
@@ -35,6 +36,7 @@ from ._errors import (
     LockTimeout,
     ReplicationError,
     StaleTokenError,
+    UnsafeBackendError,
 )
 from ._paths import default_url
 from ._state import check_timeout, check_ttl
@@ -54,7 +56,8 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
 EXIT_STATUSES = """\
 exit status (fenced's own outcomes never use 1, which commands use for their own failures):
   0      success (fenced lock: the command's own status when it ran to the end holding the lock)
-  2      usage or configuration error (bad option, URL, lock name, number)
+  2      usage or configuration error (bad option, URL, lock name, number; credentials the
+         source refused; a source whose settings cannot keep fenced's promises)
   69     the token source (fenced group: a member) could not be reached (EX_UNAVAILABLE)
   70     another fenced error (EX_SOFTWARE)
   75     the lease was lost while the command ran; the command was terminated (EX_TEMPFAIL);
@@ -577,7 +580,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             validate_lock_name(args.name)
             poison(args.dir, args.name, args.epoch, args.wait)
             return 0
-    except (ConfigurationError, InvalidTokenError) as exc:
+    except (ConfigurationError, InvalidTokenError, AccessDenied, UnsafeBackendError) as exc:
+        # The caller's configuration (a URL, a password, a server's settings): no retry mends it.
         return _fail(EXIT_USAGE, str(exc), exc, args.verbose)
     except BackendUnavailable as exc:
         return _fail(EXIT_UNAVAILABLE, f"token source unavailable: {exc}", exc, args.verbose)
@@ -1070,7 +1074,17 @@ def _cmd_status(args: argparse.Namespace) -> int:
     url = args.url or default_url()
     for name in args.names:
         validate_lock_name(name)  # a usage error before anything is contacted
-    with _sync.connect(url, connect_timeout=max(args.timeout, 0.1)) as locks:
+    timeout = max(args.timeout, 0.1)
+    try:
+        locks = _sync.connect(url, connect_timeout=timeout)
+    except UnsafeBackendError as exc:
+        if not url.startswith(("redis:", "rediss:")):
+            raise
+        # Reading the state of a source that cannot keep its promises is still useful (to see
+        # who holds what before fixing it); say so, and read.
+        _say(f"warning: {exc}")
+        locks = _sync.connect(url, connect_timeout=timeout, allow_unsafe_durability=True)
+    with locks:
         names = args.names or locks.lock_names()
         statuses = [locks.status(n) for n in names]
     if args.json:

@@ -54,6 +54,7 @@ from .._backend import (
     wait_budget,
 )
 from .._errors import (
+    AccessDenied,
     BackendError,
     BackendUnavailable,
     ConfigurationError,
@@ -84,6 +85,12 @@ T = TypeVar("T")
 DEFAULT_PREFIX: Final = "fenced:"
 DEFAULT_WAITER_HEARTBEAT: Final = 3.0
 """Seconds after which a waiter that has not re-checked is considered dead and skipped."""
+
+
+def _first_line(exc: BaseException) -> str:
+    """A server's message cut at its first sentence (Redis explains NOAUTH at length)."""
+    text = " ".join(str(exc).split())
+    return text.split(", otherwise")[0]
 
 
 def _no_braces(value: str) -> str | None:
@@ -489,6 +496,11 @@ class RedisBackend(Backend):
             if what == "unreachable":
                 self._recheck_safety = True
                 raise BackendUnavailable(f"redis at {self._where} unavailable: {exc}") from exc
+            if what == "denied":
+                raise AccessDenied(
+                    f"redis at {self._where} refused fenced's credentials (check the URL's "
+                    f"user and password, or the user's ACL): {_first_line(exc)}"
+                ) from exc
             if what == "read-only":
                 self._recheck_safety = True
                 raise UnsafeBackendError(
