@@ -25,10 +25,10 @@ import pytest
 import redis
 
 import fenced
+from fenced._signing import key_text
 from fenced.guards.redis import RedisGuard
 from fenced.guards.sql import SQLGuard
 from fenced.replicated import Group, Item, SQLMember, stamp
-from fenced._signing import key_text
 from fenced.testing.servers import RedisServer
 from tests.helpers import spawn_python
 
@@ -293,7 +293,9 @@ def test_signed_members_take_repairs_and_state_transfer_under_the_holders_signed
 ) -> None:
     a, b, c = replicas(kind, tmp_path, "abc")
     ring = fenced.Keyring([KEY])
-    group = Group("orders", locks, {"a": a.guard(verify=ring), "b": b.guard(verify=ring)}, timeout=3)
+    group = Group(
+        "orders", locks, {"a": a.guard(verify=ring), "b": b.guard(verify=ring)}, timeout=3
+    )
     try:
         with locks.lock("orders", ttl=30) as lease:
             group.writer(lease).set("order:1", b"paid")

@@ -351,9 +351,7 @@ class AsyncGroup:
         # (Only one at this epoch already: a removed member that came back empty must not
         # be raised to the new epoch, which a concurrent change keeping it would count.)
         if fence_removed:
-            await self._each(
-                removed, functools.partial(_apply, None, epoch, [], since=cfg.epoch)
-            )
+            await self._each(removed, functools.partial(_apply, None, epoch, [], since=cfg.epoch))
         # Members added, and kept members that lost their state, get a copy of a holder's.
         copy_to = added + [m for m in kept if m in behind]
         if copy_to:
@@ -364,9 +362,7 @@ class AsyncGroup:
                     sorted(behind),
                     holders[0],
                 )
-            snap = await self._bounded(
-                self.member(holders[0]).read(None), f"member {holders[0]!r}"
-            )
+            snap = await self._bounded(self.member(holders[0]).read(None), f"member {holders[0]!r}")
             carry = self._fence_token(snap, [token])
             items = list(snap.items.values())
             loaded = await self._each(
@@ -816,9 +812,9 @@ def _takes_since(member: Member) -> bool:
     known = _TAKES_SINCE.get(kind)
     if known is None:
         try:
-            params = inspect.signature(member.apply).parameters.values()
+            params = list(inspect.signature(member.apply).parameters.values())
         except (TypeError, ValueError):
-            params = iter(())
+            params = []
         known = any(p.name == "since" or p.kind is p.VAR_KEYWORD for p in params)
         _TAKES_SINCE[kind] = known
     return known
