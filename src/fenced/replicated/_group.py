@@ -10,16 +10,22 @@ are totally ordered, and each is built from its predecessor (``base``).
 
 **Changing it** (:meth:`AsyncGroup.reconfigure`), from epoch E to E+1:
 
-1. every member kept is fenced at epoch E+1 (it refuses epoch E from now on) — all must be
-   reached, and at least one must be kept: it holds every write acknowledged so far;
+1. every member kept is fenced at epoch E+1 (it refuses epoch E from now on), in a step that
+   requires it to be at E already — all must be reached, and at least one kept member must
+   be at E: it holds every write acknowledged so far. A member below E lost its state (it
+   came back empty): it is never counted as holding anything, and gets a copy in step 3;
 2. members removed are fenced too when they can be reached (best effort);
-3. each member added gets the state of a kept member (state transfer), at epoch E+1, in
-   place of anything it held (what it took while outside the configuration is forgotten);
+3. each member added, and each kept member that lost its state, gets the state of a kept
+   member at E (state transfer), at epoch E+1, in place of anything it held (what it took
+   while outside the configuration is forgotten);
 4. the record is swapped from E to E+1.
 
 A write acknowledged at epoch E was accepted by *every* member of E (write-all), so a kept
-member, once fenced at E+1, holds all of them, and so does a member it was copied to. No
-write at epoch E can be acknowledged after step 1 (a kept member refuses it).
+member at E, once fenced at E+1, holds all of them, and so does a member it was copied to. No
+write at epoch E can be acknowledged after step 1 (a kept member refuses it). Every member of
+configuration E is at epoch E or above (the first configuration's members are raised to 1
+before it is made), unless it lost its state: so writes, fences and repairs at E carry
+``since=E`` and such a member refuses them, and reads do not count it.
 
 **Writing** (:class:`AsyncWriter`), under a lease with token T: fence every member at (T, E);
 recover (every member gets, per key, the newest item any member holds); then each write goes
