@@ -320,3 +320,33 @@ def test_signed_members_take_repairs_and_state_transfer_under_the_holders_signed
         group.close()
         for r in (a, b, c):
             r.close()
+
+
+def test_a_repair_that_cannot_be_signed_fails_at_once_and_says_why(
+    tmp_path: Path, locks: fenced.Locks
+) -> None:
+    a, b = replicas("sqlite", tmp_path, "ab")
+    ring = fenced.Keyring([KEY])
+    group = Group(
+        "orders", locks, {"a": a.guard(verify=ring), "b": b.guard(verify=ring)}, timeout=3
+    )
+    try:
+        with locks.lock("orders", ttl=30) as lease:
+            group.writer(lease).set("order:1", b"paid")
+            half = Item("order:2", stamp(lease.token.value, 50), b"half")
+            group._portal.call(group.aio.member("a").apply(lease.token, 1, [half]))
+        # b's mark is raised by a plain guard's fence, outside the group: no signed token at
+        # b's mark is kept by any member.
+        plain = b.guard(verify=ring)
+        fencer = plain.guard.fencer(plain._connect)
+        with locks.lock("orders", ttl=30, fence=[fencer]) as newer:
+            start = time.monotonic()
+            with pytest.raises(fenced.ReplicationError, match="raised outside the group"):
+                group.read("order:2")
+            assert time.monotonic() - start < 2.0  # not retried until the deadline
+            assert "order:2" not in state(group, "b").items
+            # The rightful path: the holder's writer presents its own signed token.
+            assert group.writer(newer).read("order:2") == b"half"
+            assert state(group, "b").items["order:2"].value == b"half"
+    finally:
+        group.close()
