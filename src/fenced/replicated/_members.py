@@ -574,7 +574,8 @@ class EtcdMember:
         holder_kvs = resp.responses[3].response_range.kvs
         holder = holder_kvs[0].value.decode(errors="replace") if holder_kvs else None
         items: dict[str, Item] = {}
-        revisions: dict[str, int] = {}
+        # (the epoch key's own revision under b"": every change puts it, see apply)
+        revisions: dict[str, int] = {"": epoch_kvs[0].mod_revision if epoch_kvs else 0}
         for reply in resp.responses[4:]:
             for kv in reply.response_range.kvs:
                 key = kv.key[len(self._data) :].decode()
@@ -599,7 +600,6 @@ class EtcdMember:
     ) -> None:
         from aetcd import rpc
 
-        from ..backends.etcd import range_end
         from ..guards import etcd as etcd_guard
         from ..guards._plan import adrive
 
@@ -612,7 +612,18 @@ class EtcdMember:
             if snap.epoch < since:  # (the compare below holds the epoch to what was read)
                 raise _refused_behind(self.resource, snap.epoch, since)
             inner = rpc.TxnRequest()
-            if snap.epoch:
+            if snap.epoch and reset:
+                # Every change puts the epoch key, so its revision unchanged means no change
+                # at all came in meanwhile (a key added too: the copy replaces everything).
+                inner.compare.append(
+                    rpc.Compare(
+                        key=self._epoch_key,
+                        target=rpc.Compare.MOD,
+                        result=rpc.Compare.EQUAL,
+                        mod_revision=revisions[""],
+                    )
+                )
+            elif snap.epoch:
                 inner.compare.append(
                     rpc.Compare(
                         key=self._epoch_key,
@@ -630,29 +641,28 @@ class EtcdMember:
                         create_revision=0,
                     )
                 )
-            if epoch > snap.epoch:
-                inner.success.append(
-                    etcd_guard.put_op(self._epoch_key, etcd_guard.encode_value(epoch))
-                )
+            inner.success.append(
+                etcd_guard.put_op(self._epoch_key, etcd_guard.encode_value(max(epoch, snap.epoch)))
+            )
             if token is not None:  # (the outer transaction refuses a token below the mark)
                 inner.success.append(etcd_guard.put_op(self._holder_key, str(token).encode()))
-            if reset:  # every key held is compared below, so none can slip in meanwhile
+            if reset:
+                # Keys held and not copied are deleted one by one (etcd refuses a put inside
+                # a range deleted by the same transaction); the copied ones are overwritten.
+                copied = {i.key for i in items}
                 for key in snap.items:
-                    inner.compare.append(
-                        rpc.Compare(
-                            key=self._data + key.encode(),
-                            target=rpc.Compare.MOD,
-                            result=rpc.Compare.EQUAL,
-                            mod_revision=revisions[key],
+                    if key not in copied:
+                        drop = rpc.RequestOp()
+                        drop.request_delete_range.key = self._data + key.encode()
+                        inner.success.append(drop)
+                for item in items:
+                    body = b"0" if item.value is None else b"1" + item.value
+                    inner.success.append(
+                        etcd_guard.put_op(
+                            self._data + item.key.encode(), item.stamp.encode() + body
                         )
                     )
-                drop = rpc.RequestOp()
-                drop.request_delete_range.key = self._data
-                drop.request_delete_range.range_end = range_end(self._data)
-                inner.success.append(drop)
-                snap = Snapshot(snap.token, snap.epoch, {})
-                revisions = {}
-            for item in items:
+            for item in [] if reset else items:
                 held = snap.items.get(item.key)
                 if held is not None and held.stamp >= item.stamp:
                     continue
