@@ -98,6 +98,9 @@ class SQLiteReplica:
         self.path.unlink()
         sqlite3.connect(self.path).close()
 
+    def spec(self) -> str:
+        return str(self.path)
+
     def close(self) -> None:
         pass
 
@@ -196,13 +199,14 @@ def test_read_fence_on_acquire_and_add_with_a_member_that_came_back_empty(
 # A writer in its own process: member b's write never leaves it, a's is announced; the test
 # SIGKILLs it there (between the member writes).
 HALF_WRITER = """
-import asyncio, sys
+import asyncio, functools, sqlite3, sys
 import redis
 import fenced
 from fenced.guards.redis import RedisGuard
+from fenced.guards.sql import SQLGuard
 from fenced.replicated import Group
 
-source, port_a, port_b, keyfile = sys.argv[1:5]
+source, kind, spec_a, spec_b, keyfile = sys.argv[1:6]
 
 
 class Held:
@@ -224,10 +228,17 @@ class Held:
 
 
 ring = fenced.Keyring([fenced.load_key(keyfile)])
-guards = {
-    n: RedisGuard(redis.Redis(host="127.0.0.1", port=int(p), socket_timeout=2), "orders", verify=ring)
-    for n, p in (("a", port_a), ("b", port_b))
-}
+
+
+def member(spec):
+    if kind == "redis":
+        client = redis.Redis(host="127.0.0.1", port=int(spec), socket_timeout=2)
+        return RedisGuard(client, "orders", verify=ring)
+    connect = functools.partial(sqlite3.connect, spec, check_same_thread=False)
+    return SQLGuard("orders", verify=ring).fencer(connect)
+
+
+guards = {"a": member(spec_a), "b": member(spec_b)}
 with fenced.connect(source, signing_key=keyfile) as locks:
     group = Group("orders", locks, guards, timeout=30)
     group.aio._members = {n: Held(n, m) for n, m in group.aio._members.items()}
@@ -239,15 +250,16 @@ with fenced.connect(source, signing_key=keyfile) as locks:
 
 
 @pytest.mark.parametrize("signed", [False, True], ids=["unsigned", "signed"])
+@pytest.mark.parametrize("kind", ["redis", "sqlite"])
 def test_reads_after_a_writer_killed_mid_write_are_repaired_under_the_new_fence(
-    tmp_path: Path, signed: bool
+    tmp_path: Path, kind: str, signed: bool
 ) -> None:
-    a, b = replicas("redis", tmp_path, "ab")
+    a, b = replicas(kind, tmp_path, "ab")
     keyfile = tmp_path / "k1.key"
     keyfile.write_text(key_text(KEY))
     url = f"sqlite:///{tmp_path}/locks.db"
     ring = fenced.Keyring([KEY]) if signed else None
-    proc = spawn_python(HALF_WRITER, url, a.spec(), b.spec(), str(keyfile))
+    proc = spawn_python(HALF_WRITER, url, kind, a.spec(), b.spec(), str(keyfile))
     try:
         assert proc.stdout is not None
         first = proc.stdout.readline().split()
