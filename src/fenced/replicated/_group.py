@@ -561,8 +561,11 @@ class AsyncGroup:
         """Raise every member of the current configuration to ``token`` at the current epoch,
         so that every earlier holder is refused on all of them, whether or not this holder
         ever writes: what ``locks.lock(name, fence=[group])`` calls (fence on acquire).
-        :class:`~fenced.ReplicationError` if a member cannot be fenced (the others are);
-        :class:`~fenced.StaleTokenError` if a later holder fenced them first."""
+        A member that lost its state refuses (its marks stay below) and counts as fenced: it
+        takes no change at this epoch from anyone until a reconfiguration copies the data to
+        it. :class:`~fenced.ReplicationError` if a member cannot be fenced (the others are),
+        or if every member lost its state; :class:`~fenced.StaleTokenError` if a later holder
+        fenced them first."""
         if not isinstance(token, FencingToken) or token.lock != self.name:
             raise ConfigurationError(
                 f"group {self.name!r} is fenced by tokens of the lock {self.name!r}, not {token!r}"
