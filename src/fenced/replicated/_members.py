@@ -335,6 +335,7 @@ _SQL_HOLDER: Final = (
     "INSERT INTO fenced_group_holders (grp, token) VALUES ({p}, {p}) "
     "ON CONFLICT (grp) DO UPDATE SET token = excluded.token"
 )
+_SQL_HOLDER_WITH: Final = "WITH holder AS (" + _SQL_HOLDER + ") "
 _SQL_ITEM: Final = (
     "INSERT INTO fenced_group_data AS d (grp, key, stamp, value) VALUES ({p}, {p}, {p}, {p}) "
     "ON CONFLICT (grp, key) DO UPDATE SET stamp = excluded.stamp, value = excluded.value "
@@ -434,11 +435,18 @@ class SQLMember(_Threaded):
             self.guard.begin(conn, token=token)  # BEGIN and the lock fence, one statement
         else:
             conn.execute("BEGIN IMMEDIATE" if self._sqlite else "BEGIN")
+        args: tuple[Any, ...]
         if since > 0:
-            args: tuple[Any, ...] = (epoch, self._group, since, epoch)
-            row = conn.execute(self._sql(_SQL_EPOCH_SINCE), args).fetchone()
+            sql, args = _SQL_EPOCH_SINCE, (epoch, self._group, since, epoch)
         else:
-            row = conn.execute(self._sql(_SQL_EPOCH), (self._group, epoch)).fetchone()
+            sql, args = _SQL_EPOCH, (self._group, epoch)
+        keep_holder = token is not None
+        if keep_holder and not self._sqlite:
+            # PostgreSQL: the holder rides on the epoch statement (one round trip less); a
+            # refusal below rolls it back with the rest.
+            sql, args = _SQL_HOLDER_WITH + sql, (self._group, str(token), *args)
+            keep_holder = False
+        row = conn.execute(self._sql(sql), args).fetchone()
         if row is None:
             found = conn.execute(
                 self._sql("SELECT epoch FROM fenced_group_epochs WHERE grp = {p}"),
@@ -448,7 +456,7 @@ class SQLMember(_Threaded):
             if at > epoch:
                 raise _refused_epoch(self.resource, at, epoch)
             raise _refused_behind(self.resource, at, since)
-        if token is not None:
+        if keep_holder:
             conn.execute(self._sql(_SQL_HOLDER), (self._group, str(token)))
         if reset:
             conn.execute(self._sql("DELETE FROM fenced_group_data WHERE grp = {p}"), (self._group,))
