@@ -408,8 +408,11 @@ class AsyncGroup:
     async def read(self, key: str) -> bytes | None:
         """The value of ``key`` (None: never written, or deleted), linearizable: it asks every
         member of the current configuration, and brings any member behind the newest value up
-        to it before returning (read repair). Raises :class:`~fenced.ReplicationError` if a
-        member cannot be reached (remove it with :meth:`reconfigure`)."""
+        to it before returning (read repair, under the current fence: the holder's token each
+        member kept with its mark). A member that lost its state (its epoch mark below the
+        configuration's) is not counted, nor repaired. Raises
+        :class:`~fenced.ReplicationError` if a member cannot be reached (remove it with
+        :meth:`reconfigure`)."""
         item = await self.read_item(key)
         return None if item is None else item.value
 
