@@ -51,11 +51,13 @@ class _Recorder:
     def __init__(self, name: str, inner: Any, answers: dict[str, str]) -> None:
         self.name, self.inner, self.answers = name, inner, answers
 
-    async def apply(self, token: Any, epoch: int, items: Any, *, reset: bool = False) -> None:
+    async def apply(
+        self, token: Any, epoch: int, items: Any, *, reset: bool = False, since: int = 0
+    ) -> None:
         import fenced
 
         try:
-            await self.inner.apply(token, epoch, items, reset=reset)
+            await self.inner.apply(token, epoch, items, reset=reset, since=since)
             self.answers[self.name] = "accepted" if items else "fenced"
         except fenced.StaleTokenError as exc:
             self.answers[self.name] = f"REFUSED: token {exc.token} < mark {exc.high_water}"

@@ -57,6 +57,7 @@ __all__ = [
     "LeaseLostError",
     "LockError",
     "LockTimeout",
+    "MemberBehindError",
     "NotHeldError",
     "RecordConflict",
     "ReplicationError",
@@ -182,6 +183,22 @@ class StaleEpochError(ReplicationError):
 
     def __reduce__(self) -> tuple[object, ...]:
         return (type(self), (str(self), self.found))
+
+
+class MemberBehindError(ReplicationError):
+    """A member of a replicated group refused to act in a configuration it was never fenced
+    in: its epoch mark (``found``) is below the one the change needs (``needed``). A member of
+    configuration E is at epoch E or above unless it lost its state (restarted empty, flushed,
+    restored from an old backup), so it holds none of the acknowledged writes: it counts for
+    nothing until a reconfiguration copies the data to it (``group.add(name)``)."""
+
+    def __init__(self, message: str, found: int | None = None, needed: int | None = None) -> None:
+        super().__init__(message)
+        self.found = found
+        self.needed = needed
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (str(self), self.found, self.needed))
 
 
 class ResourceNotFoundError(FencedError, LookupError):

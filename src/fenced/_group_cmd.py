@@ -130,8 +130,11 @@ def run_group(args: Any, url: str) -> int:
             for m in shown:
                 where = "member" if m.in_configuration else "not a member"
                 if m.reachable:
+                    lost = ""
+                    if m.behind:
+                        lost = f"  BEHIND: lost its state (`fenced group add {m.name}` copies it)"
                     print(f"  {m.name:<10} {where:<12} token {m.token}  epoch {m.epoch}  "
-                          f"{m.keys} keys")  # fmt: skip
+                          f"{m.keys} keys{lost}")  # fmt: skip
                 else:
                     error = m.error
                     if error == "not given to this process":
@@ -157,4 +160,5 @@ def _row(m: Any) -> dict[str, Any]:
         "epoch": m.epoch,
         "keys": m.keys,
         "error": m.error,
+        "behind": m.behind,
     }

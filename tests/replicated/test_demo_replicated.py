@@ -15,7 +15,7 @@ from tests.helpers import ROOT
 PLANT = """
 from fenced.replicated import _members
 
-def _no_lock_fence(self, conn, token, epoch, items, reset):
+def _no_lock_fence(self, conn, token, epoch, items, reset, since=0):
     conn.execute("BEGIN IMMEDIATE")  # the guard's token check left out: no lock fence
     return _real(self, conn, None, epoch, items, reset) if False else _apply_unfenced(
         self, conn, epoch, items, reset)

@@ -311,10 +311,12 @@ class Switch:
     def __init__(self, inner: Any) -> None:
         self.inner, self.down = inner, False
 
-    async def apply(self, token: Any, epoch: int, items: Any, *, reset: bool = False) -> None:
+    async def apply(
+        self, token: Any, epoch: int, items: Any, *, reset: bool = False, since: int = 0
+    ) -> None:
         if self.down:
             raise fenced.BackendUnavailable("member is down")
-        await self.inner.apply(token, epoch, items, reset=reset)
+        await self.inner.apply(token, epoch, items, reset=reset, since=since)
 
     async def read(self, keys: Any = None) -> Any:
         if self.down:

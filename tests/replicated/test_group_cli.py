@@ -72,3 +72,26 @@ def test_bad_input_is_one_line_and_changes_nothing(
     assert not (tmp_path / "nope.db").exists()  # a typo makes no new database
     assert main(["group", "status", "orders", "--url", url]) == 0
     assert "configuration 1 (from 0)" in capsys.readouterr().out
+
+
+def test_status_shows_a_member_that_came_back_empty_and_add_copies_the_data_to_it(
+    setup: tuple[str, list[str]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, args = setup
+    (tmp_path / "c.db").unlink()  # c restarted empty
+    sqlite3.connect(tmp_path / "c.db").close()
+    assert main(["group", "status", "orders", *args]) == 0
+    out = capsys.readouterr().out
+    assert "c          member       token 0  epoch 0  0 keys  BEHIND: lost its state" in out
+    assert main(["group", "status", "orders", *args, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["member_status"]
+    assert [(m["name"], m["behind"]) for m in rows] == [("a", False), ("b", False), ("c", True)]
+    assert main(["group", "add", "orders", "c", *args]) == 0
+    assert "configuration 2: a, b, c" in capsys.readouterr().out
+    assert main(["group", "status", "orders", *args, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["member_status"]
+    assert [(m["name"], m["keys"], m["behind"]) for m in rows] == [
+        ("a", 1, False),
+        ("b", 1, False),
+        ("c", 1, False),
+    ]

@@ -111,6 +111,59 @@ def test_a_lower_token_is_refused_and_writes_nothing_the_holder_is_accepted(made
     run(go())
 
 
+def test_a_member_below_since_is_refused_and_nothing_moves_one_at_since_is_accepted(
+    made: Made,
+) -> None:
+    """A member that came back empty (epoch 0) refuses a change that needs it in the
+    configuration already: no mark moves, no item lands, no holder is kept. At ``since`` (or
+    with a state transfer, since 0) it is accepted and keeps the holder's token."""
+
+    async def go() -> None:
+        m = made.member()
+        for token in (tok(made, 5), None):  # a writer's change, and an epoch-only one
+            items = [Item("k", stamp(5, 1), b"v")] if token else []
+            with pytest.raises(fenced.MemberBehindError) as caught:
+                await m.apply(token, 3, items, since=3)
+            assert (caught.value.found, caught.value.needed) == (0, 3)
+            snap = await m.read(None)
+            assert (snap.token, snap.epoch, snap.items, snap.holder) == (0, 0, {}, None)
+        await m.apply(tok(made, 5), 3, [Item("k", stamp(5, 1), b"v")], reset=True)  # a copy
+        await m.apply(tok(made, 6), 3, [Item("k", stamp(6, 1), b"w")], since=3)
+        await m.apply(None, 4, [], since=3)  # a change's fence: at 3, raised to 4
+        with pytest.raises(fenced.MemberBehindError):
+            await m.apply(tok(made, 6), 6, [], since=5)
+        snap = await m.read(None)
+        assert (snap.token, snap.epoch, snap.items["k"].value) == (6, 4, b"w")
+        assert snap.holder == str(tok(made, 6)) and snap.holder_token(made.resource) == tok(made, 6)
+        await m.aclose()
+
+    run(go())
+
+
+def test_a_state_transfer_replaces_everything_the_member_held(made: Made) -> None:
+    """reset=True (a member joining): what it held is gone, the copy is there as it was, even
+    an item older than one it held (etcd: no put inside a range the same transaction
+    deletes, which etcd refuses)."""
+
+    async def go() -> None:
+        m = made.member()
+        held = [Item("k", stamp(4, 9), b"outside"), Item("gone", stamp(4, 1), b"x")]
+        await m.apply(tok(made, 4), 2, held)
+        copy = [Item("k", stamp(3, 1), b"copied"), Item("new", stamp(3, 2), None)]
+        await m.apply(tok(made, 5), 3, copy, reset=True)
+        snap = await m.read(None)
+        assert snap.epoch == 3 and snap.token == 5
+        assert {k: (i.stamp, i.value) for k, i in snap.items.items()} == {
+            "k": (stamp(3, 1), b"copied"),
+            "new": (stamp(3, 2), None),
+        }
+        await m.apply(tok(made, 5), 3, [], reset=True)  # an empty copy empties it
+        assert (await m.read(None)).items == {}
+        await m.aclose()
+
+    run(go())
+
+
 def test_a_lower_epoch_is_refused_and_writes_nothing(made: Made) -> None:
     async def go() -> None:
         m = made.member()

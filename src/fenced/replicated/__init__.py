@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Iterable, Mapping
 from typing import Any
 
+from .._errors import MemberBehindError
 from .._portal import Portal
 from .._sync import Lease, Locks
 from .._token import FencingToken
@@ -37,6 +38,7 @@ __all__ = [
     "Group",
     "Item",
     "Member",
+    "MemberBehindError",
     "MemberStatus",
     "RedisMember",
     "SQLMember",

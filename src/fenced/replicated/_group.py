@@ -10,16 +10,22 @@ are totally ordered, and each is built from its predecessor (``base``).
 
 **Changing it** (:meth:`AsyncGroup.reconfigure`), from epoch E to E+1:
 
-1. every member kept is fenced at epoch E+1 (it refuses epoch E from now on) — all must be
-   reached, and at least one must be kept: it holds every write acknowledged so far;
+1. every member kept is fenced at epoch E+1 (it refuses epoch E from now on), in a step that
+   requires it to be at E already — all must be reached, and at least one kept member must
+   be at E: it holds every write acknowledged so far. A member below E lost its state (it
+   came back empty): it is never counted as holding anything, and gets a copy in step 3;
 2. members removed are fenced too when they can be reached (best effort);
-3. each member added gets the state of a kept member (state transfer), at epoch E+1, in
-   place of anything it held (what it took while outside the configuration is forgotten);
+3. each member added, and each kept member that lost its state, gets the state of a kept
+   member at E (state transfer), at epoch E+1, in place of anything it held (what it took
+   while outside the configuration is forgotten);
 4. the record is swapped from E to E+1.
 
 A write acknowledged at epoch E was accepted by *every* member of E (write-all), so a kept
-member, once fenced at E+1, holds all of them, and so does a member it was copied to. No
-write at epoch E can be acknowledged after step 1 (a kept member refuses it).
+member at E, once fenced at E+1, holds all of them, and so does a member it was copied to. No
+write at epoch E can be acknowledged after step 1 (a kept member refuses it). Every member of
+configuration E is at epoch E or above (the first configuration's members are raised to 1
+before it is made), unless it lost its state: so writes, fences and repairs at E carry
+``since=E`` and such a member refuses them, and reads do not count it.
 
 **Writing** (:class:`AsyncWriter`), under a lease with token T: fence every member at (T, E);
 recover (every member gets, per key, the newest item any member holds); then each write goes
@@ -38,6 +44,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import inspect
 import json
 import logging
 import secrets
@@ -50,6 +57,8 @@ from .._errors import (
     ConfigurationError,
     CorruptMarkError,
     FencedError,
+    InvalidTokenError,
+    MemberBehindError,
     RecordConflict,
     ReplicationError,
     StaleEpochError,
@@ -108,6 +117,9 @@ class MemberStatus:
     epoch: int | None = None
     keys: int | None = None
     error: str | None = None
+    behind: bool = False
+    """Its epoch mark is below the configuration's: it lost its state (restarted empty,
+    flushed) and counts for nothing until a reconfiguration copies the data to it."""
 
 
 class AsyncGroup:
@@ -210,6 +222,17 @@ class AsyncGroup:
                 self._observe(cfg)
                 return cfg
             first = Configuration(1, self._initial, 0, secrets.token_hex(8))
+            # Every member of configuration E is at epoch E or above unless it lost its state;
+            # so the first one's members are raised to 1 before it exists, and one that comes
+            # back empty later (epoch 0) is told apart from one that holds the writes.
+            raised = await self._each(first.members, functools.partial(_apply, None, 1, []))
+            if all(isinstance(r, BaseException) for r in raised.values()):
+                failed = {n: r for n, r in raised.items() if isinstance(r, BaseException)}
+                raise ReplicationError(
+                    f"group {self.name!r}: cannot make the first configuration, no member "
+                    f"answered: {_first(failed)}",
+                    failed,
+                )
             if await self._install(first, 0) is not None:
                 return first
 
@@ -302,35 +325,63 @@ class AsyncGroup:
         kept = [m for m in new if m in cfg.members]
         added = [m for m in new if m not in cfg.members]
         removed = [m for m in cfg.members if m not in new]
-        fenced = await self._each(kept, lambda n, m: m.apply(token, epoch, []))
+        # A kept member must be at this configuration's epoch already: one below it was never
+        # fenced in it (it came back empty) and is refused, in the same atomic step, rather
+        # than raised into the next configuration as if it held the writes.
+        fenced = await self._each(
+            kept, functools.partial(_apply, token, epoch, [], since=cfg.epoch)
+        )
         failed = {n: e for n, e in fenced.items() if isinstance(e, BaseException)}
         if any(isinstance(e, StaleEpochError) for e in failed.values()):
             return None  # another change got further: start again from the record
         for e in failed.values():
             if isinstance(e, StaleTokenError):
                 raise e
+        behind = {n: e for n, e in failed.items() if isinstance(e, MemberBehindError)}
+        failed = {n: e for n, e in failed.items() if n not in behind}
         if failed:
             raise ReplicationError(
                 f"group {self.name!r}: members {sorted(failed)} cannot be fenced for "
                 f"configuration {epoch}; remove them too",
                 failed,
             )
+        holders = [m for m in kept if m not in behind]
+        if not holders:
+            raise ReplicationError(
+                f"group {self.name!r}: no member of configuration {cfg.epoch} that stays "
+                f"holds its writes: {sorted(behind)} lost their state (epoch marks below "
+                f"{cfg.epoch}); bring back a member that holds them first",
+                dict(behind),
+            )
         # Removed members are told when they can be: a writer still using them is refused.
+        # (Only one at this epoch already: a removed member that came back empty must not
+        # be raised to the new epoch, which a concurrent change keeping it would count.)
         if fence_removed:
-            await self._each(removed, functools.partial(_apply, None, epoch, []))
-        if added:
-            snap = await self._bounded(self.member(kept[0]).read(None), f"member {kept[0]!r}")
-            carry = FencingToken(self.name, snap.token) if snap.token else token
+            await self._each(removed, functools.partial(_apply, None, epoch, [], since=cfg.epoch))
+        # Members added, and kept members that lost their state, get a copy of a holder's.
+        copy_to = added + [m for m in kept if m in behind]
+        if copy_to:
+            if behind:
+                logger.warning(
+                    "group %s: %s lost their state; copying the data to them from %s",
+                    self.name,
+                    sorted(behind),
+                    holders[0],
+                )
+            snap = await self._bounded(self.member(holders[0]).read(None), f"member {holders[0]!r}")
+            carry = self._fence_token(snap, [token])
             items = list(snap.items.values())
             loaded = await self._each(
-                added, functools.partial(_apply, carry, epoch, items, reset=True)
+                copy_to, functools.partial(_apply, carry, epoch, items, reset=True)
             )
             bad = {n: e for n, e in loaded.items() if isinstance(e, BaseException)}
             if any(isinstance(e, StaleEpochError) for e in bad.values()):
                 return None
             if bad:
                 raise ReplicationError(
-                    f"group {self.name!r}: cannot copy the data to {sorted(bad)}", bad
+                    f"group {self.name!r}: cannot copy the data to {sorted(bad)} under "
+                    f"{carry!r}: {_first(bad)}",
+                    bad,
                 )
         return await self._install(
             Configuration(epoch, tuple(new), cfg.epoch, secrets.token_hex(8)), cfg.epoch
@@ -357,12 +408,17 @@ class AsyncGroup:
     async def read(self, key: str) -> bytes | None:
         """The value of ``key`` (None: never written, or deleted), linearizable: it asks every
         member of the current configuration, and brings any member behind the newest value up
-        to it before returning (read repair). Raises :class:`~fenced.ReplicationError` if a
-        member cannot be reached (remove it with :meth:`reconfigure`)."""
+        to it before returning (read repair, under the current fence: the holder's token each
+        member kept with its mark). A member that lost its state (its epoch mark below the
+        configuration's) is not counted, nor repaired. Raises
+        :class:`~fenced.ReplicationError` if a member cannot be reached (remove it with
+        :meth:`reconfigure`)."""
         item = await self.read_item(key)
         return None if item is None else item.value
 
-    async def read_item(self, key: str) -> Item | None:
+    async def read_item(self, key: str, token: FencingToken | None = None) -> Item | None:
+        """:meth:`read`, as the item (its stamp too). ``token``: the caller's lock token (a
+        writer's), one more the repair may present."""
         _check_key(key)
         deadline = _clock.now() + self.timeout
         attempt = 0
@@ -379,34 +435,106 @@ class AsyncGroup:
             ahead = max(s.epoch for s in got.values())
             if ahead > cfg.epoch:
                 if _clock.now() >= deadline:
-                    raise StaleEpochError(f"group {self.name!r} kept changing while reading")
+                    raise StaleEpochError(
+                        f"group {self.name!r}: configuration {cfg.epoch} kept being changed "
+                        f"while reading (a member is at epoch {ahead})"
+                    )
                 await self._settle(cfg, ahead, attempt)
                 attempt += 1
                 continue
-            items = [s.items[key] for s in got.values() if key in s.items]
+            # A member below the configuration's epoch was never fenced in it (it lost its
+            # state): neither what it holds nor what it lacks counts, and it is not repaired
+            # (it refuses: a reconfiguration copies the data to it).
+            current = {n: s for n, s in got.items() if s.epoch >= cfg.epoch}
+            if not current:
+                raise ReplicationError(
+                    f"group {self.name!r}: every member of configuration {cfg.epoch} lost its "
+                    f"state (epoch marks {sorted(s.epoch for s in got.values())})",
+                    {},
+                )
+            items = [s.items[key] for s in current.values() if key in s.items]
             if not items:
                 return None
             best = max(items, key=lambda i: i.stamp)
             behind = [
-                n for n, s in got.items() if key not in s.items or s.items[key].stamp < best.stamp
+                n
+                for n, s in current.items()
+                if key not in s.items or s.items[key].stamp < best.stamp
             ]
-            if behind and not await self._repair(cfg, best, behind):
-                if _clock.now() >= deadline:
-                    raise StaleEpochError(f"group {self.name!r} kept changing while reading")
-                attempt += 1
-                continue
-            return best
+            if not behind:
+                return best
+            refused = await self._repair(cfg, best, behind, current, token)
+            if not refused:
+                return best
+            if _clock.now() >= deadline:
+                what = (
+                    f"group {self.name!r}: read of {key!r}: {sorted(refused)} kept refusing "
+                    f"the repair with its newest value (written under token "
+                    f"{stamp_token(best.stamp)}) for {self.timeout} s: {_first(refused)}"
+                )
+                if all(isinstance(e, StaleEpochError) for e in refused.values()):
+                    raise StaleEpochError(what)
+                raise ReplicationError(what, refused)
+            # A newer holder or configuration came between the read and the repair.
+            await asyncio.sleep(min(_SETTLE * (2**attempt), 0.5))
+            attempt += 1
 
-    async def _repair(self, cfg: Configuration, best: Item, behind: list[str]) -> bool:
-        """Write ``best`` (with its own stamp and token) to the members behind; False if one
-        refused (a newer writer or configuration came: read again)."""
-        token = FencingToken(self.name, stamp_token(best.stamp))
-        done = await self._each(behind, lambda n, m: m.apply(token, cfg.epoch, [best]))
+    def _fence_token(
+        self, snap: Snapshot, known: Iterable[FencingToken | None]
+    ) -> FencingToken | None:
+        """The token to present at a member (whose state is ``snap``) for a repair or a state
+        transfer, which copy writes already made rather than make new ones: the current
+        fence's own. That is the holder's token the member kept with its mark (signed, if it
+        was: only the token source signs, and it is presented as it was granted), else the
+        highest of ``known`` (the caller's, other members' holders) at or above its mark.
+        Failing both (the mark was raised by a plain guard's fence, or before holders were
+        kept), the mark's value unsigned: a guard that verifies signatures refuses it, and
+        the caller says so."""
+        held = snap.holder_token(self.name)
+        if held is not None:
+            return held
+        usable = [t for t in known if t is not None and t.value >= snap.token]
+        if usable:
+            return max(usable, key=lambda t: (t.value, t.signature is not None))
+        return FencingToken(self.name, snap.token) if snap.token else None
+
+    async def _repair(
+        self,
+        cfg: Configuration,
+        best: Item,
+        behind: list[str],
+        current: Mapping[str, Snapshot],
+        token: FencingToken | None,
+    ) -> dict[str, BaseException]:
+        """Write ``best`` (with its own stamp) to the members behind, under the current fence
+        (its writer may be long gone, its token below the marks): the item is already on a
+        member of this configuration, so this copies a write, as the next holder's recovery
+        would. Returns the refusals (a newer writer or configuration came: read again)."""
+        known = [token, *(s.holder_token(self.name) for s in current.values())]
+        writer = FencingToken(self.name, stamp_token(best.stamp))
+
+        def one(n: str, m: Member) -> Awaitable[None]:
+            tok = self._fence_token(current[n], known) or writer
+            return _apply(tok, cfg.epoch, [best], n, m, since=cfg.epoch)
+
+        done = await self._each(behind, one)
         bad = {n: e for n, e in done.items() if isinstance(e, BaseException)}
         if not bad:
-            return True
-        if all(isinstance(e, (StaleTokenError, StaleEpochError)) for e in bad.values()):
-            return False
+            return {}
+        for n, e in bad.items():
+            if isinstance(e, InvalidTokenError):
+                raise ReplicationError(
+                    f"group {self.name!r}: cannot repair {n!r}: {type(e).__name__}: {e} (its "
+                    f"guard verifies signatures, and no signed token at its mark "
+                    f"{current[n].token} is known here: the mark was raised outside the group; "
+                    "the next group.writer completes the write)",
+                    bad,
+                )
+        if all(
+            isinstance(e, (StaleTokenError, StaleEpochError, MemberBehindError))
+            for e in bad.values()
+        ):
+            return bad
         raise ReplicationError(
             f"group {self.name!r}: cannot repair {sorted(bad)}: {_first(bad)}", bad
         )
@@ -424,7 +552,9 @@ class AsyncGroup:
             s = snaps.get(n)
             if isinstance(s, Snapshot):
                 live = sum(1 for i in s.items.values() if i.value is not None)
-                out.append(MemberStatus(n, n in cfg.members, True, s.token, s.epoch, live))
+                member = n in cfg.members
+                behind = member and s.epoch < cfg.epoch
+                out.append(MemberStatus(n, member, True, s.token, s.epoch, live, behind=behind))
             else:
                 error = "not given to this process" if s is None else f"{type(s).__name__}: {s}"
                 out.append(MemberStatus(n, n in cfg.members, False, error=error))
@@ -434,21 +564,36 @@ class AsyncGroup:
         """Raise every member of the current configuration to ``token`` at the current epoch,
         so that every earlier holder is refused on all of them, whether or not this holder
         ever writes: what ``locks.lock(name, fence=[group])`` calls (fence on acquire).
-        :class:`~fenced.ReplicationError` if a member cannot be fenced (the others are);
-        :class:`~fenced.StaleTokenError` if a later holder fenced them first."""
+        A member that lost its state refuses (its marks stay below) and counts as fenced: it
+        takes no change at this epoch from anyone until a reconfiguration copies the data to
+        it. :class:`~fenced.ReplicationError` if a member cannot be fenced (the others are),
+        or if every member lost its state; :class:`~fenced.StaleTokenError` if a later holder
+        fenced them first."""
         if not isinstance(token, FencingToken) or token.lock != self.name:
             raise ConfigurationError(
                 f"group {self.name!r} is fenced by tokens of the lock {self.name!r}, not {token!r}"
             )
         for _ in range(10):
             cfg = await self.configuration()
-            fenced = await self._each(cfg.members, functools.partial(_apply, token, cfg.epoch, []))
+            fenced = await self._each(
+                cfg.members, functools.partial(_apply, token, cfg.epoch, [], since=cfg.epoch)
+            )
             failed = {n: e for n, e in fenced.items() if isinstance(e, BaseException)}
             if any(isinstance(e, StaleEpochError) for e in failed.values()):
                 continue  # a change is under way: fence its members instead
             for e in failed.values():
                 if isinstance(e, StaleTokenError):
                     raise e
+            # A member that lost its state refuses every change at this epoch, from any
+            # holder, until a reconfiguration copies the data to it: as good as fenced.
+            behind = {n for n, e in failed.items() if isinstance(e, MemberBehindError)}
+            if behind and len(behind) == len(cfg.members):
+                raise ReplicationError(
+                    f"group {self.name!r}: every member of configuration {cfg.epoch} lost "
+                    f"its state: {_first(failed)}",
+                    failed,
+                )
+            failed = {n: e for n, e in failed.items() if n not in behind}
             if failed:
                 raise ReplicationError(
                     f"group {self.name!r}: members {sorted(failed)} cannot be fenced with "
@@ -509,7 +654,7 @@ class AsyncWriter:
         while True:
             cfg = await g.configuration()
             fenced = await g._each(
-                cfg.members, functools.partial(_apply, self.token, cfg.epoch, [])
+                cfg.members, functools.partial(_apply, self.token, cfg.epoch, [], since=cfg.epoch)
             )
             retry = await self._handle(cfg, fenced, attempt, deadline)
             if retry:
@@ -520,7 +665,8 @@ class AsyncWriter:
             if retry:
                 attempt += 1
                 continue
-            got = [s for s in snaps.values() if isinstance(s, Snapshot)]
+            # (A member that lost its state after the fence is refused by the fill below.)
+            got = [s for s in snaps.values() if isinstance(s, Snapshot) and s.epoch >= cfg.epoch]
             newest: dict[str, Item] = {}
             for s in got:
                 for item in s.items.values():
@@ -582,23 +728,26 @@ class AsyncWriter:
             await g._settle(cfg, _epoch_in(stale[0], cfg.epoch + 1), attempt)
             return True
         unreachable = {n: e for n, e in errors.items() if _unreachable(e)}
-        for e in errors.values():
-            if not _unreachable(e):
+        behind = {n: e for n, e in errors.items() if isinstance(e, MemberBehindError)}
+        for n, e in errors.items():
+            if n not in unreachable and n not in behind:
                 raise e  # a corrupt mark, another lock's resource...: fail closed
-        if g.on_failure != "remove":
+        if unreachable and g.on_failure != "remove":
             raise ReplicationError(
                 f"group {g.name!r}: members {sorted(unreachable)} failed: {_first(unreachable)}",
                 dict(unreachable),
             )
+        # A new configuration without the members that failed; members that lost their state
+        # stay, and get a copy of the data of one that holds it (never counted as holders).
         try:
             await g.reconfigure(remove=unreachable, token=self.token, base=cfg, fence_removed=False)
         except StaleEpochError:
             pass  # someone else changed it first: start over from the record
         except (ConfigurationError, ReplicationError) as exc:
             raise ReplicationError(
-                f"group {g.name!r}: members {sorted(unreachable)} failed and cannot be removed "
-                f"({exc}): {_first(unreachable)}",
-                dict(unreachable),
+                f"group {g.name!r}: members {sorted(errors)} failed and the configuration "
+                f"cannot be changed around them ({exc}): {_first(errors)}",
+                dict(errors),
             ) from exc
         return True
 
@@ -614,7 +763,8 @@ class AsyncWriter:
                 if cfg is None:
                     cfg = await self.establish()
                 done = await g._each(
-                    cfg.members, functools.partial(_apply, self.token, cfg.epoch, batch)
+                    cfg.members,
+                    functools.partial(_apply, self.token, cfg.epoch, batch, since=cfg.epoch),
                 )
                 if not await self._handle(cfg, done, attempt, deadline):
                     self.acknowledged += 1
@@ -638,8 +788,11 @@ class AsyncWriter:
         await self._write(lambda: [Item(key, stamp(self.token.value, self._seq), None)])
 
     async def read(self, key: str) -> bytes | None:
-        """:meth:`AsyncGroup.read` (a holder reads as anyone does: from every member)."""
-        return await self.group.read(key)
+        """:meth:`AsyncGroup.read` (a holder reads as anyone does: from every member; its
+        token is one a read repair may present)."""
+        _check_key(key)
+        item = await self.group.read_item(key, self.token)
+        return None if item is None else item.value
 
 
 def _check_key(key: object) -> None:
@@ -661,6 +814,24 @@ def _unreachable(exc: BaseException) -> bool:
     return isinstance(exc, BackendUnavailable) or not isinstance(exc, FencedError)
 
 
+_TAKES_SINCE: dict[type, bool] = {}
+
+
+def _takes_since(member: Member) -> bool:
+    """Whether ``member.apply`` takes ``since`` (a Member written before it existed does not:
+    it works, without the refusal of a member that came back empty)."""
+    kind = type(member)
+    known = _TAKES_SINCE.get(kind)
+    if known is None:
+        try:
+            params = list(inspect.signature(member.apply).parameters.values())
+        except (TypeError, ValueError):
+            params = []
+        known = any(p.name == "since" or p.kind is p.VAR_KEYWORD for p in params)
+        _TAKES_SINCE[kind] = known
+    return known
+
+
 def _apply(
     token: FencingToken | None,
     epoch: int,
@@ -669,7 +840,10 @@ def _apply(
     member: Member,
     *,
     reset: bool = False,
+    since: int = 0,
 ) -> Awaitable[None]:
+    if since and _takes_since(member):
+        return member.apply(token, epoch, items, reset=reset, since=since)
     return member.apply(token, epoch, items, reset=reset)
 
 
@@ -680,4 +854,4 @@ def _apply_each(
     name: str,
     member: Member,
 ) -> Awaitable[None]:
-    return member.apply(token, epoch, items[name])
+    return _apply(token, epoch, items[name], name, member, since=epoch)

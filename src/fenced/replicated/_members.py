@@ -5,13 +5,17 @@ A member keeps, for one group, in the resource itself:
 * the **lock mark**: the guard's own high-water mark (the same one ``fence=[guard]`` raises),
   so a stale holder is refused here exactly as by the plain guard;
 * the **epoch mark**: the highest configuration epoch it has been told of;
+* the **holder**: the text of the last lock token a change presented (signed, if signing is
+  on), so that a read repair or a state transfer can present the current fence's own token;
 * the **data**: key -> (stamp, value or deleted), where a stamp orders every write ever made
   to the group (see :func:`stamp`).
 
 Every change is ONE atomic step in the resource (a Lua script, a transaction, an etcd txn):
 the lock token is checked against the lock mark and the epoch against the epoch mark, both
 raised, and each item applied only if its stamp is newer than the stored one, or nothing at
-all. A refusal raises :class:`~fenced.StaleTokenError` or :class:`~fenced.StaleEpochError`.
+all. A refusal raises :class:`~fenced.StaleTokenError` or :class:`~fenced.StaleEpochError`,
+or :class:`~fenced.MemberBehindError` when the epoch mark is below ``since``: a member that
+came back empty (mark 0) must not be raised into a configuration it holds none of the data of.
 
 Adapters exist for the guards fenced ships: :class:`RedisMember` (``RedisGuard`` or
 ``AsyncRedisGuard``), :class:`SQLMember` (``SQLGuard`` and a function that opens a sqlite3 or
@@ -35,6 +39,8 @@ from .._errors import (
     ConfigurationError,
     CorruptMarkError,
     FencedError,
+    InvalidTokenError,
+    MemberBehindError,
     StaleEpochError,
 )
 from .._token import FencingToken
@@ -81,6 +87,18 @@ class Snapshot:
     token: int  # lock mark (0: never fenced)
     epoch: int  # epoch mark (0: never)
     items: dict[str, Item]
+    holder: str | None = None  # the last token a change presented, as text (None: unknown)
+
+    def holder_token(self, lock: str) -> FencingToken | None:
+        """The stored holder's token if it is the one at the lock mark (signed if it was),
+        else None: the mark was raised by some other path (a plain guard's fence)."""
+        if not self.holder:
+            return None
+        try:
+            token = FencingToken.parse(self.holder, lock)
+        except InvalidTokenError:
+            return None  # (a damaged copy: the caller falls back as if none was kept)
+        return token if token.value == self.token else None
 
 
 @runtime_checkable
@@ -94,12 +112,17 @@ class Member(Protocol):
         items: Sequence[Item],
         *,
         reset: bool = False,
+        since: int = 0,
     ) -> None:
-        """In one atomic step: refuse a token below the lock mark (StaleTokenError) or an epoch
-        below the epoch mark (StaleEpochError); else raise both marks and apply each item
-        whose stamp is newer than the stored one. ``token`` None: only the epoch (no items).
-        ``reset``: first forget every item held (state transfer to a member joining: what it
-        took while outside the configuration must not come back)."""
+        """In one atomic step: refuse a token below the lock mark (StaleTokenError), an epoch
+        below the epoch mark (StaleEpochError), or an epoch mark below ``since``
+        (MemberBehindError: the member was never fenced in the configuration the change is
+        made in, so it lost its state); else raise both marks, keep ``token`` as the holder,
+        and apply each item whose stamp is newer than the stored one. ``token`` None: only
+        the epoch (no items). ``reset``: first forget every item held (state transfer to a
+        member joining: what it took while outside the configuration must not come back).
+        A member whose ``apply`` takes no ``since`` still works, unprotected against coming
+        back empty."""
         ...
 
     async def read(self, keys: Sequence[str] | None = None) -> Snapshot:
@@ -114,6 +137,16 @@ def _refused_epoch(resource: str, found: int, epoch: int) -> StaleEpochError:
         f"{resource!r} is at configuration epoch {found}, above {epoch}: the group was "
         "reconfigured",
         found,
+    )
+
+
+def _refused_behind(resource: str, found: int, since: int) -> MemberBehindError:
+    return MemberBehindError(
+        f"{resource!r} is at configuration epoch {found}, below {since}: it was never fenced in "
+        "the current configuration (it lost its state) and holds none of its writes until "
+        "a reconfiguration copies the data to it (group.add)",
+        found,
+        since,
     )
 
 
@@ -137,17 +170,20 @@ class _Threaded:
 
 # -- Redis --------------------------------------------------------------------------------------
 
-# KEYS: 1 fence hash (the guard's), 2 epoch, 3 stamps hash, 4 data hash.
+# KEYS: 1 fence hash (the guard's), 2 epoch, 3 stamps hash, 4 data hash, 5 holder.
 # ARGV: 1 lock, 2 token (the guard's prelude), 3 epoch, 4 reset (1: forget all items first),
-# then (key, stamp, has, value) per item.
+# 5 since, 6 the token's text, then (key, stamp, has, value) per item.
 _EPOCH_FIRST: Final = """\
 local e = tonumber(redis.call('GET', KEYS[2]) or '0')
 if e > tonumber(ARGV[3]) then return {'epoch', tostring(e)} end
+if e < tonumber(ARGV[5]) then return {'behind', tostring(e)} end
 """
+# (The prelude refused a token below the mark, so ARGV[6] is the holder at the mark now.)
 _APPLY_BODY: Final = """\
 if tonumber(ARGV[3]) > e then redis.call('SET', KEYS[2], ARGV[3]) end
+redis.call('SET', KEYS[5], ARGV[6])
 if ARGV[4] == '1' then redis.call('DEL', KEYS[3], KEYS[4]) end
-local i = 5
+local i = 7
 while i <= #ARGV do
   local old = redis.call('HGET', KEYS[3], ARGV[i])
   if (not old) or old < ARGV[i + 1] then
@@ -162,8 +198,9 @@ return {'ok', tostring(e)}
 _READ_LUA: Final = """\
 local m = redis.call('HMGET', KEYS[1], 'lock', 'hw')
 local e = redis.call('GET', KEYS[2]) or '0'
+local h = redis.call('GET', KEYS[5]) or ''
 if #ARGV == 0 then
-  return {m[2] or '0', e, redis.call('HGETALL', KEYS[3]), redis.call('HGETALL', KEYS[4])}
+  return {m[2] or '0', e, redis.call('HGETALL', KEYS[3]), redis.call('HGETALL', KEYS[4]), h}
 end
 local s, d = redis.call('HMGET', KEYS[3], unpack(ARGV)), redis.call('HMGET', KEYS[4], unpack(ARGV))
 local st, dt = {}, {}
@@ -171,7 +208,7 @@ for i = 1, #ARGV do
   if s[i] then st[#st + 1] = ARGV[i]; st[#st + 1] = s[i] end
   if d[i] then dt[#dt + 1] = ARGV[i]; dt[#dt + 1] = d[i] end
 end
-return {m[2] or '0', e, st, dt}
+return {m[2] or '0', e, st, dt, h}
 """
 
 
@@ -190,12 +227,13 @@ class RedisMember(_Threaded):
         self.resource: str = guard.resource
         self._async = isinstance(guard, redis_guard.AsyncRedisGuard)
         base = f"{guard.fence_key}:group:{group}"
-        self._keys = [f"{base}:epoch", f"{base}:stamps", f"{base}:data"]
+        self._keys = [f"{base}:epoch", f"{base}:stamps", f"{base}:data", f"{base}:holder"]
         self._apply_script = redis_guard.PRELUDE + _APPLY_BODY
         self._full = _EPOCH_FIRST + self._apply_script
         self._epoch_only = guard._writer.register_script(
             "local e = tonumber(redis.call('GET', KEYS[1]) or '0')\n"
             "if e > tonumber(ARGV[1]) then return {'epoch', tostring(e)} end\n"
+            "if e < tonumber(ARGV[2]) then return {'behind', tostring(e)} end\n"
             "if tonumber(ARGV[1]) > e then redis.call('SET', KEYS[1], ARGV[1]) end\n"
             "return {'ok', tostring(e)}"
         )
@@ -213,6 +251,7 @@ class RedisMember(_Threaded):
         items: Sequence[Item],
         *,
         reset: bool = False,
+        since: int = 0,
     ) -> None:
         from ..guards import redis as redis_guard
 
@@ -221,11 +260,11 @@ class RedisMember(_Threaded):
                 raise ConfigurationError("items are written only with a lock token")
             script = self._epoch_only
             try:
-                reply = await self._do(lambda: script(keys=[self._keys[0]], args=[epoch]))
+                reply = await self._do(lambda: script(keys=[self._keys[0]], args=[epoch, since]))
             except redis_guard._NATIVE_ERRORS as exc:
                 raise redis_guard.map_error(exc, self.resource) from exc
         else:
-            args: list[Any] = [epoch, "1" if reset else "0"]
+            args: list[Any] = [epoch, "1" if reset else "0", since, str(token)]
             for item in items:
                 has = item.value is not None
                 args += [item.key, item.stamp, "1" if has else "0", item.value if has else ""]
@@ -234,13 +273,15 @@ class RedisMember(_Threaded):
         kind, found = (_as_bytes(r).decode() for r in reply)
         if kind == "epoch":
             raise _refused_epoch(self.resource, int(found), epoch)
+        if kind == "behind":
+            raise _refused_behind(self.resource, int(found), since)
 
     async def read(self, keys: Sequence[str] | None = None) -> Snapshot:
         from ..guards import redis as redis_guard
 
         script = self._read
         try:
-            hw, epoch, stamps, data = await self._do(
+            hw, epoch, stamps, data, holder = await self._do(
                 lambda: script(keys=[self.guard.fence_key, *self._keys], args=list(keys or []))
             )
         except redis_guard._NATIVE_ERRORS as exc:
@@ -252,7 +293,8 @@ class RedisMember(_Threaded):
         for i in range(0, len(stamps), 2):
             key = _as_bytes(stamps[i]).decode()
             items[key] = Item(key, _as_bytes(stamps[i + 1]).decode(), values.get(key))
-        return Snapshot(_mark(hw, self.resource), int(_as_bytes(epoch)), items)
+        held = _as_bytes(holder).decode() or None
+        return Snapshot(_mark(hw, self.resource), int(_as_bytes(epoch)), items, held)
 
     async def aclose(self) -> None:
         self._shutdown()
@@ -276,6 +318,7 @@ _SQL_TABLES: Final = (
     "CREATE TABLE IF NOT EXISTS fenced_group_data ("
     " grp TEXT NOT NULL, key TEXT NOT NULL, stamp TEXT NOT NULL, value {blob},"
     " PRIMARY KEY (grp, key))",
+    "CREATE TABLE IF NOT EXISTS fenced_group_holders (grp TEXT PRIMARY KEY, token TEXT NOT NULL)",
 )
 # One statement each: a row comes back iff the epoch was accepted (the fence table's way).
 _SQL_EPOCH: Final = (
@@ -283,6 +326,16 @@ _SQL_EPOCH: Final = (
     "ON CONFLICT (grp) DO UPDATE SET epoch = excluded.epoch "
     "WHERE f.epoch <= excluded.epoch RETURNING epoch"
 )
+# With ``since``: only a row already at ``since`` or above may be raised (no row: epoch 0).
+_SQL_EPOCH_SINCE: Final = (
+    "UPDATE fenced_group_epochs SET epoch = {p} "
+    "WHERE grp = {p} AND epoch >= {p} AND epoch <= {p} RETURNING epoch"
+)
+_SQL_HOLDER: Final = (
+    "INSERT INTO fenced_group_holders (grp, token) VALUES ({p}, {p}) "
+    "ON CONFLICT (grp) DO UPDATE SET token = excluded.token"
+)
+_SQL_HOLDER_WITH: Final = "WITH holder AS (" + _SQL_HOLDER + ") "
 _SQL_ITEM: Final = (
     "INSERT INTO fenced_group_data AS d (grp, key, stamp, value) VALUES ({p}, {p}, {p}, {p}) "
     "ON CONFLICT (grp, key) DO UPDATE SET stamp = excluded.stamp, value = excluded.value "
@@ -376,18 +429,35 @@ class SQLMember(_Threaded):
         epoch: int,
         items: Sequence[Item],
         reset: bool,
+        since: int,
     ) -> None:
         if token is not None:
             self.guard.begin(conn, token=token)  # BEGIN and the lock fence, one statement
         else:
             conn.execute("BEGIN IMMEDIATE" if self._sqlite else "BEGIN")
-        row = conn.execute(self._sql(_SQL_EPOCH), (self._group, epoch)).fetchone()
+        args: tuple[Any, ...]
+        if since > 0:
+            sql, args = _SQL_EPOCH_SINCE, (epoch, self._group, since, epoch)
+        else:
+            sql, args = _SQL_EPOCH, (self._group, epoch)
+        keep_holder = token is not None
+        if keep_holder and not self._sqlite:
+            # PostgreSQL: the holder rides on the epoch statement (one round trip less); a
+            # refusal below rolls it back with the rest.
+            sql, args = _SQL_HOLDER_WITH + sql, (self._group, str(token), *args)
+            keep_holder = False
+        row = conn.execute(self._sql(sql), args).fetchone()
         if row is None:
             found = conn.execute(
                 self._sql("SELECT epoch FROM fenced_group_epochs WHERE grp = {p}"),
                 (self._group,),
             ).fetchone()
-            raise _refused_epoch(self.resource, int(found[0]) if found else 0, epoch)
+            at = int(found[0]) if found else 0
+            if at > epoch:
+                raise _refused_epoch(self.resource, at, epoch)
+            raise _refused_behind(self.resource, at, since)
+        if keep_holder:
+            conn.execute(self._sql(_SQL_HOLDER), (self._group, str(token)))
         if reset:
             conn.execute(self._sql("DELETE FROM fenced_group_data WHERE grp = {p}"), (self._group,))
         if items:
@@ -403,10 +473,13 @@ class SQLMember(_Threaded):
         items: Sequence[Item],
         *,
         reset: bool = False,
+        since: int = 0,
     ) -> None:
         if token is None and items:
             raise ConfigurationError("items are written only with a lock token")
-        await self._run(lambda: self._guarded(lambda c: self._apply(c, token, epoch, items, reset)))
+        await self._run(
+            lambda: self._guarded(lambda c: self._apply(c, token, epoch, items, reset, since))
+        )
 
     def _read(self, conn: Any, keys: Sequence[str] | None) -> Snapshot:
         conn.execute("BEGIN")  # one snapshot for the marks and the data
@@ -414,6 +487,10 @@ class SQLMember(_Threaded):
             mark = self.guard.high_water(conn)
             row = conn.execute(
                 self._sql("SELECT epoch FROM fenced_group_epochs WHERE grp = {p}"),
+                (self._group,),
+            ).fetchone()
+            holder = conn.execute(
+                self._sql("SELECT token FROM fenced_group_holders WHERE grp = {p}"),
                 (self._group,),
             ).fetchone()
             query = "SELECT key, stamp, value FROM fenced_group_data WHERE grp = {p}"
@@ -430,7 +507,12 @@ class SQLMember(_Threaded):
         finally:
             conn.execute("COMMIT")
         items = {k: Item(k, s, None if v is None else bytes(v)) for k, s, v in rows}
-        return Snapshot(mark.value if mark else 0, int(row[0]) if row else 0, items)
+        return Snapshot(
+            mark.value if mark else 0,
+            int(row[0]) if row else 0,
+            items,
+            str(holder[0]) if holder else None,
+        )
 
     async def read(self, keys: Sequence[str] | None = None) -> Snapshot:
         return await self._run(lambda: self._guarded(lambda c: self._read(c, keys)))
@@ -465,6 +547,7 @@ class EtcdMember:
         self.resource: str = self.aio.resource
         base = self.aio.prefix + f"group/{self.resource}/{group}/".encode()
         self._epoch_key = base + b"epoch"
+        self._holder_key = base + b"holder"
         self._data = base + b"data/"
 
     async def _call(self, make: Callable[[], Any]) -> Any:
@@ -481,6 +564,7 @@ class EtcdMember:
 
         request = etcd_guard.state_txn(self.aio.keys)
         request.success.append(etcd_guard.get_op(self._epoch_key))
+        request.success.append(etcd_guard.get_op(self._holder_key))
         if keys is None:
             op = rpc.RequestOp()
             op.request_range.key = self._data
@@ -495,9 +579,12 @@ class EtcdMember:
             epoch = etcd_guard.decode_value(epoch_kvs[0].value) if epoch_kvs else 0
         except ValueError:
             raise CorruptMarkError(self.resource, "the group's epoch mark") from None
+        holder_kvs = resp.responses[3].response_range.kvs
+        holder = holder_kvs[0].value.decode(errors="replace") if holder_kvs else None
         items: dict[str, Item] = {}
-        revisions: dict[str, int] = {}
-        for reply in resp.responses[3:]:
+        # (the epoch key's own revision under b"": every change puts it, see apply)
+        revisions: dict[str, int] = {"": epoch_kvs[0].mod_revision if epoch_kvs else 0}
+        for reply in resp.responses[4:]:
             for kv in reply.response_range.kvs:
                 key = kv.key[len(self._data) :].decode()
                 raw = kv.value
@@ -508,7 +595,7 @@ class EtcdMember:
                 value = raw[2 * STAMP_DIGITS + 1 :] if flag == b"1" else None
                 items[key] = Item(key, st, value)
                 revisions[key] = kv.mod_revision
-        return Snapshot(mark.value if mark else 0, epoch, items), revisions
+        return Snapshot(mark.value if mark else 0, epoch, items, holder), revisions
 
     async def apply(
         self,
@@ -517,10 +604,10 @@ class EtcdMember:
         items: Sequence[Item],
         *,
         reset: bool = False,
+        since: int = 0,
     ) -> None:
         from aetcd import rpc
 
-        from ..backends.etcd import range_end
         from ..guards import etcd as etcd_guard
         from ..guards._plan import adrive
 
@@ -530,8 +617,21 @@ class EtcdMember:
             snap, revisions = await self._snapshot(None if reset else [i.key for i in items])
             if snap.epoch > epoch:
                 raise _refused_epoch(self.resource, snap.epoch, epoch)
+            if snap.epoch < since:  # (the compare below holds the epoch to what was read)
+                raise _refused_behind(self.resource, snap.epoch, since)
             inner = rpc.TxnRequest()
-            if snap.epoch:
+            if snap.epoch and reset:
+                # Every change puts the epoch key, so its revision unchanged means no change
+                # at all came in meanwhile (a key added too: the copy replaces everything).
+                inner.compare.append(
+                    rpc.Compare(
+                        key=self._epoch_key,
+                        target=rpc.Compare.MOD,
+                        result=rpc.Compare.EQUAL,
+                        mod_revision=revisions[""],
+                    )
+                )
+            elif snap.epoch:
                 inner.compare.append(
                     rpc.Compare(
                         key=self._epoch_key,
@@ -549,27 +649,28 @@ class EtcdMember:
                         create_revision=0,
                     )
                 )
-            if epoch > snap.epoch:
-                inner.success.append(
-                    etcd_guard.put_op(self._epoch_key, etcd_guard.encode_value(epoch))
-                )
-            if reset:  # every key held is compared below, so none can slip in meanwhile
+            inner.success.append(
+                etcd_guard.put_op(self._epoch_key, etcd_guard.encode_value(max(epoch, snap.epoch)))
+            )
+            if token is not None:  # (the outer transaction refuses a token below the mark)
+                inner.success.append(etcd_guard.put_op(self._holder_key, str(token).encode()))
+            if reset:
+                # Keys held and not copied are deleted one by one (etcd refuses a put inside
+                # a range deleted by the same transaction); the copied ones are overwritten.
+                copied = {i.key for i in items}
                 for key in snap.items:
-                    inner.compare.append(
-                        rpc.Compare(
-                            key=self._data + key.encode(),
-                            target=rpc.Compare.MOD,
-                            result=rpc.Compare.EQUAL,
-                            mod_revision=revisions[key],
+                    if key not in copied:
+                        drop = rpc.RequestOp()
+                        drop.request_delete_range.key = self._data + key.encode()
+                        inner.success.append(drop)
+                for item in items:
+                    body = b"0" if item.value is None else b"1" + item.value
+                    inner.success.append(
+                        etcd_guard.put_op(
+                            self._data + item.key.encode(), item.stamp.encode() + body
                         )
                     )
-                drop = rpc.RequestOp()
-                drop.request_delete_range.key = self._data
-                drop.request_delete_range.range_end = range_end(self._data)
-                inner.success.append(drop)
-                snap = Snapshot(snap.token, snap.epoch, {})
-                revisions = {}
-            for item in items:
+            for item in [] if reset else items:
                 held = snap.items.get(item.key)
                 if held is not None and held.stamp >= item.stamp:
                     continue

@@ -51,12 +51,18 @@ class Traced:
         self.name, self.inner, self.history = name, inner, history
 
     async def apply(
-        self, token: Any, epoch: int, items: Sequence[Item], *, reset: bool = False
+        self,
+        token: Any,
+        epoch: int,
+        items: Sequence[Item],
+        *,
+        reset: bool = False,
+        since: int = 0,
     ) -> None:
         start = time.monotonic()
         ok: Any = True
         try:
-            await self.inner.apply(token, epoch, items, reset=reset)
+            await self.inner.apply(token, epoch, items, reset=reset, since=since)
         except fenced.StaleTokenError:
             ok = "stale token"
             raise
