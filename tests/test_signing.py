@@ -442,3 +442,24 @@ def test_fenced_serve_binds_its_signatures_to_its_source_id(tmp_path: Path) -> N
                 assert locks.check(lease.token).current
                 with pytest.raises(InvalidTokenError):
                     locks.check(sign_bound(lease.token.unsigned(), "staging"))
+
+
+def test_check_token_with_the_sources_key_refuses_unsigned_and_verifies_with_the_pub(
+    tmp_path: Path,
+) -> None:
+    """The issue's two cases as reported (no source ids): with $FENCED_SIGNING_KEY set,
+    check-token answered 'current' (exit 0) for an unsigned token, and refused the .pub."""
+    key = tmp_path / "ed.key"
+    url = f"sqlite:///{tmp_path}/l.db"
+    base = {k: v for k, v in os.environ.items() if not k.startswith("FENCED_")}
+    subprocess.run(
+        [sys.executable, "-m", "fenced", "keygen", "ed25519", "e1", str(key)], check=True
+    )
+    with fenced.connect(url, signing_key=str(key)) as locks, locks.lock("orders", ttl=30) as lease:
+        token = lease.token
+        for held in (str(key), f"{key}.pub"):
+            env = {**base, "FENCED_URL": url, "FENCED_SIGNING_KEY": held}
+            ok = cli_run("check-token", str(token), env=env)
+            assert ok.returncode == 0 and "current" in ok.stdout, (held, ok.stderr)
+            plain = cli_run("check-token", str(token.unsigned()), env=env)
+            assert plain.returncode == 2 and "unsigned" in plain.stderr, (held, plain)
