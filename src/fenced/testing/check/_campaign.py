@@ -20,8 +20,9 @@ The nemesis, on a schedule drawn from ``seed`` (the same seed, the same schedule
   fenced's PostgreSQL source judges expiry by the database's clock, so a forward step ends
   leases early — the overlap checker reports it — and the resource's fence must still hold);
 - ``forge`` (with ``signing``): write to the resource through its guard with a token nobody
-  was granted — a high value under a forged signature, or under a key id the resource does
-  not know — as a client that edits its token would; it must be refused.
+  was granted — a high value under a forged signature, under a key id the resource does not
+  know, or signed well for another source — as a client that edits its token would, or a
+  staging source sharing the key; it must be refused.
 """
 
 from __future__ import annotations
@@ -136,8 +137,8 @@ def _forge(
 ) -> None:
     """One forged write: the register with one more entry, under a token no grant had (far
     above any real one), signed with a made-up signature under the real key id, or under a
-    key id the resource does not know (every other time); every fourth, signed well with the
-    run's real key but for another source (a staging source sharing prod's key)."""
+    key id the resource does not know (every other time); every fourth (the first of them),
+    signed well with the run's real key but for another source (staging sharing prod's key)."""
     from ..._errors import FencedError
     from ..._signing import token_message
     from ..._token import FencingToken
@@ -151,7 +152,7 @@ def _forge(
     forged = 1_000_000_000 + n
     kid = "check" if n % 2 else "stolen"
     token = FencingToken(lock, forged, (kid, rng.randbytes(32)))
-    if n % 4 == 3 and key is not None:
+    if n % 4 == 1 and key is not None:
         elsewhere = key.sign(token_message(lock, forged, key.kid, _OTHER_SOURCE))
         token = FencingToken(lock, forged, (key.kid, elsewhere, _OTHER_SOURCE))
     entries.append([forged, value])
