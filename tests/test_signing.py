@@ -463,3 +463,44 @@ def test_check_token_with_the_sources_key_refuses_unsigned_and_verifies_with_the
             assert ok.returncode == 0 and "current" in ok.stdout, (held, ok.stderr)
             plain = cli_run("check-token", str(token.unsigned()), env=env)
             assert plain.returncode == 2 and "unsigned" in plain.stderr, (held, plain)
+
+
+def test_a_replicated_groups_copies_pass_members_that_verify(tmp_path: Path) -> None:
+    """A group's state transfer (add) and read repair re-present tokens read from a member:
+    members whose guards verify signatures refused them unsigned (ReplicationError), so a
+    group with signing could not add a member nor repair one. Now they carry a signature."""
+    import sqlite3
+
+    from fenced.guards.sql import SQLGuard
+    from fenced.replicated import Group
+    from fenced.replicated._members import Item, stamp
+
+    ring = Keyring([KEY], source_id="prod")
+
+    def member(name: str) -> object:
+        path = tmp_path / f"{name}.db"
+        return SQLGuard("orders", verify=ring).fencer(
+            lambda: sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        )
+
+    url = f"sqlite:///{tmp_path}/l.db"
+    with fenced.connect(url, signing_key=KEY, source_id="prod") as locks:
+        group = Group("orders", source=locks, members={"a": member("a"), "b": member("b")})
+        with locks.lock("orders", ttl=10) as lease:
+            group.writer(lease).set("k", b"v1")
+            token = lease.token
+        group.add("c", member("c"))  # the copy to c: under a's mark, signed
+        assert [m.name for m in group.status()[1] if m.in_configuration] == ["a", "b", "c"]
+        # a key only a has (as after a writer's partial write): a read repairs b and c
+        cfg = group.configuration()
+        item = Item("only-a", stamp(token.value, 99), b"x")
+        locks._portal.call(group.aio.member("a").apply(token, cfg.epoch, [item]))
+        assert group.read("only-a") == b"x"
+        for name in ("b", "c"):
+            snap = locks._portal.call(group.aio.member(name).read(["only-a"]))
+            assert snap.items["only-a"].value == b"x"
+        # an unsigned or foreign token is still refused by the members
+        with pytest.raises(SignatureError):
+            locks._portal.call(
+                group.aio.member("a").apply(FencingToken("orders", 99), cfg.epoch, [])
+            )

@@ -154,6 +154,15 @@ class AsyncGroup:
         self.observed: list[Configuration] = []
         """Every configuration this process has read or installed, in order (for checkers)."""
 
+    def _vouch(self, value: int, token: FencingToken | None) -> FencingToken:
+        """The token ``value`` (read from a member: a grant a member already accepted) to show
+        the members a copy is written under: the caller's own when it is that grant, else
+        signed with the source connection's key, when it has one (members that verify refuse
+        an unsigned one; a library source's client can sign any token anyway)."""
+        if token is not None and token.value == value:
+            return token
+        return self.source._sign(FencingToken(self.name, value))
+
     @staticmethod
     def _check_member_name(name: object) -> None:
         if not isinstance(name, str) or not name or len(name) > 100 or not name.isprintable():
@@ -320,7 +329,7 @@ class AsyncGroup:
             await self._each(removed, functools.partial(_apply, None, epoch, []))
         if added:
             snap = await self._bounded(self.member(kept[0]).read(None), f"member {kept[0]!r}")
-            carry = FencingToken(self.name, snap.token) if snap.token else token
+            carry = self._vouch(snap.token, token) if snap.token else token
             items = list(snap.items.values())
             loaded = await self._each(
                 added, functools.partial(_apply, carry, epoch, items, reset=True)
@@ -400,7 +409,7 @@ class AsyncGroup:
     async def _repair(self, cfg: Configuration, best: Item, behind: list[str]) -> bool:
         """Write ``best`` (with its own stamp and token) to the members behind; False if one
         refused (a newer writer or configuration came: read again)."""
-        token = FencingToken(self.name, stamp_token(best.stamp))
+        token = self._vouch(stamp_token(best.stamp), None)
         done = await self._each(behind, lambda n, m: m.apply(token, cfg.epoch, [best]))
         bad = {n: e for n, e in done.items() if isinstance(e, BaseException)}
         if not bad:
