@@ -11,6 +11,7 @@ import stat
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -504,3 +505,48 @@ def test_a_replicated_groups_copies_pass_members_that_verify(tmp_path: Path) -> 
             locks._portal.call(
                 group.aio.member("a").apply(FencingToken("orders", 99), cfg.epoch, [])
             )
+
+
+async def test_the_http_middlewares_refuse_another_sources_token(tmp_path: Path) -> None:
+    """FencingMiddleware and FencingWSGIMiddleware with verify= trusting "prod": a
+    staging token signed with the same key is a 400 before the store's mark moves; prod's
+    own is let through (the same Keyring every guard uses)."""
+    import httpx
+
+    from fenced.guards.asgi import FencingMiddleware, SQLiteFenceStore
+    from fenced.guards.wsgi import FencingWSGIMiddleware
+
+    ring = Keyring([KEY], source_id="prod")
+    prod, staging = (
+        sign_bound(FencingToken("jobs", 1), "prod"),
+        sign_bound(FencingToken("jobs", 5), "staging"),
+    )
+
+    async def ok_app(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async with SQLiteFenceStore(str(tmp_path / "a.db")) as store:
+        app = FencingMiddleware(ok_app, store=store, lock="jobs", verify=ring)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:
+            r = await client.post("/x", headers={"Fencing-Token": str(staging)})
+            assert r.status_code == 400 and "staging" in r.text
+            assert (
+                await client.post("/x", headers={"Fencing-Token": str(prod)})
+            ).status_code == 200
+            r = await client.post("/x", headers={"Fencing-Token": "jobs:2"})
+            assert r.status_code == 400 and "unsigned" in r.text
+
+    def ok_wsgi(environ: Any, start_response: Any) -> list[bytes]:
+        start_response("200 OK", [])
+        return [b"ok"]
+
+    with FencingWSGIMiddleware(
+        ok_wsgi, store=SQLiteFenceStore(str(tmp_path / "w.db")), lock="jobs", verify=ring
+    ) as wsgi:
+        client = httpx.Client(transport=httpx.WSGITransport(app=wsgi), base_url="http://app")
+        with client:
+            r = client.post("/x", headers={"Fencing-Token": str(staging)})
+            assert r.status_code == 400 and "staging" in r.text
+            assert client.post("/x", headers={"Fencing-Token": str(prod)}).status_code == 200
