@@ -550,3 +550,43 @@ async def test_the_http_middlewares_refuse_another_sources_token(tmp_path: Path)
             r = client.post("/x", headers={"Fencing-Token": str(staging)})
             assert r.status_code == 400 and "staging" in r.text
             assert client.post("/x", headers={"Fencing-Token": str(prod)}).status_code == 200
+
+
+def test_naming_a_running_fenced_serve_keeps_its_handed_out_tokens_with_accept_unbound(
+    tmp_path: Path,
+) -> None:
+    """The migration through fenced serve: a lease granted before the server had a source id
+    carries an unbound (v1) token; restarted with --source-id and --accept-unbound, the server
+    still renews and checks it (and refuses another source's); without --accept-unbound, the
+    v1 token is refused (400), as every resource trusting "prod" alone refuses it."""
+    import httpx
+
+    from fenced.testing.servers import FencedServer
+
+    key_file = tmp_path / "signing.key"
+    key_file.write_text(key_text(KEY))
+    source = f"sqlite:///{tmp_path / 'locks.db'}"
+    signing = ["--signing-key", str(key_file)]
+
+    def post(u: str, path: str, body: object) -> httpx.Response:
+        return httpx.post(f"{u}{path}", json=body, timeout=30)
+
+    with FencedServer(source, args=signing) as s:
+        got = post(s.url, "/v1/locks/acct/acquire", {"ttl": 60, "request_id": "r1"}).json()  # type: ignore[attr-defined]
+    v1 = got["signed"]
+    assert (
+        FencingToken.parse(v1).signature is not None and len(FencingToken.parse(v1).signature) == 2
+    )  # type: ignore[arg-type]
+    renew = {"token": v1, "request_id": "r1", "ttl": 60}
+    named = [*signing, "--source-id", "prod"]
+    with FencedServer(source, args=[*named, "--accept-unbound"]) as s:
+        u = s.url  # type: ignore[attr-defined]
+        assert post(u, "/v1/locks/acct/renew", renew).status_code == 200
+        assert post(u, "/v1/check", {"token": v1}).json()["verdict"] == "current"
+        staging = sign_bound(FencingToken.parse(v1).unsigned(), "staging")
+        assert post(u, "/v1/check", {"token": str(staging)}).status_code == 400
+    with FencedServer(source, args=named) as s:
+        u = s.url  # type: ignore[attr-defined]
+        r = post(u, "/v1/locks/acct/renew", renew)
+        assert r.status_code == 400 and "not bound to a source" in r.text
+        assert post(u, "/v1/check", {"token": v1}).status_code == 400
