@@ -13,7 +13,7 @@ What a signature covers, and its text form, by version:
   ``<lock>:<value>.<source id>.<key id>.<signature>``. A keyring naming its source
   (``Keyring(keys, source_id="prod")``) refuses a token of any other source, even one signed
   with the same key, and (unless ``accept_unbound=True``, for a migration) every v1 token.
-* **v1, unbound** (a source with no ``source_id``, as before 0.x): ``fenced-token-v1``, the
+* **v1, unbound** (a source with no ``source_id``; every signed token before issue 25): ``fenced-token-v1``, the
   lock name, the value and the key id; ``<lock>:<value>.<key id>.<signature>``. It cannot be
   moved to another lock, value or key, but two sources sharing a key can pass each other's
   tokens: an unbound key must sign for one source only.
@@ -89,7 +89,8 @@ _FILE_MAGIC: Final = "fenced-key 1"
 
 class SignatureError(InvalidTokenError):
     """A token's signature is missing (signing required), wrong, for another lock or value,
-    or made with a key the verifier does not hold (an unknown or retired key id)."""
+    of another source than the one trusted (or unbound where a source is named), or made with
+    a key the verifier does not hold (an unknown or retired key id)."""
 
 
 def token_message(lock: str, value: int, kid: str, source_id: str | None = None) -> bytes:
