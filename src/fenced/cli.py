@@ -277,8 +277,9 @@ def _parser() -> argparse.ArgumentParser:
         description=(
             "Ask the token source about TOKEN (as $FENCING_TOKEN carries it): exit 0 if it is "
             "the live grant of its lock, 77 if a later grant exists (stale), 78 if it is "
-            "neither (released or expired, and no later grant known), 2 if it is malformed or "
-            "above every grant the source knows (never issued). "
+            "neither (released or expired, and no later grant known), 2 if it is malformed, "
+            "above every grant the source knows (never issued), or, with a key, not well "
+            "signed by the source (unsigned, forged, or of another source). "
             "A check is a snapshot: a resource that acts on it acts a moment later."
         ),
     )
