@@ -900,7 +900,8 @@ def connect_async(url: str | object, *, require: Iterable[str] = (), **options: 
     connection or pool, a ``KazooClient`` (fenced opens its own connection where it points).
 
     ``require`` names characteristics (e.g. ``{"linearizable", "durable"}``) the source must
-    have; one lacking any is refused with :class:`~fenced.ConfigurationError`.
+    have; one lacking any is refused with :class:`~fenced.ConfigurationError`. Signing
+    (``signing_key=``, ``source_id=``, ``verify=``): as :func:`fenced.connect`.
     """
     return AsyncLocks(url, require=require, **options)
 
