@@ -590,3 +590,17 @@ def test_naming_a_running_fenced_serve_keeps_its_handed_out_tokens_with_accept_u
         r = post(u, "/v1/locks/acct/renew", renew)
         assert r.status_code == 400 and "not bound to a source" in r.text
         assert post(u, "/v1/check", {"token": v1}).status_code == 400
+
+
+def test_fenced_lock_binds_its_token_to_the_source_id(tmp_path: Path) -> None:
+    """`fenced lock --source-id` (or $FENCED_SOURCE_ID) puts a bound token in $FENCING_TOKEN."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("FENCED_")}
+    env = {**base, "FENCED_URL": f"sqlite:///{tmp_path}/l.db",
+           "FENCED_SIGNING_KEY": key_text(KEY).strip()}  # fmt: skip
+    echo = ["sh", "-c", 'echo "$FENCING_TOKEN"']
+    for args, extra in ((["--source-id", "prod"], {}), ([], {"FENCED_SOURCE_ID": "prod"})):
+        out = cli_run("lock", "jobs", *args, "--", *echo, env={**env, **extra})
+        token = FencingToken.parse(out.stdout.strip())
+        Keyring([KEY], source_id="prod").verify(token.lock, token.value, token.signature)
+    bad = cli_run("lock", "jobs", "--source-id", "no such", "--", *echo, env=env)
+    assert bad.returncode == 2 and "source_id must be" in bad.stderr
