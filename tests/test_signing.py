@@ -376,6 +376,11 @@ def test_check_token_refuses_unsigned_and_foreign_tokens_and_needs_only_the_publ
             assert key.read_text().split()[4] not in wrong.stderr
             # without a key, a token is only asked about (nothing to verify with)
             assert cli_run("check-token", str(token.unsigned()), env=env).returncode == 0
+            no_key = cli_run("check-token", str(token), "--source-id", "prod", env=env)
+            assert no_key.returncode == 2 and "need a key" in no_key.stderr
+            # ($FENCED_SOURCE_ID alone, as `fenced lock` uses it: nothing to verify with)
+            env_id = {**env, "FENCED_SOURCE_ID": "prod"}
+            assert cli_run("check-token", str(token), env=env_id).returncode == 0
         finally:
             lease.release()
 

@@ -820,7 +820,7 @@ def _cmd_check_token(args: argparse.Namespace) -> int:
         options["verify"] = Keyring(
             keys, source_id=source_id, accept_unbound=args.accept_unbound and bool(source_id)
         )
-    elif source_id or args.accept_unbound:
+    elif args.source_id or args.accept_unbound:  # ($FENCED_SOURCE_ID alone: nothing to check)
         raise ConfigurationError("--source-id and --accept-unbound need a key (--verify-key)")
     with _sync.connect(url, **options) as locks:
         result = locks.check(token)
