@@ -20,6 +20,7 @@ NEMESIS = {
     "counter-not-fsynced": ["restart", "stall"],
     "signature-skipped": ["forge", "stall"],
     "key-id-ignored": ["forge", "stall"],
+    "source-ignored": ["forge", "stall"],
 }
 EXPECTED = {
     "no-fence": {"lost update", "acceptance order", "acknowledged write"},
@@ -31,6 +32,7 @@ EXPECTED = {
     "write-then-check": {"refused write", "lost update", "acknowledged write"},
     "signature-skipped": {"forged token"},
     "key-id-ignored": {"forged token"},
+    "source-ignored": {"forged token"},
     "lease-overestimated": {"overlap"},
     "unfenced-release": {"overlap"},
     "token-in-memory": {"token reuse"},

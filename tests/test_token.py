@@ -109,3 +109,29 @@ def test_error_tree() -> None:
         assert issubclass(cls, fenced.FencedError)
     assert issubclass(fenced.LockTimeout, TimeoutError)
     assert issubclass(fenced.BackendUnavailable, ConnectionError)
+
+
+def test_signed_text_forms_v1_and_v2_and_what_they_refuse() -> None:
+    """v1 ``lock:value.kid.sig`` and v2 (bound) ``lock:value.source.kid.sig``, strictly."""
+    sig = "A" * 43
+    v1 = FencingToken.parse(f"a.b:7.k1.{sig}")
+    assert v1.lock == "a.b" and v1.signature is not None and len(v1.signature) == 2
+    v2 = FencingToken.parse(f"a.b:7.prod.k1.{sig}")
+    assert v2.signature is not None and v2.signature[0] == "k1" and v2.signature[2:] == ("prod",)
+    assert str(v2) == f"a.b:7.prod.k1.{sig}" and "prod" in repr(v2)
+    assert pickle.loads(pickle.dumps(v2)).signature == v2.signature
+    for bad in (
+        f"x:7..k1.{sig}",  # an empty source id
+        f"x:7.a.b.k1.{sig}",  # two source ids
+        f"x:7.{'s' * 65}.k1.{sig}",  # a source id too long
+        f"x:7.pr od.k1.{sig}",
+        f"x:7.prod.k1.{sig}.",
+        "x:7.prod.k1",  # no signature
+    ):
+        with pytest.raises(InvalidTokenError):
+            FencingToken.parse(bad)
+    raw = b"\0" * 32
+    for signature in (("k1", raw, ""), ("k1", raw, "p.q"), ("k1", raw, 5), ("k1", raw, "p", "x"),
+                      ("k1",), ["k1", raw]):  # fmt: skip
+        with pytest.raises(InvalidTokenError):
+            FencingToken("x", 7, signature)  # type: ignore[arg-type]

@@ -39,7 +39,7 @@ from ._errors import (
 )
 from ._options import Option
 from ._paths import default_url
-from ._signing import Keyring, signer, token_message
+from ._signing import Keyring, TokenVerifier, check_source_id, signer, token_message
 from ._state import (
     DEFAULT_TTL,
     MAX_TIMEOUT,
@@ -579,10 +579,24 @@ class AsyncLocks:
         if not isinstance(url, str):  # a client the application already has (see _adopt)
             url, adopted = adopt_client(url)
             options = {**adopted, **options}
-        # Signing is the core's, whatever the source: every grant's token leaves signed.
+        # Signing is the core's, whatever the source: every grant's token leaves signed,
+        # bound to the source's id when it has one (stable configuration: v2 tokens).
         self._signer = signer(options.pop("signing_key", None))
-        # check() verifies a signed token against the same key (its public half), once made
-        self._own_keys = None if self._signer is None else Keyring([self._signer.public()])
+        self._source_id = check_source_id(options.pop("source_id", None))
+        accept_unbound = bool(options.pop("accept_unbound", False))
+        verify: TokenVerifier | None = options.pop("verify", None)
+        if verify is not None and not callable(getattr(verify, "verify", None)):
+            raise ConfigurationError(f"verify= takes a Keyring (fenced.load_keys), not {verify!r}")
+        # What check() verifies a token with, before asking the source: verify= (public keys
+        # suffice), else this connection's own key's public half. With either, an unsigned
+        # token is refused, as guards and fenced serve's /v1/check refuse it.
+        self._own_keys: TokenVerifier | None = verify
+        if verify is None and self._signer is not None:
+            self._own_keys = Keyring(
+                [self._signer.public()],
+                source_id=self._source_id,
+                accept_unbound=accept_unbound and self._source_id is not None,
+            )
         self.url = url
         self._cls = backend_class(url)
         self._require = check_requirements(self._cls, require)
@@ -756,11 +770,11 @@ class AsyncLocks:
         """Ask the source about ``token`` (Chubby's ``CheckSequencer``): is it the live grant
         of its lock, and which is the highest granted? See :class:`~fenced.TokenCheck`.
 
-        With a signing key, a signed token is checked against this connection's key first
-        (:class:`~fenced.SignatureError` if it does not match), so a forged one cannot pass
-        as stale-but-genuine."""
+        With ``verify=`` (a keyring: public keys suffice) or a signing key, the token is
+        checked first (:class:`~fenced.SignatureError` if it is unsigned, forged, or of
+        another source), so a forged one cannot pass as stale-but-genuine."""
         tok = FencingToken.coerce(token)
-        if tok.signature is not None and self._own_keys is not None:
+        if self._own_keys is not None:
             self._own_keys.verify(tok.lock, tok.value, tok.signature)
         backend = await self._get_backend()
         return await backend.check(tok)
@@ -864,8 +878,11 @@ class AsyncLocks:
         key = self._signer
         if key is None:
             return token
-        signature = key.sign(token_message(token.lock, token.value, key.kid))
-        return FencingToken(token.lock, token.value, (key.kid, signature))
+        source = self._source_id
+        signature = key.sign(token_message(token.lock, token.value, key.kid, source))
+        if source is None:
+            return FencingToken(token.lock, token.value, (key.kid, signature))
+        return FencingToken(token.lock, token.value, (key.kid, signature, source))
 
     def _backend_or_fail(self) -> Backend:
         self._check_fork()
@@ -889,7 +906,8 @@ def connect_async(
     connection or pool, a ``KazooClient`` (fenced opens its own connection where it points).
 
     ``require`` names characteristics (e.g. ``{"linearizable", "durable"}``) the source must
-    have; one lacking any is refused with :class:`~fenced.ConfigurationError`.
+    have; one lacking any is refused with :class:`~fenced.ConfigurationError`. Signing
+    (``signing_key=``, ``source_id=``, ``verify=``): as :func:`fenced.connect`.
     """
     return AsyncLocks(default_url() if url is None else url, require=require, **options)
 

@@ -6,9 +6,17 @@ for good. With signing on, the token source's client (the core, for every backen
 each grant, and guards given the verify keys refuse any token that is unsigned, badly
 signed, cut short or moved to another lock, **before** they touch the mark or the data.
 
-The signature covers ``fenced-token-v1``, the lock name, the value and the key id, so it
-cannot be moved to another lock or value, nor passed off under another key. Its text form
-extends the plain one: ``<lock>:<value>.<key id>.<signature, base64url>``.
+What a signature covers, and its text form, by version:
+
+* **v2, bound to a source** (a source given ``source_id=``, stable configuration such as
+  ``prod``): ``fenced-token-v2``, the source id, the lock name, the value and the key id;
+  ``<lock>:<value>.<source id>.<key id>.<signature>``. A keyring naming its source
+  (``Keyring(keys, source_id="prod")``) refuses a token of any other source, even one signed
+  with the same key, and (unless ``accept_unbound=True``, for a migration) every v1 token.
+* **v1, unbound** (a source with no ``source_id``; every signed token before issue 25): ``fenced-token-v1``, the
+  lock name, the value and the key id; ``<lock>:<value>.<key id>.<signature>``. It cannot be
+  moved to another lock, value or key, but two sources sharing a key can pass each other's
+  tokens: an unbound key must sign for one source only.
 
 Two kinds of key:
 
@@ -19,9 +27,12 @@ Two kinds of key:
   never mint.
 
 What it protects against: a client that writes through a fenced guard with a token it did not
-get from the source (a bug, a replay with an edited number, a hostile client of the guard
-library). What it does not: a client that writes to the resource *without* the guard library
-(it never presents a token at all); and a thief of a signing key.
+get from the source (a bug, a replay with an edited number), and with a bound source, a token
+of another source. A *hostile* client only if it cannot sign: with a library source (SQLite,
+etcd, ZooKeeper, PostgreSQL, Redis) the signing key sits in every lock client, so only
+``fenced serve`` holding the key (clients use ``http://``) keeps it from them. What it does
+not: a client that writes to the resource *without* the guard library (it never presents a
+token at all); and a thief of a signing key.
 
 Keys are files (``fenced keygen``): one line ``fenced-key 1 <kind> <key id> <base64url>``;
 ``signing_key=`` and ``$FENCED_SIGNING_KEY`` take that line itself too (for secrets injected as
@@ -50,6 +61,7 @@ __all__ = [
     "Ed25519VerifyKey",
     "HmacKey",
     "Keyring",
+    "Signature",
     "SignatureError",
     "SigningKey",
     "TokenVerifier",
@@ -61,21 +73,51 @@ __all__ = [
     "signer",
     "token_message",
     "verify_all",
+    "verify_key",
 ]
 
 KID_RE: Final = re.compile(r"[A-Za-z0-9_-]{1,32}")
+SOURCE_ID_RE: Final = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _DOMAIN: Final = b"fenced-token-v1\0"
+_DOMAIN_V2: Final = b"fenced-token-v2\0"
+
+#: A token's signature: ``(key id, signature)`` (v1, unbound) or ``(key id, signature,
+#: source id)`` (v2, bound to its source).
+Signature = tuple[str, bytes] | tuple[str, bytes, str]
 _FILE_MAGIC: Final = "fenced-key 1"
 
 
 class SignatureError(InvalidTokenError):
     """A token's signature is missing (signing required), wrong, for another lock or value,
-    or made with a key the verifier does not hold (an unknown or retired key id)."""
+    of another source than the one trusted (or unbound where a source is named), or made with
+    a key the verifier does not hold (an unknown or retired key id)."""
 
 
-def token_message(lock: str, value: int, kid: str) -> bytes:
-    """The bytes a signature covers: domain, lock, value and key id, NUL-separated."""
-    return _DOMAIN + lock.encode() + b"\0" + str(value).encode() + b"\0" + kid.encode()
+def token_message(lock: str, value: int, kid: str, source_id: str | None = None) -> bytes:
+    """The bytes a signature covers, NUL-separated: v1 (no source) the domain, lock, value and
+    key id; v2 the domain, source id, lock, value and key id."""
+    tail = lock.encode() + b"\0" + str(value).encode() + b"\0" + kid.encode()
+    if source_id is None:
+        return _DOMAIN + tail
+    return _DOMAIN_V2 + source_id.encode() + b"\0" + tail
+
+
+def check_source_id(source_id: object) -> str | None:
+    """A source id (1-64 of ``A-Z a-z 0-9 _ -``), or None; else :class:`ConfigurationError`."""
+    if source_id is None:
+        return None
+    if not isinstance(source_id, str) or not SOURCE_ID_RE.fullmatch(source_id):
+        raise ConfigurationError(
+            f"source_id must be 1-64 characters of A-Z a-z 0-9 _ -, not {source_id!r}"
+        )
+    return source_id
+
+
+def split_signature(signature: Signature) -> tuple[str, bytes, str | None]:
+    """``(key id, signature, source id or None)`` of either form."""
+    if len(signature) == 3:
+        return signature[0], signature[1], signature[2]
+    return signature[0], signature[1], None
 
 
 def b64(data: bytes) -> str:
@@ -226,7 +268,7 @@ class TokenVerifier(Protocol):
     a :class:`~fenced.InvalidTokenError` to refuse it (:class:`Keyring`, :class:`Ceiling`,
     :func:`verify_all`)."""
 
-    def verify(self, lock: str, value: int, signature: tuple[str, bytes] | None) -> None: ...
+    def verify(self, lock: str, value: int, signature: Signature | None) -> None: ...
 
 
 class AboveCeilingError(InvalidTokenError):
@@ -255,12 +297,13 @@ class Ceiling:
         self.slack = slack
         self._highest: dict[str, int] = {}
 
-    def verify(self, lock: str, value: int, signature: tuple[str, bytes] | None) -> None:
+    def verify(self, lock: str, value: int, signature: Signature | None) -> None:
         if value <= self._highest.get(lock, 0) + self.slack:
             return
         from ._token import FencingToken  # (the token module imports this one)
 
-        result = self._source.check(FencingToken(lock, value))
+        # With its signature: a source that signs refuses an unsigned token in check().
+        result = self._source.check(FencingToken(lock, value, signature))
         if result.highest is not None:
             self._highest[lock] = max(self._highest.get(lock, 0), result.highest.value)
         if result.highest is None or value > result.highest.value + self.slack:
@@ -278,7 +321,7 @@ def verify_all(*verifiers: TokenVerifier) -> TokenVerifier:
     """One ``verify=`` that runs several (e.g. a keyring and a ceiling), in order."""
 
     class _All:
-        def verify(self, lock: str, value: int, signature: tuple[str, bytes] | None) -> None:
+        def verify(self, lock: str, value: int, signature: Signature | None) -> None:
             for v in verifiers:
                 v.verify(lock, value, signature)
 
@@ -290,9 +333,23 @@ def verify_all(*verifiers: TokenVerifier) -> TokenVerifier:
 
 class Keyring:
     """The verify keys a guard accepts, by key id (several: rotation). ``required`` (the
-    default) refuses unsigned tokens too."""
+    default) refuses unsigned tokens too.
 
-    def __init__(self, keys: Iterable[VerifyKey], *, required: bool = True) -> None:
+    ``source_id``: the token source this resource trusts (see the module docstring). Given,
+    a token must be bound to that source (v2); a token of another source is refused even if
+    signed with a key held here, and an unbound (v1) one too unless ``accept_unbound`` (while
+    tokens signed before the source was named are still in use). Not given, only unbound
+    tokens are accepted: a bound token names a source this keyring cannot judge.
+    """
+
+    def __init__(
+        self,
+        keys: Iterable[VerifyKey],
+        *,
+        required: bool = True,
+        source_id: str | None = None,
+        accept_unbound: bool = False,
+    ) -> None:
         self._keys: dict[str, VerifyKey] = {}
         for key in keys:
             if key.kid in self._keys:
@@ -301,35 +358,56 @@ class Keyring:
         if not self._keys:
             raise ConfigurationError("a keyring needs at least one key")
         self.required = required
+        self.source_id = check_source_id(source_id)
+        if accept_unbound and source_id is None:
+            raise ConfigurationError("accept_unbound needs a source_id (unbound is the default)")
+        self.accept_unbound = accept_unbound
         # Signatures already found good: a holder writes many times with one token, and the
-        # answer for the same (lock, value, key id, signature) and the same keys never changes.
-        self._good: dict[tuple[str, int, str, bytes], None] = {}
+        # answer for the same (lock, value, key id, signature, source) and keys never changes.
+        self._good: dict[tuple[str, int, str, bytes, str | None], None] = {}
 
     @property
     def kids(self) -> frozenset[str]:
         return frozenset(self._keys)
 
-    def verify(self, lock: str, value: int, signature: tuple[str, bytes] | None) -> None:
-        """Raise :class:`SignatureError` unless ``signature`` is a good one for (lock, value)."""
+    def verify(self, lock: str, value: int, signature: Signature | None) -> None:
+        """Raise :class:`SignatureError` unless ``signature`` is a good one for (lock, value)
+        from this keyring's source."""
         if signature is None:
             if self.required:
                 raise SignatureError(f"unsigned fencing token {lock}:{value}: signing is required")
             return
-        kid, sig = signature
-        seen = (lock, value, kid, sig)
+        kid, sig, source = split_signature(signature)
+        seen = (lock, value, kid, sig, source)
         if seen in self._good:
             return
+        if source is None:
+            if self.source_id is not None and not self.accept_unbound:
+                raise SignatureError(
+                    f"fencing token {lock}:{value} is not bound to a source (signed without "
+                    f"a source id): this resource trusts only source {self.source_id!r}"
+                )
+        elif self.source_id is None:
+            raise SignatureError(
+                f"fencing token {lock}:{value} is bound to source {source!r}: this resource "
+                "names no source it trusts (give the keyring source_id=)"
+            )
+        elif source != self.source_id:
+            raise SignatureError(
+                f"fencing token {lock}:{value} is from source {source!r}, not {self.source_id!r}"
+            )
         key = self._keys.get(kid)
         if key is None:
             raise SignatureError(f"fencing token {lock}:{value} is signed with unknown key {kid!r}")
-        if not key.verify(token_message(lock, value, kid), sig):
+        if not key.verify(token_message(lock, value, kid, source), sig):
             raise SignatureError(f"fencing token {lock}:{value}: bad signature (key {kid!r})")
         if len(self._good) >= 4096:
             self._good.clear()
         self._good[seen] = None
 
     def __repr__(self) -> str:
-        return f"Keyring(kids={sorted(self._keys)!r}, required={self.required})"
+        bound = "" if self.source_id is None else f", source_id={self.source_id!r}"
+        return f"Keyring(kids={sorted(self._keys)!r}, required={self.required}{bound})"
 
 
 # -- key files ------------------------------------------------------------------------------
@@ -368,28 +446,70 @@ def parse_key(text: str, where: str = "the key") -> HmacKey | Ed25519SigningKey 
     return _KINDS[parts[2]](parts[3], material)
 
 
-def load_keys(paths: Iterable[str | os.PathLike[str]], *, required: bool = True) -> Keyring:
-    """A :class:`Keyring` of the public halves of the key files (a resource never needs the
-    private half of an Ed25519 key)."""
-    keys: list[VerifyKey] = []
-    for path in paths:
-        key = load_key(path)
-        keys.append(key.public() if isinstance(key, Ed25519SigningKey) else key)
-    return Keyring(keys, required=required)
+def read_key(key: object, where: str) -> object:
+    """A key object as given, or read from its one line (an environment variable's) or its
+    key file's path."""
+    if isinstance(key, str) and key.startswith(_FILE_MAGIC + " "):
+        return parse_key(key, where)
+    if isinstance(key, str | os.PathLike):
+        return load_key(key)
+    return key
+
+
+def public_half(key: object) -> VerifyKey:
+    """What verifies ``key``'s signatures: an Ed25519 key's public half, an HMAC key itself."""
+    if isinstance(key, Ed25519SigningKey):
+        return key.public()
+    if not isinstance(key, HmacKey | Ed25519VerifyKey):
+        raise ConfigurationError(f"not a key, but {type(key).__name__}")
+    return key
+
+
+def verify_key(key: object, where: str = "the verify key") -> VerifyKey:
+    """A key a resource verifies with: a key object, a key file's path or its one line. An
+    Ed25519 *private* key is refused (a resource verifies with the public half, ``.pub``,
+    and must never be able to sign); an HMAC key is both."""
+    if isinstance(key, str | os.PathLike) and not str(key).startswith(_FILE_MAGIC + " "):
+        where = os.fspath(key)
+    key = read_key(key, where)
+    if isinstance(key, Ed25519SigningKey):
+        raise ConfigurationError(
+            f"{where} is an Ed25519 private key (key {key.kid!r}): a resource verifies with "
+            "its public half (the .pub file fenced keygen wrote) and must not hold the private one"
+        )
+    if not isinstance(key, HmacKey | Ed25519VerifyKey):
+        raise ConfigurationError(f"{where} is not a key, but {type(key).__name__}")
+    return key
+
+
+def load_keys(
+    paths: Iterable[str | os.PathLike[str]],
+    *,
+    required: bool = True,
+    source_id: str | None = None,
+    accept_unbound: bool = False,
+) -> Keyring:
+    """A :class:`Keyring` of key files: HMAC keys, or Ed25519 public keys (``.pub``; an
+    Ed25519 private key is refused: a resource never needs it). ``source_id``: the token
+    source the resource trusts (see :class:`Keyring`)."""
+    keys = [verify_key(path) for path in paths]
+    return Keyring(keys, required=required, source_id=source_id, accept_unbound=accept_unbound)
 
 
 def signer(key: object) -> HmacKey | Ed25519SigningKey | None:
     """``connect(signing_key=...)``: a signing key, or a path to its key file, or None."""
     if key is None:
         return None
-    if isinstance(key, str) and key.startswith(_FILE_MAGIC + " "):
-        key = parse_key(key, "the signing key")  # the key itself (an environment variable's)
-    elif isinstance(key, str | os.PathLike):
-        key = load_key(key)
+    key = read_key(key, "the signing key")
+    if isinstance(key, Ed25519VerifyKey):
+        raise ConfigurationError(
+            f"signing_key: key {key.kid!r} is an Ed25519 public key (.pub): it can verify, "
+            "not sign; the token source needs the private key fenced keygen wrote"
+        )
     if not isinstance(key, HmacKey | Ed25519SigningKey):
         raise ConfigurationError(
             f"signing_key must be an HMAC or Ed25519 private key (or its key file), not "
-            f"{type(key).__name__}: a public key can verify, not sign"
+            f"{type(key).__name__}"
         )
     return key
 

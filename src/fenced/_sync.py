@@ -380,7 +380,9 @@ def connect(
     where it points and opens its own connection there; every safety check still runs.
 
     ``require`` names characteristics (e.g. ``{"linearizable"}``) that the source must have;
-    one lacking any is refused with :class:`~fenced.ConfigurationError`. Further keyword
-    options go to the backend.
+    one lacking any is refused with :class:`~fenced.ConfigurationError`. Signing (every source,
+    docs/signing.md): ``signing_key=`` signs each grant, bound to ``source_id=`` (the source's
+    stable id) when given; ``verify=`` (a keyring, public keys suffice) checks tokens in
+    :meth:`~Locks.check`. Further keyword options go to the backend.
     """
     return Locks(default_url() if url is None else url, require=require, **options)

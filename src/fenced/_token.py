@@ -6,7 +6,7 @@ import re
 from typing import Any, Final
 
 from ._errors import InvalidTokenError, WrongLockError
-from ._signing import KID_RE, TokenVerifier, b64, unb64
+from ._signing import KID_RE, SOURCE_ID_RE, Signature, TokenVerifier, b64, unb64
 
 __all__ = ["MAX_TOKEN", "FencingToken", "escape_name", "unescape_name", "validate_lock_name"]
 
@@ -20,11 +20,14 @@ _NAME: Final = rf"{_SEGMENT}(?:/{_SEGMENT})*"
 _NAME_RE: Final = re.compile(_NAME)
 # The token's text form: the name, ":", the value in decimal. The value has no ":", so the last
 # ":" always separates them ("a:b:7" is lock "a:b", value 7): never ambiguous.
-# A signed token appends ".<key id>.<signature>" (base64url: 43 characters for HMAC-SHA256,
-# 86 for Ed25519); neither has a ":", so the last ":" still ends the name.
+# A signed token appends ".<key id>.<signature>" (v1, unbound) or ".<source id>.<key id>.
+# <signature>" (v2, bound to its source; base64url: 43 characters for HMAC-SHA256, 86 for
+# Ed25519); none has a ":" or a ".", so the last ":" still ends the name and the dots count
+# the parts.
 _TEXT_RE: Final = re.compile(
     rf"(?P<lock>{_NAME}):(?P<value>[1-9][0-9]{{0,18}})"
-    r"(?:\.(?P<kid>[A-Za-z0-9_-]{1,32})\.(?P<sig>[A-Za-z0-9_-]{43}|[A-Za-z0-9_-]{86}))?"
+    r"(?:\.(?:(?P<source>[A-Za-z0-9_-]{1,64})\.)?(?P<kid>[A-Za-z0-9_-]{1,32})"
+    r"\.(?P<sig>[A-Za-z0-9_-]{43}|[A-Za-z0-9_-]{86}))?"
 )
 MAX_NAME: Final = 200
 
@@ -81,14 +84,22 @@ class FencingToken:
 
     __slots__ = ("_lock", "_sig", "_value")
 
-    def __init__(self, lock: str, value: int, signature: tuple[str, bytes] | None = None) -> None:
+    def __init__(self, lock: str, value: int, signature: Signature | None = None) -> None:
         validate_lock_name(lock)
         if isinstance(value, bool) or not isinstance(value, int):
             raise InvalidTokenError(f"token value must be an int, not {type(value).__name__}")
         if not 1 <= value <= MAX_TOKEN:
             raise InvalidTokenError(f"token value {value} out of range 1..{MAX_TOKEN}")
         if signature is not None:
-            kid, sig = signature
+            if not isinstance(signature, tuple) or len(signature) not in (2, 3):
+                raise InvalidTokenError(
+                    "a token signature is (key id, signature) or (key id, signature, source id)"
+                )
+            kid, sig = signature[0], signature[1]
+            if len(signature) == 3:
+                source = signature[2]
+                if not isinstance(source, str) or not SOURCE_ID_RE.fullmatch(source):
+                    raise InvalidTokenError(f"malformed source id {source!r} in a signed token")
             if not isinstance(kid, str) or not KID_RE.fullmatch(kid):
                 raise InvalidTokenError(f"malformed key id {kid!r} in a signed token")
             if not isinstance(sig, bytes) or len(sig) not in (32, 64):
@@ -98,9 +109,10 @@ class FencingToken:
         self._sig = signature
 
     @property
-    def signature(self) -> tuple[str, bytes] | None:
-        """``(key id, signature)`` of a signed token (see :mod:`fenced._signing`), else None.
-        Equality and order ignore it: a token is its lock and value."""
+    def signature(self) -> Signature | None:
+        """``(key id, signature)`` of a signed token (v1), ``(key id, signature, source id)``
+        of one bound to its source (v2; see :mod:`fenced._signing`), else None. Equality and
+        order ignore it: a token is its lock and value."""
         return self._sig
 
     def unsigned(self) -> FencingToken:
@@ -140,7 +152,10 @@ class FencingToken:
         value = int(m["value"])
         if value > MAX_TOKEN:
             raise InvalidTokenError(f"fencing token value {m['value']} exceeds 2**63-1")
-        signature = None if m["kid"] is None else (m["kid"], unb64(m["sig"]))
+        signature: Signature | None = None
+        if m["kid"] is not None:
+            sig = unb64(m["sig"])
+            signature = (m["kid"], sig) if m["source"] is None else (m["kid"], sig, m["source"])
         token = cls(m["lock"], value, signature)
         if lock is not None:
             token.require_lock(lock)
@@ -207,10 +222,13 @@ class FencingToken:
     def __str__(self) -> str:
         if self._sig is None:
             return f"{self._lock}:{self._value}"
-        return f"{self._lock}:{self._value}.{self._sig[0]}.{b64(self._sig[1])}"
+        bound = f"{self._sig[2]}." if len(self._sig) == 3 else ""
+        return f"{self._lock}:{self._value}.{bound}{self._sig[0]}.{b64(self._sig[1])}"
 
     def __repr__(self) -> str:
         signed = "" if self._sig is None else f", signed by {self._sig[0]!r}"
+        if self._sig is not None and len(self._sig) == 3:
+            signed += f" for source {self._sig[2]!r}"
         return f"FencingToken({self._lock!r}, {self._value}{signed})"
 
     def __reduce__(self) -> tuple[Any, ...]:

@@ -154,6 +154,19 @@ def _source_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _source_id_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--source-id",
+        metavar="ID",
+        help="the token source's stable id (e.g. prod): signatures are bound to it, so a "
+        "resource trusting it refuses another source's tokens; default: $FENCED_SOURCE_ID",
+    )
+
+
+def _source_id(args: argparse.Namespace) -> str | None:
+    return args.source_id or os.environ.get("FENCED_SOURCE_ID") or None
+
+
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="fenced",
@@ -226,6 +239,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="sign the token with this key file (fenced keygen); default: $FENCED_SIGNING_KEY",
     )
+    _source_id_argument(lock)
     lock.add_argument(
         "--grace",
         type=_grace,
@@ -266,13 +280,28 @@ def _parser() -> argparse.ArgumentParser:
         description=(
             "Ask the token source about TOKEN (as $FENCING_TOKEN carries it): exit 0 if it is "
             "the live grant of its lock, 77 if a later grant exists (stale), 78 if it is "
-            "neither (released or expired, and no later grant known), 2 if it is malformed or "
-            "above every grant the source knows (never issued). "
+            "neither (released or expired, and no later grant known), 2 if it is malformed, "
+            "above every grant the source knows (never issued), or, with a key, not well "
+            "signed by the source (unsigned, forged, or of another source). "
             "A check is a snapshot: a resource that acts on it acts a moment later."
         ),
     )
     check.add_argument("token", metavar="TOKEN")
     check.add_argument("--json", action="store_true", help="print the result as JSON")
+    check.add_argument(
+        "--verify-key",
+        metavar="FILE",
+        action="append",
+        help="verify the token's signature with this key file first: an Ed25519 .pub or an "
+        "HMAC key (repeat for rotation); an unsigned, forged or foreign token then exits 2 "
+        "(default: $FENCED_VERIFY_KEY, else the key of $FENCED_SIGNING_KEY)",
+    )
+    _source_id_argument(check)
+    check.add_argument(
+        "--accept-unbound",
+        action="store_true",
+        help="with --source-id, also accept tokens signed before the source had an id (v1)",
+    )
     _source_arguments(check)
 
     keygen = sub.add_parser(
@@ -338,6 +367,13 @@ def _parser() -> argparse.ArgumentParser:
         "--signing-key",
         metavar="FILE",
         help="sign every token with this key (fenced keygen); default: $FENCED_SIGNING_KEY",
+    )
+    _source_id_argument(serve)
+    serve.add_argument(
+        "--accept-unbound",
+        action="store_true",
+        help="with --source-id, also accept its key's unbound (v1) tokens in /v1/check and "
+        "renewals: while naming a running source (docs/signing.md, migrating)",
     )
     serve.add_argument("--tls-cert", metavar="FILE", help="serve HTTPS with this certificate")
     serve.add_argument("--tls-key", metavar="FILE", help="the certificate's private key")
@@ -661,6 +697,7 @@ def _cmd_lock(args: argparse.Namespace) -> int:
     key_file = args.signing_key or os.environ.get("FENCED_SIGNING_KEY")
     if key_file:
         options["signing_key"] = key_file  # FENCING_TOKEN then carries the signed form
+        options["source_id"] = _source_id(args)
     with _sync.connect(url, **options) as locks:
         remaining = None if deadline is None else max(0.0, deadline - _clock.now())
         lease = locks.lock(
@@ -766,12 +803,29 @@ def _signal_group(child: subprocess.Popen[bytes], signum: int) -> None:
 
 
 def _cmd_check_token(args: argparse.Namespace) -> int:
+    from ._signing import Keyring, public_half, read_key, verify_key
+
     token = FencingToken.parse(args.token)
     url = args.url or default_url()
     options: dict[str, Any] = {"connect_timeout": max(args.timeout, 0.1)}
-    key_file = os.environ.get("FENCED_SIGNING_KEY")
-    if key_file:
-        options["signing_key"] = key_file
+    # Verifying needs only a public key (or the HMAC secret), never the power to sign:
+    # the token is checked locally first, and refused (exit 2) if unsigned, forged or of
+    # another source, as guards and fenced serve's /v1/check refuse it.
+    keys: list[Any] = []
+    if args.verify_key:
+        keys = [verify_key(path) for path in args.verify_key]
+    elif os.environ.get("FENCED_VERIFY_KEY"):
+        keys = [verify_key(os.environ["FENCED_VERIFY_KEY"], "$FENCED_VERIFY_KEY")]
+    elif os.environ.get("FENCED_SIGNING_KEY"):
+        # (the source's own key, private or public: its public half verifies)
+        keys = [public_half(read_key(os.environ["FENCED_SIGNING_KEY"], "$FENCED_SIGNING_KEY"))]
+    source_id = _source_id(args)
+    if keys:
+        options["verify"] = Keyring(
+            keys, source_id=source_id, accept_unbound=args.accept_unbound and bool(source_id)
+        )
+    elif args.source_id or args.accept_unbound:  # ($FENCED_SOURCE_ID alone: nothing to check)
+        raise ConfigurationError("--source-id and --accept-unbound need a key (--verify-key)")
     with _sync.connect(url, **options) as locks:
         result = locks.check(token)
     verdict = result.verdict.replace("_", "-")
@@ -880,6 +934,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     key_file = args.signing_key or os.environ.get("FENCED_SIGNING_KEY")
     if key_file:
         options["signing_key"] = key_file
+        options["source_id"] = _source_id(args)
+        options["accept_unbound"] = args.accept_unbound
     settings = ServerSettings(
         url=args.url or default_url(),
         options=options,

@@ -326,7 +326,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
     locks = AsyncLocks(settings.url, **settings.options)
     gw = Gateway(locks, max_wait=settings.max_wait, default_ttl=settings.default_ttl)
     keys = settings.api_keys
-    verifier = Keyring([locks._signer.public()]) if locks._signer is not None else None
+    verifier = locks._own_keys  # (its key's public half, bound to its source id)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -20,8 +20,9 @@ The nemesis, on a schedule drawn from ``seed`` (the same seed, the same schedule
   fenced's PostgreSQL source judges expiry by the database's clock, so a forward step ends
   leases early — the overlap checker reports it — and the resource's fence must still hold);
 - ``forge`` (with ``signing``): write to the resource through its guard with a token nobody
-  was granted — a high value under a forged signature, or under a key id the resource does
-  not know — as a client that edits its token would; it must be refused.
+  was granted — a high value under a forged signature, under a key id the resource does not
+  know, or signed well for another source — as a client that edits its token would, or a
+  staging source sharing the key; it must be refused.
 """
 
 from __future__ import annotations
@@ -131,11 +132,15 @@ def _resume_after(pid: int, name: str, path: Path, delay: float, limit: float) -
         os.killpg(pid, signal.SIGCONT)
 
 
-def _forge(resource: Any, lock: str, history: History, rng: random.Random, n: int) -> None:
+def _forge(
+    resource: Any, lock: str, history: History, rng: random.Random, n: int, key: Any = None
+) -> None:
     """One forged write: the register with one more entry, under a token no grant had (far
     above any real one), signed with a made-up signature under the real key id, or under a
-    key id the resource does not know (every other time)."""
+    key id the resource does not know (every other time); every fourth (the first of them),
+    signed well with the run's real key but for another source (staging sharing prod's key)."""
     from ..._errors import FencedError
+    from ..._signing import token_message
     from ..._token import FencingToken
 
     data, _ = resource.final()
@@ -147,6 +152,9 @@ def _forge(resource: Any, lock: str, history: History, rng: random.Random, n: in
     forged = 1_000_000_000 + n
     kid = "check" if n % 2 else "stolen"
     token = FencingToken(lock, forged, (kid, rng.randbytes(32)))
+    if n % 4 == 1 and key is not None:
+        elsewhere = key.sign(token_message(lock, forged, key.kid, _OTHER_SOURCE))
+        token = FencingToken(lock, forged, (key.kid, elsewhere, _OTHER_SOURCE))
     entries.append([forged, value])
     sent = _clock.now()
     try:
@@ -157,6 +165,11 @@ def _forge(resource: Any, lock: str, history: History, rng: random.Random, n: in
     except Exception:
         ok = None
     history.append("write", lock=lock, token=forged, value=value, ok=ok, sent=sent, forged=True)
+
+
+# The run's source id (workers sign for it, the resource trusts it), and another one.
+_SOURCE_ID = "check"
+_OTHER_SOURCE = "elsewhere"
 
 
 def _current_holder(path: Path) -> str | None:
@@ -353,6 +366,7 @@ def run_campaign(
             raise CampaignError(f"resource {shown}: {type(exc).__name__}: {exc}") from exc
         key_file: Path | None = None
         keyring: Any = None
+        key: Any = None
         if signing:
             from ..._signing import Keyring, generate_key, key_text
 
@@ -360,7 +374,7 @@ def run_campaign(
             key_file = Path(scratch) / "signing.key"
             key_file.write_text(key_text(key))
             key_file.chmod(0o600)
-            keyring = Keyring([key])
+            keyring = Keyring([key], source_id=_SOURCE_ID)
         forger = open_resource(resource, lock, keyring) if "forge" in nemesis else None
         rng = random.Random(seed)
         env = python_env()
@@ -380,6 +394,7 @@ def run_campaign(
                 "source": src, "resource": res, "history": str(path), "name": f"w{serial}",
                 "ttl": ttl, "seed": seed, "plant": plant, "lock": lock,
                 "signing_key": str(key_file) if key_file else None,
+                "source_id": _SOURCE_ID if key_file else None,
             }  # fmt: skip
             worker_env = env
             if "clock" in nemesis:
@@ -464,7 +479,7 @@ def run_campaign(
                 assert forger is not None
                 if forger_history is None:
                     forger_history = History(path, "forger")  # (a lane of its own)
-                _forge(forger, lock, forger_history, rng, faults["forge"])
+                _forge(forger, lock, forger_history, rng, faults["forge"], key)
             else:
                 os.killpg(victim.pid, signal.SIGKILL)
                 victim.wait()

@@ -6,7 +6,7 @@ Each is a mistake people make when they build fencing by hand, put in one place:
 - in the **resource** (a hand-written fence over the same SQLite register, ``planted+sqlite``):
   ``no-fence``, ``unfenced-read``, ``off-by-one``, ``check-then-write``, ``mark-in-memory``,
   ``mark-not-raised``, ``write-then-check``, and with signed tokens ``signature-skipped``,
-  ``key-id-ignored`` (the ``forge`` nemesis writes with forged tokens);
+  ``key-id-ignored``, ``source-ignored`` (the ``forge`` nemesis writes with forged tokens);
 - in the **worker's use of its lease**: ``lease-overestimated``, ``unfenced-release``;
 - in the **token source** (one the kit starts and kills -9 and restarts): ``token-in-memory``
   (fenced serve over ``memory://``), ``counter-not-fsynced`` (Redis without its AOF).
@@ -24,7 +24,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ..._errors import ConfigurationError, StaleTokenError
-from ..._signing import TokenVerifier
+from ..._signing import Keyring, TokenVerifier
 from ..._token import FencingToken
 from ._resources import KEY, _query, _sqlite_transaction
 
@@ -40,14 +40,16 @@ PLANTS: dict[str, str] = {
     "write-then-check": "writes first, then checks; a refusal leaves the write in place",
     "signature-skipped": "signing is on, but the resource never verifies a token's signature",
     "key-id-ignored": "a token signed under a key id the resource does not know is let through",
+    "source-ignored": "a token well signed for another source is let through (the resource "
+    "trusts the source the token names, not its own)",
     "lease-overestimated": "the holder believes its lease lasts twice its ttl",
     "unfenced-release": "release frees the lock whoever holds it (no token)",
     "token-in-memory": "the token source keeps its counter in memory and is restarted",
     "counter-not-fsynced": "the token source (Redis, no AOF) loses its counter on kill -9",
 }
 
-_RESOURCE_PLANTS = frozenset(list(PLANTS)[:9])
-SIGNING_PLANTS = frozenset({"signature-skipped", "key-id-ignored"})
+_RESOURCE_PLANTS = frozenset(list(PLANTS)[:10])
+SIGNING_PLANTS = frozenset({"signature-skipped", "key-id-ignored", "source-ignored"})
 _WORKER_PLANTS = frozenset({"lease-overestimated", "unfenced-release"})
 
 
@@ -127,6 +129,11 @@ class PlantedSQLite:
         kids: frozenset[str] = getattr(self.verify, "kids", frozenset())
         if self.plant == "key-id-ignored" and signature is not None and signature[0] not in kids:
             return  # the mistake: an unknown key id falls through instead of failing
+        if self.plant == "source-ignored" and signature is not None and len(signature) == 3:
+            # the mistake: the source id the token claims is the one checked against
+            keys = list(getattr(self.verify, "_keys", {}).values())
+            Keyring(keys, source_id=signature[2]).verify(token.lock, token.value, signature)
+            return
         self.verify.verify(token.lock, token.value, signature)
 
     def read(self, token: FencingToken) -> bytes | None:

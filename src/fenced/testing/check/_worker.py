@@ -63,11 +63,16 @@ def main(argv: list[str]) -> None:
     _wall_clock_steps(os.environ.get("FENCED_CHECK_CLOCK"))
     verify = None
     if cfg.get("signing_key"):
-        from fenced._signing import Keyring, load_key
+        from fenced._signing import Keyring, load_key, public_half
 
-        verify = Keyring([load_key(cfg["signing_key"])])
+        # (the resource verifies with the public half: it never needs the power to sign)
+        verify = Keyring(
+            [public_half(load_key(cfg["signing_key"]))], source_id=cfg.get("source_id")
+        )
     resource: Any = open_resource(cfg["resource"], lock, verify)
-    with fenced.connect(cfg["source"], signing_key=cfg.get("signing_key")) as locks:
+    with fenced.connect(
+        cfg["source"], signing_key=cfg.get("signing_key"), source_id=cfg.get("source_id")
+    ) as locks:
         while not stop.is_set():
             lease = locks.lock(lock, ttl=ttl)
             try:
