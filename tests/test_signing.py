@@ -6,6 +6,7 @@ tests/guards/test_guard_conformance.py, with planted verifiers it must catch.
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
 import subprocess
@@ -609,3 +610,19 @@ def test_fenced_lock_binds_its_token_to_the_source_id(tmp_path: Path) -> None:
         Keyring([KEY], source_id="prod").verify(token.lock, token.value, token.signature)
     bad = cli_run("lock", "jobs", "--source-id", "no such", "--", *echo, env=env)
     assert bad.returncode == 2 and "source_id must be" in bad.stderr
+
+
+def test_signing_without_a_source_id_warns_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """v1 tokens are valid at every source holding the key: the user is told, once."""
+    from fenced import _lease
+
+    key = HmacKey("k1", os.urandom(32))
+    _lease._warned_unbound = False
+    with caplog.at_level(logging.WARNING, logger="fenced"):
+        fenced.connect(f"sqlite:///{tmp_path}/a.db", signing_key=key).close()
+        fenced.connect(f"sqlite:///{tmp_path}/b.db", signing_key=key).close()
+        fenced.connect(f"sqlite:///{tmp_path}/c.db", signing_key=key, source_id="prod").close()
+    said = [r for r in caplog.records if "without source_id" in r.getMessage()]
+    assert len(said) == 1

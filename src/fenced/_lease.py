@@ -583,6 +583,8 @@ class AsyncLocks:
         # bound to the source's id when it has one (stable configuration: v2 tokens).
         self._signer = signer(options.pop("signing_key", None))
         self._source_id = check_source_id(options.pop("source_id", None))
+        if self._signer is not None and self._source_id is None:
+            _warn_unbound_once()
         accept_unbound = bool(options.pop("accept_unbound", False))
         verify: TokenVerifier | None = options.pop("verify", None)
         if verify is not None and not callable(getattr(verify, "verify", None)):
@@ -910,6 +912,22 @@ def connect_async(
     (``signing_key=``, ``source_id=``, ``verify=``): as :func:`fenced.connect`.
     """
     return AsyncLocks(default_url() if url is None else url, require=require, **options)
+
+
+_warned_unbound = False
+
+
+def _warn_unbound_once() -> None:
+    """Signing without a source id mints v1 tokens, which any source holding the same key can
+    mint too: say so once per process (docs/signing.md, "The source's identity")."""
+    global _warned_unbound
+    if not _warned_unbound:
+        _warned_unbound = True
+        logger.warning(
+            "signing without source_id: these tokens are not bound to this source, so a guard "
+            "trusting this key also accepts tokens of any other source that holds it; give "
+            "each source its own key, or set source_id (and the guards' source_id)"
+        )
 
 
 def _redact(url: str) -> str:
