@@ -530,3 +530,27 @@ def test_tokens_beyond_2_53_and_at_the_maximum(redis_server: RedisServer) -> Non
             assert status.holder is None and status.last_token.value == fenced.MAX_TOKEN  # type: ignore[union-attr]
     finally:
         native.close()
+
+
+def test_refused_credentials_are_access_denied_at_once(server: RedisServer) -> None:
+    """Bug: a wrong or missing password was a ConnectionError to redis-py, so connect()
+    retried it for the whole connect_timeout (10 s) before BackendUnavailable. No retry
+    mends it: AccessDenied at once (the password never in the message); the right one works."""
+    import time
+
+    redis.Redis(port=server.port).config_set("requirepass", "s3cret-pw")
+    base = f"127.0.0.1:{server.port}/0"
+    try:
+        for url in (f"redis://:wrong-pw@{base}", f"redis://{base}"):
+            started = time.monotonic()
+            with pytest.raises(fenced.AccessDenied) as info:
+                fenced.connect(url)  # the default connect_timeout: 10 s
+            assert time.monotonic() - started < 3
+            assert "wrong-pw" not in str(info.value) and "\n" not in str(info.value)
+        with (
+            fenced.connect(f"redis://:s3cret-pw@{base}") as locks,
+            locks.lock(_prefix(), ttl=5) as lease,
+        ):
+            assert lease.token.value >= 1
+    finally:
+        redis.Redis(port=server.port, password="s3cret-pw").config_set("requirepass", "")

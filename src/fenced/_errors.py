@@ -22,7 +22,8 @@ Hierarchy::
     ├── BackendError
     │   ├── BackendUnavailable (ConnectionError)  the token source cannot be reached, or the connection is closed
     │   ├── UnsafeBackendError               the server's configuration cannot give the promised safety
-    │   └── AccessDenied (PermissionError)   a lock service refused this client's API key (missing, unknown, not allowed)
+    │   └── AccessDenied (PermissionError)   a lock service refused this client's API key (missing, unknown, not allowed),
+    │                                        or a source its credentials (wrong password, no such role, no ACL permission)
     └── ConfigurationError (ValueError)      a bad URL, an unknown scheme, or a backend lacking a required characteristic
 
 Native errors of the clients (sqlite3, psycopg, redis, kazoo, grpc) are translated at the
@@ -228,7 +229,10 @@ class UnsafeBackendError(BackendError):
 
 class AccessDenied(BackendError, PermissionError):
     """A lock service (``fenced serve``) refused this client: no API key, an unknown one, or one
-    not allowed this verb on this lock name. Nothing was changed."""
+    not allowed this verb on this lock name; or a token source refused its credentials (a
+    wrong or missing password, a role that does not exist or may not log in, a Redis user
+    without the ACL permissions). Nothing was changed, and no retry would help: ``connect``
+    raises it at once."""
 
 
 class ConfigurationError(FencedError, ValueError):

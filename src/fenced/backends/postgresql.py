@@ -26,10 +26,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import re
 import secrets
 import select
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Final
 from urllib.parse import SplitResult, urlsplit
 
 import psycopg
@@ -47,9 +48,11 @@ from .._backend import (
     wait_budget,
 )
 from .._errors import (
+    AccessDenied,
     BackendError,
     BackendUnavailable,
     ConfigurationError,
+    FencedError,
     LeaseLostError,
     RecordConflict,
     UnsafeBackendError,
@@ -338,6 +341,9 @@ class PostgreSQLBackend(Backend):
                     # Explicit, so a server or role default of "off" cannot weaken durability.
                     await conn.execute(SESSION_SETUP)
         except (psycopg.Error, OSError, TimeoutError) as exc:
+            refused = _refused(exc)
+            if refused is not None:  # (connect() would retry BackendUnavailable in vain)
+                raise refused from exc
             raise BackendUnavailable(f"cannot connect to PostgreSQL: {exc}") from exc
         return conn
 
@@ -683,3 +689,31 @@ def _forget(tasks: set[asyncio.Task[Any]]) -> Callable[[asyncio.Task[Any]], None
             task.exception()  # retrieved: background failures are expected and harmless
 
     return done
+
+
+# What the server (or libpq) says when it will never let this client in as configured. A
+# connection that fails so carries no SQLSTATE in psycopg (libpq reports it as text), so the
+# server's English messages are matched; under another lc_messages they are retried as before.
+_DENIED_TEXT: Final = (
+    "password authentication failed",
+    "no password supplied",
+    "no pg_hba.conf entry",
+    "is not permitted to log in",
+    "pg_hba.conf rejects connection",
+    "certificate authentication failed",
+)
+_ROLE_RE: Final = re.compile(r'role "[^"]*" does not exist')
+_DATABASE_RE: Final = re.compile(r'database "[^"]*" does not exist')
+
+
+def _refused(exc: BaseException) -> FencedError | None:
+    """AccessDenied / ConfigurationError for a connection no retry will let in, else None."""
+    if not isinstance(exc, psycopg.OperationalError):
+        return None
+    text = " ".join(str(exc).split())  # one line (libpq reports each host tried on its own)
+    if any(t in text for t in _DENIED_TEXT) or _ROLE_RE.search(text):
+        return AccessDenied(f"PostgreSQL refused this client: {text}")
+    missing = _DATABASE_RE.search(text)
+    if missing is not None:
+        return ConfigurationError(f"PostgreSQL: {missing.group(0)}")
+    return None

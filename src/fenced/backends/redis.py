@@ -54,6 +54,7 @@ from .._backend import (
     wait_budget,
 )
 from .._errors import (
+    AccessDenied,
     BackendError,
     BackendUnavailable,
     ConfigurationError,
@@ -67,6 +68,10 @@ from .._redis_errors import NATIVE, kind
 from .._token import FencingToken
 
 __all__ = ["RedisBackend", "check_server_safety"]
+
+_DENIED: Final = (rexc.AuthenticationError, rexc.AuthorizationError, rexc.NoPermissionError)
+"""A wrong or missing password, a user disabled or without the ACL permissions: no retry mends
+them (redis-py makes AuthenticationError a ConnectionError, which connect() would retry)."""
 
 SWAP_RECORD_LUA: Final = """\
 local v = tonumber(redis.call('HGET', KEYS[1], 'v') or '0')
@@ -485,6 +490,8 @@ class RedisBackend(Backend):
         except FencedError:  # already translated (by the safety re-check)
             raise
         except NATIVE as exc:
+            if isinstance(exc, _DENIED):  # (a ConnectionError to redis-py: never retried)
+                raise AccessDenied(f"redis at {self._where} refused this client: {exc}") from exc
             what = kind(exc)
             if what == "unreachable":
                 self._recheck_safety = True
