@@ -404,3 +404,29 @@ def test_wsgi_header_whitespace_is_stripped_behind_wsgiref(tmp_path: Path) -> No
         wsgi_serve(app) as base,
     ):
         check_whitespace(base, handler)
+
+
+async def test_refused_store_credentials_are_500_problem_not_503(pg_server: Any) -> None:
+    """A store whose credentials its server refuses will never pass: 500 fence-misconfigured
+    (it was 503 + Retry-After, inviting retries that cannot succeed); the handler never runs."""
+    redis_server = RedisServer()
+    with redis_server:
+        redis.Redis(port=redis_server.port).config_set("requirepass", "s3cret-pw")
+        client = redis.asyncio.Redis.from_url(f"redis://:wrong-pw@127.0.0.1:{redis_server.port}/0")
+        stores: list[Any] = [
+            PostgresFenceStore(f"postgresql://no_such_role@127.0.0.1:{pg_server.port}/postgres"),
+            RedisFenceStore(client),
+        ]
+        for store in stores:
+            handler = Handler()
+            app = FencingMiddleware(handler, store=store, lock=LOCK)
+            try:
+                async with asgi_client(app) as client_:
+                    r = await client_.post("/x", headers={"Fencing-Token": "jobs:1"})
+                assert r.status_code == 500, (store, r.status_code, r.text)
+                doc = problem(r.status_code, r.headers, r.content)
+                assert doc["type"].endswith("fence-misconfigured") and "wrong-pw" not in r.text
+                assert "retry-after" not in r.headers and handler.calls == 0
+            finally:
+                await store.close()
+        await client.aclose()

@@ -26,11 +26,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import re
 import secrets
 import select
 from collections.abc import Callable
-from typing import Any, ClassVar, Final
+from typing import Any, ClassVar
 from urllib.parse import SplitResult, urlsplit
 
 import psycopg
@@ -48,15 +47,14 @@ from .._backend import (
     wait_budget,
 )
 from .._errors import (
-    AccessDenied,
     BackendError,
     BackendUnavailable,
     ConfigurationError,
-    FencedError,
     LeaseLostError,
     RecordConflict,
     UnsafeBackendError,
 )
+from .._pg_errors import connect_refusal
 from .._pg_errors import kind as pg_kind
 from .._token import FencingToken
 from ._postgresql_schema import (
@@ -341,7 +339,7 @@ class PostgreSQLBackend(Backend):
                     # Explicit, so a server or role default of "off" cannot weaken durability.
                     await conn.execute(SESSION_SETUP)
         except (psycopg.Error, OSError, TimeoutError) as exc:
-            refused = _refused(exc)
+            refused = connect_refusal(exc)
             if refused is not None:  # (connect() would retry BackendUnavailable in vain)
                 raise refused from exc
             raise BackendUnavailable(f"cannot connect to PostgreSQL: {exc}") from exc
@@ -689,31 +687,3 @@ def _forget(tasks: set[asyncio.Task[Any]]) -> Callable[[asyncio.Task[Any]], None
             task.exception()  # retrieved: background failures are expected and harmless
 
     return done
-
-
-# What the server (or libpq) says when it will never let this client in as configured. A
-# connection that fails so carries no SQLSTATE in psycopg (libpq reports it as text), so the
-# server's English messages are matched; under another lc_messages they are retried as before.
-_DENIED_TEXT: Final = (
-    "password authentication failed",
-    "no password supplied",
-    "no pg_hba.conf entry",
-    "is not permitted to log in",
-    "pg_hba.conf rejects connection",
-    "certificate authentication failed",
-)
-_ROLE_RE: Final = re.compile(r'role "[^"]*" does not exist')
-_DATABASE_RE: Final = re.compile(r'database "[^"]*" does not exist')
-
-
-def _refused(exc: BaseException) -> FencedError | None:
-    """AccessDenied / ConfigurationError for a connection no retry will let in, else None."""
-    if not isinstance(exc, psycopg.OperationalError):
-        return None
-    text = " ".join(str(exc).split())  # one line (libpq reports each host tried on its own)
-    if any(t in text for t in _DENIED_TEXT) or _ROLE_RE.search(text):
-        return AccessDenied(f"PostgreSQL refused this client: {text}")
-    missing = _DATABASE_RE.search(text)
-    if missing is not None:
-        return ConfigurationError(f"PostgreSQL: {missing.group(0)}")
-    return None

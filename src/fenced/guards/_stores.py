@@ -42,6 +42,7 @@ from typing import (
 )
 
 from .._errors import BackendUnavailable, ConfigurationError, CorruptMarkError, FencedError
+from .._pg_errors import connect_refusal
 from .._sqlite_errors import is_busy
 from .._token import FencingToken
 from ._sql_driver import map_error
@@ -474,6 +475,9 @@ class _SmallPool:
         except BaseException as exc:
             await self._forget()
             if isinstance(exc, Exception) and type(exc).__module__.startswith("psycopg"):
+                refused = connect_refusal(exc)  # (a wrong password: no retry passes)
+                if refused is not None:
+                    raise refused from exc
                 raise BackendUnavailable(f"cannot connect to PostgreSQL: {exc}") from exc
             raise
 

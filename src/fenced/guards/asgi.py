@@ -27,8 +27,9 @@ lock
 store unreachable / conflict       503     (``Retry-After: 1``)
 the stored mark is corrupt         503     ``resource`` (no ``Retry-After``: every write
                                            is refused until an operator repairs the mark)
-any other error of the store       500     ``resource`` (a misconfigured store: the
-(misconfigured, unexpected)                error is logged on ``fenced.guards.http``)
+any other error of the store       500     ``resource`` (a misconfigured store, its
+(misconfigured, credentials                credentials refused, an unexpected error: logged
+refused, unexpected)                       on ``fenced.guards.http``)
 =================================  ======  ===========================================
 
 Every refusal is a problem document and nothing is passed on to the app: whatever the store
@@ -56,6 +57,7 @@ from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any, Final
 
 from .._errors import (
+    AccessDenied,
     BackendUnavailable,
     ConfigurationError,
     CorruptMarkError,
@@ -192,8 +194,9 @@ def problem_for(
     """The problem response for a fenced error (None: not a client-facing refusal).
 
     Stale -> 409; wrong lock, malformed -> 400; unreachable store, conflicts, a corrupt mark
-    -> 503. :class:`~fenced.ConfigurationError` and non-fenced errors give None: raised by a
-    handler, they are bugs (500); met by the middleware, see :func:`store_problem`.
+    -> 503. :class:`~fenced.ConfigurationError`, :class:`~fenced.AccessDenied` and non-fenced
+    errors give None: raised by a handler, they are bugs (500); met by the middleware, see
+    :func:`store_problem`.
     """
     where = {"resource": resource}
     shown = {"token": sent[:200].decode("latin-1")} if sent is not None else {}
@@ -218,8 +221,10 @@ def problem_for(
         return Problem(
             503, "corrupt", "corrupt-mark", "Fence mark corrupt", str(exc), where
         )  # (no Retry-After: no retry passes until an operator repairs the mark)
-    if isinstance(exc, ConfigurationError) or not isinstance(exc, BackendUnavailable | FencedError):
-        return None
+    if isinstance(exc, ConfigurationError | AccessDenied) or not isinstance(
+        exc, BackendUnavailable | FencedError
+    ):
+        return None  # (the store's own credentials refused: misconfigured, not unavailable)
     return Problem(
         503, "unavailable", "fence-unavailable", "Fence unavailable",
         f"the high-water mark of {resource!r} could not be checked: {exc}", where,
@@ -238,7 +243,8 @@ def store_problem(
     if problem is not None:
         return problem
     logger.error("fence check of %r failed", resource, exc_info=exc)
-    kind = "fence-misconfigured" if isinstance(exc, ConfigurationError) else "fence-error"
+    misconfigured = isinstance(exc, ConfigurationError | AccessDenied)
+    kind = "fence-misconfigured" if misconfigured else "fence-error"
     return Problem(
         500, "error", kind, "Fence check failed",
         f"the high-water mark of {resource!r} could not be checked: "
