@@ -387,8 +387,9 @@ async def test_dead_engines_raise_backend_unavailable() -> None:
             await RedisFenceStore(client).advance("r", tok(1))
     finally:
         await client.aclose()
+    # (a directory that does not exist is no dead engine: refused at once, as the source does)
     sqlite_store = SQLiteFenceStore("/nonexistent-dir/x/fences.db")
-    with pytest.raises(BackendUnavailable):
+    with pytest.raises(ConfigurationError, match="No such file or directory"):
         await sqlite_store.advance("r", tok(1))
     await sqlite_store.close()
 

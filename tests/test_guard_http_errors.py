@@ -430,3 +430,23 @@ async def test_refused_store_credentials_are_500_problem_not_503(pg_server: Any)
             finally:
                 await store.close()
         await client.aclose()
+
+
+async def test_an_unusable_sqlite_file_is_500_problem_not_503(tmp_path: Path) -> None:
+    """A SQLite store on a file that is not a database, or on a directory, can never open:
+    500 fence-misconfigured at once (it was 503 + Retry-After); the file is left as it was."""
+    garbage = tmp_path / "garbage.db"
+    garbage.write_bytes(b"not a database" * 100)
+    for path, says in ((garbage, "not a SQLite database"), (tmp_path, "is a directory")):
+        store = SQLiteFenceStore(str(path))
+        handler = Handler()
+        try:
+            async with asgi_client(FencingMiddleware(handler, store=store, lock=LOCK)) as client:
+                r = await client.post("/x", headers={"Fencing-Token": "jobs:1"})
+            assert r.status_code == 500, (path, r.status_code, r.text)
+            doc = problem(r.status_code, r.headers, r.content)
+            assert doc["type"].endswith("fence-misconfigured") and says in doc["detail"]
+            assert handler.calls == 0
+        finally:
+            await store.close()
+    assert garbage.read_bytes() == b"not a database" * 100

@@ -69,12 +69,10 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
-import errno
 import functools
 import logging
 import os
 import sqlite3
-import tempfile
 import threading
 import time
 import urllib.parse
@@ -104,7 +102,7 @@ from .._errors import (
     UnsafeBackendError,
 )
 from .._options import Option
-from .._sqlite_errors import is_busy, primary_code
+from .._sqlite_errors import is_busy, unusable
 from .._token import FencingToken
 from ._sqlite_schema import (
     PRAGMAS,
@@ -156,12 +154,6 @@ _BUSY_SLEEPS: Final = (0.00005, 0.0001, 0.0002, 0.0004, 0.0008, 0.0015)
 longer than a fenced transaction holds the lock (~0.2 ms), so it is not used (timeout=0)."""
 
 POLL_MIN: Final = 0.001
-_SQLITE_CORRUPT, _SQLITE_CANTOPEN, _SQLITE_NOTADB = 11, 14, 26
-_NEVER: Final = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT, errno.ENOTDIR})
-"""What opening a file can fail with that no retry mends (EMFILE, ENOSPC... may pass)."""
-_SQLITE_DENIED: Final = frozenset({3, 8, 23, 1032, 1544})
-"""Extended codes no retry mends: SQLITE_PERM, SQLITE_READONLY (plain, DBMOVED, DIRECTORY),
-SQLITE_AUTH. (READONLY_RECOVERY, _CANTLOCK, _CANTINIT, _ROLLBACK wait for a writer: retried.)"""
 _OPTIONS: Final = MappingProxyType(
     {
         "waiter_ttl": Option("number", 2.0, low=0, low_open=True, high=3600),
@@ -169,25 +161,6 @@ _OPTIONS: Final = MappingProxyType(
         "busy_timeout": Option("number", 5.0, low=0, low_open=True, high=3600),
     }
 )
-
-
-def _denied(path: str, directory: str, read_only: bool) -> str | None:
-    """Why this user can never open ``path`` as SQLite needs to (None: it can, or it is not
-    known why not). sqlite3 reports only "unable to open database file", whatever the cause,
-    and ``os.access`` says yes to root where a filesystem still refuses, so the file and a
-    scratch file beside it are opened as SQLite would (never the database's own name
-    created: another process may be creating it right now)."""
-    try:
-        if os.path.exists(path):
-            os.close(os.open(path, os.O_RDONLY if read_only else os.O_RDWR))
-        if not read_only:
-            fd, probe = tempfile.mkstemp(dir=directory, prefix=".fenced-probe-")
-            os.close(fd)
-            os.unlink(probe)
-    except OSError as exc:
-        if exc.errno in _NEVER:
-            return exc.strerror
-    return None
 
 
 def database_path(url: SplitResult) -> str:
@@ -350,7 +323,7 @@ class SQLiteBackend(Backend):
             except BackendUnavailable as exc:
                 # connect() retries BackendUnavailable until connect_timeout: an error no
                 # retry can mend (not a database, a directory, no permission) is raised now.
-                reason = backend._unmendable(exc.__cause__)
+                reason = unusable(backend.path, exc.__cause__, read_only=backend.read_only)
                 if reason is None:
                     raise
                 raise ConfigurationError(reason) from exc.__cause__
@@ -358,30 +331,6 @@ class SQLiteBackend(Backend):
             await backend.aclose()
             raise
         return backend
-
-    def _unmendable(self, exc: BaseException | None) -> str | None:
-        """Why opening the file can never succeed as it is, or None if a retry might."""
-        if not isinstance(exc, sqlite3.Error):
-            return None
-        code = primary_code(exc)
-        path = self.path
-        if os.path.isdir(path):
-            return f"{path} is a directory, not a SQLite database file"
-        if code == _SQLITE_NOTADB:
-            return f"{path} is not a SQLite database (left as it is)"
-        if code == _SQLITE_CORRUPT:
-            return f"{path} is a damaged SQLite database ({exc})"
-        directory = os.path.dirname(path)
-        denied = getattr(exc, "sqlite_errorcode", None) in _SQLITE_DENIED
-        if code == _SQLITE_CANTOPEN or denied:
-            why = _denied(path, directory, self.read_only)
-            if why is not None or denied:
-                return (
-                    f"{path} cannot be opened by this user ({why or exc}): fenced needs to "
-                    f"{'read' if self.read_only else 'write'} it, and its -wal and -shm files "
-                    f"in {directory}"
-                )
-        return None
 
     # -- running transactions ----------------------------------------------------------------
 

@@ -43,7 +43,7 @@ from typing import (
 
 from .._errors import BackendUnavailable, ConfigurationError, CorruptMarkError, FencedError
 from .._pg_errors import connect_refusal
-from .._sqlite_errors import is_busy
+from .._sqlite_errors import is_busy, unusable
 from .._token import FencingToken
 from ._sql_driver import map_error
 from ._sql_plan import SQLITE
@@ -191,6 +191,9 @@ class SQLiteFenceStore:
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute(f"PRAGMA synchronous={self.synchronous}")
         except sqlite3.Error as exc:
+            reason = unusable(self.path, exc)  # (not a database, a directory, no permission)
+            if reason is not None:
+                raise ConfigurationError(reason) from exc
             raise BackendUnavailable(f"cannot open SQLite database {self.path!r}: {exc}") from exc
         return conn
 
