@@ -998,3 +998,26 @@ def test_fenced_0_1_acquire_signature_still_grants_beside_the_owner_one(pg_dsn: 
         assert row == ("granted", 2)
         status = locks.status("x")
         assert status.holder == "old-client" and status.owner is None
+
+
+def test_refused_role_and_missing_database_are_raised_at_once(pg_server: PostgresServer) -> None:
+    """Bug: a role that does not exist (or may not log in), or a database that does not,
+    was retried for the whole connect_timeout (10 s) before BackendUnavailable: typed errors
+    at once now; a dead address is still BackendUnavailable after retrying."""
+    with psycopg.connect(pg_server.dsn, autocommit=True) as conn:
+        role = unique_name("nologin").replace("-", "_")
+        conn.execute(f"CREATE ROLE {role} NOLOGIN")
+    where = f"127.0.0.1:{pg_server.port}"
+    cases: list[tuple[str, type[Exception], str]] = [
+        (f"postgresql://no_such_role@{where}/postgres", fenced.AccessDenied, "does not exist"),
+        (f"postgresql://{role}@{where}/postgres", fenced.AccessDenied, "not permitted"),
+        (f"postgresql://postgres@{where}/no_such_db", fenced.ConfigurationError, "no_such_db"),
+    ]
+    for url, error, message in cases:
+        started = time.monotonic()
+        with pytest.raises(error, match=message) as info:
+            fenced.connect(url)  # the default connect_timeout: 10 s
+        assert time.monotonic() - started < 3, url
+        assert "\n" not in str(info.value)
+    with fenced.connect(f"postgresql://postgres@{where}/postgres") as locks:
+        assert locks is not None

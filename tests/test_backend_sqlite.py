@@ -8,6 +8,7 @@ checker a counter kept in memory instead of in the file.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import re
 import shutil
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from itertools import pairwise
 from pathlib import Path
@@ -416,13 +418,43 @@ async def test_creates_the_file_and_sets_durable_pragmas(tmp_path: Path) -> None
     assert path.exists()
 
 
-def test_unusable_files_are_backend_unavailable(tmp_path: Path) -> None:
+def _refuses_files(directory: Path) -> bool:
+    try:
+        fd, name = tempfile.mkstemp(dir=directory)
+    except OSError:
+        return directory.is_dir()
+    os.close(fd)
+    os.unlink(name)
+    return False
+
+
+def test_unusable_files_are_refused_at_once(tmp_path: Path) -> None:
+    """Bug: a file that is not a database, or a directory, was retried for the whole
+    connect_timeout (10 s by default) before BackendUnavailable. No retry mends them: a
+    one-line ConfigurationError at once, whatever connect_timeout is."""
     garbage = tmp_path / "garbage.db"
     garbage.write_bytes(b"this is not a database" * 100)
-    with pytest.raises(fenced.BackendUnavailable):
-        fenced.connect(url_of(str(garbage)))
-    with pytest.raises(fenced.BackendUnavailable):
-        fenced.connect(url_of(str(tmp_path)))  # a directory
+    cases = [
+        (str(garbage), "not a SQLite database"),
+        (str(tmp_path), "is a directory"),
+    ]
+    # A place this user may not write: a read-only directory (root may write any, but not
+    # in sysfs, which refuses new files even to root).
+    locked = tmp_path / "read-only"
+    locked.mkdir(mode=0o555)
+    for place in (locked, Path("/sys")):
+        if (place.is_dir() and not os.access(place, os.W_OK)) or _refuses_files(place):
+            cases.append((str(place / "locks.db"), "cannot be opened by this user"))
+    assert len(cases) > 2, "no read-only place to try"
+    for path, message in cases:
+        started = time.monotonic()
+        with pytest.raises(fenced.ConfigurationError, match=message) as info:
+            fenced.connect(url_of(path))  # the default connect_timeout: 10 s
+        took = time.monotonic() - started
+        assert took < 3, f"{path}: refused after {took:.1f} s"
+        assert "\n" not in str(info.value)
+        with pytest.raises(fenced.ConfigurationError, match=message):
+            fenced.connect(url_of(path), connect_timeout=0.1)
     blocker = tmp_path / "file"
     blocker.write_text("x")
     with pytest.raises(fenced.ConfigurationError, match="does not exist"):

@@ -387,8 +387,9 @@ async def test_dead_engines_raise_backend_unavailable() -> None:
             await RedisFenceStore(client).advance("r", tok(1))
     finally:
         await client.aclose()
+    # (a directory that does not exist is no dead engine: refused at once, as the source does)
     sqlite_store = SQLiteFenceStore("/nonexistent-dir/x/fences.db")
-    with pytest.raises(BackendUnavailable):
+    with pytest.raises(ConfigurationError, match="No such file or directory"):
         await sqlite_store.advance("r", tok(1))
     await sqlite_store.close()
 
@@ -922,3 +923,25 @@ async def test_middleware_with_verify_keys_takes_only_well_signed_tokens(tmp_pat
                 assert problem(reply)["type"].endswith("invalid-token")
             assert (await post(signed(4))).status_code == 409
             assert await store.high_water("jobs", "jobs") == FencingToken("jobs", 5)
+
+
+def test_client_reads_a_fenced_409_whatever_the_media_type_case() -> None:
+    """A media type is case-insensitive and may carry parameters (a proxy may rewrite it):
+    'Application/Problem+JSON ; charset=utf-8' is the same problem document."""
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        body = json.dumps(STALE_BODY).encode()
+        ctype = b"Application/Problem+JSON ; charset=utf-8"
+        headers = [(b"content-type", ctype), (b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": 409, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    with serve(app) as base, httpx.Client(auth=FencingAuth(tok(7))) as client:
+        with pytest.raises(StaleTokenError) as info:
+            client.post(base + "/jobs/1")
+        assert (info.value.token, info.value.high_water) == (tok(7), tok(8))

@@ -7,6 +7,7 @@ Both sides: the current holder's writes pass (again and again), a stale token is
 from __future__ import annotations
 
 import json
+import socket
 import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -18,7 +19,7 @@ import httpx
 import pytest
 
 from fenced import FencingToken, StaleTokenError
-from fenced.guards.asgi import SQLiteFenceStore
+from fenced.guards.asgi import PostgresFenceStore, SQLiteFenceStore
 from fenced.guards.wsgi import FencingWSGIMiddleware
 
 LOCK = "jobs"
@@ -114,7 +115,12 @@ def test_wsgi_middleware_responses_both_sides(tmp_path: Path) -> None:
 
 
 def test_wsgi_unreachable_store_is_503() -> None:
-    store = SQLiteFenceStore("/nonexistent-dir/x/fences.db")
+    # (a PostgreSQL port nobody listens on: a SQLite file in a missing directory is a
+    # misconfigured store, 500, see tests/test_guard_http_errors.py)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = PostgresFenceStore(f"postgresql://postgres@127.0.0.1:{port}/x", connect_timeout=1)
     with FencingWSGIMiddleware(Recorder(), store=store, lock=LOCK) as app, serve(app) as base:
         reply = post(base, "/jobs/1", "jobs:1")
         assert reply.status_code == 503 and reply.headers["retry-after"] == "1"

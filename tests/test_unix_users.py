@@ -214,3 +214,41 @@ def test_status_works_for_a_user_who_can_only_read(shared_root: Path, writer_ope
         taking = _fenced_as(USERS[0], python, shared_root, "lock", "x", "--url", url, "--", "true")
         _, err = taking.communicate(timeout=30)
         assert taking.returncode == 2 and "read-only" in err, err
+
+
+def test_a_place_the_user_may_not_write_is_refused_at_once(shared_root: Path) -> None:
+    """Bug: a database in a directory the user may not write (or a file it may not read) was
+    retried for the whole connect_timeout (10 s) before BackendUnavailable. A real user, not
+    root (for whom every permission check passes): a one-line ConfigurationError at once."""
+    python = _python_for_others()
+    if python is None:
+        pytest.skip("no Python >= 3.11 that the test users may run")
+    private = shared_root / "root-only"
+    private.mkdir(mode=0o755)
+    private.chmod(0o755)
+    unreadable = private / "unreadable.db"
+    with fenced.connect(f"sqlite:///{unreadable}"):
+        pass
+    unreadable.chmod(0o600)
+    probe = (
+        "import sys, time, fenced\n"
+        "started = time.monotonic()\n"
+        "try:\n"
+        "    fenced.connect('sqlite:///' + sys.argv[1])\n"
+        "except fenced.ConfigurationError as exc:\n"
+        "    print(round(time.monotonic() - started, 2), exc)\n"
+    )
+    for target in (private / "new.db", unreadable):
+        done = subprocess.run(
+            [python, "-c", probe, str(target)],
+            user=USERS[0],
+            env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(shared_root / "lib")},
+            cwd=str(shared_root),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        took, _, message = done.stdout.strip().partition(" ")
+        assert message, (target, done.stdout, done.stderr)
+        assert float(took) < 3 and "cannot be opened by this user" in message, message
+    assert not (private / "new.db").exists()

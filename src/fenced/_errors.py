@@ -22,7 +22,8 @@ Hierarchy::
     ├── BackendError
     │   ├── BackendUnavailable (ConnectionError)  the token source cannot be reached, or the connection is closed
     │   ├── UnsafeBackendError               the server's configuration cannot give the promised safety
-    │   └── AccessDenied (PermissionError)   a lock service refused this client's API key (missing, unknown, not allowed)
+    │   └── AccessDenied (PermissionError)   a lock service refused this client's API key (missing, unknown, not allowed),
+    │                                        or a source its credentials (wrong password, no such role, no ACL permission)
     └── ConfigurationError (ValueError)      a bad URL, an unknown scheme, or a backend lacking a required characteristic
 
 Native errors of the clients (sqlite3, psycopg, redis, kazoo, grpc) are translated at the
@@ -244,9 +245,11 @@ class UnsafeBackendError(BackendError):
 
 
 class AccessDenied(BackendError, PermissionError):
-    """The token source refused this client's credentials: a lock service (``fenced serve``)
-    its API key (none, an unknown one, or one not allowed this verb on this lock name), or a
-    server its user or password (Redis). Nothing was changed; no retry mends it."""
+    """A lock service (``fenced serve``) refused this client: no API key, an unknown one, or one
+    not allowed this verb on this lock name; or a token source refused its credentials (a
+    wrong or missing password, a role that does not exist or may not log in, a Redis user
+    without the ACL permissions). Nothing was changed, and no retry would help: ``connect``
+    raises it at once."""
 
 
 class ConfigurationError(FencedError, ValueError):

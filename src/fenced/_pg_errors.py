@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from typing import Any, Final, Literal
 
-__all__ = ["Kind", "kind"]
+from ._errors import AccessDenied, ConfigurationError, FencedError
+
+__all__ = ["Kind", "connect_refusal", "kind"]
 
 Kind = Literal["unreachable", "conflict", "read-only", "schema", "type", "other"]
 
@@ -41,3 +44,32 @@ def kind(exc: BaseException, conn: Any = None) -> Kind | None:
     if state in _TYPE:
         return "type"
     return "other"
+
+
+# What the server (or libpq) says when it will never let this client in as configured. A
+# connection that fails so carries no SQLSTATE in psycopg (libpq reports it as text), so the
+# server's English messages are matched; under another lc_messages they are retried as before.
+_DENIED_TEXT: Final = (
+    "password authentication failed",
+    "no password supplied",
+    "no pg_hba.conf entry",
+    "is not permitted to log in",
+    "pg_hba.conf rejects connection",
+    "certificate authentication failed",
+)
+_ROLE_RE: Final = re.compile(r'role "[^"]*" does not exist')
+_DATABASE_RE: Final = re.compile(r'database "[^"]*" does not exist')
+
+
+def connect_refusal(exc: BaseException) -> FencedError | None:
+    """AccessDenied / ConfigurationError for a connection no retry will let in, else None."""
+    pg = sys.modules.get("psycopg")
+    if pg is None or not isinstance(exc, pg.OperationalError):
+        return None
+    text = " ".join(str(exc).split())  # one line (libpq reports each host tried on its own)
+    if any(t in text for t in _DENIED_TEXT) or _ROLE_RE.search(text):
+        return AccessDenied(f"PostgreSQL refused this client: {text}")
+    missing = _DATABASE_RE.search(text)
+    if missing is not None:
+        return ConfigurationError(f"PostgreSQL: {missing.group(0)}")
+    return None

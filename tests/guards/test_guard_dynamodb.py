@@ -171,3 +171,84 @@ def test_racing_processes_commit_tokens_in_order(
     data = item(client, table, "race")["v"]["S"]  # type: ignore[index]
     assert sum(accepted) == len(log) > 0
     assert history_violations(log, data) == []
+
+
+def test_extra_request_fields_never_replace_the_guards(dynamodb_table: tuple[Any, str]) -> None:
+    """Bug: put_item(**extra) with a ConditionExpression had it silently replaced by the
+    fence's (an existing item overwritten), and update_item with an UpdateExpression had it
+    replace the guard's SET of the mark: acknowledged, the mark left at 5, and a stale token
+    6 accepted afterwards. Now a caller's condition is ANDed with the fence's, and a field
+    that would replace the guard's (or be replaced by it) is refused, nothing sent."""
+    client, table = dynamodb_table
+    guard = DynamoDBGuard(client, table, lock="orders")
+    key = {"pk": {"S": "e"}}
+    guard.put_item({**key, "v": {"S": "first"}}, token=tok(5))
+
+    # the caller's own condition, given as ConditionExpression: ANDed, so it holds
+    with pytest.raises(client.exceptions.ConditionalCheckFailedException):
+        guard.put_item(
+            {**key, "v": {"S": "overwritten"}},
+            token=tok(7),
+            ConditionExpression="attribute_not_exists(pk)",
+        )
+    got = item(client, table, "e")
+    assert got is not None and got["v"] == {"S": "first"} and got["fencing_token"] == {"N": "5"}
+    # ... and it passes when it holds, with the fence's rule still applied
+    guard.put_item(
+        {**key, "v": {"S": "second"}},
+        token=tok(7),
+        ConditionExpression="#v = :first",
+        ExpressionAttributeNames={"#v": "v"},
+        ExpressionAttributeValues={":first": {"S": "first"}},
+        ReturnValues="ALL_OLD",
+    )
+    with pytest.raises(fenced.StaleTokenError):
+        guard.put_item(
+            {**key, "v": {"S": "stale"}},
+            token=tok(6),
+            ConditionExpression="attribute_exists(pk)",
+        )
+    with pytest.raises(fenced.ConfigurationError, match="both"):
+        guard.put_item(key, token=tok(8), condition="attribute_exists(pk)", ConditionExpression="x")
+
+    # fields that are the guard's own: refused before anything is sent
+    refused: list[tuple[str, dict[str, Any]]] = [
+        ("update_item", {"UpdateExpression": "SET #v = :x"}),
+        ("update_item", {"AttributeUpdates": {"v": {"Value": {"S": "x"}}}}),
+        ("update_item", {"Key": {"pk": {"S": "other"}}}),
+        ("put_item", {"Item": {"pk": {"S": "e"}, "v": {"S": "unfenced"}}}),
+        ("put_item", {"TableName": "elsewhere"}),
+        ("put_item", {"ReturnValuesOnConditionCheckFailure": "NONE"}),
+        ("put_item", {"Expected": {"v": {"Exists": False}}}),
+        ("delete_item", {"Key": {"pk": {"S": "other"}}}),
+        ("delete_item", {"ConditionalOperator": "OR"}),
+    ]
+    for op, extra in refused:
+        args: tuple[Any, ...] = (key, {"v": {"S": "x"}}) if op == "update_item" else (key,)
+        if op == "put_item":
+            args = ({**key, "v": {"S": "x"}},)
+        with pytest.raises(fenced.ConfigurationError, match="does not take"):
+            getattr(guard, op)(*args, token=tok(9), **extra)
+    got = item(client, table, "e")
+    assert got is not None and got["v"] == {"S": "second"} and got["fencing_token"] == {"N": "7"}
+
+    # the update's rule, both sides, after all that: the mark is 7
+    guard.update_item(key, {"v": {"S": "third"}}, token=tok(7), ReturnValues="ALL_NEW")
+    with pytest.raises(fenced.StaleTokenError):
+        guard.update_item(key, {"v": {"S": "stale"}}, token=tok(6))
+    assert item(client, table, "e")["v"] == {"S": "third"}  # type: ignore[index]
+
+
+def test_async_guard_refuses_the_same_extra_fields(dynamodb_table: tuple[Any, str]) -> None:
+    client, table = dynamodb_table
+    guard = AsyncDynamoDBGuard(client, table, lock="orders")
+
+    async def go() -> None:
+        await guard.update_item({"pk": {"S": "a"}}, {"v": {"S": "1"}}, token=tok(5))
+        with pytest.raises(fenced.ConfigurationError, match="UpdateExpression"):
+            await guard.update_item(
+                {"pk": {"S": "a"}}, {}, token=tok(5), UpdateExpression="SET v = :x"
+            )
+
+    asyncio.run(go())
+    assert item(client, table, "a")["fencing_token"] == {"N": "5"}  # type: ignore[index]

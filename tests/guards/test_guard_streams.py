@@ -173,3 +173,49 @@ def test_the_async_consumer_is_the_same_script(redis_server: RedisServer) -> Non
         await r.aclose()
 
     asyncio.run(go())
+
+
+def test_zero_padded_ids_are_refused_and_progress_keeps_moving(redis_server: RedisServer) -> None:
+    """Bug: commit(['0001-0']) after '2-0' set the progress to '0001-0' (longer text, so
+    "newer"), and from then on no commit moved it ('3-0' is shorter than '0001-0')."""
+    r = redis.Redis(port=redis_server.port)
+    stream = unique_name("orders")
+    r.xgroup_create(stream, "g", id="0", mkstream=True)
+    consumer = FencedStreamConsumer(RedisGuard(r, stream), stream, "g")
+    token = fenced.FencingToken(stream, 7)
+    consumer.commit(["2-0"], token=token)
+    for padded in (["0001-0"], ["2-00"], ["02-5"], [b"0001-0"], ["18446744073709551616-0"]):
+        with pytest.raises(fenced.ConfigurationError, match="canonical"):
+            consumer.commit(padded, token=token)
+        assert consumer.progress() == "2-0"  # nothing written
+    consumer.commit(["0-0", "1-0", "10-0"], token=token)  # canonical, compared as numbers
+    assert consumer.progress() == "10-0"
+    consumer.commit(["9-99"], token=token)
+    assert consumer.progress() == "10-0"
+    consumer.commit(["18446744073709551615-18446744073709551615"], token=token)
+    assert consumer.progress() == "18446744073709551615-18446744073709551615"
+    with pytest.raises(fenced.ConfigurationError, match="canonical"):
+        consumer.claim("c", token=token, start="00-0")
+
+
+def test_a_padded_progress_left_by_an_old_version_is_read_as_its_number(
+    redis_server: RedisServer,
+) -> None:
+    """A progress record written with leading zeros (before ids were checked) compares by
+    value: the next commit past it moves it (and writes it canonically); one before it does
+    not. A progress that is no id at all refuses the commit before anything is acknowledged."""
+    r = redis.Redis(port=redis_server.port)
+    stream = _stream(r, 3)
+    consumer = FencedStreamConsumer(RedisGuard(r, stream), stream, "g")
+    token = fenced.FencingToken(stream, 7)
+    ids = [i for i, _ in consumer.read("c", token=token, count=3)]
+    r.set(consumer.progress_key, "0001-0")
+    consumer.commit(["0-5"], token=token)
+    assert consumer.progress() == "0001-0"  # 0-5 is before 1-0
+    consumer.commit(["2-0"], token=token)
+    assert consumer.progress() == "2-0"  # past it: forward, canonical
+    r.set(consumer.progress_key, "garbage")
+    with pytest.raises(fenced.CorruptMarkError):
+        consumer.commit(ids, token=token)
+    assert r.xpending(stream, "g")["pending"] == 3  # nothing acknowledged
+    assert consumer.progress() == "garbage"

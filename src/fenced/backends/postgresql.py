@@ -54,6 +54,7 @@ from .._errors import (
     RecordConflict,
     UnsafeBackendError,
 )
+from .._pg_errors import connect_refusal
 from .._pg_errors import kind as pg_kind
 from .._token import FencingToken
 from ._postgresql_schema import (
@@ -338,6 +339,9 @@ class PostgreSQLBackend(Backend):
                     # Explicit, so a server or role default of "off" cannot weaken durability.
                     await conn.execute(SESSION_SETUP)
         except (psycopg.Error, OSError, TimeoutError) as exc:
+            refused = connect_refusal(exc)
+            if refused is not None:  # (connect() would retry BackendUnavailable in vain)
+                raise refused from exc
             raise BackendUnavailable(f"cannot connect to PostgreSQL: {exc}") from exc
         return conn
 

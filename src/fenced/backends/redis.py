@@ -69,6 +69,9 @@ from .._token import FencingToken
 
 __all__ = ["RedisBackend", "check_server_safety"]
 
+"""A wrong or missing password, a user disabled or without the ACL permissions: no retry mends
+them (redis-py makes AuthenticationError a ConnectionError, which connect() would retry)."""
+
 SWAP_RECORD_LUA: Final = """\
 local v = tonumber(redis.call('HGET', KEYS[1], 'v') or '0')
 if v ~= tonumber(ARGV[1]) then return {0, v} end

@@ -102,7 +102,7 @@ from .._errors import (
     UnsafeBackendError,
 )
 from .._options import Option
-from .._sqlite_errors import is_busy
+from .._sqlite_errors import is_busy, unusable
 from .._token import FencingToken
 from ._sqlite_schema import (
     PRAGMAS,
@@ -316,7 +316,17 @@ class SQLiteBackend(Backend):
                 "no directories: create it, with the permissions its users need"
             )
         try:
-            await backend._transact(backend._tx_setup, limit=_clock.now() + backend._busy_timeout)
+            try:
+                await backend._transact(
+                    backend._tx_setup, limit=_clock.now() + backend._busy_timeout
+                )
+            except BackendUnavailable as exc:
+                # connect() retries BackendUnavailable until connect_timeout: an error no
+                # retry can mend (not a database, a directory, no permission) is raised now.
+                reason = unusable(backend.path, exc.__cause__, read_only=backend.read_only)
+                if reason is None:
+                    raise
+                raise ConfigurationError(reason) from exc.__cause__
         except BaseException:
             await backend.aclose()
             raise

@@ -12,7 +12,10 @@ when it wants its own write fenced in the same transaction (:meth:`SQLiteFenceSt
 
 Errors: a dead server or closed connection raises :class:`~fenced.BackendUnavailable`; a
 concurrent-transaction refusal :class:`~fenced.guards.sql.FenceConflictError`; a resource
-already fenced by another lock :class:`~fenced.WrongLockError`.
+already fenced by another lock :class:`~fenced.WrongLockError`; a stored mark that is not a
+token (a text or a number out of range in the row, a Redis fence key of another type or
+with a non-decimal ``hw``) :class:`~fenced.CorruptMarkError`; a table that cannot be used
+:class:`~fenced.ConfigurationError`.
 """
 
 from __future__ import annotations
@@ -26,10 +29,21 @@ import logging
 import sqlite3
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Final, Generic, Literal, Protocol, TypeVar, runtime_checkable
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Final,
+    Generic,
+    Literal,
+    NoReturn,
+    Protocol,
+    TypeVar,
+    runtime_checkable,
+)
 
-from .._errors import BackendUnavailable, ConfigurationError, FencedError
-from .._sqlite_errors import is_busy
+from .._errors import BackendUnavailable, ConfigurationError, CorruptMarkError, FencedError
+from .._pg_errors import connect_refusal
+from .._sqlite_errors import is_busy, unusable
 from .._token import FencingToken
 from ._sql_driver import map_error
 from ._sql_plan import SQLITE
@@ -91,6 +105,13 @@ class _Guards(Generic[G]):
     def all(self) -> list[G]:
         with self._mutex:
             return list(self._cache.values())
+
+
+def _raise_mapped(exc: BaseException, mapped: BaseException) -> NoReturn:
+    """Raise ``mapped`` from ``exc``, or ``exc`` itself unchanged (with its own cause)."""
+    if mapped is exc:
+        raise exc
+    raise mapped from exc
 
 
 def _map_sqlite(conn: sqlite3.Connection, exc: BaseException) -> BaseException:
@@ -170,6 +191,9 @@ class SQLiteFenceStore:
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute(f"PRAGMA synchronous={self.synchronous}")
         except sqlite3.Error as exc:
+            reason = unusable(self.path, exc)  # (not a database, a directory, no permission)
+            if reason is not None:
+                raise ConfigurationError(reason) from exc
             raise BackendUnavailable(f"cannot open SQLite database {self.path!r}: {exc}") from exc
         return conn
 
@@ -244,8 +268,12 @@ class SQLiteFenceStore:
                 conn.execute("BEGIN IMMEDIATE")
             except sqlite3.Error as exc:
                 raise _map_sqlite(conn, exc) from exc
+        guard = self._guards.get(resource, token.lock)
         try:
-            self._guards.get(resource, token.lock).check(conn, token=token)
+            try:
+                guard.check(conn, token=token)
+            except ConfigurationError as exc:
+                _raise_mapped(exc, self._damaged(conn, guard, exc))
             result = _call_inside(conn, fn) if fn is not None else None
             conn.execute("COMMIT")
         except BaseException as exc:
@@ -256,6 +284,23 @@ class SQLiteFenceStore:
                 raise _map_sqlite(conn, exc) from exc
             raise
         return result
+
+    @staticmethod
+    def _damaged(conn: sqlite3.Connection, guard: SQLGuard, exc: ConfigurationError) -> Exception:
+        """``exc``, or :class:`~fenced.CorruptMarkError` when what the guard found is a mark
+        that is not an integer: the store made (or verified) the table with an INTEGER token
+        column at open, so such a value was written around it (SQLite keeps whatever it is
+        given), and it is a damaged mark, not a misconfigured store."""
+        try:
+            row = conn.execute(
+                f"SELECT typeof(token), token FROM {guard._quoted} WHERE resource = ?",
+                (guard.resource,),
+            ).fetchone()
+        except sqlite3.Error:
+            return exc
+        if row is None or row[0] == "integer":
+            return exc
+        return CorruptMarkError(guard.resource, f"token {str(row[1])[:40]!r} ({row[0]})")
 
     async def advance(self, resource: str, token: FencingToken) -> None:
         """Check and advance ``resource``'s mark (see the class docstring for where it runs)."""
@@ -310,7 +355,15 @@ class SQLiteFenceStore:
             await self.open()
         conn = self._conn
         assert conn is not None
-        return await self._in_thread(lambda: self._guards.get(resource, lock).high_water(conn))
+
+        def read() -> FencingToken | None:
+            guard = self._guards.get(resource, lock)
+            try:
+                return guard.high_water(conn)
+            except ConfigurationError as exc:
+                _raise_mapped(exc, self._damaged(conn, guard, exc))
+
+        return await self._in_thread(read)
 
     def __repr__(self) -> str:
         return f"SQLiteFenceStore({self.path!r}, synchronous={self.synchronous!r})"
@@ -425,6 +478,9 @@ class _SmallPool:
         except BaseException as exc:
             await self._forget()
             if isinstance(exc, Exception) and type(exc).__module__.startswith("psycopg"):
+                refused = connect_refusal(exc)  # (a wrong password: no retry passes)
+                if refused is not None:
+                    raise refused from exc
                 raise BackendUnavailable(f"cannot connect to PostgreSQL: {exc}") from exc
             raise
 
@@ -608,11 +664,17 @@ class RedisFenceStore:
 
     async def advance(self, resource: str, token: FencingToken) -> None:
         """Check and advance ``resource``'s mark: the guard's prelude with an empty body."""
-        await self._guards.get(resource, token.lock).eval("return 1", [], [], token=token)
+        try:
+            await self._guards.get(resource, token.lock).eval("return 1", [], [], token=token)
+        except FencedError as exc:
+            _raise_mapped(exc, _wrong_type(exc, resource))
 
     async def high_water(self, resource: str, lock: str) -> FencingToken | None:
         """The highest token accepted for ``resource`` (None if none)."""
-        return await self._guards.get(resource, lock).high_water()
+        try:
+            return await self._guards.get(resource, lock).high_water()
+        except FencedError as exc:
+            _raise_mapped(exc, _wrong_type(exc, resource))
 
     async def close(self) -> None:
         """Close the guards' own connections (the client belongs to the caller)."""
@@ -622,3 +684,12 @@ class RedisFenceStore:
 
     def __repr__(self) -> str:
         return f"RedisFenceStore({self._client!r})"
+
+
+def _wrong_type(exc: FencedError, resource: str) -> FencedError:
+    """A WRONGTYPE reply to the store's empty-bodied script or its HMGET can only be about the
+    fence key (no other key is touched): it is not a hash, so the mark is damaged."""
+    cause = exc.__cause__
+    if type(exc) is FencedError and cause is not None and "WRONGTYPE" in str(cause):
+        return CorruptMarkError(resource, "the fence key is not a hash")
+    return exc

@@ -25,7 +25,17 @@ no header                          428     ``header``
 malformed, or token of another     400     ``token`` (as sent), ``lock`` (expected)
 lock
 store unreachable / conflict       503     (``Retry-After: 1``)
+the stored mark is corrupt         503     ``resource`` (no ``Retry-After``: every write
+                                           is refused until an operator repairs the mark)
+any other error of the store       500     ``resource`` (a misconfigured store, its
+(misconfigured, credentials                credentials refused, an unexpected error: logged
+refused, unexpected)                       on ``fenced.guards.http``)
 =================================  ======  ===========================================
+
+Every refusal is a problem document and nothing is passed on to the app: whatever the store
+raises, the request is answered without the handler running. The header's value is read
+without the optional whitespace HTTP allows around it (``jobs:7 `` is ``jobs:7``), whether or
+not the server stripped it.
 
 **Atomicity, honestly.** The middleware's check-and-advance is atomic in the store, but the
 handler's write comes after it, as a second step: a request with token 7 can pass the
@@ -42,12 +52,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any, Final
 
 from .._errors import (
+    AccessDenied,
     BackendUnavailable,
     ConfigurationError,
+    CorruptMarkError,
     FencedError,
     InvalidTokenError,
     StaleTokenError,
@@ -69,6 +82,7 @@ __all__ = [
     "fencing_exception_handler",
     "problem_body",
     "problem_for",
+    "store_problem",
 ]
 
 Scope = MutableMapping[str, Any]
@@ -80,6 +94,9 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 PROBLEM_CONTENT_TYPE: Final = "application/problem+json"
 DEFAULT_PROBLEM_BASE: Final = "tag:fenced,2026:problem:"
 SAFE_METHODS: Final = frozenset({"GET", "HEAD", "OPTIONS"})
+_OWS: Final = b" \t"  # optional whitespace around a field value (RFC 9110 5.5): not part of it
+
+logger = logging.getLogger("fenced.guards.http")
 
 
 def problem_body(
@@ -95,7 +112,7 @@ class FenceMetrics:
 
     * ``<prefix>_accepted_total{resource}`` — requests whose token was accepted;
     * ``<prefix>_rejected_total{resource,reason}`` — ``stale``, ``missing``, ``invalid``,
-      ``wrong_lock``, ``unavailable``;
+      ``wrong_lock``, ``unavailable``, ``corrupt``, ``error``;
     * ``<prefix>_high_water{resource}`` — the highest token value this process has seen
       accepted, or reported as the mark in a rejection.
 
@@ -150,7 +167,7 @@ class Problem:
     """A refusal, ready to send as an RFC 9457 ``application/problem+json`` response."""
 
     status: int
-    reason: str  # metrics label: stale, missing, invalid, wrong_lock, unavailable
+    reason: str  # metrics label: stale, missing, invalid, wrong_lock, unavailable, corrupt, error
     kind: str  # the last part of the ``type`` URI
     title: str
     detail: str
@@ -176,8 +193,10 @@ def problem_for(
 ) -> Problem | None:
     """The problem response for a fenced error (None: not a client-facing refusal).
 
-    Stale -> 409; wrong lock, malformed -> 400; unreachable store, conflicts -> 503.
-    :class:`~fenced.ConfigurationError` and non-fenced errors give None: they are bugs (500).
+    Stale -> 409; wrong lock, malformed -> 400; unreachable store, conflicts, a corrupt mark
+    -> 503. :class:`~fenced.ConfigurationError`, :class:`~fenced.AccessDenied` and non-fenced
+    errors give None: raised by a handler, they are bugs (500); met by the middleware, see
+    :func:`store_problem`.
     """
     where = {"resource": resource}
     shown = {"token": sent[:200].decode("latin-1")} if sent is not None else {}
@@ -198,12 +217,39 @@ def problem_for(
             400, "invalid", "invalid-token", "Invalid fencing token", str(exc),
             {**shown, "lock": lock, **where},
         )  # fmt: skip
-    if isinstance(exc, ConfigurationError) or not isinstance(exc, BackendUnavailable | FencedError):
-        return None
+    if isinstance(exc, CorruptMarkError):
+        return Problem(
+            503, "corrupt", "corrupt-mark", "Fence mark corrupt", str(exc), where
+        )  # (no Retry-After: no retry passes until an operator repairs the mark)
+    if isinstance(exc, ConfigurationError | AccessDenied) or not isinstance(
+        exc, BackendUnavailable | FencedError
+    ):
+        return None  # (the store's own credentials refused: misconfigured, not unavailable)
     return Problem(
         503, "unavailable", "fence-unavailable", "Fence unavailable",
         f"the high-water mark of {resource!r} could not be checked: {exc}", where,
         retry_after=True,
+    )  # fmt: skip
+
+
+def store_problem(
+    exc: BaseException, resource: str, lock: str, sent: bytes | None = None
+) -> Problem:
+    """The problem response for any error met while checking a request's token against the
+    store: :func:`problem_for`'s, or else ``500`` (a misconfigured store, an unexpected
+    error: logged here, with its traceback). Never None: the middleware answers every
+    refusal itself, so the handler never runs on a request whose token was not accepted."""
+    problem = problem_for(exc, resource, lock, sent)
+    if problem is not None:
+        return problem
+    logger.error("fence check of %r failed", resource, exc_info=exc)
+    misconfigured = isinstance(exc, ConfigurationError | AccessDenied)
+    kind = "fence-misconfigured" if misconfigured else "fence-error"
+    return Problem(
+        500, "error", kind, "Fence check failed",
+        f"the high-water mark of {resource!r} could not be checked: "
+        + (str(exc) if isinstance(exc, FencedError) else type(exc).__name__),
+        {"resource": resource},
     )  # fmt: skip
 
 
@@ -316,16 +362,14 @@ class FencingMiddleware(MiddlewareSettings):
                 ),
             )  # fmt: skip
             return
-        # Several headers are ambiguous: joined, they fail to parse (400).
-        raw = values[0] if len(values) == 1 else b",".join(values)
+        # Several headers are ambiguous: joined, they fail to parse (400). (Not every server
+        # strips the whitespace around a value: httptools keeps it, h11 does not.)
+        raw = b",".join(v.strip(_OWS) for v in values)
         try:
             token = FencingToken.coerce(raw, self.lock, self.verifier)
             await self.store.advance(key, token)
         except Exception as exc:
-            problem = problem_for(exc, key, self.lock, raw)
-            if problem is None:
-                raise
-            await self._send_problem(send, key, problem)
+            await self._send_problem(send, key, store_problem(exc, key, self.lock, raw))
             return
         if self.metrics is not None:
             self.metrics.accepted(key, token)

@@ -62,6 +62,24 @@ TokenLike = FencingToken | str | bytes
 Item = Mapping[str, Mapping[str, Any]]
 _T, _L, _TOK, _LOCK, _ONE = "#fenced_t", "#fenced_l", ":fenced_tok", ":fenced_lock", ":fenced_one"
 _N, _S = ":fenced_type_n", ":fenced_type_s"
+_EXTRA_PASSED: Final = frozenset(
+    {
+        "ExpressionAttributeNames",  # merged with the guard's (its own are #fenced_/:fenced_)
+        "ExpressionAttributeValues",
+        "ReturnValues",
+        "ReturnConsumedCapacity",
+        "ReturnItemCollectionMetrics",
+    }
+)
+"""The request fields a caller may add (``**extra``): none of them changes what is checked
+or written. ``ConditionExpression`` is taken too, and ANDed with the fence's condition."""
+_GUARD_FIELDS: Final = {
+    "put_item": "TableName, Item (with the mark), ConditionExpression and "
+    "ReturnValuesOnConditionCheckFailure",
+    "update_item": "TableName, Key, UpdateExpression (values= and the mark), "
+    "ConditionExpression and ReturnValuesOnConditionCheckFailure",
+    "delete_item": "TableName, Key, ConditionExpression and ReturnValuesOnConditionCheckFailure",
+}
 _CONFLICT: Final = frozenset(
     {
         "TransactionConflictException",
@@ -136,6 +154,35 @@ class _Plans:
         request["ExpressionAttributeValues"] = values
         request["ReturnValuesOnConditionCheckFailure"] = "ALL_OLD"
 
+    def _extra(
+        self, op: str, extra: Mapping[str, Any], condition: str | None
+    ) -> tuple[dict[str, Any], str | None]:
+        """The caller's extra request fields, and the condition to AND with the fence's.
+
+        Only fields that cannot change what the guard writes or checks pass through; a
+        ``ConditionExpression`` among them is the caller's condition (the same as
+        ``condition=``: both at once is ambiguous). Anything else would replace the guard's
+        own field or be replaced by it (an ``UpdateExpression`` that leaves the mark alone,
+        a dropped condition that lets an item be overwritten), so it is refused."""
+        refused = sorted(set(extra) - _EXTRA_PASSED - {"ConditionExpression"})
+        if refused:
+            raise ConfigurationError(
+                f"{op}() does not take {', '.join(map(repr, refused))}: the guard writes "
+                f"{_GUARD_FIELDS.get(op, 'the request')} itself; extra fields may only be "
+                f"{', '.join(sorted(_EXTRA_PASSED | {'ConditionExpression'}))}"
+            )
+        passed = dict(extra)
+        theirs = passed.pop("ConditionExpression", None)
+        if theirs is not None:
+            if condition is not None:
+                raise ConfigurationError(
+                    f"{op}() got both condition= and ConditionExpression=: pass one"
+                )
+            if not isinstance(theirs, str) or not theirs.strip():
+                raise ConfigurationError(f"ConditionExpression must be a non-empty str: {theirs!r}")
+            condition = theirs
+        return passed, condition
+
     def _token(self, token: TokenLike) -> FencingToken:
         return FencingToken.coerce(token, self.lock, self.verifier)
 
@@ -173,12 +220,18 @@ class _Plans:
         return FenceConflictError(f"the mark of {where} changed while writing; try again")
 
     def _send(self, op: str, request: dict[str, Any], tok: FencingToken, where: str) -> Plan[Any]:
+        theirs = request.get("ConditionExpression") not in (None, self._condition())
         try:
             return (yield Call(op, request))
         except Exception as exc:
-            raise self._mapped(exc, tok, where) from exc
+            mapped = self._mapped(exc, tok, where, theirs)
+            if mapped is exc:
+                raise  # the caller's own error, as the client raised it (not its own cause)
+            raise mapped from exc
 
-    def _mapped(self, exc: Exception, tok: FencingToken, where: str) -> Exception:
+    def _mapped(
+        self, exc: Exception, tok: FencingToken, where: str, theirs: bool = False
+    ) -> Exception:
         response = getattr(exc, "response", None)
         if not isinstance(response, Mapping):
             if is_transport_error(exc):
@@ -186,7 +239,12 @@ class _Plans:
             return exc
         code = response.get("Error", {}).get("Code", "")
         if code == "ConditionalCheckFailedException":
-            return self._refusal(tok, response.get("Item"), where)
+            refusal = self._refusal(tok, response.get("Item"), where)
+            if isinstance(refusal, FenceConflictError) and theirs:
+                # The old item (as the condition saw it) passes the fence: the caller's own
+                # condition failed. Theirs to read, as in transact().
+                return exc
+            return refusal
         if code == "TransactionCanceledException":
             reasons = response.get("CancellationReasons") or []
             if reasons and reasons[0].get("Code") == "ConditionalCheckFailed":
@@ -209,6 +267,7 @@ class _Plans:
         self, item: Item, token: TokenLike, condition: str | None, extra: dict[str, Any]
     ) -> Plan[FencingToken]:
         tok = self._token(token)
+        extra, condition = self._extra("put_item", extra, condition)
         self._no_reserved(item, "put_item")
         body = {
             **dict(item),
@@ -229,6 +288,7 @@ class _Plans:
         extra: dict[str, Any],
     ) -> Plan[FencingToken]:
         tok = self._token(token)
+        extra, condition = self._extra("update_item", extra, condition)
         self._no_reserved(values, "update_item")
         names = {f"#fenced_a{i}": n for i, n in enumerate(values)}
         vals = {f":fenced_a{i}": v for i, v in enumerate(values.values())}
@@ -250,6 +310,7 @@ class _Plans:
         self, key: Item, token: TokenLike, condition: str | None, extra: dict[str, Any]
     ) -> Plan[FencingToken]:
         tok = self._token(token)
+        extra, condition = self._extra("delete_item", extra, condition)
         request: dict[str, Any] = {"TableName": self.table, "Key": dict(key), **extra}
         self._fenced(tok, request, condition)
         yield from self._send("delete_item", request, tok, self._where(key))
@@ -326,7 +387,10 @@ class DynamoDBGuard(_Plans):
         self, item: Item, *, token: TokenLike, condition: str | None = None, **extra: Any
     ) -> FencingToken:
         """Put ``item`` (typed form) with the token and lock in it, iff it is not stale.
-        ``condition`` (with ``ExpressionAttributeNames/Values`` in ``extra``) is ANDed."""
+        ``condition`` (or ``ConditionExpression=``; with ``ExpressionAttributeNames/Values``)
+        is ANDed with the fence's. ``extra`` may also carry ``ReturnValues``,
+        ``ReturnConsumedCapacity`` and ``ReturnItemCollectionMetrics``; any other field
+        would replace the guard's own (or be replaced by it): ConfigurationError."""
         return run(self.client, self._put_item(item, token, condition, extra))
 
     def update_item(
@@ -339,7 +403,9 @@ class DynamoDBGuard(_Plans):
         **extra: Any,
     ) -> FencingToken:
         """``SET`` each of ``values`` (typed form) and the mark on the item ``key``, iff the
-        token is not stale (a missing item is created, as UpdateItem does)."""
+        token is not stale (a missing item is created, as UpdateItem does). ``condition`` and
+        ``extra`` as for :meth:`put_item`; the guard writes the ``UpdateExpression`` itself
+        (an ``UpdateExpression=`` is refused: it would leave the mark where it was)."""
         return run(self.client, self._update_item(key, values, token, condition, extra))
 
     def delete_item(

@@ -67,7 +67,9 @@ def _current_token(source: LeaseLike | FencingToken) -> FencingToken:
 
 def _is_problem(response: httpx.Response) -> bool:
     ctype = response.headers.get("content-type", "")
-    return response.status_code == 409 and ctype.split(";")[0].strip() == PROBLEM_CONTENT_TYPE
+    # (a media type is case-insensitive, and may carry parameters and whitespace: RFC 9110 8.3.1)
+    media = ctype.split(";")[0].strip(" \t").lower()
+    return response.status_code == 409 and media == PROBLEM_CONTENT_TYPE
 
 
 def stale_error(response: httpx.Response) -> StaleTokenError | None:

@@ -48,6 +48,7 @@ from redis.commands.core import AsyncScript, Script
 from redis.retry import Retry
 
 from .._errors import (
+    AccessDenied,
     BackendUnavailable,
     ConfigurationError,
     CorruptMarkError,
@@ -335,10 +336,8 @@ _NATIVE_ERRORS: Final = NATIVE
 
 def map_error(exc: Exception, resource: str, token: FencingToken | None = None) -> FencedError:
     """Translate a redis-py error (or a guard script's refusal); raise the result ``from exc``."""
-    if kind(exc) == "denied":  # a wrong password or ACL: configuration, not an outage
-        return ConfigurationError(
-            f"Redis refused the credentials of the guard of {resource!r}: {exc}"
-        )
+    if kind(exc) == "denied":  # (AuthenticationError is a ConnectionError to redis-py)
+        return AccessDenied(f"Redis refused this client's credentials for {resource!r}: {exc}")
     if kind(exc) != "refused":  # unreachable, or a read-only replica: not writable now
         return BackendUnavailable(
             f"Redis unavailable for a guarded write on {resource!r} (outcome unknown if the "

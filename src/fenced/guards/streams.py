@@ -24,7 +24,8 @@ owner's late ``XACK`` still passes (the tests show it: that is the unguarded run
 ``commit`` is one Lua script: the guard's fence check (the same mark every guarded write of the
 resource uses, so results written with the same token through the guard are fenced alike),
 then ``XACK`` of the ids and the progress key moved forward to the highest id (stream ids
-compared as (milliseconds, sequence)), all or nothing. A refused commit acknowledges nothing:
+compared as the numbers (milliseconds, sequence); only canonical ids, as Redis returns them,
+are taken: ``0001-0`` is refused), all or nothing. A refused commit acknowledges nothing:
 the new owner's pending entries stay pending. Async: :class:`AsyncFencedStreamConsumer` on an
 ``AsyncRedisGuard``, the same script.
 """
@@ -42,6 +43,7 @@ __all__ = ["AsyncFencedStreamConsumer", "FencedStreamConsumer"]
 
 TokenLike = FencingToken | str | bytes
 _ID_RE: Final = re.compile(r"([0-9]{1,20})-([0-9]{1,20})")
+_ID_PART_MAX: Final = 2**64 - 1
 
 CLAIM_BODY: Final = """
 return redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], 'COUNT', ARGV[5])
@@ -54,34 +56,57 @@ return redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', ARGV[3], 'ST
 """KEYS: stream. ARGV: group, consumer, count (never BLOCK: not allowed in a script)."""
 
 COMMIT_BODY: Final = """
-local acked = 0
-if #ARGV > 2 then
-  acked = redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 3))
+local function parts(id)
+  local ms, seq = string.match(id, '^(%d+)-(%d+)$')
+  if not ms then return nil end
+  return (string.gsub(ms, '^0+(%d)', '%1')), (string.gsub(seq, '^0+(%d)', '%1'))
 end
-local function older(a, b)
-  local am, as = string.match(a, '^(%d+)-(%d+)$')
-  local bm, bs = string.match(b, '^(%d+)-(%d+)$')
+local function older(am, as, bm, bs)
   if #am ~= #bm then return #am < #bm end
   if am ~= bm then return am < bm end
   if #as ~= #bs then return #as < #bs end
   return as < bs
 end
+local hm, hs = parts(ARGV[2])
 local last = redis.call('GET', KEYS[2])
-if not last or older(last, ARGV[2]) then
+local forward = true
+if last then
+  local lm, ls = parts(last)
+  if not lm then
+    return redis.error_reply('FENCEDGUARD corrupt progress=' .. string.sub(last, 1, 40))
+  end
+  forward = older(lm, ls, hm, hs)
+end
+local acked = 0
+if #ARGV > 2 then
+  acked = redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 3))
+end
+if forward then
   redis.call('SET', KEYS[2], ARGV[2])
 end
 return acked
 """
-"""KEYS: stream, progress key. ARGV: group, the highest id, the ids to acknowledge.
-(Ids compare as decimal strings of unequal length first: no float rounding of 64-bit ms.)"""
+"""KEYS: stream, progress key. ARGV: group, the highest id, the ids to acknowledge (all
+canonical: checked before sending). Ids compare as numbers, written as decimal strings without
+leading zeros, shorter first (no float rounding of 64-bit ms); a stored progress with leading
+zeros (written before ids were checked) compares by its value too and is replaced by the next
+commit past it. A progress that is no id at all is refused before anything is acknowledged."""
 
 
 def _ids(ids: Sequence[str | bytes]) -> list[str]:
     out = []
     for i in ids:
-        text = i.decode() if isinstance(i, bytes) else i
-        if not isinstance(text, str) or not _ID_RE.fullmatch(text):
-            raise ConfigurationError(f"a stream entry id is 'ms-seq', not {i!r}")
+        text = i.decode("ascii", "replace") if isinstance(i, bytes) else i
+        # Canonical only, as Redis writes them: '0001-0' names entry 1-0 to XACK, but as text
+        # it would sort after '2-0', and the progress record would move backwards.
+        m = _ID_RE.fullmatch(text) if isinstance(text, str) else None
+        if m is None or any(
+            (p != "0" and p.startswith("0")) or int(p) > _ID_PART_MAX for p in m.groups()
+        ):
+            raise ConfigurationError(
+                f"a stream entry id is 'ms-seq' in canonical decimal (as Redis returns it: "
+                f"no leading zeros, each part below 2**64), not {i!r}"
+            )
         out.append(text)
     if not out:
         raise ConfigurationError("commit() needs at least one entry id")

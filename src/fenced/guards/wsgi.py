@@ -16,8 +16,10 @@ The rules, the responses and the stores are those of :mod:`fenced.guards.asgi` (
 there): a fenced request needs a ``Fencing-Token`` header whose token is checked against the
 resource's high-water mark and advances it, in one atomic store operation; a stale token gets
 ``409`` (``application/problem+json``), none ``428``, a malformed one or one of another lock
-``400``, an unreachable store ``503``. The handler finds ``environ["fenced.token"]``,
-``environ["fenced.resource"]`` and ``environ["fenced.store"]``, and a
+``400``, an unreachable store or a corrupt mark ``503``, any other error of the store ``500``
+(every one a problem document; the handler never runs on a refused request). The handler
+finds ``environ["fenced.token"]``, ``environ["fenced.resource"]`` and
+``environ["fenced.store"]``, and a
 :class:`~fenced.StaleTokenError` it raises before it starts its response becomes the same 409.
 
 One implementation: the stores are the ASGI middleware's, run on a private event loop (the
@@ -37,6 +39,7 @@ from .._portal import Portal
 from .._signing import TokenVerifier
 from .._token import FencingToken
 from .asgi import (
+    _OWS,
     DEFAULT_PROBLEM_BASE,
     SAFE_METHODS,
     FenceMetrics,
@@ -44,6 +47,7 @@ from .asgi import (
     MiddlewareSettings,
     Problem,
     problem_for,
+    store_problem,
 )
 
 __all__ = ["FencingWSGIMiddleware"]
@@ -52,7 +56,10 @@ Environ = dict[str, Any]
 StartResponse = Callable[..., Callable[[bytes], object]]
 WSGIApp = Callable[[Environ, StartResponse], Iterable[bytes]]
 
-_STATUS_TEXT = {400: "Bad Request", 409: "Conflict", 428: "Precondition Required", 503: "Service Unavailable"}  # fmt: skip
+_STATUS_TEXT = {
+    400: "Bad Request", 409: "Conflict", 428: "Precondition Required",
+    500: "Internal Server Error", 503: "Service Unavailable",
+}  # fmt: skip
 
 
 class FencingWSGIMiddleware(MiddlewareSettings):
@@ -104,16 +111,14 @@ class FencingWSGIMiddleware(MiddlewareSettings):
                     {"header": self.header, "resource": key},
                 ),
             )  # fmt: skip
-        # (WSGI servers join repeated headers with ","; that fails to parse: 400, as in ASGI)
-        raw = raw_text.encode("latin-1", "replace")
+        # (WSGI servers join repeated headers with ","; that fails to parse: 400, as in ASGI.
+        # Optional whitespace is not part of the value, whether or not the server kept it.)
+        raw = b",".join(v.strip(_OWS) for v in raw_text.encode("latin-1", "replace").split(b","))
         try:
             token = FencingToken.coerce(raw, self.lock, self.verifier)
             self._portal.call(self.store.advance(key, token))
         except Exception as exc:
-            problem = problem_for(exc, key, self.lock, raw)
-            if problem is None:
-                raise
-            return self._problem(start_response, key, problem)
+            return self._problem(start_response, key, store_problem(exc, key, self.lock, raw))
         if self.metrics is not None:
             self.metrics.accepted(key, token)
         environ["fenced.token"] = token
