@@ -26,7 +26,7 @@ from typing import Any, NoReturn
 
 from . import __version__, _clock, _sync
 from ._backend import LockStatus, _redacted
-from ._command import spawn
+from ._command import Command, spawn
 from ._errors import (
     BackendUnavailable,
     ConfigurationError,
@@ -234,6 +234,11 @@ def _parser() -> argparse.ArgumentParser:
         type=_grace,
         default=0.0,
         help="if this lease expires (not released), grant nobody the lock for S more seconds (0)",
+    )
+    lock.add_argument(
+        "--new-session",
+        action="store_true",
+        help="run the command in a session of its own, without the terminal (as setsid)",
     )
 
     release = sub.add_parser(
@@ -672,7 +677,7 @@ def _cmd_lock(args: argparse.Namespace) -> int:
             _say(f"lock: {args.name!r} not acquired within {args.timeout:g} s")
             return int(args.conflict_exit_code)
         try:
-            code = _run_holding(lease, str(token), cmd, args.grace)
+            code = _run_holding(lease, str(token), cmd, args.grace, args.new_session)
         except BaseException:
             with contextlib.suppress(FencedError):
                 lease.release()
@@ -683,24 +688,36 @@ def _cmd_lock(args: argparse.Namespace) -> int:
             # The command's outcome stands (75 if the lease was lost while it ran): a failed
             # release must not turn it into 69. The grant simply expires after its ttl.
             _say(f"lock: could not release {args.name!r} ({exc}); it expires by itself")
+        if code != EXIT_LEASE_LOST and lease.lost.is_set():
+            # The release found the grant gone (taken over, force-released, expired) before
+            # any renewal noticed: the command ran, at least in part, without the lock — as
+            # the library's `with locks.lock(...)` raises LeaseLostError.
+            _say(f"lock: lease on {args.name!r} (token {token}) was lost while the command ran")
+            return EXIT_LEASE_LOST
         return code
 
 
-def _run_holding(lease: _sync.Lease, token: str, cmd: list[str], grace: float) -> int:
+def _run_holding(
+    lease: _sync.Lease, token: str, cmd: list[str], grace: float, new_session: bool = False
+) -> int:
     env = dict(os.environ, FENCING_TOKEN=token, FENCED_LOCK=lease.name)
     # The handlers go in before the command starts: a Ctrl-C or SIGTERM in between would
     # otherwise end `fenced lock` (releasing the lock) and leave the command running.
-    child: subprocess.Popen[bytes] | None = None
+    child: Command | None = None
     early: list[int] = []
 
     def forward(signum: int, _frame: object) -> None:
         if child is None:
             early.append(signum)  # passed on as soon as the command exists
         else:
-            _signal_group(child, signum)
+            child.signal(signum)
 
+    # A signal ignored when fenced started (`fenced lock ... &` in a script ignores SIGINT)
+    # stays ignored, for fenced and for the command, as for any program started so.
     previous = {
-        s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+        s: signal.signal(s, forward)
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+        if signal.getsignal(s) is not signal.SIG_IGN
     }
     try:
         if early:
@@ -709,25 +726,25 @@ def _run_holding(lease: _sync.Lease, token: str, cmd: list[str], grace: float) -
             # Never start the command unless the lease is surely held right now.
             _say(f"lock: lease on {lease.name!r} ran out before the command started")
             return EXIT_LEASE_LOST
-        started = spawn(cmd, env, lambda text: _say(f"lock: {text}"))
-        if isinstance(started, int):
-            return started
-        child = started
+        child = spawn(cmd, env, "fenced: lock: ", new_session=new_session)
         for signum in early:
-            _signal_group(child, signum)
+            child.signal(signum)
+        child.start()
         return _supervise(lease, token, child, grace)
     finally:
+        if child is not None:
+            child.finish(kill_rest=child.proc.poll() is None or lease.lost.is_set())
         for s, handler in previous.items():
             signal.signal(s, handler)
 
 
-def _supervise(lease: _sync.Lease, token: str, child: subprocess.Popen[bytes], grace: float) -> int:
+def _supervise(lease: _sync.Lease, token: str, child: Command, grace: float) -> int:
     """Wait for the command; if the lease is lost first, terminate it (SIGTERM, then SIGKILL)."""
     finished = threading.Event()
     lease.on_lost = lambda _lease: finished.set()
 
     def wait_child() -> None:
-        child.wait()
+        child.proc.wait()
         finished.set()
 
     threading.Thread(target=wait_child, daemon=True).start()
@@ -735,30 +752,23 @@ def _supervise(lease: _sync.Lease, token: str, child: subprocess.Popen[bytes], g
     if lease.lost.is_set():
         finished.set()
     finished.wait()
-    if child.poll() is None and lease.lost.is_set():
+    if child.proc.poll() is None and lease.lost.is_set():
         _say(
             f"lock: lease on {lease.name!r} (token {token}) lost: {lease.lost_cause}; "
             "terminating the command"
         )
-        _signal_group(child, signal.SIGTERM)
+        child.signal(signal.SIGTERM)
         try:
-            child.wait(grace)
+            child.proc.wait(grace)
         except subprocess.TimeoutExpired:
-            _signal_group(child, signal.SIGKILL)
-            child.wait()
+            child.signal(signal.SIGKILL)
+            child.proc.wait()
         return EXIT_LEASE_LOST
-    code = child.wait()
+    code = child.proc.wait()
     if lease.lost.is_set():
         _say(f"lock: lease on {lease.name!r} (token {token}) was lost while the command ran")
         return EXIT_LEASE_LOST
     return code if code >= 0 else 128 - code
-
-
-def _signal_group(child: subprocess.Popen[bytes], signum: int) -> None:
-    try:
-        os.killpg(child.pid, signum)
-    except ProcessLookupError:
-        pass
 
 
 def _cmd_check_token(args: argparse.Namespace) -> int:
