@@ -272,7 +272,7 @@ def test_cli_keeps_the_commands_status_if_only_the_release_fails() -> None:
 
 
 def test_cli_ctrl_c_right_after_the_command_started_stops_the_command(
-    monkeypatch: pytest.MonkeyPatch, memory_url: str
+    monkeypatch: pytest.MonkeyPatch, sqlite_url: str
 ) -> None:
     """Bug: the signal handlers were installed only after the command started: a Ctrl-C in
     between ended `fenced lock` (releasing the lock) and left the command running unlocked.
@@ -293,13 +293,13 @@ def test_cli_ctrl_c_right_after_the_command_started_stops_the_command(
     code: int | None = None
     try:
         try:
-            code = cli.main(["lock", "x", "--url", memory_url, "--", "sleep", "30"])
+            code = cli.main(["lock", "x", "--url", sqlite_url, "--", "sleep", "30"])
         except KeyboardInterrupt:
             code = None
         assert started
         assert started[0].poll() is not None, "the command was left running without the lock"
         assert code == 128 + signal.SIGINT  # it was passed the Ctrl-C, and died of it
-        with fenced.connect(memory_url) as locks:
+        with fenced.connect(sqlite_url) as locks:
             assert locks.status("x").holder is None
     finally:
         for child in started:

@@ -18,6 +18,7 @@ import math
 import os
 import shlex
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -653,6 +654,7 @@ def _cmd_lock(args: argparse.Namespace) -> int:
         _say("lock: no command given (fenced lock NAME -- COMMAND ...)")
         return EXIT_USAGE
     url = args.url or default_url()
+    _require_shared_source(url, "lock")
     # --timeout bounds everything before the command starts, reaching the source included.
     deadline = None if args.timeout is None else _clock.now() + args.timeout
     connect_timeout = None if args.timeout is None else max(args.timeout, 0.1)
@@ -695,6 +697,18 @@ def _cmd_lock(args: argparse.Namespace) -> int:
             _say(f"lock: lease on {args.name!r} (token {token}) was lost while the command ran")
             return EXIT_LEASE_LOST
         return code
+
+
+def _require_shared_source(url: str, command: str) -> None:
+    """A lock held by a process of its own must exclude other processes: refuse a source
+    whose locks live inside one process (memory://), where every `fenced lock` would hold."""
+    from ._backend import backend_class
+
+    if backend_class(url).process_local:
+        raise ConfigurationError(
+            f"{command}: {_redacted(url)} keeps its locks inside one process, so it cannot "
+            "exclude another process; use a shared source (sqlite:///path, etcd://, ...)"
+        )
 
 
 def _run_holding(
@@ -848,6 +862,15 @@ def _cmd_write(args: argparse.Namespace) -> int:
     if not os.path.isdir(directory):
         _say(f"write: directory {directory} does not exist")
         return EXIT_USAGE
+    mode = os.stat(directory).st_mode
+    if mode & (stat.S_IWOTH | stat.S_ISVTX):
+        # The guard marks its whole directory as the resource of one lock: done implicitly
+        # on /tmp, it would refuse every other user's and job's writes there.
+        _say(
+            f"write: {directory} is shared (world-writable or sticky, as /tmp is): the files "
+            "guard would claim all of it for one lock; write into a directory of your own"
+        )
+        return EXIT_USAGE
     data = sys.stdin.buffer.read()
     try:
         FileGuard(directory, lock=token.lock).write(name, data, token=token)
@@ -981,6 +1004,7 @@ def _cmd_elect(args: argparse.Namespace) -> int:
     if args.term_grace >= args.ttl:
         raise ConfigurationError("elect: --term-grace must be shorter than --ttl")
     url = args.url or default_url()
+    _require_shared_source(url, "elect")
     with _sync.connect(url, connect_timeout=max(args.timeout, 0.1)) as locks:
         return run_elected(
             locks,
