@@ -52,9 +52,7 @@ e.previous_env = lambda record, seen, mine: _env(None, seen, mine)
 """
 
 
-def cli(
-    args: list[str], prelude: str = "", **kw: object
-) -> subprocess.Popen[str]:
+def cli(args: list[str], prelude: str = "", **kw: object) -> subprocess.Popen[str]:
     """`fenced ARGS` in a session of its own (no terminal: it must not take pytest's)."""
     code = f"import sys\n{prelude}\nfrom fenced.cli import main\nsys.exit(main())"
     return subprocess.Popen(  # type: ignore[call-overload, no-any-return]
@@ -159,7 +157,9 @@ def test_the_command_keeps_the_terminal(sqlite_url: str, planted: bool) -> None:
     """Bug: the command ran in a session of its own, without a controlling terminal: sudo,
     ssh, psql prompts and editors failed (`/dev/tty: No such device`) where flock works. Now
     it is in the supervisor's session, and the foreground job (Ctrl-C and prompts reach it)."""
-    code = f"import sys\n{OLD_SPAWN if planted else ''}\nfrom fenced.cli import main\nsys.exit(main())"
+    code = (
+        f"import sys\n{OLD_SPAWN if planted else ''}\nfrom fenced.cli import main\nsys.exit(main())"
+    )
     fenced_cmd = shlex.join([sys.executable, "-c", code, "lock", "tty-job", "--url", sqlite_url,
                              "--", "sh", "-c", "tty && : </dev/tty && echo TTY-OK"])  # fmt: skip
     done = subprocess.run(
@@ -226,7 +226,9 @@ def test_every_successor_knows_whom_to_fence(
     a_pids = tmp_path / "a-pids"
 
     def elect(node: str, command: list[str]) -> subprocess.Popen[str]:
-        dump = f"env > {tmp_path}/{node}.env.tmp && mv {tmp_path}/{node}.env.tmp {tmp_path}/{node}.env"
+        dump = (
+            f"env > {tmp_path}/{node}.env.tmp && mv {tmp_path}/{node}.env.tmp {tmp_path}/{node}.env"
+        )
         return cli(
             ["elect", "svc", "--url", sqlite_url, "--value", node, "--ttl", "1",
              "--term-grace", "0.3", "--fence-cmd", dump, "--", *command],

@@ -84,8 +84,18 @@ def spawn(
     read, write = os.pipe()  # both ends close-on-exec; only ``read`` is passed on
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-B", _FIRST, str(read), str(os.getpgrp()), prefix,
-             "--", *cmd],  # fmt: skip
+            [
+                sys.executable,
+                "-I",
+                "-S",
+                "-B",
+                _FIRST,
+                str(read),
+                str(os.getpgrp()),
+                prefix,
+                "--",
+                *cmd,
+            ],
             env=dict(env),
             pass_fds=(read,),
             start_new_session=new_session,

@@ -100,8 +100,10 @@ def previous_env(record: dict[str, Any] | None, seen: _Previous, mine: int) -> d
     from .election import leader_value
 
     recorded = record if record is not None and int(record.get("epoch", 0)) < mine else None
-    if seen.epoch is not None and seen.epoch < mine and (
-        recorded is None or seen.epoch > int(recorded["epoch"])
+    if (
+        seen.epoch is not None
+        and seen.epoch < mine
+        and (recorded is None or seen.epoch > int(recorded["epoch"]))
     ):
         who, value = leader_value(seen.owner)
         pid = _OWNER_PID.search(who or "")
@@ -144,7 +146,9 @@ def _read_record(locks: _sync.Locks, name: str) -> tuple[int, dict[str, Any] | N
     except (ValueError, KeyError, TypeError):
         # Not ours, or corrupt: nobody can be named, and a fence command told "no previous
         # leader" might skip fencing one that exists. Fail closed.
-        raise FencedError(f"the record {record_name(name)!r} is not a fenced elect record") from None
+        raise FencedError(
+            f"the record {record_name(name)!r} is not a fenced elect record"
+        ) from None
     return record.version, doc
 
 
