@@ -5,11 +5,16 @@ The sequence on winning (docs/failover.md draws it):
 
 1. elected with epoch E (the lease's fencing token, above every earlier leader's);
 2. the fence command runs with the previous leader's identity in its environment
-   (``FENCED_PREVIOUS_VALUE``, ``_OWNER``, ``_PID``, ``_EPOCH``; ``FENCING_TOKEN``, ``FENCED_EPOCH``,
-   ``FENCED_LOCK``), retried with backoff while this process still leads; COMMAND starts only
-   once it has succeeded (never otherwise: no fence, no service, as Pacemaker refuses to
-   start resources without a fencing device);
-3. COMMAND runs in its own process group with ``FENCING_TOKEN`` = E;
+   (``FENCED_PREVIOUS_KNOWN``, ``_VALUE``, ``_HOST``, ``_OWNER``, ``_PID``, ``_PGID``,
+   ``_EPOCH``; ``FENCING_TOKEN``, ``FENCED_EPOCH``, ``FENCED_LOCK``) — from the source's record
+   of the election's last leader, so a successor that came after the old lease expired knows
+   it too — retried with backoff while this process still leads, each attempt killed (its
+   process group) at the deadline; COMMAND starts only once it has succeeded (never
+   otherwise: no fence, no service, as Pacemaker refuses to start resources without a
+   fencing device);
+3. this leader records itself (compare-and-set; a later leader recorded there means never
+   start), then COMMAND runs in its own process group with ``FENCING_TOKEN`` = E, with a
+   watchdog in that group that kills it if this process dies (``fenced/_supervised.py``);
 4. **self-fencing**: when the lease is no longer surely held, COMMAND is stopped before any
    successor can be granted — SIGTERM when ``remaining()`` falls to ``--term-grace``, SIGKILL
    when it reaches 0 (the source expires the grant a safety margin later); and at once, with
@@ -263,11 +268,15 @@ def _fence(leader: Any, fence_cmd: str, env: dict[str, str], limit: float) -> bo
         attempt += 1
         fence = spawn(["sh", "-c", fence_cmd], env, "fenced elect: fence command: ")
         fence.start()
-        until = min(deadline, time.monotonic() + max(leader.remaining(), 0.0))
+        status: int | None = None
         try:
-            status: int | None = fence.proc.wait(max(until - time.monotonic(), 0.0))
-        except subprocess.TimeoutExpired:
-            status = None
+            # Until the deadline, and while still leading (renewals go on meanwhile).
+            while (status := fence.proc.poll()) is None:
+                left = min(deadline - time.monotonic(), leader.remaining())
+                if left <= 0:
+                    break
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    fence.proc.wait(min(left, 0.05))
         finally:
             if fence.proc.poll() is None:
                 fence.signal(signal.SIGKILL)
