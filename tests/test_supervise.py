@@ -152,22 +152,26 @@ def test_a_command_that_ends_normally_leaves_no_watchdog_and_keeps_its_backgroun
 
 
 @pytest.mark.skipif(shutil.which("script") is None, reason="needs script(1) for a terminal")
-@pytest.mark.parametrize("planted", [False, True], ids=["fenced", "planted-old-spawn"])
-def test_the_command_keeps_the_terminal(sqlite_url: str, planted: bool) -> None:
+@pytest.mark.parametrize(
+    ("planted", "options"),
+    [(False, []), (True, []), (False, ["--new-session"])],
+    ids=["fenced", "planted-old-spawn", "asked-for-a-new-session"],
+)
+def test_the_command_keeps_the_terminal(sqlite_url: str, planted: bool, options: list[str]) -> None:
     """Bug: the command ran in a session of its own, without a controlling terminal: sudo,
     ssh, psql prompts and editors failed (`/dev/tty: No such device`) where flock works. Now
     it is in the supervisor's session, and the foreground job (Ctrl-C and prompts reach it)."""
     code = (
         f"import sys\n{OLD_SPAWN if planted else ''}\nfrom fenced.cli import main\nsys.exit(main())"
     )
-    fenced_cmd = shlex.join([sys.executable, "-c", code, "lock", "tty-job", "--url", sqlite_url,
+    fenced_cmd = shlex.join([sys.executable, "-c", code, "lock", "tty-job", "--url", sqlite_url, *options,
                              "--", "sh", "-c", "tty && : </dev/tty && echo TTY-OK"])  # fmt: skip
     done = subprocess.run(
         ["script", "-qec", fenced_cmd, "/dev/null"],
         env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
         capture_output=True, text=True, timeout=60, start_new_session=True,
     )  # fmt: skip
-    if planted:
+    if planted or options:
         assert "TTY-OK" not in done.stdout, done.stdout  # caught: /dev/tty cannot be opened
         return
     assert "/dev/pts/" in done.stdout and "TTY-OK" in done.stdout, (done.stdout, done.stderr)
@@ -294,14 +298,15 @@ def test_lock_exits_75_when_the_lease_was_lost_before_a_short_command_ended(
     assert kept.wait(30) == 0
 
 
-@pytest.mark.parametrize("command", ["lock", "elect"])
+@pytest.mark.parametrize("command", ["lock", "elect", "release", "status"])
 def test_a_source_that_cannot_exclude_another_process_is_refused(command: str) -> None:
     """Bug: `fenced lock --url memory://x` in two processes: both held `m` with token m:1.
-    A source whose locks live inside one process is refused (exit 2, one line), nothing run."""
-    extra = ["--no-fence"] if command == "elect" else []
+    A source whose locks live inside one process is refused (exit 2, one line), nothing run;
+    so are `release` and `status`, which could only see their own empty process."""
+    extra = {"elect": ["--no-fence"], "release": ["--force"]}.get(command, [])
+    tail = [] if command in ("release", "status") else ["--", "sh", "-c", "echo RAN"]
     done = subprocess.run(
-        [sys.executable, "-m", "fenced", command, "m", "--url", "memory://x", *extra,
-         "--", "sh", "-c", "echo RAN"],
+        [sys.executable, "-m", "fenced", command, "m", "--url", "memory://x", *extra, *tail],
         env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip

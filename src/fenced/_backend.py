@@ -188,7 +188,8 @@ class Backend(abc.ABC):
     process_local: ClassVar[bool] = False
     """True if the source's locks exist only inside one process (``memory://``): two processes
     both "hold" the same lock. The command line refuses such a source where a lock must
-    exclude other processes (``fenced lock``, ``fenced elect``)."""
+    exclude other processes (``fenced lock``, ``fenced elect``) or see their locks
+    (``fenced release``, ``fenced status``)."""
     caller_driven: ClassVar[bool] = False
     """True if this backend's code may run on whichever thread is running fenced's private
     loop (it keeps no state tied to one thread): the synchronous API then runs a call on the

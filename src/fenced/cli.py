@@ -839,6 +839,7 @@ def _cmd_release(args: argparse.Namespace) -> int:
     name = validate_lock_name(args.name)
     token = None if args.token is None else FencingToken.parse(args.token, lock=name)
     url = args.url or default_url()
+    _require_shared_source(url, "release")  # (another process's lock is out of its reach)
     with _sync.connect(url, connect_timeout=max(args.timeout, 0.1)) as locks:
         freed = locks.force_release(name, token)
     if freed is None:
@@ -1102,6 +1103,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     from .election import leader_value
 
     url = args.url or default_url()
+    _require_shared_source(url, "status")  # (it would show another process's locks unused)
     for name in args.names:
         validate_lock_name(name)  # a usage error before anything is contacted
     with _sync.connect(url, connect_timeout=max(args.timeout, 0.1)) as locks:
