@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 import fenced
-from tests.helpers import ROOT, wait_for
+from fenced.testing.servers import EtcdServer
+from tests.helpers import ROOT, unique_name, wait_for
 
 BOUND = 5.0  # seconds from the supervisor's SIGKILL to its command's whole group gone
 
@@ -121,6 +122,27 @@ def test_kill_9_of_the_supervisor_takes_the_command_and_its_group_along(
             lambda: not any(alive(p) for p in members), timeout=BOUND, what="the command to die"
         )
         print(f"group gone {time.monotonic() - killed:.3f} s after the supervisor's SIGKILL")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        _kill_all(members)
+
+
+def test_kill_9_of_fenced_lock_on_etcd_takes_the_command_along(
+    tmp_path: Path, etcd_server: EtcdServer
+) -> None:
+    """The same through the etcd source, whose gRPC forbids Python between fork and exec in
+    the supervisor: the command is started without any (the watchdog runs after exec)."""
+    pids = tmp_path / "pids"
+    proc = cli(["lock", unique_name("job"), "--url", etcd_server.url, "--ttl", "30", "--",
+                "sh", "-c", _group_script(pids)])  # fmt: skip
+    members: list[int] = []
+    try:
+        members = _read_pids(pids)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+        wait_for(lambda: not any(alive(p) for p in members), timeout=BOUND, what="the command")
     finally:
         if proc.poll() is None:
             proc.kill()
