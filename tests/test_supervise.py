@@ -173,6 +173,31 @@ def test_a_command_that_ends_normally_leaves_no_watchdog_and_keeps_its_backgroun
         _kill_all([background])
 
 
+def test_the_command_gets_the_signal_dispositions_fenced_was_given(
+    tmp_path: Path, sqlite_url: str
+) -> None:
+    """The command starts through a Python wrapper, whose start-up ignores SIGPIPE (and
+    SIGXFSZ): inherited through exec, `producer | head` would see EPIPE instead of dying.
+    The command gets SIGPIPE and SIGINT at their defaults, as `fenced lock` had them; a SIGINT
+    ignored by fenced's starter (`cmd &` in a script) stays ignored."""
+
+    def ignored(preexec: str) -> int:
+        out = subprocess.run(
+            ["sh", "-c", f"{preexec} exec \"$@\"", "sh", sys.executable, "-m", "fenced",
+             "lock", "sig", "--url", sqlite_url, "--", "sh", "-c", "grep SigIgn /proc/$$/status"],
+            env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+            capture_output=True, text=True, timeout=60, start_new_session=True,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        return int(out.stdout.split()[1], 16)
+
+    plain = ignored("")
+    assert not plain & (1 << (signal.SIGPIPE - 1)), hex(plain)
+    assert not plain & (1 << (signal.SIGXFSZ - 1)), hex(plain)
+    assert not plain & (1 << (signal.SIGINT - 1)), hex(plain)
+    assert ignored("trap '' INT;") & (1 << (signal.SIGINT - 1))
+
+
 @pytest.mark.skipif(shutil.which("script") is None, reason="needs script(1) for a terminal")
 @pytest.mark.parametrize(
     ("planted", "options"),

@@ -69,7 +69,19 @@ def _take_terminal(supervisor_pgrp: int) -> None:
         os.close(tty)
 
 
+def _dispositions_as_inherited() -> None:
+    """Undo what Python's start-up did to signals, so the command gets the dispositions its
+    supervisor was given (exec keeps only "ignored"): Python ignores SIGPIPE and SIGXFSZ
+    (a command would see EPIPE instead of dying in `cmd | head`), and turns SIGINT into
+    KeyboardInterrupt (a Ctrl-C before exec would print a traceback) unless it was ignored."""
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def main() -> None:
+    _dispositions_as_inherited()
     fd, supervisor_pgrp, prefix = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     cmd = sys.argv[5:]
     try:
