@@ -437,9 +437,11 @@ def _parser() -> argparse.ArgumentParser:
         usage="fenced elect NAME [options] -- COMMAND ...",
         description=(
             "Campaign for leadership of NAME; once elected, run --fence-cmd (with the previous "
-            "leader's FENCED_PREVIOUS_VALUE, _OWNER, _PID, _EPOCH and FENCING_TOKEN in its "
-            "environment) until it succeeds, then COMMAND with FENCING_TOKEN set to this "
-            "leader's epoch. When leadership is no longer sure, COMMAND is stopped (SIGTERM "
+            "leader's FENCED_PREVIOUS_VALUE, _HOST, _OWNER, _PID, _PGID, _EPOCH, or "
+            "FENCED_PREVIOUS_KNOWN=0 if there was none, and FENCING_TOKEN in its environment) "
+            "until it succeeds (each attempt killed at --fence-timeout), then COMMAND with "
+            "FENCING_TOKEN set to this leader's epoch; COMMAND dies with fenced elect, even by "
+            "kill -9. When leadership is no longer sure, COMMAND is stopped (SIGTERM "
             "at --term-grace seconds left, SIGKILL at 0) before any successor can be elected. "
             "Without --fence-cmd it refuses to run unless --no-fence is given. See "
             "docs/failover.md."
