@@ -6,6 +6,8 @@ from __future__ import annotations
 # etcd support sets it, so the test servers this process forks cannot crash before exec.
 import fenced._grpc  # isort: skip
 
+import signal
+import threading
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -31,6 +33,21 @@ def register_scheme(request: pytest.FixtureRequest) -> Callable[[str, str], None
         request.addfinalizer(fenced.register_backend(scheme, target))
 
     return register
+
+
+@pytest.fixture
+def sigint_raises() -> Iterator[None]:
+    """SIGINT raises KeyboardInterrupt during the test, even in a run started with SIGINT
+    ignored (`make test &` in a script, some CI runners), which would otherwise swallow the
+    Ctrl-C a test sends itself. Restored after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # (the tests that need it skip off the main thread)
+        return
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 @pytest.fixture

@@ -83,6 +83,7 @@ class GoneAfterGrantSource(_TestSource):
     """Grants, then becomes unreachable: every renew and release fails."""
 
     scheme: ClassVar[str] = "goneaftergrant"
+    process_local: ClassVar[bool] = False  # (run inside one `fenced lock`: the test needs no other)
 
     async def renew(self, grant: Grant) -> Grant:
         raise fenced.BackendUnavailable("the source went away")

@@ -271,8 +271,9 @@ def test_cli_keeps_the_commands_status_if_only_the_release_fails() -> None:
     assert "release" in out.stderr
 
 
+@pytest.mark.usefixtures("sigint_raises")
 def test_cli_ctrl_c_right_after_the_command_started_stops_the_command(
-    monkeypatch: pytest.MonkeyPatch, memory_url: str
+    monkeypatch: pytest.MonkeyPatch, sqlite_url: str
 ) -> None:
     """Bug: the signal handlers were installed only after the command started: a Ctrl-C in
     between ended `fenced lock` (releasing the lock) and left the command running unlocked.
@@ -293,13 +294,13 @@ def test_cli_ctrl_c_right_after_the_command_started_stops_the_command(
     code: int | None = None
     try:
         try:
-            code = cli.main(["lock", "x", "--url", memory_url, "--", "sleep", "30"])
+            code = cli.main(["lock", "x", "--url", sqlite_url, "--", "sleep", "30"])
         except KeyboardInterrupt:
             code = None
         assert started
         assert started[0].poll() is not None, "the command was left running without the lock"
         assert code == 128 + signal.SIGINT  # it was passed the Ctrl-C, and died of it
-        with fenced.connect(memory_url) as locks:
+        with fenced.connect(sqlite_url) as locks:
             assert locks.status("x").holder is None
     finally:
         for child in started:
@@ -320,16 +321,16 @@ def test_ctrl_c_while_waiting_exits_130_quietly_and_leaves_the_queue(
 
     # A long waiter_ttl: the planted bug's row must still be there when it is looked for.
     env = dict(os.environ, FENCED_URL=f"{sqlite_url}?waiter_ttl=30")
-    if planted:  # the waiter's row is left to expire, as before the fix
-        env["PYTHONPATH"] = f"{ROOT / 'src'}{os.pathsep}{ROOT}"
-        code = (
-            "import sys; from fenced.backends import sqlite as s; "
-            "s.SQLiteBackend._forget = lambda self, name, rid: None; "
-            "from fenced.cli import main; sys.exit(main(sys.argv[1:]))"
-        )
-        command = [sys.executable, "-c", code]
-    else:
-        command = list(FENCED)
+    # Ctrl-C must reach it as from a terminal even if this test run started with SIGINT
+    # ignored (`make test &`), which the CLI would inherit (and keep: it was told to).
+    sigint = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    env["PYTHONPATH"] = f"{ROOT / 'src'}{os.pathsep}{ROOT}"
+    plant = (  # the waiter's row is left to expire, as before the fix
+        "from fenced.backends import sqlite as s; "
+        "s.SQLiteBackend._forget = lambda self, name, rid: None; "
+    )
+    code = f"{sigint}{plant if planted else ''}import sys; from fenced.cli import main; sys.exit(main(sys.argv[1:]))"
+    command = [sys.executable, "-c", code]
     master, slave = pty.openpty()
     with fenced.connect(sqlite_url) as locks, locks.lock("busy", ttl=30):
         proc = subprocess.Popen(

@@ -352,6 +352,7 @@ def test_close_from_on_lost_callback_does_not_wedge_the_connection(memory_url: s
         bounded(lambda: locks.status("x"))
 
 
+@pytest.mark.usefixtures("sigint_raises")
 def test_interrupted_acquire_never_leaves_the_grant_held(memory_url: str) -> None:
     """Bug: Ctrl-C while acquire() waits, at the instant the grant arrives, dropped the result
     but kept the grant, renewed by the keepalive forever: the caller believed it had no lock.

@@ -119,6 +119,7 @@ def test_a_timer_armed_by_a_driven_call_wakes_the_loop_thread(
 
 
 @pytest.mark.parametrize("planted", [False, True], ids=["fenced", "planted-sigint-inline"])
+@pytest.mark.usefixtures("sigint_raises")
 def test_ctrl_c_during_a_driven_acquire_never_leaves_the_grant_held(
     register_scheme: Callable[[str, str], None],
     memory_url: str,
@@ -149,6 +150,7 @@ def test_ctrl_c_during_a_driven_acquire_never_leaves_the_grant_held(
 
 
 @pytest.mark.parametrize("planted", [False, True], ids=["fenced", "planted-held-sigint-waits"])
+@pytest.mark.usefixtures("sigint_raises")
 def test_ctrl_c_held_back_while_driving_stops_the_wait_that_follows(
     portal: Portal, monkeypatch: pytest.MonkeyPatch, planted: bool
 ) -> None:

@@ -30,10 +30,10 @@ def test_python_examples(index: int, tmp_path: Path) -> None:
 
 def test_shell_example(tmp_path: Path) -> None:
     (sh,) = [b for b in blocks("sh") if "fenced lock" in b]
-    env = dict(os.environ, FENCED_URL=f"sqlite:///{tmp_path}/locks.db", TMPDIR=str(tmp_path))
+    env = dict(os.environ, FENCED_URL=f"sqlite:///{tmp_path}/locks.db", HOME=str(tmp_path))
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
     out = subprocess.run(["bash", "-euc", sh], capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0, out.stderr
     assert "writing with nightly-report:1" in out.stdout
-    assert (tmp_path / "report.txt" / "current").exists()  # the guarded write from the shell
+    assert (tmp_path / "reports" / "report.txt" / "current").exists()  # the guarded write
     assert "free" in out.stdout

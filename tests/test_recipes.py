@@ -25,6 +25,7 @@ def blocks(lang: str) -> list[str]:
 
 def _env(tmp_path: Path) -> dict[str, str]:
     env = dict(os.environ, TMPDIR=str(tmp_path), FENCED_URL=f"sqlite:///{tmp_path}/locks.db")
+    env["HOME"] = str(tmp_path)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
     env["PYTHONPATH"] = f"{ROOT / 'src'}{os.pathsep}{ROOT}"
     return env

@@ -185,6 +185,11 @@ class Backend(abc.ABC):
     knows_highest: ClassVar[bool] = True
     """True if :meth:`status`'s ``last_token`` is the highest grant even when the lock is free
     (the source keeps a counter); False if it is exact only while held."""
+    process_local: ClassVar[bool] = False
+    """True if the source's locks exist only inside one process (``memory://``): two processes
+    both "hold" the same lock. The command line refuses such a source where a lock must
+    exclude other processes (``fenced lock``, ``fenced elect``) or see their locks
+    (``fenced release``, ``fenced status``)."""
     caller_driven: ClassVar[bool] = False
     """True if this backend's code may run on whichever thread is running fenced's private
     loop (it keeps no state tied to one thread): the synchronous API then runs a call on the

@@ -5,11 +5,16 @@ The sequence on winning (docs/failover.md draws it):
 
 1. elected with epoch E (the lease's fencing token, above every earlier leader's);
 2. the fence command runs with the previous leader's identity in its environment
-   (``FENCED_PREVIOUS_VALUE``, ``_OWNER``, ``_PID``, ``_EPOCH``; ``FENCING_TOKEN``, ``FENCED_EPOCH``,
-   ``FENCED_LOCK``), retried with backoff while this process still leads; COMMAND starts only
-   once it has succeeded (never otherwise: no fence, no service, as Pacemaker refuses to
-   start resources without a fencing device);
-3. COMMAND runs in its own process group with ``FENCING_TOKEN`` = E;
+   (``FENCED_PREVIOUS_KNOWN``, ``_VALUE``, ``_HOST``, ``_OWNER``, ``_PID``, ``_PGID``,
+   ``_EPOCH``; ``FENCING_TOKEN``, ``FENCED_EPOCH``, ``FENCED_LOCK``) — from the source's record
+   of the election's last leader, so a successor that came after the old lease expired knows
+   it too — retried with backoff while this process still leads, each attempt killed (its
+   process group) at the deadline; COMMAND starts only once it has succeeded (never
+   otherwise: no fence, no service, as Pacemaker refuses to start resources without a
+   fencing device);
+3. this leader records itself (compare-and-set; a later leader recorded there means never
+   start), then COMMAND runs in its own process group with ``FENCING_TOKEN`` = E, with a
+   watchdog in that group that kills it if this process dies (``fenced/_supervised.py``);
 4. **self-fencing**: when the lease is no longer surely held, COMMAND is stopped before any
    successor can be granted — SIGTERM when ``remaining()`` falls to ``--term-grace``, SIGKILL
    when it reaches 0 (the source expires the grant a safety margin later); and at once, with
@@ -19,6 +24,7 @@ The sequence on winning (docs/failover.md draws it):
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -29,8 +35,10 @@ from pathlib import Path
 from typing import Any
 
 from . import _sync
-from ._command import spawn
-from ._errors import FencedError
+from ._command import Command, spawn
+from ._errors import FencedError, RecordConflict
+from ._fork import whoami
+from ._token import validate_lock_name
 
 __all__ = ["poison", "run_elected"]
 
@@ -64,27 +72,103 @@ def read_pill(directory: str | None, name: str) -> int:
         return 0
 
 
+def record_name(name: str) -> str:
+    """The source's record of the election ``name``'s last leader that started its command."""
+    return f"fenced.elect/{name}"
+
+
 class _Previous:
-    """The latest holder seen while campaigning: the leader the fence command must fence."""
+    """The holders seen while campaigning: the latest is a leader the fence command must fence
+    even if it never got to record itself."""
 
     def __init__(self) -> None:
         self.epoch: int | None = None
         self.owner: str | None = None
 
-    def env(self, mine: int) -> dict[str, str]:
-        from .election import leader_value
 
-        if self.epoch is None or self.epoch >= mine:
-            return {"FENCED_PREVIOUS_EPOCH": "", "FENCED_PREVIOUS_OWNER": "",
-                    "FENCED_PREVIOUS_VALUE": "", "FENCED_PREVIOUS_PID": ""}  # fmt: skip
-        who, value = leader_value(self.owner)
+_NONE = {
+    "FENCED_PREVIOUS_KNOWN": "0",
+    "FENCED_PREVIOUS_EPOCH": "",
+    "FENCED_PREVIOUS_OWNER": "",
+    "FENCED_PREVIOUS_VALUE": "",
+    "FENCED_PREVIOUS_HOST": "",
+    "FENCED_PREVIOUS_PID": "",
+    "FENCED_PREVIOUS_PGID": "",
+}
+
+
+def previous_env(record: dict[str, Any] | None, seen: _Previous, mine: int) -> dict[str, str]:
+    """``FENCED_PREVIOUS_*`` for the leader with epoch ``mine``: the newest earlier leader, from
+    the election's record (kept by the source, so known to every successor however late it
+    came) or from a holder seen while campaigning if that one is newer. None at all:
+    ``FENCED_PREVIOUS_KNOWN=0`` (no leader of this name ever started its command)."""
+    from .election import leader_value
+
+    recorded = record if record is not None and int(record.get("epoch", 0)) < mine else None
+    if (
+        seen.epoch is not None
+        and seen.epoch < mine
+        and (recorded is None or seen.epoch > int(recorded["epoch"]))
+    ):
+        who, value = leader_value(seen.owner)
         pid = _OWNER_PID.search(who or "")
-        return {
-            "FENCED_PREVIOUS_EPOCH": str(self.epoch),
-            "FENCED_PREVIOUS_OWNER": who or "",
-            "FENCED_PREVIOUS_VALUE": value or "",
-            "FENCED_PREVIOUS_PID": pid.group(1) if pid else "",
-        }
+        return dict(
+            _NONE,
+            FENCED_PREVIOUS_KNOWN="1",
+            FENCED_PREVIOUS_EPOCH=str(seen.epoch),
+            FENCED_PREVIOUS_OWNER=who or "",
+            FENCED_PREVIOUS_VALUE=value or "",
+            FENCED_PREVIOUS_HOST=_host_of(who),
+            FENCED_PREVIOUS_PID=pid.group(1) if pid else "",
+        )
+    if recorded is None:
+        return dict(_NONE)
+    return dict(
+        _NONE,
+        FENCED_PREVIOUS_KNOWN="1",
+        FENCED_PREVIOUS_EPOCH=str(recorded["epoch"]),
+        FENCED_PREVIOUS_OWNER=str(recorded.get("owner", "")),
+        FENCED_PREVIOUS_VALUE=str(recorded.get("value", "")),
+        FENCED_PREVIOUS_HOST=str(recorded.get("host", "")),
+        FENCED_PREVIOUS_PID=str(recorded.get("pid", "")),
+        FENCED_PREVIOUS_PGID=str(recorded.get("pgid", "")),
+    )
+
+
+def _host_of(who: str | None) -> str:
+    """``host`` of ``user@host pid N``."""
+    at = (who or "").partition("@")[2]
+    return at.partition(" pid ")[0]
+
+
+def _read_record(locks: _sync.Locks, name: str) -> tuple[int, dict[str, Any] | None]:
+    record = locks.read_record(record_name(name))
+    if record is None:
+        return 0, None
+    try:
+        doc = json.loads(record.value)
+        int(doc["epoch"])
+    except (ValueError, KeyError, TypeError):
+        # Not ours, or corrupt: nobody can be named, and a fence command told "no previous
+        # leader" might skip fencing one that exists. Fail closed.
+        raise FencedError(
+            f"the record {record_name(name)!r} is not a fenced elect record"
+        ) from None
+    return record.version, doc
+
+
+def _record_leader(locks: _sync.Locks, name: str, doc: dict[str, Any]) -> bool:
+    """Record this leader (after fencing, before its command starts); False if a later
+    leader has recorded itself already (this one was replaced meanwhile: never start)."""
+    while True:
+        version, current = _read_record(locks, name)
+        if current is not None and int(current["epoch"]) > doc["epoch"]:
+            return False
+        try:
+            locks.swap_record(record_name(name), version, json.dumps(doc))
+            return True
+        except RecordConflict:
+            continue  # another leader's swap came first: look again
 
 
 def _watch_holders(locks: _sync.Locks, name: str, seen: _Previous, stop: threading.Event) -> None:
@@ -115,6 +199,10 @@ def run_elected(
     poison_dir: str | None,
     lock_delay: float = 0.0,
 ) -> int:
+    import socket
+
+    validate_lock_name(record_name(name))
+    _read_record(locks, name)  # a source that keeps no records is refused before campaigning
     seen = _Previous()
     stop_watch = threading.Event()
     watcher = threading.Thread(
@@ -128,82 +216,120 @@ def run_elected(
         watcher.join(5)
     epoch = leader.epoch
     _say(f"elected leader of {name!r} with epoch {epoch}")
-    env = dict(
-        os.environ,
-        FENCING_TOKEN=str(epoch),
-        FENCED_EPOCH=str(epoch.value),
-        FENCED_LOCK=name,
-        **seen.env(epoch.value),
-    )
+    child: Command | None = None
     try:
+        _, record = _read_record(locks, name)
+        env = dict(
+            os.environ,
+            FENCING_TOKEN=str(epoch),
+            FENCED_EPOCH=str(epoch.value),
+            FENCED_LOCK=name,
+            **previous_env(record, seen, epoch.value),
+        )
         if fence_cmd is not None and not _fence(leader, fence_cmd, env, fence_timeout):
             return EXIT_FENCE_FAILED
+        # Held at its first instruction until recorded: a successor's fence command learns
+        # this command's process group from the record, however late it comes.
+        child = spawn(cmd, env, "fenced elect: ")
+        doc = {
+            "epoch": epoch.value,
+            "token": str(epoch.unsigned()),
+            "value": value,
+            "owner": whoami(),
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "pgid": child.pgid,
+        }
+        if not _record_leader(locks, name, doc):
+            _say("a later leader has recorded itself; not starting the command")
+            return EXIT_LEASE_LOST
         if leader.remaining() <= 0:
             _say("leadership ran out before the command started; not starting it")
             return EXIT_LEASE_LOST
-        child = spawn(cmd, env, _say)
-        if isinstance(child, int):
-            return child
+        child.start()
         return _supervise(leader, child, term_grace, poison_dir, name)
     finally:
+        if child is not None:
+            if child.proc.poll() is None:  # never started, or not stopped: nothing may stay
+                child.signal(signal.SIGKILL)
+                child.proc.wait()
+            child.finish(kill_rest=True)
         with contextlib.suppress(FencedError):
             leader.resign()
 
 
 def _fence(leader: Any, fence_cmd: str, env: dict[str, str], limit: float) -> bool:
-    """Run the fence command until it succeeds, while leading and within ``limit`` seconds."""
+    """Run the fence command until it succeeds, while leading and within ``limit`` seconds;
+    an attempt still running at that deadline is killed (its whole process group)."""
     deadline = time.monotonic() + limit
     delay = 0.5
     attempt = 0
     while True:
         attempt += 1
-        done = subprocess.run(["sh", "-c", fence_cmd], env=env, check=False)
-        if done.returncode == 0:
+        fence = spawn(["sh", "-c", fence_cmd], env, "fenced elect: fence command: ")
+        fence.start()
+        status: int | None = None
+        try:
+            # Until the deadline, and while still leading (renewals go on meanwhile).
+            while (status := fence.proc.poll()) is None:
+                left = min(deadline - time.monotonic(), leader.remaining())
+                if left <= 0:
+                    break
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    fence.proc.wait(min(left, 0.05))
+        finally:
+            if fence.proc.poll() is None:
+                fence.signal(signal.SIGKILL)
+                fence.proc.wait()
+            fence.finish(kill_rest=True)  # nothing it started outlives it
+        if status == 0:
             _say(f"fence command succeeded (attempt {attempt}); starting the command")
             return True
-        left = min(deadline - time.monotonic(), leader.remaining())
-        if left <= delay:
+        if status is None:
             _say(
-                f"fence command failed {attempt} time(s) (last status {done.returncode}); "
+                f"fence command still running after {limit:g} s or past leadership; killed it; "
                 "not starting the command"
             )
             return False
-        _say(f"fence command failed with status {done.returncode}; again in {delay:g} s")
+        left = min(deadline - time.monotonic(), leader.remaining())
+        if left <= delay:
+            _say(
+                f"fence command failed {attempt} time(s) (last status {status}); "
+                "not starting the command"
+            )
+            return False
+        _say(f"fence command failed with status {status}; again in {delay:g} s")
         time.sleep(delay)
         delay = min(delay * 2, 10.0)
 
 
-def _kill(child: subprocess.Popen[bytes], signum: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(child.pid, signum)
-
-
-def self_fence(child: subprocess.Popen[bytes], why: str, *, grace: float) -> None:
+def self_fence(child: Command, why: str, *, grace: float) -> None:
     """Stop the service: SIGTERM, then SIGKILL after ``grace`` seconds (0: SIGKILL now)."""
     _say(f"{why}: stopping the command")
     if grace > 0:
-        _kill(child, signal.SIGTERM)
+        child.signal(signal.SIGTERM)
         try:
-            child.wait(grace)
+            child.proc.wait(grace)
             return
         except subprocess.TimeoutExpired:
             pass
-    _kill(child, signal.SIGKILL)
-    child.wait()
+    child.signal(signal.SIGKILL)
+    child.proc.wait()
 
 
 def _supervise(
     leader: Any,
-    child: subprocess.Popen[bytes],
+    child: Command,
     term_grace: float,
     poison_dir: str | None,
     name: str,
 ) -> int:
     epoch = leader.epoch.value
-    forward = {s: signal.signal(s, lambda signum, _f: _kill(child, signum))
-               for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}  # fmt: skip
+    forward = {s: signal.signal(s, lambda signum, _f: child.signal(signum))
+               for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+               if signal.getsignal(s) is not signal.SIG_IGN}  # fmt: skip
     try:
-        while child.poll() is None:
+        while child.proc.poll() is None:
             left = leader.remaining()
             if read_pill(poison_dir, name) > epoch:
                 self_fence(child, "a poison pill with a higher epoch", grace=0)
@@ -214,7 +340,8 @@ def _supervise(
                 self_fence(child, f"leadership of {name!r} no longer sure", grace=max(left, 0.0))
                 return EXIT_LEASE_LOST
             time.sleep(min(0.05, max(left - term_grace, 0.005)))
-        return child.returncode if child.returncode >= 0 else 128 - child.returncode
+        code = child.proc.returncode
+        return code if code >= 0 else 128 - code
     finally:
         for s, handler in forward.items():
             signal.signal(s, handler)

@@ -18,6 +18,7 @@ import math
 import os
 import shlex
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -26,7 +27,7 @@ from typing import Any, NoReturn
 
 from . import __version__, _clock, _sync
 from ._backend import LockStatus, _redacted
-from ._command import spawn
+from ._command import Command, spawn
 from ._errors import (
     AccessDenied,
     BackendUnavailable,
@@ -252,6 +253,11 @@ def _parser() -> argparse.ArgumentParser:
         default=0.0,
         help="if this lease expires (not released), grant nobody the lock for S more seconds (0)",
     )
+    lock.add_argument(
+        "--new-session",
+        action="store_true",
+        help="run the command in a session of its own, without the terminal (as setsid)",
+    )
 
     release = sub.add_parser(
         "release",
@@ -470,9 +476,11 @@ def _parser() -> argparse.ArgumentParser:
         usage="fenced elect NAME [options] -- COMMAND ...",
         description=(
             "Campaign for leadership of NAME; once elected, run --fence-cmd (with the previous "
-            "leader's FENCED_PREVIOUS_VALUE, _OWNER, _PID, _EPOCH and FENCING_TOKEN in its "
-            "environment) until it succeeds, then COMMAND with FENCING_TOKEN set to this "
-            "leader's epoch. When leadership is no longer sure, COMMAND is stopped (SIGTERM "
+            "leader's FENCED_PREVIOUS_VALUE, _HOST, _OWNER, _PID, _PGID, _EPOCH, or "
+            "FENCED_PREVIOUS_KNOWN=0 if there was none, and FENCING_TOKEN in its environment) "
+            "until it succeeds (each attempt killed at --fence-timeout), then COMMAND with "
+            "FENCING_TOKEN set to this leader's epoch; COMMAND dies with fenced elect, even by "
+            "kill -9. When leadership is no longer sure, COMMAND is stopped (SIGTERM "
             "at --term-grace seconds left, SIGKILL at 0) before any successor can be elected. "
             "Without --fence-cmd it refuses to run unless --no-fence is given. See "
             "docs/failover.md."
@@ -688,6 +696,7 @@ def _cmd_lock(args: argparse.Namespace) -> int:
         _say("lock: no command given (fenced lock NAME -- COMMAND ...)")
         return EXIT_USAGE
     url = args.url or default_url()
+    _require_shared_source(url, "lock")
     # --timeout bounds everything before the command starts, reaching the source included.
     deadline = None if args.timeout is None else _clock.now() + args.timeout
     connect_timeout = None if args.timeout is None else max(args.timeout, 0.1)
@@ -713,7 +722,7 @@ def _cmd_lock(args: argparse.Namespace) -> int:
             _say(f"lock: {args.name!r} not acquired within {args.timeout:g} s")
             return int(args.conflict_exit_code)
         try:
-            code = _run_holding(lease, str(token), cmd, args.grace)
+            code = _run_holding(lease, str(token), cmd, args.grace, args.new_session)
         except BaseException:
             with contextlib.suppress(FencedError):
                 lease.release()
@@ -724,24 +733,48 @@ def _cmd_lock(args: argparse.Namespace) -> int:
             # The command's outcome stands (75 if the lease was lost while it ran): a failed
             # release must not turn it into 69. The grant simply expires after its ttl.
             _say(f"lock: could not release {args.name!r} ({exc}); it expires by itself")
+        if code != EXIT_LEASE_LOST and lease.lost.is_set():
+            # The release found the grant gone (taken over, force-released, expired) before
+            # any renewal noticed: the command ran, at least in part, without the lock — as
+            # the library's `with locks.lock(...)` raises LeaseLostError.
+            _say(f"lock: lease on {args.name!r} (token {token}) was lost while the command ran")
+            return EXIT_LEASE_LOST
         return code
 
 
-def _run_holding(lease: _sync.Lease, token: str, cmd: list[str], grace: float) -> int:
+def _require_shared_source(url: str, command: str) -> None:
+    """A lock held by a process of its own must exclude other processes: refuse a source
+    whose locks live inside one process (memory://), where every `fenced lock` would hold."""
+    from ._backend import backend_class
+
+    if backend_class(url).process_local:
+        raise ConfigurationError(
+            f"{command}: {_redacted(url)} keeps its locks inside one process, so it cannot "
+            "exclude another process; use a shared source (sqlite:///path, etcd://, ...)"
+        )
+
+
+def _run_holding(
+    lease: _sync.Lease, token: str, cmd: list[str], grace: float, new_session: bool = False
+) -> int:
     env = dict(os.environ, FENCING_TOKEN=token, FENCED_LOCK=lease.name)
     # The handlers go in before the command starts: a Ctrl-C or SIGTERM in between would
     # otherwise end `fenced lock` (releasing the lock) and leave the command running.
-    child: subprocess.Popen[bytes] | None = None
+    child: Command | None = None
     early: list[int] = []
 
     def forward(signum: int, _frame: object) -> None:
         if child is None:
             early.append(signum)  # passed on as soon as the command exists
         else:
-            _signal_group(child, signum)
+            child.signal(signum)
 
+    # A signal ignored when fenced started (`fenced lock ... &` in a script ignores SIGINT)
+    # stays ignored, for fenced and for the command, as for any program started so.
     previous = {
-        s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+        s: signal.signal(s, forward)
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+        if signal.getsignal(s) is not signal.SIG_IGN
     }
     try:
         if early:
@@ -750,25 +783,25 @@ def _run_holding(lease: _sync.Lease, token: str, cmd: list[str], grace: float) -
             # Never start the command unless the lease is surely held right now.
             _say(f"lock: lease on {lease.name!r} ran out before the command started")
             return EXIT_LEASE_LOST
-        started = spawn(cmd, env, lambda text: _say(f"lock: {text}"))
-        if isinstance(started, int):
-            return started
-        child = started
+        child = spawn(cmd, env, "fenced: lock: ", new_session=new_session)
         for signum in early:
-            _signal_group(child, signum)
+            child.signal(signum)
+        child.start()
         return _supervise(lease, token, child, grace)
     finally:
+        if child is not None:
+            child.finish(kill_rest=child.proc.poll() is None or lease.lost.is_set())
         for s, handler in previous.items():
             signal.signal(s, handler)
 
 
-def _supervise(lease: _sync.Lease, token: str, child: subprocess.Popen[bytes], grace: float) -> int:
+def _supervise(lease: _sync.Lease, token: str, child: Command, grace: float) -> int:
     """Wait for the command; if the lease is lost first, terminate it (SIGTERM, then SIGKILL)."""
     finished = threading.Event()
     lease.on_lost = lambda _lease: finished.set()
 
     def wait_child() -> None:
-        child.wait()
+        child.proc.wait()
         finished.set()
 
     threading.Thread(target=wait_child, daemon=True).start()
@@ -776,30 +809,23 @@ def _supervise(lease: _sync.Lease, token: str, child: subprocess.Popen[bytes], g
     if lease.lost.is_set():
         finished.set()
     finished.wait()
-    if child.poll() is None and lease.lost.is_set():
+    if child.proc.poll() is None and lease.lost.is_set():
         _say(
             f"lock: lease on {lease.name!r} (token {token}) lost: {lease.lost_cause}; "
             "terminating the command"
         )
-        _signal_group(child, signal.SIGTERM)
+        child.signal(signal.SIGTERM)
         try:
-            child.wait(grace)
+            child.proc.wait(grace)
         except subprocess.TimeoutExpired:
-            _signal_group(child, signal.SIGKILL)
-            child.wait()
+            child.signal(signal.SIGKILL)
+            child.proc.wait()
         return EXIT_LEASE_LOST
-    code = child.wait()
+    code = child.proc.wait()
     if lease.lost.is_set():
         _say(f"lock: lease on {lease.name!r} (token {token}) was lost while the command ran")
         return EXIT_LEASE_LOST
     return code if code >= 0 else 128 - code
-
-
-def _signal_group(child: subprocess.Popen[bytes], signum: int) -> None:
-    try:
-        os.killpg(child.pid, signum)
-    except ProcessLookupError:
-        pass
 
 
 def _cmd_check_token(args: argparse.Namespace) -> int:
@@ -873,6 +899,7 @@ def _cmd_release(args: argparse.Namespace) -> int:
     name = validate_lock_name(args.name)
     token = None if args.token is None else FencingToken.parse(args.token, lock=name)
     url = args.url or default_url()
+    _require_shared_source(url, "release")  # (another process's lock is out of its reach)
     with _sync.connect(url, connect_timeout=max(args.timeout, 0.1)) as locks:
         freed = locks.force_release(name, token)
     if freed is None:
@@ -895,6 +922,15 @@ def _cmd_write(args: argparse.Namespace) -> int:
     directory, name = os.path.split(os.path.abspath(args.path))
     if not os.path.isdir(directory):
         _say(f"write: directory {directory} does not exist")
+        return EXIT_USAGE
+    mode = os.stat(directory).st_mode
+    if mode & (stat.S_IWOTH | stat.S_ISVTX):
+        # The guard marks its whole directory as the resource of one lock: done implicitly
+        # on /tmp, it would refuse every other user's and job's writes there.
+        _say(
+            f"write: {directory} is shared (world-writable or sticky, as /tmp is): the files "
+            "guard would claim all of it for one lock; write into a directory of your own"
+        )
         return EXIT_USAGE
     data = sys.stdin.buffer.read()
     try:
@@ -1031,6 +1067,7 @@ def _cmd_elect(args: argparse.Namespace) -> int:
     if args.term_grace >= args.ttl:
         raise ConfigurationError("elect: --term-grace must be shorter than --ttl")
     url = args.url or default_url()
+    _require_shared_source(url, "elect")
     with _sync.connect(url, connect_timeout=max(args.timeout, 0.1)) as locks:
         return run_elected(
             locks,
@@ -1128,6 +1165,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     from .election import leader_value
 
     url = args.url or default_url()
+    _require_shared_source(url, "status")  # (it would show another process's locks unused)
     for name in args.names:
         validate_lock_name(name)  # a usage error before anything is contacted
     timeout = max(args.timeout, 0.1)

@@ -76,6 +76,7 @@ class MemoryBackend(Backend):
         }
     )
     caller_driven: ClassVar[bool] = True  # plain Python state, no threads of its own
+    process_local: ClassVar[bool] = True  # each process has its own memory://NAME
 
     def __init__(self, store: _Store) -> None:
         self._store = store
