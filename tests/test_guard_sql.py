@@ -1273,3 +1273,52 @@ def test_a_forged_token_never_moves_the_mark(tmp_path: Any, guard_class: type[SQ
         assert mark == FencingToken("invoices", 2**62)  # the planted bug is caught
     else:
         assert mark == FencingToken("invoices", 5)
+
+
+# -- identifiers as each database compares them (issue 25) ------------------------------------
+
+
+def test_row_values_naming_a_guard_column_under_another_case_are_refused(
+    env: Env, conn: Any, rows: RowGuard
+) -> None:
+    """SQLite ignores the case of column names: ``values={"Fencing_Token": 1}`` set the token
+    column itself. On a new row that value became the mark (a stale 5 then passed after 14);
+    on an existing row the write refused itself and said "roll back and retry" on every
+    retry. Refused before any SQL, as a ConfigurationError (never retry), on every engine;
+    the rightful write with proper values is accepted and the stale one refused after it."""
+    before = conn.execute("SELECT * FROM invoices ORDER BY id").fetchall()
+    for values in ({"Fencing_Token": 1}, {"ID": 3}, {"status": "a", "STATUS": "b"}):
+        for key in ({"id": 7}, {"id": 1}):  # a new row, an existing one
+            for write in (rows.insert_or_update, rows.update):
+                with pytest.raises(ConfigurationError) as info:
+                    write(conn, token=tok(14), key=key, values=values)
+                assert not isinstance(info.value, FenceConflictError)
+                assert "retry" not in str(info.value)
+    with pytest.raises(ConfigurationError):  # the key column and the token column: one column
+        RowGuard("invoices", key_columns=("ID",), token_column="id").update(
+            conn, token="invoices:1", key={"ID": 1}
+        )
+    assert conn.execute("SELECT * FROM invoices ORDER BY id").fetchall() == before
+    assert rows.insert_or_update(conn, token=tok(14), key={"id": 7}, values={"status": "a"})
+    with pytest.raises(StaleTokenError):
+        rows.update(conn, token=tok(5), key={"id": 7}, values={"status": "stale"})
+    assert row(conn, env, 7) == ("a", None, 14)
+
+
+def test_row_install_checks_a_token_column_found_under_another_case(env: Env, conn: Any) -> None:
+    """``Fencing_Token TEXT`` *is* the token column on SQLite (and, unquoted, on PostgreSQL).
+    install() looked it up exactly, missed it, took the failed ADD COLUMN for a racing install
+    and never checked its type (text compares '10' < '9'). Refused; an integer column under
+    another case is used as it is."""
+    conn.execute("CREATE TABLE acct (id INTEGER PRIMARY KEY, v INTEGER, Fencing_Token TEXT)")
+    guard = RowGuard("acct", lock=LOCK)
+    with pytest.raises(ConfigurationError, match="64-bit"):
+        guard.install(conn)
+    conn.execute("CREATE TABLE acct2 (id INTEGER PRIMARY KEY, v INTEGER, Fencing_Token BIGINT)")
+    conn.execute("INSERT INTO acct2 (id, v) VALUES (1, 0)")
+    ok = RowGuard("acct2", lock=LOCK)
+    ok.install(conn)
+    assert ok.update(conn, token=tok(10), key={"id": 1}, values={"v": 1}) == tok(10)
+    with pytest.raises(StaleTokenError):
+        ok.update(conn, token=tok(9), key={"id": 1}, values={"v": 2})
+    assert tuple(conn.execute("SELECT v, fencing_token FROM acct2").fetchone()) == (1, 10)
