@@ -425,8 +425,9 @@ def test_users_own_sql_error_is_not_swallowed(pg_dsn: str) -> None:
         conn.execute("BEGIN")
         with pytest.raises(psycopg.errors.DivisionByZero):
             conn.execute("SELECT 1/0")
-        with pytest.raises(psycopg.errors.InFailedSqlTransaction):
+        with pytest.raises(ConfigurationError, match="already failed") as info:
             guard.check(conn, token=tok(1))
+        assert isinstance(info.value.__cause__, psycopg.errors.InFailedSqlTransaction)
         conn.execute("ROLLBACK")
 
 
@@ -1322,3 +1323,22 @@ def test_row_install_checks_a_token_column_found_under_another_case(env: Env, co
     with pytest.raises(StaleTokenError):
         ok.update(conn, token=tok(9), key={"id": 1}, values={"v": 2})
     assert tuple(conn.execute("SELECT v, fencing_token FROM acct2").fetchone()) == (1, 10)
+
+
+def test_a_refusal_no_retry_can_pass_is_typed_and_does_not_say_retry(env: Env, conn: Any) -> None:
+    """A duplicate of the caller's own unique key came out as the driver's raw error (and
+    on MySQL as "roll back and retry", for ever): a ConfigurationError with the driver's
+    error as its cause, nothing written; the rightful write then passes."""
+    conn.execute("CREATE TABLE acct (id INTEGER PRIMARY KEY, email TEXT UNIQUE)")
+    conn.execute("INSERT INTO acct (id, email) VALUES (1, 'a'), (2, 'b')")
+    guard = RowGuard("acct", lock=LOCK)
+    guard.install(conn)
+    driver_error = sqlite3.Error if env.kind == "sqlite" else psycopg.Error
+    for write in (guard.update, guard.insert_or_update):
+        with pytest.raises(ConfigurationError) as info:
+            write(conn, token=tok(5), key={"id": 1}, values={"email": "b"})
+        assert "retry would fail" in str(info.value)
+        assert isinstance(info.value.__cause__, driver_error)
+    rows = conn.execute("SELECT id, email, fencing_token FROM acct ORDER BY id").fetchall()
+    assert [tuple(r) for r in rows] == [(1, "a", None), (2, "b", None)]
+    assert guard.update(conn, token=tok(5), key={"id": 1}, values={"email": "c"}) == tok(5)

@@ -11,8 +11,9 @@ and translate the driver's errors into fenced's tree at this boundary:
   ``SQLITE_BUSY``/``SQLITE_LOCKED``, MySQL deadlock 1213 and lock wait timeout 1205) ->
   :class:`FenceConflictError` (retry the transaction);
 * a missing fence table / token column / unique key -> :class:`ConfigurationError`;
-* anything else (the caller's own SQL state, e.g. an already-failed transaction) is re-raised
-  unchanged.
+* anything else the database refused (a constraint of the caller's data, a value a column
+  cannot hold, an already-failed transaction) -> :class:`ConfigurationError`, which no retry
+  passes: only the refusals above say retry. The driver's error is the ``__cause__``.
 """
 
 from __future__ import annotations
@@ -458,9 +459,12 @@ def map_error(d: Dialect, conn: Any, exc: BaseException) -> FencedError | None:
             return DuplicateColumn(msg)
         if msg.startswith(("no such table", "no such column", "table ")) or "ON CONFLICT" in msg:
             return ConfigurationError(f"{msg}: has the guard been installed (guard.install())?")
-        return None
+        return _refused("SQLite", exc)
     what = pg_kind(exc, conn)
-    if what == "conflict":
+    if what is None:
+        return None
+    if what == "conflict" or getattr(exc, "sqlstate", None) == "57014":
+        # (57014: statement_timeout, typically spent waiting for a competitor's row lock)
         return FenceConflictError(
             f"PostgreSQL refused the fence ({type(exc).__name__}: {exc}). The transaction "
             "is aborted: roll back and retry it"
@@ -474,7 +478,23 @@ def map_error(d: Dialect, conn: Any, exc: BaseException) -> FencedError | None:
             f"{exc}: a column has the wrong type; the token column must be BIGINT "
             "(guard.install() checks it)"
         )
-    return None
+    if what == "read-only":
+        return BackendUnavailable(f"PostgreSQL is read-only here (a standby?): {exc}")
+    if getattr(exc, "sqlstate", None) == "25P02":
+        return ConfigurationError(
+            f"{exc}: the transaction had already failed before the guard's statement; "
+            "roll it back (the error that failed it is the one to look at)"
+        )
+    return _refused("PostgreSQL", exc)
+
+
+def _refused(engine: str, exc: BaseException) -> ConfigurationError:
+    """A driver error no retry can pass (a constraint of the caller's data, a value its
+    column cannot take, SQL the database rejects): typed, and not saying retry."""
+    return ConfigurationError(
+        f"{engine} refused the guard's statement ({type(exc).__name__}: {exc}); the "
+        "transaction must be rolled back, and a retry would fail the same way"
+    )
 
 
 def _exec_sqlite(conn: sqlite3.Connection, stmt: Stmt) -> Result:
