@@ -601,3 +601,27 @@ def test_asyncmy_checks_tables_and_verdicts_the_same_way(mysql_db: dict[str, Any
             conn.close()
 
     asyncio.run(go())
+
+
+def test_table_names_are_looked_up_as_the_server_compares_them(connect: Any) -> None:
+    """Table names are case-sensitive on this server (lower_case_table_names=0), while
+    information_schema compares them ignoring case: the look-up for ``ACCT`` must not answer
+    for the MyISAM ``acct`` beside it, nor the reverse."""
+    plain = connect(autocommit=True)
+    if sql(plain, "SELECT @@lower_case_table_names") != [(0,)]:
+        pytest.skip("table names are not case-sensitive on this server")
+    sql(plain, "CREATE TABLE acct (id INT PRIMARY KEY, fencing_token BIGINT) ENGINE=MyISAM")
+    sql(plain, "CREATE TABLE ACCT (id INT PRIMARY KEY, fencing_token BIGINT) ENGINE=InnoDB")
+    sql(plain, "INSERT INTO acct (id) VALUES (1)")
+    sql(plain, "INSERT INTO ACCT (id) VALUES (1)")
+    for first in ("ACCT", "acct"):  # (both orders: the first row information_schema gives)
+        conn = connect(autocommit=True)
+        for name in (first, "acct" if first == "ACCT" else "ACCT"):
+            guard = RowGuard(name, lock="orders")
+            if name == "acct":
+                with pytest.raises(fenced.ConfigurationError, match="MyISAM"):
+                    guard.update(conn, token=tok(5), key={"id": 1})
+            else:
+                assert guard.update(conn, token=tok(5), key={"id": 1}) == tok(5)
+    assert sql(plain, "SELECT fencing_token FROM acct") == [(None,)]
+    assert sql(plain, "SELECT fencing_token FROM ACCT") == [(5,)]

@@ -140,6 +140,15 @@ def _verified(raw: Any) -> set[MySQLUse]:
         return uses
 
 
+def _is_verified(raw: Any, use: MySQLUse) -> bool:
+    """Has ``raw`` verified ``use``? (A look-up only: on every guarded write.)"""
+    try:
+        uses = _USED.get(raw)
+    except TypeError:
+        uses = _USED_BY_ID.get((id(raw), raw.thread_id()))
+    return uses is not None and use in uses
+
+
 def _verify_then(raw: Any, use: MySQLUse, plan: Plan[T]) -> Generator[Stmt, Result, T]:
     yield from mysql_use_plan(use)
     _verified(raw).add(use)
@@ -148,7 +157,7 @@ def _verify_then(raw: Any, use: MySQLUse, plan: Plan[T]) -> Generator[Stmt, Resu
 
 def _using(raw: Any, d: Dialect, use: MySQLUse | None, plan: Plan[T]) -> Plan[T]:
     """``plan``, preceded by the verification of ``use`` if ``raw`` has not passed it yet."""
-    if d is not MYSQL or use is None or use in _verified(raw):
+    if d is not MYSQL or use is None or _is_verified(raw, use):
         return plan
     return _verify_then(raw, use, plan)
 
@@ -611,7 +620,7 @@ def run_own_row(
     stmt, key_params = statement(d)
     opened = not in_transaction(conn)
     try:
-        if use is not None and d is MYSQL and use not in _verified(conn):
+        if use is not None and d is MYSQL and not _is_verified(conn, use):
             # (after `opened`: without autocommit this look-up opens the transaction we end)
             drive(
                 _verify_then(conn, use, _nothing()),

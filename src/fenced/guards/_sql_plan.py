@@ -10,11 +10,14 @@ double-quoted (backquoted for MySQL); values (tokens, lock names, keys, the user
 values) are always bound parameters, never interpolated.
 
 MySQL/MariaDB has no ``RETURNING`` on UPDATE and no ``ON CONFLICT … WHERE``: its plans are a
-conditional ``UPDATE`` (InnoDB evaluates an UPDATE's WHERE on the newest committed row and
-keeps the row X-locked to the end of the transaction, under every isolation level), then, only
-when it matched nothing, a *locking* read (``FOR UPDATE``: the newest committed row, never the
-transaction's snapshot) to decide between "no row yet" (INSERT; a duplicate key means a racing
-first write committed: decide again) and a refusal.
+conditional ``UPDATE`` or ``INSERT … ON DUPLICATE KEY UPDATE`` (InnoDB evaluates the condition
+on the newest committed row and keeps the row X-locked to the end of the transaction, under
+every isolation level) whose affected-row count says "accepted" in the usual case; otherwise a
+*locking* read (``FOR UPDATE``: the newest committed row, never the transaction's snapshot)
+of the row decides (see :func:`mysql_upsert_accepted`). Each MySQL table is verified before
+its first use on a connection (:func:`mysql_use_plan`).
+
+Column names are compared as each database compares them (:func:`ident_key`).
 """
 
 from __future__ import annotations

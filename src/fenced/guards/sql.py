@@ -53,13 +53,15 @@ of the row — a *locking read*, under REPEATABLE READ as under READ COMMITTED, 
 transaction's snapshot — and keeps the row X-locked until the transaction ends. So, as on
 PostgreSQL, of two transactions carrying 5 and 7 the second to reach the row waits for the
 first to end and then compares with what it committed: 5 cannot commit after 7. Only when the
-UPDATE matched nothing does the guard read the row, with ``SELECT … FOR UPDATE`` (a locking
-read too: a plain SELECT under REPEATABLE READ would show the snapshot, perhaps a mark older
-than the one that refused), to report the refusal, or, when there is no row, ``INSERT`` it:
-the primary key makes a racing first insert fail with a duplicate key, and the guard decides
-again against the committed row. The ``checks`` counter makes an equal token change the row,
-so one statement suffices whether or not the client counts found rows. Deadlocks (1213) and
-lock wait timeouts (1205) surface as :class:`FenceConflictError`. ``install()`` runs DDL,
+UPDATE's affected-row count does not plainly say "accepted" does the guard read the row, with
+``SELECT … FOR UPDATE`` (a locking read too: a plain SELECT under REPEATABLE READ would show
+the snapshot, perhaps a mark older than the one that refused), to report the refusal (a first
+insert is protected by the primary key: a racing inserter waits, then takes the update path).
+The ``checks`` counter makes an accepted check always change the row, so its count says so
+whether or not the client counts found rows; the verdict is never read from the insert id,
+which an AUTO_INCREMENT column of a user's table also writes. Deadlocks (1213) and lock wait
+timeouts (1205) surface as :class:`FenceConflictError`. Each table is verified before its
+first use on each connection (InnoDB, a BIGINT token column), not only by ``install()``. ``install()`` runs DDL,
 which commits implicitly, so it refuses to run inside a transaction; it verifies a table it
 did not create (InnoDB, binary collations, BIGINT token). The row form is a conditional
 UPDATE too; a row it matched but did not change (same values) is told from a refusal by the
