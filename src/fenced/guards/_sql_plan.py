@@ -349,8 +349,8 @@ def _mysql_name(resource: str) -> str:
 def _mysql_check_plan(sql: FenceSQL, resource: str, token: FencingToken) -> Plan[FencingToken]:
     """One statement decides (see _mysql_fence_sql); a refusal reads the row it refused on
     (locked by that statement) to say why."""
-    res = yield Stmt(sql.accept, (_mysql_name(resource), token.lock, token.value))
-    if mysql_upsert_accepted(res):
+    first = yield Stmt(sql.accept, (_mysql_name(resource), token.lock, token.value))
+    if mysql_upsert_accepted(first):
         return token
     res = yield Stmt(sql.read, (resource,))
     if not res.rows:
@@ -358,9 +358,11 @@ def _mysql_check_plan(sql: FenceSQL, resource: str, token: FencingToken) -> Plan
             f"the fence row of {resource!r} vanished while checking {token}; roll back and retry"
         )
     lock, value = res.rows[0]
-    if lock == token.lock and value == token.value:
-        # inserted by this statement (a count of 1 under FOUND_ROWS): the row, locked by us,
-        # carries our token (a refusal leaves a higher mark or another lock)
+    if first.rowcount == 1 and lock == token.lock and value == token.value:
+        # A count of 1 under FOUND_ROWS: inserted by this statement, or found and refused.
+        # The row (locked by us) carries our token: inserted (a refused check's row holds a
+        # higher mark or another lock). A count of 0 is always a refusal: an accepted check
+        # changes the row (``checks``).
         return token
     if value is None:
         raise CorruptMarkError(resource, "the fence row has no token")
