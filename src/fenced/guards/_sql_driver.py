@@ -481,6 +481,12 @@ def map_error(d: Dialect, conn: Any, exc: BaseException) -> FencedError | None:
     if what == "unreachable":
         return BackendUnavailable(f"PostgreSQL connection unavailable: {exc}")
     if what == "schema":
+        if getattr(exc, "sqlstate", None) == "42703":  # undefined column
+            return ConfigurationError(
+                f"{exc}: has the guard been installed (guard.install())? Column names are "
+                "compared exactly on PostgreSQL (the guard quotes them): give names created "
+                "unquoted in lower case"
+            )
         return ConfigurationError(f"{exc}: has the guard been installed (guard.install())?")
     if what == "type":
         return ConfigurationError(
