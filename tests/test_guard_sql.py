@@ -1344,3 +1344,25 @@ def test_a_refusal_no_retry_can_pass_is_typed_and_does_not_say_retry(env: Env, c
     rows = conn.execute("SELECT id, email, fencing_token FROM acct ORDER BY id").fetchall()
     assert [tuple(r) for r in rows] == [(1, "a", None), (2, "b", None)]
     assert guard.update(conn, token=tok(5), key={"id": 1}, values={"email": "c"}) == tok(5)
+
+
+def test_a_fence_table_is_verified_by_its_columns_as_sqlite_names_them(tmp_path: Any) -> None:
+    """SQLite column names ignore case: a hand-made fence table with ``Token`` has the
+    guard's ``token`` column, and it is that column whose type is checked (install() looked
+    the names up exactly and reported the columns missing)."""
+    conn = sqlite3.connect(tmp_path / "f.db", isolation_level=None)
+    conn.execute(
+        "CREATE TABLE fenced_fences (Resource TEXT PRIMARY KEY, Lock_Name TEXT NOT NULL, "
+        "Token INTEGER NOT NULL)"
+    )
+    conn.execute("CREATE TABLE text_fences (Resource TEXT PRIMARY KEY, Lock_Name TEXT, Token TEXT)")
+    with pytest.raises(ConfigurationError, match="'token' column is TEXT"):
+        SQLGuard("invoices", table="text_fences").install(conn)
+    guard = SQLGuard("invoices")
+    guard.install(conn)
+    assert guard.begin(conn, token=tok(10)) == tok(10)
+    conn.execute("COMMIT")
+    with pytest.raises(StaleTokenError):
+        guard.begin(conn, token=tok(9))
+    conn.execute("ROLLBACK")
+    conn.close()
