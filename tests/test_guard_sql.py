@@ -425,8 +425,9 @@ def test_users_own_sql_error_is_not_swallowed(pg_dsn: str) -> None:
         conn.execute("BEGIN")
         with pytest.raises(psycopg.errors.DivisionByZero):
             conn.execute("SELECT 1/0")
-        with pytest.raises(psycopg.errors.InFailedSqlTransaction):
+        with pytest.raises(ConfigurationError, match="already failed") as info:
             guard.check(conn, token=tok(1))
+        assert isinstance(info.value.__cause__, psycopg.errors.InFailedSqlTransaction)
         conn.execute("ROLLBACK")
 
 
@@ -1273,3 +1274,95 @@ def test_a_forged_token_never_moves_the_mark(tmp_path: Any, guard_class: type[SQ
         assert mark == FencingToken("invoices", 2**62)  # the planted bug is caught
     else:
         assert mark == FencingToken("invoices", 5)
+
+
+# -- identifiers as each database compares them (issue 25) ------------------------------------
+
+
+def test_row_values_naming_a_guard_column_under_another_case_are_refused(
+    env: Env, conn: Any, rows: RowGuard
+) -> None:
+    """SQLite ignores the case of column names: ``values={"Fencing_Token": 1}`` set the token
+    column itself. On a new row that value became the mark (a stale 5 then passed after 14);
+    on an existing row the write refused itself and said "roll back and retry" on every
+    retry. Refused before any SQL, as a ConfigurationError (never retry), on every engine;
+    the rightful write with proper values is accepted and the stale one refused after it."""
+    before = conn.execute("SELECT * FROM invoices ORDER BY id").fetchall()
+    for values in ({"Fencing_Token": 1}, {"ID": 3}, {"status": "a", "STATUS": "b"}):
+        for key in ({"id": 7}, {"id": 1}):  # a new row, an existing one
+            for write in (rows.insert_or_update, rows.update):
+                with pytest.raises(ConfigurationError) as info:
+                    write(conn, token=tok(14), key=key, values=values)
+                assert not isinstance(info.value, FenceConflictError)
+                assert "retry" not in str(info.value)
+                if env.kind == "pg" and "Fencing_Token" in values:  # another column there
+                    assert "compared exactly" in str(info.value)
+    with pytest.raises(ConfigurationError):  # the key column and the token column: one column
+        RowGuard("invoices", key_columns=("ID",), token_column="id").update(
+            conn, token="invoices:1", key={"ID": 1}
+        )
+    assert conn.execute("SELECT * FROM invoices ORDER BY id").fetchall() == before
+    assert rows.insert_or_update(conn, token=tok(14), key={"id": 7}, values={"status": "a"})
+    with pytest.raises(StaleTokenError):
+        rows.update(conn, token=tok(5), key={"id": 7}, values={"status": "stale"})
+    assert row(conn, env, 7) == ("a", None, 14)
+
+
+def test_row_install_checks_a_token_column_found_under_another_case(env: Env, conn: Any) -> None:
+    """``Fencing_Token TEXT`` *is* the token column on SQLite (and, unquoted, on PostgreSQL).
+    install() looked it up exactly, missed it, took the failed ADD COLUMN for a racing install
+    and never checked its type (text compares '10' < '9'). Refused; an integer column under
+    another case is used as it is."""
+    conn.execute("CREATE TABLE acct (id INTEGER PRIMARY KEY, v INTEGER, Fencing_Token TEXT)")
+    guard = RowGuard("acct", lock=LOCK)
+    with pytest.raises(ConfigurationError, match="64-bit"):
+        guard.install(conn)
+    conn.execute("CREATE TABLE acct2 (id INTEGER PRIMARY KEY, v INTEGER, Fencing_Token BIGINT)")
+    conn.execute("INSERT INTO acct2 (id, v) VALUES (1, 0)")
+    ok = RowGuard("acct2", lock=LOCK)
+    ok.install(conn)
+    assert ok.update(conn, token=tok(10), key={"id": 1}, values={"v": 1}) == tok(10)
+    with pytest.raises(StaleTokenError):
+        ok.update(conn, token=tok(9), key={"id": 1}, values={"v": 2})
+    assert tuple(conn.execute("SELECT v, fencing_token FROM acct2").fetchone()) == (1, 10)
+
+
+def test_a_refusal_no_retry_can_pass_is_typed_and_does_not_say_retry(env: Env, conn: Any) -> None:
+    """A duplicate of the caller's own unique key came out as the driver's raw error (and
+    on MySQL as "roll back and retry", for ever): a ConfigurationError with the driver's
+    error as its cause, nothing written; the rightful write then passes."""
+    conn.execute("CREATE TABLE acct (id INTEGER PRIMARY KEY, email TEXT UNIQUE)")
+    conn.execute("INSERT INTO acct (id, email) VALUES (1, 'a'), (2, 'b')")
+    guard = RowGuard("acct", lock=LOCK)
+    guard.install(conn)
+    driver_error = sqlite3.Error if env.kind == "sqlite" else psycopg.Error
+    for write in (guard.update, guard.insert_or_update):
+        with pytest.raises(ConfigurationError) as info:
+            write(conn, token=tok(5), key={"id": 1}, values={"email": "b"})
+        assert "retry would fail" in str(info.value)
+        assert isinstance(info.value.__cause__, driver_error)
+    rows = conn.execute("SELECT id, email, fencing_token FROM acct ORDER BY id").fetchall()
+    assert [tuple(r) for r in rows] == [(1, "a", None), (2, "b", None)]
+    assert guard.update(conn, token=tok(5), key={"id": 1}, values={"email": "c"}) == tok(5)
+
+
+def test_a_fence_table_is_verified_by_its_columns_as_sqlite_names_them(tmp_path: Any) -> None:
+    """SQLite column names ignore case: a hand-made fence table with ``Token`` has the
+    guard's ``token`` column, and it is that column whose type is checked (install() looked
+    the names up exactly and reported the columns missing)."""
+    conn = sqlite3.connect(tmp_path / "f.db", isolation_level=None)
+    conn.execute(
+        "CREATE TABLE fenced_fences (Resource TEXT PRIMARY KEY, Lock_Name TEXT NOT NULL, "
+        "Token INTEGER NOT NULL)"
+    )
+    conn.execute("CREATE TABLE text_fences (Resource TEXT PRIMARY KEY, Lock_Name TEXT, Token TEXT)")
+    with pytest.raises(ConfigurationError, match="'token' column is TEXT"):
+        SQLGuard("invoices", table="text_fences").install(conn)
+    guard = SQLGuard("invoices")
+    guard.install(conn)
+    assert guard.begin(conn, token=tok(10)) == tok(10)
+    conn.execute("COMMIT")
+    with pytest.raises(StaleTokenError):
+        guard.begin(conn, token=tok(9))
+    conn.execute("ROLLBACK")
+    conn.close()

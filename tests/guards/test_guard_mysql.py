@@ -417,3 +417,211 @@ def test_a_closed_connection_is_backend_unavailable(connect: Any) -> None:
     conn.close()
     with pytest.raises(fenced.BackendUnavailable):
         guard.check(conn, token=tok(1))
+
+
+# -- identifiers, engines, types and verdicts checked where they are used (issue 25) ----------
+
+
+def test_a_token_column_under_another_case_is_the_one_checked(connect: Any) -> None:
+    """MySQL column names ignore case: ``Fencing_Token SMALLINT`` *is* the guard's token column.
+    install() looked it up exactly, missed it, took the failed ADD COLUMN for a racing install
+    and never checked its type; without strict mode 40000 was then stored as 32767 and a
+    stale 35000 accepted. Refused at install and at use (a guard never installed), nothing
+    written; a BIGINT column under another case is used as it is."""
+    plain = connect(autocommit=True)
+    sql(plain, "CREATE TABLE acct (id INT PRIMARY KEY, v INT, Fencing_Token SMALLINT)")
+    sql(plain, "INSERT INTO acct (id, v) VALUES (1, 0)")
+    guard = RowGuard("acct", lock="orders")
+    with pytest.raises(fenced.ConfigurationError, match="smallint"):
+        guard.install(plain)
+    loose = connect(autocommit=True, sql_mode="")
+    with pytest.raises(fenced.ConfigurationError, match="smallint"):
+        guard.update(loose, token=tok(40000), key={"id": 1}, values={"v": 1})
+    with pytest.raises(fenced.ConfigurationError, match="smallint"):
+        guard.insert_or_update(loose, token=tok(40000), key={"id": 2}, values={"v": 1})
+    assert sql(plain, "SELECT id, v, Fencing_Token FROM acct") == [(1, 0, None)]
+    sql(plain, "ALTER TABLE acct MODIFY Fencing_Token BIGINT")
+    guard.install(plain)  # found under its own case: nothing added
+    assert [r[0] for r in sql(plain, "SHOW COLUMNS FROM acct")] == ["id", "v", "Fencing_Token"]
+    fresh = connect(autocommit=True, sql_mode="")
+    assert guard.update(fresh, token=tok(40000), key={"id": 1}, values={"v": 1}) == tok(40000)
+    with pytest.raises(fenced.StaleTokenError):
+        guard.update(fresh, token=tok(35000), key={"id": 1}, values={"v": 2})
+    assert sql(plain, "SELECT v, Fencing_Token FROM acct") == [(1, 40000)]
+
+
+def test_values_naming_a_guard_column_under_another_case_are_refused(connect: Any) -> None:
+    """``values={"Fencing_Token": 1}`` reached MariaDB as a second assignment of the token
+    column: a raw ``pymysql.ProgrammingError 1110``. Refused before any SQL, typed."""
+    plain = connect(autocommit=True)
+    sql(plain, "CREATE TABLE acct (id INT PRIMARY KEY, v INT)")
+    guard = RowGuard("acct", lock="orders")
+    guard.install(plain)
+    for values in ({"Fencing_Token": 1}, {"ID": 3}, {"v": 1, "V": 2}):
+        for upsert in (False, True):
+            write = guard.insert_or_update if upsert else guard.update
+            with pytest.raises(fenced.ConfigurationError, match="column"):
+                write(plain, token=tok(14), key={"id": 1}, values=values)
+    assert sql(plain, "SELECT * FROM acct") == []
+    assert guard.insert_or_update(plain, token=tok(14), key={"id": 1}, values={"V": 7}) == tok(14)
+    assert sql(plain, "SELECT v, fencing_token FROM acct") == [(7, 14)]
+
+
+def test_every_mysql_error_is_typed_and_says_retry_only_when_a_retry_can_pass(
+    connect: Any,
+) -> None:
+    """A value its column cannot hold (strict mode: 1264 out of range) and a duplicate of the
+    caller's own unique key (1062) came out raw, or as "roll back and retry" (which would fail
+    the same way for ever): a ConfigurationError, not retryable, nothing written."""
+    plain = connect(autocommit=True)
+    sql(plain, "CREATE TABLE acct (id INT PRIMARY KEY, small SMALLINT, email VARCHAR(20) UNIQUE)")
+    sql(plain, "INSERT INTO acct (id, email) VALUES (1, 'a'), (2, 'b')")
+    guard = RowGuard("acct", lock="orders")
+    guard.install(plain)
+    conn = connect()
+    for values in ({"small": 99999}, {"email": "b"}):
+        with pytest.raises(fenced.ConfigurationError) as info:
+            guard.update(conn, token=tok(5), key={"id": 1}, values=values)
+        assert not isinstance(info.value, fenced.FenceConflictError)
+        assert "retry" not in str(info.value).replace("a retry would fail", "")
+        assert isinstance(info.value.__cause__, pymysql.MySQLError)
+    assert sql(plain, "SELECT id, small, email, fencing_token FROM acct ORDER BY id") == [
+        (1, None, "a", None),
+        (2, None, "b", None),
+    ]
+    assert guard.update(conn, token=tok(5), key={"id": 1}, values={"small": 7}) == tok(5)
+
+
+def test_myisam_is_refused_at_use_not_only_by_install(connect: Any) -> None:
+    """A fence table or row table made by hand as MyISAM was used as found: a refused
+    transaction's writes stayed (ROLLBACK is a no-op) and two holders' transactions
+    interleaved (A checks 5, B checks 7 and commits, A writes: data from 5, mark at 7).
+    Refused at first use on each connection, nothing written; InnoDB accepted."""
+    plain = connect(autocommit=True)
+    sql(
+        plain,
+        "CREATE TABLE fenced_fences (resource VARCHAR(200) CHARACTER SET utf8mb4 COLLATE "
+        "utf8mb4_bin NOT NULL PRIMARY KEY, lock_name VARCHAR(255) CHARACTER SET utf8mb4 COLLATE "
+        "utf8mb4_bin NOT NULL, token BIGINT NOT NULL, checks BIGINT NOT NULL DEFAULT 0) "
+        "ENGINE=MyISAM",
+    )
+    sql(plain, "CREATE TABLE acct (id INT PRIMARY KEY, v INT, fencing_token BIGINT) ENGINE=MyISAM")
+    sql(plain, "INSERT INTO acct (id, v) VALUES (1, 0)")
+    conn = connect()
+    with pytest.raises(fenced.ConfigurationError, match="MyISAM"):
+        SQLGuard("orders").check(conn, token=tok(5))
+    conn.rollback()
+    rows = RowGuard("acct", lock="orders")
+    for write in (rows.update, rows.insert_or_update):
+        with pytest.raises(fenced.ConfigurationError, match="MyISAM"):
+            write(conn, token=tok(5), key={"id": 1}, values={"v": 1})
+    assert sql(plain, "SELECT COUNT(*) FROM fenced_fences") == [(0,)]
+    assert sql(plain, "SELECT v, fencing_token FROM acct") == [(0, None)]
+    sql(plain, "ALTER TABLE fenced_fences ENGINE=InnoDB")
+    sql(plain, "ALTER TABLE acct ENGINE=InnoDB")
+    fresh = connect()
+    assert SQLGuard("orders").check(fresh, token=tok(5)) == tok(5)
+    assert rows.update(fresh, token=tok(5), key={"id": 1}, values={"v": 1}) == tok(5)
+    fresh.commit()
+    with pytest.raises(fenced.StaleTokenError):
+        SQLGuard("orders").check(fresh, token=tok(4))
+    fresh.rollback()
+
+
+@pytest.mark.parametrize("found_rows", [False, True])
+def test_an_auto_increment_key_does_not_decide_the_upsert(connect: Any, found_rows: bool) -> None:
+    """The upsert's verdict was read from the insert id, which MariaDB sets to the explicit
+    AUTO_INCREMENT key on the insert path: ``key={"id": 2}`` read as "refused", and every try
+    raised "roll back and retry" with no competitor, the row never written."""
+    plain = connect(autocommit=True)
+    sql(plain, "CREATE TABLE acct (id BIGINT AUTO_INCREMENT PRIMARY KEY, v INT)")
+    rows = RowGuard("acct", lock="orders")
+    rows.install(plain)
+    conn = connect(client_flag=CLIENT.FOUND_ROWS) if found_rows else connect()
+    for key in (2, 1, 3):
+        assert rows.insert_or_update(conn, token=tok(10), key={"id": key}, values={"v": key})
+    assert rows.insert_or_update(conn, token=tok(10), key={"id": 2}, values={"v": 2}) == tok(10)
+    assert rows.insert_or_update(conn, token=tok(11), key={"id": 2}, values={"v": 22}) == tok(11)
+    with pytest.raises(fenced.StaleTokenError):
+        rows.insert_or_update(conn, token=tok(10), key={"id": 2}, values={"v": 99})
+    assert sql(plain, "SELECT id, v, fencing_token FROM acct ORDER BY id") == [
+        (1, 1, 10),
+        (2, 22, 11),
+        (3, 3, 10),
+    ]
+
+
+def test_an_upsert_needs_exactly_its_key_as_the_only_unique_key(connect: Any) -> None:
+    """ON DUPLICATE KEY UPDATE acts on whichever unique key a new row collides with: with no
+    unique key on the key columns it inserted a second row for a stale writer ("accepted");
+    with another unique key it updated another row. Refused; an AUTO_INCREMENT surrogate key
+    beside the natural one is fine."""
+    plain = connect(autocommit=True)
+    sql(plain, "CREATE TABLE nokey (id INT, v INT)")
+    sql(plain, "CREATE TABLE twokeys (id INT PRIMARY KEY, email VARCHAR(20) UNIQUE, v INT)")
+    sql(
+        plain,
+        "CREATE TABLE people (n BIGINT AUTO_INCREMENT PRIMARY KEY, email VARCHAR(20) UNIQUE)",
+    )
+    for table in ("nokey", "twokeys"):
+        guard = RowGuard(table, lock="orders")
+        guard.install(plain)
+        with pytest.raises(fenced.ConfigurationError, match="unique key"):
+            guard.insert_or_update(plain, token=tok(5), key={"id": 1}, values={"v": 1})
+        assert sql(plain, f"SELECT COUNT(*) FROM {table}") == [(0,)]
+    guard = RowGuard("people", key_columns="email", lock="orders")
+    guard.install(plain)
+    assert guard.insert_or_update(plain, token=tok(5), key={"email": "a"}) == tok(5)
+    with pytest.raises(fenced.StaleTokenError):
+        guard.insert_or_update(plain, token=tok(4), key={"email": "a"})
+    assert sql(plain, "SELECT email, fencing_token FROM people") == [("a", 5)]
+
+
+def test_asyncmy_checks_tables_and_verdicts_the_same_way(mysql_db: dict[str, Any]) -> None:
+    import asyncmy
+
+    async def go() -> None:
+        conn = await asyncmy.connect(**mysql_db, autocommit=True)
+        try:
+            async with conn.cursor() as cur:
+                await cur.execute("CREATE TABLE acct (id BIGINT AUTO_INCREMENT PRIMARY KEY, v INT)")
+                await cur.execute(
+                    "CREATE TABLE old (id INT PRIMARY KEY, fencing_token BIGINT) ENGINE=MyISAM"
+                )
+            rows = RowGuard("acct", lock="orders")
+            await rows.ainstall(conn)
+            assert await rows.ainsert_or_update(conn, token=tok(10), key={"id": 2}) == tok(10)
+            with pytest.raises(fenced.StaleTokenError):
+                await rows.ainsert_or_update(conn, token=tok(9), key={"id": 2})
+            with pytest.raises(fenced.ConfigurationError, match="MyISAM"):
+                await RowGuard("old", lock="orders").aupdate(conn, token=tok(1), key={"id": 1})
+            with pytest.raises(fenced.ConfigurationError, match="column"):
+                await rows.aupdate(conn, token=tok(10), key={"id": 2}, values={"FENCING_TOKEN": 1})
+        finally:
+            conn.close()
+
+    asyncio.run(go())
+
+
+def test_table_names_are_looked_up_as_the_server_compares_them(connect: Any) -> None:
+    """Table names are case-sensitive on this server (lower_case_table_names=0), while
+    information_schema compares them ignoring case: the look-up for ``ACCT`` must not answer
+    for the MyISAM ``acct`` beside it, nor the reverse."""
+    plain = connect(autocommit=True)
+    if sql(plain, "SELECT @@lower_case_table_names") != [(0,)]:
+        pytest.skip("table names are not case-sensitive on this server")
+    sql(plain, "CREATE TABLE acct (id INT PRIMARY KEY, fencing_token BIGINT) ENGINE=MyISAM")
+    sql(plain, "CREATE TABLE ACCT (id INT PRIMARY KEY, fencing_token BIGINT) ENGINE=InnoDB")
+    sql(plain, "INSERT INTO acct (id) VALUES (1)")
+    sql(plain, "INSERT INTO ACCT (id) VALUES (1)")
+    for first in ("ACCT", "acct"):  # (both orders: the first row information_schema gives)
+        conn = connect(autocommit=True)
+        for name in (first, "acct" if first == "ACCT" else "ACCT"):
+            guard = RowGuard(name, lock="orders")
+            if name == "acct":
+                with pytest.raises(fenced.ConfigurationError, match="MyISAM"):
+                    guard.update(conn, token=tok(5), key={"id": 1})
+            else:
+                assert guard.update(conn, token=tok(5), key={"id": 1}) == tok(5)
+    assert sql(plain, "SELECT fencing_token FROM acct") == [(None,)]
+    assert sql(plain, "SELECT fencing_token FROM ACCT") == [(5,)]

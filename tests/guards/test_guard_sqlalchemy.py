@@ -211,3 +211,38 @@ def test_an_unsupported_connection_or_parameter_style_is_a_clear_error(tmp_path:
             SQLGuard("orders").check(conn, token=tok(1))
     finally:
         named.dispose()
+
+
+def test_a_check_in_a_rolled_back_savepoint_no_longer_counts(engine: sa.Engine, url: str) -> None:
+    """``begin_nested(); check(5); rollback()`` undoes the fence with the savepoint, but the
+    flush hook remembered the check until the outermost transaction ended: after another
+    session checked 7 and committed, the first one's flush was allowed and committed a write
+    from 5. A check counts while the (sub)transaction that made it is alive; a released
+    savepoint's check stays with its parent."""
+    guard = SQLGuard("orders")
+    Sessions = sessionmaker(engine)
+    require_fence(Sessions, guard, ["orders"])
+    with Sessions() as session:
+        session.connection()  # the outer transaction
+        sp = session.begin_nested()
+        guard.check(session, token=tok(5))
+        sp.rollback()
+        if not url.startswith("sqlite"):  # (SQLite: one writer; the outer transaction holds it)
+            with Sessions() as other:
+                guard.check(other, token=tok(7))
+                other.add(Order(id=7, status="from 7"))
+                other.commit()
+        session.add(Order(id=5, status="from 5"))
+        with pytest.raises(fenced.ConfigurationError, match="without a checked token"):
+            session.flush()
+        session.rollback()
+    with Sessions() as session:  # the rightful holder, through a released savepoint
+        sp = session.begin_nested()
+        guard.check(session, token=tok(8))
+        sp.commit()
+        inner = session.begin_nested()
+        inner.rollback()  # (a later savepoint's rollback does not undo the parent's check)
+        session.add(Order(id=8, status="from 8"))
+        session.commit()
+    want = [(8, "from 8")] if url.startswith("sqlite") else [(7, "from 7"), (8, "from 8")]
+    assert statuses(engine) == want

@@ -11,8 +11,9 @@ and translate the driver's errors into fenced's tree at this boundary:
   ``SQLITE_BUSY``/``SQLITE_LOCKED``, MySQL deadlock 1213 and lock wait timeout 1205) ->
   :class:`FenceConflictError` (retry the transaction);
 * a missing fence table / token column / unique key -> :class:`ConfigurationError`;
-* anything else (the caller's own SQL state, e.g. an already-failed transaction) is re-raised
-  unchanged.
+* anything else the database refused (a constraint of the caller's data, a value a column
+  cannot hold, an already-failed transaction) -> :class:`ConfigurationError`, which no retry
+  passes: only the refusals above say retry. The driver's error is the ``__cause__``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from __future__ import annotations
 import functools
 import sqlite3
 import sys
-from collections.abc import Callable, Mapping
+import weakref
+from collections.abc import Callable, Generator, Mapping
 from typing import Any, TypeVar
 
 from .._errors import BackendUnavailable, ConfigurationError, FencedError
@@ -35,10 +37,12 @@ from ._sql_plan import (
     Dialect,
     DuplicateColumn,
     FenceConflictError,
+    MySQLUse,
     Plan,
     Result,
     RowSQL,
     Stmt,
+    mysql_use_plan,
     row_write_accepted,
     row_write_plan,
     row_write_rest,
@@ -108,6 +112,60 @@ def _pymysql_connection(conn: object) -> bool:
 
 def _asyncmy_connection(conn: object) -> bool:
     return _kind(conn) == "asyncmy"
+
+
+# -- MySQL tables verified per connection --------------------------------------------------
+
+# The MySQL tables each driver connection has verified (mysql_use_plan): once per connection
+# and table, so a hand-made MyISAM table or SMALLINT token column is refused at use, not only
+# by install(), for one information_schema look-up per connection.
+_USED: weakref.WeakKeyDictionary[Any, set[MySQLUse]] = weakref.WeakKeyDictionary()
+# asyncmy's connections take no weak references: by address and server thread id instead
+# (a new connection at a freed address has another thread id), the oldest forgotten first
+_USED_BY_ID: dict[tuple[int, object], set[MySQLUse]] = {}
+_USED_BY_ID_LIMIT = 1024
+
+
+def _verified(raw: Any) -> set[MySQLUse]:
+    """The tables ``raw`` has verified (a set to add to)."""
+    try:
+        return _USED.setdefault(raw, set())
+    except TypeError:
+        key = (id(raw), raw.thread_id())
+        uses = _USED_BY_ID.get(key)
+        if uses is None:
+            if len(_USED_BY_ID) >= _USED_BY_ID_LIMIT:
+                del _USED_BY_ID[next(iter(_USED_BY_ID))]
+            uses = _USED_BY_ID[key] = set()
+        return uses
+
+
+def _is_verified(raw: Any, use: MySQLUse) -> bool:
+    """Has ``raw`` verified ``use``? (A look-up only: on every guarded write.)"""
+    try:
+        uses = _USED.get(raw)
+    except TypeError:
+        uses = _USED_BY_ID.get((id(raw), raw.thread_id()))
+    return uses is not None and use in uses
+
+
+def _verify_then(raw: Any, use: MySQLUse, plan: Plan[T]) -> Generator[Stmt, Result, T]:
+    yield from mysql_use_plan(use)
+    _verified(raw).add(use)
+    return (yield from plan)
+
+
+def _using(raw: Any, d: Dialect, use: MySQLUse | None, plan: Plan[T]) -> Plan[T]:
+    """``plan``, preceded by the verification of ``use`` if ``raw`` has not passed it yet."""
+    if d is not MYSQL or use is None or _is_verified(raw, use):
+        return plan
+    return _verify_then(raw, use, plan)
+
+
+def _found_rows(raw: Any) -> bool:
+    """Does this MySQL client count found rather than changed rows (CLIENT.FOUND_ROWS)?
+    Unknown: assume it does (an ambiguous count is then read out, never trusted)."""
+    return bool(getattr(raw, "client_flag", 2) & 2)
 
 
 # -- SQLAlchemy ------------------------------------------------------------------------------
@@ -206,7 +264,9 @@ def _sa_require_transaction(sa_conn: Any) -> None:
 
 
 CHECKED = "fenced.checked"
-"""``Session.info`` key: resource -> token checked in the session's current transaction."""
+"""``Session.info`` key: resource -> (token, the innermost ``SessionTransaction`` it was
+checked in, savepoint or not). ``require_fence`` forgets a check when that transaction, or
+one around it, is rolled back: a savepoint's rollback undoes the fence with the rest."""
 
 
 def note_checked(conn: Any, resource: str, token: object) -> None:
@@ -214,7 +274,8 @@ def note_checked(conn: Any, resource: str, token: object) -> None:
     session = getattr(conn, "sync_session", conn)
     orm = sys.modules.get("sqlalchemy.orm")
     if orm is not None and isinstance(session, orm.Session):
-        session.info.setdefault(CHECKED, {})[resource] = token
+        made_in = session.get_nested_transaction() or session.get_transaction()
+        session.info.setdefault(CHECKED, {})[resource] = (token, made_in)
 
 
 def sa_install(conn: Any, make_plan: Callable[[Dialect], Plan[T]]) -> T:
@@ -233,19 +294,26 @@ def sa_install(conn: Any, make_plan: Callable[[Dialect], Plan[T]]) -> T:
     return value
 
 
-def run_sa(sa_conn: Any, make_plan: Callable[[Dialect], Plan[T]], *, need_tx: bool = False) -> T:
+def run_sa(
+    sa_conn: Any,
+    make_plan: Callable[[Dialect], Plan[T]],
+    *,
+    need_tx: bool = False,
+    use: MySQLUse | None = None,
+) -> T:
     """Run a plan through a SQLAlchemy Connection, in its (auto-begun) transaction."""
     d = _sa_dialect(sa_conn)
     if need_tx:
         _sa_require_transaction(sa_conn)
+    raw = sa_conn.connection.driver_connection if d is MYSQL else None
+    found = _found_rows(raw)
 
     def send(stmt: Stmt) -> Result:
         result = sa_conn.exec_driver_sql(stmt.sql, stmt.params)
         rows = [tuple(r) for r in result.fetchall()] if result.returns_rows else []
-        insert_id = (result.lastrowid or 0) if d is MYSQL else 0
-        return Result(rows, result.rowcount, insert_id)
+        return Result(rows, result.rowcount, found)
 
-    return drive(make_plan(d), send, _sa_map(d, sa_conn))
+    return drive(_using(raw, d, use, make_plan(d)), send, _sa_map(d, sa_conn))
 
 
 _SYNC_KINDS = (
@@ -337,12 +405,18 @@ def require_transaction(conn: Any) -> None:
         )
 
 
-_MYSQL_CONFLICT = frozenset({1062, 1205, 1213})  # duplicate key, lock wait timeout, deadlock
+_MYSQL_CONFLICT = frozenset({1205, 1213})  # lock wait timeout, deadlock: retry the transaction
 _MYSQL_GONE = frozenset({0, 1053, 1927, 2003, 2006, 2013, 2055, 4031})
 _MYSQL_SCHEMA = frozenset({1054, 1146})  # unknown column, no such table
+# a value the column cannot hold (out of range, not a number, too long, truncated)
+_MYSQL_VALUE = frozenset({1264, 1265, 1366, 1406})
+_MYSQL_INTERRUPTED = frozenset({1317, 1969, 3024})  # KILL QUERY, statement time limits
 
 
 def _map_mysql(exc: BaseException) -> FencedError | None:
+    """Every PyMySQL/asyncmy error as a fenced error: only a concurrent transaction's refusal
+    says retry; a refusal that would recur on retry (a duplicate key of the caller's data, a
+    value its column cannot hold, SQL the server rejects) is a ConfigurationError."""
     module = type(exc).__module__
     if not module.startswith(("pymysql", "asyncmy")):
         if isinstance(exc, ConnectionError | OSError):  # asyncmy lets socket errors through
@@ -350,19 +424,26 @@ def _map_mysql(exc: BaseException) -> FencedError | None:
         return None
     code = exc.args[0] if exc.args and isinstance(exc.args[0], int) else None
     name = type(exc).__name__
+    said = f"{name} {code}: {exc.args[-1] if exc.args else exc}"
     if code in _MYSQL_CONFLICT:
-        return FenceConflictError(
-            f"MySQL refused the fence ({name} {code}: {exc.args[-1]}): roll back and retry"
-        )
+        return FenceConflictError(f"MySQL refused the fence ({said}): roll back and retry")
     if code == 1060:
         return DuplicateColumn(str(exc.args[-1]))
     if code in _MYSQL_SCHEMA:
-        return ConfigurationError(
-            f"{exc.args[-1]}: has the guard been installed (guard.install())?"
-        )
+        return ConfigurationError(f"{said}: has the guard been installed (guard.install())?")
     if code in _MYSQL_GONE or name == "InterfaceError" or str(exc) == "Already closed":
-        return BackendUnavailable(f"MySQL connection unavailable: {name}: {exc}")
-    return None
+        return BackendUnavailable(f"MySQL connection unavailable: {said}")
+    if code in _MYSQL_VALUE:
+        return ConfigurationError(
+            f"MySQL refused a value ({said}): a column cannot hold it (a token column must be "
+            "BIGINT); the transaction must be rolled back, and a retry would fail the same way"
+        )
+    if code in _MYSQL_INTERRUPTED or (name == "OperationalError" and (code or 0) >= 2000):
+        return BackendUnavailable(f"MySQL connection unavailable: {said}")
+    return ConfigurationError(
+        f"MySQL refused the guard's statement ({said}); the transaction must be rolled back, "
+        "and a retry would fail the same way"
+    )
 
 
 def map_error(d: Dialect, conn: Any, exc: BaseException) -> FencedError | None:
@@ -387,9 +468,12 @@ def map_error(d: Dialect, conn: Any, exc: BaseException) -> FencedError | None:
             return DuplicateColumn(msg)
         if msg.startswith(("no such table", "no such column", "table ")) or "ON CONFLICT" in msg:
             return ConfigurationError(f"{msg}: has the guard been installed (guard.install())?")
-        return None
+        return _refused("SQLite", exc)
     what = pg_kind(exc, conn)
-    if what == "conflict":
+    if what is None:
+        return None
+    if what == "conflict" or getattr(exc, "sqlstate", None) == "57014":
+        # (57014: statement_timeout, typically spent waiting for a competitor's row lock)
         return FenceConflictError(
             f"PostgreSQL refused the fence ({type(exc).__name__}: {exc}). The transaction "
             "is aborted: roll back and retry it"
@@ -397,13 +481,35 @@ def map_error(d: Dialect, conn: Any, exc: BaseException) -> FencedError | None:
     if what == "unreachable":
         return BackendUnavailable(f"PostgreSQL connection unavailable: {exc}")
     if what == "schema":
+        if getattr(exc, "sqlstate", None) == "42703":  # undefined column
+            return ConfigurationError(
+                f"{exc}: has the guard been installed (guard.install())? Column names are "
+                "compared exactly on PostgreSQL (the guard quotes them): give names created "
+                "unquoted in lower case"
+            )
         return ConfigurationError(f"{exc}: has the guard been installed (guard.install())?")
     if what == "type":
         return ConfigurationError(
             f"{exc}: a column has the wrong type; the token column must be BIGINT "
             "(guard.install() checks it)"
         )
-    return None
+    if what == "read-only":
+        return BackendUnavailable(f"PostgreSQL is read-only here (a standby?): {exc}")
+    if getattr(exc, "sqlstate", None) == "25P02":
+        return ConfigurationError(
+            f"{exc}: the transaction had already failed before the guard's statement; "
+            "roll it back (the error that failed it is the one to look at)"
+        )
+    return _refused("PostgreSQL", exc)
+
+
+def _refused(engine: str, exc: BaseException) -> ConfigurationError:
+    """A driver error no retry can pass (a constraint of the caller's data, a value its
+    column cannot take, SQL the database rejects): typed, and not saying retry."""
+    return ConfigurationError(
+        f"{engine} refused the guard's statement ({type(exc).__name__}: {exc}); the "
+        "transaction must be rolled back, and a retry would fail the same way"
+    )
 
 
 def _exec_sqlite(conn: sqlite3.Connection, stmt: Stmt) -> Result:
@@ -437,14 +543,14 @@ def _exec_mysql(conn: Any, stmt: Stmt) -> Result:
     with conn.cursor() as cur:
         cur.execute(stmt.sql, stmt.params)
         rows = list(cur.fetchall()) if cur.description else []
-        return Result(rows, cur.rowcount, cur.lastrowid or 0)
+        return Result(rows, cur.rowcount, _found_rows(conn))
 
 
 async def _aexec_mysql(conn: Any, stmt: Stmt) -> Result:
     async with conn.cursor() as cur:
         await cur.execute(stmt.sql, stmt.params)
         rows = list(await cur.fetchall()) if cur.description else []
-        return Result(rows, cur.rowcount, cur.lastrowid or 0)
+        return Result(rows, cur.rowcount, _found_rows(conn))
 
 
 def _exec_psycopg(conn: Any, stmt: Stmt) -> Result:
@@ -466,7 +572,9 @@ _EXECUTE_BY_KIND: dict[str, Callable[[Any, Stmt], Result]] = {
 }
 
 
-def run_own(conn: Any, make_plan: Callable[[Dialect], Plan[T]]) -> T:
+def run_own(
+    conn: Any, make_plan: Callable[[Dialect], Plan[T]], *, use: MySQLUse | None = None
+) -> T:
     """Run a one-statement write; if the driver had to open a transaction for it, end it.
 
     sqlite3 (legacy mode) and psycopg (autocommit off) open a transaction implicitly before a
@@ -476,12 +584,12 @@ def run_own(conn: Any, make_plan: Callable[[Dialect], Plan[T]]) -> T:
     """
     sa_conn = sa_connection(conn)
     if sa_conn is not None:  # the caller's unit of work commits, as SQLAlchemy users expect
-        return run_sa(sa_conn, make_plan)
+        return run_sa(sa_conn, make_plan, use=use)
     d = sync_dialect(conn)
     if in_transaction(conn):
-        return _run(conn, d, make_plan)
+        return _run(conn, d, make_plan, use=use)
     try:
-        value = _run(conn, d, make_plan)
+        value = _run(conn, d, make_plan, use=use)
     except BaseException:
         if in_transaction(conn):
             _end(conn, commit=False)
@@ -499,6 +607,7 @@ def run_own_row(
     statement: Callable[[Dialect], tuple[Stmt, tuple[Any, ...]]],
     *,
     upsert: bool,
+    use: MySQLUse | None = None,
 ) -> FencingToken:
     """:class:`RowGuard`'s write (``statement``: see :func:`row_write_stmt`): :func:`run_own`
     of :func:`row_write_plan`, with the plan's first step taken here. The one statement goes
@@ -509,12 +618,21 @@ def run_own_row(
     execute = _EXECUTE_BY_KIND.get(kind)
     if execute is None:  # SQLAlchemy, or not a connection we know: the general way
         return run_own(
-            conn, lambda d: row_write_plan(d, spec, token, key, statement(d), upsert=upsert)
+            conn,
+            lambda d: row_write_plan(d, spec, token, key, statement(d), upsert=upsert),
+            use=use,
         )
     d = _SYNC_DIALECTS[kind]
     stmt, key_params = statement(d)
     opened = not in_transaction(conn)
     try:
+        if use is not None and d is MYSQL and not _is_verified(conn, use):
+            # (after `opened`: without autocommit this look-up opens the transaction we end)
+            drive(
+                _verify_then(conn, use, _nothing()),
+                lambda stmt: execute(conn, stmt),
+                lambda exc: map_error(d, conn, exc),
+            )
         try:
             res = execute(conn, stmt)
         except Exception as exc:
@@ -537,15 +655,24 @@ def run_own_row(
     return accepted
 
 
-async def arun_own(conn: Any, make_plan: Callable[[Dialect], Plan[T]]) -> T:
+def _nothing() -> Plan[None]:
+    return
+    yield  # (a plan of no statements)
+
+
+async def arun_own(
+    conn: Any, make_plan: Callable[[Dialect], Plan[T]], *, use: MySQLUse | None = None
+) -> T:
     """The async :func:`run_own`."""
     if sa_async(conn):
-        return await conn.run_sync(lambda c: run_own(c, make_plan))  # type: ignore[no-any-return]
+        return await conn.run_sync(  # type: ignore[no-any-return]
+            lambda c: run_own(c, make_plan, use=use)
+        )
     _async_dialect(conn)
     if in_transaction(conn):
-        return await arun(conn, make_plan)
+        return await arun(conn, make_plan, use=use)
     try:
-        value = await arun(conn, make_plan)
+        value = await arun(conn, make_plan, use=use)
     except BaseException:
         if in_transaction(conn):
             await _aend(conn, commit=False)
@@ -614,6 +741,7 @@ def run(
     *,
     need_tx: bool = False,
     begin: bool = False,
+    use: MySQLUse | None = None,
 ) -> T:
     """Run a plan on a synchronous connection (see the module doc).
 
@@ -623,8 +751,8 @@ def run(
     """
     sa_conn = sa_connection(conn)
     if sa_conn is not None:
-        return run_sa(sa_conn, make_plan, need_tx=need_tx or begin)
-    return _run(conn, sync_dialect(conn), make_plan, need_tx=need_tx, begin=begin)
+        return run_sa(sa_conn, make_plan, need_tx=need_tx or begin, use=use)
+    return _run(conn, sync_dialect(conn), make_plan, need_tx=need_tx, begin=begin, use=use)
 
 
 def _run(
@@ -634,6 +762,7 @@ def _run(
     *,
     need_tx: bool = False,
     begin: bool = False,
+    use: MySQLUse | None = None,
 ) -> T:
     execute: Callable[[Any, Stmt], Result] = (
         _exec_sqlite if d is SQLITE else _exec_mysql if d is MYSQL else _exec_psycopg
@@ -642,7 +771,9 @@ def _run(
         if need_tx:
             require_transaction(conn)
         return drive(
-            make_plan(d), lambda stmt: execute(conn, stmt), lambda exc: map_error(d, conn, exc)
+            _using(conn, d, use, make_plan(d)),
+            lambda stmt: execute(conn, stmt),
+            lambda exc: map_error(d, conn, exc),
         )
     begun = True
     _refuse_open_transaction(conn)
@@ -665,7 +796,7 @@ def _run(
         begun = True
         return _begin_psycopg(conn, stmt)  # BEGIN and the first statement in one round trip
 
-    return drive(make_plan(d), send, lambda exc: map_error(d, conn, exc))
+    return drive(_using(conn, d, use, make_plan(d)), send, lambda exc: map_error(d, conn, exc))
 
 
 async def arun(
@@ -674,11 +805,12 @@ async def arun(
     *,
     need_tx: bool = False,
     begin: bool = False,
+    use: MySQLUse | None = None,
 ) -> T:
     """Run a plan on an async connection (``begin``: see :func:`run`)."""
     if sa_async(conn):
         return await conn.run_sync(  # type: ignore[no-any-return]
-            lambda c: run(c, make_plan, need_tx=need_tx, begin=begin)
+            lambda c: run(c, make_plan, need_tx=need_tx, begin=begin, use=use)
         )
     d = _async_dialect(conn)
     if begin:
@@ -695,7 +827,9 @@ async def arun(
                     raise
                 raise mapped from exc
         return await adrive(
-            make_plan(d), lambda stmt: _aexec_mysql(conn, stmt), lambda e: map_error(d, conn, e)
+            _using(conn, d, use, make_plan(d)),
+            lambda stmt: _aexec_mysql(conn, stmt),
+            lambda e: map_error(d, conn, e),
         )
     begun = not (begin and conn.autocommit)
 

@@ -10,11 +10,14 @@ double-quoted (backquoted for MySQL); values (tokens, lock names, keys, the user
 values) are always bound parameters, never interpolated.
 
 MySQL/MariaDB has no ``RETURNING`` on UPDATE and no ``ON CONFLICT … WHERE``: its plans are a
-conditional ``UPDATE`` (InnoDB evaluates an UPDATE's WHERE on the newest committed row and
-keeps the row X-locked to the end of the transaction, under every isolation level), then, only
-when it matched nothing, a *locking* read (``FOR UPDATE``: the newest committed row, never the
-transaction's snapshot) to decide between "no row yet" (INSERT; a duplicate key means a racing
-first write committed: decide again) and a refusal.
+conditional ``UPDATE`` or ``INSERT … ON DUPLICATE KEY UPDATE`` (InnoDB evaluates the condition
+on the newest committed row and keeps the row X-locked to the end of the transaction, under
+every isolation level) whose affected-row count says "accepted" in the usual case; otherwise a
+*locking* read (``FOR UPDATE``: the newest committed row, never the transaction's snapshot)
+of the row decides (see :func:`mysql_upsert_accepted`). Each MySQL table is verified before
+its first use on a connection (:func:`mysql_use_plan`).
+
+Column names are compared as each database compares them (:func:`ident_key`).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ __all__ = [
     "DuplicateColumn",
     "FenceConflictError",
     "FenceSQL",
+    "MySQLUse",
     "Plan",
     "Result",
     "RowSQL",
@@ -55,6 +59,9 @@ __all__ = [
     "fence_high_water_plan",
     "fence_install_plan",
     "fence_sql",
+    "ident_key",
+    "mysql_upsert_accepted",
+    "mysql_use_plan",
     "quote_ident",
     "quote_table",
     "row_high_water_plan",
@@ -105,7 +112,9 @@ class Result:
 
     rows: list[tuple[Any, ...]]
     rowcount: int
-    insert_id: int = 0  # MySQL: the OK packet's insert id (our verdict marker, see _mysql_verdict)
+    # MySQL: the client sets CLIENT.FOUND_ROWS (an upsert's count of 1 is then an insert or
+    # an unchanged row alike). True when unknown: the ambiguous count is then read out.
+    found_rows: bool = True
 
 
 Plan = Generator[Stmt, Result, T]
@@ -128,6 +137,23 @@ def quote_ident(name: object, what: str = "identifier") -> str:
             "not starting with a digit"
         )
     return f'"{name}"'
+
+
+def ident_key(d: Dialect, name: str) -> str:
+    """``name`` as ``d`` compares a quoted column name: SQLite and MySQL ignore ASCII case
+    (``Fencing_Token`` *is* ``fencing_token`` there), PostgreSQL compares quoted names exactly
+    (fenced always quotes). Names are ASCII (:func:`quote_ident`), so ``lower`` is ASCII's."""
+    return name if d is POSTGRESQL else name.lower()
+
+
+def same_columns(d: Dialect, names: Sequence[str], what: str) -> None:
+    """Refuse two of ``names`` that ``d`` takes for one column (see :func:`ident_key`)."""
+    seen: dict[str, str] = {}
+    for n in names:
+        k = ident_key(d, n)
+        if k in seen:
+            raise ConfigurationError(f"{what}: {seen[k]!r} and {n!r} are one column on {d.name}")
+        seen[k] = n
 
 
 def quote_table(name: object) -> str:
@@ -159,7 +185,7 @@ class FenceSQL:
     create: str
     accept: str  # params: resource, lock, token -> returns the stored token iff accepted
     read: str  # params: resource -> (lock_name, token)
-    mysql: bool = False  # accept's verdict is in the insert id; read locks the row
+    mysql: bool = False  # accept's verdict is in its affected-row count; read locks the row
 
 
 @functools.lru_cache(maxsize=128)
@@ -201,15 +227,14 @@ def fence_sql(d: Dialect, table: str) -> FenceSQL:
     return FenceSQL(create, accept, read)
 
 
-_ACCEPTED, _REFUSED = 1, 2  # what LAST_INSERT_ID(expr) reports of an existing row
-
-
-def _mysql_verdict(cond: str) -> str:
-    """An expression that is ``cond`` and also leaves its verdict in the statement's insert id
-    (``LAST_INSERT_ID(expr)`` sets the OK packet's insert id): 1 accepted, 2 refused; a fresh
-    insert leaves 0. MySQL has no RETURNING: this is how one statement says what it decided,
-    whether or not the client counts found rows (then affected-row counts say nothing)."""
-    return f"LAST_INSERT_ID(IF({cond}, {_ACCEPTED}, {_REFUSED})) = {_ACCEPTED}"
+def mysql_upsert_accepted(res: Result) -> bool:
+    """Whether an ``INSERT … ON DUPLICATE KEY UPDATE`` of ours plainly accepted, from its
+    affected-row count alone: 1 a new row, 2 an existing row changed (its assignments change
+    nothing unless the fence condition holds), 0 an existing row left as it was (refused, or
+    already these values); with CLIENT.FOUND_ROWS that last case counts 1, like an insert.
+    Anything not plainly accepted is decided by a locking read of the row. (The verdict is
+    never read from the insert id: an AUTO_INCREMENT column of the user's table writes it.)"""
+    return res.rowcount == 2 or (res.rowcount == 1 and not res.found_rows)
 
 
 def _mysql_fence_sql(table: str) -> FenceSQL:
@@ -219,8 +244,9 @@ def _mysql_fence_sql(table: str) -> FenceSQL:
     The check is one ``INSERT … ON DUPLICATE KEY UPDATE``: a first check inserts the row; later
     ones update it only if the condition holds on the existing row, which InnoDB has X-locked
     (the newest committed version, not a snapshot) until the transaction ends. Assignments run
-    left to right on the row as updated so far, so the verdict is taken first and ``token`` is
-    set last; ``checks`` counts accepted checks.
+    left to right on the row as updated so far, so ``checks`` is counted first and ``token`` is
+    set last; ``checks`` counts accepted checks, so an accepted check always changes the row
+    (affected rows 2) and a refused one never does (see :func:`mysql_upsert_accepted`).
     """
     table = _backquoted(table)
     create = (
@@ -238,7 +264,7 @@ def _mysql_fence_sql(table: str) -> FenceSQL:
     )
     accept = (
         f"INSERT INTO {table} (resource, lock_name, token) VALUES (%s, %s, CAST(%s AS SIGNED)) "
-        f"ON DUPLICATE KEY UPDATE checks = IF({_mysql_verdict(cond)}, checks + 1, checks), "
+        f"ON DUPLICATE KEY UPDATE checks = IF({cond}, checks + 1, checks), "
         f"token = IF({cond}, VALUES(token), token)"
     )
     read = f"SELECT lock_name, token FROM {table} WHERE resource = %s FOR UPDATE"
@@ -323,9 +349,8 @@ def _mysql_name(resource: str) -> str:
 def _mysql_check_plan(sql: FenceSQL, resource: str, token: FencingToken) -> Plan[FencingToken]:
     """One statement decides (see _mysql_fence_sql); a refusal reads the row it refused on
     (locked by that statement) to say why."""
-    res = yield Stmt(sql.accept, (_mysql_name(resource), token.lock, token.value))
-    verdict = res.insert_id
-    if verdict == _ACCEPTED or (verdict == 0 and res.rowcount == 1):
+    first = yield Stmt(sql.accept, (_mysql_name(resource), token.lock, token.value))
+    if mysql_upsert_accepted(first):
         return token
     res = yield Stmt(sql.read, (resource,))
     if not res.rows:
@@ -333,8 +358,12 @@ def _mysql_check_plan(sql: FenceSQL, resource: str, token: FencingToken) -> Plan
             f"the fence row of {resource!r} vanished while checking {token}; roll back and retry"
         )
     lock, value = res.rows[0]
-    if verdict != _REFUSED and lock == token.lock and value == token.value:
-        return token  # (a driver that reports no insert id: the row says it was accepted)
+    if first.rowcount == 1 and lock == token.lock and value == token.value:
+        # A count of 1 under FOUND_ROWS: inserted by this statement, or found and refused.
+        # The row (locked by us) carries our token: inserted (a refused check's row holds a
+        # higher mark or another lock). A count of 0 is always a refusal: an accepted check
+        # changes the row (``checks``).
+        return token
     if value is None:
         raise CorruptMarkError(resource, "the fence row has no token")
     raise _rejection(token, resource, lock, value)
@@ -396,7 +425,8 @@ def _mysql_columns(table_name: str) -> Plan[tuple[str | None, dict[str, tuple[st
         f"FROM information_schema.COLUMNS WHERE {where}",
         (schema, name),
     )
-    return engine, {str(r[0]): (str(r[1]).lower(), str(r[2])) for r in res.rows}
+    # (column names are case-insensitive on MySQL: keyed as ident_key compares them)
+    return engine, {str(r[0]).lower(): (str(r[1]).lower(), str(r[2])) for r in res.rows}
 
 
 def _not_innodb(table_name: str, engine: str) -> ConfigurationError:
@@ -406,9 +436,86 @@ def _not_innodb(table_name: str, engine: str) -> ConfigurationError:
     )
 
 
-def _mysql_verify_fence_table(table_name: str) -> Plan[None]:
+@dataclass(frozen=True, slots=True)
+class MySQLUse:
+    """A MySQL table a guard writes to, verified before its first use on each connection
+    (:func:`mysql_use_plan`; the driver remembers it per connection): ``install()`` verifies
+    only the tables it is given, and a table made or altered by hand (MyISAM, a SMALLINT
+    token column) would otherwise be used as found."""
+
+    table_name: str
+    token: str | None = None  # the row form's token column; None: a fence table
+    keys: tuple[str, ...] | None = None  # the row form's upsert: its key columns
+
+
+def mysql_use_plan(use: MySQLUse) -> Plan[None]:
+    """Refuse a table the guard cannot fence: not InnoDB (a refused transaction's writes would
+    stay, and two holders' transactions would interleave), or a token column that cannot
+    hold every token (a SMALLINT clamps 40000 to 32767 without strict mode; then a stale
+    35000 passes). Typed, permanent: :class:`~fenced.ConfigurationError`."""
+    if use.token is None:
+        yield from _mysql_verify_fence_table(use.table_name, at_use=True)
+        return
+    engine, columns = yield from _mysql_columns(use.table_name)
+    if engine is None:
+        raise ConfigurationError(
+            f"table {use.table_name!r} does not exist (a TEMPORARY table cannot be verified)"
+        )
+    if engine.lower() != "innodb":
+        raise _not_innodb(use.table_name, engine)
+    found = columns.get(ident_key(MYSQL, use.token))
+    if found is None:
+        raise ConfigurationError(
+            f"table {use.table_name!r} has no token column {use.token!r}: call guard.install()"
+        )
+    if found[0] != "bigint":
+        raise _bad_token_type(use.token, use.table_name, found[0])
+    if use.keys is not None:
+        yield from _mysql_upsert_keys(use.table_name, use.keys)
+
+
+def _mysql_upsert_keys(table_name: str, keys: tuple[str, ...]) -> Plan[None]:
+    """``ON DUPLICATE KEY UPDATE`` acts on whichever unique key a new row collides with: the
+    row form's upsert is fenced only if the key columns are exactly one unique key and no
+    other unique key exists (else it inserts duplicates, or updates another row, and its
+    count says "accepted" either way)."""
+    schema, name = _mysql_table(table_name)
+    res = yield Stmt(
+        "SELECT s.INDEX_NAME, s.COLUMN_NAME, c.EXTRA FROM information_schema.STATISTICS s "
+        "JOIN information_schema.COLUMNS c ON c.TABLE_SCHEMA = s.TABLE_SCHEMA "
+        "AND c.TABLE_NAME = s.TABLE_NAME AND c.COLUMN_NAME = s.COLUMN_NAME "
+        "WHERE s.TABLE_SCHEMA = COALESCE(%s, DATABASE()) AND s.TABLE_NAME = %s "
+        "AND s.NON_UNIQUE = 0",
+        (schema, name),
+    )
+    indexes: dict[str, set[str]] = {}
+    generated: set[str] = set()  # unique keys of one AUTO_INCREMENT column: a new row's own
+    for index, column, extra in res.rows:
+        indexes.setdefault(str(index), set()).add(str(column).lower())
+        if "auto_increment" in str(extra).lower():
+            generated.add(str(index))
+    wanted = {k.lower() for k in keys}
+    others = sorted(
+        i
+        for i, cols in indexes.items()
+        if cols != wanted and not (i in generated and len(cols) == 1)
+    )
+    if wanted not in indexes.values() or others:
+        raise ConfigurationError(
+            f"insert_or_update on {table_name!r} needs a primary key or unique key on exactly "
+            f"{list(keys)} and no other unique key (MySQL's upsert would act on another: "
+            f"{others or 'none on the key columns'})"
+        )
+
+
+def _mysql_verify_fence_table(table_name: str, *, at_use: bool = False) -> Plan[None]:
     engine, columns = yield from _mysql_columns(table_name)
     if engine is None:
+        if at_use:
+            raise ConfigurationError(
+                f"fence table {table_name!r} does not exist: has the guard been installed "
+                "(guard.install())?"
+            )
         raise ConfigurationError(f"fence table {table_name!r} was not created")
     if engine.lower() != "innodb":
         raise _not_innodb(table_name, engine)
@@ -454,7 +561,7 @@ def _columns(d: Dialect, table_name: str) -> Plan[dict[str, str]]:
             f"SELECT name, type FROM pragma_table_info({d.param}{', ' + d.param if schema else ''})",
             (name, schema) if schema else (name,),
         )
-    return {str(r[0]): str(r[1] or "") for r in res.rows}
+    return {ident_key(d, str(r[0])): str(r[1] or "") for r in res.rows}
 
 
 # -- row form -----------------------------------------------------------------------------
@@ -469,6 +576,19 @@ class RowSQL:
     keys: tuple[str, ...]  # raw names
     token: str  # raw name
     lock: str | None  # raw name of the lock column, if any
+
+
+@functools.lru_cache(maxsize=128)
+def _spec_columns(d: Dialect, spec: RowSQL) -> dict[str, str]:
+    """The guard's own columns as ``d`` compares names (key -> what it is), refusing a guard
+    whose key, token and lock columns are one column on ``d`` (``ID`` and ``id`` on SQLite)."""
+    named = [*spec.keys, spec.token, *((spec.lock,) if spec.lock else ())]
+    same_columns(d, named, "key, token and lock columns must differ")
+    own = {ident_key(d, k): "key column" for k in spec.keys}
+    own[ident_key(d, spec.token)] = "token column"
+    if spec.lock:
+        own[ident_key(d, spec.lock)] = "lock column"
+    return own
 
 
 def _where_key(d: Dialect, spec: RowSQL) -> str:
@@ -592,13 +712,14 @@ def _row_write_sql(
 ) -> str:
     """The conditional write's SQL for these value columns (validated here, then cached);
     the ``relative`` ones are added to (:class:`Add`), not set."""
-    reserved = {*spec.keys, spec.token, *((spec.lock,) if spec.lock else ())}
+    own = _spec_columns(d, spec)
     for c in columns:
         quote_ident(c, "column name")
-        if c in reserved:
+        if ident_key(d, c) in own:  # as the database compares names: Fencing_Token too
             raise ConfigurationError(
-                f"values may not set {c!r}: it is a key, token or lock column of the guard"
+                f"values may not set {c!r}: it is the {own[ident_key(d, c)]} of the guard"
             )
+    same_columns(d, columns, "values")
     p = d.param
     tok = quote_ident(spec.token)
 
@@ -613,11 +734,10 @@ def _row_write_sql(
         cond = _row_guard_clause(d, spec, "", "VALUES(" + tok + ")")
         updated = [*columns, spec.token, *((spec.lock,) if spec.lock else ())]
         sets = []
-        for i, c in enumerate(updated):
+        for c in updated:
             q = quote_ident(c)
             new = f"COALESCE({q}, 0) + VALUES({q})" if c in relative else f"VALUES({q})"
-            test = _mysql_verdict(cond) if i == 0 else cond
-            sets.append(f"{q} = IF({test}, {new}, {q})")
+            sets.append(f"{q} = IF({cond}, {new}, {q})")
         return _backquoted(
             f"INSERT INTO {spec.table} ({', '.join(quote_ident(c) for c in all_cols)}) "
             f"VALUES ({', '.join([p] * len(all_cols))}) ON DUPLICATE KEY UPDATE " + ", ".join(sets)
@@ -673,8 +793,8 @@ def row_write_stmt(
 def row_write_accepted(d: Dialect, res: Result, upsert: bool) -> bool:
     """True if the statement's reply alone shows the write was accepted (the usual case);
     otherwise :func:`row_write_rest` decides, reading the row where it must."""
-    if d is MYSQL and upsert:  # (its verdict is in the insert id, see _mysql_fence_sql)
-        return res.insert_id == _ACCEPTED or (res.insert_id == 0 and res.rowcount == 1)
+    if d is MYSQL and upsert:
+        return mysql_upsert_accepted(res)
     return res.rowcount == 1
 
 
@@ -729,7 +849,6 @@ def row_write_rest(
         if row[0] is None:  # refused with a NULL token: only if the lock column is set
             raise CorruptMarkError(_label(spec, key), f"lock {row[1]!r} bound, token NULL")
         raise _rejection(token, _label(spec, key), row[1] if spec.lock else None, row[0])
-    verdict = res.insert_id if upsert else None
     res = yield Stmt(_row_read(MYSQL, spec, locking=True), key_params)
     if not res.rows:
         if not upsert:
@@ -741,9 +860,10 @@ def row_write_rest(
     stored, lock = row[0], (row[1] if spec.lock else None)
     if _bad_type(stored):
         raise _type_error(_label(spec, key), stored)
-    if verdict != _REFUSED and stored == token.value and lock in (None, token.lock):
-        # matched and already so (MySQL counts changed rows), or no insert id reported:
-        # the row carries this token, so the write stands
+    if stored == token.value and lock in (None, token.lock):
+        # matched and already so (MySQL counts changed rows), or an insert counted like an
+        # unchanged row (FOUND_ROWS): the row, locked by us, carries this token, so the write
+        # stands (a refusal leaves a higher token, another lock or a NULL token with a lock)
         return token
     if stored is None:
         raise CorruptMarkError(_label(spec, key), f"lock {lock!r} bound, token NULL")
@@ -753,6 +873,7 @@ def row_write_rest(
 def row_high_water_plan(
     d: Dialect, spec: RowSQL, lock: str, key: Mapping[str, Any]
 ) -> Plan[FencingToken | None]:
+    _spec_columns(d, spec)
     key_params = _key_params(spec, key)
     res = yield Stmt(_row_read(d, spec), key_params)
     if not res.rows:
@@ -767,23 +888,29 @@ def row_high_water_plan(
 
 def row_install_plan(d: Dialect, spec: RowSQL) -> Plan[None]:
     """Add the token (and lock) column if missing; the table itself must exist."""
+    _spec_columns(d, spec)
     wanted: Sequence[tuple[str, str]] = [(spec.token, d.bigint)]
     if spec.lock:
         wanted = [*wanted, (spec.lock, "TEXT")]
+    # Columns are looked up as the database compares names: a column found under another
+    # case is the one the guard's statements will use, so it is the one whose type counts
+    # (looked up exactly, it was missed, its ADD COLUMN failed as a duplicate and was taken
+    # for a racing install, and a SMALLINT token column went unchecked).
     if d is MYSQL:
         engine, columns = yield from _mysql_columns(spec.table_name)
         if engine is None:
             raise ConfigurationError(f"table {spec.table_name!r} does not exist")
         if engine.lower() != "innodb":
             raise _not_innodb(spec.table_name, engine)
-        if spec.token in columns and columns[spec.token][0] != "bigint":
-            raise _bad_token_column(spec, columns[spec.token][0])
+        found = columns.get(ident_key(d, spec.token))
+        if found is not None and found[0] != "bigint":
+            raise _bad_token_column(spec, found[0])
         types = {
             spec.token: "BIGINT",
             spec.lock or "": "VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin",
         }
         for column, _ in wanted:
-            if column in columns:
+            if ident_key(d, column) in columns:
                 continue
             try:
                 yield Stmt(
@@ -818,11 +945,12 @@ def row_install_plan(d: Dialect, spec: RowSQL) -> Plan[None]:
     )
     if not res.rows:
         raise ConfigurationError(f"table {spec.table_name!r} does not exist")
-    present = {r[0]: str(r[1]) for r in res.rows}
-    if spec.token in present and "INT" not in present[spec.token].upper():
-        raise _bad_token_column(spec, present[spec.token] or "(no type)")
+    present = {ident_key(d, str(r[0])): str(r[1]) for r in res.rows}
+    token_type = present.get(ident_key(d, spec.token))
+    if token_type is not None and "INT" not in token_type.upper():
+        raise _bad_token_column(spec, token_type or "(no type)")
     for column, type_ in wanted:
-        if column in present:
+        if ident_key(d, column) in present:
             continue
         try:
             yield Stmt(f"ALTER TABLE {spec.table} ADD COLUMN {quote_ident(column)} {type_}")
@@ -831,9 +959,13 @@ def row_install_plan(d: Dialect, spec: RowSQL) -> Plan[None]:
 
 
 def _bad_token_column(spec: RowSQL, type_: object) -> ConfigurationError:
+    return _bad_token_type(spec.token, spec.table_name, type_)
+
+
+def _bad_token_type(token: str, table_name: str, type_: object) -> ConfigurationError:
     # Text compares '10' < '3'; int4 overflows at 2**31; floats round large tokens together.
     return ConfigurationError(
-        f"token column {spec.token!r} of {spec.table_name!r} is {type_}: it must be a 64-bit "
+        f"token column {token!r} of {table_name!r} is {type_}: it must be a 64-bit "
         "integer column (BIGINT on PostgreSQL and MySQL, INTEGER on SQLite)"
     )
 

@@ -53,13 +53,15 @@ of the row — a *locking read*, under REPEATABLE READ as under READ COMMITTED, 
 transaction's snapshot — and keeps the row X-locked until the transaction ends. So, as on
 PostgreSQL, of two transactions carrying 5 and 7 the second to reach the row waits for the
 first to end and then compares with what it committed: 5 cannot commit after 7. Only when the
-UPDATE matched nothing does the guard read the row, with ``SELECT … FOR UPDATE`` (a locking
-read too: a plain SELECT under REPEATABLE READ would show the snapshot, perhaps a mark older
-than the one that refused), to report the refusal, or, when there is no row, ``INSERT`` it:
-the primary key makes a racing first insert fail with a duplicate key, and the guard decides
-again against the committed row. The ``checks`` counter makes an equal token change the row,
-so one statement suffices whether or not the client counts found rows. Deadlocks (1213) and
-lock wait timeouts (1205) surface as :class:`FenceConflictError`. ``install()`` runs DDL,
+UPDATE's affected-row count does not plainly say "accepted" does the guard read the row, with
+``SELECT … FOR UPDATE`` (a locking read too: a plain SELECT under REPEATABLE READ would show
+the snapshot, perhaps a mark older than the one that refused), to report the refusal (a first
+insert is protected by the primary key: a racing inserter waits, then takes the update path).
+The ``checks`` counter makes an accepted check always change the row, so its count says so
+whether or not the client counts found rows; the verdict is never read from the insert id,
+which an AUTO_INCREMENT column of a user's table also writes. Deadlocks (1213) and lock wait
+timeouts (1205) surface as :class:`FenceConflictError`. Each table is verified before its
+first use on each connection (InnoDB, a BIGINT token column), not only by ``install()``. ``install()`` runs DDL,
 which commits implicitly, so it refuses to run inside a transaction; it verifies a table it
 did not create (InnoDB, binary collations, BIGINT token). The row form is a conditional
 UPDATE too; a row it matched but did not change (same values) is told from a refusal by the
@@ -116,6 +118,7 @@ from ._sql_plan import (
     Dialect,
     FenceConflictError,
     FenceSQL,
+    MySQLUse,
     Plan,
     RowSQL,
     Stmt,
@@ -159,7 +162,7 @@ class SQLGuard:
     nothing is committed for you.
     """
 
-    __slots__ = ("_quoted", "lock", "resource", "table", "verifier")
+    __slots__ = ("_quoted", "_use", "lock", "resource", "table", "verifier")
 
     def __init__(
         self,
@@ -174,6 +177,7 @@ class SQLGuard:
         self.lock = _lock_name(resource if lock is None else lock, f"lock of {resource!r}")
         self.table = table
         self._quoted = quote_table(table)
+        self._use = MySQLUse(table)  # (verified before first use on each MySQL connection)
 
     def __repr__(self) -> str:
         return f"SQLGuard({self.resource!r}, lock={self.lock!r}, table={self.table!r})"
@@ -197,7 +201,7 @@ class SQLGuard:
         for a closed connection or dead server. On any error let the transaction roll back.
         """
         tok = FencingToken.coerce(token, self.lock, self.verifier)
-        accepted = run(conn, lambda d: self._check_plan(d, tok), need_tx=True)
+        accepted = run(conn, lambda d: self._check_plan(d, tok), need_tx=True, use=self._use)
         note_checked(conn, self.resource, accepted)
         return accepted
 
@@ -211,7 +215,7 @@ class SQLGuard:
         it is left open too (roll it back). Refuses a connection already in a transaction.
         """
         tok = FencingToken.coerce(token, self.lock, self.verifier)
-        accepted = run(conn, lambda d: self._check_plan(d, tok), begin=True)
+        accepted = run(conn, lambda d: self._check_plan(d, tok), begin=True, use=self._use)
         note_checked(conn, self.resource, accepted)
         return accepted
 
@@ -249,7 +253,7 @@ class SQLGuard:
     async def acheck(self, conn: Any, *, token: TokenLike) -> FencingToken:
         """:meth:`check` on a ``psycopg.AsyncConnection``."""
         tok = FencingToken.coerce(token, self.lock, self.verifier)
-        accepted = await arun(conn, lambda d: self._check_plan(d, tok), need_tx=True)
+        accepted = await arun(conn, lambda d: self._check_plan(d, tok), need_tx=True, use=self._use)
         note_checked(conn, self.resource, accepted)
         return accepted
 
@@ -257,7 +261,7 @@ class SQLGuard:
     async def abegin(self, conn: Any, *, token: TokenLike) -> FencingToken:
         """:meth:`begin` on a ``psycopg.AsyncConnection``."""
         tok = FencingToken.coerce(token, self.lock, self.verifier)
-        accepted = await arun(conn, lambda d: self._check_plan(d, tok), begin=True)
+        accepted = await arun(conn, lambda d: self._check_plan(d, tok), begin=True, use=self._use)
         note_checked(conn, self.resource, accepted)
         return accepted
 
@@ -280,9 +284,12 @@ def require_fence(target: Any, guard: SQLGuard, tables: Sequence[str]) -> None:
     ``target``: a ``Session``, a ``sessionmaker`` or a ``Session`` subclass (for an
     ``AsyncSession``, its ``sync_session``, or ``sessionmaker(class_=AsyncSession)``'s
     ``sync_session_class``). A flush that would insert, update or delete an object mapped to
-    one of ``tables`` raises :class:`~fenced.ConfigurationError` before any SQL is sent; the
-    check is remembered until the session's transaction ends. This catches a code path that
-    forgot the fence; it does not replace it (writes through ``session.execute`` bypass it).
+    one of ``tables`` raises :class:`~fenced.ConfigurationError` before any SQL is sent. A
+    check counts while the (sub)transaction that made it is alive: until the session's
+    transaction ends, and no longer once a savepoint (``begin_nested``) it was made in, or
+    one around it, is rolled back (that undid the fence too); a released savepoint's check
+    stays with its parent. This catches a code path that forgot the fence; it does not
+    replace it (writes through ``session.execute`` bypass it).
     """
     from sqlalchemy import event
     from sqlalchemy import inspect as sa_inspect
@@ -307,8 +314,19 @@ def require_fence(target: Any, guard: SQLGuard, tables: Sequence[str]) -> None:
         if transaction.parent is None:
             session.info.pop(CHECKED, None)
 
+    def after_soft_rollback(session: Any, rolled_back: Any) -> None:
+        # Forget the checks made in the rolled-back (sub)transaction or inside it.
+        checked = session.info.get(CHECKED)
+        for resource, (_, made_in) in list((checked or {}).items()):
+            t = made_in
+            while t is not None and t is not rolled_back:
+                t = t.parent
+            if t is not None:
+                del checked[resource]
+
     event.listen(target, "before_flush", before_flush)
     event.listen(target, "after_transaction_end", after_transaction_end)
+    event.listen(target, "after_soft_rollback", after_soft_rollback)
 
 
 class SQLFencer:
@@ -355,6 +373,8 @@ class RowGuard:
 
     __slots__ = (
         "_spec",
+        "_use",
+        "_use_upsert",
         "key_columns",
         "lock",
         "lock_column",
@@ -391,6 +411,9 @@ class RowGuard:
         self.lock_column = lock_column
         self.lock = _lock_name(table if lock is None else lock, f"lock of table {table!r}")
         self._spec = RowSQL(quote_table(table), table, key_cols, token_column, lock_column)
+        # (verified before first use on each MySQL connection; an upsert also needs its keys)
+        self._use = MySQLUse(table, token_column)
+        self._use_upsert = MySQLUse(table, token_column, key_cols)
 
     def __repr__(self) -> str:
         return (
@@ -428,9 +451,8 @@ class RowGuard:
         if there is no such row; nothing is written in either case.
         """
         tok = FencingToken.coerce(token, self.lock, self.verifier)
-        return run_own_row(
-            conn, self._spec, tok, key, self._statement(tok, key, values or {}, False), upsert=False
-        )
+        statement = self._statement(tok, key, values or {}, False)
+        return run_own_row(conn, self._spec, tok, key, statement, upsert=False, use=self._use)
 
     @token_keyword()
     def insert_or_update(
@@ -446,9 +468,8 @@ class RowGuard:
         Needs a primary key or unique constraint on exactly ``key_columns``.
         """
         tok = FencingToken.coerce(token, self.lock, self.verifier)
-        return run_own_row(
-            conn, self._spec, tok, key, self._statement(tok, key, values or {}, True), upsert=True
-        )
+        statement = self._statement(tok, key, values or {}, True)
+        return run_own_row(conn, self._spec, tok, key, statement, upsert=True, use=self._use_upsert)
 
     def high_water(self, conn: Any, key: Mapping[str, Any]) -> FencingToken | None:
         """The row's token (None if never fenced); ResourceNotFoundError if there is no row."""
@@ -471,7 +492,7 @@ class RowGuard:
     ) -> FencingToken:
         """:meth:`update` on a ``psycopg.AsyncConnection``."""
         tok = FencingToken.coerce(token, self.lock, self.verifier)
-        return await arun_own(conn, self._write(tok, key, values or {}, False))
+        return await arun_own(conn, self._write(tok, key, values or {}, False), use=self._use)
 
     @token_keyword()
     async def ainsert_or_update(
@@ -484,7 +505,7 @@ class RowGuard:
     ) -> FencingToken:
         """:meth:`insert_or_update` on a ``psycopg.AsyncConnection``."""
         tok = FencingToken.coerce(token, self.lock, self.verifier)
-        return await arun_own(conn, self._write(tok, key, values or {}, True))
+        return await arun_own(conn, self._write(tok, key, values or {}, True), use=self._use_upsert)
 
     async def ahigh_water(self, conn: Any, key: Mapping[str, Any]) -> FencingToken | None:
         """:meth:`high_water` on a ``psycopg.AsyncConnection``."""
