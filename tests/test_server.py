@@ -147,11 +147,11 @@ def test_the_served_openapi_document_is_valid_and_covers_the_api(server: FencedS
     validate(doc)
     paths = set(doc["paths"])
     for expected in (
-        "/v1/locks/{name}/acquire",
-        "/v1/locks/{name}/renew",
-        "/v1/locks/{name}/release",
-        "/v1/locks/{name}/force-release",
-        "/v1/locks/{name}/watch",
+        "/v1/locks/{name}/-/acquire",
+        "/v1/locks/{name}/-/renew",
+        "/v1/locks/{name}/-/release",
+        "/v1/locks/{name}/-/force-release",
+        "/v1/locks/{name}/-/watch",
         "/v1/locks/{name}",
         "/v1/locks",
         "/v1/check",
@@ -176,7 +176,7 @@ def test_watch_streams_each_change_and_a_blocking_query_returns_on_change(
     first = threading.Event()
 
     def watch() -> None:
-        with httpx.stream("GET", f"{u}/v1/locks/w/watch", timeout=30) as r:
+        with httpx.stream("GET", f"{u}/v1/locks/w/-/watch", timeout=30) as r:
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     events.append(json.loads(line[6:]))
