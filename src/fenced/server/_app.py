@@ -132,6 +132,11 @@ class _In(BaseModel):
 # check_request_id), whose one-line messages the answers carry.
 _TTL: dict[str, Any] = {"minimum": MIN_TTL, "maximum": MAX_TTL}
 _REQUEST_ID: dict[str, Any] = {"pattern": r"^[A-Za-z0-9_][A-Za-z0-9_.:-]{0,63}$"}
+_SEGMENT = r"[A-Za-z0-9_][A-Za-z0-9_.:@+=-]*"
+_TOKEN: dict[str, Any] = {  # (the form FencingToken.parse takes: "<lock>:<value>[.kid.sig]")
+    "pattern": rf"^{_SEGMENT}(/{_SEGMENT})*:[1-9][0-9]{{0,18}}"
+    r"(\.[A-Za-z0-9_-]{1,32}\.([A-Za-z0-9_-]{43}|[A-Za-z0-9_-]{86}))?$"
+}
 
 
 class AcquireIn(_In):
@@ -180,7 +185,7 @@ class LeaseIn(_In):
             ]
         }
     )
-    token: str = Field(description="The grant's token, plain or signed.")
+    token: str = Field(description="The grant's token, plain or signed.", json_schema_extra=_TOKEN)
     request_id: str | None = Field(
         default=None, description="The grant's request id.", json_schema_extra=_REQUEST_ID
     )
@@ -207,7 +212,9 @@ class ReleaseOut(BaseModel):
 
 class ForceIn(_In):
     token: str | None = Field(
-        default=None, description="Free the lock only if this grant holds it."
+        default=None,
+        description="Free the lock only if this grant holds it.",
+        json_schema_extra=_TOKEN,
     )
 
 
@@ -236,7 +243,7 @@ class ListOut(BaseModel):
 
 
 class CheckIn(_In):
-    token: str
+    token: str = Field(json_schema_extra=_TOKEN)
 
 
 class CheckOut(BaseModel):
@@ -549,11 +556,17 @@ def create_app(settings: ServerSettings) -> FastAPI:
             raise fail(exc) from None
 
     def lease_args(name: str, body: LeaseIn) -> tuple[FencingToken, str]:
-        rid = body.request_id or body.lease_id
+        rid = body.request_id if body.request_id is not None else body.lease_id
         if rid is None:
             raise ApiError(400, "invalid_request", "request_id (or lease_id) is required")
         try:
             check_request_id(rid)
+            if body.lease_id is not None:  # (both given: both must be good, and agree)
+                check_request_id(body.lease_id)
+                if body.lease_id != rid:
+                    raise ConfigurationError("request_id and lease_id differ: give one")
+            if body.ttl is not None:  # (a release takes no ttl, but a bad one is refused)
+                check_ttl(body.ttl)
         except ConfigurationError as exc:
             raise fail(exc) from None
         token = parse(body.token, name)
@@ -590,7 +603,8 @@ def create_app(settings: ServerSettings) -> FastAPI:
         try:
             ttl = check_ttl(body.ttl if body.ttl is not None else settings.default_ttl)
             timeout = check_timeout(body.timeout if body.timeout is not None else 0.0)
-            rid = check_request_id(body.request_id or gw.new_request_id())
+            given = body.request_id  # ("" is a bad id, not an absent one)
+            rid = check_request_id(gw.new_request_id() if given is None else given)
             described = check_description(body.owner)
         except ConfigurationError as exc:
             raise fail(exc) from None
@@ -681,7 +695,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
     ) -> ForceOut:
         name = lock_name(name)
         allow(key, Verb.ADMIN, name)
-        token = parse(body.token, name) if body and body.token else None
+        token = parse(body.token, name) if body and body.token is not None else None
         freed = await call(gw.force_release(name, token))
         return ForceOut(released=_status_out(freed, key) if freed else None)
 
