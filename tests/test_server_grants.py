@@ -322,3 +322,38 @@ def test_readiness_asks_the_source_at_most_once_a_second(tmp_path: Path) -> None
             # A look is 3-4 commands: one a second (and one more at either end), where each
             # ask looking would be 120 or more.
             assert commands() - before <= 4 * (seconds + 2), seconds
+
+
+# -- never_granted: one definition -------------------------------------------------------------
+
+
+def test_never_granted_is_one_thing_in_the_server_the_library_and_the_cli(
+    server: FencedServer, source: str
+) -> None:
+    """Bug: /v1/check said never_granted false for a lock that never existed, and true for a
+    token above the highest grant of an existing one. Now both are never granted, in
+    /v1/check, locks.check() and `fenced check-token` alike; real grants are not."""
+    import subprocess
+    import sys
+
+    u = server.url
+    post(f"{u}/v1/locks/real/-/acquire", {"request_id": "x"})
+    cases = {"nowhere:1": True, "real:2": True, "real:1": False}
+    with fenced.connect(source) as locks, fenced.connect(u) as remote:
+        for token, never in cases.items():
+            answer = post(f"{u}/v1/check", {"token": token}).json()
+            assert answer["never_granted"] is never, (token, answer)
+            assert (answer["verdict"] == "never_granted") is never
+            assert locks.check(token).never_granted is never, token
+            assert remote.check(token).never_granted is never, token  # (the http:// source)
+            cli = subprocess.run(
+                [sys.executable, "-m", "fenced", "check-token", "--url", source, token],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert (cli.returncode == 2) is never and ("never-granted" in cli.stdout) is never, (
+                token,
+                cli.stdout,
+                cli.stderr,
+            )

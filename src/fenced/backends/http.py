@@ -244,7 +244,8 @@ class HttpBackend(Backend):
     async def check(self, token: FencingToken) -> TokenCheck:
         got = await self._call("POST", "/v1/check", {"token": str(token)}, idempotent=True)
         highest = FencingToken.parse(got["highest"]) if got["highest"] else None
-        return TokenCheck(token, bool(got["current"]), highest)
+        known = self._knows_highest or highest is not None  # (as the server's check)
+        return TokenCheck(token, bool(got["current"]), highest, known)
 
     async def read_record(self, name: str) -> Record | None:
         got = await self._call("GET", f"/v1/records/{_path(name)}", idempotent=True)

@@ -252,7 +252,11 @@ class CheckOut(BaseModel):
     current: bool = Field(description="It is the live grant of its lock.")
     highest: str | None
     stale: bool = Field(description="A later grant exists: refuse this writer.")
-    never_granted: bool = Field(description="Above every grant: forged or from elsewhere.")
+    never_granted: bool = Field(
+        description="Not a token the source issued: above its highest grant of the lock, or "
+        "of a lock it never granted (forged, or from elsewhere). False where the source cannot "
+        "know (etcd, ZooKeeper keep no counter: a free lock's highest grant is forgotten)."
+    )
     verdict: Literal["current", "stale", "not_current", "never_granted"]
 
 
