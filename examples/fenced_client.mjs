@@ -29,7 +29,7 @@ async function call(verb, body, timeoutMs) {
       method: "POST",
       headers,
       body: JSON.stringify(body),
-      signal: AbortSignal.timeout(timeoutMs),
+      signal: AbortSignal.timeout(Math.max(1, Math.ceil(timeoutMs))),
     });
     const text = await r.text();
     let json = {};
@@ -78,7 +78,7 @@ function loseIt(reason) {
 }
 async function renew() {
   const sent = performance.now();
-  const r = await call("renew", { token, request_id: requestId }, Math.max(1, validUntil - sent));
+  const r = await call("renew", { token, request_id: requestId }, validUntil - sent);
   if (lost) return;
   if (r.status === 200) {
     validUntil = sent + r.body.expires_in * 1000; // (from when it was sent: the safe side)
