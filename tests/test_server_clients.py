@@ -178,6 +178,8 @@ def _figure_8_5(server: FencedServer, storage: str) -> tuple[str, str]:
     one = Node(server.url, "files", target, "stale write from client 1", ttl=1)
     try:
         assert one.line() == "token 1"
+        one.say("write paused")  # its check passes; the pause falls before the write
+        assert one.line() == "checked"
         os.kill(one.proc.pid, signal.SIGSTOP)  # paused: no renewals, no writes
         r = subprocess.run(  # client 2 waits in line until client 1's lease has expired
             [
@@ -185,7 +187,7 @@ def _figure_8_5(server: FencedServer, storage: str) -> tuple[str, str]:
                 "-s",
                 "-X",
                 "POST",
-                f"{server.url}/v1/locks/files/acquire",
+                f"{server.url}/v1/locks/files/-/acquire",
                 "-d",
                 '{"ttl": 30, "timeout": 20, "request_id": "client-2"}',
             ],
@@ -214,10 +216,98 @@ def _figure_8_5(server: FencedServer, storage: str) -> tuple[str, str]:
         )
         assert wrote.stdout.endswith(" 200"), wrote.stdout  # the current holder: accepted
         os.kill(one.proc.pid, signal.SIGCONT)  # client 1 wakes up, believing it holds
-        one.say("write")
+        one.say("resume")
         line = one.line()
         while not line.startswith("write"):  # ("lost ...": its renewal found the lease gone)
             line = one.line()
     finally:
         one.close()
     return line, httpx.get(target, timeout=10).text
+
+
+# -- the node client when renewals cannot be confirmed -----------------------------------------
+
+
+def test_the_node_client_reports_lost_when_its_gateway_goes_away_and_stops_writing(
+    server: FencedServer, storage: str
+) -> None:
+    """Bug: a renewal that could not reach the server (a gateway restart) was an unhandled
+    rejection: node died with exit 1 ("fetch failed"). Now: "lost", no write after it."""
+    target = f"{storage}/files/gone"
+    node = Node(server.url, "files", target, "after the gateway left", ttl=1)
+    try:
+        assert node.line() == "token 1"
+        assert server.proc is not None
+        server.proc.kill()  # SIGKILL: its port refuses connections from now on
+        server.proc.wait(10)
+        lost = node.line()
+        assert lost.startswith("lost no answer"), lost  # (connection refused, or no answer)
+        node.say("write")
+        assert node.line() == "write skipped: the lease is lost"
+        assert node.proc.poll() is None, "node exited"
+        node.say("release")
+        assert node.line().startswith("released unknown")
+        assert node.proc.wait(10) == 0
+    finally:
+        node.close()
+    assert httpx.get(target, timeout=10).status_code == 404  # nothing written
+
+
+class _Front:
+    """A real HTTP front (as a load balancer) passing requests to a fenced server, until
+    told to answer renewals with 503 (its upstream "unavailable")."""
+
+    def __init__(self, upstream: str) -> None:
+        import http.server
+        import threading
+
+        front = self
+        self.refuse_renewals = False
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("content-length", 0)))
+                if front.refuse_renewals and self.path.endswith("/renew"):
+                    status, payload = 503, b'{"error":"unavailable","message":"no upstream"}'
+                else:
+                    r = httpx.post(upstream + self.path, content=body, timeout=60)
+                    status, payload = r.status_code, r.content
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_the_node_client_takes_a_503_renewal_as_lost(server: FencedServer, storage: str) -> None:
+    """Bug: every renewal answer but 410 was ignored: after a 503 the client went on
+    believing it held, and wrote. Now a 503 is "lost" and nothing is written after it; the
+    same client through the same front writes while its renewals are confirmed."""
+    front = _Front(server.url)
+    target = f"{storage}/files/front"
+    node = Node(front.url, "files", target, "through the front", ttl=1)
+    try:
+        assert node.line() == "token 1"
+        node.say("write")  # renewals confirmed: the rightful write is made
+        assert node.line().startswith("write 200")
+        front.refuse_renewals = True
+        lost = node.line()
+        assert lost.startswith("lost 503"), lost
+        node.say("write")
+        assert node.line() == "write skipped: the lease is lost"
+    finally:
+        node.close()
+        front.close()
+    assert httpx.get(target, timeout=10).text == "through the front"

@@ -101,6 +101,9 @@ class TokenCheck:
     token: FencingToken
     current: bool
     highest: FencingToken | None
+    highest_known: bool = False
+    """True if ``highest`` is surely the highest grant, so that None means the lock was never
+    granted (a source with a counter, or a held lock); False if None may mean "not known"."""
 
     @property
     def stale(self) -> bool:
@@ -123,9 +126,12 @@ class TokenCheck:
 
     @property
     def never_granted(self) -> bool:
-        """Above every grant the source knows of: not a token it issued (yet) — forged, or
-        from another deployment of the source."""
-        return self.highest is not None and self.token.value > self.highest.value
+        """Not a token the source issued (yet) — forged, or from another deployment: above
+        its highest grant of the lock, or of a lock it has never granted. Where the source
+        cannot know (etcd, ZooKeeper: a free lock's highest grant is forgotten), False."""
+        if self.highest is None:
+            return self.highest_known
+        return self.token.value > self.highest.value
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -306,7 +312,7 @@ class Backend(abc.ABC):
         # A source without a counter knows its highest grant only while it is held: then
         # the holder's token is the latest grant, every earlier one having ended.
         highest = status.last_token if self.knows_highest else status.token
-        return TokenCheck(token, current, highest)
+        return TokenCheck(token, current, highest, self.knows_highest or highest is not None)
 
     async def resume(self, name: str, token: FencingToken, request_id: str, ttl: float) -> Grant:
         """Take over a live grant made through another connection to the same source (a lock

@@ -180,7 +180,7 @@ class HttpBackend(Backend):
         on_lost: LostCallback,
         owner: str = "",
     ) -> Grant:
-        path = f"/v1/locks/{_path(name)}/acquire"
+        path = f"/v1/locks/{_path(name)}/-/acquire"
         while True:
             now = _clock.now()
             wait = _POLL if deadline is None else max(0.0, min(_POLL, deadline - now))
@@ -213,14 +213,14 @@ class HttpBackend(Backend):
         body = {"token": str(grant.token), "request_id": grant.request_id, "ttl": grant.ttl}
         sent = _clock.now()
         got = await self._call(
-            "POST", f"/v1/locks/{_path(grant.token.lock)}/renew", body, idempotent=True
+            "POST", f"/v1/locks/{_path(grant.token.lock)}/-/renew", body, idempotent=True
         )
         return Grant(grant.token, grant.request_id, float(got["ttl"]), sent, grant.handle)
 
     async def release(self, grant: Grant) -> bool:
         body = {"token": str(grant.token), "request_id": grant.request_id}
         got = await self._call(
-            "POST", f"/v1/locks/{_path(grant.token.lock)}/release", body, idempotent=False
+            "POST", f"/v1/locks/{_path(grant.token.lock)}/-/release", body, idempotent=False
         )
         return bool(got["released"])
 
@@ -237,14 +237,15 @@ class HttpBackend(Backend):
     ) -> LockStatus | None:
         body = {"token": str(token)} if token is not None else {}
         got = await self._call(
-            "POST", f"/v1/locks/{_path(name)}/force-release", body, idempotent=False
+            "POST", f"/v1/locks/{_path(name)}/-/force-release", body, idempotent=False
         )
         return _status(got["released"]) if got["released"] else None
 
     async def check(self, token: FencingToken) -> TokenCheck:
         got = await self._call("POST", "/v1/check", {"token": str(token)}, idempotent=True)
         highest = FencingToken.parse(got["highest"]) if got["highest"] else None
-        return TokenCheck(token, bool(got["current"]), highest)
+        known = self._knows_highest or highest is not None  # (as the server's check)
+        return TokenCheck(token, bool(got["current"]), highest, known)
 
     async def read_record(self, name: str) -> Record | None:
         got = await self._call("GET", f"/v1/records/{_path(name)}", idempotent=True)
@@ -252,7 +253,7 @@ class HttpBackend(Backend):
 
     async def swap_record(self, name: str, version: int, value: str) -> Record:
         body = {"version": version, "value": value}
-        got = await self._call("POST", f"/v1/records/{_path(name)}/swap", body, idempotent=False)
+        got = await self._call("POST", f"/v1/records/{_path(name)}/-/swap", body, idempotent=False)
         return Record(name, int(got["version"]), got["value"])
 
     async def resume(self, name: str, token: FencingToken, request_id: str, ttl: float) -> Grant:

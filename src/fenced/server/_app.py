@@ -20,10 +20,12 @@ from typing import Annotated, Any, Literal
 
 from fastapi import Body, Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from starlette.convertors import Convertor, register_url_convertor
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -40,9 +42,17 @@ from .._errors import (
 )
 from .._lease import AsyncLocks, check_description
 from .._signing import Keyring
-from .._state import DEFAULT_TTL, check_request_id, check_timeout, check_ttl
-from .._token import FencingToken, validate_lock_name
-from ._auth import ApiKey, Keys, Verb
+from .._state import (
+    DEFAULT_TTL,
+    MAX_TIMEOUT,
+    MAX_TTL,
+    MIN_TTL,
+    check_request_id,
+    check_timeout,
+    check_ttl,
+)
+from .._token import MAX_NAME, FencingToken, validate_lock_name
+from ._auth import TAG_LENGTH, ApiKey, Keys, Verb
 from ._gateway import Gateway
 from ._http import READ_TIMEOUT
 from ._metrics import CONTENT_TYPE_LATEST
@@ -82,6 +92,35 @@ class ServerSettings:
     once the request has arrived."""
 
 
+# -- routes -----------------------------------------------------------------------------------------
+#
+# A lock name may contain "/" (``jobs/nightly``), so "/v1/locks/jobs/watch" could be lock
+# ``jobs/watch`` or the watch of ``jobs``. Actions therefore follow a segment "-", which no
+# name can hold (each of its segments starts with a letter, digit or _): GitLab's "/-/".
+# ``{name:lock}`` never matches such a segment, so no name swallows an action and every
+# path means one thing.
+
+
+class _LockNameConvertor(Convertor[str]):
+    regex = r"(?!-(?:/|$))[^/]*(?:/(?!-(?:/|$))[^/]*)*"
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+register_url_convertor("lock", _LockNameConvertor())
+
+# The lock-name grammar of validate_lock_name, for the OpenAPI document.
+NAME_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.:@+=-]*(/[A-Za-z0-9_][A-Za-z0-9_.:@+=-]*)*$"
+READY_CACHE = 1.0
+"""Seconds one look at the source answers /v1/ready for (it takes no key: bounded load)."""
+MAX_INT = (1 << 63) - 1
+"""The largest integer the API takes (a record version): SQLite's and PostgreSQL's bigint."""
+
+
 # -- the wire format ------------------------------------------------------------------------------
 
 
@@ -89,10 +128,26 @@ class _In(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+# Stated in the OpenAPI document; checked by fenced's own rules (check_ttl, check_timeout,
+# check_request_id), whose one-line messages the answers carry.
+_TTL: dict[str, Any] = {"minimum": MIN_TTL, "maximum": MAX_TTL}
+_REQUEST_ID: dict[str, Any] = {"pattern": r"^[A-Za-z0-9_][A-Za-z0-9_.:-]{0,63}$"}
+_SEGMENT = r"[A-Za-z0-9_][A-Za-z0-9_.:@+=-]*"
+_TOKEN: dict[str, Any] = {  # (the form FencingToken.parse takes: "<lock>:<value>[.kid.sig]")
+    "pattern": rf"^{_SEGMENT}(/{_SEGMENT})*:[1-9][0-9]{{0,18}}"
+    r"(\.[A-Za-z0-9_-]{1,32}\.([A-Za-z0-9_-]{43}|[A-Za-z0-9_-]{86}))?$"
+}
+
+
 class AcquireIn(_In):
-    ttl: float | None = Field(default=None, description="Lease seconds (0.1-86400). Default 10.")
+    ttl: float | None = Field(
+        default=None,
+        description="Lease seconds (0.1-86400). Default 10.",
+        json_schema_extra=_TTL,
+    )
     timeout: float | None = Field(
         default=None,
+        json_schema_extra={"minimum": 0, "maximum": MAX_TIMEOUT},
         description="Seconds to wait for the lock, FIFO (0 or absent: try once). One request "
         "waits at most the server's max wait (60 s by default) and then answers 409 timeout; "
         "ask again with the same request_id to keep waiting.",
@@ -100,7 +155,9 @@ class AcquireIn(_In):
     request_id: str | None = Field(
         default=None,
         description="Your id for this acquire (1-64 of A-Z a-z 0-9 _ . : -). A retry with the "
-        "same id returns the same grant, never a second one. Generated if absent.",
+        "same id and key returns the same grant, never a second one. It is your key's: another "
+        "key's request with the same id is refused (403). Generated (random) if absent.",
+        json_schema_extra=_REQUEST_ID,
     )
     owner: str | None = Field(
         default=None, description="Who you are, for operators (status, dashboard)."
@@ -119,11 +176,26 @@ class GrantOut(BaseModel):
 
 
 class LeaseIn(_In):
-    token: str = Field(description="The grant's token, plain or signed.")
-    request_id: str | None = None
-    lease_id: str | None = Field(default=None, description="Accepted in place of request_id.")
+    # One of request_id and lease_id (a string) is required; the document says so.
+    model_config = ConfigDict(
+        json_schema_extra={
+            "anyOf": [
+                {"required": ["request_id"], "properties": {"request_id": {"type": "string"}}},
+                {"required": ["lease_id"], "properties": {"lease_id": {"type": "string"}}},
+            ]
+        }
+    )
+    token: str = Field(description="The grant's token, plain or signed.", json_schema_extra=_TOKEN)
+    request_id: str | None = Field(
+        default=None, description="The grant's request id.", json_schema_extra=_REQUEST_ID
+    )
+    lease_id: str | None = Field(
+        default=None, description="Accepted in place of request_id.", json_schema_extra=_REQUEST_ID
+    )
     ttl: float | None = Field(
-        None, description="For a renewal through a gateway that did not make the grant."
+        None,
+        description="For a renewal through a gateway that did not make the grant.",
+        json_schema_extra=_TTL,
     )
 
 
@@ -140,7 +212,9 @@ class ReleaseOut(BaseModel):
 
 class ForceIn(_In):
     token: str | None = Field(
-        default=None, description="Free the lock only if this grant holds it."
+        default=None,
+        description="Free the lock only if this grant holds it.",
+        json_schema_extra=_TOKEN,
     )
 
 
@@ -153,7 +227,9 @@ class StatusOut(BaseModel):
     waiters: int | None
     owner: str | None
     holder: str | None = Field(
-        description="The holder's request id: shown only to keys that may acquire this lock."
+        description="Who holds it: the request id to the key that made the grant (to every "
+        "client on a server without keys); the holder's description (as owner) to any other "
+        "key. A request id is the grant's capability: never shown to another key."
     )
     version: str = Field(description="Changes whenever holder or token changes (for ?index=).")
 
@@ -167,7 +243,7 @@ class ListOut(BaseModel):
 
 
 class CheckIn(_In):
-    token: str
+    token: str = Field(json_schema_extra=_TOKEN)
 
 
 class CheckOut(BaseModel):
@@ -176,7 +252,11 @@ class CheckOut(BaseModel):
     current: bool = Field(description="It is the live grant of its lock.")
     highest: str | None
     stale: bool = Field(description="A later grant exists: refuse this writer.")
-    never_granted: bool = Field(description="Above every grant: forged or from elsewhere.")
+    never_granted: bool = Field(
+        description="Not a token the source issued: above its highest grant of the lock, or "
+        "of a lock it never granted (forged, or from elsewhere). False where the source cannot "
+        "know (etcd, ZooKeeper keep no counter: a free lock's highest grant is forgotten)."
+    )
     verdict: Literal["current", "stale", "not_current", "never_granted"]
 
 
@@ -220,8 +300,20 @@ class RecordOut(BaseModel):
     value: str | None
 
 
+def _integral(value: Any) -> Any:
+    """JSON has one number type: ``246.0`` is the integer 246 (JSON Schema says so too); a
+    fraction, a bool or a string stays refused (strict)."""
+    if type(value) is float and value.is_integer() and abs(value) <= MAX_INT:
+        return int(value)
+    return value
+
+
 class SwapIn(_In):
-    version: int = Field(ge=0, description="The version the change is based on (0: none yet)")
+    version: Annotated[int, BeforeValidator(_integral)] = Field(
+        ge=0,
+        le=MAX_INT,
+        description="The version the change is based on (0: none yet; at most 2^63-1)",
+    )
     value: str = Field(max_length=MAX_RECORD)
 
 
@@ -240,8 +332,39 @@ def _error(
     return JSONResponse({"error": code, "message": message, **(extra or {})}, status_code=status)
 
 
-def _status_out(status: LockStatus, show_holder: bool) -> StatusOut:
+def own_id(key: ApiKey | None, request_id: str) -> str:
+    """The request id a grant has at the source: the key's tag and the client's id, so that a
+    grant belongs to the key that made it (on a server without keys, the id itself)."""
+    return request_id if key is None else f"{key.tag}.{request_id}"
+
+
+def client_id(key: ApiKey | None, holder: str | None) -> str | None:
+    """The client's request id of a holder's source id, if ``key`` made that grant."""
+    if holder is None or key is None:
+        return holder
+    tag = key.tag
+    if len(holder) > TAG_LENGTH and holder[TAG_LENGTH] == "." and holder.startswith(tag):
+        return holder[TAG_LENGTH + 1 :]
+    return None
+
+
+def others_id(key: ApiKey, holder: str | None, request_id: str) -> bool:
+    """True if ``holder`` (a source id) is ``request_id`` of another key (or of a grant made
+    without keys): a request naming it is refused, not served or queued."""
+    if holder is None or holder == own_id(key, request_id):
+        return False
+    return holder == request_id or (
+        len(holder) == TAG_LENGTH + 1 + len(request_id)
+        and holder[TAG_LENGTH] == "."
+        and holder.endswith(request_id)
+    )
+
+
+def _status_out(status: LockStatus, key: ApiKey | None) -> StatusOut:
     held = status.token is not None
+    holder = client_id(key, status.holder)
+    if holder is None and status.holder is not None:
+        holder = status.owner or "(another key's grant)"  # never its request id
     version = (
         f"{status.token.value}:held"
         if status.token
@@ -255,7 +378,7 @@ def _status_out(status: LockStatus, show_holder: bool) -> StatusOut:
         remaining=status.remaining,
         waiters=status.waiters,
         owner=status.owner,
-        holder=status.holder if show_holder else None,
+        holder=holder,
         version=version,
     )
 
@@ -371,7 +494,9 @@ def create_app(settings: ServerSettings) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return _error(exc.status_code, code, str(exc.detail))
+        answer = _error(exc.status_code, code, str(exc.detail))
+        answer.headers.update(exc.headers or {})  # (a 405's Allow: RFC 9110 requires it)
+        return answer
 
     def fail(exc: BaseException) -> ApiError:
         """A library error as an API answer (the source's own words, never a secret)."""
@@ -411,8 +536,15 @@ def create_app(settings: ServerSettings) -> FastAPI:
             gw.metrics.refused.labels("forbidden").inc()
             raise ApiError(403, "forbidden", f"key {key.id!r} may not read {name!r}")
 
-    def shows_holder(key: ApiKey | None, name: str) -> bool:
-        return key is None or key.allows(Verb.ACQUIRE, name)
+    async def refuse_others(key: ApiKey | None, name: str, rid: str) -> None:
+        """403 if the lock's holder is another key's grant with this request id: a request id
+        is a capability, and it is the key's that made the grant."""
+        if key is None:
+            return
+        status = await call(gw.backend.status(name))
+        if status.token is not None and others_id(key, status.holder, rid):
+            gw.metrics.refused.labels("forbidden").inc()
+            raise ApiError(403, "forbidden", f"request id {rid!r} is another key's grant")
 
     def lock_name(name: str) -> str:
         try:
@@ -428,11 +560,17 @@ def create_app(settings: ServerSettings) -> FastAPI:
             raise fail(exc) from None
 
     def lease_args(name: str, body: LeaseIn) -> tuple[FencingToken, str]:
-        rid = body.request_id or body.lease_id
+        rid = body.request_id if body.request_id is not None else body.lease_id
         if rid is None:
             raise ApiError(400, "invalid_request", "request_id (or lease_id) is required")
         try:
             check_request_id(rid)
+            if body.lease_id is not None:  # (both given: both must be good, and agree)
+                check_request_id(body.lease_id)
+                if body.lease_id != rid:
+                    raise ConfigurationError("request_id and lease_id differ: give one")
+            if body.ttl is not None:  # (a release takes no ttl, but a bad one is refused)
+                check_ttl(body.ttl)
         except ConfigurationError as exc:
             raise fail(exc) from None
         token = parse(body.token, name)
@@ -446,7 +584,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
     # -- locks -------------------------------------------------------------------------------
 
     @app.post(
-        "/v1/locks/{name:path}/acquire",
+        "/v1/locks/{name:lock}/-/acquire",
         response_model=GrantOut,
         responses={409: {"model": ErrorOut, "description": "timeout: not granted in time"}},
         tags=["locks"],
@@ -469,7 +607,8 @@ def create_app(settings: ServerSettings) -> FastAPI:
         try:
             ttl = check_ttl(body.ttl if body.ttl is not None else settings.default_ttl)
             timeout = check_timeout(body.timeout if body.timeout is not None else 0.0)
-            rid = check_request_id(body.request_id or gw.new_request_id())
+            given = body.request_id  # ("" is a bad id, not an absent one)
+            rid = check_request_id(gw.new_request_id() if given is None else given)
             described = check_description(body.owner)
         except ConfigurationError as exc:
             raise fail(exc) from None
@@ -477,9 +616,18 @@ def create_app(settings: ServerSettings) -> FastAPI:
         if key is not None:
             owner = f"{key.id}: {owner}"
         wait = min(timeout or 0.0, settings.max_wait)
-        granting = gw.acquire(name, rid, ttl, wait, owner[:200])
+        if wait:  # (checked before it queues: a refused request changes nothing)
+            await refuse_others(key, name, rid)
+        granting = gw.acquire(name, own_id(key, rid), ttl, wait, owner[:200])
         # Only a waiting acquire (a long poll) watches for the client leaving or a shutdown.
-        grant, signed = await call(_unless_gone(receive, gw, granting) if wait else granting)
+        try:
+            grant, signed = await (_unless_gone(receive, gw, granting) if wait else granting)
+        except LockTimeout as exc:
+            if not wait:  # (a try-once: only a refused grant pays for the look)
+                await refuse_others(key, name, rid)
+            raise fail(exc) from exc
+        except FencedError as exc:
+            raise fail(exc) from exc
         return GrantOut(
             lock=name,
             token=str(grant.token),
@@ -492,7 +640,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
         )
 
     @app.post(
-        "/v1/locks/{name:path}/renew",
+        "/v1/locks/{name:lock}/-/renew",
         response_model=RenewOut,
         responses={410: {"model": ErrorOut, "description": "lease_lost: the grant has ended"}},
         tags=["locks"],
@@ -511,13 +659,19 @@ def create_app(settings: ServerSettings) -> FastAPI:
                 ttl = check_ttl(body.ttl)
             except ConfigurationError as exc:
                 raise fail(exc) from None
-        grant = await call(gw.renew(name, token, rid, ttl))
+        try:
+            grant = await gw.renew(name, token, own_id(key, rid), ttl)
+        except LeaseLostError as exc:
+            await refuse_others(key, name, rid)
+            raise fail(exc) from exc
+        except FencedError as exc:
+            raise fail(exc) from exc
         return RenewOut(
             ttl=grant.ttl, expires_in=max(0.0, grant.sent_at + grant.ttl - _clock.now())
         )
 
     @app.post(
-        "/v1/locks/{name:path}/release",
+        "/v1/locks/{name:lock}/-/release",
         response_model=ReleaseOut,
         tags=["locks"],
         summary="Release a grant (fenced: never frees a later grant)",
@@ -529,10 +683,13 @@ def create_app(settings: ServerSettings) -> FastAPI:
         name = lock_name(name)
         allow(key, Verb.ACQUIRE, name)
         token, rid = lease_args(name, body)
-        return ReleaseOut(released=await call(gw.release(name, token, rid)))
+        released = await call(gw.release(name, token, own_id(key, rid)))
+        if not released:
+            await refuse_others(key, name, rid)
+        return ReleaseOut(released=released)
 
     @app.post(
-        "/v1/locks/{name:path}/force-release",
+        "/v1/locks/{name:lock}/-/force-release",
         response_model=ForceOut,
         tags=["admin"],
         summary="Free a lock whoever holds it (operators; its token stays fenced)",
@@ -542,12 +699,12 @@ def create_app(settings: ServerSettings) -> FastAPI:
     ) -> ForceOut:
         name = lock_name(name)
         allow(key, Verb.ADMIN, name)
-        token = parse(body.token, name) if body and body.token else None
+        token = parse(body.token, name) if body and body.token is not None else None
         freed = await call(gw.force_release(name, token))
-        return ForceOut(released=_status_out(freed, True) if freed else None)
+        return ForceOut(released=_status_out(freed, key) if freed else None)
 
     @app.get(
-        "/v1/locks/{name:path}/watch",
+        "/v1/locks/{name:lock}/-/watch",
         tags=["locks"],
         summary="Server-sent events: the lock's status now and at every change",
         response_class=StreamingResponse,
@@ -556,7 +713,6 @@ def create_app(settings: ServerSettings) -> FastAPI:
     async def watch(name: str, request: Request, key: Principal) -> StreamingResponse:
         name = lock_name(name)
         readable(key, name)
-        show = shows_holder(key, name)
         await call(gw.backend.status(name))  # unreachable source: 503 now, not a dead stream
 
         async def events() -> AsyncIterator[bytes]:
@@ -564,7 +720,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
             beat = _clock.now()
             try:
                 async for status in changes:
-                    data = _status_out(status, show).model_dump_json()
+                    data = _status_out(status, key).model_dump_json()
                     yield f"event: status\ndata: {data}\n\n".encode()
                     if _clock.now() - beat > 15:
                         beat = _clock.now()
@@ -578,7 +734,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
         )
 
     @app.get(
-        "/v1/locks/{name:path}",
+        "/v1/locks/{name:lock}",
         response_model=StatusOut,
         tags=["locks"],
         summary="Status of one lock; with index and wait, a blocking query (Consul's)",
@@ -594,15 +750,14 @@ def create_app(settings: ServerSettings) -> FastAPI:
     ) -> StatusOut:
         name = lock_name(name)
         readable(key, name)
-        show = shows_holder(key, name)
         deadline = _clock.now() + min(wait, settings.max_wait)
-        out = _status_out(await call(gw.backend.status(name)), show)
+        out = _status_out(await call(gw.backend.status(name)), key)
         if index is None or out.version != index or wait <= 0:
             return out
 
         async def until_changed() -> StatusOut:
             async for st in gw.changes(name, settings.watch_interval):
-                now_out = _status_out(st, show)
+                now_out = _status_out(st, key)
                 if now_out.version != index:
                     return now_out
             raise BackendUnavailable("server shutting down")
@@ -612,7 +767,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
                 changed: StatusOut = await call(_unless_gone(request.receive, gw, until_changed()))
                 return changed
         except TimeoutError:
-            return _status_out(await call(gw.backend.status(name)), show)
+            return _status_out(await call(gw.backend.status(name)), key)
 
     @app.get("/v1/locks", response_model=ListOut, tags=["locks"], summary="Names of all locks")
     async def list_locks(key: Principal) -> ListOut:
@@ -622,7 +777,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
     # -- records -----------------------------------------------------------------------------
 
     @app.get(
-        "/v1/records/{name:path}",
+        "/v1/records/{name:lock}",
         response_model=RecordOut,
         tags=["records"],
         summary="A versioned record (a replicated group's configuration)",
@@ -636,7 +791,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
         return RecordOut(name=name, version=record.version, value=record.value)
 
     @app.post(
-        "/v1/records/{name:path}/swap",
+        "/v1/records/{name:lock}/-/swap",
         response_model=RecordOut,
         responses={409: {"model": ErrorOut, "description": "conflict: the record changed"}},
         tags=["records"],
@@ -647,6 +802,17 @@ def create_app(settings: ServerSettings) -> FastAPI:
         allow(key, Verb.ACQUIRE, name)
         record = await call(gw.backend.swap_record(name, body.version, body.value))
         return RecordOut(name=name, version=record.version, value=record.value)
+
+    # The paths before "/-/" (POST /v1/locks/{name}/acquire ...): still served, unambiguous
+    # because only actions take a POST; not in the document. (GET .../watch is lock status.)
+    for path, legacy in (
+        ("/v1/locks/{name:lock}/acquire", acquire),
+        ("/v1/locks/{name:lock}/renew", renew),
+        ("/v1/locks/{name:lock}/release", release),
+        ("/v1/locks/{name:lock}/force-release", force_release),
+        ("/v1/records/{name:lock}/swap", swap_record),
+    ):
+        app.add_api_route(path, legacy, methods=["POST"], include_in_schema=False)
 
     # -- tokens ------------------------------------------------------------------------------
 
@@ -688,9 +854,36 @@ def create_app(settings: ServerSettings) -> FastAPI:
             auth=keys is not None,
         )
 
-    @app.get("/v1/info", response_model=InfoOut, tags=["server"], summary="What this server is")
-    async def get_info() -> InfoOut:
+    @app.get(
+        "/v1/info",
+        response_model=InfoOut,
+        tags=["server"],
+        summary="What this server is (with keys: for any key, never anonymous)",
+    )
+    async def get_info(key: Principal) -> InfoOut:
         return info()
+
+    # Readiness is for probes, which have no key: it answers anyone, with nothing but yes or
+    # no, and asks the source at most once a second however many ask (one shared look).
+    readiness: dict[str, Any] = {"at": -1.0, "look": None}
+
+    async def look() -> str | None:
+        try:
+            async with asyncio.timeout(settings.readiness_timeout):
+                await gw.backend.status("_fenced-ready")
+        except (FencedError, TimeoutError) as exc:
+            # (the details to the log: the answer goes to anyone, without a key)
+            logger.warning("not ready: token source: %s", exc or "timed out")
+            return "the token source does not answer"
+        return None
+
+    async def source_trouble() -> str | None:
+        now = _clock.now()
+        if readiness["look"] is None or now - readiness["at"] >= READY_CACHE:
+            readiness["at"] = now
+            readiness["look"] = asyncio.ensure_future(look())
+        trouble: str | None = await asyncio.shield(readiness["look"])
+        return trouble
 
     @app.get("/v1/health", tags=["server"], summary="Liveness: the process answers")
     async def health() -> dict[str, str]:
@@ -705,11 +898,9 @@ def create_app(settings: ServerSettings) -> FastAPI:
     async def ready() -> dict[str, str]:
         if gw.stopping.is_set():
             raise ApiError(503, "unavailable", "shutting down")
-        try:
-            async with asyncio.timeout(settings.readiness_timeout):
-                await gw.backend.status("_fenced-ready")
-        except (FencedError, TimeoutError) as exc:
-            raise ApiError(503, "unavailable", f"token source: {exc or 'timed out'}") from None
+        trouble = await source_trouble()
+        if trouble is not None:
+            raise ApiError(503, "unavailable", trouble)
         return {"status": "ready"}
 
     @app.get("/metrics", tags=["server"], summary="Prometheus metrics", response_class=Response)
@@ -732,7 +923,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
                     label = ",".join(f"{v}" for v in sample.labels.values())
                     counters[sample.name + (f"{{{label}}}" if label else "")] = sample.value
         return DashboardOut(
-            locks=[_status_out(s, shows_holder(key, s.name)) for s in statuses],
+            locks=[_status_out(s, key) for s in statuses],
             counters=counters,
             events=[e.json() for e in reversed(gw.events) if key is None or key.sees(e.lock)],
             info=info(),
@@ -747,7 +938,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
     routes = {
         r.path.rsplit("/", 1)[1]: r
         for r in app.routes
-        if isinstance(r, APIRoute) and r.path.startswith("/v1/locks/{name:path}/")
+        if isinstance(r, APIRoute) and r.path.startswith("/v1/locks/{name:lock}/-/")
     }
     lanes: dict[str, _Lane] = {
         "acquire": _Lane(
@@ -768,6 +959,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
             lambda name, body, key, scope, receive: do_release(name, body, key),
         ),
     }
+    app.openapi = lambda: _document(app, keyed=keys is not None)  # type: ignore[method-assign]
     if settings.fast_lane:
         app.add_middleware(_FastLane, lanes=lanes, keys=keys, gateway=gw)
     app.add_middleware(_Timing, gateway=gw)  # (it times the fast lane too)
@@ -775,6 +967,52 @@ def create_app(settings: ServerSettings) -> FastAPI:
         _BodyLimit, limit=settings.max_request_bytes, timeout=settings.read_timeout, gateway=gw
     )
     return app
+
+
+API_VERSION = "1"
+"""The version of the API the document describes (``/v1``): the package's version is for
+clients with a key (``/v1/info``), not for anyone who asks."""
+
+
+def _document(app: FastAPI, keyed: bool) -> dict[str, Any]:
+    """The OpenAPI document, made to say what the server does (tests/test_server_schema.py
+    runs schemathesis against it): 400 where FastAPI would declare 422, the lock-name
+    grammar on every ``name``, and bearer security only on a server with keys."""
+    if app.openapi_schema is not None:
+        return app.openapi_schema
+    doc = get_openapi(
+        title=app.title,
+        version=API_VERSION,
+        summary=app.summary,
+        description=app.description,
+        routes=app.routes,
+    )
+    schemas = doc.get("components", {}).get("schemas", {})
+    for unused in ("HTTPValidationError", "ValidationError"):
+        schemas.pop(unused, None)
+    if not keyed:
+        doc.get("components", {}).pop("securitySchemes", None)
+    for item in doc["paths"].values():
+        for op in item.values():
+            op["responses"].pop("422", None)
+            if not keyed:
+                op.pop("security", None)
+                op["responses"].pop("401", None)
+                op["responses"].pop("403", None)
+            for param in op.get("parameters", []):
+                if param["name"] == "name" and param["in"] == "path":
+                    param["schema"] = {
+                        "type": "string",
+                        "pattern": NAME_PATTERN,
+                        "maxLength": MAX_NAME,
+                        "title": "Name",
+                    }
+                    param["description"] = (
+                        "A lock name: segments of A-Z a-z 0-9 _ . : @ + = - joined by '/', "
+                        "each starting with a letter, digit or _; 1-200 characters"
+                    )
+    app.openapi_schema = doc
+    return doc
 
 
 async def _unless_gone(receive: Receive, gw: Gateway, aw: Awaitable[Any]) -> Any:
@@ -835,6 +1073,8 @@ class _FastLane:
             await self.app(scope, receive, send)
             return
         name, _, verb = path[len(_LOCKS) :].rpartition("/")
+        if name.endswith("/-"):  # (the paths without it are the old ones, still served)
+            name = name[:-2]
         lane = self.lanes.get(verb)
         if lane is None or not name:
             await self.app(scope, receive, send)
@@ -991,5 +1231,5 @@ class _Timing:
         finally:
             route = scope.get("route")
             path = getattr(route, "path", None)
-            if path is not None and not path.endswith("/watch"):
+            if path is not None and not path.endswith("/-/watch"):
                 self.gw.metrics.latency.labels(path, scope["method"]).observe(_clock.now() - start)

@@ -28,7 +28,16 @@ from typing import Any
 
 from .._errors import ConfigurationError
 
-__all__ = ["ApiKey", "Keys", "Verb", "hash_secret", "load_api_keys", "new_secret"]
+__all__ = [
+    "TAG_LENGTH",
+    "ApiKey",
+    "Keys",
+    "Verb",
+    "hash_secret",
+    "key_tag",
+    "load_api_keys",
+    "new_secret",
+]
 
 
 class Verb(enum.StrEnum):
@@ -44,6 +53,13 @@ class ApiKey:
     digest: bytes  # sha256 of the secret: the file need not hold secrets
     prefixes: tuple[str, ...]
     verbs: frozenset[Verb]
+
+    @property
+    def tag(self) -> str:
+        """This key's mark on the request ids of its grants (``<tag>.<request id>`` at the
+        source): a grant belongs to the key that made it, on every gateway that shares the
+        keys file (derived from the id alone, never from the secret)."""
+        return key_tag(self.id)
 
     def allows(self, verb: Verb, name: str | None = None) -> bool:
         """True if this key may ``verb`` on lock ``name`` (None: not about one lock)."""
@@ -61,6 +77,15 @@ class ApiKey:
             bool(self.verbs & {Verb.ACQUIRE, Verb.CHECK})
             and any(name.startswith(p) for p in self.prefixes)
         )
+
+
+def key_tag(key_id: str) -> str:
+    """``k`` and 11 hex digits of the SHA-256 of a key id: fits the request-id grammar, one
+    fixed length (so ``<tag>.<id>`` splits without doubt)."""
+    return "k" + hashlib.sha256(key_id.encode()).hexdigest()[:11]
+
+
+TAG_LENGTH = 12
 
 
 def hash_secret(secret: str) -> str:
@@ -81,6 +106,8 @@ class Keys:
         ids = [k.id for k in self.keys]
         if len(set(ids)) != len(ids):
             raise ConfigurationError("API keys file: two keys have the same id")
+        if len({k.tag for k in self.keys}) != len(self.keys):  # (44 bits: never, in practice)
+            raise ConfigurationError("API keys file: two key ids share a tag; rename one")
 
     def find(self, secret: str) -> ApiKey | None:
         digest = hashlib.sha256(secret.encode(errors="surrogateescape")).digest()

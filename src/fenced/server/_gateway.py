@@ -16,11 +16,12 @@ import collections
 import contextlib
 import dataclasses
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from .. import _clock, _fork
+from .. import _clock
 from .._backend import Backend, Grant, LockStatus, TokenCheck
 from .._errors import LeaseLostError, LockTimeout
 from .._lease import AsyncLocks
@@ -134,10 +135,7 @@ class Gateway:
             new = await self.backend.renew(grant)
         except LeaseLostError:
             self.metrics.renewals.labels("lost").inc()
-            self.metrics.expiries.inc()
-            if self._grants.pop(key, None) is not None:
-                self._note(name, "expired", token, self._owners.pop(key, None))
-            self.metrics.tracked.set(len(self._grants))
+            self._ended(key, token)
             raise
         except Exception:
             self.metrics.renewals.labels("error").inc()
@@ -155,14 +153,13 @@ class Gateway:
             released = False
         else:
             released = await self.backend.release(grant)
-        self._grants.pop(key, None)
-        owner = self._owners.pop(key, None)
-        self.metrics.tracked.set(len(self._grants))
         self.metrics.releases.labels("released" if released else "not_held").inc()
         if released:
-            self._note(name, "released", token, owner)
-        else:
-            self.metrics.expiries.inc()
+            self._grants.pop(key, None)
+            self._note(name, "released", token, self._owners.pop(key, None))
+            self.metrics.tracked.set(len(self._grants))
+        else:  # (it ended before: an expiry, if this gateway knew it; a repeat: nothing)
+            self._ended(key, token)
         return released
 
     async def force_release(self, name: str, token: FencingToken | None) -> LockStatus | None:
@@ -179,27 +176,48 @@ class Gateway:
 
     def _lost(self, name: str, request_id: str, exc: BaseException) -> None:
         """The source revoked a grant made here (a session ended, a forced release)."""
-        key = (name, request_id)
-        grant = self._grants.pop(key, None)
+        grant = self._grants.get((name, request_id))
         if grant is not None:
-            self.metrics.expiries.inc()
-            self._note(name, "expired", grant.token, self._owners.pop(key, None))
-            self.metrics.tracked.set(len(self._grants))
+            self._ended((name, request_id), grant.token)
+
+    def _ended(self, key: tuple[str, str], token: FencingToken) -> None:
+        """A grant this gateway tracks ended without a release: counted and shown once (a
+        later renewal or release of it finds it gone and counts nothing)."""
+        grant = self._grants.get(key)
+        if grant is None or grant.token.value != token.value:
+            return
+        del self._grants[key]
+        self.metrics.expiries.inc()
+        self._note(key[0], "expired", token, self._owners.pop(key, None))
+        self.metrics.tracked.set(len(self._grants))
 
     async def _sweep(self) -> None:
-        """Forget grants not renewed here for longer than their ttl (their holders stopped, or
-        renew through another gateway): the table is a cache, never the truth."""
+        """Forget grants not renewed here for longer than their ttl: the table is a cache,
+        never the truth. The source says which of them expired (their holders stopped:
+        counted in fenced_expiries_total and shown as "expired") and which live on (renewed
+        through another gateway: forgotten silently)."""
         while True:
             await asyncio.sleep(1.0)
-            now = _clock.now()
-            for key, grant in list(self._grants.items()):
-                # (sent_at is 0 for a resumed grant until it is renewed: not forgotten early,
-                # because a resume is always followed by that renewal or a release)
-                # Silently: its holder may be renewing it through another gateway.
-                if grant.sent_at and grant.sent_at + grant.ttl + 1.0 < now:
-                    del self._grants[key]
-                    self._owners.pop(key, None)
-            self.metrics.tracked.set(len(self._grants))
+            with contextlib.suppress(Exception):  # (an unreachable source: next turn)
+                await self._sweep_once()
+
+    async def _sweep_once(self) -> None:
+        now = _clock.now()
+        for key, grant in list(self._grants.items()):
+            # (sent_at is 0 for a resumed grant until it is renewed: not forgotten early,
+            # because a resume is always followed by that renewal or a release)
+            if not grant.sent_at or grant.sent_at + grant.ttl + 1.0 >= now:
+                continue
+            status = await self.backend.status(key[0])
+            if self._grants.get(key) is not grant:
+                continue  # (renewed or released here meanwhile)
+            live = status.remaining is None or status.remaining > 0
+            if live and status.token == grant.token and status.holder == key[1]:
+                del self._grants[key]  # still held: renewed through another gateway
+                self._owners.pop(key, None)
+            else:
+                self._ended(key, grant.token)
+        self.metrics.tracked.set(len(self._grants))
 
     # -- transitions and watching ---------------------------------------------------------------
 
@@ -228,7 +246,10 @@ class Gateway:
                     await _first(event.wait(), self.stopping.wait())
 
     def new_request_id(self) -> str:
-        return _fork.request_id()
+        """128 random bits: a request id is the capability to renew and release its grant,
+        so the server's must not be guessable from another (``_fork.request_id`` is a
+        prefix per process and a counter: fine for ids a process keeps to itself)."""
+        return secrets.token_hex(16)
 
 
 async def _first(*aws: Any) -> None:

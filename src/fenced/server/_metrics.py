@@ -56,7 +56,8 @@ class Metrics:
         )
         self.expiries = Counter(
             "fenced_expiries",
-            "Grants found expired or taken over when renewed or released",
+            "Grants this gateway made or resumed that ended without a release: expired (their "
+            "holder stopped renewing) or ended by the source; each counted once",
             registry=r,
         )
         self.forced = Counter("fenced_forced_releases", "Operators' force releases", registry=r)
