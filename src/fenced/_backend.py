@@ -44,6 +44,7 @@ __all__ = [
     "known_schemes",
     "lock_timeout",
     "on_private_loop",
+    "redacted",
     "register_backend",
     "wait_budget",
 ]
@@ -451,11 +452,11 @@ def parse_url(url: str) -> SplitResult:
         if "," not in parts.netloc:  # (a host list is the source's to parse)
             parts.port  # noqa: B018 - validates the port (urlsplit itself does not)
     except ValueError as exc:
-        raise ConfigurationError(f"malformed token source URL {_redacted(url)!r}: {exc}") from None
+        raise ConfigurationError(f"malformed token source URL {redacted(url)!r}: {exc}") from None
     return parts
 
 
-def _redacted(url: str) -> str:
+def redacted(url: str) -> str:
     """``url`` without its password, for messages and logs (works on malformed URLs too)."""
     scheme, sep, rest = url.partition("://")
     userinfo, at, host = rest.rpartition("@")
@@ -502,3 +503,4 @@ def check_requirements(
         which = "token source" if have is None else "connection (as the server is configured)"
         raise ConfigurationError(f"the {cls.scheme!r} {which} is not {names}")
     return frozenset(wanted)
+

@@ -24,10 +24,10 @@ from ._backend import (
     LockStatus,
     Record,
     TokenCheck,
-    _redacted,
     backend_class,
     check_requirements,
     parse_url,
+    redacted,
 )
 from ._errors import (
     BackendUnavailable,
@@ -54,7 +54,17 @@ from ._token import FencingToken, validate_lock_name
 if TYPE_CHECKING:
     from .election import AsyncLeadership, Leader
 
-__all__ = ["DEFAULT_TTL", "AsyncLease", "AsyncLocks", "FenceTarget", "LostSignal", "NotFenced"]
+__all__ = [
+    "DEFAULT_TTL",
+    "AsyncLease",
+    "AsyncLocks",
+    "AsyncLostCallback",
+    "FenceTarget",
+    "LostSignal",
+    "NotFenced",
+    "check_description",
+    "connect_async",
+]
 
 _MAX_LATE_GRANTS: Final = 3
 DEFAULT_CONNECT_TIMEOUT: Final = 10.0
@@ -644,6 +654,29 @@ class AsyncLocks:
     def backend(self) -> Backend:
         return self._backend_or_fail()
 
+    # -- what the rooms above (fenced serve, groups) use of a connection ----------------------
+
+    async def opened_backend(self) -> Backend:
+        """The open backend, opening it first if needed (as any call would)."""
+        return await self._get_backend()
+
+    def sign(self, token: FencingToken) -> FencingToken:
+        """``token`` as a holder gets it from this connection: signed (bound to the source id,
+        if one is set) when a signing key was given, else as it is."""
+        return self._sign(token)
+
+    @property
+    def verifier(self) -> TokenVerifier | None:
+        """What :meth:`check` verifies tokens with before asking the source: ``verify=``, else
+        the signing key's public half (bound to the source id); None without either."""
+        return self._own_keys
+
+    @property
+    def signing_key_id(self) -> tuple[str, str] | None:
+        """(key id, algorithm name) of the signing key, or None when tokens are not signed."""
+        key = self._signer
+        return (key.kid, type(key).__name__) if key is not None else None
+
     async def open(self) -> AsyncLocks:
         await self._get_backend()
         return self
@@ -931,7 +964,7 @@ def _warn_unbound_once() -> None:
 
 
 def _redact(url: str) -> str:
-    return _redacted(url)
+    return redacted(url)
 
 
 def check_description(description: object) -> str | None:

@@ -8,7 +8,14 @@ from typing import Any, Final
 from ._errors import InvalidTokenError, WrongLockError
 from ._signing import KID_RE, SOURCE_ID_RE, Signature, TokenVerifier, b64, unb64
 
-__all__ = ["MAX_TOKEN", "FencingToken", "escape_name", "unescape_name", "validate_lock_name"]
+__all__ = [
+    "MAX_NAME",
+    "MAX_TOKEN",
+    "FencingToken",
+    "escape_name",
+    "unescape_name",
+    "validate_lock_name",
+]
 
 MAX_TOKEN: Final = 2**63 - 1
 """The largest token value: every engine we use stores it as a signed 64-bit integer."""

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from . import __version__, _clock, _sync
-from ._backend import LockStatus, _redacted
+from ._backend import LockStatus, redacted
 from ._command import Command, spawn
 from ._errors import (
     AccessDenied,
@@ -749,7 +749,7 @@ def _require_shared_source(url: str, command: str) -> None:
 
     if backend_class(url).process_local:
         raise ConfigurationError(
-            f"{command}: {_redacted(url)} keeps its locks inside one process, so it cannot "
+            f"{command}: {redacted(url)} keeps its locks inside one process, so it cannot "
             "exclude another process; use a shared source (sqlite:///path, etcd://, ...)"
         )
 
@@ -950,9 +950,7 @@ def _state(status: LockStatus) -> str:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     try:
-        from .server._app import ServerSettings
-        from .server._auth import load_api_keys
-        from .server._run import is_loopback, parse_listen, serve
+        from .server import ServerSettings, is_loopback, load_api_keys, parse_listen, serve
     except ImportError as exc:
         raise ConfigurationError(
             f"fenced serve needs extra packages: pip install 'fenced[server]' ({exc})"
@@ -1219,7 +1217,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     for row in [header, *rows]:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
     if not rows:
-        print(f"(no locks known to {_redacted(url)})")
+        print(f"(no locks known to {redacted(url)})")
     return 0
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from ._app import ServerSettings, create_app
 from ._auth import ApiKey, Keys, Verb, hash_secret, load_api_keys, new_secret
+from ._run import is_loopback, parse_listen, serve
 
 __all__ = [
     "ApiKey",
@@ -18,6 +19,9 @@ __all__ = [
     "Verb",
     "create_app",
     "hash_secret",
+    "is_loopback",
     "load_api_keys",
     "new_secret",
+    "parse_listen",
+    "serve",
 ]

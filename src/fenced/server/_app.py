@@ -449,7 +449,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
     locks = AsyncLocks(settings.url, **settings.options)
     gw = Gateway(locks, max_wait=settings.max_wait, default_ttl=settings.default_ttl)
     keys = settings.api_keys
-    verifier = locks._own_keys  # (its key's public half, bound to its source id)
+    verifier = locks.verifier  # (its key's public half, bound to its source id)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -842,13 +842,13 @@ def create_app(settings: ServerSettings) -> FastAPI:
 
     def info() -> InfoOut:
         backend = gw.backend
-        signer = locks._signer
+        signer = locks.signing_key_id
         return InfoOut(
             version=__version__,
             source=backend.scheme,
             characteristics=sorted(c.value for c in backend.effective_characteristics),
             knows_highest=backend.knows_highest,
-            signing={"kid": signer.kid, "algorithm": type(signer).__name__} if signer else None,
+            signing={"kid": signer[0], "algorithm": signer[1]} if signer else None,
             max_wait=settings.max_wait,
             default_ttl=settings.default_ttl,
             auth=keys is not None,

@@ -69,7 +69,7 @@ class Gateway:
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
         await self.locks.open()
-        self._backend = await self.locks._get_backend()
+        self._backend = await self.locks.opened_backend()
         self._sweeper = asyncio.create_task(self._sweep(), name="fenced-server-sweep")
 
     async def stop(self) -> None:
@@ -118,7 +118,7 @@ class Gateway:
         self._grants[key] = grant
         self._owners[key] = owner
         self.metrics.tracked.set(len(self._grants))
-        return grant, self.locks._sign(grant.token)
+        return grant, self.locks.sign(grant.token)
 
     async def _grant_of(self, name: str, token: FencingToken, request_id: str, ttl: float) -> Grant:
         grant = self._grants.get((name, request_id))
