@@ -203,23 +203,27 @@ def test_a_write_accepted_after_a_newer_fenced_read_was_acknowledged_is_caught(
     h = copy.deepcopy(real_history)
     write = next(e for e in h if e["op"] == "write" and e["ok"])
     read = {
-        **write, "op": "read", "worker": "w-reader", "token": write["token"] + 1000,
-        "value": 0, "mono": write["sent"] - 0.001,
+        **write, "op": "read", "worker": "w-reader", "token": write["token"] + 1,
+        "value": 0, "mono": write["mono"] - 0.001,
     }  # fmt: skip
-    read.pop("sent")
+    write["sent"] = write["mono"]  # (this history's writes were sent as they were answered)
     h.insert(h.index(write), read)
     found = CHECKERS["acceptance order"](h)
     assert any("fenced read with token" in v.message for v in found), found
     # (the same read answered after the write was sent: no violation)
-    read["mono"] = write["sent"] + 0.001
+    read["mono"] = write["mono"] + 0.001
     assert not any("fenced read" in v.message for v in CHECKERS["acceptance order"](h))
 
 
 def test_violation_messages_are_whole_sentences(real_history: list[dict[str, Any]]) -> None:
     """No message stops mid-sentence ("... sent after w2's write with token 77 was")."""
-    for name in CHECKERS:
-        for v in CHECKERS[name](_plant(real_history, name)):
-            assert not v.message.rstrip().endswith((" was", " were", " is", " after")), v
+    late = copy.deepcopy(real_history)
+    next(e for e in late if e["op"] == "write" and not e["ok"])["ok"] = True  # let in, late
+    histories = [late] + [_plant(real_history, name) for name in CHECKERS]
+    found = [v for h in histories for v in check_all(h)]
+    assert any("sent after" in v.message for v in found)
+    for v in found:
+        assert not v.message.rstrip().endswith((" was", " were", " is", " after")), v
 
 
 def test_the_current_holder_refused_and_a_mostly_refusing_resource_are_caught(
