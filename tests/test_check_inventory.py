@@ -91,7 +91,9 @@ def test_sweep(bug: str, tmp_path: Path) -> None:
             caught.append(seed)
             times.append(result.first_violation_after or 0.0)
     median = f"{statistics.median(times):.1f} s" if times else "-"
-    print(f"\nsweep {bug or 'right'}: caught in {len(caught)}/{SWEEP} seeds {caught}, median {median}")
+    print(
+        f"\nsweep {bug or 'right'}: caught in {len(caught)}/{SWEEP} seeds {caught}, median {median}"
+    )
     if bug:
         assert len(caught) >= 0.9 * SWEEP, caught
     else:

@@ -49,8 +49,8 @@ import random
 import selectors
 import shlex
 import shutil
-import socket
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -92,7 +92,15 @@ _NEEDS_TCP = frozenset({"partition", "delay"})
 _RESOURCE_PATH = frozenset({"race", "resource-restart", "resource-partition", "resource-delay"})
 _NEEDS_PROCESS = frozenset({"resource-restart", "resource-pause"})
 _LASTING = frozenset(
-    {"pause", "stall", "partition", "delay", "resource-pause", "resource-partition", "resource-delay"}
+    {
+        "pause",
+        "stall",
+        "partition",
+        "delay",
+        "resource-pause",
+        "resource-partition",
+        "resource-delay",
+    }
 )
 # What a plant needs to show itself: at least one of these faults (added when none is asked).
 PLANT_NEEDS: dict[str, tuple[str, ...]] = {
@@ -415,12 +423,15 @@ def _takeover(
     ttl: float,
     after: float,
     restart: Callable[[], None] | None,
+    read_first: bool = False,
 ) -> None:
     """The ``race`` and ``resource-restart`` nemeses: stop the victim before its write, hold
     every other worker's way to the resource, wait for a successor's grant (``race``) or its
     acknowledged write (``resource-restart``, which then restarts the resource), then let the
     victim's write go and, ``after`` seconds after it reached the resource (``race``) or once
-    it was answered, the others' held requests."""
+    it was answered, the others' held requests. ``read_first`` (a ``race`` the other way
+    round): nothing is held; the victim goes on as soon as its successor's read was answered,
+    so its write lands between that read and the successor's write."""
     limit = 4 * ttl + 2
     stalled = _stall_victim(victim.pid, name, tail, limit)
     if stalled is None:
@@ -429,6 +440,9 @@ def _takeover(
         return
     token = stalled["token"]
     try:
+        if read_first:
+            tail.wait(lambda e: e["op"] == "read" and e["token"] > token, limit)
+            return  # (continued below)
         if restart is None:
             for p in others:  # (before any successor can send its read)
                 p.partition()
@@ -685,6 +699,7 @@ def run_campaign(
                 kind == "clock" and server_clock and rng.random() < 0.5
             )
             after = rng.uniform(0.002, 0.03)  # race: the successor's request, that much later
+            read_first = rng.random() < 0.5  # race: the successor's read first, or the write
             if kind in ("race", "resource-restart"):  # the holder is the one to race
                 holder = _current_holder(path)
                 i = next((n for n, p in enumerate(procs) if names[p.pid] == holder), i)
@@ -720,7 +735,11 @@ def run_campaign(
                 mine = to_resource.get(victim.pid)
                 others = [w for pid, w in to_resource.items() if pid != victim.pid]
                 restart = served.restart if kind == "resource-restart" and served else None
-                _takeover(victim, names[victim.pid], others, mine, _Tail(path), ttl, after, restart)
+                first = read_first and kind == "race"
+                _takeover(
+                    victim, names[victim.pid], [] if first else others, mine, _Tail(path), ttl,
+                    after, restart, first,
+                )  # fmt: skip
             elif kind == "resource-pause":
                 assert served is not None
                 served.signal(signal.SIGSTOP)

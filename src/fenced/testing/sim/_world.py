@@ -372,10 +372,10 @@ async def _round(w: _World, c: _Client, token: FencingToken, lease: Any) -> None
             await w.call(c, "resource", lambda: _check_only(res, token))
         except (StaleTokenError, BackendUnavailable) as exc:
             # (no answer is not a refusal: the current holder refused is a violation)
-            ok = False if isinstance(exc, StaleTokenError) else None
             w.record(
-                c.name, "write", lock=LOCK, token=token.value, value=value, ok=ok, sent=w.now()
-            )
+                c.name, "write", lock=LOCK, token=token.value, value=value,
+                ok=False if isinstance(exc, StaleTokenError) else None, sent=w.now(),
+            )  # fmt: skip
             return
     if c.stall:
         c.stall = False
