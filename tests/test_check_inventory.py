@@ -98,3 +98,12 @@ def test_sweep(bug: str, tmp_path: Path) -> None:
         assert len(caught) >= 0.9 * SWEEP, caught
     else:
         assert not caught, caught
+
+
+def test_help_documents_the_violation_exit_status() -> None:
+    """One code for "a violation was found", listed with fenced's own outcomes (never 1)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "fenced.cli", "--help"], capture_output=True, text=True, timeout=60
+    ).stdout
+    line = next(x for x in out.splitlines() if x.strip().startswith("65 "))
+    assert "violation" in line and "check" in line and "sim" in line, line
