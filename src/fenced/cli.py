@@ -56,7 +56,8 @@ EXIT_STATUSES = """\
 exit status (fenced's own outcomes never use 1, which commands use for their own failures):
   0      success (fenced lock: the command's own status when it ran to the end holding the lock)
   2      usage or configuration error (bad option, URL, lock name, number)
-  65     fenced check, fenced sim: a violation was found (an invariant of fencing did not hold)
+  65     fenced check, fenced sim: a violation was found (an invariant of fencing did not
+         hold); fenced demo: the run did not behave as fencing should
   69     the token source (fenced group: a member) could not be reached (EX_UNAVAILABLE)
   70     another fenced error (EX_SOFTWARE)
   75     the lease was lost while the command ran; the command was terminated (EX_TEMPFAIL);
