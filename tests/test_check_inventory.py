@@ -77,6 +77,8 @@ def test_the_cli_runs_the_users_service_and_exits_65_on_a_violation(tmp_path: Pa
     )  # fmt: skip
     assert r.returncode == 65, r.stdout + r.stderr
     assert "current holder refused" in r.stdout and "reads refused" in r.stdout, r.stdout
+    page = (tmp_path / "r" / "report.html").read_text()
+    assert 'class="refused-read"' in page and "current holder refused" in page
 
 
 @pytest.mark.skipif(not SWEEP, reason="the 10-seed sweep: FENCED_CHECK_SWEEP=10")
