@@ -276,7 +276,7 @@ def current_holder_is_served(history: list[Event]) -> list[Violation]:
     """A resource that refuses everyone never accepts a stale write, and proves nothing: the
     holder of the newest token granted must be able to read and write. A refusal of a token
     when no higher one had been granted (nor a forged one let in) is a violation; so is a run
-    in which the resource refused more writes than it accepted."""
+    in which the resource refused more reads and writes than it served."""
     raisers = sorted(  # (lock, token, when): what may legitimately have raised the mark
         [(e["lock"], e["token"], float(e["mono"])) for e in history if e["op"] == "grant"]
         + [
@@ -302,15 +302,16 @@ def current_holder_is_served(history: list[Event]) -> list[Violation]:
                     (e,),
                 )
             )
-    writes = [e for e in history if e["op"] == "write" and not e.get("forged")]
-    refused = sum(1 for e in writes if e["ok"] is False)
-    accepted = sum(1 for e in writes if e["ok"] is True)
-    if refused >= 3 and refused > accepted:
+    # (Reads count too: a resource refusing fenced reads keeps its holders from ever writing.)
+    ops = [e for e in history if e["op"] in ("read", "write") and not e.get("forged")]
+    refused = sum(1 for e in ops if e.get("ok") is False)
+    served = sum(1 for e in ops if e.get("ok") is True)
+    if refused >= 3 and refused > served:
         out.append(
             Violation(
                 "mostly refused",
-                f"{refused} of {len(writes)} writes were refused as stale and only {accepted} "
-                "accepted: a resource that refuses its holders proves nothing",
+                f"{refused} of {len(ops)} reads and writes were refused as stale and only "
+                f"{served} served: a resource that refuses its holders proves nothing",
             )
         )
     return out
