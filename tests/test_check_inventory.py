@@ -109,3 +109,24 @@ def test_help_documents_the_violation_exit_status() -> None:
     ).stdout
     line = next(x for x in out.splitlines() if x.strip().startswith("65 "))
     assert "violation" in line and "check" in line and "sim" in line, line
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--nemesis", "resource-restart"], "--resource-cmd"),
+        (["--nemesis", "race"], "host:port"),
+        (["--resource", "http://127.0.0.1:1/items/x", "--resource-cmd", "false"], "exited"),
+        (["--resource-cmd", "true"], "--resource"),
+    ],
+)
+def test_resource_faults_without_what_they_need_are_one_line_errors(
+    tmp_path: Path, args: list[str], said: str
+) -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "fenced.cli", "check", "--time", "1", "--report", str(tmp_path), *args],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"},
+    )  # fmt: skip
+    assert r.returncode == 2 and said in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
