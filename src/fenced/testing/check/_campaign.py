@@ -22,11 +22,13 @@ The nemesis, on a schedule drawn from ``seed`` (the same seed, the same schedule
 - ``forge`` (with ``signing``): write to the resource through its guard with a token nobody
   was granted — a high value under a forged signature, or under a key id the resource does
   not know — as a client that edits its token would; it must be refused;
-- ``race`` (a resource reached over TCP): a takeover timed to land inside the resource. The
-  holder stops itself before its write; every other worker's way to the resource is held
-  (its own proxy); once a successor is granted, the old holder goes on, and as soon as its
-  write has reached the resource, the successor's held fenced read is let through after it:
-  a resource whose check and write are two steps lets the read in between;
+- ``race`` (a resource reached over TCP): two takeovers timed to land inside the resource.
+  First the holder stops itself before its write; every other worker's way to the resource
+  is held (its own proxy); once a successor is granted, the old holder goes on, and as soon
+  as its write has reached the resource, the successor's held fenced read is let through
+  after it: a resource whose check and write are two steps lets the read in between. Then
+  the next holder stops before its write and goes on as soon as its successor's read was
+  answered: its write lands between that read and the successor's write (an unfenced read);
 - ``resource-restart`` (``resource_cmd``): kill -9 the user's resource process and start it
   again on the same data, with a stale writer ready: a holder stopped before its write, a
   successor's write acknowledged, the others held until the old holder's write is in. A mark
@@ -36,7 +38,8 @@ The nemesis, on a schedule drawn from ``seed`` (the same seed, the same schedule
   to the resource for 1.2-3 ttls.
 
 Faults are dealt as from a deck: each round is a seeded shuffle of every nemesis asked for,
-so each is exercised within the first rounds of any campaign.
+so each is exercised within the first rounds of any campaign; the first round opens with
+``race`` and ``resource-restart``, the faults aimed inside the resource.
 """
 
 from __future__ import annotations
@@ -91,6 +94,8 @@ _NEEDS_TCP = frozenset({"partition", "delay"})
 # The nemeses that act on the resource's side: each worker reaches it through its own proxy.
 _RESOURCE_PATH = frozenset({"race", "resource-restart", "resource-partition", "resource-delay"})
 _NEEDS_PROCESS = frozenset({"resource-restart", "resource-pause"})
+# Where a user's resource hides its bugs: dealt first in a campaign's first round of faults.
+_AT_THE_RESOURCE = frozenset({"race", "resource-restart"})
 _LASTING = frozenset(
     {
         "pause",
@@ -682,6 +687,8 @@ def run_campaign(
             if not deck:  # each round of faults: every nemesis once, in a seeded order
                 deck = list(nemesis)
                 rng.shuffle(deck)
+                if not any(faults.values()):  # the first round opens with the resource's own
+                    deck.sort(key=lambda k: k in _AT_THE_RESOURCE)  # (stable; popped last first)
             kind = deck.pop()
             i = rng.randrange(len(procs))
             # Half the time the fault goes to whoever holds the lock now (Jepsen's nemeses
@@ -699,7 +706,6 @@ def run_campaign(
                 kind == "clock" and server_clock and rng.random() < 0.5
             )
             after = rng.uniform(0.002, 0.03)  # race: the successor's request, that much later
-            read_first = rng.random() < 0.5  # race: the successor's read first, or the write
             if kind in ("race", "resource-restart"):  # the holder is the one to race
                 holder = _current_holder(path)
                 i = next((n for n, p in enumerate(procs) if names[p.pid] == holder), i)
@@ -735,11 +741,11 @@ def run_campaign(
                 mine = to_resource.get(victim.pid)
                 others = [w for pid, w in to_resource.items() if pid != victim.pid]
                 restart = served.restart if kind == "resource-restart" and served else None
-                first = read_first and kind == "race"
-                _takeover(
-                    victim, names[victim.pid], [] if first else others, mine, _Tail(path), ttl,
-                    after, restart, first,
-                )  # fmt: skip
+                _takeover(victim, names[victim.pid], others, mine, _Tail(path), ttl, after, restart)
+                if kind == "race":  # and the other way round, on whoever holds it next
+                    holder = _current_holder(path)
+                    nxt = next((p for p in procs if names[p.pid] == holder), victim)
+                    _takeover(nxt, names[nxt.pid], [], None, _Tail(path), ttl, after, None, True)
             elif kind == "resource-pause":
                 assert served is not None
                 served.signal(signal.SIGSTOP)
