@@ -444,6 +444,7 @@ def _takeover(
             restart()
         return
     token = stalled["token"]
+    successor: Any = None
     try:
         if read_first:
             tail.wait(lambda e: e["op"] == "read" and e["token"] > token, limit)
@@ -451,7 +452,7 @@ def _takeover(
         if restart is None:
             for p in others:  # (before any successor can send its read)
                 p.partition()
-            tail.wait(lambda e: e["op"] == "grant" and e["token"] > token, limit)
+            successor = tail.wait(lambda e: e["op"] == "grant" and e["token"] > token, limit)
         else:
             tail.wait(lambda e: e["op"] == "write" and e["token"] > token and e["ok"], limit)
             for p in others:  # (the victim's write is the first the restarted resource hears)
@@ -470,6 +471,9 @@ def _takeover(
             p.heal()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(victim.pid, signal.SIGCONT)
+    if successor is not None:  # its round ends before the next fault (which may stall it)
+        who = successor["worker"]
+        tail.wait(lambda e: e["op"] in ("write", "releasing") and e["worker"] == who, limit)
 
 
 def run_campaign(
