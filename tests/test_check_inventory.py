@@ -53,7 +53,7 @@ def test_each_bug_of_the_users_service_is_caught(bug: str, tmp_path: Path) -> No
     result = campaign(tmp_path, bug, seed=1, seconds=10, ttl=0.5)
     found = {v.checker for v in result.violations}
     assert found & EXPECTED[bug], (found, result.faults)
-    assert {"race", "resource-restart", "resource-pause"} <= set(result.faults)
+    assert result.faults["race"] >= 1 and result.faults["resource-restart"] >= 1, result.faults
 
 
 def test_the_right_service_passes(tmp_path: Path) -> None:
