@@ -63,6 +63,31 @@ def test_the_right_service_passes(tmp_path: Path) -> None:
     assert result.faults["resource-restart"] >= 1 and result.faults["race"] >= 1
 
 
+def test_the_right_service_holds_with_its_path_cut_and_delayed(tmp_path: Path) -> None:
+    """``resource-partition`` and ``resource-delay`` hold every worker's bytes to the resource
+    (their own proxies): writes wait or go unanswered, none is refused wrongly or lost."""
+    port = free_port()
+    result = run_campaign(
+        None,
+        tmp_path / "r",
+        resource=f"http://127.0.0.1:{port}/items/widgets",
+        resource_cmd=[
+            sys.executable,
+            str(SERVICE),
+            "--port",
+            str(port),
+            "--db",
+            str(tmp_path / "d"),
+        ],
+        nemesis=["resource-partition", "resource-delay", "stall"],
+        seconds=6,
+        ttl=0.5,
+        seed=1,
+    )
+    assert result.ok, [str(v) for v in result.violations]
+    assert result.faults["resource-partition"] >= 1 and result.faults["resource-delay"] >= 1
+
+
 def test_the_cli_runs_the_users_service_and_exits_65_on_a_violation(tmp_path: Path) -> None:
     port = free_port()
     cmd = f"{sys.executable} {SERVICE} --port {port} --db {tmp_path / 'inv.db'} --bug string-tokens"
