@@ -11,6 +11,8 @@ first violation (``pytest -s``)."""
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -19,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from fenced.testing.check import CampaignResult, run_campaign
-from fenced.testing.servers import free_port
+from fenced.testing.servers import free_port, wait_until
 from tests.helpers import ROOT
 
 SERVICE = ROOT / "examples" / "inventory_service.py"
@@ -155,3 +157,47 @@ def test_resource_faults_without_what_they_need_are_one_line_errors(
     )  # fmt: skip
     assert r.returncode == 2 and said in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_a_port_already_served_is_refused_not_tested(tmp_path: Path) -> None:
+    """An earlier run's server still on the port would answer for the command's: refused."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = subprocess.run(
+            [
+                sys.executable, "-m", "fenced.cli", "check", "--report", str(tmp_path),
+                "--resource", f"http://127.0.0.1:{port}/items/x", "--resource-cmd", "true",
+            ],
+            capture_output=True, text=True, timeout=120,
+            env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"},
+        )  # fmt: skip
+    assert r.returncode == 2 and "already accepts connections" in r.stderr, r.stderr
+
+
+def test_sigterm_stops_the_campaign_and_the_resource_it_started(tmp_path: Path) -> None:
+    port = free_port()
+    cmd = f"{sys.executable} {SERVICE} --port {port} --db {tmp_path / 'inv.db'}"
+    proc = subprocess.Popen(
+        [
+            sys.executable, "-m", "fenced.cli", "check", "--time", "60", "--ttl", "0.5",
+            "--resource", f"http://127.0.0.1:{port}/items/x", "--resource-cmd", cmd,
+            "--nemesis", "stall", "--report", str(tmp_path / "r"),
+        ],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"},
+    )  # fmt: skip
+    history = tmp_path / "r" / "history.jsonl"
+    wait_until(lambda: history.exists() and b'"op":"write"' in history.read_bytes(), 60, "writes")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 130
+
+    def refused() -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.5).close()
+        except OSError:
+            return True
+        return False
+
+    assert refused(), "the resource the campaign started outlived it"

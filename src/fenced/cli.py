@@ -930,6 +930,11 @@ def _cmd_check(args: argparse.Namespace) -> int:
         raise ConfigurationError("--workers must be 1-64")
     validate_lock_name(args.lock)
     plant_role(args.plant)  # an unknown plant: a usage error before anything starts
+
+    def terminated(*_: object) -> None:
+        raise KeyboardInterrupt  # (so the campaign stops its workers and the resource it ran)
+
+    signal.signal(signal.SIGTERM, terminated)
     progress = _progress_bar(args.time)
     with progress as tick:
         result = run_campaign(

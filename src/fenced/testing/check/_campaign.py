@@ -350,6 +350,13 @@ class _ResourceProcess:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, limit: float = 30.0) -> None:
+        # Something answering there already (an earlier run's server left behind) would pass
+        # for this command's, and the campaign would test it instead.
+        with contextlib.suppress(OSError), socket.create_connection(self.address, 0.5):
+            raise CampaignError(
+                f"{self.address[0]}:{self.address[1]} already accepts connections before "
+                "--resource-cmd ran: stop what listens there, or give the command another port"
+            )
         with open(self.log, "ab") as log:
             try:
                 self.proc = subprocess.Popen(
