@@ -91,13 +91,23 @@ def test_the_right_service_holds_with_its_path_cut_and_delayed(tmp_path: Path) -
 
 
 def test_the_cli_runs_the_users_service_and_exits_65_on_a_violation(tmp_path: Path) -> None:
+    """Tokens compared as strings: with the source's counter at 8, the holder of 10 is the
+    first refused ("10" < "9"), however slow the machine."""
+    import fenced
+
+    source = f"sqlite:///{tmp_path / 'locks.db'}"
+    with fenced.connect(source) as locks:
+        for _ in range(8):
+            lease = locks.lock("counter", ttl=5)
+            lease.acquire(timeout=30)
+            lease.release()
     port = free_port()
     cmd = f"{sys.executable} {SERVICE} --port {port} --db {tmp_path / 'inv.db'} --bug string-tokens"
     r = subprocess.run(
         [
             sys.executable, "-m", "fenced.cli", "check",
             "--resource", f"http://127.0.0.1:{port}/items/widgets", "--resource-cmd", cmd,
-            "--time", "4", "--ttl", "0.5", "--nemesis", "stall", "--report", str(tmp_path / "r"),
+            "--source", source, "--time", "4", "--ttl", "0.5", "--nemesis", "stall", "--report", str(tmp_path / "r"),
         ],
         capture_output=True, text=True, timeout=120,
         env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"},
