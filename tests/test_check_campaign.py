@@ -1,6 +1,6 @@
 """``fenced check``: a campaign of real worker processes on the embedded SQLite source with the
 nemesis pausing and killing them; every invariant holds, and the same campaign with the fence
-check planted out is caught (exit 1). The fault schedule is the seed's."""
+check planted out is caught (exit 65). The fault schedule is the seed's."""
 
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ def test_stalls_inside_the_critical_section_are_refused_and_the_plant_caught(
     refused = int(r.stdout.split(" refused")[0].rsplit(", ", 1)[1].split()[0])
     assert refused >= 1, r.stdout
     planted = _check(tmp_path / "planted", "--nemesis", "stall", "--plant", "no-fence")
-    assert planted.returncode == 1, planted.stdout + planted.stderr
+    assert planted.returncode == 65, planted.stdout + planted.stderr
     assert "VIOLATION lost update" in planted.stdout
     assert "VIOLATION acceptance order" in planted.stdout
     page = _dom(tmp_path / "planted" / "r" / "report.html")
@@ -106,9 +106,9 @@ def test_the_report_renders_the_run_and_its_verdict(tmp_path: Path) -> None:
     for seed in (3, 4):
         planted = tmp_path / f"planted{seed}"
         code = _check(planted, "--plant", "no-fence", seed=seed).returncode
-        if code == 1:
+        if code == 65:
             break
-    assert code == 1
+    assert code == 65
     dom = _dom(planted / "r" / "report.html")
     assert "violation(s); the first:" in dom and "Every invariant held." not in dom
 
@@ -158,5 +158,5 @@ def test_an_unfenced_read_is_caught_as_a_lost_update(tmp_path: Path) -> None:
     the next holder's write, built on what it read, loses it. Found by this kit in its own
     first workload."""
     r = _check(tmp_path, "--nemesis", "stall", "--plant", "unfenced-read", "--time", "10")
-    assert r.returncode == 1, r.stdout + r.stderr
+    assert r.returncode == 65, r.stdout + r.stderr
     assert "VIOLATION lost update" in r.stdout

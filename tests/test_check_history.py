@@ -137,6 +137,10 @@ def _plant(history: list[dict[str, Any]], fault: str) -> list[dict[str, Any]]:
     elif fault == "forged token":  # a signature check skipped: a made-up token got in
         write = next(e for e in h if e["op"] == "write" and e["ok"])
         h.append({**write, "token": 10**9, "value": log[-1][1] + 1})
+    elif fault == "current holder refused":  # tokens compared as strings: "10" < "9"
+        last = max((e for e in h if e["op"] == "write" and e["ok"]), key=lambda e: e["token"])
+        last["ok"] = False
+        log[:] = [entry for entry in log if entry[0] != last["token"]]
     elif fault == "nothing checked":  # a resource that refused everyone, or a dead source
         h = [e for e in h if e["op"] != "write" or not e["ok"]]
     elif fault == "overlap":  # a grant made while the previous lease was surely held
@@ -189,3 +193,58 @@ def test_a_kill_leaves_only_complete_lines(tmp_path: Path) -> None:
     with open(path, "a") as f:
         f.write('{"worker": "w", "op": "wri')  # a line cut short by SIGKILL
     assert [e["op"] for e in read_history(path)] == ["grant"]
+
+
+def test_a_write_accepted_after_a_newer_fenced_read_was_acknowledged_is_caught(
+    real_history: list[dict[str, Any]],
+) -> None:
+    """A fenced read raised the mark: a write with a lower token, sent after that read was
+    answered, is a stale write let in, whatever writes were acknowledged."""
+    h = copy.deepcopy(real_history)
+    write = next(e for e in h if e["op"] == "write" and e["ok"])
+    read = {
+        **write, "op": "read", "worker": "w-reader", "token": write["token"] + 1,
+        "value": 0, "mono": write["mono"] - 0.001,
+    }  # fmt: skip
+    write["sent"] = write["mono"]  # (this history's writes were sent as they were answered)
+    h.insert(h.index(write), read)
+    found = CHECKERS["acceptance order"](h)
+    assert any("fenced read with token" in v.message for v in found), found
+    # (the same read answered after the write was sent: no violation)
+    read["mono"] = write["mono"] + 0.001
+    assert not any("fenced read" in v.message for v in CHECKERS["acceptance order"](h))
+
+
+def test_violation_messages_are_whole_sentences(real_history: list[dict[str, Any]]) -> None:
+    """No message stops mid-sentence ("... sent after w2's write with token 77 was")."""
+    late = copy.deepcopy(real_history)
+    next(e for e in late if e["op"] == "write" and not e["ok"])["ok"] = True  # let in, late
+    histories = [late] + [_plant(real_history, name) for name in CHECKERS]
+    found = [v for h in histories for v in check_all(h)]
+    assert any("sent after" in v.message for v in found)
+    for v in found:
+        assert not v.message.rstrip().endswith((" was", " were", " is", " after")), v
+
+
+def test_the_current_holder_refused_and_a_mostly_refusing_resource_are_caught(
+    real_history: list[dict[str, Any]],
+) -> None:
+    """A resource comparing tokens as strings refuses token 10 after 9: no stale write gets
+    in, every other checker is satisfied, and the rightful holder is locked out."""
+    h = copy.deepcopy(real_history)
+    final = next(e for e in h if e["op"] == "final")
+    writes = sorted((e for e in h if e["op"] == "write"), key=lambda e: e["token"])
+    for e in writes[1:]:
+        e["ok"] = False
+    final["log"] = [[writes[0]["token"], writes[0]["value"]]]
+    final["mark"] = writes[0]["token"]
+    found = {v.checker for v in check_all(h)}
+    assert {"current holder refused", "mostly refused"} <= found, found
+    # A refused *read* of the newest holder is caught the same way.
+    g = max((e for e in real_history if e["op"] == "grant"), key=lambda e: e["token"])
+    h2 = copy.deepcopy(real_history)
+    h2.append({**g, "op": "read", "ok": False, "mono": g["mono"] + 0.01})
+    msgs = [v.message for v in CHECKERS["current holder refused"](h2)]
+    assert any("fenced read with token" in m for m in msgs), msgs
+    # Refused because a higher token had been granted: the expected stale refusal.
+    assert not CHECKERS["current holder refused"](real_history)

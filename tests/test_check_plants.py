@@ -83,3 +83,48 @@ def test_the_planted_resource_without_a_plant_holds_every_invariant(tmp_path: Pa
     assert result.refused >= 1  # the late writers were there, and turned away
     forged = [e for e in read_history(result.history) if e.get("forged")]
     assert forged and not any(e["ok"] for e in forged)  # forged tokens: refused too
+
+
+def test_a_plant_turns_on_the_fault_that_shows_it(tmp_path: Path) -> None:
+    """``--plant signature-skipped`` with only stalls asked for: the run turns on signing and
+    the forge nemesis itself (it used to pass silently, exit 0, without ``--nemesis forge``)."""
+    result = run_campaign(
+        f"sqlite:///{tmp_path}/locks.db",
+        tmp_path / "r",
+        seconds=4,
+        ttl=0.5,
+        nemesis=["stall"],
+        seed=1,
+        plant="signature-skipped",
+    )
+    assert result.faults.get("forge", 0) >= 1, result.faults
+    assert "forged token" in {v.checker for v in result.violations}
+
+
+def test_a_plant_the_run_never_exercised_does_not_pass(tmp_path: Path) -> None:
+    """A run too short for the one fault that shows the plant proves nothing: a violation."""
+    result = run_campaign(
+        f"sqlite:///{tmp_path}/locks.db",
+        tmp_path / "r",
+        seconds=0.01,
+        ttl=0.5,
+        seed=1,
+        plant="key-id-ignored",
+    )
+    assert not result.ok
+    assert "plant not exercised" in {v.checker for v in result.violations}
+
+
+def test_a_campaign_with_no_source_uses_its_own_not_the_machines(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No ``--source``: the campaign's grants go to a private source of its own (tokens from
+    1), never to the machine-wide default every local user shares."""
+    machine = tmp_path / "machine"
+    monkeypatch.delenv("FENCED_URL", raising=False)
+    monkeypatch.setenv("_FENCED_MACHINE_DIR", str(machine))
+    result = run_campaign(None, tmp_path / "r", seconds=2, ttl=0.5, nemesis=[], seed=1)
+    assert result.ok and result.grants >= 2, [str(v) for v in result.violations]
+    assert not machine.exists()
+    grants = [e["token"] for e in read_history(result.history) if e["op"] == "grant"]
+    assert min(grants) == 1

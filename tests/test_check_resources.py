@@ -173,4 +173,6 @@ def test_postgresql_clock_steps_end_leases_early_but_the_fence_holds(tmp_path: P
     )
     found = {v.checker for v in result.violations}
     assert found <= {"overlap"}, [str(v) for v in result.violations]
-    assert result.faults["clock"] >= 3 and result.accepted >= 5
+    # (faults come in rounds, each nemesis once a round: two rounds in 10 s, PostgreSQL's start
+    # included)
+    assert result.faults["clock"] >= 2 and result.accepted >= 5, result.faults

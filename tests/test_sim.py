@@ -5,6 +5,7 @@ the CI seed budget; a failing seed prints its replay command, which fails the sa
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import sys
 import pytest
 
 from fenced import _clock
-from fenced.testing.sim import SIM_PLANTS, Config, run_seeds, simulate
+from fenced.testing.sim import SIM_PLANTS, Config, run_seeds, shrink, simulate
 from tests.helpers import ROOT
 
 CI_SEEDS = int(os.environ.get("FENCED_SIM_SEEDS", "10000"))
@@ -50,13 +51,27 @@ def test_every_plant_is_caught_within_the_seed_budget(plant: str) -> None:
     assert not found.ok and found.short_trace()
 
 
+@pytest.mark.parametrize("plant", ["no-fence", "check-then-write"])
+def test_a_shrunk_seed_keeps_its_violation_and_its_replay_shows_the_plant(plant: str) -> None:
+    """Shrinking must not cut a run down until nothing got through: "nothing checked" fails
+    with no bug at all. The shrunk run keeps a kind of violation the original had, and the
+    same run with no plant passes."""
+    result = run_seeds(Config(seed=0, plant=plant), 0, 200, jobs=1, stop_at_first=True)
+    assert result.failed
+    original = simulate(Config(seed=result.failed[0], plant=plant))
+    small = shrink(original.config)
+    kinds = {v.checker for v in original.violations} - {"nothing checked"}
+    assert kinds & {v.checker for v in small.violations}, [str(v) for v in small.violations]
+    assert simulate(dataclasses.replace(small.config, plant="")).ok
+
+
 def test_a_failing_run_prints_a_replay_command_that_fails_again() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     run = [sys.executable, "-m", "fenced.cli", "sim", "--seeds", "200", "--jobs", "1"]
     out = subprocess.run(
         [*run, "--plant", "off-by-one"], capture_output=True, text=True, env=env, timeout=300
     )
-    assert out.returncode == 1, out.stdout + out.stderr
+    assert out.returncode == 65, out.stdout + out.stderr
     replay = next(line for line in out.stdout.splitlines() if line.startswith("replay: "))
     assert "VIOLATION" in out.stdout and "--plant off-by-one" in replay
     argv = replay.removeprefix("replay: fenced ").split()
@@ -67,7 +82,7 @@ def test_a_failing_run_prints_a_replay_command_that_fails_again() -> None:
         env=env,
         timeout=120,
     )
-    assert again.returncode == 1 and "VIOLATION" in again.stdout
+    assert again.returncode == 65 and "VIOLATION" in again.stdout
     clean = subprocess.run(
         [*run, "--seeds", "50"], capture_output=True, text=True, env=env, timeout=300
     )

@@ -503,4 +503,3 @@ def check_requirements(
         which = "token source" if have is None else "connection (as the server is configured)"
         raise ConfigurationError(f"the {cls.scheme!r} {which} is not {names}")
     return frozenset(wanted)
-

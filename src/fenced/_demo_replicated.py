@@ -256,7 +256,9 @@ def run_replicated_demo(directory: str | None = None, ttl: float = 1.0) -> int:
         )
         return 0
     console.print(f"[red]✘ the replicated run did not behave as expected:[/red] {outcome}")
-    return 1
+    from .cli import EXIT_VIOLATION  # (fenced's own outcomes never use 1)
+
+    return EXIT_VIOLATION
 
 
 if __name__ == "__main__":

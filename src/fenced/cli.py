@@ -43,12 +43,13 @@ from ._paths import default_url
 from ._state import check_timeout, check_ttl
 from ._token import FencingToken, validate_lock_name
 
-__all__ = ["EXIT_LEASE_LOST", "EXIT_TIMEOUT", "EXIT_UNAVAILABLE", "main"]
+__all__ = ["EXIT_LEASE_LOST", "EXIT_TIMEOUT", "EXIT_UNAVAILABLE", "EXIT_VIOLATION", "main"]
 
 EXIT_USAGE = 2
 EXIT_UNAVAILABLE = 69
 EXIT_SOFTWARE = 70
 EXIT_LEASE_LOST = 75
+EXIT_VIOLATION = 65  # EX_DATAERR: fenced check / sim found a violation in what it ran
 EXIT_STALE = 77  # EX_NOPERM: a guarded write refused, the writer's token is stale
 EXIT_NOT_CURRENT = 78  # check-token: released or expired, and no later grant known
 EXIT_TIMEOUT = 124  # as timeout(1): not 1, which commands use for their own failures
@@ -59,6 +60,8 @@ exit status (fenced's own outcomes never use 1, which commands use for their own
   0      success (fenced lock: the command's own status when it ran to the end holding the lock)
   2      usage or configuration error (bad option, URL, lock name, number; credentials the
          source refused; a source whose settings cannot keep fenced's promises)
+  65     fenced check, fenced sim: a violation was found (an invariant of fencing did not
+         hold); fenced demo: the run did not behave as fencing should
   69     the token source (fenced group: a member) could not be reached (EX_UNAVAILABLE)
   70     another fenced error (EX_SOFTWARE)
   75     the lease was lost while the command ran; the command was terminated (EX_TEMPFAIL);
@@ -429,14 +432,15 @@ def _parser() -> argparse.ArgumentParser:
             "guard), while a seeded nemesis pauses them past their ttl, stalls them between "
             "read and write, kills them, cuts them off or delays their traffic, restarts the "
             "source or steps their clocks. Every step goes to REPORT/history.jsonl, every "
-            "checker runs over it, REPORT/report.html draws it. Exit 0 if every invariant "
-            "held, 1 if one did not (docs/testing.md)."
+            "checker runs over it, REPORT/report.html draws it. With --resource-cmd the kit "
+            "runs the resource's process itself and restarts and pauses it too. Exit 0 if "
+            f"every invariant held, {EXIT_VIOLATION} if one did not (docs/testing.md)."
         ),
     )
     check_kit.add_argument(
         "--source",
         help="token source URL, or redis|etcd|postgresql|zookeeper to start one "
-        "(default: $FENCED_URL, else the machine's)",
+        "(default: a private SQLite source of the campaign's own)",
     )
     check_kit.add_argument(
         "--resource",
@@ -444,16 +448,26 @@ def _parser() -> argparse.ArgumentParser:
         help="sql+sqlite:///PATH, sql+postgresql://..., redis://..., etcd://..., file:///DIR, "
         "http(s)://... or python:MODULE:CLASS (default: an embedded SQLite register)",
     )
+    check_kit.add_argument(
+        "--resource-cmd",
+        default="",
+        metavar="COMMAND",
+        help="the command that serves --resource (e.g. 'python inventory.py --port 8000'): "
+        "the kit starts it, kills -9 and restarts it on the same data, pauses it",
+    )
     check_kit.add_argument("--lock", default="counter", help="the lock the workers take")
     check_kit.add_argument("--time", type=_grace, default=20.0, help="seconds of faults (20)")
     check_kit.add_argument("--workers", type=int, default=3, help="worker processes (3)")
     check_kit.add_argument("--ttl", type=_ttl, default=1.0, help="the workers' lease ttl (1)")
     check_kit.add_argument(
         "--nemesis",
-        default="pause,stall,kill",
+        default=None,
         help="faults, comma-separated: pause, stall (a pause between read and write), kill, "
         "partition, delay, restart (a source the kit started), clock (wall-clock steps), "
-        "forge (forged tokens; needs --signing)",
+        "forge (forged tokens; needs --signing), race (a takeover timed inside a TCP "
+        "resource), resource-restart, resource-pause (with --resource-cmd), "
+        "resource-partition, resource-delay (default: pause,stall,kill; race with a TCP "
+        "resource; resource-restart,resource-pause with --resource-cmd)",
     )
     check_kit.add_argument(
         "--signing",
@@ -532,7 +546,8 @@ def _parser() -> argparse.ArgumentParser:
             "resource restarts, lost, duplicated, delayed and reordered messages, clock "
             "skew. Each seed is one run, the same seed the same run byte for byte; the "
             "check kit's checkers judge it. A failing seed is shrunk and printed with the "
-            "command that replays it. Exit 0 if every seed passed, 1 if one failed."
+            f"command that replays it. Exit 0 if every seed passed, {EXIT_VIOLATION} if one "
+            "failed."
         ),
     )
     sim.add_argument("--seeds", type=int, default=10_000, help="how many seeds (10000)")
@@ -1002,13 +1017,18 @@ def _cmd_check(args: argparse.Namespace) -> int:
     from .testing.check import NEMESES, run_campaign
     from .testing.check._plants import plant_role
 
-    nemesis = [n for n in args.nemesis.split(",") if n]
-    if set(nemesis) - set(NEMESES):
+    nemesis = None if args.nemesis is None else [n for n in args.nemesis.split(",") if n]
+    if nemesis is not None and set(nemesis) - set(NEMESES):
         raise ConfigurationError(f"--nemesis: choose from {', '.join(NEMESES)}")
     if not 1 <= args.workers <= 64:
         raise ConfigurationError("--workers must be 1-64")
     validate_lock_name(args.lock)
     plant_role(args.plant)  # an unknown plant: a usage error before anything starts
+
+    def terminated(*_: object) -> None:
+        raise KeyboardInterrupt  # (so the campaign stops its workers and the resource it ran)
+
+    signal.signal(signal.SIGTERM, terminated)
     progress = _progress_bar(args.time)
     with progress as tick:
         result = run_campaign(
@@ -1024,6 +1044,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
             plant=args.plant,
             signing=args.signing,
             progress=tick,
+            resource_cmd=args.resource_cmd,
         )
     from ._console import make_printer
 
@@ -1031,7 +1052,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
     faults = ", ".join(f"{n} {k}" for k, n in result.faults.items()) or "none"
     out.print(
         f"{result.grants} grants, {result.accepted} writes accepted, {result.refused} refused "
-        f"(stale), {result.unknown} unanswered; {result.ops_per_second:.0f} writes/s; "
+        f"(stale), {result.unknown} unanswered, {result.refused_reads} reads refused; "
+        f"{result.ops_per_second:.0f} writes/s; "
         f"faults: {faults}"
     )
     for violation in result.violations[:20]:
@@ -1045,7 +1067,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
         when = f", the first {first:.1f} s in" if first is not None else ""
         out.print(f"[bold red]{len(result.violations)} violation(s){when}[/bold red]")
     out.print(f"report: {result.report}  history: {result.history}")
-    return 0 if result.ok else 1
+    return 0 if result.ok else EXIT_VIOLATION
 
 
 def _cmd_elect(args: argparse.Namespace) -> int:
@@ -1098,7 +1120,7 @@ def _cmd_sim(args: argparse.Namespace) -> int:
         for violation in outcome.violations:
             print(f"VIOLATION {violation}")
         print("every invariant held" if outcome.ok else f"{len(outcome.violations)} violation(s)")
-        return 0 if outcome.ok else 1
+        return 0 if outcome.ok else EXIT_VIOLATION
     with _progress_bar(args.seeds) as tick:
         result = run_seeds(
             template,
@@ -1123,7 +1145,7 @@ def _cmd_sim(args: argparse.Namespace) -> int:
     for violation in small.violations:
         print(f"VIOLATION {violation}")
     print(f"replay: {small.config.replay()}")
-    return 1
+    return EXIT_VIOLATION
 
 
 class _progress_bar:

@@ -50,7 +50,7 @@ def test_the_replicated_demo_refuses_the_paused_writer_everywhere(
         timeout=120,
     )
     if planted:
-        assert out.returncode == 1, out.stdout + out.stderr
+        assert out.returncode == 65, out.stdout + out.stderr
         assert "did not behave as expected" in out.stdout
         return
     assert out.returncode == 0, out.stdout + out.stderr

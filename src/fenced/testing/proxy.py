@@ -37,6 +37,9 @@ class TcpProxy:
         self._server: asyncio.Server | None = None
         self._thread: threading.Thread | None = None
         self.connections = 0  # accepted so far (for tests)
+        # Bytes passed on from clients to the server so far: the check kit's race nemesis
+        # waits on it to know a held-back request has just reached the server.
+        self.forwarded = 0
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -146,7 +149,7 @@ class TcpProxy:
             return
         self._writers.add(server_w)
         await asyncio.gather(
-            self._pump(client_r, server_w, client_w),
+            self._pump(client_r, server_w, client_w, upstream=True),
             self._pump(server_r, client_w, server_w),
             return_exceptions=True,
         )
@@ -156,6 +159,8 @@ class TcpProxy:
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
         other: asyncio.StreamWriter,
+        *,
+        upstream: bool = False,
     ) -> None:
         try:
             while True:
@@ -168,6 +173,8 @@ class TcpProxy:
                 await self._flow().wait()  # partitioned while this chunk was in flight: held
                 writer.write(data)
                 await writer.drain()
+                if upstream:
+                    self.forwarded += len(data)
         except (OSError, asyncio.IncompleteReadError):
             pass
         finally:

@@ -7,12 +7,22 @@ violations it found (:func:`check_all` runs them all). See docs/testing.md.
 
 from __future__ import annotations
 
-from ._campaign import ENGINES, NEMESES, PLANTS, CampaignResult, faketime_library, run_campaign
+from ._campaign import (
+    ENGINES,
+    NEMESES,
+    PLANT_NEEDS,
+    PLANTS,
+    CampaignResult,
+    default_nemeses,
+    faketime_library,
+    run_campaign,
+)
 from ._checkers import (
     CHECKERS,
     Violation,
     acknowledged_writes_survive,
     check_all,
+    current_holder_is_served,
     grants_do_not_overlap_in_grant_order,
     mark_is_the_highest_accepted,
     no_lost_update,
@@ -28,6 +38,7 @@ __all__ = [
     "ENGINES",
     "NEMESES",
     "PLANTS",
+    "PLANT_NEEDS",
     "CampaignResult",
     "Event",
     "History",
@@ -35,6 +46,8 @@ __all__ = [
     "Violation",
     "acknowledged_writes_survive",
     "check_all",
+    "current_holder_is_served",
+    "default_nemeses",
     "faketime_library",
     "grants_do_not_overlap_in_grant_order",
     "mark_is_the_highest_accepted",

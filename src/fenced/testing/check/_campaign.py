@@ -22,7 +22,25 @@ The nemesis, on a schedule drawn from ``seed`` (the same seed, the same schedule
 - ``forge`` (with ``signing``): write to the resource through its guard with a token nobody
   was granted — a high value under a forged signature, under a key id the resource does not
   know, or signed well for another source — as a client that edits its token would, or a
-  staging source sharing the key; it must be refused.
+  staging source sharing the key; it must be refused;
+- ``race`` (a resource reached over TCP): two takeovers timed to land inside the resource.
+  First the holder stops itself before its write; every other worker's way to the resource
+  is held (its own proxy); once a successor is granted, the old holder goes on, and as soon
+  as its write has reached the resource, the successor's held fenced read is let through
+  after it: a resource whose check and write are two steps lets the read in between. Then
+  the next holder stops before its write and goes on as soon as its successor's read was
+  answered: its write lands between that read and the successor's write (an unfenced read);
+- ``resource-restart`` (``resource_cmd``): kill -9 the user's resource process and start it
+  again on the same data, with a stale writer ready: a holder stopped before its write, a
+  successor's write acknowledged, the others held until the old holder's write is in. A mark
+  kept only in memory lets that write in;
+- ``resource-pause``: SIGSTOP the resource process for 1.2-3 ttls;
+- ``resource-partition``, ``resource-delay``: hold (or delay by 1.5 ttls) every worker's way
+  to the resource for 1.2-3 ttls.
+
+Faults are dealt as from a deck: each round is a seeded shuffle of every nemesis asked for,
+so each is exercised within the first rounds of any campaign; the first round opens with
+``race`` and ``resource-restart``, the faults aimed inside the resource.
 """
 
 from __future__ import annotations
@@ -33,8 +51,10 @@ import json
 import os
 import random
 import selectors
+import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -55,12 +75,49 @@ from ._plants import PLANTS, SIGNING_PLANTS, plant_role, source_plant_server
 from ._report import write_report
 from ._resources import open_resource
 
-__all__ = ["ENGINES", "NEMESES", "PLANTS", "CampaignError", "CampaignResult", "run_campaign"]
+__all__ = [
+    "ENGINES",
+    "NEMESES",
+    "PLANTS",
+    "PLANT_NEEDS",
+    "CampaignError",
+    "CampaignResult",
+    "default_nemeses",
+    "run_campaign",
+]
 
-NEMESES = ("pause", "stall", "kill", "partition", "delay", "restart", "clock", "forge")
+NEMESES = (
+    "pause", "stall", "kill", "partition", "delay", "restart", "clock", "forge",
+    "race", "resource-restart", "resource-pause", "resource-partition", "resource-delay",
+)  # fmt: skip
 ENGINES = ("redis", "etcd", "postgresql", "zookeeper")
 _NEEDS_TCP = frozenset({"partition", "delay"})
-_LASTING = frozenset({"pause", "stall", "partition", "delay"})
+# The nemeses that act on the resource's side: each worker reaches it through its own proxy.
+_RESOURCE_PATH = frozenset({"race", "resource-restart", "resource-partition", "resource-delay"})
+_NEEDS_PROCESS = frozenset({"resource-restart", "resource-pause"})
+# Where a user's resource hides its bugs: dealt first in a campaign's first round of faults.
+_AT_THE_RESOURCE = frozenset({"race", "resource-restart"})
+_LASTING = frozenset(
+    {
+        "pause",
+        "stall",
+        "partition",
+        "delay",
+        "resource-pause",
+        "resource-partition",
+        "resource-delay",
+    }
+)
+# What a plant needs to show itself: at least one of these faults (added when none is asked).
+PLANT_NEEDS: dict[str, tuple[str, ...]] = {
+    "token-in-memory": ("restart",),
+    "counter-not-fsynced": ("restart",),
+    "signature-skipped": ("forge",),
+    "key-id-ignored": ("forge",),
+    "check-then-write": ("stall",),
+    "lease-overestimated": ("pause", "kill"),
+    "unfenced-release": ("stall", "pause"),
+}
 _FAKETIME_ENGINES = frozenset({"postgresql"})
 FAKETIME_LIBS = (
     "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1",
@@ -86,6 +143,7 @@ class CampaignResult:
     faults: dict[str, int]
     seconds: float
     first_violation_after: float | None  # seconds from the start to the first bad event
+    refused_reads: int = 0
 
     @property
     def ok(self) -> bool:
@@ -249,6 +307,195 @@ def _faketime_env(offset_file: Path) -> dict[str, str]:
     }
 
 
+def default_nemeses(resource: str, resource_cmd: object) -> list[str]:
+    """The faults of a campaign given none: pauses, stalls and kills of the workers; with a
+    resource reached over TCP, takeover races timed inside it; with the resource's own
+    process (``resource_cmd``), its kill -9 restarts and pauses too."""
+    out = ["pause", "stall", "kill"]
+    if resource and _tcp(resource):
+        out.append("race")
+    if resource_cmd:
+        out += ["resource-restart", "resource-pause"]
+    return out
+
+
+class _Tail:
+    """Reads the history as it grows, from where it was when made."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = path.stat().st_size if path.exists() else 0
+
+    def wait(self, matches: Callable[[Any], bool], limit: float) -> Any:
+        """The first new event ``matches`` accepts, or None after ``limit`` seconds."""
+        deadline = time.monotonic() + limit
+        while True:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                chunk = f.read()
+            complete = chunk[: chunk.rfind(b"\n") + 1]
+            for line in complete.splitlines():
+                self.offset += len(line) + 1
+                e = json.loads(line)
+                if matches(e):
+                    return e
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.002)  # (polling a file: the workers write it, not this process)
+
+
+class _ResourceProcess:
+    """The user's resource as a process the kit controls: started with ``cmd`` (its own
+    process group), ready when ``host:port`` accepts a connection; killed with SIGKILL and
+    started again on the same data; paused with SIGSTOP."""
+
+    def __init__(self, cmd: str | Sequence[str], url: str, log: Path) -> None:
+        self.argv = shlex.split(cmd) if isinstance(cmd, str) else list(cmd)
+        if not self.argv:
+            raise ConfigurationError("--resource-cmd: no command given")
+        parts = urlsplit(url)
+        if not parts.hostname or not parts.port:
+            raise ConfigurationError(
+                f"--resource-cmd needs --resource at one host:port, not {url.split('?')[0]!r}"
+            )
+        self.address = (parts.hostname, parts.port)
+        self.log = log
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, limit: float = 30.0) -> None:
+        # Something answering there already (an earlier run's server left behind) would pass
+        # for this command's, and the campaign would test it instead.
+        with contextlib.suppress(OSError), socket.create_connection(self.address, 0.5):
+            raise CampaignError(
+                f"{self.address[0]}:{self.address[1]} already accepts connections before "
+                "--resource-cmd ran: stop what listens there, or give the command another port"
+            )
+        with open(self.log, "ab") as log:
+            try:
+                self.proc = subprocess.Popen(
+                    self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                    start_new_session=True,  # its own process group: signals reach it alone
+                )  # fmt: skip
+            except OSError as exc:
+                raise CampaignError(f"--resource-cmd: {exc}") from exc
+        deadline = time.monotonic() + limit
+        while True:
+            if self.proc.poll() is not None:
+                tail = self.log.read_text(errors="replace").strip().splitlines()
+                raise CampaignError(
+                    f"the resource command exited with status {self.proc.returncode}: "
+                    f"{tail[-1] if tail else 'no output'} (see {self.log})"
+                )
+            with contextlib.suppress(OSError), socket.create_connection(self.address, 0.5):
+                return
+            if time.monotonic() >= deadline:
+                self.stop()
+                raise CampaignError(
+                    f"the resource command did not listen on {self.address[0]}:"
+                    f"{self.address[1]} within {limit:.0f} s (see {self.log})"
+                )
+            time.sleep(0.02)  # (polling a port the command opens when it is ready)
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, sig)
+
+    def restart(self) -> None:
+        self.signal(signal.SIGKILL)
+        if self.proc is not None:
+            self.proc.wait()
+        self.start()
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        self.signal(signal.SIGCONT)
+        self.signal(signal.SIGTERM)
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.signal(signal.SIGKILL)
+            self.proc.wait()
+
+
+def _stall_victim(pid: int, name: str, tail: _Tail, limit: float) -> Any:
+    """Ask worker ``pid`` to stop itself before its next write; its ``stalled`` event, or
+    None (the stall taken back) if it did not come within ``limit`` seconds."""
+    os.kill(pid, signal.SIGUSR1)
+    stalled = tail.wait(lambda e: e["op"] == "stalled" and e["worker"] == name, limit)
+    if stalled is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGUSR2)  # take it back
+            if _stopped(pid):  # (it stopped itself just now, after all)
+                os.killpg(pid, signal.SIGCONT)
+    return stalled
+
+
+def _wait_forwarded(proxy: TcpProxy | None, before: int, limit: float) -> None:
+    """Until ``proxy`` has passed bytes on to the resource since it had passed ``before``."""
+    deadline = time.monotonic() + limit
+    while proxy is not None and proxy.forwarded == before and time.monotonic() < deadline:
+        time.sleep(0.0005)  # (a proxy's counter, moved by its own thread)
+
+
+def _takeover(
+    victim: subprocess.Popen[bytes],
+    name: str,
+    others: list[TcpProxy],
+    mine: TcpProxy | None,
+    tail: _Tail,
+    ttl: float,
+    after: float,
+    restart: Callable[[], None] | None,
+    read_first: bool = False,
+) -> None:
+    """The ``race`` and ``resource-restart`` nemeses: stop the victim before its write, hold
+    every other worker's way to the resource, wait for a successor's grant (``race``) or its
+    acknowledged write (``resource-restart``, which then restarts the resource), then let the
+    victim's write go and, ``after`` seconds after it reached the resource (``race``) or once
+    it was answered, the others' held requests. ``read_first`` (a ``race`` the other way
+    round): nothing is held; the victim goes on as soon as its successor's read was answered,
+    so its write lands between that read and the successor's write."""
+    limit = 4 * ttl + 2
+    stalled = _stall_victim(victim.pid, name, tail, limit)
+    if stalled is None:
+        if restart is not None:
+            restart()
+        return
+    token = stalled["token"]
+    successor: Any = None
+    try:
+        if read_first:
+            tail.wait(lambda e: e["op"] == "read" and e["token"] > token, limit)
+            return  # (continued below)
+        if restart is None:
+            for p in others:  # (before any successor can send its read)
+                p.partition()
+            successor = tail.wait(lambda e: e["op"] == "grant" and e["token"] > token, limit)
+        else:
+            tail.wait(lambda e: e["op"] == "write" and e["token"] > token and e["ok"], limit)
+            for p in others:  # (the victim's write is the first the restarted resource hears)
+                p.partition()
+            restart()
+        before = mine.forwarded if mine is not None else 0
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(victim.pid, signal.SIGCONT)
+        if restart is None:
+            _wait_forwarded(mine, before, limit)
+            time.sleep(after)  # (the successor's request follows the victim's in)
+        else:
+            tail.wait(lambda e: e["op"] == "write" and e["worker"] == name, limit)
+    finally:
+        for p in others:
+            p.heal()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(victim.pid, signal.SIGCONT)
+    if successor is not None:  # its round ends before the next fault (which may stall it)
+        who = successor["worker"]
+        tail.wait(lambda e: e["op"] in ("write", "releasing") and e["worker"] == who, limit)
+
+
 def run_campaign(
     source: str | None,
     out: str | Path,
@@ -258,17 +505,27 @@ def run_campaign(
     workers: int = 3,
     seconds: float = 20.0,
     ttl: float = 1.0,
-    nemesis: Sequence[str] = ("pause", "stall", "kill"),
+    nemesis: Sequence[str] | None = None,
     seed: int = 0,
     plant: str = "",
     signing: bool = False,
     progress: Callable[[float, str], None] | None = None,
+    resource_cmd: str | Sequence[str] = "",
 ) -> CampaignResult:
     """Run one campaign and check it. ``source``: a token-source URL, an engine name the kit
-    starts itself (:data:`ENGINES`), or None for the machine's default. ``resource``: a URL
-    of :func:`~fenced.testing.check.open_resource` ("" for an embedded SQLite register in
-    ``out``). ``signing``: workers get signed tokens (an HMAC key made for the run) and the
-    resource's guard verifies them. ``progress(elapsed, what)`` is called as the run goes."""
+    starts itself (:data:`ENGINES`), or None for a private SQLite source of the campaign's
+    own (never the machine-wide default every local user shares). ``resource``: a URL of
+    :func:`~fenced.testing.check.open_resource` ("" for an embedded SQLite register in
+    ``out``). ``resource_cmd``: the command that serves ``resource`` (a shell-like string or
+    an argv list): the kit starts it, restarts and pauses it. ``nemesis``: None for
+    :func:`default_nemeses`; a plant adds the fault it needs (:data:`PLANT_NEEDS`).
+    ``signing``: workers get signed tokens (an HMAC key made for the run) and the resource's
+    guard verifies them. ``progress(elapsed, what)`` is called as the run goes."""
+    nemesis = list(default_nemeses(resource, resource_cmd) if nemesis is None else nemesis)
+    plant_role(plant)  # (an unknown plant: a typed error first)
+    needs = PLANT_NEEDS.get(plant, ())
+    if needs and not set(needs) & set(nemesis):
+        nemesis.append(needs[0])  # the plant turns on what shows it
     unknown = set(nemesis) - set(NEMESES)
     if unknown:
         raise ConfigurationError(
@@ -290,6 +547,18 @@ def run_campaign(
     signing = signing or plant in SIGNING_PLANTS
     if "forge" in nemesis and not signing:
         raise ConfigurationError("the forge nemesis needs signed tokens: --signing")
+    if set(nemesis) & _NEEDS_PROCESS and not resource_cmd:
+        raise ConfigurationError(
+            "the resource-restart and resource-pause nemeses act on the resource's process: "
+            "give its command (--resource-cmd)"
+        )
+    if resource_cmd and not resource:
+        raise ConfigurationError("--resource-cmd serves a --resource: give its URL too")
+    if set(nemesis) & _RESOURCE_PATH and not (resource and _tcp(resource)):
+        raise ConfigurationError(
+            f"the {', '.join(sorted(set(nemesis) & _RESOURCE_PATH))} nemesis needs a resource "
+            "reached at one host:port (--resource http://HOST:PORT/...)"
+        )
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "history.jsonl"
@@ -300,6 +569,8 @@ def run_campaign(
     forger: Any = None
     forger_history: History | None = None
     proxies: dict[int, list[TcpProxy]] = {}  # worker pid -> its own ways to source and resource
+    to_resource: dict[int, TcpProxy] = {}  # worker pid -> its own way to the resource
+    served: _ResourceProcess | None = None  # the user's resource, as a process the kit runs
     names: dict[int, str] = {}  # worker pid -> its name in the history
     procs: list[subprocess.Popen[bytes]] = []
     stalls: list[threading.Thread] = []
@@ -330,9 +601,9 @@ def run_campaign(
                 raise CampaignError(f"could not start {source}: {exc}") from exc
             source = server.url
         elif source is None:
-            from ..._paths import default_url
-
-            source = default_url()
+            # The campaign's own source: the machine-wide default is every local user's, and
+            # a campaign's hundreds of grants do not belong in it.
+            source = f"sqlite:///{Path(scratch) / 'source.db'}"
         if "restart" in nemesis and server is None:
             raise ConfigurationError(
                 "the restart nemesis restarts a source the kit started: --source redis|etcd|postgresql|zookeeper"
@@ -345,6 +616,9 @@ def run_campaign(
                 f"?plant={plant}" if role == "resource" else ""
             )
         tcp_resource = _tcp(resource)
+        if resource_cmd:
+            served = _ResourceProcess(resource_cmd, resource, out / "resource.log")
+            served.start()
         if set(nemesis) & _NEEDS_TCP and not _tcp(source):
             raise ConfigurationError(
                 f"partition/delay need a source at one host:port, not {source.split('?')[0]!r}"
@@ -388,8 +662,11 @@ def run_campaign(
             src, res = source, resource
             if set(nemesis) & _NEEDS_TCP:
                 src = _via_proxy(src, ways)
-                if tcp_resource:
-                    res = _via_proxy(res, ways)
+            if tcp_resource and set(nemesis) & (_NEEDS_TCP | _RESOURCE_PATH):
+                res = _via_proxy(res, ways)
+                resource_way = ways[-1]
+            else:
+                resource_way = None
             cfg = {
                 "source": src, "resource": res, "history": str(path), "name": f"w{serial}",
                 "ttl": ttl, "seed": seed, "plant": plant, "lock": lock,
@@ -411,6 +688,8 @@ def run_campaign(
                     start_new_session=True,  # its own process group: signals reach it alone
                 )
             proxies[proc.pid] = ways
+            if resource_way is not None:
+                to_resource[proc.pid] = resource_way
             names[proc.pid] = f"w{serial}"
             _wait_ready(proc, out / f"worker-w{serial}.log")
             return proc
@@ -418,6 +697,7 @@ def run_campaign(
         procs.extend(spawn() for _ in range(workers))
         history = History(path, "nemesis")
         faults = {n: 0 for n in nemesis}
+        deck: list[str] = []
         while time.monotonic() - start < seconds:
             time.sleep(rng.uniform(0.5, 1.5) * ttl)  # (the schedule's own clock, not a sync)
             for p in procs:
@@ -430,7 +710,12 @@ def run_campaign(
                     )
             if not nemesis:
                 continue
-            kind = rng.choice(list(nemesis))
+            if not deck:  # each round of faults: every nemesis once, in a seeded order
+                deck = list(nemesis)
+                rng.shuffle(deck)
+                if not any(faults.values()):  # the first round opens with the resource's own
+                    deck.sort(key=lambda k: k in _AT_THE_RESOURCE)  # (stable; popped last first)
+            kind = deck.pop()
             i = rng.randrange(len(procs))
             # Half the time the fault goes to whoever holds the lock now (Jepsen's nemeses
             # target the leader too): a fault on a waiting worker tests little. (The draws
@@ -446,7 +731,17 @@ def run_campaign(
             on_server = kind == "restart" or (
                 kind == "clock" and server_clock and rng.random() < 0.5
             )
-            who = "source" if on_server else "forger" if kind == "forge" else names[victim.pid]
+            after = rng.uniform(0.002, 0.03)  # race: the successor's request, that much later
+            if kind in ("race", "resource-restart"):  # the holder is the one to race
+                holder = _current_holder(path)
+                i = next((n for n, p in enumerate(procs) if names[p.pid] == holder), i)
+                victim = procs[i]
+            who = (
+                "source" if on_server
+                else "forger" if kind == "forge"
+                else "resource" if kind.startswith("resource-")
+                else names[victim.pid]
+            )  # fmt: skip
             history.append("nemesis", kind=kind, victim=who, seconds=lasts)
             if progress:
                 progress(time.monotonic() - start, f"{kind} {who}")
@@ -467,6 +762,27 @@ def run_campaign(
                     proxy.heal() if kind == "partition" else proxy.delay(0.0)
             elif kind == "restart":
                 server.restart(kill=True)
+            elif kind in ("race", "resource-restart"):
+                assert served is not None or kind == "race"
+                mine = to_resource.get(victim.pid)
+                others = [w for pid, w in to_resource.items() if pid != victim.pid]
+                restart = served.restart if kind == "resource-restart" and served else None
+                _takeover(victim, names[victim.pid], others, mine, _Tail(path), ttl, after, restart)
+                if kind == "race":  # and the other way round, on whoever holds it next
+                    holder = _current_holder(path)
+                    nxt = next((p for p in procs if names[p.pid] == holder), victim)
+                    _takeover(nxt, names[nxt.pid], [], None, _Tail(path), ttl, after, None, True)
+            elif kind == "resource-pause":
+                assert served is not None
+                served.signal(signal.SIGSTOP)
+                time.sleep(lasts)
+                served.signal(signal.SIGCONT)
+            elif kind in ("resource-partition", "resource-delay"):
+                for way in to_resource.values():
+                    way.partition() if kind == "resource-partition" else way.delay(1.5 * ttl)
+                time.sleep(lasts)
+                for way in to_resource.values():
+                    way.heal() if kind == "resource-partition" else way.delay(0.0)
             elif kind == "clock":  # a wall clock jumps up to a minute either way
                 step = rng.choice([-1, 1]) * rng.uniform(5 * ttl, 60)
                 if on_server:
@@ -485,6 +801,7 @@ def run_campaign(
                 victim.wait()
                 for proxy in proxies.pop(victim.pid, []):
                     proxy.close()
+                to_resource.pop(victim.pid, None)
                 procs[i] = spawn()
     finally:
         for t in stalls:
@@ -526,12 +843,23 @@ def run_campaign(
         finally:
             if history is not None:
                 history.close()
+            if served is not None:
+                served.stop()
             if server is not None:
                 server.close()
             shutil.rmtree(scratch, ignore_errors=True)
     events = read_history(path)
     writes = [e for e in events if e["op"] == "write"]
     violations = check_all(events)
+    exercised = [n for n in needs if faults.get(n)] if needs and history is not None else True
+    if not exercised:
+        violations.append(
+            Violation(
+                "plant not exercised",
+                f"--plant {plant} shows only under the {' or '.join(needs)} nemesis, and the "
+                f"run ended before any: give it more --time",
+            )
+        )
     report = write_report(events, violations, out / "report.html")
     return CampaignResult(
         violations=violations,
@@ -544,6 +872,7 @@ def run_campaign(
         faults=faults,
         seconds=time.monotonic() - start,
         first_violation_after=_first_violation_after(events, violations),
+        refused_reads=sum(1 for e in events if e["op"] == "read" and e["ok"] is False),
     )
 
 

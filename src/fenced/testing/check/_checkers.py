@@ -17,6 +17,7 @@ __all__ = [
     "Violation",
     "acknowledged_writes_survive",
     "check_all",
+    "current_holder_is_served",
     "grants_do_not_overlap_in_grant_order",
     "mark_is_the_highest_accepted",
     "no_lost_update",
@@ -69,8 +70,13 @@ def tokens_never_decrease_in_acceptance_order(history: list[Event]) -> list[Viol
                     ((t1, v1), (t2, v2)),
                 )
             )
-    acked = sorted(_accepted(history), key=lambda e: e["mono"])
-    highest: Event | None = None  # the highest-token write acknowledged so far
+    # Acknowledged writes and acknowledged *fenced reads*: a read under token 123 raised the
+    # mark, so a write with 122 sent after it was answered must be refused all the same.
+    acked = sorted(
+        (e for e in history if e["op"] in ("write", "read") and e.get("ok") is True),
+        key=lambda e: e["mono"],
+    )
+    highest: Event | None = None  # the highest-token operation acknowledged so far
     done = 0
     for e in sorted(_accepted(history), key=_sent):
         while done < len(acked) and acked[done]["mono"] < _sent(e):
@@ -78,11 +84,13 @@ def tokens_never_decrease_in_acceptance_order(history: list[Event]) -> list[Viol
                 highest = acked[done]
             done += 1
         if highest is not None and e["token"] < highest["token"]:
+            what = "write" if highest["op"] == "write" else "fenced read"
             out.append(
                 Violation(
                     "acceptance order",
                     f"{e['worker']}'s write with token {e['token']} was accepted, sent after "
-                    f"{highest['worker']}'s write with token {highest['token']} was",
+                    f"{highest['worker']}'s {what} with token {highest['token']} had been "
+                    "acknowledged",
                     (highest, e),
                 )
             )
@@ -254,6 +262,61 @@ def only_granted_tokens_accepted(history: list[Event]) -> list[Violation]:
     return out
 
 
+def _refused(history: list[Event]) -> list[Event]:
+    """The reads and writes the resource refused as stale (forged writes aside: those it must
+    refuse)."""
+    return [
+        e
+        for e in history
+        if e["op"] in ("read", "write") and e.get("ok") is False and not e.get("forged")
+    ]
+
+
+def current_holder_is_served(history: list[Event]) -> list[Violation]:
+    """A resource that refuses everyone never accepts a stale write, and proves nothing: the
+    holder of the newest token granted must be able to read and write. A refusal of a token
+    when no higher one had been granted (nor a forged one let in) is a violation; so is a run
+    in which the resource refused more reads and writes than it served."""
+    raisers = sorted(  # (lock, token, when): what may legitimately have raised the mark
+        [(e["lock"], e["token"], float(e["mono"])) for e in history if e["op"] == "grant"]
+        + [
+            (e["lock"], e["token"], _sent(e))
+            for e in history
+            if e["op"] == "write" and e.get("forged") and e.get("ok") is not False
+        ],
+        key=lambda r: r[2],
+    )
+    out = []
+    for e in sorted(_refused(history), key=lambda e: e["mono"]):
+        # (A grant is in the history before its holder's first request: a higher mark that
+        # came from a real holder shows as an earlier grant.)
+        newer = [r for r in raisers if r[2] < e["mono"] and r[0] == e["lock"] and r[1] > e["token"]]
+        if not newer:
+            what = "write" if e["op"] == "write" else "fenced read"
+            out.append(
+                Violation(
+                    "current holder refused",
+                    f"{e['worker']}'s {what} with token {e['token']} was refused as stale, "
+                    "and no higher token had been granted: the resource refuses its rightful "
+                    "holder",
+                    (e,),
+                )
+            )
+    # (Reads count too: a resource refusing fenced reads keeps its holders from ever writing.)
+    ops = [e for e in history if e["op"] in ("read", "write") and not e.get("forged")]
+    refused = sum(1 for e in ops if e.get("ok") is False)
+    served = sum(1 for e in ops if e.get("ok") is True)
+    if refused >= 3 and refused > served:
+        out.append(
+            Violation(
+                "mostly refused",
+                f"{refused} of {len(ops)} reads and writes were refused as stale and only "
+                f"{served} served: a resource that refuses its holders proves nothing",
+            )
+        )
+    return out
+
+
 def something_was_checked(history: list[Event]) -> list[Violation]:
     """At least one write was accepted: a run in which no write got through proves nothing
     (a dead source, a resource refusing everyone) and must not pass."""
@@ -270,6 +333,7 @@ CHECKERS: dict[str, Callable[[list[Event]], list[Violation]]] = {
     "acknowledged writes": acknowledged_writes_survive,
     "overlap": grants_do_not_overlap_in_grant_order,
     "forged token": only_granted_tokens_accepted,
+    "current holder refused": current_holder_is_served,
     "nothing checked": something_was_checked,
 }
 

@@ -24,6 +24,11 @@ _LABELS = {
     "restart": "killed -9 and restarted",
     "clock": "wall clock stepped",
     "forge": "a forged token written",
+    "race": "raced at a takeover",
+    "resource-restart": "killed -9 and restarted",
+    "resource-pause": "paused",
+    "resource-partition": "cut off from every worker",
+    "resource-delay": "traffic delayed",
 }
 
 
@@ -77,8 +82,16 @@ def write_report(events: list[Event], violations: list[Violation], path: str | P
                 parts.append(f'<circle class="violation" cx="{cx:.1f}" cy="{y}" r="9" fill="none" stroke="{RED}" stroke-width="2.5"/>')  # fmt: skip
             if e["ok"]:
                 parts.append(f'<circle class="accepted" cx="{cx:.1f}" cy="{y}" r="4" fill="{GREEN}"><title>accepted: token {e["token"]} value {e["value"]}</title></circle>')  # fmt: skip
+            elif e["ok"] is None:  # no answer: it may or may not have landed
+                parts.append(f'<circle class="unanswered" cx="{cx:.1f}" cy="{y}" r="4" fill="none" stroke="{GREY}" stroke-width="2"><title>unanswered: token {e["token"]} value {e["value"]}</title></circle>')  # fmt: skip
             else:
                 parts.append(f'<g class="refused"><title>refused: token {e["token"]}</title><line x1="{cx - 5:.1f}" x2="{cx + 5:.1f}" y1="{y - 5}" y2="{y + 5}" stroke="{RED}" stroke-width="3"/><line x1="{cx - 5:.1f}" x2="{cx + 5:.1f}" y1="{y + 5}" y2="{y - 5}" stroke="{RED}" stroke-width="3"/></g>')  # fmt: skip
+        elif e["op"] == "read" and e.get("ok") is False:  # a fenced read refused: a small ✕
+            y = 20 + lane[w] * row + 11
+            cx = x(e["mono"])
+            if any(item is e or item == e for item in (violations[0].events if violations else ())):
+                parts.append(f'<circle class="violation" cx="{cx:.1f}" cy="{y}" r="9" fill="none" stroke="{RED}" stroke-width="2.5"/>')  # fmt: skip
+            parts.append(f'<g class="refused-read"><title>read refused: token {e["token"]}</title><line x1="{cx - 3:.1f}" x2="{cx + 3:.1f}" y1="{y - 3}" y2="{y + 3}" stroke="{RED}" stroke-width="1.5"/><line x1="{cx - 3:.1f}" x2="{cx + 3:.1f}" y1="{y + 3}" y2="{y - 3}" stroke="{RED}" stroke-width="1.5"/></g>')  # fmt: skip
         elif e["op"] == "stalled":  # drawn where the worker stopped, not where it was asked
             y = 20 + lane[w] * row
             span = max(4.0, stall_for.get(w, 0.0) * scale)
@@ -105,6 +118,7 @@ def write_report(events: list[Event], violations: list[Violation], path: str | P
     )
     writes = [e for e in events if e["op"] == "write"]
     faults = [e for e in events if e["op"] == "nemesis"]
+    refused_reads = sum(1 for e in events if e["op"] == "read" and e.get("ok") is False)
     page = f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>fenced check</title>
 <style>
@@ -115,11 +129,12 @@ body {{ font: 14px/1.45 system-ui, sans-serif; color: {INK}; margin: 1.2rem 1.5r
 </style></head><body>
 <h1>fenced check</h1>
 <p id="summary">{sum(1 for e in events if e["op"] == "grant")} grants,
-{sum(1 for e in writes if e["ok"])} writes accepted, {sum(1 for e in writes if not e["ok"])}
-refused, {len(faults)} faults, {t1 - t0:.1f} s.</p>
+{sum(1 for e in writes if e["ok"])} writes accepted, {sum(1 for e in writes if e["ok"] is False)}
+refused, {sum(1 for e in writes if e["ok"] is None)} unanswered, {refused_reads} reads refused,
+{len(faults)} faults, {t1 - t0:.1f} s.</p>
 <div id="verdict">{verdict}</div>
 <p class="key"><span style="color:{BLUE}">■ lease held</span><span style="color:{GREEN}">● write accepted</span>
-<span style="color:{RED}">✕ write refused (stale)</span><span style="color:{GREY}">▮ paused, stalled, killed, cut off, delayed, restarted, clock stepped</span></p>
+<span style="color:{RED}">✕ write refused (stale)</span><span style="color:{RED}">× read refused</span><span style="color:{GREY}">○ write unanswered</span><span style="color:{GREY}">▮ paused, stalled, killed, cut off, delayed, restarted, clock stepped</span></p>
 <svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}">
 {"".join(parts)}
 </svg>

@@ -372,10 +372,12 @@ async def _round(w: _World, c: _Client, token: FencingToken, lease: Any) -> None
     if cfg.plant == "check-then-write":  # two messages: check, (a stall lands here), write
         try:
             await w.call(c, "resource", lambda: _check_only(res, token))
-        except (StaleTokenError, BackendUnavailable):
+        except (StaleTokenError, BackendUnavailable) as exc:
+            # (no answer is not a refusal: the current holder refused is a violation)
             w.record(
-                c.name, "write", lock=LOCK, token=token.value, value=value, ok=False, sent=w.now()
-            )
+                c.name, "write", lock=LOCK, token=token.value, value=value,
+                ok=False if isinstance(exc, StaleTokenError) else None, sent=w.now(),
+            )  # fmt: skip
             return
     if c.stall:
         c.stall = False

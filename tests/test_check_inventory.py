@@ -1,0 +1,213 @@
+"""``fenced check`` against a user's service it knows nothing about: ``examples/inventory_service.py``
+(stdlib ``http.server`` + ``sqlite3``, ``Fencing-Token`` header, 409 when stale), run by the kit
+itself (``--resource-cmd``: it kills -9 and restarts it, pauses it, and races takeovers inside
+it through a proxy per worker). Each of the service's four bugs is caught by the default
+campaign; the service without a bug passes.
+
+CI runs one short campaign each. ``FENCED_CHECK_SWEEP=10`` runs the default campaign (20 s,
+ttl 1) over seeds 0-9 for each, and prints per bug the seeds caught and the median time to the
+first violation (``pytest -s``)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fenced.testing.check import CampaignResult, run_campaign
+from fenced.testing.servers import free_port, wait_until
+from tests.helpers import ROOT
+
+SERVICE = ROOT / "examples" / "inventory_service.py"
+# The checkers each bug must upset (any one of them).
+EXPECTED = {
+    "string-tokens": {"current holder refused", "mostly refused"},
+    "mark-in-memory": {"acceptance order", "lost update", "acknowledged write"},
+    "check-then-write": {"acknowledged write", "lost update", "acceptance order"},
+    "unfenced-reads": {"lost update", "acknowledged write", "acceptance order"},
+}
+SWEEP = int(os.environ.get("FENCED_CHECK_SWEEP", "0"))
+
+
+def campaign(tmp: Path, bug: str, seed: int, *, seconds: float, ttl: float) -> CampaignResult:
+    """The default campaign against the service, started by the kit (a private source)."""
+    port = free_port()
+    cmd = [sys.executable, str(SERVICE), "--port", str(port), "--db", str(tmp / "inv.db")]
+    return run_campaign(
+        None,
+        tmp / "r",
+        resource=f"http://127.0.0.1:{port}/items/widgets",
+        resource_cmd=[*cmd, *(["--bug", bug] if bug else [])],
+        seconds=seconds,
+        ttl=ttl,
+        seed=seed,
+    )
+
+
+@pytest.mark.parametrize("bug", list(EXPECTED))
+def test_each_bug_of_the_users_service_is_caught(bug: str, tmp_path: Path) -> None:
+    result = campaign(tmp_path, bug, seed=1, seconds=10, ttl=0.5)
+    found = {v.checker for v in result.violations}
+    assert found & EXPECTED[bug], (found, result.faults)
+    assert result.faults["race"] >= 1 and result.faults["resource-restart"] >= 1, result.faults
+
+
+def test_the_right_service_passes(tmp_path: Path) -> None:
+    result = campaign(tmp_path, "", seed=1, seconds=10, ttl=0.5)
+    assert result.ok, [str(v) for v in result.violations]
+    assert result.accepted >= 10
+    assert result.faults["resource-restart"] >= 1 and result.faults["race"] >= 1
+
+
+def test_the_right_service_holds_with_its_path_cut_and_delayed(tmp_path: Path) -> None:
+    """``resource-partition`` and ``resource-delay`` hold every worker's bytes to the resource
+    (their own proxies): writes wait or go unanswered, none is refused wrongly or lost."""
+    port = free_port()
+    result = run_campaign(
+        None,
+        tmp_path / "r",
+        resource=f"http://127.0.0.1:{port}/items/widgets",
+        resource_cmd=[
+            sys.executable,
+            str(SERVICE),
+            "--port",
+            str(port),
+            "--db",
+            str(tmp_path / "d"),
+        ],
+        nemesis=["resource-partition", "resource-delay", "stall"],
+        seconds=6,
+        ttl=0.5,
+        seed=1,
+    )
+    assert result.ok, [str(v) for v in result.violations]
+    assert result.faults["resource-partition"] >= 1 and result.faults["resource-delay"] >= 1
+
+
+def test_the_cli_runs_the_users_service_and_exits_65_on_a_violation(tmp_path: Path) -> None:
+    """Tokens compared as strings: with the source's counter at 8, the holder of 10 is the
+    first refused ("10" < "9"), however slow the machine."""
+    import fenced
+
+    source = f"sqlite:///{tmp_path / 'locks.db'}"
+    with fenced.connect(source) as locks:
+        for _ in range(8):
+            lease = locks.lock("counter", ttl=5)
+            lease.acquire(timeout=30)
+            lease.release()
+    port = free_port()
+    cmd = f"{sys.executable} {SERVICE} --port {port} --db {tmp_path / 'inv.db'} --bug string-tokens"
+    r = subprocess.run(
+        [
+            sys.executable, "-m", "fenced.cli", "check",
+            "--resource", f"http://127.0.0.1:{port}/items/widgets", "--resource-cmd", cmd,
+            "--source", source, "--time", "4", "--ttl", "0.5", "--nemesis", "stall", "--report", str(tmp_path / "r"),
+        ],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"},
+    )  # fmt: skip
+    assert r.returncode == 65, r.stdout + r.stderr
+    assert "current holder refused" in r.stdout and "reads refused" in r.stdout, r.stdout
+    page = (tmp_path / "r" / "report.html").read_text()
+    assert 'class="refused-read"' in page and "current holder refused" in page
+
+
+@pytest.mark.skipif(not SWEEP, reason="the 10-seed sweep: FENCED_CHECK_SWEEP=10")
+@pytest.mark.parametrize("bug", ["", *EXPECTED])
+def test_sweep(bug: str, tmp_path: Path) -> None:
+    caught, times = [], []
+    for seed in range(SWEEP):
+        (tmp_path / str(seed)).mkdir()
+        result = campaign(tmp_path / str(seed), bug, seed, seconds=20, ttl=1.0)
+        found = {v.checker for v in result.violations}
+        if (found & EXPECTED[bug]) if bug else found:
+            caught.append(seed)
+            times.append(result.first_violation_after or 0.0)
+    median = f"{statistics.median(times):.1f} s" if times else "-"
+    print(
+        f"\nsweep {bug or 'right'}: caught in {len(caught)}/{SWEEP} seeds {caught}, median {median}"
+    )
+    if bug:
+        assert len(caught) >= 0.9 * SWEEP, caught
+    else:
+        assert not caught, caught
+
+
+def test_help_documents_the_violation_exit_status() -> None:
+    """One code for "a violation was found", listed with fenced's own outcomes (never 1)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "fenced.cli", "--help"], capture_output=True, text=True, timeout=60
+    ).stdout
+    line = next(x for x in out.splitlines() if x.strip().startswith("65 "))
+    assert "violation" in line and "check" in line and "sim" in line, line
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--nemesis", "resource-restart"], "--resource-cmd"),
+        (["--nemesis", "race"], "host:port"),
+        (["--resource", "http://127.0.0.1:1/items/x", "--resource-cmd", "false"], "exited"),
+        (["--resource-cmd", "true"], "--resource"),
+    ],
+)
+def test_resource_faults_without_what_they_need_are_one_line_errors(
+    tmp_path: Path, args: list[str], said: str
+) -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "fenced.cli", "check", "--time", "1", "--report", str(tmp_path), *args],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"},
+    )  # fmt: skip
+    assert r.returncode == 2 and said in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_a_port_already_served_is_refused_not_tested(tmp_path: Path) -> None:
+    """An earlier run's server still on the port would answer for the command's: refused."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = subprocess.run(
+            [
+                sys.executable, "-m", "fenced.cli", "check", "--report", str(tmp_path),
+                "--resource", f"http://127.0.0.1:{port}/items/x", "--resource-cmd", "true",
+            ],
+            capture_output=True, text=True, timeout=120,
+            env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"},
+        )  # fmt: skip
+    assert r.returncode == 2 and "already accepts connections" in r.stderr, r.stderr
+
+
+def test_sigterm_stops_the_campaign_and_the_resource_it_started(tmp_path: Path) -> None:
+    port = free_port()
+    cmd = f"{sys.executable} {SERVICE} --port {port} --db {tmp_path / 'inv.db'}"
+    proc = subprocess.Popen(
+        [
+            sys.executable, "-m", "fenced.cli", "check", "--time", "60", "--ttl", "0.5",
+            "--resource", f"http://127.0.0.1:{port}/items/x", "--resource-cmd", cmd,
+            "--nemesis", "stall", "--report", str(tmp_path / "r"),
+        ],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"},
+    )  # fmt: skip
+    history = tmp_path / "r" / "history.jsonl"
+    wait_until(lambda: history.exists() and b'"op":"write"' in history.read_bytes(), 60, "writes")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 130
+
+    def refused() -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.5).close()
+        except OSError:
+            return True
+        return False
+
+    assert refused(), "the resource the campaign started outlived it"
