@@ -18,6 +18,8 @@ register's final state and returns the violations of:
 * **no stale write accepted** — the register's accepted tokens never go down;
 * **no acknowledged write lost** — every acknowledged write is in the register;
 * **the holder can write** — a refusal names a token lower than one already granted;
+* **leases exclusive** — while ``remaining()`` > 0 no higher token was granted to anyone
+  (a lease is "surely held"; fencing refuses the writes of an overlap all the same);
 * **loss learnt in time** — a client that still believes it holds the lease (its
   ``lease.lost`` not set) at time t had promised, by some earlier ``remaining()``, to hold
   it until at least t − ``LOSS_SLACK``; its ``lost`` is set by then too.
@@ -113,10 +115,11 @@ async def _client(args: argparse.Namespace) -> None:
     from fenced import BackendUnavailable, LeaseLostError, LockTimeout, StaleTokenError
 
     record = _History(args.history, args.name)
-    unguarded = args.plant == "unguarded"
+    plants = set(filter(None, (args.plant or "").split(",")))
+    unguarded = "unguarded" in plants
     kind, _, where = args.resource.partition(":")
     register = _SQLRegister(where, unguarded) if kind == "sql" else _RedisRegister(where, unguarded)
-    ignore_loss = args.plant == "ignore-loss"
+    ignore_loss = "ignore-loss" in plants
     end = time.monotonic() + args.duration
     record("ready")
     async with fenced.connect_async(args.source, connect_timeout=10) as locks:
@@ -264,8 +267,8 @@ def run_campaign(
     from fenced.testing.netclusters import EtcdNetCluster, RedisNet, ZooKeeperNetCluster
     from fenced.testing.netns import NetLab
 
-    if plant is not None and plant not in PLANTS:
-        raise ValueError(f"plant {plant!r}: one of {', '.join(PLANTS)}")
+    if plant is not None and not set(plant.split(",")) <= set(PLANTS):
+        raise ValueError(f"plant {plant!r}: some of {', '.join(PLANTS)}, comma-separated")
     if not 1 <= clients <= 20 or not 1 <= duration <= 3600:
         raise ValueError("clients 1..20, duration 1..3600 s")
     d = Path(directory or tempfile.mkdtemp(prefix="fenced-partitions-"))
@@ -331,6 +334,8 @@ def run_campaign(
     camp.events = _read_events(d)
     camp.violations += check(camp.events, camp.register)
     (d / "faults.json").write_text(json.dumps(camp.faults))
+    (d / "register.json").write_text(json.dumps(camp.register))
+    (d / "violations.json").write_text(json.dumps(camp.violations))
     return camp
 
 
@@ -426,6 +431,23 @@ def check(events: list[dict[str, Any]], register: list[tuple[int, str]]) -> list
         if e["kind"] == "write" and e["result"] == "refused":
             if not any(g["token"] > e["token"] and g["t"] <= e["t"] for g in grants):
                 bad.append(f"holder refused: {e['value']} with token {e['token']}")
+    # Leases exclusive: remaining() > 0 means "surely held", so no higher token may have
+    # been granted to anyone else by then (fencing still refuses the overlap's writes).
+    overlapped: set[tuple[str, int]] = set()
+    for e in events:
+        if e["kind"] != "sample" or e["remaining"] <= 0:
+            continue
+        key = (e["client"], e["token"])
+        if key in overlapped:
+            continue
+        newer = [g for g in grants if g["token"] > e["token"] and g["t"] < e["t"]]
+        if newer:
+            overlapped.add(key)
+            g = newer[0]
+            bad.append(
+                f"lease overlap: {e['client']} had remaining()={e['remaining']:.2f} s for token "
+                f"{e['token']} {e['t'] - g['t']:.2f} s after {g['client']} was granted {g['token']}"
+            )
     # Loss learnt in time: belief in the lease never outlives its promise (+ slack).
     promise: dict[tuple[str, int], float] = {}
     for e in events:
@@ -461,13 +483,13 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--ttl", type=float, required=True)
     c.add_argument("--hold", type=float, required=True)
     c.add_argument("--every", type=float, default=0.1)
-    c.add_argument("--plant", choices=PLANTS)
+    c.add_argument("--plant")
     r = sub.add_parser("run")
     r.add_argument("--source", choices=("etcd", "zookeeper"), default="etcd")
     r.add_argument("--resource", choices=("sql", "redis"), default="sql")
     r.add_argument("--duration", type=float, default=14.0)
     r.add_argument("--runs", type=int, default=1)
-    r.add_argument("--plant", choices=PLANTS)
+    r.add_argument("--plant", help=f"some of {', '.join(PLANTS)}, comma-separated")
     r.add_argument("--dir")
     args = p.parse_args(argv)
     if args.cmd == "client":
