@@ -110,7 +110,8 @@ def test_pause_stops_and_resumes_the_real_process(lab: NetLab) -> None:
     proc.resume()
     wait_for(lambda: _state(proc.pid) == "S", 10, "running again")
     lab.pause(proc, 0.1)
-    assert _state(proc.pid) == "S" and lab.faults[-1].kind == "pause"
+    wait_for(lambda: _state(proc.pid) == "S", 10, "running after the pause")
+    assert lab.faults[-1].kind == "pause"
     assert lab.faults[-1].end is not None
 
 
