@@ -50,8 +50,12 @@ def assert_cut(lab: NetLab, a: str, b: str) -> None:
 def lab() -> Iterator[NetLab]:
     with NetLab("t") as lab:
         for name in ("a", "b", "c"):
-            node = lab.add(name)
-            server = lab.call(name, lambda node=node: socket.create_server((node.addr, PORT)))
+            addr = lab.add(name).addr
+
+            def listen(addr: str = addr) -> socket.socket:
+                return socket.create_server((addr, PORT))
+
+            server = lab.call(name, listen)
             server.settimeout(5)
             setattr(lab, f"server_{name}", server)  # kept open for the test
         yield lab

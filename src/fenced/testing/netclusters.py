@@ -54,7 +54,7 @@ def _ask(addr: str, port: int, probe: bytes, timeout: float = 1.0, *, once: bool
         s.sendall(probe)
         if once:
             return s.recv(4096)
-        chunks = []
+        chunks: list[bytes] = []
         while len(chunks) < 64:  # bounded: a 4lw answer is a few hundred bytes
             chunk = s.recv(4096)
             if not chunk:
@@ -179,9 +179,7 @@ class ZooKeeperNetCluster(_Cluster):
 
     def start(self, timeout: float = 60.0) -> ZooKeeperNetCluster:
         assert self.java is not None
-        servers = "".join(
-            f"server.{i + 1}={n.addr}:2888:3888\n" for i, n in enumerate(self.nodes)
-        )
+        servers = "".join(f"server.{i + 1}={n.addr}:2888:3888\n" for i, n in enumerate(self.nodes))
         for i, n in enumerate(self.nodes):
             d = self.dir / n.name
             (d / "data").mkdir(parents=True)
@@ -253,7 +251,9 @@ class RedisNet:
         self.proc = lab.run(self.node, argv, log=self.dir / "redis.log")
         n = self.node
         _wait(
-            lambda: lab.call(n, lambda: _ask(n.addr, REDIS_PORT, b"PING\r\n", once=True)[:5] == b"+PONG"),
+            lambda: lab.call(
+                n, lambda: _ask(n.addr, REDIS_PORT, b"PING\r\n", once=True)[:5] == b"+PONG"
+            ),
             20,
             "redis",
         )

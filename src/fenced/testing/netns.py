@@ -39,10 +39,10 @@ from pathlib import Path
 from typing import IO, Any, Final, TypeVar
 
 __all__ = [
+    "Fault",
     "NetLab",
     "NetProcess",
     "Node",
-    "Fault",
     "reap_stale",
     "unavailable",
 ]

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-__all__ = ["Campaign", "LOSS_SLACK", "check", "run_campaign"]
+__all__ = ["LOSS_SLACK", "Campaign", "check", "run_campaign"]
 
 LOCK: Final = "partitioned"
 RESOURCE: Final = "register"
@@ -52,6 +52,10 @@ LOSS_SLACK: Final = 0.25
 """Scheduling slack (s) between a lease's promised end and ``lost`` being set: the renewal's
 timeout fires on the event loop of a process sharing loaded cores."""
 PLANTS: Final = ("ignore-loss", "unguarded")
+NEMESES: Final = ("split-minority-holder", "isolate-leader", "pause", "flap")
+KNOWN_OPEN: Final = {"zookeeper": ("lease overlap",)}
+"""Findings the campaign reports apart (``Campaign.known``) because they are open issues of a
+source, documented in docs/verification-partitions.md; every other finding is a violation."""
 MAX_OPS: Final = 10_000  # per client: a bound on its loop besides its deadline
 
 
@@ -183,6 +187,7 @@ class Campaign:
     register: list[tuple[int, str]] = field(default_factory=list)
     faults: list[dict[str, Any]] = field(default_factory=list)
     violations: list[str] = field(default_factory=list)
+    known: list[str] = field(default_factory=list)
     start: float = 0.0
     end: float = 0.0
 
@@ -202,7 +207,12 @@ class Campaign:
             f"{c.get('write-unknown', 0)} unknown, {c.get('lost', 0)} leases lost, "
             f"{len(self.faults)} faults ({', '.join(sorted({f['kind'] for f in self.faults}))}) "
             f"in {self.end - self.start:.1f} s; "
-            + ("every invariant held" if not self.violations else f"{len(self.violations)} violations")
+            + (
+                "every invariant held"
+                if not self.violations
+                else f"{len(self.violations)} violations"
+            )
+            + (f" ({len(self.known)} known open: {self.known[0]})" if self.known else "")
         )
 
 
@@ -238,7 +248,8 @@ def _holder(directory: Path, fresh: float) -> str | None:
 
 
 def _ready(directory: Path, clients: int) -> bool:
-    return sum(e["kind"] == "ready" for e in _read_events(directory)) >= clients
+    ready: int = sum(e["kind"] == "ready" for e in _read_events(directory))
+    return ready >= clients
 
 
 def _wait_for(cond: Any, timeout: float, stop: threading.Event) -> Any:
@@ -258,9 +269,9 @@ def run_campaign(
     clients: int = 3,
     duration: float = 14.0,
     ttl: float = 1.5,
-    hold: float = 3.0,
+    hold: float = 2.0,
     plant: str | None = None,
-    nemeses: tuple[str, ...] = ("isolate-leader", "split-minority-holder", "flap", "pause"),
+    nemeses: tuple[str, ...] = NEMESES,
     directory: str | None = None,
 ) -> Campaign:
     """Run one bounded campaign and check it; see the module's docstring."""
@@ -269,6 +280,8 @@ def run_campaign(
 
     if plant is not None and not set(plant.split(",")) <= set(PLANTS):
         raise ValueError(f"plant {plant!r}: some of {', '.join(PLANTS)}, comma-separated")
+    if not set(nemeses) <= set(NEMESES) or not nemeses:
+        raise ValueError(f"nemeses {nemeses!r}: some of {', '.join(NEMESES)}")
     if not 1 <= clients <= 20 or not 1 <= duration <= 3600:
         raise ValueError("clients 1..20, duration 1..3600 s")
     d = Path(directory or tempfile.mkdtemp(prefix="fenced-partitions-"))
@@ -332,10 +345,13 @@ def run_campaign(
             if redis is not None:
                 redis.close()
     camp.events = _read_events(d)
-    camp.violations += check(camp.events, camp.register)
+    open_issues = KNOWN_OPEN.get(source, ())
+    for finding in check(camp.events, camp.register):
+        (camp.known if finding.startswith(open_issues) else camp.violations).append(finding)
     (d / "faults.json").write_text(json.dumps(camp.faults))
     (d / "register.json").write_text(json.dumps(camp.register))
-    (d / "violations.json").write_text(json.dumps(camp.violations))
+    (d / "violations.json").write_text(json.dumps({"violations": camp.violations,
+                                                   "known": camp.known}))  # fmt: skip
     return camp
 
 
@@ -345,7 +361,8 @@ def _redis_log(url: str) -> list[tuple[int, str]]:
     client = redis.Redis.from_url(url, socket_timeout=5)
     out = []
     for raw in client.lrange("{register}:log", 0, -1):
-        tok, _, value = raw.decode().partition(":")
+        text = raw.decode() if isinstance(raw, bytes) else str(raw)
+        tok, _, value = text.partition(":")
         out.append((int(tok), value))
     return out
 
@@ -353,7 +370,9 @@ def _redis_log(url: str) -> list[tuple[int, str]]:
 def _sql_log(path: Path) -> list[tuple[int, str]]:
     conn = sqlite3.connect(path)
     try:
-        return [(int(t), str(v)) for t, v in conn.execute("SELECT token, value FROM reg ORDER BY n")]
+        return [
+            (int(t), str(v)) for t, v in conn.execute("SELECT token, value FROM reg ORDER BY n")
+        ]
     finally:
         conn.close()
 
@@ -367,13 +386,16 @@ def _nemesis(
     end = time.monotonic() + duration
     members = [n.name for n in cluster.nodes]
     clients = [n.name for n in nodes]
-    fault_len = ttl * 2 + 0.5  # long enough that a cut-off holder's lease runs out
+    # A split lasts long enough that a cut-off holder's lease runs out and the majority
+    # grants the lock again; an isolated leader, long enough for a new election (500 ms).
+    lengths = {"split-minority-holder": ttl * 2 + 0.5, "isolate-leader": ttl + 0.5,
+               "pause": 1.5, "flap": 1.8}  # fmt: skip
     for i in range(64):  # bounded in count as well as time
         now = time.monotonic()
         if now + 1.0 >= end:
             break
         kind = nemeses[i % len(nemeses)]
-        length = min(fault_len, end - now)
+        length = min(lengths[kind], end - now)
         if kind == "isolate-leader":
             leader = cluster.leader(timeout=5)
             lab.partition([leader], [m for m in members if m != leader] + clients,
@@ -394,11 +416,10 @@ def _nemesis(
             lab.heal()
         elif kind == "flap":
             victim = cluster.leader(timeout=5)
-            times = max(1, int(length / 0.6))
-            lab.flap(victim, times=times, down=0.4, up=0.2, stop=stop)
+            lab.flap(victim, times=max(1, int(length / 0.6)), down=0.4, up=0.2, stop=stop)
         elif kind == "pause":
             victim = cluster.leader(timeout=5)
-            lab.pause(cluster.member(victim), min(1.5, length), stop=stop)
+            lab.pause(cluster.member(victim), length, stop=stop)
         # Let the cluster settle before the next fault (bounded).
         with contextlib.suppress(Exception):
             cluster.leader(timeout=5)
@@ -428,9 +449,12 @@ def check(events: list[dict[str, Any]], register: list[tuple[int, str]]) -> list
             bad.append(f"acknowledged write lost: {e['value']} (token {e['token']})")
     # The holder can write: a refusal needs a higher token granted before the write ended.
     for e in events:
-        if e["kind"] == "write" and e["result"] == "refused":
-            if not any(g["token"] > e["token"] and g["t"] <= e["t"] for g in grants):
-                bad.append(f"holder refused: {e['value']} with token {e['token']}")
+        if (
+            e["kind"] == "write"
+            and e["result"] == "refused"
+            and not any(g["token"] > e["token"] and g["t"] <= e["t"] for g in grants)
+        ):
+            bad.append(f"holder refused: {e['value']} with token {e['token']}")
     # Leases exclusive: remaining() > 0 means "surely held", so no higher token may have
     # been granted to anyone else by then (fencing still refuses the overlap's writes).
     overlapped: set[tuple[str, int]] = set()
@@ -491,6 +515,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--runs", type=int, default=1)
     r.add_argument("--plant", help=f"some of {', '.join(PLANTS)}, comma-separated")
     r.add_argument("--dir")
+    r.add_argument("--nemeses", default=",".join(NEMESES))
     args = p.parse_args(argv)
     if args.cmd == "client":
         asyncio.run(_client(args))
@@ -500,10 +525,11 @@ def main(argv: list[str] | None = None) -> int:
         sub_dir = None if args.dir is None else str(Path(args.dir) / f"run{i}")
         camp = run_campaign(
             args.source, args.resource, duration=args.duration, plant=args.plant,
-            directory=sub_dir,
+            directory=sub_dir, nemeses=tuple(args.nemeses.split(",")),
         )  # fmt: skip
         print(json.dumps({"run": i, "summary": camp.summary(), "counts": camp.counts(),
-                          "violations": camp.violations[:20]}), flush=True)  # fmt: skip
+                          "violations": camp.violations[:20], "known": camp.known[:20]}),
+              flush=True)  # fmt: skip
         failed += bool(camp.violations)
     return 1 if failed else 0
 
