@@ -36,15 +36,17 @@ import contextlib
 import json
 import os
 import sqlite3
+import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-__all__ = ["LOSS_SLACK", "Campaign", "check", "run_campaign"]
+__all__ = ["LOSS_SLACK", "Campaign", "CheckRun", "check", "run_campaign", "run_check"]
 
 LOCK: Final = "partitioned"
 RESOURCE: Final = "register"
@@ -144,9 +146,11 @@ async def _client(args: argparse.Namespace) -> None:
                 box.append(time.monotonic())
 
             lease.add_lost_hook(on_lost)
-            hold_end = time.monotonic() + args.hold
+            # A client that ignores its loss also holds on for longer, as such a client would
+            # (its stale writes then meet the next holder's).
+            hold_end = time.monotonic() + args.hold + (3 * args.ttl if ignore_loss else 0.0)
             n = 0
-            while time.monotonic() < min(hold_end, end + args.ttl) and n < 1000:
+            while time.monotonic() < min(hold_end, end + 3 * args.ttl) and n < 1000:
                 n += 1
                 believes = ignore_loss or not lease.lost.is_set()
                 record("sample", token=token.value, remaining=lease.remaining(), believes=believes)
@@ -190,6 +194,7 @@ class Campaign:
     known: list[str] = field(default_factory=list)
     start: float = 0.0
     end: float = 0.0
+    setup: float = 0.0  # seconds to start the cluster, resource, gateways
 
     def counts(self) -> dict[str, int]:
         kinds: dict[str, int] = {}
@@ -206,7 +211,7 @@ class Campaign:
             f"{c.get('write-ok', 0)} writes accepted, {c.get('write-refused', 0)} refused, "
             f"{c.get('write-unknown', 0)} unknown, {c.get('lost', 0)} leases lost, "
             f"{len(self.faults)} faults ({', '.join(sorted({f['kind'] for f in self.faults}))}) "
-            f"in {self.end - self.start:.1f} s; "
+            f"in {self.end - self.start:.1f} s (+{self.setup:.1f} s setup); "
             + (
                 "every invariant held"
                 if not self.violations
@@ -273,6 +278,7 @@ def run_campaign(
     plant: str | None = None,
     nemeses: tuple[str, ...] = NEMESES,
     directory: str | None = None,
+    gateways: bool = False,
 ) -> Campaign:
     """Run one bounded campaign and check it; see the module's docstring."""
     from fenced.testing.netclusters import EtcdNetCluster, RedisNet, ZooKeeperNetCluster
@@ -290,6 +296,8 @@ def run_campaign(
     with NetLab(source[:4] + resource[:3]) as lab:
         cluster = (EtcdNetCluster if source == "etcd" else ZooKeeperNetCluster)(lab)
         redis = None
+        procs: list[Any] = []
+        setup_start = time.monotonic()
         try:
             cluster.start()
             if resource == "redis":
@@ -305,13 +313,23 @@ def run_campaign(
                 SQLGuard(RESOURCE, lock=LOCK).install(conn)
                 conn.close()
                 res = f"sql:{db}"
+            gateway_of: dict[str, str] = {}
+            urls = {}
+            if gateways:
+                for gw in _start_gateways(lab, ["g1", "g2"], cluster.url, d):
+                    procs.append(gw)
+                    urls[gw.node.name] = f"http://{gw.node.addr}:{GATEWAY_PORT}"
             nodes = [lab.add(f"c{i + 1}") for i in range(clients)]
             camp.start = time.monotonic()
-            procs = []
-            for node in nodes:
+            camp.setup = camp.start - setup_start
+            for i, node in enumerate(nodes):
+                url = cluster.url
+                if gateways:
+                    gateway_of[node.name] = g = f"g{i % 2 + 1}"
+                    url = urls[g]
                 argv = [
                     sys.executable, "-m", "fenced.testing.partitions", "client",
-                    "--name", node.name, "--source", cluster.url, "--resource", res,
+                    "--name", node.name, "--source", url, "--resource", res,
                     "--history", str(d / f"history-{node.name}.jsonl"),
                     "--duration", str(duration), "--ttl", str(ttl), "--hold", str(hold),
                     "--every", "0.1", *(["--plant", plant] if plant else []),
@@ -320,9 +338,13 @@ def run_campaign(
             stop = threading.Event()
             if _wait_for(lambda: _ready(d, clients), 30, stop) is None:
                 camp.violations.append("clients not ready in 30 s")
-            _nemesis(lab, cluster, d, nodes, duration, ttl, nemeses)
+            others = [n for n in lab.nodes if n not in {m.name for m in cluster.nodes}]
+            _nemesis(lab, cluster, lambda: _holder(d, 0.5), others, duration, ttl, nemeses,
+                     gateway_of=gateway_of)  # fmt: skip
             deadline = time.monotonic() + ttl + hold + 20
             for p in procs:
+                if p.node.name in gateway_of.values():
+                    continue  # stopped with the lab
                 with contextlib.suppress(Exception):
                     p.proc.wait(max(deadline - time.monotonic(), 0.1))
                 if p.alive():
@@ -355,6 +377,129 @@ def run_campaign(
     return camp
 
 
+GATEWAY_PORT: Final = 7400
+
+
+@dataclass
+class CheckRun:
+    """A ``fenced check`` run inside a lab: its exit status, report directory and faults."""
+
+    returncode: int
+    report: Path
+    faults: list[dict[str, Any]]
+    output: str
+
+
+def run_check(
+    source: str = "etcd",
+    resource: str = "sql",
+    *,
+    seconds: float = 12.0,
+    ttl: float = 1.5,
+    workers: int = 3,
+    kit_nemesis: str = "pause",
+    plant: str = "",
+    nemeses: tuple[str, ...] = NEMESES,
+    gateway: bool = False,
+    directory: str | None = None,
+) -> CheckRun:
+    """``fenced check`` (its public command line, unchanged) run in a namespace of its own
+    against a 3-member cluster in the lab, while this module's nemesis partitions the cluster
+    around it (the check's namespace on the minority side of each split). Each fault is also
+    written to the check's ``history.jsonl`` as a ``nemesis`` event, so its HTML report draws
+    the partitions on its timeline. ``gateway``: the check's workers go through ``fenced
+    serve`` in another namespace (the gateway stays on the majority side).
+    """
+    from fenced.testing.check._history import History
+    from fenced.testing.netclusters import EtcdNetCluster, RedisNet, ZooKeeperNetCluster
+    from fenced.testing.netns import NetLab
+
+    if not set(nemeses) <= set(NEMESES) or not nemeses:
+        raise ValueError(f"nemeses {nemeses!r}: some of {', '.join(NEMESES)}")
+    d = Path(directory or tempfile.mkdtemp(prefix="fenced-partitions-check-"))
+    d.mkdir(parents=True, exist_ok=True)
+    report = d / "report"
+    history = report / "history.jsonl"
+    with NetLab("ck" + source[:4]) as lab:
+        cluster = (EtcdNetCluster if source == "etcd" else ZooKeeperNetCluster)(lab)
+        redis = None
+        try:
+            cluster.start()
+            if resource == "redis":
+                redis = RedisNet(lab)
+                res = redis.url
+            else:
+                res = f"sql+sqlite:///{d / 'register.db'}?table=fenced_check"
+            url = cluster.url
+            if gateway:
+                (gw,) = _start_gateways(lab, ["g1"], cluster.url, d)
+                url = f"http://{gw.node.addr}:{GATEWAY_PORT}"
+            node = lab.add("ck")
+            argv = [
+                sys.executable, "-m", "fenced", "check", "--source", url, "--resource", res,
+                "--time", str(seconds), "--ttl", str(ttl), "--workers", str(workers),
+                "--nemesis", kit_nemesis, "--report", str(report),
+                *(["--plant", plant] if plant else []),
+            ]  # fmt: skip
+            out_log = d / "check.log"
+            proc = lab.run(node, argv, log=out_log, env=_python_env())
+            stop = threading.Event()
+
+            def started() -> bool:
+                try:
+                    return '"op":"grant"' in history.read_text()
+                except OSError:
+                    return False
+
+            if _wait_for(started, 60, stop) and proc.alive():
+                faults = History(history, "nemesis")
+
+                def on_fault(kind: str, detail: str, length: float) -> None:
+                    # One lane, "network", for every fault of the lab; the kind (which the
+                    # report shows as the band's title) carries the detail.
+                    faults.append("nemesis", kind=f"{kind} {detail}", victim="network",
+                                  seconds=length)  # fmt: skip
+
+                others = [n for n in lab.nodes if n not in {m.name for m in cluster.nodes}]
+                # The kit's own clock runs from its start: leave it a second to finish.
+                _nemesis(lab, cluster, lambda: "ck", others, max(seconds - 3.0, 1.0), ttl,
+                         nemeses, on_fault=on_fault)  # fmt: skip
+                faults.close()
+            try:
+                code = proc.proc.wait(seconds + 120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                code = -9
+            lab.end_faults()
+            return CheckRun(code, report, [f.as_dict() for f in lab.faults],
+                            out_log.read_text(errors="replace"))  # fmt: skip
+        finally:
+            cluster.close()
+            if redis is not None:
+                redis.close()
+
+
+def _start_gateways(lab: Any, names: list[str], source_url: str, d: Path) -> list[Any]:
+    """``fenced serve`` in a node of its own each (started together, then awaited), in front
+    of the cluster, without API keys: the lab's network is reachable from nowhere else."""
+    started = []
+    for name in names:
+        node = lab.add(name)
+        argv = [
+            sys.executable, "-m", "fenced", "serve", "--url", source_url,
+            "--listen", f"{node.addr}:{GATEWAY_PORT}", "--insecure-no-auth",
+        ]  # fmt: skip
+        started.append(lab.run(node, argv, log=d / f"{name}.log", env=_python_env()))
+    deadline = time.monotonic() + 30
+    for gw in started:
+        assert gw.log is not None
+        while "fenced serve: listening on" not in gw.log.read_text(errors="replace"):
+            if not gw.alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"fenced serve did not start:\n{gw.log_tail()}")
+            time.sleep(0.05)  # a poll interval, bounded by the deadline
+    return started
+
+
 def _redis_log(url: str) -> list[tuple[int, str]]:
     import redis
 
@@ -378,47 +523,74 @@ def _sql_log(path: Path) -> list[tuple[int, str]]:
 
 
 def _nemesis(
-    lab: Any, cluster: Any, d: Path, nodes: list[Any], duration: float, ttl: float,
+    lab: Any,
+    cluster: Any,
+    holder: Callable[[], str | None],
+    others: list[str],
+    duration: float,
+    ttl: float,
     nemeses: tuple[str, ...],
-) -> None:  # fmt: skip
-    """Faults, one after another, until ``duration`` is up (each bounded in time)."""
+    *,
+    gateway_of: dict[str, str] | None = None,
+    on_fault: Callable[[str, str, float], None] | None = None,
+) -> None:
+    """Faults, one after another, until ``duration`` is up (each bounded in time).
+
+    ``others`` are the nodes that are not members (clients, gateways, resources);
+    ``holder()`` names the client node holding the lock now (None: no one, or not known);
+    ``on_fault(kind, victim, seconds)`` is told of each fault as it begins.
+    """
     stop = threading.Event()
     end = time.monotonic() + duration
     members = [n.name for n in cluster.nodes]
-    clients = [n.name for n in nodes]
+    gateway_of = gateway_of or {}
     # A split lasts long enough that a cut-off holder's lease runs out and the majority
     # grants the lock again; an isolated leader, long enough for a new election (500 ms).
     lengths = {"split-minority-holder": ttl * 2 + 0.5, "isolate-leader": ttl + 0.5,
                "pause": 1.5, "flap": 1.8}  # fmt: skip
+    # Every kind runs at least once, even past ``end`` (never past ``hard_end``).
+    hard_end = end + sum(lengths[k] for k in nemeses) + 5.0
+    done: set[str] = set()
     for i in range(64):  # bounded in count as well as time
         now = time.monotonic()
-        if now + 1.0 >= end:
+        if now >= hard_end or (now + 1.0 >= end and done >= set(nemeses)):
             break
         kind = nemeses[i % len(nemeses)]
-        length = min(lengths[kind], end - now)
+        if kind in done and now + 1.0 >= end:
+            continue  # only the kinds not yet seen, past the end
+        length = lengths[kind] if kind not in done else min(lengths[kind], end - now)
+        done.add(kind)
         if kind == "isolate-leader":
             leader = cluster.leader(timeout=5)
-            lab.partition([leader], [m for m in members if m != leader] + clients,
+            if on_fault:
+                on_fault("net-isolate", f"leader {leader} alone", length)
+            lab.partition([leader], [m for m in members if m != leader] + others,
                           kind="isolate", detail=f"leader {leader} isolated")  # fmt: skip
             stop.wait(length)
             lab.heal()
         elif kind == "split-minority-holder":
-            holder = _wait_for(lambda: _holder(d, 0.5), min(4.0, end - now), stop)
-            if holder is None:
+            who = _wait_for(holder, min(4.0, end - now), stop)
+            if who is None:
                 continue
             leader = cluster.leader(timeout=5)
             follower = next(m for m in members if m != leader)
-            minority = [follower, holder]
-            majority = [m for m in members if m != follower] + [c for c in clients if c != holder]
-            lab.partition(minority, majority, kind="split",
-                          detail=f"2/1: {follower} and holder {holder} cut off")  # fmt: skip
+            minority = [follower, who] + ([gateway_of[who]] if who in gateway_of else [])
+            majority = [m for m in members + others if m not in minority]
+            detail = f"2/1: {', '.join(minority)} cut off"
+            if on_fault:
+                on_fault("net-split", detail, length)
+            lab.partition(minority, majority, kind="split", detail=detail)
             stop.wait(length)
             lab.heal()
         elif kind == "flap":
             victim = cluster.leader(timeout=5)
+            if on_fault:
+                on_fault("net-flap", f"{victim}'s link", length)
             lab.flap(victim, times=max(1, int(length / 0.6)), down=0.4, up=0.2, stop=stop)
         elif kind == "pause":
             victim = cluster.leader(timeout=5)
+            if on_fault:
+                on_fault("member-pause", f"{victim} SIGSTOP", length)
             lab.pause(cluster.member(victim), length, stop=stop)
         # Let the cluster settle before the next fault (bounded).
         with contextlib.suppress(Exception):
@@ -516,6 +688,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--plant", help=f"some of {', '.join(PLANTS)}, comma-separated")
     r.add_argument("--dir")
     r.add_argument("--nemeses", default=",".join(NEMESES))
+    r.add_argument("--gateways", action="store_true", help="clients go through fenced serve")
     args = p.parse_args(argv)
     if args.cmd == "client":
         asyncio.run(_client(args))
@@ -525,7 +698,7 @@ def main(argv: list[str] | None = None) -> int:
         sub_dir = None if args.dir is None else str(Path(args.dir) / f"run{i}")
         camp = run_campaign(
             args.source, args.resource, duration=args.duration, plant=args.plant,
-            directory=sub_dir, nemeses=tuple(args.nemeses.split(",")),
+            directory=sub_dir, nemeses=tuple(args.nemeses.split(",")), gateways=args.gateways,
         )  # fmt: skip
         print(json.dumps({"run": i, "summary": camp.summary(), "counts": camp.counts(),
                           "violations": camp.violations[:20], "known": camp.known[:20]}),
