@@ -132,7 +132,7 @@ async def _client(args: argparse.Namespace) -> None:
         for op in range(MAX_OPS):
             if time.monotonic() >= end:
                 break
-            lease = locks.lock(LOCK, ttl=args.ttl)
+            lease = locks.lock(LOCK, ttl=args.ttl, safety_margin=args.safety_margin)
             started = time.monotonic()
             try:
                 token = await lease.acquire(timeout=min(3.0, max(end - started, 0.1)))
@@ -279,6 +279,7 @@ def run_campaign(
     nemeses: tuple[str, ...] = NEMESES,
     directory: str | None = None,
     gateways: bool = False,
+    safety_margin: float | None = None,
 ) -> Campaign:
     """Run one bounded campaign and check it; see the module's docstring."""
     from fenced.testing.netclusters import EtcdNetCluster, RedisNet, ZooKeeperNetCluster
@@ -333,12 +334,16 @@ def run_campaign(
                     "--history", str(d / f"history-{node.name}.jsonl"),
                     "--duration", str(duration), "--ttl", str(ttl), "--hold", str(hold),
                     "--every", "0.1", *(["--plant", plant] if plant else []),
+                    *([] if safety_margin is None else ["--safety-margin", str(safety_margin)]),
                 ]  # fmt: skip
                 procs.append(lab.run(node, argv, log=d / f"{node.name}.log", env=_python_env()))
             stop = threading.Event()
             if _wait_for(lambda: _ready(d, clients), 30, stop) is None:
                 camp.violations.append("clients not ready in 30 s")
-            others = [n for n in lab.nodes if n not in {m.name for m in cluster.nodes}]
+            # The resource stays reachable from both sides (DDIA Figure 8-5: the cut-off
+            # holder can still write; only its guard may stop it).
+            skip = {m.name for m in cluster.nodes} | ({redis.node.name} if redis else set())
+            others = [n for n in lab.nodes if n not in skip]
             _nemesis(lab, cluster, lambda: _holder(d, 0.5), others, duration, ttl, nemeses,
                      gateway_of=gateway_of)  # fmt: skip
             deadline = time.monotonic() + ttl + hold + 20
@@ -460,7 +465,8 @@ def run_check(
                     faults.append("nemesis", kind=f"{kind} {detail}", victim="network",
                                   seconds=length)  # fmt: skip
 
-                others = [n for n in lab.nodes if n not in {m.name for m in cluster.nodes}]
+                skip = {m.name for m in cluster.nodes} | ({redis.node.name} if redis else set())
+                others = [n for n in lab.nodes if n not in skip]
                 # The kit's own clock runs from its start: leave it a second to finish.
                 _nemesis(lab, cluster, lambda: "ck", others, max(seconds - 3.0, 1.0), ttl,
                          nemeses, on_fault=on_fault)  # fmt: skip
@@ -642,7 +648,9 @@ def check(events: list[dict[str, Any]], register: list[tuple[int, str]]) -> list
             g = newer[0]
             bad.append(
                 f"lease overlap: {e['client']} had remaining()={e['remaining']:.2f} s for token "
-                f"{e['token']} {e['t'] - g['t']:.2f} s after {g['client']} was granted {g['token']}"
+                f"{e['token']} {e['t'] - g['t']:.2f} s after {g['client']} was granted "
+                f"{g['token']}: it counted on the lease {e['t'] + e['remaining'] - g['t']:.2f} s "
+                "into its successor's"
             )
     # Loss learnt in time: belief in the lease never outlives its promise (+ slack).
     promise: dict[tuple[str, int], float] = {}
@@ -679,6 +687,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--ttl", type=float, required=True)
     c.add_argument("--hold", type=float, required=True)
     c.add_argument("--every", type=float, default=0.1)
+    c.add_argument("--safety-margin", type=float, default=None)
     c.add_argument("--plant")
     r = sub.add_parser("run")
     r.add_argument("--source", choices=("etcd", "zookeeper"), default="etcd")
@@ -689,6 +698,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--dir")
     r.add_argument("--nemeses", default=",".join(NEMESES))
     r.add_argument("--gateways", action="store_true", help="clients go through fenced serve")
+    r.add_argument("--ttl", type=float, default=1.5)
+    r.add_argument("--safety-margin", type=float, default=None)
     args = p.parse_args(argv)
     if args.cmd == "client":
         asyncio.run(_client(args))
@@ -699,6 +710,7 @@ def main(argv: list[str] | None = None) -> int:
         camp = run_campaign(
             args.source, args.resource, duration=args.duration, plant=args.plant,
             directory=sub_dir, nemeses=tuple(args.nemeses.split(",")), gateways=args.gateways,
+            ttl=args.ttl, safety_margin=args.safety_margin,
         )  # fmt: skip
         print(json.dumps({"run": i, "summary": camp.summary(), "counts": camp.counts(),
                           "violations": camp.violations[:20], "known": camp.known[:20]}),
