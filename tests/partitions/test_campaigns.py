@@ -23,6 +23,7 @@ pytestmark = [
 ]
 RUNS = int(os.environ.get("FENCED_PARTITION_RUNS", "1"))
 SECONDS = float(os.environ.get("FENCED_PARTITION_SECONDS", "8"))
+TTL = float(os.environ.get("FENCED_PARTITION_TTL", "1"))  # the long runs: 1.5
 
 
 @pytest.mark.parametrize(
@@ -37,7 +38,7 @@ def test_campaign_keeps_every_invariant(
     gateways, the lock holder's on the minority side of each split with it."""
     for run in range(RUNS):
         camp = run_campaign(
-            source, resource, duration=SECONDS, gateways=gateways,
+            source, resource, duration=SECONDS, gateways=gateways, ttl=TTL,
             directory=str(tmp_path / f"{run}"),
         )  # fmt: skip
         print(camp.summary())
@@ -53,7 +54,7 @@ def test_planted_clients_are_caught(tmp_path: Path) -> None:
     minority holder still believes past its remaining(), and its writes land after the new
     holder's."""
     camp = run_campaign(
-        "etcd", "sql", duration=6, plant="ignore-loss,unguarded",
+        "etcd", "sql", duration=6, ttl=TTL, plant="ignore-loss,unguarded",
         nemeses=("split-minority-holder",), directory=str(tmp_path),
     )  # fmt: skip
     print(camp.summary())
@@ -67,7 +68,7 @@ def test_fenced_check_runs_through_the_lab(tmp_path: Path) -> None:
     the lab's nemesis cuts it off with a minority member, isolates the leader, pauses and
     flaps members; its HTML report draws those partitions on its timeline."""
     run = run_check(
-        "etcd", "sql", seconds=6, directory=str(tmp_path),
+        "etcd", "sql", seconds=6, ttl=TTL, directory=str(tmp_path),
         nemeses=("split-minority-holder", "isolate-leader"),
     )  # fmt: skip
     assert run.returncode == 0, run.output

@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Final, TypeVar
 
+from fenced._errors import ConfigurationError
+
 __all__ = [
     "Fault",
     "NetLab",
@@ -224,7 +226,7 @@ class NetLab:
 
     def __init__(self, name: str = "lab") -> None:
         if not re.fullmatch(r"[a-z0-9]{1,12}", name):
-            raise ValueError(f"lab name {name!r}: 1-12 lower-case letters or digits")
+            raise ConfigurationError(f"lab name {name!r}: 1-12 lower-case letters or digits")
         reap_stale()
         ticks = _start_ticks(os.getpid())
         assert ticks is not None
@@ -251,10 +253,10 @@ class NetLab:
     def add(self, name: str) -> Node:
         """A new node on the bridge, with the next address; its loopback is up too."""
         if not re.fullmatch(r"[a-z0-9]{1,10}", name) or name in self.nodes or name == "hub":
-            raise ValueError(f"node name {name!r}: new, 1-10 lower-case letters or digits")
+            raise ConfigurationError(f"node name {name!r}: new, 1-10 lower-case letters or digits")
         n = len(self.nodes) + 1
         if n > _MAX_NODES:
-            raise ValueError(f"a lab holds at most {_MAX_NODES} nodes")
+            raise ConfigurationError(f"a lab holds at most {_MAX_NODES} nodes")
         node = Node(name, f"{self._base}-{name}", f"{SUBNET}.{n}", f"v{n}")
         _ip("netns", "add", node.ns)
         self.nodes[name] = node
@@ -404,7 +406,7 @@ class NetLab:
         """Take ``name``'s link down for ``down`` s and up for ``up`` s, ``times`` times
         (bounded: at most ``times`` rounds, stopped early by ``stop``). Blocks until done."""
         if times < 1 or times > 1000 or down <= 0 or up < 0:
-            raise ValueError("flap: 1..1000 times, down > 0, up >= 0")
+            raise ConfigurationError("flap: 1..1000 times, down > 0, up >= 0")
         fault = Fault("flap", f"{name} x{times} ({down:g}s down/{up:g}s up)", time.monotonic(),
                       sides=[[name]])  # fmt: skip
         self.faults.append(fault)

@@ -46,6 +46,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+from fenced._errors import ConfigurationError
+
 __all__ = ["LOSS_SLACK", "Campaign", "CheckRun", "check", "run_campaign", "run_check"]
 
 LOCK: Final = "partitioned"
@@ -286,11 +288,11 @@ def run_campaign(
     from fenced.testing.netns import NetLab
 
     if plant is not None and not set(plant.split(",")) <= set(PLANTS):
-        raise ValueError(f"plant {plant!r}: some of {', '.join(PLANTS)}, comma-separated")
+        raise ConfigurationError(f"plant {plant!r}: some of {', '.join(PLANTS)}, comma-separated")
     if not set(nemeses) <= set(NEMESES) or not nemeses:
-        raise ValueError(f"nemeses {nemeses!r}: some of {', '.join(NEMESES)}")
+        raise ConfigurationError(f"nemeses {nemeses!r}: some of {', '.join(NEMESES)}")
     if not 1 <= clients <= 20 or not 1 <= duration <= 3600:
-        raise ValueError("clients 1..20, duration 1..3600 s")
+        raise ConfigurationError("clients 1..20, duration 1..3600 s")
     d = Path(directory or tempfile.mkdtemp(prefix="fenced-partitions-"))
     d.mkdir(parents=True, exist_ok=True)
     camp = Campaign(source, resource, d)
@@ -420,7 +422,7 @@ def run_check(
     from fenced.testing.netns import NetLab
 
     if not set(nemeses) <= set(NEMESES) or not nemeses:
-        raise ValueError(f"nemeses {nemeses!r}: some of {', '.join(NEMESES)}")
+        raise ConfigurationError(f"nemeses {nemeses!r}: some of {', '.join(NEMESES)}")
     d = Path(directory or tempfile.mkdtemp(prefix="fenced-partitions-check-"))
     d.mkdir(parents=True, exist_ok=True)
     report = d / "report"
@@ -553,7 +555,7 @@ def _nemesis(
     # A split lasts long enough that a cut-off holder's lease runs out and the majority
     # grants the lock again; an isolated leader, long enough for a new election (500 ms).
     lengths = {"split-minority-holder": ttl * 2 + 0.5, "isolate-leader": ttl + 0.5,
-               "pause": 1.5, "flap": 1.8}  # fmt: skip
+               "pause": ttl, "flap": ttl + 0.3}  # fmt: skip
     # Every kind runs at least once, even past ``end`` (never past ``hard_end``).
     hard_end = end + sum(lengths[k] for k in nemeses) + 5.0
     done: set[str] = set()
