@@ -26,6 +26,7 @@ SECONDS = float(os.environ.get("FENCED_PARTITION_SECONDS", "8"))
 TTL = float(os.environ.get("FENCED_PARTITION_TTL", "1"))  # the long runs: 1.5
 
 
+@pytest.mark.timeout(120 + RUNS * (SECONDS + 60))  # the long runs take their time
 @pytest.mark.parametrize(
     ("source", "resource", "gateways"),
     [("etcd", "sql", True), ("zookeeper", "redis", False)],
