@@ -24,7 +24,8 @@ demo: $(PY)
 
 # Debian packages for the real servers the tests start, strace for the fsync counts and
 # Chromium for the pictures' and the dashboard's rendering checks, Node and curl for the
-# non-Python clients of `fenced serve` (only when root; otherwise they must already be
+# non-Python clients of `fenced serve`, iproute2 for the partition harness's network
+# namespaces (only when root; otherwise they must already be
 # installed). PostgreSQL is looked for under /usr/lib/postgresql.
 servers:
 	@if [ "$$(id -u)" = 0 ]; then \
@@ -40,6 +41,7 @@ servers:
 	  command -v curl >/dev/null || missing="$$missing curl"; \
 	  command -v faketime >/dev/null || missing="$$missing faketime"; \
 	  PATH="$$PATH:/usr/sbin" command -v mariadbd >/dev/null || missing="$$missing mariadb-server"; \
+	  PATH="$$PATH:/usr/sbin:/sbin" command -v ip >/dev/null || missing="$$missing iproute2"; \
 	  if [ -n "$$missing" ]; then \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
 	  fi; \

@@ -73,6 +73,7 @@ _VERSION = rpc.Compare.VERSION
 _EQUAL = rpc.Compare.EQUAL
 _BY_CREATE = rpc.RangeRequest.CREATE
 _ASCEND = rpc.RangeRequest.ASCEND
+_LEAVE_WAIT = 0.25  # seconds acquire waits for a timed-out waiter's key to go, at most
 _DESCEND = rpc.RangeRequest.DESCEND
 
 
@@ -554,10 +555,13 @@ class EtcdBackend(Backend):
                 watch.cancel()
             if leave:
                 self._forget(hold)
-                if cancelling():
-                    self._client.spawn(self._leave(hold))
-                else:
-                    await self._leave(hold)
+                leaving = self._client.spawn(self._leave(hold))
+                if not cancelling():
+                    # Wait a little for the key to go (so the queue is tidy when acquire
+                    # returns), never long: a member cut off just before the deadline would
+                    # hold the caller past its timeout for up to retry_for (seen: a 3 s
+                    # timeout answered after 8 s). The leave goes on in the background.
+                    await asyncio.wait({leaving}, timeout=_LEAVE_WAIT)
 
     async def _still_there(self, watch: WatchHandle, before: Any) -> bool:
         """Does ``before`` still exist at or after the revision ``watch`` was registered at?

@@ -1,0 +1,725 @@
+"""A partition campaign: real clusters, real clients, real partitions, in a :class:`NetLab`.
+
+:func:`run_campaign` starts a three-member etcd or ZooKeeper cluster with one member per
+namespace, a guarded resource (a SQLite database under :class:`~fenced.guards.sql.SQLGuard`,
+or a Redis in its own namespace under :class:`~fenced.guards.redis.RedisGuard`) and client
+processes, each in its own namespace, that loop: acquire one lock from the cluster with the
+public fenced API, hold it (sampling ``remaining()`` and ``lease.lost``), write through the
+guard to a register that keeps its whole past, release. Meanwhile a nemesis, bounded in
+count and time, isolates the leader, splits the cluster 2/1 with the lock holder on the
+minority side, flaps a member's link and pauses a member with SIGSTOP.
+
+Every event goes to ``history-<client>.jsonl`` (one ``O_APPEND`` write each, so a killed
+client loses nothing the kernel has) with ``time.monotonic()`` times: one clock for the
+machine, shared with the nemesis's fault intervals. :func:`check` reads them with the
+register's final state and returns the violations of:
+
+* **tokens rising** — a grant that began after another ended has the higher token;
+* **no stale write accepted** — the register's accepted tokens never go down;
+* **no acknowledged write lost** — every acknowledged write is in the register;
+* **the holder can write** — a refusal names a token lower than one already granted;
+* **leases exclusive** — while ``remaining()`` > 0 no higher token was granted to anyone
+  (a lease is "surely held"; fencing refuses the writes of an overlap all the same);
+* **loss learnt in time** — a client that still believes it holds the lease (its
+  ``lease.lost`` not set) at time t had promised, by some earlier ``remaining()``, to hold
+  it until at least t − ``LOSS_SLACK``; its ``lost`` is set by then too.
+
+Plants (``plant=``): ``ignore-loss`` (clients that never look at ``lease.lost`` and keep
+writing), ``unguarded`` (writes without the guard's check): the checks must fail.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+from fenced._errors import ConfigurationError
+
+__all__ = ["LOSS_SLACK", "Campaign", "CheckRun", "check", "run_campaign", "run_check"]
+
+LOCK: Final = "partitioned"
+RESOURCE: Final = "register"
+LOSS_SLACK: Final = 0.25
+"""Scheduling slack (s) between a lease's promised end and ``lost`` being set: the renewal's
+timeout fires on the event loop of a process sharing loaded cores."""
+PLANTS: Final = ("ignore-loss", "unguarded")
+NEMESES: Final = ("split-minority-holder", "isolate-leader", "pause", "flap")
+KNOWN_OPEN: Final = {"zookeeper": ("lease overlap",)}
+"""Findings the campaign reports apart (``Campaign.known``) because they are open issues of a
+source, documented in docs/verification-partitions.md; every other finding is a violation."""
+MAX_OPS: Final = 10_000  # per client: a bound on its loop besides its deadline
+
+
+# -- the client process ---------------------------------------------------------------------
+
+
+class _History:
+    def __init__(self, path: str, client: str) -> None:
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self.client = client
+
+    def __call__(self, kind: str, **fields: Any) -> None:
+        event = {"t": time.monotonic(), "client": self.client, "kind": kind, **fields}
+        os.write(self.fd, (json.dumps(event) + "\n").encode())
+
+
+class _SQLRegister:
+    def __init__(self, path: str, unguarded: bool) -> None:
+        from fenced.guards.sql import SQLGuard
+
+        self.db = sqlite3.connect(path, timeout=10, isolation_level=None, check_same_thread=False)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.guard = SQLGuard(RESOURCE, lock=LOCK)
+        self.unguarded = unguarded
+
+    def write(self, token: Any, value: str) -> None:
+        db = self.db
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            if not self.unguarded:
+                self.guard.check(db, token=token)
+            db.execute("INSERT INTO reg(token, value) VALUES (?, ?)", (token.value, value))
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
+
+
+_REDIS_APPEND: Final = "redis.call('RPUSH', KEYS[1], ARGV[1] .. ':' .. ARGV[2]) return 1"
+
+
+class _RedisRegister:
+    def __init__(self, url: str, unguarded: bool) -> None:
+        import redis
+
+        from fenced.guards.redis import RedisGuard
+
+        self.client = redis.Redis.from_url(url, socket_timeout=5)
+        self.guard = RedisGuard(self.client, RESOURCE, LOCK)
+        self.unguarded = unguarded
+
+    def write(self, token: Any, value: str) -> None:
+        if self.unguarded:
+            self.client.rpush("{register}:log", f"{token.value}:{value}")
+        else:
+            self.guard.eval(_REDIS_APPEND, ["{register}:log"], [token.value, value], token=token)
+
+
+async def _client(args: argparse.Namespace) -> None:
+    import fenced
+    from fenced import BackendUnavailable, LeaseLostError, LockTimeout, StaleTokenError
+
+    record = _History(args.history, args.name)
+    plants = set(filter(None, (args.plant or "").split(",")))
+    unguarded = "unguarded" in plants
+    kind, _, where = args.resource.partition(":")
+    register = _SQLRegister(where, unguarded) if kind == "sql" else _RedisRegister(where, unguarded)
+    ignore_loss = "ignore-loss" in plants
+    end = time.monotonic() + args.duration
+    record("ready")
+    async with fenced.connect_async(args.source, connect_timeout=10) as locks:
+        for op in range(MAX_OPS):
+            if time.monotonic() >= end:
+                break
+            lease = locks.lock(LOCK, ttl=args.ttl, safety_margin=args.safety_margin)
+            started = time.monotonic()
+            try:
+                token = await lease.acquire(timeout=min(3.0, max(end - started, 0.1)))
+            except (LockTimeout, BackendUnavailable, LeaseLostError) as exc:
+                record("acquire-failed", start=started, error=type(exc).__name__)
+                continue
+            record("grant", start=started, token=token.value, remaining=lease.remaining())
+            lost_at: list[float] = []
+
+            def on_lost(_: BaseException, box: list[float] = lost_at) -> None:
+                box.append(time.monotonic())
+
+            lease.add_lost_hook(on_lost)
+            # A client that ignores its loss also holds on for longer, as such a client would
+            # (its stale writes then meet the next holder's).
+            hold_end = time.monotonic() + args.hold + (3 * args.ttl if ignore_loss else 0.0)
+            n = 0
+            while time.monotonic() < min(hold_end, end + 3 * args.ttl) and n < 1000:
+                n += 1
+                believes = ignore_loss or not lease.lost.is_set()
+                record("sample", token=token.value, remaining=lease.remaining(), believes=believes)
+                if lost_at and not ignore_loss:
+                    record("lost", token=token.value, at=lost_at[0])
+                    break
+                if believes:
+                    value = f"{args.name}.{op}.{n}"
+                    w0 = time.monotonic()
+                    try:
+                        await asyncio.to_thread(register.write, token, value)
+                    except StaleTokenError:
+                        record("write", start=w0, token=token.value, value=value, result="refused")
+                    except Exception as exc:  # unknown outcome: recorded, not acknowledged
+                        record("write", start=w0, token=token.value, value=value,
+                               result="unknown", error=type(exc).__name__)  # fmt: skip
+                    else:
+                        record("write", start=w0, token=token.value, value=value, result="ok")
+                await asyncio.sleep(args.every)
+            if not lease.lost.is_set():
+                record("releasing", token=token.value)
+                with contextlib.suppress(Exception):
+                    await lease.release()
+            elif lost_at and ignore_loss:
+                record("lost-ignored", token=token.value, at=lost_at[0])
+    record("done")
+
+
+# -- the campaign ---------------------------------------------------------------------------
+
+
+@dataclass
+class Campaign:
+    source: str  # etcd | zookeeper
+    resource: str  # sql | redis
+    dir: Path
+    events: list[dict[str, Any]] = field(default_factory=list)
+    register: list[tuple[int, str]] = field(default_factory=list)
+    faults: list[dict[str, Any]] = field(default_factory=list)
+    violations: list[str] = field(default_factory=list)
+    known: list[str] = field(default_factory=list)
+    start: float = 0.0
+    end: float = 0.0
+    setup: float = 0.0  # seconds to start the cluster, resource, gateways
+
+    def counts(self) -> dict[str, int]:
+        kinds: dict[str, int] = {}
+        for e in self.events:
+            k = e["kind"] if e["kind"] != "write" else f"write-{e['result']}"
+            kinds[k] = kinds.get(k, 0) + 1
+        kinds["faults"] = len(self.faults)
+        return kinds
+
+    def summary(self) -> str:
+        c = self.counts()
+        return (
+            f"{self.source}+{self.resource}: {c.get('grant', 0)} grants, "
+            f"{c.get('write-ok', 0)} writes accepted, {c.get('write-refused', 0)} refused, "
+            f"{c.get('write-unknown', 0)} unknown, {c.get('lost', 0)} leases lost, "
+            f"{len(self.faults)} faults ({', '.join(sorted({f['kind'] for f in self.faults}))}) "
+            f"in {self.end - self.start:.1f} s (+{self.setup:.1f} s setup); "
+            + (
+                "every invariant held"
+                if not self.violations
+                else f"{len(self.violations)} violations"
+            )
+            + (f" ({len(self.known)} known open: {self.known[0]})" if self.known else "")
+        )
+
+
+def _python_env() -> dict[str, str]:
+    env = dict(os.environ)
+    here = str(Path(__file__).resolve().parents[2])  # the directory holding ``fenced``
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def _read_events(directory: Path) -> list[dict[str, Any]]:
+    events = []
+    for path in sorted(directory.glob("history-*.jsonl")):
+        for line in path.read_text().splitlines():
+            with contextlib.suppress(ValueError):
+                events.append(json.loads(line))  # a torn last line of a killed client
+    events.sort(key=lambda e: e["t"])
+    return events
+
+
+def _holder(directory: Path, fresh: float) -> str | None:
+    """The client that holds the lock now and was granted it less than ``fresh`` s ago, by
+    its own history (so a partition begun now cuts it off for most of its hold)."""
+    current: dict[str, float | None] = {}
+    for e in _read_events(directory):
+        if e["kind"] == "grant":
+            current[e["client"]] = e["t"]
+        elif e["kind"] in ("releasing", "lost", "lost-ignored", "done"):
+            current[e["client"]] = None
+    now = time.monotonic()
+    held = [c for c, t in current.items() if t is not None and now - t < fresh]
+    return held[-1] if held else None
+
+
+def _ready(directory: Path, clients: int) -> bool:
+    ready: int = sum(e["kind"] == "ready" for e in _read_events(directory))
+    return ready >= clients
+
+
+def _wait_for(cond: Any, timeout: float, stop: threading.Event) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not stop.is_set():
+        value = cond()
+        if value:
+            return value
+        stop.wait(0.05)  # a poll interval, bounded by the deadline
+    return None
+
+
+def run_campaign(
+    source: str = "etcd",
+    resource: str = "sql",
+    *,
+    clients: int = 3,
+    duration: float = 14.0,
+    ttl: float = 1.5,
+    hold: float = 2.0,
+    plant: str | None = None,
+    nemeses: tuple[str, ...] = NEMESES,
+    directory: str | None = None,
+    gateways: bool = False,
+    safety_margin: float | None = None,
+) -> Campaign:
+    """Run one bounded campaign and check it; see the module's docstring."""
+    from fenced.testing.netclusters import EtcdNetCluster, RedisNet, ZooKeeperNetCluster
+    from fenced.testing.netns import NetLab
+
+    if plant is not None and not set(plant.split(",")) <= set(PLANTS):
+        raise ConfigurationError(f"plant {plant!r}: some of {', '.join(PLANTS)}, comma-separated")
+    if not set(nemeses) <= set(NEMESES) or not nemeses:
+        raise ConfigurationError(f"nemeses {nemeses!r}: some of {', '.join(NEMESES)}")
+    if not 1 <= clients <= 20 or not 1 <= duration <= 3600:
+        raise ConfigurationError("clients 1..20, duration 1..3600 s")
+    d = Path(directory or tempfile.mkdtemp(prefix="fenced-partitions-"))
+    d.mkdir(parents=True, exist_ok=True)
+    camp = Campaign(source, resource, d)
+    with NetLab(source[:4] + resource[:3]) as lab:
+        cluster = (EtcdNetCluster if source == "etcd" else ZooKeeperNetCluster)(lab)
+        redis = None
+        procs: list[Any] = []
+        setup_start = time.monotonic()
+        try:
+            cluster.start()
+            if resource == "redis":
+                redis = RedisNet(lab)
+                res = f"redis:{redis.url}"
+            else:
+                db = d / "register.db"
+                conn = sqlite3.connect(db, isolation_level=None)
+                conn.execute("PRAGMA journal_mode=WAL")
+                conn.execute("CREATE TABLE reg(n INTEGER PRIMARY KEY, token INTEGER, value TEXT)")
+                from fenced.guards.sql import SQLGuard
+
+                SQLGuard(RESOURCE, lock=LOCK).install(conn)
+                conn.close()
+                res = f"sql:{db}"
+            gateway_of: dict[str, str] = {}
+            urls = {}
+            if gateways:
+                for gw in _start_gateways(lab, ["g1", "g2"], cluster.url, d):
+                    procs.append(gw)
+                    urls[gw.node.name] = f"http://{gw.node.addr}:{GATEWAY_PORT}"
+            nodes = [lab.add(f"c{i + 1}") for i in range(clients)]
+            camp.start = time.monotonic()
+            camp.setup = camp.start - setup_start
+            for i, node in enumerate(nodes):
+                url = cluster.url
+                if gateways:
+                    gateway_of[node.name] = g = f"g{i % 2 + 1}"
+                    url = urls[g]
+                argv = [
+                    sys.executable, "-m", "fenced.testing.partitions", "client",
+                    "--name", node.name, "--source", url, "--resource", res,
+                    "--history", str(d / f"history-{node.name}.jsonl"),
+                    "--duration", str(duration), "--ttl", str(ttl), "--hold", str(hold),
+                    "--every", "0.1", *(["--plant", plant] if plant else []),
+                    *([] if safety_margin is None else ["--safety-margin", str(safety_margin)]),
+                ]  # fmt: skip
+                procs.append(lab.run(node, argv, log=d / f"{node.name}.log", env=_python_env()))
+            stop = threading.Event()
+            if _wait_for(lambda: _ready(d, clients), 30, stop) is None:
+                camp.violations.append("clients not ready in 30 s")
+            # The resource stays reachable from both sides (DDIA Figure 8-5: the cut-off
+            # holder can still write; only its guard may stop it).
+            skip = {m.name for m in cluster.nodes} | ({redis.node.name} if redis else set())
+            others = [n for n in lab.nodes if n not in skip]
+            _nemesis(lab, cluster, lambda: _holder(d, 0.5), others, duration, ttl, nemeses,
+                     gateway_of=gateway_of)  # fmt: skip
+            deadline = time.monotonic() + ttl + hold + 20
+            for p in procs:
+                if p.node.name in gateway_of.values():
+                    continue  # stopped with the lab
+                with contextlib.suppress(Exception):
+                    p.proc.wait(max(deadline - time.monotonic(), 0.1))
+                if p.alive():
+                    camp.violations.append(f"client {p.node.name} did not stop by itself")
+                    p.kill()
+                elif p.proc.returncode != 0:
+                    camp.violations.append(
+                        f"client {p.node.name} exited {p.proc.returncode}: {p.log_tail(5)}"
+                    )
+            camp.end = time.monotonic()
+            lab.end_faults()
+            camp.faults = [f.as_dict() for f in lab.faults]
+            if redis is not None:
+                found = lab.call(redis.node, lambda: _redis_log(redis.url))
+            else:
+                found = _sql_log(d / "register.db")
+            camp.register = found
+        finally:
+            cluster.close()
+            if redis is not None:
+                redis.close()
+    camp.events = _read_events(d)
+    open_issues = KNOWN_OPEN.get(source, ())
+    for finding in check(camp.events, camp.register):
+        (camp.known if finding.startswith(open_issues) else camp.violations).append(finding)
+    (d / "faults.json").write_text(json.dumps(camp.faults))
+    (d / "register.json").write_text(json.dumps(camp.register))
+    (d / "violations.json").write_text(json.dumps({"violations": camp.violations,
+                                                   "known": camp.known}))  # fmt: skip
+    return camp
+
+
+GATEWAY_PORT: Final = 7400
+
+
+@dataclass
+class CheckRun:
+    """A ``fenced check`` run inside a lab: its exit status, report directory and faults."""
+
+    returncode: int
+    report: Path
+    faults: list[dict[str, Any]]
+    output: str
+
+
+def run_check(
+    source: str = "etcd",
+    resource: str = "sql",
+    *,
+    seconds: float = 12.0,
+    ttl: float = 1.5,
+    workers: int = 3,
+    kit_nemesis: str = "pause",
+    plant: str = "",
+    nemeses: tuple[str, ...] = NEMESES,
+    gateway: bool = False,
+    directory: str | None = None,
+) -> CheckRun:
+    """``fenced check`` (its public command line, unchanged) run in a namespace of its own
+    against a 3-member cluster in the lab, while this module's nemesis partitions the cluster
+    around it (the check's namespace on the minority side of each split). Each fault is also
+    written to the check's ``history.jsonl`` as a ``nemesis`` event, so its HTML report draws
+    the partitions on its timeline. ``gateway``: the check's workers go through ``fenced
+    serve`` in another namespace (the gateway stays on the majority side).
+    """
+    from fenced.testing.check._history import History
+    from fenced.testing.netclusters import EtcdNetCluster, RedisNet, ZooKeeperNetCluster
+    from fenced.testing.netns import NetLab
+
+    if not set(nemeses) <= set(NEMESES) or not nemeses:
+        raise ConfigurationError(f"nemeses {nemeses!r}: some of {', '.join(NEMESES)}")
+    d = Path(directory or tempfile.mkdtemp(prefix="fenced-partitions-check-"))
+    d.mkdir(parents=True, exist_ok=True)
+    report = d / "report"
+    history = report / "history.jsonl"
+    with NetLab("ck" + source[:4]) as lab:
+        cluster = (EtcdNetCluster if source == "etcd" else ZooKeeperNetCluster)(lab)
+        redis = None
+        try:
+            cluster.start()
+            if resource == "redis":
+                redis = RedisNet(lab)
+                res = redis.url
+            else:
+                res = f"sql+sqlite:///{d / 'register.db'}?table=fenced_check"
+            url = cluster.url
+            if gateway:
+                (gw,) = _start_gateways(lab, ["g1"], cluster.url, d)
+                url = f"http://{gw.node.addr}:{GATEWAY_PORT}"
+            node = lab.add("ck")
+            argv = [
+                sys.executable, "-m", "fenced", "check", "--source", url, "--resource", res,
+                "--time", str(seconds), "--ttl", str(ttl), "--workers", str(workers),
+                "--nemesis", kit_nemesis, "--report", str(report),
+                *(["--plant", plant] if plant else []),
+            ]  # fmt: skip
+            out_log = d / "check.log"
+            proc = lab.run(node, argv, log=out_log, env=_python_env())
+            stop = threading.Event()
+
+            def started() -> bool:
+                try:
+                    return '"op":"grant"' in history.read_text()
+                except OSError:
+                    return False
+
+            if _wait_for(started, 60, stop) and proc.alive():
+                faults = History(history, "nemesis")
+
+                def on_fault(kind: str, detail: str, length: float) -> None:
+                    # One lane, "network", for every fault of the lab; the kind (which the
+                    # report shows as the band's title) carries the detail.
+                    faults.append("nemesis", kind=f"{kind} {detail}", victim="network",
+                                  seconds=length)  # fmt: skip
+
+                skip = {m.name for m in cluster.nodes} | ({redis.node.name} if redis else set())
+                others = [n for n in lab.nodes if n not in skip]
+                # The kit's own clock runs from its start: leave it a second to finish.
+                _nemesis(lab, cluster, lambda: "ck", others, max(seconds - 3.0, 1.0), ttl,
+                         nemeses, on_fault=on_fault)  # fmt: skip
+                faults.close()
+            try:
+                code = proc.proc.wait(seconds + 120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                code = -9
+            lab.end_faults()
+            return CheckRun(code, report, [f.as_dict() for f in lab.faults],
+                            out_log.read_text(errors="replace"))  # fmt: skip
+        finally:
+            cluster.close()
+            if redis is not None:
+                redis.close()
+
+
+def _start_gateways(lab: Any, names: list[str], source_url: str, d: Path) -> list[Any]:
+    """``fenced serve`` in a node of its own each (started together, then awaited), in front
+    of the cluster, without API keys: the lab's network is reachable from nowhere else."""
+    started = []
+    for name in names:
+        node = lab.add(name)
+        argv = [
+            sys.executable, "-m", "fenced", "serve", "--url", source_url,
+            "--listen", f"{node.addr}:{GATEWAY_PORT}", "--insecure-no-auth",
+        ]  # fmt: skip
+        started.append(lab.run(node, argv, log=d / f"{name}.log", env=_python_env()))
+    deadline = time.monotonic() + 30
+    for gw in started:
+        assert gw.log is not None
+        while "fenced serve: listening on" not in gw.log.read_text(errors="replace"):
+            if not gw.alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"fenced serve did not start:\n{gw.log_tail()}")
+            time.sleep(0.05)  # a poll interval, bounded by the deadline
+    return started
+
+
+def _redis_log(url: str) -> list[tuple[int, str]]:
+    import redis
+
+    client = redis.Redis.from_url(url, socket_timeout=5)
+    out = []
+    for raw in client.lrange("{register}:log", 0, -1):
+        text = raw.decode() if isinstance(raw, bytes) else str(raw)
+        tok, _, value = text.partition(":")
+        out.append((int(tok), value))
+    return out
+
+
+def _sql_log(path: Path) -> list[tuple[int, str]]:
+    conn = sqlite3.connect(path)
+    try:
+        return [
+            (int(t), str(v)) for t, v in conn.execute("SELECT token, value FROM reg ORDER BY n")
+        ]
+    finally:
+        conn.close()
+
+
+def _nemesis(
+    lab: Any,
+    cluster: Any,
+    holder: Callable[[], str | None],
+    others: list[str],
+    duration: float,
+    ttl: float,
+    nemeses: tuple[str, ...],
+    *,
+    gateway_of: dict[str, str] | None = None,
+    on_fault: Callable[[str, str, float], None] | None = None,
+) -> None:
+    """Faults, one after another, until ``duration`` is up (each bounded in time).
+
+    ``others`` are the nodes that are not members (clients, gateways, resources);
+    ``holder()`` names the client node holding the lock now (None: no one, or not known);
+    ``on_fault(kind, victim, seconds)`` is told of each fault as it begins.
+    """
+    stop = threading.Event()
+    end = time.monotonic() + duration
+    members = [n.name for n in cluster.nodes]
+    gateway_of = gateway_of or {}
+    # A split lasts long enough that a cut-off holder's lease runs out and the majority
+    # grants the lock again; an isolated leader, long enough for a new election (500 ms).
+    lengths = {"split-minority-holder": ttl * 2 + 0.5, "isolate-leader": ttl + 0.5,
+               "pause": ttl, "flap": ttl + 0.3}  # fmt: skip
+    # Every kind runs at least once, even past ``end`` (never past ``hard_end``).
+    hard_end = end + sum(lengths[k] for k in nemeses) + 5.0
+    done: set[str] = set()
+    for i in range(64):  # bounded in count as well as time
+        now = time.monotonic()
+        if now >= hard_end or (now + 1.0 >= end and done >= set(nemeses)):
+            break
+        kind = nemeses[i % len(nemeses)]
+        if kind in done and now + 1.0 >= end:
+            continue  # only the kinds not yet seen, past the end
+        length = lengths[kind] if kind not in done else min(lengths[kind], end - now)
+        done.add(kind)
+        if kind == "isolate-leader":
+            leader = cluster.leader(timeout=5)
+            if on_fault:
+                on_fault("net-isolate", f"leader {leader} alone", length)
+            lab.partition([leader], [m for m in members if m != leader] + others,
+                          kind="isolate", detail=f"leader {leader} isolated")  # fmt: skip
+            stop.wait(length)
+            lab.heal()
+        elif kind == "split-minority-holder":
+            who = _wait_for(holder, min(4.0, end - now), stop)
+            if who is None:
+                continue
+            leader = cluster.leader(timeout=5)
+            follower = next(m for m in members if m != leader)
+            minority = [follower, who] + ([gateway_of[who]] if who in gateway_of else [])
+            majority = [m for m in members + others if m not in minority]
+            detail = f"2/1: {', '.join(minority)} cut off"
+            if on_fault:
+                on_fault("net-split", detail, length)
+            lab.partition(minority, majority, kind="split", detail=detail)
+            stop.wait(length)
+            lab.heal()
+        elif kind == "flap":
+            victim = cluster.leader(timeout=5)
+            if on_fault:
+                on_fault("net-flap", f"{victim}'s link", length)
+            lab.flap(victim, times=max(1, int(length / 0.6)), down=0.4, up=0.2, stop=stop)
+        elif kind == "pause":
+            victim = cluster.leader(timeout=5)
+            if on_fault:
+                on_fault("member-pause", f"{victim} SIGSTOP", length)
+            lab.pause(cluster.member(victim), length, stop=stop)
+        # Let the cluster settle before the next fault (bounded).
+        with contextlib.suppress(Exception):
+            cluster.leader(timeout=5)
+
+
+# -- the checker ----------------------------------------------------------------------------
+
+
+def check(events: list[dict[str, Any]], register: list[tuple[int, str]]) -> list[str]:
+    """The violations of the campaign's invariants (see the module docstring)."""
+    bad: list[str] = []
+    grants = [e for e in events if e["kind"] == "grant"]
+    # Tokens rising: a grant that began after another was received has a higher token.
+    by_end = sorted(grants, key=lambda g: g["t"])
+    for i, g in enumerate(by_end):
+        for h in by_end[i + 1 :]:
+            if h["start"] > g["t"] and h["token"] <= g["token"]:
+                bad.append(f"tokens: {h['client']} got {h['token']} after {g['token']} was granted")
+    # No stale write accepted: the register's tokens never go down.
+    for (a, _), (b, vb) in zip(register, register[1:], strict=False):
+        if b < a:
+            bad.append(f"stale write accepted: token {b} ({vb}) after {a}")
+    # No acknowledged write lost.
+    stored = {v for _, v in register}
+    for e in events:
+        if e["kind"] == "write" and e["result"] == "ok" and e["value"] not in stored:
+            bad.append(f"acknowledged write lost: {e['value']} (token {e['token']})")
+    # The holder can write: a refusal needs a higher token granted before the write ended.
+    for e in events:
+        if (
+            e["kind"] == "write"
+            and e["result"] == "refused"
+            and not any(g["token"] > e["token"] and g["t"] <= e["t"] for g in grants)
+        ):
+            bad.append(f"holder refused: {e['value']} with token {e['token']}")
+    # Leases exclusive: remaining() > 0 means "surely held", so no higher token may have
+    # been granted to anyone else by then (fencing still refuses the overlap's writes).
+    overlapped: set[tuple[str, int]] = set()
+    for e in events:
+        if e["kind"] != "sample" or e["remaining"] <= 0:
+            continue
+        key = (e["client"], e["token"])
+        if key in overlapped:
+            continue
+        newer = [g for g in grants if g["token"] > e["token"] and g["t"] < e["t"]]
+        if newer:
+            overlapped.add(key)
+            g = newer[0]
+            bad.append(
+                f"lease overlap: {e['client']} had remaining()={e['remaining']:.2f} s for token "
+                f"{e['token']} {e['t'] - g['t']:.2f} s after {g['client']} was granted "
+                f"{g['token']}: it counted on the lease {e['t'] + e['remaining'] - g['t']:.2f} s "
+                "into its successor's"
+            )
+    # Loss learnt in time: belief in the lease never outlives its promise (+ slack).
+    promise: dict[tuple[str, int], float] = {}
+    for e in events:
+        key = (e["client"], e.get("token", -1))
+        if e["kind"] in ("grant", "sample"):
+            if e["remaining"] > 0:
+                promise[key] = max(promise.get(key, 0.0), e["t"] + e["remaining"])
+            if e["kind"] == "sample" and e["believes"] and key in promise:
+                late = e["t"] - promise[key]
+                if late > LOSS_SLACK:
+                    bad.append(
+                        f"loss not learnt: {e['client']} still believed it held token "
+                        f"{e['token']} {late:.2f} s after remaining() said it would end"
+                    )
+                    promise[key] = float("inf")  # one report per lease
+        elif e["kind"] == "lost" and key in promise and e["at"] - promise[key] > LOSS_SLACK:
+            bad.append(
+                f"loss learnt late: {e['client']} token {e['token']} lost "
+                f"{e['at'] - promise[key]:.2f} s after its promise"
+            )
+    return bad
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fenced.testing.partitions")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("client")
+    c.add_argument("--name", required=True)
+    c.add_argument("--source", required=True)
+    c.add_argument("--resource", required=True)
+    c.add_argument("--history", required=True)
+    c.add_argument("--duration", type=float, required=True)
+    c.add_argument("--ttl", type=float, required=True)
+    c.add_argument("--hold", type=float, required=True)
+    c.add_argument("--every", type=float, default=0.1)
+    c.add_argument("--safety-margin", type=float, default=None)
+    c.add_argument("--plant")
+    r = sub.add_parser("run")
+    r.add_argument("--source", choices=("etcd", "zookeeper"), default="etcd")
+    r.add_argument("--resource", choices=("sql", "redis"), default="sql")
+    r.add_argument("--duration", type=float, default=14.0)
+    r.add_argument("--runs", type=int, default=1)
+    r.add_argument("--plant", help=f"some of {', '.join(PLANTS)}, comma-separated")
+    r.add_argument("--dir")
+    r.add_argument("--nemeses", default=",".join(NEMESES))
+    r.add_argument("--gateways", action="store_true", help="clients go through fenced serve")
+    r.add_argument("--ttl", type=float, default=1.5)
+    r.add_argument("--safety-margin", type=float, default=None)
+    args = p.parse_args(argv)
+    if args.cmd == "client":
+        asyncio.run(_client(args))
+        return 0
+    failed = 0
+    for i in range(max(1, min(args.runs, 1000))):
+        sub_dir = None if args.dir is None else str(Path(args.dir) / f"run{i}")
+        camp = run_campaign(
+            args.source, args.resource, duration=args.duration, plant=args.plant,
+            directory=sub_dir, nemeses=tuple(args.nemeses.split(",")), gateways=args.gateways,
+            ttl=args.ttl, safety_margin=args.safety_margin,
+        )  # fmt: skip
+        print(json.dumps({"run": i, "summary": camp.summary(), "counts": camp.counts(),
+                          "violations": camp.violations[:20], "known": camp.known[:20]}),
+              flush=True)  # fmt: skip
+        failed += bool(camp.violations)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
