@@ -101,7 +101,7 @@ class Violation:
 
     def key(self) -> str:
         """What identifies a violation in ALLOWED: no line number, which moves with edits."""
-        return f"{self.module}: {self.rule}: {self.what}"
+        return f"{self.module}: {self.rule}: {self.what.split(' (of ')[0]}"
 
 
 def modules(src: Path = SRC) -> dict[str, Path]:
@@ -211,7 +211,7 @@ def _check_node(
         owners = definers.get(node.attr, set())
         if owners and pkg not in owners and "facade" not in owners:
             yield Violation(
-                m, node.lineno, "private attribute", f".{node.attr} of {'/'.join(sorted(owners))}"
+                m, node.lineno, "private attribute", f".{node.attr} (of {'/'.join(sorted(owners))})"
             )
 
 
