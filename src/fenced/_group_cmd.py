@@ -2,7 +2,7 @@
 
 The configuration (epoch, members) lives in the token source, so ``status`` needs only the
 source; each member's marks and data are shown for the members given with ``--member
-NAME=URL`` (``redis://host:port/db``, ``postgresql://...``, ``sqlite:///path``,
+NAME=URL`` (``redis://host:port/db``, ``postgresql://...``, ``sqlite:////abs/path.db``,
 ``etcd://host:port``). ``remove`` and ``add`` change the configuration as the library does:
 they need every member that stays (to fence it) and every member added (to copy the data to).
 """
@@ -60,7 +60,7 @@ def member_from_url(url: str, resource: str, timeout: float = 5.0) -> tuple[Any,
         guard = EtcdGuard(urlsplit(url).netloc, resource, timeout=timeout)
         return guard, guard.close
     raise ConfigurationError(
-        f"unknown member URL {url.split('?')[0]!r}: redis://, postgresql://, sqlite:///, etcd://"
+        f"unknown member URL {url.split('?')[0]!r}: redis://, postgresql://, sqlite:////PATH, etcd://"
     )
 
 
@@ -103,9 +103,13 @@ class _Absent:
 
 
 def run_group(args: Any, url: str) -> int:
+    from .cli import _from_source
+
     validate_lock_name(args.name)
+    with _from_source(args):  # (not the members': their URLs are on the command line)
+        locks = _sync.connect(url, connect_timeout=max(args.timeout, 0.1))
     with (
-        _sync.connect(url, connect_timeout=max(args.timeout, 0.1)) as locks,
+        locks,
         _group(args, locks) as group,
     ):
         if args.action == "status":
