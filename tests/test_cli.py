@@ -60,6 +60,17 @@ def test_version(sqlite_url: str) -> None:
     assert out.returncode == 0 and out.stdout.strip() == f"fenced {fenced.__version__}"
 
 
+def test_the_version_is_cut_in_the_changelog() -> None:
+    """The running version has its own dated section, right under an Unreleased one (before:
+    0.1.0 while incompatible changes sat under Unreleased)."""
+    import re
+
+    headings = re.findall(r"^## (.+)$", (ROOT / "CHANGELOG.md").read_text(), flags=re.M)
+    assert headings[0] == "Unreleased"
+    assert re.fullmatch(rf"{re.escape(fenced.__version__)} - \d{{4}}-\d{{2}}-\d{{2}}", headings[1])
+    assert fenced.__version__ != "0.1.0"
+
+
 def test_lock_usage_errors(sqlite_url: str) -> None:
     assert run(["lock", "x"], sqlite_url).returncode == 2
     assert run(["lock", "x", "--ttl", "-1", "--", "true"], sqlite_url).returncode == 2

@@ -395,9 +395,9 @@ def _parser() -> argparse.ArgumentParser:
         description=(
             "Ask the token source about TOKEN (as $FENCING_TOKEN carries it): exit 0 if it is "
             "the live grant of its lock, 77 if a later grant exists (stale), 78 if it is "
-            "neither (released or expired, and no later grant known), 2 if it is malformed, "
+            "neither (released or expired, and no later grant known), 65 if it is malformed, "
             "above every grant the source knows (never issued), or, with a key, not well "
-            "signed by the source (unsigned, forged, or of another source). "
+            "signed by the source (unsigned, forged, or of another source); 2 is a usage error. "
             "A check is a snapshot: a resource that acts on it acts a moment later."
         ),
         epilog=_examples(
