@@ -801,6 +801,30 @@ def _from_source(args: argparse.Namespace) -> Iterator[None]:
         raise
 
 
+@contextlib.contextmanager
+def _named(variable: str) -> Iterator[None]:
+    """A configuration error caused by an environment variable's value names the variable."""
+    try:
+        yield
+    except ConfigurationError as exc:
+        if variable in str(exc):
+            raise
+        raise ConfigurationError(f"{variable}: {exc}") from None
+
+
+def _signing_key(args: argparse.Namespace) -> Any:
+    """The key of --signing-key, else of $FENCED_SIGNING_KEY (None: tokens are not signed),
+    read before the source is reached, so its errors are not taken for the source's."""
+    from ._signing import read_key
+
+    if args.signing_key:
+        return read_key(args.signing_key, args.signing_key)
+    if os.environ.get("FENCED_SIGNING_KEY"):
+        with _named("$FENCED_SIGNING_KEY"):
+            return read_key(os.environ["FENCED_SIGNING_KEY"], "$FENCED_SIGNING_KEY")
+    return None
+
+
 def _with_origin(text: str, exc: BaseException) -> str:
     origin = getattr(exc, "fenced_url_origin", None)
     return f"{text} (token source from {origin})" if origin else text
@@ -885,9 +909,9 @@ def _cmd_lock(args: argparse.Namespace) -> int:
     options: dict[str, Any] = {}
     if connect_timeout is not None:
         options["connect_timeout"] = connect_timeout
-    key_file = args.signing_key or os.environ.get("FENCED_SIGNING_KEY")
-    if key_file:
-        options["signing_key"] = key_file  # FENCING_TOKEN then carries the signed form
+    key = _signing_key(args)
+    if key is not None:
+        options["signing_key"] = key  # FENCING_TOKEN then carries the signed form
         options["source_id"] = _source_id(args)
     with _from_source(args), _sync.connect(url, **options) as locks:
         remaining = None if deadline is None else max(0.0, deadline - _clock.now())
@@ -1024,10 +1048,13 @@ def _cmd_check_token(args: argparse.Namespace) -> int:
     if args.verify_key:
         keys = [verify_key(path) for path in args.verify_key]
     elif os.environ.get("FENCED_VERIFY_KEY"):
-        keys = [verify_key(os.environ["FENCED_VERIFY_KEY"], "$FENCED_VERIFY_KEY")]
+        with _named("$FENCED_VERIFY_KEY"):
+            keys = [verify_key(os.environ["FENCED_VERIFY_KEY"], "$FENCED_VERIFY_KEY")]
     elif os.environ.get("FENCED_SIGNING_KEY"):
         # (the source's own key, private or public: its public half verifies)
-        keys = [public_half(read_key(os.environ["FENCED_SIGNING_KEY"], "$FENCED_SIGNING_KEY"))]
+        with _named("$FENCED_SIGNING_KEY"):
+            key = read_key(os.environ["FENCED_SIGNING_KEY"], "$FENCED_SIGNING_KEY")
+            keys = [public_half(key)]
     source_id = _source_id(args)
     if keys:
         options["verify"] = Keyring(
