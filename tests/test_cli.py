@@ -22,8 +22,10 @@ FENCED = [sys.executable, "-m", "fenced"]
 FENCED_SHELL = f"{sys.executable} -m fenced"  # the same, inside `sh -c`
 
 
-def run(args: list[str], url: str, **kw: object) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, FENCED_URL=url)
+def run(
+    args: list[str], url: str, env_extra: dict[str, str] | None = None, **kw: object
+) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, FENCED_URL=url, **(env_extra or {}))
     return subprocess.run(FENCED + args, env=env, capture_output=True, text=True, timeout=60, **kw)  # type: ignore[call-overload, no-any-return]
 
 
@@ -518,6 +520,15 @@ def test_errors_name_the_environment_variable_that_caused_them(tmp_path: Path) -
         ["group", "status", "g", "--member", "a=sqlite:///rel.db"], f"sqlite:///{tmp_path}/l.db"
     )
     assert out.returncode == 2 and "FENCED_URL" not in out.stderr, out.stderr
+    # the key variables likewise, and a missing file in words, not as Python's exception
+    for command, variable in (
+        (["lock", "x", "--", "true"], "FENCED_SIGNING_KEY"),
+        (["check-token", "x:1"], "FENCED_SIGNING_KEY"),
+        (["check-token", "x:1"], "FENCED_VERIFY_KEY"),
+    ):
+        out = run(command, f"sqlite:///{tmp_path}/l.db", env_extra={variable: "/no/such.key"})
+        assert out.returncode == 2 and f"${variable}: cannot read" in out.stderr, out.stderr
+        assert "FENCED_URL" not in out.stderr and "Errno" not in out.stderr, out.stderr
 
 
 def test_log_lines_say_fenced_once(sqlite_url: str, tmp_path: Path) -> None:
