@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -583,3 +584,24 @@ def test_a_password_in_the_query_is_never_printed(sqlite_url: str) -> None:
         out = run(["status", "--url", url], sqlite_url)
         assert out.returncode == 2 and "memory://x?" in out.stderr, out.stderr
         assert "hunter2" not in out.stderr + out.stdout
+
+
+def test_group_members_urls_from_files_and_never_their_passwords(
+    sqlite_url: str, tmp_path: Path
+) -> None:
+    """`fenced group --member NAME=@FILE`: a member's URL (and password) off the command line,
+    with the same rule as --url-file; a bad member URL never prints its password."""
+    member = tmp_path / "a.url"
+    member.write_text("redis://:hunter2-secret@127.0.0.1:1/0\n")
+    member.chmod(0o644)
+    out = run(["group", "status", "g", "--member", f"a=@{member}"], sqlite_url)
+    assert out.returncode == 2 and "chmod 600" in out.stderr, out.stderr
+    assert "hunter2" not in out.stderr
+    db = tmp_path / "a.db"
+    sqlite3.connect(db).close()
+    member.write_text(f"sqlite:///{db}\n")
+    out = run(["group", "status", "g", "--member", f"a=@{member}"], sqlite_url)
+    assert out.returncode == 0, out.stderr
+    for spec in ("a=mysql://u:hunter2-secret@h/db", "redis://:hunter2-secret@h"):
+        out = run(["group", "status", "g", "--member", spec], sqlite_url)
+        assert out.returncode == 2 and "hunter2" not in out.stderr, out.stderr

@@ -17,7 +17,9 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from . import _sync
+from ._backend import _redacted
 from ._errors import ConfigurationError
+from ._paths import read_url_file
 from ._token import validate_lock_name
 
 __all__ = ["member_from_url", "run_group"]
@@ -60,7 +62,7 @@ def member_from_url(url: str, resource: str, timeout: float = 5.0) -> tuple[Any,
         guard = EtcdGuard(urlsplit(url).netloc, resource, timeout=timeout)
         return guard, guard.close
     raise ConfigurationError(
-        f"unknown member URL {url.split('?')[0]!r}: redis://, postgresql://, sqlite:////PATH, etcd://"
+        f"unknown member URL {_redacted(url.split('?')[0])!r}: redis://, postgresql://, sqlite:////PATH, etcd://"
     )
 
 
@@ -74,7 +76,11 @@ def _group(args: Any, locks: _sync.Locks) -> Iterator[Any]:
         for spec in args.member:
             name, sep, url = spec.partition("=")
             if not sep or not name or not url:
-                raise ConfigurationError(f"--member takes NAME=URL, not {spec!r}")
+                raise ConfigurationError(
+                    f"--member takes NAME=URL or NAME=@FILE, not {_redacted(spec)!r}"
+                )
+            if url.startswith("@"):  # the URL in a file: its password off the command line
+                url = read_url_file(url[1:], f"--member {name}")
             guard, close = member_from_url(url, args.resource or args.name, args.timeout)
             members[name] = guard
             if close is not None:

@@ -702,7 +702,8 @@ def _parser() -> argparse.ArgumentParser:
         default=[],
         metavar="NAME=URL",
         help="how to reach a member: redis://h:p/db, postgresql://..., sqlite:////abs/path.db, "
-        "etcd://h:p (repeat; status shows these members' marks)",
+        "etcd://h:p, or NAME=@FILE: the URL read from FILE (mode 600 if it has a password), "
+        "off the command line (repeat; status shows these members' marks)",
     )
     group.add_argument("--resource", help="the members' guarded resource (default: GROUP)")
     _source_arguments(group)
