@@ -168,7 +168,8 @@ exit status (fenced's own outcomes never use 1, which commands use for their own
   70     another fenced error (EX_SOFTWARE)
   75     the lease was lost while the command ran; the command was terminated (EX_TEMPFAIL)
   124    the lock was not acquired within --timeout / -n (change it with -E, as flock -E)
-  126    the command could not be executed;  127: not found
+  126    the command could not be executed
+  127    the command was not found
   130    interrupted (Ctrl-C) while waiting for the lock
 """
 
@@ -205,10 +206,10 @@ def _url_arguments(parser: argparse.ArgumentParser) -> None:
 def _url(args: argparse.Namespace) -> str:
     """The token source's URL: --url, --url-file, $FENCED_URL, $FENCED_URL_FILE, else the
     machine's. Notes where it came from in ``args.url_origin``, for errors it causes."""
+    # None while the origin is on the command line, or named by the error itself (a URL file's)
+    args.url_origin = None
     if args.url:
-        args.url_origin = None  # (given on the command line: the caller sees it)
         return str(args.url)
-    args.url_origin = None  # (the errors of reading a URL file name it themselves)
     if args.url_file:
         url = read_url_file(args.url_file, "--url-file")
         args.url_origin = f"--url-file {args.url_file}"
