@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -22,8 +23,10 @@ FENCED = [sys.executable, "-m", "fenced"]
 FENCED_SHELL = f"{sys.executable} -m fenced"  # the same, inside `sh -c`
 
 
-def run(args: list[str], url: str, **kw: object) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, FENCED_URL=url)
+def run(
+    args: list[str], url: str, env_extra: dict[str, str] | None = None, **kw: object
+) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, FENCED_URL=url, **(env_extra or {}))
     return subprocess.run(FENCED + args, env=env, capture_output=True, text=True, timeout=60, **kw)  # type: ignore[call-overload, no-any-return]
 
 
@@ -58,6 +61,17 @@ def test_lock_timeout_has_its_own_exit_status(sqlite_url: str) -> None:
 def test_version(sqlite_url: str) -> None:
     out = run(["--version"], sqlite_url)
     assert out.returncode == 0 and out.stdout.strip() == f"fenced {fenced.__version__}"
+
+
+def test_the_version_is_cut_in_the_changelog() -> None:
+    """The running version has its own dated section, right under an Unreleased one (before:
+    0.1.0 while incompatible changes sat under Unreleased)."""
+    import re
+
+    headings = re.findall(r"^## (.+)$", (ROOT / "CHANGELOG.md").read_text(), flags=re.M)
+    assert headings[0] == "Unreleased"
+    assert re.fullmatch(rf"{re.escape(fenced.__version__)} - \d{{4}}-\d{{2}}-\d{{2}}", headings[1])
+    assert fenced.__version__ != "0.1.0"
 
 
 def test_lock_usage_errors(sqlite_url: str) -> None:
@@ -411,7 +425,8 @@ def test_another_fenced_error_exits_70(sqlite_url: str, tmp_path: Path) -> None:
 
 
 def test_check_token_exit_statuses(sqlite_url: str) -> None:
-    """`fenced check-token`: 0 current, 77 stale, 78 neither, 2 malformed or never issued."""
+    """`fenced check-token`: 0 current, 77 stale, 78 neither, 65 malformed or never issued,
+    2 a usage error (before: 2 for both, so a script could not tell them apart)."""
     with fenced.connect(sqlite_url) as locks:
         first = locks.lock("jobs", ttl=30)
         t1 = first.acquire()
@@ -423,6 +438,170 @@ def test_check_token_exit_statuses(sqlite_url: str) -> None:
             assert stale.returncode == 77
             doc = json.loads(stale.stdout)
             assert doc["verdict"] == "stale" and doc["highest"] == str(second.token)
+        # invalid tokens exit 65 (EX_DATAERR), apart from usage errors (2)
         forged = run(["check-token", "jobs:999999"], sqlite_url)
-        assert forged.returncode == 2 and "never-granted" in forged.stdout
-        assert run(["check-token", "jobs:0"], sqlite_url).returncode == 2
+        assert forged.returncode == 65 and "never-granted" in forged.stdout
+        assert run(["check-token", "jobs:0"], sqlite_url).returncode == 65
+        assert run(["check-token", "jobs:1", "--no-such-option"], sqlite_url).returncode == 2
+
+
+def test_quiet_nonblocking_lock_is_silent_for_cron(sqlite_url: str) -> None:
+    """`fenced lock -n -q -E 0` while held: exit 0 and nothing on stderr (cron mails any
+    output), as `flock -n -E 0`; without -q the line is still there for people; errors are
+    never silenced."""
+    with fenced.connect(sqlite_url) as locks, locks.lock("cron", ttl=30):
+        quiet = run(["lock", "-n", "-q", "-E", "0", "cron", "--", "true"], sqlite_url)
+        assert quiet.returncode == 0 and quiet.stderr == "" and quiet.stdout == ""
+        loud = run(["lock", "-n", "-E", "0", "cron", "--", "true"], sqlite_url)
+        assert loud.returncode == 0 and "not acquired within 0 s" in loud.stderr
+        assert run(["lock", "--quiet", "-n", "cron", "--", "true"], sqlite_url).returncode == 124
+    # the rightful run: acquired, the command runs
+    ran = run(["lock", "-n", "-q", "-E", "0", "cron", "--", "echo", "ran"], sqlite_url)
+    assert ran.returncode == 0 and ran.stdout == "ran\n"
+    bad = run(["lock", "-q", "cron", "--url", "nosuch://x", "--", "true"], sqlite_url)
+    assert bad.returncode == 2 and "unknown token source" in bad.stderr
+
+
+def test_url_from_a_file(sqlite_url: str, tmp_path: Path) -> None:
+    """--url-file / $FENCED_URL_FILE: the URL out of /proc/PID/cmdline. A file holding a
+    password that other users may read is refused (as ssh refuses such a key), without
+    printing the password; the same file at mode 600 is used."""
+    source = tmp_path / "source.url"
+    source.write_text(f"# the nightly jobs' source\n{sqlite_url}\n")
+    source.chmod(0o644)  # no password: readable is fine
+    env = {k: v for k, v in os.environ.items() if k != "FENCED_URL"}
+    out = subprocess.run([*FENCED, "lock", "a", "--url-file", str(source), "--", "true"],
+                         env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    with fenced.connect(sqlite_url) as locks:
+        assert locks.status("a").last_token is not None  # the file's source was used
+    env["FENCED_URL_FILE"] = str(source)
+    out = subprocess.run([*FENCED, "status", "--json"], env=env, capture_output=True,
+                         text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 0 and json.loads(out.stdout)[0]["name"] == "a", out.stderr
+
+    secret = tmp_path / "secret.url"
+    secret.write_text("redis://:hunter2-secret@127.0.0.1:1/0\n")
+    secret.chmod(0o640)
+    for args, extra in (
+        (["status", "--url-file", str(secret)], {}),
+        (["status"], {"FENCED_URL_FILE": str(secret)}),
+    ):
+        out = subprocess.run([*FENCED, *args], env={**env, **extra}, capture_output=True,
+                             text=True, timeout=60)  # fmt: skip
+        assert out.returncode == 2, out.stderr
+        assert "chmod 600" in out.stderr and "hunter2" not in out.stderr + out.stdout
+        assert len(out.stderr.splitlines()) == 1
+    secret.chmod(0o600)  # now it is read, and the source tried (nothing listens on port 1)
+    out = subprocess.run([*FENCED, "status", "--timeout", "1", "--url-file", str(secret)],
+                         env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 69 and "hunter2" not in out.stderr, out.stderr
+    assert f"(token source from --url-file {secret})" in out.stderr
+    both = subprocess.run([*FENCED, "status"], env={**env, "FENCED_URL": sqlite_url},
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert both.returncode == 2 and "unset one" in both.stderr
+    two = tmp_path / "two.url"
+    two.write_text(f"{sqlite_url}\n{sqlite_url}\n")
+    out = run(["status", "--url-file", str(two)], sqlite_url)
+    assert out.returncode == 2 and "one token source URL" in out.stderr
+    assert run(["status", "--url", sqlite_url, "--url-file", str(two)], sqlite_url).returncode == 2
+
+
+def test_errors_name_the_environment_variable_that_caused_them(tmp_path: Path) -> None:
+    out = run(["status"], "nosuch://x")
+    assert out.returncode == 2 and "(token source from $FENCED_URL)" in out.stderr, out.stderr
+    out = run(["lock", "x", "--timeout", "1", "--", "true"], "redis://127.0.0.1:1/0")
+    assert out.returncode == 69 and "$FENCED_URL" in out.stderr, out.stderr
+    # given on the command line, or not about the source: no mention of the variable
+    out = run(["status", "--url", "nosuch://x"], f"sqlite:///{tmp_path}/l.db")
+    assert out.returncode == 2 and "FENCED_URL" not in out.stderr
+    out = run(["lock", "bad name", "--", "true"], f"sqlite:///{tmp_path}/l.db")
+    assert out.returncode == 2 and "FENCED_URL" not in out.stderr
+    out = run(
+        ["group", "status", "g", "--member", "a=sqlite:///rel.db"], f"sqlite:///{tmp_path}/l.db"
+    )
+    assert out.returncode == 2 and "FENCED_URL" not in out.stderr, out.stderr
+    # the key variables likewise, and a missing file in words, not as Python's exception
+    for command, variable in (
+        (["lock", "x", "--", "true"], "FENCED_SIGNING_KEY"),
+        (["check-token", "x:1"], "FENCED_SIGNING_KEY"),
+        (["check-token", "x:1"], "FENCED_VERIFY_KEY"),
+    ):
+        out = run(command, f"sqlite:///{tmp_path}/l.db", env_extra={variable: "/no/such.key"})
+        assert out.returncode == 2 and f"${variable}: cannot read" in out.stderr, out.stderr
+        assert "FENCED_URL" not in out.stderr and "Errno" not in out.stderr, out.stderr
+
+
+def test_log_lines_say_fenced_once(sqlite_url: str, tmp_path: Path) -> None:
+    """Bug: `fenced: fenced: signing without source_id ...` (the logger's name repeated)."""
+    key = tmp_path / "k"
+    assert run(["keygen", "hmac", "k1", str(key)], sqlite_url).returncode == 0
+    env = {k: v for k, v in os.environ.items() if k != "FENCED_SOURCE_ID"}
+    env["FENCED_URL"] = sqlite_url
+    out = subprocess.run([*FENCED, "lock", "a", "--signing-key", str(key), "--", "true"],
+                         env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.startswith("fenced: signing without"), out.stderr
+    assert "fenced: fenced" not in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["lock", "x", "--timeout", "1e9", "--", "true"], "a timeout is 0 to 31536000 seconds"),
+        (["lock", "x", "--timeout", "-1", "--", "true"], "not '-1'"),
+        (["status", "--timeout", "-3"], "a timeout is 0 to"),
+        (["lock", "x", "--ttl", "0", "--", "true"], "a ttl is 0.1 to 86400 seconds, not '0'"),
+        (["poison", ".", "x", "--epoch", "seven"], "not a whole number: 'seven'"),
+    ],
+)
+def test_cli_messages_speak_no_python(sqlite_url: str, args: list[str], words: str) -> None:
+    """Bug: `timeout must be None or a number ... not 1000000000.0` (None, a float's repr)."""
+    out = run(args, sqlite_url)
+    assert out.returncode == 2 and words in out.stderr, out.stderr
+    for python in ("None", "int value", "float value", ".0 "):
+        assert python not in out.stderr, out.stderr
+
+
+def test_keygen_without_a_key_id(sqlite_url: str, tmp_path: Path) -> None:
+    """`fenced keygen hmac FILE`, as the top-level help shows it: a key with a fresh id."""
+    made = []
+    for name in ("a.key", "b.key"):
+        out = run(["keygen", "hmac", str(tmp_path / name)], sqlite_url)
+        assert out.returncode == 0, out.stderr
+        kid = (tmp_path / name).read_text().split()[3]
+        assert kid in out.stdout
+        made.append(kid)
+    assert made[0] != made[1]  # two keys of one day: apart, so they can rotate
+    out = run(["keygen", "ed25519", "ops-1", str(tmp_path / "e.key")], sqlite_url)
+    assert out.returncode == 0 and (tmp_path / "e.key.pub").read_text().split()[3] == "ops-1"
+    assert run(["keygen", "hmac", str(tmp_path / "a.key")], sqlite_url).returncode == 2
+
+
+def test_a_password_in_the_query_is_never_printed(sqlite_url: str) -> None:
+    """libpq takes ?password=: masked like user:password@ in every message."""
+    for url in ("memory://x?password=hunter2-secret", "memory://x?a=1&PWD=hunter2-secret"):
+        out = run(["status", "--url", url], sqlite_url)
+        assert out.returncode == 2 and "memory://x?" in out.stderr, out.stderr
+        assert "hunter2" not in out.stderr + out.stdout
+
+
+def test_group_members_urls_from_files_and_never_their_passwords(
+    sqlite_url: str, tmp_path: Path
+) -> None:
+    """`fenced group --member NAME=@FILE`: a member's URL (and password) off the command line,
+    with the same rule as --url-file; a bad member URL never prints its password."""
+    member = tmp_path / "a.url"
+    member.write_text("redis://:hunter2-secret@127.0.0.1:1/0\n")
+    member.chmod(0o644)
+    out = run(["group", "status", "g", "--member", f"a=@{member}"], sqlite_url)
+    assert out.returncode == 2 and "chmod 600" in out.stderr, out.stderr
+    assert "hunter2" not in out.stderr
+    db = tmp_path / "a.db"
+    sqlite3.connect(db).close()
+    member.write_text(f"sqlite:///{db}\n")
+    out = run(["group", "status", "g", "--member", f"a=@{member}"], sqlite_url)
+    assert out.returncode == 0, out.stderr
+    for spec in ("a=mysql://u:hunter2-secret@h/db", "redis://:hunter2-secret@h"):
+        out = run(["group", "status", "g", "--member", spec], sqlite_url)
+        assert out.returncode == 2 and "hunter2" not in out.stderr, out.stderr

@@ -60,7 +60,8 @@ def test_cron_recipe_skips_a_run_while_the_last_one_holds_the_lock(tmp_path: Pat
         started = time.monotonic()
         second = subprocess.run(["sh", "-c", command.replace("/usr/local/bin/nightly-report", "false")],
                                 env=env, capture_output=True, text=True, timeout=30)  # fmt: skip
-        assert second.returncode == 0, second.stderr  # skipped (-n), quietly (-E 0)
+        assert second.returncode == 0, second.stderr  # skipped (-n), a success (-E 0)
+        assert second.stdout == second.stderr == ""  # and silent (-q): cron mails nothing
         assert time.monotonic() - started < 2.5  # at once, not after the first run
     finally:
         assert first.wait(30) == 0

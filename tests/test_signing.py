@@ -339,8 +339,9 @@ def cli_run(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]
 def test_check_token_refuses_unsigned_and_foreign_tokens_and_needs_only_the_public_key(
     tmp_path: Path,
 ) -> None:
-    """fenced check-token with a key: an unsigned token exits 2 (as /v1/check answers 400),
-    and the key may be the .pub alone (by --verify-key or $FENCED_SIGNING_KEY)."""
+    """fenced check-token with a key: an unsigned token exits 65, invalid (as /v1/check
+    answers 400; 2 is for usage errors), and the key may be the .pub alone (by --verify-key or
+    $FENCED_SIGNING_KEY)."""
     key = tmp_path / "ed.key"
     url = f"sqlite:///{tmp_path}/l.db"
     base = {k: v for k, v in os.environ.items() if not k.startswith("FENCED_")}
@@ -356,20 +357,22 @@ def test_check_token_refuses_unsigned_and_foreign_tokens_and_needs_only_the_publ
             ok = cli_run("check-token", str(token), *pub, env=env)
             assert ok.returncode == 0 and "current" in ok.stdout, ok.stderr
             plain = cli_run("check-token", str(token.unsigned()), *pub, env=env)
-            assert plain.returncode == 2 and "unsigned" in plain.stderr, plain
+            assert plain.returncode == 65 and "unsigned" in plain.stderr, plain
             foreign = cli_run("check-token", str(token), "--verify-key", f"{key}.pub",
                               "--source-id", "staging", env=env)  # fmt: skip
-            assert foreign.returncode == 2 and "from source 'prod', not 'staging'" in foreign.stderr
+            assert (
+                foreign.returncode == 65 and "from source 'prod', not 'staging'" in foreign.stderr
+            )
             # $FENCED_SIGNING_KEY holding the public key: enough to verify (it was refused)
             env_pub = {**env, "FENCED_SIGNING_KEY": f"{key}.pub", "FENCED_SOURCE_ID": "prod"}
             ok = cli_run("check-token", str(token), env=env_pub)
             assert ok.returncode == 0 and "current" in ok.stdout, ok.stderr
             plain = cli_run("check-token", str(token.unsigned()), env=env_pub)
-            assert plain.returncode == 2 and "unsigned" in plain.stderr, plain
+            assert plain.returncode == 65 and "unsigned" in plain.stderr, plain
             # ... and the private one, from the source's environment: its public half
             env_priv = {**env_pub, "FENCED_SIGNING_KEY": str(key)}
             assert cli_run("check-token", str(token), env=env_priv).returncode == 0
-            assert cli_run("check-token", str(token.unsigned()), env=env_priv).returncode == 2
+            assert cli_run("check-token", str(token.unsigned()), env=env_priv).returncode == 65
             # a private key where a public one is expected: a clear one-line error
             wrong = cli_run("check-token", str(token), "--verify-key", str(key), env=env)
             assert wrong.returncode == 2 and "private key" in wrong.stderr
@@ -469,7 +472,7 @@ def test_check_token_with_the_sources_key_refuses_unsigned_and_verifies_with_the
             ok = cli_run("check-token", str(token), env=env)
             assert ok.returncode == 0 and "current" in ok.stdout, (held, ok.stderr)
             plain = cli_run("check-token", str(token.unsigned()), env=env)
-            assert plain.returncode == 2 and "unsigned" in plain.stderr, (held, plain)
+            assert plain.returncode == 65 and "unsigned" in plain.stderr, (held, plain)
 
 
 def test_a_replicated_groups_copies_pass_members_that_verify(tmp_path: Path) -> None:

@@ -59,7 +59,7 @@ from ._state import Phase
 from ._sync import Lease, Locks, connect
 from ._token import MAX_TOKEN, FencingToken
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # A library never prints by itself: without this, Python's last-resort handler wrote fenced's
 # warnings (a lost lease) to stderr in applications that had configured no logging.

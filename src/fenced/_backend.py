@@ -462,6 +462,8 @@ def redacted(url: str) -> str:
     userinfo, at, host = rest.rpartition("@")
     if at and ":" in userinfo:
         userinfo = userinfo.split(":", 1)[0] + ":***"
+    # libpq also takes ?password=...
+    host = re.sub(r"(?i)([?&])(password|pass|pwd)=[^&]*", r"\1\2=***", host)
     return f"{scheme}{sep}{userinfo}{at}{host}"
 
 

@@ -2,7 +2,7 @@
 
 The configuration (epoch, members) lives in the token source, so ``status`` needs only the
 source; each member's marks and data are shown for the members given with ``--member
-NAME=URL`` (``redis://host:port/db``, ``postgresql://...``, ``sqlite:///path``,
+NAME=URL`` (``redis://host:port/db``, ``postgresql://...``, ``sqlite:////abs/path.db``,
 ``etcd://host:port``). ``remove`` and ``add`` change the configuration as the library does:
 they need every member that stays (to fence it) and every member added (to copy the data to).
 """
@@ -17,7 +17,9 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from . import _sync
+from ._backend import redacted
 from ._errors import ConfigurationError
+from ._paths import read_url_file
 from ._token import validate_lock_name
 
 __all__ = ["member_from_url", "run_group"]
@@ -60,7 +62,7 @@ def member_from_url(url: str, resource: str, timeout: float = 5.0) -> tuple[Any,
         guard = EtcdGuard(urlsplit(url).netloc, resource, timeout=timeout)
         return guard, guard.close
     raise ConfigurationError(
-        f"unknown member URL {url.split('?')[0]!r}: redis://, postgresql://, sqlite:///, etcd://"
+        f"unknown member URL {redacted(url.split('?')[0])!r}: redis://, postgresql://, sqlite:////PATH, etcd://"
     )
 
 
@@ -74,7 +76,11 @@ def _group(args: Any, locks: _sync.Locks) -> Iterator[Any]:
         for spec in args.member:
             name, sep, url = spec.partition("=")
             if not sep or not name or not url:
-                raise ConfigurationError(f"--member takes NAME=URL, not {spec!r}")
+                raise ConfigurationError(
+                    f"--member takes NAME=URL or NAME=@FILE, not {redacted(spec)!r}"
+                )
+            if url.startswith("@"):  # the URL in a file: its password off the command line
+                url = read_url_file(url[1:], f"--member {name}")
             guard, close = member_from_url(url, args.resource or args.name, args.timeout)
             members[name] = guard
             if close is not None:
@@ -103,9 +109,13 @@ class _Absent:
 
 
 def run_group(args: Any, url: str) -> int:
+    from .cli import _from_source
+
     validate_lock_name(args.name)
+    with _from_source(args):  # (not the members': their URLs are on the command line)
+        locks = _sync.connect(url, connect_timeout=max(args.timeout, 0.1))
     with (
-        _sync.connect(url, connect_timeout=max(args.timeout, 0.1)) as locks,
+        locks,
         _group(args, locks) as group,
     ):
         if args.action == "status":

@@ -14,7 +14,8 @@ local user, the way ``flock(1)`` users share a lock file:
 
 The trust model is flock's: every local user can take, hold and release these locks, and one
 with write access to the file could damage its counters. Where that is not acceptable, give an
-explicit URL (``--url`` or ``FENCED_URL``) to a file in a directory with the right group.
+explicit URL (``--url``, ``FENCED_URL``, or a file named by ``--url-file`` / ``FENCED_URL_FILE``)
+to a file in a directory with the right group.
 ``systemd-tmpfiles`` may remove files in ``/var/tmp`` unused for 30 days; add
 ``x /var/tmp/fenced`` to ``/etc/tmpfiles.d/fenced.conf`` to keep it (a lost file restarts the
 counters: guarded resources then refuse the new, lower tokens: safe, but stuck until an
@@ -28,19 +29,88 @@ import stat
 
 from ._errors import ConfigurationError
 
-__all__ = ["MACHINE_DIR", "default_url", "machine_database"]
+__all__ = ["MACHINE_DIR", "default_url", "environment_url", "machine_database", "read_url_file"]
 
 MACHINE_DIR = "/var/tmp/fenced"
 _DATABASE = "locks.db"
 
 
 def default_url() -> str:
-    """``$FENCED_URL``, else the machine-wide SQLite file (made ready for every user)."""
-    url = os.environ.get("FENCED_URL")
-    if url:
-        return url
+    """``$FENCED_URL`` (or the URL in the file ``$FENCED_URL_FILE`` names), else the
+    machine-wide SQLite file (made ready for every user)."""
+    found = environment_url()
+    if found is not None:
+        return found[0]
     # (_FENCED_MACHINE_DIR: for fenced's own tests, which must not touch the real one)
     return f"sqlite:///{machine_database(os.environ.get('_FENCED_MACHINE_DIR', MACHINE_DIR))}"
+
+
+def environment_url() -> tuple[str, str] | None:
+    """The URL the environment gives, and where it came from (``$FENCED_URL``, or
+    ``$FENCED_URL_FILE (PATH)``) for messages; None if it gives none."""
+    url = os.environ.get("FENCED_URL")
+    path = os.environ.get("FENCED_URL_FILE")
+    if url and path:
+        # Two sources of truth for where the locks live: refuse rather than pick one.
+        raise ConfigurationError("both $FENCED_URL and $FENCED_URL_FILE are set: unset one")
+    if url:
+        return url, "$FENCED_URL"
+    if path:
+        origin = f"$FENCED_URL_FILE ({path})"
+        return read_url_file(path, origin), origin
+    return None
+
+
+def read_url_file(path: str, origin: str) -> str:
+    """The token source URL in the file ``path``: its one line that is neither blank nor a
+    ``#`` comment. A URL with a password is refused from a file that other users may read or
+    write (as ssh refuses such a key): that is what the file is for, keeping the password out
+    of ``/proc/PID/cmdline`` and ``ps``. Never puts the URL's password in an error."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOCTTY)
+    except OSError as exc:
+        raise ConfigurationError(f"{origin}: cannot read {path}: {exc.strerror}") from None
+    try:
+        info = os.fstat(fd)  # (the file opened, not a name that may be swapped meanwhile)
+        if not stat.S_ISREG(info.st_mode):
+            raise ConfigurationError(f"{origin}: {path} is not a regular file")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(65_537)
+    finally:
+        os.close(fd)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigurationError(f"{origin}: {path} is not UTF-8 text") from None
+    lines = [line.strip() for line in text.splitlines()]
+    urls = [line for line in lines if line and not line.startswith("#")]
+    if len(data) > 65_536 or len(urls) != 1:
+        raise ConfigurationError(
+            f"{origin}: {path} must hold one token source URL on a line of its own "
+            f"(found {len(urls)} lines that are not blank or # comments)"
+        )
+    url = urls[0]
+    mode = stat.S_IMODE(info.st_mode)
+    if mode & 0o077 and _has_password(url):
+        raise ConfigurationError(
+            f"{origin}: {path} holds a password and other users may read or change it (mode "
+            f"{mode:04o}); run `chmod 600 {path}`"
+        )
+    return url
+
+
+def _has_password(url: str) -> bool:
+    """A password in the userinfo (``scheme://user:pw@host``) or in the query
+    (``?password=``, as libpq takes it)."""
+    from urllib.parse import parse_qsl
+
+    _, _, rest = url.partition("://")
+    # (conservative: an unencoded '/' in a password must not hide it)
+    userinfo, at, _ = rest.split("?", 1)[0].rpartition("@")
+    if at and ":" in userinfo:
+        return True
+    query = url.partition("?")[2]
+    return any(key.lower() in ("password", "pass", "pwd") for key, _ in parse_qsl(query))
 
 
 def machine_database(directory: str = MACHINE_DIR) -> str:

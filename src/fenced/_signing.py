@@ -432,8 +432,10 @@ def load_key(path: str | os.PathLike[str]) -> HmacKey | Ed25519SigningKey | Ed25
     where = os.fspath(path)
     try:
         text = Path(where).read_text(encoding="ascii").strip()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigurationError(f"cannot read key file {where}: {exc}") from None
+    except OSError as exc:  # (its strerror: not Python's repr of the exception)
+        raise ConfigurationError(f"cannot read key file {where}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigurationError(f"{where} is not a fenced key file") from None
     return parse_key(text, where)
 
 

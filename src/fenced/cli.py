@@ -22,7 +22,8 @@ import stat
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
 from . import __version__, _clock, _sync
@@ -39,13 +40,14 @@ from ._errors import (
     StaleTokenError,
     UnsafeBackendError,
 )
-from ._paths import default_url
-from ._state import check_timeout, check_ttl
+from ._paths import default_url, environment_url, read_url_file
+from ._state import MAX_TIMEOUT, MAX_TTL, MIN_TTL, check_timeout, check_ttl
 from ._token import FencingToken, validate_lock_name
 
 __all__ = ["EXIT_LEASE_LOST", "EXIT_TIMEOUT", "EXIT_UNAVAILABLE", "EXIT_VIOLATION", "main"]
 
 EXIT_USAGE = 2
+EXIT_INVALID_TOKEN = 65  # EX_DATAERR: check-token: malformed, never issued, or not well signed
 EXIT_UNAVAILABLE = 69
 EXIT_SOFTWARE = 70
 EXIT_LEASE_LOST = 75
@@ -61,7 +63,8 @@ exit status (fenced's own outcomes never use 1, which commands use for their own
   2      usage or configuration error (bad option, URL, lock name, number; credentials the
          source refused; a source whose settings cannot keep fenced's promises)
   65     fenced check, fenced sim: a violation was found (an invariant of fencing did not
-         hold); fenced demo: the run did not behave as fencing should
+         hold); fenced demo: the run did not behave as fencing should; check-token: the
+         token is invalid: malformed, never issued by the source, or not well signed
   69     the token source (fenced group: a member) could not be reached (EX_UNAVAILABLE)
   70     another fenced error (EX_SOFTWARE)
   75     the lease was lost while the command ran; the command was terminated (EX_TEMPFAIL);
@@ -97,19 +100,26 @@ def _exit_code(text: str) -> int:
 
 
 def _ttl(text: str) -> float:
+    value = _number(text)
     try:
-        return check_ttl(_number(text))
-    except ConfigurationError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+        return check_ttl(value)
+    except ConfigurationError:
+        # (the library's message speaks of Python values; a command line speaks of seconds)
+        raise argparse.ArgumentTypeError(
+            f"a ttl is {MIN_TTL:g} to {MAX_TTL:g} seconds, not {text!r}"
+        ) from None
 
 
 def _timeout(text: str) -> float:
+    value = _number(text)
     try:
-        value = check_timeout(_number(text))
-    except ConfigurationError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    assert value is not None
-    return value
+        checked = check_timeout(value)
+    except ConfigurationError:
+        raise argparse.ArgumentTypeError(
+            f"a timeout is 0 to {MAX_TIMEOUT:.0f} seconds (a year), not {text!r}"
+        ) from None
+    assert checked is not None
+    return checked
 
 
 def _read_timeout(text: str) -> float:
@@ -136,20 +146,86 @@ def _grace(text: str) -> float:
     return value
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Descriptions wrapped, as argparse does; an epilog (exit statuses, examples) as laid out."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if "\n" in text:
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
+
+
+def _examples(*lines: str) -> str:
+    """An epilog's examples: tests/test_cli_help.py runs every line that starts with
+    ``fenced`` (in a temporary directory, on a temporary source), so none can go stale.
+    ``# exit N`` after a command is the status it is expected to end with (default 0)."""
+    return "examples:\n" + "".join(f"  {line}\n" for line in lines)
+
+
+LOCK_EXIT_STATUSES = """\
+exit status (fenced's own outcomes never use 1, which commands use for their own failures):
+  N      the command's own status, when it ran to the end holding the lock
+  2      usage or configuration error (bad option, URL, lock name, number; credentials refused)
+  69     the token source could not be reached (EX_UNAVAILABLE)
+  70     another fenced error (EX_SOFTWARE)
+  75     the lease was lost while the command ran; the command was terminated (EX_TEMPFAIL)
+  124    the lock was not acquired within --timeout / -n (change it with -E, as flock -E)
+  126    the command could not be executed
+  127    the command was not found
+  130    interrupted (Ctrl-C) while waiting for the lock
+"""
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, with usage errors on one line (``fenced: error: ...``) and exit status 2."""
 
     def error(self, message: str) -> NoReturn:
+        # argparse names Python types ("invalid int value: 'x'"): say what is expected instead
+        message = message.replace("invalid int value", "not a whole number").replace(
+            "invalid float value", "not a number"
+        )
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+_URL_HELP = (
+    "token source URL (default: $FENCED_URL, else the URL in the file $FENCED_URL_FILE, else "
+    "/var/tmp/fenced/locks.db, shared by every user of this machine); other local users can "
+    "read a command line: give a URL with a password with --url-file or an environment variable"
+)
+
+
+def _url_arguments(parser: argparse.ArgumentParser) -> None:
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--url", help=_URL_HELP)
+    where.add_argument(
+        "--url-file",
+        metavar="FILE",
+        help="read the token source URL from FILE (one line; # comments): keeps a password "
+        "out of the process list; refused if the URL has a password and FILE is not mode 600",
+    )
+
+
+def _url(args: argparse.Namespace) -> str:
+    """The token source's URL: --url, --url-file, $FENCED_URL, $FENCED_URL_FILE, else the
+    machine's. Notes where it came from in ``args.url_origin``, for errors it causes."""
+    # None while the origin is on the command line, or named by the error itself (a URL file's)
+    args.url_origin = None
+    if args.url:
+        return str(args.url)
+    if args.url_file:
+        url = read_url_file(args.url_file, "--url-file")
+        args.url_origin = f"--url-file {args.url_file}"
+        return url
+    found = environment_url()
+    if found is not None:
+        args.url_origin = found[1]
+        return found[0]
+    return default_url()
 
 
 def _source_arguments(parser: argparse.ArgumentParser) -> None:
     """--url and --timeout, for the subcommands that only talk to the token source."""
-    parser.add_argument(
-        "--url",
-        help="token source URL (default: $FENCED_URL, else /var/tmp/fenced/locks.db, shared "
-        "by every user of this machine)",
-    )
+    _url_arguments(parser)
     parser.add_argument(
         "--timeout",
         type=_timeout,
@@ -175,7 +251,13 @@ def _parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="fenced",
         description="Locks with fencing tokens, and resources that reject stale writers.",
-        epilog=EXIT_STATUSES,
+        epilog=EXIT_STATUSES
+        + "\n"
+        + _examples(
+            "fenced lock nightly --ttl 60 -- sh -c 'echo \"holding nightly as $FENCING_TOKEN\"'",
+            "fenced status",
+            "fenced keygen hmac jobs.key",
+        ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
@@ -207,13 +289,27 @@ def _parser() -> argparse.ArgumentParser:
         parents=[common],
         help="run a command while holding a lock (like flock(1)); exports FENCING_TOKEN",
         usage="fenced lock NAME [options] -- COMMAND [ARGS ...]",
+        description=(
+            "Take the lock NAME from the token source (renewing its lease in the background), "
+            "run COMMAND with FENCING_TOKEN and FENCED_LOCK in its environment, release the "
+            "lock when it ends. If the lease is lost meanwhile, COMMAND is terminated. Give "
+            "FENCING_TOKEN to what the command writes (fenced write, a guard), so that a run "
+            "that lost its lease cannot overwrite a later one's work."
+        ),
+        epilog=LOCK_EXIT_STATUSES
+        + "\n"
+        + _examples(
+            "# cron: skip this run, silently and successfully, while the last one holds the lock",
+            "fenced lock -n -q -E 0 nightly --ttl 120 -- sh -c 'echo \"report as $FENCING_TOKEN\"'",
+            "# wait at most 30 s for the lock; the write is refused if a later holder wrote",
+            "fenced lock nightly --timeout 30 -- sh -c 'mkdir -p out && date | fenced write out/report.csv'",
+            "# a URL with a password: from a file (mode 600), never on the command line",
+            "fenced lock nightly --url-file source.url -- true",
+        ),
+        formatter_class=_HelpFormatter,
     )
     lock.add_argument("name", help="lock name")
-    lock.add_argument(
-        "--url",
-        help="token source URL (default: $FENCED_URL, else /var/tmp/fenced/locks.db, shared "
-        "by every user of this machine)",
-    )
+    _url_arguments(lock)
     lock.add_argument("--ttl", type=_ttl, default=10.0, help="lease ttl in seconds (10)")
     wait = lock.add_mutually_exclusive_group()
     wait.add_argument(
@@ -237,6 +333,13 @@ def _parser() -> argparse.ArgumentParser:
         default=EXIT_TIMEOUT,
         metavar="N",
         help=f"exit status when the lock is not acquired in time ({EXIT_TIMEOUT})",
+    )
+    lock.add_argument(
+        "-q",
+        "--quiet",
+        action="store_true",
+        help="say nothing when the lock is not acquired in time (errors are still reported); "
+        "with -n -E 0, a skipped cron run is silent",
     )
     lock.add_argument(
         "--signing-key",
@@ -272,6 +375,12 @@ def _parser() -> argparse.ArgumentParser:
             "learns of the loss (at its next renewal at the latest). Whatever that holder "
             "does without a guard is not protected: use it for a holder that is stuck or gone."
         ),
+        epilog=_examples(
+            "fenced release nightly --force",
+            "# only if grant 7 still holds it (as fenced status shows it)",
+            "fenced release nightly --force --token nightly:7",
+        ),
+        formatter_class=_HelpFormatter,
     )
     release.add_argument("name", metavar="NAME", help="the lock")
     release.add_argument(
@@ -289,11 +398,17 @@ def _parser() -> argparse.ArgumentParser:
         description=(
             "Ask the token source about TOKEN (as $FENCING_TOKEN carries it): exit 0 if it is "
             "the live grant of its lock, 77 if a later grant exists (stale), 78 if it is "
-            "neither (released or expired, and no later grant known), 2 if it is malformed, "
+            "neither (released or expired, and no later grant known), 65 if it is malformed, "
             "above every grant the source knows (never issued), or, with a key, not well "
-            "signed by the source (unsigned, forged, or of another source). "
+            "signed by the source (unsigned, forged, or of another source); 2 is a usage error. "
             "A check is a snapshot: a resource that acts on it acts a moment later."
         ),
+        epilog=_examples(
+            "fenced lock nightly -- sh -c 'fenced check-token \"$FENCING_TOKEN\"'",
+            "fenced check-token --json nightly:1    # exit 78: released, no later grant",
+            "fenced check-token nightly:99    # exit 65: never granted",
+        ),
+        formatter_class=_HelpFormatter,
     )
     check.add_argument("token", metavar="TOKEN")
     check.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -322,9 +437,20 @@ def _parser() -> argparse.ArgumentParser:
             "secret that signs and verifies. ed25519: the private key for the token source, "
             "and FILE.pub, the public key for resources, which can verify but never sign."
         ),
+        epilog=_examples(
+            "fenced keygen hmac jobs.key",
+            "fenced keygen ed25519 ops-2026 signing.key    # and signing.key.pub",
+        ),
+        formatter_class=_HelpFormatter,
     )
     keygen.add_argument("kind", choices=["hmac", "ed25519"])
-    keygen.add_argument("kid", metavar="KEY_ID", help="the key's id (1-32 of A-Z a-z 0-9 _ -)")
+    keygen.add_argument(
+        "kid",
+        metavar="KEY_ID",
+        nargs="?",
+        help="the key's id (1-32 of A-Z a-z 0-9 _ -; default: today's date and 6 random "
+        "hex digits, e.g. 20261126-3f9a1c), printed; tokens carry it, so keys can rotate",
+    )
     keygen.add_argument("file", metavar="FILE")
 
     write = sub.add_parser(
@@ -337,6 +463,12 @@ def _parser() -> argparse.ArgumentParser:
             "Inside `fenced lock` the token comes from $FENCING_TOKEN. Plain tools read the "
             "newest version at DIR/NAME/current."
         ),
+        epilog=_examples(
+            "fenced lock reports -- sh -c 'mkdir -p out && date | fenced write out/daily.csv'",
+            "fenced write out/daily.csv --token reports:2 < /dev/null",
+            "fenced write out/daily.csv --token reports:1 < /dev/null    # exit 77: reports:2 wrote",
+        ),
+        formatter_class=_HelpFormatter,
     )
     write.add_argument("path", metavar="DIR/NAME", help="the resource: its directory and name")
     write.add_argument(
@@ -499,6 +631,11 @@ def _parser() -> argparse.ArgumentParser:
             "Without --fence-cmd it refuses to run unless --no-fence is given. See "
             "docs/failover.md."
         ),
+        epilog=_examples(
+            "fenced elect db-primary --ttl 5 --fence-cmd 'echo fence \"$FENCED_PREVIOUS_HOST\"'"
+            " -- sh -c 'echo \"leading as $FENCING_TOKEN\"'",
+        ),
+        formatter_class=_HelpFormatter,
     )
     elect.add_argument("name", help="the election's (lock's) name")
     elect.add_argument("--value", default=None, help="what observers see (default: host name)")
@@ -531,6 +668,8 @@ def _parser() -> argparse.ArgumentParser:
             "for the old leader's fenced elect (--poison DIR) to see it and kill its command. "
             'Use as --fence-cmd \'fenced poison DIR "$FENCED_LOCK" --epoch "$FENCED_EPOCH"\'.'
         ),
+        epilog=_examples("fenced poison . db-primary --epoch 7 --wait 0"),
+        formatter_class=_HelpFormatter,
     )
     poison.add_argument("dir", metavar="DIR", help="the shared directory the leaders watch")
     poison.add_argument("name", help="the election's name")
@@ -563,6 +702,11 @@ def _parser() -> argparse.ArgumentParser:
         "group",
         parents=[common],
         help="a replicated group's configuration and members (fenced.replicated)",
+        epilog=_examples(
+            "fenced group status orders",
+            "fenced group status orders --member a=sqlite:////var/lib/app/a.db --json",
+        ),
+        formatter_class=_HelpFormatter,
     )
     group.add_argument("action", choices=("status", "remove", "add"))
     group.add_argument("name", metavar="GROUP", help="the group (its lock's name)")
@@ -572,8 +716,9 @@ def _parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="NAME=URL",
-        help="how to reach a member: redis://h:p/db, postgresql://..., sqlite:///path, "
-        "etcd://h:p (repeat; status shows these members' marks)",
+        help="how to reach a member: redis://h:p/db, postgresql://..., sqlite:////abs/path.db, "
+        "etcd://h:p, or NAME=@FILE: the URL read from FILE (mode 600 if it has a password), "
+        "off the command line (repeat; status shows these members' marks)",
     )
     group.add_argument("--resource", help="the members' guarded resource (default: GROUP)")
     _source_arguments(group)
@@ -583,6 +728,8 @@ def _parser() -> argparse.ArgumentParser:
         "status",
         parents=[common],
         help="show holder, token and time left of locks (all the source knows by default)",
+        epilog=_examples("fenced status", "fenced status nightly --json"),
+        formatter_class=_HelpFormatter,
     )
     status.add_argument("names", nargs="*", metavar="NAME", help="locks to show (default: all)")
     _source_arguments(status)
@@ -628,7 +775,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "group":
             from ._group_cmd import run_group
 
-            return run_group(args, args.url or default_url())
+            return run_group(args, _url(args))
         if args.command == "sim":
             return _cmd_sim(args)
         if args.command == "elect":
@@ -639,11 +786,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             validate_lock_name(args.name)
             poison(args.dir, args.name, args.epoch, args.wait)
             return 0
-    except (ConfigurationError, InvalidTokenError, AccessDenied, UnsafeBackendError) as exc:
+    except InvalidTokenError as exc:
+        code = EXIT_INVALID_TOKEN if args.command == "check-token" else EXIT_USAGE
+        return _fail(code, str(exc), exc, args.verbose)
+    except (ConfigurationError, AccessDenied, UnsafeBackendError) as exc:
         # The caller's configuration (a URL, a password, a server's settings): no retry mends it.
-        return _fail(EXIT_USAGE, str(exc), exc, args.verbose)
+        return _fail(EXIT_USAGE, _with_origin(str(exc), exc), exc, args.verbose)
     except BackendUnavailable as exc:
-        return _fail(EXIT_UNAVAILABLE, f"token source unavailable: {exc}", exc, args.verbose)
+        text = _with_origin(f"token source unavailable: {exc}", exc)
+        return _fail(EXIT_UNAVAILABLE, text, exc, args.verbose)
     except ReplicationError as exc:  # members of a replicated group could not be reached
         return _fail(EXIT_UNAVAILABLE, str(exc), exc, args.verbose)
     except KeyboardInterrupt:  # Ctrl-C while waiting: the connection left the queue on close
@@ -651,6 +802,48 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FencedError as exc:
         return _fail(EXIT_SOFTWARE, str(exc), exc, args.verbose)
     raise AssertionError(args.command)  # pragma: no cover
+
+
+@contextlib.contextmanager
+def _from_source(args: argparse.Namespace) -> Iterator[None]:
+    """Marks the errors of reaching and using the token source with where its URL came from
+    when the command line does not show it ($FENCED_URL, a URL file)."""
+    try:
+        yield
+    except (ConfigurationError, AccessDenied, UnsafeBackendError, BackendUnavailable) as exc:
+        origin = getattr(args, "url_origin", None)
+        if origin and not hasattr(exc, "fenced_url_origin"):
+            exc.fenced_url_origin = origin  # type: ignore[union-attr]
+        raise
+
+
+@contextlib.contextmanager
+def _named(variable: str) -> Iterator[None]:
+    """A configuration error caused by an environment variable's value names the variable."""
+    try:
+        yield
+    except ConfigurationError as exc:
+        if variable in str(exc):
+            raise
+        raise ConfigurationError(f"{variable}: {exc}") from None
+
+
+def _signing_key(args: argparse.Namespace) -> Any:
+    """The key of --signing-key, else of $FENCED_SIGNING_KEY (None: tokens are not signed),
+    read before the source is reached, so its errors are not taken for the source's."""
+    from ._signing import read_key
+
+    if args.signing_key:
+        return read_key(args.signing_key, args.signing_key)
+    if os.environ.get("FENCED_SIGNING_KEY"):
+        with _named("$FENCED_SIGNING_KEY"):
+            return read_key(os.environ["FENCED_SIGNING_KEY"], "$FENCED_SIGNING_KEY")
+    return None
+
+
+def _with_origin(text: str, exc: BaseException) -> str:
+    origin = getattr(exc, "fenced_url_origin", None)
+    return f"{text} (token source from {origin})" if origin else text
 
 
 def _one_line(text: str) -> str:
@@ -690,13 +883,25 @@ class _Once(logging.Filter):
         return True
 
 
+class _LogFormatter(logging.Formatter):
+    """``fenced: MESSAGE`` for fenced's own logger, ``fenced: redis: MESSAGE`` for its parts,
+    ``fenced: kazoo.client: MESSAGE`` for a client library's (never ``fenced: fenced: ...``)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        part = "" if record.name == "fenced" else record.name.removeprefix("fenced.")
+        text = "fenced: " + (f"{part}: " if part else "") + record.getMessage()
+        if record.exc_info:
+            text += "\n" + self.formatException(record.exc_info)
+        return text
+
+
 def _setup_logging(verbose: bool) -> None:
     root = logging.getLogger()
     for old in [h for h in root.handlers if getattr(h, "_fenced_cli", False)]:
         root.removeHandler(old)  # (main() called again in one process: one handler only)
     handler = logging.StreamHandler(sys.stderr)
     handler._fenced_cli = True  # type: ignore[attr-defined]
-    handler.setFormatter(logging.Formatter("fenced: %(name)s: %(message)s"))
+    handler.setFormatter(_LogFormatter())
     if verbose:
         root.setLevel(logging.DEBUG)
     else:
@@ -710,19 +915,21 @@ def _cmd_lock(args: argparse.Namespace) -> int:
     if not cmd:
         _say("lock: no command given (fenced lock NAME -- COMMAND ...)")
         return EXIT_USAGE
-    url = args.url or default_url()
-    _require_shared_source(url, "lock")
+    validate_lock_name(args.name)  # (before the URL: its errors name where the URL came from)
+    url = _url(args)
+    with _from_source(args):
+        _require_shared_source(url, "lock")
     # --timeout bounds everything before the command starts, reaching the source included.
     deadline = None if args.timeout is None else _clock.now() + args.timeout
     connect_timeout = None if args.timeout is None else max(args.timeout, 0.1)
     options: dict[str, Any] = {}
     if connect_timeout is not None:
         options["connect_timeout"] = connect_timeout
-    key_file = args.signing_key or os.environ.get("FENCED_SIGNING_KEY")
-    if key_file:
-        options["signing_key"] = key_file  # FENCING_TOKEN then carries the signed form
+    key = _signing_key(args)
+    if key is not None:
+        options["signing_key"] = key  # FENCING_TOKEN then carries the signed form
         options["source_id"] = _source_id(args)
-    with _sync.connect(url, **options) as locks:
+    with _from_source(args), _sync.connect(url, **options) as locks:
         remaining = None if deadline is None else max(0.0, deadline - _clock.now())
         lease = locks.lock(
             args.name,
@@ -734,7 +941,8 @@ def _cmd_lock(args: argparse.Namespace) -> int:
         try:
             token = lease.acquire()
         except LockTimeout:
-            _say(f"lock: {args.name!r} not acquired within {args.timeout:g} s")
+            if not args.quiet:
+                _say(f"lock: {args.name!r} not acquired within {args.timeout:g} s")
             return int(args.conflict_exit_code)
         try:
             code = _run_holding(lease, str(token), cmd, args.grace, args.new_session)
@@ -765,7 +973,7 @@ def _require_shared_source(url: str, command: str) -> None:
     if backend_class(url).process_local:
         raise ConfigurationError(
             f"{command}: {redacted(url)} keeps its locks inside one process, so it cannot "
-            "exclude another process; use a shared source (sqlite:///path, etcd://, ...)"
+            "exclude another process; use a shared source (sqlite:////path, etcd://, ...)"
         )
 
 
@@ -847,7 +1055,7 @@ def _cmd_check_token(args: argparse.Namespace) -> int:
     from ._signing import Keyring, public_half, read_key, verify_key
 
     token = FencingToken.parse(args.token)
-    url = args.url or default_url()
+    url = _url(args)
     options: dict[str, Any] = {"connect_timeout": max(args.timeout, 0.1)}
     # Verifying needs only a public key (or the HMAC secret), never the power to sign:
     # the token is checked locally first, and refused (exit 2) if unsigned, forged or of
@@ -856,10 +1064,13 @@ def _cmd_check_token(args: argparse.Namespace) -> int:
     if args.verify_key:
         keys = [verify_key(path) for path in args.verify_key]
     elif os.environ.get("FENCED_VERIFY_KEY"):
-        keys = [verify_key(os.environ["FENCED_VERIFY_KEY"], "$FENCED_VERIFY_KEY")]
+        with _named("$FENCED_VERIFY_KEY"):
+            keys = [verify_key(os.environ["FENCED_VERIFY_KEY"], "$FENCED_VERIFY_KEY")]
     elif os.environ.get("FENCED_SIGNING_KEY"):
         # (the source's own key, private or public: its public half verifies)
-        keys = [public_half(read_key(os.environ["FENCED_SIGNING_KEY"], "$FENCED_SIGNING_KEY"))]
+        with _named("$FENCED_SIGNING_KEY"):
+            key = read_key(os.environ["FENCED_SIGNING_KEY"], "$FENCED_SIGNING_KEY")
+            keys = [public_half(key)]
     source_id = _source_id(args)
     if keys:
         options["verify"] = Keyring(
@@ -867,7 +1078,7 @@ def _cmd_check_token(args: argparse.Namespace) -> int:
         )
     elif args.source_id or args.accept_unbound:  # ($FENCED_SOURCE_ID alone: nothing to check)
         raise ConfigurationError("--source-id and --accept-unbound need a key (--verify-key)")
-    with _sync.connect(url, **options) as locks:
+    with _from_source(args), _sync.connect(url, **options) as locks:
         result = locks.check(token)
     verdict = result.verdict.replace("_", "-")
     if args.json:
@@ -882,17 +1093,24 @@ def _cmd_check_token(args: argparse.Namespace) -> int:
     else:
         print(f"{token.unsigned()}: {verdict} (highest granted: {result.highest or 'unknown'})")
     if result.never_granted:
-        return EXIT_USAGE  # (invalid: not a token the source issued)
+        return EXIT_INVALID_TOKEN  # (not a token the source issued; 2 is for usage errors)
     return 0 if result.current else (EXIT_STALE if result.stale else EXIT_NOT_CURRENT)
 
 
 def _cmd_keygen(args: argparse.Namespace) -> int:
     from ._signing import Ed25519SigningKey, generate_key, key_text
 
-    key = generate_key(args.kind, args.kid)
+    kid = args.kid
+    if kid is None:
+        # Distinct ids for keys made on one day (rotation needs them apart), sortable by age.
+        kid = time.strftime("%Y%m%d", time.gmtime()) + "-" + os.urandom(3).hex()
+    key = generate_key(args.kind, kid)
     _write_new(args.file, key_text(key), 0o600)
     if isinstance(key, Ed25519SigningKey):
         _write_new(args.file + ".pub", key_text(key.public()), 0o644)
+        print(f"{args.file}: new ed25519 key {kid}; its public half: {args.file}.pub")
+    else:
+        print(f"{args.file}: new hmac key {kid}")
     return 0
 
 
@@ -913,9 +1131,10 @@ def _cmd_release(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     name = validate_lock_name(args.name)
     token = None if args.token is None else FencingToken.parse(args.token, lock=name)
-    url = args.url or default_url()
-    _require_shared_source(url, "release")  # (another process's lock is out of its reach)
-    with _sync.connect(url, connect_timeout=max(args.timeout, 0.1)) as locks:
+    url = _url(args)
+    with _from_source(args):
+        _require_shared_source(url, "release")  # (another process's lock is out of its reach)
+    with _from_source(args), _sync.connect(url, connect_timeout=max(args.timeout, 0.1)) as locks:
         freed = locks.force_release(name, token)
     if freed is None:
         which = f" by {token}" if token is not None else ""
@@ -986,7 +1205,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         options["source_id"] = _source_id(args)
         options["accept_unbound"] = args.accept_unbound
     settings = ServerSettings(
-        url=args.url or default_url(),
+        url=_url(args),
         options=options,
         api_keys=keys,
         max_wait=args.max_wait,
@@ -1086,9 +1305,10 @@ def _cmd_elect(args: argparse.Namespace) -> int:
     validate_lock_name(args.name)
     if args.term_grace >= args.ttl:
         raise ConfigurationError("elect: --term-grace must be shorter than --ttl")
-    url = args.url or default_url()
-    _require_shared_source(url, "elect")
-    with _sync.connect(url, connect_timeout=max(args.timeout, 0.1)) as locks:
+    url = _url(args)
+    with _from_source(args):
+        _require_shared_source(url, "elect")
+    with _from_source(args), _sync.connect(url, connect_timeout=max(args.timeout, 0.1)) as locks:
         return run_elected(
             locks,
             args.name,
@@ -1184,21 +1404,24 @@ class _progress_bar:
 def _cmd_status(args: argparse.Namespace) -> int:
     from .election import leader_value
 
-    url = args.url or default_url()
-    _require_shared_source(url, "status")  # (it would show another process's locks unused)
+    url = _url(args)
+    with _from_source(args):
+        _require_shared_source(url, "status")  # (it would show another process's locks unused)
     for name in args.names:
         validate_lock_name(name)  # a usage error before anything is contacted
     timeout = max(args.timeout, 0.1)
     try:
-        locks = _sync.connect(url, connect_timeout=timeout)
+        with _from_source(args):
+            locks = _sync.connect(url, connect_timeout=timeout)
     except UnsafeBackendError as exc:
         if not url.startswith(("redis:", "rediss:")):
             raise
         # Reading the state of a source that cannot keep its promises is still useful (to see
         # who holds what before fixing it); say so, and read.
         _say(f"warning: {exc}")
-        locks = _sync.connect(url, connect_timeout=timeout, allow_unsafe_durability=True)
-    with locks:
+        with _from_source(args):
+            locks = _sync.connect(url, connect_timeout=timeout, allow_unsafe_durability=True)
+    with _from_source(args), locks:
         names = args.names or locks.lock_names()
         statuses = [locks.status(n) for n in names]
     if args.json:

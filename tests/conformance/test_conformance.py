@@ -222,6 +222,59 @@ def test_a_waiter_that_waits_past_its_ttl_gets_the_grant_it_queued_for(env: Back
         waiter_conn.close()
 
 
+def test_status_remembers_a_released_or_expired_lock(env: BackendEnv) -> None:
+    """Every source answers the same for a lock granted before and free now: its last token,
+    listed among the locks (before: etcd and ZooKeeper answered "unused", last token none,
+    while SQLite, PostgreSQL and Redis remembered it) — after a release, after a grant made
+    to a waiter, and after a lease that expired."""
+    name = unique_name()
+    with env.connect() as locks, env.connect() as other:
+        with locks.lock(name, ttl=5) as lease:
+            first = lease.token
+        status = other.status(name)
+        assert status.holder is None and status.token is None
+        assert status.last_token == first, status
+        assert name in other.lock_names()
+        # a grant made to a waiter (queued behind the holder), then released
+        holder = locks.lock(name, ttl=5)
+        holder.acquire(timeout=5)
+        waiter = other.lock(name, ttl=5)
+        got: list[fenced.FencingToken] = []
+        thread = threading.Thread(target=lambda: got.append(waiter.acquire(timeout=30)))
+        thread.start()
+        wait_for(lambda: (other.status(name).waiters or 0) >= 1 or got, what="the waiter")
+        holder.release()
+        thread.join(30)
+        assert got and got[0] > first
+        waiter.release()
+        assert other.status(name).last_token == got[0]
+        assert holder.token is not None and other.status(name).last_token > holder.token
+    if not env.cross_process:
+        return  # (memory://: no other process can hold its locks, nor die holding one)
+    # a holder killed (kill -9, `fenced lock` in its own process): its grant expires, and is
+    # still the last one
+    url = env.url
+    if env.options:
+        url += ("&" if "?" in url else "?") + "&".join(f"{k}={v}" for k, v in env.options.items())
+    script = 'echo "$FENCING_TOKEN"; exec sleep 60'
+    holder_proc = subprocess.Popen(
+        [sys.executable, "-m", "fenced", "lock", name, "--ttl", str(env.min_ttl), "--url", url,
+         "--timeout", "30", "--", "sh", "-c", script],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        expired = fenced.FencingToken.parse(holder_proc.stdout.readline().strip())  # type: ignore[union-attr]
+    finally:
+        holder_proc.kill()
+        holder_proc.wait(30)
+        holder_proc.stdout.close()  # type: ignore[union-attr]
+    with env.connect() as other:
+        wait_for(lambda: other.status(name).holder is None, timeout=60, what="the expiry")
+        status = other.status(name)
+        assert status.token is None and status.last_token == expired, status
+        assert name in other.lock_names()
+
+
 def test_status_shows_who_holds_it(env: BackendEnv) -> None:
     """Bug: status showed a 32-hex request id. Every source keeps the holder's own description
     (user@host pid N: description) with the grant, also when the grant is a hand-off to a

@@ -71,6 +71,7 @@ MAX_LEASE_TTL = 9_000_000_000  # etcd's MaxLeaseTTL, in seconds
 _CREATE = rpc.Compare.CREATE
 _VERSION = rpc.Compare.VERSION
 _EQUAL = rpc.Compare.EQUAL
+_GREATER = rpc.Compare.GREATER
 _BY_CREATE = rpc.RangeRequest.CREATE
 _ASCEND = rpc.RangeRequest.ASCEND
 _LEAVE_WAIT = 0.25  # seconds acquire waits for a timed-out waiter's key to go, at most
@@ -94,13 +95,41 @@ def _range_of(key: bytes, member: Any, timeout: float) -> Any:
     return member.kv.Range(rpc.RangeRequest(key=key), timeout=timeout)
 
 
-def create_txn(key: bytes, lock_prefix: bytes, lease_id: int, owner: bytes = b"") -> Any:
+def _note_last(last_key: bytes | None, compare: Any, value: bytes) -> list[Any]:
+    """A nested transaction that records a grant in the lock's ``last`` key if ``compare``
+    (evaluated, as every compare of a transaction, before any of its writes) shows that the
+    grant is being made: the lock's last token then survives its release and its expiry, as
+    on the sources with a counter. No extra round trip: one more put in a transaction that
+    is sent anyway."""
+    if last_key is None:
+        return []
+    put = rpc.RequestOp(request_put=rpc.PutRequest(key=last_key, value=value))
+    return [rpc.RequestOp(request_txn=rpc.TxnRequest(compare=[compare], success=[put]))]
+
+
+def create_txn(
+    key: bytes,
+    lock_prefix: bytes,
+    lease_id: int,
+    owner: bytes = b"",
+    last_key: bytes | None = None,
+) -> Any:
     """Join the queue once: create ``key`` (its value: the holder's description) unless it
     exists, and read the queue's tail.
 
-    Then: the two newest keys of the lock (the new key, and the one just before it, if any).
-    Else (a retry: the key exists): the key itself, with its create_revision and lease.
+    Then: the two newest keys of the lock (the new key, and the one just before it, if any);
+    and, if the queue was empty (the key is granted at once), ``last_key`` put with an empty
+    value: its mod_revision, the transaction's revision, is the new key's create_revision,
+    the token. Else (a retry: the key exists): the key itself, with its create_revision and
+    lease.
     """
+    empty = rpc.Compare(
+        key=lock_prefix,
+        range_end=range_end(lock_prefix),
+        target=_CREATE,
+        result=_EQUAL,
+        create_revision=0,  # (a compare over an empty range compares a zero key)
+    )
     return rpc.TxnRequest(
         compare=[rpc.Compare(key=key, target=_CREATE, result=_EQUAL, create_revision=0)],
         success=[
@@ -115,17 +144,26 @@ def create_txn(key: bytes, lock_prefix: bytes, lease_id: int, owner: bytes = b""
                     keys_only=True,
                 )
             ),
+            *_note_last(last_key, empty, b""),
         ],
         failure=[rpc.RequestOp(request_range=rpc.RangeRequest(key=key, keys_only=True))],
     )
 
 
-def check_txn(key: bytes, revision: int, lock_prefix: bytes) -> Any:
+def check_txn(key: bytes, revision: int, lock_prefix: bytes, last_key: bytes | None = None) -> Any:
     """Is ``key`` (created at ``revision``) still there, and which key is just before it?
 
     Succeeds only if the own key exists with that create_revision, which proves its lease is
-    alive; then returns the newest key created before it (none: the caller holds the lock).
+    alive; then returns the newest key created before it (none: the caller holds the lock,
+    and ``last_key`` is set to the token, ``revision``).
     """
+    first = rpc.Compare(  # every key of the lock created at or after ours: none before it
+        key=lock_prefix,
+        range_end=range_end(lock_prefix),
+        target=_CREATE,
+        result=_GREATER,
+        create_revision=revision - 1,
+    )
     return rpc.TxnRequest(
         compare=[rpc.Compare(key=key, target=_CREATE, result=_EQUAL, create_revision=revision)],
         success=[
@@ -139,7 +177,8 @@ def check_txn(key: bytes, revision: int, lock_prefix: bytes) -> Any:
                     limit=1,
                     keys_only=True,
                 )
-            )
+            ),
+            *_note_last(last_key, first, str(revision).encode()),
         ],
         failure=[],
     )
@@ -406,7 +445,9 @@ class EtcdBackend(Backend):
                 lease = await self._new_lease(seconds, deadline)
             try:
                 reply = await self._txn(
-                    create_txn(key, lock_prefix, lease.id, owner.encode()), "acquire", deadline
+                    create_txn(key, lock_prefix, lease.id, owner.encode(), self._last_key(name)),
+                    "acquire",
+                    deadline,
                 )
             except LeaseNotFound:
                 # A recycled lease had expired or was revoked by someone: take a fresh one.
@@ -481,7 +522,9 @@ class EtcdBackend(Backend):
 
     async def _check(self, hold: _Hold, lock_prefix: bytes, deadline: float | None) -> Any:
         """The key just before ours, or None if we hold the lock; _Vanished if ours is gone."""
-        reply = await self._txn(check_txn(hold.key, hold.revision, lock_prefix), "check", deadline)
+        last_key = self._last_prefix + lock_prefix[len(self._prefix) : -1]  # (escaped name)
+        request = check_txn(hold.key, hold.revision, lock_prefix, last_key)
+        reply = await self._txn(request, "check", deadline)
         if not reply.succeeded:
             raise _Vanished
         kvs = reply.responses[0].response_range.kvs
@@ -680,6 +723,13 @@ class EtcdBackend(Backend):
             unescape_name(kv.key[len(prefix) :].split(b"/", 1)[0].decode(errors="replace"))
             for kv in reply.kvs
         }
+        # ... and the locks granted before, free now (as the sources with a counter list them)
+        last = self._last_prefix
+        request = rpc.RangeRequest(key=last, range_end=range_end(last), keys_only=True)
+        reply = await self._call(lambda m, t: m.kv.Range(request, timeout=t), "list")
+        names.update(
+            unescape_name(kv.key[len(last) :].decode(errors="replace")) for kv in reply.kvs
+        )
         return sorted(n for n in names if n)
 
     async def status(self, name: str) -> LockStatus:
@@ -694,7 +744,8 @@ class EtcdBackend(Backend):
         )
         reply = await self._call(lambda m, t: m.kv.Range(request, timeout=t), "status")
         if not reply.kvs:
-            return LockStatus(name, None, None, None, None, waiters=0)
+            last = await self._last_token(name)
+            return LockStatus(name, None, None, last, None, waiters=0)
         kv = reply.kvs[0]
         remaining: float | None = None
         if kv.lease:
@@ -715,6 +766,24 @@ class EtcdBackend(Backend):
             waiters=max(0, reply.count - 1),
             owner=kv.value.decode(errors="replace") or None,
         )
+
+    @property
+    def _last_prefix(self) -> bytes:
+        # Beside the locks' prefix, outside its range (a lock's range holds only its queue).
+        return self._prefix.rstrip(b"/") + b".last/"
+
+    def _last_key(self, name: str) -> bytes:
+        """The lock's last grant: its value the token, or empty for "this key's mod_revision"
+        (a grant made by the transaction that created the holder's key)."""
+        return self._last_prefix + escape_name(name).encode()
+
+    async def _last_token(self, name: str) -> FencingToken | None:
+        request = rpc.RangeRequest(key=self._last_key(name))
+        reply = await self._call(lambda m, t: m.kv.Range(request, timeout=t), "status")
+        if not reply.kvs:
+            return None  # never granted (or granted only by a fenced before 0.2)
+        kv = reply.kvs[0]
+        return FencingToken(name, int(kv.value) if kv.value else kv.mod_revision)
 
     def _record_key(self, name: str) -> bytes:
         # Beside the locks' prefix, outside its range: lock_names() does not list records.

@@ -508,6 +508,12 @@ class ZooKeeperBackend(Backend):
         self._held[(node.lock, node.request_id)] = node
         if token.value > self._last_tokens.get(node.lock, 0):
             self._last_tokens[node.lock] = token.value
+        if s.connected.is_set() and node.session_id == s.session_id:
+            # The lock node's data: its last grant, for status() after a release or an
+            # expiry (the holder's node is gone then), as the sources with a counter know it.
+            # Not awaited (no round trip added to the grant); the session keeps it before
+            # the release, and a successor's grant comes after the release or the expiry.
+            ignore(s.future(s.client.set_async(node.parent, str(token.value).encode())))
         if not node.armed and not node.arming:
             # Watch our node for deletion, unless the lock is released at once: most
             # critical sections are short, and the watch would cost them a request.
@@ -724,7 +730,7 @@ class ZooKeeperBackend(Backend):
             raise unavailable("status failed", exc) from exc
         if found is not None:
             return found[0]
-        last_value = self._last_tokens.get(name)
+        last_value = max(await self._recorded_last(s, name), self._last_tokens.get(name, 0))
         return LockStatus(
             name=name,
             holder=None,
@@ -733,6 +739,17 @@ class ZooKeeperBackend(Backend):
             remaining=None,
             waiters=0,
         )
+
+    async def _recorded_last(self, s: Session, name: str) -> int:
+        """The last grant recorded in the lock node's data (0: none recorded)."""
+        try:
+            data, _ = await s.future(s.client.get_async(f"{self._root}/{escape_name(name)}"))
+        except NoNodeError:
+            return 0
+        except KazooException as exc:
+            raise unavailable("status failed", exc) from exc
+        text = bytes(data).decode(errors="replace")
+        return int(text) if text.isdigit() else 0
 
     def _record_path(self, name: str) -> str:
         # Beside the locks' root, not under it: lock_names() does not list records.
