@@ -1072,7 +1072,7 @@ def test_row_upsert_on_a_text_token_column_never_compares_text(env: Env, conn: A
     conn.execute("CREATE TABLE docs (id INTEGER PRIMARY KEY, body TEXT, fencing_token TEXT)")
     guard = RowGuard("docs", lock=LOCK)
     if env.kind == "pg":  # refused at first use: text is never compared with a token
-        with pytest.raises(ConfigurationError, match="wrong type"):
+        with pytest.raises(ConfigurationError, match="is text: it must be a 64-bit integer"):
             guard.insert_or_update(conn, token=tok(10), key={"id": 1}, values={"body": "ten"})
         conn.execute("INSERT INTO docs VALUES (1, 'ten', '10')")
     else:  # SQLite compares the CAST value: numeric
@@ -1366,3 +1366,125 @@ def test_a_fence_table_is_verified_by_its_columns_as_sqlite_names_them(tmp_path:
         guard.begin(conn, token=tok(9))
     conn.execute("ROLLBACK")
     conn.close()
+
+
+# -- a mark that is not an exact integer, a token column that cannot hold every token -----
+
+
+def test_a_sqlite_mark_that_is_not_an_integer_fails_closed(tmp_path: Any) -> None:
+    """A REAL 5.5 written by hand (or by a writer other than fenced) into the INTEGER token
+    column: the CAST truncated it to 5, so token 5 passed and overwrote the mark. Now every
+    token is refused as CorruptMarkError, in the fence table and the row form, nothing is
+    written; once the mark is an integer again the rightful token passes."""
+    conn = sqlite3.connect(tmp_path / "m.db", isolation_level=None)
+    fence = SQLGuard("r", lock=LOCK)
+    fence.install(conn)
+    conn.execute("INSERT INTO fenced_fences VALUES ('r', ?, 5.5)", (LOCK,))
+    conn.execute("CREATE TABLE docs (id INTEGER PRIMARY KEY, body TEXT, fencing_token INTEGER)")
+    conn.execute("INSERT INTO docs VALUES (1, 'original', 5.5)")
+    rows = RowGuard("docs", lock=LOCK)
+    rows.install(conn)
+    for value in (5, 6):
+        conn.execute("BEGIN IMMEDIATE")
+        with pytest.raises(CorruptMarkError, match="not an integer"):
+            fence.check(conn, token=tok(value))
+        conn.execute("ROLLBACK")
+        with pytest.raises(CorruptMarkError, match="not an integer"):
+            rows.update(conn, token=tok(value), key={"id": 1}, values={"body": "new"})
+        with pytest.raises(CorruptMarkError, match="not an integer"):
+            rows.insert_or_update(conn, token=tok(value), key={"id": 1}, values={"body": "new"})
+    with pytest.raises(CorruptMarkError):
+        fence.high_water(conn)
+    with pytest.raises(CorruptMarkError):
+        rows.high_water(conn, {"id": 1})
+    assert conn.execute("SELECT token FROM fenced_fences").fetchall() == [(5.5,)]
+    assert conn.execute("SELECT body, fencing_token FROM docs").fetchall() == [("original", 5.5)]
+    # repaired by the operator: the rightful token passes, the stale one is refused
+    conn.execute("UPDATE fenced_fences SET token = 6")
+    conn.execute("UPDATE docs SET fencing_token = 6")
+    assert fence.begin(conn, token=tok(6)) == tok(6)
+    conn.execute("COMMIT")
+    assert rows.update(conn, token=tok(6), key={"id": 1}, values={"body": "six"}) == tok(6)
+    conn.execute("BEGIN IMMEDIATE")
+    with pytest.raises(StaleTokenError):
+        fence.check(conn, token=tok(5))
+    conn.execute("ROLLBACK")
+    with pytest.raises(StaleTokenError):
+        rows.update(conn, token=tok(5), key={"id": 1}, values={"body": "five"})
+    assert conn.execute("SELECT body, fencing_token FROM docs").fetchall() == [("six", 6)]
+    conn.close()
+
+
+def test_a_sqlite_real_token_column_fails_closed_at_use(tmp_path: Any) -> None:
+    """A REAL token column (refused by install(), used without it) rounds tokens above 2**53
+    together: after 2**53 + 1 was stored (as 2**53), the stale 2**53 passed. Now a mark held
+    as REAL is never compared: refused as the column's type, nothing written."""
+    conn = sqlite3.connect(tmp_path / "r.db", isolation_level=None)
+    conn.execute("CREATE TABLE docs (id INTEGER PRIMARY KEY, body TEXT, fencing_token REAL)")
+    conn.execute("INSERT INTO docs VALUES (1, 'original', NULL)")
+    rows = RowGuard("docs", lock=LOCK)
+    big = 2**53 + 1
+    assert rows.update(conn, token=tok(big), key={"id": 1}, values={"body": "big"}) == tok(big)
+    for value in (2**53, big, big + 1):
+        with pytest.raises(ConfigurationError, match="64-bit integer"):
+            rows.update(conn, token=tok(value), key={"id": 1}, values={"body": "later"})
+    assert conn.execute("SELECT body FROM docs").fetchall() == [("big",)]
+    conn.execute("CREATE TABLE real_fences (resource TEXT PRIMARY KEY, lock_name TEXT, token REAL)")
+    fence = SQLGuard("r", lock=LOCK, table="real_fences")
+    conn.execute("BEGIN IMMEDIATE")
+    with pytest.raises(ConfigurationError, match="64-bit integer"):
+        fence.check(conn, token=tok(big))
+    conn.execute("ROLLBACK")
+    assert conn.execute("SELECT * FROM real_fences").fetchall() == []
+    conn.close()
+
+
+@pytest.mark.parametrize("type_", ["DOUBLE PRECISION", "REAL", "INTEGER", "SMALLINT", "NUMERIC"])
+def test_a_postgresql_token_column_is_verified_at_first_use(pg_dsn: str, type_: str) -> None:
+    """install() refuses these token columns, but a table made by hand was used as found: a
+    double precision column rounds 2**53 + 1 to 2**53, and then the stale 2**53 passed. Now
+    the column's type is verified before a connection's first use of the table (fence table
+    and row form, sync and async): ConfigurationError, nothing written; a bigint one passes."""
+    import asyncio
+
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        c.execute(f"CREATE TABLE docs (id INTEGER PRIMARY KEY, body TEXT, fencing_token {type_})")
+        c.execute("INSERT INTO docs VALUES (1, 'original', NULL)")
+        c.execute(
+            "CREATE TABLE fences (resource TEXT PRIMARY KEY, lock_name TEXT NOT NULL, "
+            f"token {type_} NOT NULL)"
+        )
+        rows, fence = RowGuard("docs", lock=LOCK), SQLGuard("r", lock=LOCK, table="fences")
+        for write in (rows.update, rows.insert_or_update):
+            with pytest.raises(ConfigurationError, match=f"is {type_.lower()}"):
+                write(c, token=tok(2**53 + 1), key={"id": 1}, values={"body": "new"})
+        with pytest.raises(ConfigurationError, match=f"is {type_.lower()}"), c.transaction():
+            fence.check(c, token=tok(5))
+        with pytest.raises(ConfigurationError, match=f"is {type_.lower()}"):
+            fence.begin(c, token=tok(5))
+        c.execute("ROLLBACK")
+
+        async def async_side() -> None:
+            async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as a:
+                with pytest.raises(ConfigurationError, match=f"is {type_.lower()}"):
+                    await rows.aupdate(a, token=tok(5), key={"id": 1}, values={"body": "new"})
+                with pytest.raises(ConfigurationError, match=f"is {type_.lower()}"):
+                    async with a.transaction():
+                        await fence.acheck(a, token=tok(5))
+
+        asyncio.run(async_side())
+        assert c.execute("SELECT body, fencing_token FROM docs").fetchall() == [("original", None)]
+        assert c.execute("SELECT * FROM fences").fetchall() == []
+        # the same tables with bigint token columns: the rightful token passes, stale refused
+        c.execute("ALTER TABLE docs ALTER COLUMN fencing_token TYPE BIGINT")
+        c.execute("ALTER TABLE fences ALTER COLUMN token TYPE BIGINT")
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        big = tok(2**53 + 1)
+        assert rows.update(c, token=big, key={"id": 1}, values={"body": "big"}) == big
+        with pytest.raises(StaleTokenError):
+            rows.update(c, token=tok(2**53), key={"id": 1}, values={"body": "stale"})
+        with c.transaction():
+            assert fence.check(c, token=big) == big
+        with pytest.raises(StaleTokenError), c.transaction():
+            fence.check(c, token=tok(2**53))
+        assert c.execute("SELECT body FROM docs").fetchall() == [("big",)]

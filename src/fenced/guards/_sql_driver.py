@@ -37,15 +37,15 @@ from ._sql_plan import (
     Dialect,
     DuplicateColumn,
     FenceConflictError,
-    MySQLUse,
     Plan,
     Result,
     RowSQL,
     Stmt,
-    mysql_use_plan,
+    TableUse,
     row_write_accepted,
     row_write_plan,
     row_write_rest,
+    table_use_plan,
 )
 
 __all__ = [
@@ -114,19 +114,19 @@ def _asyncmy_connection(conn: object) -> bool:
     return _kind(conn) == "asyncmy"
 
 
-# -- MySQL tables verified per connection --------------------------------------------------
+# -- MySQL and PostgreSQL tables verified per connection ---------------------------------------
 
-# The MySQL tables each driver connection has verified (mysql_use_plan): once per connection
-# and table, so a hand-made MyISAM table or SMALLINT token column is refused at use, not only
-# by install(), for one information_schema look-up per connection.
-_USED: weakref.WeakKeyDictionary[Any, set[MySQLUse]] = weakref.WeakKeyDictionary()
+# The tables each driver connection has verified (table_use_plan): once per connection and
+# table, so a hand-made MyISAM table, or a SMALLINT or double precision token column, is
+# refused at use, not only by install(), for one catalog look-up per connection.
+_USED: weakref.WeakKeyDictionary[Any, set[TableUse]] = weakref.WeakKeyDictionary()
 # asyncmy's connections take no weak references: by address and server thread id instead
 # (a new connection at a freed address has another thread id), the oldest forgotten first
-_USED_BY_ID: dict[tuple[int, object], set[MySQLUse]] = {}
+_USED_BY_ID: dict[tuple[int, object], set[TableUse]] = {}
 _USED_BY_ID_LIMIT = 1024
 
 
-def _verified(raw: Any) -> set[MySQLUse]:
+def _verified(raw: Any) -> set[TableUse]:
     """The tables ``raw`` has verified (a set to add to)."""
     try:
         return _USED.setdefault(raw, set())
@@ -140,7 +140,7 @@ def _verified(raw: Any) -> set[MySQLUse]:
         return uses
 
 
-def _is_verified(raw: Any, use: MySQLUse) -> bool:
+def _is_verified(raw: Any, use: TableUse) -> bool:
     """Has ``raw`` verified ``use``? (A look-up only: on every guarded write.)"""
     try:
         uses = _USED.get(raw)
@@ -149,17 +149,17 @@ def _is_verified(raw: Any, use: MySQLUse) -> bool:
     return uses is not None and use in uses
 
 
-def _verify_then(raw: Any, use: MySQLUse, plan: Plan[T]) -> Generator[Stmt, Result, T]:
-    yield from mysql_use_plan(use)
-    _verified(raw).add(use)
+def _verify_then(raw: Any, d: Dialect, use: TableUse, plan: Plan[T]) -> Generator[Stmt, Result, T]:
+    if (yield from table_use_plan(d, use)):
+        _verified(raw).add(use)
     return (yield from plan)
 
 
-def _using(raw: Any, d: Dialect, use: MySQLUse | None, plan: Plan[T]) -> Plan[T]:
+def _using(raw: Any, d: Dialect, use: TableUse | None, plan: Plan[T]) -> Plan[T]:
     """``plan``, preceded by the verification of ``use`` if ``raw`` has not passed it yet."""
-    if d is not MYSQL or use is None or _is_verified(raw, use):
+    if d is SQLITE or use is None or raw is None or _is_verified(raw, use):
         return plan
-    return _verify_then(raw, use, plan)
+    return _verify_then(raw, d, use, plan)
 
 
 def _found_rows(raw: Any) -> bool:
@@ -299,13 +299,13 @@ def run_sa(
     make_plan: Callable[[Dialect], Plan[T]],
     *,
     need_tx: bool = False,
-    use: MySQLUse | None = None,
+    use: TableUse | None = None,
 ) -> T:
     """Run a plan through a SQLAlchemy Connection, in its (auto-begun) transaction."""
     d = _sa_dialect(sa_conn)
     if need_tx:
         _sa_require_transaction(sa_conn)
-    raw = sa_conn.connection.driver_connection if d is MYSQL else None
+    raw = sa_conn.connection.driver_connection if d is not SQLITE else None
     found = _found_rows(raw)
 
     def send(stmt: Stmt) -> Result:
@@ -573,7 +573,7 @@ _EXECUTE_BY_KIND: dict[str, Callable[[Any, Stmt], Result]] = {
 
 
 def run_own(
-    conn: Any, make_plan: Callable[[Dialect], Plan[T]], *, use: MySQLUse | None = None
+    conn: Any, make_plan: Callable[[Dialect], Plan[T]], *, use: TableUse | None = None
 ) -> T:
     """Run a one-statement write; if the driver had to open a transaction for it, end it.
 
@@ -607,7 +607,7 @@ def run_own_row(
     statement: Callable[[Dialect], tuple[Stmt, tuple[Any, ...]]],
     *,
     upsert: bool,
-    use: MySQLUse | None = None,
+    use: TableUse | None = None,
 ) -> FencingToken:
     """:class:`RowGuard`'s write (``statement``: see :func:`row_write_stmt`): :func:`run_own`
     of :func:`row_write_plan`, with the plan's first step taken here. The one statement goes
@@ -626,10 +626,10 @@ def run_own_row(
     stmt, key_params = statement(d)
     opened = not in_transaction(conn)
     try:
-        if use is not None and d is MYSQL and not _is_verified(conn, use):
+        if use is not None and d is not SQLITE and not _is_verified(conn, use):
             # (after `opened`: without autocommit this look-up opens the transaction we end)
             drive(
-                _verify_then(conn, use, _nothing()),
+                _verify_then(conn, d, use, _nothing()),
                 lambda stmt: execute(conn, stmt),
                 lambda exc: map_error(d, conn, exc),
             )
@@ -661,7 +661,7 @@ def _nothing() -> Plan[None]:
 
 
 async def arun_own(
-    conn: Any, make_plan: Callable[[Dialect], Plan[T]], *, use: MySQLUse | None = None
+    conn: Any, make_plan: Callable[[Dialect], Plan[T]], *, use: TableUse | None = None
 ) -> T:
     """The async :func:`run_own`."""
     if sa_async(conn):
@@ -741,7 +741,7 @@ def run(
     *,
     need_tx: bool = False,
     begin: bool = False,
-    use: MySQLUse | None = None,
+    use: TableUse | None = None,
 ) -> T:
     """Run a plan on a synchronous connection (see the module doc).
 
@@ -762,7 +762,7 @@ def _run(
     *,
     need_tx: bool = False,
     begin: bool = False,
-    use: MySQLUse | None = None,
+    use: TableUse | None = None,
 ) -> T:
     execute: Callable[[Any, Stmt], Result] = (
         _exec_sqlite if d is SQLITE else _exec_mysql if d is MYSQL else _exec_psycopg
@@ -805,7 +805,7 @@ async def arun(
     *,
     need_tx: bool = False,
     begin: bool = False,
-    use: MySQLUse | None = None,
+    use: TableUse | None = None,
 ) -> T:
     """Run a plan on an async connection (``begin``: see :func:`run`)."""
     if sa_async(conn):
@@ -840,7 +840,9 @@ async def arun(
         begun = True
         return await _abegin_psycopg(conn, stmt)
 
-    return await adrive(make_plan(d), send, lambda exc: map_error(d, conn, exc))
+    return await adrive(
+        _using(conn, d, use, make_plan(d)), send, lambda exc: map_error(d, conn, exc)
+    )
 
 
 def run_install(conn: Any, make_plan: Callable[[Dialect], Plan[T]]) -> T:

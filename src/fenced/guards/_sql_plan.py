@@ -55,6 +55,7 @@ __all__ = [
     "Result",
     "RowSQL",
     "Stmt",
+    "TableUse",
     "check_plan",
     "fence_high_water_plan",
     "fence_install_plan",
@@ -62,11 +63,13 @@ __all__ = [
     "ident_key",
     "mysql_upsert_accepted",
     "mysql_use_plan",
+    "pg_use_plan",
     "quote_ident",
     "quote_table",
     "row_high_water_plan",
     "row_install_plan",
     "row_write_plan",
+    "table_use_plan",
     "validate_resource",
 ]
 
@@ -220,7 +223,8 @@ def fence_sql(d: Dialect, table: str) -> FenceSQL:
     accept = (
         f"INSERT INTO {table} AS f (resource, lock_name, token) VALUES ({p}, {p}, {p}) "
         "ON CONFLICT (resource) DO UPDATE SET token = excluded.token "
-        f"WHERE {mark} > 0 AND {mark} <= {incoming} AND f.lock_name = excluded.lock_name "
+        f"WHERE {_exact(d, 'f.token')}{mark} > 0 AND {mark} <= {incoming} "
+        "AND f.lock_name = excluded.lock_name "
         "RETURNING token"
     )
     read = f"SELECT lock_name, token FROM {table} WHERE resource = {p}"
@@ -275,6 +279,18 @@ def _bad_type(value: object) -> bool:
     return isinstance(value, bool) or (value is not None and not isinstance(value, int))
 
 
+def _inexact(value: object) -> bool:
+    """A mark that is a number but not a whole one (5.5 written by hand into SQLite's
+    INTEGER column, or into a numeric one): no token can be compared with it."""
+    if isinstance(value, float):
+        return not value.is_integer()
+    return isinstance(value, decimal.Decimal) and value != value.to_integral_value()
+
+
+def _inexact_mark(resource: str, value: object) -> CorruptMarkError:
+    return CorruptMarkError(resource, f"token {value!r} is not an integer")
+
+
 def _type_error(resource: str, value: object) -> ConfigurationError:
     return ConfigurationError(
         f"the token column of {resource!r} holds {type(value).__name__} values: it must be "
@@ -283,6 +299,8 @@ def _type_error(resource: str, value: object) -> ConfigurationError:
 
 
 def _stored_token(lock: object, value: object, resource: str = "?") -> FencingToken:
+    if _inexact(value):
+        raise _inexact_mark(resource, value)
     if _bad_type(value):
         raise _type_error(resource, value)
     if not isinstance(lock, str) or not isinstance(value, int) or not 0 < value <= MAX_TOKEN:
@@ -294,6 +312,8 @@ def _rejection(
     token: FencingToken, resource: str, stored_lock: object, stored_value: object
 ) -> FencedError:
     """Why a fenced write matched no row although the row exists: wrong lock, stale, or race."""
+    if _inexact(stored_value):
+        return _inexact_mark(resource, stored_value)
     if _bad_type(stored_value):
         return _type_error(resource, stored_value)
     if stored_value is not None and not 0 < stored_value <= MAX_TOKEN:  # type: ignore[operator]
@@ -437,15 +457,55 @@ def _not_innodb(table_name: str, engine: str) -> ConfigurationError:
 
 
 @dataclass(frozen=True, slots=True)
-class MySQLUse:
-    """A MySQL table a guard writes to, verified before its first use on each connection
-    (:func:`mysql_use_plan`; the driver remembers it per connection): ``install()`` verifies
-    only the tables it is given, and a table made or altered by hand (MyISAM, a SMALLINT
-    token column) would otherwise be used as found."""
+class TableUse:
+    """A MySQL or PostgreSQL table a guard writes to, verified before its first use on each
+    connection (:func:`table_use_plan`; the driver remembers it per connection):
+    ``install()`` verifies only the tables it is given, and a table made or altered by hand
+    (MyISAM, a SMALLINT or double precision token column) would otherwise be used as found.
+    (SQLite's statements themselves refuse a mark that is not an exact integer: see
+    :func:`_exact`.)"""
 
     table_name: str
     token: str | None = None  # the row form's token column; None: a fence table
     keys: tuple[str, ...] | None = None  # the row form's upsert: its key columns
+
+
+MySQLUse = TableUse  # (its name before PostgreSQL's tables were verified at use too)
+
+
+def table_use_plan(d: Dialect, use: TableUse) -> Plan[bool]:
+    """Verify ``use`` on ``d`` before its first use on a connection (MySQL, PostgreSQL);
+    True if verified (remember it), False if there was nothing to verify yet."""
+    if d is MYSQL:
+        yield from mysql_use_plan(use)
+        return True
+    if d is POSTGRESQL:
+        return (yield from pg_use_plan(use))
+    return False
+
+
+def pg_use_plan(use: TableUse) -> Plan[bool]:
+    """Refuse a PostgreSQL token column that is not ``bigint``: a ``double precision`` one
+    rounds tokens above 2**53 together (a stale token then compares equal and passes), a
+    ``real`` one above 2**24, ``integer``/``smallint`` ones overflow, ``numeric`` ones hold
+    fractions. One catalog look-up per connection and table. A table or column that does not
+    exist is left to the guard's statement, which reports it (and is looked up again)."""
+    res = yield Stmt(
+        "SELECT format_type(atttypid, atttypmod) FROM pg_attribute "
+        "WHERE attrelid = to_regclass(%s) AND attname = %s AND attnum > 0 AND NOT attisdropped",
+        (quote_table(use.table_name), "token" if use.token is None else use.token),
+    )
+    if not res.rows:
+        return False
+    if res.rows[0][0] != "bigint":
+        if use.token is None:
+            raise ConfigurationError(
+                f"fence table {use.table_name!r} exists but cannot be used: its 'token' column "
+                f"is {res.rows[0][0]}, not a 64-bit integer (drop or rename it, or pass table= "
+                "to use another)"
+            )
+        raise _bad_token_type(use.token, use.table_name, res.rows[0][0])
+    return True
 
 
 def mysql_use_plan(use: MySQLUse) -> Plan[None]:
@@ -665,12 +725,28 @@ def _as_int(d: Dialect, expr: str, *, stored: bool = False) -> str:
     return f"CAST({expr} AS {d.cast})"
 
 
+def _exact(d: Dialect, expr: str) -> str:
+    """A guard (ending in ``AND``) that the stored mark ``expr`` is an exact integer, for
+    SQLite, where any column holds any value: ``CAST`` truncates a REAL 5.5 to 5 (token 5
+    passed and overwrote the mark) and a REAL column rounds tokens above 2**53 together. A
+    REAL value, or a text that is not an integer's spelling, matches nothing: the write is
+    refused and the read reports the mark (:class:`~fenced.CorruptMarkError` for 5.5, the
+    column's type for a REAL column). A TEXT column's ``'10'`` stays usable (it is exact).
+    PostgreSQL and MySQL verify the column's type before its first use on a connection."""
+    if d is not SQLITE:
+        return ""
+    return f"typeof({expr}) <> 'real' AND CAST({expr} AS INTEGER) = {expr} AND "
+
+
 def _row_read(d: Dialect, spec: RowSQL, *, locking: bool = False) -> str:
     """The row's token (and lock). ``locking`` (MySQL, after a write that matched nothing):
     ``FOR UPDATE``, which reads the newest committed row, not the transaction's snapshot."""
-    cols = (
-        quote_ident(spec.token) if d is MYSQL else _as_int(d, quote_ident(spec.token), stored=True)
-    )
+    tok = quote_ident(spec.token)
+    if d is SQLITE:  # an exact integer (a TEXT column's '10') as int, anything else as stored
+        exact = _exact(d, tok).removesuffix(" AND ")
+        cols = f"CASE WHEN {exact} THEN CAST({tok} AS INTEGER) ELSE {tok} END"
+    else:
+        cols = tok
     cols += f", {quote_ident(spec.lock)}" if spec.lock else ""
     sql = f"SELECT {cols} FROM {spec.table} WHERE {_where_key(d, spec)}"
     if d is MYSQL:
@@ -682,7 +758,7 @@ def _row_guard_clause(d: Dialect, spec: RowSQL, target: str, incoming: str) -> s
     """``target`` accepts ``incoming``: never fenced (NULL) or not newer, and the same lock."""
     tok = quote_ident(spec.token)
     stored = _as_int(d, f"{target}{tok}", stored=True)
-    ordered = f"{stored} > 0 AND {stored} <= {_as_int(d, incoming)}"
+    ordered = f"{_exact(d, target + tok)}{stored} > 0 AND {stored} <= {_as_int(d, incoming)}"
     if not spec.lock:
         return f"({target}{tok} IS NULL OR ({ordered}))"
     # A row whose lock column is set but whose token is NULL lost its mark: corrupt, refused.
@@ -858,6 +934,8 @@ def row_write_rest(
         )
     row = res.rows[0]
     stored, lock = row[0], (row[1] if spec.lock else None)
+    if _inexact(stored):
+        raise _inexact_mark(_label(spec, key), stored)
     if _bad_type(stored):
         raise _type_error(_label(spec, key), stored)
     if stored == token.value and lock in (None, token.lock):

@@ -26,9 +26,12 @@ Why two racing transactions cannot both pass out of order
 The fence statement is ``INSERT INTO fenced_fences AS f ... ON CONFLICT (resource) DO UPDATE
 SET token = excluded.token WHERE f.token > 0 AND f.token <= excluded.token AND f.lock_name =
 excluded.lock_name RETURNING token`` (both sides compared as 64-bit integers): a row comes back
-iff the token was accepted. A mark that is NULL, zero or negative matches nothing and is
-reported as :class:`~fenced.CorruptMarkError`; a token column that is not an integer column
-as :class:`~fenced.ConfigurationError`, at install and at check.
+iff the token was accepted. A mark that is NULL, zero, negative or not a whole number (a
+REAL 5.5 in SQLite) matches nothing and is reported as :class:`~fenced.CorruptMarkError`; a
+token column that is not a 64-bit integer column as :class:`~fenced.ConfigurationError`, by
+install and at use (PostgreSQL and MySQL verify the column's type before a connection's first
+use of a table; on SQLite, where any column holds any value, the statement refuses a mark that
+is not stored as an exact integer, so a REAL column's rounded tokens are never compared).
 
 *PostgreSQL.* DO UPDATE first takes a row lock on the existing fence row (even when its WHERE
 turns out false) and evaluates the WHERE on the newest committed version of the row: under
@@ -61,8 +64,8 @@ The ``checks`` counter makes an accepted check always change the row, so its cou
 whether or not the client counts found rows; the verdict is never read from the insert id,
 which an AUTO_INCREMENT column of a user's table also writes. Deadlocks (1213) and lock wait
 timeouts (1205) surface as :class:`FenceConflictError`. Each table is verified before its
-first use on each connection (InnoDB, a BIGINT token column), not only by ``install()``. ``install()`` runs DDL,
-which commits implicitly, so it refuses to run inside a transaction; it verifies a table it
+first use on each connection (InnoDB, a BIGINT token column), not only by ``install()``.
+``install()`` runs DDL, which commits implicitly, so it refuses to run inside a transaction; it verifies a table it
 did not create (InnoDB, binary collations, BIGINT token). The row form is a conditional
 UPDATE too; a row it matched but did not change (same values) is told from a refusal by the
 same locking read, and an upsert inserts a missing row (no ``ON DUPLICATE KEY UPDATE``, whose
@@ -118,10 +121,10 @@ from ._sql_plan import (
     Dialect,
     FenceConflictError,
     FenceSQL,
-    MySQLUse,
     Plan,
     RowSQL,
     Stmt,
+    TableUse,
     check_plan,
     fence_high_water_plan,
     fence_install_plan,
@@ -177,7 +180,8 @@ class SQLGuard:
         self.lock = _lock_name(resource if lock is None else lock, f"lock of {resource!r}")
         self.table = table
         self._quoted = quote_table(table)
-        self._use = MySQLUse(table)  # (verified before first use on each MySQL connection)
+        # (verified before first use on each MySQL or PostgreSQL connection)
+        self._use = TableUse(table)
 
     def __repr__(self) -> str:
         return f"SQLGuard({self.resource!r}, lock={self.lock!r}, table={self.table!r})"
@@ -411,9 +415,10 @@ class RowGuard:
         self.lock_column = lock_column
         self.lock = _lock_name(table if lock is None else lock, f"lock of table {table!r}")
         self._spec = RowSQL(quote_table(table), table, key_cols, token_column, lock_column)
-        # (verified before first use on each MySQL connection; an upsert also needs its keys)
-        self._use = MySQLUse(table, token_column)
-        self._use_upsert = MySQLUse(table, token_column, key_cols)
+        # (verified before first use on each MySQL or PostgreSQL connection; a MySQL upsert
+        # also needs its keys)
+        self._use = TableUse(table, token_column)
+        self._use_upsert = TableUse(table, token_column, key_cols)
 
     def __repr__(self) -> str:
         return (
