@@ -1488,3 +1488,108 @@ def test_a_postgresql_token_column_is_verified_at_first_use(pg_dsn: str, type_: 
         with pytest.raises(StaleTokenError), c.transaction():
             fence.check(c, token=tok(2**53))
         assert c.execute("SELECT body FROM docs").fetchall() == [("big",)]
+
+
+# -- SQLGuard.transaction: the check in the same round trip (PostgreSQL pipeline) ----------
+
+
+def _stale_pipelined_write_is_never_committed(conn: Any, guard: SQLGuard) -> bool:
+    """The checker: token 10 writes in a guarded transaction, then the stale 9 tries, with a
+    read of its own write inside the block and without; 9 must raise and leave 10's data."""
+    conn.execute("CREATE TABLE IF NOT EXISTS acct (id INTEGER PRIMARY KEY, v BIGINT)")
+    conn.execute("INSERT INTO acct (id, v) VALUES (1, 0) ON CONFLICT DO NOTHING")
+    with guard.transaction(conn, token=tok(10)) as accepted:
+        conn.execute("UPDATE acct SET v = 10 WHERE id = 1")
+    assert accepted == tok(10)
+    refused, param = 0, "?" if isinstance(conn, sqlite3.Connection) else "%s"
+    for read_inside in (False, True):
+        try:
+            with guard.transaction(conn, token=tok(9)):
+                conn.execute("UPDATE acct SET v = 9 WHERE id = 1")
+                conn.execute(
+                    "INSERT INTO acct (id, v) VALUES (?, 9)".replace("?", param),
+                    (90 + read_inside,),
+                )
+                if read_inside:
+                    conn.execute("SELECT v FROM acct WHERE id = 1").fetchall()
+        except StaleTokenError as exc:
+            assert exc.high_water == tok(10)
+            refused += 1
+    rows = [tuple(r) for r in conn.execute("SELECT id, v FROM acct ORDER BY id").fetchall()]
+    return refused == 2 and rows == [(1, 10)] and guard.high_water(conn) == tok(10)
+
+
+def test_guarded_transaction_refuses_a_stale_token_and_commits_the_rightful_one(
+    env: Env, conn: Any
+) -> None:
+    """On PostgreSQL BEGIN, the check, the caller's statements and COMMIT go in one pipeline
+    (the check raises in the server); elsewhere begin() and COMMIT. Both: a stale token
+    commits nothing, the rightful one commits everything, the connection is left idle."""
+    guard = SQLGuard("acct", lock=LOCK)
+    guard.install(conn)
+    assert _stale_pipelined_write_is_never_committed(conn, guard)
+    assert not (conn.in_transaction if env.kind == "sqlite" else conn.info.transaction_status)
+    with guard.transaction(conn, token=tok(11)):
+        conn.execute("UPDATE acct SET v = 11 WHERE id = 1")
+        if env.kind == "pg":  # results can be read inside the block
+            assert conn.execute("SELECT v FROM acct").fetchall() == [(11,)]
+    assert conn.execute("SELECT v FROM acct").fetchall() == [(11,)]
+    with pytest.raises(ZeroDivisionError), guard.transaction(conn, token=tok(12)):
+        conn.execute("UPDATE acct SET v = 12 WHERE id = 1")
+        raise ZeroDivisionError  # the block's own error: rolled back, raised as it is
+    assert conn.execute("SELECT v FROM acct").fetchall() == [(11,)]
+    assert guard.high_water(conn) == tok(11)
+    env.begin(conn)
+    with pytest.raises(ConfigurationError, match="already open"):
+        with guard.transaction(conn, token=tok(13)):
+            pass
+    conn.execute("ROLLBACK")
+
+
+def test_guarded_transaction_reports_what_the_server_refused_on(pg_dsn: str) -> None:
+    """The refusal raised in the server carries the fence row: another lock's row is
+    WrongLockError, a zero mark CorruptMarkError, nothing written; a new resource passes."""
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        guard = SQLGuard("acct", lock=LOCK)
+        guard.install(c)
+        c.execute("CREATE TABLE acct (id INTEGER PRIMARY KEY, v BIGINT)")
+        c.execute(
+            "ALTER TABLE fenced_fences DROP CONSTRAINT fenced_fences_token_check"
+        )  # (a hand edit)
+        c.execute(
+            "INSERT INTO fenced_fences VALUES ('acct', 'someone-else', 5), ('zero', %s, 0)", (LOCK,)
+        )
+        with pytest.raises(fenced.WrongLockError), guard.transaction(c, token=tok(7)):
+            c.execute("INSERT INTO acct VALUES (1, 7)")
+        with (
+            pytest.raises(CorruptMarkError),
+            SQLGuard("zero", lock=LOCK).transaction(c, token=tok(7)),
+        ):
+            c.execute("INSERT INTO acct VALUES (2, 7)")
+        assert c.execute("SELECT * FROM acct").fetchall() == []
+        with SQLGuard("new", lock=LOCK).transaction(c, token=tok(7)):
+            c.execute("INSERT INTO acct VALUES (3, 7)")
+        assert c.execute("SELECT * FROM acct").fetchall() == [(3, 7)]
+
+
+def test_a_pipelined_check_that_does_not_raise_is_caught(
+    pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Planted: the refusal function returns NULL instead of raising. In the pipeline nothing
+    waits for the check's answer, so the stale transaction commits: the checker catches it."""
+    from fenced.guards import _sql_driver
+
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        guard = SQLGuard("acct", lock=LOCK)
+        guard.install(c)
+        c.execute(
+            "CREATE FUNCTION planted_refuse(tbl regclass, res text) RETURNS bigint "
+            "LANGUAGE sql VOLATILE AS 'SELECT NULL::bigint'"
+        )
+        real = _sql_plan.pg_pipelined_check
+        monkeypatch.setattr(
+            _sql_driver,
+            "pg_pipelined_check",
+            lambda table: real(table).replace("fenced_refuse_v1(", "planted_refuse("),
+        )
+        assert not _stale_pipelined_write_is_never_committed(c, guard)

@@ -18,11 +18,12 @@ and translate the driver's errors into fenced's tree at this boundary:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sqlite3
 import sys
 import weakref
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping
 from typing import Any, TypeVar
 
 from .._errors import BackendUnavailable, ConfigurationError, FencedError
@@ -34,6 +35,7 @@ from ._sql_plan import (
     MYSQL,
     POSTGRESQL,
     SQLITE,
+    STALE_SQLSTATE,
     Dialect,
     DuplicateColumn,
     FenceConflictError,
@@ -42,6 +44,8 @@ from ._sql_plan import (
     RowSQL,
     Stmt,
     TableUse,
+    pg_pipelined_check,
+    pipelined_refusal,
     row_write_accepted,
     row_write_plan,
     row_write_rest,
@@ -900,3 +904,90 @@ async def arun_install(conn: Any, make_plan: Callable[[Dialect], Plan[T]]) -> T:
         if mapped is None:
             raise
         raise mapped from exc
+
+
+# -- one round trip: the check raises in the server (PostgreSQL pipeline) --------------------
+
+
+@contextlib.contextmanager
+def guarded_transaction(
+    conn: Any,
+    table: str,
+    resource: str,
+    token: FencingToken,
+    use: TableUse,
+    begin: Callable[[], FencingToken],
+) -> Iterator[FencingToken]:
+    """``SQLGuard.transaction``: on a psycopg connection with no transaction open, BEGIN,
+    the raising check (:func:`pg_pipelined_check`), the caller's statements and COMMIT go in
+    one pipeline, answered at its sync point; a refusal aborts the transaction in the server,
+    so nothing the block sent is committed. Elsewhere: ``begin()`` (today's check, awaited),
+    the block, COMMIT (ROLLBACK if the block raises)."""
+    if sa_connection_kind(conn):
+        already = sa_in_transaction(conn)
+    else:
+        sync_dialect(conn)  # (a clear TypeError for an async or unknown connection)
+        already = in_transaction(conn)
+    if already:
+        raise ConfigurationError(
+            "transaction() starts the transaction, and one is already open: use check() inside it"
+        )
+    if _kind(conn) != "psycopg":
+        try:
+            accepted = begin()
+            yield accepted
+        except BaseException:
+            with contextlib.suppress(Exception):
+                conn.rollback()
+            raise
+        _commit_any(conn)
+        return
+    if conn.closed:
+        raise BackendUnavailable("the psycopg connection is closed")
+    if not _is_verified(conn, use):  # once per connection: its answer is needed first
+        opened = not conn.autocommit
+        drive(
+            _verify_then(conn, POSTGRESQL, use, _nothing()),
+            lambda stmt: _exec_psycopg(conn, stmt),
+            lambda exc: map_error(POSTGRESQL, conn, exc),
+        )
+        if opened and in_transaction(conn):
+            _end(conn, commit=False, d=POSTGRESQL)  # (a catalog read opened it: nothing to keep)
+    params = (resource, token.lock, token.value, table, resource)
+    try:
+        with conn.pipeline(), conn.transaction():
+            conn.execute(pg_pipelined_check(table), params)
+            yield token
+    except Exception as exc:
+        mapped = _pipelined_error(conn, resource, token, exc)
+        if mapped is exc:
+            raise
+        raise mapped from exc
+
+
+def _pipelined_error(conn: Any, resource: str, token: FencingToken, exc: Exception) -> Exception:
+    """The fence's refusal (:data:`STALE_SQLSTATE`) as fenced's error; a whole-transaction
+    condition (conflict: retry; connection lost) mapped as ``check`` maps it; anything else
+    as raised (in one round trip the guard cannot tell whose statement failed)."""
+    if getattr(exc, "sqlstate", None) == STALE_SQLSTATE:
+        return pipelined_refusal(resource, token, exc.diag.message_detail)  # type: ignore[attr-defined]
+    if getattr(exc, "sqlstate", None) == "42883" and "fenced_refuse" in str(exc):
+        return ConfigurationError(
+            f"{exc}: the pipelined check needs the function guard.install() creates "
+            "(run install() again after upgrading fenced)"
+        )
+    what = pg_kind(exc, conn)
+    if what in ("conflict", "unreachable"):
+        mapped = map_error(POSTGRESQL, conn, exc)
+        if mapped is not None:
+            return mapped
+    return exc
+
+
+def _commit_any(conn: Any) -> None:
+    """COMMIT on any supported sync connection (a SQLAlchemy one commits its own way)."""
+    kind = _kind(conn)
+    if not kind:
+        conn.commit()
+        return
+    _end(conn, commit=True, d=_SYNC_DIALECTS[kind])

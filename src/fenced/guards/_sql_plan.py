@@ -389,6 +389,78 @@ def _mysql_check_plan(sql: FenceSQL, resource: str, token: FencingToken) -> Plan
     raise _rejection(token, resource, lock, value)
 
 
+# -- PostgreSQL: the check that raises in the server (pipelined) --------------------------
+
+STALE_SQLSTATE: Final = "FN001"
+"""The SQLSTATE of the refusal raised in the server by the pipelined check (class ``FN`` is
+no standard class): the transaction is aborted there, and the client maps it to the error
+the row's content explains (see :func:`pipelined_refusal`)."""
+
+_REFUSE_FN: Final = "fenced_refuse_v1"
+
+
+def _refuse_function(table: str) -> str:
+    """The refusal function's name, in the fence table's schema if it has one (``table``
+    quoted): a function is looked up on the search path as the table is."""
+    schema, dot, _ = table.rpartition(".")
+    return f"{schema}{dot}{_REFUSE_FN}"
+
+
+def pg_refuse_ddl(table: str) -> str:
+    """The refusal function ``install()`` creates on PostgreSQL: reads the fence row that
+    refused (locked by the refusing statement) and raises :data:`STALE_SQLSTATE` with what it
+    holds as JSON in the DETAIL, which aborts the transaction in the server. Created once
+    (a racing install's duplicate is a no-op); the table comes as a ``regclass``."""
+    return (
+        "DO $fenced$ BEGIN "
+        f"CREATE FUNCTION {_refuse_function(table)}(tbl regclass, res text) RETURNS bigint "
+        "LANGUAGE plpgsql VOLATILE AS $fn$ DECLARE found_row text; BEGIN "
+        # (regclass's text is the table's name quoted as needed; no % for the drivers)
+        "EXECUTE 'SELECT json_build_object(''lock'', lock_name, ''token'', token::text)::text "
+        "FROM ' || tbl::text || ' WHERE resource = $1' INTO found_row USING res; "
+        f"RAISE EXCEPTION USING ERRCODE = '{STALE_SQLSTATE}', "
+        "MESSAGE = 'fenced: the fence refused the token', "
+        "DETAIL = COALESCE(found_row, '{}'); END $fn$; "
+        "EXCEPTION WHEN duplicate_function OR unique_violation THEN NULL; "
+        "END $fenced$"
+    )
+
+
+@functools.lru_cache(maxsize=128)
+def pg_pipelined_check(table: str) -> str:
+    """The fence check as one statement that raises in the server when it refuses: the
+    accepting upsert (:func:`fence_sql`) in a CTE, and the refusal function called only
+    when it returned no row. Params: resource, lock, token, the table, resource."""
+    accept = fence_sql(POSTGRESQL, table).accept
+    return (
+        f"WITH a AS ({accept}) SELECT token FROM a UNION ALL "
+        f"SELECT {_refuse_function(table)}(%s::regclass, %s) WHERE NOT EXISTS (SELECT FROM a)"
+    )
+
+
+def pipelined_refusal(resource: str, token: FencingToken, detail: str | None) -> FencedError:
+    """The error for the server's refusal of ``token`` (:data:`STALE_SQLSTATE`), from the
+    fence row it reported: stale, wrong lock, corrupt, or gone (a race: retry)."""
+    import json
+
+    try:
+        row = json.loads(detail or "{}")
+    except ValueError:
+        row = {}
+    if not isinstance(row, dict) or "token" not in row:
+        return FenceConflictError(
+            f"the fence row of {resource!r} vanished while checking {token}; roll back and retry"
+        )
+    value: object = row["token"]
+    if value is None:
+        return CorruptMarkError(resource, "the fence row has no token")
+    try:
+        value = int(str(value))
+    except ValueError:
+        return CorruptMarkError(resource, f"token {value!r} is not an integer")
+    return _rejection(token, resource, row.get("lock"), value)
+
+
 def fence_high_water_plan(sql: FenceSQL, resource: str) -> Plan[FencingToken | None]:
     # (MySQL's read locks the row for a refusal's report; a look at the mark need not)
     res = yield Stmt(sql.read.removesuffix(" FOR UPDATE"), (resource,))
@@ -409,6 +481,8 @@ def fence_install_plan(d: Dialect, sql: FenceSQL, table_name: str) -> Plan[None]
     if d is MYSQL:
         yield from _mysql_verify_fence_table(table_name)
         return
+    if d is POSTGRESQL:  # (for the pipelined check, SQLGuard.transaction)
+        yield Stmt(pg_refuse_ddl(quote_table(table_name)))
     columns = yield from _columns(d, table_name)
     problems = []
     if "resource" not in columns:

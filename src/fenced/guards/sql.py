@@ -97,7 +97,7 @@ data and mark together).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from .._errors import ConfigurationError, InvalidTokenError
@@ -108,6 +108,7 @@ from ._sql_driver import (
     arun,
     arun_install,
     arun_own,
+    guarded_transaction,
     note_checked,
     run,
     run_install,
@@ -222,6 +223,44 @@ class SQLGuard:
         accepted = run(conn, lambda d: self._check_plan(d, tok), begin=True, use=self._use)
         note_checked(conn, self.resource, accepted)
         return accepted
+
+    @contextlib.contextmanager
+    def transaction(self, conn: Any, *, token: TokenLike) -> Iterator[FencingToken]:
+        """A fenced transaction as a block: ``BEGIN``, the check, your statements, ``COMMIT``.
+
+        ::
+
+            with guard.transaction(pg, token=lease.token):
+                pg.execute("UPDATE invoices SET ...")
+
+        On a ``psycopg.Connection`` with no transaction open, the whole block is one psycopg
+        *pipeline*: ``BEGIN``, a check that raises in the server when it refuses (through a
+        function :meth:`install` creates), your statements and ``COMMIT`` are sent without
+        waiting, and answered together when the block ends, in one round trip. A refused
+        token aborts the transaction in the server, so nothing is committed; the refusal
+        comes out of the ``with`` (or out of your first read of a result inside it) as
+        :class:`~fenced.StaleTokenError`, :class:`~fenced.WrongLockError`,
+        :class:`~fenced.CorruptMarkError` or :class:`FenceConflictError`, as :meth:`check`
+        raises them. Results of your statements can be read inside the block (a read waits
+        for the answers so far). Other errors of the transaction come as psycopg raises them
+        (in one round trip the guard cannot tell whose statement failed), except a
+        concurrent-transaction refusal (:class:`FenceConflictError`) and a lost connection
+        (:class:`~fenced.BackendUnavailable`).
+
+        Elsewhere (SQLite, MySQL, SQLAlchemy, async): :meth:`begin`, the block, ``COMMIT``,
+        with ``ROLLBACK`` if the block raises. Yields the token, accepted once the block has
+        ended without an error. A connection already in a transaction is refused.
+        """
+        tok = FencingToken.coerce(token, self.lock, self.verifier)
+        with guarded_transaction(
+            conn,
+            self._quoted,
+            self.resource,
+            tok,
+            self._use,
+            lambda: self.begin(conn, token=tok),
+        ) as accepted:
+            yield accepted
 
     def high_water(self, conn: Any) -> FencingToken | None:
         """The highest token accepted so far, or None if the resource was never fenced."""
