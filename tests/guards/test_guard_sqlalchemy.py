@@ -246,3 +246,16 @@ def test_a_check_in_a_rolled_back_savepoint_no_longer_counts(engine: sa.Engine, 
         session.commit()
     want = [(8, "from 8")] if url.startswith("sqlite") else [(7, "from 7"), (8, "from 8")]
     assert statuses(engine) == want
+
+
+def test_a_guarded_transaction_block_through_a_session(engine: sa.Engine) -> None:
+    """``SQLGuard.transaction`` on a ``Session`` (no pipeline: begin(), the block, commit):
+    the rightful token's block is committed, a stale one's rolled back."""
+    guard = SQLGuard("orders")
+    with Session(engine) as s:
+        with guard.transaction(s, token=tok(10)):
+            s.add(Order(id=1, status="ten"))
+        with pytest.raises(fenced.StaleTokenError), guard.transaction(s, token=tok(9)):
+            s.add(Order(id=2, status="nine"))
+        assert not s.in_transaction()
+    assert statuses(engine) == [(1, "ten")]

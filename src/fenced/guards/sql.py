@@ -97,7 +97,7 @@ data and mark together).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .._errors import ConfigurationError, InvalidTokenError
@@ -219,13 +219,16 @@ class SQLGuard:
         the check. The transaction stays open for the caller's writes and COMMIT; on an error
         it is left open too (roll it back). Refuses a connection already in a transaction.
         """
-        tok = FencingToken.coerce(token, self.lock, self.verifier)
+        return self._begin(conn, FencingToken.coerce(token, self.lock, self.verifier))
+
+    def _begin(self, conn: Any, tok: FencingToken) -> FencingToken:
         accepted = run(conn, lambda d: self._check_plan(d, tok), begin=True, use=self._use)
         note_checked(conn, self.resource, accepted)
         return accepted
 
-    @contextlib.contextmanager
-    def transaction(self, conn: Any, *, token: TokenLike) -> Iterator[FencingToken]:
+    def transaction(
+        self, conn: Any, *, token: TokenLike
+    ) -> contextlib.AbstractContextManager[FencingToken]:
         """A fenced transaction as a block: ``BEGIN``, the check, your statements, ``COMMIT``.
 
         ::
@@ -252,15 +255,9 @@ class SQLGuard:
         ended without an error. A connection already in a transaction is refused.
         """
         tok = FencingToken.coerce(token, self.lock, self.verifier)
-        with guarded_transaction(
-            conn,
-            self._quoted,
-            self.resource,
-            tok,
-            self._use,
-            lambda: self.begin(conn, token=tok),
-        ) as accepted:
-            yield accepted
+        return guarded_transaction(
+            conn, self._quoted, self.resource, tok, self._use, lambda: self._begin(conn, tok)
+        )
 
     def high_water(self, conn: Any) -> FencingToken | None:
         """The highest token accepted so far, or None if the resource was never fenced."""
