@@ -1593,3 +1593,33 @@ def test_a_pipelined_check_that_does_not_raise_is_caught(
             lambda table: real(table).replace("fenced_refuse_v1(", "planted_refuse("),
         )
         assert not _stale_pipelined_write_is_never_committed(c, guard)
+
+
+def test_async_guarded_transaction_is_pipelined_the_same_way(pg_dsn: str) -> None:
+    """``atransaction`` on a ``psycopg.AsyncConnection``: the rightful token's block commits,
+    a stale one's (with and without a read inside) commits nothing and raises
+    StaleTokenError; an open transaction is refused."""
+    import asyncio
+
+    async def scenario() -> None:
+        async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as a:
+            guard = SQLGuard("acct", lock=LOCK)
+            await guard.ainstall(a)
+            await a.execute("CREATE TABLE acct (id INTEGER PRIMARY KEY, v BIGINT)")
+            async with guard.atransaction(a, token=tok(10)) as accepted:
+                await a.execute("INSERT INTO acct VALUES (1, 10)")
+            assert accepted == tok(10)
+            for read_inside in (False, True):
+                with pytest.raises(StaleTokenError):
+                    async with guard.atransaction(a, token=tok(9)):
+                        await a.execute("UPDATE acct SET v = 9")
+                        if read_inside:
+                            await (await a.execute("SELECT v FROM acct")).fetchall()
+            assert await (await a.execute("SELECT id, v FROM acct")).fetchall() == [(1, 10)]
+            assert await guard.ahigh_water(a) == tok(10)
+            async with a.transaction():
+                with pytest.raises(ConfigurationError, match="already open"):
+                    async with guard.atransaction(a, token=tok(11)):
+                        pass
+
+    asyncio.run(scenario())

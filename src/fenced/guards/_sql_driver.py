@@ -23,7 +23,7 @@ import functools
 import sqlite3
 import sys
 import weakref
-from collections.abc import Callable, Generator, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterator, Mapping
 from typing import Any, TypeVar
 
 from .._errors import BackendUnavailable, ConfigurationError, FencedError
@@ -957,6 +957,62 @@ def guarded_transaction(
     try:
         with conn.pipeline(), conn.transaction():
             conn.execute(pg_pipelined_check(table), params)
+            yield token
+    except Exception as exc:
+        mapped = _pipelined_error(conn, resource, token, exc)
+        if mapped is exc:
+            raise
+        raise mapped from exc
+
+
+@contextlib.asynccontextmanager
+async def aguarded_transaction(
+    conn: Any,
+    table: str,
+    resource: str,
+    token: FencingToken,
+    use: TableUse,
+    begin: Callable[[], Awaitable[FencingToken]],
+) -> AsyncIterator[FencingToken]:
+    """The async :func:`guarded_transaction`: pipelined on a ``psycopg.AsyncConnection``,
+    else ``begin()`` (``abegin``), the block, COMMIT."""
+    if sa_async(conn):
+        already = conn.in_transaction()
+    else:
+        _async_dialect(conn)
+        already = in_transaction(conn)
+    if already:
+        raise ConfigurationError(
+            "transaction() starts the transaction, and one is already open: use check() inside it"
+        )
+    if _kind(conn) != "psycopg-async":
+        try:
+            accepted = await begin()
+            yield accepted
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await conn.rollback()
+            raise
+        if sa_async(conn):
+            await conn.commit()
+        else:
+            await _aend(conn, commit=True)
+        return
+    if conn.closed:
+        raise BackendUnavailable("the psycopg connection is closed")
+    if not _is_verified(conn, use):  # once per connection: its answer is needed first
+        opened = not conn.autocommit
+        await adrive(
+            _verify_then(conn, POSTGRESQL, use, _nothing()),
+            lambda stmt: _aexec_psycopg(conn, stmt),
+            lambda exc: map_error(POSTGRESQL, conn, exc),
+        )
+        if opened and in_transaction(conn):
+            await _aend(conn, commit=False)
+    params = (resource, token.lock, token.value, table, resource)
+    try:
+        async with conn.pipeline(), conn.transaction():
+            await conn.execute(pg_pipelined_check(table), params)
             yield token
     except Exception as exc:
         mapped = _pipelined_error(conn, resource, token, exc)

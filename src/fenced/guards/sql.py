@@ -105,6 +105,7 @@ from .._signing import TokenVerifier
 from .._token import FencingToken, validate_lock_name
 from ._sql_driver import (
     CHECKED,
+    aguarded_transaction,
     arun,
     arun_install,
     arun_own,
@@ -250,7 +251,7 @@ class SQLGuard:
         concurrent-transaction refusal (:class:`FenceConflictError`) and a lost connection
         (:class:`~fenced.BackendUnavailable`).
 
-        Elsewhere (SQLite, MySQL, SQLAlchemy, async): :meth:`begin`, the block, ``COMMIT``,
+        Elsewhere (SQLite, MySQL, SQLAlchemy): :meth:`begin`, the block, ``COMMIT``,
         with ``ROLLBACK`` if the block raises. Yields the token, accepted once the block has
         ended without an error. A connection already in a transaction is refused.
         """
@@ -300,10 +301,23 @@ class SQLGuard:
     @token_keyword()
     async def abegin(self, conn: Any, *, token: TokenLike) -> FencingToken:
         """:meth:`begin` on a ``psycopg.AsyncConnection``."""
-        tok = FencingToken.coerce(token, self.lock, self.verifier)
+        return await self._abegin(conn, FencingToken.coerce(token, self.lock, self.verifier))
+
+    async def _abegin(self, conn: Any, tok: FencingToken) -> FencingToken:
         accepted = await arun(conn, lambda d: self._check_plan(d, tok), begin=True, use=self._use)
         note_checked(conn, self.resource, accepted)
         return accepted
+
+    def atransaction(
+        self, conn: Any, *, token: TokenLike
+    ) -> contextlib.AbstractAsyncContextManager[FencingToken]:
+        """:meth:`transaction` as ``async with``: pipelined on a ``psycopg.AsyncConnection``
+        with no transaction open; elsewhere (asyncmy, SQLAlchemy's ``AsyncConnection`` or
+        ``AsyncSession``) :meth:`abegin`, the block, ``COMMIT``."""
+        tok = FencingToken.coerce(token, self.lock, self.verifier)
+        return aguarded_transaction(
+            conn, self._quoted, self.resource, tok, self._use, lambda: self._abegin(conn, tok)
+        )
 
     async def ahigh_water(self, conn: Any) -> FencingToken | None:
         """:meth:`high_water` on a ``psycopg.AsyncConnection``."""
