@@ -17,6 +17,10 @@ back) together with the data it protects:
           SQLGuard("invoices").check(pg, token=lease.token)
           pg.execute("UPDATE invoices SET ...")
 
+  :meth:`SQLGuard.transaction` is the same as a block (``with guard.transaction(pg,
+  token=...):``); on psycopg it sends BEGIN, a check that raises in the server when it
+  refuses, the block's statements and COMMIT in one pipeline: one round trip.
+
 * :class:`RowGuard`, the **row form**: the guarded table carries its own ``fencing_token``
   column and each write is one conditional ``UPDATE ... WHERE key AND (fencing_token IS NULL
   OR fencing_token <= :token)``; no extra statement on success.
