@@ -206,12 +206,13 @@ def fence_sql(d: Dialect, table: str) -> FenceSQL:
         create = f"CREATE TABLE IF NOT EXISTS {table} ({columns}) WITHOUT ROWID"
     else:
         # Two first installs racing on CREATE TABLE IF NOT EXISTS can collide on the catalog's
-        # unique index; the exception block turns the loser into a no-op, in one statement.
+        # unique index; the exception block turns the loser into a no-op, in one statement,
+        # which also creates the pipelined check's refusal function (see pg_refuse_ddl).
         create = (
-            "DO $fenced$ BEGIN "
+            "DO $fenced$ BEGIN BEGIN "
             f"CREATE TABLE IF NOT EXISTS {table} ({columns}); "
             "EXCEPTION WHEN unique_violation OR duplicate_table THEN NULL; "
-            "END $fenced$"
+            f"END; {pg_refuse_ddl(table)} END $fenced$"
         )
     # The single statement that both checks and advances the high-water mark. The WHERE of
     # DO UPDATE is evaluated on the existing row *after* the row is locked (see sql.py).
@@ -407,12 +408,14 @@ def _refuse_function(table: str) -> str:
 
 
 def pg_refuse_ddl(table: str) -> str:
-    """The refusal function ``install()`` creates on PostgreSQL: reads the fence row that
-    refused (locked by the refusing statement) and raises :data:`STALE_SQLSTATE` with what it
-    holds as JSON in the DETAIL, which aborts the transaction in the server. Created once
-    (a racing install's duplicate is a no-op); the table comes as a ``regclass``."""
+    """The refusal function ``install()`` creates on PostgreSQL (a PL/pgSQL block of the fence
+    table's ``DO`` statement, so ``ddl()`` has it too): reads the fence row that refused
+    (locked by the refusing statement) and raises :data:`STALE_SQLSTATE` with what it holds as
+    JSON in the DETAIL, which aborts the transaction in the server. Created once (a racing
+    install's duplicate is a no-op); a role that may not create functions installs the table
+    as before, and ``SQLGuard.transaction`` then says what is missing."""
     return (
-        "DO $fenced$ BEGIN "
+        "BEGIN "
         f"CREATE FUNCTION {_refuse_function(table)}(tbl regclass, res text) RETURNS bigint "
         "LANGUAGE plpgsql VOLATILE AS $fn$ DECLARE found_row text; BEGIN "
         # (regclass's text is the table's name quoted as needed; no % for the drivers)
@@ -421,8 +424,8 @@ def pg_refuse_ddl(table: str) -> str:
         f"RAISE EXCEPTION USING ERRCODE = '{STALE_SQLSTATE}', "
         "MESSAGE = 'fenced: the fence refused the token', "
         "DETAIL = COALESCE(found_row, '{}'); END $fn$; "
-        "EXCEPTION WHEN duplicate_function OR unique_violation THEN NULL; "
-        "END $fenced$"
+        "EXCEPTION WHEN duplicate_function OR unique_violation OR insufficient_privilege "
+        "THEN NULL; END;"
     )
 
 
@@ -481,8 +484,6 @@ def fence_install_plan(d: Dialect, sql: FenceSQL, table_name: str) -> Plan[None]
     if d is MYSQL:
         yield from _mysql_verify_fence_table(table_name)
         return
-    if d is POSTGRESQL:  # (for the pipelined check, SQLGuard.transaction)
-        yield Stmt(pg_refuse_ddl(quote_table(table_name)))
     columns = yield from _columns(d, table_name)
     problems = []
     if "resource" not in columns:
