@@ -9,6 +9,11 @@ innodb_flush_log_at_trx_commit=1; PyMySQL), one sequential client each. Each tra
 * SQLGuard - ``SQLGuard.check`` (one extra INSERT .. ON CONFLICT DO UPDATE .. RETURNING);
 * SQLGuard.begin - ``SQLGuard.begin``: BEGIN and the fence in one round trip (PostgreSQL);
 * RowGuard - the UPDATE itself carries the fence (``RowGuard.update``);
+* SQLGuard.transaction - ``with guard.transaction(conn, token=...)``: on PostgreSQL BEGIN, a
+  check that raises in the server, the UPDATE and COMMIT in one psycopg pipeline (one round
+  trip); elsewhere ``begin`` + COMMIT;
+* unfenced, pipelined - (PostgreSQL) the unfenced transaction in one pipeline too: the peer of
+  SQLGuard.transaction when the application pipelines its own transactions;
 * +SELECT 1 - unfenced plus one trivial statement: the price of any extra statement (on
   PostgreSQL, of one extra round trip), to explain the SQLGuard figure;
 * fence SQL by hand - unfenced plus SQLGuard's own statement sent straight through the driver,
@@ -50,6 +55,8 @@ VARIANTS = (
     "SQLGuard",
     "SQLGuard.begin",
     "RowGuard",
+    "SQLGuard.transaction",
+    "unfenced, pipelined",
     "+SELECT 1",
     "fence SQL by hand",
     "row SQL by hand",
@@ -102,7 +109,12 @@ def interleaved(variants: dict[str, Callable[[], object]], n: int) -> Run:
     return run
 
 
-PAIRED = ("SQLGuard", "RowGuard")
+PAIRED = (
+    ("SQLGuard", "unfenced"),
+    ("RowGuard", "unfenced"),
+    ("SQLGuard.transaction", "unfenced"),
+    ("SQLGuard.transaction", "unfenced, pipelined"),
+)
 
 
 def measure(variants: dict[str, Callable[[], object]], n: int) -> Run:
@@ -112,11 +124,14 @@ def measure(variants: dict[str, Callable[[], object]], n: int) -> Run:
     (the peer's code is small). The A/B pair is how the other benchmarks, and the targets,
     measure a guarded write against an unguarded one; both are reported."""
     run = interleaved(variants, n)
-    for name in PAIRED:
-        pair = interleaved({"unfenced": variants["unfenced"], name: variants[name]}, n)
+    for name, peer in PAIRED:
+        if peer not in variants:
+            continue
+        # (the peer timed under the name "unfenced": slice_ratios divides by it)
+        pair = interleaved({"unfenced": variants[peer], name: variants[name]}, n)
         ratio = statistics.median(pair.slice_ratios(name))
         p50 = pair.results[name].p50 / pair.results["unfenced"].p50
-        run.pairs[name] = (ratio, p50, pair.cpu_us(name), pair.cpu_us("unfenced"))
+        run.pairs[f"{name} vs {peer}"] = (ratio, p50, pair.cpu_us(name), pair.cpu_us("unfenced"))
     return run
 
 
@@ -159,6 +174,14 @@ def make_ops(
         rows.update(conn, token=TOKEN, key={"id": 1}, values={"balance": next(counter)})
         conn.execute("COMMIT")
 
+    def fence_transaction() -> None:
+        with guard.transaction(conn, token=TOKEN):
+            conn.execute(update, (next(counter),))
+
+    def unfenced_pipelined() -> None:
+        with conn.pipeline(), conn.transaction():
+            conn.execute(update, (next(counter),))
+
     def one_more_statement() -> None:
         conn.execute(begin)
         conn.execute("SELECT 1").fetchall()
@@ -183,6 +206,8 @@ def make_ops(
         "SQLGuard": fence_table,
         "SQLGuard.begin": fence_begin,
         "RowGuard": row_form,
+        "SQLGuard.transaction": fence_transaction,
+        **({"unfenced, pipelined": unfenced_pipelined} if d is POSTGRESQL else {}),
         "+SELECT 1": one_more_statement,
         "fence SQL by hand": fence_by_hand,
         "row SQL by hand": row_by_hand,
@@ -194,6 +219,8 @@ def report(engine: str, run: Run) -> list[str]:
     lines = []
     for name in VARIANTS[1:]:
         r = run.results[name]
+        if not r.samples:
+            continue
         lines.append(
             f"{engine:10s} {name:14s} time / unfenced: median of {SLICES} slices "
             f"{statistics.median(run.slice_ratios(name)):.3f}x, mean {r.mean / base.mean:.3f}x, "
@@ -202,7 +229,7 @@ def report(engine: str, run: Run) -> list[str]:
         )
     for name, (ratio, p50, cpu, peer_cpu) in run.pairs.items():
         lines.append(
-            f"{engine:10s} {name:14s} alone with the peer (A/B): median of {SLICES} slices "
+            f"{engine:10s} {name} alone (A/B): median of {SLICES} slices "
             f"{ratio:.3f}x, p50 {p50:.3f}x; client CPU {cpu:.0f} µs vs {peer_cpu:.0f} µs per "
             "transaction"
         )
@@ -262,6 +289,10 @@ def make_mysql_ops(conn: Any) -> dict[str, Callable[[], object]]:
         # the whole transaction: a guarded write outside an open transaction commits itself
         rows.update(conn, token=TOKEN, key={"id": 1}, values={"balance": next(counter)})
 
+    def fence_transaction() -> None:
+        with guard.transaction(conn, token=TOKEN):
+            run(update, (next(counter),))
+
     def one_more_statement() -> None:
         run("SELECT 1")
         run(update, (next(counter),))
@@ -283,6 +314,7 @@ def make_mysql_ops(conn: Any) -> dict[str, Callable[[], object]]:
         "SQLGuard": fence_table,
         "SQLGuard.begin": fence_begin,
         "RowGuard": row_form,
+        "SQLGuard.transaction": fence_transaction,
         "+SELECT 1": one_more_statement,
         "fence SQL by hand": fence_by_hand,
         "row SQL by hand": row_by_hand,
@@ -300,8 +332,11 @@ def bench_mysql(n: int) -> Run:
             conn.close()
 
 
+_N = os.environ.get("FENCED_BENCH_N")  # transactions per variant, for a shorter run
 ENGINES = {"SQLite": (bench_sqlite, 5000), "PostgreSQL": (bench_postgres, 3000)}
 ENGINES["MariaDB"] = (bench_mysql, 3000)
+if _N:
+    ENGINES = {k: (f, int(_N)) for k, (f, _) in ENGINES.items()}
 
 
 def main() -> None:
@@ -314,6 +349,8 @@ def main() -> None:
             continue
         run = bench(n)
         for name in VARIANTS[1:]:
+            if not run.results[name].samples:
+                continue
             rows.append((f"{engine}: 1-row UPDATE txn", run.results[name], run.results["unfenced"]))
         notes += report(engine, run)
     notes.append(

@@ -1072,7 +1072,7 @@ def test_row_upsert_on_a_text_token_column_never_compares_text(env: Env, conn: A
     conn.execute("CREATE TABLE docs (id INTEGER PRIMARY KEY, body TEXT, fencing_token TEXT)")
     guard = RowGuard("docs", lock=LOCK)
     if env.kind == "pg":  # refused at first use: text is never compared with a token
-        with pytest.raises(ConfigurationError, match="wrong type"):
+        with pytest.raises(ConfigurationError, match="is text: it must be a 64-bit integer"):
             guard.insert_or_update(conn, token=tok(10), key={"id": 1}, values={"body": "ten"})
         conn.execute("INSERT INTO docs VALUES (1, 'ten', '10')")
     else:  # SQLite compares the CAST value: numeric
@@ -1366,3 +1366,260 @@ def test_a_fence_table_is_verified_by_its_columns_as_sqlite_names_them(tmp_path:
         guard.begin(conn, token=tok(9))
     conn.execute("ROLLBACK")
     conn.close()
+
+
+# -- a mark that is not an exact integer, a token column that cannot hold every token -----
+
+
+def test_a_sqlite_mark_that_is_not_an_integer_fails_closed(tmp_path: Any) -> None:
+    """A REAL 5.5 written by hand (or by a writer other than fenced) into the INTEGER token
+    column: the CAST truncated it to 5, so token 5 passed and overwrote the mark. Now every
+    token is refused as CorruptMarkError, in the fence table and the row form, nothing is
+    written; once the mark is an integer again the rightful token passes."""
+    conn = sqlite3.connect(tmp_path / "m.db", isolation_level=None)
+    fence = SQLGuard("r", lock=LOCK)
+    fence.install(conn)
+    conn.execute("INSERT INTO fenced_fences VALUES ('r', ?, 5.5)", (LOCK,))
+    conn.execute("CREATE TABLE docs (id INTEGER PRIMARY KEY, body TEXT, fencing_token INTEGER)")
+    conn.execute("INSERT INTO docs VALUES (1, 'original', 5.5)")
+    rows = RowGuard("docs", lock=LOCK)
+    rows.install(conn)
+    for value in (5, 6):
+        conn.execute("BEGIN IMMEDIATE")
+        with pytest.raises(CorruptMarkError, match="not an integer"):
+            fence.check(conn, token=tok(value))
+        conn.execute("ROLLBACK")
+        with pytest.raises(CorruptMarkError, match="not an integer"):
+            rows.update(conn, token=tok(value), key={"id": 1}, values={"body": "new"})
+        with pytest.raises(CorruptMarkError, match="not an integer"):
+            rows.insert_or_update(conn, token=tok(value), key={"id": 1}, values={"body": "new"})
+    with pytest.raises(CorruptMarkError):
+        fence.high_water(conn)
+    with pytest.raises(CorruptMarkError):
+        rows.high_water(conn, {"id": 1})
+    assert conn.execute("SELECT token FROM fenced_fences").fetchall() == [(5.5,)]
+    assert conn.execute("SELECT body, fencing_token FROM docs").fetchall() == [("original", 5.5)]
+    # repaired by the operator: the rightful token passes, the stale one is refused
+    conn.execute("UPDATE fenced_fences SET token = 6")
+    conn.execute("UPDATE docs SET fencing_token = 6")
+    assert fence.begin(conn, token=tok(6)) == tok(6)
+    conn.execute("COMMIT")
+    assert rows.update(conn, token=tok(6), key={"id": 1}, values={"body": "six"}) == tok(6)
+    conn.execute("BEGIN IMMEDIATE")
+    with pytest.raises(StaleTokenError):
+        fence.check(conn, token=tok(5))
+    conn.execute("ROLLBACK")
+    with pytest.raises(StaleTokenError):
+        rows.update(conn, token=tok(5), key={"id": 1}, values={"body": "five"})
+    assert conn.execute("SELECT body, fencing_token FROM docs").fetchall() == [("six", 6)]
+    conn.close()
+
+
+def test_a_sqlite_real_token_column_fails_closed_at_use(tmp_path: Any) -> None:
+    """A REAL token column (refused by install(), used without it) rounds tokens above 2**53
+    together: after 2**53 + 1 was stored (as 2**53), the stale 2**53 passed. Now a mark held
+    as REAL is never compared: refused as the column's type, nothing written."""
+    conn = sqlite3.connect(tmp_path / "r.db", isolation_level=None)
+    conn.execute("CREATE TABLE docs (id INTEGER PRIMARY KEY, body TEXT, fencing_token REAL)")
+    conn.execute("INSERT INTO docs VALUES (1, 'original', NULL)")
+    rows = RowGuard("docs", lock=LOCK)
+    big = 2**53 + 1
+    assert rows.update(conn, token=tok(big), key={"id": 1}, values={"body": "big"}) == tok(big)
+    for value in (2**53, big, big + 1):
+        with pytest.raises(ConfigurationError, match="64-bit integer"):
+            rows.update(conn, token=tok(value), key={"id": 1}, values={"body": "later"})
+    assert conn.execute("SELECT body FROM docs").fetchall() == [("big",)]
+    conn.execute("CREATE TABLE real_fences (resource TEXT PRIMARY KEY, lock_name TEXT, token REAL)")
+    fence = SQLGuard("r", lock=LOCK, table="real_fences")
+    conn.execute("BEGIN IMMEDIATE")
+    with pytest.raises(ConfigurationError, match="64-bit integer"):
+        fence.check(conn, token=tok(big))
+    conn.execute("ROLLBACK")
+    assert conn.execute("SELECT * FROM real_fences").fetchall() == []
+    conn.close()
+
+
+@pytest.mark.parametrize("type_", ["DOUBLE PRECISION", "REAL", "INTEGER", "SMALLINT", "NUMERIC"])
+def test_a_postgresql_token_column_is_verified_at_first_use(pg_dsn: str, type_: str) -> None:
+    """install() refuses these token columns, but a table made by hand was used as found: a
+    double precision column rounds 2**53 + 1 to 2**53, and then the stale 2**53 passed. Now
+    the column's type is verified before a connection's first use of the table (fence table
+    and row form, sync and async): ConfigurationError, nothing written; a bigint one passes."""
+    import asyncio
+
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        c.execute(f"CREATE TABLE docs (id INTEGER PRIMARY KEY, body TEXT, fencing_token {type_})")
+        c.execute("INSERT INTO docs VALUES (1, 'original', NULL)")
+        c.execute(
+            "CREATE TABLE fences (resource TEXT PRIMARY KEY, lock_name TEXT NOT NULL, "
+            f"token {type_} NOT NULL)"
+        )
+        rows, fence = RowGuard("docs", lock=LOCK), SQLGuard("r", lock=LOCK, table="fences")
+        for write in (rows.update, rows.insert_or_update):
+            with pytest.raises(ConfigurationError, match=f"is {type_.lower()}"):
+                write(c, token=tok(2**53 + 1), key={"id": 1}, values={"body": "new"})
+        with pytest.raises(ConfigurationError, match=f"is {type_.lower()}"), c.transaction():
+            fence.check(c, token=tok(5))
+        with pytest.raises(ConfigurationError, match=f"is {type_.lower()}"):
+            fence.begin(c, token=tok(5))
+        c.execute("ROLLBACK")
+
+        async def async_side() -> None:
+            async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as a:
+                with pytest.raises(ConfigurationError, match=f"is {type_.lower()}"):
+                    await rows.aupdate(a, token=tok(5), key={"id": 1}, values={"body": "new"})
+                with pytest.raises(ConfigurationError, match=f"is {type_.lower()}"):
+                    async with a.transaction():
+                        await fence.acheck(a, token=tok(5))
+
+        asyncio.run(async_side())
+        assert c.execute("SELECT body, fencing_token FROM docs").fetchall() == [("original", None)]
+        assert c.execute("SELECT * FROM fences").fetchall() == []
+        # the same tables with bigint token columns: the rightful token passes, stale refused
+        c.execute("ALTER TABLE docs ALTER COLUMN fencing_token TYPE BIGINT")
+        c.execute("ALTER TABLE fences ALTER COLUMN token TYPE BIGINT")
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        big = tok(2**53 + 1)
+        assert rows.update(c, token=big, key={"id": 1}, values={"body": "big"}) == big
+        with pytest.raises(StaleTokenError):
+            rows.update(c, token=tok(2**53), key={"id": 1}, values={"body": "stale"})
+        with c.transaction():
+            assert fence.check(c, token=big) == big
+        with pytest.raises(StaleTokenError), c.transaction():
+            fence.check(c, token=tok(2**53))
+        assert c.execute("SELECT body FROM docs").fetchall() == [("big",)]
+
+
+# -- SQLGuard.transaction: the check in the same round trip (PostgreSQL pipeline) ----------
+
+
+def _stale_pipelined_write_is_never_committed(conn: Any, guard: SQLGuard) -> bool:
+    """The checker: token 10 writes in a guarded transaction, then the stale 9 tries, with a
+    read of its own write inside the block and without; 9 must raise and leave 10's data."""
+    conn.execute("CREATE TABLE IF NOT EXISTS acct (id INTEGER PRIMARY KEY, v BIGINT)")
+    conn.execute("INSERT INTO acct (id, v) VALUES (1, 0) ON CONFLICT DO NOTHING")
+    with guard.transaction(conn, token=tok(10)) as accepted:
+        conn.execute("UPDATE acct SET v = 10 WHERE id = 1")
+    assert accepted == tok(10)
+    refused, param = 0, "?" if isinstance(conn, sqlite3.Connection) else "%s"
+    for read_inside in (False, True):
+        try:
+            with guard.transaction(conn, token=tok(9)):
+                conn.execute("UPDATE acct SET v = 9 WHERE id = 1")
+                conn.execute(
+                    "INSERT INTO acct (id, v) VALUES (?, 9)".replace("?", param),
+                    (90 + read_inside,),
+                )
+                if read_inside:
+                    conn.execute("SELECT v FROM acct WHERE id = 1").fetchall()
+        except StaleTokenError as exc:
+            assert exc.high_water == tok(10)
+            refused += 1
+    rows = [tuple(r) for r in conn.execute("SELECT id, v FROM acct ORDER BY id").fetchall()]
+    return refused == 2 and rows == [(1, 10)] and guard.high_water(conn) == tok(10)
+
+
+def test_guarded_transaction_refuses_a_stale_token_and_commits_the_rightful_one(
+    env: Env, conn: Any
+) -> None:
+    """On PostgreSQL BEGIN, the check, the caller's statements and COMMIT go in one pipeline
+    (the check raises in the server); elsewhere begin() and COMMIT. Both: a stale token
+    commits nothing, the rightful one commits everything, the connection is left idle."""
+    guard = SQLGuard("acct", lock=LOCK)
+    guard.install(conn)
+    assert _stale_pipelined_write_is_never_committed(conn, guard)
+    assert not (conn.in_transaction if env.kind == "sqlite" else conn.info.transaction_status)
+    with guard.transaction(conn, token=tok(11)):
+        conn.execute("UPDATE acct SET v = 11 WHERE id = 1")
+        if env.kind == "pg":  # results can be read inside the block
+            assert conn.execute("SELECT v FROM acct").fetchall() == [(11,)]
+    assert conn.execute("SELECT v FROM acct").fetchall() == [(11,)]
+    with pytest.raises(ZeroDivisionError), guard.transaction(conn, token=tok(12)):
+        conn.execute("UPDATE acct SET v = 12 WHERE id = 1")
+        raise ZeroDivisionError  # the block's own error: rolled back, raised as it is
+    assert conn.execute("SELECT v FROM acct").fetchall() == [(11,)]
+    assert guard.high_water(conn) == tok(11)
+    env.begin(conn)
+    with pytest.raises(ConfigurationError, match="already open"):
+        with guard.transaction(conn, token=tok(13)):
+            pass
+    conn.execute("ROLLBACK")
+
+
+def test_guarded_transaction_reports_what_the_server_refused_on(pg_dsn: str) -> None:
+    """The refusal raised in the server carries the fence row: another lock's row is
+    WrongLockError, a zero mark CorruptMarkError, nothing written; a new resource passes."""
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        guard = SQLGuard("acct", lock=LOCK)
+        guard.install(c)
+        c.execute("CREATE TABLE acct (id INTEGER PRIMARY KEY, v BIGINT)")
+        c.execute(
+            "ALTER TABLE fenced_fences DROP CONSTRAINT fenced_fences_token_check"
+        )  # (a hand edit)
+        c.execute(
+            "INSERT INTO fenced_fences VALUES ('acct', 'someone-else', 5), ('zero', %s, 0)", (LOCK,)
+        )
+        with pytest.raises(fenced.WrongLockError), guard.transaction(c, token=tok(7)):
+            c.execute("INSERT INTO acct VALUES (1, 7)")
+        with (
+            pytest.raises(CorruptMarkError),
+            SQLGuard("zero", lock=LOCK).transaction(c, token=tok(7)),
+        ):
+            c.execute("INSERT INTO acct VALUES (2, 7)")
+        assert c.execute("SELECT * FROM acct").fetchall() == []
+        with SQLGuard("new", lock=LOCK).transaction(c, token=tok(7)):
+            c.execute("INSERT INTO acct VALUES (3, 7)")
+        assert c.execute("SELECT * FROM acct").fetchall() == [(3, 7)]
+
+
+def test_a_pipelined_check_that_does_not_raise_is_caught(
+    pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Planted: the refusal function returns NULL instead of raising. In the pipeline nothing
+    waits for the check's answer, so the stale transaction commits: the checker catches it."""
+    from fenced.guards import _sql_driver
+
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        guard = SQLGuard("acct", lock=LOCK)
+        guard.install(c)
+        c.execute(
+            "CREATE FUNCTION planted_refuse(tbl regclass, res text) RETURNS bigint "
+            "LANGUAGE sql VOLATILE AS 'SELECT NULL::bigint'"
+        )
+        real = _sql_plan.pg_pipelined_check
+        monkeypatch.setattr(
+            _sql_driver,
+            "pg_pipelined_check",
+            lambda table: real(table).replace("fenced_refuse_v1(", "planted_refuse("),
+        )
+        assert not _stale_pipelined_write_is_never_committed(c, guard)
+
+
+def test_async_guarded_transaction_is_pipelined_the_same_way(pg_dsn: str) -> None:
+    """``atransaction`` on a ``psycopg.AsyncConnection``: the rightful token's block commits,
+    a stale one's (with and without a read inside) commits nothing and raises
+    StaleTokenError; an open transaction is refused."""
+    import asyncio
+
+    async def scenario() -> None:
+        async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as a:
+            guard = SQLGuard("acct", lock=LOCK)
+            await guard.ainstall(a)
+            await a.execute("CREATE TABLE acct (id INTEGER PRIMARY KEY, v BIGINT)")
+            async with guard.atransaction(a, token=tok(10)) as accepted:
+                await a.execute("INSERT INTO acct VALUES (1, 10)")
+            assert accepted == tok(10)
+            for read_inside in (False, True):
+                with pytest.raises(StaleTokenError):
+                    async with guard.atransaction(a, token=tok(9)):
+                        await a.execute("UPDATE acct SET v = 9")
+                        if read_inside:
+                            await (await a.execute("SELECT v FROM acct")).fetchall()
+            assert await (await a.execute("SELECT id, v FROM acct")).fetchall() == [(1, 10)]
+            assert await guard.ahigh_water(a) == tok(10)
+            async with a.transaction():
+                with pytest.raises(ConfigurationError, match="already open"):
+                    async with guard.atransaction(a, token=tok(11)):
+                        pass
+
+    asyncio.run(scenario())

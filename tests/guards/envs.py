@@ -237,6 +237,25 @@ class SQLFenceEnv(_SQLEnv):
         return lambda token, value: self._transaction(guard, token, value)
 
 
+class SQLPipelineEnv(SQLFenceEnv):
+    """:meth:`SQLGuard.transaction` on PostgreSQL: BEGIN, the check raising in the server,
+    the write and COMMIT in one pipeline. (The planted guard keeps the awaited check: its
+    plant is in the plan; the pipeline's own plant is in tests/test_guard_sql.py.)"""
+
+    def _transaction(self, guard: SQLGuard | None, token: Any, value: str) -> None:
+        if guard is None or guard is not self.guard:
+            super()._transaction(guard, token, value)
+            return
+        with guard.transaction(self.conn, token=token):
+            self.conn.execute(
+                self.q(
+                    f"INSERT INTO {self.table} (id, v) VALUES (1, ?) "
+                    "ON CONFLICT (id) DO UPDATE SET v = excluded.v"
+                ),
+                (value,),
+            )
+
+
 class SQLRowEnv(_SQLEnv):
     """:class:`RowGuard`: the token column in the guarded row, one conditional upsert."""
 
@@ -784,6 +803,7 @@ class HighWaterFileEnv(GuardEnv):
 GUARDS = [
     "sql-fence-sqlite",
     "sql-fence-postgresql",
+    "sql-pipeline-postgresql",
     "sql-row-sqlite",
     "sql-row-postgresql",
     "sql-fence-mysql",
@@ -805,7 +825,7 @@ def make_env(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> Itera
     env: GuardEnv
     if kind.startswith("sql-"):
         _, form, engine = kind.split("-")
-        cls = SQLFenceEnv if form == "fence" else SQLRowEnv
+        cls = {"fence": SQLFenceEnv, "pipeline": SQLPipelineEnv}.get(form, SQLRowEnv)
         if engine == "sqlite":
             env = cls(engine, str(tmp_path / "guarded.db"))
         elif engine == "mysql":

@@ -625,3 +625,20 @@ def test_table_names_are_looked_up_as_the_server_compares_them(connect: Any) -> 
                 assert guard.update(conn, token=tok(5), key={"id": 1}) == tok(5)
     assert sql(plain, "SELECT fencing_token FROM acct") == [(None,)]
     assert sql(plain, "SELECT fencing_token FROM ACCT") == [(5,)]
+
+
+@pytest.mark.parametrize("autocommit", [False, True])
+def test_a_guarded_transaction_block_on_mysql_is_begin_and_commit(
+    connect: Any, autocommit: bool
+) -> None:
+    """``SQLGuard.transaction`` on PyMySQL (no pipeline: today's form): the rightful token's
+    block commits, a stale one's block commits nothing and leaves no transaction open."""
+    guard = fence_table(connect)
+    conn = connect(autocommit=autocommit)
+    with guard.transaction(conn, token=tok(10)):
+        sql(conn, "INSERT INTO data VALUES (1, 'ten')")
+    with pytest.raises(fenced.StaleTokenError), guard.transaction(conn, token=tok(9)):
+        sql(conn, "INSERT INTO data VALUES (2, 'nine')")
+    assert not conn.server_status & 1  # (SERVER_STATUS_IN_TRANS)
+    other = connect(autocommit=True)
+    assert sql(other, "SELECT id, v FROM data") == [(1, "ten")]

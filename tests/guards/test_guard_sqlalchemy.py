@@ -246,3 +246,44 @@ def test_a_check_in_a_rolled_back_savepoint_no_longer_counts(engine: sa.Engine, 
         session.commit()
     want = [(8, "from 8")] if url.startswith("sqlite") else [(7, "from 7"), (8, "from 8")]
     assert statuses(engine) == want
+
+
+def test_a_guarded_transaction_block_through_a_session(engine: sa.Engine) -> None:
+    """``SQLGuard.transaction`` on a ``Session`` (no pipeline: begin(), the block, commit):
+    the rightful token's block is committed, a stale one's rolled back."""
+    guard = SQLGuard("orders")
+    with Session(engine) as s:
+        with guard.transaction(s, token=tok(10)):
+            s.add(Order(id=1, status="ten"))
+        with pytest.raises(fenced.StaleTokenError), guard.transaction(s, token=tok(9)):
+            s.add(Order(id=2, status="nine"))
+        assert not s.in_transaction()
+    assert statuses(engine) == [(1, "ten")]
+
+
+def test_a_postgresql_double_token_column_is_refused_at_use_through_sqlalchemy(
+    pg_dsn: str,
+) -> None:
+    """The per-connection check of the token column's type runs through SQLAlchemy too: a
+    ``double precision`` column made without install() (it rounds tokens above 2**53
+    together) is refused with nothing written; a bigint one takes the token."""
+    engine = sa.create_engine(pg_dsn.replace("postgresql://", "postgresql+psycopg://"))
+    try:
+        with engine.begin() as conn:
+            conn.exec_driver_sql(
+                "CREATE TABLE docs (id INTEGER PRIMARY KEY, body TEXT, fencing_token DOUBLE PRECISION)"
+            )
+            conn.exec_driver_sql("INSERT INTO docs VALUES (1, 'original', NULL)")
+        guard = RowGuard("docs", lock="orders")
+        with Session(engine) as s:
+            with pytest.raises(fenced.ConfigurationError, match="double precision"):
+                guard.update(s, token=tok(2**53 + 1), key={"id": 1}, values={"body": "new"})
+            s.rollback()
+        with engine.begin() as conn:
+            assert conn.exec_driver_sql("SELECT body FROM docs").all() == [("original",)]
+            conn.exec_driver_sql("ALTER TABLE docs ALTER COLUMN fencing_token TYPE BIGINT")
+        with Session(engine) as s:
+            assert guard.update(s, token=tok(5), key={"id": 1}, values={"body": "five"}) == tok(5)
+            s.commit()
+    finally:
+        engine.dispose()

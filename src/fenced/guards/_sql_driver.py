@@ -18,11 +18,12 @@ and translate the driver's errors into fenced's tree at this boundary:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sqlite3
 import sys
 import weakref
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterator, Mapping
 from typing import Any, TypeVar
 
 from .._errors import BackendUnavailable, ConfigurationError, FencedError
@@ -34,18 +35,21 @@ from ._sql_plan import (
     MYSQL,
     POSTGRESQL,
     SQLITE,
+    STALE_SQLSTATE,
     Dialect,
     DuplicateColumn,
     FenceConflictError,
-    MySQLUse,
     Plan,
     Result,
     RowSQL,
     Stmt,
-    mysql_use_plan,
+    TableUse,
+    pg_pipelined_check,
+    pipelined_refusal,
     row_write_accepted,
     row_write_plan,
     row_write_rest,
+    table_use_plan,
 )
 
 __all__ = [
@@ -114,19 +118,19 @@ def _asyncmy_connection(conn: object) -> bool:
     return _kind(conn) == "asyncmy"
 
 
-# -- MySQL tables verified per connection --------------------------------------------------
+# -- MySQL and PostgreSQL tables verified per connection ---------------------------------------
 
-# The MySQL tables each driver connection has verified (mysql_use_plan): once per connection
-# and table, so a hand-made MyISAM table or SMALLINT token column is refused at use, not only
-# by install(), for one information_schema look-up per connection.
-_USED: weakref.WeakKeyDictionary[Any, set[MySQLUse]] = weakref.WeakKeyDictionary()
+# The tables each driver connection has verified (table_use_plan): once per connection and
+# table, so a hand-made MyISAM table, or a SMALLINT or double precision token column, is
+# refused at use, not only by install(), for one catalog look-up per connection.
+_USED: weakref.WeakKeyDictionary[Any, set[TableUse]] = weakref.WeakKeyDictionary()
 # asyncmy's connections take no weak references: by address and server thread id instead
 # (a new connection at a freed address has another thread id), the oldest forgotten first
-_USED_BY_ID: dict[tuple[int, object], set[MySQLUse]] = {}
+_USED_BY_ID: dict[tuple[int, object], set[TableUse]] = {}
 _USED_BY_ID_LIMIT = 1024
 
 
-def _verified(raw: Any) -> set[MySQLUse]:
+def _verified(raw: Any) -> set[TableUse]:
     """The tables ``raw`` has verified (a set to add to)."""
     try:
         return _USED.setdefault(raw, set())
@@ -140,7 +144,7 @@ def _verified(raw: Any) -> set[MySQLUse]:
         return uses
 
 
-def _is_verified(raw: Any, use: MySQLUse) -> bool:
+def _is_verified(raw: Any, use: TableUse) -> bool:
     """Has ``raw`` verified ``use``? (A look-up only: on every guarded write.)"""
     try:
         uses = _USED.get(raw)
@@ -149,17 +153,17 @@ def _is_verified(raw: Any, use: MySQLUse) -> bool:
     return uses is not None and use in uses
 
 
-def _verify_then(raw: Any, use: MySQLUse, plan: Plan[T]) -> Generator[Stmt, Result, T]:
-    yield from mysql_use_plan(use)
-    _verified(raw).add(use)
+def _verify_then(raw: Any, d: Dialect, use: TableUse, plan: Plan[T]) -> Generator[Stmt, Result, T]:
+    if (yield from table_use_plan(d, use)):
+        _verified(raw).add(use)
     return (yield from plan)
 
 
-def _using(raw: Any, d: Dialect, use: MySQLUse | None, plan: Plan[T]) -> Plan[T]:
+def _using(raw: Any, d: Dialect, use: TableUse | None, plan: Plan[T]) -> Plan[T]:
     """``plan``, preceded by the verification of ``use`` if ``raw`` has not passed it yet."""
-    if d is not MYSQL or use is None or _is_verified(raw, use):
+    if d is SQLITE or use is None or raw is None or _is_verified(raw, use):
         return plan
-    return _verify_then(raw, use, plan)
+    return _verify_then(raw, d, use, plan)
 
 
 def _found_rows(raw: Any) -> bool:
@@ -299,13 +303,13 @@ def run_sa(
     make_plan: Callable[[Dialect], Plan[T]],
     *,
     need_tx: bool = False,
-    use: MySQLUse | None = None,
+    use: TableUse | None = None,
 ) -> T:
     """Run a plan through a SQLAlchemy Connection, in its (auto-begun) transaction."""
     d = _sa_dialect(sa_conn)
     if need_tx:
         _sa_require_transaction(sa_conn)
-    raw = sa_conn.connection.driver_connection if d is MYSQL else None
+    raw = sa_conn.connection.driver_connection if d is not SQLITE else None
     found = _found_rows(raw)
 
     def send(stmt: Stmt) -> Result:
@@ -573,7 +577,7 @@ _EXECUTE_BY_KIND: dict[str, Callable[[Any, Stmt], Result]] = {
 
 
 def run_own(
-    conn: Any, make_plan: Callable[[Dialect], Plan[T]], *, use: MySQLUse | None = None
+    conn: Any, make_plan: Callable[[Dialect], Plan[T]], *, use: TableUse | None = None
 ) -> T:
     """Run a one-statement write; if the driver had to open a transaction for it, end it.
 
@@ -607,7 +611,7 @@ def run_own_row(
     statement: Callable[[Dialect], tuple[Stmt, tuple[Any, ...]]],
     *,
     upsert: bool,
-    use: MySQLUse | None = None,
+    use: TableUse | None = None,
 ) -> FencingToken:
     """:class:`RowGuard`'s write (``statement``: see :func:`row_write_stmt`): :func:`run_own`
     of :func:`row_write_plan`, with the plan's first step taken here. The one statement goes
@@ -626,10 +630,10 @@ def run_own_row(
     stmt, key_params = statement(d)
     opened = not in_transaction(conn)
     try:
-        if use is not None and d is MYSQL and not _is_verified(conn, use):
+        if use is not None and d is not SQLITE and not _is_verified(conn, use):
             # (after `opened`: without autocommit this look-up opens the transaction we end)
             drive(
-                _verify_then(conn, use, _nothing()),
+                _verify_then(conn, d, use, _nothing()),
                 lambda stmt: execute(conn, stmt),
                 lambda exc: map_error(d, conn, exc),
             )
@@ -661,7 +665,7 @@ def _nothing() -> Plan[None]:
 
 
 async def arun_own(
-    conn: Any, make_plan: Callable[[Dialect], Plan[T]], *, use: MySQLUse | None = None
+    conn: Any, make_plan: Callable[[Dialect], Plan[T]], *, use: TableUse | None = None
 ) -> T:
     """The async :func:`run_own`."""
     if sa_async(conn):
@@ -741,7 +745,7 @@ def run(
     *,
     need_tx: bool = False,
     begin: bool = False,
-    use: MySQLUse | None = None,
+    use: TableUse | None = None,
 ) -> T:
     """Run a plan on a synchronous connection (see the module doc).
 
@@ -762,7 +766,7 @@ def _run(
     *,
     need_tx: bool = False,
     begin: bool = False,
-    use: MySQLUse | None = None,
+    use: TableUse | None = None,
 ) -> T:
     execute: Callable[[Any, Stmt], Result] = (
         _exec_sqlite if d is SQLITE else _exec_mysql if d is MYSQL else _exec_psycopg
@@ -805,7 +809,7 @@ async def arun(
     *,
     need_tx: bool = False,
     begin: bool = False,
-    use: MySQLUse | None = None,
+    use: TableUse | None = None,
 ) -> T:
     """Run a plan on an async connection (``begin``: see :func:`run`)."""
     if sa_async(conn):
@@ -840,7 +844,9 @@ async def arun(
         begun = True
         return await _abegin_psycopg(conn, stmt)
 
-    return await adrive(make_plan(d), send, lambda exc: map_error(d, conn, exc))
+    return await adrive(
+        _using(conn, d, use, make_plan(d)), send, lambda exc: map_error(d, conn, exc)
+    )
 
 
 def run_install(conn: Any, make_plan: Callable[[Dialect], Plan[T]]) -> T:
@@ -898,3 +904,146 @@ async def arun_install(conn: Any, make_plan: Callable[[Dialect], Plan[T]]) -> T:
         if mapped is None:
             raise
         raise mapped from exc
+
+
+# -- one round trip: the check raises in the server (PostgreSQL pipeline) --------------------
+
+
+@contextlib.contextmanager
+def guarded_transaction(
+    conn: Any,
+    table: str,
+    resource: str,
+    token: FencingToken,
+    use: TableUse,
+    begin: Callable[[], FencingToken],
+) -> Iterator[FencingToken]:
+    """``SQLGuard.transaction``: on a psycopg connection with no transaction open, BEGIN,
+    the raising check (:func:`pg_pipelined_check`), the caller's statements and COMMIT go in
+    one pipeline, answered at its sync point; a refusal aborts the transaction in the server,
+    so nothing the block sent is committed. Elsewhere: ``begin()`` (today's check, awaited),
+    the block, COMMIT (ROLLBACK if the block raises)."""
+    if sa_connection_kind(conn):
+        already = sa_in_transaction(conn)
+    else:
+        sync_dialect(conn)  # (a clear TypeError for an async or unknown connection)
+        already = in_transaction(conn)
+    if already:
+        raise ConfigurationError(
+            "transaction() starts the transaction, and one is already open: use check() inside it"
+        )
+    if _kind(conn) != "psycopg":
+        try:
+            accepted = begin()
+            yield accepted
+        except BaseException:
+            with contextlib.suppress(Exception):
+                conn.rollback()
+            raise
+        _commit_any(conn)
+        return
+    if conn.closed:
+        raise BackendUnavailable("the psycopg connection is closed")
+    if not _is_verified(conn, use):  # once per connection: its answer is needed first
+        opened = not conn.autocommit
+        drive(
+            _verify_then(conn, POSTGRESQL, use, _nothing()),
+            lambda stmt: _exec_psycopg(conn, stmt),
+            lambda exc: map_error(POSTGRESQL, conn, exc),
+        )
+        if opened and in_transaction(conn):
+            _end(conn, commit=False, d=POSTGRESQL)  # (a catalog read opened it: nothing to keep)
+    params = (resource, token.lock, token.value, table, resource)
+    try:
+        with conn.pipeline(), conn.transaction():
+            conn.execute(pg_pipelined_check(table), params)
+            yield token
+    except Exception as exc:
+        mapped = _pipelined_error(conn, resource, token, exc)
+        if mapped is exc:
+            raise
+        raise mapped from exc
+
+
+@contextlib.asynccontextmanager
+async def aguarded_transaction(
+    conn: Any,
+    table: str,
+    resource: str,
+    token: FencingToken,
+    use: TableUse,
+    begin: Callable[[], Awaitable[FencingToken]],
+) -> AsyncIterator[FencingToken]:
+    """The async :func:`guarded_transaction`: pipelined on a ``psycopg.AsyncConnection``,
+    else ``begin()`` (``abegin``), the block, COMMIT."""
+    if sa_async(conn):
+        already = conn.in_transaction()
+    else:
+        _async_dialect(conn)
+        already = in_transaction(conn)
+    if already:
+        raise ConfigurationError(
+            "transaction() starts the transaction, and one is already open: use check() inside it"
+        )
+    if _kind(conn) != "psycopg-async":
+        try:
+            accepted = await begin()
+            yield accepted
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await conn.rollback()
+            raise
+        if sa_async(conn):
+            await conn.commit()
+        else:
+            await _aend(conn, commit=True)
+        return
+    if conn.closed:
+        raise BackendUnavailable("the psycopg connection is closed")
+    if not _is_verified(conn, use):  # once per connection: its answer is needed first
+        opened = not conn.autocommit
+        await adrive(
+            _verify_then(conn, POSTGRESQL, use, _nothing()),
+            lambda stmt: _aexec_psycopg(conn, stmt),
+            lambda exc: map_error(POSTGRESQL, conn, exc),
+        )
+        if opened and in_transaction(conn):
+            await _aend(conn, commit=False)
+    params = (resource, token.lock, token.value, table, resource)
+    try:
+        async with conn.pipeline(), conn.transaction():
+            await conn.execute(pg_pipelined_check(table), params)
+            yield token
+    except Exception as exc:
+        mapped = _pipelined_error(conn, resource, token, exc)
+        if mapped is exc:
+            raise
+        raise mapped from exc
+
+
+def _pipelined_error(conn: Any, resource: str, token: FencingToken, exc: Exception) -> Exception:
+    """The fence's refusal (:data:`STALE_SQLSTATE`) as fenced's error; a whole-transaction
+    condition (conflict: retry; connection lost) mapped as ``check`` maps it; anything else
+    as raised (in one round trip the guard cannot tell whose statement failed)."""
+    if getattr(exc, "sqlstate", None) == STALE_SQLSTATE:
+        return pipelined_refusal(resource, token, exc.diag.message_detail)  # type: ignore[attr-defined]
+    if getattr(exc, "sqlstate", None) == "42883" and "fenced_refuse" in str(exc):
+        return ConfigurationError(
+            f"{exc}: the pipelined check needs the function guard.install() creates "
+            "(run install() again after upgrading fenced)"
+        )
+    what = pg_kind(exc, conn)
+    if what in ("conflict", "unreachable"):
+        mapped = map_error(POSTGRESQL, conn, exc)
+        if mapped is not None:
+            return mapped
+    return exc
+
+
+def _commit_any(conn: Any) -> None:
+    """COMMIT on any supported sync connection (a SQLAlchemy one commits its own way)."""
+    kind = _kind(conn)
+    if not kind:
+        conn.commit()
+        return
+    _end(conn, commit=True, d=_SYNC_DIALECTS[kind])

@@ -55,6 +55,7 @@ __all__ = [
     "Result",
     "RowSQL",
     "Stmt",
+    "TableUse",
     "check_plan",
     "fence_high_water_plan",
     "fence_install_plan",
@@ -62,11 +63,13 @@ __all__ = [
     "ident_key",
     "mysql_upsert_accepted",
     "mysql_use_plan",
+    "pg_use_plan",
     "quote_ident",
     "quote_table",
     "row_high_water_plan",
     "row_install_plan",
     "row_write_plan",
+    "table_use_plan",
     "validate_resource",
 ]
 
@@ -203,12 +206,13 @@ def fence_sql(d: Dialect, table: str) -> FenceSQL:
         create = f"CREATE TABLE IF NOT EXISTS {table} ({columns}) WITHOUT ROWID"
     else:
         # Two first installs racing on CREATE TABLE IF NOT EXISTS can collide on the catalog's
-        # unique index; the exception block turns the loser into a no-op, in one statement.
+        # unique index; the exception block turns the loser into a no-op, in one statement,
+        # which also creates the pipelined check's refusal function (see pg_refuse_ddl).
         create = (
-            "DO $fenced$ BEGIN "
+            "DO $fenced$ BEGIN BEGIN "
             f"CREATE TABLE IF NOT EXISTS {table} ({columns}); "
             "EXCEPTION WHEN unique_violation OR duplicate_table THEN NULL; "
-            "END $fenced$"
+            f"END; {pg_refuse_ddl(table)} END $fenced$"
         )
     # The single statement that both checks and advances the high-water mark. The WHERE of
     # DO UPDATE is evaluated on the existing row *after* the row is locked (see sql.py).
@@ -220,7 +224,8 @@ def fence_sql(d: Dialect, table: str) -> FenceSQL:
     accept = (
         f"INSERT INTO {table} AS f (resource, lock_name, token) VALUES ({p}, {p}, {p}) "
         "ON CONFLICT (resource) DO UPDATE SET token = excluded.token "
-        f"WHERE {mark} > 0 AND {mark} <= {incoming} AND f.lock_name = excluded.lock_name "
+        f"WHERE {_exact(d, 'f.token')}{mark} > 0 AND {mark} <= {incoming} "
+        "AND f.lock_name = excluded.lock_name "
         "RETURNING token"
     )
     read = f"SELECT lock_name, token FROM {table} WHERE resource = {p}"
@@ -275,6 +280,18 @@ def _bad_type(value: object) -> bool:
     return isinstance(value, bool) or (value is not None and not isinstance(value, int))
 
 
+def _inexact(value: object) -> bool:
+    """A mark that is a number but not a whole one (5.5 written by hand into SQLite's
+    INTEGER column, or into a numeric one): no token can be compared with it."""
+    if isinstance(value, float):
+        return not value.is_integer()
+    return isinstance(value, decimal.Decimal) and value != value.to_integral_value()
+
+
+def _inexact_mark(resource: str, value: object) -> CorruptMarkError:
+    return CorruptMarkError(resource, f"token {value!r} is not an integer")
+
+
 def _type_error(resource: str, value: object) -> ConfigurationError:
     return ConfigurationError(
         f"the token column of {resource!r} holds {type(value).__name__} values: it must be "
@@ -283,6 +300,8 @@ def _type_error(resource: str, value: object) -> ConfigurationError:
 
 
 def _stored_token(lock: object, value: object, resource: str = "?") -> FencingToken:
+    if _inexact(value):
+        raise _inexact_mark(resource, value)
     if _bad_type(value):
         raise _type_error(resource, value)
     if not isinstance(lock, str) or not isinstance(value, int) or not 0 < value <= MAX_TOKEN:
@@ -294,6 +313,8 @@ def _rejection(
     token: FencingToken, resource: str, stored_lock: object, stored_value: object
 ) -> FencedError:
     """Why a fenced write matched no row although the row exists: wrong lock, stale, or race."""
+    if _inexact(stored_value):
+        return _inexact_mark(resource, stored_value)
     if _bad_type(stored_value):
         return _type_error(resource, stored_value)
     if stored_value is not None and not 0 < stored_value <= MAX_TOKEN:  # type: ignore[operator]
@@ -369,6 +390,80 @@ def _mysql_check_plan(sql: FenceSQL, resource: str, token: FencingToken) -> Plan
     raise _rejection(token, resource, lock, value)
 
 
+# -- PostgreSQL: the check that raises in the server (pipelined) --------------------------
+
+STALE_SQLSTATE: Final = "FN001"
+"""The SQLSTATE of the refusal raised in the server by the pipelined check (class ``FN`` is
+no standard class): the transaction is aborted there, and the client maps it to the error
+the row's content explains (see :func:`pipelined_refusal`)."""
+
+_REFUSE_FN: Final = "fenced_refuse_v1"
+
+
+def _refuse_function(table: str) -> str:
+    """The refusal function's name, in the fence table's schema if it has one (``table``
+    quoted): a function is looked up on the search path as the table is."""
+    schema, dot, _ = table.rpartition(".")
+    return f"{schema}{dot}{_REFUSE_FN}"
+
+
+def pg_refuse_ddl(table: str) -> str:
+    """The refusal function ``install()`` creates on PostgreSQL (a PL/pgSQL block of the fence
+    table's ``DO`` statement, so ``ddl()`` has it too): reads the fence row that refused
+    (locked by the refusing statement) and raises :data:`STALE_SQLSTATE` with what it holds as
+    JSON in the DETAIL, which aborts the transaction in the server. Created once (a racing
+    install's duplicate is a no-op); a role that may not create functions installs the table
+    as before, and ``SQLGuard.transaction`` then says what is missing."""
+    return (
+        "BEGIN "
+        f"CREATE FUNCTION {_refuse_function(table)}(tbl regclass, res text) RETURNS bigint "
+        "LANGUAGE plpgsql VOLATILE AS $fn$ DECLARE found_row text; BEGIN "
+        # (regclass's text is the table's name quoted as needed; no % for the drivers)
+        "EXECUTE 'SELECT json_build_object(''lock'', lock_name, ''token'', token::text)::text "
+        "FROM ' || tbl::text || ' WHERE resource = $1' INTO found_row USING res; "
+        f"RAISE EXCEPTION USING ERRCODE = '{STALE_SQLSTATE}', "
+        "MESSAGE = 'fenced: the fence refused the token', "
+        "DETAIL = COALESCE(found_row, '{}'); END $fn$; "
+        "EXCEPTION WHEN duplicate_function OR unique_violation OR insufficient_privilege "
+        "THEN NULL; END;"
+    )
+
+
+@functools.lru_cache(maxsize=128)
+def pg_pipelined_check(table: str) -> str:
+    """The fence check as one statement that raises in the server when it refuses: the
+    accepting upsert (:func:`fence_sql`) in a CTE, and the refusal function called only
+    when it returned no row. Params: resource, lock, token, the table, resource."""
+    accept = fence_sql(POSTGRESQL, table).accept
+    return (
+        f"WITH a AS ({accept}) SELECT token FROM a UNION ALL "
+        f"SELECT {_refuse_function(table)}(%s::regclass, %s) WHERE NOT EXISTS (SELECT FROM a)"
+    )
+
+
+def pipelined_refusal(resource: str, token: FencingToken, detail: str | None) -> FencedError:
+    """The error for the server's refusal of ``token`` (:data:`STALE_SQLSTATE`), from the
+    fence row it reported: stale, wrong lock, corrupt, or gone (a race: retry)."""
+    import json
+
+    try:
+        row = json.loads(detail or "{}")
+    except ValueError:
+        row = {}
+    if not isinstance(row, dict) or "token" not in row:
+        return FenceConflictError(
+            f"the fence row of {resource!r} vanished while checking {token}; roll back and retry"
+        )
+    value: object = row["token"]
+    if value is None:
+        return CorruptMarkError(resource, "the fence row has no token")
+    try:
+        value = int(str(value))
+    except ValueError:
+        return CorruptMarkError(resource, f"token {value!r} is not an integer")
+    return _rejection(token, resource, row.get("lock"), value)
+
+
 def fence_high_water_plan(sql: FenceSQL, resource: str) -> Plan[FencingToken | None]:
     # (MySQL's read locks the row for a refusal's report; a look at the mark need not)
     res = yield Stmt(sql.read.removesuffix(" FOR UPDATE"), (resource,))
@@ -437,15 +532,55 @@ def _not_innodb(table_name: str, engine: str) -> ConfigurationError:
 
 
 @dataclass(frozen=True, slots=True)
-class MySQLUse:
-    """A MySQL table a guard writes to, verified before its first use on each connection
-    (:func:`mysql_use_plan`; the driver remembers it per connection): ``install()`` verifies
-    only the tables it is given, and a table made or altered by hand (MyISAM, a SMALLINT
-    token column) would otherwise be used as found."""
+class TableUse:
+    """A MySQL or PostgreSQL table a guard writes to, verified before its first use on each
+    connection (:func:`table_use_plan`; the driver remembers it per connection):
+    ``install()`` verifies only the tables it is given, and a table made or altered by hand
+    (MyISAM, a SMALLINT or double precision token column) would otherwise be used as found.
+    (SQLite's statements themselves refuse a mark that is not an exact integer: see
+    :func:`_exact`.)"""
 
     table_name: str
     token: str | None = None  # the row form's token column; None: a fence table
     keys: tuple[str, ...] | None = None  # the row form's upsert: its key columns
+
+
+MySQLUse = TableUse  # (its name before PostgreSQL's tables were verified at use too)
+
+
+def table_use_plan(d: Dialect, use: TableUse) -> Plan[bool]:
+    """Verify ``use`` on ``d`` before its first use on a connection (MySQL, PostgreSQL);
+    True if verified (remember it), False if there was nothing to verify yet."""
+    if d is MYSQL:
+        yield from mysql_use_plan(use)
+        return True
+    if d is POSTGRESQL:
+        return (yield from pg_use_plan(use))
+    return False
+
+
+def pg_use_plan(use: TableUse) -> Plan[bool]:
+    """Refuse a PostgreSQL token column that is not ``bigint``: a ``double precision`` one
+    rounds tokens above 2**53 together (a stale token then compares equal and passes), a
+    ``real`` one above 2**24, ``integer``/``smallint`` ones overflow, ``numeric`` ones hold
+    fractions. One catalog look-up per connection and table. A table or column that does not
+    exist is left to the guard's statement, which reports it (and is looked up again)."""
+    res = yield Stmt(
+        "SELECT format_type(atttypid, atttypmod) FROM pg_attribute "
+        "WHERE attrelid = to_regclass(%s) AND attname = %s AND attnum > 0 AND NOT attisdropped",
+        (quote_table(use.table_name), "token" if use.token is None else use.token),
+    )
+    if not res.rows:
+        return False
+    if res.rows[0][0] != "bigint":
+        if use.token is None:
+            raise ConfigurationError(
+                f"fence table {use.table_name!r} exists but cannot be used: its 'token' column "
+                f"is {res.rows[0][0]}, not a 64-bit integer (drop or rename it, or pass table= "
+                "to use another)"
+            )
+        raise _bad_token_type(use.token, use.table_name, res.rows[0][0])
+    return True
 
 
 def mysql_use_plan(use: MySQLUse) -> Plan[None]:
@@ -665,12 +800,28 @@ def _as_int(d: Dialect, expr: str, *, stored: bool = False) -> str:
     return f"CAST({expr} AS {d.cast})"
 
 
+def _exact(d: Dialect, expr: str) -> str:
+    """A guard (ending in ``AND``) that the stored mark ``expr`` is an exact integer, for
+    SQLite, where any column holds any value: ``CAST`` truncates a REAL 5.5 to 5 (token 5
+    passed and overwrote the mark) and a REAL column rounds tokens above 2**53 together. A
+    REAL value, or a text that is not an integer's spelling, matches nothing: the write is
+    refused and the read reports the mark (:class:`~fenced.CorruptMarkError` for 5.5, the
+    column's type for a REAL column). A TEXT column's ``'10'`` stays usable (it is exact).
+    PostgreSQL and MySQL verify the column's type before its first use on a connection."""
+    if d is not SQLITE:
+        return ""
+    return f"typeof({expr}) <> 'real' AND CAST({expr} AS INTEGER) = {expr} AND "
+
+
 def _row_read(d: Dialect, spec: RowSQL, *, locking: bool = False) -> str:
     """The row's token (and lock). ``locking`` (MySQL, after a write that matched nothing):
     ``FOR UPDATE``, which reads the newest committed row, not the transaction's snapshot."""
-    cols = (
-        quote_ident(spec.token) if d is MYSQL else _as_int(d, quote_ident(spec.token), stored=True)
-    )
+    tok = quote_ident(spec.token)
+    if d is SQLITE:  # an exact integer (a TEXT column's '10') as int, anything else as stored
+        exact = _exact(d, tok).removesuffix(" AND ")
+        cols = f"CASE WHEN {exact} THEN CAST({tok} AS INTEGER) ELSE {tok} END"
+    else:
+        cols = tok
     cols += f", {quote_ident(spec.lock)}" if spec.lock else ""
     sql = f"SELECT {cols} FROM {spec.table} WHERE {_where_key(d, spec)}"
     if d is MYSQL:
@@ -682,7 +833,7 @@ def _row_guard_clause(d: Dialect, spec: RowSQL, target: str, incoming: str) -> s
     """``target`` accepts ``incoming``: never fenced (NULL) or not newer, and the same lock."""
     tok = quote_ident(spec.token)
     stored = _as_int(d, f"{target}{tok}", stored=True)
-    ordered = f"{stored} > 0 AND {stored} <= {_as_int(d, incoming)}"
+    ordered = f"{_exact(d, target + tok)}{stored} > 0 AND {stored} <= {_as_int(d, incoming)}"
     if not spec.lock:
         return f"({target}{tok} IS NULL OR ({ordered}))"
     # A row whose lock column is set but whose token is NULL lost its mark: corrupt, refused.
@@ -858,6 +1009,8 @@ def row_write_rest(
         )
     row = res.rows[0]
     stored, lock = row[0], (row[1] if spec.lock else None)
+    if _inexact(stored):
+        raise _inexact_mark(_label(spec, key), stored)
     if _bad_type(stored):
         raise _type_error(_label(spec, key), stored)
     if stored == token.value and lock in (None, token.lock):

@@ -17,6 +17,10 @@ back) together with the data it protects:
           SQLGuard("invoices").check(pg, token=lease.token)
           pg.execute("UPDATE invoices SET ...")
 
+  :meth:`SQLGuard.transaction` is the same as a block (``with guard.transaction(pg,
+  token=...):``); on psycopg it sends BEGIN, a check that raises in the server when it
+  refuses, the block's statements and COMMIT in one pipeline: one round trip.
+
 * :class:`RowGuard`, the **row form**: the guarded table carries its own ``fencing_token``
   column and each write is one conditional ``UPDATE ... WHERE key AND (fencing_token IS NULL
   OR fencing_token <= :token)``; no extra statement on success.
@@ -26,9 +30,12 @@ Why two racing transactions cannot both pass out of order
 The fence statement is ``INSERT INTO fenced_fences AS f ... ON CONFLICT (resource) DO UPDATE
 SET token = excluded.token WHERE f.token > 0 AND f.token <= excluded.token AND f.lock_name =
 excluded.lock_name RETURNING token`` (both sides compared as 64-bit integers): a row comes back
-iff the token was accepted. A mark that is NULL, zero or negative matches nothing and is
-reported as :class:`~fenced.CorruptMarkError`; a token column that is not an integer column
-as :class:`~fenced.ConfigurationError`, at install and at check.
+iff the token was accepted. A mark that is NULL, zero, negative or not a whole number (a
+REAL 5.5 in SQLite) matches nothing and is reported as :class:`~fenced.CorruptMarkError`; a
+token column that is not a 64-bit integer column as :class:`~fenced.ConfigurationError`, by
+install and at use (PostgreSQL and MySQL verify the column's type before a connection's first
+use of a table; on SQLite, where any column holds any value, the statement refuses a mark that
+is not stored as an exact integer, so a REAL column's rounded tokens are never compared).
 
 *PostgreSQL.* DO UPDATE first takes a row lock on the existing fence row (even when its WHERE
 turns out false) and evaluates the WHERE on the newest committed version of the row: under
@@ -61,8 +68,8 @@ The ``checks`` counter makes an accepted check always change the row, so its cou
 whether or not the client counts found rows; the verdict is never read from the insert id,
 which an AUTO_INCREMENT column of a user's table also writes. Deadlocks (1213) and lock wait
 timeouts (1205) surface as :class:`FenceConflictError`. Each table is verified before its
-first use on each connection (InnoDB, a BIGINT token column), not only by ``install()``. ``install()`` runs DDL,
-which commits implicitly, so it refuses to run inside a transaction; it verifies a table it
+first use on each connection (InnoDB, a BIGINT token column), not only by ``install()``.
+``install()`` runs DDL, which commits implicitly, so it refuses to run inside a transaction; it verifies a table it
 did not create (InnoDB, binary collations, BIGINT token). The row form is a conditional
 UPDATE too; a row it matched but did not change (same values) is told from a refusal by the
 same locking read, and an upsert inserts a missing row (no ``ON DUPLICATE KEY UPDATE``, whose
@@ -102,9 +109,11 @@ from .._signing import TokenVerifier
 from .._token import FencingToken, validate_lock_name
 from ._sql_driver import (
     CHECKED,
+    aguarded_transaction,
     arun,
     arun_install,
     arun_own,
+    guarded_transaction,
     note_checked,
     run,
     run_install,
@@ -118,10 +127,10 @@ from ._sql_plan import (
     Dialect,
     FenceConflictError,
     FenceSQL,
-    MySQLUse,
     Plan,
     RowSQL,
     Stmt,
+    TableUse,
     check_plan,
     fence_high_water_plan,
     fence_install_plan,
@@ -177,7 +186,8 @@ class SQLGuard:
         self.lock = _lock_name(resource if lock is None else lock, f"lock of {resource!r}")
         self.table = table
         self._quoted = quote_table(table)
-        self._use = MySQLUse(table)  # (verified before first use on each MySQL connection)
+        # (verified before first use on each MySQL or PostgreSQL connection)
+        self._use = TableUse(table)
 
     def __repr__(self) -> str:
         return f"SQLGuard({self.resource!r}, lock={self.lock!r}, table={self.table!r})"
@@ -214,10 +224,45 @@ class SQLGuard:
         the check. The transaction stays open for the caller's writes and COMMIT; on an error
         it is left open too (roll it back). Refuses a connection already in a transaction.
         """
-        tok = FencingToken.coerce(token, self.lock, self.verifier)
+        return self._begin(conn, FencingToken.coerce(token, self.lock, self.verifier))
+
+    def _begin(self, conn: Any, tok: FencingToken) -> FencingToken:
         accepted = run(conn, lambda d: self._check_plan(d, tok), begin=True, use=self._use)
         note_checked(conn, self.resource, accepted)
         return accepted
+
+    def transaction(
+        self, conn: Any, *, token: TokenLike
+    ) -> contextlib.AbstractContextManager[FencingToken]:
+        """A fenced transaction as a block: ``BEGIN``, the check, your statements, ``COMMIT``.
+
+        ::
+
+            with guard.transaction(pg, token=lease.token):
+                pg.execute("UPDATE invoices SET ...")
+
+        On a ``psycopg.Connection`` with no transaction open, the whole block is one psycopg
+        *pipeline*: ``BEGIN``, a check that raises in the server when it refuses (through a
+        function :meth:`install` creates), your statements and ``COMMIT`` are sent without
+        waiting, and answered together when the block ends, in one round trip. A refused
+        token aborts the transaction in the server, so nothing is committed; the refusal
+        comes out of the ``with`` (or out of your first read of a result inside it) as
+        :class:`~fenced.StaleTokenError`, :class:`~fenced.WrongLockError`,
+        :class:`~fenced.CorruptMarkError` or :class:`FenceConflictError`, as :meth:`check`
+        raises them. Results of your statements can be read inside the block (a read waits
+        for the answers so far). Other errors of the transaction come as psycopg raises them
+        (in one round trip the guard cannot tell whose statement failed), except a
+        concurrent-transaction refusal (:class:`FenceConflictError`) and a lost connection
+        (:class:`~fenced.BackendUnavailable`).
+
+        Elsewhere (SQLite, MySQL, SQLAlchemy): :meth:`begin`, the block, ``COMMIT``,
+        with ``ROLLBACK`` if the block raises. Yields the token, accepted once the block has
+        ended without an error. A connection already in a transaction is refused.
+        """
+        tok = FencingToken.coerce(token, self.lock, self.verifier)
+        return guarded_transaction(
+            conn, self._quoted, self.resource, tok, self._use, lambda: self._begin(conn, tok)
+        )
 
     def high_water(self, conn: Any) -> FencingToken | None:
         """The highest token accepted so far, or None if the resource was never fenced."""
@@ -260,10 +305,23 @@ class SQLGuard:
     @token_keyword()
     async def abegin(self, conn: Any, *, token: TokenLike) -> FencingToken:
         """:meth:`begin` on a ``psycopg.AsyncConnection``."""
-        tok = FencingToken.coerce(token, self.lock, self.verifier)
+        return await self._abegin(conn, FencingToken.coerce(token, self.lock, self.verifier))
+
+    async def _abegin(self, conn: Any, tok: FencingToken) -> FencingToken:
         accepted = await arun(conn, lambda d: self._check_plan(d, tok), begin=True, use=self._use)
         note_checked(conn, self.resource, accepted)
         return accepted
+
+    def atransaction(
+        self, conn: Any, *, token: TokenLike
+    ) -> contextlib.AbstractAsyncContextManager[FencingToken]:
+        """:meth:`transaction` as ``async with``: pipelined on a ``psycopg.AsyncConnection``
+        with no transaction open; elsewhere (asyncmy, SQLAlchemy's ``AsyncConnection`` or
+        ``AsyncSession``) :meth:`abegin`, the block, ``COMMIT``."""
+        tok = FencingToken.coerce(token, self.lock, self.verifier)
+        return aguarded_transaction(
+            conn, self._quoted, self.resource, tok, self._use, lambda: self._abegin(conn, tok)
+        )
 
     async def ahigh_water(self, conn: Any) -> FencingToken | None:
         """:meth:`high_water` on a ``psycopg.AsyncConnection``."""
@@ -411,9 +469,10 @@ class RowGuard:
         self.lock_column = lock_column
         self.lock = _lock_name(table if lock is None else lock, f"lock of table {table!r}")
         self._spec = RowSQL(quote_table(table), table, key_cols, token_column, lock_column)
-        # (verified before first use on each MySQL connection; an upsert also needs its keys)
-        self._use = MySQLUse(table, token_column)
-        self._use_upsert = MySQLUse(table, token_column, key_cols)
+        # (verified before first use on each MySQL or PostgreSQL connection; a MySQL upsert
+        # also needs its keys)
+        self._use = TableUse(table, token_column)
+        self._use_upsert = TableUse(table, token_column, key_cols)
 
     def __repr__(self) -> str:
         return (
