@@ -314,7 +314,6 @@ export class Lease extends EventTarget {
     clearTimeout(this.#watchdog);
     const left = this.#validUntil - performance.now();
     this.#watchdog = setTimeout(() => void this.state, Math.max(0, left) + 1);
-    this.#watchdog.unref?.();
   }
 
   #schedule(ms) {
@@ -322,8 +321,8 @@ export class Lease extends EventTarget {
     this.#timer = setTimeout(() => {
       this.#renew().catch((err) => this.#lose(`renewal failed: ${err?.message ?? err}`));
     }, ms);
-    // A forgotten lease does not keep the process alive; it expires at its ttl.
-    this.#timer.unref?.();
+    // (Not unref'd: a held lease keeps the process alive, as an open socket does, until it is
+    // released or lost; `await lease.lost` must not find an empty event loop.)
   }
 
   async #renew() {
