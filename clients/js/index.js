@@ -268,11 +268,13 @@ export class Lease extends EventTarget {
     const wasHeld = this.state === "held";
     this.#stop();
     this.#state = wasHeld ? "released" : this.#state;
+    // Retried only while the lease's confirmed time lasts: after it the source ends the
+    // lease by itself, and a lost lease gets one attempt.
+    const until = Math.min(this.#validUntil, performance.now() + 10_000);
     this.#releasing = (async () => {
       const path = this.#client._lockPath(this.name, "release");
-      const until = performance.now() + 10_000;
       for (;;) {
-        const r = await this.#client._call("POST", path, this.#body, until - performance.now());
+        const r = await this.#client._call("POST", path, this.#body, Math.max(until - performance.now(), 2000));
         if (r.status === 200) return r.body.released === true;
         if (r.status === 410) return false;
         // Sent again only if it surely did not arrive (refused connection) or was refused

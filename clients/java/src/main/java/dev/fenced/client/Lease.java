@@ -156,16 +156,21 @@ public final class Lease implements AutoCloseable {
     /** Give the lock back. Idempotent: every call gets the first one's answer; never throws. */
     public Released release() {
         State now = state(); // (a lease past its time is lost, not released)
+        long until;
         synchronized (this) {
             if (released != null) return released;
             if (now == State.HELD && state == State.HELD) state = State.RELEASED;
             stop();
+            // Retried only while the lease's confirmed time lasts: after it the source ends the
+            // lease by itself, and a lost lease gets one attempt.
+            long tenSeconds = System.nanoTime() + 10_000_000_000L;
+            until = validUntil - tenSeconds < 0 ? validUntil : tenSeconds;
         }
         String path = client.lockPath(name, "release");
-        long until = System.nanoTime() + 10_000_000_000L;
         Released result;
         for (;;) {
-            FencedClient.Answer r = client.call("POST", path, body, until - System.nanoTime());
+            long wait = Math.max(until - System.nanoTime(), 2_000_000_000L);
+            FencedClient.Answer r = client.call("POST", path, body, wait);
             if (r.status == 200) {
                 result = Boolean.TRUE.equals(r.body.get("released")) ? Released.RELEASED : Released.ALREADY_ENDED;
                 break;
