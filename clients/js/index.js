@@ -229,7 +229,15 @@ export class Lease extends EventTarget {
     this.lost = new Promise((ok) => {
       this.#resolveLost = ok;
     });
-    if (onLost) this.addEventListener("lost", (e) => onLost(e.detail));
+    if (onLost) {
+      this.addEventListener("lost", (e) => {
+        try {
+          onLost(e.detail);
+        } catch {
+          // A callback that throws would be an uncaught exception in Node's EventTarget.
+        }
+      });
+    }
     this.#armWatchdog();
     this.#schedule((this.ttl * 1000) / 3);
   }
@@ -302,13 +310,13 @@ export class Lease extends EventTarget {
     this.#state = "lost";
     this.lostReason = reason;
     this.#stop();
-    this.#resolveLost(reason);
     // A listener that throws must not stop us (nor become an unhandled error here).
     try {
       this.dispatchEvent(new CustomEvent("lost", { detail: reason }));
     } catch {
       /* ignored: the state is already "lost" */
     }
+    this.#resolveLost(reason);
   }
 
   // Fires at the end of the confirmed time unless a renewal moved it on.

@@ -236,9 +236,10 @@ public final class Lease implements AutoCloseable {
         if (toCall != null) notifyAll(toCall, reason);
     }
 
+    // The callbacks first: whoever waits on lost() finds them run.
     private void notifyAll(List<Consumer<String>> toCall, String reason) {
-        lost.complete(reason);
         for (Consumer<String> l : toCall) notify(l, reason);
+        lost.complete(reason);
     }
 
     private static void notify(Consumer<String> listener, String reason) {
