@@ -184,6 +184,7 @@ class Holder:
             stderr=subprocess.PIPE,
             text=True,
         )
+        self.said: list[str] = []  # lines skipped by until()
 
     def line(self) -> str:
         assert self.proc.stdout is not None
@@ -199,6 +200,7 @@ class Holder:
         lines = [self.line()]
         while not lines[-1].startswith(prefix):
             lines.append(self.line())
+        self.said += lines[:-1]
         return lines
 
     def say(self, text: str) -> None:
@@ -212,7 +214,11 @@ class Holder:
 
     def wait_for_a_renewal(self, timeout: float = 20) -> None:
         seen = self.renewals()
-        wait_for(lambda: self.renewals() > seen, timeout, "a confirmed renewal")
+        before = len(self.said)
+        try:
+            wait_for(lambda: self.renewals() > seen, timeout, "a confirmed renewal")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; the holder said {self.said[before:]}") from None
 
     def end(self) -> int:
         assert self.proc.stdin is not None
@@ -387,7 +393,7 @@ def test_a_holder_keeps_its_lease_through_a_pause_past_keep_alive_and_a_gateway_
     over a fresh connection is confirmed (retried while the lease lasts; the restarted gateway
     resumes the grant from the source), and its write is accepted."""
     target = f"{storage}/files/kept"
-    h = holder(server.url, "files", target, "kept", ttl=10)
+    h = holder(server.url, "files", target, "kept", ttl=12)  # (a restart under load: seconds)
     assert h.line() == "token 1"
     h.wait_for_a_renewal()
     os.kill(h.proc.pid, signal.SIGSTOP)
