@@ -20,6 +20,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -418,7 +419,9 @@ class _Front:
     told to answer renewals with 503 (its upstream "unavailable"); it can also answer the
     first acquires with 503, and records the request ids acquires carried."""
 
-    def __init__(self, upstream: str, refuse_acquires: int = 0) -> None:
+    def __init__(
+        self, upstream: str, refuse_acquires: int = 0, document: dict[str, Any] | None = None
+    ) -> None:
         import http.server
         import threading
 
@@ -426,10 +429,17 @@ class _Front:
         self.refuse_renewals = False
         self.refuse_acquires = refuse_acquires
         self.acquire_ids: list[str] = []
+        # With an OpenAPI document: every request is checked against it (path, method, body).
+        self.document = document
+        self.asked: list[str] = []
+        self.violations: list[str] = []
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("content-length", 0)))
+                if front.document is not None:
+                    front.asked.append(self.path)
+                    front.violations += _violations(front.document, "post", self.path, body)
                 unavailable = front.refuse_renewals and self.path.endswith("/renew")
                 if self.path.endswith("/acquire"):
                     front.acquire_ids.append(json.loads(body)["request_id"])
@@ -458,6 +468,55 @@ class _Front:
     def close(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+def _violations(document: dict[str, Any], method: str, path: str, body: bytes) -> list[str]:
+    """How a request departs from the OpenAPI document: a path it does not have, or a body
+    its schema refuses (JSON Schema 2020-12, as OpenAPI 3.1 says)."""
+    from jsonschema import Draft202012Validator
+
+    for template, operations in document["paths"].items():
+        pattern = re.sub(r"\\\{[^}]+\\\}", ".+?", re.escape(template))
+        if re.fullmatch(pattern, path) and method in operations:
+            break
+    else:
+        return [f"{method.upper()} {path}: not in the document"]
+    request = operations[method].get("requestBody")
+    if request is None:
+        return [] if not body else [f"{path}: a body where the document has none"]
+    schema = request["content"]["application/json"]["schema"]
+    validator = Draft202012Validator({**schema, "components": document["components"]})
+    try:
+        sent = json.loads(body)
+    except ValueError:
+        return [f"{path}: not JSON: {body[:100]!r}"]
+    return [f"{path}: {e.message}" for e in validator.iter_errors(sent)]
+
+
+def test_a_holder_speaks_the_api_as_the_openapi_document_says(
+    server: FencedServer, storage: str, holder: Callable[..., Holder]
+) -> None:
+    """Every request a holder makes (acquire, renewals, release) goes through a front that
+    checks it against the server's own /openapi.json: documented paths (the /-/ actions),
+    bodies the schemas accept (ranges, request id pattern, no unknown fields)."""
+    document = httpx.get(f"{server.url}/openapi.json", timeout=10).json()
+    front = _Front(server.url, document=document)
+    try:
+        h = holder(front.url, "files", f"{storage}/files/spoken", "x", ttl=1)
+        assert h.line() == "token 1"
+        h.wait_for_a_renewal()
+        h.say("release")
+        assert h.line() == "released true"
+    finally:
+        front.close()
+    assert front.violations == [], front.violations
+    actions = {p.rsplit("/", 1)[1] for p in front.asked}
+    assert actions == {"acquire", "renew", "release"}, front.asked
+    assert all(p.startswith("/v1/locks/files/-/") for p in front.asked), front.asked
+    # The checker itself refuses what the document does not allow (both sides of the guard).
+    assert _violations(document, "post", "/v1/locks/files/acquire", b"{}")
+    assert _violations(document, "post", "/v1/locks/files/-/acquire", b'{"ttl": 0}')
+    assert _violations(document, "post", "/v1/locks/files/-/renew", b'{"token": "files:1"}')
 
 
 def test_a_holder_takes_503_renewals_as_lost_once_its_time_is_up(

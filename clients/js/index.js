@@ -351,7 +351,9 @@ export class Lease extends EventTarget {
       this.#schedule((this.ttl * 1000) / 3);
       return;
     }
-    this.#lastFailure = describe(r);
+    // A request cut off at the lease's end says nothing new: keep the failure before it.
+    const cutOff = r.status === 0 && r.body.message === "timed out" && performance.now() >= this.#validUntil;
+    if (!(cutOff && this.#lastFailure)) this.#lastFailure = describe(r);
     // No answer, a timeout, 5xx, 408, 429: the lease may still be good; ask again while its
     // confirmed time lasts. Anything else (410 lease_lost, 403, 400) is final.
     const transient = r.status === 0 || r.status >= 500 || r.status === 408 || r.status === 429;

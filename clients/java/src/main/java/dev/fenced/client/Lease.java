@@ -301,7 +301,10 @@ public final class Lease implements AutoCloseable {
                 schedule((long) (ttl * 1e9 / 3));
                 return;
             }
-            lastFailure = r.describe();
+            // A request cut off at the lease's end says nothing new: keep the failure before it.
+            boolean cutOff = r.status == 0 && "timed out".equals(r.body.get("message"))
+                    && System.nanoTime() - validUntil >= 0;
+            if (!(cutOff && lastFailure != null)) lastFailure = r.describe();
             // No answer, a timeout, 5xx, 408, 429: the lease may still be good; ask again while
             // its confirmed time lasts. Anything else (410 lease_lost, 403, 400) is final.
             boolean transient_ = r.status == 0 || r.status >= 500 || r.status == 408 || r.status == 429;
