@@ -114,8 +114,12 @@ public final class ClientTest {
     }
 
     /** An unreachable server: lock() retries, then one FencedException (status 0). */
-    static void unreachable() {
-        FencedClient client = new FencedClient("http://127.0.0.1:9");
+    static void unreachable() throws Exception {
+        int port; // a port that was free a moment ago: nothing listens there
+        try (java.net.ServerSocket probe = new java.net.ServerSocket(0)) {
+            port = probe.getLocalPort();
+        }
+        FencedClient client = new FencedClient("http://127.0.0.1:" + port);
         long started = System.nanoTime();
         try {
             client.lock("java/away", new LockOptions().retryFor(Duration.ofMillis(500)));

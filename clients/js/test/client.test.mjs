@@ -1,6 +1,7 @@
 // The package's contract against a real `fenced serve` at $FENCED_TEST_URL (started by
 // tests/test_clients.py, which runs `node --test` in `make test`).
 import assert from "node:assert/strict";
+import { createServer } from "node:net";
 import { test } from "node:test";
 
 import { FencedClient, FencedError, LeaseLostError, LockTimeoutError } from "../index.js";
@@ -67,7 +68,14 @@ test("bad input is one clear FencedError, before any request", opts, async () =>
 });
 
 test("an unreachable server: lock() retries, then one FencedError (status 0)", opts, async () => {
-  const client = new FencedClient("http://127.0.0.1:9"); // (discard: nothing listens)
+  // A port that was free a moment ago: nothing listens there.
+  const port = await new Promise((ok) => {
+    const probe = createServer().listen(0, "127.0.0.1", () => {
+      const { port } = probe.address();
+      probe.close(() => ok(port));
+    });
+  });
+  const client = new FencedClient(`http://127.0.0.1:${port}`);
   const started = performance.now();
   await assert.rejects(client.lock("js/away", { retryFor: 0.5 }), (e) => e instanceof FencedError && e.status === 0);
   assert.ok(performance.now() - started >= 400, "it did not retry");
