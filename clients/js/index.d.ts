@@ -36,6 +36,8 @@ export interface LeaseEventMap {
 }
 
 export class Lease extends EventTarget {
+  /** Made by FencedClient.lock(). */
+  private constructor();
   readonly name: string;
   readonly requestId: string;
   readonly ttl: number;
