@@ -10,7 +10,7 @@
 //                 seen); skipped once the lease is lost: lease.token throws then.
 //   write paused  take the token ("checked"), wait for a line "resume", then write with it:
 //                 DDIA Figure 8-5's pause between check and write, which only the guard catches.
-//   renewals      print how many renewals were confirmed.
+//   renewals      print how many renewals were confirmed, and how many attempts failed.
 //   release       give the lock back (idempotent: say it twice, get the same answer).
 // The end of stdin releases and exits. Everything it learns is printed one line each:
 // "token N", "write STATUS BODY", "write skipped: ...", "lost REASON", "released true|false|unknown".
@@ -77,7 +77,7 @@ const commands = {
     paused = null;
     await put(token);
   },
-  renewals: async () => console.log(`renewals ${lease.renewals}`),
+  renewals: async () => console.log(`renewals ${lease.renewals} failed ${lease.renewalFailures}`),
   release,
 };
 

@@ -209,9 +209,18 @@ class Holder:
         self.proc.stdin.write(text + "\n")
         self.proc.stdin.flush()
 
-    def renewals(self) -> int:
+    def counts(self) -> tuple[int, int]:
+        """Renewals confirmed, renewal attempts failed."""
         self.say("renewals")
-        return int(self.until("renewals ")[-1].split()[1])
+        words = self.until("renewals ")[-1].split()  # "renewals N failed M"
+        return int(words[1]), int(words[3])
+
+    def renewals(self) -> int:
+        return self.counts()[0]
+
+    def wait_for_a_failed_renewal(self, timeout: float = 20) -> None:
+        seen = self.counts()[1]
+        wait_for(lambda: self.counts()[1] > seen, timeout, "a failed renewal")
 
     def wait_for_a_renewal(self, timeout: float = 20) -> None:
         seen = self.renewals()
@@ -394,10 +403,11 @@ def test_a_holder_keeps_its_lease_through_a_pause_past_keep_alive_and_a_gateway_
     over a fresh connection is confirmed (retried while the lease lasts; the restarted gateway
     resumes the grant from the source), and its write is accepted."""
     target = f"{storage}/files/kept"
-    h = holder(server.url, "files", target, "kept", ttl=12)  # (a restart under load: seconds)
+    # (ttl 15: renewals every 5 s, confirmed for 13.5 s; a restart under load takes seconds)
+    h = holder(server.url, "files", target, "kept", ttl=15)
     assert h.line() == "token 1"
     # Stopped at once: the acquire's connection idles past keep-alive, and the first
-    # renewal (due after 4 s) is overdue when it wakes, 5.5 s into a lease of 12 s.
+    # renewal (due after 5 s) is overdue when it wakes, 5.5 s into the lease.
     os.kill(h.proc.pid, signal.SIGSTOP)
     try:
         time.sleep(5.5)  # the pause itself (what is tested, not a wait for something)
@@ -406,7 +416,10 @@ def test_a_holder_keeps_its_lease_through_a_pause_past_keep_alive_and_a_gateway_
     h.wait_for_a_renewal()
     h.say("write")
     assert h.line().startswith("write 200 stored kept with files:1")
-    server.restart(kill=True)
+    # The gateway is down (kill -9) until a renewal has failed on it, then started again.
+    server.kill()
+    h.wait_for_a_failed_renewal()
+    server.start()
     h.wait_for_a_renewal()
     h.say("write")
     assert h.line().startswith("write 200 stored kept with files:1")

@@ -46,6 +46,8 @@ export class Lease extends EventTarget {
   readonly margin: number;
   /** Renewals confirmed so far. */
   readonly renewals: number;
+  /** Renewal attempts that failed (each retried while the lease's time lasts). */
+  readonly renewalFailures: number;
   /** Why it was lost (null while held or after release). */
   readonly lostReason: string | null;
   /** Resolves with the reason once lost; never rejects (pending forever if released). */

@@ -222,6 +222,7 @@ export class Lease extends EventTarget {
     this.value = grant.value;
     this.margin = margin;
     this.renewals = 0;
+    this.renewalFailures = 0;
     this.lostReason = null;
     this.#body = { token: grant.signed ?? grant.token, request_id: requestId, ttl: this.ttl };
     this.#validUntil = validUntil;
@@ -351,6 +352,7 @@ export class Lease extends EventTarget {
       this.#schedule((this.ttl * 1000) / 3);
       return;
     }
+    this.renewalFailures += 1;
     // A request cut off at the lease's end says nothing new: keep the failure before it.
     const cutOff = r.status === 0 && r.body.message === "timed out" && performance.now() >= this.#validUntil;
     if (!(cutOff && this.#lastFailure)) this.#lastFailure = describe(r);

@@ -10,7 +10,7 @@
 //                 skipped once the lease is lost: lease.token() throws then.
 //   write paused  take the token ("checked"), wait for "resume", then write with it: DDIA
 //                 Figure 8-5's pause between check and write, which only the guard catches.
-//   renewals      print how many renewals were confirmed.
+//   renewals      print how many renewals were confirmed, and how many attempts failed.
 //   release       give the lock back (idempotent).
 // The end of stdin releases and exits. It prints one line per thing it learns: "token N",
 // "write STATUS BODY", "write skipped: ...", "lost REASON", "released true|false|unknown".
@@ -65,7 +65,8 @@ public final class FencedHolder {
                     if (paused != null) put(http, storage, paused, data);
                     paused = null;
                 }
-                case "renewals" -> System.out.println("renewals " + lease.renewals());
+                case "renewals" -> System.out.println(
+                        "renewals " + lease.renewals() + " failed " + lease.renewalFailures());
                 case "release" -> System.out.println("released " + said(lease.release()));
                 default -> { }
             }

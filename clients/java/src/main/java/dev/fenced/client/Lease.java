@@ -43,6 +43,7 @@ public final class Lease implements AutoCloseable {
     private String lostReason;
     private String lastFailure;
     private int renewals;
+    private int renewalFailures;
     private ScheduledFuture<?> timer;
     private ScheduledFuture<?> watchdog;
     private Released released;
@@ -89,6 +90,11 @@ public final class Lease implements AutoCloseable {
     /** Renewals confirmed so far. */
     public synchronized int renewals() {
         return renewals;
+    }
+
+    /** Renewal attempts that failed (each retried while the lease's time lasts). */
+    public synchronized int renewalFailures() {
+        return renewalFailures;
     }
 
     /** Why it was lost (null while held or after a release). */
@@ -301,6 +307,7 @@ public final class Lease implements AutoCloseable {
                 schedule((long) (ttl * 1e9 / 3));
                 return;
             }
+            renewalFailures++;
             // A request cut off at the lease's end says nothing new: keep the failure before it.
             boolean cutOff = r.status == 0 && "timed out".equals(r.body.get("message"))
                     && System.nanoTime() - validUntil >= 0;
