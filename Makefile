@@ -23,10 +23,10 @@ demo: $(PY)
 	$(VENV)/bin/fenced demo
 
 # Debian packages for the real servers the tests start, strace for the fsync counts and
-# Chromium for the pictures' and the dashboard's rendering checks, Node and curl for the
-# non-Python clients of `fenced serve`, iproute2 for the partition harness's network
-# namespaces (only when root; otherwise they must already be
-# installed). PostgreSQL is looked for under /usr/lib/postgresql.
+# Chromium for the pictures' and the dashboard's rendering checks, Node, the JDK (javac: the
+# Java client is compiled by the tests) and curl for the non-Python clients of `fenced serve`,
+# iproute2 for the partition harness's network namespaces (only when root; otherwise they must
+# already be installed). PostgreSQL is looked for under /usr/lib/postgresql.
 servers:
 	@if [ "$$(id -u)" = 0 ]; then \
 	  missing=""; \
@@ -35,6 +35,7 @@ servers:
 	  [ -f /usr/share/java/zookeeper.jar ] || missing="$$missing zookeeper"; \
 	  ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || missing="$$missing postgresql"; \
 	  command -v java >/dev/null || missing="$$missing default-jre-headless"; \
+	  command -v javac >/dev/null || missing="$$missing default-jdk-headless"; \
 	  command -v strace >/dev/null || missing="$$missing strace"; \
 	  command -v chromium >/dev/null || missing="$$missing chromium"; \
 	  command -v node >/dev/null || missing="$$missing nodejs"; \

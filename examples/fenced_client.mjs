@@ -1,99 +1,40 @@
-// A fenced lock client in plain JavaScript (Node 18+: the built-in fetch, no npm package).
+// A fenced lock holder in JavaScript, on the fenced-client package (clients/js: Node 18+,
+// its built-in fetch, no dependencies).
 //
 //   node examples/fenced_client.mjs SERVER LOCK STORAGE_URL DATA [TTL]
 //
-// Takes LOCK from a `fenced serve` at SERVER, keeps it renewed, and on a line "write" on
-// stdin PUTs DATA to STORAGE_URL with the fencing token in the Fencing-Token header (a
-// storage service behind fenced's HTTP guard refuses a token lower than one it has seen).
-// A line "release" (or the end of stdin) releases the lock and exits. Everything it learns
-// is printed one line each: "token N", "write STATUS BODY", "lost ...", "released true|false".
-//
-// The rule to copy: the lease is held only while renewals are confirmed. Any renewal that
-// is not answered 200 in time (410, a 503, a refused or dropped connection, no answer) means
-// "lost": say so and never write again. Writes still carry the token, because a pause (GC,
-// SIGSTOP) can fall between the last check and the write; the resource's guard catches that
-// one. "write paused" shows it: it checks, prints "checked", waits for a line "resume", then
-// writes (Figure 8-5 of Kleppmann's DDIA, played by tests/test_server_clients.py).
+// Takes LOCK from a `fenced serve` at SERVER (the package renews it in the background) and
+// reads commands, one a line, on stdin:
+//   write         PUT DATA to STORAGE_URL with the token in the Fencing-Token header (a storage
+//                 service behind fenced's HTTP guard refuses a token lower than one it has
+//                 seen); skipped once the lease is lost: lease.token throws then.
+//   write paused  take the token ("checked"), wait for a line "resume", then write with it:
+//                 DDIA Figure 8-5's pause between check and write, which only the guard catches.
+//   renewals      print how many renewals were confirmed, and how many attempts failed.
+//   release       give the lock back (idempotent: say it twice, get the same answer).
+// The end of stdin releases and exits. Everything it learns is printed one line each:
+// "token N", "write STATUS BODY", "write skipped: ...", "lost REASON", "released true|false|unknown".
 
-const [server, lock, storage, data, ttlText] = process.argv.slice(2);
-const ttl = Number(ttlText ?? 10);
-const headers = { "content-type": "application/json" };
-if (process.env.FENCED_API_KEY) headers.authorization = `Bearer ${process.env.FENCED_API_KEY}`;
-// Actions follow a "/-/" segment, which no lock name can hold.
-const lockPath = `${server}/v1/locks/${lock.split("/").map(encodeURIComponent).join("/")}/-`;
+import { FencedClient, LeaseLostError } from "../clients/js/index.js";
 
-// One request; never throws: a transport failure is status 0 with its reason.
-async function call(verb, body, timeoutMs) {
-  try {
-    const r = await fetch(`${lockPath}/${verb}`, {
-      method: "POST",
-      headers,
-      body: JSON.stringify(body),
-      signal: AbortSignal.timeout(Math.max(1, Math.ceil(timeoutMs))),
-    });
-    const text = await r.text();
-    let json = {};
-    try { json = JSON.parse(text); } catch { json = { message: text.slice(0, 200) }; }
-    return { status: r.status, body: json };
-  } catch (err) {
-    return { status: 0, body: { message: `${err.name}: ${err.cause?.code ?? err.message}` } };
-  }
+const [server, lockName, storage, data, ttlText] = process.argv.slice(2);
+const client = new FencedClient(server);
+
+let lease;
+try {
+  lease = await client.lock(lockName, {
+    ttl: Number(ttlText ?? 10),
+    timeout: 30,
+    owner: `node pid ${process.pid}`,
+    onLost: (reason) => console.log(`lost ${reason}`),
+  });
+} catch (err) {
+  console.log(`error ${err.status} ${err.message}`);
+  process.exit(69);
 }
+console.log(`token ${lease.value}`);
 
-// A request id of our own makes a retried acquire idempotent: never two grants for one ask.
-const requestId = `js-${process.pid}-${Date.now()}`;
-let grant;
-const acquireUntil = performance.now() + 60_000;
-for (;;) {
-  const r = await call(
-    "acquire",
-    { ttl, timeout: 30, request_id: requestId, owner: `node pid ${process.pid}` },
-    40_000,
-  );
-  if (r.status === 200) { grant = r.body; break; }
-  // 409: not granted within the long poll; 0 or 503: the gateway is away. The same request
-  // id asks again (it cannot make a second grant); anything else is final.
-  const again = r.status === 409 || r.status === 0 || r.status === 503;
-  if (!again || performance.now() > acquireUntil) {
-    console.log(`error ${r.status} ${r.body.message}`);
-    process.exit(69);
-  }
-  if (r.status !== 409) await new Promise((ok) => setTimeout(ok, 500));
-}
-const token = grant.signed ?? grant.token;
-// Until when the lease surely lasts (the server's expires_in, counted from the answer: the
-// answer's own travel time is the slack), moved on by each confirmed renewal.
-let validUntil = performance.now() + grant.expires_in * 1000;
-console.log(`token ${grant.value}`);
-
-// Renew at a third of the ttl; a renewal must be answered before the lease it extends runs
-// out, or it counts as not confirmed. One at a time (a chain of timeouts, not an interval).
-let lost = false;
-let renewer;
-function loseIt(reason) {
-  if (lost) return;
-  lost = true;
-  clearTimeout(renewer);
-  console.log(`lost ${reason}`);
-}
-async function renew() {
-  const sent = performance.now();
-  const r = await call("renew", { token, request_id: requestId }, validUntil - sent);
-  if (lost) return;
-  if (r.status === 200) {
-    validUntil = sent + r.body.expires_in * 1000; // (from when it was sent: the safe side)
-    renewer = setTimeout(renew, (ttl * 1000) / 3);
-  }
-  else loseIt(`${r.status || "no answer"} ${r.body.message ?? ""}`.trim());
-}
-renewer = setTimeout(renew, (ttl * 1000) / 3);
-
-async function write() {
-  if (lost) { console.log("write skipped: the lease is lost"); return; }
-  await put();
-}
-
-async function put() {
+async function put(token) {
   try {
     const r = await fetch(storage, { method: "PUT", headers: { "fencing-token": token }, body: data });
     console.log(`write ${r.status} ${(await r.text()).replace(/\s+/g, " ").slice(0, 200)}`);
@@ -102,29 +43,55 @@ async function put() {
   }
 }
 
-let paused = null; // "write paused": the write waiting for "resume"
-async function release() {
-  clearTimeout(renewer);
-  const r = await call("release", { token, request_id: requestId }, 10_000);
-  console.log(r.status === 200 ? `released ${r.body.released}` : `released unknown ${r.status}`);
-  process.exit(0);
+function tokenOrSay() {
+  try {
+    return lease.token;
+  } catch (err) {
+    if (!(err instanceof LeaseLostError)) throw err;
+    console.log("write skipped: the lease is lost");
+    return null;
+  }
 }
+
+async function release() {
+  const released = await lease.release();
+  console.log(`released ${released ?? "unknown"}`);
+}
+
+let paused = null; // the token of "write paused", waiting for "resume"
+// Commands run one after another, in the order they came (a write's line is printed before
+// a later release's).
+let queue = Promise.resolve();
+const commands = {
+  write: async () => {
+    const token = tokenOrSay();
+    if (token !== null) await put(token);
+  },
+  "write paused": async () => {
+    paused = tokenOrSay();
+    if (paused !== null) console.log("checked");
+  },
+  resume: async () => {
+    if (paused === null) return;
+    const token = paused;
+    paused = null;
+    await put(token);
+  },
+  renewals: async () => console.log(`renewals ${lease.renewals} failed ${lease.renewalFailures}`),
+  release,
+};
 
 let buffered = "";
 process.stdin.setEncoding("utf8");
-process.stdin.on("data", async (chunk) => {
+process.stdin.on("data", (chunk) => {
   buffered += chunk;
   let i;
   while ((i = buffered.indexOf("\n")) >= 0) {
-    const line = buffered.slice(0, i).trim();
+    const run = commands[buffered.slice(0, i).trim()];
     buffered = buffered.slice(i + 1);
-    if (line === "write") await write();
-    if (line === "write paused") {
-      if (lost) console.log("write skipped: the lease is lost");
-      else { paused = put; console.log("checked"); }
-    }
-    if (line === "resume" && paused) { const go = paused; paused = null; await go(); }
-    if (line === "release") await release();
+    if (run) queue = queue.then(run);
   }
 });
-process.stdin.on("end", release);
+process.stdin.on("end", () => {
+  queue = queue.then(release).then(() => process.exit(0));
+});

@@ -1,6 +1,9 @@
 """Clients that are not Python, against a real ``fenced serve``: the curl lines of
-docs/server.md, and the Node client of examples/ writing through fenced's HTTP guard — up to
-DDIA Figure 8-5 with the holder (node, stopped with SIGSTOP) and the writer (curl) as separate
+docs/server.md, and the JavaScript (clients/js) and Java (clients/java) packages — their own
+contract tests (``node --test``; javac and java), and the same holder program in each language
+(examples/fenced_client.mjs, clients/java/examples/FencedHolder.java) writing through fenced's
+HTTP guard while the test kills its gateway (kill -9), restarts it, answers 503, and stops the
+holder (SIGSTOP) past its lease: DDIA Figure 8-5 with the holder and the writer as separate
 non-Python processes."""
 
 from __future__ import annotations
@@ -14,8 +17,10 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -95,25 +100,92 @@ def test_the_curl_lines_of_the_docs_work_as_they_say(server: FencedServer) -> No
     assert released == {"released": True}
 
 
-class Node:
-    """examples/fenced_client.mjs as a real process; its lines read one by one."""
+# -- the packages' own contract tests ------------------------------------------------------------
 
-    def __init__(self, server: str, lock: str, storage: str, data: str, ttl: float) -> None:
+JS = ROOT / "clients" / "js"
+JAVA = ROOT / "clients" / "java"
+LANGUAGES = ["node", "java"]
+
+
+@pytest.fixture(scope="session")
+def java_classes(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The Java package, its holder example and its contract test, compiled once by javac
+    (warnings are errors)."""
+    javac = _need("javac")
+    out = tmp_path_factory.mktemp("java-classes")
+    sources = [
+        *sorted((JAVA / "src" / "main" / "java").rglob("*.java")),
+        JAVA / "examples" / "FencedHolder.java",
+        JAVA / "test" / "ClientTest.java",
+    ]
+    r = subprocess.run(
+        [javac, "-Xlint:all", "-Werror", "-d", str(out), *map(str, sources)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    return out
+
+
+def _java(classes: Path) -> list[str]:
+    # Small heap, no JIT tiers beyond C1: these short-lived JVMs start faster on a busy machine.
+    return [_need("java"), "-Xshare:auto", "-XX:TieredStopAtLevel=1", "-cp", str(classes)]
+
+
+def test_the_javascript_package_passes_its_node_tests(server: FencedServer) -> None:
+    r = subprocess.run(
+        [_need("node"), "--test", str(JS / "test")],
+        env={**os.environ, "FENCED_TEST_URL": server.url},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert "# pass 5" in r.stdout and "# skipped 0" in r.stdout, r.stdout[-2000:]
+
+
+def test_the_java_package_passes_its_tests(server: FencedServer, java_classes: Path) -> None:
+    r = subprocess.run(
+        [*_java(java_classes), "ClientTest"],
+        env={**os.environ, "FENCED_TEST_URL": server.url},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout[-4000:] + r.stderr[-4000:]
+
+
+# -- one holder program per language, the same tests for each -----------------------------------
+
+
+class Holder:
+    """examples/fenced_client.mjs or clients/java/examples/FencedHolder.java as a real process
+    (the same commands and lines); its lines read one by one."""
+
+    def __init__(
+        self,
+        lang: str,
+        classes: Path | None,
+        server: str,
+        lock: str,
+        storage: str,
+        data: str,
+        ttl: float,
+    ) -> None:
+        if lang == "node":
+            program = [_need("node"), str(ROOT / "examples" / "fenced_client.mjs")]
+        else:
+            assert classes is not None
+            program = [*_java(classes), "FencedHolder"]
         self.proc = subprocess.Popen(
-            [
-                _need("node"),
-                str(ROOT / "examples" / "fenced_client.mjs"),
-                server,
-                lock,
-                storage,
-                data,
-                str(ttl),
-            ],
+            [*program, server, lock, storage, data, str(ttl)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
+        self.said: list[str] = []  # lines skipped by until()
 
     def line(self) -> str:
         assert self.proc.stdout is not None
@@ -121,13 +193,47 @@ class Node:
         if not got:
             self.proc.kill()
             assert self.proc.stderr is not None
-            raise AssertionError(f"node said nothing; stderr: {self.proc.stderr.read()}")
+            raise AssertionError(f"the holder said nothing; stderr: {self.proc.stderr.read()}")
         return got
+
+    def until(self, prefix: str) -> list[str]:
+        """Lines up to and including the first one starting with ``prefix``."""
+        lines = [self.line()]
+        while not lines[-1].startswith(prefix):
+            lines.append(self.line())
+        self.said += lines[:-1]
+        return lines
 
     def say(self, text: str) -> None:
         assert self.proc.stdin is not None
         self.proc.stdin.write(text + "\n")
         self.proc.stdin.flush()
+
+    def counts(self) -> tuple[int, int]:
+        """Renewals confirmed, renewal attempts failed."""
+        self.say("renewals")
+        words = self.until("renewals ")[-1].split()  # "renewals N failed M"
+        return int(words[1]), int(words[3])
+
+    def renewals(self) -> int:
+        return self.counts()[0]
+
+    def wait_for_a_failed_renewal(self, timeout: float = 20) -> None:
+        seen = self.counts()[1]
+        wait_for(lambda: self.counts()[1] > seen, timeout, "a failed renewal")
+
+    def wait_for_a_renewal(self, timeout: float = 20) -> None:
+        seen = self.renewals()
+        before = len(self.said)
+        try:
+            wait_for(lambda: self.renewals() > seen, timeout, "a confirmed renewal")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; the holder said {self.said[before:]}") from None
+
+    def end(self) -> int:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        return self.proc.wait(30)
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -135,30 +241,56 @@ class Node:
         self.proc.wait(10)
 
 
-def test_the_node_client_takes_a_lock_and_writes_through_the_http_guard(
-    server: FencedServer, storage: str
-) -> None:
-    node = Node(server.url, "files", f"{storage}/files/report", "from node", ttl=5)
-    try:
-        assert node.line() == "token 1"
-        node.say("write")
-        assert node.line().startswith("write 200 stored report with files:1")
-        node.say("release")
-        assert node.line() == "released true"
-    finally:
-        node.close()
-    assert httpx.get(f"{storage}/files/report", timeout=10).text == "from node"
+@pytest.fixture(params=LANGUAGES)
+def holder(request: pytest.FixtureRequest, server: FencedServer) -> Iterator[Callable[..., Holder]]:
+    """Starts holders of one language (node or java); kills what is left at the end."""
+    lang = request.param
+    classes = request.getfixturevalue("java_classes") if lang == "java" else None
+    made: list[Holder] = []
+
+    def start(url: str, lock: str, storage: str, data: str, ttl: float) -> Holder:
+        h = Holder(lang, classes, url, lock, storage, data, ttl)
+        made.append(h)
+        return h
+
+    yield start
+    for h in made:
+        h.close()
 
 
-def test_figure_8_5_with_a_node_holder_and_a_curl_writer(
-    server: FencedServer, storage: str
+def test_a_holder_takes_a_lock_writes_through_the_guard_and_releases_once(
+    server: FencedServer, storage: str, holder: Callable[..., Holder]
 ) -> None:
-    """Client 1 (node) gets token 1 and is stopped (a GC pause) past its lease; client 2
-    (curl) gets token 2 and writes; client 1 wakes and writes with token 1: refused (409),
-    nothing written; client 2's data stays."""
-    stale, data = _figure_8_5(server, storage)
+    h = holder(server.url, "files", f"{storage}/files/report", "from the holder", ttl=5)
+    assert h.line() == "token 1"
+    h.say("write")
+    assert h.line().startswith("write 200 stored report with files:1")
+    h.say("release")
+    assert h.line() == "released true"
+    h.say("release")  # idempotent: the same answer, nothing sent twice that could harm
+    assert h.line() == "released true"
+    h.say("write")
+    assert h.line() == "write skipped: the lease is lost"  # (released: no token handed out)
+    assert h.end() == 0
+    assert httpx.get(f"{storage}/files/report", timeout=10).text == "from the holder"
+    assert not httpx.get(f"{server.url}/v1/locks/files", timeout=10).json()["held"]
+
+
+def test_figure_8_5_a_holder_paused_past_its_ttl_sees_lost_and_its_late_write_is_refused(
+    server: FencedServer, storage: str, holder: Callable[..., Holder]
+) -> None:
+    """Client 1 (node or a JVM) gets token 1, checks its lease, and is stopped (SIGSTOP: a GC
+    pause) past its lease; client 2 (curl) gets token 2 and writes (accepted). Client 1
+    wakes: its own clock says lost before it could write (no token handed out), and the write
+    it had checked before the pause, made with token 1, is refused by the guard; client 2's
+    data stays."""
+    stale, lines, data = _figure_8_5(server, storage, holder)
     assert stale.startswith("write 409") and "has accepted files:2" in stale, stale
     assert data == "client 2's write"
+    # On waking it reports lost, and hands out no token: the new write is skipped.
+    assert any(line.startswith("lost ") for line in lines), lines
+    assert "write skipped: the lease is lost" in lines, lines
+    assert lines.index("write skipped: the lease is lost") < lines.index(stale)
 
 
 @pytest.mark.parametrize("storage", ["unguarded"], indirect=True)
@@ -167,20 +299,33 @@ def test_figure_8_5_catches_a_storage_service_without_the_guard(
 ) -> None:
     """Planted: the same service without fenced's guard. The paused writer's write lands
     over the current holder's: the test above would fail."""
-    stale, data = _figure_8_5(server, storage)
+    made: list[Holder] = []
+
+    def start(*args: object, **kwargs: object) -> Holder:
+        made.append(Holder("node", None, *args, **kwargs))  # type: ignore[arg-type]
+        return made[-1]
+
+    try:
+        stale, _, data = _figure_8_5(server, storage, start)
+    finally:
+        for h in made:
+            h.close()
     assert stale.startswith("write 200") and data == "stale write from client 1"
 
 
-def _figure_8_5(server: FencedServer, storage: str) -> tuple[str, str]:
-    """Returns client 1's write line after its pause, and what the storage holds at the end."""
+def _figure_8_5(
+    server: FencedServer, storage: str, holder: Callable[..., Holder]
+) -> tuple[str, list[str], str]:
+    """Returns client 1's late write line, its lines after waking, and what the storage
+    holds at the end."""
     curl = _need("curl")
     target = f"{storage}/files/ledger"
-    one = Node(server.url, "files", target, "stale write from client 1", ttl=1)
+    one = holder(server.url, "files", target, "stale write from client 1", ttl=1)
+    assert one.line() == "token 1"
+    one.say("write paused")  # its check passes; the pause falls before the write
+    assert one.line() == "checked"
+    os.kill(one.proc.pid, signal.SIGSTOP)  # paused: no renewals, no writes
     try:
-        assert one.line() == "token 1"
-        one.say("write paused")  # its check passes; the pause falls before the write
-        assert one.line() == "checked"
-        os.kill(one.proc.pid, signal.SIGSTOP)  # paused: no renewals, no writes
         r = subprocess.run(  # client 2 waits in line until client 1's lease has expired
             [
                 curl,
@@ -215,59 +360,107 @@ def _figure_8_5(server: FencedServer, storage: str) -> tuple[str, str]:
             timeout=60,
         )
         assert wrote.stdout.endswith(" 200"), wrote.stdout  # the current holder: accepted
-        os.kill(one.proc.pid, signal.SIGCONT)  # client 1 wakes up, believing it holds
-        one.say("resume")
-        line = one.line()
-        while not line.startswith("write"):  # ("lost ...": its renewal found the lease gone)
-            line = one.line()
     finally:
-        one.close()
-    return line, httpx.get(target, timeout=10).text
+        os.kill(one.proc.pid, signal.SIGCONT)  # client 1 wakes up
+    one.say("write")  # a new write asks for the token: refused by its own clock
+    one.say("resume")  # the write checked before the pause goes ahead with token 1
+    lines = one.until("write ")
+    if lines[-1].startswith("write skipped"):
+        lines += one.until("write ")
+    return lines[-1], lines, httpx.get(target, timeout=10).text
 
 
-# -- the node client when renewals cannot be confirmed -----------------------------------------
+# -- renewals that cannot be confirmed -----------------------------------------------------------
 
 
-def test_the_node_client_reports_lost_when_its_gateway_goes_away_and_stops_writing(
-    server: FencedServer, storage: str
+def test_a_holder_whose_gateway_is_killed_reports_lost_and_stops_writing(
+    server: FencedServer, storage: str, holder: Callable[..., Holder]
 ) -> None:
-    """Bug: a renewal that could not reach the server (a gateway restart) was an unhandled
-    rejection: node died with exit 1 ("fetch failed"). Now: "lost", no write after it."""
+    """A renewal that cannot reach the server (kill -9 of the gateway) is retried while the
+    lease's confirmed time lasts, then "lost": no crash (node once died of an unhandled
+    rejection, "fetch failed"), no write after it; release says it could not tell."""
     target = f"{storage}/files/gone"
-    node = Node(server.url, "files", target, "after the gateway left", ttl=1)
-    try:
-        assert node.line() == "token 1"
-        assert server.proc is not None
-        server.proc.kill()  # SIGKILL: its port refuses connections from now on
-        server.proc.wait(10)
-        lost = node.line()
-        assert lost.startswith("lost no answer"), lost  # (connection refused, or no answer)
-        node.say("write")
-        assert node.line() == "write skipped: the lease is lost"
-        assert node.proc.poll() is None, "node exited"
-        node.say("release")
-        assert node.line().startswith("released unknown")
-        assert node.proc.wait(10) == 0
-    finally:
-        node.close()
+    h = holder(server.url, "files", target, "after the gateway left", ttl=1)
+    assert h.line() == "token 1"
+    server.kill()  # SIGKILL: its port refuses connections from now on
+    lost = h.line()
+    assert lost.startswith("lost not confirmed within its ttl (last renewal: no answer"), lost
+    h.say("write")
+    assert h.line() == "write skipped: the lease is lost"
+    assert h.proc.poll() is None, "the holder exited"
+    h.say("release")
+    assert h.line() == "released unknown"
+    assert h.end() == 0
     assert httpx.get(target, timeout=10).status_code == 404  # nothing written
+
+
+def test_a_holder_keeps_its_lease_through_a_pause_past_keep_alive_and_a_gateway_restart(
+    server: FencedServer, storage: str, holder: Callable[..., Holder]
+) -> None:
+    """Within its ttl nothing is lost: the holder is stopped longer than the server keeps an
+    idle connection (uvicorn: 5 s), so its pooled connection is dead when it wakes, and then
+    its gateway is killed (kill -9) and started again on the same port. Each time a renewal
+    over a fresh connection is confirmed (retried while the lease lasts; the restarted gateway
+    resumes the grant from the source), and its write is accepted."""
+    target = f"{storage}/files/kept"
+    # (ttl 15: renewals every 5 s, confirmed for 13.5 s; a restart under load takes seconds)
+    h = holder(server.url, "files", target, "kept", ttl=15)
+    assert h.line() == "token 1"
+    # Stopped at once: the acquire's connection idles past keep-alive, and the first
+    # renewal (due after 5 s) is overdue when it wakes, 5.5 s into the lease.
+    os.kill(h.proc.pid, signal.SIGSTOP)
+    try:
+        time.sleep(5.5)  # the pause itself (what is tested, not a wait for something)
+    finally:
+        os.kill(h.proc.pid, signal.SIGCONT)
+    h.wait_for_a_renewal()
+    h.say("write")
+    assert h.line().startswith("write 200 stored kept with files:1")
+    # The gateway is down (kill -9) until a renewal has failed on it, then started again.
+    server.kill()
+    h.wait_for_a_failed_renewal()
+    server.start()
+    h.wait_for_a_renewal()
+    h.say("write")
+    assert h.line().startswith("write 200 stored kept with files:1")
+    assert h.proc.poll() is None
+    h.say("release")
+    assert h.line() == "released true"
 
 
 class _Front:
     """A real HTTP front (as a load balancer) passing requests to a fenced server, until
-    told to answer renewals with 503 (its upstream "unavailable")."""
+    told to answer renewals with 503 (its upstream "unavailable"); it can also answer the
+    first acquires with 503, and records the request ids acquires carried."""
 
-    def __init__(self, upstream: str) -> None:
+    def __init__(
+        self, upstream: str, refuse_acquires: int = 0, document: dict[str, Any] | None = None
+    ) -> None:
         import http.server
         import threading
 
         front = self
         self.refuse_renewals = False
+        self.refuse_acquires = refuse_acquires
+        self.acquire_ids: list[str] = []
+        # With an OpenAPI document: every request is checked against it (path, method, body).
+        self.document = document
+        self.asked: list[str] = []
+        self.violations: list[str] = []
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("content-length", 0)))
-                if front.refuse_renewals and self.path.endswith("/renew"):
+                if front.document is not None:
+                    front.asked.append(self.path)
+                    front.violations += _violations(front.document, "post", self.path, body)
+                unavailable = front.refuse_renewals and self.path.endswith("/renew")
+                if self.path.endswith("/acquire"):
+                    front.acquire_ids.append(json.loads(body)["request_id"])
+                    if front.refuse_acquires > 0:
+                        front.refuse_acquires -= 1
+                        unavailable = True
+                if unavailable:
                     status, payload = 503, b'{"error":"unavailable","message":"no upstream"}'
                 else:
                     r = httpx.post(upstream + self.path, content=body, timeout=60)
@@ -291,23 +484,91 @@ class _Front:
         self.httpd.server_close()
 
 
-def test_the_node_client_takes_a_503_renewal_as_lost(server: FencedServer, storage: str) -> None:
-    """Bug: every renewal answer but 410 was ignored: after a 503 the client went on
-    believing it held, and wrote. Now a 503 is "lost" and nothing is written after it; the
-    same client through the same front writes while its renewals are confirmed."""
+def _violations(document: dict[str, Any], method: str, path: str, body: bytes) -> list[str]:
+    """How a request departs from the OpenAPI document: a path it does not have, or a body
+    its schema refuses (JSON Schema 2020-12, as OpenAPI 3.1 says)."""
+    from jsonschema import Draft202012Validator
+
+    for template, operations in document["paths"].items():
+        pattern = re.sub(r"\\\{[^}]+\\\}", ".+?", re.escape(template))
+        if re.fullmatch(pattern, path) and method in operations:
+            break
+    else:
+        return [f"{method.upper()} {path}: not in the document"]
+    request = operations[method].get("requestBody")
+    if request is None:
+        return [] if not body else [f"{path}: a body where the document has none"]
+    schema = request["content"]["application/json"]["schema"]
+    validator = Draft202012Validator({**schema, "components": document["components"]})
+    try:
+        sent = json.loads(body)
+    except ValueError:
+        return [f"{path}: not JSON: {body[:100]!r}"]
+    return [f"{path}: {e.message}" for e in validator.iter_errors(sent)]
+
+
+def test_a_holder_speaks_the_api_as_the_openapi_document_says(
+    server: FencedServer, storage: str, holder: Callable[..., Holder]
+) -> None:
+    """Every request a holder makes (acquire, renewals, release) goes through a front that
+    checks it against the server's own /openapi.json: documented paths (the /-/ actions),
+    bodies the schemas accept (ranges, request id pattern, no unknown fields)."""
+    document = httpx.get(f"{server.url}/openapi.json", timeout=10).json()
+    front = _Front(server.url, document=document)
+    try:
+        # (ttl 3: a renewal through the front, a new upstream connection each, takes a few
+        # hundred ms on a busy machine; ttl 1 leaves it under 0.6 s)
+        h = holder(front.url, "files", f"{storage}/files/spoken", "x", ttl=3)
+        assert h.line() == "token 1"
+        h.wait_for_a_renewal()
+        h.say("release")
+        assert h.line() == "released true"
+    finally:
+        front.close()
+    assert front.violations == [], front.violations
+    actions = {p.rsplit("/", 1)[1] for p in front.asked}
+    assert actions == {"acquire", "renew", "release"}, front.asked
+    assert all(p.startswith("/v1/locks/files/-/") for p in front.asked), front.asked
+    # The checker itself refuses what the document does not allow (both sides of the guard).
+    assert _violations(document, "post", "/v1/locks/files/acquire", b"{}")
+    assert _violations(document, "post", "/v1/locks/files/-/acquire", b'{"ttl": 0}')
+    assert _violations(document, "post", "/v1/locks/files/-/renew", b'{"token": "files:1"}')
+
+
+def test_a_holder_takes_503_renewals_as_lost_once_its_time_is_up(
+    server: FencedServer, storage: str, holder: Callable[..., Holder]
+) -> None:
+    """Renewals answered 503 are retried while the lease's confirmed time lasts, then "lost";
+    nothing is written after it. Through the same front, with renewals confirmed, the
+    rightful write is made."""
     front = _Front(server.url)
     target = f"{storage}/files/front"
-    node = Node(front.url, "files", target, "through the front", ttl=1)
     try:
-        assert node.line() == "token 1"
-        node.say("write")  # renewals confirmed: the rightful write is made
-        assert node.line().startswith("write 200")
+        h = holder(front.url, "files", target, "through the front", ttl=2)  # (see above)
+        assert h.line() == "token 1"
+        h.say("write")
+        assert h.line().startswith("write 200")
         front.refuse_renewals = True
-        lost = node.line()
-        assert lost.startswith("lost 503"), lost
-        node.say("write")
-        assert node.line() == "write skipped: the lease is lost"
+        lost = h.line()
+        assert lost.startswith("lost not confirmed within its ttl (last renewal: 503"), lost
+        h.say("write")
+        assert h.line() == "write skipped: the lease is lost"
     finally:
-        node.close()
         front.close()
     assert httpx.get(target, timeout=10).text == "through the front"
+
+
+def test_a_holder_retries_an_acquire_answered_503_with_the_same_request_id(
+    server: FencedServer, storage: str, holder: Callable[..., Holder]
+) -> None:
+    """Two acquires answered 503, then one that passes: one grant (token 1), and every
+    attempt carried the same request id (idempotent: a retry never makes a second grant)."""
+    front = _Front(server.url, refuse_acquires=2)
+    try:
+        h = holder(front.url, "files", f"{storage}/files/retried", "x", ttl=5)
+        assert h.line() == "token 1"
+        assert len(front.acquire_ids) == 3 and len(set(front.acquire_ids)) == 1, front.acquire_ids
+        h.say("release")
+        assert h.line() == "released true"
+    finally:
+        front.close()

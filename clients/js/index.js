@@ -1,0 +1,367 @@
+// fenced-client: locks with fencing tokens from a `fenced serve`, for Node >= 18 (its built-in
+// fetch; no dependencies). See README.md and index.d.ts.
+//
+// The contract: `lease.token` is handed out only while the lease is confirmed valid by this
+// process's own monotonic clock (the last confirmed renewal, counted from when it was sent,
+// plus the ttl, minus a safety margin). After that it throws LeaseLostError, never the stale
+// token. Renewals run in the background; a failure that leaves the lease unconfirmed past its
+// time (no answer, a 5xx, a 410, a timeout) ends in "lost" (an event, a state, a promise that
+// resolves) and never in an unhandled rejection.
+
+const NAME = /^[A-Za-z0-9_][A-Za-z0-9_.:@+=-]*(\/[A-Za-z0-9_][A-Za-z0-9_.:@+=-]*)*$/;
+const REQUEST_ID = /^[A-Za-z0-9_][A-Za-z0-9_.:-]{0,63}$/;
+const MIN_TTL = 0.1;
+const MAX_TTL = 86_400;
+const MAX_TIMEOUT = 31_536_000;
+
+/** Every error this package throws. `status` is the HTTP status (0: no answer), `code` the
+ * server's error code (`timeout`, `lease_lost`, `forbidden`, ...). */
+export class FencedError extends Error {
+  constructor(message, { status = 0, code = "error" } = {}) {
+    super(message);
+    this.name = "FencedError";
+    this.status = status;
+    this.code = code;
+  }
+}
+
+/** The lock was not granted within the timeout (409 `timeout`). */
+export class LockTimeoutError extends FencedError {
+  constructor(message, opts) {
+    super(message, opts);
+    this.name = "LockTimeoutError";
+  }
+}
+
+/** The lease is not (or no longer) confirmed valid: its token must not be used. */
+export class LeaseLostError extends FencedError {
+  constructor(message, opts) {
+    super(message, opts);
+    this.name = "LeaseLostError";
+  }
+}
+
+function randomId() {
+  return `js-${globalThis.crypto.randomUUID().replaceAll("-", "")}`;
+}
+
+function checkNumber(what, value, min, max) {
+  if (typeof value !== "number" || !Number.isFinite(value) || value < min || value > max) {
+    throw new FencedError(`${what} must be a number from ${min} to ${max}, not ${value}`, {
+      code: "invalid_request",
+    });
+  }
+}
+
+function describe(r) {
+  if (r.status === 0) return `no answer: ${r.body.message}`;
+  return `${r.status} ${r.body.error ?? "error"}: ${r.body.message ?? ""}`.trim();
+}
+
+const sleep = (ms) => new Promise((ok) => setTimeout(ok, Math.max(0, ms)));
+
+export class FencedClient {
+  /**
+   * @param {string} url the server, e.g. "http://127.0.0.1:7400"
+   * @param {{apiKey?: string}} [options] apiKey: sent as a bearer token (default
+   *   $FENCED_API_KEY)
+   */
+  constructor(url, { apiKey = globalThis.process?.env?.FENCED_API_KEY } = {}) {
+    if (typeof url !== "string" || !/^https?:\/\/[^/]+/.test(url)) {
+      throw new FencedError(`not an http(s) URL of a fenced server: ${url}`, {
+        code: "invalid_request",
+      });
+    }
+    this.url = url.replace(/\/+$/, "");
+    this._headers = { "content-type": "application/json", accept: "application/json" };
+    // (kept out of every message and property listing: a secret)
+    if (apiKey) Object.defineProperty(this, "_auth", { value: `Bearer ${apiKey}` });
+  }
+
+  // One request; never throws: a transport failure or timeout is status 0 with its reason.
+  async _call(method, path, body, timeoutMs) {
+    const headers = { ...this._headers };
+    if (this._auth) headers.authorization = this._auth;
+    try {
+      const r = await fetch(`${this.url}${path}`, {
+        method,
+        headers,
+        body: body === undefined ? undefined : JSON.stringify(body),
+        signal: AbortSignal.timeout(Math.max(1, Math.ceil(timeoutMs))),
+      });
+      const text = await r.text();
+      let json;
+      try {
+        json = JSON.parse(text);
+      } catch {
+        json = { message: text.replace(/\s+/g, " ").slice(0, 200) };
+      }
+      return { status: r.status, body: json ?? {} };
+    } catch (err) {
+      const why = err?.name === "TimeoutError" ? "timed out" : err?.cause?.code ?? err?.message;
+      return { status: 0, body: { message: String(why) } };
+    }
+  }
+
+  _lockPath(name, action) {
+    if (typeof name !== "string" || !NAME.test(name)) {
+      throw new FencedError(`not a lock name: ${JSON.stringify(name)}`, {
+        code: "invalid_request",
+      });
+    }
+    return `/v1/locks/${name}${action ? `/-/${action}` : ""}`;
+  }
+
+  /**
+   * Take the lock `name`, waiting up to `timeout` seconds in line (FIFO), and keep it renewed
+   * in the background until `release()`. A connection error or a 503 is retried with the same
+   * request id (idempotent: never a second grant) until `timeout` or `retryFor`, whichever is
+   * longer, has passed.
+   * @returns {Promise<Lease>}
+   */
+  async lock(name, options = {}) {
+    const {
+      ttl = 10,
+      timeout = 0,
+      requestId = randomId(),
+      owner,
+      safetyMargin,
+      retryFor = 10,
+      onLost,
+    } = options;
+    const path = this._lockPath(name, "acquire");
+    checkNumber("ttl", ttl, MIN_TTL, MAX_TTL);
+    checkNumber("timeout", timeout, 0, MAX_TIMEOUT);
+    checkNumber("retryFor", retryFor, 0, MAX_TIMEOUT);
+    if (typeof requestId !== "string" || !REQUEST_ID.test(requestId)) {
+      throw new FencedError(`not a request id (1-64 of A-Z a-z 0-9 _ . : -): ${requestId}`, {
+        code: "invalid_request",
+      });
+    }
+    const margin = safetyMargin ?? Math.min(1, ttl / 10);
+    checkNumber("safetyMargin", margin, 0, ttl / 2);
+    const start = performance.now();
+    const waitUntil = start + timeout * 1000;
+    const retryUntil = start + Math.max(timeout, retryFor) * 1000;
+    let backoff = 100;
+    for (;;) {
+      const left = Math.max(0, (waitUntil - performance.now()) / 1000);
+      const body = { ttl, timeout: left, request_id: requestId };
+      if (owner !== undefined) body.owner = owner;
+      // The server answers a long poll within its max wait (60 s): a little more is allowed.
+      const r = await this._call("POST", path, body, (Math.min(left, 60) + 15) * 1000);
+      const received = performance.now();
+      if (r.status === 200) {
+        return new Lease(this, name, r.body, {
+          ttl,
+          requestId,
+          margin,
+          // Counted from the answer's arrival; its travel time is covered by the margin.
+          validUntil: received + (r.body.expires_in - margin) * 1000,
+          onLost,
+        });
+      }
+      const transient = r.status === 0 || r.status === 503;
+      if (r.status === 409 && r.body.error === "timeout" && received < waitUntil) continue;
+      if (transient && received < retryUntil) {
+        await sleep(Math.min(backoff, retryUntil - received));
+        backoff = Math.min(backoff * 2, 2000);
+        continue;
+      }
+      const Err = r.status === 409 && r.body.error === "timeout" ? LockTimeoutError : FencedError;
+      throw new Err(`could not take ${name}: ${describe(r)}`, {
+        status: r.status,
+        code: r.body.error ?? (r.status ? "error" : "unavailable"),
+      });
+    }
+  }
+
+  /** Take the lock, run `fn(lease)`, release (also when `fn` throws). */
+  async withLock(name, options, fn) {
+    const lease = await this.lock(name, options);
+    try {
+      return await fn(lease);
+    } finally {
+      await lease.release();
+    }
+  }
+
+  /** `POST /v1/check`: is this token the current grant of its lock? */
+  async check(token) {
+    const r = await this._call("POST", "/v1/check", { token }, 30_000);
+    if (r.status !== 200) throw new FencedError(`check failed: ${describe(r)}`, { status: r.status, code: r.body.error });
+    return r.body;
+  }
+
+  /** `GET /v1/locks/{name}`: who holds it, and the highest token granted. */
+  async status(name) {
+    const r = await this._call("GET", this._lockPath(name), undefined, 30_000);
+    if (r.status !== 200) throw new FencedError(`status failed: ${describe(r)}`, { status: r.status, code: r.body.error });
+    return r.body;
+  }
+}
+
+/** A granted lock. States: "held" -> "lost" | "released". Events: "lost" (detail: reason). */
+export class Lease extends EventTarget {
+  #client;
+  #body;
+  #validUntil;
+  #timer = null;
+  #watchdog = null;
+  #state = "held";
+  #releasing = null;
+  #lastFailure = null;
+  #resolveLost;
+
+  constructor(client, name, grant, { ttl, requestId, margin, validUntil, onLost }) {
+    super();
+    this.#client = client;
+    this.name = name;
+    this.requestId = requestId;
+    this.ttl = grant.ttl ?? ttl;
+    this.value = grant.value;
+    this.margin = margin;
+    this.renewals = 0;
+    this.renewalFailures = 0;
+    this.lostReason = null;
+    this.#body = { token: grant.signed ?? grant.token, request_id: requestId, ttl: this.ttl };
+    this.#validUntil = validUntil;
+    /** Resolves (never rejects) with the reason once the lease is lost; never if released. */
+    this.lost = new Promise((ok) => {
+      this.#resolveLost = ok;
+    });
+    if (onLost) {
+      this.addEventListener("lost", (e) => {
+        try {
+          onLost(e.detail);
+        } catch {
+          // A callback that throws would be an uncaught exception in Node's EventTarget.
+        }
+      });
+    }
+    this.#armWatchdog();
+    this.#schedule((this.ttl * 1000) / 3);
+  }
+
+  /** "held", "lost" or "released". A held lease whose time has run out is "lost". */
+  get state() {
+    if (this.#state === "held" && performance.now() >= this.#validUntil) {
+      this.#lose(this.#expiredReason());
+    }
+    return this.#state;
+  }
+
+  /** Milliseconds the lease is surely still valid for (0 once lost or released). */
+  get remaining() {
+    return this.state === "held" ? Math.max(0, this.#validUntil - performance.now()) : 0;
+  }
+
+  /** The fencing token to send with every write; throws LeaseLostError unless confirmed
+   * valid now. (A pause can still fall between this and the write: the resource's guard,
+   * comparing tokens, refuses that write.) */
+  get token() {
+    const state = this.state;
+    if (state !== "held") {
+      throw new LeaseLostError(`the lease on ${this.name} is ${state}: ${this.lostReason ?? state}`, {
+        code: state === "released" ? "released" : "lease_lost",
+      });
+    }
+    return this.#body.token;
+  }
+
+  /** Give the lock back. Idempotent: every call gets the first one's answer — true (released),
+   * false (it had already ended) or null (the server could not be reached: it ends at its
+   * ttl). Never rejects. */
+  release() {
+    if (this.#releasing) return this.#releasing;
+    const wasHeld = this.state === "held";
+    this.#stop();
+    this.#state = wasHeld ? "released" : this.#state;
+    // Retried only while the lease's confirmed time lasts: after it the source ends the
+    // lease by itself, and a lost lease gets one attempt.
+    const until = Math.min(this.#validUntil, performance.now() + 10_000);
+    this.#releasing = (async () => {
+      const path = this.#client._lockPath(this.name, "release");
+      for (;;) {
+        const r = await this.#client._call("POST", path, this.#body, Math.max(until - performance.now(), 2000));
+        if (r.status === 200) return r.body.released === true;
+        if (r.status === 410) return false;
+        // Sent again only if it surely did not arrive (refused connection) or was refused
+        // unprocessed (503); a release by request id is idempotent in any case.
+        const again = r.status === 503 || (r.status === 0 && /ECONNREFUSED/.test(r.body.message));
+        if (!again || performance.now() + 200 > until) return null;
+        await sleep(200);
+      }
+    })();
+    return this.#releasing;
+  }
+
+  #expiredReason() {
+    const last = this.#lastFailure ? ` (last renewal: ${this.#lastFailure})` : "";
+    return `not confirmed within its ttl${last}`;
+  }
+
+  #stop() {
+    clearTimeout(this.#timer);
+    clearTimeout(this.#watchdog);
+  }
+
+  #lose(reason) {
+    if (this.#state !== "held") return;
+    this.#state = "lost";
+    this.lostReason = reason;
+    this.#stop();
+    // A listener that throws must not stop us (nor become an unhandled error here).
+    try {
+      this.dispatchEvent(new CustomEvent("lost", { detail: reason }));
+    } catch {
+      /* ignored: the state is already "lost" */
+    }
+    this.#resolveLost(reason);
+  }
+
+  // Fires at the end of the confirmed time unless a renewal moved it on.
+  #armWatchdog() {
+    clearTimeout(this.#watchdog);
+    const left = this.#validUntil - performance.now();
+    this.#watchdog = setTimeout(() => void this.state, Math.max(0, left) + 1);
+  }
+
+  #schedule(ms) {
+    clearTimeout(this.#timer);
+    this.#timer = setTimeout(() => {
+      this.#renew().catch((err) => this.#lose(`renewal failed: ${err?.message ?? err}`));
+    }, ms);
+    // (Not unref'd: a held lease keeps the process alive, as an open socket does, until it is
+    // released or lost; `await lease.lost` must not find an empty event loop.)
+  }
+
+  async #renew() {
+    if (this.state !== "held") return;
+    const sent = performance.now();
+    const path = this.#client._lockPath(this.name, "renew");
+    // An answer that comes after the lease's confirmed end could not confirm it anyway.
+    const r = await this.#client._call("POST", path, this.#body, this.#validUntil - sent);
+    if (this.#state !== "held") return;
+    if (r.status === 200 && typeof r.body.expires_in === "number") {
+      // Counted from when it was sent: the safe side.
+      this.#validUntil = Math.max(this.#validUntil, sent + (r.body.expires_in - this.margin) * 1000);
+      this.renewals += 1;
+      this.#lastFailure = null;
+      this.#armWatchdog();
+      this.#schedule((this.ttl * 1000) / 3);
+      return;
+    }
+    this.renewalFailures += 1;
+    // A request cut off at the lease's end says nothing new: keep the failure before it.
+    const cutOff = r.status === 0 && r.body.message === "timed out" && performance.now() >= this.#validUntil;
+    if (!(cutOff && this.#lastFailure)) this.#lastFailure = describe(r);
+    // No answer, a timeout, 5xx, 408, 429: the lease may still be good; ask again while its
+    // confirmed time lasts. Anything else (410 lease_lost, 403, 400) is final.
+    const transient = r.status === 0 || r.status >= 500 || r.status === 408 || r.status === 429;
+    const left = this.#validUntil - performance.now();
+    if (!transient) this.#lose(this.#lastFailure);
+    else if (left <= 0) this.#lose(this.#expiredReason());
+    else this.#schedule(Math.min(Math.max(50, (this.ttl * 1000) / 20), 1000, left));
+  }
+}
