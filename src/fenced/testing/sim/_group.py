@@ -310,40 +310,50 @@ class GroupRun:
             w.record("final", "read", key=key, stamp=item.stamp if item else "", sent=sent)
 
     def check(self) -> list[Violation]:
-        trace = self.w.trace
-        acks = [e for e in trace if e["op"] == "ack"]
-        out = list(self.violations)
-        for read in (e for e in trace if e["op"] == "read"):
-            before = [a for a in acks if a["key"] == read["key"] and a["mono"] < read["sent"]]
-            if before:
-                last = max(before, key=lambda a: a["stamp"])
-                if last["stamp"] > read["stamp"]:
-                    got = read["stamp"] or "nothing"
-                    out.append(
-                        Violation(
-                            "lost-write",
-                            f"{read['worker']}'s read of {read['key']!r} returned {got}, older "
-                            f"than the write {last['worker']} had acknowledged before it "
-                            f"(stamp {last['stamp']})",
-                            (last, read),
-                        )
-                    )
-                    break
-        for a in acks:
-            newer = [b for b in acks if b["token"] > a["token"] and b["mono"] < a["sent"]]
-            if newer:
-                out.append(
-                    Violation(
-                        "stale-write",
-                        f"{a['worker']}'s write with token {a['token']} was acknowledged, sent "
-                        f"after {newer[0]['worker']}'s with token {newer[0]['token']} was",
-                        (newer[0], a),
-                    )
-                )
-                break
-        return out
+        return self.violations + check_history(self.w.trace)
 
     def close(self) -> None:
         for r in self.replicas.values():
             r.sql._drop()
             r.sql._shutdown()
+
+
+def check_history(trace: list[dict[str, Any]]) -> list[Violation]:
+    """The group's checkers on what the clients saw (the first violation of each)."""
+    acks = [e for e in trace if e["op"] == "ack"]
+    return _lost_write(trace, acks) + _stale_write(acks)
+
+
+def _lost_write(trace: list[dict[str, Any]], acks: list[dict[str, Any]]) -> list[Violation]:
+    for read in (e for e in trace if e["op"] == "read"):
+        before = [a for a in acks if a["key"] == read["key"] and a["mono"] < read["sent"]]
+        if not before:
+            continue
+        last = max(before, key=lambda a: a["stamp"])
+        if last["stamp"] > read["stamp"]:  # (stamps sort as their text; "" is nothing)
+            got = read["stamp"] or "nothing"
+            return [
+                Violation(
+                    "lost-write",
+                    f"{read['worker']}'s read of {read['key']!r} returned {got}, older than "
+                    f"the write {last['worker']} had acknowledged before it (stamp "
+                    f"{last['stamp']})",
+                    (last, read),
+                )
+            ]
+    return []
+
+
+def _stale_write(acks: list[dict[str, Any]]) -> list[Violation]:
+    for a in acks:
+        newer = [b for b in acks if b["token"] > a["token"] and b["mono"] < a["sent"]]
+        if newer:
+            return [
+                Violation(
+                    "stale-write",
+                    f"{a['worker']}'s write with token {a['token']} was acknowledged, sent "
+                    f"after {newer[0]['worker']}'s with token {newer[0]['token']} was",
+                    (newer[0], a),
+                )
+            ]
+    return []
