@@ -75,7 +75,7 @@ def test_the_replicated_bug_is_found_within_a_thousand_seeds_and_the_fix_holds()
     """Issue 25's bug planted back (a member restarted empty ignores ``since=``, so it is
     counted as holding the acknowledged writes): the simulator loses an acknowledged write
     within 1,000 seeds, from several starting seeds; the same seeds with the fix hold."""
-    for start in (0, 5000):
+    for start in (3000, 5000):  # (from 0: the test above)
         planted = Config(seed=0, system="group", plant="empty-member-counted")
         result = run_seeds(planted, start, 1000, jobs=1, stop_at_first=True)
         assert result.failed, f"survived seeds {start}..{start + result.seeds - 1}"

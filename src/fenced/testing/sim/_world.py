@@ -265,31 +265,47 @@ class _World:
         if client.dead:
             raise BackendUnavailable("sim: this client is dead")
         answer: asyncio.Future[Any] = self.loop.create_future()
+        # The client gives up RPC_TIMEOUT after sending. That timer is set only when the
+        # answer will not be back by then (lost, late or the server down), known when the
+        # message is sent or lands: most messages are answered, and a timer per message set
+        # and cancelled was a tenth of the simulator's time.
+        give_up = self.now() + RPC_TIMEOUT
+
+        def no_answer() -> None:
+            self.loop.call_at(give_up, _no_answer, answer, to)
 
         def deliver(reply: bool) -> None:
             if not self.is_up(to):
+                if reply:
+                    no_answer()
                 return  # lost with the server
             try:
                 result, error = apply(), None
             except FencedError as exc:
                 result, error = None, exc
-            if reply and not self._lost() and not client.dead:
-                self.loop.call_later(self._delay(), settle, result, error)
+            if not reply:
+                return
+            if not self._lost() and not client.dead:
+                delay = self._delay()
+                self.loop.call_later(delay, settle, result, error)
+                if self.now() + delay < give_up:
+                    return
+            no_answer()
 
         def settle(result: Any, error: BaseException | None) -> None:
             if not answer.done():
                 answer.set_exception(error) if error else answer.set_result(result)
 
         if not self._lost():
-            self.loop.call_later(self._delay(), deliver, True)
+            delay = self._delay()
+            self.loop.call_later(delay, deliver, True)
+            if delay >= RPC_TIMEOUT:
+                no_answer()
+        else:
+            no_answer()
         if "dup" in self.faults and self.rng.random() < 0.03:
             self.loop.call_later(self._delay() + self._delay(), deliver, False)
-        # (A timer on the answer itself: asyncio.wait_for would cost a wrapper per message.)
-        timer = self.loop.call_later(RPC_TIMEOUT, _no_answer, answer, to)
-        try:
-            return await answer
-        finally:
-            timer.cancel()
+        return await answer
 
 
 def _resolve(future: asyncio.Future[None]) -> None:
