@@ -62,9 +62,12 @@ class _Replica:
         reset: bool,
         since: int,
     ) -> None:
-        if self.run.w.cfg.plant == "empty-member-counted":
+        plant = self.run.w.cfg.plant
+        if plant == "empty-member-counted":
             since = 0  # (the planted bug: the member never says it is behind)
-        self.sql._guarded(lambda c: self.sql._apply(c, token, epoch, items, reset, since))
+        # (Planted: no lock fence, the change is applied whatever its token.)
+        fence = None if plant == "member-unfenced" else token
+        self.sql._guarded(lambda c: self.sql._apply(c, fence, epoch, items, reset, since))
         self.run.accepted(self, 0 if token is None else token.value, epoch)
 
     def read(self, keys: Sequence[str] | None) -> Snapshot:

@@ -66,8 +66,9 @@ SIM_PLANTS: dict[str, str] = {
     "clock-fast": "the source's clock runs 30 % fast: leases end before their holders think",
     "empty-member-counted": "(group) a member restarted empty is counted as holding the "
     "acknowledged writes: it ignores since=, the behaviour before MemberBehindError",
+    "member-unfenced": "(group) members apply changes without their guard's lock fence",
 }
-GROUP_PLANTS = frozenset({"empty-member-counted"})
+GROUP_PLANTS = frozenset({"empty-member-counted", "member-unfenced"})
 
 
 def plant_system(plant: str) -> str:
