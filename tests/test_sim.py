@@ -188,3 +188,21 @@ def test_the_cli_finds_the_planted_replicated_bug_and_its_replay_fails_again() -
         timeout=120,
     )
     assert wrong.returncode == 2 and "group plant" in wrong.stderr, wrong.stderr
+
+
+def test_a_client_that_raises_is_a_violation_not_a_lost_task(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A client raising what fenced never raises (here planted: a RuntimeError in a round) is
+    reported like any violation, in both systems, instead of ending its task silently."""
+    from fenced.testing.sim import _group, _world
+
+    def boom(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("planted")
+
+    monkeypatch.setattr(_world, "_round", boom)
+    monkeypatch.setattr(_group.GroupRun, "read", boom)
+    for system in ("lease", "group"):
+        outcome = simulate(Config(seed=3, system=system))
+        errors = [v for v in outcome.violations if v.checker == "error"]
+        assert errors and "RuntimeError: planted" in str(errors[0]), (system, outcome.violations)

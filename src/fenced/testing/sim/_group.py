@@ -38,7 +38,7 @@ from ...guards.sql import SQLGuard
 from ...replicated._group import RECORD_PREFIX, AsyncGroup, Configuration
 from ...replicated._members import Item, Snapshot, SQLMember, stamp
 from ..check._checkers import Violation
-from ._world import LOCK, SimBackend, _Client, _restart_source, _running, _World
+from ._world import LOCK, SimBackend, _Client, _restart_source, _running, _World, failures
 
 __all__ = ["GroupRun"]
 
@@ -286,14 +286,12 @@ class GroupRun:
             while not all(t.done() for t in self.tasks):  # (crashed clients' are replaced)
                 pending = [t for t in self.tasks if not t.done()]
                 await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for t in self.tasks:
-                    if t.done() and not t.cancelled() and t.exception() is not None:
-                        raise t.exception()  # type: ignore[misc]
         finally:
             for t in background:
                 t.cancel()
             for c in clients:
                 c.running.set()
+        self.violations += failures(self.tasks)
         # The faults end: every member up (with what it kept), messages arrive; a last reader.
         w.down.clear()
         w.source_up = True

@@ -149,6 +149,7 @@ class _World:
         self.source_rate = 1.30 if cfg.plant == "clock-fast" else 1 + self.rng.uniform(-0.02, 0.02)
         self.resource_up = True
         self.group: Any = None  # the group's run (system "group")
+        self.errors: list[Violation] = []  # clients that raised (see failures)
         self.down: set[str] = set()  # the group's members that are down now
         self.records: dict[str, Record] = {}  # the source's records (durable, as the counter)
         self.freed: asyncio.Future[None] = loop.create_future()  # resolved when it may be free
@@ -554,6 +555,17 @@ async def _main(w: _World) -> None:
         nemesis.cancel()
         for c in clients:
             c.running.set()
+    w.errors += failures(tasks)
+
+
+def failures(tasks: list[asyncio.Task[None]]) -> list[Violation]:
+    """A client that raised what fenced never raises (not a FencedError it handles): a bug,
+    reported with the seed like any violation rather than lost with its task."""
+    out = []
+    for t in tasks:
+        if t.done() and not t.cancelled() and (exc := t.exception()) is not None:
+            out.append(Violation("error", f"a client raised {type(exc).__name__}: {exc}"))
+    return out
 
 
 def simulate(cfg: Config) -> Outcome:
@@ -600,7 +612,7 @@ def simulate(cfg: Config) -> Outcome:
             return Outcome(cfg, stuck + group.check(), w.trace, loop.time())
         data, mark = w.resource.final()
         w.record("checker", "final", lock=LOCK, mark=mark, log=json.loads(data) if data else [])
-        violations = stuck + check_all(w.trace)
+        violations = stuck + w.errors + check_all(w.trace)
         return Outcome(cfg, violations, w.trace, loop.time())
     finally:
         for task in asyncio.all_tasks(loop):
