@@ -219,7 +219,9 @@ class GroupRun:
     def may_wipe(self, name: str) -> bool:
         """At most one member of the configuration without the data at a time."""
         cfg = self.configuration()
-        if cfg is None or name not in cfg.members:
+        if cfg is None:  # (unless the first one is being made: its members are raised first)
+            return all(r.read([]).epoch == 0 for r in self.replicas.values())
+        if name not in cfg.members:
             return True
         if len(cfg.members) < 2 or any(m in self.w.down for m in cfg.members):
             return False
