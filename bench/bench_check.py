@@ -6,20 +6,22 @@ seeds per second.
 
 Real-process campaigns: 3 workers, ttl 0.5 s, on the embedded SQLite source (source plants:
 the source the kit starts), seed 1, the faults that open each plant's window. Simulated: the
-first failing seed from 0 (3 clients x 6 rounds, every fault), its virtual time to the first
+first failing seed from 0 (3 clients x 4 rounds, every fault; the group plant in the
+group system), its virtual time to the first
 bad event, and the wall time to find it.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
 import time
 from pathlib import Path
 
 from fenced.testing.check import PLANTS, run_campaign
 from fenced.testing.check._plants import plant_role
-from fenced.testing.sim import SIM_PLANTS, Config, run_seeds, simulate
+from fenced.testing.sim import SIM_PLANTS, Config, plant_system, run_seeds, simulate
 
 NEMESIS = {
     "lease-overestimated": ["pause", "kill"],
@@ -47,11 +49,24 @@ def main() -> None:
     first, ops, _ = _campaign("", 20.0, ["pause", "stall", "kill"])
     print(f"clean campaign, 20 s, pause+stall+kill: {ops:.1f} writes/s, violations: {first}")
 
-    for jobs in (1, 2):
-        r = run_seeds(Config(seed=0), 0, 2000, jobs=jobs)
-        print(
-            f"simulator: {r.per_second:.0f} seeds/s on {jobs} process(es) (2000 seeds, {len(r.failed)} failed)"
-        )
+    for system, seeds in (("lease", 2000), ("group", 400)):
+        for jobs in (1, 2):
+            r = run_seeds(Config(seed=0, system=system), 0, seeds, jobs=jobs)
+            print(
+                f"simulator, {system}: {r.per_second:.0f} seeds/s on {jobs} process(es) "
+                f"({seeds} seeds, {len(r.failed)} failed)"
+            )
+    # The replicated bug planted back: seeds to find it from 20 starting seeds.
+    found = []
+    for start in range(0, 20_000, 1000):
+        cfg = Config(seed=0, system="group", plant="empty-member-counted")
+        r = run_seeds(cfg, start, 1000, jobs=1, stop_at_first=True)
+        found.append(r.failed[0] - start + 1 if r.failed else None)
+    hit = [n for n in found if n is not None]
+    print(
+        f"empty-member-counted, seeds to find it from 20 starts: min {min(hit)}, median "
+        f"{statistics.median(hit)}, max {max(hit)}, missed {found.count(None)}: {found}"
+    )
 
     print(
         f"\n{'plant':22} {'real: first violation':>22} {'sim: seeds':>11} {'sim: virtual s':>15} {'sim: wall ms':>13}"
@@ -66,7 +81,7 @@ def main() -> None:
             t = time.perf_counter()
             o = None
             for seed in range(400):
-                o = simulate(Config(seed=seed, plant=plant))
+                o = simulate(Config(seed=seed, plant=plant, system=plant_system(plant)))
                 if not o.ok:
                     break
             wall = (time.perf_counter() - t) * 1000

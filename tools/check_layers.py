@@ -53,7 +53,10 @@ _CLI = {
 
 # Private names of other libraries that a module uses, which the attribute rule would take for
 # a fenced package's (the rule knows only fenced's own definitions).
-_ASYNCIO_INTERNALS = {"fenced._portal": {"_run", "_ready", "_scheduled", "_selector"}}
+_ASYNCIO_INTERNALS = {
+    "fenced._portal": {"_run", "_ready", "_scheduled", "_selector"},
+    "fenced.testing.sim._loop": {"_run"},  # the virtual-time loop runs asyncio's handles
+}
 
 
 def package_of(module: str) -> str:

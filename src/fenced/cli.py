@@ -680,12 +680,13 @@ def _parser() -> argparse.ArgumentParser:
         "sim",
         help="simulate fencing deterministically over many seeds (virtual time)",
         description=(
-            "fenced's real lease core and SQL guard, a simulated token source, network and "
-            "resource on a virtual-time event loop: pauses, stalls, crashes, source and "
-            "resource restarts, lost, duplicated, delayed and reordered messages, clock "
-            "skew. Each seed is one run, the same seed the same run byte for byte; the "
-            "check kit's checkers judge it. A failing seed is shrunk and printed with the "
-            f"command that replays it. Exit 0 if every seed passed, {EXIT_VIOLATION} if one "
+            "fenced's real lease core and SQL guard (--system lease), or its real replicated "
+            "group on members behind real SQL guards (--system group), with a simulated token "
+            "source and network on a virtual-time event loop: pauses, stalls, crashes, source, "
+            "resource and member restarts, members wiped (back empty), lost, duplicated, "
+            "delayed and reordered messages, clock skew. Each seed is one run, the same seed "
+            "the same run byte for byte; checkers judge it. A failing seed is shrunk and "
+            f"printed with the command that replays it. Exit 0 if every seed passed, {EXIT_VIOLATION} if one "
             "failed."
         ),
     )
@@ -697,6 +698,12 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--faults", default="", help="comma-separated subset of the faults (all)")
     sim.add_argument("--plant", default="", metavar="FAULT", help="plant a fault, to see it caught")
     sim.add_argument("--replay", type=int, metavar="SEED", help="run one seed and print its trace")
+    sim.add_argument(
+        "--system",
+        choices=("lease", "group"),
+        help="what to simulate: lease (default) or group (fenced.replicated); a group plant "
+        "implies group",
+    )
 
     group = sub.add_parser(
         "group",
@@ -1324,7 +1331,7 @@ def _cmd_elect(args: argparse.Namespace) -> int:
 
 
 def _cmd_sim(args: argparse.Namespace) -> int:
-    from .testing.sim import FAULTS, SIM_PLANTS, Config, run_seeds, shrink, simulate
+    from .testing.sim import FAULTS, SIM_PLANTS, Config, plant_system, run_seeds, shrink, simulate
 
     faults = tuple(f for f in args.faults.split(",") if f) or FAULTS
     if set(faults) - set(FAULTS):
@@ -1333,7 +1340,12 @@ def _cmd_sim(args: argparse.Namespace) -> int:
         raise ConfigurationError(f"--plant: choose from {', '.join(SIM_PLANTS)}")
     if not 1 <= args.clients <= 16 or not 1 <= args.rounds <= 1000 or args.seeds < 1:
         raise ConfigurationError("--clients must be 1-16, --rounds 1-1000, --seeds at least 1")
-    template = Config(0, args.clients, args.rounds, plant=args.plant, faults=faults)
+    system = args.system or plant_system(args.plant)
+    if args.plant and plant_system(args.plant) != system:
+        raise ConfigurationError(
+            f"--plant {args.plant} is a {plant_system(args.plant)} plant, not a {system} one"
+        )
+    template = Config(0, args.clients, args.rounds, plant=args.plant, faults=faults, system=system)
     if args.replay is not None:
         outcome = simulate(dataclasses.replace(template, seed=args.replay))
         sys.stdout.write(outcome.trace_text())

@@ -27,10 +27,11 @@ from .._errors import MemberBehindError
 from .._portal import Portal
 from .._sync import Lease, Locks
 from .._token import FencingToken
-from ._group import AsyncGroup, AsyncWriter, Configuration, MemberStatus
+from ._group import RECORD_PREFIX, AsyncGroup, AsyncWriter, Configuration, MemberStatus
 from ._members import EtcdMember, Item, Member, RedisMember, Snapshot, SQLMember, stamp
 
 __all__ = [
+    "RECORD_PREFIX",
     "AsyncGroup",
     "AsyncWriter",
     "Configuration",

@@ -68,7 +68,7 @@ from .._lease import AsyncLease, AsyncLocks
 from .._token import FencingToken, validate_lock_name
 from ._members import Item, Member, Snapshot, as_member, stamp, stamp_token
 
-__all__ = ["AsyncGroup", "AsyncWriter", "Configuration", "MemberStatus"]
+__all__ = ["RECORD_PREFIX", "AsyncGroup", "AsyncWriter", "Configuration", "MemberStatus"]
 
 T = TypeVar("T")
 

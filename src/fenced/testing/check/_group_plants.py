@@ -9,8 +9,7 @@ import secrets
 from collections.abc import Callable
 from typing import Any
 
-from ...replicated._group import AsyncGroup, AsyncWriter, Configuration
-from ...replicated._members import Item
+from ...replicated import AsyncGroup, AsyncWriter, Configuration, Item
 
 __all__ = ["GROUP_PLANTS", "apply_plant", "plant_patches"]
 

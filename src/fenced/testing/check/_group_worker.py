@@ -21,8 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import fenced
-from fenced.replicated import Group, Item, Member, Snapshot
-from fenced.replicated._group import AsyncGroup
+from fenced.replicated import AsyncGroup, Group, Item, Member, Snapshot
 
 from ._group_plants import apply_plant
 

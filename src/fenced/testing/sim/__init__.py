@@ -1,6 +1,8 @@
-"""Deterministic simulation of fencing (``fenced sim``): fenced's real lease core and guard on
-a virtual-time event loop, a simulated token source, network and resource, every choice
-drawn from one seed — the same seed gives the same run, byte for byte. See docs/testing.md.
+"""Deterministic simulation of fencing (``fenced sim``): fenced's real lease core and guard
+(``system="lease"``), or its real replicated group on members behind real SQL guards
+(``system="group"``), on a virtual-time event loop, with a simulated token source and network,
+every choice drawn from one seed — the same seed gives the same run, byte for byte. See
+docs/testing.md.
 """
 
 from __future__ import annotations
@@ -8,18 +10,29 @@ from __future__ import annotations
 from ..._backend import register_backend
 from ._loop import Stuck, VirtualLoop
 from ._run import SeedsResult, run_seeds, shrink
-from ._world import FAULTS, SIM_PLANTS, Config, Outcome, SimBackend, simulate
+from ._world import (
+    FAULTS,
+    SIM_PLANTS,
+    SYSTEMS,
+    Config,
+    Outcome,
+    SimBackend,
+    plant_system,
+    simulate,
+)
 
 register_backend("sim", SimBackend)
 
 __all__ = [
     "FAULTS",
     "SIM_PLANTS",
+    "SYSTEMS",
     "Config",
     "Outcome",
     "SeedsResult",
     "Stuck",
     "VirtualLoop",
+    "plant_system",
     "run_seeds",
     "shrink",
     "simulate",

@@ -6,6 +6,7 @@ time, then by the order they were made)."""
 from __future__ import annotations
 
 import asyncio
+import heapq
 import selectors
 from collections.abc import Mapping
 from typing import Any
@@ -51,8 +52,15 @@ class _JumpingSelector(selectors.BaseSelector):
 
 
 class VirtualLoop(asyncio.SelectorEventLoop):
+    """asyncio's loop with its own timer queue and iteration (``_run_once``): the simulator
+    spends most of its time in the loop's machinery, and the stock one pays for real I/O, a
+    selector call per iteration and timers compared in Python. Timers run by time, then in
+    the order they were made; ready callbacks in FIFO order."""
+
     def __init__(self) -> None:
         self._now = 0.0
+        self._timers: list[tuple[float, int, asyncio.TimerHandle]] = []
+        self._made = 0
         super().__init__(selector=_JumpingSelector(self))
 
     def time(self) -> float:
@@ -60,3 +68,50 @@ class VirtualLoop(asyncio.SelectorEventLoop):
 
     def advance(self, seconds: float) -> None:
         self._now += max(seconds, 0.0)
+
+    def call_at(  # type: ignore[override]
+        self, when: float, callback: Any, *args: Any, context: Any = None
+    ) -> asyncio.TimerHandle:
+        if self._closed:  # type: ignore[attr-defined]
+            raise RuntimeError("Event loop is closed")
+        timer = asyncio.TimerHandle(when, callback, args, self, context)
+        self._made += 1
+        heapq.heappush(self._timers, (when, self._made, timer))
+        timer._scheduled = True  # type: ignore[attr-defined]
+        return timer
+
+    def call_later(  # type: ignore[override]
+        self, delay: float, callback: Any, *args: Any, context: Any = None
+    ) -> asyncio.TimerHandle:
+        return self.call_at(self._now + delay, callback, *args, context=context)
+
+    def call_soon(  # type: ignore[override]
+        self, callback: Any, *args: Any, context: Any = None
+    ) -> asyncio.Handle:
+        if self._closed:  # type: ignore[attr-defined]
+            raise RuntimeError("Event loop is closed")
+        handle = asyncio.Handle(callback, args, self, context)
+        self._ready.append(handle)  # type: ignore[attr-defined]
+        return handle
+
+    def _run_once(self) -> None:
+        timers, ready = self._timers, self._ready  # type: ignore[attr-defined]
+        if not ready and not self._stopping:  # type: ignore[attr-defined]
+            while timers and timers[0][2].cancelled():
+                heapq.heappop(timers)[2]._scheduled = False  # type: ignore[attr-defined]
+            if not timers:
+                raise Stuck("no task can run and no timer is set")
+            self._now = max(self._now, timers[0][0])  # nothing to do until then: jump
+        end = self._now + 1e-9  # (asyncio's: the monotonic clock's resolution)
+        while timers and timers[0][0] < end:
+            handle = heapq.heappop(timers)[2]
+            handle._scheduled = False  # type: ignore[attr-defined]
+            ready.append(handle)
+        for _ in range(len(ready)):
+            handle = ready.popleft()
+            if not handle._cancelled:
+                handle._run()
+
+    def close(self) -> None:
+        self._timers.clear()
+        super().close()

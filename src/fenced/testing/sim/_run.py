@@ -48,8 +48,10 @@ def run_seeds(
     processes (0: one per CPU)."""
     began = time.monotonic()
     jobs = jobs or len(os.sched_getaffinity(0))
+    # (One process: seed by seed, so that stop_at_first stops at the first failing seed.)
+    size = 1 if jobs == 1 else _CHUNK
     chunks = [
-        (template, s, min(_CHUNK, start + count - s)) for s in range(start, start + count, _CHUNK)
+        (template, s, min(size, start + count - s)) for s in range(start, start + count, size)
     ]
     failed: list[int] = []
     done = 0

@@ -25,13 +25,22 @@ from typing import Any, ClassVar
 from urllib.parse import SplitResult
 
 from ... import _clock
-from ..._backend import Backend, Characteristic, Grant, LockStatus, LostCallback, lock_timeout
+from ..._backend import (
+    Backend,
+    Characteristic,
+    Grant,
+    LockStatus,
+    LostCallback,
+    Record,
+    lock_timeout,
+)
 from ..._errors import (
     BackendUnavailable,
     ConfigurationError,
     FencedError,
     LeaseLostError,
     LockTimeout,
+    RecordConflict,
     StaleTokenError,
 )
 from ..._lease import AsyncLocks
@@ -45,7 +54,10 @@ __all__ = ["FAULTS", "SIM_PLANTS", "Config", "Outcome", "simulate"]
 
 LOCK = "counter"
 RPC_TIMEOUT = 0.5  # a client gives up on an answer after this long (the message may land later)
-FAULTS = ("pause", "stall", "crash", "source", "resource", "loss", "dup", "delay")
+FAULTS = ("pause", "stall", "crash", "source", "resource", "wipe", "loss", "dup", "delay")
+# What the simulator runs: fenced's lease core with one SQL-guarded resource ("lease"), or the
+# replicated group (fenced.replicated) on members behind real SQL guards ("group").
+SYSTEMS = ("lease", "group")
 # The check kit's plants the simulator can play, plus one of its own. (It has no signed
 # tokens and no forger, and its source's volatile counter is counter-not-fsynced.)
 NOT_SIMULATED = frozenset(
@@ -54,7 +66,16 @@ NOT_SIMULATED = frozenset(
 SIM_PLANTS: dict[str, str] = {
     **{k: v for k, v in PLANTS.items() if k not in NOT_SIMULATED},
     "clock-fast": "the source's clock runs 30 % fast: leases end before their holders think",
+    "empty-member-counted": "(group) a member restarted empty is counted as holding the "
+    "acknowledged writes: it ignores since=, the behaviour before MemberBehindError",
+    "member-unfenced": "(group) members apply changes without their guard's lock fence",
 }
+GROUP_PLANTS = frozenset({"empty-member-counted", "member-unfenced"})
+
+
+def plant_system(plant: str) -> str:
+    """The system a plant lives in (a group plant needs ``--system group``)."""
+    return "group" if plant in GROUP_PLANTS else "lease"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,13 +86,15 @@ class Config:
     ttl: float = 1.0
     plant: str = ""
     faults: tuple[str, ...] = FAULTS
+    system: str = "lease"
 
     def replay(self) -> str:
         faults = ",".join(self.faults)
         plant = f" --plant {self.plant}" if self.plant else ""
+        system = f" --system {self.system}" if self.system != "lease" else ""
         return (
             f"fenced sim --replay {self.seed} --clients {self.clients} --rounds {self.rounds} "
-            f"--faults {faults}{plant}"
+            f"--faults {faults}{plant}{system}"
         )
 
 
@@ -103,12 +126,12 @@ class Outcome:
         end = max(e["mono"] for e in named)
 
         def relevant(e: dict[str, Any]) -> bool:
-            if e["op"] == "final":
+            if e["op"] == "final" or e["worker"] == "source":  # (and the group's configurations)
                 return True
             if not start <= e["mono"] <= end:
                 return False
-            if e["op"] == "nemesis":  # a fault on one of them, or on the source or resource
-                return e["victim"] in who or e["victim"] in ("source", "resource")
+            if e["op"] == "nemesis":  # a fault on one of them, the source, resource or a member
+                return e["victim"] in who or not e["victim"].startswith("c")
             return e["worker"] in who
 
         return [e for e in self.trace if relevant(e)]
@@ -127,9 +150,14 @@ class _World:
         self.source_up = True
         self.source_rate = 1.30 if cfg.plant == "clock-fast" else 1 + self.rng.uniform(-0.02, 0.02)
         self.resource_up = True
+        self.group: Any = None  # the group's run (system "group")
+        self.errors: list[Violation] = []  # clients that raised (see failures)
+        self.down: set[str] = set()  # the group's members that are down now
+        self.records: dict[str, Record] = {}  # the source's records (durable, as the counter)
         self.freed: asyncio.Future[None] = loop.create_future()  # resolved when it may be free
-        self.resource = self._resource()
-        self.resource.reset()
+        if cfg.system == "lease":
+            self.resource = self._resource()
+            self.resource.reset()
 
     def _resource(self) -> Any:
         if self.cfg.plant in PLANTS and plant_role(self.cfg.plant) == "resource":
@@ -143,8 +171,10 @@ class _World:
     def now(self) -> float:
         return self.loop.time()
 
-    def record(self, worker: str, op: str, **fields: Any) -> None:
-        self.trace.append({"worker": worker, "op": op, "mono": round(self.now(), 9), **fields})
+    def record(self, worker: str, op: str, **fields: Any) -> dict[str, Any]:
+        event = {"worker": worker, "op": op, "mono": round(self.now(), 9), **fields}
+        self.trace.append(event)
+        return event
 
     # -- the source, as its server sees it (its own clock) ----------------------------------
 
@@ -184,6 +214,18 @@ class _World:
         self._wake_waiters()
         return True
 
+    def swap_record(self, name: str, version: int, value: str) -> Record:
+        current = self.records.get(name)
+        found = 0 if current is None else current.version
+        if found != version:
+            raise RecordConflict(name, version, found)
+        record = self.records[name] = Record(name, version + 1, value)
+        # (Not the value's random id, which only tells one change from another: the trace
+        # stays the same byte for byte.)
+        shown = {k: v for k, v in json.loads(value).items() if k != "id"}
+        self.record("source", "record", name=name, version=version + 1, value=shown)
+        return record
+
     def _wake_waiters(self) -> None:
         """Tell the clients waiting for the lock it may be free (a push message, delayed
         like any other; lost with the source if it is down)."""
@@ -213,6 +255,13 @@ class _World:
     def _lost(self) -> bool:
         return "loss" in self.faults and self.rng.random() < 0.03
 
+    def is_up(self, to: str) -> bool:
+        if to == "source":
+            return self.source_up
+        if to == "resource":
+            return self.resource_up
+        return to not in self.down  # a member of the group
+
     async def call(self, client: _Client, to: str, apply: Callable[[], Any]) -> Any:
         """Send ``apply`` to the source or the resource and wait for its answer (at most
         RPC_TIMEOUT: then BackendUnavailable, though the request may still land)."""
@@ -220,31 +269,47 @@ class _World:
         if client.dead:
             raise BackendUnavailable("sim: this client is dead")
         answer: asyncio.Future[Any] = self.loop.create_future()
+        # The client gives up RPC_TIMEOUT after sending. That timer is set only when the
+        # answer will not be back by then (lost, late or the server down), known when the
+        # message is sent or lands: most messages are answered, and a timer per message set
+        # and cancelled was a tenth of the simulator's time.
+        give_up = self.now() + RPC_TIMEOUT
+
+        def no_answer() -> None:
+            self.loop.call_at(give_up, _no_answer, answer, to)
 
         def deliver(reply: bool) -> None:
-            if not (self.source_up if to == "source" else self.resource_up):
+            if not self.is_up(to):
+                if reply:
+                    no_answer()
                 return  # lost with the server
             try:
                 result, error = apply(), None
             except FencedError as exc:
                 result, error = None, exc
-            if reply and not self._lost() and not client.dead:
-                self.loop.call_later(self._delay(), settle, result, error)
+            if not reply:
+                return
+            if not self._lost() and not client.dead:
+                delay = self._delay()
+                self.loop.call_later(delay, settle, result, error)
+                if self.now() + delay < give_up:
+                    return
+            no_answer()
 
         def settle(result: Any, error: BaseException | None) -> None:
             if not answer.done():
                 answer.set_exception(error) if error else answer.set_result(result)
 
         if not self._lost():
-            self.loop.call_later(self._delay(), deliver, True)
+            delay = self._delay()
+            self.loop.call_later(delay, deliver, True)
+            if delay >= RPC_TIMEOUT:
+                no_answer()
+        else:
+            no_answer()
         if "dup" in self.faults and self.rng.random() < 0.03:
             self.loop.call_later(self._delay() + self._delay(), deliver, False)
-        # (A timer on the answer itself: asyncio.wait_for would cost a wrapper per message.)
-        timer = self.loop.call_later(RPC_TIMEOUT, _no_answer, answer, to)
-        try:
-            return await answer
-        finally:
-            timer.cancel()
+        return await answer
 
 
 def _resolve(future: asyncio.Future[None]) -> None:
@@ -309,6 +374,18 @@ class SimBackend(Backend):
 
     async def status(self, name: str) -> LockStatus:
         raise NotImplementedError
+
+    async def read_record(self, name: str) -> Record | None:
+        w = self.world
+        found: Record | None = await w.call(self.client, "source", lambda: w.records.get(name))
+        return found
+
+    async def swap_record(self, name: str, version: int, value: str) -> Record:
+        w = self.world
+        done: Record = await w.call(
+            self.client, "source", lambda: w.swap_record(name, version, value)
+        )
+        return done
 
     async def lock_names(self) -> list[str]:
         return [LOCK]
@@ -482,6 +559,17 @@ async def _main(w: _World) -> None:
         nemesis.cancel()
         for c in clients:
             c.running.set()
+    w.errors += failures(tasks)
+
+
+def failures(tasks: list[asyncio.Task[None]]) -> list[Violation]:
+    """A client that raised what fenced never raises (not a FencedError it handles): a bug,
+    reported with the seed like any violation rather than lost with its task."""
+    out = []
+    for t in tasks:
+        if t.done() and not t.cancelled() and (exc := t.exception()) is not None:
+            out.append(Violation("error", f"a client raised {type(exc).__name__}: {exc}"))
+    return out
 
 
 def simulate(cfg: Config) -> Outcome:
@@ -494,24 +582,41 @@ def simulate(cfg: Config) -> Outcome:
         raise ConfigurationError(
             f"no plant {cfg.plant!r} in the simulator: {', '.join(SIM_PLANTS)}"
         )
+    if cfg.system not in SYSTEMS:
+        raise ConfigurationError(f"no system {cfg.system!r} in the simulator: {', '.join(SYSTEMS)}")
+    if cfg.plant and plant_system(cfg.plant) != cfg.system:
+        raise ConfigurationError(
+            f"the plant {cfg.plant!r} is in the {plant_system(cfg.plant)!r} system, not "
+            f"{cfg.system!r}"
+        )
     loop = VirtualLoop()
-    quiet = logging.getLogger("fenced")
-    was_disabled, quiet.disabled = quiet.disabled, True  # (a lost lease is routine here)
+    # (A lost lease, a change left unfinished and completed: routine here.)
+    quiet = [logging.getLogger(n) for n in ("fenced", "fenced.replicated")]
+    was_disabled = [q.disabled for q in quiet]
+    for q in quiet:
+        q.disabled = True
     real_now = _clock.now
     _clock.now = loop.time  # the lease core's clock is the simulation's
     w: _World | None = None
     try:
         w = _World(cfg, loop)
         stuck: list[Violation] = []
+        group = None
+        if cfg.system == "group":
+            from ._group import GroupRun  # (it builds on this module)
+
+            group = w.group = GroupRun(w)
         try:
-            loop.run_until_complete(_main(w))
+            loop.run_until_complete(_main(w) if group is None else group.main())
         except Stuck as exc:
             stuck.append(
                 Violation("stuck", f"the simulated system hung at {loop.time():.3f} s: {exc}")
             )
+        if group is not None:
+            return Outcome(cfg, stuck + group.check(), w.trace, loop.time())
         data, mark = w.resource.final()
         w.record("checker", "final", lock=LOCK, mark=mark, log=json.loads(data) if data else [])
-        violations = stuck + check_all(w.trace)
+        violations = stuck + w.errors + check_all(w.trace)
         return Outcome(cfg, violations, w.trace, loop.time())
     finally:
         for task in asyncio.all_tasks(loop):
@@ -520,8 +625,12 @@ def simulate(cfg: Config) -> Outcome:
             loop.run_until_complete(asyncio.sleep(0))
         loop.close()
         _clock.now = real_now
-        quiet.disabled = was_disabled
+        for q, was in zip(quiet, was_disabled, strict=True):
+            q.disabled = was
         if w is not None:
-            w.resource.close()
+            if w.group is not None:
+                w.group.close()
+            else:
+                w.resource.close()
             for key in [k for k in SimBackend._worlds if k.startswith(f"{id(w)}-")]:
                 del SimBackend._worlds[key]
