@@ -207,8 +207,8 @@ end
 
 # The uncontended case first, as straight-line code: a free lock with nobody queued is granted
 # exactly as grant() would, before the script makes the queue's functions (Lua builds a closure
-# per local function per run). Measured with SLOWLOG, call by call: about a tenth of the
-# server time of an uncontended acquire+release (docs/benchmarks.md).
+# per local function per run). Measured with SLOWLOG, call by call: 3-7 % of the server time
+# of an uncontended acquire+release (bench/bench_redis_scripts.py, docs/backend-redis.md).
 _FREE_FAST: Final = """
 if not redis.call('GET', KEYS[2]) and redis.call('ZCARD', KEYS[3]) == 0 then
   local ttl = ARGV[2]
