@@ -7,7 +7,7 @@ acknowledged write is fsynced) on loopback. The peer is redis-py's ``Lock`` with
 hands out a fencing token (one Lua script: grant + INCR), queues waiters FIFO, and wakes the
 next one on release (BLPOP on a per-waiter list) instead of polling.
 
-    .venv/bin/python bench/bench_redis.py [--quick]
+    .venv/bin/python bench/bench_redis.py [--quick] [--uncontended]
 
 Rows: uncontended acquire+release by one client (sync API and asyncio API; ops/s, p50, p99 of
 one acquire+release, alternating between the two sides in rounds); hand-off with 10 and 100
@@ -15,7 +15,9 @@ waiters on one lock, each with its own connection, in one asyncio loop (grants/s
 of the time from a holder starting its release to the next holder's grant); and the same
 clients looping without pause ("steady"). A second table shows the requests the clients sent
 per grant (from INFO commandstats), which is where polling shows, and how often a grant went
-back to the client that had just released.
+back to the client that had just released. Under the uncontended rows: the server's own time
+per acquire+release (INFO commandstats: the usec of EVALSHA and SET, taken around each round of
+each side, so the two sides interleave). ``--uncontended`` runs those rows only.
 """
 
 from __future__ import annotations
@@ -56,6 +58,19 @@ def server_commands(port: int, names: tuple[str, ...]) -> int:
     finally:
         client.close()
     return sum(int(stats[f"cmdstat_{n}"]["calls"]) for n in names if f"cmdstat_{n}" in stats)
+
+
+def server_usec(port: int) -> int:
+    """The server's total time (µs) in the commands the two sides send to acquire and release
+    (a script's time includes the commands it calls; BLPOP is not counted: it only waits)."""
+    client = redis.Redis(port=port)
+    try:
+        stats = client.info("commandstats")
+    finally:
+        client.close()
+    return sum(
+        int(stats[f"cmdstat_{n}"]["usec"]) for n in ("evalsha", "set") if f"cmdstat_{n}" in stats
+    )
 
 
 # -- the two lock clients behind one tiny interface ------------------------------------------
@@ -115,6 +130,17 @@ def merge(name: str, parts: list[Result]) -> Result:
     return res
 
 
+SERVER_US: dict[str, list[float]] = {}
+"""Per row name: the server µs per acquire+release of each round (INFO commandstats)."""
+
+
+def timed_round(key: str, port: int, run: Callable[[], Result]) -> Result:
+    before = server_usec(port)
+    res = run()
+    SERVER_US.setdefault(key, []).append((server_usec(port) - before) / max(res.ops, 1))
+    return res
+
+
 async def ameasure(name: str, op: Callable[[], Awaitable[object]], n: int) -> Result:
     res = Result(name)
     clock = time.perf_counter
@@ -145,10 +171,15 @@ async def uncontended(ours: FencedSide, peer: RedisPySide, n: int) -> tuple[Resu
             for _ in range(50):
                 await fn()
         parts: list[list[Result]] = [[], []]
+        names = (f"{ours.name} (async)", f"{peer.name} (async)")
         for _ in range(ROUNDS):
             for i, fn in enumerate(ops):
-                parts[i].append(await ameasure("", fn, n // ROUNDS))
-        return merge(f"{ours.name} (async)", parts[0]), merge(f"{peer.name} (async)", parts[1])
+                before = await asyncio.to_thread(server_usec, peer.port)
+                res = await ameasure("", fn, n // ROUNDS)
+                spent = await asyncio.to_thread(server_usec, peer.port) - before
+                SERVER_US.setdefault(names[i], []).append(spent / res.ops)
+                parts[i].append(res)
+        return merge(names[0], parts[0]), merge(names[1], parts[1])
     finally:
         await ours.close(conns[0])
         await peer.close(conns[1])
@@ -173,8 +204,14 @@ def uncontended_sync(url: str, port: int, n: int) -> tuple[Result, Result]:
         parts: list[list[Result]] = [[], []]
         for r in range(ROUNDS):
             warm = 50 if r == 0 else 0
-            parts[0].append(measure("", fenced_op, n=n // ROUNDS, warmup=warm))
-            parts[1].append(measure("", native_op, n=n // ROUNDS, warmup=warm))
+            for i, (key, op) in enumerate(
+                (("fenced redis:// (sync)", fenced_op), ("redis-py Lock (sync)", native_op))
+            ):
+                for _ in range(warm):
+                    op()
+                parts[i].append(
+                    timed_round(key, port, lambda op=op: measure("", op, n=n // ROUNDS, warmup=0))
+                )
     native.close()
     return merge("fenced redis:// (sync)", parts[0]), merge("redis-py Lock (sync)", parts[1])
 
@@ -304,11 +341,15 @@ async def rounds(
     return res, commands / max(res.ops, 1), 0.0, cpu / max(res.ops, 1)
 
 
-async def run_async(server: RedisServer, n: int, secs: float) -> list[tuple[Any, ...]]:
+async def run_async(
+    server: RedisServer, n: int, secs: float, contention: bool = True
+) -> list[tuple[Any, ...]]:
     ours, peer = FencedSide(server.url), RedisPySide(server.port)
     rows: list[tuple[Any, ...]] = []
     ours_u, peer_u = await uncontended(ours, peer, n)
     rows.append(("uncontended acquire+release", ours_u, peer_u, None, None))
+    if not contention:
+        return rows
     for waiters in (10, 100):
         ours_c, *ours_x = await rounds(ours, waiters, secs, server.port)
         peer_c, *peer_x = await rounds(peer, waiters, secs, server.port)
@@ -321,12 +362,29 @@ async def run_async(server: RedisServer, n: int, secs: float) -> list[tuple[Any,
     return rows
 
 
-def main(quick: bool) -> None:
+def print_server_time() -> None:
+    t = Table(
+        title="Server time per uncontended acquire+release (INFO commandstats: EVALSHA + SET "
+        "usec, per round; the sides alternate round by round)"
+    )
+    for col in ("who", "median", "rounds (min-max)"):
+        t.add_column(col, justify="left" if col == "who" else "right")
+    for who, per_round in SERVER_US.items():
+        ordered = sorted(per_round)
+        t.add_row(
+            who,
+            f"{ordered[len(ordered) // 2]:.1f} µs",
+            f"{ordered[0]:.1f}-{ordered[-1]:.1f} µs",
+        )
+    Console(width=160).print(t)
+
+
+def main(quick: bool, contention: bool = True) -> None:
     n = 300 if quick else 2000
     secs = 1.5 if quick else 4.0
     with RedisServer() as server:
         sync_ours, sync_peer = uncontended_sync(server.url, server.port, n)
-        rows = asyncio.run(run_async(server, n, secs))
+        rows = asyncio.run(run_async(server, n, secs, contention))
     all_rows = [("uncontended acquire+release", sync_ours, sync_peer)]
     all_rows += [(what, ours, peer) for what, ours, peer, _, _ in rows]
     table(
@@ -346,6 +404,9 @@ def main(quick: bool) -> None:
             "caller polls every 0.1 s (its default `sleep`, used as is); no token, no queue."
         ),
     )
+    print_server_time()
+    if not contention:
+        return
     t = Table(
         title="Per grant: requests the clients sent (fenced: EVALSHA, BLPOP; redis-py: SET, "
         "EVALSHA), client CPU (all clients run in this one process), share to the releaser"
@@ -368,4 +429,4 @@ def main(quick: bool) -> None:
 
 
 if __name__ == "__main__":
-    main("--quick" in sys.argv)
+    main("--quick" in sys.argv, contention="--uncontended" not in sys.argv)

@@ -362,6 +362,66 @@ async def test_cancelled_waiter_leaves_the_queue(redis_server: RedisServer) -> N
             assert lease.token > holder.token
 
 
+class FastPathIgnoresTheQueue(RedisBackend):
+    """Planted bug: the uncontended fast path grants a free lock without looking at the queue."""
+
+    acquire_lua: ClassVar[str] = ACQUIRE_LUA.replace(
+        "if not redis.call('GET', KEYS[2]) and redis.call('ZCARD', KEYS[3]) == 0 then",
+        "if not redis.call('GET', KEYS[2]) then",
+        1,
+    )
+
+
+async def queue_jump_violations(url: str, port: int) -> list[str]:
+    """The holder's key expired while a waiter is queued and not looking (between re-checks):
+    a newcomer's acquire must hand the lock to the waiter and be refused, although the lock
+    is free, which is the uncontended fast path's turf."""
+    prefix, name = _prefix(), unique_name()
+    base = f"{prefix}{{{name}}}"
+    keys = [f"{base}:{k}" for k in ("token", "holder", "queue", "hb", "seq", "ttls", "owners")]
+    raw = redis.Redis(port=port, decode_responses=True)
+    bad: list[str] = []
+    try:
+        script = raw.register_script(ACQUIRE_LUA)
+        hold = script(keys=keys, args=["A", 60_000, "wait", 60_000, f"{base}:wake:", ""])
+        queued = script(keys=keys, args=["B", 60_000, "wait", 60_000, f"{base}:wake:", "b"])
+        assert hold[0] == 1 and queued[0] == 0
+        raw.pexpire(keys[1], 1)  # A's lease runs out (server clock), nobody released
+        wait_for(lambda: not raw.exists(keys[1]), what="the holder's key to expire")
+        async with fenced.connect_async(url, key_prefix=prefix) as locks:
+            try:
+                await locks.lock(name, ttl=5, timeout=0).acquire()
+                bad.append("a newcomer was granted the lock ahead of the queued waiter")
+            except fenced.LockTimeout:
+                pass
+            status = await locks.status(name)
+            if status.holder != "B" or status.owner != "b":
+                bad.append(f"held by {status.holder!r} ({status.owner!r}), not the waiter")
+        # B's next look finds its grant (the next token) waiting on its list.
+        handed = raw.lrange(f"{base}:wake:B", 0, -1)
+        if handed != [f"{int(hold[1]) + 1}:60000"]:
+            bad.append(f"the waiter's wake list holds {handed}")
+    finally:
+        raw.close()
+    return bad
+
+
+async def test_a_newcomer_does_not_jump_a_queue_whose_holder_expired(
+    redis_server: RedisServer,
+) -> None:
+    assert await queue_jump_violations(redis_server.url, redis_server.port) == []
+
+
+async def test_queue_jump_check_catches_a_fast_path_that_ignores_the_queue(
+    redis_server: RedisServer, register_scheme: Callable[[str, str], None]
+) -> None:
+    assert FastPathIgnoresTheQueue.acquire_lua != ACQUIRE_LUA  # the bug is really planted
+    register_scheme("redisplanted", f"{__name__}:FastPathIgnoresTheQueue")
+    url = redis_server.url.replace("redis://", "redisplanted://", 1)
+    bad = await queue_jump_violations(url, redis_server.port)
+    assert "a newcomer was granted the lock ahead of the queued waiter" in bad, bad
+
+
 async def _waiters_are(locks: fenced.AsyncLocks, name: str, n: int) -> bool:
     return (await locks.status(name)).waiters == n
 

@@ -26,12 +26,14 @@ from fenced import (
     BackendUnavailable,
     ConfigurationError,
     CorruptMarkError,
+    FencedError,
     FencingToken,
     InvalidTokenError,
     StaleTokenError,
     WrongLockError,
 )
 from fenced.guards.etcd import (
+    RESERVED,
     Accepted,
     AsyncEtcdGuard,
     EtcdGuard,
@@ -103,6 +105,23 @@ class AsyncClientSideMarkGuard(AsyncEtcdGuard):
         request.success.extend(ops)
         resp = await self._txn(request)
         return Accepted(resp.header.revision, resp.responses)
+
+
+class AsyncAnyPrefixGuard(AsyncEtcdGuard):
+    """Planted bug (the old rule): any prefix is accepted, and only the guard's own prefix and
+    the default key spaces are reserved, so a guard can rewrite another prefix's marks."""
+
+    @staticmethod
+    def _check_prefix(prefix: object) -> None:
+        if not isinstance(prefix, str) or not prefix:
+            raise ConfigurationError(f"prefix must be a non-empty str, not {prefix!r}")
+
+    def _reserved_spaces(self) -> tuple[bytes, ...]:
+        return (self.prefix, *(p for p in RESERVED if p != self.prefix))
+
+
+class AnyPrefixGuard(EtcdGuard):
+    _async_class = AsyncAnyPrefixGuard
 
 
 class LtGuard(EtcdGuard):
@@ -419,7 +438,7 @@ def test_no_guard_touches_the_default_fence_keys_whatever_its_prefix(
     res, other = Resource(etcd_server.endpoint), Resource(etcd_server.endpoint)
     with (
         EtcdGuard(etcd_server.endpoint, res.name, LOCK) as owner,
-        EtcdGuard(etcd_server.endpoint, other.name, LOCK, prefix="custom/") as attacker,
+        EtcdGuard(etcd_server.endpoint, other.name, LOCK, prefix="fenced/custom/") as attacker,
     ):
         res.write(owner, 10, "ten")
         for attempt in (
@@ -438,6 +457,79 @@ def test_no_guard_touches_the_default_fence_keys_whatever_its_prefix(
         assert attacker.put(f"{other.name}/fenced/x", "ok", token=tok(20)) > 0  # not a prefix
         assert attacker.put(other.data, "ok", token=tok(20)) > 0
     assert res.history() == ["10:ten"]
+
+
+def foreign_prefix_violations(
+    guard_cls: type[EtcdGuard], endpoint: str, prefixes: tuple[str, str]
+) -> list[str]:
+    """Guard B (prefix ``prefixes[1]``) holds a mark; guard A (``prefixes[0]``) tries to put and
+    delete B's fence keys (one key, a range): each must be refused before anything is sent,
+    B's mark must stay, and A's ordinary writes must go through."""
+    res, other = Resource(endpoint), Resource(endpoint)
+    bad: list[str] = []
+    with (
+        guard_cls(endpoint, res.name, LOCK, prefix=prefixes[1]) as owner,
+        guard_cls(endpoint, other.name, LOCK, prefix=prefixes[0]) as attacker,
+    ):
+        res.write(owner, 10, "ten")
+        hw, lock = (f"{prefixes[1]}{k}/{res.name}" for k in ("hw", "lock"))
+        start = prefixes[1].encode()
+        for what, attempt in (
+            ("put hw", lambda: attacker.put(hw, encode_value(1), token=tok(20))),
+            ("put lock", lambda: attacker.put(lock, "other-lock", token=tok(20))),
+            ("delete hw", lambda: attacker.delete(hw, token=tok(20))),
+            ("delete lock", lambda: attacker.delete(lock, token=tok(20))),
+            (
+                "delete range",
+                lambda: attacker.write([_range_delete(start, start + b"\xff")], token=tok(20)),
+            ),
+        ):
+            try:
+                attempt()
+                bad.append(f"{what} of another prefix's fence key accepted")
+            except ConfigurationError:
+                pass
+    # A new process's view of B: its guard has seen nothing, so only the mark itself protects.
+    with guard_cls(endpoint, res.name, LOCK, prefix=prefixes[1]) as fresh:
+        try:
+            if fresh.high_water() != tok(10):
+                bad.append(f"the mark is now {fresh.high_water()}")
+        except CorruptMarkError as exc:
+            bad.append(f"the mark was damaged: {exc}")
+        with contextlib.suppress(StaleTokenError, CorruptMarkError, WrongLockError):
+            res.write(fresh, 3, "late")
+            bad.append("a stale token accepted after the mark was rewritten")
+        try:
+            res.write(fresh, 11, "eleven")  # the rightful holder goes on
+        except FencedError as exc:
+            bad.append(f"the rightful holder refused: {exc!r}")
+    with guard_cls(endpoint, other.name, LOCK, prefix=prefixes[0]) as attacker:
+        if attacker.put(other.data, "ok", token=tok(20)) <= 0:
+            bad.append("the other guard's own write failed")
+    if res.history() != ["10:ten", "11:eleven"]:
+        bad.append(f"history {res.history()}")
+    return bad
+
+
+def test_no_guard_touches_another_prefix_fence_keys(etcd_server: EtcdServer) -> None:
+    for prefixes in (
+        ("fenced/a/", "fenced/b/"),
+        ("fenced/", "fenced/b/"),
+        ("fenced/a/", "fenced/"),
+    ):
+        assert foreign_prefix_violations(EtcdGuard, etcd_server.endpoint, prefixes) == []
+
+
+def test_foreign_prefix_check_catches_any_prefix_guard(etcd_server: EtcdServer) -> None:
+    bad = foreign_prefix_violations(AnyPrefixGuard, etcd_server.endpoint, ("app-a/", "app-b/"))
+    assert "put hw of another prefix's fence key accepted" in bad, bad
+    assert "delete range of another prefix's fence key accepted" in bad, bad
+
+
+@pytest.mark.parametrize("prefix", ["custom/", "fenced", "/fenced/", "", "Fenced/", None])
+def test_prefix_outside_the_reserved_space_is_refused(etcd_server: EtcdServer, prefix: Any) -> None:
+    with pytest.raises(ConfigurationError, match="prefix must start with 'fenced/'"):
+        EtcdGuard(etcd_server.endpoint, unique_name("res"), LOCK, prefix=prefix)
 
 
 def test_fence_keys_gone_or_lower_after_being_seen_fail_closed(etcd_server: EtcdServer) -> None:

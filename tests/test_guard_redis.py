@@ -107,7 +107,9 @@ class CheckThenWriteGuard(RedisGuard):
             raise StaleTokenError(call.token, high, self.resource)
         self.between()
         unchecked = _plant(
-            call.script, PRELUDE, "redis.call('HSET', KEYS[1], 'lock', ARGV[1], 'hw', ARGV[2])\n"
+            call.script,
+            PRELUDE,
+            "redis.call('HSET', KEYS[1], 'lock', ARGV[1], 'hw', string.match(ARGV[2], '^%d+'))\n",
         )
         return self._client.eval(unchecked, len(call.keys), *call.keys, *call.args)
 
@@ -127,7 +129,28 @@ class ClientSideMarkGuard(RedisGuard):
         return self._client.eval(unchecked, len(call.keys), *call.keys, *call.args)
 
 
-PLANTED = [LtGuard, CheckThenWriteGuard, ClientSideMarkGuard]
+def _forgets(source: str) -> str:
+    return _plant(
+        _plant(source, "elseif seen ~= '0' then", "elseif false then"),
+        "if cmp(hw, seen) < 0 then",
+        "if false then",
+    )
+
+
+class ForgetfulGuard(RedisGuard):
+    """Planted bug: the script ignores the mark the guard saw, so a deleted or lowered mark
+    starts again from whatever it finds (the bug the seen-mark check fixes)."""
+
+    set_script = _forgets(SET_SCRIPT)
+    hset_script = _forgets(HSET_SCRIPT)
+    del_script = _forgets(DEL_SCRIPT)
+
+    @staticmethod
+    def eval_script(lua_body: str) -> str:
+        return _forgets(eval_script(lua_body))
+
+
+PLANTED = [LtGuard, CheckThenWriteGuard, ClientSideMarkGuard, ForgetfulGuard]
 
 # --- checkers ---------------------------------------------------------------------------------
 
@@ -481,6 +504,88 @@ def test_mark_missing_but_bound_fails_closed(client: redis.Redis, missing: str) 
     with pytest.raises(CorruptMarkError):
         guard.set(f"{{{name}}}:k", "eleven", token=tok(11))
     assert client.get(f"{{{name}}}:k") == b"ten"
+
+
+def reset_mark_violations(guard_cls: type[RedisGuard], client: redis.Redis) -> list[str]:
+    """The fence hash deleted (or lowered) after the guard saw it: every write must be refused
+    as CorruptMarkError, with nothing written; the untouched resource keeps taking writes."""
+    bad: list[str] = []
+    for reset in ("delete", "lower", "flushdb-like"):
+        res = Resource(client)
+        guard = guard_cls(client, res.name, LOCK)
+        res.write(guard, 10)
+        if reset == "lower":
+            client.hset(res.fence, "hw", "2")
+        elif reset == "delete":
+            client.delete(res.fence)
+        else:  # everything of the resource gone, as after FLUSHDB or a restore of an old dump
+            client.delete(res.fence, res.data, res.log)
+        before = res.snapshot()
+        for value in (3, 10, 11):
+            try:
+                res.write(guard, value)
+                bad.append(f"{reset}: token {value} accepted after the mark was reset")
+            except CorruptMarkError:
+                pass
+            except StaleTokenError:
+                bad.append(f"{reset}: token {value} refused as stale, not as a corrupt mark")
+        if res.snapshot() != before:
+            bad.append(f"{reset}: a refused write changed the resource")
+        try:
+            guard.high_water()
+            bad.append(f"{reset}: high_water() read a reset mark")
+        except CorruptMarkError:
+            pass
+    # The other side: an untouched resource, and a new guard on the damaged one (which has
+    # seen nothing: fenced cannot tell a fresh resource from one whose mark was deleted before
+    # any guard of this process saw it) take writes as before.
+    res = Resource(client)
+    guard = guard_cls(client, res.name, LOCK)
+    for value in (5, 5, 7):
+        res.write(guard, value)
+    if guard.high_water() != tok(7):
+        bad.append(f"the untouched mark reads {guard.high_water()}")
+    return bad + history_violations(res.accepted(), res.value())
+
+
+def test_reset_mark_fails_closed(client: redis.Redis) -> None:
+    assert reset_mark_violations(RedisGuard, client) == []
+
+
+def test_reset_mark_check_catches_forgetful_guard(client: redis.Redis) -> None:
+    bad = reset_mark_violations(ForgetfulGuard, client)
+    assert any("delete: token 3 accepted" in b for b in bad), bad
+    assert any("lower: token 3 accepted" in b for b in bad), bad
+
+
+async def test_async_reset_mark_fails_closed(redis_server: RedisServer) -> None:
+    client = redis.asyncio.Redis(port=redis_server.port)
+    try:
+        name = unique_name("res")
+        guard = AsyncRedisGuard(client, name, LOCK)
+        await guard.set(f"{{{name}}}:k", "ten", token=tok(10))
+        await client.delete(default_fence_key(name))
+        with pytest.raises(CorruptMarkError, match="missing, after this guard saw 10"):
+            await guard.set(f"{{{name}}}:k", "three", token=tok(3))
+        with pytest.raises(CorruptMarkError):
+            await guard.high_water()
+        assert await client.get(f"{{{name}}}:k") == b"ten"
+        assert await client.exists(default_fence_key(name)) == 0
+    finally:
+        await client.aclose()
+
+
+def test_stale_refusal_teaches_the_guard_the_mark(client: redis.Redis) -> None:
+    """A guard that only ever saw a refusal still notices the mark it was refused by vanish."""
+    name = unique_name("res")
+    RedisGuard(client, name, LOCK).set(f"{{{name}}}:k", "nine", token=tok(9))
+    late = RedisGuard(client, name, LOCK)
+    with pytest.raises(StaleTokenError):
+        late.set(f"{{{name}}}:k", "four", token=tok(4))
+    client.delete(default_fence_key(name))
+    with pytest.raises(CorruptMarkError, match="saw 9"):
+        late.set(f"{{{name}}}:k", "four", token=tok(4))
+    assert client.get(f"{{{name}}}:k") == b"nine"
 
 
 def test_no_write_touches_any_fence_key(client: redis.Redis) -> None:

@@ -42,12 +42,14 @@ fence keys missing, creates them with one create-if-absent transaction (``create
 *one* of its two fence keys was damaged (a deleted mark while the lock binding remains would
 otherwise restart the mark at 0): that is :class:`~fenced.CorruptMarkError` too.
 
-Every key under the guard's ``prefix`` (default ``fenced/``) is reserved: a guarded put or
-delete may not touch it, so no resource's write can rewrite another resource's mark. The keys
+Every guard's ``prefix`` (default ``fenced/``) must start with ``fenced/``, and no guarded put
+or delete (nor a delete range) may touch a key in ``fenced/`` or in the etcd lock source's
+``/fenced/``, whatever the guard's own prefix: so no guard can rewrite or delete any fence key
+(its own, another resource's, another prefix's) nor a holder's key. The keys
 ``<prefix>hw/<resource>`` and ``<prefix>lock/<resource>`` are distinct for distinct resources.
-Whatever its own prefix, no guard may touch fenced's default key spaces either (``fenced/``,
-the guards' default, and ``/fenced/``, the etcd lock source's): a guard with another prefix
-cannot delete the default marks or a holder's key. Both fence keys missing after this guard
+(Before, any prefix was accepted and only the default key spaces were reserved: a guard with
+prefix ``a/`` could rewrite the marks of a guard with prefix ``b/``. A prefix outside
+``fenced/`` is now a ConfigurationError; move such marks by copying both keys.) Both fence keys missing after this guard
 saw the mark is :class:`~fenced.CorruptMarkError` too (binding them again would restart the
 mark at 0).
 
@@ -248,9 +250,13 @@ class Accepted:
     replies: Sequence[rpc.ResponseOp]
 
 
-RESERVED: Final = (b"fenced/", b"/fenced/")
-"""Key spaces no guarded write may touch, whatever the guard's prefix: the guards' default
-prefix and the etcd lock source's default (``/fenced/locks/``)."""
+GUARD_NAMESPACE: Final = "fenced/"
+"""Every guard's ``prefix`` starts with it, so every fence key lies in it."""
+
+RESERVED: Final = (GUARD_NAMESPACE.encode(), b"/fenced/")
+"""Key spaces no guarded write may touch, whatever the guard's prefix: the one every guard's
+fence keys live in (``prefix`` must start with ``fenced/``), and the etcd lock source's default
+(``/fenced/locks/``)."""
 
 
 def _wrong_lock(stored: bytes, token: FencingToken, resource: str) -> WrongLockError:
@@ -353,7 +359,7 @@ class AsyncEtcdGuard:
     ``lock``: the lock whose tokens are accepted; any other lock's token raises
     :class:`~fenced.WrongLockError` before anything is sent. With None, the resource is bound
     to the lock of the first token it accepts and refuses other locks' tokens itself.
-    ``prefix``: where the fence keys live; ``timeout``: seconds per request (a timed-out
+    ``prefix``: where the fence keys live, in ``fenced/`` (e.g. ``fenced/billing/``); ``timeout``: seconds per request (a timed-out
     write raises :class:`~fenced.BackendUnavailable` and may or may not have happened).
     """
 
@@ -408,8 +414,7 @@ class AsyncEtcdGuard:
         self.verifier = verify  # checks each token before the mark (see fenced._signing)
         if not isinstance(resource, str) or not resource:
             raise ConfigurationError(f"resource must be a non-empty str, not {resource!r}")
-        if not isinstance(prefix, str) or not prefix:
-            raise ConfigurationError(f"prefix must be a non-empty str, not {prefix!r}")
+        self._check_prefix(prefix)
         self._client = client
         self.resource = resource
         self.lock = None if lock is None else validate_lock_name(lock)
@@ -418,8 +423,21 @@ class AsyncEtcdGuard:
         self.timeout = timeout
         self._mark: int | None = None  # the mark this guard saw last (a hint, never trusted)
         self._highest = 0  # the highest mark seen: once seen, the fence keys may not vanish
-        self._reserved = (self.prefix, *(p for p in RESERVED if p != self.prefix))
+        self._reserved = self._reserved_spaces()
         self._template: tuple[FencingToken, int, rpc.TxnRequest] | None = None
+
+    @staticmethod
+    def _check_prefix(prefix: object) -> None:
+        if not isinstance(prefix, str) or not prefix.startswith(GUARD_NAMESPACE):
+            raise ConfigurationError(
+                f"prefix must start with {GUARD_NAMESPACE!r} (fenced's reserved key space, which "
+                f"no guard may write: a fence key anywhere else could be rewritten by a guard "
+                f"with another prefix), not {prefix!r}"
+            )
+
+    def _reserved_spaces(self) -> tuple[bytes, ...]:
+        """The key spaces this guard refuses to write (its own prefix lies in the first)."""
+        return RESERVED
 
     def _token(self, token: FencingToken | str | bytes) -> FencingToken:
         return FencingToken.coerce(token, self.lock, self.verifier)

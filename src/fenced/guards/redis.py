@@ -16,6 +16,12 @@ this resource accepts). It has no TTL (every guarded script PERSISTs it), and it
 inside the same script as the data, so it is exactly as durable as the data: with AOF, both are
 in one MULTI/EXEC block of the log, fsynced together.
 
+The guard remembers the highest mark it has seen (from its own accepted writes, stale
+refusals and :meth:`~RedisGuard.high_water`) and sends it with every write: a fence hash that is
+missing, or holds a lower mark, after that (``DEL``, ``FLUSHDB``, a restored backup) would
+restart the mark and let a stale token in, so the script refuses the write instead
+(:class:`~fenced.CorruptMarkError`, nothing written) until an operator restores the mark.
+
 Redis runs a script to completion before any other command, so "compare with the mark, advance
 the mark, write" cannot interleave with another writer: that is the whole atomicity argument.
 A rejected script returns before its first write, so a stale writer changes nothing.
@@ -71,16 +77,26 @@ Key = bytes | str
 # --- Lua -------------------------------------------------------------------------------------
 
 PRELUDE: Final = """\
--- fenced guard prelude. KEYS[1] = fence hash, ARGV[1] = lock name, ARGV[2] = token value
--- (canonical decimal, 1 .. 2^63-1). Lua numbers are doubles, exact only below 2^53, so token
--- values are compared as digit strings: by length, then in two halves that are each exact.
-local fence, lock, tok = KEYS[1], ARGV[1], ARGV[2]
+-- fenced guard prelude. KEYS[1] = fence hash, ARGV[1] = lock name, ARGV[2] = "<token> <seen>":
+-- the token value (canonical decimal, 1 .. 2^63-1) and the highest mark this guard has seen
+-- (0: none yet). Lua numbers are doubles, exact only below 2^53, so values are compared as
+-- digit strings: by length, then in two halves that are each exact.
+local fence, lock = KEYS[1], ARGV[1]
+local tok, seen = string.match(ARGV[2], '^(%d+) (%d+)$')
 local state = redis.call('HMGET', fence, 'lock', 'hw')
 -- A mark without its lock binding, or a binding without its mark, was damaged: fail closed.
 if not state[1] ~= not state[2] then
   return redis.error_reply('FENCEDGUARD corrupt ' .. (state[1] and 'no hw field' or 'no lock field'))
 end
 if state[1] and state[1] ~= lock then return redis.error_reply('FENCEDGUARD lock ' .. state[1]) end
+local function cmp(a, b)  -- 1: a > b, 0: equal, -1: a < b
+  if #a ~= #b then return (#a > #b) and 1 or -1 end
+  local ah, bh = tonumber(string.sub(a, 1, -10)) or 0, tonumber(string.sub(b, 1, -10)) or 0
+  local al, bl = tonumber(string.sub(a, -9)), tonumber(string.sub(b, -9))
+  if ah ~= bh then return (ah > bh) and 1 or -1 end
+  if al ~= bl then return (al > bl) and 1 or -1 end
+  return 0
+end
 local hw = state[2]
 local c = 1  -- token vs mark: 1 higher (or no mark yet), 0 equal, -1 lower
 if hw then
@@ -88,15 +104,15 @@ if hw then
      or (#hw == 19 and hw > '9223372036854775807') then
     return redis.error_reply('FENCEDGUARD corrupt hw=' .. string.sub(hw, 1, 40))
   end
-  if #tok ~= #hw then
-    c = (#tok > #hw) and 1 or -1
-  else
-    local th, hh = tonumber(string.sub(tok, 1, -10)) or 0, tonumber(string.sub(hw, 1, -10)) or 0
-    local tl, hl = tonumber(string.sub(tok, -9)), tonumber(string.sub(hw, -9))
-    if th ~= hh then c = (th > hh) and 1 or -1
-    elseif tl ~= hl then c = (tl > hl) and 1 or -1
-    else c = 0 end
+  -- Marks only grow: one below what this guard saw was reset (restored, rewritten).
+  if cmp(hw, seen) < 0 then
+    return redis.error_reply('FENCEDGUARD corrupt hw=' .. hw .. ' below ' .. seen .. ', seen before')
   end
+  c = cmp(tok, hw)
+elseif seen ~= '0' then
+  -- The fence hash was deleted (DEL, FLUSHDB, a restore) after this guard saw a mark:
+  -- creating it again would restart the mark at 0 and let stale tokens in.
+  return redis.error_reply('FENCEDGUARD corrupt mark missing, after this guard saw ' .. seen)
 end
 if c < 0 then return redis.error_reply('FENCEDGUARD stale ' .. hw) end
 if not state[1] then redis.call('HSET', fence, 'lock', lock, 'hw', (c > 0) and tok or hw)
@@ -173,6 +189,8 @@ COMMANDS: Final = frozenset(
 argument, so the guard can check that key (never one of fenced's) and its slot."""
 
 _MAX_ARGS: Final = 7000  # unpack() is bounded by Lua's C stack (~8000 values)
+
+_PRELUDE_START: Final = PRELUDE.partition("\n")[0]
 
 SET_SCRIPT: Final = PRELUDE + _SET_BODY
 HSET_SCRIPT: Final = PRELUDE + _HSET_BODY
@@ -279,6 +297,8 @@ class GuardedCall:
     keys: list[Key]
     args: list[Value]
     token: FencingToken
+    advances: bool = True
+    """The script starts with the prelude: when it returns, the mark is at least the token."""
 
 
 def _text(value: object) -> str:
@@ -411,6 +431,34 @@ class _GuardBase:
             for src in (self.set_script, self.hset_script, self.del_script)
         }
         self._scripts: collections.OrderedDict[str, Any] = collections.OrderedDict()
+        # The highest mark this guard has seen, sent with every write: a mark that is missing
+        # or lower afterwards was reset outside fenced, and refuses every write (fail closed).
+        # (Racing threads may keep a lower value than the highest: less is checked, never more.)
+        self._seen = 0
+
+    def _saw(self, value: int) -> None:
+        if value > self._seen:
+            self._seen = value
+
+    def _outcome(self, call: GuardedCall, error: FencedError | None = None) -> None:
+        """Remember what a call showed of the mark: a stale refusal names it; a script that
+        started with the prelude and returned has raised it to at least the token."""
+        if isinstance(error, StaleTokenError):
+            if error.high_water is not None:
+                self._saw(error.high_water.value)
+        elif error is None and call.advances:
+            self._saw(call.token.value)
+
+    def _seen_mark(self, found: FencingToken | None) -> FencingToken | None:
+        """The mark :meth:`high_water` read, checked against the highest this guard saw."""
+        if (found.value if found is not None else 0) < self._seen:
+            what = "missing" if found is None else f"at {found.value}"
+            raise CorruptMarkError(
+                self.resource, f"mark {what}, after this guard saw {self._seen} (reset?)"
+            )
+        if found is not None:
+            self._saw(found.value)
+        return found
 
     def _key(self, key: object) -> Key:
         if not isinstance(key, (str, bytes)) or not key:
@@ -448,7 +496,13 @@ class _GuardBase:
         args: Iterable[Value],
     ) -> GuardedCall:
         tok = FencingToken.coerce(token, self.lock, self.verifier)
-        return GuardedCall(script, [self.fence_key, *keys], [tok.lock, str(tok.value), *args], tok)
+        return GuardedCall(
+            script,
+            [self.fence_key, *keys],
+            [tok.lock, f"{tok.value} {self._seen}", *args],
+            tok,
+            script.startswith(_PRELUDE_START),
+        )
 
     def _set_call(
         self, key: Key, value: Value, token: FencingToken | str | bytes, px: int | None
@@ -537,9 +591,13 @@ class RedisGuard(_GuardBase):
     def _run(self, call: GuardedCall) -> Any:
         script: Script = self._script(call.script)
         try:
-            return script(keys=call.keys, args=call.args)
+            reply = script(keys=call.keys, args=call.args)
         except _NATIVE_ERRORS as exc:
-            raise map_error(exc, self.resource, call.token) from exc
+            error = map_error(exc, self.resource, call.token)
+            self._outcome(call, error)
+            raise error from exc
+        self._outcome(call)
+        return reply
 
     @token_keyword("px")
     def set(
@@ -621,7 +679,7 @@ class RedisGuard(_GuardBase):
             reply = self._client.hmget(self.fence_key, ["lock", "hw"])
         except _NATIVE_ERRORS as exc:
             raise map_error(exc, self.resource) from exc
-        return parse_state(reply, self.resource)
+        return self._seen_mark(parse_state(reply, self.resource))
 
     def check_server(self) -> None:
         """Raise :class:`~fenced.UnsafeBackendError` if Redis may evict the fence key."""
@@ -663,9 +721,13 @@ class AsyncRedisGuard(_GuardBase):
     async def _run(self, call: GuardedCall) -> Any:
         script: AsyncScript = self._script(call.script)
         try:
-            return await script(keys=call.keys, args=call.args)
+            reply = await script(keys=call.keys, args=call.args)
         except _NATIVE_ERRORS as exc:
-            raise map_error(exc, self.resource, call.token) from exc
+            error = map_error(exc, self.resource, call.token)
+            self._outcome(call, error)
+            raise error from exc
+        self._outcome(call)
+        return reply
 
     @token_keyword("px")
     async def set(
@@ -743,7 +805,7 @@ class AsyncRedisGuard(_GuardBase):
             reply = await self._client.hmget(self.fence_key, ["lock", "hw"])
         except _NATIVE_ERRORS as exc:
             raise map_error(exc, self.resource) from exc
-        return parse_state(reply, self.resource)
+        return self._seen_mark(parse_state(reply, self.resource))
 
     async def check_server(self) -> None:
         """See :meth:`RedisGuard.check_server`."""

@@ -1,0 +1,136 @@
+"""Server time of fenced's Redis scripts per uncontended acquire+release, call by call.
+
+Each call's own server time comes from ``SLOWLOG`` (threshold 0), so variants can be
+interleaved call by call on one server (AOF ``appendfsync always``) and load drift hits them
+all alike; medians per script keep a preempted call from moving the figure. Rows: fenced's
+scripts (as in ``src``, or as in a git revision with ``--before REV``), redis-py's ``Lock``
+(``SET NX PX`` command + its release script), and the floor of any design with two scripts
+(a ``SET NX PX`` script and redis-py's release script).
+
+    .venv/bin/python bench/bench_redis_scripts.py [--before REV] [--runs N]
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib.util
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+
+import redis
+
+from fenced.backends import redis as backend
+from fenced.testing.servers import RedisServer
+
+FLOOR_ACQUIRE = """
+if redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  return {1, '1', 1, 1}
+end
+return {0, 0, 0}
+"""
+NATIVE_RELEASE = """
+if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end
+return 0
+"""
+
+
+def scripts_at(rev: str) -> tuple[str, str]:
+    """ACQUIRE_LUA and RELEASE_LUA of src/fenced/backends/redis.py at git revision ``rev``."""
+    root = os.path.join(os.path.dirname(__file__), "..")
+    text = subprocess.run(
+        ["git", "-C", root, "show", f"{rev}:src/fenced/backends/redis.py"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(text)
+    try:
+        spec = importlib.util.spec_from_file_location("fenced.backends._bench_old", f.name)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        os.unlink(f.name)
+    return module.ACQUIRE_LUA, module.RELEASE_LUA
+
+
+def run(variants: dict[str, tuple[str, str]], rounds: int = 4, n: int = 250) -> None:
+    """One server; ``rounds`` × ``n`` acquire+release per variant, interleaved call by call."""
+    extra = ["--slowlog-log-slower-than", "0", "--slowlog-max-len", "100000"]
+    with RedisServer(extra=extra) as server:
+        c = redis.Redis(port=server.port, decode_responses=True)
+        ops: dict[str, Callable[[], None]] = {}
+        tags: dict[str, tuple[str, str]] = {}
+        for name, (acquire_src, release_src) in variants.items():
+            # (a comment makes each variant's scripts distinct, so SLOWLOG tells them apart)
+            acquire = c.register_script(f"{acquire_src}\n-- {name}")
+            release = c.register_script(f"{release_src}\n-- {name}")
+            base = f"bench:{{{name}}}"
+            keys = [
+                f"{base}:{k}" for k in ("token", "holder", "queue", "hb", "seq", "ttls", "owners")
+            ]
+
+            def op(a=acquire, r=release, k=keys, wake=f"{base}:wake:") -> None:
+                got = a(keys=k, args=["rid", 10_000, "wait", 3_000, wake, "owner"])
+                assert got[0] == 1, got
+                assert r(keys=k, args=["rid", 0, "release", 3_000, wake, got[1]]) == 1
+
+            ops[name] = op
+            tags[acquire.sha] = (name, "acquire")
+            tags[release.sha] = (name, "release")
+        native_release = c.register_script(NATIVE_RELEASE)
+        tags[native_release.sha] = ("redis-py Lock", "release")
+
+        def native() -> None:
+            assert c.set("bench:native", "tok", nx=True, px=10_000)
+            assert native_release(keys=["bench:native"], args=["tok"]) == 1
+
+        ops["redis-py Lock"] = native
+        durations: dict[tuple[str, str], list[int]] = collections.defaultdict(list)
+        order = list(ops.values())
+        for _ in range(rounds):
+            c.slowlog_reset()
+            for _ in range(n):
+                for op in order:
+                    op()
+            # A script's cost depends on what ran just before it (the caches it finds):
+            # rotate the order each round so that no variant always follows the same one.
+            order = order[1:] + order[:1]
+            for entry in c.slowlog_get(100_000):
+                command = entry["command"].decode().split()
+                if command[0].upper() == "EVALSHA" and command[1] in tags:
+                    durations[tags[command[1]]].append(entry["duration"])
+                elif command[0].upper() == "SET" and command[1] == "bench:native":
+                    durations[("redis-py Lock", "acquire")].append(entry["duration"])
+        c.close()
+    for name in ops:
+        a = statistics.median(durations[(name, "acquire")])
+        r = statistics.median(durations[(name, "release")])
+        print(f"  {name:32s} acquire {a:5.1f} + release {r:5.1f} = {a + r:5.1f} µs (medians)")
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    runs = int(args[args.index("--runs") + 1]) if "--runs" in args else 3
+    variants = {"fenced (src)": (backend.ACQUIRE_LUA, backend.RELEASE_LUA)}
+    if "--before" in args:
+        rev = args[args.index("--before") + 1]
+        variants[f"fenced ({rev})"] = scripts_at(rev)
+    variants["floor: two minimal scripts"] = (
+        FLOOR_ACQUIRE,
+        NATIVE_RELEASE.replace("KEYS[1]", "KEYS[2]"),
+    )
+    for i in range(runs):
+        print(f"run {i + 1} (server µs per uncontended acquire+release, SLOWLOG, interleaved)")
+        run(variants)
+
+
+if __name__ == "__main__":
+    main()
