@@ -125,7 +125,7 @@ class PowerLossMount:
         self.mountpoint.mkdir(parents=True, exist_ok=True)
         self._lines = []
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "fenced.testing.powerloss._fs", str(self.mountpoint), str(self.statefile)],
+            [sys.executable, str(Path(__file__).with_name("_fs.py")), str(self.mountpoint), str(self.statefile)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -166,6 +166,11 @@ class PowerLossMount:
             with contextlib.suppress(OSError):
                 proc.stdin.close()
 
+    def remount(self) -> None:
+        """After :meth:`cut` and the death of everything using it: mount what was durable."""
+        self.unmount()
+        self.mount()
+
     def power_loss(self, victims: Iterable[subprocess.Popen[bytes] | subprocess.Popen[str] | int] = ()) -> tuple[int, int, int]:
         """Cut the power, SIGKILL ``victims`` (they died with the machine), and mount again on
         what was durable. Returns :meth:`cut`'s counts."""
@@ -176,6 +181,5 @@ class PowerLossMount:
                 os.kill(pid, signal.SIGKILL)
             if not isinstance(victim, int):
                 victim.wait(self.timeout)
-        self.unmount()
-        self.mount()
+        self.remount()
         return counts

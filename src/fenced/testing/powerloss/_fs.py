@@ -212,11 +212,18 @@ class PowerLossFS(mfusepy.Operations):  # type: ignore[misc]
                 "st_ctime": node.mtime_ns,
             }
 
-    def readdir(self, path: str, fh: int) -> list[str]:
+    def readdir(self, path: str, fh: int) -> list[tuple[str, dict[str, int], int]]:
         with self._mutex:
             self._check()
             node = self._node(path, fh)
-            return [".", "..", *node.entries]
+            # (with use_ino, each entry needs its inode number: 0 would hide it from readdir(3))
+            out: list[tuple[str, dict[str, int], int]] = [
+                (".", {"st_mode": node.mode, "st_ino": node.ino}, 0),
+                ("..", {"st_mode": stat.S_IFDIR, "st_ino": ROOT}, 0),
+            ]
+            for name, ino in node.entries.items():
+                out.append((name, {"st_mode": self.state.live[ino].mode, "st_ino": ino}, 0))
+            return out
 
     def opendir(self, path: str) -> int:
         with self._mutex:

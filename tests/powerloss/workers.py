@@ -1,0 +1,64 @@
+"""Client processes for the power-loss tests; each prints every acknowledged grant as a line
+``LOCK TOKEN`` on stdout (unbuffered) and runs until killed.
+
+``python -m tests.powerloss.workers library URL MODE [PLANT]``: 64 asyncio clients of the
+library on one loop, taking turns on 16 locks. MODE ``worker``: an application's loop (group
+commit on the source's worker thread); ``turn``: a loop marked as ``fenced serve`` marks its
+own (a commit per turn of the loop). PLANT: ``module:Class`` registered for ``sqlite``.
+
+``python -m tests.powerloss.workers http URL``: 64 asyncio HTTP clients of a ``fenced serve``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import fenced
+from fenced import _backend
+
+CLIENTS = 64
+LOCKS = 16
+
+
+async def _clients(url: str) -> None:
+    async with fenced.connect_async(url) as locks:
+
+        async def client(i: int) -> None:
+            name = f"k{i % LOCKS}"
+            while True:
+                try:
+                    async with locks.lock(name, ttl=1, timeout=30) as lease:
+                        # (written while held: the next holder's line comes after this one;
+                        # ttl 1 s: after a cut the dead holders, same boot id, expire soon)
+                        sys.stdout.write(f"{name} {lease.token.value}\n")
+                        sys.stdout.flush()
+                except fenced.FencedError as exc:  # the disk is gone: keep trying until killed
+                    sys.stderr.write(f"{type(exc).__name__}: {exc}\n")
+                    await asyncio.sleep(0.05)
+
+        await asyncio.gather(*(client(i) for i in range(CLIENTS)))
+
+
+async def _library(url: str, mode: str) -> None:
+    if mode == "turn":
+        from fenced._portal import mark_private
+
+        mark_private(asyncio.get_running_loop(), commit_per_turn=True)
+    await _clients(url)
+
+
+def main(argv: list[str]) -> None:
+    kind, url = argv[0], argv[1]
+    if kind == "library":
+        if len(argv) > 3 and argv[3]:
+            _backend.register_backend("sqlite", argv[3])
+        asyncio.run(_library(url, argv[2]))
+    elif kind == "http":
+        asyncio.run(_clients(url))
+    else:
+        raise SystemExit(f"unknown worker {kind!r}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
