@@ -12,6 +12,7 @@ own (a commit per turn of the loop). PLANT: ``module:Class`` registered for ``sq
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 
 import fenced
@@ -48,12 +49,43 @@ async def _library(url: str, mode: str) -> None:
     await _clients(url)
 
 
+async def _files(url: str, guarded: str, marks: str) -> None:
+    """16 clients on 4 locks; each grant writes a version through a FileGuard and advances a
+    HighWaterFile, then prints ``LOCK TOKEN`` (acknowledged: both writes returned)."""
+    from fenced.guards.files import FileGuard, HighWaterFile
+
+    os.makedirs(marks, exist_ok=True)
+    guards = {f"f{i}": FileGuard(os.path.join(guarded, f"f{i}"), lock=f"f{i}") for i in range(4)}
+    async with fenced.connect_async(url) as locks:
+
+        def write(name: str, token: fenced.FencingToken) -> None:
+            guards[name].write("data", f"{token}".encode() * 100, token=token)
+            with HighWaterFile(os.path.join(marks, name), lock=name).hold(token=token):
+                pass
+
+        async def client(i: int) -> None:
+            name = f"f{i % 4}"
+            while True:
+                try:
+                    async with locks.lock(name, ttl=1, timeout=30) as lease:
+                        await asyncio.to_thread(write, name, lease.token)
+                        sys.stdout.write(f"{name} {lease.token.value}\n")
+                        sys.stdout.flush()
+                except (fenced.FencedError, OSError) as exc:
+                    sys.stderr.write(f"{type(exc).__name__}: {exc}\n")
+                    await asyncio.sleep(0.05)
+
+        await asyncio.gather(*(client(i) for i in range(16)))
+
+
 def main(argv: list[str]) -> None:
     kind, url = argv[0], argv[1]
     if kind == "library":
         if len(argv) > 3 and argv[3]:
             _backend.register_backend("sqlite", argv[3])
         asyncio.run(_library(url, argv[2]))
+    elif kind == "files":
+        asyncio.run(_files(url, argv[2], argv[3]))
     elif kind == "http":
         asyncio.run(_clients(url))
     else:

@@ -106,15 +106,14 @@ class State:
 
     def sync_dir(self, ino: int) -> None:
         node = self.live[ino]
-        saved = self.durable.get(ino)
         self.durable[ino] = Inode(
             ino, node.mode, bytearray(), dict(node.entries), node.uid, node.gid, node.mtime_ns
         )
-        del saved
         for child in node.entries.values():
             if child not in self.durable:  # the name reached the disk, the bytes never did
                 c = self.live[child]
-                self.durable[child] = Inode(child, c.mode, bytearray(), {}, c.uid, c.gid, c.mtime_ns)
+                data = bytearray(c.data) if stat.S_ISLNK(c.mode) else bytearray()
+                self.durable[child] = Inode(child, c.mode, data, {}, c.uid, c.gid, c.mtime_ns)
 
 
 def _split(path: str) -> tuple[str, str]:
@@ -357,6 +356,39 @@ class PowerLossFS(mfusepy.Operations):  # type: ignore[misc]
             now = time.time_ns()
             old_parent.mtime_ns = new_parent.mtime_ns = now
             return 0
+
+    def link(self, target: str, source: str) -> int:
+        """A hard link: ``target`` becomes another name of ``source``'s inode."""
+        with self._mutex:
+            self._check()
+            node = self._lookup(source)
+            if node.is_dir():
+                raise mfusepy.FuseOSError(errno.EPERM)
+            parent_path, name = _split(target)
+            parent = self._lookup(parent_path)
+            if name in parent.entries:
+                raise mfusepy.FuseOSError(errno.EEXIST)
+            parent.entries[name] = node.ino
+            node.nlink += 1
+            parent.mtime_ns = time.time_ns()
+            return 0
+
+    def symlink(self, target: str, source: str) -> int:
+        """A symbolic link at ``target`` holding ``source``. Its text is part of the name:
+        durable with the directory's fsync (a symlink cannot be opened to fsync it)."""
+        with self._mutex:
+            self._check()
+            node = self._new(target, stat.S_IFLNK | 0o777)
+            node.data = bytearray(source.encode("utf-8", "surrogateescape"))
+            return 0
+
+    def readlink(self, path: str) -> str:
+        with self._mutex:
+            self._check()
+            node = self._lookup(path)
+            if not stat.S_ISLNK(node.mode):
+                raise mfusepy.FuseOSError(errno.EINVAL)
+            return node.data.decode("utf-8", "surrogateescape")
 
     def chmod(self, path: str | None, mode: int, fh: int | None = None) -> int:
         with self._mutex:
