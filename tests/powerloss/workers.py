@@ -78,6 +78,75 @@ async def _files(url: str, guarded: str, marks: str) -> None:
         await asyncio.gather(*(client(i) for i in range(16)))
 
 
+SQL_LOCKS = 4
+
+
+def sql_setup(db: str) -> None:
+    """The user's database: a table per lock fenced by a RowGuard, an SQLGuard fence table,
+    and a log of every guarded write."""
+    import sqlite3
+
+    from fenced.guards.sql import RowGuard, SQLGuard
+
+    conn = sqlite3.connect(db, isolation_level=None)
+    try:
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=FULL")
+        conn.execute("CREATE TABLE IF NOT EXISTS writes (lock TEXT, token INTEGER)")
+        for i in range(SQL_LOCKS):
+            name = f"s{i}"
+            conn.execute(f"CREATE TABLE IF NOT EXISTS {name} (id INTEGER PRIMARY KEY, v INTEGER)")
+            conn.execute(f"INSERT OR IGNORE INTO {name} (id, v) VALUES (1, 0)")
+            SQLGuard(name).install(conn)
+            RowGuard(name, lock=name).install(conn)
+    finally:
+        conn.close()
+
+
+async def _sql(url: str, db: str, synchronous: str) -> None:
+    """16 clients on 4 locks; each grant, in one transaction of the user's SQLite database
+    (WAL, ``synchronous`` as given): SQLGuard.check, a row in ``writes``, and a RowGuard
+    update; then prints ``LOCK TOKEN`` (acknowledged: the COMMIT returned)."""
+    import sqlite3
+    import threading
+
+    from fenced.guards.sql import RowGuard, SQLGuard
+
+    local = threading.local()
+
+    def write(name: str, token: fenced.FencingToken) -> None:
+        conn = getattr(local, "conn", None)
+        if conn is None:
+            conn = local.conn = sqlite3.connect(db, isolation_level=None, timeout=30)
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute(f"PRAGMA synchronous={synchronous}")
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            SQLGuard(name).check(conn, token=token)
+            conn.execute("INSERT INTO writes VALUES (?, ?)", (name, token.value))
+            RowGuard(name, lock=name).update(conn, token=token, key={"id": 1}, values={"v": token.value})
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
+
+    async with fenced.connect_async(url) as locks:
+
+        async def client(i: int) -> None:
+            name = f"s{i % SQL_LOCKS}"
+            while True:
+                try:
+                    async with locks.lock(name, ttl=1, timeout=30) as lease:
+                        await asyncio.to_thread(write, name, lease.token)
+                        sys.stdout.write(f"{name} {lease.token.value}\n")
+                        sys.stdout.flush()
+                except (fenced.FencedError, OSError, sqlite3.Error) as exc:
+                    sys.stderr.write(f"{type(exc).__name__}: {exc}\n")
+                    await asyncio.sleep(0.05)
+
+        await asyncio.gather(*(client(i) for i in range(16)))
+
+
 def main(argv: list[str]) -> None:
     kind, url = argv[0], argv[1]
     if kind == "library":
@@ -86,6 +155,8 @@ def main(argv: list[str]) -> None:
         asyncio.run(_library(url, argv[2]))
     elif kind == "files":
         asyncio.run(_files(url, argv[2], argv[3]))
+    elif kind == "sql":
+        asyncio.run(_sql(url, argv[2], argv[3]))
     elif kind == "http":
         asyncio.run(_clients(url))
     else:
