@@ -22,7 +22,8 @@ demo: $(PY)
 	$(PIP) install -e '.[cli]'
 	$(VENV)/bin/fenced demo
 
-# Debian packages for the real servers the tests start, strace for the fsync counts and
+# Debian packages for the real servers the tests start, fuse3 for the power-loss filesystem
+# (tests/powerloss: fusermount3 and libfuse3, which mfusepy loads), strace for the fsync counts and
 # Chromium for the pictures' and the dashboard's rendering checks, Node and curl for the
 # non-Python clients of `fenced serve` (only when root; otherwise they must already be
 # installed). PostgreSQL is looked for under /usr/lib/postgresql.
@@ -39,6 +40,7 @@ servers:
 	  command -v node >/dev/null || missing="$$missing nodejs"; \
 	  command -v curl >/dev/null || missing="$$missing curl"; \
 	  command -v faketime >/dev/null || missing="$$missing faketime"; \
+	  command -v fusermount3 >/dev/null || missing="$$missing fuse3"; \
 	  PATH="$$PATH:/usr/sbin" command -v mariadbd >/dev/null || missing="$$missing mariadb-server"; \
 	  if [ -n "$$missing" ]; then \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \

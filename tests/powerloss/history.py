@@ -106,7 +106,9 @@ def check_database(db: Path, history: dict[str, list[int]], result: Result, cycl
             )
 
 
-def record(history: dict[str, list[int]], acks: Sequence[tuple[str, int]], result: Result, cycle: int) -> None:
+def record(
+    history: dict[str, list[int]], acks: Sequence[tuple[str, int]], result: Result, cycle: int
+) -> None:
     for name, token in acks:
         seen = history.setdefault(name, [])
         if seen and token <= seen[-1]:

@@ -6,7 +6,6 @@ accepted). The token source is the SQLite source on the same power-loss filesyst
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 
@@ -88,7 +87,9 @@ def test_guarded_writes_under_load_survive_cuts(powerloss: PowerLossMount) -> No
             version = FileGuard(root / "guarded" / name, lock=name).latest("data")
             mark = HighWaterFile(root / "marks" / name, lock=name).current()
             if version is None or version.token.value < tokens[-1]:
-                result.lost.append(f"cycle {cycle}: {name} write {tokens[-1]} acked, newest {version}")
+                result.lost.append(
+                    f"cycle {cycle}: {name} write {tokens[-1]} acked, newest {version}"
+                )
             if mark is None or mark.value < tokens[-1]:
                 result.lost.append(f"cycle {cycle}: {name} mark {tokens[-1]} acked, now {mark}")
         result.cycles += 1

@@ -100,7 +100,9 @@ def test_rename_is_durable_only_with_the_directory_fsync(powerloss: PowerLossMou
     assert sorted(os.listdir(root)) == ["target"]
 
 
-def test_rename_without_fsync_of_the_file_keeps_a_name_to_nothing(powerloss: PowerLossMount) -> None:
+def test_rename_without_fsync_of_the_file_keeps_a_name_to_nothing(
+    powerloss: PowerLossMount,
+) -> None:
     """The ext4 "zero-length file" bug: rename made durable, the new file's bytes not."""
     root = powerloss.mountpoint
     write(root / "target", b"old", sync=True)

@@ -67,7 +67,9 @@ def _cycles(powerloss: PowerLossMount, synchronous: str) -> tuple[Result, list[s
                 ).fetchone()[0]
                 marks = {x.value if x is not None else 0 for x in (fence, row)} | {logged or 0}
                 if len(marks) != 1:  # the marks and the data they fence, from one commit
-                    inconsistent.append(f"cycle {cycle}: {name} fence {fence} row {row} log {logged}")
+                    inconsistent.append(
+                        f"cycle {cycle}: {name} fence {fence} row {row} log {logged}"
+                    )
                 if min(marks) < acked:
                     result.lost.append(f"cycle {cycle}: {name} acked {acked}, kept {min(marks)}")
         finally:
@@ -122,5 +124,3 @@ def test_normal_accepts_a_token_refused_before_the_cut(powerloss: PowerLossMount
             again.execute("ROLLBACK")
         finally:
             again.close()
-
-

@@ -63,13 +63,20 @@ def test_a_source_that_acknowledges_before_its_fsync_is_caught(
     db = powerloss.mountpoint / "locks.db"
     url = _fresh(db)
     result = run_cycles(
-        powerloss, db, lambda: Client("library", url, mode, PLANT), PLANTED_CYCLES, seed=2, max_acks=300
+        powerloss,
+        db,
+        lambda: Client("library", url, mode, PLANT),
+        PLANTED_CYCLES,
+        seed=2,
+        max_acks=300,
     )
     _report(f"planted, {mode}", result)
     assert result.lost and result.reused, result
 
 
-def test_fenced_serve_loses_no_acknowledged_grant(powerloss: PowerLossMount, tmp_path: Path) -> None:
+def test_fenced_serve_loses_no_acknowledged_grant(
+    powerloss: PowerLossMount, tmp_path: Path
+) -> None:
     db = powerloss.mountpoint / "locks.db"
     url = _fresh(db)
     (tmp_path / "serve").mkdir()

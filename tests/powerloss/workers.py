@@ -124,7 +124,9 @@ async def _sql(url: str, db: str, synchronous: str) -> None:
         try:
             SQLGuard(name).check(conn, token=token)
             conn.execute("INSERT INTO writes VALUES (?, ?)", (name, token.value))
-            RowGuard(name, lock=name).update(conn, token=token, key={"id": 1}, values={"v": token.value})
+            RowGuard(name, lock=name).update(
+                conn, token=token, key={"id": 1}, values={"v": token.value}
+            )
         except BaseException:
             conn.execute("ROLLBACK")
             raise

@@ -58,7 +58,7 @@ def unavailable() -> str | None:
     if shutil.which("fusermount3") is None:
         return "power-loss filesystem: no fusermount3 (Debian: apt-get install fuse3)"
     try:
-        import mfusepy  # type: ignore[import-untyped]  # noqa: F401
+        import mfusepy  # noqa: F401
     except (ImportError, OSError) as exc:  # (OSError: mfusepy found no libfuse3)
         return f"power-loss filesystem: mfusepy unusable ({exc}); pip install 'fenced[powerloss]'"
     return None
@@ -73,10 +73,20 @@ class PowerLossMount:
     the mount is dropped and made again on what was durable.
     """
 
-    def __init__(self, mountpoint: str | os.PathLike[str], statefile: str | os.PathLike[str] | None = None, *, timeout: float = 20.0) -> None:
+    def __init__(
+        self,
+        mountpoint: str | os.PathLike[str],
+        statefile: str | os.PathLike[str] | None = None,
+        *,
+        timeout: float = 20.0,
+    ) -> None:
         self.mountpoint = Path(mountpoint)
         self._own_state = statefile is None
-        self.statefile = Path(statefile) if statefile is not None else Path(tempfile.mkdtemp(prefix="fenced-powerloss-")) / "disk.pickle"
+        self.statefile = (
+            Path(statefile)
+            if statefile is not None
+            else Path(tempfile.mkdtemp(prefix="fenced-powerloss-")) / "disk.pickle"
+        )
         self.timeout = timeout
         self._proc: subprocess.Popen[str] | None = None
         self._lines: list[str] = []
@@ -125,7 +135,12 @@ class PowerLossMount:
         self.mountpoint.mkdir(parents=True, exist_ok=True)
         self._lines = []
         self._proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).with_name("_fs.py")), str(self.mountpoint), str(self.statefile)],
+            [
+                sys.executable,
+                str(Path(__file__).with_name("_fs.py")),
+                str(self.mountpoint),
+                str(self.statefile),
+            ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -156,7 +171,9 @@ class PowerLossMount:
         proc, self._proc = self._proc, None
         if proc is None:
             return
-        subprocess.run(["fusermount3", "-u", "-z", str(self.mountpoint)], capture_output=True, check=False)
+        subprocess.run(
+            ["fusermount3", "-u", "-z", str(self.mountpoint)], capture_output=True, check=False
+        )
         try:
             proc.wait(self.timeout)
         except subprocess.TimeoutExpired:
@@ -171,7 +188,9 @@ class PowerLossMount:
         self.unmount()
         self.mount()
 
-    def power_loss(self, victims: Iterable[subprocess.Popen[bytes] | subprocess.Popen[str] | int] = ()) -> tuple[int, int, int]:
+    def power_loss(
+        self, victims: Iterable[subprocess.Popen[bytes] | subprocess.Popen[str] | int] = ()
+    ) -> tuple[int, int, int]:
         """Cut the power, SIGKILL ``victims`` (they died with the machine), and mount again on
         what was durable. Returns :meth:`cut`'s counts."""
         counts = self.cut()

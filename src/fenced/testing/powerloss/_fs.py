@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import mfusepy  # type: ignore[import-untyped]
+import mfusepy
 
 __all__ = ["Inode", "State", "serve"]
 
@@ -415,8 +415,16 @@ class PowerLossFS(mfusepy.Operations):  # type: ignore[misc]
             return 0
 
     def statfs(self, path: str) -> dict[str, int]:
-        return {"f_bsize": 4096, "f_frsize": 4096, "f_blocks": 1 << 20, "f_bfree": 1 << 19,
-                "f_bavail": 1 << 19, "f_files": 1 << 20, "f_ffree": 1 << 19, "f_namemax": 255}
+        return {
+            "f_bsize": 4096,
+            "f_frsize": 4096,
+            "f_blocks": 1 << 20,
+            "f_bfree": 1 << 19,
+            "f_bavail": 1 << 19,
+            "f_files": 1 << 20,
+            "f_ffree": 1 << 19,
+            "f_namemax": 255,
+        }
 
 
 def serve(mountpoint: str, statefile: str) -> None:
@@ -427,7 +435,10 @@ def serve(mountpoint: str, statefile: str) -> None:
         for line in sys.stdin:
             if line.strip() == "cut":
                 fs.cut()
-                print(f"cut {fs.counts['write']} {fs.counts['fsync']} {fs.counts['fsyncdir']}", flush=True)
+                print(
+                    f"cut {fs.counts['write']} {fs.counts['fsync']} {fs.counts['fsyncdir']}",
+                    flush=True,
+                )
 
     threading.Thread(target=control, daemon=True).start()
     mfusepy.FUSE(
