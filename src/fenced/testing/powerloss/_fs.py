@@ -1,7 +1,7 @@
 """The FUSE daemon: a filesystem in memory that survives only what was synced.
 
-Run as ``python -m fenced.testing.powerloss._fs MOUNTPOINT STATEFILE`` (see :mod:`.` for the
-model and the harness that drives it). It loads the durable state from STATEFILE (if it
+Run as ``python .../powerloss/_fs.py MOUNTPOINT STATEFILE`` (by path: it imports nothing of
+fenced, so it starts fast; see the package's doc for the model and the harness that drives it). It loads the durable state from STATEFILE (if it
 exists), mounts, and serves. A line ``cut`` on its standard input is the power loss: at that
 instant, between two filesystem operations, it writes the durable state (never the volatile
 one) to STATEFILE, answers ``cut`` on standard output, and from then on fails every operation
