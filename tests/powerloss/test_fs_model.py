@@ -20,7 +20,6 @@ from fenced.testing.powerloss import PowerLossMount, unavailable
 
 pytestmark = [
     pytest.mark.skipif(unavailable() is not None, reason=unavailable() or ""),
-    pytest.mark.xdist_group("powerloss"),
 ]
 
 

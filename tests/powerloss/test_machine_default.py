@@ -12,7 +12,6 @@ from tests.envs.sqlite import read_counters
 
 pytestmark = [
     pytest.mark.skipif(unavailable() is not None, reason=unavailable() or ""),
-    pytest.mark.xdist_group("powerloss"),
 ]
 
 

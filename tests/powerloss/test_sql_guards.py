@@ -21,13 +21,12 @@ from fenced.testing.powerloss import PowerLossMount, unavailable
 from tests.powerloss.history import Client, Result, check_database, record
 from tests.powerloss.workers import SQL_LOCKS, sql_setup
 
+CYCLES = int(os.environ.get("FENCED_POWERLOSS_CYCLES", "2"))
+
 pytestmark = [
     pytest.mark.skipif(unavailable() is not None, reason=unavailable() or ""),
-    pytest.mark.xdist_group("powerloss"),
-    pytest.mark.timeout(600),
+    pytest.mark.timeout(120 + 60 * CYCLES),  # (a cut cycle: seconds, more on a loaded machine)
 ]
-
-CYCLES = int(os.environ.get("FENCED_POWERLOSS_CYCLES", "3"))
 
 
 def _cycles(powerloss: PowerLossMount, synchronous: str) -> tuple[Result, list[str]]:
