@@ -103,13 +103,14 @@ class PowerLossMount:
         if self._own_state:
             shutil.rmtree(self.statefile.parent, ignore_errors=True)
 
-    def _reader(self, out: IO[str]) -> None:
+    def _reader(self, out: IO[str], lines: list[str]) -> None:
+        # (each daemon its own list: the last one's end must not be read as the next one's)
         for line in out:
             with self._cond:
-                self._lines.append(line.strip())
+                lines.append(line.strip())
                 self._cond.notify_all()
         with self._cond:
-            self._lines.append("<eof>")
+            lines.append("<eof>")
             self._cond.notify_all()
 
     def _await_line(self, prefix: str) -> str:
@@ -147,7 +148,9 @@ class PowerLossMount:
             start_new_session=True,
         )
         assert self._proc.stdout is not None
-        threading.Thread(target=self._reader, args=(self._proc.stdout,), daemon=True).start()
+        threading.Thread(
+            target=self._reader, args=(self._proc.stdout, self._lines), daemon=True
+        ).start()
         try:
             self._await_line("ready")
         except BaseException:
