@@ -182,6 +182,11 @@ class PowerLossMount:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(self.timeout)
+        # Again, now that the daemon is gone: a daemon that mounted after the first call (it
+        # was still starting) would otherwise leave a dead mount behind.
+        subprocess.run(
+            ["fusermount3", "-u", "-z", str(self.mountpoint)], capture_output=True, check=False
+        )
         if proc.stdin is not None:
             with contextlib.suppress(OSError):
                 proc.stdin.close()

@@ -15,6 +15,7 @@ import errno
 import os
 import pickle
 import stat
+import subprocess
 import sys
 import threading
 import time
@@ -439,6 +440,9 @@ def serve(mountpoint: str, statefile: str) -> None:
                     f"cut {fs.counts['write']} {fs.counts['fsync']} {fs.counts['fsyncdir']}",
                     flush=True,
                 )
+        # stdin closed: the harness is gone (killed, say). Unmount, ending the loop below,
+        # rather than outlive it with a mount nobody will take down.
+        subprocess.run(["fusermount3", "-u", "-z", mountpoint], capture_output=True, check=False)
 
     threading.Thread(target=control, daemon=True).start()
     mfusepy.FUSE(
