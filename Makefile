@@ -22,7 +22,8 @@ demo: $(PY)
 	$(PIP) install -e '.[cli]'
 	$(VENV)/bin/fenced demo
 
-# Debian packages for the real servers the tests start, strace for the fsync counts and
+# Debian packages for the real servers the tests start, fuse3 for the power-loss filesystem
+# (tests/powerloss: fusermount3 and libfuse3, which mfusepy loads), strace for the fsync counts,
 # Chromium for the pictures' and the dashboard's rendering checks, Node, the JDK (javac: the
 # Java client is compiled by the tests) and curl for the non-Python clients of `fenced serve`,
 # iproute2 for the partition harness's network namespaces (only when root; otherwise they must
@@ -41,6 +42,7 @@ servers:
 	  command -v node >/dev/null || missing="$$missing nodejs"; \
 	  command -v curl >/dev/null || missing="$$missing curl"; \
 	  command -v faketime >/dev/null || missing="$$missing faketime"; \
+	  command -v fusermount3 >/dev/null || missing="$$missing fuse3"; \
 	  PATH="$$PATH:/usr/sbin" command -v mariadbd >/dev/null || missing="$$missing mariadb-server"; \
 	  PATH="$$PATH:/usr/sbin:/sbin" command -v ip >/dev/null || missing="$$missing iproute2"; \
 	  if [ -n "$$missing" ]; then \

@@ -127,6 +127,9 @@ def machine_database(directory: str = MACHINE_DIR) -> str:
         ) from None
     else:
         os.chmod(directory, 0o1777)  # (mkdir's mode is cut by the umask)
+    # The directory's name must survive a power loss, or the counters go with it (fenced
+    # never made it durable before). Also when found: its maker may have died before this.
+    _fsync_dir(os.path.dirname(os.path.abspath(directory)))
     info = os.lstat(directory)
     if not stat.S_ISDIR(info.st_mode):
         raise ConfigurationError(
@@ -150,6 +153,7 @@ def machine_database(directory: str = MACHINE_DIR) -> str:
             os.fchmod(fd, 0o666)  # (cut by the umask too)
         finally:
             os.close(fd)
+        _fsync_dir(directory)  # (SQLite syncs the names of its journals, not of this file)
     info = os.lstat(path)
     if not stat.S_ISREG(info.st_mode):
         raise ConfigurationError(f"{path} is not a regular file (a symlink?): refusing to use it")
@@ -159,3 +163,18 @@ def machine_database(directory: str = MACHINE_DIR) -> str:
             f"writable by this user: run `chmod 0666 {path}` or give --url / FENCED_URL"
         )
     return path
+
+
+def _fsync_dir(directory: str) -> None:
+    """Make the names in ``directory`` durable; where that is not allowed (a directory this
+    user may not open, an OS without directory fsync), the directory's owner must have."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -24,6 +24,8 @@ __all__ = [
     "create_with_content",
     "flocked",
     "fsync_dir",
+    "make_dirs_durably",
+    "mkdir_durably",
     "write_all",
 ]
 
@@ -38,6 +40,31 @@ def fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def mkdir_durably(path: str) -> None:
+    """Make directory ``path`` if missing, and make its name durable: fsync its parent, also
+    when it already existed (its maker may have died between mkdir and that fsync, leaving a
+    name a power loss would take back, and everything written under it with it)."""
+    try:
+        os.mkdir(path)
+    except FileExistsError:
+        pass
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def make_dirs_durably(path: str) -> None:
+    """``os.makedirs(path, exist_ok=True)``, each directory made (and ``path`` itself) durable
+    in its parent (see :func:`mkdir_durably`). Ancestors that already existed are not touched."""
+    path = os.path.abspath(path)
+    missing = []
+    ancestor = os.path.dirname(path)
+    while not os.path.isdir(ancestor):
+        missing.append(ancestor)
+        ancestor = os.path.dirname(ancestor)
+    for directory in reversed(missing):
+        mkdir_durably(directory)
+    mkdir_durably(path)
 
 
 @contextlib.contextmanager

@@ -72,6 +72,8 @@ from ._files_fs import (
     create_with_content,
     flocked,
     fsync_dir,
+    make_dirs_durably,
+    mkdir_durably,
     write_all,
 )
 from ._token_arg import token_keyword, warn_positional
@@ -218,7 +220,7 @@ class FileGuard:
         self.lock = validate_lock_name(lock)
         self.directory = os.fspath(directory)
         self._known_dirs: set[str] = set()
-        os.makedirs(self.directory, exist_ok=True)
+        make_dirs_durably(self.directory)  # (a name only in memory: lost with the power)
         marker = os.path.join(self.directory, _LOCK_NAME_FILE)
         if not create_with_content(self.directory, _LOCK_NAME_FILE, f"{lock}\n".encode()):
             with open(marker, encoding="ascii", errors="replace") as f:
@@ -442,12 +444,8 @@ class FileGuard:
     def _resource_dir(self, name: str, *, create: bool) -> str:
         rdir = os.path.join(self.directory, name)
         if create and rdir not in self._known_dirs:
-            try:
-                os.mkdir(rdir)
-            except FileExistsError:
-                pass
-            else:
-                fsync_dir(self.directory)
+            # Durable even when it existed: its maker may have died before its fsync.
+            mkdir_durably(rdir)
             self._known_dirs.add(rdir)
         return rdir
 
