@@ -52,6 +52,7 @@ def test_a_group_seed_replays_byte_for_byte() -> None:
 
 
 @pytest.mark.xdist_group("sim-seeds")
+@pytest.mark.timeout(900)  # bounded work (a seed count), not a wait: ~60 s on 2 quiet cores
 def test_ten_thousand_seeds_hold_every_invariant() -> None:
     lease = CI_SEEDS - GROUP_SEEDS
     result = run_seeds(Config(seed=0), 0, lease, jobs=2)
@@ -59,6 +60,7 @@ def test_ten_thousand_seeds_hold_every_invariant() -> None:
 
 
 @pytest.mark.xdist_group("sim-seeds")
+@pytest.mark.timeout(600)  # bounded work (a seed count), not a wait
 def test_group_seeds_hold_every_invariant() -> None:
     """The replicated group under every fault, members wiped and restarted included: no
     acknowledged write lost, no stale write acknowledged, members' marks only rise."""
