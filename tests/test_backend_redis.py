@@ -606,20 +606,21 @@ def test_a_wrong_or_missing_password_fails_at_once_as_configuration() -> None:
         where = f"127.0.0.1:{server.port}/0"
         for url in (f"redis://{where}", f"redis://:wrong-pw@{where}"):
             start = time.monotonic()
+            # A retry would take the whole connect timeout: well under it means none.
             with pytest.raises(fenced.AccessDenied, match="refused fenced's credentials") as info:
-                fenced.connect(url, connect_timeout=10)  # type: ignore[arg-type]
-            assert time.monotonic() - start < 2.0
+                fenced.connect(url, connect_timeout=60)  # type: ignore[arg-type]
+            assert time.monotonic() - start < 20.0
             assert "wrong-pw" not in str(info.value)
             assert "otherwise" not in str(info.value)  # Redis's long NOAUTH hint is cut
             start = time.monotonic()
             out = subprocess.run(
-                [*FENCED_LOCK, "--url", url, "--timeout", "10", "j", "--", "true"],
+                [*FENCED_LOCK, "--url", url, "--timeout", "60", "j", "--", "true"],
                 capture_output=True,
                 text=True,
-                timeout=60,
+                timeout=120,
             )
             assert out.returncode == 2, out.stderr
-            assert time.monotonic() - start < 5.0
+            assert time.monotonic() - start < 30.0  # (a Python start on a loaded machine: seconds)
             assert len(out.stderr.strip().splitlines()) == 1, out.stderr
             assert "wrong-pw" not in out.stderr
         # The right password is served as before.

@@ -15,7 +15,7 @@ from tests.helpers import ROOT, headless
 from tests.png import count_near, read_png
 
 
-def _check(tmp_path: Path, *extra: str, seed: int = 3) -> subprocess.CompletedProcess[str]:
+def _check(tmp_path: Path, *extra: str, seed: int = 3, seconds: int = 6) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [
             sys.executable,
@@ -25,7 +25,7 @@ def _check(tmp_path: Path, *extra: str, seed: int = 3) -> subprocess.CompletedPr
             "--source",
             f"sqlite:///{tmp_path}/l.db",
             "--time",
-            "6",
+            str(seconds),
             "--ttl",
             "0.5",
             "--seed",
@@ -47,12 +47,14 @@ def _faults(tmp_path: Path) -> list[str]:
 
 
 def test_a_campaign_with_pauses_and_kills_holds_every_invariant(tmp_path: Path) -> None:
-    r = _check(tmp_path)
+    # Long enough for the first round of the deck (pause, stall, kill) on a loaded machine,
+    # where each fault waits for grants that come slower.
+    r = _check(tmp_path, seconds=12)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "every invariant held" in r.stdout
     faults = _faults(tmp_path)
     assert {"pause", "stall", "kill"} <= set(faults), faults
-    again = _check(tmp_path / "again")
+    again = _check(tmp_path / "again", seconds=12)
     assert again.returncode == 0, again.stdout + again.stderr
     # The seed's schedule: the same faults in the same order (a loaded machine may fit one
     # fewer into the same seconds, so one run's list starts the other's).
