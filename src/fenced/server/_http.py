@@ -11,6 +11,11 @@ closed, before the app sees anything. (nginx allows 32 KiB of headers and waits 
 16 KiB; a bearer key and the few headers a client of the API sends fit in well under 4 KiB.)
 A body is bounded by the app (``_app._BodyLimit``: its size and the same read timeout), and
 uvicorn stops reading while the app has not taken what it has.
+
+uvicorn writes an answer's head and its body in two writes: two packets (TCP_NODELAY) and two
+wake-ups of the client per answer — on a loaded machine a wake-up can hand the core to the
+client mid-answer. Here what a connection writes in one turn of the loop goes out in one
+write at the end of the turn (``_Coalescing``).
 """
 
 from __future__ import annotations
@@ -53,6 +58,8 @@ def http_protocol(head_timeout: float = READ_TIMEOUT) -> type[asyncio.Protocol] 
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
+            # (after uvicorn's flow control took the real transport: reading is not delayed)
+            self.transport = _Coalescing(transport, self.loop)  # type: ignore[assignment]
             self._arm_head_timer()
 
         def connection_lost(self, exc: Exception | None) -> None:
@@ -113,3 +120,33 @@ def http_protocol(head_timeout: float = READ_TIMEOUT) -> type[asyncio.Protocol] 
             self.transport.close()
 
     return BoundedHeadProtocol
+
+
+class _Coalescing:
+    """A transport whose writes in one turn of the loop go out as one write when the turn
+    ends (soon callbacks run in order: before any timer). ``close`` sends what is held
+    first; everything else is the transport's."""
+
+    __slots__ = ("_transport", "_loop", "_held")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport, self._loop = transport, loop
+        self._held: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        if not self._held:
+            self._loop.call_soon(self.flush)
+        self._held.append(data)
+
+    def flush(self) -> None:
+        if self._held:
+            data, self._held = b"".join(self._held), []
+            if not self._transport.is_closing():
+                self._transport.write(data)
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
