@@ -117,10 +117,8 @@ async def drive(kind: str, port: int, clients: int, seconds: float, etcd_lease: 
         name = _b64(f"/bench/peer/{run}-{i}")
         while clock() < stop:
             t0 = clock()
-            if leases:
-                lease = leases[i]
-            else:
-                lease = (await c.post("/v3/lease/grant", {"TTL": 30}))["ID"]
+            fresh = not leases
+            lease = (await c.post("/v3/lease/grant", {"TTL": 30}))["ID"] if fresh else leases[i]
             held = await c.post("/v3/lock/lock", {"name": name, "lease": lease})
             await c.post("/v3/lock/unlock", {"key": held["key"]})
             if not leases:
@@ -220,7 +218,7 @@ def compare(args: argparse.Namespace) -> None:
                         print(
                             f"slice {s + 1} {kind:6} {clients:3} clients: {r['per_s']:7.0f} "
                             f"grants/s  p50 {r['p50_ms']:.1f} ms  p99 {r['p99_ms']:.1f} ms  "
-                            f"server CPU {us:.0f} µs/grant",
+                            f"server CPU {us:.0f} µs/grant ({used / args.seconds:.2f} cores)",
                             flush=True,
                         )
             print()
@@ -241,8 +239,7 @@ def compare(args: argparse.Namespace) -> None:
             if len(counts) > 1:
                 lo, hi = counts[0], counts[-1]
                 falls = [
-                    b / a
-                    for a, b in zip(rows[("fenced", lo)], rows[("fenced", hi)], strict=True)
+                    b / a for a, b in zip(rows[("fenced", lo)], rows[("fenced", hi)], strict=True)
                 ]
                 print(
                     f"\nfenced {hi} ÷ {lo} clients, per slice: "

@@ -77,7 +77,7 @@ def keys_file(tmp_path: Path) -> Path:
 
 
 def lane_of(app: Any) -> _FastLane | None:
-    layer = app.middleware_stack
+    layer = getattr(app, "front", None) or app.middleware_stack
     while layer is not None and not isinstance(layer, _FastLane):
         layer = getattr(layer, "app", None)
     return layer

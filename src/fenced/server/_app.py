@@ -54,7 +54,7 @@ from .._state import (
 from .._token import MAX_NAME, FencingToken, validate_lock_name
 from ._auth import TAG_LENGTH, ApiKey, Keys, Verb
 from ._gateway import Gateway
-from ._http import READ_TIMEOUT
+from ._http import BODY_RECEIVED, READ_TIMEOUT
 from ._metrics import CONTENT_TYPE_LATEST
 
 __all__ = ["ServerSettings", "create_app"]
@@ -444,6 +444,24 @@ _NO_NATIVE_TELEMETRY: dict[str, Any] = (
 )
 
 
+class _Service(FastAPI):
+    """FastAPI, with the hot path answered before Starlette's middleware stack: ``front``
+    (the fast lane) takes each HTTP request first and hands the rest to the whole stack
+    (``through_stack``), which answers them as FastAPI always has."""
+
+    front: _FastLane | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        front = self.front
+        if front is not None and scope["type"] == "http":
+            await front(scope, receive, send)
+        else:
+            await super().__call__(scope, receive, send)
+
+    async def through_stack(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await super().__call__(scope, receive, send)
+
+
 def create_app(settings: ServerSettings) -> FastAPI:
     """The ASGI app of ``fenced serve``; run it with any ASGI server (the CLI uses uvicorn)."""
     locks = AsyncLocks(settings.url, **settings.options)
@@ -459,7 +477,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
         finally:
             await gw.stop()
 
-    app = FastAPI(
+    app = _Service(
         title="fenced",
         version=__version__,
         summary="A lock service that hands out fencing tokens.",
@@ -960,12 +978,15 @@ def create_app(settings: ServerSettings) -> FastAPI:
         ),
     }
     app.openapi = lambda: _document(app, keyed=keys is not None)  # type: ignore[method-assign]
-    if settings.fast_lane:
-        app.add_middleware(_FastLane, lanes=lanes, keys=keys, gateway=gw)
-    app.add_middleware(_Timing, gateway=gw)  # (it times the fast lane too)
+    app.add_middleware(_Timing, gateway=gw)
     app.add_middleware(  # (outermost)
         _BodyLimit, limit=settings.max_request_bytes, timeout=settings.read_timeout, gateway=gw
     )
+    if settings.fast_lane:  # (in front of the whole stack, with the same body bounds)
+        bounds = _BodyLimit(
+            app.through_stack, settings.max_request_bytes, settings.read_timeout, gw
+        )
+        app.front = _FastLane(app.through_stack, lanes, keys, gw, bounds)
     return app
 
 
@@ -1047,24 +1068,43 @@ class _Lane:
     route: APIRoute  # (for the latency metric's route label, as FastAPI's routing sets it)
     model: type[_In]
     handle: Callable[[str, Any, ApiKey | None, Scope, Receive], Awaitable[BaseModel]]
+    _latency: list[Any] = dataclasses.field(default_factory=list)
+
+    def latency(self, gw: Gateway) -> Any:
+        """The route's latency histogram (its child looked up once, not per request)."""
+        if not self._latency:
+            self._latency.append(gw.metrics.latency.labels(self.route.path, "POST"))
+        return self._latency[0]
+
+
+def _json_head(data: bytes) -> list[tuple[bytes, bytes]]:
+    """The headers Starlette's JSON Response sends, without building one."""
+    return [(b"content-length", b"%d" % len(data)), (b"content-type", b"application/json")]
 
 
 _LOCKS = "/v1/locks/"
 
 
 class _FastLane:
-    """acquire, renew and release — a lock service's hot path — without FastAPI's routing,
-    dependency solving and response-model validation, which cost about two thirds of such a
-    request's CPU. The same handlers run, with the same body models (validated the same way)
-    and the same error answers. Only a request the lane is sure of takes it: a well-formed
-    JSON object that validates, from an authenticated key allowed on the lock; anything else
-    (a bad body, no or a wrong key, another route) goes to the FastAPI app with its body
-    replayed, which answers it as it always has — one set of rules, one set of messages."""
+    """acquire, renew and release — a lock service's hot path — without Starlette's
+    middleware stack, FastAPI's routing, dependency solving and response-model validation,
+    which cost most of such a request's CPU. The same handlers run, with the same body models
+    (validated the same way), the same body bounds (``_BodyLimit.read``: size and read
+    timeout), the same error answers and the same latency metric. Only a request the lane is
+    sure of takes it: a well-formed JSON object that validates, from an authenticated key
+    allowed on the lock; anything else (a bad body, no or a wrong key, another route) goes to
+    the FastAPI app with its body replayed, which answers it as it always has — one set of
+    rules, one set of messages."""
 
     def __init__(
-        self, app: ASGIApp, lanes: dict[str, _Lane], keys: Keys | None, gateway: Gateway
+        self,
+        app: ASGIApp,
+        lanes: dict[str, _Lane],
+        keys: Keys | None,
+        gateway: Gateway,
+        bounds: _BodyLimit,
     ) -> None:
-        self.app, self.lanes, self.keys, self.gw = app, lanes, keys, gateway
+        self.app, self.lanes, self.keys, self.gw, self.bounds = app, lanes, keys, gateway, bounds
         self.taken = 0  # requests answered here (tests read it)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -1079,23 +1119,19 @@ class _FastLane:
         if lane is None or not name:
             await self.app(scope, receive, send)
             return
-        body, more, disconnected = b"", True, False
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                disconnected, more = True, False
-            else:
-                body += message.get("body", b"")
-                more = message.get("more_body", False)
+        start = _clock.now()
+        first = await self.bounds.read(scope, receive, send)
+        if first is None:  # (refused: too large or too slow; answered and counted)
+            return
+        disconnected = first["type"] != "http.request"
+        body = b"" if disconnected else first.get("body", b"")
         replayed = False
 
         async def replay() -> Message:
             nonlocal replayed
             if not replayed:
                 replayed = True
-                if disconnected:
-                    return {"type": "http.disconnect"}
-                return {"type": "http.request", "body": body, "more_body": False}
+                return first
             return await receive()
 
         model = self._model(lane, body)
@@ -1107,13 +1143,16 @@ class _FastLane:
         self.taken += 1
         replayed = True  # (the body is read: a waiting acquire watches for the disconnect)
         try:
-            out = await lane.handle(name, model, key, scope, replay)
-        except ApiError as exc:
-            await _error(exc.status, exc.code, exc.message, exc.extra)(scope, replay, send)
-            return
-        await Response(out.model_dump_json().encode(), media_type="application/json")(
-            scope, replay, send
-        )
+            try:
+                out = await lane.handle(name, model, key, scope, replay)
+            except ApiError as exc:
+                await _error(exc.status, exc.code, exc.message, exc.extra)(scope, replay, send)
+                return
+            data = out.model_dump_json().encode()
+            await send({"type": "http.response.start", "status": 200, "headers": _json_head(data)})
+            await send({"type": "http.response.body", "body": data})
+        finally:
+            lane.latency(self.gw).observe(_clock.now() - start)
 
     @staticmethod
     def _model(lane: _Lane, body: bytes) -> Any:
@@ -1153,10 +1192,34 @@ class _BodyLimit:
         if scope["type"] != "http" or scope["method"] in self._NO_BODY:
             await self.app(scope, receive, send)  # (their handlers never keep a body)
             return
+        first = await self.read(scope, receive, send)
+        if first is None:
+            return
+
+        async def replay() -> Message:
+            nonlocal first
+            if first is not None:
+                handed, first = first, None
+                return handed
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def read(self, scope: Scope, receive: Receive, send: Send) -> Message | None:
+        """The request's body as one message to hand on (or the disconnect that came
+        instead); None if it was refused here (answered, counted)."""
         declared = [v for k, v in scope["headers"] if k == b"content-length"]
         if declared and declared[0].isdigit() and int(declared[0]) > self.limit:
             await self._refuse(scope, receive, send)
-            return
+            return None
+        if scope.get(BODY_RECEIVED):  # (whole already: nothing to wait for, no timer)
+            whole = await receive()
+            if whole["type"] != "http.request":
+                return whole
+            if len(whole.get("body", b"")) > self.limit:
+                await self._refuse(scope, receive, send)
+                return None
+            return {"type": "http.request", "body": whole.get("body", b""), "more_body": False}
         chunks: list[bytes] = []
         size, more, message = 0, True, None
         try:
@@ -1175,24 +1238,13 @@ class _BodyLimit:
             self.gw.metrics.refused.labels("too_slow").inc()
             text = f"request body not received within {self.timeout:g} s"
             await _closing(_error(408, "too_slow", text))(scope, receive, send)
-            return
+            return None
         if size > self.limit:
             await self._refuse(scope, receive, send)
-            return
-        first: Message | None = (
-            {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-            if message is None or message["type"] == "http.request"
-            else message
-        )
-
-        async def replay() -> Message:
-            nonlocal first
-            if first is not None:
-                handed, first = first, None
-                return handed
-            return await receive()
-
-        await self.app(scope, replay, send)
+            return None
+        if message is None or message["type"] == "http.request":
+            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        return message
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.gw.metrics.refused.labels("too_large").inc()

@@ -24,12 +24,16 @@ import asyncio
 import logging
 from typing import Any
 
-__all__ = ["MAX_HEAD_BYTES", "READ_TIMEOUT", "http_protocol"]
+__all__ = ["BODY_RECEIVED", "MAX_HEAD_BYTES", "READ_TIMEOUT", "http_protocol"]
 
 logger = logging.getLogger("fenced.server")
 
 MAX_HEAD_BYTES = 64 * 1024
 READ_TIMEOUT = 30.0  # (the default of ``fenced serve --read-timeout``)
+
+BODY_RECEIVED = "fenced.body_received"
+"""A scope key this protocol sets once the request's body has arrived whole: reading it then
+cannot wait, and the app's read timeout need not be armed (a timer per request)."""
 
 _REFUSAL = b"request line and headers over %d bytes\n" % MAX_HEAD_BYTES
 
@@ -90,6 +94,10 @@ def http_protocol(head_timeout: float = READ_TIMEOUT) -> type[asyncio.Protocol] 
             self._disarm_head_timer()
             super().on_headers_complete()
 
+        def on_message_complete(self) -> None:
+            self.scope[BODY_RECEIVED] = True  # type: ignore[literal-required]
+            super().on_message_complete()
+
         def _arm_head_timer(self) -> None:
             if self._head_timer is None:
                 self._head_timer = self.loop.call_later(head_timeout, self._head_too_slow)
@@ -127,7 +135,7 @@ class _Coalescing:
     ends (soon callbacks run in order: before any timer). ``close`` sends what is held
     first; everything else is the transport's."""
 
-    __slots__ = ("_transport", "_loop", "_held")
+    __slots__ = ("_held", "_loop", "_transport")
 
     def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
         self._transport, self._loop = transport, loop
