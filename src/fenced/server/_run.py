@@ -67,8 +67,8 @@ class _PerTurnHandler(logging.StreamHandler):  # type: ignore[type-arg]
     below warning wait (the transitions): any other line — uvicorn's, among them its last,
     written just before it re-raises SIGTERM — goes out at once, with those before it."""
 
-    def __init__(self) -> None:
-        raw = io.FileIO(sys.stderr.fileno(), "w", closefd=False)
+    def __init__(self, fd: int | None = None) -> None:
+        raw = io.FileIO(sys.stderr.fileno() if fd is None else fd, "w", closefd=False)
         stream = io.TextIOWrapper(
             io.BufferedWriter(raw, 1 << 16), encoding="utf-8", errors="backslashreplace"
         )
