@@ -21,7 +21,7 @@ as in production: ``fenced serve`` at its default log level on the embedded SQLi
 (fsync on), etcd single member (fsync on).
 
 Run: ``python bench/bench_http_peer.py [--clients 16,64] [--seconds 4] [--slices 3]
-[--nice 0] [--pin CPU] [--fenced-args ...]``; ``python bench/bench_http_peer.py drive
+[--nice 0] [--pin CPU] [--before-src DIR] [--fenced-args ...]``; ``python bench/bench_http_peer.py drive
 --kind fenced|etcd --port P --clients N --seconds S`` runs the generator alone.
 """
 
@@ -195,21 +195,34 @@ def compare(args: argparse.Namespace) -> None:
         fenced = FencedServer(
             f"sqlite:///{tmp}/locks.db", os.path.join(tmp, "serve"), args=args.fenced_args
         )
-        etcd.start()
-        fenced.start()
+        sides = [("fenced", fenced)]
+        if args.before_src:  # (another checkout's fenced serve, in the same slices)
+            os.mkdir(os.path.join(tmp, "before"))
+            before_server = FencedServer(
+                f"sqlite:///{tmp}/before.db",
+                os.path.join(tmp, "before"),
+                args=args.fenced_args,
+                env={"PYTHONPATH": os.path.abspath(args.before_src)},
+            )
+            sides.append(("before", before_server))
+        sides.append(("etcd", etcd))
+        for _, server in sides:
+            server.start()
         try:
             counts = [int(c) for c in args.clients.split(",")]
             rows: dict[tuple[str, int], list[float]] = {}
             cpu: dict[tuple[str, int], list[float]] = {}
-            pids = {"fenced": fenced.proc.pid, "etcd": etcd.proc.pid}  # type: ignore[union-attr]
+            pids = {kind: server.proc.pid for kind, server in sides}  # type: ignore[union-attr]
+            ports = {kind: server.port for kind, server in sides}
             lat: dict[tuple[str, int], list[tuple[float, float]]] = {}
-            for kind, port in (("fenced", fenced.port), ("etcd", etcd.port)):  # warm-up
-                _run_driver(argparse.Namespace(**{**vars(args), "seconds": 1.0}), kind, port, 8)
+            for kind, port in ports.items():  # warm-up
+                warm = argparse.Namespace(**{**vars(args), "seconds": 1.0})
+                _run_driver(warm, "etcd" if kind == "etcd" else "fenced", port, 8)
             for s in range(args.slices):
                 for clients in counts:
-                    for kind, port in (("fenced", fenced.port), ("etcd", etcd.port)):
+                    for kind, port in ports.items():
                         before = _cpu_seconds(pids[kind])
-                        r = _run_driver(args, kind, port, clients)
+                        r = _run_driver(args, "etcd" if kind == "etcd" else "fenced", port, clients)
                         used = _cpu_seconds(pids[kind]) - before
                         us = 1e6 * used / max(1, r["grants"])
                         cpu.setdefault((kind, clients), []).append(us)
@@ -245,9 +258,19 @@ def compare(args: argparse.Namespace) -> None:
                     f"\nfenced {hi} ÷ {lo} clients, per slice: "
                     + ", ".join(f"{x:.2f}" for x in falls)
                 )
+            if args.before_src:
+                for clients in counts:
+                    f, b = rows[("fenced", clients)], rows[("before", clients)]
+                    ratios = [a / c for a, c in zip(f, b, strict=True)]
+                    cf, cb = cpu[("fenced", clients)], cpu[("before", clients)]
+                    print(
+                        f"{clients} clients, this checkout ÷ --before-src: grants/s "
+                        f"{min(ratios):.2f}–{max(ratios):.2f}×, CPU µs/grant "
+                        f"{min(cf):.0f}–{max(cf):.0f} vs {min(cb):.0f}–{max(cb):.0f}"
+                    )
         finally:
-            fenced.stop()
-            etcd.stop()
+            for _, server in sides:
+                server.stop()
 
 
 def main() -> None:
@@ -261,6 +284,12 @@ def main() -> None:
     parser.add_argument("--etcd-lease", choices=["session", "per-lock"], default="session")
     parser.add_argument("--nice", type=int, default=0, help="nice the generator by this much")
     parser.add_argument("--pin", default=None, help="taskset -c CPU for the generator")
+    parser.add_argument(
+        "--before-src",
+        default=None,
+        help="a `src` directory of another fenced (e.g. `git archive` of an older commit): "
+        "its `fenced serve` runs in the same slices, for a before/after",
+    )
     parser.add_argument(
         "--fenced-args", nargs=argparse.REMAINDER, default=[], help="extra `fenced serve` args"
     )
