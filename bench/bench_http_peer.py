@@ -21,7 +21,7 @@ as in production: ``fenced serve`` at its default log level on the embedded SQLi
 (fsync on), etcd single member (fsync on).
 
 Run: ``python bench/bench_http_peer.py [--clients 16,64] [--seconds 4] [--slices 3]
-[--nice 0] [--pin CPU] [--before-src DIR] [--fenced-args ...]``; ``python bench/bench_http_peer.py drive
+[--nice 0] [--pin CPU] [--before-src DIR] [--fastapi-only] [--fenced-args ...]``; ``python bench/bench_http_peer.py drive
 --kind fenced|etcd --port P --clients N --seconds S`` runs the generator alone.
 """
 
@@ -185,6 +185,13 @@ def _clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
 
 
+# `fenced serve` with ServerSettings(fast_lane=False): one stack, FastAPI's, for every request.
+_NO_FAST_LANE = (
+    "import dataclasses, fenced.server._app as a, fenced.server._run as r\n"
+    "r.create_app = lambda s: a.create_app(dataclasses.replace(s, fast_lane=False))"
+)
+
+
 def compare(args: argparse.Namespace) -> None:
     from fenced.testing.servers import EtcdServer, FencedServer
 
@@ -205,6 +212,19 @@ def compare(args: argparse.Namespace) -> None:
                 env={"PYTHONPATH": os.path.abspath(args.before_src)},
             )
             sides.append(("before", before_server))
+        if args.fastapi_only:  # (the same server with every request through FastAPI)
+            os.mkdir(os.path.join(tmp, "fastapi"))
+            sides.append(
+                (
+                    "fastapi",
+                    FencedServer(
+                        f"sqlite:///{tmp}/fastapi.db",
+                        os.path.join(tmp, "fastapi"),
+                        args=args.fenced_args,
+                        prelude=_NO_FAST_LANE,
+                    ),
+                )
+            )
         sides.append(("etcd", etcd))
         for _, server in sides:
             server.start()
@@ -258,13 +278,15 @@ def compare(args: argparse.Namespace) -> None:
                     f"\nfenced {hi} ÷ {lo} clients, per slice: "
                     + ", ".join(f"{x:.2f}" for x in falls)
                 )
-            if args.before_src:
+            for other in ("before", "fastapi"):
+                if (other, counts[0]) not in rows:
+                    continue
                 for clients in counts:
-                    f, b = rows[("fenced", clients)], rows[("before", clients)]
+                    f, b = rows[("fenced", clients)], rows[(other, clients)]
                     ratios = [a / c for a, c in zip(f, b, strict=True)]
-                    cf, cb = cpu[("fenced", clients)], cpu[("before", clients)]
+                    cf, cb = cpu[("fenced", clients)], cpu[(other, clients)]
                     print(
-                        f"{clients} clients, this checkout ÷ --before-src: grants/s "
+                        f"{clients} clients, fenced ÷ {other}: grants/s "
                         f"{min(ratios):.2f}–{max(ratios):.2f}×, CPU µs/grant "
                         f"{min(cf):.0f}–{max(cf):.0f} vs {min(cb):.0f}–{max(cb):.0f}"
                     )
@@ -289,6 +311,11 @@ def main() -> None:
         default=None,
         help="a `src` directory of another fenced (e.g. `git archive` of an older commit): "
         "its `fenced serve` runs in the same slices, for a before/after",
+    )
+    parser.add_argument(
+        "--fastapi-only",
+        action="store_true",
+        help="also the same server without its fast lane (every request through FastAPI)",
     )
     parser.add_argument(
         "--fenced-args", nargs=argparse.REMAINDER, default=[], help="extra `fenced serve` args"

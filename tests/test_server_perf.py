@@ -131,3 +131,24 @@ async def test_the_hot_path_is_answered_before_the_middleware_stack(tmp_path: Pa
     ]
     assert counts and float(counts[0].split()[-1]) == 4.0, counts  # (both paths timed)
     assert json.loads(json.dumps(g))["lock"] == "a"
+
+
+@pytest.mark.asyncio
+async def test_the_dashboard_has_an_icon_and_names_its_tile_truly(tmp_path: Path) -> None:
+    """Issue 29 §4: a browser asks for /favicon.ico on every load (a 404 was a console error
+    each time); the tile of fenced_leases_tracked counts the grants this gateway tracks, not
+    renewals."""
+    app = create_app(ServerSettings(url=f"sqlite:///{tmp_path / 'locks.db'}"))
+    transport = httpx.ASGITransport(app=app)
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=transport, base_url="http://test") as client,
+    ):
+        icon = await client.get("/favicon.ico")
+        assert icon.status_code == 200, icon.text
+        assert icon.headers["content-type"] == "image/svg+xml"
+        assert icon.content.startswith(b"<svg") and icon.content.endswith(b"</svg>")
+        page = (await client.get("/")).text
+        assert '<link rel="icon" type="image/svg+xml" href="/favicon.ico">' in page
+        assert "grants tracked by this gateway" in page and "renewed here" not in page
+        assert "/favicon.ico" not in (await client.get("/openapi.json")).json()["paths"]

@@ -9,7 +9,7 @@ Fields Too Large``, and one not complete within the read timeout (counted from t
 connection's opening or the request's first byte) ``408 Request Timeout``; the connection is
 closed, before the app sees anything. (nginx allows 32 KiB of headers and waits 60 s, Node.js
 16 KiB; a bearer key and the few headers a client of the API sends fit in well under 4 KiB.)
-A body is bounded by the app (``_app._BodyLimit``: its size and the same read timeout), and
+A body is bounded by the app (``_layers._BodyLimit``: its size and the same read timeout), and
 uvicorn stops reading while the app has not taken what it has.
 
 uvicorn writes an answer's head and its body in two writes: two packets (TCP_NODELAY) and two
