@@ -17,6 +17,9 @@
     and the server's memory per lease.
 
 Run: ``.venv/bin/python bench/bench_server.py [--leases N --seconds S] [--only a,b,c]``.
+
+etcd's ``Lock`` here is aetcd's client-side recipe; the server against etcd's server-side lock
+service (v3lock), with a load generator independent of fenced, is ``bench_http_peer.py``.
 """
 
 from __future__ import annotations

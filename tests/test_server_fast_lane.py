@@ -77,7 +77,7 @@ def keys_file(tmp_path: Path) -> Path:
 
 
 def lane_of(app: Any) -> _FastLane | None:
-    layer = app.middleware_stack
+    layer = getattr(app, "front", None) or app.middleware_stack
     while layer is not None and not isinstance(layer, _FastLane):
         layer = getattr(layer, "app", None)
     return layer
@@ -194,7 +194,9 @@ async def test_the_comparison_catches_a_lane_that_counts_a_refusal_twice(
 ) -> None:
     """Planted: the lane's first version looked keys up through the counting path, so a bad
     key was counted there and again by FastAPI."""
-    from fenced.server._app import ApiError, Verb, _find_key
+    from fenced.server._app import _find_key
+    from fenced.server._auth import Verb
+    from fenced.server._wire import ApiError
 
     def counting(self: Any, scope: Any, name: str) -> Any:
         auth = [v for k, v in scope["headers"] if k == b"authorization"]

@@ -14,9 +14,9 @@ import dataclasses
 import inspect
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from importlib import resources
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from fastapi import Body, Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -24,13 +24,12 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from starlette.convertors import Convertor, register_url_convertor
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Receive
 
 from .. import __version__, _clock
-from .._backend import MAX_RECORD, LockStatus, TokenCheck
+from .._backend import LockStatus, TokenCheck
 from .._errors import (
     BackendUnavailable,
     ConfigurationError,
@@ -44,9 +43,6 @@ from .._lease import AsyncLocks, check_description
 from .._signing import Keyring
 from .._state import (
     DEFAULT_TTL,
-    MAX_TIMEOUT,
-    MAX_TTL,
-    MIN_TTL,
     check_request_id,
     check_timeout,
     check_ttl,
@@ -55,7 +51,30 @@ from .._token import MAX_NAME, FencingToken, validate_lock_name
 from ._auth import TAG_LENGTH, ApiKey, Keys, Verb
 from ._gateway import Gateway
 from ._http import READ_TIMEOUT
+from ._layers import _BodyLimit, _FastLane, _Lane, _Service, _Timing
 from ._metrics import CONTENT_TYPE_LATEST
+from ._wire import (
+    _ERRORS,
+    AcquireIn,
+    ApiError,
+    CheckIn,
+    CheckOut,
+    DashboardOut,
+    ErrorOut,
+    ForceIn,
+    ForceOut,
+    GrantOut,
+    InfoOut,
+    LeaseIn,
+    ListOut,
+    RecordOut,
+    ReleaseOut,
+    RenewOut,
+    StatusOut,
+    SwapIn,
+    _bearer_secret,
+    _error,
+)
 
 __all__ = ["ServerSettings", "create_app"]
 
@@ -117,219 +136,6 @@ register_url_convertor("lock", _LockNameConvertor())
 NAME_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.:@+=-]*(/[A-Za-z0-9_][A-Za-z0-9_.:@+=-]*)*$"
 READY_CACHE = 1.0
 """Seconds one look at the source answers /v1/ready for (it takes no key: bounded load)."""
-MAX_INT = (1 << 63) - 1
-"""The largest integer the API takes (a record version): SQLite's and PostgreSQL's bigint."""
-
-
-# -- the wire format ------------------------------------------------------------------------------
-
-
-class _In(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
-# Stated in the OpenAPI document; checked by fenced's own rules (check_ttl, check_timeout,
-# check_request_id), whose one-line messages the answers carry.
-_TTL: dict[str, Any] = {"minimum": MIN_TTL, "maximum": MAX_TTL}
-_REQUEST_ID: dict[str, Any] = {"pattern": r"^[A-Za-z0-9_][A-Za-z0-9_.:-]{0,63}$"}
-_SEGMENT = r"[A-Za-z0-9_][A-Za-z0-9_.:@+=-]*"
-_TOKEN: dict[str, Any] = {  # (the form FencingToken.parse takes: "<lock>:<value>[.kid.sig]")
-    "pattern": rf"^{_SEGMENT}(/{_SEGMENT})*:[1-9][0-9]{{0,18}}"
-    r"(\.[A-Za-z0-9_-]{1,32}\.([A-Za-z0-9_-]{43}|[A-Za-z0-9_-]{86}))?$"
-}
-
-
-class AcquireIn(_In):
-    ttl: float | None = Field(
-        default=None,
-        description="Lease seconds (0.1-86400). Default 10.",
-        json_schema_extra=_TTL,
-    )
-    timeout: float | None = Field(
-        default=None,
-        json_schema_extra={"minimum": 0, "maximum": MAX_TIMEOUT},
-        description="Seconds to wait for the lock, FIFO (0 or absent: try once). One request "
-        "waits at most the server's max wait (60 s by default) and then answers 409 timeout; "
-        "ask again with the same request_id to keep waiting.",
-    )
-    request_id: str | None = Field(
-        default=None,
-        description="Your id for this acquire (1-64 of A-Z a-z 0-9 _ . : -). A retry with the "
-        "same id and key returns the same grant, never a second one. It is your key's: another "
-        "key's request with the same id is refused (403). Generated (random) if absent.",
-        json_schema_extra=_REQUEST_ID,
-    )
-    owner: str | None = Field(
-        default=None, description="Who you are, for operators (status, dashboard)."
-    )
-
-
-class GrantOut(BaseModel):
-    lock: str
-    token: str = Field(description="'<lock>:<value>': send it with every write.")
-    value: int
-    signed: str | None = Field(description="The token signed by the server (if signing is on).")
-    request_id: str
-    lease_id: str = Field(description="The same as request_id: it names this grant.")
-    ttl: float
-    expires_in: float = Field(description="Seconds the lease surely lasts unless renewed.")
-
-
-class LeaseIn(_In):
-    # One of request_id and lease_id (a string) is required; the document says so.
-    model_config = ConfigDict(
-        json_schema_extra={
-            "anyOf": [
-                {"required": ["request_id"], "properties": {"request_id": {"type": "string"}}},
-                {"required": ["lease_id"], "properties": {"lease_id": {"type": "string"}}},
-            ]
-        }
-    )
-    token: str = Field(description="The grant's token, plain or signed.", json_schema_extra=_TOKEN)
-    request_id: str | None = Field(
-        default=None, description="The grant's request id.", json_schema_extra=_REQUEST_ID
-    )
-    lease_id: str | None = Field(
-        default=None, description="Accepted in place of request_id.", json_schema_extra=_REQUEST_ID
-    )
-    ttl: float | None = Field(
-        None,
-        description="For a renewal through a gateway that did not make the grant.",
-        json_schema_extra=_TTL,
-    )
-
-
-class RenewOut(BaseModel):
-    ttl: float
-    expires_in: float
-
-
-class ReleaseOut(BaseModel):
-    released: bool = Field(
-        description="False if the grant had already ended (expired, taken over)."
-    )
-
-
-class ForceIn(_In):
-    token: str | None = Field(
-        default=None,
-        description="Free the lock only if this grant holds it.",
-        json_schema_extra=_TOKEN,
-    )
-
-
-class StatusOut(BaseModel):
-    name: str
-    held: bool
-    token: str | None
-    last_token: str | None = Field(description="The highest grant known (None: never, or unknown).")
-    remaining: float | None
-    waiters: int | None
-    owner: str | None
-    holder: str | None = Field(
-        description="Who holds it: the request id to the key that made the grant (to every "
-        "client on a server without keys); the holder's description (as owner) to any other "
-        "key. A request id is the grant's capability: never shown to another key."
-    )
-    version: str = Field(description="Changes whenever holder or token changes (for ?index=).")
-
-
-class ForceOut(BaseModel):
-    released: StatusOut | None
-
-
-class ListOut(BaseModel):
-    locks: list[str]
-
-
-class CheckIn(_In):
-    token: str = Field(json_schema_extra=_TOKEN)
-
-
-class CheckOut(BaseModel):
-    token: str
-    lock: str
-    current: bool = Field(description="It is the live grant of its lock.")
-    highest: str | None
-    stale: bool = Field(description="A later grant exists: refuse this writer.")
-    never_granted: bool = Field(
-        description="Not a token the source issued: above its highest grant of the lock, or "
-        "of a lock it never granted (forged, or from elsewhere). False where the source cannot "
-        "know (etcd, ZooKeeper keep no counter: a free lock's highest grant is forgotten)."
-    )
-    verdict: Literal["current", "stale", "not_current", "never_granted"]
-
-
-class ErrorOut(BaseModel):
-    error: str
-    message: str
-
-
-class InfoOut(BaseModel):
-    version: str
-    source: str
-    characteristics: list[str]
-    knows_highest: bool
-    signing: dict[str, str] | None
-    max_wait: float
-    default_ttl: float
-    auth: bool
-
-
-class DashboardOut(BaseModel):
-    locks: list[StatusOut]
-    counters: dict[str, float]
-    events: list[dict[str, Any]]
-    info: InfoOut
-    truncated: bool
-
-
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    400: {"model": ErrorOut, "description": "invalid_request or invalid_token"},
-    401: {"model": ErrorOut, "description": "unauthenticated"},
-    403: {"model": ErrorOut, "description": "forbidden"},
-    408: {"model": ErrorOut, "description": "too_slow: the body took over --read-timeout"},
-    413: {"model": ErrorOut, "description": "too_large: a body over --max-request-bytes"},
-    503: {"model": ErrorOut, "description": "unavailable: the token source cannot be reached"},
-}
-
-
-class RecordOut(BaseModel):
-    name: str
-    version: int = Field(description="0: never written; each swap adds one")
-    value: str | None
-
-
-def _integral(value: Any) -> Any:
-    """JSON has one number type: ``246.0`` is the integer 246 (JSON Schema says so too); a
-    fraction, a bool or a string stays refused (strict)."""
-    if type(value) is float and value.is_integer() and abs(value) <= MAX_INT:
-        return int(value)
-    return value
-
-
-class SwapIn(_In):
-    version: Annotated[int, BeforeValidator(_integral)] = Field(
-        ge=0,
-        le=MAX_INT,
-        description="The version the change is based on (0: none yet; at most 2^63-1)",
-    )
-    value: str = Field(max_length=MAX_RECORD)
-
-
-class ApiError(Exception):
-    def __init__(
-        self, status: int, code: str, message: str, extra: dict[str, Any] | None = None
-    ) -> None:
-        super().__init__(message)
-        self.status, self.code, self.message = status, code, message
-        self.extra = extra or {}
-
-
-def _error(
-    status: int, code: str, message: str, extra: dict[str, Any] | None = None
-) -> JSONResponse:
-    return JSONResponse({"error": code, "message": message, **(extra or {})}, status_code=status)
 
 
 def own_id(key: ApiKey | None, request_id: str) -> str:
@@ -424,11 +230,6 @@ def _find_key(keys: Keys | None, gw: Gateway, authorization: str | None) -> ApiK
     return key
 
 
-def _bearer_secret(authorization: str | None) -> str | None:
-    scheme, _sep, secret = (authorization or "").partition(" ")
-    return secret.strip() if scheme.lower() == "bearer" and secret.strip() else None
-
-
 Principal = Annotated[ApiKey | None, Depends(_principal)]
 
 
@@ -459,7 +260,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
         finally:
             await gw.stop()
 
-    app = FastAPI(
+    app = _Service(
         title="fenced",
         version=__version__,
         summary="A lock service that hands out fencing tokens.",
@@ -930,6 +731,11 @@ def create_app(settings: ServerSettings) -> FastAPI:
             truncated=len(names) > len(shown),
         )
 
+    @app.get("/favicon.ico", include_in_schema=False)
+    async def favicon() -> Response:
+        # (browsers ask for it on every load: a 404 was a console error each time)
+        return Response(_FAVICON, media_type="image/svg+xml", headers=_FAVICON_HEADERS)
+
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     async def dashboard() -> HTMLResponse:
         page = resources.files("fenced.server").joinpath("dashboard.html").read_text()
@@ -960,14 +766,25 @@ def create_app(settings: ServerSettings) -> FastAPI:
         ),
     }
     app.openapi = lambda: _document(app, keyed=keys is not None)  # type: ignore[method-assign]
-    if settings.fast_lane:
-        app.add_middleware(_FastLane, lanes=lanes, keys=keys, gateway=gw)
-    app.add_middleware(_Timing, gateway=gw)  # (it times the fast lane too)
+    app.add_middleware(_Timing, gateway=gw)
     app.add_middleware(  # (outermost)
         _BodyLimit, limit=settings.max_request_bytes, timeout=settings.read_timeout, gateway=gw
     )
+    if settings.fast_lane:  # (in front of the whole stack, with the same body bounds)
+        bounds = _BodyLimit(
+            app.through_stack, settings.max_request_bytes, settings.read_timeout, gw
+        )
+        app.front = _FastLane(app.through_stack, lanes, keys, gw, bounds)
     return app
 
+
+# A padlock in the dashboard's green: the icon of the tab an operator keeps open.
+_FAVICON = (
+    b'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 16 16">'
+    b'<path d="M4 7V5a4 4 0 0 1 8 0v2" fill="none" stroke="#1f7a44" stroke-width="2"/>'
+    b'<rect x="2" y="7" width="12" height="8" rx="1.5" fill="#1f7a44"/></svg>'
+)
+_FAVICON_HEADERS = {"cache-control": "max-age=86400"}
 
 API_VERSION = "1"
 """The version of the API the document describes (``/v1``): the package's version is for
@@ -1040,196 +857,3 @@ async def _disconnected(receive: Receive) -> None:
         message = await receive()
         if message["type"] == "http.disconnect":
             return
-
-
-@dataclasses.dataclass(frozen=True)
-class _Lane:
-    route: APIRoute  # (for the latency metric's route label, as FastAPI's routing sets it)
-    model: type[_In]
-    handle: Callable[[str, Any, ApiKey | None, Scope, Receive], Awaitable[BaseModel]]
-
-
-_LOCKS = "/v1/locks/"
-
-
-class _FastLane:
-    """acquire, renew and release — a lock service's hot path — without FastAPI's routing,
-    dependency solving and response-model validation, which cost about two thirds of such a
-    request's CPU. The same handlers run, with the same body models (validated the same way)
-    and the same error answers. Only a request the lane is sure of takes it: a well-formed
-    JSON object that validates, from an authenticated key allowed on the lock; anything else
-    (a bad body, no or a wrong key, another route) goes to the FastAPI app with its body
-    replayed, which answers it as it always has — one set of rules, one set of messages."""
-
-    def __init__(
-        self, app: ASGIApp, lanes: dict[str, _Lane], keys: Keys | None, gateway: Gateway
-    ) -> None:
-        self.app, self.lanes, self.keys, self.gw = app, lanes, keys, gateway
-        self.taken = 0  # requests answered here (tests read it)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope.get("path", "")
-        if scope["type"] != "http" or scope["method"] != "POST" or not path.startswith(_LOCKS):
-            await self.app(scope, receive, send)
-            return
-        name, _, verb = path[len(_LOCKS) :].rpartition("/")
-        if name.endswith("/-"):  # (the paths without it are the old ones, still served)
-            name = name[:-2]
-        lane = self.lanes.get(verb)
-        if lane is None or not name:
-            await self.app(scope, receive, send)
-            return
-        body, more, disconnected = b"", True, False
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                disconnected, more = True, False
-            else:
-                body += message.get("body", b"")
-                more = message.get("more_body", False)
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                if disconnected:
-                    return {"type": "http.disconnect"}
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        model = self._model(lane, body)
-        key = self._key(scope, name) if model is not None and not disconnected else False
-        if model is None or key is False:
-            await self.app(scope, replay, send)
-            return
-        scope["route"] = lane.route
-        self.taken += 1
-        replayed = True  # (the body is read: a waiting acquire watches for the disconnect)
-        try:
-            out = await lane.handle(name, model, key, scope, replay)
-        except ApiError as exc:
-            await _error(exc.status, exc.code, exc.message, exc.extra)(scope, replay, send)
-            return
-        await Response(out.model_dump_json().encode(), media_type="application/json")(
-            scope, replay, send
-        )
-
-    @staticmethod
-    def _model(lane: _Lane, body: bytes) -> Any:
-        """The body as the route's model, or None (then FastAPI says what is wrong)."""
-        if not body and lane.model is AcquireIn:  # (only none at all: whitespace is bad JSON)
-            return AcquireIn()
-        try:
-            data = json.loads(body)
-            return lane.model.model_validate(data) if isinstance(data, dict) else None
-        except ValueError:  # (json's and pydantic's errors both are)
-            return None
-
-    def _key(self, scope: Scope, name: str) -> ApiKey | Literal[False] | None:
-        """The request's key if it may acquire ``name``; False: let FastAPI refuse it (and
-        count the refusal: nothing here touches a metric)."""
-        if self.keys is None:
-            return None
-        auth = [v for k, v in scope["headers"] if k == b"authorization"]
-        secret = _bearer_secret(auth[0].decode("latin-1")) if len(auth) == 1 else None
-        key = self.keys.find(secret) if secret is not None else None
-        return key if key is not None and key.allows(Verb.ACQUIRE, name) else False
-
-
-class _BodyLimit:
-    """Refuse a request body over ``limit`` bytes with 413 too_large, before more of it than
-    that is held: at once by its Content-Length, else (chunked) as soon as the count passes
-    the limit; and one not received within ``timeout`` seconds with 408 too_slow. A body
-    within both is read here and handed on whole (every route reads its body whole anyway),
-    then ``receive`` passes through: a long poll still sees the disconnect."""
-
-    _NO_BODY = frozenset({"GET", "HEAD", "OPTIONS"})
-
-    def __init__(self, app: ASGIApp, limit: int, timeout: float, gateway: Gateway) -> None:
-        self.app, self.limit, self.timeout, self.gw = app, limit, timeout, gateway
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] in self._NO_BODY:
-            await self.app(scope, receive, send)  # (their handlers never keep a body)
-            return
-        declared = [v for k, v in scope["headers"] if k == b"content-length"]
-        if declared and declared[0].isdigit() and int(declared[0]) > self.limit:
-            await self._refuse(scope, receive, send)
-            return
-        chunks: list[bytes] = []
-        size, more, message = 0, True, None
-        try:
-            async with asyncio.timeout(self.timeout):  # (a body sent a byte at a time)
-                while more:
-                    message = await receive()
-                    if message["type"] != "http.request":  # (the client went away)
-                        break
-                    chunk = message.get("body", b"")
-                    size += len(chunk)
-                    if size > self.limit:
-                        break
-                    chunks.append(chunk)
-                    more = message.get("more_body", False)
-        except TimeoutError:
-            self.gw.metrics.refused.labels("too_slow").inc()
-            text = f"request body not received within {self.timeout:g} s"
-            await _closing(_error(408, "too_slow", text))(scope, receive, send)
-            return
-        if size > self.limit:
-            await self._refuse(scope, receive, send)
-            return
-        first: Message | None = (
-            {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-            if message is None or message["type"] == "http.request"
-            else message
-        )
-
-        async def replay() -> Message:
-            nonlocal first
-            if first is not None:
-                handed, first = first, None
-                return handed
-            return await receive()
-
-        await self.app(scope, replay, send)
-
-    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        self.gw.metrics.refused.labels("too_large").inc()
-        message = f"request body over {self.limit} bytes"
-        await _closing(_error(413, "too_large", message))(scope, receive, send)
-
-
-def _closing(response: JSONResponse) -> JSONResponse:
-    """The answer to a request whose body was not read to its end: the connection cannot
-    carry another request after it, so it is closed (uvicorn does, on this header)."""
-    response.headers["connection"] = "close"
-    return response
-
-
-class _Timing:
-    """Request latency by route template (never by lock name), as a pure ASGI middleware; and
-    every POST body read as JSON."""
-
-    def __init__(self, app: ASGIApp, gateway: Gateway) -> None:
-        self.app, self.gw = app, gateway
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        if (
-            scope["method"] == "POST"
-            and (b"content-type", b"application/json") not in scope["headers"]
-        ):
-            # Bodies are JSON whatever the Content-Type says: `curl -d '{...}'` sends a form type.
-            headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
-            scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
-        start = _clock.now()
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            route = scope.get("route")
-            path = getattr(route, "path", None)
-            if path is not None and not path.endswith("/-/watch"):
-                self.gw.metrics.latency.labels(path, scope["method"]).observe(_clock.now() - start)

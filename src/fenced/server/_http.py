@@ -9,8 +9,13 @@ Fields Too Large``, and one not complete within the read timeout (counted from t
 connection's opening or the request's first byte) ``408 Request Timeout``; the connection is
 closed, before the app sees anything. (nginx allows 32 KiB of headers and waits 60 s, Node.js
 16 KiB; a bearer key and the few headers a client of the API sends fit in well under 4 KiB.)
-A body is bounded by the app (``_app._BodyLimit``: its size and the same read timeout), and
+A body is bounded by the app (``_layers._BodyLimit``: its size and the same read timeout), and
 uvicorn stops reading while the app has not taken what it has.
+
+uvicorn writes an answer's head and its body in two writes: two packets (TCP_NODELAY) and two
+wake-ups of the client per answer — on a loaded machine a wake-up can hand the core to the
+client mid-answer. Here what a connection writes in one turn of the loop goes out in one
+write at the end of the turn (``_Coalescing``).
 """
 
 from __future__ import annotations
@@ -19,12 +24,16 @@ import asyncio
 import logging
 from typing import Any
 
-__all__ = ["MAX_HEAD_BYTES", "READ_TIMEOUT", "http_protocol"]
+__all__ = ["BODY_RECEIVED", "MAX_HEAD_BYTES", "READ_TIMEOUT", "http_protocol"]
 
 logger = logging.getLogger("fenced.server")
 
 MAX_HEAD_BYTES = 64 * 1024
 READ_TIMEOUT = 30.0  # (the default of ``fenced serve --read-timeout``)
+
+BODY_RECEIVED = "fenced.body_received"
+"""A scope key this protocol sets once the request's body has arrived whole: reading it then
+cannot wait, and the app's read timeout need not be armed (a timer per request)."""
 
 _REFUSAL = b"request line and headers over %d bytes\n" % MAX_HEAD_BYTES
 
@@ -53,6 +62,8 @@ def http_protocol(head_timeout: float = READ_TIMEOUT) -> type[asyncio.Protocol] 
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
+            # (after uvicorn's flow control took the real transport: reading is not delayed)
+            self.transport = _Coalescing(transport, self.loop)  # type: ignore[assignment]
             self._arm_head_timer()
 
         def connection_lost(self, exc: Exception | None) -> None:
@@ -82,6 +93,10 @@ def http_protocol(head_timeout: float = READ_TIMEOUT) -> type[asyncio.Protocol] 
             self._head_bytes, self._tail = 0, b""  # (the next request's head counts afresh)
             self._disarm_head_timer()
             super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            self.scope[BODY_RECEIVED] = True  # type: ignore[literal-required]
+            super().on_message_complete()
 
         def _arm_head_timer(self) -> None:
             if self._head_timer is None:
@@ -113,3 +128,33 @@ def http_protocol(head_timeout: float = READ_TIMEOUT) -> type[asyncio.Protocol] 
             self.transport.close()
 
     return BoundedHeadProtocol
+
+
+class _Coalescing:
+    """A transport whose writes in one turn of the loop go out as one write when the turn
+    ends (soon callbacks run in order: before any timer). ``close`` sends what is held
+    first; everything else is the transport's."""
+
+    __slots__ = ("_held", "_loop", "_transport")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport, self._loop = transport, loop
+        self._held: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        if not self._held:
+            self._loop.call_soon(self.flush)
+        self._held.append(data)
+
+    def flush(self) -> None:
+        if self._held:
+            data, self._held = b"".join(self._held), []
+            if not self._transport.is_closing():
+                self._transport.write(data)
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)

@@ -1,0 +1,251 @@
+"""The layers a request of ``fenced serve`` passes before a route: the fast lane for the hot
+path (in front of Starlette's stack), the body bounds and the latency metric (inside it)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal
+
+from fastapi import FastAPI
+from fastapi.routing import APIRoute
+from pydantic import BaseModel
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .. import _clock
+from ._auth import ApiKey, Keys, Verb
+from ._gateway import Gateway
+from ._http import BODY_RECEIVED
+from ._wire import AcquireIn, ApiError, _bearer_secret, _closing, _error, _In, _json_head
+
+
+class _Service(FastAPI):
+    """FastAPI, with the hot path answered before Starlette's middleware stack: ``front``
+    (the fast lane) takes each HTTP request first and hands the rest to the whole stack
+    (``through_stack``), which answers them as FastAPI always has."""
+
+    front: _FastLane | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        front = self.front
+        if front is not None and scope["type"] == "http":
+            await front(scope, receive, send)
+        else:
+            await super().__call__(scope, receive, send)
+
+    async def through_stack(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await super().__call__(scope, receive, send)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Lane:
+    route: APIRoute  # (for the latency metric's route label, as FastAPI's routing sets it)
+    model: type[_In]
+    handle: Callable[[str, Any, ApiKey | None, Scope, Receive], Awaitable[BaseModel]]
+    _latency: list[Any] = dataclasses.field(default_factory=list)
+
+    def latency(self, gw: Gateway) -> Any:
+        """The route's latency histogram (its child looked up once, not per request)."""
+        if not self._latency:
+            self._latency.append(gw.metrics.latency.labels(self.route.path, "POST"))
+        return self._latency[0]
+
+
+_LOCKS = "/v1/locks/"
+
+
+class _FastLane:
+    """acquire, renew and release — a lock service's hot path — without Starlette's
+    middleware stack, FastAPI's routing, dependency solving and response-model validation,
+    which cost most of such a request's CPU. The same handlers run, with the same body models
+    (validated the same way), the same body bounds (``_BodyLimit.read``: size and read
+    timeout), the same error answers and the same latency metric. Only a request the lane is
+    sure of takes it: a well-formed JSON object that validates, from an authenticated key
+    allowed on the lock; anything else (a bad body, no or a wrong key, another route) goes to
+    the FastAPI app with its body replayed, which answers it as it always has — one set of
+    rules, one set of messages."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        lanes: dict[str, _Lane],
+        keys: Keys | None,
+        gateway: Gateway,
+        bounds: _BodyLimit,
+    ) -> None:
+        self.app, self.lanes, self.keys, self.gw, self.bounds = app, lanes, keys, gateway, bounds
+        self.taken = 0  # requests answered here (tests read it)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or scope["method"] != "POST" or not path.startswith(_LOCKS):
+            await self.app(scope, receive, send)
+            return
+        name, _, verb = path[len(_LOCKS) :].rpartition("/")
+        if name.endswith("/-"):  # (the paths without it are the old ones, still served)
+            name = name[:-2]
+        lane = self.lanes.get(verb)
+        if lane is None or not name:
+            await self.app(scope, receive, send)
+            return
+        start = _clock.now()
+        first = await self.bounds.read(scope, receive, send)
+        if first is None:  # (refused: too large or too slow; answered and counted)
+            return
+        disconnected = first["type"] != "http.request"
+        body = b"" if disconnected else first.get("body", b"")
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return first
+            return await receive()
+
+        model = self._model(lane, body)
+        key = self._key(scope, name) if model is not None and not disconnected else False
+        if model is None or key is False:
+            await self.app(scope, replay, send)
+            return
+        scope["route"] = lane.route
+        self.taken += 1
+        replayed = True  # (the body is read: a waiting acquire watches for the disconnect)
+        try:
+            try:
+                out = await lane.handle(name, model, key, scope, replay)
+            except ApiError as exc:
+                await _error(exc.status, exc.code, exc.message, exc.extra)(scope, replay, send)
+                return
+            data = out.model_dump_json().encode()
+            await send({"type": "http.response.start", "status": 200, "headers": _json_head(data)})
+            await send({"type": "http.response.body", "body": data})
+        finally:
+            lane.latency(self.gw).observe(_clock.now() - start)
+
+    @staticmethod
+    def _model(lane: _Lane, body: bytes) -> Any:
+        """The body as the route's model, or None (then FastAPI says what is wrong)."""
+        if not body and lane.model is AcquireIn:  # (only none at all: whitespace is bad JSON)
+            return AcquireIn()
+        try:
+            data = json.loads(body)
+            return lane.model.model_validate(data) if isinstance(data, dict) else None
+        except ValueError:  # (json's and pydantic's errors both are)
+            return None
+
+    def _key(self, scope: Scope, name: str) -> ApiKey | Literal[False] | None:
+        """The request's key if it may acquire ``name``; False: let FastAPI refuse it (and
+        count the refusal: nothing here touches a metric)."""
+        if self.keys is None:
+            return None
+        auth = [v for k, v in scope["headers"] if k == b"authorization"]
+        secret = _bearer_secret(auth[0].decode("latin-1")) if len(auth) == 1 else None
+        key = self.keys.find(secret) if secret is not None else None
+        return key if key is not None and key.allows(Verb.ACQUIRE, name) else False
+
+
+class _BodyLimit:
+    """Refuse a request body over ``limit`` bytes with 413 too_large, before more of it than
+    that is held: at once by its Content-Length, else (chunked) as soon as the count passes
+    the limit; and one not received within ``timeout`` seconds with 408 too_slow. A body
+    within both is read here and handed on whole (every route reads its body whole anyway),
+    then ``receive`` passes through: a long poll still sees the disconnect."""
+
+    _NO_BODY = frozenset({"GET", "HEAD", "OPTIONS"})
+
+    def __init__(self, app: ASGIApp, limit: int, timeout: float, gateway: Gateway) -> None:
+        self.app, self.limit, self.timeout, self.gw = app, limit, timeout, gateway
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in self._NO_BODY:
+            await self.app(scope, receive, send)  # (their handlers never keep a body)
+            return
+        first = await self.read(scope, receive, send)
+        if first is None:
+            return
+
+        async def replay() -> Message:
+            nonlocal first
+            if first is not None:
+                handed, first = first, None
+                return handed
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def read(self, scope: Scope, receive: Receive, send: Send) -> Message | None:
+        """The request's body as one message to hand on (or the disconnect that came
+        instead); None if it was refused here (answered, counted)."""
+        declared = [v for k, v in scope["headers"] if k == b"content-length"]
+        if declared and declared[0].isdigit() and int(declared[0]) > self.limit:
+            await self._refuse(scope, receive, send)
+            return None
+        if scope.get(BODY_RECEIVED):  # (whole already: nothing to wait for, no timer)
+            whole = await receive()
+            if whole["type"] != "http.request":
+                return whole
+            if len(whole.get("body", b"")) > self.limit:
+                await self._refuse(scope, receive, send)
+                return None
+            return {"type": "http.request", "body": whole.get("body", b""), "more_body": False}
+        chunks: list[bytes] = []
+        size, more, message = 0, True, None
+        try:
+            async with asyncio.timeout(self.timeout):  # (a body sent a byte at a time)
+                while more:
+                    message = await receive()
+                    if message["type"] != "http.request":  # (the client went away)
+                        break
+                    chunk = message.get("body", b"")
+                    size += len(chunk)
+                    if size > self.limit:
+                        break
+                    chunks.append(chunk)
+                    more = message.get("more_body", False)
+        except TimeoutError:
+            self.gw.metrics.refused.labels("too_slow").inc()
+            text = f"request body not received within {self.timeout:g} s"
+            await _closing(_error(408, "too_slow", text))(scope, receive, send)
+            return None
+        if size > self.limit:
+            await self._refuse(scope, receive, send)
+            return None
+        if message is None or message["type"] == "http.request":
+            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        return message
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.gw.metrics.refused.labels("too_large").inc()
+        message = f"request body over {self.limit} bytes"
+        await _closing(_error(413, "too_large", message))(scope, receive, send)
+
+
+class _Timing:
+    """Request latency by route template (never by lock name), as a pure ASGI middleware; and
+    every POST body read as JSON."""
+
+    def __init__(self, app: ASGIApp, gateway: Gateway) -> None:
+        self.app, self.gw = app, gateway
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if (
+            scope["method"] == "POST"
+            and (b"content-type", b"application/json") not in scope["headers"]
+        ):
+            # Bodies are JSON whatever the Content-Type says: `curl -d '{...}'` sends a form type.
+            headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+            scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
+        start = _clock.now()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            route = scope.get("route")
+            path = getattr(route, "path", None)
+            if path is not None and not path.endswith("/-/watch"):
+                self.gw.metrics.latency.labels(path, scope["method"]).observe(_clock.now() - start)
