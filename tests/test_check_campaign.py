@@ -15,7 +15,9 @@ from tests.helpers import ROOT, headless
 from tests.png import count_near, read_png
 
 
-def _check(tmp_path: Path, *extra: str, seed: int = 3, seconds: int = 6) -> subprocess.CompletedProcess[str]:
+def _check(
+    tmp_path: Path, *extra: str, seed: int = 3, seconds: int = 6
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [
             sys.executable,
