@@ -656,6 +656,27 @@ def test_a_request_head_over_the_bound_is_refused_and_the_server_goes_on(
     assert get(f"{server.url}/v1/health").json() == {"status": "ok"}
 
 
+def test_a_post_asking_to_upgrade_to_h2c_is_served_as_http_1_1(server: FencedServer) -> None:
+    """Java's HttpClient and `curl --http2` send `Connection: Upgrade, HTTP2-Settings` and
+    `Upgrade: h2c` with a POST; the server ignores the upgrade (as RFC 9110 lets it) and serves
+    the request with its body — whole, or with the head and the body in separate reads.
+    (httptools stopped at such a head: the body never reached the app, a 400.)"""
+    body = b'{"ttl": 30, "request_id": "h2c-1"}'
+    for name, whole in ((b"h2c-a", True), (b"h2c-b", False)):
+        head = (
+            b"POST /v1/locks/%s/-/acquire HTTP/1.1\r\nhost: x\r\n" % name
+            + b"Connection: Upgrade, HTTP2-Settings, close\r\nUpgrade: h2c\r\n"
+            b"HTTP2-Settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n"
+            b"content-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body)
+        )
+        reply = head_reply(server, head + body, len(head) + len(body) if whole else len(head))
+        assert reply.startswith(b"HTTP/1.1 200 "), (whole, reply[:300])
+        flat = reply.replace(b" ", b"")
+        # The body's own ttl and request id (an acquire without its body takes the defaults).
+        assert b'"token":"%s:1"' % name in flat, reply[:300]
+        assert b'"request_id":"h2c-1"' in flat and b'"ttl":30.0' in flat, reply[:400]
+
+
 def test_a_request_that_is_too_slow_is_closed_with_408(source: str) -> None:
     """A connection that sends nothing, a head a piece at a time, or a body that stops half
     way, is held no longer than --read-timeout (a slow client would otherwise keep each

@@ -572,3 +572,77 @@ def test_a_holder_retries_an_acquire_answered_503_with_the_same_request_id(
         assert h.line() == "released true"
     finally:
         front.close()
+
+
+def test_a_holder_paused_while_its_grant_waits_in_the_socket_never_hands_it_out(
+    server: FencedServer, storage: str, holder: Callable[..., Holder]
+) -> None:
+    """A holder waits in line; it is stopped (a GC pause) while the lock is granted to it; the
+    grant expires at the source and another client takes the lock (token 3). When the holder
+    wakes and reads the grant's answer, the grant must not be handed out as held: its time is
+    counted from the request's send, and a grant older than a third of its ttl is confirmed by
+    a renewal first — which fails here. (Counted from the answer's arrival, the client held
+    token 2 with ~2 s left while token 3 was the holder.)"""
+    lock = f"pause-in-line-{os.getpid()}-{time.monotonic_ns()}"
+    url = f"{server.url}/v1/locks/{lock}"
+    first = httpx.post(f"{url}/-/acquire", json={"ttl": 60, "request_id": "first"}, timeout=30)
+    assert first.status_code == 200, first.text
+    h = holder(server.url, lock, storage, "paused in line", 2)
+    wait_for(lambda: httpx.get(url, timeout=10).json()["waiters"] == 1, 30, "the holder in line")
+    os.kill(h.proc.pid, signal.SIGSTOP)
+    try:
+        token1 = first.json()["token"]
+        gone = httpx.post(
+            f"{url}/-/release", json={"token": token1, "request_id": "first"}, timeout=30
+        )
+        assert gone.json()["released"] is True, gone.text
+        # The holder's grant (token 2) is made now, and runs out at the source in 2 s.
+        wait_for(lambda: httpx.get(url, timeout=10).json()["token"] is not None, 30, "grant 2")
+        wait_for(lambda: httpx.get(url, timeout=10).json()["holder"] is None, 30, "its expiry")
+        third = httpx.post(f"{url}/-/acquire", json={"ttl": 60, "request_id": "third"}, timeout=30)
+        assert third.json()["token"] == f"{lock}:3", third.text
+    finally:
+        os.kill(h.proc.pid, signal.SIGCONT)
+    said = h.line()
+    assert said.startswith("error ") and "could not confirm" in said, said
+
+
+def test_a_grant_answer_without_expires_in_is_refused_not_held_forever(tmp_path: Path) -> None:
+    """A grant whose answer lacks a number `expires_in` (a broken proxy, another server) cannot
+    be timed: the client refuses it. (It was held forever: NaN compares false, so the token
+    was handed out for good and a renewal loop spun.)"""
+    import http.server
+    import threading
+
+    class Fake(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("content-length", 0)))
+            body = b'{"lock": "x", "token": "x:1", "value": 1, "ttl": 1.0, "request_id": "r"}'
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    fake = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Fake)
+    threading.Thread(target=fake.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{fake.server_address[1]}"
+        script = (
+            f"import {{ FencedClient }} from {json.dumps(str(ROOT / 'clients/js/index.js'))};"
+            f"try {{ const l = await new FencedClient({json.dumps(url)}).lock('x', {{ttl: 1}});"
+            " console.log('held', l.state); process.exit(0); }"
+            " catch (e) { console.log('error', e.code, e.message); }"
+        )
+        out = subprocess.run(
+            [_need("node"), "--input-type=module", "-e", script],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.stdout.startswith("error bad_answer"), out.stdout + out.stderr
+    finally:
+        fake.shutdown()

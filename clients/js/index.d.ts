@@ -25,7 +25,8 @@ export interface LockOptions {
   /** Seconds before the confirmed end at which the token stops being handed out
    * (default min(1, ttl/10)). */
   safetyMargin?: number;
-  /** Seconds to keep retrying connection errors and 503s when timeout is shorter (default 10). */
+  /** Seconds to keep retrying connection errors and 503s for a single try (timeout 0;
+   * default 10). With a timeout, they are retried until it, never past it. */
   retryFor?: number;
   /** Called once, with the reason, when the lease is lost. */
   onLost?: (reason: string) => void;

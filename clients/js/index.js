@@ -115,8 +115,8 @@ export class FencedClient {
   /**
    * Take the lock `name`, waiting up to `timeout` seconds in line (FIFO), and keep it renewed
    * in the background until `release()`. A connection error or a 503 is retried with the same
-   * request id (idempotent: never a second grant) until `timeout` or `retryFor`, whichever is
-   * longer, has passed.
+   * request id (idempotent: never a second grant) until `timeout` has passed — or, for a
+   * single try (`timeout` 0), for `retryFor` seconds (default 10).
    * @returns {Promise<Lease>}
    */
   async lock(name, options = {}) {
@@ -142,24 +142,51 @@ export class FencedClient {
     checkNumber("safetyMargin", margin, 0, ttl / 2);
     const start = performance.now();
     const waitUntil = start + timeout * 1000;
-    const retryUntil = start + Math.max(timeout, retryFor) * 1000;
+    const retryUntil = start + (timeout > 0 ? timeout : retryFor) * 1000;
     let backoff = 100;
     for (;;) {
       const left = Math.max(0, (waitUntil - performance.now()) / 1000);
       const body = { ttl, timeout: left, request_id: requestId };
       if (owner !== undefined) body.owner = owner;
       // The server answers a long poll within its max wait (60 s): a little more is allowed.
+      const sent = performance.now();
       const r = await this._call("POST", path, body, (Math.min(left, 60) + 15) * 1000);
       const received = performance.now();
       if (r.status === 200) {
-        return new Lease(this, name, r.body, {
-          ttl,
-          requestId,
-          margin,
-          // Counted from the answer's arrival; its travel time is covered by the margin.
-          validUntil: received + (r.body.expires_in - margin) * 1000,
-          onLost,
-        });
+        const expiresIn = r.body.expires_in;
+        if (typeof expiresIn !== "number" || !Number.isFinite(expiresIn) || expiresIn < 0) {
+          throw new FencedError(`could not take ${name}: the answer has no expires_in`, {
+            status: 200,
+            code: "bad_answer",
+          });
+        }
+        // Counted from when the request was sent, never from the answer's arrival: the grant
+        // was made after the send, and an answer can wait in a socket for any time (a paused
+        // process, a slow network) while the lease runs out at the source.
+        let validUntil = sent + (expiresIn - margin) * 1000;
+        let grant = r.body;
+        if (received - sent > (ttl * 1000) / 3) {
+          // Waited in line, or paused: confirm the grant (a renewal, counted from its own
+          // send) before handing out its token; one that cannot be confirmed is not held.
+          const again = performance.now();
+          const token = r.body.signed ?? r.body.token;
+          const rr = await this._call(
+            "POST",
+            this._lockPath(name, "renew"),
+            { token, request_id: requestId, ttl },
+            ttl * 1000,
+          );
+          if (rr.status !== 200 || typeof rr.body.expires_in !== "number") {
+            await this._call("POST", this._lockPath(name, "release"), { token, request_id: requestId }, 2000);
+            throw new LeaseLostError(`took ${name}, but could not confirm the grant: ${describe(rr)}`, {
+              status: rr.status,
+              code: "lease_lost",
+            });
+          }
+          validUntil = again + (rr.body.expires_in - margin) * 1000;
+          grant = { ...r.body, ...rr.body };
+        }
+        return new Lease(this, name, grant, { ttl, requestId, margin, validUntil, onLost });
       }
       const transient = r.status === 0 || r.status === 503;
       if (r.status === 409 && r.body.error === "timeout" && received < waitUntil) continue;

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from typing import Any
 
 __all__ = ["BODY_RECEIVED", "MAX_HEAD_BYTES", "READ_TIMEOUT", "http_protocol"]
@@ -36,6 +37,21 @@ BODY_RECEIVED = "fenced.body_received"
 cannot wait, and the app's read timeout need not be armed (a timer per request)."""
 
 _REFUSAL = b"request line and headers over %d bytes\n" % MAX_HEAD_BYTES
+
+
+_CONNECTION_UPGRADE = re.compile(rb"(?im)^(connection:[^\r\n]*?)\bupgrade\b")
+
+
+def _ignore_upgrade(data: bytes, head_end: int | None) -> bytes:
+    """``data`` with the ``upgrade`` token blanked in a ``Connection`` header of the head.
+
+    The service speaks HTTP/1.1 only, and a server may ignore an ``Upgrade`` (RFC 9110
+    7.8); httptools does not: it stops at the head of such a request, and the body of a
+    ``POST`` sent with ``Upgrade: h2c`` (as Java's HttpClient and ``curl --http2`` send)
+    never reached the app. Blanking keeps every byte count (the head bound) as it was."""
+    head = data if head_end is None else data[:head_end]
+    blanked = _CONNECTION_UPGRADE.sub(lambda m: m.group(1) + b" " * 7, head)
+    return blanked if head_end is None else blanked + data[head_end:]
 
 
 def http_protocol(head_timeout: float = READ_TIMEOUT) -> type[asyncio.Protocol] | str:
@@ -74,13 +90,16 @@ def http_protocol(head_timeout: float = READ_TIMEOUT) -> type[asyncio.Protocol] 
             if self._in_head:
                 seen = self._tail + data
                 end = seen.find(b"\r\n\r\n")
-                self._head_bytes += len(data) if end < 0 else end + 4 - len(self._tail)
+                head_end = None if end < 0 else end + 4 - len(self._tail)  # (within data)
+                self._head_bytes += len(data) if head_end is None else head_end
                 if self._head_bytes > MAX_HEAD_BYTES:
                     self._refuse(
                         431, "Request Header Fields Too Large", _REFUSAL, "passed %d bytes"
                     )
                     return
                 self._tail = seen[-3:]
+                if b"pgrade" in data or b"PGRADE" in data:
+                    data = _ignore_upgrade(data, head_end)
             super().data_received(data)
 
         def on_message_begin(self) -> None:

@@ -80,8 +80,8 @@ public final class FencedClient {
     /**
      * Take the lock {@code name}, waiting up to the options' timeout in line, and keep it renewed
      * in the background until {@link Lease#release()}. A connection error or a 503 is retried
-     * with the same request id (idempotent: never a second grant) until the timeout or
-     * retryFor, whichever is longer, has passed.
+     * with the same request id (idempotent: never a second grant) until the timeout has passed
+     * — or, for a single try (timeout 0), for retryFor (default 10 s).
      *
      * @throws LockTimeoutException not granted within the timeout
      * @throws FencedException any other refusal, or the server could not be reached
@@ -101,7 +101,7 @@ public final class FencedClient {
                 : Math.min(1.0, ttl / 10);
         long start = System.nanoTime();
         long waitUntil = start + (long) (timeout * 1e9);
-        long retryUntil = start + (long) (Math.max(timeout, retryFor) * 1e9);
+        long retryUntil = start + (long) ((timeout > 0 ? timeout : retryFor) * 1e9);
         long backoff = 100;
         for (;;) {
             double left = Math.max(0, (waitUntil - System.nanoTime()) / 1e9);
@@ -111,12 +111,43 @@ public final class FencedClient {
             body.put("request_id", requestId);
             if (o.owner != null) body.put("owner", o.owner);
             // The server answers a long poll within its max wait (60 s): a little more is allowed.
+            long sent = System.nanoTime();
             Answer r = call("POST", path, Json.object(body), (long) ((Math.min(left, 60) + 15) * 1e9));
             long received = System.nanoTime();
-            if (r.status == 200 && r.body.get("expires_in") instanceof Number expires) {
-                // Counted from the answer's arrival; its travel time is covered by the margin.
-                long validUntil = received + (long) ((expires.doubleValue() - margin) * 1e9);
-                return new Lease(this, name, requestId, r.body, ttl, margin, validUntil, o.onLost);
+            if (r.status == 200) {
+                if (!(r.body.get("expires_in") instanceof Number expires)
+                        || !Double.isFinite(expires.doubleValue()) || expires.doubleValue() < 0) {
+                    throw new FencedException("could not take " + name + ": the answer has no expires_in", 200, "bad_answer");
+                }
+                // Counted from when the request was sent, never from the answer's arrival: the
+                // grant was made after the send, and an answer can wait in a socket for any time
+                // (a GC pause, a slow network) while the lease runs out at the source.
+                long validUntil = sent + (long) ((expires.doubleValue() - margin) * 1e9);
+                Map<String, Object> grant = r.body;
+                if (received - sent > (long) (ttl * 1e9 / 3)) {
+                    // Waited in line, or paused: confirm the grant (a renewal, counted from its
+                    // own send) before handing out its token; one not confirmed is not held.
+                    Object token = r.body.get("signed") != null ? r.body.get("signed") : r.body.get("token");
+                    Map<String, Object> renew = new LinkedHashMap<>();
+                    renew.put("token", token);
+                    renew.put("request_id", requestId);
+                    renew.put("ttl", ttl);
+                    long again = System.nanoTime();
+                    Answer rr = call("POST", lockPath(name, "renew"), Json.object(renew), (long) (ttl * 1e9));
+                    if (rr.status != 200 || !(rr.body.get("expires_in") instanceof Number renewed)) {
+                        Map<String, Object> rel = new LinkedHashMap<>();
+                        rel.put("token", token);
+                        rel.put("request_id", requestId);
+                        call("POST", lockPath(name, "release"), Json.object(rel), 2_000_000_000L);
+                        throw new LeaseLostException(
+                                "took " + name + ", but could not confirm the grant: " + rr.describe(),
+                                "lease_lost");
+                    }
+                    validUntil = again + (long) ((renewed.doubleValue() - margin) * 1e9);
+                    grant = new LinkedHashMap<>(r.body);
+                    grant.putAll(rr.body);
+                }
+                return new Lease(this, name, requestId, grant, ttl, margin, validUntil, o.onLost);
             }
             boolean waitMore = r.status == 409 && "timeout".equals(r.error());
             if (waitMore && received - waitUntil < 0) continue;
