@@ -664,7 +664,8 @@ def test_a_post_asking_to_upgrade_to_h2c_is_served_as_http_1_1(server: FencedSer
     body = b'{"ttl": 30, "request_id": "h2c-1"}'
     for name, whole in ((b"h2c-a", True), (b"h2c-b", False)):
         head = (
-            b"POST /v1/locks/%s/-/acquire HTTP/1.1\r\nhost: x\r\n" % name
+            b"POST /v1/locks/%s/-/acquire HTTP/1.1\r\nhost: x\r\n"
+            % name
             + b"Connection: Upgrade, HTTP2-Settings, close\r\nUpgrade: h2c\r\n"
             b"HTTP2-Settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n"
             b"content-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body)
