@@ -33,6 +33,7 @@ import grpc.aio  # type: ignore[import-untyped]
 from aetcd import rpc
 
 from . import _clock, _fork, _grpc_errors
+from ._backoff import Backoff
 from ._errors import BackendError, BackendUnavailable, ConfigurationError, LockTimeout
 
 __all__ = [
@@ -346,7 +347,7 @@ class EtcdClient:
         give_up = start + self.retry_for
         if deadline is not None:
             give_up = min(give_up, max(deadline, start))
-        delay = 0.05
+        backoff = Backoff(0.05, 0.5)  # after each full round over the members
         tried = 0
         while True:
             member = self.current
@@ -379,8 +380,7 @@ class EtcdClient:
                         f"etcd {what}: no member answered ({exc.code().name}: {exc.details()})"
                     ) from exc
                 if tried % len(self.members) == 0:
-                    await asyncio.sleep(max(min(delay, give_up - now), 0))
-                    delay = min(delay * 2, 0.5)
+                    await asyncio.sleep(backoff.next(give_up - now) or 0)
             except (asyncio.CancelledError, grpc.aio.UsageError, RuntimeError) as exc:
                 # gRPC raises CancelledError in calls whose channel is closed under them (by
                 # aclose, or by a failover reset): that is not a cancellation of this task.
