@@ -28,7 +28,7 @@ from aetcd import rpc
 
 import fenced
 from fenced import _clock
-from fenced.backends._etcd_conn import EtcdClient
+from fenced._etcd_conn import EtcdClient
 from fenced.backends.etcd import (
     EtcdBackend,
     lease_seconds,

@@ -51,7 +51,7 @@ def _holds(result: CampaignResult) -> None:
 
 
 def test_a_postgresql_table(tmp_path: Path, pg_dsn: str) -> None:
-    _holds(_campaign(tmp_path, f"sql+{pg_dsn}?table=accounts"))
+    _holds(_campaign(tmp_path, f"{pg_dsn}?table=accounts"))
 
 
 def test_a_redis_key_with_signed_tokens_forged_tokens_and_clock_steps(

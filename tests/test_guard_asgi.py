@@ -310,6 +310,26 @@ async def test_postgres_transaction_fn_contract(pg_dsn: str) -> None:
             await store.transaction("jobs", tok(6), commits)
 
 
+async def test_postgres_store_reads_a_conflict_as_the_sql_guards_do(pg_dsn: str) -> None:
+    """A serialization failure (or deadlock) inside the store's transaction is a conflict to
+    retry, as SQLGuard says (FenceConflictError) — not "PostgreSQL unavailable" (psycopg
+    derives it from OperationalError, which the store read as a dead server)."""
+    from fenced.guards.sql import FenceConflictError
+
+    async def conflicts(conn: Any) -> None:
+        # (the server itself raises SQLSTATE 40001, as under SERIALIZABLE contention)
+        await conn.execute(
+            "DO $$ BEGIN RAISE EXCEPTION 'planted' USING ERRCODE = 'serialization_failure'; END $$"
+        )
+
+    async with PostgresFenceStore(pg_dsn, pool_size=1) as store:
+        with pytest.raises(FenceConflictError):
+            await store.transaction("jobs", tok(5), conflicts)
+        await store.advance("jobs", tok(5))  # the rightful holder goes on
+        with pytest.raises(fenced.StaleTokenError):
+            await store.advance("jobs", tok(4))
+
+
 async def test_postgres_transaction_is_one_step_with_the_fence(pg_dsn: str) -> None:
     import psycopg
 

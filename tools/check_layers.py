@@ -7,7 +7,8 @@ and the layers below, never above.
 
   core      the token, errors, clock, backend contract, lease state, the one async lease core,
             the sync facade, signing (fenced/_*.py but the ones named below)
-  clients   adapters of client libraries: what their errors mean (_grpc, _pg_errors, ...)
+  clients   adapters of client libraries: what their errors mean (_grpc_errors, _pg_errors,
+            _kazoo_errors, ...), and the etcd transport (_etcd_conn) sources and guards share
   plugins   backends/ (one module a scheme) and guards/ (one module a resource)
   rooms     election, replicated/, server/, testing/ (they stand on what is below)
   cli       the command line (cli, __main__, and the modules only it uses)
@@ -37,7 +38,15 @@ SRC = ROOT / "src"
 
 LAYERS = ("core", "clients", "plugins", "rooms", "cli")
 
-_CLIENTS = {"_grpc", "_pg_errors", "_redis_errors", "_sqlite_errors"}
+_CLIENTS = {
+    "_grpc",
+    "_grpc_errors",
+    "_etcd_conn",
+    "_kazoo_errors",
+    "_pg_errors",
+    "_redis_errors",
+    "_sqlite_errors",
+}
 _CLI = {
     "cli",
     "__main__",

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from . import _sync
+from ._backoff import Backoff
 from ._command import Command, spawn
 from ._errors import FencedError, RecordConflict
 from ._fork import whoami
@@ -262,7 +263,7 @@ def _fence(leader: Any, fence_cmd: str, env: dict[str, str], limit: float) -> bo
     """Run the fence command until it succeeds, while leading and within ``limit`` seconds;
     an attempt still running at that deadline is killed (its whole process group)."""
     deadline = time.monotonic() + limit
-    delay = 0.5
+    backoff = Backoff(0.5, 10.0)
     attempt = 0
     while True:
         attempt += 1
@@ -292,7 +293,8 @@ def _fence(leader: Any, fence_cmd: str, env: dict[str, str], limit: float) -> bo
             )
             return False
         left = min(deadline - time.monotonic(), leader.remaining())
-        if left <= delay:
+        delay = backoff.next(left, whole=True)  # (a whole pause, or give up now)
+        if delay is None:
             _say(
                 f"fence command failed {attempt} time(s) (last status {status}); "
                 "not starting the command"
@@ -300,7 +302,6 @@ def _fence(leader: Any, fence_cmd: str, env: dict[str, str], limit: float) -> bo
             return False
         _say(f"fence command failed with status {status}; again in {delay:g} s")
         time.sleep(delay)
-        delay = min(delay * 2, 10.0)
 
 
 def self_fence(child: Command, why: str, *, grace: float) -> None:

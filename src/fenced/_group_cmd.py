@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import sqlite3
 from collections.abc import Iterator
 from typing import Any
-from urllib.parse import urlsplit
 
 from . import _sync
 from ._backend import redacted
@@ -26,44 +24,23 @@ __all__ = ["member_from_url", "run_group"]
 
 
 def member_from_url(url: str, resource: str, timeout: float = 5.0) -> tuple[Any, Any]:
-    """A group member (a guard) for ``url``, and what closes it (or None)."""
-    from .guards.sql import SQLGuard
+    """A group member (a guard) for ``url``, and what closes it (or None): a guard URL of
+    :mod:`fenced.guards.registry` (``redis://``, ``postgresql://``, ``sqlite:////PATH``,
+    ``etcd://``)."""
+    from .guards.registry import open_guard, parse_guard_url
 
-    scheme = urlsplit(url).scheme.lower()
-    if scheme in ("redis", "rediss"):
-        import redis
+    parsed = parse_guard_url(url)
+    if parsed.kind.name not in _MEMBER_KINDS:
+        raise ConfigurationError(
+            f"a {parsed.scheme}:// guard cannot be a group member: "
+            "redis://, postgresql://, sqlite:////PATH, etcd://"
+        )
+    opened = open_guard(parsed, resource, timeout=timeout)
+    close = None if opened.connect is not None else opened.close
+    return opened.fence_target(), close
 
-        from .guards.redis import RedisGuard
 
-        client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
-        return RedisGuard(client, resource), client.close
-    if scheme in ("postgresql", "postgres"):
-        import psycopg
-
-        def connect() -> Any:
-            return psycopg.connect(url, autocommit=True, connect_timeout=max(1, round(timeout)))
-
-        return SQLGuard(resource).fencer(connect), None
-    if scheme == "sqlite":
-        from urllib.parse import quote
-
-        from .backends.sqlite import database_path
-
-        path = database_path(urlsplit(url))  # the same forms as the sqlite:// source
-        uri = f"file:{quote(path)}?mode=rw"  # an existing database: a typo must not make one
-
-        def connect_sqlite() -> sqlite3.Connection:
-            return sqlite3.connect(uri, uri=True, timeout=timeout, check_same_thread=False)
-
-        return SQLGuard(resource).fencer(connect_sqlite), None
-    if scheme in ("etcd", "etcd3"):
-        from .guards.etcd import EtcdGuard
-
-        guard = EtcdGuard(urlsplit(url).netloc, resource, timeout=timeout)
-        return guard, guard.close
-    raise ConfigurationError(
-        f"unknown member URL {redacted(url.split('?')[0])!r}: redis://, postgresql://, sqlite:////PATH, etcd://"
-    )
+_MEMBER_KINDS = ("redis", "sql", "etcd")  # the guards replicated/_members.py adapts
 
 
 @contextlib.contextmanager

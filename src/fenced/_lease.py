@@ -29,6 +29,7 @@ from ._backend import (
     parse_url,
     redacted,
 )
+from ._backoff import Backoff
 from ._errors import (
     BackendUnavailable,
     ConfigurationError,
@@ -308,7 +309,7 @@ class AsyncLease:
         deadline = None if timeout is None else start + timeout
         # With no deadline, a dead source is given a bounded time to come back.
         give_up = deadline if deadline is not None else start + max(self.ttl, 5.0)
-        delay = 0.02
+        backoff = Backoff(0.02, 1.0)
         granted: list[FencingToken] = []  # the grant this acquire's lost-callback is about
         on_lost = self._make_backend_lost_callback(granted)
         late = 0  # grants that arrived with no time left
@@ -329,11 +330,12 @@ class AsyncLease:
                     )
                 except BackendUnavailable:
                     # A closed connection will not come back: only a dead source is retried.
-                    if self._locks._closed or _clock.now() + delay >= give_up:
+                    # (a whole pause or none: waking at the deadline leaves no time to try)
+                    pause = backoff.next(give_up - _clock.now(), whole=True)
+                    if self._locks._closed or pause is None:
                         raise
                     logger.debug("acquire %s: source unavailable, retrying", self.name)
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, 1.0)
+                    await asyncio.sleep(pause)
                     continue
                 if self._state.remaining_of(grant, _clock.now()) > 0:
                     break
@@ -865,7 +867,7 @@ class AsyncLocks:
         start = _clock.now()
         end = start + self.connect_timeout if deadline is None else deadline
         url = parse_url(self.url)
-        delay = 0.05
+        backoff = Backoff(0.05, 1.0)
         while True:
             # At least one real attempt, even when the deadline has already passed.
             budget = max(end - _clock.now(), 0.25)
@@ -878,13 +880,11 @@ class AsyncLocks:
                     f"{_clock.now() - start:.1f} s"
                 ) from None
             except BackendUnavailable as exc:
-                left = end - _clock.now()
-                if left <= 0:
+                pause = backoff.next(end - _clock.now())  # the last attempt: at the deadline
+                if pause is None:
                     raise
-                pause = min(delay, left)  # the last attempt is made at the deadline
                 logger.debug("opening %s: %s; retrying in %.2f s", _redact(self.url), exc, pause)
                 await asyncio.sleep(pause)
-                delay = min(delay * 2, 1.0)
 
     async def _get_backend(self, deadline: float | None = None) -> Backend:
         self._check_fork()

@@ -577,7 +577,7 @@ def _parser() -> argparse.ArgumentParser:
     check_kit.add_argument(
         "--resource",
         default="",
-        help="sql+sqlite:///PATH, sql+postgresql://..., redis://..., etcd://..., file:///DIR, "
+        help="sqlite:////ABS/PATH, postgresql://..., redis://..., etcd://..., file:///DIR, "
         "http(s)://... or python:MODULE:CLASS (default: an embedded SQLite register)",
     )
     check_kit.add_argument(

@@ -21,10 +21,7 @@ from typing import TYPE_CHECKING, Any, Final
 from kazoo.client import KazooClient
 from kazoo.exceptions import (
     BadVersionError,
-    ConnectionClosedError,
-    ConnectionLoss,
     NoNodeError,
-    OperationTimeoutError,
     SessionExpiredError,
 )
 from kazoo.handlers.threading import AsyncResult, KazooTimeoutError, SequentialThreadingHandler
@@ -32,7 +29,7 @@ from kazoo.protocol.serialization import Connect
 from kazoo.protocol.states import KazooState
 from kazoo.retry import KazooRetry
 
-from .. import _clock
+from .. import _clock, _kazoo_errors
 from .._backend import (
     Grant,
     LostCallback,
@@ -62,13 +59,8 @@ __all__ = [
 
 logger = logging.getLogger("fenced.zookeeper")
 
-UNAVAILABLE: Final = (
-    ConnectionLoss,
-    ConnectionClosedError,
-    OperationTimeoutError,
-    KazooTimeoutError,
-)
-"""Errors that say nothing about the session: the request may or may not have been applied."""
+UNAVAILABLE: Final = _kazoo_errors.UNREACHABLE
+"""Errors that say nothing about the session (one reading with the guards': _kazoo_errors)."""
 
 
 class DebugOnly(logging.LoggerAdapter):  # type: ignore[type-arg]

@@ -50,9 +50,9 @@ from .._errors import (
     LockTimeout,
     RecordConflict,
 )
+from .._etcd_conn import EtcdClient, LeaseNotFound, Member, WatchHandle, cancelling
 from .._options import Option
 from .._token import FencingToken, escape_name, unescape_name
-from ._etcd_conn import EtcdClient, LeaseNotFound, Member, WatchHandle, cancelling
 
 __all__ = [
     "EtcdBackend",

@@ -18,6 +18,10 @@ One module per kind of resource, each imported on its own (they need different c
 - ``fenced.guards.asgi`` — ``FencingMiddleware`` for HTTP services, with SQLite, PostgreSQL
   and Redis fence stores; ``fenced.guards.httpx`` — ``FencingAuth`` for the client side.
 
+``fenced.guards.registry`` opens the guards that a URL can name (``redis://``,
+``postgresql://``, ``sqlite:////PATH``, ``etcd://``, ``file:///DIR``) for the CLI, the check
+kit and the groups: ``open_guard(url, resource, lock=...)``.
+
 Every guard accepts a token at least as high as the resource's high-water mark (and raises
 the mark to it) and rejects a lower one with :class:`~fenced.StaleTokenError`, in one atomic
 step in the resource itself.

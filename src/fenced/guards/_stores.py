@@ -43,10 +43,11 @@ from typing import (
 
 from .._errors import BackendUnavailable, ConfigurationError, CorruptMarkError, FencedError
 from .._pg_errors import connect_refusal
+from .._pg_errors import kind as pg_kind
 from .._sqlite_errors import is_busy, unusable
 from .._token import FencingToken
 from ._sql_driver import map_error
-from ._sql_plan import SQLITE
+from ._sql_plan import POSTGRESQL, SQLITE
 from .sql import SQLGuard
 
 if TYPE_CHECKING:
@@ -628,8 +629,15 @@ class PostgresFenceStore:
 
 
 def _map_psycopg(exc: Exception) -> BaseException:
+    """The SQL guards' reading of a psycopg error (``_pg_errors``): a serialization failure,
+    deadlock or lock timeout (psycopg's OperationalErrors too) is a conflict to retry, not an
+    unavailable server."""
     import psycopg
 
+    if pg_kind(exc) == "conflict":
+        mapped = map_error(POSTGRESQL, None, exc)
+        if mapped is not None:
+            return mapped
     if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError):
         return BackendUnavailable(f"PostgreSQL unavailable: {exc}")
     return exc

@@ -71,6 +71,7 @@ from .. import _grpc  # noqa: F401  (first: gRPC reads it when imported)
 import aetcd
 from aetcd import rpc
 
+from .. import _grpc_errors
 from .._errors import (
     BackendError,
     BackendUnavailable,
@@ -81,10 +82,10 @@ from .._errors import (
     StaleTokenError,
     WrongLockError,
 )
+from .._etcd_conn import EtcdClient, Member, check_grpc_usable
 from .._portal import Portal
 from .._signing import TokenVerifier
 from .._token import MAX_TOKEN, FencingToken, validate_lock_name
-from ..backends._etcd_conn import EtcdClient, Member, check_grpc_usable
 from ..backends.etcd import parse_endpoints
 from ._plan import GuardPlan, adrive
 from ._token_arg import token_keyword
@@ -326,17 +327,9 @@ def interpret_state(resp: rpc.TxnResponse, resource: str) -> FencingToken | None
         raise CorruptMarkError(resource, f"lock key {lock[:40]!r}") from None
 
 
-_UNAVAILABLE: Final = frozenset(
-    {rpc.StatusCode.UNAVAILABLE, rpc.StatusCode.DEADLINE_EXCEEDED, rpc.StatusCode.CANCELLED}
-)
-
-
 def map_error(exc: Exception, resource: str) -> FencedError:
     """Translate a gRPC/aetcd error; the caller raises the result ``from exc``."""
-    code = exc.code() if isinstance(exc, rpc.AioRpcError) else None
-    if code in _UNAVAILABLE or isinstance(
-        exc, (aetcd.exceptions.ConnectionFailedError, aetcd.exceptions.ConnectionTimeoutError)
-    ):
+    if _grpc_errors.kind(exc) == "unreachable":  # (one reading with the etcd source's)
         return BackendUnavailable(
             f"etcd unavailable for a guarded write on {resource!r} (outcome unknown if the "
             f"request was sent): {exc}"

@@ -54,16 +54,13 @@ from urllib.parse import quote
 
 from kazoo.exceptions import (
     BadVersionError,
-    ConnectionClosedError,
-    ConnectionLoss,
     NodeExistsError,
     NoNodeError,
     NotEmptyError,
     RolledBackError,
-    SessionExpiredError,
 )
-from kazoo.handlers.threading import KazooTimeoutError
 
+from .. import _kazoo_errors
 from .._errors import (
     BackendUnavailable,
     ConfigurationError,
@@ -89,7 +86,8 @@ MARKS: Final = "marks"
 MARK_PREFIX: Final = "r-"
 """A mark is ``<root>/marks/r-<resource>``: a component ``marks`` followed by one starting
 ``r-`` is a mark of some root, and reserved whatever the guard's own root is."""
-_GONE: Final = (ConnectionLoss, ConnectionClosedError, SessionExpiredError, KazooTimeoutError)
+# Unanswered: the source's reading (an expired session too: the guard owns none).
+_GONE: Final = (*_kazoo_errors.UNREACHABLE, *_kazoo_errors.SESSION_LOST)
 
 
 def _encode(lock: str, value: int) -> bytes:

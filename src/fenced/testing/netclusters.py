@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
+from fenced._backoff import Backoff
 from fenced.testing.netns import NetLab, NetProcess, Node
 from fenced.testing.servers import ServerUnavailable, _zookeeper_classpath
 
@@ -35,7 +36,7 @@ REDIS_PORT: Final = 6379
 
 def _wait(check: Callable[[], bool], timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
-    delay = 0.05
+    backoff = Backoff(0.05, 0.5)
     while True:
         try:
             if check():
@@ -44,8 +45,8 @@ def _wait(check: Callable[[], bool], timeout: float, what: str) -> None:
             pass
         if time.monotonic() >= deadline:
             raise ServerUnavailable(f"{what} not ready after {timeout:g} s")
-        time.sleep(delay)  # a poll interval, bounded by the deadline
-        delay = min(delay * 2, 0.5)
+        # a poll interval, bounded by the deadline
+        time.sleep(backoff.next(deadline - time.monotonic()) or 0)
 
 
 def _ask(addr: str, port: int, probe: bytes, timeout: float = 1.0, *, once: bool = False) -> bytes:

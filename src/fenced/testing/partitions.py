@@ -436,7 +436,7 @@ def run_check(
                 redis = RedisNet(lab)
                 res = redis.url
             else:
-                res = f"sql+sqlite:///{d / 'register.db'}?table=fenced_check"
+                res = f"sqlite:///{(d / 'register.db').resolve()}?table=fenced_check"
             url = cluster.url
             if gateway:
                 (gw,) = _start_gateways(lab, ["g1"], cluster.url, d)

@@ -21,6 +21,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Final
 
+from fenced._backoff import Backoff
+
 __all__ = [
     "EtcdCluster",
     "EtcdServer",
@@ -58,7 +60,7 @@ def free_port() -> int:
 def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
     """Poll ``check`` (with a short back-off) until it is true or ``timeout`` passes."""
     deadline = time.monotonic() + timeout
-    delay = 0.01
+    backoff = Backoff(0.01, 0.2)
     while True:
         try:
             if check():
@@ -69,8 +71,9 @@ def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
             pass
         if time.monotonic() >= deadline:
             raise ServerUnavailable(f"{what} not ready after {timeout} s")
-        time.sleep(delay)
-        delay = min(delay * 1.5, 0.2)
+        time.sleep(
+            backoff.next(deadline - time.monotonic()) or 0
+        )  # (the last poll: at the deadline)
 
 
 def _port_open(port: int) -> bool:

@@ -611,10 +611,9 @@ def run_campaign(
         if not resource:
             db = out / "resource.db"
             db.unlink(missing_ok=True)
-            scheme = "planted+sqlite" if role == "resource" else "sql+sqlite"
-            resource = f"{scheme}://{db.resolve()}" + (
-                f"?plant={plant}" if role == "resource" else ""
-            )
+            # (sqlite:////ABS: the guard URL grammar's absolute path, fenced.guards.registry)
+            scheme = "planted+sqlite://" if role == "resource" else "sqlite:///"
+            resource = f"{scheme}{db.resolve()}" + (f"?plant={plant}" if role == "resource" else "")
         tcp_resource = _tcp(resource)
         if resource_cmd:
             served = _ResourceProcess(resource_cmd, resource, out / "resource.log")

@@ -8,7 +8,6 @@ invocation without its completion, which the checkers treat as an unknown outcom
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import random
@@ -18,6 +17,7 @@ import sys
 import time
 import uuid
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import fenced
@@ -91,52 +91,37 @@ class Traced:
 
 
 def make_members(specs: list[dict[str, Any]], group: str, timeout: float) -> dict[str, Any]:
-    from fenced.guards.sql import SQLGuard
+    """The members the specs name, each opened by the guard registry from its URL (the
+    grammar of ``fenced group --member``)."""
+    from fenced.guards.registry import open_guard
 
     out: dict[str, Any] = {}
     for spec in specs:
-        kind = spec["kind"]
-        if kind == "redis":
-            import redis
-
-            from fenced.guards.redis import RedisGuard
-
-            client = redis.Redis(
-                host="127.0.0.1",
-                port=spec["port"],
-                socket_timeout=timeout,
-                socket_connect_timeout=timeout,
-            )
-            out[spec["name"]] = RedisGuard(client, group)
-        elif kind == "postgresql":
-            import psycopg
-
-            url = spec["url"]
-
-            def connect(url: str = url) -> Any:
-                return psycopg.connect(
-                    url,
-                    autocommit=True,
-                    connect_timeout=max(1, round(timeout)),
-                    tcp_user_timeout=int(timeout * 1000),
-                    keepalives_idle=1,
-                    keepalives_interval=1,
-                    keepalives_count=2,
-                )
-
-            out[spec["name"]] = SQLGuard(group).fencer(connect)
-        elif kind == "sqlite":
-            path = spec["path"]
-            out[spec["name"]] = SQLGuard(group).fencer(
-                functools.partial(sqlite3.connect, path, timeout=timeout, check_same_thread=False)
-            )
-        elif kind == "etcd":
-            from fenced.guards.etcd import EtcdGuard
-
-            out[spec["name"]] = EtcdGuard(spec["endpoint"], group, timeout=timeout)
-        else:
-            raise SystemExit(f"unknown member kind {kind!r}")
+        url = member_url(spec, timeout)
+        if spec["kind"] == "sqlite":
+            # (the campaign's replica files: made here, as a group member never makes one)
+            sqlite3.connect(spec["path"]).close()
+        out[spec["name"]] = open_guard(url, group, timeout=timeout).fence_target()
     return out
+
+
+def member_url(spec: dict[str, Any], timeout: float) -> str:
+    """The guard URL of a replica spec (``kind`` and its address)."""
+    kind = spec["kind"]
+    if kind == "redis":
+        return f"redis://127.0.0.1:{spec['port']}"
+    if kind == "postgresql":
+        # A partitioned replica is found dead within the timeout, not the kernel's minutes.
+        keepalive = (
+            f"tcp_user_timeout={int(timeout * 1000)}"
+            "&keepalives_idle=1&keepalives_interval=1&keepalives_count=2"
+        )
+        return f"{spec['url']}{'&' if '?' in spec['url'] else '?'}{keepalive}"
+    if kind == "sqlite":
+        return f"sqlite:///{Path(spec['path']).resolve()}"
+    if kind == "etcd":
+        return f"etcd://{spec['endpoint']}"
+    raise SystemExit(f"unknown member kind {kind!r}")
 
 
 def traced_group(

@@ -17,13 +17,19 @@ past is in the final state, so the checkers can see a lost or a stale write in a
 
 A resource is named by a URL (:func:`open_resource`)::
 
-    sql+sqlite:///PATH?table=T            a row of table T (default fenced_check) + SQLGuard
-    sql+postgresql://USER@HOST:PORT/DB?table=T
+    sqlite:////ABS/PATH?table=T           a row of table T (default fenced_check) + SQLGuard
+    postgresql://USER@HOST:PORT/DB?table=T
     redis://HOST:PORT/DB?key=K            key K (default fenced-check) + RedisGuard (Lua)
     etcd://HOST:PORT[,HOST:PORT]?key=K    key K + EtcdGuard (txn)
     file:///DIR                           versions of DIR/register + FileGuard
     http://HOST:PORT/PATH                 GET/PUT PATH with a Fencing-Token header; 409 = refused
     python:MODULE:CLASS                   CLASS() implements the four methods above
+    planted+sqlite:///PATH?plant=NAME     the kit's own planted-bug register (meta-tests)
+
+The guarded ones are the guard URLs of :mod:`fenced.guards.registry` (the grammar of
+``fenced group --member`` too), with the kit's ``?table=``/``?key=``; the kit's earlier
+``sql+sqlite:///PATH`` and ``sql+postgresql://...`` still work, deprecated. Unlike a group
+member, the kit makes the SQLite file if it does not exist (it resets the register anyway).
 
 With no URL the kit uses an embedded SQLite file in the report directory.
 """
@@ -33,11 +39,13 @@ from __future__ import annotations
 import contextlib
 import importlib
 import sqlite3
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
-from urllib.parse import parse_qs, urlsplit, urlunsplit
+from urllib.parse import parse_qs, urlsplit
 
+from ..._backend import redacted
 from ..._errors import ConfigurationError, StaleTokenError
 from ..._signing import TokenVerifier
 from ..._token import FencingToken
@@ -64,10 +72,6 @@ def _query(url: str) -> dict[str, str]:
     return {k: v[-1] for k, v in parse_qs(urlsplit(url).query).items()}
 
 
-def _without_query(url: str) -> str:
-    return urlunsplit(urlsplit(url)._replace(query="", fragment=""))
-
-
 class SQLResource:
     """One row ``(id, data)`` of a table, fenced by :class:`~fenced.guards.sql.SQLGuard` in the
     same transaction as the read and the write (SQLite file or PostgreSQL)."""
@@ -76,19 +80,16 @@ class SQLResource:
         from ...guards._sql_plan import quote_table
         from ...guards.sql import SQLGuard
 
-        scheme = urlsplit(url).scheme
-        self.driver = scheme.split("+", 1)[1]
-        if self.driver not in ("sqlite", "postgresql"):
+        parsed = _guard_url(url)
+        if parsed.kind.name != "sql":
             raise ConfigurationError(
-                f"sql resource: no driver {self.driver!r} (sqlite, postgresql)"
+                f"sql resource: {parsed.scheme}:// is not SQL (sqlite, postgresql)"
             )
-        self.table = _query(url).get("table", "fenced_check")
+        self.driver = parsed.dialect
+        self.table = parsed.params.get("table", "fenced_check")
         self._quoted = quote_table(self.table)
-        parts = urlsplit(url)
         # (a file path for SQLite; the libpq URL, without the kit's own query, for PostgreSQL)
-        self.target = (
-            parts.path if self.driver == "sqlite" else _without_query(url).split("+", 1)[1]
-        )
+        self.target = parsed.target
         self.guard = SQLGuard(KEY, lock=lock, verify=verify)
         self._conn: Any = None
         self.mark_param = "?" if self.driver == "sqlite" else "%s"
@@ -164,13 +165,13 @@ class RedisResource:
     (the fence check, the mark's advance and the read in one script)."""
 
     def __init__(self, url: str, lock: str, verify: TokenVerifier | None = None) -> None:
-        import redis
+        from ...guards.registry import open_guard
 
-        from ...guards.redis import RedisGuard
-
-        self.key = _query(url).get("key", KEY)
-        self.client = redis.Redis.from_url(_without_query(url))
-        self.guard = RedisGuard(self.client, self.key, lock, verify=verify)
+        parsed = _guard_url(url)
+        self.key = parsed.params.get("key", KEY)
+        opened = open_guard(parsed, self.key, lock=lock, verify=verify, timeout=None)
+        self.guard = opened.guard
+        self.client = opened.client
 
     def reset(self) -> None:
         self.client.delete(self.key, self.guard.fence_key)
@@ -197,11 +198,13 @@ class EtcdResource:
     then the read: from then on no older holder can write, so what is read stays theirs."""
 
     def __init__(self, url: str, lock: str, verify: TokenVerifier | None = None) -> None:
-        from ...guards.etcd import EtcdGuard
+        from ...guards.registry import open_guard
 
-        self.key = _query(url).get("key", KEY)
-        self.endpoint = _without_query(url)
-        self.guard = EtcdGuard(self.endpoint, self.key, lock, verify=verify)
+        parsed = _guard_url(url)
+        self.key = parsed.params.get("key", KEY)
+        self.endpoint = parsed.target
+        opened = open_guard(parsed, self.key, lock=lock, verify=verify, timeout=None)
+        self.guard = opened.guard
 
     def _txn(self, ops: list[Any], write: bool) -> Any:
         from aetcd import rpc
@@ -247,10 +250,11 @@ class FileResource:
     """
 
     def __init__(self, url: str, lock: str, verify: TokenVerifier | None = None) -> None:
-        from ...guards.files import FileGuard
+        from ...guards.registry import open_guard
 
-        self.dir = Path(urlsplit(url).path)
-        self.guard = FileGuard(self.dir, lock=lock, verify=verify)
+        opened = open_guard(_guard_url(url), "register", lock=lock, verify=verify)
+        self.guard = opened.guard
+        self.dir = Path(opened.url.target)
 
     def reset(self) -> None:
         for v in self.guard.versions("register"):
@@ -352,24 +356,47 @@ def open_resource(spec: str, lock: str, verify: TokenVerifier | None = None) -> 
     signatures with ``verify`` when given (an HTTP service verifies for itself, a ``python:``
     adapter as it likes). Raises :class:`~fenced.ConfigurationError` for a URL it does not
     know."""
-    scheme = urlsplit(spec).scheme
+    scheme = urlsplit(spec).scheme.lower()
     if spec.startswith("python:"):
         return _python(spec, lock)
     if scheme == "planted+sqlite":
         from ._plants import PlantedSQLite
 
         return PlantedSQLite(spec, lock, verify)
-    if scheme.startswith("sql+"):
-        return SQLResource(spec, lock, verify)
-    if scheme == "redis":
-        return RedisResource(spec, lock, verify)
-    if scheme == "etcd":
-        return EtcdResource(spec, lock, verify)
-    if scheme == "file":
-        return FileResource(spec, lock, verify)
     if scheme in ("http", "https"):
         return HttpResource(spec, lock, verify)
-    raise ConfigurationError(
-        f"resource {spec!r}: use sql+sqlite://, sql+postgresql://, redis://, etcd://, file://, "
-        "http(s):// or python:MODULE:CLASS"
-    )
+    from ...guards.registry import parse_guard_url
+
+    if scheme not in _DEPRECATED_SQL and scheme not in _kit_schemes():
+        raise ConfigurationError(
+            f"resource {redacted(spec.split('?')[0])!r}: use a guard URL ("
+            f"{', '.join(s + '://' for s in _kit_schemes())}), http(s):// or python:MODULE:CLASS"
+        )
+    kind = parse_guard_url(spec, own=_OWN).kind.name  # (a bad URL: its one-line error)
+    return _BY_KIND[kind](spec, lock, verify)
+
+
+_OWN = ("table", "key")  # the kit's own query parameters (where the register lives)
+_DEPRECATED_SQL = ("sql+sqlite", "sql+postgresql")
+
+
+def _kit_schemes() -> list[str]:
+    from ...guards.registry import guard_schemes
+
+    return guard_schemes()
+
+
+def _guard_url(url: str) -> Any:
+    from ...guards.registry import parse_guard_url
+
+    with warnings.catch_warnings():  # (open_resource's caller was warned already, once)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return parse_guard_url(url, own=_OWN)
+
+
+_BY_KIND: dict[str, Callable[[str, str, TokenVerifier | None], Resource]] = {
+    "sql": SQLResource,
+    "redis": RedisResource,
+    "etcd": EtcdResource,
+    "file": FileResource,
+}

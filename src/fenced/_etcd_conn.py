@@ -1,4 +1,7 @@
-"""The transport under ``etcd://``: gRPC channels to the members, failover, watches, errors.
+"""The etcd transport (clients layer): gRPC channels to the members, failover, watches.
+
+Used by the ``etcd://`` source and the etcd guards alike (what a gRPC error means is
+:mod:`fenced._grpc_errors`'s).
 
 The protocol messages and stubs are aetcd's (``aetcd.rpc``, generated from etcd's own
 ``rpc.proto``); the session logic of ``aetcd.Client`` is not used, because the lock protocol
@@ -22,15 +25,16 @@ import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
-from .. import _grpc  # noqa: F401  (first: gRPC reads it when imported)
+from . import _grpc  # noqa: F401  (first: gRPC reads it when imported)
 
 # isort: split
 import grpc  # type: ignore[import-untyped]
 import grpc.aio  # type: ignore[import-untyped]
 from aetcd import rpc
 
-from .. import _clock, _fork
-from .._errors import BackendError, BackendUnavailable, ConfigurationError, LockTimeout
+from . import _clock, _fork, _grpc_errors
+from ._backoff import Backoff
+from ._errors import BackendError, BackendUnavailable, ConfigurationError, LockTimeout
 
 __all__ = [
     "EtcdClient",
@@ -82,22 +86,6 @@ _CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.keepalive_permit_without_calls", 0),
 )
 
-# gRPC codes worth retrying on the next member. etcd itself answers UNAVAILABLE for "no
-# leader", "leader changed", "request timed out" and "stopped", RESOURCE_EXHAUSTED for "too
-# many requests"; the transport answers UNAVAILABLE, CANCELLED (channel closed), UNKNOWN or
-# INTERNAL (stream reset) when a member dies mid-call.
-_RETRYABLE = frozenset(
-    {
-        grpc.StatusCode.UNAVAILABLE,
-        grpc.StatusCode.DEADLINE_EXCEEDED,
-        grpc.StatusCode.CANCELLED,
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
-        grpc.StatusCode.UNKNOWN,
-        grpc.StatusCode.INTERNAL,
-        grpc.StatusCode.ABORTED,
-    }
-)
-
 
 class LeaseNotFound(BackendError):
     """etcd says the lease does not exist (expired, revoked, or never granted)."""
@@ -107,10 +95,6 @@ def cancelling() -> bool:
     """True if the current task is being cancelled (as opposed to gRPC's own CancelledError)."""
     task = asyncio.current_task()
     return task is not None and task.cancelling() > 0
-
-
-def _is_lease_not_found(exc: grpc.aio.AioRpcError) -> bool:
-    return exc.code() == grpc.StatusCode.NOT_FOUND and "lease not found" in (exc.details() or "")
 
 
 class WatchHandle:
@@ -363,7 +347,7 @@ class EtcdClient:
         give_up = start + self.retry_for
         if deadline is not None:
             give_up = min(give_up, max(deadline, start))
-        delay = 0.05
+        backoff = Backoff(0.05, 0.5)  # after each full round over the members
         tried = 0
         while True:
             member = self.current
@@ -375,9 +359,9 @@ class EtcdClient:
             except grpc.aio.AioRpcError as exc:
                 if self.closed:
                     raise BackendUnavailable("etcd connection is closed") from exc
-                if _is_lease_not_found(exc):
+                if _grpc_errors.kind(exc) == "lease-not-found":
                     raise LeaseNotFound(exc.details() or "lease not found") from exc
-                if exc.code() not in _RETRYABLE:
+                if _grpc_errors.kind(exc) != "unreachable":
                     raise BackendError(
                         f"etcd {what} failed: {exc.code().name}: {exc.details()}"
                     ) from exc
@@ -396,8 +380,7 @@ class EtcdClient:
                         f"etcd {what}: no member answered ({exc.code().name}: {exc.details()})"
                     ) from exc
                 if tried % len(self.members) == 0:
-                    await asyncio.sleep(max(min(delay, give_up - now), 0))
-                    delay = min(delay * 2, 0.5)
+                    await asyncio.sleep(backoff.next(give_up - now) or 0)
             except (asyncio.CancelledError, grpc.aio.UsageError, RuntimeError) as exc:
                 # gRPC raises CancelledError in calls whose channel is closed under them (by
                 # aclose, or by a failover reset): that is not a cancellation of this task.
@@ -423,7 +406,7 @@ class EtcdClient:
         try:
             return await fn(member, self.timeout)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() not in _RETRYABLE:
+            if _grpc_errors.kind(exc) != "unreachable":
                 raise BackendError(
                     f"etcd {what} failed: {exc.code().name}: {exc.details()}"
                 ) from exc
