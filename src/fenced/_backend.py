@@ -32,6 +32,7 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "MAX_OWNER",
     "MAX_RECORD",
+    "SECRET_QUERY_KEYS",
     "Backend",
     "Characteristic",
     "Grant",
@@ -444,8 +445,9 @@ def wait_budget(deadline: float | None, *caps: float | None) -> float:
 def parse_url(url: str) -> SplitResult:
     """``url`` split; a malformed one (``redis://[::1``, a bad port) is a ConfigurationError."""
     if not isinstance(url, str) or "://" not in url:
+        shown = redacted(url) if isinstance(url, str) else type(url).__name__
         raise ConfigurationError(
-            f"not a token source URL: {url!r} (expected e.g. sqlite:////abs/path.db)"
+            f"not a token source URL: {shown!r} (expected e.g. sqlite:////abs/path.db)"
         )
     try:
         parts = urlsplit(url)
@@ -456,15 +458,31 @@ def parse_url(url: str) -> SplitResult:
     return parts
 
 
+SECRET_QUERY_KEYS: Final = frozenset(
+    {"password", "pass", "pwd", "sslpassword", "api_key", "apikey", "token", "secret"}
+)
+"""Query parameters whose value is a secret (libpq's password/sslpassword, the http://
+source's api_key), masked wherever a URL is shown and refused in a URL file others may read."""
+
+_SECRET_QUERY: Final = re.compile(
+    r"(?i)([?&])(" + "|".join(sorted(SECRET_QUERY_KEYS)) + r")=[^&#]*"
+)
+
+
 def redacted(url: str) -> str:
-    """``url`` without its password, for messages and logs (works on malformed URLs too)."""
+    """``url`` without its secrets, for messages and logs: the userinfo's password, secret
+    query parameters (:data:`SECRET_QUERY_KEYS`), and a fragment. Text that is no URL at all
+    (no ``://``: a typo, or a file's content that is not a URL) is not shown past its first
+    character: it may be the secret itself."""
+    if "://" not in url:
+        return f"{url[:1]}…" if len(url) > 1 else url
     scheme, sep, rest = url.partition("://")
+    rest, hash_, _fragment = rest.partition("#")
     userinfo, at, host = rest.rpartition("@")
     if at and ":" in userinfo:
         userinfo = userinfo.split(":", 1)[0] + ":***"
-    # libpq also takes ?password=...
-    host = re.sub(r"(?i)([?&])(password|pass|pwd)=[^&]*", r"\1\2=***", host)
-    return f"{scheme}{sep}{userinfo}{at}{host}"
+    host = _SECRET_QUERY.sub(r"\1\2=***", host)
+    return f"{scheme}{sep}{userinfo}{at}{host}{hash_ and '#***'}"
 
 
 def backend_class(url: str) -> type[Backend]:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import stat
 
+from ._backend import SECRET_QUERY_KEYS
 from ._errors import ConfigurationError
 
 __all__ = ["MACHINE_DIR", "default_url", "environment_url", "machine_database", "read_url_file"]
@@ -110,7 +111,7 @@ def _has_password(url: str) -> bool:
     if at and ":" in userinfo:
         return True
     query = url.partition("?")[2]
-    return any(key.lower() in ("password", "pass", "pwd") for key, _ in parse_qsl(query))
+    return any(key.lower() in SECRET_QUERY_KEYS for key, _ in parse_qsl(query))
 
 
 def machine_database(directory: str = MACHINE_DIR) -> str:

@@ -1020,7 +1020,10 @@ def _run_holding(
         return _supervise(lease, token, child, grace)
     finally:
         if child is not None:
-            child.finish(kill_rest=child.proc.poll() is None or lease.lost.is_set())
+            # Whatever the command left in its process group (a background job) is killed too,
+            # before the release: it holds the token, and the next holder gets the lock now.
+            # (Under flock(1) it would hold the lock; fenced cannot hold it for it.)
+            child.finish(kill_rest=True)
         for s, handler in previous.items():
             signal.signal(s, handler)
 

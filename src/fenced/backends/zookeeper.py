@@ -48,6 +48,7 @@ from .._backend import (
     LostCallback,
     Record,
     lock_timeout,
+    redacted,
 )
 from .._errors import (
     BackendError,
@@ -168,12 +169,12 @@ class ZooKeeperBackend(Backend):
         if not hosts or "@" in hosts or url.fragment:
             raise ConfigurationError(
                 "expected zookeeper://host:port[,host:port...][/chroot] (no credentials or "
-                f"fragment), got {url.geturl()!r}"
+                f"fragment), got {redacted(url.geturl())!r}"
             )
         for host in hosts.split(","):
             _, _, port = host.rpartition(":")
             if not host or (":" in host and not port.isdigit()):
-                raise ConfigurationError(f"bad ZooKeeper host {host!r} in {url.geturl()!r}")
+                raise ConfigurationError(f"bad ZooKeeper host in {redacted(url.geturl())!r}")
         chroot = url.path.rstrip("/")
         if chroot and (
             any(part in ("", ".", "..") for part in chroot[1:].split("/"))

@@ -1,0 +1,76 @@
+"""No secret of a URL reaches a message, a log line or stdout: a password in the userinfo, a
+secret query parameter (libpq's password/sslpassword, the http:// source's api_key), a
+fragment, or text that is no URL at all (a typo, a URL file holding the secret alone)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fenced._backend import redacted
+from tests.helpers import ROOT
+
+SECRET = "s3cr3tPW"
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        f"redis://:{SECRET}@127.0.0.1:1/0",
+        f"postgresql://u:{SECRET}@h/db?sslpassword={SECRET}",
+        f"postgresql://u@h/db?password={SECRET}&sslmode=require",
+        f"http://127.0.0.1:1/?api_key={SECRET}",
+        f"zookeeper://127.0.0.1:1/x#{SECRET}",
+        f"redis//:{SECRET}@127.0.0.1:1/0",  # (no "://": a typo)
+        SECRET,  # (a URL file holding the secret alone)
+    ],
+)
+def test_redacted_shows_no_secret(url: str) -> None:
+    assert SECRET not in redacted(url)
+
+
+def _fenced(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "fenced", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src"), **env},
+    )
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        f"zookeeper://u:{SECRET}@127.0.0.1:1/x",
+        f"zk://u:{SECRET}@127.0.0.1:1/x",
+        f"zookeeper://127.0.0.1:1/x#{SECRET}",
+        f"redis//:{SECRET}@127.0.0.1:1/0",
+    ],
+)
+def test_a_bad_url_from_the_environment_is_refused_without_its_secret(url: str) -> None:
+    out = _fenced("status", "--timeout", "2", FENCED_URL=url)
+    assert out.returncode == 2, out.stderr
+    assert SECRET not in out.stdout + out.stderr, out.stderr
+
+
+def test_a_url_file_holding_no_url_is_refused_without_its_content(tmp_path: Path) -> None:
+    path = tmp_path / "url"
+    path.write_text(SECRET + "\n")
+    path.chmod(0o600)
+    out = _fenced("status", "--timeout", "2", "--url-file", str(path))
+    assert out.returncode == 2, out.stderr
+    assert SECRET not in out.stdout + out.stderr, out.stderr
+
+
+def test_a_url_file_with_an_api_key_others_may_read_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "url"
+    path.write_text(f"http://127.0.0.1:1/?api_key={SECRET}\n")
+    path.chmod(0o644)
+    out = _fenced("status", "--timeout", "2", "--url-file", str(path))
+    assert out.returncode == 2 and "chmod 600" in out.stderr, out.stderr
+    assert SECRET not in out.stdout + out.stderr
