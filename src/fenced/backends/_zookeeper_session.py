@@ -14,7 +14,9 @@ import dataclasses
 import enum
 import logging
 import math
+import re
 import select
+import socket
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
@@ -418,6 +420,20 @@ class Session:
         if session_id is not None and session_id == self.session_id and sent > self.proven_at:
             self.proven_at = sent
 
+    async def tick_time(self) -> float:
+        """The ensemble's tickTime in seconds, or a safe upper bound on it (cached).
+
+        Asked with the ``conf`` four-letter word where the servers allow it; else the
+        negotiated session timeout / 2: ZooKeeper's minimum session timeout is 2 x tickTime
+        unless configured otherwise, so no granted timeout is shorter. An upper bound is what
+        the renewal needs (it waits tickTime/2: waiting longer is only slower).
+        """
+        backend = self.backend
+        if backend._tick is None:
+            backend._tick = await asyncio.to_thread(conf_tick, backend._hosts) or 0.0
+        bound = self.timeout / 2
+        return min(backend._tick, bound) if backend._tick > 0 else bound
+
     async def wait_connected(self, until: float | None) -> None:
         if self.connected.is_set():
             return
@@ -484,6 +500,30 @@ class Session:
         except NoNodeError:
             return []
         return children
+
+
+def conf_tick(hosts: str, timeout: float = 0.5) -> float | None:
+    """The largest ``tickTime`` (s) the servers of ``hosts`` report to ``conf``; None if none
+    answers (``conf`` not allowed by ``4lw.commands.whitelist``, or unreachable)."""
+    ticks: list[float] = []
+    for host in hosts.split(","):
+        name, _, port = host.strip().rpartition(":")
+        try:
+            with socket.create_connection((name.strip("[]"), int(port)), timeout=timeout) as sock:
+                sock.settimeout(timeout)
+                sock.sendall(b"conf")
+                data = b""
+                for _ in range(64):  # bounded: the answer is a few hundred bytes
+                    chunk = sock.recv(4096)
+                    if not chunk:
+                        break
+                    data += chunk
+        except (OSError, ValueError):
+            continue
+        m = re.search(rb"^tickTime=(\d+)$", data, re.MULTILINE)
+        if m is not None:
+            ticks.append(int(m[1]) / 1000)
+    return max(ticks) if ticks else None
 
 
 def describe(node: Node) -> str:

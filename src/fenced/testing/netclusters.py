@@ -187,7 +187,7 @@ class ZooKeeperNetCluster(_Cluster):
             (d / "zoo.cfg").write_text(
                 f"tickTime={self.tick_ms}\ninitLimit=20\nsyncLimit=5\n"
                 f"dataDir={d / 'data'}\nclientPort={ZK_CLIENT}\nclientPortAddress={n.addr}\n"
-                "admin.enableServer=false\n4lw.commands.whitelist=ruok,srvr,stat,mntr\n"
+                "admin.enableServer=false\n4lw.commands.whitelist=ruok,srvr,stat,mntr,conf\n"
                 "maxSessionTimeout=60000\nforceSync=yes\n" + servers
             )
             (d / "log4j.properties").write_text(

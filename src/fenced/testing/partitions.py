@@ -25,7 +25,8 @@ register's final state and returns the violations of:
   it until at least t − ``LOSS_SLACK``; its ``lost`` is set by then too.
 
 Plants (``plant=``): ``ignore-loss`` (clients that never look at ``lease.lost`` and keep
-writing), ``unguarded`` (writes without the guard's check): the checks must fail.
+writing), ``unguarded`` (writes without the guard's check), ``zk-follower-renew`` (the old
+ZooKeeper renewal: one read that a cut-off follower answers alone): the checks must fail.
 """
 
 from __future__ import annotations
@@ -55,9 +56,9 @@ RESOURCE: Final = "register"
 LOSS_SLACK: Final = 0.25
 """Scheduling slack (s) between a lease's promised end and ``lost`` being set: the renewal's
 timeout fires on the event loop of a process sharing loaded cores."""
-PLANTS: Final = ("ignore-loss", "unguarded")
+PLANTS: Final = ("ignore-loss", "unguarded", "zk-follower-renew")
 NEMESES: Final = ("split-minority-holder", "isolate-leader", "pause", "flap")
-KNOWN_OPEN: Final = {"zookeeper": ("lease overlap",)}
+KNOWN_OPEN: Final[dict[str, tuple[str, ...]]] = {}
 """Findings the campaign reports apart (``Campaign.known``) because they are open issues of a
 source, documented in docs/verification-partitions.md; every other finding is a violation."""
 MAX_OPS: Final = 10_000  # per client: a bound on its loop besides its deadline
@@ -128,6 +129,10 @@ async def _client(args: argparse.Namespace) -> None:
     kind, _, where = args.resource.partition(":")
     register = _SQLRegister(where, unguarded) if kind == "sql" else _RedisRegister(where, unguarded)
     ignore_loss = "ignore-loss" in plants
+    if "zk-follower-renew" in plants:
+        from fenced.backends import zookeeper
+
+        zookeeper._PLANT_FOLLOWER_RENEW = True
     end = time.monotonic() + args.duration
     record("ready")
     async with fenced.connect_async(args.source, connect_timeout=10) as locks:
