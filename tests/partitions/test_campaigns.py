@@ -77,3 +77,22 @@ def test_fenced_check_runs_through_the_lab(tmp_path: Path) -> None:
     page = (run.report / "report.html").read_text()
     assert "net-split 2/1:" in page and "network</text>" in page, "partitions on the timeline"
     assert {f["kind"] for f in run.faults} >= {"split", "isolate"}
+
+
+def test_planted_zookeeper_follower_renewal_is_caught(tmp_path: Path) -> None:
+    """The old ZooKeeper renewal (one read, which a follower cut off with the holder answers
+    alone until it notices the split): the holder's remaining() outlives its session at the
+    leader, and the campaign reports the overlap as a violation (on the fixed renewal, the
+    zookeeper campaign above has none)."""
+    summaries = []
+    for run in range(3):  # an overlap needs a waiter ready on the majority side: ~2 runs in 3
+        camp = run_campaign(
+            "zookeeper", "sql", duration=8, ttl=TTL, plant="zk-follower-renew",
+            nemeses=("split-minority-holder",), directory=str(tmp_path / f"{run}"),
+        )  # fmt: skip
+        print(camp.summary())
+        summaries.append(camp.summary())
+        assert not camp.known, camp.known
+        if any(v.startswith("lease overlap") for v in camp.violations):
+            return
+    pytest.fail("the old renewal was not caught in 3 runs:\n" + "\n".join(summaries))

@@ -303,6 +303,11 @@ class Session:
         self.connected = asyncio.Event()
         self.ever_connected = False
         self.proven_at = -math.inf  # send time of the latest request this session answered
+        # Send time from which the *leader* surely counts the session alive (a Connect, or a
+        # renewal proof): the leader expires no earlier than this + timeout. See
+        # ZooKeeperBackend._renewal_proof; a follower's answer alone proves nothing of it.
+        self.leader_since = -math.inf
+        self._connect_sent = -math.inf  # kazoo thread: send time of the last answered Connect
         self.nodes: dict[str, Node] = {}  # path -> node, for nodes of the current session
         self.queued: set[Node] = set()  # nodes whose acquire is waiting
         self.doomed: set[str] = set()  # paths to delete once connected
@@ -358,6 +363,7 @@ class Session:
             if not isinstance(request, Connect):
                 return invoke(timeout, request, xid)
             bound = self.handler.connect_timeout or timeout
+            sent = _clock.now()
             try:
                 result = invoke(min(timeout, bound), request, xid)
             except KazooTimeoutError:
@@ -365,6 +371,9 @@ class Session:
                 raise
             if isinstance(result, tuple):
                 self._negotiated_ms = int(result[0].time_out)
+                # The leader (re)starts the session's countdown on a Connect: creating a
+                # session, or revalidating it on a reconnection, touches it at the leader.
+                self._connect_sent = sent
             self.handler.connect_timeout = self._connect_base()
             return result
 
@@ -376,15 +385,23 @@ class Session:
         client_id = self.client.client_id
         session_id = client_id[0] if client_id else None
         negotiated = self._negotiated_ms
+        connect_sent = self._connect_sent
         with contextlib.suppress(RuntimeError):
-            self.backend._mailbox.post(self._on_state, state, session_id, negotiated)
+            self.backend._mailbox.post(self._on_state, state, session_id, negotiated, connect_sent)
 
-    def _on_state(self, state: str, session_id: int | None, negotiated_ms: int) -> None:
+    def _on_state(
+        self,
+        state: str,
+        session_id: int | None,
+        negotiated_ms: int,
+        connect_sent: float = -math.inf,
+    ) -> None:
         if state == KazooState.CONNECTED:
             if self.session_id is not None and session_id != self.session_id:
                 self.session_ended("the ZooKeeper session expired")
             if negotiated_ms > 0:
                 self.timeout = negotiated_ms / 1000
+            self.leader_since = max(self.leader_since, connect_sent)
             self.session_id = session_id
             self.ever_connected = True
             self.connected.set()
@@ -406,6 +423,7 @@ class Session:
         """Every node of the session is gone: tell holders, send waiters round again."""
         self.session_id = None
         self.proven_at = -math.inf
+        self.leader_since = -math.inf
         self.doomed.clear()
         self.orphans.clear()
         nodes, self.nodes = list(self.nodes.values()), {}
@@ -433,6 +451,12 @@ class Session:
             backend._tick = await asyncio.to_thread(conf_tick, backend._hosts) or 0.0
         bound = self.timeout / 2
         return min(backend._tick, bound) if backend._tick > 0 else bound
+
+    def leader_proven(self, sent: float, session_id: int | None) -> None:
+        """The leader counts this session alive from ``sent`` on (see ``leader_since``)."""
+        if session_id is not None and session_id == self.session_id:
+            self.leader_since = max(self.leader_since, sent)
+            self.proven(sent, session_id)
 
     async def wait_connected(self, until: float | None) -> None:
         if self.connected.is_set():

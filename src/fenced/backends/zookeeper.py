@@ -295,7 +295,9 @@ class ZooKeeperBackend(Backend):
                     raise unavailable("request failed before the timeout", exc) from exc
                 continue
             if sent_at is not None:
-                return sent_at
+                backed = await self._leader_backed(s, node, sent_at)
+                if backed is not None:
+                    return backed
             trouble_since = None
 
     async def _next_step(self, s: Session, node: Node, deadline: float | None) -> float | None:
@@ -643,12 +645,39 @@ class ZooKeeperBackend(Backend):
             self._node_deleted(node)
             raise LeaseLostError(f"lease {grant.token} is gone: its node was deleted")
         node.armed = True
-        s.proven(sent, sid)
+        if _PLANT_FOLLOWER_RENEW:
+            s.proven(sent, sid)
+        else:
+            s.leader_proven(sent, sid)
         node.expires_at = max(node.expires_at, sent + grant.ttl)
         renewed = dataclasses.replace(grant, sent_at=sent)
         if node.grant is None or sent > node.grant.sent_at:
             node.grant = renewed
         return renewed
+
+    async def _leader_backed(self, s: Session, node: Node, sent_at: float) -> float | None:
+        """A grant's ``sent_at``, moved back to when the leader surely counts the session from.
+
+        The listing or read that made us first may come from a follower cut off from the
+        leader, which may be counting the session down from long before. The session's last
+        leader proof (its Connect, a renewal) is used if it is recent (a third of the lease,
+        when a renewal would be due anyway); else a fresh proof is made first (tickTime/2 and
+        three round trips: a session idle for a third of its timeout pays it once).
+        None: our node is gone, go round again.
+        """
+        if _PLANT_FOLLOWER_RENEW:
+            return sent_at
+        if _clock.now() - s.leader_since <= min(node.ttl, s.timeout) / 3:
+            return min(sent_at, s.leader_since)
+        assert node.path is not None
+        sid = s.session_id
+        sent, stat = await self._renewal_proof(s, node.path, node.own_watch)
+        if stat is None or stat.czxid != node.czxid or s.session_id != sid:
+            node.forget()
+            return None
+        node.armed = True
+        s.leader_proven(sent, sid)
+        return sent
 
     async def _renewal_proof(self, s: Session, path: str, watch: Any) -> tuple[float, Any]:
         """Prove through the leader that it counts the session alive from ``sent`` on.
