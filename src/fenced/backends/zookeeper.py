@@ -282,6 +282,8 @@ class ZooKeeperBackend(Backend):
                 node.forget()
             try:
                 sent_at = await self._next_step(s, node, deadline)
+                if sent_at is not None:
+                    sent_at = await self._leader_backed(s, node, sent_at)
             except (*UNAVAILABLE, SessionExpiredError) as exc:
                 if isinstance(exc, SessionExpiredError):
                     node.forget()
@@ -295,9 +297,7 @@ class ZooKeeperBackend(Backend):
                     raise unavailable("request failed before the timeout", exc) from exc
                 continue
             if sent_at is not None:
-                backed = await self._leader_backed(s, node, sent_at)
-                if backed is not None:
-                    return backed
+                return sent_at
             trouble_since = None
 
     async def _next_step(self, s: Session, node: Node, deadline: float | None) -> float | None:
