@@ -308,6 +308,7 @@ class Session:
         # ZooKeeperBackend._renewal_proof; a follower's answer alone proves nothing of it.
         self.leader_since = -math.inf
         self._connect_sent = -math.inf  # kazoo thread: send time of the last answered Connect
+        self.proving: asyncio.Task[None] | None = None  # a background leader proof
         self.nodes: dict[str, Node] = {}  # path -> node, for nodes of the current session
         self.queued: set[Node] = set()  # nodes whose acquire is waiting
         self.doomed: set[str] = set()  # paths to delete once connected

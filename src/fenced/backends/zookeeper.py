@@ -667,7 +667,10 @@ class ZooKeeperBackend(Backend):
         """
         if _PLANT_FOLLOWER_RENEW:
             return sent_at
-        if _clock.now() - s.leader_since <= min(node.ttl, s.timeout) / 3:
+        age, limit = _clock.now() - s.leader_since, min(node.ttl, s.timeout) / 3
+        if age <= limit:
+            if age > limit / 2:
+                self._prove_in_background(s)  # so that a busy session's grants never wait
             return min(sent_at, s.leader_since)
         assert node.path is not None
         sid = s.session_id
@@ -678,6 +681,18 @@ class ZooKeeperBackend(Backend):
         node.armed = True
         s.leader_proven(sent, sid)
         return sent
+
+    def _prove_in_background(self, s: Session) -> None:
+        if s.proving is not None and not s.proving.done():
+            return
+
+        async def prove() -> None:
+            sid = s.session_id
+            with contextlib.suppress(KazooException):
+                sent, _ = await self._renewal_proof(s, self._root, None)
+                s.leader_proven(sent, sid)
+
+        s.proving = self._loop.create_task(prove(), name="fenced-zk-proof")
 
     async def _renewal_proof(self, s: Session, path: str, watch: Any) -> tuple[float, Any]:
         """Prove through the leader that it counts the session alive from ``sent`` on.
@@ -940,7 +955,7 @@ class ZooKeeperBackend(Backend):
             if s.janitor is not None:
                 s.janitor.cancel()
             s.connected.set()  # wake anyone waiting for the connection: they see it closed
-        for task in list(self._leaving):
+        for task in [*self._leaving, *(s.proving for s in sessions if s.proving is not None)]:
             task.cancel()  # closing the session deletes its nodes
         await asyncio.to_thread(_stop_clients, [s.client for s in sessions])
 
