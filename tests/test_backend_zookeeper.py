@@ -21,6 +21,7 @@ import fenced
 from fenced import _clock
 from fenced._backend import Grant
 from fenced.backends import zookeeper as zk
+from fenced.backends._zookeeper_session import conf_tick
 from fenced.backends.zookeeper import ROOT, ZooKeeperBackend, node_prefix, parse_node
 from fenced.testing.servers import ZooKeeperServer, free_port
 from tests.helpers import (
@@ -684,3 +685,23 @@ def test_no_server_is_a_typed_error() -> None:
     with pytest.raises(fenced.BackendUnavailable):
         fenced.connect(f"zookeeper://127.0.0.1:{free_port()}", connect_timeout=0.5)
     assert time.monotonic() - start < 10
+
+
+async def test_a_renewal_is_proven_through_the_leader(zk_server: ZooKeeperServer) -> None:
+    """renew() counts from its first sync and waits tickTime/2 (+ slack) before the next two:
+    one leader ping falls between them (the argument is in docs/backend-zookeeper.md). The
+    tickTime is asked of the server (``conf``); a server that does not answer ``conf`` gives
+    the negotiated timeout / 2 (an upper bound: min session timeout = 2 x tickTime)."""
+    name = unique_name()
+    async with backend_of(ZooKeeperBackend, zk_server.url) as backend:
+        grant = await backend.acquire(name, request_id="a", ttl=4, deadline=None, on_lost=noop)
+        before = _clock.now()
+        renewed = await backend.renew(grant)
+        took = _clock.now() - before
+        assert backend._tick == 0.2  # the fixture's tickTime=200
+        assert took >= 0.2 / 2 + zk._PING_SLACK, took
+        assert before <= renewed.sent_at <= before + took - 0.15
+        assert renewed.handle.session.leader_since == renewed.sent_at
+        await backend.release(renewed)
+    closed = free_port()
+    assert conf_tick(f"127.0.0.1:{closed}", timeout=0.2) is None

@@ -14,7 +14,9 @@ import dataclasses
 import enum
 import logging
 import math
+import re
 import select
+import socket
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
@@ -293,6 +295,12 @@ class Session:
         self.connected = asyncio.Event()
         self.ever_connected = False
         self.proven_at = -math.inf  # send time of the latest request this session answered
+        # Send time from which the *leader* surely counts the session alive (a Connect, or a
+        # renewal proof): the leader expires no earlier than this + timeout. See
+        # ZooKeeperBackend._renewal_proof; a follower's answer alone proves nothing of it.
+        self.leader_since = -math.inf
+        self._connect_sent = -math.inf  # kazoo thread: send time of the last answered Connect
+        self.proving: asyncio.Task[None] | None = None  # a background leader proof
         self.nodes: dict[str, Node] = {}  # path -> node, for nodes of the current session
         self.queued: set[Node] = set()  # nodes whose acquire is waiting
         self.doomed: set[str] = set()  # paths to delete once connected
@@ -348,6 +356,7 @@ class Session:
             if not isinstance(request, Connect):
                 return invoke(timeout, request, xid)
             bound = self.handler.connect_timeout or timeout
+            sent = _clock.now()
             try:
                 result = invoke(min(timeout, bound), request, xid)
             except KazooTimeoutError:
@@ -355,6 +364,9 @@ class Session:
                 raise
             if isinstance(result, tuple):
                 self._negotiated_ms = int(result[0].time_out)
+                # The leader (re)starts the session's countdown on a Connect: creating a
+                # session, or revalidating it on a reconnection, touches it at the leader.
+                self._connect_sent = sent
             self.handler.connect_timeout = self._connect_base()
             return result
 
@@ -366,15 +378,23 @@ class Session:
         client_id = self.client.client_id
         session_id = client_id[0] if client_id else None
         negotiated = self._negotiated_ms
+        connect_sent = self._connect_sent
         with contextlib.suppress(RuntimeError):
-            self.backend._mailbox.post(self._on_state, state, session_id, negotiated)
+            self.backend._mailbox.post(self._on_state, state, session_id, negotiated, connect_sent)
 
-    def _on_state(self, state: str, session_id: int | None, negotiated_ms: int) -> None:
+    def _on_state(
+        self,
+        state: str,
+        session_id: int | None,
+        negotiated_ms: int,
+        connect_sent: float = -math.inf,
+    ) -> None:
         if state == KazooState.CONNECTED:
             if self.session_id is not None and session_id != self.session_id:
                 self.session_ended("the ZooKeeper session expired")
             if negotiated_ms > 0:
                 self.timeout = negotiated_ms / 1000
+            self.leader_since = max(self.leader_since, connect_sent)
             self.session_id = session_id
             self.ever_connected = True
             self.connected.set()
@@ -396,6 +416,7 @@ class Session:
         """Every node of the session is gone: tell holders, send waiters round again."""
         self.session_id = None
         self.proven_at = -math.inf
+        self.leader_since = -math.inf
         self.doomed.clear()
         self.orphans.clear()
         nodes, self.nodes = list(self.nodes.values()), {}
@@ -409,6 +430,26 @@ class Session:
         """A request sent at ``sent`` was answered by the session that is still current."""
         if session_id is not None and session_id == self.session_id and sent > self.proven_at:
             self.proven_at = sent
+
+    async def tick_time(self) -> float:
+        """The ensemble's tickTime in seconds, or a safe upper bound on it (cached).
+
+        Asked with the ``conf`` four-letter word where the servers allow it; else the
+        negotiated session timeout / 2: ZooKeeper's minimum session timeout is 2 x tickTime
+        unless configured otherwise, so no granted timeout is shorter. An upper bound is what
+        the renewal needs (it waits tickTime/2: waiting longer is only slower).
+        """
+        backend = self.backend
+        if backend._tick is None:
+            backend._tick = await asyncio.to_thread(conf_tick, backend._hosts) or 0.0
+        bound = self.timeout / 2
+        return min(backend._tick, bound) if backend._tick > 0 else bound
+
+    def leader_proven(self, sent: float, session_id: int | None) -> None:
+        """The leader counts this session alive from ``sent`` on (see ``leader_since``)."""
+        if session_id is not None and session_id == self.session_id:
+            self.leader_since = max(self.leader_since, sent)
+            self.proven(sent, session_id)
 
     async def wait_connected(self, until: float | None) -> None:
         if self.connected.is_set():
@@ -476,6 +517,30 @@ class Session:
         except NoNodeError:
             return []
         return children
+
+
+def conf_tick(hosts: str, timeout: float = 0.5) -> float | None:
+    """The largest ``tickTime`` (s) the servers of ``hosts`` report to ``conf``; None if none
+    answers (``conf`` not allowed by ``4lw.commands.whitelist``, or unreachable)."""
+    ticks: list[float] = []
+    for host in hosts.split(","):
+        name, _, port = host.strip().rpartition(":")
+        try:
+            with socket.create_connection((name.strip("[]"), int(port)), timeout=timeout) as sock:
+                sock.settimeout(timeout)
+                sock.sendall(b"conf")
+                data = b""
+                for _ in range(64):  # bounded: the answer is a few hundred bytes
+                    chunk = sock.recv(4096)
+                    if not chunk:
+                        break
+                    data += chunk
+        except (OSError, ValueError):
+            continue
+        m = re.search(rb"^tickTime=(\d+)$", data, re.MULTILINE)
+        if m is not None:
+            ticks.append(int(m[1]) / 1000)
+    return max(ticks) if ticks else None
 
 
 def describe(node: Node) -> str:

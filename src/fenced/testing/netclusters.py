@@ -188,7 +188,7 @@ class ZooKeeperNetCluster(_Cluster):
             (d / "zoo.cfg").write_text(
                 f"tickTime={self.tick_ms}\ninitLimit=20\nsyncLimit=5\n"
                 f"dataDir={d / 'data'}\nclientPort={ZK_CLIENT}\nclientPortAddress={n.addr}\n"
-                "admin.enableServer=false\n4lw.commands.whitelist=ruok,srvr,stat,mntr\n"
+                "admin.enableServer=false\n4lw.commands.whitelist=ruok,srvr,stat,mntr,conf,cons\n"
                 "maxSessionTimeout=60000\nforceSync=yes\n" + servers
             )
             (d / "log4j.properties").write_text(
@@ -222,6 +222,17 @@ class ZooKeeperNetCluster(_Cluster):
 
     def _leads(self, node: Node) -> bool:
         return self._mode(node) == "leader"
+
+    def serving(self, addr: str) -> str | None:
+        """The member a client at ``addr`` is connected to (4lw ``cons``), or None."""
+        for n in self.nodes:
+            try:
+                out = self.lab.call(n, lambda n=n: _ask(n.addr, ZK_CLIENT, b"cons"), timeout=3)  # type: ignore[misc]
+            except (OSError, TimeoutError):
+                continue
+            if f"/{addr}:" in out.decode(errors="replace"):
+                return n.name
+        return None
 
     @property
     def url(self) -> str:

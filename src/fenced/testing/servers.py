@@ -468,7 +468,7 @@ class ZooKeeperServer(Server):
             f"clientPort={self.port}\n"
             "clientPortAddress=127.0.0.1\n"
             "admin.enableServer=false\n"
-            "4lw.commands.whitelist=ruok,srvr,stat,mntr\n"
+            "4lw.commands.whitelist=ruok,srvr,stat,mntr,conf\n"
             "maxSessionTimeout=60000\n"
             "forceSync=yes\n"
         )
