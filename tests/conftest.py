@@ -9,6 +9,7 @@ import fenced._grpc  # isort: skip
 import signal
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -65,6 +66,16 @@ def memory_url() -> Iterator[str]:
 @pytest.fixture
 def sqlite_url(tmp_path: object) -> str:
     return f"sqlite:///{tmp_path}/locks.db"
+
+
+@pytest.fixture(scope="session")
+def http_gateways() -> Iterator[dict[str, Any]]:
+    """The worker's ``fenced serve`` gateways of the http_* conformance sources, by inner
+    source name (tests/envs/_http.py makes them on first use); all killed at the end."""
+    gateways: dict[str, Any] = {}
+    yield gateways
+    for env in gateways.values():
+        env.gateway.close()
 
 
 @pytest.fixture(scope="session")
