@@ -26,6 +26,17 @@ from fenced.testing.servers import (
 from tests.helpers import aws_client, unique_name
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked ``slow`` (30-40 s races and campaigns) first, the rest in their order.
+
+    Under ``pytest -n 2 --dist loadgroup`` xdist hands out the xdist_group groups first
+    (largest first), then single tests in collection order; a 40 s test collected late ran
+    last on one worker while the other idled. Moved to the front of the singles, the long
+    ones overlap with the rest of the run.
+    """
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # (stable sort)
+
+
 @pytest.fixture
 def register_scheme(request: pytest.FixtureRequest) -> Callable[[str, str], None]:
     """Register a token source for a URL scheme for one test (fenced.register_backend)."""
