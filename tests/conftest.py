@@ -26,15 +26,25 @@ from fenced.testing.servers import (
 from tests.helpers import aws_client, unique_name
 
 
+@pytest.hookimpl(trylast=True)  # (after tests/conformance/conftest.py's source groups)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests marked ``slow`` (30-40 s races and campaigns) first, the rest in their order.
+    """Order and group the run for ``pytest -n 2 --dist loadgroup``.
 
-    Under ``pytest -n 2 --dist loadgroup`` xdist hands out the xdist_group groups first
-    (largest first), then single tests in collection order; a 40 s test collected late ran
-    last on one worker while the other idled. Moved to the front of the singles, the long
-    ones overlap with the rest of the run.
+    Tests marked ``slow`` (30-40 s races and campaigns) come first, the rest in their order:
+    xdist hands out the xdist_group groups first (largest first), then single tests in
+    collection order, and a 40 s test collected late ran last on one worker while the other
+    idled. And the guard suites' MySQL environments (grouped per environment by
+    tests/conformance/conftest.py) join test_guard_mysql.py's group: MariaDB, 6-9 s to start
+    under load and the heaviest server, then runs on one worker, not on both.
     """
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # (stable sort)
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        kind = callspec.params.get("env") if callspec is not None else None
+        if isinstance(kind, str) and kind.endswith("-mysql") and "/guards/" in item.nodeid:
+            # (xdist joins all of an item's group names: the source group must go)
+            item.own_markers[:] = [m for m in item.own_markers if m.name != "xdist_group"]
+            item.add_marker(pytest.mark.xdist_group("mariadb"))
 
 
 @pytest.fixture
