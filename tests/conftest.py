@@ -9,6 +9,7 @@ import fenced._grpc  # isort: skip
 import signal
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -23,6 +24,27 @@ from fenced.testing.servers import (
     ZooKeeperServer,
 )
 from tests.helpers import aws_client, unique_name
+
+
+@pytest.hookimpl(trylast=True)  # (after tests/conformance/conftest.py's source groups)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Order and group the run for ``pytest -n 2 --dist loadgroup``.
+
+    Tests marked ``slow`` (30-40 s races and campaigns) come first, the rest in their order:
+    xdist hands out the xdist_group groups first (largest first), then single tests in
+    collection order, and a 40 s test collected late ran last on one worker while the other
+    idled. And the guard suites' MySQL environments (grouped per environment by
+    tests/conformance/conftest.py) join test_guard_mysql.py's group: MariaDB, 6-9 s to start
+    under load and the heaviest server, then runs on one worker, not on both.
+    """
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # (stable sort)
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        kind = callspec.params.get("env") if callspec is not None else None
+        if isinstance(kind, str) and kind.endswith("-mysql") and "/guards/" in item.nodeid:
+            # (xdist joins all of an item's group names: the source group must go)
+            item.own_markers[:] = [m for m in item.own_markers if m.name != "xdist_group"]
+            item.add_marker(pytest.mark.xdist_group("mariadb"))
 
 
 @pytest.fixture
@@ -65,6 +87,16 @@ def memory_url() -> Iterator[str]:
 @pytest.fixture
 def sqlite_url(tmp_path: object) -> str:
     return f"sqlite:///{tmp_path}/locks.db"
+
+
+@pytest.fixture(scope="session")
+def http_gateways() -> Iterator[dict[str, Any]]:
+    """The worker's ``fenced serve`` gateways of the http_* conformance sources, by inner
+    source name (tests/envs/_http.py makes them on first use); all killed at the end."""
+    gateways: dict[str, Any] = {}
+    yield gateways
+    for env in gateways.values():
+        env.gateway.close()
 
 
 @pytest.fixture(scope="session")

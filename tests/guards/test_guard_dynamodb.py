@@ -158,6 +158,7 @@ def test_fence_on_acquire_raises_the_fence_item(
                 guard.transact([put(table, "late", "x")], token=first.token)
 
 
+@pytest.mark.slow  # (dispatched first under xdist: tests/conftest.py)
 def test_racing_processes_commit_tokens_in_order(
     moto_server: Any, dynamodb_table: tuple[Any, str]
 ) -> None:

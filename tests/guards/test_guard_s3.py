@@ -180,6 +180,7 @@ def race_violations(
     return bad
 
 
+@pytest.mark.slow  # (dispatched first under xdist: tests/conftest.py)
 def test_racing_publisher_processes_commit_in_token_order(
     moto_server: MotoServer, s3_bucket: tuple[Any, str]
 ) -> None:
@@ -189,6 +190,7 @@ def test_racing_publisher_processes_commit_in_token_order(
     assert race_violations(moto_server, *s3_bucket, "s3", 60) == []
 
 
+@pytest.mark.slow  # (dispatched first under xdist: tests/conftest.py)
 def test_the_race_check_catches_a_store_whose_mark_never_refuses(
     moto_server: MotoServer, s3_bucket: tuple[Any, str]
 ) -> None:
