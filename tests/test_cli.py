@@ -605,3 +605,14 @@ def test_group_members_urls_from_files_and_never_their_passwords(
     for spec in ("a=mysql://u:hunter2-secret@h/db", "redis://:hunter2-secret@h"):
         out = run(["group", "status", "g", "--member", spec], sqlite_url)
         assert out.returncode == 2 and "hunter2" not in out.stderr, out.stderr
+
+
+def test_keygen_refused_for_an_existing_pub_leaves_no_half_made_key(tmp_path: Path) -> None:
+    """`FILE.pub` exists: refused (exit 2) before the private key is written, so a second try
+    does not find a lone private key in the way."""
+    (tmp_path / "k.pub").write_text("someone else's\n")
+    out = subprocess.run(
+        [*FENCED, "keygen", "ed25519", str(tmp_path / "k")], capture_output=True, text=True
+    )
+    assert out.returncode == 2 and "k.pub exists" in out.stderr, out.stderr
+    assert not (tmp_path / "k").exists()

@@ -417,7 +417,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="FILE",
         action="append",
         help="verify the token's signature with this key file first: an Ed25519 .pub or an "
-        "HMAC key (repeat for rotation); an unsigned, forged or foreign token then exits 2 "
+        "HMAC key (repeat for rotation); an unsigned, forged or foreign token then exits 65 "
         "(default: $FENCED_VERIFY_KEY, else the key of $FENCED_SIGNING_KEY)",
     )
     _source_id_argument(check)
@@ -1068,7 +1068,7 @@ def _cmd_check_token(args: argparse.Namespace) -> int:
     url = _url(args)
     options: dict[str, Any] = {"connect_timeout": max(args.timeout, 0.1)}
     # Verifying needs only a public key (or the HMAC secret), never the power to sign:
-    # the token is checked locally first, and refused (exit 2) if unsigned, forged or of
+    # the token is checked locally first, and refused (exit 65) if unsigned, forged or of
     # another source, as guards and fenced serve's /v1/check refuse it.
     keys: list[Any] = []
     if args.verify_key:
@@ -1115,6 +1115,9 @@ def _cmd_keygen(args: argparse.Namespace) -> int:
         # Distinct ids for keys made on one day (rotation needs them apart), sortable by age.
         kid = time.strftime("%Y%m%d", time.gmtime()) + "-" + os.urandom(3).hex()
     key = generate_key(args.kind, kid)
+    if isinstance(key, Ed25519SigningKey) and os.path.lexists(args.file + ".pub"):
+        # (checked first: a refusal must leave no half-made key behind)
+        raise ConfigurationError(f"{args.file}.pub exists: fenced keygen never overwrites a key")
     _write_new(args.file, key_text(key), 0o600)
     if isinstance(key, Ed25519SigningKey):
         _write_new(args.file + ".pub", key_text(key.public()), 0o644)
