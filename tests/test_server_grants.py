@@ -352,7 +352,7 @@ def test_never_granted_is_one_thing_in_the_server_the_library_and_the_cli(
                 text=True,
                 timeout=60,
             )
-            assert (cli.returncode == 2) is never and ("never-granted" in cli.stdout) is never, (
+            assert (cli.returncode == 65) is never and ("never-granted" in cli.stdout) is never, (
                 token,
                 cli.stdout,
                 cli.stderr,

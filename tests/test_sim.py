@@ -185,7 +185,7 @@ def test_the_cli_finds_the_planted_replicated_bug_and_its_replay_fails_again() -
         env=env,
         timeout=300,
     )
-    assert out.returncode == 1, out.stdout + out.stderr
+    assert out.returncode == 65, out.stdout + out.stderr
     assert "VIOLATION lost-write" in out.stdout
     assert "fenced.replicated" not in out.stderr  # (its routine warnings stay quiet in a run)
     replay = next(line for line in out.stdout.splitlines() if line.startswith("replay: "))
@@ -198,7 +198,7 @@ def test_the_cli_finds_the_planted_replicated_bug_and_its_replay_fails_again() -
         env=env,
         timeout=120,
     )
-    assert again.returncode == 1 and "VIOLATION lost-write" in again.stdout
+    assert again.returncode == 65 and "VIOLATION lost-write" in again.stdout
     # A plant of one system with the other is refused, one line, exit 2 (configuration).
     wrong = subprocess.run(
         [*run, "--seeds", "1", "--system", "lease", "--plant", "empty-member-counted"],
