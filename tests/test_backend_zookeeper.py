@@ -309,6 +309,24 @@ async def test_a_connect_left_unanswered_is_tried_again_promptly(proxy: Proxy) -
         assert await lease.release() is True
 
 
+@pytest.mark.parametrize("timeout", [2.0, 4.0])
+async def test_a_server_that_never_answers_costs_no_more_than_the_timeout(timeout: float) -> None:
+    """A port that takes connections and never answers (a hung server, a half-open proxy):
+    ``acquire(timeout=)`` gives up at its deadline, closing included. kazoo's stop joins its
+    connection thread, which was blocked in a connect bound that doubles up to the session
+    timeout: closing the client overran a 5 s timeout by 2 s until the stop woke it."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)  # the kernel completes the handshakes; nobody ever reads
+        locks = fenced.connect_async(f"zookeeper://127.0.0.1:{listener.getsockname()[1]}")
+        start = time.monotonic()
+        with pytest.raises(fenced.BackendUnavailable):
+            await locks.lock(unique_name()).acquire(timeout=timeout)
+        await locks.aclose()
+        elapsed = time.monotonic() - start
+    assert elapsed < timeout + 0.5, f"acquire(timeout={timeout}) returned after {elapsed:.2f} s"
+
+
 # -- (2) a paused holder process ---------------------------------------------------------------
 
 

@@ -14,9 +14,11 @@ import dataclasses
 import enum
 import logging
 import math
+import os
 import re
 import select
 import socket
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
@@ -109,13 +111,30 @@ class InlineHandler(SequentialThreadingHandler):  # type: ignore[misc]
     """Seconds a TCP connect may take at most (kazoo's own bound is the whole session
     timeout); set by :class:`Session`, see :meth:`Session._hook_connect`."""
 
+    _wake: tuple[int, int] | None = None
+    """A pipe that :meth:`stop` writes to, so that a ``select`` in progress returns at once."""
+
     def start(self) -> None:
         with self._state_change:
             self._running = True
+            if self._wake is None:
+                self._wake = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+                weakref.finalize(self, _close_fds, self._wake)
+            with contextlib.suppress(BlockingIOError):
+                os.read(self._wake[0], 64)  # a stop before this restart
 
     def stop(self) -> None:
+        """Stop, and wake the connection thread from any ``select`` it is in.
+
+        kazoo's stop joins the connection thread, which may be waiting for a server that took
+        the connection and never answers (up to the whole connect bound): without the wake a
+        timeout the caller gave would be overrun by that wait when it closes the client.
+        """
         with self._state_change:
             self._running = False
+            if self._wake is not None:
+                with contextlib.suppress(BlockingIOError):
+                    os.write(self._wake[1], b"x")
 
     def async_result(self) -> InlineResult:
         return InlineResult(self)
@@ -138,10 +157,17 @@ class InlineHandler(SequentialThreadingHandler):  # type: ignore[misc]
                 owners.setdefault(fd, []).append(obj)
         for fd, mask in masks.items():
             poller.register(fd, mask)
+        wake = self._wake[0] if self._wake is not None else None
+        if wake is not None:
+            poller.register(wake, select.POLLIN)
         wait_ms = None if timeout is None else max(0, math.ceil(timeout * 1000))
         readable: list[Any] = []
         writable: list[Any] = []
         for fd, events in poller.poll(wait_ms):
+            if fd == wake:
+                if not self._running:
+                    return [], [], []  # stopped: as if the wait timed out
+                continue
             for obj in owners[fd]:
                 if obj in rlist and events & READ_EVENTS:
                     readable.append(obj)
@@ -160,6 +186,12 @@ class InlineHandler(SequentialThreadingHandler):  # type: ignore[misc]
             callback.func(*callback.args)
         except Exception:  # pragma: no cover - our watchers only schedule work
             logger.exception("kazoo watch callback failed")
+
+
+def _close_fds(fds: tuple[int, int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 READ_EVENTS: Final = (
