@@ -14,6 +14,11 @@ innodb_flush_log_at_trx_commit=1; PyMySQL), one sequential client each. Each tra
   trip); elsewhere ``begin`` + COMMIT;
 * unfenced, pipelined - (PostgreSQL) the unfenced transaction in one pipeline too: the peer of
   SQLGuard.transaction when the application pipelines its own transactions;
+* SQLGuard.batch - (MariaDB, PyMySQL with CLIENT.MULTI_STATEMENTS) ``guard.batch(conn,
+  [(UPDATE, params)], token=...)``: START TRANSACTION, a compound check that SIGNALs when it
+  refuses, the UPDATE and COMMIT as one request;
+* unfenced, one request - (MariaDB) the unfenced transaction as one multi-statement request
+  too: the peer of SQLGuard.batch when the application batches its own transactions;
 * +SELECT 1 - unfenced plus one trivial statement: the price of any extra statement (on
   PostgreSQL, of one extra round trip), to explain the SQLGuard figure;
 * fence SQL by hand - unfenced plus SQLGuard's own statement sent straight through the driver,
@@ -57,6 +62,8 @@ VARIANTS = (
     "RowGuard",
     "SQLGuard.transaction",
     "unfenced, pipelined",
+    "SQLGuard.batch",
+    "unfenced, one request",
     "+SELECT 1",
     "fence SQL by hand",
     "row SQL by hand",
@@ -114,6 +121,8 @@ PAIRED = (
     ("RowGuard", "unfenced"),
     ("SQLGuard.transaction", "unfenced"),
     ("SQLGuard.transaction", "unfenced, pipelined"),
+    ("SQLGuard.batch", "unfenced"),
+    ("SQLGuard.batch", "unfenced, one request"),
 )
 
 
@@ -125,7 +134,7 @@ def measure(variants: dict[str, Callable[[], object]], n: int) -> Run:
     measure a guarded write against an unguarded one; both are reported."""
     run = interleaved(variants, n)
     for name, peer in PAIRED:
-        if peer not in variants:
+        if peer not in variants or name not in variants:
             continue
         # (the peer timed under the name "unfenced": slice_ratios divides by it)
         pair = interleaved({"unfenced": variants[peer], name: variants[name]}, n)
@@ -298,6 +307,15 @@ def make_mysql_ops(conn: Any) -> dict[str, Callable[[], object]]:
         run(update, (next(counter),))
         conn.commit()
 
+    def fence_batch() -> None:
+        guard.batch(conn, [(update, (next(counter),))], token=TOKEN)
+
+    def unfenced_one_request() -> None:
+        with conn.cursor() as cur:
+            cur.execute(f"START TRANSACTION; {update % next(counter)}; COMMIT")
+            while cur.nextset():
+                pass
+
     fence, fence_params, row = by_hand(MYSQL, guard, rows)
 
     def fence_by_hand() -> None:
@@ -315,6 +333,8 @@ def make_mysql_ops(conn: Any) -> dict[str, Callable[[], object]]:
         "SQLGuard.begin": fence_begin,
         "RowGuard": row_form,
         "SQLGuard.transaction": fence_transaction,
+        "SQLGuard.batch": fence_batch,
+        "unfenced, one request": unfenced_one_request,
         "+SELECT 1": one_more_statement,
         "fence SQL by hand": fence_by_hand,
         "row SQL by hand": row_by_hand,
@@ -325,7 +345,12 @@ def bench_mysql(n: int) -> Run:
     import pymysql
 
     with MariaDBServer() as server:
-        conn = pymysql.connect(host="127.0.0.1", port=server.port, user="root", database="fenced")
+        from pymysql.constants import CLIENT
+
+        conn = pymysql.connect(
+            host="127.0.0.1", port=server.port, user="root", database="fenced",
+            client_flag=CLIENT.MULTI_STATEMENTS,  # (SQLGuard.batch's one request; others alike)
+        )  # fmt: skip
         try:
             return measure(make_mysql_ops(conn), n)
         finally:

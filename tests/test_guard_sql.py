@@ -1546,6 +1546,28 @@ def test_guarded_transaction_refuses_a_stale_token_and_commits_the_rightful_one(
     conn.execute("ROLLBACK")
 
 
+def test_batch_refuses_a_stale_token_and_commits_the_rightful_one(env: Env, conn: Any) -> None:
+    """``batch`` (one request on MariaDB: tests/guards/test_guard_mysql.py): here a psycopg
+    pipeline or begin, check, statements, commit. The stale batch commits nothing, the
+    rightful one everything and returns each statement's row count."""
+    guard = SQLGuard("acct", lock=LOCK)
+    guard.install(conn)
+    p = "?" if env.kind == "sqlite" else "%s"
+    conn.execute("CREATE TABLE IF NOT EXISTS acct (id INTEGER PRIMARY KEY, v BIGINT)")
+    conn.execute("INSERT INTO acct (id, v) VALUES (1, 0), (2, 0)")
+    if env.kind == "sqlite":
+        conn.commit()
+    update = (f"UPDATE acct SET v = {p}", (10,))
+    assert guard.batch(
+        conn, [update, (f"DELETE FROM acct WHERE id = {p}", (2,))], token=tok(10)
+    ) == [2, 1]
+    with pytest.raises(StaleTokenError):
+        guard.batch(conn, [("UPDATE acct SET v = 9", None)], token=tok(9))
+    assert [tuple(r) for r in conn.execute("SELECT id, v FROM acct").fetchall()] == [(1, 10)]
+    assert guard.high_water(conn) == tok(10)
+    assert not (conn.in_transaction if env.kind == "sqlite" else conn.info.transaction_status)
+
+
 def test_guarded_transaction_reports_what_the_server_refused_on(pg_dsn: str) -> None:
     """The refusal raised in the server carries the fence row: another lock's row is
     WrongLockError, a zero mark CorruptMarkError, nothing written; a new resource passes."""

@@ -642,3 +642,103 @@ def test_a_guarded_transaction_block_on_mysql_is_begin_and_commit(
     assert not conn.server_status & 1  # (SERVER_STATUS_IN_TRANS)
     other = connect(autocommit=True)
     assert sql(other, "SELECT id, v FROM data") == [(1, "ten")]
+
+
+# -- SQLGuard.batch: the check raises in the server, one multi-statement request -------------
+
+
+def _stale_batch_is_never_committed(conn: Any, guard: SQLGuard) -> bool:
+    """The rightful token's batch commits; a stale one's (two statements) commits nothing and
+    raises StaleTokenError naming the mark; the connection is left with no transaction."""
+    sql(conn, "CREATE TABLE IF NOT EXISTS acct (id INT PRIMARY KEY, v INT) ENGINE=InnoDB")
+    sql(conn, "INSERT IGNORE INTO acct VALUES (1, 0)")
+    conn.commit()
+    counts = guard.batch(conn, [("UPDATE acct SET v = %s WHERE id = 1", (10,))], token=tok(10))
+    assert counts == [1]
+    refused = False
+    try:
+        guard.batch(
+            conn,
+            [
+                ("UPDATE acct SET v = 9 WHERE id = 1", None),
+                ("INSERT INTO acct VALUES (%s, 9)", (9,)),
+            ],
+            token=tok(9),
+        )
+    except fenced.StaleTokenError as exc:
+        refused = exc.high_water == tok(10)
+    rows = sql(conn, "SELECT id, v FROM acct ORDER BY id")
+    conn.commit()
+    return refused and rows == [(1, 10)] and guard.high_water(conn) == tok(10)
+
+
+@pytest.mark.parametrize("flags", ["multi", "multi+found-rows", "plain"])
+def test_batch_refuses_a_stale_token_and_commits_the_rightful_one(connect: Any, flags: str) -> None:
+    """With CLIENT.MULTI_STATEMENTS the whole batch is one request (the check is a compound
+    statement that SIGNALs); without it, begin, check, statements, commit. Both: the stale
+    batch commits nothing, the rightful one everything; the same holder may write again."""
+    from fenced.guards._sql_driver import batch_kind
+
+    flag = {"multi": CLIENT.MULTI_STATEMENTS, "plain": 0}.get(
+        flags, CLIENT.MULTI_STATEMENTS | CLIENT.FOUND_ROWS
+    )
+    conn = connect(client_flag=flag)
+    guard = SQLGuard("acct", lock="orders")
+    guard.install(conn)
+    assert batch_kind(conn) == ("block" if flags == "plain" else "multi")
+    assert _stale_batch_is_never_committed(conn, guard)
+    assert guard.batch(conn, [("UPDATE acct SET v = 11 WHERE id = 1", None)], token=tok(10)) == [1]
+    assert not conn.server_status & 1  # no transaction left open
+    sql(conn, "BEGIN")
+    with pytest.raises(fenced.ConfigurationError, match="already open"):
+        guard.batch(conn, [], token=tok(12))
+    conn.rollback()
+
+
+def test_batch_reports_what_the_server_refused_on(connect: Any) -> None:
+    """Another lock's row is WrongLockError, a zero mark CorruptMarkError, nothing written;
+    a new resource passes; a failing statement of the batch rolls back the check too."""
+    conn = connect(client_flag=CLIENT.MULTI_STATEMENTS, autocommit=False)
+    guard = SQLGuard("acct", lock="orders")
+    guard.install(conn)
+    sql(conn, "CREATE TABLE acct (id INT PRIMARY KEY, v INT) ENGINE=InnoDB")
+    sql(conn, "ALTER TABLE fenced_fences DROP CONSTRAINT fenced_token_positive")  # (a hand edit)
+    sql(conn, "INSERT INTO fenced_fences (resource, lock_name, token) VALUES "
+              "('acct', 'someone-else', 5), ('zero', 'orders', 0)")  # fmt: skip
+    conn.commit()
+    with pytest.raises(fenced.WrongLockError):
+        guard.batch(conn, [("INSERT INTO acct VALUES (1, 7)", None)], token=tok(7))
+    with pytest.raises(fenced.CorruptMarkError):
+        SQLGuard("zero", lock="orders").batch(
+            conn, [("INSERT INTO acct VALUES (2, 7)", None)], token=tok(7)
+        )
+    with pytest.raises(pymysql.err.IntegrityError):  # the batch's own error: nothing kept
+        SQLGuard("new", lock="orders").batch(
+            conn, [("INSERT INTO acct VALUES (3, 7)", None)] * 2, token=tok(7)
+        )
+    assert sql(conn, "SELECT * FROM acct") == []
+    assert SQLGuard("new", lock="orders").high_water(conn) is None
+    SQLGuard("new", lock="orders").batch(
+        conn, [("INSERT INTO acct VALUES (3, 7)", None)], token=tok(7)
+    )
+    assert sql(conn, "SELECT * FROM acct") == [(3, 7)]
+    conn.commit()
+
+
+def test_a_batch_check_that_does_not_raise_is_caught(
+    connect: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Planted: the compound check never SIGNALs. Nothing in the request waits for its
+    verdict, so the stale batch commits: the checker above catches it."""
+    from fenced.guards import _sql_driver, _sql_plan
+
+    real = _sql_plan.mariadb_batch_check
+    monkeypatch.setattr(
+        _sql_driver, "mariadb_batch_check",
+        lambda table: real(table).replace("SIGNAL SQLSTATE", "DO 0; -- SIGNAL SQLSTATE")
+        .replace("SET MESSAGE_TEXT = 'fenced: the fence refused the token'; ", "\n"),
+    )  # fmt: skip
+    conn = connect(client_flag=CLIENT.MULTI_STATEMENTS)
+    guard = SQLGuard("acct", lock="orders")
+    guard.install(conn)
+    assert not _stale_batch_is_never_committed(conn, guard)

@@ -23,7 +23,15 @@ import functools
 import sqlite3
 import sys
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterator, Mapping
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Generator,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from typing import Any, TypeVar
 
 from .._errors import BackendUnavailable, ConfigurationError, FencedError
@@ -44,6 +52,8 @@ from ._sql_plan import (
     RowSQL,
     Stmt,
     TableUse,
+    fence_sql,
+    mariadb_batch_check,
     pg_pipelined_check,
     pipelined_refusal,
     row_write_accepted,
@@ -1019,6 +1029,129 @@ async def aguarded_transaction(
         if mapped is exc:
             raise
         raise mapped from exc
+
+
+# -- a batch of statements, guarded, in one request where the server allows ----------------
+
+Statement = tuple[str, "Sequence[Any] | Mapping[str, Any] | None"]
+_MULTI_STATEMENTS = 1 << 16  # CLIENT.MULTI_STATEMENTS
+
+
+def batch_kind(conn: Any) -> str:
+    """How :func:`guarded_batch` sends a batch on ``conn``: "multi" (MariaDB through PyMySQL
+    with CLIENT.MULTI_STATEMENTS: one request), "pipeline" (psycopg: one pipeline) or
+    "block" (``transaction()``'s block, statement by statement)."""
+    kind = _kind(conn)
+    if kind == "psycopg":
+        return "pipeline"
+    if (
+        kind == "pymysql"
+        and conn.client_flag & _MULTI_STATEMENTS
+        and "mariadb" in conn.get_server_info().lower()
+    ):
+        return "multi"
+    return "block"
+
+
+def guarded_batch(
+    conn: Any,
+    table: str,
+    resource: str,
+    token: FencingToken,
+    use: TableUse,
+    statements: Sequence[Statement],
+    transaction: Callable[[], contextlib.AbstractContextManager[FencingToken]],
+) -> list[int]:
+    """``SQLGuard.batch``: on MariaDB with multi-statements, ``START TRANSACTION``, the
+    raising check (:func:`mariadb_batch_check`), the statements and ``COMMIT`` as ONE
+    request: the server runs no statement after the first that fails, so a refused token
+    leaves nothing written (rolled back here). Elsewhere ``transaction()``'s block (a psycopg
+    pipeline, or begin, check, statements, commit). Returns each statement's row count."""
+    how = batch_kind(conn)
+    if how == "pipeline":  # (a pipelined cursor's row count is known after the sync)
+        with transaction():
+            cursors = [conn.execute(sql, params) for sql, params in statements]
+        return [int(cur.rowcount) for cur in cursors]
+    if how == "block":
+        counts: list[int] = []
+        with transaction():
+            for sql, params in statements:
+                counts.append(_execute(conn, sql, params))
+        return counts
+    if in_transaction(conn):
+        raise ConfigurationError(
+            "batch() starts the transaction, and one is already open: use check() inside it"
+        )
+    if not _is_verified(conn, use):  # once per connection: its answer is needed first
+        drive(
+            _verify_then(conn, MYSQL, use, _nothing()),
+            lambda stmt: _exec_mysql(conn, stmt),
+            lambda exc: map_error(MYSQL, conn, exc),
+        )
+        if in_transaction(conn):
+            _end(conn, commit=False, d=MYSQL)  # (a catalog read opened it: nothing to keep)
+    check = (resource, token.lock, token.value, resource, token.value, token.lock)
+    counts = []
+    with conn.cursor() as cur:
+        parts = [cur.mogrify(mariadb_batch_check(table), check)]
+        parts += [cur.mogrify(sql, params) for sql, params in statements]
+        request = "START TRANSACTION; " + "; ".join(parts) + "; COMMIT"
+        try:
+            cur.execute(request)  # START TRANSACTION's answer
+            cur.nextset()  # the check's
+            for _ in statements:
+                cur.nextset()
+                counts.append(cur.rowcount)
+            cur.nextset()  # COMMIT's
+        except Exception as exc:
+            with contextlib.suppress(Exception):
+                conn.rollback()
+            if getattr(exc, "args", (None,))[0] == 1644 and "fenced:" in str(exc):
+                raise _batch_refusal(conn, table, resource, token) from exc
+            # (as the pipeline: in one request the guard cannot tell whose statement failed,
+            # so only whole-transaction conditions are mapped; the rest comes as raised)
+            mapped = map_error(MYSQL, conn, exc)
+            if isinstance(mapped, FenceConflictError | BackendUnavailable):
+                raise mapped from exc
+            raise
+    return counts
+
+
+def _batch_refusal(conn: Any, table: str, resource: str, token: FencingToken) -> FencedError:
+    """The error for the server's refusal of ``token``, from the fence row as it is now (the
+    refusing transaction is rolled back: one more round trip, on the refusal only)."""
+    import json
+
+    read = fence_sql(MYSQL, table).read.removesuffix(" FOR UPDATE")
+    try:
+        res = _exec_mysql(conn, Stmt(read, (resource,)))
+        _end(conn, commit=False, d=MYSQL)
+    except Exception as exc:
+        mapped = map_error(MYSQL, conn, exc)
+        if mapped is not None:
+            return mapped
+        return FenceConflictError(f"the fence refused {token} for {resource!r}; reading why: {exc}")
+    if not res.rows:
+        return pipelined_refusal(resource, token, None)
+    lock, value = res.rows[0]
+    row = {"lock": lock, "token": None if value is None else str(value)}
+    return pipelined_refusal(resource, token, json.dumps(row))
+
+
+def _execute(conn: Any, sql: str, params: Sequence[Any] | Mapping[str, Any] | None) -> int:
+    """One statement of a batch on any supported sync connection; its row count."""
+    sa = sa_connection(conn)
+    if sa is not None:
+        return int(sa.exec_driver_sql(sql, params).rowcount)
+    if _kind(conn) == "sqlite3":
+        cur = conn.execute(sql, () if params is None else params)
+        try:
+            return int(cur.rowcount)
+        finally:
+            cur.close()
+    with conn.cursor() as cur:
+        cur.execute(sql, params)
+        return int(cur.rowcount)
 
 
 def _pipelined_error(conn: Any, resource: str, token: FencingToken, exc: Exception) -> Exception:

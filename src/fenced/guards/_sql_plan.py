@@ -61,6 +61,7 @@ __all__ = [
     "fence_install_plan",
     "fence_sql",
     "ident_key",
+    "mariadb_batch_check",
     "mysql_upsert_accepted",
     "mysql_use_plan",
     "pg_use_plan",
@@ -438,6 +439,33 @@ def pg_pipelined_check(table: str) -> str:
     return (
         f"WITH a AS ({accept}) SELECT token FROM a UNION ALL "
         f"SELECT {_refuse_function(table)}(%s::regclass, %s) WHERE NOT EXISTS (SELECT FROM a)"
+    )
+
+
+# -- MariaDB: the check that raises in the server (one multi-statement request) --------------
+
+
+@functools.lru_cache(maxsize=128)
+def mariadb_batch_check(table: str) -> str:
+    """The fence check as one MariaDB compound statement (``BEGIN NOT ATOMIC``) that raises
+    :data:`STALE_SQLSTATE` when it refuses, for a multi-statement request: the accepting
+    upsert (:func:`fence_sql`), then a read of the row it has X-locked; anything but this
+    lock and this token there is a refusal. (Not the upsert's affected-row count: with
+    CLIENT.FOUND_ROWS an untouched row counts as one.) MySQL has no compound statement
+    outside stored programs. Params: resource, lock, token, resource, token, lock."""
+    sql = _mysql_fence_sql(table)
+    quoted = _backquoted(table)
+    return (
+        "BEGIN NOT ATOMIC "
+        "DECLARE found_lock VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin; "
+        "DECLARE found_token BIGINT; "
+        f"{sql.accept}; "
+        f"SELECT lock_name, token INTO found_lock, found_token FROM {quoted} "
+        "WHERE resource = %s; "
+        "IF found_token IS NULL OR found_token <> CAST(%s AS SIGNED) "
+        "OR CAST(found_lock AS BINARY) <> CAST(%s AS BINARY) THEN "
+        f"SIGNAL SQLSTATE '{STALE_SQLSTATE}' "
+        "SET MESSAGE_TEXT = 'fenced: the fence refused the token'; END IF; END"
     )
 
 

@@ -113,6 +113,7 @@ from ._sql_driver import (
     arun,
     arun_install,
     arun_own,
+    guarded_batch,
     guarded_transaction,
     note_checked,
     run,
@@ -263,6 +264,37 @@ class SQLGuard:
         return guarded_transaction(
             conn, self._quoted, self.resource, tok, self._use, lambda: self._begin(conn, tok)
         )
+
+    def batch(
+        self,
+        conn: Any,
+        statements: Sequence[tuple[str, Sequence[Any] | Mapping[str, Any] | None]],
+        *,
+        token: TokenLike,
+    ) -> list[int]:
+        """Run ``statements`` (``(sql, params)`` pairs, in the driver's parameter style) as
+        one fenced transaction, in one request where the server allows; returns each
+        statement's row count.
+
+        ::
+
+            guard.batch(conn, [("UPDATE stock SET n = n - %s WHERE sku = %s", (1, "A7"))],
+                        token=lease.token)
+
+        On MariaDB through PyMySQL with ``client_flag=CLIENT.MULTI_STATEMENTS``: ``START
+        TRANSACTION``, a check that raises in the server when it refuses (a compound
+        statement, ``BEGIN NOT ATOMIC``), the statements and ``COMMIT`` go as one request;
+        the server runs nothing after the first statement that fails, so a refused token
+        commits nothing (the transaction is rolled back, the refusal raised as :meth:`check`
+        raises it). On a psycopg connection, :meth:`transaction`'s pipeline. Elsewhere
+        (SQLite, MySQL, PyMySQL without multi-statements, SQLAlchemy):
+        :meth:`transaction`'s block, statement by statement. No transaction may be open.
+        """
+        tok = FencingToken.coerce(token, self.lock, self.verifier)
+        return guarded_batch(
+            conn, self._quoted, self.resource, tok, self._use, statements,
+            lambda: self.transaction(conn, token=tok),
+        )  # fmt: skip
 
     def high_water(self, conn: Any) -> FencingToken | None:
         """The highest token accepted so far, or None if the resource was never fenced."""
