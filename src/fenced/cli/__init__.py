@@ -26,10 +26,9 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
-from . import __version__, _clock, _sync
-from ._backend import LockStatus, redacted
-from ._command import Command, spawn
-from ._errors import (
+from .. import __version__, _clock, _sync
+from .._backend import LockStatus, redacted
+from .._errors import (
     AccessDenied,
     BackendUnavailable,
     ConfigurationError,
@@ -40,9 +39,10 @@ from ._errors import (
     StaleTokenError,
     UnsafeBackendError,
 )
-from ._paths import default_url, environment_url, read_url_file
-from ._state import MAX_TIMEOUT, MAX_TTL, MIN_TTL, check_timeout, check_ttl
-from ._token import FencingToken, validate_lock_name
+from .._paths import default_url, environment_url, read_url_file
+from .._state import MAX_TIMEOUT, MAX_TTL, MIN_TTL, check_timeout, check_ttl
+from .._token import FencingToken, validate_lock_name
+from ._command import Command, spawn
 
 __all__ = ["EXIT_LEASE_LOST", "EXIT_TIMEOUT", "EXIT_UNAVAILABLE", "EXIT_VIOLATION", "main"]
 
@@ -780,7 +780,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "check":
             return _cmd_check(args)
         if args.command == "group":
-            from ._group_cmd import run_group
+            from ._group import run_group
 
             return run_group(args, _url(args))
         if args.command == "sim":
@@ -788,7 +788,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "elect":
             return _cmd_elect(args)
         if args.command == "poison":
-            from ._elect_cmd import poison
+            from ._elect import poison
 
             validate_lock_name(args.name)
             poison(args.dir, args.name, args.epoch, args.wait)
@@ -838,7 +838,7 @@ def _named(variable: str) -> Iterator[None]:
 def _signing_key(args: argparse.Namespace) -> Any:
     """The key of --signing-key, else of $FENCED_SIGNING_KEY (None: tokens are not signed),
     read before the source is reached, so its errors are not taken for the source's."""
-    from ._signing import read_key
+    from .._signing import read_key
 
     if args.signing_key:
         return read_key(args.signing_key, args.signing_key)
@@ -975,7 +975,7 @@ def _cmd_lock(args: argparse.Namespace) -> int:
 def _require_shared_source(url: str, command: str) -> None:
     """A lock held by a process of its own must exclude other processes: refuse a source
     whose locks live inside one process (memory://), where every `fenced lock` would hold."""
-    from ._backend import backend_class
+    from .._backend import backend_class
 
     if backend_class(url).process_local:
         raise ConfigurationError(
@@ -1062,7 +1062,7 @@ def _supervise(lease: _sync.Lease, token: str, child: Command, grace: float) -> 
 
 
 def _cmd_check_token(args: argparse.Namespace) -> int:
-    from ._signing import Keyring, public_half, read_key, verify_key
+    from .._signing import Keyring, public_half, read_key, verify_key
 
     token = FencingToken.parse(args.token)
     url = _url(args)
@@ -1108,7 +1108,7 @@ def _cmd_check_token(args: argparse.Namespace) -> int:
 
 
 def _cmd_keygen(args: argparse.Namespace) -> int:
-    from ._signing import Ed25519SigningKey, generate_key, key_text
+    from .._signing import Ed25519SigningKey, generate_key, key_text
 
     kid = args.kid
     if kid is None:
@@ -1159,7 +1159,7 @@ def _cmd_release(args: argparse.Namespace) -> int:
 
 
 def _cmd_write(args: argparse.Namespace) -> int:
-    from .guards.files import FileGuard
+    from ..guards.files import FileGuard
 
     text = args.token or os.environ.get("FENCING_TOKEN")
     if not text:
@@ -1197,7 +1197,7 @@ def _state(status: LockStatus) -> str:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     try:
-        from .server import ServerSettings, is_loopback, load_api_keys, parse_listen, serve
+        from ..server import ServerSettings, is_loopback, load_api_keys, parse_listen, serve
     except ImportError as exc:
         raise ConfigurationError(
             f"fenced serve needs extra packages: pip install 'fenced[server]' ({exc})"
@@ -1240,14 +1240,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _plant_names() -> list[str]:
-    from .testing.check._plants import PLANTS
+    from ..testing.check._plants import PLANTS
 
     return list(PLANTS)
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from .testing.check import NEMESES, run_campaign
-    from .testing.check._plants import plant_role
+    from ..testing.check import NEMESES, run_campaign
+    from ..testing.check._plants import plant_role
 
     nemesis = None if args.nemesis is None else [n for n in args.nemesis.split(",") if n]
     if nemesis is not None and set(nemesis) - set(NEMESES):
@@ -1305,7 +1305,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
 def _cmd_elect(args: argparse.Namespace) -> int:
     import socket
 
-    from ._elect_cmd import run_elected
+    from ._elect import run_elected
 
     cmd = list(args.cmd)
     if not cmd:
@@ -1337,7 +1337,7 @@ def _cmd_elect(args: argparse.Namespace) -> int:
 
 
 def _cmd_sim(args: argparse.Namespace) -> int:
-    from .testing.sim import FAULTS, SIM_PLANTS, Config, plant_system, run_seeds, shrink, simulate
+    from ..testing.sim import FAULTS, SIM_PLANTS, Config, plant_system, run_seeds, shrink, simulate
 
     faults = tuple(f for f in args.faults.split(",") if f) or FAULTS
     if set(faults) - set(FAULTS):
@@ -1420,7 +1420,7 @@ class _progress_bar:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from .election import leader_value
+    from ..election import leader_value
 
     url = _url(args)
     with _from_source(args):
