@@ -29,12 +29,12 @@ BOUND = 5.0  # seconds from the supervisor's SIGKILL to its command's whole grou
 # it that notices the supervisor's death (and no terminal).
 OLD_SPAWN = """
 import os, subprocess
-import fenced.cli._command as c, fenced.cli as cli, fenced.cli._elect as e
+import fenced.cli._command as c, fenced.cli.lock as lock, fenced.cli._elect as e
 def spawn(cmd, env, prefix, new_session=False):
     r, w = os.pipe()
     os.close(r)
     return c.Command(subprocess.Popen(list(cmd), env=dict(env), start_new_session=True), w)
-c.spawn = cli.spawn = e.spawn = spawn
+c.spawn = lock.spawn = e.spawn = spawn
 """
 
 # The planted bug: the fence command run to its end, however long (no deadline).

@@ -304,7 +304,7 @@ def run_demo(directory: str | None = None, ttl: float = 1.0) -> int:
         console.print(f"[red]✘ unfenced run did not show the corruption:[/red] {unfenced_run}")
     if directory and tmp is None:
         console.print(f"[dim]databases kept in {directory}[/dim]")
-    from . import EXIT_VIOLATION  # (fenced's own outcomes never use 1)
+    from ._common import EXIT_VIOLATION  # (fenced's own outcomes never use 1)
 
     return 0 if fenced_ok and unfenced_ok else EXIT_VIOLATION
 

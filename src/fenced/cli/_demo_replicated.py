@@ -264,7 +264,7 @@ def run_replicated_demo(directory: str | None = None, ttl: float = 1.0) -> int:
         )
         return 0
     console.print(f"[red]✘ the replicated run did not behave as expected:[/red] {outcome}")
-    from . import EXIT_VIOLATION  # (fenced's own outcomes never use 1)
+    from ._common import EXIT_VIOLATION  # (fenced's own outcomes never use 1)
 
     return EXIT_VIOLATION
 

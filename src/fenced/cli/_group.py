@@ -86,7 +86,7 @@ class _Absent:
 
 
 def run_group(args: Any, url: str) -> int:
-    from . import _from_source
+    from ._common import _from_source
 
     validate_lock_name(args.name)
     with _from_source(args):  # (not the members': their URLs are on the command line)
