@@ -14,12 +14,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, NoReturn, TypeAlias
 
 from .._backend import redacted
-from .._errors import (
-    AccessDenied,
-    BackendUnavailable,
-    ConfigurationError,
-    UnsafeBackendError,
-)
+from .._errors import AccessDenied, BackendUnavailable, ConfigurationError, UnsafeBackendError
 from .._paths import default_url, environment_url, read_url_file
 from .._state import MAX_TIMEOUT, MAX_TTL, MIN_TTL, check_timeout, check_ttl
 

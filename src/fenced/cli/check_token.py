@@ -8,9 +8,7 @@ import os
 from typing import Any
 
 from .. import _sync
-from .._errors import (
-    ConfigurationError,
-)
+from .._errors import ConfigurationError
 from .._token import FencingToken
 from ._common import (
     EXIT_INVALID_TOKEN,

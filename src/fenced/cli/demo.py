@@ -4,11 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ._common import (
-    Subparsers,
-    _ttl,
-    _verbose,
-)
+from ._common import Subparsers, _ttl, _verbose
 
 NAME = "demo"
 

@@ -5,9 +5,7 @@ from __future__ import annotations
 import argparse
 
 from .. import _sync
-from .._errors import (
-    ConfigurationError,
-)
+from .._errors import ConfigurationError
 from .._token import validate_lock_name
 from ._common import (
     Subparsers,

@@ -4,14 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ._common import (
-    Subparsers,
-    _examples,
-    _HelpFormatter,
-    _source_arguments,
-    _url,
-    _verbose,
-)
+from ._common import Subparsers, _examples, _HelpFormatter, _source_arguments, _url, _verbose
 
 NAME = "group"
 

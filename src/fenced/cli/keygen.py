@@ -6,15 +6,8 @@ import argparse
 import os
 import time
 
-from .._errors import (
-    ConfigurationError,
-)
-from ._common import (
-    Subparsers,
-    _examples,
-    _HelpFormatter,
-    _verbose,
-)
+from .._errors import ConfigurationError
+from ._common import Subparsers, _examples, _HelpFormatter, _verbose
 
 NAME = "keygen"
 

@@ -1,4 +1,11 @@
-"""``fenced lock NAME -- COMMAND``: run a command while holding a lock, as flock(1)."""
+"""``fenced lock NAME -- COMMAND``: run a command while holding a lock, as flock(1).
+
+Exit statuses (LOCK_EXIT_STATUSES, in its help): the command's own status when it ran to the
+end with the lease held; 124 (as timeout(1); -E changes it, as flock -E) if the lock was not
+acquired within ``--timeout``; 75 (EX_TEMPFAIL) if the lease was lost while the command ran
+(the command is then terminated); 69 (EX_UNAVAILABLE) if the token source cannot be reached;
+2 for usage errors; 126/127 if the command cannot be run; 130 on Ctrl-C while waiting.
+"""
 
 from __future__ import annotations
 
@@ -12,10 +19,7 @@ import threading
 from typing import Any
 
 from .. import _clock, _sync
-from .._errors import (
-    FencedError,
-    LockTimeout,
-)
+from .._errors import FencedError, LockTimeout
 from .._token import validate_lock_name
 from ._command import Command, spawn
 from ._common import (

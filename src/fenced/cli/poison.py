@@ -5,12 +5,7 @@ from __future__ import annotations
 import argparse
 
 from .._token import validate_lock_name
-from ._common import (
-    Subparsers,
-    _examples,
-    _grace,
-    _HelpFormatter,
-)
+from ._common import Subparsers, _examples, _grace, _HelpFormatter
 
 NAME = "poison"
 

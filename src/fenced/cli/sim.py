@@ -6,14 +6,8 @@ import argparse
 import dataclasses
 import sys
 
-from .._errors import (
-    ConfigurationError,
-)
-from ._common import (
-    EXIT_VIOLATION,
-    Subparsers,
-    _progress_bar,
-)
+from .._errors import ConfigurationError
+from ._common import EXIT_VIOLATION, Subparsers, _progress_bar
 
 NAME = "sim"
 

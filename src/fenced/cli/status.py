@@ -7,9 +7,7 @@ import json
 
 from .. import _sync
 from .._backend import LockStatus, redacted
-from .._errors import (
-    UnsafeBackendError,
-)
+from .._errors import UnsafeBackendError
 from .._token import validate_lock_name
 from ._common import (
     Subparsers,

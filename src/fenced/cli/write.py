@@ -7,19 +7,9 @@ import os
 import stat
 import sys
 
-from .._errors import (
-    StaleTokenError,
-)
+from .._errors import StaleTokenError
 from .._token import FencingToken
-from ._common import (
-    EXIT_STALE,
-    EXIT_USAGE,
-    Subparsers,
-    _examples,
-    _HelpFormatter,
-    _say,
-    _verbose,
-)
+from ._common import EXIT_STALE, EXIT_USAGE, Subparsers, _examples, _HelpFormatter, _say, _verbose
 
 NAME = "write"
 
