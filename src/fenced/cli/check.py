@@ -12,6 +12,18 @@ from ._common import EXIT_VIOLATION, Subparsers, _grace, _progress_bar, _ttl, _v
 NAME = "check"
 
 
+class _PlantsHelp(argparse.HelpFormatter):
+    """Lists the check kit's plants in --plant's help, importing the kit only when the help
+    is shown: at parse time every command paid for it (a tenth of a second)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.dest == "plant":
+            from ..testing.check import PLANTS
+
+            return f"{action.help}{', '.join(PLANTS)}"
+        return action.help
+
+
 def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
     check_kit = sub.add_parser(
         "check",
@@ -75,18 +87,6 @@ def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
         help="plant a fault to see it caught: ",  # (the plants' names: _PlantsHelp)
     )
     return check_kit
-
-
-class _PlantsHelp(argparse.HelpFormatter):
-    """Lists the check kit's plants in --plant's help, importing the kit only when the help
-    is shown: at parse time every command paid for it (a tenth of a second)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.dest == "plant":
-            from ..testing.check import PLANTS
-
-            return f"{action.help}{', '.join(PLANTS)}"
-        return action.help
 
 
 def run(args: argparse.Namespace) -> int:
