@@ -304,7 +304,7 @@ def test_cli_ctrl_c_right_after_the_command_started_stops_the_command(
             started.append(self)
             signal.raise_signal(signal.SIGINT)
 
-    monkeypatch.setattr(cli.subprocess, "Popen", InterruptedRightAfterStart)
+    monkeypatch.setattr(subprocess, "Popen", InterruptedRightAfterStart)
     code: int | None = None
     try:
         try:

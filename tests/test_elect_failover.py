@@ -50,7 +50,7 @@ os.write(fd, f"FENCED {node or '-'} by {os.environ['FENCING_TOKEN']}\\n".encode(
 """
 
 NO_SELF_FENCING = (  # the planted bug: the supervisor only waits for the service
-    "import fenced._elect_cmd as e\ne._supervise = lambda leader, child, *a: child.proc.wait()\n"
+    "import fenced.cli._elect as e\ne._supervise = lambda leader, child, *a: child.proc.wait()\n"
 )
 
 

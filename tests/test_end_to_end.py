@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from fenced import _demo
+from fenced.cli import _demo
 from fenced.guards.sql import SQLGuard
 from tests.helpers import unique_name
 

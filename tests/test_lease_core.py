@@ -537,7 +537,7 @@ def test_demo_output_without_rich(monkeypatch: pytest.MonkeyPatch, capsys: Any) 
     """rich is only in the cli extra: without it the demo's printer writes plain text."""
     import sys as _sys
 
-    from fenced import _console
+    from fenced.cli import _console
 
     monkeypatch.setitem(_sys.modules, "rich.console", None)
     monkeypatch.setitem(_sys.modules, "rich.panel", None)
@@ -575,7 +575,7 @@ def test_cli_output_is_not_hard_wrapped_when_piped(monkeypatch: pytest.MonkeyPat
     pytest.importorskip("rich")
     import io
 
-    from fenced._console import make_printer
+    from fenced.cli._console import make_printer
 
     buffer = io.StringIO()
     monkeypatch.setattr(sys, "stdout", buffer)

@@ -29,25 +29,25 @@ BOUND = 5.0  # seconds from the supervisor's SIGKILL to its command's whole grou
 # it that notices the supervisor's death (and no terminal).
 OLD_SPAWN = """
 import os, subprocess
-import fenced._command as c, fenced.cli as cli, fenced._elect_cmd as e
+import fenced.cli._command as c, fenced.cli.lock as lock, fenced.cli._elect as e
 def spawn(cmd, env, prefix, new_session=False):
     r, w = os.pipe()
     os.close(r)
     return c.Command(subprocess.Popen(list(cmd), env=dict(env), start_new_session=True), w)
-c.spawn = cli.spawn = e.spawn = spawn
+c.spawn = lock.spawn = e.spawn = spawn
 """
 
 # The planted bug: the fence command run to its end, however long (no deadline).
 OLD_FENCE = """
 import subprocess
-import fenced._elect_cmd as e
+import fenced.cli._elect as e
 e._fence = lambda leader, cmd, env, limit: subprocess.run(["sh", "-c", cmd], env=env).returncode == 0
 """
 
 # The planted bug: the source's record of the last leader not consulted (only holders seen
 # while campaigning name the previous leader).
 NO_RECORD = """
-import fenced._elect_cmd as e
+import fenced.cli._elect as e
 _env = e.previous_env
 e.previous_env = lambda record, seen, mine: _env(None, seen, mine)
 """

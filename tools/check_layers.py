@@ -11,7 +11,7 @@ and the layers below, never above.
             _kazoo_errors, ...), and the etcd transport (_etcd_conn) sources and guards share
   plugins   backends/ (one module a scheme) and guards/ (one module a resource)
   rooms     election, replicated/, server/, testing/ (they stand on what is below)
-  cli       the command line (cli, __main__, and the modules only it uses)
+  cli       the command line (the cli/ package, and __main__)
 
 And between packages (core, clients, backends, guards, election, replicated, server, testing,
 cli), only what a package *offers*:
@@ -47,17 +47,7 @@ _CLIENTS = {
     "_redis_errors",
     "_sqlite_errors",
 }
-_CLI = {
-    "cli",
-    "__main__",
-    "_command",
-    "_supervised",
-    "_console",
-    "_demo",
-    "_demo_replicated",
-    "_elect_cmd",
-    "_group_cmd",
-}
+_CLI = {"cli", "__main__"}  # (the command line's own modules are in the cli/ package)
 
 
 # Private names of other libraries that a module uses, which the attribute rule would take for

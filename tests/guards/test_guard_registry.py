@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from fenced import ConfigurationError, FencingToken, StaleTokenError
-from fenced._group_cmd import member_from_url
+from fenced.cli._group import member_from_url
 from fenced.guards.registry import (
     GUARD_KINDS,
     GuardCharacteristic,

@@ -186,7 +186,7 @@ class _Timeline:
 
 
 def _spawn(who: str, url: str, storage: str, ttl: float, fenced_mode: bool) -> _Proc:
-    cmd = [sys.executable, "-m", "fenced._demo", "client", url, storage, who, str(ttl)]
+    cmd = [sys.executable, "-m", "fenced.cli._demo", "client", url, storage, who, str(ttl)]
     cmd.append("fenced" if fenced_mode else "unfenced")
     popen = subprocess.Popen(
         cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -304,7 +304,7 @@ def run_demo(directory: str | None = None, ttl: float = 1.0) -> int:
         console.print(f"[red]✘ unfenced run did not show the corruption:[/red] {unfenced_run}")
     if directory and tmp is None:
         console.print(f"[dim]databases kept in {directory}[/dim]")
-    from .cli import EXIT_VIOLATION  # (fenced's own outcomes never use 1)
+    from ._common import EXIT_VIOLATION  # (fenced's own outcomes never use 1)
 
     return 0 if fenced_ok and unfenced_ok else EXIT_VIOLATION
 

@@ -1,6 +1,6 @@
 """The first program of a command that ``fenced lock`` / ``fenced elect`` supervises:
 ``python -I -S _supervised.py FD PGRP PREFIX -- COMMAND ...``, started by
-:func:`fenced._command.spawn` in a new process group. It exists so that the command never
+:func:`fenced.cli._command.spawn` in a new process group. It exists so that the command never
 outlives its supervisor: Python code may not run between ``fork`` and ``exec`` in a process
 that uses gRPC (the etcd source), so what needs doing in the child is done here, in a fresh
 interpreter that imported nothing but the standard library.

@@ -14,11 +14,11 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-from . import _sync
-from ._backend import redacted
-from ._errors import ConfigurationError
-from ._paths import read_url_file
-from ._token import validate_lock_name
+from .. import _sync
+from .._backend import redacted
+from .._errors import ConfigurationError
+from .._paths import read_url_file
+from .._token import validate_lock_name
 
 __all__ = ["member_from_url", "run_group"]
 
@@ -27,7 +27,7 @@ def member_from_url(url: str, resource: str, timeout: float = 5.0) -> tuple[Any,
     """A group member (a guard) for ``url``, and what closes it (or None): a guard URL of
     :mod:`fenced.guards.registry` (``redis://``, ``postgresql://``, ``sqlite:////PATH``,
     ``etcd://``)."""
-    from .guards.registry import open_guard, parse_guard_url
+    from ..guards.registry import open_guard, parse_guard_url
 
     parsed = parse_guard_url(url)
     if parsed.kind.name not in _MEMBER_KINDS:
@@ -45,7 +45,7 @@ _MEMBER_KINDS = ("redis", "sql", "etcd")  # the guards replicated/_members.py ad
 
 @contextlib.contextmanager
 def _group(args: Any, locks: _sync.Locks) -> Iterator[Any]:
-    from .replicated import Group
+    from ..replicated import Group
 
     members: dict[str, Any] = {}
     closers = []
@@ -86,7 +86,7 @@ class _Absent:
 
 
 def run_group(args: Any, url: str) -> int:
-    from .cli import _from_source
+    from ._common import _from_source
 
     validate_lock_name(args.name)
     with _from_source(args):  # (not the members': their URLs are on the command line)

@@ -1,7 +1,7 @@
 """Starting the command of ``fenced lock`` and ``fenced elect``: in a process group of its
 own (so that stopping it stops the whole job, not only its head), in the supervisor's session
 (the terminal stays usable: prompts, editors), and never outliving the supervisor — through
-``fenced/_supervised.py``, which runs first in the child (see there why not ``preexec_fn``)."""
+``fenced/cli/_supervised.py``, which runs first in the child (see there why not ``preexec_fn``)."""
 
 from __future__ import annotations
 

@@ -32,8 +32,8 @@ REPLICAS = ("a", "b", "c")
 
 
 def _member(directory: Path, name: str) -> Any:
-    from .guards.sql import SQLGuard
-    from .replicated import SQLMember
+    from ..guards.sql import SQLGuard
+    from ..replicated import SQLMember
 
     path = directory / f"replica-{name}.db"
 
@@ -120,7 +120,15 @@ def client(url: str, directory: str, ttl: float) -> int:
 
 
 def _spawn(who: str, url: str, directory: Path, ttl: float) -> _Proc:
-    cmd = [sys.executable, "-m", "fenced._demo_replicated", "client", url, str(directory), str(ttl)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "fenced.cli._demo_replicated",
+        "client",
+        url,
+        str(directory),
+        str(ttl),
+    ]
     popen = subprocess.Popen(
         cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
@@ -256,7 +264,7 @@ def run_replicated_demo(directory: str | None = None, ttl: float = 1.0) -> int:
         )
         return 0
     console.print(f"[red]✘ the replicated run did not behave as expected:[/red] {outcome}")
-    from .cli import EXIT_VIOLATION  # (fenced's own outcomes never use 1)
+    from ._common import EXIT_VIOLATION  # (fenced's own outcomes never use 1)
 
     return EXIT_VIOLATION
 

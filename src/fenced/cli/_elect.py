@@ -14,7 +14,7 @@ The sequence on winning (docs/failover.md draws it):
    fencing device);
 3. this leader records itself (compare-and-set; a later leader recorded there means never
    start), then COMMAND runs in its own process group with ``FENCING_TOKEN`` = E, with a
-   watchdog in that group that kills it if this process dies (``fenced/_supervised.py``);
+   watchdog in that group that kills it if this process dies (``fenced/cli/_supervised.py``);
 4. **self-fencing**: when the lease is no longer surely held, COMMAND is stopped before any
    successor can be granted — SIGTERM when ``remaining()`` falls to ``--term-grace``, SIGKILL
    when it reaches 0 (the source expires the grant a safety margin later); and at once, with
@@ -34,12 +34,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import _sync
-from ._backoff import Backoff
+from .. import _sync
+from .._backoff import Backoff
+from .._errors import FencedError, RecordConflict
+from .._fork import whoami
+from .._token import validate_lock_name
 from ._command import Command, spawn
-from ._errors import FencedError, RecordConflict
-from ._fork import whoami
-from ._token import validate_lock_name
 
 __all__ = ["poison", "run_elected"]
 
@@ -103,7 +103,7 @@ def previous_env(record: dict[str, Any] | None, seen: _Previous, mine: int) -> d
     the election's record (kept by the source, so known to every successor however late it
     came) or from a holder seen while campaigning if that one is newer. None at all:
     ``FENCED_PREVIOUS_KNOWN=0`` (no leader of this name ever started its command)."""
-    from .election import leader_value
+    from ..election import leader_value
 
     recorded = record if record is not None and int(record.get("epoch", 0)) < mine else None
     if (

@@ -1,0 +1,146 @@
+"""``fenced check``: a stale-writer campaign against a source and a resource (docs/testing.md)."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+
+from .._errors import ConfigurationError
+from .._token import validate_lock_name
+from ._common import EXIT_VIOLATION, Subparsers, _grace, _progress_bar, _ttl, _verbose
+
+NAME = "check"
+
+
+class _PlantsHelp(argparse.HelpFormatter):
+    """Lists the check kit's plants in --plant's help, importing the kit only when the help
+    is shown: at parse time every command paid for it (a tenth of a second)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.dest == "plant":
+            from ..testing.check import PLANTS
+
+            return f"{action.help}{', '.join(PLANTS)}"
+        return action.help
+
+
+def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
+    check_kit = sub.add_parser(
+        "check",
+        parents=[_verbose()],
+        help="run a stale-writer campaign against a token source and a resource, check it",
+        description=(
+            "Worker processes take one lock from --source and read-modify-write a register in "
+            "--resource under its token (default: an embedded SQLite table behind fenced's SQL "
+            "guard), while a seeded nemesis pauses them past their ttl, stalls them between "
+            "read and write, kills them, cuts them off or delays their traffic, restarts the "
+            "source or steps their clocks. Every step goes to REPORT/history.jsonl, every "
+            "checker runs over it, REPORT/report.html draws it. With --resource-cmd the kit "
+            "runs the resource's process itself and restarts and pauses it too. Exit 0 if "
+            f"every invariant held, {EXIT_VIOLATION} if one did not (docs/testing.md)."
+        ),
+        formatter_class=_PlantsHelp,
+    )
+    check_kit.add_argument(
+        "--source",
+        help="token source URL, or redis|etcd|postgresql|zookeeper to start one "
+        "(default: a private SQLite source of the campaign's own)",
+    )
+    check_kit.add_argument(
+        "--resource",
+        default="",
+        help="sqlite:////ABS/PATH, postgresql://..., redis://..., etcd://..., file:///DIR, "
+        "http(s)://... or python:MODULE:CLASS (default: an embedded SQLite register)",
+    )
+    check_kit.add_argument(
+        "--resource-cmd",
+        default="",
+        metavar="COMMAND",
+        help="the command that serves --resource (e.g. 'python inventory.py --port 8000'): "
+        "the kit starts it, kills -9 and restarts it on the same data, pauses it",
+    )
+    check_kit.add_argument("--lock", default="counter", help="the lock the workers take")
+    check_kit.add_argument("--time", type=_grace, default=20.0, help="seconds of faults (20)")
+    check_kit.add_argument("--workers", type=int, default=3, help="worker processes (3)")
+    check_kit.add_argument("--ttl", type=_ttl, default=1.0, help="the workers' lease ttl (1)")
+    check_kit.add_argument(
+        "--nemesis",
+        default=None,
+        help="faults, comma-separated: pause, stall (a pause between read and write), kill, "
+        "partition, delay, restart (a source the kit started), clock (wall-clock steps), "
+        "forge (forged tokens; needs --signing), race (a takeover timed inside a TCP "
+        "resource), resource-restart, resource-pause (with --resource-cmd), "
+        "resource-partition, resource-delay (default: pause,stall,kill; race with a TCP "
+        "resource; resource-restart,resource-pause with --resource-cmd)",
+    )
+    check_kit.add_argument(
+        "--signing",
+        action="store_true",
+        help="sign every token (a key made for the run); the resource's guard verifies them",
+    )
+    check_kit.add_argument("--seed", type=int, default=0, help="the fault schedule's seed (0)")
+    check_kit.add_argument("--report", default="fenced-check", help="directory for the history")
+    check_kit.add_argument(
+        "--plant",
+        default="",
+        metavar="FAULT",
+        help="plant a fault to see it caught: ",  # (the plants' names: _PlantsHelp)
+    )
+    return check_kit
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..testing.check import NEMESES, run_campaign
+    from ..testing.check._plants import plant_role
+
+    nemesis = None if args.nemesis is None else [n for n in args.nemesis.split(",") if n]
+    if nemesis is not None and set(nemesis) - set(NEMESES):
+        raise ConfigurationError(f"--nemesis: choose from {', '.join(NEMESES)}")
+    if not 1 <= args.workers <= 64:
+        raise ConfigurationError("--workers must be 1-64")
+    validate_lock_name(args.lock)
+    plant_role(args.plant)  # an unknown plant: a usage error before anything starts
+
+    def terminated(*_: object) -> None:
+        raise KeyboardInterrupt  # (so the campaign stops its workers and the resource it ran)
+
+    signal.signal(signal.SIGTERM, terminated)
+    progress = _progress_bar(args.time)
+    with progress as tick:
+        result = run_campaign(
+            args.source,
+            args.report,
+            resource=args.resource,
+            lock=args.lock,
+            workers=args.workers,
+            seconds=args.time,
+            ttl=args.ttl,
+            nemesis=nemesis,
+            seed=args.seed,
+            plant=args.plant,
+            signing=args.signing,
+            progress=tick,
+            resource_cmd=args.resource_cmd,
+        )
+    from ._console import make_printer
+
+    out = make_printer()
+    faults = ", ".join(f"{n} {k}" for k, n in result.faults.items()) or "none"
+    out.print(
+        f"{result.grants} grants, {result.accepted} writes accepted, {result.refused} refused "
+        f"(stale), {result.unknown} unanswered, {result.refused_reads} reads refused; "
+        f"{result.ops_per_second:.0f} writes/s; "
+        f"faults: {faults}"
+    )
+    for violation in result.violations[:20]:
+        out.print(f"[bold red]VIOLATION[/bold red] {violation}")
+    if len(result.violations) > 20:
+        out.print(f"... and {len(result.violations) - 20} more (see the report)")
+    if result.ok:
+        out.print("[bold green]every invariant held[/bold green]")
+    else:
+        first = result.first_violation_after
+        when = f", the first {first:.1f} s in" if first is not None else ""
+        out.print(f"[bold red]{len(result.violations)} violation(s){when}[/bold red]")
+    out.print(f"report: {result.report}  history: {result.history}")
+    return 0 if result.ok else EXIT_VIOLATION

@@ -1,0 +1,148 @@
+"""``fenced serve``: the lock service over HTTP (docs/server.md)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from .._errors import ConfigurationError
+from ._common import (
+    Subparsers,
+    _body_limit,
+    _read_timeout,
+    _source_arguments,
+    _source_id,
+    _source_id_argument,
+    _timeout,
+    _ttl,
+    _url,
+    _verbose,
+)
+
+NAME = "serve"
+
+
+def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
+    serve = sub.add_parser(
+        "serve",
+        parents=[_verbose()],
+        help="run the lock service over HTTP for clients in any language (docs/server.md)",
+        description=(
+            "Serve the locks of one token source over HTTP/JSON (OpenAPI at /openapi.json, a "
+            "dashboard at /, Prometheus metrics at /metrics). Stateless: run several in front "
+            "of one etcd, PostgreSQL or Redis and any may die. Without --api-keys it listens "
+            "on loopback only, unless --insecure-no-auth. On SIGTERM it stops answering; held "
+            "leases are left to expire, never released on their holders' behalf."
+        ),
+    )
+    _source_arguments(serve)
+    serve.add_argument(
+        "--listen",
+        default="127.0.0.1:7400",
+        metavar="HOST:PORT",
+        help="address to listen on (127.0.0.1:7400; port 0 picks one and prints it)",
+    )
+    serve.add_argument(
+        "--api-keys",
+        metavar="FILE",
+        help="TOML file of API keys, each allowed verbs on lock-name prefixes (docs/server.md)",
+    )
+    serve.add_argument(
+        "--insecure-no-auth",
+        action="store_true",
+        help="allow listening beyond loopback without --api-keys (anyone reaching it may lock)",
+    )
+    serve.add_argument(
+        "--signing-key",
+        metavar="FILE",
+        help="sign every token with this key (fenced keygen); default: $FENCED_SIGNING_KEY",
+    )
+    _source_id_argument(serve)
+    serve.add_argument(
+        "--accept-unbound",
+        action="store_true",
+        help="with --source-id, also accept its key's unbound (v1) tokens in /v1/check and "
+        "renewals: while naming a running source (docs/signing.md, migrating)",
+    )
+    serve.add_argument("--tls-cert", metavar="FILE", help="serve HTTPS with this certificate")
+    serve.add_argument("--tls-key", metavar="FILE", help="the certificate's private key")
+    serve.add_argument(
+        "--max-wait",
+        type=_timeout,
+        default=60.0,
+        help="longest one acquire request waits before answering 409 timeout (60)",
+    )
+    serve.add_argument(
+        "--default-ttl", type=_ttl, default=10.0, help="lease seconds when a client gives none (10)"
+    )
+    serve.add_argument(
+        "--read-timeout",
+        type=_read_timeout,
+        default=30.0,
+        metavar="SECONDS",
+        help="answer 408 and close when a request's head, or its body, takes longer to arrive (30)",
+    )
+    serve.add_argument(
+        "--max-request-bytes",
+        type=_body_limit,
+        default=1 << 20,
+        metavar="N",
+        help="refuse a request body over N bytes with 413, before holding it (1048576)",
+    )
+    serve.add_argument(
+        "--log-format", choices=["text", "json"], default="text", help="log lines (text)"
+    )
+    serve.add_argument("--access-log", action="store_true", help="log every request")
+    serve.add_argument(
+        "--log-level",
+        choices=["debug", "info", "warning"],
+        default="info",
+        help="info (default): a line per grant, release, expiry and forced release; warning: "
+        "only problems (the transition lines cost a quarter to a third of a busy server's "
+        "throughput)",
+    )
+    return serve
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        from ..server import ServerSettings, is_loopback, load_api_keys, parse_listen, serve
+    except ImportError as exc:
+        raise ConfigurationError(
+            f"fenced serve needs extra packages: pip install 'fenced[server]' ({exc})"
+        ) from None
+    host, port = parse_listen(args.listen)
+    keys = load_api_keys(args.api_keys) if args.api_keys else None
+    if keys is None and not is_loopback(host) and not args.insecure_no_auth:
+        raise ConfigurationError(
+            f"refusing to listen on {host} without --api-keys: anyone who reaches it could "
+            "take and release locks (give --api-keys FILE, or --insecure-no-auth)"
+        )
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise ConfigurationError("--tls-cert and --tls-key go together")
+    options: dict[str, object] = {"connect_timeout": args.timeout}
+    key_file = args.signing_key or os.environ.get("FENCED_SIGNING_KEY")
+    if key_file:
+        options["signing_key"] = key_file
+        options["source_id"] = _source_id(args)
+        options["accept_unbound"] = args.accept_unbound
+    settings = ServerSettings(
+        url=_url(args),
+        options=options,
+        api_keys=keys,
+        max_wait=args.max_wait,
+        default_ttl=args.default_ttl,
+        max_request_bytes=args.max_request_bytes,
+        read_timeout=args.read_timeout,
+    )
+    serve(
+        settings,
+        host,
+        port,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        log_format=args.log_format,
+        log_level=args.log_level,
+        access_log=args.access_log,
+    )
+    return 0

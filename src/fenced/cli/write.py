@@ -1,0 +1,69 @@
+"""``fenced write DIR/NAME``: stdin as a new version of a file, through the files guard."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import stat
+import sys
+
+from .._errors import StaleTokenError
+from .._token import FencingToken
+from ._common import EXIT_STALE, EXIT_USAGE, Subparsers, _examples, _HelpFormatter, _say, _verbose
+
+NAME = "write"
+
+
+def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
+    write = sub.add_parser(
+        "write",
+        parents=[_verbose()],
+        help="store stdin as a new version of DIR/NAME (files guard), if the token is not stale",
+        description=(
+            "Store standard input as the newest version of DIR/NAME through the files guard: "
+            "refused (exit 77, nothing written) if DIR/NAME has a version with a higher token. "
+            "Inside `fenced lock` the token comes from $FENCING_TOKEN. Plain tools read the "
+            "newest version at DIR/NAME/current."
+        ),
+        epilog=_examples(
+            "fenced lock reports -- sh -c 'mkdir -p out && date | fenced write out/daily.csv'",
+            "fenced write out/daily.csv --token reports:2 < /dev/null",
+            "fenced write out/daily.csv --token reports:1 < /dev/null    # exit 77: reports:2 wrote",
+        ),
+        formatter_class=_HelpFormatter,
+    )
+    write.add_argument("path", metavar="DIR/NAME", help="the resource: its directory and name")
+    write.add_argument(
+        "--token", help="the fencing token, e.g. reports:34 (default: $FENCING_TOKEN)"
+    )
+    return write
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..guards.files import FileGuard
+
+    text = args.token or os.environ.get("FENCING_TOKEN")
+    if not text:
+        _say("write: no token: pass --token or run inside `fenced lock` ($FENCING_TOKEN)")
+        return EXIT_USAGE
+    token = FencingToken.parse(text)
+    directory, name = os.path.split(os.path.abspath(args.path))
+    if not os.path.isdir(directory):
+        _say(f"write: directory {directory} does not exist")
+        return EXIT_USAGE
+    mode = os.stat(directory).st_mode
+    if mode & (stat.S_IWOTH | stat.S_ISVTX):
+        # The guard marks its whole directory as the resource of one lock: done implicitly
+        # on /tmp, it would refuse every other user's and job's writes there.
+        _say(
+            f"write: {directory} is shared (world-writable or sticky, as /tmp is): the files "
+            "guard would claim all of it for one lock; write into a directory of your own"
+        )
+        return EXIT_USAGE
+    data = sys.stdin.buffer.read()
+    try:
+        FileGuard(directory, lock=token.lock).write(name, data, token=token)
+    except StaleTokenError as exc:
+        _say(f"write refused: {exc}")
+        return EXIT_STALE
+    return 0
