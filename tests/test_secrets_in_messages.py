@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from fenced._backend import redacted
-from tests.helpers import ROOT
+from tests.helpers import ROOT, wait_for
 
 SECRET = "s3cr3tPW"
 
@@ -74,3 +74,29 @@ def test_a_url_file_with_an_api_key_others_may_read_is_refused(tmp_path: Path) -
     out = _fenced("status", "--timeout", "2", "--url-file", str(path))
     assert out.returncode == 2 and "chmod 600" in out.stderr, out.stderr
     assert SECRET not in out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("description", [None, "nightly report"])
+def test_a_holders_arguments_are_not_shown_to_status_readers(
+    tmp_path: Path, description: str | None
+) -> None:
+    """``fenced lock`` describes its holder by the command's program name (or --description):
+    the command's arguments may hold a secret, and every reader of the source sees holders."""
+    url = f"sqlite:///{tmp_path / 'locks.db'}"
+    ready = tmp_path / "ready"
+    extra = [] if description is None else ["--description", description]
+    holder = subprocess.Popen(
+        [sys.executable, "-m", "fenced", "lock", "job", "--url", url, *extra, "--",
+         "sh", "-c", f": --password={SECRET}; touch {ready}; exec sleep 60"],
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])},
+    )  # fmt: skip
+    try:
+        wait_for(lambda: ready.exists() or holder.poll() is not None, 60, "the holder's command")
+        assert ready.exists(), "the holder's command never started"
+        shown = _fenced("status", "job", "--url", url)
+        assert shown.returncode == 0, shown.stderr
+        assert SECRET not in shown.stdout + shown.stderr
+        assert (description or "sh") in shown.stdout
+    finally:
+        holder.kill()
+        holder.wait()

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import shlex
 import signal
 import subprocess
 import threading
@@ -132,6 +131,12 @@ def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
         help="seconds between SIGTERM and SIGKILL on lease loss (5)",
     )
     lock.add_argument(
+        "--description",
+        metavar="TEXT",
+        help="what operators see as the holder in fenced status and the dashboard (default: "
+        "the command's program name; its arguments, which may hold secrets, are never shown)",
+    )
+    lock.add_argument(
         "--lock-delay",
         type=_grace,
         default=0.0,
@@ -170,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
             args.name,
             ttl=args.ttl,
             timeout=remaining,
-            description=shlex.join(cmd),
+            description=args.description or os.path.basename(cmd[0]),
             lock_delay=args.lock_delay,
         )
         try:
