@@ -79,8 +79,12 @@ def run(variants: dict[str, tuple[str, str]], rounds: int = 4, n: int = 250) -> 
 
             def op(a=acquire, r=release, k=keys, wake=f"{base}:wake:") -> None:
                 got = a(keys=k, args=["rid", 10_000, "wait", 3_000, wake, "owner"])
-                assert got[0] == 1, got
-                assert r(keys=k, args=["rid", 0, "release", 3_000, wake, got[1]]) == 1
+                # The bare token since issue 28 §3, {1, token, pttl, ttl} before.
+                token = got if isinstance(got, int) else got[1]
+                assert isinstance(got, int) or got[0] == 1, got
+                # ARGV[7], the grant's holder value (scripts before issue 28 §3 ignore it).
+                value = f"{token} 10000 rid\nowner"
+                assert r(keys=k, args=["rid", 0, "release", 3_000, wake, token, value]) == 1
 
             ops[name] = op
             tags[acquire.sha] = (name, "acquire")
