@@ -583,9 +583,9 @@ class RedisBackend(Backend):
         keys, wake_prefix = self._keys(name)
         ttl_ms = max(1, round(ttl * 1000))
         owner = owner.replace("\n", " ")
-        # The holder value the scripts write for this request, but for its token (it ends a
-        # grant's handle, which release compares whole: see RELEASE_LUA).
-        value_tail = f" {request_id}\n{owner}" if owner else f" {request_id}"
+        # A grant's handle: how the scripts end its holder value, after the request id (see
+        # release()).
+        tail = f"\n{owner}" if owner else ""
         # Until an outcome is known, assume the server has queued us (or even granted us the
         # lock in a reply we never read): an abandoned acquire must undo that.
         queued = True
@@ -611,7 +611,7 @@ class RedisBackend(Backend):
                         request_id,
                         ttl_ms / 1000,
                         sent_at,
-                        f"{reply} {ttl_ms}{value_tail}",
+                        tail,
                     )
                 if int(reply[0]) == 1:
                     queued = False
@@ -623,7 +623,7 @@ class RedisBackend(Backend):
                         request_id,
                         granted_ttl,
                         started,
-                        f"{reply[1]} {reply[3]}{value_tail}",
+                        tail,
                     )
                 if final:
                     queued = False
@@ -656,7 +656,7 @@ class RedisBackend(Backend):
                             request_id,
                             granted_ttl,
                             sent_at,
-                            f"{token} {granted_ms}{value_tail}",
+                            tail,
                         )
         except BackendUnavailable:
             # Keep the place in the queue for fenced's retry with the same request id; if it
@@ -687,8 +687,12 @@ class RedisBackend(Backend):
 
     async def release(self, grant: Grant) -> bool:
         keys, wake_prefix = self._keys(grant.token.lock)
-        # The grant's holder value, if this backend made the grant (see RELEASE_LUA).
-        value = grant.handle if isinstance(grant.handle, str) else ""
+        # The holder value this grant was made with, built from the grant itself (so it names
+        # its token and request id), if this backend made it; else '' (see RELEASE_LUA).
+        value = ""
+        if isinstance(grant.handle, str):
+            ttl_ms = max(1, round(grant.ttl * 1000))
+            value = f"{grant.token.value} {ttl_ms} {grant.request_id}{grant.handle}"
         args = (
             grant.request_id,
             0,
