@@ -24,7 +24,7 @@ import fenced
 from fenced import _clock
 from fenced._backend import Grant, LostCallback
 from fenced._token import FencingToken
-from fenced.backends.redis import ACQUIRE_LUA, LEAVE_LUA, RELEASE_LUA, RedisBackend
+from fenced.backends.redis import ACQUIRE_LUA, LEAVE_LUA, RELEASE_LUA, RENEW_LUA, RedisBackend
 from fenced.testing.servers import RedisServer
 from tests.helpers import (
     async_wait_for,
@@ -655,11 +655,13 @@ def test_an_unsafe_server_is_a_configuration_error_for_the_cli() -> None:
 
 
 class ReleaseTrustsTheGrantsValue(RedisBackend):
-    """Planted bug: a release that brings its grant's holder value deletes without comparing."""
+    """Planted bug: a release or renew that brings its grant's holder value acts on the lock
+    without comparing it."""
 
     release_lua: ClassVar[str] = RELEASE_LUA.replace(
         "if v ~= ARGV[7] then", "if ARGV[7] == '' then", 1
     )
+    renew_lua: ClassVar[str] = RENEW_LUA.replace("if v ~= ARGV[4] then", "if ARGV[4] == '' then", 1)
 
 
 def _ignore(_: BaseException) -> None:
@@ -685,18 +687,34 @@ async def release_violations(url: str, port: int) -> list[str]:
                     name, request_id=rid, ttl=60, deadline=None, on_lost=_ignore, owner="o p"
                 )
 
+            async def renewed(g: Grant) -> bool:
+                try:
+                    await backend.renew(g)
+                except fenced.LeaseLostError:
+                    return False
+                return True
+
             old = await grant("A")
             raw.pexpire(key, 1)  # A's lease runs out
             wait_for(lambda: not raw.exists(key), what="the holder's key to expire")
             new = await grant("B")
             assert new.token.value > old.token.value
+            if await renewed(old):
+                bad.append("a stale grant (another request id) renewed the lock")
             if await backend.release(old):
                 bad.append("a stale grant (another request id) released the lock")
             wrong_token = Grant(old.token, "B", new.ttl, new.sent_at, new.handle)
+            if await renewed(wrong_token):
+                bad.append("a grant with the holder's request id but a stale token renewed")
             if await backend.release(wrong_token):
                 bad.append("a grant with the holder's request id but a stale token released")
             if raw.get(key) != f"{new.token.value} 60000 B\no p":
                 bad.append(f"the new grant's holder value is now {raw.get(key)!r}")
+            raw.pexpire(key, 10_000)
+            if not await renewed(new):
+                bad.append("the holder's renew (its grant's value) was refused")
+            if raw.pttl(key) <= 10_000:
+                bad.append("the holder's renew did not extend its lease")
             if not await backend.release(new):
                 bad.append("the holder's release (its grant's value) was refused")
             if raw.exists(key):
@@ -704,9 +722,13 @@ async def release_violations(url: str, port: int) -> list[str]:
             # A holder value written by fenced 0.1's hand-off: no owner part.
             c = await grant("C")
             raw.set(key, f"{c.token.value} 60000 C", px=60_000)
+            if not await renewed(c):
+                bad.append("a holder value without the owner part was not renewed")
             if not await backend.release(c):
                 bad.append("a holder value without the owner part was not released")
             d = await grant("D")
+            if not await renewed(Grant(d.token, "D", d.ttl, d.sent_at)):
+                bad.append("a renew without the grant's value was refused")
             if not await backend.release(Grant(d.token, "D", d.ttl, d.sent_at)):
                 bad.append("a release without the grant's value was refused")
             if raw.exists(key):
@@ -729,23 +751,27 @@ async def test_release_check_catches_a_release_that_trusts_the_grants_value(
     register_scheme("redisplanted", f"{__name__}:ReleaseTrustsTheGrantsValue")
     url = redis_server.url.replace("redis://", "redisplanted://", 1)
     bad = await release_violations(url, redis_server.port)
+    assert "a stale grant (another request id) renewed the lock" in bad, bad
     assert "a stale grant (another request id) released the lock" in bad, bad
 
 
 class ReleaseByValueOnly(RedisBackend):
-    """A probe: release accepts only the exact holder value (the parse always refuses)."""
+    """A probe: release and renew accept only the exact holder value (the parse refuses)."""
 
     release_lua: ClassVar[str] = RELEASE_LUA.replace(
         "if v ~= ARGV[7] then", "if v ~= ARGV[7] then do return 0 end", 1
+    )
+    renew_lua: ClassVar[str] = RENEW_LUA.replace(
+        "if v ~= ARGV[4] then", "if v ~= ARGV[4] then do return 0 end", 1
     )
 
 
 async def test_every_kind_of_grant_is_released_by_its_holder_value(
     redis_server: RedisServer, register_scheme: Callable[[str, str], None]
 ) -> None:
-    """The holder value a grant's release brings is the one the scripts wrote, for a fresh
-    grant (with and without an owner, a newline in it), a retried acquire, a hand-off and a
-    grant to a waiter after the holder expired: the usual release never needs the parse."""
+    """The holder value a grant's renew and release bring is the one the scripts wrote, for a
+    fresh grant (with and without an owner, a newline in it), a retried acquire, a hand-off
+    and a grant to a waiter after the holder expired: they never need the parse."""
     register_scheme("redisbyvalue", f"{__name__}:ReleaseByValueOnly")
     url = redis_server.url.replace("redis://", "redisbyvalue://", 1)
     prefix, name = _prefix(), unique_name()
@@ -760,19 +786,23 @@ async def test_every_kind_of_grant_is_released_by_its_holder_value(
                     name, request_id=rid, ttl=30, deadline=deadline, on_lost=_ignore, owner=owner
                 )
 
+            async def renew_and_release(g: Grant) -> bool:
+                await backend.renew(g)  # LeaseLostError if the value did not match
+                return await backend.release(g)
+
             for owner in ("", "u@h pid 1", "two\nlines"):
-                assert await backend.release(await grant(f"fresh-{len(owner)}", owner))
+                assert await renew_and_release(await grant(f"fresh-{len(owner)}", owner))
             first = await grant("retried", "o")
             again = await grant("retried", "o")  # a retry whose first reply was lost
             assert again.token == first.token
-            assert await backend.release(again)
+            assert await renew_and_release(again)
             # A hand-off: the waiter is granted by the holder's release, in its BLPOP.
             holder = await grant("H", "h")
             waiter = asyncio.ensure_future(grant("W", "w\nv"))
             await async_wait_for(functools.partial(_waiters_are, locks, name, 1), what="queued")
             assert await backend.release(holder)
             handed = await waiter
-            assert await backend.release(handed)
+            assert await renew_and_release(handed)
             # The holder expires; the waiter's own re-check grants it (the queue's head).
             holder = await grant("H2")
             soon = _clock.now() + 30
@@ -781,7 +811,7 @@ async def test_every_kind_of_grant_is_released_by_its_holder_value(
             raw.pexpire(key, 1)
             late = await waiter
             assert late.token.value > holder.token.value
-            assert await backend.release(late)
+            assert await renew_and_release(late)
             assert not raw.exists(key)
     finally:
         raw.close()

@@ -320,18 +320,20 @@ return 1
 """
 )
 
-# KEYS: as above (only 2 is used)   ARGV: 1 request id, 2 token, 3 ttl ms
-RENEW_LUA: Final = (
-    _HOLDER
-    + """
-local h_rid, h_token = holder()
-if h_rid ~= ARGV[1] or h_token ~= ARGV[2] then
-  return 0
+# KEYS: as above (only 2 is used)   ARGV: 1 request id, 2 token, 3 ttl ms, 4 the holder value
+# the grant was made with (or ''): compared whole, else parsed, as in RELEASE_LUA.
+RENEW_LUA: Final = """
+local v = redis.call('GET', KEYS[2])
+if v ~= ARGV[4] then
+  if not v then return 0 end
+  local h_token, _, h_rid = string.match(v, '^(%d+) (%d+) ([^\\n]*)\\n?(.*)$')
+  if h_rid ~= ARGV[1] or h_token ~= ARGV[2] then
+    return 0
+  end
 end
 redis.call('PEXPIRE', KEYS[2], ARGV[3])
 return 1
 """
-)
 
 # KEYS: as above (reads only)
 STATUS_LUA: Final = (
@@ -392,6 +394,16 @@ async def check_server_safety(client: aioredis.Redis) -> list[str]:
             f"{slaves} replica(s) attached (replication is asynchronous: a failover can reuse tokens)"
         )
     return problems
+
+
+def _granted_value(grant: Grant) -> str:
+    """The holder value ``grant`` was made with, built from the grant itself (so it names its
+    token and request id; its handle holds the rest), if this backend made it; else ''. The
+    scripts compare it whole before they parse (see RELEASE_LUA)."""
+    if not isinstance(grant.handle, str):
+        return ""
+    ttl_ms = max(1, round(grant.ttl * 1000))
+    return f"{grant.token.value} {ttl_ms} {grant.request_id}{grant.handle}"
 
 
 class RedisBackend(Backend):
@@ -679,7 +691,7 @@ class RedisBackend(Backend):
         keys, _ = self._keys(grant.token.lock)
         sent_at = _clock.now()
         ttl_ms = max(1, round(grant.ttl * 1000))
-        args = (grant.request_id, grant.token.value, ttl_ms)
+        args = (grant.request_id, grant.token.value, ttl_ms, _granted_value(grant))
         ok = await self._call(lambda: self._renew(keys=keys, args=args))
         if not int(ok):
             raise LeaseLostError(f"lease {grant.token} is no longer held")
@@ -687,12 +699,6 @@ class RedisBackend(Backend):
 
     async def release(self, grant: Grant) -> bool:
         keys, wake_prefix = self._keys(grant.token.lock)
-        # The holder value this grant was made with, built from the grant itself (so it names
-        # its token and request id), if this backend made it; else '' (see RELEASE_LUA).
-        value = ""
-        if isinstance(grant.handle, str):
-            ttl_ms = max(1, round(grant.ttl * 1000))
-            value = f"{grant.token.value} {ttl_ms} {grant.request_id}{grant.handle}"
         args = (
             grant.request_id,
             0,
@@ -700,7 +706,7 @@ class RedisBackend(Backend):
             self._heartbeat_ms,
             wake_prefix,
             grant.token.value,
-            value,
+            _granted_value(grant),
         )
         done = await self._call(lambda: self._release(keys=keys, args=args))
         return bool(int(done))
