@@ -12,10 +12,12 @@ fsync itself is not in a command's time (Redis 7.0 writes and fsyncs the AOF in 
 loop's ``beforeSleep``, after the command is timed), but a script run right after one, on a
 thread that slept through it, runs cold.
 
+``--ablate`` adds the current scripts each without one of the things its uncontended path
+does (the `EXISTS`, the `INCR`, the `PX`, the release's queue check): what each one costs.
 ``--handoff`` measures the contended cycle instead (a waiter queues, the release hands it
 the lock, it releases).
 
-    .venv/bin/python bench/bench_redis_scripts.py [--before REV] [--runs N] [--fsync | --handoff]
+    .venv/bin/python bench/bench_redis_scripts.py [--before REV] [--runs N] [--fsync | --handoff] [--ablate]
 """
 
 from __future__ import annotations
@@ -189,6 +191,40 @@ def run_handoff(variants: dict[str, tuple[str, str]], rounds: int = 4, n: int = 
         print(f"  {name:32s} hand-off cycle (4 scripts) {statistics.median(sums):6.1f} µs (median)")
 
 
+def ablations() -> dict[str, tuple[str, str]]:
+    """The current scripts, each without one of the things the uncontended path does (none of
+    them a usable lock: they measure what each thing costs, so the design's floor)."""
+    a, r = backend.ACQUIRE_LUA, backend.RELEASE_LUA
+
+    def without(src: str, old: str, new: str) -> str:
+        assert old in src, old
+        return src.replace(old, new, 1)
+
+    return {
+        "- acquire's EXISTS": (
+            without(a, "if redis.call('EXISTS', KEYS[2], KEYS[3]) == 0 then", "if true then"),
+            r,
+        ),
+        "- acquire's INCR": (without(a, "local n = redis.call('INCR', KEYS[1])", "local n = 7"), r),
+        "- acquire's PX": (
+            without(
+                a,
+                "redis.call('SET', KEYS[2], value, 'PX', ttl)",
+                "redis.call('SET', KEYS[2], value)",
+            ),
+            r,
+        ),
+        "- release's queue check": (
+            a,
+            without(
+                r,
+                "if redis.call('EXISTS', KEYS[3]) == 0 then return 1 end",
+                "do return 1 end",
+            ),
+        ),
+    }
+
+
 def main() -> None:
     args = sys.argv[1:]
     runs = int(args[args.index("--runs") + 1]) if "--runs" in args else 3
@@ -196,6 +232,8 @@ def main() -> None:
     if "--before" in args:
         rev = args[args.index("--before") + 1]
         variants[f"fenced ({rev})"] = scripts_at(rev)
+    if "--ablate" in args:
+        variants.update(ablations())
     variants["floor: two minimal scripts"] = (
         FLOOR_ACQUIRE,
         NATIVE_RELEASE.replace("KEYS[1]", "KEYS[2]"),
