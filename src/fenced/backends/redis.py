@@ -596,7 +596,7 @@ class RedisBackend(Backend):
         ttl_ms = max(1, round(ttl * 1000))
         owner = owner.replace("\n", " ")
         # A grant's handle: how the scripts end its holder value, after the request id (see
-        # release()).
+        # _granted_value).
         tail = f"\n{owner}" if owner else ""
         # Until an outcome is known, assume the server has queued us (or even granted us the
         # lock in a reply we never read): an abandoned acquire must undo that.
