@@ -7,7 +7,7 @@ acknowledged write is fsynced) on loopback. The peer is redis-py's ``Lock`` with
 hands out a fencing token (one Lua script: grant + INCR), queues waiters FIFO, and wakes the
 next one on release (BLPOP on a per-waiter list) instead of polling.
 
-    .venv/bin/python bench/bench_redis.py [--quick] [--uncontended]
+    .venv/bin/python bench/bench_redis.py [--quick] [--uncontended] [--before REV]
 
 Rows: uncontended acquire+release by one client (sync API and asyncio API; ops/s, p50, p99 of
 one acquire+release, alternating between the two sides in rounds); hand-off with 10 and 100
@@ -18,14 +18,20 @@ per grant (from INFO commandstats), which is where polling shows, and how often 
 back to the client that had just released. Under the uncontended rows: the server's own time
 per acquire+release (INFO commandstats: the usec of EVALSHA and SET, taken around each round of
 each side, so the two sides interleave). ``--uncontended`` runs those rows only.
+``--before REV`` adds fenced's Redis source as it was at git revision ``REV`` (scheme
+``redisbefore://``) as a third side of every row, interleaved the same way, so a change is
+measured before and after in one run.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
 import random
+import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -44,6 +50,30 @@ import fenced
 from fenced.testing.servers import RedisServer
 
 TTL = 10
+
+
+def backend_at(rev: str) -> type:
+    """fenced's RedisBackend as it was at git revision ``rev``: its scripts and its client."""
+    root = os.path.join(os.path.dirname(__file__), "..")
+    text = subprocess.run(
+        ["git", "-C", root, "show", f"{rev}:src/fenced/backends/redis.py"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    name = "fenced.backends._redis_before"
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(text)
+    try:
+        spec = importlib.util.spec_from_file_location(name, f.name)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    finally:
+        os.unlink(f.name)
+    cls: type = module.RedisBackend
+    return cls
 
 
 def server_commands(port: int, names: tuple[str, ...]) -> int:
@@ -77,11 +107,11 @@ def server_usec(port: int) -> int:
 
 
 class FencedSide:
-    name = "fenced redis://"
     commands = ("evalsha", "blpop")
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, name: str = "fenced redis://") -> None:
         self.url = url
+        self.name = name
 
     async def connect(self) -> Any:
         return await fenced.connect_async(self.url, key_prefix="bench:").open()
@@ -154,9 +184,9 @@ async def ameasure(name: str, op: Callable[[], Awaitable[object]], n: int) -> Re
     return res
 
 
-async def uncontended(ours: FencedSide, peer: RedisPySide, n: int) -> tuple[Result, Result]:
+async def uncontended(sides: list[Side], n: int, port: int) -> list[Result]:
     key = f"u-{uuid.uuid4().hex[:8]}"
-    conns = [await ours.connect(), await peer.connect()]
+    conns = [await side.connect() for side in sides]
     try:
 
         def op(side: Side, conn: Any) -> Callable[[], Awaitable[object]]:
@@ -166,26 +196,27 @@ async def uncontended(ours: FencedSide, peer: RedisPySide, n: int) -> tuple[Resu
 
             return run
 
-        ops = [op(ours, conns[0]), op(peer, conns[1])]
+        ops = [op(side, conn) for side, conn in zip(sides, conns, strict=True)]
         for fn in ops:
             for _ in range(50):
                 await fn()
-        parts: list[list[Result]] = [[], []]
-        names = (f"{ours.name} (async)", f"{peer.name} (async)")
+        parts: list[list[Result]] = [[] for _ in sides]
+        names = [f"{side.name} (async)" for side in sides]
         for _ in range(ROUNDS):
             for i, fn in enumerate(ops):
-                before = await asyncio.to_thread(server_usec, peer.port)
+                before = await asyncio.to_thread(server_usec, port)
                 res = await ameasure("", fn, n // ROUNDS)
-                spent = await asyncio.to_thread(server_usec, peer.port) - before
+                spent = await asyncio.to_thread(server_usec, port) - before
                 SERVER_US.setdefault(names[i], []).append(spent / res.ops)
                 parts[i].append(res)
-        return merge(names[0], parts[0]), merge(names[1], parts[1])
+        return [merge(name, part) for name, part in zip(names, parts, strict=True)]
     finally:
-        await ours.close(conns[0])
-        await peer.close(conns[1])
+        for side, conn in zip(sides, conns, strict=True):
+            await side.close(conn)
 
 
-def uncontended_sync(url: str, port: int, n: int) -> tuple[Result, Result]:
+def uncontended_sync(urls: list[tuple[str, str]], port: int, n: int) -> list[Result]:
+    """fenced's sides (name, url) and redis-py's ``Lock`` (last), round by round."""
     key = f"s-{uuid.uuid4().hex[:8]}"
     native = redis.Redis(port=port)
     lock = native.lock(f"bench-native:{key}", timeout=TTL)
@@ -194,26 +225,34 @@ def uncontended_sync(url: str, port: int, n: int) -> tuple[Result, Result]:
         lock.acquire()
         lock.release()
 
-    with fenced.connect(url, key_prefix="bench:") as locks:
+    sides: list[tuple[str, Callable[[], None]]] = []
+    opened = []
+    for name, url in urls:
+        locks = fenced.connect(url, key_prefix="bench:")
+        opened.append(locks)
         lease = locks.lock(key, ttl=TTL)
 
-        def fenced_op() -> None:
+        def fenced_op(lease: Any = lease) -> None:
             lease.acquire()
             lease.release()
 
-        parts: list[list[Result]] = [[], []]
+        sides.append((f"{name} (sync)", fenced_op))
+    sides.append(("redis-py Lock (sync)", native_op))
+    try:
+        parts: list[list[Result]] = [[] for _ in sides]
         for r in range(ROUNDS):
             warm = 50 if r == 0 else 0
-            for i, (key, op) in enumerate(
-                (("fenced redis:// (sync)", fenced_op), ("redis-py Lock (sync)", native_op))
-            ):
+            for i, (name, op) in enumerate(sides):
                 for _ in range(warm):
                     op()
                 parts[i].append(
-                    timed_round(key, port, lambda op=op: measure("", op, n=n // ROUNDS, warmup=0))
+                    timed_round(name, port, lambda op=op: measure("", op, n=n // ROUNDS, warmup=0))
                 )
-    native.close()
-    return merge("fenced redis:// (sync)", parts[0]), merge("redis-py Lock (sync)", parts[1])
+    finally:
+        for locks in opened:
+            locks.close()
+        native.close()
+    return [merge(name, part) for (name, _), part in zip(sides, parts, strict=True)]
 
 
 async def contended(
@@ -342,23 +381,30 @@ async def rounds(
 
 
 async def run_async(
-    server: RedisServer, n: int, secs: float, contention: bool = True
+    server: RedisServer, n: int, secs: float, contention: bool = True, before: str | None = None
 ) -> list[tuple[Any, ...]]:
     ours, peer = FencedSide(server.url), RedisPySide(server.port)
+    theirs = [ours]
+    if before:
+        url = server.url.replace("redis://", "redisbefore://", 1)
+        theirs.append(FencedSide(url, f"fenced {before}"))
     rows: list[tuple[Any, ...]] = []
-    ours_u, peer_u = await uncontended(ours, peer, n)
-    rows.append(("uncontended acquire+release", ours_u, peer_u, None, None))
+    *fenced_u, peer_u = await uncontended([*theirs, peer], n, server.port)
+    for side_u in fenced_u:
+        rows.append(("uncontended acquire+release", side_u, peer_u, None, None))
     if not contention:
         return rows
     for waiters in (10, 100):
-        ours_c, *ours_x = await rounds(ours, waiters, secs, server.port)
-        peer_c, *peer_x = await rounds(peer, waiters, secs, server.port)
-        rows.append((f"hand-off, {waiters} waiters", ours_c, peer_c, ours_x, peer_x))
+        got = [await rounds(side, waiters, secs, server.port) for side in [*theirs, peer]]
+        peer_c, *peer_x = got[-1]
+        for side_c, *side_x in got[:-1]:
+            rows.append((f"hand-off, {waiters} waiters", side_c, peer_c, side_x, peer_x))
     for waiters in (10, 100):
-        ours_c, *ours_x = await contended(ours, waiters, secs, server.port)
-        peer_c, *peer_x = await contended(peer, waiters, secs, server.port)
+        got = [await contended(side, waiters, secs, server.port) for side in [*theirs, peer]]
+        peer_c, *peer_x = got[-1]
         what = f"steady, {waiters} waiters, re-queue at once"
-        rows.append((what, ours_c, peer_c, ours_x, peer_x))
+        for side_c, *side_x in got[:-1]:
+            rows.append((what, side_c, peer_c, side_x, peer_x))
     return rows
 
 
@@ -379,13 +425,18 @@ def print_server_time() -> None:
     Console(width=160).print(t)
 
 
-def main(quick: bool, contention: bool = True) -> None:
+def main(quick: bool, contention: bool = True, before: str | None = None) -> None:
     n = 300 if quick else 2000
     secs = 1.5 if quick else 4.0
+    if before:
+        fenced.register_backend("redisbefore", backend_at(before))
     with RedisServer() as server:
-        sync_ours, sync_peer = uncontended_sync(server.url, server.port, n)
-        rows = asyncio.run(run_async(server, n, secs, contention))
-    all_rows = [("uncontended acquire+release", sync_ours, sync_peer)]
+        urls = [("fenced redis://", server.url)]
+        if before:
+            urls.append((f"fenced {before}", server.url.replace("redis://", "redisbefore://", 1)))
+        *sync_fenced, sync_peer = uncontended_sync(urls, server.port, n)
+        rows = asyncio.run(run_async(server, n, secs, contention, before))
+    all_rows = [("uncontended acquire+release", side, sync_peer) for side in sync_fenced]
     all_rows += [(what, ours, peer) for what, ours, peer, _, _ in rows]
     table(
         "Redis 7.0 (loopback, appendonly yes, appendfsync always): fenced redis:// vs redis-py Lock",
@@ -411,13 +462,16 @@ def main(quick: bool, contention: bool = True) -> None:
         title="Per grant: requests the clients sent (fenced: EVALSHA, BLPOP; redis-py: SET, "
         "EVALSHA), client CPU (all clients run in this one process), share to the releaser"
     )
-    cols = ("what", "fenced req", "redis-py req", "fenced CPU", "redis-py CPU")
+    cols = ("what", "fenced", "fenced req", "redis-py req", "fenced CPU", "redis-py CPU")
     for col in (*cols, "fenced: to releaser", "redis-py: to releaser"):
-        t.add_column(col, justify="left" if col == "what" else "right")
-    for what, _, _, ours_x, peer_x in rows[1:]:
+        t.add_column(col, justify="left" if col in ("what", "fenced") else "right")
+    for what, ours, _, ours_x, peer_x in rows:
+        if ours_x is None:
+            continue
         steady = what.startswith("steady")
         t.add_row(
             what,
+            ours.name,
             f"{ours_x[0]:.1f}",
             f"{peer_x[0]:.1f}",
             fmt_us(ours_x[2]),
@@ -429,4 +483,9 @@ def main(quick: bool, contention: bool = True) -> None:
 
 
 if __name__ == "__main__":
-    main("--quick" in sys.argv, contention="--uncontended" not in sys.argv)
+    argv = sys.argv[1:]
+    main(
+        "--quick" in argv,
+        contention="--uncontended" not in argv,
+        before=argv[argv.index("--before") + 1] if "--before" in argv else None,
+    )

@@ -24,7 +24,7 @@ import fenced
 from fenced import _clock
 from fenced._backend import Grant, LostCallback
 from fenced._token import FencingToken
-from fenced.backends.redis import ACQUIRE_LUA, LEAVE_LUA, RELEASE_LUA, RedisBackend
+from fenced.backends.redis import ACQUIRE_LUA, LEAVE_LUA, RELEASE_LUA, RENEW_LUA, RedisBackend
 from fenced.testing.servers import RedisServer
 from tests.helpers import (
     async_wait_for,
@@ -366,8 +366,8 @@ class FastPathIgnoresTheQueue(RedisBackend):
     """Planted bug: the uncontended fast path grants a free lock without looking at the queue."""
 
     acquire_lua: ClassVar[str] = ACQUIRE_LUA.replace(
-        "if not redis.call('GET', KEYS[2]) and redis.call('ZCARD', KEYS[3]) == 0 then",
-        "if not redis.call('GET', KEYS[2]) then",
+        "if redis.call('EXISTS', KEYS[2], KEYS[3]) == 0 then",
+        "if redis.call('EXISTS', KEYS[2]) == 0 then",
         1,
     )
 
@@ -385,7 +385,7 @@ async def queue_jump_violations(url: str, port: int) -> list[str]:
         script = raw.register_script(ACQUIRE_LUA)
         hold = script(keys=keys, args=["A", 60_000, "wait", 60_000, f"{base}:wake:", ""])
         queued = script(keys=keys, args=["B", 60_000, "wait", 60_000, f"{base}:wake:", "b"])
-        assert hold[0] == 1 and queued[0] == 0
+        assert isinstance(hold, int) and queued[0] == 0  # A: a fresh grant (the bare token)
         raw.pexpire(keys[1], 1)  # A's lease runs out (server clock), nobody released
         wait_for(lambda: not raw.exists(keys[1]), what="the holder's key to expire")
         async with fenced.connect_async(url, key_prefix=prefix) as locks:
@@ -399,7 +399,7 @@ async def queue_jump_violations(url: str, port: int) -> list[str]:
                 bad.append(f"held by {status.holder!r} ({status.owner!r}), not the waiter")
         # B's next look finds its grant (the next token) waiting on its list.
         handed = raw.lrange(f"{base}:wake:B", 0, -1)
-        if handed != [f"{int(hold[1]) + 1}:60000"]:
+        if handed != [f"{hold + 1}:60000"]:
             bad.append(f"the waiter's wake list holds {handed}")
     finally:
         raw.close()
@@ -649,3 +649,194 @@ def test_an_unsafe_server_is_a_configuration_error_for_the_cli() -> None:
         assert out.returncode == 0, out.stderr
         assert "not a durable token source" in out.stderr
         assert "j" in out.stdout
+
+
+# -- release: one comparison with the grant's holder value, else the parse --------------------
+
+
+class ReleaseTrustsTheGrantsValue(RedisBackend):
+    """Planted bug: a release or renew that brings its grant's holder value acts on the lock
+    without comparing it."""
+
+    release_lua: ClassVar[str] = RELEASE_LUA.replace(
+        "if v ~= ARGV[7] then", "if ARGV[7] == '' then", 1
+    )
+    renew_lua: ClassVar[str] = RENEW_LUA.replace("if v ~= ARGV[4] then", "if ARGV[4] == '' then", 1)
+
+
+def _ignore(_: BaseException) -> None:
+    pass
+
+
+async def release_violations(url: str, port: int) -> list[str]:
+    """A stale grant (its lease ran out, the lock went to another) must be refused, by the
+    comparison of the holder value and by the parse alike, and the new grant left in place;
+    the rightful holder's release is accepted, whether the holder value is the one its grant
+    was made with, one written by another version's script (fenced 0.1's hand-off records no
+    owner), or the release does not bring it (a Grant without its handle)."""
+    prefix, name = _prefix(), unique_name()
+    key = f"{prefix}{{{name}}}:holder"
+    raw = redis.Redis(port=port, decode_responses=True)
+    bad: list[str] = []
+    try:
+        async with fenced.connect_async(url, key_prefix=prefix) as locks:
+            backend = locks.backend
+
+            async def grant(rid: str) -> Grant:
+                return await backend.acquire(
+                    name, request_id=rid, ttl=60, deadline=None, on_lost=_ignore, owner="o p"
+                )
+
+            async def renewed(g: Grant) -> bool:
+                try:
+                    await backend.renew(g)
+                except fenced.LeaseLostError:
+                    return False
+                return True
+
+            old = await grant("A")
+            raw.pexpire(key, 1)  # A's lease runs out
+            wait_for(lambda: not raw.exists(key), what="the holder's key to expire")
+            new = await grant("B")
+            assert new.token.value > old.token.value
+            if await renewed(old):
+                bad.append("a stale grant (another request id) renewed the lock")
+            if await backend.release(old):
+                bad.append("a stale grant (another request id) released the lock")
+            wrong_token = Grant(old.token, "B", new.ttl, new.sent_at, new.handle)
+            if await renewed(wrong_token):
+                bad.append("a grant with the holder's request id but a stale token renewed")
+            if await backend.release(wrong_token):
+                bad.append("a grant with the holder's request id but a stale token released")
+            if raw.get(key) != f"{new.token.value} 60000 B\no p":
+                bad.append(f"the new grant's holder value is now {raw.get(key)!r}")
+            raw.pexpire(key, 10_000)
+            if not await renewed(new):
+                bad.append("the holder's renew (its grant's value) was refused")
+            if raw.pttl(key) <= 10_000:
+                bad.append("the holder's renew did not extend its lease")
+            if not await backend.release(new):
+                bad.append("the holder's release (its grant's value) was refused")
+            if raw.exists(key):
+                bad.append("the holder's release left the lock held")
+            # A holder value written by fenced 0.1's hand-off: no owner part.
+            c = await grant("C")
+            raw.set(key, f"{c.token.value} 60000 C", px=60_000)
+            if not await renewed(c):
+                bad.append("a holder value without the owner part was not renewed")
+            if not await backend.release(c):
+                bad.append("a holder value without the owner part was not released")
+            d = await grant("D")
+            if not await renewed(Grant(d.token, "D", d.ttl, d.sent_at)):
+                bad.append("a renew without the grant's value was refused")
+            if not await backend.release(Grant(d.token, "D", d.ttl, d.sent_at)):
+                bad.append("a release without the grant's value was refused")
+            if raw.exists(key):
+                bad.append("the lock is still held")
+    finally:
+        raw.close()
+    return bad
+
+
+async def test_release_refuses_a_stale_grant_and_accepts_the_holder(
+    redis_server: RedisServer,
+) -> None:
+    assert await release_violations(redis_server.url, redis_server.port) == []
+
+
+async def test_release_check_catches_a_release_that_trusts_the_grants_value(
+    redis_server: RedisServer, register_scheme: Callable[[str, str], None]
+) -> None:
+    assert ReleaseTrustsTheGrantsValue.release_lua != RELEASE_LUA  # the bug is really planted
+    register_scheme("redisplanted", f"{__name__}:ReleaseTrustsTheGrantsValue")
+    url = redis_server.url.replace("redis://", "redisplanted://", 1)
+    bad = await release_violations(url, redis_server.port)
+    assert "a stale grant (another request id) renewed the lock" in bad, bad
+    assert "a stale grant (another request id) released the lock" in bad, bad
+
+
+class ReleaseByValueOnly(RedisBackend):
+    """A probe: release and renew accept only the exact holder value (the parse refuses)."""
+
+    release_lua: ClassVar[str] = RELEASE_LUA.replace(
+        "if v ~= ARGV[7] then", "if v ~= ARGV[7] then do return 0 end", 1
+    )
+    renew_lua: ClassVar[str] = RENEW_LUA.replace(
+        "if v ~= ARGV[4] then", "if v ~= ARGV[4] then do return 0 end", 1
+    )
+
+
+async def test_every_kind_of_grant_is_released_by_its_holder_value(
+    redis_server: RedisServer, register_scheme: Callable[[str, str], None]
+) -> None:
+    """The holder value a grant's renew and release bring is the one the scripts wrote, for a
+    fresh grant (with and without an owner, a newline in it), a retried acquire, a hand-off
+    and a grant to a waiter after the holder expired: they never need the parse."""
+    register_scheme("redisbyvalue", f"{__name__}:ReleaseByValueOnly")
+    url = redis_server.url.replace("redis://", "redisbyvalue://", 1)
+    prefix, name = _prefix(), unique_name()
+    key = f"{prefix}{{{name}}}:holder"
+    raw = redis.Redis(port=redis_server.port, decode_responses=True)
+    try:
+        async with fenced.connect_async(url, key_prefix=prefix) as locks:
+            backend = locks.backend
+
+            async def grant(rid: str, owner: str = "", deadline: float | None = None) -> Grant:
+                return await backend.acquire(
+                    name, request_id=rid, ttl=30, deadline=deadline, on_lost=_ignore, owner=owner
+                )
+
+            async def renew_and_release(g: Grant) -> bool:
+                await backend.renew(g)  # LeaseLostError if the value did not match
+                return await backend.release(g)
+
+            for owner in ("", "u@h pid 1", "two\nlines"):
+                assert await renew_and_release(await grant(f"fresh-{len(owner)}", owner))
+            first = await grant("retried", "o")
+            again = await grant("retried", "o")  # a retry whose first reply was lost
+            assert again.token == first.token
+            assert await renew_and_release(again)
+            # A hand-off: the waiter is granted by the holder's release, in its BLPOP.
+            holder = await grant("H", "h")
+            waiter = asyncio.ensure_future(grant("W", "w\nv"))
+            await async_wait_for(functools.partial(_waiters_are, locks, name, 1), what="queued")
+            assert await backend.release(holder)
+            handed = await waiter
+            assert await renew_and_release(handed)
+            # The holder expires; the waiter's own re-check grants it (the queue's head).
+            holder = await grant("H2")
+            soon = _clock.now() + 30
+            waiter = asyncio.ensure_future(grant("W2", "w2", deadline=soon))
+            await async_wait_for(functools.partial(_waiters_are, locks, name, 1), what="queued")
+            raw.pexpire(key, 1)
+            late = await waiter
+            assert late.token.value > holder.token.value
+            assert await renew_and_release(late)
+            assert not raw.exists(key)
+    finally:
+        raw.close()
+
+
+def test_an_uncontended_acquire_and_release_run_the_fewest_commands(
+    redis_server: RedisServer,
+) -> None:
+    """Server time is paid per command a script runs, cold after each fsync (docs/backend-
+    redis.md, "Server time"): an uncontended acquire runs EXISTS (holder and queue at once),
+    INCR and SET; its release GET, DEL and EXISTS (the queue) - no ZCARD, TIME or PTTL."""
+    prefix, name = _prefix(), unique_name()
+    native = redis.Redis(port=redis_server.port)
+    try:
+        with fenced.connect(redis_server.url, key_prefix=prefix) as locks:  # type: ignore[arg-type]
+            lease = locks.lock(name, ttl=30)
+            lease.acquire()
+            lease.release()
+            native.config_resetstat()
+            for _ in range(10):
+                lease.acquire()
+                lease.release()
+            stats = native.info("commandstats")
+    finally:
+        native.close()
+    calls = {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in stats.items()}
+    calls.pop("config|resetstat", None)
+    assert calls == {"evalsha": 20, "exists": 20, "incr": 10, "set": 10, "get": 10, "del": 10}

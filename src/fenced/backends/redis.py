@@ -210,11 +210,13 @@ end
 
 # The uncontended case first, as straight-line code: a free lock with nobody queued is granted
 # exactly as grant() would, before the script makes the queue's functions (Lua builds a closure
-# per local function per run). Measured with SLOWLOG, call by call: 3-7 % of the server time
-# of an uncontended acquire+release (bench/bench_redis_scripts.py, docs/backend-redis.md).
+# per local function per run). Server time is what each code path costs right after AOF
+# `always`'s fsync, i.e. cold (docs/backend-redis.md, "Server time"): so one EXISTS answers
+# both "free?" and "nobody queued?", and the reply is the bare token (an integer: a table reply
+# costs as much as a command), the table form only where a Lua number is not exact (2^53).
 _FREE_FAST: Final = """
-if not redis.call('GET', KEYS[2]) and redis.call('ZCARD', KEYS[3]) == 0 then
-  local ttl = ARGV[2]
+local ttl = ARGV[2]
+if redis.call('EXISTS', KEYS[2], KEYS[3]) == 0 then
   local n = redis.call('INCR', KEYS[1])
   local token
   if n < 9007199254740992 then
@@ -225,14 +227,16 @@ if not redis.call('GET', KEYS[2]) and redis.call('ZCARD', KEYS[3]) == 0 then
   local value = token .. ' ' .. ttl .. ' ' .. ARGV[1]
   if ARGV[6] ~= '' then value = value .. '\\n' .. ARGV[6] end
   redis.call('SET', KEYS[2], value, 'PX', ttl)
+  if n < 9007199254740992 then return n end
   return {1, token, tonumber(ttl), tonumber(ttl)}
 end
 """
 
 # ARGV[3]: 'wait' joins the queue (or refreshes the caller's heartbeat) if not granted;
 # 'final' (the deadline has passed) leaves it instead. ARGV[6]: the caller's owner text.
-# Returns {1, token, pttl, ttl} when the caller holds the lock (a new grant, a hand-off it has
-# not read yet, or a retried request), else {0, holder pttl, queue length}.
+# Returns the token alone (an integer) for a fresh grant of the full ttl; {1, token, pttl, ttl}
+# when the caller holds the lock otherwise (a hand-off it has not read yet, a retried request,
+# a token past 2^53), else {0, holder pttl, queue length}.
 ACQUIRE_LUA: Final = (
     _FREE_FAST
     + _HOLDER
@@ -290,18 +294,24 @@ return 1
 """
 )
 
-# ARGV[6]: the token being released. Returns 1 if it was held (and is now released), else 0.
+# ARGV[6]: the token being released; ARGV[7]: the holder value this client was granted with
+# (or ''), so that the usual release is one string comparison (Lua strings are interned: a
+# pointer comparison) where a parse costs the pattern matcher's code, cold. Any other value
+# (a grant written by another version's script, a release without its grant's value) is
+# parsed and checked as before. Returns 1 if it was held (and is now released), else 0.
 # With nobody queued it returns before making the queue's functions (see _FREE_FAST).
 RELEASE_LUA: Final = (
     """
 local v = redis.call('GET', KEYS[2])
-if not v then return 0 end
-local h_token, _, h_rid = string.match(v, '^(%d+) (%d+) ([^\\n]*)\\n?(.*)$')
-if h_rid ~= ARGV[1] or h_token ~= ARGV[6] then
-  return 0
+if v ~= ARGV[7] then
+  if not v then return 0 end
+  local h_token, _, h_rid = string.match(v, '^(%d+) (%d+) ([^\\n]*)\\n?(.*)$')
+  if h_rid ~= ARGV[1] or h_token ~= ARGV[6] then
+    return 0
+  end
 end
 redis.call('DEL', KEYS[2])
-if redis.call('ZCARD', KEYS[3]) == 0 then return 1 end
+if redis.call('EXISTS', KEYS[3]) == 0 then return 1 end
 """
     + _PRELUDE
     + """
@@ -310,18 +320,20 @@ return 1
 """
 )
 
-# KEYS: as above (only 2 is used)   ARGV: 1 request id, 2 token, 3 ttl ms
-RENEW_LUA: Final = (
-    _HOLDER
-    + """
-local h_rid, h_token = holder()
-if h_rid ~= ARGV[1] or h_token ~= ARGV[2] then
-  return 0
+# KEYS: as above (only 2 is used)   ARGV: 1 request id, 2 token, 3 ttl ms, 4 the holder value
+# the grant was made with (or ''): compared whole, else parsed, as in RELEASE_LUA.
+RENEW_LUA: Final = """
+local v = redis.call('GET', KEYS[2])
+if v ~= ARGV[4] then
+  if not v then return 0 end
+  local h_token, _, h_rid = string.match(v, '^(%d+) (%d+) ([^\\n]*)\\n?(.*)$')
+  if h_rid ~= ARGV[1] or h_token ~= ARGV[2] then
+    return 0
+  end
 end
 redis.call('PEXPIRE', KEYS[2], ARGV[3])
 return 1
 """
-)
 
 # KEYS: as above (reads only)
 STATUS_LUA: Final = (
@@ -382,6 +394,16 @@ async def check_server_safety(client: aioredis.Redis) -> list[str]:
             f"{slaves} replica(s) attached (replication is asynchronous: a failover can reuse tokens)"
         )
     return problems
+
+
+def _granted_value(grant: Grant) -> str:
+    """The holder value ``grant`` was made with, built from the grant itself (so it names its
+    token and request id; its handle holds the rest), if this backend made it; else ''. The
+    scripts compare it whole before they parse (see RELEASE_LUA)."""
+    if not isinstance(grant.handle, str):
+        return ""
+    ttl_ms = max(1, round(grant.ttl * 1000))
+    return f"{grant.token.value} {ttl_ms} {grant.request_id}{grant.handle}"
 
 
 class RedisBackend(Backend):
@@ -572,6 +594,10 @@ class RedisBackend(Backend):
     ) -> Grant:
         keys, wake_prefix = self._keys(name)
         ttl_ms = max(1, round(ttl * 1000))
+        owner = owner.replace("\n", " ")
+        # A grant's handle: how the scripts end its holder value, after the request id (see
+        # _granted_value).
+        tail = f"\n{owner}" if owner else ""
         # Until an outcome is known, assume the server has queued us (or even granted us the
         # lock in a reply we never read): an abandoned acquire must undo that.
         queued = True
@@ -587,16 +613,29 @@ class RedisBackend(Backend):
                     "final" if final else "wait",
                     self._heartbeat_ms,
                     wake_prefix,
-                    owner.replace("\n", " "),
+                    owner,
                 )
                 reply = await self._call(functools.partial(self._acquire, keys=keys, args=args))
+                if type(reply) is int:  # a fresh grant of the full ttl (the fast path)
+                    queued = False
+                    return Grant(
+                        FencingToken(name, reply),
+                        request_id,
+                        ttl_ms / 1000,
+                        sent_at,
+                        tail,
+                    )
                 if int(reply[0]) == 1:
                     queued = False
                     granted_ttl = int(reply[3]) / 1000
                     # A retry of a grant made earlier: it started (ttl - pttl) before this call.
                     started = sent_at + int(reply[2]) / 1000 - granted_ttl
                     return Grant(
-                        FencingToken(name, int(reply[1])), request_id, granted_ttl, started
+                        FencingToken(name, int(reply[1])),
+                        request_id,
+                        granted_ttl,
+                        started,
+                        tail,
                     )
                 if final:
                     queued = False
@@ -625,7 +664,11 @@ class RedisBackend(Backend):
                     if _clock.now() - sent_at <= granted_ttl / 4:
                         queued = False
                         return Grant(
-                            FencingToken(name, int(token)), request_id, granted_ttl, sent_at
+                            FencingToken(name, int(token)),
+                            request_id,
+                            granted_ttl,
+                            sent_at,
+                            tail,
                         )
         except BackendUnavailable:
             # Keep the place in the queue for fenced's retry with the same request id; if it
@@ -648,7 +691,7 @@ class RedisBackend(Backend):
         keys, _ = self._keys(grant.token.lock)
         sent_at = _clock.now()
         ttl_ms = max(1, round(grant.ttl * 1000))
-        args = (grant.request_id, grant.token.value, ttl_ms)
+        args = (grant.request_id, grant.token.value, ttl_ms, _granted_value(grant))
         ok = await self._call(lambda: self._renew(keys=keys, args=args))
         if not int(ok):
             raise LeaseLostError(f"lease {grant.token} is no longer held")
@@ -656,7 +699,15 @@ class RedisBackend(Backend):
 
     async def release(self, grant: Grant) -> bool:
         keys, wake_prefix = self._keys(grant.token.lock)
-        args = (grant.request_id, 0, "release", self._heartbeat_ms, wake_prefix, grant.token.value)
+        args = (
+            grant.request_id,
+            0,
+            "release",
+            self._heartbeat_ms,
+            wake_prefix,
+            grant.token.value,
+            _granted_value(grant),
+        )
         done = await self._call(lambda: self._release(keys=keys, args=args))
         return bool(int(done))
 
