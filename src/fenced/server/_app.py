@@ -136,6 +136,8 @@ register_url_convertor("lock", _LockNameConvertor())
 NAME_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.:@+=-]*(/[A-Za-z0-9_][A-Za-z0-9_.:@+=-]*)*$"
 READY_CACHE = 1.0
 """Seconds one look at the source answers /v1/ready for (it takes no key: bounded load)."""
+DASHBOARD_LOCKS = 500
+"""The most locks one dashboard answer reads the status of."""
 
 
 def own_id(key: ApiKey | None, request_id: str) -> str:
@@ -710,9 +712,17 @@ def create_app(settings: ServerSettings) -> FastAPI:
         return Response(gw.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/dashboard", response_model=DashboardOut, tags=["server"], include_in_schema=True)
-    async def dashboard_data(key: Principal) -> DashboardOut:
+    async def dashboard_data(
+        key: Principal,
+        prefix: Annotated[
+            str, Query(max_length=MAX_NAME, description="Only locks whose name starts so")
+        ] = "",
+    ) -> DashboardOut:
         names = [n for n in await call(gw.backend.lock_names()) if key is None or key.sees(n)]
-        shown = names[:500]
+        # (filtered before the statuses are read: a page showing jobs/ costs jobs/'s locks,
+        # and the first DASHBOARD_LOCKS are those with the prefix, not the first of all)
+        matching = [n for n in names if n.startswith(prefix)]
+        shown = matching[:DASHBOARD_LOCKS]
         statuses = await call(asyncio.gather(*(gw.backend.status(n) for n in shown)))
         counters: dict[str, float] = {}
         for family in gw.metrics.registry.collect():
@@ -728,7 +738,9 @@ def create_app(settings: ServerSettings) -> FastAPI:
             counters=counters,
             events=[e.json() for e in reversed(gw.events) if key is None or key.sees(e.lock)],
             info=info(),
-            truncated=len(names) > len(shown),
+            truncated=len(matching) > len(shown),
+            total=len(names),
+            ttls=gw.ttls({s.name: s.token for s in statuses if s.token is not None}),
         )
 
     @app.get("/favicon.ico", include_in_schema=False)
