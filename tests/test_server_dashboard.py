@@ -477,6 +477,24 @@ def test_lock_names_and_holders_are_text_never_markup(
     )
     assert shown == [owner, owner, 0, None]
 
+    # And should markup ever slip into the page, its inline handlers do not run: the page's
+    # policy allows only its own script (by hash), loads nothing from elsewhere, and may not
+    # be framed by another site.
+    policy = httpx.get(u + "/", timeout=10).headers["content-security-policy"]
+    assert "script-src 'sha256-" in policy and "'unsafe-inline'" not in policy
+    assert "frame-ancestors 'none'" in policy and "default-src 'none'" in policy
+    slipped = browser.js(
+        """new Promise((ok) => {
+        // (the load error's dispatch runs the img's own handler, if allowed, before a task
+        // queued from it: the answer comes after whatever the handler would have done)
+        addEventListener("error", () => setTimeout(() => ok(document.body.dataset.pwned || null)),
+                         { capture: true, once: true });
+        document.body.insertAdjacentHTML("beforeend",
+          '<img src="/no-such-image.png" onerror="document.body.dataset.pwned = 1">');
+      })"""
+    )
+    assert slipped is None
+
 
 def test_a_hundred_locks_cost_one_poll_a_second_and_little_rendering(
     server: FencedServer, browser: Browser

@@ -9,8 +9,10 @@ A refused request changes nothing. See docs/server.md.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import dataclasses
+import hashlib
 import inspect
 import json
 import logging
@@ -748,10 +750,12 @@ def create_app(settings: ServerSettings) -> FastAPI:
         # (browsers ask for it on every load: a 404 was a console error each time)
         return Response(_FAVICON, media_type="image/svg+xml", headers=_FAVICON_HEADERS)
 
+    page = resources.files("fenced.server").joinpath("dashboard.html").read_text()
+    page_headers = {"cache-control": "no-store", **_page_policy(page)}
+
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     async def dashboard() -> HTMLResponse:
-        page = resources.files("fenced.server").joinpath("dashboard.html").read_text()
-        return HTMLResponse(page, headers={"cache-control": "no-store"})
+        return HTMLResponse(page, headers=page_headers)
 
     routes = {
         r.path.rsplit("/", 1)[1]: r
@@ -797,6 +801,30 @@ _FAVICON = (
     b'<rect x="2" y="7" width="12" height="8" rx="1.5" fill="#1f7a44"/></svg>'
 )
 _FAVICON_HEADERS = {"cache-control": "max-age=86400"}
+
+
+def _page_policy(page: str) -> dict[str, str]:
+    """Headers that let the dashboard run its own script and style and nothing else: lock
+    names and holder descriptions come from clients, and the page is written with
+    textContent — should markup ever slip in, no inline handler or script of it runs (only
+    the page's own, by hash), it loads nothing from elsewhere, and no other site can frame
+    the page an operator types an API key into."""
+
+    def digest(tag: str) -> str:
+        body = page.split(f"<{tag}>", 1)[1].split(f"</{tag}>", 1)[0]
+        return "'sha256-" + base64.b64encode(hashlib.sha256(body.encode()).digest()).decode() + "'"
+
+    policy = (
+        f"default-src 'none'; script-src {digest('script')}; style-src {digest('style')}; "
+        "connect-src 'self'; img-src 'self'; base-uri 'none'; form-action 'none'; "
+        "frame-ancestors 'none'"
+    )
+    return {
+        "content-security-policy": policy,
+        "x-content-type-options": "nosniff",
+        "referrer-policy": "no-referrer",
+    }
+
 
 API_VERSION = "1"
 """The version of the API the document describes (``/v1``): the package's version is for
