@@ -13,6 +13,7 @@ import select
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -37,7 +38,7 @@ def _as_3_and_4(read: int, write: int) -> None:
 class Browser:
     """One headless Chromium with one page of ``width`` × ``height`` CSS pixels."""
 
-    def __init__(self, width: int = 1280, height: int = 800) -> None:
+    def __init__(self, width: int = 1280, height: int = 800, args: Sequence[str] = ()) -> None:
         self.width, self.height = width, height
         self._profile = tempfile.TemporaryDirectory(prefix="fenced-cdp-")
         to_browser_r, self._to_browser = os.pipe()
@@ -53,6 +54,7 @@ class Browser:
                 "--remote-debugging-pipe",
                 f"--user-data-dir={self._profile.name}",
                 f"--window-size={width},{height}",
+                *args,
                 "about:blank",
             ],
             stdin=subprocess.DEVNULL,

@@ -534,3 +534,54 @@ def test_a_hundred_locks_cost_one_poll_a_second_and_little_rendering(
     )
     print(f"render of 120 rows: {drawn:.1f} ms (median of 5)")
     assert drawn < 150
+
+
+def test_without_keys_only_loopback_hosts_are_answered(server: FencedServer) -> None:
+    """DNS rebinding: a web page the operator opens points a name of its own (evil.test) at
+    127.0.0.1; the browser then takes the server for that page's own origin and would let it
+    read the dashboard's data (request ids, on a server without keys) and take or release
+    locks. `fenced serve` without keys on loopback answers only requests naming loopback."""
+    u, port = server.url, server.port
+    grant = _post(f"{u}/v1/locks/jobs/a/-/acquire", {"ttl": 60, "request_id": "mine"})
+    for host in (f"evil.test:{port}", "evil.test", f"127.0.0.1.evil.test:{port}", "[::2]"):
+        h = {"host": host}
+        for r in (
+            httpx.get(f"{u}/v1/dashboard", headers=h, timeout=10),
+            httpx.get(f"{u}/", headers=h, timeout=10),
+            httpx.post(f"{u}/v1/locks/jobs/b/-/acquire", json={}, headers=h, timeout=10),
+            httpx.post(
+                f"{u}/v1/locks/jobs/a/-/release",
+                json={"token": grant["token"], "request_id": "mine"},
+                headers=h,
+                timeout=10,
+            ),
+        ):
+            assert r.status_code == 403 and r.json()["error"] == "forbidden", (host, r.text)
+            assert "mine" not in r.text
+    names = httpx.get(f"{u}/v1/locks", timeout=10).json()["locks"]
+    assert names == ["jobs/a"]  # nothing made, nothing released
+    for host in (
+        f"127.0.0.1:{port}",
+        f"localhost:{port}",
+        "LOCALHOST.",
+        f"[::1]:{port}",
+        "127.9.9.9",
+    ):
+        r = httpx.get(f"{u}/v1/dashboard", headers={"host": host}, timeout=10)
+        assert r.status_code == 200 and r.json()["total"] == 1, (host, r.text)
+    # ... and in a real browser whose resolver says evil.test is 127.0.0.1
+    with Browser(args=["--host-resolver-rules=MAP evil.test 127.0.0.1"]) as b:
+        b.call("Page.navigate", url=f"http://evil.test:{port}/v1/dashboard")
+        text = b.wait_for("document.body && document.body.innerText", 30)
+        assert '"error":"forbidden"' in text and "mine" not in text, text
+
+
+def test_with_keys_any_host_is_answered_with_a_key(tmp_path: Path) -> None:
+    """With API keys the key protects (a browser sends none by itself): any Host is served."""
+    keys = tmp_path / "keys.toml"
+    keys.write_text(f'[[keys]]\nid = "ops"\nsecret = "{OPS}"\nverbs = ["admin"]\n')
+    with FencedServer(f"sqlite:///{tmp_path / 'l.db'}", args=["--api-keys", str(keys)]) as s:
+        h = {"host": "gateway.example:7400"}
+        assert httpx.get(f"{s.url}/v1/dashboard", headers=h, timeout=10).status_code == 401
+        h["authorization"] = f"Bearer {OPS}"
+        assert httpx.get(f"{s.url}/v1/dashboard", headers=h, timeout=10).status_code == 200

@@ -1225,6 +1225,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         default_ttl=args.default_ttl,
         max_request_bytes=args.max_request_bytes,
         read_timeout=args.read_timeout,
+        loopback_hosts_only=keys is None and is_loopback(host),  # (DNS rebinding)
     )
     serve(
         settings,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import ipaddress
 import json
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal
@@ -27,8 +28,19 @@ class _Service(FastAPI):
     (``through_stack``), which answers them as FastAPI always has."""
 
     front: _FastLane | None = None
+    loopback_hosts_only = False  # (see ServerSettings)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.loopback_hosts_only and scope["type"] == "http":
+            host = _host(scope)
+            if host is not None and not _names_loopback(host):
+                self.state.gateway.metrics.refused.labels("forbidden").inc()
+                message = (
+                    f"Host {host[:100]!r} is not a loopback name: this server has no API keys "
+                    "and answers requests to localhost, 127.0.0.1 or [::1] only"
+                )
+                await _error(403, "forbidden", message)(scope, receive, send)
+                return
         front = self.front
         if front is not None and scope["type"] == "http":
             await front(scope, receive, send)
@@ -37,6 +49,29 @@ class _Service(FastAPI):
 
     async def through_stack(self, scope: Scope, receive: Receive, send: Send) -> None:
         await super().__call__(scope, receive, send)
+
+
+def _host(scope: Scope) -> str | None:
+    """The request's Host header (None without one: not a browser's request)."""
+    for name, value in scope.get("headers", ()):
+        if name == b"host":
+            return str(value.decode("latin-1"))
+    return None
+
+
+def _names_loopback(host: str) -> bool:
+    """True if ``host`` (``name[:port]``, ``[v6][:port]``) names this machine's loopback."""
+    if host.startswith("["):
+        name = host[1:].partition("]")[0]
+    else:
+        name = host.rpartition(":")[0] if host.count(":") == 1 else host
+    name = name.lower().rstrip(".")
+    if name == "localhost" or name.endswith(".localhost"):  # (RFC 6761: always loopback)
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclasses.dataclass(frozen=True)
