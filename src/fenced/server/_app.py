@@ -108,11 +108,12 @@ class ServerSettings:
     memory. The largest request fenced takes is a 64 Ki-character record (JSON-escaped, under
     400 KiB); etcd caps a request at 1.5 MiB, Consul a KV value at 512 KiB."""
     loopback_hosts_only: bool = False
-    """Answer only requests whose ``Host`` names a loopback address (localhost, 127.0.0.0/8,
-    [::1]); others get 403. Against DNS rebinding: a web page the operator opens can point a
-    name of its own at 127.0.0.1 and, being same-origin with it then, read the dashboard's
-    data (request ids, on a server without keys) and take or release locks. ``fenced serve``
-    sets it when it has no API keys and listens on loopback."""
+    """Refuse (403) requests whose ``Host`` is a dotted DNS name other than ``*.localhost``
+    (an address, ``localhost`` or a single-label name is served). Against DNS rebinding: a
+    web page the operator opens can point a name of its own at 127.0.0.1 and, being
+    same-origin with it then, read the dashboard's data (request ids, on a server without
+    keys) and take or release locks. ``fenced serve`` sets it when it has no API keys and
+    listens on loopback."""
     read_timeout: float = READ_TIMEOUT
     """Seconds a request's body may take to arrive (408 after that); the same bound holds for
     its head, in the HTTP protocol (``_http``). A long poll's wait is not counted: it starts

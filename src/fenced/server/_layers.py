@@ -36,8 +36,8 @@ class _Service(FastAPI):
             if host is not None and not _names_loopback(host):
                 self.state.gateway.metrics.refused.labels("forbidden").inc()
                 message = (
-                    f"Host {host[:100]!r} is not a loopback name: this server has no API keys "
-                    "and answers requests to localhost, 127.0.0.1 or [::1] only"
+                    f"Host {host[:100]!r} is a DNS name: this server has no API keys and "
+                    "answers requests to localhost, 127.0.0.1 or [::1] (DNS rebinding)"
                 )
                 await _error(403, "forbidden", message)(scope, receive, send)
                 return
@@ -60,18 +60,21 @@ def _host(scope: Scope) -> str | None:
 
 
 def _names_loopback(host: str) -> bool:
-    """True if ``host`` (``name[:port]``, ``[v6][:port]``) names this machine's loopback."""
+    """False if ``host`` (``name[:port]``, ``[v6][:port]``) is a DNS name that could point
+    anywhere — what DNS rebinding needs: a dotted name other than ``*.localhost``. An address
+    (the browser connects to it, no name is looked up), ``localhost`` and a single-label name
+    (resolved by this machine's own search domains, not the web's) are this machine's."""
     if host.startswith("["):
-        name = host[1:].partition("]")[0]
-    else:
-        name = host.rpartition(":")[0] if host.count(":") == 1 else host
+        return True  # (an IPv6 address)
+    name = host.rpartition(":")[0] if host.count(":") == 1 else host
     name = name.lower().rstrip(".")
-    if name == "localhost" or name.endswith(".localhost"):  # (RFC 6761: always loopback)
-        return True
+    if "." not in name or name == "localhost" or name.endswith(".localhost"):
+        return True  # (RFC 6761: .localhost is always loopback)
     try:
-        return ipaddress.ip_address(name).is_loopback
+        ipaddress.ip_address(name)
     except ValueError:
         return False
+    return True
 
 
 @dataclasses.dataclass(frozen=True)
