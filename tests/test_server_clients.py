@@ -646,3 +646,33 @@ def test_a_grant_answer_without_expires_in_is_refused_not_held_forever(tmp_path:
         assert out.stdout.startswith("error bad_answer"), out.stdout + out.stderr
     finally:
         fake.shutdown()
+
+
+@pytest.mark.parametrize("lang", ["node", "java"])
+def test_the_holder_examples_keep_the_order_of_a_pipe(
+    lang: str, server: FencedServer, storage: str, request: pytest.FixtureRequest
+) -> None:
+    """Issue 29 §3: `printf 'write\\nrelease\\n' | holder ...` — both commands arrive in one
+    read; the write's result line comes before the release's (the release waits for the
+    write), run after run: the second run takes the next token and writes with it."""
+    if lang == "node":
+        program = [_need("node"), str(ROOT / "examples" / "fenced_client.mjs")]
+    else:
+        program = [*_java(request.getfixturevalue("java_classes")), "FencedHolder"]
+    for run, token in ((1, "files:1"), (2, "files:2")):
+        r = subprocess.run(
+            f"printf 'write\\nrelease\\n' | {shlex.join(program)} {server.url} files "
+            f"{storage}/files/report run-{run}",
+            shell=True,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        lines = r.stdout.splitlines()
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert lines[0] == f"token {token.split(':')[1]}", lines
+        assert lines[1].startswith("write 200"), lines  # (before the release: not "lost")
+        assert lines[2:] == ["released true", "released true"], lines  # (the end of stdin
+        # releases again: the same answer)
+        got = httpx.get(f"{storage}/files/report", timeout=10)
+        assert got.text == f"run-{run}", got.text

@@ -44,12 +44,22 @@ def _seconds(value: object) -> float | None:
     return None if math.isnan(number) else number
 
 
+def _shown(value: object) -> str:
+    """A refused value in no language's syntax (the message may reach curl, JavaScript and
+    Java users through fenced serve): 30 for 30.0, 2.5, inf, 'abc'."""
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    return repr(value)
+
+
 def check_ttl(ttl: object) -> float:
     """``ttl`` as float seconds, or :class:`~fenced.ConfigurationError` naming the bounds."""
     number = _seconds(ttl)
     if number is None or not MIN_TTL <= number <= MAX_TTL:
         raise ConfigurationError(
-            f"ttl must be a number of seconds from {MIN_TTL:g} to {MAX_TTL:g}, not {ttl!r}"
+            f"ttl must be from {MIN_TTL:g} to {MAX_TTL:g} seconds, not {_shown(ttl)}"
         )
     return number
 
@@ -73,9 +83,7 @@ def check_lock_delay(delay: object) -> float:
     """A lock-delay in seconds: a finite number in [0, 3600]."""
     seconds = _seconds(delay)
     if seconds is None or not 0 <= seconds <= 3600:
-        raise ConfigurationError(
-            f"lock_delay must be a number of seconds in [0, 3600], not {delay!r}"
-        )
+        raise ConfigurationError(f"lock_delay must be from 0 to 3600 seconds, not {_shown(delay)}")
     return float(seconds)
 
 
@@ -86,8 +94,8 @@ def check_timeout(timeout: object) -> float | None:
     number = _seconds(timeout)
     if number is None or not 0 <= number <= MAX_TIMEOUT:
         raise ConfigurationError(
-            f"timeout must be None or a number of seconds from 0 to {MAX_TIMEOUT:g}, "
-            f"not {timeout!r}"
+            f"timeout must be from 0 to {MAX_TIMEOUT:.0f} seconds (a year), or none for no "
+            f"limit; not {_shown(timeout)}"
         )
     return number
 

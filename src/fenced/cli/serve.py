@@ -134,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
         default_ttl=args.default_ttl,
         max_request_bytes=args.max_request_bytes,
         read_timeout=args.read_timeout,
+        loopback_hosts_only=keys is None and is_loopback(host),  # (DNS rebinding)
     )
     serve(
         settings,

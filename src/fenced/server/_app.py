@@ -9,8 +9,10 @@ A refused request changes nothing. See docs/server.md.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import dataclasses
+import hashlib
 import inspect
 import json
 import logging
@@ -105,6 +107,13 @@ class ServerSettings:
     """A request body over this many bytes is refused (413 too_large) before it is held in
     memory. The largest request fenced takes is a 64 Ki-character record (JSON-escaped, under
     400 KiB); etcd caps a request at 1.5 MiB, Consul a KV value at 512 KiB."""
+    loopback_hosts_only: bool = False
+    """Refuse (403) requests whose ``Host`` is a dotted DNS name other than ``*.localhost``
+    (an address, ``localhost`` or a single-label name is served). Against DNS rebinding: a
+    web page the operator opens can point a name of its own at 127.0.0.1 and, being
+    same-origin with it then, read the dashboard's data (request ids, on a server without
+    keys) and take or release locks. ``fenced serve`` sets it when it has no API keys and
+    listens on loopback."""
     read_timeout: float = READ_TIMEOUT
     """Seconds a request's body may take to arrive (408 after that); the same bound holds for
     its head, in the HTTP protocol (``_http``). A long poll's wait is not counted: it starts
@@ -136,6 +145,8 @@ register_url_convertor("lock", _LockNameConvertor())
 NAME_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.:@+=-]*(/[A-Za-z0-9_][A-Za-z0-9_.:@+=-]*)*$"
 READY_CACHE = 1.0
 """Seconds one look at the source answers /v1/ready for (it takes no key: bounded load)."""
+DASHBOARD_LOCKS = 500
+"""The most locks one dashboard answer reads the status of."""
 
 
 def own_id(key: ApiKey | None, request_id: str) -> str:
@@ -278,6 +289,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
     )
     app.state.gateway = gw
     app.state.keys = keys
+    app.loopback_hosts_only = settings.loopback_hosts_only
 
     # -- errors ------------------------------------------------------------------------------
 
@@ -710,9 +722,17 @@ def create_app(settings: ServerSettings) -> FastAPI:
         return Response(gw.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/dashboard", response_model=DashboardOut, tags=["server"], include_in_schema=True)
-    async def dashboard_data(key: Principal) -> DashboardOut:
+    async def dashboard_data(
+        key: Principal,
+        prefix: Annotated[
+            str, Query(max_length=MAX_NAME, description="Only locks whose name starts so")
+        ] = "",
+    ) -> DashboardOut:
         names = [n for n in await call(gw.backend.lock_names()) if key is None or key.sees(n)]
-        shown = names[:500]
+        # (filtered before the statuses are read: a page showing jobs/ costs jobs/'s locks,
+        # and the first DASHBOARD_LOCKS are those with the prefix, not the first of all)
+        matching = [n for n in names if n.startswith(prefix)]
+        shown = matching[:DASHBOARD_LOCKS]
         statuses = await call(asyncio.gather(*(gw.backend.status(n) for n in shown)))
         counters: dict[str, float] = {}
         for family in gw.metrics.registry.collect():
@@ -728,7 +748,9 @@ def create_app(settings: ServerSettings) -> FastAPI:
             counters=counters,
             events=[e.json() for e in reversed(gw.events) if key is None or key.sees(e.lock)],
             info=info(),
-            truncated=len(names) > len(shown),
+            truncated=len(matching) > len(shown),
+            total=len(names),
+            ttls=gw.ttls({s.name: s.token for s in statuses if s.token is not None}),
         )
 
     @app.get("/favicon.ico", include_in_schema=False)
@@ -736,10 +758,12 @@ def create_app(settings: ServerSettings) -> FastAPI:
         # (browsers ask for it on every load: a 404 was a console error each time)
         return Response(_FAVICON, media_type="image/svg+xml", headers=_FAVICON_HEADERS)
 
+    page = resources.files("fenced.server").joinpath("dashboard.html").read_text()
+    page_headers = {"cache-control": "no-store", **_page_policy(page)}
+
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     async def dashboard() -> HTMLResponse:
-        page = resources.files("fenced.server").joinpath("dashboard.html").read_text()
-        return HTMLResponse(page, headers={"cache-control": "no-store"})
+        return HTMLResponse(page, headers=page_headers)
 
     routes = {
         r.path.rsplit("/", 1)[1]: r
@@ -785,6 +809,30 @@ _FAVICON = (
     b'<rect x="2" y="7" width="12" height="8" rx="1.5" fill="#1f7a44"/></svg>'
 )
 _FAVICON_HEADERS = {"cache-control": "max-age=86400"}
+
+
+def _page_policy(page: str) -> dict[str, str]:
+    """Headers that let the dashboard run its own script and style and nothing else: lock
+    names and holder descriptions come from clients, and the page is written with
+    textContent — should markup ever slip in, no inline handler or script of it runs (only
+    the page's own, by hash), it loads nothing from elsewhere, and no other site can frame
+    the page an operator types an API key into."""
+
+    def digest(tag: str) -> str:
+        body = page.split(f"<{tag}>", 1)[1].split(f"</{tag}>", 1)[0]
+        return "'sha256-" + base64.b64encode(hashlib.sha256(body.encode()).digest()).decode() + "'"
+
+    policy = (
+        f"default-src 'none'; script-src {digest('script')}; style-src {digest('style')}; "
+        "connect-src 'self'; img-src 'self'; base-uri 'none'; form-action 'none'; "
+        "frame-ancestors 'none'"
+    )
+    return {
+        "content-security-policy": policy,
+        "x-content-type-options": "nosniff",
+        "referrer-policy": "no-referrer",
+    }
+
 
 API_VERSION = "1"
 """The version of the API the document describes (``/v1``): the package's version is for

@@ -162,6 +162,16 @@ class Gateway:
             self._ended(key, token)
         return released
 
+    def ttls(self, current: dict[str, FencingToken]) -> dict[str, float]:
+        """The ttl of each lock's current grant (``current``: lock -> its token) where this
+        gateway made or renewed that grant; one pass over the grants it tracks."""
+        out = {}
+        for (name, _), grant in self._grants.items():
+            token = current.get(name)
+            if token is not None and token.value == grant.token.value:
+                out[name] = grant.ttl
+        return out
+
     async def force_release(self, name: str, token: FencingToken | None) -> LockStatus | None:
         freed = await self.backend.force_release(name, token)
         if freed is not None and freed.token is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import ipaddress
 import json
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal
@@ -27,8 +28,19 @@ class _Service(FastAPI):
     (``through_stack``), which answers them as FastAPI always has."""
 
     front: _FastLane | None = None
+    loopback_hosts_only = False  # (see ServerSettings)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.loopback_hosts_only and scope["type"] == "http":
+            host = _host(scope)
+            if host is not None and not _names_loopback(host):
+                self.state.gateway.metrics.refused.labels("forbidden").inc()
+                message = (
+                    f"Host {host[:100]!r} is a DNS name: this server has no API keys and "
+                    "answers requests to localhost, 127.0.0.1 or [::1] (DNS rebinding)"
+                )
+                await _error(403, "forbidden", message)(scope, receive, send)
+                return
         front = self.front
         if front is not None and scope["type"] == "http":
             await front(scope, receive, send)
@@ -37,6 +49,32 @@ class _Service(FastAPI):
 
     async def through_stack(self, scope: Scope, receive: Receive, send: Send) -> None:
         await super().__call__(scope, receive, send)
+
+
+def _host(scope: Scope) -> str | None:
+    """The request's Host header (None without one: not a browser's request)."""
+    for name, value in scope.get("headers", ()):
+        if name == b"host":
+            return str(value.decode("latin-1"))
+    return None
+
+
+def _names_loopback(host: str) -> bool:
+    """False if ``host`` (``name[:port]``, ``[v6][:port]``) is a DNS name that could point
+    anywhere — what DNS rebinding needs: a dotted name other than ``*.localhost``. An address
+    (the browser connects to it, no name is looked up), ``localhost`` and a single-label name
+    (resolved by this machine's own search domains, not the web's) are this machine's."""
+    if host.startswith("["):
+        return True  # (an IPv6 address)
+    name = host.rpartition(":")[0] if host.count(":") == 1 else host
+    name = name.lower().rstrip(".")
+    if "." not in name or name == "localhost" or name.endswith(".localhost"):
+        return True  # (RFC 6761: .localhost is always loopback)
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
 
 
 @dataclasses.dataclass(frozen=True)

@@ -175,7 +175,13 @@ class DashboardOut(BaseModel):
     counters: dict[str, float]
     events: list[dict[str, Any]]
     info: InfoOut
-    truncated: bool
+    truncated: bool = Field(description="More locks have the prefix than the answer holds.")
+    total: int = Field(0, description="Locks the key may see, whatever their prefix.")
+    ttls: dict[str, float] = Field(
+        default_factory=dict,
+        description="The ttl of each shown grant made or renewed through this gateway "
+        "(the dashboard's time-left bar is its share of it).",
+    )
 
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
