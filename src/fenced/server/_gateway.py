@@ -61,6 +61,13 @@ class Gateway:
         self._changed: dict[str, asyncio.Event] = {}
         self._sweeper: asyncio.Task[None] | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
+        # The two gauges are read when scraped, not set on every grant and release (each set
+        # or inc takes the metric's lock): the hot path only counts.
+        self._waiting = 0
+        self.metrics.waiting.set_function(lambda: self._waiting)
+        self.metrics.tracked.set_function(lambda: len(self._grants))
+        self._released = self.metrics.releases.labels("released")  # (children looked up once)
+        self._not_held = self.metrics.releases.labels("not_held")
 
     def _source_commits(self) -> int | None:
         n = getattr(self._backend, "commits", None)
@@ -95,7 +102,7 @@ class Gateway:
         """Grant ``name`` to ``request_id`` (idempotent), waiting FIFO up to ``wait`` seconds;
         LockTimeout after that. Returns the grant and its token as the holder gets it."""
         start = _clock.now()
-        self.metrics.waiting.inc()
+        self._waiting += 1
         try:
             grant = await self.backend.acquire(
                 name,
@@ -109,7 +116,7 @@ class Gateway:
             self.metrics.acquire_timeouts.inc()
             raise
         finally:
-            self.metrics.waiting.dec()
+            self._waiting -= 1
         self.metrics.grants.inc()
         self.metrics.wait.observe(_clock.now() - start)
         key = (name, request_id)
@@ -117,7 +124,6 @@ class Gateway:
             self._note(name, "granted", grant.token, owner)
         self._grants[key] = grant
         self._owners[key] = owner
-        self.metrics.tracked.set(len(self._grants))
         return grant, self.locks.sign(grant.token)
 
     async def _grant_of(self, name: str, token: FencingToken, request_id: str, ttl: float) -> Grant:
@@ -142,7 +148,6 @@ class Gateway:
             raise
         self.metrics.renewals.labels("ok").inc()
         self._grants[key] = new
-        self.metrics.tracked.set(len(self._grants))
         return new
 
     async def release(self, name: str, token: FencingToken, request_id: str) -> bool:
@@ -153,11 +158,10 @@ class Gateway:
             released = False
         else:
             released = await self.backend.release(grant)
-        self.metrics.releases.labels("released" if released else "not_held").inc()
+        (self._released if released else self._not_held).inc()
         if released:
             self._grants.pop(key, None)
             self._note(name, "released", token, self._owners.pop(key, None))
-            self.metrics.tracked.set(len(self._grants))
         else:  # (it ended before: an expiry, if this gateway knew it; a repeat: nothing)
             self._ended(key, token)
         return released
@@ -189,7 +193,6 @@ class Gateway:
         del self._grants[key]
         self.metrics.expiries.inc()
         self._note(key[0], "expired", token, self._owners.pop(key, None))
-        self.metrics.tracked.set(len(self._grants))
 
     async def _sweep(self) -> None:
         """Forget grants not renewed here for longer than their ttl: the table is a cache,
@@ -217,7 +220,6 @@ class Gateway:
                 self._owners.pop(key, None)
             else:
                 self._ended(key, grant.token)
-        self.metrics.tracked.set(len(self._grants))
 
     # -- transitions and watching ---------------------------------------------------------------
 

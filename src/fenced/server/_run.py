@@ -45,11 +45,42 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+class _Seconds:
+    """A second's date and time, formatted once for all the lines of that second (a busy
+    server writes two lines a grant)."""
+
+    __slots__ = ("_convert", "_form", "_second", "_text")
+
+    def __init__(self, form: str, convert: Any) -> None:
+        self._form, self._convert = form, convert
+        self._second, self._text = -1, ""
+
+    def __call__(self, created: float) -> str:
+        second = int(created)
+        if second != self._second:
+            self._second, self._text = second, time.strftime(self._form, self._convert(second))
+        return self._text
+
+
+class _TextLines(logging.Formatter):
+    """``%(asctime)s %(levelname)s %(name)s: %(message)s``, logging's default time form."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self._seconds = _Seconds("%Y-%m-%d %H:%M:%S", time.localtime)
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        return f"{self._seconds(record.created)},{int(record.msecs):03d}"
+
+
 class _JsonLines(logging.Formatter):
+    def __init__(self) -> None:
+        super().__init__()
+        self._seconds = _Seconds("%Y-%m-%dT%H:%M:%S", time.gmtime)
+
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
-            + f".{int(record.msecs):03d}Z",
+            "time": f"{self._seconds(record.created)}.{int(record.msecs):03d}Z",
             "level": record.levelname.lower(),
             "logger": record.name,
             "message": record.getMessage(),
@@ -99,10 +130,11 @@ class _PerTurnHandler(logging.StreamHandler):  # type: ignore[type-arg]
 
 def setup_logging(fmt: str, level: str = "info") -> None:
     handler: logging.Handler = _PerTurnHandler()
-    if fmt == "json":
-        handler.setFormatter(_JsonLines())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(_JsonLines() if fmt == "json" else _TextLines())
+    # No line shows the caller's file, thread or process: a record need not look them up
+    # (the logging HOWTO's "Optimization"; the process is the server's).
+    logging._srcfile = None
+    logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
     for name in ("fenced", "uvicorn.error"):
         log = logging.getLogger(name)
         log.handlers[:] = [handler]
