@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -32,11 +33,17 @@ from fenced._portal import mark_private
 from fenced.server._app import ServerSettings, create_app
 from fenced.server._run import setup_logging
 
+_HANDLER: list[Any] = [None]  # (what setup_logging returned)
+
 
 async def _run(kind: str, clients: int, seconds: float, tmp: str) -> float:
     mark_private(asyncio.get_running_loop(), commit_per_turn=True)
     app = create_app(ServerSettings(url=f"sqlite:///{tmp}/{kind}-{time.monotonic_ns()}.db"))
     gw = app.state.gateway
+    if hasattr(_HANDLER[0], "info_line"):  # (as `fenced serve` sets it up; older ones: not)
+        gw.transition_line = functools.partial(
+            _HANDLER[0].info_line, logging.getLogger("fenced.server")
+        )
     await gw.start()
     backend = gw.backend
     stop = time.monotonic() + seconds
@@ -133,7 +140,7 @@ def main() -> None:
     args = parser.parse_args()
     fd = os.open(args.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(fd, 2)  # (setup_logging writes to stderr: the lines go to --log)
-    setup_logging("text", args.level)
+    _HANDLER[0] = setup_logging("text", args.level)
     kinds = args.kinds.split(",")
     got: dict[str, list[float]] = {k: [] for k in kinds}
     with tempfile.TemporaryDirectory(prefix="fenced-layers-") as tmp:

@@ -319,3 +319,80 @@ def test_a_transition_line_is_written_as_before_without_looking_up_its_caller(
             out = json.loads(line)
             assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", out.pop("time")), line
             assert out == {"level": "info", "logger": "fenced.server", "message": message}
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_a_transition_written_straight_to_the_handler_reads_as_through_logging(
+    fmt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`fenced serve` writes its transitions (two a grant) straight to its own handler,
+    without a LogRecord and the logging machinery around it: the line is the one
+    ``logger.info`` writes through the same handler; the logger's level still decides; a
+    filter on the way sends the line through ``logger.info`` (which applies it)."""
+    import re
+
+    from fenced.server._run import setup_logging
+
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    saved = {
+        n: getattr(logging, n)
+        for n in ("_srcfile", "logThreads", "logProcesses", "logMultiprocessing")
+    }
+    loggers = [logging.getLogger(n) for n in ("fenced", "uvicorn.error")]
+    kept = [(lg.handlers[:], lg.level, lg.propagate) for lg in loggers]
+    records = 0
+    real_init = logging.LogRecord.__init__
+
+    def counted_init(self: logging.LogRecord, *a: object, **kw: object) -> None:
+        nonlocal records
+        records += 1
+        real_init(self, *a, **kw)  # type: ignore[arg-type]
+
+    try:
+        handler = setup_logging(fmt, "info")
+        handler.setStream(os.fdopen(w, "w", closefd=False))  # (a pipe for stderr)
+        log = logging.getLogger("fenced.server")
+        log.info("%s lock=%s token=%s owner=%s", "released", "jobs/a", 7, "-")
+        monkeypatch.setattr(logging.LogRecord, "__init__", counted_init)
+        handler.info_line(log, "released lock=jobs/a token=7 owner=-")
+        assert records == 0
+        logging.getLogger("fenced").setLevel(logging.WARNING)
+        handler.info_line(log, "granted lock=jobs/a token=8 owner=-")  # (not written)
+        logging.getLogger("fenced").setLevel(logging.INFO)
+        handler.addFilter(lambda rec: "token=9" not in rec.getMessage())
+        handler.info_line(log, "granted lock=jobs/a token=9 owner=-")  # (filtered out)
+        handler.info_line(log, "granted lock=jobs/a token=10 owner=-")
+        assert records == 2  # (both through logging: the filter applies)
+        handler.flush()
+        written = os.read(r, 65536).decode().splitlines()
+    finally:
+        monkeypatch.undo()
+        for lg, (handlers, level, propagate) in zip(loggers, kept, strict=True):
+            lg.handlers[:], lg.level, lg.propagate = handlers, level, propagate
+        for name, value in saved.items():
+            setattr(logging, name, value)
+        os.close(r)
+        os.close(w)
+    assert len(written) == 3, written
+    if fmt == "text":
+        stamp = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ")
+        assert [stamp.sub("", line) for line in written] == [
+            "INFO fenced.server: released lock=jobs/a token=7 owner=-",
+            "INFO fenced.server: released lock=jobs/a token=7 owner=-",
+            "INFO fenced.server: granted lock=jobs/a token=10 owner=-",
+        ], written
+        assert all(stamp.match(line) for line in written)
+    else:
+        lines = [json.loads(line) for line in written]
+        assert all(re.fullmatch(r"[\d-]{10}T[\d:]{8}\.\d{3}Z", x.pop("time")) for x in lines)
+        assert (
+            lines[0]
+            == lines[1]
+            == {
+                "level": "info",
+                "logger": "fenced.server",
+                "message": "released lock=jobs/a token=7 owner=-",
+            }
+        )
+        assert lines[2]["message"] == "granted lock=jobs/a token=10 owner=-"
