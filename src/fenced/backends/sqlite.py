@@ -17,8 +17,10 @@ interrupted by a crash is rolled back when the file is next opened.
 
 **Concurrency.** Every change is one ``BEGIN IMMEDIATE`` transaction, so SQLite serialises
 the writers of all processes (LINEARIZABLE on one machine). ``SQLITE_BUSY`` is retried until
-the caller's deadline (then :class:`~fenced.LockTimeout` when acquiring) or the
-``busy_timeout`` option (then :class:`~fenced.BackendUnavailable`).
+the caller's deadline (then :class:`~fenced.LockTimeout` when acquiring; an acquire's look —
+a try-once's only one — retries up to ``busy_timeout`` past it, so that a free lock is not
+refused because another process was committing) or the ``busy_timeout`` option (then
+:class:`~fenced.BackendUnavailable`).
 
 **Expiry** is judged against :func:`fenced._clock.now` (``CLOCK_BOOTTIME``, one clock for the
 whole machine) and every row carries the boot id it was written under: a row of another boot
@@ -59,8 +61,8 @@ absolute then). ``sqlite:///path.db`` is refused as ambiguous (SQLAlchemy: relat
 0.1: absolute), and so is a host part (``sqlite://rel/path.db``). The directory must exist:
 fenced creates none. Options (URL query or keyword): ``waiter_ttl`` (seconds a waiter's
 queue row outlives its last heartbeat, default 2), ``poll_interval`` (longest pause between two
-polls of a cross-process waiter, default 0.01), ``busy_timeout`` (how long renew, release and
-status retry a write-locked database before BackendUnavailable, default 5).
+polls of a cross-process waiter, default 0.01), ``busy_timeout`` (how long renew, release,
+status and an acquire's look retry a write-locked database, default 5).
 """
 
 from __future__ import annotations
@@ -939,7 +941,11 @@ class SQLiteBackend(Backend):
                         mode=mode,
                         owner=owner,
                     ),
-                    limit=deadline,
+                    # A look (a try-once's only one) waits out a write lock held elsewhere
+                    # as renew and release do: given up at the deadline (a try-once's: at
+                    # once, after BUSY_WAIT), a free lock was refused whenever another
+                    # process's commit took that long.
+                    limit=self._look_limit(deadline),
                     busy=timeout,
                     orphan=orphan,
                     batch=mode != "queue",  # (queueing commits without fsync: alone)
@@ -965,6 +971,12 @@ class SQLiteBackend(Backend):
                 unregister(key, waiter)
             if queued:
                 self._forget(name, request_id)
+
+    def _look_limit(self, deadline: float | None) -> float | None:
+        """Until when an acquire's attempt retries a write-locked database."""
+        if deadline is None:
+            return None
+        return max(deadline, _clock.now() + self._busy_timeout)
 
     async def _await_turn(
         self,
