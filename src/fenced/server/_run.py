@@ -170,10 +170,11 @@ class _PerTurnHandler(logging.StreamHandler):  # type: ignore[type-arg]
         ):
             logger.info("%s", message)
             return
-        text = formatter.line(time.time(), "INFO", logger.name, message)
-        with self.lock:  # type: ignore[union-attr]
+        created = time.time()
+        with self.lock:  # type: ignore[union-attr]  # (the formatter's second: one at a time)
             try:
-                self.stream.write(text + self.terminator)
+                line = formatter.line(created, "INFO", logger.name, message)
+                self.stream.write(line + self.terminator)
             except Exception:  # (as emit: a broken stream is reported, never raised)
                 self.handleError(logging.makeLogRecord({"msg": message}))
                 return
