@@ -396,3 +396,74 @@ def test_a_transition_written_straight_to_the_handler_reads_as_through_logging(
             }
         )
         assert lines[2]["message"] == "granted lock=jobs/a token=10 owner=-"
+
+
+_HOLD_WRITE_LOCK = (
+    "import sqlite3, sys\n"
+    "conn = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
+    "conn.execute('BEGIN IMMEDIATE')\n"
+    "print('held', flush=True)\n"
+    "sys.stdin.readline()\n"
+    "conn.execute('COMMIT')\n"
+)
+
+
+@pytest.mark.asyncio
+async def test_the_servers_loop_never_sleeps_while_another_process_commits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server commits on its loop. When another process held the file's write lock (a
+    second gateway, `fenced lock` on the same file), each attempt slept on that loop, up to
+    50 ms at a time, and every other request of the server waited. It now pauses between
+    attempts on the loop, which answers the others meanwhile; the acquire is granted once the
+    other process commits."""
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from fenced._portal import mark_private
+    from fenced.backends import sqlite as sqlite_backend
+
+    mark_private(asyncio.get_running_loop(), commit_per_turn=True)  # (as fenced serve's)
+    db = tmp_path / "locks.db"
+    app = create_app(ServerSettings(url=f"sqlite:///{db}"))
+    transport = httpx.ASGITransport(app=app)
+    loop_thread = threading.get_ident()
+    backend_call = sqlite_backend.SQLiteBackend._call.__code__  # (its sleeps, no one else's)
+    asleep = 0
+    real_sleep = time.sleep
+
+    def counted_sleep(seconds: float) -> None:
+        nonlocal asleep
+        caller = sys._getframe(1).f_code
+        asleep += threading.get_ident() == loop_thread and caller is backend_call
+        real_sleep(seconds)
+
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=transport, base_url="http://test") as client,
+    ):
+        assert (await client.get("/v1/locks/a")).status_code == 200  # (the file exists)
+        monkeypatch.setattr(sqlite_backend.time, "sleep", counted_sleep)
+        other = subprocess.Popen(
+            [sys.executable, "-c", _HOLD_WRITE_LOCK, str(db)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert other.stdin is not None and other.stdout is not None
+        try:
+            assert other.stdout.readline() == "held\n"
+            trying = asyncio.ensure_future(client.post("/v1/locks/a/-/acquire", json={}))
+            for _ in range(20):  # (the loop answers others while the acquire waits)
+                assert (await client.get("/v1/health")).status_code == 200
+            done, _ = await asyncio.wait({trying}, timeout=0.3)
+            assert not done
+        finally:
+            other.stdin.write("\n")
+            other.stdin.flush()
+            assert other.wait(30) == 0
+        granted = await asyncio.wait_for(trying, 30)
+        assert granted.status_code == 200 and granted.json()["value"] == 1, granted.text
+    assert asleep == 0, asleep

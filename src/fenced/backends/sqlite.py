@@ -148,7 +148,8 @@ T = TypeVar("T")
 
 BUSY_WAIT: Final = 0.05
 """Seconds one transaction is retried on the spot while another connection holds the write
-lock, before the retry moves to asyncio (on the private loop these retries block its thread)."""
+lock, before the retry moves to asyncio (on the private loop these retries block its thread;
+on a loop that commits per turn, ``fenced serve``'s, there are none: it retries on the loop)."""
 _TURN_WAITS: Final = 2
 """Turns of a busy ``commit_per_turn`` loop a commit may wait for more writes (``_end_turn``)."""
 _BUSY_SLEEPS: Final = (0.00005, 0.0001, 0.0002, 0.0004, 0.0008, 0.0015)
@@ -416,6 +417,10 @@ class SQLiteBackend(Backend):
                         conn.close()
                 if not usable or not isinstance(exc, sqlite3.Error):
                     raise
+                if ident == 0 and self._per_turn:
+                    # (``fenced serve``'s loop: never asleep while another process commits;
+                    # ``_transact`` retries after a pause on the loop, serving the rest)
+                    raise
                 now = _clock.now()
                 if give_up is None:
                     give_up = now + BUSY_WAIT
@@ -657,6 +662,7 @@ class SQLiteBackend(Backend):
         batch: bool = False,
     ) -> T:
         """Run a transaction, retrying while the database is write-locked until ``limit``."""
+        attempt = 0
         while True:
             self._check_open()
             try:
@@ -678,7 +684,13 @@ class SQLiteBackend(Backend):
                     raise BackendUnavailable(
                         f"sqlite {self.path}: the database stayed write-locked ({exc})"
                     ) from exc
-            await asyncio.sleep(0)
+            # On a loop that commits per turn the retry pauses here, not in _call: the loop
+            # serves other requests meanwhile. Elsewhere _call has already waited BUSY_WAIT.
+            per_turn = self._per_turn and asyncio.get_running_loop() is self._private_loop
+            await asyncio.sleep(
+                _BUSY_SLEEPS[min(attempt, len(_BUSY_SLEEPS) - 1)] if per_turn else 0
+            )
+            attempt += 1
 
     def _inline(self) -> bool:
         """True on fenced's private loop: run transactions right here (see ``on_private_loop``)."""
