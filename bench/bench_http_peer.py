@@ -21,7 +21,8 @@ as in production: ``fenced serve`` at its default log level on the embedded SQLi
 (fsync on), etcd single member (fsync on).
 
 Run: ``python bench/bench_http_peer.py [--clients 16,64] [--seconds 4] [--slices 3]
-[--nice 0] [--pin CPU] [--before-src DIR] [--fastapi-only] [--fenced-args ...]``; ``python bench/bench_http_peer.py drive
+[--nice 0] [--pin CPU] [--before-src DIR] [--fastapi-only] [--fenced-procs N]
+[--fenced-args ...]``; ``python bench/bench_http_peer.py drive
 --kind fenced|etcd --port P --clients N --seconds S`` runs the generator alone.
 """
 
@@ -32,6 +33,7 @@ import asyncio
 import base64
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -53,7 +55,9 @@ class Conn:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         return cls(reader, writer)
 
-    async def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def post(
+        self, path: str, body: dict[str, Any], refusable: bool = False
+    ) -> dict[str, Any]:
         data = json.dumps(body).encode()
         self.writer.write(
             b"POST %s HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
@@ -81,6 +85,8 @@ class Conn:
         else:
             payload = await self.reader.readexactly(length)
         reply: dict[str, Any] = json.loads(payload) if payload.strip() else {}
+        if status == b"409" and refusable:
+            return {}
         if status != b"200":
             raise RuntimeError(f"{path}: {head.splitlines()[0]!r} {reply}")
         return reply
@@ -103,13 +109,17 @@ async def drive(kind: str, port: int, clients: int, seconds: float, etcd_lease: 
         leases = [(await c.post("/v3/lease/grant", {"TTL": 30}))["ID"] for c in conns]
     clock = time.perf_counter
     samples: list[float] = []
+    refused: list[int] = []
     stop = clock() + seconds
 
     async def fenced_loop(i: int, c: Conn) -> None:
         path = f"/v1/locks/p{run}-{i}/-/"
         while clock() < stop:
             t0 = clock()
-            g = await c.post(path + "acquire", {"ttl": 30})
+            g = await c.post(path + "acquire", {"ttl": 30}, refusable=True)
+            if not g:  # (409 for a free lock: its source was busy past the try-once's time)
+                refused.append(1)
+                continue
             await c.post(path + "release", {"token": g["token"], "request_id": g["request_id"]})
             samples.append(clock() - t0)
 
@@ -139,6 +149,7 @@ async def drive(kind: str, port: int, clients: int, seconds: float, etcd_lease: 
         "kind": kind,
         "clients": clients,
         "grants": n,
+        "refused": len(refused),
         "per_s": n / elapsed,
         "p50_ms": 1000 * samples[n // 2] if n else None,
         "p99_ms": 1000 * samples[min(n - 1, int(n * 0.99))] if n else None,
@@ -168,8 +179,14 @@ def _run_driver(args: argparse.Namespace, kind: str, port: int, clients: int) ->
         cmd = ["taskset", "-c", args.pin, *cmd]
     if args.nice:
         cmd = ["nice", "-n", str(args.nice), *cmd]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=_clean_env())
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    out = subprocess.run(cmd, capture_output=True, text=True, env=_clean_env())
+    if out.returncode:
+        raise SystemExit(f"the generator failed on {kind} (port {port}): {out.stderr.strip()}")
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     result: dict = json.loads(out.stdout.strip().splitlines()[-1])
+    used = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    result["driver_cpu_us"] = 1e6 * used / max(1, result["grants"])  # (the generator's own)
     return result
 
 
@@ -185,6 +202,25 @@ def _clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
 
 
+# `fenced serve` whose listening socket is shared with other `fenced serve` processes on the
+# same port (SO_REUSEPORT: the kernel spreads connections over them), for --fenced-procs.
+_REUSE_PORT = (
+    "import socket, fenced.server._run as r\n"
+    "_listen = r.listen_socket\n"
+    "def _shared(host, port):\n"
+    "    real = socket.socket\n"
+    "    class S(real):\n"
+    "        def bind(self, address):\n"
+    "            self.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)\n"
+    "            super().bind(address)\n"
+    "    socket.socket = S\n"
+    "    try:\n"
+    "        return _listen(host, port)\n"
+    "    finally:\n"
+    "        socket.socket = real\n"
+    "r.listen_socket = _shared"
+)
+
 # `fenced serve` with ServerSettings(fast_lane=False): one stack, FastAPI's, for every request.
 _NO_FAST_LANE = (
     "import dataclasses, fenced.server._app as a, fenced.server._run as r\n"
@@ -193,7 +229,7 @@ _NO_FAST_LANE = (
 
 
 def compare(args: argparse.Namespace) -> None:
-    from fenced.testing.servers import EtcdServer, FencedServer
+    from fenced.testing.servers import EtcdServer, FencedServer, free_port
 
     with tempfile.TemporaryDirectory(prefix="fenced-peer-") as tmp:
         for sub in ("etcd", "serve"):
@@ -225,14 +261,36 @@ def compare(args: argparse.Namespace) -> None:
                     ),
                 )
             )
+        extra: dict[str, list[FencedServer]] = {}  # (the other processes of a side)
+        if args.fenced_procs > 1:  # (N processes of this fenced serve on one port, one file)
+            for i in range(args.fenced_procs):
+                os.makedirs(os.path.join(tmp, "procs", str(i)))
+            port = free_port()
+            group = [
+                FencedServer(
+                    f"sqlite:///{tmp}/procs.db",
+                    os.path.join(tmp, "procs", str(i)),
+                    port,
+                    args=args.fenced_args,
+                    prelude=_REUSE_PORT,
+                )
+                for i in range(args.fenced_procs)
+            ]
+            sides.append((f"{args.fenced_procs}procs", group[0]))
+            extra[f"{args.fenced_procs}procs"] = group[1:]
         sides.append(("etcd", etcd))
-        for _, server in sides:
+        for kind, server in sides:
             server.start()
+            for other in extra.get(kind, []):
+                other.start()
         try:
             counts = [int(c) for c in args.clients.split(",")]
             rows: dict[tuple[str, int], list[float]] = {}
             cpu: dict[tuple[str, int], list[float]] = {}
-            pids = {kind: server.proc.pid for kind, server in sides}  # type: ignore[union-attr]
+            pids = {
+                kind: [s.proc.pid for s in (server, *extra.get(kind, []))]  # type: ignore[union-attr]
+                for kind, server in sides
+            }
             ports = {kind: server.port for kind, server in sides}
             lat: dict[tuple[str, int], list[tuple[float, float]]] = {}
             for kind, port in ports.items():  # warm-up
@@ -241,9 +299,10 @@ def compare(args: argparse.Namespace) -> None:
             for s in range(args.slices):
                 for clients in counts:
                     for kind, port in ports.items():
-                        before = _cpu_seconds(pids[kind])
+                        before = sum(_cpu_seconds(p) for p in pids[kind])
+                        load = os.getloadavg()[0]
                         r = _run_driver(args, "etcd" if kind == "etcd" else "fenced", port, clients)
-                        used = _cpu_seconds(pids[kind]) - before
+                        used = sum(_cpu_seconds(p) for p in pids[kind]) - before
                         us = 1e6 * used / max(1, r["grants"])
                         cpu.setdefault((kind, clients), []).append(us)
                         rows.setdefault((kind, clients), []).append(r["per_s"])
@@ -251,7 +310,9 @@ def compare(args: argparse.Namespace) -> None:
                         print(
                             f"slice {s + 1} {kind:6} {clients:3} clients: {r['per_s']:7.0f} "
                             f"grants/s  p50 {r['p50_ms']:.1f} ms  p99 {r['p99_ms']:.1f} ms  "
-                            f"server CPU {us:.0f} µs/grant ({used / args.seconds:.2f} cores)",
+                            f"server CPU {us:.0f} µs/grant ({used / args.seconds:.2f} cores)  "
+                            f"generator CPU {r['driver_cpu_us']:.0f} µs/grant  load {load:.1f}"
+                            + (f"  {r['refused']} acquires refused (409)" if r["refused"] else ""),
                             flush=True,
                         )
             print()
@@ -278,7 +339,7 @@ def compare(args: argparse.Namespace) -> None:
                     f"\nfenced {hi} ÷ {lo} clients, per slice: "
                     + ", ".join(f"{x:.2f}" for x in falls)
                 )
-            for other in ("before", "fastapi"):
+            for other in ("before", "fastapi", f"{args.fenced_procs}procs"):
                 if (other, counts[0]) not in rows:
                     continue
                 for clients in counts:
@@ -291,8 +352,10 @@ def compare(args: argparse.Namespace) -> None:
                         f"{min(cf):.0f}–{max(cf):.0f} vs {min(cb):.0f}–{max(cb):.0f}"
                     )
         finally:
-            for _, server in sides:
+            for kind, server in sides:
                 server.stop()
+                for other in extra.get(kind, []):
+                    other.stop()
 
 
 def main() -> None:
@@ -316,6 +379,12 @@ def main() -> None:
         "--fastapi-only",
         action="store_true",
         help="also the same server without its fast lane (every request through FastAPI)",
+    )
+    parser.add_argument(
+        "--fenced-procs",
+        type=int,
+        default=1,
+        help="also N `fenced serve` processes sharing one port (SO_REUSEPORT) and one file",
     )
     parser.add_argument(
         "--fenced-args", nargs=argparse.REMAINDER, default=[], help="extra `fenced serve` args"

@@ -490,6 +490,49 @@ async def test_write_locked_database(db: str) -> None:
         assert await backend.release(grant) is True
 
 
+_HOLD_WRITE_LOCK = (
+    "import sqlite3, sys\n"
+    "conn = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
+    "conn.execute('BEGIN IMMEDIATE')\n"
+    "print('held', flush=True)\n"
+    "sys.stdin.readline()\n"
+    "conn.execute('COMMIT')\n"
+)
+
+
+async def test_a_try_once_of_a_free_lock_waits_out_another_process_committing(db: str) -> None:
+    """Another process inside a write transaction for longer than the 50 ms fenced retries
+    on the spot (a commit whose fsync is slow on a busy disk, or a second `fenced serve` on
+    the file) made a try-once acquire of a *free* lock raise LockTimeout — `fenced serve`'s
+    409 "not acquired" — though nobody held it. Its one look now retries the write-locked
+    database as renew and release do (up to busy_timeout); a held lock is still refused."""
+    name = unique_name()
+    async with fenced.connect_async(url_of(db, busy_timeout=30)) as locks:
+        assert (await locks.status(name)).token is None  # (the file and its tables exist)
+        other = subprocess.Popen(
+            [sys.executable, "-c", _HOLD_WRITE_LOCK, db],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert other.stdin is not None and other.stdout is not None
+        try:
+            assert other.stdout.readline() == "held\n"
+            trying = asyncio.ensure_future(locks.lock(name, ttl=5).acquire(timeout=0))
+            done, _ = await asyncio.wait({trying}, timeout=0.5)  # (10× the 50 ms)
+            assert not done, trying.exception()  # (was: LockTimeout, the lock being free)
+        finally:
+            other.stdin.write("\n")
+            other.stdin.flush()
+            assert other.wait(30) == 0
+        token = await asyncio.wait_for(trying, 30)  # granted once the other one committed
+        assert token.value == 1
+        start = _clock.now()
+        with pytest.raises(fenced.LockTimeout):  # held: refused, and at once
+            await locks.lock(name, ttl=5).acquire(timeout=0)
+        assert _clock.now() - start < 5
+
+
 def test_counter_rows_refuse_to_shrink_or_vanish(db: str) -> None:
     name = unique_name()
     with fenced.connect(url_of(db)) as locks, locks.lock(name, ttl=5):

@@ -17,8 +17,10 @@ interrupted by a crash is rolled back when the file is next opened.
 
 **Concurrency.** Every change is one ``BEGIN IMMEDIATE`` transaction, so SQLite serialises
 the writers of all processes (LINEARIZABLE on one machine). ``SQLITE_BUSY`` is retried until
-the caller's deadline (then :class:`~fenced.LockTimeout` when acquiring) or the
-``busy_timeout`` option (then :class:`~fenced.BackendUnavailable`).
+the caller's deadline (then :class:`~fenced.LockTimeout` when acquiring; an acquire's look —
+a try-once's only one — retries up to ``busy_timeout`` past it, so that a free lock is not
+refused because another process was committing) or the ``busy_timeout`` option (then
+:class:`~fenced.BackendUnavailable`).
 
 **Expiry** is judged against :func:`fenced._clock.now` (``CLOCK_BOOTTIME``, one clock for the
 whole machine) and every row carries the boot id it was written under: a row of another boot
@@ -59,8 +61,8 @@ absolute then). ``sqlite:///path.db`` is refused as ambiguous (SQLAlchemy: relat
 0.1: absolute), and so is a host part (``sqlite://rel/path.db``). The directory must exist:
 fenced creates none. Options (URL query or keyword): ``waiter_ttl`` (seconds a waiter's
 queue row outlives its last heartbeat, default 2), ``poll_interval`` (longest pause between two
-polls of a cross-process waiter, default 0.01), ``busy_timeout`` (how long renew, release and
-status retry a write-locked database before BackendUnavailable, default 5).
+polls of a cross-process waiter, default 0.01), ``busy_timeout`` (how long renew, release,
+status and an acquire's look retry a write-locked database, default 5).
 """
 
 from __future__ import annotations
@@ -146,7 +148,8 @@ T = TypeVar("T")
 
 BUSY_WAIT: Final = 0.05
 """Seconds one transaction is retried on the spot while another connection holds the write
-lock, before the retry moves to asyncio (on the private loop these retries block its thread)."""
+lock, before the retry moves to asyncio (on the private loop these retries block its thread;
+on a loop that commits per turn, ``fenced serve``'s, there are none: it retries on the loop)."""
 _TURN_WAITS: Final = 2
 """Turns of a busy ``commit_per_turn`` loop a commit may wait for more writes (``_end_turn``)."""
 _BUSY_SLEEPS: Final = (0.00005, 0.0001, 0.0002, 0.0004, 0.0008, 0.0015)
@@ -414,6 +417,10 @@ class SQLiteBackend(Backend):
                         conn.close()
                 if not usable or not isinstance(exc, sqlite3.Error):
                     raise
+                if ident == 0 and self._per_turn:
+                    # (``fenced serve``'s loop: never asleep while another process commits;
+                    # ``_transact`` retries after a pause on the loop, serving the rest)
+                    raise
                 now = _clock.now()
                 if give_up is None:
                     give_up = now + BUSY_WAIT
@@ -655,6 +662,7 @@ class SQLiteBackend(Backend):
         batch: bool = False,
     ) -> T:
         """Run a transaction, retrying while the database is write-locked until ``limit``."""
+        attempt = 0
         while True:
             self._check_open()
             try:
@@ -676,7 +684,13 @@ class SQLiteBackend(Backend):
                     raise BackendUnavailable(
                         f"sqlite {self.path}: the database stayed write-locked ({exc})"
                     ) from exc
-            await asyncio.sleep(0)
+            # On a loop that commits per turn the retry pauses here, not in _call: the loop
+            # serves other requests meanwhile. Elsewhere _call has already waited BUSY_WAIT.
+            per_turn = self._per_turn and asyncio.get_running_loop() is self._private_loop
+            await asyncio.sleep(
+                _BUSY_SLEEPS[min(attempt, len(_BUSY_SLEEPS) - 1)] if per_turn else 0
+            )
+            attempt += 1
 
     def _inline(self) -> bool:
         """True on fenced's private loop: run transactions right here (see ``on_private_loop``)."""
@@ -939,7 +953,11 @@ class SQLiteBackend(Backend):
                         mode=mode,
                         owner=owner,
                     ),
-                    limit=deadline,
+                    # A look (a try-once's only one) waits out a write lock held elsewhere
+                    # as renew and release do: given up at the deadline (a try-once's: at
+                    # once, after BUSY_WAIT), a free lock was refused whenever another
+                    # process's commit took that long.
+                    limit=self._look_limit(deadline),
                     busy=timeout,
                     orphan=orphan,
                     batch=mode != "queue",  # (queueing commits without fsync: alone)
@@ -965,6 +983,12 @@ class SQLiteBackend(Backend):
                 unregister(key, waiter)
             if queued:
                 self._forget(name, request_id)
+
+    def _look_limit(self, deadline: float | None) -> float | None:
+        """Until when an acquire's attempt retries a write-locked database."""
+        if deadline is None:
+            return None
+        return max(deadline, _clock.now() + self._busy_timeout)
 
     async def _await_turn(
         self,

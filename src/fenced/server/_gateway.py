@@ -18,7 +18,7 @@ import dataclasses
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from .. import _clock
@@ -61,6 +61,16 @@ class Gateway:
         self._changed: dict[str, asyncio.Event] = {}
         self._sweeper: asyncio.Task[None] | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.transition_line: Callable[[str], None] | None = None
+        """Writes one info line of ``fenced.server``, where ``fenced serve`` set one up that
+        costs less than ``logger.info`` (``_run._PerTurnHandler.info_line``)."""
+        # The two gauges are read when scraped, not set on every grant and release (each set
+        # or inc takes the metric's lock): the hot path only counts.
+        self._waiting = 0
+        self.metrics.waiting.set_function(lambda: self._waiting)
+        self.metrics.tracked.set_function(lambda: len(self._grants))
+        self._released = self.metrics.releases.labels("released")  # (children looked up once)
+        self._not_held = self.metrics.releases.labels("not_held")
 
     def _source_commits(self) -> int | None:
         n = getattr(self._backend, "commits", None)
@@ -95,7 +105,7 @@ class Gateway:
         """Grant ``name`` to ``request_id`` (idempotent), waiting FIFO up to ``wait`` seconds;
         LockTimeout after that. Returns the grant and its token as the holder gets it."""
         start = _clock.now()
-        self.metrics.waiting.inc()
+        self._waiting += 1
         try:
             grant = await self.backend.acquire(
                 name,
@@ -109,7 +119,7 @@ class Gateway:
             self.metrics.acquire_timeouts.inc()
             raise
         finally:
-            self.metrics.waiting.dec()
+            self._waiting -= 1
         self.metrics.grants.inc()
         self.metrics.wait.observe(_clock.now() - start)
         key = (name, request_id)
@@ -117,7 +127,6 @@ class Gateway:
             self._note(name, "granted", grant.token, owner)
         self._grants[key] = grant
         self._owners[key] = owner
-        self.metrics.tracked.set(len(self._grants))
         return grant, self.locks.sign(grant.token)
 
     async def _grant_of(self, name: str, token: FencingToken, request_id: str, ttl: float) -> Grant:
@@ -142,7 +151,6 @@ class Gateway:
             raise
         self.metrics.renewals.labels("ok").inc()
         self._grants[key] = new
-        self.metrics.tracked.set(len(self._grants))
         return new
 
     async def release(self, name: str, token: FencingToken, request_id: str) -> bool:
@@ -153,11 +161,10 @@ class Gateway:
             released = False
         else:
             released = await self.backend.release(grant)
-        self.metrics.releases.labels("released" if released else "not_held").inc()
+        (self._released if released else self._not_held).inc()
         if released:
             self._grants.pop(key, None)
             self._note(name, "released", token, self._owners.pop(key, None))
-            self.metrics.tracked.set(len(self._grants))
         else:  # (it ended before: an expiry, if this gateway knew it; a repeat: nothing)
             self._ended(key, token)
         return released
@@ -199,7 +206,6 @@ class Gateway:
         del self._grants[key]
         self.metrics.expiries.inc()
         self._note(key[0], "expired", token, self._owners.pop(key, None))
-        self.metrics.tracked.set(len(self._grants))
 
     async def _sweep(self) -> None:
         """Forget grants not renewed here for longer than their ttl: the table is a cache,
@@ -227,15 +233,18 @@ class Gateway:
                 self._owners.pop(key, None)
             else:
                 self._ended(key, grant.token)
-        self.metrics.tracked.set(len(self._grants))
 
     # -- transitions and watching ---------------------------------------------------------------
 
     def _note(self, name: str, event: str, token: FencingToken, owner: str | None) -> None:
         self.events.append(Transition(time.time(), name, event, str(token.unsigned()), owner))
-        logger.info(
-            "%s lock=%s token=%s owner=%s", event, name, token.unsigned().value, owner or "-"
-        )
+        line = self.transition_line
+        if line is None:
+            logger.info(
+                "%s lock=%s token=%s owner=%s", event, name, token.unsigned().value, owner or "-"
+            )
+        else:  # (the same line)
+            line(f"{event} lock={name} token={token.value} owner={owner or '-'}")
         changed = self._changed.pop(name, None)
         if changed is not None:
             changed.set()

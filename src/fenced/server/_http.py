@@ -101,11 +101,14 @@ def http_protocol(head_timeout: float = READ_TIMEOUT) -> type[asyncio.Protocol] 
                 if b"pgrade" in data or b"PGRADE" in data:
                     data = _ignore_upgrade(data, head_end)
             super().data_received(data)
+            if self._in_head:  # (a head begun in this read and not ended: its time counts)
+                self._arm_head_timer()
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
+            # The timer is armed after the read if the head is still incomplete then: a head
+            # that comes whole in one read (nearly all) costs no timer.
             self._in_head = True
-            self._arm_head_timer()
 
         def on_headers_complete(self) -> None:
             self._in_head = False

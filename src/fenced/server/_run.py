@@ -4,6 +4,7 @@ port it got), TLS by uvicorn's own options, logs as text or JSON lines."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import io
 import ipaddress
 import json
@@ -45,11 +46,50 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+class _Seconds:
+    """A second's date and time, formatted once for all the lines of that second (a busy
+    server writes two lines a grant)."""
+
+    __slots__ = ("_convert", "_form", "_second", "_text")
+
+    def __init__(self, form: str, convert: Any) -> None:
+        self._form, self._convert = form, convert
+        self._second, self._text = -1, ""
+
+    def __call__(self, created: float) -> str:
+        second = int(created)
+        if second != self._second:
+            self._second, self._text = second, time.strftime(self._form, self._convert(second))
+        return self._text
+
+
+def _millis(created: float) -> int:
+    return int((created - int(created)) * 1000)  # (as LogRecord.msecs)
+
+
+class _TextLines(logging.Formatter):
+    """``%(asctime)s %(levelname)s %(name)s: %(message)s``, logging's default time form."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self._seconds = _Seconds("%Y-%m-%d %H:%M:%S", time.localtime)
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        return f"{self._seconds(record.created)},{int(record.msecs):03d}"
+
+    def line(self, created: float, level: str, name: str, message: str) -> str:
+        """What ``format`` makes of a record with these, and no exception."""
+        return f"{self._seconds(created)},{_millis(created):03d} {level} {name}: {message}"
+
+
 class _JsonLines(logging.Formatter):
+    def __init__(self) -> None:
+        super().__init__()
+        self._seconds = _Seconds("%Y-%m-%dT%H:%M:%S", time.gmtime)
+
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
-            + f".{int(record.msecs):03d}Z",
+            "time": f"{self._seconds(record.created)}.{int(record.msecs):03d}Z",
             "level": record.levelname.lower(),
             "logger": record.name,
             "message": record.getMessage(),
@@ -57,6 +97,17 @@ class _JsonLines(logging.Formatter):
         if record.exc_info:
             out["error"] = self.formatException(record.exc_info).splitlines()[-1]
         return json.dumps(out)
+
+    def line(self, created: float, level: str, name: str, message: str) -> str:
+        """What ``format`` makes of a record with these, and no exception."""
+        return json.dumps(
+            {
+                "time": f"{self._seconds(created)}.{_millis(created):03d}Z",
+                "level": level.lower(),
+                "logger": name,
+                "message": message,
+            }
+        )
 
 
 class _PerTurnHandler(logging.StreamHandler):  # type: ignore[type-arg]
@@ -96,18 +147,55 @@ class _PerTurnHandler(logging.StreamHandler):  # type: ignore[type-arg]
         self._pending = False
         super().flush()
 
+    def info_line(self, logger: logging.Logger, message: str) -> None:
+        """``logger.info("%s", message)`` where ``logger``'s lines come only to this handler
+        through its parent, with no filter on the way (as ``setup_logging`` sets fenced's):
+        the same line, without a LogRecord and the logging machinery around it — a busy
+        server logs two transitions a grant. Anything else goes through ``logger.info``."""
+        if not logger.isEnabledFor(logging.INFO):
+            return
+        parent = logger.parent
+        formatter = self.formatter
+        if (
+            logger.handlers
+            or logger.filters
+            or not logger.propagate
+            or parent is None
+            or parent.handlers != [self]
+            or parent.filters
+            or parent.propagate
+            or self.filters
+            or self.level > logging.INFO
+            or not isinstance(formatter, _TextLines | _JsonLines)
+        ):
+            logger.info("%s", message)
+            return
+        created = time.time()
+        with self.lock:  # type: ignore[union-attr]  # (the formatter's second: one at a time)
+            try:
+                line = formatter.line(created, "INFO", logger.name, message)
+                self.stream.write(line + self.terminator)
+            except Exception:  # (as emit: a broken stream is reported, never raised)
+                self.handleError(logging.makeLogRecord({"msg": message}))
+                return
+            self._may_wait = logger.name.startswith("fenced")
+            self.flush()
 
-def setup_logging(fmt: str, level: str = "info") -> None:
-    handler: logging.Handler = _PerTurnHandler()
-    if fmt == "json":
-        handler.setFormatter(_JsonLines())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+
+def setup_logging(fmt: str, level: str = "info") -> _PerTurnHandler:
+    """Send fenced's and uvicorn's lines to stderr as ``fmt`` says; returns the handler."""
+    handler = _PerTurnHandler()
+    handler.setFormatter(_JsonLines() if fmt == "json" else _TextLines())
+    # No line shows the caller's file, thread or process: a record need not look them up
+    # (the logging HOWTO's "Optimization"; the process is the server's).
+    logging._srcfile = None
+    logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
     for name in ("fenced", "uvicorn.error"):
         log = logging.getLogger(name)
         log.handlers[:] = [handler]
         log.setLevel(level.upper())
         log.propagate = False
+    return handler
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -164,11 +252,15 @@ def serve(
     acquires are answered 503 at once; held leases are left to expire."""
     import uvicorn
 
-    setup_logging(log_format, log_level)
+    handler = setup_logging(log_format, log_level)
     raise_file_limit()
     sock = listen_socket(host, port)
     bound = sock.getsockname()[1]
     app = create_app(settings)
+    # The transitions (two lines a grant) straight to the handler (see _PerTurnHandler.info_line).
+    app.state.gateway.transition_line = functools.partial(
+        handler.info_line, logging.getLogger("fenced.server")
+    )
     config = uvicorn.Config(
         app,
         log_config=None,

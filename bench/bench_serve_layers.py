@@ -1,0 +1,164 @@
+"""Where ``fenced serve``'s CPU per grant goes, layer by layer, in one process (no sockets).
+
+Each row runs ``--clients`` concurrent loops of acquire+release, each on its own lock, on one
+event loop marked as ``fenced serve`` marks its own (commits per turn of the loop), against a
+fresh SQLite file (fsync on), and reports the process's CPU time per acquire+release:
+
+- ``backend``: the SQLite source's ``acquire``/``release`` alone;
+- ``gateway``: through the server's ``Gateway`` (metrics, the grants table, the transition
+  log line at the default level, to a file);
+- ``app``: the ASGI app (the fast lane and the handlers) called with an HTTP scope, as
+  uvicorn would call it — everything of a request but the HTTP parsing and the socket.
+
+The loop is uvloop's where it is installed, as ``fenced serve``'s.
+
+The HTTP layer's share is the rest of ``bench_http_peer.py``'s server CPU per grant.
+Run: ``python bench/bench_serve_layers.py [--clients 64] [--seconds 3] [--rounds 3]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import json
+import logging
+import os
+import statistics
+import tempfile
+import time
+from typing import Any
+
+from fenced._portal import mark_private
+from fenced.server._app import ServerSettings, create_app
+from fenced.server._run import setup_logging
+
+_HANDLER: list[Any] = [None]  # (what setup_logging returned)
+
+
+async def _run(kind: str, clients: int, seconds: float, tmp: str) -> float:
+    mark_private(asyncio.get_running_loop(), commit_per_turn=True)
+    app = create_app(ServerSettings(url=f"sqlite:///{tmp}/{kind}-{time.monotonic_ns()}.db"))
+    gw = app.state.gateway
+    if hasattr(_HANDLER[0], "info_line"):  # (as `fenced serve` sets it up; older ones: not)
+        gw.transition_line = functools.partial(
+            _HANDLER[0].info_line, logging.getLogger("fenced.server")
+        )
+    await gw.start()
+    backend = gw.backend
+    stop = time.monotonic() + seconds
+    done = 0
+
+    async def backend_loop(i: int) -> None:
+        nonlocal done
+        while time.monotonic() < stop:
+            g = await backend.acquire(
+                f"b{i}", request_id=f"r{i}", ttl=30, deadline=None, on_lost=lambda e: None
+            )
+            await backend.release(g)
+            done += 1
+
+    async def gateway_loop(i: int) -> None:
+        nonlocal done
+        while time.monotonic() < stop:
+            g, _ = await gw.acquire(f"g{i}", f"r{i}", 30, 0, "bench")
+            await gw.release(f"g{i}", g.token, f"r{i}")
+            done += 1
+
+    async def app_loop(i: int) -> None:
+        nonlocal done
+        while time.monotonic() < stop:
+            g = await _post(app, f"/v1/locks/a{i}/-/acquire", {"ttl": 30})
+            await _post(
+                app,
+                f"/v1/locks/a{i}/-/release",
+                {"token": g["token"], "request_id": g["request_id"]},
+            )
+            done += 1
+
+    loop_of = {"backend": backend_loop, "gateway": gateway_loop, "app": app_loop}[kind]
+    t0 = time.process_time()
+    await asyncio.gather(*(loop_of(i) for i in range(clients)))
+    used = time.process_time() - t0
+    await gw.stop()
+    return 1e6 * used / max(1, done)
+
+
+async def _post(app: Any, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    data = json.dumps(body).encode()
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [
+            (b"host", b"bench"),
+            (b"content-type", b"application/json"),
+            (b"content-length", b"%d" % len(data)),
+        ],
+        "client": ("127.0.0.1", 50000),
+        "server": ("127.0.0.1", 7400),
+        "state": {},
+        "fenced.body_received": True,
+    }
+    sent: list[bytes] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": data, "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body":
+            sent.append(message.get("body", b""))
+
+    await app(scope, receive, send)
+    reply: dict[str, Any] = json.loads(b"".join(sent))
+    return reply
+
+
+def _loop_factory() -> Any:
+    """uvloop's loop where it is installed, as uvicorn picks it for ``fenced serve``."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--kinds", default="backend,gateway,app", help="the rows to run")
+    parser.add_argument("--log", default=os.devnull, help="where the log lines go")
+    parser.add_argument("--level", default="info", help="the log level (the default: info)")
+    args = parser.parse_args()
+    fd = os.open(args.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(fd, 2)  # (setup_logging writes to stderr: the lines go to --log)
+    _HANDLER[0] = setup_logging("text", args.level)
+    kinds = args.kinds.split(",")
+    got: dict[str, list[float]] = {k: [] for k in kinds}
+    with tempfile.TemporaryDirectory(prefix="fenced-layers-") as tmp:
+        for _ in range(args.rounds):
+            for kind in kinds:  # (interleaved: the machine's load hits each alike)
+                with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+                    got[kind].append(runner.run(_run(kind, args.clients, args.seconds, tmp)))
+    print(f"CPU µs per acquire+release, {args.clients} clients, load {os.getloadavg()[0]:.1f}")
+    below = 0.0
+    for kind in kinds:
+        med = statistics.median(got[kind])
+        print(
+            f"{kind:8} median {med:6.0f}  (+{med - below:4.0f})  "
+            f"all {', '.join(f'{x:.0f}' for x in got[kind])}"
+        )
+        below = med
+    logging.shutdown()
+
+
+if __name__ == "__main__":
+    main()
