@@ -501,11 +501,11 @@ _HOLD_WRITE_LOCK = (
 
 
 async def test_a_try_once_of_a_free_lock_waits_out_another_process_committing(db: str) -> None:
-    """Another process inside a write transaction for longer than the 50 ms fenced retries
+    """Another process inside a write transaction for longer than the 50 ms fenced retried
     on the spot (a commit whose fsync is slow on a busy disk, or a second `fenced serve` on
     the file) made a try-once acquire of a *free* lock raise LockTimeout — `fenced serve`'s
     409 "not acquired" — though nobody held it. Its one look now retries the write-locked
-    database as renew and release do (up to busy_timeout); a held lock is still refused."""
+    database for at least 0.25 s (one real attempt), and no longer: the timeout is kept."""
     name = unique_name()
     async with fenced.connect_async(url_of(db, busy_timeout=30)) as locks:
         assert (await locks.status(name)).token is None  # (the file and its tables exist)
@@ -518,14 +518,19 @@ async def test_a_try_once_of_a_free_lock_waits_out_another_process_committing(db
         assert other.stdin is not None and other.stdout is not None
         try:
             assert other.stdout.readline() == "held\n"
+            start = _clock.now()
             trying = asyncio.ensure_future(locks.lock(name, ttl=5).acquire(timeout=0))
-            done, _ = await asyncio.wait({trying}, timeout=0.5)  # (10× the 50 ms)
-            assert not done, trying.exception()  # (was: LockTimeout, the lock being free)
+            done, _ = await asyncio.wait({trying}, timeout=0.15)  # (3× the old 50 ms)
+            assert not done, trying.exception()  # (was: LockTimeout after 50 ms)
+            with pytest.raises(fenced.LockTimeout):  # (write-locked throughout)
+                await asyncio.wait_for(trying, 30)
+            elapsed = _clock.now() - start
+            assert elapsed < 0.25 + 1.0, f"a try-once took {elapsed:.2f} s"  # (busy_timeout 30)
         finally:
             other.stdin.write("\n")
             other.stdin.flush()
             assert other.wait(30) == 0
-        token = await asyncio.wait_for(trying, 30)  # granted once the other one committed
+        token = await locks.lock(name, ttl=5).acquire(timeout=0)
         assert token.value == 1
         start = _clock.now()
         with pytest.raises(fenced.LockTimeout):  # held: refused, and at once

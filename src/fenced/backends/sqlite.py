@@ -18,8 +18,8 @@ interrupted by a crash is rolled back when the file is next opened.
 **Concurrency.** Every change is one ``BEGIN IMMEDIATE`` transaction, so SQLite serialises
 the writers of all processes (LINEARIZABLE on one machine). ``SQLITE_BUSY`` is retried until
 the caller's deadline (then :class:`~fenced.LockTimeout` when acquiring; an acquire's look —
-a try-once's only one — retries up to ``busy_timeout`` past it, so that a free lock is not
-refused because another process was committing) or the ``busy_timeout`` option (then
+a try-once's only one — retries at least 0.25 s, so that a free lock is not refused because
+another process was committing) or the ``busy_timeout`` option (then
 :class:`~fenced.BackendUnavailable`).
 
 **Expiry** is judged against :func:`fenced._clock.now` (``CLOCK_BOOTTIME``, one clock for the
@@ -62,7 +62,7 @@ absolute then). ``sqlite:///path.db`` is refused as ambiguous (SQLAlchemy: relat
 fenced creates none. Options (URL query or keyword): ``waiter_ttl`` (seconds a waiter's
 queue row outlives its last heartbeat, default 2), ``poll_interval`` (longest pause between two
 polls of a cross-process waiter, default 0.01), ``busy_timeout`` (how long renew, release,
-status and an acquire's look retry a write-locked database, default 5).
+status retry a write-locked database, default 5).
 """
 
 from __future__ import annotations
@@ -150,6 +150,9 @@ BUSY_WAIT: Final = 0.05
 """Seconds one transaction is retried on the spot while another connection holds the write
 lock, before the retry moves to asyncio (on the private loop these retries block its thread;
 on a loop that commits per turn, ``fenced serve``'s, there are none: it retries on the loop)."""
+LOOK_GRACE: Final = 0.25
+"""Seconds an acquire's look retries a write-locked database at least, even past its deadline
+(a try-once's only look): the bound by which a timeout may be overrun, as opening a source."""
 _TURN_WAITS: Final = 2
 """Turns of a busy ``commit_per_turn`` loop a commit may wait for more writes (``_end_turn``)."""
 _BUSY_SLEEPS: Final = (0.00005, 0.0001, 0.0002, 0.0004, 0.0008, 0.0015)
@@ -985,10 +988,12 @@ class SQLiteBackend(Backend):
                 self._forget(name, request_id)
 
     def _look_limit(self, deadline: float | None) -> float | None:
-        """Until when an acquire's attempt retries a write-locked database."""
+        """Until when an acquire's attempt retries a write-locked database: its deadline, but
+        at least :data:`LOOK_GRACE` (one real attempt, as opening a source gets), so that a
+        try-once does not call a free lock held because another process was committing."""
         if deadline is None:
             return None
-        return max(deadline, _clock.now() + self._busy_timeout)
+        return max(deadline, _clock.now() + min(LOOK_GRACE, self._busy_timeout))
 
     async def _await_turn(
         self,
