@@ -19,6 +19,7 @@ from ._backend import (
     TokenCheck,
     register_backend,
 )
+from ._ceiling import AboveCeilingError, Ceiling
 from ._errors import (
     AccessDenied,
     BackendError,
@@ -44,8 +45,6 @@ from ._errors import (
 )
 from ._lease import DEFAULT_TTL, AsyncLease, AsyncLocks, LostSignal, connect_async
 from ._signing import (
-    AboveCeilingError,
-    Ceiling,
     Ed25519SigningKey,
     Ed25519VerifyKey,
     HmacKey,

@@ -1240,14 +1240,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _plant_names() -> list[str]:
-    from .testing.check._plants import PLANTS
+    from .testing.check import PLANTS
 
     return list(PLANTS)
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from .testing.check import NEMESES, run_campaign
-    from .testing.check._plants import plant_role
+    from .testing.check import NEMESES, plant_role, run_campaign
 
     nemesis = None if args.nemesis is None else [n for n in args.nemesis.split(",") if n]
     if nemesis is not None and set(nemesis) - set(NEMESES):

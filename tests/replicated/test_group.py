@@ -15,11 +15,11 @@ import pytest
 import fenced
 from fenced.guards.sql import SQLGuard
 from fenced.replicated import Group, Item, stamp
+from fenced.replicated.planted import plant_patches
 from fenced.testing.check._group_checkers import (
     acknowledged_writes_on_every_later_member,
     configurations_totally_ordered_and_overlapping,
 )
-from fenced.testing.check._group_plants import plant_patches
 
 
 def sqlite_member(tmp: Path, name: str) -> Any:

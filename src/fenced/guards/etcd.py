@@ -663,6 +663,12 @@ class EtcdGuard:
     def resource(self) -> str:
         return self.aio.resource
 
+    @property
+    def portal(self) -> Portal:
+        """The guard's loop thread: ``guard.portal.call(coro)`` runs a coroutine of
+        :attr:`aio` there (as :attr:`fenced.Locks.portal`)."""
+        return self._portal
+
     @token_keyword()
     def write(self, ops: Sequence[rpc.RequestOp], *, token: FencingToken | str | bytes) -> Accepted:
         """See :meth:`AsyncEtcdGuard.write`."""

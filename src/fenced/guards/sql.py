@@ -145,7 +145,15 @@ from ._sql_plan import (
 )
 from ._token_arg import token_keyword
 
-__all__ = ["Add", "FenceConflictError", "RowGuard", "SQLFencer", "SQLGuard", "require_fence"]
+__all__ = [
+    "Add",
+    "FenceConflictError",
+    "RowGuard",
+    "SQLFencer",
+    "SQLGuard",
+    "quote_table",
+    "require_fence",
+]
 
 TokenLike = FencingToken | str | bytes
 
