@@ -56,7 +56,7 @@ from ._signing import (
 )
 from ._state import Phase
 from ._sync import Lease, Locks, connect
-from ._token import MAX_TOKEN, FencingToken
+from ._token import MAX_TOKEN, FencingToken, TokenLike
 
 __version__ = "0.2.0"
 
@@ -106,6 +106,7 @@ __all__ = [
     "StaleEpochError",
     "StaleTokenError",
     "TokenCheck",
+    "TokenLike",
     "UnsafeBackendError",
     "WrongLockError",
     "__version__",

@@ -41,7 +41,7 @@ def group(locks: fenced.Locks, tmp_path: Path) -> Iterator[Group]:
 
 
 def member_state(group: Group, name: str) -> Any:
-    return group._portal.call(group.aio.member(name).read(None))
+    return group.portal.call(group.aio.member(name).read(None))
 
 
 def test_the_first_configuration_has_every_member_and_lives_in_the_source(

@@ -106,7 +106,7 @@ from typing import Any
 
 from .._errors import ConfigurationError, InvalidTokenError
 from .._signing import TokenVerifier
-from .._token import FencingToken, validate_lock_name
+from .._token import FencingToken, TokenLike, validate_lock_name
 from ._sql_driver import (
     CHECKED,
     aguarded_transaction,
@@ -154,8 +154,6 @@ __all__ = [
     "quote_table",
     "require_fence",
 ]
-
-TokenLike = FencingToken | str | bytes
 
 
 def _lock_name(lock: str, what: str) -> str:

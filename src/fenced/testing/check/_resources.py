@@ -244,7 +244,7 @@ class FileResource:
         self.guard.collect_garbage("register")
 
     def read(self, token: FencingToken) -> bytes | None:
-        return self.guard.claim("register", token) or None
+        return self.guard.claim("register", token=token) or None
 
     def write(self, token: FencingToken, data: bytes) -> None:
         self.guard.write("register", data, token=token)
