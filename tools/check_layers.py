@@ -63,6 +63,9 @@ _CLI = {
 }
 
 
+_LAYER_PACKAGES = {"_core": "core", "_clients": "clients", "cli": "cli"}
+
+
 # Private names of other libraries that a module uses, which the attribute rule would take for
 # a fenced package's (the rule knows only fenced's own definitions).
 _ASYNCIO_INTERNALS = {
@@ -72,11 +75,17 @@ _ASYNCIO_INTERNALS = {
 
 
 def package_of(module: str) -> str:
-    """The package a module belongs to for these rules: ``fenced.guards.sql`` -> guards."""
+    """The package a module belongs to for these rules: ``fenced.guards.sql`` -> guards.
+
+    Both trees are understood: the root private modules of today (``fenced._token``), and the
+    layer packages tools/move_layers.py makes of them (``fenced._core.token``,
+    ``fenced._clients.grpc_errors``, the ``fenced.cli`` package)."""
     parts = module.split(".")
     if len(parts) == 1:
         return "facade"  # fenced/__init__.py re-exports the public API of every layer
     head = parts[1]
+    if head in _LAYER_PACKAGES:
+        return _LAYER_PACKAGES[head]
     if len(parts) == 2:
         if head in _CLIENTS:
             return "clients"
@@ -180,13 +189,15 @@ def imports_of(m: str, tree: ast.Module, is_package: bool, mods: dict[str, Path]
     imports on the way, do not (every module would then import the facade, and it them)."""
     out: dict[str, int] = {}
     for node in ast.walk(tree):
+        if not isinstance(node, ast.Import | ast.ImportFrom):
+            continue
         targets: list[str] = []
         if isinstance(node, ast.ImportFrom):
             base = _resolve(m, is_package, node.level, node.module)
             for alias in node.names:
                 full = f"{base}.{alias.name}"
                 targets.append(full if full in mods else base)
-        elif isinstance(node, ast.Import):
+        else:
             targets = [alias.name for alias in node.names]
         for target in targets:
             if target in mods and target != m:
@@ -337,7 +348,6 @@ def _check_import(
     if other == pkg:
         return
     is_module_import = name is None or imported.endswith(f".{name}")
-    last = imported.rsplit(".", 1)[-1]
     private_module = any(p.startswith("_") and p != "__init__" for p in imported.split(".")[1:])
     dunder = name is not None and name.startswith("__") and name.endswith("__")
     if not is_module_import and name is not None and name.startswith("_") and not dunder:
@@ -349,8 +359,9 @@ def _check_import(
             if offered is not None and name in offered:
                 return
             yield Violation(m, line, "not offered", f"{name} from {imported} (not in its __all__)")
-        elif other in ("core", "clients") and is_module_import and last.startswith("_"):
-            # `from . import _fork`: a core module used as a whole is its contract.
+        elif other in ("core", "clients") and is_module_import:
+            # `from . import _fork`, `from .._core import clock`: a core module used as a
+            # whole is its contract.
             return
         else:
             what = f"{name} from {imported}" if name and not is_module_import else imported
