@@ -112,4 +112,3 @@ def test_a_guards_lock_is_lock_by_keyword_and_the_old_position_warns(
                 etcd.put(f"{name}/k", "v", token=tok(4))
     finally:
         client.close()
-

@@ -1,7 +1,7 @@
 """Move the root private modules of src/fenced into named layer packages, and rewrite every
 reference to them, so that the layers of docs/design.md are folders of the tree (issue 27 §5).
 
-    python tools/move_layers.py [--root DIR] [--dry-run] [--no-ruff]
+    python tools/move_layers.py [--root DIR] [--dry-run] [--no-ruff] [--docs-only]
 
 What moves where (``git mv``; a module that is not there is skipped, a target that is already
 there is left alone, so a second run changes nothing):
@@ -343,7 +343,8 @@ def _first_line(path: Path) -> str:
     except SyntaxError:
         doc = ""
     first = doc.strip().split("\n\n")[0].replace("\n", " ")
-    return first.replace("|", "\\|")
+    first = re.split(r"(?<=[.:;]) (?=[A-Z(`])", first, maxsplit=1)[0]  # its first sentence
+    return first.replace("|", "\\|") or "—"
 
 
 def layer_table(root: Path) -> str:
@@ -398,13 +399,22 @@ def rewrite_design(root: Path) -> bool:
     )
     if MAP_START in new:
         head, rest = new.split(MAP_START, 1)
-        tail = rest.split(MAP_END, 1)[1].lstrip("\n")
-        new = head + module_map(root) + "\n" + tail
+        tail = rest.split(MAP_END, 1)[1]
     else:
         anchor = "`import fenced` (the public API) may be used by every layer above the core.\n"
-        section = "\n### Module map\n\nEvery module of the tree, with the first line of its docstring.\n\n"
-        new = new.replace(anchor, anchor + section + module_map(root), 1)
-    if new != text:
+        if anchor not in new:
+            return _write_if_changed(path, text, new)
+        head, tail = new.split(anchor, 1)
+        head += anchor + (
+            "\n### Module map\n\nEvery module of the tree, with the first line of its "
+            "docstring.\n\n"
+        )
+    new = head + module_map(root) + ("\n" + tail.lstrip("\n") if tail.strip() else "")
+    return _write_if_changed(path, text, new)
+
+
+def _write_if_changed(path: Path, old: str, new: str) -> bool:
+    if new != old:
         path.write_text(new)
         return True
     return False
@@ -432,7 +442,9 @@ def git_mv(root: Path, move: Move, dry_run: bool) -> str:
 def ruff(root: Path, files: list[str]) -> None:
     exe = shutil.which("ruff", path=os.path.dirname(sys.executable)) or shutil.which("ruff")
     py = [f for f in files if f.endswith(".py") and (root / f).exists()]
-    if exe is None or not py:
+    if not py:
+        return
+    if exe is None:
         print("ruff not found: sort the imports and format by hand", file=sys.stderr)
         return
     subprocess.run([exe, "check", "--fix", "--select", "I", "-q", *py], cwd=root)
@@ -444,8 +456,16 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--root", type=Path, default=Path(__file__).resolve().parent.parent)
     ap.add_argument("--dry-run", action="store_true", help="say what would move, change nothing")
     ap.add_argument("--no-ruff", action="store_true", help="do not sort imports and format")
+    ap.add_argument(
+        "--docs-only",
+        action="store_true",
+        help="only write docs/design.md's layer table and module map from the tree as it is",
+    )
     args = ap.parse_args(argv)
     root: Path = args.root.resolve()
+    if args.docs_only:
+        print("docs/design.md", "written" if rewrite_design(root) else "already true")
+        return 0
     moves, unmapped = plan(root)
     mapping = {m.old: m.new for m in moves}
     new_paths = {m.old_path: m.new_path for m in moves}
