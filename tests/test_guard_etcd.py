@@ -205,7 +205,7 @@ def sequential_violations(guard_cls: type[EtcdGuard], endpoint: str) -> list[str
     """One holder writes twice with its token; a later holder's token; the old one again."""
     res = Resource(endpoint)
     bad: list[str] = []
-    with guard_cls(endpoint, res.name, LOCK) as guard:
+    with guard_cls(endpoint, res.name, lock=LOCK) as guard:
         for value, should_pass in [
             (5, True),
             (5, True),
@@ -231,7 +231,10 @@ def interleaved_violations(guard_cls: type[EtcdGuard], endpoint: str) -> list[st
     guard has no such gap: the latest point B can come is just before A's one transaction.
     """
     res = Resource(endpoint)
-    with guard_cls(endpoint, res.name, LOCK) as a, guard_cls(endpoint, res.name, LOCK) as b:
+    with (
+        guard_cls(endpoint, res.name, lock=LOCK) as a,
+        guard_cls(endpoint, res.name, lock=LOCK) as b,
+    ):
         res.write(a, 5, "first")
 
         def b_writes() -> None:
@@ -253,10 +256,10 @@ def interleaved_violations(guard_cls: type[EtcdGuard], endpoint: str) -> list[st
 def restart_violations(guard_cls: type[EtcdGuard], server: EtcdServer) -> list[str]:
     """After kill -9 and a restart, a new client process must still refuse the old token."""
     res = Resource(server.endpoint)
-    with guard_cls(server.endpoint, res.name, LOCK) as guard:
+    with guard_cls(server.endpoint, res.name, lock=LOCK) as guard:
         res.write(guard, 9, "before")
     server.restart(kill=True)
-    with guard_cls(server.endpoint, res.name, LOCK) as guard:  # a new process's guard
+    with guard_cls(server.endpoint, res.name, lock=LOCK) as guard:  # a new process's guard
         with contextlib.suppress(StaleTokenError):
             res.write(guard, 8, "stale")
     return history_violations(res.accepted(), res.value())
@@ -468,8 +471,8 @@ def foreign_prefix_violations(
     res, other = Resource(endpoint), Resource(endpoint)
     bad: list[str] = []
     with (
-        guard_cls(endpoint, res.name, LOCK, prefix=prefixes[1]) as owner,
-        guard_cls(endpoint, other.name, LOCK, prefix=prefixes[0]) as attacker,
+        guard_cls(endpoint, res.name, lock=LOCK, prefix=prefixes[1]) as owner,
+        guard_cls(endpoint, other.name, lock=LOCK, prefix=prefixes[0]) as attacker,
     ):
         res.write(owner, 10, "ten")
         hw, lock = (f"{prefixes[1]}{k}/{res.name}" for k in ("hw", "lock"))
@@ -490,7 +493,7 @@ def foreign_prefix_violations(
             except ConfigurationError:
                 pass
     # A new process's view of B: its guard has seen nothing, so only the mark itself protects.
-    with guard_cls(endpoint, res.name, LOCK, prefix=prefixes[1]) as fresh:
+    with guard_cls(endpoint, res.name, lock=LOCK, prefix=prefixes[1]) as fresh:
         try:
             if fresh.high_water() != tok(10):
                 bad.append(f"the mark is now {fresh.high_water()}")
@@ -503,7 +506,7 @@ def foreign_prefix_violations(
             res.write(fresh, 11, "eleven")  # the rightful holder goes on
         except FencedError as exc:
             bad.append(f"the rightful holder refused: {exc!r}")
-    with guard_cls(endpoint, other.name, LOCK, prefix=prefixes[0]) as attacker:
+    with guard_cls(endpoint, other.name, lock=LOCK, prefix=prefixes[0]) as attacker:
         if attacker.put(other.data, "ok", token=tok(20)) <= 0:
             bad.append("the other guard's own write failed")
     if res.history() != ["10:ten", "11:eleven"]:

@@ -658,7 +658,12 @@ def test_sigkill_at_arbitrary_points_never_leaves_a_partial_version(tmp_path: Pa
         assert child.stdout is not None
         acked = {int(child.stdout.readline()) for _ in range(rng.randint(1, 4))}
         child.send_signal(signal.SIGKILL)  # somewhere inside a later write
-        rest, _ = child.communicate(timeout=30)
+        # From the same reader: readline() may have buffered later lines already, which
+        # communicate() (it reads the pipes' descriptors) would never see.
+        rest = child.stdout.read()
+        child.wait(30)
+        assert child.stderr is not None
+        child.stderr.close()
         acked |= {int(line) for line in rest.split()}  # acknowledged before the kill landed
         new = {v for v in tokens_of(guard, "loop") if v >= next_token}
         # every acknowledged write is there; besides them, at most the one in flight

@@ -184,7 +184,7 @@ class Resource:
 def sequential_violations(guard_cls: type[RedisGuard], client: redis.Redis) -> list[str]:
     """One holder writes twice with its token; a later holder's token; the old one again."""
     res = Resource(client)
-    guard = guard_cls(client, res.name, LOCK)
+    guard = guard_cls(client, res.name, lock=LOCK)
     bad: list[str] = []
     for value, should_pass in [(5, True), (5, True), (7, True), (7, True), (6, False), (7, True)]:
         try:
@@ -206,8 +206,8 @@ def interleaved_violations(guard_cls: type[RedisGuard], redis_url: str) -> list[
     a_client, b_client = redis.Redis.from_url(redis_url), redis.Redis.from_url(redis_url)
     try:
         res = Resource(a_client)
-        a = guard_cls(a_client, res.name, LOCK)
-        b = guard_cls(b_client, res.name, LOCK)
+        a = guard_cls(a_client, res.name, lock=LOCK)
+        b = guard_cls(b_client, res.name, lock=LOCK)
         res.write(a, 5, "first")
 
         def b_writes() -> None:
@@ -234,11 +234,11 @@ def restart_violations(
 ) -> list[str]:
     """After kill -9 and a restart, a new client process must still refuse the old token."""
     res = Resource(client)
-    res.write(guard_cls(client, res.name, LOCK), 9, "before")
+    res.write(guard_cls(client, res.name, lock=LOCK), 9, "before")
     server.restart(kill=True)
     fresh = redis.Redis(port=server.port)  # a new process's view: a new client and guard
     try:
-        guard = guard_cls(fresh, res.name, LOCK)
+        guard = guard_cls(fresh, res.name, lock=LOCK)
         with contextlib.suppress(StaleTokenError):
             res.write(guard, 8, "stale")
         return history_violations(res.accepted(), res.value())
@@ -512,7 +512,7 @@ def reset_mark_violations(guard_cls: type[RedisGuard], client: redis.Redis) -> l
     bad: list[str] = []
     for reset in ("delete", "lower", "flushdb-like"):
         res = Resource(client)
-        guard = guard_cls(client, res.name, LOCK)
+        guard = guard_cls(client, res.name, lock=LOCK)
         res.write(guard, 10)
         if reset == "lower":
             client.hset(res.fence, "hw", "2")
@@ -540,7 +540,7 @@ def reset_mark_violations(guard_cls: type[RedisGuard], client: redis.Redis) -> l
     # seen nothing: fenced cannot tell a fresh resource from one whose mark was deleted before
     # any guard of this process saw it) take writes as before.
     res = Resource(client)
-    guard = guard_cls(client, res.name, LOCK)
+    guard = guard_cls(client, res.name, lock=LOCK)
     for value in (5, 5, 7):
         res.write(guard, value)
     if guard.high_water() != tok(7):
