@@ -331,7 +331,7 @@ class RedisEnv(GuardEnv):
             set_script = SET_SCRIPT.replace("if c < 0 then", "if c <= 0 then")
 
         assert LtRedisGuard.set_script != SET_SCRIPT, "re-plant the bug"
-        guard = LtRedisGuard(self.client, self.resource, LOCK)
+        guard = LtRedisGuard(self.client, self.resource, lock=LOCK)
         return lambda token, value: bool(guard.set(self.key, value, token=token))  # type: ignore[func-returns-value]
 
     def close(self) -> None:
@@ -396,7 +396,7 @@ class AsyncRedisEnv(GuardEnv):
         class Lt(AsyncRedisGuard):
             set_script = SET_SCRIPT.replace("if c < 0 then", "if c <= 0 then")
 
-        guard = Lt(self.client, self.resource, LOCK)
+        guard = Lt(self.client, self.resource, lock=LOCK)
         return lambda token, value: bool(self.on.run(guard.set(self.key, value, token=token)))  # type: ignore[func-returns-value]
 
     def close(self) -> None:
@@ -425,7 +425,7 @@ class SQLiteStoreEnv(GuardEnv):
 
         old = getattr(self, "store", None)
         if old is not None:
-            self.on.run(old.close())
+            self.on.run(old.aclose())
         self.store = SQLiteFenceStore(self.path)
 
     @staticmethod
@@ -523,7 +523,7 @@ class EtcdEnv(GuardEnv):
         class Lt(EtcdGuard):
             _async_class = AsyncLt
 
-        guard = Lt(self.endpoint, self.resource, LOCK)
+        guard = Lt(self.endpoint, self.resource, lock=LOCK)
         self._planted = guard
         return lambda token, value: bool(guard.put(self.key, value, token=token))  # type: ignore[func-returns-value]
 
@@ -588,7 +588,7 @@ class ZooKeeperEnv(GuardEnv):
             def _accepts(self, token: int, mark: int) -> bool:
                 return mark < token
 
-        guard = Lt(self.client, self.resource, LOCK)
+        guard = Lt(self.client, self.resource, lock=LOCK)
         return lambda token, value: bool(guard.set(self.path, value.encode(), token=token))
 
     def close(self) -> None:
