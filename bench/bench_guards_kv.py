@@ -116,7 +116,7 @@ def bench_redis(n: int, notes: list[str]) -> Rows:
     rows: Rows = []
     with RedisServer() as server:
         client = redis.Redis(host="127.0.0.1", port=server.port)
-        guard = RedisGuard(client, "bench", "bench")
+        guard = RedisGuard(client, "bench", lock="bench")
         value = b"x" * 100
         counter = itertools.count(2)
         cases: list[tuple[str, Callable[[], object]]] = [
@@ -156,7 +156,7 @@ def bench_etcd(n: int) -> Rows:
 
         async def run_async() -> tuple[Side, Side]:
             async with aetcd.Client("127.0.0.1", server.port) as client:
-                guard = AsyncEtcdGuard(client, "bench", "bench")
+                guard = AsyncEtcdGuard(client, "bench", lock="bench")
                 token = FencingToken("bench", 1)
                 value = b"x" * 100
                 return await aalternate(
@@ -168,7 +168,7 @@ def bench_etcd(n: int) -> Rows:
 
         rows.append(("etcd put, async", *asyncio.run(run_async())))
 
-        with EtcdGuard(server.endpoint, "bench", "bench") as guard:
+        with EtcdGuard(server.endpoint, "bench", lock="bench") as guard:
             portal = Portal("bench-etcd")
             client = portal.run_sync(lambda: aetcd.Client("127.0.0.1", server.port))
             token = FencingToken("bench", 1)

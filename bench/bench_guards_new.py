@@ -55,7 +55,7 @@ def aws(kind: str, url: str) -> object:
 
 
 def zookeeper_pairs(zk: KazooClient) -> list[tuple]:
-    guard = ZooKeeperGuard(zk, "bench", "bench")
+    guard = ZooKeeperGuard(zk, "bench", lock="bench")
     guard.set("/bench/data", b"0", token=TOKEN)
     zk.ensure_path("/plain/data")
     n = itertools.count()

@@ -135,9 +135,9 @@ def main() -> None:
     with RedisServer() as server:
         client = redis.Redis(port=server.port)
         rguards = {
-            "none": RedisGuard(client, "plain", "bench"),
-            "HMAC-SHA256": RedisGuard(client, "hmac", "bench", verify=Keyring([HMAC])),
-            "Ed25519": RedisGuard(client, "ed", "bench", verify=Keyring([ED.public()])),
+            "none": RedisGuard(client, "plain", lock="bench"),
+            "HMAC-SHA256": RedisGuard(client, "hmac", lock="bench", verify=Keyring([HMAC])),
+            "Ed25519": RedisGuard(client, "ed", lock="bench", verify=Keyring([ED.public()])),
         }
 
         def redis_write(kind: str) -> Callable[[], None]:

@@ -85,7 +85,7 @@ def test_a_paused_holder_is_refused_where_the_new_holder_never_wrote(
         client = redis.Redis.from_url(redis_server.url)
         targets = [
             SQLGuard(lock).fencer(lambda: sqlite3.connect(db, isolation_level=None)),
-            RedisGuard(client, key, lock),
+            RedisGuard(client, key, lock=lock),
             FileGuard(files, lock=lock),
         ]
         with fenced.connect(url) as locks:
@@ -95,7 +95,7 @@ def test_a_paused_holder_is_refused_where_the_new_holder_never_wrote(
             # Fenced, though nothing was written: every mark is at the new token already.
             with sqlite3.connect(db) as conn:
                 assert SQLGuard(lock).high_water(conn) == new_token
-            assert RedisGuard(client, key, lock).high_water() == new_token
+            assert RedisGuard(client, key, lock=lock).high_water() == new_token
             assert FileGuard(files, lock=lock).high_water("report") == new_token
             assert FileGuard(files, lock=lock).read("report")[1] == b"v0"  # content unchanged
             os.kill(old.pid, signal.SIGCONT)
@@ -111,7 +111,7 @@ def test_a_paused_holder_is_refused_where_the_new_holder_never_wrote(
             with conn:
                 SQLGuard(lock).check(conn, token=new_token)
             conn.close()
-            RedisGuard(client, key, lock).set(key, b"new", token=new_token)
+            RedisGuard(client, key, lock=lock).set(key, b"new", token=new_token)
             FileGuard(files, lock=lock).write("report", b"new", token=new_token)
             lease.release()
         assert old.wait(30) == 0
@@ -122,7 +122,7 @@ def test_a_paused_holder_is_refused_where_the_new_holder_never_wrote(
 def test_a_resource_that_cannot_be_fenced_gives_the_grant_back(tmp_path: Path) -> None:
     lock = unique_name("jobs")
     db = _setup(tmp_path, lock)
-    dead = RedisGuard(redis.Redis(port=free_port(), socket_connect_timeout=0.5), "k", lock)
+    dead = RedisGuard(redis.Redis(port=free_port(), socket_connect_timeout=0.5), "k", lock=lock)
     good = SQLGuard(lock).fencer(lambda: sqlite3.connect(db, isolation_level=None))
     with fenced.connect(f"sqlite:///{tmp_path}/locks.db") as locks:
         with pytest.raises(fenced.FenceError) as caught:

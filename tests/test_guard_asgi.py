@@ -112,7 +112,7 @@ class StoreKit:
 
     async def store(self, planted: bool = False) -> Any:
         s = await self.make(planted)
-        self.cleanup.append(s.close)
+        self.cleanup.append(s.aclose)
         return s
 
 
@@ -188,11 +188,23 @@ async def test_store_mark_survives_a_new_store(kit: StoreKit) -> None:
     resource = unique_name("res")
     first = await kit.store()
     await first.advance(resource, tok(40))
-    await first.close()
+    await first.aclose()
     second = await kit.store()
     with pytest.raises(StaleTokenError):
         await second.advance(resource, tok(39))
     await second.advance(resource, tok(40))
+
+
+async def test_store_close_is_the_old_spelling_of_aclose(kit: StoreKit) -> None:
+    resource = unique_name("res")
+    store = await kit.store()
+    await store.advance(resource, tok(5))
+    with pytest.warns(DeprecationWarning, match=r"await store\.aclose\(\)"):
+        await store.close()
+    second = await kit.store()
+    with pytest.raises(StaleTokenError):
+        await second.advance(resource, tok(4))
+    await second.aclose()
 
 
 async def test_store_refuses_a_token_of_another_lock(kit: StoreKit) -> None:
@@ -411,7 +423,7 @@ async def test_dead_engines_raise_backend_unavailable() -> None:
     sqlite_store = SQLiteFenceStore("/nonexistent-dir/x/fences.db")
     with pytest.raises(ConfigurationError, match="No such file or directory"):
         await sqlite_store.advance("r", tok(1))
-    await sqlite_store.close()
+    await sqlite_store.aclose()
 
 
 async def test_postgres_store_recovers_after_a_server_restart(pg_server: Any, pg_dsn: str) -> None:
@@ -425,7 +437,7 @@ async def test_postgres_store_recovers_after_a_server_restart(pg_server: Any, pg
         with pytest.raises(StaleTokenError):
             await store.advance("r", tok(2))
     finally:
-        await store.close()
+        await store.aclose()
 
 
 # -- the middleware ----------------------------------------------------------------------------
@@ -719,7 +731,7 @@ async def test_non_http_scopes_pass_through_untouched(tmp_path: Path) -> None:
     await mw(websocket, receive, send)
     assert seen[0] is lifespan and seen[1] is websocket
     assert sent == [{"type": "lifespan.startup.complete"}]
-    await store.close()
+    await store.aclose()
 
 
 # -- a real server: uvicorn on a random port -----------------------------------------------------
@@ -733,7 +745,7 @@ def test_real_server_with_sync_client_and_leases(tmp_path: Path, memory_url: str
     @contextlib.asynccontextmanager
     async def lifespan(app_: Starlette) -> AsyncIterator[dict[str, Any]]:
         yield {"from_lifespan": "yes"}
-        await store.close()
+        await store.aclose()
 
     app.router.lifespan_context = lifespan
     with (

@@ -205,7 +205,7 @@ def sequential_violations(guard_cls: type[EtcdGuard], endpoint: str) -> list[str
     """One holder writes twice with its token; a later holder's token; the old one again."""
     res = Resource(endpoint)
     bad: list[str] = []
-    with guard_cls(endpoint, res.name, LOCK) as guard:
+    with guard_cls(endpoint, res.name, lock=LOCK) as guard:
         for value, should_pass in [
             (5, True),
             (5, True),
@@ -231,7 +231,10 @@ def interleaved_violations(guard_cls: type[EtcdGuard], endpoint: str) -> list[st
     guard has no such gap: the latest point B can come is just before A's one transaction.
     """
     res = Resource(endpoint)
-    with guard_cls(endpoint, res.name, LOCK) as a, guard_cls(endpoint, res.name, LOCK) as b:
+    with (
+        guard_cls(endpoint, res.name, lock=LOCK) as a,
+        guard_cls(endpoint, res.name, lock=LOCK) as b,
+    ):
         res.write(a, 5, "first")
 
         def b_writes() -> None:
@@ -253,10 +256,10 @@ def interleaved_violations(guard_cls: type[EtcdGuard], endpoint: str) -> list[st
 def restart_violations(guard_cls: type[EtcdGuard], server: EtcdServer) -> list[str]:
     """After kill -9 and a restart, a new client process must still refuse the old token."""
     res = Resource(server.endpoint)
-    with guard_cls(server.endpoint, res.name, LOCK) as guard:
+    with guard_cls(server.endpoint, res.name, lock=LOCK) as guard:
         res.write(guard, 9, "before")
     server.restart(kill=True)
-    with guard_cls(server.endpoint, res.name, LOCK) as guard:  # a new process's guard
+    with guard_cls(server.endpoint, res.name, lock=LOCK) as guard:  # a new process's guard
         with contextlib.suppress(StaleTokenError):
             res.write(guard, 8, "stale")
     return history_violations(res.accepted(), res.value())
@@ -267,7 +270,7 @@ def restart_violations(guard_cls: type[EtcdGuard], server: EtcdServer) -> list[s
 
 @pytest.fixture
 def guard(etcd_server: EtcdServer) -> Iterator[EtcdGuard]:
-    with EtcdGuard(etcd_server.endpoint, unique_name("res"), LOCK) as g:
+    with EtcdGuard(etcd_server.endpoint, unique_name("res"), lock=LOCK) as g:
         yield g
 
 
@@ -339,7 +342,7 @@ def test_lock_binding(etcd_server: EtcdServer) -> None:
         unbound.put(res.data, "a", token=tok(10))
         with pytest.raises(WrongLockError):
             unbound.put(res.data, "b", token=FencingToken("other", 10**6))
-    with EtcdGuard(etcd_server.endpoint, res.name, "other") as wrong:
+    with EtcdGuard(etcd_server.endpoint, res.name, lock="other") as wrong:
         with pytest.raises(WrongLockError):
             wrong.put(res.data, "c", token=tok(11))  # refused before anything is sent
         with pytest.raises(WrongLockError):
@@ -380,7 +383,7 @@ CORRUPT_MARKS = [
 def test_corrupt_mark_fails_closed(etcd_server: EtcdServer, mark: bytes) -> None:
     """A damaged mark refuses every write (old code accepted any token: bytes sort below it)."""
     res = Resource(etcd_server.endpoint)
-    with EtcdGuard(etcd_server.endpoint, res.name, LOCK) as guard:
+    with EtcdGuard(etcd_server.endpoint, res.name, lock=LOCK) as guard:
         res.write(guard, 10, "ten")
         _etcd_put(etcd_server.endpoint, f"fenced/hw/{res.name}", mark)
         for value in (1, 3, 10, 11, 2**63 - 1):
@@ -396,7 +399,7 @@ def test_corrupt_mark_fails_closed(etcd_server: EtcdServer, mark: bytes) -> None
 def test_mark_missing_but_bound_fails_closed(etcd_server: EtcdServer, missing: str) -> None:
     """Deleting one fence key is damage, not a fresh resource (the mark would restart at 0)."""
     res = Resource(etcd_server.endpoint)
-    with EtcdGuard(etcd_server.endpoint, res.name, LOCK) as guard:
+    with EtcdGuard(etcd_server.endpoint, res.name, lock=LOCK) as guard:
         res.write(guard, 10, "ten")
         _etcd_put(etcd_server.endpoint, f"fenced/{missing}/{res.name}", None)
         for value in (3, 11):
@@ -409,8 +412,8 @@ def test_no_write_touches_any_fence_key(etcd_server: EtcdServer) -> None:
     """Resource A's guard cannot rewrite B's mark or lock key, by put or by a delete range."""
     a_res, b_res = Resource(etcd_server.endpoint), Resource(etcd_server.endpoint)
     with (
-        EtcdGuard(etcd_server.endpoint, a_res.name, LOCK) as a,
-        EtcdGuard(etcd_server.endpoint, b_res.name, LOCK) as b,
+        EtcdGuard(etcd_server.endpoint, a_res.name, lock=LOCK) as a,
+        EtcdGuard(etcd_server.endpoint, b_res.name, lock=LOCK) as b,
     ):
         res_b_write = b.put(b_res.data, "b10", token=tok(10))
         assert res_b_write > 0
@@ -437,8 +440,8 @@ def test_no_guard_touches_the_default_fence_keys_whatever_its_prefix(
     the etcd lock source's keys; its writes outside fenced's key spaces are accepted."""
     res, other = Resource(etcd_server.endpoint), Resource(etcd_server.endpoint)
     with (
-        EtcdGuard(etcd_server.endpoint, res.name, LOCK) as owner,
-        EtcdGuard(etcd_server.endpoint, other.name, LOCK, prefix="fenced/custom/") as attacker,
+        EtcdGuard(etcd_server.endpoint, res.name, lock=LOCK) as owner,
+        EtcdGuard(etcd_server.endpoint, other.name, lock=LOCK, prefix="fenced/custom/") as attacker,
     ):
         res.write(owner, 10, "ten")
         for attempt in (
@@ -468,8 +471,8 @@ def foreign_prefix_violations(
     res, other = Resource(endpoint), Resource(endpoint)
     bad: list[str] = []
     with (
-        guard_cls(endpoint, res.name, LOCK, prefix=prefixes[1]) as owner,
-        guard_cls(endpoint, other.name, LOCK, prefix=prefixes[0]) as attacker,
+        guard_cls(endpoint, res.name, lock=LOCK, prefix=prefixes[1]) as owner,
+        guard_cls(endpoint, other.name, lock=LOCK, prefix=prefixes[0]) as attacker,
     ):
         res.write(owner, 10, "ten")
         hw, lock = (f"{prefixes[1]}{k}/{res.name}" for k in ("hw", "lock"))
@@ -490,7 +493,7 @@ def foreign_prefix_violations(
             except ConfigurationError:
                 pass
     # A new process's view of B: its guard has seen nothing, so only the mark itself protects.
-    with guard_cls(endpoint, res.name, LOCK, prefix=prefixes[1]) as fresh:
+    with guard_cls(endpoint, res.name, lock=LOCK, prefix=prefixes[1]) as fresh:
         try:
             if fresh.high_water() != tok(10):
                 bad.append(f"the mark is now {fresh.high_water()}")
@@ -503,7 +506,7 @@ def foreign_prefix_violations(
             res.write(fresh, 11, "eleven")  # the rightful holder goes on
         except FencedError as exc:
             bad.append(f"the rightful holder refused: {exc!r}")
-    with guard_cls(endpoint, other.name, LOCK, prefix=prefixes[0]) as attacker:
+    with guard_cls(endpoint, other.name, lock=LOCK, prefix=prefixes[0]) as attacker:
         if attacker.put(other.data, "ok", token=tok(20)) <= 0:
             bad.append("the other guard's own write failed")
     if res.history() != ["10:ten", "11:eleven"]:
@@ -529,14 +532,14 @@ def test_foreign_prefix_check_catches_any_prefix_guard(etcd_server: EtcdServer) 
 @pytest.mark.parametrize("prefix", ["custom/", "fenced", "/fenced/", "", "Fenced/", None])
 def test_prefix_outside_the_reserved_space_is_refused(etcd_server: EtcdServer, prefix: Any) -> None:
     with pytest.raises(ConfigurationError, match="prefix must start with 'fenced/'"):
-        EtcdGuard(etcd_server.endpoint, unique_name("res"), LOCK, prefix=prefix)
+        EtcdGuard(etcd_server.endpoint, unique_name("res"), lock=LOCK, prefix=prefix)
 
 
 def test_fence_keys_gone_or_lower_after_being_seen_fail_closed(etcd_server: EtcdServer) -> None:
     """Both fence keys deleted (an operator, a bug) would rebind the mark at 0: the guard that
     saw the mark refuses; so it does once a fresh guard has bound them again lower."""
     res = Resource(etcd_server.endpoint)
-    with EtcdGuard(etcd_server.endpoint, res.name, LOCK) as seen:
+    with EtcdGuard(etcd_server.endpoint, res.name, lock=LOCK) as seen:
         res.write(seen, 10, "ten")
         for key in ("hw", "lock"):
             _etcd_put(etcd_server.endpoint, f"fenced/{key}/{res.name}", None)
@@ -545,7 +548,7 @@ def test_fence_keys_gone_or_lower_after_being_seen_fail_closed(etcd_server: Etcd
                 res.write(seen, value, "late")
         with pytest.raises(CorruptMarkError):
             seen.high_water()
-        with EtcdGuard(etcd_server.endpoint, res.name, LOCK) as fresh:
+        with EtcdGuard(etcd_server.endpoint, res.name, lock=LOCK) as fresh:
             res.write(fresh, 4, "four")  # cannot know: binds the mark again at 4
         with pytest.raises(CorruptMarkError, match="went back"):
             res.write(seen, 5, "late")
@@ -558,8 +561,8 @@ def test_new_holder_after_handoff_and_many_writers(etcd_server: EtcdServer) -> N
     """Two guards (two processes' views) interleave: each sees the other's mark and adapts."""
     res = Resource(etcd_server.endpoint)
     with (
-        EtcdGuard(etcd_server.endpoint, res.name, LOCK) as old,
-        EtcdGuard(etcd_server.endpoint, res.name, LOCK) as new,
+        EtcdGuard(etcd_server.endpoint, res.name, lock=LOCK) as old,
+        EtcdGuard(etcd_server.endpoint, res.name, lock=LOCK) as new,
     ):
         res.write(old, 5, "old")
         res.write(old, 5, "old")
@@ -640,7 +643,7 @@ def _range_delete(key: bytes, end: bytes) -> rpc.RequestOp:
 async def test_async_guard(etcd_server: EtcdServer) -> None:
     async with aetcd.Client("127.0.0.1", etcd_server.port) as client:
         name = unique_name("res")
-        guard = AsyncEtcdGuard(client, name, LOCK)
+        guard = AsyncEtcdGuard(client, name, lock=LOCK)
         assert await guard.high_water() is None
         await guard.put(f"{name}/k", "a", token=tok(2))
         await guard.put(f"{name}/k", "b", token=tok(2))
@@ -685,7 +688,7 @@ def test_restart_check_catches_client_side_mark(own_server: EtcdServer) -> None:
 
 def test_unavailable_server(own_server: EtcdServer) -> None:
     name = unique_name("res")
-    with EtcdGuard(own_server.endpoint, name, LOCK, timeout=0.5) as guard:
+    with EtcdGuard(own_server.endpoint, name, lock=LOCK, timeout=0.5) as guard:
         guard.put(f"{name}/k", "a", token=tok(1))
         own_server.pause()  # a hung server: the request times out
         try:
@@ -714,7 +717,7 @@ def test_racing_processes_never_accept_out_of_order(etcd_server: EtcdServer) -> 
     log = res.accepted()
     assert len(log) == sum(counts) > 0
     assert history_violations(log, res.value()) == []
-    with EtcdGuard(etcd_server.endpoint, res.name, LOCK) as guard:
+    with EtcdGuard(etcd_server.endpoint, res.name, lock=LOCK) as guard:
         assert guard.high_water() == tok(max(log))
 
 
@@ -741,7 +744,7 @@ def test_the_guard_fails_over_to_another_member() -> None:
     with EtcdCluster(3) as cluster:
         endpoints = ",".join(m.endpoint for m in cluster.members)
         res = Resource(cluster.members[0].endpoint)
-        with EtcdGuard(endpoints, res.name, LOCK, timeout=2) as guard:
+        with EtcdGuard(endpoints, res.name, lock=LOCK, timeout=2) as guard:
             res.write(guard, 5, "before")
             current = guard.aio._client.current.endpoint  # type: ignore[union-attr]
             victim = next(m for m in cluster.members if m.endpoint == current)

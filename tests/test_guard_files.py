@@ -658,7 +658,12 @@ def test_sigkill_at_arbitrary_points_never_leaves_a_partial_version(tmp_path: Pa
         assert child.stdout is not None
         acked = {int(child.stdout.readline()) for _ in range(rng.randint(1, 4))}
         child.send_signal(signal.SIGKILL)  # somewhere inside a later write
-        rest, _ = child.communicate(timeout=30)
+        # From the same reader: readline() may have buffered later lines already, which
+        # communicate() (it reads the pipes' descriptors) would never see.
+        rest = child.stdout.read()
+        child.wait(30)
+        assert child.stderr is not None
+        child.stderr.close()
         acked |= {int(line) for line in rest.split()}  # acknowledged before the kill landed
         new = {v for v in tokens_of(guard, "loop") if v >= next_token}
         # every acknowledged write is there; besides them, at most the one in flight
@@ -678,25 +683,25 @@ def test_sigkill_at_arbitrary_points_never_leaves_a_partial_version(tmp_path: Pa
 def test_high_water_file_both_sides(tmp_path: Path) -> None:
     mark = HighWaterFile(tmp_path / "mark", lock=LOCK)
     assert mark.current() is None
-    assert mark.check_and_advance("jobs:4") == tok(4)
-    assert mark.check_and_advance(tok(4)) == tok(4)  # equal accepted
-    assert mark.check_and_advance(tok(9)) == tok(9)
+    assert mark.check_and_advance(token="jobs:4") == tok(4)
+    assert mark.check_and_advance(token=tok(4)) == tok(4)  # equal accepted
+    assert mark.check_and_advance(token=tok(9)) == tok(9)
     with pytest.raises(StaleTokenError) as info:
-        mark.check_and_advance(tok(8))
+        mark.check_and_advance(token=tok(8))
     assert (info.value.token, info.value.high_water) == (tok(8), tok(9))
     assert (tmp_path / "mark").read_text() == "jobs:9\n"
     assert HighWaterFile(tmp_path / "mark", lock=LOCK).current() == tok(9)  # restart
     with pytest.raises(WrongLockError):
-        mark.check_and_advance("other:100")
+        mark.check_and_advance(token="other:100")
     with pytest.raises(InvalidTokenError):
-        mark.check_and_advance("jobs:0")
+        mark.check_and_advance(token="jobs:0")
     assert mark.current() == tok(9)
 
 
 def test_high_water_file_refuses_a_foreign_or_corrupt_mark(tmp_path: Path) -> None:
     (tmp_path / "foreign").write_text("other:3\n")
     with pytest.raises(WrongLockError):
-        HighWaterFile(tmp_path / "foreign", lock=LOCK).check_and_advance(tok(10))
+        HighWaterFile(tmp_path / "foreign", lock=LOCK).check_and_advance(token=tok(10))
     for i, text in enumerate(
         [
             "jobs:\n",
@@ -713,7 +718,7 @@ def test_high_water_file_refuses_a_foreign_or_corrupt_mark(tmp_path: Path) -> No
         path = tmp_path / f"corrupt{i}"
         path.write_text(text)
         with pytest.raises(CorruptMarkError, match="high-water file") as info:
-            HighWaterFile(path, lock=LOCK).check_and_advance(tok(10))
+            HighWaterFile(path, lock=LOCK).check_and_advance(token=tok(10))
         assert info.value.resource == str(path)
         assert path.read_text() == text  # not "repaired" by a write
 
@@ -750,7 +755,7 @@ class StrictMark(HighWaterFile):
 def in_place_race(cls: type[HighWaterFile], tmp_path: Path) -> None:
     """A (7) is stopped inside hold() writing the data in place while B (8) writes."""
     mark, data = cls(tmp_path / "mark", lock=LOCK), tmp_path / "data"
-    mark.check_and_advance(tok(6))
+    mark.check_and_advance(token=tok(6))
     plan = Interleaving()
 
     def writer(value: int) -> Callable[[], None]:
@@ -779,8 +784,8 @@ def test_planted_bug_unlocked_mark_is_caught(tmp_path: Path) -> None:
 
 def test_planted_bug_strict_mark_is_caught(tmp_path: Path) -> None:
     def check(mark: HighWaterFile) -> None:
-        mark.check_and_advance(tok(3))
-        mark.check_and_advance(tok(3))
+        mark.check_and_advance(token=tok(3))
+        mark.check_and_advance(token=tok(3))
 
     check(HighWaterFile(tmp_path / "good", lock=LOCK))
     with pytest.raises(StaleTokenError):
@@ -791,13 +796,13 @@ def test_high_water_file_across_processes(tmp_path: Path) -> None:
     script = """
 import sys
 from fenced.guards.files import HighWaterFile
-HighWaterFile(sys.argv[1], lock="jobs").check_and_advance(sys.argv[2])
+HighWaterFile(sys.argv[1], lock="jobs").check_and_advance(token=sys.argv[2])
 """
     child = _child(script, str(tmp_path / "mark"), "jobs:12")
     _, err = child.communicate(timeout=60)
     assert child.returncode == 0, err
     with pytest.raises(StaleTokenError):
-        HighWaterFile(tmp_path / "mark", lock=LOCK).check_and_advance(tok(11))
+        HighWaterFile(tmp_path / "mark", lock=LOCK).check_and_advance(token=tok(11))
 
 
 async def test_async_file_guard_both_sides_and_concurrent_writers(tmp_path: Path) -> None:

@@ -242,7 +242,7 @@ async def test_asgi_corrupt_mark_of_every_store_is_503_problem(kind: Kind) -> No
                     await store.high_water(resource, LOCK)
                 handler.calls = 0
     finally:
-        await store.close()
+        await store.aclose()
 
 
 async def test_asgi_misconfigured_store_is_500_problem(tmp_path: Path, pg_dsn: str) -> None:
@@ -263,7 +263,7 @@ async def test_asgi_misconfigured_store_is_500_problem(tmp_path: Path, pg_dsn: s
                 assert doc["type"].endswith("fence-misconfigured") and doc["resource"] == LOCK
                 assert handler.calls == 1
         finally:
-            await store.close()
+            await store.aclose()
 
 
 class BrokenStore:
@@ -428,7 +428,7 @@ async def test_refused_store_credentials_are_500_problem_not_503(pg_server: Any)
                 assert doc["type"].endswith("fence-misconfigured") and "wrong-pw" not in r.text
                 assert "retry-after" not in r.headers and handler.calls == 0
             finally:
-                await store.close()
+                await store.aclose()
         await client.aclose()
 
 
@@ -448,5 +448,5 @@ async def test_an_unusable_sqlite_file_is_500_problem_not_503(tmp_path: Path) ->
             assert doc["type"].endswith("fence-misconfigured") and says in doc["detail"]
             assert handler.calls == 0
         finally:
-            await store.close()
+            await store.aclose()
     assert garbage.read_bytes() == b"not a database" * 100

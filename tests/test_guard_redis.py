@@ -184,7 +184,7 @@ class Resource:
 def sequential_violations(guard_cls: type[RedisGuard], client: redis.Redis) -> list[str]:
     """One holder writes twice with its token; a later holder's token; the old one again."""
     res = Resource(client)
-    guard = guard_cls(client, res.name, LOCK)
+    guard = guard_cls(client, res.name, lock=LOCK)
     bad: list[str] = []
     for value, should_pass in [(5, True), (5, True), (7, True), (7, True), (6, False), (7, True)]:
         try:
@@ -206,8 +206,8 @@ def interleaved_violations(guard_cls: type[RedisGuard], redis_url: str) -> list[
     a_client, b_client = redis.Redis.from_url(redis_url), redis.Redis.from_url(redis_url)
     try:
         res = Resource(a_client)
-        a = guard_cls(a_client, res.name, LOCK)
-        b = guard_cls(b_client, res.name, LOCK)
+        a = guard_cls(a_client, res.name, lock=LOCK)
+        b = guard_cls(b_client, res.name, lock=LOCK)
         res.write(a, 5, "first")
 
         def b_writes() -> None:
@@ -234,11 +234,11 @@ def restart_violations(
 ) -> list[str]:
     """After kill -9 and a restart, a new client process must still refuse the old token."""
     res = Resource(client)
-    res.write(guard_cls(client, res.name, LOCK), 9, "before")
+    res.write(guard_cls(client, res.name, lock=LOCK), 9, "before")
     server.restart(kill=True)
     fresh = redis.Redis(port=server.port)  # a new process's view: a new client and guard
     try:
-        guard = guard_cls(fresh, res.name, LOCK)
+        guard = guard_cls(fresh, res.name, lock=LOCK)
         with contextlib.suppress(StaleTokenError):
             res.write(guard, 8, "stale")
         return history_violations(res.accepted(), res.value())
@@ -279,7 +279,7 @@ def test_stale_refused_current_and_equal_accepted(client: redis.Redis) -> None:
 
 def test_set_hset_delete(client: redis.Redis) -> None:
     name = unique_name("res")
-    guard = RedisGuard(client, name, LOCK)
+    guard = RedisGuard(client, name, lock=LOCK)
     k, h = f"{{{name}}}:k", f"{{{name}}}:h"
     assert guard.high_water() is None
     assert guard.set(k, "v1", token=tok(3)) is True
@@ -302,7 +302,7 @@ def test_counters_lists_streams_and_expiry_are_fenced_both_ways(client: redis.Re
     """The writes people fence most, each one script like set(): a stale token changes
     nothing (the reply says why), the current holder's token is accepted, again and again."""
     name = unique_name("res")
-    guard = RedisGuard(client, name, LOCK)
+    guard = RedisGuard(client, name, lock=LOCK)
     n, h, q, s = (f"{{{name}}}:{suffix}" for suffix in ("n", "h", "q", "s"))
     assert guard.incrby(n, 5, token=tok(2)) == 5
     assert guard.incrby(n, token=tok(2)) == 6  # the same holder again
@@ -338,7 +338,7 @@ async def test_async_counters_lists_streams_and_expiry(redis_server: RedisServer
     client = redis.asyncio.Redis(port=redis_server.port)
     try:
         name = unique_name("res")
-        guard = AsyncRedisGuard(client, name, LOCK)
+        guard = AsyncRedisGuard(client, name, lock=LOCK)
         n, q, s = (f"{{{name}}}:{suffix}" for suffix in ("n", "q", "s"))
         assert await guard.incrby(n, 2, token=tok(4)) == 2
         assert await guard.hincrby(f"{{{name}}}:h", "f", token=tok(4)) == 1
@@ -355,7 +355,7 @@ async def test_async_counters_lists_streams_and_expiry(redis_server: RedisServer
 
 def test_large_writes_and_full_token_range(client: redis.Redis) -> None:
     name = unique_name("res")
-    guard = RedisGuard(client, name, LOCK)
+    guard = RedisGuard(client, name, lock=LOCK)
     mapping = {f"f{i}": i for i in range(5000)}  # more arguments than one Lua unpack takes
     assert guard.hset(f"{{{name}}}:h", mapping, token=tok(2**53 + 1)) == 5000
     keys = [f"{{{name}}}:k{i}" for i in range(2500)]
@@ -373,7 +373,7 @@ def test_large_writes_and_full_token_range(client: redis.Redis) -> None:
 
 def test_eval_sees_its_own_keys_and_args(client: redis.Redis) -> None:
     name = unique_name("res")
-    guard = RedisGuard(client, name, LOCK)
+    guard = RedisGuard(client, name, lock=LOCK)
     body = "redis.call('SET', KEYS[1], ARGV[2]); return {#KEYS, #ARGV, KEYS[1], ARGV[1]}"
     out = guard.eval(body, [f"{{{name}}}:x"], ["first", "second"], token=tok(1))
     assert out == [1, 2, f"{{{name}}}:x".encode(), b"first"]
@@ -395,7 +395,7 @@ def test_lock_binding(client: redis.Redis) -> None:
         unbound.set(f"{{{name}}}:k", "b", token=FencingToken("other", 10**6))
     # A guard configured for another lock is refused before anything is sent.
     with pytest.raises(WrongLockError):
-        RedisGuard(client, name, "other").set(f"{{{name}}}:k", "c", token=tok(11))
+        RedisGuard(client, name, lock="other").set(f"{{{name}}}:k", "c", token=tok(11))
     assert client.get(f"{{{name}}}:k") == b"a"
     assert unbound.high_water() == tok(10)
 
@@ -403,7 +403,7 @@ def test_lock_binding(client: redis.Redis) -> None:
 @pytest.mark.parametrize("bad", BAD_TOKENS, ids=repr)
 def test_malformed_or_foreign_tokens_change_nothing(client: redis.Redis, bad: Any) -> None:
     res = Resource(client)
-    guard = RedisGuard(client, res.name, LOCK)
+    guard = RedisGuard(client, res.name, lock=LOCK)
     res.write(guard, 5, "kept")
     client.hset(f"{{{res.name}}}:h", "f", "kept")
     before = res.snapshot()
@@ -423,7 +423,7 @@ def test_malformed_or_foreign_tokens_change_nothing(client: redis.Redis, bad: An
 
 def test_refused_writes_change_nothing(client: redis.Redis) -> None:
     res = Resource(client)
-    guard = RedisGuard(client, res.name, LOCK)
+    guard = RedisGuard(client, res.name, lock=LOCK)
     res.write(guard, 50, "kept")
     client.hset(f"{{{res.name}}}:h", "f", "kept")
     guard.set(f"{{{res.name}}}:ttl", "kept", token=tok(50), px=600_000)
@@ -446,7 +446,7 @@ def test_refused_writes_change_nothing(client: redis.Redis) -> None:
 
 def test_bad_arguments(client: redis.Redis) -> None:
     name = unique_name("res")
-    guard = RedisGuard(client, name, LOCK)
+    guard = RedisGuard(client, name, lock=LOCK)
     with pytest.raises(fenced.ConfigurationError):
         guard.set(default_fence_key(name), "x", token=tok(1))  # writing the mark itself
     with pytest.raises(fenced.ConfigurationError):
@@ -481,7 +481,7 @@ def test_corrupt_mark_fails_closed(client: redis.Redis, mark: str) -> None:
     """A stored mark that is not a canonical token value refuses every write, writing nothing."""
     name = unique_name("res")
     client.hset(default_fence_key(name), mapping={"lock": LOCK, "hw": mark})
-    guard = RedisGuard(client, name, LOCK)
+    guard = RedisGuard(client, name, lock=LOCK)
     for value in (1, 3, 10**6, 2**63 - 1):
         with pytest.raises(CorruptMarkError, match=f"{name}.*corrupt") as info:
             guard.set(f"{{{name}}}:k", "x", token=tok(value))
@@ -496,7 +496,7 @@ def test_corrupt_mark_fails_closed(client: redis.Redis, mark: str) -> None:
 def test_mark_missing_but_bound_fails_closed(client: redis.Redis, missing: str) -> None:
     """HDEL of one field of the fence hash is damage, not a fresh resource."""
     name = unique_name("res")
-    guard = RedisGuard(client, name, LOCK)
+    guard = RedisGuard(client, name, lock=LOCK)
     guard.set(f"{{{name}}}:k", "ten", token=tok(10))
     client.hdel(default_fence_key(name), missing)
     with pytest.raises(CorruptMarkError):
@@ -512,7 +512,7 @@ def reset_mark_violations(guard_cls: type[RedisGuard], client: redis.Redis) -> l
     bad: list[str] = []
     for reset in ("delete", "lower", "flushdb-like"):
         res = Resource(client)
-        guard = guard_cls(client, res.name, LOCK)
+        guard = guard_cls(client, res.name, lock=LOCK)
         res.write(guard, 10)
         if reset == "lower":
             client.hset(res.fence, "hw", "2")
@@ -540,7 +540,7 @@ def reset_mark_violations(guard_cls: type[RedisGuard], client: redis.Redis) -> l
     # seen nothing: fenced cannot tell a fresh resource from one whose mark was deleted before
     # any guard of this process saw it) take writes as before.
     res = Resource(client)
-    guard = guard_cls(client, res.name, LOCK)
+    guard = guard_cls(client, res.name, lock=LOCK)
     for value in (5, 5, 7):
         res.write(guard, value)
     if guard.high_water() != tok(7):
@@ -562,7 +562,7 @@ async def test_async_reset_mark_fails_closed(redis_server: RedisServer) -> None:
     client = redis.asyncio.Redis(port=redis_server.port)
     try:
         name = unique_name("res")
-        guard = AsyncRedisGuard(client, name, LOCK)
+        guard = AsyncRedisGuard(client, name, lock=LOCK)
         await guard.set(f"{{{name}}}:k", "ten", token=tok(10))
         await client.delete(default_fence_key(name))
         with pytest.raises(CorruptMarkError, match="missing, after this guard saw 10"):
@@ -578,8 +578,8 @@ async def test_async_reset_mark_fails_closed(redis_server: RedisServer) -> None:
 def test_stale_refusal_teaches_the_guard_the_mark(client: redis.Redis) -> None:
     """A guard that only ever saw a refusal still notices the mark it was refused by vanish."""
     name = unique_name("res")
-    RedisGuard(client, name, LOCK).set(f"{{{name}}}:k", "nine", token=tok(9))
-    late = RedisGuard(client, name, LOCK)
+    RedisGuard(client, name, lock=LOCK).set(f"{{{name}}}:k", "nine", token=tok(9))
+    late = RedisGuard(client, name, lock=LOCK)
     with pytest.raises(StaleTokenError):
         late.set(f"{{{name}}}:k", "four", token=tok(4))
     client.delete(default_fence_key(name))
@@ -591,7 +591,7 @@ def test_stale_refusal_teaches_the_guard_the_mark(client: redis.Redis) -> None:
 def test_no_write_touches_any_fence_key(client: redis.Redis) -> None:
     """Resource A's guard cannot rewrite B's mark (nor any key of fenced's namespace)."""
     a_name, b_name = unique_name("a"), unique_name("b")
-    a, b = RedisGuard(client, a_name, LOCK), RedisGuard(client, b_name, LOCK)
+    a, b = RedisGuard(client, a_name, lock=LOCK), RedisGuard(client, b_name, lock=LOCK)
     b.set(f"{{{b_name}}}:k", "b10", token=tok(10))
     for attempt in (
         lambda: a.set(b.fence_key, "x", token=tok(20)),
@@ -607,7 +607,7 @@ def test_no_write_touches_any_fence_key(client: redis.Redis) -> None:
     with pytest.raises(StaleTokenError):
         b.set(f"{{{b_name}}}:k", "b3", token=tok(3))
     with pytest.raises(ConfigurationError, match="must start with 'fenced:'"):
-        RedisGuard(client, "x", LOCK, fence_key="{x}:my-mark")
+        RedisGuard(client, "x", lock=LOCK, fence_key="{x}:my-mark")
 
 
 def test_timed_out_write_is_applied_at_most_once(redis_server: RedisServer) -> None:
@@ -624,7 +624,7 @@ local until_us = (tonumber(t[1]) * 1000000 + tonumber(t[2])) + 350000
 repeat t = redis.call('TIME') until tonumber(t[1]) * 1000000 + tonumber(t[2]) >= until_us
 return redis.call('INCRBY', KEYS[1], 100)
 """
-    with RedisGuard(user_client, name, LOCK) as guard:
+    with RedisGuard(user_client, name, lock=LOCK) as guard:
         with pytest.raises(BackendUnavailable, match="outcome unknown"):
             guard.eval(slow_incr, [f"{{{name}}}:n"], [], token=tok(5))
     checker = redis.Redis(port=redis_server.port)
@@ -638,7 +638,7 @@ def test_cluster_client_with_retries_is_refused() -> None:
     cluster = redis.RedisCluster.__new__(redis.RedisCluster)
     cluster.retry = Retry(NoBackoff(), 3)
     with pytest.raises(ConfigurationError, match="re-sends timed-out commands"):
-        RedisGuard(cluster, "res", LOCK)
+        RedisGuard(cluster, "res", lock=LOCK)
 
 
 def test_fence_key_shares_the_slot_of_tagged_keys() -> None:
@@ -657,7 +657,7 @@ def test_redis_cluster_same_slot_only(tmp_path: Path) -> None:
         cluster = redis.RedisCluster(host="127.0.0.1", port=server.port, retry=NO_RETRY)
         try:
             name = unique_name("res")
-            guard = RedisGuard(cluster, name, LOCK)
+            guard = RedisGuard(cluster, name, lock=LOCK)
             assert guard.set(f"{{{name}}}:k", "a", token=tok(3))
             with pytest.raises(FencedError, match="hash tag"):
                 guard.set(f"{name}:untagged", "b", token=tok(4))
@@ -670,7 +670,7 @@ def test_redis_cluster_same_slot_only(tmp_path: Path) -> None:
 
 def test_mark_never_expires(client: redis.Redis) -> None:
     name = unique_name("res")
-    guard = RedisGuard(client, name, LOCK)
+    guard = RedisGuard(client, name, lock=LOCK)
     guard.set(f"{{{name}}}:k", "x", token=tok(3))
     client.expire(default_fence_key(name), 1000)  # someone sets a TTL on the mark
     guard.set(
@@ -681,7 +681,7 @@ def test_mark_never_expires(client: redis.Redis) -> None:
 
 def test_script_cache_flushed(own_client: redis.Redis) -> None:
     name = unique_name("res")
-    guard = RedisGuard(own_client, name, LOCK)
+    guard = RedisGuard(own_client, name, lock=LOCK)
     guard.set(f"{{{name}}}:k", "x", token=tok(1))
     own_client.script_flush()
     assert guard.set(f"{{{name}}}:k", "y", token=tok(1))  # NOSCRIPT: loaded again, then run
@@ -690,12 +690,12 @@ def test_script_cache_flushed(own_client: redis.Redis) -> None:
     guard.set(f"{{{name}}}:k", "y2", token=tok(2))
     own_client.script_flush()
     with pytest.raises(StaleTokenError):
-        RedisGuard(own_client, name, LOCK).set(f"{{{name}}}:k", "z", token=tok(1))
+        RedisGuard(own_client, name, lock=LOCK).set(f"{{{name}}}:k", "z", token=tok(1))
     assert own_client.get(f"{{{name}}}:k") == b"y2"
 
 
 def test_check_server_refuses_allkeys_eviction(own_client: redis.Redis) -> None:
-    guard = RedisGuard(own_client, unique_name("res"), LOCK)
+    guard = RedisGuard(own_client, unique_name("res"), lock=LOCK)
     guard.check_server()  # default noeviction
     own_client.config_set("maxmemory-policy", "volatile-lru")
     guard.check_server()  # the mark has no TTL: volatile-* never evicts it
@@ -711,7 +711,7 @@ async def test_async_guard(redis_server: RedisServer) -> None:
     client = redis.asyncio.Redis(port=redis_server.port)
     try:
         name = unique_name("res")
-        guard = AsyncRedisGuard(client, name, LOCK)
+        guard = AsyncRedisGuard(client, name, lock=LOCK)
         assert await guard.set(f"{{{name}}}:k", "a", token=tok(2))
         assert await guard.set(f"{{{name}}}:k", "b", token=tok(2))
         assert await guard.hset(f"{{{name}}}:h", {"f": 1}, token=tok(3)) == 1
@@ -731,7 +731,7 @@ async def test_async_guard_dead_server() -> None:
     server = RedisServer().start()
     client = redis.asyncio.Redis(port=server.port, retry=ASYNC_NO_RETRY)
     try:
-        guard = AsyncRedisGuard(client, unique_name("res"), LOCK)
+        guard = AsyncRedisGuard(client, unique_name("res"), lock=LOCK)
         assert await guard.set(f"{{{guard.resource}}}:k", "a", token=tok(1))
         server.kill()
         with pytest.raises(BackendUnavailable):
@@ -745,7 +745,7 @@ def test_decode_responses_client(redis_server: RedisServer) -> None:
     client = redis.Redis(port=redis_server.port, decode_responses=True)
     try:
         name = unique_name("res")
-        guard = RedisGuard(client, name, LOCK)
+        guard = RedisGuard(client, name, lock=LOCK)
         assert guard.set(f"{{{name}}}:k", "a", token=tok(4))
         with pytest.raises(StaleTokenError) as info:
             guard.set(f"{{{name}}}:k", "b", token=tok(3))
@@ -792,7 +792,7 @@ def test_hung_or_dead_server_is_backend_unavailable() -> None:
     client = redis.Redis(port=server.port, socket_timeout=0.5, retry=NO_RETRY)
     try:
         name = unique_name("res")
-        guard = RedisGuard(client, name, LOCK)
+        guard = RedisGuard(client, name, lock=LOCK)
         guard.set(f"{{{name}}}:k", "a", token=tok(1))
         server.pause()  # a hung server: the reply never comes
         try:
@@ -824,7 +824,7 @@ def test_racing_processes_never_accept_out_of_order(redis_server: RedisServer) -
         log = res.accepted()
         assert len(log) == sum(counts) > 0
         assert history_violations(log, res.value()) == []
-        assert RedisGuard(client, res.name, LOCK).high_water() == tok(max(log))
+        assert RedisGuard(client, res.name, lock=LOCK).high_water() == tok(max(log))
     finally:
         client.close()
 
@@ -850,7 +850,7 @@ def test_paused_holder_end_to_end(redis_server: RedisServer, tmp_path: Path, gua
 
 def test_guards_of_one_client_share_one_no_retry_pool(client: redis.Redis) -> None:
     """An ASGI store makes one guard per resource: each with its own pool leaked connections."""
-    guards = [RedisGuard(client, unique_name("res"), LOCK) for _ in range(50)]
+    guards = [RedisGuard(client, unique_name("res"), lock=LOCK) for _ in range(50)]
     assert len({id(g._writer) for g in guards}) == 1
     assert guards[0]._writer is not client  # the sibling without retries
     for i, g in enumerate(guards):

@@ -504,14 +504,14 @@ def test_a_replicated_groups_copies_pass_members_that_verify(tmp_path: Path) -> 
         # a key only a has (as after a writer's partial write): a read repairs b and c
         cfg = group.configuration()
         item = Item("only-a", stamp(token.value, 99), b"x")
-        locks._portal.call(group.aio.member("a").apply(token, cfg.epoch, [item]))
+        locks.portal.call(group.aio.member("a").apply(token, cfg.epoch, [item]))
         assert group.read("only-a") == b"x"
         for name in ("b", "c"):
-            snap = locks._portal.call(group.aio.member(name).read(["only-a"]))
+            snap = locks.portal.call(group.aio.member(name).read(["only-a"]))
             assert snap.items["only-a"].value == b"x"
         # an unsigned or foreign token is still refused by the members
         with pytest.raises(SignatureError):
-            locks._portal.call(
+            locks.portal.call(
                 group.aio.member("a").apply(FencingToken("orders", 99), cfg.epoch, [])
             )
 

@@ -38,8 +38,8 @@ def test_old_positional_tokens_work_and_warn_the_new_form_is_silent(
     mark = HighWaterFile(tmp_path / "mark", lock=LOCK)
     client = redis.Redis(port=redis_server.port)
     name = unique_name("kw")
-    red = RedisGuard(client, name, LOCK)
-    etcd = EtcdGuard(etcd_server.endpoint, name, LOCK)
+    red = RedisGuard(client, name, lock=LOCK)
+    etcd = EtcdGuard(etcd_server.endpoint, name, lock=LOCK)
 
     def in_tx(fn: object) -> None:
         db.execute("BEGIN IMMEDIATE")
@@ -51,6 +51,8 @@ def test_old_positional_tokens_work_and_warn_the_new_form_is_silent(
         "RowGuard.update": lambda: rows.update(db, tok(2), key={"id": 1}, values={"v": "b"}),
         "FileGuard.write": lambda: files.write("r", b"x", tok(2)),
         "FileGuard.publish": lambda: files.publish("r", tok(2), b"y"),  # 0.1's order
+        "FileGuard.claim": lambda: files.claim("r", tok(2)),
+        "HighWaterFile.check_and_advance": lambda: mark.check_and_advance(tok(2)),
         "HighWaterFile.hold": lambda: mark.hold(tok(2)).__enter__(),
         "RedisGuard.set": lambda: red.set(f"{{{name}}}:k", "v", tok(2), 60_000),
         "RedisGuard.hset": lambda: red.hset(f"{{{name}}}:h", {"f": 1}, tok(2)),
@@ -68,6 +70,8 @@ def test_old_positional_tokens_work_and_warn_the_new_form_is_silent(
             lambda: rows.update(db, token=tok(3), key={"id": 1}, values={"v": "c"}),
             lambda: files.write("r", b"z", token=tok(3)),
             lambda: files.publish("r", b"w", token=tok(3)),
+            lambda: files.claim("r", token=tok(3)),
+            lambda: HighWaterFile(tmp_path / "mark2", lock=LOCK).check_and_advance(token=tok(3)),
             lambda: red.set(f"{{{name}}}:k", "v", token=tok(3), px=1000),
             lambda: etcd.put(f"{name}/k", "v", token=tok(3)),
         ]
@@ -84,3 +88,27 @@ def test_old_positional_tokens_work_and_warn_the_new_form_is_silent(
         etcd.close()
         client.close()
         db.close()
+
+
+def test_a_guards_lock_is_lock_by_keyword_and_the_old_position_warns(
+    redis_server: RedisServer, etcd_server: EtcdServer
+) -> None:
+    client = redis.Redis(port=redis_server.port)
+    name = unique_name("lockkw")
+    try:
+        with pytest.warns(DeprecationWarning, match=r"RedisGuard\(\): pass the lock name as lock="):
+            old = RedisGuard(client, name, LOCK)  # type: ignore[misc]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            new = RedisGuard(client, name, lock=LOCK)
+        assert old.lock == new.lock == LOCK
+        with pytest.raises(TypeError, match="multiple values for 'lock'"):
+            RedisGuard(client, name, LOCK, lock=LOCK)  # type: ignore[misc]
+        with pytest.warns(DeprecationWarning, match=r"EtcdGuard\(\): pass the lock name"):
+            etcd = EtcdGuard(etcd_server.endpoint, name, LOCK)  # type: ignore[misc]
+        with etcd:
+            etcd.put(f"{name}/k", "v", token=tok(5))
+            with pytest.raises(StaleTokenError):
+                etcd.put(f"{name}/k", "v", token=tok(4))
+    finally:
+        client.close()

@@ -20,6 +20,9 @@ cli), only what a package *offers*:
   - no import of a private name (``_x``) from another package;
   - no ``obj._x`` on an attribute that only another package defines (its private state).
 
+And no import cycle: every import between fenced's modules counts (at the top, in a function,
+under ``TYPE_CHECKING``), so the modules can be read, tested and moved bottom-up.
+
 ALLOWED lists the violations that stood when this check was written (wave 3): each is a debt
 to pay (issue 27), and a new one fails ``make test``; a listed one that no longer occurs must be
 taken off the list (the check says so), so the list only shrinks.
@@ -50,6 +53,9 @@ _CLIENTS = {
 _CLI = {"cli", "__main__"}  # (the command line's own modules are in the cli/ package)
 
 
+_LAYER_PACKAGES = {"_core": "core", "_clients": "clients", "cli": "cli"}
+
+
 # Private names of other libraries that a module uses, which the attribute rule would take for
 # a fenced package's (the rule knows only fenced's own definitions).
 _ASYNCIO_INTERNALS = {
@@ -59,11 +65,17 @@ _ASYNCIO_INTERNALS = {
 
 
 def package_of(module: str) -> str:
-    """The package a module belongs to for these rules: ``fenced.guards.sql`` -> guards."""
+    """The package a module belongs to for these rules: ``fenced.guards.sql`` -> guards.
+
+    Both trees are understood: the root private modules of today (``fenced._token``), and the
+    layer packages tools/move_layers.py makes of them (``fenced._core.token``,
+    ``fenced._clients.grpc_errors``, the ``fenced.cli`` package)."""
     parts = module.split(".")
     if len(parts) == 1:
         return "facade"  # fenced/__init__.py re-exports the public API of every layer
     head = parts[1]
+    if head in _LAYER_PACKAGES:
+        return _LAYER_PACKAGES[head]
     if len(parts) == 2:
         if head in _CLIENTS:
             return "clients"
@@ -161,9 +173,97 @@ def _defined_private_attrs(tree: ast.Module) -> set[str]:
     return {n for n in names if not (n.startswith("__") and n.endswith("__"))}
 
 
+def imports_of(m: str, tree: ast.Module, is_package: bool, mods: dict[str, Path]) -> dict[str, int]:
+    """The fenced modules ``m`` imports (each with the line of its first import): a module
+    named in ``from X import name`` counts, else X itself. A package's parents, which Python
+    imports on the way, do not (every module would then import the facade, and it them)."""
+    out: dict[str, int] = {}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Import | ast.ImportFrom):
+            continue
+        targets: list[str] = []
+        if isinstance(node, ast.ImportFrom):
+            base = _resolve(m, is_package, node.level, node.module)
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                targets.append(full if full in mods else base)
+        else:
+            targets = [alias.name for alias in node.names]
+        for target in targets:
+            if target in mods and target != m:
+                out.setdefault(target, node.lineno)
+    return out
+
+
+def cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """The import cycles: each strongly connected component of more than one module, as one
+    cycle through it that starts at its first module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    components: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work: list[tuple[str, Iterator[str]]] = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, edges = work[-1]
+            for nxt in edges:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(graph.get(nxt, {})))))
+                    break
+                if nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        top = stack.pop()
+                        on_stack.discard(top)
+                        component.append(top)
+                        if top == node:
+                            break
+                    if len(component) > 1:
+                        components.append(sorted(component))
+    return [_one_cycle(graph, set(c), c[0]) for c in sorted(components)]
+
+
+def _one_cycle(graph: dict[str, dict[str, int]], members: set[str], start: str) -> list[str]:
+    """A shortest cycle from ``start`` back to itself inside one component (breadth first)."""
+    parent: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        nxt_frontier = []
+        for node in frontier:
+            for nxt in sorted(graph.get(node, {})):
+                if nxt not in members:
+                    continue
+                if nxt == start:
+                    path = [node]
+                    while path[-1] != start:
+                        path.append(parent[path[-1]])
+                    return [*reversed(path), start]
+                if nxt not in parent:
+                    parent[nxt] = node
+                    nxt_frontier.append(nxt)
+        frontier = nxt_frontier
+    return [start, start]  # not reached: a component of two or more has a cycle through each
+
+
 def check(src: Path = SRC) -> list[Violation]:
     mods = modules(src)
     trees = {m: ast.parse(p.read_text(), str(p)) for m, p in mods.items()}
+    graph = {m: imports_of(m, t, mods[m].name == "__init__.py", mods) for m, t in trees.items()}
     exports = {m: _all_of(t) for m, t in trees.items()}
     # Which packages define each private attribute name.
     definers: dict[str, set[str]] = {}
@@ -176,6 +276,10 @@ def check(src: Path = SRC) -> list[Violation]:
         is_package = mods[m].name == "__init__.py"
         for node in ast.walk(tree):
             found.extend(_check_node(m, pkg, is_package, node, mods, exports, definers))
+    for cycle in cycles(graph):
+        found.append(
+            Violation(cycle[0], graph[cycle[0]][cycle[1]], "import cycle", " -> ".join(cycle))
+        )
     return sorted(set(found), key=lambda v: (v.module, v.line, v.rule, v.what))
 
 
@@ -234,7 +338,6 @@ def _check_import(
     if other == pkg:
         return
     is_module_import = name is None or imported.endswith(f".{name}")
-    last = imported.rsplit(".", 1)[-1]
     private_module = any(p.startswith("_") and p != "__init__" for p in imported.split(".")[1:])
     dunder = name is not None and name.startswith("__") and name.endswith("__")
     if not is_module_import and name is not None and name.startswith("_") and not dunder:
@@ -246,8 +349,9 @@ def _check_import(
             if offered is not None and name in offered:
                 return
             yield Violation(m, line, "not offered", f"{name} from {imported} (not in its __all__)")
-        elif other in ("core", "clients") and is_module_import and last.startswith("_"):
-            # `from . import _fork`: a core module used as a whole is its contract.
+        elif other in ("core", "clients") and is_module_import:
+            # `from . import _fork`, `from .._core import clock`: a core module used as a
+            # whole is its contract.
             return
         else:
             what = f"{name} from {imported}" if name and not is_module_import else imported

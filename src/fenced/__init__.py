@@ -19,6 +19,7 @@ from ._backend import (
     TokenCheck,
     register_backend,
 )
+from ._ceiling import AboveCeilingError, Ceiling
 from ._errors import (
     AccessDenied,
     BackendError,
@@ -44,8 +45,6 @@ from ._errors import (
 )
 from ._lease import DEFAULT_TTL, AsyncLease, AsyncLocks, LostSignal, connect_async
 from ._signing import (
-    AboveCeilingError,
-    Ceiling,
     Ed25519SigningKey,
     Ed25519VerifyKey,
     HmacKey,
@@ -57,7 +56,7 @@ from ._signing import (
 )
 from ._state import Phase
 from ._sync import Lease, Locks, connect
-from ._token import MAX_TOKEN, FencingToken
+from ._token import MAX_TOKEN, FencingToken, TokenLike
 
 __version__ = "0.2.0"
 
@@ -107,6 +106,7 @@ __all__ = [
     "StaleEpochError",
     "StaleTokenError",
     "TokenCheck",
+    "TokenLike",
     "UnsafeBackendError",
     "WrongLockError",
     "__version__",

@@ -11,7 +11,7 @@ import logging
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator, Iterable
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Final, ParamSpec, TypeVar
+from typing import Any, Final, ParamSpec, TypeVar
 
 from . import _clock, _fork
 from ._adopt import adopt_client
@@ -38,6 +38,7 @@ from ._errors import (
     LeaseLostError,
     NotHeldError,
 )
+from ._leadership import Leader, LeaderChanges
 from ._options import Option
 from ._paths import default_url
 from ._signing import Keyring, TokenVerifier, check_source_id, signer, token_message
@@ -52,11 +53,9 @@ from ._state import (
 )
 from ._token import FencingToken, validate_lock_name
 
-if TYPE_CHECKING:
-    from .election import AsyncLeadership, Leader
-
 __all__ = [
     "DEFAULT_TTL",
+    "AsyncLeadership",
     "AsyncLease",
     "AsyncLocks",
     "AsyncLostCallback",
@@ -584,6 +583,60 @@ class AsyncLease:
         return f"<AsyncLease {self.name!r} {self._state.phase.value} token={self._last_token}>"
 
 
+class AsyncLeadership:
+    """This process leads ``name`` until :meth:`resign`, or until its lease is lost
+    (``lost`` is set and ``on_lost`` called, as for a lease: stop acting as leader then).
+    ``AsyncLocks.elect`` makes it; :mod:`fenced.election` is its public home."""
+
+    def __init__(self, lease: AsyncLease, value: str) -> None:
+        self._lease = lease
+        self.value = value
+
+    @property
+    def name(self) -> str:
+        return self._lease.name
+
+    @property
+    def epoch(self) -> FencingToken:
+        """This leadership's fencing token: strictly greater than every earlier leader's."""
+        return self._lease.token
+
+    @property
+    def lease(self) -> AsyncLease:
+        return self._lease
+
+    @property
+    def lost(self) -> LostSignal:
+        """Set when leadership is lost (``await leadership.lost`` waits for it)."""
+        return self._lease.lost
+
+    @property
+    def held(self) -> bool:
+        return self._lease.held
+
+    @property
+    def not_fenced(self) -> list[NotFenced]:
+        """The ``fence=`` targets that could not be fenced (``fence_errors="report"``)."""
+        return self._lease.not_fenced
+
+    def remaining(self) -> float:
+        """Seconds this process surely still leads (0 once it may not)."""
+        return self._lease.remaining()
+
+    async def resign(self) -> bool:
+        """Step down now: the next candidate is elected at once (no ttl to wait out)."""
+        return await self._lease.release()
+
+    async def __aenter__(self) -> AsyncLeadership:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.resign()
+
+    def __repr__(self) -> str:
+        return f"<AsyncLeadership {self.name!r} epoch={self._lease.token} value={self.value!r}>"
+
+
 class AsyncLocks:
     """A connection to one token source: ``async with fenced.connect_async(url) as locks``."""
 
@@ -743,18 +796,24 @@ class AsyncLocks:
     ) -> AsyncLeadership:
         """Campaign for leadership of ``name`` until elected (or ``timeout``); see
         :mod:`fenced.election`. ``value`` is what observers see (an address, a node name)."""
-        from .election import elect
-
-        return await elect(
-            self, name, value, ttl=ttl, timeout=timeout, fence=fence,
-            fence_errors=fence_errors, on_lost=on_lost, lock_delay=lock_delay,
+        lease = self.lock(
+            name, ttl=ttl, timeout=timeout, on_lost=on_lost, description=value or None,
+            fence=fence, fence_errors=fence_errors, lock_delay=lock_delay,
         )  # fmt: skip
+        await lease.acquire()
+        return AsyncLeadership(lease, value)
 
     def observe(self, name: str, *, interval: float = 0.1) -> AsyncIterator[Leader]:
         """Who leads ``name``, each time it changes (see :mod:`fenced.election`)."""
-        from .election import observe
+        return self._observe(validate_lock_name(name), interval)
 
-        return observe(self, validate_lock_name(name), interval=interval)
+    async def _observe(self, name: str, interval: float) -> AsyncIterator[Leader]:
+        changes = LeaderChanges(name)
+        while True:
+            change = changes.update(await self.status(name))
+            if change is not None:
+                yield change
+            await asyncio.sleep(interval)
 
     def locked(
         self, name: str, *, ttl: float = DEFAULT_TTL, timeout: float | None = None, **options: Any

@@ -55,8 +55,6 @@ from typing import Any, Final, Protocol
 from ._errors import ConfigurationError, InvalidTokenError
 
 __all__ = [
-    "AboveCeilingError",
-    "Ceiling",
     "Ed25519SigningKey",
     "Ed25519VerifyKey",
     "HmacKey",
@@ -272,52 +270,6 @@ class TokenVerifier(Protocol):
     :func:`verify_all`)."""
 
     def verify(self, lock: str, value: int, signature: Signature | None) -> None: ...
-
-
-class AboveCeilingError(InvalidTokenError):
-    """A token further above the source's highest grant of its lock than a
-    :class:`Ceiling` allows (or a token the source cannot vouch for at all)."""
-
-
-class Ceiling:
-    """Refuse a token more than ``slack`` above the highest grant the token source has made
-    for its lock: for resources that cannot hold a signing key. An unsigned token then cannot
-    raise a mark far beyond what the source issued (the permanent outage a huge forged token
-    causes), at the price of asking the source when a token is above the highest it has seen
-    (``source.check``: a round trip, on the guard's thread; async guards are briefly blocked).
-    When the source cannot say (etcd and ZooKeeper forget a free lock's highest grant), the
-    token is refused: when in doubt, fail closed.
-
-    ``slack`` > 0 accepts tokens a little ahead of the last answer without asking again.
-    Weaker than signing: a token up to ``slack`` above a real grant still passes, and a writer
-    that can reach the source can still get real tokens.
-    """
-
-    def __init__(self, source: Any, *, slack: int = 0) -> None:
-        if isinstance(slack, bool) or not isinstance(slack, int) or slack < 0:
-            raise ConfigurationError(f"slack must be an int >= 0, not {slack!r}")
-        self._source = source
-        self.slack = slack
-        self._highest: dict[str, int] = {}
-
-    def verify(self, lock: str, value: int, signature: Signature | None) -> None:
-        if value <= self._highest.get(lock, 0) + self.slack:
-            return
-        from ._token import FencingToken  # (the token module imports this one)
-
-        # With its signature: a source that signs refuses an unsigned token in check().
-        result = self._source.check(FencingToken(lock, value, signature))
-        if result.highest is not None:
-            self._highest[lock] = max(self._highest.get(lock, 0), result.highest.value)
-        if result.highest is None or value > result.highest.value + self.slack:
-            known = "unknown" if result.highest is None else str(result.highest)
-            raise AboveCeilingError(
-                f"fencing token {lock}:{value} is above the highest the source granted "
-                f"({known}) by more than {self.slack}"
-            )
-
-    def __repr__(self) -> str:
-        return f"Ceiling(slack={self.slack})"
 
 
 def verify_all(*verifiers: TokenVerifier) -> TokenVerifier:

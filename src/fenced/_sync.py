@@ -14,10 +14,11 @@ import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 from . import _fork
 from ._backend import Characteristic, LockStatus, Record, TokenCheck
+from ._leadership import Leader, LeaderChanges
 from ._lease import (
     _UNSET,
     DEFAULT_TTL,
@@ -32,10 +33,7 @@ from ._portal import Portal
 from ._state import Phase
 from ._token import FencingToken, validate_lock_name
 
-if TYPE_CHECKING:
-    from .election import Leader, Leadership
-
-__all__ = ["Lease", "Locks", "connect"]
+__all__ = ["Leadership", "Lease", "Locks", "connect"]
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -61,6 +59,12 @@ class Lease:
         self._lost: threading.Event | None = None  # made when first asked for (most never are)
         self._fork_gen = _fork.generation()
         inner.add_lost_hook(self._on_inner_lost)
+
+    @property
+    def aio(self) -> AsyncLease:
+        """The underlying asyncio lease (its methods must run on the connection's loop:
+        :meth:`Locks.run`)."""
+        return self._inner
 
     @property
     def lost(self) -> threading.Event:
@@ -169,6 +173,38 @@ class Lease:
         return repr(self._inner).replace("AsyncLease", "Lease", 1)
 
 
+class Leadership:
+    """:class:`~fenced.election.AsyncLeadership` through a synchronous :class:`Locks`:
+    ``lost`` is a :class:`threading.Event`. ``Locks.elect`` makes it; :mod:`fenced.election`
+    is its public home."""
+
+    def __init__(self, lease: Lease, value: str) -> None:
+        self._lease = lease
+        self.value = value
+
+    name = property(lambda self: self._lease.name)
+    epoch = property(lambda self: self._lease.token, doc="This leadership's fencing token.")
+    lease = property(lambda self: self._lease)
+    lost = property(lambda self: self._lease.lost, doc="Set when leadership is lost.")
+    held = property(lambda self: self._lease.held)
+    not_fenced = property(lambda self: self._lease.not_fenced)
+
+    def remaining(self) -> float:
+        return self._lease.remaining()
+
+    def resign(self) -> bool:
+        return self._lease.release()
+
+    def __enter__(self) -> Leadership:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.resign()
+
+    def __repr__(self) -> str:
+        return f"<Leadership {self.name!r} epoch={self._lease.token} value={self.value!r}>"
+
+
 class Locks:
     """A connection to one token source, for synchronous code: ``with fenced.connect(url) as locks``."""
 
@@ -215,6 +251,15 @@ class Locks:
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
         return self._portal.loop
+
+    @property
+    def portal(self) -> Portal:
+        """The loop thread this connection runs on: ``locks.portal.call(coro)`` runs a
+        coroutine there and returns its outcome, blocking — the way to use what only the
+        async API offers (:attr:`aio`, or an object made on it, such as a replicated
+        group's member) from synchronous code. Not from an ``on_lost`` callback (those run
+        on the loop: ``RuntimeError``). In a child forked after :func:`connect`, a new one."""
+        return self._portal
 
     def lock(
         self,
@@ -263,8 +308,6 @@ class Locks:
         lock_delay: float = 0.0,
     ) -> Leadership:
         """Campaign for leadership of ``name`` until elected (see :mod:`fenced.election`)."""
-        from .election import Leadership
-
         lease = self.lock(
             name, ttl=ttl, timeout=timeout, on_lost=on_lost, description=value or None,
             fence=fence, fence_errors=fence_errors, lock_delay=lock_delay,
@@ -278,8 +321,6 @@ class Locks:
         """Who leads ``name``, each time it changes (see :mod:`fenced.election`); ends when
         ``stop`` is set (an observer on a thread of its own has no other way out while
         nothing changes)."""
-        from .election import LeaderChanges
-
         changes = LeaderChanges(validate_lock_name(name))
         stop = stop or threading.Event()
         while not stop.is_set():

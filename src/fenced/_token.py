@@ -12,6 +12,7 @@ __all__ = [
     "MAX_NAME",
     "MAX_TOKEN",
     "FencingToken",
+    "TokenLike",
     "escape_name",
     "unescape_name",
     "validate_lock_name",
@@ -171,7 +172,7 @@ class FencingToken:
     @classmethod
     def coerce(
         cls,
-        token: FencingToken | str | bytes,
+        token: TokenLike,
         lock: str | None = None,
         keys: TokenVerifier | None = None,
     ) -> FencingToken:
@@ -240,3 +241,9 @@ class FencingToken:
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (FencingToken, (self._lock, self._value, self._sig))
+
+
+TokenLike = FencingToken | str | bytes
+"""What every guard's ``token=`` takes: a :class:`FencingToken` or its text form (``str``, or
+``bytes`` as an HTTP header or a message carries it), checked by :meth:`FencingToken.coerce`.
+The one definition (issue 27): the guards import it, and ``fenced.TokenLike`` offers it."""

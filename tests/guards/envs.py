@@ -311,7 +311,7 @@ class RedisEnv(GuardEnv):
         if hasattr(self, "guard"):
             self.close()
         self.client = redis.Redis(port=self.port)
-        self.guard = RedisGuard(self.client, self.resource, LOCK, verify=self.verify_keys)
+        self.guard = RedisGuard(self.client, self.resource, lock=LOCK, verify=self.verify_keys)
 
     def write(self, token: FencingToken | str, value: str) -> None:
         self.guard.set(self.key, value, token=token)
@@ -331,7 +331,7 @@ class RedisEnv(GuardEnv):
             set_script = SET_SCRIPT.replace("if c < 0 then", "if c <= 0 then")
 
         assert LtRedisGuard.set_script != SET_SCRIPT, "re-plant the bug"
-        guard = LtRedisGuard(self.client, self.resource, LOCK)
+        guard = LtRedisGuard(self.client, self.resource, lock=LOCK)
         return lambda token, value: bool(guard.set(self.key, value, token=token))  # type: ignore[func-returns-value]
 
     def close(self) -> None:
@@ -375,7 +375,7 @@ class AsyncRedisEnv(GuardEnv):
         if old is not None:
             self.on.run(old.aclose())
         self.client = aioredis.Redis(port=self.port)
-        self.guard = AsyncRedisGuard(self.client, self.resource, LOCK, verify=self.verify_keys)
+        self.guard = AsyncRedisGuard(self.client, self.resource, lock=LOCK, verify=self.verify_keys)
 
     def write(self, token: FencingToken | str, value: str) -> None:
         self.on.run(self.guard.set(self.key, value, token=token))
@@ -396,7 +396,7 @@ class AsyncRedisEnv(GuardEnv):
         class Lt(AsyncRedisGuard):
             set_script = SET_SCRIPT.replace("if c < 0 then", "if c <= 0 then")
 
-        guard = Lt(self.client, self.resource, LOCK)
+        guard = Lt(self.client, self.resource, lock=LOCK)
         return lambda token, value: bool(self.on.run(guard.set(self.key, value, token=token)))  # type: ignore[func-returns-value]
 
     def close(self) -> None:
@@ -425,7 +425,7 @@ class SQLiteStoreEnv(GuardEnv):
 
         old = getattr(self, "store", None)
         if old is not None:
-            self.on.run(old.close())
+            self.on.run(old.aclose())
         self.store = SQLiteFenceStore(self.path)
 
     @staticmethod
@@ -471,10 +471,10 @@ class SQLiteStoreEnv(GuardEnv):
         return write
 
     def close(self) -> None:
-        self.on.run(self.store.close())
+        self.on.run(self.store.aclose())
         planted = getattr(self, "_planted", None)
         if planted is not None:
-            self.on.run(planted.close())
+            self.on.run(planted.aclose())
         self.on.close()
 
 
@@ -488,11 +488,11 @@ class EtcdEnv(GuardEnv):
         self.endpoint = endpoint
         self.resource = unique_name("res")
         self.key = f"{self.resource}/data"
-        self.guard = EtcdGuard(endpoint, self.resource, LOCK, verify=self.verify_keys)
+        self.guard = EtcdGuard(endpoint, self.resource, lock=LOCK, verify=self.verify_keys)
 
     def reopen(self) -> None:
         self.guard.close()
-        self.guard = EtcdGuard(self.endpoint, self.resource, LOCK, verify=self.verify_keys)
+        self.guard = EtcdGuard(self.endpoint, self.resource, lock=LOCK, verify=self.verify_keys)
 
     def write(self, token: FencingToken | str, value: str) -> None:
         self.guard.put(self.key, value, token=token)
@@ -523,7 +523,7 @@ class EtcdEnv(GuardEnv):
         class Lt(EtcdGuard):
             _async_class = AsyncLt
 
-        guard = Lt(self.endpoint, self.resource, LOCK)
+        guard = Lt(self.endpoint, self.resource, lock=LOCK)
         self._planted = guard
         return lambda token, value: bool(guard.put(self.key, value, token=token))  # type: ignore[func-returns-value]
 
@@ -548,7 +548,7 @@ class ZooKeeperEnv(GuardEnv):
         self.path = f"/data/{self.resource}/item"
         self._clients: list[Any] = []
         self.client = self._client()
-        self.guard = ZooKeeperGuard(self.client, self.resource, LOCK, verify=self.verify_keys)
+        self.guard = ZooKeeperGuard(self.client, self.resource, lock=LOCK, verify=self.verify_keys)
 
     def _client(self) -> Any:
         from kazoo.client import KazooClient
@@ -561,7 +561,7 @@ class ZooKeeperEnv(GuardEnv):
     def reopen(self) -> None:
         self.close()
         self.client = self._client()
-        self.guard = ZooKeeperGuard(self.client, self.resource, LOCK, verify=self.verify_keys)
+        self.guard = ZooKeeperGuard(self.client, self.resource, lock=LOCK, verify=self.verify_keys)
 
     def write(self, token: FencingToken | str, value: str) -> None:
         self.guard.set(self.path, value.encode(), token=token)
@@ -588,7 +588,7 @@ class ZooKeeperEnv(GuardEnv):
             def _accepts(self, token: int, mark: int) -> bool:
                 return mark < token
 
-        guard = Lt(self.client, self.resource, LOCK)
+        guard = Lt(self.client, self.resource, lock=LOCK)
         return lambda token, value: bool(guard.set(self.path, value.encode(), token=token))
 
     def close(self) -> None:

@@ -52,8 +52,8 @@ def test_a_holder_on_a_new_session_is_refused_like_on_its_old_one(
     """The note's caution: a client whose session expired (paused, cut off) and which kazoo
     silently reconnected with a new session must not slip past the fence."""
     old_client, new_client = clients(), clients()
-    old = ZooKeeperGuard(old_client, resource, "master")
-    new = ZooKeeperGuard(new_client, resource, "master")
+    old = ZooKeeperGuard(old_client, resource, lock="master")
+    new = ZooKeeperGuard(new_client, resource, lock="master")
     old.set(f"/app/{resource}/plan", b"old plan", token=tok(1))
     states: list[str] = []
     old_client.add_listener(states.append)
@@ -79,8 +79,8 @@ def test_a_holder_on_a_new_session_is_refused_like_on_its_old_one(
 
 def test_the_reserved_subtree_and_bad_input(clients: Any, resource: str) -> None:
     client = clients()
-    guard = ZooKeeperGuard(client, resource, "master")
-    other = ZooKeeperGuard(client, "other-" + resource, "master")
+    guard = ZooKeeperGuard(client, resource, lock="master")
+    other = ZooKeeperGuard(client, "other-" + resource, lock="master")
     other.fence(tok(50))
     for path in ("/fenced", other.mark_path, guard.mark_path, "/fenced/anything"):
         with pytest.raises(fenced.ConfigurationError, match="reserved"):
@@ -98,7 +98,7 @@ def test_the_reserved_subtree_and_bad_input(clients: Any, resource: str) -> None
     with pytest.raises(fenced.ConfigurationError):
         ZooKeeperGuard(client, resource, root="fenced")
     with pytest.raises(fenced.ConfigurationError):
-        ZooKeeperGuard(client, "", "master")
+        ZooKeeperGuard(client, "", lock="master")
 
 
 @pytest.mark.parametrize(
@@ -116,7 +116,7 @@ def test_the_reserved_subtree_and_bad_input(clients: Any, resource: str) -> None
 )
 def test_a_corrupt_mark_refuses_every_write(clients: Any, resource: str, damage: bytes) -> None:
     client = clients()
-    guard = ZooKeeperGuard(client, resource, "master")
+    guard = ZooKeeperGuard(client, resource, lock="master")
     guard.set(f"/app/{resource}", b"kept", token=tok(5))
     client.set(guard.mark_path, damage)
     for value in (1, 5, 10**6):
@@ -127,7 +127,7 @@ def test_a_corrupt_mark_refuses_every_write(clients: Any, resource: str, damage:
 
 def test_create_and_delete_are_fenced_too(clients: Any, resource: str) -> None:
     client = clients()
-    guard = ZooKeeperGuard(client, resource, "master")
+    guard = ZooKeeperGuard(client, resource, lock="master")
     client.ensure_path(f"/app/{resource}")
     path = f"/app/{resource}/job"
     guard.create(path, b"1", token=tok(3))
@@ -147,7 +147,7 @@ def test_the_mark_survives_kill_9_of_the_server(tmp_path: Path) -> None:
     with ZooKeeperServer(str(tmp_path / "zk")) as server:
         client = KazooClient(hosts=server.hosts)
         client.start(timeout=20)
-        guard = ZooKeeperGuard(client, "jobs", "master")
+        guard = ZooKeeperGuard(client, "jobs", lock="master")
         guard.set("/jobs/plan", b"v10", token=tok(10))
         client.stop()
         client.close()
@@ -155,7 +155,7 @@ def test_the_mark_survives_kill_9_of_the_server(tmp_path: Path) -> None:
         client = KazooClient(hosts=server.hosts)
         client.start(timeout=30)
         try:
-            guard = ZooKeeperGuard(client, "jobs", "master")
+            guard = ZooKeeperGuard(client, "jobs", lock="master")
             with pytest.raises(fenced.StaleTokenError):
                 guard.set("/jobs/plan", b"v9", token=tok(9))
             guard.set("/jobs/plan", b"v10b", token=tok(10))
@@ -166,7 +166,7 @@ def test_the_mark_survives_kill_9_of_the_server(tmp_path: Path) -> None:
 
 
 def test_the_async_guard_is_the_same_code(clients: Any, resource: str) -> None:
-    guard = AsyncZooKeeperGuard(clients(), resource, "master")
+    guard = AsyncZooKeeperGuard(clients(), resource, lock="master")
 
     async def go() -> None:
         await guard.set(f"/app/{resource}", b"a", token=tok(2))
@@ -181,7 +181,7 @@ def test_the_async_guard_is_the_same_code(clients: Any, resource: str) -> None:
 def test_fence_on_acquire_raises_the_znode_mark(
     clients: Any, resource: str, tmp_path: Path
 ) -> None:
-    guard = ZooKeeperGuard(clients(), resource, "master")
+    guard = ZooKeeperGuard(clients(), resource, lock="master")
     with fenced.connect(f"sqlite:///{tmp_path}/locks.db") as locks:
         with locks.lock("master", ttl=5, fence=[guard]) as first:
             assert guard.high_water() == first.token
@@ -208,7 +208,7 @@ def test_a_transaction_of_your_own_is_fenced_and_kept_out_of_the_marks(
     clients: Any, resource: str
 ) -> None:
     client = clients()
-    guard = ZooKeeperGuard(client, resource, "master")
+    guard = ZooKeeperGuard(client, resource, lock="master")
     client.ensure_path(f"/app/{resource}")
     guard.transaction(lambda t: t.create(f"/app/{resource}/a", b"1"), token=tok(2))
     with pytest.raises(fenced.StaleTokenError):
@@ -232,13 +232,13 @@ def test_no_guard_reaches_a_mark_whatever_its_root_or_chroot(
     chrooted.start(timeout=20)
     deep = KazooClient(hosts=zk_server.hosts + f"{tenant}/myroot/marks")
     try:
-        owner = ZooKeeperGuard(chrooted, resource, "master")  # /fenced under the chroot
-        custom = ZooKeeperGuard(chrooted, resource, "master", root="/myroot")
+        owner = ZooKeeperGuard(chrooted, resource, lock="master")  # /fenced under the chroot
+        custom = ZooKeeperGuard(chrooted, resource, lock="master", root="/myroot")
         owner.fence(tok(5))
         custom.fence(tok(5))
         deep.start(timeout=20)
-        attacker = ZooKeeperGuard(plain, "att-" + resource, "master", root="/other")
-        deep_attacker = ZooKeeperGuard(deep, "att-" + resource, "master", root="/elsewhere")
+        attacker = ZooKeeperGuard(plain, "att-" + resource, lock="master", root="/other")
+        deep_attacker = ZooKeeperGuard(deep, "att-" + resource, lock="master", root="/elsewhere")
         own_mark = f"{tenant}{owner.mark_path}"  # absolute: the chroot prepended
         custom_mark = f"{tenant}{custom.mark_path}"
         refused: list[tuple[ZooKeeperGuard, str]] = [
@@ -291,7 +291,7 @@ def test_a_mark_deleted_after_the_guard_saw_it_is_corrupt(clients: Any, resource
     """Deleted outside fenced, the mark would restart below the tokens already accepted: the
     guard that saw it refuses every write (and high_water) instead of creating it again."""
     client = clients()
-    guard = ZooKeeperGuard(client, resource, "master")
+    guard = ZooKeeperGuard(client, resource, lock="master")
     guard.set(f"/app/{resource}", b"v5", token=tok(5))
     client.delete(guard.mark_path)
     for value in (3, 5, 6):
@@ -313,10 +313,10 @@ def test_a_mark_created_again_lower_is_corrupt(clients: Any, resource: str) -> N
     """Deleted outside fenced and bound again by a guard that never saw it (a new process),
     the mark is lower than the first guard saw: it refuses instead of taking the low mark."""
     client = clients()
-    seen = ZooKeeperGuard(client, resource, "master")
+    seen = ZooKeeperGuard(client, resource, lock="master")
     seen.set(f"/app/{resource}", b"v5", token=tok(5))
     client.delete(seen.mark_path)
-    fresh = ZooKeeperGuard(client, resource, "master")  # cannot know: binds the mark at 2
+    fresh = ZooKeeperGuard(client, resource, lock="master")  # cannot know: binds the mark at 2
     fresh.set(f"/app/{resource}", b"v2", token=tok(2))
     with pytest.raises(fenced.CorruptMarkError, match="went back"):
         seen.set(f"/app/{resource}", b"late", token=tok(3))

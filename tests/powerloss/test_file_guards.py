@@ -39,7 +39,7 @@ def test_a_new_guard_directory_survives_the_cut(powerloss: PowerLossMount) -> No
     root = powerloss.mountpoint
     guard = FileGuard(root / "a" / "guard", lock="g")
     guard.write("report", b"v5", token="g:5")  # acknowledged: durable from here
-    HighWaterFile(root / "a" / "mark", lock="g").check_and_advance("g:5")
+    HighWaterFile(root / "a" / "mark", lock="g").check_and_advance(token="g:5")
     powerloss.power_loss()
     again = FileGuard(root / "a" / "guard", lock="g")
     assert again.read("report") == (fenced.FencingToken("g", 5), b"v5")

@@ -15,11 +15,11 @@ import pytest
 import fenced
 from fenced.guards.sql import SQLGuard
 from fenced.replicated import Group, Item, stamp
+from fenced.replicated.planted import plant_patches
 from fenced.testing.check._group_checkers import (
     acknowledged_writes_on_every_later_member,
     configurations_totally_ordered_and_overlapping,
 )
-from fenced.testing.check._group_plants import plant_patches
 
 
 def sqlite_member(tmp: Path, name: str) -> Any:
@@ -41,7 +41,7 @@ def group(locks: fenced.Locks, tmp_path: Path) -> Iterator[Group]:
 
 
 def member_state(group: Group, name: str) -> Any:
-    return group._portal.call(group.aio.member(name).read(None))
+    return group.portal.call(group.aio.member(name).read(None))
 
 
 def test_the_first_configuration_has_every_member_and_lives_in_the_source(
@@ -107,7 +107,7 @@ def test_a_new_holder_completes_a_write_left_on_one_member(
     with locks.lock("orders", ttl=5) as first:
         group.writer(first)
         half = Item("k", stamp(first.token.value, 99), b"half")
-        group._portal.call(group.aio.member("b").apply(first.token, 1, [half]))
+        group.portal.call(group.aio.member("b").apply(first.token, 1, [half]))
     with locks.lock("orders", ttl=5) as second:
         group.writer(second)
         assert {member_state(group, n).items["k"].value for n in "abc"} == {b"half"}
@@ -117,7 +117,7 @@ def test_a_read_repairs_members_behind_the_newest_value(group: Group, locks: fen
     with locks.lock("orders", ttl=5) as lease:
         group.writer(lease)
         item = Item("k", stamp(lease.token.value, 50), b"in flight")
-        group._portal.call(group.aio.member("c").apply(lease.token, 1, [item]))
+        group.portal.call(group.aio.member("c").apply(lease.token, 1, [item]))
         assert group.read("k") == b"in flight"
         assert all(member_state(group, n).items["k"].value == b"in flight" for n in "abc")
 
@@ -155,9 +155,9 @@ def test_a_change_must_keep_a_member_and_respect_min_members(
 
 def test_two_changes_from_one_configuration_one_wins(group: Group, locks: fenced.Locks) -> None:
     cfg = group.configuration()
-    group._portal.call(group.aio.reconfigure(remove=["b"], base=cfg))
+    group.portal.call(group.aio.reconfigure(remove=["b"], base=cfg))
     with pytest.raises(fenced.StaleEpochError):
-        group._portal.call(group.aio.reconfigure(remove=["c"], base=cfg))
+        group.portal.call(group.aio.reconfigure(remove=["c"], base=cfg))
     assert group.configuration().members == ("a", "c")
 
 
@@ -168,7 +168,7 @@ def test_a_change_left_unfinished_is_completed_by_the_next_writer(
     writer refused at epoch 1 waits, then finishes the change itself instead of hanging."""
     group.configuration()
     for n in "abc":
-        group._portal.call(group.aio.member(n).apply(None, 2, []))
+        group.portal.call(group.aio.member(n).apply(None, 2, []))
     with locks.lock("orders", ttl=10) as lease:
         w = group.writer(lease)
         w.set("k", b"v")
@@ -235,13 +235,13 @@ def test_a_change_without_the_version_check_is_caught(
         for owner, attr, value in plant_patches("blind-swap"):
             monkeypatch.setattr(owner, attr, value)
     cfg = group.configuration()
-    group._portal.call(group.aio.reconfigure(remove=["b"], base=cfg))
+    group.portal.call(group.aio.reconfigure(remove=["b"], base=cfg))
     if planted:
         # Built on configuration 1, installed over 2: the checker sees the skipped base.
-        group._portal.call(group.aio.reconfigure(remove=["c"], base=cfg))
+        group.portal.call(group.aio.reconfigure(remove=["c"], base=cfg))
     else:
         with pytest.raises(fenced.StaleEpochError):
-            group._portal.call(group.aio.reconfigure(remove=["c"], base=cfg))
+            group.portal.call(group.aio.reconfigure(remove=["c"], base=cfg))
     found = configurations_totally_ordered_and_overlapping(_history(group))
     assert bool(found) is planted, found
 

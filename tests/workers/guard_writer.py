@@ -68,7 +68,7 @@ def writer(target: str, resource: str) -> Any:
         from fenced.guards.redis import RedisGuard
 
         client = redis.Redis.from_url(where)
-        guard = RedisGuard(client, resource, LOCK)
+        guard = RedisGuard(client, resource, lock=LOCK)
         guard.high_water()
         data, log = f"{{{resource}}}:data", f"{{{resource}}}:log"
 
@@ -89,7 +89,7 @@ def writer(target: str, resource: str) -> Any:
         from fenced.guards.etcd import EtcdGuard, put_op
 
         key = f"{resource}/data"
-        with EtcdGuard(where, resource, LOCK) as etcd_guard:
+        with EtcdGuard(where, resource, lock=LOCK) as etcd_guard:
             etcd_guard.high_water()
 
             def write_etcd(value: str, token: FencingToken, guarded: bool) -> None:
@@ -174,7 +174,7 @@ def writer(target: str, resource: str) -> Any:
 
         zk = KazooClient(hosts=where)
         zk.start(timeout=30)
-        zk_guard = ZooKeeperGuard(zk, resource, LOCK)
+        zk_guard = ZooKeeperGuard(zk, resource, lock=LOCK)
         zk_guard.high_water()
         zk.ensure_path(f"/data/{resource}")
         zk.ensure_path(f"/log/{resource}")

@@ -20,7 +20,7 @@ import select
 import socket
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final, Protocol
 
 from kazoo.client import KazooClient
 from kazoo.exceptions import (
@@ -44,9 +44,6 @@ from .._errors import (
     UnsafeBackendError,
 )
 
-if TYPE_CHECKING:
-    from .zookeeper import ZooKeeperBackend
-
 __all__ = [
     "KAZOO_LOG",
     "UNAVAILABLE",
@@ -55,6 +52,7 @@ __all__ = [
     "Node",
     "NodePhase",
     "Session",
+    "SessionOwner",
     "describe",
     "ignore",
     "settle",
@@ -316,10 +314,26 @@ class Node:
         self.held_preds.clear()
 
 
+class SessionOwner(Protocol):
+    """What a :class:`Session` uses of the backend that owns it (``ZooKeeperBackend``):
+    named here so that this module does not import the backend's, which imports this one."""
+
+    _hosts: str
+    _loop: asyncio.AbstractEventLoop
+    _mailbox: Mailbox
+    _tick: float | None
+    _closed: bool
+    _closing: bool
+
+    def _arm(self, node: Node) -> None: ...
+
+    def _lose(self, node: Node, cause: LeaseLostError) -> None: ...
+
+
 class Session:
     """One ZooKeeper session (one kazoo client) whose timeout is one ttl."""
 
-    def __init__(self, backend: ZooKeeperBackend, timeout_ms: int) -> None:
+    def __init__(self, backend: SessionOwner, timeout_ms: int) -> None:
         self.backend = backend
         self.loop = backend._loop
         self.timeout = timeout_ms / 1000  # the negotiated timeout, once connected

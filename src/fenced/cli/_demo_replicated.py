@@ -230,7 +230,7 @@ def run_replicated_demo(directory: str | None = None, ttl: float = 1.0) -> int:
             console.print(panel(f"Final state (configuration {cfg.epoch})"))
             states = []
             for name in REPLICAS:
-                snap = group._portal.call(group.aio.member(name).read(None))
+                snap = group.portal.call(group.aio.member(name).read(None))
                 item = snap.items.get("balance")
                 value = item.value.decode() if item and item.value else None
                 states.append(value)

@@ -90,8 +90,7 @@ def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..testing.check import NEMESES, run_campaign
-    from ..testing.check._plants import plant_role
+    from ..testing.check import NEMESES, plant_role, run_campaign
 
     nemesis = None if args.nemesis is None else [n for n in args.nemesis.split(",") if n]
     if nemesis is not None and set(nemesis) - set(NEMESES):

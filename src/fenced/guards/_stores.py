@@ -28,6 +28,7 @@ import inspect
 import logging
 import sqlite3
 import threading
+import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import (
     TYPE_CHECKING,
@@ -126,7 +127,23 @@ def _map_sqlite(conn: sqlite3.Connection, exc: BaseException) -> BaseException:
 # -- SQLite -------------------------------------------------------------------------------------
 
 
-class SQLiteFenceStore:
+class _CloseAlias:
+    """``await store.close()``, the spelling before issue 27 (``close`` is synchronous in
+    fenced, ``aclose`` a coroutine): still works, with a DeprecationWarning."""
+
+    async def aclose(self) -> None:
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        warnings.warn(
+            f"{type(self).__name__}.close() is deprecated: use 'await store.aclose()'",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        await self.aclose()
+
+
+class SQLiteFenceStore(_CloseAlias):
     """Marks in a SQLite database file (WAL mode), in the fence table of :class:`SQLGuard`.
 
     ``synchronous``:
@@ -226,7 +243,7 @@ class SQLiteFenceStore:
                 await self._in_thread(self._open_sync)
         return self
 
-    async def close(self) -> None:
+    async def aclose(self) -> None:
         """Close the connections and stop the worker thread."""
         executor, self._executor = self._executor, None
         if executor is None:
@@ -245,7 +262,7 @@ class SQLiteFenceStore:
         return await self.open()
 
     async def __aexit__(self, *exc_info: object) -> None:
-        await self.close()
+        await self.aclose()
 
     async def _in_thread(self, fn: Callable[[], T]) -> T:
         if self._executor is None:
@@ -506,7 +523,7 @@ class _SmallPool:
             self._count -= 1
             self._freed.notify()
 
-    async def close(self) -> None:
+    async def aclose(self) -> None:
         while self._idle:
             conn = self._idle.popleft()
             self._count -= 1
@@ -514,7 +531,7 @@ class _SmallPool:
                 await conn.close()
 
 
-class PostgresFenceStore:
+class PostgresFenceStore(_CloseAlias):
     """Marks in a PostgreSQL table (the fence table of :class:`SQLGuard`), via psycopg 3.
 
     ``dsn_or_pool``: a connection string (the store keeps up to ``pool_size`` connections),
@@ -566,16 +583,16 @@ class PostgresFenceStore:
             pass
         return self
 
-    async def close(self) -> None:
+    async def aclose(self) -> None:
         """Close the store's own connections (a pool passed in is left to its owner)."""
         if isinstance(self._pool, _SmallPool):
-            await self._pool.close()
+            await self._pool.aclose()
 
     async def __aenter__(self) -> PostgresFenceStore:
         return await self.open()
 
     async def __aexit__(self, *exc_info: object) -> None:
-        await self.close()
+        await self.aclose()
 
     async def transaction(
         self, resource: str, token: FencingToken, fn: Callable[[Any], Awaitable[T]]
@@ -646,7 +663,7 @@ def _map_psycopg(exc: Exception) -> BaseException:
 # -- Redis ----------------------------------------------------------------------------------------
 
 
-class RedisFenceStore:
+class RedisFenceStore(_CloseAlias):
     """Marks in Redis, one hash per resource (``fenced:hw:{resource}``), via one Lua script.
 
     ``client`` is a ``redis.asyncio.Redis``. Durability is the server's: run it with
@@ -663,7 +680,7 @@ class RedisFenceStore:
         self._guards: _Guards[AsyncRedisGuard] = _Guards(self._make_guard)
 
     def _make_guard(self, resource: str, lock: str) -> AsyncRedisGuard:
-        return self.guard_class(self._client, resource, lock)
+        return self.guard_class(self._client, resource, lock=lock)
 
     def guard(self, resource: str, lock: str) -> AsyncRedisGuard:
         """The :class:`~fenced.guards.redis.AsyncRedisGuard` for ``resource``: its ``set``,
@@ -684,7 +701,7 @@ class RedisFenceStore:
         except FencedError as exc:
             _raise_mapped(exc, _wrong_type(exc, resource))
 
-    async def close(self) -> None:
+    async def aclose(self) -> None:
         """Close the guards' own connections (the client belongs to the caller)."""
         guards = self._guards.all()
         if guards:  # (they share one pool per client: closing one closes it)

@@ -53,12 +53,11 @@ from .._errors import (
     WrongLockError,
 )
 from .._signing import TokenVerifier
-from .._token import MAX_TOKEN, FencingToken, validate_lock_name
+from .._token import MAX_TOKEN, FencingToken, TokenLike, validate_lock_name
 from ._aws import Call, Plan, arun, is_transport_error, run
 
 __all__ = ["AsyncDynamoDBGuard", "DynamoDBGuard"]
 
-TokenLike = FencingToken | str | bytes
 Item = Mapping[str, Mapping[str, Any]]
 _T, _L, _TOK, _LOCK, _ONE = "#fenced_t", "#fenced_l", ":fenced_tok", ":fenced_lock", ":fenced_one"
 _N, _S = ":fenced_type_n", ":fenced_type_s"

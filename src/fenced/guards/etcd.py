@@ -85,10 +85,10 @@ from .._errors import (
 from .._etcd_conn import EtcdClient, Member, check_grpc_usable
 from .._portal import Portal
 from .._signing import TokenVerifier
-from .._token import MAX_TOKEN, FencingToken, validate_lock_name
+from .._token import MAX_TOKEN, FencingToken, TokenLike, validate_lock_name
 from ..backends.etcd import parse_endpoints
 from ._plan import GuardPlan, adrive
-from ._token_arg import token_keyword
+from ._token_arg import lock_keyword, token_keyword
 
 __all__ = [
     "Accepted",
@@ -361,12 +361,13 @@ class AsyncEtcdGuard:
     _owns_client = False
 
     @classmethod
+    @lock_keyword()
     def open(
         cls,
         endpoints: str,
         resource: str,
-        lock: str | None = None,
         *,
+        lock: str | None = None,
         prefix: str = "fenced/",
         timeout: float | None = DEFAULT_TIMEOUT,
         verify: TokenVerifier | None = None,
@@ -375,7 +376,7 @@ class AsyncEtcdGuard:
         guard = cls(
             etcd_client(endpoints, timeout),
             resource,
-            lock,
+            lock=lock,
             prefix=prefix,
             timeout=timeout,
             verify=verify,
@@ -394,12 +395,13 @@ class AsyncEtcdGuard:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
+    @lock_keyword()
     def __init__(
         self,
         client: aetcd.Client | EtcdClient,
         resource: str,
-        lock: str | None = None,
         *,
+        lock: str | None = None,
         prefix: str = "fenced/",
         timeout: float | None = DEFAULT_TIMEOUT,
         verify: TokenVerifier | None = None,
@@ -432,7 +434,7 @@ class AsyncEtcdGuard:
         """The key spaces this guard refuses to write (its own prefix lies in the first)."""
         return RESERVED
 
-    def _token(self, token: FencingToken | str | bytes) -> FencingToken:
+    def _token(self, token: TokenLike) -> FencingToken:
         return FencingToken.coerce(token, self.lock, self.verifier)
 
     def _key(self, key: object) -> bytes:
@@ -559,9 +561,7 @@ class AsyncEtcdGuard:
         return await self._txn(request.txn, write=request.write)
 
     @token_keyword()
-    async def write(
-        self, ops: Sequence[rpc.RequestOp], *, token: FencingToken | str | bytes
-    ) -> Accepted:
+    async def write(self, ops: Sequence[rpc.RequestOp], *, token: TokenLike) -> Accepted:
         """Apply ``ops`` (see :func:`put_op`, :func:`delete_op`) in one fenced transaction."""
         tok = self._token(token)
         for op in ops:
@@ -569,22 +569,20 @@ class AsyncEtcdGuard:
         # (Transport errors are already fenced errors here: they pass through the plan.)
         return await adrive(self.write_plan(tok, ops), self._send, lambda exc: None)
 
-    async def fence(self, token: FencingToken | str | bytes) -> None:
+    async def fence(self, token: TokenLike) -> None:
         """Raise the mark to ``token`` and write nothing else (``fence=`` on acquire): every
         lower token is refused from now on. StaleTokenError if a higher one was accepted."""
         await self.write([], token=token)
 
     @token_keyword()
-    async def put(
-        self, key: Key, value: bytes | str, *, token: FencingToken | str | bytes, lease: int = 0
-    ) -> int:
+    async def put(self, key: Key, value: bytes | str, *, token: TokenLike, lease: int = 0) -> int:
         """Put ``key = value`` if ``token`` is not stale; return the write's revision."""
         if not isinstance(value, (str, bytes)):
             raise ConfigurationError(f"an etcd value must be str or bytes, not {value!r}")
         return (await self.write([put_op(self._key(key), value, lease)], token=token)).revision
 
     @token_keyword()
-    async def delete(self, key: Key, *, token: FencingToken | str | bytes) -> bool:
+    async def delete(self, key: Key, *, token: TokenLike) -> bool:
         """Delete ``key`` if ``token`` is not stale; True if it existed."""
         accepted = await self.write([delete_op(self._key(key))], token=token)
         return bool(accepted.replies[0].response_delete_range.deleted > 0)
@@ -632,12 +630,13 @@ class EtcdGuard:
 
     _async_class: type[AsyncEtcdGuard] = AsyncEtcdGuard
 
+    @lock_keyword()
     def __init__(
         self,
         endpoint: str,
         resource: str,
-        lock: str | None = None,
         *,
+        lock: str | None = None,
         prefix: str = "fenced/",
         timeout: float | None = DEFAULT_TIMEOUT,
         verify: TokenVerifier | None = None,
@@ -649,7 +648,7 @@ class EtcdGuard:
                 lambda: self._async_class.open(
                     endpoint,
                     resource,
-                    lock,
+                    lock=lock,
                     prefix=prefix,
                     timeout=timeout,
                     verify=verify,
@@ -663,24 +662,28 @@ class EtcdGuard:
     def resource(self) -> str:
         return self.aio.resource
 
+    @property
+    def portal(self) -> Portal:
+        """The guard's loop thread: ``guard.portal.call(coro)`` runs a coroutine of
+        :attr:`aio` there (as :attr:`fenced.Locks.portal`)."""
+        return self._portal
+
     @token_keyword()
-    def write(self, ops: Sequence[rpc.RequestOp], *, token: FencingToken | str | bytes) -> Accepted:
+    def write(self, ops: Sequence[rpc.RequestOp], *, token: TokenLike) -> Accepted:
         """See :meth:`AsyncEtcdGuard.write`."""
         return self._portal.call(self.aio.write(ops, token=token))
 
-    def fence(self, token: FencingToken | str | bytes) -> None:
+    def fence(self, token: TokenLike) -> None:
         """See :meth:`AsyncEtcdGuard.fence`."""
         self._portal.call(self.aio.fence(token))
 
     @token_keyword()
-    def put(
-        self, key: Key, value: bytes | str, *, token: FencingToken | str | bytes, lease: int = 0
-    ) -> int:
+    def put(self, key: Key, value: bytes | str, *, token: TokenLike, lease: int = 0) -> int:
         """See :meth:`AsyncEtcdGuard.put`."""
         return self._portal.call(self.aio.put(key, value, token=token, lease=lease))
 
     @token_keyword()
-    def delete(self, key: Key, *, token: FencingToken | str | bytes) -> bool:
+    def delete(self, key: Key, *, token: TokenLike) -> bool:
         """See :meth:`AsyncEtcdGuard.delete`."""
         return self._portal.call(self.aio.delete(key, token=token))
 

@@ -52,7 +52,7 @@ import dataclasses
 import os
 import re
 from collections.abc import Iterable, Iterator
-from typing import Any, Final, Protocol, runtime_checkable
+from typing import Any, Final, Protocol, overload, runtime_checkable
 
 from .._errors import (
     ConfigurationError,
@@ -64,7 +64,7 @@ from .._errors import (
     WrongLockError,
 )
 from .._signing import TokenVerifier
-from .._token import MAX_TOKEN, FencingToken, validate_lock_name
+from .._token import MAX_TOKEN, FencingToken, TokenLike, validate_lock_name
 from ._files_fs import (
     TEMP_PREFIX,
     TempFile,
@@ -119,7 +119,7 @@ class VersionStore(Protocol):
 
     lock: str
 
-    def publish(self, name: str, data: Data, *, token: FencingToken | str | bytes) -> Version:
+    def publish(self, name: str, data: Data, *, token: TokenLike) -> Version:
         """Store ``data`` as a new version of ``name`` if ``token`` >= the newest version.
 
         Raises :class:`~fenced.StaleTokenError` (and stores nothing) if it is lower.
@@ -233,7 +233,7 @@ class FileGuard:
     # -- the write path ---------------------------------------------------------------------
 
     @token_keyword()
-    def write(self, name: str, data: Data, *, token: FencingToken | str | bytes) -> Version:
+    def write(self, name: str, data: Data, *, token: TokenLike) -> Version:
         """Store ``data`` as the newest version of ``name`` if ``token`` >= its newest version.
 
         Returns the new :class:`Version` once it is durable. Raises StaleTokenError (with the
@@ -242,7 +242,15 @@ class FileGuard:
         """
         return self._publish(name, data, token)
 
-    def publish(self, name: str, *args: Any, token: Any = None, data: Any = None) -> Version:
+    @overload
+    def publish(self, name: str, data: Data, *, token: TokenLike) -> Version: ...
+
+    @overload
+    def publish(self, name: str, token: TokenLike, data: Data, /) -> Version: ...
+
+    def publish(
+        self, name: str, *args: Any, token: TokenLike | None = None, data: Data | None = None
+    ) -> Version:
         """:class:`VersionStore` spelling of :meth:`write`: ``publish(name, data, token=t)``.
 
         (0.1 had the token before the data, ``publish(name, token, data)``: still accepted
@@ -256,7 +264,7 @@ class FileGuard:
             raise TypeError("publish(name, data, *, token): give the data and token=")
         return self._publish(name, data, token)
 
-    def _publish(self, name: str, data: Data, token: FencingToken | str | bytes) -> Version:
+    def _publish(self, name: str, data: Data, token: TokenLike) -> Version:
         tok = FencingToken.coerce(token, self.lock, self.verifier)
         view = _as_view(data)
         rdir = self._resource_dir(_validate_name(name), create=True)
@@ -408,7 +416,8 @@ class FileGuard:
         found = _parse_versions(names, resource)
         return max(found) if found else None
 
-    def claim(self, name: str, token: FencingToken | str | bytes) -> bytes | None:
+    @token_keyword()
+    def claim(self, name: str, *, token: TokenLike) -> bytes | None:
         """Raise ``name``'s mark to ``token`` without changing what it holds; return what it
         holds (None if it has no version). A file's mark is its newest version's token, so
         this publishes the newest data again under ``token``; a stale writer may slip a
@@ -431,7 +440,7 @@ class FileGuard:
                 return data
         raise FenceConflictError(f"versions of {name!r} kept arriving while fencing with {tok}")
 
-    def fence(self, token: FencingToken | str | bytes, names: Iterable[str] | None = None) -> None:
+    def fence(self, token: TokenLike, names: Iterable[str] | None = None) -> None:
         """:meth:`claim` every file of the directory (or ``names``): ``fence=`` on acquire."""
         if names is None:
             names = sorted(
@@ -439,7 +448,7 @@ class FileGuard:
                 if not n.startswith(".") and os.path.isdir(os.path.join(self.directory, n))
             )  # fmt: skip
         for name in names:
-            self.claim(name, token)
+            self.claim(name, token=token)
 
     def _resource_dir(self, name: str, *, create: bool) -> str:
         rdir = os.path.join(self.directory, name)
@@ -473,7 +482,7 @@ class AsyncFileGuard:
         self.lock = self.sync.lock
         self.directory = self.sync.directory
 
-    async def write(self, name: str, data: Data, *, token: FencingToken | str | bytes) -> Version:
+    async def write(self, name: str, data: Data, *, token: TokenLike) -> Version:
         """See :meth:`FileGuard.write`."""
         return await asyncio.to_thread(self.sync.write, name, data, token=token)
 
@@ -508,7 +517,7 @@ class HighWaterFile:
       your write: check and write are one step for everyone using this file. The mark is
       advanced *before* your write, so a crash in between leaves the mark ahead of the data
       (harmless: a stale writer is still refused), never behind it.
-    * ``mark.check_and_advance(token)`` — the same check and advance, releasing the lock at
+    * ``mark.check_and_advance(token=token)`` — the same check and advance, releasing the lock at
       once: your later write is a second step. Use it to gate something that is itself
       ordered or idempotent, not for in-place writes that a slower writer could overwrite.
     """
@@ -537,18 +546,19 @@ class HighWaterFile:
         except InvalidTokenError as exc:
             raise CorruptMarkError(self.path, f"high-water file holds {text[:40]!r}") from exc
 
-    def check_and_advance(self, token: FencingToken | str | bytes) -> FencingToken:
+    @token_keyword()
+    def check_and_advance(self, *, token: TokenLike) -> FencingToken:
         """Accept ``token`` if >= the mark and make it the mark (durably); return it."""
         with self.hold(token=token) as accepted:
             return accepted
 
-    def fence(self, token: FencingToken | str | bytes) -> None:
+    def fence(self, token: TokenLike) -> None:
         """``fence=`` on acquire: :meth:`check_and_advance`."""
-        self.check_and_advance(token)
+        self.check_and_advance(token=token)
 
     @contextlib.contextmanager
     @token_keyword()
-    def hold(self, *, token: FencingToken | str | bytes) -> Iterator[FencingToken]:
+    def hold(self, *, token: TokenLike) -> Iterator[FencingToken]:
         """Check and advance the mark, then hold the lock for the ``with`` body (your write)."""
         tok = FencingToken.coerce(token, self.lock, self.verifier)
         with self._locked():

@@ -2,7 +2,7 @@
 
 ::
 
-    guard = RedisGuard(redis.Redis(...), "invoices", "invoices")  # resource, lock
+    guard = RedisGuard(redis.Redis(...), "invoices", lock="invoices")
     guard.set("{invoices}:42", payload, token=lease.token)             # StaleTokenError if fenced off
     guard.hset("{invoices}:42:meta", {"state": "paid"}, token=lease.token)
     guard.delete("{invoices}:41", token=lease.token)
@@ -65,8 +65,8 @@ from .._errors import (
 )
 from .._redis_errors import NATIVE, kind
 from .._signing import TokenVerifier
-from .._token import MAX_TOKEN, FencingToken, validate_lock_name
-from ._token_arg import token_keyword
+from .._token import MAX_TOKEN, FencingToken, TokenLike, validate_lock_name
+from ._token_arg import lock_keyword, token_keyword
 
 __all__ = ["COMMANDS", "AsyncRedisGuard", "RedisGuard", "default_fence_key"]
 
@@ -491,7 +491,7 @@ class _GuardBase:
     def _call(
         self,
         script: str,
-        token: FencingToken | str | bytes,
+        token: TokenLike,
         keys: Iterable[Key],
         args: Iterable[Value],
     ) -> GuardedCall:
@@ -504,14 +504,10 @@ class _GuardBase:
             script.startswith(_PRELUDE_START),
         )
 
-    def _set_call(
-        self, key: Key, value: Value, token: FencingToken | str | bytes, px: int | None
-    ) -> GuardedCall:
+    def _set_call(self, key: Key, value: Value, token: TokenLike, px: int | None) -> GuardedCall:
         return self._call(self.set_script, token, [self._key(key)], [value, _px(px)])
 
-    def _hset_call(
-        self, key: Key, mapping: Mapping[Key, Value], token: FencingToken | str | bytes
-    ) -> GuardedCall:
+    def _hset_call(self, key: Key, mapping: Mapping[Key, Value], token: TokenLike) -> GuardedCall:
         if not mapping:
             raise ConfigurationError("hset needs a non-empty mapping")
         flat: list[Value] = []
@@ -519,13 +515,13 @@ class _GuardBase:
             flat += (field, value)
         return self._call(self.hset_script, token, [self._key(key)], flat)
 
-    def _delete_call(self, keys: Sequence[Key], token: FencingToken | str | bytes) -> GuardedCall:
+    def _delete_call(self, keys: Sequence[Key], token: TokenLike) -> GuardedCall:
         if not keys:
             raise ConfigurationError("delete needs at least one key")
         return self._call(self.del_script, token, [self._key(k) for k in keys], [])
 
     def _command_call(
-        self, name: str, key: Key, args: Sequence[Value], token: FencingToken | str | bytes
+        self, name: str, key: Key, args: Sequence[Value], token: TokenLike
     ) -> GuardedCall:
         command = name.upper() if isinstance(name, str) else name
         if command not in COMMANDS:
@@ -542,7 +538,7 @@ class _GuardBase:
         lua_body: str,
         keys: Sequence[Key],
         args: Sequence[Value],
-        token: FencingToken | str | bytes,
+        token: TokenLike,
     ) -> GuardedCall:
         if not isinstance(lua_body, str) or not lua_body.strip():
             raise ConfigurationError("eval needs a non-empty Lua body")
@@ -577,12 +573,13 @@ class RedisGuard(_GuardBase):
     :class:`~fenced.BackendUnavailable` when Redis cannot be reached.
     """
 
+    @lock_keyword()
     def __init__(
         self,
         client: redis.Redis | redis.RedisCluster,
         resource: str,
-        lock: str | None = None,
         *,
+        lock: str | None = None,
         fence_key: str | None = None,
         verify: TokenVerifier | None = None,
     ) -> None:
@@ -600,39 +597,33 @@ class RedisGuard(_GuardBase):
         return reply
 
     @token_keyword("px")
-    def set(
-        self, key: Key, value: Value, *, token: FencingToken | str | bytes, px: int | None = None
-    ) -> bool:
+    def set(self, key: Key, value: Value, *, token: TokenLike, px: int | None = None) -> bool:
         """``SET key value [PX px]`` if ``token`` is not stale."""
         return bool(self._run(self._set_call(key, value, token, px)))
 
     @token_keyword()
-    def hset(
-        self, key: Key, mapping: Mapping[Key, Value], *, token: FencingToken | str | bytes
-    ) -> int:
+    def hset(self, key: Key, mapping: Mapping[Key, Value], *, token: TokenLike) -> int:
         """``HSET key field value ...`` if ``token`` is not stale; the number of new fields."""
         return int(self._run(self._hset_call(key, mapping, token)))
 
-    def delete(self, *keys: Key, token: FencingToken | str | bytes) -> int:
+    def delete(self, *keys: Key, token: TokenLike) -> int:
         """``DEL keys...`` if ``token`` is not stale; the number of keys removed."""
         return int(self._run(self._delete_call(keys, token)))
 
-    def command(self, name: str, key: Key, *args: Value, token: FencingToken | str | bytes) -> Any:
+    def command(self, name: str, key: Key, *args: Value, token: TokenLike) -> Any:
         """Any write of :data:`COMMANDS` (one key, the first argument), if ``token`` is not
         stale: ``guard.command("LTRIM", "{q}:log", 0, 999, token=t)``; its own reply."""
         return self._run(self._command_call(name, key, args, token))
 
-    def incrby(self, key: Key, amount: int = 1, *, token: FencingToken | str | bytes) -> int:
+    def incrby(self, key: Key, amount: int = 1, *, token: TokenLike) -> int:
         """``INCRBY key amount`` if ``token`` is not stale; the new value."""
         return int(self._run(self._command_call("INCRBY", key, [amount], token)))
 
-    def hincrby(
-        self, key: Key, field: Key, amount: int = 1, *, token: FencingToken | str | bytes
-    ) -> int:
+    def hincrby(self, key: Key, field: Key, amount: int = 1, *, token: TokenLike) -> int:
         """``HINCRBY key field amount`` if ``token`` is not stale; the new value."""
         return int(self._run(self._command_call("HINCRBY", key, [field, amount], token)))
 
-    def rpush(self, key: Key, *values: Value, token: FencingToken | str | bytes) -> int:
+    def rpush(self, key: Key, *values: Value, token: TokenLike) -> int:
         """``RPUSH key values...`` if ``token`` is not stale; the list's new length."""
         return int(self._run(self._command_call("RPUSH", key, values, token)))
 
@@ -641,13 +632,13 @@ class RedisGuard(_GuardBase):
         key: Key,
         fields: Mapping[Key, Value],
         *,
-        token: FencingToken | str | bytes,
+        token: TokenLike,
         id: str = "*",
     ) -> str:
         """``XADD key id field value ...`` if ``token`` is not stale; the entry's id."""
         return _text(self._run(self._command_call("XADD", key, _xadd_args(fields, id), token)))
 
-    def expire(self, key: Key, seconds: int, *, token: FencingToken | str | bytes) -> bool:
+    def expire(self, key: Key, seconds: int, *, token: TokenLike) -> bool:
         """``EXPIRE key seconds`` if ``token`` is not stale; False if the key does not exist."""
         return bool(self._run(self._command_call("EXPIRE", key, [seconds], token)))
 
@@ -658,7 +649,7 @@ class RedisGuard(_GuardBase):
         keys: Sequence[Key],
         args: Sequence[Value],
         *,
-        token: FencingToken | str | bytes,
+        token: TokenLike,
     ) -> Any:
         """Run your Lua, after the fence check, in the same script; return its return value.
 
@@ -668,7 +659,7 @@ class RedisGuard(_GuardBase):
         """
         return self._run(self._eval_call(lua_body, keys, args, token))
 
-    def fence(self, token: FencingToken | str | bytes) -> None:
+    def fence(self, token: TokenLike) -> None:
         """Raise the mark to ``token`` and write nothing else (``fence=`` on acquire): every
         lower token is refused from now on. StaleTokenError if a higher one was accepted."""
         self._run(self._eval_call("return 0", [], [], token))
@@ -707,12 +698,13 @@ class RedisGuard(_GuardBase):
 class AsyncRedisGuard(_GuardBase):
     """:class:`RedisGuard` for ``redis.asyncio.Redis`` (or ``redis.asyncio.RedisCluster``)."""
 
+    @lock_keyword()
     def __init__(
         self,
         client: redis.asyncio.Redis | redis.asyncio.RedisCluster,
         resource: str,
-        lock: str | None = None,
         *,
+        lock: str | None = None,
         fence_key: str | None = None,
         verify: TokenVerifier | None = None,
     ) -> None:
@@ -730,40 +722,32 @@ class AsyncRedisGuard(_GuardBase):
         return reply
 
     @token_keyword("px")
-    async def set(
-        self, key: Key, value: Value, *, token: FencingToken | str | bytes, px: int | None = None
-    ) -> bool:
+    async def set(self, key: Key, value: Value, *, token: TokenLike, px: int | None = None) -> bool:
         """See :meth:`RedisGuard.set`."""
         return bool(await self._run(self._set_call(key, value, token, px)))
 
     @token_keyword()
-    async def hset(
-        self, key: Key, mapping: Mapping[Key, Value], *, token: FencingToken | str | bytes
-    ) -> int:
+    async def hset(self, key: Key, mapping: Mapping[Key, Value], *, token: TokenLike) -> int:
         """See :meth:`RedisGuard.hset`."""
         return int(await self._run(self._hset_call(key, mapping, token)))
 
-    async def delete(self, *keys: Key, token: FencingToken | str | bytes) -> int:
+    async def delete(self, *keys: Key, token: TokenLike) -> int:
         """See :meth:`RedisGuard.delete`."""
         return int(await self._run(self._delete_call(keys, token)))
 
-    async def command(
-        self, name: str, key: Key, *args: Value, token: FencingToken | str | bytes
-    ) -> Any:
+    async def command(self, name: str, key: Key, *args: Value, token: TokenLike) -> Any:
         """See :meth:`RedisGuard.command`."""
         return await self._run(self._command_call(name, key, args, token))
 
-    async def incrby(self, key: Key, amount: int = 1, *, token: FencingToken | str | bytes) -> int:
+    async def incrby(self, key: Key, amount: int = 1, *, token: TokenLike) -> int:
         """See :meth:`RedisGuard.incrby`."""
         return int(await self._run(self._command_call("INCRBY", key, [amount], token)))
 
-    async def hincrby(
-        self, key: Key, field: Key, amount: int = 1, *, token: FencingToken | str | bytes
-    ) -> int:
+    async def hincrby(self, key: Key, field: Key, amount: int = 1, *, token: TokenLike) -> int:
         """See :meth:`RedisGuard.hincrby`."""
         return int(await self._run(self._command_call("HINCRBY", key, [field, amount], token)))
 
-    async def rpush(self, key: Key, *values: Value, token: FencingToken | str | bytes) -> int:
+    async def rpush(self, key: Key, *values: Value, token: TokenLike) -> int:
         """See :meth:`RedisGuard.rpush`."""
         return int(await self._run(self._command_call("RPUSH", key, values, token)))
 
@@ -772,14 +756,14 @@ class AsyncRedisGuard(_GuardBase):
         key: Key,
         fields: Mapping[Key, Value],
         *,
-        token: FencingToken | str | bytes,
+        token: TokenLike,
         id: str = "*",
     ) -> str:
         """See :meth:`RedisGuard.xadd`."""
         args = _xadd_args(fields, id)
         return _text(await self._run(self._command_call("XADD", key, args, token)))
 
-    async def expire(self, key: Key, seconds: int, *, token: FencingToken | str | bytes) -> bool:
+    async def expire(self, key: Key, seconds: int, *, token: TokenLike) -> bool:
         """See :meth:`RedisGuard.expire`."""
         return bool(await self._run(self._command_call("EXPIRE", key, [seconds], token)))
 
@@ -790,12 +774,12 @@ class AsyncRedisGuard(_GuardBase):
         keys: Sequence[Key],
         args: Sequence[Value],
         *,
-        token: FencingToken | str | bytes,
+        token: TokenLike,
     ) -> Any:
         """See :meth:`RedisGuard.eval`."""
         return await self._run(self._eval_call(lua_body, keys, args, token))
 
-    async def fence(self, token: FencingToken | str | bytes) -> None:
+    async def fence(self, token: TokenLike) -> None:
         """See :meth:`RedisGuard.fence`."""
         await self._run(self._eval_call("return 0", [], [], token))
 

@@ -218,7 +218,7 @@ def open_guard(
         client = redis.Redis.from_url(
             parsed.target, socket_timeout=timeout, socket_connect_timeout=timeout
         )
-        redis_guard = RedisGuard(client, resource, lock, verify=verify)
+        redis_guard = RedisGuard(client, resource, lock=lock, verify=verify)
         return OpenedGuard(parsed, redis_guard, None, client.close, client)
     if name == "sql":
         from .sql import SQLGuard
@@ -230,7 +230,7 @@ def open_guard(
         from .etcd import EtcdGuard
 
         options: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
-        guard = EtcdGuard(parsed.target, resource, lock, verify=verify, **options)
+        guard = EtcdGuard(parsed.target, resource, lock=lock, verify=verify, **options)
         return OpenedGuard(parsed, guard, None, guard.close)
     # file
     from .files import FileGuard

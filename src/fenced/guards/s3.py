@@ -51,13 +51,12 @@ from .._errors import (
     WrongLockError,
 )
 from .._signing import TokenVerifier
-from .._token import MAX_TOKEN, FencingToken, validate_lock_name
+from .._token import MAX_TOKEN, FencingToken, TokenLike, validate_lock_name
 from ._aws import Call, Plan, arun, error_code, is_transport_error, run
 from .files import Data, Version
 
 __all__ = ["AsyncS3VersionStore", "S3VersionStore"]
 
-TokenLike = FencingToken | str | bytes
 _NAME_RE: Final = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.@+=-]{0,199}")
 _VERSION_RE: Final = re.compile(r"([0-9]{19})\.([0-9]{6})")
 _MARK: Final = ".mark"

@@ -106,7 +106,7 @@ from typing import Any
 
 from .._errors import ConfigurationError, InvalidTokenError
 from .._signing import TokenVerifier
-from .._token import FencingToken, validate_lock_name
+from .._token import FencingToken, TokenLike, validate_lock_name
 from ._sql_driver import (
     CHECKED,
     aguarded_transaction,
@@ -146,9 +146,15 @@ from ._sql_plan import (
 )
 from ._token_arg import token_keyword
 
-__all__ = ["Add", "FenceConflictError", "RowGuard", "SQLFencer", "SQLGuard", "require_fence"]
-
-TokenLike = FencingToken | str | bytes
+__all__ = [
+    "Add",
+    "FenceConflictError",
+    "RowGuard",
+    "SQLFencer",
+    "SQLGuard",
+    "quote_table",
+    "require_fence",
+]
 
 
 def _lock_name(lock: str, what: str) -> str:

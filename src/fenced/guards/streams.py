@@ -37,11 +37,10 @@ from collections.abc import Sequence
 from typing import Any, Final
 
 from .._errors import ConfigurationError
-from .._token import FencingToken
+from .._token import TokenLike
 
 __all__ = ["AsyncFencedStreamConsumer", "FencedStreamConsumer"]
 
-TokenLike = FencingToken | str | bytes
 _ID_RE: Final = re.compile(r"([0-9]{1,20})-([0-9]{1,20})")
 _ID_PART_MAX: Final = 2**64 - 1
 

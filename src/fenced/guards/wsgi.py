@@ -155,7 +155,10 @@ class FencingWSGIMiddleware(MiddlewareSettings):
     def close(self, *, close_store: bool = False) -> None:
         """Stop the middleware's event-loop thread; with ``close_store``, close the store
         first, on the loop it ran on (otherwise the store is yours to close)."""
-        closer = getattr(self.store, "close", None) if close_store else None
+        # aclose: fenced's stores; close: a store of your own written before issue 27.
+        closer = None
+        if close_store:
+            closer = getattr(self.store, "aclose", None) or getattr(self.store, "close", None)
         if not self._portal.closed:
             self._portal.stop(final=None if closer is None else closer())
 

@@ -72,12 +72,12 @@ from .._errors import (
     WrongLockError,
 )
 from .._signing import TokenVerifier
-from .._token import MAX_TOKEN, FencingToken, validate_lock_name
+from .._token import MAX_TOKEN, FencingToken, TokenLike, validate_lock_name
 from ._sql_plan import validate_resource  # (the one rule for resource names)
+from ._token_arg import lock_keyword
 
 __all__ = ["AsyncZooKeeperGuard", "ZooKeeperGuard"]
 
-TokenLike = FencingToken | str | bytes
 _RETRIES: Final = 50  # mark moves under a writer; each retry reads the newer mark
 NAMESPACE: Final = "fenced"
 """A path component no guarded operation may contain, under any chroot: fenced's own nodes
@@ -102,12 +102,13 @@ class ZooKeeperGuard:
     subtree. ``verify``: check signed tokens before the mark (see ``fenced._signing``).
     """
 
+    @lock_keyword()
     def __init__(
         self,
         client: Any,
         resource: str,
-        lock: str | None = None,
         *,
+        lock: str | None = None,
         root: str = "/fenced",
         verify: TokenVerifier | None = None,
     ) -> None:
@@ -384,8 +385,9 @@ def _data_error(exc: Exception, path: object) -> Exception:
 class AsyncZooKeeperGuard:
     """:class:`ZooKeeperGuard` for asyncio: the same code, each call on a worker thread."""
 
-    def __init__(self, client: Any, resource: str, lock: str | None = None, **kw: Any) -> None:
-        self.sync = ZooKeeperGuard(client, resource, lock, **kw)
+    @lock_keyword()
+    def __init__(self, client: Any, resource: str, *, lock: str | None = None, **kw: Any) -> None:
+        self.sync = ZooKeeperGuard(client, resource, lock=lock, **kw)
         self.resource = self.sync.resource
 
     async def fence(self, token: TokenLike) -> None:

@@ -62,10 +62,12 @@ class Group:
         min_members: int = 1,
         timeout: float = 10.0,
     ) -> None:
-        self._portal: Portal = source._portal
+        # The loop of the connection it was made on, kept: in a child forked after it was
+        # made, every call raises (its members' connections are the parent's).
+        self._portal: Portal = source.portal
         self.aio = AsyncGroup(
             name,
-            source._async,
+            source.aio,
             members,
             on_failure=on_failure,
             min_members=min_members,
@@ -113,7 +115,13 @@ class Group:
 
     def writer(self, lease: Lease) -> Writer:
         """See :meth:`AsyncGroup.writer`."""
-        return Writer(self, self._portal.call(self.aio.writer(lease._inner)))
+        return Writer(self, self._portal.call(self.aio.writer(lease.aio)))
+
+    @property
+    def portal(self) -> Portal:
+        """The loop the group runs on (its connection's, see :attr:`fenced.Locks.portal`):
+        ``group.portal.call(coro)`` runs a coroutine of :attr:`aio` there."""
+        return self._portal
 
     def close(self) -> None:
         """Close the members' own connections (the guards you gave stay yours)."""
@@ -134,7 +142,7 @@ class Writer:
     """The synchronous :class:`AsyncWriter`."""
 
     def __init__(self, group: Group, aio: AsyncWriter) -> None:
-        self._portal = group._portal
+        self._portal = group.portal
         self.aio = aio
 
     @property

@@ -644,6 +644,12 @@ class AsyncWriter:
     def configuration(self) -> Configuration | None:
         return self._cfg
 
+    @property
+    def seq(self) -> int:
+        """The sequence number of this writer's latest write: its item's stamp is
+        ``stamp(token.value, seq)``, and the next write's is one more."""
+        return self._seq
+
     async def establish(self) -> Configuration:
         """Fence every member of the current configuration with this writer's token, remove
         (or fail on) members that cannot be reached, and give every member the newest item of

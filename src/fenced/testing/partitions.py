@@ -109,7 +109,7 @@ class _RedisRegister:
         from fenced.guards.redis import RedisGuard
 
         self.client = redis.Redis.from_url(url, socket_timeout=5)
-        self.guard = RedisGuard(self.client, RESOURCE, LOCK)
+        self.guard = RedisGuard(self.client, RESOURCE, lock=LOCK)
         self.unguarded = unguarded
 
     def write(self, token: Any, value: str) -> None:

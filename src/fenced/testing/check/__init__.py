@@ -31,6 +31,7 @@ from ._checkers import (
     tokens_never_decrease_in_acceptance_order,
 )
 from ._history import Event, History, read_history
+from ._plants import plant_role
 from ._resources import Resource, open_resource
 
 __all__ = [
@@ -55,6 +56,7 @@ __all__ = [
     "no_token_granted_twice",
     "only_granted_tokens_accepted",
     "open_resource",
+    "plant_role",
     "read_history",
     "run_campaign",
     "tokens_never_decrease_in_acceptance_order",

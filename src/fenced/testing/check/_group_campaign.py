@@ -248,7 +248,7 @@ def final_state(cluster: GroupCluster, out: Path, attempts: int = 20) -> None:
             cfg = group.configuration()
             history.log(op="final_config", epoch=cfg.epoch, members=list(cfg.members))
             for name in cfg.members:
-                snap = group._portal.call(group.aio.member(name).read(None))
+                snap = group.portal.call(group.aio.member(name).read(None))
                 history.log(
                     op="final",
                     member=name,
@@ -396,7 +396,7 @@ def _holder(op: fenced.replicated.Group, writers: list[Any]) -> Any:
     """The writer holding the group's lock now, if any: pausing it is the fault that matters
     (it wakes past its lease in the middle of its writes; a paused waiter tests little)."""
     try:
-        status = op._portal.call(op.aio.source.status(GROUP))
+        status = op.portal.call(op.aio.source.status(GROUP))
     except fenced.FencedError:
         return None
     found = re.search(r"\bpid (\d+)", status.owner or "") if status.holder else None

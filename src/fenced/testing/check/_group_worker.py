@@ -23,7 +23,7 @@ from typing import Any
 import fenced
 from fenced.replicated import AsyncGroup, Group, Item, Member, Snapshot
 
-from ._group_plants import apply_plant
+from ...replicated.planted import apply_plant
 
 
 class History:
@@ -175,7 +175,7 @@ def writer(config: dict[str, Any], history: History) -> None:
                         count = int(value.split(":", 1)[0]) + 1 if value else 1
                         new = f"{count}:{history.proc}:{rounds}.{i}"
                         ident = uuid.uuid4().hex
-                        stamp_next = fenced.replicated.stamp(w.token.value, w.aio._seq + 1)
+                        stamp_next = fenced.replicated.stamp(w.token.value, w.aio.seq + 1)
                         history.log(
                             op="invoke",
                             id=ident,

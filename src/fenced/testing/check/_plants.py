@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 from ..._errors import ConfigurationError, StaleTokenError
 from ..._signing import Keyring, TokenVerifier
 from ..._token import FencingToken
-from ._resources import KEY, _query, _sqlite_transaction
+from ._register import KEY, query_of, sqlite_transaction
 
 __all__ = ["PLANTS", "SIGNING_PLANTS", "PlantedSQLite", "plant_role"]
 
@@ -70,7 +70,7 @@ class PlantedSQLite:
     mistake. URL: ``planted+sqlite:///PATH?plant=NAME``."""
 
     def __init__(self, url: str, lock: str, verify: TokenVerifier | None = None) -> None:
-        self.plant = _query(url).get("plant", "")
+        self.plant = query_of(url).get("plant", "")
         self.verify = verify
         if self.plant and plant_role(self.plant) != "resource":
             raise ConfigurationError(f"{self.plant!r} is not a planted resource fault")
@@ -138,7 +138,7 @@ class PlantedSQLite:
 
     def read(self, token: FencingToken) -> bytes | None:
         db = self._db()
-        with _sqlite_transaction(db):
+        with sqlite_transaction(db):
             if self.plant not in ("no-fence", "unfenced-read"):
                 self._fence(db, token)
             row = db.execute("SELECT data FROM fenced_check WHERE id = ?", (KEY,)).fetchone()
@@ -150,18 +150,18 @@ class PlantedSQLite:
     def write(self, token: FencingToken, data: bytes) -> None:
         db = self._db()
         if self.plant == "check-then-write":
-            with _sqlite_transaction(db):
+            with sqlite_transaction(db):
                 self._fence(db, token)
             self.critical()  # (a pause here lets a newer holder write first)
-            with _sqlite_transaction(db):
+            with sqlite_transaction(db):
                 self._put(db, data)
         elif self.plant == "write-then-check":
-            with _sqlite_transaction(db):
+            with sqlite_transaction(db):
                 self._put(db, data)
-            with _sqlite_transaction(db):
+            with sqlite_transaction(db):
                 self._fence(db, token)
         else:
-            with _sqlite_transaction(db):
+            with sqlite_transaction(db):
                 if self.plant != "no-fence":
                     self._fence(db, token)
                 self._put(db, data)

@@ -36,23 +36,21 @@ With no URL the kit uses an embedded SQLite file in the report directory.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import sqlite3
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import urlsplit
 
 from ..._backend import redacted
 from ..._errors import ConfigurationError, StaleTokenError
 from ..._signing import TokenVerifier
 from ..._token import FencingToken
+from ._register import KEY, sqlite_transaction
 
 __all__ = ["HttpResource", "Resource", "SQLResource", "open_resource"]
-
-KEY = "fenced-check"
 
 
 @runtime_checkable
@@ -68,17 +66,12 @@ class Resource(Protocol):
     def close(self) -> None: ...
 
 
-def _query(url: str) -> dict[str, str]:
-    return {k: v[-1] for k, v in parse_qs(urlsplit(url).query).items()}
-
-
 class SQLResource:
     """One row ``(id, data)`` of a table, fenced by :class:`~fenced.guards.sql.SQLGuard` in the
     same transaction as the read and the write (SQLite file or PostgreSQL)."""
 
     def __init__(self, url: str, lock: str, verify: TokenVerifier | None = None) -> None:
-        from ...guards._sql_plan import quote_table
-        from ...guards.sql import SQLGuard
+        from ...guards.sql import SQLGuard, quote_table
 
         parsed = _guard_url(url)
         if parsed.kind.name != "sql":
@@ -122,7 +115,7 @@ class SQLResource:
 
     def _transaction(self, conn: Any) -> Any:
         if self.driver == "sqlite":
-            return _sqlite_transaction(conn)
+            return sqlite_transaction(conn)
         return conn.transaction()
 
     def read(self, token: FencingToken) -> bytes | None:
@@ -147,17 +140,6 @@ class SQLResource:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
-
-
-@contextlib.contextmanager
-def _sqlite_transaction(conn: sqlite3.Connection) -> Any:
-    conn.execute("BEGIN IMMEDIATE")  # the writer's lock first: no upgrade deadlock
-    try:
-        yield
-    except BaseException:
-        conn.execute("ROLLBACK")
-        raise
-    conn.execute("COMMIT")
 
 
 class RedisResource:
@@ -212,7 +194,7 @@ class EtcdResource:
         txn = rpc.TxnRequest()
         for op in ops:
             txn.success.append(op)
-        return self.guard._portal.call(self.guard.aio._txn(txn, write=write))
+        return self.guard.portal.call(self.guard.aio._txn(txn, write=write))
 
     def _get(self) -> bytes | None:
         from ...guards.etcd import get_op
@@ -262,7 +244,7 @@ class FileResource:
         self.guard.collect_garbage("register")
 
     def read(self, token: FencingToken) -> bytes | None:
-        return self.guard.claim("register", token) or None
+        return self.guard.claim("register", token=token) or None
 
     def write(self, token: FencingToken, data: bytes) -> None:
         self.guard.write("register", data, token=token)

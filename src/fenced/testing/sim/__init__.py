@@ -8,6 +8,7 @@ docs/testing.md.
 from __future__ import annotations
 
 from ..._backend import register_backend
+from . import _group  # noqa: F401  (the "group" system adds its run to SYSTEM_RUNS)
 from ._loop import Stuck, VirtualLoop
 from ._run import SeedsResult, run_seeds, shrink
 from ._world import (

@@ -45,7 +45,16 @@ from ...replicated import (
     stamp,
 )
 from ..check._checkers import Violation
-from ._world import LOCK, SimBackend, _Client, _restart_source, _running, _World, failures
+from ._world import (
+    LOCK,
+    SYSTEM_RUNS,
+    SimBackend,
+    _Client,
+    _restart_source,
+    _running,
+    _World,
+    failures,
+)
 
 __all__ = ["GroupRun"]
 
@@ -191,7 +200,7 @@ class GroupRun:
                         c.running.set()
                     sent = w.now()
                     await writer.set(key, f"{token.value}.{r}.{i}")
-                    done = stamp(token.value, writer._seq)
+                    done = stamp(token.value, writer.seq)
                     w.record(c.name, "ack", key=key, stamp=done, token=token.value, sent=sent)
                 if w.rng.random() < 0.5:
                     await self.read(c, group, w.rng.choice(KEYS), token)
@@ -367,3 +376,6 @@ def _stale_write(acks: list[dict[str, Any]]) -> list[Violation]:
                 )
             ]
     return []
+
+
+SYSTEM_RUNS["group"] = GroupRun

@@ -1,6 +1,9 @@
 """Bugs planted in ``fenced.replicated``, each the omission of one step of the protocol, so
 the tests can show that the group checkers catch it (a checker that cannot fail proves
 nothing). Applied by name in a campaign's processes; never used outside tests.
+
+They replace steps of the group's own code, so they live beside it (and change with it)
+rather than reaching into its private methods from the check kit (issue 27).
 """
 
 from __future__ import annotations
@@ -9,7 +12,8 @@ import secrets
 from collections.abc import Callable
 from typing import Any
 
-from ...replicated import AsyncGroup, AsyncWriter, Configuration, Item
+from ._group import AsyncGroup, AsyncWriter, Configuration
+from ._members import Item
 
 __all__ = ["GROUP_PLANTS", "apply_plant", "plant_patches"]
 
