@@ -22,6 +22,7 @@ from ._world import (
 )
 
 register_backend("sim", SimBackend)
+register_backend("simgw", "fenced.testing.sim._gateways:GwSourceBackend")
 
 __all__ = [
     "FAULTS",

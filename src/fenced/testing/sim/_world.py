@@ -54,10 +54,14 @@ __all__ = ["FAULTS", "SIM_PLANTS", "Config", "Outcome", "simulate"]
 
 LOCK = "counter"
 RPC_TIMEOUT = 0.5  # a client gives up on an answer after this long (the message may land later)
-FAULTS = ("pause", "stall", "crash", "source", "resource", "wipe", "loss", "dup", "delay")
+FAULTS = (
+    "pause", "stall", "crash", "source", "resource", "wipe", "loss", "dup", "delay",
+    "gateway", "jump", "foreign",
+)  # fmt: skip
 # What the simulator runs: fenced's lease core with one SQL-guarded resource ("lease"), or the
-# replicated group (fenced.replicated) on members behind real SQL guards ("group").
-SYSTEMS = ("lease", "group")
+# replicated group (fenced.replicated) on members behind real SQL guards ("group"), or the
+# grant bookkeeping of several fenced serve gateways sharing one source ("gateway").
+SYSTEMS = ("lease", "group", "gateway")
 # The check kit's plants the simulator can play, plus one of its own. (It has no signed
 # tokens and no forger, and its source's volatile counter is counter-not-fsynced.)
 NOT_SIMULATED = frozenset(
@@ -69,13 +73,24 @@ SIM_PLANTS: dict[str, str] = {
     "empty-member-counted": "(group) a member restarted empty is counted as holding the "
     "acknowledged writes: it ignores since=, the behaviour before MemberBehindError",
     "member-unfenced": "(group) members apply changes without their guard's lock fence",
+    "gw-release-any-key": "(gateway) a release finds the grant by its token, whoever's "
+    "request id it names: the key check on release is forgotten",
+    "gw-retry-new-grant": "(gateway) each gateway gives an acquire a source id of its own, "
+    "kept in its memory: a retry through another gateway, or after a restart, asks for a "
+    "second grant",
+    "gw-expiry-recounted": "(gateway) a release that finds its grant gone counts an expiry "
+    "(again, if the sweep counted it)",
 }
 GROUP_PLANTS = frozenset({"empty-member-counted", "member-unfenced"})
+GATEWAY_PLANTS = frozenset({"gw-release-any-key", "gw-retry-new-grant", "gw-expiry-recounted"})
 
 
 def plant_system(plant: str) -> str:
-    """The system a plant lives in (a group plant needs ``--system group``)."""
-    return "group" if plant in GROUP_PLANTS else "lease"
+    """The system a plant lives in (a group plant needs ``--system group``, a gateway plant
+    ``--system gateway``)."""
+    if plant in GROUP_PLANTS:
+        return "group"
+    return "gateway" if plant in GATEWAY_PLANTS else "lease"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -591,7 +606,7 @@ def simulate(cfg: Config) -> Outcome:
         )
     loop = VirtualLoop()
     # (A lost lease, a change left unfinished and completed: routine here.)
-    quiet = [logging.getLogger(n) for n in ("fenced", "fenced.replicated")]
+    quiet = [logging.getLogger(n) for n in ("fenced", "fenced.replicated", "fenced.server")]
     was_disabled = [q.disabled for q in quiet]
     for q in quiet:
         q.disabled = True
@@ -601,11 +616,15 @@ def simulate(cfg: Config) -> Outcome:
     try:
         w = _World(cfg, loop)
         stuck: list[Violation] = []
-        group = None
+        group: Any = None
         if cfg.system == "group":
             from ._group import GroupRun  # (it builds on this module)
 
             group = w.group = GroupRun(w)
+        elif cfg.system == "gateway":
+            from ._gateways import GatewayRun
+
+            group = w.group = GatewayRun(w)
         try:
             loop.run_until_complete(_main(w) if group is None else group.main())
         except Stuck as exc:
