@@ -22,6 +22,7 @@ import pytest
 
 from fenced import AsyncLocks, _clock
 from fenced._backend import Grant
+from fenced._errors import LeaseLostError
 from fenced.server._auth import ApiKey, Verb, hash_secret
 from fenced.server._gateway import ForeignGrant, Gateway
 from fenced.testing.sim import VirtualLoop
@@ -160,6 +161,25 @@ def test_another_keys_request_id_is_refused_and_changes_nothing() -> None:
         await gw.renew_for(alice, "l", grant.token, "job", 1.0)
         assert await gw.release_for(alice, "l", grant.token, "job") is True
         assert gw.metrics.refused.labels("forbidden")._value.get() == 4
+        await gw.stop()
+
+    _virtual(body)
+
+
+def test_a_renewal_overtaking_a_release_is_not_counted_as_an_expiry() -> None:
+    """The same class: a late renewal finds the grant gone while the release that took it is
+    still on its way back — lost, not expired."""
+
+    async def body(url: str) -> None:
+        gw = await _gateway(url)
+        grant, _ = await gw.acquire("l", "r", 5.0, 0.0, "o")
+        gw._backend = _SlowFirstRelease(gw._backend)
+        releasing = asyncio.ensure_future(gw.release("l", grant.token, "r"))
+        await asyncio.sleep(0.001)  # (the release landed; its answer is on its way)
+        with pytest.raises(LeaseLostError):
+            await gw.renew("l", grant.token, "r", 5.0)
+        assert await releasing is True
+        assert [e.event for e in gw.events] == ["granted", "released"]
         await gw.stop()
 
     _virtual(body)

@@ -238,7 +238,8 @@ class Gateway:
             new = await self.backend.renew(grant)
         except LeaseLostError:
             self.metrics.renewals.labels("lost").inc()
-            self._ended(key, token)
+            if not self._release_pending(key, token):
+                self._ended(key, token)
             raise
         except Exception:
             self.metrics.renewals.labels("error").inc()
@@ -275,11 +276,8 @@ class Gateway:
             self._grants.pop(key, None)
             self._note(name, "released", token, self._owners.pop(key, None))
             self.metrics.tracked.set(len(self._grants))
-        elif self._releasing[(*key, token.value)] == 1:
-            # It ended before: an expiry, if this gateway knew it; a repeat: nothing. (Not
-            # while another release of it is under way here — the same request delivered
-            # twice: the one that released it may answer second, and a grant released is
-            # no expiry. Found by fenced sim --system gateway.)
+        elif not self._release_pending(key, token, mine=1):
+            # It ended before: an expiry, if this gateway knew it; a repeat: nothing.
             self._ended(key, token)
         return released
 
@@ -300,6 +298,14 @@ class Gateway:
         grant = self._grants.get((name, request_id))
         if grant is not None:
             self._ended((name, request_id), grant.token)
+
+    def _release_pending(self, key: tuple[str, str], token: FencingToken, mine: int = 0) -> bool:
+        """True if a release of this grant is under way here (besides ``mine``, the caller's
+        own): the grant may be found gone because that release took it, and a grant released
+        is no expiry — the release settles it. (The same release delivered twice, a renewal
+        or the sweep overtaking a release: the copy that found it gone answered first and
+        counted an expiry. Found by ``fenced sim --system gateway``.)"""
+        return self._releasing.get((*key, token.value), 0) > mine
 
     def _supersede(self, key: tuple[str, str], token: FencingToken) -> None:
         """``key``'s request id holds ``token`` now: an older grant kept here under the same
@@ -345,7 +351,7 @@ class Gateway:
             if live and status.token == grant.token and status.holder == key[1]:
                 del self._grants[key]  # still held: renewed through another gateway
                 self._owners.pop(key, None)
-            else:
+            elif not self._release_pending(key, grant.token):
                 self._ended(key, grant.token)
         self.metrics.tracked.set(len(self._grants))
 
