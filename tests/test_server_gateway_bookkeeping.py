@@ -183,3 +183,38 @@ def test_a_renewal_overtaking_a_release_is_not_counted_as_an_expiry() -> None:
         await gw.stop()
 
     _virtual(body)
+
+
+class _SlowRenewal:
+    """The real source, with the answer to a renewal held back 10 ms (the network)."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.backend, name)
+
+    async def renew(self, grant: Grant) -> Grant:
+        renewed: Grant = await self.backend.renew(grant)
+        await asyncio.sleep(0.01)
+        return renewed
+
+
+def test_a_renewal_answered_after_the_release_does_not_bring_the_grant_back() -> None:
+    """A renewal sent before the release and answered after it put the released grant back
+    in the table, and the sweep counted it as expired later."""
+
+    async def body(url: str) -> None:
+        gw = await _gateway(url)
+        grant, _ = await gw.acquire("l", "r", 1.0, 0.0, "o")
+        gw._backend = _SlowRenewal(gw._backend)
+        renewing = asyncio.ensure_future(gw.renew("l", grant.token, "r", 1.0))
+        await asyncio.sleep(0.001)  # (the renewal landed; its answer is on its way)
+        assert await gw.release("l", grant.token, "r") is True
+        await renewing  # (it did renew, before the release: a true answer)
+        assert not gw._grants and not gw._renewing and not gw._settled
+        await asyncio.sleep(4.0)  # the sweep has had its looks
+        assert [e.event for e in gw.events] == ["granted", "released"]
+        await gw.stop()
+
+    _virtual(body)

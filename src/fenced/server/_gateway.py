@@ -104,6 +104,8 @@ class Gateway:
         self._grants: dict[tuple[str, str], Grant] = {}
         self._owners: dict[tuple[str, str], str] = {}
         self._releasing: dict[tuple[str, str, int], int] = {}  # releases under way, by grant
+        self._renewing: dict[tuple[str, str, int], int] = {}  # renewals under way, by grant
+        self._settled: set[tuple[str, str, int]] = set()  # released/ended while renewing
         self._changed: dict[str, asyncio.Event] = {}
         self._sweeper: asyncio.Task[None] | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -233,6 +235,8 @@ class Gateway:
         self, name: str, token: FencingToken, request_id: str, ttl: float | None
     ) -> Grant:
         key = (name, request_id)
+        mark = (name, request_id, token.value)
+        self._renewing[mark] = self._renewing.get(mark, 0) + 1
         try:
             grant = await self._grant_of(name, token, request_id, ttl or self.default_ttl)
             new = await self.backend.renew(grant)
@@ -244,11 +248,33 @@ class Gateway:
         except Exception:
             self.metrics.renewals.labels("error").inc()
             raise
+        finally:
+            stale = self._renewed(mark)
         self.metrics.renewals.labels("ok").inc()
+        if stale:  # (its answer came back after the grant was released or ended here:
+            return new  # kept again, it would be counted an expiry later)
         self._supersede(key, new.token)
         self._grants[key] = new
         self.metrics.tracked.set(len(self._grants))
         return new
+
+    def _renewed(self, mark: tuple[str, str, int]) -> bool:
+        """One renewal of ``mark`` is done; True if the grant was released or ended here
+        while it was on its way (a renewal sent before the release, answered after it)."""
+        left = self._renewing.pop(mark) - 1
+        stale = mark in self._settled
+        if left:
+            self._renewing[mark] = left
+        else:
+            self._settled.discard(mark)
+        return stale
+
+    def _settle(self, key: tuple[str, str], token: FencingToken) -> None:
+        """The grant was released or ended here: renewals of it under way must not put it
+        back in the table when they are answered (found by ``fenced sim --system gateway``)."""
+        mark = (*key, token.value)
+        if mark in self._renewing:
+            self._settled.add(mark)
 
     async def release(self, name: str, token: FencingToken, request_id: str) -> bool:
         key = (name, request_id, token.value)
@@ -273,6 +299,7 @@ class Gateway:
         self.metrics.releases.labels("released" if released else "not_held").inc()
         if released:
             self._supersede(key, token)
+            self._settle(key, token)
             self._grants.pop(key, None)
             self._note(name, "released", token, self._owners.pop(key, None))
             self.metrics.tracked.set(len(self._grants))
@@ -323,6 +350,7 @@ class Gateway:
         if grant is None or grant.token.value != token.value:
             return
         del self._grants[key]
+        self._settle(key, token)
         self.metrics.expiries.inc()
         self._note(key[0], "expired", token, self._owners.pop(key, None))
         self.metrics.tracked.set(len(self._grants))
