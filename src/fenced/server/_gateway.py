@@ -104,8 +104,8 @@ class Gateway:
         self._grants: dict[tuple[str, str], Grant] = {}
         self._owners: dict[tuple[str, str], str] = {}
         self._releasing: dict[tuple[str, str, int], int] = {}  # releases under way, by grant
-        self._renewing: dict[tuple[str, str, int], int] = {}  # renewals under way, by grant
-        self._settled: set[tuple[str, str, int]] = set()  # released/ended while renewing
+        self._busy: dict[tuple[str, str], int] = {}  # acquires and renewals under way
+        self._settled: dict[tuple[str, str], set[int]] = {}  # released/ended meanwhile
         self._changed: dict[str, asyncio.Event] = {}
         self._sweeper: asyncio.Task[None] | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -199,7 +199,10 @@ class Gateway:
         """Grant ``name`` to ``request_id`` (idempotent), waiting FIFO up to ``wait`` seconds;
         LockTimeout after that. Returns the grant and its token as the holder gets it."""
         start = _clock.now()
+        key = (name, request_id)
         self.metrics.waiting.inc()
+        self._begin(key)
+        grant: Grant | None = None
         try:
             grant = await self.backend.acquire(
                 name,
@@ -214,9 +217,11 @@ class Gateway:
             raise
         finally:
             self.metrics.waiting.dec()
+            stale = self._done(key, grant)
         self.metrics.grants.inc()
         self.metrics.wait.observe(_clock.now() - start)
-        key = (name, request_id)
+        if stale:  # (a retry answered after its grant was released or ended here)
+            return grant, self.locks.sign(grant.token)
         self._supersede(key, grant.token)
         if key not in self._grants:
             self._note(name, "granted", grant.token, owner)
@@ -235,8 +240,8 @@ class Gateway:
         self, name: str, token: FencingToken, request_id: str, ttl: float | None
     ) -> Grant:
         key = (name, request_id)
-        mark = (name, request_id, token.value)
-        self._renewing[mark] = self._renewing.get(mark, 0) + 1
+        self._begin(key)
+        new: Grant | None = None
         try:
             grant = await self._grant_of(name, token, request_id, ttl or self.default_ttl)
             new = await self.backend.renew(grant)
@@ -249,7 +254,7 @@ class Gateway:
             self.metrics.renewals.labels("error").inc()
             raise
         finally:
-            stale = self._renewed(mark)
+            stale = self._done(key, new)
         self.metrics.renewals.labels("ok").inc()
         if stale:  # (its answer came back after the grant was released or ended here:
             return new  # kept again, it would be counted an expiry later)
@@ -258,23 +263,27 @@ class Gateway:
         self.metrics.tracked.set(len(self._grants))
         return new
 
-    def _renewed(self, mark: tuple[str, str, int]) -> bool:
-        """One renewal of ``mark`` is done; True if the grant was released or ended here
-        while it was on its way (a renewal sent before the release, answered after it)."""
-        left = self._renewing.pop(mark) - 1
-        stale = mark in self._settled
+    def _begin(self, key: tuple[str, str]) -> None:
+        self._busy[key] = self._busy.get(key, 0) + 1
+
+    def _done(self, key: tuple[str, str], grant: Grant | None) -> bool:
+        """An acquire or renewal of ``key`` is done; True if its grant was released or ended
+        here while it was on its way (sent before the release, answered after it): kept
+        again, it would be counted an expiry later (found by ``fenced sim --system
+        gateway``)."""
+        left = self._busy.pop(key) - 1
+        stale = grant is not None and grant.token.value in self._settled.get(key, ())
         if left:
-            self._renewing[mark] = left
+            self._busy[key] = left
         else:
-            self._settled.discard(mark)
+            self._settled.pop(key, None)
         return stale
 
     def _settle(self, key: tuple[str, str], token: FencingToken) -> None:
-        """The grant was released or ended here: renewals of it under way must not put it
-        back in the table when they are answered (found by ``fenced sim --system gateway``)."""
-        mark = (*key, token.value)
-        if mark in self._renewing:
-            self._settled.add(mark)
+        """The grant was released or ended here: acquires and renewals of it under way must
+        not put it back in the table when they are answered."""
+        if key in self._busy:
+            self._settled.setdefault(key, set()).add(token.value)
 
     async def release(self, name: str, token: FencingToken, request_id: str) -> bool:
         key = (name, request_id, token.value)
