@@ -82,7 +82,9 @@ class Gateway:
     """The grant bookkeeping of one ``fenced serve`` process, free of HTTP: the ``*_for``
     methods take the caller's API key (None: a server without keys) and are what the routes
     call; the simulator (``fenced sim --system gateway``) drives the same methods on virtual
-    time. ``wall`` stamps the transitions shown to people (never a deadline)."""
+    time. ``wall`` stamps the transitions shown to people (never a deadline); ``metrics``, if
+    given, is where it counts (the simulator's gateways share one: a registry costs more to
+    make than a simulated gateway's whole life)."""
 
     def __init__(
         self,
@@ -92,13 +94,14 @@ class Gateway:
         default_ttl: float,
         events: int = 200,
         wall: Callable[[], float] = time.time,
+        metrics: Metrics | None = None,
     ) -> None:
         self.locks = locks
         self.wall = wall
         self.max_wait = max_wait
         self.default_ttl = default_ttl
         self._backend: Backend | None = None
-        self.metrics = Metrics(source_commits=self._source_commits)
+        self.metrics = metrics or Metrics(source_commits=self._source_commits)
         self.events: collections.deque[Transition] = collections.deque(maxlen=events)
         self.stopping = asyncio.Event()
         self._grants: dict[tuple[str, str], Grant] = {}

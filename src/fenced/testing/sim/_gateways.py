@@ -49,6 +49,7 @@ from ..._lease import AsyncLocks
 from ..._token import FencingToken
 from ...server._auth import ApiKey, Verb, hash_secret
 from ...server._gateway import ForeignGrant, Gateway, own_id
+from ...server._metrics import Metrics
 from ..check._checkers import Violation, check_all
 from ..check._resources import SQLResource
 from ._world import _Client, _running, _World, failures
@@ -363,7 +364,13 @@ class _Gw:
         url = f"{id(w)}-{self.name.replace('#', '.')}"
         GwSourceBackend._gateways[url] = self
         cls = _PLANTED.get(w.cfg.plant, _SimGateway)
-        g = cls(AsyncLocks(f"simgw://{url}"), max_wait=10.0, default_ttl=w.cfg.ttl, wall=w.now)
+        g = cls(
+            AsyncLocks(f"simgw://{url}"),
+            max_wait=10.0,
+            default_ttl=w.cfg.ttl,
+            wall=w.now,
+            metrics=_metrics(),  # (the checkers read the transitions, not the counters)
+        )
         g.run, g.gw_name = self.run, self.name
         if isinstance(g, _RetryNewGrant):
             g._ids, g._serial = {}, itertools.count(1)
@@ -377,6 +384,16 @@ class _Gw:
             t.cancel()
         if self.gateway is not None and self.gateway._sweeper is not None:
             self.gateway._sweeper.cancel()
+
+
+_METRICS: list[Metrics] = []
+
+
+def _metrics() -> Metrics:
+    """One registry for every simulated gateway of this process (never read: see _note)."""
+    if not _METRICS:
+        _METRICS.append(Metrics())
+    return _METRICS[0]
 
 
 class _NoAnswer(BackendUnavailable):
