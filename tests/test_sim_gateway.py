@@ -104,3 +104,17 @@ def test_the_cli_runs_the_gateway_workload_and_replays_a_planted_bug() -> None:
         capture_output=True, text=True, env=env, timeout=120,
     )  # fmt: skip
     assert again.returncode == 65 and "VIOLATION foreign-request" in again.stdout
+
+
+def test_a_gateway_that_raises_is_a_violation(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the HTTP layer would answer with a 500 (an exception no route expects) is a
+    violation of the seed, not a request that silently went unanswered."""
+    from fenced.server._gateway import Gateway
+
+    async def boom(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("planted")
+
+    monkeypatch.setattr(Gateway, "release_for", boom)
+    outcome = simulate(Config(seed=3, system="gateway"))
+    errors = [v for v in outcome.violations if v.checker == "error"]
+    assert errors and "RuntimeError: planted" in str(errors[0]), outcome.violations
