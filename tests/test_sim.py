@@ -19,8 +19,8 @@ from fenced.testing.sim import SIM_PLANTS, Config, plant_system, run_seeds, shri
 from tests.helpers import ROOT
 
 # 10,000 seeds in all: 8,000 of the lease system, 1,000 of the group's and 1,000 of the
-# gateways' (tests/test_sim_gateway.py); a group or gateway seed costs about 3.5 times a lease
-# seed (docs/benchmarks.md). FENCED_SIM_SEEDS and FENCED_SIM_START for a long run elsewhere.
+# gateways' (tests/test_sim_gateway.py); a group seed costs about 3.5 lease seeds, a gateway
+# seed about 2.5 (docs/benchmarks.md). FENCED_SIM_SEEDS and FENCED_SIM_START for a long run elsewhere.
 CI_SEEDS = int(os.environ.get("FENCED_SIM_SEEDS", "10000"))
 START = int(os.environ.get("FENCED_SIM_START", "0"))
 GROUP_SEEDS = CI_SEEDS // 10
