@@ -1,6 +1,7 @@
 """Deterministic simulation of fencing (``fenced sim``): fenced's real lease core and guard
-(``system="lease"``), or its real replicated group on members behind real SQL guards
-(``system="group"``), on a virtual-time event loop, with a simulated token source and network,
+(``system="lease"``), its real replicated group on members behind real SQL guards
+(``system="group"``), or ``fenced serve``'s real grant bookkeeping in several gateways
+(``system="gateway"``), on a virtual-time event loop, with a simulated token source and network,
 every choice drawn from one seed — the same seed gives the same run, byte for byte. See
 docs/testing.md.
 """
