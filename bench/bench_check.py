@@ -6,8 +6,8 @@ seeds per second.
 
 Real-process campaigns: 3 workers, ttl 0.5 s, on the embedded SQLite source (source plants:
 the source the kit starts), seed 1, the faults that open each plant's window. Simulated: the
-first failing seed from 0 (3 clients x 4 rounds, every fault; the group plant in the
-group system), its virtual time to the first
+first failing seed from 0 (3 clients x 4 rounds, every fault; a group or gateway plant in
+its own system), its virtual time to the first
 bad event, and the wall time to find it.
 """
 
@@ -49,7 +49,7 @@ def main() -> None:
     first, ops, _ = _campaign("", 20.0, ["pause", "stall", "kill"])
     print(f"clean campaign, 20 s, pause+stall+kill: {ops:.1f} writes/s, violations: {first}")
 
-    for system, seeds in (("lease", 2000), ("group", 400)):
+    for system, seeds in (("lease", 2000), ("group", 400), ("gateway", 400)):
         for jobs in (1, 2):
             r = run_seeds(Config(seed=0, system=system), 0, seeds, jobs=jobs)
             print(
@@ -67,6 +67,19 @@ def main() -> None:
         f"empty-member-counted, seeds to find it from 20 starts: min {min(hit)}, median "
         f"{statistics.median(hit)}, max {max(hit)}, missed {found.count(None)}: {found}"
     )
+
+    # The gateway's plants: seeds to the first failure from 10 starting seeds.
+    for plant in ("gw-release-any-key", "gw-retry-new-grant", "gw-expiry-recounted"):
+        counts = []
+        for start in range(0, 10_000, 1000):
+            cfg = Config(seed=0, system="gateway", plant=plant)
+            r = run_seeds(cfg, start, 1000, jobs=1, stop_at_first=True)
+            counts.append(r.failed[0] - start + 1 if r.failed else None)
+        got = [n for n in counts if n is not None]
+        print(
+            f"{plant}, seeds to find it from 10 starts: median {statistics.median(got)}, max "
+            f"{max(got)}, missed {counts.count(None)}: {counts}"
+        )
 
     print(
         f"\n{'plant':22} {'real: first violation':>22} {'sim: seeds':>11} {'sim: virtual s':>15} {'sim: wall ms':>13}"

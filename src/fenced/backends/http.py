@@ -196,8 +196,14 @@ class HttpBackend(Backend):
                 continue  # one long poll ended: ask again, same request id
             signed = got.get("signed")
             token = FencingToken.parse(signed or got["token"], name)
-            grant = Grant(token, request_id, float(got["ttl"]), sent)
-            if _clock.now() - sent <= grant.ttl / 3:
+            ttl_got = float(got["ttl"])
+            # A retry after a lost answer gets the grant made earlier: bounded by what the
+            # gateway says it has left, not by this request's send time (which was past
+            # the source's expiry by the time between the two; found by the simulator's
+            # gateway work, tests/test_http_client_retry.py).
+            left = min(float(got.get("expires_in", ttl_got)), ttl_got)
+            grant = Grant(token, request_id, ttl_got, sent + left - ttl_got)
+            if _clock.now() - grant.sent_at <= grant.ttl / 3:
                 return grant
             # A long poll: the grant was made near the end of the wait, and ``sent + ttl``
             # (all this client can vouch for) may be long past although the gateway kept the

@@ -17,11 +17,13 @@ def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
         "sim",
         help="simulate fencing deterministically over many seeds (virtual time)",
         description=(
-            "fenced's real lease core and SQL guard (--system lease), or its real replicated "
-            "group on members behind real SQL guards (--system group), with a simulated token "
+            "fenced's real lease core and SQL guard (--system lease), its real replicated "
+            "group on members behind real SQL guards (--system group), or fenced serve's real "
+            "grant bookkeeping in several gateways (--system gateway), with a simulated token "
             "source and network on a virtual-time event loop: pauses, stalls, crashes, source, "
-            "resource and member restarts, members wiped (back empty), lost, duplicated, "
-            "delayed and reordered messages, clock skew. Each seed is one run, the same seed "
+            "resource, member and gateway restarts, members wiped (back empty), lost, "
+            "duplicated, delayed and reordered messages, clock skew and jumps, another "
+            "tenant's request ids. Each seed is one run, the same seed "
             "the same run byte for byte; checkers judge it. A failing seed is shrunk and "
             f"printed with the command that replays it. Exit 0 if every seed passed, {EXIT_VIOLATION} if one "
             "failed."
@@ -37,9 +39,10 @@ def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
     sim.add_argument("--replay", type=int, metavar="SEED", help="run one seed and print its trace")
     sim.add_argument(
         "--system",
-        choices=("lease", "group"),
-        help="what to simulate: lease (default) or group (fenced.replicated); a group plant "
-        "implies group",
+        "--workload",
+        choices=("lease", "group", "gateway"),
+        help="what to simulate: lease (default), group (fenced.replicated) or gateway (fenced "
+        "serve's grant bookkeeping, several gateways on one source); a plant implies its own",
     )
     return sim
 

@@ -10,11 +10,16 @@ from __future__ import annotations
 
 from ._app import ServerSettings, create_app
 from ._auth import ApiKey, Keys, Verb, hash_secret, load_api_keys, new_secret
+from ._gateway import ForeignGrant, Gateway, own_id
+from ._metrics import Metrics
 from ._run import is_loopback, parse_listen, serve
 
 __all__ = [
     "ApiKey",
+    "ForeignGrant",
+    "Gateway",
     "Keys",
+    "Metrics",
     "ServerSettings",
     "Verb",
     "create_app",
@@ -22,6 +27,7 @@ __all__ = [
     "is_loopback",
     "load_api_keys",
     "new_secret",
+    "own_id",
     "parse_listen",
     "serve",
 ]

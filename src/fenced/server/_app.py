@@ -50,8 +50,8 @@ from .._state import (
     check_ttl,
 )
 from .._token import MAX_NAME, FencingToken, validate_lock_name
-from ._auth import TAG_LENGTH, ApiKey, Keys, Verb
-from ._gateway import Gateway
+from ._auth import ApiKey, Keys, Verb
+from ._gateway import ForeignGrant, Gateway, client_id
 from ._http import READ_TIMEOUT
 from ._layers import _BodyLimit, _FastLane, _Lane, _Service, _Timing
 from ._metrics import CONTENT_TYPE_LATEST
@@ -147,34 +147,6 @@ READY_CACHE = 1.0
 """Seconds one look at the source answers /v1/ready for (it takes no key: bounded load)."""
 DASHBOARD_LOCKS = 500
 """The most locks one dashboard answer reads the status of."""
-
-
-def own_id(key: ApiKey | None, request_id: str) -> str:
-    """The request id a grant has at the source: the key's tag and the client's id, so that a
-    grant belongs to the key that made it (on a server without keys, the id itself)."""
-    return request_id if key is None else f"{key.tag}.{request_id}"
-
-
-def client_id(key: ApiKey | None, holder: str | None) -> str | None:
-    """The client's request id of a holder's source id, if ``key`` made that grant."""
-    if holder is None or key is None:
-        return holder
-    tag = key.tag
-    if len(holder) > TAG_LENGTH and holder[TAG_LENGTH] == "." and holder.startswith(tag):
-        return holder[TAG_LENGTH + 1 :]
-    return None
-
-
-def others_id(key: ApiKey, holder: str | None, request_id: str) -> bool:
-    """True if ``holder`` (a source id) is ``request_id`` of another key (or of a grant made
-    without keys): a request naming it is refused, not served or queued."""
-    if holder is None or holder == own_id(key, request_id):
-        return False
-    return holder == request_id or (
-        len(holder) == TAG_LENGTH + 1 + len(request_id)
-        and holder[TAG_LENGTH] == "."
-        and holder.endswith(request_id)
-    )
 
 
 def _status_out(status: LockStatus, key: ApiKey | None) -> StatusOut:
@@ -326,6 +298,8 @@ def create_app(settings: ServerSettings) -> FastAPI:
         if isinstance(exc, ConfigurationError):
             gw.metrics.refused.labels("invalid").inc()
             return ApiError(400, "invalid_request", str(exc))
+        if isinstance(exc, ForeignGrant):  # (counted where it was refused)
+            return ApiError(403, "forbidden", str(exc))
         if isinstance(exc, BackendUnavailable):
             return ApiError(503, "unavailable", str(exc))
         return ApiError(503, "unavailable", f"{type(exc).__name__}: {exc}")
@@ -348,16 +322,6 @@ def create_app(settings: ServerSettings) -> FastAPI:
         if key is not None and not key.sees(name):
             gw.metrics.refused.labels("forbidden").inc()
             raise ApiError(403, "forbidden", f"key {key.id!r} may not read {name!r}")
-
-    async def refuse_others(key: ApiKey | None, name: str, rid: str) -> None:
-        """403 if the lock's holder is another key's grant with this request id: a request id
-        is a capability, and it is the key's that made the grant."""
-        if key is None:
-            return
-        status = await call(gw.backend.status(name))
-        if status.token is not None and others_id(key, status.holder, rid):
-            gw.metrics.refused.labels("forbidden").inc()
-            raise ApiError(403, "forbidden", f"request id {rid!r} is another key's grant")
 
     def lock_name(name: str) -> str:
         try:
@@ -429,18 +393,13 @@ def create_app(settings: ServerSettings) -> FastAPI:
         if key is not None:
             owner = f"{key.id}: {owner}"
         wait = min(timeout or 0.0, settings.max_wait)
-        if wait:  # (checked before it queues: a refused request changes nothing)
-            await refuse_others(key, name, rid)
-        granting = gw.acquire(name, own_id(key, rid), ttl, wait, owner[:200])
         # Only a waiting acquire (a long poll) watches for the client leaving or a shutdown.
-        try:
-            grant, signed = await (_unless_gone(receive, gw, granting) if wait else granting)
-        except LockTimeout as exc:
-            if not wait:  # (a try-once: only a refused grant pays for the look)
-                await refuse_others(key, name, rid)
-            raise fail(exc) from exc
-        except FencedError as exc:
-            raise fail(exc) from exc
+        grant, signed = await call(
+            gw.acquire_for(
+                key, name, rid, ttl, wait, owner[:200],
+                waiting=lambda granting: _unless_gone(receive, gw, granting),
+            )
+        )  # fmt: skip
         return GrantOut(
             lock=name,
             token=str(grant.token),
@@ -472,13 +431,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
                 ttl = check_ttl(body.ttl)
             except ConfigurationError as exc:
                 raise fail(exc) from None
-        try:
-            grant = await gw.renew(name, token, own_id(key, rid), ttl)
-        except LeaseLostError as exc:
-            await refuse_others(key, name, rid)
-            raise fail(exc) from exc
-        except FencedError as exc:
-            raise fail(exc) from exc
+        grant = await call(gw.renew_for(key, name, token, rid, ttl))
         return RenewOut(
             ttl=grant.ttl, expires_in=max(0.0, grant.sent_at + grant.ttl - _clock.now())
         )
@@ -496,9 +449,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
         name = lock_name(name)
         allow(key, Verb.ACQUIRE, name)
         token, rid = lease_args(name, body)
-        released = await call(gw.release(name, token, own_id(key, rid)))
-        if not released:
-            await refuse_others(key, name, rid)
+        released = await call(gw.release_for(key, name, token, rid))
         return ReleaseOut(released=released)
 
     @app.post(

@@ -18,17 +18,18 @@ import dataclasses
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from .. import _clock
 from .._backend import Backend, Grant, LockStatus, TokenCheck
-from .._errors import LeaseLostError, LockTimeout
+from .._errors import AccessDenied, LeaseLostError, LockTimeout
 from .._lease import AsyncLocks
 from .._token import FencingToken
+from ._auth import TAG_LENGTH, ApiKey
 from ._metrics import Metrics
 
-__all__ = ["Gateway", "Transition"]
+__all__ = ["ForeignGrant", "Gateway", "Transition", "client_id", "others_id", "own_id"]
 
 logger = logging.getLogger("fenced.server")
 
@@ -45,19 +46,69 @@ class Transition:
         return dataclasses.asdict(self)
 
 
+class ForeignGrant(AccessDenied):
+    """The request id names another key's grant: refused (403 forbidden), nothing changed."""
+
+
+def own_id(key: ApiKey | None, request_id: str) -> str:
+    """The request id a grant has at the source: the key's tag and the client's id, so that a
+    grant belongs to the key that made it (on a server without keys, the id itself)."""
+    return request_id if key is None else f"{key.tag}.{request_id}"
+
+
+def client_id(key: ApiKey | None, holder: str | None) -> str | None:
+    """The client's request id of a holder's source id, if ``key`` made that grant."""
+    if holder is None or key is None:
+        return holder
+    tag = key.tag
+    if len(holder) > TAG_LENGTH and holder[TAG_LENGTH] == "." and holder.startswith(tag):
+        return holder[TAG_LENGTH + 1 :]
+    return None
+
+
+def others_id(key: ApiKey, holder: str | None, request_id: str) -> bool:
+    """True if ``holder`` (a source id) is ``request_id`` of another key (or of a grant made
+    without keys): a request naming it is refused, not served or queued."""
+    if holder is None or holder == own_id(key, request_id):
+        return False
+    return holder == request_id or (
+        len(holder) == TAG_LENGTH + 1 + len(request_id)
+        and holder[TAG_LENGTH] == "."
+        and holder.endswith(request_id)
+    )
+
+
 class Gateway:
+    """The grant bookkeeping of one ``fenced serve`` process, free of HTTP: the ``*_for``
+    methods take the caller's API key (None: a server without keys) and are what the routes
+    call; the simulator (``fenced sim --system gateway``) drives the same methods on virtual
+    time. ``wall`` stamps the transitions shown to people (never a deadline); ``metrics``, if
+    given, is where it counts (the simulator's gateways share one: a registry costs more to
+    make than a simulated gateway's whole life)."""
+
     def __init__(
-        self, locks: AsyncLocks, *, max_wait: float, default_ttl: float, events: int = 200
+        self,
+        locks: AsyncLocks,
+        *,
+        max_wait: float,
+        default_ttl: float,
+        events: int = 200,
+        wall: Callable[[], float] = time.time,
+        metrics: Metrics | None = None,
     ) -> None:
         self.locks = locks
+        self.wall = wall
         self.max_wait = max_wait
         self.default_ttl = default_ttl
         self._backend: Backend | None = None
-        self.metrics = Metrics(source_commits=self._source_commits)
+        self.metrics = metrics or Metrics(source_commits=self._source_commits)
         self.events: collections.deque[Transition] = collections.deque(maxlen=events)
         self.stopping = asyncio.Event()
         self._grants: dict[tuple[str, str], Grant] = {}
         self._owners: dict[tuple[str, str], str] = {}
+        self._releasing: dict[tuple[str, str, int], int] = {}  # releases under way, by grant
+        self._busy: dict[tuple[str, str], int] = {}  # acquires and renewals under way
+        self._settled: dict[tuple[str, str], set[int]] = {}  # released/ended meanwhile
         self._changed: dict[str, asyncio.Event] = {}
         self._sweeper: asyncio.Task[None] | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -82,6 +133,13 @@ class Gateway:
         self._backend = await self.locks.opened_backend()
         self._sweeper = asyncio.create_task(self._sweep(), name="fenced-server-sweep")
 
+    def halt(self) -> None:
+        """Stop at once, as a killed process does: the sweep cancelled, nothing awaited (the
+        simulator's gateway crash; :meth:`stop` is the graceful end)."""
+        self.stopping.set()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+
     async def stop(self) -> None:
         """Stop answering; leave every grant to expire (never release on a holder's behalf)."""
         self.stopping.set()
@@ -97,6 +155,62 @@ class Gateway:
         assert self._backend is not None
         return self._backend
 
+    # -- grants, by API key (what the routes call) ---------------------------------------------
+
+    async def refuse_others(self, key: ApiKey | None, name: str, request_id: str) -> None:
+        """ForeignGrant if the lock's holder is another key's grant with this request id: a
+        request id is a capability, and it is the key's that made the grant."""
+        if key is None:
+            return
+        status = await self.backend.status(name)
+        if status.token is not None and others_id(key, status.holder, request_id):
+            self.metrics.refused.labels("forbidden").inc()
+            raise ForeignGrant(f"request id {request_id!r} is another key's grant")
+
+    async def acquire_for(
+        self,
+        key: ApiKey | None,
+        name: str,
+        request_id: str,
+        ttl: float,
+        wait: float,
+        owner: str,
+        *,
+        waiting: Callable[[Awaitable[Any]], Awaitable[Any]] | None = None,
+    ) -> tuple[Grant, FencingToken]:
+        """:meth:`acquire` as ``key``'s grant. A waiting acquire (``wait`` > 0) is checked
+        before it queues, and runs inside ``waiting`` (the HTTP layer's watch for the client
+        leaving); a try-once is checked only when refused (only then does it pay the look)."""
+        if wait:  # (checked before it queues: a refused request changes nothing)
+            await self.refuse_others(key, name, request_id)
+        granting = self.acquire(name, own_id(key, request_id), ttl, wait, owner)
+        try:
+            got: tuple[Grant, FencingToken] = await (
+                waiting(granting) if wait and waiting is not None else granting
+            )
+        except LockTimeout:
+            if not wait:
+                await self.refuse_others(key, name, request_id)
+            raise
+        return got
+
+    async def renew_for(
+        self, key: ApiKey | None, name: str, token: FencingToken, request_id: str, ttl: float | None
+    ) -> Grant:
+        try:
+            return await self.renew(name, token, own_id(key, request_id), ttl)
+        except LeaseLostError:
+            await self.refuse_others(key, name, request_id)
+            raise
+
+    async def release_for(
+        self, key: ApiKey | None, name: str, token: FencingToken, request_id: str
+    ) -> bool:
+        released = await self.release(name, token, own_id(key, request_id))
+        if not released:
+            await self.refuse_others(key, name, request_id)
+        return released
+
     # -- grants -------------------------------------------------------------------------------
 
     async def acquire(
@@ -105,7 +219,10 @@ class Gateway:
         """Grant ``name`` to ``request_id`` (idempotent), waiting FIFO up to ``wait`` seconds;
         LockTimeout after that. Returns the grant and its token as the holder gets it."""
         start = _clock.now()
+        key = (name, request_id)
         self._waiting += 1
+        self._begin(key)
+        grant: Grant | None = None
         try:
             grant = await self.backend.acquire(
                 name,
@@ -120,10 +237,13 @@ class Gateway:
             raise
         finally:
             self._waiting -= 1
+            stale = self._done(key, grant)
         self.metrics.grants.inc()
         self.metrics.wait.observe(_clock.now() - start)
-        key = (name, request_id)
-        if key not in self._grants or self._grants[key].token != grant.token:
+        if stale:  # (a retry answered after its grant was released or ended here)
+            return grant, self.locks.sign(grant.token)
+        self._supersede(key, grant.token)
+        if key not in self._grants:
             self._note(name, "granted", grant.token, owner)
         self._grants[key] = grant
         self._owners[key] = owner
@@ -139,21 +259,63 @@ class Gateway:
         self, name: str, token: FencingToken, request_id: str, ttl: float | None
     ) -> Grant:
         key = (name, request_id)
+        self._begin(key)
+        new: Grant | None = None
         try:
             grant = await self._grant_of(name, token, request_id, ttl or self.default_ttl)
             new = await self.backend.renew(grant)
         except LeaseLostError:
             self.metrics.renewals.labels("lost").inc()
-            self._ended(key, token)
+            if not self._release_pending(key, token):
+                self._ended(key, token)
             raise
         except Exception:
             self.metrics.renewals.labels("error").inc()
             raise
+        finally:
+            stale = self._done(key, new)
         self.metrics.renewals.labels("ok").inc()
+        if stale:  # (its answer came back after the grant was released or ended here:
+            return new  # kept again, it would be counted an expiry later)
+        self._supersede(key, new.token)
         self._grants[key] = new
         return new
 
+    def _begin(self, key: tuple[str, str]) -> None:
+        self._busy[key] = self._busy.get(key, 0) + 1
+
+    def _done(self, key: tuple[str, str], grant: Grant | None) -> bool:
+        """An acquire or renewal of ``key`` is done; True if its grant was released or ended
+        here while it was on its way (sent before the release, answered after it): kept
+        again, it would be counted an expiry later (found by ``fenced sim --system
+        gateway``)."""
+        left = self._busy.pop(key) - 1
+        stale = grant is not None and grant.token.value in self._settled.get(key, ())
+        if left:
+            self._busy[key] = left
+        else:
+            self._settled.pop(key, None)
+        return stale
+
+    def _settle(self, key: tuple[str, str], token: FencingToken) -> None:
+        """The grant was released or ended here: acquires and renewals of it under way must
+        not put it back in the table when they are answered."""
+        if key in self._busy:
+            self._settled.setdefault(key, set()).add(token.value)
+
     async def release(self, name: str, token: FencingToken, request_id: str) -> bool:
+        key = (name, request_id, token.value)
+        self._releasing[key] = self._releasing.get(key, 0) + 1
+        try:
+            released = await self._release(name, token, request_id)
+        finally:
+            if self._releasing[key] == 1:
+                del self._releasing[key]
+            else:
+                self._releasing[key] -= 1
+        return released
+
+    async def _release(self, name: str, token: FencingToken, request_id: str) -> bool:
         key = (name, request_id)
         try:
             grant = await self._grant_of(name, token, request_id, self.default_ttl)
@@ -163,9 +325,12 @@ class Gateway:
             released = await self.backend.release(grant)
         (self._released if released else self._not_held).inc()
         if released:
+            self._supersede(key, token)
+            self._settle(key, token)
             self._grants.pop(key, None)
             self._note(name, "released", token, self._owners.pop(key, None))
-        else:  # (it ended before: an expiry, if this gateway knew it; a repeat: nothing)
+        elif not self._release_pending(key, token, mine=1):
+            # It ended before: an expiry, if this gateway knew it; a repeat: nothing.
             self._ended(key, token)
         return released
 
@@ -197,6 +362,23 @@ class Gateway:
         if grant is not None:
             self._ended((name, request_id), grant.token)
 
+    def _release_pending(self, key: tuple[str, str], token: FencingToken, mine: int = 0) -> bool:
+        """True if a release of this grant is under way here (besides ``mine``, the caller's
+        own): the grant may be found gone because that release took it, and a grant released
+        is no expiry — the release settles it. (The same release delivered twice, a renewal
+        or the sweep overtaking a release: the copy that found it gone answered first and
+        counted an expiry. Found by ``fenced sim --system gateway``.)"""
+        return self._releasing.get((*key, token.value), 0) > mine
+
+    def _supersede(self, key: tuple[str, str], token: FencingToken) -> None:
+        """``key``'s request id holds ``token`` now: an older grant kept here under the same
+        id has ended (its expiry not swept yet: the source was unreachable, or the retry came
+        first). Counted now: overwritten, it was never counted at all (found by ``fenced sim
+        --system gateway``)."""
+        old = self._grants.get(key)
+        if old is not None and old.token != token:
+            self._ended(key, old.token)
+
     def _ended(self, key: tuple[str, str], token: FencingToken) -> None:
         """A grant this gateway tracks ended without a release: counted and shown once (a
         later renewal or release of it finds it gone and counts nothing)."""
@@ -204,6 +386,7 @@ class Gateway:
         if grant is None or grant.token.value != token.value:
             return
         del self._grants[key]
+        self._settle(key, token)
         self.metrics.expiries.inc()
         self._note(key[0], "expired", token, self._owners.pop(key, None))
 
@@ -231,13 +414,13 @@ class Gateway:
             if live and status.token == grant.token and status.holder == key[1]:
                 del self._grants[key]  # still held: renewed through another gateway
                 self._owners.pop(key, None)
-            else:
+            elif not self._release_pending(key, grant.token):
                 self._ended(key, grant.token)
 
     # -- transitions and watching ---------------------------------------------------------------
 
     def _note(self, name: str, event: str, token: FencingToken, owner: str | None) -> None:
-        self.events.append(Transition(time.time(), name, event, str(token.unsigned()), owner))
+        self.events.append(Transition(self.wall(), name, event, str(token.unsigned()), owner))
         line = self.transition_line
         if line is None:
             logger.info(

@@ -1,11 +1,14 @@
 """Deterministic simulation of fencing (``fenced sim``): fenced's real lease core and guard
-(``system="lease"``), or its real replicated group on members behind real SQL guards
-(``system="group"``), on a virtual-time event loop, with a simulated token source and network,
+(``system="lease"``), its real replicated group on members behind real SQL guards
+(``system="group"``), or ``fenced serve``'s real grant bookkeeping in several gateways
+(``system="gateway"``), on a virtual-time event loop, with a simulated token source and network,
 every choice drawn from one seed — the same seed gives the same run, byte for byte. See
 docs/testing.md.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from ..._backend import register_backend
 from . import _group  # noqa: F401  (the "group" system adds its run to SYSTEM_RUNS)
@@ -14,6 +17,7 @@ from ._run import SeedsResult, run_seeds, shrink
 from ._world import (
     FAULTS,
     SIM_PLANTS,
+    SYSTEM_RUNS,
     SYSTEMS,
     Config,
     Outcome,
@@ -23,6 +27,16 @@ from ._world import (
 )
 
 register_backend("sim", SimBackend)
+register_backend("simgw", "fenced.testing.sim._gateways:GwSourceBackend")
+
+
+def _gateway_run(w: Any) -> Any:
+    from ._gateways import GatewayRun  # (it imports the server: only when asked for)
+
+    return GatewayRun(w)
+
+
+SYSTEM_RUNS["gateway"] = _gateway_run
 
 __all__ = [
     "FAULTS",

@@ -54,12 +54,16 @@ __all__ = ["FAULTS", "SIM_PLANTS", "Config", "Outcome", "simulate"]
 
 LOCK = "counter"
 RPC_TIMEOUT = 0.5  # a client gives up on an answer after this long (the message may land later)
-FAULTS = ("pause", "stall", "crash", "source", "resource", "wipe", "loss", "dup", "delay")
+FAULTS = (
+    "pause", "stall", "crash", "source", "resource", "wipe", "loss", "dup", "delay",
+    "gateway", "jump", "foreign",
+)  # fmt: skip
 # What the simulator runs: fenced's lease core with one SQL-guarded resource ("lease"), or the
-# replicated group (fenced.replicated) on members behind real SQL guards ("group").
-SYSTEMS = ("lease", "group")
-#: The run of each system but "lease", by name: ``_group`` (which builds on this module, so
-#: this one does not import it) adds itself; the package imports it before any run.
+# replicated group (fenced.replicated) on members behind real SQL guards ("group"), or the
+# grant bookkeeping of several fenced serve gateways sharing one source ("gateway").
+SYSTEMS = ("lease", "group", "gateway")
+#: The run of each system but "lease", by name: ``_group`` and the package (for "gateway",
+#: which imports the server only when asked for) add them, as they build on this module.
 SYSTEM_RUNS: dict[str, Callable[[_World], Any]] = {}
 # The check kit's plants the simulator can play, plus one of its own. (It has no signed
 # tokens and no forger, and its source's volatile counter is counter-not-fsynced.)
@@ -72,13 +76,24 @@ SIM_PLANTS: dict[str, str] = {
     "empty-member-counted": "(group) a member restarted empty is counted as holding the "
     "acknowledged writes: it ignores since=, the behaviour before MemberBehindError",
     "member-unfenced": "(group) members apply changes without their guard's lock fence",
+    "gw-release-any-key": "(gateway) a release finds the grant by its token, whoever's "
+    "request id it names: the key check on release is forgotten",
+    "gw-retry-new-grant": "(gateway) each gateway gives an acquire a source id of its own, "
+    "kept in its memory: a retry through another gateway, or after a restart, asks for a "
+    "second grant",
+    "gw-expiry-recounted": "(gateway) a release that finds its grant gone counts an expiry "
+    "(again, if the sweep counted it)",
 }
 GROUP_PLANTS = frozenset({"empty-member-counted", "member-unfenced"})
+GATEWAY_PLANTS = frozenset({"gw-release-any-key", "gw-retry-new-grant", "gw-expiry-recounted"})
 
 
 def plant_system(plant: str) -> str:
-    """The system a plant lives in (a group plant needs ``--system group``)."""
-    return "group" if plant in GROUP_PLANTS else "lease"
+    """The system a plant lives in (a group plant needs ``--system group``, a gateway plant
+    ``--system gateway``)."""
+    if plant in GROUP_PLANTS:
+        return "group"
+    return "gateway" if plant in GATEWAY_PLANTS else "lease"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -594,7 +609,7 @@ def simulate(cfg: Config) -> Outcome:
         )
     loop = VirtualLoop()
     # (A lost lease, a change left unfinished and completed: routine here.)
-    quiet = [logging.getLogger(n) for n in ("fenced", "fenced.replicated")]
+    quiet = [logging.getLogger(n) for n in ("fenced", "fenced.replicated", "fenced.server")]
     was_disabled = [q.disabled for q in quiet]
     for q in quiet:
         q.disabled = True
@@ -604,7 +619,7 @@ def simulate(cfg: Config) -> Outcome:
     try:
         w = _World(cfg, loop)
         stuck: list[Violation] = []
-        group = None
+        group: Any = None
         if cfg.system in SYSTEM_RUNS:
             group = w.group = SYSTEM_RUNS[cfg.system](w)
         try:
