@@ -54,6 +54,7 @@ from ._sql_plan import (
     TableUse,
     fence_sql,
     mariadb_batch_check,
+    mariadb_batch_recheck,
     pg_pipelined_check,
     pipelined_refusal,
     row_write_accepted,
@@ -1074,9 +1075,12 @@ def guarded_batch(
         return [int(cur.rowcount) for cur in cursors]
     if how == "block":
         counts: list[int] = []
+        watch = sa_connection(conn) is None  # (SQLAlchemy keeps its own transaction state)
         with transaction():
-            for sql, params in statements:
+            for n, (sql, params) in enumerate(statements, 1):
                 counts.append(_execute(conn, sql, params))
+                if watch and not in_transaction(conn):
+                    raise _ended_transaction(n)
         return counts
     if in_transaction(conn):
         raise ConfigurationError(
@@ -1092,17 +1096,28 @@ def guarded_batch(
             _end(conn, commit=False, d=MYSQL)  # (a catalog read opened it: nothing to keep)
     check = (resource, token.lock, token.value, resource, token.value, token.lock)
     counts = []
+    extra = 0
     with conn.cursor() as cur:
         parts = [cur.mogrify(mariadb_batch_check(table), check)]
-        parts += [cur.mogrify(sql, params) for sql, params in statements]
-        request = "START TRANSACTION; " + "; ".join(parts) + "; COMMIT"
+        parts += [_one_statement(cur.mogrify(sql, params)) for sql, params in statements]
+        # (the server has run the whole request before any answer is read, so a statement
+        # that ended the transaction is caught in the server: by the re-check, which refuses
+        # unless the fence row still holds this token, under this transaction's lock)
+        parts.append(cur.mogrify(mariadb_batch_recheck(table), (resource, token.value, token.lock)))
+        # (each statement ends its line: a trailing "-- " or "#" comment ends there, not
+        # swallowing the separator, the statements after it, the re-check and the COMMIT)
+        request = "START TRANSACTION;\n" + "\n;\n".join(parts) + "\n;\nCOMMIT"
         try:
             cur.execute(request)  # START TRANSACTION's answer
             cur.nextset()  # the check's
             for _ in statements:
                 cur.nextset()
                 counts.append(cur.rowcount)
-            cur.nextset()  # COMMIT's
+            cur.nextset()  # the re-check's
+            if not cur.nextset():  # COMMIT's
+                raise ConfigurationError("the batch's COMMIT did not run")
+            while cur.nextset():  # (a "statement" that held several: counts are off)
+                extra += 1
         except Exception as exc:
             with contextlib.suppress(Exception):
                 conn.rollback()
@@ -1114,7 +1129,27 @@ def guarded_batch(
             if isinstance(mapped, FenceConflictError | BackendUnavailable):
                 raise mapped from exc
             raise
+    if extra:
+        raise ConfigurationError(
+            f"batch(): {len(statements)} statements gave {len(statements) + extra} results "
+            "(one statement per (sql, params) pair); the batch was committed, its row counts "
+            "are unknown"
+        )
     return counts
+
+
+def _one_statement(sql: str) -> str:
+    """``sql`` without the trailing ``;`` (and blanks) it may end with: the guard joins the
+    statements itself, and an empty statement is a syntax error on MariaDB."""
+    return sql.rstrip().rstrip(";").rstrip()
+
+
+def _ended_transaction(n: int) -> ConfigurationError:
+    return ConfigurationError(
+        f"batch(): statement {n} ended the transaction (COMMIT, ROLLBACK, or a statement "
+        "that commits implicitly such as DDL): the statements after it would not be fenced; "
+        "none of them was run, the open transaction is rolled back"
+    )
 
 
 def _batch_refusal(conn: Any, table: str, resource: str, token: FencingToken) -> FencedError:
