@@ -1645,3 +1645,61 @@ def test_async_guarded_transaction_is_pipelined_the_same_way(pg_dsn: str) -> Non
                         pass
 
     asyncio.run(scenario())
+
+
+def test_a_batch_statement_that_commits_lets_no_stale_write_in(env: Env, conn: Any) -> None:
+    """The old holder's batch COMMITs in the middle: the fence row is released, the new
+    holder (token 6) fences and writes, and the old batch's later statements committed over
+    it (PostgreSQL's pipeline: 'old-2' with the mark at 6). Now the pipeline checks again
+    last (refused: nothing after the COMMIT kept) and the block stops at the statement that
+    ended the transaction (SQLite); the rightful holder's batch commits."""
+    guard = SQLGuard("acct", lock=LOCK)
+    guard.install(conn)
+    conn.execute("CREATE TABLE acct (id INTEGER PRIMARY KEY, v TEXT)")
+    conn.execute("INSERT INTO acct VALUES (1, 'init')")
+    pg = env.kind == "pg"
+    gate = env.connect()
+    if pg:  # (the old holder pauses after its COMMIT, as by a GC pause, until released)
+        gate.execute("SELECT pg_advisory_lock(42)")
+    outcome: list[object] = []
+
+    def old_holder() -> None:
+        old = env.connect(**({} if pg else {"check_same_thread": False}))
+        try:
+            guard.batch(
+                old,
+                [
+                    ("UPDATE acct SET v = 'old-1' WHERE id = 1", None),
+                    ("COMMIT", None),
+                    ("SELECT pg_advisory_lock(42)" if pg else "SELECT 1", None),
+                    ("UPDATE acct SET v = 'old-2' WHERE id = 1", None),
+                ],
+                token=tok(5),
+            )
+            outcome.append("committed")
+        except fenced.FencedError as exc:
+            outcome.append(exc)
+        finally:
+            old.close()
+
+    def paused() -> bool:
+        q = "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'advisory'"
+        return pg and bool(gate.execute(q).fetchone()[0])
+
+    thread = threading.Thread(target=old_holder)
+    thread.start()
+    wait_for(lambda: outcome or paused(), 20, "the old holder at its pause")
+    assert guard.batch(conn, [("UPDATE acct SET v = 'new' WHERE id = 1", None)], token=tok(6)) == [
+        1
+    ]
+    if pg:
+        gate.execute("SELECT pg_advisory_unlock(42)")
+    thread.join(30)
+    gate.close()
+    assert [tuple(r) for r in conn.execute("SELECT v FROM acct").fetchall()] == [("new",)]
+    assert guard.high_water(conn) == tok(6)
+    assert isinstance(outcome[0], StaleTokenError if pg else ConfigurationError), outcome
+    assert guard.batch(conn, [("UPDATE acct SET v = 'six' WHERE id = 1", None)], token=tok(6)) == [
+        1
+    ]
+    assert [tuple(r) for r in conn.execute("SELECT v FROM acct").fetchall()] == [("six",)]

@@ -1072,6 +1072,11 @@ def guarded_batch(
     if how == "pipeline":  # (a pipelined cursor's row count is known after the sync)
         with transaction():
             cursors = [conn.execute(sql, params) for sql, params in statements]
+            # the check again, last: a statement that ended the transaction (COMMIT, ...)
+            # released the fence row; what ran after it commits only if no newer token came
+            conn.execute(
+                pg_pipelined_check(table), (resource, token.lock, token.value, table, resource)
+            )
         return [int(cur.rowcount) for cur in cursors]
     if how == "block":
         counts: list[int] = []
