@@ -1647,12 +1647,13 @@ def test_async_guarded_transaction_is_pipelined_the_same_way(pg_dsn: str) -> Non
     asyncio.run(scenario())
 
 
-def test_a_batch_statement_that_commits_lets_no_stale_write_in(env: Env, conn: Any) -> None:
-    """The old holder's batch COMMITs in the middle: the fence row is released, the new
-    holder (token 6) fences and writes, and the old batch's later statements committed over
-    it (PostgreSQL's pipeline: 'old-2' with the mark at 6). Now the pipeline checks again
-    last (refused: nothing after the COMMIT kept) and the block stops at the statement that
-    ended the transaction (SQLite); the rightful holder's batch commits."""
+def _old_holder_commits_midway(env: Env, conn: Any, form: str) -> None:
+    """The old holder's batch (or transaction() block) COMMITs in the middle: the fence
+    row is released, the new holder (token 6) fences and writes, and the old holder's later
+    statements committed over it (PostgreSQL's pipeline: 'old-2' with the mark at 6). Now
+    the pipeline checks again last (refused: nothing after the COMMIT kept) and the batch's
+    block stops at the statement that ended the transaction (SQLite); the rightful holder's
+    batch commits."""
     guard = SQLGuard("acct", lock=LOCK)
     guard.install(conn)
     conn.execute("CREATE TABLE acct (id INTEGER PRIMARY KEY, v TEXT)")
@@ -1666,16 +1667,18 @@ def test_a_batch_statement_that_commits_lets_no_stale_write_in(env: Env, conn: A
     def old_holder() -> None:
         old = env.connect(**({} if pg else {"check_same_thread": False}))
         try:
-            guard.batch(
-                old,
-                [
-                    ("UPDATE acct SET v = 'old-1' WHERE id = 1", None),
-                    ("COMMIT", None),
-                    ("SELECT pg_advisory_lock(42)" if pg else "SELECT 1", None),
-                    ("UPDATE acct SET v = 'old-2' WHERE id = 1", None),
-                ],
-                token=tok(5),
-            )
+            statements: list[tuple[str, None]] = [
+                ("UPDATE acct SET v = 'old-1' WHERE id = 1", None),
+                ("COMMIT", None),
+                ("SELECT pg_advisory_lock(42)" if pg else "SELECT 1", None),
+                ("UPDATE acct SET v = 'old-2' WHERE id = 1", None),
+            ]
+            if form == "batch":
+                guard.batch(old, statements, token=tok(5))
+            else:
+                with guard.transaction(old, token=tok(5)):
+                    for statement, params in statements:
+                        old.execute(statement, params)
             outcome.append("committed")
         except fenced.FencedError as exc:
             outcome.append(exc)
@@ -1703,3 +1706,13 @@ def test_a_batch_statement_that_commits_lets_no_stale_write_in(env: Env, conn: A
         1
     ]
     assert [tuple(r) for r in conn.execute("SELECT v FROM acct").fetchall()] == [("six",)]
+
+
+def test_a_batch_statement_that_commits_lets_no_stale_write_in(env: Env, conn: Any) -> None:
+    _old_holder_commits_midway(env, conn, "batch")
+
+
+def test_a_commit_in_a_pipelined_transaction_lets_no_stale_write_in(pg_dsn: str) -> None:
+    env = Env("pg", pg_dsn)
+    with env.connect() as conn:
+        _old_holder_commits_midway(env, conn, "transaction")

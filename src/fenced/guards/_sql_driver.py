@@ -921,6 +921,13 @@ async def arun_install(conn: Any, make_plan: Callable[[Dialect], Plan[T]]) -> T:
 
 
 @contextlib.contextmanager
+# _RECHECK: the pipeline checks the fence again after the block, in the same round trip: a
+# statement of the block that ended the transaction (COMMIT, ROLLBACK) released the fence
+# row, and what ran after it would commit unfenced, over a newer holder's writes. The second
+# check accepts only if no newer token has been accepted since (and locks the row till the
+# COMMIT). Costs server time, not a round trip.
+
+
 def guarded_transaction(
     conn: Any,
     table: str,
@@ -969,6 +976,7 @@ def guarded_transaction(
         with conn.pipeline(), conn.transaction():
             conn.execute(pg_pipelined_check(table), params)
             yield token
+            conn.execute(pg_pipelined_check(table), params)  # (_RECHECK)
     except Exception as exc:
         mapped = _pipelined_error(conn, resource, token, exc)
         if mapped is exc:
@@ -1025,6 +1033,7 @@ async def aguarded_transaction(
         async with conn.pipeline(), conn.transaction():
             await conn.execute(pg_pipelined_check(table), params)
             yield token
+            await conn.execute(pg_pipelined_check(table), params)  # (_RECHECK)
     except Exception as exc:
         mapped = _pipelined_error(conn, resource, token, exc)
         if mapped is exc:
@@ -1070,13 +1079,8 @@ def guarded_batch(
     pipeline, or begin, check, statements, commit). Returns each statement's row count."""
     how = batch_kind(conn)
     if how == "pipeline":  # (a pipelined cursor's row count is known after the sync)
-        with transaction():
+        with transaction():  # (which checks again last: see guarded_transaction)
             cursors = [conn.execute(sql, params) for sql, params in statements]
-            # the check again, last: a statement that ended the transaction (COMMIT, ...)
-            # released the fence row; what ran after it commits only if no newer token came
-            conn.execute(
-                pg_pipelined_check(table), (resource, token.lock, token.value, table, resource)
-            )
         return [int(cur.rowcount) for cur in cursors]
     if how == "block":
         counts: list[int] = []
