@@ -1716,3 +1716,47 @@ def test_a_commit_in_a_pipelined_transaction_lets_no_stale_write_in(pg_dsn: str)
     env = Env("pg", pg_dsn)
     with env.connect() as conn:
         _old_holder_commits_midway(env, conn, "transaction")
+
+
+def test_a_commit_in_an_async_pipelined_transaction_lets_no_stale_write_in(pg_dsn: str) -> None:
+    """The async twin: ``atransaction`` checks again after the block, in the same pipeline."""
+    import asyncio
+
+    guard = SQLGuard("acct", lock=LOCK)
+    with psycopg.connect(pg_dsn, autocommit=True) as setup:
+        guard.install(setup)
+        setup.execute("CREATE TABLE acct (id INTEGER PRIMARY KEY, v TEXT)")
+        setup.execute("INSERT INTO acct VALUES (1, 'init')")
+    gate = psycopg.connect(pg_dsn, autocommit=True)
+    gate.execute("SELECT pg_advisory_lock(42)")
+
+    def paused() -> bool:
+        q = "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'advisory'"
+        return bool(gate.execute(q).fetchone()[0])  # type: ignore[index]
+
+    def new_holder() -> None:
+        with psycopg.connect(pg_dsn, autocommit=True) as new:
+            guard.batch(new, [("UPDATE acct SET v = 'new' WHERE id = 1", None)], token=tok(6))
+        gate.execute("SELECT pg_advisory_unlock(42)")
+
+    async def main() -> BaseException | None:
+        async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as old:
+
+            async def old_holder() -> None:
+                async with guard.atransaction(old, token=tok(5)):
+                    await old.execute("UPDATE acct SET v = 'old-1' WHERE id = 1")
+                    await old.execute("COMMIT")
+                    await old.execute("SELECT pg_advisory_lock(42)")
+                    await old.execute("UPDATE acct SET v = 'old-2' WHERE id = 1")
+
+            task = asyncio.ensure_future(old_holder())
+            await asyncio.to_thread(wait_for, lambda: task.done() or paused(), 20, "the pause")
+            await asyncio.to_thread(new_holder)
+            return (await asyncio.gather(task, return_exceptions=True))[0]
+
+    outcome = asyncio.run(main())
+    gate.close()
+    assert isinstance(outcome, StaleTokenError), outcome
+    with psycopg.connect(pg_dsn, autocommit=True) as check:
+        assert check.execute("SELECT v FROM acct").fetchall() == [("new",)]
+        assert guard.high_water(check) == tok(6)
