@@ -863,3 +863,23 @@ def test_a_batch_statement_that_commits_lets_no_stale_write_in(connect: Any, fla
         1
     ]
     assert sql(watch, "SELECT v FROM acct") == [("six",)]
+
+
+@pytest.mark.parametrize("mode", ["ORACLE", "TRADITIONAL", "ANSI,NO_BACKSLASH_ESCAPES"])
+def test_batch_under_every_sql_mode_takes_the_holder_and_refuses_the_stale(
+    connect: Any, mode: str
+) -> None:
+    """sql_mode=ORACLE parses no ``BEGIN NOT ATOMIC``: the one-request check was a syntax
+    error (ProgrammingError 1064) for the rightful holder too. Now the block form then; the
+    stale token refused either way, nothing of it written."""
+    conn, guard = _batch_conn(connect, "multi")
+    sql(conn, f"SET SESSION sql_mode = '{mode}'")
+    assert guard.batch(conn, [("UPDATE acct SET v = 'five' WHERE id = 1", None)], token=tok(5)) == [
+        1
+    ]
+    with pytest.raises(fenced.StaleTokenError):
+        guard.batch(conn, [("UPDATE acct SET v = 'four' WHERE id = 1", None)], token=tok(4))
+    assert not conn.server_status & 1
+    other = connect(autocommit=True)
+    assert sql(other, "SELECT v FROM acct") == [("five",)]
+    assert guard.high_water(other) == tok(5)

@@ -1083,14 +1083,7 @@ def guarded_batch(
             cursors = [conn.execute(sql, params) for sql, params in statements]
         return [int(cur.rowcount) for cur in cursors]
     if how == "block":
-        counts: list[int] = []
-        watch = sa_connection(conn) is None  # (SQLAlchemy keeps its own transaction state)
-        with transaction():
-            for n, (sql, params) in enumerate(statements, 1):
-                counts.append(_execute(conn, sql, params))
-                if watch and not in_transaction(conn):
-                    raise _ended_transaction(n)
-        return counts
+        return _block_batch(conn, statements, transaction)
     if in_transaction(conn):
         raise ConfigurationError(
             "batch() starts the transaction, and one is already open: use check() inside it"
@@ -1104,8 +1097,9 @@ def guarded_batch(
         if in_transaction(conn):
             _end(conn, commit=False, d=MYSQL)  # (a catalog read opened it: nothing to keep)
     check = (resource, token.lock, token.value, resource, token.value, token.lock)
-    counts = []
+    counts: list[int] = []
     extra = 0
+    answered = 0  # (the answers read: 1 = START TRANSACTION's, so the check's failed)
     with conn.cursor() as cur:
         parts = [cur.mogrify(mariadb_batch_check(table), check)]
         parts += [_one_statement(cur.mogrify(sql, params)) for sql, params in statements]
@@ -1118,6 +1112,7 @@ def guarded_batch(
         request = "START TRANSACTION;\n" + "\n;\n".join(parts) + "\n;\nCOMMIT"
         try:
             cur.execute(request)  # START TRANSACTION's answer
+            answered = 1
             cur.nextset()  # the check's
             for _ in statements:
                 cur.nextset()
@@ -1130,8 +1125,13 @@ def guarded_batch(
         except Exception as exc:
             with contextlib.suppress(Exception):
                 conn.rollback()
-            if getattr(exc, "args", (None,))[0] == 1644 and "fenced:" in str(exc):
+            code = getattr(exc, "args", (None,))[0]
+            if code == 1644 and "fenced:" in str(exc):
                 raise _batch_refusal(conn, table, resource, token) from exc
+            if code == 1064 and answered == 1 and _oracle_mode(conn):
+                # sql_mode=ORACLE parses no BEGIN NOT ATOMIC: the check was refused as
+                # syntax, before anything ran; the block form then, not the holder refused
+                return _block_batch(conn, statements, transaction)
             # (as the pipeline: in one request the guard cannot tell whose statement failed,
             # so only whole-transaction conditions are mapped; the rest comes as raised)
             mapped = map_error(MYSQL, conn, exc)
@@ -1145,6 +1145,33 @@ def guarded_batch(
             "are unknown"
         )
     return counts
+
+
+def _block_batch(
+    conn: Any,
+    statements: Sequence[Statement],
+    transaction: Callable[[], contextlib.AbstractContextManager[FencingToken]],
+) -> list[int]:
+    """``batch`` as ``transaction()``'s block, statement by statement, stopping at one that
+    ended the transaction (what follows it would run unfenced)."""
+    counts: list[int] = []
+    watch = sa_connection(conn) is None  # (SQLAlchemy keeps its own transaction state)
+    with transaction():
+        for n, (sql, params) in enumerate(statements, 1):
+            counts.append(_execute(conn, sql, params))
+            if watch and not in_transaction(conn):
+                raise _ended_transaction(n)
+    return counts
+
+
+def _oracle_mode(conn: Any) -> bool:
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SELECT @@SESSION.sql_mode")
+            row = cur.fetchone()
+    except Exception:  # (the syntax error is then what the caller gets)
+        return False
+    return bool(row) and "ORACLE" in str(row[0]).upper().split(",")
 
 
 def _one_statement(sql: str) -> str:
