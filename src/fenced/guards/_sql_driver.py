@@ -1155,11 +1155,14 @@ def _block_batch(
     """``batch`` as ``transaction()``'s block, statement by statement, stopping at one that
     ended the transaction (what follows it would run unfenced)."""
     counts: list[int] = []
-    watch = sa_connection(conn) is None  # (SQLAlchemy keeps its own transaction state)
     with transaction():
+        # (SQLAlchemy keeps its own idea of the transaction: ask its driver connection)
+        sa = sa_connection(conn)
+        driver = conn if sa is None else sa.connection.dbapi_connection
+        watch = _kind(driver) in ("sqlite3", "psycopg", "pymysql")
         for n, (sql, params) in enumerate(statements, 1):
             counts.append(_execute(conn, sql, params))
-            if watch and not in_transaction(conn):
+            if watch and not in_transaction(driver):
                 raise _ended_transaction(n)
     return counts
 
