@@ -1645,3 +1645,118 @@ def test_async_guarded_transaction_is_pipelined_the_same_way(pg_dsn: str) -> Non
                         pass
 
     asyncio.run(scenario())
+
+
+def _old_holder_commits_midway(env: Env, conn: Any, form: str) -> None:
+    """The old holder's batch (or transaction() block) COMMITs in the middle: the fence
+    row is released, the new holder (token 6) fences and writes, and the old holder's later
+    statements committed over it (PostgreSQL's pipeline: 'old-2' with the mark at 6). Now
+    the pipeline checks again last (refused: nothing after the COMMIT kept) and the batch's
+    block stops at the statement that ended the transaction (SQLite); the rightful holder's
+    batch commits."""
+    guard = SQLGuard("acct", lock=LOCK)
+    guard.install(conn)
+    conn.execute("CREATE TABLE acct (id INTEGER PRIMARY KEY, v TEXT)")
+    conn.execute("INSERT INTO acct VALUES (1, 'init')")
+    pg = env.kind == "pg"
+    gate = env.connect()
+    if pg:  # (the old holder pauses after its COMMIT, as by a GC pause, until released)
+        gate.execute("SELECT pg_advisory_lock(42)")
+    outcome: list[object] = []
+
+    def old_holder() -> None:
+        old = env.connect(**({} if pg else {"check_same_thread": False}))
+        try:
+            statements: list[tuple[str, None]] = [
+                ("UPDATE acct SET v = 'old-1' WHERE id = 1", None),
+                ("COMMIT", None),
+                ("SELECT pg_advisory_lock(42)" if pg else "SELECT 1", None),
+                ("UPDATE acct SET v = 'old-2' WHERE id = 1", None),
+            ]
+            if form == "batch":
+                guard.batch(old, statements, token=tok(5))
+            else:
+                with guard.transaction(old, token=tok(5)):
+                    for statement, params in statements:
+                        old.execute(statement, params)
+            outcome.append("committed")
+        except fenced.FencedError as exc:
+            outcome.append(exc)
+        finally:
+            old.close()
+
+    def paused() -> bool:
+        q = "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'advisory'"
+        return pg and bool(gate.execute(q).fetchone()[0])
+
+    thread = threading.Thread(target=old_holder)
+    thread.start()
+    wait_for(lambda: outcome or paused(), 20, "the old holder at its pause")
+    assert guard.batch(conn, [("UPDATE acct SET v = 'new' WHERE id = 1", None)], token=tok(6)) == [
+        1
+    ]
+    if pg:
+        gate.execute("SELECT pg_advisory_unlock(42)")
+    thread.join(30)
+    gate.close()
+    assert [tuple(r) for r in conn.execute("SELECT v FROM acct").fetchall()] == [("new",)]
+    assert guard.high_water(conn) == tok(6)
+    assert isinstance(outcome[0], StaleTokenError if pg else ConfigurationError), outcome
+    assert guard.batch(conn, [("UPDATE acct SET v = 'six' WHERE id = 1", None)], token=tok(6)) == [
+        1
+    ]
+    assert [tuple(r) for r in conn.execute("SELECT v FROM acct").fetchall()] == [("six",)]
+
+
+def test_a_batch_statement_that_commits_lets_no_stale_write_in(env: Env, conn: Any) -> None:
+    _old_holder_commits_midway(env, conn, "batch")
+
+
+def test_a_commit_in_a_pipelined_transaction_lets_no_stale_write_in(pg_dsn: str) -> None:
+    env = Env("pg", pg_dsn)
+    with env.connect() as conn:
+        _old_holder_commits_midway(env, conn, "transaction")
+
+
+def test_a_commit_in_an_async_pipelined_transaction_lets_no_stale_write_in(pg_dsn: str) -> None:
+    """The async twin: ``atransaction`` checks again after the block, in the same pipeline."""
+    import asyncio
+
+    guard = SQLGuard("acct", lock=LOCK)
+    with psycopg.connect(pg_dsn, autocommit=True) as setup:
+        guard.install(setup)
+        setup.execute("CREATE TABLE acct (id INTEGER PRIMARY KEY, v TEXT)")
+        setup.execute("INSERT INTO acct VALUES (1, 'init')")
+    gate = psycopg.connect(pg_dsn, autocommit=True)
+    gate.execute("SELECT pg_advisory_lock(42)")
+
+    def paused() -> bool:
+        q = "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'advisory'"
+        return bool(gate.execute(q).fetchone()[0])  # type: ignore[index]
+
+    def new_holder() -> None:
+        with psycopg.connect(pg_dsn, autocommit=True) as new:
+            guard.batch(new, [("UPDATE acct SET v = 'new' WHERE id = 1", None)], token=tok(6))
+        gate.execute("SELECT pg_advisory_unlock(42)")
+
+    async def main() -> BaseException | None:
+        async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as old:
+
+            async def old_holder() -> None:
+                async with guard.atransaction(old, token=tok(5)):
+                    await old.execute("UPDATE acct SET v = 'old-1' WHERE id = 1")
+                    await old.execute("COMMIT")
+                    await old.execute("SELECT pg_advisory_lock(42)")
+                    await old.execute("UPDATE acct SET v = 'old-2' WHERE id = 1")
+
+            task = asyncio.ensure_future(old_holder())
+            await asyncio.to_thread(wait_for, lambda: task.done() or paused(), 20, "the pause")
+            await asyncio.to_thread(new_holder)
+            return (await asyncio.gather(task, return_exceptions=True))[0]
+
+    outcome = asyncio.run(main())
+    gate.close()
+    assert isinstance(outcome, StaleTokenError), outcome
+    with psycopg.connect(pg_dsn, autocommit=True) as check:
+        assert check.execute("SELECT v FROM acct").fetchall() == [("new",)]
+        assert guard.high_water(check) == tok(6)

@@ -732,13 +732,154 @@ def test_a_batch_check_that_does_not_raise_is_caught(
     verdict, so the stale batch commits: the checker above catches it."""
     from fenced.guards import _sql_driver, _sql_plan
 
-    real = _sql_plan.mariadb_batch_check
-    monkeypatch.setattr(
-        _sql_driver, "mariadb_batch_check",
-        lambda table: real(table).replace("SIGNAL SQLSTATE", "DO 0; -- SIGNAL SQLSTATE")
-        .replace("SET MESSAGE_TEXT = 'fenced: the fence refused the token'; ", "\n"),
-    )  # fmt: skip
+    for name in ("mariadb_batch_check", "mariadb_batch_recheck"):  # (the re-check too)
+        real = getattr(_sql_plan, name)
+        monkeypatch.setattr(
+            _sql_driver, name,
+            lambda table, real=real: real(table).replace("SIGNAL SQLSTATE", "DO 0; -- SIGNAL SQLSTATE")
+            .replace("SET MESSAGE_TEXT = 'fenced: the fence refused the token'; ", "\n"),
+        )  # fmt: skip
     conn = connect(client_flag=CLIENT.MULTI_STATEMENTS)
     guard = SQLGuard("acct", lock="orders")
     guard.install(conn)
     assert not _stale_batch_is_never_committed(conn, guard)
+
+
+# -- SQLGuard.batch: the caller's statements as they come (attack session) -------------------
+
+
+def _batch_conn(connect: Any, flags: str) -> tuple[Any, SQLGuard]:
+    conn = connect(client_flag=CLIENT.MULTI_STATEMENTS if flags == "multi" else 0)
+    guard = SQLGuard("acct", lock="orders")
+    guard.install(conn)
+    sql(conn, "CREATE TABLE acct (id INT PRIMARY KEY, v TEXT) ENGINE=InnoDB")
+    sql(conn, "INSERT INTO acct VALUES (1, 'init')")
+    conn.commit()
+    return conn, guard
+
+
+@pytest.mark.parametrize("flags", ["multi", "plain"])
+def test_batch_statements_ending_in_a_comment_or_a_semicolon_are_all_committed(
+    connect: Any, flags: str
+) -> None:
+    """The guard joins the statements into one request: a statement's trailing ``-- `` or
+    ``#`` comment swallowed the rest and the COMMIT (counts returned, nothing committed, the
+    fence row left X-locked), a trailing ``;`` was a syntax error. Each is one statement."""
+    conn, guard = _batch_conn(connect, flags)
+    counts = guard.batch(
+        conn,
+        [
+            ("INSERT INTO acct VALUES (2, %s) -- the second", ("b",)),
+            ("INSERT INTO acct VALUES (3, 'c') # the third", None),
+            ("INSERT INTO acct VALUES (4, 'd');  ", None),
+            ("UPDATE acct SET v = 'e' WHERE id > 1 /* all */", None),
+        ],
+        token=tok(5),
+    )
+    assert counts == [1, 1, 1, 3]
+    assert not conn.server_status & 1  # no transaction (nor the fence row's lock) left open
+    other = connect(autocommit=True)
+    assert sql(other, "SELECT id, v FROM acct ORDER BY id") == [
+        (1, "init"), (2, "e"), (3, "e"), (4, "e")
+    ]  # fmt: skip
+    assert guard.high_water(other) == tok(5)
+
+
+@pytest.mark.parametrize("mode", ["", "NO_BACKSLASH_ESCAPES", "ANSI_QUOTES"])
+def test_batch_params_are_values_whatever_the_sql_mode(connect: Any, mode: str) -> None:
+    """The parameters are rendered client-side into one request: quotes, backslashes and
+    statement separators in a value stay in the value under every quoting mode."""
+    conn, guard = _batch_conn(connect, "multi")
+    sql(conn, f"SET SESSION sql_mode = '{mode}'")
+    evil = ["x'; COMMIT; --", "x\\'; DELETE FROM acct; -- ", '\\"); DROP TABLE acct; #', "\\"]
+    statements = [("INSERT INTO acct VALUES (%s, %s)", (10 + i, v)) for i, v in enumerate(evil)]
+    assert guard.batch(conn, statements, token=tok(5)) == [1] * len(evil)
+    rows = sql(connect(autocommit=True), "SELECT v FROM acct WHERE id >= 10 ORDER BY id")
+    assert [r[0] for r in rows] == evil
+
+
+def test_a_batch_statement_holding_two_is_reported(connect: Any) -> None:
+    """One request answers each statement: a "statement" that held two shifted every row
+    count by one, silently. Now a ConfigurationError that says what was committed."""
+    conn, guard = _batch_conn(connect, "multi")
+    with pytest.raises(fenced.ConfigurationError, match="2 results"):
+        guard.batch(
+            conn,
+            [("INSERT INTO acct VALUES (2, 'b'); INSERT INTO acct VALUES (3, 'c')", None)],
+            token=tok(5),
+        )
+    assert not conn.server_status & 1
+
+
+@pytest.mark.parametrize("flags", ["multi", "plain"])
+def test_a_batch_statement_that_commits_lets_no_stale_write_in(connect: Any, flags: str) -> None:
+    """The old holder's batch COMMITs in the middle (a COMMIT, or DDL's implicit commit):
+    the fence row's lock is released, the new holder (token 6) fences and writes, then the
+    old batch's later statements ran in a new transaction and committed over it: a stale
+    write. Now the later statements are refused (the multi-statement request re-checks the
+    fence before its COMMIT; the block stops at the statement that ended the transaction);
+    the rightful holder's batch commits."""
+    conn, guard = _batch_conn(connect, flags)
+    gate = connect(autocommit=True)
+    sql(gate, "SELECT GET_LOCK('gate', 30)")
+    outcome: list[object] = []
+
+    def old_holder() -> None:
+        try:
+            guard.batch(
+                conn,
+                [
+                    ("UPDATE acct SET v = 'old-1' WHERE id = 1", None),
+                    ("COMMIT", None),
+                    ("DO GET_LOCK('gate', 30)", None),  # (paused here, as by a GC pause)
+                    ("UPDATE acct SET v = 'old-2' WHERE id = 1", None),
+                ],
+                token=tok(5),
+            )
+            outcome.append("committed")
+        except fenced.FencedError as exc:
+            outcome.append(exc)
+
+    watch = connect(autocommit=True)
+    thread = threading.Thread(target=old_holder)
+    thread.start()
+    wait_for(
+        lambda: outcome
+        or sql(watch, "SELECT COUNT(*) FROM information_schema.PROCESSLIST "
+                      "WHERE STATE = 'User lock' AND ID <> CONNECTION_ID()")[0][0],
+        what="the old holder at its pause",
+    )  # fmt: skip
+    new = connect(client_flag=CLIENT.MULTI_STATEMENTS)
+    assert guard.batch(new, [("UPDATE acct SET v = 'new' WHERE id = 1", None)], token=tok(6)) == [1]
+    sql(gate, "DO RELEASE_LOCK('gate')")
+    thread.join(30)
+    assert sql(watch, "SELECT v FROM acct") == [("new",)]
+    assert guard.high_water(watch) == tok(6)
+    expected = fenced.StaleTokenError if flags == "multi" else fenced.ConfigurationError
+    assert isinstance(outcome[0], expected), outcome
+    assert not conn.server_status & 1
+    # the rightful holder: its batch (no COMMIT in it) commits
+    assert guard.batch(conn, [("UPDATE acct SET v = 'six' WHERE id = 1", None)], token=tok(6)) == [
+        1
+    ]
+    assert sql(watch, "SELECT v FROM acct") == [("six",)]
+
+
+@pytest.mark.parametrize("mode", ["ORACLE", "TRADITIONAL", "ANSI,NO_BACKSLASH_ESCAPES"])
+def test_batch_under_every_sql_mode_takes_the_holder_and_refuses_the_stale(
+    connect: Any, mode: str
+) -> None:
+    """sql_mode=ORACLE parses no ``BEGIN NOT ATOMIC``: the one-request check was a syntax
+    error (ProgrammingError 1064) for the rightful holder too. Now the block form then; the
+    stale token refused either way, nothing of it written."""
+    conn, guard = _batch_conn(connect, "multi")
+    sql(conn, f"SET SESSION sql_mode = '{mode}'")
+    assert guard.batch(conn, [("UPDATE acct SET v = 'five' WHERE id = 1", None)], token=tok(5)) == [
+        1
+    ]
+    with pytest.raises(fenced.StaleTokenError):
+        guard.batch(conn, [("UPDATE acct SET v = 'four' WHERE id = 1", None)], token=tok(4))
+    assert not conn.server_status & 1
+    other = connect(autocommit=True)
+    assert sql(other, "SELECT v FROM acct") == [("five",)]
+    assert guard.high_water(other) == tok(5)

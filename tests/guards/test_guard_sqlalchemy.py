@@ -287,3 +287,27 @@ def test_a_postgresql_double_token_column_is_refused_at_use_through_sqlalchemy(
             s.commit()
     finally:
         engine.dispose()
+
+
+def test_a_batch_statement_that_ends_the_transaction_stops_the_batch(engine: sa.Engine) -> None:
+    """Through SQLAlchemy ``batch`` is the block form; a ``COMMIT`` among its statements
+    released the fence and the statements after it ran and committed unfenced (SQLAlchemy's
+    own transaction state never saw the COMMIT). Now the block stops there (the driver
+    connection is asked); the rightful batch commits."""
+    guard = SQLGuard("orders")
+    with engine.connect() as conn:
+        assert guard.batch(
+            conn, [("INSERT INTO orders (id, status) VALUES (1, 'ten')", None)], token=tok(10)
+        ) == [1]
+        with pytest.raises(fenced.ConfigurationError, match="statement 2 ended the transaction"):
+            guard.batch(
+                conn,
+                [
+                    ("UPDATE orders SET status = 'old-1' WHERE id = 1", None),
+                    ("COMMIT", None),
+                    ("UPDATE orders SET status = 'old-2' WHERE id = 1", None),
+                ],
+                token=tok(10),
+            )
+        assert not conn.in_transaction()
+    assert statuses(engine) == [(1, "old-1")]  # (committed by the batch's own COMMIT, fenced)

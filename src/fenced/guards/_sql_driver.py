@@ -54,6 +54,7 @@ from ._sql_plan import (
     TableUse,
     fence_sql,
     mariadb_batch_check,
+    mariadb_batch_recheck,
     pg_pipelined_check,
     pipelined_refusal,
     row_write_accepted,
@@ -920,6 +921,13 @@ async def arun_install(conn: Any, make_plan: Callable[[Dialect], Plan[T]]) -> T:
 
 
 @contextlib.contextmanager
+# _RECHECK: the pipeline checks the fence again after the block, in the same round trip: a
+# statement of the block that ended the transaction (COMMIT, ROLLBACK) released the fence
+# row, and what ran after it would commit unfenced, over a newer holder's writes. The second
+# check accepts only if no newer token has been accepted since (and locks the row till the
+# COMMIT). Costs server time, not a round trip.
+
+
 def guarded_transaction(
     conn: Any,
     table: str,
@@ -968,6 +976,7 @@ def guarded_transaction(
         with conn.pipeline(), conn.transaction():
             conn.execute(pg_pipelined_check(table), params)
             yield token
+            conn.execute(pg_pipelined_check(table), params)  # (_RECHECK)
     except Exception as exc:
         mapped = _pipelined_error(conn, resource, token, exc)
         if mapped is exc:
@@ -1024,6 +1033,7 @@ async def aguarded_transaction(
         async with conn.pipeline(), conn.transaction():
             await conn.execute(pg_pipelined_check(table), params)
             yield token
+            await conn.execute(pg_pipelined_check(table), params)  # (_RECHECK)
     except Exception as exc:
         mapped = _pipelined_error(conn, resource, token, exc)
         if mapped is exc:
@@ -1069,15 +1079,11 @@ def guarded_batch(
     pipeline, or begin, check, statements, commit). Returns each statement's row count."""
     how = batch_kind(conn)
     if how == "pipeline":  # (a pipelined cursor's row count is known after the sync)
-        with transaction():
+        with transaction():  # (which checks again last: see guarded_transaction)
             cursors = [conn.execute(sql, params) for sql, params in statements]
         return [int(cur.rowcount) for cur in cursors]
     if how == "block":
-        counts: list[int] = []
-        with transaction():
-            for sql, params in statements:
-                counts.append(_execute(conn, sql, params))
-        return counts
+        return _block_batch(conn, statements, transaction)
     if in_transaction(conn):
         raise ConfigurationError(
             "batch() starts the transaction, and one is already open: use check() inside it"
@@ -1091,30 +1097,98 @@ def guarded_batch(
         if in_transaction(conn):
             _end(conn, commit=False, d=MYSQL)  # (a catalog read opened it: nothing to keep)
     check = (resource, token.lock, token.value, resource, token.value, token.lock)
-    counts = []
+    counts: list[int] = []
+    extra = 0
+    answered = 0  # (the answers read: 1 = START TRANSACTION's, so the check's failed)
     with conn.cursor() as cur:
         parts = [cur.mogrify(mariadb_batch_check(table), check)]
-        parts += [cur.mogrify(sql, params) for sql, params in statements]
-        request = "START TRANSACTION; " + "; ".join(parts) + "; COMMIT"
+        parts += [_one_statement(cur.mogrify(sql, params)) for sql, params in statements]
+        # (the server has run the whole request before any answer is read, so a statement
+        # that ended the transaction is caught in the server: by the re-check, which refuses
+        # unless the fence row still holds this token, under this transaction's lock)
+        parts.append(cur.mogrify(mariadb_batch_recheck(table), (resource, token.value, token.lock)))
+        # (each statement ends its line: a trailing "-- " or "#" comment ends there, not
+        # swallowing the separator, the statements after it, the re-check and the COMMIT)
+        request = "START TRANSACTION;\n" + "\n;\n".join(parts) + "\n;\nCOMMIT"
         try:
             cur.execute(request)  # START TRANSACTION's answer
+            answered = 1
             cur.nextset()  # the check's
             for _ in statements:
                 cur.nextset()
                 counts.append(cur.rowcount)
-            cur.nextset()  # COMMIT's
+            cur.nextset()  # the re-check's
+            if not cur.nextset():  # COMMIT's
+                raise ConfigurationError("the batch's COMMIT did not run")
+            while cur.nextset():  # (a "statement" that held several: counts are off)
+                extra += 1
         except Exception as exc:
             with contextlib.suppress(Exception):
                 conn.rollback()
-            if getattr(exc, "args", (None,))[0] == 1644 and "fenced:" in str(exc):
+            code = getattr(exc, "args", (None,))[0]
+            if code == 1644 and "fenced:" in str(exc):
                 raise _batch_refusal(conn, table, resource, token) from exc
+            if code == 1064 and answered == 1 and _oracle_mode(conn):
+                # sql_mode=ORACLE parses no BEGIN NOT ATOMIC: the check was refused as
+                # syntax, before anything ran; the block form then, not the holder refused
+                return _block_batch(conn, statements, transaction)
             # (as the pipeline: in one request the guard cannot tell whose statement failed,
             # so only whole-transaction conditions are mapped; the rest comes as raised)
             mapped = map_error(MYSQL, conn, exc)
             if isinstance(mapped, FenceConflictError | BackendUnavailable):
                 raise mapped from exc
             raise
+    if extra:
+        raise ConfigurationError(
+            f"batch(): {len(statements)} statements gave {len(statements) + extra} results "
+            "(one statement per (sql, params) pair); the batch was committed, its row counts "
+            "are unknown"
+        )
     return counts
+
+
+def _block_batch(
+    conn: Any,
+    statements: Sequence[Statement],
+    transaction: Callable[[], contextlib.AbstractContextManager[FencingToken]],
+) -> list[int]:
+    """``batch`` as ``transaction()``'s block, statement by statement, stopping at one that
+    ended the transaction (what follows it would run unfenced)."""
+    counts: list[int] = []
+    with transaction():
+        # (SQLAlchemy keeps its own idea of the transaction: ask its driver connection)
+        sa = sa_connection(conn)
+        driver = conn if sa is None else sa.connection.dbapi_connection
+        watch = _kind(driver) in ("sqlite3", "psycopg", "pymysql")
+        for n, (sql, params) in enumerate(statements, 1):
+            counts.append(_execute(conn, sql, params))
+            if watch and not in_transaction(driver):
+                raise _ended_transaction(n)
+    return counts
+
+
+def _oracle_mode(conn: Any) -> bool:
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SELECT @@SESSION.sql_mode")
+            row = cur.fetchone()
+    except Exception:  # (the syntax error is then what the caller gets)
+        return False
+    return bool(row) and "ORACLE" in str(row[0]).upper().split(",")
+
+
+def _one_statement(sql: str) -> str:
+    """``sql`` without the trailing ``;`` (and blanks) it may end with: the guard joins the
+    statements itself, and an empty statement is a syntax error on MariaDB."""
+    return sql.rstrip().rstrip(";").rstrip()
+
+
+def _ended_transaction(n: int) -> ConfigurationError:
+    return ConfigurationError(
+        f"batch(): statement {n} ended the transaction (COMMIT, ROLLBACK, or a statement "
+        "that commits implicitly such as DDL): the statements after it would not be fenced; "
+        "none of them was run, the open transaction is rolled back"
+    )
 
 
 def _batch_refusal(conn: Any, table: str, resource: str, token: FencingToken) -> FencedError:

@@ -62,6 +62,7 @@ __all__ = [
     "fence_sql",
     "ident_key",
     "mariadb_batch_check",
+    "mariadb_batch_recheck",
     "mysql_upsert_accepted",
     "mysql_use_plan",
     "pg_use_plan",
@@ -462,6 +463,29 @@ def mariadb_batch_check(table: str) -> str:
         f"{sql.accept}; "
         f"SELECT lock_name, token INTO found_lock, found_token FROM {quoted} "
         "WHERE resource = %s; "
+        "IF found_token IS NULL OR found_token <> CAST(%s AS SIGNED) "
+        "OR CAST(found_lock AS BINARY) <> CAST(%s AS BINARY) THEN "
+        f"SIGNAL SQLSTATE '{STALE_SQLSTATE}' "
+        "SET MESSAGE_TEXT = 'fenced: the fence refused the token'; END IF; END"
+    )
+
+
+@functools.lru_cache(maxsize=128)
+def mariadb_batch_recheck(table: str) -> str:
+    """The batch's last statement before ``COMMIT``: the fence row, read with its X lock,
+    must still hold this lock and this token, else :data:`STALE_SQLSTATE`. A statement of the
+    caller's that ended the transaction (``COMMIT``, ``ROLLBACK``, DDL's implicit commit)
+    released the row lock: a newer holder may have fenced and written since, and the
+    statements after it would commit unfenced. In the normal case the row is already locked
+    by this transaction (a primary-key read). Params: resource, token, lock."""
+    quoted = _backquoted(table)
+    return (
+        "BEGIN NOT ATOMIC "
+        "DECLARE found_lock VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin; "
+        "DECLARE found_token BIGINT; "
+        "DECLARE CONTINUE HANDLER FOR NOT FOUND SET found_token = NULL; "
+        f"SELECT lock_name, token INTO found_lock, found_token FROM {quoted} "
+        "WHERE resource = %s FOR UPDATE; "
         "IF found_token IS NULL OR found_token <> CAST(%s AS SIGNED) "
         "OR CAST(found_lock AS BINARY) <> CAST(%s AS BINARY) THEN "
         f"SIGNAL SQLSTATE '{STALE_SQLSTATE}' "
