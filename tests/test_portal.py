@@ -178,7 +178,10 @@ def test_ctrl_c_held_back_while_driving_stops_the_wait_that_follows(
     which never came: the process hung. A held-back Ctrl-C ends the call before it waits."""
     if threading.current_thread() is not threading.main_thread():
         pytest.skip("signals are delivered to the main thread only")
-    _fast_only(portal_mode, planted)
+    if portal_mode != "fast":
+        # Nothing is driven there: the coroutine runs on the loop thread, and a signal raised
+        # on that thread reaches the waiting main thread only when its wait ends.
+        pytest.skip("a Ctrl-C held back while driving: the fast mode's path")
     if planted:
 
         def wait_begins(self: Any) -> bool:

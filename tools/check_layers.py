@@ -53,7 +53,7 @@ _CLI = {"cli", "__main__"}  # (the command line's own modules are in the cli/ pa
 # Private names of other libraries that a module uses, which the attribute rule would take for
 # a fenced package's (the rule knows only fenced's own definitions).
 _ASYNCIO_INTERNALS = {
-    "fenced._portal": {"_run", "_ready", "_scheduled", "_selector"},
+    "fenced._portal_fast": {"_run", "_ready", "_scheduled"},  # (the fast mode, alone)
     "fenced.testing.sim._loop": {"_run"},  # the virtual-time loop runs asyncio's handles
 }
 
