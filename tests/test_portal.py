@@ -338,6 +338,8 @@ def test_an_unknown_portal_mode_is_a_clear_error(
     monkeypatch.setenv("FENCED_PORTAL", "turbo")
     with pytest.raises(ConfigurationError, match="FENCED_PORTAL must be 'fast' or 'portable'"):
         fenced.connect(sqlite_url)
+    with pytest.raises(ConfigurationError, match="FENCED_PORTAL must be"):
+        Portal("fenced-test")  # (a portal that would not drive anyway)
     with pytest.raises(ConfigurationError, match="mode must be"):
         Portal("fenced-test", drive=True, mode="turbo")  # type: ignore[arg-type]
     monkeypatch.setenv("FENCED_PORTAL", "portable")

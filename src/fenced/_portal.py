@@ -100,7 +100,8 @@ class Portal:
 
     def __init__(self, name: str, *, drive: bool = False, mode: PortalMode | None = None) -> None:
         self._fast: _portal_fast.FastLoop | None = None
-        if drive and portal_mode(mode) == "fast" and _portal_fast.available():
+        asked = portal_mode(mode)  # (checked even where unused: a typo is said at once)
+        if drive and asked == "fast" and _portal_fast.available():
             self._fast = _portal_fast.FastLoop()
             # (asyncio's debug mode checks that only the loop's own thread schedules on it)
             if self._fast.loop.get_debug():
