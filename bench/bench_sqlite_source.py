@@ -6,7 +6,8 @@
     ``sqlite3`` connection in the calling thread: two ``BEGIN IMMEDIATE`` transactions, two
     fsyncs. Extra rows split fenced's cost into the SQL, the backend's Python, the lease core,
     and the sync API's portal (driven by the caller's thread when fenced's loop thread is idle;
-    a "hop" row forces the old way, a round trip to the loop thread per call; a "bound" row
+    a "portable mode" row forces the portal's portable mode (``FENCED_PORTAL=portable``), a
+    round trip to the loop thread per call; a "bound" row
     replaces the portal by a bare ``coro.send``, the most the sync layer could ever save).
 (b) Contended handoff: 4 OS processes acquire and release one lock in a loop; handoff latency is
     release started -> next holder granted (both read on CLOCK_BOOTTIME, machine-wide). The
@@ -125,8 +126,9 @@ def uncontended(root: str, n: int) -> None:
     # fail on the first coroutine that waits). What the sync layer could at best save.
     def free_portal(coro: Coroutine[Any, Any, T]) -> T:
         portal = locks._portal
+        assert portal._fast is not None, "the bound needs the portal's fast mode"
         saved = asyncio._get_running_loop()
-        with portal._loop_lock:
+        with portal._fast.lock:
             asyncio._set_running_loop(portal.loop)
             try:
                 coro.send(None)
@@ -141,9 +143,18 @@ def uncontended(root: str, n: int) -> None:
         free_portal(inner.acquire(None))
         free_portal(inner.finish(None, None))
 
-    # The same, with caller-driven calls turned off: every call hops to the loop thread.
-    hopping = fenced.connect(url)
-    hopping._portal.drive = False
+    # The same in the portal's portable mode (FENCED_PORTAL=portable: public asyncio only,
+    # caller-driven calls off): every call hops to the loop thread.
+    asked = os.environ.get("FENCED_PORTAL")
+    os.environ["FENCED_PORTAL"] = "portable"
+    try:
+        hopping = fenced.connect(url)
+    finally:
+        if asked is None:
+            del os.environ["FENCED_PORTAL"]
+        else:
+            os.environ["FENCED_PORTAL"] = asked
+    assert not hopping._portal.drive
 
     def sync_hop() -> None:
         with hopping.lock("hop", ttl=30):
@@ -153,7 +164,7 @@ def uncontended(root: str, n: int) -> None:
         [
             ("sync API: with locks.lock()", sync_with, "bare SQL", bare.op),
             ("sync API: reused lease", sync_reused, "bare SQL", bare.op),
-            ("sync API, a hop per call (before)", sync_hop, "bare SQL", bare.op),
+            ("sync API, portable mode (a hop per call)", sync_hop, "bare SQL", bare.op),
             ("bound: sync API with a free portal", sync_free_portal, "bare SQL", bare.op),
         ],
         n,

@@ -57,6 +57,19 @@ def register_scheme(request: pytest.FixtureRequest) -> Callable[[str, str], None
     return register
 
 
+@pytest.fixture(params=["fast", "portable"])
+def portal_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The test runs twice: with the sync API's portal in its fast mode (callers drive the
+    loop, on CPython's asyncio internals) and forced into its portable mode (public asyncio
+    only), through ``FENCED_PORTAL`` as a user would."""
+    from fenced import _portal_fast
+
+    monkeypatch.setenv("FENCED_PORTAL", request.param)
+    if request.param == "fast":
+        assert _portal_fast.available(), "this Python's asyncio lacks what the fast mode needs"
+    return str(request.param)
+
+
 @pytest.fixture
 def sigint_raises() -> Iterator[None]:
     """SIGINT raises KeyboardInterrupt during the test, even in a run started with SIGINT

@@ -30,6 +30,9 @@ from tests.sources import (
     register_source,
 )
 
+# The sync facade's cases run with the portal's fast mode on and forced off (``_portal``).
+pytestmark = pytest.mark.usefixtures("portal_mode")
+
 
 def _grant(sent_at: float, ttl: float = 10.0) -> Grant:
     return Grant(fenced.FencingToken("x", 1), "r", ttl, sent_at)

@@ -59,7 +59,7 @@ _LAYER_PACKAGES = {"_core": "core", "_clients": "clients", "cli": "cli"}
 # Private names of other libraries that a module uses, which the attribute rule would take for
 # a fenced package's (the rule knows only fenced's own definitions).
 _ASYNCIO_INTERNALS = {
-    "fenced._portal": {"_run", "_ready", "_scheduled", "_selector"},
+    "fenced._portal_fast": {"_run", "_ready", "_scheduled"},  # (the fast mode, alone)
     "fenced.testing.sim._loop": {"_run"},  # the virtual-time loop runs asyncio's handles
 }
 

@@ -7,8 +7,8 @@ What moves where (``git mv``; a module that is not there is skipped, a target th
 there is left alone, so a second run changes nothing):
 
   fenced/_core/      the core: _adopt, _backend, _backoff, _ceiling, _clock, _errors, _fork,
-                     _leadership, _lease, _options, _paths, _portal, _signing, _state, _sync,
-                     _token -> fenced/_core/<name without its underscore>.py
+                     _leadership, _lease, _options, _paths, _portal, _portal_fast, _signing,
+                     _state, _sync, _token -> fenced/_core/<name without its underscore>.py
   fenced/_clients/   what each client library's errors mean and the etcd transport: _grpc,
                      _grpc_errors, _etcd_conn, _kazoo_errors, _pg_errors, _redis_errors,
                      _sqlite_errors -> fenced/_clients/<name without its underscore>.py
@@ -66,6 +66,7 @@ CORE = (
     "_options",
     "_paths",
     "_portal",
+    "_portal_fast",
     "_signing",
     "_state",
     "_sync",

@@ -5,15 +5,15 @@ a :class:`Portal`. Only fenced's own code runs on a portal's loop, which is what
 :func:`on_private_loop` tells a backend: it may then make short blocking calls (an SQLite
 transaction) inline instead of paying for a hop to a worker thread.
 
-**Caller-driven calls.** A hop to the loop thread and back costs two thread switches (50-90 µs
-on a VM), more than an SQLite transaction. So a portal made with ``drive=True`` lets the
-calling thread run the loop's work itself whenever the loop thread is idle. The loop is
-guarded by one lock (like a GIL for the loop): its thread holds it at all times except while
-it waits in ``select()``. A caller that takes the lock without waiting runs its coroutine as a
-task of the portal's loop, on its own thread; if the task has to wait (for I/O, a timer,
-another thread), the caller hands the loop back and waits for the loop thread to finish it,
-exactly as a hop would. So there is still one implementation of every protocol, and the loop
-thread still runs keepalives while callers are busy elsewhere.
+**Two modes.** A hop to the loop thread and back costs two thread switches (50-90 µs on a
+VM), more than an SQLite transaction. So a portal made with ``drive=True`` lets the calling
+thread run the loop's work itself whenever the loop thread is idle: the *fast mode*, which
+needs CPython's asyncio internals and lives, alone in fenced, in ``_portal_fast``. It is used
+only where its probe finds those internals as expected; otherwise, or with ``drive=False``, or
+with ``FENCED_PORTAL=portable`` in the environment (or ``mode="portable"``), the portal runs in
+its *portable mode*: a plain ``SelectorEventLoop`` and public asyncio only
+(``call_soon_threadsafe``), one hop to the loop thread per call. Both modes run the same
+coroutines with the same outcome, interruption and undo rules; only the thread differs.
 """
 
 from __future__ import annotations
@@ -23,22 +23,41 @@ import _thread
 import asyncio
 import contextlib
 import logging
-import math
 import os
-import selectors
 import threading
-import time
 import weakref
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
-from . import _clock, _fork
-from ._errors import BackendUnavailable
+from . import _clock, _fork, _portal_fast
+from ._errors import BackendUnavailable, ConfigurationError
 
-__all__ = ["Portal", "commits_per_turn", "mark_private", "on_private_loop"]
+__all__ = [
+    "Portal",
+    "PortalMode",
+    "commits_per_turn",
+    "mark_private",
+    "on_private_loop",
+    "portal_mode",
+]
 
 T = TypeVar("T")
+
+PortalMode = Literal["fast", "portable"]
+_MODES: tuple[PortalMode, ...] = ("fast", "portable")
+
+
+def portal_mode(mode: str | None = None) -> PortalMode:
+    """The mode asked for: ``mode`` if given, else ``$FENCED_PORTAL``, else ``"fast"`` (which
+    a portal still uses only with ``drive=True`` and where the fast mode's probe passes)."""
+    asked = mode if mode is not None else (os.environ.get("FENCED_PORTAL") or "fast")
+    for known in _MODES:
+        if asked == known:
+            return known
+    where = "mode" if mode is not None else "FENCED_PORTAL"
+    raise ConfigurationError(f"{where} must be 'fast' or 'portable', not {asked!r}")
+
 
 logger = logging.getLogger("fenced")
 
@@ -72,36 +91,6 @@ def on_private_loop() -> bool:
         return False
 
 
-class _SharedSelector(selectors.DefaultSelector):
-    """The loop's selector: the loop thread gives up the loop's lock while it waits in it."""
-
-    def __init__(self, lock: _thread.LockType) -> None:
-        super().__init__()
-        self._lock = lock
-        self.wakes_at = -math.inf
-        """When the waiting loop thread will look at its timers next (-inf: it is not waiting)."""
-        self.wanted = False
-        """True while the loop thread waits for a caller to hand the loop back."""
-
-    def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
-        self.wakes_at = math.inf if timeout is None else time.monotonic() + timeout
-        self._lock.release()
-        try:
-            ready = super().select(timeout)
-        finally:
-            if not self._lock.acquire(False):
-                # A caller is running the loop's work: it finishes its step, and no caller
-                # starts another until this thread has had its turn (timers must not starve).
-                self.wanted = True
-                self._lock.acquire()
-                self.wanted = False
-            self.wakes_at = -math.inf
-        # A caller may have driven the loop meanwhile and unregistered or replaced a file
-        # descriptor: an event for a key that is no longer registered is dropped.
-        keys = self.get_map()
-        return [(key, events) for key, events in ready if keys.get(key.fd) is key]
-
-
 class Portal:
     """An event loop on a daemon thread, and a way to run coroutines on it from other threads.
 
@@ -109,25 +98,31 @@ class Portal:
     idle (see the module's docstring): for code that does not mind which thread runs it.
     """
 
-    def __init__(self, name: str, *, drive: bool = False) -> None:
-        self._loop_lock = _thread.allocate_lock()
-        self.loop: asyncio.AbstractEventLoop = asyncio.SelectorEventLoop(
-            _SharedSelector(self._loop_lock)
+    def __init__(self, name: str, *, drive: bool = False, mode: PortalMode | None = None) -> None:
+        self._fast: _portal_fast.FastLoop | None = None
+        asked = portal_mode(mode)  # (checked even where unused: a typo is said at once)
+        if drive and asked == "fast" and _portal_fast.available():
+            self._fast = _portal_fast.FastLoop()
+            # (asyncio's debug mode checks that only the loop's own thread schedules on it)
+            if self._fast.loop.get_debug():
+                self._fast.loop.close()
+                self._fast = None
+        self.loop: asyncio.AbstractEventLoop = (
+            self._fast.loop if self._fast is not None else asyncio.SelectorEventLoop()
         )
-        self._selector: _SharedSelector = self.loop._selector  # type: ignore[attr-defined]
         # Backends may run short blocking calls inline on this loop: nobody else's code runs on it.
         mark_private(self.loop)
         self._stopping = False
         self._undoing: set[asyncio.Task[object]] = set()
-        self._driver: int | None = None  # the thread running the loop's work instead of its own
-        # (asyncio's debug mode checks that only the loop's own thread schedules on it)
-        self.drive = drive and _CAN_DRIVE and not self.loop.get_debug()
         ready = threading.Event()
+        fast = self._fast
 
         def run() -> None:
             asyncio.set_event_loop(self.loop)
             self.loop.call_soon(ready.set)
-            with self._loop_lock:
+            if fast is not None:
+                fast.run_forever()
+            else:
                 self.loop.run_forever()
 
         self.thread = threading.Thread(target=run, name=name, daemon=True)
@@ -138,6 +133,11 @@ class Portal:
         self._fork_gen = _fork.generation()
 
     @property
+    def drive(self) -> bool:
+        """True in the fast mode: callers run their calls themselves while the loop is idle."""
+        return self._fast is not None
+
+    @property
     def closed(self) -> bool:
         return self._stopping or self.loop.is_closed()
 
@@ -145,7 +145,7 @@ class Portal:
         """True on the thread running this loop's work now (its own, or a driving caller's):
         a blocking call into the portal from there would wait for itself."""
         ident = _thread.get_ident() if ident is None else ident
-        return ident == self._thread_id or ident == self._driver
+        return ident == self._thread_id or (self._fast is not None and ident == self._fast.driver)
 
     @property
     def forked(self) -> bool:
@@ -207,8 +207,8 @@ class Portal:
         gate = _SigintGate.enter(ident)
         try:
             try:
-                if self.drive:
-                    driven = self._try_drive(ident, run, started)
+                if self._fast is not None:
+                    driven = self._fast.try_drive(ident, run, started, lambda: self._stopping)
                     if driven is None:
                         coro.close()
                         raise BackendUnavailable("this fenced connection is closed")
@@ -240,56 +240,6 @@ class Portal:
         if error:
             raise error[0]
         return result[0]
-
-    def _try_drive(
-        self, ident: int, run: Coroutine[Any, Any, None], started: list[asyncio.Task[None]]
-    ) -> bool | None:
-        """If the loop thread is idle, run ``run`` as a task of the loop on this thread, as far
-        as it goes without waiting, then hand the loop back (waking its thread if it has work
-        sooner than it planned). False if the loop was busy; None if the portal is closed.
-        """
-        if self._selector.wanted or not self._loop_lock.acquire(False):
-            return False
-        loop = self.loop
-        saved = asyncio._get_running_loop()
-        ready: Any = loop._ready  # type: ignore[attr-defined]
-        queued = len(ready)
-        try:
-            if self._stopping or not loop.is_running():
-                run.close()
-                return None
-            self._driver = ident
-            asyncio._set_running_loop(loop)
-            task = loop.create_task(run)
-            started.append(task)
-            while not task.done():
-                step = _take_step(ready, task)
-                if step is None:
-                    break  # it waits for something: the loop thread takes it from here
-                step._run()
-        finally:
-            asyncio._set_running_loop(saved)
-            self._driver = None
-            try:
-                if self._needs_loop_thread(loop, len(ready) > queued):
-                    loop._write_to_self()  # type: ignore[attr-defined]
-            finally:
-                self._loop_lock.release()
-        return True
-
-    def _needs_loop_thread(self, loop: asyncio.AbstractEventLoop, queued_more: bool) -> bool:
-        """True if the waiting loop thread must wake now rather than when it planned to:
-        this thread queued callbacks (those queued from other threads woke it already), or
-        armed a timer due before it planned to look."""
-        if queued_more:
-            return True
-        timers: list[asyncio.TimerHandle] = loop._scheduled  # type: ignore[attr-defined]
-        if not timers:
-            return False
-        # Cancelled timers stay in the heap until the loop thread pops them: let it tidy up.
-        if loop._timer_cancelled_count > 1000 + len(timers) // 2:  # type: ignore[attr-defined]
-            return True
-        return timers[0].when() < self._selector.wakes_at - 0.001
 
     def _abandon(
         self,
@@ -407,43 +357,8 @@ class _SigintGate:
         return self.held
 
 
-def _take_step(ready: Any, task: asyncio.Task[None]) -> asyncio.Handle | None:
-    """Remove and return the next step of ``task`` from the loop's ready queue, if it is there."""
-    for handle in ready:
-        if getattr(handle._callback, "__self__", None) is task:
-            ready.remove(handle)
-            return handle  # type: ignore[no-any-return]
-    return None
-
-
-def _can_drive() -> bool:
-    """The loop internals caller-driven calls rely on (CPython 3.11-3.13's asyncio)."""
-    loop = asyncio.SelectorEventLoop()
-    try:
-
-        async def probe() -> None:
-            pass
-
-        task = loop.create_task(probe())
-        step = _take_step(getattr(loop, "_ready", ()), task)
-        if step is not None:
-            step._run()
-        return (
-            task.done()
-            and hasattr(loop, "_scheduled")
-            and hasattr(loop, "_timer_cancelled_count")
-            and hasattr(loop, "_selector")
-            and hasattr(loop, "_write_to_self")
-        )
-    except Exception:
-        return False
-    finally:
-        loop.close()
-
-
 _MAIN_THREAD = threading.main_thread().ident
 _DEFAULT_SIGINT = _signal.default_int_handler
-_CAN_DRIVE = _can_drive()
 
 
 async def _cancel_all(timeout: float = 5.0) -> None:

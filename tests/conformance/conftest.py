@@ -15,11 +15,17 @@ ALL_SOURCES = [
     *("http_sqlite", "http_etcd", "http_postgresql"),  # the same, through `fenced serve`
 ]
 SOURCES = [n for n in ALL_SOURCES if importlib.util.find_spec(f"tests.envs.{n}") is not None]
+# The sources the sync API drives by the caller (the portal's fast mode) run once more with
+# that mode forced off: the portal's portable mode, public asyncio only (``_portal``).
+PORTABLE = [f"{n}+portable" for n in ("memory", "sqlite") if n in SOURCES]
 
 
-@pytest.fixture(params=SOURCES)
-def env(request: pytest.FixtureRequest) -> Iterator[BackendEnv]:
-    module = importlib.import_module(f"tests.envs.{request.param}")
+@pytest.fixture(params=[*SOURCES, *PORTABLE])
+def env(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[BackendEnv]:
+    name, _, portal = str(request.param).partition("+")
+    if portal:
+        monkeypatch.setenv("FENCED_PORTAL", portal)
+    module = importlib.import_module(f"tests.envs.{name}")
     yield from module.make_env(request)
 
 

@@ -324,6 +324,16 @@ def _setup_logging(verbose: bool) -> None:
     root.addHandler(handler)
 
 
+def _shared_source_url(args: argparse.Namespace, command: str) -> str:
+    """The token source's URL (as :func:`_url` finds it) for a command whose lock must exclude
+    other processes: refused, naming where the URL came from, if the source keeps its locks
+    inside one process."""
+    url = _url(args)
+    with _from_source(args):
+        _require_shared_source(url, command)
+    return url
+
+
 def _require_shared_source(url: str, command: str) -> None:
     """A lock held by a process of its own must exclude other processes: refuse a source
     whose locks live inside one process (memory://), where every `fenced lock` would hold."""

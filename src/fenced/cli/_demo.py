@@ -8,6 +8,7 @@ storage rejects that write; without it, client 2's write is silently overwritten
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -17,6 +18,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from queue import Empty, Queue
@@ -259,6 +261,19 @@ def as_theory_says(run: dict[str, Any], fenced_mode: bool) -> bool:
     return bool(higher and run["ok2"] and run["ok1"] and "client 1" in run["content"])
 
 
+@contextlib.contextmanager
+def _workdir(directory: str | None, prefix: str) -> Iterator[Path]:
+    """A demo's directory: ``directory`` (made if missing, kept afterwards), else a temporary
+    one named ``prefix...``, removed afterwards."""
+    if directory is not None:
+        path = Path(directory)
+        path.mkdir(parents=True, exist_ok=True)
+        yield path
+        return
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        yield Path(tmp)
+
+
 def run_demo(directory: str | None = None, ttl: float = 1.0) -> int:
     """Run both scenarios; exit status 0 only if both came out as the theory says."""
     console = make_printer()
@@ -267,22 +282,13 @@ def run_demo(directory: str | None = None, ttl: float = 1.0) -> int:
         "paused past its lease, another client takes the lock and writes, and the\n"
         "first one wakes up and writes too.\n"
     )
-    tmp = None
-    if directory is None:
-        tmp = tempfile.TemporaryDirectory(prefix="fenced-demo-")
-        directory = tmp.name
-    path = Path(directory)
-    path.mkdir(parents=True, exist_ok=True)
-    try:
+    with _workdir(directory, "fenced-demo-") as path:
         url = f"sqlite:///{path / 'locks.db'}"
         fenced_run = scenario(console, url, str(path / "storage-fenced.db"), ttl, fenced_mode=True)
         console.print()
         unfenced_run = scenario(
             console, url, str(path / "storage-unfenced.db"), ttl, fenced_mode=False
         )
-    finally:
-        if tmp is not None:
-            tmp.cleanup()
     console.print()
     fenced_ok = fenced_run["ok2"] and not fenced_run["ok1"] and "client 2" in fenced_run["content"]
     unfenced_ok = (
@@ -302,7 +308,7 @@ def run_demo(directory: str | None = None, ttl: float = 1.0) -> int:
         )
     else:
         console.print(f"[red]✘ unfenced run did not show the corruption:[/red] {unfenced_run}")
-    if directory and tmp is None:
+    if directory:  # (given, so kept)
         console.print(f"[dim]databases kept in {directory}[/dim]")
     from ._common import EXIT_VIOLATION  # (fenced's own outcomes never use 1)
 

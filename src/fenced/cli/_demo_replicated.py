@@ -18,12 +18,11 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from ._console import Printer, make_printer, panel
-from ._demo import _Proc, _Timeline
+from ._demo import _Proc, _Timeline, _workdir
 
 __all__ = ["run_replicated_demo"]
 
@@ -156,98 +155,91 @@ def run_replicated_demo(directory: str | None = None, ttl: float = 1.0) -> int:
         "past its lease, a replica crash, a new writer, and reconfiguration through the\n"
         "token source.\n"
     )
-    tmp = None
-    if directory is None:
-        tmp = tempfile.TemporaryDirectory(prefix="fenced-demo-replicated-")
-        directory = tmp.name
-    path = Path(directory)
-    path.mkdir(parents=True, exist_ok=True)
-    for name in REPLICAS:
-        (path / f"replica-{name}.db").unlink(missing_ok=True)
-        sqlite3.connect(path / f"replica-{name}.db").close()
-    url = f"sqlite:///{path / 'locks.db'}"
-    console.print(panel("Three replicas a, b, c; configuration 1 = {a, b, c}"))
-    log = _Timeline(console)
-    w1 = w2 = None
-    outcome: dict[str, Any] = {}
-    try:
-        w1 = _spawn("writer 1", url, path, ttl)
-        t1 = w1.expect("acquired")["token"]
-        log("writer 1", f"acquires the lock → token [bold]{t1}[/bold]; fences a, b, c")
-        w1.expect("ready")
-        w1.send("write 100")
-        ev = w1.expect("written")
-        log("writer 1", f"balance = 100 → {'acknowledged' if ev['ok'] else 'FAILED'}")
-        _answers(log, ev["answers"])
-        outcome["first"] = ev["ok"]
-        os.kill(w1.popen.pid, signal.SIGSTOP)
-        log("writer 1", "[red]paused[/red] by SIGSTOP (a long GC pause) before its next write")
-        shutil.move(path / "replica-c.db", path / "replica-c.db.crashed")
-        log("replica c", "[red]crashes[/red] (its database is gone)")
-        w2 = _spawn("writer 2", url, path, ttl)
-        log("writer 2", "asks for the lock and waits …")
-        t2 = w2.expect("acquired")["token"]
-        log("clock", f"writer 1's {ttl:g} s lease expired during its pause")
-        log("writer 2", f"acquires the lock → token [bold]{t2}[/bold]; fences the replicas")
-        ready = w2.expect("ready")
-        _answers(log, ready["answers"])
-        log(
-            "writer 2",
-            f"c is unreachable: removed by configuration {ready['epoch']} = "
-            f"{{{', '.join(ready['members'])}}} (a compare-and-set in the token source)",
-        )
-        w2.send("write 250")
-        ev = w2.expect("written")
-        log("writer 2", f"balance = 250 → {'acknowledged' if ev['ok'] else 'FAILED'}")
-        _answers(log, ev["answers"])
-        outcome["second"] = ev["ok"]
-        w2.send("exit")
-        w2.expect("exited")
-        w1.send("write 90")
-        os.kill(w1.popen.pid, signal.SIGCONT)
-        log("writer 1", "[green]resumed[/green]; believes it holds the lock; balance = 90")
-        ev = w1.expect("written")
-        _answers(log, ev["answers"])
-        log("writer 1", f"→ {'[red]ACKNOWLEDGED[/red]' if ev['ok'] else 'not acknowledged'}")
-        outcome["stale"] = ev["ok"]
-        shutil.move(path / "replica-c.db.crashed", path / "replica-c.db")
-        log("replica c", "restarts, with its old data (balance = 100, token mark " + t1 + ")")
-        with fenced.connect(url) as locks:
-            group = Group(GROUP, locks, {n: _member(path, n) for n in REPLICAS}, timeout=5.0)
-            cfg = group.reconfigure(add=["c"])
-            log(
-                "operator",
-                f"adds c back: state copied from a, then configuration {cfg.epoch} = "
-                f"{{{', '.join(cfg.members)}}}",
-            )
-            w1.send("write 80")
+    with _workdir(directory, "fenced-demo-replicated-") as path:
+        for name in REPLICAS:
+            (path / f"replica-{name}.db").unlink(missing_ok=True)
+            sqlite3.connect(path / f"replica-{name}.db").close()
+        url = f"sqlite:///{path / 'locks.db'}"
+        console.print(panel("Three replicas a, b, c; configuration 1 = {a, b, c}"))
+        log = _Timeline(console)
+        w1 = w2 = None
+        outcome: dict[str, Any] = {}
+        try:
+            w1 = _spawn("writer 1", url, path, ttl)
+            t1 = w1.expect("acquired")["token"]
+            log("writer 1", f"acquires the lock → token [bold]{t1}[/bold]; fences a, b, c")
+            w1.expect("ready")
+            w1.send("write 100")
             ev = w1.expect("written")
-            log("writer 1", "tries again: balance = 80")
+            log("writer 1", f"balance = 100 → {'acknowledged' if ev['ok'] else 'FAILED'}")
             _answers(log, ev["answers"])
-            outcome["stale_again"] = ev["ok"]
-            outcome["c_refused"] = ev["answers"].get("c", "").startswith("REFUSED")
-            console.print()
-            console.print(panel(f"Final state (configuration {cfg.epoch})"))
-            states = []
-            for name in REPLICAS:
-                snap = group.portal.call(group.aio.member(name).read(None))
-                item = snap.items.get("balance")
-                value = item.value.decode() if item and item.value else None
-                states.append(value)
-                console.print(
-                    f"  replica {name}: balance = {value}   token mark {snap.token}   "
-                    f"epoch {snap.epoch}"
+            outcome["first"] = ev["ok"]
+            os.kill(w1.popen.pid, signal.SIGSTOP)
+            log("writer 1", "[red]paused[/red] by SIGSTOP (a long GC pause) before its next write")
+            shutil.move(path / "replica-c.db", path / "replica-c.db.crashed")
+            log("replica c", "[red]crashes[/red] (its database is gone)")
+            w2 = _spawn("writer 2", url, path, ttl)
+            log("writer 2", "asks for the lock and waits …")
+            t2 = w2.expect("acquired")["token"]
+            log("clock", f"writer 1's {ttl:g} s lease expired during its pause")
+            log("writer 2", f"acquires the lock → token [bold]{t2}[/bold]; fences the replicas")
+            ready = w2.expect("ready")
+            _answers(log, ready["answers"])
+            log(
+                "writer 2",
+                f"c is unreachable: removed by configuration {ready['epoch']} = "
+                f"{{{', '.join(ready['members'])}}} (a compare-and-set in the token source)",
+            )
+            w2.send("write 250")
+            ev = w2.expect("written")
+            log("writer 2", f"balance = 250 → {'acknowledged' if ev['ok'] else 'FAILED'}")
+            _answers(log, ev["answers"])
+            outcome["second"] = ev["ok"]
+            w2.send("exit")
+            w2.expect("exited")
+            w1.send("write 90")
+            os.kill(w1.popen.pid, signal.SIGCONT)
+            log("writer 1", "[green]resumed[/green]; believes it holds the lock; balance = 90")
+            ev = w1.expect("written")
+            _answers(log, ev["answers"])
+            log("writer 1", f"→ {'[red]ACKNOWLEDGED[/red]' if ev['ok'] else 'not acknowledged'}")
+            outcome["stale"] = ev["ok"]
+            shutil.move(path / "replica-c.db.crashed", path / "replica-c.db")
+            log("replica c", "restarts, with its old data (balance = 100, token mark " + t1 + ")")
+            with fenced.connect(url) as locks:
+                group = Group(GROUP, locks, {n: _member(path, n) for n in REPLICAS}, timeout=5.0)
+                cfg = group.reconfigure(add=["c"])
+                log(
+                    "operator",
+                    f"adds c back: state copied from a, then configuration {cfg.epoch} = "
+                    f"{{{', '.join(cfg.members)}}}",
                 )
-            group.close()
-        outcome["states"] = states
-    except fenced.FencedError as exc:  # (the verdict below says it did not go as it should)
-        outcome["error"] = f"{type(exc).__name__}: {exc}"
-    finally:
-        for p in (w1, w2):
-            if p is not None:
-                p.close()
-        if tmp is not None:
-            tmp.cleanup()
+                w1.send("write 80")
+                ev = w1.expect("written")
+                log("writer 1", "tries again: balance = 80")
+                _answers(log, ev["answers"])
+                outcome["stale_again"] = ev["ok"]
+                outcome["c_refused"] = ev["answers"].get("c", "").startswith("REFUSED")
+                console.print()
+                console.print(panel(f"Final state (configuration {cfg.epoch})"))
+                states = []
+                for name in REPLICAS:
+                    snap = group.portal.call(group.aio.member(name).read(None))
+                    item = snap.items.get("balance")
+                    value = item.value.decode() if item and item.value else None
+                    states.append(value)
+                    console.print(
+                        f"  replica {name}: balance = {value}   token mark {snap.token}   "
+                        f"epoch {snap.epoch}"
+                    )
+                group.close()
+            outcome["states"] = states
+        except fenced.FencedError as exc:  # (the verdict below says it did not go as it should)
+            outcome["error"] = f"{type(exc).__name__}: {exc}"
+        finally:
+            for p in (w1, w2):
+                if p is not None:
+                    p.close()
     console.print()
     ok = (
         outcome.get("first") is True

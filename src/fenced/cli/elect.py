@@ -13,10 +13,9 @@ from ._common import (
     _from_source,
     _grace,
     _HelpFormatter,
-    _require_shared_source,
+    _shared_source_url,
     _source_arguments,
     _ttl,
-    _url,
     _verbose,
 )
 
@@ -87,9 +86,7 @@ def run(args: argparse.Namespace) -> int:
     validate_lock_name(args.name)
     if args.term_grace >= args.ttl:
         raise ConfigurationError("elect: --term-grace must be shorter than --ttl")
-    url = _url(args)
-    with _from_source(args):
-        _require_shared_source(url, "elect")
+    url = _shared_source_url(args, "elect")
     with _from_source(args), _sync.connect(url, connect_timeout=max(args.timeout, 0.1)) as locks:
         return run_elected(
             locks,

@@ -31,14 +31,13 @@ from ._common import (
     _from_source,
     _grace,
     _HelpFormatter,
-    _require_shared_source,
     _say,
+    _shared_source_url,
     _signing_key,
     _source_id,
     _source_id_argument,
     _timeout,
     _ttl,
-    _url,
     _url_arguments,
     _verbose,
 )
@@ -156,9 +155,7 @@ def run(args: argparse.Namespace) -> int:
         _say("lock: no command given (fenced lock NAME -- COMMAND ...)")
         return EXIT_USAGE
     validate_lock_name(args.name)  # (before the URL: its errors name where the URL came from)
-    url = _url(args)
-    with _from_source(args):
-        _require_shared_source(url, "lock")
+    url = _shared_source_url(args, "lock")
     # --timeout bounds everything before the command starts, reaching the source included.
     deadline = None if args.timeout is None else _clock.now() + args.timeout
     connect_timeout = None if args.timeout is None else max(args.timeout, 0.1)

@@ -12,10 +12,9 @@ from ._common import (
     _examples,
     _from_source,
     _HelpFormatter,
-    _require_shared_source,
     _say,
+    _shared_source_url,
     _source_arguments,
-    _url,
     _verbose,
 )
 
@@ -57,9 +56,7 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     name = validate_lock_name(args.name)
     token = None if args.token is None else FencingToken.parse(args.token, lock=name)
-    url = _url(args)
-    with _from_source(args):
-        _require_shared_source(url, "release")  # (another process's lock is out of its reach)
+    url = _shared_source_url(args, "release")  # (another process's lock is out of its reach)
     with _from_source(args), _sync.connect(url, connect_timeout=max(args.timeout, 0.1)) as locks:
         freed = locks.force_release(name, token)
     if freed is None:

@@ -14,10 +14,9 @@ from ._common import (
     _examples,
     _from_source,
     _HelpFormatter,
-    _require_shared_source,
     _say,
+    _shared_source_url,
     _source_arguments,
-    _url,
     _verbose,
 )
 
@@ -48,9 +47,7 @@ def _state(status: LockStatus) -> str:
 def run(args: argparse.Namespace) -> int:
     from ..election import leader_value
 
-    url = _url(args)
-    with _from_source(args):
-        _require_shared_source(url, "status")  # (it would show another process's locks unused)
+    url = _shared_source_url(args, "status")  # (it would show another process's locks unused)
     for name in args.names:
         validate_lock_name(name)  # a usage error before anything is contacted
     timeout = max(args.timeout, 0.1)
