@@ -27,6 +27,10 @@ pytestmark = [
     pytest.mark.skipif(unavailable() is not None, reason=unavailable() or ""),
     pytest.mark.timeout(120 + 60 * CYCLES),  # (a cut cycle: seconds, more on a loaded machine)
 ]
+# The library's three commit paths: group commit on the worker thread (an application's loop),
+# per turn of a loop marked as fenced serve marks its own, and the synchronous API (inline on
+# its private loop, one transaction at a time).
+LIBRARY_MODES = ["worker", "turn", "sync"]
 PLANTED_CYCLES = 2  # (caught at the first cut; the second shows its tokens handed out again)
 PLANT = "tests.powerloss.plants:AcksBeforeFsync"
 
@@ -45,7 +49,7 @@ def _fresh(db: Path) -> str:
     return url
 
 
-@pytest.mark.parametrize("mode", ["worker", "turn"])
+@pytest.mark.parametrize("mode", LIBRARY_MODES)
 def test_library_loses_no_acknowledged_grant(powerloss: PowerLossMount, mode: str) -> None:
     db = powerloss.mountpoint / "locks.db"
     url = _fresh(db)
@@ -55,7 +59,7 @@ def test_library_loses_no_acknowledged_grant(powerloss: PowerLossMount, mode: st
     assert result.acks >= CYCLES * 20
 
 
-@pytest.mark.parametrize("mode", ["worker", "turn"])
+@pytest.mark.parametrize("mode", LIBRARY_MODES)
 def test_a_source_that_acknowledges_before_its_fsync_is_caught(
     powerloss: PowerLossMount, mode: str
 ) -> None:
