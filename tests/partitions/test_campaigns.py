@@ -19,7 +19,7 @@ import pytest
 from fenced.testing import netns
 from fenced.testing.netclusters import EtcdNetCluster, ZooKeeperNetCluster
 from fenced.testing.netns import NetLab
-from fenced.testing.partitions import run_campaign, run_check
+from fenced.testing.partitions import LOSS_SLACK, run_campaign, run_check
 
 REASON = netns.unavailable()
 pytestmark = [
@@ -97,7 +97,8 @@ def test_planted_clients_are_caught(
 def _check_summary(run: Any) -> str:
     return (
         f"placement {run.placement}, splits cut off {run.split_clients}, {run.losses} losses "
-        f"learnt holding, {run.losses_releasing} releasing, slowest release "
+        f"learnt holding ({run.checked_late} s late, unpaused), {run.losses_releasing} "
+        "releasing, slowest release "
         f"{run.slowest_release:.2f} s, lab violations {run.violations}\n{run.output[-2000:]}"
     )
 
@@ -111,7 +112,7 @@ def test_fenced_check_runs_through_the_lab(tmp_path: Path) -> None:
     later than its remaining() said" (checked on the kit's history). Its HTML report draws
     those partitions on its timeline."""
     run = run_check(
-        "etcd", "sql", seconds=6, ttl=TTL, directory=str(tmp_path),
+        "etcd", "sql", seconds=6, ttl=TTL, directory=str(tmp_path), think=2 * TTL,
         nemeses=("split-minority-holder", "isolate-leader"),
     )  # fmt: skip
     summary = _check_summary(run)
@@ -122,6 +123,8 @@ def test_fenced_check_runs_through_the_lab(tmp_path: Path) -> None:
     # Really split: three workers in three namespaces, a split took one of them alone.
     assert set(run.placement.values()) == {"w1", "w2", "w3"}, summary
     assert any(len(side) == 1 for side in run.split_clients), summary
+    # The cut-off holder, thinking 2 ttls, lost its lease while it held it: checked, in time.
+    assert run.checked_late and max(run.checked_late) <= LOSS_SLACK, summary
     page = (run.report / "report.html").read_text()
     assert "net-split 2/1:" in page and "network</text>" in page, "partitions on the timeline"
     assert {f["kind"] for f in run.faults} >= {"split", "isolate"}
@@ -134,13 +137,14 @@ def test_fenced_check_through_gateways_on_both_sides(tmp_path: Path) -> None:
     leaves the others' on the majority side."""
     run = run_check(
         "etcd", "sql", seconds=6, ttl=TTL, directory=str(tmp_path), gateway=True,
-        nemeses=("split-minority-holder",),
+        think=2 * TTL, nemeses=("split-minority-holder",),
     )  # fmt: skip
     summary = _check_summary(run)
     print(summary)
     assert run.returncode == 0 and "every invariant held" in run.output, summary
     assert run.violations == [], summary
     assert any(len(side) == 1 for side in run.split_clients), summary
+    assert run.checked_late and max(run.checked_late) <= LOSS_SLACK, summary
     assert "fenced serve: listening on http://127.0.0.1:" in (tmp_path / "w1.log").read_text()
 
 

@@ -27,6 +27,10 @@ register's final state and returns the violations of:
 Plants (``plant=``): ``ignore-loss`` (clients that never look at ``lease.lost`` and keep
 writing), ``unguarded`` (writes without the guard's check), ``zk-follower-renew`` (the old
 ZooKeeper renewal: one read that a cut-off follower answers alone): the checks must fail.
+
+:func:`run_check` runs ``fenced check`` itself in a lab, each of its workers in a namespace
+of its own, and checks *loss learnt in time* on the kit's history too
+(:func:`check_kit_losses`; its plant: ``lab_plant="ignore-loss"``).
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ __all__ = [
     "CheckRun",
     "check",
     "check_kit_losses",
+    "kit_losses",
     "run_campaign",
     "run_check",
 ]
@@ -443,6 +448,7 @@ class CheckRun:
     placement: dict[str, str] = field(default_factory=dict)
     split_clients: list[list[str]] = field(default_factory=list)
     losses: int = 0  # leases the workers learnt were lost while they held them
+    checked_late: list[float] = field(default_factory=list)  # of those (not stopped): kit_losses
     losses_releasing: int = 0  # ... learnt when their release, begun in time, returned
     slowest_release: float = 0.0  # seconds from a release's send to its return
 
@@ -466,6 +472,7 @@ def run_check(
     nemeses: tuple[str, ...] = NEMESES,
     gateway: bool = False,
     directory: str | None = None,
+    think: float | None = None,
 ) -> CheckRun:
     """``fenced check`` (its public command line) run in a namespace of its own (``ck``)
     against a 3-member cluster in the lab, its workers in namespaces of their own: worker N
@@ -477,11 +484,14 @@ def run_check(
     kit's history is then checked for losses learnt in time (:func:`check_kit_losses`).
     ``gateway``: a ``fenced serve`` in every node (the kit's and each worker's, on
     127.0.0.1) in front of the cluster, the workers' source: a split cuts the holder's
-    gateway off with it, the others' stay on the majority side.
+    gateway off with it, the others' stay on the majority side. ``think``: how long the
+    workers think between read and write (the kit's is up to ttl/4, over before a lease can
+    end): at 2 ttls a holder cut off mid-think outlives its lease while it holds it, and
+    learns of its loss then.
     """
     from fenced.testing.check._campaign import NETNS_ENV
     from fenced.testing.check._history import History, read_history
-    from fenced.testing.check._worker import LAB_PLANT_ENV
+    from fenced.testing.check._worker import LAB_PLANT_ENV, LAB_THINK_ENV
     from fenced.testing.netclusters import EtcdNetCluster, RedisNet, ZooKeeperNetCluster
     from fenced.testing.netns import NetLab
 
@@ -522,6 +532,8 @@ def run_check(
             env = {**_python_env(), NETNS_ENV: ",".join(h.ns for h in homes)}
             if lab_plant:
                 env[LAB_PLANT_ENV] = lab_plant
+            if think is not None:
+                env[LAB_THINK_ENV] = str(think)
             out_log = d / "check.log"
             proc = lab.run(node, argv, log=out_log, env=env)
             stop = threading.Event()
@@ -573,13 +585,14 @@ def run_check(
                 elif e["op"] == "lost" and (e["worker"], e["token"]) in letting_go:
                     releasing += 1
             lost = sum(e["op"] == "lost" for e in events) - releasing
+            violations, checked = kit_losses(events)
             slowest = max((e["mono"] - e["sent"] for e in events if e["op"] == "release"),
                           default=0.0)  # fmt: skip
             return CheckRun(
                 code, report, [f.as_dict() for f in lab.faults],
-                out_log.read_text(errors="replace"), check_kit_losses(events),
+                out_log.read_text(errors="replace"), violations,
                 {w: homes[(int(w[1:]) - 1) % spread].name for w in serials},
-                split_clients, lost, releasing, slowest,
+                split_clients, lost, checked, releasing, slowest,
             )  # fmt: skip
         finally:
             cluster.close()
@@ -608,6 +621,11 @@ def _kit_holder(path: Path, fresh: float) -> str | None:
 
 
 def check_kit_losses(events: list[dict[str, Any]]) -> list[str]:
+    """The violations of loss learnt in time (see :func:`kit_losses`)."""
+    return kit_losses(events)[0]
+
+
+def kit_losses(events: list[dict[str, Any]]) -> tuple[list[str], list[float]]:
     """**Loss learnt in time**, on ``fenced check``'s history (see the module docstring):
     a worker that holds its lease learns it is lost (a ``lost`` event) no later than
     ``LOSS_SLACK`` after the end its ``remaining()`` had promised, and sends no write
@@ -615,7 +633,8 @@ def check_kit_losses(events: list[dict[str, Any]]) -> list[str]:
     nothing (a release cut off from the source returns when its request gives up, and
     reports the loss then: not a belief, left out). Leases of workers the kit's own nemesis
     stopped (``pause``, ``stall``) are left out too: a stopped process learns nothing until
-    it runs again."""
+    it runs again. Returns the violations, and for each loss that was checked (learnt while
+    held, not stopped) how late it came after the promised end (< 0: before it)."""
     stopped: dict[str, list[tuple[float, float]]] = {}
     stalled = set()
     for e in events:
@@ -631,6 +650,7 @@ def check_kit_losses(events: list[dict[str, Any]]) -> list[str]:
         )
 
     bad: list[str] = []
+    checked: list[float] = []
     promise: dict[tuple[str, int], float] = {}
     reported: set[tuple[str, int]] = set()
     for e in sorted(events, key=lambda e: e["mono"]):
@@ -657,13 +677,16 @@ def check_kit_losses(events: list[dict[str, Any]]) -> list[str]:
         elif e["op"] == "lost":
             promise[key] = max(promise[key], e.get("promised") or 0.0)
             late = e["mono"] - promise[key]
-            if late > LOSS_SLACK and not excused(*key, promise[key], e["mono"]):
+            if excused(*key, promise[key], e["mono"]):
+                continue
+            checked.append(late)
+            if late > LOSS_SLACK:
                 reported.add(key)
                 bad.append(
                     f"loss learnt late: {key[0]} learnt token {key[1]}'s lease was lost "
                     f"{late:.2f} s after remaining() said it would end"
                 )
-    return bad
+    return bad, checked
 
 
 def _start_gateways(

@@ -29,6 +29,9 @@ from ._history import History
 from ._resources import open_resource
 
 LAB_PLANT_ENV = "FENCED_CHECK_LAB_PLANT"
+LAB_THINK_ENV = "FENCED_CHECK_LAB_THINK"
+"""The partition lab's: think exactly this long (seconds) between read and write, instead of
+up to ttl/4, so that a holder cut off mid-think outlives its lease while it holds it."""
 
 
 def _entries(data: bytes | None) -> list[list[int]]:
@@ -126,9 +129,10 @@ def main(argv: list[str]) -> None:
                 remaining=remaining,
             )  # fmt: skip
             try:
-                think = 3 * ttl if ignore_loss else ttl / 4
+                lab_think = float(os.environ.get(LAB_THINK_ENV) or 0) or None
+                think = 3 * ttl if ignore_loss else lab_think or ttl / 4
                 step(resource, token, lease, history, rng, think, critical, ignore_loss,
-                     promise_now)  # fmt: skip
+                     promise_now, fixed_think=lab_think is not None)  # fmt: skip
             except Exception as exc:  # (a user's adapter may raise anything: record, go on)
                 history.append("error", lock=lock, token=token.value, error=type(exc).__name__)
             # Said before it is sent: a worker killed while releasing has still let go, and
@@ -178,8 +182,11 @@ def step(
     critical: Any,
     ignore_loss: bool = False,
     promise: Callable[[], float | None] = lambda: None,
+    *,
+    fixed_think: bool = False,
 ) -> None:
-    """One read-modify-write of the register under ``token``, thinking up to ``think`` s."""
+    """One read-modify-write of the register under ``token``, thinking up to ``think`` s
+    (``fixed_think``: exactly that long)."""
     lock = token.lock
     try:
         entries = _entries(resource.read(token))
@@ -190,7 +197,7 @@ def step(
     value = entries[-1][1] + 1 if entries else 1
     history.append("read", lock=lock, token=token.value, ok=True, value=value - 1)
     entries.append([token.value, value])
-    time.sleep(rng.uniform(0, think))  # think
+    time.sleep(think if fixed_think else rng.uniform(0, think))  # think
     if getattr(resource, "takes_critical", False):
         resource.critical = lambda: critical(token.value)
     else:
