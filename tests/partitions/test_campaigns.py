@@ -3,7 +3,8 @@ namespaces, writing through the SQL and Redis guards (fenced.testing.partitions)
 same campaign with planted clients, which it must catch. Bounded: ~10 s of faults each.
 
 ``FENCED_PARTITION_RUNS=N`` (and ``FENCED_PARTITION_SECONDS``) runs the long version, whose
-figures are in docs/verification-partitions.md.
+figures are in docs/verification-partitions.md (for ``fenced check`` in the lab too: its
+gateway runs alternate between etcd and ZooKeeper).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ pytestmark = [
 RUNS = int(os.environ.get("FENCED_PARTITION_RUNS", "1"))
 SECONDS = float(os.environ.get("FENCED_PARTITION_SECONDS", "8"))
 TTL = float(os.environ.get("FENCED_PARTITION_TTL", "1"))  # the long runs: 1.5
+CHECK_SECONDS = float(os.environ.get("FENCED_PARTITION_SECONDS", "6"))  # fenced check's runs
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +105,7 @@ def _check_summary(run: Any) -> str:
     )
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(180 + RUNS * (CHECK_SECONDS + 60))
 def test_fenced_check_runs_through_the_lab(tmp_path: Path) -> None:
     """``fenced check`` in a namespace of its own against the etcd cluster, each of its
     workers in a namespace of its own: the lab's nemesis cuts the lock holder's namespace
@@ -111,41 +113,45 @@ def test_fenced_check_runs_through_the_lab(tmp_path: Path) -> None:
     the leader; every kit invariant holds, and so does "a worker learns its lease is lost no
     later than its remaining() said" (checked on the kit's history). Its HTML report draws
     those partitions on its timeline."""
-    run = run_check(
-        "etcd", "sql", seconds=6, ttl=TTL, directory=str(tmp_path), think=2 * TTL,
-        nemeses=("split-minority-holder", "isolate-leader"),
-    )  # fmt: skip
-    summary = _check_summary(run)
-    print(summary)
-    assert run.returncode == 0, summary
-    assert "every invariant held" in run.output
-    assert run.violations == [], summary
-    # Really split: three workers in three namespaces, a split took one of them alone.
-    assert set(run.placement.values()) == {"w1", "w2", "w3"}, summary
-    assert any(len(side) == 1 for side in run.split_clients), summary
-    # The cut-off holder, thinking 2 ttls, lost its lease while it held it: checked, in time.
-    assert run.checked_late and max(run.checked_late) <= LOSS_SLACK, summary
-    page = (run.report / "report.html").read_text()
-    assert "net-split 2/1:" in page and "network</text>" in page, "partitions on the timeline"
-    assert {f["kind"] for f in run.faults} >= {"split", "isolate"}
+    for i in range(RUNS):
+        run = run_check(
+            "etcd", "sql", seconds=CHECK_SECONDS, ttl=TTL, directory=str(tmp_path / f"{i}"),
+            think=2 * TTL, nemeses=("split-minority-holder", "isolate-leader"),
+        )  # fmt: skip
+        summary = _check_summary(run)
+        print(summary)
+        assert run.returncode == 0, summary
+        assert "every invariant held" in run.output
+        assert run.violations == [], summary
+        # Really split: three workers in three namespaces, a split took one of them alone.
+        assert set(run.placement.values()) == {"w1", "w2", "w3"}, summary
+        assert any(len(side) == 1 for side in run.split_clients), summary
+        # The cut-off holder, thinking 2 ttls, lost its lease while it held it: checked, in
+        # time.
+        assert run.checked_late and max(run.checked_late) <= LOSS_SLACK, summary
+        page = (run.report / "report.html").read_text()
+        assert "net-split 2/1:" in page and "network</text>" in page, "partitions on the timeline"
+        assert {f["kind"] for f in run.faults} >= {"split", "isolate"}
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(180 + RUNS * (CHECK_SECONDS + 60))
 def test_fenced_check_through_gateways_on_both_sides(tmp_path: Path) -> None:
     """The same, the workers going through ``fenced serve`` gateways, one beside each worker
     (and the kit): each split puts the holder's gateway on the minority side with it and
     leaves the others' on the majority side."""
-    run = run_check(
-        "etcd", "sql", seconds=6, ttl=TTL, directory=str(tmp_path), gateway=True,
-        think=2 * TTL, nemeses=("split-minority-holder",),
-    )  # fmt: skip
-    summary = _check_summary(run)
-    print(summary)
-    assert run.returncode == 0 and "every invariant held" in run.output, summary
-    assert run.violations == [], summary
-    assert any(len(side) == 1 for side in run.split_clients), summary
-    assert run.checked_late and max(run.checked_late) <= LOSS_SLACK, summary
-    assert "fenced serve: listening on http://127.0.0.1:" in (tmp_path / "w1.log").read_text()
+    for i in range(RUNS):
+        d = tmp_path / f"{i}"
+        run = run_check(
+            "zookeeper" if i % 2 else "etcd", "sql", seconds=CHECK_SECONDS, ttl=TTL,
+            directory=str(d), gateway=True, think=2 * TTL, nemeses=("split-minority-holder",),
+        )  # fmt: skip
+        summary = _check_summary(run)
+        print(summary)
+        assert run.returncode == 0 and "every invariant held" in run.output, summary
+        assert run.violations == [], summary
+        assert any(len(side) == 1 for side in run.split_clients), summary
+        assert run.checked_late and max(run.checked_late) <= LOSS_SLACK, summary
+        assert "fenced serve: listening on http://127.0.0.1:" in (d / "w1.log").read_text()
 
 
 @pytest.mark.timeout(180)
