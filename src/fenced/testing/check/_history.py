@@ -11,7 +11,7 @@ Events (``op``) and their fields besides ``worker``, ``op``, ``mono``, ``wall``:
 * ``grant``: ``lock``, ``token``, ``surely_until`` (mono + the lease's ``remaining()``, as
   the worker believes it), ``remaining`` (what ``remaining()`` said)
 * ``lost``: ``lock``, ``token``, ``promised`` (the latest end its ``remaining()`` had
-  promised, as the worker saw it every 50 ms): the worker learnt its lease was lost (while
+  promised, as the worker saw it every 50 ms while it thought): the worker learnt its lease was lost (while
   it held it, or while its release was under way)
 * ``releasing``: ``lock``, ``token``, written just before a release is sent (a worker killed
   while releasing has let go all the same)

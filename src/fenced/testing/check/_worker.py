@@ -90,13 +90,6 @@ def main(argv: list[str]) -> None:
                 key = lease_and_token[1]
                 promised[key] = max(promised.get(key, 0.0), now + left)
 
-    def watch_promises() -> None:
-        # (renewals move the end on; a look every 50 ms sees each, as each adds a ttl/3)
-        while not stop.wait(0.05):
-            note_promise()
-
-    threading.Thread(target=watch_promises, daemon=True).start()
-
     def promise_now() -> float | None:
         note_promise()
         lease_and_token = held[:]
@@ -122,6 +115,7 @@ def main(argv: list[str]) -> None:
                 stop.wait(ttl / 4)
                 continue
             held[:] = [lease, token.value]
+            note_promise()
             remaining = lease.remaining()
             surely = remaining * (2.0 if plant == "lease-overestimated" else 1.0)
             history.append(
@@ -197,7 +191,16 @@ def step(
     value = entries[-1][1] + 1 if entries else 1
     history.append("read", lock=lock, token=token.value, ok=True, value=value - 1)
     entries.append([token.value, value])
-    time.sleep(think if fixed_think else rng.uniform(0, think))  # think
+    # Think, looking at the lease every 50 ms: renewals move its promised end on (each by
+    # about ttl/3), and the end it promised last is what its loss is checked against. (On
+    # this thread: a thread of its own stopped sampling after a SIGSTOP in one run.)
+    until = time.monotonic() + (think if fixed_think else rng.uniform(0, think))
+    for _ in range(100_000):  # (bounded: the think is)
+        left = until - time.monotonic()
+        if left <= 0:
+            break
+        time.sleep(min(0.05, left))
+        promise()
     if getattr(resource, "takes_critical", False):
         resource.critical = lambda: critical(token.value)
     else:
