@@ -402,6 +402,33 @@ def test_options(db: str) -> None:
         assert backend._waiter_ttl == 7 and backend._busy_timeout == 3
 
 
+@pytest.mark.parametrize("mode", ["turn", "worker"])
+def test_group_commit_option_selects_the_mode_on_a_per_turn_loop(db: str, mode: str) -> None:
+    """``group_commit`` picks how ``fenced serve``'s loop (marked ``commit_per_turn``) commits:
+    on the loop once per turn (no worker thread, connection key 0), or on the worker thread's
+    group commit as on an application's loop. (Before the option, serve had one mode only.)"""
+    from fenced._portal import mark_private
+
+    async def run() -> tuple[bool, set[int], int]:
+        mark_private(asyncio.get_running_loop(), commit_per_turn=True)
+        async with fenced.connect_async(url_of(db, group_commit=mode)) as locks:
+            backend = locks.backend
+            assert isinstance(backend, SQLiteBackend)
+            leases = [locks.lock(f"k{i}", ttl=5) for i in range(8)]
+            await asyncio.gather(*(lease.acquire() for lease in leases))
+            await asyncio.gather(*(lease.release() for lease in leases))
+            return backend._executor is not None, set(backend._conns), backend.commits
+
+    worker, conns, commits = asyncio.run(run())
+    assert commits >= 1
+    if mode == "turn":
+        assert (worker, conns) == (False, {0})
+    else:
+        assert worker and 0 not in conns
+    with pytest.raises(fenced.ConfigurationError, match=r"group_commit.*turn or worker"):
+        fenced.connect(url_of(db, group_commit="fsync-later"))
+
+
 async def test_creates_the_file_and_sets_durable_pragmas(tmp_path: Path) -> None:
     path = tmp_path / "locks.db"
     async with fenced.connect_async(url_of(str(path))) as locks:

@@ -10,6 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+import fenced
 from fenced.testing.servers import RedisServer
 from tests.helpers import ROOT, headless
 from tests.png import count_near, read_png
@@ -154,6 +157,19 @@ def test_a_campaign_on_redis_with_partitions_holds_every_invariant(
 def test_partitions_need_a_source_reached_over_tcp(tmp_path: Path) -> None:
     r = _check(tmp_path, "--nemesis", "partition")
     assert r.returncode == 2 and "host:port" in r.stderr and len(r.stderr.splitlines()) == 1
+
+
+def test_worker_namespaces_that_do_not_exist_are_a_one_line_error(tmp_path: Path) -> None:
+    """FENCED_CHECK_NETNS (the partition lab's: each worker in a network namespace of its
+    own) naming no namespace: refused before anything starts, nothing written."""
+    from fenced.testing.check import run_campaign
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FENCED_CHECK_NETNS", "fenced-no-such-namespace,../etc")
+        with pytest.raises(fenced.ConfigurationError, match="no network namespace") as caught:
+            run_campaign(None, tmp_path / "out")
+    assert "\n" not in str(caught.value)
+    assert not (tmp_path / "out").exists()
 
 
 def test_an_unfenced_read_is_caught_as_a_lost_update(tmp_path: Path) -> None:

@@ -3,7 +3,8 @@ namespaces, writing through the SQL and Redis guards (fenced.testing.partitions)
 same campaign with planted clients, which it must catch. Bounded: ~10 s of faults each.
 
 ``FENCED_PARTITION_RUNS=N`` (and ``FENCED_PARTITION_SECONDS``) runs the long version, whose
-figures are in docs/verification-partitions.md.
+figures are in docs/verification-partitions.md (for ``fenced check`` in the lab too: its
+gateway runs alternate between etcd and ZooKeeper).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pytest
 from fenced.testing import netns
 from fenced.testing.netclusters import EtcdNetCluster, ZooKeeperNetCluster
 from fenced.testing.netns import NetLab
-from fenced.testing.partitions import run_campaign, run_check
+from fenced.testing.partitions import LOSS_SLACK, run_campaign, run_check
 
 REASON = netns.unavailable()
 pytestmark = [
@@ -29,6 +30,7 @@ pytestmark = [
 RUNS = int(os.environ.get("FENCED_PARTITION_RUNS", "1"))
 SECONDS = float(os.environ.get("FENCED_PARTITION_SECONDS", "8"))
 TTL = float(os.environ.get("FENCED_PARTITION_TTL", "1"))  # the long runs: 1.5
+CHECK_SECONDS = float(os.environ.get("FENCED_PARTITION_SECONDS", "6"))  # fenced check's runs
 
 
 @pytest.fixture(scope="module")
@@ -94,19 +96,77 @@ def test_planted_clients_are_caught(
     assert "stale write accepted" in found, found
 
 
+def _check_summary(run: Any) -> str:
+    return (
+        f"placement {run.placement}, splits cut off {run.split_clients}, {run.losses} losses "
+        f"learnt holding ({run.checked_late} s late, unpaused), {run.losses_releasing} "
+        "releasing, slowest release "
+        f"{run.slowest_release:.2f} s, lab violations {run.violations}\n{run.output[-2000:]}"
+    )
+
+
+@pytest.mark.timeout(180 + RUNS * (CHECK_SECONDS + 60))
 def test_fenced_check_runs_through_the_lab(tmp_path: Path) -> None:
-    """``fenced check``, unchanged, in a namespace of its own against the etcd cluster, while
-    the lab's nemesis cuts it off with a minority member, isolates the leader, pauses and
-    flaps members; its HTML report draws those partitions on its timeline."""
+    """``fenced check`` in a namespace of its own against the etcd cluster, each of its
+    workers in a namespace of its own: the lab's nemesis cuts the lock holder's namespace
+    off with a minority member while the other workers stay on the majority side, isolates
+    the leader; every kit invariant holds, and so does "a worker learns its lease is lost no
+    later than its remaining() said" (checked on the kit's history). Its HTML report draws
+    those partitions on its timeline."""
+    for i in range(RUNS):
+        run = run_check(
+            "etcd", "sql", seconds=CHECK_SECONDS, ttl=TTL, directory=str(tmp_path / f"{i}"),
+            think=2 * TTL, nemeses=("split-minority-holder", "isolate-leader"),
+        )  # fmt: skip
+        summary = _check_summary(run)
+        print(summary)
+        assert run.returncode == 0, summary
+        assert "every invariant held" in run.output
+        assert run.violations == [], summary
+        # Really split: three workers in three namespaces, a split took one of them alone.
+        assert set(run.placement.values()) == {"w1", "w2", "w3"}, summary
+        assert any(len(side) == 1 for side in run.split_clients), summary
+        # The cut-off holder, thinking 2 ttls, lost its lease while it held it: checked, in
+        # time.
+        assert run.checked_late and max(run.checked_late) <= LOSS_SLACK, summary
+        page = (run.report / "report.html").read_text()
+        assert "net-split 2/1:" in page and "network</text>" in page, "partitions on the timeline"
+        assert {f["kind"] for f in run.faults} >= {"split", "isolate"}
+
+
+@pytest.mark.timeout(180 + RUNS * (CHECK_SECONDS + 60))
+def test_fenced_check_through_gateways_on_both_sides(tmp_path: Path) -> None:
+    """The same, the workers going through ``fenced serve`` gateways, one beside each worker
+    (and the kit): each split puts the holder's gateway on the minority side with it and
+    leaves the others' on the majority side."""
+    for i in range(RUNS):
+        d = tmp_path / f"{i}"
+        run = run_check(
+            "zookeeper" if i % 2 else "etcd", "sql", seconds=CHECK_SECONDS, ttl=TTL,
+            directory=str(d), gateway=True, think=2 * TTL, nemeses=("split-minority-holder",),
+        )  # fmt: skip
+        summary = _check_summary(run)
+        print(summary)
+        assert run.returncode == 0 and "every invariant held" in run.output, summary
+        assert run.violations == [], summary
+        assert any(len(side) == 1 for side in run.split_clients), summary
+        assert run.checked_late and max(run.checked_late) <= LOSS_SLACK, summary
+        assert "fenced serve: listening on http://127.0.0.1:" in (d / "w1.log").read_text()
+
+
+@pytest.mark.timeout(180)
+def test_fenced_check_planted_loss_ignored_is_caught(tmp_path: Path) -> None:
+    """Planted: workers that take no notice of their lease's loss and think for 3 ttls; cut
+    off on the minority side, the holder writes believing it holds after its remaining()
+    ran out: the lab's check of the kit's history reports it (the fence refuses the write,
+    so the kit's own invariants hold)."""
     run = run_check(
-        "etcd", "sql", seconds=6, ttl=TTL, directory=str(tmp_path),
-        nemeses=("split-minority-holder", "isolate-leader"),
+        "etcd", "sql", seconds=6, ttl=TTL, directory=str(tmp_path), kit_nemesis="",
+        lab_plant="ignore-loss", nemeses=("split-minority-holder",),
     )  # fmt: skip
-    assert run.returncode == 0, run.output
-    assert "every invariant held" in run.output
-    page = (run.report / "report.html").read_text()
-    assert "net-split 2/1:" in page and "network</text>" in page, "partitions on the timeline"
-    assert {f["kind"] for f in run.faults} >= {"split", "isolate"}
+    summary = _check_summary(run)
+    print(summary)
+    assert any(v.startswith("loss not learnt") for v in run.violations), summary
 
 
 def test_planted_zookeeper_follower_renewal_is_caught(

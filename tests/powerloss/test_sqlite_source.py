@@ -27,6 +27,10 @@ pytestmark = [
     pytest.mark.skipif(unavailable() is not None, reason=unavailable() or ""),
     pytest.mark.timeout(120 + 60 * CYCLES),  # (a cut cycle: seconds, more on a loaded machine)
 ]
+# The library's three commit paths: group commit on the worker thread (an application's loop),
+# per turn of a loop marked as fenced serve marks its own, and the synchronous API (inline on
+# its private loop, one transaction at a time).
+LIBRARY_MODES = ["worker", "turn", "sync"]
 PLANTED_CYCLES = 2  # (caught at the first cut; the second shows its tokens handed out again)
 PLANT = "tests.powerloss.plants:AcksBeforeFsync"
 
@@ -45,7 +49,7 @@ def _fresh(db: Path) -> str:
     return url
 
 
-@pytest.mark.parametrize("mode", ["worker", "turn"])
+@pytest.mark.parametrize("mode", LIBRARY_MODES)
 def test_library_loses_no_acknowledged_grant(powerloss: PowerLossMount, mode: str) -> None:
     db = powerloss.mountpoint / "locks.db"
     url = _fresh(db)
@@ -55,7 +59,7 @@ def test_library_loses_no_acknowledged_grant(powerloss: PowerLossMount, mode: st
     assert result.acks >= CYCLES * 20
 
 
-@pytest.mark.parametrize("mode", ["worker", "turn"])
+@pytest.mark.parametrize("mode", LIBRARY_MODES)
 def test_a_source_that_acknowledges_before_its_fsync_is_caught(
     powerloss: PowerLossMount, mode: str
 ) -> None:
@@ -73,33 +77,46 @@ def test_a_source_that_acknowledges_before_its_fsync_is_caught(
     assert result.lost and result.reused, result
 
 
+# ``fenced serve``'s two group-commit modes (the SQLite source's ``group_commit`` option): a
+# commit per turn of its loop (the default), or the worker thread's group commit.
+SERVE_MODES = ["turn", "worker"]
+# Grants before a cut, at most (bounded run): two modes now, each within ~20 s of make test.
+SERVE_MAX_ACKS = 300 if "FENCED_POWERLOSS_CYCLES" in os.environ else 100
+
+
+@pytest.mark.parametrize("mode", SERVE_MODES)
 def test_fenced_serve_loses_no_acknowledged_grant(
-    powerloss: PowerLossMount, tmp_path: Path
+    powerloss: PowerLossMount, tmp_path: Path, mode: str
 ) -> None:
     db = powerloss.mountpoint / "locks.db"
     url = _fresh(db)
     (tmp_path / "serve").mkdir()
-    server = FencedServer(url, str(tmp_path / "serve"))
+    server = FencedServer(f"{url}?group_commit={mode}", str(tmp_path / "serve"))
 
     def start() -> Client:
         server.start()
         return Client("http", server.url)
 
     try:
-        result = run_cycles(powerloss, db, start, CYCLES, seed=3, stop=server.kill)
+        result = run_cycles(
+            powerloss, db, start, CYCLES, seed=3, stop=server.kill, max_acks=SERVE_MAX_ACKS
+        )
     finally:
         server.kill()
-    _report("fenced serve", result)
+    _report(f"fenced serve, {mode}", result)
     assert (result.lost, result.reused, result.corrupt) == ([], [], [])
     assert result.acks >= CYCLES * 20
 
 
-def test_fenced_serve_planted_is_caught(powerloss: PowerLossMount, tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", SERVE_MODES)
+def test_fenced_serve_planted_is_caught(
+    powerloss: PowerLossMount, tmp_path: Path, mode: str
+) -> None:
     db = powerloss.mountpoint / "locks.db"
     url = _fresh(db)
     (tmp_path / "serve").mkdir()
     server = FencedServer(
-        url,
+        f"{url}?group_commit={mode}",
         str(tmp_path / "serve"),
         prelude=f"from fenced import _backend; _backend.register_backend('sqlite', {PLANT!r})",
     )
@@ -110,8 +127,10 @@ def test_fenced_serve_planted_is_caught(powerloss: PowerLossMount, tmp_path: Pat
 
     try:
         # (one cut: caught there; the tokens handed out again are shown by the library runs)
-        result = run_cycles(powerloss, db, start, 1, seed=4, stop=server.kill)
+        result = run_cycles(
+            powerloss, db, start, 1, seed=4, stop=server.kill, max_acks=SERVE_MAX_ACKS
+        )
     finally:
         server.kill()
-    _report("fenced serve, planted", result)
+    _report(f"fenced serve, planted, {mode}", result)
     assert result.lost, result

@@ -4,7 +4,8 @@
 ``python -m tests.powerloss.workers library URL MODE [PLANT]``: 64 asyncio clients of the
 library on one loop, taking turns on 16 locks. MODE ``worker``: an application's loop (group
 commit on the source's worker thread); ``turn``: a loop marked as ``fenced serve`` marks its
-own (a commit per turn of the loop). PLANT: ``module:Class`` registered for ``sqlite``.
+own (a commit per turn of the loop); ``sync``: 16 threads of the synchronous API (each
+transaction inline on its private loop). PLANT: ``module:Class`` registered for ``sqlite``.
 
 ``python -m tests.powerloss.workers http URL``: 64 asyncio HTTP clients of a ``fenced serve``.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+import time
 
 import fenced
 from fenced import _backend
@@ -39,6 +41,33 @@ async def _clients(url: str) -> None:
                     await asyncio.sleep(0.05)
 
         await asyncio.gather(*(client(i) for i in range(CLIENTS)))
+
+
+def _sync_clients(url: str) -> None:
+    """MODE ``sync``: 16 threads of the synchronous API on one ``fenced.connect``, whose
+    private loop runs each transaction inline, one at a time (no group commit)."""
+    import threading
+
+    out = threading.Lock()
+    with fenced.connect(url) as locks:
+
+        def client(i: int) -> None:
+            name = f"k{i % LOCKS}"
+            while True:
+                try:
+                    with locks.lock(name, ttl=1, timeout=30) as lease:
+                        with out:  # (whole lines: threads share stdout)
+                            sys.stdout.write(f"{name} {lease.token.value}\n")
+                            sys.stdout.flush()
+                except fenced.FencedError as exc:  # the disk is gone: keep trying until killed
+                    sys.stderr.write(f"{type(exc).__name__}: {exc}\n")
+                    time.sleep(0.05)
+
+        threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
 
 
 async def _library(url: str, mode: str) -> None:
@@ -154,7 +183,10 @@ def main(argv: list[str]) -> None:
     if kind == "library":
         if len(argv) > 3 and argv[3]:
             _backend.register_backend("sqlite", argv[3])
-        asyncio.run(_library(url, argv[2]))
+        if argv[2] == "sync":
+            _sync_clients(url)
+        else:
+            asyncio.run(_library(url, argv[2]))
     elif kind == "files":
         asyncio.run(_files(url, argv[2], argv[3]))
     elif kind == "sql":

@@ -61,8 +61,11 @@ absolute then). ``sqlite:///path.db`` is refused as ambiguous (SQLAlchemy: relat
 0.1: absolute), and so is a host part (``sqlite://rel/path.db``). The directory must exist:
 fenced creates none. Options (URL query or keyword): ``waiter_ttl`` (seconds a waiter's
 queue row outlives its last heartbeat, default 2), ``poll_interval`` (longest pause between two
-polls of a cross-process waiter, default 0.01), ``busy_timeout`` (how long renew, release,
-status retry a write-locked database, default 5).
+polls of a cross-process waiter, default 0.01), ``busy_timeout`` (how long renew, release and
+status retry a write-locked database before BackendUnavailable, default 5), ``group_commit``
+(``turn``, the default: on a loop marked ``commit_per_turn`` — ``fenced serve``'s — a commit
+per turn of the loop; ``worker``: the worker thread's group commit there too, as on an
+application's loop).
 """
 
 from __future__ import annotations
@@ -160,11 +163,15 @@ _BUSY_SLEEPS: Final = (0.00005, 0.0001, 0.0002, 0.0004, 0.0008, 0.0015)
 longer than a fenced transaction holds the lock (~0.2 ms), so it is not used (timeout=0)."""
 
 POLL_MIN: Final = 0.001
+_GROUP_COMMITS: Final = ("turn", "worker")
 _OPTIONS: Final = MappingProxyType(
     {
         "waiter_ttl": Option("number", 2.0, low=0, low_open=True, high=3600),
         "poll_interval": Option("number", 0.01, low=0, low_open=True, high=60),
         "busy_timeout": Option("number", 5.0, low=0, low_open=True, high=3600),
+        "group_commit": Option(
+            "str", "turn", check=lambda v: None if v in _GROUP_COMMITS else "must be turn or worker"
+        ),
     }
 )
 
@@ -283,11 +290,13 @@ class SQLiteBackend(Backend):
     poll_min: ClassVar[float] = POLL_MIN
     """The first pause between two polls of a waiter, after anything changed."""
 
-    def __init__(self, path: str, options: dict[str, float]) -> None:
+    def __init__(self, path: str, options: dict[str, Any]) -> None:
         self.path = path
         self._waiter_ttl = options["waiter_ttl"]
         self._poll_interval = options["poll_interval"]
         self._busy_timeout = options["busy_timeout"]
+        # (a commit per turn where the loop allows it, or the worker thread's group commit)
+        self._turn_commits = options.get("group_commit", "turn") == "turn"
         self._boot = _clock.boot_id()
         # One connection per worker thread, and one (key 0) for fenced's private loop, used by
         # whichever thread runs the loop: the loop's lock lets one at a time in.
@@ -702,7 +711,7 @@ class SQLiteBackend(Backend):
             return True
         if loop is self._public_loop:  # (asking the registry each time costs a weak reference)
             return False
-        if on_private_loop():
+        if on_private_loop() and (self._turn_commits or not commits_per_turn(loop)):
             self._private_loop = loop
             self._per_turn = commits_per_turn(loop)
             return True
@@ -993,7 +1002,7 @@ class SQLiteBackend(Backend):
         try-once does not call a free lock held because another process was committing."""
         if deadline is None:
             return None
-        return max(deadline, _clock.now() + min(LOOK_GRACE, self._busy_timeout))
+        return max(deadline, _clock.now() + min(LOOK_GRACE, float(self._busy_timeout)))
 
     async def _await_turn(
         self,

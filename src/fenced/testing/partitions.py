@@ -27,6 +27,10 @@ register's final state and returns the violations of:
 Plants (``plant=``): ``ignore-loss`` (clients that never look at ``lease.lost`` and keep
 writing), ``unguarded`` (writes without the guard's check), ``zk-follower-renew`` (the old
 ZooKeeper renewal: one read that a cut-off follower answers alone): the checks must fail.
+
+:func:`run_check` runs ``fenced check`` itself in a lab, each of its workers in a namespace
+of its own, and checks *loss learnt in time* on the kit's history too
+(:func:`check_kit_losses`; its plant: ``lab_plant="ignore-loss"``).
 """
 
 from __future__ import annotations
@@ -49,7 +53,17 @@ from typing import Any, Final
 
 from fenced._errors import ConfigurationError
 
-__all__ = ["LOSS_SLACK", "Campaign", "CheckRun", "check", "run_campaign", "run_check"]
+__all__ = [
+    "LAB_PLANTS",
+    "LOSS_SLACK",
+    "Campaign",
+    "CheckRun",
+    "check",
+    "check_kit_losses",
+    "kit_losses",
+    "run_campaign",
+    "run_check",
+]
 
 LOCK: Final = "partitioned"
 RESOURCE: Final = "register"
@@ -421,12 +435,27 @@ GATEWAY_PORT: Final = 7400
 
 @dataclass
 class CheckRun:
-    """A ``fenced check`` run inside a lab: its exit status, report directory and faults."""
+    """A ``fenced check`` run inside a lab: its exit status, report directory and faults;
+    ``violations`` of the lab's own check of the kit's history (:func:`check_kit_losses`),
+    ``placement`` (worker -> node), ``split_clients`` (each split's minority clients, by
+    node: the lock holder's, while the others stayed on the majority side)."""
 
     returncode: int
     report: Path
     faults: list[dict[str, Any]]
     output: str
+    violations: list[str] = field(default_factory=list)
+    placement: dict[str, str] = field(default_factory=dict)
+    split_clients: list[list[str]] = field(default_factory=list)
+    losses: int = 0  # leases the workers learnt were lost while they held them
+    checked_late: list[float] = field(default_factory=list)  # of those (not stopped): kit_losses
+    losses_releasing: int = 0  # ... learnt when their release, begun in time, returned
+    slowest_release: float = 0.0  # seconds from a release's send to its return
+
+
+LAB_PLANTS: Final = ("ignore-loss",)
+"""Plants of :func:`run_check` (in the kit's worker, through its environment): ``ignore-loss``,
+a holder that takes no notice of its lease's loss and thinks for 3 ttls before its write."""
 
 
 def run_check(
@@ -436,25 +465,43 @@ def run_check(
     seconds: float = 12.0,
     ttl: float = 1.5,
     workers: int = 3,
+    client_nodes: int | None = None,
     kit_nemesis: str = "pause",
     plant: str = "",
+    lab_plant: str = "",
     nemeses: tuple[str, ...] = NEMESES,
     gateway: bool = False,
     directory: str | None = None,
+    think: float | None = None,
 ) -> CheckRun:
-    """``fenced check`` (its public command line, unchanged) run in a namespace of its own
-    against a 3-member cluster in the lab, while this module's nemesis partitions the cluster
-    around it (the check's namespace on the minority side of each split). Each fault is also
-    written to the check's ``history.jsonl`` as a ``nemesis`` event, so its HTML report draws
-    the partitions on its timeline. ``gateway``: the check's workers go through ``fenced
-    serve`` in another namespace (the gateway stays on the majority side).
+    """``fenced check`` (its public command line) run in a namespace of its own (``ck``)
+    against a 3-member cluster in the lab, its workers in namespaces of their own: worker N
+    in node ``w((N-1) mod client_nodes)+1`` (default: one node per worker), through
+    ``FENCED_CHECK_NETNS``. Meanwhile this module's nemesis partitions the cluster around
+    them: each split cuts the lock holder's node off with one member while the other workers
+    stay on the majority side. Each fault is also written to the check's ``history.jsonl``
+    as a ``nemesis`` event, so its HTML report draws the partitions on its timeline; the
+    kit's history is then checked for losses learnt in time (:func:`check_kit_losses`).
+    ``gateway``: a ``fenced serve`` in every node (the kit's and each worker's, on
+    127.0.0.1) in front of the cluster, the workers' source: a split cuts the holder's
+    gateway off with it, the others' stay on the majority side. ``think``: how long the
+    workers think between read and write (the kit's is up to ttl/4, over before a lease can
+    end): at 2 ttls a holder cut off mid-think outlives its lease while it holds it, and
+    learns of its loss then.
     """
-    from fenced.testing.check._history import History
+    from fenced.testing.check._campaign import NETNS_ENV
+    from fenced.testing.check._history import History, read_history
+    from fenced.testing.check._worker import LAB_PLANT_ENV, LAB_THINK_ENV
     from fenced.testing.netclusters import EtcdNetCluster, RedisNet, ZooKeeperNetCluster
     from fenced.testing.netns import NetLab
 
     if not set(nemeses) <= set(NEMESES) or not nemeses:
         raise ConfigurationError(f"nemeses {nemeses!r}: some of {', '.join(NEMESES)}")
+    if lab_plant and lab_plant not in LAB_PLANTS:
+        raise ConfigurationError(f"lab plant {lab_plant!r}: one of {', '.join(LAB_PLANTS)}")
+    spread = workers if client_nodes is None else client_nodes
+    if not 1 <= workers <= 20 or not 1 <= spread <= workers:
+        raise ConfigurationError("workers 1..20, client_nodes 1..workers")
     d = Path(directory or tempfile.mkdtemp(prefix="fenced-partitions-check-"))
     d.mkdir(parents=True, exist_ok=True)
     report = d / "report"
@@ -469,19 +516,26 @@ def run_check(
                 res = redis.url
             else:
                 res = f"sqlite:///{(d / 'register.db').resolve()}?table=fenced_check"
+            node = lab.add("ck")
+            homes = [lab.add(f"w{i + 1}") for i in range(spread)]
             url = cluster.url
             if gateway:
-                (gw,) = _start_gateways(lab, ["g1"], cluster.url, d)
-                url = f"http://{gw.node.addr}:{GATEWAY_PORT}"
-            node = lab.add("ck")
+                # A gateway beside each client, as on its host: cut off with it, or not.
+                _start_gateways(lab, [node.name] + [h.name for h in homes], url, d, local=True)
+                url = f"http://127.0.0.1:{GATEWAY_PORT}"
             argv = [
                 sys.executable, "-m", "fenced", "check", "--source", url, "--resource", res,
                 "--time", str(seconds), "--ttl", str(ttl), "--workers", str(workers),
                 "--nemesis", kit_nemesis, "--report", str(report),
                 *(["--plant", plant] if plant else []),
             ]  # fmt: skip
+            env = {**_python_env(), NETNS_ENV: ",".join(h.ns for h in homes)}
+            if lab_plant:
+                env[LAB_PLANT_ENV] = lab_plant
+            if think is not None:
+                env[LAB_THINK_ENV] = str(think)
             out_log = d / "check.log"
-            proc = lab.run(node, argv, log=out_log, env=_python_env())
+            proc = lab.run(node, argv, log=out_log, env=env)
             stop = threading.Event()
 
             def started() -> bool:
@@ -490,8 +544,15 @@ def run_check(
                 except OSError:
                     return False
 
+            def holder() -> str | None:
+                """The node of the worker granted the lock in the last 0.5 s and holding it."""
+                who = _kit_holder(history, 0.5)
+                return None if who is None else homes[(int(who[1:]) - 1) % spread].name
+
+            split_clients: list[list[str]] = []
             if _wait_for(started, 60, stop) and proc.alive():
                 faults = History(history, "nemesis")
+                clients = {h.name for h in homes}
 
                 def on_fault(kind: str, detail: str, length: float) -> None:
                     # One lane, "network", for every fault of the lab; the kind (which the
@@ -502,32 +563,146 @@ def run_check(
                 skip = {m.name for m in cluster.nodes} | ({redis.node.name} if redis else set())
                 others = [n for n in lab.nodes if n not in skip]
                 # The kit's own clock runs from its start: leave it a second to finish.
-                _nemesis(lab, cluster, lambda: "ck", others, max(seconds - 3.0, 1.0), ttl,
+                _nemesis(lab, cluster, holder, others, max(seconds - 3.0, 1.0), ttl,
                          nemeses, on_fault=on_fault)  # fmt: skip
                 faults.close()
+                split_clients = [
+                    sorted(set(f.sides[0]) & clients) for f in lab.faults if f.kind == "split"
+                ]
             try:
                 code = proc.proc.wait(seconds + 120)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 code = -9
             lab.end_faults()
-            return CheckRun(code, report, [f.as_dict() for f in lab.faults],
-                            out_log.read_text(errors="replace"))  # fmt: skip
+            events = read_history(history) if history.exists() else []
+            serials = sorted({e["worker"] for e in events if e["worker"][1:].isdigit()})
+            letting_go = set()
+            releasing = 0
+            for e in events:
+                if e["op"] == "releasing":
+                    letting_go.add((e["worker"], e["token"]))
+                elif e["op"] == "lost" and (e["worker"], e["token"]) in letting_go:
+                    releasing += 1
+            lost = sum(e["op"] == "lost" for e in events) - releasing
+            violations, checked = kit_losses(events)
+            slowest = max((e["mono"] - e["sent"] for e in events if e["op"] == "release"),
+                          default=0.0)  # fmt: skip
+            return CheckRun(
+                code, report, [f.as_dict() for f in lab.faults],
+                out_log.read_text(errors="replace"), violations,
+                {w: homes[(int(w[1:]) - 1) % spread].name for w in serials},
+                split_clients, lost, checked, releasing, slowest,
+            )  # fmt: skip
         finally:
             cluster.close()
             if redis is not None:
                 redis.close()
 
 
-def _start_gateways(lab: Any, names: list[str], source_url: str, d: Path) -> list[Any]:
+def _kit_holder(path: Path, fresh: float) -> str | None:
+    """The kit's worker granted the lock less than ``fresh`` s ago and not releasing it, by
+    the kit's history (its times are ``fenced._clock.now()``)."""
+    from fenced import _clock
+
+    current: dict[str, float | None] = {}
+    try:
+        lines = path.read_bytes().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        if b'"op":"grant"' in line or b'"op":"releasing"' in line or b'"op":"lost"' in line:
+            with contextlib.suppress(ValueError):
+                e = json.loads(line)
+                current[e["worker"]] = e["mono"] if e["op"] == "grant" else None
+    now = _clock.now()
+    held = [w for w, t in current.items() if t is not None and now - t < fresh]
+    return held[-1] if held else None
+
+
+def check_kit_losses(events: list[dict[str, Any]]) -> list[str]:
+    """The violations of loss learnt in time (see :func:`kit_losses`)."""
+    return kit_losses(events)[0]
+
+
+def kit_losses(events: list[dict[str, Any]]) -> tuple[list[str], list[float]]:
+    """**Loss learnt in time**, on ``fenced check``'s history (see the module docstring):
+    a worker that holds its lease learns it is lost (a ``lost`` event) no later than
+    ``LOSS_SLACK`` after the end its ``remaining()`` had promised, and sends no write
+    believing it holds (``lost`` false) later than that. From its ``releasing`` on it holds
+    nothing (a release cut off from the source returns when its request gives up, and
+    reports the loss then: not a belief, left out). Leases of workers the kit's own nemesis
+    stopped (``pause``, ``stall``) are left out too: a stopped process learns nothing until
+    it runs again. Returns the violations, and for each loss that was checked (learnt while
+    held, not stopped) how late it came after the promised end (< 0: before it)."""
+    stopped: dict[str, list[tuple[float, float]]] = {}
+    stalled = set()
+    for e in events:
+        if e["op"] == "nemesis" and e.get("kind") == "pause":
+            # (its SIGCONT comes after ``seconds``, give or take the kit's scheduling)
+            stopped.setdefault(e["victim"], []).append((e["mono"], e["mono"] + e["seconds"] + 0.5))
+        elif e["op"] == "stalled":
+            stalled.add((e["worker"], e["token"]))
+
+    def excused(worker: str, token: int, a: float, b: float) -> bool:
+        return (worker, token) in stalled or any(
+            p0 < b and a < p1 for p0, p1 in stopped.get(worker, [])
+        )
+
+    bad: list[str] = []
+    checked: list[float] = []
+    promise: dict[tuple[str, int], float] = {}
+    reported: set[tuple[str, int]] = set()
+    for e in sorted(events, key=lambda e: e["mono"]):
+        if e["op"] not in ("grant", "write", "lost", "releasing") or "token" not in e:
+            continue
+        key = (e["worker"], e["token"])
+        if e["op"] == "grant" and "remaining" in e:
+            promise[key] = e["mono"] + e["remaining"]
+        elif e["op"] == "releasing":
+            promise.pop(key, None)  # (it has let go: see above)
+        elif key not in promise or key in reported:
+            continue
+        elif e["op"] == "write" and "lost" in e:
+            promise[key] = max(promise[key], e.get("promised") or 0.0)
+            if e["remaining"] > 0:
+                promise[key] = max(promise[key], e["sent"] + e["remaining"])
+            late = e["sent"] - promise[key]
+            if not e["lost"] and late > LOSS_SLACK and not excused(*key, promise[key], e["sent"]):
+                reported.add(key)
+                bad.append(
+                    f"loss not learnt: {key[0]} sent a write with token {key[1]} believing it "
+                    f"held the lease, {late:.2f} s after remaining() said it would end"
+                )
+        elif e["op"] == "lost":
+            promise[key] = max(promise[key], e.get("promised") or 0.0)
+            late = e["mono"] - promise[key]
+            if excused(*key, promise[key], e["mono"]):
+                continue
+            checked.append(late)
+            if late > LOSS_SLACK:
+                reported.add(key)
+                bad.append(
+                    f"loss learnt late: {key[0]} learnt token {key[1]}'s lease was lost "
+                    f"{late:.2f} s after remaining() said it would end"
+                )
+    return bad, checked
+
+
+def _start_gateways(
+    lab: Any, names: list[str], source_url: str, d: Path, *, local: bool = False
+) -> list[Any]:
     """``fenced serve`` in a node of its own each (started together, then awaited), in front
-    of the cluster, without API keys: the lab's network is reachable from nowhere else."""
+    of the cluster, without API keys: the lab's network is reachable from nowhere else.
+    ``local``: in the named nodes, which exist already, on their 127.0.0.1 (a gateway beside
+    its clients, reachable from them alone)."""
     started = []
     for name in names:
-        node = lab.add(name)
+        node = lab.node(name) if local else lab.add(name)
+        listen = f"{'127.0.0.1' if local else node.addr}:{GATEWAY_PORT}"
         argv = [
             sys.executable, "-m", "fenced", "serve", "--url", source_url,
-            "--listen", f"{node.addr}:{GATEWAY_PORT}", "--insecure-no-auth",
+            "--listen", listen, "--insecure-no-auth",
         ]  # fmt: skip
         started.append(lab.run(node, argv, log=d / f"{name}.log", env=_python_env()))
     deadline = time.monotonic() + 30

@@ -278,6 +278,26 @@ def _via_proxy(url: str, proxies: list[TcpProxy]) -> str:
     )
 
 
+NETNS_ENV = "FENCED_CHECK_NETNS"
+"""Comma-separated ``ip netns`` names: worker N starts in the ((N-1) mod count)-th of them
+(``ip netns exec``, same pid), so a partition lab can cut some workers off and not others
+(:func:`fenced.testing.partitions.run_check`). Unset: every worker in the kit's own."""
+
+
+def _worker_netns() -> list[str]:
+    """The namespaces of :data:`NETNS_ENV`, each checked to exist (a typed one-line error)."""
+    from ..netns import _ip_binary
+
+    names = [n.strip() for n in os.environ.get(NETNS_ENV, "").split(",") if n.strip()]
+    if names and _ip_binary() is None:
+        raise ConfigurationError(f"{NETNS_ENV}: ip not found (Debian package 'iproute2')")
+    for name in names:
+        # (a name is a file under /run/netns: no path separators, no dot-dot)
+        if name in (".", "..") or "/" in name or not os.path.exists(f"/run/netns/{name}"):
+            raise ConfigurationError(f"{NETNS_ENV}: no network namespace {name!r} (ip netns list)")
+    return names
+
+
 def _tcp(url: str) -> bool:
     parts = urlsplit(url)
     return bool(parts.hostname and parts.port) and "," not in parts.netloc
@@ -559,6 +579,7 @@ def run_campaign(
             f"the {', '.join(sorted(set(nemesis) & _RESOURCE_PATH))} nemesis needs a resource "
             "reached at one host:port (--resource http://HOST:PORT/...)"
         )
+    netns = _worker_netns()  # (before anything starts)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "history.jsonl"
@@ -677,9 +698,14 @@ def run_campaign(
                 offset = Path(scratch) / f"clock-w{serial}"
                 offset.write_text("0\n")
                 worker_env = {**env, "FENCED_CHECK_CLOCK": str(offset)}
+            argv = [sys.executable, "-m", "fenced.testing.check._worker", json.dumps(cfg)]
+            if netns:  # (ip execs the worker: the same pid, signals reach it as before)
+                from ..netns import _ip_binary
+
+                argv = [str(_ip_binary()), "netns", "exec", netns[(serial - 1) % len(netns)], *argv]
             with open(out / f"worker-w{serial}.log", "wb") as log:
                 proc = subprocess.Popen(
-                    [sys.executable, "-m", "fenced.testing.check._worker", json.dumps(cfg)],
+                    argv,
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     stderr=log,

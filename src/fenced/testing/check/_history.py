@@ -8,14 +8,19 @@ and the wall clock (for people).
 
 Events (``op``) and their fields besides ``worker``, ``op``, ``mono``, ``wall``:
 
-* ``grant``: ``lock``, ``token``, ``surely_until`` (mono + the lease's ``remaining()``)
+* ``grant``: ``lock``, ``token``, ``surely_until`` (mono + the lease's ``remaining()``, as
+  the worker believes it), ``remaining`` (what ``remaining()`` said)
+* ``lost``: ``lock``, ``token``, ``promised`` (the latest end its ``remaining()`` had
+  promised, as the worker saw it every 50 ms while it thought): the worker learnt its lease was lost (while
+  it held it, or while its release was under way)
 * ``releasing``: ``lock``, ``token``, written just before a release is sent (a worker killed
   while releasing has let go all the same)
 * ``release``: ``lock``, ``token``, ``released`` (what the source said), ``sent`` (mono when
   the release was sent: the next grant may come before the answer)
 * ``write``: ``lock``, ``token``, ``value``, ``ok`` (accepted, refused as stale, or None: no
   answer, it may have landed), ``sent`` (mono when it was sent), ``remaining`` (the worker's
-  view of its lease then)
+  view of its lease then), ``lost`` (whether it knew its lease lost as it sent), ``promised``
+  (as in ``lost``)
 * ``read``: ``ok`` and ``value`` (the counter read), or ``ok`` False: the fenced read was
   refused (stale); ``error``: a step that failed
   (``step``, ``error``); ``stalled``: the worker stopped itself in its critical section;

@@ -19,6 +19,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import fenced
@@ -26,6 +27,11 @@ from fenced import _clock
 
 from ._history import History
 from ._resources import open_resource
+
+LAB_PLANT_ENV = "FENCED_CHECK_LAB_PLANT"
+LAB_THINK_ENV = "FENCED_CHECK_LAB_THINK"
+"""The partition lab's: think exactly this long (seconds) between read and write, instead of
+up to ttl/4, so that a holder cut off mid-think outlives its lease while it holds it."""
 
 
 def _entries(data: bytes | None) -> list[list[int]]:
@@ -70,11 +76,36 @@ def main(argv: list[str]) -> None:
             [public_half(load_key(cfg["signing_key"]))], source_id=cfg.get("source_id")
         )
     resource: Any = open_resource(cfg["resource"], lock, verify)
+    # Test plant of the partition lab only (fenced.testing.partitions.run_check): a holder
+    # that takes no notice of its lease's loss, and thinks long enough to outlive it.
+    ignore_loss = os.environ.get(LAB_PLANT_ENV) == "ignore-loss"
+    held: list[Any] = []  # [lease, token] while held, until its release returned
+    promised: dict[int, float] = {}  # token -> the latest end its remaining() promised
+
+    def note_promise() -> None:
+        now, lease_and_token = _clock.now(), held[:]
+        if lease_and_token:
+            left = lease_and_token[0].remaining()
+            if left > 0:
+                key = lease_and_token[1]
+                promised[key] = max(promised.get(key, 0.0), now + left)
+
+    def promise_now() -> float | None:
+        note_promise()
+        lease_and_token = held[:]
+        return promised.get(lease_and_token[1]) if lease_and_token else None
+
+    def on_lost(_: Any) -> None:  # (on fenced's loop: a line and its fsync, no more)
+        lease_and_token = held[:]
+        if lease_and_token and not ignore_loss:
+            token = lease_and_token[1]
+            history.append("lost", lock=lock, token=token, promised=promised.get(token))
+
     with fenced.connect(
         cfg["source"], signing_key=cfg.get("signing_key"), source_id=cfg.get("source_id")
     ) as locks:
         while not stop.is_set():
-            lease = locks.lock(lock, ttl=ttl)
+            lease = locks.lock(lock, ttl=ttl, on_lost=on_lost)
             try:
                 token = lease.acquire(timeout=ttl * 20)
             except fenced.LockTimeout:
@@ -83,12 +114,19 @@ def main(argv: list[str]) -> None:
                 history.append("error", lock=lock, step="acquire", error=type(exc).__name__)
                 stop.wait(ttl / 4)
                 continue
-            surely = lease.remaining() * (2.0 if plant == "lease-overestimated" else 1.0)
+            held[:] = [lease, token.value]
+            note_promise()
+            remaining = lease.remaining()
+            surely = remaining * (2.0 if plant == "lease-overestimated" else 1.0)
             history.append(
-                "grant", lock=lock, token=token.value, surely_until=_clock.now() + surely
-            )
+                "grant", lock=lock, token=token.value, surely_until=_clock.now() + surely,
+                remaining=remaining,
+            )  # fmt: skip
             try:
-                step(resource, token, lease, history, rng, ttl, critical)
+                lab_think = float(os.environ.get(LAB_THINK_ENV) or 0) or None
+                think = 3 * ttl if ignore_loss else lab_think or ttl / 4
+                step(resource, token, lease, history, rng, think, critical, ignore_loss,
+                     promise_now, fixed_think=lab_think is not None)  # fmt: skip
             except Exception as exc:  # (a user's adapter may raise anything: record, go on)
                 history.append("error", lock=lock, token=token.value, error=type(exc).__name__)
             # Said before it is sent: a worker killed while releasing has still let go, and
@@ -102,6 +140,8 @@ def main(argv: list[str]) -> None:
                     released = lease.release()
             except fenced.FencedError:
                 released = False
+            held[:] = []
+            promised.pop(token.value, None)
             history.append("release", lock=lock, token=token.value, released=released, sent=sent)
     resource.close()
 
@@ -132,27 +172,43 @@ def step(
     lease: Any,
     history: History,
     rng: random.Random,
-    ttl: float,
+    think: float,
     critical: Any,
+    ignore_loss: bool = False,
+    promise: Callable[[], float | None] = lambda: None,
+    *,
+    fixed_think: bool = False,
 ) -> None:
-    """One read-modify-write of the register under ``token``."""
+    """One read-modify-write of the register under ``token``, thinking up to ``think`` s
+    (``fixed_think``: exactly that long)."""
     lock = token.lock
     try:
         entries = _entries(resource.read(token))
     except fenced.StaleTokenError:
         history.append("read", lock=lock, token=token.value, ok=False)
-        time.sleep(rng.uniform(0, ttl / 4))  # (a client backs off before it tries again)
+        time.sleep(rng.uniform(0, think))  # (a client backs off before it tries again)
         return
     value = entries[-1][1] + 1 if entries else 1
     history.append("read", lock=lock, token=token.value, ok=True, value=value - 1)
     entries.append([token.value, value])
-    time.sleep(rng.uniform(0, ttl / 4))  # think
+    # Think, looking at the lease every 50 ms: renewals move its promised end on (each by
+    # about ttl/3), and the end it promised last is what its loss is checked against. (On
+    # this thread: a thread of its own stopped sampling after a SIGSTOP in one run.)
+    until = time.monotonic() + (think if fixed_think else rng.uniform(0, think))
+    for _ in range(100_000):  # (bounded: the think is)
+        left = until - time.monotonic()
+        if left <= 0:
+            break
+        time.sleep(min(0.05, left))
+        promise()
     if getattr(resource, "takes_critical", False):
         resource.critical = lambda: critical(token.value)
     else:
         critical(token.value)
     sent = _clock.now()
     remaining = lease.remaining()
+    lost = lease.lost.is_set() and not ignore_loss  # (whether it knew, as it sent)
+    promised = promise()  # (the latest end remaining() promised, by then)
     try:
         resource.write(token, json.dumps(entries, separators=(",", ":")).encode())
         ok: bool | None = True
@@ -162,8 +218,9 @@ def step(
         history.append("error", lock=lock, token=token.value, error=type(exc).__name__)
         ok = None
     history.append(
-        "write", lock=lock, token=token.value, value=value, ok=ok, sent=sent, remaining=remaining
-    )
+        "write", lock=lock, token=token.value, value=value, ok=ok, sent=sent,
+        remaining=remaining, lost=lost, promised=promised,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":
