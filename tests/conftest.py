@@ -37,7 +37,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False
     # With bytecode writing off (PYTHONDONTWRITEBYTECODE, set in some CI images) every Python
-    # process the suite starts (`fenced` commands, campaign workers, gateways: thousands)
+    # process the suite starts (`fenced` commands, campaign workers, gateways)
     # compiled fenced from source: 80-100 ms of CPU each. Their bytecode goes to one private
     # cache for the run instead (made here, in the first process; inherited by the xdist
     # workers and every child), outside the tree, and is removed at the end.
