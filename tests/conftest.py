@@ -6,7 +6,10 @@ from __future__ import annotations
 # etcd support sets it, so the test servers this process forks cannot crash before exec.
 import fenced._grpc  # isort: skip
 
+import os
+import shutil
 import signal
+import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -25,19 +28,80 @@ from fenced.testing.servers import (
 )
 from tests.helpers import aws_client, unique_name
 
+_PYCACHE: list[str] = []  # the bytecode cache this run made (pytest_configure), removed at exit
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # xdist's loadgroup hands out work units largest group first unless told not to; the
+    # order below (pytest_collection_modifyitems) is the one wanted, so it is kept as it is.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+    # With bytecode writing off (PYTHONDONTWRITEBYTECODE, set in some CI images) every Python
+    # process the suite starts (`fenced` commands, campaign workers, gateways)
+    # compiled fenced from source: 80-100 ms of CPU each. Their bytecode goes to one private
+    # cache for the run instead (made here, in the first process; inherited by the xdist
+    # workers and every child), outside the tree, and is removed at the end.
+    if os.environ.get("PYTHONDONTWRITEBYTECODE") and not os.environ.get("PYTHONPYCACHEPREFIX"):
+        _PYCACHE.append(tempfile.mkdtemp(prefix="fenced-test-pycache-"))  # (mode 700)
+        os.environ["PYTHONPYCACHEPREFIX"] = _PYCACHE[0]
+        del os.environ["PYTHONDONTWRITEBYTECODE"]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    for path in _PYCACHE:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+# Tests that take 25-70 s (2026-11-26 durations, -n 2, 2 cores), handed out first like the
+# ones marked ``slow`` (see pytest_collection_modifyitems); a name that no longer matches only
+# loses its place at the front.
+LONG_TESTS = (  # (longest first: the order they are handed out in)
+    "tests/test_sim.py::test_ten_thousand_seeds_hold_every_invariant",
+    "tests/test_sim.py::test_group_seeds_hold_every_invariant",
+    "tests/replicated/test_group_faults.py::",
+    "tests/powerloss/test_sqlite_source.py::test_fenced_serve_",
+    "tests/powerloss/test_sql_guards.py::",
+    "tests/test_check_campaign.py::test_the_report_renders_the_run_and_its_verdict",
+    "tests/test_server_schema.py::test_the_document_and_the_server_agree",
+    "tests/test_server_fast_lane.py::test_random_requests",
+    "tests/test_server_fuzz.py::test_random_requests",
+    "tests/test_signing.py::test_text_form_round_trips",
+    "tests/test_check_campaign.py::test_a_campaign_with_pauses_and_kills",
+    "tests/powerloss/test_fs_model.py::test_sqlite_keeps_what_it_committed",
+)
+
+
+def _rank(item: pytest.Item) -> int:
+    """Where ``item`` is handed out among the long ones: its place in LONG_TESTS, then the
+    other tests marked ``slow``; -1 for the rest."""
+    for i, prefix in enumerate(LONG_TESTS):
+        if item.nodeid.startswith(prefix):
+            return i
+    return len(LONG_TESTS) if item.get_closest_marker("slow") is not None else -1
+
+
+def _unit(item: pytest.Item) -> str:
+    """The xdist work unit of ``item`` under ``--dist loadgroup``: its xdist_group names
+    joined as xdist joins them, or the test itself."""
+    names = sorted({str(m.args[0]) for m in item.iter_markers("xdist_group") if m.args})
+    return "_".join(names) if names else item.nodeid
+
 
 @pytest.hookimpl(trylast=True)  # (after tests/conformance/conftest.py's source groups)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Order and group the run for ``pytest -n 2 --dist loadgroup``.
 
-    Tests marked ``slow`` (30-40 s races and campaigns) come first, the rest in their order:
-    xdist hands out the xdist_group groups first (largest first), then single tests in
-    collection order, and a 40 s test collected late ran last on one worker while the other
-    idled. And the guard suites' MySQL environments (grouped per environment by
+    The guard suites' MySQL environments (grouped per environment by
     tests/conformance/conftest.py) join test_guard_mysql.py's group: MariaDB, 6-9 s to start
     under load and the heaviest server, then runs on one worker, not on both.
+
+    Then the work units (an xdist group, or a single test) in the order xdist hands them out
+    (its own reordering off, pytest_configure): units holding a test marked ``slow`` or
+    listed in LONG_TESTS first (the simulator's 10,000 seeds, 30-70 s campaigns, races and
+    fuzzers), then groups largest first, then single tests in collection order. Longest first: a long unit handed out last ran on
+    one worker while the other idled (the 10,000 seeds, a group of two, came after every
+    bigger group and ended the run minutes after the rest).
     """
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # (stable sort)
     for item in items:
         callspec = getattr(item, "callspec", None)
         kind = callspec.params.get("env") if callspec is not None else None
@@ -45,6 +109,26 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             # (xdist joins all of an item's group names: the source group must go)
             item.own_markers[:] = [m for m in item.own_markers if m.name != "xdist_group"]
             item.add_marker(pytest.mark.xdist_group("mariadb"))
+    units = [_unit(item) for item in items]
+    size: dict[str, int] = {}
+    first: dict[str, int] = {}
+    rank: dict[str, int] = {}
+    for i, (item, unit) in enumerate(zip(items, units, strict=True)):
+        size[unit] = size.get(unit, 0) + 1
+        first.setdefault(unit, i)
+        r = _rank(item)
+        if r >= 0:
+            rank[unit] = min(rank.get(unit, r), r)
+    order = {id(item): i for i, item in enumerate(items)}
+    key = {
+        id(item): (
+            rank.get(unit, len(LONG_TESTS) + 1),
+            -size[unit] if size[unit] > 1 else 0,
+            first[unit],
+        )
+        for item, unit in zip(items, units, strict=True)
+    }
+    items.sort(key=lambda item: (*key[id(item)], order[id(item)]))
 
 
 @pytest.fixture

@@ -35,7 +35,9 @@ EXPECTED = {
 SWEEP = int(os.environ.get("FENCED_CHECK_SWEEP", "0"))
 
 
-def campaign(tmp: Path, bug: str, seed: int, *, seconds: float, ttl: float) -> CampaignResult:
+def campaign(
+    tmp: Path, bug: str, seed: int, *, seconds: float, ttl: float, stop_at_first: bool = False
+) -> CampaignResult:
     """The default campaign against the service, started by the kit (a private source)."""
     port = free_port()
     cmd = [sys.executable, str(SERVICE), "--port", str(port), "--db", str(tmp / "inv.db")]
@@ -47,12 +49,13 @@ def campaign(tmp: Path, bug: str, seed: int, *, seconds: float, ttl: float) -> C
         seconds=seconds,
         ttl=ttl,
         seed=seed,
+        stop_at_first=stop_at_first,
     )
 
 
 @pytest.mark.parametrize("bug", list(EXPECTED))
 def test_each_bug_of_the_users_service_is_caught(bug: str, tmp_path: Path) -> None:
-    result = campaign(tmp_path, bug, seed=1, seconds=10, ttl=0.5)
+    result = campaign(tmp_path, bug, seed=1, seconds=10, ttl=0.5, stop_at_first=True)
     found = {v.checker for v in result.violations}
     assert found & EXPECTED[bug], (found, result.faults)
     assert result.faults["race"] >= 1 and result.faults["resource-restart"] >= 1, result.faults

@@ -1,6 +1,7 @@
 """Every planted fault of ``fenced check --plant`` is caught by at least one checker within a
 bounded run of real worker processes (10 s, and 10 more under a second seed if the first
-schedule missed its window), and the planted resource's hand-written fence, with no
+schedule missed its window; a run ends early once every fault has struck and a violation that
+nothing later takes back shows), and the planted resource's hand-written fence, with no
 plant, runs clean under the same faults: what is caught is the plant, not the harness."""
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ def test_the_plant_is_caught(plant: str, tmp_path: Path) -> None:
             nemesis=NEMESIS.get(plant, ["stall"]),
             seed=seed,
             plant=plant,
+            stop_at_first=True,  # (the verdict is still the whole run's: the checkers at the end)
         )
         found = {v.checker for v in result.violations}
         if found:
@@ -65,6 +67,31 @@ def test_the_plant_is_caught(plant: str, tmp_path: Path) -> None:
     assert found, f"{plant} was not caught ({result.grants} grants, {result.accepted} accepted)"
     assert found & EXPECTED[plant], found  # (a reused token also upsets what follows)
     assert result.first_violation_after is not None
+
+
+def test_a_run_stopped_at_its_first_violation_ends_early_with_the_whole_verdict(
+    tmp_path: Path,
+) -> None:
+    """``stop_at_first``: the run ends once every fault has struck and a violation shows that
+    nothing later takes back, well before its seconds; the checkers that need the resource's
+    final state still run (acceptance order, acknowledged writes)."""
+    for seed in (1, 2):
+        result = run_campaign(
+            f"sqlite:///{tmp_path}/locks{seed}.db",
+            tmp_path / f"r{seed}",
+            seconds=60,
+            ttl=0.5,
+            nemesis=["stall"],
+            seed=seed,
+            plant="no-fence",
+            stop_at_first=True,
+        )
+        if result.violations:
+            break
+    found = {v.checker for v in result.violations}
+    assert result.seconds < 40, result.seconds  # (caught in 1-5 s: not the 60 s asked for)
+    assert found & {"acceptance order", "acknowledged write"}, found  # (final-state checkers)
+    assert read_history(result.history)[-1]["op"] == "final"
 
 
 def test_the_planted_resource_without_a_plant_holds_every_invariant(tmp_path: Path) -> None:

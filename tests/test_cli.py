@@ -130,7 +130,10 @@ def test_status(sqlite_url: str) -> None:
 
 
 def test_status_of_unreachable_source() -> None:
-    out = run(["status", "x"], "postgresql://nobody@127.0.0.1:1/none?connect_timeout=1")
+    # (--timeout 1: the default 10 s is the same retry loop, waited ten times longer)
+    out = run(
+        ["status", "x", "--timeout", "1"], "postgresql://nobody@127.0.0.1:1/none?connect_timeout=1"
+    )
     assert out.returncode == 69, (out.returncode, out.stderr)
 
 

@@ -251,9 +251,14 @@ def test_a_scheme_registered_by_entry_point_is_used(tmp_path: Any) -> None:
     )
     (dist / "entry_points.txt").write_text(
         "[fenced.backends]\nplugmem = fenced.backends.memory:MemoryBackend\n"
+        # A distribution cannot take one of fenced's own schemes over (and a built-in scheme
+        # is found without scanning the installed distributions at all).
+        "sqlite = fenced.backends.memory:MemoryBackend\n"
     )
     code = (
         "import fenced\n"
+        "from fenced._backend import backend_class\n"
+        "assert backend_class('sqlite:///x.db').__name__ == 'SQLiteBackend'\n"
         "with fenced.connect('plugmem://x') as locks, locks.lock('j') as lease:\n"
         "    print(lease.token)\n"
     )

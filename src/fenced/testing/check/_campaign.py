@@ -69,7 +69,7 @@ from ... import _clock
 from ..._errors import ConfigurationError
 from ..proxy import TcpProxy
 from ..servers import python_env
-from ._checkers import Violation, check_all
+from ._checkers import CHECKERS, Violation, check_all
 from ._history import History, read_history
 from ._plants import PLANTS, SIGNING_PLANTS, plant_role, source_plant_server
 from ._report import write_report
@@ -531,6 +531,7 @@ def run_campaign(
     signing: bool = False,
     progress: Callable[[float, str], None] | None = None,
     resource_cmd: str | Sequence[str] = "",
+    stop_at_first: bool = False,
 ) -> CampaignResult:
     """Run one campaign and check it. ``source``: a token-source URL, an engine name the kit
     starts itself (:data:`ENGINES`), or None for a private SQLite source of the campaign's
@@ -540,7 +541,10 @@ def run_campaign(
     an argv list): the kit starts it, restarts and pauses it. ``nemesis``: None for
     :func:`default_nemeses`; a plant adds the fault it needs (:data:`PLANT_NEEDS`).
     ``signing``: workers get signed tokens (an HMAC key made for the run) and the resource's
-    guard verifies them. ``progress(elapsed, what)`` is called as the run goes."""
+    guard verifies them. ``progress(elapsed, what)`` is called as the run goes.
+    ``stop_at_first``: end the run early once every nemesis has struck and the history so
+    far shows a violation that later events cannot take back (:data:`PREFIX_CHECKERS`); the
+    verdict is still every checker over the whole history, the final state included."""
     nemesis = list(default_nemeses(resource, resource_cmd) if nemesis is None else nemesis)
     plant_role(plant)  # (an unknown plant: a typed error first)
     needs = PLANT_NEEDS.get(plant, ())
@@ -725,6 +729,8 @@ def run_campaign(
         deck: list[str] = []
         while time.monotonic() - start < seconds:
             time.sleep(rng.uniform(0.5, 1.5) * ttl)  # (the schedule's own clock, not a sync)
+            if stop_at_first and all(faults.values()) and _caught(path):
+                break  # (each nemesis has struck once: a result still counts every kind)
             for p in procs:
                 if p.poll() is not None:  # (the kill nemesis waits for its victim: not here)
                     log_name = f"worker-{names[p.pid]}.log"
@@ -899,6 +905,18 @@ def run_campaign(
         first_violation_after=_first_violation_after(events, violations),
         refused_reads=sum(1 for e in events if e["op"] == "read" and e["ok"] is False),
     )
+
+
+PREFIX_CHECKERS = ("token reuse", "lost update", "overlap", "forged token")
+"""The checkers whose violations in a history's prefix stay violations in the whole history
+(nothing appended later takes them back), so a run may end at the first
+(``run_campaign(stop_at_first=True)``). The others need the final state."""
+
+
+def _caught(path: Path) -> bool:
+    """Whether the history so far shows a violation of one of :data:`PREFIX_CHECKERS`."""
+    events = [e for e in read_history(path) if e["op"] != "final"]
+    return any(CHECKERS[name](events) for name in PREFIX_CHECKERS)
 
 
 def _log(data: bytes | None) -> list[list[int]] | None:
