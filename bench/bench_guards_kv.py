@@ -36,7 +36,7 @@ import redis
 from _common import Result, table
 
 from fenced import FencingToken
-from fenced._portal import Portal
+from fenced._core.portal import Portal
 from fenced.guards.etcd import AsyncEtcdGuard, EtcdGuard
 from fenced.guards.redis import RedisGuard
 from fenced.testing.servers import EtcdServer, RedisServer

@@ -29,7 +29,7 @@ import tempfile
 import time
 from typing import Any
 
-from fenced._portal import mark_private
+from fenced._core.portal import mark_private
 from fenced.server._app import ServerSettings, create_app
 from fenced.server._run import setup_logging
 

@@ -26,7 +26,7 @@ from _common import Result, interleaved, table
 
 import fenced
 from fenced import FencingToken, HmacKey, Keyring
-from fenced._signing import Ed25519SigningKey, token_message
+from fenced._core.signing import Ed25519SigningKey, token_message
 from fenced.guards.redis import RedisGuard
 from fenced.guards.sql import SQLGuard
 from fenced.testing.servers import RedisServer

@@ -41,8 +41,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import Result, finish, fmt_us, interleaved, table
 
 import fenced
-from fenced import _clock
-from fenced._portal import Portal, mark_private
+from fenced._core import clock as _clock
+from fenced._core.portal import Portal, mark_private
 from fenced.backends import sqlite as S
 
 HERE = os.path.abspath(__file__)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 # First, before any test module imports gRPC (aetcd): gRPC's fork support off, as fenced's
 # etcd support sets it, so the test servers this process forks cannot crash before exec.
-import fenced._grpc  # isort: skip
+import fenced._clients.grpc  # isort: skip
 
 import os
 import shutil
@@ -146,7 +146,7 @@ def portal_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
     """The test runs twice: with the sync API's portal in its fast mode (callers drive the
     loop, on CPython's asyncio internals) and forced into its portable mode (public asyncio
     only), through ``FENCED_PORTAL`` as a user would."""
-    from fenced import _portal_fast
+    from fenced._core import portal_fast as _portal_fast
 
     monkeypatch.setenv("FENCED_PORTAL", request.param)
     if request.param == "fast":

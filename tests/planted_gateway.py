@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import fenced
-from fenced._backend import Grant
+from fenced._core.backend import Grant
 from fenced.backends.etcd import EtcdBackend
 
 

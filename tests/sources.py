@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 from urllib.parse import SplitResult
 
 import fenced
-from fenced._backend import Grant, LostCallback
+from fenced._core.backend import Grant, LostCallback
 from fenced.backends.memory import MemoryBackend
 
 

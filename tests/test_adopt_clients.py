@@ -13,7 +13,7 @@ import redis.asyncio
 from kazoo.client import KazooClient
 
 import fenced
-from fenced._adopt import adopt_client
+from fenced._core.adopt import adopt_client
 from fenced.testing.servers import PostgresServer, RedisServer, ZooKeeperServer
 from tests.helpers import unique_name
 

@@ -27,8 +27,8 @@ import pytest
 from aetcd import rpc
 
 import fenced
-from fenced import _clock
-from fenced._etcd_conn import EtcdClient
+from fenced._clients.etcd_conn import EtcdClient
+from fenced._core import clock as _clock
 from fenced.backends.etcd import (
     EtcdBackend,
     lease_seconds,

@@ -30,8 +30,8 @@ import psycopg
 import pytest
 
 import fenced
-from fenced import _clock
-from fenced._backend import Grant
+from fenced._core import clock as _clock
+from fenced._core.backend import Grant
 from fenced.backends._postgresql_schema import DDL
 from fenced.backends.postgresql import PostgreSQLBackend
 from fenced.testing.servers import PostgresServer
@@ -260,7 +260,7 @@ async def test_planted_token_bugs_are_caught_by_the_crash_check(
 PAUSED_HOLDER = r"""
 import sys
 import fenced
-import fenced._backend
+import fenced._core.backend
 
 url, name, planted = sys.argv[1:4]
 if planted != "-":
@@ -431,7 +431,7 @@ async def test_planted_missing_notify_is_caught(pg_dsn: str) -> None:
 DEAD_WAITER = r"""
 import sys
 import fenced
-import fenced._backend
+import fenced._core.backend
 
 url, name, planted = sys.argv[1:4]
 if planted != "-":

@@ -21,9 +21,9 @@ import pytest
 import redis
 
 import fenced
-from fenced import _clock
-from fenced._backend import Grant, LostCallback
-from fenced._token import FencingToken
+from fenced._core import clock as _clock
+from fenced._core.backend import Grant, LostCallback
+from fenced._core.token import FencingToken
 from fenced.backends.redis import ACQUIRE_LUA, LEAVE_LUA, RELEASE_LUA, RENEW_LUA, RedisBackend
 from fenced.testing.servers import RedisServer
 from tests.helpers import (

@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 import pytest
 
 import fenced
-from fenced import _clock
+from fenced._core import clock as _clock
 from fenced.backends import sqlite as sqlite_backend
 from fenced.backends.sqlite import SQLiteBackend, _relaxed, database_path
 from tests.envs.sqlite import ROOT, Worker, open_journal, read_counters, record
@@ -407,7 +407,7 @@ def test_group_commit_option_selects_the_mode_on_a_per_turn_loop(db: str, mode: 
     """``group_commit`` picks how ``fenced serve``'s loop (marked ``commit_per_turn``) commits:
     on the loop once per turn (no worker thread, connection key 0), or on the worker thread's
     group commit as on an application's loop. (Before the option, serve had one mode only.)"""
-    from fenced._portal import mark_private
+    from fenced._core.portal import mark_private
 
     async def run() -> tuple[bool, set[int], int]:
         mark_private(asyncio.get_running_loop(), commit_per_turn=True)

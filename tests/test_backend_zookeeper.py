@@ -18,8 +18,8 @@ import pytest
 from kazoo.client import KazooClient
 
 import fenced
-from fenced import _clock
-from fenced._backend import Grant
+from fenced._core import clock as _clock
+from fenced._core.backend import Grant
 from fenced.backends import zookeeper as zk
 from fenced.backends._zookeeper_session import conf_tick
 from fenced.backends.zookeeper import ROOT, ZooKeeperBackend, node_prefix, parse_node

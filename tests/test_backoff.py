@@ -1,11 +1,11 @@
-"""The one back-off of fenced's retry loops (``fenced._backoff.Backoff``): doubling pauses up
+"""The one back-off of fenced's retry loops (``fenced._core.backoff.Backoff``): doubling pauses up
 to a cap, never past the caller's deadline, or none when a whole pause would not fit."""
 
 from __future__ import annotations
 
 import pytest
 
-from fenced._backoff import Backoff
+from fenced._core.backoff import Backoff
 
 
 def test_doubles_up_to_the_cap() -> None:

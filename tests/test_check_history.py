@@ -33,7 +33,7 @@ with fenced.connect(url) as locks:
         lease = locks.lock("counter", ttl=1.0)
         token = lease.acquire(timeout=60)
         history.append("grant", lock="counter", token=token.value,
-                       surely_until=fenced._clock.now() + lease.remaining())
+                       surely_until=fenced._core.clock.now() + lease.remaining())
         conn = sqlite3.connect(db, timeout=30)
         value = conn.execute("SELECT n FROM counter").fetchone()[0] + 1  # read ...
         if pause_flag.startswith("pause") and i == 1:
@@ -49,7 +49,7 @@ with fenced.connect(url) as locks:
         except fenced.StaleTokenError:
             history.append("write", lock="counter", token=token.value, value=value, ok=False)
         conn.close()
-        sent = fenced._clock.now()
+        sent = fenced._core.clock.now()
         released = lease.release()
         history.append("release", lock="counter", token=token.value, released=released, sent=sent)
 print("done", flush=True)

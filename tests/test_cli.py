@@ -253,7 +253,7 @@ def test_unreachable_source_honours_the_timeout_with_one_line(sqlite_url: str) -
 
 _CLI_WITH_TEST_SOURCE = (
     "import sys\n"
-    "from fenced import _backend\n"
+    "from fenced._core import backend as _backend\n"
     "_backend.register_backend('goneaftergrant', 'tests.sources:GoneAfterGrantSource')\n"
     "from fenced.cli import main\n"
     "sys.exit(main(sys.argv[1:]))\n"

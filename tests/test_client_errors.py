@@ -9,7 +9,7 @@ import grpc.aio  # type: ignore[import-untyped]
 import pytest
 
 from fenced import BackendUnavailable, FencedError
-from fenced._grpc_errors import RETRYABLE, kind
+from fenced._clients.grpc_errors import RETRYABLE, kind
 from fenced.guards.etcd import map_error
 
 
@@ -40,10 +40,10 @@ def test_lease_not_found_is_its_own_kind() -> None:
 
 def test_the_zookeeper_guard_reads_kazoo_errors_as_the_source_does() -> None:
     """A ZooKeeper operation timeout was BackendUnavailable for the source but escaped the
-    guard as a raw kazoo error: both now read kazoo through ``fenced._kazoo_errors``."""
+    guard as a raw kazoo error: both now read kazoo through ``fenced._clients.kazoo_errors``."""
     from kazoo.exceptions import BadVersionError, OperationTimeoutError, SessionExpiredError
 
-    from fenced._kazoo_errors import kind as kazoo_kind
+    from fenced._clients.kazoo_errors import kind as kazoo_kind
     from fenced.backends._zookeeper_session import UNAVAILABLE
     from fenced.guards import zookeeper as zk_guard
 

@@ -14,9 +14,10 @@ from urllib.parse import SplitResult
 
 import pytest
 
-from fenced import FencedError, _clock
-from fenced._backend import Grant, LostCallback
-from fenced._token import FencingToken
+from fenced import FencedError
+from fenced._core import clock as _clock
+from fenced._core.backend import Grant, LostCallback
+from fenced._core.token import FencingToken
 from fenced.backends.memory import MemoryBackend, _Lock
 from tests.conformance import test_conformance as suite
 from tests.envs.memory import MemoryEnv

@@ -928,7 +928,7 @@ async def test_middleware_with_verify_keys_takes_only_well_signed_tokens(tmp_pat
     """The header must carry a token signed by a key the middleware holds: unsigned, forged
     and unknown-key tokens get 400 before the mark moves; a signed stale one still 409."""
     from fenced import HmacKey, Keyring
-    from fenced._signing import token_message
+    from fenced._core.signing import token_message
     from fenced.guards.asgi import FencingMiddleware
 
     key = HmacKey("k1", b"s" * 32)

@@ -1254,7 +1254,7 @@ def test_a_forged_token_never_moves_the_mark(tmp_path: Any, guard_class: type[SQ
     """Verification comes before the mark: a forged huge token leaves it where it was (the
     planted guard that verifies afterwards raises it first: caught)."""
     from fenced import HmacKey, Keyring, SignatureError
-    from fenced._signing import token_message
+    from fenced._core.signing import token_message
 
     key = HmacKey("k1", b"q" * 32)
     db = sqlite3.connect(tmp_path / "db", isolation_level=None)

@@ -12,7 +12,7 @@ import time
 
 import httpx
 
-from fenced._clock import now
+from fenced._core.clock import now
 from fenced.backends.http import HttpBackend
 from fenced.testing.servers import FencedServer
 

@@ -17,9 +17,10 @@ from typing import Any
 import pytest
 
 import fenced
-from fenced import _backend, _clock
-from fenced._backend import Backend, Characteristic, Grant, LockStatus
-from fenced._state import LeaseState, Phase
+from fenced._core import backend as _backend
+from fenced._core import clock as _clock
+from fenced._core.backend import Backend, Characteristic, Grant, LockStatus
+from fenced._core.state import LeaseState, Phase
 from fenced.backends.memory import MemoryBackend
 from tests.helpers import async_wait_for, bounded, wait_for
 from tests.sources import (
@@ -257,7 +258,7 @@ def test_a_scheme_registered_by_entry_point_is_used(tmp_path: Any) -> None:
     )
     code = (
         "import fenced\n"
-        "from fenced._backend import backend_class\n"
+        "from fenced._core.backend import backend_class\n"
         "assert backend_class('sqlite:///x.db').__name__ == 'SQLiteBackend'\n"
         "with fenced.connect('plugmem://x') as locks, locks.lock('j') as lease:\n"
         "    print(lease.token)\n"

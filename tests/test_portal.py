@@ -20,9 +20,10 @@ from typing import Any
 import pytest
 
 import fenced
-from fenced import _portal, _portal_fast
-from fenced._errors import ConfigurationError
-from fenced._portal import Portal
+from fenced._core import portal as _portal
+from fenced._core import portal_fast as _portal_fast
+from fenced._core.errors import ConfigurationError
+from fenced._core.portal import Portal
 from fenced.backends.etcd import EtcdBackend
 from fenced.backends.memory import MemoryBackend
 from fenced.backends.sqlite import SQLiteBackend
@@ -390,7 +391,7 @@ def test_only_the_fast_mode_touches_asyncios_private_names() -> None:
     found = {}
     for path in sorted(root.rglob("*.py")):
         where = "fenced/" + path.relative_to(root).as_posix()
-        if where == "fenced/_portal_fast.py":
+        if where == "fenced/_core/portal_fast.py":
             continue
         uses = _asyncio_private_uses(path.read_text()) - _ELSEWHERE.get(where, set())
         if uses:

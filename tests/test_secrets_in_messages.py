@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from fenced._backend import redacted
+from fenced._core.backend import redacted
 from tests.helpers import ROOT, wait_for
 
 SECRET = "s3cr3tPW"

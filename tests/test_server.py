@@ -24,7 +24,7 @@ import pytest
 
 import fenced
 from fenced import cli
-from fenced._backend import MAX_RECORD
+from fenced._core.backend import MAX_RECORD
 from fenced.guards.sql import SQLGuard
 from fenced.server import hash_secret
 from fenced.testing.servers import FencedServer

@@ -20,9 +20,10 @@ from typing import Any
 
 import pytest
 
-from fenced import AsyncLocks, _clock
-from fenced._backend import Grant
-from fenced._errors import LeaseLostError
+from fenced import AsyncLocks
+from fenced._core import clock as _clock
+from fenced._core.backend import Grant
+from fenced._core.errors import LeaseLostError
 from fenced.server._auth import ApiKey, Verb, hash_secret
 from fenced.server._gateway import ForeignGrant, Gateway
 from fenced.testing.sim import VirtualLoop

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 import fenced
 from fenced import FencingToken, HmacKey, InvalidTokenError, Keyring, SignatureError
-from fenced._signing import (
+from fenced._core.signing import (
     Ed25519SigningKey,
     generate_key,
     key_text,
@@ -619,7 +619,7 @@ def test_signing_without_a_source_id_warns_once(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """v1 tokens are valid at every source holding the key: the user is told, once."""
-    from fenced import _lease
+    from fenced._core import lease as _lease
 
     key = HmacKey("k1", os.urandom(32))
     _lease._warned_unbound = False

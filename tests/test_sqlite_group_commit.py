@@ -189,12 +189,12 @@ def _url(tmp_path: Path) -> tuple[Any, dict[str, Any]]:
 
 CHILD = """
 import asyncio, sys, fenced
-from fenced import _backend
+from fenced._core import backend as _backend
 if sys.argv[2]:
     _backend.register_backend("sqlite", sys.argv[2])
 async def main():
     if sys.argv[3] == "turn":  # as `fenced serve` runs: commits made on the loop, a turn each
-        from fenced._portal import mark_private
+        from fenced._core.portal import mark_private
         mark_private(asyncio.get_running_loop(), commit_per_turn=True)
     async with fenced.connect_async(sys.argv[1]) as locks:
         async def client(i):
@@ -257,7 +257,7 @@ def test_the_crash_check_catches_a_batcher_that_reports_before_commit(
 
 def _on_a_turn_loop(scenario: Callable[[], Any]) -> Any:
     """Run ``scenario()`` on a fresh loop marked as ``fenced serve`` marks its own."""
-    from fenced._portal import mark_private
+    from fenced._core.portal import mark_private
 
     async def main() -> Any:
         mark_private(asyncio.get_running_loop(), commit_per_turn=True)

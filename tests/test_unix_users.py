@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import fenced
-from fenced._paths import machine_database
+from fenced._core.paths import machine_database
 from tests.helpers import ROOT, wait_for
 
 USERS = ("fenced-test-a", "fenced-test-b")

@@ -59,7 +59,7 @@ _LAYER_PACKAGES = {"_core": "core", "_clients": "clients", "cli": "cli"}
 # Private names of other libraries that a module uses, which the attribute rule would take for
 # a fenced package's (the rule knows only fenced's own definitions).
 _ASYNCIO_INTERNALS = {
-    "fenced._portal_fast": {"_run", "_ready", "_scheduled"},  # (the fast mode, alone)
+    "fenced._core.portal_fast": {"_run", "_ready", "_scheduled"},  # (the fast mode, alone)
     "fenced.testing.sim._loop": {"_run"},  # the virtual-time loop runs asyncio's handles
 }
 
@@ -67,7 +67,7 @@ _ASYNCIO_INTERNALS = {
 def package_of(module: str) -> str:
     """The package a module belongs to for these rules: ``fenced.guards.sql`` -> guards.
 
-    Both trees are understood: the root private modules of today (``fenced._token``), and the
+    Both trees are understood: the root private modules of today (``fenced._core.token``), and the
     layer packages tools/move_layers.py makes of them (``fenced._core.token``,
     ``fenced._clients.grpc_errors``, the ``fenced.cli`` package)."""
     parts = module.split(".")

@@ -10,7 +10,7 @@ reject writes from stale lock holders.
 
 import logging as _logging
 
-from ._backend import (
+from ._core.backend import (
     Backend,
     Characteristic,
     Grant,
@@ -19,8 +19,8 @@ from ._backend import (
     TokenCheck,
     register_backend,
 )
-from ._ceiling import AboveCeilingError, Ceiling
-from ._errors import (
+from ._core.ceiling import AboveCeilingError, Ceiling
+from ._core.errors import (
     AccessDenied,
     BackendError,
     BackendUnavailable,
@@ -43,8 +43,8 @@ from ._errors import (
     UnsafeBackendError,
     WrongLockError,
 )
-from ._lease import DEFAULT_TTL, AsyncLease, AsyncLocks, LostSignal, connect_async
-from ._signing import (
+from ._core.lease import DEFAULT_TTL, AsyncLease, AsyncLocks, LostSignal, connect_async
+from ._core.signing import (
     Ed25519SigningKey,
     Ed25519VerifyKey,
     HmacKey,
@@ -54,9 +54,9 @@ from ._signing import (
     load_keys,
     verify_all,
 )
-from ._state import Phase
-from ._sync import Lease, Locks, connect
-from ._token import MAX_TOKEN, FencingToken, TokenLike
+from ._core.state import Phase
+from ._core.sync import Lease, Locks, connect
+from ._core.token import MAX_TOKEN, FencingToken, TokenLike
 
 __version__ = "0.2.0"
 

@@ -28,15 +28,9 @@ from collections.abc import AsyncIterator, Iterable
 # The election is the core's (``Locks.elect``/``observe`` return these): its classes live
 # beside the lease they wrap, so the core never imports this module (issue 27: no upward
 # import, no cycle). This module is their public home.
-from ._leadership import Leader, LeaderChanges, leader_value
-from ._lease import (
-    DEFAULT_TTL,
-    AsyncLeadership,
-    AsyncLocks,
-    AsyncLostCallback,
-    FenceTarget,
-)
-from ._sync import Leadership
+from ._core.leadership import Leader, LeaderChanges, leader_value
+from ._core.lease import DEFAULT_TTL, AsyncLeadership, AsyncLocks, AsyncLostCallback, FenceTarget
+from ._core.sync import Leadership
 
 __all__ = ["AsyncLeadership", "Leader", "LeaderChanges", "Leadership", "leader_value"]
 

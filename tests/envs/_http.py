@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from fenced._backend import Characteristic
+from fenced._core.backend import Characteristic
 from fenced.testing.servers import FencedServer
 from tests.envs.base import BackendEnv, session_server
 from tests.helpers import unique_name

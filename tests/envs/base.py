@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import fenced
-from fenced._backend import Characteristic, backend_class
+from fenced._core.backend import Characteristic, backend_class
 from fenced.testing.servers import Server
 
 

@@ -188,7 +188,7 @@ def _cmd_crash_mid_transaction(args: argparse.Namespace) -> None:
 def _use_backend(target: str | None) -> None:
     """Run the sqlite:// scheme on another class (a planted bug) in this process."""
     if target:
-        from fenced import _backend
+        from fenced._core import backend as _backend
 
         _backend.register_backend("sqlite", target)
 
@@ -305,7 +305,7 @@ def _cmd_journal(args: argparse.Namespace) -> None:
 def _cmd_old_boot(args: argparse.Namespace) -> None:
     """Take the lock and queue a waiter as if under an earlier boot of the machine."""
     import fenced
-    from fenced import _clock
+    from fenced._core import clock as _clock
 
     real_now = _clock.now
     _clock.boot_id = lambda: "00000000-0000-0000-0000-earlier-boot"  # type: ignore[assignment]

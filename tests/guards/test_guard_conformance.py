@@ -27,7 +27,7 @@ from fenced import (
     StaleTokenError,
     WrongLockError,
 )
-from fenced._signing import token_message
+from fenced._core.signing import token_message
 from tests.guards.envs import GUARDS, LOCK, GuardEnv, Write, make_env, tok
 
 
@@ -201,7 +201,7 @@ def test_interleaving_check_catches_check_then_write(env: GuardEnv) -> None:
     assert interleaving_violations(env, write_a) != []
 
 
-# -- signed tokens (fenced._signing) ------------------------------------------------------
+# -- signed tokens (fenced._core.signing) ------------------------------------------------------
 
 KEY = HmacKey("k1", b"k" * 32)
 OTHER_KEY = HmacKey("k2", b"o" * 32)

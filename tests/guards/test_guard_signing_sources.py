@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from fenced import FencedError, FencingToken, HmacKey, InvalidTokenError, Keyring, SignatureError
-from fenced._signing import Signature, split_signature, token_message
+from fenced._core.signing import Signature, split_signature, token_message
 from tests.guards.envs import GUARDS, GuardEnv, make_env, tok
 
 KEY = HmacKey("k1", b"k" * 32)  # shared by prod and staging: the case binding exists for

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import fenced
-from fenced._paths import machine_database
+from fenced._core.paths import machine_database
 from fenced.testing.powerloss import PowerLossMount, unavailable
 from tests.envs.sqlite import read_counters
 

@@ -118,7 +118,7 @@ def test_fenced_serve_planted_is_caught(
     server = FencedServer(
         f"{url}?group_commit={mode}",
         str(tmp_path / "serve"),
-        prelude=f"from fenced import _backend; _backend.register_backend('sqlite', {PLANT!r})",
+        prelude=f"from fenced._core import backend as _backend; _backend.register_backend('sqlite', {PLANT!r})",
     )
 
     def start() -> Client:

@@ -18,7 +18,7 @@ import sys
 import time
 
 import fenced
-from fenced import _backend
+from fenced._core import backend as _backend
 
 CLIENTS = 64
 LOCKS = 16
@@ -72,7 +72,7 @@ def _sync_clients(url: str) -> None:
 
 async def _library(url: str, mode: str) -> None:
     if mode == "turn":
-        from fenced._portal import mark_private
+        from fenced._core.portal import mark_private
 
         mark_private(asyncio.get_running_loop(), commit_per_turn=True)
     await _clients(url)

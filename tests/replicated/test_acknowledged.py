@@ -25,7 +25,7 @@ import pytest
 import redis
 
 import fenced
-from fenced._signing import key_text
+from fenced._core.signing import key_text
 from fenced.guards.redis import RedisGuard
 from fenced.guards.sql import SQLGuard
 from fenced.replicated import Group, Item, SQLMember, stamp

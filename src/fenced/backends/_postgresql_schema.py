@@ -13,10 +13,8 @@ from urllib.parse import SplitResult
 import psycopg
 from psycopg import sql
 
-from .._errors import (
-    ConfigurationError,
-)
-from .._options import Option, parse_query
+from .._core.errors import ConfigurationError
+from .._core.options import Option, parse_query
 
 __all__ = [
     "DDL",

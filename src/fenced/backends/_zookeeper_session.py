@@ -33,16 +33,10 @@ from kazoo.protocol.serialization import Connect
 from kazoo.protocol.states import KazooState
 from kazoo.retry import KazooRetry
 
-from .. import _clock, _kazoo_errors
-from .._backend import (
-    Grant,
-    LostCallback,
-)
-from .._errors import (
-    BackendUnavailable,
-    LeaseLostError,
-    UnsafeBackendError,
-)
+from .._clients import kazoo_errors as _kazoo_errors
+from .._core import clock as _clock
+from .._core.backend import Grant, LostCallback
+from .._core.errors import BackendUnavailable, LeaseLostError, UnsafeBackendError
 
 __all__ = [
     "KAZOO_LOG",

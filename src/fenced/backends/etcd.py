@@ -35,14 +35,15 @@ from types import MappingProxyType
 from typing import Any, ClassVar, Final, TypeVar
 from urllib.parse import SplitResult
 
-from .. import _grpc  # noqa: F401  (first: gRPC reads it when imported)
+from .._clients import grpc as _grpc  # noqa: F401  (first: gRPC reads it when imported)
 
 # isort: split
 from aetcd import rpc
 
-from .. import _clock
-from .._backend import Backend, Characteristic, Grant, LockStatus, LostCallback, Record
-from .._errors import (
+from .._clients.etcd_conn import EtcdClient, LeaseNotFound, Member, WatchHandle, cancelling
+from .._core import clock as _clock
+from .._core.backend import Backend, Characteristic, Grant, LockStatus, LostCallback, Record
+from .._core.errors import (
     BackendError,
     BackendUnavailable,
     ConfigurationError,
@@ -50,9 +51,8 @@ from .._errors import (
     LockTimeout,
     RecordConflict,
 )
-from .._etcd_conn import EtcdClient, LeaseNotFound, Member, WatchHandle, cancelling
-from .._options import Option
-from .._token import FencingToken, escape_name, unescape_name
+from .._core.options import Option
+from .._core.token import FencingToken, escape_name, unescape_name
 
 __all__ = [
     "EtcdBackend",

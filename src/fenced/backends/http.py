@@ -24,8 +24,8 @@ from urllib.parse import SplitResult, quote
 
 import httpx
 
-from .. import _clock
-from .._backend import (
+from .._core import clock as _clock
+from .._core.backend import (
     Backend,
     Characteristic,
     Grant,
@@ -34,7 +34,7 @@ from .._backend import (
     Record,
     TokenCheck,
 )
-from .._errors import (
+from .._core.errors import (
     AccessDenied,
     BackendUnavailable,
     ConfigurationError,
@@ -43,8 +43,8 @@ from .._errors import (
     LockTimeout,
     RecordConflict,
 )
-from .._options import Option
-from .._token import FencingToken
+from .._core.options import Option
+from .._core.token import FencingToken
 
 __all__ = ["HttpBackend"]
 

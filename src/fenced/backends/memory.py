@@ -14,8 +14,8 @@ import threading
 from typing import Any, ClassVar
 from urllib.parse import SplitResult
 
-from .. import _clock
-from .._backend import (
+from .._core import clock as _clock
+from .._core.backend import (
     Backend,
     Characteristic,
     Grant,
@@ -24,8 +24,8 @@ from .._backend import (
     Record,
     lock_timeout,
 )
-from .._errors import LeaseLostError, RecordConflict
-from .._token import FencingToken
+from .._core.errors import LeaseLostError, RecordConflict
+from .._core.token import FencingToken
 
 __all__ = ["MemoryBackend"]
 

@@ -35,8 +35,10 @@ from urllib.parse import SplitResult, urlsplit
 import psycopg
 from psycopg import pq, sql
 
-from .. import _clock
-from .._backend import (
+from .._clients.pg_errors import connect_refusal
+from .._clients.pg_errors import kind as pg_kind
+from .._core import clock as _clock
+from .._core.backend import (
     Backend,
     Characteristic,
     Grant,
@@ -46,7 +48,7 @@ from .._backend import (
     lock_timeout,
     wait_budget,
 )
-from .._errors import (
+from .._core.errors import (
     BackendError,
     BackendUnavailable,
     ConfigurationError,
@@ -54,9 +56,7 @@ from .._errors import (
     RecordConflict,
     UnsafeBackendError,
 )
-from .._pg_errors import connect_refusal
-from .._pg_errors import kind as pg_kind
-from .._token import FencingToken
+from .._core.token import FencingToken
 from ._postgresql_schema import (
     DDL,
     INSTALL_LOCK,

@@ -42,8 +42,9 @@ import redis.exceptions as rexc
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from .. import _clock
-from .._backend import (
+from .._clients.redis_errors import NATIVE, kind
+from .._core import clock as _clock
+from .._core.backend import (
     Backend,
     Characteristic,
     Grant,
@@ -53,7 +54,7 @@ from .._backend import (
     lock_timeout,
     wait_budget,
 )
-from .._errors import (
+from .._core.errors import (
     AccessDenied,
     BackendError,
     BackendUnavailable,
@@ -63,9 +64,8 @@ from .._errors import (
     RecordConflict,
     UnsafeBackendError,
 )
-from .._options import Option
-from .._redis_errors import NATIVE, kind
-from .._token import FencingToken
+from .._core.options import Option
+from .._core.token import FencingToken
 
 __all__ = ["RedisBackend", "check_server_safety"]
 

@@ -22,7 +22,7 @@ a try-once's only one — retries at least 0.25 s, so that a free lock is not re
 another process was committing) or the ``busy_timeout`` option (then
 :class:`~fenced.BackendUnavailable`).
 
-**Expiry** is judged against :func:`fenced._clock.now` (``CLOCK_BOOTTIME``, one clock for the
+**Expiry** is judged against :func:`fenced._core.clock.now` (``CLOCK_BOOTTIME``, one clock for the
 whole machine) and every row carries the boot id it was written under: a row of another boot
 is expired, since every process that held it died with the reboot. A renewal succeeds only
 while the same token still holds the lock *and* its lease has not run out.
@@ -86,8 +86,9 @@ from types import MappingProxyType
 from typing import Any, ClassVar, Final, TypeVar
 from urllib.parse import SplitResult
 
-from .. import _clock
-from .._backend import (
+from .._clients.sqlite_errors import is_busy, unusable
+from .._core import clock as _clock
+from .._core.backend import (
     Backend,
     Characteristic,
     Grant,
@@ -98,7 +99,7 @@ from .._backend import (
     lock_timeout,
     on_private_loop,
 )
-from .._errors import (
+from .._core.errors import (
     BackendUnavailable,
     ConfigurationError,
     FencedError,
@@ -106,9 +107,8 @@ from .._errors import (
     RecordConflict,
     UnsafeBackendError,
 )
-from .._options import Option
-from .._sqlite_errors import is_busy, unusable
-from .._token import FencingToken
+from .._core.options import Option
+from .._core.token import FencingToken
 from ._sqlite_schema import (
     PRAGMAS,
     SCHEMA,

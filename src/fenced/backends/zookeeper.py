@@ -39,8 +39,8 @@ from kazoo.exceptions import (
 )
 from kazoo.protocol.states import EventType
 
-from .. import _clock
-from .._backend import (
+from .._core import clock as _clock
+from .._core.backend import (
     Backend,
     Characteristic,
     Grant,
@@ -50,16 +50,16 @@ from .._backend import (
     lock_timeout,
     redacted,
 )
-from .._errors import (
+from .._core.errors import (
     BackendError,
     BackendUnavailable,
     ConfigurationError,
     LeaseLostError,
     RecordConflict,
 )
-from .._options import Option
-from .._state import DEFAULT_TTL
-from .._token import FencingToken, escape_name, unescape_name
+from .._core.options import Option
+from .._core.state import DEFAULT_TTL
+from .._core.token import FencingToken, escape_name, unescape_name
 from ._zookeeper_session import (
     UNAVAILABLE,
     Mailbox,

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from types import ModuleType
 
 from .. import __version__
-from .._errors import (
+from .._core.errors import (
     AccessDenied,
     BackendUnavailable,
     ConfigurationError,

@@ -13,10 +13,10 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn, TypeAlias
 
-from .._backend import redacted
-from .._errors import AccessDenied, BackendUnavailable, ConfigurationError, UnsafeBackendError
-from .._paths import default_url, environment_url, read_url_file
-from .._state import MAX_TIMEOUT, MAX_TTL, MIN_TTL, check_timeout, check_ttl
+from .._core.backend import redacted
+from .._core.errors import AccessDenied, BackendUnavailable, ConfigurationError, UnsafeBackendError
+from .._core.paths import default_url, environment_url, read_url_file
+from .._core.state import MAX_TIMEOUT, MAX_TTL, MIN_TTL, check_timeout, check_ttl
 
 # argparse names no public type for what add_subparsers() returns
 Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
@@ -245,7 +245,7 @@ def _named(variable: str) -> Iterator[None]:
 def _signing_key(args: argparse.Namespace) -> Any:
     """The key of --signing-key, else of $FENCED_SIGNING_KEY (None: tokens are not signed),
     read before the source is reached, so its errors are not taken for the source's."""
-    from .._signing import read_key
+    from .._core.signing import read_key
 
     if args.signing_key:
         return read_key(args.signing_key, args.signing_key)
@@ -337,7 +337,7 @@ def _shared_source_url(args: argparse.Namespace, command: str) -> str:
 def _require_shared_source(url: str, command: str) -> None:
     """A lock held by a process of its own must exclude other processes: refuse a source
     whose locks live inside one process (memory://), where every `fenced lock` would hold."""
-    from .._backend import backend_class
+    from .._core.backend import backend_class
 
     if backend_class(url).process_local:
         raise ConfigurationError(

@@ -34,11 +34,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .. import _sync
-from .._backoff import Backoff
-from .._errors import FencedError, RecordConflict
-from .._fork import whoami
-from .._token import validate_lock_name
+from .._core import sync as _sync
+from .._core.backoff import Backoff
+from .._core.errors import FencedError, RecordConflict
+from .._core.fork import whoami
+from .._core.token import validate_lock_name
 from ._command import Command, spawn
 
 __all__ = ["poison", "run_elected"]

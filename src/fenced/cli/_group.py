@@ -14,11 +14,11 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-from .. import _sync
-from .._backend import redacted
-from .._errors import ConfigurationError
-from .._paths import read_url_file
-from .._token import validate_lock_name
+from .._core import sync as _sync
+from .._core.backend import redacted
+from .._core.errors import ConfigurationError
+from .._core.paths import read_url_file
+from .._core.token import validate_lock_name
 
 __all__ = ["member_from_url", "run_group"]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import signal
 
-from .._errors import ConfigurationError
-from .._token import validate_lock_name
+from .._core.errors import ConfigurationError
+from .._core.token import validate_lock_name
 from ._common import EXIT_VIOLATION, Subparsers, _grace, _progress_bar, _ttl, _verbose
 
 NAME = "check"

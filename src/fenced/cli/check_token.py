@@ -7,9 +7,9 @@ import json
 import os
 from typing import Any
 
-from .. import _sync
-from .._errors import ConfigurationError
-from .._token import FencingToken
+from .._core import sync as _sync
+from .._core.errors import ConfigurationError
+from .._core.token import FencingToken
 from ._common import (
     EXIT_INVALID_TOKEN,
     EXIT_NOT_CURRENT,
@@ -70,7 +70,7 @@ def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .._signing import Keyring, public_half, read_key, verify_key
+    from .._core.signing import Keyring, public_half, read_key, verify_key
 
     token = FencingToken.parse(args.token)
     url = _url(args)

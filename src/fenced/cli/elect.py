@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from .. import _sync
-from .._errors import ConfigurationError
-from .._token import validate_lock_name
+from .._core import sync as _sync
+from .._core.errors import ConfigurationError
+from .._core.token import validate_lock_name
 from ._common import (
     Subparsers,
     _examples,

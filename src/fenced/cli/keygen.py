@@ -6,7 +6,7 @@ import argparse
 import os
 import time
 
-from .._errors import ConfigurationError
+from .._core.errors import ConfigurationError
 from ._common import Subparsers, _examples, _HelpFormatter, _verbose
 
 NAME = "keygen"
@@ -41,7 +41,7 @@ def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .._signing import Ed25519SigningKey, generate_key, key_text
+    from .._core.signing import Ed25519SigningKey, generate_key, key_text
 
     kid = args.kid
     if kid is None:

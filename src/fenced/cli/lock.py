@@ -17,9 +17,10 @@ import subprocess
 import threading
 from typing import Any
 
-from .. import _clock, _sync
-from .._errors import FencedError, LockTimeout
-from .._token import validate_lock_name
+from .._core import clock as _clock
+from .._core import sync as _sync
+from .._core.errors import FencedError, LockTimeout
+from .._core.token import validate_lock_name
 from ._command import Command, spawn
 from ._common import (
     EXIT_LEASE_LOST,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .._token import validate_lock_name
+from .._core.token import validate_lock_name
 from ._common import Subparsers, _examples, _grace, _HelpFormatter
 
 NAME = "poison"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from .. import _sync
-from .._token import FencingToken, validate_lock_name
+from .._core import sync as _sync
+from .._core.token import FencingToken, validate_lock_name
 from ._common import (
     EXIT_USAGE,
     Subparsers,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from .._errors import ConfigurationError
+from .._core.errors import ConfigurationError
 from ._common import (
     Subparsers,
     _body_limit,

@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 import sys
 
-from .._errors import ConfigurationError
+from .._core.errors import ConfigurationError
 from ._common import EXIT_VIOLATION, Subparsers, _progress_bar
 
 NAME = "sim"

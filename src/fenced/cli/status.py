@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 
-from .. import _sync
-from .._backend import LockStatus, redacted
-from .._errors import UnsafeBackendError
-from .._token import validate_lock_name
+from .._core import sync as _sync
+from .._core.backend import LockStatus, redacted
+from .._core.errors import UnsafeBackendError
+from .._core.token import validate_lock_name
 from ._common import (
     Subparsers,
     _examples,

@@ -7,8 +7,8 @@ import os
 import stat
 import sys
 
-from .._errors import StaleTokenError
-from .._token import FencingToken
+from .._core.errors import StaleTokenError
+from .._core.token import FencingToken
 from ._common import EXIT_STALE, EXIT_USAGE, Subparsers, _examples, _HelpFormatter, _say, _verbose
 
 NAME = "write"

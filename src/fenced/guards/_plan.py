@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Generator
 from typing import Any, TypeVar
 
-from .._errors import FencedError
+from .._core.errors import FencedError
 
 __all__ = ["GuardPlan", "adrive", "drive", "step"]
 

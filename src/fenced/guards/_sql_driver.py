@@ -34,10 +34,10 @@ from collections.abc import (
 )
 from typing import Any, TypeVar
 
-from .._errors import BackendUnavailable, ConfigurationError, FencedError
-from .._pg_errors import kind as pg_kind
-from .._sqlite_errors import is_busy, is_unavailable
-from .._token import FencingToken
+from .._clients.pg_errors import kind as pg_kind
+from .._clients.sqlite_errors import is_busy, is_unavailable
+from .._core.errors import BackendUnavailable, ConfigurationError, FencedError
+from .._core.token import FencingToken
 from ._plan import adrive, drive
 from ._sql_plan import (
     MYSQL,

@@ -29,7 +29,7 @@ from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
-from .._errors import (
+from .._core.errors import (
     ConfigurationError,
     CorruptMarkError,
     FenceConflictError,
@@ -38,7 +38,7 @@ from .._errors import (
     StaleTokenError,
     WrongLockError,
 )
-from .._token import MAX_TOKEN, FencingToken
+from .._core.token import MAX_TOKEN, FencingToken
 
 __all__ = [
     "MYSQL",

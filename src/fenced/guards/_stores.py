@@ -42,11 +42,11 @@ from typing import (
     runtime_checkable,
 )
 
-from .._errors import BackendUnavailable, ConfigurationError, CorruptMarkError, FencedError
-from .._pg_errors import connect_refusal
-from .._pg_errors import kind as pg_kind
-from .._sqlite_errors import is_busy, unusable
-from .._token import FencingToken
+from .._clients.pg_errors import connect_refusal
+from .._clients.pg_errors import kind as pg_kind
+from .._clients.sqlite_errors import is_busy, unusable
+from .._core.errors import BackendUnavailable, ConfigurationError, CorruptMarkError, FencedError
+from .._core.token import FencingToken
 from ._sql_driver import map_error
 from ._sql_plan import POSTGRESQL, SQLITE
 from .sql import SQLGuard

@@ -56,7 +56,7 @@ import logging
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any, Final
 
-from .._errors import (
+from .._core.errors import (
     AccessDenied,
     BackendUnavailable,
     ConfigurationError,
@@ -66,8 +66,8 @@ from .._errors import (
     StaleTokenError,
     WrongLockError,
 )
-from .._signing import TokenVerifier
-from .._token import FencingToken, validate_lock_name
+from .._core.signing import TokenVerifier
+from .._core.token import FencingToken, validate_lock_name
 from ._stores import FenceStore, PostgresFenceStore, RedisFenceStore, SQLiteFenceStore
 
 __all__ = [
@@ -290,7 +290,7 @@ class MiddlewareSettings:
         problem_base: str,
         verify: TokenVerifier | None = None,
     ) -> None:
-        self.verifier = verify  # checks each token before the mark (see fenced._signing)
+        self.verifier = verify  # checks each token before the mark (see fenced._core.signing)
         self.store = store
         self.lock = validate_lock_name(lock)
         self.header = header

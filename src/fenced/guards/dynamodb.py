@@ -42,7 +42,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
-from .._errors import (
+from .._core.errors import (
     BackendUnavailable,
     ConfigurationError,
     CorruptMarkError,
@@ -52,8 +52,8 @@ from .._errors import (
     StaleTokenError,
     WrongLockError,
 )
-from .._signing import TokenVerifier
-from .._token import MAX_TOKEN, FencingToken, TokenLike, validate_lock_name
+from .._core.signing import TokenVerifier
+from .._core.token import MAX_TOKEN, FencingToken, TokenLike, validate_lock_name
 from ._aws import Call, Plan, arun, is_transport_error, run
 
 __all__ = ["AsyncDynamoDBGuard", "DynamoDBGuard"]

@@ -65,14 +65,15 @@ from types import TracebackType
 from typing import Any, Final
 from urllib.parse import urlsplit
 
-from .. import _grpc  # noqa: F401  (first: gRPC reads it when imported)
+from .._clients import grpc as _grpc  # noqa: F401  (first: gRPC reads it when imported)
 
 # isort: split
 import aetcd
 from aetcd import rpc
 
-from .. import _grpc_errors
-from .._errors import (
+from .._clients import grpc_errors as _grpc_errors
+from .._clients.etcd_conn import EtcdClient, Member, check_grpc_usable
+from .._core.errors import (
     BackendError,
     BackendUnavailable,
     ConfigurationError,
@@ -82,10 +83,9 @@ from .._errors import (
     StaleTokenError,
     WrongLockError,
 )
-from .._etcd_conn import EtcdClient, Member, check_grpc_usable
-from .._portal import Portal
-from .._signing import TokenVerifier
-from .._token import MAX_TOKEN, FencingToken, TokenLike, validate_lock_name
+from .._core.portal import Portal
+from .._core.signing import TokenVerifier
+from .._core.token import MAX_TOKEN, FencingToken, TokenLike, validate_lock_name
 from ..backends.etcd import parse_endpoints
 from ._plan import GuardPlan, adrive
 from ._token_arg import lock_keyword, token_keyword
@@ -406,7 +406,7 @@ class AsyncEtcdGuard:
         timeout: float | None = DEFAULT_TIMEOUT,
         verify: TokenVerifier | None = None,
     ) -> None:
-        self.verifier = verify  # checks each token before the mark (see fenced._signing)
+        self.verifier = verify  # checks each token before the mark (see fenced._core.signing)
         if not isinstance(resource, str) or not resource:
             raise ConfigurationError(f"resource must be a non-empty str, not {resource!r}")
         self._check_prefix(prefix)

@@ -54,7 +54,7 @@ import re
 from collections.abc import Iterable, Iterator
 from typing import Any, Final, Protocol, overload, runtime_checkable
 
-from .._errors import (
+from .._core.errors import (
     ConfigurationError,
     CorruptMarkError,
     FenceConflictError,
@@ -63,8 +63,8 @@ from .._errors import (
     StaleTokenError,
     WrongLockError,
 )
-from .._signing import TokenVerifier
-from .._token import MAX_TOKEN, FencingToken, TokenLike, validate_lock_name
+from .._core.signing import TokenVerifier
+from .._core.token import MAX_TOKEN, FencingToken, TokenLike, validate_lock_name
 from ._files_fs import (
     TEMP_PREFIX,
     TempFile,
@@ -216,7 +216,7 @@ class FileGuard:
         lock: str,
         verify: TokenVerifier | None = None,
     ) -> None:
-        self.verifier = verify  # checks each token before the mark (see fenced._signing)
+        self.verifier = verify  # checks each token before the mark (see fenced._core.signing)
         self.lock = validate_lock_name(lock)
         self.directory = os.fspath(directory)
         self._known_dirs: set[str] = set()
@@ -525,7 +525,7 @@ class HighWaterFile:
     def __init__(
         self, path: str | os.PathLike[str], *, lock: str, verify: TokenVerifier | None = None
     ) -> None:
-        self.verifier = verify  # checks each token before the mark (see fenced._signing)
+        self.verifier = verify  # checks each token before the mark (see fenced._core.signing)
         self.lock = validate_lock_name(lock)
         self.path = os.path.abspath(os.fspath(path))
         self._dir, base = os.path.split(self.path)

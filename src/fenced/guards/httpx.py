@@ -26,8 +26,8 @@ from typing import Any, Protocol
 import httpx
 
 from .. import Phase
-from .._errors import FencedError, LeaseLostError, NotHeldError, StaleTokenError
-from .._token import FencingToken
+from .._core.errors import FencedError, LeaseLostError, NotHeldError, StaleTokenError
+from .._core.token import FencingToken
 
 __all__ = ["FencingAuth", "acheck_stale", "check_stale", "stale_error"]
 

@@ -53,7 +53,8 @@ from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript, Script
 from redis.retry import Retry
 
-from .._errors import (
+from .._clients.redis_errors import NATIVE, kind
+from .._core.errors import (
     AccessDenied,
     BackendUnavailable,
     ConfigurationError,
@@ -63,9 +64,8 @@ from .._errors import (
     UnsafeBackendError,
     WrongLockError,
 )
-from .._redis_errors import NATIVE, kind
-from .._signing import TokenVerifier
-from .._token import MAX_TOKEN, FencingToken, TokenLike, validate_lock_name
+from .._core.signing import TokenVerifier
+from .._core.token import MAX_TOKEN, FencingToken, TokenLike, validate_lock_name
 from ._token_arg import lock_keyword, token_keyword
 
 __all__ = ["COMMANDS", "AsyncRedisGuard", "RedisGuard", "default_fence_key"]
@@ -404,7 +404,7 @@ class _GuardBase:
         fence_key: str | None = None,
         verify: TokenVerifier | None = None,
     ) -> None:
-        self.verifier = verify  # checks each token before the mark (see fenced._signing)
+        self.verifier = verify  # checks each token before the mark (see fenced._core.signing)
         if not isinstance(resource, str) or not resource:
             raise ConfigurationError(f"resource must be a non-empty str, not {resource!r}")
         if fence_key is None and ("{" in resource or "}" in resource):

@@ -35,9 +35,9 @@ from types import MappingProxyType
 from typing import Any, Final
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
-from .._backend import redacted
-from .._errors import ConfigurationError
-from .._signing import TokenVerifier
+from .._core.backend import redacted
+from .._core.errors import ConfigurationError
+from .._core.signing import TokenVerifier
 
 __all__ = [
     "GUARD_KINDS",

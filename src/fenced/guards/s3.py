@@ -40,7 +40,7 @@ import json
 import re
 from typing import Any, Final
 
-from .._errors import (
+from .._core.errors import (
     BackendUnavailable,
     ConfigurationError,
     CorruptMarkError,
@@ -50,8 +50,8 @@ from .._errors import (
     StaleTokenError,
     WrongLockError,
 )
-from .._signing import TokenVerifier
-from .._token import MAX_TOKEN, FencingToken, TokenLike, validate_lock_name
+from .._core.signing import TokenVerifier
+from .._core.token import MAX_TOKEN, FencingToken, TokenLike, validate_lock_name
 from ._aws import Call, Plan, arun, error_code, is_transport_error, run
 from .files import Data, Version
 

@@ -104,9 +104,9 @@ import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .._errors import ConfigurationError, InvalidTokenError
-from .._signing import TokenVerifier
-from .._token import FencingToken, TokenLike, validate_lock_name
+from .._core.errors import ConfigurationError, InvalidTokenError
+from .._core.signing import TokenVerifier
+from .._core.token import FencingToken, TokenLike, validate_lock_name
 from ._sql_driver import (
     CHECKED,
     aguarded_transaction,
@@ -188,7 +188,7 @@ class SQLGuard:
         table: str = "fenced_fences",
         verify: TokenVerifier | None = None,
     ) -> None:
-        self.verifier = verify  # checks each token before the mark (see fenced._signing)
+        self.verifier = verify  # checks each token before the mark (see fenced._core.signing)
         self.resource = validate_resource(resource)
         self.lock = _lock_name(resource if lock is None else lock, f"lock of {resource!r}")
         self.table = table
@@ -489,7 +489,7 @@ class RowGuard:
         lock_column: str | None = None,
         verify: TokenVerifier | None = None,
     ) -> None:
-        self.verifier = verify  # checks each token before the mark (see fenced._signing)
+        self.verifier = verify  # checks each token before the mark (see fenced._core.signing)
         key_cols = (key_columns,) if isinstance(key_columns, str) else tuple(key_columns)
         if not key_cols:
             raise ConfigurationError("key_columns must name at least one column")

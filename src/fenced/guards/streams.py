@@ -36,8 +36,8 @@ import re
 from collections.abc import Sequence
 from typing import Any, Final
 
-from .._errors import ConfigurationError
-from .._token import TokenLike
+from .._core.errors import ConfigurationError
+from .._core.token import TokenLike
 
 __all__ = ["AsyncFencedStreamConsumer", "FencedStreamConsumer"]
 

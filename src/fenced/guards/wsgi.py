@@ -34,10 +34,10 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import TracebackType
 from typing import Any
 
-from .._errors import StaleTokenError
-from .._portal import Portal
-from .._signing import TokenVerifier
-from .._token import FencingToken
+from .._core.errors import StaleTokenError
+from .._core.portal import Portal
+from .._core.signing import TokenVerifier
+from .._core.token import FencingToken
 from .asgi import (
     _OWS,
     DEFAULT_PROBLEM_BASE,

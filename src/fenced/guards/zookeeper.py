@@ -60,8 +60,8 @@ from kazoo.exceptions import (
     RolledBackError,
 )
 
-from .. import _kazoo_errors
-from .._errors import (
+from .._clients import kazoo_errors as _kazoo_errors
+from .._core.errors import (
     BackendUnavailable,
     ConfigurationError,
     CorruptMarkError,
@@ -71,8 +71,8 @@ from .._errors import (
     StaleTokenError,
     WrongLockError,
 )
-from .._signing import TokenVerifier
-from .._token import MAX_TOKEN, FencingToken, TokenLike, validate_lock_name
+from .._core.signing import TokenVerifier
+from .._core.token import MAX_TOKEN, FencingToken, TokenLike, validate_lock_name
 from ._sql_plan import validate_resource  # (the one rule for resource names)
 from ._token_arg import lock_keyword
 
@@ -99,7 +99,7 @@ class ZooKeeperGuard:
 
     ``client``: a started ``KazooClient`` (yours: the guard never stops it). ``lock``: the
     lock whose tokens are accepted (default: the resource name). ``root``: fenced's reserved
-    subtree. ``verify``: check signed tokens before the mark (see ``fenced._signing``).
+    subtree. ``verify``: check signed tokens before the mark (see ``fenced._core.signing``).
     """
 
     @lock_keyword()

@@ -23,10 +23,10 @@ from __future__ import annotations
 from collections.abc import Awaitable, Iterable, Mapping
 from typing import Any
 
-from .._errors import MemberBehindError
-from .._portal import Portal
-from .._sync import Lease, Locks
-from .._token import FencingToken
+from .._core.errors import MemberBehindError
+from .._core.portal import Portal
+from .._core.sync import Lease, Locks
+from .._core.token import FencingToken
 from ._group import RECORD_PREFIX, AsyncGroup, AsyncWriter, Configuration, MemberStatus
 from ._members import EtcdMember, Item, Member, RedisMember, Snapshot, SQLMember, stamp
 

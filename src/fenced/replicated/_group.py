@@ -51,8 +51,8 @@ import secrets
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, Final, TypeVar
 
-from .. import _clock
-from .._errors import (
+from .._core import clock as _clock
+from .._core.errors import (
     BackendUnavailable,
     ConfigurationError,
     CorruptMarkError,
@@ -64,8 +64,8 @@ from .._errors import (
     StaleEpochError,
     StaleTokenError,
 )
-from .._lease import AsyncLease, AsyncLocks
-from .._token import FencingToken, validate_lock_name
+from .._core.lease import AsyncLease, AsyncLocks
+from .._core.token import FencingToken, validate_lock_name
 from ._members import Item, Member, Snapshot, as_member, stamp, stamp_token
 
 __all__ = ["RECORD_PREFIX", "AsyncGroup", "AsyncWriter", "Configuration", "MemberStatus"]

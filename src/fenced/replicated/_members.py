@@ -34,7 +34,7 @@ import sqlite3
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final, Protocol, TypeVar, runtime_checkable
 
-from .._errors import (
+from .._core.errors import (
     BackendUnavailable,
     ConfigurationError,
     CorruptMarkError,
@@ -43,7 +43,7 @@ from .._errors import (
     MemberBehindError,
     StaleEpochError,
 )
-from .._token import FencingToken
+from .._core.token import FencingToken
 
 __all__ = [
     "EtcdMember",

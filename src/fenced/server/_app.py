@@ -30,9 +30,10 @@ from starlette.convertors import Convertor, register_url_convertor
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive
 
-from .. import __version__, _clock
-from .._backend import LockStatus, TokenCheck
-from .._errors import (
+from .. import __version__
+from .._core import clock as _clock
+from .._core.backend import LockStatus, TokenCheck
+from .._core.errors import (
     BackendUnavailable,
     ConfigurationError,
     FencedError,
@@ -41,15 +42,10 @@ from .._errors import (
     LockTimeout,
     RecordConflict,
 )
-from .._lease import AsyncLocks, check_description
-from .._signing import Keyring
-from .._state import (
-    DEFAULT_TTL,
-    check_request_id,
-    check_timeout,
-    check_ttl,
-)
-from .._token import MAX_NAME, FencingToken, validate_lock_name
+from .._core.lease import AsyncLocks, check_description
+from .._core.signing import Keyring
+from .._core.state import DEFAULT_TTL, check_request_id, check_timeout, check_ttl
+from .._core.token import MAX_NAME, FencingToken, validate_lock_name
 from ._auth import ApiKey, Keys, Verb
 from ._gateway import ForeignGrant, Gateway, client_id
 from ._http import READ_TIMEOUT

@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from .._errors import ConfigurationError
+from .._core.errors import ConfigurationError
 
 __all__ = [
     "TAG_LENGTH",

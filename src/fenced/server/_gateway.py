@@ -5,7 +5,7 @@ A gateway keeps **no lock state of its own**: every grant, renewal and release i
 the token source behind it, through the same backend contract the library uses. Its table
 of grants is a cache of handles (an etcd lease id, a ZooKeeper node): a renewal or release
 of a grant made through another gateway *resumes* it from the source
-(:meth:`~fenced._backend.Backend.resume`), so any gateway can die and its holders carry on
+(:meth:`~fenced._core.backend.Backend.resume`), so any gateway can die and its holders carry on
 through another.
 """
 
@@ -21,11 +21,11 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from .. import _clock
-from .._backend import Backend, Grant, LockStatus, TokenCheck
-from .._errors import AccessDenied, LeaseLostError, LockTimeout
-from .._lease import AsyncLocks
-from .._token import FencingToken
+from .._core import clock as _clock
+from .._core.backend import Backend, Grant, LockStatus, TokenCheck
+from .._core.errors import AccessDenied, LeaseLostError, LockTimeout
+from .._core.lease import AsyncLocks
+from .._core.token import FencingToken
 from ._auth import TAG_LENGTH, ApiKey
 from ._metrics import Metrics
 

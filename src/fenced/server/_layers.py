@@ -15,7 +15,7 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .. import _clock
+from .._core import clock as _clock
 from ._auth import ApiKey, Keys, Verb
 from ._gateway import Gateway
 from ._http import BODY_RECEIVED

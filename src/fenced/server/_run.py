@@ -14,8 +14,8 @@ import sys
 import time
 from typing import Any
 
-from .._errors import ConfigurationError
-from .._portal import mark_private
+from .._core.errors import ConfigurationError
+from .._core.portal import mark_private
 from ._app import ServerSettings, create_app
 from ._http import http_protocol
 

@@ -8,8 +8,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from starlette.responses import JSONResponse
 
-from .._backend import MAX_RECORD
-from .._state import MAX_TIMEOUT, MAX_TTL, MIN_TTL
+from .._core.backend import MAX_RECORD
+from .._core.state import MAX_TIMEOUT, MAX_TTL, MIN_TTL
 
 MAX_INT = (1 << 63) - 1
 """The largest integer the API takes (a record version): SQLite's and PostgreSQL's bigint."""

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
-from fenced._backoff import Backoff
+from fenced._core.backoff import Backoff
 from fenced.testing.netns import NetLab, NetProcess, Node
 from fenced.testing.servers import ServerUnavailable, _zookeeper_classpath
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Final, TypeVar
 
-from fenced._errors import ConfigurationError
+from fenced._core.errors import ConfigurationError
 
 __all__ = [
     "Fault",

@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from fenced._errors import ConfigurationError
+from fenced._core.errors import ConfigurationError
 
 __all__ = [
     "LAB_PLANTS",
@@ -602,8 +602,8 @@ def run_check(
 
 def _kit_holder(path: Path, fresh: float) -> str | None:
     """The kit's worker granted the lock less than ``fresh`` s ago and not releasing it, by
-    the kit's history (its times are ``fenced._clock.now()``)."""
-    from fenced import _clock
+    the kit's history (its times are ``fenced._core.clock.now()``)."""
+    from fenced._core import clock as _clock
 
     current: dict[str, float | None] = {}
     try:

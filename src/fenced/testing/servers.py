@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Final
 
-from fenced._backoff import Backoff
+from fenced._core.backoff import Backoff
 
 __all__ = [
     "EtcdCluster",

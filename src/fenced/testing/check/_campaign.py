@@ -65,8 +65,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from ... import _clock
-from ..._errors import ConfigurationError
+from ..._core import clock as _clock
+from ..._core.errors import ConfigurationError
 from ..proxy import TcpProxy
 from ..servers import python_env
 from ._checkers import CHECKERS, Violation, check_all
@@ -197,9 +197,9 @@ def _forge(
     above any real one), signed with a made-up signature under the real key id, or under a
     key id the resource does not know (every other time); every fourth (the first of them),
     signed well with the run's real key but for another source (staging sharing prod's key)."""
-    from ..._errors import FencedError
-    from ..._signing import token_message
-    from ..._token import FencingToken
+    from ..._core.errors import FencedError
+    from ..._core.signing import token_message
+    from ..._core.token import FencingToken
 
     data, _ = resource.final()
     try:
@@ -647,7 +647,7 @@ def run_campaign(
             raise ConfigurationError(
                 f"partition/delay need a source at one host:port, not {source.split('?')[0]!r}"
             )
-        from ... import _sync
+        from ..._core import sync as _sync
 
         with _sync.connect(source, connect_timeout=30):  # a bad source: a typed error, now
             pass
@@ -666,7 +666,7 @@ def run_campaign(
         keyring: Any = None
         key: Any = None
         if signing:
-            from ..._signing import Keyring, generate_key, key_text
+            from ..._core.signing import Keyring, generate_key, key_text
 
             key = generate_key("hmac", "check")
             key_file = Path(scratch) / "signing.key"

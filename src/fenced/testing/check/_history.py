@@ -3,7 +3,7 @@
 Every line is one event, written with a single ``write`` on a file opened ``O_APPEND`` (so
 lines of several processes never interleave) and fsynced before the worker goes on (so a
 worker killed with SIGKILL has recorded everything it did before). Times are
-:func:`fenced._clock.now` (``CLOCK_BOOTTIME``: one clock for every process of the machine)
+:func:`fenced._core.clock.now` (``CLOCK_BOOTTIME``: one clock for every process of the machine)
 and the wall clock (for people).
 
 Events (``op``) and their fields besides ``worker``, ``op``, ``mono``, ``wall``:
@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ... import _clock
+from ..._core import clock as _clock
 
 __all__ = ["Event", "History", "read_history"]
 

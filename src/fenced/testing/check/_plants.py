@@ -23,9 +23,9 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
-from ..._errors import ConfigurationError, StaleTokenError
-from ..._signing import Keyring, TokenVerifier
-from ..._token import FencingToken
+from ..._core.errors import ConfigurationError, StaleTokenError
+from ..._core.signing import Keyring, TokenVerifier
+from ..._core.token import FencingToken
 from ._register import KEY, query_of, sqlite_transaction
 
 __all__ = ["PLANTS", "SIGNING_PLANTS", "PlantedSQLite", "plant_role"]

@@ -44,10 +44,10 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 from urllib.parse import urlsplit
 
-from ..._backend import redacted
-from ..._errors import ConfigurationError, StaleTokenError
-from ..._signing import TokenVerifier
-from ..._token import FencingToken
+from ..._core.backend import redacted
+from ..._core.errors import ConfigurationError, StaleTokenError
+from ..._core.signing import TokenVerifier
+from ..._core.token import FencingToken
 from ._register import KEY, sqlite_transaction
 
 __all__ = ["HttpResource", "Resource", "SQLResource", "open_resource"]

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 import fenced
-from fenced import _clock
+from fenced._core import clock as _clock
 
 from ._history import History
 from ._resources import open_resource
@@ -69,7 +69,7 @@ def main(argv: list[str]) -> None:
     _wall_clock_steps(os.environ.get("FENCED_CHECK_CLOCK"))
     verify = None
     if cfg.get("signing_key"):
-        from fenced._signing import Keyring, load_key, public_half
+        from fenced._core.signing import Keyring, load_key, public_half
 
         # (the resource verifies with the public half: it never needs the power to sign)
         verify = Keyring(

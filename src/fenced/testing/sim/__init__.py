@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..._backend import register_backend
+from ..._core.backend import register_backend
 from . import _group  # noqa: F401  (the "group" system adds its run to SYSTEM_RUNS)
 from ._loop import Stuck, VirtualLoop
 from ._run import SeedsResult, run_seeds, shrink

@@ -37,16 +37,16 @@ from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar
 from urllib.parse import SplitResult
 
-from ..._backend import Backend, Characteristic, Grant, LockStatus, LostCallback, lock_timeout
-from ..._errors import (
+from ..._core.backend import Backend, Characteristic, Grant, LockStatus, LostCallback, lock_timeout
+from ..._core.errors import (
     BackendUnavailable,
     FencedError,
     LeaseLostError,
     LockTimeout,
     StaleTokenError,
 )
-from ..._lease import AsyncLocks
-from ..._token import FencingToken
+from ..._core.lease import AsyncLocks
+from ..._core.token import FencingToken
 from ...server import ApiKey, ForeignGrant, Gateway, Metrics, Verb, hash_secret, own_id
 from ..check._checkers import Violation, check_all
 from ..check._resources import SQLResource

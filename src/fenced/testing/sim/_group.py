@@ -25,15 +25,15 @@ import sqlite3
 from collections.abc import Sequence
 from typing import Any
 
-from ..._errors import (
+from ..._core.errors import (
     BackendUnavailable,
     ConfigurationError,
     FencedError,
     LeaseLostError,
     LockTimeout,
 )
-from ..._lease import AsyncLocks
-from ..._token import FencingToken
+from ..._core.lease import AsyncLocks
+from ..._core.token import FencingToken
 from ...guards.sql import SQLGuard
 from ...replicated import (
     RECORD_PREFIX,

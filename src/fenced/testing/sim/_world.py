@@ -24,8 +24,8 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 from urllib.parse import SplitResult
 
-from ... import _clock
-from ..._backend import (
+from ..._core import clock as _clock
+from ..._core.backend import (
     Backend,
     Characteristic,
     Grant,
@@ -34,7 +34,7 @@ from ..._backend import (
     Record,
     lock_timeout,
 )
-from ..._errors import (
+from ..._core.errors import (
     BackendUnavailable,
     ConfigurationError,
     FencedError,
@@ -43,8 +43,8 @@ from ..._errors import (
     RecordConflict,
     StaleTokenError,
 )
-from ..._lease import AsyncLocks
-from ..._token import FencingToken
+from ..._core.lease import AsyncLocks
+from ..._core.token import FencingToken
 from ..check._checkers import Violation, check_all
 from ..check._plants import PLANTS, PlantedSQLite, plant_role
 from ..check._resources import SQLResource
@@ -593,7 +593,7 @@ def failures(tasks: list[asyncio.Task[None]]) -> list[Violation]:
 def simulate(cfg: Config) -> Outcome:
     """Run one seed; the same config gives the same trace, byte for byte.
 
-    For the length of the run, fenced's clock (``fenced._clock.now``) in this process is the
+    For the length of the run, fenced's clock (``fenced._core.clock.now``) in this process is the
     simulation's: run it in a process of its own (``fenced sim``, a test), not beside live
     leases of a real application."""
     if cfg.plant and cfg.plant not in SIM_PLANTS:

@@ -1,6 +1,6 @@
 """The lease state machine, with no I/O: phases, deadlines and what the holder may assume.
 
-The driver (``_lease.py``) feeds it events (granted, renewed, lost, released) and asks it two
+The driver (``lease.py``) feeds it events (granted, renewed, lost, released) and asks it two
 questions: how long is the lease *surely* still held, and when to renew next.
 """
 
@@ -11,8 +11,8 @@ import math
 import re
 from typing import Final
 
-from ._backend import Grant
-from ._errors import ConfigurationError, LockError
+from .backend import Grant
+from .errors import ConfigurationError, LockError
 
 __all__ = [
     "DEFAULT_TTL",
@@ -119,7 +119,7 @@ def default_safety_margin(ttl: float) -> float:
 
 
 class LeaseState:
-    """Phases and timing of one lease; every time is on the ``fenced._clock.now`` clock."""
+    """Phases and timing of one lease; every time is on the ``fenced._core.clock.now`` clock."""
 
     __slots__ = ("_failed_since", "grant", "lost_cause", "phase", "safety_margin", "ttl")
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import quote, urlencode
 
-from ._errors import ConfigurationError
+from .errors import ConfigurationError
 
 __all__ = ["adopt_client"]
 

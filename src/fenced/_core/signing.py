@@ -52,7 +52,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Final, Protocol
 
-from ._errors import ConfigurationError, InvalidTokenError
+from .errors import ConfigurationError, InvalidTokenError
 
 __all__ = [
     "Ed25519SigningKey",

@@ -1,7 +1,7 @@
 """The contract between the lease core and a token source, and the registry of sources by URL scheme.
 
 A backend is written once, as asyncio code. The synchronous API drives the same code on a
-private event-loop thread (see ``_sync.py``), so there is exactly one implementation of every
+private event-loop thread (see ``sync.py``), so there is exactly one implementation of every
 protocol. Each backend module lives in ``fenced.backends`` and is imported only when its URL
 scheme is used, so a missing optional client library affects only that backend.
 """
@@ -20,11 +20,11 @@ from types import MappingProxyType
 from typing import Any, ClassVar, Final
 from urllib.parse import SplitResult, urlsplit
 
-from . import _clock
-from ._errors import BackendUnavailable, ConfigurationError, LeaseLostError, LockTimeout
-from ._options import Option, merge_options, parse_query
-from ._portal import commits_per_turn, on_private_loop
-from ._token import FencingToken
+from . import clock as _clock
+from .errors import BackendUnavailable, ConfigurationError, LeaseLostError, LockTimeout
+from .options import Option, merge_options, parse_query
+from .portal import commits_per_turn, on_private_loop
+from .token import FencingToken
 
 __all__ = [
     "BUILTIN_SCHEMES",
@@ -75,7 +75,7 @@ LostCallback = Callable[[BaseException], None]
 class Grant:
     """A lock grant as a backend hands it to the lease core.
 
-    ``sent_at`` is :func:`fenced._clock.now` taken just *before* the request that granted (or
+    ``sent_at`` is :func:`fenced._core.clock.now` taken just *before* the request that granted (or
     last renewed) the lease was sent: the server started its ``ttl`` no earlier than that, so
     ``sent_at + ttl`` is a safe bound for the holder. ``handle`` is private to the backend.
     """
@@ -252,7 +252,7 @@ class Backend(abc.ABC):
         most :data:`MAX_OWNER` characters, printable); the backend keeps it with the grant and
         reports it in :meth:`status`.
 
-        ``deadline`` is on the :func:`fenced._clock.now` clock; None waits forever, a deadline
+        ``deadline`` is on the :func:`fenced._core.clock.now` clock; None waits forever, a deadline
         already past tries once. Raise :class:`~fenced.LockTimeout` when it passes. While
         waiting, the backend keeps the waiter's place alive itself. Must be idempotent: if
         ``request_id`` already holds ``name`` (a retry after a lost reply), return that same

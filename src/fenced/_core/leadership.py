@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from ._backend import LockStatus
-from ._token import FencingToken
+from .backend import LockStatus
+from .token import FencingToken
 
 __all__ = ["Leader", "LeaderChanges", "leader_value"]
 

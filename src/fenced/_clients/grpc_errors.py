@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Final, Literal
 
-from . import _grpc  # noqa: F401  (first: gRPC reads it when imported)
+from . import grpc as _grpc  # noqa: F401  (first: gRPC reads it when imported)
 
 # isort: split
 import aetcd.exceptions

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Final, Literal
 from urllib.parse import parse_qsl
 
-from ._errors import ConfigurationError
+from .errors import ConfigurationError
 
 __all__ = ["Option", "merge_options", "parse_query"]
 

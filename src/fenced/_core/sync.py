@@ -1,6 +1,6 @@
 """The synchronous API: the asyncio implementation, driven on a private event-loop thread.
 
-There is one implementation of every protocol (``_lease.py`` and the backends); this module
+There is one implementation of every protocol (``lease.py`` and the backends); this module
 only carries calls across to the loop thread and back. The loop thread also runs the
 keepalives, so a sync holder's lease is renewed while its own thread is busy.
 """
@@ -16,22 +16,14 @@ from collections.abc import Callable, Iterable, Iterator
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
 
-from . import _fork
-from ._backend import Characteristic, LockStatus, Record, TokenCheck
-from ._leadership import Leader, LeaderChanges
-from ._lease import (
-    _UNSET,
-    DEFAULT_TTL,
-    AsyncLease,
-    AsyncLocks,
-    FenceTarget,
-    NotFenced,
-    _wants_token,
-)
-from ._paths import default_url
-from ._portal import Portal
-from ._state import Phase
-from ._token import FencingToken, validate_lock_name
+from . import fork as _fork
+from .backend import Characteristic, LockStatus, Record, TokenCheck
+from .leadership import Leader, LeaderChanges
+from .lease import _UNSET, DEFAULT_TTL, AsyncLease, AsyncLocks, FenceTarget, NotFenced, _wants_token
+from .paths import default_url
+from .portal import Portal
+from .state import Phase
+from .token import FencingToken, validate_lock_name
 
 __all__ = ["Leadership", "Lease", "Locks", "connect"]
 

@@ -27,8 +27,8 @@ from __future__ import annotations
 import os
 import stat
 
-from ._backend import SECRET_QUERY_KEYS
-from ._errors import ConfigurationError
+from .backend import SECRET_QUERY_KEYS
+from .errors import ConfigurationError
 
 __all__ = ["MACHINE_DIR", "default_url", "environment_url", "machine_database", "read_url_file"]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 from typing import Any, Final
 
-from ._errors import InvalidTokenError, WrongLockError
-from ._signing import KID_RE, SOURCE_ID_RE, Signature, TokenVerifier, b64, unb64
+from .errors import InvalidTokenError, WrongLockError
+from .signing import KID_RE, SOURCE_ID_RE, Signature, TokenVerifier, b64, unb64
 
 __all__ = [
     "MAX_NAME",
@@ -119,7 +119,7 @@ class FencingToken:
     @property
     def signature(self) -> Signature | None:
         """``(key id, signature)`` of a signed token (v1), ``(key id, signature, source id)``
-        of one bound to its source (v2; see :mod:`fenced._signing`), else None. Equality and
+        of one bound to its source (v2; see :mod:`fenced._core.signing`), else None. Equality and
         order ignore it: a token is its lock and value."""
         return self._sig
 

@@ -13,9 +13,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Gener
 from types import TracebackType
 from typing import Any, Final, ParamSpec, TypeVar
 
-from . import _clock, _fork
-from ._adopt import adopt_client
-from ._backend import (
+from . import clock as _clock
+from . import fork as _fork
+from .adopt import adopt_client
+from .backend import (
     MAX_OWNER,
     MAX_RECORD,
     Backend,
@@ -29,8 +30,8 @@ from ._backend import (
     parse_url,
     redacted,
 )
-from ._backoff import Backoff
-from ._errors import (
+from .backoff import Backoff
+from .errors import (
     BackendUnavailable,
     ConfigurationError,
     FencedError,
@@ -38,11 +39,11 @@ from ._errors import (
     LeaseLostError,
     NotHeldError,
 )
-from ._leadership import Leader, LeaderChanges
-from ._options import Option
-from ._paths import default_url
-from ._signing import Keyring, TokenVerifier, check_source_id, signer, token_message
-from ._state import (
+from .leadership import Leader, LeaderChanges
+from .options import Option
+from .paths import default_url
+from .signing import Keyring, TokenVerifier, check_source_id, signer, token_message
+from .state import (
     DEFAULT_TTL,
     MAX_TIMEOUT,
     LeaseState,
@@ -51,7 +52,7 @@ from ._state import (
     check_request_id,
     check_timeout,
 )
-from ._token import FencingToken, validate_lock_name
+from .token import FencingToken, validate_lock_name
 
 __all__ = [
     "DEFAULT_TTL",

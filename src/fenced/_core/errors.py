@@ -6,7 +6,7 @@ Hierarchy::
     ├── InvalidTokenError (ValueError)       malformed, out-of-range token text or value
     │   ├── WrongLockError                   a token of another lock (also: comparing tokens of two locks)
     │   └── SignatureError                   signing required, and the token is unsigned or not well signed
-    │                                        (defined in fenced._signing; exported as fenced.SignatureError)
+    │                                        (defined in fenced._core.signing; exported as fenced.SignatureError)
     ├── StaleTokenError                      the resource has accepted a higher token: this writer is fenced off
     ├── CorruptMarkError                     the resource's stored high-water mark is unreadable: every write is refused
     ├── FenceConflictError                   a concurrent transaction kept the guard from deciding: retry

@@ -30,8 +30,10 @@ from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
 from typing import Any, Literal, TypeVar
 
-from . import _clock, _fork, _portal_fast
-from ._errors import BackendUnavailable, ConfigurationError
+from . import clock as _clock
+from . import fork as _fork
+from . import portal_fast as _portal_fast
+from .errors import BackendUnavailable, ConfigurationError
 
 __all__ = [
     "Portal",

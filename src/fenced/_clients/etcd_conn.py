@@ -1,7 +1,7 @@
 """The etcd transport (clients layer): gRPC channels to the members, failover, watches.
 
 Used by the ``etcd://`` source and the etcd guards alike (what a gRPC error means is
-:mod:`fenced._grpc_errors`'s).
+:mod:`fenced._clients.grpc_errors`'s).
 
 The protocol messages and stubs are aetcd's (``aetcd.rpc``, generated from etcd's own
 ``rpc.proto``); the session logic of ``aetcd.Client`` is not used, because the lock protocol
@@ -25,16 +25,18 @@ import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
-from . import _grpc  # noqa: F401  (first: gRPC reads it when imported)
+from . import grpc as _grpc  # noqa: F401  (first: gRPC reads it when imported)
 
 # isort: split
 import grpc  # type: ignore[import-untyped]
 import grpc.aio  # type: ignore[import-untyped]
 from aetcd import rpc
 
-from . import _clock, _fork, _grpc_errors
-from ._backoff import Backoff
-from ._errors import BackendError, BackendUnavailable, ConfigurationError, LockTimeout
+from .._core import clock as _clock
+from .._core import fork as _fork
+from .._core.backoff import Backoff
+from .._core.errors import BackendError, BackendUnavailable, ConfigurationError, LockTimeout
+from . import grpc_errors as _grpc_errors
 
 __all__ = [
     "EtcdClient",

@@ -6,7 +6,7 @@ import re
 import sys
 from typing import Any, Final, Literal
 
-from ._errors import AccessDenied, ConfigurationError, FencedError
+from .._core.errors import AccessDenied, ConfigurationError, FencedError
 
 __all__ = ["Kind", "connect_refusal", "kind"]
 

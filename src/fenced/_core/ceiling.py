@@ -1,6 +1,6 @@
 """A guard's ``verify=`` that asks the token source instead of checking a signature.
 
-Apart from :mod:`fenced._signing` because it makes tokens to ask with, and the token module
+Apart from :mod:`fenced._core.signing` because it makes tokens to ask with, and the token module
 stands on the signing module's text forms: the one order is signing, token, ceiling.
 """
 
@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from ._backend import TokenCheck
-from ._errors import ConfigurationError, InvalidTokenError
-from ._signing import Signature
-from ._token import FencingToken
+from .backend import TokenCheck
+from .errors import ConfigurationError, InvalidTokenError
+from .signing import Signature
+from .token import FencingToken
 
 __all__ = ["AboveCeilingError", "Ceiling", "CheckingSource"]
 
