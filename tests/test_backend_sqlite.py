@@ -417,7 +417,7 @@ def test_group_commit_option_selects_the_mode_on_a_per_turn_loop(db: str, mode: 
             leases = [locks.lock(f"k{i}", ttl=5) for i in range(8)]
             await asyncio.gather(*(lease.acquire() for lease in leases))
             await asyncio.gather(*(lease.release() for lease in leases))
-            return backend._executor is not None, set(backend._conns), backend.commits
+            return backend._tx._pool is not None, set(backend._tx._conns), backend.commits
 
     worker, conns, commits = asyncio.run(run())
     assert commits >= 1
