@@ -434,7 +434,7 @@ async def test_creates_the_file_and_sets_durable_pragmas(tmp_path: Path) -> None
     async with fenced.connect_async(url_of(str(path))) as locks:
         backend = locks.backend
         assert isinstance(backend, SQLiteBackend)
-        journal, sync = await backend._transact(
+        journal, sync = await backend._tx.run(
             lambda c: (
                 c.execute("PRAGMA journal_mode").fetchone()[0],
                 c.execute("PRAGMA synchronous").fetchone()[0],
@@ -674,7 +674,7 @@ async def test_queue_rows_never_relax_durability(db: str) -> None:
         status = await a.status(name)
         assert status.waiters == 0 and status.token == third.token
         for backend in (ba, bb):
-            level = await backend._transact(
+            level = await backend._tx.run(
                 lambda c: c.execute("PRAGMA synchronous").fetchone()[0], limit=None
             )
             assert level == 2  # FULL

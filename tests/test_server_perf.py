@@ -446,7 +446,7 @@ async def test_the_servers_loop_never_sleeps_while_another_process_commits(
         httpx.AsyncClient(transport=transport, base_url="http://test") as client,
     ):
         assert (await client.get("/v1/locks/a")).status_code == 200  # (the file exists)
-        monkeypatch.setattr(_sqlite_executor.time, "sleep", counted_sleep)
+        monkeypatch.setattr(time, "sleep", counted_sleep)  # (the one time module)
         other = subprocess.Popen(
             [sys.executable, "-c", _HOLD_WRITE_LOCK, str(db)],
             stdin=subprocess.PIPE,

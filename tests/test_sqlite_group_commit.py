@@ -151,7 +151,7 @@ async def test_one_failing_transaction_undoes_only_its_own_part(
 ) -> None:
     backend = await cls.open(*_url(tmp_path))
     try:
-        await backend._transact(
+        await backend._tx.run(
             lambda conn: conn.execute("CREATE TABLE t (v TEXT)"), limit=time.monotonic() + 5
         )
 
@@ -170,7 +170,7 @@ async def test_one_failing_transaction_undoes_only_its_own_part(
             raise RuntimeError("a bug in the middle of a transaction")
 
         out = await _run_batch(backend, [writes("a"), fails, writes("b")])
-        rows = await backend._transact(
+        rows = await backend._tx.run(
             lambda conn: sorted(r[0] for r in conn.execute("SELECT v FROM t")),
             limit=time.monotonic() + 5,
         )

@@ -36,9 +36,12 @@ private loop (the synchronous API) transactions run inline, since nothing else r
 an application's event loop they run on one worker thread per backend, with **group commit**:
 the acquires, renewals and releases that queued up while the last commit ran share the next
 transaction and its one fsync, and hear their outcome only after it, all in one hand-over to
-the loop (``_drain``). ``fenced serve``'s loop (marked ``commit_per_turn``) has no worker:
-the writes of a turn of the loop, and of up to two more turns while they keep coming, are
-committed together on the loop itself (``_end_turn``), so no batch waits for the GIL.
+the loop. ``fenced serve``'s loop (marked ``commit_per_turn``) has no worker: the writes of
+a turn of the loop, and of up to two more turns while they keep coming, are committed
+together on the loop itself, so no batch waits for the GIL. Running transactions (the
+connections, ``BEGIN IMMEDIATE``, ``SQLITE_BUSY`` retries, group commit) is the job of
+:mod:`fenced.backends._sqlite_executor`, which knows nothing of locks; this module keeps the
+lock protocol: the transactions themselves.
 
 **Waking waiters.** A release wakes the blocked callers of that lock in the same process at
 once (an asyncio event per waiter, process-wide per database file), and rings the head of the
@@ -47,9 +50,7 @@ abstract namespace, whose address its queue row carries. Rings are hints; waiter
 file with reads (no write, no fsync), backing off from 1 ms to ``poll_interval`` (default
 10 ms), and wake at the holder's expiry. Where rings are unavailable (another OS, another
 network namespace), polls stay at 1-2 ms for the head of the queue after any change.
-Measured with ``bench/bench_sqlite_source.py`` (2 cores shared with other work, fsync
-0.2-0.4 ms): 4 processes taking turns on one lock get 340-620 grants/s, FIFO, and a handoff
-(release started -> next process granted) of 1.4-2.0 ms p50, 6.5-13 ms p99.
+(Measured figures: docs/benchmarks.md, "The embedded SQLite source".)
 
 Not DISTRIBUTED: clocks, boot ids and file locks are per machine. Never put the file on a
 network filesystem. Processes in different time namespaces (containers with their own
@@ -78,7 +79,7 @@ import logging
 import os
 import sqlite3
 import urllib.parse
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from types import MappingProxyType
 from typing import Any, ClassVar, Final, TypeVar
 from urllib.parse import SplitResult
@@ -256,7 +257,9 @@ class SQLiteBackend(Backend):
     option_schema = _OPTIONS
     executor_class: ClassVar[type[TransactionExecutor]] = TransactionExecutor
     """Runs the transactions (tests plant a faulty one here)."""
-    caller_driven = True  # one connection for the loop, whichever thread runs it (see _call)
+    caller_driven = (
+        True  # one connection for the loop, whichever thread runs it (see TransactionExecutor.call)
+    )
     poll_min: ClassVar[float] = POLL_MIN
     """The first pause between two polls of a waiter, after anything changed."""
 
@@ -291,22 +294,6 @@ class SQLiteBackend(Backend):
         """The transactions those commits carried."""
         return self._tx.batched
 
-    async def _transact(
-        self,
-        fn: Callable[[sqlite3.Connection], T],
-        *,
-        limit: float | None,
-        busy: Callable[[], FencedError] | None = None,
-        orphan: Callable[[T], None] | None = None,
-        batch: bool = False,
-    ) -> T:
-        """Run a transaction (see :meth:`TransactionExecutor.run`)."""
-        return await self._tx.run(fn, limit=limit, busy=busy, orphan=orphan, batch=batch)
-
-    def _call(self, fn: Callable[[sqlite3.Connection], T]) -> T:
-        """Run ``fn`` now, on this thread (see :meth:`TransactionExecutor.call`)."""
-        return self._tx.call(fn)
-
     @classmethod
     async def open(cls, url: SplitResult, options: dict[str, Any]) -> SQLiteBackend:
         backend = cls(database_path(url), cls.options(url, options))
@@ -318,9 +305,7 @@ class SQLiteBackend(Backend):
             )
         try:
             try:
-                await backend._transact(
-                    backend._tx_setup, limit=_clock.now() + backend._busy_timeout
-                )
+                await backend._tx.run(backend._tx_setup, limit=_clock.now() + backend._busy_timeout)
             except BackendUnavailable as exc:
                 # connect() retries BackendUnavailable until connect_timeout: an error no
                 # retry can mend (not a database, a directory, no permission) is raised now.
@@ -601,7 +586,7 @@ class SQLiteBackend(Backend):
             if attempt.fresh and attempt.grant is not None:
                 grant = attempt.grant
                 with contextlib.suppress(sqlite3.Error, FencedError):
-                    self._call(lambda conn: self._tx_release(conn, grant))
+                    self._tx.call(lambda conn: self._tx_release(conn, grant))
 
         # A caller that found this lock taken last time queues first, without an fsync.
         mode = "queue" if name in self._contended else "grant"
@@ -612,7 +597,7 @@ class SQLiteBackend(Backend):
                 elif not queued:
                     queued = True  # before: a cancelled attempt may still run on the worker
                     self._in_queue.add((name, request_id))
-                attempt = await self._transact(
+                attempt = await self._tx.run(
                     functools.partial(
                         self._tx_acquire,
                         name=name,
@@ -682,7 +667,7 @@ class SQLiteBackend(Backend):
                 return "last"
             if now >= heartbeat_at:
                 return "queue"
-            poll = await self._transact(
+            poll = await self._tx.run(
                 lambda conn: self._tx_poll(conn, name, request_id),
                 limit=now + self._busy_timeout,
             )
@@ -710,7 +695,7 @@ class SQLiteBackend(Backend):
 
     async def renew(self, grant: Grant) -> Grant:
         self._check_open()
-        sent_at = await self._transact(
+        sent_at = await self._tx.run(
             lambda conn: self._tx_renew(conn, grant),
             limit=_clock.now() + self._busy_timeout,
             batch=True,
@@ -721,7 +706,7 @@ class SQLiteBackend(Backend):
 
     async def release(self, grant: Grant) -> bool:
         self._check_open()
-        return await self._transact(
+        return await self._tx.run(
             lambda conn: self._tx_release(conn, grant),
             limit=_clock.now() + self._busy_timeout,
             batch=True,
@@ -736,7 +721,7 @@ class SQLiteBackend(Backend):
             ).fetchall()
             return [r[0] for r in rows]
 
-        return await self._transact(names, limit=_clock.now() + self._busy_timeout)
+        return await self._tx.run(names, limit=_clock.now() + self._busy_timeout)
 
     async def read_record(self, name: str) -> Record | None:
         self._check_open()
@@ -750,7 +735,7 @@ class SQLiteBackend(Backend):
                 raise
             return None if row is None else Record(name, row[0], row[1])
 
-        return await self._transact(read, limit=_clock.now() + self._busy_timeout)
+        return await self._tx.run(read, limit=_clock.now() + self._busy_timeout)
 
     async def swap_record(self, name: str, version: int, value: str) -> Record:
         self._check_open()
@@ -774,14 +759,14 @@ class SQLiteBackend(Backend):
             conn.execute("COMMIT")
             return version + 1 if found is None else -found - 1
 
-        outcome = await self._transact(swap, limit=_clock.now() + self._busy_timeout)
+        outcome = await self._tx.run(swap, limit=_clock.now() + self._busy_timeout)
         if outcome < 0:
             raise RecordConflict(name, version, -outcome - 1)
         return Record(name, outcome, value)
 
     async def status(self, name: str) -> LockStatus:
         self._check_open()
-        return await self._transact(
+        return await self._tx.run(
             lambda conn: self._tx_status(conn, name), limit=_clock.now() + self._busy_timeout
         )
 
