@@ -23,7 +23,7 @@ import pytest
 from fenced import _clock
 from fenced._errors import BackendUnavailable, FencedError
 from fenced._portal import mark_private
-from fenced.backends._sqlite_executor import BUSY_WAIT, TransactionExecutor
+from fenced.backends._sqlite_executor import BUSY_WAIT, TransactionExecutor, retry_limit
 from tests.helpers import async_wait_for
 from tests.test_sqlite_group_commit import (
     ReportsBeforeCommitExecutor,
@@ -282,6 +282,25 @@ async def test_run_retries_busy_until_its_limit_no_longer(
     assert _committed(path) == {"x": 1}  # the refused attempts wrote nothing
 
 
+async def test_a_limit_already_past_still_gets_its_grace(
+    path: str, write_locked: sqlite3.Connection
+) -> None:
+    # (an acquire's try-once: its deadline is now, yet another process's commit that holds
+    # the write lock for a moment must not make it give up at once)
+    assert retry_limit(None, 0.3) is None
+    ex = TransactionExecutor(path, _connector(path))
+    try:
+        started = time.monotonic()
+        with pytest.raises(BackendUnavailable, match="stayed write-locked"):
+            await ex.run(_bump("x"), limit=retry_limit(_clock.now() - 5, 0.3), batch=True)
+        took = time.monotonic() - started
+        assert 0.3 <= took < 0.3 + BUSY_WAIT + 1.0, took
+        write_locked.execute("ROLLBACK")
+        assert await ex.run(_bump("x"), limit=retry_limit(_clock.now() - 5, 0.3)) == "x"
+    finally:
+        await ex.aclose()
+
+
 async def test_run_commits_once_the_write_lock_is_let_go_before_its_limit(
     path: str, write_locked: sqlite3.Connection
 ) -> None:
@@ -326,6 +345,22 @@ class _NoForkCheck(TransactionExecutor):
         return None
 
 
+def _in_the_child(ex: TransactionExecutor) -> int:
+    """0: refused, and closing left the parent's connections alone; else what went wrong."""
+    try:
+        ex.call(lambda c: c.execute("SELECT count(*) FROM counters").fetchone())
+        code = 1  # used the parent's connection
+    except BackendUnavailable as exc:
+        code = 0 if "after fork" in str(exc) else 2
+    except BaseException:
+        return 3
+    try:
+        asyncio.run(ex.aclose())
+    except BaseException:
+        return 4
+    return code
+
+
 @pytest.mark.parametrize("cls", [TransactionExecutor, _NoForkCheck], ids=["real", "planted"])
 def test_a_forked_child_is_refused(path: str, cls: type[TransactionExecutor]) -> None:
     ex = cls(path, _connector(path))
@@ -333,14 +368,7 @@ def test_a_forked_child_is_refused(path: str, cls: type[TransactionExecutor]) ->
         assert ex.call(_bump("parent")) == "parent"  # the connection exists before the fork
         pid = os.fork()
         if pid == 0:  # the child: only os._exit from here on
-            code = 3
-            try:
-                ex.call(lambda c: c.execute("SELECT count(*) FROM counters").fetchone())
-                code = 1  # used the parent's connection
-            except BackendUnavailable as exc:
-                code = 0 if "after fork" in str(exc) else 2
-            finally:
-                os._exit(code)
+            os._exit(_in_the_child(ex))
         _, status = os.waitpid(pid, 0)
         assert ex.call(_bump("parent")) == "parent"  # the parent's executor still works
     finally:

@@ -42,12 +42,12 @@ import time
 from collections.abc import Callable
 from typing import Any, Final, TypeVar
 
-from .. import _clock
+from .. import _clock, _fork
 from .._backend import commits_per_turn, on_private_loop
 from .._errors import BackendUnavailable, FencedError
 from .._sqlite_errors import is_busy
 
-__all__ = ["BUSY_WAIT", "InBatch", "Job", "TransactionExecutor"]
+__all__ = ["BUSY_WAIT", "InBatch", "Job", "TransactionExecutor", "retry_limit"]
 
 logger = logging.getLogger("fenced.sqlite")
 
@@ -62,6 +62,16 @@ _TURN_WAITS: Final = 2
 _BUSY_SLEEPS: Final = (0.00005, 0.0001, 0.0002, 0.0004, 0.0008, 0.0015)
 """Back-off between those retries. SQLite's own busy handler sleeps 1, 2, 5, 10 ms ...: far
 longer than a fenced transaction holds the lock (~0.2 ms), so it is not used (timeout=0)."""
+
+
+def retry_limit(deadline: float | None, grace: float) -> float | None:
+    """Until when a transaction retries a write-locked database (``limit`` of
+    :meth:`TransactionExecutor.run`): ``deadline``, but at least ``grace`` from now, so that a
+    caller whose deadline is now (a try-once) gets one real attempt and is not refused because
+    another process was committing; no deadline: for ever."""
+    if deadline is None:
+        return None
+    return max(deadline, _clock.now() + grace)
 
 
 class InBatch:
@@ -113,7 +123,8 @@ class TransactionExecutor:
         self.path = path
         self._connect = connect
         self._turn_commits = turn_commits
-        self._pid = os.getpid()  # (connections and the worker thread stay in this process)
+        # (connections and the worker thread stay in this process: see _check_process)
+        self._fork_gen, self._pid = _fork.generation(), os.getpid()
         # One connection per worker thread, and one (key 0) for fenced's private loop, used by
         # whichever thread runs the loop: the loop's lock lets one at a time in.
         self._conns: dict[int, sqlite3.Connection] = {}
@@ -254,9 +265,10 @@ class TransactionExecutor:
         self._check_process()
 
     def _check_process(self) -> None:
-        if os.getpid() != self._pid:
+        if self._fork_gen != _fork.generation():
             # A forked child shares the parent's connections (SQLite's locks and WAL index
             # would be corrupted) and has no worker thread: refuse, never hang or corrupt.
+            # (fenced's own connections open a new source in a child: fenced._lease.)
             raise BackendUnavailable(
                 f"sqlite connection to {self.path} was opened in process {self._pid} and "
                 f"cannot be used in process {os.getpid()} (after fork): open it again here"
@@ -266,8 +278,10 @@ class TransactionExecutor:
         """Refuse new transactions, stop the worker and close the connections."""
         self.closed = True
         pool, self._pool = self._pool, None
-        if os.getpid() != self._pid:
-            return  # (a forked child's copies: the parent's to close)
+        if self._fork_gen != _fork.generation():
+            # (a forked child's copies are the parent's: never closed here)
+            _fork.left_behind(pool, self._conns)
+            return
         if pool is not None:
             closing = pool.submit(self._close_thread_connection)
             pool.shutdown(wait=False)

@@ -106,7 +106,7 @@ from .._options import Option
 from .._sqlite_errors import unusable
 from .._token import FencingToken
 from ._sqlite_executor import BUSY_WAIT as BUSY_WAIT  # (the benchmark's peer uses it)
-from ._sqlite_executor import TransactionExecutor
+from ._sqlite_executor import TransactionExecutor, retry_limit
 from ._sqlite_schema import (
     PRAGMAS,
     SCHEMA,
@@ -641,9 +641,7 @@ class SQLiteBackend(Backend):
         """Until when an acquire's attempt retries a write-locked database: its deadline, but
         at least :data:`LOOK_GRACE` (one real attempt, as opening a source gets), so that a
         try-once does not call a free lock held because another process was committing."""
-        if deadline is None:
-            return None
-        return max(deadline, _clock.now() + min(LOOK_GRACE, float(self._busy_timeout)))
+        return retry_limit(deadline, min(LOOK_GRACE, float(self._busy_timeout)))
 
     async def _await_turn(
         self,
