@@ -94,6 +94,38 @@ async def _acknowledged_before_commit(
     return early
 
 
+class _HeldWorker:
+    """Holds ``ex``'s worker thread with a transaction of its own, so that the next ones
+    queue up; :meth:`let_go` (once ``n`` have queued) lets them all into one batch."""
+
+    def __init__(self, ex: TransactionExecutor) -> None:
+        self.ex = ex
+        self.entered, self.gate = threading.Event(), threading.Event()
+        self.holding: asyncio.Task[None] | None = None
+
+    def _hold(self, conn: Any) -> None:
+        self.entered.set()
+        self.gate.wait(10)
+
+    async def __aenter__(self) -> _HeldWorker:
+        self.holding = asyncio.create_task(self.ex.run(self._hold, limit=None, batch=True))
+        assert await asyncio.to_thread(self.entered.wait, 10)
+        return self
+
+    async def let_go(self, n: int) -> None:
+        async def queued() -> bool:
+            return len(self.ex._pending) == n
+
+        await async_wait_for(queued, what=f"{n} transactions queued behind the held worker")
+        self.gate.set()
+        assert self.holding is not None
+        await self.holding
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.gate.set()
+        await self.ex.aclose()
+
+
 @pytest.mark.parametrize(
     "cls", [TransactionExecutor, ReportsBeforeCommitExecutor], ids=["real", "planted"]
 )
@@ -103,29 +135,9 @@ async def test_worker_group_commit_answers_many_after_one_commit(
     # An application's loop: transactions go to the worker thread. One transaction holds the
     # worker while 20 more queue up; they then share one commit, and hear of it after it.
     ex = cls(path, _connector(path))
-    entered, gate = threading.Event(), threading.Event()
-
-    def hold(conn: Any) -> None:
-        entered.set()
-        gate.wait(10)
-
-    try:
-        holding = asyncio.create_task(ex.run(hold, limit=None, batch=True))
-        assert await asyncio.to_thread(entered.wait, 10)
-        names = [f"c{i}" for i in range(20)]
-
-        async def start() -> None:
-            async def queued() -> bool:
-                return len(ex._pending) == len(names)
-
-            await async_wait_for(queued, what="the batch queued behind the held worker")
-            gate.set()
-            await holding
-
-        early = await _acknowledged_before_commit(ex, names, start)
-    finally:
-        gate.set()
-        await ex.aclose()
+    names = [f"c{i}" for i in range(20)]
+    async with _HeldWorker(ex) as held:
+        early = await _acknowledged_before_commit(ex, names, lambda: held.let_go(len(names)))
     if cls is ReportsBeforeCommitExecutor:
         assert early  # the plant answered before its commit: seen
         return
@@ -193,33 +205,17 @@ async def test_a_failing_transaction_in_a_batch_fails_alone(
     path: str, cls: type[TransactionExecutor]
 ) -> None:
     ex = cls(path, _connector(path))
-    entered, gate = threading.Event(), threading.Event()
-
-    def hold(conn: Any) -> None:
-        entered.set()
-        gate.wait(10)
 
     def fails(conn: Any) -> None:
         conn.execute("BEGIN IMMEDIATE")
         conn.execute("INSERT INTO counters VALUES ('half-done', 1)")
         raise RuntimeError("a bug in the middle of a transaction")
 
-    try:
-        holding = asyncio.create_task(ex.run(hold, limit=None, batch=True))
-        assert await asyncio.to_thread(entered.wait, 10)
+    async with _HeldWorker(ex) as held:
         batch = [_bump("a"), fails, _bump("b")]
         tasks = [asyncio.create_task(ex.run(fn, limit=None, batch=True)) for fn in batch]
-
-        async def queued() -> bool:
-            return len(ex._pending) == 3
-
-        await async_wait_for(queued, what="three transactions queued")
-        gate.set()
-        await holding
+        await held.let_go(3)
         out = await asyncio.gather(*tasks, return_exceptions=True)
-    finally:
-        gate.set()
-        await ex.aclose()
     assert out[0] == "a" and isinstance(out[1], RuntimeError) and out[2] == "b"
     if cls is SavepointlessExecutor:
         assert "half-done" in _committed(path)  # the plant kept the failed part: seen
