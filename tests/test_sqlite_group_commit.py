@@ -141,7 +141,7 @@ async def _run_batch(backend: SQLiteBackend, fns: list[Callable[[Any], Any]]) ->
     """``fns`` as one batch of the worker (run on another thread), their outcomes in order."""
     loop = asyncio.get_running_loop()
     jobs = [Job(fn, loop.create_future(), loop) for fn in fns]
-    await asyncio.to_thread(backend._tx._commit_together, jobs)
+    await asyncio.to_thread(backend._executor._commit_together, jobs)
     return await asyncio.gather(*(job.waiter for job in jobs), return_exceptions=True)
 
 
@@ -151,7 +151,7 @@ async def test_one_failing_transaction_undoes_only_its_own_part(
 ) -> None:
     backend = await cls.open(*_url(tmp_path))
     try:
-        await backend._tx.run(
+        await backend._executor.run(
             lambda conn: conn.execute("CREATE TABLE t (v TEXT)"), limit=time.monotonic() + 5
         )
 
@@ -170,7 +170,7 @@ async def test_one_failing_transaction_undoes_only_its_own_part(
             raise RuntimeError("a bug in the middle of a transaction")
 
         out = await _run_batch(backend, [writes("a"), fails, writes("b")])
-        rows = await backend._tx.run(
+        rows = await backend._executor.run(
             lambda conn: sorted(r[0] for r in conn.execute("SELECT v FROM t")),
             limit=time.monotonic() + 5,
         )
@@ -276,8 +276,8 @@ def test_a_busy_loop_commits_once_for_many_turns_of_writes(tmp_path: Path) -> No
             backend = await locks._get_backend()
             assert isinstance(backend, SQLiteBackend)
             results = await _sixty_four_clients(locks)
-            assert backend._tx._per_turn  # (the mode under test)
-            return results, backend, backend._tx._pool is None
+            assert backend._executor._per_turn  # (the mode under test)
+            return results, backend, backend._executor._pool is None
 
     results, backend, no_worker = _on_a_turn_loop(scenario)
     assert all(r == list(range(1, 21)) for r in results)
@@ -298,16 +298,16 @@ def test_a_turn_commit_gives_back_a_grant_whose_caller_was_cancelled(tmp_path: P
             task = asyncio.create_task(
                 backend.acquire("x", request_id="r", ttl=30, deadline=None, on_lost=print)
             )
-            deliver = backend._tx._deliver
+            deliver = backend._executor._deliver
 
             def deliver_then_cancel(jobs: Any, outcomes: Any) -> None:
                 deliver(jobs, outcomes)
                 task.cancel()  # (the grant is in its future; the task has not run yet)
 
-            backend._tx._deliver = deliver_then_cancel  # type: ignore[method-assign]
+            backend._executor._deliver = deliver_then_cancel  # type: ignore[method-assign]
             with pytest.raises(asyncio.CancelledError):
                 await task
-            backend._tx._deliver = deliver  # type: ignore[method-assign]
+            backend._executor._deliver = deliver  # type: ignore[method-assign]
             # Cancelled before its turn's commit: it is never run.
             early = asyncio.create_task(
                 backend.acquire("y", request_id="r", ttl=30, deadline=None, on_lost=print)

@@ -257,9 +257,8 @@ class SQLiteBackend(Backend):
     option_schema = _OPTIONS
     executor_class: ClassVar[type[TransactionExecutor]] = TransactionExecutor
     """Runs the transactions (tests plant a faulty one here)."""
-    caller_driven = (
-        True  # one connection for the loop, whichever thread runs it (see TransactionExecutor.call)
-    )
+    # One connection for the loop, whichever thread runs it (see TransactionExecutor.call).
+    caller_driven = True
     poll_min: ClassVar[float] = POLL_MIN
     """The first pause between two polls of a waiter, after anything changed."""
 
@@ -277,22 +276,22 @@ class SQLiteBackend(Backend):
         self.read_only = os.path.exists(path) and not os.access(path, os.W_OK)
         self._sql_status = SQL_STATUS.format(owner="h.owner")
         # Runs the transactions below (connections, busy retries, group commit): see its module.
-        self._tx = self.executor_class(path, self._connect, turn_commits=turn_commits)
+        self._executor = self.executor_class(path, self._connect, turn_commits=turn_commits)
 
     @property
     def commits(self) -> int:
         """Commits made (one fsync each), for the server's metrics."""
-        return self._tx.commits
+        return self._executor.commits
 
     @property
     def batches(self) -> int:
         """Commits that carried more than one transaction (group commit)."""
-        return self._tx.batches
+        return self._executor.batches
 
     @property
     def batched(self) -> int:
         """The transactions those commits carried."""
-        return self._tx.batched
+        return self._executor.batched
 
     @classmethod
     async def open(cls, url: SplitResult, options: dict[str, Any]) -> SQLiteBackend:
@@ -305,7 +304,9 @@ class SQLiteBackend(Backend):
             )
         try:
             try:
-                await backend._tx.run(backend._tx_setup, limit=_clock.now() + backend._busy_timeout)
+                await backend._executor.run(
+                    backend._tx_setup, limit=_clock.now() + backend._busy_timeout
+                )
             except BackendUnavailable as exc:
                 # connect() retries BackendUnavailable until connect_timeout: an error no
                 # retry can mend (not a database, a directory, no permission) is raised now.
@@ -372,13 +373,13 @@ class SQLiteBackend(Backend):
             )
 
     def _check_open(self) -> None:
-        self._tx.check_open()
+        self._executor.check_open()
 
     def _forget(self, name: str, request_id: str) -> None:
         """Best effort, never waiting: take an abandoned waiter's row out of the queue (if
         this fails, the row expires by itself)."""
         self._in_queue.discard((name, request_id))
-        self._tx.run_detached(
+        self._executor.run_detached(
             functools.partial(self._tx_dequeue, name=name, request_id=request_id),
             f"dequeue {request_id} from {name}",
         )
@@ -541,7 +542,7 @@ class SQLiteBackend(Backend):
             self._contended.discard(name)
         else:
             self._contended.add(name)
-            self._tx.after_commit(conn, lambda: ring(head, self.path, name))
+            self._executor.after_commit(conn, lambda: ring(head, self.path, name))
         return bool(row_boot == boot and expires > now)
 
     def _tx_status(self, conn: sqlite3.Connection, name: str) -> LockStatus:
@@ -586,7 +587,7 @@ class SQLiteBackend(Backend):
             if attempt.fresh and attempt.grant is not None:
                 grant = attempt.grant
                 with contextlib.suppress(sqlite3.Error, FencedError):
-                    self._tx.call(lambda conn: self._tx_release(conn, grant))
+                    self._executor.call(lambda conn: self._tx_release(conn, grant))
 
         # A caller that found this lock taken last time queues first, without an fsync.
         mode = "queue" if name in self._contended else "grant"
@@ -597,7 +598,7 @@ class SQLiteBackend(Backend):
                 elif not queued:
                     queued = True  # before: a cancelled attempt may still run on the worker
                     self._in_queue.add((name, request_id))
-                attempt = await self._tx.run(
+                attempt = await self._executor.run(
                     functools.partial(
                         self._tx_acquire,
                         name=name,
@@ -665,7 +666,7 @@ class SQLiteBackend(Backend):
                 return "last"
             if now >= heartbeat_at:
                 return "queue"
-            poll = await self._tx.run(
+            poll = await self._executor.run(
                 lambda conn: self._tx_poll(conn, name, request_id),
                 limit=now + self._busy_timeout,
             )
@@ -693,7 +694,7 @@ class SQLiteBackend(Backend):
 
     async def renew(self, grant: Grant) -> Grant:
         self._check_open()
-        sent_at = await self._tx.run(
+        sent_at = await self._executor.run(
             lambda conn: self._tx_renew(conn, grant),
             limit=_clock.now() + self._busy_timeout,
             batch=True,
@@ -704,7 +705,7 @@ class SQLiteBackend(Backend):
 
     async def release(self, grant: Grant) -> bool:
         self._check_open()
-        return await self._tx.run(
+        return await self._executor.run(
             lambda conn: self._tx_release(conn, grant),
             limit=_clock.now() + self._busy_timeout,
             batch=True,
@@ -719,7 +720,7 @@ class SQLiteBackend(Backend):
             ).fetchall()
             return [r[0] for r in rows]
 
-        return await self._tx.run(names, limit=_clock.now() + self._busy_timeout)
+        return await self._executor.run(names, limit=_clock.now() + self._busy_timeout)
 
     async def read_record(self, name: str) -> Record | None:
         self._check_open()
@@ -733,7 +734,7 @@ class SQLiteBackend(Backend):
                 raise
             return None if row is None else Record(name, row[0], row[1])
 
-        return await self._tx.run(read, limit=_clock.now() + self._busy_timeout)
+        return await self._executor.run(read, limit=_clock.now() + self._busy_timeout)
 
     async def swap_record(self, name: str, version: int, value: str) -> Record:
         self._check_open()
@@ -757,28 +758,28 @@ class SQLiteBackend(Backend):
             conn.execute("COMMIT")
             return version + 1 if found is None else -found - 1
 
-        outcome = await self._tx.run(swap, limit=_clock.now() + self._busy_timeout)
+        outcome = await self._executor.run(swap, limit=_clock.now() + self._busy_timeout)
         if outcome < 0:
             raise RecordConflict(name, version, -outcome - 1)
         return Record(name, outcome, value)
 
     async def status(self, name: str) -> LockStatus:
         self._check_open()
-        return await self._tx.run(
+        return await self._executor.run(
             lambda conn: self._tx_status(conn, name), limit=_clock.now() + self._busy_timeout
         )
 
     async def aclose(self) -> None:
-        if self._tx.closed:
+        if self._executor.closed:
             return
         # Waiters still queued leave the queue first: woken below, they would find the
         # connection closed and leave their rows to expire (Ctrl-C on `fenced lock`).
         for name, request_id in list(self._in_queue):
             self._forget(name, request_id)
         # (refuse new transactions first: the waiters woken below must find the source closed)
-        self._tx.closed = True
+        self._executor.closed = True
         with local_mutex:  # wake our blocked acquires so they see the connection closed
             keys = [key for key in local_waiters if key[0] == self.path]
         for key in keys:
             notify(key)
-        await self._tx.aclose()
+        await self._executor.aclose()
