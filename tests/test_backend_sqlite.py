@@ -417,7 +417,11 @@ def test_group_commit_option_selects_the_mode_on_a_per_turn_loop(db: str, mode: 
             leases = [locks.lock(f"k{i}", ttl=5) for i in range(8)]
             await asyncio.gather(*(lease.acquire() for lease in leases))
             await asyncio.gather(*(lease.release() for lease in leases))
-            return backend._executor is not None, set(backend._conns), backend.commits
+            return (
+                backend._executor._pool is not None,
+                set(backend._executor._conns),
+                backend.commits,
+            )
 
     worker, conns, commits = asyncio.run(run())
     assert commits >= 1
@@ -434,7 +438,7 @@ async def test_creates_the_file_and_sets_durable_pragmas(tmp_path: Path) -> None
     async with fenced.connect_async(url_of(str(path))) as locks:
         backend = locks.backend
         assert isinstance(backend, SQLiteBackend)
-        journal, sync = await backend._transact(
+        journal, sync = await backend._executor.run(
             lambda c: (
                 c.execute("PRAGMA journal_mode").fetchone()[0],
                 c.execute("PRAGMA synchronous").fetchone()[0],
@@ -674,7 +678,7 @@ async def test_queue_rows_never_relax_durability(db: str) -> None:
         status = await a.status(name)
         assert status.waiters == 0 and status.token == third.token
         for backend in (ba, bb):
-            level = await backend._transact(
+            level = await backend._executor.run(
                 lambda c: c.execute("PRAGMA synchronous").fetchone()[0], limit=None
             )
             assert level == 2  # FULL

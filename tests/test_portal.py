@@ -358,7 +358,7 @@ _LOOP_INTERNALS |= {"_selector"}
 # Outside the core, and said in docs/design.md: the SQLite source asks which loop runs it
 # (asyncio exports the name for other loops), the simulator's virtual-time loop is a loop.
 _ELSEWHERE = {
-    "fenced/backends/sqlite.py": {"asyncio._get_running_loop"},
+    "fenced/backends/_sqlite_executor.py": {"asyncio._get_running_loop"},
     "fenced/testing/sim/_loop.py": {
         "timer._scheduled",
         "handle._scheduled",

@@ -422,15 +422,16 @@ async def test_the_servers_loop_never_sleeps_while_another_process_commits(
     import threading
     import time
 
-    from fenced._core.portal import mark_private
-    from fenced.backends import sqlite as sqlite_backend
+    from fenced._portal import mark_private
+    from fenced.backends import _sqlite_executor
 
     mark_private(asyncio.get_running_loop(), commit_per_turn=True)  # (as fenced serve's)
     db = tmp_path / "locks.db"
     app = create_app(ServerSettings(url=f"sqlite:///{db}"))
     transport = httpx.ASGITransport(app=app)
     loop_thread = threading.get_ident()
-    backend_call = sqlite_backend.SQLiteBackend._call.__code__  # (its sleeps, no one else's)
+    # (the SQLite source's transaction executor's sleeps, no one else's)
+    backend_call = _sqlite_executor.TransactionExecutor.call.__code__
     asleep = 0
     real_sleep = time.sleep
 
@@ -445,7 +446,7 @@ async def test_the_servers_loop_never_sleeps_while_another_process_commits(
         httpx.AsyncClient(transport=transport, base_url="http://test") as client,
     ):
         assert (await client.get("/v1/locks/a")).status_code == 200  # (the file exists)
-        monkeypatch.setattr(sqlite_backend.time, "sleep", counted_sleep)
+        monkeypatch.setattr(time, "sleep", counted_sleep)  # (the one time module)
         other = subprocess.Popen(
             [sys.executable, "-c", _HOLD_WRITE_LOCK, str(db)],
             stdin=subprocess.PIPE,

@@ -23,12 +23,13 @@ from typing import Any, ClassVar
 import pytest
 
 import fenced
-from fenced.backends.sqlite import SQLiteBackend, _Job
+from fenced.backends._sqlite_executor import InBatch, Job, TransactionExecutor
+from fenced.backends.sqlite import SQLiteBackend
 from tests.envs.sqlite import read_counters
 from tests.helpers import ROOT
 
 
-class SavepointlessBatches(SQLiteBackend):
+class SavepointlessExecutor(TransactionExecutor):
     """Planted: a batch in one transaction without savepoints (a failing part keeps what it
     wrote before failing)."""
 
@@ -38,17 +39,17 @@ class SavepointlessBatches(SQLiteBackend):
             out: list[tuple[bool, Any]] = []
             for job in items:
                 try:
-                    out.append((True, job.fn(_NoTx(conn))))
+                    out.append((True, job.fn(InBatch(conn))))
                 except Exception as exc:
                     out.append((False, exc))
             conn.execute("COMMIT")
             return out
 
-        self._settle(items, self._call(together))
+        self._settle(items, self.call(together))
 
 
-class ReportsBeforeCommit(SQLiteBackend):
-    """Planted: tells the callers their grants before the batch's commit (and its fsync)."""
+class ReportsBeforeCommitExecutor(TransactionExecutor):
+    """Planted: tells the callers their outcomes before the batch's commit (and its fsync)."""
 
     window: ClassVar[float] = 0.2
 
@@ -58,17 +59,17 @@ class ReportsBeforeCommit(SQLiteBackend):
             outcomes: list[tuple[bool, Any]] = []
             for job in items:
                 try:
-                    outcomes.append((True, job.fn(_NoTx(conn))))
+                    outcomes.append((True, job.fn(InBatch(conn))))
                 except Exception as exc:
                     outcomes.append((False, exc))
             self._settle(items, outcomes)
             time.sleep(self.window)  # (the window a real bug leaves open, made wide)
             conn.execute("COMMIT")
 
-        self._call(together)
+        self.call(together)
 
 
-class TurnReportsBeforeCommit(SQLiteBackend):
+class TurnReportsBeforeCommitExecutor(TransactionExecutor):
     """Planted: the per-turn commit (a loop marked ``commit_per_turn``) answers its callers
     first and commits a while later, in another turn."""
 
@@ -87,9 +88,9 @@ class TurnReportsBeforeCommit(SQLiteBackend):
 
         def begin_and_run(conn: sqlite3.Connection) -> Any:
             conn.execute("BEGIN IMMEDIATE")
-            return [(True, job.fn(_NoTx(conn))) for job in live], conn
+            return [(True, job.fn(InBatch(conn))) for job in live], conn
 
-        outcomes, conn = self._call(begin_and_run)
+        outcomes, conn = self.call(begin_and_run)
         self._open = True
         self._deliver(live, outcomes)
 
@@ -100,15 +101,16 @@ class TurnReportsBeforeCommit(SQLiteBackend):
         loop.call_later(self.window, commit)
 
 
-class _NoTx:
-    in_transaction = True
+class SavepointlessBatches(SQLiteBackend):
+    executor_class = SavepointlessExecutor
 
-    def __init__(self, conn: sqlite3.Connection) -> None:
-        self.conn = conn
-        self.after: list[Callable[[], None]] = []
 
-    def execute(self, sql: str, params: Any = ()) -> Any:
-        return None if sql in ("BEGIN IMMEDIATE", "COMMIT") else self.conn.execute(sql, params)
+class ReportsBeforeCommit(SQLiteBackend):
+    executor_class = ReportsBeforeCommitExecutor
+
+
+class TurnReportsBeforeCommit(SQLiteBackend):
+    executor_class = TurnReportsBeforeCommitExecutor
 
 
 async def _sixty_four_clients(locks: fenced.AsyncLocks) -> list[list[int]]:
@@ -138,8 +140,8 @@ async def test_concurrent_acquires_share_commits(tmp_path: Path) -> None:
 async def _run_batch(backend: SQLiteBackend, fns: list[Callable[[Any], Any]]) -> list[Any]:
     """``fns`` as one batch of the worker (run on another thread), their outcomes in order."""
     loop = asyncio.get_running_loop()
-    jobs = [_Job(fn, loop.create_future(), loop) for fn in fns]
-    await asyncio.to_thread(backend._commit_together, jobs)
+    jobs = [Job(fn, loop.create_future(), loop) for fn in fns]
+    await asyncio.to_thread(backend._executor._commit_together, jobs)
     return await asyncio.gather(*(job.waiter for job in jobs), return_exceptions=True)
 
 
@@ -149,7 +151,7 @@ async def test_one_failing_transaction_undoes_only_its_own_part(
 ) -> None:
     backend = await cls.open(*_url(tmp_path))
     try:
-        await backend._transact(
+        await backend._executor.run(
             lambda conn: conn.execute("CREATE TABLE t (v TEXT)"), limit=time.monotonic() + 5
         )
 
@@ -168,7 +170,7 @@ async def test_one_failing_transaction_undoes_only_its_own_part(
             raise RuntimeError("a bug in the middle of a transaction")
 
         out = await _run_batch(backend, [writes("a"), fails, writes("b")])
-        rows = await backend._transact(
+        rows = await backend._executor.run(
             lambda conn: sorted(r[0] for r in conn.execute("SELECT v FROM t")),
             limit=time.monotonic() + 5,
         )
@@ -274,8 +276,8 @@ def test_a_busy_loop_commits_once_for_many_turns_of_writes(tmp_path: Path) -> No
             backend = await locks._get_backend()
             assert isinstance(backend, SQLiteBackend)
             results = await _sixty_four_clients(locks)
-            assert backend._per_turn  # (the mode under test)
-            return results, backend, backend._executor is None
+            assert backend._executor._per_turn  # (the mode under test)
+            return results, backend, backend._executor._pool is None
 
     results, backend, no_worker = _on_a_turn_loop(scenario)
     assert all(r == list(range(1, 21)) for r in results)
@@ -296,16 +298,16 @@ def test_a_turn_commit_gives_back_a_grant_whose_caller_was_cancelled(tmp_path: P
             task = asyncio.create_task(
                 backend.acquire("x", request_id="r", ttl=30, deadline=None, on_lost=print)
             )
-            deliver = backend._deliver
+            deliver = backend._executor._deliver
 
             def deliver_then_cancel(jobs: Any, outcomes: Any) -> None:
                 deliver(jobs, outcomes)
                 task.cancel()  # (the grant is in its future; the task has not run yet)
 
-            backend._deliver = deliver_then_cancel  # type: ignore[method-assign]
+            backend._executor._deliver = deliver_then_cancel  # type: ignore[method-assign]
             with pytest.raises(asyncio.CancelledError):
                 await task
-            backend._deliver = deliver  # type: ignore[method-assign]
+            backend._executor._deliver = deliver  # type: ignore[method-assign]
             # Cancelled before its turn's commit: it is never run.
             early = asyncio.create_task(
                 backend.acquire("y", request_id="r", ttl=30, deadline=None, on_lost=print)

@@ -36,9 +36,12 @@ private loop (the synchronous API) transactions run inline, since nothing else r
 an application's event loop they run on one worker thread per backend, with **group commit**:
 the acquires, renewals and releases that queued up while the last commit ran share the next
 transaction and its one fsync, and hear their outcome only after it, all in one hand-over to
-the loop (``_drain``). ``fenced serve``'s loop (marked ``commit_per_turn``) has no worker:
-the writes of a turn of the loop, and of up to two more turns while they keep coming, are
-committed together on the loop itself (``_end_turn``), so no batch waits for the GIL.
+the loop. ``fenced serve``'s loop (marked ``commit_per_turn``) has no worker: the writes of
+a turn of the loop, and of up to two more turns while they keep coming, are committed
+together on the loop itself, so no batch waits for the GIL. Running transactions (the
+connections, ``BEGIN IMMEDIATE``, ``SQLITE_BUSY`` retries, group commit) is the job of
+:mod:`fenced.backends._sqlite_executor`, which knows nothing of locks; this module keeps the
+lock protocol: the transactions themselves.
 
 **Waking waiters.** A release wakes the blocked callers of that lock in the same process at
 once (an asyncio event per waiter, process-wide per database file), and rings the head of the
@@ -47,9 +50,7 @@ abstract namespace, whose address its queue row carries. Rings are hints; waiter
 file with reads (no write, no fsync), backing off from 1 ms to ``poll_interval`` (default
 10 ms), and wake at the holder's expiry. Where rings are unavailable (another OS, another
 network namespace), polls stay at 1-2 ms for the head of the queue after any change.
-Measured with ``bench/bench_sqlite_source.py`` (2 cores shared with other work, fsync
-0.2-0.4 ms): 4 processes taking turns on one lock get 340-620 grants/s, FIFO, and a handoff
-(release started -> next process granted) of 1.4-2.0 ms p50, 6.5-13 ms p99.
+(Measured figures: docs/benchmarks.md, "The embedded SQLite source".)
 
 Not DISTRIBUTED: clocks, boot ids and file locks are per machine. Never put the file on a
 network filesystem. Processes in different time namespaces (containers with their own
@@ -71,17 +72,14 @@ application's loop).
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import dataclasses
 import functools
 import logging
 import os
 import sqlite3
-import threading
-import time
 import urllib.parse
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from types import MappingProxyType
 from typing import Any, ClassVar, Final, TypeVar
 from urllib.parse import SplitResult
@@ -95,9 +93,7 @@ from .._core.backend import (
     LockStatus,
     LostCallback,
     Record,
-    commits_per_turn,
     lock_timeout,
-    on_private_loop,
 )
 from .._core.errors import (
     BackendUnavailable,
@@ -107,8 +103,11 @@ from .._core.errors import (
     RecordConflict,
     UnsafeBackendError,
 )
-from .._core.options import Option
-from .._core.token import FencingToken
+from .._options import Option
+from .._sqlite_errors import unusable
+from .._token import FencingToken
+from ._sqlite_executor import BUSY_WAIT as BUSY_WAIT  # (the benchmark's peer uses it)
+from ._sqlite_executor import TransactionExecutor, retry_limit
 from ._sqlite_schema import (
     PRAGMAS,
     SCHEMA,
@@ -147,20 +146,9 @@ logger = logging.getLogger("fenced.sqlite")
 
 T = TypeVar("T")
 
-"""Set on every connection (the benchmark's bare-SQL peer uses the same)."""
-
-BUSY_WAIT: Final = 0.05
-"""Seconds one transaction is retried on the spot while another connection holds the write
-lock, before the retry moves to asyncio (on the private loop these retries block its thread;
-on a loop that commits per turn, ``fenced serve``'s, there are none: it retries on the loop)."""
 LOOK_GRACE: Final = 0.25
 """Seconds an acquire's look retries a write-locked database at least, even past its deadline
 (a try-once's only look): the bound by which a timeout may be overrun, as opening a source."""
-_TURN_WAITS: Final = 2
-"""Turns of a busy ``commit_per_turn`` loop a commit may wait for more writes (``_end_turn``)."""
-_BUSY_SLEEPS: Final = (0.00005, 0.0001, 0.0002, 0.0004, 0.0008, 0.0015)
-"""Back-off between those retries. SQLite's own busy handler sleeps 1, 2, 5, 10 ms ...: far
-longer than a fenced transaction holds the lock (~0.2 ms), so it is not used (timeout=0)."""
 
 POLL_MIN: Final = 0.001
 _GROUP_COMMITS: Final = ("turn", "worker")
@@ -254,24 +242,6 @@ class _Poll:
     state: tuple[Any, ...]  # the raw row, to notice any change
 
 
-class _InBatch:
-    """A transaction's view of the connection inside a group commit: its own BEGIN and COMMIT
-    do nothing (its savepoint and the batch's commit stand in for them), and effects meant
-    for after its commit wait for the batch's."""
-
-    __slots__ = ("after", "conn")
-    in_transaction = True
-
-    def __init__(self, conn: sqlite3.Connection) -> None:
-        self.conn = conn
-        self.after: list[Callable[[], None]] = []
-
-    def execute(self, sql: str, params: Any = ()) -> Any:
-        if sql in ("BEGIN IMMEDIATE", "COMMIT"):
-            return None
-        return self.conn.execute(sql, params)
-
-
 class SQLiteBackend(Backend):
     """Locks in one SQLite file, shared by every process on this machine (see module doc)."""
 
@@ -286,7 +256,10 @@ class SQLiteBackend(Backend):
     )
 
     option_schema = _OPTIONS
-    caller_driven = True  # one connection for the loop, whichever thread runs it (see _call)
+    executor_class: ClassVar[type[TransactionExecutor]] = TransactionExecutor
+    """Runs the transactions (tests plant a faulty one here)."""
+    # One connection for the loop, whichever thread runs it (see TransactionExecutor.call).
+    caller_driven = True
     poll_min: ClassVar[float] = POLL_MIN
     """The first pause between two polls of a waiter, after anything changed."""
 
@@ -296,30 +269,30 @@ class SQLiteBackend(Backend):
         self._poll_interval = options["poll_interval"]
         self._busy_timeout = options["busy_timeout"]
         # (a commit per turn where the loop allows it, or the worker thread's group commit)
-        self._turn_commits = options.get("group_commit", "turn") == "turn"
+        turn_commits = options.get("group_commit", "turn") == "turn"
         self._boot = _clock.boot_id()
-        # One connection per worker thread, and one (key 0) for fenced's private loop, used by
-        # whichever thread runs the loop: the loop's lock lets one at a time in.
-        self._conns: dict[int, sqlite3.Connection] = {}
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
-        self._private_loop: asyncio.AbstractEventLoop | None = None
-        self._per_turn = False  # the private loop asked for a group commit per turn
-        self._turn: list[_Job] = []  # what that loop's turn has gathered so far
-        self._turn_seen = self._turn_waits = 0  # (see _end_turn)
-        self._public_loop: asyncio.AbstractEventLoop | None = None  # the last other loop seen
         self._contended: set[str] = set()  # locks that had waiters when we last looked
         self._in_queue: set[tuple[str, str]] = set()  # (lock, request id) rows we may have queued
         # A file this user may read but not write (a monitoring user): status only.
         self.read_only = os.path.exists(path) and not os.access(path, os.W_OK)
         self._sql_status = SQL_STATUS.format(owner="h.owner")
-        self._closed = False
-        # Group commit (see _drain): transactions waiting for the worker thread.
-        self._batch_lock = threading.Lock()
-        self._pending: list[_Job] = []
-        self._draining = False
-        self.commits = 0  # group commits (worker or per turn), one fsync each (for metrics)
-        self.batches = 0  # commits that carried more than one transaction
-        self.batched = 0  # the transactions they carried
+        # Runs the transactions below (connections, busy retries, group commit): see its module.
+        self._executor = self.executor_class(path, self._connect, turn_commits=turn_commits)
+
+    @property
+    def commits(self) -> int:
+        """Commits made (one fsync each), for the server's metrics."""
+        return self._executor.commits
+
+    @property
+    def batches(self) -> int:
+        """Commits that carried more than one transaction (group commit)."""
+        return self._executor.batches
+
+    @property
+    def batched(self) -> int:
+        """The transactions those commits carried."""
+        return self._executor.batched
 
     @classmethod
     async def open(cls, url: SplitResult, options: dict[str, Any]) -> SQLiteBackend:
@@ -332,7 +305,7 @@ class SQLiteBackend(Backend):
             )
         try:
             try:
-                await backend._transact(
+                await backend._executor.run(
                     backend._tx_setup, limit=_clock.now() + backend._busy_timeout
                 )
             except BackendUnavailable as exc:
@@ -400,347 +373,17 @@ class SQLiteBackend(Backend):
                 f"{self.path} is read-only for this user: it can show status, not take locks"
             )
 
-    def _call(self, fn: Callable[[sqlite3.Connection], T]) -> T:
-        """Run ``fn`` on this thread's connection, or the private loop's when on that loop."""
-        if self._closed:
-            raise BackendUnavailable(f"sqlite connection to {self.path} is closed")
-        loop = asyncio._get_running_loop()
-        ident = 0 if loop is not None and loop is self._private_loop else threading.get_ident()
-        conn = self._conns.get(ident)
-        if conn is None:
-            conn = self._conns[ident] = self._connect(shared=ident == 0)
-        give_up: float | None = None
-        attempt = 0
-        while True:
-            try:
-                return fn(conn)
-            except BaseException as exc:
-                usable = is_busy(exc) if isinstance(exc, sqlite3.Error) else True
-                if usable:
-                    try:
-                        if conn.in_transaction:
-                            conn.execute("ROLLBACK")
-                    except sqlite3.Error:
-                        usable = False
-                if not usable:
-                    # Broken (I/O error, file replaced, closed): the next call starts afresh.
-                    self._conns.pop(ident, None)
-                    with contextlib.suppress(sqlite3.Error):
-                        conn.close()
-                if not usable or not isinstance(exc, sqlite3.Error):
-                    raise
-                if ident == 0 and self._per_turn:
-                    # (``fenced serve``'s loop: never asleep while another process commits;
-                    # ``_transact`` retries after a pause on the loop, serving the rest)
-                    raise
-                now = _clock.now()
-                if give_up is None:
-                    give_up = now + BUSY_WAIT
-                elif now >= give_up:
-                    raise
-            time.sleep(_BUSY_SLEEPS[min(attempt, len(_BUSY_SLEEPS) - 1)])
-            attempt += 1
-
-    def _worker(self) -> concurrent.futures.ThreadPoolExecutor:
-        """The worker thread (made on first use) that runs transactions for other loops."""
-        if self._executor is None:
-            self._executor = concurrent.futures.ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="fenced-sqlite"
-            )
-        return self._executor
-
-    async def _on_worker(
-        self, fn: Callable[[sqlite3.Connection], T], orphan: Callable[[T], None] | None
-    ) -> T:
-        """Run one transaction alone on the worker. ``orphan`` receives the result of one that
-        completed after its caller was cancelled (the worker cannot stop mid-transaction)."""
-        try:
-            future = self._worker().submit(self._call, fn)
-        except RuntimeError as exc:  # executor shut down
-            raise BackendUnavailable(f"sqlite connection to {self.path} is closed") from exc
-        try:
-            return await asyncio.wrap_future(future)
-        except asyncio.CancelledError:
-            if orphan is not None:
-                future.add_done_callback(lambda f: _pass_result(f, orphan))
-            raise
-
-    async def _run_batched(
-        self, fn: Callable[[sqlite3.Connection], T], orphan: Callable[[T], None] | None
-    ) -> T:
-        """Queue ``fn`` for the next group commit and wait for its outcome.
-
-        Outcomes come back one call per commit and loop (:meth:`_deliver`), not one thread-safe
-        call per transaction: each of those would wake the loop on its own, and the loop would
-        resume its callers one at a time while the worker still hands out the rest, so the
-        next commit would gather only the first few of them.
-        """
-        loop = asyncio.get_running_loop()
-        job = _Job(fn, loop.create_future(), loop)
-        with self._batch_lock:
-            self._pending.append(job)
-            start, self._draining = not self._draining, True
-        if start:
-            try:
-                self._worker().submit(self._drain)
-            except RuntimeError as exc:  # executor shut down
-                with self._batch_lock:
-                    self._draining = False
-                raise BackendUnavailable(f"sqlite connection to {self.path} is closed") from exc
-        try:
-            return await job.waiter  # type: ignore[no-any-return]
-        except asyncio.CancelledError:
-            if orphan is not None:
-                with self._batch_lock:  # (against the worker settling it: see _settle)
-                    outcome, job.orphan = job.outcome, orphan
-                if outcome is not None and outcome[0]:  # it committed: undo it, on the worker
-                    with contextlib.suppress(RuntimeError):  # shut down: it expires by itself
-                        self._executor.submit(_guarded, orphan, outcome[1])  # type: ignore[union-attr]
-            raise
-
-    async def _run_this_turn(
-        self, fn: Callable[[sqlite3.Connection], T], orphan: Callable[[T], None] | None
-    ) -> T:
-        """On a loop marked ``commit_per_turn``: join this turn's commit (:meth:`_end_turn`)."""
-        loop = asyncio.get_running_loop()
-        job = _Job(fn, loop.create_future(), loop)
-        self._turn.append(job)
-        if len(self._turn) == 1:
-            # Queued behind everything the loop has ready now: the callers this turn resumes
-            # and the requests it reads all get to add their transactions first.
-            self._turn_seen, self._turn_waits = 1, 0
-            loop.call_soon(self._end_turn)
-        try:
-            return await job.waiter  # type: ignore[no-any-return]
-        except asyncio.CancelledError:
-            waiter = job.waiter
-            committed = waiter.done() and not waiter.cancelled() and waiter.exception() is None
-            if orphan is not None and committed:
-                _guarded(orphan, waiter.result())  # committed, then cancelled: undo it
-            raise
-
-    def _end_turn(self) -> None:
-        """Commit what this turn of the loop gathered, on the loop (one fsync), then answer.
-
-        While each turn keeps bringing more (a busy server), the commit waits for up to
-        ``_TURN_WAITS`` more turns, as PostgreSQL's ``commit_delay`` does when others are
-        active: the loop is busy anyway, and one commit then carries their writes too."""
-        n = len(self._turn)
-        if n > self._turn_seen and self._turn_waits < _TURN_WAITS:
-            self._turn_seen, self._turn_waits = n, self._turn_waits + 1
-            asyncio.get_running_loop().call_soon(self._end_turn)
-            return
-        jobs, self._turn = self._turn, []
-        live = [job for job in jobs if not job.waiter.cancelled()]
-        if live:
-            self._deliver(live, self._run_jobs(live))
-
-    def _settle(self, jobs: list[_Job], outcomes: list[tuple[bool, Any]]) -> None:
-        """On the worker, after a commit: note each job's outcome, undo at once (before any
-        later transaction) what a caller that gave up meanwhile was given, and hand the
-        outcomes to their loops."""
-        undo = []
-        with self._batch_lock:
-            for job, outcome in zip(jobs, outcomes, strict=True):
-                job.outcome = outcome
-                if job.orphan is not None and outcome[0]:
-                    undo.append((job.orphan, outcome[1]))
-        for orphan, value in undo:
-            _guarded(orphan, value)
-        self._post(jobs, outcomes)
-
-    def _drain(self) -> None:
-        """Group commit, on the worker thread: the transactions that queued up while the last
-        commit ran are run together under one ``BEGIN IMMEDIATE`` and one ``COMMIT`` (one
-        fsync; see :meth:`_run_together`). Each caller learns its outcome only after
-        that commit, so nothing is reported that is not durable; one transaction's error
-        undoes only its own part. A transaction alone runs exactly as without batching."""
-        while True:
-            with self._batch_lock:
-                items, self._pending = self._pending, []
-                if not items:
-                    self._draining = False
-                    return
-            # (a caller cancelled from now on is undone by _settle or by its own except clause)
-            live = [job for job in items if not job.waiter.cancelled()]
-            if live:
-                self._commit_together(live)
-
-    def _post(self, jobs: list[_Job], outcomes: list[tuple[bool, Any]]) -> None:
-        """Hand the outcomes of one commit to their loops: one thread-safe call a loop."""
-        loop = jobs[0].loop
-        if any(job.loop is not loop for job in jobs):
-            for other in {job.loop for job in jobs}:
-                pairs = [(j, o) for j, o in zip(jobs, outcomes, strict=True) if j.loop is other]
-                self._post([j for j, _ in pairs], [o for _, o in pairs])
-            return
-        with contextlib.suppress(RuntimeError):  # its loop is closed: nobody waits
-            loop.call_soon_threadsafe(self._deliver, jobs, outcomes)
-
-    def _deliver(self, jobs: list[_Job], outcomes: list[tuple[bool, Any]]) -> None:
-        """On the callers' loop: resolve each waiter (a cancelled one's is undone elsewhere)."""
-        for job, (ok, value) in zip(jobs, outcomes, strict=True):
-            waiter = job.waiter
-            if waiter.cancelled():
-                continue
-            if ok:
-                waiter.set_result(value)
-            else:
-                waiter.set_exception(value)
-
-    def _commit_together(self, items: list[_Job]) -> None:
-        """On the worker: commit ``items`` together, then settle them."""
-        self._settle(items, self._run_jobs(items))
-
-    def _run_jobs(self, items: list[_Job]) -> list[tuple[bool, Any]]:
-        """One commit for ``items`` (the worker's batch, or a turn's): a transaction alone
-        runs exactly as without batching; more run together (:meth:`_run_together`)."""
-        if len(items) > 1:
-            return self._run_together(items)
-        try:
-            outcomes: list[tuple[bool, Any]] = [(True, self._call(items[0].fn))]
-        except BaseException as exc:
-            outcomes = [(False, exc)]
-        self.commits += 1
-        return outcomes
-
-    def _run_together(self, items: list[_Job]) -> list[tuple[bool, Any]]:
-        """Run ``items`` in one transaction and one commit; each one's outcome, in order."""
-
-        def together(conn: sqlite3.Connection) -> tuple[list[Any], list[Callable[[], None]]]:
-            # First all in one go: a transaction that fails is rare, and two savepoint
-            # statements for each would cost about as much as its own work. If one fails, the
-            # batch is rolled back and run again with a savepoint around each (the
-            # transactions are safe to run again: _call retries them after SQLITE_BUSY too).
-            outcomes: list[tuple[bool, Any]] = []
-            after: list[Callable[[], None]] = []
-            conn.execute("BEGIN IMMEDIATE")
-            part = _InBatch(conn)  # (one for all: if one fails, all run again, one apiece)
-            try:
-                for job in items:
-                    outcomes.append((True, job.fn(part)))
-                after = part.after
-            except Exception:
-                conn.execute("ROLLBACK")
-                outcomes, after = each_in_a_savepoint(conn)
-            conn.execute("COMMIT")
-            self.commits += 1
-            self.batches += 1
-            self.batched += len(items)
-            return outcomes, after
-
-        def each_in_a_savepoint(
-            conn: sqlite3.Connection,
-        ) -> tuple[list[Any], list[Callable[[], None]]]:
-            outcomes: list[tuple[bool, Any]] = []
-            after: list[Callable[[], None]] = []
-            conn.execute("BEGIN IMMEDIATE")
-            for job in items:
-                part = _InBatch(conn)
-                conn.execute("SAVEPOINT fenced_part")
-                try:
-                    outcomes.append((True, job.fn(part)))
-                except Exception as exc:
-                    conn.execute("ROLLBACK TO fenced_part")  # (if this fails: the whole batch)
-                    outcomes.append((False, exc))
-                else:
-                    after.extend(part.after)
-                conn.execute("RELEASE fenced_part")
-            return outcomes, after
-
-        try:
-            outcomes, after = self._call(together)
-        except BaseException as exc:
-            return [(False, exc)] * len(items)
-        for effect in after:  # (wake-ups, once what they announce is committed)
-            with contextlib.suppress(Exception):
-                effect()
-        return outcomes
-
-    def _after_commit(self, conn: Any, effect: Callable[[], None]) -> None:
-        """Run ``effect`` once the transaction on ``conn`` has committed (now, when it has)."""
-        if isinstance(conn, _InBatch):
-            conn.after.append(effect)
-        else:
-            effect()
-
-    async def _transact(
-        self,
-        fn: Callable[[sqlite3.Connection], T],
-        *,
-        limit: float | None,
-        busy: Callable[[], FencedError] | None = None,
-        orphan: Callable[[T], None] | None = None,
-        batch: bool = False,
-    ) -> T:
-        """Run a transaction, retrying while the database is write-locked until ``limit``."""
-        attempt = 0
-        while True:
-            self._check_open()
-            try:
-                # Inline on fenced's private loop (per turn where it asks for group commit),
-                # else on the worker: with others (group commit, see _drain) or alone.
-                if self._inline():
-                    if batch and self._per_turn:
-                        return await self._run_this_turn(fn, orphan)
-                    return self._call(fn)
-                if batch:
-                    return await self._run_batched(fn, orphan)
-                return await self._on_worker(fn, orphan)
-            except sqlite3.Error as exc:
-                if not is_busy(exc):
-                    raise BackendUnavailable(f"sqlite {self.path}: {exc}") from exc
-                if limit is not None and _clock.now() >= limit:
-                    if busy is not None:
-                        raise busy() from exc
-                    raise BackendUnavailable(
-                        f"sqlite {self.path}: the database stayed write-locked ({exc})"
-                    ) from exc
-            # On a loop that commits per turn the retry pauses here, not in _call: the loop
-            # serves other requests meanwhile. Elsewhere _call has already waited BUSY_WAIT.
-            per_turn = self._per_turn and asyncio.get_running_loop() is self._private_loop
-            await asyncio.sleep(
-                _BUSY_SLEEPS[min(attempt, len(_BUSY_SLEEPS) - 1)] if per_turn else 0
-            )
-            attempt += 1
-
-    def _inline(self) -> bool:
-        """True on fenced's private loop: run transactions right here (see ``on_private_loop``)."""
-        loop = asyncio.get_running_loop()
-        if loop is self._private_loop:
-            return True
-        if loop is self._public_loop:  # (asking the registry each time costs a weak reference)
-            return False
-        if on_private_loop() and (self._turn_commits or not commits_per_turn(loop)):
-            self._private_loop = loop
-            self._per_turn = commits_per_turn(loop)
-            return True
-        self._public_loop = loop
-        return False
-
     def _check_open(self) -> None:
-        if self._closed:  # (with the file's name: several sqlite:// files may be in use)
-            raise BackendUnavailable(f"sqlite connection to {self.path} is closed")
+        self._executor.check_open()
 
     def _forget(self, name: str, request_id: str) -> None:
-        """Best effort, never waiting: take an abandoned waiter's row out of the queue."""
+        """Best effort, never waiting: take an abandoned waiter's row out of the queue (if
+        this fails, the row expires by itself)."""
         self._in_queue.discard((name, request_id))
-
-        def quietly() -> None:
-            try:
-                self._call(functools.partial(self._tx_dequeue, name=name, request_id=request_id))
-            except (sqlite3.Error, FencedError) as exc:  # it expires by itself
-                logger.debug("could not dequeue %s from %s: %r", request_id, name, exc)
-
-        if self._closed:
-            return
-        try:
-            if self._executor is None or self._inline():
-                quietly()
-            else:
-                self._executor.submit(quietly)
-        except RuntimeError:  # no running loop or executor shut down
-            pass
+        self._executor.run_detached(
+            functools.partial(self._tx_dequeue, name=name, request_id=request_id),
+            f"dequeue {request_id} from {name}",
+        )
 
     # -- transactions (each runs in the thread that owns ``conn``) ------------------------------
 
@@ -900,7 +543,7 @@ class SQLiteBackend(Backend):
             self._contended.discard(name)
         else:
             self._contended.add(name)
-            self._after_commit(conn, lambda: ring(head, self.path, name))
+            self._executor.after_commit(conn, lambda: ring(head, self.path, name))
         return bool(row_boot == boot and expires > now)
 
     def _tx_status(self, conn: sqlite3.Connection, name: str) -> LockStatus:
@@ -945,7 +588,7 @@ class SQLiteBackend(Backend):
             if attempt.fresh and attempt.grant is not None:
                 grant = attempt.grant
                 with contextlib.suppress(sqlite3.Error, FencedError):
-                    self._call(lambda conn: self._tx_release(conn, grant))
+                    self._executor.call(lambda conn: self._tx_release(conn, grant))
 
         # A caller that found this lock taken last time queues first, without an fsync.
         mode = "queue" if name in self._contended else "grant"
@@ -956,7 +599,7 @@ class SQLiteBackend(Backend):
                 elif not queued:
                     queued = True  # before: a cancelled attempt may still run on the worker
                     self._in_queue.add((name, request_id))
-                attempt = await self._transact(
+                attempt = await self._executor.run(
                     functools.partial(
                         self._tx_acquire,
                         name=name,
@@ -1000,9 +643,7 @@ class SQLiteBackend(Backend):
         """Until when an acquire's attempt retries a write-locked database: its deadline, but
         at least :data:`LOOK_GRACE` (one real attempt, as opening a source gets), so that a
         try-once does not call a free lock held because another process was committing."""
-        if deadline is None:
-            return None
-        return max(deadline, _clock.now() + min(LOOK_GRACE, float(self._busy_timeout)))
+        return retry_limit(deadline, min(LOOK_GRACE, float(self._busy_timeout)))
 
     async def _await_turn(
         self,
@@ -1026,7 +667,7 @@ class SQLiteBackend(Backend):
                 return "last"
             if now >= heartbeat_at:
                 return "queue"
-            poll = await self._transact(
+            poll = await self._executor.run(
                 lambda conn: self._tx_poll(conn, name, request_id),
                 limit=now + self._busy_timeout,
             )
@@ -1054,7 +695,7 @@ class SQLiteBackend(Backend):
 
     async def renew(self, grant: Grant) -> Grant:
         self._check_open()
-        sent_at = await self._transact(
+        sent_at = await self._executor.run(
             lambda conn: self._tx_renew(conn, grant),
             limit=_clock.now() + self._busy_timeout,
             batch=True,
@@ -1065,7 +706,7 @@ class SQLiteBackend(Backend):
 
     async def release(self, grant: Grant) -> bool:
         self._check_open()
-        return await self._transact(
+        return await self._executor.run(
             lambda conn: self._tx_release(conn, grant),
             limit=_clock.now() + self._busy_timeout,
             batch=True,
@@ -1080,7 +721,7 @@ class SQLiteBackend(Backend):
             ).fetchall()
             return [r[0] for r in rows]
 
-        return await self._transact(names, limit=_clock.now() + self._busy_timeout)
+        return await self._executor.run(names, limit=_clock.now() + self._busy_timeout)
 
     async def read_record(self, name: str) -> Record | None:
         self._check_open()
@@ -1094,7 +735,7 @@ class SQLiteBackend(Backend):
                 raise
             return None if row is None else Record(name, row[0], row[1])
 
-        return await self._transact(read, limit=_clock.now() + self._busy_timeout)
+        return await self._executor.run(read, limit=_clock.now() + self._busy_timeout)
 
     async def swap_record(self, name: str, version: int, value: str) -> Record:
         self._check_open()
@@ -1118,71 +759,28 @@ class SQLiteBackend(Backend):
             conn.execute("COMMIT")
             return version + 1 if found is None else -found - 1
 
-        outcome = await self._transact(swap, limit=_clock.now() + self._busy_timeout)
+        outcome = await self._executor.run(swap, limit=_clock.now() + self._busy_timeout)
         if outcome < 0:
             raise RecordConflict(name, version, -outcome - 1)
         return Record(name, outcome, value)
 
     async def status(self, name: str) -> LockStatus:
         self._check_open()
-        return await self._transact(
+        return await self._executor.run(
             lambda conn: self._tx_status(conn, name), limit=_clock.now() + self._busy_timeout
         )
 
     async def aclose(self) -> None:
-        if self._closed:
+        if self._executor.closed:
             return
         # Waiters still queued leave the queue first: woken below, they would find the
         # connection closed and leave their rows to expire (Ctrl-C on `fenced lock`).
         for name, request_id in list(self._in_queue):
             self._forget(name, request_id)
-        self._closed = True
+        # (refuse new transactions first: the waiters woken below must find the source closed)
+        self._executor.closed = True
         with local_mutex:  # wake our blocked acquires so they see the connection closed
             keys = [key for key in local_waiters if key[0] == self.path]
         for key in keys:
             notify(key)
-        executor, self._executor = self._executor, None
-        if executor is not None:
-            closing = executor.submit(self._close_thread_connection)
-            executor.shutdown(wait=False)
-            with contextlib.suppress(Exception):
-                await asyncio.wrap_future(closing)
-        self._close_thread_connection(0)
-        self._close_thread_connection()
-        # Connections of other threads (none in normal use) are closed by the garbage collector.
-
-    def _close_thread_connection(self, ident: int | None = None) -> None:
-        conn = self._conns.pop(threading.get_ident() if ident is None else ident, None)
-        if conn is not None:
-            with contextlib.suppress(sqlite3.Error):
-                conn.close()
-
-
-class _Job:
-    """A transaction waiting for a group commit: its waiter lives on its caller's loop."""
-
-    __slots__ = ("fn", "loop", "orphan", "outcome", "waiter")
-
-    def __init__(
-        self, fn: Callable[[Any], Any], waiter: asyncio.Future[Any], loop: asyncio.AbstractEventLoop
-    ) -> None:
-        self.fn = fn
-        self.waiter = waiter
-        self.loop = loop
-        self.orphan: Callable[[Any], None] | None = None  # set if its caller gave up
-        self.outcome: tuple[bool, Any] | None = None  # set once committed (or failed)
-
-
-def _guarded(handler: Callable[[T], None], value: T) -> None:
-    try:
-        handler(value)
-    except Exception:
-        logger.exception("cleaning up after a cancelled sqlite transaction failed")
-
-
-def _pass_result(future: concurrent.futures.Future[T], handler: Callable[[T], None]) -> None:
-    if not future.cancelled() and future.exception() is None:
-        try:
-            handler(future.result())
-        except Exception:
-            logger.exception("cleaning up after a cancelled sqlite transaction failed")
+        await self._executor.aclose()
