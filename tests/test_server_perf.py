@@ -422,7 +422,7 @@ async def test_the_servers_loop_never_sleeps_while_another_process_commits(
     import threading
     import time
 
-    from fenced._portal import mark_private
+    from fenced._core.portal import mark_private
     from fenced.backends import _sqlite_executor
 
     mark_private(asyncio.get_running_loop(), commit_per_turn=True)  # (as fenced serve's)

@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
-from fenced import _clock
-from fenced._errors import BackendUnavailable, FencedError
-from fenced._portal import mark_private
+from fenced._core import clock as _clock
+from fenced._core.errors import BackendUnavailable, FencedError
+from fenced._core.portal import mark_private
 from fenced.backends._sqlite_executor import BUSY_WAIT, TransactionExecutor, retry_limit
 from tests.helpers import async_wait_for
 from tests.test_sqlite_group_commit import (

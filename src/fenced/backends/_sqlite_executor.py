@@ -42,10 +42,11 @@ import time
 from collections.abc import Callable
 from typing import Any, Final, TypeVar
 
-from .. import _clock, _fork
-from .._backend import commits_per_turn, on_private_loop
-from .._errors import BackendUnavailable, FencedError
-from .._sqlite_errors import is_busy
+from .._clients.sqlite_errors import is_busy
+from .._core import clock as _clock
+from .._core import fork as _fork
+from .._core.backend import commits_per_turn, on_private_loop
+from .._core.errors import BackendUnavailable, FencedError
 
 __all__ = ["BUSY_WAIT", "InBatch", "Job", "TransactionExecutor", "retry_limit"]
 
@@ -268,7 +269,7 @@ class TransactionExecutor:
         if self._fork_gen != _fork.generation():
             # A forked child shares the parent's connections (SQLite's locks and WAL index
             # would be corrupted) and has no worker thread: refuse, never hang or corrupt.
-            # (fenced's own connections open a new source in a child: fenced._lease.)
+            # (fenced's own connections open a new source in a child: fenced._core.lease.)
             raise BackendUnavailable(
                 f"sqlite connection to {self.path} was opened in process {self._pid} and "
                 f"cannot be used in process {os.getpid()} (after fork): open it again here"

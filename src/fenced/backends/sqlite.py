@@ -84,7 +84,7 @@ from types import MappingProxyType
 from typing import Any, ClassVar, Final, TypeVar
 from urllib.parse import SplitResult
 
-from .._clients.sqlite_errors import is_busy, unusable
+from .._clients.sqlite_errors import unusable
 from .._core import clock as _clock
 from .._core.backend import (
     Backend,
@@ -103,9 +103,8 @@ from .._core.errors import (
     RecordConflict,
     UnsafeBackendError,
 )
-from .._options import Option
-from .._sqlite_errors import unusable
-from .._token import FencingToken
+from .._core.options import Option
+from .._core.token import FencingToken
 from ._sqlite_executor import BUSY_WAIT as BUSY_WAIT  # (the benchmark's peer uses it)
 from ._sqlite_executor import TransactionExecutor, retry_limit
 from ._sqlite_schema import (
