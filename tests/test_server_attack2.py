@@ -1,0 +1,120 @@
+"""Attacks on ``fenced serve`` from outside (session 3, attack 2): each test is a finding
+reproduced against a real ``fenced serve`` process, and the rightful request served beside it."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from fenced.server import hash_secret
+from fenced.testing.servers import FencedServer
+
+SECRETS = {"alice": "alice-secret-0123456789", "eve": "eve-secret-0123456789ab", "mon": "m" * 20}
+
+
+@pytest.fixture
+def source(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'locks.db'}"
+
+
+@pytest.fixture
+def server(source: str) -> Iterator[FencedServer]:
+    with FencedServer(source) as s:
+        yield s  # type: ignore[misc]
+
+
+@pytest.fixture
+def keyed(source: str, tmp_path: Path) -> Iterator[FencedServer]:
+    keys = tmp_path / "keys.toml"
+    keys.write_text(
+        f"""
+[[keys]]
+id = "alice"
+sha256 = "{hash_secret(SECRETS["alice"])}"
+prefixes = ["a/"]
+verbs = ["acquire", "check"]
+
+[[keys]]
+id = "eve"
+sha256 = "{hash_secret(SECRETS["eve"])}"
+prefixes = [""]
+verbs = ["acquire", "check"]
+
+[[keys]]
+id = "mon"
+sha256 = "{hash_secret(SECRETS["mon"])}"
+verbs = ["metrics"]
+"""
+    )
+    with FencedServer(source, args=["--api-keys", str(keys)]) as s:
+        yield s  # type: ignore[misc]
+
+
+def post(url: str, body: object = None, key: str | None = None) -> httpx.Response:
+    headers = {"authorization": f"Bearer {SECRETS[key]}"} if key else {}
+    return httpx.post(url, json=body, headers=headers, timeout=30)
+
+
+def get(url: str, key: str | None = None) -> httpx.Response:
+    headers = {"authorization": f"Bearer {SECRETS[key]}"} if key else {}
+    return httpx.get(url, headers=headers, timeout=30)
+
+
+def samples(server: FencedServer) -> dict[str, float]:
+    text = get(f"{server.url}/metrics", key="mon").text
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("fenced_") and "_created" not in line:
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+# -- the request bounds on a kept-alive connection ---------------------------------------------
+
+
+def test_the_head_bound_holds_for_a_kept_alive_connections_second_request(
+    server: FencedServer,
+) -> None:
+    """The 64 KiB bound on a request's head held for a connection's first request only: after
+    a request, the next one's head began with ``_in_head`` False, so the read that began it
+    was not counted — a second request of ~100 KiB of headers, sent in one piece, was served
+    (the bound was 64 KiB plus one read, up to 256 KiB). The first request on the same
+    connection is served, and a second within the bound too."""
+    port = int(server.url.rsplit(":", 1)[1])
+    first = b"GET /v1/health HTTP/1.1\r\nhost: x\r\n\r\n"
+    junk = b"".join(b"x-junk-%d: %s\r\n" % (i, b"a" * 1000) for i in range(100))  # ~100 KiB
+    within = b"".join(b"x-long-%d: %s\r\n" % (i, b"b" * 1000) for i in range(20))  # ~20 KiB
+    for extra, status in ((junk, b"431"), (within, b"200")):
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+            conn.sendall(first)
+            reply = b""
+            while b"\r\n\r\n" not in reply or not reply.endswith(b"}"):
+                reply += conn.recv(65536)
+            assert reply.startswith(b"HTTP/1.1 200 "), reply[:200]
+            conn.sendall(b"GET /v1/health HTTP/1.1\r\nhost: x\r\n" + extra + b"\r\n")
+            reply = b""
+            with contextlib.suppress(OSError):
+                while b"\r\n\r\n" not in reply or not reply.endswith((b"}", b"\n")):
+                    if not (piece := conn.recv(65536)):
+                        break
+                    reply += piece
+        assert reply.startswith(b"HTTP/1.1 " + status), (status, reply[:200])
+    assert get(f"{server.url}/v1/health").json() == {"status": "ok"}
+
+
+def test_a_long_poll_on_a_kept_alive_connection_outlives_the_read_timeout(source: str) -> None:
+    """The other side of the bound above: between requests the next head is counted, but its
+    time is not (a request's answer may take longer than --read-timeout: a long poll)."""
+    with FencedServer(source, args=["--read-timeout", "1"]) as server:
+        u = f"{server.url}/v1/locks/busy/-/acquire"
+        assert post(u, {"ttl": 30, "request_id": "holder"}).status_code == 200
+        with httpx.Client(timeout=30) as client:
+            for _ in range(2):  # (the second request on the same connection)
+                r = client.post(u, json={"timeout": 2.5, "request_id": "waiter"})
+                assert r.status_code == 409 and r.json()["error"] == "timeout", r.text
