@@ -118,3 +118,38 @@ def test_a_long_poll_on_a_kept_alive_connection_outlives_the_read_timeout(source
             for _ in range(2):  # (the second request on the same connection)
                 r = client.post(u, json={"timeout": 2.5, "request_id": "waiter"})
                 assert r.status_code == 409 and r.json()["error"] == "timeout", r.text
+
+
+# -- tenant isolation --------------------------------------------------------------------------
+
+
+def test_another_keys_request_id_is_refused_and_counts_as_a_refusal_only(
+    keyed: FencedServer,
+) -> None:
+    """Eve (a key on every prefix) names Alice's request id and token on acquire, renew and
+    release: 403 each, Alice keeps her grant — and the metrics count three refusals, nothing
+    else. (The gateway tried the request under Eve's own id first and counted what that
+    found — an acquire timeout, a lost renewal, a release of nothing — before it saw the
+    request id was another key's: a scraper saw leases lost that were not.)"""
+    u = f"{keyed.url}/v1/locks/a/x/-"
+    grant = post(f"{u}/acquire", {"ttl": 30, "request_id": "r1"}, key="alice").json()
+    lease = {"token": grant["token"], "request_id": "r1"}
+    before = samples(keyed)
+    for action, body in (("acquire", {"request_id": "r1"}), ("renew", lease), ("release", lease)):
+        r = post(f"{u}/{action}", body, key="eve")
+        assert r.status_code == 403 and r.json()["error"] == "forbidden", (action, r.text)
+    after = samples(keyed)
+    changed = {k: after[k] - before.get(k, 0.0) for k in after if after[k] != before.get(k, 0.0)}
+    # (fenced_source_commits_total aside: SQLite's try-once commits its look, changing nothing)
+    changed = {
+        k: v
+        for k, v in changed.items()
+        if not k.startswith(("fenced_request_seconds", "fenced_source_commits"))
+    }
+    assert changed == {'fenced_refused_requests_total{reason="forbidden"}': 3.0}, changed
+    # The rightful holder: renewed and released, counted as such.
+    assert post(f"{u}/renew", lease, key="alice").status_code == 200
+    assert post(f"{u}/release", lease, key="alice").json() == {"released": True}
+    after = samples(keyed)
+    assert after['fenced_renewals_total{result="ok"}'] == 1.0
+    assert after['fenced_releases_total{result="released"}'] == 1.0
