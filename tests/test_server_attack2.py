@@ -153,3 +153,34 @@ def test_another_keys_request_id_is_refused_and_counts_as_a_refusal_only(
     after = samples(keyed)
     assert after['fenced_renewals_total{result="ok"}'] == 1.0
     assert after['fenced_releases_total{result="released"}'] == 1.0
+
+
+# -- logs ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("args", "fmt"), [((), "text"), (("--log-format", "json"), "json")])
+def test_access_log_writes_a_line_per_request_and_only_when_asked(
+    source: str, args: tuple[str, ...], fmt: str
+) -> None:
+    """``--access-log`` wrote nothing: uvicorn's access lines go to ``uvicorn.access``, which
+    had no handler (uvicorn's log config is off), so they were dropped. Now one line per
+    request, in the chosen format, also at ``--log-level warning`` (asked for by name); and
+    none without the option."""
+    import json
+
+    for n, extra in enumerate(((), ("--access-log",), ("--access-log", "--log-level", "warning"))):
+        with FencedServer(source, args=[*args, *extra]) as server:
+            assert get(f"{server.url}/v1/health?probe=7").status_code == 200
+            r = post(f"{server.url}/v1/locks/acc{n}/-/acquire", {"ttl": 5})
+            assert r.status_code == 200, r.text
+            server.stop()
+            log = server.log_path.read_text()
+        lines = [ln for ln in log.splitlines() if "/v1/health?probe=7" in ln]
+        if not extra:
+            assert lines == [], lines
+            continue
+        assert len(lines) == 1 and "200" in lines[0], log[-2000:]
+        if fmt == "json":
+            assert json.loads(lines[0])["logger"] == "uvicorn.access"
+        grants = [ln for ln in log.splitlines() if f"granted lock=acc{n}" in ln]
+        assert len(grants) == (0 if "warning" in extra else 1), grants
