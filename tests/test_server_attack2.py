@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -118,6 +119,21 @@ def test_a_long_poll_on_a_kept_alive_connection_outlives_the_read_timeout(source
             for _ in range(2):  # (the second request on the same connection)
                 r = client.post(u, json={"timeout": 2.5, "request_id": "waiter"})
                 assert r.status_code == 409 and r.json()["error"] == "timeout", r.text
+        # ... while a second request's head that stalls half way is still closed in time.
+        port = int(server.url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+            conn.sendall(b"GET /v1/health HTTP/1.1\r\nhost: x\r\n\r\n")
+            reply = b""
+            while not reply.endswith(b"}"):
+                reply += conn.recv(65536)
+            started = time.monotonic()
+            conn.sendall(b"GET /v1/health HTTP/1.1\r\nhost: x\r\n")
+            reply = b""
+            while piece := conn.recv(65536):  # (until the server closes it)
+                reply += piece
+            took = time.monotonic() - started
+        assert reply.startswith(b"HTTP/1.1 408 "), reply[:200]
+        assert 0.9 < took < 5, took
 
 
 # -- tenant isolation --------------------------------------------------------------------------
