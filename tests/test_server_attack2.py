@@ -200,3 +200,42 @@ def test_access_log_writes_a_line_per_request_and_only_when_asked(
             assert json.loads(lines[0])["logger"] == "uvicorn.access"
         grants = [ln for ln in log.splitlines() if f"granted lock=acc{n}" in ln]
         assert len(grants) == (0 if "warning" in extra else 1), grants
+
+
+# -- expiry bookkeeping ----------------------------------------------------------------------------
+
+
+def _expired(server: FencedServer, lock: str) -> list[dict[str, object]]:
+    events = get(f"{server.url}/v1/dashboard").json()["events"]
+    return [e for e in events if e["lock"] == lock and e["event"] == "expired"]
+
+
+def test_an_expiry_of_a_grant_resumed_here_names_its_holder(server: FencedServer) -> None:
+    """A holder renews through a gateway that did not make its grant (here: the same gateway,
+    killed with SIGKILL and started again), then dies: the expiry is counted once and shown
+    naming the holder, as for a grant made here. (A resumed grant had no description in the
+    gateway's table: the "expired" transition said nobody, and so did a "released" one.) The
+    holder that keeps renewing through the restarted gateway is not counted."""
+    u = f"{server.url}/v1/locks"
+    dead = post(f"{u}/jobs/dead/-/acquire", {"ttl": 4, "request_id": "d", "owner": "victim"})
+    live = post(f"{u}/jobs/live/-/acquire", {"ttl": 4, "request_id": "l", "owner": "keeper"})
+    given = post(f"{u}/jobs/given/-/acquire", {"ttl": 30, "request_id": "g", "owner": "giver"})
+    server.restart(kill=True)
+    r = post(f"{u}/jobs/given/-/release", {"token": given.json()["token"], "request_id": "g"})
+    assert r.json() == {"released": True}, r.text
+    events = get(f"{server.url}/v1/dashboard").json()["events"]
+    assert [e["owner"] for e in events if e["lock"] == "jobs/given"] == ["giver"], events
+    for lock, rid, grant in (("dead", "d", dead.json()), ("live", "l", live.json())):
+        r = post(f"{u}/jobs/{lock}/-/renew", {"token": grant["token"], "request_id": rid})
+        assert r.status_code == 200, r.text
+    deadline = time.monotonic() + 20
+    while not _expired(server, "jobs/dead"):  # (the sweep: about a second after the end)
+        assert time.monotonic() < deadline, get(f"{server.url}/v1/dashboard").json()["events"]
+        r = post(f"{u}/jobs/live/-/renew", {"token": live.json()["token"], "request_id": "l"})
+        assert r.status_code == 200, r.text
+        time.sleep(0.3)  # (the holder's renewal rhythm, not a wait for the server)
+    [event] = _expired(server, "jobs/dead")
+    assert event["owner"] == "victim", event
+    assert _expired(server, "jobs/live") == []
+    text = get(f"{server.url}/metrics").text
+    assert "fenced_expiries_total 1.0" in text, text

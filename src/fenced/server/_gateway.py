@@ -276,11 +276,22 @@ class Gateway:
         self._owners[key] = owner
         return grant, self.locks.sign(grant.token)
 
-    async def _grant_of(self, name: str, token: FencingToken, request_id: str, ttl: float) -> Grant:
+    async def _grant_of(
+        self, name: str, token: FencingToken, request_id: str, ttl: float
+    ) -> tuple[Grant, str | None]:
+        """The grant, from the table or resumed from the source; and, if resumed, its holder's
+        description (the source's), for the transitions this gateway shows of it — an
+        "expired" or "released" line naming nobody otherwise."""
         grant = self._grants.get((name, request_id))
         if grant is not None and grant.token == token:
-            return grant
-        return await self.backend.resume(name, token.unsigned(), request_id, ttl)
+            return grant, None
+        grant = await self.backend.resume(name, token.unsigned(), request_id, ttl)
+        try:
+            status = await self.backend.status(name)
+        except Exception:  # (only the description is missed: the resume stands)
+            return grant, None
+        held = status.token is not None and status.token.value == token.value
+        return grant, status.owner if held else None
 
     async def renew(
         self,
@@ -308,7 +319,7 @@ class Gateway:
         self._begin(key)
         new: Grant | None = None
         try:
-            grant = await self._grant_of(name, token, request_id, ttl or self.default_ttl)
+            grant, owner = await self._grant_of(name, token, request_id, ttl or self.default_ttl)
             new = await self.backend.renew(grant)
         except LeaseLostError:
             if not self._release_pending(key, token):
@@ -324,6 +335,8 @@ class Gateway:
             return new  # kept again, it would be counted an expiry later)
         self._supersede(key, new.token)
         self._grants[key] = new
+        if owner is not None:  # (resumed here)
+            self._owners[key] = owner
         return new
 
     def _begin(self, key: tuple[str, str]) -> None:
@@ -372,8 +385,9 @@ class Gateway:
 
     async def _release(self, name: str, token: FencingToken, request_id: str) -> bool:
         key = (name, request_id)
+        owner = None
         try:
-            grant = await self._grant_of(name, token, request_id, self.default_ttl)
+            grant, owner = await self._grant_of(name, token, request_id, self.default_ttl)
         except LeaseLostError:
             released = False
         else:
@@ -382,7 +396,7 @@ class Gateway:
             self._supersede(key, token)
             self._settle(key, token)
             self._grants.pop(key, None)
-            self._note(name, "released", token, self._owners.pop(key, None))
+            self._note(name, "released", token, self._owners.pop(key, None) or owner)
         elif not self._release_pending(key, token, mine=1):
             # It ended before: an expiry, if this gateway knew it; a repeat: nothing.
             self._ended(key, token)
