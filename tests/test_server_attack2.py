@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,8 +30,18 @@ def server(source: str) -> Iterator[FencedServer]:
         yield s  # type: ignore[misc]
 
 
+@pytest.fixture(params=["sqlite", "redis", "postgresql"])
+def any_source(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """SQLite, Redis and PostgreSQL: a gateway's key checks are the same in front of each."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'locks.db'}"
+    if request.param == "redis":
+        return str(request.getfixturevalue("redis_server").url)
+    return str(request.getfixturevalue("pg_dsn"))
+
+
 @pytest.fixture
-def keyed(source: str, tmp_path: Path) -> Iterator[FencedServer]:
+def keyed(any_source: str, tmp_path: Path) -> Iterator[FencedServer]:
     keys = tmp_path / "keys.toml"
     keys.write_text(
         f"""
@@ -52,7 +63,7 @@ sha256 = "{hash_secret(SECRETS["mon"])}"
 verbs = ["metrics"]
 """
     )
-    with FencedServer(source, args=["--api-keys", str(keys)]) as s:
+    with FencedServer(any_source, args=["--api-keys", str(keys)]) as s:
         yield s  # type: ignore[misc]
 
 
@@ -147,7 +158,7 @@ def test_another_keys_request_id_is_refused_and_counts_as_a_refusal_only(
     else. (The gateway tried the request under Eve's own id first and counted what that
     found — an acquire timeout, a lost renewal, a release of nothing — before it saw the
     request id was another key's: a scraper saw leases lost that were not.)"""
-    u = f"{keyed.url}/v1/locks/a/x/-"
+    u = f"{keyed.url}/v1/locks/a/{uuid.uuid4().hex}/-"  # (a source shared by the session)
     grant = post(f"{u}/acquire", {"ttl": 30, "request_id": "r1"}, key="alice").json()
     lease = {"token": grant["token"], "request_id": "r1"}
     before = samples(keyed)
@@ -163,6 +174,22 @@ def test_another_keys_request_id_is_refused_and_counts_as_a_refusal_only(
         if not k.startswith(("fenced_request_seconds", "fenced_source_commits"))
     }
     assert changed == {'fenced_refused_requests_total{reason="forbidden"}': 3.0}, changed
+    # Eve reads the lock every way there is: the holder's description, never the request id.
+    name = u.split("/v1/locks/")[1][:-2]
+    reads = [
+        get(f"{keyed.url}/v1/locks/{name}", key="eve").text,
+        get(f"{keyed.url}/v1/locks/{name}?index=0:free&wait=0.2", key="eve").text,
+        get(f"{keyed.url}/v1/dashboard?prefix={name}", key="eve").text,
+    ]
+    headers = {"authorization": f"Bearer {SECRETS['eve']}"}
+    with httpx.stream("GET", f"{u}/watch", headers=headers, timeout=30) as watch:
+        lines = watch.iter_lines()
+        reads.append(next(lines) + next(lines))  # (the event's name, then its data)
+    for text in reads:
+        assert '"holder":"alice: ' in text, text
+        assert "r1" not in text.replace(name, ""), text
+    mine = get(f"{keyed.url}/v1/locks/{name}", key="alice").json()
+    assert mine["holder"] == "r1", mine
     # The rightful holder: renewed and released, counted as such.
     assert post(f"{u}/renew", lease, key="alice").status_code == 200
     assert post(f"{u}/release", lease, key="alice").json() == {"released": True}
