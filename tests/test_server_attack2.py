@@ -123,7 +123,8 @@ def test_the_head_bound_holds_for_a_kept_alive_connections_second_request(
 def test_a_long_poll_on_a_kept_alive_connection_outlives_the_read_timeout(source: str) -> None:
     """The other side of the bound above: between requests the next head is counted, but its
     time is not (a request's answer may take longer than --read-timeout: a long poll)."""
-    with FencedServer(source, args=["--read-timeout", "1"]) as server:
+    server = FencedServer(source, args=["--read-timeout", "1"])
+    with server:
         u = f"{server.url}/v1/locks/busy/-/acquire"
         assert post(u, {"ttl": 30, "request_id": "holder"}).status_code == 200
         with httpx.Client(timeout=30) as client:
@@ -212,7 +213,8 @@ def test_access_log_writes_a_line_per_request_and_only_when_asked(
     import json
 
     for n, extra in enumerate(((), ("--access-log",), ("--access-log", "--log-level", "warning"))):
-        with FencedServer(source, args=[*args, *extra]) as server:
+        server = FencedServer(source, args=[*args, *extra])
+        with server:
             assert get(f"{server.url}/v1/health?probe=7").status_code == 200
             r = post(f"{server.url}/v1/locks/acc{n}/-/acquire", {"ttl": 5})
             assert r.status_code == 200, r.text
@@ -280,7 +282,8 @@ def test_one_expiry_after_a_renewal_through_another_gateway_is_counted_once(
     """Two gateways on one source. A holder takes a lock through A, renews it once through B
     (its client moved: A did not answer for a moment) and dies. Its one expiry is counted by
     B, the gateway that last had it — and by A too, whose sweep finds the grant gone."""
-    with FencedServer(source) as a, FencedServer(source) as b:
+    a, b = FencedServer(source), FencedServer(source)
+    with a, b:
         g = post(f"{a.url}/v1/locks/moved/-/acquire", {"ttl": 2, "request_id": "m"}).json()
         r = post(
             f"{b.url}/v1/locks/moved/-/renew", {"token": g["token"], "request_id": "m", "ttl": 2}
