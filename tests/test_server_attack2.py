@@ -239,33 +239,43 @@ def _expired(server: FencedServer, lock: str) -> list[dict[str, object]]:
     return [e for e in events if e["lock"] == lock and e["event"] == "expired"]
 
 
-def test_an_expiry_of_a_grant_resumed_here_names_its_holder(server: FencedServer) -> None:
+def test_an_expiry_of_a_grant_resumed_here_names_its_holder(any_source: str) -> None:
     """A holder renews through a gateway that did not make its grant (here: the same gateway,
     killed with SIGKILL and started again), then dies: the expiry is counted once and shown
     naming the holder, as for a grant made here. (A resumed grant had no description in the
     gateway's table: the "expired" transition said nobody, and so did a "released" one.) The
     holder that keeps renewing through the restarted gateway is not counted."""
+    server = FencedServer(any_source)
+    with server:
+        _resumed_expiry(server, uuid.uuid4().hex)
+
+
+def _resumed_expiry(server: FencedServer, tag: str) -> None:
     u = f"{server.url}/v1/locks"
-    dead = post(f"{u}/jobs/dead/-/acquire", {"ttl": 4, "request_id": "d", "owner": "victim"})
-    live = post(f"{u}/jobs/live/-/acquire", {"ttl": 4, "request_id": "l", "owner": "keeper"})
-    given = post(f"{u}/jobs/given/-/acquire", {"ttl": 30, "request_id": "g", "owner": "giver"})
+    dead = post(f"{u}/{tag}/dead/-/acquire", {"ttl": 4, "request_id": "d", "owner": "victim"})
+    live = post(f"{u}/{tag}/live/-/acquire", {"ttl": 4, "request_id": "l", "owner": "keeper"})
+    given = post(f"{u}/{tag}/given/-/acquire", {"ttl": 30, "request_id": "g", "owner": "giver"})
     server.restart(kill=True)
-    r = post(f"{u}/jobs/given/-/release", {"token": given.json()["token"], "request_id": "g"})
+    r = post(f"{u}/{tag}/given/-/release", {"token": given.json()["token"], "request_id": "g"})
     assert r.json() == {"released": True}, r.text
     events = get(f"{server.url}/v1/dashboard").json()["events"]
-    assert [e["owner"] for e in events if e["lock"] == "jobs/given"] == ["giver"], events
+    assert [e["owner"] for e in events if e["lock"] == f"{tag}/given"] == ["giver"], events
     for lock, rid, grant in (("dead", "d", dead.json()), ("live", "l", live.json())):
-        r = post(f"{u}/jobs/{lock}/-/renew", {"token": grant["token"], "request_id": rid})
+        r = post(
+            f"{u}/{tag}/{lock}/-/renew", {"token": grant["token"], "request_id": rid, "ttl": 4}
+        )
         assert r.status_code == 200, r.text
     deadline = time.monotonic() + 20
-    while not _expired(server, "jobs/dead"):  # (the sweep: about a second after the end)
+    while not _expired(server, f"{tag}/dead"):  # (the sweep: about a second after the end)
         assert time.monotonic() < deadline, get(f"{server.url}/v1/dashboard").json()["events"]
-        r = post(f"{u}/jobs/live/-/renew", {"token": live.json()["token"], "request_id": "l"})
+        r = post(
+            f"{u}/{tag}/live/-/renew", {"token": live.json()["token"], "request_id": "l", "ttl": 4}
+        )
         assert r.status_code == 200, r.text
         time.sleep(0.3)  # (the holder's renewal rhythm, not a wait for the server)
-    [event] = _expired(server, "jobs/dead")
+    [event] = _expired(server, f"{tag}/dead")
     assert event["owner"] == "victim", event
-    assert _expired(server, "jobs/live") == []
+    assert _expired(server, f"{tag}/live") == []
     text = get(f"{server.url}/metrics").text
     assert "fenced_expiries_total 1.0" in text, text
 
