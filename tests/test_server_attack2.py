@@ -312,3 +312,48 @@ def test_one_expiry_after_a_renewal_through_another_gateway_is_counted_once(
             time.sleep(0.2)
         counted = [sample(s, "fenced_expiries_total") for s in (a, b)]
         assert sum(counted) == 1, counted
+
+
+# -- a keyless server and the web pages its operator opens ------------------------------------
+
+
+def test_without_keys_a_page_of_another_site_cannot_take_or_free_a_lock(
+    server: FencedServer,
+) -> None:
+    """A web page may send a "simple" cross-site POST (text/plain, no preflight) to
+    127.0.0.1: the browser names the page's origin and sends it, with the server's own
+    address as its Host — past the DNS-rebinding rule — and the server read the body as
+    JSON: the page took locks and force-released them (unread answers, done deeds). Now a
+    request whose Origin is another site is refused (403), nothing changed; the server's
+    own page (same origin), and clients that send no Origin (curl, the libraries), are
+    served. Shown with httpx and with a real Chromium."""
+    u, port = server.url, server.port
+    held = post(f"{u}/v1/locks/mine/-/acquire", {"ttl": 60, "request_id": "m"})
+    assert held.status_code == 200
+    simple = {"content-type": "text/plain;charset=UTF-8"}
+    for origin in ("http://evil.example", "null", f"http://localhost:{port}", "http://127.0.0.1"):
+        h = {**simple, "origin": origin}
+        for path, body in (("taken/-/acquire", b'{"ttl": 600}'), ("mine/-/force-release", b"{}")):
+            r = httpx.post(f"{u}/v1/locks/{path}", content=body, headers=h, timeout=10)
+            assert r.status_code == 403 and r.json()["error"] == "forbidden", (origin, r.text)
+    assert get(f"{u}/v1/locks").json()["locks"] == ["mine"]  # nothing taken
+    assert get(f"{u}/v1/locks/mine").json()["token"] == "mine:1"  # nothing freed
+    # The server's own page (its origin), and a client that sends no Origin: served.
+    own = {**simple, "origin": f"http://127.0.0.1:{port}"}
+    r = httpx.post(f"{u}/v1/locks/own/-/acquire", content=b"{}", headers=own, timeout=10)
+    assert r.status_code == 200, r.text
+    assert post(f"{u}/v1/locks/plain/-/acquire", {}).status_code == 200
+    # A real browser: a page of origin localhost:PORT (another origin than 127.0.0.1:PORT)
+    # posts to 127.0.0.1 as any site could; refused. The dashboard itself still works.
+    from tests.cdp import Browser
+
+    with Browser(1280, 800) as b:
+        b.call("Page.navigate", url=f"http://localhost:{port}/favicon.ico")
+        b.wait_for("document.readyState === 'complete'")
+        b.js(
+            f"fetch('http://127.0.0.1:{port}/v1/locks/csrf/-/acquire', {{method: 'POST', "
+            "mode: 'no-cors', body: '{\"ttl\": 600}'}).then(() => 1, () => 0)"
+        )
+        assert "csrf" not in get(f"{u}/v1/locks").json()["locks"]
+        b.go(f"{u}/")
+        b.wait_for("document.body.innerText.includes('mine')")
