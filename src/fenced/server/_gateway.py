@@ -33,6 +33,9 @@ __all__ = ["ForeignGrant", "Gateway", "Transition", "client_id", "others_id", "o
 
 logger = logging.getLogger("fenced.server")
 
+Foreign = Callable[[], Awaitable[None]]
+"""Raises ForeignGrant if a request named another key's grant (``Gateway._foreign``)."""
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Transition:
@@ -183,41 +186,68 @@ class Gateway:
         leaving); a try-once is checked only when refused (only then does it pay the look)."""
         if wait:  # (checked before it queues: a refused request changes nothing)
             await self.refuse_others(key, name, request_id)
-        granting = self.acquire(name, own_id(key, request_id), ttl, wait, owner)
-        try:
-            got: tuple[Grant, FencingToken] = await (
-                waiting(granting) if wait and waiting is not None else granting
-            )
-        except LockTimeout:
-            if not wait:
-                await self.refuse_others(key, name, request_id)
-            raise
+        granting = self.acquire(
+            name,
+            own_id(key, request_id),
+            ttl,
+            wait,
+            owner,
+            foreign=self._foreign(key, name, request_id),
+        )
+        got: tuple[Grant, FencingToken] = await (
+            waiting(granting) if wait and waiting is not None else granting
+        )
         return got
 
     async def renew_for(
         self, key: ApiKey | None, name: str, token: FencingToken, request_id: str, ttl: float | None
     ) -> Grant:
-        try:
-            return await self.renew(name, token, own_id(key, request_id), ttl)
-        except LeaseLostError:
-            await self.refuse_others(key, name, request_id)
-            raise
+        return await self.renew(
+            name, token, own_id(key, request_id), ttl, foreign=self._foreign(key, name, request_id)
+        )
 
     async def release_for(
         self, key: ApiKey | None, name: str, token: FencingToken, request_id: str
     ) -> bool:
-        released = await self.release(name, token, own_id(key, request_id))
-        if not released:
-            await self.refuse_others(key, name, request_id)
-        return released
+        return await self.release(
+            name, token, own_id(key, request_id), foreign=self._foreign(key, name, request_id)
+        )
+
+    def _foreign(self, key: ApiKey | None, name: str, request_id: str) -> Foreign | None:
+        """What a request of ``key`` that was refused or found its grant gone asks before it
+        is counted: ForeignGrant if it named another key's grant — then it counts as a
+        refusal only, not as an acquire timeout, a lost renewal or a release of nothing too
+        (a scraper saw leases lost that were not)."""
+        if key is None:
+            return None
+        return lambda: self.refuse_others(key, name, request_id)
 
     # -- grants -------------------------------------------------------------------------------
 
     async def acquire(
-        self, name: str, request_id: str, ttl: float, wait: float, owner: str
+        self,
+        name: str,
+        request_id: str,
+        ttl: float,
+        wait: float,
+        owner: str,
+        *,
+        foreign: Foreign | None = None,
     ) -> tuple[Grant, FencingToken]:
         """Grant ``name`` to ``request_id`` (idempotent), waiting FIFO up to ``wait`` seconds;
-        LockTimeout after that. Returns the grant and its token as the holder gets it."""
+        LockTimeout after that (or ForeignGrant, from ``foreign``: see :meth:`_foreign`).
+        Returns the grant and its token as the holder gets it."""
+        try:
+            return await self._acquire(name, request_id, ttl, wait, owner)
+        except LockTimeout:
+            if foreign is not None and not wait:  # (a waiting one was asked before it queued)
+                await foreign()
+            self.metrics.acquire_timeouts.inc()
+            raise
+
+    async def _acquire(
+        self, name: str, request_id: str, ttl: float, wait: float, owner: str
+    ) -> tuple[Grant, FencingToken]:
         start = _clock.now()
         key = (name, request_id)
         self._waiting += 1
@@ -232,9 +262,6 @@ class Gateway:
                 on_lost=lambda exc: self._lost(name, request_id, exc),
                 owner=owner,
             )
-        except LockTimeout:
-            self.metrics.acquire_timeouts.inc()
-            raise
         finally:
             self._waiting -= 1
             stale = self._done(key, grant)
@@ -249,23 +276,52 @@ class Gateway:
         self._owners[key] = owner
         return grant, self.locks.sign(grant.token)
 
-    async def _grant_of(self, name: str, token: FencingToken, request_id: str, ttl: float) -> Grant:
+    async def _grant_of(
+        self, name: str, token: FencingToken, request_id: str, ttl: float
+    ) -> tuple[Grant, str | None]:
+        """The grant, from the table or resumed from the source; and, if resumed, its holder's
+        description (the source's), for the transitions this gateway shows of it — an
+        "expired" or "released" line naming nobody otherwise."""
         grant = self._grants.get((name, request_id))
         if grant is not None and grant.token == token:
-            return grant
-        return await self.backend.resume(name, token.unsigned(), request_id, ttl)
+            return grant, None
+        grant = await self.backend.resume(name, token.unsigned(), request_id, ttl)
+        try:
+            status = await self.backend.status(name)
+        except Exception:  # (only the description is missed: the resume stands)
+            return grant, None
+        held = status.token is not None and status.token.value == token.value
+        return grant, status.owner if held else None
 
     async def renew(
+        self,
+        name: str,
+        token: FencingToken,
+        request_id: str,
+        ttl: float | None,
+        *,
+        foreign: Foreign | None = None,
+    ) -> Grant:
+        """Renew the grant; LeaseLostError if it has ended (or ForeignGrant, from
+        ``foreign``)."""
+        try:
+            return await self._renew(name, token, request_id, ttl)
+        except LeaseLostError:
+            if foreign is not None:
+                await foreign()
+            self.metrics.renewals.labels("lost").inc()
+            raise
+
+    async def _renew(
         self, name: str, token: FencingToken, request_id: str, ttl: float | None
     ) -> Grant:
         key = (name, request_id)
         self._begin(key)
         new: Grant | None = None
         try:
-            grant = await self._grant_of(name, token, request_id, ttl or self.default_ttl)
+            grant, owner = await self._grant_of(name, token, request_id, ttl or self.default_ttl)
             new = await self.backend.renew(grant)
         except LeaseLostError:
-            self.metrics.renewals.labels("lost").inc()
             if not self._release_pending(key, token):
                 self._ended(key, token)
             raise
@@ -279,6 +335,8 @@ class Gateway:
             return new  # kept again, it would be counted an expiry later)
         self._supersede(key, new.token)
         self._grants[key] = new
+        if owner is not None:  # (resumed here)
+            self._owners[key] = owner
         return new
 
     def _begin(self, key: tuple[str, str]) -> None:
@@ -303,7 +361,11 @@ class Gateway:
         if key in self._busy:
             self._settled.setdefault(key, set()).add(token.value)
 
-    async def release(self, name: str, token: FencingToken, request_id: str) -> bool:
+    async def release(
+        self, name: str, token: FencingToken, request_id: str, *, foreign: Foreign | None = None
+    ) -> bool:
+        """Release the grant; False if it had ended already (or ForeignGrant, from
+        ``foreign``)."""
         key = (name, request_id, token.value)
         self._releasing[key] = self._releasing.get(key, 0) + 1
         try:
@@ -313,22 +375,28 @@ class Gateway:
                 del self._releasing[key]
             else:
                 self._releasing[key] -= 1
+        if released:
+            self._released.inc()
+        else:
+            if foreign is not None:
+                await foreign()
+            self._not_held.inc()
         return released
 
     async def _release(self, name: str, token: FencingToken, request_id: str) -> bool:
         key = (name, request_id)
+        owner = None
         try:
-            grant = await self._grant_of(name, token, request_id, self.default_ttl)
+            grant, owner = await self._grant_of(name, token, request_id, self.default_ttl)
         except LeaseLostError:
             released = False
         else:
             released = await self.backend.release(grant)
-        (self._released if released else self._not_held).inc()
         if released:
             self._supersede(key, token)
             self._settle(key, token)
             self._grants.pop(key, None)
-            self._note(name, "released", token, self._owners.pop(key, None))
+            self._note(name, "released", token, self._owners.pop(key, None) or owner)
         elif not self._release_pending(key, token, mine=1):
             # It ended before: an expiry, if this gateway knew it; a repeat: nothing.
             self._ended(key, token)

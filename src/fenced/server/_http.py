@@ -72,6 +72,10 @@ def http_protocol(head_timeout: float = READ_TIMEOUT) -> type[asyncio.Protocol] 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self._in_head = True  # (a connection starts with a request's head)
+            # A request has begun (its first byte, or the connection's opening): only then
+            # does the head's time count. Between requests the next head's bytes are counted
+            # (``_in_head``), but the time is the keep-alive's (uvicorn's) — or a long poll's.
+            self._begun = True
             self._head_bytes = 0
             self._tail = b""  # the last bytes of the head so far: its end may span two reads
             self._head_timer: asyncio.TimerHandle | None = None
@@ -101,14 +105,14 @@ def http_protocol(head_timeout: float = READ_TIMEOUT) -> type[asyncio.Protocol] 
                 if b"pgrade" in data or b"PGRADE" in data:
                     data = _ignore_upgrade(data, head_end)
             super().data_received(data)
-            if self._in_head:  # (a head begun in this read and not ended: its time counts)
+            if self._in_head and self._begun:  # (a head begun, not ended: its time counts)
                 self._arm_head_timer()
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
             # The timer is armed after the read if the head is still incomplete then: a head
             # that comes whole in one read (nearly all) costs no timer.
-            self._in_head = True
+            self._in_head = self._begun = True
 
         def on_headers_complete(self) -> None:
             self._in_head = False
@@ -118,6 +122,11 @@ def http_protocol(head_timeout: float = READ_TIMEOUT) -> type[asyncio.Protocol] 
 
         def on_message_complete(self) -> None:
             self.scope[BODY_RECEIVED] = True  # type: ignore[literal-required]
+            # What comes next on this connection is the next request's head: counted from its
+            # first byte. (Left to on_message_begin, the read that begins a kept-alive
+            # connection's second request went uncounted: its head could be 64 KiB plus one
+            # read, up to 256 KiB, and was served.)
+            self._in_head, self._begun = True, False
             super().on_message_complete()
 
         def _arm_head_timer(self) -> None:
@@ -131,7 +140,7 @@ def http_protocol(head_timeout: float = READ_TIMEOUT) -> type[asyncio.Protocol] 
 
         def _head_too_slow(self) -> None:
             self._head_timer = None
-            if self._in_head:
+            if self._in_head and self._begun:
                 self._refuse(408, "Request Timeout", too_slow, "took over %g s")
 
         def _refuse(self, status: int, reason: str, body: bytes, why: str) -> None:

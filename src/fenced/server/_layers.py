@@ -41,6 +41,18 @@ class _Service(FastAPI):
                 )
                 await _error(403, "forbidden", message)(scope, receive, send)
                 return
+            origin = _header(scope, b"origin")
+            if origin is not None and not _same_origin(origin, host):
+                # A page of another site may send a "simple" POST (text/plain; no preflight,
+                # and bodies are read as JSON whatever their type) to 127.0.0.1: unread, its
+                # answer still took or freed a lock. Browsers name the page's origin.
+                self.state.gateway.metrics.refused.labels("forbidden").inc()
+                message = (
+                    f"Origin {origin[:100]!r} is another site: this server has no API keys "
+                    "and answers its own pages and clients that send no Origin"
+                )
+                await _error(403, "forbidden", message)(scope, receive, send)
+                return
         front = self.front
         if front is not None and scope["type"] == "http":
             await front(scope, receive, send)
@@ -53,10 +65,22 @@ class _Service(FastAPI):
 
 def _host(scope: Scope) -> str | None:
     """The request's Host header (None without one: not a browser's request)."""
+    return _header(scope, b"host")
+
+
+def _header(scope: Scope, wanted: bytes) -> str | None:
+    """The first header ``wanted`` (lower case) of the request, or None."""
     for name, value in scope.get("headers", ()):
-        if name == b"host":
+        if name == wanted:
             return str(value.decode("latin-1"))
     return None
+
+
+def _same_origin(origin: str, host: str | None) -> bool:
+    """True if ``origin`` (``scheme://host[:port]``, as browsers send it) names the server
+    the request reached (its ``Host``): a page of the server's own (the dashboard)."""
+    _, sep, authority = origin.partition("://")
+    return bool(sep) and host is not None and authority.lower() == host.lower()
 
 
 def _names_loopback(host: str) -> bool:

@@ -190,10 +190,13 @@ def setup_logging(fmt: str, level: str = "info") -> _PerTurnHandler:
     # (the logging HOWTO's "Optimization"; the process is the server's).
     logging._srcfile = None
     logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
-    for name in ("fenced", "uvicorn.error"):
+    for name in ("fenced", "uvicorn.error", "uvicorn.access"):
         log = logging.getLogger(name)
         log.handlers[:] = [handler]
-        log.setLevel(level.upper())
+        # (uvicorn writes access lines only with --access-log: asked for, they are written
+        # whatever the level; without a handler here they went nowhere — uvicorn's own
+        # log config is off — and --access-log printed nothing)
+        log.setLevel("INFO" if name == "uvicorn.access" else level.upper())
         log.propagate = False
     return handler
 

@@ -289,9 +289,9 @@ class _SimGateway(Gateway):
         self.run.noted.append((self.gw_name, event, name, token.value, self.run.w.now()))
 
     async def renew(
-        self, name: str, token: FencingToken, request_id: str, ttl: float | None
+        self, name: str, token: FencingToken, request_id: str, ttl: float | None, **kw: Any
     ) -> Grant:
-        grant = await super().renew(name, token, request_id, ttl)
+        grant = await super().renew(name, token, request_id, ttl, **kw)
         self.run.w.record(self.gw_name, "gw-renewed", lock=name, token=token.value)
         return grant
 
@@ -331,8 +331,8 @@ class _RetryNewGrant(_SimGateway):
 
 
 class _ExpiryRecounted(_SimGateway):
-    async def release(self, name: str, token: FencingToken, request_id: str) -> bool:
-        released = await super().release(name, token, request_id)
+    async def release(self, name: str, token: FencingToken, request_id: str, **kw: Any) -> bool:
+        released = await super().release(name, token, request_id, **kw)
         if not released:  # (planted: a release finding its grant gone counts an expiry)
             self.metrics.expiries.inc()
             self._note(name, "expired", token, None)

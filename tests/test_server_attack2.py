@@ -1,0 +1,359 @@
+"""Attacks on ``fenced serve`` from outside (session 3, attack 2): each test is a finding
+reproduced against a real ``fenced serve`` process, and the rightful request served beside it."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from fenced.server import hash_secret
+from fenced.testing.servers import FencedServer
+
+SECRETS = {"alice": "alice-secret-0123456789", "eve": "eve-secret-0123456789ab", "mon": "m" * 20}
+
+
+@pytest.fixture
+def source(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'locks.db'}"
+
+
+@pytest.fixture
+def server(source: str) -> Iterator[FencedServer]:
+    with FencedServer(source) as s:
+        yield s  # type: ignore[misc]
+
+
+@pytest.fixture(params=["sqlite", "redis", "postgresql"])
+def any_source(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """SQLite, Redis and PostgreSQL: a gateway's key checks are the same in front of each."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'locks.db'}"
+    if request.param == "redis":
+        return str(request.getfixturevalue("redis_server").url)
+    return str(request.getfixturevalue("pg_dsn"))
+
+
+@pytest.fixture
+def keyed(any_source: str, tmp_path: Path) -> Iterator[FencedServer]:
+    keys = tmp_path / "keys.toml"
+    keys.write_text(
+        f"""
+[[keys]]
+id = "alice"
+sha256 = "{hash_secret(SECRETS["alice"])}"
+prefixes = ["a/"]
+verbs = ["acquire", "check"]
+
+[[keys]]
+id = "eve"
+sha256 = "{hash_secret(SECRETS["eve"])}"
+prefixes = [""]
+verbs = ["acquire", "check"]
+
+[[keys]]
+id = "mon"
+sha256 = "{hash_secret(SECRETS["mon"])}"
+verbs = ["metrics"]
+"""
+    )
+    with FencedServer(any_source, args=["--api-keys", str(keys)]) as s:
+        yield s  # type: ignore[misc]
+
+
+def post(url: str, body: object = None, key: str | None = None) -> httpx.Response:
+    headers = {"authorization": f"Bearer {SECRETS[key]}"} if key else {}
+    return httpx.post(url, json=body, headers=headers, timeout=30)
+
+
+def get(url: str, key: str | None = None) -> httpx.Response:
+    headers = {"authorization": f"Bearer {SECRETS[key]}"} if key else {}
+    return httpx.get(url, headers=headers, timeout=30)
+
+
+def samples(server: FencedServer) -> dict[str, float]:
+    text = get(f"{server.url}/metrics", key="mon").text
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("fenced_") and "_created" not in line:
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+# -- the request bounds on a kept-alive connection ---------------------------------------------
+
+
+def test_the_head_bound_holds_for_a_kept_alive_connections_second_request(
+    server: FencedServer,
+) -> None:
+    """The 64 KiB bound on a request's head held for a connection's first request only: after
+    a request, the next one's head began with ``_in_head`` False, so the read that began it
+    was not counted — a second request of ~100 KiB of headers, sent in one piece, was served
+    (the bound was 64 KiB plus one read, up to 256 KiB). The first request on the same
+    connection is served, and a second within the bound too."""
+    port = int(server.url.rsplit(":", 1)[1])
+    first = b"GET /v1/health HTTP/1.1\r\nhost: x\r\n\r\n"
+    junk = b"".join(b"x-junk-%d: %s\r\n" % (i, b"a" * 1000) for i in range(100))  # ~100 KiB
+    within = b"".join(b"x-long-%d: %s\r\n" % (i, b"b" * 1000) for i in range(20))  # ~20 KiB
+    for extra, status in ((junk, b"431"), (within, b"200")):
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+            conn.sendall(first)
+            reply = b""
+            while b"\r\n\r\n" not in reply or not reply.endswith(b"}"):
+                reply += conn.recv(65536)
+            assert reply.startswith(b"HTTP/1.1 200 "), reply[:200]
+            conn.sendall(b"GET /v1/health HTTP/1.1\r\nhost: x\r\n" + extra + b"\r\n")
+            reply = b""
+            with contextlib.suppress(OSError):
+                while b"\r\n\r\n" not in reply or not reply.endswith((b"}", b"\n")):
+                    if not (piece := conn.recv(65536)):
+                        break
+                    reply += piece
+        assert reply.startswith(b"HTTP/1.1 " + status), (status, reply[:200])
+    assert get(f"{server.url}/v1/health").json() == {"status": "ok"}
+
+
+def test_a_long_poll_on_a_kept_alive_connection_outlives_the_read_timeout(source: str) -> None:
+    """The other side of the bound above: between requests the next head is counted, but its
+    time is not (a request's answer may take longer than --read-timeout: a long poll)."""
+    server = FencedServer(source, args=["--read-timeout", "1"])
+    with server:
+        u = f"{server.url}/v1/locks/busy/-/acquire"
+        assert post(u, {"ttl": 30, "request_id": "holder"}).status_code == 200
+        with httpx.Client(timeout=30) as client:
+            for _ in range(2):  # (the second request on the same connection)
+                r = client.post(u, json={"timeout": 2.5, "request_id": "waiter"})
+                assert r.status_code == 409 and r.json()["error"] == "timeout", r.text
+        # ... while a second request's head that stalls half way is still closed in time.
+        port = int(server.url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+            conn.sendall(b"GET /v1/health HTTP/1.1\r\nhost: x\r\n\r\n")
+            reply = b""
+            while not reply.endswith(b"}"):
+                reply += conn.recv(65536)
+            started = time.monotonic()
+            conn.sendall(b"GET /v1/health HTTP/1.1\r\nhost: x\r\n")
+            reply = b""
+            while piece := conn.recv(65536):  # (until the server closes it)
+                reply += piece
+            took = time.monotonic() - started
+        assert reply.startswith(b"HTTP/1.1 408 "), reply[:200]
+        assert 0.9 < took < 5, took
+
+
+# -- tenant isolation --------------------------------------------------------------------------
+
+
+def test_another_keys_request_id_is_refused_and_counts_as_a_refusal_only(
+    keyed: FencedServer,
+) -> None:
+    """Eve (a key on every prefix) names Alice's request id and token on acquire, renew and
+    release: 403 each, Alice keeps her grant — and the metrics count three refusals, nothing
+    else. (The gateway tried the request under Eve's own id first and counted what that
+    found — an acquire timeout, a lost renewal, a release of nothing — before it saw the
+    request id was another key's: a scraper saw leases lost that were not.)"""
+    u = f"{keyed.url}/v1/locks/a/{uuid.uuid4().hex}/-"  # (a source shared by the session)
+    grant = post(f"{u}/acquire", {"ttl": 30, "request_id": "r1"}, key="alice").json()
+    lease = {"token": grant["token"], "request_id": "r1"}
+    before = samples(keyed)
+    for action, body in (("acquire", {"request_id": "r1"}), ("renew", lease), ("release", lease)):
+        r = post(f"{u}/{action}", body, key="eve")
+        assert r.status_code == 403 and r.json()["error"] == "forbidden", (action, r.text)
+    after = samples(keyed)
+    changed = {k: after[k] - before.get(k, 0.0) for k in after if after[k] != before.get(k, 0.0)}
+    # (fenced_source_commits_total aside: SQLite's try-once commits its look, changing nothing)
+    changed = {
+        k: v
+        for k, v in changed.items()
+        if not k.startswith(("fenced_request_seconds", "fenced_source_commits"))
+    }
+    assert changed == {'fenced_refused_requests_total{reason="forbidden"}': 3.0}, changed
+    # Eve reads the lock every way there is: the holder's description, never the request id.
+    name = u.split("/v1/locks/")[1][:-2]
+    reads = [
+        get(f"{keyed.url}/v1/locks/{name}", key="eve").text,
+        get(f"{keyed.url}/v1/locks/{name}?index=0:free&wait=0.2", key="eve").text,
+        get(f"{keyed.url}/v1/dashboard?prefix={name}", key="eve").text,
+    ]
+    headers = {"authorization": f"Bearer {SECRETS['eve']}"}
+    with httpx.stream("GET", f"{u}/watch", headers=headers, timeout=30) as watch:
+        lines = watch.iter_lines()
+        reads.append(next(lines) + next(lines))  # (the event's name, then its data)
+    for text in reads:
+        assert '"holder":"alice: ' in text, text
+        assert "r1" not in text.replace(name, ""), text
+    mine = get(f"{keyed.url}/v1/locks/{name}", key="alice").json()
+    assert mine["holder"] == "r1", mine
+    # The rightful holder: renewed and released, counted as such.
+    assert post(f"{u}/renew", lease, key="alice").status_code == 200
+    assert post(f"{u}/release", lease, key="alice").json() == {"released": True}
+    after = samples(keyed)
+    assert after['fenced_renewals_total{result="ok"}'] == 1.0
+    assert after['fenced_releases_total{result="released"}'] == 1.0
+
+
+# -- logs ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("args", "fmt"), [((), "text"), (("--log-format", "json"), "json")])
+def test_access_log_writes_a_line_per_request_and_only_when_asked(
+    source: str, args: tuple[str, ...], fmt: str
+) -> None:
+    """``--access-log`` wrote nothing: uvicorn's access lines go to ``uvicorn.access``, which
+    had no handler (uvicorn's log config is off), so they were dropped. Now one line per
+    request, in the chosen format, also at ``--log-level warning`` (asked for by name); and
+    none without the option."""
+    import json
+
+    for n, extra in enumerate(((), ("--access-log",), ("--access-log", "--log-level", "warning"))):
+        server = FencedServer(source, args=[*args, *extra])
+        with server:
+            assert get(f"{server.url}/v1/health?probe=7").status_code == 200
+            r = post(f"{server.url}/v1/locks/acc{n}/-/acquire", {"ttl": 5})
+            assert r.status_code == 200, r.text
+            server.stop()
+            log = server.log_path.read_text()
+        lines = [ln for ln in log.splitlines() if "/v1/health?probe=7" in ln]
+        if not extra:
+            assert lines == [], lines
+            continue
+        assert len(lines) == 1 and "200" in lines[0], log[-2000:]
+        if fmt == "json":
+            assert json.loads(lines[0])["logger"] == "uvicorn.access"
+        grants = [ln for ln in log.splitlines() if f"granted lock=acc{n}" in ln]
+        assert len(grants) == (0 if "warning" in extra else 1), grants
+
+
+# -- expiry bookkeeping ----------------------------------------------------------------------------
+
+
+def _expired(server: FencedServer, lock: str) -> list[dict[str, object]]:
+    events = get(f"{server.url}/v1/dashboard").json()["events"]
+    return [e for e in events if e["lock"] == lock and e["event"] == "expired"]
+
+
+def test_an_expiry_of_a_grant_resumed_here_names_its_holder(any_source: str) -> None:
+    """A holder renews through a gateway that did not make its grant (here: the same gateway,
+    killed with SIGKILL and started again), then dies: the expiry is counted once and shown
+    naming the holder, as for a grant made here. (A resumed grant had no description in the
+    gateway's table: the "expired" transition said nobody, and so did a "released" one.) The
+    holder that keeps renewing through the restarted gateway is not counted."""
+    server = FencedServer(any_source)
+    with server:
+        _resumed_expiry(server, uuid.uuid4().hex)
+
+
+def _resumed_expiry(server: FencedServer, tag: str) -> None:
+    u = f"{server.url}/v1/locks"
+    dead = post(f"{u}/{tag}/dead/-/acquire", {"ttl": 4, "request_id": "d", "owner": "victim"})
+    live = post(f"{u}/{tag}/live/-/acquire", {"ttl": 4, "request_id": "l", "owner": "keeper"})
+    given = post(f"{u}/{tag}/given/-/acquire", {"ttl": 30, "request_id": "g", "owner": "giver"})
+    server.restart(kill=True)
+    r = post(f"{u}/{tag}/given/-/release", {"token": given.json()["token"], "request_id": "g"})
+    assert r.json() == {"released": True}, r.text
+    events = get(f"{server.url}/v1/dashboard").json()["events"]
+    assert [e["owner"] for e in events if e["lock"] == f"{tag}/given"] == ["giver"], events
+    for lock, rid, grant in (("dead", "d", dead.json()), ("live", "l", live.json())):
+        r = post(
+            f"{u}/{tag}/{lock}/-/renew", {"token": grant["token"], "request_id": rid, "ttl": 4}
+        )
+        assert r.status_code == 200, r.text
+    deadline = time.monotonic() + 20
+    while not _expired(server, f"{tag}/dead"):  # (the sweep: about a second after the end)
+        assert time.monotonic() < deadline, get(f"{server.url}/v1/dashboard").json()["events"]
+        r = post(
+            f"{u}/{tag}/live/-/renew", {"token": live.json()["token"], "request_id": "l", "ttl": 4}
+        )
+        assert r.status_code == 200, r.text
+        time.sleep(0.3)  # (the holder's renewal rhythm, not a wait for the server)
+    [event] = _expired(server, f"{tag}/dead")
+    assert event["owner"] == "victim", event
+    assert _expired(server, f"{tag}/live") == []
+    text = get(f"{server.url}/metrics").text
+    assert "fenced_expiries_total 1.0" in text, text
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="open: gateway A's sweep asks the source only after A's own view of the lease "
+    "ended; a renewal through B within a second of A's last one has lapsed by then too, and "
+    "both gateways count the one expiry (docs/server.md says the source tells them apart)",
+)
+def test_one_expiry_after_a_renewal_through_another_gateway_is_counted_once(
+    source: str,
+) -> None:
+    """Two gateways on one source. A holder takes a lock through A, renews it once through B
+    (its client moved: A did not answer for a moment) and dies. Its one expiry is counted by
+    B, the gateway that last had it — and by A too, whose sweep finds the grant gone."""
+    a, b = FencedServer(source), FencedServer(source)
+    with a, b:
+        g = post(f"{a.url}/v1/locks/moved/-/acquire", {"ttl": 2, "request_id": "m"}).json()
+        r = post(
+            f"{b.url}/v1/locks/moved/-/renew", {"token": g["token"], "request_id": "m", "ttl": 2}
+        )
+        assert r.status_code == 200, r.text
+
+        def sample(s: FencedServer, name: str) -> float:
+            text = get(f"{s.url}/metrics").text
+            return float(text.split(f"\n{name} ")[1].split()[0])
+
+        deadline = time.monotonic() + 20
+        # Until both sweeps have settled the grant (counted it, or forgotten it as renewed
+        # elsewhere): each gateway's table no longer holds it.
+        while sample(a, "fenced_leases_tracked") or sample(b, "fenced_leases_tracked"):
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        counted = [sample(s, "fenced_expiries_total") for s in (a, b)]
+        assert sum(counted) == 1, counted
+
+
+# -- a keyless server and the web pages its operator opens ------------------------------------
+
+
+def test_without_keys_a_page_of_another_site_cannot_take_or_free_a_lock(
+    server: FencedServer,
+) -> None:
+    """A web page may send a "simple" cross-site POST (text/plain, no preflight) to
+    127.0.0.1: the browser names the page's origin and sends it, with the server's own
+    address as its Host — past the DNS-rebinding rule — and the server read the body as
+    JSON: the page took locks and force-released them (unread answers, done deeds). Now a
+    request whose Origin is another site is refused (403), nothing changed; the server's
+    own page (same origin), and clients that send no Origin (curl, the libraries), are
+    served. Shown with httpx and with a real Chromium."""
+    u, port = server.url, server.port
+    held = post(f"{u}/v1/locks/mine/-/acquire", {"ttl": 60, "request_id": "m"})
+    assert held.status_code == 200
+    simple = {"content-type": "text/plain;charset=UTF-8"}
+    for origin in ("http://evil.example", "null", f"http://localhost:{port}", "http://127.0.0.1"):
+        h = {**simple, "origin": origin}
+        for path, body in (("taken/-/acquire", b'{"ttl": 600}'), ("mine/-/force-release", b"{}")):
+            r = httpx.post(f"{u}/v1/locks/{path}", content=body, headers=h, timeout=10)
+            assert r.status_code == 403 and r.json()["error"] == "forbidden", (origin, r.text)
+    assert get(f"{u}/v1/locks").json()["locks"] == ["mine"]  # nothing taken
+    assert get(f"{u}/v1/locks/mine").json()["token"] == "mine:1"  # nothing freed
+    # The server's own page (its origin), and a client that sends no Origin: served.
+    own = {**simple, "origin": f"http://127.0.0.1:{port}"}
+    r = httpx.post(f"{u}/v1/locks/own/-/acquire", content=b"{}", headers=own, timeout=10)
+    assert r.status_code == 200, r.text
+    assert post(f"{u}/v1/locks/plain/-/acquire", {}).status_code == 200
+    # A real browser: a page of origin localhost:PORT (another origin than 127.0.0.1:PORT)
+    # posts to 127.0.0.1 as any site could; refused. The dashboard itself still works.
+    from tests.cdp import Browser
+
+    with Browser(1280, 800) as b:
+        b.call("Page.navigate", url=f"http://localhost:{port}/favicon.ico")
+        b.wait_for("document.readyState === 'complete'")
+        b.js(
+            f"fetch('http://127.0.0.1:{port}/v1/locks/csrf/-/acquire', {{method: 'POST', "
+            "mode: 'no-cors', body: '{\"ttl\": 600}'}).then(() => 1, () => 0)"
+        )
+        assert "csrf" not in get(f"{u}/v1/locks").json()["locks"]
+        b.go(f"{u}/")
+        b.wait_for("document.body.innerText.includes('mine')")
