@@ -357,3 +357,32 @@ def test_without_keys_a_page_of_another_site_cannot_take_or_free_a_lock(
         assert "csrf" not in get(f"{u}/v1/locks").json()["locks"]
         b.go(f"{u}/")
         b.wait_for("document.body.innerText.includes('mine')")
+
+
+async def test_without_keys_on_any_address_a_page_of_another_site_is_refused(
+    tmp_path: Path,
+) -> None:
+    """``--insecure-no-auth`` on a LAN address has no Host rule (any name may reach it), but
+    a browser on that LAN opening a page of another site would still send its simple
+    cross-site POST: the Origin rule holds there too (``same_origin_only``, which `fenced
+    serve` sets whenever it has no keys); a client with no Origin, or the server's own
+    page, is served."""
+    from fenced.server import ServerSettings, create_app
+
+    app = create_app(
+        ServerSettings(url=f"sqlite:///{tmp_path / 'locks.db'}", same_origin_only=True)
+    )
+    transport = httpx.ASGITransport(app=app)
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=transport, base_url="http://10.1.2.3:7400") as client,
+    ):
+        simple = {"content-type": "text/plain;charset=UTF-8"}
+        foreign = {**simple, "origin": "http://evil.example"}
+        r = await client.post("/v1/locks/a/-/acquire", content=b"{}", headers=foreign)
+        assert r.status_code == 403 and r.json()["error"] == "forbidden", r.text
+        assert (await client.get("/v1/locks/a")).json()["token"] is None  # nothing taken
+        own = {**simple, "origin": "http://10.1.2.3:7400"}
+        r = await client.post("/v1/locks/a/-/acquire", content=b"{}", headers=own)
+        assert r.status_code == 200, r.text
+        assert (await client.post("/v1/locks/b/-/acquire", json={})).status_code == 200

@@ -135,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
         max_request_bytes=args.max_request_bytes,
         read_timeout=args.read_timeout,
         loopback_hosts_only=keys is None and is_loopback(host),  # (DNS rebinding)
+        same_origin_only=keys is None,  # (a page's cross-site POST)
     )
     serve(
         settings,

@@ -108,9 +108,13 @@ class ServerSettings:
     (an address, ``localhost`` or a single-label name is served). Against DNS rebinding: a
     web page the operator opens can point a name of its own at 127.0.0.1 and, being
     same-origin with it then, read the dashboard's data (request ids, on a server without
-    keys) and take or release locks. Also refuse a request whose ``Origin`` is another site
-    than its ``Host`` (a page's cross-site "simple" POST reaches 127.0.0.1 unasked). ``fenced
-    serve`` sets it when it has no API keys and listens on loopback."""
+    keys) and take or release locks. Implies :attr:`same_origin_only`. ``fenced serve`` sets
+    it when it has no API keys and listens on loopback."""
+    same_origin_only: bool = False
+    """Refuse (403) a request whose ``Origin`` is another site than its ``Host``: a page's
+    cross-site "simple" POST (no preflight) reaches the server unasked, and with no API keys
+    its unread answer still took or freed a lock. ``fenced serve`` sets it whenever it has no
+    API keys (on loopback, and with ``--insecure-no-auth`` elsewhere)."""
     read_timeout: float = READ_TIMEOUT
     """Seconds a request's body may take to arrive (408 after that); the same bound holds for
     its head, in the HTTP protocol (``_http``). A long poll's wait is not counted: it starts
@@ -259,6 +263,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
     app.state.gateway = gw
     app.state.keys = keys
     app.loopback_hosts_only = settings.loopback_hosts_only
+    app.same_origin_only = settings.same_origin_only or settings.loopback_hosts_only
 
     # -- errors ------------------------------------------------------------------------------
 

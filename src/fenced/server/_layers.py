@@ -29,11 +29,12 @@ class _Service(FastAPI):
 
     front: _FastLane | None = None
     loopback_hosts_only = False  # (see ServerSettings)
+    same_origin_only = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.loopback_hosts_only and scope["type"] == "http":
+        if (self.loopback_hosts_only or self.same_origin_only) and scope["type"] == "http":
             host = _host(scope)
-            if host is not None and not _names_loopback(host):
+            if self.loopback_hosts_only and host is not None and not _names_loopback(host):
                 self.state.gateway.metrics.refused.labels("forbidden").inc()
                 message = (
                     f"Host {host[:100]!r} is a DNS name: this server has no API keys and "
@@ -44,7 +45,7 @@ class _Service(FastAPI):
             origin = _header(scope, b"origin")
             if origin is not None and not _same_origin(origin, host):
                 # A page of another site may send a "simple" POST (text/plain; no preflight,
-                # and bodies are read as JSON whatever their type) to 127.0.0.1: unread, its
+                # and bodies are read as JSON whatever their type) to the server: unread, its
                 # answer still took or freed a lock. Browsers name the page's origin.
                 self.state.gateway.metrics.refused.labels("forbidden").inc()
                 message = (
