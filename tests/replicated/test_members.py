@@ -20,10 +20,10 @@ from fenced.guards.redis import RedisGuard
 from fenced.guards.sql import SQLGuard
 from fenced.replicated import Item, Member, stamp
 from fenced.replicated._members import as_member
-from fenced.testing.servers import EtcdServer, PostgresServer, RedisServer
+from fenced.testing.servers import EtcdServer, MariaDBServer, PostgresServer, RedisServer
 from tests.helpers import unique_name
 
-KINDS = ["redis", "postgresql", "sqlite", "etcd"]
+KINDS = ["redis", "postgresql", "mariadb", "sqlite", "etcd"]
 
 
 class Made:
@@ -41,6 +41,8 @@ class Made:
             self.server = PostgresServer().start()
         elif kind == "etcd":
             self.server = EtcdServer().start()
+        elif kind == "mariadb":
+            self.server = MariaDBServer().start()
         self.guard = self._guard()
 
     def _guard(self) -> Any:
@@ -55,6 +57,14 @@ class Made:
 
             dsn = self.server.dsn
             return SQLGuard(self.resource).fencer(lambda: psycopg.connect(dsn, autocommit=True))
+        if self.kind == "mariadb":
+            import pymysql
+
+            port = self.server.port
+            # (PyMySQL's default: autocommit off, the transaction opened by the first statement)
+            return SQLGuard(self.resource).fencer(
+                lambda: pymysql.connect(host="127.0.0.1", port=port, user="root", database="fenced")
+            )
         path = str(self.tmp / "member.db")
         return SQLGuard(self.resource).fencer(
             lambda: sqlite3.connect(path, check_same_thread=False)
