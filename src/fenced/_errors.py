@@ -67,6 +67,8 @@ __all__ = [
     "StaleTokenError",
     "UnsafeBackendError",
     "WrongLockError",
+    "member_behind_error",
+    "stale_epoch_error",
 ]
 
 
