@@ -279,3 +279,42 @@ def test_items_only_with_a_token() -> None:
         asyncio.run(m.apply(None, 1, [Item("k", stamp(1, 1), b"v")]))
     with pytest.raises(fenced.ConfigurationError):
         as_member(object(), "g")
+
+
+def test_a_read_is_one_snapshot_on_postgresql() -> None:
+    """The marks, the holder and the items come from one instant: a change committed between
+    the read's statements is seen whole or not at all (PostgreSQL's READ COMMITTED gives each
+    statement its own snapshot, so the read asks for REPEATABLE READ)."""
+    import psycopg
+
+    pg = PostgresServer()
+    with pg:
+        guard = SQLGuard(unique_name("res"))
+        one, two = FencingToken(guard.resource, 1), FencingToken(guard.resource, 2)
+        writer = psycopg.connect(pg.dsn, autocommit=True)
+        guard.install_group(writer)
+        guard.apply_group(writer, token=one, group="g", epoch=1, items=[("k", stamp(1, 1), b"1")])
+        statements = 0
+
+        class Interleaved(psycopg.Connection[Any]):
+            def cursor(self, *args: Any, **kw: Any) -> Any:
+                nonlocal statements
+                statements += 1
+                if statements == 3:  # after the fence's mark was read: a change commits
+                    guard.apply_group(
+                        writer, token=two, group="g", epoch=2, items=[("k", stamp(2, 1), b"2")]
+                    )
+                return super().cursor(*args, **kw)
+
+        reader = Interleaved.connect(pg.dsn, autocommit=True)
+        try:
+            state = guard.read_group(reader, group="g")
+            assert statements > 3  # (the change did come in mid-read)
+            assert (state.token, state.epoch, state.holder, state.items) == (
+                1, 1, str(one), [("k", stamp(1, 1), b"1")],
+            )  # fmt: skip
+            state = guard.read_group(reader, group="g")
+            assert (state.token, state.epoch, state.items[0][2]) == (2, 2, b"2")
+        finally:
+            reader.close()
+            writer.close()

@@ -1389,7 +1389,11 @@ def group_read_plan(
     d: Dialect, fence: FenceSQL, resource: str, group: str, keys: Sequence[str] | None
 ) -> Plan[GroupState]:
     """Both marks, the holder and the items of ``keys`` (None: all), read in the caller's
-    transaction (one snapshot when it is one)."""
+    transaction: one snapshot, where the transaction takes one (PostgreSQL: asked for here,
+    its default READ COMMITTED gives each statement its own; MySQL's default REPEATABLE READ
+    does; SQLite's transaction does)."""
+    if d is POSTGRESQL:
+        yield Stmt("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
     mark = yield from fence_high_water_plan(fence, resource)
     g = group_sql(d)
     at = _group_epoch((yield Stmt(g.epoch_read.removesuffix(" FOR UPDATE"), (group,))), resource)
