@@ -23,7 +23,7 @@ from fenced.replicated._members import as_member
 from fenced.testing.servers import EtcdServer, MariaDBServer, PostgresServer, RedisServer
 from tests.helpers import unique_name
 
-KINDS = ["redis", "postgresql", "mariadb", "sqlite", "etcd"]
+KINDS = ["redis", "postgresql", "mariadb", "sqlalchemy-postgresql", "sqlite", "etcd"]
 
 
 class Made:
@@ -37,7 +37,7 @@ class Made:
         self._closers: list[Callable[[], None]] = []
         if kind == "redis":
             self.server = RedisServer().start()
-        elif kind == "postgresql":
+        elif kind in ("postgresql", "sqlalchemy-postgresql"):
             self.server = PostgresServer().start()
         elif kind == "etcd":
             self.server = EtcdServer().start()
@@ -57,6 +57,13 @@ class Made:
 
             dsn = self.server.dsn
             return SQLGuard(self.resource).fencer(lambda: psycopg.connect(dsn, autocommit=True))
+        if self.kind == "sqlalchemy-postgresql":
+            import sqlalchemy
+
+            url = self.server.dsn.replace("postgresql://", "postgresql+psycopg://", 1)
+            engine = sqlalchemy.create_engine(url)
+            self._closers.append(engine.dispose)
+            return SQLGuard(self.resource).fencer(engine.connect)
         if self.kind == "mariadb":
             import pymysql
 

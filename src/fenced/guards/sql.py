@@ -484,16 +484,12 @@ class SQLFencer:
         self.connect = connect
 
     def fence(self, token: TokenLike) -> None:
+        tok = FencingToken.coerce(token, self.guard.lock, self.guard.verifier)
         conn = self.connect()
-        # (PyMySQL's connections have no execute(); sqlite3 and psycopg end BEGIN by SQL)
-        plain = hasattr(conn, "execute")
         try:
-            self.guard.begin(conn, token=token)  # BEGIN and the fence: its own transaction
-            conn.execute("COMMIT") if plain else conn.commit()
-        except BaseException:
-            with contextlib.suppress(Exception):
-                conn.execute("ROLLBACK") if plain else conn.rollback()
-            raise
+            # BEGIN and the fence, COMMIT: a transaction of its own (the driver's BEGIN,
+            # COMMIT and ROLLBACK for every connection kind, SQLAlchemy's included)
+            run_transaction(conn, lambda d: self.guard._check_plan(d, tok), use=self.guard._use)
         finally:
             conn.close()
 
