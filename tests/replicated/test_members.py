@@ -325,3 +325,25 @@ def test_a_read_is_one_snapshot_on_postgresql() -> None:
         finally:
             reader.close()
             writer.close()
+
+
+@pytest.mark.parametrize("epoch_type", ["TEXT", "BIGINT"])
+def test_a_group_table_made_by_hand_with_a_text_epoch_is_refused(
+    tmp_path: Path, epoch_type: str
+) -> None:
+    """A text epoch column would compare '10' below '9' and let an old configuration's
+    writer in: the member refuses the table, typed, and writes nothing; a right one is used."""
+    path = tmp_path / "m.db"
+    with sqlite3.connect(path) as db:
+        db.execute(f"CREATE TABLE fenced_group_epochs (grp TEXT PRIMARY KEY, epoch {epoch_type})")
+    m = as_member(SQLGuard("x").fencer(lambda: sqlite3.connect(path)), "g")
+    token = FencingToken("x", 1)
+    if epoch_type == "TEXT":
+        with pytest.raises(fenced.ConfigurationError, match="'epoch' column is TEXT"):
+            run(m.apply(token, 9, []))
+        with sqlite3.connect(path) as db:
+            assert db.execute("SELECT count(*) FROM fenced_group_epochs").fetchone() == (0,)
+    else:
+        run(m.apply(token, 9, []))
+        assert run(m.read(None)).epoch == 9
+    run(m.aclose())

@@ -1286,10 +1286,32 @@ def group_sql(d: Dialect) -> GroupSQL:
     )
 
 
+_GROUP_TABLES: Final = ("fenced_group_epochs", "fenced_group_data", "fenced_group_holders")
+
+
 def group_install_plan(d: Dialect) -> Plan[None]:
-    """Create the group tables if missing (the fence table is the guard's install)."""
+    """Create the group tables if missing (the fence table is the guard's install), then
+    verify the tables found, as the fence table's install does: an epoch column that is not
+    a 64-bit integer would compare as text (``'10' < '9'``), a MySQL table not InnoDB would
+    keep a refused change's writes."""
     for create in group_sql(d).create:
         yield Stmt(create)
+    if d is MYSQL:
+        for table in _GROUP_TABLES:
+            engine, _ = yield from _mysql_columns(table)
+            if engine is not None and engine.lower() != "innodb":
+                raise _not_innodb(table, engine)
+        _, columns = yield from _mysql_columns(_GROUP_TABLES[0])
+        epoch_type = columns.get("epoch", ("", ""))[0]
+        bigint = epoch_type == "bigint"
+    else:
+        epoch_type = (yield from _columns(d, _GROUP_TABLES[0])).get("epoch", "")
+        bigint = bool(epoch_type) and _is_bigint(d, epoch_type)
+    if not bigint:
+        raise ConfigurationError(
+            f"table {_GROUP_TABLES[0]!r} exists but cannot be used: its 'epoch' column is "
+            f"{epoch_type or '(missing)'}, not a 64-bit integer (drop or rename it)"
+        )
 
 
 def _group_epoch(res: Result, resource: str) -> int:
