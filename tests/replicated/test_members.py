@@ -347,3 +347,67 @@ def test_a_group_table_made_by_hand_with_a_text_epoch_is_refused(
         run(m.apply(token, 9, []))
         assert run(m.read(None)).epoch == 9
     run(m.aclose())
+
+
+@pytest.mark.parametrize("kind", ["mariadb", "postgresql"])
+def test_racing_changes_leave_the_highest_epoch_and_refuse_only_lower_ones(kind: str) -> None:
+    """Changes of many epochs race on one member, each on its own connection: every change is
+    accepted or refused as stale (or told to retry), and the epoch mark ends at the highest
+    epoch accepted."""
+    import threading
+
+    server: Any = MariaDBServer() if kind == "mariadb" else PostgresServer()
+    with server:
+        if kind == "mariadb":
+            import pymysql
+
+            def connect() -> Any:
+                return pymysql.connect(
+                    host="127.0.0.1", port=server.port, user="root", database="fenced"
+                )
+        else:
+            import psycopg
+
+            def connect() -> Any:
+                return psycopg.connect(server.dsn, autocommit=True)
+
+        guard = SQLGuard(unique_name("res"))
+        first = connect()
+        guard.install_group(first)
+        first.close()
+        accepted: list[int] = []
+        outcomes: dict[str, int] = {}
+        lock = threading.Lock()
+
+        epochs = [e for e in range(1, 13) for _ in range(2)]
+        start = threading.Barrier(len(epochs))
+
+        def change(epoch: int) -> None:
+            conn = connect()
+            try:
+                start.wait(60)  # (all connected first: the changes race, not the connects)
+                # (epoch-only changes: a lock token would serialise them on the fence row)
+                guard.apply_group(conn, token=None, group="g", epoch=epoch)
+                with lock:
+                    accepted.append(epoch)
+                    outcomes["ok"] = outcomes.get("ok", 0) + 1
+            except (fenced.StaleEpochError, fenced.FenceConflictError) as exc:
+                with lock:
+                    outcomes[type(exc).__name__] = outcomes.get(type(exc).__name__, 0) + 1
+            finally:
+                conn.close()
+
+        threads = [threading.Thread(target=change, args=(e,)) for e in reversed(epochs)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert sum(outcomes.values()) == len(epochs), outcomes
+        conn = connect()
+        try:
+            final = guard.read_group(conn, group="g").epoch
+        finally:
+            conn.close()
+        # (a change that read the mark before a higher one committed, then wrote its own
+        # lower epoch over it, would leave the mark below an accepted epoch)
+        assert final == max(accepted), (final, sorted(accepted), outcomes)
