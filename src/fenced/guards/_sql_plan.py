@@ -1199,6 +1199,7 @@ class DuplicateColumn(ConfigurationError):
 GroupItem = tuple[str, str, "bytes | None"]  # key, stamp, value (None: deleted)
 
 MYSQL_MAX_GROUP: Final = 255
+_ITEM_ROWS: Final = 200  # rows per item statement (4 parameters each: far below any limit)
 MYSQL_MAX_KEY: Final = 500  # (with the group: 3020 bytes of a 3072-byte InnoDB key)
 
 
@@ -1213,7 +1214,8 @@ class GroupSQL:
     epoch_read: str  # (grp,) -> (epoch,); MySQL: the newest committed row, locked
     holder: str  # (grp, token text)
     reset: str  # (grp,)
-    item: str  # (grp, key, stamp, value): written only over an older stamp
+    item: str  # "{rows}" for rows of (grp, key, stamp, value): each written over an older stamp
+    item_row: str
     read_holder: str  # (grp,) -> (token,)
     read_items: str  # (grp,) -> (key, stamp, value)
 
@@ -1248,9 +1250,10 @@ def group_sql(d: Dialect) -> GroupSQL:
             "ON DUPLICATE KEY UPDATE token = VALUES(token)",
             reset="DELETE FROM fenced_group_data WHERE grp = %s",
             # (assignments run left to right: value is decided on the old stamp, then stamp)
-            item="INSERT INTO fenced_group_data (grp, `key`, stamp, value) VALUES (%s, %s, %s, %s) "
+            item="INSERT INTO fenced_group_data (grp, `key`, stamp, value) VALUES {rows} "
             "ON DUPLICATE KEY UPDATE value = IF(stamp < VALUES(stamp), VALUES(value), value), "
             "stamp = IF(stamp < VALUES(stamp), VALUES(stamp), stamp)",
+            item_row="(%s, %s, %s, %s)",
             read_holder="SELECT token FROM fenced_group_holders WHERE grp = %s",
             read_items="SELECT `key`, stamp, value FROM fenced_group_data WHERE grp = %s",
         )
@@ -1277,10 +1280,10 @@ def group_sql(d: Dialect) -> GroupSQL:
         holder=f"INSERT INTO fenced_group_holders (grp, token) VALUES ({p}, {p}) "
         "ON CONFLICT (grp) DO UPDATE SET token = excluded.token",
         reset=f"DELETE FROM fenced_group_data WHERE grp = {p}",
-        item=f"INSERT INTO fenced_group_data AS d (grp, key, stamp, value) "
-        f"VALUES ({p}, {p}, {p}, {p}) "
+        item="INSERT INTO fenced_group_data AS d (grp, key, stamp, value) VALUES {rows} "
         "ON CONFLICT (grp, key) DO UPDATE SET stamp = excluded.stamp, value = excluded.value "
         "WHERE d.stamp < excluded.stamp",
+        item_row=f"({p}, {p}, {p}, {p})",
         read_holder=f"SELECT token FROM fenced_group_holders WHERE grp = {p}",
         read_items=f"SELECT key, stamp, value FROM fenced_group_data WHERE grp = {p}",
     )
@@ -1393,8 +1396,19 @@ def group_apply_plan(
             yield Stmt(g.holder, (group, str(token)))
     if reset:
         yield Stmt(g.reset, (group,))
-    for key, st, value in items:
-        yield Stmt(g.item, (group, key, st, value))
+    # The items in statements of many rows (one round trip for up to _ITEM_ROWS): one item
+    # per key, the newest (the first of equal stamps), which is what applying them one by one
+    # keeps; PostgreSQL refuses an upsert that meets one row twice.
+    newest: dict[str, GroupItem] = {}
+    for item in items:
+        held = newest.get(item[0])
+        if held is None or held[1] < item[1]:
+            newest[item[0]] = item
+    rows = list(newest.values())
+    for at in range(0, len(rows), _ITEM_ROWS):
+        chunk = rows[at : at + _ITEM_ROWS]
+        sql = g.item.format(rows=", ".join([g.item_row] * len(chunk)))
+        yield Stmt(sql, tuple(v for key, st, value in chunk for v in (group, key, st, value)))
 
 
 @dataclass(frozen=True, slots=True)
