@@ -301,7 +301,8 @@ def _mark(raw: Any, resource: str) -> int:
 
 class SQLMember(_Threaded):
     """A member on a SQL database, through a :class:`~fenced.guards.sql.SQLGuard` and
-    ``connect()``, which opens a connection the guard takes (sqlite3, psycopg 3, PyMySQL).
+    ``connect()``, which opens a connection the guard takes (sqlite3, psycopg 3, PyMySQL, a
+    SQLAlchemy ``Connection``).
     One transaction per change, the guard's own plan (:meth:`SQLGuard.apply_group
     <fenced.guards.sql.SQLGuard.apply_group>`): the lock fence, the epoch mark, the items,
     all or nothing. Tables ``fenced_group_epochs``, ``fenced_group_data`` and
