@@ -29,7 +29,7 @@ from fenced._core.signing import key_text
 from fenced.guards.redis import RedisGuard
 from fenced.guards.sql import SQLGuard
 from fenced.replicated import Group, Item, SQLMember, stamp
-from fenced.testing.servers import RedisServer
+from fenced.testing.servers import MariaDBServer, RedisServer
 from tests.helpers import spawn_python
 
 pytestmark = pytest.mark.xdist_group("replicated-acknowledged")
@@ -105,6 +105,41 @@ class SQLiteReplica:
         pass
 
 
+class MariaDBReplica:
+    """A member on its own MariaDB server, through PyMySQL (a connection for each call)."""
+
+    def __init__(self, tmp: Path, name: str) -> None:
+        self.server = MariaDBServer()  # (its own directory: the server's user must reach it)
+        self.server.start()
+        self.name = name
+
+    def guard(self, **kw: Any) -> SQLMember:
+        import pymysql
+
+        port = self.server.port
+
+        def connect() -> Any:
+            return pymysql.connect(
+                host="127.0.0.1", port=port, user="root", database="fenced", connect_timeout=2
+            )
+
+        return SQLMember(SQLGuard("orders", **kw), connect, "orders", keep_connection=False)
+
+    def kill(self) -> None:
+        self.server.kill()
+
+    def start(self) -> None:
+        self.server.start()
+
+    def restart_empty(self) -> None:
+        self.server.kill()
+        shutil.rmtree(Path(self.server.dir) / "data")  # (start() makes a fresh one)
+        self.server.start()
+
+    def close(self) -> None:
+        self.server.close()
+
+
 @pytest.fixture
 def locks(tmp_path: Path) -> Iterator[fenced.Locks]:
     with fenced.connect(f"sqlite:///{tmp_path}/locks.db", signing_key=KEY) as source:
@@ -112,7 +147,7 @@ def locks(tmp_path: Path) -> Iterator[fenced.Locks]:
 
 
 def replicas(kind: str, tmp: Path, names: str) -> list[Any]:
-    make = RedisReplica if kind == "redis" else SQLiteReplica
+    make = {"redis": RedisReplica, "mariadb": MariaDBReplica}.get(kind, SQLiteReplica)
     return [make(tmp, n) for n in names]
 
 
@@ -124,7 +159,7 @@ def state(group: Group, name: str) -> Any:
     return group._portal.call(group.aio.member(name).read(None))
 
 
-@pytest.mark.parametrize("kind", ["redis", "sqlite"])
+@pytest.mark.parametrize("kind", ["redis", "sqlite", "mariadb"])
 def test_a_member_restarted_empty_never_counts_as_holding_acknowledged_writes(
     tmp_path: Path, locks: fenced.Locks, kind: str
 ) -> None:

@@ -16,18 +16,7 @@ PLANT = """
 from fenced.replicated import _members
 
 def _no_lock_fence(self, conn, token, epoch, items, reset, since=0):
-    conn.execute("BEGIN IMMEDIATE")  # the guard's token check left out: no lock fence
-    return _real(self, conn, None, epoch, items, reset) if False else _apply_unfenced(
-        self, conn, epoch, items, reset)
-
-def _apply_unfenced(self, conn, epoch, items, reset):
-    conn.execute(self._sql(_members._SQL_EPOCH), (self._group, epoch)).fetchone()
-    if reset:
-        conn.execute(self._sql("DELETE FROM fenced_group_data WHERE grp = {p}"), (self._group,))
-    rows = [(self._group, i.key, i.stamp, i.value) for i in items]
-    if rows:
-        conn.cursor().executemany(self._sql(_members._SQL_ITEM), rows)
-    conn.execute("COMMIT")
+    return _real(self, conn, None, epoch, items, reset, since)  # the token never checked
 
 _real = _members.SQLMember._apply
 _members.SQLMember._apply = _no_lock_fence

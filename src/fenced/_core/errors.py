@@ -67,6 +67,8 @@ __all__ = [
     "StaleTokenError",
     "UnsafeBackendError",
     "WrongLockError",
+    "member_behind_error",
+    "stale_epoch_error",
 ]
 
 
@@ -200,6 +202,26 @@ class MemberBehindError(ReplicationError):
 
     def __reduce__(self) -> tuple[object, ...]:
         return (type(self), (str(self), self.found, self.needed))
+
+
+def stale_epoch_error(resource: str, found: int, epoch: int) -> StaleEpochError:
+    """A member's refusal of ``epoch`` below its epoch mark ``found`` (every member kind)."""
+    return StaleEpochError(
+        f"{resource!r} is at configuration epoch {found}, above {epoch}: the group was "
+        "reconfigured",
+        found,
+    )
+
+
+def member_behind_error(resource: str, found: int, since: int) -> MemberBehindError:
+    """A member's refusal to act at epoch mark ``found``, below ``since`` (every member kind)."""
+    return MemberBehindError(
+        f"{resource!r} is at configuration epoch {found}, below {since}: it was never fenced in "
+        "the current configuration (it lost its state) and holds none of its writes until "
+        "a reconfiguration copies the data to it (group.add)",
+        found,
+        since,
+    )
 
 
 class ResourceNotFoundError(FencedError, LookupError):

@@ -74,6 +74,7 @@ __all__ = [
     "run_install",
     "run_own",
     "run_own_row",
+    "run_transaction",
     "sync_dialect",
 ]
 
@@ -858,6 +859,37 @@ async def arun(
     return await adrive(
         _using(conn, d, use, make_plan(d)), send, lambda exc: map_error(d, conn, exc)
     )
+
+
+def run_transaction(
+    conn: Any, make_plan: Callable[[Dialect], Plan[T]], *, use: TableUse | None = None
+) -> T:
+    """Run a plan as a transaction of its own: BEGIN (with the plan's first statement where
+    the driver can, see :func:`run`), the plan, COMMIT; ROLLBACK if anything fails (the
+    plan's refusal included). A connection with a transaction open is refused."""
+    if sa_connection_kind(conn):
+        if sa_in_transaction(conn):
+            raise ConfigurationError(
+                "this starts its own transaction, and one is already open on the connection"
+            )
+        try:
+            value = run_sa(sa_connection(conn), make_plan, need_tx=True, use=use)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                conn.rollback()
+            raise
+        conn.commit()
+        return value
+    d = sync_dialect(conn)
+    try:
+        value = _run(conn, d, make_plan, begin=True, use=use)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            if in_transaction(conn):
+                conn.rollback()
+        raise
+    _end(conn, commit=True, d=d)
+    return value
 
 
 def run_install(conn: Any, make_plan: Callable[[Dialect], Plan[T]]) -> T:

@@ -38,7 +38,9 @@ from .._core.errors import (
     StaleTokenError,
     WrongLockError,
 )
-from .._core.token import MAX_TOKEN, FencingToken
+from .._errors import member_behind_error as refused_behind
+from .._errors import stale_epoch_error as refused_epoch
+from .._token import MAX_TOKEN, FencingToken
 
 __all__ = [
     "MYSQL",
@@ -50,6 +52,9 @@ __all__ = [
     "DuplicateColumn",
     "FenceConflictError",
     "FenceSQL",
+    "GroupItem",
+    "GroupSQL",
+    "GroupState",
     "MySQLUse",
     "Plan",
     "Result",
@@ -60,6 +65,10 @@ __all__ = [
     "fence_high_water_plan",
     "fence_install_plan",
     "fence_sql",
+    "group_apply_plan",
+    "group_install_plan",
+    "group_read_plan",
+    "group_sql",
     "ident_key",
     "mariadb_batch_check",
     "mariadb_batch_recheck",
@@ -1177,3 +1186,265 @@ def _bad_token_type(token: str, table_name: str, type_: object) -> Configuration
 
 class DuplicateColumn(ConfigurationError):
     """'duplicate column name': a column added twice (e.g. by racing installs)."""
+
+
+# -- replicated-group members: several marks checked and raised in one transaction ----------
+#
+# A member of a replicated group (fenced.replicated) keeps, beside the guard's own fence row,
+# the group's configuration epoch mark, the holder's token text and the data items, each
+# stamped. One plan checks the lock token against the fence (check_plan, the guard's own
+# rule, written once) and the epoch against the epoch mark, raises both and applies each
+# item only if its stamp is newer, in the caller's one transaction: all or nothing.
+
+GroupItem = tuple[str, str, "bytes | None"]  # key, stamp, value (None: deleted)
+
+MYSQL_MAX_GROUP: Final = 255
+_ITEM_ROWS: Final = 200  # rows per item statement (4 parameters each: far below any limit)
+MYSQL_MAX_KEY: Final = 500  # (with the group: 3020 bytes of a 3072-byte InnoDB key)
+
+
+@dataclass(frozen=True, slots=True)
+class GroupSQL:
+    """The group tables' statements for one dialect (names fixed: ``fenced_group_*``)."""
+
+    create: tuple[str, ...]
+    epoch: str  # SQLite/PostgreSQL: (grp, epoch) -> a row iff accepted; MySQL: (epoch, grp)
+    epoch_since: str  # (epoch, grp, since, epoch) -> a row iff accepted (not MySQL)
+    epoch_ensure: str  # MySQL: (grp,) the row made at 0 if missing, X-locked either way
+    epoch_read: str  # (grp,) -> (epoch,); MySQL: the newest committed row, locked
+    holder: str  # (grp, token text)
+    reset: str  # (grp,)
+    item: str  # "{rows}" for rows of (grp, key, stamp, value): each written over an older stamp
+    item_row: str
+    read_holder: str  # (grp,) -> (token,)
+    read_items: str  # (grp,) -> (key, stamp, value)
+
+
+@functools.lru_cache(maxsize=4)
+def group_sql(d: Dialect) -> GroupSQL:
+    """Build the group tables' statements for ``d``."""
+    p = d.param
+    if d is MYSQL:
+        text = "CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL"
+        return GroupSQL(
+            create=(
+                "CREATE TABLE IF NOT EXISTS fenced_group_epochs ("
+                f"grp VARCHAR({MYSQL_MAX_GROUP}) {text} PRIMARY KEY, epoch BIGINT NOT NULL, "
+                "CONSTRAINT fenced_epoch_positive CHECK (epoch >= 0)) ENGINE=InnoDB",
+                "CREATE TABLE IF NOT EXISTS fenced_group_data ("
+                f"grp VARCHAR({MYSQL_MAX_GROUP}) {text}, `key` VARCHAR({MYSQL_MAX_KEY}) {text}, "
+                "stamp VARCHAR(64) CHARACTER SET ascii COLLATE ascii_bin NOT NULL, "
+                "value LONGBLOB, PRIMARY KEY (grp, `key`)) ENGINE=InnoDB",
+                "CREATE TABLE IF NOT EXISTS fenced_group_holders ("
+                f"grp VARCHAR({MYSQL_MAX_GROUP}) {text} PRIMARY KEY, token TEXT NOT NULL) "
+                "ENGINE=InnoDB",
+            ),
+            epoch="UPDATE fenced_group_epochs SET epoch = %s WHERE grp = %s",
+            epoch_since="",
+            # (an upsert X-locks the row it finds or makes, under every isolation level, so
+            # the read below sees the newest committed mark and no one moves it till COMMIT)
+            epoch_ensure="INSERT INTO fenced_group_epochs (grp, epoch) VALUES (%s, 0) "
+            "ON DUPLICATE KEY UPDATE epoch = epoch",
+            epoch_read="SELECT epoch FROM fenced_group_epochs WHERE grp = %s FOR UPDATE",
+            holder="INSERT INTO fenced_group_holders (grp, token) VALUES (%s, %s) "
+            "ON DUPLICATE KEY UPDATE token = VALUES(token)",
+            reset="DELETE FROM fenced_group_data WHERE grp = %s",
+            # (assignments run left to right: value is decided on the old stamp, then stamp)
+            item="INSERT INTO fenced_group_data (grp, `key`, stamp, value) VALUES {rows} "
+            "ON DUPLICATE KEY UPDATE value = IF(stamp < VALUES(stamp), VALUES(value), value), "
+            "stamp = IF(stamp < VALUES(stamp), VALUES(stamp), stamp)",
+            item_row="(%s, %s, %s, %s)",
+            read_holder="SELECT token FROM fenced_group_holders WHERE grp = %s",
+            read_items="SELECT `key`, stamp, value FROM fenced_group_data WHERE grp = %s",
+        )
+    blob = "BLOB" if d is SQLITE else "BYTEA"
+    return GroupSQL(
+        create=(
+            "CREATE TABLE IF NOT EXISTS fenced_group_epochs ("
+            " grp TEXT PRIMARY KEY, epoch BIGINT NOT NULL CHECK (epoch >= 0))",
+            "CREATE TABLE IF NOT EXISTS fenced_group_data ("
+            f" grp TEXT NOT NULL, key TEXT NOT NULL, stamp TEXT NOT NULL, value {blob},"
+            " PRIMARY KEY (grp, key))",
+            "CREATE TABLE IF NOT EXISTS fenced_group_holders ("
+            "grp TEXT PRIMARY KEY, token TEXT NOT NULL)",
+        ),
+        # One statement each: a row comes back iff the epoch was accepted (the fence's way).
+        epoch=f"INSERT INTO fenced_group_epochs AS f (grp, epoch) VALUES ({p}, {p}) "
+        "ON CONFLICT (grp) DO UPDATE SET epoch = excluded.epoch "
+        "WHERE f.epoch <= excluded.epoch RETURNING epoch",
+        # With ``since``: only a row already at ``since`` or above may be raised (no row: 0).
+        epoch_since=f"UPDATE fenced_group_epochs SET epoch = {p} "
+        f"WHERE grp = {p} AND epoch >= {p} AND epoch <= {p} RETURNING epoch",
+        epoch_ensure="",
+        epoch_read=f"SELECT epoch FROM fenced_group_epochs WHERE grp = {p}",
+        holder=f"INSERT INTO fenced_group_holders (grp, token) VALUES ({p}, {p}) "
+        "ON CONFLICT (grp) DO UPDATE SET token = excluded.token",
+        reset=f"DELETE FROM fenced_group_data WHERE grp = {p}",
+        item="INSERT INTO fenced_group_data AS d (grp, key, stamp, value) VALUES {rows} "
+        "ON CONFLICT (grp, key) DO UPDATE SET stamp = excluded.stamp, value = excluded.value "
+        "WHERE d.stamp < excluded.stamp",
+        item_row=f"({p}, {p}, {p}, {p})",
+        read_holder=f"SELECT token FROM fenced_group_holders WHERE grp = {p}",
+        read_items=f"SELECT key, stamp, value FROM fenced_group_data WHERE grp = {p}",
+    )
+
+
+_GROUP_TABLES: Final = ("fenced_group_epochs", "fenced_group_data", "fenced_group_holders")
+
+
+def group_install_plan(d: Dialect) -> Plan[None]:
+    """Create the group tables if missing (the fence table is the guard's install), then
+    verify the tables found, as the fence table's install does: an epoch column that is not
+    a 64-bit integer would compare as text (``'10' < '9'``), a MySQL table not InnoDB would
+    keep a refused change's writes."""
+    for create in group_sql(d).create:
+        yield Stmt(create)
+    if d is MYSQL:
+        for table in _GROUP_TABLES:
+            engine, _ = yield from _mysql_columns(table)
+            if engine is not None and engine.lower() != "innodb":
+                raise _not_innodb(table, engine)
+        _, columns = yield from _mysql_columns(_GROUP_TABLES[0])
+        epoch_type = columns.get("epoch", ("", ""))[0]
+        bigint = epoch_type == "bigint"
+    else:
+        epoch_type = (yield from _columns(d, _GROUP_TABLES[0])).get("epoch", "")
+        bigint = bool(epoch_type) and _is_bigint(d, epoch_type)
+    if not bigint:
+        raise ConfigurationError(
+            f"table {_GROUP_TABLES[0]!r} exists but cannot be used: its 'epoch' column is "
+            f"{epoch_type or '(missing)'}, not a 64-bit integer (drop or rename it)"
+        )
+
+
+def _group_epoch(res: Result, resource: str) -> int:
+    """The epoch mark read (0: no row); anything but a whole number >= 0 fails closed."""
+    if not res.rows:
+        return 0
+    value = res.rows[0][0]
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_TOKEN:
+        raise CorruptMarkError(resource, f"the group's epoch mark {value!r}")
+    return value
+
+
+def _group_names(d: Dialect, group: str, items: Sequence[GroupItem]) -> None:
+    if d is MYSQL and (
+        len(group) > MYSQL_MAX_GROUP or any(len(k) > MYSQL_MAX_KEY for k, _, _ in items)
+    ):
+        raise ConfigurationError(
+            f"a group name of at most {MYSQL_MAX_GROUP} and keys of at most {MYSQL_MAX_KEY} "
+            "characters on MySQL (InnoDB keys are at most 3072 bytes)"
+        )
+
+
+def group_apply_plan(
+    d: Dialect,
+    fence: FenceSQL,
+    resource: str,
+    group: str,
+    token: FencingToken | None,
+    epoch: int,
+    items: Sequence[GroupItem],
+    *,
+    reset: bool = False,
+    since: int = 0,
+) -> Plan[None]:
+    """Inside the caller's transaction: refuse ``token`` below the lock mark (the guard's
+    :func:`check_plan`: StaleTokenError, WrongLockError, ...), ``epoch`` below the epoch mark
+    (StaleEpochError), or an epoch mark below ``since`` (MemberBehindError); else raise
+    both marks, keep ``token``'s text as the holder, forget every item first if ``reset``,
+    and write each item whose stamp is newer than the stored one. ``token`` None: the lock
+    mark is neither checked nor raised. A refusal raises: the caller rolls back."""
+    _group_names(d, group, items)
+    g = group_sql(d)
+    if token is not None:
+        yield from check_plan(fence, resource, token)
+    if d is MYSQL:
+        yield Stmt(g.epoch_ensure, (group,))
+        at = _group_epoch((yield Stmt(g.epoch_read, (group,))), resource)
+        if at > epoch:
+            raise refused_epoch(resource, at, epoch)
+        if at < since:
+            raise refused_behind(resource, at, since)
+        if epoch > at:
+            yield Stmt(g.epoch, (epoch, group))
+        if token is not None:
+            yield Stmt(g.holder, (group, str(token)))
+    else:
+        sql, args = (
+            (g.epoch_since, (epoch, group, since, epoch))
+            if since > 0
+            else (g.epoch, (group, epoch))
+        )
+        keep_holder = token is not None
+        if keep_holder and d is POSTGRESQL:
+            # The holder rides on the epoch statement (one round trip less); a refusal
+            # below rolls it back with the rest.
+            sql, args = f"WITH holder AS ({g.holder}) {sql}", (group, str(token), *args)
+            keep_holder = False
+        res = yield Stmt(sql, args)
+        if not res.rows:
+            at = _group_epoch((yield Stmt(g.epoch_read, (group,))), resource)
+            if at > epoch:
+                raise refused_epoch(resource, at, epoch)
+            if at < since:
+                raise refused_behind(resource, at, since)
+            raise FenceConflictError(
+                f"the epoch mark of {resource!r} changed concurrently; roll back and retry"
+            )
+        if keep_holder:
+            yield Stmt(g.holder, (group, str(token)))
+    if reset:
+        yield Stmt(g.reset, (group,))
+    # The items in statements of many rows (one round trip for up to _ITEM_ROWS): one item
+    # per key, the newest (the first of equal stamps), which is what applying them one by one
+    # keeps; PostgreSQL refuses an upsert that meets one row twice.
+    newest: dict[str, GroupItem] = {}
+    for item in items:
+        held = newest.get(item[0])
+        if held is None or held[1] < item[1]:
+            newest[item[0]] = item
+    rows = list(newest.values())
+    for at in range(0, len(rows), _ITEM_ROWS):
+        chunk = rows[at : at + _ITEM_ROWS]
+        sql = g.item.format(rows=", ".join([g.item_row] * len(chunk)))
+        yield Stmt(sql, tuple(v for key, st, value in chunk for v in (group, key, st, value)))
+
+
+@dataclass(frozen=True, slots=True)
+class GroupState:
+    """What :func:`group_read_plan` read: both marks, the holder's text, the items."""
+
+    token: int  # the lock mark (0: never fenced)
+    epoch: int  # the epoch mark (0: never)
+    holder: str | None
+    items: list[GroupItem]
+
+
+def group_read_plan(
+    d: Dialect, fence: FenceSQL, resource: str, group: str, keys: Sequence[str] | None
+) -> Plan[GroupState]:
+    """Both marks, the holder and the items of ``keys`` (None: all), read in the caller's
+    transaction: one snapshot, where the transaction takes one (PostgreSQL: asked for here,
+    its default READ COMMITTED gives each statement its own; MySQL's default REPEATABLE READ
+    does; SQLite's transaction does)."""
+    if d is POSTGRESQL:
+        yield Stmt("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+    mark = yield from fence_high_water_plan(fence, resource)
+    g = group_sql(d)
+    at = _group_epoch((yield Stmt(g.epoch_read.removesuffix(" FOR UPDATE"), (group,))), resource)
+    held = yield Stmt(g.read_holder, (group,))
+    rows: list[tuple[Any, ...]] = []
+    if keys is None or keys:
+        query, params = g.read_items, (group,)  # type: tuple[str, tuple[str, ...]]
+        if keys is not None:
+            column = "`key`" if d is MYSQL else "key"
+            query += f" AND {column} IN ({', '.join([d.param] * len(keys))})"
+            params = (group, *keys)
+        rows = (yield Stmt(query, params)).rows
+    return GroupState(
+        mark.value if mark else 0,
+        at,
+        str(held.rows[0][0]) if held.rows else None,
+        [(str(k), str(s), None if v is None else bytes(v)) for k, s, v in rows],
+    )

@@ -119,6 +119,7 @@ from ._sql_driver import (
     run,
     run_install,
     run_own_row,
+    run_transaction,
 )
 from ._sql_plan import (
     MYSQL,
@@ -128,6 +129,8 @@ from ._sql_plan import (
     Dialect,
     FenceConflictError,
     FenceSQL,
+    GroupItem,
+    GroupState,
     Plan,
     RowSQL,
     Stmt,
@@ -136,6 +139,9 @@ from ._sql_plan import (
     fence_high_water_plan,
     fence_install_plan,
     fence_sql,
+    group_apply_plan,
+    group_install_plan,
+    group_read_plan,
     quote_ident,
     quote_table,
     row_high_water_plan,
@@ -149,6 +155,8 @@ from ._token_arg import token_keyword
 __all__ = [
     "Add",
     "FenceConflictError",
+    "GroupItem",
+    "GroupState",
     "RowGuard",
     "SQLFencer",
     "SQLGuard",
@@ -330,6 +338,49 @@ class SQLGuard:
         """
         run_install(conn, lambda d: fence_install_plan(d, self._fence_sql(d), self.table))
 
+    # -- a replicated group's member (fenced.replicated.SQLMember) ----------------------
+
+    def install_group(self, conn: Any) -> None:
+        """:meth:`install`, and the tables of replicated groups' members (``fenced_group_
+        epochs``, ``fenced_group_data``, ``fenced_group_holders``) if missing."""
+        self.install(conn)
+        run_install(conn, group_install_plan)
+
+    def apply_group(
+        self,
+        conn: Any,
+        *,
+        token: TokenLike | None,
+        group: str,
+        epoch: int,
+        items: Sequence[GroupItem] = (),
+        reset: bool = False,
+        since: int = 0,
+    ) -> None:
+        """One change of a replicated group's member, as a transaction of its own (no
+        transaction may be open): ``token`` checked against the lock mark as :meth:`check`
+        does, ``epoch`` against the group's epoch mark (:class:`~fenced.StaleEpochError`),
+        the epoch mark against ``since`` (:class:`~fenced.MemberBehindError`); then both
+        marks raised, the token kept as the holder, every item forgotten first if ``reset``,
+        and each ``(key, stamp, value)`` written if its stamp is newer than the stored one.
+        All or nothing. ``token`` None: the lock mark is left alone (an epoch-only change)."""
+        tok = None if token is None else FencingToken.coerce(token, self.lock, self.verifier)
+        run_transaction(
+            conn,
+            lambda d: group_apply_plan(
+                d, self._fence_sql(d), self.resource, group, tok, epoch, items,
+                reset=reset, since=since,
+            ),
+            use=self._use,
+        )  # fmt: skip
+
+    def read_group(self, conn: Any, *, group: str, keys: Sequence[str] | None = None) -> GroupState:
+        """A replicated group member's marks, holder and items (of ``keys``; None: all), read
+        in one transaction of its own."""
+        return run_transaction(
+            conn, lambda d: group_read_plan(d, self._fence_sql(d), self.resource, group, keys)
+        )
+
     # -- async (psycopg.AsyncConnection) -------------------------------------------------
 
     @token_keyword()
@@ -433,16 +484,12 @@ class SQLFencer:
         self.connect = connect
 
     def fence(self, token: TokenLike) -> None:
+        tok = FencingToken.coerce(token, self.guard.lock, self.guard.verifier)
         conn = self.connect()
-        # (PyMySQL's connections have no execute(); sqlite3 and psycopg end BEGIN by SQL)
-        plain = hasattr(conn, "execute")
         try:
-            self.guard.begin(conn, token=token)  # BEGIN and the fence: its own transaction
-            conn.execute("COMMIT") if plain else conn.commit()
-        except BaseException:
-            with contextlib.suppress(Exception):
-                conn.execute("ROLLBACK") if plain else conn.rollback()
-            raise
+            # BEGIN and the fence, COMMIT: a transaction of its own (the driver's BEGIN,
+            # COMMIT and ROLLBACK for every connection kind, SQLAlchemy's included)
+            run_transaction(conn, lambda d: self.guard._check_plan(d, tok), use=self.guard._use)
         finally:
             conn.close()
 

@@ -18,9 +18,10 @@ or :class:`~fenced.MemberBehindError` when the epoch mark is below ``since``: a 
 came back empty (mark 0) must not be raised into a configuration it holds none of the data of.
 
 Adapters exist for the guards fenced ships: :class:`RedisMember` (``RedisGuard`` or
-``AsyncRedisGuard``), :class:`SQLMember` (``SQLGuard`` and a function that opens a sqlite3 or
-psycopg connection), :class:`EtcdMember` (``EtcdGuard`` or ``AsyncEtcdGuard``). Sync clients
-run on a thread of their own per member, so the members of a group are written in parallel.
+``AsyncRedisGuard``), :class:`SQLMember` (``SQLGuard`` and a function that opens a sqlite3,
+psycopg or PyMySQL connection), :class:`EtcdMember` (``EtcdGuard`` or ``AsyncEtcdGuard``).
+Sync clients run on a thread of their own per member, so the members of a group are written
+in parallel.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
-import sqlite3
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final, Protocol, TypeVar, runtime_checkable
 
@@ -40,8 +40,8 @@ from .._core.errors import (
     CorruptMarkError,
     FencedError,
     InvalidTokenError,
-    MemberBehindError,
-    StaleEpochError,
+    member_behind_error,
+    stale_epoch_error,
 )
 from .._core.token import FencingToken
 
@@ -132,22 +132,8 @@ class Member(Protocol):
     async def aclose(self) -> None: ...
 
 
-def _refused_epoch(resource: str, found: int, epoch: int) -> StaleEpochError:
-    return StaleEpochError(
-        f"{resource!r} is at configuration epoch {found}, above {epoch}: the group was "
-        "reconfigured",
-        found,
-    )
-
-
-def _refused_behind(resource: str, found: int, since: int) -> MemberBehindError:
-    return MemberBehindError(
-        f"{resource!r} is at configuration epoch {found}, below {since}: it was never fenced in "
-        "the current configuration (it lost its state) and holds none of its writes until "
-        "a reconfiguration copies the data to it (group.add)",
-        found,
-        since,
-    )
+_refused_epoch = stale_epoch_error
+_refused_behind = member_behind_error
 
 
 def _as_bytes(value: Any) -> bytes:
@@ -310,45 +296,17 @@ def _mark(raw: Any, resource: str) -> int:
     return int(text)
 
 
-# -- SQL (SQLite, PostgreSQL) -------------------------------------------------------------------
-
-_SQL_TABLES: Final = (
-    "CREATE TABLE IF NOT EXISTS fenced_group_epochs ("
-    " grp TEXT PRIMARY KEY, epoch BIGINT NOT NULL CHECK (epoch >= 0))",
-    "CREATE TABLE IF NOT EXISTS fenced_group_data ("
-    " grp TEXT NOT NULL, key TEXT NOT NULL, stamp TEXT NOT NULL, value {blob},"
-    " PRIMARY KEY (grp, key))",
-    "CREATE TABLE IF NOT EXISTS fenced_group_holders (grp TEXT PRIMARY KEY, token TEXT NOT NULL)",
-)
-# One statement each: a row comes back iff the epoch was accepted (the fence table's way).
-_SQL_EPOCH: Final = (
-    "INSERT INTO fenced_group_epochs AS f (grp, epoch) VALUES ({p}, {p}) "
-    "ON CONFLICT (grp) DO UPDATE SET epoch = excluded.epoch "
-    "WHERE f.epoch <= excluded.epoch RETURNING epoch"
-)
-# With ``since``: only a row already at ``since`` or above may be raised (no row: epoch 0).
-_SQL_EPOCH_SINCE: Final = (
-    "UPDATE fenced_group_epochs SET epoch = {p} "
-    "WHERE grp = {p} AND epoch >= {p} AND epoch <= {p} RETURNING epoch"
-)
-_SQL_HOLDER: Final = (
-    "INSERT INTO fenced_group_holders (grp, token) VALUES ({p}, {p}) "
-    "ON CONFLICT (grp) DO UPDATE SET token = excluded.token"
-)
-_SQL_HOLDER_WITH: Final = "WITH holder AS (" + _SQL_HOLDER + ") "
-_SQL_ITEM: Final = (
-    "INSERT INTO fenced_group_data AS d (grp, key, stamp, value) VALUES ({p}, {p}, {p}, {p}) "
-    "ON CONFLICT (grp, key) DO UPDATE SET stamp = excluded.stamp, value = excluded.value "
-    "WHERE d.stamp < excluded.stamp"
-)
+# -- SQL (SQLite, PostgreSQL, MySQL/MariaDB) ------------------------------------------------
 
 
 class SQLMember(_Threaded):
     """A member on a SQL database, through a :class:`~fenced.guards.sql.SQLGuard` and
-    ``connect()``, which opens a ``sqlite3`` connection (any isolation level) or a psycopg 3
-    connection with ``autocommit=True``. One transaction per change: the guard's fence, the
-    epoch's conditional upsert, the items' conditional upserts; it commits all or nothing.
-    Tables ``fenced_group_epochs`` and ``fenced_group_data`` are made on first use."""
+    ``connect()``, which opens a connection the guard takes (sqlite3, psycopg 3, PyMySQL, a
+    SQLAlchemy ``Connection``).
+    One transaction per change, the guard's own plan (:meth:`SQLGuard.apply_group
+    <fenced.guards.sql.SQLGuard.apply_group>`): the lock fence, the epoch mark, the items,
+    all or nothing. Tables ``fenced_group_epochs``, ``fenced_group_data`` and
+    ``fenced_group_holders`` are made on first use."""
 
     def __init__(
         self, guard: Any, connect: Callable[[], Any], group: str, *, keep_connection: bool = True
@@ -360,21 +318,12 @@ class SQLMember(_Threaded):
         self._connect = connect
         self._group = group
         self._conn: Any = None
-        self._sqlite = False
 
     def _connection(self) -> Any:
         if self._conn is None:
             conn = self._connect()
-            self._sqlite = isinstance(conn, sqlite3.Connection)
-            if self._sqlite:
-                conn.isolation_level = None  # fenced says BEGIN and COMMIT itself
             try:
-                self.guard.install(conn)
-                blob = "BLOB" if self._sqlite else "BYTEA"
-                for ddl in _SQL_TABLES:
-                    conn.execute(ddl.format(blob=blob))
-                if not self._sqlite and not conn.autocommit:
-                    conn.commit()
+                self.guard.install_group(conn)
             except BaseException:
                 with contextlib.suppress(Exception):
                     conn.close()
@@ -388,12 +337,10 @@ class SQLMember(_Threaded):
             with contextlib.suppress(Exception):
                 conn.close()
 
-    def _sql(self, template: str) -> str:
-        return template.format(p="?" if self._sqlite else "%s")
-
     def _guarded(self, fn: Callable[[Any], T]) -> T:
-        """Run ``fn(conn)``; a broken connection is dropped (the next call reconnects) and
-        reported as BackendUnavailable, as the guards report a dead server."""
+        """Run ``fn(conn)`` (the guard maps the driver's errors and rolls back); a connection
+        that failed to open or broke is dropped (the next call reconnects), reported as
+        BackendUnavailable."""
         try:
             conn = self._connection()
         except FencedError:
@@ -402,8 +349,10 @@ class SQLMember(_Threaded):
             raise BackendUnavailable(f"member {self.resource!r}: {exc}") from exc
         try:
             return fn(conn)
+        except BackendUnavailable:
+            self._drop()
+            raise
         except FencedError:
-            self._rollback(conn)
             raise
         except Exception as exc:
             self._drop()
@@ -411,16 +360,6 @@ class SQLMember(_Threaded):
         finally:
             if not self.keep_connection:
                 self._drop()
-
-    def _rollback(self, conn: Any) -> None:
-        try:
-            if self._sqlite:
-                if conn.in_transaction:
-                    conn.execute("ROLLBACK")
-            else:
-                conn.rollback()
-        except Exception:
-            self._drop()
 
     def _apply(
         self,
@@ -431,40 +370,15 @@ class SQLMember(_Threaded):
         reset: bool,
         since: int,
     ) -> None:
-        if token is not None:
-            self.guard.begin(conn, token=token)  # BEGIN and the lock fence, one statement
-        else:
-            conn.execute("BEGIN IMMEDIATE" if self._sqlite else "BEGIN")
-        args: tuple[Any, ...]
-        if since > 0:
-            sql, args = _SQL_EPOCH_SINCE, (epoch, self._group, since, epoch)
-        else:
-            sql, args = _SQL_EPOCH, (self._group, epoch)
-        keep_holder = token is not None
-        if keep_holder and not self._sqlite:
-            # PostgreSQL: the holder rides on the epoch statement (one round trip less); a
-            # refusal below rolls it back with the rest.
-            sql, args = _SQL_HOLDER_WITH + sql, (self._group, str(token), *args)
-            keep_holder = False
-        row = conn.execute(self._sql(sql), args).fetchone()
-        if row is None:
-            found = conn.execute(
-                self._sql("SELECT epoch FROM fenced_group_epochs WHERE grp = {p}"),
-                (self._group,),
-            ).fetchone()
-            at = int(found[0]) if found else 0
-            if at > epoch:
-                raise _refused_epoch(self.resource, at, epoch)
-            raise _refused_behind(self.resource, at, since)
-        if keep_holder:
-            conn.execute(self._sql(_SQL_HOLDER), (self._group, str(token)))
-        if reset:
-            conn.execute(self._sql("DELETE FROM fenced_group_data WHERE grp = {p}"), (self._group,))
-        if items:
-            rows = [(self._group, i.key, i.stamp, i.value) for i in items]
-            cursor = conn.cursor()
-            cursor.executemany(self._sql(_SQL_ITEM), rows)
-        conn.execute("COMMIT")
+        self.guard.apply_group(
+            conn,
+            token=token,
+            group=self._group,
+            epoch=epoch,
+            items=[(i.key, i.stamp, i.value) for i in items],
+            reset=reset,
+            since=since,
+        )
 
     async def apply(
         self,
@@ -482,37 +396,9 @@ class SQLMember(_Threaded):
         )
 
     def _read(self, conn: Any, keys: Sequence[str] | None) -> Snapshot:
-        conn.execute("BEGIN")  # one snapshot for the marks and the data
-        try:
-            mark = self.guard.high_water(conn)
-            row = conn.execute(
-                self._sql("SELECT epoch FROM fenced_group_epochs WHERE grp = {p}"),
-                (self._group,),
-            ).fetchone()
-            holder = conn.execute(
-                self._sql("SELECT token FROM fenced_group_holders WHERE grp = {p}"),
-                (self._group,),
-            ).fetchone()
-            query = "SELECT key, stamp, value FROM fenced_group_data WHERE grp = {p}"
-            params: list[Any] = [self._group]
-            if keys is not None:
-                if not keys:
-                    rows: list[Any] = []
-                else:
-                    query += " AND key IN (" + ", ".join(["{p}"] * len(keys)) + ")"
-                    params += list(keys)
-                    rows = conn.execute(self._sql(query), params).fetchall()
-            else:
-                rows = conn.execute(self._sql(query), params).fetchall()
-        finally:
-            conn.execute("COMMIT")
-        items = {k: Item(k, s, None if v is None else bytes(v)) for k, s, v in rows}
-        return Snapshot(
-            mark.value if mark else 0,
-            int(row[0]) if row else 0,
-            items,
-            str(holder[0]) if holder else None,
-        )
+        state = self.guard.read_group(conn, group=self._group, keys=keys)
+        items = {k: Item(k, s, v) for k, s, v in state.items}
+        return Snapshot(state.token, state.epoch, items, state.holder)
 
     async def read(self, keys: Sequence[str] | None = None) -> Snapshot:
         return await self._run(lambda: self._guarded(lambda c: self._read(c, keys)))

@@ -1,9 +1,9 @@
 """The replicated group in the simulator (``fenced sim --system group``): fenced's real
 :class:`~fenced.replicated.AsyncGroup` (configurations, writers, read repair, reconfiguration,
-members that lost their state) in every client, on members that are real
-:class:`~fenced.replicated.SQLMember` transactions behind the real
-:class:`~fenced.guards.sql.SQLGuard`, each on an in-memory SQLite database, reached through the
-simulated network; configurations are records in the simulated token source.
+members that lost their state) in every client, on members that run the real
+:class:`~fenced.guards.sql.SQLGuard`'s member transactions (what
+:class:`~fenced.replicated.SQLMember` runs), each on an in-memory SQLite database, reached
+through the simulated network; configurations are records in the simulated token source.
 
 Faults, besides the clients' and the network's: ``resource`` (a member is down for a while,
 then back with its data), ``wipe`` (a member crashes and comes back empty: its database is
@@ -41,7 +41,6 @@ from ...replicated import (
     Configuration,
     Item,
     Snapshot,
-    SQLMember,
     stamp,
 )
 from ..check._checkers import Violation
@@ -63,12 +62,22 @@ GROUP_TIMEOUT = 3.0  # the group's bound on an operation settling (virtual secon
 
 
 class _Replica:
-    """One member's server: a real SQLMember's transactions, run when a message arrives."""
+    """One member's server: the SQL guard's member transactions (``SQLGuard.apply_group`` and
+    ``read_group``, what a :class:`~fenced.replicated.SQLMember` runs), run when a message
+    arrives, on the sim's own thread."""
 
     def __init__(self, run: GroupRun, name: str) -> None:
         self.run, self.name = run, name
-        self.sql = SQLMember(SQLGuard(LOCK), _memory_db, LOCK)
+        self.guard = SQLGuard(LOCK)
+        self._conn: sqlite3.Connection | None = None
         self.accepted = (0, 0)  # the highest (token, epoch) it accepted since it lost its state
+
+    def _db(self) -> sqlite3.Connection:
+        if self._conn is None:
+            conn = _memory_db()
+            self.guard.install_group(conn)
+            self._conn = conn
+        return self._conn
 
     def apply(
         self,
@@ -83,15 +92,30 @@ class _Replica:
             since = 0  # (the planted bug: the member never says it is behind)
         # (Planted: no lock fence, the change is applied whatever its token.)
         fence = None if plant == "member-unfenced" else token
-        self.sql._guarded(lambda c: self.sql._apply(c, fence, epoch, items, reset, since))
+        self.guard.apply_group(
+            self._db(),
+            token=fence,
+            group=LOCK,
+            epoch=epoch,
+            items=[(i.key, i.stamp, i.value) for i in items],
+            reset=reset,
+            since=since,
+        )
         self.run.accepted(self, 0 if token is None else token.value, epoch)
 
     def read(self, keys: Sequence[str] | None) -> Snapshot:
-        return self.sql._guarded(lambda c: self.sql._read(c, keys))
+        state = self.guard.read_group(self._db(), group=LOCK, keys=keys)
+        items = {k: Item(k, s, v) for k, s, v in state.items}
+        return Snapshot(state.token, state.epoch, items, state.holder)
 
     def wipe(self) -> None:
-        self.sql._drop()  # (an in-memory database: closing it loses everything)
+        self.close()  # (an in-memory database: closing it loses everything)
         self.accepted = (0, 0)
+
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
 
 
 def _memory_db() -> sqlite3.Connection:
@@ -333,8 +357,7 @@ class GroupRun:
 
     def close(self) -> None:
         for r in self.replicas.values():
-            r.sql._drop()
-            r.sql._shutdown()
+            r.close()
 
 
 def check_history(trace: list[dict[str, Any]]) -> list[Violation]:
