@@ -38,9 +38,9 @@ from .._core.errors import (
     StaleTokenError,
     WrongLockError,
 )
-from .._errors import member_behind_error as refused_behind
-from .._errors import stale_epoch_error as refused_epoch
-from .._token import MAX_TOKEN, FencingToken
+from .._core.errors import member_behind_error as refused_behind
+from .._core.errors import stale_epoch_error as refused_epoch
+from .._core.token import MAX_TOKEN, FencingToken
 
 __all__ = [
     "MYSQL",
