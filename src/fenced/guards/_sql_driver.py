@@ -1146,6 +1146,7 @@ def guarded_batch(
             cur.execute(request)  # START TRANSACTION's answer
             answered = 1
             cur.nextset()  # the check's
+            answered = 2  # (a syntax error after this is the caller's statement's)
             for _ in statements:
                 cur.nextset()
                 counts.append(cur.rowcount)
