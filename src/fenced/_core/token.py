@@ -243,6 +243,10 @@ class FencingToken:
         return (FencingToken, (self._lock, self._value, self._sig))
 
 
+# A pickle names the class by its module: the public one, which does not move when the
+# private modules do (0.2.0's pickles named ``fenced._token``).
+FencingToken.__module__ = "fenced"
+
 TokenLike = FencingToken | str | bytes
 """What every guard's ``token=`` takes: a :class:`FencingToken` or its text form (``str``, or
 ``bytes`` as an HTTP header or a message carries it), checked by :meth:`FencingToken.coerce`.
