@@ -656,6 +656,33 @@ async def test_async_guard(etcd_server: EtcdServer) -> None:
         assert (await client.get(f"fenced/hw/{name}".encode())).value == encode_value(3)
 
 
+async def test_a_write_landing_while_a_request_is_on_its_way_is_no_step_back(
+    etcd_server: EtcdServer,
+) -> None:
+    """Two coroutines on one guard: the one writing 104 learns the mark (103) from a refused
+    write, and the other's 105 is accepted while that answer is on its way. The answer then
+    shows 103 below the 105 this guard saw accepted — not a mark that went back (the
+    ZooKeeper guard's racing writers were refused so: CorruptMarkError). 104 is refused as
+    stale, 105 stays."""
+    async with aetcd.Client("127.0.0.1", etcd_server.port) as client:
+        name = unique_name("res")
+        await AsyncEtcdGuard(client, name, lock=LOCK).fence(tok(103))
+        guard = AsyncEtcdGuard(client, name, lock=LOCK)
+        real, landed = guard._txn, []
+
+        async def txn(*args: Any, **kwargs: Any) -> Any:
+            answer = await real(*args, **kwargs)
+            if not landed:
+                landed.append(True)
+                await guard.fence(tok(105))  # (the other coroutine's write, meanwhile)
+            return answer
+
+        guard._txn = txn  # type: ignore[method-assign]
+        with pytest.raises(StaleTokenError):
+            await guard.fence(tok(104))
+        assert landed and await guard.high_water() == tok(105)
+
+
 # --- planted bugs are caught by the same checks --------------------------------------------------
 
 

@@ -323,3 +323,36 @@ def test_a_mark_created_again_lower_is_corrupt(clients: Any, resource: str) -> N
     with pytest.raises(fenced.CorruptMarkError):
         seen.high_water()
     assert client.get(f"/app/{resource}")[0] == b"v2"
+
+
+def test_a_write_landing_while_a_read_is_on_its_way_is_no_step_back(
+    clients: Any, resource: str
+) -> None:
+    """Two threads on one guard: the one writing 104 reads the mark (103), and the other's
+    105 is accepted while that read's answer is on its way. The read then shows 103 below
+    the 105 this guard saw accepted — not a mark that went back (found by the racing
+    writers of the conformance suite: CorruptMarkError, a rightful writer refused). 104 is
+    refused as stale, 105 stays, and a real step back is still caught."""
+    client = clients()
+    ZooKeeperGuard(client, resource, lock="master").fence(tok(103))
+    guard = ZooKeeperGuard(client, resource, lock="master")  # (it reads before it writes)
+    real_get, landed = client.get, []
+
+    def get(path: str, *args: Any, **kwargs: Any) -> Any:
+        answer = real_get(path, *args, **kwargs)
+        if not landed and path == guard.mark_path:
+            landed.append(True)
+            guard.fence(tok(105))  # (the other thread's write, between the read and its use)
+        return answer
+
+    client.get = get
+    try:
+        with pytest.raises(fenced.StaleTokenError):
+            guard.fence(tok(104))
+    finally:
+        del client.get
+    assert landed and guard.high_water() == tok(105)
+    # A real step back (the node set lower behind fenced's back) is still refused.
+    client.set(guard.mark_path, real_get(guard.mark_path)[0].replace(b"105", b"101"))
+    with pytest.raises(fenced.CorruptMarkError, match="went back to 101"):
+        guard.fence(tok(106))

@@ -525,6 +525,9 @@ class AsyncEtcdGuard:
         binds = 0
         # Each retry saw the mark move (it only grows) or created the fence keys: bounded.
         for _ in range(self._max_attempts):
+            # What this guard had seen accepted when the request was sent (its answer reflects
+            # it): another coroutine's write landing meanwhile is no step back of the mark.
+            seen = self._highest
             if mark is None:
                 resp = yield Request(state_txn(self.keys), write=False)
                 outcome = interpret_found(resp, token, self.resource)
@@ -535,7 +538,7 @@ class AsyncEtcdGuard:
                     self._mark = token.value
                     self._highest = max(self._highest, token.value)
                     return outcome
-            if outcome is UNBOUND and self._highest:
+            if outcome is UNBOUND and seen:
                 raise self._vanished()
             if outcome is UNBOUND:
                 binds += 1
@@ -545,10 +548,10 @@ class AsyncEtcdGuard:
                 interpret_bind(bind, token, self.resource)
                 mark = 0
                 continue
-            if outcome < self._highest:  # marks only grow: this one was reset
+            if outcome < seen:  # marks only grow: this one was reset
                 raise self._vanished(outcome)
             self._mark = outcome
-            self._highest = outcome
+            self._highest = max(self._highest, outcome)
             if not self._accepts(token.value, outcome):
                 high = FencingToken(token.lock, outcome) if outcome else None
                 raise StaleTokenError(token, high, self.resource)
@@ -589,13 +592,14 @@ class AsyncEtcdGuard:
 
     async def high_water(self) -> FencingToken | None:
         """The highest token accepted so far (None if none)."""
+        seen = self._highest  # (as in write_plan: what the answer must reflect)
         found = interpret_state(await self._txn(state_txn(self.keys), write=False), self.resource)
-        if found is None and self._highest:
+        if found is None and seen:
             raise self._vanished()
         if found is not None:
-            if found.value < self._highest:
+            if found.value < seen:
                 raise self._vanished(found.value)
-            self._highest = found.value
+            self._highest = max(self._highest, found.value)
         return found
 
     def _vanished(self, now: int | None = None) -> CorruptMarkError:

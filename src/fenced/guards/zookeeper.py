@@ -48,6 +48,7 @@ client; its calls block).
 from __future__ import annotations
 
 import asyncio
+import threading
 from itertools import pairwise
 from typing import Any, Final
 from urllib.parse import quote
@@ -136,6 +137,7 @@ class ZooKeeperGuard:
         self._seen: tuple[str, int, int] | None = None
         # the highest mark this guard has seen: once seen, the mark node may not vanish
         self._highest: int | None = None
+        self._saw_lock = threading.Lock()
         self._present: set[str] = set()  # znodes set() found existing: try set_data first
 
     def __repr__(self) -> str:
@@ -159,32 +161,36 @@ class ZooKeeperGuard:
 
     def _read_mark(self) -> tuple[str, int, int] | None:
         """(lock, mark, version) of the mark node, or None if the resource was never fenced."""
+        # What this guard had seen accepted when the read was sent: the read reflects it. A
+        # write of another thread on this guard that lands while the read is on its way is
+        # not a step back of the mark (found racing two threads on one guard).
+        highest = self._highest
         try:
             raw, stat = self.client.get(self.mark_path)
         except NoNodeError:
-            if self._highest is not None:
+            if highest is not None:
                 # Deleted outside fenced (a guarded write cannot reach it): creating it
                 # again would accept tokens below ones already accepted. Fail closed.
                 raise CorruptMarkError(
                     self.resource,
                     f"the mark node {self.mark_path!r} is gone, after this guard saw token "
-                    f"{self._highest} accepted",
+                    f"{highest} accepted",
                 ) from None
             return None
         lock, value = self._parse(raw)
-        if self._highest is not None and value < self._highest:
+        if highest is not None and value < highest:
             # Marks only grow: deleted and created again lower (by a guard that never saw it)
             raise CorruptMarkError(
                 self.resource,
-                f"the mark went back to {value}, after this guard saw token {self._highest} "
-                "accepted",
+                f"the mark went back to {value}, after this guard saw token {highest} accepted",
             )
         self._saw(value)
         return lock, value, stat.version
 
     def _saw(self, value: int) -> None:
-        if self._highest is None or value > self._highest:
-            self._highest = value
+        with self._saw_lock:  # (threads share a guard: the highest seen never goes down)
+            if self._highest is None or value > self._highest:
+                self._highest = value
 
     def high_water(self) -> FencingToken | None:
         """The highest token accepted so far, or None if never fenced."""
