@@ -449,12 +449,14 @@ class _GuardBase:
         elif error is None and call.advances:
             self._saw(call.token.value)
 
-    def _seen_mark(self, found: FencingToken | None) -> FencingToken | None:
-        """The mark :meth:`high_water` read, checked against the highest this guard saw."""
-        if (found.value if found is not None else 0) < self._seen:
+    def _seen_mark(self, found: FencingToken | None, seen: int) -> FencingToken | None:
+        """The mark :meth:`high_water` read, checked against ``seen``: the highest this guard
+        had seen when it sent the read (a write of another thread landing meanwhile is no
+        step back)."""
+        if (found.value if found is not None else 0) < seen:
             what = "missing" if found is None else f"at {found.value}"
             raise CorruptMarkError(
-                self.resource, f"mark {what}, after this guard saw {self._seen} (reset?)"
+                self.resource, f"mark {what}, after this guard saw {seen} (reset?)"
             )
         if found is not None:
             self._saw(found.value)
@@ -666,11 +668,12 @@ class RedisGuard(_GuardBase):
 
     def high_water(self) -> FencingToken | None:
         """The highest token accepted so far (None if none)."""
+        seen = self._seen
         try:
             reply = self._client.hmget(self.fence_key, ["lock", "hw"])
         except _NATIVE_ERRORS as exc:
             raise map_error(exc, self.resource) from exc
-        return self._seen_mark(parse_state(reply, self.resource))
+        return self._seen_mark(parse_state(reply, self.resource), seen)
 
     def check_server(self) -> None:
         """Raise :class:`~fenced.UnsafeBackendError` if Redis may evict the fence key."""
@@ -785,11 +788,12 @@ class AsyncRedisGuard(_GuardBase):
 
     async def high_water(self) -> FencingToken | None:
         """See :meth:`RedisGuard.high_water`."""
+        seen = self._seen
         try:
             reply = await self._client.hmget(self.fence_key, ["lock", "hw"])
         except _NATIVE_ERRORS as exc:
             raise map_error(exc, self.resource) from exc
-        return self._seen_mark(parse_state(reply, self.resource))
+        return self._seen_mark(parse_state(reply, self.resource), seen)
 
     async def check_server(self) -> None:
         """See :meth:`RedisGuard.check_server`."""
