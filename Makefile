@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip -q --disable-pip-version-check
 # The test environment is installed from a pinned, hash-checked lock (requirements/dev.lock,
-# made by `make lock` from pyproject.toml; tests/test_lock.py fails when the two disagree) with
+# made by `make lock` from pyproject.toml; tests/project/test_lock.py fails when the two disagree) with
 # uv: resolving the 130 packages afresh took pip about 10 minutes on a new machine, uv installs
 # the lock in under a minute. pip installs the same lock if uv cannot run.
 UV_VERSION := 0.13.9

@@ -56,17 +56,17 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 # ones marked ``slow`` (see pytest_collection_modifyitems); a name that no longer matches only
 # loses its place at the front.
 LONG_TESTS = (  # (longest first: the order they are handed out in)
-    "tests/test_sim.py::test_ten_thousand_seeds_hold_every_invariant",
-    "tests/test_sim.py::test_group_seeds_hold_every_invariant",
+    "tests/kit/test_sim.py::test_ten_thousand_seeds_hold_every_invariant",
+    "tests/kit/test_sim.py::test_group_seeds_hold_every_invariant",
     "tests/replicated/test_group_faults.py::",
     "tests/powerloss/test_sqlite_source.py::test_fenced_serve_",
     "tests/powerloss/test_sql_guards.py::",
-    "tests/test_check_campaign.py::test_the_report_renders_the_run_and_its_verdict",
-    "tests/test_server_schema.py::test_the_document_and_the_server_agree",
-    "tests/test_server_fast_lane.py::test_random_requests",
-    "tests/test_server_fuzz.py::test_random_requests",
-    "tests/test_signing.py::test_text_form_round_trips",
-    "tests/test_check_campaign.py::test_a_campaign_with_pauses_and_kills",
+    "tests/kit/test_check_campaign.py::test_the_report_renders_the_run_and_its_verdict",
+    "tests/server/test_server_schema.py::test_the_document_and_the_server_agree",
+    "tests/server/test_server_fast_lane.py::test_random_requests",
+    "tests/server/test_server_fuzz.py::test_random_requests",
+    "tests/core/test_signing.py::test_text_form_round_trips",
+    "tests/kit/test_check_campaign.py::test_a_campaign_with_pauses_and_kills",
     "tests/powerloss/test_fs_model.py::test_sqlite_keeps_what_it_committed",
 )
 
@@ -87,12 +87,12 @@ def _unit(item: pytest.Item) -> str:
     return "_".join(names) if names else item.nodeid
 
 
-@pytest.hookimpl(trylast=True)  # (after tests/conformance/conftest.py's source groups)
+@pytest.hookimpl(trylast=True)  # (after tests/sources/conformance/conftest.py's source groups)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Order and group the run for ``pytest -n 2 --dist loadgroup``.
 
     The guard suites' MySQL environments (grouped per environment by
-    tests/conformance/conftest.py) join test_guard_mysql.py's group: MariaDB, 6-9 s to start
+    tests/sources/conformance/conftest.py) join test_guard_mysql.py's group: MariaDB, 6-9 s to start
     under load and the heaviest server, then runs on one worker, not on both.
 
     Then the work units (an xdist group, or a single test) in the order xdist hands them out
@@ -189,7 +189,7 @@ def sqlite_url(tmp_path: object) -> str:
 @pytest.fixture(scope="session")
 def http_gateways() -> Iterator[dict[str, Any]]:
     """The worker's ``fenced serve`` gateways of the http_* conformance sources, by inner
-    source name (tests/envs/_http.py makes them on first use); all killed at the end."""
+    source name (tests/sources/envs/_http.py makes them on first use); all killed at the end."""
     gateways: dict[str, Any] = {}
     yield gateways
     for env in gateways.values():

@@ -36,7 +36,7 @@ pyproject.toml, Makefile and .ci/ (CHANGELOG.md is history and keeps its paths):
     the tree as it is after the move.
 
 Then ruff sorts the imports and formats the files it touched, and tools/check_layers.py runs.
-tests/test_layers.py's planted trees keep the root layout on purpose (the check reads both):
+tests/project/test_layers.py's planted trees keep the root layout on purpose (the check reads both):
 only its dotted names are rewritten.
 """
 
@@ -96,8 +96,8 @@ TEXT_PLACES = ("src", "tests", "bench", "examples", "tools", "docs", ".ci")
 TEXT_FILES = ("README.md", "pyproject.toml", "Makefile")
 TEXT_SUFFIXES = {".py", ".md", ".txt", ".toml", ".cfg", ".ini", ".yml", ".yaml", ".sh", ""}
 # History keeps its paths; this script and its test hold the old names on purpose.
-NOT_REWRITTEN = {"CHANGELOG.md", "tools/move_layers.py", "tests/test_move_layers.py"}
-ROOT_LAYOUT_KEPT = {"tests/test_layers.py"}  # planted trees in the root layout, on purpose
+NOT_REWRITTEN = {"CHANGELOG.md", "tools/move_layers.py", "tests/project/test_move_layers.py"}
+ROOT_LAYOUT_KEPT = {"tests/project/test_layers.py"}  # planted trees in the root layout, on purpose
 
 PACKAGE_DOCS = {
     "_core": '''"""The core layer (docs/design.md): the token, the errors, the clock, the backend contract,

@@ -2,7 +2,7 @@
 
     python docs/img/make_pictures.py          # rewrites docs/img/*.svg
 
-tests/test_pictures.py runs this and fails if a committed picture differs from what it draws,
+tests/project/test_pictures.py runs this and fails if a committed picture differs from what it draws,
 then renders each picture in headless Chromium and checks what is on the screen.
 
 * ``paused-writer.svg``: DDIA Figure 8-5 as ``fenced demo`` plays it: client 1 takes the lock

@@ -260,7 +260,9 @@ def signature_violations(env: GuardEnv, keys: Keyring) -> list[str]:
 
 def test_only_well_signed_tokens_pass_when_signing_is_required(env: GuardEnv) -> None:
     if not env.signs:
-        pytest.skip("the middleware in front of this store verifies (tests/test_guard_asgi.py)")
+        pytest.skip(
+            "the middleware in front of this store verifies (tests/guards/test_guard_asgi.py)"
+        )
     assert signature_violations(env, Keyring([KEY])) == []
 
 

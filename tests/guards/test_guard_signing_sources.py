@@ -75,7 +75,9 @@ def source_violations(env: GuardEnv, keys: Keyring) -> list[str]:
 
 def test_only_the_trusted_sources_tokens_pass(env: GuardEnv) -> None:
     if not env.signs:
-        pytest.skip("the middleware in front of this store verifies (tests/test_guard_asgi.py)")
+        pytest.skip(
+            "the middleware in front of this store verifies (tests/guards/test_guard_asgi.py)"
+        )
     assert source_violations(env, Keyring([KEY], source_id="prod")) == []
 
 

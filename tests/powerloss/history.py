@@ -16,7 +16,7 @@ from pathlib import Path
 
 from fenced.testing.powerloss import PowerLossMount
 from fenced.testing.servers import python_env
-from tests.envs.sqlite import read_counters
+from tests.sources.envs.sqlite import read_counters
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -8,7 +8,7 @@ import pytest
 import fenced
 from fenced._core.paths import machine_database
 from fenced.testing.powerloss import PowerLossMount, unavailable
-from tests.envs.sqlite import read_counters
+from tests.sources.envs.sqlite import read_counters
 
 pytestmark = [
     pytest.mark.skipif(unavailable() is not None, reason=unavailable() or ""),

@@ -200,7 +200,7 @@ class HttpBackend(Backend):
             # A retry after a lost answer gets the grant made earlier: bounded by what the
             # gateway says it has left, not by this request's send time (which was past
             # the source's expiry by the time between the two; found by the simulator's
-            # gateway work, tests/test_http_client_retry.py).
+            # gateway work, tests/sources/test_http_client_retry.py).
             left = min(float(got.get("expires_in", ttl_got)), ttl_got)
             grant = Grant(token, request_id, ttl_got, sent + left - ttl_got)
             if _clock.now() - grant.sent_at <= grant.ttl / 3:

@@ -131,7 +131,7 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 
 def _examples(*lines: str) -> str:
-    """An epilog's examples: tests/test_cli_help.py runs every line that starts with
+    """An epilog's examples: tests/cli/test_cli_help.py runs every line that starts with
     ``fenced`` (in a temporary directory, on a temporary source), so none can go stale.
     ``# exit N`` after a command is the status it is expected to end with (default 0)."""
     return "examples:\n" + "".join(f"  {line}\n" for line in lines)

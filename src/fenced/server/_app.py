@@ -793,7 +793,7 @@ clients with a key (``/v1/info``), not for anyone who asks."""
 
 
 def _document(app: FastAPI, keyed: bool) -> dict[str, Any]:
-    """The OpenAPI document, made to say what the server does (tests/test_server_schema.py
+    """The OpenAPI document, made to say what the server does (tests/server/test_server_schema.py
     runs schemathesis against it): 400 where FastAPI would declare 422, the lock-name
     grammar on every ``name``, and bearer security only on a server with keys."""
     if app.openapi_schema is not None:

@@ -11,7 +11,7 @@ Each is a mistake people make when they build fencing by hand, put in one place:
 - in the **token source** (one the kit starts and kills -9 and restarts): ``token-in-memory``
   (fenced serve over ``memory://``), ``counter-not-fsynced`` (Redis without its AOF).
 
-With no plant the same hand-written fence is correct: ``tests/test_check_plants.py`` runs
+With no plant the same hand-written fence is correct: ``tests/kit/test_check_plants.py`` runs
 it clean, so a caught plant is the plant, not the harness.
 """
 

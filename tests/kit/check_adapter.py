@@ -1,0 +1,54 @@
+"""A resource adapter of the kind a user writes for ``fenced check --resource
+python:MODULE:CLASS``: a register in a SQLite file, fenced by hand in one transaction (used by
+tests/kit/test_check_resources.py)."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+
+import fenced
+
+
+class Adapter:
+    def __init__(self, lock: str) -> None:
+        self.lock = lock
+        self.db = sqlite3.connect(os.environ["CHECK_ADAPTER_DB"], timeout=30, isolation_level=None)
+        self.db.execute("CREATE TABLE IF NOT EXISTS reg (id INTEGER PRIMARY KEY, data, mark)")
+
+    def _fence(self, token: fenced.FencingToken) -> None:
+        row = self.db.execute("SELECT mark FROM reg WHERE id = 1").fetchone()
+        mark = row[0] if row else 0
+        if token.value < mark:
+            raise fenced.StaleTokenError(token, fenced.FencingToken(self.lock, mark), "reg")
+        self.db.execute(
+            "INSERT INTO reg VALUES (1, NULL, ?) ON CONFLICT (id) DO UPDATE SET mark = ?",
+            (token.value, token.value),
+        )
+
+    def reset(self) -> None:
+        self.db.execute("DELETE FROM reg")
+
+    def read(self, token: fenced.FencingToken) -> bytes | None:
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            self._fence(token)
+            data = self.db.execute("SELECT data FROM reg WHERE id = 1").fetchone()[0]
+        finally:
+            self.db.execute("COMMIT")
+        return data
+
+    def write(self, token: fenced.FencingToken, data: bytes) -> None:
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            self._fence(token)
+            self.db.execute("UPDATE reg SET data = ? WHERE id = 1", (data,))
+        finally:
+            self.db.execute("COMMIT")
+
+    def final(self) -> tuple[bytes | None, int | None]:
+        row = self.db.execute("SELECT data, mark FROM reg WHERE id = 1").fetchone()
+        return (row[0], row[1]) if row else (None, None)
+
+    def close(self) -> None:
+        self.db.close()
