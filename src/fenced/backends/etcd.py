@@ -78,6 +78,22 @@ _LEAVE_WAIT = 0.25  # seconds acquire waits for a timed-out waiter's key to go, 
 _DESCEND = rpc.RangeRequest.DESCEND
 
 
+def _queue(
+    lock_prefix: bytes, order: Any, *, limit: int, keys_only: bool = False, before: int = 0
+) -> rpc.RangeRequest:
+    """A lock's queue (its waiters' keys), by creation, in ``order``: the first ``limit``
+    (only those created before revision ``before``, if given)."""
+    return rpc.RangeRequest(
+        key=lock_prefix,
+        range_end=range_end(lock_prefix),
+        max_create_revision=before - 1 if before else 0,
+        sort_target=_BY_CREATE,
+        sort_order=order,
+        limit=limit,
+        keys_only=keys_only,
+    )
+
+
 # -- the requests, as pure functions of their inputs ------------------------------------------
 
 
@@ -134,16 +150,7 @@ def create_txn(
         compare=[rpc.Compare(key=key, target=_CREATE, result=_EQUAL, create_revision=0)],
         success=[
             rpc.RequestOp(request_put=rpc.PutRequest(key=key, value=owner, lease=lease_id)),
-            rpc.RequestOp(
-                request_range=rpc.RangeRequest(
-                    key=lock_prefix,
-                    range_end=range_end(lock_prefix),
-                    sort_target=_BY_CREATE,
-                    sort_order=_DESCEND,
-                    limit=2,
-                    keys_only=True,
-                )
-            ),
+            rpc.RequestOp(request_range=_queue(lock_prefix, _DESCEND, limit=2, keys_only=True)),
             *_note_last(last_key, empty, b""),
         ],
         failure=[rpc.RequestOp(request_range=rpc.RangeRequest(key=key, keys_only=True))],
@@ -168,14 +175,8 @@ def check_txn(key: bytes, revision: int, lock_prefix: bytes, last_key: bytes | N
         compare=[rpc.Compare(key=key, target=_CREATE, result=_EQUAL, create_revision=revision)],
         success=[
             rpc.RequestOp(
-                request_range=rpc.RangeRequest(
-                    key=lock_prefix,
-                    range_end=range_end(lock_prefix),
-                    max_create_revision=revision - 1,
-                    sort_target=_BY_CREATE,
-                    sort_order=_DESCEND,
-                    limit=1,
-                    keys_only=True,
+                request_range=_queue(
+                    lock_prefix, _DESCEND, limit=1, keys_only=True, before=revision
                 )
             ),
             *_note_last(last_key, first, str(revision).encode()),
@@ -735,13 +736,7 @@ class EtcdBackend(Backend):
     async def status(self, name: str) -> LockStatus:
         self._check_open()
         lock_prefix = self._lock_prefix(name)
-        request = rpc.RangeRequest(
-            key=lock_prefix,
-            range_end=range_end(lock_prefix),
-            sort_target=_BY_CREATE,
-            sort_order=_ASCEND,
-            limit=1,
-        )
+        request = _queue(lock_prefix, _ASCEND, limit=1)
         reply = await self._call(lambda m, t: m.kv.Range(request, timeout=t), "status")
         if not reply.kvs:
             last = await self._last_token(name)

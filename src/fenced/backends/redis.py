@@ -294,6 +294,23 @@ return 1
 """
 )
 
+
+def _held_by_grant(*, value: int, token: int) -> str:
+    """Lua: ``return 0`` unless KEYS[2] holds the grant of request ARGV[1] with the token
+    ARGV[``token``]: compared whole with ARGV[``value``] first (the value it was granted
+    with, or ''), else parsed (release and renewal check the same)."""
+    return (
+        "\nlocal v = redis.call('GET', KEYS[2])\n"
+        f"if v ~= ARGV[{value}] then\n"
+        "  if not v then return 0 end\n"
+        "  local h_token, _, h_rid = string.match(v, '^(%d+) (%d+) ([^\\n]*)\\n?(.*)$')\n"
+        f"  if h_rid ~= ARGV[1] or h_token ~= ARGV[{token}] then\n"
+        "    return 0\n"
+        "  end\n"
+        "end\n"
+    )
+
+
 # ARGV[6]: the token being released; ARGV[7]: the holder value this client was granted with
 # (or ''), so that the usual release is one string comparison (Lua strings are interned: a
 # pointer comparison) where a parse costs the pattern matcher's code, cold. Any other value
@@ -301,16 +318,8 @@ return 1
 # parsed and checked as before. Returns 1 if it was held (and is now released), else 0.
 # With nobody queued it returns before making the queue's functions (see _FREE_FAST).
 RELEASE_LUA: Final = (
-    """
-local v = redis.call('GET', KEYS[2])
-if v ~= ARGV[7] then
-  if not v then return 0 end
-  local h_token, _, h_rid = string.match(v, '^(%d+) (%d+) ([^\\n]*)\\n?(.*)$')
-  if h_rid ~= ARGV[1] or h_token ~= ARGV[6] then
-    return 0
-  end
-end
-redis.call('DEL', KEYS[2])
+    _held_by_grant(value=7, token=6)
+    + """redis.call('DEL', KEYS[2])
 if redis.call('EXISTS', KEYS[3]) == 0 then return 1 end
 """
     + _PRELUDE
@@ -322,18 +331,12 @@ return 1
 
 # KEYS: as above (only 2 is used)   ARGV: 1 request id, 2 token, 3 ttl ms, 4 the holder value
 # the grant was made with (or ''): compared whole, else parsed, as in RELEASE_LUA.
-RENEW_LUA: Final = """
-local v = redis.call('GET', KEYS[2])
-if v ~= ARGV[4] then
-  if not v then return 0 end
-  local h_token, _, h_rid = string.match(v, '^(%d+) (%d+) ([^\\n]*)\\n?(.*)$')
-  if h_rid ~= ARGV[1] or h_token ~= ARGV[2] then
-    return 0
-  end
-end
-redis.call('PEXPIRE', KEYS[2], ARGV[3])
+RENEW_LUA: Final = (
+    _held_by_grant(value=4, token=2)
+    + """redis.call('PEXPIRE', KEYS[2], ARGV[3])
 return 1
 """
+)
 
 # KEYS: as above (reads only)
 STATUS_LUA: Final = (

@@ -458,10 +458,8 @@ class ZooKeeperBackend(Backend):
         assert node.path is not None
         sent, sid = _clock.now(), s.session_id
         stat = await s.future(s.client.exists_async(node.path, watch=node.own_watch))
-        if stat is None or stat.czxid != node.czxid:
-            node.forget()
+        if not _still_ours(node, stat, same_session=True):
             return None
-        node.armed = True
         s.proven(sent, sid)
         return sent
 
@@ -682,10 +680,8 @@ class ZooKeeperBackend(Backend):
         assert node.path is not None
         sid = s.session_id
         sent, stat = await self._renewal_proof(s, node.path, node.own_watch)
-        if stat is None or stat.czxid != node.czxid or s.session_id != sid:
-            node.forget()
+        if not _still_ours(node, stat, same_session=s.session_id == sid):
             return None
-        node.armed = True
         s.leader_proven(sent, sid)
         return sent
 
@@ -985,6 +981,16 @@ def _stop_clients(clients: list[Any]) -> None:
             client.close()
         except Exception:  # pragma: no cover - closing is best effort
             logger.debug("closing a kazoo client failed", exc_info=True)
+
+
+def _still_ours(node: Node, stat: Any, *, same_session: bool) -> bool:
+    """Our own node, read again (``stat``), is the one we queued with, in the same session:
+    armed (its watch is set); else forgotten (the lease is gone: go round again)."""
+    if stat is None or stat.czxid != node.czxid or not same_session:
+        node.forget()
+        return False
+    node.armed = True
+    return True
 
 
 def _on_pred_event(node: Node, event: Any) -> None:

@@ -603,9 +603,9 @@ def run_own(
         return run_sa(sa_conn, make_plan, use=use)
     d = sync_dialect(conn)
     if in_transaction(conn):
-        return _run(conn, d, make_plan, use=use)
+        return run(conn, make_plan, use=use, dialect=d)
     try:
-        value = _run(conn, d, make_plan, use=use)
+        value = run(conn, make_plan, use=use, dialect=d)
     except BaseException:
         if in_transaction(conn):
             _end(conn, commit=False)
@@ -758,28 +758,21 @@ def run(
     need_tx: bool = False,
     begin: bool = False,
     use: TableUse | None = None,
+    dialect: Dialect | None = None,
 ) -> T:
     """Run a plan on a synchronous connection (see the module doc).
 
     ``begin``: start the caller's transaction with the plan's first statement (PostgreSQL in
     autocommit mode: in one round trip; otherwise BEGIN IMMEDIATE / the driver's own BEGIN;
-    SQLAlchemy begins by itself).
+    SQLAlchemy begins by itself). ``dialect``: the DB-API connection's, known already (no
+    SQLAlchemy connection then).
     """
-    sa_conn = sa_connection(conn)
-    if sa_conn is not None:
-        return run_sa(sa_conn, make_plan, need_tx=need_tx or begin, use=use)
-    return _run(conn, sync_dialect(conn), make_plan, need_tx=need_tx, begin=begin, use=use)
-
-
-def _run(
-    conn: Any,
-    d: Dialect,
-    make_plan: Callable[[Dialect], Plan[T]],
-    *,
-    need_tx: bool = False,
-    begin: bool = False,
-    use: TableUse | None = None,
-) -> T:
+    d = dialect
+    if d is None:
+        sa_conn = sa_connection(conn)
+        if sa_conn is not None:
+            return run_sa(sa_conn, make_plan, need_tx=need_tx or begin, use=use)
+        d = sync_dialect(conn)
     execute: Callable[[Any, Stmt], Result] = (
         _exec_sqlite if d is SQLITE else _exec_mysql if d is MYSQL else _exec_psycopg
     )
@@ -882,7 +875,7 @@ def run_transaction(
         return value
     d = sync_dialect(conn)
     try:
-        value = _run(conn, d, make_plan, begin=True, use=use)
+        value = run(conn, make_plan, begin=True, use=use, dialect=d)
     except BaseException:
         with contextlib.suppress(Exception):
             if in_transaction(conn):

@@ -31,7 +31,6 @@ comes after it; write through the store's guard for the write itself to be fence
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from types import TracebackType
 from typing import Any
 
 from .._core.errors import StaleTokenError
@@ -165,12 +164,7 @@ class FencingWSGIMiddleware(MiddlewareSettings):
     def __enter__(self) -> FencingWSGIMiddleware:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close(close_store=True)
 
 
