@@ -146,12 +146,24 @@ local function holder()
 end
 """
 
+# A grant's token: the lock's counter, incremented; as text (exact beyond 2^53). In the
+# prelude's grant() and the uncontended fast path alike (Lua: n and token are set).
+_NEXT_TOKEN: Final = """  local n = redis.call('INCR', KEYS[1])
+  local token
+  if n < 9007199254740992 then
+    token = string.format('%d', n)
+  else
+    token = redis.call('GET', KEYS[1])  -- beyond 2^53 a Lua number is not exact
+  end
+"""
+
 # The prelude forgets waiters whose heartbeat ran out (by the server clock), and defines
 # hand_off(): when the lock is free, grant it straight to the first live waiter (its token
 # from the counter, its own ttl) and push "token:ttl" onto that waiter's wake list, where its
 # BLPOP picks it up - the hand-off costs the new holder no round trip of its own. With nobody
 # waiting, it costs one ZCARD.
-_PRELUDE: Final = """
+_PRELUDE: Final = (
+    """
 local now_ms = nil
 local function now()
   if not now_ms then
@@ -182,14 +194,9 @@ local function first()
   return nil
 end
 local function grant(who, ttl, owner)
-  local n = redis.call('INCR', KEYS[1])
-  local token
-  if n < 9007199254740992 then
-    token = string.format('%d', n)
-  else
-    token = redis.call('GET', KEYS[1])  -- beyond 2^53 a Lua number is not exact
-  end
-  local value = token .. ' ' .. ttl .. ' ' .. who
+"""
+    + _NEXT_TOKEN
+    + """  local value = token .. ' ' .. ttl .. ' ' .. who
   if owner and owner ~= '' then value = value .. '\\n' .. owner end
   redis.call('SET', KEYS[2], value, 'PX', ttl)
   return token
@@ -207,6 +214,7 @@ local function hand_off()
   end
 end
 """
+)
 
 # The uncontended case first, as straight-line code: a free lock with nobody queued is granted
 # exactly as grant() would, before the script makes the queue's functions (Lua builds a closure
@@ -214,23 +222,20 @@ end
 # `always`'s fsync, i.e. cold (docs/backend-redis.md, "Server time"): so one EXISTS answers
 # both "free?" and "nobody queued?", and the reply is the bare token (an integer: a table reply
 # costs as much as a command), the table form only where a Lua number is not exact (2^53).
-_FREE_FAST: Final = """
+_FREE_FAST: Final = (
+    """
 local ttl = ARGV[2]
 if redis.call('EXISTS', KEYS[2], KEYS[3]) == 0 then
-  local n = redis.call('INCR', KEYS[1])
-  local token
-  if n < 9007199254740992 then
-    token = string.format('%d', n)
-  else
-    token = redis.call('GET', KEYS[1])  -- beyond 2^53 a Lua number is not exact
-  end
-  local value = token .. ' ' .. ttl .. ' ' .. ARGV[1]
+"""
+    + _NEXT_TOKEN
+    + """  local value = token .. ' ' .. ttl .. ' ' .. ARGV[1]
   if ARGV[6] ~= '' then value = value .. '\\n' .. ARGV[6] end
   redis.call('SET', KEYS[2], value, 'PX', ttl)
   if n < 9007199254740992 then return n end
   return {1, token, tonumber(ttl), tonumber(ttl)}
 end
 """
+)
 
 # ARGV[3]: 'wait' joins the queue (or refreshes the caller's heartbeat) if not granted;
 # 'final' (the deadline has passed) leaves it instead. ARGV[6]: the caller's owner text.

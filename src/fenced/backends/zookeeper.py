@@ -563,15 +563,19 @@ class ZooKeeperBackend(Backend):
         if node.path is not None and node.session_id == s.session_id:
             s.discard(node.path)
 
-    def _lose(self, node: Node, cause: LeaseLostError) -> None:
-        if node.phase is not NodePhase.HELD:
-            return
+    def _end_hold(self, node: Node) -> None:
+        """The grant ``node`` held is over (lost or released): no renewal timer, not held."""
         node.phase = NodePhase.DONE
         if node.timer is not None:
             node.timer.cancel()
             node.timer = None
         if self._held.get((node.lock, node.request_id)) is node:
             del self._held[(node.lock, node.request_id)]
+
+    def _lose(self, node: Node, cause: LeaseLostError) -> None:
+        if node.phase is not NodePhase.HELD:
+            return
+        self._end_hold(node)
         for callback in node.on_lost:
             try:
                 callback(cause)
@@ -742,12 +746,7 @@ class ZooKeeperBackend(Backend):
         node = self._node_of(grant)
         if node is None or node.phase is not NodePhase.HELD or node.path is None:
             return False
-        node.phase = NodePhase.DONE
-        if node.timer is not None:
-            node.timer.cancel()
-            node.timer = None
-        if self._held.get((node.lock, node.request_id)) is node:
-            del self._held[(node.lock, node.request_id)]
+        self._end_hold(node)
         s = node.session
         path, version, seq = node.path, node.version, node.seq
         same_session = node.session_id == s.session_id

@@ -32,7 +32,7 @@ from collections.abc import (
     Mapping,
     Sequence,
 )
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from .._clients.pg_errors import kind as pg_kind
 from .._clients.sqlite_errors import is_busy, is_unavailable
@@ -652,10 +652,7 @@ def run_own_row(
         try:
             res = execute(conn, stmt)
         except Exception as exc:
-            mapped = map_error(d, conn, exc)
-            if mapped is None:
-                raise
-            raise mapped from exc
+            _raise_mapped(d, conn, exc)
         accepted = token
         if not row_write_accepted(d, res, upsert):
             rest = row_write_rest(d, spec, token, key, key_params, res, upsert=upsert)
@@ -703,10 +700,7 @@ def _end(conn: Any, *, commit: bool, d: Dialect | None = None) -> None:
     try:
         conn.commit() if commit else conn.rollback()
     except Exception as exc:
-        mapped = map_error(d, conn, exc)
-        if mapped is None:
-            raise
-        raise mapped from exc
+        _raise_mapped(d, conn, exc)
 
 
 async def _aend(conn: Any, *, commit: bool) -> None:
@@ -714,10 +708,7 @@ async def _aend(conn: Any, *, commit: bool) -> None:
     try:
         await (conn.commit() if commit else conn.rollback())
     except Exception as exc:
-        mapped = map_error(d, conn, exc)
-        if mapped is None:
-            raise
-        raise mapped from exc
+        _raise_mapped(d, conn, exc)
 
 
 def _refuse_ddl_in_transaction(conn: Any) -> None:
@@ -735,6 +726,14 @@ def _refuse_open_transaction(conn: Any) -> None:
         raise ConfigurationError(
             "begin() starts the transaction, and one is already open: use check() inside it"
         )
+
+
+def _raise_mapped(d: Dialect, conn: Any, exc: Exception) -> NoReturn:
+    """Raise the fenced error a driver's ``exc`` means (``from exc``), else ``exc`` itself."""
+    mapped = map_error(d, conn, exc)
+    if mapped is None:
+        raise exc
+    raise mapped from exc
 
 
 def _begin_psycopg(conn: Any, stmt: Stmt) -> Result:
@@ -791,10 +790,7 @@ def run(
         try:
             conn.execute("BEGIN IMMEDIATE") if d is SQLITE else conn.begin()
         except Exception as exc:
-            mapped = map_error(d, conn, exc)
-            if mapped is None:
-                raise
-            raise mapped from exc
+            _raise_mapped(d, conn, exc)
     elif d is POSTGRESQL:
         begun = not conn.autocommit  # psycopg begins by itself then
 
@@ -831,10 +827,7 @@ async def arun(
             try:
                 await conn.begin()
             except Exception as exc:
-                mapped = map_error(d, conn, exc)
-                if mapped is None:
-                    raise
-                raise mapped from exc
+                _raise_mapped(d, conn, exc)
         return await adrive(
             _using(conn, d, use, make_plan(d)),
             lambda stmt: _aexec_mysql(conn, stmt),
@@ -910,10 +903,7 @@ def run_install(conn: Any, make_plan: Callable[[Dialect], Plan[T]]) -> T:
     except FencedError:
         raise
     except Exception as exc:  # BEGIN/COMMIT themselves failed
-        mapped = map_error(d, conn, exc)
-        if mapped is None:
-            raise
-        raise mapped from exc
+        _raise_mapped(d, conn, exc)
 
 
 async def arun_install(conn: Any, make_plan: Callable[[Dialect], Plan[T]]) -> T:
@@ -936,10 +926,7 @@ async def arun_install(conn: Any, make_plan: Callable[[Dialect], Plan[T]]) -> T:
     except FencedError:
         raise
     except Exception as exc:  # BEGIN/COMMIT themselves failed
-        mapped = map_error(d, conn, exc)
-        if mapped is None:
-            raise
-        raise mapped from exc
+        _raise_mapped(d, conn, exc)
 
 
 # -- one round trip: the check raises in the server (PostgreSQL pipeline) --------------------
