@@ -722,9 +722,13 @@ def _refuse_ddl_in_transaction(conn: Any) -> None:
 
 
 def _refuse_open_transaction(conn: Any) -> None:
-    if in_transaction(conn):
+    _refuse_open(in_transaction(conn), "begin()")
+
+
+def _refuse_open(already: bool, what: str) -> None:
+    if already:
         raise ConfigurationError(
-            "begin() starts the transaction, and one is already open: use check() inside it"
+            f"{what} starts the transaction, and one is already open: use check() inside it"
         )
 
 
@@ -958,10 +962,7 @@ def guarded_transaction(
     else:
         sync_dialect(conn)  # (a clear TypeError for an async or unknown connection)
         already = in_transaction(conn)
-    if already:
-        raise ConfigurationError(
-            "transaction() starts the transaction, and one is already open: use check() inside it"
-        )
+    _refuse_open(already, "transaction()")
     if _kind(conn) != "psycopg":
         try:
             accepted = begin()
@@ -1012,10 +1013,7 @@ async def aguarded_transaction(
     else:
         _async_dialect(conn)
         already = in_transaction(conn)
-    if already:
-        raise ConfigurationError(
-            "transaction() starts the transaction, and one is already open: use check() inside it"
-        )
+    _refuse_open(already, "transaction()")
     if _kind(conn) != "psycopg-async":
         try:
             accepted = await begin()
@@ -1096,10 +1094,7 @@ def guarded_batch(
         return [int(cur.rowcount) for cur in cursors]
     if how == "block":
         return _block_batch(conn, statements, transaction)
-    if in_transaction(conn):
-        raise ConfigurationError(
-            "batch() starts the transaction, and one is already open: use check() inside it"
-        )
+    _refuse_open(in_transaction(conn), "batch()")
     if not _is_verified(conn, use):  # once per connection: its answer is needed first
         drive(
             _verify_then(conn, MYSQL, use, _nothing()),
