@@ -45,7 +45,6 @@ from .asgi import (
     FenceStore,
     MiddlewareSettings,
     Problem,
-    problem_for,
     store_problem,
 )
 
@@ -99,17 +98,10 @@ class FencingWSGIMiddleware(MiddlewareSettings):
             return self.app(environ, start_response)
         raw_text = environ.get(self._environ_key)
         if raw_text is None:
-            return self._problem(
-                start_response,
-                key,
-                Problem(
-                    428, "missing", "missing-token", "Fencing token required",
-                    f"{environ.get('REQUEST_METHOD')} {environ.get('PATH_INFO', '')} changes a "
-                    f"fenced resource: send the '{self.header}' header with the token of a held "
-                    f"'{self.lock}' lease",
-                    {"header": self.header, "resource": key},
-                ),
-            )  # fmt: skip
+            missing = self._missing(
+                str(environ.get("REQUEST_METHOD")), environ.get("PATH_INFO", ""), key
+            )
+            return self._problem(start_response, key, missing)
         # (WSGI servers join repeated headers with ","; that fails to parse: 400, as in ASGI.
         # Optional whitespace is not part of the value, whether or not the server kept it.)
         raw = b",".join(v.strip(_OWS) for v in raw_text.encode("latin-1", "replace").split(b","))
@@ -138,9 +130,7 @@ class FencingWSGIMiddleware(MiddlewareSettings):
         except StaleTokenError as exc:
             if started:
                 raise
-            problem = problem_for(exc, key, self.lock)
-            assert problem is not None
-            return self._problem(start_response, key, problem)
+            return self._problem(start_response, key, self._stale_inside(exc, key))
         return _Body(first, iterator, body)
 
     def _problem(
