@@ -23,37 +23,17 @@ epoch then shows the gap.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable
-
 # The election is the core's (``Locks.elect``/``observe`` return these): its classes live
 # beside the lease they wrap, so the core never imports this module (issue 27: no upward
 # import, no cycle). This module is their public home.
 from ._core.leadership import Leader, LeaderChanges, leader_value
-from ._core.lease import DEFAULT_TTL, AsyncLeadership, AsyncLocks, AsyncLostCallback, FenceTarget
+from ._core.lease import AsyncLeadership, AsyncLocks
 from ._core.sync import Leadership
 
 __all__ = ["AsyncLeadership", "Leader", "LeaderChanges", "Leadership", "leader_value"]
 
 
-async def elect(
-    locks: AsyncLocks,
-    name: str,
-    value: str = "",
-    *,
-    ttl: float = DEFAULT_TTL,
-    timeout: float | None = None,
-    fence: Iterable[FenceTarget] = (),
-    fence_errors: str = "raise",
-    on_lost: AsyncLostCallback | None = None,
-    lock_delay: float = 0.0,
-) -> AsyncLeadership:
-    """``await locks.elect(...)`` as a function (its spelling before issue 27)."""
-    return await locks.elect(
-        name, value, ttl=ttl, timeout=timeout, fence=fence, fence_errors=fence_errors,
-        on_lost=on_lost, lock_delay=lock_delay,
-    )  # fmt: skip
-
-
-def observe(locks: AsyncLocks, name: str, *, interval: float = 0.1) -> AsyncIterator[Leader]:
-    """``locks.observe(...)`` as a function (its spelling before issue 27)."""
-    return locks.observe(name, interval=interval)
+# The spellings before issue 27, ``elect(locks, ...)`` and ``observe(locks, ...)``: the
+# methods themselves, so that their signatures are written once.
+elect = AsyncLocks.elect
+observe = AsyncLocks.observe

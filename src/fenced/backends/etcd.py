@@ -30,7 +30,7 @@ import contextlib
 import dataclasses
 import functools
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from types import MappingProxyType
 from typing import Any, ClassVar, Final, TypeVar
 from urllib.parse import SplitResult
@@ -40,7 +40,7 @@ from .._clients import grpc as _grpc  # noqa: F401  (first: gRPC reads it when i
 # isort: split
 from aetcd import rpc
 
-from .._clients.etcd_conn import EtcdClient, LeaseNotFound, Member, WatchHandle, cancelling
+from .._clients.etcd_conn import EtcdClient, LeaseNotFound, WatchHandle, cancelling
 from .._core import clock as _clock
 from .._core.backend import Backend, Characteristic, Grant, LockStatus, LostCallback, Record
 from .._core.errors import (
@@ -76,6 +76,22 @@ _BY_CREATE = rpc.RangeRequest.CREATE
 _ASCEND = rpc.RangeRequest.ASCEND
 _LEAVE_WAIT = 0.25  # seconds acquire waits for a timed-out waiter's key to go, at most
 _DESCEND = rpc.RangeRequest.DESCEND
+
+
+def _queue(
+    lock_prefix: bytes, order: Any, *, limit: int, keys_only: bool = False, before: int = 0
+) -> rpc.RangeRequest:
+    """A lock's queue (its waiters' keys), by creation, in ``order``: the first ``limit``
+    (only those created before revision ``before``, if given)."""
+    return rpc.RangeRequest(
+        key=lock_prefix,
+        range_end=range_end(lock_prefix),
+        max_create_revision=before - 1 if before else 0,
+        sort_target=_BY_CREATE,
+        sort_order=order,
+        limit=limit,
+        keys_only=keys_only,
+    )
 
 
 # -- the requests, as pure functions of their inputs ------------------------------------------
@@ -134,16 +150,7 @@ def create_txn(
         compare=[rpc.Compare(key=key, target=_CREATE, result=_EQUAL, create_revision=0)],
         success=[
             rpc.RequestOp(request_put=rpc.PutRequest(key=key, value=owner, lease=lease_id)),
-            rpc.RequestOp(
-                request_range=rpc.RangeRequest(
-                    key=lock_prefix,
-                    range_end=range_end(lock_prefix),
-                    sort_target=_BY_CREATE,
-                    sort_order=_DESCEND,
-                    limit=2,
-                    keys_only=True,
-                )
-            ),
+            rpc.RequestOp(request_range=_queue(lock_prefix, _DESCEND, limit=2, keys_only=True)),
             *_note_last(last_key, empty, b""),
         ],
         failure=[rpc.RequestOp(request_range=rpc.RangeRequest(key=key, keys_only=True))],
@@ -168,14 +175,8 @@ def check_txn(key: bytes, revision: int, lock_prefix: bytes, last_key: bytes | N
         compare=[rpc.Compare(key=key, target=_CREATE, result=_EQUAL, create_revision=revision)],
         success=[
             rpc.RequestOp(
-                request_range=rpc.RangeRequest(
-                    key=lock_prefix,
-                    range_end=range_end(lock_prefix),
-                    max_create_revision=revision - 1,
-                    sort_target=_BY_CREATE,
-                    sort_order=_DESCEND,
-                    limit=1,
-                    keys_only=True,
+                request_range=_queue(
+                    lock_prefix, _DESCEND, limit=1, keys_only=True, before=revision
                 )
             ),
             *_note_last(last_key, first, str(revision).encode()),
@@ -349,25 +350,19 @@ class EtcdBackend(Backend):
         # "/" in a name is escaped: the prefix of "jobs" must not cover "jobs/nightly"'s keys.
         return self._prefix + escape_name(name).encode() + b"/"
 
-    async def _call(
-        self,
-        fn: Callable[[Member, float], Awaitable[T]],
-        what: str,
-        deadline: float | None = None,
-    ) -> T:
-        return await self._client.call(fn, what=what, deadline=deadline)
-
     async def _txn(self, request: Any, what: str, deadline: float | None = None) -> Any:
-        return await self._call(lambda m, t: m.kv.Txn(request, timeout=t), what, deadline)
+        return await self._client.call(
+            lambda m, t: m.kv.Txn(request, timeout=t), what=what, deadline=deadline
+        )
 
     # -- leases --------------------------------------------------------------------------------
 
     async def _new_lease(self, seconds: int, deadline: float | None) -> _Lease:
         sent = _clock.now()
-        reply = await self._call(
+        reply = await self._client.call(
             lambda m, t: m.lease.LeaseGrant(rpc.LeaseGrantRequest(TTL=seconds), timeout=t),
-            "lease grant",
-            deadline,
+            what="lease grant",
+            deadline=deadline,
         )
         if reply.error:
             raise BackendError(f"etcd lease grant failed: {reply.error}")
@@ -399,9 +394,9 @@ class EtcdBackend(Backend):
 
     async def _revoke(self, lease_id: int) -> None:
         with contextlib.suppress(LeaseNotFound):
-            await self._call(
+            await self._client.call(
                 lambda m, t: m.lease.LeaseRevoke(rpc.LeaseRevokeRequest(ID=lease_id), timeout=t),
-                "lease revoke",
+                what="lease revoke",
             )
 
     async def _keep_waiting(self, lease: _Lease, wake: asyncio.Event, gone: list[bool]) -> None:
@@ -662,7 +657,7 @@ class EtcdBackend(Backend):
         client of the cluster may keep alive or revoke: a gateway takes over another's grant."""
         self._check_open()
         key = self._lock_prefix(name) + request_id.encode()
-        got = await self._call(functools.partial(_range_of, key), "resume")
+        got = await self._client.call(functools.partial(_range_of, key), what="resume")
         if not got.kvs or got.kvs[0].create_revision != token.value:
             raise LeaseLostError(f"lease on {name!r} (token {token}) is no longer held")
         hold = await self._adopt(key, got.kvs[0], None)
@@ -701,7 +696,7 @@ class EtcdBackend(Backend):
             if status is None or status.token is None or status.holder is None:
                 return None
             key = self._lock_prefix(name) + status.holder.encode()
-            got = await self._call(functools.partial(_range_of, key), "force release")
+            got = await self._client.call(functools.partial(_range_of, key), what="force release")
             if not got.kvs or got.kvs[0].create_revision != status.token.value:
                 continue
             lease_id = got.kvs[0].lease
@@ -717,7 +712,7 @@ class EtcdBackend(Backend):
         self._check_open()
         prefix = self._prefix
         request = rpc.RangeRequest(key=prefix, range_end=range_end(prefix), keys_only=True)
-        reply = await self._call(lambda m, t: m.kv.Range(request, timeout=t), "list")
+        reply = await self._client.call(lambda m, t: m.kv.Range(request, timeout=t), what="list")
         # Keys are <prefix><escaped name>/<waiter>: the escaped name has no '/'.
         names = {
             unescape_name(kv.key[len(prefix) :].split(b"/", 1)[0].decode(errors="replace"))
@@ -726,7 +721,7 @@ class EtcdBackend(Backend):
         # ... and the locks granted before, free now (as the sources with a counter list them)
         last = self._last_prefix
         request = rpc.RangeRequest(key=last, range_end=range_end(last), keys_only=True)
-        reply = await self._call(lambda m, t: m.kv.Range(request, timeout=t), "list")
+        reply = await self._client.call(lambda m, t: m.kv.Range(request, timeout=t), what="list")
         names.update(
             unescape_name(kv.key[len(last) :].decode(errors="replace")) for kv in reply.kvs
         )
@@ -735,25 +730,19 @@ class EtcdBackend(Backend):
     async def status(self, name: str) -> LockStatus:
         self._check_open()
         lock_prefix = self._lock_prefix(name)
-        request = rpc.RangeRequest(
-            key=lock_prefix,
-            range_end=range_end(lock_prefix),
-            sort_target=_BY_CREATE,
-            sort_order=_ASCEND,
-            limit=1,
-        )
-        reply = await self._call(lambda m, t: m.kv.Range(request, timeout=t), "status")
+        request = _queue(lock_prefix, _ASCEND, limit=1)
+        reply = await self._client.call(lambda m, t: m.kv.Range(request, timeout=t), what="status")
         if not reply.kvs:
             last = await self._last_token(name)
             return LockStatus(name, None, None, last, None, waiters=0)
         kv = reply.kvs[0]
         remaining: float | None = None
         if kv.lease:
-            info = await self._call(
+            info = await self._client.call(
                 lambda m, t: m.lease.LeaseTimeToLive(
                     rpc.LeaseTimeToLiveRequest(ID=kv.lease), timeout=t
                 ),
-                "lease time-to-live",
+                what="lease time-to-live",
             )
             remaining = float(max(info.TTL, 0))
         token = FencingToken(name, kv.create_revision)
@@ -779,7 +768,7 @@ class EtcdBackend(Backend):
 
     async def _last_token(self, name: str) -> FencingToken | None:
         request = rpc.RangeRequest(key=self._last_key(name))
-        reply = await self._call(lambda m, t: m.kv.Range(request, timeout=t), "status")
+        reply = await self._client.call(lambda m, t: m.kv.Range(request, timeout=t), what="status")
         if not reply.kvs:
             return None  # never granted (or granted only by a fenced before 0.2)
         kv = reply.kvs[0]
@@ -792,7 +781,9 @@ class EtcdBackend(Backend):
     async def read_record(self, name: str) -> Record | None:
         self._check_open()
         request = rpc.RangeRequest(key=self._record_key(name))
-        reply = await self._call(lambda m, t: m.kv.Range(request, timeout=t), "read record")
+        reply = await self._client.call(
+            lambda m, t: m.kv.Range(request, timeout=t), what="read record"
+        )
         if not reply.kvs:
             return None
         kv = reply.kvs[0]

@@ -146,12 +146,24 @@ local function holder()
 end
 """
 
+# A grant's token: the lock's counter, incremented; as text (exact beyond 2^53). In the
+# prelude's grant() and the uncontended fast path alike (Lua: n and token are set).
+_NEXT_TOKEN: Final = """  local n = redis.call('INCR', KEYS[1])
+  local token
+  if n < 9007199254740992 then
+    token = string.format('%d', n)
+  else
+    token = redis.call('GET', KEYS[1])  -- beyond 2^53 a Lua number is not exact
+  end
+"""
+
 # The prelude forgets waiters whose heartbeat ran out (by the server clock), and defines
 # hand_off(): when the lock is free, grant it straight to the first live waiter (its token
 # from the counter, its own ttl) and push "token:ttl" onto that waiter's wake list, where its
 # BLPOP picks it up - the hand-off costs the new holder no round trip of its own. With nobody
 # waiting, it costs one ZCARD.
-_PRELUDE: Final = """
+_PRELUDE: Final = (
+    """
 local now_ms = nil
 local function now()
   if not now_ms then
@@ -182,14 +194,9 @@ local function first()
   return nil
 end
 local function grant(who, ttl, owner)
-  local n = redis.call('INCR', KEYS[1])
-  local token
-  if n < 9007199254740992 then
-    token = string.format('%d', n)
-  else
-    token = redis.call('GET', KEYS[1])  -- beyond 2^53 a Lua number is not exact
-  end
-  local value = token .. ' ' .. ttl .. ' ' .. who
+"""
+    + _NEXT_TOKEN
+    + """  local value = token .. ' ' .. ttl .. ' ' .. who
   if owner and owner ~= '' then value = value .. '\\n' .. owner end
   redis.call('SET', KEYS[2], value, 'PX', ttl)
   return token
@@ -207,6 +214,7 @@ local function hand_off()
   end
 end
 """
+)
 
 # The uncontended case first, as straight-line code: a free lock with nobody queued is granted
 # exactly as grant() would, before the script makes the queue's functions (Lua builds a closure
@@ -214,23 +222,20 @@ end
 # `always`'s fsync, i.e. cold (docs/backend-redis.md, "Server time"): so one EXISTS answers
 # both "free?" and "nobody queued?", and the reply is the bare token (an integer: a table reply
 # costs as much as a command), the table form only where a Lua number is not exact (2^53).
-_FREE_FAST: Final = """
+_FREE_FAST: Final = (
+    """
 local ttl = ARGV[2]
 if redis.call('EXISTS', KEYS[2], KEYS[3]) == 0 then
-  local n = redis.call('INCR', KEYS[1])
-  local token
-  if n < 9007199254740992 then
-    token = string.format('%d', n)
-  else
-    token = redis.call('GET', KEYS[1])  -- beyond 2^53 a Lua number is not exact
-  end
-  local value = token .. ' ' .. ttl .. ' ' .. ARGV[1]
+"""
+    + _NEXT_TOKEN
+    + """  local value = token .. ' ' .. ttl .. ' ' .. ARGV[1]
   if ARGV[6] ~= '' then value = value .. '\\n' .. ARGV[6] end
   redis.call('SET', KEYS[2], value, 'PX', ttl)
   if n < 9007199254740992 then return n end
   return {1, token, tonumber(ttl), tonumber(ttl)}
 end
 """
+)
 
 # ARGV[3]: 'wait' joins the queue (or refreshes the caller's heartbeat) if not granted;
 # 'final' (the deadline has passed) leaves it instead. ARGV[6]: the caller's owner text.
@@ -294,6 +299,23 @@ return 1
 """
 )
 
+
+def _held_by_grant(*, value: int, token: int) -> str:
+    """Lua: ``return 0`` unless KEYS[2] holds the grant of request ARGV[1] with the token
+    ARGV[``token``]: compared whole with ARGV[``value``] first (the value it was granted
+    with, or ''), else parsed (release and renewal check the same)."""
+    return (
+        "\nlocal v = redis.call('GET', KEYS[2])\n"
+        f"if v ~= ARGV[{value}] then\n"
+        "  if not v then return 0 end\n"
+        "  local h_token, _, h_rid = string.match(v, '^(%d+) (%d+) ([^\\n]*)\\n?(.*)$')\n"
+        f"  if h_rid ~= ARGV[1] or h_token ~= ARGV[{token}] then\n"
+        "    return 0\n"
+        "  end\n"
+        "end\n"
+    )
+
+
 # ARGV[6]: the token being released; ARGV[7]: the holder value this client was granted with
 # (or ''), so that the usual release is one string comparison (Lua strings are interned: a
 # pointer comparison) where a parse costs the pattern matcher's code, cold. Any other value
@@ -301,16 +323,8 @@ return 1
 # parsed and checked as before. Returns 1 if it was held (and is now released), else 0.
 # With nobody queued it returns before making the queue's functions (see _FREE_FAST).
 RELEASE_LUA: Final = (
-    """
-local v = redis.call('GET', KEYS[2])
-if v ~= ARGV[7] then
-  if not v then return 0 end
-  local h_token, _, h_rid = string.match(v, '^(%d+) (%d+) ([^\\n]*)\\n?(.*)$')
-  if h_rid ~= ARGV[1] or h_token ~= ARGV[6] then
-    return 0
-  end
-end
-redis.call('DEL', KEYS[2])
+    _held_by_grant(value=7, token=6)
+    + """redis.call('DEL', KEYS[2])
 if redis.call('EXISTS', KEYS[3]) == 0 then return 1 end
 """
     + _PRELUDE
@@ -322,18 +336,12 @@ return 1
 
 # KEYS: as above (only 2 is used)   ARGV: 1 request id, 2 token, 3 ttl ms, 4 the holder value
 # the grant was made with (or ''): compared whole, else parsed, as in RELEASE_LUA.
-RENEW_LUA: Final = """
-local v = redis.call('GET', KEYS[2])
-if v ~= ARGV[4] then
-  if not v then return 0 end
-  local h_token, _, h_rid = string.match(v, '^(%d+) (%d+) ([^\\n]*)\\n?(.*)$')
-  if h_rid ~= ARGV[1] or h_token ~= ARGV[2] then
-    return 0
-  end
-end
-redis.call('PEXPIRE', KEYS[2], ARGV[3])
+RENEW_LUA: Final = (
+    _held_by_grant(value=4, token=2)
+    + """redis.call('PEXPIRE', KEYS[2], ARGV[3])
 return 1
 """
+)
 
 # KEYS: as above (reads only)
 STATUS_LUA: Final = (

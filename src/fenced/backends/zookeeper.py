@@ -458,10 +458,8 @@ class ZooKeeperBackend(Backend):
         assert node.path is not None
         sent, sid = _clock.now(), s.session_id
         stat = await s.future(s.client.exists_async(node.path, watch=node.own_watch))
-        if stat is None or stat.czxid != node.czxid:
-            node.forget()
+        if not _still_ours(node, stat, same_session=True):
             return None
-        node.armed = True
         s.proven(sent, sid)
         return sent
 
@@ -565,15 +563,19 @@ class ZooKeeperBackend(Backend):
         if node.path is not None and node.session_id == s.session_id:
             s.discard(node.path)
 
-    def _lose(self, node: Node, cause: LeaseLostError) -> None:
-        if node.phase is not NodePhase.HELD:
-            return
+    def _end_hold(self, node: Node) -> None:
+        """The grant ``node`` held is over (lost or released): no renewal timer, not held."""
         node.phase = NodePhase.DONE
         if node.timer is not None:
             node.timer.cancel()
             node.timer = None
         if self._held.get((node.lock, node.request_id)) is node:
             del self._held[(node.lock, node.request_id)]
+
+    def _lose(self, node: Node, cause: LeaseLostError) -> None:
+        if node.phase is not NodePhase.HELD:
+            return
+        self._end_hold(node)
         for callback in node.on_lost:
             try:
                 callback(cause)
@@ -682,10 +684,8 @@ class ZooKeeperBackend(Backend):
         assert node.path is not None
         sid = s.session_id
         sent, stat = await self._renewal_proof(s, node.path, node.own_watch)
-        if stat is None or stat.czxid != node.czxid or s.session_id != sid:
-            node.forget()
+        if not _still_ours(node, stat, same_session=s.session_id == sid):
             return None
-        node.armed = True
         s.leader_proven(sent, sid)
         return sent
 
@@ -746,12 +746,7 @@ class ZooKeeperBackend(Backend):
         node = self._node_of(grant)
         if node is None or node.phase is not NodePhase.HELD or node.path is None:
             return False
-        node.phase = NodePhase.DONE
-        if node.timer is not None:
-            node.timer.cancel()
-            node.timer = None
-        if self._held.get((node.lock, node.request_id)) is node:
-            del self._held[(node.lock, node.request_id)]
+        self._end_hold(node)
         s = node.session
         path, version, seq = node.path, node.version, node.seq
         same_session = node.session_id == s.session_id
@@ -985,6 +980,16 @@ def _stop_clients(clients: list[Any]) -> None:
             client.close()
         except Exception:  # pragma: no cover - closing is best effort
             logger.debug("closing a kazoo client failed", exc_info=True)
+
+
+def _still_ours(node: Node, stat: Any, *, same_session: bool) -> bool:
+    """Our own node, read again (``stat``), is the one we queued with, in the same session:
+    armed (its watch is set); else forgotten (the lease is gone: go round again)."""
+    if stat is None or stat.czxid != node.czxid or not same_session:
+        node.forget()
+        return False
+    node.armed = True
+    return True
 
 
 def _on_pred_event(node: Node, event: Any) -> None:

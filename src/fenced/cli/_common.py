@@ -64,14 +64,19 @@ def _number(text: str) -> float:
     return value
 
 
-def _exit_code(text: str) -> int:
+def _whole(text: str, what: str, low: int, high: int, bounds: str) -> int:
+    """A whole number from ``low`` to ``high``: else "not WHAT: 'text'" or "BOUNDS, not N"."""
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not an exit status: {text!r}") from None
-    if not 0 <= value <= 255:
-        raise argparse.ArgumentTypeError(f"an exit status is 0-255, not {value}")
+        raise argparse.ArgumentTypeError(f"not {what}: {text!r}") from None
+    if not low <= value <= high:
+        raise argparse.ArgumentTypeError(f"{bounds}, not {value}")
     return value
+
+
+def _exit_code(text: str) -> int:
+    return _whole(text, "an exit status", 0, 255, "an exit status is 0-255")
 
 
 def _ttl(text: str) -> float:
@@ -105,13 +110,7 @@ def _read_timeout(text: str) -> float:
 
 
 def _body_limit(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of bytes: {text!r}") from None
-    if not 1024 <= value <= 1 << 30:
-        raise argparse.ArgumentTypeError(f"a body limit is 1024 bytes to 1 GiB, not {value}")
-    return value
+    return _whole(text, "a number of bytes", 1024, 1 << 30, "a body limit is 1024 bytes to 1 GiB")
 
 
 def _grace(text: str) -> float:

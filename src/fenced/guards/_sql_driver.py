@@ -32,7 +32,7 @@ from collections.abc import (
     Mapping,
     Sequence,
 )
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from .._clients.pg_errors import kind as pg_kind
 from .._clients.sqlite_errors import is_busy, is_unavailable
@@ -603,9 +603,9 @@ def run_own(
         return run_sa(sa_conn, make_plan, use=use)
     d = sync_dialect(conn)
     if in_transaction(conn):
-        return _run(conn, d, make_plan, use=use)
+        return run(conn, make_plan, use=use, dialect=d)
     try:
-        value = _run(conn, d, make_plan, use=use)
+        value = run(conn, make_plan, use=use, dialect=d)
     except BaseException:
         if in_transaction(conn):
             _end(conn, commit=False)
@@ -652,10 +652,7 @@ def run_own_row(
         try:
             res = execute(conn, stmt)
         except Exception as exc:
-            mapped = map_error(d, conn, exc)
-            if mapped is None:
-                raise
-            raise mapped from exc
+            _raise_mapped(d, conn, exc)
         accepted = token
         if not row_write_accepted(d, res, upsert):
             rest = row_write_rest(d, spec, token, key, key_params, res, upsert=upsert)
@@ -703,10 +700,7 @@ def _end(conn: Any, *, commit: bool, d: Dialect | None = None) -> None:
     try:
         conn.commit() if commit else conn.rollback()
     except Exception as exc:
-        mapped = map_error(d, conn, exc)
-        if mapped is None:
-            raise
-        raise mapped from exc
+        _raise_mapped(d, conn, exc)
 
 
 async def _aend(conn: Any, *, commit: bool) -> None:
@@ -714,10 +708,7 @@ async def _aend(conn: Any, *, commit: bool) -> None:
     try:
         await (conn.commit() if commit else conn.rollback())
     except Exception as exc:
-        mapped = map_error(d, conn, exc)
-        if mapped is None:
-            raise
-        raise mapped from exc
+        _raise_mapped(d, conn, exc)
 
 
 def _refuse_ddl_in_transaction(conn: Any) -> None:
@@ -731,10 +722,22 @@ def _refuse_ddl_in_transaction(conn: Any) -> None:
 
 
 def _refuse_open_transaction(conn: Any) -> None:
-    if in_transaction(conn):
+    _refuse_open(in_transaction(conn), "begin()")
+
+
+def _refuse_open(already: bool, what: str) -> None:
+    if already:
         raise ConfigurationError(
-            "begin() starts the transaction, and one is already open: use check() inside it"
+            f"{what} starts the transaction, and one is already open: use check() inside it"
         )
+
+
+def _raise_mapped(d: Dialect, conn: Any, exc: Exception) -> NoReturn:
+    """Raise the fenced error a driver's ``exc`` means (``from exc``), else ``exc`` itself."""
+    mapped = map_error(d, conn, exc)
+    if mapped is None:
+        raise exc
+    raise mapped from exc
 
 
 def _begin_psycopg(conn: Any, stmt: Stmt) -> Result:
@@ -758,28 +761,21 @@ def run(
     need_tx: bool = False,
     begin: bool = False,
     use: TableUse | None = None,
+    dialect: Dialect | None = None,
 ) -> T:
     """Run a plan on a synchronous connection (see the module doc).
 
     ``begin``: start the caller's transaction with the plan's first statement (PostgreSQL in
     autocommit mode: in one round trip; otherwise BEGIN IMMEDIATE / the driver's own BEGIN;
-    SQLAlchemy begins by itself).
+    SQLAlchemy begins by itself). ``dialect``: the DB-API connection's, known already (no
+    SQLAlchemy connection then).
     """
-    sa_conn = sa_connection(conn)
-    if sa_conn is not None:
-        return run_sa(sa_conn, make_plan, need_tx=need_tx or begin, use=use)
-    return _run(conn, sync_dialect(conn), make_plan, need_tx=need_tx, begin=begin, use=use)
-
-
-def _run(
-    conn: Any,
-    d: Dialect,
-    make_plan: Callable[[Dialect], Plan[T]],
-    *,
-    need_tx: bool = False,
-    begin: bool = False,
-    use: TableUse | None = None,
-) -> T:
+    d = dialect
+    if d is None:
+        sa_conn = sa_connection(conn)
+        if sa_conn is not None:
+            return run_sa(sa_conn, make_plan, need_tx=need_tx or begin, use=use)
+        d = sync_dialect(conn)
     execute: Callable[[Any, Stmt], Result] = (
         _exec_sqlite if d is SQLITE else _exec_mysql if d is MYSQL else _exec_psycopg
     )
@@ -798,10 +794,7 @@ def _run(
         try:
             conn.execute("BEGIN IMMEDIATE") if d is SQLITE else conn.begin()
         except Exception as exc:
-            mapped = map_error(d, conn, exc)
-            if mapped is None:
-                raise
-            raise mapped from exc
+            _raise_mapped(d, conn, exc)
     elif d is POSTGRESQL:
         begun = not conn.autocommit  # psycopg begins by itself then
 
@@ -838,10 +831,7 @@ async def arun(
             try:
                 await conn.begin()
             except Exception as exc:
-                mapped = map_error(d, conn, exc)
-                if mapped is None:
-                    raise
-                raise mapped from exc
+                _raise_mapped(d, conn, exc)
         return await adrive(
             _using(conn, d, use, make_plan(d)),
             lambda stmt: _aexec_mysql(conn, stmt),
@@ -882,7 +872,7 @@ def run_transaction(
         return value
     d = sync_dialect(conn)
     try:
-        value = _run(conn, d, make_plan, begin=True, use=use)
+        value = run(conn, make_plan, begin=True, use=use, dialect=d)
     except BaseException:
         with contextlib.suppress(Exception):
             if in_transaction(conn):
@@ -917,10 +907,7 @@ def run_install(conn: Any, make_plan: Callable[[Dialect], Plan[T]]) -> T:
     except FencedError:
         raise
     except Exception as exc:  # BEGIN/COMMIT themselves failed
-        mapped = map_error(d, conn, exc)
-        if mapped is None:
-            raise
-        raise mapped from exc
+        _raise_mapped(d, conn, exc)
 
 
 async def arun_install(conn: Any, make_plan: Callable[[Dialect], Plan[T]]) -> T:
@@ -943,10 +930,7 @@ async def arun_install(conn: Any, make_plan: Callable[[Dialect], Plan[T]]) -> T:
     except FencedError:
         raise
     except Exception as exc:  # BEGIN/COMMIT themselves failed
-        mapped = map_error(d, conn, exc)
-        if mapped is None:
-            raise
-        raise mapped from exc
+        _raise_mapped(d, conn, exc)
 
 
 # -- one round trip: the check raises in the server (PostgreSQL pipeline) --------------------
@@ -978,10 +962,7 @@ def guarded_transaction(
     else:
         sync_dialect(conn)  # (a clear TypeError for an async or unknown connection)
         already = in_transaction(conn)
-    if already:
-        raise ConfigurationError(
-            "transaction() starts the transaction, and one is already open: use check() inside it"
-        )
+    _refuse_open(already, "transaction()")
     if _kind(conn) != "psycopg":
         try:
             accepted = begin()
@@ -1032,10 +1013,7 @@ async def aguarded_transaction(
     else:
         _async_dialect(conn)
         already = in_transaction(conn)
-    if already:
-        raise ConfigurationError(
-            "transaction() starts the transaction, and one is already open: use check() inside it"
-        )
+    _refuse_open(already, "transaction()")
     if _kind(conn) != "psycopg-async":
         try:
             accepted = await begin()
@@ -1116,10 +1094,7 @@ def guarded_batch(
         return [int(cur.rowcount) for cur in cursors]
     if how == "block":
         return _block_batch(conn, statements, transaction)
-    if in_transaction(conn):
-        raise ConfigurationError(
-            "batch() starts the transaction, and one is already open: use check() inside it"
-        )
+    _refuse_open(in_transaction(conn), "batch()")
     if not _is_verified(conn, use):  # once per connection: its answer is needed first
         drive(
             _verify_then(conn, MYSQL, use, _nothing()),

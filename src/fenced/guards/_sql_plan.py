@@ -358,15 +358,22 @@ def check_plan(sql: FenceSQL, resource: str, token: FencingToken) -> Plan[Fencin
     # Rejected. The conflicting row is now locked by us (PostgreSQL locks it even when the
     # DO UPDATE's WHERE is false) or the whole database is (SQLite), so this read reports
     # exactly the mark that rejected us.
+    lock, value = yield from _refusing_row(sql, resource, token)
+    if value is None:
+        raise CorruptMarkError(resource, "the fence row has no token")
+    raise _rejection(token, resource, lock, value)
+
+
+def _refusing_row(sql: FenceSQL, resource: str, token: FencingToken) -> Plan[tuple[Any, Any]]:
+    """The (lock, token) of the fence row that refused ``token``: locked by the refusing
+    statement, so it is the mark that refused it."""
     res = yield Stmt(sql.read, (resource,))
     if not res.rows:
         raise FenceConflictError(
             f"the fence row of {resource!r} vanished while checking {token}; roll back and retry"
         )
     lock, value = res.rows[0]
-    if value is None:
-        raise CorruptMarkError(resource, "the fence row has no token")
-    raise _rejection(token, resource, lock, value)
+    return lock, value
 
 
 def _mysql_name(resource: str) -> str:
@@ -384,12 +391,7 @@ def _mysql_check_plan(sql: FenceSQL, resource: str, token: FencingToken) -> Plan
     first = yield Stmt(sql.accept, (_mysql_name(resource), token.lock, token.value))
     if mysql_upsert_accepted(first):
         return token
-    res = yield Stmt(sql.read, (resource,))
-    if not res.rows:
-        raise FenceConflictError(
-            f"the fence row of {resource!r} vanished while checking {token}; roll back and retry"
-        )
-    lock, value = res.rows[0]
+    lock, value = yield from _refusing_row(sql, resource, token)
     if first.rowcount == 1 and lock == token.lock and value == token.value:
         # A count of 1 under FOUND_ROWS: inserted by this statement, or found and refused.
         # The row (locked by us) carries our token: inserted (a refused check's row holds a

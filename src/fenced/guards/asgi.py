@@ -298,6 +298,21 @@ class MiddlewareSettings:
         self.metrics = metrics
         self.problem_base = problem_base
 
+    def _missing(self, method: str, path: str, resource: str) -> Problem:
+        """The 428 for a request that changes ``resource`` without a token."""
+        return Problem(
+            428, "missing", "missing-token", "Fencing token required",
+            f"{method} {path} changes a fenced resource: send the '{self.header}' header with "
+            f"the token of a held '{self.lock}' lease",
+            {"header": self.header, "resource": resource},
+        )  # fmt: skip
+
+    def _stale_inside(self, exc: StaleTokenError, resource: str) -> Problem:
+        """The 409 for a refusal the app raised before it started its response."""
+        problem = problem_for(exc, resource, self.lock)
+        assert problem is not None
+        return problem
+
     def _refused(self, resource: str, problem: Problem) -> bytes:
         """Count the refusal; its body."""
         if self.metrics is not None:
@@ -351,16 +366,7 @@ class FencingMiddleware(MiddlewareSettings):
             return
         values = [v for k, v in scope["headers"] if k == self._header_key]
         if not values:
-            await self._send_problem(
-                send,
-                key,
-                Problem(
-                    428, "missing", "missing-token", "Fencing token required",
-                    f"{scope['method']} {scope['path']} changes a fenced resource: send the "
-                    f"'{self.header}' header with the token of a held '{self.lock}' lease",
-                    {"header": self.header, "resource": key},
-                ),
-            )  # fmt: skip
+            await self._send_problem(send, key, self._missing(scope["method"], scope["path"], key))
             return
         # Several headers are ambiguous: joined, they fail to parse (400). (Not every server
         # strips the whitespace around a value: httptools keeps it, h11 does not.)
@@ -387,9 +393,7 @@ class FencingMiddleware(MiddlewareSettings):
         except StaleTokenError as exc:
             if started:
                 raise
-            problem = problem_for(exc, key, self.lock)
-            assert problem is not None
-            await self._send_problem(send, key, problem)
+            await self._send_problem(send, key, self._stale_inside(exc, key))
 
     async def _send_problem(self, send: Send, resource: str, problem: Problem) -> None:
         body = self._refused(resource, problem)

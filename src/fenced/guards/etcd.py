@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from types import TracebackType
 from typing import Any, Final
 from urllib.parse import urlsplit
 
@@ -702,12 +701,7 @@ class EtcdGuard:
     def __enter__(self) -> EtcdGuard:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __repr__(self) -> str:

@@ -449,6 +449,12 @@ class _GuardBase:
         elif error is None and call.advances:
             self._saw(call.token.value)
 
+    def _failed(self, call: GuardedCall, exc: Exception) -> FencedError:
+        """The fenced error a call's client error means, its outcome remembered."""
+        error = map_error(exc, self.resource, call.token)
+        self._outcome(call, error)
+        return error
+
     def _seen_mark(self, found: FencingToken | None, seen: int) -> FencingToken | None:
         """The mark :meth:`high_water` read, checked against ``seen``: the highest this guard
         had seen when it sent the read (a write of another thread landing meanwhile is no
@@ -592,9 +598,7 @@ class RedisGuard(_GuardBase):
         try:
             reply = script(keys=call.keys, args=call.args)
         except _NATIVE_ERRORS as exc:
-            error = map_error(exc, self.resource, call.token)
-            self._outcome(call, error)
-            raise error from exc
+            raise self._failed(call, exc) from exc
         self._outcome(call)
         return reply
 
@@ -718,9 +722,7 @@ class AsyncRedisGuard(_GuardBase):
         try:
             reply = await script(keys=call.keys, args=call.args)
         except _NATIVE_ERRORS as exc:
-            error = map_error(exc, self.resource, call.token)
-            self._outcome(call, error)
-            raise error from exc
+            raise self._failed(call, exc) from exc
         self._outcome(call)
         return reply
 

@@ -31,7 +31,6 @@ comes after it; write through the store's guard for the write itself to be fence
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from types import TracebackType
 from typing import Any
 
 from .._core.errors import StaleTokenError
@@ -46,7 +45,6 @@ from .asgi import (
     FenceStore,
     MiddlewareSettings,
     Problem,
-    problem_for,
     store_problem,
 )
 
@@ -100,17 +98,10 @@ class FencingWSGIMiddleware(MiddlewareSettings):
             return self.app(environ, start_response)
         raw_text = environ.get(self._environ_key)
         if raw_text is None:
-            return self._problem(
-                start_response,
-                key,
-                Problem(
-                    428, "missing", "missing-token", "Fencing token required",
-                    f"{environ.get('REQUEST_METHOD')} {environ.get('PATH_INFO', '')} changes a "
-                    f"fenced resource: send the '{self.header}' header with the token of a held "
-                    f"'{self.lock}' lease",
-                    {"header": self.header, "resource": key},
-                ),
-            )  # fmt: skip
+            missing = self._missing(
+                str(environ.get("REQUEST_METHOD")), environ.get("PATH_INFO", ""), key
+            )
+            return self._problem(start_response, key, missing)
         # (WSGI servers join repeated headers with ","; that fails to parse: 400, as in ASGI.
         # Optional whitespace is not part of the value, whether or not the server kept it.)
         raw = b",".join(v.strip(_OWS) for v in raw_text.encode("latin-1", "replace").split(b","))
@@ -139,9 +130,7 @@ class FencingWSGIMiddleware(MiddlewareSettings):
         except StaleTokenError as exc:
             if started:
                 raise
-            problem = problem_for(exc, key, self.lock)
-            assert problem is not None
-            return self._problem(start_response, key, problem)
+            return self._problem(start_response, key, self._stale_inside(exc, key))
         return _Body(first, iterator, body)
 
     def _problem(
@@ -165,12 +154,7 @@ class FencingWSGIMiddleware(MiddlewareSettings):
     def __enter__(self) -> FencingWSGIMiddleware:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close(close_store=True)
 
 

@@ -32,7 +32,7 @@ from starlette.types import Receive
 
 from .. import __version__
 from .._core import clock as _clock
-from .._core.backend import LockStatus, TokenCheck
+from .._core.backend import Grant, LockStatus, TokenCheck
 from .._core.errors import (
     BackendUnavailable,
     ConfigurationError,
@@ -148,6 +148,11 @@ READY_CACHE = 1.0
 """Seconds one look at the source answers /v1/ready for (it takes no key: bounded load)."""
 DASHBOARD_LOCKS = 500
 """The most locks one dashboard answer reads the status of."""
+
+
+def _expires_in(grant: Grant) -> float:
+    """Seconds the grant has left, from when its request was sent (never below 0)."""
+    return max(0.0, grant.sent_at + grant.ttl - _clock.now())
 
 
 def _status_out(status: LockStatus, key: ApiKey | None) -> StatusOut:
@@ -338,7 +343,10 @@ def create_app(settings: ServerSettings) -> FastAPI:
         except InvalidTokenError as exc:
             raise fail(exc) from None
 
-    def lease_args(name: str, body: LeaseIn) -> tuple[FencingToken, str]:
+    def lease_args(name: str, body: LeaseIn, key: ApiKey | None) -> tuple[str, FencingToken, str]:
+        """A renewal's or release's lock name, token and request id, checked, for ``key``."""
+        name = lock_name(name)
+        allow(key, Verb.ACQUIRE, name)
         rid = body.request_id if body.request_id is not None else body.lease_id
         if rid is None:
             raise ApiError(400, "invalid_request", "request_id (or lease_id) is required")
@@ -358,7 +366,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
                 verifier.verify(token.lock, token.value, token.signature)
             except InvalidTokenError as exc:
                 raise fail(exc) from None
-        return token, rid
+        return name, token, rid
 
     # -- locks -------------------------------------------------------------------------------
 
@@ -410,7 +418,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
             request_id=rid,
             lease_id=rid,
             ttl=grant.ttl,
-            expires_in=max(0.0, grant.sent_at + grant.ttl - _clock.now()),
+            expires_in=_expires_in(grant),
         )
 
     @app.post(
@@ -421,12 +429,8 @@ def create_app(settings: ServerSettings) -> FastAPI:
         summary="Renew a lease (any gateway in front of the same source can)",
     )
     async def renew(name: str, body: LeaseIn, key: Principal) -> RenewOut:
-        return await do_renew(name, body, key)
-
-    async def do_renew(name: str, body: LeaseIn, key: ApiKey | None) -> RenewOut:
-        name = lock_name(name)
-        allow(key, Verb.ACQUIRE, name)
-        token, rid = lease_args(name, body)
+        # (also the fast lane's: Principal is an ApiKey | None to a plain call)
+        name, token, rid = lease_args(name, body, key)
         ttl = None
         if body.ttl is not None:
             try:
@@ -434,9 +438,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
             except ConfigurationError as exc:
                 raise fail(exc) from None
         grant = await call(gw.renew_for(key, name, token, rid, ttl))
-        return RenewOut(
-            ttl=grant.ttl, expires_in=max(0.0, grant.sent_at + grant.ttl - _clock.now())
-        )
+        return RenewOut(ttl=grant.ttl, expires_in=_expires_in(grant))
 
     @app.post(
         "/v1/locks/{name:lock}/-/release",
@@ -445,12 +447,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
         summary="Release a grant (fenced: never frees a later grant)",
     )
     async def release(name: str, body: LeaseIn, key: Principal) -> ReleaseOut:
-        return await do_release(name, body, key)
-
-    async def do_release(name: str, body: LeaseIn, key: ApiKey | None) -> ReleaseOut:
-        name = lock_name(name)
-        allow(key, Verb.ACQUIRE, name)
-        token, rid = lease_args(name, body)
+        name, token, rid = lease_args(name, body, key)
         released = await call(gw.release_for(key, name, token, rid))
         return ReleaseOut(released=released)
 
@@ -734,12 +731,12 @@ def create_app(settings: ServerSettings) -> FastAPI:
         "renew": _Lane(
             routes["renew"],
             LeaseIn,
-            lambda name, body, key, scope, receive: do_renew(name, body, key),
+            lambda name, body, key, scope, receive: renew(name, body, key),
         ),
         "release": _Lane(
             routes["release"],
             LeaseIn,
-            lambda name, body, key, scope, receive: do_release(name, body, key),
+            lambda name, body, key, scope, receive: release(name, body, key),
         ),
     }
     app.openapi = lambda: _document(app, keyed=keys is not None)  # type: ignore[method-assign]

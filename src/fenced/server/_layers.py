@@ -33,26 +33,10 @@ class _Service(FastAPI):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (self.loopback_hosts_only or self.same_origin_only) and scope["type"] == "http":
-            host = _host(scope)
-            if self.loopback_hosts_only and host is not None and not _names_loopback(host):
+            refusal = self._foreign(scope)
+            if refusal is not None:
                 self.state.gateway.metrics.refused.labels("forbidden").inc()
-                message = (
-                    f"Host {host[:100]!r} is a DNS name: this server has no API keys and "
-                    "answers requests to localhost, 127.0.0.1 or [::1] (DNS rebinding)"
-                )
-                await _error(403, "forbidden", message)(scope, receive, send)
-                return
-            origin = _header(scope, b"origin")
-            if origin is not None and not _same_origin(origin, host):
-                # A page of another site may send a "simple" POST (text/plain; no preflight,
-                # and bodies are read as JSON whatever their type) to the server: unread, its
-                # answer still took or freed a lock. Browsers name the page's origin.
-                self.state.gateway.metrics.refused.labels("forbidden").inc()
-                message = (
-                    f"Origin {origin[:100]!r} is another site: this server has no API keys "
-                    "and answers its own pages and clients that send no Origin"
-                )
-                await _error(403, "forbidden", message)(scope, receive, send)
+                await _error(403, "forbidden", refusal)(scope, receive, send)
                 return
         front = self.front
         if front is not None and scope["type"] == "http":
@@ -62,6 +46,26 @@ class _Service(FastAPI):
 
     async def through_stack(self, scope: Scope, receive: Receive, send: Send) -> None:
         await super().__call__(scope, receive, send)
+
+    def _foreign(self, scope: Scope) -> str | None:
+        """Why a request from outside this machine's own pages and clients is refused (a DNS
+        name as Host, another site as Origin), or None to answer it."""
+        host = _host(scope)
+        if self.loopback_hosts_only and host is not None and not _names_loopback(host):
+            return (
+                f"Host {host[:100]!r} is a DNS name: this server has no API keys and "
+                "answers requests to localhost, 127.0.0.1 or [::1] (DNS rebinding)"
+            )
+        origin = _header(scope, b"origin")
+        if origin is not None and not _same_origin(origin, host):
+            # A page of another site may send a "simple" POST (text/plain; no preflight, and
+            # bodies are read as JSON whatever their type) to the server: unread, its answer
+            # still took or freed a lock. Browsers name the page's origin.
+            return (
+                f"Origin {origin[:100]!r} is another site: this server has no API keys "
+                "and answers its own pages and clients that send no Origin"
+            )
+        return None
 
 
 def _host(scope: Scope) -> str | None:
