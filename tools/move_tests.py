@@ -95,6 +95,7 @@ TABLE: dict[str, str] = {
     "test_unix_users.py": "cli",
     # the project's own checks: the layers, the docs' examples and pictures, the lock
     "test_layers.py": "project",
+    "test_duplicates.py": "project",
     "test_move_layers.py": "project",
     "test_move_tests.py": "project",
     "test_lock.py": "project",
@@ -117,7 +118,7 @@ PATTERNS: tuple[tuple[str, str], ...] = (
     (r"test_(replicated|group|member)", "replicated"),
     (r"test_(cli|elect|supervise)", "cli"),
     (r"test_(lease|token|portal|signing|core|clients?_|backoff)", "core"),
-    (r"test_(layers|move_|readme|recipes|pictures|docs|lock)", "project"),
+    (r"test_(layers|duplicates|move_|readme|recipes|pictures|docs|lock)", "project"),
 )
 # Shared by several folders: they stay at the root of tests/.
 STAYS = {
