@@ -47,7 +47,7 @@ from ..._core.lease import AsyncLocks
 from ..._core.token import FencingToken
 from ..check._checkers import Violation, check_all
 from ..check._plants import PLANTS, PlantedSQLite, plant_role
-from ..check._resources import SQLResource
+from ..check._resources import Resource, SplitWrite, SQLResource, Volatile
 from ._loop import Stuck, VirtualLoop
 
 __all__ = ["FAULTS", "SIM_PLANTS", "Config", "Outcome", "simulate"]
@@ -177,14 +177,11 @@ class _World:
             self.resource = self._resource()
             self.resource.reset()
 
-    def _resource(self) -> Any:
+    def _resource(self) -> Resource:
+        """The check kit's resource, in memory: its planted one, or the real SQL guard's."""
         if self.cfg.plant in PLANTS and plant_role(self.cfg.plant) == "resource":
-            res = PlantedSQLite(f"planted+sqlite:///sim?plant={self.cfg.plant}", LOCK)
-            res.path = ":memory:"
-            return res
-        real = SQLResource("sql+sqlite:///sim", LOCK)
-        real.target = ":memory:"
-        return real
+            return PlantedSQLite.in_memory(LOCK, self.cfg.plant)
+        return SQLResource.in_memory(LOCK)
 
     def now(self) -> float:
         return self.loop.time()
@@ -464,9 +461,16 @@ async def _round(w: _World, c: _Client, token: FencingToken, lease: Any) -> None
     entries.append([token.value, value])
     blob = json.dumps(entries, separators=(",", ":")).encode()
     await asyncio.sleep(w.rng.uniform(0, cfg.ttl / 4))  # think
-    if cfg.plant == "check-then-write":  # two messages: check, (a stall lands here), write
+    # A resource whose write is several steps sends each as a message; a stall lands before
+    # the last (as the check kit's worker stalls).
+    steps = (
+        list(res.write_steps(token, blob))
+        if isinstance(res, SplitWrite)
+        else [lambda: res.write(token, blob)]
+    )
+    for one in steps[:-1]:
         try:
-            await w.call(c, "resource", lambda: _check_only(res, token))
+            await w.call(c, "resource", one)
         except (StaleTokenError, BackendUnavailable) as exc:
             # (no answer is not a refusal: the current holder refused is a violation)
             w.record(
@@ -483,34 +487,13 @@ async def _round(w: _World, c: _Client, token: FencingToken, lease: Any) -> None
     sent = w.now()
     ok: bool | None
     try:
-        if cfg.plant == "check-then-write":
-            await w.call(c, "resource", lambda: _put_only(res, blob))
-        else:
-            await w.call(c, "resource", lambda: res.write(token, blob))
+        await w.call(c, "resource", steps[-1])
         ok = True
     except StaleTokenError:
         ok = False
     except BackendUnavailable:
         ok = None  # (it may land later: the checkers treat it as unknown)
     w.record(c.name, "write", lock=LOCK, token=token.value, value=value, ok=ok, sent=sent)
-
-
-def _check_only(res: PlantedSQLite, token: FencingToken) -> None:
-    db = res._db()
-    db.execute("BEGIN IMMEDIATE")
-    try:
-        res._fence(db, token)
-    except BaseException:
-        db.execute("ROLLBACK")
-        raise
-    db.execute("COMMIT")
-
-
-def _put_only(res: PlantedSQLite, data: bytes) -> None:
-    db = res._db()
-    db.execute("BEGIN IMMEDIATE")
-    res._put(db, data)
-    db.execute("COMMIT")
 
 
 async def _nemesis(w: _World, clients: list[_Client], tasks: list[asyncio.Task[None]]) -> None:
@@ -555,8 +538,8 @@ def _restart_source(w: _World) -> None:
 
 def _restart_resource(w: _World) -> None:
     w.resource_up = True
-    if w.cfg.plant == "mark-in-memory":
-        w.resource._memory = 0
+    if isinstance(w.resource, Volatile):  # (what it kept only in memory is gone)
+        w.resource.crash()
 
 
 def _running() -> asyncio.Event:
