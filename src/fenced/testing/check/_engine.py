@@ -144,6 +144,8 @@ class Campaign(Generic[R]):
         deck: list[str] = []
         while time.monotonic() - start < self.seconds:
             time.sleep(w.pace(rng))  # (the schedule's own clock, not a synchronisation)
+            if time.monotonic() - start >= self.seconds:
+                break  # (no fault dealt once the time is up)
             if self.stop_at_first and all(faults.values()) and self._caught():
                 break  # (each nemesis has struck once: a result still counts every kind)
             w.healthy()
