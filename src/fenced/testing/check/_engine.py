@@ -16,14 +16,13 @@ from pathlib import Path
 from typing import Generic, Protocol, TypeVar
 
 from ..._core.errors import ConfigurationError
-from ._checkers import Violation
+from ._checkers import Checker
 from ._history import Event, History, read_history
 
-__all__ = ["Campaign", "CampaignError", "Checker", "Fault", "Workload"]
+__all__ = ["Campaign", "CampaignError", "Fault", "Workload"]
 
 R = TypeVar("R")
 R_co = TypeVar("R_co", covariant=True)
-Checker = Callable[[list[Event]], list[Violation]]
 
 
 class CampaignError(ConfigurationError):

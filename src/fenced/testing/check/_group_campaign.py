@@ -47,8 +47,8 @@ import fenced
 from ..._core.errors import ConfigurationError
 from ..proxy import TcpProxy
 from ..servers import EtcdServer, PostgresServer, RedisServer, Server, ZooKeeperServer, python_env
-from ._checkers import Violation
-from ._engine import Campaign, CampaignError, Checker, Fault
+from ._checkers import Checker, Violation
+from ._engine import Campaign, CampaignError, Fault
 from ._group_checkers import check_group, operations
 from ._group_worker import ConfigLog, make_members
 from ._history import Event, History, read_history
