@@ -1,9 +1,10 @@
-"""The one campaign of the kit: setup → nemesis → teardown → judge, parametrised by a
-workload (``_campaign``: a lock and a resource, ``fenced check``; ``_group_campaign``: a
-replicated group). The campaign owns what every workload shares — the history (``_history``),
-the seeded schedule of faults dealt as from a deck, the nemesis events, the clock of the run,
-stopping at the first violation — and a workload what is its own: its processes and servers,
-how each fault is aimed and struck, its final state and its checkers.
+"""The one campaign of the kit: setup → nemesis → teardown → judge, parametrised by a workload.
+
+The workloads are ``_campaign``'s (a lock and a resource: ``fenced check``) and
+``_group_campaign``'s (a replicated group). The campaign owns what every workload shares — the
+history (``_history``), the seeded schedule of faults dealt as from a deck, the nemesis events,
+the clock of the run, stopping at the first violation — and a workload what is its own: its
+processes and servers, how each fault is aimed and struck, its final state and its checkers.
 """
 
 from __future__ import annotations

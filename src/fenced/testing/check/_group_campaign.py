@@ -1,5 +1,5 @@
-"""A fault campaign against a replicated group (``fenced.replicated``): real replica servers,
-a real token source, writer and reader processes, a seeded nemesis, one history, the group
+"""The replicated-group workload of the one campaign (``_engine``): real replica servers, a
+real token source, writer and reader processes, a seeded nemesis, one history, the group
 checkers (``_group_checkers``).
 
 :class:`GroupCluster` starts the servers: the source (etcd, ZooKeeper, or an SQLite file) and
