@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+from collections.abc import Callable
 
 import fenced
 
@@ -52,3 +53,26 @@ class Adapter:
 
     def close(self) -> None:
         self.db.close()
+
+
+class CheckThenWrite(Adapter):
+    """The common mistake, in a user's adapter that says its write is two steps
+    (``fenced.testing.check.SplitWrite``): the token checked in one transaction, the data
+    written in the next. The kit stalls its workers between the two."""
+
+    def _check(self, token: fenced.FencingToken) -> None:
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            self._fence(token)
+        finally:
+            self.db.execute("COMMIT")
+
+    def _store(self, data: bytes) -> None:
+        self.db.execute("UPDATE reg SET data = ? WHERE id = 1", (data,))
+
+    def write_steps(self, token: fenced.FencingToken, data: bytes) -> list[Callable[[], None]]:
+        return [lambda: self._check(token), lambda: self._store(data)]
+
+    def write(self, token: fenced.FencingToken, data: bytes) -> None:
+        for step in self.write_steps(token, data):
+            step()

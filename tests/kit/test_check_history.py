@@ -8,6 +8,7 @@ passes on the real history, and each one fails on a history showing the fault it
 from __future__ import annotations
 
 import copy
+import json
 import os
 import signal
 import sqlite3
@@ -18,7 +19,9 @@ from typing import Any
 
 import pytest
 
-from fenced.testing.check import CHECKERS, History, check_all, read_history
+from fenced.testing.check import CHECKERS, History, HistoryError, check_all, read_history
+from fenced.testing.check._group_campaign import load_history
+from fenced.testing.check._group_checkers import check_group
 from tests.helpers import ROOT
 
 WORKER = """
@@ -248,3 +251,39 @@ def test_the_current_holder_refused_and_a_mostly_refusing_resource_are_caught(
     assert any("fenced read with token" in m for m in msgs), msgs
     # Refused because a higher token had been granted: the expected stale refusal.
     assert not CHECKERS["current holder refused"](real_history)
+
+
+def test_a_group_history_written_before_the_one_schema_is_still_read(tmp_path: Path) -> None:
+    """The group campaigns before the kit's one schema wrote a file a process, events naming
+    it ``proc``, times on ``time.monotonic()``: read as the one schema, and judged the same."""
+    old = [
+        {"op": "invoke", "id": "1", "kind": "write", "key": "counter", "value": "1:w1:1.0",
+         "stamp": "s1", "token": 3, "start": 1.0, "proc": "w1"},
+        {"op": "complete", "id": "1", "ok": True, "end": 1.5, "proc": "w1"},
+        {"op": "invoke", "id": "2", "kind": "write", "key": "counter", "value": "1:w2:1.0",
+         "stamp": "s2", "token": 2, "start": 2.0, "proc": "w2"},
+        {"op": "complete", "id": "2", "ok": True, "end": 2.5, "proc": "w2"},
+    ]  # fmt: skip
+    for proc in ("w1", "w2"):
+        lines = [json.dumps(e) for e in old if e["proc"] == proc]
+        (tmp_path / f"history-{proc}.jsonl").write_text("\n".join(lines) + "\n")
+    history = read_history(tmp_path)
+    assert sorted(e["worker"] for e in history) == ["w1", "w1", "w2", "w2"]
+    assert "proc" not in history[0]
+    with pytest.warns(DeprecationWarning):
+        assert load_history(tmp_path) == history
+    # Two acknowledged writes of count 1: a lost update, caught in the old files too.
+    assert "lost update" in {v.checker for v in check_group(history)}
+
+
+def test_a_file_that_is_not_a_history_is_refused_with_a_typed_error(tmp_path: Path) -> None:
+    path = tmp_path / "history.jsonl"
+    path.write_text('{"op":"grant","worker":"w1"}\n[1, 2]\n{"op":"grant","worker":"w2"}\n')
+    with pytest.raises(HistoryError, match=r"history.jsonl:2: not an event"):
+        read_history(path)
+    path.write_text('{"op":"grant","worker":"w1"}\nnot json\n{"op":"grant","worker":"w2"}\n')
+    with pytest.raises(HistoryError, match=r"history.jsonl:2: not a JSON line"):
+        read_history(path)
+    # A last line cut short by a kill (no newline after it) is dropped, not an error.
+    path.write_text('{"op":"grant","worker":"w1"}\n{"op":"gra')
+    assert [e["worker"] for e in read_history(path)] == ["w1"]

@@ -93,6 +93,32 @@ def test_a_users_python_adapter(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     _holds(_campaign(tmp_path, "python:tests.kit.check_adapter:Adapter"))
 
 
+def test_a_users_adapter_whose_write_is_two_steps_is_stalled_between_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An adapter that says its write is two steps (``SplitWrite.write_steps``): the worker's
+    stall lands between the check and the write, and the check-then-write it is is caught
+    (stalled before the whole write, the late check would refuse it and hide the bug). The
+    same adapter's one-step sibling holds (test above)."""
+    monkeypatch.setenv("CHECK_ADAPTER_DB", str(tmp_path / "adapter.db"))
+    monkeypatch.chdir(ROOT)  # (the workers import tests.check_adapter from here)
+    from fenced.testing.check import Resource, SplitWrite
+    from tests.check_adapter import CheckThenWrite
+
+    made = CheckThenWrite("counter")
+    assert isinstance(made, Resource) and isinstance(made, SplitWrite)
+    made.close()
+    for seed in (1, 2):
+        result = _campaign(
+            tmp_path / f"s{seed}", "python:tests.check_adapter:CheckThenWrite",
+            nemesis=["stall"], seconds=10, seed=seed, stop_at_first=True,
+        )  # fmt: skip
+        found = {v.checker for v in result.violations}
+        if found:
+            break
+    assert found & {"lost update", "acknowledged write", "acceptance order"}, found
+
+
 @pytest.fixture
 def register_service(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[str]:
     port = free_port()

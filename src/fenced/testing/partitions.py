@@ -562,7 +562,8 @@ def run_check(
 
                 skip = {m.name for m in cluster.nodes} | ({redis.node.name} if redis else set())
                 others = [n for n in lab.nodes if n not in skip]
-                # The kit's own clock runs from its start: leave it a second to finish.
+                # (The kit deals faults for --time from when its workers are up, after
+                # this: the lab's end first.)
                 _nemesis(lab, cluster, holder, others, max(seconds - 3.0, 1.0), ttl,
                          nemeses, on_fault=on_fault)  # fmt: skip
                 faults.close()

@@ -1,8 +1,12 @@
 """The check kit: worker processes, nemeses, a history, checkers, a report (``fenced check``).
 
-A *history* is what workers saw, one JSON object a line, appended and fsynced as it happens
-(:class:`History`). *Checkers* are pure functions over a history; each returns the
-violations it found (:func:`check_all` runs them all). See docs/testing.md.
+One :class:`Campaign` (setup → nemesis → teardown → judge) runs a :class:`Workload`: the
+locks workload of ``fenced check`` (:func:`run_campaign`) or a replicated group's
+(:func:`run_group_campaign`). A *history* is what every process saw, one JSON object a line in
+one schema, appended and fsynced as it happens (:class:`History`, read back by
+:func:`read_history`). *Checkers* are pure functions over a history; each returns the
+violations it found (:func:`check_all` runs them all). A :class:`Resource` is what the
+workers read and write under their token (the simulator's too). See docs/testing.md.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ if TYPE_CHECKING:
         PLANT_NEEDS,
         PLANTS,
         CampaignResult,
+        LocksWorkload,
         default_nemeses,
         faketime_library,
         run_campaign,
@@ -34,9 +39,11 @@ if TYPE_CHECKING:
         only_granted_tokens_accepted,
         tokens_never_decrease_in_acceptance_order,
     )
-    from ._history import Event, History, read_history
+    from ._engine import Campaign, CampaignError, Fault, Workload
+    from ._group_campaign import GroupRun, GroupWorkload, run_group_campaign
+    from ._history import Event, History, HistoryError, read_history
     from ._plants import plant_role
-    from ._resources import Resource, open_resource
+    from ._resources import Resource, SplitWrite, Volatile, open_resource
 
 # The names load on first use (PEP 562): a worker process of a campaign imports
 # fenced.testing.check._worker, and `fenced --help` lists the plants, and neither needs the
@@ -47,6 +54,17 @@ _WHERE = {
     "PLANT_NEEDS": "._campaign",
     "PLANTS": "._campaign",
     "CampaignResult": "._campaign",
+    "LocksWorkload": "._campaign",
+    "Campaign": "._engine",
+    "CampaignError": "._engine",
+    "Fault": "._engine",
+    "Workload": "._engine",
+    "GroupRun": "._group_campaign",
+    "GroupWorkload": "._group_campaign",
+    "run_group_campaign": "._group_campaign",
+    "HistoryError": "._history",
+    "SplitWrite": "._resources",
+    "Volatile": "._resources",
     "default_nemeses": "._campaign",
     "faketime_library": "._campaign",
     "run_campaign": "._campaign",
@@ -89,11 +107,21 @@ __all__ = [
     "NEMESES",
     "PLANTS",
     "PLANT_NEEDS",
+    "Campaign",
+    "CampaignError",
     "CampaignResult",
     "Event",
+    "Fault",
+    "GroupRun",
+    "GroupWorkload",
     "History",
+    "HistoryError",
+    "LocksWorkload",
     "Resource",
+    "SplitWrite",
     "Violation",
+    "Volatile",
+    "Workload",
     "acknowledged_writes_survive",
     "check_all",
     "current_holder_is_served",
@@ -108,5 +136,6 @@ __all__ = [
     "plant_role",
     "read_history",
     "run_campaign",
+    "run_group_campaign",
     "tokens_never_decrease_in_acceptance_order",
 ]

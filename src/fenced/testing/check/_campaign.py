@@ -1,5 +1,6 @@
-"""A check campaign: worker processes on a token source and a resource, a seeded nemesis, one
-history, every checker (see docs/testing.md).
+"""The locks workload of the one campaign (``_engine``), ``fenced check``'s: worker processes on
+a token source and a resource, a seeded nemesis, one history, every checker (see
+docs/testing.md).
 
 The nemesis, on a schedule drawn from ``seed`` (the same seed, the same schedule):
 
@@ -70,7 +71,8 @@ from ..._core.errors import ConfigurationError
 from ..proxy import TcpProxy
 from ..servers import python_env
 from ._checkers import CHECKERS, Violation, check_all
-from ._history import History, read_history
+from ._engine import Campaign, CampaignError, Fault
+from ._history import Event, History
 from ._plants import PLANTS, SIGNING_PLANTS, plant_role, source_plant_server
 from ._report import write_report
 from ._resources import open_resource
@@ -80,8 +82,10 @@ __all__ = [
     "NEMESES",
     "PLANTS",
     "PLANT_NEEDS",
+    "PREFIX_CHECKERS",
     "CampaignError",
     "CampaignResult",
+    "LocksWorkload",
     "default_nemeses",
     "run_campaign",
 ]
@@ -124,11 +128,6 @@ FAKETIME_LIBS = (
     "/usr/lib/aarch64-linux-gnu/faketime/libfaketime.so.1",
     "/usr/lib/faketime/libfaketime.so.1",
 )
-
-
-class CampaignError(ConfigurationError):
-    """A campaign could not run as asked (a worker died by itself, a part would not start):
-    nothing was checked."""
 
 
 @dataclasses.dataclass
@@ -516,6 +515,429 @@ def _takeover(
         tail.wait(lambda e: e["op"] in ("write", "releasing") and e["worker"] == who, limit)
 
 
+class LocksWorkload:
+    """The workload of ``fenced check``: worker processes take one lock from a source and
+    read-modify-write a register in a resource under its token (``_worker``), under the
+    nemeses of the module docstring; judged by every checker of ``_checkers``. The arguments
+    are :func:`run_campaign`'s; bad ones raise a ConfigurationError before anything starts."""
+
+    first = _AT_THE_RESOURCE
+
+    def __init__(
+        self,
+        source: str | None,
+        out: Path,
+        *,
+        resource: str = "",
+        lock: str = "counter",
+        workers: int = 3,
+        ttl: float = 1.0,
+        nemesis: Sequence[str] | None = None,
+        seed: int = 0,
+        plant: str = "",
+        signing: bool = False,
+        resource_cmd: str | Sequence[str] = "",
+    ) -> None:
+        nemesis = list(default_nemeses(resource, resource_cmd) if nemesis is None else nemesis)
+        plant_role(plant)  # (an unknown plant: a typed error first)
+        self.needs = PLANT_NEEDS.get(plant, ())
+        if self.needs and not set(self.needs) & set(nemesis):
+            nemesis.append(self.needs[0])  # the plant turns on what shows it
+        unknown = set(nemesis) - set(NEMESES)
+        if unknown:
+            raise ConfigurationError(
+                f"no nemesis {', '.join(sorted(unknown))}: use {', '.join(NEMESES)}"
+            )
+        self.role = role = plant_role(plant)
+        if role == "resource" and resource:
+            raise ConfigurationError(
+                f"--plant {plant} plants a fault in the kit's own resource: drop --resource"
+            )
+        if role == "source" and source:
+            raise ConfigurationError(
+                f"--plant {plant} plants a fault in a source the kit starts: drop --source"
+            )
+        if "clock" in nemesis and source in _FAKETIME_ENGINES and faketime_library() is None:
+            raise ConfigurationError(
+                "stepping a PostgreSQL server's clock needs libfaketime (Debian: apt-get install faketime)"
+            )
+        self.signing = signing or plant in SIGNING_PLANTS
+        if "forge" in nemesis and not self.signing:
+            raise ConfigurationError("the forge nemesis needs signed tokens: --signing")
+        if set(nemesis) & _NEEDS_PROCESS and not resource_cmd:
+            raise ConfigurationError(
+                "the resource-restart and resource-pause nemeses act on the resource's process: "
+                "give its command (--resource-cmd)"
+            )
+        if resource_cmd and not resource:
+            raise ConfigurationError("--resource-cmd serves a --resource: give its URL too")
+        if set(nemesis) & _RESOURCE_PATH and not (resource and _tcp(resource)):
+            raise ConfigurationError(
+                f"the {', '.join(sorted(set(nemesis) & _RESOURCE_PATH))} nemesis needs a resource "
+                "reached at one host:port (--resource http://HOST:PORT/...)"
+            )
+        self.netns = _worker_netns()  # (before anything starts)
+        self.nemeses = tuple(nemesis)
+        self.prefix_checkers = {name: CHECKERS[name] for name in PREFIX_CHECKERS}
+        self.source, self.resource, self.resource_cmd = source, resource, resource_cmd
+        self.out, self.lock, self.workers, self.ttl = out, lock, workers, ttl
+        self.seed, self.plant = seed, plant
+        self.path = out / "history.jsonl"
+        self.scratch = ""
+        self.server: Any = None
+        self.server_clock: Path | None = None  # the kit-started source's libfaketime offset
+        self.forger: Any = None
+        self.forger_history: History | None = None
+        self.forged = 0
+        self.key: Any = None
+        self.key_file: Path | None = None
+        self.proxies: dict[int, list[TcpProxy]] = {}  # worker pid -> its ways to source, resource
+        self.to_resource: dict[int, TcpProxy] = {}  # worker pid -> its own way to the resource
+        self.served: _ResourceProcess | None = (
+            None  # the user's resource, as a process the kit runs
+        )
+        self.names: dict[int, str] = {}  # worker pid -> its name in the history
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.stalls: list[threading.Thread] = []
+        self.serial = 0
+        self.tcp_resource = False
+        self.env: dict[str, str] = {}
+
+    # -- setup ---------------------------------------------------------------------------------
+
+    def setup(self, history: Path) -> None:
+        self.scratch = scratch = tempfile.mkdtemp(prefix="fenced-check-")
+        nemesis, source, plant = self.nemeses, self.source, self.plant
+        if self.role == "source":
+            self.server = source_plant_server(plant, scratch).start()
+            source = (
+                # The planted mistake made on purpose: fenced refuses a Redis without AOF unless
+                # told to accept that tokens may be reused.
+                f"{self.server.url}?allow_unsafe_durability=true"
+                if plant == "counter-not-fsynced"
+                else f"http://127.0.0.1:{self.server.port}"
+            )
+        elif source in ENGINES:
+            if "clock" in nemesis:
+                clock_dir = Path(tempfile.mkdtemp(prefix="fenced-clock-", dir=scratch))
+                clock_dir.chmod(0o755)  # (PostgreSQL runs as its own user)
+                self.server_clock = clock_dir / "offset"
+                self.server_clock.write_text("+0\n")
+                self.server_clock.chmod(0o644)
+            os.chmod(scratch, 0o711)  # (PostgreSQL runs as its own user, below it)
+            (Path(scratch) / "server").mkdir()
+            try:
+                self.server = _start_engine(
+                    str(source), str(Path(scratch) / "server"), self.server_clock
+                )
+            except Exception as exc:
+                raise CampaignError(f"could not start {source}: {exc}") from exc
+            source = self.server.url
+        elif source is None:
+            # The campaign's own source: the machine-wide default is every local user's, and
+            # a campaign's hundreds of grants do not belong in it.
+            source = f"sqlite:///{Path(scratch) / 'source.db'}"
+        self.source = source
+        if "restart" in nemesis and self.server is None:
+            raise ConfigurationError(
+                "the restart nemesis restarts a source the kit started: --source redis|etcd|postgresql|zookeeper"
+            )
+        if not self.resource:
+            db = self.out / "resource.db"
+            db.unlink(missing_ok=True)
+            # (sqlite:////ABS: the guard URL grammar's absolute path, fenced.guards.registry)
+            planted = self.role == "resource"
+            scheme = "planted+sqlite://" if planted else "sqlite:///"
+            self.resource = f"{scheme}{db.resolve()}" + (f"?plant={plant}" if planted else "")
+        resource = self.resource
+        self.tcp_resource = _tcp(resource)
+        if self.resource_cmd:
+            self.served = _ResourceProcess(self.resource_cmd, resource, self.out / "resource.log")
+            self.served.start()
+        if set(nemesis) & _NEEDS_TCP and not _tcp(source):
+            raise ConfigurationError(
+                f"partition/delay need a source at one host:port, not {source.split('?')[0]!r}"
+            )
+        from ..._core import sync as _sync
+
+        with _sync.connect(source, connect_timeout=30):  # a bad source: a typed error, now
+            pass
+        try:
+            made = open_resource(resource, self.lock)
+            try:
+                made.reset()
+            finally:
+                made.close()
+        except ConfigurationError:
+            raise
+        except Exception as exc:  # (any adapter's own error: one line, with its type)
+            shown = resource.split("?")[0]
+            raise CampaignError(f"resource {shown}: {type(exc).__name__}: {exc}") from exc
+        keyring: Any = None
+        if self.signing:
+            from ..._core.signing import Keyring, generate_key, key_text
+
+            self.key = generate_key("hmac", "check")
+            self.key_file = Path(scratch) / "signing.key"
+            self.key_file.write_text(key_text(self.key))
+            self.key_file.chmod(0o600)
+            keyring = Keyring([self.key], source_id=_SOURCE_ID)
+        if "forge" in nemesis:
+            self.forger = open_resource(resource, self.lock, keyring)
+        self.env = python_env()
+        self.env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [self.env.get("PYTHONPATH"), os.getcwd()])
+        )
+        self.procs.extend(self._spawn() for _ in range(self.workers))
+
+    def _spawn(self) -> subprocess.Popen[bytes]:
+        self.serial += 1
+        serial, nemesis, out = self.serial, self.nemeses, self.out
+        ways: list[TcpProxy] = []
+        src, res = str(self.source), self.resource
+        if set(nemesis) & _NEEDS_TCP:
+            src = _via_proxy(src, ways)
+        if self.tcp_resource and set(nemesis) & (_NEEDS_TCP | _RESOURCE_PATH):
+            res = _via_proxy(res, ways)
+            resource_way: TcpProxy | None = ways[-1]
+        else:
+            resource_way = None
+        cfg = {
+            "source": src, "resource": res, "history": str(self.path), "name": f"w{serial}",
+            "ttl": self.ttl, "seed": self.seed, "plant": self.plant, "lock": self.lock,
+            "signing_key": str(self.key_file) if self.key_file else None,
+            "source_id": _SOURCE_ID if self.key_file else None,
+        }  # fmt: skip
+        worker_env = self.env
+        if "clock" in nemesis:
+            offset = Path(self.scratch) / f"clock-w{serial}"
+            offset.write_text("0\n")
+            worker_env = {**self.env, "FENCED_CHECK_CLOCK": str(offset)}
+        argv = [sys.executable, "-m", "fenced.testing.check._worker", json.dumps(cfg)]
+        if self.netns:  # (ip execs the worker: the same pid, signals reach it as before)
+            from ..netns import _ip_binary
+
+            ns = self.netns[(serial - 1) % len(self.netns)]
+            argv = [str(_ip_binary()), "netns", "exec", ns, *argv]
+        with open(out / f"worker-w{serial}.log", "wb") as log:
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                env=worker_env,
+                start_new_session=True,  # its own process group: signals reach it alone
+            )
+        self.proxies[proc.pid] = ways
+        if resource_way is not None:
+            self.to_resource[proc.pid] = resource_way
+        self.names[proc.pid] = f"w{serial}"
+        _wait_ready(proc, out / f"worker-w{serial}.log")
+        return proc
+
+    # -- the nemesis ---------------------------------------------------------------------------
+
+    def pace(self, rng: random.Random) -> float:
+        return rng.uniform(0.5, 1.5) * self.ttl
+
+    def healthy(self) -> None:
+        for p in self.procs:
+            if p.poll() is not None:  # (the kill nemesis waits for its victim: not here)
+                log_name = f"worker-{self.names[p.pid]}.log"
+                tail = (self.out / log_name).read_text(errors="replace").strip().splitlines()
+                raise CampaignError(
+                    f"worker {self.names[p.pid]} exited with status {p.returncode}: "
+                    f"{tail[-1] if tail else 'no output'} (see {self.out / log_name})"
+                )
+
+    def _holding(self, default: int) -> int:
+        holder = _current_holder(self.path)
+        return next((n for n, p in enumerate(self.procs) if self.names[p.pid] == holder), default)
+
+    def aim(self, kind: str, rng: random.Random) -> Fault:
+        ttl, procs, names = self.ttl, self.procs, self.names
+        i = rng.randrange(len(procs))
+        # Half the time the fault goes to whoever holds the lock now (Jepsen's nemeses
+        # target the leader too): a fault on a waiting worker tests little. (The draws
+        # are made either way, so a seed's sequence of faults stays the same.)
+        if rng.random() < 0.5:
+            i = self._holding(i)
+        # Past the lease, by a varying margin: a late writer then lands anywhere in its
+        # successor's round (between its read and its write too).
+        lasts = rng.uniform(1.2, 3.0) * ttl if kind in _LASTING else 0.0
+        on_server = kind == "restart" or (
+            kind == "clock" and self.server_clock is not None and rng.random() < 0.5
+        )
+        after = rng.uniform(0.002, 0.03)  # race: the successor's request, that much later
+        if kind in ("race", "resource-restart"):  # the holder is the one to race
+            i = self._holding(i)
+        victim = procs[i]
+        who = (
+            "source" if on_server
+            else "forger" if kind == "forge"
+            else "resource" if kind.startswith("resource-")
+            else names[victim.pid]
+        )  # fmt: skip
+
+        def strike() -> None:
+            self._strike(kind, i, who, lasts, on_server, after, rng)
+
+        return Fault(kind, who, lasts, strike)
+
+    def _strike(
+        self,
+        kind: str,
+        i: int,
+        who: str,
+        lasts: float,
+        on_server: bool,
+        after: float,
+        rng: random.Random,
+    ) -> None:
+        ttl, procs, names, path = self.ttl, self.procs, self.names, self.path
+        victim, served, to_resource = procs[i], self.served, self.to_resource
+        if kind == "pause":
+            os.killpg(victim.pid, signal.SIGSTOP)
+            time.sleep(lasts)  # past its lease: a successor is granted meanwhile
+            os.killpg(victim.pid, signal.SIGCONT)
+        elif kind == "stall":  # it stops itself inside its critical section
+            os.kill(victim.pid, signal.SIGUSR1)
+            args = (victim.pid, who, path, rng.uniform(0, ttl / 4), 4 * ttl + 2)
+            self.stalls.append(threading.Thread(target=_resume_after, args=args, daemon=True))
+            self.stalls[-1].start()
+        elif kind in ("partition", "delay"):
+            for proxy in self.proxies[victim.pid]:
+                proxy.partition() if kind == "partition" else proxy.delay(1.5 * ttl)
+            time.sleep(lasts)
+            for proxy in self.proxies[victim.pid]:
+                proxy.heal() if kind == "partition" else proxy.delay(0.0)
+        elif kind == "restart":
+            self.server.restart(kill=True)
+        elif kind in ("race", "resource-restart"):
+            assert served is not None or kind == "race"
+            mine = to_resource.get(victim.pid)
+            others = [w for pid, w in to_resource.items() if pid != victim.pid]
+            restart = served.restart if kind == "resource-restart" and served else None
+            _takeover(victim, names[victim.pid], others, mine, _Tail(path), ttl, after, restart)
+            if kind == "race":  # and the other way round, on whoever holds it next
+                nxt = procs[self._holding(i)]
+                _takeover(nxt, names[nxt.pid], [], None, _Tail(path), ttl, after, None, True)
+        elif kind == "resource-pause":
+            assert served is not None
+            served.signal(signal.SIGSTOP)
+            time.sleep(lasts)
+            served.signal(signal.SIGCONT)
+        elif kind in ("resource-partition", "resource-delay"):
+            for way in to_resource.values():
+                way.partition() if kind == "resource-partition" else way.delay(1.5 * ttl)
+            time.sleep(lasts)
+            for way in to_resource.values():
+                way.heal() if kind == "resource-partition" else way.delay(0.0)
+        elif kind == "clock":  # a wall clock jumps up to a minute either way
+            step = rng.choice([-1, 1]) * rng.uniform(5 * ttl, 60)
+            if on_server:
+                assert self.server_clock is not None
+                self.server_clock.write_text(f"{step:+.3f}\n")
+            else:
+                (Path(self.scratch) / f"clock-{who}").write_text(f"{step:.3f}\n")
+                os.kill(victim.pid, signal.SIGWINCH)
+        elif kind == "forge":
+            assert self.forger is not None
+            if self.forger_history is None:
+                self.forger_history = History(path, "forger")  # (a lane of its own)
+            self.forged += 1
+            _forge(self.forger, self.lock, self.forger_history, rng, self.forged, self.key)
+        else:
+            os.killpg(victim.pid, signal.SIGKILL)
+            victim.wait()
+            for proxy in self.proxies.pop(victim.pid, []):
+                proxy.close()
+            to_resource.pop(victim.pid, None)
+            procs[i] = self._spawn()
+
+    # -- teardown and verdict ------------------------------------------------------------------
+
+    def _stop_workers(self) -> None:
+        ttl = self.ttl
+        for t in self.stalls:
+            t.join(10 * ttl + 10)
+        self.stalls = []
+        for p in self.procs:  # (a stall asked for but not yet taken must not stop it for good)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGUSR2)
+                os.killpg(p.pid, signal.SIGCONT)
+        for ways in self.proxies.values():
+            for proxy in ways:
+                proxy.heal()
+                proxy.delay(0.0)
+        for p in self.procs:
+            if p.stdin is not None:
+                p.stdin.close()  # finish the current round and stop
+        for p in self.procs:
+            try:
+                p.wait(30 * ttl + 30)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        for ways in self.proxies.values():
+            for proxy in ways:
+                proxy.close()
+        self.proxies, self.procs = {}, []  # (reaped: their pids are no longer theirs to signal)
+        if self.forger is not None:
+            self.forger.close()
+            self.forger = None
+        if self.forger_history is not None:
+            self.forger_history.close()
+            self.forger_history = None
+
+    def settle(self, history: History) -> None:
+        self._stop_workers()
+        final = open_resource(self.resource, self.lock)
+        try:
+            data, mark = final.final()
+        finally:
+            final.close()
+        history.append("final", lock=self.lock, mark=mark, log=_log(data))
+
+    def close(self) -> None:
+        try:
+            self._stop_workers()
+        finally:
+            if self.served is not None:
+                self.served.stop()
+            if self.server is not None:
+                self.server.close()
+            if self.scratch:
+                shutil.rmtree(self.scratch, ignore_errors=True)
+
+    def judge(self, events: list[Event], faults: dict[str, int], seconds: float) -> CampaignResult:
+        writes = [e for e in events if e["op"] == "write"]
+        violations = check_all(events)
+        needs, plant = self.needs, self.plant
+        if needs and not any(faults.get(n) for n in needs):
+            violations.append(
+                Violation(
+                    "plant not exercised",
+                    f"--plant {plant} shows only under the {' or '.join(needs)} nemesis, and the "
+                    f"run ended before any: give it more --time",
+                )
+            )
+        report = write_report(events, violations, self.out / "report.html")
+        return CampaignResult(
+            violations=violations,
+            report=report,
+            history=self.path,
+            grants=sum(1 for e in events if e["op"] == "grant"),
+            accepted=sum(1 for e in writes if e["ok"] is True),
+            refused=sum(1 for e in writes if e["ok"] is False),
+            unknown=sum(1 for e in writes if e["ok"] is None),
+            faults=faults,
+            seconds=seconds,
+            first_violation_after=_first_violation_after(events, violations),
+            refused_reads=sum(1 for e in events if e["op"] == "read" and e["ok"] is False),
+        )
+
+
 def run_campaign(
     source: str | None,
     out: str | Path,
@@ -533,7 +955,8 @@ def run_campaign(
     resource_cmd: str | Sequence[str] = "",
     stop_at_first: bool = False,
 ) -> CampaignResult:
-    """Run one campaign and check it. ``source``: a token-source URL, an engine name the kit
+    """Run one campaign of the locks workload (:class:`LocksWorkload`) and check it.
+    ``source``: a token-source URL, an engine name the kit
     starts itself (:data:`ENGINES`), or None for a private SQLite source of the campaign's
     own (never the machine-wide default every local user shares). ``resource``: a URL of
     :func:`~fenced.testing.check.open_resource` ("" for an embedded SQLite register in
@@ -545,378 +968,21 @@ def run_campaign(
     ``stop_at_first``: end the run early once every nemesis has struck and the history so
     far shows a violation that later events cannot take back (:data:`PREFIX_CHECKERS`); the
     verdict is still every checker over the whole history, the final state included."""
-    nemesis = list(default_nemeses(resource, resource_cmd) if nemesis is None else nemesis)
-    plant_role(plant)  # (an unknown plant: a typed error first)
-    needs = PLANT_NEEDS.get(plant, ())
-    if needs and not set(needs) & set(nemesis):
-        nemesis.append(needs[0])  # the plant turns on what shows it
-    unknown = set(nemesis) - set(NEMESES)
-    if unknown:
-        raise ConfigurationError(
-            f"no nemesis {', '.join(sorted(unknown))}: use {', '.join(NEMESES)}"
-        )
-    role = plant_role(plant)
-    if role == "resource" and resource:
-        raise ConfigurationError(
-            f"--plant {plant} plants a fault in the kit's own resource: drop --resource"
-        )
-    if role == "source" and source:
-        raise ConfigurationError(
-            f"--plant {plant} plants a fault in a source the kit starts: drop --source"
-        )
-    if "clock" in nemesis and source in _FAKETIME_ENGINES and faketime_library() is None:
-        raise ConfigurationError(
-            "stepping a PostgreSQL server's clock needs libfaketime (Debian: apt-get install faketime)"
-        )
-    signing = signing or plant in SIGNING_PLANTS
-    if "forge" in nemesis and not signing:
-        raise ConfigurationError("the forge nemesis needs signed tokens: --signing")
-    if set(nemesis) & _NEEDS_PROCESS and not resource_cmd:
-        raise ConfigurationError(
-            "the resource-restart and resource-pause nemeses act on the resource's process: "
-            "give its command (--resource-cmd)"
-        )
-    if resource_cmd and not resource:
-        raise ConfigurationError("--resource-cmd serves a --resource: give its URL too")
-    if set(nemesis) & _RESOURCE_PATH and not (resource and _tcp(resource)):
-        raise ConfigurationError(
-            f"the {', '.join(sorted(set(nemesis) & _RESOURCE_PATH))} nemesis needs a resource "
-            "reached at one host:port (--resource http://HOST:PORT/...)"
-        )
-    netns = _worker_netns()  # (before anything starts)
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "history.jsonl"
-    path.unlink(missing_ok=True)
-    scratch = tempfile.mkdtemp(prefix="fenced-check-")
-    server: Any = None
-    server_clock: Path | None = None  # the kit-started source's libfaketime offset
-    forger: Any = None
-    forger_history: History | None = None
-    proxies: dict[int, list[TcpProxy]] = {}  # worker pid -> its own ways to source and resource
-    to_resource: dict[int, TcpProxy] = {}  # worker pid -> its own way to the resource
-    served: _ResourceProcess | None = None  # the user's resource, as a process the kit runs
-    names: dict[int, str] = {}  # worker pid -> its name in the history
-    procs: list[subprocess.Popen[bytes]] = []
-    stalls: list[threading.Thread] = []
-    history: History | None = None
-    start = time.monotonic()
-    try:
-        if role == "source":
-            server = source_plant_server(plant, scratch).start()
-            source = (
-                # The planted mistake made on purpose: fenced refuses a Redis without AOF unless
-                # told to accept that tokens may be reused.
-                f"{server.url}?allow_unsafe_durability=true"
-                if plant == "counter-not-fsynced"
-                else f"http://127.0.0.1:{server.port}"
-            )
-        elif source in ENGINES:
-            if "clock" in nemesis:
-                clock_dir = Path(tempfile.mkdtemp(prefix="fenced-clock-", dir=scratch))
-                clock_dir.chmod(0o755)  # (PostgreSQL runs as its own user)
-                server_clock = clock_dir / "offset"
-                server_clock.write_text("+0\n")
-                server_clock.chmod(0o644)
-            os.chmod(scratch, 0o711)  # (PostgreSQL runs as its own user, below it)
-            (Path(scratch) / "server").mkdir()
-            try:
-                server = _start_engine(str(source), str(Path(scratch) / "server"), server_clock)
-            except Exception as exc:
-                raise CampaignError(f"could not start {source}: {exc}") from exc
-            source = server.url
-        elif source is None:
-            # The campaign's own source: the machine-wide default is every local user's, and
-            # a campaign's hundreds of grants do not belong in it.
-            source = f"sqlite:///{Path(scratch) / 'source.db'}"
-        if "restart" in nemesis and server is None:
-            raise ConfigurationError(
-                "the restart nemesis restarts a source the kit started: --source redis|etcd|postgresql|zookeeper"
-            )
-        if not resource:
-            db = out / "resource.db"
-            db.unlink(missing_ok=True)
-            # (sqlite:////ABS: the guard URL grammar's absolute path, fenced.guards.registry)
-            scheme = "planted+sqlite://" if role == "resource" else "sqlite:///"
-            resource = f"{scheme}{db.resolve()}" + (f"?plant={plant}" if role == "resource" else "")
-        tcp_resource = _tcp(resource)
-        if resource_cmd:
-            served = _ResourceProcess(resource_cmd, resource, out / "resource.log")
-            served.start()
-        if set(nemesis) & _NEEDS_TCP and not _tcp(source):
-            raise ConfigurationError(
-                f"partition/delay need a source at one host:port, not {source.split('?')[0]!r}"
-            )
-        from ..._core import sync as _sync
-
-        with _sync.connect(source, connect_timeout=30):  # a bad source: a typed error, now
-            pass
-        try:
-            setup = open_resource(resource, lock)
-            try:
-                setup.reset()
-            finally:
-                setup.close()
-        except ConfigurationError:
-            raise
-        except Exception as exc:  # (any adapter's own error: one line, with its type)
-            shown = resource.split("?")[0]
-            raise CampaignError(f"resource {shown}: {type(exc).__name__}: {exc}") from exc
-        key_file: Path | None = None
-        keyring: Any = None
-        key: Any = None
-        if signing:
-            from ..._core.signing import Keyring, generate_key, key_text
-
-            key = generate_key("hmac", "check")
-            key_file = Path(scratch) / "signing.key"
-            key_file.write_text(key_text(key))
-            key_file.chmod(0o600)
-            keyring = Keyring([key], source_id=_SOURCE_ID)
-        forger = open_resource(resource, lock, keyring) if "forge" in nemesis else None
-        rng = random.Random(seed)
-        env = python_env()
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), os.getcwd()]))
-        serial = 0
-
-        def spawn() -> subprocess.Popen[bytes]:
-            nonlocal serial
-            serial += 1
-            ways: list[TcpProxy] = []
-            src, res = source, resource
-            if set(nemesis) & _NEEDS_TCP:
-                src = _via_proxy(src, ways)
-            if tcp_resource and set(nemesis) & (_NEEDS_TCP | _RESOURCE_PATH):
-                res = _via_proxy(res, ways)
-                resource_way = ways[-1]
-            else:
-                resource_way = None
-            cfg = {
-                "source": src, "resource": res, "history": str(path), "name": f"w{serial}",
-                "ttl": ttl, "seed": seed, "plant": plant, "lock": lock,
-                "signing_key": str(key_file) if key_file else None,
-                "source_id": _SOURCE_ID if key_file else None,
-            }  # fmt: skip
-            worker_env = env
-            if "clock" in nemesis:
-                offset = Path(scratch) / f"clock-w{serial}"
-                offset.write_text("0\n")
-                worker_env = {**env, "FENCED_CHECK_CLOCK": str(offset)}
-            argv = [sys.executable, "-m", "fenced.testing.check._worker", json.dumps(cfg)]
-            if netns:  # (ip execs the worker: the same pid, signals reach it as before)
-                from ..netns import _ip_binary
-
-                argv = [str(_ip_binary()), "netns", "exec", netns[(serial - 1) % len(netns)], *argv]
-            with open(out / f"worker-w{serial}.log", "wb") as log:
-                proc = subprocess.Popen(
-                    argv,
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE,
-                    stderr=log,
-                    env=worker_env,
-                    start_new_session=True,  # its own process group: signals reach it alone
-                )
-            proxies[proc.pid] = ways
-            if resource_way is not None:
-                to_resource[proc.pid] = resource_way
-            names[proc.pid] = f"w{serial}"
-            _wait_ready(proc, out / f"worker-w{serial}.log")
-            return proc
-
-        procs.extend(spawn() for _ in range(workers))
-        history = History(path, "nemesis")
-        faults = {n: 0 for n in nemesis}
-        deck: list[str] = []
-        while time.monotonic() - start < seconds:
-            time.sleep(rng.uniform(0.5, 1.5) * ttl)  # (the schedule's own clock, not a sync)
-            if stop_at_first and all(faults.values()) and _caught(path):
-                break  # (each nemesis has struck once: a result still counts every kind)
-            for p in procs:
-                if p.poll() is not None:  # (the kill nemesis waits for its victim: not here)
-                    log_name = f"worker-{names[p.pid]}.log"
-                    tail = (out / log_name).read_text(errors="replace").strip().splitlines()
-                    raise CampaignError(
-                        f"worker {names[p.pid]} exited with status {p.returncode}: "
-                        f"{tail[-1] if tail else 'no output'} (see {out / log_name})"
-                    )
-            if not nemesis:
-                continue
-            if not deck:  # each round of faults: every nemesis once, in a seeded order
-                deck = list(nemesis)
-                rng.shuffle(deck)
-                if not any(faults.values()):  # the first round opens with the resource's own
-                    deck.sort(key=lambda k: k in _AT_THE_RESOURCE)  # (stable; popped last first)
-            kind = deck.pop()
-            i = rng.randrange(len(procs))
-            # Half the time the fault goes to whoever holds the lock now (Jepsen's nemeses
-            # target the leader too): a fault on a waiting worker tests little. (The draws
-            # are made either way, so a seed's sequence of faults stays the same.)
-            if rng.random() < 0.5:
-                holder = _current_holder(path)
-                i = next((n for n, p in enumerate(procs) if names[p.pid] == holder), i)
-            victim = procs[i]
-            faults[kind] += 1
-            # Past the lease, by a varying margin: a late writer then lands anywhere in its
-            # successor's round (between its read and its write too).
-            lasts = rng.uniform(1.2, 3.0) * ttl if kind in _LASTING else 0.0
-            on_server = kind == "restart" or (
-                kind == "clock" and server_clock and rng.random() < 0.5
-            )
-            after = rng.uniform(0.002, 0.03)  # race: the successor's request, that much later
-            if kind in ("race", "resource-restart"):  # the holder is the one to race
-                holder = _current_holder(path)
-                i = next((n for n, p in enumerate(procs) if names[p.pid] == holder), i)
-                victim = procs[i]
-            who = (
-                "source" if on_server
-                else "forger" if kind == "forge"
-                else "resource" if kind.startswith("resource-")
-                else names[victim.pid]
-            )  # fmt: skip
-            history.append("nemesis", kind=kind, victim=who, seconds=lasts)
-            if progress:
-                progress(time.monotonic() - start, f"{kind} {who}")
-            if kind == "pause":
-                os.killpg(victim.pid, signal.SIGSTOP)
-                time.sleep(lasts)  # past its lease: a successor is granted meanwhile
-                os.killpg(victim.pid, signal.SIGCONT)
-            elif kind == "stall":  # it stops itself inside its critical section
-                os.kill(victim.pid, signal.SIGUSR1)
-                args = (victim.pid, who, path, rng.uniform(0, ttl / 4), 4 * ttl + 2)
-                stalls.append(threading.Thread(target=_resume_after, args=args, daemon=True))
-                stalls[-1].start()
-            elif kind in ("partition", "delay"):
-                for proxy in proxies[victim.pid]:
-                    proxy.partition() if kind == "partition" else proxy.delay(1.5 * ttl)
-                time.sleep(lasts)
-                for proxy in proxies[victim.pid]:
-                    proxy.heal() if kind == "partition" else proxy.delay(0.0)
-            elif kind == "restart":
-                server.restart(kill=True)
-            elif kind in ("race", "resource-restart"):
-                assert served is not None or kind == "race"
-                mine = to_resource.get(victim.pid)
-                others = [w for pid, w in to_resource.items() if pid != victim.pid]
-                restart = served.restart if kind == "resource-restart" and served else None
-                _takeover(victim, names[victim.pid], others, mine, _Tail(path), ttl, after, restart)
-                if kind == "race":  # and the other way round, on whoever holds it next
-                    holder = _current_holder(path)
-                    nxt = next((p for p in procs if names[p.pid] == holder), victim)
-                    _takeover(nxt, names[nxt.pid], [], None, _Tail(path), ttl, after, None, True)
-            elif kind == "resource-pause":
-                assert served is not None
-                served.signal(signal.SIGSTOP)
-                time.sleep(lasts)
-                served.signal(signal.SIGCONT)
-            elif kind in ("resource-partition", "resource-delay"):
-                for way in to_resource.values():
-                    way.partition() if kind == "resource-partition" else way.delay(1.5 * ttl)
-                time.sleep(lasts)
-                for way in to_resource.values():
-                    way.heal() if kind == "resource-partition" else way.delay(0.0)
-            elif kind == "clock":  # a wall clock jumps up to a minute either way
-                step = rng.choice([-1, 1]) * rng.uniform(5 * ttl, 60)
-                if on_server:
-                    assert server_clock is not None
-                    server_clock.write_text(f"{step:+.3f}\n")
-                else:
-                    (Path(scratch) / f"clock-{who}").write_text(f"{step:.3f}\n")
-                    os.kill(victim.pid, signal.SIGWINCH)
-            elif kind == "forge":
-                assert forger is not None
-                if forger_history is None:
-                    forger_history = History(path, "forger")  # (a lane of its own)
-                _forge(forger, lock, forger_history, rng, faults["forge"], key)
-            else:
-                os.killpg(victim.pid, signal.SIGKILL)
-                victim.wait()
-                for proxy in proxies.pop(victim.pid, []):
-                    proxy.close()
-                to_resource.pop(victim.pid, None)
-                procs[i] = spawn()
-    finally:
-        for t in stalls:
-            t.join(10 * ttl + 10)
-        for p in procs:  # (a stall asked for but not yet taken must not stop it for good)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(p.pid, signal.SIGUSR2)
-                os.killpg(p.pid, signal.SIGCONT)
-        for ways in proxies.values():
-            for proxy in ways:
-                proxy.heal()
-                proxy.delay(0.0)
-        for p in procs:
-            if p.stdin is not None:
-                p.stdin.close()  # finish the current round and stop
-        for p in procs:
-            try:
-                p.wait(30 * ttl + 30)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-        for ways in proxies.values():
-            for proxy in ways:
-                proxy.close()
-        if forger is not None:
-            forger.close()
-        if forger_history is not None:
-            forger_history.close()
-        try:
-            if procs:
-                final = open_resource(resource, lock)
-                try:
-                    data, mark = final.final()
-                finally:
-                    final.close()
-                if history is None:
-                    history = History(path, "nemesis")
-                history.append("final", lock=lock, mark=mark, log=_log(data))
-        finally:
-            if history is not None:
-                history.close()
-            if served is not None:
-                served.stop()
-            if server is not None:
-                server.close()
-            shutil.rmtree(scratch, ignore_errors=True)
-    events = read_history(path)
-    writes = [e for e in events if e["op"] == "write"]
-    violations = check_all(events)
-    exercised = [n for n in needs if faults.get(n)] if needs and history is not None else True
-    if not exercised:
-        violations.append(
-            Violation(
-                "plant not exercised",
-                f"--plant {plant} shows only under the {' or '.join(needs)} nemesis, and the "
-                f"run ended before any: give it more --time",
-            )
-        )
-    report = write_report(events, violations, out / "report.html")
-    return CampaignResult(
-        violations=violations,
-        report=report,
-        history=path,
-        grants=sum(1 for e in events if e["op"] == "grant"),
-        accepted=sum(1 for e in writes if e["ok"] is True),
-        refused=sum(1 for e in writes if e["ok"] is False),
-        unknown=sum(1 for e in writes if e["ok"] is None),
-        faults=faults,
-        seconds=time.monotonic() - start,
-        first_violation_after=_first_violation_after(events, violations),
-        refused_reads=sum(1 for e in events if e["op"] == "read" and e["ok"] is False),
+    workload = LocksWorkload(
+        source, out, resource=resource, lock=lock, workers=workers, ttl=ttl, nemesis=nemesis,
+        seed=seed, plant=plant, signing=signing, resource_cmd=resource_cmd,
+    )  # fmt: skip
+    campaign: Campaign[CampaignResult] = Campaign(
+        workload, out, seconds=seconds, seed=seed, progress=progress, stop_at_first=stop_at_first
     )
+    return campaign.run()
 
 
 PREFIX_CHECKERS = ("token reuse", "lost update", "overlap", "forged token")
 """The checkers whose violations in a history's prefix stay violations in the whole history
 (nothing appended later takes them back), so a run may end at the first
 (``run_campaign(stop_at_first=True)``). The others need the final state."""
-
-
-def _caught(path: Path) -> bool:
-    """Whether the history so far shows a violation of one of :data:`PREFIX_CHECKERS`."""
-    events = [e for e in read_history(path) if e["op"] != "final"]
-    return any(CHECKERS[name](events) for name in PREFIX_CHECKERS)
 
 
 def _log(data: bytes | None) -> list[list[int]] | None:

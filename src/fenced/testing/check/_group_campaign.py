@@ -1,5 +1,5 @@
-"""A fault campaign against a replicated group (``fenced.replicated``): real replica servers,
-a real token source, writer and reader processes, a seeded nemesis, one history, the group
+"""The replicated-group workload of the one campaign (``_engine``): real replica servers, a
+real token source, writer and reader processes, a seeded nemesis, one history, the group
 checkers (``_group_checkers``).
 
 :class:`GroupCluster` starts the servers: the source (etcd, ZooKeeper, or an SQLite file) and
@@ -37,19 +37,23 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import fenced
 
+from ..._core.errors import ConfigurationError
 from ..proxy import TcpProxy
 from ..servers import EtcdServer, PostgresServer, RedisServer, Server, ZooKeeperServer, python_env
-from ._checkers import Violation
+from ._checkers import Checker, Violation
+from ._engine import Campaign, CampaignError, Fault
 from ._group_checkers import check_group, operations
-from ._group_worker import History, make_members
+from ._group_worker import ConfigLog, make_members
+from ._history import Event, History, read_history
 
-__all__ = ["GroupCluster", "GroupRun", "load_history", "run_group_campaign"]
+__all__ = ["GroupCluster", "GroupRun", "GroupWorkload", "load_history", "run_group_campaign"]
 
 NEMESES = ("pause", "kill", "partition", "reconfigure")
 GROUP = "orders"
@@ -171,13 +175,13 @@ class GroupRun:
 
 
 def load_history(directory: Path) -> list[dict[str, Any]]:
-    events: list[dict[str, Any]] = []
-    for path in sorted(directory.glob("history-*.jsonl")):
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                with contextlib.suppress(ValueError):  # a line cut short by a kill
-                    events.append(json.loads(line))
-    return events
+    """Deprecated: :func:`~fenced.testing.check.read_history` reads a directory too."""
+    warnings.warn(
+        "load_history is deprecated: use fenced.testing.check.read_history",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return read_history(directory)
 
 
 class Workers:
@@ -189,6 +193,7 @@ class Workers:
         self.base = base
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.stop_file = out / "stop"
+        self.history = out / "history.jsonl"
         self.env = python_env()
 
     def spawn(self, proc: str, role: str, **extra: Any) -> subprocess.Popen[bytes]:
@@ -199,7 +204,7 @@ class Workers:
             "members": self.cluster.specs(),
             "role": role,
             "proc": proc,
-            "history": str(self.out / f"history-{proc}.jsonl"),
+            "history": str(self.history),
             "stop_file": str(self.stop_file),
             **extra,
         }
@@ -218,7 +223,7 @@ class Workers:
             line = p.stdout.readline() if sel.select(60) else b""
         if line.strip() != b"ready":
             p.kill()
-            raise RuntimeError(f"worker {proc} did not start: see {self.out / f'{proc}.log'}")
+            raise CampaignError(f"worker {proc} did not start: see {self.out / f'{proc}.log'}")
         self.procs[proc] = p
         return p
 
@@ -240,17 +245,17 @@ class Workers:
 def final_state(cluster: GroupCluster, out: Path, attempts: int = 20) -> None:
     """Every member's whole state and the final configuration, read by the runner directly
     (not through the proxies), into the history."""
-    history = History(str(out / "history-final.jsonl"), "final")
+    history = History(out / "history.jsonl", "final")
     with fenced.connect(cluster.source_url) as locks:
         guards = make_members(cluster.specs(direct=True), GROUP, 5.0)
         group = fenced.replicated.Group(GROUP, locks, guards, timeout=10.0)
         try:
             cfg = group.configuration()
-            history.log(op="final_config", epoch=cfg.epoch, members=list(cfg.members))
+            history.append("final_config", epoch=cfg.epoch, members=list(cfg.members))
             for name in cfg.members:
                 snap = group.portal.call(group.aio.member(name).read(None))
-                history.log(
-                    op="final",
+                history.append(
+                    "final",
                     member=name,
                     token=snap.token,
                     epoch=snap.epoch,
@@ -262,6 +267,7 @@ def final_state(cluster: GroupCluster, out: Path, attempts: int = 20) -> None:
         finally:
             group.close()
             _close_guards(guards)
+            history.close()
 
 
 def _close_guards(guards: dict[str, Any]) -> None:
@@ -285,6 +291,170 @@ def operator(cluster: GroupCluster) -> Iterator[fenced.replicated.Group]:
             _close_guards(guards)
 
 
+class GroupWorkload:
+    """The replicated-group workload of the one campaign (``_engine``): writers and readers
+    against a group of ``replicas`` (see the module docstring), judged by the group checkers.
+    The arguments are :func:`run_group_campaign`'s."""
+
+    first: frozenset[str] = frozenset()
+    prefix_checkers: dict[str, Checker] = {}  # (its checkers need the final state)
+
+    def __init__(
+        self,
+        out: Path,
+        *,
+        replicas: Sequence[str] = ("redis", "redis", "redis"),
+        source: str = "etcd",
+        writers: int = 2,
+        readers: int = 1,
+        ttl: float = 1.0,
+        nemesis: Sequence[str] = NEMESES,
+        seed: int = 0,
+        plant: str | None = None,
+        ops: int = 4,
+    ) -> None:
+        unknown = set(nemesis) - set(NEMESES)
+        if unknown:
+            raise ConfigurationError(
+                f"unknown nemesis {sorted(unknown)}; known: {', '.join(NEMESES)}"
+            )
+        self.out, self.replicas, self.source = out, tuple(replicas), source
+        self.writers, self.readers, self.ttl = writers, readers, ttl
+        self.nemeses = tuple(nemesis)
+        self.seed, self.plant, self.ops = seed, plant, ops
+        self._servers = contextlib.ExitStack()  # the cluster: up until the final state is read
+        self._stack = contextlib.ExitStack()  # the workers and the operator: stopped before
+        self.cluster: GroupCluster | None = None
+        self.workers: Workers | None = None
+        self.op: fenced.replicated.Group | None = None
+
+    def setup(self, history: Path) -> None:
+        for old in self.out.glob("history-*.jsonl"):  # (a run's before the one schema)
+            old.unlink()
+        (self.out / "stop").unlink(missing_ok=True)
+        self.cluster = cluster = self._servers.enter_context(
+            GroupCluster(self.replicas, self.source)
+        )
+        base = {"ttl": self.ttl, "seed": self.seed, "plant": self.plant, "ops": self.ops,
+                "timeout": 1.0}  # fmt: skip
+        self.workers = workers = Workers(self.out, cluster, base)
+        self._stack.callback(_heal_all, cluster)
+        self._stack.callback(workers.stop)
+        for i in range(self.writers):
+            workers.spawn(f"w{i + 1}", "writer", seed=self.seed * 100 + i)
+        for i in range(self.readers):
+            workers.spawn(f"r{i + 1}", "reader", seed=self.seed * 100 + 50 + i)
+        self.op = self._stack.enter_context(operator(cluster))
+
+    def pace(self, rng: random.Random) -> float:
+        return rng.uniform(0.3, 0.8)
+
+    def healthy(self) -> None:
+        pass  # (a writer that died shows as fewer operations: the counts say so)
+
+    def aim(self, kind: str, rng: random.Random) -> Fault | None:
+        cluster, workers, op = self.cluster, self.workers, self.op
+        assert cluster is not None and workers is not None and op is not None
+        writers = {n: p for n, p in workers.procs.items() if n.startswith("w")}
+        ttl = self.ttl
+        if kind == "pause" and writers:
+            holder = _holder(op, list(writers.values()))
+            victim = holder or rng.choice(list(writers.values()))
+            name = next(n for n, p in writers.items() if p is victim)
+            seconds = rng.uniform(2.0, 3.0) * ttl
+
+            def pause() -> None:
+                os.killpg(victim.pid, signal.SIGSTOP)
+                time.sleep(seconds)
+                os.killpg(victim.pid, signal.SIGCONT)
+
+            return self._fault(kind, name, seconds, pause)
+        if kind == "kill" and cluster.killable():
+            r = cluster.replicas[rng.choice(cluster.killable())]
+            assert r.server is not None
+            down = rng.uniform(0.3, 1.0)
+            server = r.server
+
+            def kill() -> None:
+                server.kill()
+                time.sleep(down)
+                server.start()
+
+            return self._fault(kind, r.name, down, kill)
+        if kind == "partition":
+            cut = [n for n, r in cluster.replicas.items() if r.proxy is not None]
+            if not cut:
+                return None
+            r = cluster.replicas[rng.choice(cut)]
+            proxy = r.proxy
+            assert proxy is not None
+            seconds = rng.uniform(1.0, 3.0)
+
+            def partition() -> None:
+                proxy.partition()
+                time.sleep(seconds)
+                proxy.heal()
+
+            return self._fault(kind, r.name, seconds, partition)
+        if kind == "reconfigure":
+            removed: str | None = None
+            with contextlib.suppress(fenced.FencedError):
+                members = op.configuration().members
+                if len(members) > 1:
+                    removed = rng.choice(members)
+
+            def reconfigure() -> None:
+                if removed is not None:
+                    with contextlib.suppress(fenced.FencedError):
+                        op.remove(removed)
+
+            return self._fault(kind, removed or "none", 0.0, reconfigure)
+        return None
+
+    def _fault(self, kind: str, victim: str, seconds: float, act: Callable[[], None]) -> Fault:
+        cluster, op = self.cluster, self.op
+        assert cluster is not None and op is not None
+
+        def strike() -> None:
+            act()
+            _rejoin(cluster, op)  # members come and go all run long
+
+        return Fault(kind, victim, seconds, strike)
+
+    def settle(self, history: History) -> None:
+        cluster, workers, op = self.cluster, self.workers, self.op
+        assert cluster is not None and workers is not None and op is not None
+        _heal_all(cluster)
+        _rejoin(cluster, op)
+        operator_history = History(workers.history, "operator")
+        try:
+            ConfigLog(operator_history)(op.aio)
+        finally:
+            operator_history.close()
+        self._stack.close()  # the operator closed, the workers stopped, the replicas healed
+        final_state(cluster, self.out)
+
+    def close(self) -> None:
+        try:
+            self._stack.close()
+        finally:
+            self._servers.close()
+
+    def judge(self, events: list[Event], faults: dict[str, int], seconds: float) -> GroupRun:
+        ops_done = operations(events)
+        counts = {
+            "acknowledged writes": sum(
+                1 for o in ops_done if o["kind"] == "write" and o["ok"] is True
+            ),
+            "reads": sum(1 for o in ops_done if o["kind"] == "read" and o["ok"] is True),
+            "configurations": len({e["epoch"] for e in events if e["op"] == "config"}),
+            "refused changes": sum(
+                1 for e in events if e["op"] == "apply" and str(e["ok"]).startswith("stale")
+            ),
+        }
+        return GroupRun(check_group(events), counts, faults, events)
+
+
 def run_group_campaign(
     out: Path,
     *,
@@ -300,96 +470,15 @@ def run_group_campaign(
     ops: int = 4,
 ) -> GroupRun:
     """Run writers and readers against a group of ``replicas`` for ``seconds`` under the
-    nemesis, then check the history. Returns the verdicts (see :class:`GroupRun`)."""
-    unknown = set(nemesis) - set(NEMESES)
-    if unknown:
-        raise ValueError(f"unknown nemesis {sorted(unknown)}; known: {', '.join(NEMESES)}")
-    out.mkdir(parents=True, exist_ok=True)
-    for old in out.glob("history-*.jsonl"):
-        old.unlink()
-    (out / "stop").unlink(missing_ok=True)
-    rng = random.Random(seed)
-    faults = {n: 0 for n in nemesis}
-    with GroupCluster(replicas, source) as cluster:
-        base = {"ttl": ttl, "seed": seed, "plant": plant, "ops": ops, "timeout": 1.0}
-        workers = Workers(out, cluster, base)
-        try:
-            for i in range(writers):
-                workers.spawn(f"w{i + 1}", "writer", seed=seed * 100 + i)
-            for i in range(readers):
-                workers.spawn(f"r{i + 1}", "reader", seed=seed * 100 + 50 + i)
-            with operator(cluster) as op:
-                try:
-                    _nemesis(cluster, workers, op, rng, nemesis, faults, seconds, ttl)
-                    _heal_all(cluster)
-                    _rejoin(cluster, op)
-                finally:
-                    History(str(out / "history-operator.jsonl"), "operator").configs(op.aio)
-        finally:
-            workers.stop()
-            _heal_all(cluster)
-        final_state(cluster, out)
-    history = load_history(out)
-    ops_done = operations(history)
-    counts = {
-        "acknowledged writes": sum(1 for o in ops_done if o["kind"] == "write" and o["ok"] is True),
-        "reads": sum(1 for o in ops_done if o["kind"] == "read" and o["ok"] is True),
-        "configurations": len({e["epoch"] for e in history if e["op"] == "config"}),
-        "refused changes": sum(
-            1 for e in history if e["op"] == "apply" and str(e["ok"]).startswith("stale")
-        ),
-    }
-    return GroupRun(check_group(history), counts, faults, history)
-
-
-def _nemesis(
-    cluster: GroupCluster,
-    workers: Workers,
-    op: fenced.replicated.Group,
-    rng: random.Random,
-    nemesis: Sequence[str],
-    faults: dict[str, int],
-    seconds: float,
-    ttl: float,
-) -> None:
-    start = time.monotonic()
-    writers = [p for n, p in workers.procs.items() if n.startswith("w")]
-    deck: list[str] = []
-    while time.monotonic() - start < seconds:
-        time.sleep(rng.uniform(0.3, 0.8))  # (the schedule's own pace, not a synchronisation)
-        if not deck:  # every fault once per round, in a seeded order: none is left out
-            deck = list(nemesis)
-            rng.shuffle(deck)
-        kind = deck.pop() if deck else None
-        if kind == "pause" and writers:
-            victim = _holder(op, writers) or rng.choice(writers)
-            os.killpg(victim.pid, signal.SIGSTOP)
-            time.sleep(rng.uniform(2.0, 3.0) * ttl)
-            os.killpg(victim.pid, signal.SIGCONT)
-        elif kind == "kill" and cluster.killable():
-            r = cluster.replicas[rng.choice(cluster.killable())]
-            assert r.server is not None
-            r.server.kill()
-            time.sleep(rng.uniform(0.3, 1.0))
-            r.server.start()
-        elif kind == "partition":
-            cut = [n for n, r in cluster.replicas.items() if r.proxy is not None]
-            if not cut:
-                continue
-            r = cluster.replicas[rng.choice(cut)]
-            assert r.proxy is not None
-            r.proxy.partition()
-            time.sleep(rng.uniform(1.0, 3.0))
-            r.proxy.heal()
-        elif kind == "reconfigure":
-            with contextlib.suppress(fenced.FencedError):
-                cfg = op.configuration()
-                if len(cfg.members) > 1:
-                    op.remove(rng.choice(cfg.members))
-        else:
-            continue
-        faults[kind] += 1
-        _rejoin(cluster, op)
+    nemesis (:class:`GroupWorkload` in the one :class:`~fenced.testing.check.Campaign`), then
+    check the history. Returns the verdicts (see :class:`GroupRun`)."""
+    out = Path(out)
+    workload = GroupWorkload(
+        out, replicas=replicas, source=source, writers=writers, readers=readers, ttl=ttl,
+        nemesis=nemesis, seed=seed, plant=plant, ops=ops,
+    )  # fmt: skip
+    campaign: Campaign[GroupRun] = Campaign(workload, out, seconds=seconds, seed=seed)
+    return campaign.run()
 
 
 def _holder(op: fenced.replicated.Group, writers: list[Any]) -> Any:

@@ -10,16 +10,16 @@ The history is a list of events (dicts), from every process of a run:
 * ``config``: a configuration a process read or installed (epoch, members, base, id).
 * ``final``: a member's whole state at the end of the run, and the final configuration.
 
-Times are ``time.monotonic()``, one clock for every process of the machine.
+The events are the kit's one schema (``_history``); times are on one clock for every process
+of the machine.
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable
-from typing import Any
 
-from ._checkers import Violation
+from ._checkers import Checker, Violation, check_all
+from ._history import Event
 from ._linearizable import RegisterOp, check_register
 
 __all__ = [
@@ -33,8 +33,6 @@ __all__ = [
     "reads_are_linearizable",
     "something_was_checked",
 ]
-
-Event = dict[str, Any]
 
 
 def operations(history: list[Event]) -> list[Event]:
@@ -172,26 +170,13 @@ def configurations_totally_ordered_and_overlapping(history: list[Event]) -> list
             )
         for c in seen.values():
             if c["base"] != epoch - 1:
-                out.append(
-                    Violation(
-                        "configurations",
-                        f"configuration {epoch} was built from {c['base']}, not {epoch - 1}: "
-                        "a change skipped the compare-and-set",
-                        (c,),
-                    )
-                )
-            before = by_epoch.get(epoch - 1)
-            if before:
-                for b in before.values():
-                    if not set(b["members"]) & set(c["members"]):
-                        out.append(
-                            Violation(
-                                "configurations",
-                                f"configurations {epoch - 1} {b['members']} and {epoch} "
-                                f"{c['members']} share no member",
-                                (b, c),
-                            )
-                        )
+                why = f"configuration {epoch} was built from {c['base']}, not {epoch - 1}"
+                what = f"{why}: a change skipped the compare-and-set"
+                out.append(Violation("configurations", what, (c,)))
+            for b in by_epoch.get(epoch - 1, {}).values():
+                if not set(b["members"]) & set(c["members"]):
+                    why = f"configurations {epoch - 1} {b['members']} and {epoch} {c['members']}"
+                    out.append(Violation("configurations", f"{why} share no member", (b, c)))
     return out
 
 
@@ -227,7 +212,7 @@ def something_was_checked(history: list[Event]) -> list[Violation]:
     return []
 
 
-GROUP_CHECKERS: dict[str, Callable[[list[Event]], list[Violation]]] = {
+GROUP_CHECKERS: dict[str, Checker] = {
     "member order": members_never_accept_lower_after_higher,
     "acknowledged writes": acknowledged_writes_on_every_later_member,
     "linearizable": reads_are_linearizable,
@@ -238,7 +223,5 @@ GROUP_CHECKERS: dict[str, Callable[[list[Event]], list[Violation]]] = {
 
 
 def check_group(history: list[Event]) -> list[Violation]:
-    out: list[Violation] = []
-    for checker in GROUP_CHECKERS.values():
-        out += checker(history)
-    return out
+    """Every group checker (:func:`~fenced.testing.check.check_all` with these)."""
+    return check_all(history, GROUP_CHECKERS)

@@ -1,9 +1,10 @@
 """One process of a replicated-group campaign: a writer (takes the lock, increments a counter
 through the group) or a reader. Run as ``python -m fenced.testing.check._group_worker CONFIG``.
 
-Every step is appended to the process's own history file (one JSON object a line), with
-``time.monotonic()`` times, before and after it happens; a process killed mid-step leaves an
-invocation without its completion, which the checkers treat as an unknown outcome.
+Every step is appended to the campaign's history (``_history``: the kit's one schema, each
+event fsynced), with :func:`fenced._core.clock.now` times, before and after it happens; a
+process killed mid-step leaves an invocation without its completion, which the checkers treat
+as an unknown outcome.
 """
 
 from __future__ import annotations
@@ -23,24 +24,25 @@ from typing import Any
 import fenced
 from fenced.replicated import AsyncGroup, Group, Item, Member, Snapshot
 
+from ..._core import clock as _clock
 from ...replicated.planted import apply_plant
+from ._history import History
 
 
-class History:
-    def __init__(self, path: str, proc: str) -> None:
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        self.proc = proc
-        self._configs: set[int] = set()
+class ConfigLog:
+    """Writes each configuration a process has seen to the history once (by epoch)."""
 
-    def log(self, **event: Any) -> None:
-        event["proc"] = self.proc
-        os.write(self._fd, (json.dumps(event, separators=(",", ":")) + "\n").encode())
+    def __init__(self, history: History) -> None:
+        self.history = history
+        self._seen: set[int] = set()
 
-    def configs(self, group: AsyncGroup) -> None:
+    def __call__(self, group: AsyncGroup) -> None:
         for c in group.observed:
-            if c.epoch not in self._configs:
-                self._configs.add(c.epoch)
-                self.log(op="config", epoch=c.epoch, members=list(c.members), base=c.base, id=c.id)
+            if c.epoch not in self._seen:
+                self._seen.add(c.epoch)
+                self.history.append(
+                    "config", epoch=c.epoch, members=list(c.members), base=c.base, id=c.id
+                )
 
 
 class Traced:
@@ -58,7 +60,7 @@ class Traced:
         reset: bool = False,
         since: int = 0,
     ) -> None:
-        start = time.monotonic()
+        start = _clock.now()
         ok: Any = True
         try:
             await self.inner.apply(token, epoch, items, reset=reset, since=since)
@@ -72,14 +74,14 @@ class Traced:
             ok = f"error: {type(exc).__name__}"
             raise
         finally:
-            self.history.log(
-                op="apply",
+            self.history.append(
+                "apply",
                 member=self.name,
                 token=None if token is None else token.value,
                 epoch=epoch,
                 stamps=[i.stamp for i in items],
                 start=start,
-                end=time.monotonic(),
+                end=_clock.now(),
                 ok=ok,
             )
 
@@ -129,27 +131,28 @@ def traced_group(
 ) -> tuple[Group, dict[str, Any]]:
     guards = make_members(config["members"], config["group"], config["timeout"])
     group = Group(config["group"], locks, guards, timeout=config["timeout"] * 2)
-    group.aio._members = {n: Traced(n, m, history) for n, m in group.aio._members.items()}
+    for name in guards:  # (each member traced, through the group's own way to change one)
+        group.aio.add_member(name, Traced(name, group.aio.member(name), history))
     return group, guards
 
 
 def _stop_here(config: dict[str, Any], point: str, history: History) -> None:
     """Scenario hooks: stop this process (SIGSTOP) at a named point; the runner resumes it."""
     if point in config.get("stop_at", ()):
-        history.log(op="stopped", at=point, mono=time.monotonic())
+        history.append("stopped", at=point)
         os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def read(group: Group, history: History, key: str = "counter") -> tuple[bool, str | None]:
     ident = uuid.uuid4().hex
-    history.log(op="invoke", id=ident, kind="read", key=key, start=time.monotonic())
+    history.append("invoke", id=ident, kind="read", key=key, start=_clock.now())
     try:
         raw = group.read(key)
     except fenced.FencedError as exc:
-        history.log(op="complete", id=ident, ok=False, end=time.monotonic(), error=str(exc))
+        history.append("complete", id=ident, ok=False, end=_clock.now(), error=str(exc))
         return False, None
     value = None if raw is None else raw.decode()
-    history.log(op="complete", id=ident, ok=True, end=time.monotonic(), value=value)
+    history.append("complete", id=ident, ok=True, end=_clock.now(), value=value)
     return True, value
 
 
@@ -157,6 +160,7 @@ def writer(config: dict[str, Any], history: History) -> None:
     rng = random.Random(config["seed"])
     with fenced.connect(config["source"]) as locks:
         group, _ = traced_group(locks, config, history)
+        configs = ConfigLog(history)
         rounds = 0
         while not os.path.exists(config["stop_file"]):
             if config.get("rounds") is not None and rounds >= config["rounds"]:
@@ -164,42 +168,42 @@ def writer(config: dict[str, Any], history: History) -> None:
             rounds += 1
             try:
                 with locks.lock(config["group"], ttl=config["ttl"], timeout=5) as lease:
-                    history.log(op="granted", token=lease.token.value, mono=time.monotonic())
+                    history.append("granted", token=lease.token.value)
                     w = group.writer(lease)
-                    history.configs(group.aio)
+                    configs(group.aio)
                     for i in range(config["ops"]):
                         ok, value = read(group, history)
                         if not ok:
                             break
                         _stop_here(config, "after_read", history)
                         count = int(value.split(":", 1)[0]) + 1 if value else 1
-                        new = f"{count}:{history.proc}:{rounds}.{i}"
+                        new = f"{count}:{history.worker}:{rounds}.{i}"
                         ident = uuid.uuid4().hex
                         stamp_next = fenced.replicated.stamp(w.token.value, w.aio.seq + 1)
-                        history.log(
-                            op="invoke",
+                        history.append(
+                            "invoke",
                             id=ident,
                             kind="write",
                             key="counter",
                             value=new,
                             stamp=stamp_next,
                             token=w.token.value,
-                            start=time.monotonic(),
+                            start=_clock.now(),
                         )
                         try:
                             w.set("counter", new)
                             outcome: Any = True
                         except fenced.FencedError as exc:
                             outcome = "unknown"  # it may be on some members
-                            history.log(op="note", error=f"{type(exc).__name__}: {exc}")
-                        history.log(op="complete", id=ident, ok=outcome, end=time.monotonic())
-                        history.configs(group.aio)
+                            history.append("note", error=f"{type(exc).__name__}: {exc}")
+                        history.append("complete", id=ident, ok=outcome, end=_clock.now())
+                        configs(group.aio)
                         if outcome is not True:
                             break
                         time.sleep(rng.uniform(0, config.get("think", 0.02)))
             except fenced.FencedError as exc:
-                history.log(op="note", error=f"{type(exc).__name__}: {exc}")
-            history.configs(group.aio)
+                history.append("note", error=f"{type(exc).__name__}: {exc}")
+            configs(group.aio)
             time.sleep(rng.uniform(0, 0.05))
 
 
@@ -207,9 +211,10 @@ def reader(config: dict[str, Any], history: History) -> None:
     rng = random.Random(config["seed"])
     with fenced.connect(config["source"]) as locks:
         group, _ = traced_group(locks, config, history)
+        configs = ConfigLog(history)
         while not os.path.exists(config["stop_file"]):
             read(group, history)
-            history.configs(group.aio)
+            configs(group.aio)
             time.sleep(rng.uniform(0, 0.05))
 
 

@@ -1,12 +1,18 @@
-"""Histories: what each worker saw, as it happened, in one append-only JSONL file.
+"""Histories: what every process of a campaign saw, as it happened, in one append-only JSONL
+file — one schema for every workload of the kit (locks, replicated groups) and the simulator.
 
 Every line is one event, written with a single ``write`` on a file opened ``O_APPEND`` (so
-lines of several processes never interleave) and fsynced before the worker goes on (so a
-worker killed with SIGKILL has recorded everything it did before). Times are
-:func:`fenced._core.clock.now` (``CLOCK_BOOTTIME``: one clock for every process of the machine)
-and the wall clock (for people).
+lines of several processes never interleave) and fsynced before the process goes on (so a
+process killed with SIGKILL has recorded everything it did before). Every event has
+``worker`` (who saw it: a worker, ``nemesis``, ``forger``, ``operator``, ``final``), ``pid``,
+``op``, ``mono`` (:func:`fenced._core.clock.now`, ``CLOCK_BOOTTIME``: one clock for every
+process of the machine; every other time field of an event is on it too) and ``wall`` (the
+wall clock, for people); then the fields of its ``op``.
 
-Events (``op``) and their fields besides ``worker``, ``op``, ``mono``, ``wall``:
+Both workloads: ``nemesis``: a fault (``kind``, ``victim``, ``seconds``); ``error``: a step
+that failed (``step``, ``error``).
+
+The locks workload (``_worker``, checked by ``_checkers``):
 
 * ``grant``: ``lock``, ``token``, ``surely_until`` (mono + the lease's ``remaining()``, as
   the worker believes it), ``remaining`` (what ``remaining()`` said)
@@ -22,11 +28,25 @@ Events (``op``) and their fields besides ``worker``, ``op``, ``mono``, ``wall``:
   view of its lease then), ``lost`` (whether it knew its lease lost as it sent), ``promised``
   (as in ``lost``)
 * ``read``: ``ok`` and ``value`` (the counter read), or ``ok`` False: the fenced read was
-  refused (stale); ``error``: a step that failed
-  (``step``, ``error``); ``stalled``: the worker stopped itself in its critical section;
-  ``nemesis``: a fault (``kind``, ``victim``, ``seconds``)
+  refused (stale); ``stalled``: the worker stopped itself in its critical section
 * ``final``: what the resource holds at the end: ``mark`` (its high-water mark) and ``log``,
   the accepted writes in the resource's own order, as ``[token, value]`` pairs
+
+The group workload (``_group_worker``, checked by ``_group_checkers``):
+
+* ``invoke`` / ``complete`` (joined by ``id``): a ``write`` (``key``, ``value``, ``stamp``,
+  ``token``) or a ``read`` (``key``; the ``value`` read on completion), ``start`` / ``end``;
+  ``ok`` is True, False (refused before anything was written anywhere) or ``"unknown"``
+* ``apply``: one member's answer to one change (``member``, ``token``, ``epoch``, ``stamps``,
+  ``start``, ``end``, ``ok``)
+* ``config``: a configuration a process read or installed (``epoch``, ``members``, ``base``,
+  ``id``); ``granted``, ``note``, ``stopped`` (a scenario's stop point, ``at``)
+* ``final`` (``member``, ``token``, ``epoch``, ``items``) and ``final_config``: each member's
+  whole state and the configuration at the end
+
+:func:`read_history` is the one loader. It reads too the group histories written before this
+schema (a file ``history-PROC.jsonl`` a process, events naming their process ``proc``, no
+``mono``) and refuses, with :class:`HistoryError`, a file that is neither.
 """
 
 from __future__ import annotations
@@ -38,13 +58,22 @@ from pathlib import Path
 from typing import Any
 
 from ..._core import clock as _clock
+from ..._core.errors import ConfigurationError
 
-__all__ = ["Event", "History", "read_history"]
+__all__ = ["Event", "History", "HistoryError", "read_history"]
 
 Event = dict[str, Any]
 
 
+class HistoryError(ConfigurationError):
+    """A history file the kit cannot judge: a line that is not an event of its schema
+    (nothing is checked: a verdict on part of a history would be no verdict)."""
+
+
 class History:
+    """One process's writer of a history: :meth:`append` writes an event and (``fsync``, the
+    default) syncs it before it returns."""
+
     def __init__(self, path: str | Path, worker: str, *, fsync: bool = True) -> None:
         self.path = Path(path)
         self.worker = worker
@@ -79,11 +108,51 @@ class History:
 
 
 def read_history(path: str | Path) -> list[Event]:
-    """Every complete event of the file (a last line cut short by a kill is dropped)."""
+    """Every event of a history: a file, or a directory holding ``history.jsonl`` (and the
+    ``history-*.jsonl`` of the group campaigns before the one schema). A last line cut short
+    by a kill is dropped; any other line that is not an event raises :class:`HistoryError`."""
+    path = Path(path)
+    if not path.is_dir():
+        return _read_file(path)
+    files = sorted(path.glob("history-*.jsonl"))
+    if (path / "history.jsonl").exists():
+        files.insert(0, path / "history.jsonl")
+    if not files:
+        raise HistoryError(f"{path}: no history.jsonl in the directory")
+    return [e for f in files for e in _read_file(f)]
+
+
+def _read_file(path: Path) -> list[Event]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise HistoryError(f"{path}: cannot read the history: {exc}") from exc
+    lines = text.split("\n")
     events = []
-    for line in Path(path).read_text().splitlines():
-        try:
-            events.append(json.loads(line))
-        except json.JSONDecodeError:
+    for n, line in enumerate(lines, 1):
+        if not line:
             continue
+        try:
+            event = json.loads(line)
+        except ValueError:
+            if n == len(lines):  # (no newline after it: a write cut short by a kill)
+                break
+            raise HistoryError(f"{path}:{n}: not a JSON line of a history") from None
+        events.append(_upgraded(event, path, n))
     return events
+
+
+def _upgraded(event: Any, path: Path, n: int) -> Event:
+    """The event in the one schema (a group event before it named its process ``proc``), or
+    a :class:`HistoryError`."""
+    if isinstance(event, dict) and "worker" not in event and isinstance(event.get("proc"), str):
+        event = {"worker": event.pop("proc"), **event}
+    if not (
+        isinstance(event, dict)
+        and isinstance(event.get("op"), str)
+        and isinstance(event.get("worker"), str)
+    ):
+        raise HistoryError(
+            f"{path}:{n}: not an event of a fenced check history (an object with 'op' and 'worker')"
+        )
+    return event

@@ -18,6 +18,7 @@ it clean, so a caught plant is the plant, not the harness.
 from __future__ import annotations
 
 import contextlib
+import copy
 import sqlite3
 from collections.abc import Callable
 from typing import Any
@@ -74,12 +75,17 @@ class PlantedSQLite:
         self.verify = verify
         if self.plant and plant_role(self.plant) != "resource":
             raise ConfigurationError(f"{self.plant!r} is not a planted resource fault")
-        self.path = urlsplit(url).path
+        path = urlsplit(url).path
+        self.path = ":memory:" if path == "/:memory:" else path
         self.lock = lock
-        self.critical: Callable[[], None] = lambda: None  # the worker's stall point
-        self.takes_critical = self.plant == "check-then-write"
         self._memory = 0  # mark-in-memory: this process's idea of the mark
         self._conn: sqlite3.Connection | None = None
+
+    @classmethod
+    def in_memory(cls, lock: str, plant: str = "") -> PlantedSQLite:
+        """The register in an SQLite database in this process's memory, held by one
+        connection (the simulator's: ``planted+sqlite:///:memory:``)."""
+        return cls(f"planted+sqlite:///:memory:?plant={plant}", lock)
 
     def _db(self) -> sqlite3.Connection:
         if self._conn is None:
@@ -130,9 +136,14 @@ class PlantedSQLite:
         if self.plant == "key-id-ignored" and signature is not None and signature[0] not in kids:
             return  # the mistake: an unknown key id falls through instead of failing
         if self.plant == "source-ignored" and signature is not None and len(signature) == 3:
-            # the mistake: the source id the token claims is the one checked against
-            keys = list(getattr(self.verify, "_keys", {}).values())
-            Keyring(keys, source_id=signature[2]).verify(token.lock, token.value, signature)
+            # the mistake: the source id the token claims is the one checked against (the
+            # same keys, trusting that source: a copy of the keyring with its public field set;
+            # the copy shares the cache of good signatures, keyed by source too, and only this
+            # plant ever verifies a token bound to a source here)
+            trusting = copy.copy(self.verify)
+            if isinstance(trusting, Keyring):
+                trusting.source_id = signature[2]
+            trusting.verify(token.lock, token.value, signature)
             return
         self.verify.verify(token.lock, token.value, signature)
 
@@ -147,15 +158,19 @@ class PlantedSQLite:
     def _put(self, db: sqlite3.Connection, data: bytes) -> None:
         db.execute("INSERT OR REPLACE INTO fenced_check VALUES (?, ?)", (KEY, data.decode()))
 
-    def write(self, token: FencingToken, data: bytes) -> None:
+    def _check(self, token: FencingToken) -> None:
         db = self._db()
-        if self.plant == "check-then-write":
-            with sqlite_transaction(db):
-                self._fence(db, token)
-            self.critical()  # (a pause here lets a newer holder write first)
-            with sqlite_transaction(db):
-                self._put(db, data)
-        elif self.plant == "write-then-check":
+        with sqlite_transaction(db):
+            self._fence(db, token)
+
+    def _store(self, data: bytes) -> None:
+        db = self._db()
+        with sqlite_transaction(db):
+            self._put(db, data)
+
+    def _write(self, token: FencingToken, data: bytes) -> None:
+        db = self._db()
+        if self.plant == "write-then-check":
             with sqlite_transaction(db):
                 self._put(db, data)
             with sqlite_transaction(db):
@@ -165,6 +180,21 @@ class PlantedSQLite:
                 if self.plant != "no-fence":
                     self._fence(db, token)
                 self._put(db, data)
+
+    def write_steps(self, token: FencingToken, data: bytes) -> list[Callable[[], None]]:
+        """One step; two with ``check-then-write``: the check (its own transaction), then
+        the write (the next one) — a pause between them lets a newer holder write first."""
+        if self.plant == "check-then-write":
+            return [lambda: self._check(token), lambda: self._store(data)]
+        return [lambda: self._write(token, data)]
+
+    def write(self, token: FencingToken, data: bytes) -> None:
+        for step in self.write_steps(token, data):
+            step()
+
+    def crash(self) -> None:
+        """``mark-in-memory``: the mark this process kept is gone (the rest is on disk)."""
+        self._memory = 0
 
     def final(self) -> tuple[bytes | None, int | None]:
         with contextlib.ExitStack() as stack:

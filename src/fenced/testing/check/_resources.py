@@ -41,29 +41,16 @@ import sqlite3
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 from urllib.parse import urlsplit
 
 from ..._core.backend import redacted
 from ..._core.errors import ConfigurationError, StaleTokenError
 from ..._core.signing import TokenVerifier
 from ..._core.token import FencingToken
-from ._register import KEY, sqlite_transaction
+from ._register import KEY, Resource, SplitWrite, Volatile, sqlite_transaction
 
-__all__ = ["HttpResource", "Resource", "SQLResource", "open_resource"]
-
-
-@runtime_checkable
-class Resource(Protocol):
-    def reset(self) -> None: ...
-
-    def read(self, token: FencingToken) -> bytes | None: ...
-
-    def write(self, token: FencingToken, data: bytes) -> None: ...
-
-    def final(self) -> tuple[bytes | None, int | None]: ...
-
-    def close(self) -> None: ...
+__all__ = ["HttpResource", "Resource", "SQLResource", "SplitWrite", "Volatile", "open_resource"]
 
 
 class SQLResource:
@@ -86,6 +73,14 @@ class SQLResource:
         self.guard = SQLGuard(KEY, lock=lock, verify=verify)
         self._conn: Any = None
         self.mark_param = "?" if self.driver == "sqlite" else "%s"
+
+    @classmethod
+    def in_memory(cls, lock: str, verify: TokenVerifier | None = None) -> SQLResource:
+        """The register in an SQLite database in this process's memory, held by one
+        connection (the simulator's, whose clients all run in one thread)."""
+        made = cls("sqlite:////in-memory", lock, verify)  # (the URL names no file it opens)
+        made.target = ":memory:"
+        return made
 
     def _connect(self) -> Any:
         if self._conn is None:

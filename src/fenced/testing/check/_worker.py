@@ -26,7 +26,7 @@ import fenced
 from fenced._core import clock as _clock
 
 from ._history import History
-from ._resources import open_resource
+from ._resources import Resource, SplitWrite, open_resource
 
 LAB_PLANT_ENV = "FENCED_CHECK_LAB_PLANT"
 LAB_THINK_ENV = "FENCED_CHECK_LAB_THINK"
@@ -75,7 +75,7 @@ def main(argv: list[str]) -> None:
         verify = Keyring(
             [public_half(load_key(cfg["signing_key"]))], source_id=cfg.get("source_id")
         )
-    resource: Any = open_resource(cfg["resource"], lock, verify)
+    resource = open_resource(cfg["resource"], lock, verify)
     # Test plant of the partition lab only (fenced.testing.partitions.run_check): a holder
     # that takes no notice of its lease's loss, and thinks long enough to outlive it.
     ignore_loss = os.environ.get(LAB_PLANT_ENV) == "ignore-loss"
@@ -167,13 +167,13 @@ def _wall_clock_steps(offset_file: str | None) -> None:
 
 
 def step(
-    resource: Any,
+    resource: Resource,
     token: fenced.FencingToken,
     lease: Any,
     history: History,
     rng: random.Random,
     think: float,
-    critical: Any,
+    critical: Callable[[int], None],
     ignore_loss: bool = False,
     promise: Callable[[], float | None] = lambda: None,
     *,
@@ -201,16 +201,26 @@ def step(
             break
         time.sleep(min(0.05, left))
         promise()
-    if getattr(resource, "takes_critical", False):
-        resource.critical = lambda: critical(token.value)
-    else:
+    data = json.dumps(entries, separators=(",", ":")).encode()
+    # A resource whose write is several steps (SplitWrite) stalls before its last one, the
+    # write sent with its first; any other stalls before its write is sent.
+    steps = (
+        list(resource.write_steps(token, data))
+        if isinstance(resource, SplitWrite)
+        else [lambda: resource.write(token, data)]
+    )
+    if len(steps) == 1:
         critical(token.value)
     sent = _clock.now()
     remaining = lease.remaining()
     lost = lease.lost.is_set() and not ignore_loss  # (whether it knew, as it sent)
     promised = promise()  # (the latest end remaining() promised, by then)
     try:
-        resource.write(token, json.dumps(entries, separators=(",", ":")).encode())
+        for one in steps[:-1]:
+            one()
+        if len(steps) > 1:
+            critical(token.value)
+        steps[-1]()
         ok: bool | None = True
     except fenced.StaleTokenError:
         ok = False

@@ -412,8 +412,7 @@ class GatewayRun:
 
     @staticmethod
     def _resource(lock: str) -> SQLResource:
-        res = SQLResource("sql+sqlite:///sim", lock)
-        res.target = ":memory:"
+        res = SQLResource.in_memory(lock)
         res.reset()
         return res
 

@@ -26,11 +26,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..._core.errors import (
-    BackendUnavailable,
     ConfigurationError,
     FencedError,
-    LeaseLostError,
-    LockTimeout,
 )
 from ..._core.lease import AsyncLocks
 from ..._core.token import FencingToken
@@ -49,10 +46,14 @@ from ._world import (
     SYSTEM_RUNS,
     SimBackend,
     _Client,
-    _restart_source,
     _running,
     _World,
+    acquire,
+    client_fault,
+    deal,
     failures,
+    stall_point,
+    until_done,
 )
 
 __all__ = ["GroupRun"]
@@ -205,23 +206,16 @@ class GroupRun:
             if w.rng.random() < 0.25:
                 await self.read(c, group, w.rng.choice(KEYS))
                 continue
-            lease = locks.lock(LOCK, ttl=cfg.ttl, request_id=f"{c.name}-{r}")
-            try:
-                token = await lease.acquire(timeout=5 * cfg.ttl)
-            except (LockTimeout, BackendUnavailable, LeaseLostError) as exc:
-                w.record(c.name, "error", step="acquire", error=type(exc).__name__)
+            got = await acquire(w, c, locks, r)
+            if got is None:
                 continue
+            lease, token = got
             w.record(c.name, "grant", token=token.value)
             try:
                 writer = await group.writer(lease)
                 for i in range(w.rng.randint(1, 3)):
                     key = w.rng.choice(KEYS)
-                    if c.stall:  # the whole process stops between two writes
-                        c.stall = False
-                        w.record(c.name, "stalled", token=token.value)
-                        c.running.clear()
-                        await asyncio.sleep(w.rng.uniform(1.2, 3.0) * cfg.ttl)
-                        c.running.set()
+                    await stall_point(w, c, token)  # (between two writes)
                     sent = w.now()
                     await writer.set(key, f"{token.value}.{r}.{i}")
                     done = stamp(token.value, writer.seq)
@@ -278,14 +272,9 @@ class GroupRun:
 
     async def nemesis(self, clients: list[_Client]) -> None:
         w, cfg, rng = self.w, self.w.cfg, self.w.rng
-        kinds = [
-            k for k in ("pause", "stall", "crash", "source", "resource", "wipe") if k in w.faults
-        ]
         serial = len(clients)
-        while kinds:
-            await asyncio.sleep(rng.uniform(0.3, 1.5) * cfg.ttl)
-            kind = rng.choice(kinds)
-            i = rng.randrange(len(clients))
+        kinds = ("pause", "stall", "crash", "source", "resource", "wipe")
+        async for kind, i in deal(w, kinds, clients):
             c = clients[i]
             member = rng.choice(sorted(self.replicas))
             if kind in ("resource", "wipe") and member in w.down:
@@ -294,21 +283,8 @@ class GroupRun:
                 continue
             victim = {"pause": c.name, "stall": c.name, "crash": c.name, "source": "source"}
             w.record("nemesis", "nemesis", kind=kind, victim=victim.get(kind, member))
-            if kind == "pause":
-                c.running.clear()
-                w.loop.call_later(rng.uniform(1.2, 3.0) * cfg.ttl, c.running.set)
-            elif kind == "stall":
-                c.stall = True
-            elif kind == "crash":
-                c.dead = True
-                self.tasks[i].cancel()
-                serial += 1
-                clients[i] = _Client(f"c{serial}", _running())
-                self.tasks[i] = asyncio.ensure_future(self.client(clients[i]))
-            elif kind == "source":
-                w.source_up = False
-                w.loop.call_later(rng.uniform(0.2, 2.0) * cfg.ttl, _restart_source, w)
-            else:
+            struck, serial = client_fault(w, kind, clients, self.tasks, i, serial, self.client)
+            if not struck:  # a member
                 w.down.add(member)
                 if kind == "wipe":
                     self.replicas[member].wipe()
@@ -325,9 +301,7 @@ class GroupRun:
             asyncio.ensure_future(self.operator()),
         ]
         try:
-            while not all(t.done() for t in self.tasks):  # (crashed clients' are replaced)
-                pending = [t for t in self.tasks if not t.done()]
-                await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            await until_done(self.tasks)
         finally:
             for t in background:
                 t.cancel()

@@ -17,10 +17,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any, ClassVar
 from urllib.parse import SplitResult
 
@@ -43,11 +44,11 @@ from ..._core.errors import (
     RecordConflict,
     StaleTokenError,
 )
-from ..._core.lease import AsyncLocks
+from ..._core.lease import AsyncLease, AsyncLocks
 from ..._core.token import FencingToken
 from ..check._checkers import Violation, check_all
 from ..check._plants import PLANTS, PlantedSQLite, plant_role
-from ..check._resources import SQLResource
+from ..check._resources import Resource, SplitWrite, SQLResource, Volatile
 from ._loop import Stuck, VirtualLoop
 
 __all__ = ["FAULTS", "SIM_PLANTS", "Config", "Outcome", "simulate"]
@@ -177,14 +178,11 @@ class _World:
             self.resource = self._resource()
             self.resource.reset()
 
-    def _resource(self) -> Any:
+    def _resource(self) -> Resource:
+        """The check kit's resource, in memory: its planted one, or the real SQL guard's."""
         if self.cfg.plant in PLANTS and plant_role(self.cfg.plant) == "resource":
-            res = PlantedSQLite(f"planted+sqlite:///sim?plant={self.cfg.plant}", LOCK)
-            res.path = ":memory:"
-            return res
-        real = SQLResource("sql+sqlite:///sim", LOCK)
-        real.target = ":memory:"
-        return real
+            return PlantedSQLite.in_memory(LOCK, self.cfg.plant)
+        return SQLResource.in_memory(LOCK)
 
     def now(self) -> float:
         return self.loop.time()
@@ -420,18 +418,40 @@ class _Client:
     stall: bool = False
 
 
+async def acquire(
+    w: _World, c: _Client, locks: AsyncLocks, r: int
+) -> tuple[AsyncLease, FencingToken] | None:
+    """Client ``c``'s lease of round ``r`` and its token, or None (recorded) if not granted."""
+    lease = locks.lock(LOCK, ttl=w.cfg.ttl, request_id=f"{c.name}-{r}")
+    try:
+        token = await lease.acquire(timeout=5 * w.cfg.ttl)
+    except (LockTimeout, BackendUnavailable, LeaseLostError) as exc:
+        w.record(c.name, "error", step="acquire", error=type(exc).__name__)
+        return None
+    return lease, token
+
+
+async def stall_point(w: _World, c: _Client, token: FencingToken) -> None:
+    """Where client ``c`` stops if a stall was asked of it: the whole process stops (its
+    renewals included) for 1.2-3 ttls."""
+    if c.stall:
+        c.stall = False
+        w.record(c.name, "stalled", lock=LOCK, token=token.value)
+        c.running.clear()
+        await asyncio.sleep(w.rng.uniform(1.2, 3.0) * w.cfg.ttl)
+        c.running.set()
+
+
 async def _client_loop(w: _World, c: _Client, rounds: int) -> None:
     cfg = w.cfg
     SimBackend._worlds[f"{id(w)}-{c.name}"] = (w, c)
     locks = AsyncLocks(f"sim://{id(w)}-{c.name}")
     for r in range(rounds):
         await c.running.wait()
-        lease = locks.lock(LOCK, ttl=cfg.ttl, request_id=f"{c.name}-{r}")
-        try:
-            token = await lease.acquire(timeout=5 * cfg.ttl)
-        except (LockTimeout, BackendUnavailable, LeaseLostError) as exc:
-            w.record(c.name, "error", step="acquire", error=type(exc).__name__)
+        got = await acquire(w, c, locks, r)
+        if got is None:
             continue
+        lease, token = got
         believed = lease.remaining() * (2.0 if cfg.plant == "lease-overestimated" else 1.0)
         w.record(c.name, "grant", lock=LOCK, token=token.value, surely_until=w.now() + believed)
         await _round(w, c, token, lease)
@@ -464,9 +484,16 @@ async def _round(w: _World, c: _Client, token: FencingToken, lease: Any) -> None
     entries.append([token.value, value])
     blob = json.dumps(entries, separators=(",", ":")).encode()
     await asyncio.sleep(w.rng.uniform(0, cfg.ttl / 4))  # think
-    if cfg.plant == "check-then-write":  # two messages: check, (a stall lands here), write
+    # A resource whose write is several steps sends each as a message; a stall lands before
+    # the last (as the check kit's worker stalls).
+    steps = (
+        list(res.write_steps(token, blob))
+        if isinstance(res, SplitWrite)
+        else [lambda: res.write(token, blob)]
+    )
+    for one in steps[:-1]:
         try:
-            await w.call(c, "resource", lambda: _check_only(res, token))
+            await w.call(c, "resource", one)
         except (StaleTokenError, BackendUnavailable) as exc:
             # (no answer is not a refusal: the current holder refused is a violation)
             w.record(
@@ -474,19 +501,11 @@ async def _round(w: _World, c: _Client, token: FencingToken, lease: Any) -> None
                 ok=False if isinstance(exc, StaleTokenError) else None, sent=w.now(),
             )  # fmt: skip
             return
-    if c.stall:
-        c.stall = False
-        w.record(c.name, "stalled", lock=LOCK, token=token.value)
-        c.running.clear()  # the whole process stops, renewals included
-        await asyncio.sleep(w.rng.uniform(1.2, 3.0) * cfg.ttl)
-        c.running.set()
+    await stall_point(w, c, token)
     sent = w.now()
     ok: bool | None
     try:
-        if cfg.plant == "check-then-write":
-            await w.call(c, "resource", lambda: _put_only(res, blob))
-        else:
-            await w.call(c, "resource", lambda: res.write(token, blob))
+        await w.call(c, "resource", steps[-1])
         ok = True
     except StaleTokenError:
         ok = False
@@ -495,32 +514,10 @@ async def _round(w: _World, c: _Client, token: FencingToken, lease: Any) -> None
     w.record(c.name, "write", lock=LOCK, token=token.value, value=value, ok=ok, sent=sent)
 
 
-def _check_only(res: PlantedSQLite, token: FencingToken) -> None:
-    db = res._db()
-    db.execute("BEGIN IMMEDIATE")
-    try:
-        res._fence(db, token)
-    except BaseException:
-        db.execute("ROLLBACK")
-        raise
-    db.execute("COMMIT")
-
-
-def _put_only(res: PlantedSQLite, data: bytes) -> None:
-    db = res._db()
-    db.execute("BEGIN IMMEDIATE")
-    res._put(db, data)
-    db.execute("COMMIT")
-
-
 async def _nemesis(w: _World, clients: list[_Client], tasks: list[asyncio.Task[None]]) -> None:
     cfg, rng = w.cfg, w.rng
-    kinds = [k for k in ("pause", "stall", "crash", "source", "resource") if k in w.faults]
     serial = len(clients)
-    while kinds:
-        await asyncio.sleep(rng.uniform(0.3, 1.5) * cfg.ttl)
-        kind = rng.choice(kinds)
-        i = rng.randrange(len(clients))
+    async for kind, i in deal(w, ("pause", "stall", "crash", "source", "resource"), clients):
         c = clients[i]
         w.record(
             "nemesis",
@@ -528,23 +525,61 @@ async def _nemesis(w: _World, clients: list[_Client], tasks: list[asyncio.Task[N
             kind=kind,
             victim=c.name if kind in ("pause", "stall", "crash") else kind,
         )
-        if kind == "pause":
-            c.running.clear()
-            w.loop.call_later(rng.uniform(1.2, 3.0) * cfg.ttl, c.running.set)
-        elif kind == "stall":
-            c.stall = True
-        elif kind == "crash":
-            c.dead = True
-            tasks[i].cancel()
-            serial += 1
-            clients[i] = _Client(f"c{serial}", _running())
-            tasks[i] = asyncio.ensure_future(_client_loop(w, clients[i], cfg.rounds))
-        elif kind == "source":
-            w.source_up = False
-            w.loop.call_later(rng.uniform(0.2, 2.0) * cfg.ttl, _restart_source, w)
-        else:
+        run = functools.partial(_client_loop, w, rounds=cfg.rounds)
+        struck, serial = client_fault(w, kind, clients, tasks, i, serial, run)
+        if not struck:  # the resource
             w.resource_up = False
             w.loop.call_later(rng.uniform(0.2, 1.0) * cfg.ttl, _restart_resource, w)
+
+
+async def deal(
+    w: _World, kinds: Sequence[str], clients: list[_Client]
+) -> AsyncIterator[tuple[str, int]]:
+    """The nemesis's schedule in every system: every 0.3-1.5 ttls, a fault of ``kinds`` (those
+    the run asks for) and the index of the client it is aimed at."""
+    kinds = [k for k in kinds if k in w.faults]
+    while kinds:
+        await asyncio.sleep(w.rng.uniform(0.3, 1.5) * w.cfg.ttl)
+        yield w.rng.choice(kinds), w.rng.randrange(len(clients))
+
+
+def client_fault(
+    w: _World,
+    kind: str,
+    clients: list[_Client],
+    tasks: list[asyncio.Task[None]],
+    i: int,
+    serial: int,
+    run: Callable[[_Client], Coroutine[Any, Any, None]],
+) -> tuple[bool, int]:
+    """A fault every system has, on client ``i`` or the source: ``pause``, ``stall``,
+    ``crash`` (a new client, named after ``serial`` + 1, runs ``run``), ``source``. Whether
+    ``kind`` was one of them, and the serial of the last client made."""
+    rng, ttl, c = w.rng, w.cfg.ttl, clients[i]
+    if kind == "pause":
+        c.running.clear()
+        w.loop.call_later(rng.uniform(1.2, 3.0) * ttl, c.running.set)
+    elif kind == "stall":
+        c.stall = True
+    elif kind == "crash":
+        c.dead = True
+        tasks[i].cancel()
+        serial += 1
+        clients[i] = _Client(f"c{serial}", _running())
+        tasks[i] = asyncio.ensure_future(run(clients[i]))
+    elif kind == "source":
+        w.source_up = False
+        w.loop.call_later(rng.uniform(0.2, 2.0) * ttl, _restart_source, w)
+    else:
+        return False, serial
+    return True, serial
+
+
+async def until_done(tasks: list[asyncio.Task[None]]) -> None:
+    """Until every task in ``tasks`` is done (a crashed client's is replaced in the list)."""
+    while not all(t.done() for t in tasks):
+        pending = [t for t in tasks if not t.done()]
+        await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
 
 
 def _restart_source(w: _World) -> None:
@@ -555,8 +590,8 @@ def _restart_source(w: _World) -> None:
 
 def _restart_resource(w: _World) -> None:
     w.resource_up = True
-    if w.cfg.plant == "mark-in-memory":
-        w.resource._memory = 0
+    if isinstance(w.resource, Volatile):  # (what it kept only in memory is gone)
+        w.resource.crash()
 
 
 def _running() -> asyncio.Event:
@@ -570,9 +605,7 @@ async def _main(w: _World) -> None:
     tasks = [asyncio.ensure_future(_client_loop(w, c, w.cfg.rounds)) for c in clients]
     nemesis = asyncio.ensure_future(_nemesis(w, clients, tasks))
     try:
-        while not all(t.done() for t in tasks):  # (crashed clients' tasks are replaced)
-            pending = [t for t in tasks if not t.done()]
-            await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        await until_done(tasks)
     finally:
         nemesis.cancel()
         for c in clients:
