@@ -101,16 +101,16 @@ def test_a_users_adapter_whose_write_is_two_steps_is_stalled_between_them(
     (stalled before the whole write, the late check would refuse it and hide the bug). The
     same adapter's one-step sibling holds (test above)."""
     monkeypatch.setenv("CHECK_ADAPTER_DB", str(tmp_path / "adapter.db"))
-    monkeypatch.chdir(ROOT)  # (the workers import tests.check_adapter from here)
+    monkeypatch.chdir(ROOT)  # (the workers import tests.kit.check_adapter from here)
     from fenced.testing.check import Resource, SplitWrite
-    from tests.check_adapter import CheckThenWrite
+    from tests.kit.check_adapter import CheckThenWrite
 
     made = CheckThenWrite("counter")
     assert isinstance(made, Resource) and isinstance(made, SplitWrite)
     made.close()
     for seed in (1, 2):
         result = _campaign(
-            tmp_path / f"s{seed}", "python:tests.check_adapter:CheckThenWrite",
+            tmp_path / f"s{seed}", "python:tests.kit.check_adapter:CheckThenWrite",
             nemesis=["stall"], seconds=10, seed=seed, stop_at_first=True,
         )  # fmt: skip
         found = {v.checker for v in result.violations}
