@@ -9,10 +9,10 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, Final, Protocol, TypeVar, runtime_checkable
 
-from .._core.errors import InvalidTokenError, member_behind_error, stale_epoch_error
+from .._core.errors import InvalidTokenError
 from .._core.token import FencingToken
 
-__all__ = ["STAMP_DIGITS", "Item", "Member", "Snapshot", "stamp", "stamp_token"]
+__all__ = ["STAMP_DIGITS", "Item", "Member", "Snapshot", "snapshot_of", "stamp", "stamp_token"]
 
 T = TypeVar("T")
 
@@ -90,14 +90,6 @@ class Member(Protocol):
     async def aclose(self) -> None: ...
 
 
-_refused_epoch = stale_epoch_error
-_refused_behind = member_behind_error
-
-
-def _as_bytes(value: Any) -> bytes:
-    return value.encode() if isinstance(value, str) else bytes(value)
-
-
 class _Threaded:
     """Runs a sync client's calls on one thread of its own (a connection stays on it)."""
 
@@ -110,3 +102,10 @@ class _Threaded:
 
     def _shutdown(self) -> None:
         self._pool.shutdown(wait=False)
+
+
+def snapshot_of(state: Any) -> Snapshot:
+    """The :class:`Snapshot` of what a guard's ``read_group`` returned (a ``GroupState``)."""
+    return Snapshot(
+        state.token, state.epoch, {k: Item(k, s, v) for k, s, v in state.items}, state.holder
+    )
