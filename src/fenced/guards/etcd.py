@@ -843,7 +843,6 @@ class AsyncEtcdGuard:
         self, gk: GroupKeys, keys: Sequence[str] | None
     ) -> tuple[GroupState, dict[str, int]]:
         """The state, and the mod revision of each item read (of the epoch key under "")."""
-        seen = self._highest  # (as in write_plan: what the answer must reflect)
         request = state_txn(self.keys)
         request.success.extend([get_op(gk.epoch), get_op(gk.holder)])
         # Many keys are read as the whole range (etcd caps a transaction's operations, and a
@@ -857,11 +856,9 @@ class AsyncEtcdGuard:
         else:
             request.success.extend(get_op(gk.data + k.encode()) for k in keys or ())
         resp = await self._txn(request, write=False)
+        # (What is stored, as it is: a member restarted empty reads as marks 0, for the group
+        # to repair; its change's fenced write is what fails closed, as every write does.)
         mark = interpret_state(resp, self.resource)
-        if mark is None and seen:
-            raise self._vanished()
-        if mark is not None and mark.value < seen:
-            raise self._vanished(mark.value)
         epoch_kvs = resp.responses[2].response_range.kvs
         try:
             epoch = decode_value(epoch_kvs[0].value) if epoch_kvs else 0

@@ -678,17 +678,18 @@ class _GuardBase:
             key, stamp, value = _group_item(item)
             args += [key, stamp, "0", ""] if value is None else [key, stamp, "1", value]
         call = self._call(self.group_apply_script, tok, keys, args)
-        call.advances = False  # (the epoch check comes first: see _group_outcome)
+        call.advances = False  # (see _group_outcome)
         return call
 
-    def _group_outcome(self, call: GuardedCall, reply: Any, epoch: int, since: int) -> None:
+    def _group_outcome(self, reply: Any, epoch: int, since: int) -> None:
+        # (An accepted change is not remembered as a mark seen: a member restarted empty is
+        # told apart by its epoch mark and repaired by the group's state transfer, which a
+        # remembered mark would refuse for good. A stale refusal is, as for every write.)
         kind, found = (_text(r) for r in reply)
         if kind == "epoch":
             raise stale_epoch_error(self.resource, int(found), epoch)
         if kind == "behind":
             raise member_behind_error(self.resource, int(found), since)
-        if call.token is not None:  # (accepted: the prelude ran and raised the mark)
-            self._saw(call.token.value)
 
     def _group_read_args(
         self, group: str, keys: Sequence[str] | None
@@ -698,9 +699,11 @@ class _GuardBase:
         args: list[Value] = ["1"] if keys is None else ["0", *keys]
         return [self.fence_key, *self.group_keys(group)], args
 
-    def _group_state(self, reply: Sequence[Any], seen: int) -> GroupState:
+    def _group_state(self, reply: Sequence[Any]) -> GroupState:
+        # (What is stored, as it is: a member restarted empty reads as marks 0, for the group
+        # to repair; see _group_outcome.)
         lock, hw, epoch, stamps, data, holder = reply
-        mark = self._seen_mark(parse_state([lock or None, hw or None], self.resource), seen)
+        mark = parse_state([lock or None, hw or None], self.resource)
         at = _text(epoch)
         if not at.isascii() or not at.isdigit():
             raise CorruptMarkError(self.resource, f"the group's epoch mark {at[:40]!r}")
@@ -865,17 +868,16 @@ class RedisGuard(_GuardBase):
         forgotten first if ``reset``, and each ``(key, stamp, value)`` written if its stamp is
         newer than the stored one. A refusal writes nothing. ``token`` None: the epoch only."""
         call = self._group_call(token, group, epoch, items, reset, since)
-        self._group_outcome(call, self._run(call), epoch, since)
+        self._group_outcome(self._run(call), epoch, since)
 
     def read_group(self, *, group: str, keys: Sequence[str] | None = None) -> GroupState:
         """A group member's marks, holder and items (of ``keys``; None: all), at one instant."""
-        seen = self._seen
         fence_keys, args = self._group_read_args(group, keys)
         try:
             reply = self._group_reader()(keys=fence_keys, args=args)
         except _NATIVE_ERRORS as exc:
             raise map_error(exc, self.resource) from exc
-        return self._group_state(reply, seen)
+        return self._group_state(reply)
 
     def check_server(self) -> None:
         """Raise :class:`~fenced.UnsafeBackendError` if Redis may evict the fence key."""
@@ -1009,17 +1011,16 @@ class AsyncRedisGuard(_GuardBase):
     ) -> None:
         """See :meth:`RedisGuard.apply_group`."""
         call = self._group_call(token, group, epoch, items, reset, since)
-        self._group_outcome(call, await self._run(call), epoch, since)
+        self._group_outcome(await self._run(call), epoch, since)
 
     async def read_group(self, *, group: str, keys: Sequence[str] | None = None) -> GroupState:
         """See :meth:`RedisGuard.read_group`."""
-        seen = self._seen
         fence_keys, args = self._group_read_args(group, keys)
         try:
             reply = await self._group_reader()(keys=fence_keys, args=args)
         except _NATIVE_ERRORS as exc:
             raise map_error(exc, self.resource) from exc
-        return self._group_state(reply, seen)
+        return self._group_state(reply)
 
     async def check_server(self) -> None:
         """See :meth:`RedisGuard.check_server`."""
