@@ -682,6 +682,11 @@ class AsyncEtcdGuard:
         """The fencing rule, applied to a mark read from etcd; a hook so tests can plant ``<``."""
         return mark <= token
 
+    def _epoch_accepts(self, stored: int, epoch: int) -> bool:
+        """A group's epoch rule, applied to the epoch mark read from etcd (the change's
+        compare then holds the mark to it); a hook so tests can plant a bug."""
+        return stored <= epoch
+
     def _request(
         self, token: FencingToken, mark: int, ops: Sequence[rpc.RequestOp]
     ) -> rpc.TxnRequest:
@@ -778,7 +783,13 @@ class AsyncEtcdGuard:
         tok = self._token(token)
         for op in ops:
             self._check_op(op)
-        if len(ops) > 1:  # (one op can neither repeat a key nor exceed any budget)
+        if len(ops) >= self.max_txn_ops:
+            raise ConfigurationError(
+                f"{self._what('write')}: {len(ops)} operations, etcd takes at most "
+                f"{self.max_txn_ops - 1} in one fenced write (--max-txn-ops {self.max_txn_ops}, "
+                "one of them the mark's own put); one atomic step cannot be split"
+            )
+        if len(ops) > 1:  # (one op cannot repeat a key)
             check_txn(write_txn(self.keys, tok, 0, ops), self.max_txn_ops, self._what("write"))
         # (Transport errors are already fenced errors here: they pass through the plan.)
         return await adrive(self.write_plan(tok, ops), self._send, lambda exc: None)
@@ -917,7 +928,7 @@ class AsyncEtcdGuard:
             )
         for _ in range(self._group_attempts):
             state, revisions = await self._group_read(gk, None if reset else list(newest))
-            if state.epoch > epoch:
+            if not self._epoch_accepts(state.epoch, epoch):
                 raise stale_epoch_error(self.resource, state.epoch, epoch)
             if state.epoch < since:  # (the compare below holds the epoch to what was read)
                 raise member_behind_error(self.resource, state.epoch, since)
