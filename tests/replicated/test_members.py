@@ -478,3 +478,21 @@ def test_an_etcd_change_too_large_for_one_transaction_is_refused_whole(
 
     with EtcdGuard(etcd_server.endpoint, resource) as guard:
         asyncio.run(go(guard))
+
+
+def test_a_redis_read_of_many_keys_is_one_script(redis_server: RedisServer) -> None:
+    """Lua's unpack() is bounded (about 8000 values): a read of more keys than that is read
+    in chunks inside the one script, not refused by Lua with an untyped error."""
+    resource = unique_name("res")
+    guard = RedisGuard(redis.Redis(port=redis_server.port), resource)
+
+    async def go() -> None:
+        m = as_member(guard, "g")
+        token = FencingToken(resource, 1)
+        await m.apply(token, 1, [Item(f"k{i}", stamp(1, i + 1), b"v") for i in range(3)])
+        snap = await m.read([f"k{i}" for i in range(10_000)])
+        assert sorted(snap.items) == ["k0", "k1", "k2"] and snap.token == 1
+        assert (await m.read([])).items == {}  # (no keys: no items)
+        await m.aclose()
+
+    asyncio.run(go())
