@@ -215,3 +215,35 @@ def test_the_check_catches_a_bug_planted_in_the_redis_group_script(made: Made, p
 @pytest.mark.parametrize("made", ["etcd", "etcd-async"], indirect=True)
 def test_the_check_catches_a_bug_planted_in_the_etcd_group_txn(made: Made, plant: str) -> None:
     assert CAUGHT[plant] in made.violations(etcd_class=ETCD_PLANTS[plant])
+
+
+BAD = {
+    "epoch below 0": {"epoch": -1},
+    "epoch a bool": {"epoch": True},
+    "since a str": {"since": "1"},
+    "empty group": {"group": ""},
+    "item not a triple": {"items": [("k", stamp(1, 1))]},
+    "item value a str": {"items": [("k", stamp(1, 1), "v")]},
+    "items without a token": {"token": None},
+}
+
+
+@pytest.mark.parametrize("bad", sorted(BAD))
+@pytest.mark.parametrize("made", ["redis", "etcd"], indirect=True)
+def test_bad_input_to_a_group_change_is_typed_and_writes_nothing(made: Made, bad: str) -> None:
+    guard = made.guard()
+    token = FencingToken(made.lock, 1)
+    change: dict[str, Any] = {
+        "token": token,
+        "group": "g",
+        "epoch": 1,
+        "items": [("k", stamp(1, 1), b"v")],
+        **BAD[bad],
+    }
+    with pytest.raises(fenced.ConfigurationError):
+        guard.apply_group(**change)
+    state = guard.read_group(group="g")
+    assert (state.token, state.epoch, state.items) == (0, 0, [])
+    guard.apply_group(token=token, group="g", epoch=1, items=[("k", stamp(1, 1), b"v")])
+    state = guard.read_group(group="g")
+    assert (state.token, state.epoch, state.items) == (1, 1, [("k", stamp(1, 1), b"v")])
