@@ -176,6 +176,11 @@ def test_a_state_transfer_replaces_everything_the_member_held(made: Made) -> Non
         }
         await m.apply(tok(made, 5), 3, [], reset=True)  # an empty copy empties it
         assert (await m.read(None)).items == {}
+        await m.apply(tok(made, 5), 3, held)
+        # A copy from a member never written to: no token, no items; the epoch raised.
+        await m.apply(None, 4, [], reset=True)
+        snap = await m.read(None)
+        assert (snap.token, snap.epoch, snap.items) == (5, 4, {})
         await m.aclose()
 
     run(go())

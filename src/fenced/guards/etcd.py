@@ -905,13 +905,14 @@ class AsyncEtcdGuard:
         mark against ``since`` (:class:`~fenced.MemberBehindError`); then both marks raised,
         the token kept as the holder, every item forgotten first if ``reset``, and each
         ``(key, stamp, value)`` written if its stamp is newer than the stored one (a key given
-        twice: its newest item). A refusal writes nothing. ``token`` None: the epoch only.
+        twice: its newest item). A refusal writes nothing. ``token`` None: the epoch mark only
+        (and ``reset``), no items.
         A change larger than one transaction may be (``max_txn_ops``) is refused before
         anything is sent: :class:`~fenced.ConfigurationError`."""
         tok = None if token is None else self._token(token)
         _count("epoch", epoch)
         _count("since", since)
-        if tok is None and (items or reset):
+        if tok is None and items:
             raise ConfigurationError("items are written only with a lock token")
         gk = self.group_keys(group)
         newest = _newest(items)

@@ -234,12 +234,14 @@ return {'ok', tostring(e)}
 """
 GROUP_APPLY_SCRIPT: Final = _GROUP_EPOCH_CHECK + PRELUDE + _GROUP_APPLY_BODY
 
-# An epoch-only change (no lock token): KEYS[1] epoch; ARGV: 1 epoch, 2 since.
+# A change without a lock token (the epoch; with reset, forget every item: a copy from a
+# member never written to): KEYS 1 epoch, 2 stamps, 3 data; ARGV: 1 epoch, 2 since, 3 reset.
 GROUP_EPOCH_SCRIPT: Final = """\
 local e = tonumber(redis.call('GET', KEYS[1]) or '0')
 if e > tonumber(ARGV[1]) then return {'epoch', tostring(e)} end
 if e < tonumber(ARGV[2]) then return {'behind', tostring(e)} end
 if tonumber(ARGV[1]) > e then redis.call('SET', KEYS[1], ARGV[1]) end
+if ARGV[3] == '1' then redis.call('DEL', KEYS[2], KEYS[3]) end
 return {'ok', tostring(e)}
 """
 
@@ -669,9 +671,10 @@ class _GuardBase:
         _count("epoch", epoch)
         _count("since", since)
         if token is None:
-            if items or reset:
+            if items:
                 raise ConfigurationError("items are written only with a lock token")
-            return GuardedCall(self.group_epoch_script, [keys[0]], [epoch, since], None, False)
+            args0: list[Value] = [epoch, since, "1" if reset else "0"]
+            return GuardedCall(self.group_epoch_script, [*keys[:3]], args0, None, False)
         tok = FencingToken.coerce(token, self.lock, self.verifier)
         args: list[Value] = [epoch, "1" if reset else "0", since, str(tok)]
         for item in items:
@@ -866,7 +869,8 @@ class RedisGuard(_GuardBase):
         (:class:`~fenced.MemberBehindError`), ``token`` against the lock mark as by every
         guarded write; then both marks raised, the token kept as the holder, every item
         forgotten first if ``reset``, and each ``(key, stamp, value)`` written if its stamp is
-        newer than the stored one. A refusal writes nothing. ``token`` None: the epoch only."""
+        newer than the stored one. A refusal writes nothing. ``token`` None: the epoch mark
+        only (and ``reset``), no items."""
         call = self._group_call(token, group, epoch, items, reset, since)
         self._group_outcome(self._run(call), epoch, since)
 
