@@ -176,6 +176,11 @@ def test_a_state_transfer_replaces_everything_the_member_held(made: Made) -> Non
         }
         await m.apply(tok(made, 5), 3, [], reset=True)  # an empty copy empties it
         assert (await m.read(None)).items == {}
+        await m.apply(tok(made, 5), 3, held)
+        # A copy from a member never written to: no token, no items; the epoch raised.
+        await m.apply(None, 4, [], reset=True)
+        snap = await m.read(None)
+        assert (snap.token, snap.epoch, snap.items) == (5, 4, {})
         await m.aclose()
 
     run(go())
@@ -419,16 +424,13 @@ def test_a_change_of_many_items_and_of_one_key_twice_keeps_the_newest(made: Made
 
     async def go() -> None:
         m = made.member()
-        # (etcd refuses a transaction of more than 128 operations: its member is not built
-        # for a copy of this size yet, a gRPC error)
+        # (etcd takes 128 operations in one transaction: a larger change is refused, typed,
+        # see test_an_etcd_change_too_large_for_one_transaction_is_refused_whole)
         n = 100 if made.kind == "etcd" else 450  # (SQL: more than one statement of rows)
         copy = [Item(f"k{i}", stamp(3, i + 1), str(i).encode()) for i in range(n)]
         await m.apply(tok(made, 3), 1, copy, reset=True)
         snap = await m.read(None)
         assert {k: i.value for k, i in snap.items.items()} == {i.key: i.value for i in copy}
-        if made.kind == "etcd":  # (its txn refuses a key put twice: left to the etcd member)
-            await m.aclose()
-            return
         twice = [
             Item("a", stamp(4, 2), b"newer"),
             Item("a", stamp(4, 1), b"older"),
@@ -442,3 +444,60 @@ def test_a_change_of_many_items_and_of_one_key_twice_keeps_the_newest(made: Made
         await m.aclose()
 
     run(go())
+
+
+def test_an_etcd_change_too_large_for_one_transaction_is_refused_whole(
+    etcd_server: EtcdServer,
+) -> None:
+    """etcd refuses a transaction of more than --max-txn-ops (128) operations, and a change
+    is one atomic step (never split): a change that needs more is refused before anything is
+    sent, typed, one line, and the member is unchanged; one at the limit is applied. A read
+    of many keys is one snapshot still (the whole range, filtered)."""
+    resource = unique_name("res")
+
+    def t(value: int) -> FencingToken:
+        return FencingToken(resource, value)
+
+    def items(n: int, st: int, prefix: str = "k") -> list[Item]:
+        return [Item(f"{prefix}{i}", stamp(st, i + 1), b"%d" % st) for i in range(n)]
+
+    async def go(guard: EtcdGuard) -> None:
+        m = as_member(guard, "g")
+        # The fenced write's own branches take 2: the change has 126, the epoch and the
+        # holder take 2 of them, 124 items.
+        await m.apply(t(5), 1, items(124, 5))
+        held = await m.read(None)
+        assert (held.token, held.epoch, len(held.items)) == (5, 1, 124)
+        with pytest.raises(fenced.ConfigurationError, match="125 items need 127 operations"):
+            await m.apply(t(6), 2, items(125, 6))
+        # A copy deletes what it does not carry: 100 new keys + 124 deletes, refused.
+        with pytest.raises(fenced.ConfigurationError, match="operations in one transaction"):
+            await m.apply(t(6), 2, items(100, 6, "new"), reset=True)
+        assert await m.read(None) == held  # nothing was written
+        # A copy of the same 124 keys (nothing to delete) is at the limit: applied.
+        await m.apply(t(6), 2, items(124, 6), reset=True)
+        snap = await m.read([f"k{i}" for i in range(300)])  # (more keys than one txn reads)
+        assert (snap.token, snap.epoch, len(snap.items)) == (6, 2, 124)
+        assert {i.value for i in snap.items.values()} == {b"6"}
+        await m.aclose()
+
+    with EtcdGuard(etcd_server.endpoint, resource) as guard:
+        asyncio.run(go(guard))
+
+
+def test_a_redis_read_of_many_keys_is_one_script(redis_server: RedisServer) -> None:
+    """Lua's unpack() is bounded (about 8000 values): a read of more keys than that is read
+    in chunks inside the one script, not refused by Lua with an untyped error."""
+    resource = unique_name("res")
+    guard = RedisGuard(redis.Redis(port=redis_server.port), resource)
+
+    async def go() -> None:
+        m = as_member(guard, "g")
+        token = FencingToken(resource, 1)
+        await m.apply(token, 1, [Item(f"k{i}", stamp(1, i + 1), b"v") for i in range(3)])
+        snap = await m.read([f"k{i}" for i in range(10_000)])
+        assert sorted(snap.items) == ["k0", "k1", "k2"] and snap.token == 1
+        assert (await m.read([])).items == {}  # (no keys: no items)
+        await m.aclose()
+
+    asyncio.run(go())

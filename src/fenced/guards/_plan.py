@@ -19,11 +19,12 @@ per client library (sync, async); see ``_sql_plan``/``_sql_driver`` and ``etcd``
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Generator
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from .._core.errors import FencedError
 
-__all__ = ["GuardPlan", "adrive", "drive", "step"]
+__all__ = ["GroupItem", "GroupState", "GuardPlan", "adrive", "drive", "step"]
 
 T = TypeVar("T")
 Req = TypeVar("Req")
@@ -101,3 +102,24 @@ async def adrive(
         request = step(plan, reply, err, map_error)
     value: T = request.value
     return value
+
+
+# -- what a replicated group's member asks of a guard (fenced.replicated) -------------------
+# Each guard that can hold a member offers ``apply_group(token=, group=, epoch=, items=,
+# reset=, since=)`` (one atomic step: the lock token against the guard's own mark, the epoch
+# against the group's epoch mark, both raised, the newer items written; or nothing) and
+# ``read_group(group=, keys=) -> GroupState`` (SQLGuard, RedisGuard, EtcdGuard and their async
+# twins). These are the types they share.
+
+GroupItem = tuple[str, str, "bytes | None"]
+"""One item of a group's change: key, stamp (text that orders writes), value (None: deleted)."""
+
+
+@dataclass(frozen=True, slots=True)
+class GroupState:
+    """What a guard's ``read_group`` read, at one instant: both marks, the holder, the items."""
+
+    token: int  # the lock mark (0: never fenced)
+    epoch: int  # the epoch mark (0: never)
+    holder: str | None  # the text of the last token a change presented (None: none kept)
+    items: list[GroupItem]

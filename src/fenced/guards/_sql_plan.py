@@ -41,6 +41,7 @@ from .._core.errors import (
 from .._core.errors import member_behind_error as refused_behind
 from .._core.errors import stale_epoch_error as refused_epoch
 from .._core.token import MAX_TOKEN, FencingToken
+from ._plan import GroupItem, GroupState
 
 __all__ = [
     "MYSQL",
@@ -1198,7 +1199,7 @@ class DuplicateColumn(ConfigurationError):
 # rule, written once) and the epoch against the epoch mark, raises both and applies each
 # item only if its stamp is newer, in the caller's one transaction: all or nothing.
 
-GroupItem = tuple[str, str, "bytes | None"]  # key, stamp, value (None: deleted)
+# (GroupItem and GroupState are the contract every guard's group methods share: see _plan.)
 
 MYSQL_MAX_GROUP: Final = 255
 _ITEM_ROWS: Final = 200  # rows per item statement (4 parameters each: far below any limit)
@@ -1411,16 +1412,6 @@ def group_apply_plan(
         chunk = rows[at : at + _ITEM_ROWS]
         sql = g.item.format(rows=", ".join([g.item_row] * len(chunk)))
         yield Stmt(sql, tuple(v for key, st, value in chunk for v in (group, key, st, value)))
-
-
-@dataclass(frozen=True, slots=True)
-class GroupState:
-    """What :func:`group_read_plan` read: both marks, the holder's text, the items."""
-
-    token: int  # the lock mark (0: never fenced)
-    epoch: int  # the epoch mark (0: never)
-    holder: str | None
-    items: list[GroupItem]
 
 
 def group_read_plan(

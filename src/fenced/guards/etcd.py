@@ -60,7 +60,7 @@ digits), readable in ``etcdctl get``; anything else stored in the mark is corrup
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Final
 from urllib.parse import urlsplit
 
@@ -81,18 +81,22 @@ from .._core.errors import (
     FencedError,
     StaleTokenError,
     WrongLockError,
+    member_behind_error,
+    stale_epoch_error,
 )
 from .._core.portal import Portal
 from .._core.signing import TokenVerifier
 from .._core.token import MAX_TOKEN, FencingToken, TokenLike, validate_lock_name
-from ..backends.etcd import parse_endpoints
-from ._plan import GuardPlan, adrive
+from ..backends.etcd import parse_endpoints, range_end
+from ._plan import GroupItem, GroupState, GuardPlan, adrive
 from ._token_arg import lock_keyword, token_keyword
 
 __all__ = [
+    "MAX_TXN_OPS",
     "Accepted",
     "AsyncEtcdGuard",
     "EtcdGuard",
+    "check_txn",
     "decode_value",
     "delete_op",
     "encode_value",
@@ -105,6 +109,10 @@ WIDTH: Final = 19
 """Digits of the largest token value, ``2**63 - 1``: every encoded value has this many."""
 
 DEFAULT_TIMEOUT: Final = 10.0
+
+MAX_TXN_OPS: Final = 128
+"""etcd's ``--max-txn-ops`` default: the most operations one branch of a transaction may have
+(a nested transaction gets what its parent's largest branch leaves)."""
 
 
 def encode_value(value: int) -> bytes:
@@ -227,6 +235,74 @@ def state_txn(keys: FenceKeys) -> rpc.TxnRequest:
     return request
 
 
+def check_txn(request: rpc.TxnRequest, max_ops: int, what: str) -> None:
+    """Refuse, before it is sent, a transaction etcd would refuse as a whole: more operations in
+    a branch than ``max_ops`` (etcd's ``--max-txn-ops``) allows, or a key written twice (or
+    inside a range it deletes) in one branch. :class:`~fenced.ConfigurationError`, one line:
+    a fenced write is one atomic step, it cannot be split to fit.
+
+    The rules are etcd's own (``checkTxnRequest``, ``checkIntervals`` in its v3rpc): a
+    nested transaction's budget is ``max_ops`` less its parent's largest branch, and the
+    then/else branches of a nested transaction may write the same key (only one runs)."""
+    _check_size(request, max_ops, max_ops, what)
+    for branch in (request.success, request.failure):
+        _check_intervals(branch, what)
+
+
+def _check_size(request: rpc.TxnRequest, budget: int, max_ops: int, what: str) -> None:
+    size = max(len(request.compare), len(request.success), len(request.failure))
+    if size > budget:
+        where = "" if budget == max_ops else f", {budget} left inside the enclosing transaction"
+        raise ConfigurationError(
+            f"{what}: {size} operations in one transaction, etcd takes at most {max_ops} "
+            f"(--max-txn-ops{where}); one atomic step cannot be split"
+        )
+    for op in (*request.success, *request.failure):
+        if op.WhichOneof("request") == "request_txn":
+            _check_size(op.request_txn, budget - size, max_ops, what)
+
+
+def _deleted(key: bytes, deletes: Sequence[tuple[bytes, bytes]]) -> bool:
+    for start, end in deletes:
+        if key == start or (end and start <= key and (end == b"\0" or key < end)):
+            return True
+    return False
+
+
+def _check_intervals(
+    ops: Sequence[rpc.RequestOp], what: str
+) -> tuple[set[bytes], list[tuple[bytes, bytes]]]:
+    """The keys ``ops`` put and the ranges they delete; raise on a key written twice."""
+    deletes = [
+        (op.request_delete_range.key, op.request_delete_range.range_end)
+        for op in ops
+        if op.WhichOneof("request") == "request_delete_range"
+    ]
+    puts: set[bytes] = set()
+
+    def add(key: bytes, allowed: set[bytes] = set()) -> None:  # noqa: B006  (never changed)
+        if (key in puts and key not in allowed) or _deleted(key, deletes):
+            raise ConfigurationError(
+                f"{what}: key {key[:60]!r} written twice (or inside a range it deletes) in one "
+                "transaction, which etcd refuses; give each key once"
+            )
+        puts.add(key)
+
+    for op in ops:
+        if op.WhichOneof("request") == "request_txn":
+            then_puts, then_deletes = _check_intervals(op.request_txn.success, what)
+            else_puts, else_deletes = _check_intervals(op.request_txn.failure, what)
+            for key in then_puts:
+                add(key)
+            for key in else_puts:
+                add(key, then_puts)
+            deletes += then_deletes + else_deletes
+    for op in ops:
+        if op.WhichOneof("request") == "request_put":
+            add(op.request_put.key)
+    return puts, deletes
+
+
 # --- pure reply interpretation -------------------------------------------------------------------
 
 
@@ -337,6 +413,131 @@ def map_error(exc: Exception, resource: str) -> FencedError:
     return FencedError(f"etcd refused a guarded write on {resource!r}: {detail}")
 
 
+# --- a replicated group's member: pure request building ------------------------------------------
+
+STAMP_WIDTH: Final = 2 * WIDTH
+"""A group item's stamp: 38 digits (the writer's token and sequence number, 19 each)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GroupKeys:
+    """The keys of one group's member: its epoch mark, holder, and the prefix of its data."""
+
+    epoch: bytes
+    holder: bytes
+    data: bytes
+
+    @classmethod
+    def of(cls, base: bytes) -> GroupKeys:
+        return cls(base + b"epoch", base + b"holder", base + b"data/")
+
+
+def _count(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOKEN:
+        raise ConfigurationError(f"{name} is an int from 0 to 2**63-1, not {value!r}")
+
+
+def _newest(items: Sequence[GroupItem]) -> dict[str, GroupItem]:
+    """One item per key, the newest (the first of equal stamps): what applying them one by one
+    keeps, and etcd refuses a key put twice in one transaction. Checked before anything is sent."""
+    newest: dict[str, GroupItem] = {}
+    for item in items:
+        if not (isinstance(item, tuple) and len(item) == 3):
+            raise ConfigurationError(f"a group item is (key, stamp, value): {item!r}")
+        key, stamp, value = item
+        if not isinstance(key, str) or not key:
+            raise ConfigurationError(f"a group item's key is a non-empty str: {key!r}")
+        if not (isinstance(stamp, str) and len(stamp) == STAMP_WIDTH and stamp.isdigit()):
+            raise ConfigurationError(f"a group item's stamp is {STAMP_WIDTH} digits: {stamp!r}")
+        if value is not None and not isinstance(value, bytes):
+            raise ConfigurationError(f"a group item's value is bytes or None: {value!r}")
+        held = newest.get(key)
+        if held is None or held[1] < stamp:
+            newest[key] = item
+    return newest
+
+
+def _item_value(stamp: str, value: bytes | None) -> bytes:
+    return stamp.encode() + (b"0" if value is None else b"1" + value)
+
+
+def _group_item(key: str, raw: bytes, resource: str) -> GroupItem:
+    stamp, flag = raw[:STAMP_WIDTH], raw[STAMP_WIDTH : STAMP_WIDTH + 1]
+    if len(stamp) != STAMP_WIDTH or not stamp.isdigit() or flag not in (b"0", b"1"):
+        raise CorruptMarkError(resource, f"group item {key[:40]!r}: {raw[:60]!r}")
+    return key, stamp.decode(), raw[STAMP_WIDTH + 1 :] if flag == b"1" else None
+
+
+def group_txn(
+    gk: GroupKeys,
+    token: FencingToken | None,
+    epoch: int,
+    items: Mapping[str, GroupItem],
+    state: GroupState,
+    revisions: Mapping[str, int],
+    reset: bool,
+) -> rpc.TxnRequest:
+    """The nested transaction of a group's change, valid while what was read (``state``,
+    ``revisions``) is unchanged: the epoch key compared (its value; with ``reset``, its
+    revision: every change puts it, so no change at all came in), each changed key's revision
+    compared; then the epoch raised, the holder kept, the items written."""
+    inner = rpc.TxnRequest()
+    if state.epoch and reset:
+        inner.compare.append(
+            rpc.Compare(
+                key=gk.epoch,
+                target=rpc.Compare.MOD,
+                result=rpc.Compare.EQUAL,
+                mod_revision=revisions[""],
+            )
+        )
+    elif state.epoch:
+        inner.compare.append(
+            rpc.Compare(
+                key=gk.epoch,
+                target=rpc.Compare.VALUE,
+                result=rpc.Compare.EQUAL,
+                value=encode_value(state.epoch),
+            )
+        )
+    else:
+        inner.compare.append(
+            rpc.Compare(
+                key=gk.epoch,
+                target=rpc.Compare.CREATE,
+                result=rpc.Compare.EQUAL,
+                create_revision=0,
+            )
+        )
+    inner.success.append(put_op(gk.epoch, encode_value(max(epoch, state.epoch))))
+    if token is not None:  # (the outer transaction refuses a token below the mark)
+        inner.success.append(put_op(gk.holder, str(token).encode()))
+    if reset:
+        # Keys held and not copied are deleted one by one (etcd refuses a put inside a range
+        # deleted by the same transaction); the copied ones are overwritten.
+        for key, _, _ in state.items:
+            if key not in items:
+                inner.success.append(delete_op(gk.data + key.encode()))
+        for key, stamp, value in items.values():
+            inner.success.append(put_op(gk.data + key.encode(), _item_value(stamp, value)))
+    else:
+        held = {key: stamp for key, stamp, _ in state.items}
+        for key, stamp, value in items.values():
+            if key in held and held[key] >= stamp:
+                continue
+            inner.compare.append(
+                rpc.Compare(
+                    key=gk.data + key.encode(),
+                    target=rpc.Compare.MOD,
+                    result=rpc.Compare.EQUAL,
+                    mod_revision=revisions.get(key, 0),
+                )
+            )
+            inner.success.append(put_op(gk.data + key.encode(), _item_value(stamp, value)))
+    inner.failure.append(get_op(gk.epoch))
+    return inner
+
+
 # --- the guards ---------------------------------------------------------------------------------
 
 
@@ -370,6 +571,7 @@ class AsyncEtcdGuard:
         prefix: str = "fenced/",
         timeout: float | None = DEFAULT_TIMEOUT,
         verify: TokenVerifier | None = None,
+        max_txn_ops: int = MAX_TXN_OPS,
     ) -> AsyncEtcdGuard:
         """A guard with its own connection to ``"h1:p1,h2:p2"`` (close it with :meth:`aclose`)."""
         guard = cls(
@@ -379,6 +581,7 @@ class AsyncEtcdGuard:
             prefix=prefix,
             timeout=timeout,
             verify=verify,
+            max_txn_ops=max_txn_ops,
         )
         guard._owns_client = True
         return guard
@@ -404,10 +607,16 @@ class AsyncEtcdGuard:
         prefix: str = "fenced/",
         timeout: float | None = DEFAULT_TIMEOUT,
         verify: TokenVerifier | None = None,
+        max_txn_ops: int = MAX_TXN_OPS,
     ) -> None:
         self.verifier = verify  # checks each token before the mark (see fenced._core.signing)
         if not isinstance(resource, str) or not resource:
             raise ConfigurationError(f"resource must be a non-empty str, not {resource!r}")
+        if isinstance(max_txn_ops, bool) or not isinstance(max_txn_ops, int) or max_txn_ops < 4:
+            raise ConfigurationError(
+                f"max_txn_ops is etcd's --max-txn-ops (an int >= 4), not {max_txn_ops!r}"
+            )
+        self.max_txn_ops = max_txn_ops  # what the server accepts: larger writes are refused here
         self._check_prefix(prefix)
         self._client = client
         self.resource = resource
@@ -471,6 +680,11 @@ class AsyncEtcdGuard:
     def _accepts(self, token: int, mark: int) -> bool:
         """The fencing rule, applied to a mark read from etcd; a hook so tests can plant ``<``."""
         return mark <= token
+
+    def _epoch_accepts(self, stored: int, epoch: int) -> bool:
+        """A group's epoch rule, applied to the epoch mark read from etcd (the change's
+        compare then holds the mark to it); a hook so tests can plant a bug."""
+        return stored <= epoch
 
     def _request(
         self, token: FencingToken, mark: int, ops: Sequence[rpc.RequestOp]
@@ -568,6 +782,14 @@ class AsyncEtcdGuard:
         tok = self._token(token)
         for op in ops:
             self._check_op(op)
+        if len(ops) >= self.max_txn_ops:
+            raise ConfigurationError(
+                f"{self._what('write')}: {len(ops)} operations, etcd takes at most "
+                f"{self.max_txn_ops - 1} in one fenced write (--max-txn-ops {self.max_txn_ops}, "
+                "one of them the mark's own put); one atomic step cannot be split"
+            )
+        if len(ops) > 1:  # (one op cannot repeat a key)
+            check_txn(write_txn(self.keys, tok, 0, ops), self.max_txn_ops, self._what("write"))
         # (Transport errors are already fenced errors here: they pass through the plan.)
         return await adrive(self.write_plan(tok, ops), self._send, lambda exc: None)
 
@@ -600,6 +822,133 @@ class AsyncEtcdGuard:
                 raise self._vanished(found.value)
             self._highest = max(self._highest, found.value)
         return found
+
+    def _what(self, kind: str) -> str:
+        return f"a guarded {kind} on {self.resource!r}"
+
+    # -- a replicated group's member (fenced.replicated.EtcdMember) --------------------------
+    # The group's keys are in the guard's reserved prefix (no guarded write can touch them):
+    # <prefix>group/<resource>/<group>/epoch, .../holder and .../data/<key> (value: the
+    # 38-digit stamp, then 1 and the bytes, or 0 for deleted). One change is ONE transaction:
+    # the guard's own fenced write (write_plan: the lock token against the mark, raised), whose
+    # one operation is a nested transaction that compares the epoch key and each changed key's
+    # revision with what was just read, and writes. A nested compare that fails (someone wrote
+    # meanwhile) is read again and retried.
+
+    _group_attempts = 20
+
+    def group_keys(self, group: str) -> GroupKeys:
+        if not isinstance(group, str) or not group:
+            raise ConfigurationError(f"a group name is a non-empty str, not {group!r}")
+        return GroupKeys.of(self.prefix + f"group/{self.resource}/{group}/".encode())
+
+    async def read_group(self, *, group: str, keys: Sequence[str] | None = None) -> GroupState:
+        """A group member's marks, holder and items (of ``keys``; None: all), at one revision."""
+        if keys is not None and not all(isinstance(k, str) and k for k in keys):
+            raise ConfigurationError(f"group keys are non-empty str: {keys!r}")
+        state, _ = await self._group_read(self.group_keys(group), keys)
+        return state
+
+    async def _group_read(
+        self, gk: GroupKeys, keys: Sequence[str] | None
+    ) -> tuple[GroupState, dict[str, int]]:
+        """The state, and the mod revision of each item read (of the epoch key under "")."""
+        request = state_txn(self.keys)
+        request.success.extend([get_op(gk.epoch), get_op(gk.holder)])
+        # Many keys are read as the whole range (etcd caps a transaction's operations, and a
+        # read must be one snapshot: it is not split), then filtered.
+        whole = keys is None or len(request.success) + len(keys) > self.max_txn_ops
+        if whole:
+            op = rpc.RequestOp()
+            op.request_range.key = gk.data
+            op.request_range.range_end = range_end(gk.data)
+            request.success.append(op)
+        else:
+            request.success.extend(get_op(gk.data + k.encode()) for k in keys or ())
+        resp = await self._txn(request, write=False)
+        # (What is stored, as it is: a member restarted empty reads as marks 0, for the group
+        # to repair; its change's fenced write is what fails closed, as every write does.)
+        mark = interpret_state(resp, self.resource)
+        epoch_kvs = resp.responses[2].response_range.kvs
+        try:
+            epoch = decode_value(epoch_kvs[0].value) if epoch_kvs else 0
+        except ValueError:
+            raise CorruptMarkError(self.resource, "the group's epoch mark") from None
+        holder_kvs = resp.responses[3].response_range.kvs
+        holder = holder_kvs[0].value.decode(errors="replace") if holder_kvs else None
+        wanted = None if keys is None else set(keys)
+        items: list[GroupItem] = []
+        revisions = {"": epoch_kvs[0].mod_revision if epoch_kvs else 0}
+        for reply in resp.responses[4:]:
+            for kv in reply.response_range.kvs:
+                key = kv.key[len(gk.data) :].decode()
+                if wanted is not None and key not in wanted:
+                    continue
+                items.append(_group_item(key, kv.value, self.resource))
+                revisions[key] = kv.mod_revision
+        return GroupState(mark.value if mark else 0, epoch, holder, items), revisions
+
+    async def apply_group(
+        self,
+        *,
+        token: TokenLike | None,
+        group: str,
+        epoch: int,
+        items: Sequence[GroupItem] = (),
+        reset: bool = False,
+        since: int = 0,
+    ) -> None:
+        """One change of a replicated group's member (:class:`fenced.replicated.EtcdMember`),
+        ONE transaction: ``token`` checked against the lock mark as every guarded write is,
+        ``epoch`` against the group's epoch mark (:class:`~fenced.StaleEpochError`) and that
+        mark against ``since`` (:class:`~fenced.MemberBehindError`); then both marks raised,
+        the token kept as the holder, every item forgotten first if ``reset``, and each
+        ``(key, stamp, value)`` written if its stamp is newer than the stored one (a key given
+        twice: its newest item). A refusal writes nothing. ``token`` None: the epoch mark only
+        (and ``reset``), no items.
+        A change larger than one transaction may be (``max_txn_ops``) is refused before
+        anything is sent: :class:`~fenced.ConfigurationError`."""
+        tok = None if token is None else self._token(token)
+        _count("epoch", epoch)
+        _count("since", since)
+        if tok is None and items:
+            raise ConfigurationError("items are written only with a lock token")
+        gk = self.group_keys(group)
+        newest = _newest(items)
+        what = self._what(f"change of group {group!r}")
+        # The nested transaction's budget is what the fenced write's own branches leave (2);
+        # its writes: the epoch, the holder, one per item (a copy also deletes what it drops,
+        # counted once read).
+        needed = 1 + (tok is not None) + len(newest)
+        if needed > self.max_txn_ops - 2:
+            raise ConfigurationError(
+                f"{what}: {len(newest)} items need {needed} operations in one transaction, etcd "
+                f"takes at most {self.max_txn_ops - 2} there (--max-txn-ops {self.max_txn_ops}); "
+                "one atomic step cannot be split"
+            )
+        for _ in range(self._group_attempts):
+            state, revisions = await self._group_read(gk, None if reset else list(newest))
+            if not self._epoch_accepts(state.epoch, epoch):
+                raise stale_epoch_error(self.resource, state.epoch, epoch)
+            if state.epoch < since:  # (the compare below holds the epoch to what was read)
+                raise member_behind_error(self.resource, state.epoch, since)
+            inner = group_txn(gk, tok, epoch, newest, state, revisions, reset)
+            if tok is None:
+                check_txn(inner, self.max_txn_ops, what)
+                resp = await self._txn(inner, write=True)
+                done = resp.succeeded
+            else:
+                op = rpc.RequestOp()
+                op.request_txn.CopyFrom(inner)
+                check_txn(write_txn(self.keys, tok, 0, [op]), self.max_txn_ops, what)
+                plan = self.write_plan(tok, [op])
+                accepted = await adrive(plan, self._send, lambda exc: None)
+                done = accepted.replies[0].response_txn.succeeded
+            if done:
+                return
+        raise BackendUnavailable(
+            f"member {self.resource!r}: its keys kept changing while being written"
+        )
 
     def _vanished(self, now: int | None = None) -> CorruptMarkError:
         """The mark went back (deleted, or reset below what this guard saw): damage."""
@@ -643,6 +992,7 @@ class EtcdGuard:
         prefix: str = "fenced/",
         timeout: float | None = DEFAULT_TIMEOUT,
         verify: TokenVerifier | None = None,
+        max_txn_ops: int = MAX_TXN_OPS,
     ) -> None:
         self._portal = Portal("fenced-etcd-guard")
         try:
@@ -655,6 +1005,7 @@ class EtcdGuard:
                     prefix=prefix,
                     timeout=timeout,
                     verify=verify,
+                    max_txn_ops=max_txn_ops,
                 )
             )
         except BaseException:
@@ -693,6 +1044,27 @@ class EtcdGuard:
     def high_water(self) -> FencingToken | None:
         """See :meth:`AsyncEtcdGuard.high_water`."""
         return self._portal.call(self.aio.high_water())
+
+    def apply_group(
+        self,
+        *,
+        token: TokenLike | None,
+        group: str,
+        epoch: int,
+        items: Sequence[GroupItem] = (),
+        reset: bool = False,
+        since: int = 0,
+    ) -> None:
+        """See :meth:`AsyncEtcdGuard.apply_group`."""
+        self._portal.call(
+            self.aio.apply_group(
+                token=token, group=group, epoch=epoch, items=items, reset=reset, since=since
+            )
+        )
+
+    def read_group(self, *, group: str, keys: Sequence[str] | None = None) -> GroupState:
+        """See :meth:`AsyncEtcdGuard.read_group`."""
+        return self._portal.call(self.aio.read_group(group=group, keys=keys))
 
     def close(self) -> None:
         if not self._portal.closed:

@@ -63,9 +63,12 @@ from .._core.errors import (
     StaleTokenError,
     UnsafeBackendError,
     WrongLockError,
+    member_behind_error,
+    stale_epoch_error,
 )
 from .._core.signing import TokenVerifier
 from .._core.token import MAX_TOKEN, FencingToken, TokenLike, validate_lock_name
+from ._plan import GroupItem, GroupState
 from ._token_arg import lock_keyword, token_keyword
 
 __all__ = ["COMMANDS", "AsyncRedisGuard", "RedisGuard", "default_fence_key"]
@@ -198,6 +201,75 @@ DEL_SCRIPT: Final = PRELUDE + _DEL_BODY
 COMMAND_SCRIPT: Final = PRELUDE + _COMMAND_BODY
 
 
+# -- a replicated group's member (fenced.replicated.RedisMember) -----------------------------
+# The group's keys sit next to the fence key (same hash slot), in the reserved key space, so no
+# guarded write can touch them: see group_keys. A change is ONE script: the epoch mark
+# checked first (reads only, so a refused change writes nothing), then the PRELUDE (the lock
+# token against the guard's own mark: the one rule of every guarded write), then both marks
+# raised and the items applied.
+# KEYS: 1 fence hash, 2 epoch, 3 stamps hash, 4 data hash, 5 holder.
+# ARGV: 1 lock, 2 "<token> <seen>" (the prelude's), 3 epoch, 4 reset (1: forget all items
+# first), 5 since, 6 the token's text, then (key, stamp, has, value) per item.
+_GROUP_EPOCH_CHECK: Final = """\
+local e = tonumber(redis.call('GET', KEYS[2]) or '0')
+if e > tonumber(ARGV[3]) then return {'epoch', tostring(e)} end
+if e < tonumber(ARGV[5]) then return {'behind', tostring(e)} end
+"""
+# (The prelude refused a token below the mark, so ARGV[6] is the holder at the mark now.)
+_GROUP_APPLY_BODY: Final = """\
+if tonumber(ARGV[3]) > e then redis.call('SET', KEYS[2], ARGV[3]) end
+redis.call('SET', KEYS[5], ARGV[6])
+if ARGV[4] == '1' then redis.call('DEL', KEYS[3], KEYS[4]) end
+local i = 7
+while i <= #ARGV do
+  local old = redis.call('HGET', KEYS[3], ARGV[i])
+  if (not old) or old < ARGV[i + 1] then
+    redis.call('HSET', KEYS[3], ARGV[i], ARGV[i + 1])
+    if ARGV[i + 2] == '1' then redis.call('HSET', KEYS[4], ARGV[i], ARGV[i + 3])
+    else redis.call('HDEL', KEYS[4], ARGV[i]) end
+  end
+  i = i + 4
+end
+return {'ok', tostring(e)}
+"""
+GROUP_APPLY_SCRIPT: Final = _GROUP_EPOCH_CHECK + PRELUDE + _GROUP_APPLY_BODY
+
+# A change without a lock token (the epoch; with reset, forget every item: a copy from a
+# member never written to): KEYS 1 epoch, 2 stamps, 3 data; ARGV: 1 epoch, 2 since, 3 reset.
+GROUP_EPOCH_SCRIPT: Final = """\
+local e = tonumber(redis.call('GET', KEYS[1]) or '0')
+if e > tonumber(ARGV[1]) then return {'epoch', tostring(e)} end
+if e < tonumber(ARGV[2]) then return {'behind', tostring(e)} end
+if tonumber(ARGV[1]) > e then redis.call('SET', KEYS[1], ARGV[1]) end
+if ARGV[3] == '1' then redis.call('DEL', KEYS[2], KEYS[3]) end
+return {'ok', tostring(e)}
+"""
+
+# The read, at one instant. KEYS as the change's; ARGV: 1 '1' (all items) or '0' (the keys
+# ARGV[2..], in chunks: unpack() is bounded by Lua's C stack).
+GROUP_READ_SCRIPT: Final = """\
+local m = redis.call('HMGET', KEYS[1], 'lock', 'hw')
+local e = redis.call('GET', KEYS[2]) or '0'
+local h = redis.call('GET', KEYS[5]) or ''
+if ARGV[1] == '1' then
+  return {m[1] or '', m[2] or '', e, redis.call('HGETALL', KEYS[3]),
+          redis.call('HGETALL', KEYS[4]), h}
+end
+local st, dt, i = {}, {}, 2
+while i <= #ARGV do
+  local j = math.min(i + 999, #ARGV)
+  local s = redis.call('HMGET', KEYS[3], unpack(ARGV, i, j))
+  local d = redis.call('HMGET', KEYS[4], unpack(ARGV, i, j))
+  for n = 1, j - i + 1 do
+    if s[n] then st[#st + 1] = ARGV[i + n - 1]; st[#st + 1] = s[n] end
+    if d[n] then dt[#dt + 1] = ARGV[i + n - 1]; dt[#dt + 1] = d[n] end
+  end
+  i = j + 1
+end
+return {m[1] or '', m[2] or '', e, st, dt, h}
+"""
+
+
 def eval_script(lua_body: str) -> str:
     """The full script for :meth:`RedisGuard.eval`: the prelude, then ``lua_body`` as a function."""
     return PRELUDE + _EVAL_TEMPLATE % lua_body
@@ -296,7 +368,7 @@ class GuardedCall:
     script: str
     keys: list[Key]
     args: list[Value]
-    token: FencingToken
+    token: FencingToken | None  # (None: a group's epoch-only change, no lock token)
     advances: bool = True
     """The script starts with the prelude: when it returns, the mark is at least the token."""
 
@@ -373,6 +445,32 @@ def map_error(exc: Exception, resource: str, token: FencingToken | None = None) 
     return FencedError(f"Redis refused a guarded write on {resource!r}: {exc}{hint}")
 
 
+def _count(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOKEN:
+        raise ConfigurationError(f"{name} is an int from 0 to 2**63-1, not {value!r}")
+
+
+def _bytes(value: Any) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
+def _group_item(item: object) -> GroupItem:
+    """A ``(key, stamp, value)`` item, checked before anything is sent (Redis does not roll a
+    script back: a bad item met halfway would leave the change half written)."""
+    if isinstance(item, tuple) and len(item) == 3:
+        key, stamp, value = item
+        if (
+            isinstance(key, str)
+            and key
+            and isinstance(stamp, str)
+            and (value is None or isinstance(value, bytes))
+        ):
+            return key, stamp, value
+    raise ConfigurationError(
+        f"a group item is (key: str, stamp: str, value: bytes | None): {item!r}"
+    )
+
+
 def _xadd_args(fields: Mapping[Key, Value], id: str) -> list[Value]:
     if not fields:
         raise ConfigurationError("xadd needs at least one field")
@@ -435,6 +533,7 @@ class _GuardBase:
         # or lower afterwards was reset outside fenced, and refuses every write (fail closed).
         # (Racing threads may keep a lower value than the highest: less is checked, never more.)
         self._seen = 0
+        self._reader: Any = None  # the group read script (made on first use)
 
     def _saw(self, value: int) -> None:
         if value > self._seen:
@@ -446,7 +545,7 @@ class _GuardBase:
         if isinstance(error, StaleTokenError):
             if error.high_water is not None:
                 self._saw(error.high_water.value)
-        elif error is None and call.advances:
+        elif error is None and call.advances and call.token is not None:
             self._saw(call.token.value)
 
     def _failed(self, call: GuardedCall, exc: Exception) -> FencedError:
@@ -554,11 +653,90 @@ class _GuardBase:
             self.eval_script(lua_body), token, [self._key(k) for k in keys], list(args)
         )
 
+    # -- a replicated group's member: the calls, and the reading of their replies ----------
+
+    def group_keys(self, group: str) -> list[str]:
+        """The keys of group ``group``'s member here: epoch mark, stamps hash, data hash,
+        holder; ``<fence key>:group:<group>:...``, in the reserved key space and the fence
+        key's hash slot."""
+        if not isinstance(group, str) or not group:
+            raise ConfigurationError(f"a group name is a non-empty str, not {group!r}")
+        base = f"{self.fence_key}:group:{group}"
+        return [f"{base}:epoch", f"{base}:stamps", f"{base}:data", f"{base}:holder"]
+
+    def _group_call(
+        self,
+        token: TokenLike | None,
+        group: str,
+        epoch: int,
+        items: Sequence[GroupItem],
+        reset: bool,
+        since: int,
+    ) -> GuardedCall:
+        keys = self.group_keys(group)
+        _count("epoch", epoch)
+        _count("since", since)
+        if token is None:
+            if items:
+                raise ConfigurationError("items are written only with a lock token")
+            args0: list[Value] = [epoch, since, "1" if reset else "0"]
+            return GuardedCall(self.group_epoch_script, [*keys[:3]], args0, None, False)
+        tok = FencingToken.coerce(token, self.lock, self.verifier)
+        args: list[Value] = [epoch, "1" if reset else "0", since, str(tok)]
+        for item in items:
+            key, stamp, value = _group_item(item)
+            args += [key, stamp, "0", ""] if value is None else [key, stamp, "1", value]
+        call = self._call(self.group_apply_script, tok, keys, args)
+        call.advances = False  # (see _group_outcome)
+        return call
+
+    def _group_outcome(self, reply: Any, epoch: int, since: int) -> None:
+        # (An accepted change is not remembered as a mark seen: a member restarted empty is
+        # told apart by its epoch mark and repaired by the group's state transfer, which a
+        # remembered mark would refuse for good. A stale refusal is, as for every write.)
+        kind, found = (_text(r) for r in reply)
+        if kind == "epoch":
+            raise stale_epoch_error(self.resource, int(found), epoch)
+        if kind == "behind":
+            raise member_behind_error(self.resource, int(found), since)
+
+    def _group_read_args(
+        self, group: str, keys: Sequence[str] | None
+    ) -> tuple[list[Key], list[Value]]:
+        if keys is not None and not all(isinstance(k, str) and k for k in keys):
+            raise ConfigurationError(f"group keys are non-empty str: {keys!r}")
+        args: list[Value] = ["1"] if keys is None else ["0", *keys]
+        return [self.fence_key, *self.group_keys(group)], args
+
+    def _group_state(self, reply: Sequence[Any]) -> GroupState:
+        # (What is stored, as it is: a member restarted empty reads as marks 0, for the group
+        # to repair; see _group_outcome.)
+        lock, hw, epoch, stamps, data, holder = reply
+        mark = parse_state([lock or None, hw or None], self.resource)
+        at = _text(epoch)
+        if not at.isascii() or not at.isdigit():
+            raise CorruptMarkError(self.resource, f"the group's epoch mark {at[:40]!r}")
+        values = {_text(data[i]): _bytes(data[i + 1]) for i in range(0, len(data), 2)}
+        items: list[GroupItem] = []
+        for i in range(0, len(stamps), 2):
+            key = _text(stamps[i])
+            items.append((key, _text(stamps[i + 1]), values.get(key)))
+        return GroupState(mark.value if mark else 0, int(at), _text(holder) or None, items)
+
+    def _group_reader(self) -> Any:
+        """The read script, through the caller's client (a read may be re-sent)."""
+        if self._reader is None:
+            self._reader = self._client.register_script(self.group_read_script)
+        return self._reader
+
     # Script texts, as attributes so a test can plant a bug in a subclass.
     set_script: str = SET_SCRIPT
     hset_script: str = HSET_SCRIPT
     del_script: str = DEL_SCRIPT
     command_script: str = COMMAND_SCRIPT
+    group_apply_script: str = GROUP_APPLY_SCRIPT
+    group_epoch_script: str = GROUP_EPOCH_SCRIPT
+    group_read_script: str = GROUP_READ_SCRIPT
 
     @staticmethod
     def eval_script(lua_body: str) -> str:
@@ -679,6 +857,36 @@ class RedisGuard(_GuardBase):
             raise map_error(exc, self.resource) from exc
         return self._seen_mark(parse_state(reply, self.resource), seen)
 
+    def apply_group(
+        self,
+        *,
+        token: TokenLike | None,
+        group: str,
+        epoch: int,
+        items: Sequence[GroupItem] = (),
+        reset: bool = False,
+        since: int = 0,
+    ) -> None:
+        """One change of a replicated group's member (:class:`fenced.replicated.RedisMember`),
+        ONE script: ``epoch`` checked against the group's epoch mark
+        (:class:`~fenced.StaleEpochError`) and that mark against ``since``
+        (:class:`~fenced.MemberBehindError`), ``token`` against the lock mark as by every
+        guarded write; then both marks raised, the token kept as the holder, every item
+        forgotten first if ``reset``, and each ``(key, stamp, value)`` written if its stamp is
+        newer than the stored one. A refusal writes nothing. ``token`` None: the epoch mark
+        only (and ``reset``), no items."""
+        call = self._group_call(token, group, epoch, items, reset, since)
+        self._group_outcome(self._run(call), epoch, since)
+
+    def read_group(self, *, group: str, keys: Sequence[str] | None = None) -> GroupState:
+        """A group member's marks, holder and items (of ``keys``; None: all), at one instant."""
+        fence_keys, args = self._group_read_args(group, keys)
+        try:
+            reply = self._group_reader()(keys=fence_keys, args=args)
+        except _NATIVE_ERRORS as exc:
+            raise map_error(exc, self.resource) from exc
+        return self._group_state(reply)
+
     def check_server(self) -> None:
         """Raise :class:`~fenced.UnsafeBackendError` if Redis may evict the fence key."""
         try:
@@ -796,6 +1004,29 @@ class AsyncRedisGuard(_GuardBase):
         except _NATIVE_ERRORS as exc:
             raise map_error(exc, self.resource) from exc
         return self._seen_mark(parse_state(reply, self.resource), seen)
+
+    async def apply_group(
+        self,
+        *,
+        token: TokenLike | None,
+        group: str,
+        epoch: int,
+        items: Sequence[GroupItem] = (),
+        reset: bool = False,
+        since: int = 0,
+    ) -> None:
+        """See :meth:`RedisGuard.apply_group`."""
+        call = self._group_call(token, group, epoch, items, reset, since)
+        self._group_outcome(await self._run(call), epoch, since)
+
+    async def read_group(self, *, group: str, keys: Sequence[str] | None = None) -> GroupState:
+        """See :meth:`RedisGuard.read_group`."""
+        fence_keys, args = self._group_read_args(group, keys)
+        try:
+            reply = await self._group_reader()(keys=fence_keys, args=args)
+        except _NATIVE_ERRORS as exc:
+            raise map_error(exc, self.resource) from exc
+        return self._group_state(reply)
 
     async def check_server(self) -> None:
         """See :meth:`RedisGuard.check_server`."""
