@@ -341,6 +341,55 @@ def test_the_time_left_bar_moves_between_polls_and_ends_expired(
     )
 
 
+def test_a_lease_the_source_freed_before_the_pages_countdown_ended_is_drawn_expired(
+    server: FencedServer, browser: Browser
+) -> None:
+    """The source frees a lease at its expiry; the page's countdown is anchored when an answer
+    came, so a poll can say "free" before the page reached zero (here: an answer that came a
+    second late). The row is drawn expired, and stays so (the gateway's "expired" transition
+    follows) — while a lease released through this gateway is drawn free, never expired."""
+    u = server.url
+    _post(f"{u}/v1/locks/short/-/acquire", {"ttl": 8})
+    done = _post(f"{u}/v1/locks/done/-/acquire", {"ttl": 60, "request_id": "d"})
+    browser.go(u + "/")
+    # The page's fetch: answers a second late while lateBy is set; requests held at a gate.
+    browser.js(
+        """(() => { window.lateBy = 1000; window.gate = null; const real = window.fetch;
+        window.fetch = async (...a) => {
+          if (window.gate) await window.gate.p;
+          const late = window.lateBy, r = await real(...a);
+          if (late) await new Promise((ok) => setTimeout(ok, late));
+          return r; }; })()"""
+    )
+    polls = int(browser.js("document.body.dataset.polls"))
+    browser.wait_for(f"Number(document.body.dataset.polls) >= {polls + 2}", 30)
+    # no poll from now until the source freed the lease; the next one comes at once
+    browser.js(
+        "(() => { let open; window.gate = {p: new Promise((ok) => (open = ok))};"
+        " window.openGate = () => { window.gate = null; open(); }; window.lateBy = 0; })()"
+    )
+    polls = int(browser.js("document.body.dataset.polls"))
+    _post(f"{u}/v1/locks/done/-/release", {"token": done["token"], "request_id": "d"})
+
+    def free() -> bool:
+        return not httpx.get(f"{u}/v1/locks/short", timeout=10).json()["held"]
+
+    wait_for(free, 30, "the source to free the lease")
+    left = browser.js("rows.get('short').expires - now()")
+    assert left > 0, left  # (the page's countdown has not ended: the case)
+    browser.js("openGate()")
+    browser.wait_for(f"Number(document.body.dataset.polls) >= {polls + 1}", 30)
+    look = """(() => { const r = document.querySelector('tr[data-lock="%s"]');
+        return [r.cells[1].textContent, r.classList.contains('expired'),
+                r.querySelector('.s').textContent]; })()"""
+    assert browser.js(look % "short") == ["expired", True, "expired"]
+    assert browser.js(look % "done") == ["free", False, "–"]  # (released: free)
+    # and still so once the gateway noted why it ended
+    browser.wait_for("document.querySelector('#events tr[data-event=\"expired\"]')", 30)
+    assert browser.js(look % "short") == ["expired", True, "expired"]
+    assert browser.js(look % "done") == ["free", False, "–"]
+
+
 def _keyed(browser: Browser, url: str, secret: str) -> None:
     """Open the page of a server with keys and give it ``secret`` as an operator would."""
     browser.go(url, ready="document.getElementById('auth').style.display === 'flex'")
