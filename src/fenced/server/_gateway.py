@@ -319,7 +319,12 @@ class Gateway:
         self._begin(key)
         new: Grant | None = None
         try:
+            # Without a ttl the grant keeps its own: this gateway's table, else the source's
+            # (resumed: a grant made through another gateway, whose --default-ttl may differ);
+            # this gateway's default only where the source keeps no ttl.
             grant, owner = await self._grant_of(name, token, request_id, ttl or self.default_ttl)
+            if ttl is not None and grant.ttl != ttl:
+                grant = dataclasses.replace(grant, ttl=ttl)
             new = await self.backend.renew(grant)
         except LeaseLostError:
             if not self._release_pending(key, token):
