@@ -4,6 +4,8 @@ reproduced against a real ``fenced serve`` process, and the rightful request ser
 from __future__ import annotations
 
 import contextlib
+import json
+import re
 import socket
 import time
 import uuid
@@ -210,7 +212,6 @@ def test_access_log_writes_a_line_per_request_and_only_when_asked(
     had no handler (uvicorn's log config is off), so they were dropped. Now one line per
     request, in the chosen format, also at ``--log-level warning`` (asked for by name); and
     none without the option."""
-    import json
 
     for n, extra in enumerate(((), ("--access-log",), ("--access-log", "--log-level", "warning"))):
         server = FencedServer(source, args=[*args, *extra])
@@ -229,6 +230,57 @@ def test_access_log_writes_a_line_per_request_and_only_when_asked(
             assert json.loads(lines[0])["logger"] == "uvicorn.access"
         grants = [ln for ln in log.splitlines() if f"granted lock=acc{n}" in ln]
         assert len(grants) == (0 if "warning" in extra else 1), grants
+
+
+_FIELD = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|[^\s"]*)(?=\s|$)')
+
+
+def _logfmt(message: str) -> tuple[str, dict[str, str]]:
+    """A transition line's event and fields, as a logfmt reader takes them (quoted values
+    with JSON's escapes); AssertionError if any of it is not a field."""
+    event, _, rest = message.partition(" ")
+    fields = {}
+    at = 0
+    for m in _FIELD.finditer(rest):
+        assert rest[at : m.start()].strip() == "", rest
+        key, value = m.group(1), m.group(2)
+        assert key not in fields, (key, rest)
+        fields[key] = json.loads(value) if value.startswith('"') else value
+        at = m.end()
+    assert rest[at:].strip() == "", rest
+    return event, fields
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_a_holder_description_cannot_forge_fields_of_a_transition_line(
+    source: str, fmt: str
+) -> None:
+    """A client's holder description (and a lock name, which may hold "=") reached the
+    ``granted lock=... token=N owner=...`` lines as they were: an owner ending
+    ``token=999 lock=payroll`` read as the grant of token 999 of payroll to a reader of the
+    log. Such text is quoted now (logfmt: double quotes, JSON's escapes): the reader finds the
+    real token and the whole description; plain names and descriptions stay bare."""
+    forged = 'w1 token=999 lock=payroll owner="root" \\ caf\u00e9'
+    args = ["--log-format", "json"] if fmt == "json" else []
+    with FencedServer(source, args=args) as server:
+        u = server.url
+        g = post(f"{u}/v1/locks/x=1/-/acquire", {"ttl": 30, "owner": forged, "request_id": "r"})
+        assert g.status_code == 200, g.text
+        post(f"{u}/v1/locks/x=1/-/release", {"token": g.json()["token"], "request_id": "r"})
+        plain = post(f"{u}/v1/locks/jobs/a/-/acquire", {"ttl": 30, "owner": "w2"}).json()
+        server.stop()
+        log = server.log_path.read_text()
+    if fmt == "json":
+        messages = [json.loads(ln)["message"] for ln in log.splitlines() if ln.startswith("{")]
+    else:
+        messages = [ln.partition(" fenced.server: ")[2] for ln in log.splitlines()]
+    lines = [_logfmt(m) for m in messages if m.startswith(("granted ", "released "))]
+    assert lines == [
+        ("granted", {"lock": "x=1", "token": "1", "owner": forged}),
+        ("released", {"lock": "x=1", "token": "1", "owner": forged}),
+        ("granted", {"lock": "jobs/a", "token": str(plain["token"]).split(":")[-1], "owner": "w2"}),
+    ], lines
+    assert "granted lock=jobs/a token=1 owner=w2" in messages  # (bare where it can be)
 
 
 # -- expiry bookkeeping ----------------------------------------------------------------------------
