@@ -3,6 +3,7 @@ reproduced against a real ``fenced serve`` process, and the rightful request ser
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import re
@@ -80,7 +81,10 @@ def get(url: str, key: str | None = None) -> httpx.Response:
 
 
 def samples(server: FencedServer) -> dict[str, float]:
-    text = get(f"{server.url}/metrics", key="mon").text
+    return samples_of(get(f"{server.url}/metrics", key="mon").text)
+
+
+def samples_of(text: str) -> dict[str, float]:
     out = {}
     for line in text.splitlines():
         if line.startswith("fenced_") and "_created" not in line:
@@ -199,6 +203,101 @@ def test_another_keys_request_id_is_refused_and_counts_as_a_refusal_only(
     after = samples(keyed)
     assert after['fenced_renewals_total{result="ok"}'] == 1.0
     assert after['fenced_releases_total{result="released"}'] == 1.0
+
+
+# -- watches are bounded ---------------------------------------------------------------------------
+
+
+def _watch_keys(tmp_path: Path) -> str:
+    keys = tmp_path / "keys.toml"
+    keys.write_text(
+        "".join(
+            f'[[keys]]\nid = "{who}"\nsha256 = "{hash_secret(SECRETS[who])}"\nverbs = {verbs}\n'
+            for who, verbs in (
+                ("alice", '["acquire"]'),
+                ("eve", '["acquire"]'),
+                ("mon", '["metrics"]'),
+            )
+        )
+    )
+    return str(keys)
+
+
+def test_a_flood_of_watches_is_bounded_per_client_and_per_server(
+    source: str, tmp_path: Path
+) -> None:
+    """Bug: a client could open watches (``/-/watch`` streams, blocking status queries) without
+    end, each reading the source four times a second. Now one key (or, without keys, one
+    address) may have --max-watches-per-client open (429 ``too_many_watches`` past it) and the
+    server --max-watches (503 past it), counted as refused; a watch that ends gives its place
+    back, and another client's watches are served meanwhile."""
+    args = ["--api-keys", _watch_keys(tmp_path)]
+    args += ["--max-watches-per-client", "4", "--max-watches", "6"]
+
+    def auth(who: str) -> dict[str, str]:
+        return {"authorization": f"Bearer {SECRETS[who]}"}
+
+    async def flood(u: str) -> None:
+        async with httpx.AsyncClient(timeout=30) as c:
+
+            async def watch(who: str, name: str) -> httpx.Response:
+                request = c.build_request("GET", f"{u}/v1/locks/{name}/-/watch", headers=auth(who))
+                return await c.send(request, stream=True)
+
+            async def metric(name: str) -> float:
+                text = (await c.get(f"{u}/metrics", headers=auth("mon"))).text
+                return samples_of(text).get(name, 0.0)
+
+            refused = 'fenced_refused_requests_total{reason="too_many_watches"}'
+            answers = await asyncio.gather(*(watch("alice", f"a/w{i}") for i in range(60)))
+            open_ = [r for r in answers if r.status_code == 200]
+            assert len(open_) == 4
+            for r in answers:
+                if r.status_code != 200:
+                    await r.aread()
+                    assert r.status_code == 429 and r.json()["error"] == "too_many_watches"
+                    assert "\n" not in r.json()["message"]
+                    await r.aclose()
+            # a blocking query is a watch too
+            version = (await c.get(f"{u}/v1/locks/a/x", headers=auth("alice"))).json()["version"]
+            query = f"{u}/v1/locks/a/x?index={version}&wait=5"
+            blocked = await c.get(query, headers=auth("alice"))
+            assert blocked.status_code == 429 and blocked.json()["error"] == "too_many_watches"
+            # another key is served, up to the server's bound
+            eves = [await watch("eve", f"e/w{i}") for i in range(2)]
+            assert [r.status_code for r in eves] == [200, 200]
+            full = await watch("eve", "e/w9")
+            await full.aread()
+            assert full.status_code == 503 and full.json()["error"] == "too_many_watches"
+            await full.aclose()
+            assert await metric("fenced_watches_open") == 6
+            assert await metric(refused) == 56 + 1 + 1
+            # the open ones work: a grant shows up on its stream
+            got = await c.post(f"{u}/v1/locks/a/w0/-/acquire", json={}, headers=auth("alice"))
+            assert got.status_code == 200
+            async with asyncio.timeout(10):
+                async for line in open_[0].aiter_lines():
+                    if line.startswith("data:") and '"held":true' in line:
+                        break
+            # a watch that ends gives its place back: the rightful next one is served
+            await open_[0].aclose()
+            deadline = time.monotonic() + 20
+            while await metric("fenced_watches_open") != 5:
+                assert time.monotonic() < deadline, "the closed watch kept its place"
+                await asyncio.sleep(0.05)
+            short = await c.get(f"{u}/v1/locks/a/x?index={version}&wait=0.2", headers=auth("alice"))
+            assert short.status_code == 200 and short.json()["version"] == version
+            again = await watch("alice", "a/again")
+            assert again.status_code == 200
+            for r in [*open_[1:], *eves, again]:
+                await r.aclose()
+            deadline = time.monotonic() + 20
+            while await metric("fenced_watches_open") != 0:
+                assert time.monotonic() < deadline, "closed watches kept their places"
+                await asyncio.sleep(0.05)
+
+    with FencedServer(source, args=args) as server:
+        asyncio.run(flood(server.url))
 
 
 # -- logs ----------------------------------------------------------------------------------------
