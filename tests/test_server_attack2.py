@@ -126,6 +126,65 @@ def test_the_head_bound_holds_for_a_kept_alive_connections_second_request(
     assert get(f"{server.url}/v1/health").json() == {"status": "ok"}
 
 
+def _answers(port: int, data: bytes, then: bytes = b"") -> tuple[list[bytes], bool]:
+    """Send ``data`` in one piece (pipelined requests), then ``then`` once all are answered;
+    the status lines of the answers, and whether the server closed the connection."""
+    statuses: list[bytes] = []
+    reply = b""
+    closed = False
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as conn:
+        conn.sendall(data)
+        sent_then = False
+        with contextlib.suppress(TimeoutError):
+            while True:
+                conn.settimeout(3 if statuses else 20)  # (answers come at once: then idle)
+                piece = conn.recv(1 << 16)
+                if not piece:
+                    closed = True
+                    break
+                reply += piece
+                while (end := reply.find(b"\r\n\r\n")) >= 0:
+                    head, rest = reply[:end], reply[end + 4 :]
+                    length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                    if len(rest) < length:
+                        break
+                    statuses.append(head.split(b"\r\n")[0])
+                    reply = rest[length:]
+                if then and not sent_then and len(statuses) == data.count(b"HTTP/1.1\r\n"):
+                    conn.sendall(then)
+                    sent_then = True
+    return statuses, closed
+
+
+def test_pipelined_requests_are_bounded_in_head_size_and_in_number(server: FencedServer) -> None:
+    """The head bound counted the head a read began in, and the next head on the connection
+    from the next read: a request pipelined behind another in one piece had its head (or its
+    first 256 KiB) uncounted — a 100 KiB head was served. And uvicorn queued every request a
+    read held and read again after each answer: a thousand small requests sent at once were
+    all queued. Now such a head, or a request past MAX_PIPELINED queued, ends the connection
+    once the requests before it are answered (an answer then would be taken for theirs);
+    pipelining within the bounds is answered, in order, and the connection kept."""
+    from fenced.server._http import MAX_PIPELINED
+
+    port = int(server.url.rsplit(":", 1)[1])
+    health = b"GET /v1/health HTTP/1.1\r\nhost: x\r\n\r\n"
+    big = b"".join(b"x-junk-%d: %s\r\n" % (i, b"a" * 1000) for i in range(100))  # ~100 KiB
+    within = b"".join(b"x-long-%d: %s\r\n" % (i, b"b" * 1000) for i in range(20))  # ~20 KiB
+    second = b"GET /v1/health HTTP/1.1\r\nhost: x\r\n"
+
+    statuses, closed = _answers(port, health + second + big + b"\r\n")
+    assert statuses == [b"HTTP/1.1 200 OK"] and closed, statuses
+    statuses, closed = _answers(port, health + second + within + b"\r\n", then=health)
+    assert statuses == [b"HTTP/1.1 200 OK"] * 3 and not closed, statuses
+
+    statuses, closed = _answers(port, health * 1000)
+    assert closed and 0 < len(statuses) <= MAX_PIPELINED + 1, len(statuses)
+    assert set(statuses) == {b"HTTP/1.1 200 OK"}
+    statuses, closed = _answers(port, health * 10, then=health)
+    assert statuses == [b"HTTP/1.1 200 OK"] * 11 and not closed, statuses
+    assert get(f"{server.url}/v1/health").json() == {"status": "ok"}
+
+
 def test_a_long_poll_on_a_kept_alive_connection_outlives_the_read_timeout(source: str) -> None:
     """The other side of the bound above: between requests the next head is counted, but its
     time is not (a request's answer may take longer than --read-timeout: a long poll)."""
