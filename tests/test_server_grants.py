@@ -398,3 +398,18 @@ def test_a_renewal_without_a_ttl_keeps_the_grants_own_through_any_gateway(
         assert post(f"{b.url}/v1/locks/ttl/{n}/-/renew", lease).json()["ttl"] == 120
         # the rightful release through the other gateway still goes through
         assert post(f"{b.url}/v1/locks/ttl/{n}/-/release", lease).json()["released"]
+
+
+def test_a_gateway_over_another_renews_a_resumed_grant_for_its_own_ttl(source: str) -> None:
+    """The same through a gateway whose source is another gateway (``http://``): resuming a
+    grant made elsewhere, it renewed it for its own --default-ttl; now for the grant's."""
+    with FencedServer(source, args=["--default-ttl", "60"]) as a:
+        with FencedServer(a.url, args=["--default-ttl", "3"]) as b:
+            got = post(f"{a.url}/v1/locks/jobs/y/-/acquire", {"request_id": "r"}).json()
+            lease = {"token": got["token"], "request_id": "r"}
+            renewed = post(f"{b.url}/v1/locks/jobs/y/-/renew", lease).json()
+            assert renewed["ttl"] == 60 and renewed["expires_in"] > 30, renewed
+            assert get(f"{a.url}/v1/locks/jobs/y").json()["remaining"] > 30
+            r = post(f"{b.url}/v1/locks/jobs/y/-/renew", {**lease, "ttl": 90}).json()
+            assert r["ttl"] == 90 and get(f"{a.url}/v1/locks/jobs/y").json()["remaining"] > 80
+            assert post(f"{b.url}/v1/locks/jobs/y/-/release", lease).json()["released"]
