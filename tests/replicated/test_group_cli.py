@@ -74,6 +74,25 @@ def test_bad_input_is_one_line_and_changes_nothing(
     assert "configuration 1 (from 0)" in capsys.readouterr().out
 
 
+def test_a_removal_refused_for_safety_exits_65_and_changes_nothing(
+    setup: tuple[str, list[str]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Removing the two members that hold the writes, keeping only one that came back empty,
+    is refused (ChangeRefusedError): a data error of the request (65, as the exit-status table
+    says), one line, not "unavailable" (69: every member answered) — and nothing changed. The
+    rightful removal of the empty one goes through."""
+    _, args = setup
+    (tmp_path / "c.db").unlink()  # c restarted empty
+    sqlite3.connect(tmp_path / "c.db").close()
+    assert main(["group", "remove", "orders", "a", "b", *args]) == 65
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("fenced: ") and "\n" not in err and "lost their state" in err, err
+    assert main(["group", "status", "orders", *args]) == 0
+    assert "configuration 1 (from 0): a, b, c" in capsys.readouterr().out
+    assert main(["group", "remove", "orders", "c", *args]) == 0
+    assert "configuration 2: a, b" in capsys.readouterr().out
+
+
 def test_status_shows_a_member_that_came_back_empty_and_add_copies_the_data_to_it(
     setup: tuple[str, list[str]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

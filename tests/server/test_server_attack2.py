@@ -3,7 +3,10 @@ reproduced against a real ``fenced serve`` process, and the rightful request ser
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
+import re
 import socket
 import time
 import uuid
@@ -78,7 +81,10 @@ def get(url: str, key: str | None = None) -> httpx.Response:
 
 
 def samples(server: FencedServer) -> dict[str, float]:
-    text = get(f"{server.url}/metrics", key="mon").text
+    return samples_of(get(f"{server.url}/metrics", key="mon").text)
+
+
+def samples_of(text: str) -> dict[str, float]:
     out = {}
     for line in text.splitlines():
         if line.startswith("fenced_") and "_created" not in line:
@@ -117,6 +123,65 @@ def test_the_head_bound_holds_for_a_kept_alive_connections_second_request(
                         break
                     reply += piece
         assert reply.startswith(b"HTTP/1.1 " + status), (status, reply[:200])
+    assert get(f"{server.url}/v1/health").json() == {"status": "ok"}
+
+
+def _answers(port: int, data: bytes, then: bytes = b"") -> tuple[list[bytes], bool]:
+    """Send ``data`` in one piece (pipelined requests), then ``then`` once all are answered;
+    the status lines of the answers, and whether the server closed the connection."""
+    statuses: list[bytes] = []
+    reply = b""
+    closed = False
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as conn:
+        conn.sendall(data)
+        sent_then = False
+        with contextlib.suppress(TimeoutError):
+            while True:
+                conn.settimeout(3 if statuses else 20)  # (answers come at once: then idle)
+                piece = conn.recv(1 << 16)
+                if not piece:
+                    closed = True
+                    break
+                reply += piece
+                while (end := reply.find(b"\r\n\r\n")) >= 0:
+                    head, rest = reply[:end], reply[end + 4 :]
+                    length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                    if len(rest) < length:
+                        break
+                    statuses.append(head.split(b"\r\n")[0])
+                    reply = rest[length:]
+                if then and not sent_then and len(statuses) == data.count(b"HTTP/1.1\r\n"):
+                    conn.sendall(then)
+                    sent_then = True
+    return statuses, closed
+
+
+def test_pipelined_requests_are_bounded_in_head_size_and_in_number(server: FencedServer) -> None:
+    """The head bound counted the head a read began in, and the next head on the connection
+    from the next read: a request pipelined behind another in one piece had its head (or its
+    first 256 KiB) uncounted — a 100 KiB head was served. And uvicorn queued every request a
+    read held and read again after each answer: a thousand small requests sent at once were
+    all queued. Now such a head, or a request past MAX_PIPELINED queued, ends the connection
+    once the requests before it are answered (an answer then would be taken for theirs);
+    pipelining within the bounds is answered, in order, and the connection kept."""
+    from fenced.server._http import MAX_PIPELINED
+
+    port = int(server.url.rsplit(":", 1)[1])
+    health = b"GET /v1/health HTTP/1.1\r\nhost: x\r\n\r\n"
+    big = b"".join(b"x-junk-%d: %s\r\n" % (i, b"a" * 1000) for i in range(100))  # ~100 KiB
+    within = b"".join(b"x-long-%d: %s\r\n" % (i, b"b" * 1000) for i in range(20))  # ~20 KiB
+    second = b"GET /v1/health HTTP/1.1\r\nhost: x\r\n"
+
+    statuses, closed = _answers(port, health + second + big + b"\r\n")
+    assert statuses == [b"HTTP/1.1 200 OK"] and closed, statuses
+    statuses, closed = _answers(port, health + second + within + b"\r\n", then=health)
+    assert statuses == [b"HTTP/1.1 200 OK"] * 3 and not closed, statuses
+
+    statuses, closed = _answers(port, health * 1000)
+    assert closed and 0 < len(statuses) <= MAX_PIPELINED + 1, len(statuses)
+    assert set(statuses) == {b"HTTP/1.1 200 OK"}
+    statuses, closed = _answers(port, health * 10, then=health)
+    assert statuses == [b"HTTP/1.1 200 OK"] * 11 and not closed, statuses
     assert get(f"{server.url}/v1/health").json() == {"status": "ok"}
 
 
@@ -199,6 +264,101 @@ def test_another_keys_request_id_is_refused_and_counts_as_a_refusal_only(
     assert after['fenced_releases_total{result="released"}'] == 1.0
 
 
+# -- watches are bounded ---------------------------------------------------------------------------
+
+
+def _watch_keys(tmp_path: Path) -> str:
+    keys = tmp_path / "keys.toml"
+    keys.write_text(
+        "".join(
+            f'[[keys]]\nid = "{who}"\nsha256 = "{hash_secret(SECRETS[who])}"\nverbs = {verbs}\n'
+            for who, verbs in (
+                ("alice", '["acquire"]'),
+                ("eve", '["acquire"]'),
+                ("mon", '["metrics"]'),
+            )
+        )
+    )
+    return str(keys)
+
+
+def test_a_flood_of_watches_is_bounded_per_client_and_per_server(
+    source: str, tmp_path: Path
+) -> None:
+    """Bug: a client could open watches (``/-/watch`` streams, blocking status queries) without
+    end, each reading the source four times a second. Now one key (or, without keys, one
+    address) may have --max-watches-per-client open (429 ``too_many_watches`` past it) and the
+    server --max-watches (503 past it), counted as refused; a watch that ends gives its place
+    back, and another client's watches are served meanwhile."""
+    args = ["--api-keys", _watch_keys(tmp_path)]
+    args += ["--max-watches-per-client", "4", "--max-watches", "6"]
+
+    def auth(who: str) -> dict[str, str]:
+        return {"authorization": f"Bearer {SECRETS[who]}"}
+
+    async def flood(u: str) -> None:
+        async with httpx.AsyncClient(timeout=30) as c:
+
+            async def watch(who: str, name: str) -> httpx.Response:
+                request = c.build_request("GET", f"{u}/v1/locks/{name}/-/watch", headers=auth(who))
+                return await c.send(request, stream=True)
+
+            async def metric(name: str) -> float:
+                text = (await c.get(f"{u}/metrics", headers=auth("mon"))).text
+                return samples_of(text).get(name, 0.0)
+
+            refused = 'fenced_refused_requests_total{reason="too_many_watches"}'
+            answers = await asyncio.gather(*(watch("alice", f"a/w{i}") for i in range(60)))
+            open_ = [r for r in answers if r.status_code == 200]
+            assert len(open_) == 4
+            for r in answers:
+                if r.status_code != 200:
+                    await r.aread()
+                    assert r.status_code == 429 and r.json()["error"] == "too_many_watches"
+                    assert "\n" not in r.json()["message"]
+                    await r.aclose()
+            # a blocking query is a watch too
+            version = (await c.get(f"{u}/v1/locks/a/x", headers=auth("alice"))).json()["version"]
+            query = f"{u}/v1/locks/a/x?index={version}&wait=5"
+            blocked = await c.get(query, headers=auth("alice"))
+            assert blocked.status_code == 429 and blocked.json()["error"] == "too_many_watches"
+            # another key is served, up to the server's bound
+            eves = [await watch("eve", f"e/w{i}") for i in range(2)]
+            assert [r.status_code for r in eves] == [200, 200]
+            full = await watch("eve", "e/w9")
+            await full.aread()
+            assert full.status_code == 503 and full.json()["error"] == "too_many_watches"
+            await full.aclose()
+            assert await metric("fenced_watches_open") == 6
+            assert await metric(refused) == 56 + 1 + 1
+            # the open ones work: a grant shows up on its stream
+            got = await c.post(f"{u}/v1/locks/a/w0/-/acquire", json={}, headers=auth("alice"))
+            assert got.status_code == 200
+            async with asyncio.timeout(10):
+                async for line in open_[0].aiter_lines():
+                    if line.startswith("data:") and '"held":true' in line:
+                        break
+            # a watch that ends gives its place back: the rightful next one is served
+            await open_[0].aclose()
+            deadline = time.monotonic() + 20
+            while await metric("fenced_watches_open") != 5:
+                assert time.monotonic() < deadline, "the closed watch kept its place"
+                await asyncio.sleep(0.05)
+            short = await c.get(f"{u}/v1/locks/a/x?index={version}&wait=0.2", headers=auth("alice"))
+            assert short.status_code == 200 and short.json()["version"] == version
+            again = await watch("alice", "a/again")
+            assert again.status_code == 200
+            for r in [*open_[1:], *eves, again]:
+                await r.aclose()
+            deadline = time.monotonic() + 20
+            while await metric("fenced_watches_open") != 0:
+                assert time.monotonic() < deadline, "closed watches kept their places"
+                await asyncio.sleep(0.05)
+
+    with FencedServer(source, args=args) as server:
+        asyncio.run(flood(server.url))
+
+
 # -- logs ----------------------------------------------------------------------------------------
 
 
@@ -210,7 +370,6 @@ def test_access_log_writes_a_line_per_request_and_only_when_asked(
     had no handler (uvicorn's log config is off), so they were dropped. Now one line per
     request, in the chosen format, also at ``--log-level warning`` (asked for by name); and
     none without the option."""
-    import json
 
     for n, extra in enumerate(((), ("--access-log",), ("--access-log", "--log-level", "warning"))):
         server = FencedServer(source, args=[*args, *extra])
@@ -229,6 +388,57 @@ def test_access_log_writes_a_line_per_request_and_only_when_asked(
             assert json.loads(lines[0])["logger"] == "uvicorn.access"
         grants = [ln for ln in log.splitlines() if f"granted lock=acc{n}" in ln]
         assert len(grants) == (0 if "warning" in extra else 1), grants
+
+
+_FIELD = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|[^\s"]*)(?=\s|$)')
+
+
+def _logfmt(message: str) -> tuple[str, dict[str, str]]:
+    """A transition line's event and fields, as a logfmt reader takes them (quoted values
+    with JSON's escapes); AssertionError if any of it is not a field."""
+    event, _, rest = message.partition(" ")
+    fields = {}
+    at = 0
+    for m in _FIELD.finditer(rest):
+        assert rest[at : m.start()].strip() == "", rest
+        key, value = m.group(1), m.group(2)
+        assert key not in fields, (key, rest)
+        fields[key] = json.loads(value) if value.startswith('"') else value
+        at = m.end()
+    assert rest[at:].strip() == "", rest
+    return event, fields
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_a_holder_description_cannot_forge_fields_of_a_transition_line(
+    source: str, fmt: str
+) -> None:
+    """A client's holder description (and a lock name, which may hold "=") reached the
+    ``granted lock=... token=N owner=...`` lines as they were: an owner ending
+    ``token=999 lock=payroll`` read as the grant of token 999 of payroll to a reader of the
+    log. Such text is quoted now (logfmt: double quotes, JSON's escapes): the reader finds the
+    real token and the whole description; plain names and descriptions stay bare."""
+    forged = 'w1 token=999 lock=payroll owner="root" \\ caf\u00e9'
+    args = ["--log-format", "json"] if fmt == "json" else []
+    with FencedServer(source, args=args) as server:
+        u = server.url
+        g = post(f"{u}/v1/locks/x=1/-/acquire", {"ttl": 30, "owner": forged, "request_id": "r"})
+        assert g.status_code == 200, g.text
+        post(f"{u}/v1/locks/x=1/-/release", {"token": g.json()["token"], "request_id": "r"})
+        plain = post(f"{u}/v1/locks/jobs/a/-/acquire", {"ttl": 30, "owner": "w2"}).json()
+        server.stop()
+        log = server.log_path.read_text()
+    if fmt == "json":
+        messages = [json.loads(ln)["message"] for ln in log.splitlines() if ln.startswith("{")]
+    else:
+        messages = [ln.partition(" fenced.server: ")[2] for ln in log.splitlines()]
+    lines = [_logfmt(m) for m in messages if m.startswith(("granted ", "released "))]
+    assert lines == [
+        ("granted", {"lock": "x=1", "token": "1", "owner": forged}),
+        ("released", {"lock": "x=1", "token": "1", "owner": forged}),
+        ("granted", {"lock": "jobs/a", "token": str(plain["token"]).split(":")[-1], "owner": "w2"}),
+    ], lines
+    assert "granted lock=jobs/a token=1 owner=w2" in messages  # (bare where it can be)
 
 
 # -- expiry bookkeeping ----------------------------------------------------------------------------

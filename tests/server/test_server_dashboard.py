@@ -200,8 +200,8 @@ def _lines(browser: Browser) -> dict[str, Any]:
         const rows = [...document.querySelectorAll('#locks tbody tr, #events tbody tr')];
         let wrapped = [];
         for (const row of rows) for (const td of row.cells) {
-          for (const node of td.querySelectorAll('*').length ? [] : [td.firstChild]) {
-            if (!node) continue;
+          const texts = document.createTreeWalker(td, NodeFilter.SHOW_TEXT);
+          for (let node = texts.nextNode(); node; node = texts.nextNode()) {
             const range = document.createRange(); range.selectNodeContents(node);
             const boxes = new Set([...range.getClientRects()].map((r) => Math.round(r.top)));
             if (boxes.size > 1) wrapped.push(td.textContent);
@@ -252,8 +252,9 @@ def test_a_hundred_locks_one_line_each_filtered_and_sorted(
     long_name = "jobs/" + "n" * 195
     cut = browser.js(
         f"""(() => {{ const td = document.querySelector('tr[data-lock="{long_name}"]').cells[0];
-        return [td.title, td.textContent, td.scrollWidth > td.clientWidth,
-                getComputedStyle(td).textOverflow]; }})()"""
+        const h = td.querySelector('.h');
+        return [td.title, td.textContent, h.scrollWidth > h.clientWidth,
+                getComputedStyle(h).textOverflow]; }})()"""
     )
     assert cut == [long_name, long_name, True, "ellipsis"]  # cut on screen, whole in the title
 
@@ -292,6 +293,78 @@ def test_a_hundred_locks_one_line_each_filtered_and_sorted(
     width, height, rows = read_png(shot)
     assert (width, height) == (1280, 800)
     assert count_near(rows, HELD_GREEN, tolerance=40) > 2000, "no 'held' or bars in green"
+
+
+def _shown(browser: Browser, table: str, column: int, end: int = 8) -> list[dict[str, Any]]:
+    """What a column's cells show: their text and title, whether the text's last ``end``
+    characters are drawn inside the cell (not clipped), and whether it lies on one line."""
+    result: list[dict[str, Any]] = browser.js(
+        f"""[...document.querySelectorAll('#{table} tbody tr')].map((r) => {{
+        const td = r.cells[{column}], box = td.getBoundingClientRect();
+        const walk = document.createTreeWalker(td, NodeFilter.SHOW_TEXT), nodes = [];
+        for (let n = walk.nextNode(); n; n = walk.nextNode()) if (n.length) nodes.push(n);
+        let i = nodes.length - 1, need = Math.min({end}, td.textContent.length);
+        const range = document.createRange(); range.setEnd(nodes[i], nodes[i].length);
+        while (need > nodes[i].length) {{ need -= nodes[i].length; i -= 1; }}
+        range.setStart(nodes[i], nodes[i].length - need);
+        const rects = [...range.getClientRects()].filter((q) => q.width > 0);
+        const tops = new Set(nodes.flatMap((n) => {{
+          const one = document.createRange(); one.selectNodeContents(n);
+          return [...one.getClientRects()].map((q) => Math.round(q.top)); }}));
+        return {{title: td.title, text: td.textContent,
+                 end: rects.length > 0 && rects.every((q) => q.left >= box.left - 0.5 && q.right <= box.right + 0.5),
+                 lines: tops.size}}; }})"""
+    )
+    return result
+
+
+def test_forty_names_that_differ_at_their_end_are_told_apart(
+    server: FencedServer, browser: Browser, tmp_path: Path
+) -> None:
+    """Forty long lock names differing only in their last characters, at 1280×800: each row
+    shows its name's end (the middle is cut, the whole name is in the title and the text),
+    in the locks and in the transitions; one line a row; and the holder column is as wide as
+    its holders need: narrow for short ones, never more than its share for long ones."""
+    u = server.url
+    names = [
+        f"jobs/nightly-report-for-tenant-acme-holdings-international-eu-west-1-shard-{i:02d}"
+        for i in range(40)
+    ]
+    with httpx.Client(timeout=30) as c:
+        for i, n in enumerate(names):
+            r = c.post(f"{u}/v1/locks/{n}/-/acquire", json={"ttl": 600, "owner": f"w{i}"})
+            assert r.status_code == 200, r.text
+    browser.go(u + "/?sort=name")
+    for table, column in (("locks", 0), ("events", 1)):
+        cells = _shown(browser, table, column)
+        assert len(cells) == (40 if table == "locks" else 30)
+        assert all(c["title"] == c["text"] and c["text"] in names for c in cells)
+        # the end of each name ("shard-07") on screen, on one line: told apart
+        assert all(c["end"] and c["lines"] == 1 for c in cells), cells[0]
+    lines = _lines(browser)
+    assert lines["wrapped"] == [] and lines["max"] == lines["min"] < 2 * lines["line"], lines
+
+    def widths() -> dict[str, float]:
+        got: dict[str, float] = browser.js(
+            """(() => { const t = document.getElementById('locks');
+            return {holder: t.tHead.rows[0].cells[6].getBoundingClientRect().width,
+                    table: t.getBoundingClientRect().width}; })()"""
+        )
+        return got
+
+    short = widths()
+    assert short["holder"] < 0.12 * short["table"], short  # ("w7": no more than its header)
+    with httpx.Client(timeout=30) as c:
+        owner = "worker on host-7.example.internal pid 4242 " * 5
+        r = c.post(f"{u}/v1/locks/jobs/zz/-/acquire", json={"ttl": 600, "owner": owner})
+        assert r.status_code == 200
+    browser.wait_for("document.querySelector('tr[data-lock=\"jobs/zz\"]')")
+    long = widths()
+    assert 0.2 * long["table"] < long["holder"] <= 0.23 * long["table"], long
+    holders = _shown(browser, "locks", 6)
+    assert holders[-1]["title"] == owner[:200]
+    assert holders[-1]["end"] and holders[-1]["lines"] == 1
+    browser.screenshot(tmp_path / "forty.png")
 
 
 def test_the_time_left_bar_moves_between_polls_and_ends_expired(
@@ -339,6 +412,55 @@ def test_the_time_left_bar_moves_between_polls_and_ends_expired(
     assert not browser.js(
         "document.querySelector('tr[data-lock=\"long\"]').classList.contains('expired')"
     )
+
+
+def test_a_lease_the_source_freed_before_the_pages_countdown_ended_is_drawn_expired(
+    server: FencedServer, browser: Browser
+) -> None:
+    """The source frees a lease at its expiry; the page's countdown is anchored when an answer
+    came, so a poll can say "free" before the page reached zero (here: an answer that came a
+    second late). The row is drawn expired, and stays so (the gateway's "expired" transition
+    follows) — while a lease released through this gateway is drawn free, never expired."""
+    u = server.url
+    _post(f"{u}/v1/locks/short/-/acquire", {"ttl": 8})
+    done = _post(f"{u}/v1/locks/done/-/acquire", {"ttl": 60, "request_id": "d"})
+    browser.go(u + "/")
+    # The page's fetch: answers a second late while lateBy is set; requests held at a gate.
+    browser.js(
+        """(() => { window.lateBy = 1000; window.gate = null; const real = window.fetch;
+        window.fetch = async (...a) => {
+          if (window.gate) await window.gate.p;
+          const late = window.lateBy, r = await real(...a);
+          if (late) await new Promise((ok) => setTimeout(ok, late));
+          return r; }; })()"""
+    )
+    polls = int(browser.js("document.body.dataset.polls"))
+    browser.wait_for(f"Number(document.body.dataset.polls) >= {polls + 2}", 30)
+    # no poll from now until the source freed the lease; the next one comes at once
+    browser.js(
+        "(() => { let open; window.gate = {p: new Promise((ok) => (open = ok))};"
+        " window.openGate = () => { window.gate = null; open(); }; window.lateBy = 0; })()"
+    )
+    polls = int(browser.js("document.body.dataset.polls"))
+    _post(f"{u}/v1/locks/done/-/release", {"token": done["token"], "request_id": "d"})
+
+    def free() -> bool:
+        return not httpx.get(f"{u}/v1/locks/short", timeout=10).json()["held"]
+
+    wait_for(free, 30, "the source to free the lease")
+    left = browser.js("rows.get('short').expires - now()")
+    assert left > 0, left  # (the page's countdown has not ended: the case)
+    browser.js("openGate()")
+    browser.wait_for(f"Number(document.body.dataset.polls) >= {polls + 1}", 30)
+    look = """(() => { const r = document.querySelector('tr[data-lock="%s"]');
+        return [r.cells[1].textContent, r.classList.contains('expired'),
+                r.querySelector('.s').textContent]; })()"""
+    assert browser.js(look % "short") == ["expired", True, "expired"]
+    assert browser.js(look % "done") == ["free", False, "–"]  # (released: free)
+    # and still so once the gateway noted why it ended
+    browser.wait_for("document.querySelector('#events tr[data-event=\"expired\"]')", 30)
+    assert browser.js(look % "short") == ["expired", True, "expired"]
+    assert browser.js(look % "done") == ["free", False, "–"]
 
 
 def _keyed(browser: Browser, url: str, secret: str) -> None:

@@ -6,6 +6,7 @@ Real ``fenced serve`` processes on real sources; plain HTTP requests (httpx).
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from collections.abc import Iterator
@@ -357,3 +358,58 @@ def test_never_granted_is_one_thing_in_the_server_the_library_and_the_cli(
                 cli.stdout,
                 cli.stderr,
             )
+
+
+@pytest.fixture(params=["sqlite", "redis", "postgresql"])
+def shared_source(request: pytest.FixtureRequest, source: str) -> str:
+    """A source two gateways share: every kind that keeps a grant's ttl."""
+    if request.param == "sqlite":
+        return source
+    if request.param == "redis":
+        return str(request.getfixturevalue("redis_server").url)
+    return str(request.getfixturevalue("pg_dsn"))
+
+
+def test_a_renewal_without_a_ttl_keeps_the_grants_own_through_any_gateway(
+    shared_source: str,
+) -> None:
+    """Bug: a renewal without a ttl through another gateway than the grant's renewed it for
+    that gateway's --default-ttl (here 3 s: the holder of a 60 s grant would lose it 3 s
+    later). It keeps the grant's own ttl, as the source keeps it; an explicit ttl is that
+    ttl, through either gateway (the grant's own gateway ignored it: its table's ttl)."""
+    a = FencedServer(shared_source, args=["--default-ttl", "60"])
+    b = FencedServer(shared_source, args=["--default-ttl", "3"])
+    n = secrets.token_hex(4)  # (a shared server: a name of its own)
+    with a, b:
+        got = post(f"{a.url}/v1/locks/ttl/{n}/-/acquire", {"request_id": "r"}).json()
+        assert got["ttl"] == 60
+        lease = {"token": got["token"], "request_id": "r"}
+        renewed = post(f"{b.url}/v1/locks/ttl/{n}/-/renew", lease).json()
+        assert renewed["ttl"] == 60 and renewed["expires_in"] > 30, renewed
+        assert get(f"{a.url}/v1/locks/ttl/{n}").json()["remaining"] > 30
+        # (through the grant's own gateway too, now that the other one renewed it)
+        assert post(f"{a.url}/v1/locks/ttl/{n}/-/renew", lease).json()["ttl"] == 60
+        # an explicit ttl: that ttl, through either gateway (a renewal never shortens a
+        # lease at the source: longer ones), and kept by the next renewal there
+        for gw, ttl in ((a, 90), (b, 120)):
+            r = post(f"{gw.url}/v1/locks/ttl/{n}/-/renew", {**lease, "ttl": ttl}).json()
+            assert r["ttl"] == ttl and r["expires_in"] > ttl - 10, (gw.url, r)
+            assert get(f"{gw.url}/v1/locks/ttl/{n}").json()["remaining"] > ttl - 10
+        assert post(f"{b.url}/v1/locks/ttl/{n}/-/renew", lease).json()["ttl"] == 120
+        # the rightful release through the other gateway still goes through
+        assert post(f"{b.url}/v1/locks/ttl/{n}/-/release", lease).json()["released"]
+
+
+def test_a_gateway_over_another_renews_a_resumed_grant_for_its_own_ttl(source: str) -> None:
+    """The same through a gateway whose source is another gateway (``http://``): resuming a
+    grant made elsewhere, it renewed it for its own --default-ttl; now for the grant's."""
+    with FencedServer(source, args=["--default-ttl", "60"]) as a:
+        with FencedServer(a.url, args=["--default-ttl", "3"]) as b:
+            got = post(f"{a.url}/v1/locks/jobs/y/-/acquire", {"request_id": "r"}).json()
+            lease = {"token": got["token"], "request_id": "r"}
+            renewed = post(f"{b.url}/v1/locks/jobs/y/-/renew", lease).json()
+            assert renewed["ttl"] == 60 and renewed["expires_in"] > 30, renewed
+            assert get(f"{a.url}/v1/locks/jobs/y").json()["remaining"] > 30
+            r = post(f"{b.url}/v1/locks/jobs/y/-/renew", {**lease, "ttl": 90}).json()
+            assert r["ttl"] == 90 and get(f"{a.url}/v1/locks/jobs/y").json()["remaining"] > 80
+            assert post(f"{b.url}/v1/locks/jobs/y/-/release", lease).json()["released"]

@@ -176,6 +176,9 @@ class LockStatus:
     owner: str | None = None
     """Who holds it, as the holder described itself (``user@host pid N: description``), or
     None when free or not recorded (a grant made by fenced 0.1)."""
+    ttl: float | None = None
+    """The current grant's ttl as the source keeps it (what a renewal renews it for), or None
+    when free or not known (a source that keeps only the expiry)."""
 
 
 class Backend(abc.ABC):
@@ -321,12 +324,14 @@ class Backend(abc.ABC):
         :class:`~fenced.LeaseLostError` if ``request_id`` no longer holds ``token``.
 
         The returned grant's ``sent_at`` is 0: nothing is known of when it was last renewed,
-        so it must be renewed before anyone relies on it. This default suits sources whose
-        grants are rows or keys named by the request id (no ``handle``)."""
+        so it must be renewed before anyone relies on it. Its ttl is the grant's own where the
+        source keeps it (:attr:`LockStatus.ttl`: a renewal keeps it), else ``ttl``. This
+        default suits sources whose grants are rows or keys named by the request id (no
+        ``handle``)."""
         status = await self._held_by(name, token)
         if status is None or status.holder != request_id:
             raise LeaseLostError(f"lease on {name!r} (token {token}) is no longer held")
-        return Grant(token, request_id, ttl, 0.0)
+        return Grant(token, request_id, status.ttl or ttl, 0.0)
 
     async def _held_by(self, name: str, token: FencingToken | None) -> LockStatus | None:
         """The status of ``name`` if it is held (by the grant ``token``, when given)."""

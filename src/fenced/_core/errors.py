@@ -49,6 +49,7 @@ __all__ = [
     "AccessDenied",
     "BackendError",
     "BackendUnavailable",
+    "ChangeRefusedError",
     "ConfigurationError",
     "CorruptMarkError",
     "FenceConflictError",
@@ -172,6 +173,13 @@ class ReplicationError(FencedError):
     def __init__(self, message: str, failed: dict[str, BaseException] | None = None) -> None:
         super().__init__(message)
         self.failed = dict(failed or {})
+
+
+class ChangeRefusedError(ReplicationError):
+    """A change of a replicated group's configuration refused for safety, nothing changed:
+    it would leave fewer than ``min_members``, or no member that holds the acknowledged
+    writes (those staying lost their state). Not a failure to reach members: the same
+    change fails again until the group's state changes (``fenced group`` exits 65)."""
 
 
 class StaleEpochError(ReplicationError):

@@ -208,7 +208,7 @@ RETURNING token
 STATUS_SQL: Final = """
 SELECT l.holder, l.token, l.last_token, extract(epoch FROM l.expires_at - c.t)::float8,
        (SELECT count(*) FROM {waiters} w WHERE w.name = %(name)s::text AND w.expires_at > c.t),
-       CASE WHEN l.owner_token = l.token THEN l.owner END
+       CASE WHEN l.owner_token = l.token THEN l.owner END, l.ttl
   FROM (SELECT clock_timestamp() AS t) c LEFT JOIN {locks} l ON l.name = %(name)s::text
 """
 

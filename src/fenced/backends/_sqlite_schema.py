@@ -107,7 +107,7 @@ SELECT (SELECT last_token FROM fenced_counters WHERE name = ?1),
        h.request_id, h.token, h.expires_at, h.boot_id,
        (SELECT count(*) FROM fenced_waiters AS w
          WHERE w.name = ?1 AND w.boot_id = ?2 AND w.expires_at > ?3),
-       {owner}
+       {owner}, h.ttl
   FROM (SELECT 1) LEFT JOIN fenced_holders AS h ON h.name = ?1"""
 
 PRAGMAS: Final = ("PRAGMA journal_mode=WAL", "PRAGMA synchronous=FULL")

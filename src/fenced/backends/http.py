@@ -216,7 +216,12 @@ class HttpBackend(Backend):
                 return grant  # it did run out: the lease core gives it back and asks again
 
     async def renew(self, grant: Grant) -> Grant:
-        body = {"token": str(grant.token), "request_id": grant.request_id, "ttl": grant.ttl}
+        return await self._renew(grant, grant.ttl)
+
+    async def _renew(self, grant: Grant, ttl: float | None) -> Grant:
+        body: dict[str, object] = {"token": str(grant.token), "request_id": grant.request_id}
+        if ttl is not None:
+            body["ttl"] = ttl
         sent = _clock.now()
         got = await self._call(
             "POST", f"/v1/locks/{_path(grant.token.lock)}/-/renew", body, idempotent=True
@@ -263,8 +268,8 @@ class HttpBackend(Backend):
         return Record(name, int(got["version"]), got["value"])
 
     async def resume(self, name: str, token: FencingToken, request_id: str, ttl: float) -> Grant:
-        grant = Grant(token, request_id, ttl, 0.0)
-        return await self.renew(grant)
+        # (renewed without a ttl: the service keeps the grant's own, which it answers)
+        return await self._renew(Grant(token, request_id, ttl, 0.0), None)
 
     async def aclose(self) -> None:
         self._closed = True

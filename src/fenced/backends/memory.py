@@ -247,6 +247,7 @@ class MemoryBackend(Backend):
                 remaining=max(0.0, holder.expires_at - now) if holder else None,
                 waiters=len(lock.queue),
                 owner=(holder.owner or None) if holder else None,
+                ttl=holder.ttl if holder else None,
             )
 
     async def read_record(self, name: str) -> Record | None:

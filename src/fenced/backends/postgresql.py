@@ -580,7 +580,7 @@ class PostgreSQLBackend(Backend):
 
     async def status(self, name: str) -> LockStatus:
         row = _one(await self._call(self._names.q_status, {"name": name}))
-        holder, token, last, remaining, waiters, owner = row
+        holder, token, last, remaining, waiters, owner, ttl = row
         held = holder is not None and remaining is not None and remaining > 0
         return LockStatus(
             name=name,
@@ -590,6 +590,7 @@ class PostgreSQLBackend(Backend):
             remaining=float(remaining) if held else None,
             waiters=int(waiters),
             owner=owner if held else None,
+            ttl=float(ttl) if held and ttl else None,
         )
 
     async def read_record(self, name: str) -> Record | None:

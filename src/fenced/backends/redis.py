@@ -349,12 +349,12 @@ STATUS_LUA: Final = (
     + """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local h_rid, h_token, _, h_owner = holder()
+local h_rid, h_token, h_ttl, h_owner = holder()
 local pttl = -1
 if h_rid then pttl = redis.call('PTTL', KEYS[2]) end
 local last = redis.call('GET', KEYS[1])
 local waiters = redis.call('ZCOUNT', KEYS[4], '(' .. now, '+inf')
-return {h_rid or '', h_token or '', pttl, last or '', waiters, h_owner or ''}
+return {h_rid or '', h_token or '', pttl, last or '', waiters, h_owner or '', h_ttl or ''}
 """
 )
 
@@ -735,7 +735,8 @@ class RedisBackend(Backend):
 
     async def status(self, name: str) -> LockStatus:
         keys, _ = self._keys(name)
-        rid, token, pttl, last, waiters, owner = await self._call(lambda: self._status(keys=keys))
+        reply = await self._call(lambda: self._status(keys=keys))
+        rid, token, pttl, last, waiters, owner, ttl_ms = reply
         held = bool(rid) and int(pttl) >= 0
         return LockStatus(
             name=name,
@@ -745,6 +746,7 @@ class RedisBackend(Backend):
             remaining=int(pttl) / 1000 if held else None,
             waiters=int(waiters),
             owner=(owner or None) if held else None,
+            ttl=int(ttl_ms) / 1000 if held and ttl_ms else None,
         )
 
     def _record_key(self, name: str) -> str:

@@ -547,7 +547,7 @@ class SQLiteBackend(Backend):
 
     def _tx_status(self, conn: sqlite3.Connection, name: str) -> LockStatus:
         now = _clock.now()
-        last, holder, token, expires, row_boot, waiters, owner = conn.execute(
+        last, holder, token, expires, row_boot, waiters, owner, ttl = conn.execute(
             self._sql_status, (name, self._boot, now)
         ).fetchone()
         live = holder is not None and row_boot == self._boot and expires > now
@@ -559,6 +559,7 @@ class SQLiteBackend(Backend):
             remaining=max(0.0, expires - now) if live else None,
             waiters=waiters,
             owner=owner if live else None,
+            ttl=ttl if live else None,
         )
 
     # -- the Backend API -------------------------------------------------------------------------

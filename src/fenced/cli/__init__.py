@@ -18,6 +18,7 @@ from .. import __version__
 from .._core.errors import (
     AccessDenied,
     BackendUnavailable,
+    ChangeRefusedError,
     ConfigurationError,
     FencedError,
     InvalidTokenError,
@@ -43,6 +44,7 @@ from ._common import (
     EXIT_INTERRUPTED,
     EXIT_INVALID_TOKEN,
     EXIT_LEASE_LOST,
+    EXIT_REFUSED,
     EXIT_SOFTWARE,
     EXIT_STATUSES,
     EXIT_TIMEOUT,
@@ -121,6 +123,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BackendUnavailable as exc:
         text = _with_origin(f"token source unavailable: {exc}", exc)
         return _fail(EXIT_UNAVAILABLE, text, exc, args.verbose)
+    except ChangeRefusedError as exc:  # refused for safety (nothing changed): not a retry
+        return _fail(EXIT_REFUSED, str(exc), exc, args.verbose)
     except ReplicationError as exc:  # members of a replicated group could not be reached
         return _fail(EXIT_UNAVAILABLE, str(exc), exc, args.verbose)
     except KeyboardInterrupt:  # Ctrl-C while waiting: the connection left the queue on close

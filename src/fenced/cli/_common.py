@@ -23,6 +23,7 @@ Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
 EXIT_USAGE = 2
 EXIT_INVALID_TOKEN = 65  # EX_DATAERR: check-token: malformed, never issued, or not well signed
+EXIT_REFUSED = 65  # EX_DATAERR: fenced group: a change refused for the group's state (safety)
 EXIT_UNAVAILABLE = 69
 EXIT_SOFTWARE = 70
 EXIT_LEASE_LOST = 75
@@ -39,7 +40,9 @@ exit status (fenced's own outcomes never use 1, which commands use for their own
          source refused; a source whose settings cannot keep fenced's promises)
   65     fenced check, fenced sim: a violation was found (an invariant of fencing did not
          hold); fenced demo: the run did not behave as fencing should; check-token: the
-         token is invalid: malformed, never issued by the source, or not well signed
+         token is invalid: malformed, never issued by the source, or not well signed;
+         fenced group remove/add: the change was refused for safety (it would keep no member
+         holding the acknowledged writes, or fewer than min_members); nothing changed
   69     the token source (fenced group: a member) could not be reached (EX_UNAVAILABLE)
   70     another fenced error (EX_SOFTWARE)
   75     the lease was lost while the command ran; the command was terminated (EX_TEMPFAIL);

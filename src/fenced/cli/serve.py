@@ -90,6 +90,21 @@ def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
         help="refuse a request body over N bytes with 413, before holding it (1048576)",
     )
     serve.add_argument(
+        "--max-watches-per-client",
+        type=_watch_count,
+        default=64,
+        metavar="N",
+        help="watches (/-/watch streams, blocking status queries) one API key, or without keys "
+        "one address, may have open; one more is refused 429 too_many_watches (64)",
+    )
+    serve.add_argument(
+        "--max-watches",
+        type=_watch_count,
+        default=1024,
+        metavar="N",
+        help="watches open on this server; one more is refused 503 too_many_watches (1024)",
+    )
+    serve.add_argument(
         "--log-format", choices=["text", "json"], default="text", help="log lines (text)"
     )
     serve.add_argument("--access-log", action="store_true", help="log every request")
@@ -102,6 +117,16 @@ def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
         "throughput)",
     )
     return serve
+
+
+def _watch_count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of watches: {text!r}") from None
+    if not 1 <= value <= 1_000_000:
+        raise argparse.ArgumentTypeError(f"a number of watches is 1 to 1000000, not {value}")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
@@ -134,6 +159,8 @@ def run(args: argparse.Namespace) -> int:
         default_ttl=args.default_ttl,
         max_request_bytes=args.max_request_bytes,
         read_timeout=args.read_timeout,
+        max_watches_per_client=args.max_watches_per_client,
+        max_watches=args.max_watches,
         loopback_hosts_only=keys is None and is_loopback(host),  # (DNS rebinding)
         same_origin_only=keys is None,  # (a page's cross-site POST)
     )

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Iterable, Mapping
 from typing import Any
 
-from .._core.errors import MemberBehindError
+from .._core.errors import ChangeRefusedError, MemberBehindError
 from .._core.portal import Portal
 from .._core.sync import Lease, Locks
 from .._core.token import FencingToken
@@ -34,6 +34,7 @@ __all__ = [
     "RECORD_PREFIX",
     "AsyncGroup",
     "AsyncWriter",
+    "ChangeRefusedError",
     "Configuration",
     "EtcdMember",
     "Group",

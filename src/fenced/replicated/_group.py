@@ -54,6 +54,7 @@ from typing import Any, Final, TypeVar
 from .._core import clock as _clock
 from .._core.errors import (
     BackendUnavailable,
+    ChangeRefusedError,
     ConfigurationError,
     CorruptMarkError,
     FencedError,
@@ -308,7 +309,7 @@ class AsyncGroup:
                 "(only they are known to hold every acknowledged write)"
             )
         if len(new) < self.min_members:
-            raise ReplicationError(
+            raise ChangeRefusedError(
                 f"group {self.name!r} would have {len(new)} members, below min_members="
                 f"{self.min_members}"
             )
@@ -347,7 +348,7 @@ class AsyncGroup:
             )
         holders = [m for m in kept if m not in behind]
         if not holders:
-            raise ReplicationError(
+            raise ChangeRefusedError(
                 f"group {self.name!r}: no member of configuration {cfg.epoch} that stays "
                 f"holds its writes: {sorted(behind)} lost their state (epoch marks below "
                 f"{cfg.epoch}); bring back a member that holds them first",

@@ -16,7 +16,7 @@ import hashlib
 import inspect
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from importlib import resources
 from typing import Annotated, Any
 
@@ -26,6 +26,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.background import BackgroundTask
 from starlette.convertors import Convertor, register_url_convertor
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive
@@ -115,11 +116,27 @@ class ServerSettings:
     cross-site "simple" POST (no preflight) reaches the server unasked, and with no API keys
     its unread answer still took or freed a lock. ``fenced serve`` sets it whenever it has no
     API keys (on loopback, and with ``--insecure-no-auth`` elsewhere)."""
+    max_watches_per_client: int = 64
+    """Watches (``/-/watch`` streams and blocking status queries) one client may have open at
+    once — an API key, or without keys an address; one more is refused 429
+    ``too_many_watches``. Each watch reads the source every ``watch_interval``: unbounded,
+    one client could make the server read it without end (Consul bounds a client's
+    connections at 200)."""
+    max_watches: int = 1024
+    """Watches open on this server, all clients together; one more is refused 503
+    ``too_many_watches``."""
     read_timeout: float = READ_TIMEOUT
     """Seconds a request's body may take to arrive (408 after that); the same bound holds for
     its head, in the HTTP protocol (``_http``). A long poll's wait is not counted: it starts
     once the request has arrived."""
 
+
+_TOO_MANY_WATCHES: dict[int | str, dict[str, Any]] = {
+    429: {"model": ErrorOut, "description": "too_many_watches: the client's watches open reach "
+          "--max-watches-per-client"},
+    503: {"model": ErrorOut, "description": "unavailable, or too_many_watches: the server's "
+          "reach --max-watches"},
+}  # fmt: skip
 
 # -- routes -----------------------------------------------------------------------------------------
 #
@@ -466,17 +483,56 @@ def create_app(settings: ServerSettings) -> FastAPI:
         freed = await call(gw.force_release(name, token))
         return ForceOut(released=_status_out(freed, key) if freed else None)
 
+    watching: dict[str, int] = {}  # client -> its watches open now
+
+    def watch_slot(key: ApiKey | None, request: Request) -> Callable[[], None]:
+        """Take a watch's place, or refuse it (429 past the client's bound, 503 past the
+        server's: counted as refused ``too_many_watches``); the function gives it back (once,
+        whatever calls it)."""
+        peer = request.client.host if request.client else "?"
+        who = f"key {key.id}" if key is not None else f"address {peer}"
+        mine = watching.get(who, 0)
+        if sum(watching.values()) >= settings.max_watches:
+            gw.metrics.refused.labels("too_many_watches").inc()
+            raise ApiError(
+                503, "too_many_watches",
+                f"this server has {settings.max_watches} watches open, its limit: try later",
+            )  # fmt: skip
+        if mine >= settings.max_watches_per_client:
+            gw.metrics.refused.labels("too_many_watches").inc()
+            raise ApiError(
+                429, "too_many_watches",
+                f"{who} has {mine} watches open, the limit of one client: close one first",
+            )  # fmt: skip
+        watching[who] = mine + 1
+        gw.metrics.watches.inc()
+        given_back = False
+
+        def give_back() -> None:
+            nonlocal given_back
+            if not given_back:
+                given_back = True
+                gw.metrics.watches.dec()
+                left = watching[who] - 1
+                if left:
+                    watching[who] = left
+                else:
+                    del watching[who]
+
+        return give_back
+
     @app.get(
         "/v1/locks/{name:lock}/-/watch",
         tags=["locks"],
         summary="Server-sent events: the lock's status now and at every change",
         response_class=StreamingResponse,
-        responses={200: {"content": {"text/event-stream": {}}}},
+        responses={200: {"content": {"text/event-stream": {}}}, **_TOO_MANY_WATCHES},
     )
     async def watch(name: str, request: Request, key: Principal) -> StreamingResponse:
         name = lock_name(name)
         readable(key, name)
         await call(gw.backend.status(name))  # unreachable source: 503 now, not a dead stream
+        give_back = watch_slot(key, request)
 
         async def events() -> AsyncIterator[bytes]:
             changes = gw.changes(name, settings.watch_interval)
@@ -491,9 +547,16 @@ def create_app(settings: ServerSettings) -> FastAPI:
             except FencedError as exc:
                 msg = json.dumps({"error": "unavailable", "message": str(exc)})
                 yield f"event: error\ndata: {msg}\n\n".encode()
+            finally:
+                give_back()
 
+        # (given back when the stream ends, and after the response in any case: a stream
+        # never started runs no finally)
         return StreamingResponse(
-            events(), media_type="text/event-stream", headers={"cache-control": "no-store"}
+            events(),
+            media_type="text/event-stream",
+            headers={"cache-control": "no-store"},
+            background=BackgroundTask(give_back),
         )
 
     @app.get(
@@ -501,6 +564,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
         response_model=StatusOut,
         tags=["locks"],
         summary="Status of one lock; with index and wait, a blocking query (Consul's)",
+        responses=_TOO_MANY_WATCHES,
     )
     async def status(
         name: str,
@@ -525,12 +589,15 @@ def create_app(settings: ServerSettings) -> FastAPI:
                     return now_out
             raise BackendUnavailable("server shutting down")
 
+        give_back = watch_slot(key, request)
         try:
             async with asyncio.timeout(max(0.0, deadline - _clock.now())):
                 changed: StatusOut = await call(_unless_gone(request.receive, gw, until_changed()))
                 return changed
         except TimeoutError:
             return _status_out(await call(gw.backend.status(name)), key)
+        finally:
+            give_back()
 
     @app.get("/v1/locks", response_model=ListOut, tags=["locks"], summary="Names of all locks")
     async def list_locks(key: Principal) -> ListOut:

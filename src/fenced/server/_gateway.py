@@ -15,7 +15,9 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import json
 import logging
+import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -79,6 +81,16 @@ def others_id(key: ApiKey, holder: str | None, request_id: str) -> bool:
         and holder[TAG_LENGTH] == "."
         and holder.endswith(request_id)
     )
+
+
+_BARE = re.compile(r"[A-Za-z0-9_.:@+/-]+")
+
+
+def _field(text: str) -> str:
+    """A client's text as one value of a ``key=value`` log line: bare if it cannot be read
+    as more (no space, ``=``, quote, backslash or anything unprintable), else double-quoted
+    with JSON's escapes (logfmt's quoting), non-ASCII escaped too."""
+    return text if _BARE.fullmatch(text) else json.dumps(text)
 
 
 class Gateway:
@@ -319,7 +331,12 @@ class Gateway:
         self._begin(key)
         new: Grant | None = None
         try:
+            # Without a ttl the grant keeps its own: this gateway's table, else the source's
+            # (resumed: a grant made through another gateway, whose --default-ttl may differ);
+            # this gateway's default only where the source keeps no ttl.
             grant, owner = await self._grant_of(name, token, request_id, ttl or self.default_ttl)
+            if ttl is not None and grant.ttl != ttl:
+                grant = dataclasses.replace(grant, ttl=ttl)
             new = await self.backend.renew(grant)
         except LeaseLostError:
             if not self._release_pending(key, token):
@@ -490,12 +507,13 @@ class Gateway:
     def _note(self, name: str, event: str, token: FencingToken, owner: str | None) -> None:
         self.events.append(Transition(self.wall(), name, event, str(token.unsigned()), owner))
         line = self.transition_line
+        # (the name and the holder's description are the clients': quoted where they could
+        # read as more fields, as " token=999" would)
+        text = f"{event} lock={_field(name)} token={token.value} owner={_field(owner or '-')}"
         if line is None:
-            logger.info(
-                "%s lock=%s token=%s owner=%s", event, name, token.unsigned().value, owner or "-"
-            )
-        else:  # (the same line)
-            line(f"{event} lock={name} token={token.value} owner={owner or '-'}")
+            logger.info("%s", text)
+        else:  # (the same line, at less cost)
+            line(text)
         changed = self._changed.pop(name, None)
         if changed is not None:
             changed.set()

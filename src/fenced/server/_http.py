@@ -25,11 +25,17 @@ import logging
 import re
 from typing import Any
 
-__all__ = ["BODY_RECEIVED", "MAX_HEAD_BYTES", "READ_TIMEOUT", "http_protocol"]
+__all__ = ["BODY_RECEIVED", "MAX_HEAD_BYTES", "MAX_PIPELINED", "READ_TIMEOUT", "http_protocol"]
 
 logger = logging.getLogger("fenced.server")
 
 MAX_HEAD_BYTES = 64 * 1024
+MAX_PIPELINED = 64
+"""Requests a connection may have sent ahead of their answers (HTTP/1.1 pipelining). uvicorn
+parses a whole read (up to 256 KiB) at once and queues every request in it, and read again
+after each answer: a client sending small requests without waiting made it queue without
+end. Past this many the connection's other requests are dropped and it is closed once those
+queued are answered (no client of the API pipelines; one that does sends a few)."""
 READ_TIMEOUT = 30.0  # (the default of ``fenced serve --read-timeout``)
 
 BODY_RECEIVED = "fenced.body_received"
@@ -79,6 +85,12 @@ def http_protocol(head_timeout: float = READ_TIMEOUT) -> type[asyncio.Protocol] 
             self._head_bytes = 0
             self._tail = b""  # the last bytes of the head so far: its end may span two reads
             self._head_timer: asyncio.TimerHandle | None = None
+            # A read holds more than the head it began in when requests are pipelined: the
+            # heads after the first are measured as the parser reads them (``_parsed``), and
+            # one still unfinished at the read's end counts from where it began.
+            self._parsed = 0
+            self._begun_here = False
+            self._dropping = False  # (past MAX_PIPELINED: the rest is read, and dropped)
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
@@ -91,6 +103,8 @@ def http_protocol(head_timeout: float = READ_TIMEOUT) -> type[asyncio.Protocol] 
             super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
+            if self._dropping:
+                return  # (the connection closes once what is queued is answered)
             if self._in_head:
                 seen = self._tail + data
                 end = seen.find(b"\r\n\r\n")
@@ -104,23 +118,60 @@ def http_protocol(head_timeout: float = READ_TIMEOUT) -> type[asyncio.Protocol] 
                 self._tail = seen[-3:]
                 if b"pgrade" in data or b"PGRADE" in data:
                     data = _ignore_upgrade(data, head_end)
+            self._begun_here = False
             super().data_received(data)
+            if self._in_head and self._begun_here and not self.transport.is_closing():
+                # A head begun after another request's end in this read, not ended with it:
+                # its bytes so far are at most those after the read's last blank line.
+                end = data.rfind(b"\r\n\r\n")
+                self._head_bytes = len(data) - (0 if end < 0 else end + 4)
+                self._tail = data[-3:]
+                if self._head_bytes > MAX_HEAD_BYTES:
+                    self._drop("a pipelined request's head passed %d bytes", MAX_HEAD_BYTES)
+                    return
             if self._in_head and self._begun:  # (a head begun, not ended: its time counts)
                 self._arm_head_timer()
 
         def on_message_begin(self) -> None:
+            if self._dropping:
+                return
             super().on_message_begin()
             # The timer is armed after the read if the head is still incomplete then: a head
             # that comes whole in one read (nearly all) costs no timer.
-            self._in_head = self._begun = True
+            self._in_head = self._begun = self._begun_here = True
+            self._parsed = 0
+
+        def on_url(self, url: bytes) -> None:
+            if not self._dropping:
+                self._parsed += len(url)
+                super().on_url(url)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            if not self._dropping:
+                self._parsed += len(name) + len(value) + 4  # (": " and the line's end)
+                super().on_header(name, value)
 
         def on_headers_complete(self) -> None:
+            if self._dropping:
+                return
             self._in_head = False
             self._head_bytes, self._tail = 0, b""  # (the next request's head counts afresh)
             self._disarm_head_timer()
+            if self._parsed > MAX_HEAD_BYTES:  # (a head that came whole after another)
+                self._drop("a pipelined request's head passed %d bytes", MAX_HEAD_BYTES)
+                return
             super().on_headers_complete()
+            if len(self.pipeline) > MAX_PIPELINED:
+                self.pipeline.popleft()  # (this one: never answered)
+                self._drop("over %d requests pipelined", MAX_PIPELINED)
+
+        def on_body(self, body: bytes) -> None:
+            if not self._dropping:
+                super().on_body(body)
 
         def on_message_complete(self) -> None:
+            if self._dropping:
+                return
             self.scope[BODY_RECEIVED] = True  # type: ignore[literal-required]
             # What comes next on this connection is the next request's head: counted from its
             # first byte. (Left to on_message_begin, the read that begins a kept-alive
@@ -128,6 +179,31 @@ def http_protocol(head_timeout: float = READ_TIMEOUT) -> type[asyncio.Protocol] 
             # read, up to 256 KiB, and was served.)
             self._in_head, self._begun = True, False
             super().on_message_complete()
+
+        def on_response_complete(self) -> None:
+            queued = len(self.pipeline)  # (uvicorn starts the next of them, if any)
+            super().on_response_complete()
+            if self.pipeline or self._dropping:
+                # (uvicorn reads again after every answer: with requests still queued, each
+                # read queued more. Read again once the queue is answered.)
+                self.flow.pause_reading()
+            if self._dropping and not queued and not self.transport.is_closing():
+                self.transport.close()  # (the queued requests answered; the rest dropped)
+
+        def _drop(self, why: str, limit: int) -> None:
+            """Take no more of this connection's requests: one past a bound came after others
+            (pipelined). Refused with 431 if nothing is left to answer before it; else the
+            connection is closed once those are answered (an answer now would be taken for
+            theirs)."""
+            self._dropping = True
+            self._in_head = False
+            self._disarm_head_timer()
+            if self.pipeline or (self.cycle is not None and not self.cycle.response_complete):
+                peer = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
+                logger.warning("closing a connection from %s: " + why, peer, limit)
+                self.flow.pause_reading()
+            else:
+                self._refuse(431, "Request Header Fields Too Large", _REFUSAL, "passed %d bytes")
 
         def _arm_head_timer(self) -> None:
             if self._head_timer is None:

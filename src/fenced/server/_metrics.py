@@ -70,7 +70,8 @@ class Metrics:
         )
         self.refused = Counter(
             "fenced_refused_requests",
-            "Requests refused: unauthenticated, forbidden, invalid, too_large, too_slow",
+            "Requests refused: unauthenticated, forbidden, invalid, too_large, too_slow, "
+            "too_many_watches",
             ["reason"],
             registry=r,
         )
@@ -88,6 +89,11 @@ class Metrics:
             registry=r,
         )
         self.waiting = Gauge("fenced_acquires_waiting", "Acquires waiting now", registry=r)
+        self.watches = Gauge(
+            "fenced_watches_open",
+            "Watches open now: /-/watch streams and blocking status queries",
+            registry=r,
+        )
         self.tracked = Gauge(
             "fenced_leases_tracked",
             "Grants this gateway knows (made or resumed here)",
