@@ -28,37 +28,42 @@ class _Service(FastAPI):
     (``through_stack``), which answers them as FastAPI always has."""
 
     front: _FastLane | None = None
+    direct: DirectLane | None = None  # (the same lane, for the HTTP protocol: ``_http``)
     loopback_hosts_only = False  # (see ServerSettings)
     same_origin_only = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (self.loopback_hosts_only or self.same_origin_only) and scope["type"] == "http":
-            host = _host(scope)
-            if self.loopback_hosts_only and host is not None and not _names_loopback(host):
+            refusal = self.host_refusal(scope)
+            if refusal is not None:
                 self.state.gateway.metrics.refused.labels("forbidden").inc()
-                message = (
-                    f"Host {host[:100]!r} is a DNS name: this server has no API keys and "
-                    "answers requests to localhost, 127.0.0.1 or [::1] (DNS rebinding)"
-                )
-                await _error(403, "forbidden", message)(scope, receive, send)
-                return
-            origin = _header(scope, b"origin")
-            if origin is not None and not _same_origin(origin, host):
-                # A page of another site may send a "simple" POST (text/plain; no preflight,
-                # and bodies are read as JSON whatever their type) to the server: unread, its
-                # answer still took or freed a lock. Browsers name the page's origin.
-                self.state.gateway.metrics.refused.labels("forbidden").inc()
-                message = (
-                    f"Origin {origin[:100]!r} is another site: this server has no API keys "
-                    "and answers its own pages and clients that send no Origin"
-                )
-                await _error(403, "forbidden", message)(scope, receive, send)
+                await _error(403, "forbidden", refusal)(scope, receive, send)
                 return
         front = self.front
         if front is not None and scope["type"] == "http":
             await front(scope, receive, send)
         else:
             await super().__call__(scope, receive, send)
+
+    def host_refusal(self, scope: Scope) -> str | None:
+        """Why the Host and Origin rules of a keyless server refuse the request, or None
+        (asked only where one of the two rules is on)."""
+        host = _host(scope)
+        if self.loopback_hosts_only and host is not None and not _names_loopback(host):
+            return (
+                f"Host {host[:100]!r} is a DNS name: this server has no API keys and "
+                "answers requests to localhost, 127.0.0.1 or [::1] (DNS rebinding)"
+            )
+        origin = _header(scope, b"origin")
+        if origin is not None and not _same_origin(origin, host):
+            # A page of another site may send a "simple" POST (text/plain; no preflight,
+            # and bodies are read as JSON whatever their type) to the server: unread, its
+            # answer still took or freed a lock. Browsers name the page's origin.
+            return (
+                f"Origin {origin[:100]!r} is another site: this server has no API keys "
+                "and answers its own pages and clients that send no Origin"
+            )
+        return None
 
     async def through_stack(self, scope: Scope, receive: Receive, send: Send) -> None:
         await super().__call__(scope, receive, send)
@@ -141,24 +146,26 @@ class _FastLane:
         self.app, self.lanes, self.keys, self.gw, self.bounds = app, lanes, keys, gateway, bounds
         self.taken = 0  # requests answered here (tests read it)
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope.get("path", "")
+    def pick(self, scope: Scope) -> tuple[_Lane, str] | None:
+        """The lane and lock name of a request of the lane's routes (by its path), or None."""
+        path: str = scope.get("path", "")
         if scope["type"] != "http" or scope["method"] != "POST" or not path.startswith(_LOCKS):
-            await self.app(scope, receive, send)
-            return
+            return None
         name, _, verb = path[len(_LOCKS) :].rpartition("/")
         if name.endswith("/-"):  # (the paths without it are the old ones, still served)
             name = name[:-2]
         lane = self.lanes.get(verb)
-        if lane is None or not name:
+        return None if lane is None or not name else (lane, name)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        picked = self.pick(scope)
+        if picked is None:
             await self.app(scope, receive, send)
             return
         start = _clock.now()
         first = await self.bounds.read(scope, receive, send)
         if first is None:  # (refused: too large or too slow; answered and counted)
             return
-        disconnected = first["type"] != "http.request"
-        body = b"" if disconnected else first.get("body", b"")
         replayed = False
 
         async def replay() -> Message:
@@ -168,23 +175,47 @@ class _FastLane:
                 return first
             return await receive()
 
-        model = self._model(lane, body)
-        key = self._key(scope, name) if model is not None and not disconnected else False
-        if model is None or key is False:
+        if first["type"] != "http.request":  # (disconnected)
             await self.app(scope, replay, send)
             return
+        replayed = True  # (the body is read: a waiting acquire watches for the disconnect)
+        answer = await self.answer(picked, scope, first.get("body", b""), replay, start)
+        if answer is None:
+            replayed = False
+            await self.app(scope, replay, send)
+            return
+        status, headers, data = answer
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": data})
+
+    async def answer(
+        self,
+        picked: tuple[_Lane, str],
+        scope: Scope,
+        body: bytes,
+        receive: Receive,
+        start: float,
+    ) -> tuple[int, list[tuple[bytes, bytes]], bytes] | None:
+        """The answer (status, headers, body) to a request of ``picked`` whose ``body`` has
+        arrived whole, or None: not the lane's (nothing counted, the body not consumed) —
+        then the whole stack answers it. ``receive``: where a waiting acquire watches for
+        the client leaving. The one implementation of the lane: behind the ASGI app here,
+        and in the HTTP protocol itself (``_http``, ``DirectLane``)."""
+        lane, name = picked
+        model = self._model(lane, body)
+        key = self._key(scope, name) if model is not None else False
+        if model is None or key is False:
+            return None
         scope["route"] = lane.route
         self.taken += 1
-        replayed = True  # (the body is read: a waiting acquire watches for the disconnect)
         try:
             try:
-                out = await lane.handle(name, model, key, scope, replay)
+                out = await lane.handle(name, model, key, scope, receive)
             except ApiError as exc:
-                await _error(exc.status, exc.code, exc.message, exc.extra)(scope, replay, send)
-                return
+                error = _error(exc.status, exc.code, exc.message, exc.extra)
+                return exc.status, error.raw_headers, bytes(error.body)
             data = out.model_dump_json().encode()
-            await send({"type": "http.response.start", "status": 200, "headers": _json_head(data)})
-            await send({"type": "http.response.body", "body": data})
+            return 200, _json_head(data), data
         finally:
             lane.latency(self.gw).observe(_clock.now() - start)
 
@@ -208,6 +239,41 @@ class _FastLane:
         secret = _bearer_secret(auth[0].decode("latin-1")) if len(auth) == 1 else None
         key = self.keys.find(secret) if secret is not None else None
         return key if key is not None and key.allows(Verb.ACQUIRE, name) else False
+
+
+_PROXIED = frozenset({b"x-forwarded-for", b"x-forwarded-proto"})
+
+
+class DirectLane:
+    """The fast lane's requests as the HTTP protocol answers them itself (``_http``), with no
+    trip through uvicorn's ASGI cycle, the proxy-headers middleware and the app: those whose
+    body has arrived whole and within the body limit, which pass the Host and Origin rules
+    of a keyless server and name no forwarded client (uvicorn's proxy-headers middleware
+    would rewrite the client address an owner is described by). The same lane answers them
+    (``_FastLane.answer``); anything else, and anything the lane is not sure of, goes to the
+    app as before."""
+
+    def __init__(self, service: _Service, lane: _FastLane, limit: int) -> None:
+        self.service, self.lane, self.limit = service, lane, limit
+
+    def pick(self, scope: Scope) -> tuple[_Lane, str] | None:
+        for name, _ in scope["headers"]:
+            if name in _PROXIED:
+                return None
+        service = self.service
+        ruled = service.loopback_hosts_only or service.same_origin_only
+        if ruled and service.host_refusal(scope) is not None:
+            return None  # (the app refuses it, and counts the refusal)
+        return self.lane.pick(scope)
+
+    async def answer(
+        self, picked: tuple[_Lane, str], scope: Scope, body: bytes, receive: Receive
+    ) -> tuple[int, list[tuple[bytes, bytes]], bytes] | None:
+        """As ``_FastLane.answer``; None also for a body over the limit (the app refuses
+        it)."""
+        if len(body) > self.limit:
+            return None
+        return await self.lane.answer(picked, scope, body, receive, _clock.now())
 
 
 class _BodyLimit:
