@@ -210,7 +210,8 @@ def http_protocol(
             cycle = send.__self__  # (the request's RequestResponseCycle: ``send`` is its own)
             assert isinstance(cycle, RequestResponseCycle) and direct is not None
             picked = None
-            if not cycle.more_body and not cycle.disconnected:  # (the body is whole)
+            # The body whole (and no "100 Continue" owed first: the app's receive sends it).
+            if not (cycle.more_body or cycle.disconnected or cycle.waiting_for_100_continue):
                 picked = direct.pick(scope)
             answer = None
             if picked is not None:

@@ -255,6 +255,7 @@ class DirectLane:
 
     def __init__(self, service: _Service, lane: _FastLane, limit: int) -> None:
         self.service, self.lane, self.limit = service, lane, limit
+        self.taken = 0  # requests answered here (tests read it)
 
     def pick(self, scope: Scope) -> tuple[_Lane, str] | None:
         for name, _ in scope["headers"]:
@@ -273,7 +274,10 @@ class DirectLane:
         it)."""
         if len(body) > self.limit:
             return None
-        return await self.lane.answer(picked, scope, body, receive, _clock.now())
+        start = _clock.now()
+        answer = await self.lane.answer(picked, scope, body, receive, start)
+        self.taken += answer is not None
+        return answer
 
 
 class _BodyLimit:
