@@ -176,20 +176,24 @@ async def test_a_body_arriving_in_pieces_goes_to_the_app_and_is_answered(
     tmp_path: Path,
 ) -> None:
     """The lane answers only a request whose body has arrived whole; one whose body comes in
-    pieces is the app's (which bounds its time and size): answered the same, once whole."""
+    pieces is the app's (which bounds its time and size), answered once whole — never judged
+    by its first piece: a JSON object followed by junk is a bad body (400), not a grant."""
     async with serving(ServerSettings(url=f"sqlite:///{tmp_path}/b.db")) as served:
         reader, writer = await served.connect()
-        whole = request("/v1/locks/b/-/acquire", b'{"ttl": 30, "request_id": "r-1"}')
-        writer.write(whole[:-10])
-        async with asyncio.timeout(10):  # (until the server has read the head)
-            while not _body_pending(served):
-                await asyncio.sleep(0.005)
-        writer.write(whole[-10:])
-        status, _, body = await read_answer(reader)
-        assert status == b"HTTP/1.1 200 OK" and json.loads(body)["token"] == "b:1"
+        first = b'{"ttl": 30, "request_id": "r-1"}'
+        for rest, status in ((b"xx", b"400 Bad Request"), (b"  ", b"200 OK")):
+            whole = request("/v1/locks/b/-/acquire", first + rest)
+            writer.write(whole[: -len(rest)])
+            async with asyncio.timeout(10):  # (until the server has read the head)
+                while not _body_pending(served):
+                    await asyncio.sleep(0.005)
+            writer.write(rest)
+            got, _, body = await read_answer(reader)
+            assert got == b"HTTP/1.1 " + status, body
+        assert json.loads(body)["token"] == "b:1"
         assert (served.direct_taken, served.lane_taken) == (0, 1)
         writer.write(request("/v1/locks/b/-/release", b'{"token": "b:1", "request_id": "r-1"}'))
-        status, _, body = await read_answer(reader)
+        got, _, body = await read_answer(reader)
         assert json.loads(body) == {"released": True}
         assert (served.direct_taken, served.lane_taken) == (1, 2)
         writer.close()
