@@ -190,7 +190,8 @@ class _Connection:
             config.load()
             self._configs[(id(app), direct)] = config
         self.state = ServerState()
-        self.protocol = config.http_protocol_class(config=config, server_state=self.state, app_state={})
+        protocol_class: Any = config.http_protocol_class
+        self.protocol = protocol_class(config=config, server_state=self.state, app_state={})
         self.got = bytearray()
         self.waiter: asyncio.Future[None] | None = None
         self.protocol.connection_made(_Transport(i, self._received))
@@ -237,8 +238,9 @@ def main() -> None:
     parser.add_argument("--log", default=os.devnull, help="where the log lines go")
     parser.add_argument("--level", default="info", help="the log level (the default: info)")
     parser.add_argument(
-        "--url", default=None, help="the source (default: a fresh SQLite file; memory:// "
-        "leaves the HTTP layers alone)"
+        "--url",
+        default=None,
+        help="the source (default: a fresh SQLite file; memory:// leaves the HTTP layers alone)",
     )
     args = parser.parse_args()
     _URL[0] = args.url

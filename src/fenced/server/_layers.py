@@ -34,7 +34,7 @@ class _Service(FastAPI):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (self.loopback_hosts_only or self.same_origin_only) and scope["type"] == "http":
-            refusal = self.host_refusal(scope)
+            refusal = self.host_refusal(_host(scope), _header(scope, b"origin"))
             if refusal is not None:
                 self.state.gateway.metrics.refused.labels("forbidden").inc()
                 await _error(403, "forbidden", refusal)(scope, receive, send)
@@ -45,16 +45,14 @@ class _Service(FastAPI):
         else:
             await super().__call__(scope, receive, send)
 
-    def host_refusal(self, scope: Scope) -> str | None:
-        """Why the Host and Origin rules of a keyless server refuse the request, or None
-        (asked only where one of the two rules is on)."""
-        host = _host(scope)
+    def host_refusal(self, host: str | None, origin: str | None) -> str | None:
+        """Why the Host and Origin rules of a keyless server refuse a request with these
+        headers (the first of each), or None (asked only where one of the two rules is on)."""
         if self.loopback_hosts_only and host is not None and not _names_loopback(host):
             return (
                 f"Host {host[:100]!r} is a DNS name: this server has no API keys and "
                 "answers requests to localhost, 127.0.0.1 or [::1] (DNS rebinding)"
             )
-        origin = _header(scope, b"origin")
         if origin is not None and not _same_origin(origin, host):
             # A page of another site may send a "simple" POST (text/plain; no preflight,
             # and bodies are read as JSON whatever their type) to the server: unread, its
@@ -258,14 +256,24 @@ class DirectLane:
         self.taken = 0  # requests answered here (tests read it)
 
     def pick(self, scope: Scope) -> tuple[_Lane, str] | None:
-        for name, _ in scope["headers"]:
+        picked = self.lane.pick(scope)
+        if picked is None:
+            return None
+        host = origin = None
+        for name, value in scope["headers"]:  # (one pass: the first Host and Origin)
             if name in _PROXIED:
                 return None
+            if name == b"host":
+                host = value if host is None else host
+            elif name == b"origin":
+                origin = value if origin is None else origin
         service = self.service
-        ruled = service.loopback_hosts_only or service.same_origin_only
-        if ruled and service.host_refusal(scope) is not None:
+        if (service.loopback_hosts_only or service.same_origin_only) and service.host_refusal(
+            None if host is None else host.decode("latin-1"),
+            None if origin is None else origin.decode("latin-1"),
+        ):
             return None  # (the app refuses it, and counts the refusal)
-        return self.lane.pick(scope)
+        return picked
 
     async def answer(
         self, picked: tuple[_Lane, str], scope: Scope, body: bytes, receive: Receive
