@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
+import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -29,12 +31,12 @@ Answer = tuple[bytes, list[tuple[bytes, bytes]], bytes]  # status line, headers,
 class Served:
     """``create_app(settings)`` behind uvicorn with fenced's protocol, on a loopback port."""
 
-    def __init__(self, settings: ServerSettings, direct: bool) -> None:
+    def __init__(self, settings: ServerSettings, direct: bool, access_log: bool = False) -> None:
         app: Any = create_app(settings)
         self.app = app
         protocol = http_protocol(settings.read_timeout, app.direct if direct else None)
         config = uvicorn.Config(
-            self.app, log_config=None, lifespan="on", http=protocol, access_log=False
+            self.app, log_config=None, lifespan="on", http=protocol, access_log=access_log
         )
         self.server = uvicorn.Server(config)
         self.sock = listen_socket("127.0.0.1", 0)
@@ -53,8 +55,10 @@ class Served:
 
 
 @contextlib.asynccontextmanager
-async def serving(settings: ServerSettings, direct: bool = True) -> AsyncIterator[Served]:
-    served = Served(settings, direct)
+async def serving(
+    settings: ServerSettings, direct: bool = True, access_log: bool = False
+) -> AsyncIterator[Served]:
+    served = Served(settings, direct, access_log)
     task = asyncio.create_task(served.server.serve(sockets=[served.sock]))
     try:
         async with asyncio.timeout(30):
@@ -273,3 +277,34 @@ async def test_the_edges_of_http_are_answered_as_the_app_answers_them(
     assert taken == (raw.startswith(b"POST /v1/locks/k") and not _app_only(raw))
     if b"x-forwarded-for" in raw:
         assert owners[True] == ["http client 10.1.2.3"]  # (the app's middleware's doing)
+
+
+async def test_the_access_log_says_what_it_says_for_the_app(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With ``--access-log`` a request the direct lane answers is logged as uvicorn logs the
+    app's answers: the same line (but the client's port), at the same level."""
+    lines = {}
+    for direct in (True, False):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="uvicorn.access"):
+            settings = ServerSettings(url=f"sqlite:///{tmp_path}/{direct}.db")
+            async with serving(settings, direct, access_log=True) as served:
+                reader, writer = await served.connect()
+                writer.write(request("/v1/locks/a/-/acquire", b'{"ttl": 30}'))
+                writer.write(request("/v1/locks/a/-/acquire", b'{"ttl": 30}', version="1.0"))
+                assert (await read_answer(reader))[0] == b"HTTP/1.1 200 OK"
+                assert (await read_answer(reader))[0] == b"HTTP/1.1 409 Conflict"
+                writer.close()
+                taken = served.direct_taken
+        lines[direct] = [
+            (r.levelname, re.sub(r":\d+ - ", ":<port> - ", r.getMessage()))
+            for r in caplog.records
+            if r.name == "uvicorn.access"
+        ]
+        assert taken == (2 if direct else 0)
+    assert lines[True] == lines[False] and len(lines[True]) == 2
+    assert lines[True][1] == (
+        "INFO",
+        '127.0.0.1:<port> - "POST /v1/locks/a/-/acquire HTTP/1.0" 409',
+    )
