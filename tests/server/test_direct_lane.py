@@ -308,3 +308,44 @@ async def test_the_access_log_says_what_it_says_for_the_app(
         "INFO",
         '127.0.0.1:<port> - "POST /v1/locks/a/-/acquire HTTP/1.0" 409',
     )
+
+
+async def test_a_waiting_acquire_taken_directly_leaves_the_queue_when_its_client_goes(
+    tmp_path: Path,
+) -> None:
+    """A long poll answered by the direct lane watches its connection as the app's did: the
+    client hangs up while waiting, the acquire leaves the queue, and the lock released by
+    its holder is free — not granted to a client that is gone. The holder's own requests and
+    a waiter that stays are served as ever."""
+    async with serving(ServerSettings(url=f"sqlite:///{tmp_path}/w.db")) as served:
+        gw = served.app.state.gateway
+        reader, writer = await served.connect()
+        writer.write(request("/v1/locks/w/-/acquire", b'{"ttl": 30, "request_id": "r-1"}'))
+        assert json.loads((await read_answer(reader))[2])["token"] == "w:1"
+        _, gone = await served.connect()
+        gone.write(request("/v1/locks/w/-/acquire", b'{"timeout": 30, "request_id": "r-2"}'))
+        async with asyncio.timeout(10):
+            while gw._waiting != 1:  # (queued)
+                await asyncio.sleep(0.005)
+        gone.close()
+        async with asyncio.timeout(10):
+            while gw._waiting != 0:  # (left the queue: its client went)
+                await asyncio.sleep(0.005)
+        writer.write(request("/v1/locks/w/-/release", b'{"token": "w:1", "request_id": "r-1"}'))
+        assert json.loads((await read_answer(reader))[2]) == {"released": True}
+        writer.write(request("/v1/locks/w", method="GET"))
+        assert json.loads((await read_answer(reader))[2])["held"] is False
+        # A waiter that stays gets the lock when it is released.
+        writer.write(request("/v1/locks/w/-/acquire", b'{"ttl": 30, "request_id": "r-3"}'))
+        assert json.loads((await read_answer(reader))[2])["token"] == "w:2"
+        stay_reader, stay = await served.connect()
+        stay.write(request("/v1/locks/w/-/acquire", b'{"timeout": 30, "request_id": "r-4"}'))
+        async with asyncio.timeout(10):
+            while gw._waiting != 1:
+                await asyncio.sleep(0.005)
+        writer.write(request("/v1/locks/w/-/release", b'{"token": "w:2", "request_id": "r-3"}'))
+        assert json.loads((await read_answer(reader))[2]) == {"released": True}
+        assert json.loads((await read_answer(stay_reader))[2])["token"] == "w:3"
+        assert served.direct_taken == 6  # (four acquires, two releases; not the status)
+        writer.close()
+        stay.close()
