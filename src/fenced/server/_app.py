@@ -50,7 +50,7 @@ from .._core.token import MAX_NAME, FencingToken, validate_lock_name
 from ._auth import ApiKey, Keys, Verb
 from ._gateway import ForeignGrant, Gateway, client_id
 from ._http import READ_TIMEOUT
-from ._layers import _BodyLimit, _FastLane, _Lane, _Service, _Timing
+from ._layers import DirectLane, _BodyLimit, _FastLane, _Lane, _Service, _Timing
 from ._metrics import CONTENT_TYPE_LATEST
 from ._wire import (
     _ERRORS,
@@ -816,6 +816,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
             app.through_stack, settings.max_request_bytes, settings.read_timeout, gw
         )
         app.front = _FastLane(app.through_stack, lanes, keys, gw, bounds)
+        app.direct = DirectLane(app, app.front, settings.max_request_bytes)
     return app
 
 

@@ -16,6 +16,13 @@ uvicorn writes an answer's head and its body in two writes: two packets (TCP_NOD
 wake-ups of the client per answer — on a loaded machine a wake-up can hand the core to the
 client mid-answer. Here what a connection writes in one turn of the loop goes out in one
 write at the end of the turn (``_Coalescing``).
+
+The hot path — acquire, renew and release — is answered by the protocol itself where it can
+(``direct``, the app's ``DirectLane``): such a request still gets uvicorn's cycle (its place
+in a pipeline, keep-alive, flow control, the disconnect a waiting acquire watches for), but
+not the trip through the ASGI app's layers, and its answer goes to the socket as one write,
+its head built here as uvicorn's ``send`` builds it. A request the lane is not sure of (its
+body not whole yet, a bad body or key, another route) goes to the app, unchanged.
 """
 
 from __future__ import annotations
@@ -23,7 +30,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
 
 __all__ = ["BODY_RECEIVED", "MAX_HEAD_BYTES", "MAX_PIPELINED", "READ_TIMEOUT", "http_protocol"]
 
@@ -60,14 +68,73 @@ def _ignore_upgrade(data: bytes, head_end: int | None) -> bytes:
     return blanked if head_end is None else blanked + data[head_end:]
 
 
-def http_protocol(head_timeout: float = READ_TIMEOUT) -> type[asyncio.Protocol] | str:
+Answer = tuple[int, list[tuple[bytes, bytes]], bytes]
+"""An answer: its status, its headers (lower case), its body."""
+
+
+class Direct(Protocol):
+    """What the protocol answers itself (``_layers.DirectLane``)."""
+
+    def pick(self, scope: Any) -> Any:
+        """Something true for a request (its head read) the lane may answer, else None."""
+
+    def answer(
+        self, picked: Any, scope: Any, body: bytes, receive: Callable[[], Awaitable[Any]]
+    ) -> Awaitable[Answer | None]:
+        """The answer to a request picked, its whole body read; None: the app's to answer."""
+
+
+_DIRECT_PREFIX = b"/v1/locks/"  # (the paths the lane may take start so)
+
+
+def http_protocol(
+    head_timeout: float = READ_TIMEOUT, direct: Direct | None = None
+) -> type[asyncio.Protocol] | str:
     """The protocol class for ``uvicorn.Config(http=...)``: httptools with the bounds, or h11
-    (which bounds a head's size, not its time) where httptools is not installed."""
+    (which bounds a head's size, not its time) where httptools is not installed. ``direct``:
+    the requests it answers without the ASGI app (see the module's doc)."""
     too_slow = b"request line and headers not received within %g s\n" % head_timeout
     try:
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+        from uvicorn.protocols.http.httptools_impl import (
+            STATUS_LINE,
+            HttpToolsProtocol,
+            RequestResponseCycle,
+        )
+        from uvicorn.protocols.utils import get_client_addr, get_path_with_query_string
     except ImportError:  # (httptools comes with fenced[server]; without it, h11's 16 KiB)
         return "h11"
+
+    async def _write_whole(cycle: Any, scope: Any, answer: Answer) -> None:
+        """What uvicorn's ``send`` does with a response's start and its whole body, in one
+        write."""
+        status, headers, body = answer
+        if cycle.flow.write_paused and not cycle.disconnected:
+            await cycle.flow.drain()
+        if cycle.disconnected:
+            return
+        cycle.response_started = True
+        cycle.waiting_for_100_continue = False
+        if cycle.access_log:
+            cycle.access_logger.info(
+                '%s - "%s %s HTTP/%s" %d',
+                get_client_addr(scope),
+                scope["method"],
+                get_path_with_query_string(scope),
+                scope["http_version"],
+                status,
+            )
+        out = [STATUS_LINE[status]]
+        for name, value in (*cycle.default_headers, *headers):
+            out += (name, b": ", value, b"\r\n")
+        if not cycle.keep_alive:
+            out.append(b"connection: close\r\n")
+        out += (b"\r\n", body)
+        cycle.transport.write_now(b"".join(out))
+        cycle.response_complete = True
+        cycle.message_event.set()
+        if not cycle.keep_alive:
+            cycle.transport.close()
+        cycle.on_response()
 
     class BoundedHeadProtocol(HttpToolsProtocol):
         """Counts a request's head as its bytes arrive, up to the blank line that ends it
@@ -160,7 +227,15 @@ def http_protocol(head_timeout: float = READ_TIMEOUT) -> type[asyncio.Protocol] 
             if self._parsed > MAX_HEAD_BYTES:  # (a head that came whole after another)
                 self._drop("a pipelined request's head passed %d bytes", MAX_HEAD_BYTES)
                 return
-            super().on_headers_complete()
+            if direct is not None and self.url.startswith(_DIRECT_PREFIX):
+                # (uvicorn hands its cycle ``self.app``: this request's is the direct lane)
+                app, self.app = self.app, self._answer_directly
+                try:
+                    super().on_headers_complete()
+                finally:
+                    self.app = app
+            else:
+                super().on_headers_complete()
             if len(self.pipeline) > MAX_PIPELINED:
                 self.pipeline.popleft()  # (this one: never answered)
                 self._drop("over %d requests pipelined", MAX_PIPELINED)
@@ -204,6 +279,23 @@ def http_protocol(head_timeout: float = READ_TIMEOUT) -> type[asyncio.Protocol] 
                 self.flow.pause_reading()
             else:
                 self._refuse(431, "Request Header Fields Too Large", _REFUSAL, "passed %d bytes")
+
+        async def _answer_directly(self, scope: Any, receive: Any, send: Any) -> None:
+            """The ASGI app of a request that may be the direct lane's (uvicorn's cycle runs
+            it as its app): answered here, or by the app."""
+            cycle = send.__self__  # (the request's RequestResponseCycle: ``send`` is its own)
+            assert isinstance(cycle, RequestResponseCycle) and direct is not None
+            picked = None
+            # The body whole (and no "100 Continue" owed first: the app's receive sends it).
+            if not (cycle.more_body or cycle.disconnected or cycle.waiting_for_100_continue):
+                picked = direct.pick(scope)
+            answer = None
+            if picked is not None:
+                answer = await direct.answer(picked, scope, bytes(cycle.body), receive)
+            if answer is None:
+                await self.app(scope, receive, send)
+                return
+            await _write_whole(cycle, scope, answer)
 
         def _arm_head_timer(self) -> None:
             if self._head_timer is None:
@@ -258,6 +350,13 @@ class _Coalescing:
             data, self._held = b"".join(self._held), []
             if not self._transport.is_closing():
                 self._transport.write(data)
+
+    def write_now(self, data: bytes) -> None:
+        """Write ``data`` at once (after what is held: in order)."""
+        if self._held:
+            self._held.append(data)
+        elif not self._transport.is_closing():
+            self._transport.write(data)
 
     def close(self) -> None:
         self.flush()

@@ -1,5 +1,6 @@
 """The layers a request of ``fenced serve`` passes before a route: the fast lane for the hot
-path (in front of Starlette's stack), the body bounds and the latency metric (inside it)."""
+path (in front of Starlette's stack, and in the HTTP protocol itself: ``DirectLane``), the
+body bounds and the latency metric (inside it)."""
 
 from __future__ import annotations
 
@@ -28,12 +29,13 @@ class _Service(FastAPI):
     (``through_stack``), which answers them as FastAPI always has."""
 
     front: _FastLane | None = None
+    direct: DirectLane | None = None  # (the same lane, for the HTTP protocol: ``_http``)
     loopback_hosts_only = False  # (see ServerSettings)
     same_origin_only = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (self.loopback_hosts_only or self.same_origin_only) and scope["type"] == "http":
-            refusal = self._foreign(scope)
+            refusal = self.host_refusal(_host(scope), _header(scope, b"origin"))
             if refusal is not None:
                 self.state.gateway.metrics.refused.labels("forbidden").inc()
                 await _error(403, "forbidden", refusal)(scope, receive, send)
@@ -44,28 +46,26 @@ class _Service(FastAPI):
         else:
             await super().__call__(scope, receive, send)
 
-    async def through_stack(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await super().__call__(scope, receive, send)
-
-    def _foreign(self, scope: Scope) -> str | None:
-        """Why a request from outside this machine's own pages and clients is refused (a DNS
-        name as Host, another site as Origin), or None to answer it."""
-        host = _host(scope)
+    def host_refusal(self, host: str | None, origin: str | None) -> str | None:
+        """Why the Host and Origin rules of a keyless server refuse a request with these
+        headers (the first of each), or None (asked only where one of the two rules is on)."""
         if self.loopback_hosts_only and host is not None and not _names_loopback(host):
             return (
                 f"Host {host[:100]!r} is a DNS name: this server has no API keys and "
                 "answers requests to localhost, 127.0.0.1 or [::1] (DNS rebinding)"
             )
-        origin = _header(scope, b"origin")
         if origin is not None and not _same_origin(origin, host):
-            # A page of another site may send a "simple" POST (text/plain; no preflight, and
-            # bodies are read as JSON whatever their type) to the server: unread, its answer
-            # still took or freed a lock. Browsers name the page's origin.
+            # A page of another site may send a "simple" POST (text/plain; no preflight,
+            # and bodies are read as JSON whatever their type) to the server: unread, its
+            # answer still took or freed a lock. Browsers name the page's origin.
             return (
                 f"Origin {origin[:100]!r} is another site: this server has no API keys "
                 "and answers its own pages and clients that send no Origin"
             )
         return None
+
+    async def through_stack(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await super().__call__(scope, receive, send)
 
 
 def _host(scope: Scope) -> str | None:
@@ -145,24 +145,26 @@ class _FastLane:
         self.app, self.lanes, self.keys, self.gw, self.bounds = app, lanes, keys, gateway, bounds
         self.taken = 0  # requests answered here (tests read it)
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope.get("path", "")
+    def pick(self, scope: Scope) -> tuple[_Lane, str] | None:
+        """The lane and lock name of a request of the lane's routes (by its path), or None."""
+        path: str = scope.get("path", "")
         if scope["type"] != "http" or scope["method"] != "POST" or not path.startswith(_LOCKS):
-            await self.app(scope, receive, send)
-            return
+            return None
         name, _, verb = path[len(_LOCKS) :].rpartition("/")
         if name.endswith("/-"):  # (the paths without it are the old ones, still served)
             name = name[:-2]
         lane = self.lanes.get(verb)
-        if lane is None or not name:
+        return None if lane is None or not name else (lane, name)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        picked = self.pick(scope)
+        if picked is None:
             await self.app(scope, receive, send)
             return
         start = _clock.now()
         first = await self.bounds.read(scope, receive, send)
         if first is None:  # (refused: too large or too slow; answered and counted)
             return
-        disconnected = first["type"] != "http.request"
-        body = b"" if disconnected else first.get("body", b"")
         replayed = False
 
         async def replay() -> Message:
@@ -172,23 +174,47 @@ class _FastLane:
                 return first
             return await receive()
 
-        model = self._model(lane, body)
-        key = self._key(scope, name) if model is not None and not disconnected else False
-        if model is None or key is False:
+        if first["type"] != "http.request":  # (disconnected)
             await self.app(scope, replay, send)
             return
+        replayed = True  # (the body is read: a waiting acquire watches for the disconnect)
+        answer = await self.answer(picked, scope, first.get("body", b""), replay, start)
+        if answer is None:
+            replayed = False
+            await self.app(scope, replay, send)
+            return
+        status, headers, data = answer
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": data})
+
+    async def answer(
+        self,
+        picked: tuple[_Lane, str],
+        scope: Scope,
+        body: bytes,
+        receive: Receive,
+        start: float,
+    ) -> tuple[int, list[tuple[bytes, bytes]], bytes] | None:
+        """The answer (status, headers, body) to a request of ``picked`` whose ``body`` has
+        arrived whole, or None: not the lane's (nothing counted, the body not consumed) —
+        then the whole stack answers it. ``receive``: where a waiting acquire watches for
+        the client leaving. The one implementation of the lane: behind the ASGI app here,
+        and in the HTTP protocol itself (``_http``, ``DirectLane``)."""
+        lane, name = picked
+        model = self._model(lane, body)
+        key = self._key(scope, name) if model is not None else False
+        if model is None or key is False:
+            return None
         scope["route"] = lane.route
         self.taken += 1
-        replayed = True  # (the body is read: a waiting acquire watches for the disconnect)
         try:
             try:
-                out = await lane.handle(name, model, key, scope, replay)
+                out = await lane.handle(name, model, key, scope, receive)
             except ApiError as exc:
-                await _error(exc.status, exc.code, exc.message, exc.extra)(scope, replay, send)
-                return
+                error = _error(exc.status, exc.code, exc.message, exc.extra)
+                return exc.status, error.raw_headers, bytes(error.body)
             data = out.model_dump_json().encode()
-            await send({"type": "http.response.start", "status": 200, "headers": _json_head(data)})
-            await send({"type": "http.response.body", "body": data})
+            return 200, _json_head(data), data
         finally:
             lane.latency(self.gw).observe(_clock.now() - start)
 
@@ -212,6 +238,55 @@ class _FastLane:
         secret = _bearer_secret(auth[0].decode("latin-1")) if len(auth) == 1 else None
         key = self.keys.find(secret) if secret is not None else None
         return key if key is not None and key.allows(Verb.ACQUIRE, name) else False
+
+
+_PROXIED = frozenset({b"x-forwarded-for", b"x-forwarded-proto"})
+
+
+class DirectLane:
+    """The fast lane's requests as the HTTP protocol answers them itself (``_http``), with no
+    trip through uvicorn's ASGI cycle, the proxy-headers middleware and the app: those whose
+    body has arrived whole and within the body limit, which pass the Host and Origin rules
+    of a keyless server and name no forwarded client (uvicorn's proxy-headers middleware
+    would rewrite the client address an owner is described by). The same lane answers them
+    (``_FastLane.answer``); anything else, and anything the lane is not sure of, goes to the
+    app as before."""
+
+    def __init__(self, service: _Service, lane: _FastLane, limit: int) -> None:
+        self.service, self.lane, self.limit = service, lane, limit
+        self.taken = 0  # requests answered here (tests read it)
+
+    def pick(self, scope: Scope) -> tuple[_Lane, str] | None:
+        picked = self.lane.pick(scope)
+        if picked is None:
+            return None
+        host = origin = None
+        for name, value in scope["headers"]:  # (one pass: the first Host and Origin)
+            if name in _PROXIED:
+                return None
+            if name == b"host":
+                host = value if host is None else host
+            elif name == b"origin":
+                origin = value if origin is None else origin
+        service = self.service
+        if (service.loopback_hosts_only or service.same_origin_only) and service.host_refusal(
+            None if host is None else host.decode("latin-1"),
+            None if origin is None else origin.decode("latin-1"),
+        ):
+            return None  # (the app refuses it, and counts the refusal)
+        return picked
+
+    async def answer(
+        self, picked: tuple[_Lane, str], scope: Scope, body: bytes, receive: Receive
+    ) -> tuple[int, list[tuple[bytes, bytes]], bytes] | None:
+        """As ``_FastLane.answer``; None also for a body over the limit (the app refuses
+        it)."""
+        if len(body) > self.limit:
+            return None
+        start = _clock.now()
+        answer = await self.lane.answer(picked, scope, body, receive, start)
+        self.taken += answer is not None
+        return answer
 
 
 class _BodyLimit:

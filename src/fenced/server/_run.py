@@ -272,7 +272,8 @@ def serve(
         ssl_keyfile=tls_key,
         timeout_graceful_shutdown=graceful,
         lifespan="on",
-        http=http_protocol(settings.read_timeout),  # (httptools, bounding a request's head)
+        # (httptools, bounding a request's head; answering the hot path itself)
+        http=http_protocol(settings.read_timeout, getattr(app, "direct", None)),
     )
     server = uvicorn.Server(config)
     scheme = "https" if tls_cert else "http"

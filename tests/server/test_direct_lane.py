@@ -1,0 +1,351 @@
+"""The direct lane: acquire, renew and release answered by ``fenced serve``'s HTTP protocol
+itself (``fenced.server._http``, ``DirectLane``), over real sockets. The spec is what the
+server answers without it (every request through uvicorn's ASGI cycle and the app): the same
+bytes (but the date), the same counters, in the same order on a pipelined connection; a
+request the lane is not sure of (its body not whole yet, a bad body, a refused Host) goes
+to the app as before."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import uvicorn
+
+from fenced.server._app import ServerSettings, create_app
+from fenced.server._auth import load_api_keys
+from fenced.server._http import http_protocol
+from fenced.server._run import listen_socket
+from tests.test_server_fast_lane import GOOD, SCRIPT, SECRET, counters, keys_file, normal
+
+Answer = tuple[bytes, list[tuple[bytes, bytes]], bytes]  # status line, headers, body
+
+
+class Served:
+    """``create_app(settings)`` behind uvicorn with fenced's protocol, on a loopback port."""
+
+    def __init__(self, settings: ServerSettings, direct: bool, access_log: bool = False) -> None:
+        app: Any = create_app(settings)
+        self.app = app
+        protocol = http_protocol(settings.read_timeout, app.direct if direct else None)
+        config = uvicorn.Config(
+            self.app, log_config=None, lifespan="on", http=protocol, access_log=access_log
+        )
+        self.server = uvicorn.Server(config)
+        self.sock = listen_socket("127.0.0.1", 0)
+        self.port = self.sock.getsockname()[1]
+
+    @property
+    def direct_taken(self) -> int:
+        return int(self.app.direct.taken)
+
+    @property
+    def lane_taken(self) -> int:
+        return int(self.app.front.taken)
+
+    async def connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        return await asyncio.open_connection("127.0.0.1", self.port)
+
+
+@contextlib.asynccontextmanager
+async def serving(
+    settings: ServerSettings, direct: bool = True, access_log: bool = False
+) -> AsyncIterator[Served]:
+    served = Served(settings, direct, access_log)
+    task = asyncio.create_task(served.server.serve(sockets=[served.sock]))
+    try:
+        async with asyncio.timeout(30):
+            while not served.server.started:
+                await asyncio.sleep(0.01)
+        yield served
+    finally:
+        served.server.should_exit = True
+        await task
+
+
+async def read_answer(reader: asyncio.StreamReader) -> Answer:
+    """One answer; its status line with any interim answer (100 Continue) before it."""
+    interim = b""
+    head = await reader.readuntil(b"\r\n\r\n")
+    while head.startswith(b"HTTP/1.1 1"):
+        interim, head = interim + head, await reader.readuntil(b"\r\n\r\n")
+    lines = head[:-4].split(b"\r\n")
+    headers = [tuple(line.split(b": ", 1)) for line in lines[1:]]
+    length = next(int(v) for k, v in headers if k == b"content-length")
+    return interim + lines[0], headers, await reader.readexactly(length)  # type: ignore[return-value]
+
+
+def request(
+    path: str, body: bytes | None = None, *, method: str = "POST", version: str = "1.1", **h: str
+) -> bytes:
+    headers = {"host": "127.0.0.1", **{k.replace("_", "-"): v for k, v in h.items()}}
+    if body is not None:
+        headers["content-length"] = str(len(body))
+    head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    return f"{method} {path} HTTP/{version}\r\n{head}\r\n".encode() + (body or b"")
+
+
+def comparable(answer: Answer) -> tuple[bytes, list[tuple[bytes, bytes]], Any]:
+    """Without what differs by the moment: the date, times left (and so the length: read
+    whole by it), generated ids."""
+    status, headers, body = answer
+    return status, [(k, v) for k, v in headers if k not in _MOMENT], normal(body)
+
+
+_MOMENT = (b"date", b"content-length")
+
+
+def script_request(method: str, path: str, body: Any, key: str | None) -> bytes:
+    content = body if isinstance(body, bytes) else (json.dumps(body).encode() if body else b"")
+    auth = {"authorization": f"Bearer {key}"} if key else {}
+    return request(path, content, method=method, **auth)
+
+
+async def run_script(tmp_path: Path, direct: bool) -> tuple[list[Any], set[int], int]:
+    """SCRIPT over one kept-alive connection; the answers, the requests the direct lane
+    took, and how many the ASGI fast lane took."""
+    settings = ServerSettings(
+        url=f"sqlite:///{tmp_path / ('direct' if direct else 'asgi')}.db",
+        api_keys=load_api_keys(keys_file(tmp_path)),
+    )
+    answers: list[Any] = []
+    taken = set()
+    async with serving(settings, direct) as served:
+        reader, writer = await served.connect()
+        for i, (method, path, body, key) in enumerate(SCRIPT):
+            before = served.direct_taken
+            writer.write(script_request(method, path, body, key))
+            answers.append(comparable(await read_answer(reader)))
+            if served.direct_taken > before:
+                taken.add(i)
+        writer.write(request("/metrics", method="GET", authorization=f"Bearer {SECRET}"))
+        status, _, text = await read_answer(reader)
+        answers.append((status, counters(text.decode())))
+        writer.close()
+        return answers, taken, served.lane_taken
+
+
+async def test_the_direct_lane_answers_byte_for_byte_what_the_app_answers(
+    tmp_path: Path,
+) -> None:
+    """Every kind of good and bad request of the lane's routes, over a socket: the same
+    status line, headers and body (but the date and what differs by chance) and the same
+    counters with the direct lane as without it; the good ones are taken by it (and no
+    longer by the ASGI fast lane), the rest are not."""
+    with_direct, taken, lane_taken = await run_script(tmp_path, direct=True)
+    without, not_taken, asgi_taken = await run_script(tmp_path, direct=False)
+    assert with_direct == without
+    assert taken == GOOD and not not_taken
+    assert lane_taken == asgi_taken == len(GOOD)  # (the fast lane counts the direct ones too)
+
+
+async def test_a_pipelined_mix_of_direct_and_app_requests_is_answered_in_order(
+    tmp_path: Path,
+) -> None:
+    """Six requests in one write — direct, app, a bad body (the app's), direct, app, direct —
+    come back in the order they were sent, each the answer to its own request."""
+    async with serving(ServerSettings(url=f"sqlite:///{tmp_path}/p.db")) as served:
+        reader, writer = await served.connect()
+        writer.write(
+            request("/v1/locks/p/-/acquire", b'{"ttl": 30, "request_id": "r-1"}')
+            + request("/v1/locks/p", method="GET")
+            + request("/v1/locks/p/-/acquire", b'{"ttl": "30"}')
+            + request("/v1/locks/p/-/release", b'{"token": "p:1", "request_id": "r-1"}')
+            + request("/v1/health", method="GET")
+            + request("/v1/locks/p/-/acquire", b'{"ttl": 30, "request_id": "r-2"}')
+        )
+        got = [await read_answer(reader) for _ in range(6)]
+        writer.close()
+    statuses = [status for status, _, _ in got]
+    bodies = [json.loads(body) for _, _, body in got]
+    assert (
+        statuses
+        == [b"HTTP/1.1 200 OK"] * 2 + [b"HTTP/1.1 400 Bad Request"] + [b"HTTP/1.1 200 OK"] * 3
+    )
+    assert bodies[0]["token"] == "p:1" and bodies[0]["request_id"] == "r-1"
+    assert bodies[1]["token"] == "p:1" and bodies[1]["held"] is True
+    assert bodies[2]["error"] == "invalid_request"
+    assert bodies[3] == {"released": True}
+    assert bodies[4] == {"status": "ok"}
+    assert bodies[5]["token"] == "p:2" and bodies[5]["request_id"] == "r-2"
+    assert served.direct_taken == 3
+
+
+async def test_a_body_arriving_in_pieces_goes_to_the_app_and_is_answered(
+    tmp_path: Path,
+) -> None:
+    """The lane answers only a request whose body has arrived whole; one whose body comes in
+    pieces is the app's (which bounds its time and size), answered once whole — never judged
+    by its first piece: a JSON object followed by junk is a bad body (400), not a grant."""
+    async with serving(ServerSettings(url=f"sqlite:///{tmp_path}/b.db")) as served:
+        reader, writer = await served.connect()
+        first = b'{"ttl": 30, "request_id": "r-1"}'
+        for rest, status in ((b"xx", b"400 Bad Request"), (b"  ", b"200 OK")):
+            whole = request("/v1/locks/b/-/acquire", first + rest)
+            writer.write(whole[: -len(rest)])
+            async with asyncio.timeout(10):  # (until the server has read the head)
+                while not _body_pending(served):
+                    await asyncio.sleep(0.005)
+            writer.write(rest)
+            got, _, body = await read_answer(reader)
+            assert got == b"HTTP/1.1 " + status, body
+        assert json.loads(body)["token"] == "b:1"
+        assert (served.direct_taken, served.lane_taken) == (0, 1)
+        writer.write(request("/v1/locks/b/-/release", b'{"token": "b:1", "request_id": "r-1"}'))
+        got, _, body = await read_answer(reader)
+        assert json.loads(body) == {"released": True}
+        assert (served.direct_taken, served.lane_taken) == (1, 2)
+        writer.close()
+
+
+def _app_only(raw: bytes) -> bool:
+    """A request the direct lane leaves to the app (see the parameters below)."""
+    words = (b"expect", b"x-forwarded", b"evil.example", b"      ")
+    return any(word in raw for word in words)
+
+
+def _body_pending(served: Served) -> bool:
+    """A connection's current request has its head read and not all its body."""
+    cycles = [getattr(c, "cycle", None) for c in served.server.server_state.connections]
+    return any(cycle is not None and cycle.more_body for cycle in cycles)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        request("/v1/locks/k/-/acquire", b'{"ttl": 30}', version="1.0"),
+        request("/v1/locks/k/-/acquire", b'{"ttl": 30}', connection="close"),
+        request("/v1/locks/k/-/acquire", b'{"ttl": 30}', expect="100-continue"),
+        request("/v1/locks/k/-/acquire", b'{"ttl": 30}', x_forwarded_for="10.1.2.3"),
+        request("/v1/locks/k/-/acquire", b'{"ttl": 30}' + b" " * 100),  # over the limit
+        request("/v1/locks/k/-/acquire", b'{"ttl": 30}', host="evil.example"),
+        request("/v1/locks/k/-/acquire", b'{"ttl": 30}', origin="http://evil.example"),
+        request("/v1/locks/k/-/acquire", b'{"ttl": 30}', origin="http://127.0.0.1"),
+        request("/v1/locks/k/-/acquire?x=1", b'{"ttl": 30}'),
+        request("/v1/locks/k%2F/-/acquire", b'{"ttl": 30}'),
+    ],
+    ids=[
+        "http1.0",
+        "close",
+        "expect",
+        "forwarded",
+        "too-large",
+        "dns-host",
+        "foreign-origin",
+        "own-origin",
+        "query",
+        "quoted",
+    ],
+)
+async def test_the_edges_of_http_are_answered_as_the_app_answers_them(
+    tmp_path: Path, raw: bytes
+) -> None:
+    """HTTP/1.0 and ``Connection: close`` (the answer says close, and the connection ends),
+    an ``Expect``, a forwarded client (whose address the app's proxy-headers middleware puts
+    in the owner), a body over the limit, the Host and Origin rules of a keyless loopback
+    server (refused and counted; its own origin served): the same bytes and the same
+    counters with the direct lane as without it."""
+    got, owners = {}, {}
+    for direct in (True, False):
+        settings = ServerSettings(
+            url=f"sqlite:///{tmp_path}/{direct}.db",
+            max_request_bytes=64,
+            loopback_hosts_only=True,
+        )
+        async with serving(settings, direct) as served:
+            reader, writer = await served.connect()
+            writer.write(raw)
+            answer = await read_answer(reader)
+            closing = (b"connection", b"close") in answer[1]
+            closed = await reader.read() == b"" if closing else None  # (the server ended it)
+            writer.close()
+            gw = served.app.state.gateway
+            metrics = gw.metrics.render()
+            text = metrics.decode() if isinstance(metrics, bytes) else metrics
+            got[direct] = (comparable(answer), closed, counters(text))
+            owners[direct] = [e.owner for e in gw.events]
+            if direct:
+                taken = served.direct_taken
+    assert got[True] == got[False] and owners[True] == owners[False]
+    assert taken == (raw.startswith(b"POST /v1/locks/k") and not _app_only(raw))
+    if b"x-forwarded-for" in raw:
+        assert owners[True] == ["http client 10.1.2.3"]  # (the app's middleware's doing)
+
+
+async def test_the_access_log_says_what_it_says_for_the_app(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With ``--access-log`` a request the direct lane answers is logged as uvicorn logs the
+    app's answers: the same line (but the client's port), at the same level."""
+    lines = {}
+    for direct in (True, False):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="uvicorn.access"):
+            settings = ServerSettings(url=f"sqlite:///{tmp_path}/{direct}.db")
+            async with serving(settings, direct, access_log=True) as served:
+                reader, writer = await served.connect()
+                writer.write(request("/v1/locks/a/-/acquire", b'{"ttl": 30}'))
+                writer.write(request("/v1/locks/a/-/acquire", b'{"ttl": 30}', version="1.0"))
+                assert (await read_answer(reader))[0] == b"HTTP/1.1 200 OK"
+                assert (await read_answer(reader))[0] == b"HTTP/1.1 409 Conflict"
+                writer.close()
+                taken = served.direct_taken
+        lines[direct] = [
+            (r.levelname, re.sub(r":\d+ - ", ":<port> - ", r.getMessage()))
+            for r in caplog.records
+            if r.name == "uvicorn.access"
+        ]
+        assert taken == (2 if direct else 0)
+    assert lines[True] == lines[False] and len(lines[True]) == 2
+    assert lines[True][1] == (
+        "INFO",
+        '127.0.0.1:<port> - "POST /v1/locks/a/-/acquire HTTP/1.0" 409',
+    )
+
+
+async def test_a_waiting_acquire_taken_directly_leaves_the_queue_when_its_client_goes(
+    tmp_path: Path,
+) -> None:
+    """A long poll answered by the direct lane watches its connection as the app's did: the
+    client hangs up while waiting, the acquire leaves the queue, and the lock released by
+    its holder is free — not granted to a client that is gone. The holder's own requests and
+    a waiter that stays are served as ever."""
+    async with serving(ServerSettings(url=f"sqlite:///{tmp_path}/w.db")) as served:
+        gw = served.app.state.gateway
+        reader, writer = await served.connect()
+        writer.write(request("/v1/locks/w/-/acquire", b'{"ttl": 30, "request_id": "r-1"}'))
+        assert json.loads((await read_answer(reader))[2])["token"] == "w:1"
+        _, gone = await served.connect()
+        gone.write(request("/v1/locks/w/-/acquire", b'{"timeout": 30, "request_id": "r-2"}'))
+        async with asyncio.timeout(10):
+            while gw._waiting != 1:  # (queued)
+                await asyncio.sleep(0.005)
+        gone.close()
+        async with asyncio.timeout(10):
+            while gw._waiting != 0:  # (left the queue: its client went)
+                await asyncio.sleep(0.005)
+        writer.write(request("/v1/locks/w/-/release", b'{"token": "w:1", "request_id": "r-1"}'))
+        assert json.loads((await read_answer(reader))[2]) == {"released": True}
+        writer.write(request("/v1/locks/w", method="GET"))
+        assert json.loads((await read_answer(reader))[2])["held"] is False
+        # A waiter that stays gets the lock when it is released.
+        writer.write(request("/v1/locks/w/-/acquire", b'{"ttl": 30, "request_id": "r-3"}'))
+        assert json.loads((await read_answer(reader))[2])["token"] == "w:2"
+        stay_reader, stay = await served.connect()
+        stay.write(request("/v1/locks/w/-/acquire", b'{"timeout": 30, "request_id": "r-4"}'))
+        async with asyncio.timeout(10):
+            while gw._waiting != 1:
+                await asyncio.sleep(0.005)
+        writer.write(request("/v1/locks/w/-/release", b'{"token": "w:2", "request_id": "r-3"}'))
+        assert json.loads((await read_answer(reader))[2]) == {"released": True}
+        assert json.loads((await read_answer(stay_reader))[2])["token"] == "w:3"
+        assert served.direct_taken == 6  # (four acquires, two releases; not the status)
+        writer.close()
+        stay.close()
