@@ -383,8 +383,8 @@ async def queue_jump_violations(url: str, port: int) -> list[str]:
     bad: list[str] = []
     try:
         script = raw.register_script(ACQUIRE_LUA)
-        hold = script(keys=keys, args=["A", 60_000, "wait", 60_000, f"{base}:wake:", ""])
-        queued = script(keys=keys, args=["B", 60_000, "wait", 60_000, f"{base}:wake:", "b"])
+        hold = script(keys=keys[:3], args=["A", 60_000, "", 60_000])
+        queued = script(keys=keys[:3], args=["B", 60_000, "b", 60_000])
         assert isinstance(hold, int) and queued[0] == 0  # A: a fresh grant (the bare token)
         raw.pexpire(keys[1], 1)  # A's lease runs out (server clock), nobody released
         wait_for(lambda: not raw.exists(keys[1]), what="the holder's key to expire")
@@ -456,7 +456,9 @@ class CounterDeletedWithHolder(RedisBackend):
     """Planted bug: release deletes the token counter along with the holder key."""
 
     release_lua: ClassVar[str] = RELEASE_LUA.replace(
-        "redis.call('DEL', KEYS[2])", "redis.call('DEL', KEYS[2], KEYS[1])", 1
+        "redis.call('DEL', KEYS[1])",
+        "redis.call('DEL', KEYS[1], string.sub(KEYS[1], 1, -7) .. 'token')",
+        1,
     )
 
 
@@ -659,9 +661,9 @@ class ReleaseTrustsTheGrantsValue(RedisBackend):
     without comparing it."""
 
     release_lua: ClassVar[str] = RELEASE_LUA.replace(
-        "if v ~= ARGV[7] then", "if ARGV[7] == '' then", 1
+        "if v ~= ARGV[1] then", "if ARGV[1] == '' then", 1
     )
-    renew_lua: ClassVar[str] = RENEW_LUA.replace("if v ~= ARGV[4] then", "if ARGV[4] == '' then", 1)
+    renew_lua: ClassVar[str] = RENEW_LUA.replace("if v ~= ARGV[1] then", "if ARGV[1] == '' then", 1)
 
 
 def _ignore(_: BaseException) -> None:
@@ -759,10 +761,10 @@ class ReleaseByValueOnly(RedisBackend):
     """A probe: release and renew accept only the exact holder value (the parse refuses)."""
 
     release_lua: ClassVar[str] = RELEASE_LUA.replace(
-        "if v ~= ARGV[7] then", "if v ~= ARGV[7] then do return 0 end", 1
+        "if v ~= ARGV[1] then", "if v ~= ARGV[1] then do return 0 end", 1
     )
     renew_lua: ClassVar[str] = RENEW_LUA.replace(
-        "if v ~= ARGV[4] then", "if v ~= ARGV[4] then do return 0 end", 1
+        "if v ~= ARGV[1] then", "if v ~= ARGV[1] then do return 0 end", 1
     )
 
 

@@ -129,7 +129,8 @@ _OPTIONS: Final = MappingProxyType(
 )
 
 
-# Every script that changes a lock gets the same keys and its first five arguments:
+# The lock's keys and the scripts' full layout (the queue's code works on it; see each script
+# for what it is given):
 # KEYS: 1 token counter (never expires), 2 holder ("<token> <ttl ms> <request id>", then
 #       "\n<owner>" if the holder described itself; PX expiry), 3 queue (zset rid -> arrival
 #       number), 4 heartbeats (zset rid -> deadline, server ms), 5 arrival counter, 6 waiters'
@@ -214,6 +215,10 @@ end
 # `always`'s fsync, i.e. cold (docs/backend-redis.md, "Server time"): so one EXISTS answers
 # both "free?" and "nobody queued?", and the reply is the bare token (an integer: a table reply
 # costs as much as a command), the table form only where a Lua number is not exact (2^53).
+# The scripts on the uncontended path get only the keys and arguments that path uses (Redis
+# builds the KEYS and ARGV tables element by element on every call: a third of an
+# acquire+release's server instructions went there with seven of each); the other paths
+# derive the rest of the layout above from the first key (same hash tag, same slot).
 _FREE_FAST: Final = """
 local ttl = ARGV[2]
 if redis.call('EXISTS', KEYS[2], KEYS[3]) == 0 then
@@ -225,20 +230,40 @@ if redis.call('EXISTS', KEYS[2], KEYS[3]) == 0 then
     token = redis.call('GET', KEYS[1])  -- beyond 2^53 a Lua number is not exact
   end
   local value = token .. ' ' .. ttl .. ' ' .. ARGV[1]
-  if ARGV[6] ~= '' then value = value .. '\\n' .. ARGV[6] end
+  if ARGV[3] ~= '' then value = value .. '\\n' .. ARGV[3] end
   redis.call('SET', KEYS[2], value, 'PX', ttl)
   if n < 9007199254740992 then return n end
   return {1, token, tonumber(ttl), tonumber(ttl)}
 end
 """
 
-# ARGV[3]: 'wait' joins the queue (or refreshes the caller's heartbeat) if not granted;
-# 'final' (the deadline has passed) leaves it instead. ARGV[6]: the caller's owner text.
+
+def _full_layout(key: str, strip: int, args: str) -> str:
+    """Lua that rebinds KEYS and ARGV to the full layout (see above) for the code after it,
+    from ``key`` (an expression naming one of the lock's keys, ``strip`` characters past its
+    base) and ``args`` (the six arguments, as Lua expressions over ``base``)."""
+    return f"""
+local base = string.sub({key}, 1, -{strip + 1})
+local KEYS = {{base .. 'token', base .. 'holder', base .. 'queue', base .. 'hb', base .. 'seq',
+  base .. 'ttls', base .. 'owners'}}
+local ARGV = {{{args}}}
+"""
+
+
+# KEYS: 1 token counter, 2 holder, 3 queue. ARGV: 1 request id, 2 ttl ms, 3 the caller's owner
+# text, 4 heartbeat ms ('wait': join the queue, or refresh the caller's heartbeat, if not
+# granted) or 'final' (the deadline has passed: leave the queue instead).
 # Returns the token alone (an integer) for a fresh grant of the full ttl; {1, token, pttl, ttl}
 # when the caller holds the lock otherwise (a hand-off it has not read yet, a retried request,
 # a token past 2^53), else {0, holder pttl, queue length}.
 ACQUIRE_LUA: Final = (
     _FREE_FAST
+    + _full_layout(
+        "KEYS[1]",
+        len("token"),
+        "ARGV[1], ARGV[2], ARGV[4] == 'final' and 'final' or 'wait', ARGV[4],"
+        " base .. 'wake:', ARGV[3]",
+    )
     + _HOLDER
     + """
 local rid = ARGV[1]
@@ -276,6 +301,7 @@ return {0, redis.call('PTTL', KEYS[2]), redis.call('ZCARD', KEYS[3])}
 
 # An abandoned acquire (cancelled, failed) leaves the queue, and gives back a grant that was
 # made for it while it was not listening; then a free lock goes to the next waiter.
+# KEYS and ARGV: the full layout (ARGV[2] to [4] unused).
 LEAVE_LUA: Final = (
     _HOLDER
     + """
@@ -294,25 +320,37 @@ return 1
 """
 )
 
-# ARGV[6]: the token being released; ARGV[7]: the holder value this client was granted with
-# (or ''), so that the usual release is one string comparison (Lua strings are interned: a
-# pointer comparison) where a parse costs the pattern matcher's code, cold. Any other value
-# (a grant written by another version's script, a release without its grant's value) is
-# parsed and checked as before. Returns 1 if it was held (and is now released), else 0.
-# With nobody queued it returns before making the queue's functions (see _FREE_FAST).
-RELEASE_LUA: Final = (
-    """
-local v = redis.call('GET', KEYS[2])
-if v ~= ARGV[7] then
+# The holder check of release and renew. ARGV[1]: the holder value this client was granted
+# with (or ''), so that the usual check is one string comparison (Lua strings are interned: a
+# pointer comparison) where a parse costs the pattern matcher's code, cold. Any other value (a
+# grant written by another version's script, a release without its grant's value) is parsed
+# and checked: request id and token, from ARGV[1] or else from ARGV[2] and ARGV[3].
+_IS_HOLDER: Final = """
+local v = redis.call('GET', KEYS[1])
+if v ~= ARGV[1] then
   if not v then return 0 end
+  local want_token, want_rid = ARGV[3], ARGV[2]
+  if ARGV[1] ~= '' then
+    local t, _, r = string.match(ARGV[1], '^(%d+) (%d+) ([^\\n]*)')
+    want_token, want_rid = t, r
+  end
   local h_token, _, h_rid = string.match(v, '^(%d+) (%d+) ([^\\n]*)\\n?(.*)$')
-  if h_rid ~= ARGV[1] or h_token ~= ARGV[6] then
+  if h_rid ~= want_rid or h_token ~= want_token then
     return 0
   end
 end
-redis.call('DEL', KEYS[2])
-if redis.call('EXISTS', KEYS[3]) == 0 then return 1 end
 """
+
+# KEYS: 1 holder, 2 queue. ARGV: 1 the grant's holder value or '', then (only without it) 2
+# request id, 3 token. Returns 1 if it was held (and is now released), else 0. With nobody
+# queued it returns before making the queue's functions (see _FREE_FAST).
+RELEASE_LUA: Final = (
+    _IS_HOLDER
+    + """
+redis.call('DEL', KEYS[1])
+if redis.call('EXISTS', KEYS[2]) == 0 then return 1 end
+"""
+    + _full_layout("KEYS[1]", len("holder"), "'', '0', 'release', '0', base .. 'wake:', ''")
     + _PRELUDE
     + """
 hand_off()
@@ -320,20 +358,15 @@ return 1
 """
 )
 
-# KEYS: as above (only 2 is used)   ARGV: 1 request id, 2 token, 3 ttl ms, 4 the holder value
-# the grant was made with (or ''): compared whole, else parsed, as in RELEASE_LUA.
-RENEW_LUA: Final = """
-local v = redis.call('GET', KEYS[2])
-if v ~= ARGV[4] then
-  if not v then return 0 end
-  local h_token, _, h_rid = string.match(v, '^(%d+) (%d+) ([^\\n]*)\\n?(.*)$')
-  if h_rid ~= ARGV[1] or h_token ~= ARGV[2] then
-    return 0
-  end
-end
-redis.call('PEXPIRE', KEYS[2], ARGV[3])
+# KEYS: 1 holder. ARGV: 1 the grant's holder value or '', 2 request id, 3 token (as in
+# RELEASE_LUA), 4 ttl ms.
+RENEW_LUA: Final = (
+    _IS_HOLDER
+    + """
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
 return 1
 """
+)
 
 # KEYS: as above (reads only)
 STATUS_LUA: Final = (
@@ -404,6 +437,13 @@ def _granted_value(grant: Grant) -> str:
         return ""
     ttl_ms = max(1, round(grant.ttl * 1000))
     return f"{grant.token.value} {ttl_ms} {grant.request_id}{grant.handle}"
+
+
+def _holder_args(grant: Grant) -> tuple[str | int, ...]:
+    """ARGV of the holder check (_IS_HOLDER): the grant's holder value alone (it names the
+    request id and token), or '', request id and token when there is none."""
+    value = _granted_value(grant)
+    return (value,) if value else ("", grant.request_id, grant.token.value)
 
 
 class RedisBackend(Backend):
@@ -610,12 +650,12 @@ class RedisBackend(Backend):
                 args: Sequence[str | int] = (
                     request_id,
                     ttl_ms,
-                    "final" if final else "wait",
-                    self._heartbeat_ms,
-                    wake_prefix,
                     owner,
+                    "final" if final else self._heartbeat_ms,
                 )
-                reply = await self._call(functools.partial(self._acquire, keys=keys, args=args))
+                reply = await self._call(
+                    functools.partial(self._acquire, keys=keys[:3], args=args)
+                )
                 if type(reply) is int:  # a fresh grant of the full ttl (the fast path)
                     queued = False
                     return Grant(
@@ -691,24 +731,16 @@ class RedisBackend(Backend):
         keys, _ = self._keys(grant.token.lock)
         sent_at = _clock.now()
         ttl_ms = max(1, round(grant.ttl * 1000))
-        args = (grant.request_id, grant.token.value, ttl_ms, _granted_value(grant))
-        ok = await self._call(lambda: self._renew(keys=keys, args=args))
+        args = (_granted_value(grant), grant.request_id, grant.token.value, ttl_ms)
+        ok = await self._call(lambda: self._renew(keys=keys[1:2], args=args))
         if not int(ok):
             raise LeaseLostError(f"lease {grant.token} is no longer held")
         return Grant(grant.token, grant.request_id, grant.ttl, sent_at, grant.handle)
 
     async def release(self, grant: Grant) -> bool:
-        keys, wake_prefix = self._keys(grant.token.lock)
-        args = (
-            grant.request_id,
-            0,
-            "release",
-            self._heartbeat_ms,
-            wake_prefix,
-            grant.token.value,
-            _granted_value(grant),
-        )
-        done = await self._call(lambda: self._release(keys=keys, args=args))
+        keys, _ = self._keys(grant.token.lock)
+        args = _holder_args(grant)
+        done = await self._call(lambda: self._release(keys=keys[1:3], args=args))
         return bool(int(done))
 
     async def lock_names(self) -> list[str]:
