@@ -29,7 +29,6 @@ the lock, it releases).
 from __future__ import annotations
 
 import collections
-import glob
 import importlib.util
 import os
 import re
@@ -100,28 +99,29 @@ class Scripts:
 
     def grant(self, rid: str, owner: str) -> object:
         if self.full:
-            args = [rid, 10_000, "wait", 3_000, self.wake, owner]
+            args: list[str | int] = [rid, 10_000, "wait", 3_000, self.wake, owner]
             return self.acquire(keys=self.keys, args=args)
         if self.floor:
             return self.acquire(keys=self.keys[1:2], args=[rid, 10_000])
         return self.acquire(keys=self.keys[:3], args=[rid, 10_000, owner, 3_000])
 
-    def free(self, rid: str, token: object, owner: str) -> object:
+    def free(self, rid: str, token: int | str, owner: str) -> object:
         value = f"{token} 10000 {rid}\n{owner}" if owner else f"{token} 10000 {rid}"
         if self.full:
-            args = [rid, 0, "release", 3_000, self.wake, token, value]
+            args: list[str | int] = [rid, 0, "release", 3_000, self.wake, token, value]
             return self.release(keys=self.keys, args=args)
         if self.floor:
             return self.release(keys=self.keys[1:2], args=[rid])
         return self.release(keys=self.keys[1:3], args=[value])
 
 
-def token_of(got: object) -> object:
+def token_of(got: object) -> int | str:
     # The bare token since issue 28 §3, {1, token, pttl, ttl} before.
     if isinstance(got, int):
         return got
     assert isinstance(got, list) and got[0] == 1, got
-    return got[1]
+    token: int | str = got[1]
+    return token
 
 
 def uncontended_ops(c: redis.Redis, variants: dict[str, tuple[str, str]]) -> dict[str, Op]:
@@ -215,12 +215,27 @@ def callgrind_server() -> Iterator[tuple[redis.Redis, Callable[[], int]]]:
     out = os.path.join(d, "cg.out")
     server = subprocess.Popen(
         [
-            "valgrind", "--tool=callgrind", f"--callgrind-out-file={out}",
-            "--collect-atstart=no", "--toggle-collect=processCommand",
-            "--zero-before=echoCommand", "--dump-before=pingCommand",
-            "redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-            "--appendonly", "yes", "--appendfsync", "always", "--dir", d,
-        ],  # fmt: skip
+            "valgrind",
+            "--tool=callgrind",
+            f"--callgrind-out-file={out}",
+            "--collect-atstart=no",
+            "--toggle-collect=processCommand",
+            "--zero-before=echoCommand",
+            "--dump-before=pingCommand",
+            "redis-server",
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            "always",
+            "--dir",
+            d,
+        ],
         cwd=d,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -653,9 +653,7 @@ class RedisBackend(Backend):
                     owner,
                     "final" if final else self._heartbeat_ms,
                 )
-                reply = await self._call(
-                    functools.partial(self._acquire, keys=keys[:3], args=args)
-                )
+                reply = await self._call(functools.partial(self._acquire, keys=keys[:3], args=args))
                 if type(reply) is int:  # a fresh grant of the full ttl (the fast path)
                     queued = False
                     return Grant(
