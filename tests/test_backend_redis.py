@@ -842,3 +842,37 @@ def test_an_uncontended_acquire_and_release_run_the_fewest_commands(
     calls = {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in stats.items()}
     calls.pop("config|resetstat", None)
     assert calls == {"evalsha": 20, "exists": 20, "incr": 10, "set": 10, "get": 10, "del": 10}
+
+
+def test_the_uncontended_scripts_get_only_the_keys_and_arguments_they_use(
+    redis_server: RedisServer,
+) -> None:
+    """Redis builds a script's KEYS and ARGV tables element by element on every call, which
+    was a third of an acquire+release's server instructions with seven of each
+    (docs/backend-redis.md, "Server time"): the acquire gets the counter, holder and queue
+    keys and four arguments, the release the holder and queue keys and the grant's holder
+    value, the renew the holder key and four arguments."""
+    prefix, name = _prefix(), unique_name()
+    native = redis.Redis(port=redis_server.port)
+    threshold = native.config_get("slowlog-log-slower-than")["slowlog-log-slower-than"]
+    try:
+        with fenced.connect(redis_server.url, key_prefix=prefix) as locks:  # type: ignore[arg-type]
+            lease = locks.lock(name, ttl=30)
+            lease.acquire()  # (the first call of each script loads it: NOSCRIPT, then EVALSHA)
+            lease.renew()
+            lease.release()
+            native.config_set("slowlog-log-slower-than", 0)
+            native.slowlog_reset()
+            lease.acquire()
+            lease.renew()
+            lease.release()
+            native.set_response_callback("SLOWLOG GET", lambda r, **_: r)  # the raw entries
+            entries = native.execute_command("SLOWLOG GET", 1000)
+    finally:
+        native.config_set("slowlog-log-slower-than", threshold)
+        native.close()
+    # Each entry: id, time, µs, [command and arguments], ...; oldest last.
+    scripts = [e[3] for e in reversed(entries) if e[3][0].upper() == b"EVALSHA"]
+    # EVALSHA sha numkeys keys... args...: (numkeys, number of arguments) per script
+    shapes = [(int(c[2]), len(c) - 3 - int(c[2])) for c in scripts]
+    assert shapes == [(3, 4), (1, 4), (2, 1)], scripts
