@@ -848,7 +848,7 @@ def test_the_uncontended_scripts_get_only_the_keys_and_arguments_they_use(
     redis_server: RedisServer,
 ) -> None:
     """Redis builds a script's KEYS and ARGV tables element by element on every call, which
-    was a third of an acquire+release's server instructions with seven of each
+    was over a quarter of an acquire+release's server instructions with seven of each
     (docs/backend-redis.md, "Server time"): the acquire gets the counter, holder and queue
     keys and four arguments, the release the holder and queue keys and the grant's holder
     value, the renew the holder key and four arguments."""

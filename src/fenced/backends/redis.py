@@ -216,7 +216,7 @@ end
 # both "free?" and "nobody queued?", and the reply is the bare token (an integer: a table reply
 # costs as much as a command), the table form only where a Lua number is not exact (2^53).
 # The scripts on the uncontended path get only the keys and arguments that path uses (Redis
-# builds the KEYS and ARGV tables element by element on every call: a third of an
+# builds the KEYS and ARGV tables element by element on every call: over a quarter of an
 # acquire+release's server instructions went there with seven of each); the other paths
 # derive the rest of the layout above from the first key (same hash tag, same slot).
 _FREE_FAST: Final = """
