@@ -368,7 +368,7 @@ return 1
 """
 )
 
-# KEYS: as above (reads only)
+# KEYS (reads only): 1 token counter, 2 holder, 3 heartbeats: the keys it reads (see _FREE_FAST).
 STATUS_LUA: Final = (
     _HOLDER
     + """
@@ -378,7 +378,7 @@ local h_rid, h_token, _, h_owner = holder()
 local pttl = -1
 if h_rid then pttl = redis.call('PTTL', KEYS[2]) end
 local last = redis.call('GET', KEYS[1])
-local waiters = redis.call('ZCOUNT', KEYS[4], '(' .. now, '+inf')
+local waiters = redis.call('ZCOUNT', KEYS[3], '(' .. now, '+inf')
 return {h_rid or '', h_token or '', pttl, last or '', waiters, h_owner or ''}
 """
 )
@@ -757,7 +757,10 @@ class RedisBackend(Backend):
 
     async def status(self, name: str) -> LockStatus:
         keys, _ = self._keys(name)
-        rid, token, pttl, last, waiters, owner = await self._call(lambda: self._status(keys=keys))
+        status_keys = [keys[0], keys[1], keys[3]]
+        rid, token, pttl, last, waiters, owner = await self._call(
+            lambda: self._status(keys=status_keys)
+        )
         held = bool(rid) and int(pttl) >= 0
         return LockStatus(
             name=name,
