@@ -16,8 +16,11 @@ of the time from a holder starting its release to the next holder's grant); and 
 clients looping without pause ("steady"). A second table shows the requests the clients sent
 per grant (from INFO commandstats), which is where polling shows, and how often a grant went
 back to the client that had just released. Under the uncontended rows: the server's own time
-per acquire+release (INFO commandstats: the usec of EVALSHA and SET, taken around each round of
-each side, so the two sides interleave). ``--uncontended`` runs those rows only.
+per acquire+release (INFO commandstats: the usec of the commands each side sends itself,
+EVALSHA, and SET for redis-py, taken around each round of each side, so the two sides
+interleave), and this process's CPU time per acquire+release in the same rounds (the client
+side's cost, which the fsyncs hide in the wall-clock rows). ``--uncontended`` runs those rows
+only.
 ``--before REV`` adds fenced's Redis source as it was at git revision ``REV`` (scheme
 ``redisbefore://``) as a third side of every row, interleaved the same way, so a change is
 measured before and after in one run.
@@ -90,17 +93,18 @@ def server_commands(port: int, names: tuple[str, ...]) -> int:
     return sum(int(stats[f"cmdstat_{n}"]["calls"]) for n in names if f"cmdstat_{n}" in stats)
 
 
-def server_usec(port: int) -> int:
-    """The server's total time (µs) in the commands the two sides send to acquire and release
-    (a script's time includes the commands it calls; BLPOP is not counted: it only waits)."""
+def server_usec(port: int, side: str) -> int:
+    """The server's total time (µs) in the commands one side sends to acquire and release (a
+    script's time includes the commands it calls, which INFO also counts under their own
+    names: fenced's scripts call SET, so its rounds count EVALSHA alone; BLPOP is not counted:
+    it only waits)."""
+    names = ("evalsha", "set") if side.startswith("redis-py") else ("evalsha",)
     client = redis.Redis(port=port)
     try:
         stats = client.info("commandstats")
     finally:
         client.close()
-    return sum(
-        int(stats[f"cmdstat_{n}"]["usec"]) for n in ("evalsha", "set") if f"cmdstat_{n}" in stats
-    )
+    return sum(int(stats[f"cmdstat_{n}"]["usec"]) for n in names if f"cmdstat_{n}" in stats)
 
 
 # -- the two lock clients behind one tiny interface ------------------------------------------
@@ -162,12 +166,18 @@ def merge(name: str, parts: list[Result]) -> Result:
 
 SERVER_US: dict[str, list[float]] = {}
 """Per row name: the server µs per acquire+release of each round (INFO commandstats)."""
+CLIENT_US: dict[str, list[float]] = {}
+"""Per row name: this process's CPU µs per acquire+release of each round (every thread: the
+sync API's loop thread too), where the client side's time goes beside the fsyncs."""
 
 
 def timed_round(key: str, port: int, run: Callable[[], Result]) -> Result:
-    before = server_usec(port)
+    before = server_usec(port, key)
+    cpu = time.process_time()
     res = run()
-    SERVER_US.setdefault(key, []).append((server_usec(port) - before) / max(res.ops, 1))
+    cpu = time.process_time() - cpu
+    SERVER_US.setdefault(key, []).append((server_usec(port, key) - before) / max(res.ops, 1))
+    CLIENT_US.setdefault(key, []).append(cpu * 1e6 / max(res.ops, 1))
     return res
 
 
@@ -204,10 +214,13 @@ async def uncontended(sides: list[Side], n: int, port: int) -> list[Result]:
         names = [f"{side.name} (async)" for side in sides]
         for _ in range(ROUNDS):
             for i, fn in enumerate(ops):
-                before = await asyncio.to_thread(server_usec, port)
+                before = await asyncio.to_thread(server_usec, port, names[i])
+                cpu = time.process_time()
                 res = await ameasure("", fn, n // ROUNDS)
-                spent = await asyncio.to_thread(server_usec, port) - before
+                cpu = time.process_time() - cpu
+                spent = await asyncio.to_thread(server_usec, port, names[i]) - before
                 SERVER_US.setdefault(names[i], []).append(spent / res.ops)
+                CLIENT_US.setdefault(names[i], []).append(cpu * 1e6 / res.ops)
                 parts[i].append(res)
         return [merge(name, part) for name, part in zip(names, parts, strict=True)]
     finally:
@@ -410,17 +423,20 @@ async def run_async(
 
 def print_server_time() -> None:
     t = Table(
-        title="Server time per uncontended acquire+release (INFO commandstats: EVALSHA + SET "
-        "usec, per round; the sides alternate round by round)"
+        title="Server time per uncontended acquire+release (INFO commandstats: usec of "
+        "EVALSHA, + SET for redis-py, per round; the sides alternate round by round)"
     )
-    for col in ("who", "median", "rounds (min-max)"):
+    for col in ("who", "median", "rounds (min-max)", "client CPU, median", "(min-max)"):
         t.add_column(col, justify="left" if col == "who" else "right")
     for who, per_round in SERVER_US.items():
         ordered = sorted(per_round)
+        cpu = sorted(CLIENT_US.get(who, [0.0]))
         t.add_row(
             who,
             f"{ordered[len(ordered) // 2]:.1f} µs",
             f"{ordered[0]:.1f}-{ordered[-1]:.1f} µs",
+            f"{cpu[len(cpu) // 2]:.0f} µs",
+            f"{cpu[0]:.0f}-{cpu[-1]:.0f} µs",
         )
     Console(width=160).print(t)
 

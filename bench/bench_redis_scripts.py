@@ -1,11 +1,16 @@
-"""Server time of fenced's Redis scripts per uncontended acquire+release, call by call.
+"""Server time of fenced's Redis scripts per uncontended acquire+release, side by side.
 
-Each call's own server time comes from ``SLOWLOG`` (threshold 0), so variants can be
-interleaved call by call on one server (AOF ``appendfsync always``) and load drift hits them
-all alike; medians per script keep a preempted call from moving the figure. Rows: fenced's
-scripts (as in ``src``, or as in a git revision with ``--before REV``), redis-py's ``Lock``
-(``SET NX PX`` command + its release script), and the floor of any design with two scripts
-(a ``SET NX PX`` script and redis-py's release script).
+``INFO commandstats`` gives each command's total server µs (a script's time includes the
+commands it calls); the variants run in blocks of cycles, rotated, on one server (AOF
+``appendfsync always``), and the median of the blocks' µs per cycle is printed, so load drift
+hits them all alike and a preempted block does not move the figure. Rows: fenced's scripts
+(as in ``src``, or as in a git revision with ``--before REV``), redis-py's ``Lock`` (``SET NX
+PX`` command + its release script), and the floor of any design with two scripts (a ``SET NX
+PX`` script and redis-py's release script).
+
+``--instructions`` counts instead the instructions the server runs per cycle (callgrind,
+from reading the command to its propagation to the AOF: CPU work only, deterministic, so
+unmoved by the load of a shared machine; needs valgrind).
 
 ``--fsync`` repeats the runs with ``appendfsync everysec`` and with ``appendonly no``: the AOF
 fsync itself is not in a command's time (Redis 7.0 writes and fsyncs the AOF in the event
@@ -17,7 +22,8 @@ does (the `EXISTS`, the `INCR`, the `PX`, the release's queue check): what each 
 ``--handoff`` measures the contended cycle instead (a waiter queues, the release hands it
 the lock, it releases).
 
-    .venv/bin/python bench/bench_redis_scripts.py [--before REV] [--runs N] [--fsync | --handoff] [--ablate]
+    .venv/bin/python bench/bench_redis_scripts.py [--before REV] [--runs N] [--instructions]
+        [--fsync | --handoff] [--ablate]
 """
 
 from __future__ import annotations
@@ -25,27 +31,33 @@ from __future__ import annotations
 import collections
 import importlib.util
 import os
+import re
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 import redis
 
 from fenced.backends import redis as backend
-from fenced.testing.servers import RedisServer
+from fenced.testing.servers import RedisServer, free_port
 
 FLOOR_ACQUIRE = """
-if redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end
 return 0
 """
 NATIVE_RELEASE = """
 if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end
 return 0
 """
+LAYOUT = ("token", "holder", "queue", "hb", "seq", "ttls", "owners")
+Op = Callable[[], None]
 
 
 def scripts_at(rev: str) -> tuple[str, str]:
@@ -69,126 +81,205 @@ def scripts_at(rev: str) -> tuple[str, str]:
     return module.ACQUIRE_LUA, module.RELEASE_LUA
 
 
+class Scripts:
+    """One variant's acquire and release, called with the keys and arguments of its version
+    (all seven keys before issue 28 §3's second round; the uncontended path's own since)."""
+
+    def __init__(self, c: redis.Redis, name: str, acquire_src: str, release_src: str) -> None:
+        # (a comment makes each variant's scripts distinct)
+        self.acquire = c.register_script(f"{acquire_src}\n-- {name}")
+        self.release = c.register_script(f"{release_src}\n-- {name}")
+        for script in (self.acquire, self.release):  # (else the first EVALSHA fails, NOSCRIPT)
+            c.script_load(script.script)
+        self.full = "ARGV[7]" in release_src or "ARGV[5] .. ARGV[1]" in release_src
+        self.floor = acquire_src == FLOOR_ACQUIRE  # its release compares the request id
+        base = f"bench:{{{name}}}"
+        self.keys = [f"{base}:{k}" for k in LAYOUT]
+        self.wake = f"{base}:wake:"
+
+    def grant(self, rid: str, owner: str) -> object:
+        if self.full:
+            args: list[str | int] = [rid, 10_000, "wait", 3_000, self.wake, owner]
+            return self.acquire(keys=self.keys, args=args)
+        if self.floor:
+            return self.acquire(keys=self.keys[1:2], args=[rid, 10_000])
+        return self.acquire(keys=self.keys[:3], args=[rid, 10_000, owner, 3_000])
+
+    def free(self, rid: str, token: int | str, owner: str) -> object:
+        value = f"{token} 10000 {rid}\n{owner}" if owner else f"{token} 10000 {rid}"
+        if self.full:
+            args: list[str | int] = [rid, 0, "release", 3_000, self.wake, token, value]
+            return self.release(keys=self.keys, args=args)
+        if self.floor:
+            return self.release(keys=self.keys[1:2], args=[rid])
+        return self.release(keys=self.keys[1:3], args=[value])
+
+
+def token_of(got: object) -> int | str:
+    # The bare token since issue 28 §3, {1, token, pttl, ttl} before.
+    if isinstance(got, int):
+        return got
+    assert isinstance(got, list) and got[0] == 1, got
+    token: int | str = got[1]
+    return token
+
+
+def uncontended_ops(c: redis.Redis, variants: dict[str, tuple[str, str]]) -> dict[str, Op]:
+    ops: dict[str, Op] = {}
+    for name, (acquire_src, release_src) in variants.items():
+        s = Scripts(c, name, acquire_src, release_src)
+
+        def op(s: Scripts = s) -> None:
+            token = token_of(s.grant("rid", "owner"))
+            assert s.free("rid", token, "owner") == 1
+
+        ops[name] = op
+    native_release = c.register_script(NATIVE_RELEASE)
+
+    def native() -> None:
+        assert c.set("bench:native", "tok", nx=True, px=10_000)
+        assert native_release(keys=["bench:native"], args=["tok"]) == 1
+
+    ops["redis-py Lock"] = native
+    return ops
+
+
+def handoff_ops(c: redis.Redis, variants: dict[str, tuple[str, str]]) -> dict[str, Op]:
+    """A takes the lock, B queues, A's release hands the lock to B (B reads it from its wake
+    list, as its BLPOP would), B releases: four scripts."""
+    ops: dict[str, Op] = {}
+    for name, (acquire_src, release_src) in variants.items():
+        s = Scripts(c, name, acquire_src, release_src)
+
+        def op(s: Scripts = s) -> None:
+            token = token_of(s.grant("A", "a"))
+            queued = s.grant("B", "b")
+            assert isinstance(queued, list) and queued[0] == 0, queued
+            assert s.free("A", token, "a") == 1
+            handed = c.lpop(f"{s.wake}B")
+            assert isinstance(handed, str), "no hand-off"
+            assert s.free("B", handed.partition(":")[0], "b") == 1
+
+        ops[name] = op
+    return ops
+
+
+def usec(c: redis.Redis, names: tuple[str, ...]) -> int:
+    stats = c.info("commandstats")
+    return sum(int(stats[f"cmdstat_{n}"]["usec"]) for n in names if f"cmdstat_{n}" in stats)
+
+
 def run(
-    variants: dict[str, tuple[str, str]],
-    rounds: int = 4,
-    n: int = 250,
+    make: Callable[[redis.Redis], dict[str, Op]],
     config: tuple[str, ...] = (),
+    rounds: int = 40,
+    block: int = 25,
 ) -> None:
-    """One server; ``rounds`` × ``n`` acquire+release per variant, interleaved call by call."""
-    extra = ["--slowlog-log-slower-than", "0", "--slowlog-max-len", "100000", *config]
-    with RedisServer(extra=extra) as server:
+    """One server; ``rounds`` blocks of ``block`` cycles per variant, rotated round by round
+    (a script's cost depends on what ran just before it: no variant always follows the same
+    one); median of the blocks' server µs per cycle (INFO commandstats)."""
+    with RedisServer(extra=list(config)) as server:
         c = redis.Redis(port=server.port, decode_responses=True)
-        ops: dict[str, Callable[[], None]] = {}
-        tags: dict[str, tuple[str, str]] = {}
-        for name, (acquire_src, release_src) in variants.items():
-            # (a comment makes each variant's scripts distinct, so SLOWLOG tells them apart)
-            acquire = c.register_script(f"{acquire_src}\n-- {name}")
-            release = c.register_script(f"{release_src}\n-- {name}")
-            base = f"bench:{{{name}}}"
-            keys = [
-                f"{base}:{k}" for k in ("token", "holder", "queue", "hb", "seq", "ttls", "owners")
-            ]
-
-            def op(a=acquire, r=release, k=keys, wake=f"{base}:wake:") -> None:
-                got = a(keys=k, args=["rid", 10_000, "wait", 3_000, wake, "owner"])
-                # The bare token since issue 28 §3, {1, token, pttl, ttl} before.
-                token = got if isinstance(got, int) else got[1]
-                assert isinstance(got, int) or got[0] == 1, got
-                # ARGV[7], the grant's holder value (scripts before issue 28 §3 ignore it).
-                value = f"{token} 10000 rid\nowner"
-                assert r(keys=k, args=["rid", 0, "release", 3_000, wake, token, value]) == 1
-
-            ops[name] = op
-            tags[acquire.sha] = (name, "acquire")
-            tags[release.sha] = (name, "release")
-            for script in (acquire, release):  # (else the first EVALSHA fails, NOSCRIPT)
-                c.script_load(script.script)
-        native_release = c.register_script(NATIVE_RELEASE)
-        tags[native_release.sha] = ("redis-py Lock", "release")
-
-        def native() -> None:
-            assert c.set("bench:native", "tok", nx=True, px=10_000)
-            assert native_release(keys=["bench:native"], args=["tok"]) == 1
-
-        ops["redis-py Lock"] = native
-        durations: dict[tuple[str, str], list[int]] = collections.defaultdict(list)
-        order = list(ops.values())
+        ops = list(make(c).items())
+        for _, op in ops:
+            for _ in range(block):
+                op()
+        per_cycle: dict[str, list[float]] = collections.defaultdict(list)
         for _ in range(rounds):
-            c.slowlog_reset()
-            for _ in range(n):
-                for op in order:
+            for name, op in ops:
+                # fenced's scripts call SET, which INFO counts under SET as well.
+                names = ("evalsha", "set") if name == "redis-py Lock" else ("evalsha",)
+                before = usec(c, names)
+                for _ in range(block):
                     op()
-            # A script's cost depends on what ran just before it (the caches it finds):
-            # rotate the order each round so that no variant always follows the same one.
-            order = order[1:] + order[:1]
-            for entry in c.slowlog_get(100_000):
-                command = entry["command"].decode().split()
-                if command[0].upper() == "EVALSHA" and command[1] in tags:
-                    durations[tags[command[1]]].append(entry["duration"])
-                elif command[0].upper() == "SET" and command[1] == "bench:native":
-                    durations[("redis-py Lock", "acquire")].append(entry["duration"])
-        c.close()
-    for name in ops:
-        a = statistics.median(durations[(name, "acquire")])
-        r = statistics.median(durations[(name, "release")])
-        print(f"  {name:32s} acquire {a:5.1f} + release {r:5.1f} = {a + r:5.1f} µs (medians)")
-
-
-def run_handoff(variants: dict[str, tuple[str, str]], rounds: int = 4, n: int = 150) -> None:
-    """The contended cycle, per variant: A takes the lock, B queues, A's release hands the
-    lock to B (B reads it from its wake list, as its BLPOP would), B releases. Server µs of
-    the cycle's four scripts, median over cycles, variants interleaved cycle by cycle."""
-    extra = ["--slowlog-log-slower-than", "0", "--slowlog-max-len", "100000"]
-    with RedisServer(extra=extra) as server:
-        c = redis.Redis(port=server.port, decode_responses=True)
-        ops: list[Callable[[], None]] = []
-        tags: dict[str, str] = {}
-        for name, (acquire_src, release_src) in variants.items():
-            acquire = c.register_script(f"{acquire_src}\n-- {name}")
-            release = c.register_script(f"{release_src}\n-- {name}")
-            tags[acquire.sha] = tags[release.sha] = name
-            for script in (acquire, release):  # (else the first EVALSHA fails, NOSCRIPT)
-                c.script_load(script.script)
-            base = f"bench:{{{name}}}"
-            keys = [
-                f"{base}:{k}" for k in ("token", "holder", "queue", "hb", "seq", "ttls", "owners")
-            ]
-
-            def op(a=acquire, r=release, k=keys, wake=f"{base}:wake:") -> None:
-                got = a(keys=k, args=["A", 10_000, "wait", 3_000, wake, "a"])
-                token = got if isinstance(got, int) else got[1]
-                queued = a(keys=k, args=["B", 10_000, "wait", 3_000, wake, "b"])
-                assert not isinstance(queued, int) and queued[0] == 0, queued
-                value = f"{token} 10000 A\na"
-                assert r(keys=k, args=["A", 0, "release", 3_000, wake, token, value]) == 1
-                handed = c.lpop(f"{wake}B")
-                assert handed is not None, "no hand-off"
-                token_b = handed.partition(":")[0]
-                value = f"{token_b} 10000 B\nb"
-                assert r(keys=k, args=["B", 0, "release", 3_000, wake, token_b, value]) == 1
-
-            ops.append(op)
-        cycles: dict[str, list[int]] = collections.defaultdict(list)
-        for _ in range(rounds):
-            c.slowlog_reset()
-            for _ in range(n):
-                for op in ops:
-                    op()
+                per_cycle[name].append((usec(c, names) - before) / block)
             ops = ops[1:] + ops[:1]
-            # Oldest first; a cycle's four scripts run one after the other.
-            run_of: list[tuple[str, int]] = []
-            for entry in reversed(c.slowlog_get(100_000)):
-                command = entry["command"].decode().split()
-                if command[0].upper() == "EVALSHA" and command[1] in tags:
-                    run_of.append((tags[command[1]], entry["duration"]))
-            for i in range(0, len(run_of) - 3, 4):
-                names = {who for who, _ in run_of[i : i + 4]}
-                assert len(names) == 1, names
-                cycles[names.pop()].append(sum(d for _, d in run_of[i : i + 4]))
         c.close()
-    for name, sums in cycles.items():
-        print(f"  {name:32s} hand-off cycle (4 scripts) {statistics.median(sums):6.1f} µs (median)")
+    for name, values in per_cycle.items():
+        q1, _, q3 = statistics.quantiles(values, n=4)
+        print(
+            f"  {name:32s} {statistics.median(values):6.1f} µs per cycle "
+            f"(median of {len(values)} blocks; quartiles {q1:.1f}–{q3:.1f})"
+        )
+
+
+@contextmanager
+def callgrind_server() -> Iterator[tuple[redis.Redis, Callable[[], int]]]:
+    """redis-server under callgrind, counting the instructions of processCommand (reading a
+    command to its AOF propagation); ECHO zeroes the count, PING dumps it. Yields a client
+    and a function that returns the instructions since the last call."""
+    if shutil.which("valgrind") is None:
+        raise SystemExit("--instructions needs valgrind")
+    d = tempfile.mkdtemp(prefix="fenced-bench-")
+    port = free_port()
+    out = os.path.join(d, "cg.out")
+    server = subprocess.Popen(
+        [
+            "valgrind",
+            "--tool=callgrind",
+            f"--callgrind-out-file={out}",
+            "--collect-atstart=no",
+            "--toggle-collect=processCommand",
+            "--zero-before=echoCommand",
+            "--dump-before=pingCommand",
+            "redis-server",
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            "always",
+            "--dir",
+            d,
+        ],
+        cwd=d,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                c = redis.Redis(port=port, decode_responses=True)
+                c.echo("ready")
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise
+                time.sleep(0.2)  # (valgrind starting: nothing to wait on but the port)
+        dumps = [0]
+
+        def count() -> int:
+            c.ping()
+            c.echo("zero")
+            dumps[0] += 1
+            with open(f"{out}.{dumps[0]}") as f:
+                found = re.search(r"^(?:summary|totals):\s+(\d+)", f.read(), re.M)
+            assert found is not None
+            return int(found.group(1))
+
+        yield c, count
+        c.close()
+    finally:
+        server.terminate()
+        server.wait(60)
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def run_instructions(make: Callable[[redis.Redis], dict[str, Op]], n: int = 400) -> None:
+    with callgrind_server() as (c, count):
+        ops = make(c)
+        for name, op in ops.items():
+            for _ in range(20):
+                op()
+            count()
+            for _ in range(n):
+                op()
+            print(f"  {name:32s} {count() / n:9,.0f} instructions per cycle")
 
 
 def ablations() -> dict[str, tuple[str, str]]:
@@ -218,7 +309,7 @@ def ablations() -> dict[str, tuple[str, str]]:
             a,
             without(
                 r,
-                "if redis.call('EXISTS', KEYS[3]) == 0 then return 1 end",
+                "if redis.call('EXISTS', KEYS[2]) == 0 then return 1 end",
                 "do return 1 end",
             ),
         ),
@@ -234,24 +325,32 @@ def main() -> None:
         variants[f"fenced ({rev})"] = scripts_at(rev)
     if "--ablate" in args:
         variants.update(ablations())
-    variants["floor: two minimal scripts"] = (
-        FLOOR_ACQUIRE,
-        NATIVE_RELEASE.replace("KEYS[1]", "KEYS[2]"),
-    )
     if "--handoff" in args:
         fenced_only = {k: v for k, v in variants.items() if k.startswith("fenced")}
-        for i in range(runs):
-            print(f"run {i + 1}, appendfsync always (server µs per contended cycle, SLOWLOG)")
-            run_handoff(fenced_only)
+
+        def make(c: redis.Redis) -> dict[str, Op]:
+            return handoff_ops(c, fenced_only)
+
+        what = "server µs per contended cycle, 4 scripts"
+    else:
+        variants["floor: two minimal scripts"] = (FLOOR_ACQUIRE, NATIVE_RELEASE)
+
+        def make(c: redis.Redis) -> dict[str, Op]:
+            return uncontended_ops(c, variants)
+
+        what = "server µs per uncontended acquire+release"
+    if "--instructions" in args:
+        print(f"instructions (callgrind), {what.replace('server µs ', '')}")
+        run_instructions(make)
         return
     configs: dict[str, tuple[str, ...]] = {"appendfsync always": ()}
-    if "--fsync" in args:
+    if "--fsync" in args and "--handoff" not in args:
         configs["appendfsync everysec"] = ("--appendfsync", "everysec")
         configs["appendonly no"] = ("--appendonly", "no")
-    for what, config in configs.items():
+    for config_name, config in configs.items():
         for i in range(runs):
-            print(f"run {i + 1}, {what} (server µs per uncontended acquire+release, SLOWLOG)")
-            run(variants, config=config)
+            print(f"run {i + 1}, {config_name} ({what}, INFO commandstats)")
+            run(make, config=config)
 
 
 if __name__ == "__main__":

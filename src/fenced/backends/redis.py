@@ -129,7 +129,8 @@ _OPTIONS: Final = MappingProxyType(
 )
 
 
-# Every script that changes a lock gets the same keys and its first five arguments:
+# The lock's keys and the scripts' full layout (the queue's code works on it; see each script
+# for what it is given):
 # KEYS: 1 token counter (never expires), 2 holder ("<token> <ttl ms> <request id>", then
 #       "\n<owner>" if the holder described itself; PX expiry), 3 queue (zset rid -> arrival
 #       number), 4 heartbeats (zset rid -> deadline, server ms), 5 arrival counter, 6 waiters'
@@ -222,6 +223,10 @@ end
 # `always`'s fsync, i.e. cold (docs/backend-redis.md, "Server time"): so one EXISTS answers
 # both "free?" and "nobody queued?", and the reply is the bare token (an integer: a table reply
 # costs as much as a command), the table form only where a Lua number is not exact (2^53).
+# The scripts on the uncontended path get only the keys and arguments that path uses (Redis
+# builds the KEYS and ARGV tables element by element on every call: over a quarter of an
+# acquire+release's server instructions went there with seven of each); the other paths
+# derive the rest of the layout above from the first key (same hash tag, same slot).
 _FREE_FAST: Final = (
     """
 local ttl = ARGV[2]
@@ -229,7 +234,7 @@ if redis.call('EXISTS', KEYS[2], KEYS[3]) == 0 then
 """
     + _NEXT_TOKEN
     + """  local value = token .. ' ' .. ttl .. ' ' .. ARGV[1]
-  if ARGV[6] ~= '' then value = value .. '\\n' .. ARGV[6] end
+  if ARGV[3] ~= '' then value = value .. '\\n' .. ARGV[3] end
   redis.call('SET', KEYS[2], value, 'PX', ttl)
   if n < 9007199254740992 then return n end
   return {1, token, tonumber(ttl), tonumber(ttl)}
@@ -237,13 +242,33 @@ end
 """
 )
 
-# ARGV[3]: 'wait' joins the queue (or refreshes the caller's heartbeat) if not granted;
-# 'final' (the deadline has passed) leaves it instead. ARGV[6]: the caller's owner text.
+
+def _full_layout(key: str, strip: int, args: str) -> str:
+    """Lua that rebinds KEYS and ARGV to the full layout (see above) for the code after it,
+    from ``key`` (an expression naming one of the lock's keys, ``strip`` characters past its
+    base) and ``args`` (the six arguments, as Lua expressions over ``base``)."""
+    return f"""
+local base = string.sub({key}, 1, -{strip + 1})
+local KEYS = {{base .. 'token', base .. 'holder', base .. 'queue', base .. 'hb', base .. 'seq',
+  base .. 'ttls', base .. 'owners'}}
+local ARGV = {{{args}}}
+"""
+
+
+# KEYS: 1 token counter, 2 holder, 3 queue. ARGV: 1 request id, 2 ttl ms, 3 the caller's owner
+# text, 4 heartbeat ms ('wait': join the queue, or refresh the caller's heartbeat, if not
+# granted) or 'final' (the deadline has passed: leave the queue instead).
 # Returns the token alone (an integer) for a fresh grant of the full ttl; {1, token, pttl, ttl}
 # when the caller holds the lock otherwise (a hand-off it has not read yet, a retried request,
 # a token past 2^53), else {0, holder pttl, queue length}.
 ACQUIRE_LUA: Final = (
     _FREE_FAST
+    + _full_layout(
+        "KEYS[1]",
+        len("token"),
+        "ARGV[1], ARGV[2], ARGV[4] == 'final' and 'final' or 'wait', ARGV[4],"
+        " base .. 'wake:', ARGV[3]",
+    )
     + _HOLDER
     + """
 local rid = ARGV[1]
@@ -281,6 +306,7 @@ return {0, redis.call('PTTL', KEYS[2]), redis.call('ZCARD', KEYS[3])}
 
 # An abandoned acquire (cancelled, failed) leaves the queue, and gives back a grant that was
 # made for it while it was not listening; then a free lock goes to the next waiter.
+# KEYS and ARGV: the full layout (ARGV[2] to [4] unused).
 LEAVE_LUA: Final = (
     _HOLDER
     + """
@@ -299,34 +325,37 @@ return 1
 """
 )
 
-
-def _held_by_grant(*, value: int, token: int) -> str:
-    """Lua: ``return 0`` unless KEYS[2] holds the grant of request ARGV[1] with the token
-    ARGV[``token``]: compared whole with ARGV[``value``] first (the value it was granted
-    with, or ''), else parsed (release and renewal check the same)."""
-    return (
-        "\nlocal v = redis.call('GET', KEYS[2])\n"
-        f"if v ~= ARGV[{value}] then\n"
-        "  if not v then return 0 end\n"
-        "  local h_token, _, h_rid = string.match(v, '^(%d+) (%d+) ([^\\n]*)\\n?(.*)$')\n"
-        f"  if h_rid ~= ARGV[1] or h_token ~= ARGV[{token}] then\n"
-        "    return 0\n"
-        "  end\n"
-        "end\n"
-    )
-
-
-# ARGV[6]: the token being released; ARGV[7]: the holder value this client was granted with
-# (or ''), so that the usual release is one string comparison (Lua strings are interned: a
-# pointer comparison) where a parse costs the pattern matcher's code, cold. Any other value
-# (a grant written by another version's script, a release without its grant's value) is
-# parsed and checked as before. Returns 1 if it was held (and is now released), else 0.
-# With nobody queued it returns before making the queue's functions (see _FREE_FAST).
-RELEASE_LUA: Final = (
-    _held_by_grant(value=7, token=6)
-    + """redis.call('DEL', KEYS[2])
-if redis.call('EXISTS', KEYS[3]) == 0 then return 1 end
+# The holder check of release and renew. ARGV[1]: the holder value this client was granted
+# with (or ''), so that the usual check is one string comparison (Lua strings are interned: a
+# pointer comparison) where a parse costs the pattern matcher's code, cold. Any other value (a
+# grant written by another version's script, a release without its grant's value) is parsed
+# and checked: request id and token, from ARGV[1] or else from ARGV[2] and ARGV[3].
+_IS_HOLDER: Final = """
+local v = redis.call('GET', KEYS[1])
+if v ~= ARGV[1] then
+  if not v then return 0 end
+  local want_token, want_rid = ARGV[3], ARGV[2]
+  if ARGV[1] ~= '' then
+    local t, _, r = string.match(ARGV[1], '^(%d+) (%d+) ([^\\n]*)')
+    want_token, want_rid = t, r
+  end
+  local h_token, _, h_rid = string.match(v, '^(%d+) (%d+) ([^\\n]*)\\n?(.*)$')
+  if h_rid ~= want_rid or h_token ~= want_token then
+    return 0
+  end
+end
 """
+
+# KEYS: 1 holder, 2 queue. ARGV: 1 the grant's holder value or '', then (only without it) 2
+# request id, 3 token. Returns 1 if it was held (and is now released), else 0. With nobody
+# queued it returns before making the queue's functions (see _FREE_FAST).
+RELEASE_LUA: Final = (
+    _IS_HOLDER
+    + """
+redis.call('DEL', KEYS[1])
+if redis.call('EXISTS', KEYS[2]) == 0 then return 1 end
+"""
+    + _full_layout("KEYS[1]", len("holder"), "'', '0', 'release', '0', base .. 'wake:', ''")
     + _PRELUDE
     + """
 hand_off()
@@ -334,16 +363,17 @@ return 1
 """
 )
 
-# KEYS: as above (only 2 is used)   ARGV: 1 request id, 2 token, 3 ttl ms, 4 the holder value
-# the grant was made with (or ''): compared whole, else parsed, as in RELEASE_LUA.
+# KEYS: 1 holder. ARGV: 1 the grant's holder value or '', 2 request id, 3 token (as in
+# RELEASE_LUA), 4 ttl ms.
 RENEW_LUA: Final = (
-    _held_by_grant(value=4, token=2)
-    + """redis.call('PEXPIRE', KEYS[2], ARGV[3])
+    _IS_HOLDER
+    + """
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
 return 1
 """
 )
 
-# KEYS: as above (reads only)
+# KEYS (reads only): 1 token counter, 2 holder, 3 heartbeats: the keys it reads (see _FREE_FAST).
 STATUS_LUA: Final = (
     _HOLDER
     + """
@@ -353,7 +383,7 @@ local h_rid, h_token, h_ttl, h_owner = holder()
 local pttl = -1
 if h_rid then pttl = redis.call('PTTL', KEYS[2]) end
 local last = redis.call('GET', KEYS[1])
-local waiters = redis.call('ZCOUNT', KEYS[4], '(' .. now, '+inf')
+local waiters = redis.call('ZCOUNT', KEYS[3], '(' .. now, '+inf')
 return {h_rid or '', h_token or '', pttl, last or '', waiters, h_owner or '', h_ttl or ''}
 """
 )
@@ -412,6 +442,13 @@ def _granted_value(grant: Grant) -> str:
         return ""
     ttl_ms = max(1, round(grant.ttl * 1000))
     return f"{grant.token.value} {ttl_ms} {grant.request_id}{grant.handle}"
+
+
+def _holder_args(grant: Grant) -> tuple[str | int, ...]:
+    """ARGV of the holder check (_IS_HOLDER): the grant's holder value alone (it names the
+    request id and token), or '', request id and token when there is none."""
+    value = _granted_value(grant)
+    return (value,) if value else ("", grant.request_id, grant.token.value)
 
 
 class RedisBackend(Backend):
@@ -618,12 +655,10 @@ class RedisBackend(Backend):
                 args: Sequence[str | int] = (
                     request_id,
                     ttl_ms,
-                    "final" if final else "wait",
-                    self._heartbeat_ms,
-                    wake_prefix,
                     owner,
+                    "final" if final else self._heartbeat_ms,
                 )
-                reply = await self._call(functools.partial(self._acquire, keys=keys, args=args))
+                reply = await self._call(functools.partial(self._acquire, keys=keys[:3], args=args))
                 if type(reply) is int:  # a fresh grant of the full ttl (the fast path)
                     queued = False
                     return Grant(
@@ -699,24 +734,16 @@ class RedisBackend(Backend):
         keys, _ = self._keys(grant.token.lock)
         sent_at = _clock.now()
         ttl_ms = max(1, round(grant.ttl * 1000))
-        args = (grant.request_id, grant.token.value, ttl_ms, _granted_value(grant))
-        ok = await self._call(lambda: self._renew(keys=keys, args=args))
+        args = (_granted_value(grant), grant.request_id, grant.token.value, ttl_ms)
+        ok = await self._call(lambda: self._renew(keys=keys[1:2], args=args))
         if not int(ok):
             raise LeaseLostError(f"lease {grant.token} is no longer held")
         return Grant(grant.token, grant.request_id, grant.ttl, sent_at, grant.handle)
 
     async def release(self, grant: Grant) -> bool:
-        keys, wake_prefix = self._keys(grant.token.lock)
-        args = (
-            grant.request_id,
-            0,
-            "release",
-            self._heartbeat_ms,
-            wake_prefix,
-            grant.token.value,
-            _granted_value(grant),
-        )
-        done = await self._call(lambda: self._release(keys=keys, args=args))
+        keys, _ = self._keys(grant.token.lock)
+        args = _holder_args(grant)
+        done = await self._call(lambda: self._release(keys=keys[1:3], args=args))
         return bool(int(done))
 
     async def lock_names(self) -> list[str]:
@@ -735,7 +762,8 @@ class RedisBackend(Backend):
 
     async def status(self, name: str) -> LockStatus:
         keys, _ = self._keys(name)
-        reply = await self._call(lambda: self._status(keys=keys))
+        status_keys = [keys[0], keys[1], keys[3]]
+        reply = await self._call(lambda: self._status(keys=status_keys))
         rid, token, pttl, last, waiters, owner, ttl_ms = reply
         held = bool(rid) and int(pttl) >= 0
         return LockStatus(
