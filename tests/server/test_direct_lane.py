@@ -23,7 +23,7 @@ from fenced.server._app import ServerSettings, create_app
 from fenced.server._auth import load_api_keys
 from fenced.server._http import http_protocol
 from fenced.server._run import listen_socket
-from tests.test_server_fast_lane import GOOD, SCRIPT, SECRET, counters, keys_file, normal
+from tests.server.test_server_fast_lane import GOOD, SCRIPT, SECRET, counters, keys_file, normal
 
 Answer = tuple[bytes, list[tuple[bytes, bytes]], bytes]  # status line, headers, body
 

@@ -1,6 +1,6 @@
 """The layers a request of ``fenced serve`` passes before a route: the fast lane for the hot
-path (in front of Starlette's stack, and in the HTTP protocol itself: ``DirectLane``), the
-body bounds and the latency metric (inside it)."""
+path (in front of Starlette's stack, and in the HTTP protocol itself as ``DirectLane``),
+the body bounds and the latency metric (inside it)."""
 
 from __future__ import annotations
 
