@@ -26,31 +26,9 @@ import fenced
 from fenced import cli
 from fenced._core.backend import MAX_RECORD
 from fenced.guards.sql import SQLGuard
-from fenced.server import hash_secret
 from fenced.testing.servers import FencedServer
 from tests.helpers import ROOT, wait_for
-
-
-@pytest.fixture
-def source(tmp_path: Path) -> str:
-    return f"sqlite:///{tmp_path / 'locks.db'}"
-
-
-@pytest.fixture
-def server(source: str) -> Iterator[FencedServer]:
-    with FencedServer(source) as s:
-        yield s  # type: ignore[misc]
-
-
-def post(url: str, body: object = None, key: str | None = None, **kw: object) -> httpx.Response:
-    headers = {"authorization": f"Bearer {key}"} if key else {}
-    return httpx.post(url, json=body, headers=headers, timeout=30, **kw)  # type: ignore[arg-type]
-
-
-def get(url: str, key: str | None = None) -> httpx.Response:
-    headers = {"authorization": f"Bearer {key}"} if key else {}
-    return httpx.get(url, headers=headers, timeout=30)
-
+from tests.server.gateway import get, post, write_keys
 
 # -- the API ---------------------------------------------------------------------------------------
 
@@ -250,27 +228,15 @@ SECRETS = {
 
 @pytest.fixture
 def keyed(source: str, tmp_path: Path) -> Iterator[FencedServer]:
-    keys = tmp_path / "keys.toml"
-    keys.write_text(
-        f"""
-[[keys]]
-id = "billing"
-sha256 = "{hash_secret(SECRETS["billing"])}"
-prefixes = ["invoices/"]
-verbs = ["acquire", "check"]
-
-[[keys]]
-id = "reader"
-sha256 = "{hash_secret(SECRETS["reader"])}"
-prefixes = [""]
-verbs = ["check"]
-
-[[keys]]
-id = "ops"
-secret = "{SECRETS["ops"]}"
-verbs = ["admin"]
-"""
-    )
+    keys = write_keys(
+        tmp_path / "keys.toml",
+        [
+            {"id": "billing", "secret": SECRETS["billing"], "prefixes": ["invoices/"],
+             "verbs": ["acquire", "check"]},
+            {"id": "reader", "secret": SECRETS["reader"], "prefixes": [""], "verbs": ["check"]},
+            {"id": "ops", "secret": SECRETS["ops"], "plain": True, "verbs": ["admin"]},
+        ],
+    )  # fmt: skip
     with FencedServer(source, args=["--api-keys", str(keys)]) as s:
         yield s  # type: ignore[misc]
 
