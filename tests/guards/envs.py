@@ -163,13 +163,17 @@ class _SQLEnv(GuardEnv):
         return None if row is None else row[0]
 
     def reopen(self) -> None:
-        self.close()
-        self._local = threading.local()
+        self._drop()
 
-    def close(self) -> None:
+    def _drop(self) -> None:
+        """Close every connection (each thread makes a new one on its next use)."""
         for conn in self._all:
             conn.close()
         self._all.clear()
+        self._local = threading.local()
+
+    def close(self) -> None:
+        self._drop()
 
 
 class MySQLConn:
@@ -353,7 +357,11 @@ class _OnOneLoop:
         with self._turn:
             return self.loop.run_until_complete(coro)
 
-    def close(self) -> None:
+    def close(self, *closing: Any) -> None:
+        """``aclose()`` each of ``closing`` that is not None, then end the loop."""
+        for obj in closing:
+            if obj is not None:
+                self.run(obj.aclose())
         self.loop.close()
 
 
@@ -408,30 +416,65 @@ class AsyncRedisEnv(GuardEnv):
         self.sync.close()
 
 
-class SQLiteStoreEnv(GuardEnv):
-    """The ASGI middleware's :class:`SQLiteFenceStore`: ``transaction(resource, token, fn)``
-    runs ``fn`` in one SQLite transaction with the fence check."""
+class _StoreEnv(GuardEnv):
+    """An ASGI middleware's store: ``transaction(resource, token, fn)`` runs ``fn`` in one
+    transaction with the fence check. Subclasses make the store (``_store``) and the write
+    (``_put``); the store verifies no signature (the middleware in front of it does)."""
 
     signs = False
+
+    def _store(self, guard_class: type[SQLGuard]) -> Any:
+        raise NotImplementedError
+
+    def _put(self, value: str) -> Callable[[Any], Any]:
+        raise NotImplementedError
+
+    def _start(self) -> None:
+        self.on = _OnOneLoop()
+        self.store = self._store(SQLGuard)
+
+    def reopen(self) -> None:
+        self.on.run(self.store.aclose())
+        self.store = self._store(SQLGuard)
+
+    def _write(self, store: Any, token: FencingToken | str, value: str) -> None:
+        tok_ = FencingToken.coerce(token, LOCK)
+        self.on.run(store.transaction("item", tok_, self._put(value)))
+
+    def write(self, token: FencingToken | str, value: str) -> None:
+        self._write(self.store, token, value)
+
+    def high_water(self) -> FencingToken | None:
+        return self.on.run(self.store.high_water("item", LOCK))  # type: ignore[no-any-return]
+
+    def planted_lt(self) -> Write:
+        store = self._planted = self._store(LessThanGuard)
+        return lambda token, value: self._write(store, token, value)
+
+    def close(self) -> None:
+        self.on.close(self.store, getattr(self, "_planted", None))
+
+
+class SQLiteStoreEnv(_StoreEnv):
+    """The ASGI middleware's :class:`SQLiteFenceStore`: ``fn(conn)`` on a sqlite3 connection."""
 
     def __init__(self, path: Path) -> None:
         self.path = str(path)
         with sqlite3.connect(self.path) as db:
             db.execute("CREATE TABLE IF NOT EXISTS data (id INTEGER PRIMARY KEY, v TEXT)")
         db.close()
-        self.on = _OnOneLoop()
-        self.reopen()
+        self._start()
 
-    def reopen(self) -> None:
+    def _store(self, guard_class: type[SQLGuard]) -> Any:
         from fenced.guards.asgi import SQLiteFenceStore
 
-        old = getattr(self, "store", None)
-        if old is not None:
-            self.on.run(old.aclose())
-        self.store = SQLiteFenceStore(self.path)
+        class Store(SQLiteFenceStore):
+            pass
 
-    @staticmethod
-    def _put(value: str) -> Callable[[sqlite3.Connection], None]:
+        Store.guard_class = guard_class
+        return Store(self.path)
+
+    def _put(self, value: str) -> Callable[[sqlite3.Connection], None]:
         def fn(conn: sqlite3.Connection) -> None:
             conn.execute(
                 "INSERT INTO data VALUES (1, ?) ON CONFLICT (id) DO UPDATE SET v = excluded.v",
@@ -439,10 +482,6 @@ class SQLiteStoreEnv(GuardEnv):
             )
 
         return fn
-
-    def write(self, token: FencingToken | str, value: str) -> None:
-        tok_ = FencingToken.coerce(token, LOCK)
-        self.on.run(self.store.transaction("item", tok_, self._put(value)))
 
     def raw_write(self, value: str) -> None:
         with sqlite3.connect(self.path, isolation_level=None) as db:
@@ -454,30 +493,6 @@ class SQLiteStoreEnv(GuardEnv):
             row = db.execute("SELECT v FROM data WHERE id = 1").fetchone()
         db.close()
         return None if row is None else row[0]
-
-    def high_water(self) -> FencingToken | None:
-        return self.on.run(self.store.high_water("item", LOCK))  # type: ignore[no-any-return]
-
-    def planted_lt(self) -> Write:
-        from fenced.guards.asgi import SQLiteFenceStore
-
-        class LtStore(SQLiteFenceStore):
-            guard_class = LessThanGuard
-
-        store = LtStore(self.path)
-        self._planted = store
-
-        def write(token: FencingToken, value: str) -> None:
-            self.on.run(store.transaction("item", token, self._put(value)))
-
-        return write
-
-    def close(self) -> None:
-        self.on.run(self.store.aclose())
-        planted = getattr(self, "_planted", None)
-        if planted is not None:
-            self.on.run(planted.aclose())
-        self.on.close()
 
 
 # -- etcd ---------------------------------------------------------------------------------
@@ -894,7 +909,22 @@ class _AsyncSQL:
         self.on.close()
 
 
-class AsyncSQLFenceEnv(SQLFenceEnv):
+class _Awaited(_SQLEnv):
+    """An SQL env whose guard is awaited on ``self.aio`` (its plain connections stay for the
+    unfenced writes and the reads): a restarted client drops both."""
+
+    aio: _AsyncSQL
+
+    def reopen(self) -> None:
+        super().reopen()
+        self.aio.reset()
+
+    def close(self) -> None:
+        super().close()
+        self.aio.close()
+
+
+class AsyncSQLFenceEnv(_Awaited, SQLFenceEnv):
     """``SQLGuard.acheck`` in the caller's async transaction: psycopg's AsyncConnection,
     asyncmy, or a SQLAlchemy AsyncConnection over either (``sa``)."""
 
@@ -916,18 +946,8 @@ class AsyncSQLFenceEnv(SQLFenceEnv):
     def high_water(self) -> FencingToken | None:
         return self.aio.outside(self.guard.ahigh_water)  # type: ignore[no-any-return]
 
-    def reopen(self) -> None:
-        _SQLEnv.close(self)  # (not self.close(): that ends the env's loop too)
-        self._local = threading.local()
-        self.guard = self.guard_class(self.table, lock=LOCK, verify=self.verify_keys)
-        self.aio.reset()
 
-    def close(self) -> None:
-        super().close()
-        self.aio.close()
-
-
-class AsyncSQLRowEnv(SQLRowEnv):
+class AsyncSQLRowEnv(_Awaited, SQLRowEnv):
     """``RowGuard.ainsert_or_update``: the conditional upsert, awaited (psycopg's
     AsyncConnection, asyncmy; autocommit, one statement)."""
 
@@ -957,22 +977,10 @@ class AsyncSQLRowEnv(SQLRowEnv):
         guard = LessThanRowGuard(self.table, lock=LOCK)
         return lambda token, value: self._upsert(guard, token, value)
 
-    def reopen(self) -> None:
-        _SQLEnv.close(self)  # (not self.close(): that ends the env's loop too)
-        self._local = threading.local()
-        self.guard = RowGuard(self.table, lock=LOCK, verify=self.verify_keys)
-        self.aio.reset()
 
-    def close(self) -> None:
-        super().close()
-        self.aio.close()
-
-
-class PostgresStoreEnv(GuardEnv):
-    """The ASGI middleware's :class:`PostgresFenceStore`: ``transaction(resource, token, fn)``
-    awaits ``fn(conn)`` in one PostgreSQL transaction with the fence check."""
-
-    signs = False
+class PostgresStoreEnv(_StoreEnv):
+    """The ASGI middleware's :class:`PostgresFenceStore`: ``await fn(conn)`` on a psycopg
+    AsyncConnection."""
 
     def __init__(self, dsn: str) -> None:
         self.dsn = dsn
@@ -980,10 +988,9 @@ class PostgresStoreEnv(GuardEnv):
         self.table = unique_name("data").replace("-", "_")
         with psycopg.connect(dsn, autocommit=True) as db:
             db.execute(f"CREATE TABLE {self.table} (id INTEGER PRIMARY KEY, v TEXT)")
-        self.on = _OnOneLoop()
-        self.reopen()
+        self._start()
 
-    def _store(self, guard_class: type[SQLGuard] = SQLGuard) -> Any:
+    def _store(self, guard_class: type[SQLGuard]) -> Any:
         from fenced.guards.asgi import PostgresFenceStore
 
         class Store(PostgresFenceStore):
@@ -992,24 +999,11 @@ class PostgresStoreEnv(GuardEnv):
         Store.guard_class = guard_class
         return Store(self.dsn, table=self.fences)
 
-    def reopen(self) -> None:
-        old = getattr(self, "store", None)
-        if old is not None:
-            self.on.run(old.aclose())
-        self.store = self._store()
-
     def _put(self, value: str) -> Callable[[Any], Any]:
         async def fn(conn: Any) -> None:
             await conn.execute(_INSERT.format(t=self.table).replace("?", "%s"), (value,))
 
         return fn
-
-    def _write(self, store: Any, token: FencingToken | str, value: str) -> None:
-        tok_ = FencingToken.coerce(token, LOCK)
-        self.on.run(store.transaction("item", tok_, self._put(value)))
-
-    def write(self, token: FencingToken | str, value: str) -> None:
-        self._write(self.store, token, value)
 
     def raw_write(self, value: str) -> None:
         with psycopg.connect(self.dsn, autocommit=True) as db:
@@ -1019,20 +1013,6 @@ class PostgresStoreEnv(GuardEnv):
         with psycopg.connect(self.dsn, autocommit=True) as db:
             row = db.execute(f"SELECT v FROM {self.table} WHERE id = 1").fetchone()
         return None if row is None else row[0]
-
-    def high_water(self) -> FencingToken | None:
-        return self.on.run(self.store.high_water("item", LOCK))  # type: ignore[no-any-return]
-
-    def planted_lt(self) -> Write:
-        store = self._planted = self._store(LessThanGuard)
-        return lambda token, value: self._write(store, token, value)
-
-    def close(self) -> None:
-        self.on.run(self.store.aclose())
-        planted = getattr(self, "_planted", None)
-        if planted is not None:
-            self.on.run(planted.aclose())
-        self.on.close()
 
 
 class RedisStoreEnv(AsyncRedisEnv):
@@ -1077,12 +1057,7 @@ class RedisStoreEnv(AsyncRedisEnv):
         return write
 
     def close(self) -> None:
-        self.on.run(self.store.aclose())
-        planted = getattr(self, "_planted", None)
-        if planted is not None:
-            self.on.run(planted.aclose())
-        self.on.run(self.client.aclose())
-        self.on.close()
+        self.on.close(self.store, getattr(self, "_planted", None), self.client)
         self.sync.close()
 
 
@@ -1122,11 +1097,7 @@ class AsyncEtcdEnv(EtcdEnv):
         return lambda token, value: bool(self.on.run(guard.put(self.key, value, token=token)))  # type: ignore[func-returns-value]
 
     def close(self) -> None:
-        self.on.run(self.aguard.aclose())
-        planted = getattr(self, "_planted_guard", None)
-        if planted is not None:
-            self.on.run(planted.aclose())
-        self.on.close()
+        self.on.close(self.aguard, getattr(self, "_planted_guard", None))
 
 
 class AsyncZooKeeperEnv(ZooKeeperEnv):

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import socket
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from fenced.server import hash_secret
+from fenced.testing.servers import FencedServer
 
 
 def post(url: str, body: object = None, key: str | None = None, **kw: Any) -> httpx.Response:
@@ -39,3 +43,23 @@ def write_keys(path: Path, keys: Sequence[dict[str, Any]]) -> Path:
         tables.append("[[keys]]\n" + "\n".join(lines) + "\n")
     path.write_text("\n".join(tables))
     return path
+
+
+@contextmanager
+def keyed_server(
+    source: str, keys_path: Path, keys: Sequence[dict[str, Any]]
+) -> Iterator[FencedServer]:
+    """A ``fenced serve`` process on ``source`` that takes the ``keys`` (see write_keys)."""
+    with FencedServer(source, args=["--api-keys", str(write_keys(keys_path, keys))]) as s:
+        yield s  # type: ignore[misc]
+
+
+def until_closed(conn: socket.socket, data: bytes) -> tuple[bytes, float]:
+    """Send ``data``, read until the server closes the connection: what it sent, and the
+    seconds that took."""
+    started = time.monotonic()
+    conn.sendall(data)
+    reply = b""
+    while piece := conn.recv(65536):
+        reply += piece
+    return reply, time.monotonic() - started

@@ -28,7 +28,7 @@ from fenced._core.backend import MAX_RECORD
 from fenced.guards.sql import SQLGuard
 from fenced.testing.servers import FencedServer
 from tests.helpers import ROOT, wait_for
-from tests.server.gateway import get, post, write_keys
+from tests.server.gateway import get, keyed_server, post, until_closed
 
 # -- the API ---------------------------------------------------------------------------------------
 
@@ -228,17 +228,13 @@ SECRETS = {
 
 @pytest.fixture
 def keyed(source: str, tmp_path: Path) -> Iterator[FencedServer]:
-    keys = write_keys(
-        tmp_path / "keys.toml",
-        [
-            {"id": "billing", "secret": SECRETS["billing"], "prefixes": ["invoices/"],
-             "verbs": ["acquire", "check"]},
-            {"id": "reader", "secret": SECRETS["reader"], "prefixes": [""], "verbs": ["check"]},
-            {"id": "ops", "secret": SECRETS["ops"], "plain": True, "verbs": ["admin"]},
-        ],
-    )  # fmt: skip
-    with FencedServer(source, args=["--api-keys", str(keys)]) as s:
-        yield s  # type: ignore[misc]
+    with keyed_server(source, tmp_path / "keys.toml", [
+        {"id": "billing", "secret": SECRETS["billing"], "prefixes": ["invoices/"],
+         "verbs": ["acquire", "check"]},
+        {"id": "reader", "secret": SECRETS["reader"], "prefixes": [""], "verbs": ["check"]},
+        {"id": "ops", "secret": SECRETS["ops"], "plain": True, "verbs": ["admin"]},
+    ]) as s:  # fmt: skip
+        yield s
 
 
 def test_a_key_outside_its_prefix_gets_403_and_changes_nothing(keyed: FencedServer) -> None:
@@ -652,12 +648,7 @@ def test_a_request_that_is_too_slow_is_closed_with_408(source: str) -> None:
         port = int(server.url.rsplit(":", 1)[1])
         for first in (b"", b"GET /v1/health HTTP/1.1\r\nhost: x\r\n"):
             with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
-                started = time.monotonic()
-                conn.sendall(first)
-                reply = b""
-                while piece := conn.recv(65536):  # (until the server closes it)
-                    reply += piece
-                took = time.monotonic() - started
+                reply, took = until_closed(conn, first)
             assert reply.startswith(b"HTTP/1.1 408 "), reply[:200]
             assert 0.9 < took < 5, took
         with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:

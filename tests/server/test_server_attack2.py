@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from fenced.testing.servers import FencedServer
-from tests.server.gateway import get, post, write_keys
+from tests.server.gateway import get, keyed_server, post, until_closed
 
 SECRETS = {"alice": "alice-secret-0123456789", "eve": "eve-secret-0123456789ab", "mon": "m" * 20}
 
@@ -31,17 +31,13 @@ def any_source(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 @pytest.fixture
 def keyed(any_source: str, tmp_path: Path) -> Iterator[FencedServer]:
-    keys = write_keys(
-        tmp_path / "keys.toml",
-        [
-            {"id": "alice", "secret": SECRETS["alice"], "prefixes": ["a/"],
-             "verbs": ["acquire", "check"]},
-            {"id": "eve", "secret": SECRETS["eve"], "prefixes": [""], "verbs": ["acquire", "check"]},
-            {"id": "mon", "secret": SECRETS["mon"], "verbs": ["metrics"]},
-        ],
-    )  # fmt: skip
-    with FencedServer(any_source, args=["--api-keys", str(keys)]) as s:
-        yield s  # type: ignore[misc]
+    with keyed_server(any_source, tmp_path / "keys.toml", [
+        {"id": "alice", "secret": SECRETS["alice"], "prefixes": ["a/"],
+         "verbs": ["acquire", "check"]},
+        {"id": "eve", "secret": SECRETS["eve"], "prefixes": [""], "verbs": ["acquire", "check"]},
+        {"id": "mon", "secret": SECRETS["mon"], "verbs": ["metrics"]},
+    ]) as s:  # fmt: skip
+        yield s
 
 
 def samples(server: FencedServer) -> dict[str, float]:
@@ -105,12 +101,7 @@ def test_a_long_poll_on_a_kept_alive_connection_outlives_the_read_timeout(source
             reply = b""
             while not reply.endswith(b"}"):
                 reply += conn.recv(65536)
-            started = time.monotonic()
-            conn.sendall(b"GET /v1/health HTTP/1.1\r\nhost: x\r\n")
-            reply = b""
-            while piece := conn.recv(65536):  # (until the server closes it)
-                reply += piece
-            took = time.monotonic() - started
+            reply, took = until_closed(conn, b"GET /v1/health HTTP/1.1\r\nhost: x\r\n")
         assert reply.startswith(b"HTTP/1.1 408 "), reply[:200]
         assert 0.9 < took < 5, took
 
