@@ -227,7 +227,13 @@ def move_files(root: Path, moves: list[Move], dry_run: bool) -> tuple[list[Path]
         if dry_run:
             continue
         dst.parent.mkdir(parents=True, exist_ok=True)
-        _git(root, "mv", old, new)
+        tracked = subprocess.run(
+            ["git", "-C", str(root), "ls-files", "--error-unmatch", old], capture_output=True
+        )
+        if tracked.returncode == 0:
+            _git(root, "mv", old, new)
+        else:  # (a file git does not know yet: moved as it is)
+            src.rename(dst)
         if dst.suffix == ".py":
             text = dst.read_text()
             moved = deepen(text, move.depth_change)
