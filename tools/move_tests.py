@@ -97,6 +97,7 @@ TABLE: dict[str, str] = {
     "test_layers.py": "project",
     "test_move_layers.py": "project",
     "test_move_tests.py": "project",
+    "test_duplicates.py": "project",  # (another branch's: `duplicates` on src/)
     "test_lock.py": "project",
     "test_import_cost.py": "project",
     "test_readme.py": "project",
@@ -117,7 +118,7 @@ PATTERNS: tuple[tuple[str, str], ...] = (
     (r"test_(replicated|group|member)", "replicated"),
     (r"test_(cli|elect|supervise)", "cli"),
     (r"test_(lease|token|portal|signing|core|clients?_|backoff)", "core"),
-    (r"test_(layers|move_|readme|recipes|pictures|docs|lock)", "project"),
+    (r"test_(layers|move_|readme|recipes|pictures|docs|lock|duplicates|import_cost)", "project"),
 )
 # Shared by several folders: they stay at the root of tests/.
 STAYS = {
