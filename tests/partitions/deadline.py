@@ -9,18 +9,10 @@ import subprocess
 import sys
 from collections.abc import Callable
 
-import pytest
-
-from fenced.testing import netns
 from fenced.testing.netns import NetLab, Node
 from fenced.testing.partitions import _python_env
 from tests.helpers import wait_for
 
-REASON = netns.unavailable()
-MARKS = [
-    pytest.mark.skipif(REASON is not None, reason=f"no network namespaces: {REASON}"),
-    pytest.mark.xdist_group("netns"),
-]
 TIMEOUT = 2.0
 
 _CLIENT = """

@@ -17,7 +17,8 @@ import pytest
 
 from fenced.testing.netclusters import ETCD_CLIENT, EtcdNetCluster
 from fenced.testing.netns import NetLab
-from tests.partitions.deadline import MARKS, TIMEOUT, time_to_give_up
+from tests.partitions.deadline import TIMEOUT, time_to_give_up
+from tests.partitions.netlab import MARKS
 
 pytestmark = MARKS
 
