@@ -32,7 +32,7 @@ import psycopg
 import pytest
 import redis
 
-from fenced import FencingToken, StaleTokenError
+from fenced import FencingToken, InvalidTokenError, StaleTokenError
 from fenced.guards.dynamodb import DynamoDBGuard
 from fenced.guards.etcd import AsyncEtcdGuard, EtcdGuard
 from fenced.guards.files import FileGuard, HighWaterFile
@@ -107,6 +107,23 @@ class GuardEnv:
     def reopened_planted(self, bug: str) -> Write:
         """The planted write, as a restarted client would make it (fresh state)."""
         return self.planted(bug)
+
+
+def refusal_violations(
+    env: GuardEnv, refused: dict[str, Any], data: str, mark: FencingToken
+) -> list[str]:
+    """Each of ``refused`` (what it is -> the token) written: each must raise
+    InvalidTokenError, with the data still ``data`` and the mark still ``mark``."""
+    bad: list[str] = []
+    for what, token in refused.items():
+        try:
+            env.write(token, what)
+            bad.append(f"{what}: accepted")
+        except InvalidTokenError:
+            pass
+        if env.read() != data or env.high_water() != mark:
+            bad.append(f"{what}: the data or the mark moved")
+    return bad
 
 
 # -- SQL ----------------------------------------------------------------------------------
