@@ -28,7 +28,15 @@ from fenced import (
     WrongLockError,
 )
 from fenced._core.signing import token_message
-from tests.guards.envs import GUARDS, LOCK, GuardEnv, Write, make_env, tok
+from tests.guards.envs import (
+    GUARDS,
+    LOCK,
+    GuardEnv,
+    Write,
+    make_env,
+    refusal_violations,
+    tok,
+)
 
 
 @pytest.fixture(params=GUARDS)
@@ -188,6 +196,8 @@ def test_text_form_of_the_token_is_accepted(env: GuardEnv) -> None:
 
 
 def test_sequence_check_catches_lt(env: GuardEnv) -> None:
+    if env.lt_unobservable:
+        pytest.skip(env.lt_unobservable)
     assert sequence_violations(env, env.planted("lt")) != []
 
 
@@ -219,7 +229,6 @@ def signature_violations(env: GuardEnv, keys: Keyring) -> list[str]:
     data move; a good signed stale token is still stale; a good current one is accepted."""
     env.verify_keys = keys
     env.reopen()
-    bad: list[str] = []
     env.write(signed(tok(5)), "five")
     good = signed(tok(9))
     flipped = good.signature[1][:-1] + bytes([good.signature[1][-1] ^ 1])  # type: ignore[index]
@@ -235,14 +244,7 @@ def signature_violations(env: GuardEnv, keys: Keyring) -> list[str]:
         "huge forged": FencingToken(LOCK, 2**63 - 1, ("k1", b"x" * 32)),
         "truncated text": str(signed(tok(15)))[:-1],
     }
-    for what, token in refused.items():
-        try:
-            env.write(token, what)
-            bad.append(f"{what}: accepted")
-        except InvalidTokenError:
-            pass
-        if env.read() != "five" or env.high_water() != tok(5):
-            bad.append(f"{what}: the data or the mark moved")
+    bad = refusal_violations(env, refused, "five", tok(5))
     try:
         env.write(signed(tok(4)), "old")
         bad.append("a good signature on a stale token: accepted")

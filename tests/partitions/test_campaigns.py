@@ -17,16 +17,12 @@ from typing import Any
 
 import pytest
 
-from fenced.testing import netns
 from fenced.testing.netclusters import EtcdNetCluster, ZooKeeperNetCluster
 from fenced.testing.netns import NetLab
 from fenced.testing.partitions import LOSS_SLACK, run_campaign, run_check
+from tests.partitions.netlab import MARKS
 
-REASON = netns.unavailable()
-pytestmark = [
-    pytest.mark.skipif(REASON is not None, reason=f"no network namespaces: {REASON}"),
-    pytest.mark.xdist_group("netns"),
-]
+pytestmark = MARKS
 RUNS = int(os.environ.get("FENCED_PARTITION_RUNS", "1"))
 SECONDS = float(os.environ.get("FENCED_PARTITION_SECONDS", "8"))
 TTL = float(os.environ.get("FENCED_PARTITION_TTL", "1"))  # the long runs: 1.5

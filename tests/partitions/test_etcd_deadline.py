@@ -10,44 +10,17 @@ from __future__ import annotations
 
 import base64
 import json
-import subprocess
-import sys
 import urllib.request
 from collections.abc import Iterator
 
 import pytest
 
-from fenced.testing import netns
 from fenced.testing.netclusters import ETCD_CLIENT, EtcdNetCluster
 from fenced.testing.netns import NetLab
-from fenced.testing.partitions import _python_env
-from tests.helpers import wait_for
+from tests.partitions.deadline import TIMEOUT, time_to_give_up
+from tests.partitions.netlab import MARKS
 
-REASON = netns.unavailable()
-pytestmark = [
-    pytest.mark.skipif(REASON is not None, reason=f"no network namespaces: {REASON}"),
-    pytest.mark.xdist_group("netns"),
-]
-TIMEOUT = 2.0
-
-CLIENT = """
-import asyncio, sys, time, fenced
-async def main():
-    async with fenced.connect_async(sys.argv[1]) as locks:
-        lease = locks.lock("d", ttl=30)
-        if sys.argv[2] == "hold":
-            await lease.acquire()
-            print("held", flush=True)
-            await asyncio.sleep(60)
-            return
-        print("waiting", flush=True)
-        start = time.monotonic()
-        try:
-            await lease.acquire(timeout=float(sys.argv[3]))
-        except fenced.LockTimeout:
-            print(f"timeout {time.monotonic() - start:.3f}", flush=True)
-asyncio.run(main())
-"""
+pytestmark = MARKS
 
 
 @pytest.fixture
@@ -73,17 +46,12 @@ def test_timeout_is_kept_when_the_members_link_is_cut(
     cluster: tuple[NetLab, EtcdNetCluster],
 ) -> None:
     lab, etcd = cluster
-    first = etcd.nodes[0]  # the member a client talks to first
-    holder = lab.run(lab.add("c1"), [sys.executable, "-c", CLIENT, etcd.url, "hold"],
-                     stdout=subprocess.PIPE, env=_python_env())  # fmt: skip
-    assert holder.proc.stdout is not None and holder.proc.stdout.readline() == b"held\n"
-    lab.add("c2")
-    waiter = lab.run("c2", [sys.executable, "-c", CLIENT, etcd.url, "wait", str(TIMEOUT)],
-                     stdout=subprocess.PIPE, env=_python_env())  # fmt: skip
-    assert waiter.proc.stdout is not None and waiter.proc.stdout.readline() == b"waiting\n"
-    wait_for(lambda: _keys(lab, etcd) >= 2, 10, "the waiter's key in the queue")
-    lab.partition(["c2"], [first.name])  # its member goes silent before its deadline
-    line = waiter.proc.stdout.readline().decode()
-    assert line.startswith("timeout "), line
-    elapsed = float(line.split()[1])
+    elapsed = time_to_give_up(
+        lab,
+        holder_url=etcd.url,
+        waiter_url=etcd.url,
+        cut_from=etcd.nodes[0],  # the member a client talks to first
+        queued=lambda: _keys(lab, etcd) >= 2,  # (the holder's key and the waiter's)
+        ttl=30,
+    )
     assert elapsed < TIMEOUT + 0.75, f"acquire(timeout={TIMEOUT}) gave up after {elapsed:.2f} s"

@@ -16,12 +16,9 @@ import pytest
 from fenced.testing import netns
 from fenced.testing.netns import NetLab
 from tests.helpers import wait_for
+from tests.partitions.netlab import MARKS
 
-REASON = netns.unavailable()
-pytestmark = [
-    pytest.mark.skipif(REASON is not None, reason=f"no network namespaces: {REASON}"),
-    pytest.mark.xdist_group("netns"),
-]
+pytestmark = MARKS
 PORT = 7000
 
 

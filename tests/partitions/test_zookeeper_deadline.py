@@ -7,44 +7,16 @@ test_etcd_deadline.py.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import Iterator
 
 import pytest
 
-from fenced.testing import netns
 from fenced.testing.netclusters import ZK_CLIENT, ZooKeeperNetCluster, _ask
 from fenced.testing.netns import NetLab
-from fenced.testing.partitions import _python_env
-from tests.helpers import wait_for
+from tests.partitions.deadline import TIMEOUT, time_to_give_up
+from tests.partitions.netlab import MARKS
 
-REASON = netns.unavailable()
-pytestmark = [
-    pytest.mark.skipif(REASON is not None, reason=f"no network namespaces: {REASON}"),
-    pytest.mark.xdist_group("netns"),
-]
-TIMEOUT = 2.0
-
-CLIENT = """
-import asyncio, sys, time, fenced
-async def main():
-    async with fenced.connect_async(sys.argv[1]) as locks:
-        lease = locks.lock("d", ttl=4)
-        if sys.argv[2] == "hold":
-            await lease.acquire()
-            print("held", flush=True)
-            await asyncio.sleep(60)
-            return
-        print("waiting", flush=True)
-        start = time.monotonic()
-        try:
-            await lease.acquire(timeout=float(sys.argv[3]))
-        except (fenced.LockTimeout, fenced.BackendUnavailable) as exc:
-            # BackendUnavailable: kazoo noticed the cut before the deadline (fine, in time)
-            print(f"timeout {time.monotonic() - start:.3f} {type(exc).__name__}", flush=True)
-asyncio.run(main())
-"""
+pytestmark = MARKS
 
 
 @pytest.fixture
@@ -67,17 +39,14 @@ def test_timeout_is_kept_when_the_servers_link_is_cut(
 ) -> None:
     lab, zk = cluster
     first = zk.nodes[0]
-    holder = lab.run(lab.add("c1"), [sys.executable, "-c", CLIENT, zk.url, "hold"],
-                     stdout=subprocess.PIPE, env=_python_env())  # fmt: skip
-    assert holder.proc.stdout is not None and holder.proc.stdout.readline() == b"held\n"
-    lab.add("c2")
-    only_first = f"zookeeper://{first.addr}:{ZK_CLIENT}"  # the waiter talks to it alone
-    waiter = lab.run("c2", [sys.executable, "-c", CLIENT, only_first, "wait", str(TIMEOUT)],
-                     stdout=subprocess.PIPE, env=_python_env())  # fmt: skip
-    assert waiter.proc.stdout is not None and waiter.proc.stdout.readline() == b"waiting\n"
-    wait_for(lambda: _ephemerals(lab, zk) >= 2, 10, "the waiter's node in the queue")
-    lab.partition(["c2"], [first.name])  # its server goes silent before its deadline
-    line = waiter.proc.stdout.readline().decode()
-    assert line.startswith("timeout "), line
-    elapsed = float(line.split()[1])
+    elapsed = time_to_give_up(
+        lab,
+        holder_url=zk.url,
+        waiter_url=f"zookeeper://{first.addr}:{ZK_CLIENT}",  # the waiter talks to it alone
+        cut_from=first,
+        queued=lambda: _ephemerals(lab, zk) >= 2,
+        ttl=4,
+        # BackendUnavailable: kazoo noticed the cut before the deadline (fine, in time)
+        gives_up_with=("LockTimeout", "BackendUnavailable"),
+    )
     assert elapsed < TIMEOUT + 0.5, f"acquire(timeout={TIMEOUT}) gave up after {elapsed:.2f} s"

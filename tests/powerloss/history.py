@@ -14,11 +14,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fenced.testing.powerloss import PowerLossMount
+import pytest
+
+from fenced.testing.powerloss import PowerLossMount, unavailable
 from fenced.testing.servers import python_env
 from tests.sources.envs.sqlite import read_counters
 
 ROOT = Path(__file__).resolve().parents[2]
+CYCLES = int(os.environ.get("FENCED_POWERLOSS_CYCLES", "2"))  # cut cycles per test
+CYCLE_MARKS = [  # (the marks of a test that runs CYCLES cut cycles)
+    pytest.mark.skipif(unavailable() is not None, reason=unavailable() or ""),
+    pytest.mark.timeout(120 + 60 * CYCLES),  # (a cut cycle: seconds, more on a loaded machine)
+]
 
 
 class Client:
@@ -129,17 +136,24 @@ def run_cycles(
     seed: int = 0,
     stop: Callable[[], None] = lambda: None,
     max_acks: int = 300,
+    acks_before_cut: Callable[[int], int] | None = None,
+    check: Callable[[int], None] = lambda cycle: None,
+    history: dict[str, list[int]] | None = None,
+    result: Result | None = None,
 ) -> Result:
     """``cycles`` times: start the clients (and whatever ``start`` starts), let them take a
-    random number of grants, cut the power, kill them (and ``stop()``), remount, check."""
+    random number of grants (or ``acks_before_cut(cycle)``), cut the power, kill them (and
+    ``stop()``), remount, check the token source's database and then ``check(cycle)``.
+    ``history`` (lock -> acknowledged tokens) and ``result`` are filled if given."""
     rng = random.Random(seed)
-    result = Result()
-    history: dict[str, list[int]] = {}
+    result = Result() if result is None else result
+    history = {} if history is None else history
     for cycle in range(cycles):
         client = start()
         try:
-            acks = client.acks(rng.randint(20, max_acks), timeout=60)
-            assert acks, f"cycle {cycle}: no grant at all before the cut"
+            want = rng.randint(20, max_acks) if acks_before_cut is None else acks_before_cut(cycle)
+            acks = client.acks(want, timeout=60)
+            assert acks, f"cycle {cycle}: nothing acknowledged before the cut"
             record(history, acks, result, cycle)
             writes, fsyncs, _ = powerloss.cut()
             result.writes += writes
@@ -152,5 +166,6 @@ def run_cycles(
         client.proc.stdout.close()
         powerloss.remount()
         check_database(db, history, result, cycle)
+        check(cycle)
         result.cycles += 1
     return result

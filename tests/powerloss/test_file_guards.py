@@ -11,15 +11,10 @@ import pytest
 
 import fenced
 from fenced.guards.files import FileGuard, HighWaterFile
-from fenced.testing.powerloss import PowerLossMount, unavailable
-from tests.powerloss.history import Client, Result, check_database, record
+from fenced.testing.powerloss import PowerLossMount
+from tests.powerloss.history import CYCLE_MARKS, CYCLES, Client, Result, run_cycles
 
-CYCLES = int(os.environ.get("FENCED_POWERLOSS_CYCLES", "2"))
-
-pytestmark = [
-    pytest.mark.skipif(unavailable() is not None, reason=unavailable() or ""),
-    pytest.mark.timeout(120 + 60 * CYCLES),  # (a cut cycle: seconds, more on a loaded machine)
-]
+pytestmark = CYCLE_MARKS
 
 
 def _both_sides(guard: FileGuard, mark: HighWaterFile, name: str, high: int) -> None:
@@ -67,21 +62,8 @@ def test_guarded_writes_under_load_survive_cuts(powerloss: PowerLossMount) -> No
     fenced.connect(url).close()
     result = Result()
     history: dict[str, list[int]] = {}
-    for cycle in range(CYCLES):
-        client = Client("files", url, str(root / "guarded"), str(root / "marks"))
-        try:
-            acks = client.acks(40 + 30 * cycle, timeout=60)
-            assert acks, f"cycle {cycle}: no guarded write acknowledged before the cut"
-            record(history, acks, result, cycle)
-            writes, fsyncs, _ = powerloss.cut()
-            result.writes, result.fsyncs = result.writes + writes, result.fsyncs + fsyncs
-        finally:
-            client.proc.kill()
-        record(history, client.rest(), result, cycle)
-        assert client.proc.stdout is not None
-        client.proc.stdout.close()
-        powerloss.remount()
-        check_database(db, history, result, cycle)
+
+    def check(cycle: int) -> None:
         for name, tokens in history.items():
             version = FileGuard(root / "guarded" / name, lock=name).latest("data")
             mark = HighWaterFile(root / "marks" / name, lock=name).current()
@@ -91,7 +73,17 @@ def test_guarded_writes_under_load_survive_cuts(powerloss: PowerLossMount) -> No
                 )
             if mark is None or mark.value < tokens[-1]:
                 result.lost.append(f"cycle {cycle}: {name} mark {tokens[-1]} acked, now {mark}")
-        result.cycles += 1
+
+    run_cycles(
+        powerloss,
+        db,
+        lambda: Client("files", url, str(root / "guarded"), str(root / "marks")),
+        CYCLES,
+        acks_before_cut=lambda cycle: 40 + 30 * cycle,
+        check=check,
+        history=history,
+        result=result,
+    )
     print(
         f"\nfile guards: {result.cycles} cuts, {result.acks} acknowledged guarded writes, "
         f"{result.writes} writes, {result.fsyncs} fsyncs; lost {len(result.lost)}"

@@ -10,23 +10,17 @@ figures are in docs/verification.md.
 
 from __future__ import annotations
 
-import os
 import sqlite3
 
 import pytest
 
 import fenced
 from fenced.guards.sql import RowGuard, SQLGuard
-from fenced.testing.powerloss import PowerLossMount, unavailable
-from tests.powerloss.history import Client, Result, check_database, record
+from fenced.testing.powerloss import PowerLossMount
+from tests.powerloss.history import CYCLE_MARKS, CYCLES, Client, Result, run_cycles
 from tests.powerloss.workers import SQL_LOCKS, sql_setup
 
-CYCLES = int(os.environ.get("FENCED_POWERLOSS_CYCLES", "2"))
-
-pytestmark = [
-    pytest.mark.skipif(unavailable() is not None, reason=unavailable() or ""),
-    pytest.mark.timeout(120 + 60 * CYCLES),  # (a cut cycle: seconds, more on a loaded machine)
-]
+pytestmark = CYCLE_MARKS
 
 
 def _cycles(powerloss: PowerLossMount, synchronous: str) -> tuple[Result, list[str]]:
@@ -37,21 +31,8 @@ def _cycles(powerloss: PowerLossMount, synchronous: str) -> tuple[Result, list[s
     sql_setup(str(data))
     result, history = Result(), {}  # type: ignore[var-annotated]
     inconsistent: list[str] = []
-    for cycle in range(CYCLES):
-        client = Client("sql", url, str(data), synchronous)
-        try:
-            acks = client.acks(40 + 30 * cycle, timeout=60)
-            assert acks, f"cycle {cycle}: no guarded write acknowledged before the cut"
-            record(history, acks, result, cycle)
-            writes, fsyncs, _ = powerloss.cut()
-            result.writes, result.fsyncs = result.writes + writes, result.fsyncs + fsyncs
-        finally:
-            client.proc.kill()
-        record(history, client.rest(), result, cycle)
-        assert client.proc.stdout is not None
-        client.proc.stdout.close()
-        powerloss.remount()
-        check_database(db, history, result, cycle)  # (the token source: always FULL)
+
+    def check(cycle: int) -> None:  # (after the token source's own check: always FULL)
         conn = sqlite3.connect(data, isolation_level=None)
         try:
             if conn.execute("PRAGMA integrity_check").fetchone()[0] != "ok":
@@ -73,7 +54,17 @@ def _cycles(powerloss: PowerLossMount, synchronous: str) -> tuple[Result, list[s
                     result.lost.append(f"cycle {cycle}: {name} acked {acked}, kept {min(marks)}")
         finally:
             conn.close()
-        result.cycles += 1
+
+    run_cycles(
+        powerloss,
+        db,
+        lambda: Client("sql", url, str(data), synchronous),
+        CYCLES,
+        acks_before_cut=lambda cycle: 40 + 30 * cycle,
+        check=check,
+        history=history,
+        result=result,
+    )
     print(
         f"\nSQL guards, synchronous={synchronous}: {result.cycles} cuts, {result.acks} "
         f"acknowledged guarded commits, {result.fsyncs} fsyncs; lost (mark back) "

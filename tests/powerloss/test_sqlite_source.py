@@ -17,16 +17,11 @@ from pathlib import Path
 import pytest
 
 import fenced
-from fenced.testing.powerloss import PowerLossMount, unavailable
+from fenced.testing.powerloss import PowerLossMount
 from fenced.testing.servers import FencedServer
-from tests.powerloss.history import Client, Result, run_cycles
+from tests.powerloss.history import CYCLE_MARKS, CYCLES, Client, Result, run_cycles
 
-CYCLES = int(os.environ.get("FENCED_POWERLOSS_CYCLES", "2"))
-
-pytestmark = [
-    pytest.mark.skipif(unavailable() is not None, reason=unavailable() or ""),
-    pytest.mark.timeout(120 + 60 * CYCLES),  # (a cut cycle: seconds, more on a loaded machine)
-]
+pytestmark = CYCLE_MARKS
 # The library's three commit paths: group commit on the worker thread (an application's loop),
 # per turn of a loop marked as fenced serve marks its own, and the synchronous API (inline on
 # its private loop, one transaction at a time).

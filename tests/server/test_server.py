@@ -26,31 +26,9 @@ import fenced
 from fenced import cli
 from fenced._core.backend import MAX_RECORD
 from fenced.guards.sql import SQLGuard
-from fenced.server import hash_secret
 from fenced.testing.servers import FencedServer
 from tests.helpers import ROOT, wait_for
-
-
-@pytest.fixture
-def source(tmp_path: Path) -> str:
-    return f"sqlite:///{tmp_path / 'locks.db'}"
-
-
-@pytest.fixture
-def server(source: str) -> Iterator[FencedServer]:
-    with FencedServer(source) as s:
-        yield s  # type: ignore[misc]
-
-
-def post(url: str, body: object = None, key: str | None = None, **kw: object) -> httpx.Response:
-    headers = {"authorization": f"Bearer {key}"} if key else {}
-    return httpx.post(url, json=body, headers=headers, timeout=30, **kw)  # type: ignore[arg-type]
-
-
-def get(url: str, key: str | None = None) -> httpx.Response:
-    headers = {"authorization": f"Bearer {key}"} if key else {}
-    return httpx.get(url, headers=headers, timeout=30)
-
+from tests.server.gateway import get, keyed_server, post, until_closed
 
 # -- the API ---------------------------------------------------------------------------------------
 
@@ -250,29 +228,13 @@ SECRETS = {
 
 @pytest.fixture
 def keyed(source: str, tmp_path: Path) -> Iterator[FencedServer]:
-    keys = tmp_path / "keys.toml"
-    keys.write_text(
-        f"""
-[[keys]]
-id = "billing"
-sha256 = "{hash_secret(SECRETS["billing"])}"
-prefixes = ["invoices/"]
-verbs = ["acquire", "check"]
-
-[[keys]]
-id = "reader"
-sha256 = "{hash_secret(SECRETS["reader"])}"
-prefixes = [""]
-verbs = ["check"]
-
-[[keys]]
-id = "ops"
-secret = "{SECRETS["ops"]}"
-verbs = ["admin"]
-"""
-    )
-    with FencedServer(source, args=["--api-keys", str(keys)]) as s:
-        yield s  # type: ignore[misc]
+    with keyed_server(source, tmp_path / "keys.toml", [
+        {"id": "billing", "secret": SECRETS["billing"], "prefixes": ["invoices/"],
+         "verbs": ["acquire", "check"]},
+        {"id": "reader", "secret": SECRETS["reader"], "prefixes": [""], "verbs": ["check"]},
+        {"id": "ops", "secret": SECRETS["ops"], "plain": True, "verbs": ["admin"]},
+    ]) as s:  # fmt: skip
+        yield s
 
 
 def test_a_key_outside_its_prefix_gets_403_and_changes_nothing(keyed: FencedServer) -> None:
@@ -686,12 +648,7 @@ def test_a_request_that_is_too_slow_is_closed_with_408(source: str) -> None:
         port = int(server.url.rsplit(":", 1)[1])
         for first in (b"", b"GET /v1/health HTTP/1.1\r\nhost: x\r\n"):
             with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
-                started = time.monotonic()
-                conn.sendall(first)
-                reply = b""
-                while piece := conn.recv(65536):  # (until the server closes it)
-                    reply += piece
-                took = time.monotonic() - started
+                reply, took = until_closed(conn, first)
             assert reply.startswith(b"HTTP/1.1 408 "), reply[:200]
             assert 0.9 < took < 5, took
         with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:

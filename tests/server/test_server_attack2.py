@@ -16,21 +16,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from fenced.server import hash_secret
 from fenced.testing.servers import FencedServer
+from tests.server.gateway import get, keyed_server, post, until_closed
 
 SECRETS = {"alice": "alice-secret-0123456789", "eve": "eve-secret-0123456789ab", "mon": "m" * 20}
-
-
-@pytest.fixture
-def source(tmp_path: Path) -> str:
-    return f"sqlite:///{tmp_path / 'locks.db'}"
-
-
-@pytest.fixture
-def server(source: str) -> Iterator[FencedServer]:
-    with FencedServer(source) as s:
-        yield s  # type: ignore[misc]
 
 
 @pytest.fixture(params=["sqlite", "redis", "postgresql"])
@@ -45,43 +34,17 @@ def any_source(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 @pytest.fixture
 def keyed(any_source: str, tmp_path: Path) -> Iterator[FencedServer]:
-    keys = tmp_path / "keys.toml"
-    keys.write_text(
-        f"""
-[[keys]]
-id = "alice"
-sha256 = "{hash_secret(SECRETS["alice"])}"
-prefixes = ["a/"]
-verbs = ["acquire", "check"]
-
-[[keys]]
-id = "eve"
-sha256 = "{hash_secret(SECRETS["eve"])}"
-prefixes = [""]
-verbs = ["acquire", "check"]
-
-[[keys]]
-id = "mon"
-sha256 = "{hash_secret(SECRETS["mon"])}"
-verbs = ["metrics"]
-"""
-    )
-    with FencedServer(any_source, args=["--api-keys", str(keys)]) as s:
-        yield s  # type: ignore[misc]
-
-
-def post(url: str, body: object = None, key: str | None = None) -> httpx.Response:
-    headers = {"authorization": f"Bearer {SECRETS[key]}"} if key else {}
-    return httpx.post(url, json=body, headers=headers, timeout=30)
-
-
-def get(url: str, key: str | None = None) -> httpx.Response:
-    headers = {"authorization": f"Bearer {SECRETS[key]}"} if key else {}
-    return httpx.get(url, headers=headers, timeout=30)
+    with keyed_server(any_source, tmp_path / "keys.toml", [
+        {"id": "alice", "secret": SECRETS["alice"], "prefixes": ["a/"],
+         "verbs": ["acquire", "check"]},
+        {"id": "eve", "secret": SECRETS["eve"], "prefixes": [""], "verbs": ["acquire", "check"]},
+        {"id": "mon", "secret": SECRETS["mon"], "verbs": ["metrics"]},
+    ]) as s:  # fmt: skip
+        yield s
 
 
 def samples(server: FencedServer) -> dict[str, float]:
-    return samples_of(get(f"{server.url}/metrics", key="mon").text)
+    return samples_of(get(f"{server.url}/metrics", key=SECRETS["mon"]).text)
 
 
 def samples_of(text: str) -> dict[str, float]:
@@ -203,12 +166,7 @@ def test_a_long_poll_on_a_kept_alive_connection_outlives_the_read_timeout(source
             reply = b""
             while not reply.endswith(b"}"):
                 reply += conn.recv(65536)
-            started = time.monotonic()
-            conn.sendall(b"GET /v1/health HTTP/1.1\r\nhost: x\r\n")
-            reply = b""
-            while piece := conn.recv(65536):  # (until the server closes it)
-                reply += piece
-            took = time.monotonic() - started
+            reply, took = until_closed(conn, b"GET /v1/health HTTP/1.1\r\nhost: x\r\n")
         assert reply.startswith(b"HTTP/1.1 408 "), reply[:200]
         assert 0.9 < took < 5, took
 
@@ -225,11 +183,11 @@ def test_another_keys_request_id_is_refused_and_counts_as_a_refusal_only(
     found — an acquire timeout, a lost renewal, a release of nothing — before it saw the
     request id was another key's: a scraper saw leases lost that were not.)"""
     u = f"{keyed.url}/v1/locks/a/{uuid.uuid4().hex}/-"  # (a source shared by the session)
-    grant = post(f"{u}/acquire", {"ttl": 30, "request_id": "r1"}, key="alice").json()
+    grant = post(f"{u}/acquire", {"ttl": 30, "request_id": "r1"}, key=SECRETS["alice"]).json()
     lease = {"token": grant["token"], "request_id": "r1"}
     before = samples(keyed)
     for action, body in (("acquire", {"request_id": "r1"}), ("renew", lease), ("release", lease)):
-        r = post(f"{u}/{action}", body, key="eve")
+        r = post(f"{u}/{action}", body, key=SECRETS["eve"])
         assert r.status_code == 403 and r.json()["error"] == "forbidden", (action, r.text)
     after = samples(keyed)
     changed = {k: after[k] - before.get(k, 0.0) for k in after if after[k] != before.get(k, 0.0)}
@@ -243,9 +201,9 @@ def test_another_keys_request_id_is_refused_and_counts_as_a_refusal_only(
     # Eve reads the lock every way there is: the holder's description, never the request id.
     name = u.split("/v1/locks/")[1][:-2]
     reads = [
-        get(f"{keyed.url}/v1/locks/{name}", key="eve").text,
-        get(f"{keyed.url}/v1/locks/{name}?index=0:free&wait=0.2", key="eve").text,
-        get(f"{keyed.url}/v1/dashboard?prefix={name}", key="eve").text,
+        get(f"{keyed.url}/v1/locks/{name}", key=SECRETS["eve"]).text,
+        get(f"{keyed.url}/v1/locks/{name}?index=0:free&wait=0.2", key=SECRETS["eve"]).text,
+        get(f"{keyed.url}/v1/dashboard?prefix={name}", key=SECRETS["eve"]).text,
     ]
     headers = {"authorization": f"Bearer {SECRETS['eve']}"}
     with httpx.stream("GET", f"{u}/watch", headers=headers, timeout=30) as watch:
@@ -254,11 +212,11 @@ def test_another_keys_request_id_is_refused_and_counts_as_a_refusal_only(
     for text in reads:
         assert '"holder":"alice: ' in text, text
         assert "r1" not in text.replace(name, ""), text
-    mine = get(f"{keyed.url}/v1/locks/{name}", key="alice").json()
+    mine = get(f"{keyed.url}/v1/locks/{name}", key=SECRETS["alice"]).json()
     assert mine["holder"] == "r1", mine
     # The rightful holder: renewed and released, counted as such.
-    assert post(f"{u}/renew", lease, key="alice").status_code == 200
-    assert post(f"{u}/release", lease, key="alice").json() == {"released": True}
+    assert post(f"{u}/renew", lease, key=SECRETS["alice"]).status_code == 200
+    assert post(f"{u}/release", lease, key=SECRETS["alice"]).json() == {"released": True}
     after = samples(keyed)
     assert after['fenced_renewals_total{result="ok"}'] == 1.0
     assert after['fenced_releases_total{result="released"}'] == 1.0

@@ -16,9 +16,9 @@ import httpx
 import pytest
 
 import fenced
-from fenced.server import hash_secret
 from fenced.testing.servers import FencedServer
 from tests.helpers import wait_for
+from tests.server.gateway import get, post, write_keys
 
 ALICE, BOB, OPS = (
     "fk_alice_secret_00000000000000",
@@ -27,56 +27,21 @@ ALICE, BOB, OPS = (
 )
 
 
-@pytest.fixture
-def source(tmp_path: Path) -> str:
-    return f"sqlite:///{tmp_path / 'locks.db'}"
-
-
-@pytest.fixture
-def server(source: str) -> Iterator[FencedServer]:
-    with FencedServer(source) as s:
-        yield s  # type: ignore[misc]
-
-
 def _keys(tmp_path: Path) -> Path:
-    keys = tmp_path / "keys.toml"
-    keys.write_text(
-        f"""
-[[keys]]
-id = "alice"
-sha256 = "{hash_secret(ALICE)}"
-prefixes = ["shared/"]
-verbs = ["acquire"]
-
-[[keys]]
-id = "bob"
-sha256 = "{hash_secret(BOB)}"
-prefixes = ["shared/"]
-verbs = ["acquire"]
-
-[[keys]]
-id = "ops"
-sha256 = "{hash_secret(OPS)}"
-verbs = ["admin"]
-"""
+    return write_keys(
+        tmp_path / "keys.toml",
+        [
+            {"id": "alice", "secret": ALICE, "prefixes": ["shared/"], "verbs": ["acquire"]},
+            {"id": "bob", "secret": BOB, "prefixes": ["shared/"], "verbs": ["acquire"]},
+            {"id": "ops", "secret": OPS, "verbs": ["admin"]},
+        ],
     )
-    return keys
 
 
 @pytest.fixture
 def keyed(source: str, tmp_path: Path) -> Iterator[FencedServer]:
     with FencedServer(source, args=["--api-keys", str(_keys(tmp_path))]) as s:
         yield s  # type: ignore[misc]
-
-
-def post(url: str, body: object = None, key: str | None = None) -> httpx.Response:
-    headers = {"authorization": f"Bearer {key}"} if key else {}
-    return httpx.post(url, json=body, headers=headers, timeout=30)
-
-
-def get(url: str, key: str | None = None) -> httpx.Response:
-    headers = {"authorization": f"Bearer {key}"} if key else {}
-    return httpx.get(url, headers=headers, timeout=30)
 
 
 # -- a grant belongs to the key that made it ---------------------------------------------------
