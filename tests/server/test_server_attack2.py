@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from fenced.testing.servers import FencedServer
-from tests.server.gateway import get, keyed_server, post, until_closed
+from tests.server.gateway import get, keyed_server, post, until_closed, write_keys
 
 SECRETS = {"alice": "alice-secret-0123456789", "eve": "eve-secret-0123456789ab", "mon": "m" * 20}
 
@@ -226,18 +226,11 @@ def test_another_keys_request_id_is_refused_and_counts_as_a_refusal_only(
 
 
 def _watch_keys(tmp_path: Path) -> str:
-    keys = tmp_path / "keys.toml"
-    keys.write_text(
-        "".join(
-            f'[[keys]]\nid = "{who}"\nsha256 = "{hash_secret(SECRETS[who])}"\nverbs = {verbs}\n'
-            for who, verbs in (
-                ("alice", '["acquire"]'),
-                ("eve", '["acquire"]'),
-                ("mon", '["metrics"]'),
-            )
-        )
-    )
-    return str(keys)
+    keys = [
+        {"id": who, "secret": SECRETS[who], "verbs": verbs}
+        for who, verbs in (("alice", ["acquire"]), ("eve", ["acquire"]), ("mon", ["metrics"]))
+    ]
+    return str(write_keys(tmp_path / "keys.toml", keys))
 
 
 def test_a_flood_of_watches_is_bounded_per_client_and_per_server(
