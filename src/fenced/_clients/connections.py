@@ -1,0 +1,274 @@
+"""Connections fenced opens for itself and keeps for the next call: one small manager, sync
+(:class:`Connections`) and async (:class:`AsyncConnections`), for every client fenced opens
+connections of on its own (a SQL guard's fencer and the replicated groups' SQL members, the
+PostgreSQL fence store of the ASGI middleware).
+
+A connection is lent to one caller at a time (``with conns.connection() as conn:``). It goes
+back for the next caller unless the block failed in a way that may have left it unusable: a
+:class:`~fenced.BackendUnavailable`, or any error fenced did not classify (a cancellation
+too). A refusal (a stale token, a conflict, bad input) is an answer of a working connection:
+the guard rolled its transaction back, so the connection is kept. ``healthy(conn)`` is asked
+too when a connection comes back (e.g. a psycopg connection left inside a transaction is
+closed, not lent again). A connection that fails to open, or whose ``setup`` fails, is closed
+and reported as :class:`~fenced.BackendUnavailable` (a :class:`~fenced.FencedError` raised by
+``connect`` or ``setup``, such as a refused password, as it is).
+
+Why not psycopg_pool: it serves psycopg only, while the SQL members and fencers take any
+driver the SQL guard takes (sqlite3, PyMySQL, asyncmy, SQLAlchemy); a pool of the caller's
+(``psycopg_pool.AsyncConnectionPool``) is still taken where a store accepts one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import inspect
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any, Generic, TypeVar
+
+from .._core.errors import BackendUnavailable, FencedError
+
+__all__ = ["AsyncConnections", "Connections", "unusable_after"]
+
+C = TypeVar("C")
+
+
+def unusable_after(exc: BaseException) -> bool:
+    """Whether a connection may be unusable after ``exc`` escaped a block using it: it did
+    not answer (BackendUnavailable), or the failure is none of fenced's answers (an error
+    nobody classified, a cancellation, Ctrl-C in the middle of a statement)."""
+    return isinstance(exc, BackendUnavailable) or not isinstance(exc, FencedError)
+
+
+def _always(conn: Any) -> bool:
+    return True
+
+
+def _close_sync(conn: Any) -> None:
+    with contextlib.suppress(Exception):
+        conn.close()
+
+
+async def _close_any(conn: Any) -> None:
+    with contextlib.suppress(Exception):
+        closing = conn.close()
+        if inspect.isawaitable(closing):
+            await closing
+
+
+def _opening_failed(name: str, exc: Exception) -> BaseException:
+    if isinstance(exc, FencedError):
+        return exc
+    return BackendUnavailable(f"{name}: cannot connect: {exc}")
+
+
+class Connections(Generic[C]):
+    """Connections made by ``connect()`` (blocking), lent one caller at a time, from any
+    thread. ``setup(conn)`` runs once on each new connection. Up to ``idle`` connections are
+    kept between calls (0: each call opens one and closes it); ``limit`` bounds how many are
+    open at once (None: no bound; a caller beyond it waits). ``keep(conn)`` says whether a
+    connection may be kept at all: a ``sqlite3`` connection is bound to the thread that made
+    it, and calls come from any worker thread."""
+
+    def __init__(
+        self,
+        connect: Callable[[], C],
+        *,
+        name: str,
+        setup: Callable[[C], None] | None = None,
+        idle: int = 1,
+        limit: int | None = None,
+        keep: Callable[[C], bool] = _always,
+        healthy: Callable[[C], bool] = _always,
+        close: Callable[[C], None] = _close_sync,
+    ) -> None:
+        self.name = name
+        self._connect = connect
+        self._setup = setup
+        self._idle_max = idle
+        self._limit = limit
+        self._keep = keep
+        self._healthy = healthy
+        self._close = close
+        self._idle: collections.deque[C] = collections.deque()
+        self._open = 0
+        self._freed = threading.Condition()
+        self._closed = False
+
+    @contextlib.contextmanager
+    def connection(self) -> Iterator[C]:
+        conn = self._get()
+        try:
+            yield conn
+        except BaseException as exc:
+            self._put(conn, broken=unusable_after(exc))
+            raise
+        self._put(conn, broken=False)
+
+    def _get(self) -> C:
+        with self._freed:
+            while True:
+                if self._closed:
+                    raise BackendUnavailable(f"{self.name}: closed")
+                if self._idle or self._limit is None or self._open < self._limit:
+                    break
+                self._freed.wait()
+            if self._idle:
+                return self._idle.pop()
+            self._open += 1
+        try:
+            conn = self._connect()
+        except BaseException as exc:
+            self._forget()
+            if isinstance(exc, Exception):
+                raise _opening_failed(self.name, exc) from exc
+            raise
+        try:
+            if self._setup is not None:
+                self._setup(conn)
+        except BaseException as exc:
+            self._close(conn)
+            self._forget()
+            if isinstance(exc, Exception):
+                raise _opening_failed(self.name, exc) from exc
+            raise
+        return conn
+
+    def _put(self, conn: C, *, broken: bool) -> None:
+        with self._freed:
+            if (
+                not broken
+                and not self._closed
+                and len(self._idle) < self._idle_max
+                and self._keep(conn)
+                and self._healthy(conn)
+            ):
+                self._idle.append(conn)
+                self._freed.notify()
+                return
+            self._open -= 1
+            self._freed.notify()
+        self._close(conn)
+
+    def _forget(self) -> None:
+        with self._freed:
+            self._open -= 1
+            self._freed.notify()
+
+    def close(self) -> None:
+        """Close the idle connections; one lent now is closed when it comes back."""
+        with self._freed:
+            self._closed = True
+            idle, self._idle = list(self._idle), collections.deque()
+            self._open -= len(idle)
+            self._freed.notify_all()
+        for conn in idle:
+            self._close(conn)
+
+
+class AsyncConnections(Generic[C]):
+    """:class:`Connections` for asyncio: ``connect()`` and ``setup(conn)`` are awaited, and
+    ``close`` may be a coroutine (psycopg) or not (asyncmy). Used on one event loop."""
+
+    def __init__(
+        self,
+        connect: Callable[[], Awaitable[C]],
+        *,
+        name: str,
+        setup: Callable[[C], Awaitable[None]] | None = None,
+        idle: int = 1,
+        limit: int | None = None,
+        healthy: Callable[[C], bool] = _always,
+        close: Callable[[C], Awaitable[None]] = _close_any,
+    ) -> None:
+        self.name = name
+        self._connect = connect
+        self._setup = setup
+        self._idle_max = idle
+        self._limit = limit
+        self._healthy = healthy
+        self._close = close
+        self._idle: collections.deque[C] = collections.deque()
+        self._open = 0
+        self._freed: asyncio.Condition | None = None  # (made on the loop that uses it)
+        self._closed = False
+
+    def _condition(self) -> asyncio.Condition:
+        if self._freed is None:
+            self._freed = asyncio.Condition()
+        return self._freed
+
+    @contextlib.asynccontextmanager
+    async def connection(self) -> AsyncIterator[C]:
+        conn = await self._get()
+        try:
+            yield conn
+        except BaseException as exc:
+            await self._put(conn, broken=unusable_after(exc))
+            raise
+        await self._put(conn, broken=False)
+
+    async def _get(self) -> C:
+        freed = self._condition()
+        async with freed:
+            while True:
+                if self._closed:
+                    raise BackendUnavailable(f"{self.name}: closed")
+                if self._idle or self._limit is None or self._open < self._limit:
+                    break
+                await freed.wait()
+            if self._idle:
+                return self._idle.pop()
+            self._open += 1
+        try:
+            conn = await self._connect()
+        except BaseException as exc:
+            await self._forget()
+            if isinstance(exc, Exception):
+                raise _opening_failed(self.name, exc) from exc
+            raise
+        try:
+            if self._setup is not None:
+                await self._setup(conn)
+        except BaseException as exc:
+            await self._close(conn)
+            await self._forget()
+            if isinstance(exc, Exception):
+                raise _opening_failed(self.name, exc) from exc
+            raise
+        return conn
+
+    async def _put(self, conn: C, *, broken: bool) -> None:
+        freed = self._condition()
+        if (
+            not broken
+            and not self._closed
+            and len(self._idle) < self._idle_max
+            and self._healthy(conn)
+        ):
+            async with freed:
+                self._idle.append(conn)
+                freed.notify()
+            return
+        # (closed first, then the place freed: a connection being closed still counts)
+        await self._close(conn)
+        await self._forget()
+
+    async def _forget(self) -> None:
+        freed = self._condition()
+        async with freed:
+            self._open -= 1
+            freed.notify()
+
+    async def aclose(self) -> None:
+        """Close the idle connections; one lent now is closed when it comes back."""
+        self._closed = True
+        idle, self._idle = list(self._idle), collections.deque()
+        for conn in idle:
+            await self._close(conn)
+        freed = self._condition()
+        async with freed:
+            self._open -= len(idle)
+            freed.notify_all()
