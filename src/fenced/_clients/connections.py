@@ -4,9 +4,9 @@ connections of on its own (a SQL guard's fencer and the replicated groups' SQL m
 PostgreSQL fence store of the ASGI middleware).
 
 A connection is lent to one caller at a time (``with conns.connection() as conn:``). It goes
-back for the next caller unless the block failed in a way that may have left it unusable: a
-:class:`~fenced.BackendUnavailable`, or any error fenced did not classify (a cancellation
-too). A refusal (a stale token, a conflict, bad input) is an answer of a working connection:
+back for the next caller unless the block failed in a way that may have left it unusable
+(``drop_after``; by default a :class:`~fenced.BackendUnavailable`, or any error fenced did
+not classify, a cancellation too). A refusal (a stale token, a conflict, bad input) is an answer of a working connection:
 the guard rolled its transaction back, so the connection is kept. ``healthy(conn)`` is asked
 too when a connection comes back (e.g. a psycopg connection left inside a transaction is
 closed, not lent again). A connection that fails to open, or whose ``setup`` fails, is closed
@@ -82,9 +82,11 @@ class Connections(Generic[C]):
         limit: int | None = None,
         keep: Callable[[C], bool] = _always,
         healthy: Callable[[C], bool] = _always,
+        drop_after: Callable[[BaseException], bool] = unusable_after,
         close: Callable[[C], None] = _close_sync,
     ) -> None:
         self.name = name
+        self._drop_after = drop_after
         self._connect = connect
         self._setup = setup
         self._idle_max = idle
@@ -95,28 +97,25 @@ class Connections(Generic[C]):
         self._idle: collections.deque[C] = collections.deque()
         self._open = 0
         self._freed = threading.Condition()
-        self._closed = False
+        self._generation = 0  # (raised by close: what was lent before is not kept after)
 
     @contextlib.contextmanager
     def connection(self) -> Iterator[C]:
-        conn = self._get()
+        conn, generation = self._get()
         try:
             yield conn
         except BaseException as exc:
-            self._put(conn, broken=unusable_after(exc))
+            self._put(conn, generation, broken=self._drop_after(exc))
             raise
-        self._put(conn, broken=False)
+        self._put(conn, generation, broken=False)
 
-    def _get(self) -> C:
+    def _get(self) -> tuple[C, int]:
         with self._freed:
-            while True:
-                if self._closed:
-                    raise BackendUnavailable(f"{self.name}: closed")
-                if self._idle or self._limit is None or self._open < self._limit:
-                    break
+            while not self._idle and self._limit is not None and self._open >= self._limit:
                 self._freed.wait()
+            generation = self._generation
             if self._idle:
-                return self._idle.pop()
+                return self._idle.pop(), generation
             self._open += 1
         try:
             conn = self._connect()
@@ -134,13 +133,13 @@ class Connections(Generic[C]):
             if isinstance(exc, Exception):
                 raise _opening_failed(self.name, exc) from exc
             raise
-        return conn
+        return conn, generation
 
-    def _put(self, conn: C, *, broken: bool) -> None:
+    def _put(self, conn: C, generation: int, *, broken: bool) -> None:
         with self._freed:
             if (
                 not broken
-                and not self._closed
+                and generation == self._generation
                 and len(self._idle) < self._idle_max
                 and self._keep(conn)
                 and self._healthy(conn)
@@ -158,9 +157,10 @@ class Connections(Generic[C]):
             self._freed.notify()
 
     def close(self) -> None:
-        """Close the idle connections; one lent now is closed when it comes back."""
+        """Close the idle connections; one lent now is closed when it comes back. A later
+        call opens a new one."""
         with self._freed:
-            self._closed = True
+            self._generation += 1
             idle, self._idle = list(self._idle), collections.deque()
             self._open -= len(idle)
             self._freed.notify_all()
@@ -181,9 +181,11 @@ class AsyncConnections(Generic[C]):
         idle: int = 1,
         limit: int | None = None,
         healthy: Callable[[C], bool] = _always,
+        drop_after: Callable[[BaseException], bool] = unusable_after,
         close: Callable[[C], Awaitable[None]] = _close_any,
     ) -> None:
         self.name = name
+        self._drop_after = drop_after
         self._connect = connect
         self._setup = setup
         self._idle_max = idle
@@ -193,7 +195,7 @@ class AsyncConnections(Generic[C]):
         self._idle: collections.deque[C] = collections.deque()
         self._open = 0
         self._freed: asyncio.Condition | None = None  # (made on the loop that uses it)
-        self._closed = False
+        self._generation = 0  # (raised by aclose: what was lent before is not kept after)
 
     def _condition(self) -> asyncio.Condition:
         if self._freed is None:
@@ -202,25 +204,22 @@ class AsyncConnections(Generic[C]):
 
     @contextlib.asynccontextmanager
     async def connection(self) -> AsyncIterator[C]:
-        conn = await self._get()
+        conn, generation = await self._get()
         try:
             yield conn
         except BaseException as exc:
-            await self._put(conn, broken=unusable_after(exc))
+            await self._put(conn, generation, broken=self._drop_after(exc))
             raise
-        await self._put(conn, broken=False)
+        await self._put(conn, generation, broken=False)
 
-    async def _get(self) -> C:
+    async def _get(self) -> tuple[C, int]:
         freed = self._condition()
         async with freed:
-            while True:
-                if self._closed:
-                    raise BackendUnavailable(f"{self.name}: closed")
-                if self._idle or self._limit is None or self._open < self._limit:
-                    break
+            while not self._idle and self._limit is not None and self._open >= self._limit:
                 await freed.wait()
+            generation = self._generation
             if self._idle:
-                return self._idle.pop()
+                return self._idle.pop(), generation
             self._open += 1
         try:
             conn = await self._connect()
@@ -238,13 +237,13 @@ class AsyncConnections(Generic[C]):
             if isinstance(exc, Exception):
                 raise _opening_failed(self.name, exc) from exc
             raise
-        return conn
+        return conn, generation
 
-    async def _put(self, conn: C, *, broken: bool) -> None:
+    async def _put(self, conn: C, generation: int, *, broken: bool) -> None:
         freed = self._condition()
         if (
             not broken
-            and not self._closed
+            and generation == self._generation
             and len(self._idle) < self._idle_max
             and self._healthy(conn)
         ):
@@ -263,8 +262,9 @@ class AsyncConnections(Generic[C]):
             freed.notify()
 
     async def aclose(self) -> None:
-        """Close the idle connections; one lent now is closed when it comes back."""
-        self._closed = True
+        """Close the idle connections; one lent now is closed when it comes back. A later
+        call opens a new one."""
+        self._generation += 1
         idle, self._idle = list(self._idle), collections.deque()
         for conn in idle:
             await self._close(conn)
