@@ -1,7 +1,8 @@
-"""Connections fenced opens for itself and keeps for the next call: one small manager, sync
-(:class:`Connections`) and async (:class:`AsyncConnections`), for every client fenced opens
-connections of on its own (a SQL guard's fencer and the replicated groups' SQL members, the
-PostgreSQL fence store of the ASGI middleware).
+"""The one manager of the connections fenced opens for itself and keeps for the next call.
+
+Sync (:class:`Connections`) and async (:class:`AsyncConnections`), for every client fenced
+opens connections of on its own: a SQL guard's fencer and the replicated groups' SQL members
+(``SQLGuard.fencer``/``afencer``), the PostgreSQL fence store of the ASGI middleware.
 
 A connection is lent to one caller at a time (``with conns.connection() as conn:``). It goes
 back for the next caller unless the block failed in a way that may have left it unusable
