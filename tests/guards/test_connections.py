@@ -7,8 +7,10 @@ PostgreSQL connections, sync and async."""
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -211,3 +213,42 @@ def test_a_sql_member_keeps_one_connection_and_runs_no_thread_of_its_own(
         assert all(c.closed for c in opened.made)
 
     asyncio.run(go())
+
+
+def test_sqlite3_connections_are_kept_one_per_thread(tmp_path: Path) -> None:
+    """A ``sqlite3`` connection may only be used on the thread that made it (by default):
+    the manager keeps it for that thread, and another thread gets one of its own."""
+    path = tmp_path / "m.db"
+    made: list[tuple[int, sqlite3.Connection]] = []
+
+    def connect() -> sqlite3.Connection:
+        conn = sqlite3.connect(path)  # (check_same_thread: its default, True)
+        made.append((threading.get_ident(), conn))
+        return conn
+
+    guard = SQLGuard("res")
+    with sqlite3.connect(path) as db:
+        guard.install(db)
+    fencer = guard.fencer(connect, keep_connection=True)
+    value = 0
+
+    def fence_three_times() -> None:
+        nonlocal value
+        for _ in range(3):
+            value += 1
+            fencer.fence(FencingToken("res", value))
+
+    for _ in range(2):
+        t = threading.Thread(target=fence_three_times)
+        t.start()
+        t.join(30)
+    fence_three_times()  # (this thread too)
+    # one connection per thread (a thread that ended may hand its ident, and so its
+    # connection, to the next: sqlite3 checks the ident)
+    idents = {ident for ident, _ in made}
+    assert len(made) == len(idents) and threading.get_ident() in idents
+    with pytest.raises(fenced.StaleTokenError):
+        fencer.fence(FencingToken("res", 1))
+    fencer.close()
+    fencer.fence(FencingToken("res", value))
+    assert len(made) == len(idents) + 1  # (closed: a new one)

@@ -47,6 +47,10 @@ def _always(conn: Any) -> bool:
     return True
 
 
+def _never(conn: Any) -> bool:
+    return False
+
+
 def _close_sync(conn: Any) -> None:
     with contextlib.suppress(Exception):
         conn.close()
@@ -69,9 +73,9 @@ class Connections(Generic[C]):
     """Connections made by ``connect()`` (blocking), lent one caller at a time, from any
     thread. ``setup(conn)`` runs once on each new connection. Up to ``idle`` connections are
     kept between calls (0: each call opens one and closes it); ``limit`` bounds how many are
-    open at once (None: no bound; a caller beyond it waits). ``keep(conn)`` says whether a
-    connection may be kept at all: a ``sqlite3`` connection is bound to the thread that made
-    it, and calls come from any worker thread."""
+    open at once (None: no bound; a caller beyond it waits). A connection ``bound(conn)`` to
+    the thread that made it (``sqlite3``'s, and calls come from any worker thread) is kept
+    for that thread only: one per thread, besides the ``idle`` ones."""
 
     def __init__(
         self,
@@ -81,7 +85,7 @@ class Connections(Generic[C]):
         setup: Callable[[C], None] | None = None,
         idle: int = 1,
         limit: int | None = None,
-        keep: Callable[[C], bool] = _always,
+        bound: Callable[[C], bool] = _never,
         healthy: Callable[[C], bool] = _always,
         drop_after: Callable[[BaseException], bool] = unusable_after,
         close: Callable[[C], None] = _close_sync,
@@ -92,10 +96,11 @@ class Connections(Generic[C]):
         self._setup = setup
         self._idle_max = idle
         self._limit = limit
-        self._keep = keep
+        self._bound = bound
         self._healthy = healthy
         self._close = close
         self._idle: collections.deque[C] = collections.deque()
+        self._by_thread: dict[int, C] = {}  # idle bound connections, by their thread
         self._open = 0
         self._freed = threading.Condition()
         self._generation = 0  # (raised by close: what was lent before is not kept after)
@@ -112,6 +117,9 @@ class Connections(Generic[C]):
 
     def _get(self) -> tuple[C, int]:
         with self._freed:
+            mine = self._by_thread.pop(threading.get_ident(), None)
+            if mine is not None:
+                return mine, self._generation
             while not self._idle and self._limit is not None and self._open >= self._limit:
                 self._freed.wait()
             generation = self._generation
@@ -138,16 +146,16 @@ class Connections(Generic[C]):
 
     def _put(self, conn: C, generation: int, *, broken: bool) -> None:
         with self._freed:
-            if (
-                not broken
-                and generation == self._generation
-                and len(self._idle) < self._idle_max
-                and self._keep(conn)
-                and self._healthy(conn)
-            ):
-                self._idle.append(conn)
-                self._freed.notify()
-                return
+            if not broken and generation == self._generation and self._healthy(conn):
+                # (given back on the thread it was taken on: a bound one is this thread's)
+                if self._bound(conn):
+                    if self._idle_max and threading.get_ident() not in self._by_thread:
+                        self._by_thread[threading.get_ident()] = conn
+                        return
+                elif len(self._idle) < self._idle_max:
+                    self._idle.append(conn)
+                    self._freed.notify()
+                    return
             self._open -= 1
             self._freed.notify()
         self._close(conn)
@@ -162,10 +170,13 @@ class Connections(Generic[C]):
         call opens a new one."""
         with self._freed:
             self._generation += 1
-            idle, self._idle = list(self._idle), collections.deque()
+            idle = [*self._idle, *self._by_thread.values()]
+            self._idle, self._by_thread = collections.deque(), {}
             self._open -= len(idle)
             self._freed.notify_all()
         for conn in idle:
+            # (a bound one fails to close from another thread: dropped, its finaliser
+            # closes it)
             self._close(conn)
 
 

@@ -324,7 +324,8 @@ class SQLGuard:
         connection with ``connect()``, raises the mark to the new token in a transaction of
         its own, commits and closes (a connection is not shared with fenced's thread).
         ``keep_connection``: keep one connection open for the next call (close the fencer
-        when done); a ``sqlite3`` connection, bound to the thread that made it, never is."""
+        when done); ``sqlite3`` connections, bound to the thread that made them, one per
+        calling thread."""
         return SQLFencer(self, connect, keep_connection=keep_connection)
 
     def afencer(
@@ -549,7 +550,7 @@ class SQLFencer:
             setup=setup,
             idle=1 if keep_connection else 0,
             # (a sqlite3 connection is bound to its thread; calls come from any worker)
-            keep=_not_sqlite3,
+            bound=_sqlite3,
             healthy=reusable,
         )
 
@@ -650,8 +651,8 @@ class AsyncSQLFencer:
         return f"AsyncSQLFencer({self.guard.resource!r})"
 
 
-def _not_sqlite3(conn: Any) -> bool:
-    return not isinstance(conn, sqlite3.Connection)
+def _sqlite3(conn: Any) -> bool:
+    return isinstance(conn, sqlite3.Connection)
 
 
 class RowGuard:
