@@ -33,6 +33,7 @@ KINDS = [
     # async SQL members: the guard's async drivers on the group's loop, no thread
     "psycopg-async",
     "asyncmy",
+    "sqlalchemy-async",
 ]
 
 
@@ -47,7 +48,7 @@ class Made:
         self._closers: list[Callable[[], None]] = []
         if kind == "redis":
             self.server = RedisServer().start()
-        elif kind in ("postgresql", "sqlalchemy-postgresql", "psycopg-async"):
+        elif kind in ("postgresql", "sqlalchemy-postgresql", "psycopg-async", "sqlalchemy-async"):
             self.server = PostgresServer().start()
         elif kind == "etcd":
             self.server = EtcdServer().start()
@@ -89,6 +90,15 @@ class Made:
             return SQLGuard(self.resource).afencer(
                 lambda: psycopg.AsyncConnection.connect(dsn, autocommit=True)
             )
+        if self.kind == "sqlalchemy-async":
+            from sqlalchemy.ext.asyncio import create_async_engine
+            from sqlalchemy.pool import NullPool
+
+            url = self.server.dsn.replace("postgresql://", "postgresql+psycopg://", 1)
+            # (NullPool: each test's asyncio.run is a loop of its own)
+            aengine = create_async_engine(url, poolclass=NullPool)
+            self._closers.append(lambda: asyncio.run(aengine.dispose()))
+            return SQLGuard(self.resource).afencer(aengine.connect)
         if self.kind == "asyncmy":
             import asyncmy
 
