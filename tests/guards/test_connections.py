@@ -21,6 +21,7 @@ from fenced import FencingToken
 from fenced._clients.connections import AsyncConnections, Connections
 from fenced.guards.sql import SQLGuard
 from fenced.replicated import Item, SQLMember, stamp
+from fenced.testing.servers import PostgresServer
 from tests.helpers import unique_name
 
 
@@ -252,3 +253,14 @@ def test_sqlite3_connections_are_kept_one_per_thread(tmp_path: Path) -> None:
     fencer.close()
     fencer.fence(FencingToken("res", value))
     assert len(made) == len(idents) + 1  # (closed: a new one)
+
+
+def test_a_connection_refused_for_good_is_access_denied_not_unavailable(
+    pg_server: PostgresServer,
+) -> None:
+    """The psycopg classifier decides (``_clients.pg_errors``): a role the server does not
+    know is no outage a retry gets past."""
+    dsn = f"postgresql://no_such_role@127.0.0.1:{pg_server.port}/postgres"
+    fencer = SQLGuard("res").fencer(lambda: psycopg.connect(dsn, autocommit=True))
+    with pytest.raises(fenced.AccessDenied):
+        fencer.fence(FencingToken("res", 1))

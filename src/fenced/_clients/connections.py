@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, Generic, TypeVar
 
 from .._core.errors import BackendUnavailable, FencedError
+from .pg_errors import connect_refusal
 
 __all__ = ["AsyncConnections", "Connections", "unusable_after"]
 
@@ -66,6 +67,9 @@ async def _close_any(conn: Any) -> None:
 def _opening_failed(name: str, exc: Exception) -> BaseException:
     if isinstance(exc, FencedError):
         return exc
+    refused = connect_refusal(exc)  # (a wrong password: AccessDenied, no retry lets it in)
+    if refused is not None:
+        return refused
     return BackendUnavailable(f"{name}: cannot connect: {exc}")
 
 
