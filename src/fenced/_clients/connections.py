@@ -11,8 +11,9 @@ not classify, a cancellation too). A refusal (a stale token, a conflict, bad inp
 the guard rolled its transaction back, so the connection is kept. ``healthy(conn)`` is asked
 too when a connection comes back (e.g. a psycopg connection left inside a transaction is
 closed, not lent again). A connection that fails to open, or whose ``setup`` fails, is closed
-and reported as :class:`~fenced.BackendUnavailable` (a :class:`~fenced.FencedError` raised by
-``connect`` or ``setup``, such as a refused password, as it is).
+and reported as :class:`~fenced.BackendUnavailable`, but for what no retry gets past (a
+:class:`~fenced.FencedError` raised by ``connect`` or ``setup`` as it is; a psycopg refusal of
+the role or the password, :class:`~fenced.AccessDenied`, by ``pg_errors``).
 
 Why not psycopg_pool: it serves psycopg only, while the SQL members and fencers take any
 driver the SQL guard takes (sqlite3, PyMySQL, asyncmy, SQLAlchemy); a pool of the caller's
