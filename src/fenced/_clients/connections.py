@@ -7,8 +7,8 @@ opens connections of on its own: a SQL guard's fencer and the replicated groups'
 A connection is lent to one caller at a time (``with conns.connection() as conn:``). It goes
 back for the next caller unless the block failed in a way that may have left it unusable
 (``drop_after``; by default a :class:`~fenced.BackendUnavailable`, or any error fenced did
-not classify, a cancellation too). A refusal (a stale token, a conflict, bad input) is an answer of a working connection:
-the guard rolled its transaction back, so the connection is kept. ``healthy(conn)`` is asked
+not classify, a cancellation too). A refusal (a stale token, a conflict, bad input) is an
+answer of a working connection: the guard rolled its transaction back, so it is kept. ``healthy(conn)`` is asked
 too when a connection comes back (e.g. a psycopg connection left inside a transaction is
 closed, not lent again). A connection that fails to open, or whose ``setup`` fails, is closed
 and reported as :class:`~fenced.BackendUnavailable`, but for what no retry gets past (a
