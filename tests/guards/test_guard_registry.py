@@ -168,3 +168,11 @@ def test_the_kit_refuses_an_unknown_scheme_in_one_line() -> None:
     with pytest.raises(ConfigurationError, match="guard URL") as err:
         open_resource("mongodb://u:hunter2-secret@h/db", LOCK)
     assert "hunter2" not in str(err.value)
+
+
+def test_the_kits_sql_register_refuses_a_mysql_url_in_one_line() -> None:
+    """The registry's ``sql`` kind takes ``mysql://`` (a group member); the kit's register
+    is written for SQLite and PostgreSQL, and says so instead of failing in psycopg."""
+    with pytest.raises(ConfigurationError, match="sqlite:// or postgresql://") as err:
+        open_resource("mysql://u:hunter2-secret@127.0.0.1:1/db", LOCK)
+    assert "\n" not in str(err.value) and "hunter2" not in str(err.value)
