@@ -74,7 +74,59 @@ def _opening_failed(name: str, exc: Exception) -> BaseException:
     return BackendUnavailable(f"{name}: cannot connect: {exc}")
 
 
-class Connections(Generic[C]):
+class _Ledger(Generic[C]):
+    """What :class:`Connections` and :class:`AsyncConnections` both keep: the idle
+    connections, how many are open, the generation; each wraps it in its own lock."""
+
+    def __init__(
+        self,
+        name: str,
+        idle: int,
+        limit: int | None,
+        healthy: Callable[[C], bool],
+        drop_after: Callable[[BaseException], bool],
+    ) -> None:
+        self.name = name
+        self._idle_max = idle
+        self._limit = limit
+        self._healthy = healthy
+        self._drop_after = drop_after
+        self._idle: collections.deque[C] = collections.deque()
+        self._open = 0
+        self._generation = 0  # (raised by close: what was lent before is not kept after)
+
+    def _full(self) -> bool:
+        """No idle connection, and no room for a new one: wait."""
+        return not self._idle and self._limit is not None and self._open >= self._limit
+
+    def _take(self) -> C | None:
+        """An idle connection, or None after counting the one the caller will open."""
+        if self._idle:
+            return self._idle.pop()
+        self._open += 1
+        return None
+
+    def _lendable(self, conn: C, generation: int, broken: bool) -> bool:
+        """May ``conn``, given back, be lent again (``_forget`` it once closed if not)?"""
+        return not broken and generation == self._generation and self._healthy(conn)
+
+    def _kept(self, conn: C, generation: int, broken: bool) -> bool:
+        """Keep ``conn`` idle if it may be lent again and there is room."""
+        if len(self._idle) < self._idle_max and self._lendable(conn, generation, broken):
+            self._idle.append(conn)
+            return True
+        return False
+
+    def _drain(self, *more: C) -> list[C]:
+        """Forget the idle connections (and ``more``), to be closed by the caller."""
+        self._generation += 1
+        gone = [*self._idle, *more]
+        self._idle = collections.deque()
+        self._open -= len(gone)
+        return gone
+
+
+class Connections(_Ledger[C]):
     """Connections made by ``connect()`` (blocking), lent one caller at a time, from any
     thread. ``setup(conn)`` runs once on each new connection. Up to ``idle`` connections are
     kept between calls (0: each call opens one and closes it); ``limit`` bounds how many are
@@ -95,20 +147,13 @@ class Connections(Generic[C]):
         drop_after: Callable[[BaseException], bool] = unusable_after,
         close: Callable[[C], None] = _close_sync,
     ) -> None:
-        self.name = name
-        self._drop_after = drop_after
+        super().__init__(name, idle, limit, healthy, drop_after)
         self._connect = connect
         self._setup = setup
-        self._idle_max = idle
-        self._limit = limit
         self._bound = bound
-        self._healthy = healthy
         self._close = close
-        self._idle: collections.deque[C] = collections.deque()
         self._by_thread: dict[int, C] = {}  # idle bound connections, by their thread
-        self._open = 0
         self._freed = threading.Condition()
-        self._generation = 0  # (raised by close: what was lent before is not kept after)
 
     @contextlib.contextmanager
     def connection(self) -> Iterator[C]:
@@ -122,15 +167,16 @@ class Connections(Generic[C]):
 
     def _get(self) -> tuple[C, int]:
         with self._freed:
+            generation = self._generation
             mine = self._by_thread.pop(threading.get_ident(), None)
             if mine is not None:
-                return mine, self._generation
-            while not self._idle and self._limit is not None and self._open >= self._limit:
+                return mine, generation
+            while self._full():
                 self._freed.wait()
             generation = self._generation
-            if self._idle:
-                return self._idle.pop(), generation
-            self._open += 1
+            conn = self._take()
+            if conn is not None:
+                return conn, generation
         try:
             conn = self._connect()
         except BaseException as exc:
@@ -150,20 +196,22 @@ class Connections(Generic[C]):
         return conn, generation
 
     def _put(self, conn: C, generation: int, *, broken: bool) -> None:
+        me = threading.get_ident()  # (given back on the thread it was taken on)
         with self._freed:
-            if not broken and generation == self._generation and self._healthy(conn):
-                # (given back on the thread it was taken on: a bound one is this thread's)
-                if self._bound(conn):
-                    if self._idle_max and threading.get_ident() not in self._by_thread:
-                        self._by_thread[threading.get_ident()] = conn
-                        return
-                elif len(self._idle) < self._idle_max:
-                    self._idle.append(conn)
+            if not self._bound(conn):
+                if self._kept(conn, generation, broken):
                     self._freed.notify()
                     return
-            self._open -= 1
-            self._freed.notify()
+            elif (
+                self._idle_max
+                and me not in self._by_thread
+                and self._lendable(conn, generation, broken)
+            ):
+                self._by_thread[me] = conn  # (this thread's: kept beside the idle ones)
+                return
+        # (closed, then its place freed: a connection being closed still counts)
         self._close(conn)
+        self._forget()
 
     def _forget(self) -> None:
         with self._freed:
@@ -174,18 +222,16 @@ class Connections(Generic[C]):
         """Close the idle connections; one lent now is closed when it comes back. A later
         call opens a new one."""
         with self._freed:
-            self._generation += 1
-            idle = [*self._idle, *self._by_thread.values()]
-            self._idle, self._by_thread = collections.deque(), {}
-            self._open -= len(idle)
+            gone = self._drain(*self._by_thread.values())
+            self._by_thread = {}
             self._freed.notify_all()
-        for conn in idle:
+        for conn in gone:
             # (a bound one fails to close from another thread: dropped, its finaliser
             # closes it)
             self._close(conn)
 
 
-class AsyncConnections(Generic[C]):
+class AsyncConnections(_Ledger[C]):
     """:class:`Connections` for asyncio: ``connect()`` and ``setup(conn)`` are awaited, and
     ``close`` may be a coroutine (psycopg) or not (asyncmy). Used on one event loop."""
 
@@ -201,18 +247,11 @@ class AsyncConnections(Generic[C]):
         drop_after: Callable[[BaseException], bool] = unusable_after,
         close: Callable[[C], Awaitable[None]] = _close_any,
     ) -> None:
-        self.name = name
-        self._drop_after = drop_after
+        super().__init__(name, idle, limit, healthy, drop_after)
         self._connect = connect
         self._setup = setup
-        self._idle_max = idle
-        self._limit = limit
-        self._healthy = healthy
         self._close = close
-        self._idle: collections.deque[C] = collections.deque()
-        self._open = 0
         self._freed: asyncio.Condition | None = None  # (made on the loop that uses it)
-        self._generation = 0  # (raised by aclose: what was lent before is not kept after)
 
     def _condition(self) -> asyncio.Condition:
         if self._freed is None:
@@ -232,12 +271,12 @@ class AsyncConnections(Generic[C]):
     async def _get(self) -> tuple[C, int]:
         freed = self._condition()
         async with freed:
-            while not self._idle and self._limit is not None and self._open >= self._limit:
+            while self._full():
                 await freed.wait()
             generation = self._generation
-            if self._idle:
-                return self._idle.pop(), generation
-            self._open += 1
+            conn = self._take()
+            if conn is not None:
+                return conn, generation
         try:
             conn = await self._connect()
         except BaseException as exc:
@@ -249,8 +288,10 @@ class AsyncConnections(Generic[C]):
             if self._setup is not None:
                 await self._setup(conn)
         except BaseException as exc:
-            await self._close(conn)
-            await self._forget()
+            try:
+                await self._close(conn)
+            finally:
+                await self._forget()
             if isinstance(exc, Exception):
                 raise _opening_failed(self.name, exc) from exc
             raise
@@ -258,19 +299,15 @@ class AsyncConnections(Generic[C]):
 
     async def _put(self, conn: C, generation: int, *, broken: bool) -> None:
         freed = self._condition()
-        if (
-            not broken
-            and generation == self._generation
-            and len(self._idle) < self._idle_max
-            and self._healthy(conn)
-        ):
-            async with freed:
-                self._idle.append(conn)
+        async with freed:
+            if self._kept(conn, generation, broken):
                 freed.notify()
-            return
-        # (closed first, then the place freed: a connection being closed still counts)
-        await self._close(conn)
-        await self._forget()
+                return
+        # (closed, then its place freed: a connection being closed still counts)
+        try:
+            await self._close(conn)
+        finally:
+            await self._forget()
 
     async def _forget(self) -> None:
         freed = self._condition()
@@ -281,11 +318,9 @@ class AsyncConnections(Generic[C]):
     async def aclose(self) -> None:
         """Close the idle connections; one lent now is closed when it comes back. A later
         call opens a new one."""
-        self._generation += 1
-        idle, self._idle = list(self._idle), collections.deque()
-        for conn in idle:
-            await self._close(conn)
         freed = self._condition()
         async with freed:
-            self._open -= len(idle)
+            gone = self._drain()
             freed.notify_all()
+        for conn in gone:
+            await self._close(conn)
