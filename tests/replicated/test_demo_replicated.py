@@ -15,11 +15,11 @@ from tests.helpers import ROOT
 PLANT = """
 from fenced.guards import sql
 
-def _no_lock_fence(self, **kw):
-    return _real(self, **{**kw, "token": None})  # the token never checked
+def _no_lock_fence(self, conn, **kw):
+    return _real(self, conn, **{**kw, "token": None})  # the token never checked
 
-_real = sql.SQLFencer.apply_group
-sql.SQLFencer.apply_group = _no_lock_fence
+_real = sql.SQLGuard.apply_group
+sql.SQLGuard.apply_group = _no_lock_fence
 """
 
 

@@ -380,22 +380,33 @@ class SQLGuard:
         marks raised, the token kept as the holder, every item forgotten first if ``reset``,
         and each ``(key, stamp, value)`` written if its stamp is newer than the stored one.
         All or nothing. ``token`` None: the lock mark is left alone (an epoch-only change)."""
+        plan = self._group_change(token, group, epoch, items, reset, since)
+        run_transaction(conn, plan, use=self._use)
+
+    def _group_change(
+        self,
+        token: TokenLike | None,
+        group: str,
+        epoch: int,
+        items: Sequence[GroupItem],
+        reset: bool,
+        since: int,
+    ) -> Callable[[Dialect], Plan[None]]:
         tok = None if token is None else FencingToken.coerce(token, self.lock, self.verifier)
-        run_transaction(
-            conn,
-            lambda d: group_apply_plan(
-                d, self._fence_sql(d), self.resource, group, tok, epoch, items,
-                reset=reset, since=since,
-            ),
-            use=self._use,
+        return lambda d: group_apply_plan(
+            d, self._fence_sql(d), self.resource, group, tok, epoch, items, reset=reset,
+            since=since,
         )  # fmt: skip
 
     def read_group(self, conn: Any, *, group: str, keys: Sequence[str] | None = None) -> GroupState:
         """A replicated group member's marks, holder and items (of ``keys``; None: all), read
         in one transaction of its own."""
-        return run_transaction(
-            conn, lambda d: group_read_plan(d, self._fence_sql(d), self.resource, group, keys)
-        )
+        return run_transaction(conn, self._group_read(group, keys))
+
+    def _group_read(
+        self, group: str, keys: Sequence[str] | None
+    ) -> Callable[[Dialect], Plan[GroupState]]:
+        return lambda d: group_read_plan(d, self._fence_sql(d), self.resource, group, keys)
 
     async def ainstall_group(self, conn: Any) -> None:
         """:meth:`install_group` on an async connection (psycopg, asyncmy, SQLAlchemy)."""
@@ -414,23 +425,14 @@ class SQLGuard:
         since: int = 0,
     ) -> None:
         """:meth:`apply_group` on an async connection (psycopg, asyncmy, SQLAlchemy)."""
-        tok = None if token is None else FencingToken.coerce(token, self.lock, self.verifier)
-        await arun_transaction(
-            conn,
-            lambda d: group_apply_plan(
-                d, self._fence_sql(d), self.resource, group, tok, epoch, items,
-                reset=reset, since=since,
-            ),
-            use=self._use,
-        )  # fmt: skip
+        plan = self._group_change(token, group, epoch, items, reset, since)
+        await arun_transaction(conn, plan, use=self._use)
 
     async def aread_group(
         self, conn: Any, *, group: str, keys: Sequence[str] | None = None
     ) -> GroupState:
         """:meth:`read_group` on an async connection (psycopg, asyncmy, SQLAlchemy)."""
-        return await arun_transaction(
-            conn, lambda d: group_read_plan(d, self._fence_sql(d), self.resource, group, keys)
-        )
+        return await arun_transaction(conn, self._group_read(group, keys))
 
     # -- async (psycopg.AsyncConnection) -------------------------------------------------
 
@@ -528,10 +530,11 @@ def require_fence(target: Any, guard: SQLGuard, tables: Sequence[str]) -> None:
 
 
 class SQLFencer:
-    """See :meth:`SQLGuard.fencer`: a guard and the connections it opens itself, for a
-    ``fence=`` target and a replicated group's member (whose calls it runs too:
-    :meth:`apply_group`, :meth:`read_group`). Blocking: call it from a worker thread in
-    asyncio (``fence_all`` and :class:`~fenced.replicated.SQLMember` do)."""
+    """See :meth:`SQLGuard.fencer`: a guard and the connections it opens itself
+    (:attr:`connections`, fenced's one connection manager), for a ``fence=`` target and a
+    replicated group's member, which borrows them for the guard's ``apply_group`` and
+    ``read_group``. Blocking: call it from a worker thread in asyncio (``fence_all`` and
+    :class:`~fenced.replicated.SQLMember` do)."""
 
     def __init__(
         self,
@@ -561,28 +564,6 @@ class SQLFencer:
             # COMMIT and ROLLBACK for every connection kind, SQLAlchemy's included)
             run_transaction(conn, lambda d: self.guard._check_plan(d, tok), use=self.guard._use)
 
-    def apply_group(
-        self,
-        *,
-        token: TokenLike | None,
-        group: str,
-        epoch: int,
-        items: Sequence[GroupItem] = (),
-        reset: bool = False,
-        since: int = 0,
-    ) -> None:
-        """:meth:`SQLGuard.apply_group` on a connection of the fencer's."""
-        with self.connections.connection() as conn:
-            self.guard.apply_group(
-                conn, token=token, group=group, epoch=epoch, items=items, reset=reset,
-                since=since,
-            )  # fmt: skip
-
-    def read_group(self, *, group: str, keys: Sequence[str] | None = None) -> GroupState:
-        """:meth:`SQLGuard.read_group` on a connection of the fencer's."""
-        with self.connections.connection() as conn:
-            return self.guard.read_group(conn, group=group, keys=keys)
-
     def close(self) -> None:
         """Close the connection kept (``keep_connection``); a fencer without one has none."""
         self.connections.close()
@@ -593,7 +574,8 @@ class SQLFencer:
 
 class AsyncSQLFencer:
     """See :meth:`SQLGuard.afencer`: :class:`SQLFencer` over an async ``connect`` (psycopg
-    ``AsyncConnection``, asyncmy, SQLAlchemy's ``AsyncConnection``), on the event loop."""
+    ``AsyncConnection``, asyncmy, SQLAlchemy's ``AsyncConnection``), on the event loop; a
+    member borrows its :attr:`connections` for ``aapply_group`` and ``aread_group``."""
 
     def __init__(
         self,
@@ -620,28 +602,6 @@ class AsyncSQLFencer:
             await arun_transaction(
                 conn, lambda d: self.guard._check_plan(d, tok), use=self.guard._use
             )
-
-    async def apply_group(
-        self,
-        *,
-        token: TokenLike | None,
-        group: str,
-        epoch: int,
-        items: Sequence[GroupItem] = (),
-        reset: bool = False,
-        since: int = 0,
-    ) -> None:
-        """:meth:`SQLGuard.aapply_group` on a connection of the fencer's."""
-        async with self.connections.connection() as conn:
-            await self.guard.aapply_group(
-                conn, token=token, group=group, epoch=epoch, items=items, reset=reset,
-                since=since,
-            )  # fmt: skip
-
-    async def read_group(self, *, group: str, keys: Sequence[str] | None = None) -> GroupState:
-        """:meth:`SQLGuard.aread_group` on a connection of the fencer's."""
-        async with self.connections.connection() as conn:
-            return await self.guard.aread_group(conn, group=group, keys=keys)
 
     async def aclose(self) -> None:
         """Close the connection kept (``keep_connection``)."""

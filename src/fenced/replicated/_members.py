@@ -304,8 +304,8 @@ class SQLMember:
     PyMySQL, a SQLAlchemy ``Connection``); :class:`AsyncSQLMember` takes an async one.
     One transaction per change, the guard's own plan (:meth:`SQLGuard.apply_group
     <fenced.guards.sql.SQLGuard.apply_group>`): the lock fence, the epoch mark, the items,
-    all or nothing, run by the guard's fencer (:attr:`fencer`, whose connection it keeps
-    unless ``keep_connection=False``) on a worker thread (``asyncio.to_thread``, the one
+    all or nothing, on a connection of the guard's fencer (:attr:`fencer`, which keeps one
+    unless ``keep_connection=False``), run on a worker thread (``asyncio.to_thread``, the one
     offload of blocking clients). Tables ``fenced_group_epochs``, ``fenced_group_data`` and
     ``fenced_group_holders`` are made on each new connection's first use."""
 
@@ -325,6 +325,14 @@ class SQLMember:
     def keep_connection(self) -> bool:
         return self.fencer.keep_connection
 
+    def _apply(self, change: dict[str, Any]) -> None:
+        with self.fencer.connections.connection() as conn:
+            self.guard.apply_group(conn, **change)
+
+    def _read(self, keys: Sequence[str] | None) -> Snapshot:
+        with self.fencer.connections.connection() as conn:
+            return _snapshot(self.guard.read_group(conn, group=self._group, keys=keys))
+
     async def apply(
         self,
         token: FencingToken | None,
@@ -334,21 +342,11 @@ class SQLMember:
         reset: bool = False,
         since: int = 0,
     ) -> None:
-        if token is None and items:
-            raise ConfigurationError("items are written only with a lock token")
-        rows = [(i.key, i.stamp, i.value) for i in items]
-        await asyncio.to_thread(
-            functools.partial(
-                self.fencer.apply_group, token=token, group=self._group, epoch=epoch,
-                items=rows, reset=reset, since=since,
-            )
-        )  # fmt: skip
+        change = _change(self._group, token, epoch, items, reset, since)
+        await asyncio.to_thread(self._apply, change)
 
     async def read(self, keys: Sequence[str] | None = None) -> Snapshot:
-        state = await asyncio.to_thread(
-            functools.partial(self.fencer.read_group, group=self._group, keys=keys)
-        )
-        return _snapshot(state)
+        return await asyncio.to_thread(self._read, keys)
 
     async def aclose(self) -> None:
         await asyncio.to_thread(self.fencer.close)
@@ -389,21 +387,38 @@ class AsyncSQLMember:
         reset: bool = False,
         since: int = 0,
     ) -> None:
-        if token is None and items:
-            raise ConfigurationError("items are written only with a lock token")
-        await self.fencer.apply_group(
-            token=token, group=self._group, epoch=epoch,
-            items=[(i.key, i.stamp, i.value) for i in items], reset=reset, since=since,
-        )  # fmt: skip
+        change = _change(self._group, token, epoch, items, reset, since)
+        async with self.fencer.connections.connection() as conn:
+            await self.guard.aapply_group(conn, **change)
 
     async def read(self, keys: Sequence[str] | None = None) -> Snapshot:
-        return _snapshot(await self.fencer.read_group(group=self._group, keys=keys))
+        async with self.fencer.connections.connection() as conn:
+            return _snapshot(await self.guard.aread_group(conn, group=self._group, keys=keys))
 
     async def aclose(self) -> None:
         await self.fencer.aclose()
 
     def __repr__(self) -> str:
         return f"AsyncSQLMember({self.resource!r})"
+
+
+def _change(
+    group: str,
+    token: FencingToken | None,
+    epoch: int,
+    items: Sequence[Item],
+    reset: bool,
+    since: int,
+) -> dict[str, Any]:
+    """A member's change as ``SQLGuard.apply_group``'s keywords (refused before anything is
+    sent if it has items but no token)."""
+    if token is None and items:
+        raise ConfigurationError("items are written only with a lock token")
+    rows = [(i.key, i.stamp, i.value) for i in items]
+    return {
+        "token": token, "group": group, "epoch": epoch, "items": rows, "reset": reset,
+        "since": since,
+    }  # fmt: skip
 
 
 def _snapshot(state: Any) -> Snapshot:
