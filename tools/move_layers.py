@@ -339,7 +339,7 @@ LAYER_ROWS = (
         "_clients",
         "what each client library's errors mean, decided once for sources and guards; the "
         "etcd transport (channels, failover, watches) that the etcd source and the etcd "
-        "guards share",
+        "guards share; the one manager of the connections fenced opens for itself",
     ),
 )
 MAP_START = "<!-- module map: written by tools/move_layers.py from the tree -->"

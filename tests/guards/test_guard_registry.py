@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from fenced import ConfigurationError, FencingToken, StaleTokenError
+from fenced import BackendUnavailable, ConfigurationError, FencingToken, StaleTokenError
 from fenced.cli._group import member_from_url
 from fenced.guards.registry import (
     GUARD_KINDS,
@@ -62,7 +62,7 @@ def test_sqlite_from_its_url_never_makes_the_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigurationError, match="ambiguous"):
         parse_guard_url(f"sqlite://{db}")  # sqlite:///tmp/...: the source's rule, refused
     opened = open_guard(f"sqlite:///{db}", "reg-sqlite", lock=LOCK)
-    with pytest.raises(sqlite3.OperationalError):
+    with pytest.raises(BackendUnavailable, match="cannot connect"):
         opened.fence_target().fence(_tok(1))
     assert not db.exists()  # a typo must not fence a new empty file
     sqlite3.connect(db).close()
@@ -93,9 +93,15 @@ def test_a_directory_from_its_url(tmp_path: Path) -> None:
 
 
 def test_declared_characteristics_and_schemes() -> None:
-    assert {"redis", "rediss", "postgresql", "postgres", "sqlite", "etcd", "etcd3", "file"} == set(
-        guard_schemes()
-    )
+    assert {
+        "redis", "rediss", "postgresql", "postgres", "sqlite", "mysql", "mariadb", "etcd",
+        "etcd3", "file",
+    } == set(guard_schemes())  # fmt: skip
+    # (the URLs `fenced group --member` takes: every kind a replicated group adapts)
+    assert "file" not in guard_schemes(GuardCharacteristic.GROUP_MEMBER)
+    assert "mysql" in guard_schemes(GuardCharacteristic.GROUP_MEMBER)
+    parsed = parse_guard_url("mariadb://u:pw@db:3307/app?charset=utf8mb4")
+    assert (parsed.kind.name, parsed.dialect) == ("sql", "mysql")
     assert GuardCharacteristic.CALLER_TRANSACTION in GUARD_KINDS["sql"].characteristics
     assert GuardCharacteristic.MULTI_ENDPOINT in GUARD_KINDS["etcd"].characteristics
     parsed = parse_guard_url(
@@ -108,7 +114,15 @@ def test_declared_characteristics_and_schemes() -> None:
 
 @pytest.mark.parametrize(
     "url",
-    ["mongodb://u:hunter2-secret@h/db", "etcd://", "file://host/dir", "sqlite:///"],
+    [
+        "mongodb://u:hunter2-secret@h/db",
+        "etcd://",
+        "file://host/dir",
+        "sqlite:///",
+        "mysql://u:hunter2-secret@h",  # (no database)
+        "mysql://u:hunter2-secret@h:nope/db",
+        "mysql://u:hunter2-secret@h/db?ssl_ca=x",  # (a parameter PyMySQL is not given)
+    ],
 )
 def test_bad_urls_one_typed_line_no_password(url: str) -> None:
     with pytest.raises(ConfigurationError) as err:
@@ -154,3 +168,11 @@ def test_the_kit_refuses_an_unknown_scheme_in_one_line() -> None:
     with pytest.raises(ConfigurationError, match="guard URL") as err:
         open_resource("mongodb://u:hunter2-secret@h/db", LOCK)
     assert "hunter2" not in str(err.value)
+
+
+def test_the_kits_sql_register_refuses_a_mysql_url_in_one_line() -> None:
+    """The registry's ``sql`` kind takes ``mysql://`` (a group member); the kit's register
+    is written for SQLite and PostgreSQL, and says so instead of failing in psycopg."""
+    with pytest.raises(ConfigurationError, match="sqlite:// or postgresql://") as err:
+        open_resource("mysql://u:hunter2-secret@127.0.0.1:1/db", LOCK)
+    assert "\n" not in str(err.value) and "hunter2" not in str(err.value)

@@ -385,7 +385,7 @@ def test_a_repair_that_cannot_be_signed_fails_at_once_and_says_why(
         # b's mark is raised by a plain guard's fence, outside the group: no signed token at
         # b's mark is kept by any member.
         plain = b.guard(verify=ring)
-        fencer = plain.guard.fencer(plain._connect)
+        fencer = plain.guard.fencer(plain.fencer.connect)
         with locks.lock("orders", ttl=30, fence=[fencer]) as newer:
             start = time.monotonic()
             with pytest.raises(fenced.ReplicationError, match="raised outside the group"):

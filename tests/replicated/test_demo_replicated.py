@@ -13,13 +13,13 @@ import pytest
 from tests.helpers import ROOT
 
 PLANT = """
-from fenced.replicated import _members
+from fenced.guards import sql
 
-def _no_lock_fence(self, conn, token, epoch, items, reset, since=0):
-    return _real(self, conn, None, epoch, items, reset, since)  # the token never checked
+def _no_lock_fence(self, conn, **kw):
+    return _real(self, conn, **{**kw, "token": None})  # the token never checked
 
-_real = _members.SQLMember._apply
-_members.SQLMember._apply = _no_lock_fence
+_real = sql.SQLGuard.apply_group
+sql.SQLGuard.apply_group = _no_lock_fence
 """
 
 

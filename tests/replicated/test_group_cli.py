@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sqlite3
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -114,3 +116,70 @@ def test_status_shows_a_member_that_came_back_empty_and_add_copies_the_data_to_i
         ("b", 1, False),
         ("c", 1, False),
     ]
+
+
+def test_a_mysql_member_by_its_url_refuses_the_stale_writer_and_keeps_its_marks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--member m=mysql://...`` reaches a MariaDB member through the one guard registry (the
+    URL the library's groups take too): the stale writer is refused there, the current one
+    applied, and the marks and data survive a kill -9 of the server."""
+    from fenced.cli._group import member_from_url
+    from fenced.replicated import Item, stamp
+    from fenced.replicated._members import as_member
+    from fenced.testing.servers import MariaDBServer
+
+    with MariaDBServer() as maria:
+        sqlite3.connect(tmp_path / "a.db").close()
+        url = f"sqlite:///{tmp_path}/locks.db"
+        urls = {"a": f"sqlite:///{tmp_path}/a.db", "m": maria.url}
+        args = ["--url", url, *(f"--member={n}={u}" for n, u in urls.items())]
+        with fenced.connect(url) as locks:
+            members = {n: member_from_url(u, "orders")[0] for n, u in urls.items()}
+            group = Group("orders", locks, members, timeout=10)
+            try:
+                assert type(group.aio.member("m")).__name__ == "SQLMember"
+                with locks.lock("orders", ttl=30) as first:
+                    old = group.writer(first)
+                    old.set("k", b"old")
+                with locks.lock("orders", ttl=30) as second:
+                    group.writer(second).set("k", b"new")
+                    with pytest.raises(fenced.StaleTokenError):
+                        old.set("k", b"late")
+                    assert group.read("k") == b"new"
+            finally:
+                group.close()
+        maria.restart(kill=True)
+        assert main(["group", "status", "orders", *args, "--json"]) == 0
+        rows = {m["name"]: m for m in json.loads(capsys.readouterr().out)["member_status"]}
+        assert (rows["m"]["reachable"], rows["m"]["token"], rows["m"]["keys"]) == (
+            True, second.token.value, 1,
+        )  # fmt: skip
+
+        async def after_restart() -> tuple[Any, ...]:
+            member = as_member(member_from_url(maria.url, "orders")[0], "orders")
+            try:
+                with pytest.raises(fenced.StaleTokenError):
+                    await member.apply(
+                        first.token, 1, [Item("k", stamp(first.token.value, 9), b"x")]
+                    )
+                snap = await member.read(["k"])
+                return snap.token, snap.items["k"].value
+            finally:
+                await member.aclose()
+
+        assert asyncio.run(after_restart()) == (second.token.value, b"new")
+        assert main(["group", "remove", "orders", "a", *args]) == 0
+        assert "configuration 2: m" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["mysql://root@127.0.0.1:3306", "mysql://root@h:port/db", "mysql://u:hunter2@h/db?x=1"],
+)
+def test_a_bad_mysql_member_url_is_one_line_without_the_password(url: str) -> None:
+    from fenced.cli._group import member_from_url
+
+    with pytest.raises(fenced.ConfigurationError) as err:
+        member_from_url(url, "orders")
+    assert "\n" not in str(err.value) and "hunter2" not in str(err.value)

@@ -23,7 +23,18 @@ from fenced.replicated._members import as_member
 from fenced.testing.servers import EtcdServer, MariaDBServer, PostgresServer, RedisServer
 from tests.helpers import unique_name
 
-KINDS = ["redis", "postgresql", "mariadb", "sqlalchemy-postgresql", "sqlite", "etcd"]
+KINDS = [
+    "redis",
+    "postgresql",
+    "mariadb",
+    "sqlalchemy-postgresql",
+    "sqlite",
+    "etcd",
+    # async SQL members: the guard's async drivers on the group's loop, no thread
+    "psycopg-async",
+    "asyncmy",
+    "sqlalchemy-async",
+]
 
 
 class Made:
@@ -37,11 +48,11 @@ class Made:
         self._closers: list[Callable[[], None]] = []
         if kind == "redis":
             self.server = RedisServer().start()
-        elif kind in ("postgresql", "sqlalchemy-postgresql"):
+        elif kind in ("postgresql", "sqlalchemy-postgresql", "psycopg-async", "sqlalchemy-async"):
             self.server = PostgresServer().start()
         elif kind == "etcd":
             self.server = EtcdServer().start()
-        elif kind == "mariadb":
+        elif kind in ("mariadb", "asyncmy"):
             self.server = MariaDBServer().start()
         self.guard = self._guard()
 
@@ -71,6 +82,29 @@ class Made:
             # (PyMySQL's default: autocommit off, the transaction opened by the first statement)
             return SQLGuard(self.resource).fencer(
                 lambda: pymysql.connect(host="127.0.0.1", port=port, user="root", database="fenced")
+            )
+        if self.kind == "psycopg-async":
+            import psycopg
+
+            dsn = self.server.dsn
+            return SQLGuard(self.resource).afencer(
+                lambda: psycopg.AsyncConnection.connect(dsn, autocommit=True)
+            )
+        if self.kind == "sqlalchemy-async":
+            from sqlalchemy.ext.asyncio import create_async_engine
+            from sqlalchemy.pool import NullPool
+
+            url = self.server.dsn.replace("postgresql://", "postgresql+psycopg://", 1)
+            # (NullPool: each test's asyncio.run is a loop of its own)
+            aengine = create_async_engine(url, poolclass=NullPool)
+            self._closers.append(lambda: asyncio.run(aengine.dispose()))
+            return SQLGuard(self.resource).afencer(aengine.connect)
+        if self.kind == "asyncmy":
+            import asyncmy
+
+            port = self.server.port
+            return SQLGuard(self.resource).afencer(
+                lambda: asyncmy.connect(host="127.0.0.1", port=port, user="root", database="fenced")
             )
         path = str(self.tmp / "member.db")
         return SQLGuard(self.resource).fencer(
@@ -234,9 +268,15 @@ def test_the_member_and_the_plain_guard_share_one_lock_mark(made: Made) -> None:
 
     run(go())
     guard = made.guard
+
+    def fence(token: FencingToken) -> None:
+        done = guard.fence(token)
+        if asyncio.iscoroutine(done):  # (an async fencer: on a loop of its own here)
+            run(done)
+
     with pytest.raises(fenced.StaleTokenError):
-        guard.fence(tok(made, 9))
-    guard.fence(tok(made, 11))
+        fence(tok(made, 9))
+    fence(tok(made, 11))
 
     async def after() -> None:
         m = made.member()

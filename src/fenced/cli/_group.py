@@ -2,8 +2,9 @@
 
 The configuration (epoch, members) lives in the token source, so ``status`` needs only the
 source; each member's marks and data are shown for the members given with ``--member
-NAME=URL`` (``redis://host:port/db``, ``postgresql://...``, ``sqlite:////abs/path.db``,
-``etcd://host:port``). ``remove`` and ``add`` change the configuration as the library does:
+NAME=URL`` (every guard URL of :mod:`fenced.guards.registry` that can hold a member:
+``redis://host:port/db``, ``postgresql://...``, ``mysql://user@host:port/db``,
+``sqlite:////abs/path.db``, ``etcd://host:port``). ``remove`` and ``add`` change the configuration as the library does:
 they need every member that stays (to fence it) and every member added (to copy the data to).
 """
 
@@ -25,22 +26,20 @@ __all__ = ["member_from_url", "run_group"]
 
 def member_from_url(url: str, resource: str, timeout: float = 5.0) -> tuple[Any, Any]:
     """A group member (a guard) for ``url``, and what closes it (or None): a guard URL of
-    :mod:`fenced.guards.registry` (``redis://``, ``postgresql://``, ``sqlite:////PATH``,
-    ``etcd://``)."""
-    from ..guards.registry import open_guard, parse_guard_url
+    :mod:`fenced.guards.registry` whose kind declares ``group-member`` (``redis://``,
+    ``postgresql://``, ``mysql://``, ``sqlite:////PATH``, ``etcd://``)."""
+    from ..guards.registry import GuardCharacteristic, guard_schemes, open_guard, parse_guard_url
 
     parsed = parse_guard_url(url)
-    if parsed.kind.name not in _MEMBER_KINDS:
+    if GuardCharacteristic.GROUP_MEMBER not in parsed.kind.characteristics:
+        members = guard_schemes(GuardCharacteristic.GROUP_MEMBER)
         raise ConfigurationError(
             f"a {parsed.scheme}:// guard cannot be a group member: "
-            "redis://, postgresql://, sqlite:////PATH, etcd://"
+            f"{', '.join(s + '://' for s in members)}"
         )
     opened = open_guard(parsed, resource, timeout=timeout)
     close = None if opened.connect is not None else opened.close
     return opened.fence_target(), close
-
-
-_MEMBER_KINDS = ("redis", "sql", "etcd")  # the guards replicated/_members.py adapts
 
 
 @contextlib.contextmanager

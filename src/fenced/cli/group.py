@@ -28,9 +28,10 @@ def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="NAME=URL",
-        help="how to reach a member: redis://h:p/db, postgresql://..., sqlite:////abs/path.db, "
-        "etcd://h:p, or NAME=@FILE: the URL read from FILE (mode 600 if it has a password), "
-        "off the command line (repeat; status shows these members' marks)",
+        help="how to reach a member: redis://h:p/db, postgresql://..., mysql://user@h:p/db, "
+        "sqlite:////abs/path.db, etcd://h:p, or NAME=@FILE: the URL read from FILE (mode 600 "
+        "if it has a password), off the command line (repeat; status shows these members' "
+        "marks)",
     )
     group.add_argument("--resource", help="the members' guarded resource (default: GROUP)")
     _source_arguments(group)

@@ -67,6 +67,7 @@ __all__ = [
     "arun",
     "arun_install",
     "arun_own",
+    "arun_transaction",
     "in_transaction",
     "map_error",
     "require_transaction",
@@ -381,6 +382,25 @@ def in_transaction(conn: Any) -> bool:
             return False
     status = conn.info.transaction_status
     return bool(status != status.IDLE)
+
+
+def reusable(conn: Any) -> bool:
+    """Whether a connection fenced kept may be lent again: still open, and no transaction
+    left open on it (every guarded call ends its own; one left open would hold its locks
+    and mix the next call's statements into it)."""
+    try:
+        if sa_connection_kind(conn) or sa_async(conn):
+            return not bool(getattr(conn, "closed", False)) and not sa_in_transaction(conn)
+        kind = _kind(conn)
+        if kind in ("pymysql", "asyncmy"):
+            return _mysql_open(conn) and not in_transaction(conn)
+        if kind == "sqlite3":
+            return not conn.in_transaction
+        if kind in ("psycopg", "psycopg-async"):
+            return not (conn.closed or conn.broken) and not in_transaction(conn)
+    except Exception:  # (closed under us: sqlite3's ProgrammingError and the like)
+        return False
+    return False
 
 
 def require_transaction(conn: Any) -> None:
@@ -879,6 +899,26 @@ def run_transaction(
                 conn.rollback()
         raise
     _end(conn, commit=True, d=d)
+    return value
+
+
+async def arun_transaction(
+    conn: Any, make_plan: Callable[[Dialect], Plan[T]], *, use: TableUse | None = None
+) -> T:
+    """The async :func:`run_transaction` (psycopg async, asyncmy, SQLAlchemy's
+    ``AsyncConnection``/``AsyncSession``)."""
+    if sa_async(conn):
+        return await conn.run_sync(  # type: ignore[no-any-return]
+            lambda c: run_transaction(c, make_plan, use=use)
+        )
+    try:
+        value = await arun(conn, make_plan, begin=True, use=use)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            if in_transaction(conn):
+                await conn.rollback()
+        raise
+    await _aend(conn, commit=True)
     return value
 
 

@@ -42,6 +42,7 @@ from typing import (
     runtime_checkable,
 )
 
+from .._clients.connections import AsyncConnections
 from .._clients.pg_errors import connect_refusal
 from .._clients.pg_errors import kind as pg_kind
 from .._clients.sqlite_errors import is_busy, unusable
@@ -459,76 +460,41 @@ class _AsyncPool(Protocol):
     def connection(self) -> contextlib.AbstractAsyncContextManager[Any]: ...
 
 
-class _SmallPool:
-    """Up to ``size`` psycopg AsyncConnections; broken ones are dropped and replaced."""
+def _small_pool(dsn: str, size: int, connect_timeout: float) -> AsyncConnections[Any]:
+    """Up to ``size`` psycopg AsyncConnections (the one connection manager,
+    ``fenced._clients.connections``); broken ones are dropped and replaced."""
 
-    def __init__(self, dsn: str, size: int, connect_timeout: float) -> None:
-        self.dsn = dsn
-        self.size = size
-        self.connect_timeout = connect_timeout
-        self._idle: collections.deque[Any] = collections.deque()
-        self._count = 0
-        self._freed: asyncio.Condition | None = None
+    async def connect() -> Any:
+        import psycopg
 
-    @contextlib.asynccontextmanager
-    async def connection(self) -> AsyncIterator[Any]:
-        conn = await self._get()
         try:
-            yield conn
-        finally:
-            await self._put(conn)
-
-    async def _get(self) -> Any:
-        if self._freed is None:
-            self._freed = asyncio.Condition()
-        async with self._freed:
-            while not self._idle and self._count >= self.size:
-                await self._freed.wait()
-            if self._idle:
-                return self._idle.popleft()
-            self._count += 1
-        try:
-            import psycopg
-
             return await psycopg.AsyncConnection.connect(
-                self.dsn, connect_timeout=max(1, round(self.connect_timeout))
+                dsn, connect_timeout=max(1, round(connect_timeout))
             )
-        except BaseException as exc:
-            await self._forget()
-            if isinstance(exc, Exception) and type(exc).__module__.startswith("psycopg"):
+        except Exception as exc:
+            if type(exc).__module__.startswith("psycopg"):
                 refused = connect_refusal(exc)  # (a wrong password: no retry passes)
                 if refused is not None:
                     raise refused from exc
                 raise BackendUnavailable(f"cannot connect to PostgreSQL: {exc}") from exc
             raise
 
-    async def _put(self, conn: Any) -> None:
-        healthy = not conn.closed and not conn.broken
-        if healthy:
-            status = conn.info.transaction_status
-            healthy = status == status.IDLE
-        if not healthy:
-            with contextlib.suppress(Exception):
-                await conn.close()
-            await self._forget()
-            return
-        assert self._freed is not None
-        async with self._freed:
-            self._idle.append(conn)
-            self._freed.notify()
+    def healthy(conn: Any) -> bool:
+        if conn.closed or conn.broken:
+            return False
+        status = conn.info.transaction_status
+        return bool(status == status.IDLE)
 
-    async def _forget(self) -> None:
-        assert self._freed is not None
-        async with self._freed:
-            self._count -= 1
-            self._freed.notify()
-
-    async def aclose(self) -> None:
-        while self._idle:
-            conn = self._idle.popleft()
-            self._count -= 1
-            with contextlib.suppress(Exception):
-                await conn.close()
+    # (whatever the caller's fn raised, psycopg's own state says whether the connection is
+    # fit to lend again: a block that failed mid-statement leaves it not IDLE)
+    return AsyncConnections(
+        connect,
+        name="PostgreSQL fence store",
+        idle=size,
+        limit=size,
+        healthy=healthy,
+        drop_after=lambda exc: False,
+    )
 
 
 class PostgresFenceStore(_CloseAlias):
@@ -552,12 +518,12 @@ class PostgresFenceStore(_CloseAlias):
         connect_timeout: float = 5.0,
     ) -> None:
         self.table = table
-        self._own_pool = isinstance(dsn_or_pool, str)
-        self._pool: _AsyncPool = (
-            _SmallPool(dsn_or_pool, pool_size, connect_timeout)
-            if isinstance(dsn_or_pool, str)
-            else dsn_or_pool
-        )
+        self._own_pool: AsyncConnections[Any] | None = None
+        self._pool: _AsyncPool
+        if isinstance(dsn_or_pool, str):
+            self._pool = self._own_pool = _small_pool(dsn_or_pool, pool_size, connect_timeout)
+        else:
+            self._pool = dsn_or_pool
         self._guards: _Guards[SQLGuard] = _Guards(self._make_guard)
         self._installer = self.guard_class("fenced-install", lock="fenced", table=table)
         self._installed = False
@@ -585,8 +551,8 @@ class PostgresFenceStore(_CloseAlias):
 
     async def aclose(self) -> None:
         """Close the store's own connections (a pool passed in is left to its owner)."""
-        if isinstance(self._pool, _SmallPool):
-            await self._pool.aclose()
+        if self._own_pool is not None:
+            await self._own_pool.aclose()
 
     async def __aenter__(self) -> PostgresFenceStore:
         return await self.open()

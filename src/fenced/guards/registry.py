@@ -6,6 +6,7 @@ URL                                                kind         guard
 =================================================  ===========  ===========================
 ``redis://HOST:PORT/DB``, ``rediss://...``         ``redis``    ``RedisGuard`` (one script)
 ``postgresql://USER@HOST:PORT/DB`` (``postgres``)  ``sql``      ``SQLGuard`` over psycopg 3
+``mysql://USER:PW@HOST:PORT/DB`` (``mariadb``)      ``sql``      ``SQLGuard`` over PyMySQL
 ``sqlite:////abs/path.db``, ``sqlite:///./rel.db`` ``sql``      ``SQLGuard`` over sqlite3
 ``etcd://HOST:PORT[,HOST:PORT...]`` (``etcd3``)    ``etcd``     ``EtcdGuard`` (one txn)
 ``file:///DIR``                                    ``file``     ``FileGuard`` (needs lock=)
@@ -33,7 +34,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Final
-from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
 
 from .._core.backend import redacted
 from .._core.errors import ConfigurationError
@@ -64,6 +65,9 @@ class GuardCharacteristic(enum.StrEnum):
     """The guard must be told its lock's name (``lock=``) to be opened."""
     EXISTING_ONLY = "existing-only"
     """The resource must already exist; opening never creates it."""
+    GROUP_MEMBER = "group-member"
+    """It can hold a member of a replicated group (:mod:`fenced.replicated` adapts its guard):
+    ``fenced group --member NAME=URL`` takes its URLs."""
 
 
 _C = GuardCharacteristic
@@ -84,15 +88,16 @@ GUARD_KINDS: Final[Mapping[str, GuardKind]] = MappingProxyType(
     {
         "redis": GuardKind(
             "redis", ("redis", "rediss"), "fenced.guards.redis:RedisGuard", "redis",
-            frozenset({_C.SCRIPTED}),
+            frozenset({_C.SCRIPTED, _C.GROUP_MEMBER}),
         ),
         "sql": GuardKind(
-            "sql", ("postgresql", "postgres", "sqlite"), "fenced.guards.sql:SQLGuard",
-            "postgresql", frozenset({_C.CALLER_TRANSACTION, _C.EXISTING_ONLY}),
+            "sql", ("postgresql", "postgres", "sqlite", "mysql", "mariadb"),
+            "fenced.guards.sql:SQLGuard", "postgresql",  # (mysql://: the mysql extra)
+            frozenset({_C.CALLER_TRANSACTION, _C.EXISTING_ONLY, _C.GROUP_MEMBER}),
         ),
         "etcd": GuardKind(
             "etcd", ("etcd", "etcd3"), "fenced.guards.etcd:EtcdGuard", "etcd",
-            frozenset({_C.SCRIPTED, _C.MULTI_ENDPOINT}),
+            frozenset({_C.SCRIPTED, _C.MULTI_ENDPOINT, _C.GROUP_MEMBER}),
         ),
         "file": GuardKind(
             "file", ("file",), "fenced.guards.files:FileGuard", "",
@@ -105,9 +110,15 @@ GUARD_KINDS: Final[Mapping[str, GuardKind]] = MappingProxyType(
 _DEPRECATED: Final = {"sql+sqlite": "sqlite", "sql+postgresql": "postgresql"}
 
 
-def guard_schemes() -> list[str]:
-    """Every scheme :func:`parse_guard_url` takes (the deprecated spellings not included)."""
-    return [s for kind in GUARD_KINDS.values() for s in kind.schemes]
+def guard_schemes(having: GuardCharacteristic | None = None) -> list[str]:
+    """Every scheme :func:`parse_guard_url` takes (the deprecated spellings not included), or
+    those of the kinds ``having`` a characteristic."""
+    return [
+        s
+        for kind in GUARD_KINDS.values()
+        if having is None or having in kind.characteristics
+        for s in kind.schemes
+    ]
 
 
 @dataclass(frozen=True)
@@ -123,10 +134,15 @@ class GuardURL:
 
     @property
     def dialect(self) -> str:
-        """``sqlite`` or ``postgresql`` for the ``sql`` kind; the kind's name otherwise."""
+        """``sqlite``, ``postgresql`` or ``mysql`` for the ``sql`` kind; the kind's name
+        otherwise."""
         if self.kind.name != "sql":
             return self.kind.name
-        return "sqlite" if self.scheme == "sqlite" else "postgresql"
+        return _SQL_DIALECTS.get(self.scheme, "postgresql")
+
+
+_SQL_DIALECTS: Final = {"sqlite": "sqlite", "mysql": "mysql", "mariadb": "mysql"}
+_MYSQL_QUERY: Final = ("charset", "unix_socket")  # (PyMySQL's connect() arguments taken)
 
 
 def parse_guard_url(url: str, *, own: tuple[str, ...] = ()) -> GuardURL:
@@ -163,6 +179,9 @@ def parse_guard_url(url: str, *, own: tuple[str, ...] = ()) -> GuardURL:
         target = f"{scheme}://{parts.netloc}"
         if not parts.netloc:
             raise ConfigurationError(f"guard URL {shown!r} names no endpoint: etcd://HOST:PORT")
+    elif scheme in ("mysql", "mariadb"):
+        target = urlunsplit(parts._replace(scheme="mysql", query=rest, fragment=""))
+        _mysql_arguments(target, shown)  # (a bad port or parameter: refused now, not at use)
     elif kind.name == "file":
         target = parts.path
         if parts.netloc not in ("", "localhost") or not target.strip("/"):
@@ -241,7 +260,47 @@ def open_guard(
                        _nothing)  # fmt: skip
 
 
+def _mysql_arguments(target: str, shown: str) -> dict[str, Any]:
+    """PyMySQL's ``connect()`` arguments for a ``mysql://USER:PW@HOST:PORT/DB`` URL."""
+    parts = urlsplit(target)
+    try:
+        port = parts.port or 3306
+    except ValueError:
+        raise ConfigurationError(f"guard URL {shown!r}: the port is not a number") from None
+    database = unquote(parts.path.lstrip("/"))
+    if not database or "/" in database:
+        raise ConfigurationError(
+            f"guard URL {shown!r} names no database: write mysql://USER@HOST:PORT/DB"
+        )
+    args: dict[str, Any] = {"host": parts.hostname or "localhost", "port": port}
+    args["database"] = database
+    if parts.username:
+        args["user"] = unquote(parts.username)
+    if parts.password is not None:
+        args["password"] = unquote(parts.password)
+    for key, value in parse_qsl(parts.query, keep_blank_values=True):
+        if key not in _MYSQL_QUERY or key in args:
+            raise ConfigurationError(
+                f"guard URL {shown!r}: unknown or repeated parameter {key!r} "
+                f"(mysql:// takes {', '.join(_MYSQL_QUERY)})"
+            )
+        args[key] = value
+    return args
+
+
 def _sql_connect(parsed: GuardURL, timeout: float | None) -> Callable[[], Any]:
+    if parsed.dialect == "mysql":
+        args = _mysql_arguments(parsed.target, redacted(parsed.target))
+        if timeout is not None:
+            wait = max(1, round(timeout))  # (PyMySQL takes whole seconds > 0)
+            args.update(connect_timeout=wait, read_timeout=wait, write_timeout=wait)
+
+        def connect_mysql() -> Any:
+            import pymysql
+
+            return pymysql.connect(**args)
+
+        return connect_mysql
     if parsed.dialect == "sqlite":
         uri = f"file:{quote(parsed.target)}?mode=rw"  # an existing database only
 

@@ -101,9 +101,11 @@ data and mark together).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping, Sequence
+import sqlite3
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
+from .._clients.connections import AsyncConnections, Connections
 from .._core.errors import ConfigurationError, InvalidTokenError
 from .._core.signing import TokenVerifier
 from .._core.token import FencingToken, TokenLike, validate_lock_name
@@ -113,9 +115,11 @@ from ._sql_driver import (
     arun,
     arun_install,
     arun_own,
+    arun_transaction,
     guarded_batch,
     guarded_transaction,
     note_checked,
+    reusable,
     run,
     run_install,
     run_own_row,
@@ -154,6 +158,7 @@ from ._token_arg import token_keyword
 
 __all__ = [
     "Add",
+    "AsyncSQLFencer",
     "FenceConflictError",
     "GroupItem",
     "GroupState",
@@ -314,11 +319,22 @@ class SQLGuard:
         """The highest token accepted so far, or None if the resource was never fenced."""
         return run(conn, lambda d: fence_high_water_plan(self._fence_sql(d), self.resource))
 
-    def fencer(self, connect: Callable[[], Any]) -> SQLFencer:
+    def fencer(self, connect: Callable[[], Any], *, keep_connection: bool = False) -> SQLFencer:
         """A ``fence=`` target for ``locks.lock(..., fence=[...])``: on each grant it opens a
         connection with ``connect()``, raises the mark to the new token in a transaction of
-        its own, commits and closes (a connection is not shared with fenced's thread)."""
-        return SQLFencer(self, connect)
+        its own, commits and closes (a connection is not shared with fenced's thread).
+        ``keep_connection``: keep one connection open for the next call (close the fencer
+        when done); ``sqlite3`` connections, bound to the thread that made them, one per
+        calling thread."""
+        return SQLFencer(self, connect, keep_connection=keep_connection)
+
+    def afencer(
+        self, connect: Callable[[], Awaitable[Any]], *, keep_connection: bool = False
+    ) -> AsyncSQLFencer:
+        """:meth:`fencer` over an async ``connect`` (``psycopg.AsyncConnection.connect``,
+        ``asyncmy.connect``, a SQLAlchemy ``AsyncEngine.connect``): ``fence`` is a coroutine,
+        run on the connection's loop by ``fence=``; ``aclose()`` it when done."""
+        return AsyncSQLFencer(self, connect, keep_connection=keep_connection)
 
     def ddl(self, dialect: str) -> str:
         """The fence table's DDL for ``dialect`` (``sqlite``, ``postgresql``, ``mysql``,
@@ -364,22 +380,59 @@ class SQLGuard:
         marks raised, the token kept as the holder, every item forgotten first if ``reset``,
         and each ``(key, stamp, value)`` written if its stamp is newer than the stored one.
         All or nothing. ``token`` None: the lock mark is left alone (an epoch-only change)."""
+        plan = self._group_change(token, group, epoch, items, reset, since)
+        run_transaction(conn, plan, use=self._use)
+
+    def _group_change(
+        self,
+        token: TokenLike | None,
+        group: str,
+        epoch: int,
+        items: Sequence[GroupItem],
+        reset: bool,
+        since: int,
+    ) -> Callable[[Dialect], Plan[None]]:
         tok = None if token is None else FencingToken.coerce(token, self.lock, self.verifier)
-        run_transaction(
-            conn,
-            lambda d: group_apply_plan(
-                d, self._fence_sql(d), self.resource, group, tok, epoch, items,
-                reset=reset, since=since,
-            ),
-            use=self._use,
+        return lambda d: group_apply_plan(
+            d, self._fence_sql(d), self.resource, group, tok, epoch, items, reset=reset,
+            since=since,
         )  # fmt: skip
 
     def read_group(self, conn: Any, *, group: str, keys: Sequence[str] | None = None) -> GroupState:
         """A replicated group member's marks, holder and items (of ``keys``; None: all), read
         in one transaction of its own."""
-        return run_transaction(
-            conn, lambda d: group_read_plan(d, self._fence_sql(d), self.resource, group, keys)
-        )
+        return run_transaction(conn, self._group_read(group, keys))
+
+    def _group_read(
+        self, group: str, keys: Sequence[str] | None
+    ) -> Callable[[Dialect], Plan[GroupState]]:
+        return lambda d: group_read_plan(d, self._fence_sql(d), self.resource, group, keys)
+
+    async def ainstall_group(self, conn: Any) -> None:
+        """:meth:`install_group` on an async connection (psycopg, asyncmy, SQLAlchemy)."""
+        await self.ainstall(conn)
+        await arun_install(conn, group_install_plan)
+
+    async def aapply_group(
+        self,
+        conn: Any,
+        *,
+        token: TokenLike | None,
+        group: str,
+        epoch: int,
+        items: Sequence[GroupItem] = (),
+        reset: bool = False,
+        since: int = 0,
+    ) -> None:
+        """:meth:`apply_group` on an async connection (psycopg, asyncmy, SQLAlchemy)."""
+        plan = self._group_change(token, group, epoch, items, reset, since)
+        await arun_transaction(conn, plan, use=self._use)
+
+    async def aread_group(
+        self, conn: Any, *, group: str, keys: Sequence[str] | None = None
+    ) -> GroupState:
+        """:meth:`read_group` on an async connection (psycopg, asyncmy, SQLAlchemy)."""
+        return await arun_transaction(conn, self._group_read(group, keys))
 
     # -- async (psycopg.AsyncConnection) -------------------------------------------------
 
@@ -477,24 +530,89 @@ def require_fence(target: Any, guard: SQLGuard, tables: Sequence[str]) -> None:
 
 
 class SQLFencer:
-    """See :meth:`SQLGuard.fencer`."""
+    """See :meth:`SQLGuard.fencer`: a guard and the connections it opens itself
+    (:attr:`connections`, fenced's one connection manager), for a ``fence=`` target and a
+    replicated group's member, which borrows them for the guard's ``apply_group`` and
+    ``read_group``. Blocking: call it from a worker thread in asyncio (``fence_all`` and
+    :class:`~fenced.replicated.SQLMember` do)."""
 
-    def __init__(self, guard: SQLGuard, connect: Callable[[], Any]) -> None:
+    def __init__(
+        self,
+        guard: SQLGuard,
+        connect: Callable[[], Any],
+        *,
+        keep_connection: bool = False,
+        setup: Callable[[Any], None] | None = None,
+    ) -> None:
         self.guard = guard
         self.connect = connect
+        self.keep_connection = keep_connection
+        self.connections: Connections[Any] = Connections(
+            connect,
+            name=f"SQL guard {guard.resource!r}",
+            setup=setup,
+            idle=1 if keep_connection else 0,
+            # (a sqlite3 connection is bound to its thread; calls come from any worker)
+            bound=_sqlite3,
+            healthy=reusable,
+        )
 
     def fence(self, token: TokenLike) -> None:
         tok = FencingToken.coerce(token, self.guard.lock, self.guard.verifier)
-        conn = self.connect()
-        try:
+        with self.connections.connection() as conn:
             # BEGIN and the fence, COMMIT: a transaction of its own (the driver's BEGIN,
             # COMMIT and ROLLBACK for every connection kind, SQLAlchemy's included)
             run_transaction(conn, lambda d: self.guard._check_plan(d, tok), use=self.guard._use)
-        finally:
-            conn.close()
+
+    def close(self) -> None:
+        """Close the connection kept (``keep_connection``); a fencer without one has none."""
+        self.connections.close()
 
     def __repr__(self) -> str:
         return f"SQLFencer({self.guard.resource!r})"
+
+
+class AsyncSQLFencer:
+    """See :meth:`SQLGuard.afencer`: :class:`SQLFencer` over an async ``connect`` (psycopg
+    ``AsyncConnection``, asyncmy, SQLAlchemy's ``AsyncConnection``), on the event loop; a
+    member borrows its :attr:`connections` for ``aapply_group`` and ``aread_group``."""
+
+    def __init__(
+        self,
+        guard: SQLGuard,
+        connect: Callable[[], Awaitable[Any]],
+        *,
+        keep_connection: bool = False,
+        setup: Callable[[Any], Awaitable[None]] | None = None,
+    ) -> None:
+        self.guard = guard
+        self.connect = connect
+        self.keep_connection = keep_connection
+        self.connections: AsyncConnections[Any] = AsyncConnections(
+            connect,
+            name=f"SQL guard {guard.resource!r}",
+            setup=setup,
+            idle=1 if keep_connection else 0,
+            healthy=reusable,
+        )
+
+    async def fence(self, token: TokenLike) -> None:
+        tok = FencingToken.coerce(token, self.guard.lock, self.guard.verifier)
+        async with self.connections.connection() as conn:
+            await arun_transaction(
+                conn, lambda d: self.guard._check_plan(d, tok), use=self.guard._use
+            )
+
+    async def aclose(self) -> None:
+        """Close the connection kept (``keep_connection``)."""
+        await self.connections.aclose()
+
+    def __repr__(self) -> str:
+        return f"AsyncSQLFencer({self.guard.resource!r})"
+
+
+def _sqlite3(conn: Any) -> bool:
+    return isinstance(conn, sqlite3.Connection)
 
 
 class RowGuard:

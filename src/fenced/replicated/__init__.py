@@ -28,11 +28,21 @@ from .._core.portal import Portal
 from .._core.sync import Lease, Locks
 from .._core.token import FencingToken
 from ._group import RECORD_PREFIX, AsyncGroup, AsyncWriter, Configuration, MemberStatus
-from ._members import EtcdMember, Item, Member, RedisMember, Snapshot, SQLMember, stamp
+from ._members import (
+    AsyncSQLMember,
+    EtcdMember,
+    Item,
+    Member,
+    RedisMember,
+    Snapshot,
+    SQLMember,
+    stamp,
+)
 
 __all__ = [
     "RECORD_PREFIX",
     "AsyncGroup",
+    "AsyncSQLMember",
     "AsyncWriter",
     "ChangeRefusedError",
     "Configuration",

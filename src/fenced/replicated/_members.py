@@ -19,25 +19,26 @@ came back empty (mark 0) must not be raised into a configuration it holds none o
 
 Adapters exist for the guards fenced ships: :class:`RedisMember` (``RedisGuard`` or
 ``AsyncRedisGuard``), :class:`SQLMember` (``SQLGuard`` and a function that opens a sqlite3,
-psycopg or PyMySQL connection), :class:`EtcdMember` (``EtcdGuard`` or ``AsyncEtcdGuard``).
-Sync clients run on a thread of their own per member, so the members of a group are written
-in parallel.
+psycopg, PyMySQL or SQLAlchemy connection) and :class:`AsyncSQLMember` (the same, async:
+psycopg, asyncmy, SQLAlchemy), :class:`EtcdMember` (``EtcdGuard`` or ``AsyncEtcdGuard``).
+Blocking clients run on worker threads, so the members of a group are written in parallel.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+import asyncio
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
 
-from .._core.errors import BackendUnavailable, ConfigurationError, FencedError
+from .._core.errors import ConfigurationError
 from .._core.token import FencingToken
 from ._etcd_member import EtcdMember
-from ._member_types import Item, Member, Snapshot, _Threaded, stamp
+from ._member_types import Item, Member, Snapshot, stamp
 from ._member_types import stamp_token as stamp_token  # (re-exported: _group reads it here)
 from ._redis_member import RedisMember
 
 __all__ = [
+    "AsyncSQLMember",
     "EtcdMember",
     "Item",
     "Member",
@@ -48,92 +49,44 @@ __all__ = [
     "stamp",
 ]
 
-T = TypeVar("T")
-
 
 # -- SQL (SQLite, PostgreSQL, MySQL/MariaDB) ------------------------------------------------
 
 
-class SQLMember(_Threaded):
+class SQLMember:
     """A member on a SQL database, through a :class:`~fenced.guards.sql.SQLGuard` and
-    ``connect()``, which opens a connection the guard takes (sqlite3, psycopg 3, PyMySQL, a
-    SQLAlchemy ``Connection``).
+    ``connect()``, which opens a blocking connection the guard takes (sqlite3, psycopg 3,
+    PyMySQL, a SQLAlchemy ``Connection``); :class:`AsyncSQLMember` takes an async one.
     One transaction per change, the guard's own plan (:meth:`SQLGuard.apply_group
     <fenced.guards.sql.SQLGuard.apply_group>`): the lock fence, the epoch mark, the items,
-    all or nothing. Tables ``fenced_group_epochs``, ``fenced_group_data`` and
-    ``fenced_group_holders`` are made on first use."""
+    all or nothing, on a connection of the guard's fencer (:attr:`fencer`, which keeps one
+    unless ``keep_connection=False``), run on a worker thread (``asyncio.to_thread``, the one
+    offload of blocking clients). Tables ``fenced_group_epochs``, ``fenced_group_data`` and
+    ``fenced_group_holders`` are made on each new connection's first use."""
 
     def __init__(
         self, guard: Any, connect: Callable[[], Any], group: str, *, keep_connection: bool = True
     ) -> None:
-        super().__init__(f"fenced-member-{guard.resource}")
-        self.keep_connection = keep_connection  # False: connect for each change or read
+        from ..guards.sql import SQLFencer
+
         self.guard = guard
         self.resource: str = guard.resource
-        self._connect = connect
-        self._group = group
-        self._conn: Any = None
-
-    def _connection(self) -> Any:
-        if self._conn is None:
-            conn = self._connect()
-            try:
-                self.guard.install_group(conn)
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    conn.close()
-                raise
-            self._conn = conn
-        return self._conn
-
-    def _drop(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            with contextlib.suppress(Exception):
-                conn.close()
-
-    def _guarded(self, fn: Callable[[Any], T]) -> T:
-        """Run ``fn(conn)`` (the guard maps the driver's errors and rolls back); a connection
-        that failed to open or broke is dropped (the next call reconnects), reported as
-        BackendUnavailable."""
-        try:
-            conn = self._connection()
-        except FencedError:
-            raise
-        except Exception as exc:
-            raise BackendUnavailable(f"member {self.resource!r}: {exc}") from exc
-        try:
-            return fn(conn)
-        except BackendUnavailable:
-            self._drop()
-            raise
-        except FencedError:
-            raise
-        except Exception as exc:
-            self._drop()
-            raise BackendUnavailable(f"member {self.resource!r}: {exc}") from exc
-        finally:
-            if not self.keep_connection:
-                self._drop()
-
-    def _apply(
-        self,
-        conn: Any,
-        token: FencingToken | None,
-        epoch: int,
-        items: Sequence[Item],
-        reset: bool,
-        since: int,
-    ) -> None:
-        self.guard.apply_group(
-            conn,
-            token=token,
-            group=self._group,
-            epoch=epoch,
-            items=[(i.key, i.stamp, i.value) for i in items],
-            reset=reset,
-            since=since,
+        self.fencer = SQLFencer(
+            guard, connect, keep_connection=keep_connection, setup=guard.install_group
         )
+        self._group = group
+
+    @property
+    def keep_connection(self) -> bool:
+        return self.fencer.keep_connection
+
+    def _apply(self, change: dict[str, Any]) -> None:
+        with self.fencer.connections.connection() as conn:
+            self.guard.apply_group(conn, **change)
+
+    def _read(self, keys: Sequence[str] | None) -> Snapshot:
+        with self.fencer.connections.connection() as conn:
+            return _snapshot(self.guard.read_group(conn, group=self._group, keys=keys))
 
     async def apply(
         self,
@@ -144,26 +97,88 @@ class SQLMember(_Threaded):
         reset: bool = False,
         since: int = 0,
     ) -> None:
-        if token is None and items:
-            raise ConfigurationError("items are written only with a lock token")
-        await self._run(
-            lambda: self._guarded(lambda c: self._apply(c, token, epoch, items, reset, since))
-        )
-
-    def _read(self, conn: Any, keys: Sequence[str] | None) -> Snapshot:
-        state = self.guard.read_group(conn, group=self._group, keys=keys)
-        items = {k: Item(k, s, v) for k, s, v in state.items}
-        return Snapshot(state.token, state.epoch, items, state.holder)
+        change = _change(self._group, token, epoch, items, reset, since)
+        await asyncio.to_thread(self._apply, change)
 
     async def read(self, keys: Sequence[str] | None = None) -> Snapshot:
-        return await self._run(lambda: self._guarded(lambda c: self._read(c, keys)))
+        return await asyncio.to_thread(self._read, keys)
 
     async def aclose(self) -> None:
-        await self._run(self._drop)
-        self._shutdown()
+        await asyncio.to_thread(self.fencer.close)
 
     def __repr__(self) -> str:
         return f"SQLMember({self.resource!r})"
+
+
+class AsyncSQLMember:
+    """:class:`SQLMember` over an async ``connect()`` (``psycopg.AsyncConnection.connect``,
+    ``asyncmy.connect``, a SQLAlchemy ``AsyncEngine.connect``): the guard's async fencer
+    (:meth:`SQLGuard.afencer <fenced.guards.sql.SQLGuard.afencer>`) on the group's own loop,
+    no thread."""
+
+    def __init__(
+        self,
+        guard: Any,
+        connect: Callable[[], Awaitable[Any]],
+        group: str,
+        *,
+        keep_connection: bool = True,
+    ) -> None:
+        from ..guards.sql import AsyncSQLFencer
+
+        self.guard = guard
+        self.resource: str = guard.resource
+        self.fencer = AsyncSQLFencer(
+            guard, connect, keep_connection=keep_connection, setup=guard.ainstall_group
+        )
+        self._group = group
+
+    async def apply(
+        self,
+        token: FencingToken | None,
+        epoch: int,
+        items: Sequence[Item],
+        *,
+        reset: bool = False,
+        since: int = 0,
+    ) -> None:
+        change = _change(self._group, token, epoch, items, reset, since)
+        async with self.fencer.connections.connection() as conn:
+            await self.guard.aapply_group(conn, **change)
+
+    async def read(self, keys: Sequence[str] | None = None) -> Snapshot:
+        async with self.fencer.connections.connection() as conn:
+            return _snapshot(await self.guard.aread_group(conn, group=self._group, keys=keys))
+
+    async def aclose(self) -> None:
+        await self.fencer.aclose()
+
+    def __repr__(self) -> str:
+        return f"AsyncSQLMember({self.resource!r})"
+
+
+def _change(
+    group: str,
+    token: FencingToken | None,
+    epoch: int,
+    items: Sequence[Item],
+    reset: bool,
+    since: int,
+) -> dict[str, Any]:
+    """A member's change as ``SQLGuard.apply_group``'s keywords (refused before anything is
+    sent if it has items but no token)."""
+    if token is None and items:
+        raise ConfigurationError("items are written only with a lock token")
+    rows = [(i.key, i.stamp, i.value) for i in items]
+    return {
+        "token": token, "group": group, "epoch": epoch, "items": rows, "reset": reset,
+        "since": since,
+    }  # fmt: skip
+
+
+def _snapshot(state: Any) -> Snapshot:
+    items = {k: Item(k, s, v) for k, s, v in state.items}
+    return Snapshot(state.token, state.epoch, items, state.holder)
 
 
 def as_member(spec: Any, group: str) -> Member:
@@ -179,6 +194,8 @@ def as_member(spec: Any, group: str) -> Member:
         return EtcdMember(spec, group)
     if isinstance(spec, sql_guard.SQLFencer):
         return SQLMember(spec.guard, spec.connect, group)
+    if isinstance(spec, sql_guard.AsyncSQLFencer):
+        return AsyncSQLMember(spec.guard, spec.connect, group)
     if (
         isinstance(spec, tuple)
         and len(spec) == 2
@@ -190,7 +207,7 @@ def as_member(spec: Any, group: str) -> Member:
         return spec
     raise ConfigurationError(
         f"not a group member: {spec!r} (give a RedisGuard, an EtcdGuard, "
-        "SQLGuard(...).fencer(connect), or a Member)"
+        "SQLGuard(...).fencer(connect) or .afencer(async_connect), or a Member)"
     )
 
 

@@ -61,9 +61,10 @@ class SQLResource:
         from ...guards.sql import SQLGuard, quote_table
 
         parsed = _guard_url(url)
-        if parsed.kind.name != "sql":
+        if parsed.kind.name != "sql" or parsed.dialect not in ("sqlite", "postgresql"):
             raise ConfigurationError(
-                f"sql resource: {parsed.scheme}:// is not SQL (sqlite, postgresql)"
+                f"sql resource: the kit's register takes sqlite:// or postgresql://, "
+                f"not {parsed.scheme}://"
             )
         self.driver = parsed.dialect
         self.table = parsed.params.get("table", "fenced_check")
