@@ -1,5 +1,6 @@
 """What every kind of replicated member shares: the stamp of a write, an item, a snapshot of
-a member, the :class:`Member` protocol a group drives, and the thread a sync client runs on."""
+a member, the :class:`Member` protocol a group drives, the adapter over a guard's group
+contract (:class:`GuardMember`) and the thread a sync client runs on."""
 
 from __future__ import annotations
 
@@ -9,10 +10,20 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, Final, Protocol, TypeVar, runtime_checkable
 
-from .._core.errors import InvalidTokenError
+from .._core.errors import ConfigurationError, InvalidTokenError
 from .._core.token import FencingToken
 
-__all__ = ["STAMP_DIGITS", "Item", "Member", "Snapshot", "snapshot_of", "stamp", "stamp_token"]
+__all__ = [
+    "STAMP_DIGITS",
+    "GuardMember",
+    "Item",
+    "Member",
+    "Snapshot",
+    "change_of",
+    "snapshot_of",
+    "stamp",
+    "stamp_token",
+]
 
 T = TypeVar("T")
 
@@ -109,3 +120,59 @@ def snapshot_of(state: Any) -> Snapshot:
     return Snapshot(
         state.token, state.epoch, {k: Item(k, s, v) for k, s, v in state.items}, state.holder
     )
+
+
+def change_of(
+    group: str,
+    token: FencingToken | None,
+    epoch: int,
+    items: Sequence[Item],
+    reset: bool,
+    since: int,
+) -> dict[str, Any]:
+    """A member's change as the group contract's keywords (``apply_group``), refused before
+    anything is sent if it has items but no token."""
+    if token is None and items:
+        raise ConfigurationError("items are written only with a lock token")
+    rows = [(i.key, i.stamp, i.value) for i in items]
+    return {
+        "token": token, "group": group, "epoch": epoch, "items": rows, "reset": reset,
+        "since": since,
+    }  # fmt: skip
+
+
+class GuardMember:
+    """A member that is an adapter over a guard's group contract: ``apply_group(token=,
+    group=, epoch=, items=, reset=, since=)`` and ``read_group(group=, keys=)``, where the
+    rule (both marks checked and raised, items applied by stamp, in one atomic step) is the
+    guard's own, written once. A kind says only how a call reaches its guard (:meth:`_call`:
+    awaited, or a blocking call offloaded; on a connection, for SQL)."""
+
+    def __init__(self, guard: Any, group: str) -> None:
+        self.guard = guard
+        self.resource: str = guard.resource
+        self._group = group
+
+    async def _call(self, method: str, /, **kw: Any) -> Any:
+        """``guard.<method>(**kw)``, however this kind of guard is called."""
+        raise NotImplementedError
+
+    async def apply(
+        self,
+        token: FencingToken | None,
+        epoch: int,
+        items: Sequence[Item],
+        *,
+        reset: bool = False,
+        since: int = 0,
+    ) -> None:
+        await self._call("apply_group", **change_of(self._group, token, epoch, items, reset, since))
+
+    async def read(self, keys: Sequence[str] | None = None) -> Snapshot:
+        return snapshot_of(await self._call("read_group", group=self._group, keys=keys))
+
+    async def aclose(self) -> None:
+        pass  # the guard is the caller's to close
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.resource!r})"

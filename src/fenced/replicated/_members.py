@@ -27,13 +27,12 @@ Blocking clients run on worker threads, so the members of a group are written in
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from .._core.errors import ConfigurationError
-from .._core.token import FencingToken
 from ._etcd_member import EtcdMember
-from ._member_types import Item, Member, Snapshot, stamp
+from ._member_types import GuardMember, Item, Member, Snapshot, stamp
 from ._member_types import stamp_token as stamp_token  # (re-exported: _group reads it here)
 from ._redis_member import RedisMember
 
@@ -53,7 +52,7 @@ __all__ = [
 # -- SQL (SQLite, PostgreSQL, MySQL/MariaDB) ------------------------------------------------
 
 
-class SQLMember:
+class SQLMember(GuardMember):
     """A member on a SQL database, through a :class:`~fenced.guards.sql.SQLGuard` and
     ``connect()``, which opens a blocking connection the guard takes (sqlite3, psycopg 3,
     PyMySQL, a SQLAlchemy ``Connection``); :class:`AsyncSQLMember` takes an async one.
@@ -69,52 +68,31 @@ class SQLMember:
     ) -> None:
         from ..guards.sql import SQLFencer
 
-        self.guard = guard
-        self.resource: str = guard.resource
+        super().__init__(guard, group)
         self.fencer = SQLFencer(
             guard, connect, keep_connection=keep_connection, setup=guard.install_group
         )
-        self._group = group
 
     @property
     def keep_connection(self) -> bool:
         return self.fencer.keep_connection
 
-    def _apply(self, change: dict[str, Any]) -> None:
-        with self.fencer.connections.connection() as conn:
-            self.guard.apply_group(conn, **change)
+    async def _call(self, method: str, /, **kw: Any) -> Any:
+        def run() -> Any:
+            with self.fencer.connections.connection() as conn:
+                return getattr(self.guard, method)(conn, **kw)
 
-    def _read(self, keys: Sequence[str] | None) -> Snapshot:
-        with self.fencer.connections.connection() as conn:
-            return _snapshot(self.guard.read_group(conn, group=self._group, keys=keys))
-
-    async def apply(
-        self,
-        token: FencingToken | None,
-        epoch: int,
-        items: Sequence[Item],
-        *,
-        reset: bool = False,
-        since: int = 0,
-    ) -> None:
-        change = _change(self._group, token, epoch, items, reset, since)
-        await asyncio.to_thread(self._apply, change)
-
-    async def read(self, keys: Sequence[str] | None = None) -> Snapshot:
-        return await asyncio.to_thread(self._read, keys)
+        return await asyncio.to_thread(run)
 
     async def aclose(self) -> None:
         await asyncio.to_thread(self.fencer.close)
 
-    def __repr__(self) -> str:
-        return f"SQLMember({self.resource!r})"
 
-
-class AsyncSQLMember:
+class AsyncSQLMember(GuardMember):
     """:class:`SQLMember` over an async ``connect()`` (``psycopg.AsyncConnection.connect``,
     ``asyncmy.connect``, a SQLAlchemy ``AsyncEngine.connect``): the guard's async fencer
-    (:meth:`SQLGuard.afencer <fenced.guards.sql.SQLGuard.afencer>`) on the group's own loop,
-    no thread."""
+    (:meth:`SQLGuard.afencer <fenced.guards.sql.SQLGuard.afencer>`) and its awaited group
+    contract (``aapply_group``, ``aread_group``) on the group's own loop, no thread."""
 
     def __init__(
         self,
@@ -126,59 +104,17 @@ class AsyncSQLMember:
     ) -> None:
         from ..guards.sql import AsyncSQLFencer
 
-        self.guard = guard
-        self.resource: str = guard.resource
+        super().__init__(guard, group)
         self.fencer = AsyncSQLFencer(
             guard, connect, keep_connection=keep_connection, setup=guard.ainstall_group
         )
-        self._group = group
 
-    async def apply(
-        self,
-        token: FencingToken | None,
-        epoch: int,
-        items: Sequence[Item],
-        *,
-        reset: bool = False,
-        since: int = 0,
-    ) -> None:
-        change = _change(self._group, token, epoch, items, reset, since)
+    async def _call(self, method: str, /, **kw: Any) -> Any:
         async with self.fencer.connections.connection() as conn:
-            await self.guard.aapply_group(conn, **change)
-
-    async def read(self, keys: Sequence[str] | None = None) -> Snapshot:
-        async with self.fencer.connections.connection() as conn:
-            return _snapshot(await self.guard.aread_group(conn, group=self._group, keys=keys))
+            return await getattr(self.guard, "a" + method)(conn, **kw)
 
     async def aclose(self) -> None:
         await self.fencer.aclose()
-
-    def __repr__(self) -> str:
-        return f"AsyncSQLMember({self.resource!r})"
-
-
-def _change(
-    group: str,
-    token: FencingToken | None,
-    epoch: int,
-    items: Sequence[Item],
-    reset: bool,
-    since: int,
-) -> dict[str, Any]:
-    """A member's change as ``SQLGuard.apply_group``'s keywords (refused before anything is
-    sent if it has items but no token)."""
-    if token is None and items:
-        raise ConfigurationError("items are written only with a lock token")
-    rows = [(i.key, i.stamp, i.value) for i in items]
-    return {
-        "token": token, "group": group, "epoch": epoch, "items": rows, "reset": reset,
-        "since": since,
-    }  # fmt: skip
-
-
-def _snapshot(state: Any) -> Snapshot:
-    items = {k: Item(k, s, v) for k, s, v in state.items}
-    return Snapshot(state.token, state.epoch, items, state.holder)
 
 
 def as_member(spec: Any, group: str) -> Member:

@@ -4,17 +4,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
 from typing import Any
 
-from .._core.errors import ConfigurationError
-from .._core.token import FencingToken
-from ._member_types import Item, Snapshot, _Threaded, snapshot_of
+from ._member_types import GuardMember, _Threaded
 
 __all__ = ["RedisMember"]
 
 
-class RedisMember(_Threaded):
+class RedisMember(GuardMember, _Threaded):
     """A member on Redis, through a :class:`~fenced.guards.redis.RedisGuard` (sync, run on a
     thread) or ``AsyncRedisGuard``. The group's keys sit next to the guard's fence key (same
     hash slot), in fenced's reserved key space: ``<fence key>:group:<group>:{epoch,stamps,data,
@@ -24,47 +22,16 @@ class RedisMember(_Threaded):
     def __init__(self, guard: Any, group: str) -> None:
         from ..guards import redis as redis_guard
 
-        super().__init__(f"fenced-member-{guard.resource}")
-        self.guard = guard
-        self.resource: str = guard.resource
+        GuardMember.__init__(self, guard, group)
+        _Threaded.__init__(self, f"fenced-member-{guard.resource}")
         self._async = isinstance(guard, redis_guard.AsyncRedisGuard)
-        self._group = group
         guard.group_keys(group)  # (a bad group name fails here, typed)
 
-    async def apply(
-        self,
-        token: FencingToken | None,
-        epoch: int,
-        items: Sequence[Item],
-        *,
-        reset: bool = False,
-        since: int = 0,
-    ) -> None:
-        if token is None and items:
-            raise ConfigurationError("items are written only with a lock token")
-        kw: dict[str, Any] = {
-            "token": token,
-            "group": self._group,
-            "epoch": epoch,
-            "items": [(i.key, i.stamp, i.value) for i in items],
-            "reset": reset,
-            "since": since,
-        }
+    async def _call(self, method: str, /, **kw: Any) -> Any:
+        call = getattr(self.guard, method)
         if self._async:
-            await self.guard.apply_group(**kw)
-        else:
-            await self._run(lambda: self.guard.apply_group(**kw))
-
-    async def read(self, keys: Sequence[str] | None = None) -> Snapshot:
-        group = self._group
-        if self._async:
-            state = await self.guard.read_group(group=group, keys=keys)
-        else:
-            state = await self._run(lambda: self.guard.read_group(group=group, keys=keys))
-        return snapshot_of(state)
+            return await call(**kw)
+        return await self._run(functools.partial(call, **kw))
 
     async def aclose(self) -> None:
         self._shutdown()
-
-    def __repr__(self) -> str:
-        return f"RedisMember({self.resource!r})"
