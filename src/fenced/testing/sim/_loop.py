@@ -153,34 +153,38 @@ class VirtualLoop(asyncio.SelectorEventLoop):
         return handle
 
     def _run_once(self) -> None:
+        # Iterations until the loop is told to stop, not one: run_forever's own loop does
+        # exactly this (an iteration, then the check), at a Python call per iteration.
         timers, ready = self._timers, self._ready  # type: ignore[attr-defined]
-        if not ready and not self._stopping:  # type: ignore[attr-defined]
-            while timers and timers[0][2]._cancelled:
-                heapq.heappop(timers)[2]._scheduled = False  # type: ignore[attr-defined]
-            if not timers:
-                raise Stuck("no task can run and no timer is set")
-            if timers[0][0] > self._now:
-                self._now = timers[0][0]  # nothing to do until then: jump
-        end = self._now + 1e-9  # (asyncio's: the monotonic clock's resolution)
-        pop = heapq.heappop
-        while timers and timers[0][0] < end:
-            timer = pop(timers)[2]
-            timer._scheduled = False  # type: ignore[attr-defined]
-            ready.append(timer)
-        popleft = ready.popleft
-        # (Handle._run inlined, a frame less per callback; one that raises goes to the
-        # exception handler as in asyncio's own loop.)
-        for _ in range(len(ready)):
-            handle = popleft()
-            if handle._cancelled:
-                continue
-            try:
-                handle._context.run(handle._callback, *handle._args)
-            except (SystemExit, KeyboardInterrupt):
-                raise
-            except BaseException as exc:
-                _failed(handle, exc)
-        handle = None  # (as asyncio's: no cycle kept through a raised exception)
+        pop, popleft = heapq.heappop, ready.popleft
+        while True:
+            if not ready and not self._stopping:  # type: ignore[attr-defined]
+                while timers and timers[0][2]._cancelled:
+                    pop(timers)[2]._scheduled = False  # type: ignore[attr-defined]
+                if not timers:
+                    raise Stuck("no task can run and no timer is set")
+                if timers[0][0] > self._now:
+                    self._now = timers[0][0]  # nothing to do until then: jump
+            end = self._now + 1e-9  # (asyncio's: the monotonic clock's resolution)
+            while timers and timers[0][0] < end:
+                timer = pop(timers)[2]
+                timer._scheduled = False  # type: ignore[attr-defined]
+                ready.append(timer)
+            # (Handle._run inlined, a frame less per callback; one that raises goes to the
+            # exception handler as in asyncio's own loop.)
+            for _ in range(len(ready)):
+                handle = popleft()
+                if handle._cancelled:
+                    continue
+                try:
+                    handle._context.run(handle._callback, *handle._args)
+                except (SystemExit, KeyboardInterrupt):
+                    raise
+                except BaseException as exc:
+                    _failed(handle, exc)
+            handle = None  # (as asyncio's: no cycle kept through a raised exception)
+            if self._stopping:  # type: ignore[attr-defined]
+                return
 
     def close(self) -> None:
         self._timers.clear()

@@ -186,11 +186,22 @@ class _World:
         real.target = ":memory:"
         return real
 
+    @property
+    def faults(self) -> set[str]:
+        return self._faults
+
+    @faults.setter
+    def faults(self, kinds: set[str]) -> None:
+        # (asked of every message: kept as two flags, and kept true when a run ends its
+        # faults for a quiet end by setting a new set)
+        self._faults = kinds
+        self._delays, self._losses = "delay" in kinds, "loss" in kinds
+
     def now(self) -> float:
-        return self.loop.time()
+        return self.loop._now  # (loop.time()'s value, a call less: the simulator's commonest)
 
     def record(self, worker: str, op: str, **fields: Any) -> dict[str, Any]:
-        event = {"worker": worker, "op": op, "mono": round(self.now(), 9), **fields}
+        event = {"worker": worker, "op": op, "mono": round(self.loop._now, 9), **fields}
         self.trace.append(event)
         return event
 
@@ -266,12 +277,12 @@ class _World:
     # -- the network -------------------------------------------------------------------------
 
     def _delay(self) -> float:
-        if "delay" in self.faults and self.rng.random() < 0.05:
+        if self._delays and self.rng.random() < 0.05:
             return self.rng.uniform(0.0, 2 * self.cfg.ttl)  # (overtaken by later messages)
         return self.rng.uniform(0.0005, 0.005)
 
     def _lost(self) -> bool:
-        return "loss" in self.faults and self.rng.random() < 0.03
+        return self._losses and self.rng.random() < 0.03
 
     def is_up(self, to: str) -> bool:
         if to == "source":
