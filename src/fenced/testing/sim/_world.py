@@ -294,7 +294,8 @@ class _World:
     async def call(self, client: _Client, to: str, apply: Callable[[], Any]) -> Any:
         """Send ``apply`` to the source or the resource and wait for its answer (at most
         RPC_TIMEOUT: then BackendUnavailable, though the request may still land)."""
-        await client.running.wait()  # a stopped process sends nothing
+        if not client.running.is_set():  # (a set Event's wait() returns at once: no coroutine)
+            await client.running.wait()  # a stopped process sends nothing
         if client.dead:
             raise BackendUnavailable("sim: this client is dead")
         answer: asyncio.Future[Any] = self.loop.create_future()
