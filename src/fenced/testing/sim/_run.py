@@ -33,9 +33,11 @@ def frozen_heap() -> Iterator[None]:
     """For a run of many seeds: what is already in the heap (the imported code: the server's
     and the group's for those systems) set aside from the garbage collector, and its young
     generation collected less often. A seed makes thousands of short-lived cycles (futures,
-    tasks, exceptions), and each full collection walked every object the imports made — a
-    fifth of a gateway seed's CPU. Collection only: no run changes (bench/sim_digests.py)."""
-    gc.collect()
+    tasks, exceptions), and each full collection walked every object the imports made: about
+    a tenth of a group or gateway seed's CPU went to collections. Collection only: no run
+    changes (bench/sim_digests.py). (No gc.collect() first: in a test process it would walk
+    the whole suite's heap at each of the ~30 calls; garbage frozen with the rest is
+    collected after ``unfreeze``.)"""
     gc.freeze()
     was = gc.get_threshold()
     gc.set_threshold(10_000, 50, 100)
