@@ -276,3 +276,23 @@ def test_a_seeds_trace_is_the_pinned_one(system: str, seed: int) -> None:
     outcome = simulate(Config(seed=seed, system=system))
     digest = hashlib.sha256(outcome.trace_text().encode()).hexdigest()[:16]
     assert outcome.ok and digest == PINNED[system, seed]
+
+
+def test_a_quiet_end_turns_message_faults_off() -> None:
+    """The world keeps "delay" and "loss" as flags for speed: a run that ends its faults (the
+    group's and the gateways' quiet end) turns them off too, and the set cannot change in place."""
+    from fenced.testing.sim import VirtualLoop
+    from fenced.testing.sim._world import _World
+
+    loop = VirtualLoop()
+    try:
+        w = _World(Config(seed=1, system="group"), loop)
+        assert any(w._lost() for _ in range(2000))  # (3 % of messages)
+        assert any(w._delay() > 0.005 for _ in range(2000))  # (5 % late, up to 2 ttls)
+        w.faults = set()
+        assert not any(w._lost() for _ in range(2000))
+        assert all(w._delay() <= 0.005 for _ in range(2000))
+        with pytest.raises(AttributeError):
+            w.faults.add("loss")  # type: ignore[attr-defined]
+    finally:
+        loop.close()

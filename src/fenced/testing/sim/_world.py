@@ -187,14 +187,14 @@ class _World:
         return real
 
     @property
-    def faults(self) -> set[str]:
+    def faults(self) -> frozenset[str]:
         return self._faults
 
     @faults.setter
-    def faults(self, kinds: set[str]) -> None:
-        # (asked of every message: kept as two flags, and kept true when a run ends its
-        # faults for a quiet end by setting a new set)
-        self._faults = kinds
+    def faults(self, kinds: set[str] | frozenset[str]) -> None:
+        # Asked of every message: kept as two flags, set again when a run ends its faults
+        # for a quiet end (a new set); frozen, so that no change in place leaves them stale.
+        self._faults = frozenset(kinds)
         self._delays, self._losses = "delay" in kinds, "loss" in kinds
 
     def now(self) -> float:
