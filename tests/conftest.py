@@ -56,8 +56,9 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 # ones marked ``slow`` (see pytest_collection_modifyitems); a name that no longer matches only
 # loses its place at the front.
 LONG_TESTS = (  # (longest first: the order they are handed out in)
-    "tests/kit/test_sim.py::test_ten_thousand_seeds_hold_every_invariant",
-    "tests/kit/test_sim.py::test_group_seeds_hold_every_invariant",
+    "tests/kit/test_sim.py::test_group_seeds_hold_every_invariant",  # (2 parts)
+    "tests/kit/test_sim_gateway.py::test_gateway_seeds_hold_every_invariant",  # (2 parts)
+    "tests/kit/test_sim.py::test_the_lease_systems_seeds_hold_every_invariant",  # (4 parts)
     "tests/replicated/test_group_faults.py::",
     "tests/powerloss/test_sqlite_source.py::test_fenced_serve_",
     "tests/powerloss/test_sql_guards.py::",

@@ -15,7 +15,7 @@ import pytest
 from fenced.testing.sim import Config, run_seeds, simulate
 from fenced.testing.sim._gateways import GatewayRun
 from tests.helpers import ROOT
-from tests.kit.test_sim import GATEWAY_SEEDS, START
+from tests.kit.test_sim import GATEWAY_SEEDS, JOBS, OTHER_PARTS, part_of
 
 GATEWAY = Config(seed=0, system="gateway")
 
@@ -31,14 +31,15 @@ def test_a_gateway_seed_replays_byte_for_byte() -> None:
     assert len(gateways) >= 2, gateways  # (grants made through more than one gateway)
 
 
-@pytest.mark.xdist_group("sim-seeds")
+@pytest.mark.parametrize("part", range(OTHER_PARTS))
 @pytest.mark.timeout(600)  # bounded work (a seed count), not a wait
-def test_gateway_seeds_hold_every_invariant() -> None:
+def test_gateway_seeds_hold_every_invariant(part: int) -> None:
     """Gateways restarted, clocks jumping, requests lost, repeated and reordered, another
     tenant's request ids: no retry makes a second grant, no key moves another's grant, every
     expiry is counted once by the gateway that last had the grant, the resource's guard holds."""
-    result = run_seeds(GATEWAY, START, GATEWAY_SEEDS, jobs=2)
-    assert result.seeds == GATEWAY_SEEDS and result.failed == [], result.failed[:10]
+    first, count = part_of(GATEWAY_SEEDS, OTHER_PARTS, part)
+    result = run_seeds(GATEWAY, first, count, jobs=JOBS)
+    assert result.seeds == count and result.failed == [], result.failed[:10]
 
 
 @pytest.mark.parametrize(

@@ -433,7 +433,8 @@ class GatewayRun:
         lands) and wait for its answer, at most ``timeout`` (then _NoAnswer; it may still be
         carried out)."""
         w, loop = self.w, self.w.loop
-        await c.running.wait()
+        if not c.running.is_set():  # (as _World.call: a set Event's wait() is a no-op)
+            await c.running.wait()
         if c.dead:
             raise BackendUnavailable("sim: this client is dead")
         answer: asyncio.Future[Any] = loop.create_future()
@@ -465,7 +466,8 @@ class GatewayRun:
         answer: asyncio.Future[Any] | None,
     ) -> None:
         w = self.w
-        await g.proc.running.wait()
+        if not g.proc.running.is_set():  # (as _World.call)
+            await g.proc.running.wait()
         if g.proc.dead or g.gateway is None:
             return
         REQUEST.set(req)

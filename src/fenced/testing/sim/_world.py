@@ -184,11 +184,22 @@ class _World:
             return PlantedSQLite.in_memory(LOCK, self.cfg.plant)
         return SQLResource.in_memory(LOCK)
 
+    @property
+    def faults(self) -> frozenset[str]:
+        return self._faults
+
+    @faults.setter
+    def faults(self, kinds: set[str] | frozenset[str]) -> None:
+        # Asked of every message: kept as two flags, set again when a run ends its faults
+        # for a quiet end (a new set); frozen, so that no change in place leaves them stale.
+        self._faults = frozenset(kinds)
+        self._delays, self._losses = "delay" in kinds, "loss" in kinds
+
     def now(self) -> float:
-        return self.loop.time()
+        return self.loop._now  # (loop.time()'s value, a call less: the simulator's commonest)
 
     def record(self, worker: str, op: str, **fields: Any) -> dict[str, Any]:
-        event = {"worker": worker, "op": op, "mono": round(self.now(), 9), **fields}
+        event = {"worker": worker, "op": op, "mono": round(self.loop._now, 9), **fields}
         self.trace.append(event)
         return event
 
@@ -264,12 +275,12 @@ class _World:
     # -- the network -------------------------------------------------------------------------
 
     def _delay(self) -> float:
-        if "delay" in self.faults and self.rng.random() < 0.05:
+        if self._delays and self.rng.random() < 0.05:
             return self.rng.uniform(0.0, 2 * self.cfg.ttl)  # (overtaken by later messages)
         return self.rng.uniform(0.0005, 0.005)
 
     def _lost(self) -> bool:
-        return "loss" in self.faults and self.rng.random() < 0.03
+        return self._losses and self.rng.random() < 0.03
 
     def is_up(self, to: str) -> bool:
         if to == "source":
@@ -281,7 +292,8 @@ class _World:
     async def call(self, client: _Client, to: str, apply: Callable[[], Any]) -> Any:
         """Send ``apply`` to the source or the resource and wait for its answer (at most
         RPC_TIMEOUT: then BackendUnavailable, though the request may still land)."""
-        await client.running.wait()  # a stopped process sends nothing
+        if not client.running.is_set():  # (a set Event's wait() returns at once: no coroutine)
+            await client.running.wait()  # a stopped process sends nothing
         if client.dead:
             raise BackendUnavailable("sim: this client is dead")
         answer: asyncio.Future[Any] = self.loop.create_future()
