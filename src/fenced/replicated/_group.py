@@ -195,6 +195,26 @@ class AsyncGroup:
         except TimeoutError:
             raise BackendUnavailable(f"{what}: no answer within {self.timeout} s") from None
 
+    async def _fence(
+        self, names: Iterable[str], token: FencingToken | None, epoch: int, *, since: int
+    ) -> tuple[dict[str, BaseException], dict[str, BaseException]] | None:
+        """Fence the members named with ``token`` at ``epoch`` (each refusing one below
+        ``since``). None if one is at a later epoch already (another change got further);
+        a member refusing the token raises its :class:`StaleTokenError`; else the members
+        behind (:class:`MemberBehindError`: they lost their state), and those that failed
+        otherwise, each with its error."""
+        outcomes = await self._each(names, functools.partial(_apply, token, epoch, [], since=since))
+        failed = {n: e for n, e in outcomes.items() if isinstance(e, BaseException)}
+        if any(isinstance(e, StaleEpochError) for e in failed.values()):
+            return None
+        for e in failed.values():
+            if isinstance(e, StaleTokenError):
+                raise e
+        behind: dict[str, BaseException] = {
+            n: e for n, e in failed.items() if isinstance(e, MemberBehindError)
+        }
+        return behind, {n: e for n, e in failed.items() if n not in behind}
+
     async def _each(
         self, names: Iterable[str], call: Callable[[str, Member], Awaitable[T]]
     ) -> dict[str, T | BaseException]:
@@ -329,17 +349,10 @@ class AsyncGroup:
         # A kept member must be at this configuration's epoch already: one below it was never
         # fenced in it (it came back empty) and is refused, in the same atomic step, rather
         # than raised into the next configuration as if it held the writes.
-        fenced = await self._each(
-            kept, functools.partial(_apply, token, epoch, [], since=cfg.epoch)
-        )
-        failed = {n: e for n, e in fenced.items() if isinstance(e, BaseException)}
-        if any(isinstance(e, StaleEpochError) for e in failed.values()):
+        fenced = await self._fence(kept, token, epoch, since=cfg.epoch)
+        if fenced is None:
             return None  # another change got further: start again from the record
-        for e in failed.values():
-            if isinstance(e, StaleTokenError):
-                raise e
-        behind = {n: e for n, e in failed.items() if isinstance(e, MemberBehindError)}
-        failed = {n: e for n, e in failed.items() if n not in behind}
+        behind, failed = fenced
         if failed:
             raise ReplicationError(
                 f"group {self.name!r}: members {sorted(failed)} cannot be fenced for "
@@ -576,25 +589,18 @@ class AsyncGroup:
             )
         for _ in range(10):
             cfg = await self.configuration()
-            fenced = await self._each(
-                cfg.members, functools.partial(_apply, token, cfg.epoch, [], since=cfg.epoch)
-            )
-            failed = {n: e for n, e in fenced.items() if isinstance(e, BaseException)}
-            if any(isinstance(e, StaleEpochError) for e in failed.values()):
+            fenced = await self._fence(cfg.members, token, cfg.epoch, since=cfg.epoch)
+            if fenced is None:
                 continue  # a change is under way: fence its members instead
-            for e in failed.values():
-                if isinstance(e, StaleTokenError):
-                    raise e
             # A member that lost its state refuses every change at this epoch, from any
             # holder, until a reconfiguration copies the data to it: as good as fenced.
-            behind = {n for n, e in failed.items() if isinstance(e, MemberBehindError)}
+            behind, failed = fenced
             if behind and len(behind) == len(cfg.members):
                 raise ReplicationError(
                     f"group {self.name!r}: every member of configuration {cfg.epoch} lost "
-                    f"its state: {_first(failed)}",
-                    failed,
+                    f"its state: {_first(behind)}",
+                    behind,
                 )
-            failed = {n: e for n, e in failed.items() if n not in behind}
             if failed:
                 raise ReplicationError(
                     f"group {self.name!r}: members {sorted(failed)} cannot be fenced with "

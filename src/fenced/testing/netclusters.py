@@ -16,15 +16,13 @@ import json
 import shutil
 import socket
 import tempfile
-import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from typing import Final
+from typing import Final, Self
 
-from fenced._core.backoff import Backoff
 from fenced.testing.netns import NetLab, NetProcess, Node
-from fenced.testing.servers import ServerUnavailable, _zookeeper_classpath
+from fenced.testing.servers import ServerUnavailable, _zookeeper_classpath, wait_until
 
 __all__ = ["EtcdNetCluster", "RedisNet", "ZooKeeperNetCluster"]
 
@@ -35,18 +33,11 @@ REDIS_PORT: Final = 6379
 
 
 def _wait(check: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    backoff = Backoff(0.05, 0.5)
-    while True:
-        try:
-            if check():
-                return
-        except (OSError, TimeoutError, ValueError):
-            pass
-        if time.monotonic() >= deadline:
-            raise ServerUnavailable(f"{what} not ready after {timeout:g} s")
-        # a poll interval, bounded by the deadline
-        time.sleep(backoff.next(deadline - time.monotonic()) or 0)
+    # (a network namespace answers slower than loopback: a longer back-off; what a node
+    # not up yet raises is a refused or timed-out connection, or a half-written answer)
+    wait_until(
+        check, timeout, what, interval=(0.05, 0.5), ignore=(OSError, TimeoutError, ValueError)
+    )
 
 
 def _ask(addr: str, port: int, probe: bytes, timeout: float = 1.0, *, once: bool = False) -> bytes:
@@ -83,6 +74,15 @@ class _Cluster:
             m.resume()
             m.kill()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+    def start(self, timeout: float = 30.0) -> Self:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def leader(self, timeout: float = 10.0) -> str:
         """The name of the node that leads now (asked of the members, bounded)."""
@@ -160,12 +160,6 @@ class EtcdNetCluster(_Cluster):
     def url(self) -> str:
         return "etcd://" + ",".join(f"{n.addr}:{ETCD_CLIENT}" for n in self.nodes)
 
-    def __enter__(self) -> EtcdNetCluster:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
 
 class ZooKeeperNetCluster(_Cluster):
     what = "zookeeper"
@@ -237,12 +231,6 @@ class ZooKeeperNetCluster(_Cluster):
     @property
     def url(self) -> str:
         return "zookeeper://" + ",".join(f"{n.addr}:{ZK_CLIENT}" for n in self.nodes)
-
-    def __enter__(self) -> ZooKeeperNetCluster:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 class RedisNet:

@@ -57,20 +57,29 @@ def free_port() -> int:
         return port
 
 
-def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
-    """Poll ``check`` (with a short back-off) until it is true or ``timeout`` passes."""
+def wait_until(
+    check: Callable[[], bool],
+    timeout: float,
+    what: str,
+    *,
+    interval: tuple[float, float] = (0.01, 0.2),
+    ignore: tuple[type[Exception], ...] = (Exception,),
+) -> None:
+    """Poll ``check`` (with a back-off from ``interval``'s first to its second, in seconds)
+    until it is true or ``timeout`` passes. A check that raises one of ``ignore`` counts as
+    not yet (anything else, and :class:`ServerUnavailable` always, is raised)."""
     deadline = time.monotonic() + timeout
-    backoff = Backoff(0.01, 0.2)
+    backoff = Backoff(*interval)
     while True:
         try:
             if check():
                 return
         except ServerUnavailable:
             raise  # (the process died: waiting longer cannot help)
-        except Exception:
+        except ignore:
             pass
         if time.monotonic() >= deadline:
-            raise ServerUnavailable(f"{what} not ready after {timeout} s")
+            raise ServerUnavailable(f"{what} not ready after {timeout:g} s")
         time.sleep(
             backoff.next(deadline - time.monotonic()) or 0
         )  # (the last poll: at the deadline)

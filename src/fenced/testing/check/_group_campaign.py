@@ -362,25 +362,17 @@ class GroupWorkload:
             victim = holder or rng.choice(list(writers.values()))
             name = next(n for n, p in writers.items() if p is victim)
             seconds = rng.uniform(2.0, 3.0) * ttl
-
-            def pause() -> None:
-                os.killpg(victim.pid, signal.SIGSTOP)
-                time.sleep(seconds)
-                os.killpg(victim.pid, signal.SIGCONT)
-
-            return self._fault(kind, name, seconds, pause)
+            return self._outage(
+                kind,
+                name,
+                seconds,
+                lambda: os.killpg(victim.pid, signal.SIGSTOP),
+                lambda: os.killpg(victim.pid, signal.SIGCONT),
+            )
         if kind == "kill" and cluster.killable():
             r = cluster.replicas[rng.choice(cluster.killable())]
             assert r.server is not None
-            down = rng.uniform(0.3, 1.0)
-            server = r.server
-
-            def kill() -> None:
-                server.kill()
-                time.sleep(down)
-                server.start()
-
-            return self._fault(kind, r.name, down, kill)
+            return self._outage(kind, r.name, rng.uniform(0.3, 1.0), r.server.kill, r.server.start)
         if kind == "partition":
             cut = [n for n, r in cluster.replicas.items() if r.proxy is not None]
             if not cut:
@@ -388,14 +380,7 @@ class GroupWorkload:
             r = cluster.replicas[rng.choice(cut)]
             proxy = r.proxy
             assert proxy is not None
-            seconds = rng.uniform(1.0, 3.0)
-
-            def partition() -> None:
-                proxy.partition()
-                time.sleep(seconds)
-                proxy.heal()
-
-            return self._fault(kind, r.name, seconds, partition)
+            return self._outage(kind, r.name, rng.uniform(1.0, 3.0), proxy.partition, proxy.heal)
         if kind == "reconfigure":
             removed: str | None = None
             with contextlib.suppress(fenced.FencedError):
@@ -410,6 +395,23 @@ class GroupWorkload:
 
             return self._fault(kind, removed or "none", 0.0, reconfigure)
         return None
+
+    def _outage(
+        self,
+        kind: str,
+        victim: str,
+        seconds: float,
+        cut: Callable[[], object],
+        heal: Callable[[], object],
+    ) -> Fault:
+        """A fault that cuts, lasts ``seconds`` (its length, in the nemesis' thread), heals."""
+
+        def act() -> None:
+            cut()
+            time.sleep(seconds)
+            heal()
+
+        return self._fault(kind, victim, seconds, act)
 
     def _fault(self, kind: str, victim: str, seconds: float, act: Callable[[], None]) -> Fault:
         cluster, op = self.cluster, self.op

@@ -10,6 +10,7 @@ with EIO, as a dead disk would, until it is unmounted.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import errno
 import os
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -136,9 +138,13 @@ class PowerLossFS(mfusepy.Operations):  # type: ignore[misc]
 
     # -- helpers -----------------------------------------------------------------------------
 
-    def _check(self) -> None:
-        if self.dead:
-            raise mfusepy.FuseOSError(errno.EIO)
+    @contextlib.contextmanager
+    def _live(self) -> Iterator[None]:
+        """The one lock, held for an operation that the power cut refuses (EIO) from then on."""
+        with self._mutex:
+            if self.dead:
+                raise mfusepy.FuseOSError(errno.EIO)
+            yield
 
     def _lookup(self, path: str) -> Inode:
         node = self.state.live[ROOT]
@@ -184,6 +190,14 @@ class PowerLossFS(mfusepy.Operations):  # type: ignore[misc]
         node.nlink = 0 if node.is_dir() else node.nlink - 1
         parent.mtime_ns = time.time_ns()
 
+    def _sync(self, op: str, sync: Callable[[int], None], path: str | None, fh: int | None) -> int:
+        """``sync`` the node (make it durable), counted under ``op`` (the harness cuts the
+        power after a number of writes and syncs)."""
+        with self._live():
+            sync(self._node(path, fh).ino)
+            self.counts[op] += 1
+            return 0
+
     def cut(self) -> None:
         """Power loss: keep what is durable, refuse everything from now on."""
         with self._mutex:
@@ -196,8 +210,7 @@ class PowerLossFS(mfusepy.Operations):  # type: ignore[misc]
         print("ready", flush=True)  # (the harness waits for this line: mounted)
 
     def getattr(self, path: str, fh: int | None = None) -> dict[str, Any]:
-        with self._mutex:
-            self._check()
+        with self._live():
             node = self._node(path, fh)
             return {
                 "st_ino": node.ino,
@@ -213,8 +226,7 @@ class PowerLossFS(mfusepy.Operations):  # type: ignore[misc]
             }
 
     def readdir(self, path: str, fh: int) -> list[tuple[str, dict[str, int], int]]:
-        with self._mutex:
-            self._check()
+        with self._live():
             node = self._node(path, fh)
             # (with use_ino, each entry needs its inode number: 0 would hide it from readdir(3))
             out: list[tuple[str, dict[str, int], int]] = [
@@ -226,8 +238,7 @@ class PowerLossFS(mfusepy.Operations):  # type: ignore[misc]
             return out
 
     def opendir(self, path: str) -> int:
-        with self._mutex:
-            self._check()
+        with self._live():
             node = self._lookup(path)
             if not node.is_dir():
                 raise mfusepy.FuseOSError(errno.ENOTDIR)
@@ -237,21 +248,15 @@ class PowerLossFS(mfusepy.Operations):  # type: ignore[misc]
         return 0
 
     def fsyncdir(self, path: str | None, datasync: int, fh: int) -> int:
-        with self._mutex:
-            self._check()
-            self.state.sync_dir(self._node(path, fh).ino)
-            self.counts["fsyncdir"] += 1
-            return 0
+        return self._sync("fsyncdir", self.state.sync_dir, path, fh)
 
     def mkdir(self, path: str, mode: int) -> int:
-        with self._mutex:
-            self._check()
+        with self._live():
             self._new(path, stat.S_IFDIR | (mode & 0o7777))
             return 0
 
     def rmdir(self, path: str) -> int:
-        with self._mutex:
-            self._check()
+        with self._live():
             node = self._lookup(path)
             if not node.is_dir():
                 raise mfusepy.FuseOSError(errno.ENOTDIR)
@@ -262,13 +267,11 @@ class PowerLossFS(mfusepy.Operations):  # type: ignore[misc]
             return 0
 
     def create(self, path: str, mode: int, fi: Any = None) -> int:
-        with self._mutex:
-            self._check()
+        with self._live():
             return int(self._new(path, stat.S_IFREG | (mode & 0o7777)).ino)
 
     def open(self, path: str, flags: int) -> int:
-        with self._mutex:
-            self._check()
+        with self._live():
             if flags & getattr(os, "O_DIRECT", 0):
                 raise mfusepy.FuseOSError(errno.EINVAL)  # out of the model: refused, not faked
             node = self._lookup(path)
@@ -285,13 +288,11 @@ class PowerLossFS(mfusepy.Operations):  # type: ignore[misc]
         return 0  # close() is not a sync
 
     def read(self, path: str | None, size: int, offset: int, fh: int) -> bytes:
-        with self._mutex:
-            self._check()
+        with self._live():
             return bytes(self._node(path, fh).data[offset : offset + size])
 
     def write(self, path: str | None, data: bytes, offset: int, fh: int) -> int:
-        with self._mutex:
-            self._check()
+        with self._live():
             node = self._node(path, fh)
             end = offset + len(data)
             if end > len(node.data):
@@ -302,8 +303,7 @@ class PowerLossFS(mfusepy.Operations):  # type: ignore[misc]
             return len(data)
 
     def truncate(self, path: str | None, length: int, fh: int | None = None) -> int:
-        with self._mutex:
-            self._check()
+        with self._live():
             node = self._node(path, fh)
             if length < len(node.data):
                 del node.data[length:]
@@ -313,16 +313,11 @@ class PowerLossFS(mfusepy.Operations):  # type: ignore[misc]
             return 0
 
     def fsync(self, path: str | None, datasync: int, fh: int) -> int:
-        with self._mutex:
-            self._check()
-            # fdatasync as fsync: the size is part of what it must make durable
-            self.state.sync_file(self._node(path, fh).ino)
-            self.counts["fsync"] += 1
-            return 0
+        # fdatasync as fsync: the size is part of what it must make durable
+        return self._sync("fsync", self.state.sync_file, path, fh)
 
     def unlink(self, path: str) -> int:
-        with self._mutex:
-            self._check()
+        with self._live():
             node = self._lookup(path)
             if node.is_dir():
                 raise mfusepy.FuseOSError(errno.EISDIR)
@@ -331,8 +326,7 @@ class PowerLossFS(mfusepy.Operations):  # type: ignore[misc]
             return 0
 
     def rename(self, old: str, new: str, flags: int = 0) -> int:
-        with self._mutex:
-            self._check()
+        with self._live():
             if flags & ~1:  # RENAME_EXCHANGE, RENAME_WHITEOUT: not modelled
                 raise mfusepy.FuseOSError(errno.EINVAL)
             old_parent_path, old_name = _split(old)
@@ -360,8 +354,7 @@ class PowerLossFS(mfusepy.Operations):  # type: ignore[misc]
 
     def link(self, target: str, source: str) -> int:
         """A hard link: ``target`` becomes another name of ``source``'s inode."""
-        with self._mutex:
-            self._check()
+        with self._live():
             node = self._lookup(source)
             if node.is_dir():
                 raise mfusepy.FuseOSError(errno.EPERM)
@@ -377,30 +370,26 @@ class PowerLossFS(mfusepy.Operations):  # type: ignore[misc]
     def symlink(self, target: str, source: str) -> int:
         """A symbolic link at ``target`` holding ``source``. Its text is part of the name:
         durable with the directory's fsync (a symlink cannot be opened to fsync it)."""
-        with self._mutex:
-            self._check()
+        with self._live():
             node = self._new(target, stat.S_IFLNK | 0o777)
             node.data = bytearray(source.encode("utf-8", "surrogateescape"))
             return 0
 
     def readlink(self, path: str) -> str:
-        with self._mutex:
-            self._check()
+        with self._live():
             node = self._lookup(path)
             if not stat.S_ISLNK(node.mode):
                 raise mfusepy.FuseOSError(errno.EINVAL)
             return node.data.decode("utf-8", "surrogateescape")
 
     def chmod(self, path: str | None, mode: int, fh: int | None = None) -> int:
-        with self._mutex:
-            self._check()
+        with self._live():
             node = self._node(path, fh)
             node.mode = (node.mode & ~0o7777) | (mode & 0o7777)
             return 0
 
     def chown(self, path: str | None, uid: int, gid: int, fh: int | None = None) -> int:
-        with self._mutex:
-            self._check()
+        with self._live():
             node = self._node(path, fh)
             if uid != -1 and uid != 0xFFFFFFFF:
                 node.uid = uid
@@ -409,8 +398,7 @@ class PowerLossFS(mfusepy.Operations):  # type: ignore[misc]
             return 0
 
     def utimens(self, path: str | None, times: Any = None, fh: int | None = None) -> int:
-        with self._mutex:
-            self._check()
+        with self._live():
             node = self._node(path, fh)
             node.mtime_ns = times[1] if times else time.time_ns()
             return 0

@@ -50,7 +50,7 @@ from ..._core.token import FencingToken
 from ...server import ApiKey, ForeignGrant, Gateway, Metrics, Verb, hash_secret, own_id
 from ..check._checkers import Violation, check_all
 from ..check._resources import SQLResource
-from ._world import _Client, _running, _World, failures
+from ._world import _Client, _running, _World, failures, next_entry
 
 __all__ = ["GatewayRun"]
 
@@ -77,6 +77,21 @@ def _key(tenant: str) -> ApiKey:
 
 
 KEYS = {t: _key(t) for t in TENANTS}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ask:
+    """One round of a client: the lock it asks for, with its key and request id."""
+
+    c: _Client
+    key: ApiKey
+    lock: str
+    rid: str
+
+    @property
+    def req(self) -> tuple[str, str, str]:
+        """What the source keeps of the request that made a grant (see :class:`_Held`)."""
+        return (self.key.id, self.rid, self.c.name)
 
 
 @dataclasses.dataclass
@@ -439,11 +454,32 @@ class GatewayRun:
             raise BackendUnavailable("sim: this client is dead")
         answer: asyncio.Future[Any] = loop.create_future()
 
+        async def serve(g: _Gw, reply_to: asyncio.Future[Any] | None) -> None:
+            # (delivered: the process at the slot now carries it out; ``reply_to`` is None
+            # for a duplicate, whose reply nobody waits for)
+            if not g.proc.running.is_set():  # (as _World.call)
+                await g.proc.running.wait()
+            if g.proc.dead or g.gateway is None:
+                return
+            REQUEST.set(req)
+            try:
+                result, error = await make(g.gateway), None
+            except FencedError as exc:
+                result, error = None, exc
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # (what the server's HTTP layer would answer as a 500)
+                self.violate("error", f"gateway {g.name} raised {type(exc).__name__}: {exc}")
+                return
+            if reply_to is None or g.proc.dead or w._lost() or c.dead:
+                return
+            loop.call_later(w._delay(), _settle, reply_to, result, error)
+
         def land(reply: bool) -> None:
             g = self.gateways[slot]
             if g.gateway is None:  # (starting: refused, as a port not yet open)
                 return
-            task = loop.create_task(self._serve(g, c, req, make, answer if reply else None))
+            task = loop.create_task(serve(g, answer if reply else None))
             g.tasks.add(task)
             task.add_done_callback(g.tasks.discard)
 
@@ -457,33 +493,6 @@ class GatewayRun:
         except TimeoutError:
             raise _NoAnswer(f"sim: no answer from gateway {slot + 1}") from None
 
-    async def _serve(
-        self,
-        g: _Gw,
-        c: _Client,
-        req: tuple[str, str, str],
-        make: Callable[[Gateway], Awaitable[Any]],
-        answer: asyncio.Future[Any] | None,
-    ) -> None:
-        w = self.w
-        if not g.proc.running.is_set():  # (as _World.call)
-            await g.proc.running.wait()
-        if g.proc.dead or g.gateway is None:
-            return
-        REQUEST.set(req)
-        try:
-            result, error = await make(g.gateway), None
-        except FencedError as exc:
-            result, error = None, exc
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # (what the server's HTTP layer would answer as a 500)
-            self.violate("error", f"gateway {g.name} raised {type(exc).__name__}: {exc}")
-            return
-        if answer is None or g.proc.dead or w._lost() or c.dead:
-            return
-        w.loop.call_later(w._delay(), _settle, answer, result, error)
-
     # -- clients ---------------------------------------------------------------------------------
 
     async def client(self, c: _Client, tenant: str, slot: int, gen: int) -> None:
@@ -493,9 +502,8 @@ class GatewayRun:
         for r in range(cfg.rounds):
             await c.running.wait()
             lock = w.rng.choice(LOCKS)
-            rid = f"w{slot}.{gen}-{r}"
-            req = (key.id, rid, c.name)
-            got = await self._acquire(c, key, lock, rid, req)
+            a = _Ask(c, key, lock, f"w{slot}.{gen}-{r}")
+            got = await self._acquire(a)
             if got is None:
                 continue
             token, _ = got
@@ -503,18 +511,21 @@ class GatewayRun:
             # write landing after a second, with the same token, would undo it.
             if w.rng.random() < 0.5:
                 await asyncio.sleep(w.rng.uniform(0.1, 0.6) * ttl)
-                await self._renew(c, key, lock, token, rid, req)
+                await self._renew(a, token)
             await self._write(c, lock, token)
-            await self._release(c, key, lock, token, rid, req)
+            await self._release(a, token)
 
     def _slot(self) -> int:
         return self.w.rng.randrange(len(self.gateways))
 
-    async def _acquire(
-        self, c: _Client, key: ApiKey, lock: str, rid: str, req: tuple[str, str, str]
-    ) -> tuple[FencingToken, float] | None:
+    async def _rpc(self, a: _Ask, make: Callable[[Gateway], Awaitable[Any]]) -> Any:
+        """:meth:`ask` ``make`` of any gateway, at most an RPC's time."""
+        return await self.ask(a.c, self._slot(), a.req, make, RPC)
+
+    async def _acquire(self, a: _Ask) -> tuple[FencingToken, float] | None:
         """Acquire through any gateway; an answer lost: the same request id again, through
         another gateway (up to four tries)."""
+        c, key, lock, rid, req = a.c, a.key, a.lock, a.rid, a.req
         w, ttl = self.w, self.w.cfg.ttl
         wait = WAIT * ttl
 
@@ -565,11 +576,8 @@ class GatewayRun:
             return
         except BackendUnavailable:
             return
-        entries = json.loads(data) if data else []
-        value = entries[-1][1] + 1 if entries else 1
+        value, blob = next_entry(data, token)
         w.record(c.name, "read", lock=lock, token=token.value, ok=True, value=value - 1)
-        entries.append([token.value, value])
-        blob = json.dumps(entries, separators=(",", ":")).encode()
         await asyncio.sleep(w.rng.uniform(0, w.cfg.ttl / 4))
         sent = w.now()
         ok: bool | None
@@ -582,25 +590,11 @@ class GatewayRun:
             ok = None
         w.record(c.name, "write", lock=lock, token=token.value, value=value, ok=ok, sent=sent)
 
-    async def _renew(
-        self,
-        c: _Client,
-        key: ApiKey,
-        lock: str,
-        token: FencingToken,
-        rid: str,
-        req: tuple[str, str, str],
-    ) -> bool:
-        w = self.w
+    async def _renew(self, a: _Ask, token: FencingToken) -> bool:
+        w, c, lock = self.w, a.c, a.lock
         sent = w.now()
         try:
-            await self.ask(
-                c,
-                self._slot(),
-                req,
-                lambda gw: gw.renew_for(key, lock, token, rid, w.cfg.ttl),
-                RPC,
-            )
+            await self._rpc(a, lambda gw: gw.renew_for(a.key, lock, token, a.rid, w.cfg.ttl))
         except FencedError as exc:
             w.record(c.name, "renewal", lock=lock, token=token.value, ok=False,
                      error=type(exc).__name__)  # fmt: skip
@@ -616,28 +610,14 @@ class GatewayRun:
             )
         return True
 
-    async def _release(
-        self,
-        c: _Client,
-        key: ApiKey,
-        lock: str,
-        token: FencingToken,
-        rid: str,
-        req: tuple[str, str, str],
-    ) -> None:
-        w = self.w
+    async def _release(self, a: _Ask, token: FencingToken) -> None:
+        w, c, lock = self.w, a.c, a.lock
         w.record(c.name, "releasing", lock=lock, token=token.value)
         sent = w.now()
         released = False
         for _ in range(2):  # (a lost answer: once more; a repeat finds it gone)
             try:
-                released = await self.ask(
-                    c,
-                    self._slot(),
-                    req,
-                    lambda gw: gw.release_for(key, lock, token, rid),
-                    RPC,
-                )
+                released = await self._rpc(a, lambda gw: gw.release_for(a.key, lock, token, a.rid))
                 break
             except BackendUnavailable:
                 if c.dead:

@@ -480,6 +480,15 @@ async def _client_loop(w: _World, c: _Client, rounds: int) -> None:
         w.record(c.name, "release", lock=LOCK, token=token.value, released=released, sent=sent)
 
 
+def next_entry(data: bytes | None, token: FencingToken) -> tuple[int, bytes]:
+    """The register a client read (``data``: a JSON list of ``[token, value]``, or empty)
+    with its next entry appended under ``token``: the value it writes, and the register."""
+    entries = json.loads(data) if data else []
+    value: int = entries[-1][1] + 1 if entries else 1
+    entries.append([token.value, value])
+    return value, json.dumps(entries, separators=(",", ":")).encode()
+
+
 async def _round(w: _World, c: _Client, token: FencingToken, lease: Any) -> None:
     cfg, res = w.cfg, w.resource
     try:
@@ -490,11 +499,8 @@ async def _round(w: _World, c: _Client, token: FencingToken, lease: Any) -> None
     except BackendUnavailable:
         w.record(c.name, "error", lock=LOCK, token=token.value, step="read")
         return
-    entries = json.loads(data) if data else []
-    value = entries[-1][1] + 1 if entries else 1
+    value, blob = next_entry(data, token)
     w.record(c.name, "read", lock=LOCK, token=token.value, ok=True, value=value - 1)
-    entries.append([token.value, value])
-    blob = json.dumps(entries, separators=(",", ":")).encode()
     await asyncio.sleep(w.rng.uniform(0, cfg.ttl / 4))  # think
     # A resource whose write is several steps sends each as a message; a stall lands before
     # the last (as the check kit's worker stalls).
