@@ -1,6 +1,5 @@
-"""What every kind of replicated member shares: the stamp of a write, an item, a snapshot of
-a member, the :class:`Member` protocol a group drives, the adapter over a guard's group
-contract (:class:`GuardMember`) and the thread a sync client runs on."""
+"""What every kind of replicated member shares: stamps, items, snapshots, the Member protocol
+a group drives, the adapter over a guard's group contract, a sync client's thread."""
 
 from __future__ import annotations
 
