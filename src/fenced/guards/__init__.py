@@ -26,3 +26,7 @@ Every guard accepts a token at least as high as the resource's high-water mark (
 the mark to it) and rejects a lower one with :class:`~fenced.StaleTokenError`, in one atomic
 step in the resource itself.
 """
+
+from ._plan import GroupGuard, GroupItem, GroupState
+
+__all__ = ["GroupGuard", "GroupItem", "GroupState"]

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from .._core.errors import FencedError
 
-__all__ = ["GroupItem", "GroupState", "GuardPlan", "adrive", "drive", "step"]
+__all__ = ["GroupGuard", "GroupItem", "GroupState", "GuardPlan", "adrive", "drive", "step"]
 
 T = TypeVar("T")
 Req = TypeVar("Req")
@@ -113,6 +113,20 @@ async def adrive(
 
 GroupItem = tuple[str, str, "bytes | None"]
 """One item of a group's change: key, stamp (text that orders writes), value (None: deleted)."""
+
+
+@runtime_checkable
+class GroupGuard(Protocol):
+    """A guard that can hold a replicated group's member: the group contract above. Its
+    calls are awaited on an async guard and blocking on a sync one; ``SQLGuard``'s take the
+    connection first (and its awaited twins are ``aapply_group``/``aread_group``)."""
+
+    @property
+    def resource(self) -> str: ...
+
+    def apply_group(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def read_group(self, *args: Any, **kwargs: Any) -> Any: ...
 
 
 @dataclass(frozen=True, slots=True)

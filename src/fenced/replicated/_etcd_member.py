@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._member_types import GuardMember
+
+if TYPE_CHECKING:
+    from ..guards.etcd import AsyncEtcdGuard, EtcdGuard
 
 __all__ = ["EtcdMember"]
 
@@ -21,12 +24,13 @@ class EtcdMember(GuardMember):
     larger than etcd takes in one transaction (``--max-txn-ops``, the guard's
     ``max_txn_ops``) is refused before anything is sent (ConfigurationError)."""
 
-    def __init__(self, guard: Any, group: str) -> None:
+    def __init__(self, guard: EtcdGuard | AsyncEtcdGuard, group: str) -> None:
         from ..guards import etcd as etcd_guard
 
         super().__init__(guard, group)
         self._sync = isinstance(guard, etcd_guard.EtcdGuard)
-        (guard.aio if self._sync else guard).group_keys(group)  # (a bad name fails here)
+        aio = guard.aio if isinstance(guard, etcd_guard.EtcdGuard) else guard
+        aio.group_keys(group)  # (a bad name fails here)
 
     async def _call(self, method: str, /, **kw: Any) -> Any:
         call = getattr(self.guard, method)

@@ -11,6 +11,7 @@ from typing import Any, Final, Protocol, TypeVar, runtime_checkable
 
 from .._core.errors import ConfigurationError, InvalidTokenError
 from .._core.token import FencingToken
+from ..guards import GroupGuard
 
 __all__ = [
     "STAMP_DIGITS",
@@ -147,7 +148,7 @@ class GuardMember:
     guard's own, written once. A kind says only how a call reaches its guard (:meth:`_call`:
     awaited, or a blocking call offloaded; on a connection, for SQL)."""
 
-    def __init__(self, guard: Any, group: str) -> None:
+    def __init__(self, guard: GroupGuard, group: str) -> None:
         self.guard = guard
         self.resource: str = guard.resource
         self._group = group

@@ -28,13 +28,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._core.errors import ConfigurationError
 from ._etcd_member import EtcdMember
 from ._member_types import GuardMember, Item, Member, Snapshot, stamp
 from ._member_types import stamp_token as stamp_token  # (re-exported: _group reads it here)
 from ._redis_member import RedisMember
+
+if TYPE_CHECKING:
+    from ..guards.sql import SQLGuard
 
 __all__ = [
     "AsyncSQLMember",
@@ -64,7 +67,12 @@ class SQLMember(GuardMember):
     ``fenced_group_holders`` are made on each new connection's first use."""
 
     def __init__(
-        self, guard: Any, connect: Callable[[], Any], group: str, *, keep_connection: bool = True
+        self,
+        guard: SQLGuard,
+        connect: Callable[[], Any],
+        group: str,
+        *,
+        keep_connection: bool = True,
     ) -> None:
         from ..guards.sql import SQLFencer
 
@@ -96,7 +104,7 @@ class AsyncSQLMember(GuardMember):
 
     def __init__(
         self,
-        guard: Any,
+        guard: SQLGuard,
         connect: Callable[[], Awaitable[Any]],
         group: str,
         *,

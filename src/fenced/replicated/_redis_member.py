@@ -5,9 +5,12 @@
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._member_types import GuardMember, _Threaded
+
+if TYPE_CHECKING:
+    from ..guards.redis import AsyncRedisGuard, RedisGuard
 
 __all__ = ["RedisMember"]
 
@@ -19,7 +22,7 @@ class RedisMember(GuardMember, _Threaded):
     holder}``, so no guarded write outside the group can change them. Values are bytes (with a
     client that decodes responses, UTF-8 text)."""
 
-    def __init__(self, guard: Any, group: str) -> None:
+    def __init__(self, guard: RedisGuard | AsyncRedisGuard, group: str) -> None:
         from ..guards import redis as redis_guard
 
         GuardMember.__init__(self, guard, group)
