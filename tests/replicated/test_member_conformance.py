@@ -168,7 +168,7 @@ def test_every_member_kind_refuses_stale_writers_and_applies_the_rightful_one(ma
 
 # -- planted bugs in the guards' group contract: the check must catch each ------------------
 
-_EPOCH_CHECK = "if e > tonumber(ARGV[3]) then return {'epoch', tostring(e)} end\n"
+_EPOCH_CHECK = "if ep > epoch_of(ARGV[3]) then return {'epoch', e} end\n"
 _TOKEN_CMP = "  c = cmp(tok, hw)\n"  # (the token against the mark: 1 higher, 0 equal, -1 lower)
 
 

@@ -432,6 +432,11 @@ class GroupKeys:
         return cls(base + b"epoch", base + b"holder", base + b"data/")
 
 
+def _segment(name: str) -> str:
+    """``name`` as one path segment of a group's keys: ``%`` and ``/`` escaped (injective)."""
+    return name.replace("%", "%25").replace("/", "%2F")
+
+
 def _count(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOKEN:
         raise ConfigurationError(f"{name} is an int from 0 to 2**63-1, not {value!r}")
@@ -828,7 +833,8 @@ class AsyncEtcdGuard:
 
     # -- a replicated group's member (fenced.replicated.EtcdMember) --------------------------
     # The group's keys are in the guard's reserved prefix (no guarded write can touch them):
-    # <prefix>group/<resource>/<group>/epoch, .../holder and .../data/<key> (value: the
+    # <prefix>group/<resource>/<group>/epoch, .../holder and .../data/<key> (resource and group
+    # with '%' and '/' escaped as %25 and %2F; value: the
     # 38-digit stamp, then 1 and the bytes, or 0 for deleted). One change is ONE transaction:
     # the guard's own fenced write (write_plan: the lock token against the mark, raised), whose
     # one operation is a nested transaction that compares the epoch key and each changed key's
@@ -840,7 +846,11 @@ class AsyncEtcdGuard:
     def group_keys(self, group: str) -> GroupKeys:
         if not isinstance(group, str) or not group:
             raise ConfigurationError(f"a group name is a non-empty str, not {group!r}")
-        return GroupKeys.of(self.prefix + f"group/{self.resource}/{group}/".encode())
+        # Resource and group are one path segment each ('/' and '%' escaped): unescaped,
+        # resource "a/b" group "c" and resource "a" group "b/c" shared every key, and one
+        # group's data range held another's epoch mark. Names without them are unchanged.
+        base = f"group/{_segment(self.resource)}/{_segment(group)}/"
+        return GroupKeys.of(self.prefix + base.encode())
 
     async def read_group(self, *, group: str, keys: Sequence[str] | None = None) -> GroupState:
         """A group member's marks, holder and items (of ``keys``; None: all), at one revision."""

@@ -107,6 +107,7 @@ from typing import Any
 from .._core.errors import ConfigurationError, InvalidTokenError
 from .._core.signing import TokenVerifier
 from .._core.token import FencingToken, TokenLike, validate_lock_name
+from ._plan import check_group_change
 from ._sql_driver import (
     CHECKED,
     aguarded_transaction,
@@ -364,6 +365,7 @@ class SQLGuard:
         marks raised, the token kept as the holder, every item forgotten first if ``reset``,
         and each ``(key, stamp, value)`` written if its stamp is newer than the stored one.
         All or nothing. ``token`` None: the lock mark is left alone (an epoch-only change)."""
+        items = check_group_change(group, epoch, since, items)
         tok = None if token is None else FencingToken.coerce(token, self.lock, self.verifier)
         run_transaction(
             conn,

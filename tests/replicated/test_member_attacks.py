@@ -1,0 +1,179 @@
+"""Attacks on the guards' group contract (``apply_group``/``read_group``) from outside, on
+real servers: epochs beyond a double's precision, a damaged epoch mark, malformed arguments,
+and two (resource, group) names that must not share keys. Each refusal leaves the member as it
+was; each right change next to it is accepted."""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from fenced import ConfigurationError, CorruptMarkError, MemberBehindError, StaleEpochError
+from fenced.guards.etcd import EtcdGuard
+from fenced.guards.redis import RedisGuard
+from fenced.guards.sql import SQLGuard
+from fenced.replicated import stamp
+from fenced.testing.servers import EtcdServer, RedisServer
+from tests.helpers import unique_name
+
+
+@pytest.fixture(scope="module")
+def redis_srv() -> Iterator[RedisServer]:
+    with RedisServer() as server:
+        yield server  # type: ignore[misc]
+
+
+@pytest.fixture(scope="module")
+def etcd_srv() -> Iterator[EtcdServer]:
+    with EtcdServer() as server:
+        yield server  # type: ignore[misc]
+
+
+def _redis_guard(srv: RedisServer) -> RedisGuard:
+    return RedisGuard(redis.Redis(port=srv.port), unique_name("res"), lock="L")
+
+
+# -- Redis: the epoch mark compared exactly, and failing closed when damaged -------------------
+
+
+def test_redis_epoch_above_2_53_is_compared_exactly(redis_srv: RedisServer) -> None:
+    # Lua numbers are doubles: 2^53 and 2^53+1 compared equal, so a stale epoch got in.
+    g = _redis_guard(redis_srv)
+    big = 2**53 + 1
+    g.apply_group(token="L:5", group="g", epoch=big, items=[("k", stamp(5, 1), b"new")])
+    with pytest.raises(StaleEpochError):
+        g.apply_group(token="L:5", group="g", epoch=big - 1, items=[("k", stamp(5, 2), b"old")])
+    state = g.read_group(group="g")
+    assert (state.epoch, state.items) == (big, [("k", stamp(5, 1), b"new")])
+    # The rightful change at the mark (and above it) is accepted; `since` is exact too.
+    g.apply_group(token="L:5", group="g", epoch=big, items=[("k", stamp(5, 3), b"v3")])
+    with pytest.raises(MemberBehindError):
+        g.apply_group(token="L:5", group="g", epoch=2**62, since=big + 1)
+    g.apply_group(token="L:5", group="g", epoch=2**63 - 1, since=big)
+    assert g.read_group(group="g").epoch == 2**63 - 1
+    with pytest.raises(StaleEpochError):
+        g.apply_group(token=None, group="g", epoch=2**63 - 2)
+
+
+DAMAGED = [b"abc", b"", b"-5", b"1e3", b" 7", b"0x10", b"1.5", b"1" * 20]
+
+
+@pytest.mark.parametrize("token", ["L:5", None], ids=["change", "epoch-only"])
+@pytest.mark.parametrize("bad", DAMAGED, ids=[repr(b) for b in DAMAGED])
+def test_redis_damaged_epoch_mark_fails_closed(
+    redis_srv: RedisServer, bad: bytes, token: str | None
+) -> None:
+    # Before: tonumber() read '1e3' as 1000, '0x10' as 16, '1.5' (since 0) as accepted and
+    # overwritten; 'abc' and '' came back as a bare FencedError quoting the Lua error.
+    g = _redis_guard(redis_srv)
+    r = redis.Redis(port=redis_srv.port)
+    epoch_key, stamps_key, data_key, holder_key = g.group_keys("g")
+    r.set(epoch_key, bad)
+    items = [("k", stamp(5, 1), b"v")] if token else []
+    with pytest.raises(CorruptMarkError, match="epoch mark"):
+        g.apply_group(token=token, group="g", epoch=2, items=items, reset=token is None)
+    assert r.get(epoch_key) == bad
+    assert not r.exists(stamps_key, data_key, holder_key)
+    assert r.hget(g.fence_key, "hw") is None  # the lock mark did not move either
+    with pytest.raises(CorruptMarkError):
+        g.read_group(group="g")
+    # The same guard's healthy group next to it is served.
+    g.apply_group(token="L:5", group="h", epoch=2, items=[("k", stamp(5, 1), b"v")])
+    assert g.read_group(group="h").items == [("k", stamp(5, 1), b"v")]
+
+
+# -- every kind: a malformed change is refused, typed, before anything is written --------------
+
+
+@pytest.fixture(params=["sqlite", "redis", "etcd"])
+def member_guard(
+    request: pytest.FixtureRequest, tmp_path: Path, redis_srv: RedisServer, etcd_srv: EtcdServer
+) -> Iterator[tuple[Any, Any]]:
+    """(apply, read): the kind's apply_group and read_group, bound to one fresh resource."""
+    if request.param == "redis":
+        g: Any = _redis_guard(redis_srv)
+        yield g.apply_group, g.read_group
+    elif request.param == "etcd":
+        with EtcdGuard(f"127.0.0.1:{etcd_srv.port}", unique_name("res"), lock="L") as eg:
+            yield eg.apply_group, eg.read_group
+    else:
+        conn = sqlite3.connect(str(tmp_path / "m.db"), isolation_level=None)
+        sg = SQLGuard(unique_name("res"), lock="L")
+        sg.install_group(conn)
+        yield (
+            lambda **kw: sg.apply_group(conn, **kw),
+            lambda **kw: sg.read_group(conn, **kw),
+        )
+        conn.close()
+
+
+BAD_CHANGES: list[tuple[str, dict[str, Any]]] = [
+    ("negative epoch", {"epoch": -1}),
+    ("text epoch", {"epoch": "7"}),
+    ("float epoch", {"epoch": 1.5}),
+    ("bool epoch", {"epoch": True}),
+    ("epoch above 2^63-1", {"epoch": 2**64}),
+    ("negative since", {"since": -3}),
+    ("float since", {"since": 0.5}),
+    ("short stamp", {"items": [("k", "9", b"v")]}),
+    ("stamp not digits", {"items": [("k", "x" * 38, b"v")]}),
+    ("text value", {"items": [("k", stamp(5, 1), "v")]}),
+    ("empty key", {"items": [("", stamp(5, 1), b"v")]}),
+    ("item not a triple", {"items": [("k",)]}),
+    ("items a string", {"items": "kv"}),
+]
+
+
+@pytest.mark.parametrize("bad", [c for _, c in BAD_CHANGES], ids=[n for n, _ in BAD_CHANGES])
+def test_malformed_group_change_is_refused_before_anything_is_written(
+    member_guard: tuple[Any, Any], bad: dict[str, Any]
+) -> None:
+    # Before (SQL): a float epoch was stored and damaged the member's mark for good, stamps of
+    # other widths sorted wrong ("9" above "10"), 2**64 was an OverflowError, a bad item a
+    # ValueError; (Redis) a short stamp was taken.
+    apply, read = member_guard
+    change: dict[str, Any] = {"token": "L:5", "group": "g", "epoch": 1, "items": [], **bad}
+    with pytest.raises(ConfigurationError):
+        apply(**change)
+    state = read(group="g")
+    assert (state.token, state.epoch, state.items) == (0, 0, [])
+    with pytest.raises(ConfigurationError):
+        apply(token="L:5", group="", epoch=1)
+    apply(token="L:5", group="g", epoch=1, items=[("k", stamp(5, 1), b"v")])
+    state = read(group="g")
+    assert (state.token, state.epoch, state.items) == (5, 1, [("k", stamp(5, 1), b"v")])
+
+
+# -- etcd: two (resource, group) names never share a key ---------------------------------------
+
+
+def test_etcd_group_keys_are_distinct_for_names_with_slashes(etcd_srv: EtcdServer) -> None:
+    # Before: resource "X/b" group "c" and resource "X" group "b/c" were the same keys: one
+    # lock's holder wrote data another lock's group read, and overwrote its holder.
+    base = unique_name("res")
+    endpoint = f"127.0.0.1:{etcd_srv.port}"
+    with (
+        EtcdGuard(endpoint, f"{base}/b", lock="L") as a,
+        EtcdGuard(endpoint, base, lock="M") as b,
+    ):
+        a.apply_group(token="L:5", group="c", epoch=3, items=[("k", stamp(5, 1), b"from-a")])
+        state_b = b.read_group(group="b/c")
+        assert (state_b.epoch, state_b.holder, state_b.items) == (0, None, [])
+        b.apply_group(token="M:1", group="b/c", epoch=1, items=[("k", stamp(1, 1), b"from-b")])
+        state_a = a.read_group(group="c")
+        assert (state_a.epoch, state_a.holder) == (3, "L:5")
+        assert state_a.items == [("k", stamp(5, 1), b"from-a")]
+        assert b.read_group(group="b/c").items == [("k", stamp(1, 1), b"from-b")]
+        # One resource: group "g/data/x"'s marks are not items of group "g" (its data range).
+        a.apply_group(token="L:5", group="g", epoch=1, items=[("x", stamp(5, 1), b"1")])
+        a.apply_group(token="L:5", group="g/data/x", epoch=1, items=[("y", stamp(5, 1), b"2")])
+        assert a.read_group(group="g").items == [("x", stamp(5, 1), b"1")]
+        assert a.read_group(group="g/data/x").items == [("y", stamp(5, 1), b"2")]
+        # A name with '%' is its own too ("a%2Fb" is not "a/b").
+        a.apply_group(token="L:5", group="c%2Fd", epoch=1, items=[("z", stamp(5, 1), b"3")])
+        assert a.read_group(group="c/d").items == []
