@@ -93,21 +93,48 @@ def test_redis_damaged_epoch_mark_fails_closed(
 @pytest.fixture(params=["sqlite", "redis", "etcd"])
 def member_guard(
     request: pytest.FixtureRequest, tmp_path: Path, redis_srv: RedisServer, etcd_srv: EtcdServer
-) -> Iterator[tuple[Any, Any]]:
-    """(apply, read): the kind's apply_group and read_group, bound to one fresh resource."""
+) -> Iterator[tuple[Any, Any, Any]]:
+    """(apply, read, damage): the kind's apply_group and read_group, bound to one fresh
+    resource, and ``damage(group, key, stamp)``, which rewrites a stored item's stamp by hand."""
     if request.param == "redis":
         g: Any = _redis_guard(redis_srv)
-        yield g.apply_group, g.read_group
+        r = redis.Redis(port=redis_srv.port)
+
+        def damage_redis(group: str, key: str, stamp_text: str) -> None:
+            r.hset(g.group_keys(group)[1], key, stamp_text)
+
+        yield g.apply_group, g.read_group, damage_redis
     elif request.param == "etcd":
         with EtcdGuard(f"127.0.0.1:{etcd_srv.port}", unique_name("res"), lock="L") as eg:
-            yield eg.apply_group, eg.read_group
+
+            def damage_etcd(group: str, key: str, stamp_text: str) -> None:
+                import aetcd
+
+                name = eg.aio.group_keys(group).data + key.encode()
+
+                async def put() -> None:  # (the value: stamp, 1, the bytes b"v" the test wrote)
+                    async with aetcd.Client("127.0.0.1", etcd_srv.port) as client:
+                        await client.put(name, stamp_text.encode() + b"1v")
+
+                eg.portal.call(put())
+
+            yield eg.apply_group, eg.read_group, damage_etcd
     else:
-        conn = sqlite3.connect(str(tmp_path / "m.db"), isolation_level=None)
+        path = str(tmp_path / "m.db")
+        conn = sqlite3.connect(path, isolation_level=None)
         sg = SQLGuard(unique_name("res"), lock="L")
         sg.install_group(conn)
+
+        def damage_sqlite(group: str, key: str, stamp_text: str) -> None:
+            conn.execute(
+                "UPDATE fenced_group_data SET stamp = ? WHERE grp = ? AND key = ?",
+                (stamp_text, group, key),
+            )
+
         yield (
             lambda **kw: sg.apply_group(conn, **kw),
             lambda **kw: sg.read_group(conn, **kw),
+            damage_sqlite,
         )
         conn.close()
 
@@ -131,12 +158,12 @@ BAD_CHANGES: list[tuple[str, dict[str, Any]]] = [
 
 @pytest.mark.parametrize("bad", [c for _, c in BAD_CHANGES], ids=[n for n, _ in BAD_CHANGES])
 def test_malformed_group_change_is_refused_before_anything_is_written(
-    member_guard: tuple[Any, Any], bad: dict[str, Any]
+    member_guard: tuple[Any, Any, Any], bad: dict[str, Any]
 ) -> None:
     # Before (SQL): a float epoch was stored and damaged the member's mark for good, stamps of
     # other widths sorted wrong ("9" above "10"), 2**64 was an OverflowError, a bad item a
     # ValueError; (Redis) a short stamp was taken.
-    apply, read = member_guard
+    apply, read, _ = member_guard
     change: dict[str, Any] = {"token": "L:5", "group": "g", "epoch": 1, "items": [], **bad}
     with pytest.raises(ConfigurationError):
         apply(**change)
@@ -147,6 +174,67 @@ def test_malformed_group_change_is_refused_before_anything_is_written(
     apply(token="L:5", group="g", epoch=1, items=[("k", stamp(5, 1), b"v")])
     state = read(group="g")
     assert (state.token, state.epoch, state.items) == (5, 1, [("k", stamp(5, 1), b"v")])
+
+
+# -- every kind: a damaged stamp fails closed ------------------------------------------------
+
+DAMAGED_STAMPS = ["zzz", "9", "9" * 38, stamp(6, 1)]
+
+
+@pytest.mark.parametrize("bad", DAMAGED_STAMPS, ids=["letters", "short", "all nines", "token 6"])
+def test_damaged_stamp_is_refused_as_corrupt(member_guard: tuple[Any, Any, Any], bad: str) -> None:
+    # Before: a stamp ahead of every writer (here: token 6 > the mark 5) was read as the newest
+    # write; the group's later writes were acknowledged but skipped on that member, and the
+    # damaged value won every read. A stamp not of 38 digits was a ValueError in the group.
+    apply, read, damage = member_guard
+    apply(
+        token="L:5", group="g", epoch=1, items=[("k", stamp(5, 1), b"v"), ("j", stamp(5, 1), b"w")]
+    )
+    damage("g", "k", bad)
+    with pytest.raises(CorruptMarkError, match="group item 'k'"):
+        read(group="g")
+    with pytest.raises(CorruptMarkError):
+        read(group="g", keys=["k"])
+    # The other key, and an item whose stamp is at the mark, are read as they are.
+    assert read(group="g", keys=["j"]).items == [("j", stamp(5, 1), b"w")]
+    damage("g", "k", stamp(5, 9))
+    assert read(group="g", keys=["k"]).items == [("k", stamp(5, 9), b"v")]
+
+
+def test_group_write_is_not_acknowledged_over_a_damaged_stamp(
+    tmp_path: Path, redis_srv: RedisServer
+) -> None:
+    # The whole group (SQLite source, an SQLite and a Redis member): a stamp ahead of every
+    # writer on one member made the next write acknowledged and then lost (the read gave the
+    # damaged member's old value). Now the writer refuses before it acknowledges anything.
+    import fenced
+    from fenced.replicated import Group
+
+    db = tmp_path / "a.db"
+    sqlite3.connect(db).close()
+    resource = unique_name("grp")
+    locks = fenced.connect(f"sqlite:///{tmp_path}/source.db")
+    members = {
+        "a": SQLGuard(resource).fencer(lambda: sqlite3.connect(db, check_same_thread=False)),
+        "b": RedisGuard(redis.Redis(port=redis_srv.port), resource),
+    }
+    group = Group(resource, locks, members)
+    try:
+        with locks.lock(resource, ttl=30) as lease:
+            group.writer(lease).set("k", b"v1")
+        with sqlite3.connect(db) as conn:
+            conn.execute("UPDATE fenced_group_data SET stamp = ?", ("9" * 38,))
+        with locks.lock(resource, ttl=30) as lease, pytest.raises(CorruptMarkError):
+            group.writer(lease).set("k", b"v2")
+        # Repaired by hand (the stamp put back): the rightful writer is served again.
+        with sqlite3.connect(db) as conn:
+            conn.execute("UPDATE fenced_group_data SET stamp = ?", (stamp(1, 1),))
+        with locks.lock(resource, ttl=30) as lease:
+            group.writer(lease).set("k", b"v3")
+        assert group.read("k") == b"v3"
+    finally:
+        group.close()
+        locks.close()
 
 
 # -- etcd: two (resource, group) names never share a key ---------------------------------------

@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
-from .._core.errors import ConfigurationError, FencedError
+from .._core.errors import ConfigurationError, CorruptMarkError, FencedError
 from .._core.token import MAX_TOKEN
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "GuardPlan",
     "adrive",
     "check_group_change",
+    "checked_group_state",
     "drive",
     "step",
 ]
@@ -174,3 +175,21 @@ def check_group_change(
             f"not {item!r}"[:300]
         )
     return checked
+
+
+def checked_group_state(state: GroupState, resource: str) -> GroupState:
+    """``state`` as read, if every item's stamp is 38 digits whose token (the first 19) is at
+    most the lock mark: every item is written by a change whose token, raised into the mark in
+    the same step, is at least its stamp's. Else the member is damaged (a hand edit, a restore
+    of the data without its fence): :class:`~fenced.CorruptMarkError`. A stamp ahead of every
+    writer would otherwise win every comparison: later writes acknowledged but skipped there,
+    and the damaged value read and repaired onto every member."""
+    for key, stamp, _ in state.items:
+        if not (len(stamp) == STAMP_WIDTH and stamp.isascii() and stamp.isdigit()):
+            raise CorruptMarkError(resource, f"group item {key[:40]!r}: stamp {stamp[:60]!r}")
+        if int(stamp[: STAMP_WIDTH // 2]) > state.token:
+            raise CorruptMarkError(
+                resource,
+                f"group item {key[:40]!r}: stamp {stamp!r} is ahead of the lock mark {state.token}",
+            )
+    return state

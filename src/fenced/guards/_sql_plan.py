@@ -41,7 +41,7 @@ from .._core.errors import (
 from .._core.errors import member_behind_error as refused_behind
 from .._core.errors import stale_epoch_error as refused_epoch
 from .._core.token import MAX_TOKEN, FencingToken
-from ._plan import GroupItem, GroupState
+from ._plan import GroupItem, GroupState, checked_group_state
 
 __all__ = [
     "MYSQL",
@@ -1435,9 +1435,10 @@ def group_read_plan(
             query += f" AND {column} IN ({', '.join([d.param] * len(keys))})"
             params = (group, *keys)
         rows = (yield Stmt(query, params)).rows
-    return GroupState(
+    state = GroupState(
         mark.value if mark else 0,
         at,
         str(held.rows[0][0]) if held.rows else None,
         [(str(k), str(s), None if v is None else bytes(v)) for k, s, v in rows],
     )
+    return checked_group_state(state, resource)

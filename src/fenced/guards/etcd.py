@@ -88,7 +88,7 @@ from .._core.portal import Portal
 from .._core.signing import TokenVerifier
 from .._core.token import MAX_TOKEN, FencingToken, TokenLike, validate_lock_name
 from ..backends.etcd import parse_endpoints, range_end
-from ._plan import GroupItem, GroupState, GuardPlan, adrive
+from ._plan import GroupItem, GroupState, GuardPlan, adrive, checked_group_state
 from ._token_arg import lock_keyword, token_keyword
 
 __all__ = [
@@ -896,7 +896,8 @@ class AsyncEtcdGuard:
                     continue
                 items.append(_group_item(key, kv.value, self.resource))
                 revisions[key] = kv.mod_revision
-        return GroupState(mark.value if mark else 0, epoch, holder, items), revisions
+        state = GroupState(mark.value if mark else 0, epoch, holder, items)
+        return checked_group_state(state, self.resource), revisions
 
     async def apply_group(
         self,

@@ -68,7 +68,7 @@ from .._core.errors import (
 )
 from .._core.signing import TokenVerifier
 from .._core.token import MAX_TOKEN, FencingToken, TokenLike, validate_lock_name
-from ._plan import GroupItem, GroupState, check_group_change
+from ._plan import GroupItem, GroupState, check_group_change, checked_group_state
 from ._token_arg import lock_keyword, token_keyword
 
 __all__ = ["COMMANDS", "AsyncRedisGuard", "RedisGuard", "default_fence_key"]
@@ -719,7 +719,8 @@ class _GuardBase:
         for i in range(0, len(stamps), 2):
             key = _text(stamps[i])
             items.append((key, _text(stamps[i + 1]), values.get(key)))
-        return GroupState(mark.value if mark else 0, int(at), _text(holder) or None, items)
+        state = GroupState(mark.value if mark else 0, int(at), _text(holder) or None, items)
+        return checked_group_state(state, self.resource)
 
     def _group_reader(self) -> Any:
         """The read script, through the caller's client (a read may be re-sent)."""
