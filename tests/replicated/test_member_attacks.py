@@ -265,3 +265,30 @@ def test_etcd_group_keys_are_distinct_for_names_with_slashes(etcd_srv: EtcdServe
         # A name with '%' is its own too ("a%2Fb" is not "a/b").
         a.apply_group(token="L:5", group="c%2Fd", epoch=1, items=[("z", stamp(5, 1), b"3")])
         assert a.read_group(group="c/d").items == []
+
+
+# -- fenced group: a malformed member URL is a typed one-line error, its password not shown --
+
+BAD_MEMBER_URLS = [
+    "redis://:Sekr3tPw@127.0.0.1:notaport/0",
+    "redis://:Sekr3tPw@127.0.0.1:99999/0",
+    "rediss://:Sekr3tPw@[::1/0",
+    "postgresql://u:Sekr3tPw@[::1/db",
+    "etcd://u:Sekr3tPw@127.0.0.1:2379",
+    "mysql://root:Sekr3tPw@127.0.0.1:3306/db",
+]
+
+
+@pytest.mark.parametrize("url", BAD_MEMBER_URLS)
+def test_group_cli_refuses_a_malformed_member_url_in_one_line(
+    tmp_path: Path, url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before: a Redis URL with a bad port and any URL with an unclosed '[' were tracebacks
+    # (ValueError from urllib), exit 1.
+    from fenced.cli import main
+
+    source = f"sqlite:///{tmp_path}/locks.db"
+    assert main(["group", "status", "g", "--url", source, "--member", f"a={url}"]) == 2
+    out = capsys.readouterr()
+    assert "Sekr3tPw" not in out.out + out.err
+    assert out.err.startswith("fenced: ") and out.err.count("\n") == 1, out.err
