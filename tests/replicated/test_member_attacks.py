@@ -292,3 +292,44 @@ def test_group_cli_refuses_a_malformed_member_url_in_one_line(
     out = capsys.readouterr()
     assert "Sekr3tPw" not in out.out + out.err
     assert out.err.startswith("fenced: ") and out.err.count("\n") == 1, out.err
+
+
+# -- SQLite: a damaged row (SQLite keeps any value in any column) fails closed on apply too --
+
+
+@pytest.mark.parametrize("bad", [2.5, "abc", "", 2**70], ids=["2.5", "abc", "empty", "2^70"])
+@pytest.mark.parametrize("since", [0, 2])
+def test_sqlite_damaged_epoch_row_is_never_overwritten(
+    tmp_path: Path, bad: object, since: int
+) -> None:
+    # Before: an epoch of 2.5 compared as a number, so the next change (3) overwrote it as if
+    # it were healthy, while read_group called the same row corrupt.
+    conn = sqlite3.connect(str(tmp_path / "m.db"), isolation_level=None)
+    g = SQLGuard(unique_name("res"), lock="L")
+    g.install_group(conn)
+    for group in ("g", "h"):
+        g.apply_group(conn, token="L:5", group=group, epoch=2, items=[("k", stamp(5, 1), b"v")])
+    stored = str(bad) if isinstance(bad, int) else bad  # (2**70 does not fit an INTEGER)
+    conn.execute("UPDATE fenced_group_epochs SET epoch = ? WHERE grp = 'g'", (stored,))
+    query = "SELECT epoch, typeof(epoch) FROM fenced_group_epochs WHERE grp = 'g'"
+    damaged = conn.execute(query).fetchone()  # (as SQLite keeps it: 2^70 becomes a REAL)
+    with pytest.raises(CorruptMarkError, match="epoch mark"):
+        g.apply_group(conn, token="L:5", group="g", epoch=3, since=since)
+    with pytest.raises(CorruptMarkError, match="epoch mark"):
+        g.apply_group(conn, token=None, group="g", epoch=3, since=since)
+    assert conn.execute(query).fetchone() == damaged
+    g.apply_group(conn, token="L:5", group="h", epoch=3, since=since)  # the healthy group
+    assert g.read_group(conn, group="h").epoch == 3
+    conn.close()
+
+
+def test_sqlite_item_value_of_another_type_is_corrupt_not_a_type_error(tmp_path: Path) -> None:
+    conn = sqlite3.connect(str(tmp_path / "m.db"), isolation_level=None)
+    g = SQLGuard(unique_name("res"), lock="L")
+    g.install_group(conn)
+    g.apply_group(conn, token="L:5", group="g", epoch=1, items=[("k", stamp(5, 1), b"v")])
+    assert g.read_group(conn, group="g").items == [("k", stamp(5, 1), b"v")]
+    conn.execute("UPDATE fenced_group_data SET value = 'text'")
+    with pytest.raises(CorruptMarkError, match="group item 'k'"):
+        g.read_group(conn, group="g")
+    conn.close()
