@@ -180,8 +180,10 @@ def _bad_field(event: Event, legacy: bool) -> str | None:
         value = event.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             return f"{name!r} is not an int"
-    ok = event.get("ok")
-    if not (ok is None or ok is True or ok is False or ok == "unknown"):  # (1 == True: no `in`)
+    ok = event.get("ok")  # (a group member's "apply" says why it refused: any text)
+    if event["op"] in ("write", "read", "complete") and not (
+        ok is None or ok is True or ok is False or ok == "unknown"  # (1 == True: no `in`)
+    ):
         return "'ok' is not true, false, null or \"unknown\""
     if event["op"] == "final" and "log" in event:
         log = event["log"]
