@@ -333,3 +333,47 @@ def test_sqlite_item_value_of_another_type_is_corrupt_not_a_type_error(tmp_path:
     with pytest.raises(CorruptMarkError, match="group item 'k'"):
         g.read_group(conn, group="g")
     conn.close()
+
+
+# -- etcd: a member that came back empty is repaired by the same guard that wrote to it ------
+
+
+def test_etcd_member_wiped_is_repaired_by_the_guard_that_wrote_to_it(etcd_srv: EtcdServer) -> None:
+    # Before: the guard remembered the mark it had seen, so after the member lost every key
+    # (a wiped data dir), the group's state transfer through that guard (every live writer's)
+    # was CorruptMarkError for good; Redis members already forgot it (by design).
+    import aetcd
+
+    async def delete(*keys: bytes) -> None:
+        async with aetcd.Client("127.0.0.1", etcd_srv.port) as client:
+            if keys:
+                for key in keys:
+                    await client.delete(key)
+            else:
+                await client.delete_range(b"\0", b"\0")  # every key: a wiped member
+
+    resource = unique_name("res")
+    with EtcdGuard(f"127.0.0.1:{etcd_srv.port}", resource, lock="L") as g:
+        g.apply_group(token="L:5", group="g", epoch=2, items=[("k", stamp(5, 1), b"v")])
+        g.portal.call(delete())
+        with pytest.raises(MemberBehindError):  # a writer's change still refused there
+            g.apply_group(token="L:6", group="g", epoch=2, since=2)
+        assert g.read_group(group="g").items == []
+        g.apply_group(token="L:6", group="g", epoch=3, reset=True, items=[("k", stamp(5, 1), b"v")])
+        state = g.read_group(group="g")
+        assert (state.token, state.epoch, state.items) == (6, 3, [("k", stamp(5, 1), b"v")])
+        # The other side: the fence keys deleted while the epoch mark is still there is
+        # damage, not a member that came back empty: refused, nothing written.
+        g.portal.call(delete(f"fenced/hw/{resource}".encode(), f"fenced/lock/{resource}".encode()))
+        with pytest.raises(CorruptMarkError):
+            g.apply_group(token="L:6", group="g", epoch=3, items=[("k", stamp(6, 1), b"w")])
+        with pytest.raises(CorruptMarkError):  # (its item's stamp is above the mark now: 0)
+            g.read_group(group="g")
+
+        async def value() -> bytes:
+            async with aetcd.Client("127.0.0.1", etcd_srv.port) as client:
+                got = await client.get(g.aio.group_keys("g").data + b"k")
+                assert got is not None
+                return bytes(got.value)
+
+        assert g.portal.call(value()) == stamp(5, 1).encode() + b"1v"  # nothing written

@@ -729,13 +729,15 @@ class AsyncEtcdGuard:
             raise map_error(exc, self.resource) from exc
 
     def write_plan(
-        self, token: FencingToken, ops: Sequence[rpc.RequestOp]
+        self, token: FencingToken, ops: Sequence[rpc.RequestOp], *, forget: bool = False
     ) -> GuardPlan[Request, rpc.TxnResponse, Accepted]:
         """The fenced write as a plan (see ``_plan``): yields ``(txn, is_write)`` requests.
 
         Sends the write with the mark it expects (a guess it would accept: the last mark it
         saw, or the token); from a refusal's reads it learns the real mark and tries again
         with it, binds a fresh resource, or raises stale / another lock / corrupt.
+        ``forget``: judge the mark as a new guard would (what this one saw is neither used nor
+        raised): a group member that came back empty, repaired by the group's state transfer.
         """
         guess = self._mark if self._mark is not None else token.value
         # A guess the rule would refuse is not sent: read the real mark first.
@@ -745,7 +747,7 @@ class AsyncEtcdGuard:
         for _ in range(self._max_attempts):
             # What this guard had seen accepted when the request was sent (its answer reflects
             # it): another coroutine's write landing meanwhile is no step back of the mark.
-            seen = self._highest
+            seen = 0 if forget else self._highest
             if mark is None:
                 resp = yield Request(state_txn(self.keys), write=False)
                 outcome = interpret_found(resp, token, self.resource)
@@ -754,7 +756,8 @@ class AsyncEtcdGuard:
                 outcome = interpret_write(resp, token, self.resource)
                 if isinstance(outcome, Accepted):
                     self._mark = token.value
-                    self._highest = max(self._highest, token.value)
+                    if not forget:
+                        self._highest = max(self._highest, token.value)
                     return outcome
             if outcome is UNBOUND and seen:
                 raise self._vanished()
@@ -769,7 +772,8 @@ class AsyncEtcdGuard:
             if outcome < seen:  # marks only grow: this one was reset
                 raise self._vanished(outcome)
             self._mark = outcome
-            self._highest = max(self._highest, outcome)
+            if not forget:
+                self._highest = max(self._highest, outcome)
             if not self._accepts(token.value, outcome):
                 high = FencingToken(token.lock, outcome) if outcome else None
                 raise StaleTokenError(token, high, self.resource)
@@ -952,7 +956,11 @@ class AsyncEtcdGuard:
                 op = rpc.RequestOp()
                 op.request_txn.CopyFrom(inner)
                 check_txn(write_txn(self.keys, tok, 0, [op]), self.max_txn_ops, what)
-                plan = self.write_plan(tok, [op])
+                # A member whose epoch mark is gone lost its state (or is new): its fence keys
+                # may be gone with it, which the group's state transfer repairs; a mark this
+                # guard saw must not refuse that for good (as the Redis script's). The epoch
+                # key's absence is compared in the same transaction.
+                plan = self.write_plan(tok, [op], forget=state.epoch == 0)
                 accepted = await adrive(plan, self._send, lambda exc: None)
                 done = accepted.replies[0].response_txn.succeeded
             if done:
