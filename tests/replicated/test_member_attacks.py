@@ -13,7 +13,13 @@ from typing import Any
 import pytest
 import redis
 
-from fenced import ConfigurationError, CorruptMarkError, MemberBehindError, StaleEpochError
+from fenced import (
+    ConfigurationError,
+    CorruptMarkError,
+    MemberBehindError,
+    StaleEpochError,
+    StaleTokenError,
+)
 from fenced.guards.etcd import EtcdGuard
 from fenced.guards.redis import RedisGuard
 from fenced.guards.sql import SQLGuard
@@ -377,3 +383,26 @@ def test_etcd_member_wiped_is_repaired_by_the_guard_that_wrote_to_it(etcd_srv: E
                 return bytes(got.value)
 
         assert g.portal.call(value()) == stamp(5, 1).encode() + b"1v"  # nothing written
+
+
+def test_redis_member_wiped_is_repaired_by_a_guard_that_saw_a_mark(redis_srv: RedisServer) -> None:
+    # Before: once the guard had seen a mark (here: a stale refusal names it), a member that
+    # came back empty (FLUSHALL, as a restart without its data) refused the group's state
+    # transfer through that guard for good ("mark missing, after this guard saw 7").
+    r = redis.Redis(port=redis_srv.port)
+    g = _redis_guard(redis_srv)
+    g.apply_group(token="L:7", group="g", epoch=2, items=[("k", stamp(7, 1), b"v")])
+    stale = RedisGuard(r, g.resource, lock="L")  # (the same member, another guard object)
+    with pytest.raises(StaleTokenError):
+        stale.apply_group(token="L:6", group="g", epoch=2, items=[("k", stamp(6, 1), b"x")])
+    r.flushall()
+    with pytest.raises(MemberBehindError):  # a writer's change still refused there
+        stale.apply_group(token="L:8", group="g", epoch=2, since=2)
+    stale.apply_group(token="L:8", group="g", epoch=3, reset=True, items=[("k", stamp(7, 1), b"v")])
+    state = stale.read_group(group="g")
+    assert (state.token, state.epoch, state.items) == (8, 3, [("k", stamp(7, 1), b"v")])
+    # The other side: the fence hash deleted under a live epoch mark is damage to this guard.
+    r.delete(g.fence_key)
+    with pytest.raises(CorruptMarkError, match="mark missing"):
+        stale.apply_group(token="L:8", group="g", epoch=3, items=[("k", stamp(8, 1), b"w")])
+    assert r.hget(g.group_keys("g")[2], "k") == b"v"

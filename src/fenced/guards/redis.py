@@ -222,11 +222,15 @@ end
 _GROUP_EPOCH_CHECK: Final = (
     _GROUP_EPOCH_PARSE
     + """\
-local e = redis.call('GET', KEYS[2]) or '0'
+local raw = redis.call('GET', KEYS[2])
+local e = raw or '0'
 local ep = epoch_of(e)
 if not ep then return {'corrupt', string.sub(e, 1, 40)} end
 if ep > epoch_of(ARGV[3]) then return {'epoch', e} end
 if ep < epoch_of(ARGV[5]) then return {'behind', e} end
+-- No epoch mark: the member is new or came back empty, its fence hash gone with it; the mark
+-- this guard saw must not refuse the group's state transfer for good (the prelude's 'seen').
+if not raw then ARGV[2] = string.match(ARGV[2], '^%d+') .. ' 0' end
 """
 )
 # (The prelude refused a token below the mark, so ARGV[6] is the holder at the mark now.)
