@@ -276,14 +276,18 @@ def test_a_group_history_written_before_the_one_schema_is_still_read(tmp_path: P
     assert "lost update" in {v.checker for v in check_group(history)}
 
 
+_W1 = '{"op":"grant","worker":"w1","mono":1.0,"lock":"c","token":1,"surely_until":2.0}'
+_W2 = '{"op":"grant","worker":"w2","mono":3.0,"lock":"c","token":2,"surely_until":4.0}'
+
+
 def test_a_file_that_is_not_a_history_is_refused_with_a_typed_error(tmp_path: Path) -> None:
     path = tmp_path / "history.jsonl"
-    path.write_text('{"op":"grant","worker":"w1"}\n[1, 2]\n{"op":"grant","worker":"w2"}\n')
+    path.write_text(f"{_W1}\n[1, 2]\n{_W2}\n")
     with pytest.raises(HistoryError, match=r"history.jsonl:2: not an event"):
         read_history(path)
-    path.write_text('{"op":"grant","worker":"w1"}\nnot json\n{"op":"grant","worker":"w2"}\n')
+    path.write_text(f"{_W1}\nnot json\n{_W2}\n")
     with pytest.raises(HistoryError, match=r"history.jsonl:2: not a JSON line"):
         read_history(path)
     # A last line cut short by a kill (no newline after it) is dropped, not an error.
-    path.write_text('{"op":"grant","worker":"w1"}\n{"op":"gra')
+    path.write_text(f'{_W1}\n{{"op":"gra')
     assert [e["worker"] for e in read_history(path)] == ["w1"]

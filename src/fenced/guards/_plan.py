@@ -20,11 +20,23 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Any, Final, Protocol, TypeVar, runtime_checkable
 
-from .._core.errors import FencedError
+from .._core.errors import ConfigurationError, CorruptMarkError, FencedError
+from .._core.token import MAX_TOKEN
 
-__all__ = ["GroupGuard", "GroupItem", "GroupState", "GuardPlan", "adrive", "drive", "step"]
+__all__ = [
+    "STAMP_WIDTH",
+    "GroupGuard",
+    "GroupItem",
+    "GroupState",
+    "GuardPlan",
+    "adrive",
+    "check_group_change",
+    "checked_group_state",
+    "drive",
+    "step",
+]
 
 T = TypeVar("T")
 Req = TypeVar("Req")
@@ -137,3 +149,62 @@ class GroupState:
     epoch: int  # the epoch mark (0: never)
     holder: str | None  # the text of the last token a change presented (None: none kept)
     items: list[GroupItem]
+
+
+STAMP_WIDTH: Final = 38
+"""A stamp is (token, sequence) as 19 + 19 digits: members compare stamps as text (Lua, SQL,
+etcd), which is their order only at this one width ("9" sorts after "10")."""
+
+
+def check_group_change(
+    group: object, epoch: object, since: object, items: object
+) -> list[GroupItem]:
+    """The arguments of an ``apply_group``, checked before anything is sent: a non-empty group
+    name, ``epoch`` and ``since`` ints in 0 .. 2^63-1, items ``(key, 38-digit stamp, bytes |
+    None)``. A bad one is a :class:`~fenced.ConfigurationError` (a float epoch stored would
+    damage the member's mark for good; a short stamp would sort wrong)."""
+    if not isinstance(group, str) or not group:
+        raise ConfigurationError(f"a group name is a non-empty str, not {group!r}")
+    for name, value in (("epoch", epoch), ("since", since)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOKEN:
+            raise ConfigurationError(f"{name} is an int from 0 to 2**63-1, not {value!r}")
+    if isinstance(items, (str, bytes)) or not isinstance(items, (list, tuple)):
+        raise ConfigurationError(f"group items are a list of (key, stamp, value): {items!r}")
+    checked: list[GroupItem] = []
+    for item in items:
+        if isinstance(item, tuple) and len(item) == 3:
+            key, stamp, value = item
+            if (
+                isinstance(key, str)
+                and key
+                and isinstance(stamp, str)
+                and len(stamp) == STAMP_WIDTH
+                and stamp.isascii()
+                and stamp.isdigit()
+                and (value is None or isinstance(value, bytes))
+            ):
+                checked.append((key, stamp, value))
+                continue
+        raise ConfigurationError(
+            f"a group item is (key: str, stamp: {STAMP_WIDTH} digits, value: bytes | None), "
+            f"not {item!r}"[:300]
+        )
+    return checked
+
+
+def checked_group_state(state: GroupState, resource: str) -> GroupState:
+    """``state`` as read, if every item's stamp is 38 digits whose token (the first 19) is at
+    most the lock mark: every item is written by a change whose token, raised into the mark in
+    the same step, is at least its stamp's. Else the member is damaged (a hand edit, a restore
+    of the data without its fence): :class:`~fenced.CorruptMarkError`. A stamp ahead of every
+    writer would otherwise win every comparison: later writes acknowledged but skipped there,
+    and the damaged value read and repaired onto every member."""
+    for key, stamp, _ in state.items:
+        if not (len(stamp) == STAMP_WIDTH and stamp.isascii() and stamp.isdigit()):
+            raise CorruptMarkError(resource, f"group item {key[:40]!r}: stamp {stamp[:60]!r}")
+        if int(stamp[: STAMP_WIDTH // 2]) > state.token:
+            raise CorruptMarkError(
+                resource,
+                f"group item {key[:40]!r}: stamp {stamp!r} is ahead of the lock mark {state.token}",
+            )
+    return state

@@ -41,7 +41,7 @@ from .._core.errors import (
 from .._core.errors import member_behind_error as refused_behind
 from .._core.errors import stale_epoch_error as refused_epoch
 from .._core.token import MAX_TOKEN, FencingToken
-from ._plan import GroupItem, GroupState
+from ._plan import GroupItem, GroupState, checked_group_state
 
 __all__ = [
     "MYSQL",
@@ -1261,6 +1261,12 @@ def group_sql(d: Dialect) -> GroupSQL:
             read_items="SELECT `key`, stamp, value FROM fenced_group_data WHERE grp = %s",
         )
     blob = "BLOB" if d is SQLITE else "BYTEA"
+
+    # SQLite keeps any value in any column: a damaged epoch (2.5) compares as a number and
+    # would be overwritten; only an integer row is raised, any other is read back as corrupt.
+    def whole(alias: str) -> str:
+        return f" AND typeof({alias}epoch) = 'integer'" if d is SQLITE else ""
+
     return GroupSQL(
         create=(
             "CREATE TABLE IF NOT EXISTS fenced_group_epochs ("
@@ -1274,10 +1280,10 @@ def group_sql(d: Dialect) -> GroupSQL:
         # One statement each: a row comes back iff the epoch was accepted (the fence's way).
         epoch=f"INSERT INTO fenced_group_epochs AS f (grp, epoch) VALUES ({p}, {p}) "
         "ON CONFLICT (grp) DO UPDATE SET epoch = excluded.epoch "
-        "WHERE f.epoch <= excluded.epoch RETURNING epoch",
+        "WHERE f.epoch <= excluded.epoch" + whole("f.") + " RETURNING epoch",
         # With ``since``: only a row already at ``since`` or above may be raised (no row: 0).
         epoch_since=f"UPDATE fenced_group_epochs SET epoch = {p} "
-        f"WHERE grp = {p} AND epoch >= {p} AND epoch <= {p} RETURNING epoch",
+        f"WHERE grp = {p} AND epoch >= {p} AND epoch <= {p}{whole('')} RETURNING epoch",
         epoch_ensure="",
         epoch_read=f"SELECT epoch FROM fenced_group_epochs WHERE grp = {p}",
         holder=f"INSERT INTO fenced_group_holders (grp, token) VALUES ({p}, {p}) "
@@ -1414,6 +1420,14 @@ def group_apply_plan(
         yield Stmt(sql, tuple(v for key, st, value in chunk for v in (group, key, st, value)))
 
 
+def _item_bytes(value: Any, resource: str, key: str) -> bytes | None:
+    """A stored item's value: bytes (a BLOB/BYTEA), or None (deleted); anything else (SQLite
+    keeps text or numbers in any column) is a damaged row."""
+    if value is None or isinstance(value, (bytes, bytearray, memoryview)):
+        return None if value is None else bytes(value)
+    raise CorruptMarkError(resource, f"group item {key[:40]!r}: value {value!r:.60}")
+
+
 def group_read_plan(
     d: Dialect, fence: FenceSQL, resource: str, group: str, keys: Sequence[str] | None
 ) -> Plan[GroupState]:
@@ -1435,9 +1449,10 @@ def group_read_plan(
             query += f" AND {column} IN ({', '.join([d.param] * len(keys))})"
             params = (group, *keys)
         rows = (yield Stmt(query, params)).rows
-    return GroupState(
+    state = GroupState(
         mark.value if mark else 0,
         at,
         str(held.rows[0][0]) if held.rows else None,
-        [(str(k), str(s), None if v is None else bytes(v)) for k, s, v in rows],
+        [(str(k), str(s), _item_bytes(v, resource, str(k))) for k, s, v in rows],
     )
+    return checked_group_state(state, resource)

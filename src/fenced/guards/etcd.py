@@ -88,7 +88,7 @@ from .._core.portal import Portal
 from .._core.signing import TokenVerifier
 from .._core.token import MAX_TOKEN, FencingToken, TokenLike, validate_lock_name
 from ..backends.etcd import parse_endpoints, range_end
-from ._plan import GroupItem, GroupState, GuardPlan, adrive
+from ._plan import GroupItem, GroupState, GuardPlan, adrive, checked_group_state
 from ._token_arg import lock_keyword, token_keyword
 
 __all__ = [
@@ -432,6 +432,11 @@ class GroupKeys:
         return cls(base + b"epoch", base + b"holder", base + b"data/")
 
 
+def _segment(name: str) -> str:
+    """``name`` as one path segment of a group's keys: ``%`` and ``/`` escaped (injective)."""
+    return name.replace("%", "%25").replace("/", "%2F")
+
+
 def _count(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOKEN:
         raise ConfigurationError(f"{name} is an int from 0 to 2**63-1, not {value!r}")
@@ -724,13 +729,15 @@ class AsyncEtcdGuard:
             raise map_error(exc, self.resource) from exc
 
     def write_plan(
-        self, token: FencingToken, ops: Sequence[rpc.RequestOp]
+        self, token: FencingToken, ops: Sequence[rpc.RequestOp], *, forget: bool = False
     ) -> GuardPlan[Request, rpc.TxnResponse, Accepted]:
         """The fenced write as a plan (see ``_plan``): yields ``(txn, is_write)`` requests.
 
         Sends the write with the mark it expects (a guess it would accept: the last mark it
         saw, or the token); from a refusal's reads it learns the real mark and tries again
         with it, binds a fresh resource, or raises stale / another lock / corrupt.
+        ``forget``: judge the mark as a new guard would (what this one saw is neither used nor
+        raised): a group member that came back empty, repaired by the group's state transfer.
         """
         guess = self._mark if self._mark is not None else token.value
         # A guess the rule would refuse is not sent: read the real mark first.
@@ -740,7 +747,7 @@ class AsyncEtcdGuard:
         for _ in range(self._max_attempts):
             # What this guard had seen accepted when the request was sent (its answer reflects
             # it): another coroutine's write landing meanwhile is no step back of the mark.
-            seen = self._highest
+            seen = 0 if forget else self._highest
             if mark is None:
                 resp = yield Request(state_txn(self.keys), write=False)
                 outcome = interpret_found(resp, token, self.resource)
@@ -749,7 +756,8 @@ class AsyncEtcdGuard:
                 outcome = interpret_write(resp, token, self.resource)
                 if isinstance(outcome, Accepted):
                     self._mark = token.value
-                    self._highest = max(self._highest, token.value)
+                    if not forget:
+                        self._highest = max(self._highest, token.value)
                     return outcome
             if outcome is UNBOUND and seen:
                 raise self._vanished()
@@ -764,7 +772,8 @@ class AsyncEtcdGuard:
             if outcome < seen:  # marks only grow: this one was reset
                 raise self._vanished(outcome)
             self._mark = outcome
-            self._highest = max(self._highest, outcome)
+            if not forget:
+                self._highest = max(self._highest, outcome)
             if not self._accepts(token.value, outcome):
                 high = FencingToken(token.lock, outcome) if outcome else None
                 raise StaleTokenError(token, high, self.resource)
@@ -828,7 +837,8 @@ class AsyncEtcdGuard:
 
     # -- a replicated group's member (fenced.replicated.EtcdMember) --------------------------
     # The group's keys are in the guard's reserved prefix (no guarded write can touch them):
-    # <prefix>group/<resource>/<group>/epoch, .../holder and .../data/<key> (value: the
+    # <prefix>group/<resource>/<group>/epoch, .../holder and .../data/<key> (resource and group
+    # with '%' and '/' escaped as %25 and %2F; value: the
     # 38-digit stamp, then 1 and the bytes, or 0 for deleted). One change is ONE transaction:
     # the guard's own fenced write (write_plan: the lock token against the mark, raised), whose
     # one operation is a nested transaction that compares the epoch key and each changed key's
@@ -840,7 +850,11 @@ class AsyncEtcdGuard:
     def group_keys(self, group: str) -> GroupKeys:
         if not isinstance(group, str) or not group:
             raise ConfigurationError(f"a group name is a non-empty str, not {group!r}")
-        return GroupKeys.of(self.prefix + f"group/{self.resource}/{group}/".encode())
+        # Resource and group are one path segment each ('/' and '%' escaped): unescaped,
+        # resource "a/b" group "c" and resource "a" group "b/c" shared every key, and one
+        # group's data range held another's epoch mark. Names without them are unchanged.
+        base = f"group/{_segment(self.resource)}/{_segment(group)}/"
+        return GroupKeys.of(self.prefix + base.encode())
 
     async def read_group(self, *, group: str, keys: Sequence[str] | None = None) -> GroupState:
         """A group member's marks, holder and items (of ``keys``; None: all), at one revision."""
@@ -886,7 +900,8 @@ class AsyncEtcdGuard:
                     continue
                 items.append(_group_item(key, kv.value, self.resource))
                 revisions[key] = kv.mod_revision
-        return GroupState(mark.value if mark else 0, epoch, holder, items), revisions
+        state = GroupState(mark.value if mark else 0, epoch, holder, items)
+        return checked_group_state(state, self.resource), revisions
 
     async def apply_group(
         self,
@@ -941,7 +956,11 @@ class AsyncEtcdGuard:
                 op = rpc.RequestOp()
                 op.request_txn.CopyFrom(inner)
                 check_txn(write_txn(self.keys, tok, 0, [op]), self.max_txn_ops, what)
-                plan = self.write_plan(tok, [op])
+                # A member whose epoch mark is gone lost its state (or is new): its fence keys
+                # may be gone with it, which the group's state transfer repairs; a mark this
+                # guard saw must not refuse that for good (as the Redis script's). The epoch
+                # key's absence is compared in the same transaction.
+                plan = self.write_plan(tok, [op], forget=state.epoch == 0)
                 accepted = await adrive(plan, self._send, lambda exc: None)
                 done = accepted.replies[0].response_txn.succeeded
             if done:

@@ -68,7 +68,7 @@ from .._core.errors import (
 )
 from .._core.signing import TokenVerifier
 from .._core.token import MAX_TOKEN, FencingToken, TokenLike, validate_lock_name
-from ._plan import GroupItem, GroupState
+from ._plan import GroupItem, GroupState, check_group_change, checked_group_state
 from ._token_arg import lock_keyword, token_keyword
 
 __all__ = ["COMMANDS", "AsyncRedisGuard", "RedisGuard", "default_fence_key"]
@@ -210,14 +210,32 @@ COMMAND_SCRIPT: Final = PRELUDE + _COMMAND_BODY
 # KEYS: 1 fence hash, 2 epoch, 3 stamps hash, 4 data hash, 5 holder.
 # ARGV: 1 lock, 2 "<token> <seen>" (the prelude's), 3 epoch, 4 reset (1: forget all items
 # first), 5 since, 6 the token's text, then (key, stamp, has, value) per item.
-_GROUP_EPOCH_CHECK: Final = """\
-local e = tonumber(redis.call('GET', KEYS[2]) or '0')
-if e > tonumber(ARGV[3]) then return {'epoch', tostring(e)} end
-if e < tonumber(ARGV[5]) then return {'behind', tostring(e)} end
+# Epochs are compared as digit strings padded to 19 (Lua numbers are doubles, exact only
+# below 2^53: 2^53 and 2^53+1 would compare equal), and a stored epoch that is not 1-19 digits
+# is damaged: refused as corrupt, never read as a number (tonumber takes '1e3', ' 7', '0x10').
+_GROUP_EPOCH_PARSE: Final = """\
+local function epoch_of(s)
+  if #s == 0 or #s > 19 or not string.find(s, '^[0-9]+$') then return nil end
+  return string.rep('0', 19 - #s) .. s
+end
 """
+_GROUP_EPOCH_CHECK: Final = (
+    _GROUP_EPOCH_PARSE
+    + """\
+local raw = redis.call('GET', KEYS[2])
+local e = raw or '0'
+local ep = epoch_of(e)
+if not ep then return {'corrupt', string.sub(e, 1, 40)} end
+if ep > epoch_of(ARGV[3]) then return {'epoch', e} end
+if ep < epoch_of(ARGV[5]) then return {'behind', e} end
+-- No epoch mark: the member is new or came back empty, its fence hash gone with it; the mark
+-- this guard saw must not refuse the group's state transfer for good (the prelude's 'seen').
+if not raw then ARGV[2] = string.match(ARGV[2], '^%d+') .. ' 0' end
+"""
+)
 # (The prelude refused a token below the mark, so ARGV[6] is the holder at the mark now.)
 _GROUP_APPLY_BODY: Final = """\
-if tonumber(ARGV[3]) > e then redis.call('SET', KEYS[2], ARGV[3]) end
+if epoch_of(ARGV[3]) > ep then redis.call('SET', KEYS[2], ARGV[3]) end
 redis.call('SET', KEYS[5], ARGV[6])
 if ARGV[4] == '1' then redis.call('DEL', KEYS[3], KEYS[4]) end
 local i = 7
@@ -230,20 +248,25 @@ while i <= #ARGV do
   end
   i = i + 4
 end
-return {'ok', tostring(e)}
+return {'ok', e}
 """
 GROUP_APPLY_SCRIPT: Final = _GROUP_EPOCH_CHECK + PRELUDE + _GROUP_APPLY_BODY
 
 # A change without a lock token (the epoch; with reset, forget every item: a copy from a
 # member never written to): KEYS 1 epoch, 2 stamps, 3 data; ARGV: 1 epoch, 2 since, 3 reset.
-GROUP_EPOCH_SCRIPT: Final = """\
-local e = tonumber(redis.call('GET', KEYS[1]) or '0')
-if e > tonumber(ARGV[1]) then return {'epoch', tostring(e)} end
-if e < tonumber(ARGV[2]) then return {'behind', tostring(e)} end
-if tonumber(ARGV[1]) > e then redis.call('SET', KEYS[1], ARGV[1]) end
+GROUP_EPOCH_SCRIPT: Final = (
+    _GROUP_EPOCH_PARSE
+    + """\
+local e = redis.call('GET', KEYS[1]) or '0'
+local ep = epoch_of(e)
+if not ep then return {'corrupt', string.sub(e, 1, 40)} end
+if ep > epoch_of(ARGV[1]) then return {'epoch', e} end
+if ep < epoch_of(ARGV[2]) then return {'behind', e} end
+if epoch_of(ARGV[1]) > ep then redis.call('SET', KEYS[1], ARGV[1]) end
 if ARGV[3] == '1' then redis.call('DEL', KEYS[2], KEYS[3]) end
-return {'ok', tostring(e)}
+return {'ok', e}
 """
+)
 
 # The read, at one instant. KEYS as the change's; ARGV: 1 '1' (all items) or '0' (the keys
 # ARGV[2..], in chunks: unpack() is bounded by Lua's C stack).
@@ -445,30 +468,8 @@ def map_error(exc: Exception, resource: str, token: FencingToken | None = None) 
     return FencedError(f"Redis refused a guarded write on {resource!r}: {exc}{hint}")
 
 
-def _count(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOKEN:
-        raise ConfigurationError(f"{name} is an int from 0 to 2**63-1, not {value!r}")
-
-
 def _bytes(value: Any) -> bytes:
     return value.encode() if isinstance(value, str) else bytes(value)
-
-
-def _group_item(item: object) -> GroupItem:
-    """A ``(key, stamp, value)`` item, checked before anything is sent (Redis does not roll a
-    script back: a bad item met halfway would leave the change half written)."""
-    if isinstance(item, tuple) and len(item) == 3:
-        key, stamp, value = item
-        if (
-            isinstance(key, str)
-            and key
-            and isinstance(stamp, str)
-            and (value is None or isinstance(value, bytes))
-        ):
-            return key, stamp, value
-    raise ConfigurationError(
-        f"a group item is (key: str, stamp: str, value: bytes | None): {item!r}"
-    )
 
 
 def _xadd_args(fields: Mapping[Key, Value], id: str) -> list[Value]:
@@ -673,9 +674,8 @@ class _GuardBase:
         reset: bool,
         since: int,
     ) -> GuardedCall:
+        items = check_group_change(group, epoch, since, items)
         keys = self.group_keys(group)
-        _count("epoch", epoch)
-        _count("since", since)
         if token is None:
             if items:
                 raise ConfigurationError("items are written only with a lock token")
@@ -684,7 +684,7 @@ class _GuardBase:
         tok = FencingToken.coerce(token, self.lock, self.verifier)
         args: list[Value] = [epoch, "1" if reset else "0", since, str(tok)]
         for item in items:
-            key, stamp, value = _group_item(item)
+            key, stamp, value = item
             args += [key, stamp, "0", ""] if value is None else [key, stamp, "1", value]
         call = self._call(self.group_apply_script, tok, keys, args)
         call.advances = False  # (see _group_outcome)
@@ -695,6 +695,8 @@ class _GuardBase:
         # told apart by its epoch mark and repaired by the group's state transfer, which a
         # remembered mark would refuse for good. A stale refusal is, as for every write.)
         kind, found = (_text(r) for r in reply)
+        if kind == "corrupt":  # (the script refused before writing anything)
+            raise CorruptMarkError(self.resource, f"the group's epoch mark {found!r}")
         if kind == "epoch":
             raise stale_epoch_error(self.resource, int(found), epoch)
         if kind == "behind":
@@ -714,14 +716,15 @@ class _GuardBase:
         lock, hw, epoch, stamps, data, holder = reply
         mark = parse_state([lock or None, hw or None], self.resource)
         at = _text(epoch)
-        if not at.isascii() or not at.isdigit():
+        if not at.isascii() or not at.isdigit() or len(at) > 19:
             raise CorruptMarkError(self.resource, f"the group's epoch mark {at[:40]!r}")
         values = {_text(data[i]): _bytes(data[i + 1]) for i in range(0, len(data), 2)}
         items: list[GroupItem] = []
         for i in range(0, len(stamps), 2):
             key = _text(stamps[i])
             items.append((key, _text(stamps[i + 1]), values.get(key)))
-        return GroupState(mark.value if mark else 0, int(at), _text(holder) or None, items)
+        state = GroupState(mark.value if mark else 0, int(at), _text(holder) or None, items)
+        return checked_group_state(state, self.resource)
 
     def _group_reader(self) -> Any:
         """The read script, through the caller's client (a read may be re-sent)."""

@@ -148,9 +148,12 @@ _MYSQL_QUERY: Final = ("charset", "unix_socket")  # (PyMySQL's connect() argumen
 def parse_guard_url(url: str, *, own: tuple[str, ...] = ()) -> GuardURL:
     """Parse ``url`` by the module's grammar; :class:`~fenced.ConfigurationError` (one line,
     the URL's password not in it) for a URL it does not know."""
-    parts = urlsplit(url)
-    scheme = parts.scheme.lower()
     shown = redacted(url.split("?")[0])
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:  # ("Invalid IPv6 URL": an unclosed '[')
+        raise ConfigurationError(f"guard URL {shown!r}: {exc}") from None
+    scheme = parts.scheme.lower()
     old = scheme
     if scheme in _DEPRECATED:
         scheme = _DEPRECATED[scheme]
@@ -187,6 +190,13 @@ def parse_guard_url(url: str, *, own: tuple[str, ...] = ()) -> GuardURL:
         if parts.netloc not in ("", "localhost") or not target.strip("/"):
             raise ConfigurationError(f"guard URL {shown!r}: write file:///ABS/DIR")
     else:
+        if kind.name == "redis":
+            # (redis-py reads the port with int() when it opens the client: a traceback, not
+            # a typed error. libpq takes several hosts, "h1:p1,h2:p2": its own to check.)
+            try:
+                parts.port  # noqa: B018
+            except ValueError as exc:
+                raise ConfigurationError(f"guard URL {shown!r}: {exc}") from None
         target = urlunsplit(parts._replace(scheme=scheme, query=rest, fragment=""))
     return GuardURL(kind, scheme, target, MappingProxyType(params))
 

@@ -109,6 +109,7 @@ from .._clients.connections import AsyncConnections, Connections
 from .._core.errors import ConfigurationError, InvalidTokenError
 from .._core.signing import TokenVerifier
 from .._core.token import FencingToken, TokenLike, validate_lock_name
+from ._plan import check_group_change
 from ._sql_driver import (
     CHECKED,
     aguarded_transaction,
@@ -392,6 +393,7 @@ class SQLGuard:
         reset: bool,
         since: int,
     ) -> Callable[[Dialect], Plan[None]]:
+        items = check_group_change(group, epoch, since, items)
         tok = None if token is None else FencingToken.coerce(token, self.lock, self.verifier)
         return lambda d: group_apply_plan(
             d, self._fence_sql(d), self.resource, group, tok, epoch, items, reset=reset,

@@ -52,10 +52,11 @@ schema (a file ``history-PROC.jsonl`` a process, events naming their process ``p
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from ..._core import clock as _clock
 from ..._core.errors import ConfigurationError
@@ -142,11 +143,71 @@ def _read_file(path: Path) -> list[Event]:
     return events
 
 
+# The fields the checkers compute with, by type (checked wherever they appear): a damaged
+# or hand-typed value ("5" for 5, a missing token) must be no verdict, not a TypeError or
+# KeyError in a checker, nor a number read as something else.
+_TIMES: Final = ("mono", "wall", "sent", "surely_until", "remaining", "promised", "start", "end")
+_INTS: Final = ("pid", "token", "mark", "epoch")
+# The locks workload's events and what its checkers read in each (always present).
+_NEEDS: Final = {
+    "grant": ("lock", "token", "surely_until"),
+    "write": ("lock", "token", "ok"),
+    "read": ("lock", "token", "ok"),
+    "releasing": ("lock", "token"),
+    "release": ("lock", "token"),
+    "lost": ("lock", "token"),
+}
+
+
+def _bad_field(event: Event, legacy: bool) -> str | None:
+    """What is wrong with ``event``'s fields (None: nothing)."""
+    if not legacy and "mono" not in event:
+        return "no 'mono'"
+    for name in _NEEDS.get(event["op"], ()):
+        if name not in event or (event[name] is None and name != "ok"):  # (ok None: no answer)
+            return f"no {name!r}"
+    if "lock" in event and not isinstance(event["lock"], str):
+        return "'lock' is not a str"
+    for name in _TIMES:
+        value = event.get(name)
+        if value is None and (name != "mono" or legacy):  # (the old group files had none)
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return f"{name!r} is not a number"
+        if not math.isfinite(value):
+            return f"{name!r} is not finite"
+    for name in _INTS:
+        value = event.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            return f"{name!r} is not an int"
+    ok = event.get("ok")  # (a group member's "apply" says why it refused: any text)
+    if event["op"] in ("write", "read", "complete") and not (
+        ok is None or ok is True or ok is False or ok == "unknown"  # (1 == True: no `in`)
+    ):
+        return "'ok' is not true, false, null or \"unknown\""
+    if event["op"] == "final" and "log" in event:
+        log = event["log"]
+        if log is not None and not (
+            isinstance(log, list)
+            and all(
+                isinstance(x, list)
+                and len(x) == 2
+                and isinstance(x[0], int)
+                and not isinstance(x[0], bool)
+                for x in log
+            )
+        ):
+            return "'log' is not a list of [token, value]"
+    return None
+
+
 def _upgraded(event: Any, path: Path, n: int) -> Event:
     """The event in the one schema (a group event before it named its process ``proc``), or
     a :class:`HistoryError`."""
+    legacy = False
     if isinstance(event, dict) and "worker" not in event and isinstance(event.get("proc"), str):
         event = {"worker": event.pop("proc"), **event}
+        legacy = True
     if not (
         isinstance(event, dict)
         and isinstance(event.get("op"), str)
@@ -155,4 +216,7 @@ def _upgraded(event: Any, path: Path, n: int) -> Event:
         raise HistoryError(
             f"{path}:{n}: not an event of a fenced check history (an object with 'op' and 'worker')"
         )
+    bad = _bad_field(event, legacy)
+    if bad is not None:
+        raise HistoryError(f"{path}:{n}: a {event['op']!r} event of a history, but {bad}")
     return event
