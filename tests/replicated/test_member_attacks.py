@@ -281,7 +281,7 @@ BAD_MEMBER_URLS = [
     "rediss://:Sekr3tPw@[::1/0",
     "postgresql://u:Sekr3tPw@[::1/db",
     "etcd://u:Sekr3tPw@127.0.0.1:2379",
-    "mysql://root:Sekr3tPw@127.0.0.1:3306/db",
+    "mysql://root:Sekr3tPw@[::1/db",  # (a well-formed mysql:// URL is a member: memsql)
 ]
 
 

@@ -36,6 +36,11 @@ STEP_TIMEOUT = 60.0
 # -- the client process ------------------------------------------------------------------
 
 
+class WorkerExited(RuntimeError):
+    """A demo's worker process ended before the step it was expected to report (its
+    traceback, if any, is in the message): the demo did not go as it should."""
+
+
 class _Storage:
     """The protected resource: a table in SQLite (a file path) or PostgreSQL (a DSN)."""
 
@@ -161,7 +166,7 @@ class _Proc:
                 return ev
             if ev["event"] == "exit":
                 err = self.popen.stderr.read() if self.popen.stderr else ""
-                raise RuntimeError(f"{self.who} exited early: {err}")
+                raise WorkerExited(f"{self.who} exited early: {err}")
 
     def close(self) -> None:
         if self.popen.poll() is None:

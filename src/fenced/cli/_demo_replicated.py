@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ._console import Printer, make_printer, panel
-from ._demo import _Proc, _Timeline, _workdir
+from ._demo import WorkerExited, _Proc, _Timeline, _workdir
 
 __all__ = ["run_replicated_demo"]
 
@@ -236,6 +236,9 @@ def run_replicated_demo(directory: str | None = None, ttl: float = 1.0) -> int:
             outcome["states"] = states
         except fenced.FencedError as exc:  # (the verdict below says it did not go as it should)
             outcome["error"] = f"{type(exc).__name__}: {exc}"
+        except WorkerExited as exc:  # (a worker failed closed, or crashed: the same verdict)
+            lines = [line for line in str(exc).splitlines() if line.strip()]
+            outcome["error"] = f"{lines[0].split(':')[0]}: {lines[-1]}"
         finally:
             for p in (w1, w2):
                 if p is not None:
