@@ -1,0 +1,83 @@
+"""Attacks on ``fenced serve`` from outside (session 4, attack 3): each test is a finding
+reproduced against real ``fenced serve`` processes (and real sources behind them), with the
+rightful request served beside it."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from fenced.testing.servers import FencedServer
+
+
+@pytest.fixture(params=["sqlite", "redis", "postgresql"])
+def any_source(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'locks.db'}"
+    if request.param == "redis":
+        return str(request.getfixturevalue("redis_server").url)
+    return str(request.getfixturevalue("pg_dsn"))
+
+
+@pytest.fixture
+def two_gateways(any_source: str) -> Iterator[tuple[FencedServer, FencedServer]]:
+    """Two gateways on one source, with different ``--default-ttl``."""
+    with (
+        FencedServer(any_source, args=["--default-ttl", "2"]) as a,
+        FencedServer(any_source, args=["--default-ttl", "30"]) as b,
+    ):
+        yield a, b  # type: ignore[misc]
+
+
+def test_a_renewal_without_ttl_keeps_the_ttl_set_through_another_gateway(
+    two_gateways: tuple[FencedServer, FencedServer],
+) -> None:
+    """docs/server.md: a renewal without ttl extends the lease by "the grant's own ttl (as the
+    source keeps it, whichever gateway made it)". A grant made through A (ttl 2), renewed
+    through B with ttl 60 (the source now keeps 60), then renewed through A without a ttl was
+    renewed for A's 2 s — A's own table, stale — and a holder renewing every third of its 60 s
+    lost the lease. Now A's renewal keeps 60, and one with a ttl still sets its own."""
+    a, b = two_gateways
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    with httpx.Client(timeout=30) as http:
+        grant = http.post(f"{a.url}/v1/locks/{name}/-/acquire", json={"request_id": "r1"}).json()
+        assert grant["ttl"] == 2.0  # (A's default)
+        lease = {"token": grant["token"], "request_id": "r1"}
+        changed = http.post(f"{b.url}/v1/locks/{name}/-/renew", json={**lease, "ttl": 60})
+        assert changed.json()["ttl"] == 60.0
+        kept = http.post(f"{a.url}/v1/locks/{name}/-/renew", json=lease)
+        assert kept.status_code == 200 and kept.json()["ttl"] == 60.0, kept.json()
+        assert kept.json()["expires_in"] > 50
+        status = http.get(f"{b.url}/v1/locks/{name}").json()
+        assert status["remaining"] > 50
+        # The other side: a ttl given is the one set, on either gateway, and kept after.
+        set_here = http.post(f"{a.url}/v1/locks/{name}/-/renew", json={**lease, "ttl": 5})
+        assert set_here.json()["ttl"] == 5.0
+        again = http.post(f"{a.url}/v1/locks/{name}/-/renew", json=lease)
+        assert again.json()["ttl"] == 5.0
+        there = http.post(f"{b.url}/v1/locks/{name}/-/renew", json=lease)
+        assert there.json()["ttl"] == 5.0
+
+
+def test_a_ttl_set_by_a_renewal_outlives_a_gateway_killed_with_sigkill(any_source: str) -> None:
+    """A grant made with ttl 2 and renewed with ttl 60; the gateway is killed (SIGKILL) and
+    started again, and a renewal without a ttl resumes the grant from the source: it renews
+    for the 60 s the holder last asked for (the source kept only the acquire's 2 s on SQLite
+    and Redis, and the holder renewing every 20 s lost it), and the lease is still held."""
+    name = f"k-{uuid.uuid4().hex[:8]}"
+    with FencedServer(any_source, args=["--default-ttl", "2"]) as a, httpx.Client() as http:
+        grant = http.post(f"{a.url}/v1/locks/{name}/-/acquire", json={"request_id": "r1"}).json()
+        lease = {"token": grant["token"], "request_id": "r1"}
+        assert (
+            http.post(f"{a.url}/v1/locks/{name}/-/renew", json={**lease, "ttl": 60}).json()["ttl"]
+            == 60.0
+        )
+        a.restart(kill=True)
+        resumed = http.post(f"{a.url}/v1/locks/{name}/-/renew", json=lease)
+        assert resumed.status_code == 200 and resumed.json()["ttl"] == 60.0, resumed.json()
+        status = http.get(f"{a.url}/v1/locks/{name}").json()
+        assert status["token"] == grant["token"] and status["remaining"] > 50
