@@ -81,3 +81,18 @@ def test_a_ttl_set_by_a_renewal_outlives_a_gateway_killed_with_sigkill(any_sourc
         assert resumed.status_code == 200 and resumed.json()["ttl"] == 60.0, resumed.json()
         status = http.get(f"{a.url}/v1/locks/{name}").json()
         assert status["token"] == grant["token"] and status["remaining"] > 50
+
+
+def test_a_renewal_on_the_memory_source_lasts_the_ttl_it_answers(tmp_path: Path) -> None:
+    """The memory source renewed a grant for its acquire's ttl whatever the renewal asked,
+    while the answer said the ttl asked for: ``expires_in`` 60 for a lease that ended after
+    2 s (a client's confirmed time, counted from it, outlived the lease). Now the lease lasts
+    what the answer says, longer or shorter."""
+    with FencedServer("memory://attack3", args=["--default-ttl", "2"]) as a, httpx.Client() as http:
+        grant = http.post(f"{a.url}/v1/locks/m/-/acquire", json={"request_id": "r1"}).json()
+        lease = {"token": grant["token"], "request_id": "r1"}
+        for ttl in (60, 5):
+            renewed = http.post(f"{a.url}/v1/locks/m/-/renew", json={**lease, "ttl": ttl}).json()
+            assert renewed["ttl"] == ttl
+            remaining = http.get(f"{a.url}/v1/locks/m").json()["remaining"]
+            assert ttl - 2 < remaining <= ttl, (ttl, remaining)
