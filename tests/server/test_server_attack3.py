@@ -4,6 +4,7 @@ rightful request served beside it."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,7 +12,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from fenced.server._app import ServerSettings
 from fenced.testing.servers import FencedServer
+from tests.server.test_direct_lane import read_answer, request, serving
 
 
 @pytest.fixture(params=["sqlite", "redis", "postgresql"])
@@ -96,3 +99,34 @@ def test_a_renewal_on_the_memory_source_lasts_the_ttl_it_answers(tmp_path: Path)
             assert renewed["ttl"] == ttl
             remaining = http.get(f"{a.url}/v1/locks/m").json()["remaining"]
             assert ttl - 2 < remaining <= ttl, (ttl, remaining)
+
+
+async def test_a_quiet_watch_stream_sends_keepalives_and_changes(tmp_path: Path) -> None:
+    """A ``/-/watch`` stream of a lock that does not change sent nothing after its first event
+    (its keepalive came only after a change): idle proxies cut it, and a client gone without a
+    word (a NAT's idle drop, a host powered off) was never found — its watch's place held for
+    good, and 64 of them refused the key's every later watch (429). Now a comment comes every
+    ``watch_keepalive`` s, and a change still comes at once, as an event."""
+    settings = ServerSettings(url=f"sqlite:///{tmp_path}/w.db", watch_keepalive=0.3)
+    async with serving(settings) as served:
+        reader, writer = await served.connect()
+        other_reader, other = await served.connect()
+        try:
+            writer.write(request("/v1/locks/q/-/watch", method="GET"))
+            async with asyncio.timeout(10):
+                await reader.readuntil(b"event: status\n")
+                await reader.readuntil(b"\n\n")  # (the status now)
+                await reader.readuntil(b": keepalive\n\n")
+                await reader.readuntil(b": keepalive\n\n")
+            other.write(request("/v1/locks/q/-/acquire", b'{"ttl": 30, "request_id": "r-1"}'))
+            assert (await read_answer(other_reader))[0] == b"HTTP/1.1 200 OK"
+            async with asyncio.timeout(10):
+                await reader.readuntil(b"event: status\n")
+                assert b'"held":true' in await reader.readuntil(b"\n\n")
+        finally:  # (an open stream would hold the server's shutdown)
+            writer.close()
+            other.close()
+        gw = served.app.state.gateway
+        async with asyncio.timeout(10):  # (its place given back)
+            while gw.metrics.watches._value.get() != 0:
+                await asyncio.sleep(0.01)

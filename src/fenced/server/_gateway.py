@@ -20,7 +20,7 @@ import logging
 import re
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 from .._core import clock as _clock
@@ -529,7 +529,7 @@ class Gateway:
         if changed is not None:
             changed.set()
 
-    async def changes(self, name: str, interval: float) -> AsyncIterator[LockStatus]:
+    async def changes(self, name: str, interval: float) -> AsyncGenerator[LockStatus, None]:
         """The lock's status now, then each time it changes. Changes made here are seen at
         once; changes made through another gateway or by expiry within ``interval``."""
         last: tuple[Any, ...] | None = None
