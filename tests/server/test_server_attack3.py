@@ -5,6 +5,9 @@ rightful request served beside it."""
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -130,3 +133,46 @@ async def test_a_quiet_watch_stream_sends_keepalives_and_changes(tmp_path: Path)
         async with asyncio.timeout(10):  # (its place given back)
             while gw.metrics.watches._value.get() != 0:
                 await asyncio.sleep(0.01)
+
+
+@pytest.mark.parametrize("log_format", ["text", "json"])
+def test_a_quote_in_the_query_string_cannot_forge_an_access_log_field(
+    tmp_path: Path, log_format: str
+) -> None:
+    """uvicorn's access line quotes the request with the query string as sent, and HTTP's
+    parser passes a ``"`` in it: ``GET /v1/health?x=" 403 ...`` closed the quoted request early
+    and the rest read as the line's next fields. Now a quote and a backslash in the target are
+    percent-encoded; a request of the direct lane is logged the same way, and plain requests
+    as ever."""
+    source = f"sqlite:///{tmp_path / 'locks.db'}"
+    args = ["--access-log", "--log-format", log_format]
+    with FencedServer(source, args=args) as server:
+        forged = b'/v1/health?x="403_forged\\'
+        direct = b'/v1/locks/q/-/acquire?y="x'
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+            s.sendall(b"GET %s HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" % forged)
+            s.sendall(
+                b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 2\r\n\r\n{}" % direct
+            )
+            s.sendall(b"GET /v1/health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+            got = b""
+            while chunk := s.recv(65536):
+                got += chunk
+        assert got.count(b"HTTP/1.1 200 OK") == 3, got
+        deadline = time.monotonic() + 10
+        while len(lines := _access_lines(server)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)  # (the log is a file another process writes: polled, bounded)
+        tail = server.log_tail()
+    assert len(lines) == 3, tail
+    assert lines[0].endswith('"GET /v1/health?x=%22403_forged%5C HTTP/1.1" 200'), lines
+    assert lines[1].endswith('"POST /v1/locks/q/-/acquire?y=%22x HTTP/1.1" 200'), lines
+    assert lines[2].endswith('"GET /v1/health HTTP/1.1" 200'), lines
+    assert all(line.count('"') == 2 for line in lines), lines
+
+
+def _access_lines(server: FencedServer) -> list[str]:
+    out = []
+    for line in server.log_path.read_text(errors="replace").splitlines():
+        if "uvicorn.access" in line:
+            out.append(json.loads(line)["message"] if line.startswith("{") else line)
+    return out
