@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -15,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from fenced.server import hash_secret
 from fenced.server._app import ServerSettings
 from fenced.testing.servers import FencedServer
 from tests.server.test_direct_lane import read_answer, request, serving
@@ -211,3 +214,37 @@ def test_one_clients_waiting_acquires_are_bounded_as_its_watches_are(tmp_path: P
         finally:
             for s in socks:
                 s.close()
+
+
+def test_two_keys_with_one_secret_are_refused_without_quoting_it(tmp_path: Path) -> None:
+    """Two keys of the file with the same secret (a copy-paste: ``ops`` may force-release,
+    ``ci`` only check): the server started and took the secret for the last of them, so the
+    other key's rights silently went with it — or were lost. When in doubt, fail closed: the
+    file is refused with one line naming both ids and never the secret; the same file with
+    a secret of each is served."""
+    secret, other = "the-one-secret-0123456789", "another-secret-0123456789"
+
+    def keys(second: str) -> Path:
+        path = tmp_path / "keys.toml"
+        path.write_text(
+            f'[[keys]]\nid = "ops"\nsha256 = "{hash_secret(secret)}"\nverbs = ["admin"]\n'
+            f'[[keys]]\nid = "ci"\nsecret = "{second}"\nverbs = ["check"]\n'
+        )
+        path.chmod(0o600)
+        return path
+
+    run = [sys.executable, "-m", "fenced", "serve", "--url", f"sqlite:///{tmp_path}/l.db"]
+    done = subprocess.run(
+        [*run, "--listen", "127.0.0.1:0", "--api-keys", str(keys(secret))],
+        capture_output=True,
+        text=True,
+        timeout=30,  # (served, it would run on: the bug)
+    )
+    assert done.returncode != 0
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "same secret" in lines[0], done.stderr
+    assert "'ops'" in lines[0] and "'ci'" in lines[0]
+    assert secret not in done.stderr and hash_secret(secret) not in done.stderr
+    with FencedServer(f"sqlite:///{tmp_path}/l.db", args=["--api-keys", str(keys(other))]) as s:
+        info = httpx.get(f"{s.url}/v1/info", headers={"authorization": f"Bearer {other}"})
+        assert info.status_code == 200
