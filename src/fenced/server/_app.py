@@ -563,12 +563,13 @@ def create_app(settings: ServerSettings) -> FastAPI:
                 msg = json.dumps({"error": "unavailable", "message": str(exc)})
                 yield f"event: error\ndata: {msg}\n\n".encode()
             finally:
+                give_back()  # (first: a cancelled scope may cancel the awaits below too)
                 if following is not None:
                     following.cancel()
                     with contextlib.suppress(BaseException):
                         await following
-                await changes.aclose()
-                give_back()
+                with contextlib.suppress(BaseException):
+                    await changes.aclose()
 
         # (given back when the stream ends, and after the response in any case: a stream
         # never started runs no finally)
