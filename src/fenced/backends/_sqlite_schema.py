@@ -90,7 +90,7 @@ RETURNING expires_at, boot_id,
     WHERE w.name = ?1 AND w.boot_id = ?4 AND w.expires_at > ?5
     ORDER BY w.seq LIMIT 1)"""
 SQL_RENEW: Final = """
-UPDATE fenced_holders SET expires_at = max(expires_at, ?)
+UPDATE fenced_holders SET expires_at = max(expires_at, ?), ttl = ?
  WHERE name = ? AND token = ? AND request_id = ? AND boot_id = ? AND expires_at > ?"""
 SQL_ENQUEUE: Final = """
 INSERT INTO fenced_waiters (name, request_id, expires_at, boot_id, wake) VALUES (?, ?, ?, ?, ?)

@@ -194,7 +194,9 @@ class MemoryBackend(Backend):
             holder = lock.holder
             if holder is None or holder.token != grant.token:
                 raise LeaseLostError(f"lease {grant.token} is no longer held")
-            holder.expires_at = now + holder.ttl
+            # (for the ttl the renewal asks, which its answer states: not the acquire's)
+            holder.ttl = grant.ttl
+            holder.expires_at = now + grant.ttl
             return dataclasses.replace(grant, sent_at=now)
 
     async def release(self, grant: Grant) -> bool:

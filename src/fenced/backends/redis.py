@@ -368,7 +368,13 @@ return 1
 RENEW_LUA: Final = (
     _IS_HOLDER
     + """
-redis.call('PEXPIRE', KEYS[1], ARGV[4])
+local token, ttl, rest
+if v then token, ttl, rest = string.match(v, '^(%d+) (%d+) (.*)$') end
+if not token or ttl == ARGV[4] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[4])
+else  -- (a new ttl is the grant's own from now: status reports it, a resume renews for it)
+  redis.call('SET', KEYS[1], token .. ' ' .. ARGV[4] .. ' ' .. rest, 'PX', ARGV[4])
+end
 return 1
 """
 )

@@ -519,7 +519,15 @@ class SQLiteBackend(Backend):
         token = grant.token
         cur = conn.execute(
             SQL_RENEW,
-            (sent_at + grant.ttl, token.lock, token.value, grant.request_id, self._boot, now),
+            (
+                sent_at + grant.ttl,
+                grant.ttl,  # (kept: what a renewal without a ttl renews for, on any gateway)
+                token.lock,
+                token.value,
+                grant.request_id,
+                self._boot,
+                now,
+            ),
         )
         renewed = cur.rowcount == 1
         conn.execute("COMMIT")

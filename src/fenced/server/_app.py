@@ -95,6 +95,9 @@ class ServerSettings:
     watch_interval: float = 0.25
     """How often a watch looks at the source for changes made elsewhere (expiry, another
     gateway); changes made through this server are seen at once."""
+    watch_keepalive: float = 15.0
+    """Seconds a ``/-/watch`` stream may be quiet: then it sends a comment (``: keepalive``),
+    so idle proxies keep it and a client gone without a word is found by the write."""
     readiness_timeout: float = 2.0
     fast_lane: bool = True
     """acquire/renew/release of well-formed requests skip FastAPI's routing and validation
@@ -536,19 +539,37 @@ def create_app(settings: ServerSettings) -> FastAPI:
 
         async def events() -> AsyncIterator[bytes]:
             changes = gw.changes(name, settings.watch_interval)
-            beat = _clock.now()
+            # A comment every ``watch_keepalive`` s while the lock does not change (it was sent
+            # only after a change: a quiet stream sent nothing). Idle proxies and NATs keep
+            # the connection, and a client gone without a word is found by the write failing
+            # — its watch's place given back — rather than held for good.
+            following: asyncio.Future[LockStatus] | None = None
             try:
-                async for status in changes:
+                while True:
+                    if following is None:
+                        following = asyncio.ensure_future(anext(changes))
+                    done, _ = await asyncio.wait({following}, timeout=settings.watch_keepalive)
+                    if not done:
+                        yield b": keepalive\n\n"
+                        continue
+                    try:
+                        status = following.result()
+                    except StopAsyncIteration:
+                        break
+                    following = None
                     data = _status_out(status, key).model_dump_json()
                     yield f"event: status\ndata: {data}\n\n".encode()
-                    if _clock.now() - beat > 15:
-                        beat = _clock.now()
-                        yield b": keepalive\n\n"
             except FencedError as exc:
                 msg = json.dumps({"error": "unavailable", "message": str(exc)})
                 yield f"event: error\ndata: {msg}\n\n".encode()
             finally:
-                give_back()
+                give_back()  # (first: a cancelled scope may cancel the awaits below too)
+                if following is not None:
+                    following.cancel()
+                    with contextlib.suppress(BaseException):
+                        await following
+                with contextlib.suppress(BaseException):
+                    await changes.aclose()
 
         # (given back when the stream ends, and after the response in any case: a stream
         # never started runs no finally)

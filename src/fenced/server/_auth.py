@@ -108,6 +108,16 @@ class Keys:
             raise ConfigurationError("API keys file: two keys have the same id")
         if len({k.tag for k in self.keys}) != len(self.keys):  # (44 bits: never, in practice)
             raise ConfigurationError("API keys file: two key ids share a tag; rename one")
+        by_secret: dict[bytes, str] = {}
+        for k in self.keys:
+            # One secret, two keys: ``find`` would take it for one of them, and the other's
+            # rights would silently go with it, or be lost. Named by ids, never the secret.
+            first = by_secret.setdefault(k.digest, k.id)
+            if first != k.id:
+                raise ConfigurationError(
+                    f"API keys file: keys {first!r} and {k.id!r} have the same secret; "
+                    "give each its own"
+                )
 
     def find(self, secret: str) -> ApiKey | None:
         digest = hashlib.sha256(secret.encode(errors="surrogateescape")).digest()

@@ -20,7 +20,7 @@ import logging
 import re
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 from .._core import clock as _clock
@@ -289,15 +289,26 @@ class Gateway:
         return grant, self.locks.sign(grant.token)
 
     async def _grant_of(
-        self, name: str, token: FencingToken, request_id: str, ttl: float
+        self, name: str, token: FencingToken, request_id: str, ttl: float | None
     ) -> tuple[Grant, str | None]:
         """The grant, from the table or resumed from the source; and, if resumed, its holder's
         description (the source's), for the transitions this gateway shows of it — an
-        "expired" or "released" line naming nobody otherwise."""
+        "expired" or "released" line naming nobody otherwise. ``ttl`` None: the grant's own
+        (the source's where it keeps one, else this gateway's default)."""
         grant = self._grants.get((name, request_id))
         if grant is not None and grant.token == token:
+            if ttl is None:
+                # The table's ttl is the one last set *here*; a renewal through another
+                # gateway may have set another since, which the source keeps (renewed with
+                # the table's, a 60 s lease became this gateway's 2 s and was lost). One read,
+                # for renewals without a ttl only: fenced's clients send theirs.
+                status = await self.backend.status(name)
+                held = status.token is not None and status.token.value == token.value
+                if held and status.holder == request_id and status.ttl:
+                    grant = dataclasses.replace(grant, ttl=status.ttl)
             return grant, None
-        grant = await self.backend.resume(name, token.unsigned(), request_id, ttl)
+        given = self.default_ttl if ttl is None else ttl
+        grant = await self.backend.resume(name, token.unsigned(), request_id, given)
         try:
             status = await self.backend.status(name)
         except Exception:  # (only the description is missed: the resume stands)
@@ -334,7 +345,7 @@ class Gateway:
             # Without a ttl the grant keeps its own: this gateway's table, else the source's
             # (resumed: a grant made through another gateway, whose --default-ttl may differ);
             # this gateway's default only where the source keeps no ttl.
-            grant, owner = await self._grant_of(name, token, request_id, ttl or self.default_ttl)
+            grant, owner = await self._grant_of(name, token, request_id, ttl)
             if ttl is not None and grant.ttl != ttl:
                 grant = dataclasses.replace(grant, ttl=ttl)
             new = await self.backend.renew(grant)
@@ -518,7 +529,7 @@ class Gateway:
         if changed is not None:
             changed.set()
 
-    async def changes(self, name: str, interval: float) -> AsyncIterator[LockStatus]:
+    async def changes(self, name: str, interval: float) -> AsyncGenerator[LockStatus, None]:
         """The lock's status now, then each time it changes. Changes made here are seen at
         once; changes made through another gateway or by expiry within ``interval``."""
         last: tuple[Any, ...] | None = None

@@ -198,7 +198,26 @@ def setup_logging(fmt: str, level: str = "info") -> _PerTurnHandler:
         # log config is off — and --access-log printed nothing)
         log.setLevel("INFO" if name == "uvicorn.access" else level.upper())
         log.propagate = False
+    access = logging.getLogger("uvicorn.access")
+    if not any(isinstance(f, _QuotedTarget) for f in access.filters):
+        access.addFilter(_QuotedTarget())
     return handler
+
+
+class _QuotedTarget(logging.Filter):
+    """uvicorn's access line quotes the request (``"GET /path?query HTTP/1.1"``) with the
+    query string as the client sent it: a ``"`` there (which HTTP parsers pass) closed the
+    quoted field early, and the rest of the query read as more fields of the line. The
+    target's quote and backslash are written percent-encoded, as they would be in a URL."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) == 5 and isinstance(args[2], str):
+            target = args[2]
+            if '"' in target or "\\" in target:
+                target = target.replace("\\", "%5C").replace('"', "%22")
+                record.args = (*args[:2], target, *args[3:])
+        return True
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
