@@ -922,6 +922,16 @@ class LocksWorkload:
                     f"run ended before any: give it more --time",
                 )
             )
+        elif plant and not violations:
+            # A planted bug the faults never showed proves nothing either way: never a pass
+            # (a user who plants one to watch the kit work must not read "every invariant held").
+            violations.append(
+                Violation(
+                    "plant not exercised",
+                    f"--plant {plant} was never caught: the faults of this run ({', '.join(self.nemeses)}, "
+                    f"seed {self.seed}) did not open its window; give it more --time or another --seed",
+                )
+            )
         report = write_report(events, violations, self.out / "report.html")
         return CampaignResult(
             violations=violations,
