@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import signal
+from collections.abc import Callable
 
 from .._core.errors import ConfigurationError
 from .._core.token import validate_lock_name
@@ -89,6 +91,10 @@ def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
     return check_kit
 
 
+def _shifted(tick: Callable[[float, str], None], offset: float, elapsed: float, what: str) -> None:
+    tick(offset + elapsed, what)  # (a later round's progress: after the rounds before it)
+
+
 def run(args: argparse.Namespace) -> int:
     from ..testing.check import NEMESES, plant_role, run_campaign
 
@@ -115,7 +121,6 @@ def run(args: argparse.Namespace) -> int:
     seed, spent = args.seed, 0.0
     with progress as tick:
         while True:
-            offset = spent
             result = run_campaign(
                 args.source,
                 args.report,
@@ -128,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
                 seed=seed,
                 plant=plant,
                 signing=args.signing,
-                progress=lambda elapsed, what: tick(offset + elapsed, what),
+                progress=functools.partial(_shifted, tick, spent),
                 resource_cmd=args.resource_cmd,
                 stop_at_first=bool(plant),
             )

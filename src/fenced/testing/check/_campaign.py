@@ -161,12 +161,25 @@ def _stopped(pid: int) -> bool:
         return True  # gone: nothing to wait for
 
 
-def _resume_after(pid: int, name: str, path: Path, delay: float, limit: float) -> None:
+def _resume_after(
+    pid: int,
+    name: str,
+    path: Path,
+    delay: float,
+    limit: float,
+    chain: Callable[[str], None] | None = None,
+) -> None:
     """Once worker ``pid`` has stopped itself inside its critical section, wait until a
     successor is granted the lock (a higher token in the history), then ``delay`` more, and
     continue it: the late write then lands inside the successor's own round — the window a
     missing fence on the read, or a check apart from its write, leaves open. (After
-    ``limit`` seconds it is continued anyway.)"""
+    ``limit`` seconds it is continued anyway.)
+
+    With ``chain``: wait instead for the successor's fenced read, stall that successor too
+    (``chain(its name)``) and continue at once: the late write lands after the successor
+    raised the mark by exactly one, and stays the register's last until a third holder reads
+    it — the window a fence off by one, or a write made before its check, needs (the
+    successor's own write, right behind, would otherwise overwrite the evidence)."""
     deadline = time.monotonic() + limit
     stalled_at: int | None = None
     offset = 0
@@ -180,10 +193,18 @@ def _resume_after(pid: int, name: str, path: Path, delay: float, limit: float) -
             e = json.loads(line)
             if e["op"] == "stalled" and e["worker"] == name:
                 stalled_at = e["token"]
-            elif e["op"] == "grant" and stalled_at is not None and e["token"] > stalled_at:
+            elif stalled_at is None or e.get("token", 0) <= stalled_at or deadline == 0.0:
+                continue
+            elif chain is None and e["op"] == "grant":
                 deadline = 0.0  # a successor holds it now
+            elif chain is not None and e["op"] == "read" and e["ok"]:
+                chain(e["worker"])  # the successor stops before its write
+                deadline, delay = 0.0, 0.0
         time.sleep(0.005)
-    if stalled_at is not None:
+    if stalled_at is None:  # never stopped: take the stall back (it must not come later)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGUSR2)
+    else:
         time.sleep(delay)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGCONT)
@@ -801,10 +822,9 @@ class LocksWorkload:
             time.sleep(lasts)  # past its lease: a successor is granted meanwhile
             os.killpg(victim.pid, signal.SIGCONT)
         elif kind == "stall":  # it stops itself inside its critical section
-            os.kill(victim.pid, signal.SIGUSR1)
-            args = (victim.pid, who, path, rng.uniform(0, ttl / 4), 4 * ttl + 2)
-            self.stalls.append(threading.Thread(target=_resume_after, args=args, daemon=True))
-            self.stalls[-1].start()
+            # Half the stalls chain (see _resume_after): the late write lands one grant behind.
+            chain = self._stall if rng.random() < 0.5 else None
+            self._stall(who, rng.uniform(0, ttl / 4), chain)
         elif kind in ("partition", "delay"):
             for proxy in self.proxies[victim.pid]:
                 proxy.partition() if kind == "partition" else proxy.delay(1.5 * ttl)
@@ -854,6 +874,19 @@ class LocksWorkload:
                 proxy.close()
             to_resource.pop(victim.pid, None)
             procs[i] = self._spawn()
+
+    def _stall(
+        self, who: str, delay: float = 0.0, chain: Callable[[str], None] | None = None
+    ) -> None:
+        """Have worker ``who`` stop itself before its next write, and continue it later."""
+        pid = next((p.pid for p in self.procs if self.names[p.pid] == who), None)
+        if pid is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGUSR1)
+        args = (pid, who, self.path, delay, 4 * self.ttl + 2, chain)
+        self.stalls.append(threading.Thread(target=_resume_after, args=args, daemon=True))
+        self.stalls[-1].start()
 
     # -- teardown and verdict ------------------------------------------------------------------
 
