@@ -82,6 +82,7 @@ __all__ = [
     "NEMESES",
     "PLANTS",
     "PLANT_NEEDS",
+    "PLANT_NEMESES",
     "PREFIX_CHECKERS",
     "CampaignError",
     "CampaignResult",
@@ -118,10 +119,24 @@ PLANT_NEEDS: dict[str, tuple[str, ...]] = {
     "counter-not-fsynced": ("restart",),
     "signature-skipped": ("forge",),
     "key-id-ignored": ("forge",),
+    "source-ignored": ("forge",),
     "check-then-write": ("stall",),
+    "off-by-one": ("stall",),  # (a chained stall: the late write one grant behind)
+    "write-then-check": ("stall",),
     "lease-overestimated": ("pause", "kill"),
     "unfenced-release": ("stall", "pause"),
 }
+# A plant's faults when none are asked for: the ones that open its window, dealt often (the
+# default mix deals a stall a third of the time, and a plant could go unseen in a short run).
+PLANT_NEMESES: dict[str, tuple[str, ...]] = {
+    "lease-overestimated": ("pause", "kill"),  # a lease that ends by expiry, not release
+    "unfenced-release": ("stall", "pause"),  # a holder that wakes up late and releases
+    "token-in-memory": ("restart", "stall"),
+    "counter-not-fsynced": ("restart", "stall"),
+    "signature-skipped": ("forge", "stall"),
+    "key-id-ignored": ("forge", "stall"),
+    "source-ignored": ("forge", "stall"),
+}  # (any other plant: stalls, the late writer inside its successor's round)
 _FAKETIME_ENGINES = frozenset({"postgresql"})
 FAKETIME_LIBS = (
     "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1",
@@ -559,8 +574,10 @@ class LocksWorkload:
         signing: bool = False,
         resource_cmd: str | Sequence[str] = "",
     ) -> None:
-        nemesis = list(default_nemeses(resource, resource_cmd) if nemesis is None else nemesis)
         plant_role(plant)  # (an unknown plant: a typed error first)
+        if nemesis is None:
+            nemesis = PLANT_NEMESES.get(plant, ("stall",)) if plant else None
+        nemesis = list(default_nemeses(resource, resource_cmd) if nemesis is None else nemesis)
         self.needs = PLANT_NEEDS.get(plant, ())
         if self.needs and not set(self.needs) & set(nemesis):
             nemesis.append(self.needs[0])  # the plant turns on what shows it
@@ -1005,7 +1022,8 @@ def run_campaign(
     :func:`~fenced.testing.check.open_resource` ("" for an embedded SQLite register in
     ``out``). ``resource_cmd``: the command that serves ``resource`` (a shell-like string or
     an argv list): the kit starts it, restarts and pauses it. ``nemesis``: None for
-    :func:`default_nemeses`; a plant adds the fault it needs (:data:`PLANT_NEEDS`).
+    :func:`default_nemeses`, or with a plant the faults that show it (:data:`PLANT_NEMESES`);
+    a plant adds the fault it needs to any asked for (:data:`PLANT_NEEDS`).
     ``signing``: workers get signed tokens (an HMAC key made for the run) and the resource's
     guard verifies them. ``progress(elapsed, what)`` is called as the run goes.
     ``stop_at_first``: end the run early once every nemesis has struck and the history so
