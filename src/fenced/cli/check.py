@@ -73,7 +73,8 @@ def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
         "forge (forged tokens; needs --signing), race (a takeover timed inside a TCP "
         "resource), resource-restart, resource-pause (with --resource-cmd), "
         "resource-partition, resource-delay (default: pause,stall,kill; race with a TCP "
-        "resource; resource-restart,resource-pause with --resource-cmd)",
+        "resource; resource-restart,resource-pause with --resource-cmd; with --plant, the "
+        "faults that show the plant)",
     )
     check_kit.add_argument(
         "--signing",
@@ -86,7 +87,8 @@ def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
         "--plant",
         default="",
         metavar="FAULT",
-        help="plant a fault to see it caught: ",  # (the plants' names: _PlantsHelp)
+        help="plant a fault to see it caught (the run stops at the first violation; a plant "
+        "no checker caught fails as 'plant not exercised'): ",  # (the plants' names: _PlantsHelp)
     )
     return check_kit
 
