@@ -85,7 +85,9 @@ def test_stalls_inside_the_critical_section_are_refused_and_the_plant_caught(
     page = _dom(tmp_path / "planted" / "r" / "report.html")
     assert 'class="violation"' in page  # the first violation's writes, ringed
     stalls = sum(1 for k in _faults(tmp_path / "planted") if k == "stall")
-    assert 0 < page.count('class="nemesis"') <= stalls  # drawn where a worker really stopped
+    # Drawn where a worker really stopped: at most two a stall (a chained stall stops the
+    # late writer's successor too).
+    assert 0 < page.count('class="nemesis"') <= 2 * stalls
 
 
 def _dom(page: Path) -> str:

@@ -61,7 +61,7 @@ def test_the_plant_is_caught(plant: str, tmp_path: Path) -> None:
             plant=plant,
             stop_at_first=True,  # (the verdict is still the whole run's: the checkers at the end)
         )
-        found = {v.checker for v in result.violations}
+        found = {v.checker for v in result.violations} - {"plant not exercised"}
         if found:
             break
     assert found, f"{plant} was not caught ({result.grants} grants, {result.accepted} accepted)"

@@ -82,6 +82,7 @@ __all__ = [
     "NEMESES",
     "PLANTS",
     "PLANT_NEEDS",
+    "PLANT_NEMESES",
     "PREFIX_CHECKERS",
     "CampaignError",
     "CampaignResult",
@@ -118,10 +119,24 @@ PLANT_NEEDS: dict[str, tuple[str, ...]] = {
     "counter-not-fsynced": ("restart",),
     "signature-skipped": ("forge",),
     "key-id-ignored": ("forge",),
+    "source-ignored": ("forge",),
     "check-then-write": ("stall",),
+    "off-by-one": ("stall",),  # (a chained stall: the late write one grant behind)
+    "write-then-check": ("stall",),
     "lease-overestimated": ("pause", "kill"),
     "unfenced-release": ("stall", "pause"),
 }
+# A plant's faults when none are asked for: the ones that open its window, dealt often (the
+# default mix deals a stall a third of the time, and a plant could go unseen in a short run).
+PLANT_NEMESES: dict[str, tuple[str, ...]] = {
+    "lease-overestimated": ("pause", "kill"),  # a lease that ends by expiry, not release
+    "unfenced-release": ("stall", "pause"),  # a holder that wakes up late and releases
+    "token-in-memory": ("restart", "stall"),
+    "counter-not-fsynced": ("restart", "stall"),
+    "signature-skipped": ("forge", "stall"),
+    "key-id-ignored": ("forge", "stall"),
+    "source-ignored": ("forge", "stall"),
+}  # (any other plant: stalls, the late writer inside its successor's round)
 _FAKETIME_ENGINES = frozenset({"postgresql"})
 FAKETIME_LIBS = (
     "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1",
@@ -161,12 +176,25 @@ def _stopped(pid: int) -> bool:
         return True  # gone: nothing to wait for
 
 
-def _resume_after(pid: int, name: str, path: Path, delay: float, limit: float) -> None:
+def _resume_after(
+    pid: int,
+    name: str,
+    path: Path,
+    delay: float,
+    limit: float,
+    chain: Callable[[str], None] | None = None,
+) -> None:
     """Once worker ``pid`` has stopped itself inside its critical section, wait until a
     successor is granted the lock (a higher token in the history), then ``delay`` more, and
     continue it: the late write then lands inside the successor's own round — the window a
     missing fence on the read, or a check apart from its write, leaves open. (After
-    ``limit`` seconds it is continued anyway.)"""
+    ``limit`` seconds it is continued anyway.)
+
+    With ``chain``: wait instead for the successor's fenced read, stall that successor too
+    (``chain(its name)``) and continue at once: the late write lands after the successor
+    raised the mark by exactly one, and stays the register's last until a third holder reads
+    it — the window a fence off by one, or a write made before its check, needs (the
+    successor's own write, right behind, would otherwise overwrite the evidence)."""
     deadline = time.monotonic() + limit
     stalled_at: int | None = None
     offset = 0
@@ -180,10 +208,18 @@ def _resume_after(pid: int, name: str, path: Path, delay: float, limit: float) -
             e = json.loads(line)
             if e["op"] == "stalled" and e["worker"] == name:
                 stalled_at = e["token"]
-            elif e["op"] == "grant" and stalled_at is not None and e["token"] > stalled_at:
+            elif stalled_at is None or e.get("token", 0) <= stalled_at or deadline == 0.0:
+                continue
+            elif chain is None and e["op"] == "grant":
                 deadline = 0.0  # a successor holds it now
+            elif chain is not None and e["op"] == "read" and e["ok"]:
+                chain(e["worker"])  # the successor stops before its write
+                deadline, delay = 0.0, 0.0
         time.sleep(0.005)
-    if stalled_at is not None:
+    if stalled_at is None:  # never stopped: take the stall back (it must not come later)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGUSR2)
+    else:
         time.sleep(delay)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGCONT)
@@ -538,8 +574,10 @@ class LocksWorkload:
         signing: bool = False,
         resource_cmd: str | Sequence[str] = "",
     ) -> None:
-        nemesis = list(default_nemeses(resource, resource_cmd) if nemesis is None else nemesis)
         plant_role(plant)  # (an unknown plant: a typed error first)
+        if nemesis is None:
+            nemesis = PLANT_NEMESES.get(plant, ("stall",)) if plant else None
+        nemesis = list(default_nemeses(resource, resource_cmd) if nemesis is None else nemesis)
         self.needs = PLANT_NEEDS.get(plant, ())
         if self.needs and not set(self.needs) & set(nemesis):
             nemesis.append(self.needs[0])  # the plant turns on what shows it
@@ -801,10 +839,9 @@ class LocksWorkload:
             time.sleep(lasts)  # past its lease: a successor is granted meanwhile
             os.killpg(victim.pid, signal.SIGCONT)
         elif kind == "stall":  # it stops itself inside its critical section
-            os.kill(victim.pid, signal.SIGUSR1)
-            args = (victim.pid, who, path, rng.uniform(0, ttl / 4), 4 * ttl + 2)
-            self.stalls.append(threading.Thread(target=_resume_after, args=args, daemon=True))
-            self.stalls[-1].start()
+            # Half the stalls chain (see _resume_after): the late write lands one grant behind.
+            chain = self._stall if rng.random() < 0.5 else None
+            self._stall(who, rng.uniform(0, ttl / 4), chain)
         elif kind in ("partition", "delay"):
             for proxy in self.proxies[victim.pid]:
                 proxy.partition() if kind == "partition" else proxy.delay(1.5 * ttl)
@@ -854,6 +891,19 @@ class LocksWorkload:
                 proxy.close()
             to_resource.pop(victim.pid, None)
             procs[i] = self._spawn()
+
+    def _stall(
+        self, who: str, delay: float = 0.0, chain: Callable[[str], None] | None = None
+    ) -> None:
+        """Have worker ``who`` stop itself before its next write, and continue it later."""
+        pid = next((p.pid for p in self.procs if self.names[p.pid] == who), None)
+        if pid is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGUSR1)
+        args = (pid, who, self.path, delay, 4 * self.ttl + 2, chain)
+        self.stalls.append(threading.Thread(target=_resume_after, args=args, daemon=True))
+        self.stalls[-1].start()
 
     # -- teardown and verdict ------------------------------------------------------------------
 
@@ -922,6 +972,16 @@ class LocksWorkload:
                     f"run ended before any: give it more --time",
                 )
             )
+        elif plant and not violations:
+            # A planted bug the faults never showed proves nothing either way: never a pass
+            # (a user who plants one to watch the kit work must not read "every invariant held").
+            violations.append(
+                Violation(
+                    "plant not exercised",
+                    f"--plant {plant} was never caught: the faults of this run ({', '.join(self.nemeses)}, "
+                    f"seed {self.seed}) did not open its window; give it more --time or another --seed",
+                )
+            )
         report = write_report(events, violations, self.out / "report.html")
         return CampaignResult(
             violations=violations,
@@ -962,7 +1022,8 @@ def run_campaign(
     :func:`~fenced.testing.check.open_resource` ("" for an embedded SQLite register in
     ``out``). ``resource_cmd``: the command that serves ``resource`` (a shell-like string or
     an argv list): the kit starts it, restarts and pauses it. ``nemesis``: None for
-    :func:`default_nemeses`; a plant adds the fault it needs (:data:`PLANT_NEEDS`).
+    :func:`default_nemeses`, or with a plant the faults that show it (:data:`PLANT_NEMESES`);
+    a plant adds the fault it needs to any asked for (:data:`PLANT_NEEDS`).
     ``signing``: workers get signed tokens (an HMAC key made for the run) and the resource's
     guard verifies them. ``progress(elapsed, what)`` is called as the run goes.
     ``stop_at_first``: end the run early once every nemesis has struck and the history so
