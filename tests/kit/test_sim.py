@@ -262,7 +262,10 @@ def test_a_client_that_raises_is_a_violation_not_a_lost_task(
 PINNED = {
     ("lease", 7): "fbc8c39b8eeaf87e",
     ("lease", 1113): "0cf4d07d7cf78a88",
-    ("group", 7): "d1cb15a05521d4e3",
+    # (re-pinned at the merge of the simulator's speed-ups with the kit's and the members'
+    # restructure, made in parallel: seed 7's group run moved; every group seed still holds,
+    # each plant is still found)
+    ("group", 7): "f9be932a2f591d73",
     ("group", 1113): "c5c2ba833bde4ed9",
     ("gateway", 7): "49bd137572574847",
     ("gateway", 1113): "0500b99387522529",
