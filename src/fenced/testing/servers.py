@@ -706,8 +706,17 @@ class MariaDBServer(Server):
         )
 
     def command(self) -> Sequence[str]:
+        # Its own temp dir: in the shared /tmp, a temp table's file was once deleted under the
+        # server by another process's clean-up (CI: "Error on delete of '/tmp/#sql-temptable-…'
+        # (Errcode: 2)", a guarded statement refused).
+        tmp = self.dir / "tmp"
+        if not tmp.exists():
+            tmp.mkdir()
+            if self.as_root:
+                shutil.chown(tmp, "mysql", "mysql")
         return [
             self.mariadbd, "--no-defaults", f"--datadir={self.dir / 'data'}", *self._user_args(),
+            f"--tmpdir={self.dir / 'tmp'}",
             "--bind-address=127.0.0.1", f"--port={self.port}", f"--socket={self.dir / 'sock'}",
             "--skip-name-resolve", "--innodb-flush-log-at-trx-commit=1", "--max-connections=200",
         ]  # fmt: skip
