@@ -192,10 +192,13 @@ class Gateway:
         owner: str,
         *,
         waiting: Callable[[Awaitable[Any]], Awaitable[Any]] | None = None,
+        count_timeout: bool = True,
     ) -> tuple[Grant, FencingToken]:
         """:meth:`acquire` as ``key``'s grant. A waiting acquire (``wait`` > 0) is checked
         before it queues, and runs inside ``waiting`` (the HTTP layer's watch for the client
-        leaving); a try-once is checked only when refused (only then does it pay the look)."""
+        leaving); a try-once is checked only when refused (only then does it pay the look).
+        ``count_timeout`` False: a LockTimeout is not counted as an acquire timeout (a
+        try-once standing in for a waiting acquire its client may not add: a refusal)."""
         if wait:  # (checked before it queues: a refused request changes nothing)
             await self.refuse_others(key, name, request_id)
         granting = self.acquire(
@@ -205,6 +208,7 @@ class Gateway:
             wait,
             owner,
             foreign=self._foreign(key, name, request_id),
+            count_timeout=count_timeout,
         )
         got: tuple[Grant, FencingToken] = await (
             waiting(granting) if wait and waiting is not None else granting
@@ -245,6 +249,7 @@ class Gateway:
         owner: str,
         *,
         foreign: Foreign | None = None,
+        count_timeout: bool = True,
     ) -> tuple[Grant, FencingToken]:
         """Grant ``name`` to ``request_id`` (idempotent), waiting FIFO up to ``wait`` seconds;
         LockTimeout after that (or ForeignGrant, from ``foreign``: see :meth:`_foreign`).
@@ -254,7 +259,8 @@ class Gateway:
         except LockTimeout:
             if foreign is not None and not wait:  # (a waiting one was asked before it queued)
                 await foreign()
-            self.metrics.acquire_timeouts.inc()
+            if count_timeout:
+                self.metrics.acquire_timeouts.inc()
             raise
 
     async def _acquire(
