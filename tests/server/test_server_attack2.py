@@ -266,7 +266,7 @@ def test_a_flood_of_watches_is_bounded_per_client_and_per_server(
                 if r.status_code != 200:
                     await r.aread()
                     assert r.status_code == 429 and r.json()["error"] == "too_many_watches"
-                    assert "\n" not in r.json()["message"]
+                    assert "\n" not in r.json()["message"] and r.headers["retry-after"] == "1"
                     await r.aclose()
             # a blocking query is a watch too
             version = (await c.get(f"{u}/v1/locks/a/x", headers=auth("alice"))).json()["version"]
@@ -279,6 +279,7 @@ def test_a_flood_of_watches_is_bounded_per_client_and_per_server(
             full = await watch("eve", "e/w9")
             await full.aread()
             assert full.status_code == 503 and full.json()["error"] == "too_many_watches"
+            assert full.headers["retry-after"] == "1"
             await full.aclose()
             assert await metric("fenced_watches_open") == 6
             assert await metric(refused) == 56 + 1 + 1

@@ -168,6 +168,12 @@ async def test_the_bound_is_one_keys_and_leaves_anothers_alone(tmp_path: Path) -
         conns.append((reader, writer))
         free = await _take(served, "reports/free", **one)  # (at once: served, no place)
         assert free["token"] == "reports/free:1" and _held(served)["key one"] == 2
+        # A try-once (no timeout) of the held lock at the bound: its own answer, 409 timeout.
+        r1, w1 = await served.connect()
+        w1.write(request("/v1/locks/reports/k/-/acquire", b'{"request_id": "once"}', **one))
+        status, _, body = await read_answer(r1)
+        w1.close()
+        assert status == b"HTTP/1.1 409 Conflict" and json.loads(body)["error"] == "timeout"
         # A release: the first in line ("one"'s first) is granted, and its place given back.
         r2, w2 = await served.connect()
         w2.write(request("/v1/locks/reports/k/-/release", json.dumps(
