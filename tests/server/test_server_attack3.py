@@ -181,18 +181,16 @@ def _access_lines(server: FencedServer) -> list[str]:
     return out
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="not fixed: waiting acquires have no per-client bound (a design decision for the lead)",
-)
 def test_one_clients_waiting_acquires_are_bounded_as_its_watches_are(tmp_path: Path) -> None:
     """Watches are bounded per client because each costs the server while it is open; a
     waiting acquire (a long poll of up to --max-wait) costs it too — on SQLite each waiter
-    beats its row every waiter_ttl/3 — and is not bounded: one client's 500 waiting acquires
+    beats its row every waiter_ttl/3 — and was not bounded: one client's 500 waiting acquires
     took 0.97 s of the server's CPU a second on the test machine (50: 0.24 s), every other
-    client's request slower for it. Expected here: past the client's bound, 429."""
+    client's request slower for it. Now past --max-waiting-per-client, 429 too_many_waiting
+    with Retry-After, nothing queued, counted; the ones within it wait and are granted, and
+    an acquire of the same client answered at once is served."""
     source = f"sqlite:///{tmp_path / 'locks.db'}"
-    with FencedServer(source, args=["--max-watches-per-client", "4"]) as server:
+    with FencedServer(source, args=["--max-waiting-per-client", "4"]) as server:
         url = server.url
         held = httpx.post(f"{url}/v1/locks/h/-/acquire", json={"ttl": 60, "request_id": "h"})
         assert held.status_code == 200
@@ -206,14 +204,59 @@ def test_one_clients_waiting_acquires_are_bounded_as_its_watches_are(tmp_path: P
                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
                 )
                 socks.append(s)
+            # The 16 past the bound are answered at once; the 4 within it wait.
+            answers: dict[int, tuple[bytes, bytes]] = {}
             deadline = time.monotonic() + 10
-            while (waiting := httpx.get(f"{url}/v1/locks/h").json()["waiters"]) < 4:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)  # (polled, bounded: the waiters queue in another process)
-            assert waiting <= 4, f"{waiting} waiting acquires of one client"
+            while len(answers) < 16:
+                assert time.monotonic() < deadline, f"{len(answers)} refused"
+                for i, s in enumerate(socks):
+                    if i not in answers and (got := _answer(s, 0.05)) is not None:
+                        answers[i] = got
+            waiting = httpx.get(f"{url}/v1/locks/h").json()["waiters"]
+            assert waiting == 4, f"{waiting} waiting acquires of one client"
+            assert not any(_answer(s, 0.01) for i, s in enumerate(socks) if i not in answers)
+            for head, body in answers.values():
+                assert head.startswith(b"HTTP/1.1 429 "), head
+                assert b"\r\nretry-after: 1\r\n" in head.lower(), head
+                assert json.loads(body)["error"] == "too_many_waiting"
+            metrics = httpx.get(f"{url}/metrics").text
+            assert 'fenced_refused_requests_total{reason="too_many_waiting"} 16.0' in metrics
+            assert "fenced_acquire_timeouts_total 0.0" in metrics  # (refused, not timed out)
+            # The same client's acquire that is answered at once is served at its bound.
+            free = httpx.post(f"{url}/v1/locks/free/-/acquire", json={"timeout": 30})
+            assert free.status_code == 200, free.text
+            # The other side: those within the bound were waiting, and one is granted.
+            token = held.json()["token"]
+            gone = httpx.post(
+                f"{url}/v1/locks/h/-/release", json={"token": token, "request_id": "h"}
+            )
+            assert gone.json() == {"released": True}
+            waiters = [s for i, s in enumerate(socks) if i not in answers]
+            deadline = time.monotonic() + 10
+            while not (granted := [a for s in waiters if (a := _answer(s, 0.05))]):
+                assert time.monotonic() < deadline, "no waiter was granted"
+            [(head, body)] = granted  # (one: the lock is held again)
+            assert head.startswith(b"HTTP/1.1 200 ") and json.loads(body)["token"] == "h:2", head
         finally:
             for s in socks:
                 s.close()
+
+
+def _answer(s: socket.socket, timeout: float) -> tuple[bytes, bytes] | None:
+    """The answer on ``s`` (head with its last CRLF, body); None if none began in time."""
+    s.settimeout(timeout)
+    try:
+        got = s.recv(65536)
+    except TimeoutError:
+        return None
+    s.settimeout(10)  # (begun: the rest follows at once)
+    while b"\r\n\r\n" not in got:
+        got += s.recv(65536)
+    head, _, body = got.partition(b"\r\n\r\n")
+    length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+    while len(body) < length:
+        body += s.recv(65536)
+    return head + b"\r\n", body
 
 
 def test_two_keys_with_one_secret_are_refused_without_quoting_it(tmp_path: Path) -> None:

@@ -105,6 +105,15 @@ def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
         help="watches open on this server; one more is refused 503 too_many_watches (1024)",
     )
     serve.add_argument(
+        "--max-waiting-per-client",
+        type=_waiting_count,
+        default=256,
+        metavar="N",
+        help="acquires one API key, or without keys one address, may have waiting (long "
+        "polls); one more that would wait is refused 429 too_many_waiting, one answered at "
+        "once is served; 0: no bound. A worker pool sharing one key should raise it (256)",
+    )
+    serve.add_argument(
         "--log-format", choices=["text", "json"], default="text", help="log lines (text)"
     )
     serve.add_argument("--access-log", action="store_true", help="log every request")
@@ -126,6 +135,18 @@ def _watch_count(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a number of watches: {text!r}") from None
     if not 1 <= value <= 1_000_000:
         raise argparse.ArgumentTypeError(f"a number of watches is 1 to 1000000, not {value}")
+    return value
+
+
+def _waiting_count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of acquires: {text!r}") from None
+    if not 0 <= value <= 1_000_000:
+        raise argparse.ArgumentTypeError(
+            f"a number of waiting acquires is 0 (no bound) to 1000000, not {value}"
+        )
     return value
 
 
@@ -161,6 +182,7 @@ def run(args: argparse.Namespace) -> int:
         read_timeout=args.read_timeout,
         max_watches_per_client=args.max_watches_per_client,
         max_watches=args.max_watches,
+        max_waiting_per_client=args.max_waiting_per_client,
         loopback_hosts_only=keys is None and is_loopback(host),  # (DNS rebinding)
         same_origin_only=keys is None,  # (a page's cross-site POST)
     )

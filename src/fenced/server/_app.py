@@ -2,7 +2,8 @@
 
 Every answer that is not a success is ``{"error": <code>, "message": <one line>}`` with a
 fitting status: 400 invalid_request / invalid_token, 401 unauthenticated, 403 forbidden,
-404 not_found, 408 too_slow, 409 timeout, 410 lease_lost, 413 too_large, 503 unavailable.
+404 not_found, 408 too_slow, 409 timeout, 410 lease_lost, 413 too_large, 429
+too_many_watches / too_many_waiting (with Retry-After), 503 unavailable.
 A refused request changes nothing. See docs/server.md.
 """
 
@@ -128,18 +129,104 @@ class ServerSettings:
     max_watches: int = 1024
     """Watches open on this server, all clients together; one more is refused 503
     ``too_many_watches``."""
+    max_waiting_per_client: int = 256
+    """Acquires one client (counted as watches are: an API key, or without keys an address)
+    may have waiting at once — long polls, each queued at the source and beating its place
+    there; one more that would wait is refused 429 ``too_many_waiting`` (one answered at once
+    is served). 0: no bound. A worker pool sharing one key waits as one client: raise it."""
     read_timeout: float = READ_TIMEOUT
     """Seconds a request's body may take to arrive (408 after that); the same bound holds for
     its head, in the HTTP protocol (``_http``). A long poll's wait is not counted: it starts
     once the request has arrived."""
 
 
+RETRY_AFTER = {"retry-after": "1"}
+"""On a refusal that passes once the client has fewer places (a watch, a waiting acquire)."""
+_RETRY_HEADER: dict[str, Any] = {
+    "Retry-After": {
+        "description": "Seconds to wait before asking again",
+        "schema": {"type": "integer"},
+    }
+}
 _TOO_MANY_WATCHES: dict[int | str, dict[str, Any]] = {
-    429: {"model": ErrorOut, "description": "too_many_watches: the client's watches open reach "
-          "--max-watches-per-client"},
+    429: {"model": ErrorOut, "headers": _RETRY_HEADER, "description": "too_many_watches: the "
+          "client's watches open reach --max-watches-per-client"},
     503: {"model": ErrorOut, "description": "unavailable, or too_many_watches: the server's "
-          "reach --max-watches"},
+          "reach --max-watches (with Retry-After)"},
 }  # fmt: skip
+_TOO_MANY_WAITING: dict[int | str, dict[str, Any]] = {
+    429: {"model": ErrorOut, "headers": _RETRY_HEADER, "description": "too_many_waiting: the "
+          "client's acquires waiting reach --max-waiting-per-client (an acquire answered at "
+          "once is served)"},
+}  # fmt: skip
+
+
+def client_name(key: ApiKey | None, peer: str | None) -> str:
+    """Whom a per-client bound counts a request against: its API key, or on a server without
+    keys its peer's address. One identity for watches and waiting acquires alike."""
+    return f"key {key.id}" if key is not None else f"address {peer or '?'}"
+
+
+class _Places:
+    """The places of one kind (watches, waiting acquires) the clients hold now: at most
+    ``per_client`` a client (0: no bound; past it 429 ``code``) and ``total`` in all (0: no
+    bound; past it 503 ``code``), refusals counted in fenced_refused_requests_total. A place
+    taken is given back by the function :meth:`take` returns (once, whoever calls it)."""
+
+    def __init__(
+        self, gw: Gateway, what: str, code: str, per_client: int, total: int = 0, gauge: Any = None
+    ) -> None:
+        self.gw, self.what, self.code = gw, what, code
+        self.per_client, self.total, self.gauge = per_client, total, gauge
+        self.held: dict[str, int] = {}  # client -> its places now
+        self.count = 0
+
+    def full(self, who: str) -> bool:
+        """True if ``who`` holds its bound of places."""
+        return bool(self.per_client) and self.held.get(who, 0) >= self.per_client
+
+    def refusal(self, who: str) -> ApiError:
+        """The 429 for ``who`` at its bound (counted)."""
+        return self._refused(
+            429, f"{who} has {self.held.get(who, 0)} {self.what}, the limit of one client: "
+            "let one end first",
+        )  # fmt: skip
+
+    def _refused(self, status: int, message: str) -> ApiError:
+        self.gw.metrics.refused.labels(self.code).inc()
+        refused = ApiError(status, self.code, message)
+        refused.headers.update(RETRY_AFTER)
+        return refused
+
+    def take(self, who: str) -> Callable[[], None]:
+        """Take a place for ``who``, or raise ApiError (429 at its bound, 503 at the server's)."""
+        if self.total and self.count >= self.total:
+            raise self._refused(
+                503, f"this server has {self.total} {self.what}, its limit: try later"
+            )
+        if self.full(who):
+            raise self.refusal(who)
+        self.held[who] = self.held.get(who, 0) + 1
+        self.count += 1
+        if self.gauge is not None:
+            self.gauge.inc()
+        given_back = False
+
+        def give_back() -> None:
+            nonlocal given_back
+            if not given_back:
+                given_back = True
+                self.count -= 1
+                if self.gauge is not None:
+                    self.gauge.dec()
+                left = self.held[who] - 1
+                if left:
+                    self.held[who] = left
+                else:
+                    del self.held[who]
+
+        return give_back
+
 
 # -- routes -----------------------------------------------------------------------------------------
 #
@@ -173,6 +260,19 @@ DASHBOARD_LOCKS = 500
 def _expires_in(grant: Grant) -> float:
     """Seconds the grant has left, from when its request was sent (never below 0)."""
     return max(0.0, grant.sent_at + grant.ttl - _clock.now())
+
+
+def _grant_out(name: str, rid: str, grant: Grant, signed: FencingToken) -> GrantOut:
+    return GrantOut(
+        lock=name,
+        token=str(grant.token),
+        value=grant.token.value,
+        signed=str(signed) if signed.signature else None,
+        request_id=rid,
+        lease_id=rid,
+        ttl=grant.ttl,
+        expires_in=_expires_in(grant),
+    )
 
 
 def _status_out(status: LockStatus, key: ApiKey | None) -> StatusOut:
@@ -259,6 +359,11 @@ def create_app(settings: ServerSettings) -> FastAPI:
     locks = AsyncLocks(settings.url, **settings.options)
     gw = Gateway(locks, max_wait=settings.max_wait, default_ttl=settings.default_ttl)
     keys = settings.api_keys
+    watches = _Places(
+        gw, "watches open", "too_many_watches", settings.max_watches_per_client,
+        settings.max_watches, gw.metrics.watches,
+    )  # fmt: skip
+    waiting = _Places(gw, "acquires waiting", "too_many_waiting", settings.max_waiting_per_client)
     verifier = locks.verifier  # (its key's public half, bound to its source id)
 
     @contextlib.asynccontextmanager
@@ -287,6 +392,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
     )
     app.state.gateway = gw
     app.state.keys = keys
+    app.state.watches, app.state.waiting = watches, waiting  # (tests read them)
     app.loopback_hosts_only = settings.loopback_hosts_only
     app.same_origin_only = settings.same_origin_only or settings.loopback_hosts_only
 
@@ -294,7 +400,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return _error(exc.status, exc.code, exc.message, exc.extra)
+        return exc.response()
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -393,7 +499,10 @@ def create_app(settings: ServerSettings) -> FastAPI:
     @app.post(
         "/v1/locks/{name:lock}/-/acquire",
         response_model=GrantOut,
-        responses={409: {"model": ErrorOut, "description": "timeout: not granted in time"}},
+        responses={
+            409: {"model": ErrorOut, "description": "timeout: not granted in time"},
+            **_TOO_MANY_WAITING,
+        },
         tags=["locks"],
         summary="Acquire a lock (a long poll while it waits)",
     )
@@ -423,23 +532,34 @@ def create_app(settings: ServerSettings) -> FastAPI:
         if key is not None:
             owner = f"{key.id}: {owner}"
         wait = min(timeout or 0.0, settings.max_wait)
-        # Only a waiting acquire (a long poll) watches for the client leaving or a shutdown.
-        grant, signed = await call(
-            gw.acquire_for(
-                key, name, rid, ttl, wait, owner[:200],
-                waiting=lambda granting: _unless_gone(receive, gw, granting),
-            )
-        )  # fmt: skip
-        return GrantOut(
-            lock=name,
-            token=str(grant.token),
-            value=grant.token.value,
-            signed=str(signed) if signed.signature else None,
-            request_id=rid,
-            lease_id=rid,
-            ttl=grant.ttl,
-            expires_in=_expires_in(grant),
-        )
+        who = client_name(key, client)
+        if wait and waiting.full(who):
+            # At its bound, a client's acquire is served if it is answered at once (tried
+            # once, nothing queued); one that would wait is refused. (Each waiting one costs
+            # the server and the source until it ends: 500 of one client took a second of
+            # the server's CPU a second.)
+            try:
+                grant, signed = await gw.acquire_for(
+                    key, name, rid, ttl, 0.0, owner[:200], count_timeout=False
+                )
+            except LockTimeout:
+                raise waiting.refusal(who) from None
+            except FencedError as exc:
+                raise fail(exc) from exc
+            return _grant_out(name, rid, grant, signed)
+        give_back = waiting.take(who) if wait else None
+        try:
+            # Only a waiting acquire (a long poll) watches for the client leaving or a shutdown.
+            grant, signed = await call(
+                gw.acquire_for(
+                    key, name, rid, ttl, wait, owner[:200],
+                    waiting=lambda granting: _unless_gone(receive, gw, granting),
+                )
+            )  # fmt: skip
+        finally:  # (granted, timed out, client gone, cancelled, server stopping: its place back)
+            if give_back is not None:
+                give_back()
+        return _grant_out(name, rid, grant, signed)
 
     @app.post(
         "/v1/locks/{name:lock}/-/renew",
@@ -486,43 +606,11 @@ def create_app(settings: ServerSettings) -> FastAPI:
         freed = await call(gw.force_release(name, token))
         return ForceOut(released=_status_out(freed, key) if freed else None)
 
-    watching: dict[str, int] = {}  # client -> its watches open now
-
     def watch_slot(key: ApiKey | None, request: Request) -> Callable[[], None]:
         """Take a watch's place, or refuse it (429 past the client's bound, 503 past the
         server's: counted as refused ``too_many_watches``); the function gives it back (once,
         whatever calls it)."""
-        peer = request.client.host if request.client else "?"
-        who = f"key {key.id}" if key is not None else f"address {peer}"
-        mine = watching.get(who, 0)
-        if sum(watching.values()) >= settings.max_watches:
-            gw.metrics.refused.labels("too_many_watches").inc()
-            raise ApiError(
-                503, "too_many_watches",
-                f"this server has {settings.max_watches} watches open, its limit: try later",
-            )  # fmt: skip
-        if mine >= settings.max_watches_per_client:
-            gw.metrics.refused.labels("too_many_watches").inc()
-            raise ApiError(
-                429, "too_many_watches",
-                f"{who} has {mine} watches open, the limit of one client: close one first",
-            )  # fmt: skip
-        watching[who] = mine + 1
-        gw.metrics.watches.inc()
-        given_back = False
-
-        def give_back() -> None:
-            nonlocal given_back
-            if not given_back:
-                given_back = True
-                gw.metrics.watches.dec()
-                left = watching[who] - 1
-                if left:
-                    watching[who] = left
-                else:
-                    del watching[who]
-
-        return give_back
+        return watches.take(client_name(key, request.client.host if request.client else None))
 
     @app.get(
         "/v1/locks/{name:lock}/-/watch",

@@ -15,6 +15,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import hashlib
 import json
 import logging
 import re
@@ -25,7 +26,13 @@ from typing import Any
 
 from .._core import clock as _clock
 from .._core.backend import Backend, Grant, LockStatus, TokenCheck
-from .._core.errors import AccessDenied, LeaseLostError, LockTimeout
+from .._core.errors import (
+    AccessDenied,
+    BackendUnavailable,
+    LeaseLostError,
+    LockTimeout,
+    RecordConflict,
+)
 from .._core.lease import AsyncLocks
 from .._core.token import FencingToken
 from ._auth import TAG_LENGTH, ApiKey
@@ -85,6 +92,20 @@ def others_id(key: ApiKey, holder: str | None, request_id: str) -> bool:
 
 _BARE = re.compile(r"[A-Za-z0-9_.:@+/-]+")
 
+EXPIRY_CLAIMS = "_fenced-expired/"
+"""The records (one a lock, named by its name's hash) in which gateways claim the expiries
+they count: the source lets one of them claim each (compare-and-set), so a grant two
+gateways tracked is counted once."""
+CLAIMS_KEPT = 64
+"""Token values a lock's claim record keeps (the highest): a claim of a token below them all
+is refused (counted long ago, or too late to tell)."""
+
+
+def claim_record(name: str) -> str:
+    """The record in which the expiries of lock ``name`` are claimed (a name of fixed length:
+    the lock's may be 200 characters)."""
+    return EXPIRY_CLAIMS + hashlib.sha256(name.encode()).hexdigest()[:32]
+
 
 def _field(text: str) -> str:
     """A client's text as one value of a ``key=value`` log line: bare if it cannot be read
@@ -126,6 +147,8 @@ class Gateway:
         self._settled: dict[tuple[str, str], set[int]] = {}  # released/ended meanwhile
         self._changed: dict[str, asyncio.Event] = {}
         self._sweeper: asyncio.Task[None] | None = None
+        self._claims = False  # (the source keeps records: expiries are claimed there)
+        self._unclaimed: dict[tuple[str, int], str | None] = {}  # ended, to claim: its owner
         self.loop: asyncio.AbstractEventLoop | None = None
         self.transition_line: Callable[[str], None] | None = None
         """Writes one info line of ``fenced.server``, where ``fenced serve`` set one up that
@@ -146,6 +169,9 @@ class Gateway:
         self.loop = asyncio.get_running_loop()
         await self.locks.open()
         self._backend = await self.locks.opened_backend()
+        # (a source that keeps no records — the default raises — cannot tell two gateways'
+        # counts apart: each counts what it saw end, as before)
+        self._claims = type(self._backend).read_record is not Backend.read_record
         self._sweeper = asyncio.create_task(self._sweep(), name="fenced-server-sweep")
 
     def halt(self) -> None:
@@ -192,10 +218,13 @@ class Gateway:
         owner: str,
         *,
         waiting: Callable[[Awaitable[Any]], Awaitable[Any]] | None = None,
+        count_timeout: bool = True,
     ) -> tuple[Grant, FencingToken]:
         """:meth:`acquire` as ``key``'s grant. A waiting acquire (``wait`` > 0) is checked
         before it queues, and runs inside ``waiting`` (the HTTP layer's watch for the client
-        leaving); a try-once is checked only when refused (only then does it pay the look)."""
+        leaving); a try-once is checked only when refused (only then does it pay the look).
+        ``count_timeout`` False: a LockTimeout is not counted as an acquire timeout (a
+        try-once standing in for a waiting acquire its client may not add: a refusal)."""
         if wait:  # (checked before it queues: a refused request changes nothing)
             await self.refuse_others(key, name, request_id)
         granting = self.acquire(
@@ -205,6 +234,7 @@ class Gateway:
             wait,
             owner,
             foreign=self._foreign(key, name, request_id),
+            count_timeout=count_timeout,
         )
         got: tuple[Grant, FencingToken] = await (
             waiting(granting) if wait and waiting is not None else granting
@@ -245,6 +275,7 @@ class Gateway:
         owner: str,
         *,
         foreign: Foreign | None = None,
+        count_timeout: bool = True,
     ) -> tuple[Grant, FencingToken]:
         """Grant ``name`` to ``request_id`` (idempotent), waiting FIFO up to ``wait`` seconds;
         LockTimeout after that (or ForeignGrant, from ``foreign``: see :meth:`_foreign`).
@@ -254,7 +285,8 @@ class Gateway:
         except LockTimeout:
             if foreign is not None and not wait:  # (a waiting one was asked before it queued)
                 await foreign()
-            self.metrics.acquire_timeouts.inc()
+            if count_timeout:
+                self.metrics.acquire_timeouts.inc()
             raise
 
     async def _acquire(
@@ -477,24 +509,73 @@ class Gateway:
 
     def _ended(self, key: tuple[str, str], token: FencingToken) -> None:
         """A grant this gateway tracks ended without a release: counted and shown once (a
-        later renewal or release of it finds it gone and counts nothing)."""
+        later renewal or release of it finds it gone and counts nothing). Where the source
+        keeps records, counted only once claimed there (:meth:`_count_ended`, at the
+        sweep's next turn): another gateway that tracked the same grant (made here, renewed
+        there) finds it ended too, and the source lets one of them count it."""
         grant = self._grants.get(key)
         if grant is None or grant.token.value != token.value:
             return
         del self._grants[key]
         self._settle(key, token)
+        owner = self._owners.pop(key, None)
+        if self._claims:
+            self._unclaimed[(key[0], token.value)] = owner
+            return
         self.metrics.expiries.inc()
-        self._note(key[0], "expired", token, self._owners.pop(key, None))
+        self._note(key[0], "expired", token, owner)
+
+    async def _count_ended(self) -> None:
+        """Claim at the source each grant found ended here, and count those claimed (one
+        the source says another gateway claimed first is its count, not ours). A claim the
+        source did not answer stays for the next turn."""
+        for (name, value), owner in list(self._unclaimed.items()):
+            try:
+                claimed = await self.claim_expiry(name, value)
+            except (BackendUnavailable, TimeoutError):
+                raise  # (the next turn asks again)
+            except Exception as exc:  # (a source that refuses the record: a key without
+                # rights on it upstream of an http:// source) counted here, as without claims
+                logger.warning("expiry of %s:%d not claimed at the source: %s", name, value, exc)
+                claimed = True
+            del self._unclaimed[(name, value)]
+            if claimed:
+                self.metrics.expiries.inc()
+                self._note(name, "expired", FencingToken(name, value), owner)
+
+    async def claim_expiry(self, name: str, value: int) -> bool:
+        """True if this call claimed the expiry of grant ``value`` of lock ``name`` at the
+        source, False if another caller (a gateway) did before: compare-and-set on the lock's
+        claim record, which keeps the :data:`CLAIMS_KEPT` highest values claimed."""
+        record_name = claim_record(name)
+        for _ in range(8):  # (each retry: another gateway's claim landed meanwhile)
+            record = await self.backend.read_record(record_name)
+            version, claimed = (
+                (0, []) if record is None else (record.version, _values(record.value))
+            )
+            if value in claimed or (len(claimed) >= CLAIMS_KEPT and value < claimed[0]):
+                return False
+            kept = sorted({*claimed, value})[-CLAIMS_KEPT:]
+            try:
+                await self.backend.swap_record(record_name, version, json.dumps(kept))
+            except RecordConflict:
+                continue
+            return True
+        raise BackendUnavailable(f"the expiry claims of {name!r} kept changing")
 
     async def _sweep(self) -> None:
         """Forget grants not renewed here for longer than their ttl: the table is a cache,
         never the truth. The source says which of them expired (their holders stopped:
-        counted in fenced_expiries_total and shown as "expired") and which live on (renewed
-        through another gateway: forgotten silently)."""
+        counted in fenced_expiries_total and shown as "expired", once claimed at the source:
+        :meth:`_count_ended`) and which live on (renewed through another gateway: forgotten
+        silently)."""
         while True:
             await asyncio.sleep(1.0)
             with contextlib.suppress(Exception):  # (an unreachable source: next turn)
                 await self._sweep_once()
+            if self._unclaimed:
+                with contextlib.suppress(Exception):
+                    await self._count_ended()
 
     async def _sweep_once(self) -> None:
         now = _clock.now()
@@ -506,8 +587,10 @@ class Gateway:
             status = await self.backend.status(key[0])
             if self._grants.get(key) is not grant:
                 continue  # (renewed or released here meanwhile)
-            live = status.remaining is None or status.remaining > 0
-            if live and status.token == grant.token and status.holder == key[1]:
+            # Held is live: every source reports a grant held only until it expires, and its
+            # time left may read 0 while it lives (etcd counts whole seconds: a lease of 1 s,
+            # renewed through another gateway, read 0 and was counted an expiry here).
+            if status.token == grant.token and status.holder == key[1]:
                 del self._grants[key]  # still held: renewed through another gateway
                 self._owners.pop(key, None)
             elif not self._release_pending(key, grant.token):
@@ -549,6 +632,19 @@ class Gateway:
         so the server's must not be guessable from another (``_fork.request_id`` is a
         prefix per process and a counter: fine for ids a process keeps to itself)."""
         return secrets.token_hex(16)
+
+
+def _values(text: str) -> list[int]:
+    """A claim record's token values, sorted; a value that is not a list of integers (written
+    by hand through the records API) reads as none: the compare-and-set still lets one claim
+    each value from then on."""
+    try:
+        values = json.loads(text)
+    except ValueError:
+        return []
+    if not isinstance(values, list) or not all(type(v) is int for v in values):
+        return []
+    return sorted(values)
 
 
 async def _first(*aws: Any) -> None:

@@ -211,7 +211,7 @@ class _FastLane:
             try:
                 out = await lane.handle(name, model, key, scope, receive)
             except ApiError as exc:
-                error = _error(exc.status, exc.code, exc.message, exc.extra)
+                error = exc.response()
                 return exc.status, error.raw_headers, bytes(error.body)
             data = out.model_dump_json().encode()
             return 200, _json_head(data), data

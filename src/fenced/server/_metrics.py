@@ -71,7 +71,7 @@ class Metrics:
         self.refused = Counter(
             "fenced_refused_requests",
             "Requests refused: unauthenticated, forbidden, invalid, too_large, too_slow, "
-            "too_many_watches",
+            "too_many_watches, too_many_waiting",
             ["reason"],
             registry=r,
         )

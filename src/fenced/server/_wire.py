@@ -224,6 +224,13 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.code, self.message = status, code, message
         self.extra = extra or {}
+        self.headers: dict[str, str] = {}  # (e.g. Retry-After on a refusal that may pass)
+
+    def response(self) -> JSONResponse:
+        """The error answer, with its headers."""
+        answer = _error(self.status, self.code, self.message, self.extra)
+        answer.headers.update(self.headers)
+        return answer
 
 
 def _error(

@@ -335,6 +335,7 @@ class _RetryNewGrant(_SimGateway):
         owner: str,
         *,
         waiting: Callable[[Awaitable[Any]], Awaitable[Any]] | None = None,
+        count_timeout: bool = True,
     ) -> tuple[Grant, FencingToken]:
         # (Planted: the source id is this gateway's, per acquire; the client's kept in memory.)
         mine = own_id(key, request_id)
