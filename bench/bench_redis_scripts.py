@@ -5,8 +5,9 @@ commands it calls); the variants run in blocks of cycles, rotated, on one server
 ``appendfsync always``), and the median of the blocks' µs per cycle is printed, so load drift
 hits them all alike and a preempted block does not move the figure. Rows: fenced's scripts
 (as in ``src``, or as in a git revision with ``--before REV``), redis-py's ``Lock`` (``SET NX
-PX`` command + its release script), and the floor of any design with two scripts (a ``SET NX
-PX`` script and redis-py's release script).
+PX`` command + its release script), the floor of any design with two scripts (a ``SET NX
+PX`` script and redis-py's release script), and the floor of an acquire with no script (``SET
+NX PX`` and ``INCR`` in one ``MULTI``, then the release script).
 
 ``--instructions`` counts instead the instructions the server runs per cycle (callgrind,
 from reading the command to its propagation to the AOF: CPU work only, deterministic, so
@@ -141,6 +142,17 @@ def uncontended_ops(c: redis.Redis, variants: dict[str, tuple[str, str]]) -> dic
         assert native_release(keys=["bench:native"], args=["tok"]) == 1
 
     ops["redis-py Lock"] = native
+
+    def multi() -> None:
+        # The floor of an acquire with no script: the lock and a token in one MULTI (the INCR
+        # runs, and burns a token, even when SET NX fails); no FIFO check, no holder record.
+        p = c.pipeline(transaction=True)
+        p.set("bench:multi", "tok", nx=True, px=10_000).incr("bench:multi:token")
+        ok, _ = p.execute()
+        assert ok
+        assert native_release(keys=["bench:multi"], args=["tok"]) == 1
+
+    ops["floor: MULTI acquire + release script"] = multi
     return ops
 
 
@@ -188,7 +200,13 @@ def run(
         for _ in range(rounds):
             for name, op in ops:
                 # fenced's scripts call SET, which INFO counts under SET as well.
-                names = ("evalsha", "set") if name == "redis-py Lock" else ("evalsha",)
+                names = (
+                    ("evalsha", "set")
+                    if name == "redis-py Lock"
+                    else ("evalsha", "exec", "multi")
+                    if name.startswith("floor: MULTI")
+                    else ("evalsha",)
+                )
                 before = usec(c, names)
                 for _ in range(block):
                     op()
