@@ -1594,16 +1594,38 @@ def test_guarded_transaction_reports_what_the_server_refused_on(pg_dsn: str) -> 
         assert c.execute("SELECT * FROM acct").fetchall() == [(3, 7)]
 
 
+def _stale_batch_is_never_committed(conn: Any, guard: SQLGuard) -> bool:
+    """The checker of ``batch`` (one psycopg pipeline): token 10's batch, then the stale 9's;
+    9 must raise and leave 10's data."""
+    conn.execute("CREATE TABLE IF NOT EXISTS acct (id INTEGER PRIMARY KEY, v BIGINT)")
+    conn.execute("INSERT INTO acct (id, v) VALUES (1, 0) ON CONFLICT DO NOTHING")
+    guard.batch(conn, [("UPDATE acct SET v = 10 WHERE id = 1", None)], token=tok(10))
+    try:
+        guard.batch(
+            conn,
+            [("UPDATE acct SET v = 9 WHERE id = 1", None), ("INSERT INTO acct VALUES (90, 9)", None)],
+            token=tok(9),
+        )
+        refused = False
+    except StaleTokenError as exc:
+        refused = exc.high_water == tok(10)
+    rows = [tuple(r) for r in conn.execute("SELECT id, v FROM acct ORDER BY id").fetchall()]
+    return refused and rows == [(1, 10)] and guard.high_water(conn) == tok(10)
+
+
 def test_a_pipelined_check_that_does_not_raise_is_caught(
     pg_dsn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Planted: the refusal function returns NULL instead of raising. In the pipeline nothing
-    waits for the check's answer, so the stale transaction commits: the checker catches it."""
+    """Planted: the refusal function returns NULL instead of raising. In ``batch``'s pipeline
+    nothing waits for the check's answer, so the stale batch commits: the checker catches it
+    (and passes the real check)."""
     from fenced.guards import _sql_driver
 
     with psycopg.connect(pg_dsn, autocommit=True) as c:
         guard = SQLGuard("acct", lock=LOCK)
         guard.install(c)
+        assert _stale_batch_is_never_committed(c, guard)
+        c.execute("DROP TABLE acct; DELETE FROM fenced_fences")
         c.execute(
             "CREATE FUNCTION planted_refuse(tbl regclass, res text) RETURNS bigint "
             "LANGUAGE sql VOLATILE AS 'SELECT NULL::bigint'"
@@ -1614,7 +1636,7 @@ def test_a_pipelined_check_that_does_not_raise_is_caught(
             "pg_pipelined_check",
             lambda table: real(table).replace("fenced_refuse_v1(", "planted_refuse("),
         )
-        assert not _stale_pipelined_write_is_never_committed(c, guard)
+        assert not _stale_batch_is_never_committed(c, guard)
 
 
 def test_async_guarded_transaction_is_pipelined_the_same_way(pg_dsn: str) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import sqlite3
 import sys
 import weakref
@@ -32,7 +33,8 @@ from collections.abc import (
     Mapping,
     Sequence,
 )
-from typing import Any, NoReturn, TypeVar
+from dataclasses import dataclass
+from typing import Any, Final, NoReturn, TypeVar
 
 from .._clients.pg_errors import kind as pg_kind
 from .._clients.sqlite_errors import is_busy, is_unavailable
@@ -56,7 +58,9 @@ from ._sql_plan import (
     mariadb_batch_check,
     mariadb_batch_recheck,
     pg_pipelined_check,
+    pg_ride_sql,
     pipelined_refusal,
+    refusal_plan,
     row_write_accepted,
     row_write_plan,
     row_write_rest,
@@ -973,17 +977,222 @@ async def arun_install(conn: Any, make_plan: Callable[[Dialect], Plan[T]]) -> T:
         _raise_mapped(d, conn, exc)
 
 
-# -- one round trip: the check raises in the server (PostgreSQL pipeline) --------------------
+# -- SQLGuard.transaction: the check rides in the messages the transaction sends anyway ------
+#
+# On psycopg the unguarded transaction costs three round trips (BEGIN, the statement, COMMIT).
+# The guarded one sends the same three: ``BEGIN; EXECUTE <check>`` as one simple-query message,
+# the caller's statements, and ``EXECUTE <recheck>; COMMIT`` as one (the server runs nothing
+# of a message after a statement that fails, so a refusing recheck means no COMMIT). The
+# logic is one generator (_ride) of steps, run by a sync and an async driver.
+#
+# The attack it closes: a statement of the block that ends the transaction (COMMIT, ROLLBACK,
+# conn.commit()) releases the fence row. During the block psycopg therefore runs the
+# connection as non-autocommit, so the statements after such an end open a new transaction,
+# which the recheck refuses unless the fence accepts this token again in it (the rows it
+# writes then commit fenced, under the row lock); the recheck finds "still the checked
+# transaction" by its id. (Statements between two ends of the block's own are the caller's:
+# the docs say no statement may end the transaction.)
+
+_BLOCK: Final = "block"  # the step at which the caller's block runs
+_ROLLBACK: Final = "rollback"
+
+# The statements each connection has PREPAREd for _ride (names), so that the check and the
+# recheck are parsed and planned once per connection rather than in every transaction.
+_PREPARED: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True, slots=True)
+class _Message:
+    """A simple-query message (several statements, no parameters); its answer: the rows of
+    its last statement."""
+
+    sql: bytes
+
+
+def _ride_names(table: str) -> tuple[str, str]:
+    digest = hashlib.sha1(table.encode()).hexdigest()[:12]  # (a name, not a secret)
+    return f"fenced_check_v1_{digest}", f"fenced_recheck_v1_{digest}"
+
+
+def _begin_command(conn: Any) -> str:
+    """``BEGIN`` with the connection's transaction characteristics, as psycopg would send."""
+    words = ["BEGIN"]
+    if conn.isolation_level is not None:
+        words.append("ISOLATION LEVEL " + conn.isolation_level.name.replace("_", " "))
+    if conn.read_only is not None:
+        words.append("READ ONLY" if conn.read_only else "READ WRITE")
+    if conn.deferrable is not None:
+        words.append("DEFERRABLE" if conn.deferrable else "NOT DEFERRABLE")
+    return " ".join(words)
+
+
+@functools.lru_cache(maxsize=256)
+def _ride_first(
+    table: str, resource: str, lock: str, value: int, begin: str, prepared: bool, prepare: bool
+) -> bytes:
+    """``[PREPARE …;] BEGIN; <check>``: the literals rendered by psycopg (cached: a holder
+    repeats its token)."""
+    pg = _psycopg()
+    check, recheck = pg_ride_sql(table)
+    lits = [pg.sql.Literal(v).as_string(None) for v in (resource, lock, value)]
+    head = ""
+    if prepare:
+        first, second = _ride_names(table)
+        head = (
+            f"PREPARE {first}(text, text, bigint) AS {check.format('$1', '$2', '$3')}; "
+            f"PREPARE {second}(bigint, text, text, bigint, text) AS "
+            f"{recheck.format('$1', '$2', '$3', '$4', '$5')}; "
+        )
+    if prepared:
+        body = f"EXECUTE {_ride_names(table)[0]}({', '.join(lits)})"
+    else:
+        body = check.format(*lits)
+    return f"{head}{begin}; {body}".encode()
+
+
+@functools.lru_cache(maxsize=256)
+def _ride_last(
+    table: str, resource: str, lock: str, value: int, prepared: bool
+) -> tuple[bytes, bytes]:
+    """``<recheck>; COMMIT`` around the transaction id (only it changes between holders'
+    transactions): the message is ``head + b"%d" % xid + tail``."""
+    pg = _psycopg()
+    lits = [pg.sql.Literal(v).as_string(None) for v in (resource, lock, value, table)]
+    if prepared:
+        head, tail = f"EXECUTE {_ride_names(table)[1]}(", f", {', '.join(lits)}); COMMIT"
+    else:
+        head, _, tail = pg_ride_sql(table)[1].format("\0", *lits).partition("\0")
+        tail += "; COMMIT"
+    return head.encode(), tail.encode()
+
+
+def _ride(
+    conn: Any, table: str, resource: str, token: FencingToken, use: TableUse
+) -> Generator[object, Any, None]:
+    """``SQLGuard.transaction`` on psycopg, as steps for a driver: a :class:`Stmt` (its
+    :class:`Result`; the driver's error mapped by :func:`map_error`), a :class:`_Message`
+    (the rows of its last statement; the driver's error as raised), ``_ROLLBACK``, and
+    ``_BLOCK`` (the caller's block; its exception thrown in)."""
+    if conn.closed:
+        raise BackendUnavailable("the psycopg connection is closed")
+    autocommit = conn.autocommit
+    if not _is_verified(conn, use):  # once per connection: its answer is needed first
+        yield from _verify_then(conn, POSTGRESQL, use, _nothing())
+        if not autocommit and in_transaction(conn):
+            yield _ROLLBACK  # (a catalog read opened it: nothing to keep)
+    # (psycopg must not send a BEGIN of its own before ours: the first message is its BEGIN)
+    conn._autocommit = True
+    try:
+        prepared = conn.prepare_threshold is not None  # (None: the caller wants none, pgbouncer)
+        names = _PREPARED.setdefault(conn, set()) if prepared else set()
+        begin = _begin_command(conn)
+        for retry in (False, True):
+            first = _ride_names(table)[0]
+            message = _ride_first(
+                table, resource, token.lock, token.value, begin, prepared, first not in names
+            )
+            try:
+                rows = yield _Message(message)
+                break
+            except Exception as exc:
+                if in_transaction(conn):
+                    yield _ROLLBACK
+                state = getattr(exc, "sqlstate", None)
+                if prepared and not retry and state in ("26000", "42P05"):
+                    # (deallocated by the caller, DISCARD ALL; or prepared already)
+                    if state == "26000":
+                        names.clear()
+                    else:
+                        names.update(_ride_names(table))
+                    continue
+                raise _ride_error(conn, resource, token, exc, first=True) from exc
+        if prepared:
+            names.update(_ride_names(table))
+        if not rows:  # refused: the row that refused is locked by this transaction
+            try:
+                yield from refusal_plan(fence_sql(POSTGRESQL, table), resource, token)
+            finally:
+                yield _ROLLBACK
+        xid = int(rows[0][1])
+        # (psycopg opens a transaction for a statement after one that ended ours: see above)
+        conn._autocommit = False
+        try:
+            yield _BLOCK
+        except BaseException:
+            yield _ROLLBACK
+            raise
+        head, tail = _ride_last(table, resource, token.lock, token.value, prepared)
+        try:
+            yield _Message(head + b"%d" % xid + tail)
+        except Exception as exc:
+            yield _ROLLBACK
+            if getattr(exc, "sqlstate", None) == "26000":
+                names.clear()  # (deallocated inside the block: prepared again next time)
+            raise _ride_error(conn, resource, token, exc) from exc
+    finally:
+        conn._autocommit = autocommit
+
+
+def _ride_error(
+    conn: Any, resource: str, token: FencingToken, exc: Exception, *, first: bool = False
+) -> Exception:
+    if first:  # the check's message: its errors are the check's
+        mapped: Exception | None = map_error(POSTGRESQL, conn, exc)
+        if getattr(exc, "sqlstate", None) == "42883" and "fenced_refuse" in str(exc):
+            mapped = None
+        if mapped is not None:
+            return mapped
+    return _pipelined_error(conn, resource, token, exc)
+
+
+def _rides(conn: Any) -> bool:
+    """Does ``transaction()`` ride on this psycopg connection? (Not in the caller's pipeline,
+    and only with the psycopg whose autocommit flag it knows.)"""
+    return (
+        isinstance(getattr(conn, "_autocommit", None), bool)
+        and conn.pgconn.pipeline_status == 0  # (pq.PipelineStatus.OFF)
+    )
+
+
+def _rows_of_last(cur: Any) -> list[Any]:
+    while cur.nextset():
+        pass
+    return cur.fetchall() if cur.description else []
+
+
+def _ride_io(conn: Any, step: object) -> Any:
+    if isinstance(step, _Message):
+        with conn.cursor() as cur:
+            cur.execute(step.sql)
+            return _rows_of_last(cur)
+    if step == _ROLLBACK:
+        with contextlib.suppress(Exception):
+            conn.rollback()
+        return None
+    try:
+        return _exec_psycopg(conn, step)  # type: ignore[arg-type]
+    except Exception as exc:
+        _raise_mapped(POSTGRESQL, conn, exc)
+
+
+async def _aride_io(conn: Any, step: object) -> Any:
+    if isinstance(step, _Message):
+        async with conn.cursor() as cur:
+            await cur.execute(step.sql)
+            while cur.nextset():
+                pass
+            return await cur.fetchall() if cur.description else []
+    if step == _ROLLBACK:
+        with contextlib.suppress(Exception):
+            await conn.rollback()
+        return None
+    try:
+        return await _aexec_psycopg(conn, step)  # type: ignore[arg-type]
+    except Exception as exc:
+        _raise_mapped(POSTGRESQL, conn, exc)
 
 
 @contextlib.contextmanager
-# _RECHECK: the pipeline checks the fence again after the block, in the same round trip: a
-# statement of the block that ended the transaction (COMMIT, ROLLBACK) released the fence
-# row, and what ran after it would commit unfenced, over a newer holder's writes. The second
-# check accepts only if no newer token has been accepted since (and locks the row till the
-# COMMIT). Costs server time, not a round trip.
-
-
 def guarded_transaction(
     conn: Any,
     table: str,
@@ -992,11 +1201,10 @@ def guarded_transaction(
     use: TableUse,
     begin: Callable[[], FencingToken],
 ) -> Iterator[FencingToken]:
-    """``SQLGuard.transaction``: on a psycopg connection with no transaction open, BEGIN,
-    the raising check (:func:`pg_pipelined_check`), the caller's statements and COMMIT go in
-    one pipeline, answered at its sync point; a refusal aborts the transaction in the server,
-    so nothing the block sent is committed. Elsewhere: ``begin()`` (today's check, awaited),
-    the block, COMMIT (ROLLBACK if the block raises)."""
+    """``SQLGuard.transaction``: on a psycopg connection with no transaction open, the check
+    rides with BEGIN and the recheck with COMMIT (:func:`_ride`); in the caller's psycopg
+    pipeline, the pipelined form. Elsewhere: ``begin()`` (today's check, awaited), the
+    block, COMMIT (ROLLBACK if the block raises)."""
     if sa_connection_kind(conn):
         already = sa_in_transaction(conn)
     else:
@@ -1013,6 +1221,102 @@ def guarded_transaction(
             raise
         _commit_any(conn)
         return
+    if not _rides(conn):
+        with _pipelined_transaction(conn, table, resource, token, use):
+            yield token
+        return
+    steps = _ride(conn, table, resource, token, use)
+    reply: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            step = steps.send(reply) if error is None else steps.throw(error)
+        except StopIteration:
+            return
+        reply = error = None
+        if step == _BLOCK:
+            try:
+                yield token
+            except BaseException as exc:  # (the block's: rolled back, raised as it is)
+                error = exc
+            continue
+        try:
+            reply = _ride_io(conn, step)
+        except Exception as exc:
+            error = exc
+
+
+@contextlib.asynccontextmanager
+async def aguarded_transaction(
+    conn: Any,
+    table: str,
+    resource: str,
+    token: FencingToken,
+    use: TableUse,
+    begin: Callable[[], Awaitable[FencingToken]],
+) -> AsyncIterator[FencingToken]:
+    """The async :func:`guarded_transaction` (the same :func:`_ride` on a
+    ``psycopg.AsyncConnection``), else ``begin()`` (``abegin``), the block, COMMIT."""
+    if sa_async(conn):
+        already = conn.in_transaction()
+    else:
+        _async_dialect(conn)
+        already = in_transaction(conn)
+    _refuse_open(already, "transaction()")
+    if _kind(conn) != "psycopg-async" or not _rides(conn):
+        if _kind(conn) == "psycopg-async":  # (in the caller's pipeline: no ride)
+            raise ConfigurationError(
+                "atransaction() inside a psycopg pipeline: leave the pipeline, or use "
+                "abegin() and COMMIT"
+            )
+        try:
+            accepted = await begin()
+            yield accepted
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await conn.rollback()
+            raise
+        if sa_async(conn):
+            await conn.commit()
+        else:
+            await _aend(conn, commit=True)
+        return
+    steps = _ride(conn, table, resource, token, use)
+    reply: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            step = steps.send(reply) if error is None else steps.throw(error)
+        except StopIteration:
+            return
+        reply = error = None
+        if step == _BLOCK:
+            try:
+                yield token
+            except BaseException as exc:
+                error = exc
+            continue
+        try:
+            reply = await _aride_io(conn, step)
+        except Exception as exc:
+            error = exc
+
+
+# -- batch() on psycopg: one pipeline ----------------------------------------------------------
+# _RECHECK: the pipeline checks the fence again after the statements, in the same round trip:
+# a statement that ended the transaction (COMMIT, ROLLBACK) released the fence row, and what
+# ran after it would commit unfenced, over a newer holder's writes. The second check accepts
+# only if no newer token has been accepted since (and locks the row till the COMMIT).
+
+
+@contextlib.contextmanager
+def _pipelined_transaction(
+    conn: Any, table: str, resource: str, token: FencingToken, use: TableUse
+) -> Iterator[None]:
+    """BEGIN, the raising check (:func:`pg_pipelined_check`), the statements and COMMIT in
+    one psycopg pipeline, answered at its sync point; a refusal aborts the transaction in
+    the server, so nothing sent is committed. ``batch()``'s form on psycopg: its statements
+    are known up front, so all of them go in one round trip."""
     if conn.closed:
         raise BackendUnavailable("the psycopg connection is closed")
     if not _is_verified(conn, use):  # once per connection: its answer is needed first
@@ -1028,62 +1332,8 @@ def guarded_transaction(
     try:
         with conn.pipeline(), conn.transaction():
             conn.execute(pg_pipelined_check(table), params)
-            yield token
+            yield
             conn.execute(pg_pipelined_check(table), params)  # (_RECHECK)
-    except Exception as exc:
-        mapped = _pipelined_error(conn, resource, token, exc)
-        if mapped is exc:
-            raise
-        raise mapped from exc
-
-
-@contextlib.asynccontextmanager
-async def aguarded_transaction(
-    conn: Any,
-    table: str,
-    resource: str,
-    token: FencingToken,
-    use: TableUse,
-    begin: Callable[[], Awaitable[FencingToken]],
-) -> AsyncIterator[FencingToken]:
-    """The async :func:`guarded_transaction`: pipelined on a ``psycopg.AsyncConnection``,
-    else ``begin()`` (``abegin``), the block, COMMIT."""
-    if sa_async(conn):
-        already = conn.in_transaction()
-    else:
-        _async_dialect(conn)
-        already = in_transaction(conn)
-    _refuse_open(already, "transaction()")
-    if _kind(conn) != "psycopg-async":
-        try:
-            accepted = await begin()
-            yield accepted
-        except BaseException:
-            with contextlib.suppress(Exception):
-                await conn.rollback()
-            raise
-        if sa_async(conn):
-            await conn.commit()
-        else:
-            await _aend(conn, commit=True)
-        return
-    if conn.closed:
-        raise BackendUnavailable("the psycopg connection is closed")
-    if not _is_verified(conn, use):  # once per connection: its answer is needed first
-        opened = not conn.autocommit
-        await adrive(
-            _verify_then(conn, POSTGRESQL, use, _nothing()),
-            lambda stmt: _aexec_psycopg(conn, stmt),
-            lambda exc: map_error(POSTGRESQL, conn, exc),
-        )
-        if opened and in_transaction(conn):
-            await _aend(conn, commit=False)
-    params = (resource, token.lock, token.value, table, resource)
-    try:
-        async with conn.pipeline(), conn.transaction():
-            await conn.execute(pg_pipelined_check(table), params)
-            yield token
-            await conn.execute(pg_pipelined_check(table), params)  # (_RECHECK)
     except Exception as exc:
         mapped = _pipelined_error(conn, resource, token, exc)
         if mapped is exc:
@@ -1129,7 +1379,8 @@ def guarded_batch(
     pipeline, or begin, check, statements, commit). Returns each statement's row count."""
     how = batch_kind(conn)
     if how == "pipeline":  # (a pipelined cursor's row count is known after the sync)
-        with transaction():  # (which checks again last: see guarded_transaction)
+        _refuse_open(in_transaction(conn), "batch()")
+        with _pipelined_transaction(conn, table, resource, token, use):  # (checks again last)
             cursors = [conn.execute(sql, params) for sql, params in statements]
         return [int(cur.rowcount) for cur in cursors]
     if how == "block":

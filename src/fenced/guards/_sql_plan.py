@@ -27,7 +27,7 @@ import functools
 import re
 from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, TypeVar
+from typing import Any, Final, NoReturn, TypeVar
 
 from .._core.errors import (
     ConfigurationError,
@@ -75,9 +75,11 @@ __all__ = [
     "mariadb_batch_recheck",
     "mysql_upsert_accepted",
     "mysql_use_plan",
+    "pg_ride_sql",
     "pg_use_plan",
     "quote_ident",
     "quote_table",
+    "refusal_plan",
     "row_high_water_plan",
     "row_install_plan",
     "row_write_plan",
@@ -359,6 +361,13 @@ def check_plan(sql: FenceSQL, resource: str, token: FencingToken) -> Plan[Fencin
     # Rejected. The conflicting row is now locked by us (PostgreSQL locks it even when the
     # DO UPDATE's WHERE is false) or the whole database is (SQLite), so this read reports
     # exactly the mark that rejected us.
+    return (yield from refusal_plan(sql, resource, token))
+
+
+def refusal_plan(sql: FenceSQL, resource: str, token: FencingToken) -> Plan[NoReturn]:
+    """Why the accepting upsert refused ``token`` (it returned no row): the row it refused
+    on, read and raised as :class:`~fenced.StaleTokenError`, :class:`~fenced.WrongLockError`,
+    :class:`~fenced.CorruptMarkError` or :class:`FenceConflictError`."""
     lock, value = yield from _refusing_row(sql, resource, token)
     if value is None:
         raise CorruptMarkError(resource, "the fence row has no token")
@@ -453,6 +462,39 @@ def pg_pipelined_check(table: str) -> str:
         f"WITH a AS ({accept}) SELECT token FROM a UNION ALL "
         f"SELECT {_refuse_function(table)}(%s::regclass, %s) WHERE NOT EXISTS (SELECT FROM a)"
     )
+
+
+# -- PostgreSQL: the check riding in the messages a transaction sends anyway ----------------
+
+
+@functools.lru_cache(maxsize=128)
+def pg_ride_sql(table: str) -> tuple[str, str]:
+    """``SQLGuard.transaction``'s two statements on PostgreSQL, with ``{0}``… slots for
+    ``PREPARE``'s ``$n`` or for literals (``table`` quoted).
+
+    *check* (resource, lock, token): the accepting upsert (:func:`fence_sql`), returning the
+    token and the transaction's id iff it accepted; it rides in one simple-query message
+    with ``BEGIN``. *recheck* (xid, resource, lock, token, table): rides with ``COMMIT``, and
+    raises :data:`STALE_SQLSTATE` (through the refusal function ``install()`` creates), so
+    that the ``COMMIT`` after it never runs, unless this is still the transaction the check
+    ran in (its id: the fence row is then locked by it and holds this token) or, in another
+    one (a statement of the block ended the first), the same upsert accepts again."""
+    accept = fence_sql(POSTGRESQL, table).accept
+    parts = accept.split("%s")
+    check = "".join(p + (f"{{{i}}}" if i < 3 else "") for i, p in enumerate(parts))
+    check = check.replace("RETURNING token", "RETURNING token, txid_current()")
+    cond = accept.split(" WHERE ", 1)[1].removesuffix(" RETURNING token")
+    recheck = (
+        # (the transaction's id read once, before the upsert, which would assign one)
+        "WITH x AS (SELECT txid_current_if_assigned() IS NOT DISTINCT FROM {0} AS same), "
+        f"a AS (INSERT INTO {table} AS f (resource, lock_name, token) "
+        "SELECT {1}, {2}, {3} FROM x WHERE NOT x.same "
+        f"ON CONFLICT (resource) DO UPDATE SET token = excluded.token WHERE {cond} "
+        "RETURNING token) "
+        "SELECT CASE WHEN (SELECT same FROM x) OR EXISTS (SELECT FROM a) THEN 0 "
+        f"ELSE {_refuse_function(table)}(CAST({{4}} AS regclass), {{1}}) END"
+    )
+    return check, recheck
 
 
 # -- MariaDB: the check that raises in the server (one multi-statement request) --------------
