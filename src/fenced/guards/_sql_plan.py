@@ -63,6 +63,7 @@ __all__ = [
     "Stmt",
     "TableUse",
     "check_plan",
+    "check_verdict",
     "fence_high_water_plan",
     "fence_install_plan",
     "fence_sql",
@@ -354,6 +355,14 @@ def check_plan(sql: FenceSQL, resource: str, token: FencingToken) -> Plan[Fencin
     if sql.mysql:
         return (yield from _mysql_check_plan(sql, resource, token))
     res = yield Stmt(sql.accept, (resource, token.lock, token.value))
+    return (yield from check_verdict(sql, resource, token, res))
+
+
+def check_verdict(
+    sql: FenceSQL, resource: str, token: FencingToken, res: Result
+) -> Plan[FencingToken]:
+    """The verdict on the accepting upsert's result ``res`` (PostgreSQL, SQLite): ``token``
+    if it returned the row, else why not (:func:`refusal_plan`)."""
     if res.rows:
         if type(res.rows[0][0]) is not int:  # a TEXT (or REAL...) token column, adopted
             _stored_token(token.lock, res.rows[0][0], resource)
