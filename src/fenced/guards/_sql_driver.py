@@ -1004,11 +1004,13 @@ _PREPARED: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary(
 @dataclass(frozen=True, slots=True)
 class _Message:
     """A simple-query message (several statements, no parameters); its answer: the rows of
-    its last statement."""
+    its last statement (``rows``: one that returns rows), else None."""
 
     sql: bytes
+    rows: bool = True
 
 
+@functools.lru_cache(maxsize=128)
 def _ride_names(table: str) -> tuple[str, str]:
     digest = hashlib.sha1(table.encode()).hexdigest()[:12]  # (a name, not a secret)
     return f"fenced_check_v1_{digest}", f"fenced_recheck_v1_{digest}"
@@ -1132,7 +1134,7 @@ def _ride(
             raise
         head, tail = _ride_last(table, resource, token.lock, token.value, prepared)
         try:
-            yield _Message(head + b"%d" % xid + tail)
+            yield _Message(head + b"%d" % xid + tail, rows=False)
         except Exception as exc:
             yield _ROLLBACK
             if getattr(exc, "sqlstate", None) == "26000":
@@ -1163,17 +1165,15 @@ def _rides(conn: Any) -> bool:
     )
 
 
-def _rows_of_last(cur: Any) -> list[Any]:
-    while cur.nextset():
-        pass
-    return cur.fetchall() if cur.description else []
-
-
 def _ride_io(conn: Any, step: object) -> Any:
     if isinstance(step, _Message):
         with conn.cursor() as cur:
             cur.execute(step.sql)
-            return _rows_of_last(cur)
+            if not step.rows:
+                return None
+            while cur.nextset():
+                pass
+            return cur.fetchall()  # (the check's rows: no description asked, it has one)
     if step == _ROLLBACK:
         with contextlib.suppress(Exception):
             conn.rollback()
@@ -1188,9 +1188,11 @@ async def _aride_io(conn: Any, step: object) -> Any:
     if isinstance(step, _Message):
         async with conn.cursor() as cur:
             await cur.execute(step.sql)
+            if not step.rows:
+                return None
             while cur.nextset():
                 pass
-            return await cur.fetchall() if cur.description else []
+            return await cur.fetchall()
     if step == _ROLLBACK:
         with contextlib.suppress(Exception):
             await conn.rollback()
