@@ -165,7 +165,7 @@ def ride_by_hand(conn: Any, guard: SQLGuard) -> tuple[bytes, bytes, bytes]:
         pass
     t = guard._quoted
     first = _ride_first(t, guard.resource, TOKEN.lock, TOKEN.value, "BEGIN", True, False)
-    head, tail = _ride_last(t, guard.resource, TOKEN.lock, TOKEN.value, True)
+    head, tail = _ride_last(t, guard.resource, True)
     return first, head, tail
 
 

@@ -1703,8 +1703,8 @@ def test_guarded_transaction_keeps_the_connection_as_it_was(pg_dsn: str) -> None
     """The ride on psycopg: autocommit and not, with the connection's isolation level, with
     prepared statements (dropped by DEALLOCATE ALL between transactions: prepared again) and
     without (``prepare_threshold=None``, as for pgbouncer: the statements as literals). The
-    connection comes back idle with its autocommit setting; a COMMIT inside the block with
-    no newer holder commits everything (what follows it is fenced by the recheck)."""
+    connection comes back idle with its autocommit setting. A COMMIT inside the block, even
+    with no newer holder, is refused at the recheck: what followed it is rolled back."""
     for autocommit, threshold in ((True, 5), (False, 5), (True, None), (False, None)):
         with psycopg.connect(pg_dsn, autocommit=autocommit, prepare_threshold=threshold) as c:
             guard = SQLGuard("acct", lock=LOCK)
@@ -1729,12 +1729,16 @@ def test_guarded_transaction_keeps_the_connection_as_it_was(pg_dsn: str) -> None
                 c.execute("INSERT INTO acct VALUES (3, 11)")
                 raise ZeroDivisionError
             assert c.autocommit is autocommit
-            with guard.transaction(c, token=tok(10)):
+            with (
+                pytest.raises(ConfigurationError, match="ended the transaction"),
+                guard.transaction(c, token=tok(10)),
+            ):
                 c.execute("INSERT INTO acct VALUES (4, 10)")
                 c.execute("COMMIT")
                 c.execute("INSERT INTO acct VALUES (5, 10)")
+            assert c.autocommit is autocommit
             rows = c.execute("SELECT id FROM acct ORDER BY id").fetchall()
-            assert rows == [(1,), (2,), (4,), (5,)]
+            assert rows == [(1,), (2,), (4,)]
             assert guard.high_water(c) == tok(10)
             c.commit()
 

@@ -33,7 +33,6 @@ from collections.abc import (
     Mapping,
     Sequence,
 )
-from dataclasses import dataclass
 from typing import Any, Final, NoReturn, TypeVar
 
 from .._clients.pg_errors import kind as pg_kind
@@ -988,10 +987,10 @@ async def arun_install(conn: Any, make_plan: Callable[[Dialect], Plan[T]]) -> T:
 # The attack it closes: a statement of the block that ends the transaction (COMMIT, ROLLBACK,
 # conn.commit()) releases the fence row. During the block psycopg therefore runs the
 # connection as non-autocommit, so the statements after such an end open a new transaction,
-# which the recheck refuses unless the fence accepts this token again in it (the rows it
-# writes then commit fenced, under the row lock); the recheck finds "still the checked
-# transaction" by its id. (Statements between two ends of the block's own are the caller's:
-# the docs say no statement may end the transaction.)
+# which the recheck refuses: it passes only in the transaction the check ran in (by its id),
+# whose lock on the fence row kept the mark at this token. Refused: StaleTokenError if a
+# newer token was accepted meanwhile, else ConfigurationError (the block ended it). (What
+# ran between two ends of the block's own is the caller's: no statement may end it.)
 
 _BLOCK: Final = "block"  # the step at which the caller's block runs
 _ROLLBACK: Final = "rollback"
@@ -1001,13 +1000,14 @@ _ROLLBACK: Final = "rollback"
 _PREPARED: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
 
 
-@dataclass(frozen=True, slots=True)
 class _Message:
     """A simple-query message (several statements, no parameters); its answer: the rows of
     its last statement (``rows``: one that returns rows), else None."""
 
-    sql: bytes
-    rows: bool = True
+    __slots__ = ("rows", "sql")
+
+    def __init__(self, sql: bytes, *, rows: bool = True) -> None:
+        self.sql, self.rows = sql, rows
 
 
 @functools.lru_cache(maxsize=128)
@@ -1042,8 +1042,7 @@ def _ride_first(
         first, second = _ride_names(table)
         head = (
             f"PREPARE {first}(text, text, bigint) AS {check.format('$1', '$2', '$3')}; "
-            f"PREPARE {second}(bigint, text, text, bigint, text) AS "
-            f"{recheck.format('$1', '$2', '$3', '$4', '$5')}; "
+            f"PREPARE {second}(bigint, text, text) AS {recheck.format('$1', '$2', '$3')}; "
         )
     if prepared:
         body = f"EXECUTE {_ride_names(table)[0]}({', '.join(lits)})"
@@ -1055,13 +1054,11 @@ def _ride_first(
 
 
 @functools.lru_cache(maxsize=256)
-def _ride_last(
-    table: str, resource: str, lock: str, value: int, prepared: bool
-) -> tuple[bytes, bytes]:
-    """``<recheck>; COMMIT`` around the transaction id (only it changes between holders'
-    transactions): the message is ``head + b"%d" % xid + tail``."""
+def _ride_last(table: str, resource: str, prepared: bool) -> tuple[bytes, bytes]:
+    """``<recheck>; COMMIT`` around the transaction id (only it changes from one
+    transaction to the next): the message is ``head + b"%d" % xid + tail``."""
     pg = _psycopg()
-    lits = [pg.sql.Literal(v).as_string(None) for v in (resource, lock, value, table)]
+    lits = [pg.sql.Literal(v).as_string(None) for v in (resource, table)]
     if prepared:
         head, tail = f"EXECUTE {_ride_names(table)[1]}(", f", {', '.join(lits)}); COMMIT"
     else:
@@ -1090,8 +1087,8 @@ def _ride(
         prepared = conn.prepare_threshold is not None  # (None: the caller wants none, pgbouncer)
         names = _PREPARED.setdefault(conn, set()) if prepared else set()
         begin = _begin_command(conn)
+        ride_names = _ride_names(table)
         for retry in (False, True):
-            first = _ride_names(table)[0]
             message = _ride_first(
                 table,
                 resource,
@@ -1099,7 +1096,7 @@ def _ride(
                 token.value,
                 begin,
                 prepared,
-                prepared and first not in names,
+                prepared and ride_names[0] not in names,
             )
             try:
                 rows = yield _Message(message)
@@ -1113,11 +1110,11 @@ def _ride(
                     if state == "26000":
                         names.clear()
                     else:
-                        names.update(_ride_names(table))
+                        names.update(ride_names)
                     continue
                 raise _ride_error(conn, resource, token, exc, first=True) from exc
-        if prepared:
-            names.update(_ride_names(table))
+        if prepared and ride_names[0] not in names:
+            names.update(ride_names)
         if not rows or type(rows[0][0]) is not int:  # (refused: the row is locked by us)
             try:
                 verdict = Result(rows, len(rows))
@@ -1132,7 +1129,7 @@ def _ride(
         except BaseException:
             yield _ROLLBACK
             raise
-        head, tail = _ride_last(table, resource, token.lock, token.value, prepared)
+        head, tail = _ride_last(table, resource, prepared)
         try:
             yield _Message(head + b"%d" % xid + tail, rows=False)
         except Exception as exc:
@@ -1153,7 +1150,16 @@ def _ride_error(
             mapped = None
         if mapped is not None:
             return mapped
-    return _pipelined_error(conn, resource, token, exc)
+    mapped = _pipelined_error(conn, resource, token, exc)
+    if isinstance(mapped, FenceConflictError) and getattr(exc, "sqlstate", None) == STALE_SQLSTATE:
+        # (the recheck refused, and the mark does not say stale: the block ended the
+        # transaction the check ran in)
+        return ConfigurationError(
+            f"transaction(): a statement of the block ended the transaction (COMMIT, "
+            f"ROLLBACK, commit()) that fenced {resource!r} with {token}: what ran before it "
+            "was committed, fenced; what ran after it was rolled back"
+        )
+    return mapped
 
 
 def _rides(conn: Any) -> bool:

@@ -483,25 +483,19 @@ def pg_ride_sql(table: str) -> tuple[str, str]:
 
     *check* (resource, lock, token): the accepting upsert (:func:`fence_sql`), returning the
     token and the transaction's id iff it accepted; it rides in one simple-query message
-    with ``BEGIN``. *recheck* (xid, resource, lock, token, table): rides with ``COMMIT``, and
-    raises :data:`STALE_SQLSTATE` (through the refusal function ``install()`` creates), so
-    that the ``COMMIT`` after it never runs, unless this is still the transaction the check
-    ran in (its id: the fence row is then locked by it and holds this token) or, in another
-    one (a statement of the block ended the first), the same upsert accepts again."""
+    with ``BEGIN``. *recheck* (xid, resource, table): rides with ``COMMIT``, and raises
+    :data:`STALE_SQLSTATE` (through the refusal function ``install()`` creates, with the
+    fence row as it is now), so that the ``COMMIT`` after it never runs, unless this is
+    still the transaction the check ran in (by its id): then the fence row is locked by it
+    and holds this token. A statement of the block that ended that transaction is the only
+    way to another one."""
     accept = fence_sql(POSTGRESQL, table).accept
     parts = accept.split("%s")
     check = "".join(p + (f"{{{i}}}" if i < 3 else "") for i, p in enumerate(parts))
     check = check.replace("RETURNING token", "RETURNING token, txid_current()")
-    cond = accept.split(" WHERE ", 1)[1].removesuffix(" RETURNING token")
     recheck = (
-        # (the transaction's id read once, before the upsert, which would assign one)
-        "WITH x AS (SELECT txid_current_if_assigned() IS NOT DISTINCT FROM {0} AS same), "
-        f"a AS (INSERT INTO {table} AS f (resource, lock_name, token) "
-        "SELECT {1}, {2}, {3} FROM x WHERE NOT x.same "
-        f"ON CONFLICT (resource) DO UPDATE SET token = excluded.token WHERE {cond} "
-        "RETURNING token) "
-        "SELECT CASE WHEN (SELECT same FROM x) OR EXISTS (SELECT FROM a) THEN 0 "
-        f"ELSE {_refuse_function(table)}(CAST({{4}} AS regclass), {{1}}) END"
+        "SELECT CASE WHEN txid_current_if_assigned() = {0} THEN 0 "
+        f"ELSE {_refuse_function(table)}(CAST({{2}} AS regclass), {{1}}) END"
     )
     return check, recheck
 
