@@ -1171,6 +1171,16 @@ def _rides(conn: Any) -> bool:
     )
 
 
+def _advance(
+    steps: Generator[object, Any, None], reply: Any, error: BaseException | None
+) -> object | None:
+    """The ride's next step after ``reply`` (or ``error`` thrown in); None when it is done."""
+    try:
+        return steps.send(reply) if error is None else steps.throw(error)
+    except StopIteration:
+        return None
+
+
 def _ride_io(conn: Any, step: object) -> Any:
     if isinstance(step, _Message):
         with conn.cursor() as cur:
@@ -1247,24 +1257,21 @@ def guarded_transaction(
             yield token
         return
     steps = _ride(conn, table, resource, token, use)
-    reply: Any = None
-    error: BaseException | None = None
-    while True:
-        try:
-            step = steps.send(reply) if error is None else steps.throw(error)
-        except StopIteration:
-            return
-        reply = error = None
+    step = _advance(steps, None, None)
+    while step is not None:
         if step == _BLOCK:
             try:
                 yield token
+                step = _advance(steps, None, None)
             except BaseException as exc:  # (the block's: rolled back, raised as it is)
-                error = exc
+                step = _advance(steps, None, exc)
             continue
         try:
             reply = _ride_io(conn, step)
         except Exception as exc:
-            error = exc
+            step = _advance(steps, None, exc)
+        else:
+            step = _advance(steps, reply, None)
 
 
 def _sqlite_transaction(
@@ -1334,24 +1341,19 @@ async def aguarded_transaction(
             await _aend(conn, commit=True)
         return
     steps = _ride(conn, table, resource, token, use)
-    reply: Any = None
-    error: BaseException | None = None
-    while True:
-        try:
-            step = steps.send(reply) if error is None else steps.throw(error)
-        except StopIteration:
-            return
-        reply = error = None
+    step = _advance(steps, None, None)
+    while step is not None:
         if step == _BLOCK:
             try:
                 yield token
+                step = _advance(steps, None, None)
             except BaseException as exc:
-                error = exc
+                step = _advance(steps, None, exc)
             continue
         try:
-            reply = await _aride_io(conn, step)
+            step = _advance(steps, await _aride_io(conn, step), None)
         except Exception as exc:
-            error = exc
+            step = _advance(steps, None, exc)
 
 
 # -- batch() on psycopg: one pipeline ----------------------------------------------------------
