@@ -15,6 +15,9 @@ innodb_flush_log_at_trx_commit=1; PyMySQL), one sequential client each. Each tra
   on SQLite ``BEGIN IMMEDIATE``, the check, the UPDATE, COMMIT; elsewhere ``begin`` + COMMIT;
 * ride SQL by hand - (PostgreSQL) the same three messages sent straight through psycopg, no
   fenced code: the floor of SQLGuard.transaction;
+* pipelined form - (PostgreSQL) SQLGuard.transaction as it was before the ride (2026-11-26),
+  now ``batch``'s form: BEGIN, the raising check, the UPDATE, the check again and COMMIT in
+  one psycopg pipeline;
 * unfenced, pipelined - (PostgreSQL) the unfenced transaction in one pipeline too: the peer of
   SQLGuard.transaction when the application pipelines its own transactions;
 * SQLGuard.batch - (MariaDB, PyMySQL with CLIENT.MULTI_STATEMENTS) ``guard.batch(conn,
@@ -52,7 +55,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _common import Result, fmt_us, table
 
 from fenced import FencingToken
-from fenced.guards._sql_driver import _ride_first, _ride_last
+from fenced.guards._sql_driver import _pipelined_transaction, _ride_first, _ride_last
 from fenced.guards._sql_plan import MYSQL, POSTGRESQL, SQLITE, Dialect, _row_write_sql, fence_sql
 from fenced.guards.sql import RowGuard, SQLGuard
 from fenced.testing.servers import MariaDBServer, PostgresServer
@@ -66,6 +69,7 @@ VARIANTS = (
     "RowGuard",
     "SQLGuard.transaction",
     "ride SQL by hand",
+    "pipelined form",
     "unfenced, pipelined",
     "SQLGuard.batch",
     "unfenced, one request",
@@ -127,6 +131,9 @@ PAIRED = (
     ("SQLGuard.transaction", "unfenced"),
     ("SQLGuard.transaction", "unfenced, pipelined"),
     ("ride SQL by hand", "unfenced"),
+    ("pipelined form", "unfenced"),
+    ("SQLGuard.transaction", "pipelined form"),
+    ("SQLGuard.begin", "unfenced"),
     ("SQLGuard.batch", "unfenced"),
     ("SQLGuard.batch", "unfenced, one request"),
 )
@@ -205,6 +212,10 @@ def make_ops(
         with guard.transaction(conn, token=TOKEN):
             conn.execute(update, (next(counter),))
 
+    def pipelined_form() -> None:
+        with _pipelined_transaction(conn, guard._quoted, guard.resource, TOKEN, guard._use):
+            conn.execute(update, (next(counter),))
+
     def unfenced_pipelined() -> None:
         with conn.pipeline(), conn.transaction():
             conn.execute(update, (next(counter),))
@@ -246,6 +257,7 @@ def make_ops(
         "SQLGuard.transaction": fence_transaction,
         **({"unfenced, pipelined": unfenced_pipelined} if d is POSTGRESQL else {}),
         **({"ride SQL by hand": ride_sql_by_hand} if d is POSTGRESQL else {}),
+        **({"pipelined form": pipelined_form} if d is POSTGRESQL else {}),
         "+SELECT 1": one_more_statement,
         "fence SQL by hand": fence_by_hand,
         "row SQL by hand": row_by_hand,
