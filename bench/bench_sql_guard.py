@@ -171,7 +171,8 @@ def ride_by_hand(conn: Any, guard: SQLGuard) -> tuple[bytes, bytes, bytes]:
     with guard.transaction(conn, token=TOKEN):
         pass
     t = guard._quoted
-    first = _ride_first(t, guard.resource, TOKEN.lock, TOKEN.value, "BEGIN", True, False)
+    head, tail = _ride_first(t, guard.resource, TOKEN.lock, "BEGIN", True, False)
+    first = head + b"%d" % TOKEN.value + tail
     head, tail = _ride_last(t, guard.resource, True)
     return first, head, tail
 

@@ -8,6 +8,7 @@ the very same checks against broken guard variants and assert that they FAIL.
 from __future__ import annotations
 
 import contextlib
+import functools
 import multiprocessing
 import re
 import sqlite3
@@ -1741,6 +1742,71 @@ def test_guarded_transaction_keeps_the_connection_as_it_was(pg_dsn: str) -> None
             assert rows == [(1,), (2,), (4,)]
             assert guard.high_water(c) == tok(10)
             c.commit()
+
+
+def test_a_fencer_on_psycopg_fences_in_one_message(
+    pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``SQLFencer.fence`` on psycopg: ``BEGIN; <check>; COMMIT`` in one message (one round
+    trip, after the table's first-use verification), autocommit or not, sync and async: the
+    current token raises the mark, an equal one passes, a stale one is refused (the mark
+    kept, the connection idle)."""
+    import asyncio
+
+    from fenced.guards import _sql_driver
+
+    sent: list[object] = []
+    real_io, real_aio = _sql_driver._ride_io, _sql_driver._aride_io
+
+    def io(c: Any, s: object) -> Any:
+        sent.append(s)
+        return real_io(c, s)
+
+    monkeypatch.setattr(_sql_driver, "_ride_io", io)
+
+    async def aio(c: Any, s: object) -> Any:
+        sent.append(s)
+        return await real_aio(c, s)
+
+    monkeypatch.setattr(_sql_driver, "_aride_io", aio)
+    guard = SQLGuard("acct", lock=LOCK)
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        guard.install(c)
+    for autocommit in (True, False):
+        fencer = guard.fencer(
+            functools.partial(psycopg.connect, pg_dsn, autocommit=autocommit), keep_connection=True
+        )
+        fencer.fence(tok(10))  # (the first: the table verified, then the message)
+        sent.clear()
+        fencer.fence(tok(10))
+        fencer.fence(tok(11))
+        assert [type(s).__name__ for s in sent] == ["_Message", "_Message"]
+        assert all(s.sql.endswith(b"; COMMIT") for s in sent)  # type: ignore[attr-defined]
+        with pytest.raises(StaleTokenError) as refused:
+            fencer.fence(tok(9))
+        assert refused.value.high_water == tok(11)
+        with psycopg.connect(pg_dsn, autocommit=True) as c:
+            assert guard.high_water(c) == tok(11)
+            c.execute("DELETE FROM fenced_fences")
+        fencer.close()
+        fencer.close()
+
+    async def scenario() -> None:
+        afencer = guard.afencer(
+            lambda: psycopg.AsyncConnection.connect(pg_dsn, autocommit=True), keep_connection=True
+        )
+        await afencer.fence(tok(20))
+        sent.clear()
+        await afencer.fence(tok(21))
+        assert [type(s).__name__ for s in sent] == ["_Message"]
+        with pytest.raises(StaleTokenError):
+            await afencer.fence(tok(20))
+        async with afencer.connections.connection() as a:
+            assert await guard.ahigh_water(a) == tok(21)
+            assert a.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+        await afencer.aclose()
+
+    asyncio.run(scenario())
 
 
 def test_async_guarded_transaction_is_pipelined_the_same_way(pg_dsn: str) -> None:

@@ -33,6 +33,7 @@ from collections.abc import (
     Mapping,
     Sequence,
 )
+from functools import partial
 from typing import Any, Final, NoReturn, TypeVar
 
 from .._clients.pg_errors import kind as pg_kind
@@ -992,6 +993,7 @@ async def arun_install(conn: Any, make_plan: Callable[[Dialect], Plan[T]]) -> T:
 # newer token was accepted meanwhile, else ConfigurationError (the block ended it). (What
 # ran between two ends of the block's own is the caller's: no statement may end it.)
 
+_TUPLES_OK: Final = 2  # (psycopg.pq.ExecStatus.TUPLES_OK)
 _BLOCK: Final = "block"  # the step at which the caller's block runs
 _ROLLBACK: Final = "rollback"
 
@@ -1030,13 +1032,14 @@ def _begin_command(conn: Any) -> str:
 
 @functools.lru_cache(maxsize=256)
 def _ride_first(
-    table: str, resource: str, lock: str, value: int, begin: str, prepared: bool, prepare: bool
-) -> bytes:
-    """``BEGIN; [PREPARE …;] <check>``: the literals rendered by psycopg (cached: a holder
-    repeats its token)."""
+    table: str, resource: str, lock: str, begin: str, prepared: bool, prepare: bool
+) -> tuple[bytes, bytes]:
+    """``BEGIN; [PREPARE …;] <check>`` around the token (a new one at each grant): the
+    message is ``head + b"%d" % token + tail``. The resource and lock are rendered as
+    literals by psycopg; the token is a validated integer (``FencingToken``)."""
     pg = _psycopg()
     check, recheck = pg_ride_sql(table)
-    lits = [pg.sql.Literal(v).as_string(None) for v in (resource, lock, value)]
+    lits = [pg.sql.Literal(v).as_string(None) for v in (resource, lock)] + ["\0"]
     head = ""
     if prepare:
         first, second = _ride_names(table)
@@ -1050,7 +1053,8 @@ def _ride_first(
         body = check.format(*lits)
     # (PREPARE after BEGIN: a statement before it would make BEGIN's isolation level late;
     # a prepared statement outlives the transaction, rolled back or not)
-    return f"{begin}; {head}{body}".encode()
+    before, _, after = f"{begin}; {head}{body}".partition("\0")
+    return before.encode(), after.encode()
 
 
 @functools.lru_cache(maxsize=256)
@@ -1068,12 +1072,16 @@ def _ride_last(table: str, resource: str, prepared: bool) -> tuple[bytes, bytes]
 
 
 def _ride(
-    conn: Any, table: str, resource: str, token: FencingToken, use: TableUse
+    conn: Any, table: str, resource: str, token: FencingToken, use: TableUse, *, block: bool = True
 ) -> Generator[object, Any, None]:
     """``SQLGuard.transaction`` on psycopg, as steps for a driver: a :class:`Stmt` (its
     :class:`Result`; the driver's error mapped by :func:`map_error`), a :class:`_Message`
-    (the rows of its last statement; the driver's error as raised), ``_ROLLBACK``, and
-    ``_BLOCK`` (the caller's block; its exception thrown in)."""
+    (the rows of its last statement that returns rows; the driver's error as raised),
+    ``_ROLLBACK``, and ``_BLOCK`` (the caller's block; its exception thrown in).
+
+    ``block=False``: a transaction of the check alone (``SQLFencer.fence``): ``BEGIN;
+    <check>; COMMIT`` in one message (a refused check writes nothing, so its COMMIT commits
+    nothing; why it refused is read after it, as :meth:`SQLGuard.check` reads it)."""
     if conn.closed:
         raise BackendUnavailable("the psycopg connection is closed")
     autocommit = conn.autocommit
@@ -1088,16 +1096,17 @@ def _ride(
         names = _PREPARED.setdefault(conn, set()) if prepared else set()
         begin = _begin_command(conn)
         ride_names = _ride_names(table)
+        commit = b"" if block else b"; COMMIT"
         for retry in (False, True):
-            message = _ride_first(
+            head, tail = _ride_first(
                 table,
                 resource,
                 token.lock,
-                token.value,
                 begin,
                 prepared,
                 prepared and ride_names[0] not in names,
             )
+            message = head + b"%d" % token.value + tail + commit
             try:
                 rows = yield _Message(message)
                 break
@@ -1121,6 +1130,8 @@ def _ride(
                 yield from check_verdict(fence_sql(POSTGRESQL, table), resource, token, verdict)
             finally:
                 yield _ROLLBACK
+        if not block:
+            return
         xid = int(rows[0][1])
         # (psycopg opens a transaction for a statement after one that ended ours: see above)
         conn._autocommit = False
@@ -1139,6 +1150,38 @@ def _ride(
             raise _ride_error(conn, resource, token, exc) from exc
     finally:
         conn._autocommit = autocommit
+
+
+def fence_transaction(
+    conn: Any,
+    table: str,
+    resource: str,
+    token: FencingToken,
+    use: TableUse,
+    otherwise: Callable[[], object],
+) -> None:
+    """``SQLFencer.fence``: on psycopg (outside a pipeline) ``BEGIN; <check>; COMMIT`` in one
+    round trip (:func:`_ride` without a block); elsewhere ``otherwise()``."""
+    if _kind(conn) != "psycopg" or not _rides(conn) or in_transaction(conn):
+        otherwise()
+        return
+    drive(_ride(conn, table, resource, token, use, block=False), partial(_ride_io, conn), None)
+
+
+async def afence_transaction(
+    conn: Any,
+    table: str,
+    resource: str,
+    token: FencingToken,
+    use: TableUse,
+    otherwise: Callable[[], Awaitable[object]],
+) -> None:
+    """The async :func:`fence_transaction` (``AsyncSQLFencer.fence``)."""
+    if _kind(conn) != "psycopg-async" or not _rides(conn) or in_transaction(conn):
+        await otherwise()
+        return
+    steps = _ride(conn, table, resource, token, use, block=False)
+    await adrive(steps, partial(_aride_io, conn), None)
 
 
 def _ride_error(
@@ -1187,9 +1230,12 @@ def _ride_io(conn: Any, step: object) -> Any:
             cur.execute(step.sql)
             if not step.rows:
                 return None
-            while cur.nextset():
-                pass
-            return cur.fetchall()  # (the check's rows: no description asked, it has one)
+            rows = []
+            while True:  # (the check's rows: the last result with rows; COMMIT may follow)
+                if cur.pgresult is not None and cur.pgresult.status == _TUPLES_OK:
+                    rows = cur.fetchall()
+                if not cur.nextset():
+                    return rows
     if step == _ROLLBACK:
         with contextlib.suppress(Exception):
             conn.rollback()
@@ -1206,9 +1252,12 @@ async def _aride_io(conn: Any, step: object) -> Any:
             await cur.execute(step.sql)
             if not step.rows:
                 return None
-            while cur.nextset():
-                pass
-            return await cur.fetchall()
+            rows = []
+            while True:
+                if cur.pgresult is not None and cur.pgresult.status == _TUPLES_OK:
+                    rows = await cur.fetchall()
+                if not cur.nextset():
+                    return rows
     if step == _ROLLBACK:
         with contextlib.suppress(Exception):
             await conn.rollback()

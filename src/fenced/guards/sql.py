@@ -112,11 +112,13 @@ from .._core.token import FencingToken, TokenLike, validate_lock_name
 from ._plan import check_group_change
 from ._sql_driver import (
     CHECKED,
+    afence_transaction,
     aguarded_transaction,
     arun,
     arun_install,
     arun_own,
     arun_transaction,
+    fence_transaction,
     guarded_batch,
     guarded_transaction,
     note_checked,
@@ -569,9 +571,13 @@ class SQLFencer:
     def fence(self, token: TokenLike) -> None:
         tok = FencingToken.coerce(token, self.guard.lock, self.guard.verifier)
         with self.connections.connection() as conn:
-            # BEGIN and the fence, COMMIT: a transaction of its own (the driver's BEGIN,
-            # COMMIT and ROLLBACK for every connection kind, SQLAlchemy's included)
-            run_transaction(conn, lambda d: self.guard._check_plan(d, tok), use=self.guard._use)
+            # BEGIN and the fence, COMMIT: a transaction of its own (on psycopg one message;
+            # else the driver's BEGIN, COMMIT and ROLLBACK, SQLAlchemy's included)
+            g = self.guard
+            fence_transaction(
+                conn, g._quoted, g.resource, tok, g._use,
+                lambda: run_transaction(conn, lambda d: g._check_plan(d, tok), use=g._use),
+            )  # fmt: skip
 
     def close(self) -> None:
         """Close the connection kept (``keep_connection``); a fencer without one has none."""
@@ -608,9 +614,11 @@ class AsyncSQLFencer:
     async def fence(self, token: TokenLike) -> None:
         tok = FencingToken.coerce(token, self.guard.lock, self.guard.verifier)
         async with self.connections.connection() as conn:
-            await arun_transaction(
-                conn, lambda d: self.guard._check_plan(d, tok), use=self.guard._use
-            )
+            g = self.guard
+            await afence_transaction(
+                conn, g._quoted, g.resource, tok, g._use,
+                lambda: arun_transaction(conn, lambda d: g._check_plan(d, tok), use=g._use),
+            )  # fmt: skip
 
     async def aclose(self) -> None:
         """Close the connection kept (``keep_connection``)."""
