@@ -1809,6 +1809,34 @@ def test_a_fencer_on_psycopg_fences_in_one_message(
     asyncio.run(scenario())
 
 
+def test_a_closed_psycopg_connection_is_backend_unavailable(pg_dsn: str) -> None:
+    """``transaction()``, ``atransaction()``, ``begin()`` and a fencer on a closed psycopg
+    connection: BackendUnavailable (its unknown transaction status read as "a transaction is
+    already open", a ConfigurationError, before)."""
+    import asyncio
+
+    guard = SQLGuard("acct", lock=LOCK)
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        guard.install(c)
+    c = psycopg.connect(pg_dsn, autocommit=True)
+    c.close()
+    with pytest.raises(BackendUnavailable), guard.transaction(c, token=tok(1)):
+        pass
+    with pytest.raises(BackendUnavailable):
+        guard.begin(c, token=tok(1))
+    with pytest.raises(BackendUnavailable):
+        guard.fencer(lambda: c).fence(tok(1))
+
+    async def scenario() -> None:
+        a = await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True)
+        await a.close()
+        with pytest.raises(BackendUnavailable):
+            async with guard.atransaction(a, token=tok(1)):
+                pass
+
+    asyncio.run(scenario())
+
+
 def test_async_guarded_transaction_is_pipelined_the_same_way(pg_dsn: str) -> None:
     """``atransaction`` on a ``psycopg.AsyncConnection``: the rightful token's block commits,
     a stale one's (with and without a read inside) commits nothing and raises

@@ -746,7 +746,15 @@ def _refuse_ddl_in_transaction(conn: Any) -> None:
 
 
 def _refuse_open_transaction(conn: Any) -> None:
+    _refuse_closed(conn)
     _refuse_open(in_transaction(conn), "begin()")
+
+
+def _refuse_closed(conn: Any) -> None:
+    """A closed psycopg connection is BackendUnavailable (its transaction status, unknown,
+    would otherwise read as a transaction already open)."""
+    if _kind(conn) in ("psycopg", "psycopg-async") and conn.closed:
+        raise BackendUnavailable("the psycopg connection is closed")
 
 
 def _refuse_open(already: bool, what: str) -> None:
@@ -1285,6 +1293,7 @@ def guarded_transaction(
         already = sa_in_transaction(conn)
     else:
         sync_dialect(conn)  # (a clear TypeError for an async or unknown connection)
+        _refuse_closed(conn)
         already = in_transaction(conn)
     _refuse_open(already, "transaction()")
     kind = _kind(conn)
@@ -1369,6 +1378,7 @@ async def aguarded_transaction(
         already = conn.in_transaction()
     else:
         _async_dialect(conn)
+        _refuse_closed(conn)
         already = in_transaction(conn)
     _refuse_open(already, "transaction()")
     if _kind(conn) != "psycopg-async" or not _rides(conn):
