@@ -1132,7 +1132,9 @@ def _ride(
                 raise _ride_error(conn, resource, token, exc, first=True) from exc
         if prepared and ride_names[0] not in names:
             names.update(ride_names)
-        if not rows or type(rows[0][0]) is not int:  # (refused: the row is locked by us)
+        if not rows or type(rows[0][0]) is not int:
+            # refused: the row that refused is locked by this transaction (block=False:
+            # committed already, so read as it is now; a mark moved since reads as a race)
             try:
                 verdict = Result(rows, len(rows))
                 yield from check_verdict(fence_sql(POSTGRESQL, table), resource, token, verdict)
