@@ -173,7 +173,7 @@ def ride_by_hand(conn: Any, guard: SQLGuard) -> tuple[bytes, bytes, bytes]:
     t = guard._quoted
     head, tail = _ride_first(t, guard.resource, TOKEN.lock, "BEGIN", True, False)
     first = head + b"%d" % TOKEN.value + tail
-    head, tail = _ride_last(t, guard.resource, True)
+    head, tail = _ride_last(t, guard.resource)
     return first, head, tail
 
 

@@ -1809,6 +1809,28 @@ def test_a_fencer_on_psycopg_fences_in_one_message(
     asyncio.run(scenario())
 
 
+@pytest.mark.parametrize("threshold", [0, 1])
+def test_a_savepoint_rolled_back_inside_the_block_keeps_the_transaction(
+    pg_dsn: str, threshold: int
+) -> None:
+    """psycopg deallocates every prepared statement of the session after a rollback (a
+    savepoint's too) once it has prepared statements of its own (``prepare_threshold=0``:
+    at once). A nested ``conn.transaction()`` rolled back inside the block must not cost
+    the recheck its statement: the block commits, and the next transaction passes too."""
+    with psycopg.connect(pg_dsn, autocommit=True, prepare_threshold=threshold) as c:
+        guard = SQLGuard("acct", lock=LOCK)
+        guard.install(c)
+        c.execute("CREATE TABLE acct (id INTEGER PRIMARY KEY, v BIGINT)")
+        for value in (1, 2):
+            with guard.transaction(c, token=tok(10)):
+                c.execute("INSERT INTO acct VALUES (%s, 10)", (value,))
+                with contextlib.suppress(psycopg.errors.UniqueViolation), c.transaction():
+                    c.execute("INSERT INTO acct VALUES (%s, 10)", (value,))  # (a duplicate)
+                c.execute("INSERT INTO acct VALUES (%s, 10)", (value + 10,))
+        assert c.execute("SELECT id FROM acct ORDER BY id").fetchall() == [(1,), (2,), (11,), (12,)]
+        assert guard.high_water(c) == tok(10)
+
+
 def test_a_closed_psycopg_connection_is_backend_unavailable(pg_dsn: str) -> None:
     """``transaction()``, ``atransaction()``, ``begin()`` and a fencer on a closed psycopg
     connection: BackendUnavailable (its unknown transaction status read as "a transaction is

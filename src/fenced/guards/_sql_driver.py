@@ -1021,9 +1021,10 @@ class _Message:
 
 
 @functools.lru_cache(maxsize=128)
-def _ride_names(table: str) -> tuple[str, str]:
+def _ride_name(table: str) -> str:
+    """The check's prepared statement's name (per fence table)."""
     digest = hashlib.sha1(table.encode()).hexdigest()[:12]  # (a name, not a secret)
-    return f"fenced_check_v1_{digest}", f"fenced_recheck_v1_{digest}"
+    return f"fenced_check_v1_{digest}"
 
 
 def _begin_command(conn: Any) -> str:
@@ -1046,19 +1047,12 @@ def _ride_first(
     message is ``head + b"%d" % token + tail``. The resource and lock are rendered as
     literals by psycopg; the token is a validated integer (``FencingToken``)."""
     pg = _psycopg()
-    check, recheck = pg_ride_sql(table)
+    check = pg_ride_sql(table)[0]
     lits = [pg.sql.Literal(v).as_string(None) for v in (resource, lock)] + ["\0"]
-    head = ""
-    if prepare:
-        first, second = _ride_names(table)
-        head = (
-            f"PREPARE {first}(text, text, bigint) AS {check.format('$1', '$2', '$3')}; "
-            f"PREPARE {second}(bigint, text, text) AS {recheck.format('$1', '$2', '$3')}; "
-        )
-    if prepared:
-        body = f"EXECUTE {_ride_names(table)[0]}({', '.join(lits)})"
-    else:
-        body = check.format(*lits)
+    name = _ride_name(table)
+    head = f"PREPARE {name}(text, text, bigint) AS {check.format('$1', '$2', '$3')}; "
+    head = head if prepare else ""
+    body = f"EXECUTE {name}({', '.join(lits)})" if prepared else check.format(*lits)
     # (PREPARE after BEGIN: a statement before it would make BEGIN's isolation level late;
     # a prepared statement outlives the transaction, rolled back or not)
     before, _, after = f"{begin}; {head}{body}".partition("\0")
@@ -1066,17 +1060,16 @@ def _ride_first(
 
 
 @functools.lru_cache(maxsize=256)
-def _ride_last(table: str, resource: str, prepared: bool) -> tuple[bytes, bytes]:
+def _ride_last(table: str, resource: str) -> tuple[bytes, bytes]:
     """``<recheck>; COMMIT`` around the transaction id (only it changes from one
-    transaction to the next): the message is ``head + b"%d" % xid + tail``."""
+    transaction to the next): the message is ``head + b"%d" % xid + tail``. Not a prepared
+    statement: psycopg deallocates every prepared statement of the session (``DEALLOCATE
+    ALL``) after a rollback, a savepoint's included, once it has prepared statements of its
+    own, and one inside the block would leave the recheck unknown after the block's work."""
     pg = _psycopg()
     lits = [pg.sql.Literal(v).as_string(None) for v in (resource, table)]
-    if prepared:
-        head, tail = f"EXECUTE {_ride_names(table)[1]}(", f", {', '.join(lits)}); COMMIT"
-    else:
-        head, _, tail = pg_ride_sql(table)[1].format("\0", *lits).partition("\0")
-        tail += "; COMMIT"
-    return head.encode(), tail.encode()
+    head, _, tail = pg_ride_sql(table)[1].format("\0", *lits).partition("\0")
+    return head.encode(), (tail + "; COMMIT").encode()
 
 
 def _ride(
@@ -1103,7 +1096,7 @@ def _ride(
         prepared = conn.prepare_threshold is not None  # (None: the caller wants none, pgbouncer)
         names = _PREPARED.setdefault(conn, set()) if prepared else set()
         begin = _begin_command(conn)
-        ride_names = _ride_names(table)
+        name = _ride_name(table)
         commit = b"" if block else b"; COMMIT"
         for retry in (False, True):
             head, tail = _ride_first(
@@ -1112,7 +1105,7 @@ def _ride(
                 token.lock,
                 begin,
                 prepared,
-                prepared and ride_names[0] not in names,
+                prepared and name not in names,
             )
             message = head + b"%d" % token.value + tail + commit
             try:
@@ -1123,15 +1116,16 @@ def _ride(
                     yield _ROLLBACK
                 state = getattr(exc, "sqlstate", None)
                 if prepared and not retry and state in ("26000", "42P05"):
-                    # (deallocated by the caller, DISCARD ALL; or prepared already)
+                    # (deallocated: by psycopg after a rollback, by DISCARD ALL; or prepared
+                    # already)
                     if state == "26000":
-                        names.clear()
+                        names.discard(name)
                     else:
-                        names.update(ride_names)
+                        names.add(name)
                     continue
                 raise _ride_error(conn, resource, token, exc, first=True) from exc
-        if prepared and ride_names[0] not in names:
-            names.update(ride_names)
+        if prepared:
+            names.add(name)
         if not rows or type(rows[0][0]) is not int:
             # refused: the row that refused is locked by this transaction (block=False:
             # committed already, so read as it is now; a mark moved since reads as a race)
@@ -1150,13 +1144,11 @@ def _ride(
         except BaseException:
             yield _ROLLBACK
             raise
-        head, tail = _ride_last(table, resource, prepared)
+        head, tail = _ride_last(table, resource)
         try:
             yield _Message(head + b"%d" % xid + tail, rows=False)
         except Exception as exc:
             yield _ROLLBACK
-            if getattr(exc, "sqlstate", None) == "26000":
-                names.clear()  # (deallocated inside the block: prepared again next time)
             raise _ride_error(conn, resource, token, exc) from exc
     finally:
         conn._autocommit = autocommit
@@ -1237,7 +1229,7 @@ def _advance(
 def _ride_io(conn: Any, step: object) -> Any:
     if isinstance(step, _Message):
         with conn.cursor() as cur:
-            cur.execute(step.sql)
+            cur.execute(step.sql, prepare=False)  # (several statements: never prepared)
             if not step.rows:
                 return None
             rows = []
@@ -1259,7 +1251,7 @@ def _ride_io(conn: Any, step: object) -> Any:
 async def _aride_io(conn: Any, step: object) -> Any:
     if isinstance(step, _Message):
         async with conn.cursor() as cur:
-            await cur.execute(step.sql)
+            await cur.execute(step.sql, prepare=False)  # (several statements: never prepared)
             if not step.rows:
                 return None
             rows = []
