@@ -1831,6 +1831,22 @@ def test_a_savepoint_rolled_back_inside_the_block_keeps_the_transaction(
         assert guard.high_water(c) == tok(10)
 
 
+def test_begin_on_a_connection_that_prepares_everything(pg_dsn: str) -> None:
+    """``begin()`` sends ``BEGIN; <check>`` as one message: with ``prepare_threshold=0``
+    psycopg must not try to prepare it (two statements cannot be; it was a
+    ConfigurationError); a stale token is still refused."""
+    with psycopg.connect(pg_dsn, autocommit=True, prepare_threshold=0) as c:
+        guard = SQLGuard("acct", lock=LOCK)
+        guard.install(c)
+        for value in (10, 10, 11):
+            assert guard.begin(c, token=tok(value)) == tok(value)
+            c.execute("COMMIT")
+        with pytest.raises(StaleTokenError):
+            guard.begin(c, token=tok(9))
+        c.execute("ROLLBACK")
+        assert guard.high_water(c) == tok(11)
+
+
 def test_a_closed_psycopg_connection_is_backend_unavailable(pg_dsn: str) -> None:
     """``transaction()``, ``atransaction()``, ``begin()`` and a fencer on a closed psycopg
     connection: BackendUnavailable (its unknown transaction status read as "a transaction is

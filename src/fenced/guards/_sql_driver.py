@@ -774,14 +774,14 @@ def _raise_mapped(d: Dialect, conn: Any, exc: Exception) -> NoReturn:
 
 def _begin_psycopg(conn: Any, stmt: Stmt) -> Result:
     with conn.cursor() as cur:
-        cur.execute(_begin_stmt(conn, stmt))
+        cur.execute(_begin_stmt(conn, stmt), prepare=False)  # (two statements)
         cur.nextset()  # past BEGIN's empty result, to the statement's
         return Result(cur.fetchall() if cur.description else [], cur.rowcount)
 
 
 async def _abegin_psycopg(conn: Any, stmt: Stmt) -> Result:
     async with conn.cursor() as cur:
-        await cur.execute(_begin_stmt(conn, stmt))
+        await cur.execute(_begin_stmt(conn, stmt), prepare=False)  # (two statements)
         cur.nextset()
         return Result(await cur.fetchall() if cur.description else [], cur.rowcount)
 
