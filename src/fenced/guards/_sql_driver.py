@@ -989,7 +989,7 @@ async def arun_install(conn: Any, make_plan: Callable[[Dialect], Plan[T]]) -> T:
 #
 # On psycopg the unguarded transaction costs three round trips (BEGIN, the statement, COMMIT).
 # The guarded one sends the same three: ``BEGIN; EXECUTE <check>`` as one simple-query message,
-# the caller's statements, and ``EXECUTE <recheck>; COMMIT`` as one (the server runs nothing
+# the caller's statements, and ``SELECT <recheck>; COMMIT`` as one (the server runs nothing
 # of a message after a statement that fails, so a refusing recheck means no COMMIT). The
 # logic is one generator (_ride) of steps, run by a sync and an async driver.
 #
@@ -1005,8 +1005,8 @@ _TUPLES_OK: Final = 2  # (psycopg.pq.ExecStatus.TUPLES_OK)
 _BLOCK: Final = "block"  # the step at which the caller's block runs
 _ROLLBACK: Final = "rollback"
 
-# The statements each connection has PREPAREd for _ride (names), so that the check and the
-# recheck are parsed and planned once per connection rather than in every transaction.
+# The statements each connection has PREPAREd for _ride (names), so that the check is parsed
+# and planned once per connection rather than in every transaction.
 _PREPARED: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
 
 

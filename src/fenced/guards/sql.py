@@ -267,7 +267,7 @@ class SQLGuard:
         On a ``psycopg.Connection`` with no transaction open the check costs no round trip
         of its own: it rides in the message that carries ``BEGIN`` (``BEGIN; EXECUTE
         <check>``, a statement prepared once per connection), and a recheck rides in the
-        one that carries ``COMMIT`` (``EXECUTE <recheck>; COMMIT``): the server runs nothing
+        one that carries ``COMMIT`` (``SELECT <recheck>; COMMIT``): the server runs nothing
         of a message after a statement that fails, so a recheck that refuses means no
         ``COMMIT``. A refused token is raised when the block is entered, before your
         statements run, as :class:`~fenced.StaleTokenError`,
