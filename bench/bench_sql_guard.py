@@ -9,9 +9,15 @@ innodb_flush_log_at_trx_commit=1; PyMySQL), one sequential client each. Each tra
 * SQLGuard - ``SQLGuard.check`` (one extra INSERT .. ON CONFLICT DO UPDATE .. RETURNING);
 * SQLGuard.begin - ``SQLGuard.begin``: BEGIN and the fence in one round trip (PostgreSQL);
 * RowGuard - the UPDATE itself carries the fence (``RowGuard.update``);
-* SQLGuard.transaction - ``with guard.transaction(conn, token=...)``: on PostgreSQL BEGIN, a
-  check that raises in the server, the UPDATE and COMMIT in one psycopg pipeline (one round
-  trip); elsewhere ``begin`` + COMMIT;
+* SQLGuard.transaction - ``with guard.transaction(conn, token=...)``: on PostgreSQL the check
+  rides with BEGIN (``BEGIN; EXECUTE <check>``, one message), the UPDATE, and the recheck
+  with COMMIT (``EXECUTE <recheck>; COMMIT``): the unfenced transaction's three round trips;
+  on SQLite ``BEGIN IMMEDIATE``, the check, the UPDATE, COMMIT; elsewhere ``begin`` + COMMIT;
+* ride SQL by hand - (PostgreSQL) the same three messages sent straight through psycopg, no
+  fenced code: the floor of SQLGuard.transaction;
+* pipelined form - (PostgreSQL) SQLGuard.transaction as it was before the ride (2026-11-26),
+  now ``batch``'s form: BEGIN, the raising check, the UPDATE, the check again and COMMIT in
+  one psycopg pipeline;
 * unfenced, pipelined - (PostgreSQL) the unfenced transaction in one pipeline too: the peer of
   SQLGuard.transaction when the application pipelines its own transactions;
 * SQLGuard.batch - (MariaDB, PyMySQL with CLIENT.MULTI_STATEMENTS) ``guard.batch(conn,
@@ -49,6 +55,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _common import Result, fmt_us, table
 
 from fenced import FencingToken
+from fenced.guards._sql_driver import _pipelined_transaction, _ride_first, _ride_last
 from fenced.guards._sql_plan import MYSQL, POSTGRESQL, SQLITE, Dialect, _row_write_sql, fence_sql
 from fenced.guards.sql import RowGuard, SQLGuard
 from fenced.testing.servers import MariaDBServer, PostgresServer
@@ -61,6 +68,8 @@ VARIANTS = (
     "SQLGuard.begin",
     "RowGuard",
     "SQLGuard.transaction",
+    "ride SQL by hand",
+    "pipelined form",
     "unfenced, pipelined",
     "SQLGuard.batch",
     "unfenced, one request",
@@ -121,6 +130,10 @@ PAIRED = (
     ("RowGuard", "unfenced"),
     ("SQLGuard.transaction", "unfenced"),
     ("SQLGuard.transaction", "unfenced, pipelined"),
+    ("ride SQL by hand", "unfenced"),
+    ("pipelined form", "unfenced"),
+    ("SQLGuard.transaction", "pipelined form"),
+    ("SQLGuard.begin", "unfenced"),
     ("SQLGuard.batch", "unfenced"),
     ("SQLGuard.batch", "unfenced, one request"),
 )
@@ -149,6 +162,19 @@ def by_hand(d: Dialect, guard: SQLGuard, rows: RowGuard) -> tuple[str, tuple[Any
     fence = fence_sql(d, guard._quoted).accept
     row = _row_write_sql(d, rows._spec, ("balance",), False)
     return fence, (guard.resource, TOKEN.lock, TOKEN.value), row
+
+
+def ride_by_hand(conn: Any, guard: SQLGuard) -> tuple[bytes, bytes, bytes]:
+    """SQLGuard.transaction's messages on PostgreSQL (its statements prepared on ``conn`` by
+    one guarded transaction first): ``BEGIN; EXECUTE <check>``, and ``EXECUTE <recheck>(`` /
+    ``…); COMMIT`` around the transaction id."""
+    with guard.transaction(conn, token=TOKEN):
+        pass
+    t = guard._quoted
+    head, tail = _ride_first(t, guard.resource, TOKEN.lock, "BEGIN", True, False)
+    first = head + b"%d" % TOKEN.value + tail
+    head, tail = _ride_last(t, guard.resource)
+    return first, head, tail
 
 
 def make_ops(
@@ -187,6 +213,10 @@ def make_ops(
         with guard.transaction(conn, token=TOKEN):
             conn.execute(update, (next(counter),))
 
+    def pipelined_form() -> None:
+        with _pipelined_transaction(conn, guard._quoted, guard.resource, TOKEN, guard._use):
+            conn.execute(update, (next(counter),))
+
     def unfenced_pipelined() -> None:
         with conn.pipeline(), conn.transaction():
             conn.execute(update, (next(counter),))
@@ -198,6 +228,16 @@ def make_ops(
         conn.execute("COMMIT")
 
     fence, fence_params, row = by_hand(d, guard, rows)
+    ride = ride_by_hand(conn, guard) if d is POSTGRESQL else None
+
+    def ride_sql_by_hand() -> None:
+        assert ride is not None
+        first, head, tail = ride
+        cur = conn.execute(first)
+        cur.nextset()
+        xid = cur.fetchone()[1]
+        conn.execute(update, (next(counter),))
+        conn.execute(head + b"%d" % xid + tail)
 
     def fence_by_hand() -> None:
         conn.execute(begin)
@@ -217,6 +257,8 @@ def make_ops(
         "RowGuard": row_form,
         "SQLGuard.transaction": fence_transaction,
         **({"unfenced, pipelined": unfenced_pipelined} if d is POSTGRESQL else {}),
+        **({"ride SQL by hand": ride_sql_by_hand} if d is POSTGRESQL else {}),
+        **({"pipelined form": pipelined_form} if d is POSTGRESQL else {}),
         "+SELECT 1": one_more_statement,
         "fence SQL by hand": fence_by_hand,
         "row SQL by hand": row_by_hand,

@@ -261,9 +261,9 @@ class SQLFenceEnv(_SQLEnv):
 
 
 class SQLPipelineEnv(SQLFenceEnv):
-    """:meth:`SQLGuard.transaction` on PostgreSQL: BEGIN, the check raising in the server,
-    the write and COMMIT in one pipeline. (The planted guard keeps the awaited check: its
-    plant is in the plan; the pipeline's own plant is in tests/guards/test_guard_sql.py.)"""
+    """:meth:`SQLGuard.transaction` on PostgreSQL: the check riding with BEGIN, the write,
+    the recheck riding with COMMIT. (The planted guard keeps the awaited check: its plant is
+    in the plan; the ride's own plants are in tests/guards/test_guard_sql.py.)"""
 
     def _transaction(self, guard: SQLGuard | None, token: Any, value: str) -> None:
         if guard is None or guard is not self.guard:

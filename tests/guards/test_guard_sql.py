@@ -7,7 +7,10 @@ the very same checks against broken guard variants and assert that they FAIL.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import multiprocessing
+import re
 import sqlite3
 import threading
 from collections.abc import Callable, Iterator
@@ -61,7 +64,7 @@ class Env:
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=FULL")
             return conn
-        return psycopg.connect(self.target, autocommit=True, **kw)
+        return psycopg.connect(self.target, **{"autocommit": True, **kw})
 
     def q(self, sql: str) -> str:
         return sql if self.kind == "sqlite" else sql.replace("?", "%s")
@@ -1594,16 +1597,41 @@ def test_guarded_transaction_reports_what_the_server_refused_on(pg_dsn: str) -> 
         assert c.execute("SELECT * FROM acct").fetchall() == [(3, 7)]
 
 
+def _stale_batch_is_never_committed(conn: Any, guard: SQLGuard) -> bool:
+    """The checker of ``batch`` (one psycopg pipeline): token 10's batch, then the stale 9's;
+    9 must raise and leave 10's data."""
+    conn.execute("CREATE TABLE IF NOT EXISTS acct (id INTEGER PRIMARY KEY, v BIGINT)")
+    conn.execute("INSERT INTO acct (id, v) VALUES (1, 0) ON CONFLICT DO NOTHING")
+    guard.batch(conn, [("UPDATE acct SET v = 10 WHERE id = 1", None)], token=tok(10))
+    try:
+        guard.batch(
+            conn,
+            [
+                ("UPDATE acct SET v = 9 WHERE id = 1", None),
+                ("INSERT INTO acct VALUES (90, 9)", None),
+            ],
+            token=tok(9),
+        )
+        refused = False
+    except StaleTokenError as exc:
+        refused = exc.high_water == tok(10)
+    rows = [tuple(r) for r in conn.execute("SELECT id, v FROM acct ORDER BY id").fetchall()]
+    return refused and rows == [(1, 10)] and guard.high_water(conn) == tok(10)
+
+
 def test_a_pipelined_check_that_does_not_raise_is_caught(
     pg_dsn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Planted: the refusal function returns NULL instead of raising. In the pipeline nothing
-    waits for the check's answer, so the stale transaction commits: the checker catches it."""
+    """Planted: the refusal function returns NULL instead of raising. In ``batch``'s pipeline
+    nothing waits for the check's answer, so the stale batch commits: the checker catches it
+    (and passes the real check)."""
     from fenced.guards import _sql_driver
 
     with psycopg.connect(pg_dsn, autocommit=True) as c:
         guard = SQLGuard("acct", lock=LOCK)
         guard.install(c)
+        assert _stale_batch_is_never_committed(c, guard)
+        c.execute("DROP TABLE acct; DELETE FROM fenced_fences")
         c.execute(
             "CREATE FUNCTION planted_refuse(tbl regclass, res text) RETURNS bigint "
             "LANGUAGE sql VOLATILE AS 'SELECT NULL::bigint'"
@@ -1614,7 +1642,237 @@ def test_a_pipelined_check_that_does_not_raise_is_caught(
             "pg_pipelined_check",
             lambda table: real(table).replace("fenced_refuse_v1(", "planted_refuse("),
         )
-        assert not _stale_pipelined_write_is_never_committed(c, guard)
+        assert not _stale_batch_is_never_committed(c, guard)
+
+
+@contextlib.contextmanager
+def _planted_ride(
+    monkeypatch: pytest.MonkeyPatch, plant: Callable[[str, str], tuple[str, str]]
+) -> Iterator[None]:
+    """``transaction()``'s two statements on PostgreSQL replaced by ``plant(check, recheck)``
+    (the rendered messages are cached: emptied before and after)."""
+    from fenced.guards import _sql_driver
+
+    real = _sql_plan.pg_ride_sql
+    monkeypatch.setattr(_sql_driver, "pg_ride_sql", lambda table: plant(*real(table)))
+    _sql_driver._ride_first.cache_clear()
+    _sql_driver._ride_last.cache_clear()
+    try:
+        yield
+    finally:
+        monkeypatch.undo()
+        _sql_driver._ride_first.cache_clear()
+        _sql_driver._ride_last.cache_clear()
+
+
+def test_a_riding_check_that_does_not_refuse_is_caught(
+    pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Planted: the check that rides with BEGIN accepts any token (its condition dropped).
+    The stale transaction commits and lowers the mark: the checker catches it."""
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        guard = SQLGuard("acct", lock=LOCK)
+        guard.install(c)
+        with _planted_ride(
+            monkeypatch,
+            lambda check, recheck: (re.sub(r" WHERE .* RETURNING", " RETURNING", check), recheck),
+        ):
+            assert not _stale_pipelined_write_is_never_committed(c, guard)
+
+
+def test_a_riding_recheck_that_does_not_raise_is_caught(
+    pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Planted: the recheck that rides with COMMIT calls a refusal function returning NULL
+    instead of raising. The old holder's statements after its own COMMIT then commit over
+    the new holder's write: the same checker as the real guard's catches it."""
+    env = Env("pg", pg_dsn)
+    with env.connect() as conn:
+        conn.execute(
+            "CREATE FUNCTION planted_refuse(tbl regclass, res text) RETURNS bigint "
+            "LANGUAGE sql VOLATILE AS 'SELECT NULL::bigint'"
+        )
+        with _planted_ride(
+            monkeypatch,
+            lambda check, recheck: (check, recheck.replace("fenced_refuse_v1(", "planted_refuse(")),
+        ):
+            rows, mark, outcome = _old_holder_commits_midway(env, conn, "transaction")
+    assert rows == [("old-2",)] and mark == tok(6) and outcome == "committed"
+
+
+def test_guarded_transaction_keeps_the_connection_as_it_was(pg_dsn: str) -> None:
+    """The ride on psycopg: autocommit and not, with the connection's isolation level, with
+    prepared statements (dropped by DEALLOCATE ALL between transactions: prepared again) and
+    without (``prepare_threshold=None``, as for pgbouncer: the statements as literals). The
+    connection comes back idle with its autocommit setting. A COMMIT inside the block, even
+    with no newer holder, is refused at the recheck: what followed it is rolled back."""
+    for autocommit, threshold in ((True, 5), (False, 5), (True, None), (False, None)):
+        with psycopg.connect(pg_dsn, autocommit=autocommit, prepare_threshold=threshold) as c:
+            guard = SQLGuard("acct", lock=LOCK)
+            guard.install(c)
+            c.execute("DROP TABLE IF EXISTS acct")
+            c.execute("CREATE TABLE acct (id INTEGER PRIMARY KEY, v BIGINT)")
+            c.execute("DELETE FROM fenced_fences")
+            c.commit()
+            c.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+            for value in (1, 2):
+                with guard.transaction(c, token=tok(10)) as accepted:
+                    assert c.autocommit is False  # (psycopg begins again after an end)
+                    c.execute("INSERT INTO acct VALUES (%s, 10)", (value,))
+                    level = c.execute("SHOW transaction_isolation").fetchone()
+                    assert level == ("repeatable read",)
+                assert accepted == tok(10)
+                assert c.autocommit is autocommit
+                assert c.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+                c.execute("DEALLOCATE ALL")
+                c.commit()
+            with pytest.raises(ZeroDivisionError), guard.transaction(c, token=tok(11)):
+                c.execute("INSERT INTO acct VALUES (3, 11)")
+                raise ZeroDivisionError
+            assert c.autocommit is autocommit
+            with (
+                pytest.raises(ConfigurationError, match="ended the transaction"),
+                guard.transaction(c, token=tok(10)),
+            ):
+                c.execute("INSERT INTO acct VALUES (4, 10)")
+                c.execute("COMMIT")
+                c.execute("INSERT INTO acct VALUES (5, 10)")
+            assert c.autocommit is autocommit
+            rows = c.execute("SELECT id FROM acct ORDER BY id").fetchall()
+            assert rows == [(1,), (2,), (4,)]
+            assert guard.high_water(c) == tok(10)
+            c.commit()
+
+
+def test_a_fencer_on_psycopg_fences_in_one_message(
+    pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``SQLFencer.fence`` on psycopg: ``BEGIN; <check>; COMMIT`` in one message (one round
+    trip, after the table's first-use verification), autocommit or not, sync and async: the
+    current token raises the mark, an equal one passes, a stale one is refused (the mark
+    kept, the connection idle)."""
+    import asyncio
+
+    from fenced.guards import _sql_driver
+
+    sent: list[object] = []
+    real_io, real_aio = _sql_driver._ride_io, _sql_driver._aride_io
+
+    def io(c: Any, s: object) -> Any:
+        sent.append(s)
+        return real_io(c, s)
+
+    monkeypatch.setattr(_sql_driver, "_ride_io", io)
+
+    async def aio(c: Any, s: object) -> Any:
+        sent.append(s)
+        return await real_aio(c, s)
+
+    monkeypatch.setattr(_sql_driver, "_aride_io", aio)
+    guard = SQLGuard("acct", lock=LOCK)
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        guard.install(c)
+    for autocommit in (True, False):
+        fencer = guard.fencer(
+            functools.partial(psycopg.connect, pg_dsn, autocommit=autocommit), keep_connection=True
+        )
+        fencer.fence(tok(10))  # (the first: the table verified, then the message)
+        sent.clear()
+        fencer.fence(tok(10))
+        fencer.fence(tok(11))
+        assert [type(s).__name__ for s in sent] == ["_Message", "_Message"]
+        assert all(s.sql.endswith(b"; COMMIT") for s in sent)  # type: ignore[attr-defined]
+        with pytest.raises(StaleTokenError) as refused:
+            fencer.fence(tok(9))
+        assert refused.value.high_water == tok(11)
+        with psycopg.connect(pg_dsn, autocommit=True) as c:
+            assert guard.high_water(c) == tok(11)
+            c.execute("DELETE FROM fenced_fences")
+        fencer.close()
+        fencer.close()
+
+    async def scenario() -> None:
+        afencer = guard.afencer(
+            lambda: psycopg.AsyncConnection.connect(pg_dsn, autocommit=True), keep_connection=True
+        )
+        await afencer.fence(tok(20))
+        sent.clear()
+        await afencer.fence(tok(21))
+        assert [type(s).__name__ for s in sent] == ["_Message"]
+        with pytest.raises(StaleTokenError):
+            await afencer.fence(tok(20))
+        async with afencer.connections.connection() as a:
+            assert await guard.ahigh_water(a) == tok(21)
+            assert a.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+        await afencer.aclose()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("threshold", [0, 1])
+def test_a_savepoint_rolled_back_inside_the_block_keeps_the_transaction(
+    pg_dsn: str, threshold: int
+) -> None:
+    """psycopg deallocates every prepared statement of the session after a rollback (a
+    savepoint's too) once it has prepared statements of its own (``prepare_threshold=0``:
+    at once). A nested ``conn.transaction()`` rolled back inside the block must not cost
+    the recheck its statement: the block commits, and the next transaction passes too."""
+    with psycopg.connect(pg_dsn, autocommit=True, prepare_threshold=threshold) as c:
+        guard = SQLGuard("acct", lock=LOCK)
+        guard.install(c)
+        c.execute("CREATE TABLE acct (id INTEGER PRIMARY KEY, v BIGINT)")
+        for value in (1, 2):
+            with guard.transaction(c, token=tok(10)):
+                c.execute("INSERT INTO acct VALUES (%s, 10)", (value,))
+                with contextlib.suppress(psycopg.errors.UniqueViolation), c.transaction():
+                    c.execute("INSERT INTO acct VALUES (%s, 10)", (value,))  # (a duplicate)
+                c.execute("INSERT INTO acct VALUES (%s, 10)", (value + 10,))
+        assert c.execute("SELECT id FROM acct ORDER BY id").fetchall() == [(1,), (2,), (11,), (12,)]
+        assert guard.high_water(c) == tok(10)
+
+
+def test_begin_on_a_connection_that_prepares_everything(pg_dsn: str) -> None:
+    """``begin()`` sends ``BEGIN; <check>`` as one message: with ``prepare_threshold=0``
+    psycopg must not try to prepare it (two statements cannot be; it was a
+    ConfigurationError); a stale token is still refused."""
+    with psycopg.connect(pg_dsn, autocommit=True, prepare_threshold=0) as c:
+        guard = SQLGuard("acct", lock=LOCK)
+        guard.install(c)
+        for value in (10, 10, 11):
+            assert guard.begin(c, token=tok(value)) == tok(value)
+            c.execute("COMMIT")
+        with pytest.raises(StaleTokenError):
+            guard.begin(c, token=tok(9))
+        c.execute("ROLLBACK")
+        assert guard.high_water(c) == tok(11)
+
+
+def test_a_closed_psycopg_connection_is_backend_unavailable(pg_dsn: str) -> None:
+    """``transaction()``, ``atransaction()``, ``begin()`` and a fencer on a closed psycopg
+    connection: BackendUnavailable (its unknown transaction status read as "a transaction is
+    already open", a ConfigurationError, before)."""
+    import asyncio
+
+    guard = SQLGuard("acct", lock=LOCK)
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        guard.install(c)
+    c = psycopg.connect(pg_dsn, autocommit=True)
+    c.close()
+    with pytest.raises(BackendUnavailable), guard.transaction(c, token=tok(1)):
+        pass
+    with pytest.raises(BackendUnavailable):
+        guard.begin(c, token=tok(1))
+    with pytest.raises(BackendUnavailable):
+        guard.fencer(lambda: c).fence(tok(1))
+
+    async def scenario() -> None:
+        a = await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True)
+        await a.close()
+        with pytest.raises(BackendUnavailable):
+            async with guard.atransaction(a, token=tok(1)):
+                pass
+
+    asyncio.run(scenario())
 
 
 def test_async_guarded_transaction_is_pipelined_the_same_way(pg_dsn: str) -> None:
@@ -1647,13 +1905,15 @@ def test_async_guarded_transaction_is_pipelined_the_same_way(pg_dsn: str) -> Non
     asyncio.run(scenario())
 
 
-def _old_holder_commits_midway(env: Env, conn: Any, form: str) -> None:
-    """The old holder's batch (or transaction() block) COMMITs in the middle: the fence
+def _old_holder_commits_midway(
+    env: Env, conn: Any, form: str, *, end: str = "COMMIT", **connect: Any
+) -> tuple[list[tuple[Any, ...]], FencingToken | None, object]:
+    """The old holder's batch (or transaction() block) ends its transaction in the middle
+    (``end``: a ``COMMIT`` or ``ROLLBACK`` statement, or psycopg's ``commit()``): the fence
     row is released, the new holder (token 6) fences and writes, and the old holder's later
-    statements committed over it (PostgreSQL's pipeline: 'old-2' with the mark at 6). Now
-    the pipeline checks again last (refused: nothing after the COMMIT kept) and the batch's
-    block stops at the statement that ended the transaction (SQLite); the rightful holder's
-    batch commits."""
+    statements committed over it (PostgreSQL's pipeline before the recheck: 'old-2' with the
+    mark at 6). Returns the data, the mark and the old holder's outcome after the new holder
+    has written; ``connect``: the old holder's connection's options."""
     guard = SQLGuard("acct", lock=LOCK)
     guard.install(conn)
     conn.execute("CREATE TABLE acct (id INTEGER PRIMARY KEY, v TEXT)")
@@ -1665,11 +1925,11 @@ def _old_holder_commits_midway(env: Env, conn: Any, form: str) -> None:
     outcome: list[object] = []
 
     def old_holder() -> None:
-        old = env.connect(**({} if pg else {"check_same_thread": False}))
+        old = env.connect(**(connect if pg else {"check_same_thread": False}))
         try:
             statements: list[tuple[str, None]] = [
                 ("UPDATE acct SET v = 'old-1' WHERE id = 1", None),
-                ("COMMIT", None),
+                (end, None),
                 ("SELECT pg_advisory_lock(42)" if pg else "SELECT 1", None),
                 ("UPDATE acct SET v = 'old-2' WHERE id = 1", None),
             ]
@@ -1678,7 +1938,10 @@ def _old_holder_commits_midway(env: Env, conn: Any, form: str) -> None:
             else:
                 with guard.transaction(old, token=tok(5)):
                     for statement, params in statements:
-                        old.execute(statement, params)
+                        if statement == "commit()":
+                            old.commit()
+                        else:
+                            old.execute(statement, params)
             outcome.append("committed")
         except fenced.FencedError as exc:
             outcome.append(exc)
@@ -1699,9 +1962,19 @@ def _old_holder_commits_midway(env: Env, conn: Any, form: str) -> None:
         gate.execute("SELECT pg_advisory_unlock(42)")
     thread.join(30)
     gate.close()
-    assert [tuple(r) for r in conn.execute("SELECT v FROM acct").fetchall()] == [("new",)]
-    assert guard.high_water(conn) == tok(6)
-    assert isinstance(outcome[0], StaleTokenError if pg else ConfigurationError), outcome
+    rows = [tuple(r) for r in conn.execute("SELECT v FROM acct").fetchall()]
+    return rows, guard.high_water(conn), outcome[0]
+
+
+def _no_stale_write_after_the_end(env: Env, conn: Any, form: str, **kw: Any) -> None:
+    """Nothing of the old holder's after its end is kept (refused: the pipeline's and the
+    ride's recheck; the SQLite batch's block stops at the statement that ended it); the
+    rightful holder's batch then commits."""
+    rows, mark, outcome = _old_holder_commits_midway(env, conn, form, **kw)
+    assert rows == [("new",)]
+    assert mark == tok(6)
+    assert isinstance(outcome, StaleTokenError if env.kind == "pg" else ConfigurationError), outcome
+    guard = SQLGuard("acct", lock=LOCK)
     assert guard.batch(conn, [("UPDATE acct SET v = 'six' WHERE id = 1", None)], token=tok(6)) == [
         1
     ]
@@ -1709,13 +1982,23 @@ def _old_holder_commits_midway(env: Env, conn: Any, form: str) -> None:
 
 
 def test_a_batch_statement_that_commits_lets_no_stale_write_in(env: Env, conn: Any) -> None:
-    _old_holder_commits_midway(env, conn, "batch")
+    _no_stale_write_after_the_end(env, conn, "batch")
 
 
-def test_a_commit_in_a_pipelined_transaction_lets_no_stale_write_in(pg_dsn: str) -> None:
+@pytest.mark.parametrize(
+    ("end", "autocommit"),
+    [("COMMIT", True), ("COMMIT", False), ("ROLLBACK", True), ("commit()", True)],
+)
+def test_a_commit_in_a_guarded_transaction_lets_no_stale_write_in(
+    pg_dsn: str, end: str, autocommit: bool
+) -> None:
+    """``transaction()`` on psycopg: whatever ends the transaction inside the block, on an
+    autocommit connection or not, the statements after it open a new transaction (psycopg
+    runs the block without autocommit), which the recheck riding with COMMIT refuses: the
+    new holder's write stays."""
     env = Env("pg", pg_dsn)
     with env.connect() as conn:
-        _old_holder_commits_midway(env, conn, "transaction")
+        _no_stale_write_after_the_end(env, conn, "transaction", end=end, autocommit=autocommit)
 
 
 def test_a_commit_in_an_async_pipelined_transaction_lets_no_stale_write_in(pg_dsn: str) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import sqlite3
 import sys
 import weakref
@@ -32,7 +33,8 @@ from collections.abc import (
     Mapping,
     Sequence,
 )
-from typing import Any, NoReturn, TypeVar
+from functools import partial
+from typing import Any, Final, NoReturn, TypeVar
 
 from .._clients.pg_errors import kind as pg_kind
 from .._clients.sqlite_errors import is_busy, is_unavailable
@@ -52,10 +54,12 @@ from ._sql_plan import (
     RowSQL,
     Stmt,
     TableUse,
+    check_verdict,
     fence_sql,
     mariadb_batch_check,
     mariadb_batch_recheck,
     pg_pipelined_check,
+    pg_ride_sql,
     pipelined_refusal,
     row_write_accepted,
     row_write_plan,
@@ -742,7 +746,15 @@ def _refuse_ddl_in_transaction(conn: Any) -> None:
 
 
 def _refuse_open_transaction(conn: Any) -> None:
+    _refuse_closed(conn)
     _refuse_open(in_transaction(conn), "begin()")
+
+
+def _refuse_closed(conn: Any) -> None:
+    """A closed psycopg connection is BackendUnavailable (its transaction status, unknown,
+    would otherwise read as a transaction already open)."""
+    if _kind(conn) in ("psycopg", "psycopg-async") and conn.closed:
+        raise BackendUnavailable("the psycopg connection is closed")
 
 
 def _refuse_open(already: bool, what: str) -> None:
@@ -762,14 +774,14 @@ def _raise_mapped(d: Dialect, conn: Any, exc: Exception) -> NoReturn:
 
 def _begin_psycopg(conn: Any, stmt: Stmt) -> Result:
     with conn.cursor() as cur:
-        cur.execute(_begin_stmt(conn, stmt))
+        cur.execute(_begin_stmt(conn, stmt), prepare=False)  # (two statements)
         cur.nextset()  # past BEGIN's empty result, to the statement's
         return Result(cur.fetchall() if cur.description else [], cur.rowcount)
 
 
 async def _abegin_psycopg(conn: Any, stmt: Stmt) -> Result:
     async with conn.cursor() as cur:
-        await cur.execute(_begin_stmt(conn, stmt))
+        await cur.execute(_begin_stmt(conn, stmt), prepare=False)  # (two statements)
         cur.nextset()
         return Result(await cur.fetchall() if cur.description else [], cur.rowcount)
 
@@ -973,17 +985,292 @@ async def arun_install(conn: Any, make_plan: Callable[[Dialect], Plan[T]]) -> T:
         _raise_mapped(d, conn, exc)
 
 
-# -- one round trip: the check raises in the server (PostgreSQL pipeline) --------------------
+# -- SQLGuard.transaction: the check rides in the messages the transaction sends anyway ------
+#
+# On psycopg the unguarded transaction costs three round trips (BEGIN, the statement, COMMIT).
+# The guarded one sends the same three: ``BEGIN; EXECUTE <check>`` as one simple-query message,
+# the caller's statements, and ``SELECT <recheck>; COMMIT`` as one (the server runs nothing
+# of a message after a statement that fails, so a refusing recheck means no COMMIT). The
+# logic is one generator (_ride) of steps, run by a sync and an async driver.
+#
+# The attack it closes: a statement of the block that ends the transaction (COMMIT, ROLLBACK,
+# conn.commit()) releases the fence row. During the block psycopg therefore runs the
+# connection as non-autocommit, so the statements after such an end open a new transaction,
+# which the recheck refuses: it passes only in the transaction the check ran in (by its id),
+# whose lock on the fence row kept the mark at this token. Refused: StaleTokenError if a
+# newer token was accepted meanwhile, else ConfigurationError (the block ended it). (What
+# ran between two ends of the block's own is the caller's: no statement may end it.)
+
+_TUPLES_OK: Final = 2  # (psycopg.pq.ExecStatus.TUPLES_OK)
+_BLOCK: Final = "block"  # the step at which the caller's block runs
+_ROLLBACK: Final = "rollback"
+
+# The statements each connection has PREPAREd for _ride (names), so that the check is parsed
+# and planned once per connection rather than in every transaction.
+_PREPARED: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
+
+
+class _Message:
+    """A simple-query message (several statements, no parameters); its answer: the rows of
+    its last statement (``rows``: one that returns rows), else None."""
+
+    __slots__ = ("rows", "sql")
+
+    def __init__(self, sql: bytes, *, rows: bool = True) -> None:
+        self.sql, self.rows = sql, rows
+
+
+@functools.lru_cache(maxsize=128)
+def _ride_name(table: str) -> str:
+    """The check's prepared statement's name (per fence table)."""
+    digest = hashlib.sha1(table.encode()).hexdigest()[:12]  # (a name, not a secret)
+    return f"fenced_check_v1_{digest}"
+
+
+def _begin_command(conn: Any) -> str:
+    """``BEGIN`` with the connection's transaction characteristics, as psycopg would send."""
+    words = ["BEGIN"]
+    if conn.isolation_level is not None:
+        words.append("ISOLATION LEVEL " + conn.isolation_level.name.replace("_", " "))
+    if conn.read_only is not None:
+        words.append("READ ONLY" if conn.read_only else "READ WRITE")
+    if conn.deferrable is not None:
+        words.append("DEFERRABLE" if conn.deferrable else "NOT DEFERRABLE")
+    return " ".join(words)
+
+
+@functools.lru_cache(maxsize=256)
+def _ride_first(
+    table: str, resource: str, lock: str, begin: str, prepared: bool, prepare: bool
+) -> tuple[bytes, bytes]:
+    """``BEGIN; [PREPARE …;] <check>`` around the token (a new one at each grant): the
+    message is ``head + b"%d" % token + tail``. The resource and lock are rendered as
+    literals by psycopg; the token is a validated integer (``FencingToken``)."""
+    pg = _psycopg()
+    check = pg_ride_sql(table)[0]
+    lits = [pg.sql.Literal(v).as_string(None) for v in (resource, lock)] + ["\0"]
+    name = _ride_name(table)
+    head = f"PREPARE {name}(text, text, bigint) AS {check.format('$1', '$2', '$3')}; "
+    head = head if prepare else ""
+    body = f"EXECUTE {name}({', '.join(lits)})" if prepared else check.format(*lits)
+    # (PREPARE after BEGIN: a statement before it would make BEGIN's isolation level late;
+    # a prepared statement outlives the transaction, rolled back or not)
+    before, _, after = f"{begin}; {head}{body}".partition("\0")
+    return before.encode(), after.encode()
+
+
+@functools.lru_cache(maxsize=256)
+def _ride_last(table: str, resource: str) -> tuple[bytes, bytes]:
+    """``<recheck>; COMMIT`` around the transaction id (only it changes from one
+    transaction to the next): the message is ``head + b"%d" % xid + tail``. Not a prepared
+    statement: psycopg deallocates every prepared statement of the session (``DEALLOCATE
+    ALL``) after a rollback, a savepoint's included, once it has prepared statements of its
+    own, and one inside the block would leave the recheck unknown after the block's work."""
+    pg = _psycopg()
+    lits = [pg.sql.Literal(v).as_string(None) for v in (resource, table)]
+    head, _, tail = pg_ride_sql(table)[1].format("\0", *lits).partition("\0")
+    return head.encode(), (tail + "; COMMIT").encode()
+
+
+def _ride(
+    conn: Any, table: str, resource: str, token: FencingToken, use: TableUse, *, block: bool = True
+) -> Generator[object, Any, None]:
+    """``SQLGuard.transaction`` on psycopg, as steps for a driver: a :class:`Stmt` (its
+    :class:`Result`; the driver's error mapped by :func:`map_error`), a :class:`_Message`
+    (the rows of its last statement that returns rows; the driver's error as raised),
+    ``_ROLLBACK``, and ``_BLOCK`` (the caller's block; its exception thrown in).
+
+    ``block=False``: a transaction of the check alone (``SQLFencer.fence``): ``BEGIN;
+    <check>; COMMIT`` in one message (a refused check writes nothing, so its COMMIT commits
+    nothing; why it refused is read after it, as :meth:`SQLGuard.check` reads it)."""
+    if conn.closed:
+        raise BackendUnavailable("the psycopg connection is closed")
+    autocommit = conn.autocommit
+    if not _is_verified(conn, use):  # once per connection: its answer is needed first
+        yield from _verify_then(conn, POSTGRESQL, use, _nothing())
+        if not autocommit and in_transaction(conn):
+            yield _ROLLBACK  # (a catalog read opened it: nothing to keep)
+    # (psycopg must not send a BEGIN of its own before ours: the first message is its BEGIN)
+    conn._autocommit = True
+    try:
+        prepared = conn.prepare_threshold is not None  # (None: the caller wants none, pgbouncer)
+        names = _PREPARED.setdefault(conn, set()) if prepared else set()
+        begin = _begin_command(conn)
+        name = _ride_name(table)
+        commit = b"" if block else b"; COMMIT"
+        for retry in (False, True):
+            head, tail = _ride_first(
+                table,
+                resource,
+                token.lock,
+                begin,
+                prepared,
+                prepared and name not in names,
+            )
+            message = head + b"%d" % token.value + tail + commit
+            try:
+                rows = yield _Message(message)
+                break
+            except Exception as exc:
+                if in_transaction(conn):
+                    yield _ROLLBACK
+                state = getattr(exc, "sqlstate", None)
+                if prepared and not retry and state in ("26000", "42P05"):
+                    # (deallocated: by psycopg after a rollback, by DISCARD ALL; or prepared
+                    # already)
+                    if state == "26000":
+                        names.discard(name)
+                    else:
+                        names.add(name)
+                    continue
+                raise _ride_error(conn, resource, token, exc, first=True) from exc
+        if prepared:
+            names.add(name)
+        if not rows or type(rows[0][0]) is not int:
+            # refused: the row that refused is locked by this transaction (block=False:
+            # committed already, so read as it is now; a mark moved since reads as a race)
+            try:
+                verdict = Result(rows, len(rows))
+                yield from check_verdict(fence_sql(POSTGRESQL, table), resource, token, verdict)
+            finally:
+                yield _ROLLBACK
+        if not block:
+            return
+        xid = int(rows[0][1])
+        # (psycopg opens a transaction for a statement after one that ended ours: see above)
+        conn._autocommit = False
+        try:
+            yield _BLOCK
+        except BaseException:
+            yield _ROLLBACK
+            raise
+        head, tail = _ride_last(table, resource)
+        try:
+            yield _Message(head + b"%d" % xid + tail, rows=False)
+        except Exception as exc:
+            yield _ROLLBACK
+            raise _ride_error(conn, resource, token, exc) from exc
+    finally:
+        conn._autocommit = autocommit
+
+
+def fence_transaction(
+    conn: Any,
+    table: str,
+    resource: str,
+    token: FencingToken,
+    use: TableUse,
+    otherwise: Callable[[], object],
+) -> None:
+    """``SQLFencer.fence``: on psycopg (outside a pipeline) ``BEGIN; <check>; COMMIT`` in one
+    round trip (:func:`_ride` without a block); elsewhere ``otherwise()``."""
+    if _kind(conn) != "psycopg" or not _rides(conn) or in_transaction(conn):
+        otherwise()
+        return
+    drive(_ride(conn, table, resource, token, use, block=False), partial(_ride_io, conn), None)
+
+
+async def afence_transaction(
+    conn: Any,
+    table: str,
+    resource: str,
+    token: FencingToken,
+    use: TableUse,
+    otherwise: Callable[[], Awaitable[object]],
+) -> None:
+    """The async :func:`fence_transaction` (``AsyncSQLFencer.fence``)."""
+    if _kind(conn) != "psycopg-async" or not _rides(conn) or in_transaction(conn):
+        await otherwise()
+        return
+    steps = _ride(conn, table, resource, token, use, block=False)
+    await adrive(steps, partial(_aride_io, conn), None)
+
+
+def _ride_error(
+    conn: Any, resource: str, token: FencingToken, exc: Exception, *, first: bool = False
+) -> Exception:
+    if first:  # the check's message: its errors are the check's
+        mapped: Exception | None = map_error(POSTGRESQL, conn, exc)
+        if getattr(exc, "sqlstate", None) == "42883" and "fenced_refuse" in str(exc):
+            mapped = None
+        if mapped is not None:
+            return mapped
+    mapped = _pipelined_error(conn, resource, token, exc)
+    if isinstance(mapped, FenceConflictError) and getattr(exc, "sqlstate", None) == STALE_SQLSTATE:
+        # (the recheck refused, and the mark does not say stale: the block ended the
+        # transaction the check ran in)
+        return ConfigurationError(
+            f"transaction(): a statement of the block ended the transaction (COMMIT, "
+            f"ROLLBACK, commit()) that fenced {resource!r} with {token}: what ran before it "
+            "was committed, fenced; what ran after it was rolled back"
+        )
+    return mapped
+
+
+def _rides(conn: Any) -> bool:
+    """Does ``transaction()`` ride on this psycopg connection? (Not in the caller's pipeline,
+    and only with the psycopg whose autocommit flag it knows.)"""
+    return (
+        isinstance(getattr(conn, "_autocommit", None), bool)
+        and conn.pgconn.pipeline_status == 0  # (pq.PipelineStatus.OFF)
+    )
+
+
+def _advance(
+    steps: Generator[object, Any, None], reply: Any, error: BaseException | None
+) -> object | None:
+    """The ride's next step after ``reply`` (or ``error`` thrown in); None when it is done."""
+    try:
+        return steps.send(reply) if error is None else steps.throw(error)
+    except StopIteration:
+        return None
+
+
+def _ride_io(conn: Any, step: object) -> Any:
+    if isinstance(step, _Message):
+        with conn.cursor() as cur:
+            cur.execute(step.sql, prepare=False)  # (several statements: never prepared)
+            if not step.rows:
+                return None
+            rows = []
+            while True:  # (the check's rows: the last result with rows; COMMIT may follow)
+                if cur.pgresult is not None and cur.pgresult.status == _TUPLES_OK:
+                    rows = cur.fetchall()
+                if not cur.nextset():
+                    return rows
+    if step == _ROLLBACK:
+        with contextlib.suppress(Exception):
+            conn.rollback()
+        return None
+    try:
+        return _exec_psycopg(conn, step)  # type: ignore[arg-type]
+    except Exception as exc:
+        _raise_mapped(POSTGRESQL, conn, exc)
+
+
+async def _aride_io(conn: Any, step: object) -> Any:
+    if isinstance(step, _Message):
+        async with conn.cursor() as cur:
+            await cur.execute(step.sql, prepare=False)  # (several statements: never prepared)
+            if not step.rows:
+                return None
+            rows = []
+            while True:
+                if cur.pgresult is not None and cur.pgresult.status == _TUPLES_OK:
+                    rows = await cur.fetchall()
+                if not cur.nextset():
+                    return rows
+    if step == _ROLLBACK:
+        with contextlib.suppress(Exception):
+            await conn.rollback()
+        return None
+    try:
+        return await _aexec_psycopg(conn, step)  # type: ignore[arg-type]
+    except Exception as exc:
+        _raise_mapped(POSTGRESQL, conn, exc)
 
 
 @contextlib.contextmanager
-# _RECHECK: the pipeline checks the fence again after the block, in the same round trip: a
-# statement of the block that ended the transaction (COMMIT, ROLLBACK) released the fence
-# row, and what ran after it would commit unfenced, over a newer holder's writes. The second
-# check accepts only if no newer token has been accepted since (and locks the row till the
-# COMMIT). Costs server time, not a round trip.
-
-
 def guarded_transaction(
     conn: Any,
     table: str,
@@ -992,18 +1279,22 @@ def guarded_transaction(
     use: TableUse,
     begin: Callable[[], FencingToken],
 ) -> Iterator[FencingToken]:
-    """``SQLGuard.transaction``: on a psycopg connection with no transaction open, BEGIN,
-    the raising check (:func:`pg_pipelined_check`), the caller's statements and COMMIT go in
-    one pipeline, answered at its sync point; a refusal aborts the transaction in the server,
-    so nothing the block sent is committed. Elsewhere: ``begin()`` (today's check, awaited),
-    the block, COMMIT (ROLLBACK if the block raises)."""
+    """``SQLGuard.transaction``: on a psycopg connection with no transaction open, the check
+    rides with BEGIN and the recheck with COMMIT (:func:`_ride`); in the caller's psycopg
+    pipeline, the pipelined form. Elsewhere: ``begin()`` (today's check, awaited), the
+    block, COMMIT (ROLLBACK if the block raises)."""
     if sa_connection_kind(conn):
         already = sa_in_transaction(conn)
     else:
         sync_dialect(conn)  # (a clear TypeError for an async or unknown connection)
+        _refuse_closed(conn)
         already = in_transaction(conn)
     _refuse_open(already, "transaction()")
-    if _kind(conn) != "psycopg":
+    kind = _kind(conn)
+    if kind == "sqlite3":
+        yield from _sqlite_transaction(conn, table, resource, token)
+        return
+    if kind != "psycopg":
         try:
             accepted = begin()
             yield accepted
@@ -1013,6 +1304,126 @@ def guarded_transaction(
             raise
         _commit_any(conn)
         return
+    if not _rides(conn):
+        with _pipelined_transaction(conn, table, resource, token, use):
+            yield token
+        return
+    steps = _ride(conn, table, resource, token, use)
+    step = _advance(steps, None, None)
+    while step is not None:
+        if step == _BLOCK:
+            try:
+                yield token
+                step = _advance(steps, None, None)
+            except BaseException as exc:  # (the block's: rolled back, raised as it is)
+                step = _advance(steps, None, exc)
+            continue
+        try:
+            reply = _ride_io(conn, step)
+        except Exception as exc:
+            step = _advance(steps, None, exc)
+        else:
+            step = _advance(steps, reply, None)
+
+
+def _sqlite_transaction(
+    conn: sqlite3.Connection, table: str, resource: str, token: FencingToken
+) -> Generator[FencingToken, None, None]:
+    """``transaction()`` on sqlite3: ``BEGIN IMMEDIATE``, the accepting upsert and its
+    verdict sent straight to the driver (the plan only on a refusal), the block, COMMIT.
+    No round trip to save in process: what the check cost above the statement itself was
+    the plan machinery's Python (bench/bench_sql_guard.py)."""
+    sql = fence_sql(SQLITE, table)
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        cur = conn.execute(sql.accept, (resource, token.lock, token.value))
+        rows = cur.fetchall()
+    except Exception as exc:
+        with contextlib.suppress(Exception):
+            conn.rollback()
+        _raise_mapped(SQLITE, conn, exc)
+    try:
+        if not rows or type(rows[0][0]) is not int:
+            drive(
+                check_verdict(sql, resource, token, Result(rows, len(rows))),
+                lambda stmt: _exec_sqlite(conn, stmt),
+                lambda exc: map_error(SQLITE, conn, exc),
+            )
+        yield token
+    except BaseException:
+        with contextlib.suppress(Exception):
+            conn.rollback()
+        raise
+    _end(conn, commit=True, d=SQLITE)
+
+
+@contextlib.asynccontextmanager
+async def aguarded_transaction(
+    conn: Any,
+    table: str,
+    resource: str,
+    token: FencingToken,
+    use: TableUse,
+    begin: Callable[[], Awaitable[FencingToken]],
+) -> AsyncIterator[FencingToken]:
+    """The async :func:`guarded_transaction` (the same :func:`_ride` on a
+    ``psycopg.AsyncConnection``), else ``begin()`` (``abegin``), the block, COMMIT."""
+    if sa_async(conn):
+        already = conn.in_transaction()
+    else:
+        _async_dialect(conn)
+        _refuse_closed(conn)
+        already = in_transaction(conn)
+    _refuse_open(already, "transaction()")
+    if _kind(conn) != "psycopg-async" or not _rides(conn):
+        if _kind(conn) == "psycopg-async":  # (in the caller's pipeline: no ride)
+            raise ConfigurationError(
+                "atransaction() inside a psycopg pipeline: leave the pipeline, or use "
+                "abegin() and COMMIT"
+            )
+        try:
+            accepted = await begin()
+            yield accepted
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await conn.rollback()
+            raise
+        if sa_async(conn):
+            await conn.commit()
+        else:
+            await _aend(conn, commit=True)
+        return
+    steps = _ride(conn, table, resource, token, use)
+    step = _advance(steps, None, None)
+    while step is not None:
+        if step == _BLOCK:
+            try:
+                yield token
+                step = _advance(steps, None, None)
+            except BaseException as exc:
+                step = _advance(steps, None, exc)
+            continue
+        try:
+            step = _advance(steps, await _aride_io(conn, step), None)
+        except Exception as exc:
+            step = _advance(steps, None, exc)
+
+
+# -- batch() on psycopg: one pipeline ----------------------------------------------------------
+# _RECHECK: the pipeline checks the fence again after the statements, in the same round trip:
+# a statement that ended the transaction (COMMIT, ROLLBACK) released the fence row, and what
+# ran after it would commit unfenced, over a newer holder's writes. The second check accepts
+# only if no newer token has been accepted since (and locks the row till the COMMIT).
+
+
+@contextlib.contextmanager
+def _pipelined_transaction(
+    conn: Any, table: str, resource: str, token: FencingToken, use: TableUse
+) -> Iterator[None]:
+    """BEGIN, the raising check (:func:`pg_pipelined_check`), the statements and COMMIT in
+    one psycopg pipeline, answered at its sync point; a refusal aborts the transaction in
+    the server, so nothing sent is committed. ``batch()``'s form on psycopg: its statements
+    are known up front, so all of them go in one round trip."""
     if conn.closed:
         raise BackendUnavailable("the psycopg connection is closed")
     if not _is_verified(conn, use):  # once per connection: its answer is needed first
@@ -1028,62 +1439,8 @@ def guarded_transaction(
     try:
         with conn.pipeline(), conn.transaction():
             conn.execute(pg_pipelined_check(table), params)
-            yield token
+            yield
             conn.execute(pg_pipelined_check(table), params)  # (_RECHECK)
-    except Exception as exc:
-        mapped = _pipelined_error(conn, resource, token, exc)
-        if mapped is exc:
-            raise
-        raise mapped from exc
-
-
-@contextlib.asynccontextmanager
-async def aguarded_transaction(
-    conn: Any,
-    table: str,
-    resource: str,
-    token: FencingToken,
-    use: TableUse,
-    begin: Callable[[], Awaitable[FencingToken]],
-) -> AsyncIterator[FencingToken]:
-    """The async :func:`guarded_transaction`: pipelined on a ``psycopg.AsyncConnection``,
-    else ``begin()`` (``abegin``), the block, COMMIT."""
-    if sa_async(conn):
-        already = conn.in_transaction()
-    else:
-        _async_dialect(conn)
-        already = in_transaction(conn)
-    _refuse_open(already, "transaction()")
-    if _kind(conn) != "psycopg-async":
-        try:
-            accepted = await begin()
-            yield accepted
-        except BaseException:
-            with contextlib.suppress(Exception):
-                await conn.rollback()
-            raise
-        if sa_async(conn):
-            await conn.commit()
-        else:
-            await _aend(conn, commit=True)
-        return
-    if conn.closed:
-        raise BackendUnavailable("the psycopg connection is closed")
-    if not _is_verified(conn, use):  # once per connection: its answer is needed first
-        opened = not conn.autocommit
-        await adrive(
-            _verify_then(conn, POSTGRESQL, use, _nothing()),
-            lambda stmt: _aexec_psycopg(conn, stmt),
-            lambda exc: map_error(POSTGRESQL, conn, exc),
-        )
-        if opened and in_transaction(conn):
-            await _aend(conn, commit=False)
-    params = (resource, token.lock, token.value, table, resource)
-    try:
-        async with conn.pipeline(), conn.transaction():
-            await conn.execute(pg_pipelined_check(table), params)
-            yield token
-            await conn.execute(pg_pipelined_check(table), params)  # (_RECHECK)
     except Exception as exc:
         mapped = _pipelined_error(conn, resource, token, exc)
         if mapped is exc:
@@ -1129,7 +1486,8 @@ def guarded_batch(
     pipeline, or begin, check, statements, commit). Returns each statement's row count."""
     how = batch_kind(conn)
     if how == "pipeline":  # (a pipelined cursor's row count is known after the sync)
-        with transaction():  # (which checks again last: see guarded_transaction)
+        _refuse_open(in_transaction(conn), "batch()")
+        with _pipelined_transaction(conn, table, resource, token, use):  # (checks again last)
             cursors = [conn.execute(sql, params) for sql, params in statements]
         return [int(cur.rowcount) for cur in cursors]
     if how == "block":

@@ -27,7 +27,7 @@ import functools
 import re
 from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, TypeVar
+from typing import Any, Final, NoReturn, TypeVar
 
 from .._core.errors import (
     ConfigurationError,
@@ -63,6 +63,7 @@ __all__ = [
     "Stmt",
     "TableUse",
     "check_plan",
+    "check_verdict",
     "fence_high_water_plan",
     "fence_install_plan",
     "fence_sql",
@@ -75,9 +76,11 @@ __all__ = [
     "mariadb_batch_recheck",
     "mysql_upsert_accepted",
     "mysql_use_plan",
+    "pg_ride_sql",
     "pg_use_plan",
     "quote_ident",
     "quote_table",
+    "refusal_plan",
     "row_high_water_plan",
     "row_install_plan",
     "row_write_plan",
@@ -352,6 +355,14 @@ def check_plan(sql: FenceSQL, resource: str, token: FencingToken) -> Plan[Fencin
     if sql.mysql:
         return (yield from _mysql_check_plan(sql, resource, token))
     res = yield Stmt(sql.accept, (resource, token.lock, token.value))
+    return (yield from check_verdict(sql, resource, token, res))
+
+
+def check_verdict(
+    sql: FenceSQL, resource: str, token: FencingToken, res: Result
+) -> Plan[FencingToken]:
+    """The verdict on the accepting upsert's result ``res`` (PostgreSQL, SQLite): ``token``
+    if it returned the row, else why not (:func:`refusal_plan`)."""
     if res.rows:
         if type(res.rows[0][0]) is not int:  # a TEXT (or REAL...) token column, adopted
             _stored_token(token.lock, res.rows[0][0], resource)
@@ -359,6 +370,13 @@ def check_plan(sql: FenceSQL, resource: str, token: FencingToken) -> Plan[Fencin
     # Rejected. The conflicting row is now locked by us (PostgreSQL locks it even when the
     # DO UPDATE's WHERE is false) or the whole database is (SQLite), so this read reports
     # exactly the mark that rejected us.
+    return (yield from refusal_plan(sql, resource, token))
+
+
+def refusal_plan(sql: FenceSQL, resource: str, token: FencingToken) -> Plan[NoReturn]:
+    """Why the accepting upsert refused ``token`` (it returned no row): the row it refused
+    on, read and raised as :class:`~fenced.StaleTokenError`, :class:`~fenced.WrongLockError`,
+    :class:`~fenced.CorruptMarkError` or :class:`FenceConflictError`."""
     lock, value = yield from _refusing_row(sql, resource, token)
     if value is None:
         raise CorruptMarkError(resource, "the fence row has no token")
@@ -453,6 +471,33 @@ def pg_pipelined_check(table: str) -> str:
         f"WITH a AS ({accept}) SELECT token FROM a UNION ALL "
         f"SELECT {_refuse_function(table)}(%s::regclass, %s) WHERE NOT EXISTS (SELECT FROM a)"
     )
+
+
+# -- PostgreSQL: the check riding in the messages a transaction sends anyway ----------------
+
+
+@functools.lru_cache(maxsize=128)
+def pg_ride_sql(table: str) -> tuple[str, str]:
+    """``SQLGuard.transaction``'s two statements on PostgreSQL, with ``{0}``… slots for
+    ``PREPARE``'s ``$n`` or for literals (``table`` quoted).
+
+    *check* (resource, lock, token): the accepting upsert (:func:`fence_sql`), returning the
+    token and the transaction's id iff it accepted; it rides in one simple-query message
+    with ``BEGIN``. *recheck* (xid, resource, table): rides with ``COMMIT``, and raises
+    :data:`STALE_SQLSTATE` (through the refusal function ``install()`` creates, with the
+    fence row as it is now), so that the ``COMMIT`` after it never runs, unless this is
+    still the transaction the check ran in (by its id): then the fence row is locked by it
+    and holds this token. A statement of the block that ended that transaction is the only
+    way to another one."""
+    accept = fence_sql(POSTGRESQL, table).accept
+    parts = accept.split("%s")
+    check = "".join(p + (f"{{{i}}}" if i < 3 else "") for i, p in enumerate(parts))
+    check = check.replace("RETURNING token", "RETURNING token, txid_current()")
+    recheck = (
+        "SELECT CASE WHEN txid_current_if_assigned() = {0} THEN 0 "
+        f"ELSE {_refuse_function(table)}(CAST({{2}} AS regclass), {{1}}) END"
+    )
+    return check, recheck
 
 
 # -- MariaDB: the check that raises in the server (one multi-statement request) --------------

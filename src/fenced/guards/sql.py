@@ -18,8 +18,8 @@ back) together with the data it protects:
           pg.execute("UPDATE invoices SET ...")
 
   :meth:`SQLGuard.transaction` is the same as a block (``with guard.transaction(pg,
-  token=...):``); on psycopg it sends BEGIN, a check that raises in the server when it
-  refuses, the block's statements and COMMIT in one pipeline: one round trip.
+  token=...):``); on psycopg the check rides in the message that carries BEGIN and a
+  recheck in the one that carries COMMIT: no round trip of its own.
 
 * :class:`RowGuard`, the **row form**: the guarded table carries its own ``fencing_token``
   column and each write is one conditional ``UPDATE ... WHERE key AND (fencing_token IS NULL
@@ -112,11 +112,13 @@ from .._core.token import FencingToken, TokenLike, validate_lock_name
 from ._plan import check_group_change
 from ._sql_driver import (
     CHECKED,
+    afence_transaction,
     aguarded_transaction,
     arun,
     arun_install,
     arun_own,
     arun_transaction,
+    fence_transaction,
     guarded_batch,
     guarded_transaction,
     note_checked,
@@ -262,23 +264,28 @@ class SQLGuard:
             with guard.transaction(pg, token=lease.token):
                 pg.execute("UPDATE invoices SET ...")
 
-        On a ``psycopg.Connection`` with no transaction open, the whole block is one psycopg
-        *pipeline*: ``BEGIN``, a check that raises in the server when it refuses (through a
-        function :meth:`install` creates), your statements and ``COMMIT`` are sent without
-        waiting, and answered together when the block ends, in one round trip. A refused
-        token aborts the transaction in the server, so nothing is committed; the refusal
-        comes out of the ``with`` (or out of your first read of a result inside it) as
-        :class:`~fenced.StaleTokenError`, :class:`~fenced.WrongLockError`,
-        :class:`~fenced.CorruptMarkError` or :class:`FenceConflictError`, as :meth:`check`
-        raises them. Results of your statements can be read inside the block (a read waits
-        for the answers so far). Other errors of the transaction come as psycopg raises them
-        (in one round trip the guard cannot tell whose statement failed), except a
-        concurrent-transaction refusal (:class:`FenceConflictError`) and a lost connection
-        (:class:`~fenced.BackendUnavailable`).
+        On a ``psycopg.Connection`` with no transaction open the check costs no round trip
+        of its own: it rides in the message that carries ``BEGIN`` (``BEGIN; EXECUTE
+        <check>``, a statement prepared once per connection), and a recheck rides in the
+        one that carries ``COMMIT`` (``SELECT <recheck>; COMMIT``): the server runs nothing
+        of a message after a statement that fails, so a recheck that refuses means no
+        ``COMMIT``. A refused token is raised when the block is entered, before your
+        statements run, as :class:`~fenced.StaleTokenError`,
+        :class:`~fenced.WrongLockError`, :class:`~fenced.CorruptMarkError` or
+        :class:`FenceConflictError`, as :meth:`check` raises them. During the block psycopg
+        runs the connection without autocommit, so a statement after one that ended the
+        transaction (``COMMIT``, ``ROLLBACK``, ``conn.commit()``) opens a new one, which
+        the recheck refuses (rolled back, :class:`~fenced.StaleTokenError`) if a newer
+        token was accepted meanwhile. Other errors of the recheck's message come as psycopg
+        raises them, except a concurrent-transaction refusal (:class:`FenceConflictError`)
+        and a lost connection (:class:`~fenced.BackendUnavailable`). Inside your own psycopg
+        pipeline: the pipelined form (see :meth:`batch`).
 
-        Elsewhere (SQLite, MySQL, SQLAlchemy): :meth:`begin`, the block, ``COMMIT``,
-        with ``ROLLBACK`` if the block raises. Yields the token, accepted once the block has
-        ended without an error. A connection already in a transaction is refused.
+        Elsewhere (SQLite, MySQL, SQLAlchemy): :meth:`begin` (on ``sqlite3``: ``BEGIN
+        IMMEDIATE`` and the check straight to the driver), the block, ``COMMIT``, with
+        ``ROLLBACK`` if the block raises. Yields the token; the transaction is committed
+        once the block has ended without an error. A connection already in a transaction is
+        refused.
         """
         tok = FencingToken.coerce(token, self.lock, self.verifier)
         return guarded_transaction(
@@ -306,7 +313,8 @@ class SQLGuard:
         statement, ``BEGIN NOT ATOMIC``), the statements and ``COMMIT`` go as one request;
         the server runs nothing after the first statement that fails, so a refused token
         commits nothing (the transaction is rolled back, the refusal raised as :meth:`check`
-        raises it). On a psycopg connection, :meth:`transaction`'s pipeline. Elsewhere
+        raises it). On a psycopg connection, one pipeline: ``BEGIN``, a check that raises
+        in the server, the statements, the check again and ``COMMIT``. Elsewhere
         (SQLite, MySQL, PyMySQL without multi-statements, SQLAlchemy):
         :meth:`transaction`'s block, statement by statement. No transaction may be open.
         """
@@ -459,9 +467,10 @@ class SQLGuard:
     def atransaction(
         self, conn: Any, *, token: TokenLike
     ) -> contextlib.AbstractAsyncContextManager[FencingToken]:
-        """:meth:`transaction` as ``async with``: pipelined on a ``psycopg.AsyncConnection``
-        with no transaction open; elsewhere (asyncmy, SQLAlchemy's ``AsyncConnection`` or
-        ``AsyncSession``) :meth:`abegin`, the block, ``COMMIT``."""
+        """:meth:`transaction` as ``async with``: the check riding with ``BEGIN`` and the
+        recheck with ``COMMIT`` on a ``psycopg.AsyncConnection`` with no transaction open
+        (the same steps as the sync form); elsewhere (asyncmy, SQLAlchemy's
+        ``AsyncConnection`` or ``AsyncSession``) :meth:`abegin`, the block, ``COMMIT``."""
         tok = FencingToken.coerce(token, self.lock, self.verifier)
         return aguarded_transaction(
             conn, self._quoted, self.resource, tok, self._use, lambda: self._abegin(conn, tok)
@@ -562,9 +571,13 @@ class SQLFencer:
     def fence(self, token: TokenLike) -> None:
         tok = FencingToken.coerce(token, self.guard.lock, self.guard.verifier)
         with self.connections.connection() as conn:
-            # BEGIN and the fence, COMMIT: a transaction of its own (the driver's BEGIN,
-            # COMMIT and ROLLBACK for every connection kind, SQLAlchemy's included)
-            run_transaction(conn, lambda d: self.guard._check_plan(d, tok), use=self.guard._use)
+            # BEGIN and the fence, COMMIT: a transaction of its own (on psycopg one message;
+            # else the driver's BEGIN, COMMIT and ROLLBACK, SQLAlchemy's included)
+            g = self.guard
+            fence_transaction(
+                conn, g._quoted, g.resource, tok, g._use,
+                lambda: run_transaction(conn, lambda d: g._check_plan(d, tok), use=g._use),
+            )  # fmt: skip
 
     def close(self) -> None:
         """Close the connection kept (``keep_connection``); a fencer without one has none."""
@@ -601,9 +614,11 @@ class AsyncSQLFencer:
     async def fence(self, token: TokenLike) -> None:
         tok = FencingToken.coerce(token, self.guard.lock, self.guard.verifier)
         async with self.connections.connection() as conn:
-            await arun_transaction(
-                conn, lambda d: self.guard._check_plan(d, tok), use=self.guard._use
-            )
+            g = self.guard
+            await afence_transaction(
+                conn, g._quoted, g.resource, tok, g._use,
+                lambda: arun_transaction(conn, lambda d: g._check_plan(d, tok), use=g._use),
+            )  # fmt: skip
 
     async def aclose(self) -> None:
         """Close the connection kept (``keep_connection``)."""
