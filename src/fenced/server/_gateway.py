@@ -17,8 +17,8 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import re
-import secrets
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
@@ -547,8 +547,9 @@ class Gateway:
     def new_request_id(self) -> str:
         """128 random bits: a request id is the capability to renew and release its grant,
         so the server's must not be guessable from another (``_fork.request_id`` is a
-        prefix per process and a counter: fine for ids a process keeps to itself)."""
-        return secrets.token_hex(16)
+        prefix per process and a counter: fine for ids a process keeps to itself). From
+        ``os.urandom``, as ``secrets.token_hex`` (whose layers cost 7 times the call)."""
+        return os.urandom(16).hex()
 
 
 async def _first(*aws: Any) -> None:

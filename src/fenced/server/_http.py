@@ -663,5 +663,8 @@ class _Coalescing:
         self.flush()
         self._transport.close()
 
+    def is_closing(self) -> bool:  # (asked several times a request: not by __getattr__)
+        return self._transport.is_closing()
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._transport, name)
