@@ -32,14 +32,21 @@ Answer = tuple[bytes, list[tuple[bytes, bytes]], bytes]  # status line, headers,
 class Served:
     """``create_app(settings)`` behind uvicorn with fenced's protocol, on a loopback port."""
 
-    def __init__(self, settings: ServerSettings, direct: bool, access_log: bool = False) -> None:
+    def __init__(
+        self, settings: ServerSettings, direct: bool, access_log: bool = False, **config: Any
+    ) -> None:
         app: Any = create_app(settings)
         self.app = app
         protocol = http_protocol(settings.read_timeout, app.direct if direct else None)
-        config = uvicorn.Config(
-            self.app, log_config=None, lifespan="on", http=protocol, access_log=access_log
+        uvicorn_config = uvicorn.Config(
+            self.app,
+            log_config=None,
+            lifespan="on",
+            http=protocol,
+            access_log=access_log,
+            **config,
         )
-        self.server = uvicorn.Server(config)
+        self.server = uvicorn.Server(uvicorn_config)
         self.sock = listen_socket("127.0.0.1", 0)
         self.port = self.sock.getsockname()[1]
 
@@ -57,9 +64,9 @@ class Served:
 
 @contextlib.asynccontextmanager
 async def serving(
-    settings: ServerSettings, direct: bool = True, access_log: bool = False
+    settings: ServerSettings, direct: bool = True, access_log: bool = False, **config: Any
 ) -> AsyncIterator[Served]:
-    served = Served(settings, direct, access_log)
+    served = Served(settings, direct, access_log, **config)
     task = asyncio.create_task(served.server.serve(sockets=[served.sock]))
     try:
         async with asyncio.timeout(30):
@@ -562,3 +569,31 @@ def _waiting_to_write(protocol: Any) -> bool:
             return True
         coro = getattr(coro, "cr_await", None)
     return False
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "app"])
+async def test_keep_alive_closes_a_connection_idle_that_long_and_only_then(
+    tmp_path: Path, direct: bool
+) -> None:
+    """One keep-alive timer a connection, looked at when it fires: requests spaced closer
+    than the keep-alive (0.5 s here) keep the connection however long it lasts, and so does
+    a long poll; idle for the keep-alive after its last answer, it is closed — as uvicorn's
+    timer, re-armed at every answer, did."""
+    settings = ServerSettings(url=f"sqlite:///{tmp_path}/k.db")
+    async with serving(settings, direct, timeout_keep_alive=0.5) as served:
+        loop = asyncio.get_running_loop()
+        reader, writer = await served.connect()
+        for i in range(5):  # (1.2 s in all, more than twice the keep-alive)
+            if i:
+                await asyncio.sleep(0.3)  # (the spacing is what is tested)
+            writer.write(request(f"/v1/locks/k{i}/-/acquire", b'{"ttl": 30}'))
+            assert (await read_answer(reader))[0] == b"HTTP/1.1 200 OK"
+        # A long poll outlasting the keep-alive (k0 is held): the timer finds the connection
+        # busy; the answer arms it again.
+        writer.write(request("/v1/locks/k0/-/acquire", b'{"timeout": 0.8}'))
+        assert (await read_answer(reader))[0] == b"HTTP/1.1 409 Conflict"
+        last = loop.time()
+        async with asyncio.timeout(10):
+            assert await reader.read() == b""  # (closed by the server)
+        assert 0.5 <= loop.time() - last < 3.0
+        writer.close()
