@@ -559,18 +559,18 @@ def http_protocol(
             )
             if not request.more_body:
                 scope[BODY_RECEIVED] = True
-            cycle = RequestResponseCycle(
-                scope=scope,
-                transport=self.transport,
-                flow=self.flow,
-                logger=self.logger,
-                access_logger=self.access_logger,
-                access_log=self.access_log,
-                default_headers=self.server_state.default_headers,
-                message_event=asyncio.Event(),
-                expect_100_continue=False,
-                keep_alive=request.keep_alive,
-                on_response=self.on_response_complete,
+            cycle = RequestResponseCycle(  # (as uvicorn's on_headers_complete makes it)
+                scope,
+                self.transport,
+                self.flow,
+                self.logger,
+                self.access_logger,
+                self.access_log,
+                self.server_state.default_headers,
+                asyncio.Event(),
+                False,  # (no "Expect: 100-continue": the lane leaves those to the app)
+                request.keep_alive,
+                self.on_response_complete,
             )
             cycle.body = bytearray(request.body)
             cycle.more_body = request.more_body
