@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import re
@@ -597,3 +598,35 @@ async def test_keep_alive_closes_a_connection_idle_that_long_and_only_then(
             assert await reader.read() == b""  # (closed by the server)
         assert 0.5 <= loop.time() - last < 3.0
         writer.close()
+
+
+async def test_a_verb_that_fails_is_answered_500_and_closed_as_the_app_answers_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A verb raising (a bug) mid-request: the direct lane answers what uvicorn answers for
+    an app that raised — the same 500 bytes, the connection closed, the error logged — and
+    the server goes on serving other connections."""
+    got = {}
+    for direct in (True, False):
+        settings = ServerSettings(url=f"sqlite:///{tmp_path}/{direct}.db")
+        async with serving(settings, direct) as served:
+            lanes = served.app.front.lanes
+
+            async def boom(*args: Any) -> Any:
+                raise RuntimeError("planted")
+
+            lanes["acquire"] = dataclasses.replace(lanes["acquire"], handle=boom)
+            caplog.clear()
+            reader, writer = await served.connect()
+            writer.write(request("/v1/locks/b/-/acquire", b'{"ttl": 30}'))
+            answer = await read_answer(reader)
+            assert await reader.read() == b""  # (closed)
+            writer.close()
+            got[direct] = comparable(answer)
+            assert any("Exception in ASGI application" in r.getMessage() for r in caplog.records)
+            reader, writer = await served.connect()
+            writer.write(request("/v1/health", method="GET"))
+            assert (await read_answer(reader))[0] == b"HTTP/1.1 200 OK"
+            writer.close()
+    assert got[True] == got[False]
+    assert got[True][0] == b"HTTP/1.1 500 Internal Server Error"

@@ -490,26 +490,27 @@ def http_protocol(
             self._current = request
             since = _clock.now()
             client = self.client
-            started = direct.start(
-                request.picked,
-                request.headers,
-                request.body,
-                client[0] if client else None,
-                request.receive,
-            )
-            if started is None:  # (not the lane's after all: the app answers it)
-                self._current = None
-                self._to_app(request)
-                return
+            started: Awaitable[Answer] | None = None
             try:
+                started = direct.start(
+                    request.picked,
+                    request.headers,
+                    request.body,
+                    client[0] if client else None,
+                    request.receive,
+                )
+                if started is None:  # (not the lane's after all: the app answers it)
+                    self._to_app(request)
+                    return
                 answer = await started
             except Exception as exc:  # (as uvicorn's cycle: logged, answered 500, closed)
                 self.logger.error("Exception in ASGI application\n", exc_info=exc)
                 answer = _SERVER_ERROR
                 request.keep_alive = False
             finally:
-                direct.finished(request.picked, since)
                 self._current = None
+                if started is not None:
+                    direct.finished(request.picked, since)
             await self._write(request, answer)
 
         async def _write(self, request: _Request, answer: Answer) -> None:
