@@ -630,3 +630,35 @@ async def test_a_verb_that_fails_is_answered_500_and_closed_as_the_app_answers_i
             writer.close()
     assert got[True] == got[False]
     assert got[True][0] == b"HTTP/1.1 500 Internal Server Error"
+
+
+@pytest.mark.parametrize(
+    "number", [30.0, 29.99987, 1e-05, 5.5e-05, 2.5e-07, 0.0, 86400.0, 1e16, 1e22, 123456789.123]
+)
+def test_the_lanes_answers_are_the_bytes_pydantic_writes(number: float) -> None:
+    """The verbs write their answers without models: the same bytes as GrantOut's,
+    RenewOut's and ReleaseOut's ``model_dump_json`` (a float below 1e-4 without an
+    exponent, as pydantic writes it; a string that needs escaping escaped as it does)."""
+    from fenced.server._wire import (
+        RELEASED,
+        GrantOut,
+        ReleaseOut,
+        RenewOut,
+        grant_json,
+        renew_json,
+    )
+
+    for text in ("jobs/nightly", 'a"b\\c', "caf\u00e9\n"):
+        model = GrantOut(
+            lock=text, token=f"{text}:7", value=7, signed=None if number > 1 else text,
+            request_id="r-1", lease_id="r-1", ttl=number, expires_in=number,
+        )  # fmt: skip
+        made = grant_json(text, f"{text}:7", 7, model.signed, "r-1", number, number)
+        assert made == model.model_dump_json().encode()
+    assert (
+        renew_json(number, number)
+        == RenewOut(ttl=number, expires_in=number).model_dump_json().encode()
+    )
+    assert (
+        tuple(ReleaseOut(released=b).model_dump_json().encode() for b in (True, False)) == RELEASED
+    )
