@@ -137,6 +137,7 @@ class Gateway:
         self.metrics.tracked.set_function(lambda: len(self._grants))
         self._released = self.metrics.releases.labels("released")  # (children looked up once)
         self._not_held = self.metrics.releases.labels("not_held")
+        self._renewed = self.metrics.renewals.labels("ok")
 
     def _source_commits(self) -> int | None:
         n = getattr(self._backend, "commits", None)
@@ -358,7 +359,7 @@ class Gateway:
             raise
         finally:
             stale = self._done(key, new)
-        self.metrics.renewals.labels("ok").inc()
+        self._renewed.inc()
         if stale:  # (its answer came back after the grant was released or ended here:
             return new  # kept again, it would be counted an expiry later)
         self._supersede(key, new.token)

@@ -96,7 +96,7 @@ class Metrics:
             r.register(_SourceCommits(source_commits))
         # (the metrics every grant and every request changes: without a lock)
         self.grants = _LoopCounter("fenced_grants", "Locks granted", registry=r)
-        self.acquire_timeouts = Counter(
+        self.acquire_timeouts = _LoopCounter(
             "fenced_acquire_timeouts", "Acquires whose timeout passed before a grant", registry=r
         )
         self.releases = _LoopCounter(
@@ -105,7 +105,7 @@ class Metrics:
             ["result"],
             registry=r,
         )
-        self.renewals = Counter(
+        self.renewals = _LoopCounter(
             "fenced_renewals",
             "Renewals: ok, lost (the grant had expired), error",
             ["result"],
