@@ -18,11 +18,15 @@ client mid-answer. Here what a connection writes in one turn of the loop goes ou
 write at the end of the turn (``_Coalescing``).
 
 The hot path — acquire, renew and release — is answered by the protocol itself where it can
-(``direct``, the app's ``DirectLane``): such a request still gets uvicorn's cycle (its place
-in a pipeline, keep-alive, flow control, the disconnect a waiting acquire watches for), but
-not the trip through the ASGI app's layers, and its answer goes to the socket as one write,
-its head built here as uvicorn's ``send`` builds it. A request the lane is not sure of (its
-body not whole yet, a bad body or key, another route) goes to the app, unchanged.
+(``direct``, the app's ``DirectLane``): such a request never becomes an ASGI request. The
+protocol keeps it where uvicorn keeps a request's cycle (``_Request``, in its place in the
+pipeline), builds no scope, no cycle and no task for it: one task per connection answers
+these requests in turn, with uvicorn's flow control, keep-alive (one timer a connection,
+looked at when it fires), ``Connection: close`` and HTTP/1.0, access line, and the
+disconnect a waiting acquire watches for; its answer goes to the socket as one write, its
+head built as uvicorn's ``send`` builds it. A request the lane is not sure of (its body not
+whole with its head or by its turn, an ``Expect``, a bad body or key, another route) is
+handed to the app as uvicorn would have handed it: its scope, its cycle, its task.
 """
 
 from __future__ import annotations

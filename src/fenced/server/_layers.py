@@ -205,9 +205,10 @@ def _picked(lanes: dict[str, _Lane], path: str) -> tuple[_Lane, str] | None:
 class _FastLane:
     """acquire, renew and release — a lock service's hot path — without Starlette's
     middleware stack, FastAPI's routing, dependency solving and response-model validation,
-    which cost most of such a request's CPU. The same handlers run, with the same body models
-    (validated the same way), the same body bounds (``_BodyLimit.read``: size and read
-    timeout), the same error answers and the same latency metric. Only a request the lane is
+    which cost most of such a request's CPU. The routes' checks run (the verbs of ``_app``:
+    ``acquire_now`` ...), on the body as its model validates it (``_fields``), with the same
+    body bounds (``_BodyLimit.read``: size and read timeout), the same answers (their bytes
+    written directly) and the same latency metric. Only a request the lane is
     sure of takes it: a well-formed JSON object that validates, from an authenticated key
     allowed on the lock; anything else (a bad body, no or a wrong key, another route) goes to
     the FastAPI app with its body replayed, which answers it as it always has — one set of
