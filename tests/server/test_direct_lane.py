@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import re
+import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -31,14 +33,21 @@ Answer = tuple[bytes, list[tuple[bytes, bytes]], bytes]  # status line, headers,
 class Served:
     """``create_app(settings)`` behind uvicorn with fenced's protocol, on a loopback port."""
 
-    def __init__(self, settings: ServerSettings, direct: bool, access_log: bool = False) -> None:
+    def __init__(
+        self, settings: ServerSettings, direct: bool, access_log: bool = False, **config: Any
+    ) -> None:
         app: Any = create_app(settings)
         self.app = app
         protocol = http_protocol(settings.read_timeout, app.direct if direct else None)
-        config = uvicorn.Config(
-            self.app, log_config=None, lifespan="on", http=protocol, access_log=access_log
+        uvicorn_config = uvicorn.Config(
+            self.app,
+            log_config=None,
+            lifespan="on",
+            http=protocol,
+            access_log=access_log,
+            **config,
         )
-        self.server = uvicorn.Server(config)
+        self.server = uvicorn.Server(uvicorn_config)
         self.sock = listen_socket("127.0.0.1", 0)
         self.port = self.sock.getsockname()[1]
 
@@ -56,9 +65,9 @@ class Served:
 
 @contextlib.asynccontextmanager
 async def serving(
-    settings: ServerSettings, direct: bool = True, access_log: bool = False
+    settings: ServerSettings, direct: bool = True, access_log: bool = False, **config: Any
 ) -> AsyncIterator[Served]:
-    served = Served(settings, direct, access_log)
+    served = Served(settings, direct, access_log, **config)
     task = asyncio.create_task(served.server.serve(sockets=[served.sock]))
     try:
         async with asyncio.timeout(30):
@@ -349,3 +358,307 @@ async def test_a_waiting_acquire_taken_directly_leaves_the_queue_when_its_client
         assert served.direct_taken == 6  # (four acquires, two releases; not the status)
         writer.close()
         stay.close()
+
+
+def _protocols(served: Served) -> list[Any]:
+    return list(served.server.server_state.connections)
+
+
+async def _until(check: Any, what: str, bound: float = 10.0) -> None:
+    """Wait (bounded) until ``check()`` is true."""
+    async with asyncio.timeout(bound):
+        while not check():
+            await asyncio.sleep(0.005)
+
+
+@pytest.mark.parametrize("whole_in_time", [True, False], ids=["whole-in-queue", "in-pieces"])
+async def test_a_queued_direct_request_is_answered_directly_only_if_whole_at_its_turn(
+    tmp_path: Path, whole_in_time: bool
+) -> None:
+    """A request pipelined behind a waiting acquire, its body sent in two pieces (a whole
+    JSON object, then more): whole before its turn, the direct lane answers it; still in
+    pieces at its turn, the app does (which bounds its time) — never judged by its first
+    piece: an object followed by junk is a bad body (400), not a grant. Either way the
+    answers come in order, each its own request's."""
+    async with serving(ServerSettings(url=f"sqlite:///{tmp_path}/q.db")) as served:
+        gw = served.app.state.gateway
+        holder_reader, holder = await served.connect()
+        holder.write(request("/v1/locks/q/-/acquire", b'{"ttl": 30, "request_id": "h"}'))
+        assert json.loads((await read_answer(holder_reader))[2])["token"] == "q:1"
+        reader, writer = await served.connect()
+        rest = b"  " if whole_in_time else b"xx"
+        second = request("/v1/locks/x/-/acquire", b'{"ttl": 30, "request_id": "r-x"}' + rest)
+        writer.write(
+            request("/v1/locks/q/-/acquire", b'{"timeout": 30, "request_id": "w"}')
+            + second[: -len(rest)]
+        )
+        await _until(lambda: gw._waiting == 1, "queued")
+        await _until(lambda: any(p.pipeline for p in _protocols(served)), "piped")
+        if whole_in_time:
+            writer.write(rest)
+            await _until(lambda: _queued_whole(served), "whole")
+        before = (served.direct_taken, served.lane_taken)
+        holder.write(request("/v1/locks/q/-/release", b'{"token": "q:1", "request_id": "h"}'))
+        assert json.loads((await read_answer(holder_reader))[2]) == {"released": True}
+        first = json.loads((await read_answer(reader))[2])
+        assert first["token"] == "q:2" and first["request_id"] == "w"
+        if not whole_in_time:
+            await _until(lambda: _body_pending(served), "the app reads the body")
+            writer.write(rest)
+        status, _, body = await read_answer(reader)
+        if whole_in_time:
+            assert status == b"HTTP/1.1 200 OK" and json.loads(body)["token"] == "x:1"
+        else:
+            assert status == b"HTTP/1.1 400 Bad Request", body
+        # (the waiting acquire was counted when it began; the release, and the second if
+        # the lane answered it, now)
+        direct, lane = served.direct_taken - before[0], served.lane_taken - before[1]
+        assert (direct, lane) == ((2, 2) if whole_in_time else (1, 1))
+        writer.close()
+        holder.close()
+
+
+def _queued_whole(served: Served) -> bool:
+    """A connection has one request queued, its body whole."""
+    return any(len(p.pipeline) == 1 and not p.pipeline[0][0].more_body for p in _protocols(served))
+
+
+RENEW_M = b'{"token": "m:1", "request_id": "r-1"}'
+
+
+async def test_a_pipelined_mix_with_requests_the_lane_declines_is_answered_in_order(
+    tmp_path: Path,
+) -> None:
+    """Direct requests, requests the lane declines once it has read their body (a bad body,
+    a missing and a wrong key: answered by the app) and app routes, eight in one write:
+    answered in the order sent, the lane's refusals counted once, by the app."""
+    settings = ServerSettings(
+        url=f"sqlite:///{tmp_path}/m.db", api_keys=load_api_keys(keys_file(tmp_path))
+    )
+    auth = {"authorization": f"Bearer {SECRET}"}
+    async with serving(settings) as served:
+        reader, writer = await served.connect()
+        writer.write(
+            request("/v1/locks/m/-/acquire", b'{"ttl": 30, "request_id": "r-1"}', **auth)
+            + request("/v1/locks/m/-/acquire", b'{"ttl": 30', **auth)
+            + request("/v1/locks/m/-/renew", b'{"token": "m:1", "request_id": "r-1"}')
+            + request(
+                "/v1/locks/m/-/renew",
+                b'{"token": "m:1", "request_id": "r-1"}',
+                authorization="Bearer nope",
+            )
+            + request("/v1/locks/m", method="GET", **auth)
+            + request("/v1/locks/m/-/renew", b'{"token": "m:1", "request_id": "r-1"}', **auth)
+            + request("/v1/health", method="GET")
+            + request("/v1/locks/m/-/release", b'{"token": "m:1", "request_id": "r-1"}', **auth)
+        )
+        got = [await read_answer(reader) for _ in range(8)]
+        writer.write(request("/metrics", method="GET", **auth))
+        metrics = (await read_answer(reader))[2].decode()
+        writer.close()
+    statuses = [status.split(b" ")[1] for status, _, _ in got]
+    assert statuses == [b"200", b"400", b"401", b"401", b"200", b"200", b"200", b"200"]
+    bodies = [json.loads(body) for _, _, body in got]
+    assert bodies[0]["token"] == "m:1" and bodies[4]["held"] is True
+    assert set(bodies[5]) == {"ttl", "expires_in"} and bodies[7] == {"released": True}
+    assert counters(metrics)['fenced_refused_requests_total{reason="unauthenticated"}'] == "2.0"
+    assert served.direct_taken == 3
+
+
+async def test_a_client_leaving_mid_pipeline_takes_its_waiting_acquire_out_of_the_queue(
+    tmp_path: Path,
+) -> None:
+    """A waiting acquire with more requests pipelined behind it, then the client hangs up:
+    the acquire leaves the queue (the lock, released, is free: granted to nobody gone), the
+    requests behind it are never served, and the connection's task ends with it."""
+    async with serving(ServerSettings(url=f"sqlite:///{tmp_path}/d.db")) as served:
+        gw = served.app.state.gateway
+        holder_reader, holder = await served.connect()
+        holder.write(request("/v1/locks/d/-/acquire", b'{"ttl": 30, "request_id": "h"}'))
+        assert json.loads((await read_answer(holder_reader))[2])["token"] == "d:1"
+        _, gone = await served.connect()
+        gone.write(
+            request("/v1/locks/d/-/acquire", b'{"timeout": 30, "request_id": "w"}')
+            + request("/v1/locks/e/-/acquire", b'{"ttl": 30, "request_id": "e"}')
+            + request("/v1/locks/f/-/acquire", b'{"ttl": 30, "request_id": "f"}')
+        )
+        await _until(lambda: gw._waiting == 1, "queued")
+        await _until(lambda: sum(len(p.pipeline) for p in _protocols(served)) == 2, "piped")
+        (protocol,) = [p for p in _protocols(served) if p.pipeline]
+        task = protocol._worker
+        assert task is not None and task in _serving_tasks()
+        gone.close()
+        await _until(lambda: gw._waiting == 0, "left the queue: its client went")
+        await _until(lambda: protocol not in _protocols(served), "the connection ended")
+        await _until(task.done, "the connection's task ended")
+        holder.write(request("/v1/locks/d/-/release", b'{"token": "d:1", "request_id": "h"}'))
+        assert json.loads((await read_answer(holder_reader))[2]) == {"released": True}
+        for name in ("d", "e", "f"):  # (d free: not granted to "w"; e and f never served)
+            holder.write(request(f"/v1/locks/{name}", method="GET"))
+            assert json.loads((await read_answer(holder_reader))[2])["held"] is False
+        holder.close()
+
+
+def _serving_tasks() -> list[asyncio.Task[Any]]:
+    """The protocol's per-connection tasks still running."""
+    return [
+        t
+        for t in asyncio.all_tasks()
+        if getattr(t.get_coro(), "__qualname__", "").endswith("BoundedHeadProtocol._serve")
+    ]
+
+
+async def test_a_client_that_does_not_read_holds_the_server_back_not_its_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Flow control: a client pipelining acquires and reading none of the answers. Once the
+    socket's buffers are full the server stops writing (and so answering, and reading) —
+    its buffer for the connection stays near the transport's high-water mark instead of
+    holding every answer; when the client reads, every answer comes, in order."""
+    from fenced.server import _http
+
+    most = [0]  # (the most the server held for the connection after a write)
+    for method in ("write_now", "flush"):
+        writes = getattr(_http._Coalescing, method)
+
+        def measured(self: Any, *data: bytes, writes: Any = writes) -> None:
+            writes(self, *data)
+            most[0] = max(most[0], self._transport.get_write_buffer_size())
+
+        monkeypatch.setattr(_http._Coalescing, method, measured)
+    n, name = 600, "n" * 150
+    async with serving(ServerSettings(url=f"sqlite:///{tmp_path}/s.db")) as served:
+        served.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        served.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        client = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        client.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(client, ("127.0.0.1", served.port))
+        reader, writer = await asyncio.open_connection(sock=client)
+
+        async def send() -> None:
+            for i in range(n):
+                writer.write(request(f"/v1/locks/{name}{i}/-/acquire", b'{"ttl": 30}'))
+                await writer.drain()
+
+        sending = asyncio.create_task(send())
+        try:
+            # Until the server waits for the client to read — or, without flow control,
+            # holds more than the transport's high-water mark and a few answers.
+            await _until(
+                lambda: most[0] > 80 * 1024 or any(map(_waiting_to_write, _protocols(served))),
+                "held back",
+            )
+            assert served.direct_taken < n
+            assert 64 * 1024 <= most[0] <= 80 * 1024, most[0]
+            for i in range(n):
+                _, _, body = await read_answer(reader)
+                assert json.loads(body)["lock"] == f"{name}{i}"
+            await sending
+        finally:
+            sending.cancel()
+            writer.transport.abort()  # (what the server holds for it goes with it)
+
+
+def _waiting_to_write(protocol: Any) -> bool:
+    """The connection's task waits for the client to read what it has written (flow
+    control's drain, in the write of an answer)."""
+    task = protocol._worker
+    coro = task.get_coro() if task is not None else None
+    while coro is not None:
+        if getattr(coro, "__qualname__", "").endswith("._write"):
+            return True
+        coro = getattr(coro, "cr_await", None)
+    return False
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "app"])
+async def test_keep_alive_closes_a_connection_idle_that_long_and_only_then(
+    tmp_path: Path, direct: bool
+) -> None:
+    """One keep-alive timer a connection, looked at when it fires: requests spaced closer
+    than the keep-alive (0.5 s here) keep the connection however long it lasts, and so does
+    a long poll; idle for the keep-alive after its last answer, it is closed — as uvicorn's
+    timer, re-armed at every answer, did."""
+    settings = ServerSettings(url=f"sqlite:///{tmp_path}/k.db")
+    async with serving(settings, direct, timeout_keep_alive=0.5) as served:
+        loop = asyncio.get_running_loop()
+        reader, writer = await served.connect()
+        for i in range(5):  # (1.2 s in all, more than twice the keep-alive)
+            if i:
+                await asyncio.sleep(0.3)  # (the spacing is what is tested)
+            writer.write(request(f"/v1/locks/k{i}/-/acquire", b'{"ttl": 30}'))
+            assert (await read_answer(reader))[0] == b"HTTP/1.1 200 OK"
+        # A long poll outlasting the keep-alive (k0 is held): the timer finds the connection
+        # busy; the answer arms it again.
+        writer.write(request("/v1/locks/k0/-/acquire", b'{"timeout": 0.8}'))
+        assert (await read_answer(reader))[0] == b"HTTP/1.1 409 Conflict"
+        last = loop.time()
+        async with asyncio.timeout(10):
+            assert await reader.read() == b""  # (closed by the server)
+        assert 0.5 <= loop.time() - last < 3.0
+        writer.close()
+
+
+async def test_a_verb_that_fails_is_answered_500_and_closed_as_the_app_answers_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A verb raising (a bug) mid-request: the direct lane answers what uvicorn answers for
+    an app that raised — the same 500 bytes, the connection closed, the error logged — and
+    the server goes on serving other connections."""
+    got = {}
+    for direct in (True, False):
+        settings = ServerSettings(url=f"sqlite:///{tmp_path}/{direct}.db")
+        async with serving(settings, direct) as served:
+            lanes = served.app.front.lanes
+
+            async def boom(*args: Any) -> Any:
+                raise RuntimeError("planted")
+
+            lanes["acquire"] = dataclasses.replace(lanes["acquire"], handle=boom)
+            caplog.clear()
+            reader, writer = await served.connect()
+            writer.write(request("/v1/locks/b/-/acquire", b'{"ttl": 30}'))
+            answer = await read_answer(reader)
+            assert await reader.read() == b""  # (closed)
+            writer.close()
+            got[direct] = comparable(answer)
+            assert any("Exception in ASGI application" in r.getMessage() for r in caplog.records)
+            reader, writer = await served.connect()
+            writer.write(request("/v1/health", method="GET"))
+            assert (await read_answer(reader))[0] == b"HTTP/1.1 200 OK"
+            writer.close()
+    assert got[True] == got[False]
+    assert got[True][0] == b"HTTP/1.1 500 Internal Server Error"
+
+
+@pytest.mark.parametrize(
+    "number", [30.0, 29.99987, 1e-05, 5.5e-05, 2.5e-07, 0.0, 86400.0, 1e16, 1e22, 123456789.123]
+)
+def test_the_lanes_answers_are_the_bytes_pydantic_writes(number: float) -> None:
+    """The verbs write their answers without models: the same bytes as GrantOut's,
+    RenewOut's and ReleaseOut's ``model_dump_json`` (a float below 1e-4 without an
+    exponent, as pydantic writes it; a string that needs escaping escaped as it does)."""
+    from fenced.server._wire import (
+        RELEASED,
+        GrantOut,
+        ReleaseOut,
+        RenewOut,
+        grant_json,
+        renew_json,
+    )
+
+    for text in ("jobs/nightly", 'a"b\\c', "caf\u00e9\n"):
+        model = GrantOut(
+            lock=text, token=f"{text}:7", value=7, signed=None if number > 1 else text,
+            request_id="r-1", lease_id="r-1", ttl=number, expires_in=number,
+        )  # fmt: skip
+        made = grant_json(text, f"{text}:7", 7, model.signed, "r-1", number, number)
+        assert made == model.model_dump_json().encode()
+    assert (
+        renew_json(number, number)
+        == RenewOut(ttl=number, expires_in=number).model_dump_json().encode()
+    )
+    assert (
+        tuple(ReleaseOut(released=b).model_dump_json().encode() for b in (True, False)) == RELEASED
+    )

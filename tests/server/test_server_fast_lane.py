@@ -178,7 +178,7 @@ async def test_the_comparison_catches_a_lane_that_answers_differently(
             return original(lane, body)
         if isinstance(data, dict) and isinstance(data.get("ttl"), str):
             data.pop("ttl")
-            return lane.model.model_validate(data)
+            return lane.model.model_validate(data).__dict__
         return original(lane, body)
 
     monkeypatch.setattr(_FastLane, "_model", staticmethod(sloppy))
@@ -198,8 +198,8 @@ async def test_the_comparison_catches_a_lane_that_counts_a_refusal_twice(
     from fenced.server._auth import Verb
     from fenced.server._wire import ApiError
 
-    def counting(self: Any, scope: Any, name: str) -> Any:
-        auth = [v for k, v in scope["headers"] if k == b"authorization"]
+    def counting(self: Any, headers: Any, name: str) -> Any:
+        auth = [v for k, v in headers if k == b"authorization"]
         if len(auth) != 1:
             return False
         try:

@@ -472,3 +472,42 @@ async def test_the_servers_loop_never_sleeps_while_another_process_commits(
         granted = await client.post("/v1/locks/a/-/acquire", json={})
         assert granted.status_code == 200 and granted.json()["value"] == 1, granted.text
     assert asleep == 0, asleep
+
+
+def test_the_metrics_without_a_lock_expose_what_prometheus_client_exposes() -> None:
+    """The hot path's histograms and counters take no lock and find a bucket by bisection:
+    the same exposition as prometheus_client's own for the same observations — on every
+    bucket bound exactly, between them, past the last, at 0, below it, inf and NaN."""
+    import random
+
+    from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+    from fenced.server._metrics import _LATENCY, Metrics
+
+    ours = Metrics()
+    registry = CollectorRegistry()
+    theirs = Histogram(
+        "fenced_request_seconds", "x", ["route", "method"], buckets=_LATENCY, registry=registry
+    )
+    grants = Counter("fenced_grants", "x", registry=registry)
+    rng = random.Random(7)
+    values = [*_LATENCY, 0.0, -1.0, 31.0, 1e-9, float("inf"), float("nan")]
+    values += [rng.random() * 40 for _ in range(500)]
+    for value in values:
+        for histogram in (ours.latency, theirs):
+            histogram.labels("/v1/locks/{name:lock}/-/acquire", "POST").observe(value)
+        ours.grants.inc()
+        grants.inc()
+
+    def samples(text: bytes, prefixes: tuple[str, ...]) -> list[str]:
+        return sorted(
+            line
+            for line in text.decode().splitlines()
+            if line.startswith(prefixes) and "_created" not in line
+        )
+
+    wanted = ("fenced_request_seconds", "fenced_grants")
+    assert samples(ours.render(), wanted) == samples(generate_latest(registry), wanted)
+    assert len(samples(ours.render(), wanted)) == len(_LATENCY) + 4
+    with pytest.raises(ValueError, match="missing label values"):
+        ours.latency.observe(1.0)  # (a labelled metric's parent: as prometheus_client)

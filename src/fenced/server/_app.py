@@ -55,7 +55,9 @@ from ._layers import DirectLane, _BodyLimit, _FastLane, _Lane, _Service, _Timing
 from ._metrics import CONTENT_TYPE_LATEST
 from ._wire import (
     _ERRORS,
+    RELEASED,
     AcquireIn,
+    Answer,
     ApiError,
     CheckIn,
     CheckOut,
@@ -74,6 +76,10 @@ from ._wire import (
     SwapIn,
     _bearer_secret,
     _error,
+    error_answer,
+    grant_json,
+    ok,
+    renew_json,
 )
 
 __all__ = ["ServerSettings", "create_app"]
@@ -469,24 +475,28 @@ def create_app(settings: ServerSettings) -> FastAPI:
         except InvalidTokenError as exc:
             raise fail(exc) from None
 
-    def lease_args(name: str, body: LeaseIn, key: ApiKey | None) -> tuple[str, FencingToken, str]:
-        """A renewal's or release's lock name, token and request id, checked, for ``key``."""
+    def lease_args(name: str, fields: Any, key: ApiKey | None) -> tuple[str, FencingToken, str]:
+        """A renewal's or release's lock name, token and request id, checked, for ``key``;
+        ``fields``: the body's (LeaseIn's, as a mapping)."""
         name = lock_name(name)
         allow(key, Verb.ACQUIRE, name)
-        rid = body.request_id if body.request_id is not None else body.lease_id
+        lease_id = fields.get("lease_id")
+        rid = fields.get("request_id")
+        rid = rid if rid is not None else lease_id
         if rid is None:
             raise ApiError(400, "invalid_request", "request_id (or lease_id) is required")
         try:
             check_request_id(rid)
-            if body.lease_id is not None:  # (both given: both must be good, and agree)
-                check_request_id(body.lease_id)
-                if body.lease_id != rid:
+            if lease_id is not None:  # (both given: both must be good, and agree)
+                check_request_id(lease_id)
+                if lease_id != rid:
                     raise ConfigurationError("request_id and lease_id differ: give one")
-            if body.ttl is not None:  # (a release takes no ttl, but a bad one is refused)
-                check_ttl(body.ttl)
+            ttl = fields.get("ttl")
+            if ttl is not None:  # (a release takes no ttl, but a bad one is refused)
+                check_ttl(ttl)
         except ConfigurationError as exc:
             raise fail(exc) from None
-        token = parse(body.token, name)
+        token = parse(fields["token"], name)
         if token.signature is not None and verifier is not None:  # (plain ones: the request
             try:  # id proves the grant; a signed one must be this server's)
                 verifier.verify(token.lock, token.value, token.signature)
@@ -515,23 +525,34 @@ def create_app(settings: ServerSettings) -> FastAPI:
         client = request.client.host if request.client else None
         return await do_acquire(name, body or AcquireIn(), key, client, request.receive)
 
-    async def do_acquire(
-        name: str, body: AcquireIn, key: ApiKey | None, client: str | None, receive: Receive
-    ) -> GrantOut:
+    def acquire_args(
+        name: str, fields: Any, key: ApiKey | None, client: str | None
+    ) -> tuple[str, str, float, float, str]:
+        """An acquire's lock name, request id, ttl, wait and holder description, checked;
+        ``fields``: the body's (AcquireIn's, as a mapping)."""
         name = lock_name(name)
         allow(key, Verb.ACQUIRE, name)
         try:
-            ttl = check_ttl(body.ttl if body.ttl is not None else settings.default_ttl)
-            timeout = check_timeout(body.timeout if body.timeout is not None else 0.0)
-            given = body.request_id  # ("" is a bad id, not an absent one)
+            ttl = fields.get("ttl")
+            ttl = check_ttl(ttl if ttl is not None else settings.default_ttl)
+            timeout = fields.get("timeout")
+            timeout = check_timeout(timeout if timeout is not None else 0.0)
+            given = fields.get("request_id")  # ("" is a bad id, not an absent one)
             rid = check_request_id(gw.new_request_id() if given is None else given)
-            described = check_description(body.owner)
+            described = check_description(fields.get("owner"))
         except ConfigurationError as exc:
             raise fail(exc) from None
         owner = described or f"http client {client or '?'}"
         if key is not None:
             owner = f"{key.id}: {owner}"
-        wait = min(timeout or 0.0, settings.max_wait)
+        return name, rid, ttl, min(timeout or 0.0, settings.max_wait), owner[:200]
+
+    async def take_grant(
+        name: str, rid: str, ttl: float, wait: float, owner: str,
+        key: ApiKey | None, client: str | None, receive: Receive,
+    ) -> tuple[Grant, FencingToken]:  # fmt: skip
+        """An acquire's grant, through the route or the lane: a waiting one within its
+        client's bound (``--max-waiting-per-client``)."""
         who = client_name(key, client)
         if wait and waiting.full(who):
             # At its bound, a client's acquire is served if it is answered at once (tried
@@ -539,27 +560,82 @@ def create_app(settings: ServerSettings) -> FastAPI:
             # the server and the source until it ends: 500 of one client took a second of
             # the server's CPU a second.)
             try:
-                grant, signed = await gw.acquire_for(
-                    key, name, rid, ttl, 0.0, owner[:200], count_timeout=False
-                )
+                return await gw.acquire_for(key, name, rid, ttl, 0.0, owner, count_timeout=False)
             except LockTimeout:
                 raise waiting.refusal(who) from None
             except FencedError as exc:
                 raise fail(exc) from exc
-            return _grant_out(name, rid, grant, signed)
         give_back = waiting.take(who) if wait else None
         try:
             # Only a waiting acquire (a long poll) watches for the client leaving or a shutdown.
-            grant, signed = await call(
+            got: tuple[Grant, FencingToken] = await call(
                 gw.acquire_for(
-                    key, name, rid, ttl, wait, owner[:200],
-                    waiting=lambda granting: _unless_gone(receive, gw, granting),
+                    key, name, rid, ttl, wait, owner,
+                    waiting=(lambda granting: _unless_gone(receive, gw, granting)) if wait else None,
                 )
             )  # fmt: skip
+            return got
         finally:  # (granted, timed out, client gone, cancelled, server stopping: its place back)
             if give_back is not None:
                 give_back()
+
+    async def do_acquire(
+        name: str, body: AcquireIn, key: ApiKey | None, client: str | None, receive: Receive
+    ) -> GrantOut:
+        name, rid, ttl, wait, owner = acquire_args(name, body.__dict__, key, client)
+        grant, signed = await take_grant(name, rid, ttl, wait, owner, key, client, receive)
         return _grant_out(name, rid, grant, signed)
+
+    # The lane's verbs (``_layers``): the same checks and calls as the routes', the answer
+    # written as bytes (the routes' models' JSON), no model on the way. ``fields``: the
+    # body's, as a mapping; ``client``: the peer's address.
+
+    async def acquire_now(
+        name: str, fields: Any, key: ApiKey | None, client: str | None, receive: Receive
+    ) -> Answer:
+        try:
+            name, rid, ttl, wait, owner = acquire_args(name, fields, key, client)
+            grant, signed = await take_grant(name, rid, ttl, wait, owner, key, client, receive)
+        except ApiError as exc:
+            return error_answer(exc)
+        token = grant.token
+        return ok(
+            grant_json(
+                name,
+                str(token),
+                token.value,
+                str(signed) if signed.signature else None,
+                rid,
+                grant.ttl,
+                _expires_in(grant),
+            )
+        )
+
+    async def renew_now(
+        name: str, fields: Any, key: ApiKey | None, client: str | None, receive: Receive
+    ) -> Answer:
+        try:
+            name, token, rid = lease_args(name, fields, key)
+            try:
+                grant = await gw.renew_for(key, name, token, rid, fields.get("ttl"))
+            except FencedError as exc:
+                raise fail(exc) from exc
+        except ApiError as exc:
+            return error_answer(exc)
+        return ok(renew_json(grant.ttl, _expires_in(grant)))
+
+    async def release_now(
+        name: str, fields: Any, key: ApiKey | None, client: str | None, receive: Receive
+    ) -> Answer:
+        try:
+            name, token, rid = lease_args(name, fields, key)
+            try:
+                released = await gw.release_for(key, name, token, rid)
+            except FencedError as exc:
+                raise fail(exc) from exc
+        except ApiError as exc:
+            return error_answer(exc)
+        return ok(RELEASED[0] if released else RELEASED[1])
 
     @app.post(
         "/v1/locks/{name:lock}/-/renew",
@@ -570,14 +646,8 @@ def create_app(settings: ServerSettings) -> FastAPI:
     )
     async def renew(name: str, body: LeaseIn, key: Principal) -> RenewOut:
         # (also the fast lane's: Principal is an ApiKey | None to a plain call)
-        name, token, rid = lease_args(name, body, key)
-        ttl = None
-        if body.ttl is not None:
-            try:
-                ttl = check_ttl(body.ttl)
-            except ConfigurationError as exc:
-                raise fail(exc) from None
-        grant = await call(gw.renew_for(key, name, token, rid, ttl))
+        name, token, rid = lease_args(name, body.__dict__, key)
+        grant = await call(gw.renew_for(key, name, token, rid, body.ttl))  # (lease_args checked it)
         return RenewOut(ttl=grant.ttl, expires_in=_expires_in(grant))
 
     @app.post(
@@ -587,7 +657,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
         summary="Release a grant (fenced: never frees a later grant)",
     )
     async def release(name: str, body: LeaseIn, key: Principal) -> ReleaseOut:
-        name, token, rid = lease_args(name, body, key)
+        name, token, rid = lease_args(name, body.__dict__, key)
         released = await call(gw.release_for(key, name, token, rid))
         return ReleaseOut(released=released)
 
@@ -897,23 +967,9 @@ def create_app(settings: ServerSettings) -> FastAPI:
         if isinstance(r, APIRoute) and r.path.startswith("/v1/locks/{name:lock}/-/")
     }
     lanes: dict[str, _Lane] = {
-        "acquire": _Lane(
-            routes["acquire"],
-            AcquireIn,
-            lambda name, body, key, scope, receive: do_acquire(
-                name, body, key, (scope.get("client") or (None,))[0], receive
-            ),
-        ),
-        "renew": _Lane(
-            routes["renew"],
-            LeaseIn,
-            lambda name, body, key, scope, receive: renew(name, body, key),
-        ),
-        "release": _Lane(
-            routes["release"],
-            LeaseIn,
-            lambda name, body, key, scope, receive: release(name, body, key),
-        ),
+        "acquire": _Lane(routes["acquire"], AcquireIn, acquire_now),
+        "renew": _Lane(routes["renew"], LeaseIn, renew_now),
+        "release": _Lane(routes["release"], LeaseIn, release_now),
     }
     app.openapi = lambda: _document(app, keyed=keys is not None)  # type: ignore[method-assign]
     app.add_middleware(_Timing, gateway=gw)

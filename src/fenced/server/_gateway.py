@@ -18,8 +18,8 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 import re
-import secrets
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
@@ -160,6 +160,7 @@ class Gateway:
         self.metrics.tracked.set_function(lambda: len(self._grants))
         self._released = self.metrics.releases.labels("released")  # (children looked up once)
         self._not_held = self.metrics.releases.labels("not_held")
+        self._renewed = self.metrics.renewals.labels("ok")
 
     def _source_commits(self) -> int | None:
         n = getattr(self._backend, "commits", None)
@@ -390,7 +391,7 @@ class Gateway:
             raise
         finally:
             stale = self._done(key, new)
-        self.metrics.renewals.labels("ok").inc()
+        self._renewed.inc()
         if stale:  # (its answer came back after the grant was released or ended here:
             return new  # kept again, it would be counted an expiry later)
         self._supersede(key, new.token)
@@ -630,8 +631,9 @@ class Gateway:
     def new_request_id(self) -> str:
         """128 random bits: a request id is the capability to renew and release its grant,
         so the server's must not be guessable from another (``_fork.request_id`` is a
-        prefix per process and a counter: fine for ids a process keeps to itself)."""
-        return secrets.token_hex(16)
+        prefix per process and a counter: fine for ids a process keeps to itself). From
+        ``os.urandom``, as ``secrets.token_hex`` (whose layers cost 7 times the call)."""
+        return os.urandom(16).hex()
 
 
 def _values(text: str) -> list[int]:

@@ -18,11 +18,15 @@ client mid-answer. Here what a connection writes in one turn of the loop goes ou
 write at the end of the turn (``_Coalescing``).
 
 The hot path — acquire, renew and release — is answered by the protocol itself where it can
-(``direct``, the app's ``DirectLane``): such a request still gets uvicorn's cycle (its place
-in a pipeline, keep-alive, flow control, the disconnect a waiting acquire watches for), but
-not the trip through the ASGI app's layers, and its answer goes to the socket as one write,
-its head built here as uvicorn's ``send`` builds it. A request the lane is not sure of (its
-body not whole yet, a bad body or key, another route) goes to the app, unchanged.
+(``direct``, the app's ``DirectLane``): such a request never becomes an ASGI request. The
+protocol keeps it where uvicorn keeps a request's cycle (``_Request``, in its place in the
+pipeline), builds no scope, no cycle and no task for it: one task per connection answers
+these requests in turn, with uvicorn's flow control, keep-alive (one timer a connection,
+looked at when it fires), ``Connection: close`` and HTTP/1.0, access line, and the
+disconnect a waiting acquire watches for; its answer goes to the socket as one write, its
+head built as uvicorn's ``send`` builds it. A request the lane is not sure of (its body not
+whole with its head or by its turn, an ``Expect``, a bad body or key, another route) is
+handed to the app as uvicorn would have handed it: its scope, its cycle, its task.
 """
 
 from __future__ import annotations
@@ -30,8 +34,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import urllib.parse
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
+
+from .._core import clock as _clock
 
 __all__ = ["BODY_RECEIVED", "MAX_HEAD_BYTES", "MAX_PIPELINED", "READ_TIMEOUT", "http_protocol"]
 
@@ -75,16 +82,92 @@ Answer = tuple[int, list[tuple[bytes, bytes]], bytes]
 class Direct(Protocol):
     """What the protocol answers itself (``_layers.DirectLane``)."""
 
-    def pick(self, scope: Any) -> Any:
-        """Something true for a request (its head read) the lane may answer, else None."""
+    def pick(self, path: str, headers: list[tuple[bytes, bytes]]) -> Any:
+        """Something true for a POST (its head read) the lane may answer, else None."""
 
-    def answer(
-        self, picked: Any, scope: Any, body: bytes, receive: Callable[[], Awaitable[Any]]
-    ) -> Awaitable[Answer | None]:
-        """The answer to a request picked, its whole body read; None: the app's to answer."""
+    def start(
+        self,
+        picked: Any,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        client: str | None,
+        receive: Callable[[], Awaitable[Any]],
+    ) -> Awaitable[Answer] | None:
+        """The answer to come for a request picked, its whole body read; None: the app's."""
+
+    def finished(self, picked: Any, since: float) -> None:
+        """A request picked was answered (``since``: ``clock.now()`` at its start)."""
 
 
 _DIRECT_PREFIX = b"/v1/locks/"  # (the paths the lane may take start so)
+
+
+class _Request:
+    """A request the direct lane may answer, kept by the protocol where uvicorn keeps a
+    request's cycle (``protocol.cycle``, its pipeline): no ASGI scope, no cycle, no event,
+    no task of its own. It is answered once it is the connection's first unanswered request
+    and its body has arrived whole — else it goes to the app as uvicorn's own request."""
+
+    __slots__ = (
+        "body",
+        "disconnected",
+        "gone",
+        "headers",
+        "http_version",
+        "keep_alive",
+        "more_body",
+        "path",
+        "picked",
+        "protocol",
+        "query",
+        "raw_path",
+        "response_complete",
+    )
+
+    def __init__(
+        self,
+        protocol: Any,
+        picked: Any,
+        path: str,
+        raw_path: bytes,
+        query: bytes,
+        http_version: str,
+        headers: list[tuple[bytes, bytes]],
+        keep_alive: bool,
+    ) -> None:
+        self.protocol, self.picked, self.headers = protocol, picked, headers
+        self.path, self.raw_path, self.query = path, raw_path, query
+        self.http_version, self.keep_alive = http_version, keep_alive
+        self.body = b""
+        self.more_body = True
+        self.response_complete = self.disconnected = False
+        self.gone: asyncio.Future[None] | None = None  # (made by a waiting acquire's watch)
+
+    async def receive(self) -> dict[str, Any]:
+        """As uvicorn's ``receive`` once the body is read: the client's leaving (a waiting
+        acquire watches for it). Reading goes on meanwhile, to see the connection end."""
+        if not self.disconnected and not self.response_complete:
+            protocol = self.protocol
+            protocol.flow.resume_reading()
+            gone = self.gone
+            if gone is None or gone.done():  # (a watch cancelled before left it cancelled)
+                gone = self.gone = protocol.loop.create_future()
+            await gone
+        return {"type": "http.disconnect"}
+
+    def lost(self) -> None:
+        """The connection ended before the answer."""
+        if not self.response_complete:
+            self.disconnected = True
+            if self.gone is not None and not self.gone.done():
+                self.gone.set_result(None)
+
+
+_SERVER_ERROR = (
+    500,
+    [(b"content-type", b"text/plain; charset=utf-8"), (b"content-length", b"21")],
+    b"Internal Server Error",
+)  # (uvicorn's, when an app fails before answering; the connection closes)
 
 
 def http_protocol(
@@ -95,52 +178,22 @@ def http_protocol(
     the requests it answers without the ASGI app (see the module's doc)."""
     too_slow = b"request line and headers not received within %g s\n" % head_timeout
     try:
+        import httptools
+        from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
         from uvicorn.protocols.http.httptools_impl import (
             STATUS_LINE,
             HttpToolsProtocol,
             RequestResponseCycle,
         )
-        from uvicorn.protocols.utils import get_client_addr, get_path_with_query_string
     except ImportError:  # (httptools comes with fenced[server]; without it, h11's 16 KiB)
         return "h11"
-
-    async def _write_whole(cycle: Any, scope: Any, answer: Answer) -> None:
-        """What uvicorn's ``send`` does with a response's start and its whole body, in one
-        write."""
-        status, headers, body = answer
-        if cycle.flow.write_paused and not cycle.disconnected:
-            await cycle.flow.drain()
-        if cycle.disconnected:
-            return
-        cycle.response_started = True
-        cycle.waiting_for_100_continue = False
-        if cycle.access_log:
-            cycle.access_logger.info(
-                '%s - "%s %s HTTP/%s" %d',
-                get_client_addr(scope),
-                scope["method"],
-                get_path_with_query_string(scope),
-                scope["http_version"],
-                status,
-            )
-        out = [STATUS_LINE[status]]
-        for name, value in (*cycle.default_headers, *headers):
-            out += (name, b": ", value, b"\r\n")
-        if not cycle.keep_alive:
-            out.append(b"connection: close\r\n")
-        out += (b"\r\n", body)
-        cycle.transport.write_now(b"".join(out))
-        cycle.response_complete = True
-        cycle.message_event.set()
-        if not cycle.keep_alive:
-            cycle.transport.close()
-        cycle.on_response()
 
     class BoundedHeadProtocol(HttpToolsProtocol):
         """Counts a request's head as its bytes arrive, up to the blank line that ends it
         (never its body, nor a request after it), and refuses the request before the parser
         sees a read that takes the head past the bound — whether the head comes in many reads
-        or, as on a busy server, in one."""
+        or, as on a busy server, in one. Answers the direct lane's requests itself
+        (``_Request``); builds the ASGI scope and uvicorn's cycle for the others only."""
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
@@ -158,6 +211,18 @@ def http_protocol(
             self._parsed = 0
             self._begun_here = False
             self._dropping = False  # (past MAX_PIPELINED: the rest is read, and dropped)
+            # The direct lane's requests: one task per connection answers them in turn
+            # (``_serve``), woken by ``_wake``; ``_next`` is the one to answer, ``_current``
+            # the one being answered, ``_pending`` one begun in this read (its body must
+            # arrive whole in it, else it is the app's).
+            self._worker: asyncio.Task[None] | None = None
+            self._wake: asyncio.Future[None] | None = None
+            self._next: _Request | None = None
+            self._current: _Request | None = None
+            self._pending: _Request | None = None
+            # Keep-alive: one timer a connection, looked at when it fires (not one a request):
+            # the connection has been idle since ``_idle_at`` (None: a request under way).
+            self._idle_at: float | None = None
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
@@ -167,11 +232,24 @@ def http_protocol(
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm_head_timer()
+            if self._current is not None:
+                self._current.lost()
+            cycle: Any = self.cycle
+            if type(cycle) is _Request:
+                cycle.lost()
+                self.cycle = None  # type: ignore[assignment]  # (uvicorn's part: its own)
+            if self._wake is not None:  # (the worker ends)
+                self._wake.set_result(None)
+                self._wake = None
+            if self.timeout_keep_alive_task is not None:
+                self.timeout_keep_alive_task.cancel()
+                self.timeout_keep_alive_task = None
             super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
             if self._dropping:
                 return  # (the connection closes once what is queued is answered)
+            self._idle_at = None  # (as uvicorn, which stops its keep-alive timer here)
             if self._in_head:
                 seen = self._tail + data
                 end = seen.find(b"\r\n\r\n")
@@ -186,7 +264,23 @@ def http_protocol(
                 if b"pgrade" in data or b"PGRADE" in data:
                     data = _ignore_upgrade(data, head_end)
             self._begun_here = False
-            super().data_received(data)
+            try:  # (uvicorn's data_received, but its keep-alive timer)
+                self.parser.feed_data(data)
+            except httptools.HttpParserError:
+                msg = "Invalid HTTP request received."
+                self.logger.warning(msg)
+                self.send_400_response(msg)
+                return
+            except httptools.HttpParserUpgrade:
+                if self._should_upgrade():
+                    self.handle_websocket_upgrade()
+                else:
+                    self._unsupported_upgrade_warning()
+            pending = self._pending
+            if pending is not None:  # (its body did not come whole with its head: the app's,
+                self._pending = None  # which bounds its time)
+                if not self.transport.is_closing():
+                    self._to_app(pending)
             if self._in_head and self._begun_here and not self.transport.is_closing():
                 # A head begun after another request's end in this read, not ended with it:
                 # its bytes so far are at most those after the read's last blank line.
@@ -202,7 +296,10 @@ def http_protocol(
         def on_message_begin(self) -> None:
             if self._dropping:
                 return
-            super().on_message_begin()
+            # (uvicorn's, but the scope: built once the head is read, if the app answers)
+            self.url = b""
+            self.expect_100_continue = False
+            self.headers = []
             # The timer is armed after the read if the head is still incomplete then: a head
             # that comes whole in one read (nearly all) costs no timer.
             self._in_head = self._begun = self._begun_here = True
@@ -211,12 +308,15 @@ def http_protocol(
         def on_url(self, url: bytes) -> None:
             if not self._dropping:
                 self._parsed += len(url)
-                super().on_url(url)
+                self.url += url
 
         def on_header(self, name: bytes, value: bytes) -> None:
             if not self._dropping:
                 self._parsed += len(name) + len(value) + 4  # (": " and the line's end)
-                super().on_header(name, value)
+                name = name.lower()  # (uvicorn's on_header)
+                if name == b"expect" and value.lower() == b"100-continue":
+                    self.expect_100_continue = True
+                self.headers.append((name, value))
 
         def on_headers_complete(self) -> None:
             if self._dropping:
@@ -227,43 +327,266 @@ def http_protocol(
             if self._parsed > MAX_HEAD_BYTES:  # (a head that came whole after another)
                 self._drop("a pipelined request's head passed %d bytes", MAX_HEAD_BYTES)
                 return
-            if direct is not None and self.url.startswith(_DIRECT_PREFIX):
-                # (uvicorn hands its cycle ``self.app``: this request's is the direct lane)
-                app, self.app = self.app, self._answer_directly
-                try:
-                    super().on_headers_complete()
-                finally:
-                    self.app = app
-            else:
+            request = None
+            if (
+                direct is not None
+                and self.url.startswith(_DIRECT_PREFIX)
+                and not self.expect_100_continue  # (the app's receive sends "100 Continue")
+                and self.limit_concurrency is None
+                and self.parser.get_method() == b"POST"
+                and not self.parser.should_upgrade()
+            ):
+                request = self._direct_request()
+            if request is None:
+                self.scope = self._scope()
                 super().on_headers_complete()
+            else:
+                existing, self.cycle = self.cycle, request  # type: ignore[assignment]
+                if existing is None or existing.response_complete:
+                    self._pending = request  # (answered once its body is whole)
+                else:  # (pipelined: answered in its turn, as uvicorn queues its own)
+                    self.flow.pause_reading()
+                    self.pipeline.appendleft((request, None))  # type: ignore[arg-type]
             if len(self.pipeline) > MAX_PIPELINED:
                 self.pipeline.popleft()  # (this one: never answered)
                 self._drop("over %d requests pipelined", MAX_PIPELINED)
 
+        def _direct_request(self) -> _Request | None:
+            """The request as the direct lane's, if it picks it (its path as uvicorn's
+            scope would have it)."""
+            assert direct is not None
+            url = self.url
+            if b"?" in url or b"%" in url or b"#" in url:
+                parsed = httptools.parse_url(url)
+                raw_path, query = parsed.path, parsed.query or b""
+                path = raw_path.decode("ascii")
+                if "%" in path:
+                    path = urllib.parse.unquote(path)
+            else:
+                raw_path, query, path = url, b"", url.decode("ascii")
+            path = self.root_path + path
+            picked = direct.pick(path, self.headers)
+            if picked is None:
+                return None
+            version = self.parser.get_http_version()
+            keep_alive = version != "1.0" and self.parser.should_keep_alive()
+            return _Request(self, picked, path, raw_path, query, version, self.headers, keep_alive)
+
+        def _scope(self) -> Any:
+            """The ASGI scope uvicorn's on_message_begin makes (the rest is its
+            on_headers_complete's)."""
+            return {
+                "type": "http",
+                "asgi": {"version": self.asgi_version, "spec_version": "2.3"},
+                "http_version": "1.1",
+                "server": self.server,
+                "client": self.client,
+                "scheme": self.scheme,
+                "root_path": self.root_path,
+                "headers": self.headers,
+                "state": self.app_state.copy(),
+            }
+
         def on_body(self, body: bytes) -> None:
-            if not self._dropping:
+            if self._dropping:
+                return
+            cycle: Any = self.cycle
+            if type(cycle) is not _Request:
                 super().on_body(body)
+            elif not cycle.response_complete:
+                cycle.body += body
+                if len(cycle.body) > HIGH_WATER_LIMIT:
+                    self.flow.pause_reading()
 
         def on_message_complete(self) -> None:
             if self._dropping:
                 return
-            self.scope[BODY_RECEIVED] = True  # type: ignore[literal-required]
             # What comes next on this connection is the next request's head: counted from its
             # first byte. (Left to on_message_begin, the read that begins a kept-alive
             # connection's second request went uncounted: its head could be 64 KiB plus one
             # read, up to 256 KiB, and was served.)
             self._in_head, self._begun = True, False
-            super().on_message_complete()
+            cycle: Any = self.cycle
+            if type(cycle) is not _Request:
+                self.scope[BODY_RECEIVED] = True  # type: ignore[literal-required]
+                super().on_message_complete()
+            elif not cycle.response_complete:
+                cycle.more_body = False
+                if cycle is self._pending:
+                    self._pending = None
+                    self._run(cycle)
+
+        def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+            if type(cycle) is not _Request:
+                super()._start_asgi_task(cycle, app)
+            elif cycle.more_body:  # (its turn came before its whole body: the app's)
+                self._to_app(cycle)
+            else:
+                self._run(cycle)
 
         def on_response_complete(self) -> None:
-            queued = len(self.pipeline)  # (uvicorn starts the next of them, if any)
-            super().on_response_complete()
+            # (uvicorn's, with one keep-alive timer a connection)
+            self.server_state.total_requests += 1
+            if self.transport.is_closing():
+                return
+            queued = len(self.pipeline)  # (the next of them starts now, if any)
+            self.flow.resume_reading()
+            if self.pipeline:
+                cycle, app = self.pipeline.pop()
+                self._start_asgi_task(cycle, app)
+            else:
+                self._idle_at = self.loop.time()
+                if self.timeout_keep_alive_task is None:
+                    self.timeout_keep_alive_task = self.loop.call_later(
+                        self.timeout_keep_alive, self._keep_alive_over
+                    )
             if self.pipeline or self._dropping:
                 # (uvicorn reads again after every answer: with requests still queued, each
                 # read queued more. Read again once the queue is answered.)
                 self.flow.pause_reading()
             if self._dropping and not queued and not self.transport.is_closing():
                 self.transport.close()  # (the queued requests answered; the rest dropped)
+
+        def _keep_alive_over(self) -> None:
+            """The keep-alive timer: close the connection if it has been idle that long, else
+            look again when it would have been."""
+            self.timeout_keep_alive_task = None
+            idle = self._idle_at
+            if idle is None or self.transport.is_closing():
+                return  # (a request under way: its answer arms the timer again)
+            left = idle + self.timeout_keep_alive - self.loop.time()
+            if left > 0:
+                self.timeout_keep_alive_task = self.loop.call_later(left, self._keep_alive_over)
+            else:
+                self.transport.close()
+
+        # -- the direct lane's requests ------------------------------------------------------
+
+        def _run(self, request: _Request) -> None:
+            """Answer ``request`` (the connection's first unanswered, its body whole) next."""
+            self._next = request
+            if self._wake is not None:
+                self._wake.set_result(None)
+                self._wake = None
+            elif self._worker is None:
+                self._worker = self.loop.create_task(self._serve())
+            # (else the worker is answering the request before it, and takes it next)
+
+        async def _serve(self) -> None:
+            """The connection's direct requests, answered in turn: one task a connection,
+            not one a request; it ends with the connection."""
+            try:
+                while True:
+                    request = self._next
+                    if request is None:
+                        if self.transport.is_closing():
+                            return
+                        self._wake = self.loop.create_future()
+                        await self._wake
+                        continue
+                    self._next = None
+                    await self._answer(request)
+            finally:
+                self._worker = None
+
+        async def _answer(self, request: _Request) -> None:
+            assert direct is not None
+            self._current = request
+            since = _clock.now()
+            client = self.client
+            started: Awaitable[Answer] | None = None
+            try:
+                started = direct.start(
+                    request.picked,
+                    request.headers,
+                    request.body,
+                    client[0] if client else None,
+                    request.receive,
+                )
+                if started is None:  # (not the lane's after all: the app answers it)
+                    self._to_app(request)
+                    return
+                answer = await started
+            except Exception as exc:  # (as uvicorn's cycle: logged, answered 500, closed)
+                self.logger.error("Exception in ASGI application\n", exc_info=exc)
+                answer = _SERVER_ERROR
+                request.keep_alive = False
+            finally:
+                self._current = None
+                if started is not None:
+                    direct.finished(request.picked, since)
+            await self._write(request, answer)
+
+        async def _write(self, request: _Request, answer: Answer) -> None:
+            """What uvicorn's ``send`` does with a response's start and its whole body, in
+            one write, and its cycle once the answer is sent."""
+            flow = self.flow
+            if flow.write_paused and not request.disconnected:
+                await flow.drain()
+            if request.disconnected:
+                return
+            status, headers, body = answer
+            if self.access_log:
+                target = urllib.parse.quote(request.path)
+                if request.query:
+                    target += "?" + request.query.decode("ascii")
+                self.access_logger.info(
+                    '%s - "%s %s HTTP/%s" %d',
+                    f"{self.client[0]}:{self.client[1]:d}" if self.client else "",
+                    "POST",
+                    target,
+                    request.http_version,
+                    status,
+                )
+            out = [STATUS_LINE[status]]
+            for name, value in (*self.server_state.default_headers, *headers):
+                out += (name, b": ", value, b"\r\n")
+            if not request.keep_alive:
+                out.append(b"connection: close\r\n")
+            out += (b"\r\n", body)
+            self.transport.write_now(b"".join(out))  # type: ignore[attr-defined]
+            request.response_complete = True
+            if not request.keep_alive:
+                self.transport.close()
+            self.on_response_complete()
+
+        def _to_app(self, request: _Request) -> None:
+            """Hand ``request`` to the app, as uvicorn would have from its head on: its scope,
+            its cycle (with the body so far), its task."""
+            scope = self._scope()
+            scope.update(
+                http_version=request.http_version,
+                headers=request.headers,
+                method="POST",
+                path=request.path,
+                raw_path=self.root_path.encode("ascii") + request.raw_path,
+                query_string=request.query,
+            )
+            if not request.more_body:
+                scope[BODY_RECEIVED] = True
+            cycle = RequestResponseCycle(  # (as uvicorn's on_headers_complete makes it)
+                scope,
+                self.transport,
+                self.flow,
+                self.logger,
+                self.access_logger,
+                self.access_log,
+                self.server_state.default_headers,
+                asyncio.Event(),
+                False,  # (no "Expect: 100-continue": the lane leaves those to the app)
+                request.keep_alive,
+                self.on_response_complete,
+            )
+            cycle.body = bytearray(request.body)
+            cycle.more_body = request.more_body
+            cycle.disconnected = request.disconnected
+            if request.body or not request.more_body:
+                cycle.message_event.set()
+            if self.cycle is request:  # type: ignore[comparison-overlap]
+                # (its body's next pieces go to its cycle)
+                self.cycle = cycle
+                self.scope = scope
+            super()._start_asgi_task(cycle, self.app)
 
         def _drop(self, why: str, limit: int) -> None:
             """Take no more of this connection's requests: one past a bound came after others
@@ -279,23 +602,6 @@ def http_protocol(
                 self.flow.pause_reading()
             else:
                 self._refuse(431, "Request Header Fields Too Large", _REFUSAL, "passed %d bytes")
-
-        async def _answer_directly(self, scope: Any, receive: Any, send: Any) -> None:
-            """The ASGI app of a request that may be the direct lane's (uvicorn's cycle runs
-            it as its app): answered here, or by the app."""
-            cycle = send.__self__  # (the request's RequestResponseCycle: ``send`` is its own)
-            assert isinstance(cycle, RequestResponseCycle) and direct is not None
-            picked = None
-            # The body whole (and no "100 Continue" owed first: the app's receive sends it).
-            if not (cycle.more_body or cycle.disconnected or cycle.waiting_for_100_continue):
-                picked = direct.pick(scope)
-            answer = None
-            if picked is not None:
-                answer = await direct.answer(picked, scope, bytes(cycle.body), receive)
-            if answer is None:
-                await self.app(scope, receive, send)
-                return
-            await _write_whole(cycle, scope, answer)
 
         def _arm_head_timer(self) -> None:
             if self._head_timer is None:
@@ -361,6 +667,9 @@ class _Coalescing:
     def close(self) -> None:
         self.flush()
         self._transport.close()
+
+    def is_closing(self) -> bool:  # (asked several times a request: not by __getattr__)
+        return self._transport.is_closing()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._transport, name)

@@ -13,14 +13,15 @@ from typing import Any, Literal
 
 from fastapi import FastAPI
 from fastapi.routing import APIRoute
-from pydantic import BaseModel
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .._core import clock as _clock
 from ._auth import ApiKey, Keys, Verb
 from ._gateway import Gateway
 from ._http import BODY_RECEIVED
-from ._wire import AcquireIn, ApiError, _bearer_secret, _closing, _error, _In, _json_head
+from ._wire import AcquireIn, Answer, _bearer_secret, _closing, _error, _In
+
+Headers = list[tuple[bytes, bytes]]
 
 
 class _Service(FastAPI):
@@ -110,7 +111,9 @@ def _names_loopback(host: str) -> bool:
 class _Lane:
     route: APIRoute  # (for the latency metric's route label, as FastAPI's routing sets it)
     model: type[_In]
-    handle: Callable[[str, Any, ApiKey | None, Scope, Receive], Awaitable[BaseModel]]
+    handle: Callable[[str, Any, ApiKey | None, str | None, Receive], Awaitable[Answer]]
+    """The verb (``_app``): lock name, the body's fields (a mapping), key, client address,
+    where a waiting acquire watches for the client leaving; the answer."""
     _latency: list[Any] = dataclasses.field(default_factory=list)
 
     def latency(self, gw: Gateway) -> Any:
@@ -122,13 +125,90 @@ class _Lane:
 
 _LOCKS = "/v1/locks/"
 
+_scan: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
+# (json's own scanner, without json.loads' layers)
+_NUMBER, _TEXT = "number", "text"
+_PLAIN: dict[type[_In], tuple[dict[str, str], frozenset[str]]] = {}
+"""A body model's fields by kind, and those required: what ``_fields`` takes as they are."""
+
+
+def _fields(model: type[_In], body: bytes) -> dict[str, Any] | None:
+    """The body's fields as ``model`` validates them (a mapping of its fields, absent ones
+    None), or None (then FastAPI says what is wrong). A JSON object whose every value is of
+    its field's type exactly (a number, a string; an integer made a float, as pydantic
+    makes it) is taken as it is; anything else is validated by the model."""
+    if not body:  # (only none at all: whitespace is bad JSON)
+        return {} if model is AcquireIn else None
+    if body[:1] == b"{":
+        plain = _PLAIN.get(model)
+        if plain is None:
+            plain = _PLAIN[model] = _kinds(model)
+        try:
+            text = body.decode()
+            data, end = _scan(text, 0)
+        except (ValueError, StopIteration):  # (not UTF-8, not JSON: as json.loads sees it)
+            data = None
+        if data is not None and (end == len(text) or not text[end:].strip(" \t\n\r")):
+            kinds, required = plain
+            for name, value in data.items():
+                kind = kinds.get(name)
+                if kind is None:
+                    break  # (a field the model has not: refused by it)
+                if value is None:
+                    if name in required:
+                        break
+                elif type(value) is not str:
+                    if kind is not _NUMBER or type(value) not in (int, float):
+                        break
+                    if type(value) is int:
+                        if not -(1 << 53) <= value <= 1 << 53:
+                            break  # (the model says what a huge integer is)
+                        data[name] = float(value)
+                elif kind is not _TEXT:
+                    break
+            else:
+                if required <= data.keys():
+                    return data  # type: ignore[no-any-return]
+    try:
+        data = json.loads(body)
+        return model.model_validate(data).__dict__ if isinstance(data, dict) else None
+    except ValueError:  # (json's and pydantic's errors both are)
+        return None
+
+
+def _kinds(model: type[_In]) -> tuple[dict[str, str], frozenset[str]]:
+    """``model``'s fields that are a number (float | None) or a string (str | None)."""
+    kinds, required = {}, set()
+    for name, field in model.model_fields.items():
+        kind = {float: _NUMBER, float | None: _NUMBER, str: _TEXT, str | None: _TEXT}.get(
+            field.annotation  # type: ignore[arg-type]
+        )
+        if kind is None:
+            raise TypeError(f"{model.__name__}.{name}: not a number or a string")
+        kinds[name] = kind
+        if field.is_required():
+            required.add(name)
+    return kinds, frozenset(required)
+
+
+def _picked(lanes: dict[str, _Lane], path: str) -> tuple[_Lane, str] | None:
+    """The lane and lock name of a POST to ``path``, if it is one of the lanes' routes."""
+    if not path.startswith(_LOCKS):
+        return None
+    name, _, verb = path[len(_LOCKS) :].rpartition("/")
+    if name.endswith("/-"):  # (the paths without it are the old ones, still served)
+        name = name[:-2]
+    lane = lanes.get(verb)
+    return None if lane is None or not name else (lane, name)
+
 
 class _FastLane:
     """acquire, renew and release — a lock service's hot path — without Starlette's
     middleware stack, FastAPI's routing, dependency solving and response-model validation,
-    which cost most of such a request's CPU. The same handlers run, with the same body models
-    (validated the same way), the same body bounds (``_BodyLimit.read``: size and read
-    timeout), the same error answers and the same latency metric. Only a request the lane is
+    which cost most of such a request's CPU. The routes' checks run (the verbs of ``_app``:
+    ``acquire_now`` ...), on the body as its model validates it (``_fields``), with the same
+    body bounds (``_BodyLimit.read``: size and read timeout), the same answers (their bytes
+    written directly) and the same latency metric. Only a request the lane is
     sure of takes it: a well-formed JSON object that validates, from an authenticated key
     allowed on the lock; anything else (a bad body, no or a wrong key, another route) goes to
     the FastAPI app with its body replayed, which answers it as it always has — one set of
@@ -147,14 +227,9 @@ class _FastLane:
 
     def pick(self, scope: Scope) -> tuple[_Lane, str] | None:
         """The lane and lock name of a request of the lane's routes (by its path), or None."""
-        path: str = scope.get("path", "")
-        if scope["type"] != "http" or scope["method"] != "POST" or not path.startswith(_LOCKS):
+        if scope["type"] != "http" or scope["method"] != "POST":
             return None
-        name, _, verb = path[len(_LOCKS) :].rpartition("/")
-        if name.endswith("/-"):  # (the paths without it are the old ones, still served)
-            name = name[:-2]
-        lane = self.lanes.get(verb)
-        return None if lane is None or not name else (lane, name)
+        return _picked(self.lanes, scope.get("path", ""))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         picked = self.pick(scope)
@@ -201,40 +276,29 @@ class _FastLane:
         the client leaving. The one implementation of the lane: behind the ASGI app here,
         and in the HTTP protocol itself (``_http``, ``DirectLane``)."""
         lane, name = picked
-        model = self._model(lane, body)
-        key = self._key(scope, name) if model is not None else False
-        if model is None or key is False:
+        fields = self._model(lane, body)
+        key = self._key(scope["headers"], name) if fields is not None else False
+        if fields is None or key is False:
             return None
         scope["route"] = lane.route
         self.taken += 1
         try:
-            try:
-                out = await lane.handle(name, model, key, scope, receive)
-            except ApiError as exc:
-                error = exc.response()
-                return exc.status, error.raw_headers, bytes(error.body)
-            data = out.model_dump_json().encode()
-            return 200, _json_head(data), data
+            client = scope.get("client")
+            return await lane.handle(name, fields, key, client[0] if client else None, receive)
         finally:
             lane.latency(self.gw).observe(_clock.now() - start)
 
     @staticmethod
-    def _model(lane: _Lane, body: bytes) -> Any:
-        """The body as the route's model, or None (then FastAPI says what is wrong)."""
-        if not body and lane.model is AcquireIn:  # (only none at all: whitespace is bad JSON)
-            return AcquireIn()
-        try:
-            data = json.loads(body)
-            return lane.model.model_validate(data) if isinstance(data, dict) else None
-        except ValueError:  # (json's and pydantic's errors both are)
-            return None
+    def _model(lane: _Lane, body: bytes) -> dict[str, Any] | None:
+        """The body's fields (``_fields``), or None (then FastAPI says what is wrong)."""
+        return _fields(lane.model, body)
 
-    def _key(self, scope: Scope, name: str) -> ApiKey | Literal[False] | None:
+    def _key(self, headers: Headers, name: str) -> ApiKey | Literal[False] | None:
         """The request's key if it may acquire ``name``; False: let FastAPI refuse it (and
         count the refusal: nothing here touches a metric)."""
         if self.keys is None:
             return None
-        auth = [v for k, v in scope["headers"] if k == b"authorization"]
+        auth = [v for k, v in headers if k == b"authorization"]
         secret = _bearer_secret(auth[0].decode("latin-1")) if len(auth) == 1 else None
         key = self.keys.find(secret) if secret is not None else None
         return key if key is not None and key.allows(Verb.ACQUIRE, name) else False
@@ -245,28 +309,31 @@ _PROXIED = frozenset({b"x-forwarded-for", b"x-forwarded-proto"})
 
 class DirectLane:
     """The fast lane's requests as the HTTP protocol answers them itself (``_http``), with no
-    trip through uvicorn's ASGI cycle, the proxy-headers middleware and the app: those whose
-    body has arrived whole and within the body limit, which pass the Host and Origin rules
-    of a keyless server and name no forwarded client (uvicorn's proxy-headers middleware
-    would rewrite the client address an owner is described by). The same lane answers them
-    (``_FastLane.answer``); anything else, and anything the lane is not sure of, goes to the
-    app as before."""
+    ASGI scope, no trip through uvicorn's request cycle, the proxy-headers middleware and the
+    app: those whose body has arrived whole and within the body limit, which pass the Host
+    and Origin rules of a keyless server and name no forwarded client (uvicorn's
+    proxy-headers middleware would rewrite the client address an owner is described by).
+    The same verbs answer them as the ASGI fast lane's (``_Lane.handle``), with the same
+    latency metric; anything else, and anything the lane is not sure of, goes to the app as
+    before."""
 
     def __init__(self, service: _Service, lane: _FastLane, limit: int) -> None:
         self.service, self.lane, self.limit = service, lane, limit
         self.taken = 0  # requests answered here (tests read it)
 
-    def pick(self, scope: Scope) -> tuple[_Lane, str] | None:
-        picked = self.lane.pick(scope)
+    def pick(self, path: str, headers: Headers) -> tuple[_Lane, str] | None:
+        """The lane and lock name of a ``POST`` to ``path`` with these headers (lower-case
+        names) if the lane may answer it once its body is whole, else None."""
+        picked = _picked(self.lane.lanes, path)
         if picked is None:
             return None
         host = origin = None
-        for name, value in scope["headers"]:  # (one pass: the first Host and Origin)
-            if name in _PROXIED:
+        for header, value in headers:  # (one pass: the first Host and Origin)
+            if header in _PROXIED:
                 return None
-            if name == b"host":
+            if header == b"host":
                 host = value if host is None else host
-            elif name == b"origin":
+            elif header == b"origin":
                 origin = value if origin is None else origin
         service = self.service
         if (service.loopback_hosts_only or service.same_origin_only) and service.host_refusal(
@@ -276,17 +343,33 @@ class DirectLane:
             return None  # (the app refuses it, and counts the refusal)
         return picked
 
-    async def answer(
-        self, picked: tuple[_Lane, str], scope: Scope, body: bytes, receive: Receive
-    ) -> tuple[int, list[tuple[bytes, bytes]], bytes] | None:
-        """As ``_FastLane.answer``; None also for a body over the limit (the app refuses
-        it)."""
+    def start(
+        self,
+        picked: tuple[_Lane, str],
+        headers: Headers,
+        body: bytes,
+        client: str | None,
+        receive: Receive,
+    ) -> Awaitable[Answer] | None:
+        """The answer to come (the verb's, not awaited yet) for a request picked whose whole
+        ``body`` has arrived; None: the app's to answer (a body over the limit, not well
+        formed, a key missing or not allowed: nothing counted, the body not consumed).
+        ``receive``: where a waiting acquire watches for the client leaving. Call
+        ``finished`` once it is answered."""
         if len(body) > self.limit:
             return None
-        start = _clock.now()
-        answer = await self.lane.answer(picked, scope, body, receive, start)
-        self.taken += answer is not None
-        return answer
+        lane, name = picked
+        fields = self.lane._model(lane, body)
+        key = self.lane._key(headers, name) if fields is not None else False
+        if fields is None or key is False:
+            return None
+        self.taken += 1
+        self.lane.taken += 1
+        return lane.handle(name, fields, key, client, receive)
+
+    def finished(self, picked: tuple[_Lane, str], since: float) -> None:
+        """The latency of a request started at ``since`` (``_clock.now()``), answered."""
+        picked[0].latency(self.lane.gw).observe(_clock.now() - since)
 
 
 class _BodyLimit:

@@ -161,12 +161,13 @@ class _PerTurnHandler(logging.StreamHandler):  # type: ignore[type-arg]
             or logger.filters
             or not logger.propagate
             or parent is None
-            or parent.handlers != [self]
+            or len(parent.handlers) != 1
+            or parent.handlers[0] is not self
             or parent.filters
             or parent.propagate
             or self.filters
             or self.level > logging.INFO
-            or not isinstance(formatter, _TextLines | _JsonLines)
+            or not isinstance(formatter, _OWN_FORMATS)  # (a tuple: ``X | Y`` is made per call)
         ):
             logger.info("%s", message)
             return
@@ -180,6 +181,9 @@ class _PerTurnHandler(logging.StreamHandler):  # type: ignore[type-arg]
                 return
             self._may_wait = logger.name.startswith("fenced")
             self.flush()
+
+
+_OWN_FORMATS = (_TextLines, _JsonLines)
 
 
 def setup_logging(fmt: str, level: str = "info") -> _PerTurnHandler:

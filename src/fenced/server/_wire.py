@@ -3,8 +3,11 @@ Schema is the OpenAPI document's), the error answer, and the bearer header's for
 
 from __future__ import annotations
 
+import json
+import math
 from typing import Annotated, Any, Literal
 
+import pydantic_core
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from starlette.responses import JSONResponse
 
@@ -254,3 +257,61 @@ def _closing(response: JSONResponse) -> JSONResponse:
 def _json_head(data: bytes) -> list[tuple[bytes, bytes]]:
     """The headers Starlette's JSON Response sends, without building one."""
     return [(b"content-length", b"%d" % len(data)), (b"content-type", b"application/json")]
+
+
+# -- the hot path's answers, as bytes -------------------------------------------------------------
+#
+# The direct lane writes its answers without building a model: the same bytes pydantic's
+# ``model_dump_json`` writes for GrantOut, RenewOut and ReleaseOut (tests/server compare
+# them). The strings in them are checked before (a lock name's grammar, a request id's, a
+# token's form): none needs escaping; one that would is written by json, as pydantic does.
+
+Answer = tuple[int, list[tuple[bytes, bytes]], bytes]
+"""An answer: its status, its headers (lower case), its body."""
+
+
+def _number(x: float) -> str:
+    """A float as pydantic writes it: Python's shortest repr, but no exponent below 1e16
+    (``0.00001``, not ``1e-05``), and null for inf and nan."""
+    text = repr(float(x))
+    if "e" in text or "n" in text:  # (rare: tiny or huge, inf, nan)
+        if not math.isfinite(x):
+            return "null"
+        return str(pydantic_core.to_json(float(x)).decode())
+    return text
+
+
+def _string(text: str) -> str:
+    if text.isascii() and text.isprintable() and '"' not in text and "\\" not in text:
+        return f'"{text}"'
+    return json.dumps(text, ensure_ascii=False)
+
+
+def grant_json(
+    lock: str, token: str, value: int, signed: str | None, rid: str, ttl: float, left: float
+) -> bytes:
+    """GrantOut's JSON."""
+    return (
+        f'{{"lock":{_string(lock)},"token":{_string(token)},"value":{value:d},'
+        f'"signed":{"null" if signed is None else _string(signed)},'
+        f'"request_id":{_string(rid)},"lease_id":{_string(rid)},'
+        f'"ttl":{_number(ttl)},"expires_in":{_number(left)}}}'
+    ).encode()
+
+
+def renew_json(ttl: float, left: float) -> bytes:
+    """RenewOut's JSON."""
+    return f'{{"ttl":{_number(ttl)},"expires_in":{_number(left)}}}'.encode()
+
+
+RELEASED = (b'{"released":true}', b'{"released":false}')  # (ReleaseOut's JSON)
+
+
+def ok(data: bytes) -> Answer:
+    return 200, _json_head(data), data
+
+
+def error_answer(exc: ApiError) -> Answer:
+    """The answer ``_error`` makes of ``exc``, as bytes."""
+    error = _error(exc.status, exc.code, exc.message, exc.extra)
+    return exc.status, error.raw_headers, bytes(error.body)
