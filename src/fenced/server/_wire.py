@@ -313,5 +313,5 @@ def ok(data: bytes) -> Answer:
 
 def error_answer(exc: ApiError) -> Answer:
     """The answer ``_error`` makes of ``exc``, as bytes."""
-    error = _error(exc.status, exc.code, exc.message, exc.extra)
+    error = exc.response()  # (its headers too: a refusal's Retry-After)
     return exc.status, error.raw_headers, bytes(error.body)
