@@ -65,8 +65,9 @@ test: $(PY)
 # The long randomized variants the suite runs bounded (docs/testing.md, "Long runs"): not part of
 # `make test`; run after `make test` has installed the environment.
 test-long: $(PY)
-	FENCED_SCHEMA_EXAMPLES=100 FENCED_FUZZ_EXAMPLES=5000 $(PY) -m pytest -q \
-	  tests/server/test_server_schema.py tests/server/test_server_fuzz.py
+	FENCED_SCHEMA_EXAMPLES=100 FENCED_FUZZ_EXAMPLES=5000 FENCED_SIGNING_EXAMPLES=2000 \
+	  $(PY) -m pytest -q tests/server/test_server_schema.py tests/server/test_server_fuzz.py \
+	  tests/core/test_signing.py
 
 install-dev: $(PY)
 	@if $(MAKE) --no-print-directory $(UV) && $(UV) pip install -q --python $(PY) --require-hashes -r $(LOCK); then \
