@@ -13,7 +13,7 @@ UV     := $(VENV)/bin/uv
 LOCK   := requirements/dev.lock
 PHASE  := PHASE_LOG=$(CURDIR)/.phase-times tools/phase
 
-.PHONY: demo test install-dev lint typecheck bench servers clean lock
+.PHONY: demo test test-long install-dev lint typecheck bench servers clean lock
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -61,6 +61,13 @@ test: $(PY)
 	@$(PHASE) mypy $(VENV)/bin/mypy
 	@$(PHASE) tests $(PY) -m pytest -n 2 --dist loadgroup -q
 	@$(PHASE) --summary
+
+# The long randomized variants the suite runs bounded (docs/testing.md, "Long runs"): not part of
+# `make test`; run after `make test` has installed the environment.
+test-long: $(PY)
+	FENCED_SCHEMA_EXAMPLES=100 FENCED_FUZZ_EXAMPLES=5000 FENCED_SIGNING_EXAMPLES=2000 \
+	  $(PY) -m pytest -q tests/server/test_server_schema.py tests/server/test_server_fuzz.py \
+	  tests/core/test_signing.py
 
 install-dev: $(PY)
 	@if $(MAKE) --no-print-directory $(UV) && $(UV) pip install -q --python $(PY) --require-hashes -r $(LOCK); then \

@@ -33,6 +33,15 @@ from tests.server.gateway import get, keyed_server, post, until_closed
 # -- the API ---------------------------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FencedServer]:
+    """One server for the tests that use lock names of their own and neither count the
+    server's totals nor stop it (a `fenced serve` start is ~1 s of CPU)."""
+    db = tmp_path_factory.mktemp("shared") / "locks.db"
+    with FencedServer(f"sqlite:///{db}") as s:
+        yield s  # type: ignore[misc]
+
+
 def test_acquire_renew_release_round_trip_with_increasing_tokens(server: FencedServer) -> None:
     u = server.url
     a = post(f"{u}/v1/locks/invoices/acquire", {"ttl": 5, "request_id": "a-1"}).json()
@@ -58,8 +67,8 @@ def test_acquire_renew_release_round_trip_with_increasing_tokens(server: FencedS
     assert get(f"{u}/v1/locks").json() == {"locks": ["invoices"]}
 
 
-def test_a_waiting_acquire_is_a_long_poll_granted_at_release(server: FencedServer) -> None:
-    u = server.url
+def test_a_waiting_acquire_is_a_long_poll_granted_at_release(shared: FencedServer) -> None:
+    u = shared.url
     held = post(f"{u}/v1/locks/q/acquire", {"ttl": 10, "request_id": "h"}).json()
     got: list[httpx.Response] = []
     waiter = threading.Thread(
@@ -72,8 +81,8 @@ def test_a_waiting_acquire_is_a_long_poll_granted_at_release(server: FencedServe
     assert got[0].status_code == 200 and got[0].json()["value"] == held["value"] + 1
 
 
-def test_check_tells_current_stale_and_never_granted(server: FencedServer) -> None:
-    u = server.url
+def test_check_tells_current_stale_and_never_granted(shared: FencedServer) -> None:
+    u = shared.url
     first = post(f"{u}/v1/locks/c/acquire", {"request_id": "one"}).json()
     post(f"{u}/v1/locks/c/release", {"token": first["token"], "request_id": "one"})
     second = post(f"{u}/v1/locks/c/acquire").json()
@@ -108,9 +117,9 @@ def test_bad_input_gets_a_one_line_400_and_changes_nothing(server: FencedServer)
     assert get(f"{u}/v1/locks").json() == {"locks": []}
 
 
-def test_curl_bodies_without_a_json_content_type_are_read_as_json(server: FencedServer) -> None:
+def test_curl_bodies_without_a_json_content_type_are_read_as_json(shared: FencedServer) -> None:
     r = httpx.post(
-        f"{server.url}/v1/locks/invoices/acquire",
+        f"{shared.url}/v1/locks/curl-bodies/acquire",
         content=b'{"ttl": 10, "timeout": 1}',
         headers={"content-type": "application/x-www-form-urlencoded"},  # what curl -d sends
         timeout=10,
@@ -118,10 +127,10 @@ def test_curl_bodies_without_a_json_content_type_are_read_as_json(server: Fenced
     assert r.status_code == 200 and r.json()["ttl"] == 10
 
 
-def test_the_served_openapi_document_is_valid_and_covers_the_api(server: FencedServer) -> None:
+def test_the_served_openapi_document_is_valid_and_covers_the_api(shared: FencedServer) -> None:
     from openapi_spec_validator import validate
 
-    doc = get(f"{server.url}/openapi.json").json()
+    doc = get(f"{shared.url}/openapi.json").json()
     validate(doc)
     paths = set(doc["paths"])
     for expected in (
@@ -148,9 +157,9 @@ def test_the_served_openapi_document_is_valid_and_covers_the_api(server: FencedS
 
 
 def test_watch_streams_each_change_and_a_blocking_query_returns_on_change(
-    server: FencedServer,
+    shared: FencedServer,
 ) -> None:
-    u = server.url
+    u = shared.url
     events: list[dict[str, object]] = []
     first = threading.Event()
 
@@ -181,10 +190,10 @@ def test_watch_streams_each_change_and_a_blocking_query_returns_on_change(
     assert blocked and blocked[0]["version"] != version
 
 
-def test_health_ready_and_info(server: FencedServer) -> None:
-    assert get(f"{server.url}/v1/health").json() == {"status": "ok"}
-    assert get(f"{server.url}/v1/ready").json() == {"status": "ready"}
-    info = get(f"{server.url}/v1/info").json()
+def test_health_ready_and_info(shared: FencedServer) -> None:
+    assert get(f"{shared.url}/v1/health").json() == {"status": "ok"}
+    assert get(f"{shared.url}/v1/ready").json() == {"status": "ready"}
+    info = get(f"{shared.url}/v1/info").json()
     assert info["source"] == "sqlite" and "durable" in info["characteristics"]
     assert info["signing"] is None and info["auth"] is False
 
@@ -558,22 +567,22 @@ def test_a_body_over_the_limit_is_refused_and_changes_nothing(source: str) -> No
         assert refused_too_large(server) == 2
 
 
-def test_the_largest_record_fits_under_the_default_limit(server: FencedServer) -> None:
+def test_the_largest_record_fits_under_the_default_limit(shared: FencedServer) -> None:
     """The biggest request fenced takes — a 64 Ki-character record, every character escaped
     in JSON — is under the default 1 MiB limit; one byte-heavy body over it is refused."""
     value = "\u2028" * MAX_RECORD
     body = json.dumps({"version": 0, "value": value})  # (ensure_ascii: 6 bytes a character)
     assert MAX_RECORD * 6 < len(body) < 1 << 20
     r = httpx.post(
-        f"{server.url}/v1/records/big/swap",
+        f"{shared.url}/v1/records/big/swap",
         content=body,
         headers={"content-type": "application/json"},
         timeout=30,
     )
     assert r.status_code == 200, r.text
-    assert get(f"{server.url}/v1/records/big").json()["value"] == value
+    assert get(f"{shared.url}/v1/records/big").json()["value"] == value
     r = httpx.post(
-        f"{server.url}/v1/records/big/swap",
+        f"{shared.url}/v1/records/big/swap",
         content=b" " * (1 << 20) + body.encode(),
         headers={"content-type": "application/json"},
         timeout=30,
@@ -598,7 +607,7 @@ def head_reply(server: FencedServer, head: bytes, chunk: int = 8192) -> bytes:
 
 
 def test_a_request_head_over_the_bound_is_refused_and_the_server_goes_on(
-    server: FencedServer,
+    shared: FencedServer,
 ) -> None:
     """uvicorn's httptools protocol holds a request's headers until they end, with no limit:
     fenced's refuses a head over 64 KiB with 431 and closes the connection. A long head within
@@ -607,18 +616,18 @@ def test_a_request_head_over_the_bound_is_refused_and_the_server_goes_on(
     head = b"GET /v1/health HTTP/1.1\r\nhost: x\r\n" + junk + b"\r\n"
     # In pieces, and whole in one send (a busy server then reads the complete head at once).
     for chunk in (8192, len(head)):
-        reply = head_reply(server, head, chunk)
+        reply = head_reply(shared, head, chunk)
         assert reply.startswith(b"HTTP/1.1 431 "), (chunk, reply[:200])
     within = b"".join(b"x-long-%d: %s\r\n" % (i, b"b" * 1000) for i in range(20))
     reply = head_reply(
-        server,
+        shared,
         b"GET /v1/health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n" + within + b"\r\n",
     )
     assert reply.startswith(b"HTTP/1.1 200 "), reply[:200]
-    assert get(f"{server.url}/v1/health").json() == {"status": "ok"}
+    assert get(f"{shared.url}/v1/health").json() == {"status": "ok"}
 
 
-def test_a_post_asking_to_upgrade_to_h2c_is_served_as_http_1_1(server: FencedServer) -> None:
+def test_a_post_asking_to_upgrade_to_h2c_is_served_as_http_1_1(shared: FencedServer) -> None:
     """Java's HttpClient and `curl --http2` send `Connection: Upgrade, HTTP2-Settings` and
     `Upgrade: h2c` with a POST; the server ignores the upgrade (as RFC 9110 lets it) and serves
     the request with its body — whole, or with the head and the body in separate reads.
@@ -632,7 +641,7 @@ def test_a_post_asking_to_upgrade_to_h2c_is_served_as_http_1_1(server: FencedSer
             b"HTTP2-Settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n"
             b"content-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body)
         )
-        reply = head_reply(server, head + body, len(head) + len(body) if whole else len(head))
+        reply = head_reply(shared, head + body, len(head) + len(body) if whole else len(head))
         assert reply.startswith(b"HTTP/1.1 200 "), (whole, reply[:300])
         flat = reply.replace(b" ", b"")
         # The body's own ttl and request id (an acquire without its body takes the defaults).
