@@ -37,23 +37,38 @@ KINDS = [
 ]
 
 
-class Made:
-    """A member of one kind on a server of its own (restartable), and the plain guard."""
+SERVERS: dict[str, tuple[str, type[Any]]] = {  # kind: (the session fixture, the server class)
+    "redis": ("redis_server", RedisServer),
+    "postgresql": ("pg_server", PostgresServer),
+    "sqlalchemy-postgresql": ("pg_server", PostgresServer),
+    "psycopg-async": ("pg_server", PostgresServer),
+    "sqlalchemy-async": ("pg_server", PostgresServer),
+    "etcd": ("etcd_server", EtcdServer),
+    "mariadb": ("mariadb_server", MariaDBServer),
+    "asyncmy": ("mariadb_server", MariaDBServer),
+}
+# Tests that kill or restart the server keep one of their own; the others share the worker's
+# session server (a lock name and a group of their own: nothing of another test is seen).
+OWN_SERVER = {
+    "test_marks_and_data_survive_a_kill_of_the_server",
+    "test_an_unreachable_member_is_a_typed_error",
+}
 
-    def __init__(self, kind: str, tmp: Path) -> None:
+
+class Made:
+    """A member of one kind (its own lock name and group) and the plain guard, on the
+    worker's server of that kind, or on one of its own (``own=True``: restartable)."""
+
+    def __init__(self, kind: str, tmp: Path, shared: Any = None) -> None:
         self.kind = kind
         self.resource = unique_name("res")
-        self.server: Any = None
+        self.group = unique_name("g")
         self.tmp = tmp
         self._closers: list[Callable[[], None]] = []
-        if kind == "redis":
-            self.server = RedisServer().start()
-        elif kind in ("postgresql", "sqlalchemy-postgresql", "psycopg-async", "sqlalchemy-async"):
-            self.server = PostgresServer().start()
-        elif kind == "etcd":
-            self.server = EtcdServer().start()
-        elif kind in ("mariadb", "asyncmy"):
-            self.server = MariaDBServer().start()
+        self._owned = shared is None and kind in SERVERS
+        self.server: Any = shared if shared is not None else None
+        if self._owned:
+            self.server = SERVERS[kind][1]().start()
         self.guard = self._guard()
 
     def _guard(self) -> Any:
@@ -111,10 +126,11 @@ class Made:
             lambda: sqlite3.connect(path, check_same_thread=False)
         )
 
-    def member(self, group: str = "g") -> Member:
-        return as_member(self.guard, group)
+    def member(self, group: str | None = None) -> Member:
+        return as_member(self.guard, group or self.group)
 
     def restart(self) -> None:
+        assert self._owned or self.server is None, "a shared server is never restarted"
         if self.server is not None:
             self.server.restart(kill=True)
         self.guard = self._guard()
@@ -122,13 +138,19 @@ class Made:
     def close(self) -> None:
         for c in self._closers:
             c()
-        if self.server is not None:
+        if self._owned:
             self.server.close()
 
 
 @pytest.fixture(params=KINDS)
 def made(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Made]:
-    m = Made(request.param, tmp_path)
+    kind: str = request.param
+    shared = None
+    if kind in SERVERS and request.function.__name__ not in OWN_SERVER:
+        shared = request.getfixturevalue(SERVERS[kind][0])
+        if shared.proc is None:  # (left down by a failed test elsewhere)
+            shared.start()
+    m = Made(kind, tmp_path, shared)
     try:
         yield m
     finally:
