@@ -170,14 +170,24 @@ def test_racing_writers_end_with_the_higher_token(env: GuardEnv) -> None:
     assert racing_violations(env) == []
 
 
-@pytest.mark.parametrize(
-    "bad", ["", "conformance", "conformance:", "conformance:0", "conformance:-1", "x:y:1", 5, None]
-)
-def test_malformed_tokens_change_nothing(env: GuardEnv, bad: Any) -> None:
+MALFORMED: list[Any] = [
+    *("", "conformance", "conformance:", "conformance:0", "conformance:-1", "x:y:1"),
+    *(5, None),
+]
+
+
+def test_malformed_tokens_change_nothing(env: GuardEnv) -> None:
+    # Every malformed token on one guard (one set-up, not one per token: 200 set-ups were a
+    # sixth of this file's time); each is refused and leaves the data and the mark as they were.
     env.write(tok(3), "three")
-    with pytest.raises((InvalidTokenError, TypeError)):
-        env.write(bad, "bad")
-    assert env.read() == "three" and env.high_water() == tok(3)
+    for bad in MALFORMED:
+        try:
+            env.write(bad, "bad")
+        except (InvalidTokenError, TypeError):
+            pass
+        else:
+            pytest.fail(f"the malformed token {bad!r} was accepted")
+        assert (env.read(), env.high_water()) == ("three", tok(3)), bad
 
 
 def test_another_locks_token_changes_nothing(env: GuardEnv) -> None:

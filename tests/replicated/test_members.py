@@ -37,23 +37,38 @@ KINDS = [
 ]
 
 
-class Made:
-    """A member of one kind on a server of its own (restartable), and the plain guard."""
+SERVERS: dict[str, tuple[str, type[Any]]] = {  # kind: (the session fixture, the server class)
+    "redis": ("redis_server", RedisServer),
+    "postgresql": ("pg_server", PostgresServer),
+    "sqlalchemy-postgresql": ("pg_server", PostgresServer),
+    "psycopg-async": ("pg_server", PostgresServer),
+    "sqlalchemy-async": ("pg_server", PostgresServer),
+    "etcd": ("etcd_server", EtcdServer),
+    "mariadb": ("mariadb_server", MariaDBServer),
+    "asyncmy": ("mariadb_server", MariaDBServer),
+}
+# Tests that kill or restart the server keep one of their own; the others share the worker's
+# session server (a lock name and a group of their own: nothing of another test is seen).
+OWN_SERVER = {
+    "test_marks_and_data_survive_a_kill_of_the_server",
+    "test_an_unreachable_member_is_a_typed_error",
+}
 
-    def __init__(self, kind: str, tmp: Path) -> None:
+
+class Made:
+    """A member of one kind (its own lock name and group) and the plain guard, on the
+    worker's server of that kind, or on one of its own (``own=True``: restartable)."""
+
+    def __init__(self, kind: str, tmp: Path, shared: Any = None) -> None:
         self.kind = kind
         self.resource = unique_name("res")
-        self.server: Any = None
+        self.group = unique_name("g")
         self.tmp = tmp
         self._closers: list[Callable[[], None]] = []
-        if kind == "redis":
-            self.server = RedisServer().start()
-        elif kind in ("postgresql", "sqlalchemy-postgresql", "psycopg-async", "sqlalchemy-async"):
-            self.server = PostgresServer().start()
-        elif kind == "etcd":
-            self.server = EtcdServer().start()
-        elif kind in ("mariadb", "asyncmy"):
-            self.server = MariaDBServer().start()
+        self._owned = shared is None and kind in SERVERS
+        self.server: Any = shared if shared is not None else None
+        if self._owned:
+            self.server = SERVERS[kind][1]().start()
         self.guard = self._guard()
 
     def _guard(self) -> Any:
@@ -111,10 +126,11 @@ class Made:
             lambda: sqlite3.connect(path, check_same_thread=False)
         )
 
-    def member(self, group: str = "g") -> Member:
-        return as_member(self.guard, group)
+    def member(self, group: str | None = None) -> Member:
+        return as_member(self.guard, group or self.group)
 
     def restart(self) -> None:
+        assert self._owned or self.server is None, "a shared server is never restarted"
         if self.server is not None:
             self.server.restart(kill=True)
         self.guard = self._guard()
@@ -122,13 +138,19 @@ class Made:
     def close(self) -> None:
         for c in self._closers:
             c()
-        if self.server is not None:
+        if self._owned:
             self.server.close()
 
 
 @pytest.fixture(params=KINDS)
 def made(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Made]:
-    m = Made(request.param, tmp_path)
+    kind: str = request.param
+    shared = None
+    if kind in SERVERS and request.function.__name__ not in OWN_SERVER:
+        shared = request.getfixturevalue(SERVERS[kind][0])
+        if shared.proc is None:  # (left down by a failed test elsewhere)
+            shared.start()
+    m = Made(kind, tmp_path, shared)
     try:
         yield m
     finally:
@@ -312,6 +334,9 @@ def test_marks_and_data_survive_a_kill_of_the_server(made: Made) -> None:
 def test_an_unreachable_member_is_a_typed_error(made: Made) -> None:
     if made.server is None:
         pytest.skip("a file has no server to stop")
+    if made.kind == "etcd":  # the claim is the error's type: not the default's 10 s of retries
+        made.guard = EtcdGuard(f"127.0.0.1:{made.server.port}", made.resource, timeout=2.0)
+        made._closers.append(made.guard.close)
     made.server.kill()
 
     async def go() -> None:
@@ -333,43 +358,42 @@ def test_items_only_with_a_token() -> None:
         as_member(object(), "g")
 
 
-def test_a_read_is_one_snapshot_on_postgresql() -> None:
+def test_a_read_is_one_snapshot_on_postgresql(pg_server: PostgresServer) -> None:
     """The marks, the holder and the items come from one instant: a change committed between
     the read's statements is seen whole or not at all (PostgreSQL's READ COMMITTED gives each
     statement its own snapshot, so the read asks for REPEATABLE READ)."""
     import psycopg
 
-    pg = PostgresServer()
-    with pg:
-        guard = SQLGuard(unique_name("res"))
-        one, two = FencingToken(guard.resource, 1), FencingToken(guard.resource, 2)
-        writer = psycopg.connect(pg.dsn, autocommit=True)
-        guard.install_group(writer)
-        guard.apply_group(writer, token=one, group="g", epoch=1, items=[("k", stamp(1, 1), b"1")])
-        statements = 0
+    pg, g = pg_server, unique_name("g")  # (the worker's server: a group of its own)
+    guard = SQLGuard(unique_name("res"))
+    one, two = FencingToken(guard.resource, 1), FencingToken(guard.resource, 2)
+    writer = psycopg.connect(pg.dsn, autocommit=True)
+    guard.install_group(writer)
+    guard.apply_group(writer, token=one, group=g, epoch=1, items=[("k", stamp(1, 1), b"1")])
+    statements = 0
 
-        class Interleaved(psycopg.Connection[Any]):
-            def cursor(self, *args: Any, **kw: Any) -> Any:
-                nonlocal statements
-                statements += 1
-                if statements == 3:  # after the fence's mark was read: a change commits
-                    guard.apply_group(
-                        writer, token=two, group="g", epoch=2, items=[("k", stamp(2, 1), b"2")]
-                    )
-                return super().cursor(*args, **kw)
+    class Interleaved(psycopg.Connection[Any]):
+        def cursor(self, *args: Any, **kw: Any) -> Any:
+            nonlocal statements
+            statements += 1
+            if statements == 3:  # after the fence's mark was read: a change commits
+                guard.apply_group(
+                    writer, token=two, group=g, epoch=2, items=[("k", stamp(2, 1), b"2")]
+                )
+            return super().cursor(*args, **kw)
 
-        reader = Interleaved.connect(pg.dsn, autocommit=True)
-        try:
-            state = guard.read_group(reader, group="g")
-            assert statements > 3  # (the change did come in mid-read)
-            assert (state.token, state.epoch, state.holder, state.items) == (
-                1, 1, str(one), [("k", stamp(1, 1), b"1")],
-            )  # fmt: skip
-            state = guard.read_group(reader, group="g")
-            assert (state.token, state.epoch, state.items[0][2]) == (2, 2, b"2")
-        finally:
-            reader.close()
-            writer.close()
+    reader = Interleaved.connect(pg.dsn, autocommit=True)
+    try:
+        state = guard.read_group(reader, group=g)
+        assert statements > 3  # (the change did come in mid-read)
+        assert (state.token, state.epoch, state.holder, state.items) == (
+            1, 1, str(one), [("k", stamp(1, 1), b"1")],
+        )  # fmt: skip
+        state = guard.read_group(reader, group=g)
+        assert (state.token, state.epoch, state.items[0][2]) == (2, 2, b"2")
+    finally:
+        reader.close()
+        writer.close()
 
 
 @pytest.mark.parametrize("epoch_type", ["TEXT", "BIGINT"])
@@ -395,67 +419,70 @@ def test_a_group_table_made_by_hand_with_a_text_epoch_is_refused(
 
 
 @pytest.mark.parametrize("kind", ["mariadb", "postgresql"])
-def test_racing_changes_leave_the_highest_epoch_and_refuse_only_lower_ones(kind: str) -> None:
+def test_racing_changes_leave_the_highest_epoch_and_refuse_only_lower_ones(
+    kind: str, request: pytest.FixtureRequest
+) -> None:
     """Changes of many epochs race on one member, each on its own connection: every change is
     accepted or refused as stale (or told to retry), and the epoch mark ends at the highest
     epoch accepted."""
     import threading
 
-    server: Any = MariaDBServer() if kind == "mariadb" else PostgresServer()
-    with server:
-        if kind == "mariadb":
-            import pymysql
+    # (the worker's server of that kind: a lock name and a group of their own)
+    server: Any = request.getfixturevalue("mariadb_server" if kind == "mariadb" else "pg_server")
+    g = unique_name("g")
+    if kind == "mariadb":
+        import pymysql
 
-            def connect() -> Any:
-                return pymysql.connect(
-                    host="127.0.0.1", port=server.port, user="root", database="fenced"
-                )
-        else:
-            import psycopg
+        def connect() -> Any:
+            return pymysql.connect(
+                host="127.0.0.1", port=server.port, user="root", database="fenced"
+            )
+    else:
+        import psycopg
 
-            def connect() -> Any:
-                return psycopg.connect(server.dsn, autocommit=True)
+        def connect() -> Any:
+            return psycopg.connect(server.dsn, autocommit=True)
 
-        guard = SQLGuard(unique_name("res"))
-        first = connect()
-        guard.install_group(first)
-        first.close()
-        accepted: list[int] = []
-        outcomes: dict[str, int] = {}
-        lock = threading.Lock()
+    guard = SQLGuard(unique_name("res"))
+    first = connect()
+    guard.install_group(first)
+    first.close()
+    accepted: list[int] = []
+    outcomes: dict[str, int] = {}
+    lock = threading.Lock()
 
-        epochs = [e for e in range(1, 13) for _ in range(2)]
-        start = threading.Barrier(len(epochs))
+    epochs = [e for e in range(1, 13) for _ in range(2)]
+    start = threading.Barrier(len(epochs))
 
-        def change(epoch: int) -> None:
-            conn = connect()
-            try:
-                start.wait(60)  # (all connected first: the changes race, not the connects)
-                # (epoch-only changes: a lock token would serialise them on the fence row)
-                guard.apply_group(conn, token=None, group="g", epoch=epoch)
-                with lock:
-                    accepted.append(epoch)
-                    outcomes["ok"] = outcomes.get("ok", 0) + 1
-            except (fenced.StaleEpochError, fenced.FenceConflictError) as exc:
-                with lock:
-                    outcomes[type(exc).__name__] = outcomes.get(type(exc).__name__, 0) + 1
-            finally:
-                conn.close()
-
-        threads = [threading.Thread(target=change, args=(e,)) for e in reversed(epochs)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        assert sum(outcomes.values()) == len(epochs), outcomes
+    def change(epoch: int) -> None:
         conn = connect()
         try:
-            final = guard.read_group(conn, group="g").epoch
+            start.wait(60)  # (all connected first: the changes race, not the connects)
+            # (epoch-only changes: a lock token would serialise them on the fence row)
+            guard.apply_group(conn, token=None, group=g, epoch=epoch)
+            with lock:
+                accepted.append(epoch)
+                outcomes["ok"] = outcomes.get("ok", 0) + 1
+        except (fenced.StaleEpochError, fenced.FenceConflictError) as exc:
+            with lock:
+                outcomes[type(exc).__name__] = outcomes.get(type(exc).__name__, 0) + 1
         finally:
             conn.close()
-        # (a change that read the mark before a higher one committed, then wrote its own
-        # lower epoch over it, would leave the mark below an accepted epoch)
-        assert final == max(accepted), (final, sorted(accepted), outcomes)
+
+    threads = [threading.Thread(target=change, args=(e,)) for e in reversed(epochs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sum(outcomes.values()) == len(epochs), outcomes
+    conn = connect()
+    try:
+        final = guard.read_group(conn, group=g).epoch
+    finally:
+        conn.close()
+    # (a change that read the mark before a higher one committed, then wrote its own
+    # lower epoch over it, would leave the mark below an accepted epoch)
+    assert final == max(accepted), (final, sorted(accepted), outcomes)
 
 
 def test_a_change_of_many_items_and_of_one_key_twice_keeps_the_newest(made: Made) -> None:

@@ -327,6 +327,26 @@ async def test_a_server_that_never_answers_costs_no_more_than_the_timeout(timeou
     assert elapsed < timeout + 0.5, f"acquire(timeout={timeout}) returned after {elapsed:.2f} s"
 
 
+def test_closing_a_holder_ends_its_session_at_once(zk_server: ZooKeeperServer) -> None:
+    """Closing a connection sends ZooKeeper's Close: the server drops the session's nodes
+    then, not a session timeout later. Before: the stop's wake hid the socket from kazoo's
+    loop, which spun (~3 s of CPU) until a ping timed out and dropped the connection without
+    the Close, so a closed holder's lock stayed taken for its whole ttl (here 20 s)."""
+    name = unique_name()
+    with fenced.connect(zk_server.url) as other:
+        holder = fenced.connect(zk_server.url)
+        holder.lock(name, ttl=20).acquire()
+        start = time.monotonic()
+        holder.close()
+        closed = time.monotonic() - start
+        lease = other.lock(name, ttl=5)
+        lease.acquire(timeout=10)  # half the holder's ttl: only a Close frees it this soon
+        freed = time.monotonic() - start
+        assert lease.held and lease.release() is True
+    assert closed < 1.5, f"close took {closed:.2f} s"
+    assert freed < 5, f"the lock was free {freed:.2f} s after the close"
+
+
 # -- (2) a paused holder process ---------------------------------------------------------------
 
 

@@ -157,14 +157,17 @@ class InlineHandler(SequentialThreadingHandler):  # type: ignore[misc]
         writable: list[Any] = []
         for fd, events in poller.poll(wait_ms):
             if fd == wake:
-                if not self._running:
-                    return [], [], []  # stopped: as if the wait timed out
                 continue
             for obj in owners[fd]:
                 if obj in rlist and events & READ_EVENTS:
                     readable.append(obj)
                 if obj in wlist and events & WRITE_EVENTS:
                     writable.append(obj)
+        # Stopped with nothing ready: as if the wait timed out. What is ready still counts:
+        # kazoo's stop queues a Close and waits for its reply, and a wake that hid the
+        # socket made the loop spin until a ping timed out (~3 s of CPU per close), then
+        # drop the connection without the Close, so the server kept the session's nodes
+        # (a closed holder's lock) for the whole session timeout.
         return readable, writable, []
 
     def create_connection(self, *args: Any, **kwargs: Any) -> Any:

@@ -135,7 +135,9 @@ def test_keepalive_holds_past_ttl(env: BackendEnv) -> None:
     with env.connect() as locks, env.connect() as other:
         with locks.lock(name, ttl=ttl) as lease:
             stop = threading.Event()
-            stop.wait(ttl * 2.5)  # the holder is busy for longer than its ttl
+            # The holder is busy for longer than its ttl (the claim): half a ttl past it is
+            # at least four renewals (every third of the ttl) that must all have landed.
+            stop.wait(ttl * 1.5)
             assert lease.held and not lease.lost.is_set()
             assert 0 < lease.remaining() <= ttl
             with pytest.raises(fenced.LockTimeout):
@@ -210,7 +212,9 @@ def test_a_waiter_that_waits_past_its_ttl_gets_the_grant_it_queued_for(env: Back
         thread = threading.Thread(target=lambda: result.append(waiter.acquire(timeout=30)))
         thread.start()
         wait_for(lambda: holder_conn.status(name).waiters == 1, what="the waiter to queue")
-        time.sleep(3.0)  # the waiter must wait three of its ttls
+        # The waiter must wait past its ttl (the claim): a grant dated from the poll's send
+        # would then look two ttls old: expired a whole ttl ago.
+        time.sleep(2.0)
         holder.release()
         thread.join(30)
         assert result and waiter.held, result
