@@ -13,7 +13,7 @@ UV     := $(VENV)/bin/uv
 LOCK   := requirements/dev.lock
 PHASE  := PHASE_LOG=$(CURDIR)/.phase-times tools/phase
 
-.PHONY: demo test install-dev lint typecheck bench servers clean lock
+.PHONY: demo test test-long install-dev lint typecheck bench servers clean lock
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -61,6 +61,16 @@ test: $(PY)
 	@$(PHASE) mypy $(VENV)/bin/mypy
 	@$(PHASE) tests $(PY) -m pytest -n 2 --dist loadgroup -q
 	@$(PHASE) --summary
+
+# The long randomized runs kept out of `make test` (docs/testing.md, "Long runs"): the
+# simulator's seeds, 10,000 by default (CI runs a bounded 2,000), from a random start unless
+# FENCED_SIM_START is given. FENCED_SIM_SEEDS=1000000 for a longer one.
+FENCED_SIM_SEEDS ?= 10000
+test-long: $(PY)
+	@start=$${FENCED_SIM_START:-$$(od -An -N2 -tu2 /dev/urandom | tr -d ' ')}; \
+	echo "FENCED_SIM_SEEDS=$(FENCED_SIM_SEEDS) FENCED_SIM_START=$$start"; \
+	FENCED_SIM_SEEDS=$(FENCED_SIM_SEEDS) FENCED_SIM_START=$$start \
+	  $(PY) -m pytest -n 2 --dist loadgroup -q tests/kit/test_sim.py tests/kit/test_sim_gateway.py
 
 install-dev: $(PY)
 	@if $(MAKE) --no-print-directory $(UV) && $(UV) pip install -q --python $(PY) --require-hashes -r $(LOCK); then \
