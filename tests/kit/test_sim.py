@@ -21,7 +21,7 @@ from tests.helpers import ROOT
 
 # A bounded seeded run in CI: 2,000 seeds in all, 1,600 of the lease system, 200 of the group's
 # and 200 of the gateways' (tests/kit/test_sim_gateway.py; a group seed costs about 3.5 lease
-# seeds, a gateway seed about 2.5: docs/benchmarks.md), ~20 CPU-seconds. The long randomized run
+# seeds, a gateway seed about 2.5: docs/benchmarks.md), ~24 CPU-seconds. The long randomized run
 # (10,000 seeds and more, same 8:1:1 split) is `make test-long` (FENCED_SIM_SEEDS, FENCED_SIM_START).
 # The plants' budgets below are their own (200 and 1,000 seeds), not a share of these.
 CI_SEEDS = int(os.environ.get("FENCED_SIM_SEEDS", "2000"))
