@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from fenced.testing.check import read_history
 from fenced.testing.netclusters import EtcdNetCluster, ZooKeeperNetCluster
 from fenced.testing.netns import NetLab
 from fenced.testing.partitions import LOSS_SLACK, run_campaign, run_check
@@ -97,6 +98,13 @@ def test_planted_clients_are_caught(
     assert "stale write accepted" in found, found
 
 
+def _kit_faults(run: Any) -> set[str]:
+    """The kinds of fault the kit's own nemesis dealt in ``run`` (the lab's are the
+    ``network`` lane's)."""
+    events = read_history(run.report / "history.jsonl")
+    return {e["kind"] for e in events if e["op"] == "nemesis" and e["victim"] != "network"}
+
+
 def _check_summary(run: Any) -> str:
     return (
         f"placement {run.placement}, splits cut off {run.split_clients}, {run.losses} losses "
@@ -136,6 +144,7 @@ def test_fenced_check_runs_through_the_lab(
         page = (run.report / "report.html").read_text()
         assert "net-split 2/1:" in page and "network</text>" in page, "partitions on the timeline"
         assert {f["kind"] for f in run.faults} >= {"split", "isolate"}
+        assert KIT_NEMESIS in _kit_faults(run), summary  # (the kit's faults struck too)
 
 
 @pytest.mark.timeout(180 + RUNS * (CHECK_SECONDS + 60))
@@ -159,6 +168,7 @@ def test_fenced_check_through_gateways_on_both_sides(
         assert run.violations == [], summary
         assert any(len(side) == 1 for side in run.split_clients), summary
         assert run.checked_late and max(run.checked_late) <= LOSS_SLACK, summary
+        assert KIT_NEMESIS in _kit_faults(run), summary
         gateway_log = d / f"{sorted(run.placement.values())[0]}.log"  # (w1<tag>'s)
         assert "fenced serve: listening on http://127.0.0.1:" in gateway_log.read_text()
 
