@@ -62,9 +62,16 @@ test: $(PY)
 	@$(PHASE) tests $(PY) -m pytest -n 2 --dist loadgroup -q
 	@$(PHASE) --summary
 
-# The long randomized variants the suite runs bounded (docs/testing.md, "Long runs"): not part of
-# `make test`; run after `make test` has installed the environment.
+# The long randomized runs kept out of `make test` (docs/testing.md, "Long runs"); run after
+# `make test` has installed the environment. The simulator's seeds, 10,000 by default (CI runs a
+# bounded 2,000), from a random start unless FENCED_SIM_START is given (FENCED_SIM_SEEDS=1000000
+# for a longer one); the schema, fuzz and signing property tests with many more examples.
+FENCED_SIM_SEEDS ?= 10000
 test-long: $(PY)
+	@start=$${FENCED_SIM_START:-$$(od -An -N2 -tu2 /dev/urandom | tr -d ' ')}; \
+	echo "FENCED_SIM_SEEDS=$(FENCED_SIM_SEEDS) FENCED_SIM_START=$$start"; \
+	FENCED_SIM_SEEDS=$(FENCED_SIM_SEEDS) FENCED_SIM_START=$$start \
+	  $(PY) -m pytest -n 2 --dist loadgroup -q tests/kit/test_sim.py tests/kit/test_sim_gateway.py
 	FENCED_SCHEMA_EXAMPLES=100 FENCED_FUZZ_EXAMPLES=5000 FENCED_SIGNING_EXAMPLES=2000 \
 	  $(PY) -m pytest -q tests/server/test_server_schema.py tests/server/test_server_fuzz.py \
 	  tests/core/test_signing.py

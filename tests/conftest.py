@@ -98,9 +98,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
     Then the work units (an xdist group, or a single test) in the order xdist hands them out
     (its own reordering off, pytest_configure): units holding a test marked ``slow`` or
-    listed in LONG_TESTS first (the simulator's 10,000 seeds, 30-70 s campaigns, races and
+    listed in LONG_TESTS first (the simulator's seed parts, 30-70 s campaigns, races and
     fuzzers), then groups largest first, then single tests in collection order. Longest first: a long unit handed out last ran on
-    one worker while the other idled (the 10,000 seeds, a group of two, came after every
+    one worker while the other idled (the seeds, a group of two, came after every
     bigger group and ended the run minutes after the rest).
     """
     for item in items:

@@ -1,6 +1,7 @@
 """``fenced sim --system gateway``: ``fenced serve``'s real grant bookkeeping (``Gateway``) in
 two or three gateways sharing one simulated source, on virtual time. A seed replays byte for
-byte; 1,000 seeds hold every invariant; each planted gateway bug is found by the checker
+byte; 200 seeds hold every invariant in CI (a tenth of FENCED_SIM_SEEDS: 1,000 and more in
+``make test-long``); each planted gateway bug is found by the checker
 that names it, within 200 seeds, and the same seed without the plant holds; the CLI takes
 ``--workload gateway`` and its replay command fails again."""
 

@@ -421,11 +421,12 @@ def run_campaign(
     return camp
 
 
-def _free_tag(lab: Any) -> str:
-    """A suffix for a campaign's node names not yet used in ``lab`` ("" for the first)."""
+def _free_tag(lab: Any, first: str = "c1") -> str:
+    """A suffix for a campaign's node names not yet used in ``lab`` ("" for the first): its
+    first node is named ``first`` + the suffix."""
     tag: str
     for tag in ("", *"bcdefghijklmnopqrstuvwxyz"):
-        if f"c1{tag}" not in lab.nodes:
+        if f"{first}{tag}" not in lab.nodes:
             return tag
     raise ConfigurationError("too many campaigns in one lab")
 
@@ -473,6 +474,7 @@ def run_check(
     gateway: bool = False,
     directory: str | None = None,
     think: float | None = None,
+    shared: tuple[Any, Any] | None = None,
 ) -> CheckRun:
     """``fenced check`` (its public command line) run in a namespace of its own (``ck``)
     against a 3-member cluster in the lab, its workers in namespaces of their own: worker N
@@ -487,7 +489,9 @@ def run_check(
     gateway off with it, the others' stay on the majority side. ``think``: how long the
     workers think between read and write (the kit's is up to ttl/4, over before a lease can
     end): at 2 ttls a holder cut off mid-think outlives its lease while it holds it, and
-    learns of its loss then.
+    learns of its loss then. ``shared=(lab, cluster)``: in that lab, on that started cluster
+    of ``source`` (left running), as :func:`run_campaign`'s: its nodes get names of their own
+    (``ck<tag>``, ``w1<tag>``, ...) and its gateways are stopped at its end.
     """
     from fenced.testing.check._campaign import NETNS_ENV
     from fenced.testing.check._history import History, read_history
@@ -506,22 +510,31 @@ def run_check(
     d.mkdir(parents=True, exist_ok=True)
     report = d / "report"
     history = report / "history.jsonl"
-    with NetLab("ck" + source[:4]) as lab:
-        cluster = (EtcdNetCluster if source == "etcd" else ZooKeeperNetCluster)(lab)
+    with contextlib.ExitStack() as stack:
+        if shared is None:
+            lab = stack.enter_context(NetLab("ck" + source[:4]))
+            cluster = (EtcdNetCluster if source == "etcd" else ZooKeeperNetCluster)(lab)
+        else:
+            lab, cluster = shared
+        tag = _free_tag(lab, "ck")
+        first_fault = len(lab.faults)
         redis = None
+        gateways: list[Any] = []
         try:
-            cluster.start()
+            if shared is None:
+                cluster.start()
             if resource == "redis":
-                redis = RedisNet(lab)
+                redis = RedisNet(lab, f"rk{tag}")  # (not a campaign's r1<tag>)
                 res = redis.url
             else:
                 res = f"sqlite:///{(d / 'register.db').resolve()}?table=fenced_check"
-            node = lab.add("ck")
-            homes = [lab.add(f"w{i + 1}") for i in range(spread)]
+            node = lab.add(f"ck{tag}")
+            homes = [lab.add(f"w{i + 1}{tag}") for i in range(spread)]
             url = cluster.url
             if gateway:
                 # A gateway beside each client, as on its host: cut off with it, or not.
-                _start_gateways(lab, [node.name] + [h.name for h in homes], url, d, local=True)
+                names = [node.name] + [h.name for h in homes]
+                gateways = _start_gateways(lab, names, url, d, local=True)
                 url = f"http://127.0.0.1:{GATEWAY_PORT}"
             argv = [
                 sys.executable, "-m", "fenced", "check", "--source", url, "--resource", res,
@@ -568,7 +581,9 @@ def run_check(
                          nemeses, on_fault=on_fault)  # fmt: skip
                 faults.close()
                 split_clients = [
-                    sorted(set(f.sides[0]) & clients) for f in lab.faults if f.kind == "split"
+                    sorted(set(f.sides[0]) & clients)
+                    for f in lab.faults[first_fault:]
+                    if f.kind == "split"
                 ]
             try:
                 code = proc.proc.wait(seconds + 120)
@@ -590,13 +605,18 @@ def run_check(
             slowest = max((e["mono"] - e["sent"] for e in events if e["op"] == "release"),
                           default=0.0)  # fmt: skip
             return CheckRun(
-                code, report, [f.as_dict() for f in lab.faults],
+                code, report, [f.as_dict() for f in lab.faults[first_fault:]],
                 out_log.read_text(errors="replace"), violations,
                 {w: homes[(int(w[1:]) - 1) % spread].name for w in serials},
                 split_clients, lost, checked, releasing, slowest,
             )  # fmt: skip
         finally:
-            cluster.close()
+            if shared is None:
+                cluster.close()
+            else:
+                for g in gateways:
+                    if g.alive():
+                        g.kill()  # (the lab goes on)
             if redis is not None:
                 redis.close()
 
