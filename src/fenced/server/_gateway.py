@@ -642,7 +642,7 @@ def _values(text: str) -> list[int]:
     each value from then on."""
     try:
         values = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # (RecursionError: nested deeper than Python recurses)
         return []
     if not isinstance(values, list) or not all(type(v) is int for v in values):
         return []
