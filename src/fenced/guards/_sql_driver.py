@@ -1041,11 +1041,18 @@ def _begin_command(conn: Any) -> str:
 
 @functools.lru_cache(maxsize=256)
 def _ride_first(
-    table: str, resource: str, lock: str, begin: str, prepared: bool, prepare: bool
+    table: str,
+    resource: str,
+    lock: str,
+    begin: str,
+    prepared: bool,
+    prepare: bool,
+    encoding: str = "utf-8",
 ) -> tuple[bytes, bytes]:
     """``BEGIN; [PREPARE …;] <check>`` around the token (a new one at each grant): the
     message is ``head + b"%d" % token + tail``. The resource and lock are rendered as
-    literals by psycopg; the token is a validated integer (``FencingToken``)."""
+    literals by psycopg; the token is a validated integer (``FencingToken``). ``encoding``:
+    the connection's client encoding, which the server decodes the message by."""
     pg = _psycopg()
     check = pg_ride_sql(table)[0]
     lits = [pg.sql.Literal(v).as_string(None) for v in (resource, lock)] + ["\0"]
@@ -1056,11 +1063,11 @@ def _ride_first(
     # (PREPARE after BEGIN: a statement before it would make BEGIN's isolation level late;
     # a prepared statement outlives the transaction, rolled back or not)
     before, _, after = f"{begin}; {head}{body}".partition("\0")
-    return before.encode(), after.encode()
+    return _encoded(before, encoding), _encoded(after, encoding)
 
 
 @functools.lru_cache(maxsize=256)
-def _ride_last(table: str, resource: str) -> tuple[bytes, bytes]:
+def _ride_last(table: str, resource: str, encoding: str = "utf-8") -> tuple[bytes, bytes]:
     """``<recheck>; COMMIT`` around the transaction id (only it changes from one
     transaction to the next): the message is ``head + b"%d" % xid + tail``. Not a prepared
     statement: psycopg deallocates every prepared statement of the session (``DEALLOCATE
@@ -1069,7 +1076,19 @@ def _ride_last(table: str, resource: str) -> tuple[bytes, bytes]:
     pg = _psycopg()
     lits = [pg.sql.Literal(v).as_string(None) for v in (resource, table)]
     head, _, tail = pg_ride_sql(table)[1].format("\0", *lits).partition("\0")
-    return head.encode(), (tail + "; COMMIT").encode()
+    return _encoded(head, encoding), _encoded(tail + "; COMMIT", encoding)
+
+
+def _encoded(text: str, encoding: str) -> bytes:
+    """``text`` in the connection's client encoding: the server reads the message in it, so
+    UTF-8 bytes on a LATIN1 connection would name another resource (the fence split in two)."""
+    try:
+        return text.encode(encoding)
+    except UnicodeEncodeError as exc:
+        raise ConfigurationError(
+            f"the resource or lock name cannot be written in the connection's client "
+            f"encoding {encoding!r}: {exc.reason}"
+        ) from None
 
 
 def _ride(
@@ -1106,6 +1125,7 @@ def _ride(
                 begin,
                 prepared,
                 prepared and name not in names,
+                conn.info.encoding,
             )
             message = head + b"%d" % token.value + tail + commit
             try:
@@ -1144,7 +1164,11 @@ def _ride(
         except BaseException:
             yield _ROLLBACK
             raise
-        head, tail = _ride_last(table, resource)
+        try:
+            head, tail = _ride_last(table, resource, conn.info.encoding)
+        except ConfigurationError:  # (the block changed the client encoding to one without it)
+            yield _ROLLBACK
+            raise
         try:
             yield _Message(head + b"%d" % xid + tail, rows=False)
         except Exception as exc:
