@@ -99,3 +99,28 @@ def test_a_name_the_client_encoding_cannot_write_is_a_configuration_error(
                 latin1.execute("INSERT INTO writes VALUES (1)")
         assert not latin1.info.transaction_status  # (idle: nothing left open)
     assert _rows(pg_dsn) == ([], [])
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="open: the recheck names the fence table and fenced_refuse_v1 unqualified, "
+    "resolved by the search_path the block left",
+)
+@pytest.mark.parametrize("scope", ["LOCAL", "SESSION"])
+def test_a_block_that_sets_search_path_commits_the_rightful_write(pg_dsn: str, scope: str) -> None:
+    """A schema-per-tenant application sets ``search_path`` inside its transaction (``SET
+    LOCAL search_path = tenant``). The check ran with the connection's path and accepted
+    L:1; the recheck riding with COMMIT names ``fenced_fences`` (``CAST(... AS regclass)``,
+    folded when planned, in either branch) and ``fenced_refuse_v1`` unqualified, resolved
+    in the tenant's path: psycopg's UndefinedTable, the rightful write rolled back (and not
+    a fenced error)."""
+    guard = _prepare(pg_dsn)
+    with _connect(pg_dsn) as conn:
+        conn.execute("CREATE SCHEMA tenant")
+        conn.execute("CREATE TABLE tenant.writes (token INT)")
+        with guard.transaction(conn, token="L:1"):
+            conn.execute(f"SET {scope} search_path = tenant")
+            conn.execute("INSERT INTO writes VALUES (1)")
+        conn.execute("RESET search_path")
+        assert conn.execute("SELECT token FROM tenant.writes").fetchall() == [(1,)]
+        assert str(guard.high_water(conn)) == "L:1"
