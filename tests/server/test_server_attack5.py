@@ -4,11 +4,17 @@ HTTP protocol), with the rightful request served beside it."""
 
 from __future__ import annotations
 
+import json
+import socket
+import subprocess
+import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 
 from fenced.server._app import ServerSettings
+from fenced.testing.servers import FencedServer
 from tests.server.test_direct_lane import read_answer, request, serving
 
 # A JSON document nested deeper than Python's recursion limit: json's scanner raises
@@ -71,3 +77,117 @@ def test_a_claim_record_nested_too_deep_reads_as_no_claims() -> None:
 
     assert _values((b"[" * 50_000 + b"]" * 50_000).decode()) == []
     assert _values("[3, 1, 2]") == [1, 2, 3]
+
+
+# -- what held (kept as tests: the direct lane and the app answer these alike) ---------------
+
+
+def _post(port: int, path: str, body: bytes, chunked: bool, headers: dict[str, str]) -> bytes:
+    """One request on a fresh connection, its body whole (the direct lane's) or chunked (the
+    app's); the status line and body of the answer."""
+    head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    if chunked:
+        raw = f"POST {path} HTTP/1.1\r\n{head}transfer-encoding: chunked\r\n\r\n".encode()
+        raw += b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+    else:
+        raw = f"POST {path} HTTP/1.1\r\n{head}content-length: {len(body)}\r\n\r\n".encode() + body
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(raw)
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            answer += sock.recv(65536)
+        head_bytes, _, rest = answer.partition(b"\r\n\r\n")
+        length = next(
+            int(line.split(b":")[1])
+            for line in head_bytes.split(b"\r\n")
+            if line.lower().startswith(b"content-length")
+        )
+        while len(rest) < length:
+            rest += sock.recv(65536)
+    return head_bytes.split(b"\r\n")[0][9:12] + b" " + rest[:length]
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["direct", "app"])
+def test_with_signing_a_forged_token_never_renews_or_releases(
+    tmp_path: Path, chunked: bool
+) -> None:
+    """With ``--signing-key`` and prefix-scoped keys: a forged signature is 400 on renew and
+    release; another tenant's key is 403 on each verb (its prefix) and another key's request
+    id 403; the plain and the signed token of the grant, with its request id, renew (the
+    request id proves the grant: docs/server.md); a release's reuse says released false."""
+    key = tmp_path / "sign.key"
+    subprocess.run(
+        [sys.executable, "-m", "fenced", "keygen", "ed25519", "k1", str(key)],
+        check=True,
+        capture_output=True,
+    )
+    a, b = "secret-aaaaaaaaaaaaaaaa", "secret-bbbbbbbbbbbbbbbb"
+    keys = tmp_path / "keys.toml"
+    keys.write_text(
+        f'[[keys]]\nid = "a"\nsecret = "{a}"\nverbs = ["acquire"]\n'
+        f'[[keys]]\nid = "b"\nsecret = "{b}"\nverbs = ["acquire"]\nprefixes = ["reports/"]\n'
+    )
+    args = ["--api-keys", str(keys), "--signing-key", str(key)]
+    with FencedServer(f"sqlite:///{tmp_path / 'l.db'}", args=args) as server:
+        port = server.port
+        as_a = {"host": "127.0.0.1", "authorization": f"Bearer {a}"}
+        as_b = {"host": "127.0.0.1", "authorization": f"Bearer {b}"}
+
+        def post(
+            verb: str, body: dict[str, object], who: dict[str, str], lock: str = "inv"
+        ) -> bytes:
+            return _post(
+                port, f"/v1/locks/{lock}/-/{verb}", json.dumps(body).encode(), chunked, who
+            )
+
+        grant = json.loads(post("acquire", {"ttl": 30, "request_id": "r1"}, as_a)[4:])
+        signed, plain = grant["signed"], grant["token"]
+        forged = signed[:-2] + ("AA" if not signed.endswith("AA") else "BB")
+        for verb in ("renew", "release"):
+            answer = post(verb, {"token": forged, "request_id": "r1"}, as_a)
+            assert answer.startswith(b'400 {"error":"invalid_token"'), answer
+            assert post(verb, {"token": signed, "request_id": "r1"}, as_b).startswith(b"403")
+        assert post("acquire", {"ttl": 30}, as_b).startswith(b"403")
+        assert post("renew", {"token": plain, "request_id": "r1"}, as_a).startswith(b"200")
+        assert post("renew", {"token": signed, "request_id": "r1"}, as_a).startswith(b"200")
+        theirs = json.loads(post("acquire", {"request_id": "rb"}, as_b, "reports/x")[4:])
+        mine = {"token": theirs["signed"], "request_id": "rb"}
+        assert post("release", mine, as_a, "reports/x").startswith(b"403")
+        assert (
+            post("release", {"token": signed, "request_id": "r1"}, as_a) == b'200 {"released":true}'
+        )
+        assert (
+            post("release", {"token": signed, "request_id": "r1"}, as_a)
+            == b'200 {"released":false}'
+        )
+        answer = post("renew", {"token": signed, "request_id": "r1"}, as_a)
+        assert answer.startswith(b'410 {"error":"lease_lost"')
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["direct", "app"])
+def test_a_keyless_server_applies_its_host_and_origin_rules_on_either_lane(
+    tmp_path: Path, chunked: bool
+) -> None:
+    """``fenced serve`` without keys: a dotted Host (any case, a trailing dot, a port, the
+    first of two), a foreign or ``null`` Origin, another port's Origin are 403 whether the body
+    arrives whole (the direct lane) or chunked (the app); loopback, ``*.localhost`` and the
+    server's own origin are served."""
+    with FencedServer(f"sqlite:///{tmp_path / 'l.db'}") as server:
+        port = server.port
+        own = f"127.0.0.1:{port}"
+        refused = [
+            {"host": "evil.example.com"},
+            {"HOST": "EVIL.EXAMPLE.COM"},
+            {"host": "evil.example.com."},
+            {"host": "localhost.evil.com:80"},
+            {"host": own, "origin": "http://evil.example.com"},
+            {"host": own, "origin": "null"},
+            {"host": own, "origin": "http://127.0.0.1:9"},
+        ]
+        served = [{"host": own}, {"host": "a.localhost"}, {"host": own, "origin": f"http://{own}"}]
+        for i, headers in enumerate(refused):
+            answer = _post(port, f"/v1/locks/r{i}/-/acquire", b"{}", chunked, headers)
+            assert answer.startswith(b'403 {"error":"forbidden"'), (headers, answer)
+        for i, headers in enumerate(served):
+            answer = _post(port, f"/v1/locks/s{i}/-/acquire", b"{}", chunked, headers)
+            assert answer.startswith(b"200"), (headers, answer)
