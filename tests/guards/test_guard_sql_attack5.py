@@ -9,7 +9,7 @@ import asyncio
 import psycopg
 import pytest
 
-from fenced import StaleTokenError
+from fenced import ConfigurationError, StaleTokenError
 from fenced.guards.sql import SQLGuard
 
 RESOURCE = "café"  # (a resource name is any text: not one byte a character in UTF-8)
@@ -87,8 +87,6 @@ def test_a_name_the_client_encoding_cannot_write_is_a_configuration_error(
 ) -> None:
     """A resource name with a character the connection's encoding has not ('😀' on LATIN1):
     a one-line ConfigurationError, nothing written (before: the UTF-8 bytes, another name)."""
-    from fenced import ConfigurationError
-
     guard = SQLGuard("mood😀", lock="L")
     with _connect(pg_dsn) as conn:
         guard.install(conn)
@@ -101,11 +99,6 @@ def test_a_name_the_client_encoding_cannot_write_is_a_configuration_error(
     assert _rows(pg_dsn) == ([], [])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open: the recheck names the fence table and fenced_refuse_v1 unqualified, "
-    "resolved by the search_path the block left",
-)
 @pytest.mark.parametrize("scope", ["LOCAL", "SESSION"])
 def test_a_block_that_sets_search_path_commits_the_rightful_write(pg_dsn: str, scope: str) -> None:
     """A schema-per-tenant application sets ``search_path`` inside its transaction (``SET
@@ -113,7 +106,8 @@ def test_a_block_that_sets_search_path_commits_the_rightful_write(pg_dsn: str, s
     L:1; the recheck riding with COMMIT names ``fenced_fences`` (``CAST(... AS regclass)``,
     folded when planned, in either branch) and ``fenced_refuse_v1`` unqualified, resolved
     in the tenant's path: psycopg's UndefinedTable, the rightful write rolled back (and not
-    a fenced error)."""
+    a fenced error). Now the recheck sets the check's path for the transaction's rest first;
+    the session keeps the block's own setting. A stale token is still refused there."""
     guard = _prepare(pg_dsn)
     with _connect(pg_dsn) as conn:
         conn.execute("CREATE SCHEMA tenant")
@@ -121,6 +115,42 @@ def test_a_block_that_sets_search_path_commits_the_rightful_write(pg_dsn: str, s
         with guard.transaction(conn, token="L:1"):
             conn.execute(f"SET {scope} search_path = tenant")
             conn.execute("INSERT INTO writes VALUES (1)")
+        kept = conn.execute("SHOW search_path").fetchone()
+        assert kept == (("tenant",) if scope == "SESSION" else ('"$user", public',))
+        conn.execute("RESET search_path")
+        assert conn.execute("SELECT token FROM tenant.writes").fetchall() == [(1,)]
+        assert str(guard.high_water(conn)) == "L:1"
+        with _connect(pg_dsn) as newer:
+            with guard.transaction(newer, token="L:2"):
+                pass
+        with pytest.raises(StaleTokenError), guard.transaction(conn, token="L:1"):
+            conn.execute(f"SET {scope} search_path = tenant")
+            conn.execute("INSERT INTO writes VALUES (-1)")
+        conn.execute("RESET search_path")
+        assert conn.execute("SELECT token FROM tenant.writes").fetchall() == [(1,)]
+        # (a block that ended the transaction, in the tenant's path: the recheck still refuses)
+        with pytest.raises(ConfigurationError, match="ended the transaction"):
+            with guard.transaction(conn, token="L:2"):
+                conn.execute(f"SET {scope} search_path = tenant")
+                conn.execute("COMMIT")
+                conn.execute("INSERT INTO writes VALUES (-2)")
+        conn.execute("RESET search_path")
+        assert conn.execute("SELECT token FROM tenant.writes").fetchall() == [(1,)]
+
+
+@pytest.mark.parametrize("scope", ["LOCAL", "SESSION"])
+def test_a_batch_that_sets_search_path_commits_the_rightful_write(pg_dsn: str, scope: str) -> None:
+    """The same class in ``batch``'s psycopg pipeline: its last check names the fence table
+    and the refusal function unqualified, after the caller's statements."""
+    guard = _prepare(pg_dsn)
+    with _connect(pg_dsn) as conn:
+        conn.execute("CREATE SCHEMA tenant")
+        conn.execute("CREATE TABLE tenant.writes (token INT)")
+        statements = [
+            (f"SET {scope} search_path = tenant", None),
+            ("INSERT INTO writes VALUES (1)", None),
+        ]
+        guard.batch(conn, statements, token="L:1")
         conn.execute("RESET search_path")
         assert conn.execute("SELECT token FROM tenant.writes").fetchall() == [(1,)]
         assert str(guard.high_water(conn)) == "L:1"

@@ -1067,14 +1067,16 @@ def _ride_first(
 
 
 @functools.lru_cache(maxsize=256)
-def _ride_last(table: str, resource: str, encoding: str = "utf-8") -> tuple[bytes, bytes]:
+def _ride_last(
+    table: str, resource: str, encoding: str = "utf-8", path: str = "public"
+) -> tuple[bytes, bytes]:
     """``<recheck>; COMMIT`` around the transaction id (only it changes from one
     transaction to the next): the message is ``head + b"%d" % xid + tail``. Not a prepared
     statement: psycopg deallocates every prepared statement of the session (``DEALLOCATE
     ALL``) after a rollback, a savepoint's included, once it has prepared statements of its
     own, and one inside the block would leave the recheck unknown after the block's work."""
     pg = _psycopg()
-    lits = [pg.sql.Literal(v).as_string(None) for v in (resource, table)]
+    lits = [pg.sql.Literal(v).as_string(None) for v in (resource, table, path)]
     head, _, tail = pg_ride_sql(table)[1].format("\0", *lits).partition("\0")
     return _encoded(head, encoding), _encoded(tail + "; COMMIT", encoding)
 
@@ -1156,7 +1158,7 @@ def _ride(
                 yield _ROLLBACK
         if not block:
             return
-        xid = int(rows[0][1])
+        xid, path = int(rows[0][1]), str(rows[0][2])
         # (psycopg opens a transaction for a statement after one that ended ours: see above)
         conn._autocommit = False
         try:
@@ -1165,7 +1167,7 @@ def _ride(
             yield _ROLLBACK
             raise
         try:
-            head, tail = _ride_last(table, resource, conn.info.encoding)
+            head, tail = _ride_last(table, resource, conn.info.encoding, path)
         except ConfigurationError:  # (the block changed the client encoding to one without it)
             yield _ROLLBACK
             raise
@@ -1440,6 +1442,18 @@ async def aguarded_transaction(
 # only if no newer token has been accepted since (and locks the row till the COMMIT).
 
 
+# The search_path the first check ran with, set again (for the transaction's rest: SET LOCAL
+# ends with the COMMIT) before the second: the statements between may set another (a tenant's
+# schema), in which the second check would not find the table or the refusal function. (If a
+# statement ended the transaction, the kept path is gone with it: the path stays as it is,
+# and the second check refuses, or fails: either way nothing after the end commits.)
+_KEEP_PATH: Final = "SELECT set_config('fenced.search_path', current_setting('search_path'), true)"
+_BACK_TO_PATH: Final = (
+    "SELECT set_config('search_path', coalesce(nullif("
+    "current_setting('fenced.search_path', true), ''), current_setting('search_path')), true)"
+)
+
+
 @contextlib.contextmanager
 def _pipelined_transaction(
     conn: Any, table: str, resource: str, token: FencingToken, use: TableUse
@@ -1463,7 +1477,9 @@ def _pipelined_transaction(
     try:
         with conn.pipeline(), conn.transaction():
             conn.execute(pg_pipelined_check(table), params)
+            conn.execute(_KEEP_PATH)
             yield
+            conn.execute(_BACK_TO_PATH)
             conn.execute(pg_pipelined_check(table), params)  # (_RECHECK)
     except Exception as exc:
         mapped = _pipelined_error(conn, resource, token, exc)
