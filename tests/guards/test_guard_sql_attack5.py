@@ -154,3 +154,25 @@ def test_a_batch_that_sets_search_path_commits_the_rightful_write(pg_dsn: str, s
         conn.execute("RESET search_path")
         assert conn.execute("SELECT token FROM tenant.writes").fetchall() == [(1,)]
         assert str(guard.high_water(conn)) == "L:1"
+
+
+def test_a_name_ending_a_shift_jis_character_in_a_backslash_stays_one_literal(
+    pg_dsn: str,
+) -> None:
+    """The classic multibyte-escape class (CVE-2006-2313): on a SJIS connection the UTF-8
+    bytes of 'Ё' (D0 81) followed by the literal's doubled backslash read as one SJIS
+    character (81 5C) and an escaped quote: the resource name's rest left the literal, into
+    the SQL. PostgreSQL's default ``backslash_quote = safe_encoding`` refused the message
+    (the rightful write lost; with ``on`` the name would have been SQL). Written in the
+    client encoding, the name stays one literal: fenced under its own name (read back
+    through a UTF-8 connection) and the rightful write committed."""
+    name = "Ё\\' || 'x"
+    guard = SQLGuard(name, lock="L")
+    with _connect(pg_dsn) as conn:
+        guard.install(conn)
+        conn.execute("CREATE TABLE writes (token INT)")
+    with _connect(pg_dsn, "SJIS") as sjis:
+        sjis.execute("SET backslash_quote = on")
+        with guard.transaction(sjis, token="L:4"):
+            sjis.execute("INSERT INTO writes VALUES (4)")
+    assert _rows(pg_dsn) == ([(name, 4)], [(4,)])
