@@ -191,3 +191,34 @@ def test_a_keyless_server_applies_its_host_and_origin_rules_on_either_lane(
         for i, headers in enumerate(served):
             answer = _post(port, f"/v1/locks/s{i}/-/acquire", b"{}", chunked, headers)
             assert answer.startswith(b"200"), (headers, answer)
+
+
+def _counter(text: bytes, name: str) -> float:
+    line = next(x for x in text.decode().splitlines() if x.startswith(name + " "))
+    return float(line.split()[1])
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "asgi"])
+async def test_a_retried_acquire_is_one_grant_in_the_metrics(direct: bool) -> None:
+    """docs/server.md: a retry with the same request id returns the same grant, never a
+    second one. ``fenced_grants_total`` counted every answer: three pipelined retries of one
+    acquire said 3 grants. Now one; the same id after its release is a new grant (g:2), the
+    second, and its retry none."""
+    settings = ServerSettings(url=f"sqlite:///{tempfile.mkdtemp()}/locks.db")
+    async with serving(settings, direct) as served:
+        reader, writer = await served.connect()
+        acquire = request("/v1/locks/g/-/acquire", b'{"ttl": 30, "request_id": "g1"}')
+        writer.write(acquire * 3)
+        for _ in range(3):
+            status, _, body = await read_answer(reader)
+            assert status == b"HTTP/1.1 200 OK" and b'"token":"g:1"' in body
+        writer.write(request("/metrics", method="GET"))
+        assert _counter((await read_answer(reader))[2], "fenced_grants_total") == 1
+        writer.write(request("/v1/locks/g/-/release", b'{"token": "g:1", "request_id": "g1"}'))
+        assert (await read_answer(reader))[2] == b'{"released":true}'
+        writer.write(acquire * 2)  # (the same id after its release: a new grant, then a retry)
+        for _ in range(2):
+            assert b'"token":"g:2"' in (await read_answer(reader))[2]
+        writer.write(request("/metrics", method="GET"))
+        assert _counter((await read_answer(reader))[2], "fenced_grants_total") == 2
+        writer.close()
