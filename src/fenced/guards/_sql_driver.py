@@ -1041,11 +1041,18 @@ def _begin_command(conn: Any) -> str:
 
 @functools.lru_cache(maxsize=256)
 def _ride_first(
-    table: str, resource: str, lock: str, begin: str, prepared: bool, prepare: bool
+    table: str,
+    resource: str,
+    lock: str,
+    begin: str,
+    prepared: bool,
+    prepare: bool,
+    encoding: str = "utf-8",
 ) -> tuple[bytes, bytes]:
     """``BEGIN; [PREPARE …;] <check>`` around the token (a new one at each grant): the
     message is ``head + b"%d" % token + tail``. The resource and lock are rendered as
-    literals by psycopg; the token is a validated integer (``FencingToken``)."""
+    literals by psycopg; the token is a validated integer (``FencingToken``). ``encoding``:
+    the connection's client encoding, which the server decodes the message by."""
     pg = _psycopg()
     check = pg_ride_sql(table)[0]
     lits = [pg.sql.Literal(v).as_string(None) for v in (resource, lock)] + ["\0"]
@@ -1056,20 +1063,34 @@ def _ride_first(
     # (PREPARE after BEGIN: a statement before it would make BEGIN's isolation level late;
     # a prepared statement outlives the transaction, rolled back or not)
     before, _, after = f"{begin}; {head}{body}".partition("\0")
-    return before.encode(), after.encode()
+    return _encoded(before, encoding), _encoded(after, encoding)
 
 
 @functools.lru_cache(maxsize=256)
-def _ride_last(table: str, resource: str) -> tuple[bytes, bytes]:
+def _ride_last(
+    table: str, resource: str, encoding: str = "utf-8", path: str = "public"
+) -> tuple[bytes, bytes]:
     """``<recheck>; COMMIT`` around the transaction id (only it changes from one
     transaction to the next): the message is ``head + b"%d" % xid + tail``. Not a prepared
     statement: psycopg deallocates every prepared statement of the session (``DEALLOCATE
     ALL``) after a rollback, a savepoint's included, once it has prepared statements of its
     own, and one inside the block would leave the recheck unknown after the block's work."""
     pg = _psycopg()
-    lits = [pg.sql.Literal(v).as_string(None) for v in (resource, table)]
+    lits = [pg.sql.Literal(v).as_string(None) for v in (resource, table, path)]
     head, _, tail = pg_ride_sql(table)[1].format("\0", *lits).partition("\0")
-    return head.encode(), (tail + "; COMMIT").encode()
+    return _encoded(head, encoding), _encoded(tail + "; COMMIT", encoding)
+
+
+def _encoded(text: str, encoding: str) -> bytes:
+    """``text`` in the connection's client encoding: the server reads the message in it, so
+    UTF-8 bytes on a LATIN1 connection would name another resource (the fence split in two)."""
+    try:
+        return text.encode(encoding)
+    except UnicodeEncodeError as exc:
+        raise ConfigurationError(
+            f"the resource or lock name cannot be written in the connection's client "
+            f"encoding {encoding!r}: {exc.reason}"
+        ) from None
 
 
 def _ride(
@@ -1106,6 +1127,7 @@ def _ride(
                 begin,
                 prepared,
                 prepared and name not in names,
+                conn.info.encoding,
             )
             message = head + b"%d" % token.value + tail + commit
             try:
@@ -1136,7 +1158,7 @@ def _ride(
                 yield _ROLLBACK
         if not block:
             return
-        xid = int(rows[0][1])
+        xid, path = int(rows[0][1]), str(rows[0][2])
         # (psycopg opens a transaction for a statement after one that ended ours: see above)
         conn._autocommit = False
         try:
@@ -1144,7 +1166,11 @@ def _ride(
         except BaseException:
             yield _ROLLBACK
             raise
-        head, tail = _ride_last(table, resource)
+        try:
+            head, tail = _ride_last(table, resource, conn.info.encoding, path)
+        except ConfigurationError:  # (the block changed the client encoding to one without it)
+            yield _ROLLBACK
+            raise
         try:
             yield _Message(head + b"%d" % xid + tail, rows=False)
         except Exception as exc:
@@ -1416,6 +1442,18 @@ async def aguarded_transaction(
 # only if no newer token has been accepted since (and locks the row till the COMMIT).
 
 
+# The search_path the first check ran with, set again (for the transaction's rest: SET LOCAL
+# ends with the COMMIT) before the second: the statements between may set another (a tenant's
+# schema), in which the second check would not find the table or the refusal function. (If a
+# statement ended the transaction, the kept path is gone with it: the path stays as it is,
+# and the second check refuses, or fails: either way nothing after the end commits.)
+_KEEP_PATH: Final = "SELECT set_config('fenced.search_path', current_setting('search_path'), true)"
+_BACK_TO_PATH: Final = (
+    "SELECT set_config('search_path', coalesce(nullif("
+    "current_setting('fenced.search_path', true), ''), current_setting('search_path')), true)"
+)
+
+
 @contextlib.contextmanager
 def _pipelined_transaction(
     conn: Any, table: str, resource: str, token: FencingToken, use: TableUse
@@ -1439,7 +1477,9 @@ def _pipelined_transaction(
     try:
         with conn.pipeline(), conn.transaction():
             conn.execute(pg_pipelined_check(table), params)
+            conn.execute(_KEEP_PATH)
             yield
+            conn.execute(_BACK_TO_PATH)
             conn.execute(pg_pipelined_check(table), params)  # (_RECHECK)
     except Exception as exc:
         mapped = _pipelined_error(conn, resource, token, exc)

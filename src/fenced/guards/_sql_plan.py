@@ -482,8 +482,9 @@ def pg_ride_sql(table: str) -> tuple[str, str]:
     ``PREPARE``'s ``$n`` or for literals (``table`` quoted).
 
     *check* (resource, lock, token): the accepting upsert (:func:`fence_sql`), returning the
-    token and the transaction's id iff it accepted; it rides in one simple-query message
-    with ``BEGIN``. *recheck* (xid, resource, table): rides with ``COMMIT``, and raises
+    token, the transaction's id and the search_path iff it accepted; it rides in one
+    simple-query message with ``BEGIN``. *recheck* (xid, resource, table, search_path), two
+    statements, that path set for the transaction's rest first: rides with ``COMMIT``, and raises
     :data:`STALE_SQLSTATE` (through the refusal function ``install()`` creates, with the
     fence row as it is now), so that the ``COMMIT`` after it never runs, unless this is
     still the transaction the check ran in (by its id): then the fence row is locked by it
@@ -492,8 +493,14 @@ def pg_ride_sql(table: str) -> tuple[str, str]:
     accept = fence_sql(POSTGRESQL, table).accept
     parts = accept.split("%s")
     check = "".join(p + (f"{{{i}}}" if i < 3 else "") for i, p in enumerate(parts))
-    check = check.replace("RETURNING token", "RETURNING token, txid_current()")
+    # (the search_path the check ran with: the recheck names the table and the refusal
+    # function as the check did, whatever path the block set, LOCAL or not; SET LOCAL ends
+    # with the COMMIT, so the block's own setting is what the session keeps)
+    check = check.replace(
+        "RETURNING token", "RETURNING token, txid_current(), current_setting('search_path')"
+    )
     recheck = (
+        "SELECT set_config('search_path', {3}, true); "
         "SELECT CASE WHEN txid_current_if_assigned() = {0} THEN 0 "
         f"ELSE {_refuse_function(table)}(CAST({{2}} AS regclass), {{1}}) END"
     )

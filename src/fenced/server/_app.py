@@ -418,6 +418,11 @@ def create_app(settings: ServerSettings) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        if (
+            exc.status_code == 400
+        ):  # (FastAPI's "error parsing the body": a bad body, as documented)
+            gw.metrics.refused.labels("invalid").inc()
+            code = "invalid_request"
         answer = _error(exc.status_code, code, str(exc.detail))
         answer.headers.update(exc.headers or {})  # (a 405's Allow: RFC 9110 requires it)
         return answer

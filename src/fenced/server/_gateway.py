@@ -310,10 +310,12 @@ class Gateway:
         finally:
             self._waiting -= 1
             stale = self._done(key, grant)
-        self.metrics.grants.inc()
         self.metrics.wait.observe(_clock.now() - start)
         if stale:  # (a retry answered after its grant was released or ended here)
             return grant, self.locks.sign(grant.token)
+        known = self._grants.get(key)
+        if known is None or known.token != grant.token:  # (a retry's answer is no new grant)
+            self.metrics.grants.inc()
         self._supersede(key, grant.token)
         if key not in self._grants:
             self._note(name, "granted", grant.token, owner)
@@ -642,7 +644,7 @@ def _values(text: str) -> list[int]:
     each value from then on."""
     try:
         values = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # (RecursionError: nested deeper than Python recurses)
         return []
     if not isinstance(values, list) or not all(type(v) is int for v in values):
         return []

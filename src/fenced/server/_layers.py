@@ -146,8 +146,8 @@ def _fields(model: type[_In], body: bytes) -> dict[str, Any] | None:
         try:
             text = body.decode()
             data, end = _scan(text, 0)
-        except (ValueError, StopIteration):  # (not UTF-8, not JSON: as json.loads sees it)
-            data = None
+        except (ValueError, StopIteration, RecursionError):  # (not UTF-8, not JSON, or nested
+            data = None  # deeper than the recursion limit: as json.loads sees it)
         if data is not None and (end == len(text) or not text[end:].strip(" \t\n\r")):
             kinds, required = plain
             for name, value in data.items():
@@ -172,7 +172,7 @@ def _fields(model: type[_In], body: bytes) -> dict[str, Any] | None:
     try:
         data = json.loads(body)
         return model.model_validate(data).__dict__ if isinstance(data, dict) else None
-    except ValueError:  # (json's and pydantic's errors both are)
+    except (ValueError, RecursionError):  # (json's and pydantic's errors; a deep nesting)
         return None
 
 
