@@ -157,7 +157,8 @@ async def _client(args: argparse.Namespace) -> None:
             started = time.monotonic()
             record("acquiring")  # (a waiter: the nemesis splits when one is queued)
             try:
-                token = await lease.acquire(timeout=min(3.0, max(end - started, 0.1)))
+                wait = min(args.acquire_timeout, max(end - started, 0.1))
+                token = await lease.acquire(timeout=wait)
             except (LockTimeout, BackendUnavailable, LeaseLostError) as exc:
                 record("acquire-failed", start=started, error=type(exc).__name__)
                 continue
@@ -379,6 +380,7 @@ def run_campaign(
                     "--name", node.name, "--source", url, "--resource", res,
                     "--history", str(d / f"history-{node.name}.jsonl"),
                     "--duration", str(duration), "--ttl", str(ttl), "--hold", str(hold),
+                    "--acquire-timeout", str(_queue_wait(clients, hold, ttl)),
                     "--every", "0.1", *(["--plant", plant] if plant else []),
                     *([] if safety_margin is None else ["--safety-margin", str(safety_margin)]),
                 ]  # fmt: skip
@@ -391,7 +393,8 @@ def run_campaign(
             skip = {m.name for m in cluster.nodes} | ({redis.node.name} if redis else set())
             others = [n for n in lab.nodes if n not in skip]
             _nemesis(lab, cluster, lambda: _holder(d, 0.5), others, duration, ttl, nemeses,
-                     gateway_of=gateway_of, lock_state=lambda: _lock_state(d, 0.5))  # fmt: skip
+                     gateway_of=gateway_of, lock_state=lambda: _lock_state(d, 0.5),
+                     split_wait=_queue_wait(clients, hold, ttl))  # fmt: skip
             deadline = time.monotonic() + ttl + hold + 20
             for p in procs:
                 if p.node.name in gateway_of.values():
@@ -782,6 +785,7 @@ def _nemesis(
     gateway_of: dict[str, str] | None = None,
     on_fault: Callable[[str, str, float], None] | None = None,
     lock_state: Callable[[], tuple[str | None, set[str]]] | None = None,
+    split_wait: float = 6.0,
 ) -> None:
     """Faults, one after another, until ``duration`` is up (each bounded in time).
 
@@ -789,8 +793,9 @@ def _nemesis(
     ``holder()`` names the client node holding the lock now (None: no one, or not known);
     ``on_fault(kind, victim, seconds)`` is told of each fault as it begins;
     ``lock_state()`` names the fresh holder and the clients waiting for the lock (a split
-    then waits, bounded, for the moment that tests the holder's renewal: see
-    :func:`_split_target`).
+    then waits, up to ``split_wait`` s, for the moment that tests the holder's renewal: see
+    :func:`_split_target`; a round of the lock through every client, whose sessions stay
+    where they are).
     """
     stop = threading.Event()
     end = time.monotonic() + duration
@@ -828,10 +833,10 @@ def _nemesis(
                     lambda lead=leader: _split_target(
                         lab, cluster, lead, lock_state, gateway_of, ttl
                     ),
-                    min(SPLIT_WAIT, max(end - now, 2.0)), stop,
+                    min(split_wait, max(end - now - 2.0, 1.0)), stop,
                 )  # fmt: skip
             if target is None:  # not seen in time: the fresh holder, where it is
-                who = _wait_for(holder, min(4.0, end - now), stop)
+                who = _wait_for(holder, min(4.0, end - time.monotonic()), stop)
                 if who is None:
                     continue
                 follower = next(m for m in members if m != leader)
@@ -868,9 +873,12 @@ def _nemesis(
             cluster.leader(timeout=5)
 
 
-SPLIT_WAIT: Final = 6.0
-"""How long (s) a split waits for :func:`_split_target`'s moment (about three holds: the
-lock changes hands, and a plain split is dealt after it)."""
+def _queue_wait(clients: int, hold: float, ttl: float) -> float:
+    """Seconds for the lock to go round ``clients`` clients holding ``hold`` s each (plus
+    their hand-offs): a waiter's acquire timeout, since one that gives up goes to the back
+    of the queue (with 3 s, at 3 clients holding 2 s, one client never held the lock and
+    two took turns); and how long a split waits for its moment (each client holds once)."""
+    return clients * (hold + ttl / 2) + ttl
 
 
 def _session_ms(ttl: float) -> int:
@@ -1005,6 +1013,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--duration", type=float, required=True)
     c.add_argument("--ttl", type=float, required=True)
     c.add_argument("--hold", type=float, required=True)
+    c.add_argument("--acquire-timeout", type=float, default=3.0)
     c.add_argument("--every", type=float, default=0.1)
     c.add_argument("--safety-margin", type=float, default=None)
     c.add_argument("--plant")
