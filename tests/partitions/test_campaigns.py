@@ -200,7 +200,8 @@ def test_planted_zookeeper_follower_renewal_is_caught(
     summaries = []
     # An overlap needs the holder's session at a follower and a waiter queued at another
     # member: the split waits for that moment (partitions._split_target), so one campaign
-    # catches it; a second only for a run whose holders all sat at the leader.
+    # catches it; a second only for a run whose sessions never made that moment (all at one
+    # member: the split then cuts the holder off as it is).
     for run in range(2):
         camp = run_campaign(
             "zookeeper", "sql", duration=8, ttl=TTL, plant="zk-follower-renew",
