@@ -198,9 +198,11 @@ def test_planted_zookeeper_follower_renewal_is_caught(
     leader, and the campaign reports the overlap as a violation (on the fixed renewal, the
     zookeeper campaign above has none)."""
     summaries = []
-    # An overlap needs a waiter ready on the majority side: ~2 runs in 3 on a quiet machine,
-    # fewer under load (CI missed 3 in a row once): up to 6, stopping at the first caught.
-    for run in range(6):
+    # An overlap needs the holder's session at a follower and a waiter queued at another
+    # member: the split waits for that moment (partitions._split_target), so one campaign
+    # catches it; a second only for a run whose sessions never made that moment (all at one
+    # member: the split then cuts the holder off as it is).
+    for run in range(2):
         camp = run_campaign(
             "zookeeper", "sql", duration=8, ttl=TTL, plant="zk-follower-renew",
             nemeses=("split-minority-holder",), directory=str(tmp_path / f"{run}"),
@@ -211,4 +213,4 @@ def test_planted_zookeeper_follower_renewal_is_caught(
         assert not camp.known, camp.known
         if any(v.startswith("lease overlap") for v in camp.violations):
             return
-    pytest.fail("the old renewal was not caught in 6 runs:\n" + "\n".join(summaries))
+    pytest.fail("the old renewal was not caught in 2 runs:\n" + "\n".join(summaries))

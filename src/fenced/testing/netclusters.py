@@ -13,6 +13,7 @@ sleeping. Every wait is bounded.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import socket
 import tempfile
@@ -217,16 +218,31 @@ class ZooKeeperNetCluster(_Cluster):
     def _leads(self, node: Node) -> bool:
         return self._mode(node) == "leader"
 
-    def serving(self, addr: str) -> str | None:
-        """The member a client at ``addr`` is connected to (4lw ``cons``), or None."""
+    def serving(self, addr: str, timeout_ms: int | None = None) -> str | None:
+        """The member a client at ``addr`` is connected to (4lw ``cons``), or None; with
+        ``timeout_ms``, by its session of that negotiated timeout alone (a fenced client
+        has one session per ttl besides its default one, maybe at another member)."""
+        return self.sessions(timeout_ms).get(addr)
+
+    def sessions(self, timeout_ms: int | None = None) -> dict[str, str]:
+        """Client address -> the member its session (of negotiated timeout ``timeout_ms``,
+        or any) is connected to, by each member's 4lw ``cons``; one pass over the members."""
+        found: dict[str, str] = {}
         for n in self.nodes:
             try:
                 out = self.lab.call(n, lambda n=n: _ask(n.addr, ZK_CLIENT, b"cons"), timeout=3)  # type: ignore[misc]
             except (OSError, TimeoutError):
                 continue
-            if f"/{addr}:" in out.decode(errors="replace"):
-                return n.name
-        return None
+            for line in out.decode(errors="replace").splitlines():
+                # " /10.0.0.5:41234[1](queued=0,...,to=1000,...)"
+                addr, _, rest = line.strip().lstrip("/").partition(":")
+                to = re.search(r"[(,]to=(\d+)[,)]", rest)
+                if not rest or (
+                    timeout_ms is not None and (to is None or int(to[1]) != timeout_ms)
+                ):
+                    continue
+                found.setdefault(addr, n.name)
+        return found
 
     @property
     def url(self) -> str:

@@ -155,8 +155,10 @@ async def _client(args: argparse.Namespace) -> None:
                 break
             lease = locks.lock(LOCK, ttl=args.ttl, safety_margin=args.safety_margin)
             started = time.monotonic()
+            record("acquiring")  # (a waiter: the nemesis splits when one is queued)
             try:
-                token = await lease.acquire(timeout=min(3.0, max(end - started, 0.1)))
+                wait = min(args.acquire_timeout, max(end - started, 0.1))
+                token = await lease.acquire(timeout=wait)
             except (LockTimeout, BackendUnavailable, LeaseLostError) as exc:
                 record("acquire-failed", start=started, error=type(exc).__name__)
                 continue
@@ -259,18 +261,29 @@ def _read_events(directory: Path) -> list[dict[str, Any]]:
     return events
 
 
-def _holder(directory: Path, fresh: float) -> str | None:
-    """The client that holds the lock now and was granted it less than ``fresh`` s ago, by
-    its own history (so a partition begun now cuts it off for most of its hold)."""
+def _lock_state(directory: Path, fresh: float) -> tuple[str | None, set[str]]:
+    """The client that holds the lock now and was granted it less than ``fresh`` s ago (so
+    a partition begun now cuts it off for most of its hold), and the clients waiting in an
+    acquire now, by their own histories."""
     current: dict[str, float | None] = {}
+    waiting: set[str] = set()
     for e in _read_events(directory):
+        if e["kind"] == "acquiring":
+            waiting.add(e["client"])
+        elif e["kind"] in ("grant", "acquire-failed", "done"):
+            waiting.discard(e["client"])
         if e["kind"] == "grant":
             current[e["client"]] = e["t"]
         elif e["kind"] in ("releasing", "lost", "lost-ignored", "done"):
             current[e["client"]] = None
     now = time.monotonic()
     held = [c for c, t in current.items() if t is not None and now - t < fresh]
-    return held[-1] if held else None
+    return (held[-1] if held else None), waiting
+
+
+def _holder(directory: Path, fresh: float) -> str | None:
+    """The fresh holder of :func:`_lock_state`."""
+    return _lock_state(directory, fresh)[0]
 
 
 def _ready(directory: Path, clients: int) -> bool:
@@ -367,6 +380,7 @@ def run_campaign(
                     "--name", node.name, "--source", url, "--resource", res,
                     "--history", str(d / f"history-{node.name}.jsonl"),
                     "--duration", str(duration), "--ttl", str(ttl), "--hold", str(hold),
+                    "--acquire-timeout", str(_queue_wait(clients, hold, ttl)),
                     "--every", "0.1", *(["--plant", plant] if plant else []),
                     *([] if safety_margin is None else ["--safety-margin", str(safety_margin)]),
                 ]  # fmt: skip
@@ -379,7 +393,8 @@ def run_campaign(
             skip = {m.name for m in cluster.nodes} | ({redis.node.name} if redis else set())
             others = [n for n in lab.nodes if n not in skip]
             _nemesis(lab, cluster, lambda: _holder(d, 0.5), others, duration, ttl, nemeses,
-                     gateway_of=gateway_of)  # fmt: skip
+                     gateway_of=gateway_of, lock_state=lambda: _lock_state(d, 0.5),
+                     split_wait=_queue_wait(clients, hold, ttl))  # fmt: skip
             deadline = time.monotonic() + ttl + hold + 20
             for p in procs:
                 if p.node.name in gateway_of.values():
@@ -769,12 +784,18 @@ def _nemesis(
     *,
     gateway_of: dict[str, str] | None = None,
     on_fault: Callable[[str, str, float], None] | None = None,
+    lock_state: Callable[[], tuple[str | None, set[str]]] | None = None,
+    split_wait: float = 6.0,
 ) -> None:
     """Faults, one after another, until ``duration`` is up (each bounded in time).
 
     ``others`` are the nodes that are not members (clients, gateways, resources);
     ``holder()`` names the client node holding the lock now (None: no one, or not known);
-    ``on_fault(kind, victim, seconds)`` is told of each fault as it begins.
+    ``on_fault(kind, victim, seconds)`` is told of each fault as it begins;
+    ``lock_state()`` names the fresh holder and the clients waiting for the lock (a split
+    then waits, up to ``split_wait`` s, for the moment that tests the holder's renewal: see
+    :func:`_split_target`; a round of the lock through every client, whose sessions stay
+    where they are).
     """
     stop = threading.Event()
     end = time.monotonic() + duration
@@ -805,22 +826,33 @@ def _nemesis(
             stop.wait(length)
             lab.heal()
         elif kind == "split-minority-holder":
-            who = _wait_for(holder, min(4.0, end - now), stop)
-            if who is None:
-                continue
             leader = cluster.leader(timeout=5)
-            follower = next(m for m in members if m != leader)
-            # The follower the holder talks to, where the source can tell (ZooKeeper): the
-            # split then cuts the holder off *with* its server, the case a renewal answered
-            # by that server alone would get wrong (else it is a plain cut from the source).
-            serving = getattr(cluster, "serving", None)
-            if serving is not None:
-                at = serving(lab.node(gateway_of.get(who, who)).addr)
-                if at is not None and at != leader:
-                    follower = at
+            target = None
+            if lock_state is not None:
+                target = _wait_for(
+                    lambda lead=leader: _split_target(
+                        lab, cluster, lead, lock_state, gateway_of, ttl
+                    ),
+                    min(split_wait, max(end - now - 2.0, 1.0)), stop,
+                )  # fmt: skip
+            if target is None:  # not seen in time: the fresh holder, where it is
+                who = _wait_for(holder, min(4.0, end - time.monotonic()), stop)
+                if who is None:
+                    continue
+                follower = next(m for m in members if m != leader)
+                # Its lock session's follower, where the source can tell (ZooKeeper): cut
+                # off *with* it (else it is a plain cut from the source).
+                serving = getattr(cluster, "serving", None)
+                if serving is not None:
+                    addr = lab.node(gateway_of.get(who, who)).addr
+                    at = serving(addr, _session_ms(ttl)) or serving(addr)
+                    if at is not None and at != leader:
+                        follower = at
+                target = (who, follower, "")
+            who, follower, note = target
             minority = [follower, who] + ([gateway_of[who]] if who in gateway_of else [])
             majority = [m for m in members + others if m not in minority]
-            detail = f"2/1: {', '.join(minority)} cut off"
+            detail = f"2/1: {', '.join(minority)} cut off{note}"
             if on_fault:
                 on_fault("net-split", detail, length)
             lab.partition(minority, majority, kind="split", detail=detail)
@@ -839,6 +871,63 @@ def _nemesis(
         # Let the cluster settle before the next fault (bounded).
         with contextlib.suppress(Exception):
             cluster.leader(timeout=5)
+
+
+def _queue_wait(clients: int, hold: float, ttl: float) -> float:
+    """Seconds for the lock to go round ``clients`` clients holding ``hold`` s each (plus
+    their hand-offs): a waiter's acquire timeout, since one that gives up goes to the back
+    of the queue (with 3 s, at 3 clients holding 2 s, one client never held the lock and
+    two took turns); and how long a split waits for its moment (each client holds once)."""
+    return clients * (hold + ttl / 2) + ttl
+
+
+def _session_ms(ttl: float) -> int:
+    """The timeout (ms) of the ZooKeeper session a fenced client holds a ``ttl`` lock with
+    (one session per ttl; its other, default one is idle)."""
+    return max(1, round(ttl * 1000))
+
+
+def _split_target(
+    lab: Any,
+    cluster: Any,
+    leader: str,
+    lock_state: Callable[[], tuple[str | None, set[str]]],
+    gateway_of: dict[str, str],
+    ttl: float,
+) -> tuple[str, str, str] | None:
+    """(the fresh holder, the follower to cut off with it, a note), once a split now would test
+    the holder's renewal, else None. A waiter must be queued on the majority side, or
+    nobody is granted the lock while the holder still counts on it, and the overlap a
+    wrong renewal makes goes unseen. Where the source tells which member each client's
+    lock session talks to (ZooKeeper's ``cons``), that member must be a follower (cut off
+    *with* the holder: the case a renewal answered by that server alone gets wrong; a
+    holder at the leader is only cut from the source), and the waiter's must be another
+    member (one at the cut-off follower loses its server, and maybe its session and place,
+    with the split)."""
+    who, waiting = lock_state()
+    if who is None:
+        return None
+    mine = gateway_of.get(who, who)
+    waiting = {c for c in waiting if gateway_of.get(c, c) != mine}  # (its gateway is cut off)
+    if not waiting:
+        return None
+    sessions = getattr(cluster, "sessions", None)
+    note = f" ({', '.join(sorted(waiting))} waiting on the majority side)"
+    if sessions is None:
+        return who, next(n.name for n in cluster.nodes if n.name != leader), note
+    at = sessions(_session_ms(ttl))
+    follower = at.get(lab.node(mine).addr)
+    if follower is None or follower == leader:
+        return None
+    ready = {
+        c: m
+        for c in waiting
+        if (m := at.get(lab.node(gateway_of.get(c, c)).addr)) not in (None, follower)
+    }
+    if not ready:
+        return None
+    waiters = ", ".join(f"{c} at {m}" for c, m in sorted(ready.items()))
+    return who, follower, f" ({waiters} waiting on the majority side)"
 
 
 # -- the checker ----------------------------------------------------------------------------
@@ -924,6 +1013,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--duration", type=float, required=True)
     c.add_argument("--ttl", type=float, required=True)
     c.add_argument("--hold", type=float, required=True)
+    c.add_argument("--acquire-timeout", type=float, default=3.0)
     c.add_argument("--every", type=float, default=0.1)
     c.add_argument("--safety-margin", type=float, default=None)
     c.add_argument("--plant")
