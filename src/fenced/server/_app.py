@@ -621,10 +621,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
     ) -> Answer:
         try:
             name, token, rid = lease_args(name, fields, key)
-            try:
-                grant = await gw.renew_for(key, name, token, rid, fields.get("ttl"))
-            except FencedError as exc:
-                raise fail(exc) from exc
+            grant = await call(gw.renew_for(key, name, token, rid, fields.get("ttl")))
         except ApiError as exc:
             return error_answer(exc)
         return ok(renew_json(grant.ttl, _expires_in(grant)))
@@ -634,10 +631,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
     ) -> Answer:
         try:
             name, token, rid = lease_args(name, fields, key)
-            try:
-                released = await gw.release_for(key, name, token, rid)
-            except FencedError as exc:
-                raise fail(exc) from exc
+            released = await call(gw.release_for(key, name, token, rid))
         except ApiError as exc:
             return error_answer(exc)
         return ok(RELEASED[0] if released else RELEASED[1])
