@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import copy
 import dataclasses
 import hashlib
 import inspect
@@ -30,6 +31,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.background import BackgroundTask
 from starlette.convertors import Convertor, register_url_convertor
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import compile_path
 from starlette.types import Receive
 
 from .. import __version__
@@ -358,6 +360,19 @@ _NO_NATIVE_TELEMETRY: dict[str, Any] = (
     if "telemetry" in inspect.signature(FastAPI).parameters
     else {}
 )
+
+
+def _twin(app: FastAPI, endpoint: Callable[..., Any], path: str) -> APIRoute:
+    """``endpoint``'s route, built once, also at ``path`` (out of the document): the same
+    handler, models and dependencies. FastAPI's analysis of an endpoint (its parameters'
+    models, its dependencies) is most of what building the app costs, and every ``fenced
+    serve`` pays it at start; a second ``add_api_route`` of the same endpoint did it again."""
+    route = next(r for r in app.router.routes if isinstance(r, APIRoute) and r.endpoint is endpoint)
+    twin = copy.copy(route)
+    twin.path = path
+    twin.path_regex, twin.path_format, twin.param_convertors = compile_path(path)
+    twin.include_in_schema = False
+    return twin
 
 
 def create_app(settings: ServerSettings) -> FastAPI:
@@ -820,7 +835,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
         ("/v1/locks/{name:lock}/force-release", force_release),
         ("/v1/records/{name:lock}/swap", swap_record),
     ):
-        app.add_api_route(path, legacy, methods=["POST"], include_in_schema=False)
+        app.router.routes.append(_twin(app, legacy, path))
 
     # -- tokens ------------------------------------------------------------------------------
 
