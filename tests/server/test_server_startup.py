@@ -68,3 +68,31 @@ def test_an_older_path_answers_as_the_documented_one(tmp_path: Path) -> None:
                 assert bad.status_code == 400 and bad.json()["error"] == "invalid_request"
 
     asyncio.run(run())
+
+
+ERRORS = {"400", "408", "413", "503"}  # (401 and 403 too, on a server with keys)
+
+
+def test_the_error_answers_are_built_for_the_document_not_at_start(tmp_path: Path) -> None:
+    app = create_app(ServerSettings(url=f"sqlite:///{tmp_path / 'l.db'}"))
+    documented = [r for r in app.routes if isinstance(r, APIRoute) and r.include_in_schema]
+    # At start: no route carries a field for the error answers (FastAPI built one for each
+    # error of each route, used by nothing but the document).
+    assert not [r.path for r in documented if 400 in r.response_fields]
+    doc = app.openapi()
+    assert app.openapi() is doc  # (built once)
+    for path, item in doc["paths"].items():
+        for method, op in item.items():
+            codes = list(op["responses"])
+            assert set(codes) >= ERRORS, (method, path, codes)
+            assert not {"401", "403"} & set(codes), (method, path)  # (no keys: never said)
+            for code in ERRORS:
+                ref = op["responses"][code]["content"]["application/json"]["schema"]
+                assert ref == {"$ref": "#/components/schemas/ErrorOut"}, (method, path, code)
+            # FastAPI's order: the answer, the errors, then the route's own (409, 429 ...)
+            own = [c for c in codes if c not in ERRORS and c != codes[0]]
+            assert codes[: 1 + len(ERRORS)] == [codes[0], *sorted(ERRORS)], (path, codes)
+            assert codes[1 + len(ERRORS) :] == own
+    acquire = doc["paths"]["/v1/locks/{name}/-/acquire"]["post"]["responses"]
+    assert acquire["409"]["description"] == "timeout: not granted in time"
+    assert "ErrorOut" in doc["components"]["schemas"]

@@ -28,6 +28,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.utils import create_model_field
 from starlette.background import BackgroundTask
 from starlette.convertors import Convertor, register_url_convertor
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -408,7 +409,8 @@ def create_app(settings: ServerSettings) -> FastAPI:
         lifespan=lifespan,
         docs_url=None,  # (Swagger UI loads scripts from a CDN: not on an air-gapped host)
         redoc_url=None,
-        responses=_ERRORS,
+        # (not responses=_ERRORS: FastAPI builds a model field for every error of every
+        # route at start, used only by the document; _document declares them when first asked)
         **_NO_NATIVE_TELEMETRY,
     )
     app.state.gateway = gw
@@ -1036,12 +1038,35 @@ API_VERSION = "1"
 clients with a key (``/v1/info``), not for anyone who asks."""
 
 
+def _declare_errors(app: FastAPI) -> None:
+    """What ``FastAPI(responses=_ERRORS)`` would have done at start, done for the document
+    only: every route's responses are the error answers, then its own (a route's own answer
+    to a status wins), each with a model its field, named and ordered as FastAPI does.
+    (Idempotent: a second call finds every error declared and every field built.)"""
+    for route in app.router.routes:
+        if not isinstance(route, APIRoute):
+            continue
+        route.responses = {**_ERRORS, **route.responses}
+        built = route.response_fields
+        route.response_fields = {
+            code: built.get(code)
+            or create_model_field(
+                name=f"Response_{code}_{route.unique_id}",
+                type_=response["model"],
+                mode="serialization",
+            )
+            for code, response in route.responses.items()
+            if response.get("model")
+        }
+
+
 def _document(app: FastAPI, keyed: bool) -> dict[str, Any]:
     """The OpenAPI document, made to say what the server does (tests/server/test_server_schema.py
     runs schemathesis against it): 400 where FastAPI would declare 422, the lock-name
     grammar on every ``name``, and bearer security only on a server with keys."""
     if app.openapi_schema is not None:
         return app.openapi_schema
+    _declare_errors(app)
     doc = get_openapi(
         title=app.title,
         version=API_VERSION,
