@@ -1039,13 +1039,13 @@ clients with a key (``/v1/info``), not for anyone who asks."""
 
 
 def _declare_errors(app: FastAPI) -> None:
-    """What ``FastAPI(responses=_ERRORS)`` would have done at start, done for the document
-    only: every route's responses are the error answers, then its own (a route's own answer
-    to a status wins), each with a model its field, named and ordered as FastAPI does.
+    """What ``FastAPI(responses=_ERRORS)`` did at start, done for the document only: every
+    documented route's responses are the error answers, then its own (its own answer to a
+    status wins), each with a model its field, named and ordered as FastAPI does.
     (Idempotent: a second call finds every error declared and every field built.)"""
     for route in app.router.routes:
-        if not isinstance(route, APIRoute):
-            continue
+        if not isinstance(route, APIRoute) or not route.include_in_schema:
+            continue  # (the document describes these alone)
         route.responses = {**_ERRORS, **route.responses}
         built = route.response_fields
         route.response_fields = {
