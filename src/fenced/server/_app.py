@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import copy
 import dataclasses
 import hashlib
 import inspect
@@ -27,9 +28,11 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.utils import create_model_field
 from starlette.background import BackgroundTask
 from starlette.convertors import Convertor, register_url_convertor
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import compile_path
 from starlette.types import Receive
 
 from .. import __version__
@@ -360,6 +363,19 @@ _NO_NATIVE_TELEMETRY: dict[str, Any] = (
 )
 
 
+def _twin(app: FastAPI, endpoint: Callable[..., Any], path: str) -> APIRoute:
+    """``endpoint``'s route, built once, also at ``path`` (out of the document): the same
+    handler, models and dependencies. FastAPI's analysis of an endpoint (its parameters'
+    models, its dependencies) is most of what building the app costs, and every ``fenced
+    serve`` pays it at start; a second ``add_api_route`` of the same endpoint did it again."""
+    route = next(r for r in app.router.routes if isinstance(r, APIRoute) and r.endpoint is endpoint)
+    twin = copy.copy(route)
+    twin.path = path
+    twin.path_regex, twin.path_format, twin.param_convertors = compile_path(path)
+    twin.include_in_schema = False
+    return twin
+
+
 def create_app(settings: ServerSettings) -> FastAPI:
     """The ASGI app of ``fenced serve``; run it with any ASGI server (the CLI uses uvicorn)."""
     locks = AsyncLocks(settings.url, **settings.options)
@@ -393,7 +409,8 @@ def create_app(settings: ServerSettings) -> FastAPI:
         lifespan=lifespan,
         docs_url=None,  # (Swagger UI loads scripts from a CDN: not on an air-gapped host)
         redoc_url=None,
-        responses=_ERRORS,
+        # (not responses=_ERRORS: FastAPI builds a model field for every error of every
+        # route at start, used only by the document; _document declares them when first asked)
         **_NO_NATIVE_TELEMETRY,
     )
     app.state.gateway = gw
@@ -820,7 +837,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
         ("/v1/locks/{name:lock}/force-release", force_release),
         ("/v1/records/{name:lock}/swap", swap_record),
     ):
-        app.add_api_route(path, legacy, methods=["POST"], include_in_schema=False)
+        app.router.routes.append(_twin(app, legacy, path))
 
     # -- tokens ------------------------------------------------------------------------------
 
@@ -1021,12 +1038,35 @@ API_VERSION = "1"
 clients with a key (``/v1/info``), not for anyone who asks."""
 
 
+def _declare_errors(app: FastAPI) -> None:
+    """What ``FastAPI(responses=_ERRORS)`` did at start, done for the document only: every
+    documented route's responses are the error answers, then its own (its own answer to a
+    status wins), each with a model its field, named and ordered as FastAPI does.
+    (Idempotent: a second call finds every error declared and every field built.)"""
+    for route in app.router.routes:
+        if not isinstance(route, APIRoute) or not route.include_in_schema:
+            continue  # (the document describes these alone)
+        route.responses = {**_ERRORS, **route.responses}
+        built = route.response_fields
+        route.response_fields = {
+            code: built.get(code)
+            or create_model_field(
+                name=f"Response_{code}_{route.unique_id}",
+                type_=response["model"],
+                mode="serialization",
+            )
+            for code, response in route.responses.items()
+            if response.get("model")
+        }
+
+
 def _document(app: FastAPI, keyed: bool) -> dict[str, Any]:
     """The OpenAPI document, made to say what the server does (tests/server/test_server_schema.py
     runs schemathesis against it): 400 where FastAPI would declare 422, the lock-name
     grammar on every ``name``, and bearer security only on a server with keys."""
     if app.openapi_schema is not None:
         return app.openapi_schema
+    _declare_errors(app)
     doc = get_openapi(
         title=app.title,
         version=API_VERSION,

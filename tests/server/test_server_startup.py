@@ -1,0 +1,98 @@
+"""What ``fenced serve`` does at start, every time a supervisor (or the suite) starts one: the
+paths from before "/-/" (``POST /v1/locks/{name}/acquire`` ...) are the documented routes'
+twins, built once, not a second FastAPI analysis of the same endpoints; and they still answer
+as the documented paths do, out of the OpenAPI document."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+from fastapi.routing import APIRoute
+
+from fenced.server import ServerSettings, create_app
+
+LEGACY = {
+    "/v1/locks/{name:lock}/acquire": "/v1/locks/{name:lock}/-/acquire",
+    "/v1/locks/{name:lock}/renew": "/v1/locks/{name:lock}/-/renew",
+    "/v1/locks/{name:lock}/release": "/v1/locks/{name:lock}/-/release",
+    "/v1/locks/{name:lock}/force-release": "/v1/locks/{name:lock}/-/force-release",
+    "/v1/records/{name:lock}/swap": "/v1/records/{name:lock}/-/swap",
+}
+
+
+def test_an_older_path_is_its_documented_routes_twin_not_built_again(tmp_path: Path) -> None:
+    app = create_app(ServerSettings(url=f"sqlite:///{tmp_path / 'l.db'}"))
+    routes = {r.path: r for r in app.routes if isinstance(r, APIRoute)}
+    for old, new in LEGACY.items():
+        twin, documented = routes[old], routes[new]
+        # (one analysis: the same handler, dependency tree and body model)
+        assert twin.app is documented.app, old
+        assert twin.dependant is documented.dependant, old
+        assert twin.body_field is documented.body_field, old
+        assert twin.methods == documented.methods == {"POST"}
+        assert not twin.include_in_schema and documented.include_in_schema
+    paths = set(app.openapi()["paths"])  # (written "{name}")
+    assert {p.replace(":lock", "") for p in LEGACY.values()} <= paths
+    assert not {p.replace(":lock", "") for p in LEGACY} & paths
+
+
+def test_an_older_path_answers_as_the_documented_one(tmp_path: Path) -> None:
+    app = create_app(ServerSettings(url=f"sqlite:///{tmp_path / 'l.db'}", max_wait=0.2))
+
+    async def run() -> None:
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+                mine = {"token": "a:1", "request_id": "r-a"}
+                old = (
+                    await c.post("/v1/locks/a/acquire", json={"ttl": 60, "request_id": "r-a"})
+                ).json()
+                new = (await c.post("/v1/locks/b/-/acquire", json={"ttl": 60})).json()
+                assert set(old) == set(new) and old["token"] == "a:1", (old, new)
+                # The guard on both paths: the held lock refuses a second acquire in time...
+                busy = await c.post("/v1/locks/a/acquire", json={"ttl": 60, "timeout": 0})
+                assert busy.status_code == 409 and busy.json()["error"] == "timeout"
+                foreign = {"token": "a:1", "request_id": "someone-else"}
+                refused = await c.post("/v1/locks/a/renew", json=foreign)
+                assert 400 <= refused.status_code < 500, refused.text
+                # ... and the holder's token renews and releases it; then a:2 is granted.
+                renewed = await c.post("/v1/locks/a/renew", json=mine)
+                assert renewed.status_code == 200, renewed.text
+                released = await c.post("/v1/locks/a/release", json=mine)
+                assert released.status_code == 200 and released.json()["released"] is True
+                again = (await c.post("/v1/locks/a/acquire", json={"ttl": 60})).json()
+                assert again["token"] == "a:2"
+                bad = await c.post("/v1/locks/a/acquire", json={"ttl": "x"})
+                assert bad.status_code == 400 and bad.json()["error"] == "invalid_request"
+
+    asyncio.run(run())
+
+
+ERRORS = {"400", "408", "413", "503"}  # (401 and 403 too, on a server with keys)
+
+
+def test_the_error_answers_are_built_for_the_document_not_at_start(tmp_path: Path) -> None:
+    app = create_app(ServerSettings(url=f"sqlite:///{tmp_path / 'l.db'}"))
+    documented = [r for r in app.routes if isinstance(r, APIRoute) and r.include_in_schema]
+    # At start: no route carries a field for the error answers (FastAPI built one for each
+    # error of each route, used by nothing but the document).
+    assert not [r.path for r in documented if 400 in r.response_fields]
+    doc = app.openapi()
+    assert app.openapi() is doc  # (built once)
+    for path, item in doc["paths"].items():
+        for method, op in item.items():
+            codes = list(op["responses"])
+            assert set(codes) >= ERRORS, (method, path, codes)
+            assert not {"401", "403"} & set(codes), (method, path)  # (no keys: never said)
+            for code in ERRORS:
+                ref = op["responses"][code]["content"]["application/json"]["schema"]
+                assert ref == {"$ref": "#/components/schemas/ErrorOut"}, (method, path, code)
+            # FastAPI's order: the answer, the errors, then the route's own (409, 429 ...)
+            own = [c for c in codes if c not in ERRORS and c != codes[0]]
+            assert codes[: 1 + len(ERRORS)] == [codes[0], *sorted(ERRORS)], (path, codes)
+            assert codes[1 + len(ERRORS) :] == own
+    acquire = doc["paths"]["/v1/locks/{name}/-/acquire"]["post"]["responses"]
+    assert acquire["409"]["description"] == "timeout: not granted in time"
+    assert "ErrorOut" in doc["components"]["schemas"]
