@@ -77,7 +77,7 @@ test-long: $(PY)
 	  $(PY) -m pytest -q tests/server/test_server_schema.py tests/server/test_server_fuzz.py \
 	  tests/core/test_signing.py
 	FENCED_GROUP_SECONDS=60 FENCED_GROUP_SEEDS=11,12,13 \
-	  $(PY) -m pytest -q tests/replicated/test_group_faults.py -k nemesis
+	  $(PY) -m pytest -q tests/replicated/test_group_faults.py -k under_the_nemesis
 
 install-dev: $(PY)
 	@if $(MAKE) --no-print-directory $(UV) && $(UV) pip install -q --python $(PY) --require-hashes -r $(LOCK); then \
