@@ -179,7 +179,7 @@ def test_power_loss_does_not_wait_for_a_file_the_caller_still_holds(
     finally:
         with contextlib.suppress(OSError):  # (ENOTCONN: its filesystem went with the power)
             os.close(fd)
-    assert took < powerloss.timeout / 4, f"power_loss took {took:.1f} s"
+    assert took < powerloss.timeout / 2, f"power_loss took {took:.1f} s"  # (before: all of it)
     assert (root / "kept").read_bytes() == b"synced"  # what was durable, and only that
 
 
