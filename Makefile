@@ -65,7 +65,8 @@ test: $(PY)
 # The long randomized runs kept out of `make test` (docs/testing.md, "Long runs"); run after
 # `make test` has installed the environment. The simulator's seeds, 10,000 by default (CI runs a
 # bounded 2,000), from a random start unless FENCED_SIM_START is given (FENCED_SIM_SEEDS=1000000
-# for a longer one); the schema, fuzz and signing property tests with many more examples.
+# for a longer one); the schema, fuzz and signing property tests with many more examples; the
+# replicated group's nemesis campaigns for 60 s each on three seeds.
 FENCED_SIM_SEEDS ?= 10000
 test-long: $(PY)
 	@start=$${FENCED_SIM_START:-$$(od -An -N2 -tu2 /dev/urandom | tr -d ' ')}; \
@@ -75,6 +76,8 @@ test-long: $(PY)
 	FENCED_SCHEMA_EXAMPLES=100 FENCED_FUZZ_EXAMPLES=5000 FENCED_SIGNING_EXAMPLES=2000 \
 	  $(PY) -m pytest -q tests/server/test_server_schema.py tests/server/test_server_fuzz.py \
 	  tests/core/test_signing.py
+	FENCED_GROUP_SECONDS=60 FENCED_GROUP_SEEDS=11,12,13 \
+	  $(PY) -m pytest -q tests/replicated/test_group_faults.py -k under_the_nemesis
 
 install-dev: $(PY)
 	@if $(MAKE) --no-print-directory $(UV) && $(UV) pip install -q --python $(PY) --require-hashes -r $(LOCK); then \

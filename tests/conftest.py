@@ -61,14 +61,12 @@ LONG_TESTS = (  # (longest first: the order they are handed out in)
     "tests/kit/test_sim.py::test_the_lease_systems_seeds_hold_every_invariant",  # (4 parts)
     "tests/replicated/test_group_faults.py::",
     "tests/powerloss/test_sqlite_source.py::test_fenced_serve_",
-    "tests/powerloss/test_sql_guards.py::",
     "tests/kit/test_check_campaign.py::test_the_report_renders_the_run_and_its_verdict",
     "tests/server/test_server_schema.py::test_the_document_and_the_server_agree",
     "tests/server/test_server_fast_lane.py::test_random_requests",
     "tests/server/test_server_fuzz.py::test_random_requests",
     "tests/core/test_signing.py::test_text_form_round_trips",
     "tests/kit/test_check_campaign.py::test_a_campaign_with_pauses_and_kills",
-    "tests/powerloss/test_fs_model.py::test_sqlite_keeps_what_it_committed",
 )
 
 

@@ -8,10 +8,12 @@ why kill tests cannot catch a missing fsync, and why this harness exists.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -156,6 +158,29 @@ def test_the_disk_is_dead_after_the_cut(powerloss: PowerLossMount) -> None:
         (root / "f").read_bytes()
     powerloss.unmount()
     powerloss.mount()
+
+
+def test_power_loss_does_not_wait_for_a_file_the_caller_still_holds(
+    powerloss: PowerLossMount,
+) -> None:
+    """The caller cannot die with the machine: a file it still holds open must not keep the
+    dead daemon (and the remount) waiting out the mount's timeout."""
+    root = powerloss.mountpoint
+    write(root / "kept", b"synced", sync=True)
+    sync_dir(root)
+    fd = os.open(root / "kept", os.O_WRONLY | os.O_APPEND)
+    try:
+        os.write(fd, b" + never synced")
+        start = time.monotonic()
+        powerloss.power_loss()
+        took = time.monotonic() - start
+        with pytest.raises(OSError):  # (the old disk is gone for the survivor too)
+            os.write(fd, b"after the cut")
+    finally:
+        with contextlib.suppress(OSError):  # (ENOTCONN: its filesystem went with the power)
+            os.close(fd)
+    assert took < powerloss.timeout / 2, f"power_loss took {took:.1f} s"  # (before: all of it)
+    assert (root / "kept").read_bytes() == b"synced"  # what was durable, and only that
 
 
 def test_o_direct_is_refused(powerloss: PowerLossMount) -> None:

@@ -97,7 +97,12 @@ class Campaign(Generic[R]):
     the same schedule), writing ``out/history.jsonl``. ``progress(elapsed, what)`` is called
     at each fault; ``stop_at_first`` ends the run once every nemesis has struck and the history
     so far shows a violation of one of the workload's ``prefix_checkers`` (the verdict is still
-    every checker over the whole history)."""
+    every checker over the whole history).
+
+    ``faults_each=N`` measures the run in faults rather than time: it ends as soon as every
+    nemesis has struck N times and ``enough(history so far)`` holds (the operations the
+    checks need), ``seconds`` is then only its bound, and a bound that ends first is a
+    :class:`CampaignError` (a run too slow to deal its faults tested less than asked)."""
 
     def __init__(
         self,
@@ -108,10 +113,15 @@ class Campaign(Generic[R]):
         seed: int = 0,
         progress: Callable[[float, str], None] | None = None,
         stop_at_first: bool = False,
+        faults_each: int = 0,
+        enough: Callable[[list[Event]], bool] | None = None,
     ) -> None:
+        if faults_each < 0:
+            raise ConfigurationError(f"faults_each {faults_each}: 0 (a run in time) or more")
         self.workload = workload
         self.out = Path(out)
         self.seconds = seconds
+        self.faults_each, self.enough = faults_each, enough  # (a run in faults: see above)
         self.seed = seed
         self.progress = progress
         self.stop_at_first = stop_at_first
@@ -139,10 +149,13 @@ class Campaign(Generic[R]):
         return w.judge(read_history(self.path), self.faults, time.monotonic() - start)
 
     def _nemesis(self, history: History, rng: random.Random, start: float) -> None:
-        """Deal faults until ``seconds`` after ``start``."""
+        """Deal faults until ``seconds`` after ``start`` (or, with ``faults_each``, until every
+        nemesis struck that often)."""
         w, faults = self.workload, self.faults
         deck: list[str] = []
         while time.monotonic() - start < self.seconds:
+            if self.faults_each and self._counted():
+                return
             time.sleep(w.pace(rng))  # (the schedule's own clock, not a synchronisation)
             if time.monotonic() - start >= self.seconds:
                 break  # (no fault dealt once the time is up)
@@ -165,6 +178,17 @@ class Campaign(Generic[R]):
             if self.progress:
                 self.progress(time.monotonic() - start, f"{kind} {fault.victim}")
             fault.strike()
+        if self.faults_each and not self._counted():
+            raise CampaignError(
+                f"the {self.seconds:g} s bound ended before every nemesis struck "
+                f"{self.faults_each} times ({faults}) with enough operations"
+            )
+
+    def _counted(self) -> bool:
+        """Whether a run measured in faults has dealt them all, with enough operations."""
+        if min(self.faults.values(), default=0) < self.faults_each:
+            return False
+        return self.enough is None or self.enough(read_history(self.path))
 
     def _caught(self) -> bool:
         """Whether the history so far shows a violation of a prefix checker."""

@@ -38,7 +38,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -443,18 +443,20 @@ class GroupWorkload:
             self._servers.close()
 
     def judge(self, events: list[Event], faults: dict[str, int], seconds: float) -> GroupRun:
-        ops_done = operations(events)
-        counts = {
-            "acknowledged writes": sum(
-                1 for o in ops_done if o["kind"] == "write" and o["ok"] is True
-            ),
-            "reads": sum(1 for o in ops_done if o["kind"] == "read" and o["ok"] is True),
-            "configurations": len({e["epoch"] for e in events if e["op"] == "config"}),
-            "refused changes": sum(
-                1 for e in events if e["op"] == "apply" and str(e["ok"]).startswith("stale")
-            ),
-        }
-        return GroupRun(check_group(events), counts, faults, events)
+        return GroupRun(check_group(events), group_counts(events), faults, events)
+
+
+def group_counts(events: list[Event]) -> dict[str, int]:
+    """What a group run did: acknowledged writes, reads, configurations, refused changes."""
+    ops_done = operations(events)
+    return {
+        "acknowledged writes": sum(1 for o in ops_done if o["kind"] == "write" and o["ok"] is True),
+        "reads": sum(1 for o in ops_done if o["kind"] == "read" and o["ok"] is True),
+        "configurations": len({e["epoch"] for e in events if e["op"] == "config"}),
+        "refused changes": sum(
+            1 for e in events if e["op"] == "apply" and str(e["ok"]).startswith("stale")
+        ),
+    }
 
 
 def run_group_campaign(
@@ -470,16 +472,29 @@ def run_group_campaign(
     seed: int = 0,
     plant: str | None = None,
     ops: int = 4,
+    faults_each: int = 0,
+    at_least: Mapping[str, int] | None = None,
 ) -> GroupRun:
     """Run writers and readers against a group of ``replicas`` for ``seconds`` under the
     nemesis (:class:`GroupWorkload` in the one :class:`~fenced.testing.check.Campaign`), then
-    check the history. Returns the verdicts (see :class:`GroupRun`)."""
+    check the history. ``faults_each=N``: until every nemesis struck N times instead, with
+    ``seconds`` as the bound (:class:`~fenced.testing.check.Campaign`), and at least
+    ``at_least`` of :func:`group_counts` (``{"reads": 20}``, say). Returns the verdicts
+    (see :class:`GroupRun`)."""
     out = Path(out)
     workload = GroupWorkload(
         out, replicas=replicas, source=source, writers=writers, readers=readers, ttl=ttl,
         nemesis=nemesis, seed=seed, plant=plant, ops=ops,
     )  # fmt: skip
-    campaign: Campaign[GroupRun] = Campaign(workload, out, seconds=seconds, seed=seed)
+    minimum = dict(at_least or {})
+
+    def enough(events: list[Event]) -> bool:
+        counts = group_counts(events)
+        return all(counts[k] >= n for k, n in minimum.items())
+
+    campaign: Campaign[GroupRun] = Campaign(
+        workload, out, seconds=seconds, seed=seed, faults_each=faults_each, enough=enough
+    )
     return campaign.run()
 
 

@@ -90,6 +90,7 @@ class PowerLossMount:
         self.timeout = timeout
         self._proc: subprocess.Popen[str] | None = None
         self._lines: list[str] = []
+        self._dead = False  # (this daemon was cut: its durable state is already on disk)
         self._cond = threading.Condition()
         self.cuts = 0
         self.last_counts: tuple[int, int, int] | None = None  # writes, fsyncs, dir fsyncs
@@ -166,6 +167,7 @@ class PowerLossMount:
         self._proc.stdin.flush()
         _, writes, fsyncs, dirs = self._await_line("cut").split()
         self.cuts += 1
+        self._dead = True
         self.last_counts = (int(writes), int(fsyncs), int(dirs))
         return self.last_counts
 
@@ -174,9 +176,15 @@ class PowerLossMount:
         proc, self._proc = self._proc, None
         if proc is None:
             return
+        dead, self._dead = self._dead, False
         subprocess.run(
             ["fusermount3", "-u", "-z", str(self.mountpoint)], capture_output=True, check=False
         )
+        if dead:
+            # After the cut the daemon is a dead disk whose durable state is already in the
+            # statefile; a lazy unmount does not end it while a survivor (the caller itself,
+            # say) still holds a file open, so waiting would only run out the timeout.
+            proc.kill()
         try:
             proc.wait(self.timeout)
         except subprocess.TimeoutExpired:
