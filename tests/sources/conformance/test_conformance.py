@@ -521,13 +521,14 @@ def test_dead_server_is_a_typed_error(env: BackendEnv) -> None:
 # -- fork after connect (Celery prefork, gunicorn --preload, multiprocessing) -----------------
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
-def test_a_forked_child_gets_its_own_connection(env: BackendEnv, mode: str) -> None:
+def test_a_forked_child_gets_its_own_connection(env: BackendEnv) -> None:
     """Before: the child's first call waited forever on the parent's loop thread.
 
     The scenario runs in a fresh process (``tests.workers.fork_scenario``): a test process
     that other tests have used carries their threads and gRPC state into every child it
-    forks, which is a hazard of its own (gRPC's fork handlers), not the one tested here."""
+    forks, which is a hazard of its own (gRPC's fork handlers), not the one tested here.
+    Both APIs, sync and async, each in its own process forked from that fresh one at once
+    (one interpreter start and ``import fenced`` for both, not one per mode)."""
     if not env.cross_process:
         pytest.skip(f"{env.name} locks live in one process")
     out = subprocess.run(
@@ -537,7 +538,7 @@ def test_a_forked_child_gets_its_own_connection(env: BackendEnv, mode: str) -> N
             "tests.workers.fork_scenario",
             env.url,
             json.dumps(env.options),
-            mode,
+            "sync,async",
             "1" if env.survives_fork else "0",
         ],
         cwd=ROOT,
