@@ -207,14 +207,15 @@ def test_a_waiter_that_waits_past_its_ttl_gets_the_grant_it_queued_for(env: Back
     try:
         holder = holder_conn.lock(name, ttl=10)
         holder.acquire()
-        waiter = waiter_conn.lock(name, ttl=1, request_id="queued-once")
+        ttl = max(env.min_ttl, 0.5)  # (1 s on etcd and ZooKeeper: 2 s of waiting, 1 s elsewhere)
+        waiter = waiter_conn.lock(name, ttl=ttl, request_id="queued-once")
         result: list[object] = []
         thread = threading.Thread(target=lambda: result.append(waiter.acquire(timeout=30)))
         thread.start()
         wait_for(lambda: holder_conn.status(name).waiters == 1, what="the waiter to queue")
         # The waiter must wait past its ttl (the claim): a grant dated from the poll's send
         # would then look two ttls old: expired a whole ttl ago.
-        time.sleep(2.0)
+        time.sleep(2 * ttl)
         holder.release()
         thread.join(30)
         assert result and waiter.held, result
