@@ -1,9 +1,12 @@
 """A parent that connects, takes a lock, forks, and checks what the child can do.
 
-    python -m tests.workers.fork_scenario URL OPTIONS_JSON sync|async SURVIVES(0|1)
+    python -m tests.workers.fork_scenario URL OPTIONS_JSON MODES SURVIVES(0|1)
 
-Run in a fresh process by the conformance suite, so that nothing another test left in the
-test process (gRPC channels, threads) is inherited by the child. Exits 0 when the child
+MODES is ``sync``, ``async`` or both (``sync,async``). Run in a fresh process by the
+conformance suite, so that nothing another test left in the test process (gRPC channels,
+threads) is inherited by the child; each mode runs in a process of its own forked from it
+before anything connected (only imports inherited), the modes at once: one interpreter
+start and one ``import fenced`` for both. Exits 0 when the child
 behaved (its own connection; the parent's grant stays the parent's; or, for a source that
 does not survive fork, a ConfigurationError at once) and the parent's connection came
 through; otherwise prints what went wrong and exits 1.
@@ -86,7 +89,11 @@ def sync_scenario(url: str, options: dict[str, Any], survives: bool) -> str:
                 expect(fenced.ConfigurationError, lambda: fenced.connect(url, **options), "fork")
                 assert time.monotonic() - start < 5
                 return
-            expect(fenced.LockTimeout, lambda: locks.lock(name, ttl=5).acquire(timeout=1))
+            # The first call opens the child's own connection (its own time bound: an acquire's
+            # timeout would bound the open too), and sees the parent's grant.
+            assert locks.status(name).token == parent_token
+            # (a short wait: the claim is that the call returns, not how long it waits)
+            expect(fenced.LockTimeout, lambda: locks.lock(name, ttl=5).acquire(timeout=0.2))
             assert time.monotonic() - start < 15
             with locks.lock(other, ttl=5, timeout=30) as lease:
                 assert lease.held and lease.token.lock == other
@@ -122,8 +129,9 @@ def async_scenario(url: str, options: dict[str, Any], survives: bool) -> str:
                     assert "fork" in str(exc)
                     return
                 raise AssertionError("ConfigurationError not raised")
+            assert (await locks.status(name)).token == parent_token  # (opens; see sync_scenario)
             try:
-                await locks.lock(name, ttl=5).acquire(timeout=1)
+                await locks.lock(name, ttl=5).acquire(timeout=0.2)
             except fenced.LockTimeout:
                 pass
             else:
@@ -145,15 +153,39 @@ def async_scenario(url: str, options: dict[str, Any], survives: bool) -> str:
         loop.close()
 
 
-def main(argv: list[str]) -> int:
-    url, options, mode, survives = argv[0], json.loads(argv[1]), argv[2], argv[3] == "1"
+def run_mode(mode: str, url: str, options: dict[str, Any], survives: bool) -> str:
+    """One mode's scenario; what went wrong ("" if nothing)."""
     scenario = sync_scenario if mode == "sync" else async_scenario
     try:
-        problem = scenario(url, options, survives)
+        return scenario(url, options, survives)
     except BaseException:
-        problem = traceback.format_exc()
-    if problem:
-        print(problem, flush=True)
+        return traceback.format_exc()
+
+
+def main(argv: list[str]) -> int:
+    url, options, modes, survives = argv[0], json.loads(argv[1]), argv[2], argv[3] == "1"
+    children: list[tuple[str, int, int]] = []
+    for mode in modes.split(","):
+        read_end, write_end = os.pipe()
+        pid = os.fork()  # (nothing connected yet: the mode's process starts as fresh as this one)
+        if pid == 0:
+            os.close(read_end)
+            problem = run_mode(mode, url, options, survives)
+            os.write(write_end, problem.encode(errors="replace"))
+            os._exit(0)
+        os.close(write_end)
+        children.append((mode, pid, read_end))
+    problems = []
+    for mode, pid, read_end in children:
+        with os.fdopen(read_end, "rb") as f:  # (to EOF: the mode's process has ended)
+            report = f.read().decode(errors="replace")
+        _, status = os.waitpid(pid, 0)
+        if status != 0 and not report:
+            report = f"its process ended with wait status {status}"
+        if report:
+            problems.append(f"[{mode}] {report}")
+    if problems:
+        print("\n".join(problems), flush=True)
         return 1
     return 0
 
