@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import json
+import logging
 import os
 import signal
 import sqlite3
@@ -22,11 +24,51 @@ FENCED = [sys.executable, "-m", "fenced"]
 FENCED_SHELL = f"{sys.executable} -m fenced"  # the same, inside `sh -c`
 
 
+# Commands that start no child run in this process (main(), as `python -m fenced` calls it):
+# a `python -m fenced` costs ~0.3 s of CPU to start, and the claims here are the command's
+# exit status and words. `lock` and `write` (a child, stdin) run as real processes, as does
+# each command at least once (PROCESS_ONCE), and every test that signals one.
+PROCESS_ONCE = {"--version", "status", "check-token", "release", "keygen", "group"}
+
+
 def run(
-    args: list[str], url: str, env_extra: dict[str, str] | None = None, **kw: object
+    args: list[str],
+    url: str,
+    env_extra: dict[str, str] | None = None,
+    *,
+    process: bool | None = None,
+    **kw: object,
 ) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, FENCED_URL=url, **(env_extra or {}))
+    if process is None:
+        process = kw != {} or args[0] in ("lock", "write")
+    if not process:
+        return _in_process(args, env)
     return subprocess.run(FENCED + args, env=env, capture_output=True, text=True, timeout=60, **kw)  # type: ignore[call-overload, no-any-return]
+
+
+def _in_process(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """main(args) with ``env`` as the environment: its exit status, stdout and stderr."""
+    from fenced.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    saved_env, root = dict(os.environ), logging.getLogger()
+    saved_log = (root.level, list(root.handlers))
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(args)
+            except SystemExit as exc:  # (argparse's usage errors, --version)
+                code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
+        root.setLevel(saved_log[0])  # (main() sets the CLI's handler and level on the root)
+        for handler in [h for h in root.handlers if h not in saved_log[1]]:
+            root.removeHandler(handler)
+    return subprocess.CompletedProcess(["fenced", *args], code, out.getvalue(), err.getvalue())
 
 
 def test_lock_exports_token_and_passes_exit_code(sqlite_url: str) -> None:
@@ -58,7 +100,7 @@ def test_lock_timeout_has_its_own_exit_status(sqlite_url: str) -> None:
 
 
 def test_version(sqlite_url: str) -> None:
-    out = run(["--version"], sqlite_url)
+    out = run(["--version"], sqlite_url, process=True)
     assert out.returncode == 0 and out.stdout.strip() == f"fenced {fenced.__version__}"
 
 
@@ -131,7 +173,9 @@ def test_status(sqlite_url: str) -> None:
 def test_status_of_unreachable_source() -> None:
     # (--timeout 1: the default 10 s is the same retry loop, waited ten times longer)
     out = run(
-        ["status", "x", "--timeout", "1"], "postgresql://nobody@127.0.0.1:1/none?connect_timeout=1"
+        ["status", "x", "--timeout", "1"],
+        "postgresql://nobody@127.0.0.1:1/none?connect_timeout=1",
+        process=True,
     )
     assert out.returncode == 69, (out.returncode, out.stderr)
 
@@ -159,7 +203,7 @@ def test_absurd_numbers_are_usage_errors_before_anything_runs(
     """Exit 2 with one line on stderr, and the command never starts (before: --ttl 0.001 ran
     it under a lease that was already lost, then exited 75)."""
     marker = tmp_path / "ran"
-    out = run(["lock", "job", *option, "--", "touch", str(marker)], sqlite_url)
+    out = run(["lock", "job", *option, "--", "touch", str(marker)], sqlite_url, process=False)
     assert out.returncode == 2, out
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert "Traceback" not in out.stderr
@@ -196,7 +240,7 @@ def test_bad_urls_are_usage_errors_on_one_line(sqlite_url: str, url: str) -> Non
         ["lock", "x", "--url", url, "--timeout", "5", "--", "true"],
         ["status", "--url", url],
     ):
-        out = run(args, sqlite_url)
+        out = run(args, sqlite_url, process=False)  # (refused before any child)
         assert out.returncode == 2, (url, out)
         assert len(out.stderr.strip().splitlines()) == 1, out.stderr
         assert out.stderr.startswith("fenced: ")
@@ -426,7 +470,7 @@ def test_release_force_frees_a_stuck_holder(sqlite_url: str) -> None:
     with fenced.connect(sqlite_url) as locks:
         stuck = locks.lock("nightly", ttl=30, description="stuck job")
         token = stuck.acquire()
-        refused = run(["release", "nightly"], sqlite_url)
+        refused = run(["release", "nightly"], sqlite_url, process=True)
         assert refused.returncode == 2 and "--force" in refused.stderr
         other = run(["release", "--force", "nightly", "--token", "nightly:99"], sqlite_url)
         assert other.returncode == 0 and "not held by nightly:99" in other.stdout
@@ -456,7 +500,7 @@ def test_check_token_exit_statuses(sqlite_url: str) -> None:
     with fenced.connect(sqlite_url) as locks:
         first = locks.lock("jobs", ttl=30)
         t1 = first.acquire()
-        assert run(["check-token", str(t1)], sqlite_url).returncode == 0
+        assert run(["check-token", str(t1)], sqlite_url, process=True).returncode == 0
         first.release()
         assert run(["check-token", str(t1)], sqlite_url).returncode == 78
         with locks.lock("jobs", ttl=30) as second:
@@ -561,7 +605,7 @@ def test_errors_name_the_environment_variable_that_caused_them(tmp_path: Path) -
 def test_log_lines_say_fenced_once(sqlite_url: str, tmp_path: Path) -> None:
     """Bug: `fenced: fenced: signing without source_id ...` (the logger's name repeated)."""
     key = tmp_path / "k"
-    assert run(["keygen", "hmac", "k1", str(key)], sqlite_url).returncode == 0
+    assert run(["keygen", "hmac", "k1", str(key)], sqlite_url, process=True).returncode == 0
     env = {k: v for k, v in os.environ.items() if k != "FENCED_SOURCE_ID"}
     env["FENCED_URL"] = sqlite_url
     out = subprocess.run([*FENCED, "lock", "a", "--signing-key", str(key), "--", "true"],
@@ -583,7 +627,7 @@ def test_log_lines_say_fenced_once(sqlite_url: str, tmp_path: Path) -> None:
 )
 def test_cli_messages_speak_no_python(sqlite_url: str, args: list[str], words: str) -> None:
     """Bug: `timeout must be None or a number ... not 1000000000.0` (None, a float's repr)."""
-    out = run(args, sqlite_url)
+    out = run(args, sqlite_url, process=False)  # (refused before any child)
     assert out.returncode == 2 and words in out.stderr, out.stderr
     for python in ("None", "int value", "float value", ".0 "):
         assert python not in out.stderr, out.stderr
@@ -620,7 +664,7 @@ def test_group_members_urls_from_files_and_never_their_passwords(
     member = tmp_path / "a.url"
     member.write_text("redis://:hunter2-secret@127.0.0.1:1/0\n")
     member.chmod(0o644)
-    out = run(["group", "status", "g", "--member", f"a=@{member}"], sqlite_url)
+    out = run(["group", "status", "g", "--member", f"a=@{member}"], sqlite_url, process=True)
     assert out.returncode == 2 and "chmod 600" in out.stderr, out.stderr
     assert "hunter2" not in out.stderr
     db = tmp_path / "a.db"
