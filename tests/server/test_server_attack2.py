@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from fenced.testing.servers import FencedServer, ZooKeeperServer
-from tests.server.gateway import get, keyed_server, post, until_closed, write_keys
+from tests.server.gateway import TLS, get, keyed_server, post, until_closed, write_keys
 
 SECRETS = {"alice": "alice-secret-0123456789", "eve": "eve-secret-0123456789ab", "mon": "m" * 20}
 
@@ -566,13 +566,15 @@ def test_without_keys_a_page_of_another_site_cannot_take_or_free_a_lock(
     for origin in ("http://evil.example", "null", f"http://localhost:{port}", "http://127.0.0.1"):
         h = {**simple, "origin": origin}
         for path, body in (("taken/-/acquire", b'{"ttl": 600}'), ("mine/-/force-release", b"{}")):
-            r = httpx.post(f"{u}/v1/locks/{path}", content=body, headers=h, timeout=10)
+            r = httpx.post(f"{u}/v1/locks/{path}", content=body, headers=h, timeout=10, verify=TLS)
             assert r.status_code == 403 and r.json()["error"] == "forbidden", (origin, r.text)
     assert get(f"{u}/v1/locks").json()["locks"] == ["mine"]  # nothing taken
     assert get(f"{u}/v1/locks/mine").json()["token"] == "mine:1"  # nothing freed
     # The server's own page (its origin), and a client that sends no Origin: served.
     own = {**simple, "origin": f"http://127.0.0.1:{port}"}
-    r = httpx.post(f"{u}/v1/locks/own/-/acquire", content=b"{}", headers=own, timeout=10)
+    r = httpx.post(
+        f"{u}/v1/locks/own/-/acquire", content=b"{}", headers=own, timeout=10, verify=TLS
+    )
     assert r.status_code == 200, r.text
     assert post(f"{u}/v1/locks/plain/-/acquire", {}).status_code == 200
     # A real browser: a page of origin localhost:PORT (another origin than 127.0.0.1:PORT)
