@@ -27,8 +27,9 @@ FENCED_SHELL = f"{sys.executable} -m fenced"  # the same, inside `sh -c`
 # Commands that start no child run in this process (main(), as `python -m fenced` calls it):
 # a `python -m fenced` costs ~0.3 s of CPU to start, and the claims here are the command's
 # exit status and words. `lock` and `write` (a child, stdin) run as real processes, as does
-# each command at least once (PROCESS_ONCE), and every test that signals one.
-PROCESS_ONCE = {"--version", "status", "check-token", "release", "keygen", "group"}
+# each other command at least once (process=True), and every test that signals one. A
+# `lock` that must end before its command starts (usage errors, timeouts, an unreachable
+# source) is asked for in-process with process=False.
 
 
 def run(
@@ -88,14 +89,21 @@ def test_lock_exports_token_and_passes_exit_code(sqlite_url: str) -> None:
 def test_lock_timeout_has_its_own_exit_status(sqlite_url: str) -> None:
     """Bug: a lock timeout exited 1, the same as the command's own ``false``."""
     with fenced.connect(sqlite_url) as locks, locks.lock("busy", ttl=30):
-        out = run(["lock", "busy", "--timeout", "0.2", "--", "true"], sqlite_url)
+        out = run(["lock", "busy", "--timeout", "0.2", "--", "true"], sqlite_url, process=False)
         assert out.returncode == 124 and "not acquired" in out.stderr
-        nonblock = run(["lock", "-n", "busy", "--", "true"], sqlite_url)
+        nonblock = run(["lock", "-n", "busy", "--", "true"], sqlite_url, process=False)
         assert nonblock.returncode == 124 and "within 0 s" in nonblock.stderr
-        chosen = run(["lock", "busy", "-n", "-E", "9", "--", "true"], sqlite_url)
+        chosen = run(["lock", "busy", "-n", "-E", "9", "--", "true"], sqlite_url, process=False)
         assert chosen.returncode == 9
-    assert run(["lock", "busy", "-n", "--timeout", "1", "--", "true"], sqlite_url).returncode == 2
-    assert run(["lock", "busy", "-E", "256", "--", "true"], sqlite_url).returncode == 2
+    assert (
+        run(
+            ["lock", "busy", "-n", "--timeout", "1", "--", "true"], sqlite_url, process=False
+        ).returncode
+        == 2
+    )
+    assert (
+        run(["lock", "busy", "-E", "256", "--", "true"], sqlite_url, process=False).returncode == 2
+    )
     assert run(["lock", "busy", "--", "false"], sqlite_url).returncode == 1  # the command's
 
 
@@ -116,12 +124,14 @@ def test_the_version_is_cut_in_the_changelog() -> None:
 
 
 def test_lock_usage_errors(sqlite_url: str) -> None:
-    assert run(["lock", "x"], sqlite_url).returncode == 2
-    assert run(["lock", "x", "--ttl", "-1", "--", "true"], sqlite_url).returncode == 2
-    bad_name = run(["lock", "bad name", "--", "true"], sqlite_url)
+    assert run(["lock", "x"], sqlite_url, process=False).returncode == 2
+    assert (
+        run(["lock", "x", "--ttl", "-1", "--", "true"], sqlite_url, process=False).returncode == 2
+    )
+    bad_name = run(["lock", "bad name", "--", "true"], sqlite_url, process=False)
     assert bad_name.returncode == 2 and "invalid lock name" in bad_name.stderr
     assert run(["lock", "x", "--", "/no/such/command"], sqlite_url).returncode == 127
-    bad_url = run(["lock", "x", "--url", "nosuch://x", "--", "true"], sqlite_url)
+    bad_url = run(["lock", "x", "--url", "nosuch://x", "--", "true"], sqlite_url, process=False)
     assert bad_url.returncode == 2 and "unknown token source" in bad_url.stderr
 
 
@@ -522,15 +532,24 @@ def test_quiet_nonblocking_lock_is_silent_for_cron(sqlite_url: str) -> None:
     output), as `flock -n -E 0`; without -q the line is still there for people; errors are
     never silenced."""
     with fenced.connect(sqlite_url) as locks, locks.lock("cron", ttl=30):
-        quiet = run(["lock", "-n", "-q", "-E", "0", "cron", "--", "true"], sqlite_url)
+        quiet = run(
+            ["lock", "-n", "-q", "-E", "0", "cron", "--", "true"], sqlite_url, process=False
+        )
         assert quiet.returncode == 0 and quiet.stderr == "" and quiet.stdout == ""
-        loud = run(["lock", "-n", "-E", "0", "cron", "--", "true"], sqlite_url)
+        loud = run(["lock", "-n", "-E", "0", "cron", "--", "true"], sqlite_url, process=False)
         assert loud.returncode == 0 and "not acquired within 0 s" in loud.stderr
-        assert run(["lock", "--quiet", "-n", "cron", "--", "true"], sqlite_url).returncode == 124
+        assert (
+            run(
+                ["lock", "--quiet", "-n", "cron", "--", "true"], sqlite_url, process=False
+            ).returncode
+            == 124
+        )
     # the rightful run: acquired, the command runs
     ran = run(["lock", "-n", "-q", "-E", "0", "cron", "--", "echo", "ran"], sqlite_url)
     assert ran.returncode == 0 and ran.stdout == "ran\n"
-    bad = run(["lock", "-q", "cron", "--url", "nosuch://x", "--", "true"], sqlite_url)
+    bad = run(
+        ["lock", "-q", "cron", "--url", "nosuch://x", "--", "true"], sqlite_url, process=False
+    )
     assert bad.returncode == 2 and "unknown token source" in bad.stderr
 
 
@@ -582,12 +601,12 @@ def test_url_from_a_file(sqlite_url: str, tmp_path: Path) -> None:
 def test_errors_name_the_environment_variable_that_caused_them(tmp_path: Path) -> None:
     out = run(["status"], "nosuch://x")
     assert out.returncode == 2 and "(token source from $FENCED_URL)" in out.stderr, out.stderr
-    out = run(["lock", "x", "--timeout", "1", "--", "true"], "redis://127.0.0.1:1/0")
+    out = run(["lock", "x", "--timeout", "1", "--", "true"], "redis://127.0.0.1:1/0", process=False)
     assert out.returncode == 69 and "$FENCED_URL" in out.stderr, out.stderr
     # given on the command line, or not about the source: no mention of the variable
     out = run(["status", "--url", "nosuch://x"], f"sqlite:///{tmp_path}/l.db")
     assert out.returncode == 2 and "FENCED_URL" not in out.stderr
-    out = run(["lock", "bad name", "--", "true"], f"sqlite:///{tmp_path}/l.db")
+    out = run(["lock", "bad name", "--", "true"], f"sqlite:///{tmp_path}/l.db", process=False)
     assert out.returncode == 2 and "FENCED_URL" not in out.stderr
     out = run(
         ["group", "status", "g", "--member", "a=sqlite:///rel.db"], f"sqlite:///{tmp_path}/l.db"
@@ -599,7 +618,10 @@ def test_errors_name_the_environment_variable_that_caused_them(tmp_path: Path) -
         (["check-token", "x:1"], "FENCED_SIGNING_KEY"),
         (["check-token", "x:1"], "FENCED_VERIFY_KEY"),
     ):
-        out = run(command, f"sqlite:///{tmp_path}/l.db", env_extra={variable: "/no/such.key"})
+        out = run(
+            command, f"sqlite:///{tmp_path}/l.db", env_extra={variable: "/no/such.key"},
+            process=False,
+        )  # fmt: skip
         assert out.returncode == 2 and f"${variable}: cannot read" in out.stderr, out.stderr
         assert "FENCED_URL" not in out.stderr and "Errno" not in out.stderr, out.stderr
 
