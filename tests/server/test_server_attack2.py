@@ -414,8 +414,10 @@ def test_an_expiry_of_a_grant_resumed_here_names_its_holder(any_source: str) -> 
 
 def _resumed_expiry(server: FencedServer, tag: str) -> None:
     u = f"{server.url}/v1/locks"
-    dead = post(f"{u}/{tag}/dead/-/acquire", {"ttl": 4, "request_id": "d", "owner": "victim"})
-    live = post(f"{u}/{tag}/live/-/acquire", {"ttl": 4, "request_id": "l", "owner": "keeper"})
+    # (granted for 8 s: the grants must outlive the restart, which took over 4 s at load 20;
+    # the renewals after it ask for 4 s — SQLite keeps the later of the two ends)
+    dead = post(f"{u}/{tag}/dead/-/acquire", {"ttl": 8, "request_id": "d", "owner": "victim"})
+    live = post(f"{u}/{tag}/live/-/acquire", {"ttl": 8, "request_id": "l", "owner": "keeper"})
     given = post(f"{u}/{tag}/given/-/acquire", {"ttl": 30, "request_id": "g", "owner": "giver"})
     server.restart(kill=True)
     r = post(f"{u}/{tag}/given/-/release", {"token": given.json()["token"], "request_id": "g"})
