@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import json
+import logging
 import os
 import signal
 import sqlite3
@@ -22,11 +24,52 @@ FENCED = [sys.executable, "-m", "fenced"]
 FENCED_SHELL = f"{sys.executable} -m fenced"  # the same, inside `sh -c`
 
 
+# Commands that start no child run in this process (main(), as `python -m fenced` calls it):
+# a `python -m fenced` costs ~0.3 s of CPU to start, and the claims here are the command's
+# exit status and words. `lock` and `write` (a child, stdin) run as real processes, as does
+# each other command at least once (process=True), and every test that signals one. A
+# `lock` that must end before its command starts (usage errors, timeouts, an unreachable
+# source) is asked for in-process with process=False.
+
+
 def run(
-    args: list[str], url: str, env_extra: dict[str, str] | None = None, **kw: object
+    args: list[str],
+    url: str,
+    env_extra: dict[str, str] | None = None,
+    *,
+    process: bool | None = None,
+    **kw: object,
 ) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, FENCED_URL=url, **(env_extra or {}))
+    if process is None:
+        process = kw != {} or args[0] in ("lock", "write")
+    if not process:
+        return _in_process(args, env)
     return subprocess.run(FENCED + args, env=env, capture_output=True, text=True, timeout=60, **kw)  # type: ignore[call-overload, no-any-return]
+
+
+def _in_process(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """main(args) with ``env`` as the environment: its exit status, stdout and stderr."""
+    from fenced.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    saved_env, root = dict(os.environ), logging.getLogger()
+    saved_log = (root.level, list(root.handlers))
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(args)
+            except SystemExit as exc:  # (argparse's usage errors, --version)
+                code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
+        root.setLevel(saved_log[0])  # (main() sets the CLI's handler and level on the root)
+        for handler in [h for h in root.handlers if h not in saved_log[1]]:
+            root.removeHandler(handler)
+    return subprocess.CompletedProcess(["fenced", *args], code, out.getvalue(), err.getvalue())
 
 
 def test_lock_exports_token_and_passes_exit_code(sqlite_url: str) -> None:
@@ -46,19 +89,26 @@ def test_lock_exports_token_and_passes_exit_code(sqlite_url: str) -> None:
 def test_lock_timeout_has_its_own_exit_status(sqlite_url: str) -> None:
     """Bug: a lock timeout exited 1, the same as the command's own ``false``."""
     with fenced.connect(sqlite_url) as locks, locks.lock("busy", ttl=30):
-        out = run(["lock", "busy", "--timeout", "0.2", "--", "true"], sqlite_url)
+        out = run(["lock", "busy", "--timeout", "0.2", "--", "true"], sqlite_url, process=False)
         assert out.returncode == 124 and "not acquired" in out.stderr
-        nonblock = run(["lock", "-n", "busy", "--", "true"], sqlite_url)
+        nonblock = run(["lock", "-n", "busy", "--", "true"], sqlite_url, process=False)
         assert nonblock.returncode == 124 and "within 0 s" in nonblock.stderr
-        chosen = run(["lock", "busy", "-n", "-E", "9", "--", "true"], sqlite_url)
+        chosen = run(["lock", "busy", "-n", "-E", "9", "--", "true"], sqlite_url, process=False)
         assert chosen.returncode == 9
-    assert run(["lock", "busy", "-n", "--timeout", "1", "--", "true"], sqlite_url).returncode == 2
-    assert run(["lock", "busy", "-E", "256", "--", "true"], sqlite_url).returncode == 2
+    assert (
+        run(
+            ["lock", "busy", "-n", "--timeout", "1", "--", "true"], sqlite_url, process=False
+        ).returncode
+        == 2
+    )
+    assert (
+        run(["lock", "busy", "-E", "256", "--", "true"], sqlite_url, process=False).returncode == 2
+    )
     assert run(["lock", "busy", "--", "false"], sqlite_url).returncode == 1  # the command's
 
 
 def test_version(sqlite_url: str) -> None:
-    out = run(["--version"], sqlite_url)
+    out = run(["--version"], sqlite_url, process=True)
     assert out.returncode == 0 and out.stdout.strip() == f"fenced {fenced.__version__}"
 
 
@@ -74,12 +124,14 @@ def test_the_version_is_cut_in_the_changelog() -> None:
 
 
 def test_lock_usage_errors(sqlite_url: str) -> None:
-    assert run(["lock", "x"], sqlite_url).returncode == 2
-    assert run(["lock", "x", "--ttl", "-1", "--", "true"], sqlite_url).returncode == 2
-    bad_name = run(["lock", "bad name", "--", "true"], sqlite_url)
+    assert run(["lock", "x"], sqlite_url, process=False).returncode == 2
+    assert (
+        run(["lock", "x", "--ttl", "-1", "--", "true"], sqlite_url, process=False).returncode == 2
+    )
+    bad_name = run(["lock", "bad name", "--", "true"], sqlite_url, process=False)
     assert bad_name.returncode == 2 and "invalid lock name" in bad_name.stderr
     assert run(["lock", "x", "--", "/no/such/command"], sqlite_url).returncode == 127
-    bad_url = run(["lock", "x", "--url", "nosuch://x", "--", "true"], sqlite_url)
+    bad_url = run(["lock", "x", "--url", "nosuch://x", "--", "true"], sqlite_url, process=False)
     assert bad_url.returncode == 2 and "unknown token source" in bad_url.stderr
 
 
@@ -131,7 +183,9 @@ def test_status(sqlite_url: str) -> None:
 def test_status_of_unreachable_source() -> None:
     # (--timeout 1: the default 10 s is the same retry loop, waited ten times longer)
     out = run(
-        ["status", "x", "--timeout", "1"], "postgresql://nobody@127.0.0.1:1/none?connect_timeout=1"
+        ["status", "x", "--timeout", "1"],
+        "postgresql://nobody@127.0.0.1:1/none?connect_timeout=1",
+        process=True,
     )
     assert out.returncode == 69, (out.returncode, out.stderr)
 
@@ -159,7 +213,7 @@ def test_absurd_numbers_are_usage_errors_before_anything_runs(
     """Exit 2 with one line on stderr, and the command never starts (before: --ttl 0.001 ran
     it under a lease that was already lost, then exited 75)."""
     marker = tmp_path / "ran"
-    out = run(["lock", "job", *option, "--", "touch", str(marker)], sqlite_url)
+    out = run(["lock", "job", *option, "--", "touch", str(marker)], sqlite_url, process=False)
     assert out.returncode == 2, out
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert "Traceback" not in out.stderr
@@ -196,7 +250,7 @@ def test_bad_urls_are_usage_errors_on_one_line(sqlite_url: str, url: str) -> Non
         ["lock", "x", "--url", url, "--timeout", "5", "--", "true"],
         ["status", "--url", url],
     ):
-        out = run(args, sqlite_url)
+        out = run(args, sqlite_url, process=False)  # (refused before any child)
         assert out.returncode == 2, (url, out)
         assert len(out.stderr.strip().splitlines()) == 1, out.stderr
         assert out.stderr.startswith("fenced: ")
@@ -266,8 +320,10 @@ def test_unreachable_source_honours_the_timeout_with_one_line(
         assert out.returncode == 69, out
         assert 0.9 <= took <= 3.0, (url, took)
         assert len(out.stderr.strip().splitlines()) == 1, out.stderr
-        verbose = run(
-            ["lock", "-v", "x", "--url", url, "--timeout", "0.5", "--", "true"], sqlite_url
+        verbose = run(  # (in this process: it gives up before any child)
+            ["lock", "-v", "x", "--url", url, "--timeout", "0.5", "--", "true"],
+            sqlite_url,
+            process=False,
         )
         assert verbose.returncode == 69 and len(verbose.stderr.splitlines()) > 1
 
@@ -426,7 +482,7 @@ def test_release_force_frees_a_stuck_holder(sqlite_url: str) -> None:
     with fenced.connect(sqlite_url) as locks:
         stuck = locks.lock("nightly", ttl=30, description="stuck job")
         token = stuck.acquire()
-        refused = run(["release", "nightly"], sqlite_url)
+        refused = run(["release", "nightly"], sqlite_url, process=True)
         assert refused.returncode == 2 and "--force" in refused.stderr
         other = run(["release", "--force", "nightly", "--token", "nightly:99"], sqlite_url)
         assert other.returncode == 0 and "not held by nightly:99" in other.stdout
@@ -456,7 +512,7 @@ def test_check_token_exit_statuses(sqlite_url: str) -> None:
     with fenced.connect(sqlite_url) as locks:
         first = locks.lock("jobs", ttl=30)
         t1 = first.acquire()
-        assert run(["check-token", str(t1)], sqlite_url).returncode == 0
+        assert run(["check-token", str(t1)], sqlite_url, process=True).returncode == 0
         first.release()
         assert run(["check-token", str(t1)], sqlite_url).returncode == 78
         with locks.lock("jobs", ttl=30) as second:
@@ -476,15 +532,24 @@ def test_quiet_nonblocking_lock_is_silent_for_cron(sqlite_url: str) -> None:
     output), as `flock -n -E 0`; without -q the line is still there for people; errors are
     never silenced."""
     with fenced.connect(sqlite_url) as locks, locks.lock("cron", ttl=30):
-        quiet = run(["lock", "-n", "-q", "-E", "0", "cron", "--", "true"], sqlite_url)
+        quiet = run(
+            ["lock", "-n", "-q", "-E", "0", "cron", "--", "true"], sqlite_url, process=False
+        )
         assert quiet.returncode == 0 and quiet.stderr == "" and quiet.stdout == ""
-        loud = run(["lock", "-n", "-E", "0", "cron", "--", "true"], sqlite_url)
+        loud = run(["lock", "-n", "-E", "0", "cron", "--", "true"], sqlite_url, process=False)
         assert loud.returncode == 0 and "not acquired within 0 s" in loud.stderr
-        assert run(["lock", "--quiet", "-n", "cron", "--", "true"], sqlite_url).returncode == 124
+        assert (
+            run(
+                ["lock", "--quiet", "-n", "cron", "--", "true"], sqlite_url, process=False
+            ).returncode
+            == 124
+        )
     # the rightful run: acquired, the command runs
     ran = run(["lock", "-n", "-q", "-E", "0", "cron", "--", "echo", "ran"], sqlite_url)
     assert ran.returncode == 0 and ran.stdout == "ran\n"
-    bad = run(["lock", "-q", "cron", "--url", "nosuch://x", "--", "true"], sqlite_url)
+    bad = run(
+        ["lock", "-q", "cron", "--url", "nosuch://x", "--", "true"], sqlite_url, process=False
+    )
     assert bad.returncode == 2 and "unknown token source" in bad.stderr
 
 
@@ -536,12 +601,12 @@ def test_url_from_a_file(sqlite_url: str, tmp_path: Path) -> None:
 def test_errors_name_the_environment_variable_that_caused_them(tmp_path: Path) -> None:
     out = run(["status"], "nosuch://x")
     assert out.returncode == 2 and "(token source from $FENCED_URL)" in out.stderr, out.stderr
-    out = run(["lock", "x", "--timeout", "1", "--", "true"], "redis://127.0.0.1:1/0")
+    out = run(["lock", "x", "--timeout", "1", "--", "true"], "redis://127.0.0.1:1/0", process=False)
     assert out.returncode == 69 and "$FENCED_URL" in out.stderr, out.stderr
     # given on the command line, or not about the source: no mention of the variable
     out = run(["status", "--url", "nosuch://x"], f"sqlite:///{tmp_path}/l.db")
     assert out.returncode == 2 and "FENCED_URL" not in out.stderr
-    out = run(["lock", "bad name", "--", "true"], f"sqlite:///{tmp_path}/l.db")
+    out = run(["lock", "bad name", "--", "true"], f"sqlite:///{tmp_path}/l.db", process=False)
     assert out.returncode == 2 and "FENCED_URL" not in out.stderr
     out = run(
         ["group", "status", "g", "--member", "a=sqlite:///rel.db"], f"sqlite:///{tmp_path}/l.db"
@@ -553,7 +618,10 @@ def test_errors_name_the_environment_variable_that_caused_them(tmp_path: Path) -
         (["check-token", "x:1"], "FENCED_SIGNING_KEY"),
         (["check-token", "x:1"], "FENCED_VERIFY_KEY"),
     ):
-        out = run(command, f"sqlite:///{tmp_path}/l.db", env_extra={variable: "/no/such.key"})
+        out = run(
+            command, f"sqlite:///{tmp_path}/l.db", env_extra={variable: "/no/such.key"},
+            process=False,
+        )  # fmt: skip
         assert out.returncode == 2 and f"${variable}: cannot read" in out.stderr, out.stderr
         assert "FENCED_URL" not in out.stderr and "Errno" not in out.stderr, out.stderr
 
@@ -561,7 +629,7 @@ def test_errors_name_the_environment_variable_that_caused_them(tmp_path: Path) -
 def test_log_lines_say_fenced_once(sqlite_url: str, tmp_path: Path) -> None:
     """Bug: `fenced: fenced: signing without source_id ...` (the logger's name repeated)."""
     key = tmp_path / "k"
-    assert run(["keygen", "hmac", "k1", str(key)], sqlite_url).returncode == 0
+    assert run(["keygen", "hmac", "k1", str(key)], sqlite_url, process=True).returncode == 0
     env = {k: v for k, v in os.environ.items() if k != "FENCED_SOURCE_ID"}
     env["FENCED_URL"] = sqlite_url
     out = subprocess.run([*FENCED, "lock", "a", "--signing-key", str(key), "--", "true"],
@@ -583,7 +651,7 @@ def test_log_lines_say_fenced_once(sqlite_url: str, tmp_path: Path) -> None:
 )
 def test_cli_messages_speak_no_python(sqlite_url: str, args: list[str], words: str) -> None:
     """Bug: `timeout must be None or a number ... not 1000000000.0` (None, a float's repr)."""
-    out = run(args, sqlite_url)
+    out = run(args, sqlite_url, process=False)  # (refused before any child)
     assert out.returncode == 2 and words in out.stderr, out.stderr
     for python in ("None", "int value", "float value", ".0 "):
         assert python not in out.stderr, out.stderr
@@ -620,7 +688,7 @@ def test_group_members_urls_from_files_and_never_their_passwords(
     member = tmp_path / "a.url"
     member.write_text("redis://:hunter2-secret@127.0.0.1:1/0\n")
     member.chmod(0o644)
-    out = run(["group", "status", "g", "--member", f"a=@{member}"], sqlite_url)
+    out = run(["group", "status", "g", "--member", f"a=@{member}"], sqlite_url, process=True)
     assert out.returncode == 2 and "chmod 600" in out.stderr, out.stderr
     assert "hunter2" not in out.stderr
     db = tmp_path / "a.db"

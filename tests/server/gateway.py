@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import ssl
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -14,16 +15,21 @@ import httpx
 from fenced.server import hash_secret
 from fenced.testing.servers import FencedServer
 
+# One TLS context for every call: httpx.get/post/stream build a client per call, and each
+# client its own context from certifi's bundle (~40 ms of CPU; ~1 ms given this one). The
+# calls still open a connection each, as before.
+TLS = ssl.create_default_context()
+
 
 def post(url: str, body: object = None, key: str | None = None, **kw: Any) -> httpx.Response:
     """POST ``body`` as JSON, with ``key`` (a secret) as the bearer token if given."""
     headers = {"authorization": f"Bearer {key}"} if key else {}
-    return httpx.post(url, json=body, headers=headers, timeout=30, **kw)
+    return httpx.post(url, json=body, headers=headers, timeout=30, verify=TLS, **kw)
 
 
 def get(url: str, key: str | None = None) -> httpx.Response:
     headers = {"authorization": f"Bearer {key}"} if key else {}
-    return httpx.get(url, headers=headers, timeout=30)
+    return httpx.get(url, headers=headers, timeout=30, verify=TLS)
 
 
 def write_keys(path: Path, keys: Sequence[dict[str, Any]]) -> Path:

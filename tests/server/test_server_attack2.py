@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from fenced.testing.servers import FencedServer, ZooKeeperServer
-from tests.server.gateway import get, keyed_server, post, until_closed, write_keys
+from tests.server.gateway import TLS, get, keyed_server, post, until_closed, write_keys
 
 SECRETS = {"alice": "alice-secret-0123456789", "eve": "eve-secret-0123456789ab", "mon": "m" * 20}
 
@@ -414,8 +414,12 @@ def test_an_expiry_of_a_grant_resumed_here_names_its_holder(any_source: str) -> 
 
 def _resumed_expiry(server: FencedServer, tag: str) -> None:
     u = f"{server.url}/v1/locks"
-    dead = post(f"{u}/{tag}/dead/-/acquire", {"ttl": 4, "request_id": "d", "owner": "victim"})
-    live = post(f"{u}/{tag}/live/-/acquire", {"ttl": 4, "request_id": "l", "owner": "keeper"})
+    # (6 s, granted and renewed: the grants must outlive the restart, which took over 4 s at
+    # load 20; renewed for the same 6 s, because SQLite keeps the later of two ends — and a
+    # gateway whose sweep finds the lease held past the ttl it renewed for forgets it as
+    # renewed elsewhere, never counting its end)
+    dead = post(f"{u}/{tag}/dead/-/acquire", {"ttl": 6, "request_id": "d", "owner": "victim"})
+    live = post(f"{u}/{tag}/live/-/acquire", {"ttl": 6, "request_id": "l", "owner": "keeper"})
     given = post(f"{u}/{tag}/given/-/acquire", {"ttl": 30, "request_id": "g", "owner": "giver"})
     server.restart(kill=True)
     r = post(f"{u}/{tag}/given/-/release", {"token": given.json()["token"], "request_id": "g"})
@@ -424,14 +428,14 @@ def _resumed_expiry(server: FencedServer, tag: str) -> None:
     assert [e["owner"] for e in events if e["lock"] == f"{tag}/given"] == ["giver"], events
     for lock, rid, grant in (("dead", "d", dead.json()), ("live", "l", live.json())):
         r = post(
-            f"{u}/{tag}/{lock}/-/renew", {"token": grant["token"], "request_id": rid, "ttl": 4}
+            f"{u}/{tag}/{lock}/-/renew", {"token": grant["token"], "request_id": rid, "ttl": 6}
         )
         assert r.status_code == 200, r.text
     deadline = time.monotonic() + 20
     while not _expired(server, f"{tag}/dead"):  # (the sweep: about a second after the end)
         assert time.monotonic() < deadline, get(f"{server.url}/v1/dashboard").json()["events"]
         r = post(
-            f"{u}/{tag}/live/-/renew", {"token": live.json()["token"], "request_id": "l", "ttl": 4}
+            f"{u}/{tag}/live/-/renew", {"token": live.json()["token"], "request_id": "l", "ttl": 6}
         )
         assert r.status_code == 200, r.text
         time.sleep(0.3)  # (the holder's renewal rhythm, not a wait for the server)
@@ -566,13 +570,15 @@ def test_without_keys_a_page_of_another_site_cannot_take_or_free_a_lock(
     for origin in ("http://evil.example", "null", f"http://localhost:{port}", "http://127.0.0.1"):
         h = {**simple, "origin": origin}
         for path, body in (("taken/-/acquire", b'{"ttl": 600}'), ("mine/-/force-release", b"{}")):
-            r = httpx.post(f"{u}/v1/locks/{path}", content=body, headers=h, timeout=10)
+            r = httpx.post(f"{u}/v1/locks/{path}", content=body, headers=h, timeout=10, verify=TLS)
             assert r.status_code == 403 and r.json()["error"] == "forbidden", (origin, r.text)
     assert get(f"{u}/v1/locks").json()["locks"] == ["mine"]  # nothing taken
     assert get(f"{u}/v1/locks/mine").json()["token"] == "mine:1"  # nothing freed
     # The server's own page (its origin), and a client that sends no Origin: served.
     own = {**simple, "origin": f"http://127.0.0.1:{port}"}
-    r = httpx.post(f"{u}/v1/locks/own/-/acquire", content=b"{}", headers=own, timeout=10)
+    r = httpx.post(
+        f"{u}/v1/locks/own/-/acquire", content=b"{}", headers=own, timeout=10, verify=TLS
+    )
     assert r.status_code == 200, r.text
     assert post(f"{u}/v1/locks/plain/-/acquire", {}).status_code == 200
     # A real browser: a page of origin localhost:PORT (another origin than 127.0.0.1:PORT)

@@ -27,6 +27,7 @@ import pytest
 
 from fenced.testing.servers import FencedServer, free_port
 from tests.helpers import ROOT, wait_for
+from tests.server.gateway import TLS  # (polled: one TLS context, not one per call)
 
 
 def _need(tool: str) -> str:
@@ -588,7 +589,11 @@ def test_a_holder_paused_while_its_grant_waits_in_the_socket_never_hands_it_out(
     first = httpx.post(f"{url}/-/acquire", json={"ttl": 60, "request_id": "first"}, timeout=30)
     assert first.status_code == 200, first.text
     h = holder(server.url, lock, storage, "paused in line", 2)
-    wait_for(lambda: httpx.get(url, timeout=10).json()["waiters"] == 1, 30, "the holder in line")
+    wait_for(
+        lambda: httpx.get(url, timeout=10, verify=TLS).json()["waiters"] == 1,
+        30,
+        "the holder in line",
+    )
     os.kill(h.proc.pid, signal.SIGSTOP)
     try:
         token1 = first.json()["token"]
@@ -597,8 +602,16 @@ def test_a_holder_paused_while_its_grant_waits_in_the_socket_never_hands_it_out(
         )
         assert gone.json()["released"] is True, gone.text
         # The holder's grant (token 2) is made now, and runs out at the source in 2 s.
-        wait_for(lambda: httpx.get(url, timeout=10).json()["token"] is not None, 30, "grant 2")
-        wait_for(lambda: httpx.get(url, timeout=10).json()["holder"] is None, 30, "its expiry")
+        wait_for(
+            lambda: httpx.get(url, timeout=10, verify=TLS).json()["token"] is not None,
+            30,
+            "grant 2",
+        )
+        wait_for(
+            lambda: httpx.get(url, timeout=10, verify=TLS).json()["holder"] is None,
+            30,
+            "its expiry",
+        )
         third = httpx.post(f"{url}/-/acquire", json={"ttl": 60, "request_id": "third"}, timeout=30)
         assert third.json()["token"] == f"{lock}:3", third.text
     finally:

@@ -21,6 +21,7 @@ import pytest
 
 from fenced.testing.servers import EtcdServer, FencedServer
 from tests.helpers import ROOT, read_line, unique_name, wait_for
+from tests.server.gateway import TLS  # (polled: one TLS context, not one per call)
 
 CLIENT = """
 import os, sys, fenced
@@ -80,7 +81,7 @@ def planted_gateways(etcd_server: EtcdServer) -> Iterator[list[FencedServer]]:
 
 
 def _waiters(gateway: FencedServer, name: str) -> int:
-    got = httpx.get(f"{gateway.url}/v1/locks/{name}", timeout=10).json()
+    got = httpx.get(f"{gateway.url}/v1/locks/{name}", timeout=10, verify=TLS).json()
     return int(got["waiters"] or 0)
 
 
