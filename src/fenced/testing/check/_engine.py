@@ -10,6 +10,7 @@ processes and servers, how each fault is aimed and struck, its final state and i
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -87,8 +88,17 @@ class Workload(Protocol[R_co]):
     def close(self) -> None:
         """Stop whatever still runs (after :meth:`settle`, or after an error midway)."""
 
-    def judge(self, events: list[Event], faults: dict[str, int], seconds: float) -> R_co:
-        """The verdict on the whole history."""
+    def is_operation(self, event: Event) -> bool:
+        """Whether ``event`` is one operation of the workload (what a run's ``operations``
+        count counts: a worker's write, say, not the nemesis' own)."""
+        ...
+
+    def judge(
+        self, events: list[Event], faults: dict[str, int], seconds: float, short: str = ""
+    ) -> R_co:
+        """The verdict on the whole history. ``short``, when not empty, says which of the
+        counts the run was asked for its time bound ended before (the verdict must then fail
+        unless it already does: a slow machine must not pass having tested less)."""
         ...
 
 
@@ -97,7 +107,12 @@ class Campaign(Generic[R]):
     the same schedule), writing ``out/history.jsonl``. ``progress(elapsed, what)`` is called
     at each fault; ``stop_at_first`` ends the run once every nemesis has struck and the history
     so far shows a violation of one of the workload's ``prefix_checkers`` (the verdict is still
-    every checker over the whole history)."""
+    every checker over the whole history).
+
+    Counts (``faults``: each nemesis struck at least that many times; ``operations``: at least
+    that many of the workload's operations done) make the run end as soon as both are reached,
+    and ``seconds`` its bound: a run whose bound ends first is judged ``short`` (it fails), so a
+    slow machine tests as much as a fast one, only slower, or says it could not."""
 
     def __init__(
         self,
@@ -108,7 +123,11 @@ class Campaign(Generic[R]):
         seed: int = 0,
         progress: Callable[[float, str], None] | None = None,
         stop_at_first: bool = False,
+        faults: int = 0,
+        operations: int = 0,
     ) -> None:
+        if faults < 0 or operations < 0:
+            raise ConfigurationError("a campaign's counts of faults and operations must be >= 0")
         self.workload = workload
         self.out = Path(out)
         self.seconds = seconds
@@ -117,6 +136,10 @@ class Campaign(Generic[R]):
         self.stop_at_first = stop_at_first
         self.path = self.out / "history.jsonl"
         self.faults: dict[str, int] = {n: 0 for n in workload.nemeses}
+        self.min_faults, self.min_operations = faults, operations
+        self.operations = 0  # the workload's operations in the history so far
+        self._read_to = 0  # (how far the history was read for them)
+        self.short = ""  # which counts the time bound ended before (empty: none, or none asked)
 
     def run(self) -> R:
         w = self.workload
@@ -136,16 +159,23 @@ class Campaign(Generic[R]):
                 w.close()
             finally:
                 history.close()
-        return w.judge(read_history(self.path), self.faults, time.monotonic() - start)
+        events = read_history(self.path)
+        if self.min_faults or self.min_operations:
+            self._count()
+            self.short = self._shortfall()
+        return w.judge(events, self.faults, time.monotonic() - start, self.short)
 
     def _nemesis(self, history: History, rng: random.Random, start: float) -> None:
         """Deal faults until ``seconds`` after ``start``."""
         w, faults = self.workload, self.faults
         deck: list[str] = []
+        counted = bool(self.min_faults or self.min_operations)
         while time.monotonic() - start < self.seconds:
             time.sleep(w.pace(rng))  # (the schedule's own clock, not a synchronisation)
             if time.monotonic() - start >= self.seconds:
                 break  # (no fault dealt once the time is up)
+            if counted and not self._shortfall(self._count()):
+                break  # (as much as was asked for was tested)
             if self.stop_at_first and all(faults.values()) and self._caught():
                 break  # (each nemesis has struck once: a result still counts every kind)
             w.healthy()
@@ -165,6 +195,30 @@ class Campaign(Generic[R]):
             if self.progress:
                 self.progress(time.monotonic() - start, f"{kind} {fault.victim}")
             fault.strike()
+
+    def _count(self) -> int:
+        """The workload's operations in the history so far (read on from where it was)."""
+        with open(self.path, "rb") as f:
+            f.seek(self._read_to)
+            chunk = f.read()
+        complete = chunk[: chunk.rfind(b"\n") + 1]  # (a line being written: next time)
+        self._read_to += len(complete)
+        for line in complete.splitlines():
+            if self.workload.is_operation(json.loads(line)):
+                self.operations += 1
+        return self.operations
+
+    def _shortfall(self, operations: int | None = None) -> str:
+        """What of the asked-for counts is missing ("" when both are reached)."""
+        done = self.operations if operations is None else operations
+        missing = [
+            f"{kind} {n} of {self.min_faults}"
+            for kind, n in self.faults.items()
+            if n < self.min_faults
+        ]
+        if done < self.min_operations:
+            missing.append(f"operations {done} of {self.min_operations}")
+        return ", ".join(missing)
 
     def _caught(self) -> bool:
         """Whether the history so far shows a violation of a prefix checker."""

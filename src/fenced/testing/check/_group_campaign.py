@@ -442,7 +442,12 @@ class GroupWorkload:
         finally:
             self._servers.close()
 
-    def judge(self, events: list[Event], faults: dict[str, int], seconds: float) -> GroupRun:
+    def is_operation(self, event: Event) -> bool:
+        return bool(event["op"] == "complete")  # (a write or a read, answered or not)
+
+    def judge(
+        self, events: list[Event], faults: dict[str, int], seconds: float, short: str = ""
+    ) -> GroupRun:
         ops_done = operations(events)
         counts = {
             "acknowledged writes": sum(
@@ -454,7 +459,12 @@ class GroupWorkload:
                 1 for e in events if e["op"] == "apply" and str(e["ok"]).startswith("stale")
             ),
         }
-        return GroupRun(check_group(events), counts, faults, events)
+        violations = check_group(events)
+        if short and not violations:  # (counts asked for and not reached: never a pass)
+            violations.append(
+                Violation("counts not reached", f"the time bound ended first: {short}")
+            )
+        return GroupRun(violations, counts, faults, events)
 
 
 def run_group_campaign(
