@@ -277,6 +277,11 @@ def _current_holder(path: Path) -> str | None:
     return holder
 
 
+def _worker_log(out: Path, name: str) -> Path:
+    """Worker ``name``'s log in the run's directory."""
+    return out / f"worker-{name}.log"
+
+
 def _wait_ready(proc: subprocess.Popen[bytes], log: Path, limit: float = 60.0) -> None:
     """Until the worker says it has its signal handlers (a SIGUSR1 before that kills it)."""
     assert proc.stdout is not None
@@ -726,9 +731,13 @@ class LocksWorkload:
         self.env["PYTHONPATH"] = os.pathsep.join(
             filter(None, [self.env.get("PYTHONPATH"), os.getcwd()])
         )
-        self.procs.extend(self._spawn() for _ in range(self.workers))
+        # Started together, then each waited for: a Python start-up each, side by side (one
+        # after the other, a loaded machine's start-ups added up to seconds before any fault).
+        self.procs.extend(self._spawn(ready=False) for _ in range(self.workers))
+        for p in self.procs:
+            _wait_ready(p, _worker_log(self.out, self.names[p.pid]))
 
-    def _spawn(self) -> subprocess.Popen[bytes]:
+    def _spawn(self, ready: bool = True) -> subprocess.Popen[bytes]:
         self.serial += 1
         serial, nemesis, out = self.serial, self.nemeses, self.out
         ways: list[TcpProxy] = []
@@ -757,7 +766,7 @@ class LocksWorkload:
 
             ns = self.netns[(serial - 1) % len(self.netns)]
             argv = [str(_ip_binary()), "netns", "exec", ns, *argv]
-        with open(out / f"worker-w{serial}.log", "wb") as log:
+        with open(_worker_log(out, f"w{serial}"), "wb") as log:
             proc = subprocess.Popen(
                 argv,
                 stdin=subprocess.PIPE,
@@ -770,7 +779,8 @@ class LocksWorkload:
         if resource_way is not None:
             self.to_resource[proc.pid] = resource_way
         self.names[proc.pid] = f"w{serial}"
-        _wait_ready(proc, out / f"worker-w{serial}.log")
+        if ready:
+            _wait_ready(proc, _worker_log(out, f"w{serial}"))
         return proc
 
     # -- the nemesis ---------------------------------------------------------------------------
