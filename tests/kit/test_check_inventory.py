@@ -132,7 +132,7 @@ def test_the_cli_runs_the_users_service_and_exits_65_on_a_violation(tmp_path: Pa
         [
             sys.executable, "-m", "fenced.cli", "check",
             "--resource", f"http://127.0.0.1:{port}/items/widgets", "--resource-cmd", cmd,
-            "--source", source, "--time", "90", "--faults", "1", "--writes", "10", "--ttl", "0.5", "--nemesis", "stall", "--report", str(tmp_path / "r"),
+            "--source", source, "--time", "90", "--faults", "2", "--ttl", "0.5", "--nemesis", "stall", "--report", str(tmp_path / "r"),
         ],
         capture_output=True, text=True, timeout=120,
         env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"},
