@@ -1,6 +1,7 @@
-"""A campaign measured in faults (``Campaign(faults_each=N)``): it ends once every nemesis
-struck N times with enough operations in the history, and fails when its time bound ends
-first (a run too slow to deal its faults tested less than asked)."""
+"""A campaign measured in faults (``Campaign(faults=N, enough=...)``): it ends once every
+nemesis struck N times with what the workload's checks need in the history, and is judged
+``short`` when its time bound ends first (a run too slow to deal its faults tested less than
+asked, and must not pass)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import fenced
-from fenced.testing.check import Campaign, CampaignError, Fault
+from fenced.testing.check import Campaign, Fault
 from fenced.testing.check._checkers import Checker
 from fenced.testing.check._history import Event, History
 
@@ -48,8 +49,13 @@ class Deck:
         if self.history is not None:
             self.history.close()
 
-    def judge(self, events: list[Event], faults: dict[str, int], seconds: float) -> float:
-        return seconds
+    def is_operation(self, event: Event) -> bool:
+        return bool(event["op"] == "op")
+
+    def judge(
+        self, events: list[Event], faults: dict[str, int], seconds: float, short: str = ""
+    ) -> str:
+        return short
 
 
 def ops(events: list[Event]) -> int:
@@ -58,10 +64,10 @@ def ops(events: list[Event]) -> int:
 
 def test_it_ends_once_every_fault_struck_with_enough_operations(tmp_path: Path) -> None:
     start = time.monotonic()
-    camp: Campaign[float] = Campaign(
-        Deck(), tmp_path, seconds=30, faults_each=3, enough=lambda events: ops(events) >= 10
+    camp: Campaign[str] = Campaign(
+        Deck(), tmp_path, seconds=30, faults=3, enough=lambda events: ops(events) >= 10
     )
-    camp.run()
+    assert camp.run() == ""  # (nothing short)
     assert time.monotonic() - start < 15  # (the 30 s bound never reached)
     assert min(camp.faults.values()) >= 3, camp.faults
 
@@ -69,14 +75,16 @@ def test_it_ends_once_every_fault_struck_with_enough_operations(tmp_path: Path) 
 @pytest.mark.parametrize("short", ["faults", "operations"])
 def test_a_bound_that_ends_first_fails_the_run(tmp_path: Path, short: str) -> None:
     workload = Deck(can_strike=lambda kind: short != "faults" or kind == "a")
-    camp: Campaign[float] = Campaign(
-        workload, tmp_path, seconds=0.5, faults_each=1,
+    camp: Campaign[str] = Campaign(
+        workload, tmp_path, seconds=0.5, faults=1,
         enough=lambda events: short != "operations",
     )  # fmt: skip
-    with pytest.raises(CampaignError, match="bound ended before every nemesis struck 1 times"):
-        camp.run()
+    verdict = camp.run()
+    assert verdict == (
+        "b 0 of 1" if short == "faults" else "what the workload's checks need (enough)"
+    )
 
 
-def test_faults_each_is_not_negative(tmp_path: Path) -> None:
-    with pytest.raises(fenced.ConfigurationError, match="faults_each -1"):
-        Campaign(Deck(), tmp_path, seconds=1, faults_each=-1)
+def test_counts_are_not_negative(tmp_path: Path) -> None:
+    with pytest.raises(fenced.ConfigurationError, match="must be >= 0"):
+        Campaign(Deck(), tmp_path, seconds=1, faults=-1)

@@ -39,8 +39,10 @@ def test_the_same_run_without_a_plant_passes(tmp_path: Path) -> None:
 @pytest.mark.parametrize("plant", ["off-by-one", "write-then-check"])
 def test_the_plants_the_tester_saw_pass_are_caught_by_a_checker(plant: str, tmp_path: Path) -> None:
     """The tester's own command: caught by the checkers that see the mistake (not merely "plant
-    not exercised"), and early: the run stops at its first violation (measured 7 s of 10)."""
-    run = _check(tmp_path, "--plant", plant, time=10)
+    not exercised"), and early: the run stops at its first violation (measured 7 s of 10).
+    Its 10 s bound by counts (6 stalls, the 90 s bound): at load 26, 10 s dealt 2 stalls and
+    missed the window."""
+    run = _check(tmp_path, "--plant", plant, "--faults", "6", time=90)
     assert run.returncode == EXIT_VIOLATION, (run.stdout, run.stderr)
     seen = {line.split(":")[0].removeprefix("VIOLATION ") for line in run.stdout.splitlines()
             if line.startswith("VIOLATION")}  # fmt: skip

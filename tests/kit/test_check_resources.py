@@ -29,17 +29,25 @@ def _campaign(
     *,
     source: str = "",
     nemesis: list[str] = FAULTS,
-    seconds: float = 6,
+    faults: int = 1,
+    writes: int = 10,
+    workers: int = 2,
     ttl: float = 0.5,
     seed: int = 1,
     stop_at_first: bool = False,
 ) -> CampaignResult:
+    """A run bounded by counts: each nemesis ``faults`` times and ``writes`` writes (it ends
+    when they are reached; the 90 s bound fails it if they are not). Two workers by default:
+    a stale writer needs one successor, and each worker is a Python process."""
     return run_campaign(
         source or f"sqlite:///{tmp_path}/locks.db",
         tmp_path / "r",
         resource=resource,
         nemesis=nemesis,
-        seconds=seconds,
+        seconds=90,
+        faults=faults,
+        writes=writes,
+        workers=workers,
         ttl=ttl,
         seed=seed,
         stop_at_first=stop_at_first,
@@ -68,7 +76,10 @@ def test_a_redis_key_with_signed_tokens_forged_tokens_and_clock_steps(
         tmp_path / "r",
         resource=f"{redis_server.url}?key=check-{tmp_path.name}",
         nemesis=["stall", "kill", "forge", "clock"],
-        seconds=8,
+        seconds=90,
+        faults=1,
+        writes=10,
+        workers=2,
         ttl=0.5,
         seed=2,
         signing=True,
@@ -111,7 +122,7 @@ def test_a_users_adapter_whose_write_is_two_steps_is_stalled_between_them(
     for seed in (1, 2):
         result = _campaign(
             tmp_path / f"s{seed}", "python:tests.kit.check_adapter:CheckThenWrite",
-            nemesis=["stall"], seconds=10, seed=seed, stop_at_first=True,
+            nemesis=["stall"], faults=8, workers=3, seed=seed, stop_at_first=True,
         )  # fmt: skip
         found = {v.checker for v in result.violations}
         if found:
@@ -162,7 +173,8 @@ def test_an_http_service_that_checks_then_writes_is_caught(
             tmp_path / str(seed),
             register_service,
             nemesis=["stall"],
-            seconds=10,
+            faults=8,  # (it stops at its first violation: 8 stalls bound its effort)
+            workers=3,
             seed=seed,
             stop_at_first=True,
         )
@@ -181,10 +193,6 @@ def test_redis_source_and_resource_with_partitions_delays_and_restarts(tmp_path:
             f"{resource_server.url}?key=check",
             source="redis",
             nemesis=["partition", "delay", "restart", "stall"],
-            seconds=10,
-            # A seed's faults come in a fixed order, and how many fit in the 10 s depends on the
-            # machine: seed 5's first three are restart, partition, delay (seed 4 had its first
-            # delay 17th, and a slow CI run stopped at 16).
             seed=5,
         )
     _holds(result)
@@ -202,10 +210,8 @@ def test_postgresql_clock_steps_end_leases_early_but_the_fence_holds(tmp_path: P
     if faketime_library() is None:
         pytest.skip("libfaketime is not installed (make test installs it as root)")
     result = _campaign(
-        tmp_path, "", source="postgresql", nemesis=["clock", "stall"], seconds=10, ttl=1.0, seed=0
+        tmp_path, "", source="postgresql", nemesis=["clock", "stall"], faults=2, ttl=1.0, seed=0
     )
     found = {v.checker for v in result.violations}
     assert found <= {"overlap"}, [str(v) for v in result.violations]
-    # (faults come in rounds, each nemesis once a round: two rounds in 10 s, PostgreSQL's start
-    # included)
     assert result.faults["clock"] >= 2 and result.accepted >= 5, result.faults

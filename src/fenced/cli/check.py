@@ -62,7 +62,27 @@ def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
         "the kit starts it, kills -9 and restarts it on the same data, pauses it",
     )
     check_kit.add_argument("--lock", default="counter", help="the lock the workers take")
-    check_kit.add_argument("--time", type=_grace, default=20.0, help="seconds of faults (20)")
+    check_kit.add_argument(
+        "--time",
+        type=_grace,
+        default=20.0,
+        help="seconds of faults (20); with --faults or --writes, the run's bound: a run it ends "
+        "before their counts fails ('counts not reached')",
+    )
+    check_kit.add_argument(
+        "--faults",
+        type=_count,
+        default=0,
+        metavar="N",
+        help="end the run once each nemesis has struck N times (and --writes are done)",
+    )
+    check_kit.add_argument(
+        "--writes",
+        type=_count,
+        default=0,
+        metavar="N",
+        help="end the run once the workers made N writes (and --faults have struck)",
+    )
     check_kit.add_argument("--workers", type=int, default=3, help="worker processes (3)")
     check_kit.add_argument("--ttl", type=_ttl, default=1.0, help="the workers' lease ttl (1)")
     check_kit.add_argument(
@@ -91,6 +111,16 @@ def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
         "no checker caught fails as 'plant not exercised'): ",  # (the plants' names: _PlantsHelp)
     )
     return check_kit
+
+
+def _count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if not 0 <= n <= 1_000_000:
+        raise argparse.ArgumentTypeError(f"a count 0-1000000, not {text!r}")
+    return n
 
 
 def _shifted(tick: Callable[[float, str], None], offset: float, elapsed: float, what: str) -> None:
@@ -138,6 +168,8 @@ def run(args: argparse.Namespace) -> int:
                 progress=functools.partial(_shifted, tick, spent),
                 resource_cmd=args.resource_cmd,
                 stop_at_first=bool(plant),
+                faults=args.faults,
+                writes=args.writes,
             )
             spent += result.seconds
             caught = {v.checker for v in result.violations} - {"plant not exercised"}

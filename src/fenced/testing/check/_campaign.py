@@ -277,6 +277,11 @@ def _current_holder(path: Path) -> str | None:
     return holder
 
 
+def _worker_log(out: Path, name: str) -> Path:
+    """Worker ``name``'s log in the run's directory."""
+    return out / f"worker-{name}.log"
+
+
 def _wait_ready(proc: subprocess.Popen[bytes], log: Path, limit: float = 60.0) -> None:
     """Until the worker says it has its signal handlers (a SIGUSR1 before that kills it)."""
     assert proc.stdout is not None
@@ -726,9 +731,13 @@ class LocksWorkload:
         self.env["PYTHONPATH"] = os.pathsep.join(
             filter(None, [self.env.get("PYTHONPATH"), os.getcwd()])
         )
-        self.procs.extend(self._spawn() for _ in range(self.workers))
+        # Started together, then each waited for: a Python start-up each, side by side (one
+        # after the other, a loaded machine's start-ups added up to seconds before any fault).
+        self.procs.extend(self._spawn(ready=False) for _ in range(self.workers))
+        for p in self.procs:
+            _wait_ready(p, _worker_log(self.out, self.names[p.pid]))
 
-    def _spawn(self) -> subprocess.Popen[bytes]:
+    def _spawn(self, ready: bool = True) -> subprocess.Popen[bytes]:
         self.serial += 1
         serial, nemesis, out = self.serial, self.nemeses, self.out
         ways: list[TcpProxy] = []
@@ -757,7 +766,7 @@ class LocksWorkload:
 
             ns = self.netns[(serial - 1) % len(self.netns)]
             argv = [str(_ip_binary()), "netns", "exec", ns, *argv]
-        with open(out / f"worker-w{serial}.log", "wb") as log:
+        with open(_worker_log(out, f"w{serial}"), "wb") as log:
             proc = subprocess.Popen(
                 argv,
                 stdin=subprocess.PIPE,
@@ -770,7 +779,8 @@ class LocksWorkload:
         if resource_way is not None:
             self.to_resource[proc.pid] = resource_way
         self.names[proc.pid] = f"w{serial}"
-        _wait_ready(proc, out / f"worker-w{serial}.log")
+        if ready:
+            _wait_ready(proc, _worker_log(out, f"w{serial}"))
         return proc
 
     # -- the nemesis ---------------------------------------------------------------------------
@@ -960,7 +970,12 @@ class LocksWorkload:
             if self.scratch:
                 shutil.rmtree(self.scratch, ignore_errors=True)
 
-    def judge(self, events: list[Event], faults: dict[str, int], seconds: float) -> CampaignResult:
+    def is_operation(self, event: Event) -> bool:
+        return event["op"] == "write" and not event.get("forged")  # (a forger's: the nemesis')
+
+    def judge(
+        self, events: list[Event], faults: dict[str, int], seconds: float, short: str = ""
+    ) -> CampaignResult:
         writes = [e for e in events if e["op"] == "write"]
         violations = check_all(events)
         needs, plant = self.needs, self.plant
@@ -980,6 +995,14 @@ class LocksWorkload:
                     "plant not exercised",
                     f"--plant {plant} was never caught: the faults of this run ({', '.join(self.nemeses)}, "
                     f"seed {self.seed}) did not open its window; give it more --time or another --seed",
+                )
+            )
+        if short and not violations:
+            # Asked for counts, given too few: a pass here would hide that less was tested.
+            violations.append(
+                Violation(
+                    "counts not reached",
+                    f"the run's time bound ended before its counts ({short}): give it more --time",
                 )
             )
         report = write_report(events, violations, self.out / "report.html")
@@ -1014,6 +1037,8 @@ def run_campaign(
     progress: Callable[[float, str], None] | None = None,
     resource_cmd: str | Sequence[str] = "",
     stop_at_first: bool = False,
+    faults: int = 0,
+    writes: int = 0,
 ) -> CampaignResult:
     """Run one campaign of the locks workload (:class:`LocksWorkload`) and check it.
     ``source``: a token-source URL, an engine name the kit
@@ -1028,15 +1053,20 @@ def run_campaign(
     guard verifies them. ``progress(elapsed, what)`` is called as the run goes.
     ``stop_at_first``: end the run early once every nemesis has struck and the history so
     far shows a violation that later events cannot take back (:data:`PREFIX_CHECKERS`); the
-    verdict is still every checker over the whole history, the final state included."""
+    verdict is still every checker over the whole history, the final state included.
+    ``faults``, ``writes``: counts — each nemesis struck at least ``faults`` times and at least
+    ``writes`` writes made by the workers (accepted, refused or unanswered) — that end the run
+    as soon as both are reached; ``seconds`` is then the run's bound, and a run whose bound
+    ends first fails ("counts not reached") unless it already found a violation."""
     out = Path(out)
     workload = LocksWorkload(
         source, out, resource=resource, lock=lock, workers=workers, ttl=ttl, nemesis=nemesis,
         seed=seed, plant=plant, signing=signing, resource_cmd=resource_cmd,
     )  # fmt: skip
     campaign: Campaign[CampaignResult] = Campaign(
-        workload, out, seconds=seconds, seed=seed, progress=progress, stop_at_first=stop_at_first
-    )
+        workload, out, seconds=seconds, seed=seed, progress=progress,
+        stop_at_first=stop_at_first, faults=faults, operations=writes,
+    )  # fmt: skip
     return campaign.run()
 
 

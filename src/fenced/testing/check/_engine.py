@@ -10,6 +10,7 @@ processes and servers, how each fault is aimed and struck, its final state and i
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -87,8 +88,17 @@ class Workload(Protocol[R_co]):
     def close(self) -> None:
         """Stop whatever still runs (after :meth:`settle`, or after an error midway)."""
 
-    def judge(self, events: list[Event], faults: dict[str, int], seconds: float) -> R_co:
-        """The verdict on the whole history."""
+    def is_operation(self, event: Event) -> bool:
+        """Whether ``event`` is one operation of the workload (what a run's ``operations``
+        count counts: a worker's write, say, not the nemesis' own)."""
+        ...
+
+    def judge(
+        self, events: list[Event], faults: dict[str, int], seconds: float, short: str = ""
+    ) -> R_co:
+        """The verdict on the whole history. ``short``, when not empty, says which of the
+        counts the run was asked for its time bound ended before (the verdict must then fail
+        unless it already does: a slow machine must not pass having tested less)."""
         ...
 
 
@@ -99,10 +109,12 @@ class Campaign(Generic[R]):
     so far shows a violation of one of the workload's ``prefix_checkers`` (the verdict is still
     every checker over the whole history).
 
-    ``faults_each=N`` measures the run in faults rather than time: it ends as soon as every
-    nemesis has struck N times and ``enough(history so far)`` holds (the operations the
-    checks need), ``seconds`` is then only its bound, and a bound that ends first is a
-    :class:`CampaignError` (a run too slow to deal its faults tested less than asked)."""
+    Counts (``faults``: each nemesis struck at least that many times; ``operations``: at least
+    that many of the workload's operations done; ``enough``: a test on the history so far, for
+    what a workload's checks need beyond a count, e.g. a refused stale change) make the run end
+    as soon as all are reached, and ``seconds`` its bound: a run whose bound ends first is judged
+    ``short`` (it fails), so a slow machine tests as much as a fast one, only slower, or says it
+    could not."""
 
     def __init__(
         self,
@@ -113,20 +125,24 @@ class Campaign(Generic[R]):
         seed: int = 0,
         progress: Callable[[float, str], None] | None = None,
         stop_at_first: bool = False,
-        faults_each: int = 0,
+        faults: int = 0,
+        operations: int = 0,
         enough: Callable[[list[Event]], bool] | None = None,
     ) -> None:
-        if faults_each < 0:
-            raise ConfigurationError(f"faults_each {faults_each}: 0 (a run in time) or more")
+        if faults < 0 or operations < 0:
+            raise ConfigurationError("a campaign's counts of faults and operations must be >= 0")
         self.workload = workload
         self.out = Path(out)
         self.seconds = seconds
-        self.faults_each, self.enough = faults_each, enough  # (a run in faults: see above)
         self.seed = seed
         self.progress = progress
         self.stop_at_first = stop_at_first
         self.path = self.out / "history.jsonl"
         self.faults: dict[str, int] = {n: 0 for n in workload.nemeses}
+        self.min_faults, self.min_operations, self.enough = faults, operations, enough
+        self.operations = 0  # the workload's operations in the history so far
+        self._read_to = 0  # (how far the history was read for them)
+        self.short = ""  # which counts the time bound ended before (empty: none, or none asked)
 
     def run(self) -> R:
         w = self.workload
@@ -146,19 +162,22 @@ class Campaign(Generic[R]):
                 w.close()
             finally:
                 history.close()
-        return w.judge(read_history(self.path), self.faults, time.monotonic() - start)
+        events = read_history(self.path)
+        if self._counted:
+            self._count()
+            self.short = self._shortfall()
+        return w.judge(events, self.faults, time.monotonic() - start, self.short)
 
     def _nemesis(self, history: History, rng: random.Random, start: float) -> None:
-        """Deal faults until ``seconds`` after ``start`` (or, with ``faults_each``, until every
-        nemesis struck that often)."""
+        """Deal faults until ``seconds`` after ``start``."""
         w, faults = self.workload, self.faults
         deck: list[str] = []
         while time.monotonic() - start < self.seconds:
-            if self.faults_each and self._counted():
-                return
             time.sleep(w.pace(rng))  # (the schedule's own clock, not a synchronisation)
             if time.monotonic() - start >= self.seconds:
                 break  # (no fault dealt once the time is up)
+            if self._counted and not self._shortfall(self._count()):
+                break  # (as much as was asked for was tested)
             if self.stop_at_first and all(faults.values()) and self._caught():
                 break  # (each nemesis has struck once: a result still counts every kind)
             w.healthy()
@@ -178,17 +197,37 @@ class Campaign(Generic[R]):
             if self.progress:
                 self.progress(time.monotonic() - start, f"{kind} {fault.victim}")
             fault.strike()
-        if self.faults_each and not self._counted():
-            raise CampaignError(
-                f"the {self.seconds:g} s bound ended before every nemesis struck "
-                f"{self.faults_each} times ({faults}) with enough operations"
-            )
 
+    def _count(self) -> int:
+        """The workload's operations in the history so far (read on from where it was)."""
+        with open(self.path, "rb") as f:
+            f.seek(self._read_to)
+            chunk = f.read()
+        complete = chunk[: chunk.rfind(b"\n") + 1]  # (a line being written: next time)
+        self._read_to += len(complete)
+        for line in complete.splitlines():
+            if self.workload.is_operation(json.loads(line)):
+                self.operations += 1
+        return self.operations
+
+    def _shortfall(self, operations: int | None = None) -> str:
+        """What of the asked-for counts is missing ("" when both are reached)."""
+        done = self.operations if operations is None else operations
+        missing = [
+            f"{kind} {n} of {self.min_faults}"
+            for kind, n in self.faults.items()
+            if n < self.min_faults
+        ]
+        if done < self.min_operations:
+            missing.append(f"operations {done} of {self.min_operations}")
+        if not missing and self.enough is not None and not self.enough(read_history(self.path)):
+            missing.append("what the workload's checks need (enough)")
+        return ", ".join(missing)
+
+    @property
     def _counted(self) -> bool:
-        """Whether a run measured in faults has dealt them all, with enough operations."""
-        if min(self.faults.values(), default=0) < self.faults_each:
-            return False
-        return self.enough is None or self.enough(read_history(self.path))
+        """Whether the run is measured in counts (then ``seconds`` is only its bound)."""
+        return bool(self.min_faults or self.min_operations or self.enough)
 
     def _caught(self) -> bool:
         """Whether the history so far shows a violation of a prefix checker."""

@@ -442,8 +442,18 @@ class GroupWorkload:
         finally:
             self._servers.close()
 
-    def judge(self, events: list[Event], faults: dict[str, int], seconds: float) -> GroupRun:
-        return GroupRun(check_group(events), group_counts(events), faults, events)
+    def is_operation(self, event: Event) -> bool:
+        return bool(event["op"] == "complete")  # (a write or a read, answered or not)
+
+    def judge(
+        self, events: list[Event], faults: dict[str, int], seconds: float, short: str = ""
+    ) -> GroupRun:
+        violations = check_group(events)
+        if short and not violations:  # (counts asked for and not reached: never a pass)
+            violations.append(
+                Violation("counts not reached", f"the time bound ended first: {short}")
+            )
+        return GroupRun(violations, group_counts(events), faults, events)
 
 
 def group_counts(events: list[Event]) -> dict[str, int]:
@@ -478,9 +488,9 @@ def run_group_campaign(
     """Run writers and readers against a group of ``replicas`` for ``seconds`` under the
     nemesis (:class:`GroupWorkload` in the one :class:`~fenced.testing.check.Campaign`), then
     check the history. ``faults_each=N``: until every nemesis struck N times instead, with
-    ``seconds`` as the bound (:class:`~fenced.testing.check.Campaign`), and at least
-    ``at_least`` of :func:`group_counts` (``{"reads": 20}``, say). Returns the verdicts
-    (see :class:`GroupRun`)."""
+    ``seconds`` as the bound (:class:`~fenced.testing.check.Campaign`'s ``faults``), and at
+    least ``at_least`` of :func:`group_counts` (``{"reads": 20}``, say); a bound that ends
+    first is the violation "counts not reached". Returns the verdicts (see :class:`GroupRun`)."""
     out = Path(out)
     workload = GroupWorkload(
         out, replicas=replicas, source=source, writers=writers, readers=readers, ttl=ttl,
@@ -493,8 +503,9 @@ def run_group_campaign(
         return all(counts[k] >= n for k, n in minimum.items())
 
     campaign: Campaign[GroupRun] = Campaign(
-        workload, out, seconds=seconds, seed=seed, faults_each=faults_each, enough=enough
-    )
+        workload, out, seconds=seconds, seed=seed, faults=faults_each,
+        enough=enough if minimum else None,
+    )  # fmt: skip
     return campaign.run()
 
 
