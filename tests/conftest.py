@@ -309,6 +309,10 @@ def _pg_empty_again(server: PostgresServer, db: str) -> bool:
             conn.execute(f'DROP SCHEMA "{name}" CASCADE')
         conn.execute("CREATE SCHEMA public")
         conn.execute("GRANT ALL ON SCHEMA public TO PUBLIC")
+        # As DROP DATABASE did: a checkpoint, so that a later test's kill -9 of the server
+        # replays only its own WAL (without, its crash recovery replayed every earlier test's
+        # and took longer than the 5 s lease test_reconnects_after_server_restart holds).
+        conn.execute("CHECKPOINT")
         # (anything the schemas do not hold, e.g. an extension's objects, refuses reuse)
         extensions = conn.execute("SELECT count(*) FROM pg_extension WHERE extname <> 'plpgsql'")
         row = extensions.fetchone()
