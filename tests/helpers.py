@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import socket
 import subprocess
@@ -215,13 +216,23 @@ def headless(*args: str, budget_ms: int = 0) -> str:
     return out.stdout
 
 
+@functools.cache
+def _aio_session() -> Any:
+    """One aiobotocore session per process, as boto3's default session: a new session
+    loads and parses the service's JSON model again (~80 ms of CPU a client, against ~5 ms
+    from a session that has it), and the guard conformance files make hundreds of clients.
+    A session holds no loop or connection (each client has its own), so sharing is safe."""
+    from aiobotocore.session import get_session
+
+    return get_session()
+
+
 def aio_aws_client(kind: str, endpoint: str, *, dead: bool = False) -> Any:
     """The aiobotocore twin of :func:`aws_client`: an async context manager giving the client."""
     from aiobotocore.config import AioConfig
-    from aiobotocore.session import get_session
 
     config = AioConfig(connect_timeout=1, retries={"max_attempts": 1}) if dead else None
-    return get_session().create_client(
+    return _aio_session().create_client(
         kind,
         endpoint_url=endpoint,
         region_name="us-east-1",
