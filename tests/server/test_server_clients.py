@@ -455,14 +455,15 @@ def test_a_holder_keeps_its_lease_through_a_pause_past_keep_alive_and_a_gateway_
     server = FencedServer(f"sqlite:///{tmp_path / 'locks.db'}", prelude=_KEEP_ALIVE_1S)
     with server:
         target = f"{storage}/files/kept"
-        # (ttl 6: renewals every 2 s, confirmed for 5.4 s)
-        h = holder(server.url, lock, target, "kept", ttl=6)
+        # (ttl 12: renewals every 4 s, confirmed for 10.8 s: 6.3 s left after the pause for a
+        # renewal under load; with ttl 6, 2.9 s, it timed out at load 30)
+        h = holder(server.url, lock, target, "kept", ttl=12)
         assert h.line() == "token 1"
         # Stopped at once: the acquire's connection idles past keep-alive (1 s), and the first
-        # renewal (due after 2 s) is overdue when it wakes, 2.5 s into the lease.
+        # renewal (due after 4 s) is overdue when it wakes, 4.5 s into the lease.
         os.kill(h.proc.pid, signal.SIGSTOP)
         try:
-            time.sleep(2.5)  # the pause itself (what is tested, not a wait for something)
+            time.sleep(4.5)  # the pause itself (what is tested, not a wait for something)
         finally:
             os.kill(h.proc.pid, signal.SIGCONT)
         h.wait_for_a_renewal()
