@@ -3,7 +3,7 @@
     python examples/storage_service.py --port 8000 --dir /tmp/storage
 
 ``PUT /files/<name>`` stores the body, but only with a ``Fencing-Token`` header of lock
-``files`` that is not lower than any token this service has seen for that file (the high-water
+``files`` (``--lock`` names another) that is not lower than any token this service has seen for that file (the high-water
 mark is kept durably in ``<dir>/fence.db``, checked and advanced in one step by the
 middleware); a stale token gets 409 with a JSON problem and nothing is written.
 ``GET /files/<name>`` reads. Any language can be the writer: it only sends a header.
@@ -25,7 +25,7 @@ from starlette.routing import Route
 from fenced.guards.asgi import FencingMiddleware, SQLiteFenceStore
 
 
-def make_app(directory: Path, fencing: bool = True) -> Any:
+def make_app(directory: Path, fencing: bool = True, lock: str = "files") -> Any:
     directory.mkdir(parents=True, exist_ok=True)
 
     async def put(request: Request) -> Response:
@@ -53,19 +53,20 @@ def make_app(directory: Path, fencing: bool = True) -> Any:
         return app
     store = SQLiteFenceStore(str(directory / "fence.db"))
     # One high-water mark per file: the resource is the path.
-    return FencingMiddleware(app, store=store, lock="files", resource=lambda scope: scope["path"])
+    return FencingMiddleware(app, store=store, lock=lock, resource=lambda scope: scope["path"])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--dir", type=Path, required=True)
+    parser.add_argument("--lock", default="files", help="the lock whose tokens it takes")
     parser.add_argument(
         "--no-fencing", action="store_true", help="no guard: watch a paused writer win"
     )
     args = parser.parse_args()
     uvicorn.run(
-        make_app(args.dir, fencing=not args.no_fencing),
+        make_app(args.dir, fencing=not args.no_fencing, lock=args.lock),
         host="127.0.0.1",
         port=args.port,
         log_level="warning",

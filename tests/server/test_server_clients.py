@@ -8,6 +8,8 @@ non-Python processes."""
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import json
 import os
 import re
@@ -17,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -37,18 +40,37 @@ def _need(tool: str) -> str:
     return path
 
 
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FencedServer]:
+    """One ``fenced serve`` for the module's tests (each takes its own lock, ``lock``): a
+    gateway's start-up costs a second of CPU. A test that kills its gateway has its own
+    (``own_server``)."""
+    db = tmp_path_factory.mktemp("clients") / "locks.db"
+    with FencedServer(f"sqlite:///{db}") as s:
+        yield s  # type: ignore[misc]
+
+
 @pytest.fixture
-def server(tmp_path: Path) -> Iterator[FencedServer]:
+def own_server(tmp_path: Path) -> Iterator[FencedServer]:
     with FencedServer(f"sqlite:///{tmp_path / 'locks.db'}") as s:
         yield s  # type: ignore[misc]
 
 
+_LOCKS = itertools.count(1)
+
+
+@pytest.fixture
+def lock() -> str:
+    """This test's lock on the shared server: its tokens start at 1."""
+    return f"files-{next(_LOCKS)}"
+
+
 @pytest.fixture(params=["guarded"])
-def storage(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[str]:
-    """examples/storage_service.py as its own process: files behind fenced's HTTP guard
-    (or, planted, without it)."""
+def storage(tmp_path: Path, request: pytest.FixtureRequest, lock: str) -> Iterator[str]:
+    """examples/storage_service.py as its own process: files behind fenced's HTTP guard,
+    taking tokens of ``lock`` (or, planted, without the guard)."""
     port = free_port()
-    plant = ["--no-fencing"] if request.param == "unguarded" else []
+    plant = ["--no-fencing"] if request.param == "unguarded" else ["--lock", lock]
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -109,23 +131,39 @@ LANGUAGES = ["node", "java"]
 
 
 @pytest.fixture(scope="session")
-def java_classes(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The Java package, its holder example and its contract test, compiled once by javac
-    (warnings are errors)."""
+def java_classes() -> Path:
+    """The Java package, its holder example and its contract test, compiled by javac
+    (warnings are errors) once for these sources and this javac: kept in a cache directory
+    named by their hash, so a run (or an xdist worker) after the first starts no javac."""
     javac = _need("javac")
-    out = tmp_path_factory.mktemp("java-classes")
     sources = [
         *sorted((JAVA / "src" / "main" / "java").rglob("*.java")),
         JAVA / "examples" / "FencedHolder.java",
         JAVA / "test" / "ClientTest.java",
     ]
+    real = os.path.realpath(javac)
+    digest = hashlib.sha256(f"{real} {os.stat(real).st_mtime_ns}".encode())
+    for source in sources:
+        digest.update(str(source.relative_to(JAVA)).encode() + b"\0" + source.read_bytes())
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fenced-tests"
+    out = cache / f"java-{digest.hexdigest()[:24]}"
+    if out.is_dir():
+        return out
+    cache.mkdir(parents=True, exist_ok=True)
+    building = Path(tempfile.mkdtemp(prefix="java-", dir=cache))
     r = subprocess.run(
-        [javac, "-Xlint:all", "-Werror", "-d", str(out), *map(str, sources)],
+        [javac, "-Xlint:all", "-Werror", "-d", str(building), *map(str, sources)],
         capture_output=True,
         text=True,
         timeout=300,
     )
+    if r.returncode != 0:
+        shutil.rmtree(building, ignore_errors=True)
     assert r.returncode == 0, r.stdout + r.stderr
+    try:
+        building.rename(out)  # whole or not at all: a reader never sees half the classes
+    except OSError:  # another worker got there first: its classes are the same
+        shutil.rmtree(building, ignore_errors=True)
     return out
 
 
@@ -243,7 +281,7 @@ class Holder:
 
 
 @pytest.fixture(params=LANGUAGES)
-def holder(request: pytest.FixtureRequest, server: FencedServer) -> Iterator[Callable[..., Holder]]:
+def holder(request: pytest.FixtureRequest) -> Iterator[Callable[..., Holder]]:
     """Starts holders of one language (node or java); kills what is left at the end."""
     lang = request.param
     classes = request.getfixturevalue("java_classes") if lang == "java" else None
@@ -260,12 +298,12 @@ def holder(request: pytest.FixtureRequest, server: FencedServer) -> Iterator[Cal
 
 
 def test_a_holder_takes_a_lock_writes_through_the_guard_and_releases_once(
-    server: FencedServer, storage: str, holder: Callable[..., Holder]
+    server: FencedServer, storage: str, holder: Callable[..., Holder], lock: str
 ) -> None:
-    h = holder(server.url, "files", f"{storage}/files/report", "from the holder", ttl=5)
+    h = holder(server.url, lock, f"{storage}/files/report", "from the holder", ttl=5)
     assert h.line() == "token 1"
     h.say("write")
-    assert h.line().startswith("write 200 stored report with files:1")
+    assert h.line().startswith(f"write 200 stored report with {lock}:1")
     h.say("release")
     assert h.line() == "released true"
     h.say("release")  # idempotent: the same answer, nothing sent twice that could harm
@@ -274,19 +312,19 @@ def test_a_holder_takes_a_lock_writes_through_the_guard_and_releases_once(
     assert h.line() == "write skipped: the lease is lost"  # (released: no token handed out)
     assert h.end() == 0
     assert httpx.get(f"{storage}/files/report", timeout=10).text == "from the holder"
-    assert not httpx.get(f"{server.url}/v1/locks/files", timeout=10).json()["held"]
+    assert not httpx.get(f"{server.url}/v1/locks/{lock}", timeout=10).json()["held"]
 
 
 def test_figure_8_5_a_holder_paused_past_its_ttl_sees_lost_and_its_late_write_is_refused(
-    server: FencedServer, storage: str, holder: Callable[..., Holder]
+    server: FencedServer, storage: str, holder: Callable[..., Holder], lock: str
 ) -> None:
     """Client 1 (node or a JVM) gets token 1, checks its lease, and is stopped (SIGSTOP: a GC
     pause) past its lease; client 2 (curl) gets token 2 and writes (accepted). Client 1
     wakes: its own clock says lost before it could write (no token handed out), and the write
     it had checked before the pause, made with token 1, is refused by the guard; client 2's
     data stays."""
-    stale, lines, data = _figure_8_5(server, storage, holder)
-    assert stale.startswith("write 409") and "has accepted files:2" in stale, stale
+    stale, lines, data = _figure_8_5(server, storage, holder, lock)
+    assert stale.startswith("write 409") and f"has accepted {lock}:2" in stale, stale
     assert data == "client 2's write"
     # On waking it reports lost, and hands out no token: the new write is skipped.
     assert any(line.startswith("lost ") for line in lines), lines
@@ -296,7 +334,7 @@ def test_figure_8_5_a_holder_paused_past_its_ttl_sees_lost_and_its_late_write_is
 
 @pytest.mark.parametrize("storage", ["unguarded"], indirect=True)
 def test_figure_8_5_catches_a_storage_service_without_the_guard(
-    server: FencedServer, storage: str
+    server: FencedServer, storage: str, lock: str
 ) -> None:
     """Planted: the same service without fenced's guard. The paused writer's write lands
     over the current holder's: the test above would fail."""
@@ -307,7 +345,7 @@ def test_figure_8_5_catches_a_storage_service_without_the_guard(
         return made[-1]
 
     try:
-        stale, _, data = _figure_8_5(server, storage, start)
+        stale, _, data = _figure_8_5(server, storage, start, lock)
     finally:
         for h in made:
             h.close()
@@ -315,13 +353,13 @@ def test_figure_8_5_catches_a_storage_service_without_the_guard(
 
 
 def _figure_8_5(
-    server: FencedServer, storage: str, holder: Callable[..., Holder]
+    server: FencedServer, storage: str, holder: Callable[..., Holder], lock: str
 ) -> tuple[str, list[str], str]:
     """Returns client 1's late write line, its lines after waking, and what the storage
     holds at the end."""
     curl = _need("curl")
     target = f"{storage}/files/ledger"
-    one = holder(server.url, "files", target, "stale write from client 1", ttl=1)
+    one = holder(server.url, lock, target, "stale write from client 1", ttl=1)
     assert one.line() == "token 1"
     one.say("write paused")  # its check passes; the pause falls before the write
     assert one.line() == "checked"
@@ -333,7 +371,7 @@ def _figure_8_5(
                 "-s",
                 "-X",
                 "POST",
-                f"{server.url}/v1/locks/files/-/acquire",
+                f"{server.url}/v1/locks/{lock}/-/acquire",
                 "-d",
                 '{"ttl": 30, "timeout": 20, "request_id": "client-2"}',
             ],
@@ -341,7 +379,7 @@ def _figure_8_5(
             text=True,
             timeout=60,
         )
-        assert json.loads(r.stdout)["token"] == "files:2", r.stdout
+        assert json.loads(r.stdout)["token"] == f"{lock}:2", r.stdout
         wrote = subprocess.run(
             [
                 curl,
@@ -352,7 +390,7 @@ def _figure_8_5(
                 "PUT",
                 target,
                 "-H",
-                "Fencing-Token: files:2",
+                f"Fencing-Token: {lock}:2",
                 "--data-binary",
                 "client 2's write",
             ],
@@ -375,15 +413,15 @@ def _figure_8_5(
 
 
 def test_a_holder_whose_gateway_is_killed_reports_lost_and_stops_writing(
-    server: FencedServer, storage: str, holder: Callable[..., Holder]
+    own_server: FencedServer, storage: str, holder: Callable[..., Holder], lock: str
 ) -> None:
     """A renewal that cannot reach the server (kill -9 of the gateway) is retried while the
     lease's confirmed time lasts, then "lost": no crash (node once died of an unhandled
     rejection, "fetch failed"), no write after it; release says it could not tell."""
     target = f"{storage}/files/gone"
-    h = holder(server.url, "files", target, "after the gateway left", ttl=1)
+    h = holder(own_server.url, lock, target, "after the gateway left", ttl=1)
     assert h.line() == "token 1"
-    server.kill()  # SIGKILL: its port refuses connections from now on
+    own_server.kill()  # SIGKILL: its port refuses connections from now on
     lost = h.line()
     assert lost.startswith("lost not confirmed within its ttl (last renewal: no answer"), lost
     h.say("write")
@@ -395,35 +433,66 @@ def test_a_holder_whose_gateway_is_killed_reports_lost_and_stops_writing(
     assert httpx.get(target, timeout=10).status_code == 404  # nothing written
 
 
-def test_a_holder_keeps_its_lease_through_a_pause_past_keep_alive_and_a_gateway_restart(
-    server: FencedServer, storage: str, holder: Callable[..., Holder]
+# uvicorn's keep-alive (5 s; `fenced serve` has no option for it) set to 1 s in this gateway
+# alone, so that a pause past it need not last 5 s.
+_KEEP_ALIVE_1S = """
+import uvicorn
+_Config = uvicorn.Config
+class _KeepAlive1s(_Config):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **{**kwargs, "timeout_keep_alive": 1})
+uvicorn.Config = _KeepAlive1s
+"""
+
+
+def test_a_holder_keeps_its_lease_through_a_pause_past_keep_alive(
+    tmp_path: Path, storage: str, holder: Callable[..., Holder], lock: str
 ) -> None:
     """Within its ttl nothing is lost: the holder is stopped longer than the server keeps an
-    idle connection (uvicorn: 5 s), so its pooled connection is dead when it wakes, and then
-    its gateway is killed (kill -9) and started again on the same port. Each time a renewal
-    over a fresh connection is confirmed (retried while the lease lasts; the restarted gateway
-    resumes the grant from the source), and its write is accepted."""
+    idle connection (here 1 s), so its pooled connection is dead when it wakes; a renewal over
+    a fresh connection is confirmed, and its write is accepted. (With the gateway restart
+    below, one test of 18 s before: split so that each is short.)"""
+    server = FencedServer(f"sqlite:///{tmp_path / 'locks.db'}", prelude=_KEEP_ALIVE_1S)
+    with server:
+        target = f"{storage}/files/kept"
+        # (ttl 12: renewals every 4 s, confirmed for 10.8 s: 6.3 s left after the pause for a
+        # renewal under load; with ttl 6, 2.9 s, it timed out at load 30)
+        h = holder(server.url, lock, target, "kept", ttl=12)
+        assert h.line() == "token 1"
+        # Stopped at once: the acquire's connection idles past keep-alive (1 s), and the first
+        # renewal (due after 4 s) is overdue when it wakes, 4.5 s into the lease.
+        os.kill(h.proc.pid, signal.SIGSTOP)
+        try:
+            time.sleep(4.5)  # the pause itself (what is tested, not a wait for something)
+        finally:
+            os.kill(h.proc.pid, signal.SIGCONT)
+        h.wait_for_a_renewal()
+        h.say("write")
+        assert h.line().startswith(f"write 200 stored kept with {lock}:1")
+        h.say("release")
+        assert h.line() == "released true"
+
+
+def test_a_holder_keeps_its_lease_through_a_gateway_restart(
+    own_server: FencedServer, storage: str, holder: Callable[..., Holder], lock: str
+) -> None:
+    """Within its ttl nothing is lost: the holder's gateway is killed (kill -9) and started
+    again on the same port; a renewal is retried while the lease lasts and confirmed by the
+    restarted gateway (which resumes the grant from the source), and its write is accepted."""
     target = f"{storage}/files/kept"
-    # (ttl 15: renewals every 5 s, confirmed for 13.5 s; a restart under load takes seconds)
-    h = holder(server.url, "files", target, "kept", ttl=15)
+    # (ttl 15: renewals every 5 s, confirmed for 13.5 s: a failed renewal leaves >= 8.5 s for
+    # the restart, which takes seconds under load)
+    h = holder(own_server.url, lock, target, "kept", ttl=15)
     assert h.line() == "token 1"
-    # Stopped at once: the acquire's connection idles past keep-alive, and the first
-    # renewal (due after 5 s) is overdue when it wakes, 5.5 s into the lease.
-    os.kill(h.proc.pid, signal.SIGSTOP)
-    try:
-        time.sleep(5.5)  # the pause itself (what is tested, not a wait for something)
-    finally:
-        os.kill(h.proc.pid, signal.SIGCONT)
-    h.wait_for_a_renewal()
     h.say("write")
-    assert h.line().startswith("write 200 stored kept with files:1")
+    assert h.line().startswith(f"write 200 stored kept with {lock}:1")
     # The gateway is down (kill -9) until a renewal has failed on it, then started again.
-    server.kill()
+    own_server.kill()
     h.wait_for_a_failed_renewal()
-    server.start()
+    own_server.start()
     h.wait_for_a_renewal()
     h.say("write")
-    assert h.line().startswith("write 200 stored kept with files:1")
+    assert h.line().startswith(f"write 200 stored kept with {lock}:1")
     assert h.proc.poll() is None
     h.say("release")
     assert h.line() == "released true"
@@ -509,7 +578,7 @@ def _violations(document: dict[str, Any], method: str, path: str, body: bytes) -
 
 
 def test_a_holder_speaks_the_api_as_the_openapi_document_says(
-    server: FencedServer, storage: str, holder: Callable[..., Holder]
+    server: FencedServer, storage: str, holder: Callable[..., Holder], lock: str
 ) -> None:
     """Every request a holder makes (acquire, renewals, release) goes through a front that
     checks it against the server's own /openapi.json: documented paths (the /-/ actions),
@@ -519,7 +588,7 @@ def test_a_holder_speaks_the_api_as_the_openapi_document_says(
     try:
         # (ttl 3: a renewal through the front, a new upstream connection each, takes a few
         # hundred ms on a busy machine; ttl 1 leaves it under 0.6 s)
-        h = holder(front.url, "files", f"{storage}/files/spoken", "x", ttl=3)
+        h = holder(front.url, lock, f"{storage}/files/spoken", "x", ttl=3)
         assert h.line() == "token 1"
         h.wait_for_a_renewal()
         h.say("release")
@@ -529,7 +598,7 @@ def test_a_holder_speaks_the_api_as_the_openapi_document_says(
     assert front.violations == [], front.violations
     actions = {p.rsplit("/", 1)[1] for p in front.asked}
     assert actions == {"acquire", "renew", "release"}, front.asked
-    assert all(p.startswith("/v1/locks/files/-/") for p in front.asked), front.asked
+    assert all(p.startswith(f"/v1/locks/{lock}/-/") for p in front.asked), front.asked
     # The checker itself refuses what the document does not allow (both sides of the guard).
     assert _violations(document, "post", "/v1/locks/files/acquire", b"{}")
     assert _violations(document, "post", "/v1/locks/files/-/acquire", b'{"ttl": 0}')
@@ -537,7 +606,7 @@ def test_a_holder_speaks_the_api_as_the_openapi_document_says(
 
 
 def test_a_holder_takes_503_renewals_as_lost_once_its_time_is_up(
-    server: FencedServer, storage: str, holder: Callable[..., Holder]
+    server: FencedServer, storage: str, holder: Callable[..., Holder], lock: str
 ) -> None:
     """Renewals answered 503 are retried while the lease's confirmed time lasts, then "lost";
     nothing is written after it. Through the same front, with renewals confirmed, the
@@ -545,7 +614,7 @@ def test_a_holder_takes_503_renewals_as_lost_once_its_time_is_up(
     front = _Front(server.url)
     target = f"{storage}/files/front"
     try:
-        h = holder(front.url, "files", target, "through the front", ttl=2)  # (see above)
+        h = holder(front.url, lock, target, "through the front", ttl=2)  # (see above)
         assert h.line() == "token 1"
         h.say("write")
         assert h.line().startswith("write 200")
@@ -560,13 +629,13 @@ def test_a_holder_takes_503_renewals_as_lost_once_its_time_is_up(
 
 
 def test_a_holder_retries_an_acquire_answered_503_with_the_same_request_id(
-    server: FencedServer, storage: str, holder: Callable[..., Holder]
+    server: FencedServer, storage: str, holder: Callable[..., Holder], lock: str
 ) -> None:
     """Two acquires answered 503, then one that passes: one grant (token 1), and every
     attempt carried the same request id (idempotent: a retry never makes a second grant)."""
     front = _Front(server.url, refuse_acquires=2)
     try:
-        h = holder(front.url, "files", f"{storage}/files/retried", "x", ttl=5)
+        h = holder(front.url, lock, f"{storage}/files/retried", "x", ttl=5)
         assert h.line() == "token 1"
         assert len(front.acquire_ids) == 3 and len(set(front.acquire_ids)) == 1, front.acquire_ids
         h.say("release")
@@ -663,7 +732,7 @@ def test_a_grant_answer_without_expires_in_is_refused_not_held_forever(tmp_path:
 
 @pytest.mark.parametrize("lang", ["node", "java"])
 def test_the_holder_examples_keep_the_order_of_a_pipe(
-    lang: str, server: FencedServer, storage: str, request: pytest.FixtureRequest
+    lang: str, server: FencedServer, storage: str, lock: str, request: pytest.FixtureRequest
 ) -> None:
     """Issue 29 §3: `printf 'write\\nrelease\\n' | holder ...` — both commands arrive in one
     read; the write's result line comes before the release's (the release waits for the
@@ -672,9 +741,9 @@ def test_the_holder_examples_keep_the_order_of_a_pipe(
         program = [_need("node"), str(ROOT / "examples" / "fenced_client.mjs")]
     else:
         program = [*_java(request.getfixturevalue("java_classes")), "FencedHolder"]
-    for run, token in ((1, "files:1"), (2, "files:2")):
+    for run, token in ((1, f"{lock}:1"), (2, f"{lock}:2")):
         r = subprocess.run(
-            f"printf 'write\\nrelease\\n' | {shlex.join(program)} {server.url} files "
+            f"printf 'write\\nrelease\\n' | {shlex.join(program)} {server.url} {lock} "
             f"{storage}/files/report run-{run}",
             shell=True,
             capture_output=True,
@@ -683,7 +752,7 @@ def test_the_holder_examples_keep_the_order_of_a_pipe(
         )
         lines = r.stdout.splitlines()
         assert r.returncode == 0, r.stdout + r.stderr
-        assert lines[0] == f"token {token.split(':')[1]}", lines
+        assert lines[0] == f"token {token.rsplit(':', 1)[1]}", lines
         assert lines[1].startswith("write 200"), lines  # (before the release: not "lost")
         assert lines[2:] == ["released true", "released true"], lines  # (the end of stdin
         # releases again: the same answer)

@@ -20,15 +20,11 @@ import pytest
 
 from fenced.testing.servers import FencedServer
 from tests.cdp import Browser
-from tests.helpers import headless, wait_for
+from tests.helpers import wait_for
 from tests.png import count_near, read_png
 
 HELD_GREEN = (0x1F, 0x7A, 0x44)
 WARN = (0xB4, 0x54, 0x1A)
-
-
-def _chromium_run(*args: str) -> str:
-    return headless(*args, budget_ms=4000)  # the page's first fetches and renders, then the DOM
 
 
 class _Dom(html.parser.HTMLParser):
@@ -84,10 +80,29 @@ class _Dom(html.parser.HTMLParser):
             self._counter = None
 
 
-def _dom(url: str) -> _Dom:
+def _dom(browser: Browser, url: str) -> _Dom:
+    """The page's DOM once its first poll has been answered (or failed) and drawn."""
+    browser.go(url, ready="Number(document.body && document.body.dataset.polls) >= 1")
     dom = _Dom()
-    dom.feed(_chromium_run("--dump-dom", url))
+    dom.feed(browser.js("document.documentElement.outerHTML"))
     return dom
+
+
+@pytest.fixture(scope="module")
+def chromium() -> Iterator[Browser]:
+    """One headless Chromium for the module (a start costs a second of CPU)."""
+    with Browser(1280, 800) as b:
+        yield b
+
+
+@pytest.fixture
+def browser(chromium: Browser) -> Browser:
+    """The module's Chromium on a blank page: the last test's document, scripts and timers
+    are gone (each test's server is another origin: no storage is shared either)."""
+    chromium.call("Page.navigate", url="about:blank")
+    chromium.wait_for("location.href === 'about:blank'")
+    chromium.events.clear()
+    return chromium
 
 
 @pytest.fixture
@@ -101,7 +116,7 @@ def _post(url: str, body: object = None) -> dict[str, object]:
 
 
 def test_the_dashboard_shows_locks_counters_and_transitions(
-    server: FencedServer, tmp_path: Path
+    server: FencedServer, browser: Browser, tmp_path: Path
 ) -> None:
     u = server.url
     _post(f"{u}/v1/locks/invoices/acquire", {"ttl": 600, "owner": "billing worker 7"})
@@ -112,7 +127,7 @@ def test_the_dashboard_shows_locks_counters_and_transitions(
     _post(f"{u}/v1/check", {"token": "reports:2"})
     httpx.post(f"{u}/v1/check", json={"token": "reports:x"}, timeout=10)  # invalid
 
-    dom = _dom(u + "/")
+    dom = _dom(browser, u + "/")
     assert dom.body.get("data-loaded") == "yes"
     locks = {row[0]: row for row in dom.tables["locks"]}
     assert set(locks) == {"invoices", "reports"}
@@ -135,34 +150,35 @@ def test_the_dashboard_shows_locks_counters_and_transitions(
 
     # the page follows the source: a change shows up at the next load
     _post(f"{u}/v1/locks/nightly/acquire", {"ttl": 60})
-    assert "nightly" in {row[0] for row in _dom(u + "/").tables["locks"]}
+    assert "nightly" in {row[0] for row in _dom(browser, u + "/").tables["locks"]}
 
-    shot = tmp_path / "dashboard.png"
-    _chromium_run("--window-size=1200,700", f"--screenshot={shot}", u + "/")
+    shot = browser.screenshot(tmp_path / "dashboard.png")
     width, height, rows = read_png(shot)
-    assert (width, height) == (1200, 700)
+    assert (width, height) == (1280, 800)
     assert count_near(rows, HELD_GREEN, tolerance=40) > 30, "no 'held' in green"
     assert count_near(rows, WARN, tolerance=40) > 30, "the stale-check counter is not flagged"
 
 
-def test_with_api_keys_the_page_asks_for_a_key(tmp_path: Path) -> None:
+def test_with_api_keys_the_page_asks_for_a_key(tmp_path: Path, browser: Browser) -> None:
     keys = tmp_path / "keys.toml"
     keys.write_text(
         '[[keys]]\nid = "ops"\nsecret = "fk_ops_secret_00000000000"\nverbs = ["admin"]\n'
     )
     with FencedServer(f"sqlite:///{tmp_path / 'l.db'}", args=["--api-keys", str(keys)]) as s:
-        dom = _dom(s.url + "/")
+        dom = _dom(browser, s.url + "/")
     assert "display: flex" in dom.auth_style
     assert dom.body.get("data-loaded") is None and dom.tables["locks"] == []
 
 
-def test_the_dom_check_catches_a_page_that_shows_nothing(server: FencedServer) -> None:
+def test_the_dom_check_catches_a_page_that_shows_nothing(
+    server: FencedServer, browser: Browser
+) -> None:
     """Planted: the page's data request fails (a wrong path), so no lock is rendered."""
     _post(f"{server.url}/v1/locks/invoices/acquire", {"ttl": 600})
     page = httpx.get(server.url + "/", timeout=10).text.replace('"/v1/dashboard"', '"/v1/nothing"')
     broken = server.dir / "broken.html"
     broken.write_text(page.replace('fetch("/v1/', f'fetch("{server.url}/v1/'))
-    dom = _dom(broken.as_uri())
+    dom = _dom(browser, broken.as_uri())
     assert dom.body.get("data-loaded") is None
     with pytest.raises(KeyError):
         _ = {row[0]: row for row in dom.tables["locks"]}["invoices"]
@@ -171,12 +187,6 @@ def test_the_dom_check_catches_a_page_that_shows_nothing(server: FencedServer) -
 # -- issue 29 §4: the page an operator keeps open, driven live (tests/cdp.py) ---------------------
 
 NAMES_OF = "document.querySelectorAll('#locks tbody tr')"
-
-
-@pytest.fixture
-def browser() -> Iterator[Browser]:
-    with Browser(1280, 800) as b:
-        yield b
 
 
 def _names(browser: Browser) -> list[str]:

@@ -6,6 +6,7 @@ Real ``fenced serve`` processes on real sources; plain HTTP requests (httpx).
 
 from __future__ import annotations
 
+import itertools
 import secrets
 import threading
 import time
@@ -36,6 +37,18 @@ def _keys(tmp_path: Path) -> Path:
             {"id": "ops", "secret": OPS, "verbs": ["admin"]},
         ],
     )
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FencedServer]:
+    """One ``fenced serve`` for the tests that only ask it things under names of their own (a
+    gateway's start-up costs a second of CPU); a test that counts expiries has its own."""
+    db = tmp_path_factory.mktemp("grants") / "locks.db"
+    with FencedServer(f"sqlite:///{db}") as s:
+        yield s  # type: ignore[misc]
+
+
+_NAMES = itertools.count(1)
 
 
 @pytest.fixture
@@ -115,20 +128,20 @@ def test_the_binding_holds_across_gateways_sharing_one_source(source: str, tmp_p
         assert post(f"{b.url}/v1/locks/shared/x/-/release", lease, ALICE).json()["released"]
 
 
-def test_server_made_request_ids_are_random(server: FencedServer) -> None:
+def test_server_made_request_ids_are_random(shared: FencedServer) -> None:
     """Bug: one prefix per process and a counter: one id told the next. Now 128 random bits."""
-    ids = [post(f"{server.url}/v1/locks/r{i}/-/acquire").json()["request_id"] for i in range(3)]
+    ids = [post(f"{shared.url}/v1/locks/ids/r{i}/-/acquire").json()["request_id"] for i in range(3)]
     assert len({i[:16] for i in ids}) == 3 and all(len(i) == 32 for i in ids), ids
 
 
 # -- routes: one meaning for every valid name ---------------------------------------------------
 
 
-def test_a_lock_named_like_an_action_has_its_status_and_actions(server: FencedServer) -> None:
+def test_a_lock_named_like_an_action_has_its_status_and_actions(shared: FencedServer) -> None:
     """Bug: GET /v1/locks/jobs/watch was the event stream of "jobs", so lock "jobs/watch"
     could not be read (the http:// source timed out on it); GET /v1/locks/foo/acquire was
     the status of "foo/acquire"."""
-    u = server.url
+    u = shared.url
     with fenced.connect(f"http://{u.removeprefix('http://')}") as locks:
         for name in ("jobs/watch", "foo/acquire", "a/renew/release"):
             with locks.lock(name, ttl=30) as lease:
@@ -163,32 +176,34 @@ def test_a_lock_named_like_an_action_has_its_status_and_actions(server: FencedSe
     ],
 )
 def test_a_record_version_outside_its_range_is_400_and_writes_nothing(
-    server: FencedServer, version: object, status: int
+    shared: FencedServer, version: object, status: int
 ) -> None:
     """Bug: version 2^63 answered a plain-text 500 (SQLite's OverflowError)."""
-    r = post(f"{server.url}/v1/records/r1/-/swap", {"version": version, "value": "v"})
+    n = next(_NAMES)  # (records of this case only: the server is the module's)
+    r = post(f"{shared.url}/v1/records/r{n}/-/swap", {"version": version, "value": "v"})
     assert r.status_code == status, r.text
     if status == 400:
         assert r.json()["error"] == "invalid_request"
-        assert get(f"{server.url}/v1/records/r1").json()["version"] == 0
+        assert get(f"{shared.url}/v1/records/r{n}").json()["version"] == 0
     # at the top of the range: a conflict (the record is not there), never a 5xx
-    top = post(f"{server.url}/v1/records/r2/-/swap", {"version": 2**63 - 1, "value": "v"})
+    top = post(f"{shared.url}/v1/records/top{n}/-/swap", {"version": 2**63 - 1, "value": "v"})
     assert top.status_code == 409
 
 
 @pytest.mark.parametrize("value", ["9223372036854775808", "9999999999999999999"])
-def test_a_token_value_over_the_range_is_400_everywhere(server: FencedServer, value: str) -> None:
-    u = server.url
-    token = f"t:{value}"
+def test_a_token_value_over_the_range_is_400_everywhere(shared: FencedServer, value: str) -> None:
+    u, lock = shared.url, f"t{next(_NAMES)}"
+    token = f"{lock}:{value}"
     for path, body in (
         ("/v1/check", {"token": token}),
-        ("/v1/locks/t/-/renew", {"token": token, "request_id": "r"}),
-        ("/v1/locks/t/-/release", {"token": token, "request_id": "r"}),
-        ("/v1/locks/t/-/force-release", {"token": token}),
+        (f"/v1/locks/{lock}/-/renew", {"token": token, "request_id": "r"}),
+        (f"/v1/locks/{lock}/-/release", {"token": token, "request_id": "r"}),
+        (f"/v1/locks/{lock}/-/force-release", {"token": token}),
     ):
         r = post(u + path, body)
         assert r.status_code == 400, (path, r.text)
-    assert get(f"{u}/v1/locks").json() == {"locks": []}
+    assert lock not in get(f"{u}/v1/locks").json()["locks"]  # nothing made
+    assert get(f"{u}/v1/locks/{lock}").json()["last_token"] is None
 
 
 # -- expiries: counted and shown ----------------------------------------------------------------
