@@ -88,7 +88,7 @@ def _unit(item: pytest.Item) -> str:
 
 @pytest.hookimpl(trylast=True)  # (after tests/sources/conformance/conftest.py's source groups)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Order and group the run for ``pytest -n 2 --dist loadgroup``.
+    """Order and group the run for ``pytest -n N --dist loadgroup``.
 
     The guard suites' MySQL environments (grouped per environment by
     tests/sources/conformance/conftest.py) join test_guard_mysql.py's group: MariaDB, 6-9 s to start
