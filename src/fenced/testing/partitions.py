@@ -453,8 +453,9 @@ GATEWAY_PORT: Final = 7400
 class CheckRun:
     """A ``fenced check`` run inside a lab: its exit status, report directory and faults;
     ``violations`` of the lab's own check of the kit's history (:func:`check_kit_losses`),
-    ``placement`` (worker -> node), ``split_clients`` (each split's minority clients, by
-    node: the lock holder's, while the others stayed on the majority side)."""
+    ``placement`` (worker -> node, every worker the kit started), ``split_clients`` (each
+    split's minority clients, by node: the lock holder's, while the others stayed on the
+    majority side)."""
 
     returncode: int
     report: Path
@@ -607,7 +608,13 @@ def run_check(
                 code = -9
             lab.end_faults()
             events = read_history(history) if history.exists() else []
-            serials = sorted({e["worker"] for e in events if e["worker"][1:].isdigit()})
+            # Every worker the kit started (each has its log), not only those that acted: a
+            # worker that waited out the whole run for its turn was placed all the same.
+            logged = {p.stem.removeprefix("worker-") for p in report.glob("worker-w*.log")}
+            serials = sorted(
+                {w for w in {e["worker"] for e in events} | logged if w[1:].isdigit()},
+                key=lambda w: int(w[1:]),
+            )
             letting_go = set()
             releasing = 0
             for e in events:
