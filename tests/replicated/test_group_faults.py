@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 import fenced
-from fenced.testing.check import read_history, run_group_campaign
+from fenced.testing.check import GroupRun, read_history, run_group_campaign
 from fenced.testing.check._group_campaign import GroupCluster, Workers, final_state, operator
 from fenced.testing.check._group_checkers import check_group
 from tests.helpers import wait_for
@@ -45,19 +45,18 @@ def _assert_clean(run: Any, out: Path) -> None:
     assert run.counts["refused changes"] >= AT_LEAST["refused changes"], run.counts
 
 
+def _counted(tmp_path: Path, **kwargs: Any) -> GroupRun:
+    """A group campaign measured in faults and the operations the asserts need, BOUND s at most."""
+    return run_group_campaign(
+        tmp_path, seconds=BOUND, faults_each=FAULTS_EACH, at_least=AT_LEAST, **kwargs
+    )
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 def test_redis_replicas_with_etcd_keep_every_invariant_under_the_nemesis(
     tmp_path: Path, seed: int
 ) -> None:
-    run = run_group_campaign(
-        tmp_path,
-        replicas=("redis",) * 3,
-        source="etcd",
-        seconds=BOUND,
-        seed=seed,
-        faults_each=FAULTS_EACH,
-        at_least=AT_LEAST,
-    )
+    run = _counted(tmp_path, replicas=("redis",) * 3, source="etcd", seed=seed)
     _assert_clean(run, tmp_path)
     assert all(n >= 1 for n in run.faults.values()), run.faults
     assert run.counts["configurations"] >= 3, run.counts  # members left and came back
@@ -67,29 +66,18 @@ def test_redis_replicas_with_etcd_keep_every_invariant_under_the_nemesis(
 def test_postgresql_replicas_with_zookeeper_keep_every_invariant_under_the_nemesis(
     tmp_path: Path, seed: int
 ) -> None:
-    run = run_group_campaign(
-        tmp_path,
-        replicas=("postgresql",) * 3,
-        source="zookeeper",
-        seconds=BOUND,
-        seed=seed,
-        faults_each=FAULTS_EACH,
-        at_least=AT_LEAST,
+    run = _counted(
+        tmp_path, replicas=("postgresql",) * 3, source="zookeeper", seed=seed,
         nemesis=("pause", "partition", "reconfigure"),
-    )
+    )  # fmt: skip
     _assert_clean(run, tmp_path)
 
 
 def test_mixed_members_keep_every_invariant_under_the_nemesis(tmp_path: Path) -> None:
-    run = run_group_campaign(
-        tmp_path,
-        replicas=("redis", "postgresql", "etcd", "sqlite"),
-        source="sqlite",
-        seconds=BOUND,
+    run = _counted(
+        tmp_path, replicas=("redis", "postgresql", "etcd", "sqlite"), source="sqlite",
         seed=SEEDS[0],
-        faults_each=FAULTS_EACH,
-        at_least=AT_LEAST,
-    )
+    )  # fmt: skip
     _assert_clean(run, tmp_path)
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Generic, Protocol, TypeVar
 
 from ..._core.errors import ConfigurationError
-from ._checkers import Checker
+from ._checkers import Checker, Violation
 from ._history import Event, History, read_history
 
 __all__ = ["Campaign", "CampaignError", "Fault", "Workload"]
@@ -100,6 +100,15 @@ class Workload(Protocol[R_co]):
         counts the run was asked for its time bound ended before (the verdict must then fail
         unless it already does: a slow machine must not pass having tested less)."""
         ...
+
+
+def short_of_counts(violations: list[Violation], short: str) -> list[Violation]:
+    """``violations``, and when the run was short of the counts it was asked for (``short``,
+    as :meth:`Workload.judge` gets it) and found nothing, the violation "counts not reached":
+    a run that tested less than asked never passes. One rule for every workload's verdict."""
+    if short and not violations:
+        return [Violation("counts not reached", f"the time bound ended first: {short}")]
+    return violations
 
 
 class Campaign(Generic[R]):
