@@ -2043,3 +2043,53 @@ def test_a_commit_in_an_async_pipelined_transaction_lets_no_stale_write_in(pg_ds
     with psycopg.connect(pg_dsn, autocommit=True) as check:
         assert check.execute("SELECT v FROM acct").fetchall() == [("new",)]
         assert guard.high_water(check) == tok(6)
+
+
+class _SubConnection(sqlite3.Connection):
+    """A sqlite3.Connection subclass: transaction() takes the general dispatch for it."""
+
+
+@pytest.mark.parametrize("factory", [sqlite3.Connection, _SubConnection])
+def test_sqlite_transaction_block_refuses_stale_and_fails_closed_on_either_path(
+    tmp_path: Any, factory: type[sqlite3.Connection]
+) -> None:
+    """``transaction()`` on a plain sqlite3 connection is a direct path (no driver dispatch);
+    on a subclass it is the general one. Both: the stale block commits nothing, the rightful
+    one commits, the block's error rolls back, a corrupt mark and an open or closed
+    connection are refused, and nothing is left open."""
+    conn = sqlite3.connect(tmp_path / "t.db", isolation_level=None, factory=factory)
+    conn.execute("CREATE TABLE acct (id INTEGER PRIMARY KEY, v BIGINT)")
+    conn.execute("INSERT INTO acct VALUES (1, 0)")
+    guard = SQLGuard("acct", lock=LOCK)
+    guard.install(conn)
+    with guard.transaction(conn, token=tok(10)) as accepted:
+        assert accepted == tok(10) and conn.in_transaction
+        conn.execute("UPDATE acct SET v = 10")
+    with guard.transaction(conn, token=tok(10)):  # the same holder again
+        conn.execute("UPDATE acct SET v = 11")
+    with pytest.raises(StaleTokenError) as stale, guard.transaction(conn, token=tok(9)):
+        conn.execute("UPDATE acct SET v = 9")  # never runs
+    assert stale.value.high_water == tok(10)
+    with pytest.raises(WrongLockError), guard.transaction(conn, token=tok(12, "other")):
+        pass
+    with pytest.raises(ZeroDivisionError), guard.transaction(conn, token=tok(12)):
+        conn.execute("UPDATE acct SET v = 12")
+        raise ZeroDivisionError
+    assert conn.execute("SELECT v FROM acct").fetchall() == [(11,)]
+    assert guard.high_water(conn) == tok(10) and not conn.in_transaction
+    conn.execute("BEGIN")
+    with pytest.raises(ConfigurationError, match="already open"):
+        with guard.transaction(conn, token=tok(13)):
+            pass
+    assert conn.in_transaction  # the caller's transaction, left to the caller
+    conn.execute("ROLLBACK")
+    # A table the guard did not make, with a zero mark: fail closed.
+    conn.execute("DROP TABLE fenced_fences")
+    conn.execute("CREATE TABLE fenced_fences (resource TEXT PRIMARY KEY, lock_name TEXT, token)")
+    conn.execute("INSERT INTO fenced_fences VALUES ('acct', ?, 0)", (LOCK,))
+    with pytest.raises(CorruptMarkError), guard.transaction(conn, token=tok(20)):
+        conn.execute("UPDATE acct SET v = 20")
+    assert conn.execute("SELECT v FROM acct").fetchall() == [(11,)] and not conn.in_transaction
+    conn.close()
+    with pytest.raises(BackendUnavailable, match="closed"), guard.transaction(conn, token=tok(30)):
+        pass

@@ -49,6 +49,7 @@ from ._sql_plan import (
     Dialect,
     DuplicateColumn,
     FenceConflictError,
+    FenceSQL,
     Plan,
     Result,
     RowSQL,
@@ -1317,8 +1318,9 @@ def guarded_transaction(
         already = in_transaction(conn)
     _refuse_open(already, "transaction()")
     kind = _kind(conn)
-    if kind == "sqlite3":
-        yield from _sqlite_transaction(conn, table, resource, token)
+    if kind == "sqlite3":  # (a subclass of sqlite3.Connection)
+        with SQLiteTransaction(conn, fence_sql(SQLITE, table), resource, token) as tok:
+            yield tok
         return
     if kind != "psycopg":
         try:
@@ -1352,35 +1354,62 @@ def guarded_transaction(
             step = _advance(steps, reply, None)
 
 
-def _sqlite_transaction(
-    conn: sqlite3.Connection, table: str, resource: str, token: FencingToken
-) -> Generator[FencingToken, None, None]:
-    """``transaction()`` on sqlite3: ``BEGIN IMMEDIATE``, the accepting upsert and its
-    verdict sent straight to the driver (the plan only on a refusal), the block, COMMIT.
-    No round trip to save in process: what the check cost above the statement itself was
-    the plan machinery's Python (bench/bench_sql_guard.py)."""
-    sql = fence_sql(SQLITE, table)
-    try:
-        conn.execute("BEGIN IMMEDIATE")
-        cur = conn.execute(sql.accept, (resource, token.lock, token.value))
-        rows = cur.fetchall()
-    except Exception as exc:
-        with contextlib.suppress(Exception):
-            conn.rollback()
-        _raise_mapped(SQLITE, conn, exc)
-    try:
-        if not rows or type(rows[0][0]) is not int:
-            drive(
-                check_verdict(sql, resource, token, Result(rows, len(rows))),
-                lambda stmt: _exec_sqlite(conn, stmt),
-                lambda exc: map_error(SQLITE, conn, exc),
-            )
-        yield token
-    except BaseException:
-        with contextlib.suppress(Exception):
-            conn.rollback()
-        raise
-    _end(conn, commit=True, d=SQLITE)
+class SQLiteTransaction:
+    """``transaction()`` on a plain ``sqlite3.Connection``: ``BEGIN IMMEDIATE``, the
+    accepting upsert and its verdict sent straight to the driver (the plan only on a
+    refusal), the block, COMMIT (ROLLBACK if the block raises).
+
+    A class, not a generator context manager, and chosen by ``type(conn) is
+    sqlite3.Connection`` before any other dispatch: in process there is no round trip to
+    save, so what the guard costs above its one statement is its own Python
+    (bench/bench_sql_guard.py)."""
+
+    __slots__ = ("_conn", "_params", "_sql", "_token")
+
+    def __init__(
+        self, conn: sqlite3.Connection, sql: FenceSQL, resource: str, token: FencingToken
+    ) -> None:
+        self._conn = conn
+        self._sql = sql
+        self._token = token
+        self._params = (resource, token.lock, token.value)
+
+    def __enter__(self) -> FencingToken:
+        conn = self._conn
+        try:
+            if conn.in_transaction:
+                _refuse_open(True, "transaction()")
+        except sqlite3.ProgrammingError:  # closed: let the statement report it
+            pass
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            rows = conn.execute(self._sql.accept, self._params).fetchall()
+        except Exception as exc:
+            with contextlib.suppress(Exception):
+                conn.rollback()
+            _raise_mapped(SQLITE, conn, exc)
+        if not rows or type(rows[0][0]) is not int:  # (not accepted: the plan says why)
+            try:
+                drive(
+                    check_verdict(self._sql, self._params[0], self._token, Result(rows, len(rows))),
+                    lambda stmt: _exec_sqlite(conn, stmt),
+                    lambda exc: map_error(SQLITE, conn, exc),
+                )
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    conn.rollback()
+                raise
+        return self._token
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is not None:
+            with contextlib.suppress(Exception):
+                self._conn.rollback()
+            return
+        try:
+            self._conn.execute("COMMIT")  # (the driver's statement cache; commit() prepares anew)
+        except Exception as e:
+            _raise_mapped(SQLITE, self._conn, e)
 
 
 @contextlib.asynccontextmanager

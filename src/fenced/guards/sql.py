@@ -112,6 +112,7 @@ from .._core.token import FencingToken, TokenLike, validate_lock_name
 from ._plan import check_group_change
 from ._sql_driver import (
     CHECKED,
+    SQLiteTransaction,
     afence_transaction,
     aguarded_transaction,
     arun,
@@ -288,6 +289,8 @@ class SQLGuard:
         refused.
         """
         tok = FencingToken.coerce(token, self.lock, self.verifier)
+        if type(conn) is sqlite3.Connection:  # (the in-process path: no dispatch to pay for)
+            return SQLiteTransaction(conn, fence_sql(SQLITE, self._quoted), self.resource, tok)
         return guarded_transaction(
             conn, self._quoted, self.resource, tok, self._use, lambda: self._begin(conn, tok)
         )
