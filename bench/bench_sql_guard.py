@@ -129,6 +129,8 @@ PAIRED = (
     ("SQLGuard", "unfenced"),
     ("RowGuard", "unfenced"),
     ("SQLGuard.transaction", "unfenced"),
+    ("fence SQL by hand", "unfenced"),
+    ("SQLGuard.transaction", "fence SQL by hand"),
     ("SQLGuard.transaction", "unfenced, pipelined"),
     ("ride SQL by hand", "unfenced"),
     ("pipelined form", "unfenced"),
