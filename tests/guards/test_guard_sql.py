@@ -1683,18 +1683,14 @@ def test_a_riding_check_that_does_not_refuse_is_caught(
 def test_a_riding_recheck_that_does_not_raise_is_caught(
     pg_dsn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Planted: the recheck that rides with COMMIT calls a refusal function returning NULL
-    instead of raising. The old holder's statements after its own COMMIT then commit over
-    the new holder's write: the same checker as the real guard's catches it."""
+    """Planted: the recheck that rides with COMMIT never raises (its refusing branch is 0).
+    The old holder's statements after its own COMMIT then commit over the new holder's
+    write: the same checker as the real guard's catches it."""
     env = Env("pg", pg_dsn)
     with env.connect() as conn:
-        conn.execute(
-            "CREATE FUNCTION planted_refuse(tbl regclass, res text) RETURNS bigint "
-            "LANGUAGE sql VOLATILE AS 'SELECT NULL::bigint'"
-        )
         with _planted_ride(
             monkeypatch,
-            lambda check, recheck: (check, recheck.replace("fenced_refuse_v1(", "planted_refuse(")),
+            lambda check, recheck: (check, re.sub(r" ELSE .* END$", " ELSE 0 END", recheck)),
         ):
             rows, mark, outcome = _old_holder_commits_midway(env, conn, "transaction")
     assert rows == [("old-2",)] and mark == tok(6) and outcome == "committed"
