@@ -11,10 +11,15 @@ innodb_flush_log_at_trx_commit=1; PyMySQL), one sequential client each. Each tra
 * RowGuard - the UPDATE itself carries the fence (``RowGuard.update``);
 * SQLGuard.transaction - ``with guard.transaction(conn, token=...)``: on PostgreSQL the check
   rides with BEGIN (``BEGIN; EXECUTE <check>``, one message), the UPDATE, and the recheck
-  with COMMIT (``EXECUTE <recheck>; COMMIT``): the unfenced transaction's three round trips;
+  with COMMIT (``SELECT <recheck>; COMMIT``): the unfenced transaction's three round trips;
   on SQLite ``BEGIN IMMEDIATE``, the check, the UPDATE, COMMIT; elsewhere ``begin`` + COMMIT;
 * ride SQL by hand - (PostgreSQL) the same three messages sent straight through psycopg, no
-  fenced code: the floor of SQLGuard.transaction;
+  fenced code: the floor of SQLGuard.transaction's SQL;
+* ride: ... - (PostgreSQL) the ride taken apart by hand (see ``ride_parts``): two trivial
+  ``SELECT 1`` riding in the first and last messages (the floor of *any* design that rides
+  a check and a recheck there), the check alone, the recheck alone, a new token every time,
+  the recheck as it was before session 7, and a row-lock check; each A/B against its peer,
+  and the WAL each form writes per transaction (``pg_walinspect``);
 * pipelined form - (PostgreSQL) SQLGuard.transaction as it was before the ride (2026-11-26),
   now ``batch``'s form: BEGIN, the raising check, the UPDATE, the check again and COMMIT in
   one psycopg pipeline;
@@ -25,8 +30,9 @@ innodb_flush_log_at_trx_commit=1; PyMySQL), one sequential client each. Each tra
   refuses, the UPDATE and COMMIT as one request;
 * unfenced, one request - (MariaDB) the unfenced transaction as one multi-statement request
   too: the peer of SQLGuard.batch when the application batches its own transactions;
-* +SELECT 1 - unfenced plus one trivial statement: the price of any extra statement (on
-  PostgreSQL, of one extra round trip), to explain the SQLGuard figure;
+* +SELECT 1 - unfenced plus one trivial statement sent on its own: the price of one extra
+  statement *and its round trip* (the SQLGuard figure's), not of a statement riding in a
+  message sent anyway (``ride: 2 SELECT 1``);
 * fence SQL by hand - unfenced plus SQLGuard's own statement sent straight through the driver,
   no fenced code: the floor of the fence-table form (what the statement itself costs);
 * row SQL by hand - RowGuard's conditional UPDATE sent straight through the driver instead of
