@@ -11,10 +11,15 @@ innodb_flush_log_at_trx_commit=1; PyMySQL), one sequential client each. Each tra
 * RowGuard - the UPDATE itself carries the fence (``RowGuard.update``);
 * SQLGuard.transaction - ``with guard.transaction(conn, token=...)``: on PostgreSQL the check
   rides with BEGIN (``BEGIN; EXECUTE <check>``, one message), the UPDATE, and the recheck
-  with COMMIT (``EXECUTE <recheck>; COMMIT``): the unfenced transaction's three round trips;
+  with COMMIT (``SELECT <recheck>; COMMIT``): the unfenced transaction's three round trips;
   on SQLite ``BEGIN IMMEDIATE``, the check, the UPDATE, COMMIT; elsewhere ``begin`` + COMMIT;
 * ride SQL by hand - (PostgreSQL) the same three messages sent straight through psycopg, no
-  fenced code: the floor of SQLGuard.transaction;
+  fenced code: the floor of SQLGuard.transaction's SQL;
+* ride: ... - (PostgreSQL) the ride taken apart by hand (see ``ride_parts``): two trivial
+  ``SELECT 1`` riding in the first and last messages (the floor of *any* design that rides
+  a check and a recheck there), the check alone, the recheck alone, a new token every time,
+  the recheck as it was before session 7, and a row-lock check; each A/B against its peer,
+  and the WAL each form writes per transaction (``pg_walinspect``);
 * pipelined form - (PostgreSQL) SQLGuard.transaction as it was before the ride (2026-11-26),
   now ``batch``'s form: BEGIN, the raising check, the UPDATE, the check again and COMMIT in
   one psycopg pipeline;
@@ -25,8 +30,9 @@ innodb_flush_log_at_trx_commit=1; PyMySQL), one sequential client each. Each tra
   refuses, the UPDATE and COMMIT as one request;
 * unfenced, one request - (MariaDB) the unfenced transaction as one multi-statement request
   too: the peer of SQLGuard.batch when the application batches its own transactions;
-* +SELECT 1 - unfenced plus one trivial statement: the price of any extra statement (on
-  PostgreSQL, of one extra round trip), to explain the SQLGuard figure;
+* +SELECT 1 - unfenced plus one trivial statement sent on its own: the price of one extra
+  statement *and its round trip* (the SQLGuard figure's), not of a statement riding in a
+  message sent anyway (``ride: 2 SELECT 1``);
 * fence SQL by hand - unfenced plus SQLGuard's own statement sent straight through the driver,
   no fenced code: the floor of the fence-table form (what the statement itself costs);
 * row SQL by hand - RowGuard's conditional UPDATE sent straight through the driver instead of
@@ -46,7 +52,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import psycopg
@@ -76,7 +82,14 @@ VARIANTS = (
     "+SELECT 1",
     "fence SQL by hand",
     "row SQL by hand",
+    "ride: 2 SELECT 1",
+    "ride: check only",
+    "ride: recheck only",
+    "ride: token moving",
+    "ride: recheck before",
+    "ride: row-lock check",
 )
+RIDE_PARTS = VARIANTS[-6:]
 
 
 class Run:
@@ -85,6 +98,7 @@ class Run:
     def __init__(self) -> None:
         self.results = {name: Result(name) for name in VARIANTS}
         self.cpu = dict.fromkeys(VARIANTS, 0.0)
+        self.wal: list[str] = []  # (PostgreSQL: wal_per_transaction's lines)
         self.pairs: dict[str, tuple[float, float, float, float]] = {}
         """Guard -> (median slice ratio, p50 ratio, its CPU µs, the peer's CPU µs) when run
         alone with the peer, A/B op by op as the other benchmarks do (see measure)."""
@@ -138,6 +152,13 @@ PAIRED = (
     ("SQLGuard.begin", "unfenced"),
     ("SQLGuard.batch", "unfenced"),
     ("SQLGuard.batch", "unfenced, one request"),
+    ("ride: 2 SELECT 1", "unfenced"),
+    ("ride SQL by hand", "ride: 2 SELECT 1"),
+    ("ride: check only", "ride: 2 SELECT 1"),
+    ("ride: recheck only", "ride: 2 SELECT 1"),
+    ("ride: token moving", "ride SQL by hand"),
+    ("ride SQL by hand", "ride: recheck before"),
+    ("ride: row-lock check", "ride SQL by hand"),
 )
 
 
@@ -175,8 +196,128 @@ def ride_by_hand(conn: Any, guard: SQLGuard) -> tuple[bytes, bytes, bytes]:
     t = guard._quoted
     head, tail = _ride_first(t, guard.resource, TOKEN.lock, "BEGIN", True, False)
     first = head + b"%d" % TOKEN.value + tail
-    head, tail = _ride_last(t, guard.resource)
+    head, tail = _ride_last()
     return first, head, tail
+
+
+def ride_parts(
+    conn: Any, guard: SQLGuard, update: str, counter: Iterator[int]
+) -> dict[str, Callable[[], object]]:
+    """The ride (PostgreSQL) taken apart, by hand, each with the unfenced transaction's three
+    round trips: two trivial statements riding in its first and last messages (the floor of
+    *any* design that rides statements there), the check riding alone (COMMIT sent bare),
+    the recheck riding alone (a trivial ``txid_current()`` rides with BEGIN for its xid),
+    and the whole ride with a new token every time (the mark moves; elsewhere it stays).
+    Two forms measured against it: the recheck as it was before session 7 (the check's
+    search_path set, then a CASE calling the refusal function) and a check that, when the
+    mark already equals the token, locks the row (``FOR NO KEY UPDATE``) instead of writing
+    a new version of it (a CTE; the upsert otherwise; safe: tests/guards/
+    test_guard_sql_ride_races.py; not kept, not cheaper)."""
+    t = guard._quoted
+    head, tail = _ride_first(t, guard.resource, TOKEN.lock, "BEGIN", True, False)
+    first = head + b"%d" % TOKEN.value + tail
+    last_head, last_tail = _ride_last()
+    moving = "accounts-moving"  # (its own fence row: the others' mark stays at TOKEN)
+    m_head, m_tail = _ride_first(t, moving, TOKEN.lock, "BEGIN", True, False)
+    m_last_head, m_last_tail = _ride_last()
+    tokens = iter(range(1000, 10**12))
+    lits = f"'{guard.resource}', '{TOKEN.lock}', {TOKEN.value}"
+    before = (
+        "SELECT set_config('search_path', 'public', true); "
+        "SELECT CASE WHEN txid_current_if_assigned() = {} THEN 0 "
+        f"ELSE fenced_refuse_v1(CAST('{t}' AS regclass), '{guard.resource}') END; COMMIT"
+    )
+    conn.execute(
+        "PREPARE bench_row_lock(text, text, bigint) AS "
+        f"WITH held AS (SELECT token FROM {t} AS f WHERE resource = $1 AND lock_name = $2 "
+        "AND token = $3 FOR NO KEY UPDATE), "
+        f"a AS (INSERT INTO {t} AS f (resource, lock_name, token) SELECT $1, $2, $3 "
+        "WHERE NOT EXISTS (SELECT FROM held) ON CONFLICT (resource) DO UPDATE "
+        "SET token = excluded.token WHERE f.token > 0 "
+        "AND f.token <= CAST(excluded.token AS BIGINT) AND f.lock_name = excluded.lock_name "
+        "RETURNING token) "
+        "SELECT token, txid_current(), current_setting('search_path') FROM held UNION ALL "
+        "SELECT token, txid_current(), current_setting('search_path') FROM a"
+    )
+    row_lock = f"BEGIN; EXECUTE bench_row_lock({lits})".encode()
+
+    def two_selects() -> None:
+        cur = conn.execute("BEGIN; SELECT 1")
+        cur.nextset()
+        cur.fetchall()
+        conn.execute(update, (next(counter),))
+        conn.execute("SELECT 1; COMMIT")
+
+    def check_only() -> None:
+        cur = conn.execute(first)
+        cur.nextset()
+        cur.fetchone()
+        conn.execute(update, (next(counter),))
+        conn.execute("COMMIT")
+
+    def recheck_only() -> None:
+        cur = conn.execute("BEGIN; SELECT txid_current()")
+        cur.nextset()
+        xid = cur.fetchone()[0]
+        conn.execute(update, (next(counter),))
+        conn.execute(last_head + b"%d" % xid + last_tail)
+
+    def token_moving() -> None:
+        cur = conn.execute(m_head + b"%d" % next(tokens) + m_tail)
+        cur.nextset()
+        xid = cur.fetchone()[1]
+        conn.execute(update, (next(counter),))
+        conn.execute(m_last_head + b"%d" % xid + m_last_tail)
+
+    def recheck_before() -> None:
+        cur = conn.execute(first)
+        cur.nextset()
+        xid = cur.fetchone()[1]
+        conn.execute(update, (next(counter),))
+        conn.execute(before.format(xid).encode())
+
+    def row_lock_check() -> None:
+        cur = conn.execute(row_lock)
+        cur.nextset()
+        xid = cur.fetchone()[1]
+        conn.execute(update, (next(counter),))
+        conn.execute(last_head + b"%d" % xid + last_tail)
+
+    ops = (two_selects, check_only, recheck_only, token_moving, recheck_before, row_lock_check)
+    return dict(zip(RIDE_PARTS, ops, strict=True))
+
+
+def wal_per_transaction(
+    conn: Any, variants: dict[str, Callable[[], object]], names: Sequence[str], n: int = 200
+) -> list[str]:
+    """The WAL each form writes per transaction (``pg_walinspect`` over ``n`` transactions of
+    it alone): records and bytes, and the heap records by type (a new tuple version of the
+    fence row is an UPDATE or HOT_UPDATE; a row lock a LOCK)."""
+    conn.execute("CREATE EXTENSION IF NOT EXISTS pg_walinspect")
+    lines = []
+    for name in names:
+        if name not in variants:
+            continue
+        start = conn.execute("SELECT pg_current_wal_insert_lsn()").fetchone()[0]
+        for _ in range(n):
+            variants[name]()
+        stats = conn.execute(
+            'SELECT "resource_manager/record_type", count, combined_size FROM '
+            "pg_get_wal_stats(%s, pg_current_wal_flush_lsn(), true) WHERE count > 0",
+            (start,),
+        ).fetchall()
+        records = sum(c for _, c, _ in stats) / n
+        size = sum(b for _, _, b in stats) / n
+        heap = ", ".join(
+            f"{kind.split('/')[-1]} {c / n:.2f}"
+            for kind, c, _ in sorted(stats)
+            if kind.startswith(("Heap/", "Btree/", "Transaction/"))
+        )
+        lines.append(
+            f"PostgreSQL {name:22s} WAL per transaction: {records:.2f} records, "
+            f"{size:.0f} bytes ({heap})"
+        )
+    return lines
 
 
 def make_ops(
@@ -231,6 +372,7 @@ def make_ops(
 
     fence, fence_params, row = by_hand(d, guard, rows)
     ride = ride_by_hand(conn, guard) if d is POSTGRESQL else None
+    parts = ride_parts(conn, guard, update, counter) if d is POSTGRESQL else {}
 
     def ride_sql_by_hand() -> None:
         assert ride is not None
@@ -261,6 +403,7 @@ def make_ops(
         **({"unfenced, pipelined": unfenced_pipelined} if d is POSTGRESQL else {}),
         **({"ride SQL by hand": ride_sql_by_hand} if d is POSTGRESQL else {}),
         **({"pipelined form": pipelined_form} if d is POSTGRESQL else {}),
+        **parts,
         "+SELECT 1": one_more_statement,
         "fence SQL by hand": fence_by_hand,
         "row SQL by hand": row_by_hand,
@@ -286,7 +429,7 @@ def report(engine: str, run: Run) -> list[str]:
             f"{ratio:.3f}x, p50 {p50:.3f}x; client CPU {cpu:.0f} µs vs {peer_cpu:.0f} µs per "
             "transaction"
         )
-    return lines
+    return lines + run.wal
 
 
 def bench_sqlite(n: int) -> Run:
@@ -302,7 +445,11 @@ def bench_sqlite(n: int) -> Run:
 
 def bench_postgres(n: int) -> Run:
     with PostgresServer() as server, psycopg.connect(server.dsn, autocommit=True) as conn:
-        return measure(make_ops(conn, "BEGIN", lambda s: s.replace("?", "%s"), POSTGRESQL), n)
+        ops = make_ops(conn, "BEGIN", lambda s: s.replace("?", "%s"), POSTGRESQL)
+        run = measure(ops, n)
+        forms = ("unfenced", "SQLGuard.transaction", "ride SQL by hand", *RIDE_PARTS)
+        run.wal = wal_per_transaction(conn, ops, forms)
+        return run
 
 
 def make_mysql_ops(conn: Any) -> dict[str, Callable[[], object]]:

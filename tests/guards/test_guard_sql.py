@@ -1597,6 +1597,34 @@ def test_guarded_transaction_reports_what_the_server_refused_on(pg_dsn: str) -> 
         assert c.execute("SELECT * FROM acct").fetchall() == [(3, 7)]
 
 
+def test_the_ride_needs_no_refusal_function(pg_dsn: str) -> None:
+    """Tables installed by an older fenced lack ``fenced_refuse_v1``: ``transaction()``
+    outside a pipeline names no function (its recheck neither), so the rightful write
+    commits, a stale one is refused with nothing written, and a block that ended the
+    transaction is refused; ``batch``'s pipeline, which calls it, says to run install()."""
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        guard = SQLGuard("acct", lock=LOCK)
+        guard.install(c)
+        c.execute("DROP FUNCTION fenced_refuse_v1(regclass, text)")
+        c.execute("CREATE TABLE acct (id INTEGER PRIMARY KEY, v BIGINT)")
+        with guard.transaction(c, token=tok(5)):
+            c.execute("INSERT INTO acct VALUES (1, 5)")
+        with guard.transaction(c, token=tok(6)):
+            c.execute("INSERT INTO acct VALUES (2, 6)")
+        with pytest.raises(StaleTokenError), guard.transaction(c, token=tok(5)):
+            c.execute("INSERT INTO acct VALUES (3, 5)")
+        with (
+            pytest.raises(ConfigurationError, match="ended the transaction"),
+            guard.transaction(c, token=tok(6)),
+        ):
+            c.execute("COMMIT")
+            c.execute("INSERT INTO acct VALUES (4, 6)")
+        with pytest.raises(ConfigurationError, match="install"):
+            guard.batch(c, [("INSERT INTO acct VALUES (5, 6)", None)], token=tok(6))
+        assert c.execute("SELECT id FROM acct ORDER BY id").fetchall() == [(1,), (2,)]
+        assert guard.high_water(c) == tok(6)
+
+
 def _stale_batch_is_never_committed(conn: Any, guard: SQLGuard) -> bool:
     """The checker of ``batch`` (one psycopg pipeline): token 10's batch, then the stale 9's;
     9 must raise and leave 10's data."""
@@ -1683,18 +1711,14 @@ def test_a_riding_check_that_does_not_refuse_is_caught(
 def test_a_riding_recheck_that_does_not_raise_is_caught(
     pg_dsn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Planted: the recheck that rides with COMMIT calls a refusal function returning NULL
-    instead of raising. The old holder's statements after its own COMMIT then commit over
-    the new holder's write: the same checker as the real guard's catches it."""
+    """Planted: the recheck that rides with COMMIT never raises (its refusing branch is 0).
+    The old holder's statements after its own COMMIT then commit over the new holder's
+    write: the same checker as the real guard's catches it."""
     env = Env("pg", pg_dsn)
     with env.connect() as conn:
-        conn.execute(
-            "CREATE FUNCTION planted_refuse(tbl regclass, res text) RETURNS bigint "
-            "LANGUAGE sql VOLATILE AS 'SELECT NULL::bigint'"
-        )
         with _planted_ride(
             monkeypatch,
-            lambda check, recheck: (check, recheck.replace("fenced_refuse_v1(", "planted_refuse(")),
+            lambda check, recheck: (check, re.sub(r" ELSE .* END$", " ELSE 0 END", recheck)),
         ):
             rows, mark, outcome = _old_holder_commits_midway(env, conn, "transaction")
     assert rows == [("old-2",)] and mark == tok(6) and outcome == "committed"

@@ -106,8 +106,10 @@ def test_a_block_that_sets_search_path_commits_the_rightful_write(pg_dsn: str, s
     L:1; the recheck riding with COMMIT names ``fenced_fences`` (``CAST(... AS regclass)``,
     folded when planned, in either branch) and ``fenced_refuse_v1`` unqualified, resolved
     in the tenant's path: psycopg's UndefinedTable, the rightful write rolled back (and not
-    a fenced error). Now the recheck sets the check's path for the transaction's rest first;
-    the session keeps the block's own setting. A stale token is still refused there."""
+    a fenced error). Then the recheck set the check's path for the transaction's rest first;
+    now it names no table and no function (a refusal reads the fence row afterwards, in
+    the check's path). The session keeps the block's own setting. A stale token is still
+    refused there."""
     guard = _prepare(pg_dsn)
     with _connect(pg_dsn) as conn:
         conn.execute("CREATE SCHEMA tenant")

@@ -44,6 +44,7 @@ from ._plan import adrive, drive
 from ._sql_plan import (
     MYSQL,
     POSTGRESQL,
+    RIDE_REFUSED,
     SQLITE,
     STALE_SQLSTATE,
     Dialect,
@@ -60,6 +61,7 @@ from ._sql_plan import (
     mariadb_batch_check,
     mariadb_batch_recheck,
     pg_pipelined_check,
+    pg_ride_refusal_read,
     pg_ride_sql,
     pipelined_refusal,
     row_write_accepted,
@@ -999,8 +1001,9 @@ async def arun_install(conn: Any, make_plan: Callable[[Dialect], Plan[T]]) -> T:
 # connection as non-autocommit, so the statements after such an end open a new transaction,
 # which the recheck refuses: it passes only in the transaction the check ran in (by its id),
 # whose lock on the fence row kept the mark at this token. Refused: StaleTokenError if a
-# newer token was accepted meanwhile, else ConfigurationError (the block ended it). (What
-# ran between two ends of the block's own is the caller's: no statement may end it.)
+# newer token was accepted meanwhile, else ConfigurationError (the block ended it), told by
+# the fence row read after the rollback. (What ran between two ends of the block's own is
+# the caller's: no statement may end it.)
 
 _TUPLES_OK: Final = 2  # (psycopg.pq.ExecStatus.TUPLES_OK)
 _BLOCK: Final = "block"  # the step at which the caller's block runs
@@ -1067,19 +1070,30 @@ def _ride_first(
     return _encoded(before, encoding), _encoded(after, encoding)
 
 
-@functools.lru_cache(maxsize=256)
-def _ride_last(
-    table: str, resource: str, encoding: str = "utf-8", path: str = "public"
-) -> tuple[bytes, bytes]:
+@functools.lru_cache(maxsize=1)
+def _ride_last() -> tuple[bytes, bytes]:
     """``<recheck>; COMMIT`` around the transaction id (only it changes from one
     transaction to the next): the message is ``head + b"%d" % xid + tail``. Not a prepared
     statement: psycopg deallocates every prepared statement of the session (``DEALLOCATE
     ALL``) after a rollback, a savepoint's included, once it has prepared statements of its
-    own, and one inside the block would leave the recheck unknown after the block's work."""
+    own, and one inside the block would leave the recheck unknown after the block's work.
+    (The recheck names no table: the same for every guard, and ASCII, which every client
+    encoding PostgreSQL offers reads alike.)"""
+    head, _, tail = pg_ride_sql('"t"')[1].format("\0").partition("\0")
+    return head.encode("ascii"), (tail + "; COMMIT").encode("ascii")
+
+
+def _ride_refusal_read(table: str, resource: str, path: str, encoding: str) -> bytes:
+    """The message that reads why the recheck refused (:func:`pg_ride_refusal_read`)."""
     pg = _psycopg()
-    lits = [pg.sql.Literal(v).as_string(None) for v in (resource, table, path)]
-    head, _, tail = pg_ride_sql(table)[1].format("\0", *lits).partition("\0")
-    return _encoded(head, encoding), _encoded(tail + "; COMMIT", encoding)
+    lits = [pg.sql.Literal(v).as_string(None) for v in (path, resource)]
+    return _encoded(pg_ride_refusal_read(table).format(*lits), encoding)
+
+
+def _recheck_refused(exc: BaseException) -> bool:
+    """Is ``exc`` the recheck's refusal (:data:`RIDE_REFUSED`)? Its message holds only the
+    recheck and COMMIT, and the marker is the cast's input, quoted in the error."""
+    return getattr(exc, "sqlstate", None) == "22P02" and RIDE_REFUSED in str(exc)
 
 
 def _encoded(text: str, encoding: str) -> bytes:
@@ -1167,16 +1181,25 @@ def _ride(
         except BaseException:
             yield _ROLLBACK
             raise
-        try:
-            head, tail = _ride_last(table, resource, conn.info.encoding, path)
-        except ConfigurationError:  # (the block changed the client encoding to one without it)
-            yield _ROLLBACK
-            raise
+        head, tail = _ride_last()
         try:
             yield _Message(head + b"%d" % xid + tail, rows=False)
         except Exception as exc:
             yield _ROLLBACK
-            raise _ride_error(conn, resource, token, exc) from exc
+            if not _recheck_refused(exc):
+                raise _ride_error(conn, resource, token, exc) from exc
+            # refused, rolled back: why, from the fence row as it is now (autocommit: the
+            # read is a transaction of its own)
+            conn._autocommit = True
+            try:
+                read = _ride_refusal_read(table, resource, path, conn.info.encoding)
+                found = yield _Message(read)
+            except Exception as why:
+                raise _ride_error(conn, resource, token, why, first=True) from exc
+            detail = str(found[0][0]) if found else None
+            raise _ended_or_stale(
+                resource, token, pipelined_refusal(resource, token, detail)
+            ) from exc
     finally:
         conn._autocommit = autocommit
 
@@ -1222,16 +1245,20 @@ def _ride_error(
             mapped = None
         if mapped is not None:
             return mapped
-    mapped = _pipelined_error(conn, resource, token, exc)
-    if isinstance(mapped, FenceConflictError) and getattr(exc, "sqlstate", None) == STALE_SQLSTATE:
-        # (the recheck refused, and the mark does not say stale: the block ended the
-        # transaction the check ran in)
-        return ConfigurationError(
-            f"transaction(): a statement of the block ended the transaction (COMMIT, "
-            f"ROLLBACK, commit()) that fenced {resource!r} with {token}: what ran before it "
-            "was committed, fenced; what ran after it was rolled back"
-        )
-    return mapped
+    return _pipelined_error(conn, resource, token, exc)
+
+
+def _ended_or_stale(resource: str, token: FencingToken, refusal: Exception) -> Exception:
+    """The recheck's refusal: ``refusal`` (from the fence row as it is now) if it says why
+    (stale, wrong lock, corrupt); a mark that does not say stale means the block ended the
+    transaction the check ran in."""
+    if not isinstance(refusal, FenceConflictError):
+        return refusal
+    return ConfigurationError(
+        f"transaction(): a statement of the block ended the transaction (COMMIT, "
+        f"ROLLBACK, commit()) that fenced {resource!r} with {token}: what ran before it "
+        "was committed, fenced; what ran after it was rolled back"
+    )
 
 
 def _rides(conn: Any) -> bool:

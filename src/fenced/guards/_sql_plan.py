@@ -76,6 +76,7 @@ __all__ = [
     "mariadb_batch_recheck",
     "mysql_upsert_accepted",
     "mysql_use_plan",
+    "pg_ride_refusal_read",
     "pg_ride_sql",
     "pg_use_plan",
     "quote_ident",
@@ -476,6 +477,11 @@ def pg_pipelined_check(table: str) -> str:
 # -- PostgreSQL: the check riding in the messages a transaction sends anyway ----------------
 
 
+RIDE_REFUSED: Final = "fenced: the recheck refused transaction"
+"""The start of the error the ride's recheck raises (SQLSTATE 22P02, a cast that cannot
+succeed): in a message holding only the recheck and ``COMMIT``, the recheck's refusal."""
+
+
 @functools.lru_cache(maxsize=128)
 def pg_ride_sql(table: str) -> tuple[str, str]:
     """``SQLGuard.transaction``'s two statements on PostgreSQL, with ``{0}``… slots for
@@ -483,28 +489,39 @@ def pg_ride_sql(table: str) -> tuple[str, str]:
 
     *check* (resource, lock, token): the accepting upsert (:func:`fence_sql`), returning the
     token, the transaction's id and the search_path iff it accepted; it rides in one
-    simple-query message with ``BEGIN``. *recheck* (xid, resource, table, search_path), two
-    statements, that path set for the transaction's rest first: rides with ``COMMIT``, and raises
-    :data:`STALE_SQLSTATE` (through the refusal function ``install()`` creates, with the
-    fence row as it is now), so that the ``COMMIT`` after it never runs, unless this is
-    still the transaction the check ran in (by its id): then the fence row is locked by it
-    and holds this token. A statement of the block that ended that transaction is the only
-    way to another one."""
+    simple-query message with ``BEGIN``. *recheck* (xid): rides with ``COMMIT``, and raises
+    (:data:`RIDE_REFUSED`), so that the ``COMMIT`` after it never runs, unless this is still
+    the transaction the check ran in (by its id): then the fence row is locked by it and
+    holds this token. A statement of the block that ended that transaction is the only way
+    to another one. The recheck names nothing (no table, no function): it means the same in
+    whatever search_path the block set, and costs one trivial statement (a refusal reads
+    the fence row afterwards, :func:`pg_ride_refusal_read`)."""
     accept = fence_sql(POSTGRESQL, table).accept
     parts = accept.split("%s")
     check = "".join(p + (f"{{{i}}}" if i < 3 else "") for i, p in enumerate(parts))
-    # (the search_path the check ran with: the recheck names the table and the refusal
-    # function as the check did, whatever path the block set, LOCAL or not; SET LOCAL ends
-    # with the COMMIT, so the block's own setting is what the session keeps)
+    # (the search_path the check ran with: a refusal of the recheck reads the fence row in it)
     check = check.replace(
         "RETURNING token", "RETURNING token, txid_current(), current_setting('search_path')"
     )
+    # (the cast's argument is not a constant: folded when planned, it would raise in the
+    # accepting branch too)
     recheck = (
-        "SELECT set_config('search_path', {3}, true); "
-        "SELECT CASE WHEN txid_current_if_assigned() = {0} THEN 0 "
-        f"ELSE {_refuse_function(table)}(CAST({{2}} AS regclass), {{1}}) END"
+        "SELECT CASE WHEN txid_current_if_assigned() = {0} THEN 0 ELSE "
+        f"CAST(concat('{RIDE_REFUSED} ', txid_current_if_assigned()) AS bigint) END"
     )
     return check, recheck
+
+
+@functools.lru_cache(maxsize=128)
+def pg_ride_refusal_read(table: str) -> str:
+    """After a refusing recheck (rolled back): the fence row as it is now, as the refusal
+    function reports it (JSON), read in the check's search_path ({0}) for the resource
+    ({1}) in a transaction of its own: ``table`` quoted, slots for literals."""
+    return (
+        "BEGIN; SELECT set_config('search_path', {0}, true); "
+        "SELECT json_build_object('lock', lock_name, 'token', token::text)::text "
+        f"FROM {table} WHERE resource = {{1}}; ROLLBACK"
+    )
 
 
 # -- MariaDB: the check that raises in the server (one multi-statement request) --------------
