@@ -180,7 +180,7 @@ class FencingToken:
         with ``keys`` its signature (:class:`~fenced.SignatureError` if it is missing or not
         good): what every guard does before it touches its mark."""
         if isinstance(token, FencingToken):
-            if lock is not None:
+            if lock is not None and token._lock != lock:  # (every guarded write: no call)
                 token.require_lock(lock)
         else:
             token = cls.parse(token, lock)

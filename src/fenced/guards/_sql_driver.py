@@ -1346,7 +1346,8 @@ def guarded_transaction(
     _refuse_open(already, "transaction()")
     kind = _kind(conn)
     if kind == "sqlite3":  # (a subclass of sqlite3.Connection)
-        with SQLiteTransaction(conn, fence_sql(SQLITE, table), resource, token) as tok:
+        params = (resource, token.lock, token.value)
+        with SQLiteTransaction(conn, fence_sql(SQLITE, table), params, token) as tok:
             yield tok
         return
     if kind != "psycopg":
@@ -1394,12 +1395,16 @@ class SQLiteTransaction:
     __slots__ = ("_conn", "_params", "_sql", "_token")
 
     def __init__(
-        self, conn: sqlite3.Connection, sql: FenceSQL, resource: str, token: FencingToken
+        self,
+        conn: sqlite3.Connection,
+        sql: FenceSQL,
+        params: tuple[str, str, int],
+        token: FencingToken,
     ) -> None:
         self._conn = conn
         self._sql = sql
+        self._params = params  # (resource, lock, value): the accepting upsert's
         self._token = token
-        self._params = (resource, token.lock, token.value)
 
     def __enter__(self) -> FencingToken:
         conn = self._conn

@@ -290,7 +290,9 @@ class SQLGuard:
         """
         tok = FencingToken.coerce(token, self.lock, self.verifier)
         if type(conn) is sqlite3.Connection:  # (the in-process path: no dispatch to pay for)
-            return SQLiteTransaction(conn, fence_sql(SQLITE, self._quoted), self.resource, tok)
+            # (tok's lock is self.lock: coerce checked it)
+            params = (self.resource, self.lock, tok.value)
+            return SQLiteTransaction(conn, fence_sql(SQLITE, self._quoted), params, tok)
         return guarded_transaction(
             conn, self._quoted, self.resource, tok, self._use, lambda: self._begin(conn, tok)
         )
