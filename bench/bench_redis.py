@@ -526,6 +526,32 @@ def layers(url: str, port: int, rounds: int, n: int, fsync: str) -> None:
         with locks.lock(key + "-sw", ttl=TTL):
             pass
 
+    extra_sync = []
+    if os.environ.get("BENCH_DRIVEN"):  # (an experiment: the portal's fast mode on Redis)
+        from fenced.backends.redis import RedisBackend
+
+        class Driven(RedisBackend):
+            scheme = "redisdriven"
+            caller_driven = True
+
+            @classmethod
+            async def open(cls, url: Any, options: dict[str, Any]) -> Any:
+                b = await super().open(url, options)
+                if os.environ.get("BENCH_DRIVEN") == "2":
+                    b._client.connection_pool.connection_kwargs["socket_timeout"] = None
+                    await b._client.connection_pool.disconnect()
+                return b
+
+        fenced.register_backend("redisdriven", Driven)
+        dlocks = fenced.connect(url.replace("redis://", "redisdriven://", 1), key_prefix="bench:")
+        d_lease = dlocks.lock(key + "-d", ttl=TTL)
+
+        def driven_reused() -> None:
+            d_lease.acquire()
+            d_lease.release()
+
+        extra_sync.append(("sync", "fenced sync Lease reused, caller-driven portal", driven_reused))
+
     def as_sync(fn: Callable[[], Awaitable[None]]) -> Callable[[], None]:
         async def many(count: int, samples: list[float]) -> None:
             clock = time.perf_counter
@@ -558,6 +584,7 @@ def layers(url: str, port: int, rounds: int, n: int, fsync: str) -> None:
         ("sync", "redis-py Lock (sync)", plain(peer_sync)),
         ("sync", "fenced sync Lease reused", plain(sync_reused)),
         ("sync", "fenced sync with locks.lock()", plain(sync_per_acquire)),
+        *[(api, name, plain(fn)) for api, name, fn in extra_sync],
     ]
     cpu: dict[str, list[float]] = {name: [] for _, name, _ in sides}
     wall: dict[str, list[float]] = {name: [] for _, name, _ in sides}
