@@ -876,3 +876,77 @@ def test_the_uncontended_scripts_get_only_the_keys_and_arguments_they_use(
     # EVALSHA sha numkeys keys... args...: (numkeys, number of arguments) per script
     shapes = [(int(c[2]), len(c) - 3 - int(c[2])) for c in scripts]
     assert shapes == [(3, 4), (1, 4), (2, 1)], scripts
+
+
+# -- the scripts' own connection ---------------------------------------------------------------
+
+
+async def test_scripts_share_the_own_connection_with_the_pool(redis_server: RedisServer) -> None:
+    """Concurrent calls: one runs on the backend's own connection, the others through
+    redis-py's pool; every lock's tokens still increase and every release finds its grant."""
+    prefix = _prefix()
+    async with fenced.connect_async(redis_server.url, key_prefix=prefix) as locks:
+        names = [unique_name() for _ in range(4)]
+        tokens: dict[str, list[int]] = {name: [] for name in names}
+        released: list[bool] = []
+
+        async def loop(name: str) -> None:
+            lease = locks.lock(name, ttl=30)
+            for _ in range(25):
+                tokens[name].append((await lease.acquire()).value)
+                released.append(await lease.release())
+
+        await asyncio.gather(*(loop(name) for name in names))
+    for name in names:
+        assert tokens[name] == list(range(1, 26)), tokens[name]
+    assert all(released) and len(released) == 100
+
+
+async def test_a_forgotten_script_is_loaded_again(redis_server: RedisServer) -> None:
+    """SCRIPT FLUSH (or a restart) empties the server's script cache: the own connection gets
+    NOSCRIPT (the script did not run), loads it and sends it again."""
+    name = unique_name()
+    native = redis.Redis(port=redis_server.port)
+    try:
+        async with fenced.connect_async(redis_server.url, key_prefix=_prefix()) as locks:
+            lease = locks.lock(name, ttl=30)
+            first = await lease.acquire()
+            native.script_flush()
+            assert await lease.release() is True
+            native.script_flush()
+            second = await lease.acquire()
+            assert second.value == first.value + 1
+            assert await lease.release() is True
+    finally:
+        native.close()
+
+
+async def test_a_cut_off_script_leaves_no_reply_for_the_next(redis_server: RedisServer) -> None:
+    """An acquire cancelled while its script is on the own connection (the server paused):
+    the reply that arrives after the server resumes must not be read as the next script's
+    reply. redis-py drops the connection; the next call re-checks the server and reconnects."""
+    name = unique_name()
+    async with fenced.connect_async(redis_server.url, key_prefix=_prefix()) as locks:
+        lease = locks.lock(name, ttl=30)
+        first = await lease.acquire()
+        assert await lease.release() is True
+        backend: Any = locks.backend
+        redis_server.pause()
+        try:
+            task = asyncio.create_task(locks.lock(name, ttl=30).acquire())
+
+            async def sent() -> bool:
+                return bool(backend._own_busy)
+
+            await async_wait_for(sent, what="the acquire script on the own connection")
+            task.cancel()
+        finally:
+            redis_server.resume()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        after = await lease.acquire()
+        # The cancelled acquire may have been granted a token before it left: higher, never
+        # lower or a reply of another script.
+        assert after.value > first.value
+        assert await lease.release() is True
+        assert (await locks.status(name)).holder is None

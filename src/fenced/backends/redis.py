@@ -634,7 +634,8 @@ class RedisBackend(Backend):
         try:
             conn = self._own
             if conn is None:
-                conn = self._own = self._client.connection_pool.make_connection()
+                pool: Any = self._client.connection_pool  # (redis-py's method is untyped)
+                conn = self._own = pool.make_connection()
                 self._own_dirty = getattr(conn, "can_read", None) or conn.can_read_destructive
             elif not conn.is_connected or await self._own_dirty():
                 # Dropped after an error or a cancellation, or a reply nobody read, or closed
