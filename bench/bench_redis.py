@@ -532,15 +532,7 @@ def layers(url: str, port: int, rounds: int, n: int, fsync: str) -> None:
 
         class Driven(RedisBackend):
             scheme = "redisdriven"
-            caller_driven = True
-
-            @classmethod
-            async def open(cls, url: Any, options: dict[str, Any]) -> Any:
-                b = await super().open(url, options)
-                if os.environ.get("BENCH_DRIVEN") == "2":
-                    b._client.connection_pool.connection_kwargs["socket_timeout"] = None
-                    await b._client.connection_pool.disconnect()
-                return b
+            caller_driven = not RedisBackend.caller_driven
 
         fenced.register_backend("redisdriven", Driven)
         dlocks = fenced.connect(url.replace("redis://", "redisdriven://", 1), key_prefix="bench:")
@@ -550,7 +542,9 @@ def layers(url: str, port: int, rounds: int, n: int, fsync: str) -> None:
             d_lease.acquire()
             d_lease.release()
 
-        extra_sync.append(("sync", "fenced sync Lease reused, caller-driven portal", driven_reused))
+        extra_sync.append(
+            ("sync", f"fenced sync Lease reused, drive={Driven.caller_driven}", driven_reused)
+        )
 
     def as_sync(fn: Callable[[], Awaitable[None]]) -> Callable[[], None]:
         async def many(count: int, samples: list[float]) -> None:

@@ -499,6 +499,7 @@ class RedisBackend(Backend):
         # also come back well within the client's socket timeout.
         socket_timeout = client.connection_pool.connection_kwargs.get("socket_timeout") or 10.0
         self._recheck = min(waiter_heartbeat / 3, socket_timeout / 2)
+        self._socket_timeout: float = socket_timeout
         self._allow_unsafe = allow_unsafe_durability
         self._where = where
         self._closed = False
@@ -634,8 +635,11 @@ class RedisBackend(Backend):
         try:
             conn = self._own
             if conn is None:
-                pool: Any = self._client.connection_pool  # (redis-py's method is untyped)
-                conn = self._own = pool.make_connection()
+                pool: Any = self._client.connection_pool
+                # Without a socket timeout of its own: redis-py would then bound every write
+                # with asyncio.wait_for, a task per command; one deadline below bounds all.
+                kwargs = {**pool.connection_kwargs, "socket_timeout": None}
+                conn = self._own = pool.connection_class(**kwargs)
                 self._own_dirty = getattr(conn, "can_read", None) or conn.can_read_destructive
             elif not conn.is_connected or await self._own_dirty():
                 # Dropped after an error or a cancellation, or a reply nobody read, or closed
@@ -643,19 +647,28 @@ class RedisBackend(Backend):
                 # server again, then start afresh (the pool reconnects without a word).
                 await conn.disconnect()
                 await self._verify_safety()
-            if not conn.is_connected:
-                await conn.connect()
-            command = ("EVALSHA", script.sha, len(keys), *keys, *args)
-            await conn.send_command(*command)
             try:
-                return await conn.read_response()
-            except rexc.NoScriptError:
-                # The server's script cache was emptied (a restart, SCRIPT FLUSH): load it
-                # and send again, as redis-py's Script does.
-                await conn.send_command("SCRIPT", "LOAD", script.script)
-                script.sha = await conn.read_response()
-                await conn.send_command("EVALSHA", script.sha, *command[2:])
-                return await conn.read_response()
+                async with asyncio.timeout(self._socket_timeout) as deadline:
+                    if not conn.is_connected:
+                        await conn.connect()
+                    command = ("EVALSHA", script.sha, len(keys), *keys, *args)
+                    await conn.send_command(*command)
+                    try:
+                        return await conn.read_response()
+                    except rexc.NoScriptError:
+                        # The server's script cache was emptied (a restart, SCRIPT FLUSH):
+                        # load it and send again, as redis-py's Script does.
+                        await conn.send_command("SCRIPT", "LOAD", script.script)
+                        script.sha = await conn.read_response()
+                        await conn.send_command("EVALSHA", script.sha, *command[2:])
+                        return await conn.read_response()
+            except TimeoutError:
+                if not deadline.expired():
+                    raise
+                # (redis-py dropped the connection when the deadline cancelled its read)
+                raise rexc.TimeoutError(
+                    f"no reply within socket_timeout ({self._socket_timeout:g} s)"
+                ) from None
         finally:
             self._own_busy = False
 
