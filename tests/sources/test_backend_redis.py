@@ -950,3 +950,23 @@ async def test_a_cut_off_script_leaves_no_reply_for_the_next(redis_server: Redis
         assert after.value > first.value
         assert await lease.release() is True
         assert (await locks.status(name)).holder is None
+
+
+async def test_a_script_without_reply_ends_at_socket_timeout(redis_server: RedisServer) -> None:
+    """The own connection has no socket timeout of its own (one deadline bounds connect, send
+    and reply): a paused server still fails the call at ``socket_timeout``, as unavailable;
+    once the server is back the next call reconnects and works."""
+    name = unique_name()
+    options = {"key_prefix": _prefix(), "socket_timeout": 0.5}
+    async with fenced.connect_async(redis_server.url, **options) as locks:
+        assert (await locks.status(name)).holder is None  # (the own connection is made)
+        redis_server.pause()
+        try:
+            start = time.monotonic()
+            with pytest.raises(fenced.BackendUnavailable, match="socket_timeout"):
+                await asyncio.wait_for(locks.status(name), 5)
+            assert time.monotonic() - start < 3
+        finally:
+            redis_server.resume()
+        async with locks.lock(name, ttl=30) as lease:
+            assert (await locks.status(name)).token == lease.token
