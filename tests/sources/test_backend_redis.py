@@ -970,3 +970,41 @@ async def test_a_script_without_reply_ends_at_socket_timeout(redis_server: Redis
             redis_server.resume()
         async with locks.lock(name, ttl=30) as lease:
             assert (await locks.status(name)).token == lease.token
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        (
+            "EVALSHA",
+            "0" * 40,
+            3,
+            "p:{a}:token",
+            "p:{a}:holder",
+            "p:{a}:queue",
+            "r1",
+            10000,
+            "",
+            3000,
+        ),
+        ("EVALSHA", "0" * 40, 2, "p:{ü}:holder", "p:{ü}:queue", "7 10000 r1\nme@host: ünï"),
+        ("EVALSHA", "0" * 40, 1, "k", "", "r", 2**63 - 1, -1),
+        ("EVALSHA", "0" * 40, 0),
+    ],
+)
+def test_scripts_are_packed_as_redis_py_packs_them(command: tuple[str | int, ...]) -> None:
+    """The own connection packs fenced's script calls itself (no encoder type checks per
+    argument): the bytes must be redis-py's for the same command."""
+    from redis.asyncio.connection import Connection
+
+    from fenced.backends.redis import _packed
+
+    assert _packed(command) == b"".join(Connection().pack_command(*command))
+
+
+@pytest.mark.parametrize("bad", [1.5, True, b"bytes", None])
+def test_packing_refuses_what_it_cannot_send_exactly(bad: object) -> None:
+    from fenced.backends.redis import _packed
+
+    with pytest.raises(TypeError, match="text or an int"):
+        _packed(("EVALSHA", "0" * 40, 0, bad))  # type: ignore[arg-type]

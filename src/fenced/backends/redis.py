@@ -440,6 +440,22 @@ async def check_server_safety(client: aioredis.Redis) -> list[str]:
     return problems
 
 
+def _packed(command: Sequence[str | int]) -> bytes:
+    """``command`` in the Redis protocol (RESP): what redis-py's ``pack_command`` makes of
+    text (UTF-8) and integers, without its encoder's type checks per argument, about a tenth
+    of a script call's client CPU. fenced's scripts take only text and integers."""
+    parts = [b"*%d\r\n" % len(command)]
+    for arg in command:
+        if type(arg) is str:
+            data = arg.encode()
+        elif type(arg) is int:
+            data = b"%d" % arg
+        else:  # (a float would lose its fraction to %d: never guess)
+            raise TypeError(f"a script argument is text or an int, not {type(arg).__name__}")
+        parts.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(parts)
+
+
 async def _never() -> bool:
     return False
 
@@ -652,7 +668,7 @@ class RedisBackend(Backend):
                     if not conn.is_connected:
                         await conn.connect()
                     command = ("EVALSHA", script.sha, len(keys), *keys, *args)
-                    await conn.send_command(*command)
+                    await conn.send_packed_command(_packed(command))
                     try:
                         return await conn.read_response()
                     except rexc.NoScriptError:
