@@ -464,6 +464,8 @@ def layers(url: str, port: int, rounds: int, n: int, fsync: str) -> None:
     code (the floor of fenced's calls on redis-py's client), the backend alone
     (``RedisBackend.acquire``/``release``), the lease core (one ``AsyncLease`` reused), and
     ``async with locks.lock()`` (a lease made per acquire); the sync API the same two ways.
+    ``BENCH_DRIVEN=1`` adds the sync API through a portal in the other mode (caller-driven if
+    the Redis source is not, else not): measured worse for Redis (docs/benchmarks.md).
     """
     key = f"l-{uuid.uuid4().hex[:8]}"
     loop = asyncio.new_event_loop()
