@@ -8,6 +8,7 @@ hands out a fencing token (one Lua script: grant + INCR), queues waiters FIFO, a
 next one on release (BLPOP on a per-waiter list) instead of polling.
 
     .venv/bin/python bench/bench_redis.py [--quick] [--uncontended] [--before REV]
+        [--fsync always|everysec] [--layers]
 
 Rows: uncontended acquire+release by one client (sync API and asyncio API; ops/s, p50, p99 of
 one acquire+release, alternating between the two sides in rounds); hand-off with 10 and 100
@@ -21,6 +22,12 @@ EVALSHA, and SET for redis-py, taken around each round of each side, so the two 
 interleave), and this process's CPU time per acquire+release in the same rounds (the client
 side's cost, which the fsyncs hide in the wall-clock rows). ``--uncontended`` runs those rows
 only.
+``--fsync everysec`` runs the server with ``appendfsync everysec`` instead (fenced then
+connects with ``allow_unsafe_durability=true``): the same client code on both sides with the
+fsync's 0.1-10 ms out of every acknowledgement, so the wall-clock rows show what the clients
+cost. ``--layers`` prints, instead of the usual tables, the client CPU and wall time per
+uncontended acquire+release of each layer of fenced's path beside redis-py's ``Lock``, all
+interleaved round by round (see :func:`layers`).
 ``--before REV`` adds fenced's Redis source as it was at git revision ``REV`` (scheme
 ``redisbefore://``) as a third side of every row, interleaved the same way, so a change is
 measured before and after in one run.
@@ -32,6 +39,7 @@ import asyncio
 import importlib.util
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -394,13 +402,17 @@ async def rounds(
 
 
 async def run_async(
-    server: RedisServer, n: int, secs: float, contention: bool = True, before: str | None = None
+    server: RedisServer,
+    url: str,
+    n: int,
+    secs: float,
+    contention: bool = True,
+    before: str | None = None,
 ) -> list[tuple[Any, ...]]:
-    ours, peer = FencedSide(server.url), RedisPySide(server.port)
+    ours, peer = FencedSide(url), RedisPySide(server.port)
     theirs = [ours]
     if before:
-        url = server.url.replace("redis://", "redisbefore://", 1)
-        theirs.append(FencedSide(url, f"fenced {before}"))
+        theirs.append(FencedSide(url.replace("redis://", "redisbefore://", 1), f"fenced {before}"))
     rows: list[tuple[Any, ...]] = []
     *fenced_u, peer_u = await uncontended([*theirs, peer], n, server.port)
     for side_u in fenced_u:
@@ -441,21 +453,215 @@ def print_server_time() -> None:
     Console(width=160).print(t)
 
 
-def main(quick: bool, contention: bool = True, before: str | None = None) -> None:
+def layers(url: str, port: int, rounds: int, n: int, fsync: str) -> None:
+    """Client CPU and wall time per uncontended acquire+release, layer by layer, beside
+    redis-py's ``Lock``: every side runs ``n`` acquire+release in a round, and the rounds of all
+    sides alternate (the asyncio sides on one loop driven from this thread, the sync sides on
+    this thread), so load from other processes hits every side alike. CPU is this process's
+    (every thread: the sync API's loop thread too), per acquire+release, median of the rounds.
+
+    The asyncio layers, bottom up: fenced's two scripts sent through redis-py with no fenced
+    code (the floor of fenced's calls on redis-py's client), the backend alone
+    (``RedisBackend.acquire``/``release``), the lease core (one ``AsyncLease`` reused), and
+    ``async with locks.lock()`` (a lease made per acquire); the sync API the same two ways.
+    ``BENCH_DRIVEN=1`` adds the sync API through a portal in the other mode (caller-driven if
+    the Redis source is not, else not): measured worse for Redis (docs/benchmarks.md).
+    """
+    key = f"l-{uuid.uuid4().hex[:8]}"
+    loop = asyncio.new_event_loop()
+    run = loop.run_until_complete
+    alocks = run(fenced.connect_async(url, key_prefix="bench:").open())
+    backend: Any = alocks.backend
+    native_async = aioredis.Redis(port=port)
+    lease = alocks.lock(key, ttl=TTL)
+    owner = lease.owner
+
+    async def peer_async() -> None:
+        lock = native_async.lock(f"bench-native:{key}", timeout=TTL)
+        if not await lock.acquire():
+            raise RuntimeError("redis-py lock not acquired")
+        await lock.release()
+
+    keys, _ = backend._keys(key + "-raw")
+    ttl_ms = TTL * 1000
+    rid = "bench-raw"
+    hb = backend._heartbeat_ms
+
+    async def scripts_only() -> None:
+        token = await backend._acquire(keys=keys[:3], args=(rid, ttl_ms, owner, hb))
+        value = f"{token} {ttl_ms} {rid}\n{owner}"
+        if not await backend._release(keys=keys[1:3], args=(value,)):
+            raise RuntimeError("fenced's release script did not release")
+
+    def on_lost(cause: BaseException) -> None:
+        pass
+
+    async def backend_only() -> None:
+        grant = await backend.acquire(
+            key + "-b", request_id=rid, ttl=TTL, deadline=None, on_lost=on_lost, owner=owner
+        )
+        if not await backend.release(grant):
+            raise RuntimeError("fenced's backend did not release")
+
+    async def lease_reused() -> None:
+        await lease.acquire()
+        await lease.release()
+
+    async def lease_per_acquire() -> None:
+        async with alocks.lock(key + "-w", ttl=TTL):
+            pass
+
+    locks = fenced.connect(url, key_prefix="bench:")
+    native = redis.Redis(port=port)
+    sync_lease = locks.lock(key + "-s", ttl=TTL)
+    native_lock = native.lock(f"bench-native:{key}-s", timeout=TTL)
+
+    def peer_sync() -> None:
+        native_lock.acquire()
+        native_lock.release()
+
+    def sync_reused() -> None:
+        sync_lease.acquire()
+        sync_lease.release()
+
+    def sync_per_acquire() -> None:
+        with locks.lock(key + "-sw", ttl=TTL):
+            pass
+
+    extra_sync = []
+    if os.environ.get("BENCH_DRIVEN"):  # (an experiment: the portal's fast mode on Redis)
+        from fenced.backends.redis import RedisBackend
+
+        class Driven(RedisBackend):
+            scheme = "redisdriven"
+            caller_driven = not RedisBackend.caller_driven
+
+        fenced.register_backend("redisdriven", Driven)
+        dlocks = fenced.connect(url.replace("redis://", "redisdriven://", 1), key_prefix="bench:")
+        d_lease = dlocks.lock(key + "-d", ttl=TTL)
+
+        def driven_reused() -> None:
+            d_lease.acquire()
+            d_lease.release()
+
+        extra_sync.append(
+            ("sync", f"fenced sync Lease reused, drive={Driven.caller_driven}", driven_reused)
+        )
+
+    def as_sync(fn: Callable[[], Awaitable[None]]) -> Callable[[], None]:
+        async def many(count: int, samples: list[float]) -> None:
+            clock = time.perf_counter
+            for _ in range(count):
+                t0 = clock()
+                await fn()
+                samples.append(clock() - t0)
+
+        def round_of(count: int, samples: list[float]) -> None:
+            run(many(count, samples))
+
+        return round_of  # type: ignore[return-value]
+
+    def plain(fn: Callable[[], None]) -> Callable[[int, list[float]], None]:
+        def round_of(count: int, samples: list[float]) -> None:
+            clock = time.perf_counter
+            for _ in range(count):
+                t0 = clock()
+                fn()
+                samples.append(clock() - t0)
+
+        return round_of
+
+    sides: list[tuple[str, str, Any]] = [
+        ("async", "redis-py Lock (async)", as_sync(peer_async)),
+        ("async", "fenced's 2 scripts via redis-py, no fenced code", as_sync(scripts_only)),
+        ("async", "fenced backend alone", as_sync(backend_only)),
+        ("async", "fenced lease core (AsyncLease reused)", as_sync(lease_reused)),
+        ("async", "fenced async with locks.lock()", as_sync(lease_per_acquire)),
+        ("sync", "redis-py Lock (sync)", plain(peer_sync)),
+        ("sync", "fenced sync Lease reused", plain(sync_reused)),
+        ("sync", "fenced sync with locks.lock()", plain(sync_per_acquire)),
+        *[(api, name, plain(fn)) for api, name, fn in extra_sync],
+    ]
+    cpu: dict[str, list[float]] = {name: [] for _, name, _ in sides}
+    wall: dict[str, list[float]] = {name: [] for _, name, _ in sides}
+    try:
+        for _, _, round_of in sides:
+            round_of(50, [])
+        for _ in range(rounds):
+            for _, name, round_of in sides:
+                c0 = time.process_time()
+                round_of(n, wall[name])
+                cpu[name].append((time.process_time() - c0) * 1e6 / n)
+    finally:
+        locks.close()
+        native.close()
+        run(alocks.aclose())
+        run(native_async.aclose())
+        loop.close()
+    t = Table(
+        title=f"Client cost per uncontended acquire+release, layer by layer (appendfsync "
+        f"{fsync}; {rounds} rounds of {n}, all sides interleaved round by round)"
+    )
+    for col in (
+        "api",
+        "who",
+        "client CPU (median)",
+        "(min-max)",
+        "wall p50",
+        "ops/s",
+        "× redis-py",
+    ):
+        t.add_column(col, justify="left" if col in ("api", "who") else "right")
+    peer_rate = {}
+    for api, name, _ in sides:
+        rate = len(wall[name]) / sum(wall[name])
+        if name.startswith("redis-py"):
+            peer_rate[api] = rate
+        ordered = sorted(cpu[name])
+        t.add_row(
+            api,
+            name,
+            f"{statistics.median(ordered):.0f} µs",
+            f"{ordered[0]:.0f}-{ordered[-1]:.0f} µs",
+            fmt_us(statistics.median(wall[name])),
+            f"{rate:,.0f}",
+            f"{rate / peer_rate[api]:.2f}×",
+        )
+    Console(width=160).print(t)
+
+
+def fenced_url(server: RedisServer, fsync: str) -> str:
+    """fenced's URL for ``server``: a server without ``appendfsync always`` is refused unless
+    the caller accepts it (as the user of such a server must)."""
+    return server.url if fsync == "always" else server.url + "?allow_unsafe_durability=true"
+
+
+def main(
+    quick: bool,
+    contention: bool = True,
+    before: str | None = None,
+    fsync: str = "always",
+    layers_only: bool = False,
+) -> None:
     n = 300 if quick else 2000
     secs = 1.5 if quick else 4.0
     if before:
         fenced.register_backend("redisbefore", backend_at(before))
-    with RedisServer() as server:
-        urls = [("fenced redis://", server.url)]
+    with RedisServer(extra=["--appendfsync", fsync]) as server:
+        url = fenced_url(server, fsync)
+        if layers_only:
+            layers(url, server.port, 20 if quick else 40, 50 if quick else 100, fsync)
+            return
+        urls = [("fenced redis://", url)]
         if before:
-            urls.append((f"fenced {before}", server.url.replace("redis://", "redisbefore://", 1)))
+            urls.append((f"fenced {before}", url.replace("redis://", "redisbefore://", 1)))
         *sync_fenced, sync_peer = uncontended_sync(urls, server.port, n)
-        rows = asyncio.run(run_async(server, n, secs, contention, before))
+        rows = asyncio.run(run_async(server, url, n, secs, contention, before))
     all_rows = [("uncontended acquire+release", side, sync_peer) for side in sync_fenced]
     all_rows += [(what, ours, peer) for what, ours, peer, _, _ in rows]
     table(
-        "Redis 7.0 (loopback, appendonly yes, appendfsync always): fenced redis:// vs redis-py Lock",
+        f"Redis 7.0 (loopback, appendonly yes, appendfsync {fsync}): fenced redis:// vs "
+        "redis-py Lock",
         all_rows,
         note=(
             "uncontended: p50/p99 of one acquire+release by one client (sync API: the "
@@ -500,8 +706,13 @@ def main(quick: bool, contention: bool = True, before: str | None = None) -> Non
 
 if __name__ == "__main__":
     argv = sys.argv[1:]
+    fsync = argv[argv.index("--fsync") + 1] if "--fsync" in argv else "always"
+    if fsync not in ("always", "everysec"):
+        sys.exit(f"--fsync: always or everysec, not {fsync!r}")
     main(
         "--quick" in argv,
         contention="--uncontended" not in argv,
         before=argv[argv.index("--before") + 1] if "--before" in argv else None,
+        fsync=fsync,
+        layers_only="--layers" in argv,
     )

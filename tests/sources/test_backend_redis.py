@@ -876,3 +876,135 @@ def test_the_uncontended_scripts_get_only_the_keys_and_arguments_they_use(
     # EVALSHA sha numkeys keys... args...: (numkeys, number of arguments) per script
     shapes = [(int(c[2]), len(c) - 3 - int(c[2])) for c in scripts]
     assert shapes == [(3, 4), (1, 4), (2, 1)], scripts
+
+
+# -- the scripts' own connection ---------------------------------------------------------------
+
+
+async def test_scripts_share_the_own_connection_with_the_pool(redis_server: RedisServer) -> None:
+    """Concurrent calls: one runs on the backend's own connection, the others through
+    redis-py's pool; every lock's tokens still increase and every release finds its grant."""
+    prefix = _prefix()
+    async with fenced.connect_async(redis_server.url, key_prefix=prefix) as locks:
+        names = [unique_name() for _ in range(4)]
+        tokens: dict[str, list[int]] = {name: [] for name in names}
+        released: list[bool] = []
+
+        async def loop(name: str) -> None:
+            lease = locks.lock(name, ttl=30)
+            for _ in range(25):
+                tokens[name].append((await lease.acquire()).value)
+                released.append(await lease.release())
+
+        await asyncio.gather(*(loop(name) for name in names))
+    for name in names:
+        assert tokens[name] == list(range(1, 26)), tokens[name]
+    assert all(released) and len(released) == 100
+
+
+async def test_a_forgotten_script_is_loaded_again(redis_server: RedisServer) -> None:
+    """SCRIPT FLUSH (or a restart) empties the server's script cache: the own connection gets
+    NOSCRIPT (the script did not run), loads it and sends it again."""
+    name = unique_name()
+    native = redis.Redis(port=redis_server.port)
+    try:
+        async with fenced.connect_async(redis_server.url, key_prefix=_prefix()) as locks:
+            lease = locks.lock(name, ttl=30)
+            first = await lease.acquire()
+            native.script_flush()
+            assert await lease.release() is True
+            native.script_flush()
+            second = await lease.acquire()
+            assert second.value == first.value + 1
+            assert await lease.release() is True
+    finally:
+        native.close()
+
+
+async def test_a_cut_off_script_leaves_no_reply_for_the_next(redis_server: RedisServer) -> None:
+    """An acquire cancelled while its script is on the own connection (the server paused):
+    the reply that arrives after the server resumes must not be read as the next script's
+    reply. redis-py drops the connection; the next call re-checks the server and reconnects."""
+    name = unique_name()
+    async with fenced.connect_async(redis_server.url, key_prefix=_prefix()) as locks:
+        lease = locks.lock(name, ttl=30)
+        first = await lease.acquire()
+        assert await lease.release() is True
+        backend: Any = locks.backend
+        redis_server.pause()
+        try:
+            task = asyncio.create_task(locks.lock(name, ttl=30).acquire())
+
+            async def sent() -> bool:
+                return bool(backend._own_busy)
+
+            await async_wait_for(sent, what="the acquire script on the own connection")
+            task.cancel()
+        finally:
+            redis_server.resume()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        after = await lease.acquire()
+        # The cancelled acquire may have been granted a token before it left: higher, never
+        # lower or a reply of another script.
+        assert after.value > first.value
+        assert await lease.release() is True
+        assert (await locks.status(name)).holder is None
+
+
+async def test_a_script_without_reply_ends_at_socket_timeout(redis_server: RedisServer) -> None:
+    """The own connection has no socket timeout of its own (one deadline bounds connect, send
+    and reply): a paused server still fails the call at ``socket_timeout``, as unavailable;
+    once the server is back the next call reconnects and works."""
+    name = unique_name()
+    options = {"key_prefix": _prefix(), "socket_timeout": 0.5}
+    async with fenced.connect_async(redis_server.url, **options) as locks:
+        assert (await locks.status(name)).holder is None  # (the own connection is made)
+        redis_server.pause()
+        try:
+            start = time.monotonic()
+            with pytest.raises(fenced.BackendUnavailable, match="socket_timeout"):
+                await asyncio.wait_for(locks.status(name), 5)
+            assert time.monotonic() - start < 3
+        finally:
+            redis_server.resume()
+        async with locks.lock(name, ttl=30) as lease:
+            assert (await locks.status(name)).token == lease.token
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        (
+            "EVALSHA",
+            "0" * 40,
+            3,
+            "p:{a}:token",
+            "p:{a}:holder",
+            "p:{a}:queue",
+            "r1",
+            10000,
+            "",
+            3000,
+        ),
+        ("EVALSHA", "0" * 40, 2, "p:{ü}:holder", "p:{ü}:queue", "7 10000 r1\nme@host: ünï"),
+        ("EVALSHA", "0" * 40, 1, "k", "", "r", 2**63 - 1, -1),
+        ("EVALSHA", "0" * 40, 0),
+    ],
+)
+def test_scripts_are_packed_as_redis_py_packs_them(command: tuple[str | int, ...]) -> None:
+    """The own connection packs fenced's script calls itself (no encoder type checks per
+    argument): the bytes must be redis-py's for the same command."""
+    from redis.asyncio.connection import Connection
+
+    from fenced.backends.redis import _packed
+
+    assert _packed(command) == b"".join(Connection().pack_command(*command))
+
+
+@pytest.mark.parametrize("bad", [1.5, True, b"bytes", None])
+def test_packing_refuses_what_it_cannot_send_exactly(bad: object) -> None:
+    from fenced.backends.redis import _packed
+
+    with pytest.raises(TypeError, match="text or an int"):
+        _packed(("EVALSHA", "0" * 40, 0, bad))  # type: ignore[arg-type]

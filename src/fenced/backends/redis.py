@@ -440,6 +440,26 @@ async def check_server_safety(client: aioredis.Redis) -> list[str]:
     return problems
 
 
+def _packed(command: Sequence[str | int]) -> bytes:
+    """``command`` in the Redis protocol (RESP): what redis-py's ``pack_command`` makes of
+    text (UTF-8) and integers, without its encoder's type checks per argument, about a tenth
+    of a script call's client CPU. fenced's scripts take only text and integers."""
+    parts = [b"*%d\r\n" % len(command)]
+    for arg in command:
+        if type(arg) is str:
+            data = arg.encode()
+        elif type(arg) is int:
+            data = b"%d" % arg
+        else:  # (a float would lose its fraction to %d: never guess)
+            raise TypeError(f"a script argument is text or an int, not {type(arg).__name__}")
+        parts.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(parts)
+
+
+async def _never() -> bool:
+    return False
+
+
 def _granted_value(grant: Grant) -> str:
     """The holder value ``grant`` was made with, built from the grant itself (so it names its
     token and request id; its handle holds the rest), if this backend made it; else ''. The
@@ -495,9 +515,14 @@ class RedisBackend(Backend):
         # also come back well within the client's socket timeout.
         socket_timeout = client.connection_pool.connection_kwargs.get("socket_timeout") or 10.0
         self._recheck = min(waiter_heartbeat / 3, socket_timeout / 2)
+        self._socket_timeout: float = socket_timeout
         self._allow_unsafe = allow_unsafe_durability
         self._where = where
         self._closed = False
+        # The scripts' own connection (see _script), made on first use; None until then.
+        self._own: Any = None
+        self._own_busy = False
+        self._own_dirty: Callable[[], Awaitable[bool]] = _never
         self._key_cache: dict[str, tuple[list[str], str]] = {}
         self._recheck_safety = False
         self.verified_durable = False
@@ -609,6 +634,60 @@ class RedisBackend(Backend):
                 ) from exc
             raise BackendError(f"redis at {self._where}: {exc}") from exc
 
+    async def _script(self, script: Any, keys: Sequence[str], args: Sequence[str | int]) -> Any:
+        """Run one of fenced's scripts (one short request): on the backend's own connection
+        when no other call is using it, else through redis-py's pool.
+
+        The own connection skips what redis-py's client adds to every command (its pool's
+        lock and bookkeeping, observability, the retry wrapper): over a quarter of the client
+        CPU of an uncontended acquire+release (docs/benchmarks.md, "the Redis client's
+        cost"). Same requests, same errors: redis-py's connection drops itself on any error
+        of the socket, timeout or cancellation, and nothing is retried but a script the server
+        has forgotten (NOSCRIPT: it did not run). BLPOP, which blocks, always uses the pool.
+        """
+        if self._own_busy:  # another call is on it: the pool has connections for both
+            return await script(keys=keys, args=args)
+        self._own_busy = True
+        try:
+            conn = self._own
+            if conn is None:
+                pool: Any = self._client.connection_pool
+                # Without a socket timeout of its own: redis-py would then bound every write
+                # with asyncio.wait_for, a task per command; one deadline below bounds all.
+                kwargs = {**pool.connection_kwargs, "socket_timeout": None}
+                conn = self._own = pool.connection_class(**kwargs)
+                self._own_dirty = getattr(conn, "can_read", None) or conn.can_read_destructive
+            elif not conn.is_connected or await self._own_dirty():
+                # Dropped after an error or a cancellation, or a reply nobody read, or closed
+                # by the server (a restart, perhaps with another configuration): check the
+                # server again, then start afresh (the pool reconnects without a word).
+                await conn.disconnect()
+                await self._verify_safety()
+            try:
+                async with asyncio.timeout(self._socket_timeout) as deadline:
+                    if not conn.is_connected:
+                        await conn.connect()
+                    command = ("EVALSHA", script.sha, len(keys), *keys, *args)
+                    await conn.send_packed_command(_packed(command))
+                    try:
+                        return await conn.read_response()
+                    except rexc.NoScriptError:
+                        # The server's script cache was emptied (a restart, SCRIPT FLUSH):
+                        # load it and send again, as redis-py's Script does.
+                        await conn.send_command("SCRIPT", "LOAD", script.script)
+                        script.sha = await conn.read_response()
+                        await conn.send_command("EVALSHA", script.sha, *command[2:])
+                        return await conn.read_response()
+            except TimeoutError:
+                if not deadline.expired():
+                    raise
+                # (redis-py dropped the connection when the deadline cancelled its read)
+                raise rexc.TimeoutError(
+                    f"no reply within socket_timeout ({self._socket_timeout:g} s)"
+                ) from None
+        finally:
+            self._own_busy = False
+
     # -- keys ----------------------------------------------------------------------------
 
     def _keys(self, name: str) -> tuple[list[str], str]:
@@ -664,7 +743,9 @@ class RedisBackend(Backend):
                     owner,
                     "final" if final else self._heartbeat_ms,
                 )
-                reply = await self._call(functools.partial(self._acquire, keys=keys[:3], args=args))
+                reply = await self._call(
+                    functools.partial(self._script, self._acquire, keys[:3], args)
+                )
                 if type(reply) is int:  # a fresh grant of the full ttl (the fast path)
                     queued = False
                     return Grant(
@@ -732,7 +813,7 @@ class RedisBackend(Backend):
         """Leave the queue of an abandoned acquire; a free lock goes to the next waiter."""
         args = (request_id, 0, "leave", self._heartbeat_ms, wake_prefix)
         try:
-            await self._call(lambda: self._leave_script(keys=keys, args=args))
+            await self._call(lambda: self._script(self._leave_script, keys, args))
         except Exception:  # the waiter's heartbeat runs out anyway
             logger.debug("leaving the queue of %s failed", keys[1], exc_info=True)
 
@@ -741,7 +822,7 @@ class RedisBackend(Backend):
         sent_at = _clock.now()
         ttl_ms = max(1, round(grant.ttl * 1000))
         args = (_granted_value(grant), grant.request_id, grant.token.value, ttl_ms)
-        ok = await self._call(lambda: self._renew(keys=keys[1:2], args=args))
+        ok = await self._call(lambda: self._script(self._renew, keys[1:2], args))
         if not int(ok):
             raise LeaseLostError(f"lease {grant.token} is no longer held")
         return Grant(grant.token, grant.request_id, grant.ttl, sent_at, grant.handle)
@@ -749,7 +830,7 @@ class RedisBackend(Backend):
     async def release(self, grant: Grant) -> bool:
         keys, _ = self._keys(grant.token.lock)
         args = _holder_args(grant)
-        done = await self._call(lambda: self._release(keys=keys[1:3], args=args))
+        done = await self._call(lambda: self._script(self._release, keys[1:3], args))
         return bool(int(done))
 
     async def lock_names(self) -> list[str]:
@@ -769,7 +850,7 @@ class RedisBackend(Backend):
     async def status(self, name: str) -> LockStatus:
         keys, _ = self._keys(name)
         status_keys = [keys[0], keys[1], keys[3]]
-        reply = await self._call(lambda: self._status(keys=status_keys))
+        reply = await self._call(lambda: self._script(self._status, status_keys, ()))
         rid, token, pttl, last, waiters, owner, ttl_ms = reply
         held = bool(rid) and int(pttl) >= 0
         return LockStatus(
@@ -804,6 +885,8 @@ class RedisBackend(Backend):
             return
         self._closed = True
         try:
+            if self._own is not None:
+                await self._own.disconnect()
             await self._client.aclose()
         except Exception:  # closing a connection to a dead server is not an error
             logger.debug("closing redis client failed", exc_info=True)
