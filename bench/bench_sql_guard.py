@@ -35,6 +35,8 @@ innodb_flush_log_at_trx_commit=1; PyMySQL), one sequential client each. Each tra
   message sent anyway (``ride: 2 SELECT 1``);
 * fence SQL by hand - unfenced plus SQLGuard's own statement sent straight through the driver,
   no fenced code: the floor of the fence-table form (what the statement itself costs);
+* fence SQL, a with block - (SQLite) the same statements behind a minimal ``with`` block, nothing
+  checked: the floor of a block-shaped API such as SQLGuard.transaction;
 * row SQL by hand - RowGuard's conditional UPDATE sent straight through the driver instead of
   the plain UPDATE: the floor of the row form.
 
@@ -81,6 +83,7 @@ VARIANTS = (
     "unfenced, one request",
     "+SELECT 1",
     "fence SQL by hand",
+    "fence SQL, a with block",
     "row SQL by hand",
     "ride: 2 SELECT 1",
     "ride: check only",
@@ -145,6 +148,8 @@ PAIRED = (
     ("SQLGuard.transaction", "unfenced"),
     ("fence SQL by hand", "unfenced"),
     ("SQLGuard.transaction", "fence SQL by hand"),
+    ("fence SQL, a with block", "fence SQL by hand"),
+    ("SQLGuard.transaction", "fence SQL, a with block"),
     ("SQLGuard.transaction", "unfenced, pipelined"),
     ("ride SQL by hand", "unfenced"),
     ("pipelined form", "unfenced"),
@@ -394,6 +399,21 @@ def make_ops(
         conn.execute(row, (next(counter), TOKEN.value, 1, TOKEN.value))
         conn.execute("COMMIT")
 
+    class Block:
+        """The fence SQL by hand behind a ``with`` block, nothing checked: what any
+        block-shaped API costs above the bare statements (two Python calls a transaction)."""
+
+        def __enter__(self) -> None:
+            conn.execute(begin)
+            conn.execute(fence, fence_params).fetchall()
+
+        def __exit__(self, *exc: object) -> None:
+            conn.execute("COMMIT" if exc[0] is None else "ROLLBACK")
+
+    def fence_with_block() -> None:
+        with Block():
+            conn.execute(update, (next(counter),))
+
     return {
         "unfenced": unfenced,
         "SQLGuard": fence_table,
@@ -406,6 +426,7 @@ def make_ops(
         **parts,
         "+SELECT 1": one_more_statement,
         "fence SQL by hand": fence_by_hand,
+        **({"fence SQL, a with block": fence_with_block} if d is SQLITE else {}),
         "row SQL by hand": row_by_hand,
     }
 

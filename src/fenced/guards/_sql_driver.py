@@ -1347,7 +1347,7 @@ def guarded_transaction(
     kind = _kind(conn)
     if kind == "sqlite3":  # (a subclass of sqlite3.Connection)
         params = (resource, token.lock, token.value)
-        with SQLiteTransaction(conn, fence_sql(SQLITE, table), params, token) as tok:
+        with SQLiteTransaction((conn, fence_sql(SQLITE, table), params, token)) as tok:
             yield tok
         return
     if kind != "psycopg":
@@ -1382,32 +1382,21 @@ def guarded_transaction(
             step = _advance(steps, reply, None)
 
 
-class SQLiteTransaction:
+class SQLiteTransaction(tuple[sqlite3.Connection, FenceSQL, tuple[str, str, int], FencingToken]):
     """``transaction()`` on a plain ``sqlite3.Connection``: ``BEGIN IMMEDIATE``, the
     accepting upsert and its verdict sent straight to the driver (the plan only on a
-    refusal), the block, COMMIT (ROLLBACK if the block raises).
+    refusal), the block, COMMIT (ROLLBACK if the block raises). Made of ``(conn, fence
+    SQL, (resource, lock, value), token)``.
 
-    A class, not a generator context manager, and chosen by ``type(conn) is
-    sqlite3.Connection`` before any other dispatch: in process there is no round trip to
-    save, so what the guard costs above its one statement is its own Python
-    (bench/bench_sql_guard.py)."""
+    Chosen by ``type(conn) is sqlite3.Connection`` before any other dispatch, and a tuple
+    (made without a Python ``__init__``) rather than a generator context manager: in process
+    there is no round trip to save, so what the guard costs above its one statement is its
+    own Python, a few calls (bench/bench_sql_guard.py: "fence SQL, a with block")."""
 
-    __slots__ = ("_conn", "_params", "_sql", "_token")
-
-    def __init__(
-        self,
-        conn: sqlite3.Connection,
-        sql: FenceSQL,
-        params: tuple[str, str, int],
-        token: FencingToken,
-    ) -> None:
-        self._conn = conn
-        self._sql = sql
-        self._params = params  # (resource, lock, value): the accepting upsert's
-        self._token = token
+    __slots__ = ()
 
     def __enter__(self) -> FencingToken:
-        conn = self._conn
+        conn, sql, params, token = self
         try:
             if conn.in_transaction:
                 _refuse_open(True, "transaction()")
@@ -1415,7 +1404,7 @@ class SQLiteTransaction:
             pass
         try:
             conn.execute("BEGIN IMMEDIATE")
-            rows = conn.execute(self._sql.accept, self._params).fetchall()
+            rows = conn.execute(sql.accept, params).fetchall()
         except Exception as exc:
             with contextlib.suppress(Exception):
                 conn.rollback()
@@ -1423,7 +1412,7 @@ class SQLiteTransaction:
         if not rows or type(rows[0][0]) is not int:  # (not accepted: the plan says why)
             try:
                 drive(
-                    check_verdict(self._sql, self._params[0], self._token, Result(rows, len(rows))),
+                    check_verdict(sql, params[0], token, Result(rows, len(rows))),
                     lambda stmt: _exec_sqlite(conn, stmt),
                     lambda exc: map_error(SQLITE, conn, exc),
                 )
@@ -1431,17 +1420,18 @@ class SQLiteTransaction:
                 with contextlib.suppress(Exception):
                     conn.rollback()
                 raise
-        return self._token
+        return token
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        conn = self[0]
         if exc_type is not None:
             with contextlib.suppress(Exception):
-                self._conn.rollback()
+                conn.rollback()
             return
         try:
-            self._conn.execute("COMMIT")  # (the driver's statement cache; commit() prepares anew)
+            conn.execute("COMMIT")  # (the driver's statement cache; commit() prepares anew)
         except Exception as e:
-            _raise_mapped(SQLITE, self._conn, e)
+            _raise_mapped(SQLITE, conn, e)
 
 
 @contextlib.asynccontextmanager

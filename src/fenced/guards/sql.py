@@ -195,7 +195,7 @@ class SQLGuard:
     nothing is committed for you.
     """
 
-    __slots__ = ("_quoted", "_use", "lock", "resource", "table", "verifier")
+    __slots__ = ("_quoted", "_sqlite_sql", "_use", "lock", "resource", "table", "verifier")
 
     def __init__(
         self,
@@ -210,6 +210,7 @@ class SQLGuard:
         self.lock = _lock_name(resource if lock is None else lock, f"lock of {resource!r}")
         self.table = table
         self._quoted = quote_table(table)
+        self._sqlite_sql = fence_sql(SQLITE, self._quoted)  # (transaction()'s direct path)
         # (verified before first use on each MySQL or PostgreSQL connection)
         self._use = TableUse(table)
 
@@ -292,7 +293,7 @@ class SQLGuard:
         if type(conn) is sqlite3.Connection:  # (the in-process path: no dispatch to pay for)
             # (tok's lock is self.lock: coerce checked it)
             params = (self.resource, self.lock, tok.value)
-            return SQLiteTransaction(conn, fence_sql(SQLITE, self._quoted), params, tok)
+            return SQLiteTransaction((conn, self._sqlite_sql, params, tok))
         return guarded_transaction(
             conn, self._quoted, self.resource, tok, self._use, lambda: self._begin(conn, tok)
         )
