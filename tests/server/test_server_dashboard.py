@@ -419,6 +419,12 @@ def test_the_time_left_bar_moves_between_polls_and_ends_expired(
                 r.querySelector('.s').textContent]; })()"""
     )
     assert row[0] == 0 and row[1] == "expired"
+    # the state cell says it whole, not "expi…": its text fits the column
+    state = browser.js(
+        """(() => { const c = document.querySelector('tr[data-lock="short"]').cells[1];
+        return [c.textContent, c.scrollWidth <= c.clientWidth]; })()"""
+    )
+    assert state == ["expired", True], state
     assert not browser.js(
         "document.querySelector('tr[data-lock=\"long\"]').classList.contains('expired')"
     )
