@@ -9,6 +9,8 @@ import fenced._clients.grpc  # isort: skip
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
@@ -45,6 +47,46 @@ def pytest_configure(config: pytest.Config) -> None:
         _PYCACHE.append(tempfile.mkdtemp(prefix="fenced-test-pycache-"))  # (mode 700)
         os.environ["PYTHONPYCACHEPREFIX"] = _PYCACHE[0]
         del os.environ["PYTHONDONTWRITEBYTECODE"]
+    _warm_bytecode(config)
+
+
+def _warm_bytecode(config: pytest.Config) -> None:
+    """Before xdist's workers start, collect the tests once in a few processes, so that the
+    bytecode of what the tests import and pytest's rewritten test modules are in the cache
+    when the workers look. Each worker compiled them all itself, at the same moment as the
+    others: 12 of its 19 s of CPU before its first test, in a fresh clone."""
+    if (
+        not getattr(config.option, "numprocesses", None)
+        or hasattr(config, "workerinput")
+        or config.option.collectonly
+        or os.environ.get("FENCED_TEST_WARMED")
+    ):
+        return
+    os.environ["FENCED_TEST_WARMED"] = "1"  # (inherited: the workers and the warm-up skip it)
+    paths: list[str] = []
+    for arg in config.args:
+        path = arg.split("::")[0]
+        if os.path.isdir(path):
+            paths += sorted(os.path.join(path, name) for name in os.listdir(path))
+        else:
+            paths.append(path)
+    paths = [p for p in paths if os.path.isdir(p) or p.endswith(".py")]
+    jobs = min(len(paths), os.cpu_count() or 1, 4)
+    if jobs < 1:
+        return
+    groups = [paths[i::jobs] for i in range(jobs)]
+    cmd = [sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:xdist"]
+    cmd += ["-p", "no:cacheprovider", "--rootdir", str(config.rootpath)]
+    procs = [
+        subprocess.Popen([*cmd, *group], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for group in groups
+    ]
+    for proc in procs:  # (a warm-up that fails or hangs costs only the time: the workers
+        try:  # compile what it did not)
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
