@@ -2025,6 +2025,32 @@ def test_a_commit_in_a_guarded_transaction_lets_no_stale_write_in(
         _no_stale_write_after_the_end(env, conn, "transaction", end=end, autocommit=autocommit)
 
 
+def test_a_block_that_ends_the_transaction_and_turns_autocommit_on_is_told_so(
+    pg_dsn: str,
+) -> None:
+    """The block COMMITs, a newer holder writes, then the block turns autocommit on and
+    writes: psycopg commits that write as it runs, and no recheck can take it back. Raised as
+    what happened (ConfigurationError: "committed as they ran, unfenced"), not as a refusal
+    (StaleTokenError said the write was refused while it was in the table)."""
+    env = Env("pg", pg_dsn)
+    with env.connect() as a, env.connect() as b:
+        guard = SQLGuard("acct", lock=LOCK)
+        guard.install(a)
+        a.execute("CREATE TABLE acct (id INTEGER PRIMARY KEY, v TEXT)")
+        a.execute("INSERT INTO acct VALUES (1, 'start')")
+        a.commit()
+        with pytest.raises(ConfigurationError, match="committed as they ran, unfenced"):
+            with guard.transaction(a, token=tok(20)):
+                a.execute("UPDATE acct SET v = 'A20'")
+                a.execute("COMMIT")
+                with guard.transaction(b, token=tok(21)):
+                    b.execute("UPDATE acct SET v = 'B21'")
+                a.autocommit = True
+                a.execute("UPDATE acct SET v = 'A-after'")
+        assert b.execute("SELECT v FROM acct").fetchall() == [("A-after",)]  # (as told)
+        assert guard.high_water(b) == tok(21)
+
+
 def test_a_commit_in_an_async_pipelined_transaction_lets_no_stale_write_in(pg_dsn: str) -> None:
     """The async twin: ``atransaction`` checks again after the block, in the same pipeline."""
     import asyncio

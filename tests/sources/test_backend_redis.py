@@ -1008,3 +1008,104 @@ def test_packing_refuses_what_it_cannot_send_exactly(bad: object) -> None:
 
     with pytest.raises(TypeError, match="text or an int"):
         _packed(("EVALSHA", "0" * 40, 0, bad))  # type: ignore[arg-type]
+
+
+# -- the outside attack of 2026-11-27 (session 7) ---------------------------------------------
+
+
+def test_a_server_back_unsafe_is_refused_on_every_path_at_once(server: RedisServer) -> None:
+    """Every connection the client makes checks the server first: after a restart with
+    ``appendfsync everysec``, concurrent acquires (the scripts' own connection busy, so most
+    of them on redis-py's pool, which reconnects without a word) are all refused, round after
+    round — before, a call that found the own connection busy was granted. And a safe server
+    again is accepted."""
+
+    async def attempt(locks: fenced.AsyncLocks, name: str) -> str:
+        try:
+            async with locks.lock(name, ttl=5, timeout=1) as lease:
+                await asyncio.sleep(0.01)
+                return f"granted {lease.token}"
+        except fenced.FencedError as exc:
+            return type(exc).__name__
+
+    async def main() -> None:
+        async with fenced.connect_async(server.url, key_prefix=_prefix()) as locks:
+            before = await asyncio.gather(*(attempt(locks, f"a{i}") for i in range(4)))
+            assert all(r.startswith("granted") for r in before), before
+            server.stop()
+            server.extra = ["--appendfsync", "everysec"]
+            server.start()
+            for round_ in range(3):
+                got = await asyncio.gather(*(attempt(locks, f"r{round_}-{i}") for i in range(4)))
+                assert got == ["UnsafeBackendError"] * 4, (round_, got)
+            server.stop()
+            server.extra = []
+            server.start()
+            # (the safe server passes again; the refused rounds may take a moment to clear)
+            got = await asyncio.gather(*(attempt(locks, f"s{i}") for i in range(4)))
+            assert all(r.startswith("granted") for r in got), got
+
+    asyncio.run(main())
+
+
+def test_an_acquire_on_a_server_that_stopped_answering_ends_near_its_timeout(
+    server: RedisServer,
+) -> None:
+    """A paused server (SIGSTOP): ``timeout=0.5`` and ``timeout=0`` end within a second past
+    the timeout (as the other sources bound a last try), not after ``socket_timeout`` (10 s),
+    through the sync API too; and the lock taken before the pause is still the holder's."""
+    name = unique_name()
+    with fenced.connect(server.url, key_prefix=_prefix()) as locks:  # type: ignore[arg-type]
+        with locks.lock(name, ttl=30):
+            pass
+        server.pause()
+        try:
+            for timeout in (0.5, 0.0):
+                start = time.monotonic()
+                with pytest.raises((fenced.BackendUnavailable, fenced.LockTimeout)):
+                    locks.lock(unique_name(), ttl=5).acquire(timeout=timeout)
+                took = time.monotonic() - start
+                assert took < timeout + 2.5, (timeout, took)
+        finally:
+            server.resume()
+        with locks.lock(name, ttl=5, timeout=10) as lease:  # (the source is back)
+            assert lease.token.value == 2
+
+
+def test_a_release_after_the_server_closed_idle_connections_frees_the_lock(
+    server: RedisServer,
+) -> None:
+    """The server closes fenced's idle connections (``CLIENT KILL``, or its ``timeout``):
+    the release that follows reconnects and frees the lock (redis-py 8's pool handed out the
+    closed connection, and the release failed, leaving the lock held for its whole ttl)."""
+    name = unique_name()
+    admin = redis.Redis(port=server.port, decode_responses=True)
+    with fenced.connect(server.url, key_prefix=_prefix()) as locks:  # type: ignore[arg-type]
+        lease = locks.lock(name, ttl=60, auto_renew=False)
+        lease.acquire(timeout=5)
+        killed = admin.client_kill_filter(skipme=True)
+        assert killed >= 1
+        assert lease.release() is True
+        with locks.lock(name, ttl=5, timeout=0) as again:  # free at once, not in 60 s
+            assert again.token.value == 2
+    admin.close()
+
+
+def test_a_str_subclass_request_id_is_sent_as_its_text(redis_server: RedisServer) -> None:
+    """``request_id`` an ``enum.StrEnum`` member: accepted as the text it is (the scripts'
+    own packing refused it with a bare TypeError)."""
+    import enum
+
+    class Job(enum.StrEnum):
+        NIGHTLY = "nightly-run-1"
+
+    name = unique_name()
+    with fenced.connect(redis_server.url, key_prefix=_prefix()) as locks:  # type: ignore[arg-type]
+        with locks.lock(name, ttl=5, request_id=Job.NIGHTLY) as lease:
+            assert lease.token.value == 1
+            assert locks.status(name).holder == "nightly-run-1"
+
+
+def test_tls_options_on_a_plain_url_are_a_configuration_error(redis_server: RedisServer) -> None:
+    with pytest.raises(fenced.ConfigurationError, match="rediss://"):
+        fenced.connect(redis_server.url, ssl_certfile="/nonexistent")

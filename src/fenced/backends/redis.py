@@ -32,7 +32,7 @@ import asyncio
 import functools
 import logging
 import re
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, ClassVar, Final, TypeVar
 from urllib.parse import SplitResult, urlunsplit
@@ -404,11 +404,35 @@ async def check_server_safety(client: aioredis.Redis) -> list[str]:
     older counter), and ``maxmemory-policy noeviction`` (``allkeys-*`` can evict the counter, ``volatile-*`` a
     holder's key).
     """
-    problems: list[str] = []
     try:
         config: dict[str | None, str | None] = await client.config_get("*")
     except rexc.ResponseError as exc:
         return [f"cannot read the server configuration to verify durability (CONFIG GET: {exc})"]
+    info: dict[str, Any] = await client.info("replication")
+    return _safety_problems(config, info)
+
+
+async def _connection_safety(conn: Any) -> list[str]:
+    """:func:`check_server_safety` on one connection just made (before anything else is sent
+    on it): the same rule, read with the connection's own commands."""
+    await conn.send_command("CONFIG", "GET", "*")
+    try:
+        reply = await conn.read_response()
+    except rexc.ResponseError as exc:
+        return [f"cannot read the server configuration to verify durability (CONFIG GET: {exc})"]
+    config = (
+        dict(reply) if isinstance(reply, dict) else dict(zip(reply[::2], reply[1::2], strict=True))
+    )
+    await conn.send_command("INFO", "replication")
+    text = await conn.read_response()
+    info = dict(
+        line.split(":", 1) for line in str(text).splitlines() if ":" in line and line[0] != "#"
+    )
+    return _safety_problems(config, info)
+
+
+def _safety_problems(config: Mapping[Any, Any], info: Mapping[str, Any]) -> list[str]:
+    problems: list[str] = []
     appendonly = config.get("appendonly")
     fsync = config.get("appendfsync")
     if appendonly != "yes":
@@ -428,7 +452,6 @@ async def check_server_safety(client: aioredis.Redis) -> list[str]:
         # volatile-* cannot evict the counter, but can evict a holder key under memory
         # pressure: the lock would be free while its holder still counts on its ttl.
         problems.append(f"maxmemory-policy is {policy!r} (it can evict a holder's key early)")
-    info: dict[str, Any] = await client.info("replication")
     role = info.get("role")
     if role != "master":
         problems.append(f"the server's role is {role!r} (needs 'master')")
@@ -440,14 +463,30 @@ async def check_server_safety(client: aioredis.Redis) -> list[str]:
     return problems
 
 
+class _UnsafeServer(rexc.RedisError):
+    """A connection just made found the server unsafe: the connection is dropped, nothing is
+    sent on it (raised from :meth:`RedisBackend._on_connect`, turned into
+    :class:`~fenced.UnsafeBackendError` by ``_call``)."""
+
+
+try:  # redis-py 8: its pool hands out an idle connection the server closed, unless off
+    from redis.maint_notifications import MaintNotificationsConfig
+
+    _NO_MAINT: dict[str, Any] = {
+        "maint_notifications_config": MaintNotificationsConfig(enabled=False)
+    }
+except ImportError:  # (redis-py 5-7: no such thing, and the pool checks)
+    _NO_MAINT = {}
+
+
 def _packed(command: Sequence[str | int]) -> bytes:
     """``command`` in the Redis protocol (RESP): what redis-py's ``pack_command`` makes of
     text (UTF-8) and integers, without its encoder's type checks per argument, about a tenth
     of a script call's client CPU. fenced's scripts take only text and integers."""
     parts = [b"*%d\r\n" % len(command)]
     for arg in command:
-        if type(arg) is str:
-            data = arg.encode()
+        if isinstance(arg, str):  # (a str subclass too: an enum.StrEnum request id)
+            data = str.encode(arg)
         elif type(arg) is int:
             data = b"%d" % arg
         else:  # (a float would lose its fraction to %d: never guess)
@@ -516,6 +555,11 @@ class RedisBackend(Backend):
         socket_timeout = client.connection_pool.connection_kwargs.get("socket_timeout") or 10.0
         self._recheck = min(waiter_heartbeat / 3, socket_timeout / 2)
         self._socket_timeout: float = socket_timeout
+        # Every connection the client makes (the pool's, and the scripts' own) checks the
+        # server before anything is sent on it: a server that came back unsafe (a restart
+        # with another configuration) is refused on every path, not only where a call
+        # happened to notice the restart.
+        client.connection_pool.connection_kwargs["redis_connect_func"] = self._on_connect
         self._allow_unsafe = allow_unsafe_durability
         self._where = where
         self._closed = False
@@ -557,6 +601,10 @@ class RedisBackend(Backend):
                 )
             client_kwargs["db"] = int(db_path)
         scheme = "rediss" if url.scheme.lower().startswith("rediss") else "redis"
+        if scheme == "redis" and (tls := sorted(k for k in client_kwargs if k.startswith("ssl"))):
+            raise ConfigurationError(
+                f"{', '.join(tls)}: TLS options need a rediss:// URL, not redis://"
+            )
         native_url = urlunsplit((scheme, url.netloc, "", "", ""))
         try:
             client: aioredis.Redis = aioredis.Redis.from_url(
@@ -565,6 +613,7 @@ class RedisBackend(Backend):
                 # fenced retries acquire itself (with the same request id); a hidden retry of
                 # a release whose reply was lost would turn True into False.
                 retry=Retry(NoBackoff(), 0),
+                **_NO_MAINT,
                 **client_kwargs,
             )
         except (TypeError, ValueError) as exc:
@@ -589,16 +638,13 @@ class RedisBackend(Backend):
         """Refuse (or, if allowed, warn about) a server that cannot keep tokens from repeating."""
         problems = await self._call(lambda: check_server_safety(self._client), verify=False)
         self.verified_durable = not problems
+        if problems and not self._allow_unsafe:
+            self._recheck_safety = True  # (every call asks again until the server passes)
+            raise self._unsafe("; ".join(problems))
         self._recheck_safety = False
         if not problems:
             return
         detail = "; ".join(problems)
-        if not self._allow_unsafe:
-            raise UnsafeBackendError(
-                f"redis at {self._where} is not a durable token source: {detail}. Fix the "
-                "server configuration, or pass allow_unsafe_durability=true to accept that "
-                "tokens may be reused after a crash or failover"
-            )
         logger.warning(
             "redis at %s is not durable (%s); running anyway because allow_unsafe_durability "
             "is set: a crash or failover can hand out a token again",
@@ -606,21 +652,51 @@ class RedisBackend(Backend):
             detail,
         )
 
+    def _unsafe(self, detail: str) -> UnsafeBackendError:
+        return UnsafeBackendError(
+            f"redis at {self._where} is not a durable token source: {detail}. Fix the "
+            "server configuration, or pass allow_unsafe_durability=true to accept that "
+            "tokens may be reused after a crash or failover"
+        )
+
+    async def _on_connect(self, conn: Any) -> None:
+        """redis-py's handshake on a connection just made, then the server's safety checked
+        on it (:func:`check_server_safety`'s rule): an unsafe server is refused before
+        anything is sent (or, with ``allow_unsafe_durability``, warned about once)."""
+        await conn.on_connect()
+        problems = await _connection_safety(conn)
+        if not problems:
+            return
+        if not self._allow_unsafe:
+            raise _UnsafeServer("; ".join(problems))
+        if self.verified_durable:
+            self.verified_durable = False
+            logger.warning(
+                "redis at %s is no longer durable (%s); running anyway because "
+                "allow_unsafe_durability is set",
+                self._where,
+                "; ".join(problems),
+            )
+
     async def _call(self, make: Callable[[], Awaitable[T]], *, verify: bool = True) -> T:
         """Run one redis-py call, translating its errors into fenced's."""
         if self._closed:
             raise BackendUnavailable(f"redis connection to {self._where} is closed")
         try:
             if verify and self._recheck_safety:
-                # The connection was lost: the server may have restarted with another config.
+                # Refused as unsafe, or a read-only replica answered (a failover?): the
+                # server must pass again before anything else is sent.
                 await self._verify_safety()
             return await make()
         except FencedError:  # already translated (by the safety re-check)
             raise
+        except _UnsafeServer as exc:  # (a connection just made found the server unsafe)
+            self.verified_durable = False
+            self._recheck_safety = True
+            raise self._unsafe(str(exc)) from None
         except NATIVE as exc:
             what = kind(exc)
-            if what == "unreachable":
-                self._recheck_safety = True
+            if what == "unreachable":  # (the connection made next checks the server: _on_connect)
                 raise BackendUnavailable(f"redis at {self._where} unavailable: {exc}") from exc
             if what == "denied":
                 raise AccessDenied(
@@ -634,7 +710,13 @@ class RedisBackend(Backend):
                 ) from exc
             raise BackendError(f"redis at {self._where}: {exc}") from exc
 
-    async def _script(self, script: Any, keys: Sequence[str], args: Sequence[str | int]) -> Any:
+    async def _script(
+        self,
+        script: Any,
+        keys: Sequence[str],
+        args: Sequence[str | int],
+        deadline: float | None = None,
+    ) -> Any:
         """Run one of fenced's scripts (one short request): on the backend's own connection
         when no other call is using it, else through redis-py's pool.
 
@@ -644,9 +726,21 @@ class RedisBackend(Backend):
         cost"). Same requests, same errors: redis-py's connection drops itself on any error
         of the socket, timeout or cancellation, and nothing is retried but a script the server
         has forgotten (NOSCRIPT: it did not run). BLPOP, which blocks, always uses the pool.
+
+        Bounded by ``socket_timeout``, and with an acquire's ``deadline`` by one second past
+        it (as the other sources bound a call: a last try gets a fair chance to answer).
         """
+        bound, what = self._socket_timeout, "socket_timeout"
+        if deadline is not None and deadline - _clock.now() + 1.0 < bound:
+            bound, what = max(deadline - _clock.now(), 0.0) + 1.0, "the acquire's timeout + 1 s"
         if self._own_busy:  # another call is on it: the pool has connections for both
-            return await script(keys=keys, args=args)
+            try:
+                async with asyncio.timeout(bound) as limit:
+                    return await script(keys=keys, args=args)
+            except TimeoutError:
+                if not limit.expired():
+                    raise
+                raise rexc.TimeoutError(f"no reply within {bound:.3g} s ({what})") from None
         self._own_busy = True
         try:
             conn = self._own
@@ -659,12 +753,11 @@ class RedisBackend(Backend):
                 self._own_dirty = getattr(conn, "can_read", None) or conn.can_read_destructive
             elif not conn.is_connected or await self._own_dirty():
                 # Dropped after an error or a cancellation, or a reply nobody read, or closed
-                # by the server (a restart, perhaps with another configuration): check the
-                # server again, then start afresh (the pool reconnects without a word).
+                # by the server (a restart, perhaps with another configuration): start afresh
+                # (the new connection checks the server first: _on_connect).
                 await conn.disconnect()
-                await self._verify_safety()
             try:
-                async with asyncio.timeout(self._socket_timeout) as deadline:
+                async with asyncio.timeout(bound) as limit:
                     if not conn.is_connected:
                         await conn.connect()
                     command = ("EVALSHA", script.sha, len(keys), *keys, *args)
@@ -679,12 +772,10 @@ class RedisBackend(Backend):
                         await conn.send_command("EVALSHA", script.sha, *command[2:])
                         return await conn.read_response()
             except TimeoutError:
-                if not deadline.expired():
+                if not limit.expired():
                     raise
                 # (redis-py dropped the connection when the deadline cancelled its read)
-                raise rexc.TimeoutError(
-                    f"no reply within socket_timeout ({self._socket_timeout:g} s)"
-                ) from None
+                raise rexc.TimeoutError(f"no reply within {bound:.3g} s ({what})") from None
         finally:
             self._own_busy = False
 
@@ -744,7 +835,7 @@ class RedisBackend(Backend):
                     "final" if final else self._heartbeat_ms,
                 )
                 reply = await self._call(
-                    functools.partial(self._script, self._acquire, keys[:3], args)
+                    functools.partial(self._script, self._acquire, keys[:3], args, deadline)
                 )
                 if type(reply) is int:  # a fresh grant of the full ttl (the fast path)
                     queued = False

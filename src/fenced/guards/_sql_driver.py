@@ -1181,6 +1181,12 @@ def _ride(
         except BaseException:
             yield _ROLLBACK
             raise
+        if conn.autocommit:  # (psycopg allows it only once the block had ended ours)
+            raise ConfigurationError(
+                f"transaction(): the block ended the transaction that fenced {resource!r} "
+                f"with {token} and turned autocommit on: its statements after that were "
+                "committed as they ran, unfenced"
+            )
         head, tail = _ride_last()
         try:
             yield _Message(head + b"%d" % xid + tail, rows=False)
