@@ -227,6 +227,7 @@ def test_is_not_linearizable(redis_server: RedisServer) -> None:
         ({"key_prefix": "a{b}"}, "braces"),
         ({"waiter_heartbeat": 0}, "waiter_heartbeat"),
         ({"socket_timeout": -1}, "socket_timeout"),
+        ({"client_name": "a b"}, "refused an option of the connection: Client names"),
     ],
 )
 def test_bad_options(redis_server: RedisServer, options: dict[str, Any], match: str) -> None:

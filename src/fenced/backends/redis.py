@@ -42,7 +42,7 @@ import redis.exceptions as rexc
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from .._clients.redis_errors import NATIVE, kind
+from .._clients.redis_errors import DENIED, NATIVE, kind
 from .._core import clock as _clock
 from .._core.backend import (
     Backend,
@@ -463,6 +463,13 @@ def _safety_problems(config: Mapping[Any, Any], info: Mapping[str, Any]) -> list
     return problems
 
 
+class _RefusedOption(rexc.RedisError):
+    """The server refused the connection's handshake for an option of the URL (``CLIENT
+    SETNAME`` with a name it cannot take, ``SELECT`` of a database it does not have):
+    configuration (raised from :meth:`RedisBackend._on_connect`, turned into
+    :class:`~fenced.ConfigurationError` by ``_call``)."""
+
+
 class _UnsafeServer(rexc.RedisError):
     """A connection just made found the server unsafe: the connection is dropped, nothing is
     sent on it (raised from :meth:`RedisBackend._on_connect`, turned into
@@ -663,7 +670,12 @@ class RedisBackend(Backend):
         """redis-py's handshake on a connection just made, then the server's safety checked
         on it (:func:`check_server_safety`'s rule): an unsafe server is refused before
         anything is sent (or, with ``allow_unsafe_durability``, warned about once)."""
-        await conn.on_connect()
+        try:
+            await conn.on_connect()
+        except rexc.ResponseError as exc:
+            if isinstance(exc, DENIED):  # (credentials: said as such by _call)
+                raise
+            raise _RefusedOption(str(exc)) from exc
         problems = await _connection_safety(conn)
         if not problems:
             return
@@ -690,6 +702,10 @@ class RedisBackend(Backend):
             return await make()
         except FencedError:  # already translated (by the safety re-check)
             raise
+        except _RefusedOption as exc:
+            raise ConfigurationError(
+                f"redis at {self._where} refused an option of the connection: {exc}"
+            ) from None
         except _UnsafeServer as exc:  # (a connection just made found the server unsafe)
             self.verified_durable = False
             self._recheck_safety = True
