@@ -100,3 +100,38 @@ def test_a_holders_arguments_are_not_shown_to_status_readers(
     finally:
         holder.kill()
         holder.wait()
+
+
+# A password holding an unencoded '/', '?' or '#' ends the URL's authority early: urllib then
+# reads part of it as the host, port, path, query or fragment, which messages used to show.
+MISPLIT = [
+    "redis://:abcd/SECRETPW@127.0.0.1:6379/0",
+    "redis://:1234/abcdSECRETPW@127.0.0.1:6379/0",
+    "redis://:abcd#SECRETPW@127.0.0.1:6379/0",
+    "redis://user:1234#abcdSECRETPW@127.0.0.1/0",
+    "redis://:1234?abcdSECRETPW@127.0.0.1:6379/0",
+    "postgresql://app:pa/ssSECRETPW@127.0.0.1/db",
+]
+
+
+@pytest.mark.parametrize("url", MISPLIT)
+def test_a_password_with_a_slash_question_or_hash_is_refused_whole(url: str) -> None:
+    """Refused as a ConfigurationError that says how to fix it (percent-encode), showing no
+    part of the password (not even what came before the '/'), through the library and the
+    CLI; and a URL with an '@' only in its path or query is not taken for one."""
+    import fenced
+
+    with pytest.raises(fenced.ConfigurationError, match="percent-encode") as refused:
+        fenced.connect(url)
+    text = str(refused.value)
+    assert "SECRETPW" not in text and "abcd" not in text and "1234" not in text, text
+    assert "SECRETPW" not in redacted(url) and "abcd" not in redacted(url)
+    result = _fenced("lock", "--url", url, "x", "--", "true")
+    assert result.returncode != 0
+    out = result.stdout + result.stderr
+    assert "SECRETPW" not in out and "abcd" not in out and "percent-encode" in out, out
+
+
+def test_an_at_sign_in_a_path_or_query_is_no_password() -> None:
+    for url in ("sqlite:////tmp/a@b.db", "redis://h:6379/0?client_name=me@x"):
+        assert redacted(url) == url

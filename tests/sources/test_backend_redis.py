@@ -1110,3 +1110,91 @@ def test_a_str_subclass_request_id_is_sent_as_its_text(redis_server: RedisServer
 def test_tls_options_on_a_plain_url_are_a_configuration_error(redis_server: RedisServer) -> None:
     with pytest.raises(fenced.ConfigurationError, match="rediss://"):
         fenced.connect(redis_server.url, ssl_certfile="/nonexistent")
+
+
+def test_appendonly_turned_on_at_run_time_is_refused_until_its_first_rewrite_ends(
+    server: RedisServer,
+) -> None:
+    """``CONFIG SET appendonly yes`` on a running server: until the AOF's first rewrite ends,
+    writes go to a file the manifest does not list, and a crash loses them (tokens handed out
+    again after a kill -9: the outside attack saw token 1 twice). CONFIG GET already says
+    yes/always then: refused all the same while that rewrite runs; accepted once it ended."""
+    admin = redis.Redis(port=server.port)
+    admin.config_set("appendonly", "no")
+    admin.mset({f"pad{i}": "x" for i in range(60)})
+    admin.config_set("rdb-key-save-delay", 50000)  # (the rewrite takes ~3 s: a big dataset)
+    admin.config_set("appendonly", "yes")
+    try:
+        assert admin.info("persistence")["aof_rewrite_in_progress"] == 1
+        with pytest.raises(fenced.UnsafeBackendError, match="first rewrite is still running"):
+            fenced.connect(server.url, key_prefix=_prefix(), connect_timeout=1)
+    finally:
+        admin.config_set("rdb-key-save-delay", 0)
+    wait_for(lambda: not admin.info("persistence")["aof_rewrite_in_progress"], 30, "the rewrite")
+    with fenced.connect(server.url, key_prefix=_prefix()) as locks:  # type: ignore[arg-type]
+        with locks.lock(unique_name(), ttl=5, timeout=5) as lease:
+            assert lease.token.value == 1
+    admin.close()
+
+
+def test_a_waiter_blocked_when_the_server_stops_answering_ends_near_its_timeout(
+    server: RedisServer,
+) -> None:
+    """B waits in BLPOP for A's lock, then the server is paused: B's ``acquire(timeout=2)``
+    ends within a second past it (it took ``socket_timeout``, 10 s); and after a refusal has
+    armed the safety re-check (a restart with ``everysec``), a paused server still lets an
+    ``acquire(timeout=1)`` end near its timeout (the re-check was unbounded)."""
+    name = unique_name()
+
+    async def main() -> None:
+        async with fenced.connect_async(server.url, key_prefix=_prefix()) as locks:
+            async with locks.lock(name, ttl=30):
+                b = asyncio.ensure_future(locks.lock(name, ttl=5).acquire(timeout=2))
+
+                async def queued() -> bool:
+                    return (await locks.status(name)).waiters == 1
+
+                await async_wait_for(queued, 10, "B queued")
+                start = time.monotonic()
+                server.pause()
+                try:
+                    with pytest.raises((fenced.BackendUnavailable, fenced.LockTimeout)):
+                        await b
+                    took = time.monotonic() - start
+                finally:
+                    server.resume()
+                assert took < 2 + 2.5, took
+
+    asyncio.run(main())
+    with fenced.connect(server.url, key_prefix=_prefix()) as locks:  # type: ignore[arg-type]
+        with locks.lock(unique_name(), ttl=5):
+            pass
+        server.kill()
+        server.extra = ["--appendfsync", "everysec"]
+        server.start()
+        with pytest.raises(fenced.UnsafeBackendError):
+            locks.lock(unique_name(), ttl=5).acquire(timeout=1)
+        server.pause()
+        try:
+            start = time.monotonic()
+            with pytest.raises(fenced.BackendUnavailable):
+                locks.lock(unique_name(), ttl=5).acquire(timeout=1)
+            assert time.monotonic() - start < 1 + 2.5
+        finally:
+            server.resume()
+
+
+def test_the_opt_out_warns_once_on_a_read_only_replica(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``allow_unsafe_durability`` on a replica: each acquire is refused (READONLY), and the
+    warning that the server is not durable is logged once, not twice a call."""
+    with RedisServer(extra=["--replicaof", "127.0.0.1", str(redis_server.port)]) as replica:
+        caplog.set_level(logging.WARNING, logger="fenced")
+        url = replica.url + "?allow_unsafe_durability=true"
+        with fenced.connect(url, key_prefix=_prefix()) as locks:  # type: ignore[arg-type]
+            for _ in range(4):
+                with pytest.raises(fenced.UnsafeBackendError, match="read-only replica"):
+                    locks.lock(unique_name(), ttl=5).acquire(timeout=1)
+        warned = [r for r in caplog.records if "is not durable" in r.getMessage()]
+        assert len(warned) == 1, [r.getMessage() for r in warned]

@@ -459,11 +459,37 @@ def parse_url(url: str) -> SplitResult:
         )
     try:
         parts = urlsplit(url)
+    except ValueError as exc:
+        raise ConfigurationError(f"malformed token source URL {redacted(url)!r}: {exc}") from None
+    if _misplit_userinfo(url, parts):
+        # (what urllib took for the host, port, path, query or fragment holds part of the
+        # password: no message may show any of it)
+        raise ConfigurationError(
+            f"malformed token source URL {redacted(url)!r}: its user or password holds a '/', "
+            "'?' or '#'; percent-encode them (%2F, %3F, %23)"
+        )
+    try:
         if "," not in parts.netloc:  # (a host list is the source's to parse)
             parts.port  # noqa: B018 - validates the port (urlsplit itself does not)
     except ValueError as exc:
         raise ConfigurationError(f"malformed token source URL {redacted(url)!r}: {exc}") from None
     return parts
+
+
+def _misplit_userinfo(url: str, parts: SplitResult) -> bool:
+    """Did a '/', '?' or '#' in the userinfo end the authority early? Then an '@' follows
+    the authority urllib found, which has none, and that authority is no ``host[:port]``: an
+    empty host (``redis://:pa/ss@h``), a port that is no number (``redis://u:pa/ss@h``), or
+    an '@' in the fragment, which a source URL never has (``redis://u:1234#ss@h``)."""
+    if "@" in parts.netloc or "@" not in url.partition("://")[2]:
+        return False
+    if "@" in parts.fragment:
+        return True
+    netloc = parts.netloc
+    if netloc.startswith("[") or "," in netloc:  # (an IPv6 literal; a host list)
+        return False
+    host, colon, port = netloc.rpartition(":") if ":" in netloc else (netloc, "", "")
+    return bool(colon) and (not host or not port.isdigit())
 
 
 SECRET_QUERY_KEYS: Final = frozenset(
@@ -485,10 +511,20 @@ def redacted(url: str) -> str:
     if "://" not in url:
         return f"{url[:1]}…" if len(url) > 1 else url
     scheme, sep, rest = url.partition("://")
-    rest, hash_, _fragment = rest.partition("#")
-    userinfo, at, host = rest.rpartition("@")
-    if at and ":" in userinfo:
-        userinfo = userinfo.split(":", 1)[0] + ":***"
+    try:
+        misplit = _misplit_userinfo(url, urlsplit(url))
+    except ValueError:
+        misplit = True
+    if misplit:  # (the last '@' ends the userinfo, past a '/', '?' or '#' it should not hold)
+        userinfo, at, host = rest.rpartition("@")
+        userinfo = re.split(r"[:/?#]", userinfo, maxsplit=1)[0] + ":***" if at else userinfo
+    else:
+        end = len(re.split(r"[/?#]", rest, maxsplit=1)[0])  # (the authority: host, port)
+        userinfo, at, host = rest[:end].rpartition("@")
+        host += rest[end:]
+        if at and ":" in userinfo:
+            userinfo = userinfo.split(":", 1)[0] + ":***"
+    host, hash_, _fragment = host.partition("#")
     host = _SECRET_QUERY.sub(r"\1\2=***", host)
     return f"{scheme}{sep}{userinfo}{at}{host}{hash_ and '#***'}"
 

@@ -409,7 +409,8 @@ async def check_server_safety(client: aioredis.Redis) -> list[str]:
     except rexc.ResponseError as exc:
         return [f"cannot read the server configuration to verify durability (CONFIG GET: {exc})"]
     info: dict[str, Any] = await client.info("replication")
-    return _safety_problems(config, info)
+    persistence: dict[str, Any] = await client.info("persistence")
+    return _safety_problems(config, {**info, **persistence})
 
 
 async def _connection_safety(conn: Any) -> list[str]:
@@ -423,11 +424,14 @@ async def _connection_safety(conn: Any) -> list[str]:
     config = (
         dict(reply) if isinstance(reply, dict) else dict(zip(reply[::2], reply[1::2], strict=True))
     )
-    await conn.send_command("INFO", "replication")
-    text = await conn.read_response()
-    info = dict(
-        line.split(":", 1) for line in str(text).splitlines() if ":" in line and line[0] != "#"
-    )
+    info: dict[str, Any] = {}
+    for section in ("replication", "persistence"):
+        await conn.send_command("INFO", section)
+        text = await conn.read_response()
+        for line in str(text).splitlines():
+            key, colon, value = line.partition(":")
+            if colon and not key.startswith("#"):
+                info[key] = value
     return _safety_problems(config, info)
 
 
@@ -452,6 +456,21 @@ def _safety_problems(config: Mapping[Any, Any], info: Mapping[str, Any]) -> list
         # volatile-* cannot evict the counter, but can evict a holder key under memory
         # pressure: the lock would be free while its holder still counts on its ttl.
         problems.append(f"maxmemory-policy is {policy!r} (it can evict a holder's key early)")
+    # Appendonly turned on at run time: until the first rewrite ends, writes go to a file the
+    # AOF's manifest does not list yet, and a crash loses them. (A first rewrite on a server
+    # started with an empty AOF reads the same: refused while it runs.)
+    if (
+        appendonly == "yes"
+        and str(info.get("aof_rewrite_in_progress", "0")) == "1"
+        and str(info.get("aof_last_rewrite_time_sec", "-1")) == "-1"
+        and str(info.get("aof_base_size", "0")) == "0"
+    ):
+        problems.append(
+            "the append-only file's first rewrite is still running (appendonly turned on at "
+            "run time?): writes are not in a durable AOF until it ends"
+        )
+    if str(info.get("aof_last_write_status", "ok")) != "ok":
+        problems.append("the server's last write to its append-only file failed")
     role = info.get("role")
     if role != "master":
         problems.append(f"the server's role is {role!r} (needs 'master')")
@@ -568,6 +587,7 @@ class RedisBackend(Backend):
         # happened to notice the restart.
         client.connection_pool.connection_kwargs["redis_connect_func"] = self._on_connect
         self._allow_unsafe = allow_unsafe_durability
+        self._warned = False
         self._where = where
         self._closed = False
         # The scripts' own connection (see _script), made on first use; None until then.
@@ -649,8 +669,9 @@ class RedisBackend(Backend):
             self._recheck_safety = True  # (every call asks again until the server passes)
             raise self._unsafe("; ".join(problems))
         self._recheck_safety = False
-        if not problems:
+        if not problems or self._warned:
             return
+        self._warned = True  # (once a backend: a read-only replica re-checks on every call)
         detail = "; ".join(problems)
         logger.warning(
             "redis at %s is not durable (%s); running anyway because allow_unsafe_durability "
@@ -690,15 +711,29 @@ class RedisBackend(Backend):
                 "; ".join(problems),
             )
 
-    async def _call(self, make: Callable[[], Awaitable[T]], *, verify: bool = True) -> T:
-        """Run one redis-py call, translating its errors into fenced's."""
+    async def _call(
+        self,
+        make: Callable[[], Awaitable[T]],
+        *,
+        verify: bool = True,
+        deadline: float | None = None,
+    ) -> T:
+        """Run one redis-py call, translating its errors into fenced's (an acquire's
+        ``deadline`` bounds the safety re-check too)."""
         if self._closed:
             raise BackendUnavailable(f"redis connection to {self._where} is closed")
         try:
             if verify and self._recheck_safety:
                 # Refused as unsafe, or a read-only replica answered (a failover?): the
                 # server must pass again before anything else is sent.
-                await self._verify_safety()
+                bound, what = self._bound(deadline)
+                try:
+                    async with asyncio.timeout(bound) as limit:
+                        await self._verify_safety()
+                except TimeoutError:
+                    if not limit.expired():
+                        raise
+                    raise rexc.TimeoutError(f"no reply within {bound:.3g} s ({what})") from None
             return await make()
         except FencedError:  # already translated (by the safety re-check)
             raise
@@ -726,6 +761,27 @@ class RedisBackend(Backend):
                 ) from exc
             raise BackendError(f"redis at {self._where}: {exc}") from exc
 
+    def _bound(self, deadline: float | None, after: float = 0.0) -> tuple[float, str]:
+        """How long a call may wait for its reply (and what says so): ``socket_timeout``, or
+        an acquire's timeout + 1 s if shorter (a last try gets a fair chance to answer, as
+        on the other sources); ``after``: a blocking command's own wait, on top."""
+        if deadline is not None:
+            left = max(deadline - _clock.now(), 0.0) - after
+            if left + 1.0 < self._socket_timeout:
+                return after + max(left, 0.0) + 1.0, "the acquire's timeout + 1 s"
+        return after + self._socket_timeout, "socket_timeout"
+
+    async def _blpop(self, key: str, wait: float, deadline: float | None) -> Any:
+        """A waiter's ``BLPOP`` of ``wait`` seconds, its reply bounded like a script's."""
+        bound, what = self._bound(deadline, after=wait)
+        try:
+            async with asyncio.timeout(bound) as limit:
+                return await self._client.blpop([key], round(wait, 3))
+        except TimeoutError:
+            if not limit.expired():
+                raise
+            raise rexc.TimeoutError(f"no reply within {bound:.3g} s ({what})") from None
+
     async def _script(
         self,
         script: Any,
@@ -746,9 +802,7 @@ class RedisBackend(Backend):
         Bounded by ``socket_timeout``, and with an acquire's ``deadline`` by one second past
         it (as the other sources bound a call: a last try gets a fair chance to answer).
         """
-        bound, what = self._socket_timeout, "socket_timeout"
-        if deadline is not None and deadline - _clock.now() + 1.0 < bound:
-            bound, what = max(deadline - _clock.now(), 0.0) + 1.0, "the acquire's timeout + 1 s"
+        bound, what = self._bound(deadline)
         if self._own_busy:  # another call is on it: the pool has connections for both
             try:
                 async with asyncio.timeout(bound) as limit:
@@ -851,7 +905,8 @@ class RedisBackend(Backend):
                     "final" if final else self._heartbeat_ms,
                 )
                 reply = await self._call(
-                    functools.partial(self._script, self._acquire, keys[:3], args, deadline)
+                    functools.partial(self._script, self._acquire, keys[:3], args, deadline),
+                    deadline=deadline,
                 )
                 if type(reply) is int:  # a fresh grant of the full ttl (the fast path)
                     queued = False
@@ -883,9 +938,9 @@ class RedisBackend(Backend):
                 wait = wait_budget(deadline, self._recheck, expiry)
                 handed: Any = None
                 if wait >= 0.001:
-                    blpop = self._client.blpop
                     handed = await self._call(
-                        functools.partial(blpop, [wake_prefix + request_id], round(wait, 3))
+                        functools.partial(self._blpop, wake_prefix + request_id, wait, deadline),
+                        deadline=deadline,
                     )
                 if task is not None and task.cancelling() > cancelling:
                     # Python 3.11's asyncio.wait_for (used by redis-py to send) can swallow a
