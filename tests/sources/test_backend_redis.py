@@ -1198,3 +1198,23 @@ def test_the_opt_out_warns_once_on_a_read_only_replica(
                     locks.lock(unique_name(), ttl=5).acquire(timeout=1)
         warned = [r for r in caplog.records if "is not durable" in r.getMessage()]
         assert len(warned) == 1, [r.getMessage() for r in warned]
+
+
+@pytest.mark.parametrize("denied", ["-info", "-config"])
+def test_a_user_the_acl_denies_the_safety_check_is_access_denied(
+    redis_server: RedisServer, denied: str
+) -> None:
+    """A user whose ACL denies ``INFO`` or ``CONFIG`` cannot have the server verified: refused
+    as AccessDenied naming the command (it was "unsafe (CONFIG GET: …)", whichever was
+    denied), and the password is in no message."""
+    user = unique_name("u").replace("-", "")
+    admin = redis.Redis(port=redis_server.port)
+    admin.execute_command("ACL", "SETUSER", user, "on", ">pw-Secret9", "~*", "&*", "+@all", denied)
+    try:
+        url = f"redis://{user}:pw-Secret9@127.0.0.1:{redis_server.port}/0"
+        with pytest.raises(fenced.AccessDenied, match=denied[1:]) as refused:
+            fenced.connect(url, key_prefix=_prefix(), connect_timeout=1)
+        assert "pw-Secret9" not in str(refused.value)
+    finally:
+        admin.execute_command("ACL", "DELUSER", user)
+        admin.close()

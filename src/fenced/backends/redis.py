@@ -407,6 +407,8 @@ async def check_server_safety(client: aioredis.Redis) -> list[str]:
     try:
         config: dict[str | None, str | None] = await client.config_get("*")
     except rexc.ResponseError as exc:
+        if isinstance(exc, DENIED):  # (an ACL: AccessDenied, said as such by the caller)
+            raise
         return [f"cannot read the server configuration to verify durability (CONFIG GET: {exc})"]
     info: dict[str, Any] = await client.info("replication")
     persistence: dict[str, Any] = await client.info("persistence")
@@ -420,6 +422,8 @@ async def _connection_safety(conn: Any) -> list[str]:
     try:
         reply = await conn.read_response()
     except rexc.ResponseError as exc:
+        if isinstance(exc, DENIED):
+            raise
         return [f"cannot read the server configuration to verify durability (CONFIG GET: {exc})"]
     config = (
         dict(reply) if isinstance(reply, dict) else dict(zip(reply[::2], reply[1::2], strict=True))
