@@ -6,15 +6,18 @@ in one place and re-planted in one place when the guards' SQL changes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
+
+import pytest
 
 from fenced import FencingToken
 from fenced.guards._sql_plan import Dialect, FenceSQL, Stmt
 from fenced.guards.sql import RowGuard, SQLGuard
 
-__all__ = ["LessThanGuard", "LessThanRowGuard", "plant_lt"]
+__all__ = ["LessThanGuard", "LessThanRowGuard", "plant_lt", "planted_ride"]
 
 
 def plant_lt(sql: str) -> str:
@@ -46,3 +49,26 @@ class LessThanRowGuard(RowGuard):
             return Stmt(plant_lt(stmt.sql), stmt.params), key_params
 
         return statement
+
+
+@contextlib.contextmanager
+def planted_ride(
+    monkeypatch: pytest.MonkeyPatch, ride_sql: Callable[[str], tuple[str, str]] | None
+) -> Iterator[None]:
+    """``transaction()``'s two statements on PostgreSQL (check, recheck) made by
+    ``ride_sql(table)`` instead of ``pg_ride_sql`` (None: the real ones); the rendered
+    messages are cached, so emptied before and after."""
+    from fenced.guards import _sql_driver
+
+    if ride_sql is None:
+        yield
+        return
+    monkeypatch.setattr(_sql_driver, "pg_ride_sql", ride_sql)
+    _sql_driver._ride_first.cache_clear()
+    _sql_driver._ride_last.cache_clear()
+    try:
+        yield
+    finally:
+        monkeypatch.undo()
+        _sql_driver._ride_first.cache_clear()
+        _sql_driver._ride_last.cache_clear()

@@ -37,7 +37,7 @@ from fenced.guards import _sql_plan
 from fenced.guards._sql_plan import Dialect, FenceSQL, Plan, Stmt
 from fenced.guards.sql import Add, FenceConflictError, RowGuard, SQLGuard
 from fenced.testing.servers import PostgresServer
-from tests.guards.planted import LessThanGuard, LessThanRowGuard
+from tests.guards.planted import LessThanGuard, LessThanRowGuard, planted_ride
 from tests.helpers import unique_name, wait_for
 
 LOCK = "invoices"
@@ -1673,24 +1673,12 @@ def test_a_pipelined_check_that_does_not_raise_is_caught(
         assert not _stale_batch_is_never_committed(c, guard)
 
 
-@contextlib.contextmanager
 def _planted_ride(
     monkeypatch: pytest.MonkeyPatch, plant: Callable[[str, str], tuple[str, str]]
-) -> Iterator[None]:
-    """``transaction()``'s two statements on PostgreSQL replaced by ``plant(check, recheck)``
-    (the rendered messages are cached: emptied before and after)."""
-    from fenced.guards import _sql_driver
-
+) -> contextlib.AbstractContextManager[None]:
+    """``transaction()``'s two statements replaced by ``plant(check, recheck)``."""
     real = _sql_plan.pg_ride_sql
-    monkeypatch.setattr(_sql_driver, "pg_ride_sql", lambda table: plant(*real(table)))
-    _sql_driver._ride_first.cache_clear()
-    _sql_driver._ride_last.cache_clear()
-    try:
-        yield
-    finally:
-        monkeypatch.undo()
-        _sql_driver._ride_first.cache_clear()
-        _sql_driver._ride_last.cache_clear()
+    return planted_ride(monkeypatch, lambda table: plant(*real(table)))
 
 
 def test_a_riding_check_that_does_not_refuse_is_caught(

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,8 +25,9 @@ import pytest
 
 import fenced
 from fenced import FencingToken
-from fenced.guards import _sql_driver, _sql_plan
+from fenced.guards import _sql_plan
 from fenced.guards.sql import FenceConflictError, SQLGuard
+from tests.guards.planted import planted_ride
 from tests.helpers import wait_for
 
 LOCK = "acct"
@@ -68,22 +69,6 @@ PLANTS: dict[str, Callable[[str], tuple[str, str]]] = {
     "no lock": lambda table: _row_lock_check(table, ""),
     "FOR KEY SHARE": lambda table: _row_lock_check(table, " FOR KEY SHARE"),
 }
-
-
-@contextlib.contextmanager
-def _planted(
-    monkeypatch: pytest.MonkeyPatch, plant: Callable[[str], tuple[str, str]] | None
-) -> Iterator[None]:
-    if plant is None:
-        yield
-        return
-    monkeypatch.setattr(_sql_driver, "pg_ride_sql", plant)
-    _sql_driver._ride_first.cache_clear()
-    try:
-        yield
-    finally:
-        monkeypatch.undo()
-        _sql_driver._ride_first.cache_clear()
 
 
 @dataclass
@@ -233,7 +218,7 @@ CASES = [(level, "the upsert") for level in LEVELS] + [(LEVELS[0], "FOR NO KEY U
 def test_a_newer_holder_waits_for_the_current_one(
     pg_dsn: str, level: psycopg.IsolationLevel, check: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    with _planted(monkeypatch, CHECKS[check]):
+    with planted_ride(monkeypatch, CHECKS[check]):
         assert _newer_waits_for_the_holder(pg_dsn, level)
 
 
@@ -241,7 +226,7 @@ def test_a_newer_holder_waits_for_the_current_one(
 def test_a_stale_holder_waits_and_writes_nothing(
     pg_dsn: str, level: psycopg.IsolationLevel, check: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    with _planted(monkeypatch, CHECKS[check]):
+    with planted_ride(monkeypatch, CHECKS[check]):
         assert _stale_waits_and_is_refused(pg_dsn, level)
 
 
@@ -251,7 +236,7 @@ def test_savepoints_in_the_block_keep_the_fence(
 ) -> None:
     """A savepoint rolled back inside the block (by hand, and psycopg's nested transaction)
     keeps the check's row lock: B still waits for A's commit."""
-    with _planted(monkeypatch, CHECKS[check]):
+    with planted_ride(monkeypatch, CHECKS[check]):
         level = psycopg.IsolationLevel.READ_COMMITTED
         assert _newer_waits_for_the_holder(pg_dsn, level, savepoint=True)
 
@@ -264,14 +249,14 @@ def test_an_unlocked_check_fails_the_races(
     (``FOR KEY SHARE``). B's check does not wait: its write lands first and A's after it;
     the stale holder's check passes on its snapshot (the mark 5 before the newer holder's
     commit), its write committed beside the newer one's."""
-    with _planted(monkeypatch, PLANTS[plant]):
+    with planted_ride(monkeypatch, PLANTS[plant]):
         assert not _newer_waits_for_the_holder(pg_dsn, psycopg.IsolationLevel.READ_COMMITTED)
     with psycopg.connect(pg_dsn, autocommit=True) as c:
         c.execute("DROP TABLE acct; DELETE FROM fenced_fences")
-    with _planted(monkeypatch, PLANTS[plant]):
+    with planted_ride(monkeypatch, PLANTS[plant]):
         level = psycopg.IsolationLevel.READ_COMMITTED
         assert not _newer_waits_for_the_holder(pg_dsn, level, savepoint=True)
     with psycopg.connect(pg_dsn, autocommit=True) as c:
         c.execute("DROP TABLE acct; DELETE FROM fenced_fences")
-    with _planted(monkeypatch, PLANTS[plant]):
+    with planted_ride(monkeypatch, PLANTS[plant]):
         assert not _stale_waits_and_is_refused(pg_dsn, psycopg.IsolationLevel.READ_COMMITTED)

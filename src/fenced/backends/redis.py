@@ -509,6 +509,26 @@ except ImportError:  # (redis-py 5-7: no such thing, and the pool checks)
     _NO_MAINT = {}
 
 
+async def _own_script(
+    conn: Any, script: Any, keys: Sequence[str], args: Sequence[str | int]
+) -> Any:
+    """One of fenced's scripts on the scripts' own connection (connected first if it is not):
+    ``EVALSHA``, and on ``NOSCRIPT`` (the server's script cache emptied: a restart, ``SCRIPT
+    FLUSH``; it did not run) ``SCRIPT LOAD`` and ``EVALSHA`` again, as redis-py's Script
+    does."""
+    if not conn.is_connected:
+        await conn.connect()
+    command = ("EVALSHA", script.sha, len(keys), *keys, *args)
+    await conn.send_packed_command(_packed(command))
+    try:
+        return await conn.read_response()
+    except rexc.NoScriptError:
+        await conn.send_command("SCRIPT", "LOAD", script.script)
+        script.sha = await conn.read_response()
+        await conn.send_command("EVALSHA", script.sha, *command[2:])
+        return await conn.read_response()
+
+
 def _packed(command: Sequence[str | int]) -> bytes:
     """``command`` in the Redis protocol (RESP): what redis-py's ``pack_command`` makes of
     text (UTF-8) and integers, without its encoder's type checks per argument, about a tenth
@@ -730,14 +750,7 @@ class RedisBackend(Backend):
             if verify and self._recheck_safety:
                 # Refused as unsafe, or a read-only replica answered (a failover?): the
                 # server must pass again before anything else is sent.
-                bound, what = self._bound(deadline)
-                try:
-                    async with asyncio.timeout(bound) as limit:
-                        await self._verify_safety()
-                except TimeoutError:
-                    if not limit.expired():
-                        raise
-                    raise rexc.TimeoutError(f"no reply within {bound:.3g} s ({what})") from None
+                await self._bounded(self._verify_safety(), deadline)
             return await make()
         except FencedError:  # already translated (by the safety re-check)
             raise
@@ -777,10 +790,15 @@ class RedisBackend(Backend):
 
     async def _blpop(self, key: str, wait: float, deadline: float | None) -> Any:
         """A waiter's ``BLPOP`` of ``wait`` seconds, its reply bounded like a script's."""
-        bound, what = self._bound(deadline, after=wait)
+        return await self._bounded(self._client.blpop([key], round(wait, 3)), deadline, wait)
+
+    async def _bounded(self, call: Awaitable[T], deadline: float | None, after: float = 0.0) -> T:
+        """``call``'s outcome within :meth:`_bound`; past it, redis-py's TimeoutError (the
+        server is unavailable; redis-py dropped the connection when the read was cancelled)."""
+        bound, what = self._bound(deadline, after)
         try:
             async with asyncio.timeout(bound) as limit:
-                return await self._client.blpop([key], round(wait, 3))
+                return await call
         except TimeoutError:
             if not limit.expired():
                 raise
@@ -806,15 +824,8 @@ class RedisBackend(Backend):
         Bounded by ``socket_timeout``, and with an acquire's ``deadline`` by one second past
         it (as the other sources bound a call: a last try gets a fair chance to answer).
         """
-        bound, what = self._bound(deadline)
         if self._own_busy:  # another call is on it: the pool has connections for both
-            try:
-                async with asyncio.timeout(bound) as limit:
-                    return await script(keys=keys, args=args)
-            except TimeoutError:
-                if not limit.expired():
-                    raise
-                raise rexc.TimeoutError(f"no reply within {bound:.3g} s ({what})") from None
+            return await self._bounded(script(keys=keys, args=args), deadline)
         self._own_busy = True
         try:
             conn = self._own
@@ -830,26 +841,7 @@ class RedisBackend(Backend):
                 # by the server (a restart, perhaps with another configuration): start afresh
                 # (the new connection checks the server first: _on_connect).
                 await conn.disconnect()
-            try:
-                async with asyncio.timeout(bound) as limit:
-                    if not conn.is_connected:
-                        await conn.connect()
-                    command = ("EVALSHA", script.sha, len(keys), *keys, *args)
-                    await conn.send_packed_command(_packed(command))
-                    try:
-                        return await conn.read_response()
-                    except rexc.NoScriptError:
-                        # The server's script cache was emptied (a restart, SCRIPT FLUSH):
-                        # load it and send again, as redis-py's Script does.
-                        await conn.send_command("SCRIPT", "LOAD", script.script)
-                        script.sha = await conn.read_response()
-                        await conn.send_command("EVALSHA", script.sha, *command[2:])
-                        return await conn.read_response()
-            except TimeoutError:
-                if not limit.expired():
-                    raise
-                # (redis-py dropped the connection when the deadline cancelled its read)
-                raise rexc.TimeoutError(f"no reply within {bound:.3g} s ({what})") from None
+            return await self._bounded(_own_script(conn, script, keys, args), deadline)
         finally:
             self._own_busy = False
 
