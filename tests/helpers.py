@@ -21,6 +21,17 @@ def unique_name(prefix: str = "t") -> str:
     return f"{prefix}-{uuid.uuid4().hex[:12]}"
 
 
+def forged(signed: str) -> str:
+    """``signed`` with one signature character changed, still canonical base64url.
+
+    Changing the *first* character keeps the text a well-formed signature that fails
+    to verify; changing the last one could leave stray low bits (a *malformed*
+    signature instead, a different error: 1 run in 256 once got that).
+    """
+    head, _, sig = signed.rpartition(".")
+    return f"{head}.{'B' if sig[0] == 'A' else 'A'}{sig[1:]}"
+
+
 def wait_for(
     predicate: Callable[[], object], timeout: float = 10.0, what: str = "condition"
 ) -> None:

@@ -27,7 +27,7 @@ from fenced import cli
 from fenced._core.backend import MAX_RECORD
 from fenced.guards.sql import SQLGuard
 from fenced.testing.servers import FencedServer
-from tests.helpers import ROOT, wait_for
+from tests.helpers import ROOT, forged, wait_for
 from tests.server.gateway import get, keyed_server, post, until_closed
 
 # -- the API ---------------------------------------------------------------------------------------
@@ -338,7 +338,7 @@ def test_signed_tokens_verify_at_a_guard_and_forged_ones_are_refused_by_check(
             db.execute("INSERT INTO t VALUES ('ok')")
         for bad in (
             "acct:1",
-            raw["signed"][:-2] + ("AA" if not raw["signed"].endswith("AA") else "BB"),
+            forged(raw["signed"]),
         ):
             with pytest.raises(fenced.SignatureError), db:
                 guard.check(db, token=bad)
@@ -516,9 +516,8 @@ def test_with_signing_on_an_unsigned_token_of_a_dotted_lock_name_still_renews(
         assert g["token"] == "app.jobs.v2:1" and g["signed"]
         plain = {"token": g["token"], "request_id": "r"}
         assert post(f"{u}/v1/locks/app.jobs.v2/renew", plain).status_code == 200
-        forged = {"token": g["signed"][:-2] + ("AA" if not g["signed"].endswith("AA") else "BB"),
-                  "request_id": "r"}  # fmt: skip
-        r = post(f"{u}/v1/locks/app.jobs.v2/renew", forged)
+        bad = {"token": forged(g["signed"]), "request_id": "r"}
+        r = post(f"{u}/v1/locks/app.jobs.v2/renew", bad)
         assert r.status_code == 400 and r.json()["error"] == "invalid_token"
         assert post(f"{u}/v1/locks/app.jobs.v2/release", plain).json() == {"released": True}
 

@@ -15,6 +15,7 @@ import pytest
 
 from fenced.server._app import ServerSettings
 from fenced.testing.servers import FencedServer
+from tests.helpers import forged
 from tests.server.test_direct_lane import read_answer, request, serving
 
 # A JSON document nested deeper than Python's recursion limit: json's scanner raises
@@ -142,9 +143,9 @@ def test_with_signing_a_forged_token_never_renews_or_releases(
 
         grant = json.loads(post("acquire", {"ttl": 30, "request_id": "r1"}, as_a)[4:])
         signed, plain = grant["signed"], grant["token"]
-        forged = signed[:-2] + ("AA" if not signed.endswith("AA") else "BB")
+        bad = forged(signed)
         for verb in ("renew", "release"):
-            answer = post(verb, {"token": forged, "request_id": "r1"}, as_a)
+            answer = post(verb, {"token": bad, "request_id": "r1"}, as_a)
             assert answer.startswith(b'400 {"error":"invalid_token"'), answer
             assert post(verb, {"token": signed, "request_id": "r1"}, as_b).startswith(b"403")
         assert post("acquire", {"ttl": 30}, as_b).startswith(b"403")
