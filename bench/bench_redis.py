@@ -528,13 +528,29 @@ def layers(url: str, port: int, rounds: int, n: int, fsync: str) -> None:
         with locks.lock(key + "-sw", ttl=TTL):
             pass
 
-    extra_sync = []
-    if os.environ.get("BENCH_DRIVEN"):  # (an experiment: the portal's fast mode on Redis)
-        from fenced.backends.redis import RedisBackend
+    # The same sync API through the portal's hop (every call to fenced's loop thread and
+    # back: the sync API before session 8), for the A/B in one run.
+    from fenced.backends.redis import RedisBackend
+
+    class Hop(RedisBackend):
+        scheme = "redishop"
+        caller_waits = False
+
+    fenced.register_backend("redishop", Hop)
+    hlocks = fenced.connect(url.replace("redis://", "redishop://", 1), key_prefix="bench:")
+    h_lease = hlocks.lock(key + "-h", ttl=TTL)
+
+    def hop_reused() -> None:
+        h_lease.acquire()
+        h_lease.release()
+
+    extra_sync = [("sync", "fenced sync Lease reused, hop (before)", hop_reused)]
+    if os.environ.get("BENCH_DRIVEN"):  # (an experiment: the fast mode's steps-only drive)
 
         class Driven(RedisBackend):
             scheme = "redisdriven"
-            caller_driven = not RedisBackend.caller_driven
+            caller_driven = True
+            caller_waits = False
 
         fenced.register_backend("redisdriven", Driven)
         dlocks = fenced.connect(url.replace("redis://", "redisdriven://", 1), key_prefix="bench:")
@@ -544,9 +560,7 @@ def layers(url: str, port: int, rounds: int, n: int, fsync: str) -> None:
             d_lease.acquire()
             d_lease.release()
 
-        extra_sync.append(
-            ("sync", f"fenced sync Lease reused, drive={Driven.caller_driven}", driven_reused)
-        )
+        extra_sync.append(("sync", "fenced sync Lease reused, steps only", driven_reused))
 
     def as_sync(fn: Callable[[], Awaitable[None]]) -> Callable[[], None]:
         async def many(count: int, samples: list[float]) -> None:
@@ -594,6 +608,7 @@ def layers(url: str, port: int, rounds: int, n: int, fsync: str) -> None:
                 cpu[name].append((time.process_time() - c0) * 1e6 / n)
     finally:
         locks.close()
+        hlocks.close()
         native.close()
         run(alocks.aclose())
         run(native_async.aclose())

@@ -100,11 +100,19 @@ class Portal:
     idle (see the module's docstring): for code that does not mind which thread runs it.
     """
 
-    def __init__(self, name: str, *, drive: bool = False, mode: PortalMode | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        *,
+        drive: bool = False,
+        mode: PortalMode | None = None,
+        wait: bool = False,
+    ) -> None:
         self._fast: _portal_fast.FastLoop | None = None
         asked = portal_mode(mode)  # (checked even where unused: a typo is said at once)
         if drive and asked == "fast" and _portal_fast.available():
-            self._fast = _portal_fast.FastLoop()
+            wait = wait and _portal_fast.waiting_available()
+            self._fast = _portal_fast.FastLoop(wait=wait)
             # (asyncio's debug mode checks that only the loop's own thread schedules on it)
             if self._fast.loop.get_debug():
                 self._fast.loop.close()
@@ -138,6 +146,12 @@ class Portal:
     def drive(self) -> bool:
         """True in the fast mode: callers run their calls themselves while the loop is idle."""
         return self._fast is not None
+
+    @property
+    def waits(self) -> bool:
+        """True if callers also wait for I/O in the loop's ``select()`` (``wait=True``, where
+        the fast mode runs and epoll can nest): each drives its call to the end."""
+        return self._fast is not None and self._fast.waits
 
     @property
     def closed(self) -> bool:
@@ -209,7 +223,14 @@ class Portal:
         gate = _SigintGate.enter(ident)
         try:
             try:
-                if self._fast is not None:
+                if self._fast is not None and self._fast.waits:
+                    driven = self._fast.drive_through(
+                        ident, run, started, lambda: self._stopping, gate
+                    )
+                    if driven is None:
+                        coro.close()
+                        raise BackendUnavailable("this fenced connection is closed")
+                elif self._fast is not None:
                     driven = self._fast.try_drive(ident, run, started, lambda: self._stopping)
                     if driven is None:
                         coro.close()

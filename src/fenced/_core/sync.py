@@ -203,7 +203,11 @@ class Locks:
     def __init__(self, url: str | object, *, require: Iterable[str] = (), **options: Any) -> None:
         self._async = AsyncLocks(url, require=require, **options)
         cls = self._async._cls
-        self._portal_now = Portal(name=f"fenced-{cls.scheme}", drive=cls.caller_driven)
+        self._portal_now = Portal(
+            name=f"fenced-{cls.scheme}",
+            drive=cls.caller_driven or cls.caller_waits,
+            wait=cls.caller_waits,
+        )
         try:
             self._portal_now.call(self._async.open())
         except BaseException:
@@ -225,7 +229,7 @@ class Locks:
         if self._portal_now.forked:
             old = self._portal_now
             _fork.left_behind(old)
-            self._portal_now = Portal(name=old.thread.name, drive=old.drive)
+            self._portal_now = Portal(name=old.thread.name, drive=old.drive, wait=old.waits)
 
     @property
     def url(self) -> str:

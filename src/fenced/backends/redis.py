@@ -580,6 +580,11 @@ class RedisBackend(Backend):
         }
     )
 
+    # The sync API's callers wait for their replies in the loop's select() themselves (no
+    # hop to the loop thread and back: docs/benchmarks.md, session 8). redis-py's asyncio
+    # client keeps no thread-bound state.
+    caller_waits: ClassVar[bool] = True
+
     # The Lua sources, as class attributes so a test can plant a broken variant in a subclass.
     acquire_lua: ClassVar[str] = ACQUIRE_LUA
     leave_lua: ClassVar[str] = LEAVE_LUA
