@@ -223,16 +223,14 @@ class FastLoop:
             started.append(task)
             run_once = loop._run_once  # type: ignore[attr-defined]
             ready: Any = loop._ready  # type: ignore[attr-defined]
-            # The task's own next step is run at once when it is queued (a whole turn of the
-            # loop, with its poll, only when it waits): fewer turns than run_forever's.
-            step = _take_step(ready, task)
-            while True:
-                if step is not None:
-                    step._run()
-                if task.done():
-                    break
-                step = _take_step(ready, task) if ready else None
-                if step is None:
+            # The task's own next step is run at once when it is first in the queue (a whole
+            # turn of the loop, with its poll, only otherwise): fewer turns than run_forever's,
+            # the same order (a future's callbacks must run in turn: sock_connect's removes
+            # its writer before the task may make a transport on that socket).
+            while not task.done():
+                if ready and _is_step_of(ready[0], task):
+                    ready.popleft()._run()
+                else:
                     run_once()
             # What this call left queued (fenced's own callbacks) is run here, not by waking
             # the loop thread for it.
@@ -267,6 +265,10 @@ class FastLoop:
         if loop._timer_cancelled_count > 1000 + len(timers) // 2:  # type: ignore[attr-defined]
             return True
         return timers[0].when() < self.selector.wakes_at - 0.001
+
+
+def _is_step_of(handle: asyncio.Handle, task: asyncio.Task[None]) -> bool:
+    return getattr(handle._callback, "__self__", None) is task and not handle.cancelled()  # type: ignore[attr-defined]
 
 
 def _take_step(ready: Any, task: asyncio.Task[None]) -> asyncio.Handle | None:
