@@ -85,7 +85,8 @@ class WaitingSelector(SharedSelector):
     def __init__(self, lock: _thread.LockType) -> None:
         super().__init__(lock)
         self._outer = select.epoll()
-        self._outer.register(self.fileno(), select.EPOLLIN)
+        self._fd = self.fileno()
+        self._outer.register(self._fd, select.EPOLLIN)
         self.driver: int | None = None
         """The caller driving now (set and read only by the loop lock's holder)."""
         self.gate: Any = None
@@ -93,24 +94,24 @@ class WaitingSelector(SharedSelector):
 
     def take(self) -> None:
         """Out of the loop thread's wait: from now on its ``select()`` sleeps to its timeout."""
-        self._outer.modify(self.fileno(), 0)
+        self._outer.modify(self._fd, 0)
 
     def give_back(self) -> None:
         """Into the loop thread's wait again (ready events already waiting wake it at once)."""
-        self._outer.modify(self.fileno(), select.EPOLLIN)
+        self._outer.modify(self._fd, select.EPOLLIN)
 
     def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
         if self.driver is not None:  # (the loop's lock is held: by the driver, who asks)
             gate = self.gate
             if gate is None:
-                return selectors.EpollSelector.select(self, timeout)
+                return super(SharedSelector, self).select(timeout)
             # Ctrl-C is let through while the caller waits here (held back elsewhere); one
             # held back meanwhile ends the call before it waits (the loop's state is whole
             # here: nothing of this turn is taken yet, and epoll reports it again).
             if gate.wait_begins():
                 raise KeyboardInterrupt
             try:
-                return selectors.EpollSelector.select(self, timeout)
+                return super(SharedSelector, self).select(timeout)
             finally:
                 gate.waiting = False
         if timeout is not None:  # (as EpollSelector does: at least ``timeout``, in ms)
@@ -128,7 +129,7 @@ class WaitingSelector(SharedSelector):
                 self.wanted = False
             self.wakes_at = -math.inf
         # Read under the lock: what a driver took meanwhile is not reported twice.
-        return selectors.EpollSelector.select(self, 0) if woke else []
+        return super(SharedSelector, self).select(0) if woke else []
 
     def close(self) -> None:
         self._outer.close()
@@ -195,40 +196,40 @@ class FastLoop:
     def drive_through(
         self,
         ident: int,
-        run: Coroutine[Any, Any, None],
-        started: list[asyncio.Task[None]],
+        coro: Coroutine[Any, Any, Any],
+        started: list[Any],
         closing: Callable[[], bool],
         gate: Any,
     ) -> bool | None:
-        """If the loop thread is idle, run the whole loop on this thread until ``run`` (as a
-        task of the loop) is done, waiting for I/O in the loop's selector here; then hand the
-        loop back. False if the loop was busy; None if it is closing. ``gate``: this call's
-        SIGINT gate, let through while waiting (the KeyboardInterrupt propagates from here).
+        """If the loop thread is idle, run the whole loop on this thread until ``coro`` (as a
+        task of the loop, appended to ``started``) is done, waiting for I/O in the loop's
+        selector here; then hand the loop back. False if the loop was busy (``coro``
+        untouched); None if it is closing. ``gate``: this call's SIGINT gate, let through
+        while waiting (the KeyboardInterrupt propagates from here, the loop handed back).
         """
         selector = self.selector
         assert isinstance(selector, WaitingSelector)
         if selector.wanted or not self.lock.acquire(False):
             return False
         loop = self.loop
+        ready: Any = loop._ready  # type: ignore[attr-defined]
         saved = asyncio._get_running_loop()
         try:
             if closing() or not loop.is_running():
-                run.close()
                 return None
             selector.take()
             self.driver = selector.driver = ident
             selector.gate = gate
             asyncio._set_running_loop(loop)
-            task = loop.create_task(run)
+            task = loop.create_task(coro)
             started.append(task)
             run_once = loop._run_once  # type: ignore[attr-defined]
-            ready: Any = loop._ready  # type: ignore[attr-defined]
             # The task's own next step is run at once when it is first in the queue (a whole
             # turn of the loop, with its poll, only otherwise): fewer turns than run_forever's,
             # the same order (a future's callbacks must run in turn: sock_connect's removes
             # its writer before the task may make a transport on that socket).
             while not task.done():
-                if ready and _is_step_of(ready[0], task):
+                if ready and getattr(ready[0]._callback, "__self__", None) is task:
                     ready.popleft()._run()
                 else:
                     run_once()
@@ -244,7 +245,7 @@ class FastLoop:
             self.driver = selector.driver = None
             try:
                 selector.give_back()
-                wake = not selector.wanted and self.needs_loop_thread(bool(loop._ready))  # type: ignore[attr-defined]
+                wake = not selector.wanted and self.needs_loop_thread(bool(ready))
             finally:
                 self.lock.release()
             if wake:  # (after the release: else it wakes only to wait for the lock)
@@ -265,10 +266,6 @@ class FastLoop:
         if loop._timer_cancelled_count > 1000 + len(timers) // 2:  # type: ignore[attr-defined]
             return True
         return timers[0].when() < self.selector.wakes_at - 0.001
-
-
-def _is_step_of(handle: asyncio.Handle, task: asyncio.Task[None]) -> bool:
-    return getattr(handle._callback, "__self__", None) is task and not handle.cancelled()  # type: ignore[attr-defined]
 
 
 def _take_step(ready: Any, task: asyncio.Task[None]) -> asyncio.Handle | None:
