@@ -210,7 +210,7 @@ class Backend(abc.ABC):
     loop's ``select()`` itself, driving the whole loop until its call is done, instead of
     handing a call that waits for I/O back to the loop thread (two thread switches per call;
     see ``_portal_fast``). Implies :attr:`caller_driven`'s promise. Set where measured better:
-    a network source whose calls mostly wait for one reply (Redis)."""
+    a network source whose calls mostly wait for one reply (Redis, PostgreSQL)."""
 
     @classmethod
     @abc.abstractmethod
