@@ -363,3 +363,64 @@ def test_redis_declares_it_and_a_subclass_may_opt_out(redis_server: RedisServer)
                 assert lease.held
     finally:
         undo()
+
+
+def test_calls_from_many_threads_on_one_redis_connection_all_complete(
+    redis_server: RedisServer,
+) -> None:
+    """Eight threads share one connection to one lock: driven calls, hops into a driver's
+    loop, hand-overs to the loop thread and the keepalives interleave; every grant is
+    distinct and in order."""
+    name = unique_name()
+    with fenced.connect(redis_server.url) as locks:
+        assert locks.portal.waits
+        tokens: list[int] = []
+        failures: list[BaseException] = []
+
+        def worker() -> None:
+            try:
+                for _ in range(15):
+                    with locks.lock(name, ttl=5, timeout=30) as lease:
+                        tokens.append(lease.token.value)
+            except BaseException as exc:
+                failures.append(exc)
+
+        threads = [threading.Thread(target=worker) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(90)
+        assert not failures and not any(t.is_alive() for t in threads), failures
+        assert tokens == sorted(tokens) and len(set(tokens)) == 120
+
+
+def test_stop_from_inside_a_driven_call_is_refused(portal: Portal) -> None:
+    async def stop_inside() -> object:
+        try:
+            portal.stop()
+        except RuntimeError as exc:
+            return exc
+        return None
+
+    assert isinstance(portal.call(stop_inside()), RuntimeError)
+    assert not portal.closed and portal.call(_ident()) == threading.get_ident()
+
+
+def test_without_nested_epoll_the_portal_drives_steps_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("FENCED_PORTAL", raising=False)
+    monkeypatch.setattr(_portal_fast, "waiting_available", lambda: False)
+    p = Portal("fenced-test-no-wait", drive=True, wait=True)
+    try:
+        assert p.drive and not p.waits
+        assert p.call(_ident()) == threading.get_ident()
+    finally:
+        p.stop()
+    monkeypatch.setenv("FENCED_PORTAL", "portable")
+    p = Portal("fenced-test-portable", drive=True, wait=True)
+    try:
+        assert not p.drive and not p.waits
+        assert p.call(_ident()) == p.thread.ident
+    finally:
+        p.stop()
