@@ -209,10 +209,7 @@ class PostgreSQLBackend(Backend):
         }
     )
     _ddl_template: ClassVar[str] = DDL
-    # The sync API's callers wait for their replies in the loop's select() themselves (no hop
-    # to the loop thread and back: docs/benchmarks.md, session 8). psycopg's async connection
-    # keeps no thread-bound state.
-    caller_waits: ClassVar[bool] = True
+    caller_waits: ClassVar[bool] = True  # (psycopg's async connection: nothing thread-bound)
 
     def __init__(
         self,

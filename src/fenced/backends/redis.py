@@ -580,10 +580,7 @@ class RedisBackend(Backend):
         }
     )
 
-    # The sync API's callers wait for their replies in the loop's select() themselves (no
-    # hop to the loop thread and back: docs/benchmarks.md, session 8). redis-py's asyncio
-    # client keeps no thread-bound state.
-    caller_waits: ClassVar[bool] = True
+    caller_waits: ClassVar[bool] = True  # (sync callers wait for replies themselves: no hop)
 
     # The Lua sources, as class attributes so a test can plant a broken variant in a subclass.
     acquire_lua: ClassVar[str] = ACQUIRE_LUA
