@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -424,3 +426,56 @@ def test_without_nested_epoll_the_portal_drives_steps_only(
         assert p.call(_ident()) == p.thread.ident
     finally:
         p.stop()
+
+
+_FORK_WHILE_DRIVING = r"""
+import os, sys, threading, time
+import fenced
+from fenced.testing.servers import RedisServer
+
+url, name = sys.argv[1], sys.argv[2]
+locks, other = fenced.connect(url), fenced.connect(url)
+held = other.lock(name, ttl=30)
+held.acquire()
+lease = locks.lock(name, ttl=30)
+fast = locks.portal._fast
+waiter = threading.Thread(target=lambda: lease.acquire(timeout=20), daemon=True)
+waiter.start()
+deadline = time.monotonic() + 10
+while fast.driver != waiter.ident:  # the waiter drives its acquire, the loop's lock held
+    assert time.monotonic() < deadline, "the waiter never drove"
+    time.sleep(0.01)
+pid = os.fork()
+if pid == 0:  # the child: the parent's loop (and its lock, taken) left behind, a new one here
+    try:
+        status = locks.status(name)  # would hang on the inherited lock without a new portal
+        assert status.holder is not None and locks.portal.waits
+        with locks.lock(name + "-child", ttl=5, timeout=5) as mine:
+            assert mine.held
+        os._exit(0)
+    except BaseException as exc:
+        print("child:", repr(exc), flush=True)
+        os._exit(1)
+_, code = os.waitpid(pid, 0)
+assert os.waitstatus_to_exitcode(code) == 0, code
+assert held.release()
+waiter.join(20)
+assert lease.held, "the parent's waiter did not get the lock after the fork"
+assert lease.release()
+print("ok")
+"""
+
+
+def test_a_fork_while_another_thread_drives_leaves_the_child_a_working_connection(
+    redis_server: RedisServer,
+) -> None:
+    """The child inherits the loop's lock taken by a thread that does not exist there: it
+    must make its own loop (fork.py), not wait for that lock; the parent's driven acquire
+    goes on. In a fresh process (forking the test process is a hazard of its own)."""
+    out = subprocess.run(
+        [sys.executable, "-c", _FORK_WHILE_DRIVING, redis_server.url, unique_name()],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout + out.stderr
