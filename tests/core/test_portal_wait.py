@@ -25,12 +25,14 @@ import pytest
 import redis
 
 import fenced
+from fenced._core import portal as _portal
 from fenced._core import portal_fast as _portal_fast
 from fenced._core.errors import BackendUnavailable, LockTimeout
 from fenced._core.portal import Portal
 from fenced.backends.redis import RedisBackend
 from fenced.testing.servers import RedisServer
 from tests.helpers import bounded, unique_name, wait_for
+from tests.sources.variants import InterruptedAfterGrant
 
 pytestmark = pytest.mark.skipif(
     not _portal_fast.waiting_available(), reason="needs CPython's asyncio internals and epoll"
@@ -479,3 +481,41 @@ def test_a_fork_while_another_thread_drives_leaves_the_child_a_working_connectio
         timeout=120,
     )
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout + out.stderr
+
+
+class _WaitingInterruptedAfterGrant(InterruptedAfterGrant):
+    scheme = "sigintwait"
+    caller_waits = True
+
+
+@pytest.mark.parametrize("planted", [False, True], ids=["fenced", "planted-sigint-inline"])
+@pytest.mark.usefixtures("sigint_raises")
+def test_ctrl_c_between_grant_and_record_while_driving_gives_the_grant_back(
+    memory_url: str, monkeypatch: pytest.MonkeyPatch, planted: bool
+) -> None:
+    """SIGINT strikes the driving main thread between the source's grant and the client's
+    record of it: held back to the end of the call, then KeyboardInterrupt, and the grant
+    released. Planted: no gate, the interrupt lands inside the lease core's step."""
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signals are delivered to the main thread only")
+    monkeypatch.delenv("FENCED_PORTAL", raising=False)
+    if planted:
+        monkeypatch.setattr(_portal._SigintGate, "enter", staticmethod(lambda ident: None))
+    undo = fenced.register_backend("sigintwait", _WaitingInterruptedAfterGrant)
+    try:
+        with fenced.connect(memory_url.replace("memory://", "sigintwait://")) as locks:
+            assert locks.portal.waits
+            lease = locks.lock("x", ttl=30)
+            _wait_until_idle(locks.portal)
+            InterruptedAfterGrant.armed = True
+            with pytest.raises(KeyboardInterrupt):
+                lease.acquire()
+            if planted:
+                assert locks.status("x").holder is not None  # left held: caught
+                return
+            wait_for(lambda: locks.status("x").holder is None, what="the grant given back")
+            assert not lease.held
+            assert lease.acquire(timeout=5).value == 2 and lease.release()
+    finally:
+        InterruptedAfterGrant.armed = False
+        undo()
