@@ -357,8 +357,8 @@ def test_stop_from_another_thread_ends_a_driven_wait(
 
 def test_redis_declares_it_and_a_subclass_may_opt_out(redis_server: RedisServer) -> None:
     assert RedisBackend.caller_waits and PostgreSQLBackend.caller_waits
-    # Measured no better where calls do not wait (SQLite: steps only); client libraries with
-    # threads of their own (gRPC, kazoo) keep the hop.
+    # SQLite keeps the steps-only drive (measured: within noise, docs/benchmarks.md session 8);
+    # client libraries with threads of their own (gRPC, kazoo) keep the hop.
     assert not SQLiteBackend.caller_waits and not EtcdBackend.caller_waits
     assert not ZooKeeperBackend.caller_waits
 
