@@ -203,9 +203,8 @@ def test_ctrl_c_while_the_caller_waits_in_select_ends_the_call(
     def interrupt() -> None:
         if not planted:
             wait_for(lambda: selector.gate is not None and selector.gate.waiting, what="select")
-        else:
+        else:  # (no flag there: the planted driver has no gate, and holds SIGINT throughout)
             wait_for(lambda: selector.driver == main, what="the main thread to drive")
-            time.sleep(0.1)  # (no flag to wait for there: the planted driver has no gate)
         signal.pthread_kill(main, signal.SIGINT)
         sent.set()
         if not ended.wait(2.0):  # the bound: then the reply comes, and a call still waiting ends
@@ -326,19 +325,26 @@ def test_ctrl_c_during_a_driven_blocking_acquire_leaves_no_grant(
         lease = mine.lock(name, ttl=30)
         selector = _selector(mine.portal)
 
+        raw = redis.Redis(port=redis_server.port)
+
+        def queued() -> bool:  # our waiter in the lock's queue (a sorted set) at the server
+            return any(raw.type(k) == b"zset" and raw.zcard(k) > 0 for k in raw.keys(f"*{name}*"))
+
         def interrupt() -> None:
+            wait_for(queued, what="the waiter to be queued")
             wait_for(lambda: selector.gate is not None and selector.gate.waiting, what="select")
-            time.sleep(0.05)  # (queued at the source by then, most likely; either is fine)
             signal.pthread_kill(main, signal.SIGINT)
 
         threading.Thread(target=interrupt, daemon=True).start()
         with pytest.raises(KeyboardInterrupt):
             lease.acquire(timeout=10)
         assert not lease.held
+        wait_for(lambda: not queued(), what="the waiter to leave the queue")
         assert held.release()
         wait_for(lambda: mine.status(name).holder is None, what="the lock to be free")
         assert lease.acquire(timeout=5).value > held.token.value
         assert lease.release()
+        raw.close()
 
 
 def test_stop_from_another_thread_ends_a_driven_wait(
