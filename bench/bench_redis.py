@@ -463,9 +463,11 @@ def layers(url: str, port: int, rounds: int, n: int, fsync: str) -> None:
     The asyncio layers, bottom up: fenced's two scripts sent through redis-py with no fenced
     code (the floor of fenced's calls on redis-py's client), the backend alone
     (``RedisBackend.acquire``/``release``), the lease core (one ``AsyncLease`` reused), and
-    ``async with locks.lock()`` (a lease made per acquire); the sync API the same two ways.
-    ``BENCH_DRIVEN=1`` adds the sync API through a portal in the other mode (caller-driven if
-    the Redis source is not, else not): measured worse for Redis (docs/benchmarks.md).
+    ``async with locks.lock()`` (a lease made per acquire); the sync API the same two ways,
+    and once more through the portal's hop (``caller_waits`` off: every call to fenced's loop
+    thread and back, the sync API before session 8), for the A/B in one run.
+    ``BENCH_DRIVEN=1`` adds the sync API with the fast mode's steps only (the caller hands the
+    loop back at its first wait): measured worse for Redis (docs/benchmarks.md).
     """
     key = f"l-{uuid.uuid4().hex[:8]}"
     loop = asyncio.new_event_loop()
@@ -528,13 +530,29 @@ def layers(url: str, port: int, rounds: int, n: int, fsync: str) -> None:
         with locks.lock(key + "-sw", ttl=TTL):
             pass
 
-    extra_sync = []
-    if os.environ.get("BENCH_DRIVEN"):  # (an experiment: the portal's fast mode on Redis)
-        from fenced.backends.redis import RedisBackend
+    # The same sync API through the portal's hop (every call to fenced's loop thread and
+    # back: the sync API before session 8), for the A/B in one run.
+    from fenced.backends.redis import RedisBackend
+
+    class Hop(RedisBackend):
+        scheme = "redishop"
+        caller_waits = False
+
+    fenced.register_backend("redishop", Hop)
+    hlocks = fenced.connect(url.replace("redis://", "redishop://", 1), key_prefix="bench:")
+    h_lease = hlocks.lock(key + "-h", ttl=TTL)
+
+    def hop_reused() -> None:
+        h_lease.acquire()
+        h_lease.release()
+
+    extra_sync = [("sync", "fenced sync Lease reused, hop (before)", hop_reused)]
+    if os.environ.get("BENCH_DRIVEN"):  # (an experiment: the fast mode's steps-only drive)
 
         class Driven(RedisBackend):
             scheme = "redisdriven"
-            caller_driven = not RedisBackend.caller_driven
+            caller_driven = True
+            caller_waits = False
 
         fenced.register_backend("redisdriven", Driven)
         dlocks = fenced.connect(url.replace("redis://", "redisdriven://", 1), key_prefix="bench:")
@@ -544,9 +562,7 @@ def layers(url: str, port: int, rounds: int, n: int, fsync: str) -> None:
             d_lease.acquire()
             d_lease.release()
 
-        extra_sync.append(
-            ("sync", f"fenced sync Lease reused, drive={Driven.caller_driven}", driven_reused)
-        )
+        extra_sync.append(("sync", "fenced sync Lease reused, steps only", driven_reused))
 
     def as_sync(fn: Callable[[], Awaitable[None]]) -> Callable[[], None]:
         async def many(count: int, samples: list[float]) -> None:
@@ -594,6 +610,7 @@ def layers(url: str, port: int, rounds: int, n: int, fsync: str) -> None:
                 cpu[name].append((time.process_time() - c0) * 1e6 / n)
     finally:
         locks.close()
+        hlocks.close()
         native.close()
         run(alocks.aclose())
         run(native_async.aclose())
@@ -665,7 +682,8 @@ def main(
         all_rows,
         note=(
             "uncontended: p50/p99 of one acquire+release by one client (sync API: the "
-            "caller's thread and fenced's loop thread, one hop each way per call).\n"
+            "caller's thread drives fenced's loop and waits for the reply itself; a --before "
+            "side from before session 8: one hop to the loop thread and back per call).\n"
             "hand-off: N waiters arrive (spread over 0.1 s) while a gate client holds the lock, "
             "then take it once each: ops/s = grants/s, p50/p99 = from a holder starting its "
             "release to the next grant. steady: N+1 clients loop, re-asking at once after a "

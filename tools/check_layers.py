@@ -59,8 +59,9 @@ _LAYER_PACKAGES = {"_core": "core", "_clients": "clients", "cli": "cli"}
 # Private names of other libraries that a module uses, which the attribute rule would take for
 # a fenced package's (the rule knows only fenced's own definitions).
 _ASYNCIO_INTERNALS = {
-    # (the fast mode, alone; "_callback": the simulator's loop makes asyncio handles too, 2026-11)
-    "fenced._core.portal_fast": {"_run", "_ready", "_scheduled", "_callback"},
+    # (the fast mode, alone; "_callback", "_run_once": the simulator's loop makes asyncio handles
+    # and turns too, 2026-11)
+    "fenced._core.portal_fast": {"_run", "_ready", "_scheduled", "_callback", "_run_once"},
 }
 
 

@@ -205,6 +205,12 @@ class Backend(abc.ABC):
     loop (it keeps no state tied to one thread): the synchronous API then runs a call on the
     caller's own thread whenever the loop thread is idle, saving two thread switches (see
     ``_portal``). Leave False for client libraries with threads or loop hooks of their own."""
+    caller_waits: ClassVar[bool] = False
+    """True if, further, a synchronous caller should wait for this backend's replies in the
+    loop's ``select()`` itself, driving the whole loop until its call is done, instead of
+    handing a call that waits for I/O back to the loop thread (two thread switches per call;
+    see ``_portal_fast``). Implies :attr:`caller_driven`'s promise. Set where measured better:
+    a network source whose calls mostly wait for one reply (Redis, PostgreSQL)."""
 
     @classmethod
     @abc.abstractmethod

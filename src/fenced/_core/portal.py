@@ -100,11 +100,19 @@ class Portal:
     idle (see the module's docstring): for code that does not mind which thread runs it.
     """
 
-    def __init__(self, name: str, *, drive: bool = False, mode: PortalMode | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        *,
+        drive: bool = False,
+        mode: PortalMode | None = None,
+        wait: bool = False,
+    ) -> None:
         self._fast: _portal_fast.FastLoop | None = None
         asked = portal_mode(mode)  # (checked even where unused: a typo is said at once)
         if drive and asked == "fast" and _portal_fast.available():
-            self._fast = _portal_fast.FastLoop()
+            wait = wait and _portal_fast.waiting_available()
+            self._fast = _portal_fast.FastLoop(wait=wait)
             # (asyncio's debug mode checks that only the loop's own thread schedules on it)
             if self._fast.loop.get_debug():
                 self._fast.loop.close()
@@ -138,6 +146,12 @@ class Portal:
     def drive(self) -> bool:
         """True in the fast mode: callers run their calls themselves while the loop is idle."""
         return self._fast is not None
+
+    @property
+    def waits(self) -> bool:
+        """True if callers also wait for I/O in the loop's ``select()`` (``wait=True``, where
+        the fast mode runs and epoll can nest): each drives its call to the end."""
+        return self._fast is not None and self._fast.waits
 
     @property
     def closed(self) -> bool:
@@ -181,6 +195,10 @@ class Portal:
         if self.running_loop_code(ident):
             coro.close()
             raise RuntimeError("a blocking fenced call was made from a lost-lease callback")
+        if self._fast is not None and self._fast.waits:
+            through = self._call_through(self._fast, ident, coro, undo)
+            if through:
+                return through[0]
         latch = _thread.allocate_lock()
         latch.acquire()
         result: list[T] = []
@@ -209,7 +227,7 @@ class Portal:
         gate = _SigintGate.enter(ident)
         try:
             try:
-                if self._fast is not None:
+                if self._fast is not None and not self._fast.waits:
                     driven = self._fast.try_drive(ident, run, started, lambda: self._stopping)
                     if driven is None:
                         coro.close()
@@ -242,6 +260,71 @@ class Portal:
         if error:
             raise error[0]
         return result[0]
+
+    def _call_through(
+        self,
+        fast: _portal_fast.FastLoop,
+        ident: int,
+        coro: Coroutine[Any, Any, T],
+        undo: Callable[[T], Coroutine[Any, Any, object]] | None,
+    ) -> tuple[T] | None:
+        """The waiting mode: ``(outcome,)`` if this thread drove the call to its end, None if
+        the loop was busy (then the call goes to the loop thread as a hop). ``coro`` runs as
+        the task itself (no wrapper, no latch: this thread sees it end). Ctrl-C is let
+        through only while this thread waits in ``select()``, and ends the call as a hop's
+        does: cancelled, or undone if it completed."""
+        started: list[asyncio.Task[T]] = []
+        gate = _SigintGate.enter(ident)
+        try:
+            try:
+                driven = fast.drive_through(ident, coro, started, self._closing, gate)
+                if driven is None:
+                    coro.close()
+                    raise BackendUnavailable("this fenced connection is closed")
+                if not driven:
+                    return None
+                if gate is not None and gate.leave():
+                    raise KeyboardInterrupt  # held back at the end of the call
+            except BaseException:
+                with contextlib.suppress(RuntimeError):
+                    self.loop.call_soon_threadsafe(self._abandon_task, started, coro, undo)
+                raise
+        finally:
+            if gate is not None:
+                gate.leave()
+        task = started[0]
+        if task.cancelled():  # only stop() cancels a call someone waits for
+            raise BackendUnavailable("the fenced connection was closed")
+        return (task.result(),)
+
+    def _closing(self) -> bool:
+        return self._stopping
+
+    def _abandon_task(
+        self,
+        started: list[asyncio.Task[T]],
+        coro: Coroutine[Any, Any, T],
+        undo: Callable[[T], Coroutine[Any, Any, object]] | None,
+    ) -> None:
+        """:meth:`_abandon` for a call that ran as its own task (:meth:`_call_through`)."""
+        if not started:
+            coro.close()
+            return
+        task = started[0]
+
+        def after(_task: object = None) -> None:
+            if task.cancelled() or task.exception() is not None:
+                return  # (retrieved: not logged as never retrieved)
+            if undo is not None:
+                job: asyncio.Task[object] = self.loop.create_task(undo(task.result()))
+                self._undoing.add(job)
+                job.add_done_callback(self._undone)
+
+        if task.done():
+            after()
+        else:
+            task.cancel()
+            task.add_done_callback(after)
 
     def _abandon(
         self,

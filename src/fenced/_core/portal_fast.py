@@ -14,6 +14,19 @@ without waiting runs its coroutine as a task of the portal's loop, on its own th
 task has to wait (for I/O, a timer, another thread), the caller hands the loop back and waits
 for the loop thread to finish it, exactly as a hop would. So there is still one implementation
 of every protocol, and the loop thread still runs keepalives while callers are busy elsewhere.
+
+**Waiting too** (``FastLoop(wait=True)``, for sources whose calls wait for replies: Redis).
+Handing the loop back whenever the task waits costs the same two switches as a hop, and a
+caller that kept driving while the loop thread also sat in ``select()`` would wake both
+threads for every reply (the loop thread then only to find the GIL taken). So the loop thread
+waits in an *outer* epoll holding only the loop's own selector (nested epoll); a caller that
+takes the loop takes the loop's selector out of that outer epoll (one ``epoll_ctl``), runs the
+whole loop (``_run_once``: its own task, other callers' calls, due timers) and waits for its
+reply in the loop's selector itself, until its call is done; then it puts the selector back
+(one ``epoll_ctl``: readiness that arrived meanwhile wakes the loop thread at once), and wakes
+the loop thread only if it left work queued or armed a timer before the one it sleeps to.
+Between calls the loop thread owns the loop as before: keepalives fire while callers are in
+their own code. Ctrl-C in a driving main thread is let through while it waits in ``select()``.
 """
 
 from __future__ import annotations
@@ -22,12 +35,13 @@ import _thread
 import asyncio
 import functools
 import math
+import select
 import selectors
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-__all__ = ["FastLoop", "available", "probe"]
+__all__ = ["FastLoop", "WaitingSelector", "available", "probe", "waiting_available"]
 
 
 class SharedSelector(selectors.DefaultSelector):
@@ -60,12 +74,76 @@ class SharedSelector(selectors.DefaultSelector):
         return [(key, events) for key, events in ready if keys.get(key.fd) is key]
 
 
+class WaitingSelector(SharedSelector):
+    """The loop's selector when callers also wait in it (``FastLoop(wait=True)``).
+
+    The loop thread waits in an outer epoll that holds only this one's file descriptor; a
+    driving caller takes it out of the outer epoll (:meth:`take`) and waits in this one
+    directly, so that a reply wakes only the thread that drives.
+    """
+
+    def __init__(self, lock: _thread.LockType) -> None:
+        super().__init__(lock)
+        self._outer = select.epoll()
+        self._fd = self.fileno()
+        self._outer.register(self._fd, select.EPOLLIN)
+        self.driver: int | None = None
+        """The caller driving now (set and read only by the loop lock's holder)."""
+        self.gate: Any = None
+        """That caller's SIGINT gate (``portal._SigintGate``), if it has one."""
+
+    def take(self) -> None:
+        """Out of the loop thread's wait: from now on its ``select()`` sleeps to its timeout."""
+        self._outer.modify(self._fd, 0)
+
+    def give_back(self) -> None:
+        """Into the loop thread's wait again (ready events already waiting wake it at once)."""
+        self._outer.modify(self._fd, select.EPOLLIN)
+
+    def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
+        if self.driver is not None:  # (the loop's lock is held: by the driver, who asks)
+            gate = self.gate
+            if gate is None:
+                return super(SharedSelector, self).select(timeout)
+            # Ctrl-C is let through while the caller waits here (held back elsewhere); one
+            # held back meanwhile ends the call before it waits (the loop's state is whole
+            # here: nothing of this turn is taken yet, and epoll reports it again).
+            if gate.wait_begins():
+                raise KeyboardInterrupt
+            try:
+                return super(SharedSelector, self).select(timeout)
+            finally:
+                gate.waiting = False
+        if timeout is not None:  # (as EpollSelector does: at least ``timeout``, in ms)
+            timeout = 0.0 if timeout <= 0 else math.ceil(timeout * 1e3) * 1e-3
+        self.wakes_at = math.inf if timeout is None else time.monotonic() + timeout
+        self._lock.release()
+        try:
+            woke = self._outer.poll(-1 if timeout is None else timeout, 1)
+        except InterruptedError:
+            woke = []
+        finally:
+            if not self._lock.acquire(False):
+                self.wanted = True  # a caller drives: it ends its call, then it is our turn
+                self._lock.acquire()
+                self.wanted = False
+            self.wakes_at = -math.inf
+        # Read under the lock: what a driver took meanwhile is not reported twice.
+        return super(SharedSelector, self).select(0) if woke else []
+
+    def close(self) -> None:
+        self._outer.close()
+        super().close()
+
+
 class FastLoop:
     """A ``SelectorEventLoop`` that callers may drive while its own thread is idle."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, wait: bool = False) -> None:
         self.lock = _thread.allocate_lock()
-        self.selector = SharedSelector(self.lock)
+        self.selector = WaitingSelector(self.lock) if wait else SharedSelector(self.lock)
+        self.waits = wait
+        """True if a caller drives its call to the end, waiting in ``select()`` itself."""
         self.loop = asyncio.SelectorEventLoop(self.selector)
         self.driver: int | None = None
         """The thread running the loop's work instead of the loop's own thread, if any."""
@@ -113,6 +191,65 @@ class FastLoop:
                     loop._write_to_self()  # type: ignore[attr-defined]
             finally:
                 self.lock.release()
+        return True
+
+    def drive_through(
+        self,
+        ident: int,
+        coro: Coroutine[Any, Any, Any],
+        started: list[Any],
+        closing: Callable[[], bool],
+        gate: Any,
+    ) -> bool | None:
+        """If the loop thread is idle, run the whole loop on this thread until ``coro`` (as a
+        task of the loop, appended to ``started``) is done, waiting for I/O in the loop's
+        selector here; then hand the loop back. False if the loop was busy (``coro``
+        untouched); None if it is closing. ``gate``: this call's SIGINT gate, let through
+        while waiting (the KeyboardInterrupt propagates from here, the loop handed back).
+        """
+        selector = self.selector
+        assert isinstance(selector, WaitingSelector)
+        if selector.wanted or not self.lock.acquire(False):
+            return False
+        loop = self.loop
+        ready: Any = loop._ready  # type: ignore[attr-defined]
+        saved = asyncio._get_running_loop()
+        try:
+            if closing() or not loop.is_running():
+                return None
+            selector.take()
+            self.driver = selector.driver = ident
+            selector.gate = gate
+            asyncio._set_running_loop(loop)
+            task = loop.create_task(coro)
+            started.append(task)
+            run_once = loop._run_once  # type: ignore[attr-defined]
+            # The task's own next step is run at once when it is first in the queue (a whole
+            # turn of the loop, with its poll, only otherwise): fewer turns than run_forever's,
+            # the same order (a future's callbacks must run in turn: sock_connect's removes
+            # its writer before the task may make a transport on that socket).
+            while not task.done():
+                if ready and getattr(ready[0]._callback, "__self__", None) is task:
+                    ready.popleft()._run()
+                else:
+                    run_once()
+            # What this call left queued (fenced's own callbacks) is run here, not by waking
+            # the loop thread for it.
+            for _ in range(4):
+                if not ready:
+                    break
+                run_once()
+        finally:
+            asyncio._set_running_loop(saved)
+            selector.gate = None
+            self.driver = selector.driver = None
+            try:
+                selector.give_back()
+                wake = not selector.wanted and self.needs_loop_thread(bool(ready))
+            finally:
+                self.lock.release()
+            if wake:  # (after the release: else it wakes only to wait for the lock)
+                loop._write_to_self()  # type: ignore[attr-defined]
         return True
 
     def needs_loop_thread(self, queued_more: bool) -> bool:
@@ -179,3 +316,20 @@ def probe(new_loop: Callable[[], asyncio.AbstractEventLoop]) -> bool:
 def available() -> bool:
     """The probe, run once per process on the loop :class:`FastLoop` makes."""
     return probe(lambda: FastLoop().loop)
+
+
+@functools.cache
+def waiting_available() -> bool:
+    """:func:`available`, with epoll (nested: Linux) and the loop's ``_run_once`` too."""
+    if not hasattr(select, "epoll") or not available():
+        return False
+    try:
+        fast = FastLoop(wait=True)
+    except (OSError, ValueError):
+        return False
+    try:
+        return isinstance(fast.selector, selectors.EpollSelector) and callable(
+            getattr(fast.loop, "_run_once", None)
+        )
+    finally:
+        fast.loop.close()

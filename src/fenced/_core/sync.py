@@ -1,8 +1,10 @@
 """The synchronous API: the asyncio implementation, driven on a private event-loop thread.
 
 There is one implementation of every protocol (``lease.py`` and the backends); this module
-only carries calls across to the loop thread and back. The loop thread also runs the
-keepalives, so a sync holder's lease is renewed while its own thread is busy.
+only carries calls across to the loop thread and back (or, where the source allows it and the
+loop is idle, lets the caller's thread run the loop for the call itself: ``portal``). The loop
+thread also runs the keepalives, so a sync holder's lease is renewed while its own thread is
+busy.
 """
 
 from __future__ import annotations
@@ -40,8 +42,9 @@ _MAKING_EVENTS = threading.Lock()
 class Lease:
     """A lease held through a synchronous :class:`Locks`; see :class:`~fenced.AsyncLease`.
 
-    ``lost`` is a :class:`threading.Event`; ``on_lost(lease)`` is called on fenced's loop
-    thread, so it must not block for long nor call blocking fenced methods.
+    ``lost`` is a :class:`threading.Event`; ``on_lost(lease)`` is called on the thread running
+    fenced's loop at that moment (its own, or one driving it in a blocking call), so it must
+    not block for long nor call blocking fenced methods (those raise ``RuntimeError`` there).
     """
 
     def __init__(self, locks: Locks, inner: AsyncLease, on_lost: SyncLostCallback | None) -> None:
@@ -203,7 +206,11 @@ class Locks:
     def __init__(self, url: str | object, *, require: Iterable[str] = (), **options: Any) -> None:
         self._async = AsyncLocks(url, require=require, **options)
         cls = self._async._cls
-        self._portal_now = Portal(name=f"fenced-{cls.scheme}", drive=cls.caller_driven)
+        self._portal_now = Portal(
+            name=f"fenced-{cls.scheme}",
+            drive=cls.caller_driven or cls.caller_waits,
+            wait=cls.caller_waits,
+        )
         try:
             self._portal_now.call(self._async.open())
         except BaseException:
@@ -225,7 +232,7 @@ class Locks:
         if self._portal_now.forked:
             old = self._portal_now
             _fork.left_behind(old)
-            self._portal_now = Portal(name=old.thread.name, drive=old.drive)
+            self._portal_now = Portal(name=old.thread.name, drive=old.drive, wait=old.waits)
 
     @property
     def url(self) -> str:

@@ -209,6 +209,7 @@ class PostgreSQLBackend(Backend):
         }
     )
     _ddl_template: ClassVar[str] = DDL
+    caller_waits: ClassVar[bool] = True  # (psycopg's async connection: nothing thread-bound)
 
     def __init__(
         self,

@@ -580,6 +580,8 @@ class RedisBackend(Backend):
         }
     )
 
+    caller_waits: ClassVar[bool] = True  # (sync callers wait for replies themselves: no hop)
+
     # The Lua sources, as class attributes so a test can plant a broken variant in a subclass.
     acquire_lua: ClassVar[str] = ACQUIRE_LUA
     leave_lua: ClassVar[str] = LEAVE_LUA
