@@ -138,6 +138,7 @@ def test_other_threads_calls_run_in_the_drivers_loop_and_outlive_it(
     """T1 drives, waiting for its reply. T2's call, made meanwhile, runs in the loop T1
     drives and ends there. T3's, made meanwhile too, is still waiting when T1's reply comes:
     T1 hands the loop back, and the loop thread finishes T3's."""
+    give_back = _portal_fast.WaitingSelector.give_back
     if planted:  # the loop's selector left out of the loop thread's wait
         monkeypatch.setattr(_portal_fast.WaitingSelector, "give_back", lambda self: None)
     socks = [socket.socketpair() for _ in range(3)]
@@ -164,6 +165,10 @@ def test_other_threads_calls_run_in_the_drivers_loop_and_outlive_it(
         t3.join(2)
         if planted:
             assert t3.is_alive() and out3 == []  # nobody watches the loop's selector: caught
+            # Undo the plant, so the portal's stop is not left waiting out its 2 x 10 s bounds.
+            give_back(fast.selector)
+            t3.join(5)
+            assert not t3.is_alive()
             return
         assert out3 == [[t1.ident, portal.thread.ident]]  # finished by the loop thread
     finally:
