@@ -166,6 +166,7 @@ def test_other_threads_calls_run_in_the_drivers_loop_and_outlive_it(
         if planted:
             assert t3.is_alive() and out3 == []  # nobody watches the loop's selector: caught
             # Undo the plant, so the portal's stop is not left waiting out its 2 x 10 s bounds.
+            assert isinstance(fast.selector, _portal_fast.WaitingSelector)
             give_back(fast.selector)
             t3.join(5)
             assert not t3.is_alive()
