@@ -132,13 +132,31 @@ def _unit(item: pytest.Item) -> str:
     return "_".join(names) if names else item.nodeid
 
 
+def _module_fixture_group(item: pytest.Item) -> str | None:
+    """``module:<file>`` if ``item`` uses a module-scoped fixture of its own test module (a
+    ``fenced serve``, a Chromium, a PostgreSQL, a campaign's history): the module's tests that
+    share it then run on one worker, which starts it once. Handed out one by one, they ran on
+    4-6 of the 6 workers, each starting it again (a replay of the hand-out)."""
+    info = getattr(item, "_fixtureinfo", None)  # (pytest's, stable since pytest 3)
+    if info is None:
+        return None
+    module = item.nodeid.split("::")[0]
+    for name in info.names_closure:
+        for fixture in info.name2fixturedefs.get(name, ()):
+            if fixture.scope in ("module", "package") and fixture.baseid == module:
+                return f"module:{module}"
+    return None
+
+
 @pytest.hookimpl(trylast=True)  # (after tests/sources/conformance/conftest.py's source groups)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Order and group the run for ``pytest -n N --dist loadgroup``.
 
     The guard suites' MySQL environments (grouped per environment by
     tests/sources/conformance/conftest.py) join test_guard_mysql.py's group: MariaDB, 6-9 s to start
-    under load and the heaviest server, then runs on one worker, not on both.
+    under load and the heaviest server, then runs on one worker, not on both. A test in no
+    group that uses a module-scoped fixture of its module joins that module's group
+    (:func:`_module_fixture_group`).
 
     Then the work units (an xdist group, or a single test) in the order xdist hands them out
     (its own reordering off, pytest_configure): units holding a test marked ``slow`` or
@@ -154,6 +172,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             # (xdist joins all of an item's group names: the source group must go)
             item.own_markers[:] = [m for m in item.own_markers if m.name != "xdist_group"]
             item.add_marker(pytest.mark.xdist_group("mariadb"))
+        elif not any(True for _ in item.iter_markers("xdist_group")):
+            group = _module_fixture_group(item)
+            if group is not None:
+                item.add_marker(pytest.mark.xdist_group(group))
     units = [_unit(item) for item in items]
     size: dict[str, int] = {}
     first: dict[str, int] = {}
