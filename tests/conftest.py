@@ -34,6 +34,9 @@ _PYCACHE: list[str] = []  # the bytecode cache this run made (pytest_configure),
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # (xdist registers it; the warm-up's collection runs without xdist, and with
+    # --strict-markers the groups set below failed it at its end, after the imports it is for)
+    config.addinivalue_line("markers", "xdist_group(name): run these tests on one xdist worker")
     # xdist's loadgroup hands out work units largest group first unless told not to; the
     # order below (pytest_collection_modifyitems) is the one wanted, so it is kept as it is.
     if hasattr(config.option, "loadscopereorder"):
