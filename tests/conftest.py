@@ -151,34 +151,37 @@ def _module_fixture_group(item: pytest.Item) -> str | None:
     return None
 
 
-@pytest.hookimpl(trylast=True)  # (after tests/sources/conformance/conftest.py's source groups)
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """The xdist group of ``item``, set as it is collected: xdist's worker reads the groups in
+    its own ``pytest_collection_modifyitems``, which runs before this file's (``trylast``: the
+    order below must be the last word), so groups set there came too late (session 8: the
+    MySQL regrouping and the source groups set in that hook were not seen by xdist).
+
+    A test run once per source or guard environment (an ``env`` parameter) joins that
+    environment's group (one worker starts its servers); the guard suites' MySQL environments
+    all join test_guard_mysql.py's group (MariaDB, 6-9 s to start under load and the heaviest
+    server, then runs on one worker). Any other test in no group that uses a module-scoped
+    fixture of its module joins that module's group (:func:`_module_fixture_group`)."""
+    callspec = getattr(item, "callspec", None)
+    env = callspec.params.get("env") if callspec is not None else None
+    if isinstance(env, str):
+        mysql = env.endswith("-mysql") and "/guards/" in item.nodeid
+        item.add_marker(pytest.mark.xdist_group("mariadb" if mysql else f"source-{env}"))
+    elif not any(True for _ in item.iter_markers("xdist_group")):
+        group = _module_fixture_group(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
+@pytest.hookimpl(trylast=True)  # (the order: after every other plugin's)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Order and group the run for ``pytest -n N --dist loadgroup``.
-
-    The guard suites' MySQL environments (grouped per environment by
-    tests/sources/conformance/conftest.py) join test_guard_mysql.py's group: MariaDB, 6-9 s to start
-    under load and the heaviest server, then runs on one worker, not on both. A test in no
-    group that uses a module-scoped fixture of its module joins that module's group
-    (:func:`_module_fixture_group`).
-
-    Then the work units (an xdist group, or a single test) in the order xdist hands them out
+    """Order the run for ``pytest -n N --dist loadgroup`` (the groups: pytest_itemcollected):
+    the work units (an xdist group, or a single test) in the order xdist hands them out
     (its own reordering off, pytest_configure): units holding a test marked ``slow`` or
-    listed in LONG_TESTS first (the simulator's seed parts, 30-70 s campaigns, races and
-    fuzzers), then groups largest first, then single tests in collection order. Longest first: a long unit handed out last ran on
-    one worker while the other idled (the seeds, a group of two, came after every
-    bigger group and ended the run minutes after the rest).
+    listed in LONG_TESTS first (the partition lab's group, the group nemesis, campaigns, kills
+    and schema tests), then groups largest first, then single tests in collection order.
+    Longest first: a long unit handed out last ran on one worker while the others idled.
     """
-    for item in items:
-        callspec = getattr(item, "callspec", None)
-        kind = callspec.params.get("env") if callspec is not None else None
-        if isinstance(kind, str) and kind.endswith("-mysql") and "/guards/" in item.nodeid:
-            # (xdist joins all of an item's group names: the source group must go)
-            item.own_markers[:] = [m for m in item.own_markers if m.name != "xdist_group"]
-            item.add_marker(pytest.mark.xdist_group("mariadb"))
-        elif not any(True for _ in item.iter_markers("xdist_group")):
-            group = _module_fixture_group(item)
-            if group is not None:
-                item.add_marker(pytest.mark.xdist_group(group))
     units = [_unit(item) for item in items]
     size: dict[str, int] = {}
     first: dict[str, int] = {}
