@@ -53,11 +53,14 @@ servers:
 $(UV): $(PY)
 	$(PIP) install 'uv==$(UV_VERSION)'
 
-# More xdist workers than cores: half of the suite's time is spent waiting (ttls, server
+# More xdist workers than cores: most of a test's time is spent waiting (ttls, server
 # start-ups, paused processes), so with one worker a core CI's 2 cores were only half busy
 # (2026-11-27: 979 s of wall for 991 s of CPU). On 2 cores, 4 workers took 501 s and 5 took
-# 453 s for the same 764 s of CPU. Each worker starts its own servers on first use: at most 8.
-TEST_WORKERS ?= $(shell n=$$(( 2 * $$(nproc 2>/dev/null || echo 1) + 1 )); echo $$(( n > 8 ? 8 : n )))
+# 453 s for the same 764 s of CPU (84 % busy). The tests' walls, measured one by one, are ~3x
+# their CPU: a model of the run (each test's CPU and waits, the cores shared; fitted to the
+# 5-worker runs) puts 6 workers 30-50 s under 5 (docs/benchmarks.md, session 8). Each worker
+# starts its own servers on first use (all six: ~3 s of CPU, ~0.3 GB of memory): at most 8.
+TEST_WORKERS ?= $(shell n=$$(( 3 * $$(nproc 2>/dev/null || echo 1) )); echo $$(( n > 8 ? 8 : n )))
 
 test: $(PY)
 	@$(PHASE) --reset

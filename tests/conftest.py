@@ -34,6 +34,9 @@ _PYCACHE: list[str] = []  # the bytecode cache this run made (pytest_configure),
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # (xdist registers it; the warm-up's collection runs without xdist, and with
+    # --strict-markers the groups set below failed it at its end, after the imports it is for)
+    config.addinivalue_line("markers", "xdist_group(name): run these tests on one xdist worker")
     # xdist's loadgroup hands out work units largest group first unless told not to; the
     # order below (pytest_collection_modifyitems) is the one wanted, so it is kept as it is.
     if hasattr(config.option, "loadscopereorder"):
@@ -94,20 +97,24 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-# Tests that take 25-70 s (2026-11-26 durations, -n 2, 2 cores), handed out first like the
-# ones marked ``slow`` (see pytest_collection_modifyitems); a name that no longer matches only
-# loses its place at the front.
+# The units that took 8-131 s (session 8: each area run alone at load ~5, per-test walls),
+# handed out first like the ones marked ``slow`` (see pytest_collection_modifyitems); a name
+# that no longer matches only loses its place at the front. (The simulator's seed parts,
+# first until session 7, now take 2-3 s each.)
 LONG_TESTS = (  # (longest first: the order they are handed out in)
-    "tests/kit/test_sim.py::test_group_seeds_hold_every_invariant",  # (2 parts)
-    "tests/kit/test_sim_gateway.py::test_gateway_seeds_hold_every_invariant",  # (2 parts)
-    "tests/kit/test_sim.py::test_the_lease_systems_seeds_hold_every_invariant",  # (4 parts)
-    "tests/replicated/test_group_faults.py::",
+    "tests/partitions/test_campaigns.py::",  # (the netns group: 15 tests, 131 s)
+    "tests/replicated/test_group_faults.py::",  # (a group: 8 tests, 54 s)
     "tests/powerloss/test_sqlite_source.py::test_fenced_serve_",
-    "tests/kit/test_check_campaign.py::test_the_report_renders_the_run_and_its_verdict",
+    "tests/server/test_server_gateways.py::test_",
     "tests/server/test_server_schema.py::test_the_document_and_the_server_agree",
-    "tests/server/test_server_fast_lane.py::test_random_requests",
-    "tests/server/test_server_fuzz.py::test_random_requests",
-    "tests/core/test_signing.py::test_text_form_round_trips",
+    "tests/kit/test_check_inventory.py::test_each_bug_of_the_users_service_is_caught",
+    "tests/server/test_server_clients.py::test_a_holder_keeps_its_lease_through_a_gateway_restart",
+    "tests/guards/test_guard_sql.py::test_pg_restart_keeps_mark",
+    "tests/cli/test_elect_failover.py::test_a_poison_pill_stops_a_leader",
+    "tests/server/test_server_dashboard.py::test_a_lease_the_source_freed_before",
+    "tests/guards/test_guard_sql.py::test_racing_processes_commit_tokens_in_order",
+    "tests/guards/test_guard_dynamodb.py::test_racing_processes_commit_tokens_in_order",
+    "tests/kit/test_check_campaign.py::test_the_report_renders_the_run_and_its_verdict",
     "tests/kit/test_check_campaign.py::test_a_campaign_with_pauses_and_kills",
 )
 
@@ -128,28 +135,53 @@ def _unit(item: pytest.Item) -> str:
     return "_".join(names) if names else item.nodeid
 
 
-@pytest.hookimpl(trylast=True)  # (after tests/sources/conformance/conftest.py's source groups)
+def _module_fixture_group(item: pytest.Item) -> str | None:
+    """``module:<file>`` if ``item`` uses a module-scoped fixture of its own test module (a
+    ``fenced serve``, a Chromium, a PostgreSQL, a campaign's history): the module's tests that
+    share it then run on one worker, which starts it once. Handed out one by one, they ran on
+    4-6 of the 6 workers, each starting it again (a replay of the hand-out)."""
+    info = getattr(item, "_fixtureinfo", None)  # (pytest's, stable since pytest 3)
+    if info is None:
+        return None
+    module = item.nodeid.split("::")[0]
+    for name in info.names_closure:
+        for fixture in info.name2fixturedefs.get(name, ()):
+            if fixture.scope in ("module", "package") and fixture.baseid == module:
+                return f"module:{module}"
+    return None
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """The xdist group of ``item``, set as it is collected: xdist's worker reads the groups in
+    its own ``pytest_collection_modifyitems``, which runs before this file's (``trylast``: the
+    order below must be the last word), so groups set there came too late (session 8: the
+    MySQL regrouping and the source groups set in that hook were not seen by xdist).
+
+    A test run once per source or guard environment (an ``env`` parameter) joins that
+    environment's group (one worker starts its servers); the guard suites' MySQL environments
+    all join test_guard_mysql.py's group (MariaDB, 6-9 s to start under load and the heaviest
+    server, then runs on one worker). Any other test in no group that uses a module-scoped
+    fixture of its module joins that module's group (:func:`_module_fixture_group`)."""
+    callspec = getattr(item, "callspec", None)
+    env = callspec.params.get("env") if callspec is not None else None
+    if isinstance(env, str):
+        mysql = env.endswith("-mysql") and "/guards/" in item.nodeid
+        item.add_marker(pytest.mark.xdist_group("mariadb" if mysql else f"source-{env}"))
+    elif not any(True for _ in item.iter_markers("xdist_group")):
+        group = _module_fixture_group(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
+@pytest.hookimpl(trylast=True)  # (the order: after every other plugin's)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Order and group the run for ``pytest -n N --dist loadgroup``.
-
-    The guard suites' MySQL environments (grouped per environment by
-    tests/sources/conformance/conftest.py) join test_guard_mysql.py's group: MariaDB, 6-9 s to start
-    under load and the heaviest server, then runs on one worker, not on both.
-
-    Then the work units (an xdist group, or a single test) in the order xdist hands them out
+    """Order the run for ``pytest -n N --dist loadgroup`` (the groups: pytest_itemcollected):
+    the work units (an xdist group, or a single test) in the order xdist hands them out
     (its own reordering off, pytest_configure): units holding a test marked ``slow`` or
-    listed in LONG_TESTS first (the simulator's seed parts, 30-70 s campaigns, races and
-    fuzzers), then groups largest first, then single tests in collection order. Longest first: a long unit handed out last ran on
-    one worker while the other idled (the seeds, a group of two, came after every
-    bigger group and ended the run minutes after the rest).
+    listed in LONG_TESTS first (the partition lab's group, the group nemesis, campaigns, kills
+    and schema tests), then groups largest first, then single tests in collection order.
+    Longest first: a long unit handed out last ran on one worker while the others idled.
     """
-    for item in items:
-        callspec = getattr(item, "callspec", None)
-        kind = callspec.params.get("env") if callspec is not None else None
-        if isinstance(kind, str) and kind.endswith("-mysql") and "/guards/" in item.nodeid:
-            # (xdist joins all of an item's group names: the source group must go)
-            item.own_markers[:] = [m for m in item.own_markers if m.name != "xdist_group"]
-            item.add_marker(pytest.mark.xdist_group("mariadb"))
     units = [_unit(item) for item in items]
     size: dict[str, int] = {}
     first: dict[str, int] = {}

@@ -10,6 +10,8 @@ the temporary directory and ``source.url`` holds the source's URL, nothing else 
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 import subprocess
@@ -18,21 +20,43 @@ from pathlib import Path
 
 import pytest
 
+from fenced.cli import main
 from tests.helpers import ROOT
 
 FENCED = [sys.executable, "-m", "fenced"]
+# The width argparse wraps to: a process whose output is a pipe wraps to 80 columns; the texts
+# made in this process (below) are told the same, whatever terminal pytest runs in.
+COLUMNS = {"COLUMNS": "80"}
 
 
-def _help(*command: str) -> str:
+def _help_process(*command: str) -> str:
+    """``fenced COMMAND --help`` as a user's shell runs it: a process of its own."""
     out = subprocess.run(
-        [*FENCED, *command, "--help"], capture_output=True, text=True, timeout=60, check=True
-    )
+        [*FENCED, *command, "--help"],
+        capture_output=True, text=True, timeout=60, check=True, env={**os.environ, **COLUMNS},
+    )  # fmt: skip
     return out.stdout
 
 
-def _commands() -> list[str]:
-    """The subcommands, as the top-level help lists them."""
-    listed = re.findall(r"^    ([a-z][a-z-]*)  ", _help(), flags=re.M)
+def _help(*command: str) -> str:
+    """The same text, printed by ``fenced.cli.main`` in this process. The test modules are
+    collected in every xdist worker (and once more before them): one ``fenced`` process per
+    command there cost each worker ~15 processes, 2 s of CPU and 5 s of its start; the texts
+    are checked against the real process's in the test (test_every_help_example_runs_as_shown,
+    test_the_top_level_help_lists_every_command)."""
+    out = io.StringIO()
+    with pytest.MonkeyPatch.context() as env, contextlib.redirect_stdout(out):
+        env.setenv("COLUMNS", COLUMNS["COLUMNS"])
+        try:
+            main([*command, "--help"])
+        except SystemExit as exc:
+            assert exc.code in (0, None), exc.code
+    return out.getvalue()
+
+
+def _commands(text: str) -> list[str]:
+    """The subcommands, as the top-level help ``text`` lists them."""
+    listed = re.findall(r"^    ([a-z][a-z-]*)  ", text, flags=re.M)
     assert "lock" in listed, "the top-level help lists no commands"
     return listed
 
@@ -51,13 +75,21 @@ def examples(text: str) -> list[tuple[str, int]]:
     return found
 
 
-HELPS = {"": _help(), **{c: _help(c) for c in _commands()}}
+HELPS = {"": _help(), **{c: _help(c) for c in _commands(_help())}}
 
 
 def test_the_commands_that_need_examples_have_them() -> None:
     for command in ("", "lock", "status", "release", "check-token", "keygen", "write", "elect"):
         assert examples(HELPS[command]), f"fenced {command} --help has no example"
     assert "exit status" in HELPS["lock"]  # fenced lock --help lists its exit statuses
+
+
+def test_the_top_level_help_lists_every_command() -> None:
+    """The real ``fenced --help`` is the text the examples were collected from, and lists the
+    same commands."""
+    text = _help_process()
+    assert text == HELPS[""]
+    assert sorted(_commands(text)) == sorted(c for c in HELPS if c)
 
 
 @pytest.mark.parametrize("command", sorted(c for c in HELPS if examples(HELPS[c])))
@@ -74,7 +106,9 @@ def test_every_help_example_runs_as_shown(command: str, tmp_path: Path) -> None:
     env["PYTHONPATH"] = f"{ROOT / 'src'}{os.pathsep}{ROOT}"
     for key in ("FENCED_URL_FILE", "FENCED_SIGNING_KEY", "FENCED_VERIFY_KEY", "FENCING_TOKEN"):
         env.pop(key, None)
-    for line, expected in examples(HELPS[command]):
+    shown = _help_process(*([command] if command else []))  # (what a user's --help prints)
+    assert shown == HELPS[command], f"fenced {command} --help differs from the collected text"
+    for line, expected in examples(shown):
         shell = line.replace("/var/lib/app", str(tmp_path))
         out = subprocess.run(
             ["sh", "-c", shell], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60

@@ -14,6 +14,7 @@ import pytest
 
 import fenced
 from fenced.testing.servers import RedisServer
+from tests.cdp import Browser
 from tests.helpers import ROOT, headless
 from tests.png import count_near, read_png
 
@@ -112,16 +113,18 @@ def test_the_report_renders_the_run_and_its_verdict(tmp_path: Path) -> None:
     assert _check(tmp_path).returncode == 0
     events = [json.loads(x) for x in (tmp_path / "r" / "history.jsonl").read_text().splitlines()]
     accepted = sum(1 for e in events if e["op"] == "write" and e["ok"])
-    dom = _dom(tmp_path / "r" / "report.html")
+    # (one Chromium for the page's DOM and its screenshot: a process each cost ~1 s of CPU)
+    with Browser(1040, 320) as browser:
+        browser.go(
+            (tmp_path / "r" / "report.html").as_uri(), ready="document.readyState === 'complete'"
+        )
+        dom = browser.js("document.documentElement.outerHTML")
+        shot = browser.screenshot(tmp_path / "report.png")
     assert "Every invariant held." in dom
     assert dom.count('class="accepted"') == accepted
     drawn = [k for k in _faults(tmp_path) if k != "stall"]  # stalls: where they happened
     drawn += [e for e in events if e["op"] == "stalled"]
     assert dom.count('class="nemesis"') == len(drawn)
-    shot = tmp_path / "report.png"
-    headless(
-        "--window-size=1040,320", f"--screenshot={shot}", (tmp_path / "r" / "report.html").as_uri()
-    )
     _, _, rows = read_png(shot)
     assert count_near(rows, (0x2E, 0x9D, 0x5B), tolerance=30) > 30  # the accepted writes
 

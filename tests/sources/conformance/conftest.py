@@ -31,9 +31,4 @@ def env(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iter
     yield from module.make_env(request)
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # Keep one source's tests on one xdist worker, so each worker starts few servers.
-    for item in items:
-        callspec = getattr(item, "callspec", None)
-        if callspec is not None and "env" in callspec.params:
-            item.add_marker(pytest.mark.xdist_group(f"source-{callspec.params['env']}"))
+# (Each source's tests are one xdist group: tests/conftest.py, pytest_itemcollected.)

@@ -1,0 +1,58 @@
+"""The xdist groups ``tests/conftest.py`` sets are there when xdist reads them.
+
+xdist's worker reads each test's ``xdist_group`` marks in its own
+``pytest_collection_modifyitems`` (a plugin registered after the first conftests, a plain
+hook): groups set later (in the conftest's ``trylast`` hook, until session 8) never reached it,
+and the guards' MySQL environments ran outside the ``mariadb`` group. A plugin registered the
+same way reads the marks as xdist does."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.helpers import ROOT
+
+READER = """
+import json
+
+
+class Reader:  # (as xdist's worker: registered after the first conftests, a plain hook)
+    def pytest_collection_modifyitems(self, items):
+        groups = {}
+        for item in items:
+            names = sorted({str(m.args[0]) for m in item.iter_markers("xdist_group") if m.args})
+            groups[item.nodeid] = "_".join(names)
+        print("GROUPS " + json.dumps(groups))
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(Reader(), "xdist-like-reader")
+"""
+
+
+def test_the_groups_are_set_before_xdist_reads_them(tmp_path: Path) -> None:
+    (tmp_path / "xdist_like_reader.py").write_text(READER)
+    path = os.pathsep.join([str(tmp_path), str(ROOT / "src"), str(ROOT)])
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "xdist_like_reader", "-p", "no:cacheprovider",
+         "-p", "no:xdist", "--collect-only", "-q", "tests/guards/test_guard_conformance.py",
+         "tests/server/test_server.py"],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": path, "FENCED_TEST_WARMED": "1"},
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    line = next((x for x in run.stdout.splitlines() if x.startswith("GROUPS ")), None)
+    assert line is not None, run.stdout[-3000:] + run.stderr[-3000:]
+    groups: dict[str, str] = json.loads(line.removeprefix("GROUPS "))
+    mysql = [n for n in groups if "test_guard_conformance" in n and "-mysql" in n]
+    assert len(mysql) > 30, mysql  # (the guard suite's MySQL environments)
+    assert {groups[n] for n in mysql} == {"mariadb"}
+    others = {groups[n] for n in groups if "test_guard_conformance" in n and n not in mysql}
+    assert others and all(g.startswith("source-") for g in others), others
+    # a test that shares the module's `fenced serve` runs where the module's others run
+    assert groups["tests/server/test_server.py::test_health_ready_and_info"] == (
+        "module:tests/server/test_server.py"
+    )
