@@ -56,6 +56,7 @@ from ._sql_plan import (
     RowSQL,
     Stmt,
     TableUse,
+    accept_plan,
     check_verdict,
     fence_sql,
     mariadb_batch_check,
@@ -1389,10 +1390,10 @@ def guarded_transaction(
 
 
 class SQLiteTransaction(tuple[sqlite3.Connection, FenceSQL, tuple[str, str, int], FencingToken]):
-    """``transaction()`` on a plain ``sqlite3.Connection``: ``BEGIN IMMEDIATE``, the
-    accepting upsert and its verdict sent straight to the driver (the plan only on a
-    refusal), the block, COMMIT (ROLLBACK if the block raises). Made of ``(conn, fence
-    SQL, (resource, lock, value), token)``.
+    """``transaction()`` on a plain ``sqlite3.Connection``: ``BEGIN IMMEDIATE``, the fence's
+    UPDATE (accepted in place: its row count is the verdict; else the accepting upsert and its
+    verdict, the plan: a first check, or a refusal), the block, COMMIT (ROLLBACK if the block
+    raises). Made of ``(conn, fence SQL, (resource, lock, value), token)``.
 
     Chosen by ``type(conn) is sqlite3.Connection`` before any other dispatch, and a tuple
     (made without a Python ``__init__``) rather than a generator context manager: in process
@@ -1410,22 +1411,22 @@ class SQLiteTransaction(tuple[sqlite3.Connection, FenceSQL, tuple[str, str, int]
             pass
         try:
             conn.execute("BEGIN IMMEDIATE")
-            rows = conn.execute(sql.accept, params).fetchall()
+            if conn.execute(sql.update, params).rowcount == 1:  # (accepted in place)
+                return token
         except Exception as exc:
             with contextlib.suppress(Exception):
                 conn.rollback()
             _raise_mapped(SQLITE, conn, exc)
-        if not rows or type(rows[0][0]) is not int:  # (not accepted: the plan says why)
-            try:
-                drive(
-                    check_verdict(sql, params[0], token, Result(rows, len(rows))),
-                    lambda stmt: _exec_sqlite(conn, stmt),
-                    lambda exc: map_error(SQLITE, conn, exc),
-                )
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    conn.rollback()
-                raise
+        try:  # no row yet, or not accepted: the upsert decides, and says why not
+            drive(
+                accept_plan(sql, params[0], token),
+                lambda stmt: _exec_sqlite(conn, stmt),
+                lambda exc: map_error(SQLITE, conn, exc),
+            )
+        except BaseException:
+            with contextlib.suppress(Exception):
+                conn.rollback()
+            raise
         return token
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:

@@ -174,6 +174,11 @@ __all__ = [
 ]
 
 
+# SQLGuard._hot before any token (no token passed is this object; see transaction())
+_Hot = tuple[object, tuple[str, str, int], FencingToken]
+_COLD: _Hot = (object(), ("", "", 0), FencingToken("cold", 1))
+
+
 def _lock_name(lock: str, what: str) -> str:
     try:
         return validate_lock_name(lock)
@@ -195,7 +200,16 @@ class SQLGuard:
     nothing is committed for you.
     """
 
-    __slots__ = ("_quoted", "_sqlite_sql", "_use", "lock", "resource", "table", "verifier")
+    __slots__ = (
+        "_hot",
+        "_quoted",
+        "_sqlite_sql",
+        "_use",
+        "lock",
+        "resource",
+        "table",
+        "verifier",
+    )
 
     def __init__(
         self,
@@ -211,6 +225,7 @@ class SQLGuard:
         self.table = table
         self._quoted = quote_table(table)
         self._sqlite_sql = fence_sql(SQLITE, self._quoted)  # (transaction()'s direct path)
+        self._hot: _Hot = _COLD
         # (verified before first use on each MySQL or PostgreSQL connection)
         self._use = TableUse(table)
 
@@ -289,11 +304,25 @@ class SQLGuard:
         once the block has ended without an error. A connection already in a transaction is
         refused.
         """
-        tok = FencingToken.coerce(token, self.lock, self.verifier)
         if type(conn) is sqlite3.Connection:  # (the in-process path: no dispatch to pay for)
-            # (tok's lock is self.lock: coerce checked it)
-            params = (self.resource, self.lock, tok.value)
+            # The token this guard coerced last, with no verifier, and the fence's parameters
+            # made from it: a holder passes the same object for each transaction of a grant,
+            # so one identity test stands for coercion, the lock check and the parameters.
+            # (What they were made against is compared too: resource and lock by identity,
+            # and no verifier now, so assigning one, or another lock, is never skipped.)
+            token_, params, tok = self._hot
+            if (
+                token is not token_
+                or self.verifier is not None
+                or params[0] is not self.resource
+                or params[1] is not self.lock
+            ):
+                tok = FencingToken.coerce(token, self.lock, self.verifier)
+                params = (self.resource, self.lock, tok.value)  # (coerce checked the lock)
+                if self.verifier is None and type(token) in (FencingToken, str):  # (immutable)
+                    self._hot = (token, params, tok)
             return SQLiteTransaction((conn, self._sqlite_sql, params, tok))
+        tok = FencingToken.coerce(token, self.lock, self.verifier)
         return guarded_transaction(
             conn, self._quoted, self.resource, tok, self._use, lambda: self._begin(conn, tok)
         )
