@@ -128,6 +128,7 @@ from ._sql_driver import (
     run_install,
     run_own_row,
     run_transaction,
+    sqlite_cursor_refused,
 )
 from ._sql_plan import (
     MYSQL,
@@ -321,8 +322,18 @@ class SQLGuard:
                 params = (self.resource, self.lock, tok.value)  # (coerce checked the lock)
                 if self.verifier is None and type(token) in (FencingToken, str):  # (immutable)
                     self._hot = (token, params, tok)
-            return SQLiteTransaction((conn, self._sqlite_sql, params, tok))
-        tok = FencingToken.coerce(token, self.lock, self.verifier)
+            try:
+                cur = conn.cursor()  # (one for the guard's three statements)
+            except Exception as exc:  # closed
+                sqlite_cursor_refused(conn, exc)
+            return SQLiteTransaction((cur, self._sqlite_sql, params, tok))
+        return self._transaction(conn, FencingToken.coerce(token, self.lock, self.verifier))
+
+    def _transaction(
+        self, conn: Any, tok: FencingToken
+    ) -> contextlib.AbstractContextManager[FencingToken]:
+        # (its own function: a lambda in transaction() would make cells of its arguments on
+        # every call, the direct path's too)
         return guarded_transaction(
             conn, self._quoted, self.resource, tok, self._use, lambda: self._begin(conn, tok)
         )
