@@ -38,6 +38,8 @@ innodb_flush_log_at_trx_commit=1; PyMySQL), one sequential client each. Each tra
   SQLite that is the fence's UPDATE, its row count read as the verdict (a refusal raises);
 * fence SQL, a with block - (SQLite) the same statements behind a minimal ``with`` block, nothing
   else checked: the floor of a block-shaped API such as SQLGuard.transaction;
+* fence SQL, one cursor - (SQLite) fence SQL by hand with BEGIN, the UPDATE and COMMIT on one
+  cursor, as SQLGuard.transaction sends them (``conn.execute`` makes a cursor per statement);
 * fence upsert by hand - (SQLite) the accepting upsert (``INSERT .. ON CONFLICT DO UPDATE ..
   RETURNING``) by hand, its row fetched: the fence SQL until session 8, when the UPDATE took
   its place on the accepting path (the upsert now inserts a first row and explains a refusal);
@@ -88,6 +90,7 @@ VARIANTS = (
     "+SELECT 1",
     "fence SQL by hand",
     "fence SQL, a with block",
+    "fence SQL, one cursor",
     "fence upsert by hand",
     "row SQL by hand",
     "ride: 2 SELECT 1",
@@ -156,6 +159,7 @@ PAIRED = (
     ("fence SQL, a with block", "fence SQL by hand"),
     ("SQLGuard.transaction", "fence SQL, a with block"),
     ("fence upsert by hand", "unfenced"),
+    ("SQLGuard.transaction", "fence SQL, one cursor"),
     ("SQLGuard.transaction", "unfenced, pipelined"),
     ("ride SQL by hand", "unfenced"),
     ("pipelined form", "unfenced"),
@@ -405,6 +409,14 @@ def make_ops(
         conn.execute(update, (next(counter),))
         conn.execute("COMMIT")
 
+    def fence_one_cursor() -> None:
+        cur = conn.cursor()
+        cur.execute(begin)
+        if cur.execute(fence, fence_params).rowcount != 1:
+            raise RuntimeError("refused")
+        conn.execute(update, (next(counter),))
+        cur.execute("COMMIT")
+
     upsert = fence_sql(d, guard._quoted).accept
 
     def upsert_by_hand() -> None:
@@ -447,6 +459,7 @@ def make_ops(
         "+SELECT 1": one_more_statement,
         "fence SQL by hand": fence_by_hand,
         **({"fence SQL, a with block": fence_with_block} if d is SQLITE else {}),
+        **({"fence SQL, one cursor": fence_one_cursor} if d is SQLITE else {}),
         **({"fence upsert by hand": upsert_by_hand} if d is SQLITE else {}),
         "row SQL by hand": row_by_hand,
     }
