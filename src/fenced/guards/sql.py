@@ -36,6 +36,11 @@ token column that is not a 64-bit integer column as :class:`~fenced.Configuratio
 install and at use (PostgreSQL and MySQL verify the column's type before a connection's first
 use of a table; on SQLite, where any column holds any value, the statement refuses a mark that
 is not stored as an exact integer, so a REAL column's rounded tokens are never compared).
+On SQLite an ``UPDATE … WHERE resource = ? AND typeof(token) = 'integer' AND token > 0 AND
+token <= ? AND lock_name = ?`` comes first, its row count the verdict (``RETURNING`` costs
+SQLite more than the rest of the upsert): it accepts exactly where the upsert accepts with
+an integer back; anything else (no row yet, a refusal) goes to the upsert, under the write
+lock the UPDATE took.
 
 *PostgreSQL.* DO UPDATE first takes a row lock on the existing fence row (even when its WHERE
 turns out false) and evaluates the WHERE on the newest committed version of the row: under
