@@ -1398,7 +1398,7 @@ class SQLiteTransaction(tuple[sqlite3.Cursor, FenceSQL, tuple[str, str, int], Fe
     UPDATE (accepted in place: its row count is the verdict; else the accepting upsert and its
     verdict, the plan: a first check, or a refusal), the block, COMMIT (ROLLBACK if the block
     raises). Made of ``(cursor, fence SQL, (resource, lock, value), token)``: one cursor of
-    the connection (:func:`sqlite_cursor`) runs the three statements (``conn.execute`` would
+    the connection (made by ``transaction()``) runs the three statements (``conn.execute`` would
     make a cursor for each, a fifth of what the guard costs above its SQL).
 
     Chosen by ``type(conn) is sqlite3.Connection`` before any other dispatch, and a tuple

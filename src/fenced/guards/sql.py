@@ -325,7 +325,8 @@ class SQLGuard:
             ):
                 tok = FencingToken.coerce(token, self.lock, self.verifier)
                 params = (self.resource, self.lock, tok.value)  # (coerce checked the lock)
-                if self.verifier is None and type(token) in (FencingToken, str):  # (immutable)
+                # (a str, or a token: neither changes; a subclass could be anything)
+                if self.verifier is None and type(token) in (FencingToken, str):
                     self._hot = (token, params, tok)
             try:
                 cur = conn.cursor()  # (one for the guard's three statements)
