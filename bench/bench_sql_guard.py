@@ -34,9 +34,15 @@ innodb_flush_log_at_trx_commit=1; PyMySQL), one sequential client each. Each tra
   statement *and its round trip* (the SQLGuard figure's), not of a statement riding in a
   message sent anyway (``ride: 2 SELECT 1``);
 * fence SQL by hand - unfenced plus SQLGuard's own statement sent straight through the driver,
-  no fenced code: the floor of the fence-table form (what the statement itself costs);
+  no fenced code: the floor of the fence-table form (what the statement itself costs). On
+  SQLite that is the fence's UPDATE, its row count read as the verdict (a refusal raises);
 * fence SQL, a with block - (SQLite) the same statements behind a minimal ``with`` block, nothing
-  checked: the floor of a block-shaped API such as SQLGuard.transaction;
+  else checked: the floor of a block-shaped API such as SQLGuard.transaction;
+* fence SQL, one cursor - (SQLite) fence SQL by hand with BEGIN, the UPDATE and COMMIT on one
+  cursor, as SQLGuard.transaction sends them (``conn.execute`` makes a cursor per statement);
+* fence upsert by hand - (SQLite) the accepting upsert (``INSERT .. ON CONFLICT DO UPDATE ..
+  RETURNING``) by hand, its row fetched: the fence SQL until session 8, when the UPDATE took
+  its place on the accepting path (the upsert now inserts a first row and explains a refusal);
 * row SQL by hand - RowGuard's conditional UPDATE sent straight through the driver instead of
   the plain UPDATE: the floor of the row form.
 
@@ -84,6 +90,8 @@ VARIANTS = (
     "+SELECT 1",
     "fence SQL by hand",
     "fence SQL, a with block",
+    "fence SQL, one cursor",
+    "fence upsert by hand",
     "row SQL by hand",
     "ride: 2 SELECT 1",
     "ride: check only",
@@ -150,6 +158,8 @@ PAIRED = (
     ("SQLGuard.transaction", "fence SQL by hand"),
     ("fence SQL, a with block", "fence SQL by hand"),
     ("SQLGuard.transaction", "fence SQL, a with block"),
+    ("fence upsert by hand", "unfenced"),
+    ("SQLGuard.transaction", "fence SQL, one cursor"),
     ("SQLGuard.transaction", "unfenced, pipelined"),
     ("ride SQL by hand", "unfenced"),
     ("pipelined form", "unfenced"),
@@ -186,8 +196,9 @@ def measure(variants: dict[str, Callable[[], object]], n: int) -> Run:
 
 
 def by_hand(d: Dialect, guard: SQLGuard, rows: RowGuard) -> tuple[str, tuple[Any, ...], str]:
-    """The guards' own statements (fence: its params; row: its SQL), to send without fenced."""
-    fence = fence_sql(d, guard._quoted).accept
+    """The guards' own statements (fence: its params; row: its SQL), to send without fenced;
+    the fence's on SQLite is its UPDATE (the accepting path)."""
+    fence = fence_sql(d, guard._quoted).update or fence_sql(d, guard._quoted).accept
     row = _row_write_sql(d, rows._spec, ("balance",), False)
     return fence, (guard.resource, TOKEN.lock, TOKEN.value), row
 
@@ -390,7 +401,27 @@ def make_ops(
 
     def fence_by_hand() -> None:
         conn.execute(begin)
-        conn.execute(fence, fence_params).fetchall()
+        if d is SQLITE:  # (the UPDATE's row count is its verdict)
+            if conn.execute(fence, fence_params).rowcount != 1:
+                raise RuntimeError("refused")
+        else:
+            conn.execute(fence, fence_params).fetchall()
+        conn.execute(update, (next(counter),))
+        conn.execute("COMMIT")
+
+    def fence_one_cursor() -> None:
+        cur = conn.cursor()
+        cur.execute(begin)
+        if cur.execute(fence, fence_params).rowcount != 1:
+            raise RuntimeError("refused")
+        conn.execute(update, (next(counter),))
+        cur.execute("COMMIT")
+
+    upsert = fence_sql(d, guard._quoted).accept
+
+    def upsert_by_hand() -> None:
+        conn.execute(begin)
+        conn.execute(upsert, fence_params).fetchall()
         conn.execute(update, (next(counter),))
         conn.execute("COMMIT")
 
@@ -400,12 +431,13 @@ def make_ops(
         conn.execute("COMMIT")
 
     class Block:
-        """The fence SQL by hand behind a ``with`` block, nothing checked: what any
+        """The fence SQL by hand behind a ``with`` block, its verdict read, nothing else: what any
         block-shaped API costs above the bare statements (two Python calls a transaction)."""
 
         def __enter__(self) -> None:
             conn.execute(begin)
-            conn.execute(fence, fence_params).fetchall()
+            if conn.execute(fence, fence_params).rowcount != 1:
+                raise RuntimeError("refused")
 
         def __exit__(self, *exc: object) -> None:
             conn.execute("COMMIT" if exc[0] is None else "ROLLBACK")
@@ -427,6 +459,8 @@ def make_ops(
         "+SELECT 1": one_more_statement,
         "fence SQL by hand": fence_by_hand,
         **({"fence SQL, a with block": fence_with_block} if d is SQLITE else {}),
+        **({"fence SQL, one cursor": fence_one_cursor} if d is SQLITE else {}),
+        **({"fence upsert by hand": upsert_by_hand} if d is SQLITE else {}),
         "row SQL by hand": row_by_hand,
     }
 

@@ -22,7 +22,8 @@ __all__ = ["LessThanGuard", "LessThanRowGuard", "plant_lt", "planted_ride"]
 
 def plant_lt(sql: str) -> str:
     """The fence comparison with ``<`` for ``<=``; refuses to plant nothing."""
-    planted = sql.replace(" <= CAST(", " < CAST(")
+    # (" <= ?3": SQLite's UPDATE, which accepts in place)
+    planted = sql.replace(" <= CAST(", " < CAST(").replace(" <= ?3", " < ?3")
     if sql.startswith(("INSERT", "UPDATE")):  # (a refusal's read has no comparison)
         assert planted != sql, "the fence SQL changed: re-plant the bug"
     return planted
@@ -33,7 +34,7 @@ class LessThanGuard(SQLGuard):
 
     def _fence_sql(self, d: Dialect) -> FenceSQL:
         real = super()._fence_sql(d)
-        return dataclasses.replace(real, accept=plant_lt(real.accept))
+        return dataclasses.replace(real, accept=plant_lt(real.accept), update=plant_lt(real.update))
 
 
 class LessThanRowGuard(RowGuard):

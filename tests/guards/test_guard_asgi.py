@@ -52,6 +52,7 @@ from fenced.guards.httpx import FencingAuth, acheck_stale, check_stale, stale_er
 from fenced.guards.redis import AsyncRedisGuard
 from fenced.guards.sql import SQLGuard
 from fenced.testing.servers import RedisServer
+from tests.guards.planted import plant_lt
 from tests.helpers import forged, serve, unique_name
 
 LOCK = "jobs"
@@ -69,9 +70,7 @@ class LtSQLGuard(SQLGuard):
 
     def _fence_sql(self, d: Any) -> Any:
         sql = super()._fence_sql(d)
-        bad = sql.accept.replace(" <= CAST(excluded.token", " < CAST(excluded.token")
-        assert bad != sql.accept, "the fence SQL changed: re-plant the bug"
-        return dataclasses.replace(sql, accept=bad)
+        return dataclasses.replace(sql, accept=plant_lt(sql.accept), update=plant_lt(sql.update))
 
 
 class LtRedisGuard(AsyncRedisGuard):

@@ -62,6 +62,7 @@ __all__ = [
     "RowSQL",
     "Stmt",
     "TableUse",
+    "accept_plan",
     "check_plan",
     "check_verdict",
     "fence_high_water_plan",
@@ -205,6 +206,8 @@ class FenceSQL:
     accept: str  # params: resource, lock, token -> returns the stored token iff accepted
     read: str  # params: resource -> (lock_name, token)
     mysql: bool = False  # accept's verdict is in its affected-row count; read locks the row
+    # SQLite: an UPDATE (accept's params) that accepts in place, its row count the verdict
+    update: str = ""
 
 
 @functools.lru_cache(maxsize=128)
@@ -245,7 +248,21 @@ def fence_sql(d: Dialect, table: str) -> FenceSQL:
         "RETURNING token"
     )
     read = f"SELECT lock_name, token FROM {table} WHERE resource = {p}"
-    return FenceSQL(create, accept, read)
+    if d is not SQLITE:
+        return FenceSQL(create, accept, read)
+    # SQLite: RETURNING costs more than the rest of the upsert (SQLite keeps the returned rows
+    # aside; the driver describes the columns and makes a row): about as much again as an
+    # unfenced one-row transaction. So the fence is first this UPDATE, whose row count (1) is
+    # the verdict: it accepts only a mark stored as an integer (an INTEGER, NUMERIC or untyped
+    # column: a TEXT column stores no integers, a REAL column no integers either), above 0, not
+    # above the token, of the same lock, which are the cases the upsert accepts with an int
+    # back. Anything else (no row yet, a refusal, a mark to look at) goes to the upsert, which
+    # decides as before, under the same write lock (the UPDATE has taken it).
+    update = (
+        f"UPDATE {table} SET token = ?3 WHERE resource = ?1 AND typeof(token) = 'integer' "
+        "AND token > 0 AND token <= ?3 AND lock_name = ?2"
+    )
+    return FenceSQL(create, accept, read, update=update)
 
 
 def mysql_upsert_accepted(res: Result) -> bool:
@@ -355,6 +372,15 @@ def check_plan(sql: FenceSQL, resource: str, token: FencingToken) -> Plan[Fencin
     """Accept ``token`` and raise the mark to it in one statement, or raise why not."""
     if sql.mysql:
         return (yield from _mysql_check_plan(sql, resource, token))
+    if sql.update:  # (SQLite: accepted in place, or the upsert decides)
+        res = yield Stmt(sql.update, (resource, token.lock, token.value))
+        if res.rowcount == 1:
+            return token
+    return (yield from accept_plan(sql, resource, token))
+
+
+def accept_plan(sql: FenceSQL, resource: str, token: FencingToken) -> Plan[FencingToken]:
+    """The accepting upsert (it inserts a missing row) and its verdict."""
     res = yield Stmt(sql.accept, (resource, token.lock, token.value))
     return (yield from check_verdict(sql, resource, token, res))
 

@@ -5,8 +5,8 @@ accept ``token`` if it is >= the highest token accepted for ``resource`` and mak
 mark, or raise :class:`~fenced.StaleTokenError`. The stores do not re-implement that
 statement: they run the project's resource guards —
 :class:`fenced.guards.sql.SQLGuard` (one ``INSERT .. ON CONFLICT .. DO UPDATE .. WHERE
-token <= excluded.token RETURNING``) and :class:`fenced.guards.redis.AsyncRedisGuard` (one
-Lua script) — so the mark a request advanced is the same row or hash a handler writes through
+token <= excluded.token RETURNING``; on SQLite an ``UPDATE`` that accepts in place first)
+and :class:`fenced.guards.redis.AsyncRedisGuard` (one Lua script) — so the mark a request advanced is the same row or hash a handler writes through
 when it wants its own write fenced in the same transaction (:meth:`SQLiteFenceStore.transaction`,
 :meth:`PostgresFenceStore.transaction`, :meth:`RedisFenceStore.guard`).
 

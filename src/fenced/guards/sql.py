@@ -36,6 +36,11 @@ token column that is not a 64-bit integer column as :class:`~fenced.Configuratio
 install and at use (PostgreSQL and MySQL verify the column's type before a connection's first
 use of a table; on SQLite, where any column holds any value, the statement refuses a mark that
 is not stored as an exact integer, so a REAL column's rounded tokens are never compared).
+On SQLite an ``UPDATE … WHERE resource = ? AND typeof(token) = 'integer' AND token > 0 AND
+token <= ? AND lock_name = ?`` comes first, its row count the verdict (``RETURNING`` costs
+SQLite more than the rest of the upsert): it accepts exactly where the upsert accepts with
+an integer back; anything else (no row yet, a refusal) goes to the upsert, under the write
+lock the UPDATE took.
 
 *PostgreSQL.* DO UPDATE first takes a row lock on the existing fence row (even when its WHERE
 turns out false) and evaluates the WHERE on the newest committed version of the row: under
@@ -128,6 +133,7 @@ from ._sql_driver import (
     run_install,
     run_own_row,
     run_transaction,
+    sqlite_cursor_refused,
 )
 from ._sql_plan import (
     MYSQL,
@@ -174,6 +180,11 @@ __all__ = [
 ]
 
 
+# SQLGuard._hot before any token (no token passed is this object; see transaction())
+_Hot = tuple[object, tuple[str, str, int], FencingToken]
+_COLD: _Hot = (object(), ("", "", 0), FencingToken("cold", 1))
+
+
 def _lock_name(lock: str, what: str) -> str:
     try:
         return validate_lock_name(lock)
@@ -195,7 +206,16 @@ class SQLGuard:
     nothing is committed for you.
     """
 
-    __slots__ = ("_quoted", "_sqlite_sql", "_use", "lock", "resource", "table", "verifier")
+    __slots__ = (
+        "_hot",
+        "_quoted",
+        "_sqlite_sql",
+        "_use",
+        "lock",
+        "resource",
+        "table",
+        "verifier",
+    )
 
     def __init__(
         self,
@@ -211,6 +231,7 @@ class SQLGuard:
         self.table = table
         self._quoted = quote_table(table)
         self._sqlite_sql = fence_sql(SQLITE, self._quoted)  # (transaction()'s direct path)
+        self._hot: _Hot = _COLD
         # (verified before first use on each MySQL or PostgreSQL connection)
         self._use = TableUse(table)
 
@@ -289,11 +310,36 @@ class SQLGuard:
         once the block has ended without an error. A connection already in a transaction is
         refused.
         """
-        tok = FencingToken.coerce(token, self.lock, self.verifier)
         if type(conn) is sqlite3.Connection:  # (the in-process path: no dispatch to pay for)
-            # (tok's lock is self.lock: coerce checked it)
-            params = (self.resource, self.lock, tok.value)
-            return SQLiteTransaction((conn, self._sqlite_sql, params, tok))
+            # The token this guard coerced last, with no verifier, and the fence's parameters
+            # made from it: a holder passes the same object for each transaction of a grant,
+            # so one identity test stands for coercion, the lock check and the parameters.
+            # (What they were made against is compared too: resource and lock by identity,
+            # and no verifier now, so assigning one, or another lock, is never skipped.)
+            token_, params, tok = self._hot
+            if (
+                token is not token_
+                or self.verifier is not None
+                or params[0] is not self.resource
+                or params[1] is not self.lock
+            ):
+                tok = FencingToken.coerce(token, self.lock, self.verifier)
+                params = (self.resource, self.lock, tok.value)  # (coerce checked the lock)
+                # (a str, or a token: neither changes; a subclass could be anything)
+                if self.verifier is None and type(token) in (FencingToken, str):
+                    self._hot = (token, params, tok)
+            try:
+                cur = conn.cursor()  # (one for the guard's three statements)
+            except Exception as exc:  # closed
+                sqlite_cursor_refused(conn, exc)
+            return SQLiteTransaction((cur, self._sqlite_sql, params, tok))
+        return self._transaction(conn, FencingToken.coerce(token, self.lock, self.verifier))
+
+    def _transaction(
+        self, conn: Any, tok: FencingToken
+    ) -> contextlib.AbstractContextManager[FencingToken]:
+        # (its own function: a lambda in transaction() would make cells of its arguments on
+        # every call, the direct path's too)
         return guarded_transaction(
             conn, self._quoted, self.resource, tok, self._use, lambda: self._begin(conn, tok)
         )
