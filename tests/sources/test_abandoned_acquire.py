@@ -1,0 +1,204 @@
+"""An acquire given up after the source was unreachable leaves no dead waiter behind.
+
+A source keeps a waiter's place (or a grant whose reply was lost) across an unavailable
+attempt, for the lease core's retry with the same request id. When that retry never comes
+(the caller is cancelled in the back-off), the place must go at once: else the lock is
+handed to a waiter that has gone, and held from live ones for its whole ttl.
+
+Real servers, a user-space TCP proxy for the blip (its connections reset while it refuses
+new ones), real asyncio cancellation: the victim is cancelled exactly in the lease core's
+back-off sleep (from the debug line the core logs just before it), with the proxy healed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+import fenced
+from fenced.testing.proxy import TcpProxy
+from fenced.testing.servers import RedisServer
+from tests.helpers import async_wait_for, unique_name
+
+VICTIM_TTL = 20.0
+"""The dead waiter's ttl: what a live waiter waited before the fix (the lock was handed to
+the dead waiter and held for it)."""
+BOUND = 3.0
+"""How long the live waiter may wait after the holder releases: the clean-up is one round
+trip (ABANDON_WAIT 0.25 s, then on in the background), the hand-off another; 3 s leaves
+room for a loaded 2-core machine and stays far below VICTIM_TTL."""
+
+
+class OnRetry(logging.Handler):
+    """Runs ``action`` on the lease core's "source unavailable, retrying" line for ``name``:
+    it is logged in the acquiring task right before its back-off sleep, so a cancellation made
+    here lands in that sleep."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(logging.DEBUG)
+        self.name_ = name
+        self.action: Callable[[], None] | None = None
+        self.seen = asyncio.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "source unavailable, retrying" not in record.getMessage():
+            return
+        if record.args and record.args[0] != self.name_:  # type: ignore[index]
+            return
+        self.seen.set()
+        action, self.action = self.action, None
+        if action is not None:
+            action()
+
+
+@contextlib.contextmanager
+def on_retry(name: str) -> Iterator[OnRetry]:
+    handler = OnRetry(name)
+    logger = logging.getLogger("fenced")
+    level = logger.level
+    logger.setLevel(logging.DEBUG)
+    logger.addHandler(handler)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+async def waiters(locks: fenced.AsyncLocks, name: str, n: int) -> None:
+    async def enough() -> bool:
+        return (await locks.status(name)).waiters == n
+
+    await async_wait_for(enough, what=f"{n} waiter(s) on {name}")
+
+
+async def cancelled_in_backoff(
+    direct: fenced.AsyncLocks, via: fenced.AsyncLocks, proxy: TcpProxy, *, lost_grant: bool
+) -> tuple[float, int | None]:
+    """A holds; the victim V (through the proxy) queues, then B (direct). The proxy fails V's
+    connection; V is cancelled in the back-off (the proxy healed). With ``lost_grant``, A
+    releases *while* V is cut off, so the source hands the lock to V, who never reads it;
+    else A releases after V is gone. Returns how long B waited after A's release (or after V's
+    cancellation, with ``lost_grant``), and the token V was handed (``lost_grant``)."""
+    name = unique_name("abandon")
+    a = direct.lock(name, ttl=30)
+    await a.acquire()
+    victim = via.lock(name, ttl=VICTIM_TTL)
+    v_task = asyncio.create_task(victim.acquire())
+    await waiters(direct, name, 1)
+    b = direct.lock(name, ttl=10)
+    b_task = asyncio.create_task(b.acquire(timeout=BOUND + 5))
+    await waiters(direct, name, 2)
+    handed: int | None = None
+
+    def heal_and_cancel() -> None:
+        proxy.heal()
+        v_task.cancel()
+
+    with on_retry(name) as hook:
+        if not lost_grant:
+            hook.action = heal_and_cancel
+        proxy.partition()
+        proxy.cut()
+        async with asyncio.timeout(30):
+            await hook.seen.wait()
+        if lost_grant:
+            assert await a.release()
+            status = await direct.status(name)
+            assert status.token is not None and status.holder != b.request_id
+            handed = status.token.value  # (V's: B is behind it)
+            hook.seen.clear()
+            hook.action = heal_and_cancel
+            async with asyncio.timeout(30):
+                await hook.seen.wait()
+        async with asyncio.timeout(30):
+            with pytest.raises(asyncio.CancelledError):
+                await v_task
+    start = time.monotonic()
+    if not lost_grant:
+        assert await a.release()
+    try:
+        token = await b_task
+    except fenced.LockTimeout:
+        pytest.fail(
+            f"a live waiter waited more than {time.monotonic() - start:.1f} s: the lock went "
+            "to the acquire that was given up"
+        )
+    waited = time.monotonic() - start
+    print(f"{name}: the live waiter waited {waited:.3f} s")  # (shown with -s)
+    if handed is not None:
+        assert token.value > handed  # V's grant was given back, not taken over by B
+    await b.release()
+    return waited, handed
+
+
+async def lost_grant_is_found_by_the_retry(
+    direct: fenced.AsyncLocks, via: fenced.AsyncLocks, proxy: TcpProxy
+) -> None:
+    """The other side: the victim is *not* given up. A grant made for it while it was cut
+    off is what its retry (same request id) returns: one grant, not two."""
+    name = unique_name("abandon")
+    a = direct.lock(name, ttl=30)
+    await a.acquire()
+    victim = via.lock(name, ttl=VICTIM_TTL)
+    v_task = asyncio.create_task(victim.acquire())
+    await waiters(direct, name, 1)
+    with on_retry(name) as hook:
+        proxy.partition()
+        proxy.cut()
+        async with asyncio.timeout(30):
+            await hook.seen.wait()
+        assert await a.release()
+        status = await direct.status(name)
+        assert status.token is not None
+        proxy.heal()
+        async with asyncio.timeout(30):
+            token = await v_task
+    assert token.value == status.token.value
+    after = await direct.status(name)
+    assert after.holder == victim.request_id and after.token == status.token
+    assert after.last_token == status.token  # no second grant
+    assert await victim.release()
+
+
+# -- the sources ------------------------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def redis_pair(server: RedisServer) -> Any:
+    prefix = unique_name("t") + ":"
+    with TcpProxy("127.0.0.1", server.port) as proxy:
+        url = f"redis://127.0.0.1:{proxy.port}/0"
+        opts: dict[str, Any] = {"key_prefix": prefix, "socket_timeout": 1, "connect_timeout": 3}
+        async with (
+            fenced.connect_async(server.url, key_prefix=prefix) as direct,
+            fenced.connect_async(url, **opts) as via,
+        ):
+            yield direct, via, proxy
+
+
+async def test_redis_a_waiter_cancelled_in_the_backoff_does_not_get_the_lock(
+    redis_server: RedisServer,
+) -> None:
+    async with redis_pair(redis_server) as (direct, via, proxy):
+        waited, _ = await cancelled_in_backoff(direct, via, proxy, lost_grant=False)
+    assert waited < BOUND
+
+
+async def test_redis_a_grant_made_while_cut_off_is_given_back_when_given_up(
+    redis_server: RedisServer,
+) -> None:
+    async with redis_pair(redis_server) as (direct, via, proxy):
+        waited, _ = await cancelled_in_backoff(direct, via, proxy, lost_grant=True)
+    assert waited < BOUND
+
+
+async def test_redis_a_grant_made_while_cut_off_is_the_retrys(redis_server: RedisServer) -> None:
+    async with redis_pair(redis_server) as (direct, via, proxy):
+        await lost_grant_is_found_by_the_retry(direct, via, proxy)
