@@ -23,7 +23,7 @@ import pytest
 
 import fenced
 from fenced.testing.proxy import TcpProxy
-from fenced.testing.servers import RedisServer
+from fenced.testing.servers import EtcdServer, PostgresServer, RedisServer
 from tests.helpers import async_wait_for, unique_name
 
 VICTIM_TTL = 20.0
@@ -170,35 +170,74 @@ async def lost_grant_is_found_by_the_retry(
 # -- the sources ------------------------------------------------------------------------------
 
 
+def _via(url: str, port: int, proxy: TcpProxy) -> str:
+    return url.replace(f"127.0.0.1:{port}", f"127.0.0.1:{proxy.port}", 1)
+
+
 @contextlib.asynccontextmanager
-async def redis_pair(server: RedisServer) -> Any:
-    prefix = unique_name("t") + ":"
-    with TcpProxy("127.0.0.1", server.port) as proxy:
-        url = f"redis://127.0.0.1:{proxy.port}/0"
-        opts: dict[str, Any] = {"key_prefix": prefix, "socket_timeout": 1, "connect_timeout": 3}
+async def _pair(url: str, port: int, own: dict[str, Any], fast: dict[str, Any]) -> Any:
+    """A direct connection and one through a proxy (``fast``: options that make a cut-off
+    connection fail within a second or so, not the defaults' 5-30 s)."""
+    with TcpProxy("127.0.0.1", port) as proxy:
         async with (
-            fenced.connect_async(server.url, key_prefix=prefix) as direct,
-            fenced.connect_async(url, **opts) as via,
+            fenced.connect_async(url, **own) as direct,
+            fenced.connect_async(_via(url, port, proxy), **own, **fast) as via,
         ):
             yield direct, via, proxy
 
 
-async def test_redis_a_waiter_cancelled_in_the_backoff_does_not_get_the_lock(
-    redis_server: RedisServer,
+@pytest.fixture(params=["redis", "etcd", "postgresql"])
+def source(request: pytest.FixtureRequest) -> Callable[[], Any]:
+    """The sources that keep an acquire's place across an unavailable attempt (or could be
+    left holding a grant whose reply was lost). The victim's place is kept alive for 20-30 s
+    (its heartbeat period, its lease), so that before the fix a live waiter surely waits
+    that long: the dead place is not skipped by a heartbeat that happens to run out."""
+    if request.param == "redis":
+        redis: RedisServer = request.getfixturevalue("redis_server")
+        own = {"key_prefix": unique_name("t") + ":"}
+        fast = {"socket_timeout": 1, "waiter_heartbeat": 30}
+        return lambda: _pair(redis.url, redis.port, own, fast)
+    if request.param == "etcd":
+        etcd: EtcdServer = request.getfixturevalue("etcd_server")
+        own = {"prefix": f"/{unique_name('t')}/"}
+        return lambda: _pair(etcd.url, etcd.port, own, {"timeout": 0.5, "retry_for": 1})
+    pg: PostgresServer = request.getfixturevalue("pg_server")
+    dsn: str = request.getfixturevalue("pg_dsn")
+    fast = {"connect_timeout": 1, "command_timeout": 2, "waiter_ttl": 30}
+
+    def pair() -> Any:
+        return _pair(dsn, pg.port, {}, fast)
+
+    pair.kind = "postgresql"  # type: ignore[attr-defined]
+    return pair
+
+
+def hand_off(source: Callable[[], Any]) -> None:
+    if getattr(source, "kind", "") == "postgresql":
+        pytest.skip(
+            "PostgreSQL grants only to a waiter that asks (no hand-off): nothing is granted to "
+            "a waiter that is cut off"
+        )
+
+
+async def test_a_waiter_cancelled_in_the_backoff_does_not_get_the_lock(
+    source: Callable[[], Any],
 ) -> None:
-    async with redis_pair(redis_server) as (direct, via, proxy):
+    async with source() as (direct, via, proxy):
         waited, _ = await cancelled_in_backoff(direct, via, proxy, lost_grant=False)
     assert waited < BOUND
 
 
-async def test_redis_a_grant_made_while_cut_off_is_given_back_when_given_up(
-    redis_server: RedisServer,
+async def test_a_grant_made_while_cut_off_is_given_back_when_given_up(
+    source: Callable[[], Any],
 ) -> None:
-    async with redis_pair(redis_server) as (direct, via, proxy):
+    hand_off(source)
+    async with source() as (direct, via, proxy):
         waited, _ = await cancelled_in_backoff(direct, via, proxy, lost_grant=True)
     assert waited < BOUND
 
 
-async def test_redis_a_grant_made_while_cut_off_is_the_retrys(redis_server: RedisServer) -> None:
-    async with redis_pair(redis_server) as (direct, via, proxy):
+async def test_a_grant_made_while_cut_off_is_the_retrys(source: Callable[[], Any]) -> None:
+    hand_off(source)
+    async with source() as (direct, via, proxy):
         await lost_grant_is_found_by_the_retry(direct, via, proxy)

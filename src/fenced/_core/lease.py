@@ -1102,7 +1102,7 @@ async def _forget(backend: Backend, name: str, request_id: str) -> None:
                 except BackendUnavailable:
                     if backend.closed:
                         raise
-                    await asyncio.sleep(backoff.next())
+                    await asyncio.sleep(backoff.next() or 0.0)
     except Exception as exc:  # (what it could not undo expires by itself, as before)
         logger.debug("acquire %s: abandoning request failed: %r", name, exc)
 
