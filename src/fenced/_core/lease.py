@@ -315,8 +315,9 @@ class AsyncLease:
         granted: list[FencingToken] = []  # the grant this acquire's lost-callback is about
         on_lost = self._make_backend_lost_callback(granted)
         late = 0  # grants that arrived with no time left
-        # The last attempt ended unavailable: the source may keep a queue place (or even a
-        # grant whose reply was lost) for request_id, kept for a retry that may never come.
+        # The last attempt ended unavailable (or was cancelled): the source may keep a queue
+        # place (or even a grant whose reply was lost) for request_id, kept for a retry that
+        # may never come.
         pending = False
         try:
             while True:
@@ -344,7 +345,10 @@ class AsyncLease:
                     await asyncio.sleep(pause)
                     continue
                 except asyncio.CancelledError:
-                    raise  # (the backend's own clean-up may have failed on a flaky source)
+                    # The backend's own clean-up fails if the source is unreachable as the
+                    # cancellation comes (seen: a waiter cut off, then cancelled, kept its place).
+                    pending = True
+                    raise
                 except BaseException:
                     pending = False  # an answer: the backend has cleaned up after itself
                     raise
