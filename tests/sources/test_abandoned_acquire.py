@@ -172,6 +172,39 @@ async def cancelled_while_cut_off(
     return waited
 
 
+async def timed_out_while_cut_off(
+    direct: fenced.AsyncLocks, via: fenced.AsyncLocks, proxy: TcpProxy
+) -> float:
+    """The victim's timeout passes while it is cut off (BackendUnavailable); the proxy heals
+    only after that. Returns how long B waited after A's release."""
+    name = unique_name("abandon")
+    a = direct.lock(name, ttl=30)
+    await a.acquire()
+    victim = via.lock(name, ttl=VICTIM_TTL)
+    v_task = asyncio.create_task(victim.acquire(timeout=2))
+    await waiters(direct, name, 1)
+    b = direct.lock(name, ttl=10)
+    b_task = asyncio.create_task(b.acquire(timeout=BOUND + 25))
+    await waiters(direct, name, 2)
+    proxy.partition()
+    proxy.cut()
+    async with asyncio.timeout(30):
+        with pytest.raises((fenced.BackendUnavailable, fenced.LockTimeout)):
+            await v_task
+    proxy.heal()
+    start = time.monotonic()
+    assert await a.release()
+    try:
+        async with asyncio.timeout(BOUND + 5):
+            await b_task
+    except TimeoutError:
+        pytest.fail(f"a live waiter waited more than {time.monotonic() - start:.1f} s")
+    waited = time.monotonic() - start
+    print(f"{name}: the live waiter waited {waited:.3f} s")  # (shown with -s)
+    await b.release()
+    return waited
+
+
 async def lost_grant_is_found_by_the_retry(
     direct: fenced.AsyncLocks, via: fenced.AsyncLocks, proxy: TcpProxy
 ) -> None:
@@ -286,6 +319,16 @@ async def test_a_waiter_cancelled_while_cut_off_does_not_get_the_lock(
     async with source() as (direct, via, proxy):
         waited = await cancelled_while_cut_off(direct, via, proxy)
     assert waited < BOUND
+
+
+async def test_a_waiter_timed_out_while_cut_off_does_not_get_the_lock(
+    source: Callable[[], Any],
+) -> None:
+    async with source() as (direct, via, proxy):
+        waited = await timed_out_while_cut_off(direct, via, proxy)
+    # (the clean-up retries in the background until the proxy heals: its back-off, 1 s at
+    # most, on top of the round trip)
+    assert waited < BOUND + 1
 
 
 async def test_a_grant_made_while_cut_off_is_given_back_when_given_up(
