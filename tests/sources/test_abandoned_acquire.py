@@ -205,6 +205,37 @@ async def timed_out_while_cut_off(
     return waited
 
 
+CANCEL_BOUND = 2.0
+"""How long cancelling an acquire cut off from its source may take: the source's own leave
+and the lease core's clean-up wait 0.25 s each at most, the rest goes on in the background
+(before: Redis waited for its leave script for socket_timeout, 10 s by default)."""
+
+
+async def cancel_latency(
+    direct: fenced.AsyncLocks, via: fenced.AsyncLocks, proxy: TcpProxy
+) -> float:
+    """Cancel a waiting acquire whose source went silent (partitioned: no reset, no answer).
+    Returns how long the cancellation took; then checks the place went once it healed."""
+    name = unique_name("abandon")
+    a = direct.lock(name, ttl=30)
+    await a.acquire()
+    victim = via.lock(name, ttl=VICTIM_TTL)
+    v_task = asyncio.create_task(victim.acquire())
+    await waiters(direct, name, 1)
+    proxy.partition()
+    start = time.monotonic()
+    v_task.cancel()
+    async with asyncio.timeout(30):
+        with pytest.raises(asyncio.CancelledError):
+            await v_task
+    took = time.monotonic() - start
+    print(f"{name}: the cancellation took {took:.3f} s")  # (shown with -s)
+    proxy.heal()
+    await waiters(direct, name, 0)
+    await a.release()
+    return took
+
+
 async def lost_grant_is_found_by_the_retry(
     direct: fenced.AsyncLocks, via: fenced.AsyncLocks, proxy: TcpProxy
 ) -> None:
@@ -262,7 +293,7 @@ def source(request: pytest.FixtureRequest) -> Callable[[], Any]:
     if request.param == "redis":
         redis: RedisServer = request.getfixturevalue("redis_server")
         own = {"key_prefix": unique_name("t") + ":"}
-        fast = {"socket_timeout": 1, "waiter_heartbeat": 30}
+        fast = {"socket_timeout": 3, "waiter_heartbeat": 30}
         return lambda: _pair(redis.url, redis.port, own, fast)
     if request.param == "etcd":
         etcd: EtcdServer = request.getfixturevalue("etcd_server")
@@ -329,6 +360,14 @@ async def test_a_waiter_timed_out_while_cut_off_does_not_get_the_lock(
     # (the clean-up retries in the background until the proxy heals: its back-off, 1 s at
     # most, on top of the round trip)
     assert waited < BOUND + 1
+
+
+async def test_cancelling_an_acquire_cut_off_from_its_source_is_prompt(
+    source: Callable[[], Any],
+) -> None:
+    async with source() as (direct, via, proxy):
+        took = await cancel_latency(direct, via, proxy)
+    assert took < CANCEL_BOUND
 
 
 async def test_a_grant_made_while_cut_off_is_given_back_when_given_up(

@@ -315,9 +315,9 @@ class AsyncLease:
         granted: list[FencingToken] = []  # the grant this acquire's lost-callback is about
         on_lost = self._make_backend_lost_callback(granted)
         late = 0  # grants that arrived with no time left
-        # The last attempt ended unavailable (or was cancelled): the source may keep a queue
-        # place (or even a grant whose reply was lost) for request_id, kept for a retry that
-        # may never come.
+        # An attempt ended unavailable (or was cancelled): the source may keep a queue place
+        # (or even a grant whose reply was lost) for request_id, kept for a retry that may
+        # never come.
         pending = False
         try:
             while True:
@@ -349,10 +349,10 @@ class AsyncLease:
                     # cancellation comes (seen: a waiter cut off, then cancelled, kept its place).
                     pending = True
                     raise
-                except BaseException:
-                    pending = False  # an answer: the backend has cleaned up after itself
-                    raise
-                pending = False
+                # (Any other failure after an unavailable attempt leaves ``pending`` set: a
+                # retry's LockTimeout may be the client's own timer, while the source still
+                # keeps the place the earlier attempt took: seen on etcd.)
+                pending = False  # (granted: that request's place is taken up)
                 if self._state.remaining_of(grant, _clock.now()) > 0:
                     break
                 # Granted, but the reply took so long that the lease may already have run

@@ -88,6 +88,8 @@ T = TypeVar("T")
 DEFAULT_PREFIX: Final = "fenced:"
 DEFAULT_WAITER_HEARTBEAT: Final = 3.0
 """Seconds after which a waiter that has not re-checked is considered dead and skipped."""
+_LEAVE_WAIT: Final = 0.25
+"""Seconds a cancelled acquire waits for its leave script, at most (as on etcd, ZooKeeper)."""
 
 
 def _first_line(exc: BaseException) -> str:
@@ -965,12 +967,18 @@ class RedisBackend(Backend):
             raise
         finally:
             if queued:
-                await self._leave(keys, wake_prefix, request_id)
+                # Cancelled: never held up by a server out of reach (it took socket_timeout,
+                # 10 s, seen); the lease core's abandon_acquire finishes the job.
+                cancelled = task is not None and task.cancelling() > cancelling
+                await self._leave(keys, wake_prefix, request_id, _LEAVE_WAIT if cancelled else None)
 
-    async def _leave(self, keys: list[str], wake_prefix: str, request_id: str) -> None:
+    async def _leave(
+        self, keys: list[str], wake_prefix: str, request_id: str, limit: float | None = None
+    ) -> None:
         """Leave the queue of an abandoned acquire; a free lock goes to the next waiter."""
         try:
-            await self._leave_now(keys, wake_prefix, request_id)
+            async with asyncio.timeout(limit):
+                await self._leave_now(keys, wake_prefix, request_id)
         except Exception:  # the waiter's heartbeat runs out anyway
             logger.debug("leaving the queue of %s failed", keys[1], exc_info=True)
 
