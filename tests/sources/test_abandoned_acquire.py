@@ -173,10 +173,11 @@ async def cancelled_while_cut_off(
 
 
 async def timed_out_while_cut_off(
-    direct: fenced.AsyncLocks, via: fenced.AsyncLocks, proxy: TcpProxy
+    direct: fenced.AsyncLocks, via: fenced.AsyncLocks, proxy: TcpProxy, *, reset: bool = True
 ) -> float:
-    """The victim's timeout passes while it is cut off (BackendUnavailable); the proxy heals
-    only after that. Returns how long B waited after A's release."""
+    """The victim's timeout passes while it is cut off (BackendUnavailable; or, without
+    ``reset``, a silent network: its wait simply runs out); the proxy heals only after that.
+    Returns how long B waited after A's release."""
     name = unique_name("abandon")
     a = direct.lock(name, ttl=30)
     await a.acquire()
@@ -187,7 +188,8 @@ async def timed_out_while_cut_off(
     b_task = asyncio.create_task(b.acquire(timeout=BOUND + 25))
     await waiters(direct, name, 2)
     proxy.partition()
-    proxy.cut()
+    if reset:
+        proxy.cut()
     async with asyncio.timeout(30):
         with pytest.raises((fenced.BackendUnavailable, fenced.LockTimeout)):
             await v_task
@@ -360,6 +362,14 @@ async def test_a_waiter_timed_out_while_cut_off_does_not_get_the_lock(
     # (the clean-up retries in the background until the proxy heals: its back-off, 1 s at
     # most, on top of the round trip)
     assert waited < BOUND + 1
+
+
+async def test_a_waiter_timed_out_in_a_silent_network_does_not_get_the_lock(
+    source: Callable[[], Any],
+) -> None:
+    async with source() as (direct, via, proxy):
+        waited = await timed_out_while_cut_off(direct, via, proxy, reset=False)
+    assert waited < BOUND + 1  # (as above)
 
 
 async def test_cancelling_an_acquire_cut_off_from_its_source_is_prompt(

@@ -43,7 +43,6 @@ from aetcd import rpc
 from .._clients.etcd_conn import EtcdClient, LeaseNotFound, WatchHandle, cancelling
 from .._core import clock as _clock
 from .._core.backend import Backend, Characteristic, Grant, LockStatus, LostCallback, Record
-from .._core.backoff import Backoff
 from .._core.errors import (
     BackendError,
     BackendUnavailable,
@@ -76,7 +75,6 @@ _GREATER = rpc.Compare.GREATER
 _BY_CREATE = rpc.RangeRequest.CREATE
 _ASCEND = rpc.RangeRequest.ASCEND
 _LEAVE_WAIT = 0.25  # seconds acquire waits for a timed-out waiter's key to go, at most
-_MAX_DOUBTFUL = 1024  # requests whose unavailable attempts' leases are kept track of, at most
 _DESCEND = rpc.RangeRequest.DESCEND
 
 
@@ -325,10 +323,6 @@ class EtcdBackend(Backend):
         self._pool_size = lease_pool
         self._pool: dict[int, list[_Lease]] = {}
         self._holds: dict[bytes, _Hold] = {}
-        # The leases of an acquire's attempts that ended unavailable, by request key: such
-        # an attempt's create may still be applied later (held up in the network). Revoked
-        # when the acquire ends otherwise (a late create then fails: the lease is gone).
-        self._doubtful: dict[bytes, set[int]] = {}
 
     @classmethod
     async def open(cls, url: SplitResult, options: dict[str, Any]) -> EtcdBackend:
@@ -438,40 +432,6 @@ class EtcdBackend(Backend):
         seconds = lease_seconds(ttl)
         lock_prefix = self._lock_prefix(name)
         key = lock_prefix + request_id.encode()
-        doubtful = self._doubtful.pop(key, set())
-        kept: _Hold | None = None
-        try:
-            kept = await self._acquire(
-                name, request_id, seconds, lock_prefix, key, deadline, owner, doubtful
-            )
-            return self._grant(name, request_id, kept)
-        except BackendUnavailable:
-            # Kept for a retry of this request, or its abandon_acquire (a bounded record).
-            if doubtful:
-                while len(self._doubtful) >= _MAX_DOUBTFUL:
-                    self._revoke_all(self._doubtful.pop(next(iter(self._doubtful))), None)
-                self._doubtful[key] = doubtful
-                doubtful = set()
-            raise
-        finally:
-            self._revoke_all(doubtful, kept)
-
-    def _revoke_all(self, leases: set[int], kept: _Hold | None) -> None:
-        for lease_id in leases:
-            if kept is None or kept.lease.id != lease_id:
-                self._client.spawn(self._revoke(lease_id))
-
-    async def _acquire(
-        self,
-        name: str,
-        request_id: str,
-        seconds: int,
-        lock_prefix: bytes,
-        key: bytes,
-        deadline: float | None,
-        owner: str,
-        doubtful: set[int],
-    ) -> _Hold:
         stale_leases = 0
         while True:
             lease = self._pooled_lease(seconds)
@@ -495,18 +455,14 @@ class EtcdBackend(Backend):
                 # (A CancelledError here is this task's: the transport turns gRPC's own.)
                 self._client.spawn(self._revoke(lease.id))
                 raise
-            except BackendUnavailable:
-                # Unknown whether the key was created with this lease (or will be: the
-                # request may still arrive). Not recycled: a retry of this request adopts
-                # it, or it is revoked when the acquire ends without it (see acquire).
-                doubtful.add(lease.id)
-                raise
+            # (Unavailable: it is unknown whether the key was created with this lease. The
+            # lease is dropped, not recycled: it expires, or a retry of this request adopts it.)
             if reply.succeeded:
                 hold = _Hold(key, reply.header.revision, lease)
                 tail = reply.responses[1].response_range.kvs
                 self._holds[key] = hold
                 if len(tail) < 2:  # the new key is the only one: held at once
-                    return hold
+                    return self._grant(name, request_id, hold)
                 before: Any = tail[1]
                 seen = reply.header.revision
             elif reply.responses[0].response_range.kvs[0].lease == lease.id:
@@ -528,7 +484,7 @@ class EtcdBackend(Backend):
             except _Vanished:
                 self._forget(hold)
                 continue
-            return hold
+            return self._grant(name, request_id, hold)
 
     async def _adopt(self, key: bytes, kv: Any, deadline: float | None) -> _Hold | None:
         """A retried acquire found its own key: take over its lease (and keep it alive)."""
@@ -670,25 +626,11 @@ class EtcdBackend(Backend):
             return await aw
 
     async def _leave(self, hold: _Hold) -> None:
-        """Give up a place in the queue (timeout, cancellation): delete the key, keep the lease.
-
-        Retried (in the background) while etcd is out of reach, until the lease would have run
-        out anyway: a timeout passed while cut off must not leave the place to be handed the
-        lock, and held from live waiters, for the rest of the lease (seen: 7 s of a 20 s one).
-        """
-        backoff = Backoff(0.05, 1.0)
-        while True:
-            try:
-                reply = await self._txn(release_txn(hold.key, hold.revision), "leave queue")
-                break
-            except BackendUnavailable:
-                left = hold.lease.refreshed_at + hold.lease.ttl - _clock.now()
-                pause = backoff.next(left)
-                if pause is None or self._client.closed:
-                    return  # the key goes when its lease (no longer kept alive) expires
-                await asyncio.sleep(pause)
-            except (BackendError, asyncio.CancelledError):
-                return
+        """Give up a place in the queue (timeout, cancellation): delete the key, keep the lease."""
+        try:
+            reply = await self._txn(release_txn(hold.key, hold.revision), "leave queue")
+        except (BackendError, asyncio.CancelledError):
+            return  # the key goes when its lease (no longer kept alive) expires
         if reply.succeeded:
             self._recycle(hold.lease)
 
@@ -739,19 +681,10 @@ class EtcdBackend(Backend):
         return deleted
 
     async def abandon_acquire(self, name: str, *, request_id: str) -> None:
-        """Revoke the leases of the acquire's attempts that ended unavailable (a create held
-        up in the network then fails when it arrives), then delete the key one of them kept
-        for a retry (queued, or holding a grant never read) and revoke its lease: it was
-        that acquire's alone (see acquire)."""
+        """Delete the key an unavailable attempt kept for a retry (queued, or holding a grant
+        never read), then revoke its lease: it was that acquire's alone (see acquire)."""
         self._check_open()
         key = self._lock_prefix(name) + request_id.encode()
-        doubtful = self._doubtful.pop(key, set())
-        try:
-            for lease_id in doubtful:
-                await self._revoke(lease_id)
-        except BaseException:
-            self._doubtful.setdefault(key, set()).update(doubtful)  # (for the next try)
-            raise
         got = await self._client.call(functools.partial(_range_of, key), what="abandon")
         if not got.kvs:
             return
