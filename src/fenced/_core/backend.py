@@ -265,10 +265,11 @@ class Backend(abc.ABC):
 
     async def abandon_acquire(self, name: str, *, request_id: str) -> None:
         """Undo what an acquire of ``request_id`` on ``name`` may have left at the source,
-        now that nobody will retry it: the lease core calls this when it gives up an acquire
-        whose last attempt ended in :class:`~fenced.BackendUnavailable` (cancelled in the
+        now that nobody will retry it: the lease core calls this when an acquire fails after
+        one of its attempts ended in :class:`~fenced.BackendUnavailable` (cancelled in the
         back-off, the timeout reached, the connection closed), since :meth:`acquire` keeps
-        its place for a retry then. Leave the queue, and give back a grant made for
+        its place for a retry then, and when an attempt is cancelled (its own clean-up fails
+        if the source is out of reach just then). Leave the queue, and give back a grant made for
         ``request_id`` whose reply was never read (matched by request id and token: never
         anyone else's grant, nor a later one); then a free lock goes to the next waiter.
 
