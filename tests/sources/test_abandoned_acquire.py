@@ -25,6 +25,7 @@ import fenced
 from fenced.testing.proxy import TcpProxy
 from fenced.testing.servers import EtcdServer, PostgresServer, RedisServer, ZooKeeperServer
 from tests.helpers import async_wait_for, unique_name
+from tests.sources.envs._http import make_http_env
 
 VICTIM_TTL = 20.0
 """The dead waiter's ttl: what a live waiter waited before the fix (the lock was handed to
@@ -238,6 +239,43 @@ async def cancel_latency(
     return took
 
 
+async def lost_grant_in_silence(
+    direct: fenced.AsyncLocks, via: fenced.AsyncLocks, proxy: TcpProxy
+) -> float:
+    """The network goes silent (no reset: the source does not see the victim leave) and A
+    releases: the lock goes to the victim, whose answer never arrives. The victim is then
+    cancelled, and the network heals. Returns how long B waited after the heal."""
+    name = unique_name("abandon")
+    a = direct.lock(name, ttl=30)
+    await a.acquire()
+    victim = via.lock(name, ttl=VICTIM_TTL)
+    v_task = asyncio.create_task(victim.acquire())
+    await waiters(direct, name, 1)
+    b = direct.lock(name, ttl=10)
+    b_task = asyncio.create_task(b.acquire(timeout=BOUND + 25))
+    await waiters(direct, name, 2)
+    proxy.partition()
+    assert await a.release()
+    handed = await direct.status(name)
+    assert handed.token is not None and handed.holder not in (None, b.request_id)
+    v_task.cancel()
+    async with asyncio.timeout(30):
+        with pytest.raises(asyncio.CancelledError):
+            await v_task
+    proxy.heal()
+    start = time.monotonic()
+    try:
+        async with asyncio.timeout(BOUND + 5):
+            token = await b_task
+    except TimeoutError:
+        pytest.fail(f"a live waiter waited more than {time.monotonic() - start:.1f} s")
+    waited = time.monotonic() - start
+    print(f"{name}: the live waiter waited {waited:.3f} s")  # (shown with -s)
+    assert token.value > handed.token.value
+    await b.release()
+    return waited
+
+
 async def lost_grant_is_found_by_the_retry(
     direct: fenced.AsyncLocks, via: fenced.AsyncLocks, proxy: TcpProxy
 ) -> None:
@@ -286,7 +324,7 @@ async def _pair(url: str, port: int, own: dict[str, Any], fast: dict[str, Any]) 
             yield direct, via, proxy
 
 
-@pytest.fixture(params=["redis", "etcd", "postgresql", "zookeeper"])
+@pytest.fixture(params=["redis", "etcd", "postgresql", "zookeeper", "http"])
 def source(request: pytest.FixtureRequest) -> Callable[[], Any]:
     """The sources that keep an acquire's place across an unavailable attempt (or could be
     left holding a grant whose reply was lost). The victim's place is kept alive for 20-30 s
@@ -301,6 +339,15 @@ def source(request: pytest.FixtureRequest) -> Callable[[], Any]:
         etcd: EtcdServer = request.getfixturevalue("etcd_server")
         own = {"prefix": f"/{unique_name('t')}/"}
         return lambda: _pair(etcd.url, etcd.port, own, {"timeout": 0.5, "retry_for": 1})
+    if request.param == "http":  # (the worker's gateway in front of SQLite)
+        env = next(make_http_env(request, "sqlite"))
+        gateway = env.gateway  # type: ignore[attr-defined]
+
+        def http_pair() -> Any:
+            return _pair(gateway.url, gateway.port, {}, {"request_timeout": 1})
+
+        http_pair.kind = "http"  # type: ignore[attr-defined]
+        return http_pair
     if request.param == "zookeeper":
         zk: ZooKeeperServer = request.getfixturevalue("zk_server")
 
@@ -328,13 +375,15 @@ def backoff(source: Callable[[], Any]) -> None:
         )
 
 
-def hand_off(source: Callable[[], Any]) -> None:
-    backoff(source)
-    if getattr(source, "kind", "") == "postgresql":
-        pytest.skip(
-            "PostgreSQL grants only to a waiter that asks (no hand-off): nothing is granted to "
-            "a waiter that is cut off"
-        )
+def hand_off(source: Callable[[], Any], *, reset: bool = True) -> None:
+    """Skip a source where nothing is granted to a waiter that is cut off."""
+    kind = getattr(source, "kind", "")
+    if kind == "postgresql":
+        pytest.skip("PostgreSQL grants only to a waiter that asks (no hand-off)")
+    if kind == "zookeeper":
+        pytest.skip("ZooKeeper grants only to a waiter that asks (its session's node lowest)")
+    if kind == "http" and reset:
+        pytest.skip("the gateway sees the client leave, and stops waiting for it")
 
 
 async def test_a_waiter_cancelled_in_the_backoff_does_not_get_the_lock(
@@ -362,6 +411,15 @@ async def test_a_waiter_timed_out_while_cut_off_does_not_get_the_lock(
     # (the clean-up retries in the background until the proxy heals: its back-off, 1 s at
     # most, on top of the round trip)
     assert waited < BOUND + 1
+
+
+async def test_a_grant_made_in_a_silent_network_is_given_back_when_given_up(
+    source: Callable[[], Any],
+) -> None:
+    hand_off(source, reset=False)
+    async with source() as (direct, via, proxy):
+        waited = await lost_grant_in_silence(direct, via, proxy)
+    assert waited < BOUND + 1  # (the clean-up retries until the network heals: its back-off)
 
 
 async def test_a_waiter_timed_out_in_a_silent_network_does_not_get_the_lock(
