@@ -621,6 +621,9 @@ class RedisBackend(Backend):
         self._own_busy = False
         self._own_dirty: Callable[[], Awaitable[bool]] = _never
         self._key_cache: dict[str, tuple[list[str], str]] = {}
+        # Leave scripts of cancelled acquires still under way, by (lock, request id): an
+        # acquire of the same request waits for its own (else it could give back the grant).
+        self._leaving: dict[tuple[str, str], asyncio.Task[None]] = {}
         self._recheck_safety = False
         self.verified_durable = False
         """True when the last check of the server's configuration found it durable."""
@@ -882,6 +885,10 @@ class RedisBackend(Backend):
         owner: str = "",
     ) -> Grant:
         keys, wake_prefix = self._keys(name)
+        if self._leaving:
+            leaving = self._leaving.get((name, request_id))
+            if leaving is not None:
+                await asyncio.wait({leaving})  # (bounded: socket_timeout)
         ttl_ms = max(1, round(ttl * 1000))
         owner = owner.replace("\n", " ")
         # A grant's handle: how the scripts end its holder value, after the request id (see
@@ -967,18 +974,21 @@ class RedisBackend(Backend):
             raise
         finally:
             if queued:
-                # Cancelled: never held up by a server out of reach (it took socket_timeout,
-                # 10 s, seen); the lease core's abandon_acquire finishes the job.
-                cancelled = task is not None and task.cancelling() > cancelling
-                await self._leave(keys, wake_prefix, request_id, _LEAVE_WAIT if cancelled else None)
+                if task is not None and task.cancelling() > cancelling:
+                    # Cancelled: waited for a moment only, never held up by a server out of
+                    # reach (it took socket_timeout, 10 s, seen); it goes on in the background.
+                    key = (name, request_id)
+                    leaving = asyncio.ensure_future(self._leave(keys, wake_prefix, request_id))
+                    self._leaving[key] = leaving
+                    leaving.add_done_callback(lambda _: self._leaving.pop(key, None))
+                    await asyncio.wait({leaving}, timeout=_LEAVE_WAIT)
+                else:
+                    await self._leave(keys, wake_prefix, request_id)
 
-    async def _leave(
-        self, keys: list[str], wake_prefix: str, request_id: str, limit: float | None = None
-    ) -> None:
+    async def _leave(self, keys: list[str], wake_prefix: str, request_id: str) -> None:
         """Leave the queue of an abandoned acquire; a free lock goes to the next waiter."""
         try:
-            async with asyncio.timeout(limit):
-                await self._leave_now(keys, wake_prefix, request_id)
+            await self._leave_now(keys, wake_prefix, request_id)
         except Exception:  # the waiter's heartbeat runs out anyway
             logger.debug("leaving the queue of %s failed", keys[1], exc_info=True)
 
