@@ -451,3 +451,40 @@ async def test_a_grant_made_while_cut_off_is_the_retrys(source: Callable[[], Any
     hand_off(source)
     async with source() as (direct, via, proxy):
         await lost_grant_is_found_by_the_retry(direct, via, proxy)
+
+
+async def test_the_same_request_acquired_again_keeps_its_grant(source: Callable[[], Any]) -> None:
+    """A caller-chosen request id, acquired again right after its acquire was given up while
+    cut off: the clean-up still under way must not give back the new grant (the new acquire
+    waits for it)."""
+    from fenced._core import lease as lease_core
+
+    async with source() as (direct, via, proxy):
+        name = unique_name("abandon")
+        a = direct.lock(name, ttl=30)
+        await a.acquire()
+        victim = via.lock(name, ttl=VICTIM_TTL, request_id="again-1")
+        v_task = asyncio.create_task(victim.acquire())
+        await waiters(direct, name, 1)
+        proxy.partition()
+        proxy.cut()
+        v_task.cancel()
+        async with asyncio.timeout(30):
+            with pytest.raises(asyncio.CancelledError):
+                await v_task
+        if getattr(source, "kind", "") != "zookeeper":  # (nothing to clean up there)
+            assert lease_core._abandoning  # (it goes on: the source is out of reach)
+        proxy.heal()
+        assert await a.release()
+        again = via.lock(name, ttl=VICTIM_TTL, request_id="again-1")
+        async with asyncio.timeout(30):
+            await again.acquire()
+
+        async def cleaned_up() -> bool:
+            return not lease_core._abandoning
+
+        await async_wait_for(cleaned_up, what="the clean-up to end")
+        status = await direct.status(name)
+        assert status.holder == "again-1" and status.token == again.token
+        await again.renew()
+        assert await again.release()
