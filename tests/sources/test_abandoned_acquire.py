@@ -23,7 +23,13 @@ import pytest
 
 import fenced
 from fenced.testing.proxy import TcpProxy
-from fenced.testing.servers import EtcdServer, PostgresServer, RedisServer, ZooKeeperServer
+from fenced.testing.servers import (
+    EtcdServer,
+    FencedServer,
+    PostgresServer,
+    RedisServer,
+    ZooKeeperServer,
+)
 from tests.helpers import async_wait_for, unique_name
 from tests.sources.envs._http import make_http_env
 
@@ -488,3 +494,22 @@ async def test_the_same_request_acquired_again_keeps_its_grant(source: Callable[
         assert status.holder == "again-1" and status.token == again.token
         await again.renew()
         assert await again.release()
+
+
+async def test_http_a_waiter_given_up_while_the_gateways_source_was_cut_off(
+    redis_server: RedisServer,
+) -> None:
+    """Behind ``fenced serve``: the gateway's own source (Redis) is cut off, the gateway answers
+    503, the client is cancelled in its back-off. The place the gateway's source kept for the
+    client's retry must go (the client asks the gateway to forget the request), not be handed
+    the lock (before: a live waiter waited the victim's whole ttl, 20 s)."""
+    prefix = unique_name("t") + ":"
+    with TcpProxy("127.0.0.1", redis_server.port) as proxy:
+        inner = f"redis://127.0.0.1:{proxy.port}/0?key_prefix={prefix}&socket_timeout=1"
+        with FencedServer(f"{inner}&waiter_heartbeat=30") as gateway:
+            async with (
+                fenced.connect_async(redis_server.url, key_prefix=prefix) as direct,
+                fenced.connect_async(gateway.url, request_timeout=2) as via,
+            ):
+                waited, _ = await cancelled_in_backoff(direct, via, proxy, lost_grant=False)
+    assert waited < BOUND
