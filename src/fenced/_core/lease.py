@@ -1090,7 +1090,7 @@ async def _abandon(backend: Backend, name: str, request_id: str) -> None:
 async def _abandoned(backend: Backend, name: str, request_id: str) -> None:
     """Before an acquire of ``request_id``: let a clean-up of its earlier attempt finish."""
     task = _abandoning.get((id(backend), name, request_id))
-    if task is not None:
+    if task is not None and task.get_loop() is asyncio.get_running_loop():  # (not a dead loop's)
         await asyncio.wait({task})  # (bounded by ABANDON_LIMIT)
 
 
