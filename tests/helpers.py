@@ -32,6 +32,20 @@ def forged(signed: str) -> str:
     return f"{head}.{'B' if sig[0] == 'A' else 'A'}{sig[1:]}"
 
 
+@contextlib.contextmanager
+def dead_port() -> Iterator[int]:
+    """A loopback port that refuses connections for as long as the block runs.
+
+    Bound here and never listened on: a connection is refused, and no other process can
+    bind it meanwhile. ``free_port()`` lets go of its port at once, so another xdist
+    worker's server (a Redis, an etcd) could start on it before the test's "nobody is
+    there" connection, which then reached a real server.
+    """
+    with socket.socket() as s:  # (no SO_REUSEADDR: a server's bind with it fails too)
+        s.bind(("127.0.0.1", 0))
+        yield s.getsockname()[1]
+
+
 def wait_for(
     predicate: Callable[[], object], timeout: float = 10.0, what: str = "condition"
 ) -> None:
