@@ -427,10 +427,12 @@ def test_keepalive_holds_a_lease_the_source_shortened(
 ) -> None:
     register_source(register_scheme, CappedSource)
     with fenced.connect("capped://review-capped") as locks:
-        lease = locks.lock("x", ttl=3)
+        lease = locks.lock("x", ttl=6)
         lease.acquire()
-        # Held for 3x the granted 0.6 s: it is renewed in time, not declared lost at 0.55 s.
-        assert not lease.lost.wait(1.8), lease.lost_cause
+        # Held for 3x the granted 1.2 s: it is renewed in time (every 0.4 s), not a third of
+        # the 6 s asked for (2 s), past the grant's end. (1.2 s, not 0.6: a renewal may be
+        # 0.8 s late on a loaded machine and still land in time.)
+        assert not lease.lost.wait(3.6), lease.lost_cause
         assert lease.held
         assert lease.release()
     MemoryBackend.reset("review-capped")
