@@ -16,6 +16,10 @@ from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+# A bound for waiting on a Python process to start and get going (its interpreter start and
+# imports): ~0.3 s quiet, 2-8 s seen on CI's loaded 2 cores. It is for a hang, not speed.
+PROCESS_START = 60.0
+
 
 def unique_name(prefix: str = "t") -> str:
     return f"{prefix}-{uuid.uuid4().hex[:12]}"

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from fenced.testing.servers import RedisServer
-from tests.helpers import ROOT, wait_for
+from tests.helpers import PROCESS_START, ROOT, wait_for
 
 RECIPES = ROOT / "docs" / "recipes.md"
 
@@ -62,7 +62,7 @@ def test_cron_recipe_skips_a_run_while_the_last_one_holds_the_lock(tmp_path: Pat
     env = _env(tmp_path)
     first = subprocess.Popen(["sh", "-c", slow], env=env)
     try:
-        wait_for(lambda: held.exists(), what="the first run to start")
+        wait_for(held.exists, PROCESS_START, "the first run to start")
         second = subprocess.run(["sh", "-c", command.replace("/usr/local/bin/nightly-report", "false")],
                                 env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
         assert second.returncode == 0, second.stderr  # skipped (-n), a success (-E 0)
