@@ -28,7 +28,7 @@ from fenced.testing.servers import (
     RedisServer,
     ZooKeeperServer,
 )
-from tests.helpers import aws_client, unique_name
+from tests.helpers import aws_client, dead_port, unique_name
 
 _PYCACHE: list[str] = []  # the bytecode cache this run made (pytest_configure), removed at exit
 
@@ -252,6 +252,14 @@ def memory_url() -> Iterator[str]:
     name = unique_name("mem")
     yield f"memory://{name}"
     MemoryBackend.reset(name)
+
+
+@pytest.fixture
+def refused_port() -> Iterator[int]:
+    """A loopback port that refuses connections throughout the test (tests.helpers.dead_port:
+    held, so no other worker's server can start on it meanwhile)."""
+    with dead_port() as port:
+        yield port
 
 
 @pytest.fixture

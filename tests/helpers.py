@@ -16,6 +16,10 @@ from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+# A bound for waiting on a Python process to start and get going (its interpreter start and
+# imports): ~0.3 s quiet, 2-8 s seen on CI's loaded 2 cores. It is for a hang, not speed.
+PROCESS_START = 60.0
+
 
 def unique_name(prefix: str = "t") -> str:
     return f"{prefix}-{uuid.uuid4().hex[:12]}"
@@ -30,6 +34,20 @@ def forged(signed: str) -> str:
     """
     head, _, sig = signed.rpartition(".")
     return f"{head}.{'B' if sig[0] == 'A' else 'A'}{sig[1:]}"
+
+
+@contextlib.contextmanager
+def dead_port() -> Iterator[int]:
+    """A loopback port that refuses connections for as long as the block runs.
+
+    Bound here and never listened on: a connection is refused, and no other process can
+    bind it meanwhile. ``free_port()`` lets go of its port at once, so another xdist
+    worker's server (a Redis, an etcd) could start on it before the test's "nobody is
+    there" connection, which then reached a real server.
+    """
+    with socket.socket() as s:  # (no SO_REUSEADDR: a server's bind with it fails too)
+        s.bind(("127.0.0.1", 0))
+        yield s.getsockname()[1]
 
 
 def wait_for(

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 import fenced
-from tests.helpers import ROOT, wait_for
+from tests.helpers import PROCESS_START, ROOT, wait_for
 
 FENCED = [sys.executable, "-m", "fenced"]
 FENCED_SHELL = f"{sys.executable} -m fenced"  # the same, inside `sh -c`
@@ -147,7 +147,11 @@ def test_lost_lease_terminates_the_command(sqlite_url: str, tmp_path: Path) -> N
         text=True,
     )
     try:
-        wait_for(lambda: marker.exists() and marker.read_text().strip(), what="the job to start")
+        wait_for(
+            lambda: marker.exists() and marker.read_text().strip(),
+            PROCESS_START,
+            "the job to start",
+        )
         os.kill(proc.pid, signal.SIGSTOP)
         with fenced.connect(sqlite_url) as locks:
             lease = locks.lock("lost", ttl=10)
@@ -439,7 +443,7 @@ def test_ctrl_c_while_waiting_exits_130_quietly_and_leaves_the_queue(
         )
         os.close(slave)
         try:
-            wait_for(lambda: locks.status("busy").waiters == 1, what="the CLI to queue")
+            wait_for(lambda: locks.status("busy").waiters == 1, PROCESS_START, "the CLI to queue")
             os.killpg(proc.pid, signal.SIGINT)
             assert proc.wait(30) == 130
         finally:

@@ -16,7 +16,7 @@ import pytest
 
 import fenced
 from fenced._core.paths import machine_database
-from tests.helpers import ROOT, wait_for
+from tests.helpers import PROCESS_START, ROOT, wait_for
 
 USERS = ("fenced-test-a", "fenced-test-b")
 
@@ -155,7 +155,9 @@ def test_two_users_share_the_default_and_exclude_each_other(
         f'echo "$FENCING_TOKEN" > {ready}; while [ ! -e {release} ]; do sleep 0.02; done',
     )
     try:
-        wait_for(lambda: ready.exists() and ready.read_text().strip(), what="user a to hold")
+        wait_for(
+            lambda: ready.exists() and ready.read_text().strip(), PROCESS_START, "user a to hold"
+        )
         assert ready.read_text().strip() == "nightly:1"
         refused = _fenced_as(
             b, python, shared_root, "lock", "-n", "nightly", "--", "true", per_user=per_user

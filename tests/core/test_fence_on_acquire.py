@@ -20,7 +20,7 @@ import fenced
 from fenced.guards.files import FileGuard
 from fenced.guards.redis import RedisGuard
 from fenced.guards.sql import SQLGuard
-from fenced.testing.servers import RedisServer, free_port
+from fenced.testing.servers import RedisServer
 from tests.helpers import ROOT, unique_name
 
 OLD_HOLDER = """
@@ -119,10 +119,12 @@ def test_a_paused_holder_is_refused_where_the_new_holder_never_wrote(
         old.kill()
 
 
-def test_a_resource_that_cannot_be_fenced_gives_the_grant_back(tmp_path: Path) -> None:
+def test_a_resource_that_cannot_be_fenced_gives_the_grant_back(
+    tmp_path: Path, refused_port: int
+) -> None:
     lock = unique_name("jobs")
     db = _setup(tmp_path, lock)
-    dead = RedisGuard(redis.Redis(port=free_port(), socket_connect_timeout=0.5), "k", lock=lock)
+    dead = RedisGuard(redis.Redis(port=refused_port, socket_connect_timeout=0.5), "k", lock=lock)
     good = SQLGuard(lock).fencer(lambda: sqlite3.connect(db, isolation_level=None))
     with fenced.connect(f"sqlite:///{tmp_path}/locks.db") as locks:
         with pytest.raises(fenced.FenceError) as caught:

@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-import socket
 import sqlite3
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -403,10 +402,8 @@ async def test_sqlite_normal_never_waits_for_a_lock_on_the_event_loop(tmp_path: 
         assert await store.high_water("r", LOCK) == tok(2)
 
 
-async def test_dead_engines_raise_backend_unavailable() -> None:
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+async def test_dead_engines_raise_backend_unavailable(refused_port: int) -> None:
+    port = refused_port  # (held throughout: see tests.helpers.dead_port)
     pg = PostgresFenceStore(f"postgresql://postgres@127.0.0.1:{port}/x", connect_timeout=1)
     with pytest.raises(BackendUnavailable):
         await pg.advance("r", tok(1))
@@ -587,10 +584,8 @@ async def test_middleware_responses(tmp_path: Path) -> None:
         assert conn.execute("SELECT body, token FROM jobs").fetchall() == [("nine", 9)]
 
 
-async def test_unavailable_store_gives_503() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+async def test_unavailable_store_gives_503(refused_port: int) -> None:
+    port = refused_port  # (held throughout: see tests.helpers.dead_port)
     store = PostgresFenceStore(f"postgresql://postgres@127.0.0.1:{port}/x", connect_timeout=1)
     async with client_for(make_app(store, None)) as client:
         r = await client.post("/jobs/a", headers={"Fencing-Token": "jobs:1"})

@@ -17,7 +17,7 @@ import fenced
 from fenced import FencingToken
 from fenced.guards.dynamodb import AsyncDynamoDBGuard
 from fenced.guards.s3 import AsyncS3VersionStore
-from fenced.testing.servers import MotoServer, free_port
+from fenced.testing.servers import MotoServer
 from tests.helpers import aio_aws_client, unique_name
 
 T = TypeVar("T")
@@ -126,8 +126,10 @@ def test_s3_on_aiobotocore_refuses_the_stale_and_accepts_the_holder(
     on_loop(main)
 
 
-def test_an_unreachable_endpoint_is_backend_unavailable_within_its_connect_timeout() -> None:
-    dead = f"http://127.0.0.1:{free_port()}"
+def test_an_unreachable_endpoint_is_backend_unavailable_within_its_connect_timeout(
+    refused_port: int,
+) -> None:
+    dead = f"http://127.0.0.1:{refused_port}"
 
     async def main() -> None:
         async with aio_aws_client("dynamodb", dead, dead=True) as client:

@@ -14,9 +14,8 @@ import pytest
 import fenced
 from fenced import FencingToken
 from fenced.guards.dynamodb import AsyncDynamoDBGuard, DynamoDBGuard
-from fenced.testing.servers import free_port
 from tests.guards.processes import history_violations, race
-from tests.helpers import aws_client
+from tests.helpers import aws_client, dead_port
 
 FENCE = {"pk": {"S": "fenced#orders"}}
 
@@ -123,8 +122,8 @@ def test_bad_input_and_an_unreachable_endpoint(dynamodb_table: tuple[Any, str]) 
         guard.fence(tok(1))
     with pytest.raises(fenced.ConfigurationError):
         DynamoDBGuard(client, table, lock="not a lock name")
-    dead = aws_client("dynamodb", f"http://127.0.0.1:{free_port()}", dead=True)
-    with pytest.raises(fenced.BackendUnavailable):
+    with dead_port() as port, pytest.raises(fenced.BackendUnavailable):
+        dead = aws_client("dynamodb", f"http://127.0.0.1:{port}", dead=True)
         DynamoDBGuard(dead, table, lock="orders").put_item({"pk": {"S": "y"}}, token=tok(1))
 
 

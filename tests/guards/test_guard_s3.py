@@ -14,9 +14,9 @@ import fenced
 from fenced import FencingToken
 from fenced.guards.files import Version
 from fenced.guards.s3 import AsyncS3VersionStore, S3VersionStore
-from fenced.testing.servers import MotoServer, free_port
+from fenced.testing.servers import MotoServer
 from tests.guards.processes import LOCK, history_violations, race
-from tests.helpers import aws_client
+from tests.helpers import aws_client, dead_port
 
 
 def tok(value: int) -> FencingToken:
@@ -134,8 +134,8 @@ def test_bad_input_missing_bucket_and_unreachable_store(s3_bucket: tuple[Any, st
         S3VersionStore(client, bucket, lock="other").publish(
             "daily", b"x", token=FencingToken("other", 9)
         )
-    dead = aws_client("s3", f"http://127.0.0.1:{free_port()}", dead=True)
-    with pytest.raises(fenced.BackendUnavailable):
+    with dead_port() as port, pytest.raises(fenced.BackendUnavailable):
+        dead = aws_client("s3", f"http://127.0.0.1:{port}", dead=True)
         S3VersionStore(dead, bucket, lock="reports").publish("d", b"x", token=tok(1))
 
 

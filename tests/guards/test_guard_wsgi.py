@@ -7,7 +7,6 @@ Both sides: the current holder's writes pass (again and again), a stale token is
 from __future__ import annotations
 
 import json
-import socket
 import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -114,12 +113,10 @@ def test_wsgi_middleware_responses_both_sides(tmp_path: Path) -> None:
         assert post(base, "/jobs/1", "jobs:7").status_code == 200
 
 
-def test_wsgi_unreachable_store_is_503() -> None:
+def test_wsgi_unreachable_store_is_503(refused_port: int) -> None:
     # (a PostgreSQL port nobody listens on: a SQLite file in a missing directory is a
     # misconfigured store, 500, see tests/guards/test_guard_http_errors.py)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = refused_port  # (held throughout: see tests.helpers.dead_port)
     store = PostgresFenceStore(f"postgresql://postgres@127.0.0.1:{port}/x", connect_timeout=1)
     with FencingWSGIMiddleware(Recorder(), store=store, lock=LOCK) as app, serve(app) as base:
         reply = post(base, "/jobs/1", "jobs:1")

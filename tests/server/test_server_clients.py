@@ -172,10 +172,16 @@ def _java(classes: Path) -> list[str]:
     return [_need("java"), "-Xshare:auto", "-XX:TieredStopAtLevel=1", "-cp", str(classes)]
 
 
-def test_the_javascript_package_passes_its_node_tests(server: FencedServer) -> None:
+def test_the_javascript_package_passes_its_node_tests(
+    server: FencedServer, refused_port: int
+) -> None:
     r = subprocess.run(
         [_need("node"), "--test", str(JS / "test")],
-        env={**os.environ, "FENCED_TEST_URL": server.url},
+        env={
+            **os.environ,
+            "FENCED_TEST_URL": server.url,
+            "FENCED_TEST_DEAD_PORT": str(refused_port),
+        },
         capture_output=True,
         text=True,
         timeout=120,
@@ -184,10 +190,16 @@ def test_the_javascript_package_passes_its_node_tests(server: FencedServer) -> N
     assert "# pass 5" in r.stdout and "# skipped 0" in r.stdout, r.stdout[-2000:]
 
 
-def test_the_java_package_passes_its_tests(server: FencedServer, java_classes: Path) -> None:
+def test_the_java_package_passes_its_tests(
+    server: FencedServer, java_classes: Path, refused_port: int
+) -> None:
     r = subprocess.run(
         [*_java(java_classes), "ClientTest"],
-        env={**os.environ, "FENCED_TEST_URL": server.url},
+        env={
+            **os.environ,
+            "FENCED_TEST_URL": server.url,
+            "FENCED_TEST_DEAD_PORT": str(refused_port),
+        },
         capture_output=True,
         text=True,
         timeout=120,

@@ -35,8 +35,8 @@ from fenced.backends.etcd import (
     parse_endpoints,
     range_end,
 )
-from fenced.testing.servers import EtcdCluster, EtcdServer, free_port
-from tests.helpers import async_wait_for, unique_name, wait_for
+from fenced.testing.servers import EtcdCluster, EtcdServer
+from tests.helpers import async_wait_for, dead_port, unique_name, wait_for
 
 NOOP: Callable[[BaseException], None] = lambda exc: None  # noqa: E731
 
@@ -717,15 +717,16 @@ def _is_set(events: list[asyncio.Event], i: int) -> Callable[[], Any]:
 
 
 def test_failover_past_a_dead_endpoint(etcd_server: EtcdServer, prefix: str) -> None:
-    url = f"etcd://127.0.0.1:{free_port()},{etcd_server.endpoint}"
-    with fenced.connect(url, prefix=prefix) as locks, locks.lock(unique_name(), ttl=5) as lease:
-        assert lease.held
+    with dead_port() as dead:
+        url = f"etcd://127.0.0.1:{dead},{etcd_server.endpoint}"
+        with fenced.connect(url, prefix=prefix) as locks, locks.lock(unique_name(), ttl=5) as lease:
+            assert lease.held
 
 
 def test_unreachable_cluster_is_backend_unavailable() -> None:
-    start = time.monotonic()
-    with pytest.raises(fenced.BackendUnavailable):
-        fenced.connect(f"etcd://127.0.0.1:{free_port()}", retry_for=0.5, connect_timeout=1.5)
+    with dead_port() as dead, pytest.raises(fenced.BackendUnavailable):
+        start = time.monotonic()
+        fenced.connect(f"etcd://127.0.0.1:{dead}", retry_for=0.5, connect_timeout=1.5)
     assert 1.4 < time.monotonic() - start < 5  # retried until connect_timeout, not beyond
 
 

@@ -35,7 +35,7 @@ from fenced._core.backend import Grant
 from fenced.backends._postgresql_schema import DDL
 from fenced.backends.postgresql import PostgreSQLBackend
 from fenced.testing.servers import PostgresServer
-from tests.helpers import async_wait_for, unique_name
+from tests.helpers import async_wait_for, dead_port, unique_name
 from tests.sources.envs.postgresql import crash
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -620,11 +620,8 @@ async def test_unreachable_server_is_backend_unavailable() -> None:
             await open_backend(url, connect_timeout=1)
 
 
-@contextlib.contextmanager
-def socket_port() -> Any:
-    from fenced.testing.servers import free_port
-
-    yield free_port()
+def socket_port() -> contextlib.AbstractContextManager[int]:
+    return dead_port()  # (held while used: no other worker's server can take it meanwhile)
 
 
 async def test_idle_listener_is_closed_and_reopened(pg_dsn: str) -> None:

@@ -23,10 +23,11 @@ from fenced._core.backend import Grant
 from fenced.backends import zookeeper as zk
 from fenced.backends._zookeeper_session import conf_tick
 from fenced.backends.zookeeper import ROOT, ZooKeeperBackend, node_prefix, parse_node
-from fenced.testing.servers import ZooKeeperServer, free_port
+from fenced.testing.servers import ZooKeeperServer
 from tests.helpers import (
     async_wait_for,
     check_paused_holder_is_fenced_off,
+    dead_port,
     unique_name,
     wait_for,
 )
@@ -719,9 +720,9 @@ def test_bad_urls_and_options(url: str, options: dict[str, Any]) -> None:
 
 
 def test_no_server_is_a_typed_error() -> None:
-    start = time.monotonic()
-    with pytest.raises(fenced.BackendUnavailable):
-        fenced.connect(f"zookeeper://127.0.0.1:{free_port()}", connect_timeout=0.5)
+    with dead_port() as dead, pytest.raises(fenced.BackendUnavailable):
+        start = time.monotonic()
+        fenced.connect(f"zookeeper://127.0.0.1:{dead}", connect_timeout=0.5)
     assert time.monotonic() - start < 10
 
 
@@ -741,5 +742,5 @@ async def test_a_renewal_is_proven_through_the_leader(zk_server: ZooKeeperServer
         assert before <= renewed.sent_at <= before + took - 0.15
         assert renewed.handle.session.leader_since == renewed.sent_at
         await backend.release(renewed)
-    closed = free_port()
-    assert conf_tick(f"127.0.0.1:{closed}", timeout=0.2) is None
+    with dead_port() as closed:
+        assert conf_tick(f"127.0.0.1:{closed}", timeout=0.2) is None

@@ -57,7 +57,7 @@ class CappedSource(_TestSource):
     """Grants a shorter lease than asked (as ZooKeeper does when it negotiates the session)."""
 
     scheme: ClassVar[str] = "capped"
-    cap: ClassVar[float] = 0.6
+    cap: ClassVar[float] = 1.2
 
     def _ask(self, request_id: str, ttl: float) -> float:
         return min(ttl, CappedSource.cap)

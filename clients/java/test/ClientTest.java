@@ -52,7 +52,8 @@ public final class ClientTest {
     static void basic() throws Exception {
         FencedClient client = new FencedClient(URL);
         String name = unique("java/basic");
-        Lease lease = client.lock(name, new LockOptions().ttl(Duration.ofMillis(600)));
+        // (ttl 1.5 s: a renewal may be a second late on a loaded machine and still land in time)
+        Lease lease = client.lock(name, new LockOptions().ttl(Duration.ofMillis(1500)));
         check(lease.state() == Lease.State.HELD, "held");
         check(lease.token().equals(name + ":1"), "token " + lease.token());
         check("current".equals(client.check(lease.token()).get("verdict")), "check current");
@@ -115,9 +116,17 @@ public final class ClientTest {
 
     /** An unreachable server: lock() retries, then one FencedException (status 0). */
     static void unreachable() throws Exception {
-        int port; // a port that was free a moment ago: nothing listens there
-        try (java.net.ServerSocket probe = new java.net.ServerSocket(0)) {
-            port = probe.getLocalPort();
+        // A port nothing listens on: held for the run by tests/server/test_server_clients.py
+        // (FENCED_TEST_DEAD_PORT); else one that was free a moment ago, which another process
+        // (another test worker's server) could take meanwhile.
+        int port;
+        String held = System.getenv("FENCED_TEST_DEAD_PORT");
+        if (held != null) {
+            port = Integer.parseInt(held);
+        } else {
+            try (java.net.ServerSocket probe = new java.net.ServerSocket(0)) {
+                port = probe.getLocalPort();
+            }
         }
         FencedClient client = new FencedClient("http://127.0.0.1:" + port);
         long started = System.nanoTime();
