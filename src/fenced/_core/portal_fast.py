@@ -1,4 +1,4 @@
-"""The portal's fast mode: callers run the loop's work on their own thread (and, for sources that declare `caller_waits`, wait for its replies there).
+"""The portal's fast mode: callers run the loop's work on their own thread, and may wait in it.
 
 **This is the only module of fenced's core that touches private asyncio names** (``loop._ready``,
 ``_scheduled``, ``_timer_cancelled_count``, ``_write_to_self``, ``Handle._run``/``_callback``,
