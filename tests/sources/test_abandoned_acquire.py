@@ -467,11 +467,6 @@ async def test_the_same_request_acquired_again_keeps_its_grant(source: Callable[
 
     async with source() as (direct, via, proxy):
         name = unique_name("abandon")
-
-        def mine() -> list[object]:
-            """This test's clean-ups under way (an earlier test's may still be retrying)."""
-            return [key for key in lease_core._abandoning if key[1] == name]
-
         a = direct.lock(name, ttl=30)
         await a.acquire()
         victim = via.lock(name, ttl=VICTIM_TTL, request_id="again-1")
@@ -484,7 +479,7 @@ async def test_the_same_request_acquired_again_keeps_its_grant(source: Callable[
             with pytest.raises(asyncio.CancelledError):
                 await v_task
         if getattr(source, "kind", "") != "zookeeper":  # (nothing to clean up there)
-            assert mine()  # (it goes on: the source is out of reach)
+            assert lease_core._abandoning  # (it goes on: the source is out of reach)
         proxy.heal()
         assert await a.release()
         again = via.lock(name, ttl=VICTIM_TTL, request_id="again-1")
@@ -492,7 +487,7 @@ async def test_the_same_request_acquired_again_keeps_its_grant(source: Callable[
             await again.acquire()
 
         async def cleaned_up() -> bool:
-            return not mine()
+            return not lease_core._abandoning
 
         await async_wait_for(cleaned_up, what="the clean-up to end")
         status = await direct.status(name)
