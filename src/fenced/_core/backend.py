@@ -269,25 +269,6 @@ class Backend(abc.ABC):
         ``on_lost`` may be called later, from any thread, if the grant is revoked early.
         """
 
-    async def abandon_acquire(self, name: str, *, request_id: str) -> None:
-        """Undo what an acquire of ``request_id`` on ``name`` may have left at the source,
-        now that nobody will retry it: the lease core calls this when an acquire fails after
-        one of its attempts ended in :class:`~fenced.BackendUnavailable` (cancelled in the
-        back-off, the timeout reached, the connection closed), since :meth:`acquire` keeps
-        its place for a retry then, and when an attempt is cancelled (its own clean-up fails
-        if the source is out of reach just then). Leave the queue, and give back a grant made for
-        ``request_id`` whose reply was never read (matched by request id and token: never
-        anyone else's grant, nor a later one); then a free lock goes to the next waiter.
-
-        Best-effort and idempotent (nothing left: nothing done); the core bounds it in time,
-        runs it even while the caller is being cancelled, and ignores its errors (what it
-        could not undo expires as before). This default gives back such a grant, found by
-        :meth:`status`, and suits a source that keeps no queue place across an unavailable
-        attempt; a source that does overrides it."""
-        status = await self.status(name)
-        if status.holder == request_id and status.token is not None:
-            await self.release(Grant(status.token, request_id, 0.0, 0.0))
-
     @abc.abstractmethod
     async def lock_names(self) -> list[str]:
         """The names of the locks the source knows (held, waited for, or granted before in

@@ -303,11 +303,9 @@ class AsyncLease:
         backend = locks._backend  # (open already, nearly always: then no coroutine to await)
         if backend is None or locks._closed or locks._fork_gen != _fork.generation():
             backend = await locks._get_backend(None if timeout is None else start + timeout)
-        request_id = self._request_id or _fork.request_id()
-        if _abandoning:  # (a caller-chosen request id, given up a moment ago)
-            await _abandoned(backend, self.name, request_id)
         self._state.start_acquiring()
         self._loop = asyncio.get_running_loop()
+        request_id = self._request_id or _fork.request_id()
         deadline = None if timeout is None else start + timeout
         # With no deadline, a dead source is given a bounded time to come back.
         give_up = deadline if deadline is not None else start + max(self.ttl, 5.0)
@@ -315,10 +313,6 @@ class AsyncLease:
         granted: list[FencingToken] = []  # the grant this acquire's lost-callback is about
         on_lost = self._make_backend_lost_callback(granted)
         late = 0  # grants that arrived with no time left
-        # An attempt ended unavailable (or was cancelled): the source may keep a queue place
-        # (or even a grant whose reply was lost) for request_id, kept for a retry that may
-        # never come.
-        pending = False
         try:
             while True:
                 try:
@@ -335,7 +329,6 @@ class AsyncLease:
                         owner=self.owner,
                     )
                 except BackendUnavailable:
-                    pending = True
                     # A closed connection will not come back: only a dead source is retried.
                     # (a whole pause or none: waking at the deadline leaves no time to try)
                     pause = backoff.next(give_up - _clock.now(), whole=True)
@@ -344,15 +337,6 @@ class AsyncLease:
                     logger.debug("acquire %s: source unavailable, retrying", self.name)
                     await asyncio.sleep(pause)
                     continue
-                except asyncio.CancelledError:
-                    # The backend's own clean-up fails if the source is unreachable as the
-                    # cancellation comes (seen: a waiter cut off, then cancelled, kept its place).
-                    pending = True
-                    raise
-                # (Any other failure after an unavailable attempt leaves ``pending`` set: a
-                # retry's LockTimeout may be the client's own timer, while the source still
-                # keeps the place the earlier attempt took: seen on etcd.)
-                pending = False  # (granted: that request's place is taken up)
                 if self._state.remaining_of(grant, _clock.now()) > 0:
                     break
                 # Granted, but the reply took so long that the lease may already have run
@@ -370,8 +354,6 @@ class AsyncLease:
                     )
         except BaseException:
             self._state.acquire_failed()
-            if pending:
-                await _abandon(backend, self.name, request_id)
             raise
         if self.lock_delay and grant.ttl < self.ttl + self.lock_delay - 1e-3:
             with contextlib.suppress(FencedError):
@@ -1062,53 +1044,6 @@ def _wants_token(fn: Callable[..., Any]) -> bool:
         return "token" in inspect.signature(fn).parameters
     except (TypeError, ValueError):  # a builtin without a signature
         return False
-
-
-ABANDON_WAIT: Final = 0.25
-"""Seconds a given-up acquire waits for the source to forget it (see :func:`_abandon`)."""
-ABANDON_LIMIT: Final = 10.0
-"""Seconds that clean-up may go on in the background, at most."""
-# The clean-ups under way, by (backend, lock, request id): a strong reference while they run,
-# and what a new acquire of the same request waits for (else it could give back its grant).
-_abandoning: dict[tuple[int, str, str], asyncio.Task[None]] = {}
-
-
-async def _abandon(backend: Backend, name: str, request_id: str) -> None:
-    """Tell the source to forget an acquire given up after an unavailable attempt, so that
-    neither its queue place nor a grant made while nobody listened holds the lock from live
-    waiters until it expires. A task of its own, shielded: it runs even while the caller is
-    being cancelled (and on if cancelled again); waited for :data:`ABANDON_WAIT` at most,
-    so a timeout is not stretched by a source that is still down."""
-    if backend.closed:
-        return  # (its queue places went with the connection, or expire)
-    key = (id(backend), name, request_id)
-    task = _abandoning[key] = asyncio.ensure_future(_forget(backend, name, request_id))
-    task.add_done_callback(lambda _: _abandoning.pop(key, None))
-    await asyncio.wait({task}, timeout=ABANDON_WAIT)
-
-
-async def _abandoned(backend: Backend, name: str, request_id: str) -> None:
-    """Before an acquire of ``request_id``: let a clean-up of its earlier attempt finish."""
-    task = _abandoning.get((id(backend), name, request_id))
-    if task is not None and task.get_loop() is asyncio.get_running_loop():  # (not a dead loop's)
-        await asyncio.wait({task})  # (bounded by ABANDON_LIMIT)
-
-
-async def _forget(backend: Backend, name: str, request_id: str) -> None:
-    # Retried while the source is unavailable (the first try often meets a connection the
-    # blip broke, not yet known to be dead), within the limit.
-    backoff = Backoff(0.05, 1.0)
-    try:
-        async with asyncio.timeout(ABANDON_LIMIT):
-            while True:
-                try:
-                    return await backend.abandon_acquire(name, request_id=request_id)
-                except BackendUnavailable:
-                    if backend.closed:
-                        raise
-                    await asyncio.sleep(backoff.next() or 0.0)
-    except Exception as exc:  # (what it could not undo expires by itself, as before)
-        logger.debug("acquire %s: abandoning request failed: %r", name, exc)
 
 
 def _current_task() -> asyncio.Task[Any] | None:

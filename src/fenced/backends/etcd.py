@@ -680,22 +680,6 @@ class EtcdBackend(Backend):
             self._recycle(hold.lease)
         return deleted
 
-    async def abandon_acquire(self, name: str, *, request_id: str) -> None:
-        """Delete the key an unavailable attempt kept for a retry (queued, or holding a grant
-        never read), then revoke its lease: it was that acquire's alone (see acquire)."""
-        self._check_open()
-        key = self._lock_prefix(name) + request_id.encode()
-        got = await self._client.call(functools.partial(_range_of, key), what="abandon")
-        if not got.kvs:
-            return
-        kv = got.kvs[0]
-        reply = await self._txn(release_txn(key, kv.create_revision), "abandon")
-        hold = self._holds.get(key)
-        if hold is not None and hold.revision == kv.create_revision:
-            self._forget(hold)
-        if reply.succeeded and kv.lease:
-            await self._revoke(kv.lease)
-
     def _release_request(self, hold: _Hold) -> Any:
         return release_txn(hold.key, hold.revision)
 

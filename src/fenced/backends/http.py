@@ -58,7 +58,6 @@ _OPTIONS: Final = MappingProxyType(
 
 # The server's long polls: an acquire asks for at most this long, then asks again.
 _POLL: Final = 30.0
-_MISSING: Final = object()  # _call(missing=True): the gateway has no such route
 # Connections to the gateways, shared by every lease of this connection (acquires waiting in
 # long polls hold one each).
 _MAX_CONNECTIONS: Final = 256
@@ -132,7 +131,6 @@ class HttpBackend(Backend):
         idempotent: bool,
         wait: float = 0.0,
         params: dict[str, str] | None = None,
-        missing: bool = False,
     ) -> Any:
         """One request, moved on to the next gateway when one cannot be reached; the answer's
         JSON, or the error it stands for."""
@@ -161,8 +159,6 @@ class HttpBackend(Backend):
                     continue
                 raise BackendUnavailable(f"{base}: {type(exc).__name__}: {exc}") from exc
             self._current = (self._current + i) % len(self._bases)
-            if missing and reply.status_code in (404, 405):  # (a gateway without that route)
-                return _MISSING
             if reply.status_code == 503 and idempotent and i + 1 < len(self._bases):
                 last = BackendUnavailable(_message(reply))
                 continue
@@ -218,14 +214,6 @@ class HttpBackend(Backend):
                 return await self.renew(grant)
             except LeaseLostError:
                 return grant  # it did run out: the lease core gives it back and asks again
-
-    async def abandon_acquire(self, name: str, *, request_id: str) -> None:
-        # The gateway's source forgets it (its queue place too); a gateway older than that
-        # answers 404: then only a grant made for it is given back (the default).
-        body = {"request_id": request_id}
-        path = f"/v1/locks/{_path(name)}/-/abandon"
-        if await self._call("POST", path, body, idempotent=True, missing=True) is _MISSING:
-            await super().abandon_acquire(name, request_id=request_id)
 
     async def renew(self, grant: Grant) -> Grant:
         return await self._renew(grant, grant.ttl)

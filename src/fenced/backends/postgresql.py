@@ -546,12 +546,6 @@ class PostgreSQLBackend(Backend):
         """Take a waiter that gave up out of the queue (and wake the next one if free)."""
         await self._call(self._names.q_leave, (name, request_id))
 
-    async def abandon_acquire(self, name: str, *, request_id: str) -> None:
-        # The place a failed attempt could not leave (the connection was gone), then a grant
-        # made by a statement whose answer was lost (a timeout): given back by its request id.
-        await self._leave(name, request_id)
-        await super().abandon_acquire(name, request_id=request_id)
-
     def _settled(self, ident: tuple[str, str], marker: object) -> bool:
         """Forget the in-flight marker of one acquire statement; False if taken over."""
         if self._in_flight.get(ident) is not marker:

@@ -88,8 +88,6 @@ T = TypeVar("T")
 DEFAULT_PREFIX: Final = "fenced:"
 DEFAULT_WAITER_HEARTBEAT: Final = 3.0
 """Seconds after which a waiter that has not re-checked is considered dead and skipped."""
-_LEAVE_WAIT: Final = 0.25
-"""Seconds a cancelled acquire waits for its leave script, at most (as on etcd, ZooKeeper)."""
 
 
 def _first_line(exc: BaseException) -> str:
@@ -623,9 +621,6 @@ class RedisBackend(Backend):
         self._own_busy = False
         self._own_dirty: Callable[[], Awaitable[bool]] = _never
         self._key_cache: dict[str, tuple[list[str], str]] = {}
-        # Leave scripts of cancelled acquires still under way, by (lock, request id): an
-        # acquire of the same request waits for its own (else it could give back the grant).
-        self._leaving: dict[tuple[str, str], asyncio.Task[None]] = {}
         self._recheck_safety = False
         self.verified_durable = False
         """True when the last check of the server's configuration found it durable."""
@@ -887,10 +882,6 @@ class RedisBackend(Backend):
         owner: str = "",
     ) -> Grant:
         keys, wake_prefix = self._keys(name)
-        if self._leaving:
-            leaving = self._leaving.get((name, request_id))
-            if leaving is not None:
-                await asyncio.wait({leaving})  # (bounded: socket_timeout)
         ttl_ms = max(1, round(ttl * 1000))
         owner = owner.replace("\n", " ")
         # A grant's handle: how the scripts end its holder value, after the request id (see
@@ -976,33 +967,15 @@ class RedisBackend(Backend):
             raise
         finally:
             if queued:
-                if task is not None and task.cancelling() > cancelling:
-                    # Cancelled: waited for a moment only, never held up by a server out of
-                    # reach (it took socket_timeout, 10 s, seen); it goes on in the background.
-                    key = (name, request_id)
-                    leaving = asyncio.ensure_future(self._leave(keys, wake_prefix, request_id))
-                    self._leaving[key] = leaving
-                    leaving.add_done_callback(lambda _: self._leaving.pop(key, None))
-                    await asyncio.wait({leaving}, timeout=_LEAVE_WAIT)
-                else:
-                    await self._leave(keys, wake_prefix, request_id)
+                await self._leave(keys, wake_prefix, request_id)
 
     async def _leave(self, keys: list[str], wake_prefix: str, request_id: str) -> None:
         """Leave the queue of an abandoned acquire; a free lock goes to the next waiter."""
+        args = (request_id, 0, "leave", self._heartbeat_ms, wake_prefix)
         try:
-            await self._leave_now(keys, wake_prefix, request_id)
+            await self._call(lambda: self._script(self._leave_script, keys, args))
         except Exception:  # the waiter's heartbeat runs out anyway
             logger.debug("leaving the queue of %s failed", keys[1], exc_info=True)
-
-    async def _leave_now(self, keys: list[str], wake_prefix: str, request_id: str) -> None:
-        args = (request_id, 0, "leave", self._heartbeat_ms, wake_prefix)
-        await self._call(lambda: self._script(self._leave_script, keys, args))
-
-    async def abandon_acquire(self, name: str, *, request_id: str) -> None:
-        # The place an unavailable attempt kept (and a hand-off made to it since, unread):
-        # one script, the one a cancelled acquire runs on its way out.
-        keys, wake_prefix = self._keys(name)
-        await self._leave_now(keys, wake_prefix, request_id)
 
     async def renew(self, grant: Grant) -> Grant:
         keys, _ = self._keys(grant.token.lock)

@@ -613,11 +613,6 @@ class ZooKeeperBackend(Backend):
             s.discard(path)
             raise
 
-    async def abandon_acquire(self, name: str, *, request_id: str) -> None:
-        """Nothing is left to forget: every acquire that ends without a grant deletes its own
-        node, and one whose create reply was lost by its prefix (:meth:`_abandon`; once
-        connected again, the session's janitor); a retry makes a node of its own."""
-
     def _abandon(self, node: Node) -> None:
         """An acquire ended without a grant (error, cancellation): its node must not stay."""
         s = node.session

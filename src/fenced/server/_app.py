@@ -59,8 +59,6 @@ from ._metrics import CONTENT_TYPE_LATEST
 from ._wire import (
     _ERRORS,
     RELEASED,
-    AbandonIn,
-    AbandonOut,
     AcquireIn,
     Answer,
     ApiError,
@@ -678,22 +676,6 @@ def create_app(settings: ServerSettings) -> FastAPI:
         name, token, rid = lease_args(name, body.__dict__, key)
         released = await call(gw.release_for(key, name, token, rid))
         return ReleaseOut(released=released)
-
-    @app.post(
-        "/v1/locks/{name:lock}/-/abandon",
-        response_model=AbandonOut,
-        tags=["locks"],
-        summary="Forget an acquire given up (its queue place, a grant whose answer was lost)",
-    )
-    async def abandon(name: str, body: AbandonIn, key: Principal) -> AbandonOut:
-        name = lock_name(name)
-        allow(key, Verb.ACQUIRE, name)
-        try:
-            rid = check_request_id(body.request_id)
-        except ConfigurationError as exc:
-            raise fail(exc) from None
-        await call(gw.abandon_for(key, name, rid))
-        return AbandonOut(forgotten=True)
 
     @app.post(
         "/v1/locks/{name:lock}/-/force-release",

@@ -249,12 +249,6 @@ class Gateway:
             name, token, own_id(key, request_id), ttl, foreign=self._foreign(key, name, request_id)
         )
 
-    async def abandon_for(self, key: ApiKey | None, name: str, request_id: str) -> None:
-        """Forget an acquire of ``key``'s that its client gave up: its place in the source's
-        queue (kept across an unavailable attempt for a retry) and a grant made for it whose
-        answer was lost (see Backend.abandon_acquire). Only that key's own request."""
-        await self.backend.abandon_acquire(name, request_id=own_id(key, request_id))
-
     async def release_for(
         self, key: ApiKey | None, name: str, token: FencingToken, request_id: str
     ) -> bool:

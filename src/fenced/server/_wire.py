@@ -107,18 +107,6 @@ class ReleaseOut(BaseModel):
     )
 
 
-class AbandonIn(_In):
-    request_id: str = Field(
-        description="The request id of the acquire given up.", json_schema_extra=_REQUEST_ID
-    )
-
-
-class AbandonOut(BaseModel):
-    forgotten: bool = Field(
-        description="True: whatever the source kept of that acquire is gone (or never was)."
-    )
-
-
 class ForceIn(_In):
     token: str | None = Field(
         default=None,

@@ -427,36 +427,6 @@ async def test_backend_contract(env: BackendEnv) -> None:
         assert await backend.release(g3) is True
 
 
-async def test_abandon_acquire_gives_back_only_that_requests_grant(env: BackendEnv) -> None:
-    """``abandon_acquire`` (the lease core's clean-up of an acquire it gave up): another
-    request's grant is never touched, nothing is made for a request the source never saw,
-    and a grant of the request itself (one whose reply was never read) is given back — or,
-    on a source that knows the reply was read (ZooKeeper), left to its holder — never
-    replaced by another grant. Idempotent."""
-    name = unique_name()
-    async with env.connect_async() as locks:
-        backend = locks.backend
-        noop = lambda exc: None  # noqa: E731
-        await backend.abandon_acquire(name, request_id="never")  # (a lock never used)
-        g1 = await backend.acquire(name, request_id="r1", ttl=30, deadline=None, on_lost=noop)
-        for _ in range(2):
-            await backend.abandon_acquire(name, request_id="other")
-            status = await backend.status(name)
-            assert status.holder == "r1" and status.token == g1.token
-        await backend.abandon_acquire(name, request_id="r1")
-        await backend.abandon_acquire(name, request_id="r1")
-        status = await backend.status(name)
-        assert status.holder in (None, "r1")
-        if status.holder is None:
-            assert await backend.release(g1) is False  # (given back: nothing left to release)
-        else:
-            assert status.token == g1.token
-            assert await backend.release(g1) is True
-        g2 = await backend.acquire(name, request_id="r2", ttl=5, deadline=None, on_lost=noop)
-        assert g2.token > g1.token
-        assert await backend.release(g2) is True
-
-
 async def test_async_api(env: BackendEnv) -> None:
     name = unique_name()
     async with env.connect_async() as locks:
