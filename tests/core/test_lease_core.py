@@ -592,3 +592,23 @@ def test_cli_output_is_not_hard_wrapped_when_piped(monkeypatch: pytest.MonkeyPat
     line = "word " * 60
     make_printer().print(line)
     assert buffer.getvalue().count("\n") == 1
+
+
+def test_an_acquire_refused_in_a_lost_lease_callback_leaves_the_lease_lost() -> None:
+    """A blocking call from ``on_lost`` is refused (it would wait for itself); being refused,
+    it changes nothing: ``lease.lost`` stays set (it was cleared before the refusal)."""
+    refused: list[BaseException] = []
+
+    def on_lost(lease: fenced.Lease) -> None:
+        try:
+            lease.acquire(timeout=0)
+        except RuntimeError as exc:
+            refused.append(exc)
+
+    with fenced.connect("memory://") as locks:
+        lease = locks.lock("refused-in-callback", ttl=0.2, auto_renew=False, on_lost=on_lost)
+        lease.acquire()
+        assert lease.lost.wait(10)
+        wait_for(lambda: refused, what="the callback's acquire to be refused")
+        assert "event loop" in str(refused[0])
+        assert lease.lost.is_set() and not lease.held

@@ -539,3 +539,105 @@ def test_ctrl_c_between_grant_and_record_while_driving_gives_the_grant_back(
     finally:
         InterruptedAfterGrant.armed = False
         undo()
+
+
+_SIGNAL_STORM = r"""
+import asyncio, os, random, signal, socket, sys, threading, time
+from fenced._core import portal as P
+
+if sys.argv[1] == "planted":  # the fast modes on the main thread, handlers or not
+    P._app_signal_handlers = lambda: False
+
+
+class Alarm(Exception):
+    pass
+
+
+def on_alarm(signum, frame):
+    raise Alarm
+
+
+signal.signal(signal.SIGALRM, on_alarm)
+portal = P.Portal("storm", drive=True, wait=True)
+assert portal.waits
+ours, theirs = socket.socketpair()
+ours.setblocking(False)
+theirs.setblocking(False)
+
+
+async def echo():
+    loop = asyncio.get_running_loop()
+    while True:
+        await loop.sock_sendall(theirs, await loop.sock_recv(theirs, 100))
+
+
+async def work():  # a timer, a send, a reply: what a source's call does
+    loop = asyncio.get_running_loop()
+    async with asyncio.timeout(2):
+        await asyncio.sleep(0.0005)
+        await loop.sock_sendall(ours, b"x")
+        return await loop.sock_recv(ours, 100)
+
+
+portal.loop.call_soon_threadsafe(lambda: portal.loop.create_task(echo()))
+progress = [time.monotonic()]
+
+
+def watchdog():  # a call that never ends (a timer lost in asyncio's bookkeeping)
+    while time.monotonic() - progress[0] < 5:
+        time.sleep(0.1)
+    print("hung", flush=True)
+    os._exit(3)
+
+
+threading.Thread(target=watchdog, daemon=True).start()
+rng = random.Random(7)
+outcomes = {}
+for _ in range(1500):
+    outcome = "?"
+    try:
+        try:
+            signal.setitimer(signal.ITIMER_REAL, rng.uniform(0.00005, 0.002))
+            portal.call(work())
+            outcome = "ok"
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+    except Alarm:
+        outcome = "interrupted"
+    except Exception as exc:
+        print("failed:", repr(exc), flush=True)  # (e.g. a timeout: a lost timer or reply)
+        os._exit(4)
+    outcomes[outcome] = outcomes.get(outcome, 0) + 1
+    progress[0] = time.monotonic()
+    try:
+        while ours.recv(100):
+            pass
+    except (BlockingIOError, Alarm):
+        pass
+assert not portal.running_loop_code(), "the main thread still counts as the loop's"
+assert portal.call(work()) == b"x"
+print(sorted(outcomes.items()), flush=True)
+"""
+
+
+@pytest.mark.parametrize("planted", [False, True], ids=["fenced", "planted-drives-anyway"])
+def test_an_applications_raising_signal_handler_never_lands_in_the_loops_bookkeeping(
+    planted: bool,
+) -> None:
+    """A handler of the application's (here SIGALRM's, raising) runs on the main thread
+    between any two bytecodes: while that thread drives the loop it could land inside
+    asyncio's own bookkeeping (seen: a call waiting forever on a timer popped and never run,
+    an fd registered twice, the connection wedged). With such a handler installed the main
+    thread hops instead: every call ends, interrupted or done, and the next one works."""
+    out = subprocess.run(
+        [sys.executable, "-c", _SIGNAL_STORM, "planted" if planted else "fenced"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    clean = out.returncode == 0 and "('ok'," in out.stdout
+    if planted:
+        assert not clean, out.stdout  # caught: a hang, an error, or a wedged connection
+        return
+    assert clean, (out.stdout, out.stderr[-2000:])
+    assert "('interrupted'," in out.stdout  # (the storm did interrupt calls)

@@ -135,9 +135,11 @@ class Lease:
         released.
         """
         self._check_fork()
-        if self._lost is not None:
+        portal = self._locks._portal
+        # (not where the call is refused: a refused acquire leaves a lost lease's event set)
+        if self._lost is not None and not portal.running_loop_code():
             self._lost.clear()
-        return self._locks._portal.call(self._inner.acquire(timeout), undo=self._undo_acquire)
+        return portal.call(self._inner.acquire(timeout), undo=self._undo_acquire)
 
     async def _undo_acquire(self, _token: FencingToken) -> None:
         await self._inner.release()
