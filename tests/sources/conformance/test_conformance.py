@@ -104,6 +104,8 @@ def test_expiry_then_takeover_with_higher_token(env: BackendEnv) -> None:
         assert token_b > token_a
         assert a.lost.wait(ttl * 5 + 5), "the old holder was not told it lost the lease"
         assert isinstance(a.lost_cause, fenced.LeaseLostError)
+        # (``lost`` is set, then ``on_lost`` called, on the loop's thread: wait for it)
+        wait_for(lambda: lost_calls, what="on_lost to be called")
         assert lost_calls == [a]
         assert not a.held and a.remaining() == 0
         with pytest.raises(fenced.LeaseLostError):
