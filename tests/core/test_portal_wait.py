@@ -35,6 +35,9 @@ from fenced.backends.redis import RedisBackend
 from fenced.backends.sqlite import SQLiteBackend
 from fenced.backends.zookeeper import ZooKeeperBackend
 from fenced.testing.servers import RedisServer
+from tests.core.test_portal import (
+    test_stop_from_a_driving_thread_is_refused as _stop_inside_refused,
+)
 from tests.helpers import bounded, unique_name, wait_for
 from tests.sources.variants import InterruptedAfterGrant
 
@@ -419,15 +422,7 @@ def test_calls_from_many_threads_on_one_redis_connection_all_complete(
 
 
 def test_stop_from_inside_a_driven_call_is_refused(portal: Portal) -> None:
-    async def stop_inside() -> object:
-        try:
-            portal.stop()
-        except RuntimeError as exc:
-            return exc
-        return None
-
-    assert isinstance(portal.call(stop_inside()), RuntimeError)
-    assert not portal.closed and portal.call(_ident()) == threading.get_ident()
+    _stop_inside_refused(portal)  # (test_portal's, on a portal whose callers wait)
 
 
 def test_without_nested_epoll_the_portal_drives_steps_only(
