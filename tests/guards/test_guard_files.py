@@ -622,7 +622,10 @@ def test_sigkill_inside_the_critical_section_does_not_wedge_others(guard: FileGu
         assert not blocked.is_alive()
     assert tokens_of(guard, "k") == [1, 5]  # the killed writer published nothing
     assert guard.read("k") == (tok(5), b"waiting")
-    assert guard.collect_garbage("k") == 0 and temps(guard, "k") == []
+    # The killed writer's temp file is collected: by the write that waited (usually), or, if
+    # the dying child's flock on it was not yet released as that write looked (the kernel
+    # closes a dead process's files one by one: its .lock may go first), by the next look.
+    assert guard.collect_garbage("k") in (0, 1) and temps(guard, "k") == []
 
 
 def test_collect_garbage_spares_live_writers(guard: FileGuard) -> None:
