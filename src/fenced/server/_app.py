@@ -48,7 +48,7 @@ from .._core.errors import (
     RecordConflict,
 )
 from .._core.lease import AsyncLocks, check_description
-from .._core.signing import Keyring
+from .._core.signing import Keyring, SignatureError
 from .._core.state import DEFAULT_TTL, check_request_id, check_timeout, check_ttl
 from .._core.token import MAX_NAME, FencingToken, validate_lock_name
 from ._auth import ApiKey, Keys, Verb
@@ -264,6 +264,11 @@ READY_CACHE = 1.0
 """Seconds one look at the source answers /v1/ready for (it takes no key: bounded load)."""
 DASHBOARD_LOCKS = 500
 """The most locks one dashboard answer reads the status of."""
+PLAIN_REFUSED = (
+    "this server signs its grants: renew and release take the grant's signed token (the "
+    "acquire answer's 'signed'), not the plain {token}, with its request id"
+)
+"""Why a renewal or release with the plain token is refused when signing is on."""
 
 
 def _expires_in(grant: Grant) -> float:
@@ -284,11 +289,14 @@ def _grant_out(name: str, rid: str, grant: Grant, signed: FencingToken) -> Grant
     )
 
 
-def _status_out(status: LockStatus, key: ApiKey | None) -> StatusOut:
+def _status_out(status: LockStatus, key: ApiKey | None, ids: bool = True) -> StatusOut:
+    """``status`` as ``key`` may see it: the request id of the key's own grants only, and on a
+    server without keys every grant's unless ``ids`` is False (signing on: with a request id a
+    retried acquire hands out the grant's signed token, which renews and releases it)."""
     held = status.token is not None
-    holder = client_id(key, status.holder)
+    holder = client_id(key, status.holder) if ids or key is not None else None
     if holder is None and status.holder is not None:
-        holder = status.owner or "(another key's grant)"  # never its request id
+        holder = status.owner or ("(another key's grant)" if key else "(held)")
     version = (
         f"{status.token.value}:held"
         if status.token
@@ -387,6 +395,10 @@ def create_app(settings: ServerSettings) -> FastAPI:
     )  # fmt: skip
     waiting = _Places(gw, "acquires waiting", "too_many_waiting", settings.max_waiting_per_client)
     verifier = locks.verifier  # (its key's public half, bound to its source id)
+    signing = locks.signing_key_id is not None
+
+    def status_out(status: LockStatus, key: ApiKey | None) -> StatusOut:
+        return _status_out(status, key, ids=not signing)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -519,8 +531,12 @@ def create_app(settings: ServerSettings) -> FastAPI:
         except ConfigurationError as exc:
             raise fail(exc) from None
         token = parse(fields["token"], name)
-        if token.signature is not None and verifier is not None:  # (plain ones: the request
-            try:  # id proves the grant; a signed one must be this server's)
+        if signing and token.signature is None:
+            # The plain token is public (a status shows it): with signing on, the signed one,
+            # which only the grant's answer carried, proves the grant with its request id.
+            raise fail(SignatureError(PLAIN_REFUSED.format(token=token)))
+        if token.signature is not None and verifier is not None:
+            try:  # (a signed one must be this server's)
                 verifier.verify(token.lock, token.value, token.signature)
             except InvalidTokenError as exc:
                 raise fail(exc) from None
@@ -690,7 +706,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
         allow(key, Verb.ADMIN, name)
         token = parse(body.token, name) if body and body.token is not None else None
         freed = await call(gw.force_release(name, token))
-        return ForceOut(released=_status_out(freed, key) if freed else None)
+        return ForceOut(released=status_out(freed, key) if freed else None)
 
     def watch_slot(key: ApiKey | None, request: Request) -> Callable[[], None]:
         """Take a watch's place, or refuse it (429 past the client's bound, 503 past the
@@ -731,7 +747,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
                     except StopAsyncIteration:
                         break
                     following = None
-                    data = _status_out(status, key).model_dump_json()
+                    data = status_out(status, key).model_dump_json()
                     yield f"event: status\ndata: {data}\n\n".encode()
             except FencedError as exc:
                 msg = json.dumps({"error": "unavailable", "message": str(exc)})
@@ -773,13 +789,13 @@ def create_app(settings: ServerSettings) -> FastAPI:
         name = lock_name(name)
         readable(key, name)
         deadline = _clock.now() + min(wait, settings.max_wait)
-        out = _status_out(await call(gw.backend.status(name)), key)
+        out = status_out(await call(gw.backend.status(name)), key)
         if index is None or out.version != index or wait <= 0:
             return out
 
         async def until_changed() -> StatusOut:
             async for st in gw.changes(name, settings.watch_interval):
-                now_out = _status_out(st, key)
+                now_out = status_out(st, key)
                 if now_out.version != index:
                     return now_out
             raise BackendUnavailable("server shutting down")
@@ -790,7 +806,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
                 changed: StatusOut = await call(_unless_gone(request.receive, gw, until_changed()))
                 return changed
         except TimeoutError:
-            return _status_out(await call(gw.backend.status(name)), key)
+            return status_out(await call(gw.backend.status(name)), key)
         finally:
             give_back()
 
@@ -956,7 +972,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
                     label = ",".join(f"{v}" for v in sample.labels.values())
                     counters[sample.name + (f"{{{label}}}" if label else "")] = sample.value
         return DashboardOut(
-            locks=[_status_out(s, key) for s in statuses],
+            locks=[status_out(s, key) for s in statuses],
             counters=counters,
             events=[e.json() for e in reversed(gw.events) if key is None or key.sees(e.lock)],
             info=info(),
