@@ -17,6 +17,7 @@ import pytest
 import fenced
 from fenced._core.errors import ConfigurationError
 from fenced._core.state import check_request_id
+from fenced.server._gateway import claim_record
 from fenced.testing.servers import FencedServer
 from tests.helpers import wait_for
 from tests.server.test_server_attack5 import _post
@@ -163,3 +164,79 @@ def test_the_python_http_source_renews_and_releases_on_a_server_that_signs(
             wait_for(lambda: _renewed(signing_server, admin) >= before + 2, 20, "two renewals")
             assert lease.held
         assert locks.status("py").token is None
+
+
+# -- fenced's own names at the source --------------------------------------------------------
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["direct", "app"])
+@pytest.mark.parametrize("keyed", [False, True], ids=["keyless", "keyed"])
+def test_fenced_s_own_names_are_no_client_s_locks_or_records(
+    tmp_path: Path, chunked: bool, keyed: bool
+) -> None:
+    """``_fenced-`` names are the server's (the expiry claims, ``_fenced-expired/<hex>``; the
+    readiness look): an acquire, renewal, release or record swap there — by a key allowed
+    every name — is 403 ``forbidden`` in one line, nothing created or changed; the claim
+    record the server wrote is still readable; names beside the namespace are served."""
+    args = ["--api-keys", str(_keys_file(tmp_path))] if keyed else []
+    with FencedServer(f"sqlite:///{tmp_path / 'l.db'}", args=args) as server:
+        c = _Client(server, chunked, B if keyed else None)  # (b: every name, acquire + check)
+        # A grant that expires: the gateway claims its expiry in its record (the sweep).
+        assert c.post("/v1/locks/x/-/acquire", {"ttl": 0.2})[0] == 200
+        claims = "/v1/records/" + claim_record("x")
+        wait_for(lambda: c.get(claims)[1]["version"] == 1, 30, "the expiry claimed")
+        record = c.get(claims)[1]
+        assert json.loads(str(record["value"])) == [1]
+
+        for name in (claim_record("x"), "_fenced-expired/x", "_fenced-ready", "_fenced-a/b"):
+            for verb, body in (
+                ("acquire", {"ttl": 5}),
+                ("renew", {"token": f"{name}:1", "request_id": "r"}),
+                ("release", {"token": f"{name}:1", "request_id": "r"}),
+            ):
+                status, answer = c.post(f"/v1/locks/{name}/-/{verb}", body)
+                assert status == 403 and answer["error"] == "forbidden", (name, verb, answer)
+                assert "_fenced-" in str(answer["message"]) and "\n" not in str(answer["message"])
+            status, answer = c.post(
+                f"/v1/records/{name}/-/swap", {"version": 1 if name in claims else 0, "value": "[]"}
+            )
+            assert status == 403 and answer["error"] == "forbidden", (name, answer)
+        assert c.get(claims)[1] == record  # (unchanged, still readable)
+        assert not [n for n in c.get("/v1/locks")[1]["locks"] if n.startswith("_fenced-")]
+
+        for name in ("fenced-expired/x", "_fenced_expired/x", "_fenced", "a/_fenced-x"):
+            status, grant = c.post(f"/v1/locks/{name}/-/acquire", {"ttl": 5})
+            assert status == 200, (name, grant)
+            body = {"token": grant["token"], "request_id": grant["request_id"]}
+            assert c.post(f"/v1/locks/{name}/-/renew", body)[0] == 200
+            assert c.post(f"/v1/locks/{name}/-/release", body) == (200, {"released": True})
+            assert c.post(f"/v1/records/{name}/-/swap", {"version": 0, "value": "v"})[0] == 200
+
+
+@pytest.mark.parametrize("kind", ["fenced.elect/", "group/"])
+def test_a_record_named_after_a_lock_is_that_lock_s_keys(tmp_path: Path, kind: str) -> None:
+    """The records fenced keeps for a lock — an election's last leader (``fenced.elect/X``,
+    whose pids and hosts the next leader's fence command kills) and a replicated group's
+    configuration (``group/X``) — are read and swapped with the rights on X: a key of
+    ``reports/`` keeps those of ``reports/nightly``; a key of the records' prefixes alone
+    (``fenced.elect/``, ``group/``) neither reads nor swaps them."""
+    keys = tmp_path / "keys.toml"
+    keys.write_text(
+        f'[[keys]]\nid = "reports"\nsecret = "{A}"\nverbs = ["acquire"]\n'
+        'prefixes = ["reports/"]\n'
+        f'[[keys]]\nid = "records"\nsecret = "{B}"\nverbs = ["acquire", "check"]\n'
+        'prefixes = ["fenced.elect/", "group/"]\n'
+    )
+    with FencedServer(f"sqlite:///{tmp_path / 'l.db'}", args=["--api-keys", str(keys)]) as s:
+        owner, other = _Client(s, False, A), _Client(s, False, B)
+        path = f"/v1/records/{kind}reports/nightly"
+        assert other.post(f"{path}/-/swap", {"version": 0, "value": "theirs"})[0] == 403
+        assert other.get(path)[0] == 403
+        assert owner.post(f"{path}/-/swap", {"version": 0, "value": "mine"})[0] == 200
+        assert owner.get(path) == (200, {"name": path[12:], "version": 1, "value": "mine"})
+        assert other.post(f"{path}/-/swap", {"version": 1, "value": "theirs"})[0] == 403
+        assert owner.get(path)[1]["value"] == "mine"  # (unchanged)
+        # A record of the other key's own lock names: its own.
+        theirs = f"/v1/records/{kind}group/x"
+        assert other.post(f"{theirs}/-/swap", {"version": 0, "value": "v"})[0] == 200
+        assert owner.post(f"{theirs}/-/swap", {"version": 1, "value": "w"})[0] == 403

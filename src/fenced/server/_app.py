@@ -48,11 +48,12 @@ from .._core.errors import (
     RecordConflict,
 )
 from .._core.lease import AsyncLocks, check_description
+from .._core.names import ELECTION_RECORDS, GROUP_RECORDS
 from .._core.signing import Keyring, SignatureError
 from .._core.state import DEFAULT_TTL, check_request_id, check_timeout, check_ttl
 from .._core.token import MAX_NAME, FencingToken, validate_lock_name
 from ._auth import ApiKey, Keys, Verb
-from ._gateway import ForeignGrant, Gateway, client_id
+from ._gateway import READY_LOCK, RESERVED, ForeignGrant, Gateway, client_id
 from ._http import READ_TIMEOUT
 from ._layers import DirectLane, _BodyLimit, _FastLane, _Lane, _Service, _Timing
 from ._metrics import CONTENT_TYPE_LATEST
@@ -269,6 +270,17 @@ PLAIN_REFUSED = (
     "acquire answer's 'signed'), not the plain {token}, with its request id"
 )
 """Why a renewal or release with the plain token is refused when signing is on."""
+
+
+def record_lock(name: str) -> str:
+    """The lock whose keys may read and swap the record ``name``: the records fenced keeps for
+    a lock — an election's last leader (``fenced.elect/X``: the hosts and pids the next
+    leader's fence command stops) and a replicated group's configuration (``group/X``) — are
+    X's; any other record is its own name's."""
+    for prefix in (ELECTION_RECORDS, GROUP_RECORDS):
+        if name.startswith(prefix) and len(name) > len(prefix):
+            return name[len(prefix) :]
+    return name
 
 
 def _expires_in(grant: Grant) -> float:
@@ -491,6 +503,17 @@ def create_app(settings: ServerSettings) -> FastAPI:
             what = f" on {name!r}" if name else ""
             raise ApiError(403, "forbidden", f"key {key.id!r} may not {verb.value}{what}")
 
+    def clients(name: str) -> None:
+        """403 if ``name`` is one the server keeps at its source (``RESERVED``): the expiry
+        claims' records are its count of expiries across gateways, taken by compare-and-set;
+        a client writing them could make an expiry uncounted or counted twice."""
+        if name.startswith(RESERVED):
+            gw.metrics.refused.labels("forbidden").inc()
+            raise ApiError(
+                403, "forbidden", f"{name!r}: names starting with {RESERVED!r} are fenced "
+                "serve's own (its records are readable at /v1/records); choose another name",
+            )  # fmt: skip
+
     def readable(key: ApiKey | None, name: str) -> None:
         if key is not None and not key.sees(name):
             gw.metrics.refused.labels("forbidden").inc()
@@ -514,6 +537,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
         ``fields``: the body's (LeaseIn's, as a mapping)."""
         name = lock_name(name)
         allow(key, Verb.ACQUIRE, name)
+        clients(name)
         lease_id = fields.get("lease_id")
         rid = fields.get("request_id")
         rid = rid if rid is not None else lease_id
@@ -570,6 +594,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
         ``fields``: the body's (AcquireIn's, as a mapping)."""
         name = lock_name(name)
         allow(key, Verb.ACQUIRE, name)
+        clients(name)
         try:
             ttl = fields.get("ttl")
             ttl = check_ttl(ttl if ttl is not None else settings.default_ttl)
@@ -825,7 +850,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
     )
     async def read_record(name: str, key: Principal) -> RecordOut:
         name = lock_name(name)
-        readable(key, name)
+        readable(key, record_lock(name))
         record = await call(gw.backend.read_record(name))
         if record is None:
             return RecordOut(name=name, version=0, value=None)
@@ -840,7 +865,8 @@ def create_app(settings: ServerSettings) -> FastAPI:
     )
     async def swap_record(name: str, body: SwapIn, key: Principal) -> RecordOut:
         name = lock_name(name)
-        allow(key, Verb.ACQUIRE, name)
+        allow(key, Verb.ACQUIRE, record_lock(name))
+        clients(name)
         record = await call(gw.backend.swap_record(name, body.version, body.value))
         return RecordOut(name=name, version=record.version, value=record.value)
 
@@ -911,7 +937,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
     async def look() -> str | None:
         try:
             async with asyncio.timeout(settings.readiness_timeout):
-                await gw.backend.status("_fenced-ready")
+                await gw.backend.status(READY_LOCK)
         except (FencedError, TimeoutError) as exc:
             # (the details to the log: the answer goes to anyone, without a key)
             logger.warning("not ready: token source: %s", exc or "timed out")
