@@ -204,6 +204,14 @@ def test_fenced_s_own_names_are_no_client_s_locks_or_records(
         assert c.get(claims)[1] == record  # (unchanged, still readable)
         assert not [n for n in c.get("/v1/locks")[1]["locks"] if n.startswith("_fenced-")]
 
+        paths = httpx.get(f"{server.url}/openapi.json", timeout=30).json()["paths"]
+        for path, refused in (
+            ("/v1/locks/{name}/-/acquire", True),
+            ("/v1/records/{name}/-/swap", True),
+            ("/v1/locks/{name}", keyed),
+        ):  # (the document says so, keys or not)
+            assert ("403" in next(iter(paths[path].values()))["responses"]) is refused, path
+
         for name in ("fenced-expired/x", "_fenced_expired/x", "_fenced", "a/_fenced-x"):
             status, grant = c.post(f"/v1/locks/{name}/-/acquire", {"ttl": 5})
             assert status == 200, (name, grant)

@@ -1102,6 +1102,10 @@ def _declare_errors(app: FastAPI) -> None:
         }
 
 
+_WRITES = ("/-/acquire", "/-/renew", "/-/release", "/-/swap")
+"""The routes that refuse a name of the server's own (403), with keys or without."""
+
+
 def _document(app: FastAPI, keyed: bool) -> dict[str, Any]:
     """The OpenAPI document, made to say what the server does (tests/server/test_server_schema.py
     runs schemathesis against it): 400 where FastAPI would declare 422, the lock-name
@@ -1121,13 +1125,14 @@ def _document(app: FastAPI, keyed: bool) -> dict[str, Any]:
         schemas.pop(unused, None)
     if not keyed:
         doc.get("components", {}).pop("securitySchemes", None)
-    for item in doc["paths"].values():
+    for path, item in doc["paths"].items():
         for op in item.values():
             op["responses"].pop("422", None)
             if not keyed:
                 op.pop("security", None)
                 op["responses"].pop("401", None)
-                op["responses"].pop("403", None)
+                if not path.endswith(_WRITES):  # (a "_fenced-" name is refused there: 403)
+                    op["responses"].pop("403", None)
             for param in op.get("parameters", []):
                 if param["name"] == "name" and param["in"] == "path":
                     param["schema"] = {
