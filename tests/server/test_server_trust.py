@@ -19,7 +19,7 @@ from fenced._core.errors import ConfigurationError
 from fenced._core.state import check_request_id
 from fenced.server._gateway import claim_record
 from fenced.testing.servers import FencedServer
-from tests.helpers import wait_for
+from tests.helpers import forged, wait_for
 from tests.server.test_server_attack5 import _post
 
 A, B, OPS = "secret-aaaaaaaaaaaaaaaa", "secret-bbbbbbbbbbbbbbbb", "secret-oooooooooooooooo"
@@ -248,3 +248,44 @@ def test_a_record_named_after_a_lock_is_that_lock_s_keys(tmp_path: Path, kind: s
         theirs = f"/v1/records/{kind}group/x"
         assert other.post(f"{theirs}/-/swap", {"version": 0, "value": "v"})[0] == 200
         assert owner.post(f"{theirs}/-/swap", {"version": 1, "value": "w"})[0] == 403
+
+
+# -- another tenant's key on every route ---------------------------------------------------------
+
+
+def _checks(server: FencedServer, result: str) -> float:
+    text = httpx.get(f"{server.url}/metrics", headers={"authorization": f"Bearer {OPS}"}).text
+    for line in text.splitlines():
+        if line.startswith(f'fenced_checks_total{{result="{result}"}}'):
+            return float(line.split()[1])
+    return 0.0
+
+
+def test_a_check_of_another_tenant_s_token_is_refused_before_it_is_judged(
+    tmp_path: Path,
+) -> None:
+    """``/v1/check`` authorizes before it verifies: another tenant's key (``b``: check on
+    ``b/``) sending a token of ``a/x`` — well signed or forged — is 403 either way (no oracle
+    of which tokens of a lock it may not see are good), and counts no check; the rightful key's
+    check of the same tokens is judged (current; forged 400, counted invalid)."""
+    keys = tmp_path / "keys.toml"
+    keys.write_text(
+        f'[[keys]]\nid = "a"\nsecret = "{A}"\nverbs = ["acquire", "check"]\nprefixes = ["a/"]\n'
+        f'[[keys]]\nid = "b"\nsecret = "{B}"\nverbs = ["check"]\nprefixes = ["b/"]\n'
+        f'[[keys]]\nid = "ops"\nsecret = "{OPS}"\nverbs = ["admin"]\n'
+    )
+    args = ["--api-keys", str(keys), "--signing-key", str(_signing_key(tmp_path))]
+    with FencedServer(f"sqlite:///{tmp_path / 'l.db'}", args=args) as server:
+        a, b = _Client(server, False, A), _Client(server, False, B)
+        signed = str(a.post("/v1/locks/a/x/-/acquire", {"ttl": 30})[1]["signed"])
+        bad = forged(signed)
+        for token in (signed, bad, "a/x:1"):
+            status, answer = b.post("/v1/check", {"token": token})
+            assert status == 403 and answer["error"] == "forbidden", (token, answer)
+        assert _checks(server, "invalid") == 0
+        assert a.post("/v1/check", {"token": signed})[1]["verdict"] == "current"
+        status, answer = a.post("/v1/check", {"token": bad})
+        assert status == 400 and answer["error"] == "invalid_token", answer
+        assert _checks(server, "invalid") == 1
+        status, answer = b.post("/v1/check", {"token": "not a token"})
+        assert status == 400 and answer["error"] == "invalid_token", answer  # (names no lock)

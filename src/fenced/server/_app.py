@@ -896,12 +896,17 @@ def create_app(settings: ServerSettings) -> FastAPI:
         ),
     )
     async def check(body: CheckIn, key: Principal) -> CheckOut:
+        # Authorized before it is judged: a key learns nothing (good signature or forged,
+        # counted or not) of tokens of locks it may not check.
+        allow(key, Verb.CHECK)
         try:
-            token = FencingToken.coerce(body.token, None, verifier)
+            token = FencingToken.parse(body.token)
+            allow(key, Verb.CHECK, token.lock)
+            if verifier is not None:
+                token = FencingToken.coerce(token, None, verifier)
         except InvalidTokenError as exc:
             gw.metrics.checks.labels("invalid").inc()
             raise ApiError(400, "invalid_token", str(exc)) from None
-        allow(key, Verb.CHECK, token.lock)
         result = await call(gw.check(token))
         return _check_out(result)
 
