@@ -503,11 +503,11 @@ def test_serve_help_lists_every_option() -> None:
         assert option in r.stdout, option
 
 
-def test_with_signing_on_an_unsigned_token_of_a_dotted_lock_name_still_renews(
+def test_with_signing_on_the_signed_token_of_a_dotted_lock_name_renews(
     source: str, tmp_path: Path
 ) -> None:
-    """Renew and release accept the plain token (the request id proves the grant) and verify
-    a signed one. A lock name with dots ("a.b.c") must not be taken for a signed token."""
+    """Renew and release take the signed token (verified) and refuse the plain one (public:
+    a status shows it). A lock name with dots ("a.b.c") must not be taken for a signed token."""
     key_file = tmp_path / "signing.key"
     assert cli.main(["keygen", "hmac", "k1", str(key_file)]) == 0
     with FencedServer(source, args=["--signing-key", str(key_file)]) as server:
@@ -515,11 +515,14 @@ def test_with_signing_on_an_unsigned_token_of_a_dotted_lock_name_still_renews(
         g = post(f"{u}/v1/locks/app.jobs.v2/acquire", {"request_id": "r"}).json()
         assert g["token"] == "app.jobs.v2:1" and g["signed"]
         plain = {"token": g["token"], "request_id": "r"}
-        assert post(f"{u}/v1/locks/app.jobs.v2/renew", plain).status_code == 200
+        r = post(f"{u}/v1/locks/app.jobs.v2/renew", plain)
+        assert r.status_code == 400 and r.json()["error"] == "invalid_token"
+        signed = {"token": g["signed"], "request_id": "r"}
+        assert post(f"{u}/v1/locks/app.jobs.v2/renew", signed).status_code == 200
         bad = {"token": forged(g["signed"]), "request_id": "r"}
         r = post(f"{u}/v1/locks/app.jobs.v2/renew", bad)
         assert r.status_code == 400 and r.json()["error"] == "invalid_token"
-        assert post(f"{u}/v1/locks/app.jobs.v2/release", plain).json() == {"released": True}
+        assert post(f"{u}/v1/locks/app.jobs.v2/release", signed).json() == {"released": True}
 
 
 # -- request size ------------------------------------------------------------------------------

@@ -327,6 +327,32 @@ def test_a_holder_takes_a_lock_writes_through_the_guard_and_releases_once(
     assert not httpx.get(f"{server.url}/v1/locks/{lock}", timeout=10).json()["held"]
 
 
+def test_a_holder_renews_and_releases_on_a_server_that_signs(
+    tmp_path: Path, storage: str, holder: Callable[..., Holder], lock: str
+) -> None:
+    """``fenced serve --signing-key``: renewals and releases must carry the signed token (the
+    plain one is public), and each package sends the grant's ``signed``: the holder renews,
+    writes with its token and releases."""
+    key = tmp_path / "sign.key"
+    subprocess.run(
+        [sys.executable, "-m", "fenced", "keygen", "ed25519", "k1", str(key)],
+        check=True,
+        capture_output=True,
+    )
+    args = ["--signing-key", str(key), "--source-id", "prod"]
+    with FencedServer(f"sqlite:///{tmp_path / 'signing.db'}", args=args) as server:
+        h = holder(server.url, lock, f"{storage}/files/signed", "signed", ttl=1.5)
+        assert h.line() == "token 1"
+        h.wait_for_a_renewal()
+        assert h.counts()[1] == 0  # (no renewal refused)
+        h.say("write")
+        assert h.line().startswith(f"write 200 stored signed with {lock}:1.prod.k1.")
+        h.say("release")
+        assert h.line() == "released true"
+        assert h.end() == 0
+        assert not httpx.get(f"{server.url}/v1/locks/{lock}", timeout=10).json()["held"]
+
+
 def test_figure_8_5_a_holder_paused_past_its_ttl_sees_lost_and_its_late_write_is_refused(
     server: FencedServer, storage: str, holder: Callable[..., Holder], lock: str
 ) -> None:

@@ -38,6 +38,7 @@ from .._core import sync as _sync
 from .._core.backoff import Backoff
 from .._core.errors import FencedError, RecordConflict
 from .._core.fork import whoami
+from .._core.names import ELECTION_RECORDS
 from .._core.token import validate_lock_name
 from ._command import Command, spawn
 
@@ -75,7 +76,7 @@ def read_pill(directory: str | None, name: str) -> int:
 
 def record_name(name: str) -> str:
     """The source's record of the election ``name``'s last leader that started its command."""
-    return f"fenced.elect/{name}"
+    return ELECTION_RECORDS + name
 
 
 class _Previous:

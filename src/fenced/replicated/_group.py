@@ -66,6 +66,7 @@ from .._core.errors import (
     StaleTokenError,
 )
 from .._core.lease import AsyncLease, AsyncLocks
+from .._core.names import GROUP_RECORDS
 from .._core.token import FencingToken, validate_lock_name
 from ._members import Item, Member, Snapshot, as_member, stamp, stamp_token
 
@@ -75,7 +76,7 @@ T = TypeVar("T")
 
 logger = logging.getLogger("fenced.replicated")
 
-RECORD_PREFIX: Final = "group/"
+RECORD_PREFIX: Final = GROUP_RECORDS  # (one place for the names fenced keeps at a source)
 _SETTLE: Final = 0.05  # first pause before looking again at a change in progress
 
 

@@ -48,11 +48,12 @@ from .._core.errors import (
     RecordConflict,
 )
 from .._core.lease import AsyncLocks, check_description
-from .._core.signing import Keyring
+from .._core.names import ELECTION_RECORDS, GROUP_RECORDS
+from .._core.signing import Keyring, SignatureError
 from .._core.state import DEFAULT_TTL, check_request_id, check_timeout, check_ttl
 from .._core.token import MAX_NAME, FencingToken, validate_lock_name
 from ._auth import ApiKey, Keys, Verb
-from ._gateway import ForeignGrant, Gateway, client_id
+from ._gateway import READY_LOCK, RESERVED, ForeignGrant, Gateway, client_id
 from ._http import READ_TIMEOUT
 from ._layers import DirectLane, _BodyLimit, _FastLane, _Lane, _Service, _Timing
 from ._metrics import CONTENT_TYPE_LATEST
@@ -264,6 +265,22 @@ READY_CACHE = 1.0
 """Seconds one look at the source answers /v1/ready for (it takes no key: bounded load)."""
 DASHBOARD_LOCKS = 500
 """The most locks one dashboard answer reads the status of."""
+PLAIN_REFUSED = (
+    "this server signs its grants: renew and release take the grant's signed token (the "
+    "acquire answer's 'signed'), not the plain {token}, with its request id"
+)
+"""Why a renewal or release with the plain token is refused when signing is on."""
+
+
+def record_lock(name: str) -> str:
+    """The lock whose keys may read and swap the record ``name``: the records fenced keeps for
+    a lock — an election's last leader (``fenced.elect/X``: the hosts and pids the next
+    leader's fence command stops) and a replicated group's configuration (``group/X``) — are
+    X's; any other record is its own name's."""
+    for prefix in (ELECTION_RECORDS, GROUP_RECORDS):
+        if name.startswith(prefix) and len(name) > len(prefix):
+            return name[len(prefix) :]
+    return name
 
 
 def _expires_in(grant: Grant) -> float:
@@ -284,11 +301,14 @@ def _grant_out(name: str, rid: str, grant: Grant, signed: FencingToken) -> Grant
     )
 
 
-def _status_out(status: LockStatus, key: ApiKey | None) -> StatusOut:
+def _status_out(status: LockStatus, key: ApiKey | None, ids: bool = True) -> StatusOut:
+    """``status`` as ``key`` may see it: the request id of the key's own grants only, and on a
+    server without keys every grant's unless ``ids`` is False (signing on: with a request id a
+    retried acquire hands out the grant's signed token, which renews and releases it)."""
     held = status.token is not None
-    holder = client_id(key, status.holder)
+    holder = client_id(key, status.holder) if ids or key is not None else None
     if holder is None and status.holder is not None:
-        holder = status.owner or "(another key's grant)"  # never its request id
+        holder = status.owner or ("(another key's grant)" if key else "(held)")
     version = (
         f"{status.token.value}:held"
         if status.token
@@ -387,6 +407,10 @@ def create_app(settings: ServerSettings) -> FastAPI:
     )  # fmt: skip
     waiting = _Places(gw, "acquires waiting", "too_many_waiting", settings.max_waiting_per_client)
     verifier = locks.verifier  # (its key's public half, bound to its source id)
+    signing = locks.signing_key_id is not None
+
+    def status_out(status: LockStatus, key: ApiKey | None) -> StatusOut:
+        return _status_out(status, key, ids=not signing)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -479,6 +503,17 @@ def create_app(settings: ServerSettings) -> FastAPI:
             what = f" on {name!r}" if name else ""
             raise ApiError(403, "forbidden", f"key {key.id!r} may not {verb.value}{what}")
 
+    def clients(name: str) -> None:
+        """403 if ``name`` is one the server keeps at its source (``RESERVED``): the expiry
+        claims' records are its count of expiries across gateways, taken by compare-and-set;
+        a client writing them could make an expiry uncounted or counted twice."""
+        if name.startswith(RESERVED):
+            gw.metrics.refused.labels("forbidden").inc()
+            raise ApiError(
+                403, "forbidden", f"{name!r}: names starting with {RESERVED!r} are fenced "
+                "serve's own (its records are readable at /v1/records); choose another name",
+            )  # fmt: skip
+
     def readable(key: ApiKey | None, name: str) -> None:
         if key is not None and not key.sees(name):
             gw.metrics.refused.labels("forbidden").inc()
@@ -502,6 +537,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
         ``fields``: the body's (LeaseIn's, as a mapping)."""
         name = lock_name(name)
         allow(key, Verb.ACQUIRE, name)
+        clients(name)
         lease_id = fields.get("lease_id")
         rid = fields.get("request_id")
         rid = rid if rid is not None else lease_id
@@ -519,8 +555,12 @@ def create_app(settings: ServerSettings) -> FastAPI:
         except ConfigurationError as exc:
             raise fail(exc) from None
         token = parse(fields["token"], name)
-        if token.signature is not None and verifier is not None:  # (plain ones: the request
-            try:  # id proves the grant; a signed one must be this server's)
+        if signing and token.signature is None:
+            # The plain token is public (a status shows it): with signing on, the signed one,
+            # which only the grant's answer carried, proves the grant with its request id.
+            raise fail(SignatureError(PLAIN_REFUSED.format(token=token)))
+        if token.signature is not None and verifier is not None:
+            try:  # (a signed one must be this server's)
                 verifier.verify(token.lock, token.value, token.signature)
             except InvalidTokenError as exc:
                 raise fail(exc) from None
@@ -554,6 +594,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
         ``fields``: the body's (AcquireIn's, as a mapping)."""
         name = lock_name(name)
         allow(key, Verb.ACQUIRE, name)
+        clients(name)
         try:
             ttl = fields.get("ttl")
             ttl = check_ttl(ttl if ttl is not None else settings.default_ttl)
@@ -690,7 +731,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
         allow(key, Verb.ADMIN, name)
         token = parse(body.token, name) if body and body.token is not None else None
         freed = await call(gw.force_release(name, token))
-        return ForceOut(released=_status_out(freed, key) if freed else None)
+        return ForceOut(released=status_out(freed, key) if freed else None)
 
     def watch_slot(key: ApiKey | None, request: Request) -> Callable[[], None]:
         """Take a watch's place, or refuse it (429 past the client's bound, 503 past the
@@ -731,7 +772,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
                     except StopAsyncIteration:
                         break
                     following = None
-                    data = _status_out(status, key).model_dump_json()
+                    data = status_out(status, key).model_dump_json()
                     yield f"event: status\ndata: {data}\n\n".encode()
             except FencedError as exc:
                 msg = json.dumps({"error": "unavailable", "message": str(exc)})
@@ -773,13 +814,13 @@ def create_app(settings: ServerSettings) -> FastAPI:
         name = lock_name(name)
         readable(key, name)
         deadline = _clock.now() + min(wait, settings.max_wait)
-        out = _status_out(await call(gw.backend.status(name)), key)
+        out = status_out(await call(gw.backend.status(name)), key)
         if index is None or out.version != index or wait <= 0:
             return out
 
         async def until_changed() -> StatusOut:
             async for st in gw.changes(name, settings.watch_interval):
-                now_out = _status_out(st, key)
+                now_out = status_out(st, key)
                 if now_out.version != index:
                     return now_out
             raise BackendUnavailable("server shutting down")
@@ -790,7 +831,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
                 changed: StatusOut = await call(_unless_gone(request.receive, gw, until_changed()))
                 return changed
         except TimeoutError:
-            return _status_out(await call(gw.backend.status(name)), key)
+            return status_out(await call(gw.backend.status(name)), key)
         finally:
             give_back()
 
@@ -809,7 +850,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
     )
     async def read_record(name: str, key: Principal) -> RecordOut:
         name = lock_name(name)
-        readable(key, name)
+        readable(key, record_lock(name))
         record = await call(gw.backend.read_record(name))
         if record is None:
             return RecordOut(name=name, version=0, value=None)
@@ -824,7 +865,8 @@ def create_app(settings: ServerSettings) -> FastAPI:
     )
     async def swap_record(name: str, body: SwapIn, key: Principal) -> RecordOut:
         name = lock_name(name)
-        allow(key, Verb.ACQUIRE, name)
+        allow(key, Verb.ACQUIRE, record_lock(name))
+        clients(name)
         record = await call(gw.backend.swap_record(name, body.version, body.value))
         return RecordOut(name=name, version=record.version, value=record.value)
 
@@ -854,12 +896,17 @@ def create_app(settings: ServerSettings) -> FastAPI:
         ),
     )
     async def check(body: CheckIn, key: Principal) -> CheckOut:
+        # Authorized before it is judged: a key learns nothing (good signature or forged,
+        # counted or not) of tokens of locks it may not check.
+        allow(key, Verb.CHECK)
         try:
-            token = FencingToken.coerce(body.token, None, verifier)
+            token = FencingToken.parse(body.token)
+            allow(key, Verb.CHECK, token.lock)
+            if verifier is not None:
+                token = FencingToken.coerce(token, None, verifier)
         except InvalidTokenError as exc:
             gw.metrics.checks.labels("invalid").inc()
             raise ApiError(400, "invalid_token", str(exc)) from None
-        allow(key, Verb.CHECK, token.lock)
         result = await call(gw.check(token))
         return _check_out(result)
 
@@ -895,7 +942,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
     async def look() -> str | None:
         try:
             async with asyncio.timeout(settings.readiness_timeout):
-                await gw.backend.status("_fenced-ready")
+                await gw.backend.status(READY_LOCK)
         except (FencedError, TimeoutError) as exc:
             # (the details to the log: the answer goes to anyone, without a key)
             logger.warning("not ready: token source: %s", exc or "timed out")
@@ -956,7 +1003,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
                     label = ",".join(f"{v}" for v in sample.labels.values())
                     counters[sample.name + (f"{{{label}}}" if label else "")] = sample.value
         return DashboardOut(
-            locks=[_status_out(s, key) for s in statuses],
+            locks=[status_out(s, key) for s in statuses],
             counters=counters,
             events=[e.json() for e in reversed(gw.events) if key is None or key.sees(e.lock)],
             info=info(),
@@ -1060,6 +1107,10 @@ def _declare_errors(app: FastAPI) -> None:
         }
 
 
+_WRITES = ("/-/acquire", "/-/renew", "/-/release", "/-/swap")
+"""The routes that refuse a name of the server's own (403), with keys or without."""
+
+
 def _document(app: FastAPI, keyed: bool) -> dict[str, Any]:
     """The OpenAPI document, made to say what the server does (tests/server/test_server_schema.py
     runs schemathesis against it): 400 where FastAPI would declare 422, the lock-name
@@ -1079,13 +1130,14 @@ def _document(app: FastAPI, keyed: bool) -> dict[str, Any]:
         schemas.pop(unused, None)
     if not keyed:
         doc.get("components", {}).pop("securitySchemes", None)
-    for item in doc["paths"].values():
+    for path, item in doc["paths"].items():
         for op in item.values():
             op["responses"].pop("422", None)
             if not keyed:
                 op.pop("security", None)
                 op["responses"].pop("401", None)
-                op["responses"].pop("403", None)
+                if not path.endswith(_WRITES):  # (a "_fenced-" name is refused there: 403)
+                    op["responses"].pop("403", None)
             for param in op.get("parameters", []):
                 if param["name"] == "name" and param["in"] == "path":
                     param["schema"] = {

@@ -34,11 +34,21 @@ from .._core.errors import (
     RecordConflict,
 )
 from .._core.lease import AsyncLocks
+from .._core.names import SERVER_NAMES
 from .._core.token import FencingToken
 from ._auth import TAG_LENGTH, ApiKey
 from ._metrics import Metrics
 
-__all__ = ["ForeignGrant", "Gateway", "Transition", "client_id", "others_id", "own_id"]
+__all__ = [
+    "READY_LOCK",
+    "RESERVED",
+    "ForeignGrant",
+    "Gateway",
+    "Transition",
+    "client_id",
+    "others_id",
+    "own_id",
+]
 
 logger = logging.getLogger("fenced.server")
 
@@ -92,7 +102,13 @@ def others_id(key: ApiKey, holder: str | None, request_id: str) -> bool:
 
 _BARE = re.compile(r"[A-Za-z0-9_.:@+/-]+")
 
-EXPIRY_CLAIMS = "_fenced-expired/"
+RESERVED = SERVER_NAMES
+"""Names the server keeps at its source start so (the expiry claims' records, the readiness
+look's lock): no client acquires, renews, releases or swaps one through the API, whatever its
+key allows (``_app``); the claims' records are readable."""
+READY_LOCK = RESERVED + "ready"
+"""The lock whose status the readiness probe reads (never taken)."""
+EXPIRY_CLAIMS = RESERVED + "expired/"
 """The records (one a lock, named by its name's hash) in which gateways claim the expiries
 they count: the source lets one of them claim each (compare-and-set), so a grant two
 gateways tracked is counted once."""

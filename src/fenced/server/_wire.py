@@ -82,7 +82,11 @@ class LeaseIn(_In):
             ]
         }
     )
-    token: str = Field(description="The grant's token, plain or signed.", json_schema_extra=_TOKEN)
+    token: str = Field(
+        description="The grant's token: its signed form when the server signs (the plain one "
+        "is then refused), else the plain one.",
+        json_schema_extra=_TOKEN,
+    )
     request_id: str | None = Field(
         default=None, description="The grant's request id.", json_schema_extra=_REQUEST_ID
     )
