@@ -598,7 +598,9 @@ async def test_keep_alive_closes_a_connection_idle_that_long_and_only_then(
         last = loop.time()
         async with asyncio.timeout(10):
             assert await reader.read() == b""  # (closed by the server)
-        assert 1.0 <= loop.time() - last < 4.0
+        # (from the server's write of the answer, which came a little before `last`: 0.9997 s
+        # was seen; a timer armed at the request, or closing early, is 0.5 s or less here)
+        assert 0.9 <= loop.time() - last < 4.0
         writer.close()
 
 
