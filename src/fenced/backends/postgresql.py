@@ -654,7 +654,8 @@ def _one(row: _Row | None) -> _Row:
 
 
 def _looks_dead(conn: _Conn) -> bool:
-    """True if an idle connection has been closed by the server (restart, admin shutdown).
+    """True if an idle connection has been closed, or is being closed, by the server
+    (restart, admin shutdown, ``idle_session_timeout``).
 
     Costs one non-blocking ``poll``; it lets the first call after a server restart go
     straight to a new connection instead of failing on the stale one. (Not ``select``, which
@@ -667,9 +668,12 @@ def _looks_dead(conn: _Conn) -> bool:
         return False
     try:
         pgconn = conn.pgconn
-        if _readable_now(pgconn.socket):
-            pgconn.consume_input()
-        return pgconn.status != pq.ConnStatus.OK
+        # The command connection LISTENs to nothing: idle, it has nothing to read unless the
+        # server is ending the session (pg_terminate_backend, idle_session_timeout, a
+        # shutdown): a FATAL message, then the FIN, maybe moments later. So anything to read
+        # means dead. (Reading it instead let the message through as a notice with the
+        # connection still OK, and the call went out on the dying session and failed.)
+        return pgconn.status != pq.ConnStatus.OK or _readable_now(pgconn.socket)
     except (psycopg.Error, OSError, ValueError):
         return True
 
