@@ -239,6 +239,8 @@ class PostgreSQLBackend(Backend):
         # the clean-ups first), so a give-back never frees the grant that acquire returns.
         self._in_flight: dict[tuple[str, str], object] = {}
         self._cleanups: dict[tuple[str, str], set[asyncio.Task[Any]]] = {}
+        # Statements of cancelled acquires still running: their answer may start a clean-up.
+        self._late: set[asyncio.Future[Any]] = set()
         self._closed = False
 
     # -- opening ------------------------------------------------------------------------
@@ -439,6 +441,9 @@ class PostgreSQLBackend(Backend):
     ) -> None:
         if not task.done() and self._conn is conn:
             self._conn = None
+        if late is not None and not task.done():
+            self._late.add(task)
+            task.add_done_callback(self._late.discard)
 
         def done(t: asyncio.Future[_Row | None]) -> None:
             row = None if t.cancelled() or t.exception() is not None else t.result()
@@ -613,6 +618,14 @@ class PostgreSQLBackend(Backend):
     async def aclose(self) -> None:
         if self._closed:
             return
+        # The clean-ups in flight first (a cancelled acquire's grant given back, a waiter
+        # leaving its queue), while calls still can run: once closed they fail, and a grant
+        # stays held until its ttl (seen: close() while threads acquired left grants held).
+        if self._late:  # (the answers that may start one: their clean-up starts as each ends)
+            await asyncio.wait(set(self._late), timeout=self._command_timeout)
+        cleanups = [t for pending in self._cleanups.values() for t in pending]
+        if cleanups:
+            await asyncio.wait(cleanups, timeout=self._command_timeout)
         self._closed = True
         self._listener.drop()
         conn, self._conn = self._conn, None
