@@ -27,7 +27,7 @@ THREADS = 6
 ROUNDS = 4  # close() comes at a different moment of the threads' loops each round
 
 
-@pytest.fixture(params=["redis", "postgresql", "sqlite"])
+@pytest.fixture(params=["redis", "postgresql", "sqlite", "etcd", "zookeeper"])
 def source(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[tuple[str, dict[str, Any]]]:
     kind = request.param
     if kind == "redis":
@@ -35,6 +35,8 @@ def source(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[tuple[str,
         yield server.url, {"key_prefix": unique_name("t") + ":"}
     elif kind == "postgresql":
         yield request.getfixturevalue("pg_dsn"), {}
+    elif kind in ("etcd", "zookeeper"):
+        yield request.getfixturevalue(f"{'zk' if kind == 'zookeeper' else kind}_server").url, {}
     else:
         yield f"sqlite:///{tmp_path}/locks.db", {}
 
