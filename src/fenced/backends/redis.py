@@ -32,7 +32,6 @@ import asyncio
 import functools
 import logging
 import re
-import select
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, ClassVar, Final, TypeVar
@@ -44,6 +43,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from .._clients.redis_errors import DENIED, NATIVE, kind
+from .._clients.redis_sockets import NO_MAINT, socket_checked
 from .._core import clock as _clock
 from .._core.backend import (
     Backend,
@@ -500,72 +500,6 @@ class _UnsafeServer(rexc.RedisError):
     :class:`~fenced.UnsafeBackendError` by ``_call``)."""
 
 
-try:  # redis-py 8: its pool hands out an idle connection the server closed, unless off
-    from redis.maint_notifications import MaintNotificationsConfig
-
-    _NO_MAINT: dict[str, Any] = {
-        "maint_notifications_config": MaintNotificationsConfig(enabled=False)
-    }
-except ImportError:  # (redis-py 5-7: no such thing, and the pool checks)
-    _NO_MAINT = {}
-
-
-# Anything at all on the socket: a reply nobody read, or the server's FIN or RST.
-_NEWS: Final = (
-    select.POLLIN
-    | select.POLLPRI
-    | select.POLLERR
-    | select.POLLHUP
-    | getattr(select, "POLLRDHUP", 0)
-)
-
-
-def _socket_has_news(conn: Any) -> bool:
-    """True if ``conn``'s socket holds something the event loop has not read yet: bytes
-    nobody asked for, or the server's FIN or RST (it closed the idle connection: its
-    ``timeout``, ``CLIENT KILL``, a restart). redis-py's own check looks only at what the
-    loop already read into its StreamReader, so a call made before a turn of the loop
-    noticed the FIN went out on the dead socket and failed. A zero-timeout ``poll()``:
-    under a microsecond."""
-    writer = getattr(conn, "_writer", None)
-    if writer is None:
-        return False
-    transport = writer.transport
-    if transport.is_closing():
-        return True
-    # One poller a transport (a reconnect makes a new transport, with a new socket).
-    made = conn.__dict__.get("_fenced_poll")
-    if made is None or made[0] is not transport:
-        sock = transport.get_extra_info("socket")
-        if sock is None or sock.fileno() < 0:  # (not fit to send on)
-            return True
-        poller = select.poll()
-        poller.register(sock.fileno(), _NEWS)
-        made = conn.__dict__["_fenced_poll"] = (transport, poller)
-    return bool(made[1].poll(0))
-
-
-_CHECKED: dict[type, type] = {}
-
-
-def _socket_checked(cls: type) -> type:
-    """``cls`` (a redis-py asyncio connection class) whose idle check also looks at the
-    socket (:func:`_socket_has_news`): the check redis-py's pool makes before it hands out an
-    idle connection, and the scripts' own connection's (``RedisBackend._script``). A
-    connection found with news is dropped and made afresh before anything is sent on it."""
-    made = _CHECKED.get(cls)
-    if made is None:
-
-        async def can_read(self: Any) -> bool:
-            return bool(await cls.can_read(self)) or _socket_has_news(self)  # type: ignore[attr-defined]
-
-        # (the same name: code that tells TLS by the class's name still can)
-        made = type(cls.__name__, (cls,), {"can_read": can_read, "__module__": __name__})
-        made.can_read_destructive = can_read  # type: ignore[attr-defined]
-        _CHECKED[cls] = made
-    return made
-
-
 async def _own_script(
     conn: Any, script: Any, keys: Sequence[str], args: Sequence[str | int]
 ) -> Any:
@@ -671,7 +605,7 @@ class RedisBackend(Backend):
         client.connection_pool.connection_kwargs["redis_connect_func"] = self._on_connect
         # ... and every idle connection is checked at its socket before it is used again.
         pool: Any = client.connection_pool
-        pool.connection_class = _socket_checked(pool.connection_class)
+        pool.connection_class = socket_checked(pool.connection_class)
         self._allow_unsafe = allow_unsafe_durability
         self._warned = False
         self._where = where
@@ -726,7 +660,7 @@ class RedisBackend(Backend):
                 # fenced retries acquire itself (with the same request id); a hidden retry of
                 # a release whose reply was lost would turn True into False.
                 retry=Retry(NoBackoff(), 0),
-                **_NO_MAINT,
+                **NO_MAINT,
                 **client_kwargs,
             )
         except (TypeError, ValueError) as exc:
@@ -902,7 +836,7 @@ class RedisBackend(Backend):
                 # Dropped after an error or a cancellation, or a reply nobody read, or closed
                 # by the server (its idle ``timeout``, a restart, perhaps with another
                 # configuration), seen at the socket even before the loop read it
-                # (_socket_checked): start afresh (the new connection checks the server
+                # (:func:`~fenced._clients.redis_sockets.socket_checked`): start afresh (the new connection checks the server
                 # first: _on_connect). Nothing was sent on the old one, so nothing is re-sent.
                 await conn.disconnect()
             return await self._bounded(_own_script(conn, script, keys, args), deadline)
