@@ -312,7 +312,83 @@ class AsyncLease:
         # await between the check above and this: close() waits for it, or stops it.
         task = locks._call_begins(acquiring=True)
         try:
-            return await self._acquire(backend, start, timeout)
+            self._state.start_acquiring()
+            self._loop = asyncio.get_running_loop()
+            request_id = self._request_id or _fork.request_id()
+            deadline = None if timeout is None else start + timeout
+            # With no deadline, a dead source is given a bounded time to come back.
+            give_up = deadline if deadline is not None else start + max(self.ttl, 5.0)
+            backoff = Backoff(0.02, 1.0)
+            granted: list[FencingToken] = []  # the grant this acquire's lost-callback is about
+            on_lost = self._make_backend_lost_callback(granted)
+            late = 0  # grants that arrived with no time left
+            try:
+                while True:
+                    try:
+                        grant = await backend.acquire(
+                            self.name,
+                            request_id=request_id,
+                            # Lock-delay: the source keeps the grant ``lock_delay`` past the
+                            # holder's own view of it (which stays ``ttl``), so after an expiry
+                            # no one else is granted it for that long, by the source's clock; a
+                            # release frees it at once.
+                            ttl=self.ttl + self.lock_delay,
+                            deadline=deadline,
+                            on_lost=on_lost,
+                            owner=self.owner,
+                        )
+                    except BackendUnavailable:
+                        # A closed connection will not come back: only a dead source is retried.
+                        # (a whole pause or none: waking at the deadline leaves no time to try)
+                        pause = backoff.next(give_up - _clock.now(), whole=True)
+                        if self._locks._closing or pause is None:
+                            raise
+                        logger.debug("acquire %s: source unavailable, retrying", self.name)
+                        await asyncio.sleep(pause)
+                        continue
+                    if self._state.remaining_of(grant, _clock.now()) > 0:
+                        break
+                    # Granted, but the reply took so long that the lease may already have run
+                    # out: never hand out a lease that is not surely held. Give it back (fenced:
+                    # it cannot free anyone else's) and ask again, with a new request id.
+                    late += 1
+                    with contextlib.suppress(FencedError):
+                        await backend.release(grant)
+                    request_id = _fork.request_id()
+                    if late >= _MAX_LATE_GRANTS or (
+                        deadline is not None and _clock.now() >= deadline
+                    ):
+                        raise LeaseLostError(
+                            f"lease on {self.name!r} expired before the grant arrived ({late} "
+                            f"time(s)): a ttl of {self.ttl:g} s is too short for this source's "
+                            "round trip"
+                        )
+            except BaseException:
+                self._state.acquire_failed()
+                raise
+            if self.lock_delay and grant.ttl < self.ttl + self.lock_delay - 1e-3:
+                with contextlib.suppress(FencedError):
+                    await backend.release(grant)
+                raise ConfigurationError(
+                    f"lock_delay={self.lock_delay:g}: the source granted {grant.ttl:g} s, not the "
+                    f"{self.ttl + self.lock_delay:g} s (ttl + lock_delay) it needs; lower one of them"
+                )
+            granted.append(grant.token)
+            self._state.granted(grant)
+            token = self._last_token = self._locks._sign(grant.token)
+            self.lost._clear()
+            self._locks._held.add(self)
+            if self.fence_targets:
+                await self._fence_on_acquire(token)
+            if self.auto_renew:
+                # A timer, not a task, until the first renewal is due: most critical sections end
+                # before that, and a task per acquire is a measurable share of a fast acquire.
+                now = _clock.now()
+                delay = min(self._state.renew_delay(now), self._state.remaining(now))
+                self._keepalive_timer = self._loop.call_later(delay, self._start_keepalive)
+            else:
+                self._arm_watchdog()
+            return token
         except asyncio.CancelledError:
             if locks._stopped_by_close(task):  # (a typed error, not the caller's cancellation)
                 raise BackendUnavailable(
@@ -322,83 +398,6 @@ class AsyncLease:
             raise
         finally:
             locks._call_ends(task)
-
-    async def _acquire(self, backend: Backend, start: float, timeout: float | None) -> FencingToken:
-        self._state.start_acquiring()
-        self._loop = asyncio.get_running_loop()
-        request_id = self._request_id or _fork.request_id()
-        deadline = None if timeout is None else start + timeout
-        # With no deadline, a dead source is given a bounded time to come back.
-        give_up = deadline if deadline is not None else start + max(self.ttl, 5.0)
-        backoff = Backoff(0.02, 1.0)
-        granted: list[FencingToken] = []  # the grant this acquire's lost-callback is about
-        on_lost = self._make_backend_lost_callback(granted)
-        late = 0  # grants that arrived with no time left
-        try:
-            while True:
-                try:
-                    grant = await backend.acquire(
-                        self.name,
-                        request_id=request_id,
-                        # Lock-delay: the source keeps the grant ``lock_delay`` past the
-                        # holder's own view of it (which stays ``ttl``), so after an expiry
-                        # no one else is granted it for that long, by the source's clock; a
-                        # release frees it at once.
-                        ttl=self.ttl + self.lock_delay,
-                        deadline=deadline,
-                        on_lost=on_lost,
-                        owner=self.owner,
-                    )
-                except BackendUnavailable:
-                    # A closed connection will not come back: only a dead source is retried.
-                    # (a whole pause or none: waking at the deadline leaves no time to try)
-                    pause = backoff.next(give_up - _clock.now(), whole=True)
-                    if self._locks._closing or pause is None:
-                        raise
-                    logger.debug("acquire %s: source unavailable, retrying", self.name)
-                    await asyncio.sleep(pause)
-                    continue
-                if self._state.remaining_of(grant, _clock.now()) > 0:
-                    break
-                # Granted, but the reply took so long that the lease may already have run
-                # out: never hand out a lease that is not surely held. Give it back (fenced:
-                # it cannot free anyone else's) and ask again, with a new request id.
-                late += 1
-                with contextlib.suppress(FencedError):
-                    await backend.release(grant)
-                request_id = _fork.request_id()
-                if late >= _MAX_LATE_GRANTS or (deadline is not None and _clock.now() >= deadline):
-                    raise LeaseLostError(
-                        f"lease on {self.name!r} expired before the grant arrived ({late} "
-                        f"time(s)): a ttl of {self.ttl:g} s is too short for this source's "
-                        "round trip"
-                    )
-        except BaseException:
-            self._state.acquire_failed()
-            raise
-        if self.lock_delay and grant.ttl < self.ttl + self.lock_delay - 1e-3:
-            with contextlib.suppress(FencedError):
-                await backend.release(grant)
-            raise ConfigurationError(
-                f"lock_delay={self.lock_delay:g}: the source granted {grant.ttl:g} s, not the "
-                f"{self.ttl + self.lock_delay:g} s (ttl + lock_delay) it needs; lower one of them"
-            )
-        granted.append(grant.token)
-        self._state.granted(grant)
-        token = self._last_token = self._locks._sign(grant.token)
-        self.lost._clear()
-        self._locks._held.add(self)
-        if self.fence_targets:
-            await self._fence_on_acquire(token)
-        if self.auto_renew:
-            # A timer, not a task, until the first renewal is due: most critical sections end
-            # before that, and a task per acquire is a measurable share of a fast acquire.
-            now = _clock.now()
-            delay = min(self._state.renew_delay(now), self._state.remaining(now))
-            self._keepalive_timer = self._loop.call_later(delay, self._start_keepalive)
-        else:
-            self._arm_watchdog()
-        return token
 
     async def _fence_on_acquire(self, token: FencingToken) -> None:
         """Raise every ``fence=`` resource's mark to the new token before the holder gets it
