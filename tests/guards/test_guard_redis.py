@@ -859,3 +859,34 @@ def test_guards_of_one_client_share_one_no_retry_pool(client: redis.Redis) -> No
     assert pool._created_connections == 1  # sequential writes through one connection
     guards[0].close()
     guards[1].set(f"{{{guards[1].resource}}}:k", "again", token=tok(2))  # reconnects after close
+
+
+async def test_async_guard_write_right_after_the_server_closed_its_idle_connection() -> None:
+    """The server closed the guard's idle connection (``CLIENT KILL``, its ``timeout``) and the
+    write comes before a turn of the event loop noticed: the pool's check looks at the
+    socket itself, so the write goes out on a fresh connection and is applied once (it went
+    out on the dead socket and failed: an error for a write that never left). Both sides: a
+    stale token is still refused after the reconnect."""
+    import select
+
+    from fenced.guards.redis import _no_retry_client
+
+    server = RedisServer().start()
+    client = redis.asyncio.Redis(port=server.port)
+    admin = redis.Redis(port=server.port)
+    try:
+        guard = AsyncRedisGuard(client, unique_name("res"), lock=LOCK)
+        key = f"{{{guard.resource}}}:n"
+        assert await guard.incrby(key, 1, token=tok(2)) == 1
+        (idle,) = _no_retry_client(client).connection_pool._available_connections
+        assert admin.client_kill_filter(skipme=True) >= 1  # (blocking: no turn of the loop)
+        sock = idle._writer.transport.get_extra_info("socket")
+        assert select.select([sock.fileno()], [], [], 5.0)[0], "the server's FIN did not arrive"
+        assert await guard.incrby(key, 1, token=tok(2)) == 2
+        with pytest.raises(StaleTokenError):
+            await guard.incrby(key, 1, token=tok(1))
+        assert admin.get(key) == b"2"
+    finally:
+        admin.close()
+        await client.aclose()
+        server.close()

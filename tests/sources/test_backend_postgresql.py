@@ -1020,3 +1020,26 @@ def test_refused_role_and_missing_database_are_raised_at_once(pg_server: Postgre
         assert "\n" not in str(info.value)
     with fenced.connect(f"postgresql://postgres@{where}/postgres") as locks:
         assert locks is not None
+
+
+async def test_a_call_right_after_the_server_ended_the_idle_connection_reconnects(
+    pg_dsn: str,
+) -> None:
+    """The server ended the idle command connection (``pg_terminate_backend``, its
+    ``idle_session_timeout``) just before a release, before the event loop could notice: the
+    check at the socket (``_looks_dead``) sends the release on a fresh connection, and it
+    frees the lock (the release is never re-sent: it left on the new connection only)."""
+    import select
+
+    name = unique_name()
+    async with backends(pg_dsn, 1) as (backend,):
+        grant = await backend.acquire(name, request_id="a", ttl=60, deadline=None, on_lost=_noop)
+        conn = backend._conn
+        assert conn is not None
+        with psycopg.connect(pg_dsn, autocommit=True) as admin:  # (blocking: no loop turn)
+            admin.execute("SELECT pg_terminate_backend(%s)", (conn.info.backend_pid,))
+        readable, _, _ = select.select([conn.pgconn.socket], [], [], 5.0)
+        assert readable, "the server's goodbye did not arrive"
+        assert await backend.release(grant) is True
+        again = await backend.acquire(name, request_id="b", ttl=5, deadline=0, on_lost=_noop)
+        assert again.token.value == grant.token.value + 1

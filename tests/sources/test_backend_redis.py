@@ -1218,3 +1218,65 @@ def test_a_user_the_acl_denies_the_safety_check_is_access_denied(
     finally:
         admin.execute_command("ACL", "DELUSER", user)
         admin.close()
+
+
+# -- an idle connection the server closed ------------------------------------------------------
+
+
+def _kill_and_wait_for_the_fin(port: int, conn: Any) -> None:
+    """``CLIENT KILL`` fenced's connections from another client (blocking: no turn of the
+    event loop runs meanwhile), then wait until ``conn``'s socket has the server's FIN. The
+    loop has not looked yet: its StreamReader still reads as clean."""
+    import select
+
+    admin = redis.Redis(port=port)
+    try:
+        assert admin.client_kill_filter(skipme=True) >= 1
+    finally:
+        admin.close()
+    sock = conn._writer.transport.get_extra_info("socket")
+    readable, _, _ = select.select([sock.fileno()], [], [], 5.0)
+    assert readable, "the server's FIN did not arrive"
+    assert not conn._reader.at_eof()  # (what redis-py's own check looks at)
+
+
+async def test_a_script_right_after_the_server_closed_the_own_connection_reconnects(
+    server: RedisServer,
+) -> None:
+    """The server closed the scripts' own connection (``CLIENT KILL``, its ``timeout``) and
+    the call comes before a turn of the loop noticed: the check looks at the socket itself,
+    so the release goes out on a fresh connection and frees the lock (it was sent on the
+    dead one and failed: the lock stayed held for its ttl). Both sides: another client is
+    then granted the lock at once, with the next token."""
+    name = unique_name()
+    async with fenced.connect_async(server.url, key_prefix=_prefix()) as locks:
+        lease = locks.lock(name, ttl=60, auto_renew=False)
+        await lease.acquire(timeout=5)
+        backend: Any = locks.backend
+        _kill_and_wait_for_the_fin(server.port, backend._own)
+        assert await lease.release() is True
+        again = locks.lock(name, ttl=5)
+        assert (await again.acquire(timeout=0)).value == 2
+        # The status script too (the own connection, killed once more).
+        _kill_and_wait_for_the_fin(server.port, backend._own)
+        assert (await locks.status(name)).token == again.token
+        assert await again.release() is True
+
+
+async def test_a_pool_call_right_after_the_server_closed_its_connection_reconnects(
+    server: RedisServer,
+) -> None:
+    """The same on redis-py's pool (records, lock names, BLPOP, scripts while the own
+    connection is busy): its check at checkout looked only at what the loop had processed."""
+    name = unique_name()
+    async with fenced.connect_async(server.url, key_prefix=_prefix()) as locks:
+        await locks.swap_record(name, 0, "one")
+        backend: Any = locks.backend
+        pool = backend._client.connection_pool
+        (idle,) = pool._available_connections
+        _kill_and_wait_for_the_fin(server.port, idle)
+        record = await locks.read_record(name)
+        assert record is not None and record.value == "one"
+        (idle,) = pool._available_connections
+        _kill_and_wait_for_the_fin(server.port, idle)
+        assert (await locks.swap_record(name, 1, "two")).version == 2

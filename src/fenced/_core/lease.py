@@ -68,6 +68,9 @@ __all__ = [
 ]
 
 _MAX_LATE_GRANTS: Final = 3
+_CLOSE_SETTLE: Final = 5.0
+"""Seconds close() gives the acquires and releases in flight to end before it releases the
+leases held and closes the source (each call is bounded by its source's own timeout too)."""
 DEFAULT_CONNECT_TIMEOUT: Final = 10.0
 """Seconds opening a connection may take (retrying a source that is down) by default."""
 _CONNECT_TIMEOUT: Final = Option("number", low=0, low_open=True, high=MAX_TIMEOUT)
@@ -301,83 +304,100 @@ class AsyncLease:
         start = _clock.now()
         locks = self._locks
         backend = locks._backend  # (open already, nearly always: then no coroutine to await)
-        if backend is None or locks._closed or locks._fork_gen != _fork.generation():
+        if backend is None or locks._closing or locks._fork_gen != _fork.generation():
             backend = await locks._get_backend(None if timeout is None else start + timeout)
-        self._state.start_acquiring()
-        self._loop = asyncio.get_running_loop()
-        request_id = self._request_id or _fork.request_id()
-        deadline = None if timeout is None else start + timeout
-        # With no deadline, a dead source is given a bounded time to come back.
-        give_up = deadline if deadline is not None else start + max(self.ttl, 5.0)
-        backoff = Backoff(0.02, 1.0)
-        granted: list[FencingToken] = []  # the grant this acquire's lost-callback is about
-        on_lost = self._make_backend_lost_callback(granted)
-        late = 0  # grants that arrived with no time left
+            if locks._closing:  # (close() began while it opened)
+                raise locks._closed_error()
+        # Counted from here until the grant is in ``_held`` (or the acquire failed), with no
+        # await between the check above and this: close() waits for it, or stops it.
+        task = locks._call_begins(acquiring=True)
         try:
-            while True:
-                try:
-                    grant = await backend.acquire(
-                        self.name,
-                        request_id=request_id,
-                        # Lock-delay: the source keeps the grant ``lock_delay`` past the
-                        # holder's own view of it (which stays ``ttl``), so after an expiry
-                        # no one else is granted it for that long, by the source's clock; a
-                        # release frees it at once.
-                        ttl=self.ttl + self.lock_delay,
-                        deadline=deadline,
-                        on_lost=on_lost,
-                        owner=self.owner,
-                    )
-                except BackendUnavailable:
-                    # A closed connection will not come back: only a dead source is retried.
-                    # (a whole pause or none: waking at the deadline leaves no time to try)
-                    pause = backoff.next(give_up - _clock.now(), whole=True)
-                    if self._locks._closed or pause is None:
-                        raise
-                    logger.debug("acquire %s: source unavailable, retrying", self.name)
-                    await asyncio.sleep(pause)
-                    continue
-                if self._state.remaining_of(grant, _clock.now()) > 0:
-                    break
-                # Granted, but the reply took so long that the lease may already have run
-                # out: never hand out a lease that is not surely held. Give it back (fenced:
-                # it cannot free anyone else's) and ask again, with a new request id.
-                late += 1
+            self._state.start_acquiring()
+            self._loop = asyncio.get_running_loop()
+            request_id = self._request_id or _fork.request_id()
+            deadline = None if timeout is None else start + timeout
+            # With no deadline, a dead source is given a bounded time to come back.
+            give_up = deadline if deadline is not None else start + max(self.ttl, 5.0)
+            backoff = Backoff(0.02, 1.0)
+            granted: list[FencingToken] = []  # the grant this acquire's lost-callback is about
+            on_lost = self._make_backend_lost_callback(granted)
+            late = 0  # grants that arrived with no time left
+            try:
+                while True:
+                    try:
+                        grant = await backend.acquire(
+                            self.name,
+                            request_id=request_id,
+                            # Lock-delay: the source keeps the grant ``lock_delay`` past the
+                            # holder's own view of it (which stays ``ttl``), so after an expiry
+                            # no one else is granted it for that long, by the source's clock; a
+                            # release frees it at once.
+                            ttl=self.ttl + self.lock_delay,
+                            deadline=deadline,
+                            on_lost=on_lost,
+                            owner=self.owner,
+                        )
+                    except BackendUnavailable:
+                        # A closed connection will not come back: only a dead source is retried.
+                        # (a whole pause or none: waking at the deadline leaves no time to try)
+                        pause = backoff.next(give_up - _clock.now(), whole=True)
+                        if self._locks._closing or pause is None:
+                            raise
+                        logger.debug("acquire %s: source unavailable, retrying", self.name)
+                        await asyncio.sleep(pause)
+                        continue
+                    if self._state.remaining_of(grant, _clock.now()) > 0:
+                        break
+                    # Granted, but the reply took so long that the lease may already have run
+                    # out: never hand out a lease that is not surely held. Give it back (fenced:
+                    # it cannot free anyone else's) and ask again, with a new request id.
+                    late += 1
+                    with contextlib.suppress(FencedError):
+                        await backend.release(grant)
+                    request_id = _fork.request_id()
+                    if late >= _MAX_LATE_GRANTS or (
+                        deadline is not None and _clock.now() >= deadline
+                    ):
+                        raise LeaseLostError(
+                            f"lease on {self.name!r} expired before the grant arrived ({late} "
+                            f"time(s)): a ttl of {self.ttl:g} s is too short for this source's "
+                            "round trip"
+                        )
+            except BaseException:
+                self._state.acquire_failed()
+                raise
+            if self.lock_delay and grant.ttl < self.ttl + self.lock_delay - 1e-3:
                 with contextlib.suppress(FencedError):
                     await backend.release(grant)
-                request_id = _fork.request_id()
-                if late >= _MAX_LATE_GRANTS or (deadline is not None and _clock.now() >= deadline):
-                    raise LeaseLostError(
-                        f"lease on {self.name!r} expired before the grant arrived ({late} "
-                        f"time(s)): a ttl of {self.ttl:g} s is too short for this source's "
-                        "round trip"
-                    )
-        except BaseException:
-            self._state.acquire_failed()
+                raise ConfigurationError(
+                    f"lock_delay={self.lock_delay:g}: the source granted {grant.ttl:g} s, not the "
+                    f"{self.ttl + self.lock_delay:g} s (ttl + lock_delay) it needs; lower one of them"
+                )
+            granted.append(grant.token)
+            self._state.granted(grant)
+            token = self._last_token = self._locks._sign(grant.token)
+            self.lost._clear()
+            self._locks._held.add(self)
+            if self.fence_targets:
+                await self._fence_on_acquire(token)
+            if self.auto_renew:
+                # A timer, not a task, until the first renewal is due: most critical sections end
+                # before that, and a task per acquire is a measurable share of a fast acquire.
+                now = _clock.now()
+                delay = min(self._state.renew_delay(now), self._state.remaining(now))
+                self._keepalive_timer = self._loop.call_later(delay, self._start_keepalive)
+            else:
+                self._arm_watchdog()
+            return token
+        except asyncio.CancelledError:
+            if locks._stopped_by_close(task):  # (a typed error, not the caller's cancellation)
+                raise BackendUnavailable(
+                    f"acquire of {self.name!r} ended: the connection to {_redact(locks.url)} "
+                    "was closed"
+                ) from None
             raise
-        if self.lock_delay and grant.ttl < self.ttl + self.lock_delay - 1e-3:
-            with contextlib.suppress(FencedError):
-                await backend.release(grant)
-            raise ConfigurationError(
-                f"lock_delay={self.lock_delay:g}: the source granted {grant.ttl:g} s, not the "
-                f"{self.ttl + self.lock_delay:g} s (ttl + lock_delay) it needs; lower one of them"
-            )
-        granted.append(grant.token)
-        self._state.granted(grant)
-        token = self._last_token = self._locks._sign(grant.token)
-        self.lost._clear()
-        self._locks._held.add(self)
-        if self.fence_targets:
-            await self._fence_on_acquire(token)
-        if self.auto_renew:
-            # A timer, not a task, until the first renewal is due: most critical sections end
-            # before that, and a task per acquire is a measurable share of a fast acquire.
-            now = _clock.now()
-            delay = min(self._state.renew_delay(now), self._state.remaining(now))
-            self._keepalive_timer = self._loop.call_later(delay, self._start_keepalive)
-        else:
-            self._arm_watchdog()
-        return token
+        finally:
+            locks._call_ends(task)
 
     async def _fence_on_acquire(self, token: FencingToken) -> None:
         """Raise every ``fence=`` resource's mark to the new token before the holder gets it
@@ -428,8 +448,14 @@ class AsyncLease:
         self._stop_timers()
         was_held = self._state.phase is Phase.HELD
         self._state.released()
-        self._locks._held.discard(self)
-        released = await self._locks._backend_or_fail().release(grant)
+        locks = self._locks
+        locks._held.discard(self)
+        backend = locks._backend_or_fail()
+        task = locks._call_begins()  # (close() waits for it before it closes the source)
+        try:
+            released = await backend.release(grant)
+        finally:
+            locks._call_ends(task)
         if was_held and not released:
             # We believed we held it, but the source had already let it go: the critical
             # section just ended ran, at least in part, unprotected. Say so.
@@ -681,6 +707,14 @@ class AsyncLocks:
         self._backend: Backend | None = None
         self._opening: asyncio.Lock | None = None
         self._closed = False
+        # close() has begun: no new acquire starts; those in flight are stopped, releases in
+        # flight awaited, then every lease still held is released (see aclose).
+        self._closing = False
+        self._in_flight = 0  # acquires and releases running now
+        self._acquiring: set[asyncio.Task[Any]] = set()  # the tasks running those acquires
+        self._stopped: set[asyncio.Task[Any]] = set()  # those close() cancelled
+        self._settled: asyncio.Event | None = None  # set when _in_flight drops to 0 (closing)
+        self._close_done: asyncio.Event | None = None
         self._held: weakref.WeakSet[AsyncLease] = weakref.WeakSet()
         self._fork_gen = _fork.generation()
 
@@ -697,6 +731,9 @@ class AsyncLocks:
         self._backend = None
         self._opening = None
         self._held = weakref.WeakSet()
+        self._in_flight = 0  # (the parent's calls: they do not run here)
+        self._acquiring = set()
+        self._stopped = set()
 
     @property
     def characteristics(self) -> frozenset[Characteristic]:
@@ -900,16 +937,108 @@ class AsyncLocks:
         return await backend.lock_names()
 
     async def aclose(self) -> None:
-        """Release every lease still held through this connection, then close it."""
+        """Release every lease still held through this connection, then close it.
+
+        Safe while other tasks (or, through :class:`Locks`, other threads) use the
+        connection: from the moment it begins, a new acquire raises
+        :class:`~fenced.BackendUnavailable`; an acquire in flight is stopped (raising the
+        same; a grant the source made for it is given back, by the source's own undo of an
+        abandoned acquire, or released below); releases in flight are awaited. Then every
+        lease still held is released, and only then is the source closed. A lease that
+        cannot be released (the source unreachable) is named in a warning on the ``fenced``
+        logger: its grant stays held at the source until its ttl runs out (unless a release
+        that got no answer reached the source after all). Closing does not
+        raise for that (like kazoo's ``stop()`` or psycopg's pool ``close()``: it is often
+        called on the way out of an error, which it must not replace).
+        """
         self._check_fork()
         if self._closed:
             return
-        for lease in list(self._held):
-            with contextlib.suppress(Exception):
-                await lease.release()
-        self._closed = True
-        if self._backend is not None:
-            await self._backend.aclose()
+        if self._closing:  # closed by another task now: return when that close has ended
+            if self._close_done is not None:
+                await self._close_done.wait()
+            return
+        self._closing = True
+        self._close_done = asyncio.Event()
+        failed: list[tuple[AsyncLease, BaseException]] = []
+        try:
+            await self._settle()
+            for _ in range(3):  # (releasing one may not add another: a pass or two)
+                leases = list(self._held)
+                if not leases:
+                    break
+                for lease in leases:
+                    try:
+                        await lease.release()
+                    except Exception as exc:
+                        failed.append((lease, exc))
+        finally:
+            self._closed = True
+            try:
+                if self._backend is not None:
+                    await self._backend.aclose()
+            finally:
+                self._close_done.set()
+        if failed:
+            logger.warning(
+                "closing the connection to %s: %d lease(s) could not be released; each "
+                "stays held at the source until its ttl runs out (unless a release that got "
+                "no answer reached the source after all): %s",
+                _redact(self.url),
+                len(failed),
+                "; ".join(f"{lease.name!r} (token {lease.token}): {exc}" for lease, exc in failed),
+            )
+
+    def _closed_error(self) -> BackendUnavailable:
+        return BackendUnavailable(f"connection to {_redact(self.url)} is closed")
+
+    def _call_begins(self, *, acquiring: bool = False) -> asyncio.Task[Any] | None:
+        """Count an acquire or release as in flight (until :meth:`_call_ends`): what close()
+        waits for. Returns the task running it (an acquire's: close() may stop it)."""
+        self._in_flight += 1
+        task = asyncio.current_task()
+        if acquiring and task is not None:
+            self._acquiring.add(task)
+        return task
+
+    def _call_ends(self, task: asyncio.Task[Any] | None) -> None:
+        self._in_flight -= 1
+        if task is not None:
+            self._acquiring.discard(task)
+        if not self._in_flight and self._settled is not None:
+            self._settled.set()
+
+    def _stopped_by_close(self, task: asyncio.Task[Any] | None) -> bool:
+        """True if close() cancelled ``task``'s acquire: that cancellation is taken back (the
+        caller gets BackendUnavailable instead)."""
+        if task is None or task not in self._stopped:
+            return False
+        self._stopped.discard(task)
+        task.uncancel()
+        return True
+
+    async def _settle(self) -> None:
+        """Stop the acquires in flight and wait (at most :data:`_CLOSE_SETTLE` seconds) until
+        they and the releases in flight have ended: each acquire's own undo (leaving the
+        queue, giving back a grant made for it) runs while the source is still open."""
+        me = asyncio.current_task()
+        for task in list(self._acquiring):
+            if task is not me and not task.done():
+                self._stopped.add(task)
+                task.cancel()
+        if not self._in_flight:
+            return
+        self._settled = asyncio.Event()
+        try:
+            async with asyncio.timeout(_CLOSE_SETTLE):
+                await self._settled.wait()
+        except TimeoutError:
+            logger.warning(
+                "closing the connection to %s: %d call(s) still running after %g s; closing anyway",
+                _redact(self.url),
+                self._in_flight,
+                _CLOSE_SETTLE,
+            )
 
     async def __aenter__(self) -> AsyncLocks:
         return await self.open()
@@ -948,8 +1077,8 @@ class AsyncLocks:
 
     async def _get_backend(self, deadline: float | None = None) -> Backend:
         self._check_fork()
-        if self._closed:
-            raise BackendUnavailable(f"connection to {self.url!r} is closed")
+        if self._closed or self._closing:
+            raise self._closed_error()
         if self._backend is None:
             if self._opening is None:
                 self._opening = asyncio.Lock()
@@ -982,7 +1111,7 @@ class AsyncLocks:
     def _backend_or_fail(self) -> Backend:
         self._check_fork()
         if self._backend is None or self._closed:
-            raise BackendUnavailable(f"connection to {self.url!r} is closed or not open")
+            raise BackendUnavailable(f"connection to {_redact(self.url)} is closed or not open")
         return self._backend
 
     def __repr__(self) -> str:

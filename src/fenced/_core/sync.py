@@ -389,6 +389,11 @@ class Locks:
     def close(self) -> None:
         """Release every lease still held through this connection, close it, stop its thread.
 
+        Safe while other threads use the connection (see :meth:`AsyncLocks.aclose`): their
+        new and waiting acquires raise BackendUnavailable, releases in flight finish, and
+        once this returns no grant made through it is held, or a warning on the ``fenced``
+        logger names each lease it could not release.
+
         Not from an ``on_lost`` callback (it runs on the thread this would stop): that raises
         RuntimeError and leaves the connection open and working.
         """

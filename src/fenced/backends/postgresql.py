@@ -239,6 +239,8 @@ class PostgreSQLBackend(Backend):
         # the clean-ups first), so a give-back never frees the grant that acquire returns.
         self._in_flight: dict[tuple[str, str], object] = {}
         self._cleanups: dict[tuple[str, str], set[asyncio.Task[Any]]] = {}
+        # Statements of cancelled acquires still running: their answer may start a clean-up.
+        self._late: set[asyncio.Future[Any]] = set()
         self._closed = False
 
     # -- opening ------------------------------------------------------------------------
@@ -439,6 +441,9 @@ class PostgreSQLBackend(Backend):
     ) -> None:
         if not task.done() and self._conn is conn:
             self._conn = None
+        if late is not None and not task.done():
+            self._late.add(task)
+            task.add_done_callback(self._late.discard)
 
         def done(t: asyncio.Future[_Row | None]) -> None:
             row = None if t.cancelled() or t.exception() is not None else t.result()
@@ -613,6 +618,14 @@ class PostgreSQLBackend(Backend):
     async def aclose(self) -> None:
         if self._closed:
             return
+        # The clean-ups in flight first (a cancelled acquire's grant given back, a waiter
+        # leaving its queue), while calls still can run: once closed they fail, and a grant
+        # stays held until its ttl (seen: close() while threads acquired left grants held).
+        if self._late:  # (the answers that may start one: their clean-up starts as each ends)
+            await asyncio.wait(set(self._late), timeout=self._command_timeout)
+        cleanups = [t for pending in self._cleanups.values() for t in pending]
+        if cleanups:
+            await asyncio.wait(cleanups, timeout=self._command_timeout)
         self._closed = True
         self._listener.drop()
         conn, self._conn = self._conn, None
@@ -654,7 +667,8 @@ def _one(row: _Row | None) -> _Row:
 
 
 def _looks_dead(conn: _Conn) -> bool:
-    """True if an idle connection has been closed by the server (restart, admin shutdown).
+    """True if an idle connection has been closed, or is being closed, by the server
+    (restart, admin shutdown, ``idle_session_timeout``).
 
     Costs one non-blocking ``poll``; it lets the first call after a server restart go
     straight to a new connection instead of failing on the stale one. (Not ``select``, which
@@ -667,9 +681,12 @@ def _looks_dead(conn: _Conn) -> bool:
         return False
     try:
         pgconn = conn.pgconn
-        if _readable_now(pgconn.socket):
-            pgconn.consume_input()
-        return pgconn.status != pq.ConnStatus.OK
+        # The command connection LISTENs to nothing: idle, it has nothing to read unless the
+        # server is ending the session (pg_terminate_backend, idle_session_timeout, a
+        # shutdown): a FATAL message, then the FIN, maybe moments later. So anything to read
+        # means dead. (Reading it instead let the message through as a notice with the
+        # connection still OK, and the call went out on the dying session and failed.)
+        return pgconn.status != pq.ConnStatus.OK or _readable_now(pgconn.socket)
     except (psycopg.Error, OSError, ValueError):
         return True
 

@@ -43,6 +43,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from .._clients.redis_errors import DENIED, NATIVE, kind
+from .._clients.redis_sockets import NO_MAINT, socket_checked
 from .._core import clock as _clock
 from .._core.backend import (
     Backend,
@@ -499,16 +500,6 @@ class _UnsafeServer(rexc.RedisError):
     :class:`~fenced.UnsafeBackendError` by ``_call``)."""
 
 
-try:  # redis-py 8: its pool hands out an idle connection the server closed, unless off
-    from redis.maint_notifications import MaintNotificationsConfig
-
-    _NO_MAINT: dict[str, Any] = {
-        "maint_notifications_config": MaintNotificationsConfig(enabled=False)
-    }
-except ImportError:  # (redis-py 5-7: no such thing, and the pool checks)
-    _NO_MAINT = {}
-
-
 async def _own_script(
     conn: Any, script: Any, keys: Sequence[str], args: Sequence[str | int]
 ) -> Any:
@@ -612,6 +603,9 @@ class RedisBackend(Backend):
         # with another configuration) is refused on every path, not only where a call
         # happened to notice the restart.
         client.connection_pool.connection_kwargs["redis_connect_func"] = self._on_connect
+        # ... and every idle connection is checked at its socket before it is used again.
+        pool: Any = client.connection_pool
+        pool.connection_class = socket_checked(pool.connection_class)
         self._allow_unsafe = allow_unsafe_durability
         self._warned = False
         self._where = where
@@ -666,7 +660,7 @@ class RedisBackend(Backend):
                 # fenced retries acquire itself (with the same request id); a hidden retry of
                 # a release whose reply was lost would turn True into False.
                 retry=Retry(NoBackoff(), 0),
-                **_NO_MAINT,
+                **NO_MAINT,
                 **client_kwargs,
             )
         except (TypeError, ValueError) as exc:
@@ -837,11 +831,13 @@ class RedisBackend(Backend):
                 # with asyncio.wait_for, a task per command; one deadline below bounds all.
                 kwargs = {**pool.connection_kwargs, "socket_timeout": None}
                 conn = self._own = pool.connection_class(**kwargs)
-                self._own_dirty = getattr(conn, "can_read", None) or conn.can_read_destructive
+                self._own_dirty = conn.can_read
             elif not conn.is_connected or await self._own_dirty():
                 # Dropped after an error or a cancellation, or a reply nobody read, or closed
-                # by the server (a restart, perhaps with another configuration): start afresh
-                # (the new connection checks the server first: _on_connect).
+                # by the server (its idle ``timeout``, a restart, perhaps with another
+                # configuration), seen at the socket even before the loop read it
+                # (:func:`~fenced._clients.redis_sockets.socket_checked`): start afresh (the new connection checks the server
+                # first: _on_connect). Nothing was sent on the old one, so nothing is re-sent.
                 await conn.disconnect()
             return await self._bounded(_own_script(conn, script, keys, args), deadline)
         finally:

@@ -54,6 +54,7 @@ from redis.commands.core import AsyncScript, Script
 from redis.retry import Retry
 
 from .._clients.redis_errors import NATIVE, kind
+from .._clients.redis_sockets import NO_MAINT, socket_checked
 from .._core.errors import (
     AccessDenied,
     BackendUnavailable,
@@ -366,8 +367,14 @@ def _make_no_retry_client(client: Any) -> Any:
             kwargs = {**pool.connection_kwargs, "retry": retry_class(NoBackoff(), 0)}
             kwargs.pop("retry_on_error", None)
             kwargs.pop("retry_on_timeout", None)
+            connection_class = pool.connection_class
+            if client_class is redis.asyncio.Redis:  # (the blocking client reads its socket)
+                # An idle connection the server closed is found before a write is sent on it
+                # (the write goes out on a new one), not after (an error, outcome unknown).
+                connection_class = socket_checked(connection_class)
+                kwargs.update(NO_MAINT)
             sibling = pool_class(
-                connection_class=pool.connection_class,
+                connection_class=connection_class,
                 max_connections=pool.max_connections,
                 **kwargs,
             )
