@@ -31,6 +31,7 @@ from fenced.testing.servers import (
 from tests.helpers import aws_client, dead_port, unique_name
 
 _PYCACHE: list[str] = []  # the bytecode cache this run made (pytest_configure), removed at exit
+_TEMPLATES: list[str] = []  # the run's server data templates (pytest_configure), removed at exit
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -50,6 +51,13 @@ def pytest_configure(config: pytest.Config) -> None:
         _PYCACHE.append(tempfile.mkdtemp(prefix="fenced-test-pycache-"))  # (mode 700)
         os.environ["PYTHONPYCACHEPREFIX"] = _PYCACHE[0]
         del os.environ["PYTHONDONTWRITEBYTECODE"]
+    # One initdb and one mariadb-install-db for the run, copied for each new server
+    # (fenced.testing.servers._from_template); made here, in the first process, so that the
+    # workers and every child share it. (0o711: the servers' users reach their templates.)
+    if not os.environ.get("FENCED_TEST_TEMPLATES"):
+        _TEMPLATES.append(tempfile.mkdtemp(prefix="fenced-test-templates-"))
+        os.chmod(_TEMPLATES[0], 0o711)
+        os.environ["FENCED_TEST_TEMPLATES"] = _TEMPLATES[0]
     _warm_bytecode(config)
 
 
@@ -93,7 +101,7 @@ def _warm_bytecode(config: pytest.Config) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    for path in _PYCACHE:
+    for path in _PYCACHE + _TEMPLATES:
         shutil.rmtree(path, ignore_errors=True)
 
 
