@@ -778,11 +778,17 @@ class MariaDBServer(Server):
 
 # A thread per connection (a keep-alive client must not hold the server: racing clients
 # interleave request by request), and one request applied at a time.
+# moto 5 looks each request's host up in list_of_moto_modules(): a listdir of its package
+# and a stat per entry, every request (a quarter of the emulator's CPU); the list is fixed.
 _MOTO_SERIAL: Final = """
 import sys, threading
+import moto.backends
 from werkzeug.serving import run_simple
 from moto.moto_server.werkzeug_app import (
     DomainDispatcherApplication, MotoRequestHandler, create_backend_app)
+if hasattr(moto.backends, "list_of_moto_modules"):
+    modules = tuple(moto.backends.list_of_moto_modules())
+    moto.backends.list_of_moto_modules = lambda: modules
 app, one = DomainDispatcherApplication(create_backend_app), threading.Lock()
 def serial(environ, start_response):
     with one:
