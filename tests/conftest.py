@@ -31,6 +31,7 @@ from fenced.testing.servers import (
 from tests.helpers import aws_client, dead_port, unique_name
 
 _PYCACHE: list[str] = []  # the bytecode cache this run made (pytest_configure), removed at exit
+_TEMPLATES: list[str] = []  # the run's server data templates (pytest_configure), removed at exit
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -50,6 +51,13 @@ def pytest_configure(config: pytest.Config) -> None:
         _PYCACHE.append(tempfile.mkdtemp(prefix="fenced-test-pycache-"))  # (mode 700)
         os.environ["PYTHONPYCACHEPREFIX"] = _PYCACHE[0]
         del os.environ["PYTHONDONTWRITEBYTECODE"]
+    # One initdb and one mariadb-install-db for the run, copied for each new server
+    # (fenced.testing.servers._from_template); made here, in the first process, so that the
+    # workers and every child share it. (0o711: the servers' users reach their templates.)
+    if not os.environ.get("FENCED_TEST_TEMPLATES"):
+        _TEMPLATES.append(tempfile.mkdtemp(prefix="fenced-test-templates-"))
+        os.chmod(_TEMPLATES[0], 0o711)
+        os.environ["FENCED_TEST_TEMPLATES"] = _TEMPLATES[0]
     _warm_bytecode(config)
 
 
@@ -93,7 +101,7 @@ def _warm_bytecode(config: pytest.Config) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    for path in _PYCACHE:
+    for path in _PYCACHE + _TEMPLATES:
         shutil.rmtree(path, ignore_errors=True)
 
 
@@ -161,16 +169,29 @@ def pytest_itemcollected(item: pytest.Item) -> None:
     environment's group (one worker starts its servers); the guard suites' MySQL environments
     all join test_guard_mysql.py's group (MariaDB, 6-9 s to start under load and the heaviest
     server, then runs on one worker). Any other test in no group that uses a module-scoped
-    fixture of its module joins that module's group (:func:`_module_fixture_group`)."""
+    fixture of its module joins that module's group (:func:`_module_fixture_group`). The guard
+    environments on moto and every test that uses ``moto_server`` join the ``moto`` group."""
     callspec = getattr(item, "callspec", None)
     env = callspec.params.get("env") if callspec is not None else None
     if isinstance(env, str):
-        mysql = env.endswith("-mysql") and "/guards/" in item.nodeid
-        item.add_marker(pytest.mark.xdist_group("mariadb" if mysql else f"source-{env}"))
+        guards = "/guards/" in item.nodeid
+        name = f"source-{env}"
+        if guards and env.endswith("-mysql"):
+            name = "mariadb"
+        elif guards and env in _MOTO_ENVS:
+            name = "moto"
+        item.add_marker(pytest.mark.xdist_group(name))
     elif not any(True for _ in item.iter_markers("xdist_group")):
         group = _module_fixture_group(item)
+        if "moto_server" in getattr(item, "fixturenames", ()):
+            group = "moto"
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
+
+
+# The guard environments on moto's server: with every test that uses moto, in the "moto"
+# group (one worker starts the emulator, 0.5-0.7 s of CPU, not each of the six).
+_MOTO_ENVS = frozenset({"dynamodb", "s3", "dynamodb-async", "s3-async"})
 
 
 @pytest.hookimpl(trylast=True)  # (the order: after every other plugin's)

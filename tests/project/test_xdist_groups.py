@@ -40,7 +40,7 @@ def test_the_groups_are_set_before_xdist_reads_them(tmp_path: Path) -> None:
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "xdist_like_reader", "-p", "no:cacheprovider",
          "-p", "no:xdist", "--collect-only", "-q", "tests/guards/test_guard_conformance.py",
-         "tests/server/test_server.py"],
+         "tests/server/test_server.py", "tests/guards/test_guard_s3.py"],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": path, "FENCED_TEST_WARMED": "1"},
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
@@ -50,7 +50,12 @@ def test_the_groups_are_set_before_xdist_reads_them(tmp_path: Path) -> None:
     mysql = [n for n in groups if "test_guard_conformance" in n and "-mysql" in n]
     assert len(mysql) > 30, mysql  # (the guard suite's MySQL environments)
     assert {groups[n] for n in mysql} == {"mariadb"}
-    others = {groups[n] for n in groups if "test_guard_conformance" in n and n not in mysql}
+    # the environments on moto's emulator, with every test that uses it: one worker starts it
+    moto = [n for n in groups if "test_guard_conformance" in n and ("[s3" in n or "[dynamodb" in n)]
+    assert len(moto) > 30, moto
+    s3 = [n for n in groups if "test_guard_s3.py" in n]
+    assert s3 and {groups[n] for n in moto + s3} == {"moto"}
+    others = {groups[n] for n in groups if "test_guard_conformance" in n and n not in mysql + moto}
     assert others and all(g.startswith("source-") for g in others), others
     # a test that shares the module's `fenced serve` runs where the module's others run
     assert groups["tests/server/test_server.py::test_health_ready_and_info"] == (

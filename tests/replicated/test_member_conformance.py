@@ -23,8 +23,8 @@ from fenced.guards.redis import GROUP_APPLY_SCRIPT, AsyncRedisGuard, RedisGuard
 from fenced.guards.sql import SQLGuard
 from fenced.replicated import Item, Member, stamp
 from fenced.replicated._members import as_member
-from fenced.testing.servers import EtcdServer, PostgresServer, RedisServer
 from tests.helpers import unique_name
+from tests.sources.envs.base import session_server
 
 KINDS = ["redis", "redis-async", "etcd", "etcd-async", "sqlite", "postgresql"]
 
@@ -95,20 +95,20 @@ async def member_violations(member: Member, lock: str) -> list[str]:
     return bad
 
 
-class Made:
-    """A guard of one kind on a server of its own."""
+# The worker's session server of each kind: no test here stops one, and each uses a lock
+# name of its own (every key and row of a guard's group is under it). A server of its own
+# per test cost 28 server starts a run.
+SERVERS = {"redis": "redis_server", "etcd": "etcd_server", "postgresql": "pg_server"}
 
-    def __init__(self, kind: str, tmp: Path) -> None:
+
+class Made:
+    """A guard of one kind (a lock name of its own) on the worker's server of that kind."""
+
+    def __init__(self, kind: str, tmp: Path, server: Any) -> None:
         self.kind = kind
         self.lock = unique_name("res")
-        self.server: Any = None
+        self.server: Any = server
         self._closers: list[Callable[[], Any]] = []
-        if kind.startswith("redis"):
-            self.server = RedisServer().start()
-        elif kind.startswith("etcd"):
-            self.server = EtcdServer().start()
-        elif kind == "postgresql":
-            self.server = PostgresServer().start()
         self.tmp = tmp
 
     def guard(self, redis_class: Any = None, etcd_class: Any = None) -> Any:
@@ -152,13 +152,14 @@ class Made:
     def close(self) -> None:
         for c in self._closers:
             c()
-        if self.server is not None:
-            self.server.close()
 
 
 @pytest.fixture
 def made(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Made]:
-    m = Made(request.param, tmp_path)
+    kind: str = request.param
+    fixture = SERVERS.get(kind.removesuffix("-async"))
+    server = session_server(request, fixture) if fixture is not None else None
+    m = Made(kind, tmp_path, server)
     try:
         yield m
     finally:

@@ -47,8 +47,11 @@ SERVERS: dict[str, tuple[str, type[Any]]] = {  # kind: (the session fixture, the
     "mariadb": ("mariadb_server", MariaDBServer),
     "asyncmy": ("mariadb_server", MariaDBServer),
 }
-# Tests that kill or restart the server keep one of their own; the others share the worker's
-# session server (a lock name and a group of their own: nothing of another test is seen).
+# Tests that kill or restart the server use one kept apart from the worker's session server
+# (which gateways and other modules' tests hold connections to): one of each class for this
+# module, shared by those tests (each kills it and leaves it running again; 16 server starts a
+# run before). The others share the session server (a lock name and a group of their own:
+# nothing of another test is seen).
 OWN_SERVER = {
     "test_marks_and_data_survive_a_kill_of_the_server",
     "test_an_unreachable_member_is_a_typed_error",
@@ -57,18 +60,16 @@ OWN_SERVER = {
 
 class Made:
     """A member of one kind (its own lock name and group) and the plain guard, on the
-    worker's server of that kind, or on one of its own (``own=True``: restartable)."""
+    worker's server of that kind, or on this module's killable one (``own=True``)."""
 
-    def __init__(self, kind: str, tmp: Path, shared: Any = None) -> None:
+    def __init__(self, kind: str, tmp: Path, shared: Any = None, *, own: bool = False) -> None:
         self.kind = kind
         self.resource = unique_name("res")
         self.group = unique_name("g")
         self.tmp = tmp
         self._closers: list[Callable[[], None]] = []
-        self._owned = shared is None and kind in SERVERS
-        self.server: Any = shared if shared is not None else None
-        if self._owned:
-            self.server = SERVERS[kind][1]().start()
+        self._owned = own
+        self.server: Any = shared
         self.guard = self._guard()
 
     def _guard(self) -> Any:
@@ -138,19 +139,35 @@ class Made:
     def close(self) -> None:
         for c in self._closers:
             c()
-        if self._owned:
-            self.server.close()
+
+
+@pytest.fixture(scope="module")
+def killable_servers() -> Iterator[dict[type[Any], Any]]:
+    """This module's servers for the tests that kill them, by class, started on first use."""
+    servers: dict[type[Any], Any] = {}
+    yield servers
+    for server in servers.values():
+        server.close()
 
 
 @pytest.fixture(params=KINDS)
 def made(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Made]:
     kind: str = request.param
     shared = None
-    if kind in SERVERS and request.function.__name__ not in OWN_SERVER:
+    own = kind in SERVERS and request.function.__name__ in OWN_SERVER
+    if own:
+        # (looked up here, not a parameter: this module's other tests are not tied to it,
+        # nor, through tests/conftest.py's module groups, to one xdist worker)
+        killable = request.getfixturevalue("killable_servers")
+        cls = SERVERS[kind][1]
+        if cls not in killable:
+            killable[cls] = cls()
+        shared = killable[cls]
+    elif kind in SERVERS:
         shared = request.getfixturevalue(SERVERS[kind][0])
-        if shared.proc is None:  # (left down by a failed test elsewhere)
-            shared.start()
-    m = Made(kind, tmp_path, shared)
+    if shared is not None and shared.proc is None:  # (left down by a failed test)
+        shared.start()
+    m = Made(kind, tmp_path, shared, own=own)
     try:
         yield m
     finally:
