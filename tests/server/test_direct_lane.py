@@ -45,7 +45,7 @@ class Served:
             lifespan="on",
             http=protocol,
             access_log=access_log,
-            **config,
+            **{"proxy_headers": False, **config},  # (as `fenced serve` runs it by default)
         )
         self.server = uvicorn.Server(uvicorn_config)
         self.sock = listen_socket("127.0.0.1", 0)
@@ -284,8 +284,25 @@ async def test_the_edges_of_http_are_answered_as_the_app_answers_them(
                 taken = served.direct_taken
     assert got[True] == got[False] and owners[True] == owners[False]
     assert taken == (raw.startswith(b"POST /v1/locks/k") and not _app_only(raw))
-    if b"x-forwarded-for" in raw:
-        assert owners[True] == ["http client 10.1.2.3"]  # (the app's middleware's doing)
+    if b"x-forwarded-for" in raw:  # (not believed: no --forwarded-allow-ips)
+        assert owners[True] == ["http client 127.0.0.1"]
+
+
+async def test_a_forwarded_client_is_believed_only_from_a_named_proxy(tmp_path: Path) -> None:
+    """With ``--forwarded-allow-ips`` (uvicorn's proxy-headers middleware on) the client an
+    ``X-Forwarded-For`` names is the owner, with the direct lane as without it."""
+    raw = request("/v1/locks/k/-/acquire", b'{"ttl": 30}', x_forwarded_for="10.1.2.3")
+    owners = {}
+    for direct in (True, False):
+        settings = ServerSettings(url=f"sqlite:///{tmp_path}/{direct}.db")
+        config = {"proxy_headers": True, "forwarded_allow_ips": "127.0.0.1"}
+        async with serving(settings, direct, **config) as served:
+            reader, writer = await served.connect()
+            writer.write(raw)
+            assert (await read_answer(reader))[0] == b"HTTP/1.1 200 OK"
+            writer.close()
+            owners[direct] = [e.owner for e in served.app.state.gateway.events]
+    assert owners[True] == owners[False] == ["http client 10.1.2.3"]
 
 
 async def test_the_access_log_says_what_it_says_for_the_app(

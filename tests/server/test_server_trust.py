@@ -289,3 +289,46 @@ def test_a_check_of_another_tenant_s_token_is_refused_before_it_is_judged(
         assert _checks(server, "invalid") == 1
         status, answer = b.post("/v1/check", {"token": "not a token"})
         assert status == 400 and answer["error"] == "invalid_token", answer  # (names no lock)
+
+
+@pytest.mark.parametrize("trusted", [False, True], ids=["default", "forwarded-allow-ips"])
+def test_a_local_client_cannot_claim_another_address_unless_its_proxy_is_named(
+    tmp_path: Path, trusted: bool
+) -> None:
+    """uvicorn believes ``X-Forwarded-For`` from 127.0.0.1 unless told otherwise: any local
+    process could then name itself any client, be described as it, and get past
+    ``--max-waiting-per-client`` with a new address each time. By default `fenced serve`
+    believes no one: the owner is the peer, and a second waiting acquire of one peer is
+    refused 429 whatever address it names; with ``--forwarded-allow-ips`` the named proxy's
+    word is taken (the owner is the forwarded client)."""
+    args = ["--max-waiting-per-client", "1"]
+    if trusted:
+        args += ["--forwarded-allow-ips", "127.0.0.1"]
+    with FencedServer(f"sqlite:///{tmp_path / 'x.db'}", args=args) as server:
+        url = server.url
+        held = httpx.post(
+            f"{url}/v1/locks/x/-/acquire", json={"ttl": 30}, headers={"X-Forwarded-For": "10.9.8.7"}
+        )
+        assert held.status_code == 200
+        owner = httpx.get(f"{url}/v1/locks/x").json()["owner"]
+        assert owner == ("http client 10.9.8.7" if trusted else "http client 127.0.0.1")
+        with httpx.Client(timeout=10) as one, httpx.Client(timeout=10) as two:
+            import concurrent.futures
+
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                first = pool.submit(
+                    one.post,
+                    f"{url}/v1/locks/x/-/acquire",
+                    json={"ttl": 5, "timeout": 3},
+                    headers={"X-Forwarded-For": "10.0.0.1"},
+                )
+                wait_for(lambda: httpx.get(f"{url}/v1/locks/x").json()["waiters"] == 1)
+                second = two.post(
+                    f"{url}/v1/locks/x/-/acquire",
+                    json={"ttl": 5, "timeout": 1},
+                    headers={"X-Forwarded-For": "10.0.0.2"},
+                )
+                # Trusted: another client, who waits its second and times out (409);
+                # believed from no one: the same peer past its bound (429).
+                assert second.status_code == (409 if trusted else 429), second.text
+                assert first.result().status_code == 409

@@ -118,6 +118,15 @@ def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
     )
     serve.add_argument("--access-log", action="store_true", help="log every request")
     serve.add_argument(
+        "--forwarded-allow-ips",
+        metavar="IPS",
+        help=(
+            "trust X-Forwarded-For/-Proto from these proxy addresses (comma-separated, or *): "
+            "the client a request names is then its owner and is bounded per client; "
+            "default: trust no one (the peer's own address)"
+        ),
+    )
+    serve.add_argument(
         "--log-level",
         choices=["debug", "info", "warning"],
         default="info",
@@ -195,5 +204,6 @@ def run(args: argparse.Namespace) -> int:
         log_format=args.log_format,
         log_level=args.log_level,
         access_log=args.access_log,
+        forwarded_allow_ips=args.forwarded_allow_ips,
     )
     return 0

@@ -273,9 +273,12 @@ def serve(
     log_level: str = "info",
     access_log: bool = False,
     graceful: int = 5,
+    forwarded_allow_ips: str | None = None,
 ) -> None:
     """Serve until SIGTERM or SIGINT. In-flight requests get ``graceful`` seconds; waiting
-    acquires are answered 503 at once; held leases are left to expire."""
+    acquires are answered 503 at once; held leases are left to expire. ``X-Forwarded-For``
+    and ``-Proto`` are believed only from ``forwarded_allow_ips`` (uvicorn's syntax), by
+    default from no one."""
     import uvicorn
 
     handler = setup_logging(log_format, log_level)
@@ -295,6 +298,11 @@ def serve(
         ssl_keyfile=tls_key,
         timeout_graceful_shutdown=graceful,
         lifespan="on",
+        # X-Forwarded-For names the client (its owner, its per-client bounds) only from the
+        # proxies the operator names: uvicorn trusts 127.0.0.1 by default, and then any local
+        # process could claim any address and get past --max-waiting-per-client.
+        proxy_headers=forwarded_allow_ips is not None,
+        forwarded_allow_ips=forwarded_allow_ips,
         # (httptools, bounding a request's head; answering the hot path itself)
         http=http_protocol(settings.read_timeout, getattr(app, "direct", None)),
     )
