@@ -88,10 +88,11 @@ Worker = Child | subprocess.Popen[bytes]
 class _Zygote:
     def __init__(self, env: Mapping[str, str], cwd: str) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        with open(os.devnull, "rb") as devnull:
+        with open(os.devnull, "r+b") as devnull:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", __name__, str(theirs.fileno())],
                 stdin=devnull,
+                stdout=devnull,  # (not the campaign's: a reader waiting for its end would wait)
                 pass_fds=(theirs.fileno(),),
                 env=dict(env),
                 cwd=cwd,
