@@ -7,10 +7,12 @@ killed ones included, is forked from it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,7 @@ import pytest
 from fenced.testing.check import _zygote
 from fenced.testing.check._campaign import run_campaign
 from fenced.testing.servers import python_env
+from tests.helpers import ROOT
 
 
 def _state(pid: int) -> str:
@@ -100,3 +103,56 @@ def test_a_campaigns_workers_and_their_replacements_are_forked(tmp_path: Path) -
     # Every worker, the two first and each killed one's replacement, forked by the zygote.
     assert result.faults["kill"] >= 2
     assert _zygote.forked() - before == 2 + result.faults["kill"]
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int(_stat_fields(int(entry.name))[1]) == pid:
+                    found.append(int(entry.name))
+            except (OSError, IndexError):
+                pass  # (gone meanwhile)
+    return found
+
+
+def _stat_fields(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def test_fenced_check_forks_its_zygote_from_itself_and_its_workers_from_that(
+    tmp_path: Path,
+) -> None:
+    """``fenced check`` has imported fenced already: its zygote is itself, forked before it
+    has a thread (no start-up, no import of its own), and its workers are forked from that
+    (the command line they show is the command's, not ``python -m ..._worker``)."""
+    argv = [
+        sys.executable, "-m", "fenced.cli", "check", "--source", f"sqlite:///{tmp_path}/l.db",
+        "--time", "90", "--faults", "1", "--writes", "6", "--ttl", "0.5", "--seed", "3",
+        "--workers", "2", "--nemesis", "kill", "--report", str(tmp_path / "r"),
+    ]  # fmt: skip
+    env = {**python_env(), "PYTHONPATH": str(ROOT / "src")}
+    cli = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        own = Path(f"/proc/{cli.pid}/cmdline").read_bytes()
+        seen: dict[int, bytes] = {}
+        workers: dict[int, bytes] = {}
+        deadline = time.monotonic() + 60
+        while cli.poll() is None and len(workers) < 2 and time.monotonic() < deadline:
+            for pid in _children(cli.pid):
+                with contextlib.suppress(OSError):
+                    seen[pid] = Path(f"/proc/{pid}/cmdline").read_bytes()
+                for worker in _children(pid):
+                    with contextlib.suppress(OSError):
+                        workers[worker] = Path(f"/proc/{worker}/cmdline").read_bytes()
+            time.sleep(0.02)  # (watching /proc, bounded by the deadline)
+        out, _ = cli.communicate(timeout=120)
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+            cli.wait()
+    assert cli.returncode == 0, out
+    zygotes = [pid for pid, cmdline in seen.items() if cmdline == own]
+    assert len(zygotes) == 1, seen  # forked from the command, not started
+    assert len(workers) >= 2 and set(workers.values()) == {own}, workers

@@ -33,9 +33,10 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
-from typing import IO, Any
+from typing import IO, Any, NoReturn
 
 FORKSERVER_ENV = "FENCED_CHECK_FORKSERVER"
 
@@ -86,18 +87,29 @@ Worker = Child | subprocess.Popen[bytes]
 
 
 class _Zygote:
-    def __init__(self, env: Mapping[str, str], cwd: str) -> None:
+    def __init__(self, env: Mapping[str, str] | None, cwd: str) -> None:
+        """A zygote started with ``python -m`` in ``env`` and ``cwd``; or (``env`` None) this
+        very process forked, which must have no thread (:func:`start_fork_server`)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        with open(os.devnull, "r+b") as devnull:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", __name__, str(theirs.fileno())],
-                stdin=devnull,
-                stdout=devnull,  # (not the campaign's: a reader waiting for its end would wait)
-                pass_fds=(theirs.fileno(),),
-                env=dict(env),
-                cwd=cwd,
-                start_new_session=True,  # (a terminal's ^C is the campaign's to handle)
-            )
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.pid = 0
+        if env is None:
+            self.pid = os.fork()
+            if self.pid == 0:
+                ours.close()
+                _forked_zygote(theirs.fileno())  # (never returns)
+        else:
+            with open(os.devnull, "r+b") as devnull:
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-m", __name__, str(theirs.fileno())],
+                    stdin=devnull,
+                    stdout=devnull,  # (not the campaign's: a reader of it would wait for it)
+                    pass_fds=(theirs.fileno(),),
+                    env=dict(env),
+                    cwd=cwd,
+                    start_new_session=True,  # (a terminal's ^C is the campaign's to handle)
+                )
+            self.pid = self.proc.pid
         theirs.close()
         self.sock = ours
         self.reader = ours.makefile("rb")
@@ -172,11 +184,20 @@ class _Zygote:
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        if self.proc is not None:
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            return
+        deadline = time.monotonic() + 10
+        while os.waitpid(self.pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() >= deadline:
+                os.kill(self.pid, signal.SIGKILL)
+                os.waitpid(self.pid, 0)
+                return
+            time.sleep(0.01)  # (its children's deaths first: at most 10 s, once a process)
 
 
 _zygotes: dict[tuple[str, tuple[tuple[str, str], ...]], _Zygote] = {}
@@ -186,6 +207,27 @@ _forked_by_closed = 0
 
 def _startup_key(env: Mapping[str, str], cwd: str) -> tuple[str, tuple[tuple[str, str], ...]]:
     return cwd, tuple(sorted((k, v) for k, v in env.items() if k.startswith(_STARTUP_ENV)))
+
+
+_HERE = ("", ())  # (the key of the zygote forked from this process: it serves every spawn)
+
+
+def start_fork_server() -> bool:
+    """Fork this process into the zygote its campaigns' workers will be forked from, if it has
+    no thread yet (else False: the first spawn starts one with ``python -m``). Called first
+    thing by ``fenced check``: the zygote then costs no start-up and no import of its own (the
+    command has imported fenced; the worker's modules are imported here, once for both)."""
+    if os.environ.get(FORKSERVER_ENV, "1") == "0" or not hasattr(os, "fork"):
+        return False
+    for name in ("fenced.testing.check._worker", *WARM):
+        importlib.import_module(name)
+    with _zygotes_lock:
+        if _HERE in _zygotes:
+            return True
+        if threading.active_count() != 1:  # (a thread forked into a child is a lock held)
+            return False
+        _zygotes[_HERE] = _Zygote(None, os.getcwd())
+    return True
 
 
 def forked() -> int:
@@ -229,7 +271,7 @@ def spawn(
     cwd = os.getcwd()
     key = _startup_key(env, cwd)
     with _zygotes_lock:
-        zygote = _zygotes.get(key)
+        zygote = _zygotes.get(key) or _zygotes.get(_HERE)
         if zygote is None or zygote.dead:
             if zygote is not None:
                 global _forked_by_closed
@@ -357,6 +399,10 @@ def _child(request: dict[str, Any], fds: list[int]) -> Callable[[], int]:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    # Where ``python -m`` in that environment would look first (a zygote forked from a
+    # campaign's process has that process's path): its directory, then PYTHONPATH.
+    first = [request["cwd"], *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    sys.path[:0] = [p for p in dict.fromkeys(first) if p not in sys.path]
     module = importlib.import_module(request["module"])
     argv: list[str] = request["argv"]
     sys.argv = [module.__file__ or request["module"], *argv]
@@ -375,6 +421,31 @@ def _child(request: dict[str, Any], fds: list[int]) -> Callable[[], int]:
         return 1
 
     return job
+
+
+def _forked_zygote(fd: int) -> NoReturn:
+    """The zygote forked from a campaign's process: as a ``python -m`` zygote, but it leaves
+    by ``os._exit``, never through the campaign's own frames and exit handlers."""
+    code = 0
+    try:
+        os.setsid()  # (a terminal's ^C is the campaign's to handle)
+        with open(os.devnull, "r+b") as devnull:
+            for target in (0, 1):
+                os.dup2(devnull.fileno(), target)
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGWINCH):
+            signal.signal(sig, signal.SIG_DFL)  # (a fresh interpreter's, not the command's)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        job = _serve(fd)
+        if job is not None:  # (a worker, forked from here)
+            code = job()
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
 
 
 def _main() -> None:
