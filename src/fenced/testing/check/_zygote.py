@@ -219,6 +219,8 @@ def start_fork_server() -> bool:
     command has imported fenced; the worker's modules are imported here, once for both)."""
     if os.environ.get(FORKSERVER_ENV, "1") == "0" or not hasattr(os, "fork"):
         return False
+    if os.environ.get("FENCED_CHECK_NETNS"):  # (its workers start in namespaces: ip netns exec)
+        return False
     for name in ("fenced.testing.check._worker", *WARM):
         importlib.import_module(name)
     with _zygotes_lock:
