@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,18 @@ def test_a_killed_worker_dies_alone_and_its_status_says_so(tmp_path: Path) -> No
     assert other.stdin is not None
     other.stdin.close()
     assert other.wait(10) == 3
+
+
+def test_two_threads_waiting_for_one_worker_both_get_its_status(tmp_path: Path) -> None:
+    child, _ = _spawn(tmp_path, "5")
+    got: list[int] = []
+    other = threading.Thread(target=lambda: got.append(child.wait(30)))
+    other.start()
+    assert child.stdin is not None
+    child.stdin.close()
+    assert child.wait(30) == 5
+    other.join(30)
+    assert got == [5]
 
 
 def test_a_worker_that_raises_exits_1_with_its_traceback_in_its_log(tmp_path: Path) -> None:

@@ -118,6 +118,7 @@ class _Zygote:
         self.replies: list[dict[str, Any]] = []
         self.exits: dict[int, int] = {}
         self.children: set[int] = set()
+        self.reaped: set[int] = set()
         self.dead = False
         self.forked = 0
         threading.Thread(target=self._read, name="fenced-check-zygote", daemon=True).start()
@@ -170,10 +171,12 @@ class _Zygote:
         with self.changed:
             if not self.changed.wait_for(lambda: pid in self.exits, timeout):
                 return None
-            code = self.exits.pop(pid)
+            # (kept: another thread waiting for the same worker gets it too, as with Popen)
+            code, first = self.exits[pid], pid not in self.reaped
+            self.reaped.add(pid)
             self.children.discard(pid)
             dead = self.dead
-        if not dead:
+        if first and not dead:
             with self.lock, contextlib.suppress(OSError):
                 self.sock.sendall(json.dumps({"reap": pid}).encode() + b"\n")
         return code
