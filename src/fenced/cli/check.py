@@ -128,7 +128,7 @@ def _shifted(tick: Callable[[float, str], None], offset: float, elapsed: float, 
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..testing.check import NEMESES, plant_role, run_campaign
+    from ..testing.check import NEMESES, plant_role, run_campaign, start_fork_server
 
     nemesis = None if args.nemesis is None else [n for n in args.nemesis.split(",") if n]
     if nemesis is not None and set(nemesis) - set(NEMESES):
@@ -137,6 +137,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigurationError("--workers must be 1-64")
     validate_lock_name(args.lock)
     plant_role(args.plant)  # an unknown plant: a usage error before anything starts
+    # The workers' fork server, forked from this process before it has a thread (see there).
+    start_fork_server()
 
     def terminated(*_: object) -> None:
         raise KeyboardInterrupt  # (so the campaign stops its workers and the resource it ran)

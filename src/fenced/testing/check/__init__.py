@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from ._history import Event, History, HistoryError, read_history
     from ._plants import plant_role
     from ._resources import Resource, SplitWrite, Volatile, open_resource
+    from ._zygote import start_fork_server
 
 # The names load on first use (PEP 562): a worker process of a campaign imports
 # fenced.testing.check._worker, and `fenced --help` lists the plants, and neither needs the
@@ -87,6 +88,7 @@ _WHERE = {
     "plant_role": "._plants",
     "Resource": "._resources",
     "open_resource": "._resources",
+    "start_fork_server": "._zygote",
 }
 
 
@@ -140,5 +142,6 @@ __all__ = [
     "read_history",
     "run_campaign",
     "run_group_campaign",
+    "start_fork_server",
     "tokens_never_decrease_in_acceptance_order",
 ]

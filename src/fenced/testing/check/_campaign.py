@@ -70,12 +70,14 @@ from ..._core import clock as _clock
 from ..._core.errors import ConfigurationError
 from ..proxy import TcpProxy
 from ..servers import python_env
+from . import _zygote
 from ._checkers import CHECKERS, Violation, check_all
 from ._engine import Campaign, CampaignError, Fault, short_of_counts
 from ._history import Event, History
 from ._plants import PLANTS, SIGNING_PLANTS, plant_role, source_plant_server
 from ._report import write_report
 from ._resources import open_resource
+from ._zygote import Worker
 
 __all__ = [
     "ENGINES",
@@ -282,7 +284,7 @@ def _worker_log(out: Path, name: str) -> Path:
     return out / f"worker-{name}.log"
 
 
-def _wait_ready(proc: subprocess.Popen[bytes], log: Path, limit: float = 60.0) -> None:
+def _wait_ready(proc: Worker, log: Path, limit: float = 60.0) -> None:
     """Until the worker says it has its signal handlers (a SIGUSR1 before that kills it)."""
     assert proc.stdout is not None
     with selectors.DefaultSelector() as sel:
@@ -500,7 +502,7 @@ def _wait_forwarded(proxy: TcpProxy | None, before: int, limit: float) -> None:
 
 
 def _takeover(
-    victim: subprocess.Popen[bytes],
+    victim: Worker,
     name: str,
     others: list[TcpProxy],
     mine: TcpProxy | None,
@@ -640,7 +642,7 @@ class LocksWorkload:
             None  # the user's resource, as a process the kit runs
         )
         self.names: dict[int, str] = {}  # worker pid -> its name in the history
-        self.procs: list[subprocess.Popen[bytes]] = []
+        self.procs: list[Worker] = []
         self.stalls: list[threading.Thread] = []
         self.serial = 0
         self.tcp_resource = False
@@ -737,7 +739,7 @@ class LocksWorkload:
         for p in self.procs:
             _wait_ready(p, _worker_log(self.out, self.names[p.pid]))
 
-    def _spawn(self, ready: bool = True) -> subprocess.Popen[bytes]:
+    def _spawn(self, ready: bool = True) -> Worker:
         self.serial += 1
         serial, nemesis, out = self.serial, self.nemeses, self.out
         ways: list[TcpProxy] = []
@@ -761,20 +763,24 @@ class LocksWorkload:
             offset.write_text("0\n")
             worker_env = {**self.env, "FENCED_CHECK_CLOCK": str(offset)}
         argv = [sys.executable, "-m", "fenced.testing.check._worker", json.dumps(cfg)]
-        if self.netns:  # (ip execs the worker: the same pid, signals reach it as before)
-            from ..netns import _ip_binary
-
-            ns = self.netns[(serial - 1) % len(self.netns)]
-            argv = [str(_ip_binary()), "netns", "exec", ns, *argv]
         with open(_worker_log(out, f"w{serial}"), "wb") as log:
-            proc = subprocess.Popen(
-                argv,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=log,
-                env=worker_env,
-                start_new_session=True,  # its own process group: signals reach it alone
-            )
+            if self.netns:  # (ip execs the worker: the same pid, signals reach it as before)
+                from ..netns import _ip_binary
+
+                ns = self.netns[(serial - 1) % len(self.netns)]
+                proc: Worker = subprocess.Popen(
+                    [str(_ip_binary()), "netns", "exec", ns, *argv],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=log,
+                    env=worker_env,
+                    start_new_session=True,  # its own process group: signals reach it alone
+                )
+            else:  # forked from the kit's zygote: no Python start-up, no import, each time
+                proc = _zygote.spawn(
+                    "fenced.testing.check._worker", argv[3:], env=worker_env, stderr=log,
+                    stdin_pipe=True,
+                )  # fmt: skip
         self.proxies[proc.pid] = ways
         if resource_way is not None:
             self.to_resource[proc.pid] = resource_way

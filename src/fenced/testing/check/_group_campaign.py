@@ -34,7 +34,6 @@ import selectors
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 import warnings
@@ -47,11 +46,13 @@ import fenced
 from ..._core.errors import ConfigurationError
 from ..proxy import TcpProxy
 from ..servers import EtcdServer, PostgresServer, RedisServer, Server, ZooKeeperServer, python_env
+from . import _zygote
 from ._checkers import Checker, Violation
 from ._engine import Campaign, CampaignError, Fault, short_of_counts
 from ._group_checkers import check_group, operations
 from ._group_worker import ConfigLog, make_members
 from ._history import Event, History, read_history
+from ._zygote import Worker
 
 __all__ = ["GroupCluster", "GroupRun", "GroupWorkload", "load_history", "run_group_campaign"]
 
@@ -191,12 +192,12 @@ class Workers:
         self.out = out
         self.cluster = cluster
         self.base = base
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.procs: dict[str, Worker] = {}
         self.stop_file = out / "stop"
         self.history = out / "history.jsonl"
         self.env = python_env()
 
-    def spawn(self, proc: str, role: str, **extra: Any) -> subprocess.Popen[bytes]:
+    def spawn(self, proc: str, role: str, **extra: Any) -> Worker:
         config = {
             **self.base,
             "source": self.cluster.source_url,
@@ -209,14 +210,10 @@ class Workers:
             **extra,
         }
         with open(self.out / f"{proc}.log", "wb") as log:
-            p = subprocess.Popen(
-                [sys.executable, "-m", "fenced.testing.check._group_worker", json.dumps(config)],
-                stdout=subprocess.PIPE,
-                stderr=log,
-                stdin=subprocess.DEVNULL,
-                env=self.env,
-                start_new_session=True,
-            )
+            p = _zygote.spawn(
+                "fenced.testing.check._group_worker", [json.dumps(config)], env=self.env,
+                stderr=log, stdin_pipe=False,
+            )  # fmt: skip
         assert p.stdout is not None
         with selectors.DefaultSelector() as sel:
             sel.register(p.stdout, selectors.EVENT_READ)
