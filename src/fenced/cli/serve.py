@@ -159,6 +159,8 @@ def run(args: argparse.Namespace) -> int:
     # every later collection); the few cycles they left stay (tens of KB).
     gc.disable()
     try:
+        import uvicorn  # noqa: F401  (serve() imports it: here, inside the window)
+
         from ..server import ServerSettings, is_loopback, load_api_keys, parse_listen, serve
     except ImportError as exc:
         raise ConfigurationError(
