@@ -132,8 +132,8 @@ def test_the_collector_does_not_walk_the_servers_modules_as_they_are_imported(
     tmp_path: Path,
 ) -> None:
     """The imports of ``fenced serve`` make ~90,000 objects that live as long as the process;
-    the cyclic collector ran over a hundred times as they were made (a start took ~100 ms, a
-    seventh, more CPU) and walked them all again in each later full collection. Now it is off while they are made, and they are
+    the cyclic collector ran over a hundred times as they were made (a start took 50-100 ms,
+    7-14 %, more CPU) and walked them all again in each later full collection. Now it is off while they are made, and they are
     frozen (out of every later collection) — and it is on again for what the server makes,
     which still serves (a grant, a renewal, a release)."""
     from fenced.testing.servers import FencedServer

@@ -156,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
     # long as the process: the cyclic collector ran ~110 times while they were made, for ~700
     # garbage objects, and every later full collection of a running server walked them all
     # again. Off while they are made, then frozen (kept out of every later collection): a
-    # start to its first answer took ~100 ms (a seventh) less CPU. The few cycles the imports
+    # start to its first answer took 50-100 ms (7-14 %) less CPU. The few cycles the imports
     # left stay (tens of KB).
     gc.disable()
     try:
