@@ -317,43 +317,52 @@ def test_a_bad_keys_file_is_one_line_that_quotes_no_secret(source: str, tmp_path
 # -- signing ---------------------------------------------------------------------------------------
 
 
-def test_signed_tokens_verify_at_a_guard_and_forged_ones_are_refused_by_check(
-    source: str, tmp_path: Path
-) -> None:
-    key_file = tmp_path / "signing.key"
+@pytest.fixture(scope="module")
+def signing(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[FencedServer, Path]]:
+    """One server with an HMAC signing key (and the key's file) for the signing tests, which
+    use lock names of their own and count no totals."""
+    base = tmp_path_factory.mktemp("signing")
+    key_file = base / "signing.key"
     assert cli.main(["keygen", "hmac", "k1", str(key_file)]) == 0
-    with FencedServer(source, args=["--signing-key", str(key_file)]) as server:
-        u = server.url
-        raw = post(f"{u}/v1/locks/acct/acquire").json()
-        assert raw["signed"].startswith("acct:1.k1.")
-        keyring = fenced.Keyring([fenced.load_key(str(key_file))])
-        import sqlite3
+    with FencedServer(f"sqlite:///{base / 'locks.db'}", args=["--signing-key", str(key_file)]) as s:
+        yield s, key_file  # type: ignore[misc]
 
-        db = sqlite3.connect(tmp_path / "data.db")
-        db.execute("CREATE TABLE t (v TEXT)")
-        guard = SQLGuard("acct", verify=keyring)
-        guard.install(db)
-        with db:  # the signed token, as the client got it, is accepted
-            guard.check(db, token=raw["signed"])
-            db.execute("INSERT INTO t VALUES ('ok')")
-        for bad in (
-            "acct:1",
-            forged(raw["signed"]),
-        ):
-            with pytest.raises(fenced.SignatureError), db:
-                guard.check(db, token=bad)
-            r = post(f"{u}/v1/check", {"token": bad})
-            assert r.status_code == 400 and r.json()["error"] == "invalid_token", bad
-        assert post(f"{u}/v1/check", {"token": raw["signed"]}).json()["verdict"] == "current"
-        # and the Python client's lease carries the signed token
-        with fenced.connect(u) as locks:
-            post(
-                f"{u}/v1/locks/acct/release",
-                {"token": raw["signed"], "request_id": raw["request_id"]},
-            )
-            with locks.lock("acct", ttl=5) as lease:
-                assert lease.token.signature is not None and lease.token.value == 2
-                keyring.verify("acct", 2, lease.token.signature)
+
+def test_signed_tokens_verify_at_a_guard_and_forged_ones_are_refused_by_check(
+    signing: tuple[FencedServer, Path], tmp_path: Path
+) -> None:
+    server, key_file = signing
+    u = server.url
+    raw = post(f"{u}/v1/locks/acct/acquire").json()
+    assert raw["signed"].startswith("acct:1.k1.")
+    keyring = fenced.Keyring([fenced.load_key(str(key_file))])
+    import sqlite3
+
+    db = sqlite3.connect(tmp_path / "data.db")
+    db.execute("CREATE TABLE t (v TEXT)")
+    guard = SQLGuard("acct", verify=keyring)
+    guard.install(db)
+    with db:  # the signed token, as the client got it, is accepted
+        guard.check(db, token=raw["signed"])
+        db.execute("INSERT INTO t VALUES ('ok')")
+    for bad in (
+        "acct:1",
+        forged(raw["signed"]),
+    ):
+        with pytest.raises(fenced.SignatureError), db:
+            guard.check(db, token=bad)
+        r = post(f"{u}/v1/check", {"token": bad})
+        assert r.status_code == 400 and r.json()["error"] == "invalid_token", bad
+    assert post(f"{u}/v1/check", {"token": raw["signed"]}).json()["verdict"] == "current"
+    # and the Python client's lease carries the signed token
+    with fenced.connect(u) as locks:
+        post(
+            f"{u}/v1/locks/acct/release",
+            {"token": raw["signed"], "request_id": raw["request_id"]},
+        )
+        with locks.lock("acct", ttl=5) as lease:
+            assert lease.token.signature is not None and lease.token.value == 2
+            keyring.verify("acct", 2, lease.token.signature)
 
 
 # -- shutdown --------------------------------------------------------------------------------------
@@ -504,25 +513,23 @@ def test_serve_help_lists_every_option() -> None:
 
 
 def test_with_signing_on_the_signed_token_of_a_dotted_lock_name_renews(
-    source: str, tmp_path: Path
+    signing: tuple[FencedServer, Path],
 ) -> None:
     """Renew and release take the signed token (verified) and refuse the plain one (public:
     a status shows it). A lock name with dots ("a.b.c") must not be taken for a signed token."""
-    key_file = tmp_path / "signing.key"
-    assert cli.main(["keygen", "hmac", "k1", str(key_file)]) == 0
-    with FencedServer(source, args=["--signing-key", str(key_file)]) as server:
-        u = server.url
-        g = post(f"{u}/v1/locks/app.jobs.v2/acquire", {"request_id": "r"}).json()
-        assert g["token"] == "app.jobs.v2:1" and g["signed"]
-        plain = {"token": g["token"], "request_id": "r"}
-        r = post(f"{u}/v1/locks/app.jobs.v2/renew", plain)
-        assert r.status_code == 400 and r.json()["error"] == "invalid_token"
-        signed = {"token": g["signed"], "request_id": "r"}
-        assert post(f"{u}/v1/locks/app.jobs.v2/renew", signed).status_code == 200
-        bad = {"token": forged(g["signed"]), "request_id": "r"}
-        r = post(f"{u}/v1/locks/app.jobs.v2/renew", bad)
-        assert r.status_code == 400 and r.json()["error"] == "invalid_token"
-        assert post(f"{u}/v1/locks/app.jobs.v2/release", signed).json() == {"released": True}
+    server, _ = signing
+    u = server.url
+    g = post(f"{u}/v1/locks/app.jobs.v2/acquire", {"request_id": "r"}).json()
+    assert g["token"] == "app.jobs.v2:1" and g["signed"]
+    plain = {"token": g["token"], "request_id": "r"}
+    r = post(f"{u}/v1/locks/app.jobs.v2/renew", plain)
+    assert r.status_code == 400 and r.json()["error"] == "invalid_token"
+    signed = {"token": g["signed"], "request_id": "r"}
+    assert post(f"{u}/v1/locks/app.jobs.v2/renew", signed).status_code == 200
+    bad = {"token": forged(g["signed"]), "request_id": "r"}
+    r = post(f"{u}/v1/locks/app.jobs.v2/renew", bad)
+    assert r.status_code == 400 and r.json()["error"] == "invalid_token"
+    assert post(f"{u}/v1/locks/app.jobs.v2/release", signed).json() == {"released": True}
 
 
 # -- request size ------------------------------------------------------------------------------

@@ -90,24 +90,58 @@ def _dom(browser: Browser, url: str) -> _Dom:
 
 @pytest.fixture(scope="module")
 def chromium() -> Iterator[Browser]:
-    """One headless Chromium for the module (a start costs a second of CPU)."""
-    with Browser(1280, 800) as b:
+    """One headless Chromium for the module (a start costs a second of CPU). Its resolver
+    takes evil.test for 127.0.0.1, as a DNS-rebinding page's would (only the test of that
+    names it; the others open 127.0.0.1)."""
+    with Browser(1280, 800, args=["--host-resolver-rules=MAP evil.test 127.0.0.1"]) as b:
         yield b
 
 
-@pytest.fixture
-def browser(chromium: Browser) -> Browser:
-    """The module's Chromium on a blank page: the last test's document, scripts and timers
-    are gone (each test's server is another origin: no storage is shared either)."""
+def _blank(chromium: Browser) -> None:
     chromium.call("Page.navigate", url="about:blank")
     chromium.wait_for("location.href === 'about:blank'")
+
+
+@pytest.fixture
+def browser(chromium: Browser) -> Iterator[Browser]:
+    """The module's Chromium on a blank page: the last test's document, scripts and timers
+    are gone (each test's server is another origin: no storage is shared either). Blank
+    again after the test: a dashboard left open animates its bars and polls (~0.3 s of
+    Chromium's CPU a second) through the servers' stop and the next test's start."""
+    _blank(chromium)
     chromium.events.clear()
-    return chromium
+    yield chromium
+    # (a key the test gave a page of the module's keyed server is forgotten: the next test
+    # there sees the page ask for one)
+    chromium.js("try { sessionStorage.clear() } catch (e) {}")
+    _blank(chromium)
 
 
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[FencedServer]:
     with FencedServer(f"sqlite:///{tmp_path / 'locks.db'}") as s:
+        yield s  # type: ignore[misc]
+
+
+ALICE, BOB, OPS = (
+    "fk_alice_secret_0000000000",
+    "fk_bob_secret_00000000000",
+    "fk_ops_secret_00000000000",
+)
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FencedServer]:
+    """One ``fenced serve`` with keys for the module's tests of keys (alice: ``a/``, bob:
+    ``b/``, ops: admin); only the dead holder's test takes locks on it."""
+    base = tmp_path_factory.mktemp("keyed")
+    keys = base / "keys.toml"
+    keys.write_text(
+        f'[[keys]]\nid = "alice"\nsecret = "{ALICE}"\nprefixes = ["a/"]\nverbs = ["acquire"]\n'
+        f'[[keys]]\nid = "bob"\nsecret = "{BOB}"\nprefixes = ["b/"]\nverbs = ["acquire"]\n'
+        f'[[keys]]\nid = "ops"\nsecret = "{OPS}"\nverbs = ["admin"]\n'
+    )
+    with FencedServer(f"sqlite:///{base / 'l.db'}", args=["--api-keys", str(keys)]) as s:
         yield s  # type: ignore[misc]
 
 
@@ -159,13 +193,8 @@ def test_the_dashboard_shows_locks_counters_and_transitions(
     assert count_near(rows, WARN, tolerance=40) > 30, "the stale-check counter is not flagged"
 
 
-def test_with_api_keys_the_page_asks_for_a_key(tmp_path: Path, browser: Browser) -> None:
-    keys = tmp_path / "keys.toml"
-    keys.write_text(
-        '[[keys]]\nid = "ops"\nsecret = "fk_ops_secret_00000000000"\nverbs = ["admin"]\n'
-    )
-    with FencedServer(f"sqlite:///{tmp_path / 'l.db'}", args=["--api-keys", str(keys)]) as s:
-        dom = _dom(browser, s.url + "/")
+def test_with_api_keys_the_page_asks_for_a_key(keyed: FencedServer, browser: Browser) -> None:
+    dom = _dom(browser, keyed.url + "/")
     assert "display: flex" in dom.auth_style
     assert dom.body.get("data-loaded") is None and dom.tables["locks"] == []
 
@@ -514,81 +543,66 @@ def _holder(url: str, name: str, secret: str) -> subprocess.Popen[bytes]:
     )
 
 
-ALICE, BOB, OPS = (
-    "fk_alice_secret_0000000000",
-    "fk_bob_secret_00000000000",
-    "fk_ops_secret_00000000000",
-)
-
-
 def test_a_holder_that_died_shows_as_expired_with_its_description(
-    tmp_path: Path, browser: Browser
+    keyed: FencedServer, tmp_path: Path, browser: Browser
 ) -> None:
     """Issue 29 §4: a real ``fenced lock`` holder SIGKILLed; its lease expires at the source;
     the page shows the transition "expired" naming that holder (its user@host pid, never a
     request id) and the expiry counter at 1 — while a live holder beside it stays held. A key
     sees only the locks and transitions it may read."""
-    keys = tmp_path / "keys.toml"
-    keys.write_text(
-        f'[[keys]]\nid = "alice"\nsecret = "{ALICE}"\nprefixes = ["a/"]\nverbs = ["acquire"]\n'
-        f'[[keys]]\nid = "bob"\nsecret = "{BOB}"\nprefixes = ["b/"]\nverbs = ["acquire"]\n'
-        f'[[keys]]\nid = "ops"\nsecret = "{OPS}"\nverbs = ["admin"]\n'
-    )
-    with FencedServer(f"sqlite:///{tmp_path / 'l.db'}", args=["--api-keys", str(keys)]) as s:
-        u = s.url
+    u = keyed.url
 
-        def status(name: str, secret: str) -> dict[str, Any]:
-            r = httpx.get(f"{u}/v1/locks/{name}", headers={"authorization": f"Bearer {secret}"})
-            return r.json()  # type: ignore[no-any-return]
+    def status(name: str, secret: str) -> dict[str, Any]:
+        r = httpx.get(f"{u}/v1/locks/{name}", headers={"authorization": f"Bearer {secret}"})
+        return r.json()  # type: ignore[no-any-return]
 
-        dying, living = _holder(u, "a/job", ALICE), _holder(u, "b/job", BOB)
-        try:
-            wait_for(lambda: status("a/job", ALICE)["held"], 30, "alice's holder")
-            wait_for(lambda: status("b/job", BOB)["held"], 30, "bob's holder")
-            request_id = status("a/job", ALICE)["holder"]  # (alice's own: her request id)
-            described = status("a/job", OPS)["holder"]
-            assert f"pid {dying.pid}" in described and request_id not in described
-            os.killpg(dying.pid, signal.SIGKILL)  # the holder and its command, at once
-            dying.wait(30)
+    dying, living = _holder(u, "a/job", ALICE), _holder(u, "b/job", BOB)
+    try:
+        wait_for(lambda: status("a/job", ALICE)["held"], 30, "alice's holder")
+        wait_for(lambda: status("b/job", BOB)["held"], 30, "bob's holder")
+        request_id = status("a/job", ALICE)["holder"]  # (alice's own: her request id)
+        described = status("a/job", OPS)["holder"]
+        assert f"pid {dying.pid}" in described and request_id not in described
+        os.killpg(dying.pid, signal.SIGKILL)  # the holder and its command, at once
+        dying.wait(30)
 
-            _keyed(browser, u + "/", OPS)
-            browser.wait_for(
-                "document.querySelector('#events tr[data-event=\"expired\"]')", timeout=30
-            )
-            expired = browser.js(
-                """[...document.querySelectorAll('#events tr[data-event="expired"]')]
-                .map((r) => [...r.cells].slice(1).map((c) => c.textContent))"""
-            )
-            assert expired == [["a/job", "expired", "1", described]], expired
-            assert described.startswith("alice: ") and f"pid {dying.pid}" in described
-            counter = "document.querySelector('[data-counter=\"fenced_expiries_total\"] .v')"
-            assert browser.js(counter + ".textContent") == "1"
-            assert browser.js(counter + ".parentNode.className") == "counter bad"
-            page = browser.js("document.body.innerText")
-            assert request_id not in page  # (another key's capability: never shown)
-            shot = browser.screenshot(tmp_path / "expired.png")
-            assert count_near(read_png(shot)[2], WARN, tolerance=40) > 60, "expiry not flagged"
-            # the rightful holder beside it: alive, renewed, held, never "expired"
-            assert status("b/job", BOB)["held"] and living.poll() is None
-            assert (
-                browser.js("document.querySelector('tr[data-lock=\"b/job\"]').cells[1].textContent")
-                == "held"
-            )
+        _keyed(browser, u + "/", OPS)
+        browser.wait_for("document.querySelector('#events tr[data-event=\"expired\"]')", timeout=30)
+        expired = browser.js(
+            """[...document.querySelectorAll('#events tr[data-event="expired"]')]
+            .map((r) => [...r.cells].slice(1).map((c) => c.textContent))"""
+        )
+        assert expired == [["a/job", "expired", "1", described]], expired
+        assert described.startswith("alice: ") and f"pid {dying.pid}" in described
+        counter = "document.querySelector('[data-counter=\"fenced_expiries_total\"] .v')"
+        assert browser.js(counter + ".textContent") == "1"
+        assert browser.js(counter + ".parentNode.className") == "counter bad"
+        page = browser.js("document.body.innerText")
+        assert request_id not in page  # (another key's capability: never shown)
+        shot = browser.screenshot(tmp_path / "expired.png")
+        assert count_near(read_png(shot)[2], WARN, tolerance=40) > 60, "expiry not flagged"
+        # the rightful holder beside it: alive, renewed, held, never "expired"
+        assert status("b/job", BOB)["held"] and living.poll() is None
+        assert (
+            browser.js("document.querySelector('tr[data-lock=\"b/job\"]').cells[1].textContent")
+            == "held"
+        )
 
-            # bob's page: his lock only, no transition of alice's lock
-            with Browser(1280, 800) as bobs:
-                _keyed(bobs, u + "/", BOB)
-                assert _names(bobs) == ["b/job"]
-                events = bobs.js(
-                    "[...document.querySelectorAll('#events tbody tr')].map((r) => r.cells[1].textContent)"
-                )
-                assert "a/job" not in events and "b/job" in events
-                assert "a/job" not in bobs.js("document.body.innerText")
-        finally:
-            for p in (dying, living):
-                if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGTERM)
-                    p.wait(30)
+        # bob's page: his lock only, no transition of alice's lock (in the same tab, the
+        # ops key forgotten as a new tab would not have it: no second Chromium to start)
+        browser.js("sessionStorage.clear()")
+        _keyed(browser, u + "/", BOB)
+        assert _names(browser) == ["b/job"]
+        events = browser.js(
+            "[...document.querySelectorAll('#events tbody tr')].map((r) => r.cells[1].textContent)"
+        )
+        assert "a/job" not in events and "b/job" in events
+        assert "a/job" not in browser.js("document.body.innerText")
+    finally:
+        for p in (dying, living):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+                p.wait(30)
 
 
 def test_lock_names_and_holders_are_text_never_markup(
@@ -679,7 +693,9 @@ def test_a_hundred_locks_cost_one_poll_a_second_and_little_rendering(
     assert drawn < 500
 
 
-def test_without_keys_only_loopback_hosts_are_answered(server: FencedServer) -> None:
+def test_without_keys_only_loopback_hosts_are_answered(
+    server: FencedServer, browser: Browser
+) -> None:
     """DNS rebinding: a web page the operator opens points a name of its own (evil.test) at
     127.0.0.1; the browser then takes the server for that page's own origin and would let it
     read the dashboard's data (request ids, on a server without keys) and take or release
@@ -714,19 +730,15 @@ def test_without_keys_only_loopback_hosts_are_answered(server: FencedServer) -> 
     ):
         r = httpx.get(f"{u}/v1/dashboard", headers={"host": host}, timeout=10)
         assert r.status_code == 200 and r.json()["total"] == 1, (host, r.text)
-    # ... and in a real browser whose resolver says evil.test is 127.0.0.1
-    with Browser(args=["--host-resolver-rules=MAP evil.test 127.0.0.1"]) as b:
-        b.call("Page.navigate", url=f"http://evil.test:{port}/v1/dashboard")
-        text = b.wait_for("document.body && document.body.innerText", 30)
-        assert '"error":"forbidden"' in text and "mine" not in text, text
+    # ... and in a real browser whose resolver says evil.test is 127.0.0.1 (the module's)
+    browser.call("Page.navigate", url=f"http://evil.test:{port}/v1/dashboard")
+    text = browser.wait_for("document.body && document.body.innerText", 30)
+    assert '"error":"forbidden"' in text and "mine" not in text, text
 
 
-def test_with_keys_any_host_is_answered_with_a_key(tmp_path: Path) -> None:
+def test_with_keys_any_host_is_answered_with_a_key(keyed: FencedServer) -> None:
     """With API keys the key protects (a browser sends none by itself): any Host is served."""
-    keys = tmp_path / "keys.toml"
-    keys.write_text(f'[[keys]]\nid = "ops"\nsecret = "{OPS}"\nverbs = ["admin"]\n')
-    with FencedServer(f"sqlite:///{tmp_path / 'l.db'}", args=["--api-keys", str(keys)]) as s:
-        h = {"host": "gateway.example:7400"}
-        assert httpx.get(f"{s.url}/v1/dashboard", headers=h, timeout=10).status_code == 401
-        h["authorization"] = f"Bearer {OPS}"
-        assert httpx.get(f"{s.url}/v1/dashboard", headers=h, timeout=10).status_code == 200
+    h = {"host": "gateway.example:7400"}
+    assert httpx.get(f"{keyed.url}/v1/dashboard", headers=h, timeout=10).status_code == 401
+    h["authorization"] = f"Bearer {OPS}"
+    assert httpx.get(f"{keyed.url}/v1/dashboard", headers=h, timeout=10).status_code == 200

