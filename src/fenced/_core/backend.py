@@ -41,6 +41,7 @@ __all__ = [
     "TokenCheck",
     "backend_class",
     "commits_per_turn",
+    "is_header_secret",
     "known_schemes",
     "lock_timeout",
     "on_private_loop",
@@ -507,6 +508,16 @@ source's api_key), masked wherever a URL is shown and refused in a URL file othe
 _SECRET_QUERY: Final = re.compile(
     r"(?i)([?&])(" + "|".join(sorted(SECRET_QUERY_KEYS)) + r")=[^&#]*"
 )
+
+
+_HEADER_SECRET: Final = re.compile(r"[\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?")
+
+
+def is_header_secret(secret: str) -> bool:
+    """Can ``secret`` (an API key's) travel in an ``Authorization: Bearer`` header as written?
+    Visible ASCII, blanks inside only: clients (httpx) send ASCII alone, servers read
+    latin-1 and strip the blanks around a value."""
+    return _HEADER_SECRET.fullmatch(secret) is not None
 
 
 def redacted(url: str) -> str:
