@@ -22,7 +22,7 @@ from urllib.parse import SplitResult, urlsplit
 
 from . import clock as _clock
 from .errors import BackendUnavailable, ConfigurationError, LeaseLostError, LockTimeout
-from .options import Option, merge_options, parse_query
+from .options import SECRET_QUERY_KEYS, Option, merge_options, parse_query
 from .portal import commits_per_turn, on_private_loop
 from .token import FencingToken
 
@@ -498,12 +498,6 @@ def _misplit_userinfo(url: str, parts: SplitResult) -> bool:
     host, colon, port = netloc.rpartition(":") if ":" in netloc else (netloc, "", "")
     return bool(colon) and (not host or not port.isdigit())
 
-
-SECRET_QUERY_KEYS: Final = frozenset(
-    {"password", "pass", "pwd", "sslpassword", "api_key", "apikey", "token", "secret"}
-)
-"""Query parameters whose value is a secret (libpq's password/sslpassword, the http://
-source's api_key), masked wherever a URL is shown and refused in a URL file others may read."""
 
 _SECRET_QUERY: Final = re.compile(
     r"(?i)([?&])(" + "|".join(sorted(SECRET_QUERY_KEYS)) + r")=[^&#]*"

@@ -36,8 +36,9 @@ token at all); and a thief of a signing key.
 
 Keys are files (``fenced keygen``): one line ``fenced-key 1 <kind> <key id> <base64url>``;
 ``signing_key=`` and ``$FENCED_SIGNING_KEY`` take that line itself too (for secrets injected as
-environment variables), or a key file's path.
-A key's ``repr`` and every error name the key id only, never the secret.
+environment variables; blanks around it dropped, anything else around it malformed), or a
+key file's path. A key's ``repr`` and every error name the key id only, never the secret,
+and never a text that may be one (errors name where it came from).
 """
 
 from __future__ import annotations

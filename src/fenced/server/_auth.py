@@ -6,7 +6,7 @@ some lock-name prefixes.
     [[keys]]
     id = "billing"                         # shown in logs and metrics, never the secret
     sha256 = "9f86d081884c7d65..."         # of the secret (or: secret = "...", discouraged)
-    prefixes = ["invoices/", "billing"]    # lock names starting with one of these; "" = all
+    prefixes = ["invoices/", "billing"]    # required: lock names starting with one of these; "" = all
     verbs = ["acquire", "check"]           # acquire, check, admin, metrics
 
 ``prefixes`` is required with ``acquire`` or ``check`` (no default: ``[""]`` says every lock).
