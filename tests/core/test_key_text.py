@@ -163,3 +163,26 @@ def test_signing_options_without_what_they_need_are_refused(
     # $FENCED_SOURCE_ID is shared configuration: set where nothing signs, it is no error
     out = _fenced("lock", "jobs", "--", "true", env={**env, "FENCED_SOURCE_ID": "prod"})
     assert out.returncode == 0, out.stderr
+
+
+def test_connect_refuses_accept_unbound_where_it_means_nothing(memory_url: str) -> None:
+    for options in (
+        {"accept_unbound": True},
+        {"accept_unbound": True, "signing_key": HMAC},
+        {"accept_unbound": True, "source_id": "prod"},
+        {"accept_unbound": True, "signing_key": HMAC, "source_id": "prod",
+         "verify": Keyring([HMAC], source_id="prod")},
+    ):  # fmt: skip
+        with pytest.raises(ConfigurationError, match="accept_unbound=True needs signing_key="):
+            fenced.connect(memory_url, **options)
+    # the rightful side: the connection's own keyring, naming its source, takes v1 tokens
+    with fenced.connect(memory_url, signing_key=HMAC) as unbound:
+        with unbound.lock("jobs", ttl=5) as lease:
+            v1 = lease.token
+    with fenced.connect(
+        memory_url, signing_key=HMAC, source_id="prod", accept_unbound=True
+    ) as locks:
+        assert locks.check(v1).verdict != "invalid"
+    with fenced.connect(memory_url, signing_key=HMAC, source_id="prod") as locks:
+        with pytest.raises(fenced.InvalidTokenError):
+            locks.check(v1)
