@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import fenced
 from fenced._core.backend import redacted
 from tests.helpers import ROOT, wait_for
 
@@ -135,3 +136,21 @@ def test_a_password_with_a_slash_question_or_hash_is_refused_whole(url: str) -> 
 def test_an_at_sign_in_a_path_or_query_is_no_password() -> None:
     for url in ("sqlite:////tmp/a@b.db", "redis://h:6379/0?client_name=me@x"):
         assert redacted(url) == url
+
+
+@pytest.mark.parametrize(
+    ("url", "options"),
+    [
+        (f"http://127.0.0.1:9/?api_key={SECRET}&stray", {}),  # (a malformed query)
+        (f"postgresql://u@127.0.0.1:9/db?password={SECRET}&&", {}),
+        ("http://127.0.0.1:9/", {"api_key": SECRET.encode()}),  # (an option of a wrong type)
+        (f"http://127.0.0.1:9/?api_key={SECRET}&api_key={SECRET}", {}),
+    ],
+)
+def test_a_bad_option_never_shows_a_secret_value(url: str, options: dict[str, object]) -> None:
+    with pytest.raises(fenced.ConfigurationError) as caught:
+        fenced.connect(url, connect_timeout=2, **options)
+    assert SECRET not in str(caught.value) and "\n" not in str(caught.value)
+    # the rightful side: a value that is no secret is still shown, to be fixed
+    with pytest.raises(fenced.ConfigurationError, match="request_timeout='abc'"):
+        fenced.connect("http://127.0.0.1:9/?request_timeout=abc", connect_timeout=2)

@@ -227,7 +227,7 @@ def test_another_keys_request_id_is_refused_and_counts_as_a_refusal_only(
 
 def _watch_keys(tmp_path: Path) -> str:
     keys = [
-        {"id": who, "secret": SECRETS[who], "verbs": verbs}
+        {"id": who, "secret": SECRETS[who], "prefixes": [""], "verbs": verbs}
         for who, verbs in (("alice", ["acquire"]), ("eve", ["acquire"]), ("mon", ["metrics"]))
     ]
     return str(write_keys(tmp_path / "keys.toml", keys))

@@ -271,7 +271,7 @@ def test_two_keys_with_one_secret_are_refused_without_quoting_it(tmp_path: Path)
         path = tmp_path / "keys.toml"
         path.write_text(
             f'[[keys]]\nid = "ops"\nsha256 = "{hash_secret(secret)}"\nverbs = ["admin"]\n'
-            f'[[keys]]\nid = "ci"\nsecret = "{second}"\nverbs = ["check"]\n'
+            f'[[keys]]\nid = "ci"\nsecret = "{second}"\nverbs = ["check"]\nprefixes = [""]\n'
         )
         path.chmod(0o600)
         return path

@@ -125,7 +125,7 @@ def test_with_signing_a_forged_token_never_renews_or_releases(
     a, b = "secret-aaaaaaaaaaaaaaaa", "secret-bbbbbbbbbbbbbbbb"
     keys = tmp_path / "keys.toml"
     keys.write_text(
-        f'[[keys]]\nid = "a"\nsecret = "{a}"\nverbs = ["acquire"]\n'
+        f'[[keys]]\nid = "a"\nsecret = "{a}"\nverbs = ["acquire"]\nprefixes = [""]\n'
         f'[[keys]]\nid = "b"\nsecret = "{b}"\nverbs = ["acquire"]\nprefixes = ["reports/"]\n'
     )
     args = ["--api-keys", str(keys), "--signing-key", str(key)]

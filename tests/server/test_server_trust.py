@@ -38,7 +38,7 @@ def _signing_key(tmp_path: Path) -> Path:
 def _keys_file(tmp_path: Path, b_prefixes: str = '""') -> Path:
     keys = tmp_path / "keys.toml"
     keys.write_text(
-        f'[[keys]]\nid = "a"\nsecret = "{A}"\nverbs = ["acquire", "check"]\n'
+        f'[[keys]]\nid = "a"\nsecret = "{A}"\nverbs = ["acquire", "check"]\nprefixes = [""]\n'
         f'[[keys]]\nid = "b"\nsecret = "{B}"\nverbs = ["acquire", "check"]\n'
         f"prefixes = [{b_prefixes}]\n"
         f'[[keys]]\nid = "ops"\nsecret = "{OPS}"\nverbs = ["admin"]\n'

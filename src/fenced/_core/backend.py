@@ -22,7 +22,7 @@ from urllib.parse import SplitResult, urlsplit
 
 from . import clock as _clock
 from .errors import BackendUnavailable, ConfigurationError, LeaseLostError, LockTimeout
-from .options import Option, merge_options, parse_query
+from .options import SECRET_QUERY_KEYS, Option, merge_options, parse_query
 from .portal import commits_per_turn, on_private_loop
 from .token import FencingToken
 
@@ -41,6 +41,7 @@ __all__ = [
     "TokenCheck",
     "backend_class",
     "commits_per_turn",
+    "is_header_secret",
     "known_schemes",
     "lock_timeout",
     "on_private_loop",
@@ -498,15 +499,19 @@ def _misplit_userinfo(url: str, parts: SplitResult) -> bool:
     return bool(colon) and (not host or not port.isdigit())
 
 
-SECRET_QUERY_KEYS: Final = frozenset(
-    {"password", "pass", "pwd", "sslpassword", "api_key", "apikey", "token", "secret"}
-)
-"""Query parameters whose value is a secret (libpq's password/sslpassword, the http://
-source's api_key), masked wherever a URL is shown and refused in a URL file others may read."""
-
 _SECRET_QUERY: Final = re.compile(
     r"(?i)([?&])(" + "|".join(sorted(SECRET_QUERY_KEYS)) + r")=[^&#]*"
 )
+
+
+_HEADER_SECRET: Final = re.compile(r"[\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?")
+
+
+def is_header_secret(secret: str) -> bool:
+    """Can ``secret`` (an API key's) travel in an ``Authorization: Bearer`` header as written?
+    Visible ASCII, blanks inside only: clients (httpx) send ASCII alone, servers read
+    latin-1 and strip the blanks around a value."""
+    return _HEADER_SECRET.fullmatch(secret) is not None
 
 
 def redacted(url: str) -> str:

@@ -684,12 +684,20 @@ class AsyncLocks:
         # What check() verifies a token with, before asking the source: verify= (public keys
         # suffice), else this connection's own key's public half. With either, an unsigned
         # token is refused, as guards and fenced serve's /v1/check refuse it.
+        # accept_unbound widens this connection's own keyring only, one naming its source:
+        # anywhere else it would be silently ignored, so it is refused.
+        if accept_unbound and (verify is not None or self._signer is None or not self._source_id):
+            raise ConfigurationError(
+                "accept_unbound=True needs signing_key= and source_id= (and no verify=: give "
+                "accept_unbound to that Keyring): a keyring without a source accepts unbound "
+                "tokens only"
+            )
         self._own_keys: TokenVerifier | None = verify
         if verify is None and self._signer is not None:
             self._own_keys = Keyring(
                 [self._signer.public()],
                 source_id=self._source_id,
-                accept_unbound=accept_unbound and self._source_id is not None,
+                accept_unbound=accept_unbound,
             )
         self.url = url
         self._cls = backend_class(url)

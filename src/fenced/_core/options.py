@@ -17,7 +17,7 @@ from urllib.parse import parse_qsl
 
 from .errors import ConfigurationError
 
-__all__ = ["Option", "merge_options", "parse_query"]
+__all__ = ["SECRET_QUERY_KEYS", "Option", "merge_options", "parse_query"]
 
 Kind = Literal["number", "int", "bool", "str"]
 
@@ -90,12 +90,22 @@ class Option:
         return number
 
 
+SECRET_QUERY_KEYS: Final = frozenset(
+    {"password", "pass", "pwd", "sslpassword", "api_key", "apikey", "token", "secret"}
+)
+"""Query parameters whose value is a secret (libpq's password/sslpassword, the http://
+source's api_key), masked wherever a URL is shown and refused in a URL file others may read."""
+
+
 def parse_query(scheme: str, query: str) -> dict[str, str]:
     """A URL query as a dict; malformed or repeated parameters are ConfigurationErrors."""
     try:
         pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))
     except ValueError:
-        raise ConfigurationError(f"malformed {scheme}:// URL query {query!r}") from None
+        # (not shown: it may hold api_key=... or password=..., or be a secret pasted alone)
+        raise ConfigurationError(
+            f"malformed {scheme}:// URL query: each parameter is name=value, joined by &"
+        ) from None
     out: dict[str, str] = {}
     for key, value in pairs:
         if key in out:
@@ -143,4 +153,5 @@ def merge_options(
 
 def _show(name: str, value: object) -> str:
     # Never echo a secret into an error message (and from there into logs).
-    return "'***'" if "password" in name or "secret" in name else repr(value)[:60]
+    secret = name in SECRET_QUERY_KEYS or "password" in name or "secret" in name
+    return "'***'" if secret else repr(value)[:60]

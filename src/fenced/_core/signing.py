@@ -36,8 +36,9 @@ token at all); and a thief of a signing key.
 
 Keys are files (``fenced keygen``): one line ``fenced-key 1 <kind> <key id> <base64url>``;
 ``signing_key=`` and ``$FENCED_SIGNING_KEY`` take that line itself too (for secrets injected as
-environment variables), or a key file's path.
-A key's ``repr`` and every error name the key id only, never the secret.
+environment variables; blanks around it dropped, anything else around it malformed), or a
+key file's path. A key's ``repr`` and every error name the key id only, never the secret,
+and never a text that may be one (errors name where it came from).
 """
 
 from __future__ import annotations
@@ -379,16 +380,20 @@ def key_text(key: HmacKey | Ed25519SigningKey | Ed25519VerifyKey) -> str:
     return f"{_FILE_MAGIC} {key.kind} {key.kid} {b64(key._material())}\n"
 
 
-def load_key(path: str | os.PathLike[str]) -> HmacKey | Ed25519SigningKey | Ed25519VerifyKey:
-    """Read a key file written by :func:`key_text` (``fenced keygen``)."""
-    where = os.fspath(path)
+def load_key(
+    path: str | os.PathLike[str], *, where: str | None = None
+) -> HmacKey | Ed25519SigningKey | Ed25519VerifyKey:
+    """Read a key file written by :func:`key_text` (``fenced keygen``). ``where``: how errors
+    name the file (default: its path; a path taken from a variable that may hold the secret
+    itself is named by the variable, never shown)."""
+    label = f"key file {os.fspath(path)}" if where is None else f"the key file named by {where}"
     try:
-        text = Path(where).read_text(encoding="ascii").strip()
+        text = Path(path).read_text(encoding="ascii").strip()
     except OSError as exc:  # (its strerror: not Python's repr of the exception)
-        raise ConfigurationError(f"cannot read key file {where}: {exc.strerror}") from None
+        raise ConfigurationError(f"cannot read {label}: {exc.strerror}") from None
     except UnicodeDecodeError:
-        raise ConfigurationError(f"{where} is not a fenced key file") from None
-    return parse_key(text, where)
+        raise ConfigurationError(f"{label} is not a fenced key file") from None
+    return parse_key(text, label)
 
 
 def parse_key(text: str, where: str = "the key") -> HmacKey | Ed25519SigningKey | Ed25519VerifyKey:
@@ -403,14 +408,35 @@ def parse_key(text: str, where: str = "the key") -> HmacKey | Ed25519SigningKey 
     return _KINDS[parts[2]](parts[3], material)
 
 
-def read_key(key: object, where: str) -> object:
+# Key text, not a path: the magic anywhere, followed by a blank (a path such as
+# /etc/fenced-keys/a.key has none after it).
+_KEY_TEXT: Final = re.compile(re.escape(_FILE_MAGIC.split(" ")[0]) + r"\s")
+
+
+def read_key(key: object, where: str, *, path_shown: bool = False) -> object:
     """A key object as given, or read from its one line (an environment variable's) or its
-    key file's path."""
-    if isinstance(key, str) and key.startswith(_FILE_MAGIC + " "):
-        return parse_key(key, where)
-    if isinstance(key, str | os.PathLike):
+    key file's path. ``where`` names where a text came from (``$FENCED_SIGNING_KEY``,
+    ``signing_key``): errors name it and never the text, which may be the secret itself.
+    Blanks around the text are dropped (an .env file's, a here-document's newline); text with
+    the key line's magic in it is key text, and anything else around the line (quotes kept
+    by docker --env-file or an .env loader) makes it malformed, not a path. A path is shown in
+    errors only when it is one for sure: a ``PathLike``, or ``path_shown`` (a command line's
+    FILE)."""
+    if isinstance(key, os.PathLike):
         return load_key(key)
-    return key
+    if not isinstance(key, str):
+        return key
+    text = key.strip()
+    if _KEY_TEXT.search(text):
+        if not text.startswith(_FILE_MAGIC + " "):
+            raise ConfigurationError(
+                f"{where}: malformed key text: expected the one line '{_FILE_MAGIC} <kind> "
+                "<key id> <base64url>' with nothing around it (quotes?)"
+            )
+        return parse_key(text, f"{where}: the key text")
+    if path_shown:
+        return load_key(text)
+    return load_key(text, where=where)
 
 
 def public_half(key: object) -> VerifyKey:
@@ -422,13 +448,23 @@ def public_half(key: object) -> VerifyKey:
     return key
 
 
-def verify_key(key: object, where: str = "the verify key") -> VerifyKey:
+def verify_key(
+    key: object, where: str | None = None, *, path_shown: bool | None = None
+) -> VerifyKey:
     """A key a resource verifies with: a key object, a key file's path or its one line. An
     Ed25519 *private* key is refused (a resource verifies with the public half, ``.pub``,
-    and must never be able to sign); an HMAC key is both."""
-    if isinstance(key, str | os.PathLike) and not str(key).startswith(_FILE_MAGIC + " "):
-        where = os.fspath(key)
-    key = read_key(key, where)
+    and must never be able to sign); an HMAC key is both. ``where``: where a text came from
+    (``$FENCED_VERIFY_KEY``), named by errors, which never show the text itself. A path
+    given as one (``load_keys``, ``--verify-key FILE``: ``path_shown``, the default without
+    ``where``) is shown."""
+    if path_shown is None:
+        path_shown = where is None
+    is_path = isinstance(key, os.PathLike) or (isinstance(key, str) and not _KEY_TEXT.search(key))
+    if path_shown and is_path:
+        where = os.fspath(key).strip()  # type: ignore[call-overload]
+    elif where is None:
+        where = "the verify key"
+    key = read_key(key, where, path_shown=path_shown)
     if isinstance(key, Ed25519SigningKey):
         raise ConfigurationError(
             f"{where} is an Ed25519 private key (key {key.kid!r}): a resource verifies with "
@@ -457,7 +493,7 @@ def signer(key: object) -> HmacKey | Ed25519SigningKey | None:
     """``connect(signing_key=...)``: a signing key, or a path to its key file, or None."""
     if key is None:
         return None
-    key = read_key(key, "the signing key")
+    key = read_key(key, "signing_key=")
     if isinstance(key, Ed25519VerifyKey):
         raise ConfigurationError(
             f"signing_key: key {key.kid!r} is an Ed25519 public key (.pub): it can verify, "

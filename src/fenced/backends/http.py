@@ -33,6 +33,7 @@ from .._core.backend import (
     LostCallback,
     Record,
     TokenCheck,
+    is_header_secret,
 )
 from .._core.errors import (
     AccessDenied,
@@ -47,6 +48,16 @@ from .._core.options import Option
 from .._core.token import FencingToken
 
 __all__ = ["HttpBackend"]
+
+
+def _api_key(given: str | None, url: SplitResult) -> tuple[str | None, str]:
+    """The API key and where it came from (how errors name it, never showing it)."""
+    if given:
+        return given, "api_key="
+    if os.environ.get("FENCED_API_KEY"):
+        return os.environ["FENCED_API_KEY"], "$FENCED_API_KEY"
+    return url.password, "the URL's password"
+
 
 _OPTIONS: Final = MappingProxyType(
     {
@@ -87,9 +98,14 @@ class HttpBackend(Backend):
             raise ConfigurationError(f"{scheme}:// URL names no server")
         path = url.path.rstrip("/")
         bases = [f"{scheme}://{h}{path}" for h in hosts]
-        key = opts.get("api_key") or os.environ.get("FENCED_API_KEY") or url.password
+        key, where = _api_key(opts.get("api_key"), url)
         headers = {"user-agent": "fenced-python"}
         if key:
+            if not is_header_secret(key):  # (never shown: it is the secret)
+                raise ConfigurationError(
+                    f"{where}: an API key is visible ASCII, blanks inside only (an "
+                    "Authorization header carries it); this one has other characters"
+                )
             headers["authorization"] = f"Bearer {key}"
         timeout = opts["request_timeout"]
         client = httpx.AsyncClient(

@@ -250,11 +250,38 @@ def _signing_key(args: argparse.Namespace) -> Any:
     from .._core.signing import read_key
 
     if args.signing_key:
-        return read_key(args.signing_key, args.signing_key)
+        return read_key(args.signing_key, "--signing-key", path_shown=True)
     if os.environ.get("FENCED_SIGNING_KEY"):
         with _named("$FENCED_SIGNING_KEY"):
             return read_key(os.environ["FENCED_SIGNING_KEY"], "$FENCED_SIGNING_KEY")
     return None
+
+
+def _source_options(args: argparse.Namespace, key: Any) -> dict[str, Any]:
+    """connect()'s signing options of a command that signs: the key, --source-id and
+    --accept-unbound. Those two mean nothing without a key, and --accept-unbound nothing
+    without a source id (an unbound keyring accepts only unbound tokens anyway): refused,
+    not silently ignored ($FENCED_SOURCE_ID alone is shared configuration, and may be set
+    where nothing signs)."""
+    accept_unbound = bool(getattr(args, "accept_unbound", False))
+    if key is None:
+        if args.source_id or accept_unbound:
+            given = "--source-id" if args.source_id else "--accept-unbound"
+            raise ConfigurationError(
+                f"{given} needs a signing key (--signing-key or $FENCED_SIGNING_KEY): "
+                "without one, tokens are not signed"
+            )
+        return {}
+    source_id = _source_id(args)
+    if accept_unbound and source_id is None:
+        raise ConfigurationError(
+            "--accept-unbound needs --source-id (or $FENCED_SOURCE_ID): a source without an id "
+            "signs and accepts unbound tokens only"
+        )
+    options: dict[str, Any] = {"signing_key": key, "source_id": source_id}
+    if accept_unbound:
+        options["accept_unbound"] = True
+    return options
 
 
 def _with_origin(text: str, exc: BaseException) -> str:

@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     # another source, as guards and fenced serve's /v1/check refuse it.
     keys: list[Any] = []
     if args.verify_key:
-        keys = [verify_key(path) for path in args.verify_key]
+        keys = [verify_key(path, "--verify-key", path_shown=True) for path in args.verify_key]
     elif os.environ.get("FENCED_VERIFY_KEY"):
         with _named("$FENCED_VERIFY_KEY"):
             keys = [verify_key(os.environ["FENCED_VERIFY_KEY"], "$FENCED_VERIFY_KEY")]
@@ -90,6 +90,11 @@ def run(args: argparse.Namespace) -> int:
             key = read_key(os.environ["FENCED_SIGNING_KEY"], "$FENCED_SIGNING_KEY")
             keys = [public_half(key)]
     source_id = _source_id(args)
+    if keys and args.accept_unbound and not source_id:
+        raise ConfigurationError(
+            "--accept-unbound needs --source-id (or $FENCED_SOURCE_ID): a keyring without a "
+            "source accepts unbound tokens only"
+        )
     if keys:
         options["verify"] = Keyring(
             keys, source_id=source_id, accept_unbound=args.accept_unbound and bool(source_id)

@@ -35,8 +35,8 @@ from ._common import (
     _say,
     _shared_source_url,
     _signing_key,
-    _source_id,
     _source_id_argument,
+    _source_options,
     _timeout,
     _ttl,
     _url_arguments,
@@ -163,10 +163,8 @@ def run(args: argparse.Namespace) -> int:
     options: dict[str, Any] = {}
     if connect_timeout is not None:
         options["connect_timeout"] = connect_timeout
-    key = _signing_key(args)
-    if key is not None:
-        options["signing_key"] = key  # FENCING_TOKEN then carries the signed form
-        options["source_id"] = _source_id(args)
+    # (with a key, FENCING_TOKEN carries the signed form)
+    options.update(_source_options(args, _signing_key(args)))
     with _from_source(args), _sync.connect(url, **options) as locks:
         remaining = None if deadline is None else max(0.0, deadline - _clock.now())
         lease = locks.lock(

@@ -11,9 +11,10 @@ from ._common import (
     Subparsers,
     _body_limit,
     _read_timeout,
+    _signing_key,
     _source_arguments,
-    _source_id,
     _source_id_argument,
+    _source_options,
     _timeout,
     _ttl,
     _url,
@@ -189,11 +190,8 @@ def run(args: argparse.Namespace) -> int:
     if bool(args.tls_cert) != bool(args.tls_key):
         raise ConfigurationError("--tls-cert and --tls-key go together")
     options: dict[str, object] = {"connect_timeout": args.timeout}
-    key_file = args.signing_key or os.environ.get("FENCED_SIGNING_KEY")
-    if key_file:
-        options["signing_key"] = key_file
-        options["source_id"] = _source_id(args)
-        options["accept_unbound"] = args.accept_unbound
+    # (read here, so its errors name --signing-key or $FENCED_SIGNING_KEY, never its text)
+    options.update(_source_options(args, _signing_key(args)))
     settings = ServerSettings(
         url=_url(args),
         options=options,

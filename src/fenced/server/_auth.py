@@ -6,8 +6,10 @@ some lock-name prefixes.
     [[keys]]
     id = "billing"                         # shown in logs and metrics, never the secret
     sha256 = "9f86d081884c7d65..."         # of the secret (or: secret = "...", discouraged)
-    prefixes = ["invoices/", "billing"]    # lock names starting with one of these; "" = all
+    prefixes = ["invoices/", "billing"]    # required: lock names starting with one of these; "" = all
     verbs = ["acquire", "check"]           # acquire, check, admin, metrics
+
+``prefixes`` is required with ``acquire`` or ``check`` (no default: ``[""]`` says every lock).
 
 ``acquire`` covers acquire, renew, release and reading those locks; ``check`` covers
 ``/v1/check`` and reading (status, listing, watch); ``admin`` is everything (force release,
@@ -26,6 +28,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from .._core.backend import is_header_secret
 from .._core.errors import ConfigurationError
 
 __all__ = [
@@ -159,6 +162,12 @@ def _parse_key(path: str | Path, n: int, entry: Mapping[str, Any]) -> ApiKey:
         secret = entry["secret"]
         if not isinstance(secret, str) or len(secret) < 16:
             raise ConfigurationError(f"{where} ({key_id}): 'secret' must be 16+ characters")
+        if not is_header_secret(secret):
+            # (a client sends it in a header: other characters never arrive as written)
+            raise ConfigurationError(
+                f"{where} ({key_id}): 'secret' must be visible ASCII (no other characters, "
+                "no blanks around it), as an Authorization header carries it"
+            )
         digest = hashlib.sha256(secret.encode()).digest()
     else:
         text = entry["sha256"]
@@ -168,9 +177,6 @@ def _parse_key(path: str | Path, n: int, entry: Mapping[str, Any]) -> ApiKey:
             digest = b""
         if len(digest) != 32:
             raise ConfigurationError(f"{where} ({key_id}): 'sha256' must be 64 hex digits")
-    prefixes = entry.get("prefixes", [""])
-    if not isinstance(prefixes, list) or not all(isinstance(p, str) for p in prefixes):
-        raise ConfigurationError(f"{where} ({key_id}): 'prefixes' must be a list of strings")
     verbs_given = entry.get("verbs")
     if not isinstance(verbs_given, list) or not verbs_given:
         raise ConfigurationError(f"{where} ({key_id}): 'verbs' must be a non-empty list")
@@ -179,4 +185,14 @@ def _parse_key(path: str | Path, n: int, entry: Mapping[str, Any]) -> ApiKey:
     except ValueError:
         known = ", ".join(v.value for v in Verb)
         raise ConfigurationError(f"{where} ({key_id}): unknown verb; known: {known}") from None
+    # A lock verb without prefixes is refused, not taken for every lock (fails closed): the
+    # file must say so. admin (every lock) and metrics (none) need none.
+    if "prefixes" not in entry and verbs & {Verb.ACQUIRE, Verb.CHECK} and Verb.ADMIN not in verbs:
+        raise ConfigurationError(
+            f"{where} ({key_id}): no 'prefixes': write prefixes = [\"\"] for every lock, or "
+            "the lock-name prefixes it may use"
+        )
+    prefixes = entry.get("prefixes", [])
+    if not isinstance(prefixes, list) or not all(isinstance(p, str) for p in prefixes):
+        raise ConfigurationError(f"{where} ({key_id}): 'prefixes' must be a list of strings")
     return ApiKey(key_id, digest, tuple(prefixes), verbs)
