@@ -68,6 +68,9 @@ __all__ = [
 ]
 
 _MAX_LATE_GRANTS: Final = 3
+_ACQUIRE_GRACE: Final = 2.0
+"""Seconds past its deadline an acquire's call to its source may take at most (each source
+bounds its own by the deadline + 1 s: this is the backstop)."""
 _CLOSE_SETTLE: Final = 5.0
 """Seconds close() gives the acquires and releases in flight to end before it releases the
 leases held and closes the source (each call is bounded by its source's own timeout too)."""
@@ -325,18 +328,22 @@ class AsyncLease:
             try:
                 while True:
                     try:
-                        grant = await backend.acquire(
-                            self.name,
-                            request_id=request_id,
-                            # Lock-delay: the source keeps the grant ``lock_delay`` past the
-                            # holder's own view of it (which stays ``ttl``), so after an expiry
-                            # no one else is granted it for that long, by the source's clock; a
-                            # release frees it at once.
-                            ttl=self.ttl + self.lock_delay,
-                            deadline=deadline,
-                            on_lost=on_lost,
-                            owner=self.owner,
-                        )
+                        # Each source bounds its calls by the deadline (+ 1 s for a last
+                        # answer); this is the backstop for one that does not, so that a
+                        # user's timeout is honoured whatever the source.
+                        async with _until(deadline, self.name, backend.scheme):
+                            grant = await backend.acquire(
+                                self.name,
+                                request_id=request_id,
+                                # Lock-delay: the source keeps the grant ``lock_delay`` past
+                                # the holder's own view of it (which stays ``ttl``), so after
+                                # an expiry no one else is granted it for that long, by the
+                                # source's clock; a release frees it at once.
+                                ttl=self.ttl + self.lock_delay,
+                                deadline=deadline,
+                                on_lost=on_lost,
+                                owner=self.owner,
+                            )
                     except BackendUnavailable:
                         # A closed connection will not come back: only a dead source is retried.
                         # (a whole pause or none: waking at the deadline leaves no time to try)
@@ -1173,6 +1180,28 @@ def _wants_token(fn: Callable[..., Any]) -> bool:
         return "token" in inspect.signature(fn).parameters
     except (TypeError, ValueError):  # a builtin without a signature
         return False
+
+
+@contextlib.asynccontextmanager
+async def _until(deadline: float | None, name: str, scheme: str) -> AsyncIterator[None]:
+    """Bound an acquire's call to its source by the deadline + :data:`_ACQUIRE_GRACE`; past
+    it, BackendUnavailable (the source's own undo of an abandoned acquire runs as for a
+    cancellation)."""
+    if deadline is None:
+        yield
+        return
+    try:
+        async with asyncio.timeout_at(
+            asyncio.get_running_loop().time() + max(deadline - _clock.now(), 0.0) + _ACQUIRE_GRACE
+        ) as limit:
+            yield
+    except TimeoutError:
+        if not limit.expired():
+            raise
+        raise BackendUnavailable(
+            f"acquire of {name!r}: the {scheme} source gave no answer within the acquire's "
+            f"timeout + {_ACQUIRE_GRACE:g} s"
+        ) from None
 
 
 def _current_task() -> asyncio.Task[Any] | None:

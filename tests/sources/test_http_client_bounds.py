@@ -1,0 +1,71 @@
+"""The ``http://`` source when its gateway hangs (a real ``fenced serve`` stopped with SIGSTOP:
+it accepts connections in the kernel but never answers): an acquire's timeout is honoured
+(+ 1 s for a last answer, as on the other sources), every other call is bounded by
+``request_timeout``, and the error names what ran out. Before: ``acquire(timeout=2)`` took
+12 s, ``acquire(timeout=0)`` 10 s, with ``BackendUnavailable(... ReadTimeout: )``."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import fenced
+from fenced.testing.servers import FencedServer
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[FencedServer]:
+    with FencedServer(f"sqlite:///{tmp_path / 'locks.db'}") as s:
+        yield s  # type: ignore[misc]
+
+
+def _timed(fn: object) -> tuple[float, BaseException | None]:
+    start = time.monotonic()
+    try:
+        fn()  # type: ignore[operator]
+    except fenced.FencedError as exc:
+        return time.monotonic() - start, exc
+    return time.monotonic() - start, None
+
+
+@pytest.mark.parametrize("timeout", [0.0, 2.0])
+def test_an_acquire_from_a_hung_gateway_ends_at_its_timeout(
+    server: FencedServer, timeout: float
+) -> None:
+    with fenced.connect(server.url) as locks:
+        assert locks.status("free").holder is None  # (the connection is open)
+        server.pause()
+        try:
+            took, err = _timed(lambda: locks.lock("l").acquire(timeout=timeout))
+        finally:
+            server.resume()
+        assert isinstance(err, fenced.BackendUnavailable), err
+        assert "no answer within" in str(err) and "the acquire's timeout + 1 s" in str(err)
+        assert "\n" not in str(err)
+        assert timeout + 0.8 <= took <= timeout + 2.0, took  # (10-12 s before)
+        # The rightful case: the gateway answers again, and the same call gets a lock. (Not
+        # "l": the request given up on reached the gateway when it woke, and may have been
+        # granted; that grant ends with its ttl, as any whose answer was lost.)
+        lease = locks.lock("m")
+        assert lease.acquire(timeout=timeout).value >= 1
+        assert lease.release()
+
+
+def test_other_calls_to_a_hung_gateway_end_at_request_timeout(server: FencedServer) -> None:
+    with fenced.connect(server.url, request_timeout=1.5) as locks:
+        lease = locks.lock("l", ttl=30, auto_renew=False)
+        lease.acquire()
+        server.pause()
+        try:
+            for call in (lease.renew, lambda: locks.status("l")):
+                took, err = _timed(call)
+                assert isinstance(err, fenced.BackendUnavailable), err
+                assert "no answer within 1.5 s (request_timeout)" in str(err)
+                assert 1.3 <= took <= 3.0, took
+        finally:
+            server.resume()
+        assert lease.renew() > 0  # answered again: the lease was never lost
+        assert lease.release()
