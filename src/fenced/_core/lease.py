@@ -32,10 +32,12 @@ from .backend import (
 )
 from .backoff import Backoff
 from .errors import (
+    AccessDenied,
     BackendUnavailable,
     ConfigurationError,
     FencedError,
     FenceError,
+    InvalidTokenError,
     LeaseLostError,
     NotHeldError,
 )
@@ -68,6 +70,12 @@ __all__ = [
 ]
 
 _MAX_LATE_GRANTS: Final = 3
+_FINAL_REFUSALS: Final = (InvalidTokenError, AccessDenied, ConfigurationError)
+"""What a renewal may be refused with, besides LeaseLostError (not the holder), that asking
+again cannot change: the source no longer takes the grant's token (a ``fenced serve``
+restarted with signing newly on, a rotated key, another source id), this client's
+credentials, or the request (a ``fenced serve`` restarted with a lower maximum ttl). The lease is lost at once, as the JavaScript and Java clients do;
+BackendUnavailable and timeouts are asked again while the lease lasts."""
 _ACQUIRE_GRACE: Final = 2.0
 """Seconds past its deadline an acquire's call to its source may take at most (each source
 bounds its own by the deadline + 1 s: this is the backstop)."""
@@ -429,7 +437,10 @@ class AsyncLease:
         self._check_fork()
         grant = self._require_held()
         try:
-            new = await self._locks._backend_or_fail().renew(grant)
+            try:
+                new = await self._locks._backend_or_fail().renew(grant)
+            except _FINAL_REFUSALS as exc:
+                raise self._refused(exc) from exc
         except LeaseLostError as exc:
             # Only if it is still the grant we renewed: a release() and acquire() may have
             # run while this renewal was in flight, and the new grant is not lost.
@@ -490,7 +501,14 @@ class AsyncLease:
         """End a ``with`` block: release; if the body succeeded but the lease was lost while
         it ran, raise :class:`~fenced.LeaseLostError` (the block ran partly unprotected)."""
         if exc is None:
-            await self.release()
+            try:
+                await self.release()
+            except FencedError:
+                # A release refused after the lease was lost (credentials revoked, say) must
+                # not hide the loss: the block's outcome is the loss.
+                if self.lost.cause is None:
+                    raise
+                logger.debug("release %s after its loss failed", self.name, exc_info=True)
             cause = self.lost.cause
             if cause is not None:
                 raise LeaseLostError(
@@ -536,8 +554,14 @@ class AsyncLease:
             except LeaseLostError as exc:
                 self._mark_lost(exc)
                 return
+            except _FINAL_REFUSALS as exc:
+                self._mark_lost(self._refused(exc))
+                return
             except (BackendUnavailable, TimeoutError) as exc:
                 logger.debug("renew %s failed: %r", self.name, exc)
+                state.renew_failed(_clock.now())
+            except FencedError as exc:  # (a source's error that may pass: asked again)
+                logger.warning("renew %s failed: %s: %s", self.name, type(exc).__name__, exc)
                 state.renew_failed(_clock.now())
             except Exception as exc:  # a bug in a backend must not silently stop renewals
                 logger.exception("renew %s failed unexpectedly", self.name)
@@ -547,6 +571,15 @@ class AsyncLease:
                     return
             else:
                 state.renewed(new)
+
+    def _refused(self, exc: BaseException) -> LeaseLostError:
+        """The loss a final refusal of a renewal stands for, its reason kept (as cause)."""
+        lost = LeaseLostError(
+            f"lease on {self.name!r} lost: the source refused its renewal: "
+            f"{type(exc).__name__}: {exc}"
+        )
+        lost.__cause__ = exc
+        return lost
 
     def _arm_watchdog(self) -> None:
         """Without auto-renew, still report the loss when the lease runs out."""

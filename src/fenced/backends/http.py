@@ -251,16 +251,26 @@ class HttpBackend(Backend):
         if ttl is not None:
             body["ttl"] = ttl
         sent = _clock.now()
-        got = await self._call(
-            "POST", f"/v1/locks/{_path(grant.token.lock)}/-/renew", body, idempotent=True
-        )
+        try:
+            got = await self._call(
+                "POST", f"/v1/locks/{_path(grant.token.lock)}/-/renew", body, idempotent=True
+            )
+        except InvalidTokenError as exc:
+            # Final: a server restarted signing otherwise (newly, another key or source id)
+            # never takes this grant's token again.
+            raise LeaseLostError(
+                f"the fenced server refused the grant's token (400 invalid_token): {exc}"
+            ) from exc
         return Grant(grant.token, grant.request_id, float(got["ttl"]), sent, grant.handle)
 
     async def release(self, grant: Grant) -> bool:
         body = {"token": str(grant.token), "request_id": grant.request_id}
-        got = await self._call(
-            "POST", f"/v1/locks/{_path(grant.token.lock)}/-/release", body, idempotent=False
-        )
+        try:
+            got = await self._call(
+                "POST", f"/v1/locks/{_path(grant.token.lock)}/-/release", body, idempotent=False
+            )
+        except InvalidTokenError:
+            return False  # (the server no longer takes the grant's token: not released by it)
         return bool(got["released"])
 
     async def status(self, name: str) -> LockStatus:
