@@ -169,7 +169,8 @@ class HttpBackend(Backend):
                     raise  # (someone else's timeout: the caller's)
                 last = exc
                 if isinstance(exc, TimeoutError | httpx.TimeoutException):
-                    last = _Unanswered(f"{base}: no answer within {bound:.3g} s ({what})")
+                    said = f": {exc}" if str(exc) else ""  # (httpx's own say nothing)
+                    last = _Unanswered(f"{base}: no answer within {bound:.3g} s ({what}){said}")
                 if idempotent:
                     continue
                 raise BackendUnavailable(_describe(last)) from exc
