@@ -69,3 +69,26 @@ def test_other_calls_to_a_hung_gateway_end_at_request_timeout(server: FencedServ
             server.resume()
         assert lease.renew() > 0  # answered again: the lease was never lost
         assert lease.release()
+
+
+def test_the_lease_core_bounds_a_source_that_ignores_the_deadline(
+    server: FencedServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The backstop: a source whose calls ignore the acquire's deadline (planted: the http
+    source's bound made a minute) still gives up at the timeout + 2 s, a typed one line."""
+    from fenced.backends.http import HttpBackend
+
+    monkeypatch.setattr(HttpBackend, "_bound", lambda self, wait, deadline: (60.0, "planted"))
+    with fenced.connect(server.url) as locks:
+        assert locks.status("free").holder is None
+        server.pause()
+        try:
+            took, err = _timed(lambda: locks.lock("l").acquire(timeout=1))
+        finally:
+            server.resume()
+        assert isinstance(err, fenced.BackendUnavailable), err
+        assert "within the acquire's timeout + 2 s" in str(err), str(err)
+        assert 2.8 <= took <= 4.5, took
+        lease = locks.lock("m")
+        assert lease.acquire(timeout=5).value >= 1
+        assert lease.release()
