@@ -92,3 +92,22 @@ def test_the_lease_core_bounds_a_source_that_ignores_the_deadline(
         lease = locks.lock("m")
         assert lease.acquire(timeout=5).value >= 1
         assert lease.release()
+
+
+def test_a_renewal_moves_on_from_a_hung_gateway_to_the_next(tmp_path: Path) -> None:
+    """Without a deadline each gateway gets its own ``request_timeout``: a renewal whose
+    gateway hangs is sent to the next one (same source) and confirmed there."""
+    source = f"sqlite:///{tmp_path / 'shared.db'}"
+    with FencedServer(source) as a, FencedServer(source) as b:
+        hosts = f"127.0.0.1:{a.port},127.0.0.1:{b.port}"
+        with fenced.connect(f"http://{hosts}", request_timeout=1.5) as locks:
+            lease = locks.lock("l", ttl=30, auto_renew=False)
+            lease.acquire(timeout=5)  # (through a: the first listed)
+            a.pause()
+            try:
+                start = time.monotonic()
+                assert lease.renew() > 0
+                assert 1.3 <= time.monotonic() - start <= 4.0
+            finally:
+                a.resume()
+            assert lease.release()

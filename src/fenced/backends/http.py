@@ -135,15 +135,16 @@ class HttpBackend(Backend):
         deadline: float | None = None,
     ) -> Any:
         """One request, moved on to the next gateway when one cannot be reached; the answer's
-        JSON, or the error it stands for. Bounded as a whole (connecting, sending, waiting
-        for the answer, on every gateway tried) by :meth:`_bound`."""
+        JSON, or the error it stands for. Each request is bounded as a whole (connecting,
+        sending, waiting for the answer) by :meth:`_bound`: on each gateway tried, or with an
+        acquire's deadline, on all of them together."""
         self._check_open()
         bound, what = self._bound(wait, deadline)
-        end = _clock.now() + bound
+        end = None if deadline is None else _clock.now() + bound
         last: Exception | None = None
         for i in range(len(self._bases)):
             base = self._bases[(self._current + i) % len(self._bases)]
-            left = end - _clock.now()
+            left = bound if end is None else end - _clock.now()
             if left <= 0:
                 break
             try:
