@@ -6,12 +6,17 @@ as the documented paths do, out of the OpenAPI document."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
+import pytest
 from fastapi.routing import APIRoute
 
+import fenced
 from fenced.server import ServerSettings, create_app
+from fenced.testing.servers import FencedServer
 
 LEGACY = {
     "/v1/locks/{name:lock}/acquire": "/v1/locks/{name:lock}/-/acquire",
@@ -153,3 +158,41 @@ def test_the_collector_does_not_walk_the_servers_modules_as_they_are_imported(
     assert int(runs) == 0, line
     assert int(frozen) > 50_000, line
     assert enabled == "True", line
+
+
+@pytest.mark.parametrize(
+    ("url", "code", "says"),
+    [
+        ("redis://127.0.0.1:1/0", 69, "token source unavailable: redis at 127.0.0.1:1"),
+        ("sqlite:////nonexistent-dir/x.db", 2, "directory /nonexistent-dir"),
+    ],
+    ids=["unreachable", "bad-path"],
+)
+def test_a_source_that_cannot_be_opened_is_one_line_and_the_clis_exit_code(
+    url: str, code: int, says: str
+) -> None:
+    """A real ``fenced serve`` whose source cannot be opened ends with fenced's one line and
+    exit code (69 unavailable, 2 configuration), not uvicorn's 25-75 line traceback of its
+    lifespan and exit 3."""
+    serve = ["serve", "--url", url, "--timeout", "1", "--listen", "127.0.0.1:0"]
+    r = subprocess.run(
+        [sys.executable, "-m", "fenced", *serve],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == code, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    failure = [line for line in r.stderr.splitlines() if "Started server process" not in line]
+    assert len(failure) == 1 and failure[0].startswith("fenced: ") and says in failure[0], r.stderr
+
+
+def test_a_source_that_opens_is_served(tmp_path: Path) -> None:
+    """The rightful case, the source opened before uvicorn's lifespan (which finds it open)."""
+    with (
+        FencedServer(f"sqlite:///{tmp_path / 'l.db'}") as server,
+        fenced.connect(server.url) as locks,
+    ):
+        lease = locks.lock("l")
+        assert lease.acquire(timeout=5).value == 1
+        assert lease.release()

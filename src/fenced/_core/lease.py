@@ -32,10 +32,12 @@ from .backend import (
 )
 from .backoff import Backoff
 from .errors import (
+    AccessDenied,
     BackendUnavailable,
     ConfigurationError,
     FencedError,
     FenceError,
+    InvalidTokenError,
     LeaseLostError,
     NotHeldError,
 )
@@ -68,6 +70,15 @@ __all__ = [
 ]
 
 _MAX_LATE_GRANTS: Final = 3
+_FINAL_REFUSALS: Final = (InvalidTokenError, AccessDenied, ConfigurationError)
+"""What a renewal may be refused with, besides LeaseLostError (not the holder), that asking
+again cannot change: the source no longer takes the grant's token (a ``fenced serve``
+restarted with signing newly on, a rotated key, another source id), this client's
+credentials, or the request (a ``fenced serve`` restarted with a lower maximum ttl). The lease is lost at once, as the JavaScript and Java clients do;
+BackendUnavailable and timeouts are asked again while the lease lasts."""
+_ACQUIRE_GRACE: Final = 2.0
+"""Seconds past its deadline an acquire's call to its source may take at most (each source
+bounds its own by the deadline + 1 s: this is the backstop)."""
 _CLOSE_SETTLE: Final = 5.0
 """Seconds close() gives the acquires and releases in flight to end before it releases the
 leases held and closes the source (each call is bounded by its source's own timeout too)."""
@@ -325,18 +336,22 @@ class AsyncLease:
             try:
                 while True:
                     try:
-                        grant = await backend.acquire(
-                            self.name,
-                            request_id=request_id,
-                            # Lock-delay: the source keeps the grant ``lock_delay`` past the
-                            # holder's own view of it (which stays ``ttl``), so after an expiry
-                            # no one else is granted it for that long, by the source's clock; a
-                            # release frees it at once.
-                            ttl=self.ttl + self.lock_delay,
-                            deadline=deadline,
-                            on_lost=on_lost,
-                            owner=self.owner,
-                        )
+                        # Each source bounds its calls by the deadline (+ 1 s for a last
+                        # answer); this is the backstop for one that does not, so that a
+                        # user's timeout is honoured whatever the source.
+                        async with _until(deadline, self.name, backend.scheme):
+                            grant = await backend.acquire(
+                                self.name,
+                                request_id=request_id,
+                                # Lock-delay: the source keeps the grant ``lock_delay`` past
+                                # the holder's own view of it (which stays ``ttl``), so after
+                                # an expiry no one else is granted it for that long, by the
+                                # source's clock; a release frees it at once.
+                                ttl=self.ttl + self.lock_delay,
+                                deadline=deadline,
+                                on_lost=on_lost,
+                                owner=self.owner,
+                            )
                     except BackendUnavailable:
                         # A closed connection will not come back: only a dead source is retried.
                         # (a whole pause or none: waking at the deadline leaves no time to try)
@@ -422,7 +437,10 @@ class AsyncLease:
         self._check_fork()
         grant = self._require_held()
         try:
-            new = await self._locks._backend_or_fail().renew(grant)
+            try:
+                new = await self._locks._backend_or_fail().renew(grant)
+            except _FINAL_REFUSALS as exc:
+                raise self._refused(exc) from exc
         except LeaseLostError as exc:
             # Only if it is still the grant we renewed: a release() and acquire() may have
             # run while this renewal was in flight, and the new grant is not lost.
@@ -483,7 +501,14 @@ class AsyncLease:
         """End a ``with`` block: release; if the body succeeded but the lease was lost while
         it ran, raise :class:`~fenced.LeaseLostError` (the block ran partly unprotected)."""
         if exc is None:
-            await self.release()
+            try:
+                await self.release()
+            except FencedError:
+                # A release refused after the lease was lost (credentials revoked, say) must
+                # not hide the loss: the block's outcome is the loss.
+                if self.lost.cause is None:
+                    raise
+                logger.debug("release %s after its loss failed", self.name, exc_info=True)
             cause = self.lost.cause
             if cause is not None:
                 raise LeaseLostError(
@@ -529,8 +554,14 @@ class AsyncLease:
             except LeaseLostError as exc:
                 self._mark_lost(exc)
                 return
+            except _FINAL_REFUSALS as exc:
+                self._mark_lost(self._refused(exc))
+                return
             except (BackendUnavailable, TimeoutError) as exc:
                 logger.debug("renew %s failed: %r", self.name, exc)
+                state.renew_failed(_clock.now())
+            except FencedError as exc:  # (a source's error that may pass: asked again)
+                logger.warning("renew %s failed: %s: %s", self.name, type(exc).__name__, exc)
                 state.renew_failed(_clock.now())
             except Exception as exc:  # a bug in a backend must not silently stop renewals
                 logger.exception("renew %s failed unexpectedly", self.name)
@@ -540,6 +571,15 @@ class AsyncLease:
                     return
             else:
                 state.renewed(new)
+
+    def _refused(self, exc: BaseException) -> LeaseLostError:
+        """The loss a final refusal of a renewal stands for, its reason kept (as cause)."""
+        lost = LeaseLostError(
+            f"lease on {self.name!r} lost: the source refused its renewal: "
+            f"{type(exc).__name__}: {exc}"
+        )
+        lost.__cause__ = exc
+        return lost
 
     def _arm_watchdog(self) -> None:
         """Without auto-renew, still report the loss when the lease runs out."""
@@ -1181,6 +1221,28 @@ def _wants_token(fn: Callable[..., Any]) -> bool:
         return "token" in inspect.signature(fn).parameters
     except (TypeError, ValueError):  # a builtin without a signature
         return False
+
+
+@contextlib.asynccontextmanager
+async def _until(deadline: float | None, name: str, scheme: str) -> AsyncIterator[None]:
+    """Bound an acquire's call to its source by the deadline + :data:`_ACQUIRE_GRACE`; past
+    it, BackendUnavailable (the source's own undo of an abandoned acquire runs as for a
+    cancellation)."""
+    if deadline is None:
+        yield
+        return
+    try:
+        async with asyncio.timeout_at(
+            asyncio.get_running_loop().time() + max(deadline - _clock.now(), 0.0) + _ACQUIRE_GRACE
+        ) as limit:
+            yield
+    except TimeoutError:
+        if not limit.expired():
+            raise
+        raise BackendUnavailable(
+            f"acquire of {name!r}: the {scheme} source gave no answer within the acquire's "
+            f"timeout + {_ACQUIRE_GRACE:g} s"
+        ) from None
 
 
 def _current_task() -> asyncio.Task[Any] | None:

@@ -15,6 +15,7 @@ answer False for a grant it did release.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import ssl
 from collections.abc import Mapping
@@ -147,21 +148,32 @@ class HttpBackend(Backend):
         idempotent: bool,
         wait: float = 0.0,
         params: dict[str, str] | None = None,
+        deadline: float | None = None,
     ) -> Any:
         """One request, moved on to the next gateway when one cannot be reached; the answer's
-        JSON, or the error it stands for."""
+        JSON, or the error it stands for. Each request is bounded as a whole (connecting,
+        sending, waiting for the answer) by :meth:`_bound`: on each gateway tried, or with an
+        acquire's deadline, on all of them together."""
         self._check_open()
+        bound, what = self._bound(wait, deadline)
+        end = None if deadline is None else _clock.now() + bound
         last: Exception | None = None
         for i in range(len(self._bases)):
             base = self._bases[(self._current + i) % len(self._bases)]
+            left = bound if end is None else end - _clock.now()
+            if left <= 0:
+                break
             try:
-                reply = await self._client.request(
-                    method,
-                    base + path,
-                    json=body,
-                    params=params,
-                    timeout=httpx.Timeout(self._timeout + wait, connect=self._timeout),
-                )
+                # httpx's own timeouts are per phase (a read's resets at every byte):
+                # asyncio's bounds the whole request.
+                async with asyncio.timeout(left) as limit:
+                    reply = await self._client.request(
+                        method,
+                        base + path,
+                        json=body,
+                        params=params,
+                        timeout=httpx.Timeout(left),
+                    )
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 last = exc  # never sent: safe to send elsewhere
                 continue
@@ -169,20 +181,36 @@ class HttpBackend(Backend):
                 raise BackendUnavailable(
                     f"{base}: all {_MAX_CONNECTIONS} connections busy for the whole timeout"
                 ) from exc
-            except httpx.TransportError as exc:
+            except (httpx.TransportError, TimeoutError) as exc:
+                if isinstance(exc, TimeoutError) and not limit.expired():
+                    raise  # (someone else's timeout: the caller's)
                 last = exc
+                if isinstance(exc, TimeoutError | httpx.TimeoutException):
+                    said = f": {exc}" if str(exc) else ""  # (httpx's own say nothing)
+                    last = _Unanswered(f"{base}: no answer within {bound:.3g} s ({what}){said}")
                 if idempotent:
                     continue
-                raise BackendUnavailable(f"{base}: {type(exc).__name__}: {exc}") from exc
+                raise BackendUnavailable(_describe(last)) from exc
             self._current = (self._current + i) % len(self._bases)
             if reply.status_code == 503 and idempotent and i + 1 < len(self._bases):
                 last = BackendUnavailable(_message(reply))
                 continue
             return _answer(reply)
-        what = f"{type(last).__name__}: {last}" if last is not None else "no server listed"
+        reason = _describe(last) if last is not None else f"no time left ({what})"
         raise BackendUnavailable(
-            f"no fenced server answered ({', '.join(self._bases)}): {what}"
+            f"no fenced server answered ({', '.join(self._bases)}): {reason}"
         ) from last
+
+    def _bound(self, wait: float, deadline: float | None) -> tuple[float, str]:
+        """How long one call may take in all (and what says so): ``request_timeout`` (past a
+        long poll's own ``wait``), or an acquire's timeout + 1 s if shorter: a last try gets
+        a fair chance to answer, as on the other sources (Redis, PostgreSQL)."""
+        own = wait + self._timeout
+        if deadline is not None:
+            left = max(deadline - _clock.now(), wait)
+            if left + 1.0 < own:
+                return left + 1.0, "the acquire's timeout + 1 s"
+        return own, "request_timeout"
 
     # -- the Backend API -------------------------------------------------------------------------
 
@@ -205,7 +233,9 @@ class HttpBackend(Backend):
                 body["owner"] = owner
             sent = _clock.now()
             try:
-                got = await self._call("POST", path, body, idempotent=True, wait=wait)
+                got = await self._call(
+                    "POST", path, body, idempotent=True, wait=wait, deadline=deadline
+                )
             except LockTimeout:
                 if deadline is not None and _clock.now() >= deadline:
                     raise
@@ -239,16 +269,26 @@ class HttpBackend(Backend):
         if ttl is not None:
             body["ttl"] = ttl
         sent = _clock.now()
-        got = await self._call(
-            "POST", f"/v1/locks/{_path(grant.token.lock)}/-/renew", body, idempotent=True
-        )
+        try:
+            got = await self._call(
+                "POST", f"/v1/locks/{_path(grant.token.lock)}/-/renew", body, idempotent=True
+            )
+        except InvalidTokenError as exc:
+            # Final: a server restarted signing otherwise (newly, another key or source id)
+            # never takes this grant's token again.
+            raise LeaseLostError(
+                f"the fenced server refused the grant's token (400 invalid_token): {exc}"
+            ) from exc
         return Grant(grant.token, grant.request_id, float(got["ttl"]), sent, grant.handle)
 
     async def release(self, grant: Grant) -> bool:
         body = {"token": str(grant.token), "request_id": grant.request_id}
-        got = await self._call(
-            "POST", f"/v1/locks/{_path(grant.token.lock)}/-/release", body, idempotent=False
-        )
+        try:
+            got = await self._call(
+                "POST", f"/v1/locks/{_path(grant.token.lock)}/-/release", body, idempotent=False
+            )
+        except InvalidTokenError:
+            return False  # (the server no longer takes the grant's token: not released by it)
         return bool(got["released"])
 
     async def status(self, name: str) -> LockStatus:
@@ -305,6 +345,18 @@ def _tls_context(ca_file: str | None) -> ssl.SSLContext:
 
 def _path(name: str) -> str:
     return quote(name, safe="/:@+=")
+
+
+class _Unanswered(Exception):
+    """A gateway that did not answer within the call's bound (says which bound)."""
+
+
+def _describe(exc: Exception) -> str:
+    """An error of the transport in one line, never an empty message (httpx's timeouts
+    have none)."""
+    if isinstance(exc, _Unanswered | BackendUnavailable):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 def _message(reply: httpx.Response) -> str:

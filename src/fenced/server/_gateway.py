@@ -183,6 +183,10 @@ class Gateway:
         return n if isinstance(n, int) else None
 
     async def start(self) -> None:
+        """Open the source and start the sweep (once: ``fenced serve`` opens it before
+        uvicorn's lifespan, which calls this again, so that a failure is one line)."""
+        if self._sweeper is not None:
+            return
         self.loop = asyncio.get_running_loop()
         await self.locks.open()
         self._backend = await self.locks.opened_backend()

@@ -4,6 +4,7 @@ port it got), TLS by uvicorn's own options, logs as text or JSON lines."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import io
 import ipaddress
@@ -14,7 +15,7 @@ import sys
 import time
 from typing import Any
 
-from .._core.errors import ConfigurationError
+from .._core.errors import ConfigurationError, FencedError
 from .._core.portal import mark_private
 from ._app import ServerSettings, create_app
 from ._http import http_protocol
@@ -312,11 +313,25 @@ def serve(
 
     # Said once the app has started (the source is open), on stderr, for people and scripts.
     original = server.startup
+    not_opened: list[FencedError] = []
+    gateway = app.state.gateway
 
     async def startup(sockets: list[socket.socket] | None = None) -> None:
         # Only fenced's code runs on this loop: the SQLite source may commit there, once per
         # turn of the loop for every write the turn gathered (no worker thread to wait for).
         mark_private(asyncio.get_running_loop(), commit_per_turn=True)
+        # The source is opened here, before uvicorn's lifespan (whose start then finds it
+        # open): a source that cannot be opened (down, a bad path, refused credentials) is
+        # raised after the loop as fenced's typed error, one line and the CLI's exit code,
+        # not uvicorn's traceback of its lifespan and exit 3.
+        try:
+            await gateway.start()
+        except FencedError as exc:
+            not_opened.append(exc)
+            with contextlib.suppress(Exception):
+                await gateway.stop()
+            server.should_exit = True
+            return
         await original(sockets=sockets)
         for handler in logging.getLogger("fenced").handlers:  # (the lines before it first)
             if isinstance(handler, _PerTurnHandler):
@@ -333,7 +348,6 @@ def serve(
     # On SIGTERM/SIGINT, long polls (acquires, watches) end at once with 503 instead of
     # holding the shutdown for the grace period; the lifespan then closes the source.
     handle_exit = server.handle_exit
-    gateway = app.state.gateway
 
     def on_exit(sig: int, frame: Any) -> None:
         handle_exit(sig, frame)
@@ -343,5 +357,7 @@ def serve(
 
     server.handle_exit = on_exit  # type: ignore[method-assign]
     server.run(sockets=[sock])
+    if not_opened:
+        raise not_opened[0]
     if not server.started:
         raise SystemExit(70)
