@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 
 from .._core.errors import ConfigurationError
 from ._common import (
