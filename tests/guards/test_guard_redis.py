@@ -890,3 +890,172 @@ async def test_async_guard_write_right_after_the_server_closed_its_idle_connecti
         admin.close()
         await client.aclose()
         server.close()
+
+
+# --- closing a guard while others of the same client write ------------------------------------
+
+# A guarded write that runs on the server for a second (busy in Lua), so that another guard can
+# be closed while it is in flight.
+SLOW_INCR = """
+local t = redis.call('TIME')
+local start = t[1] * 1000000 + t[2]
+repeat t = redis.call('TIME') until t[1] * 1000000 + t[2] - start > 1000000
+return redis.call('INCRBY', KEYS[1], 1)
+"""
+
+
+def _script_running(admin: redis.Redis) -> bool:
+    """True once the server answers BUSY: a script is running (busy-reply-threshold 100 ms)."""
+    try:
+        admin.ping()
+    except redis.ResponseError as exc:
+        return "BUSY" in str(exc)
+    return False
+
+
+@contextlib.contextmanager
+def _busy_replies(admin: redis.Redis) -> Iterator[None]:
+    admin.config_set("busy-reply-threshold", 100)
+    try:
+        yield
+    finally:
+        wait_for(lambda: not _script_running(admin), what="the script to end")
+        admin.config_set("busy-reply-threshold", 5000)
+
+
+def test_closing_a_guard_leaves_another_guards_write_in_flight(
+    own_server: RedisServer, own_client: redis.Redis
+) -> None:
+    """A guard per request on one app client: closing one guard closed the shared no-retry
+    pool's connections in use, cutting the other guards' writes in flight (raw ValueError /
+    AttributeError, some of them applied). The write in flight is applied and acknowledged
+    once; the closed guard writes again on a new connection; a stale token is still refused."""
+    import threading
+
+    client = redis.Redis(port=own_server.port)
+    writing = RedisGuard(client, unique_name("res"), lock=LOCK)
+    closing = RedisGuard(client, unique_name("res"), lock=LOCK)
+    key = f"{{{writing.resource}}}:n"
+    result: dict[str, object] = {}
+
+    def write() -> None:
+        try:
+            result["ok"] = writing.eval(SLOW_INCR, [key], [], token=tok(3))
+        except Exception as exc:  # (the test reports it)
+            result["error"] = exc
+
+    try:
+        with _busy_replies(own_client):
+            thread = threading.Thread(target=write)
+            thread.start()
+            wait_for(lambda: _script_running(own_client), what="the slow write on the server")
+            closing.close()
+            thread.join(10)
+        assert result == {"ok": 1}
+        assert own_client.get(key) == b"1"
+        k2 = f"{{{closing.resource}}}:n"
+        assert closing.incrby(k2, 1, token=tok(3)) == 1  # reconnects after close
+        with pytest.raises(StaleTokenError):
+            writing.incrby(key, 1, token=tok(2))
+        assert own_client.get(key) == b"1"
+    finally:
+        client.close()
+
+
+async def test_async_closing_a_guard_leaves_another_guards_write_in_flight(
+    own_server: RedisServer, own_client: redis.Redis
+) -> None:
+    """:func:`test_closing_a_guard_leaves_another_guards_write_in_flight` for AsyncRedisGuard
+    (there the cut write failed as 'Connection closed by server')."""
+    import asyncio
+
+    client = redis.asyncio.Redis(port=own_server.port)
+    writing = AsyncRedisGuard(client, unique_name("res"), lock=LOCK)
+    closing = AsyncRedisGuard(client, unique_name("res"), lock=LOCK)
+    key = f"{{{writing.resource}}}:n"
+    try:
+        with _busy_replies(own_client):
+            task = asyncio.ensure_future(writing.eval(SLOW_INCR, [key], [], token=tok(3)))
+            await asyncio.to_thread(
+                wait_for, lambda: _script_running(own_client), 10.0, "the slow write"
+            )
+            await closing.aclose()
+            assert await asyncio.wait_for(task, 10) == 1
+        assert own_client.get(key) == b"1"
+        k2 = f"{{{closing.resource}}}:n"
+        assert await closing.incrby(k2, 1, token=tok(3)) == 1
+        with pytest.raises(StaleTokenError):
+            await writing.incrby(key, 1, token=tok(2))
+        assert own_client.get(key) == b"1"
+    finally:
+        await client.aclose()
+
+
+class _CutBeforeReply(redis.Connection):
+    """A real connection, disconnected (as another thread's ``pool.disconnect()`` does) after
+    the request is sent and before its reply is read, when ``cut`` is set."""
+
+    cut = False
+
+    def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        if type(self).cut:
+            type(self).cut = False
+            self.disconnect()  # type: ignore[no-untyped-call]
+        return super().read_response(*args, **kwargs)
+
+
+def test_a_write_whose_connection_is_closed_under_it_is_a_typed_outcome_unknown(
+    redis_server: RedisServer,
+) -> None:
+    """redis-py reading a socket closed meanwhile raises AttributeError / ValueError: the guard
+    reports BackendUnavailable, outcome unknown (the write was applied). The next write goes
+    through."""
+    pool = redis.ConnectionPool(connection_class=_CutBeforeReply, port=redis_server.port)
+    client = redis.Redis(connection_pool=pool)
+    guard = RedisGuard(client, unique_name("res"), lock=LOCK)
+    key = f"{{{guard.resource}}}:n"
+    try:
+        assert guard.incrby(key, 1, token=tok(2)) == 1  # (connected, the script loaded)
+        _CutBeforeReply.cut = True
+        with pytest.raises(BackendUnavailable, match="outcome unknown") as err:
+            guard.incrby(key, 1, token=tok(2))
+        assert "\n" not in str(err.value)
+        assert client.get(key) == b"2"  # it was applied: "unknown" was right
+        assert guard.incrby(key, 1, token=tok(2)) == 3
+        with pytest.raises(StaleTokenError):
+            guard.incrby(key, 1, token=tok(1))
+    finally:
+        _CutBeforeReply.cut = False
+        client.close()
+
+
+async def test_async_guard_per_request_on_one_client_every_write_acknowledged(
+    redis_server: RedisServer,
+) -> None:
+    """4 request handlers, a guard each per request (``async with``), on one app client: a
+    guard's close took idle connections that another guard's write was about to use (redis-py
+    leaves a connection on offer while it closes it): ~50 % of writes failed. Every write is
+    now acknowledged and applied exactly once; a stale token is still refused."""
+    import asyncio
+
+    client = redis.asyncio.Redis(port=redis_server.port)
+    name = unique_name("req")
+    acknowledged = 0
+
+    async def request(i: int) -> None:
+        nonlocal acknowledged
+        for _ in range(50):
+            async with AsyncRedisGuard(client, f"{name}{i}", lock=LOCK) as g:
+                await g.incrby(f"{{{name}{i}}}:n", 1, token=tok(2))
+                acknowledged += 1
+
+    try:
+        await asyncio.gather(*(request(i) for i in range(4)))
+        counts = [int(await client.get(f"{{{name}{i}}}:n") or 0) for i in range(4)]
+        assert (acknowledged, counts) == (200, [50] * 4)
+        with pytest.raises(StaleTokenError):
+            await AsyncRedisGuard(client, f"{name}0", lock=LOCK).incrby(
+                f"{{{name}0}}:n", 1, token=tok(1)
+            )
+    finally:
+        await client.aclose()

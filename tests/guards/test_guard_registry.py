@@ -47,6 +47,11 @@ def test_redis_from_its_url(redis_server: RedisServer) -> None:
         _both_sides(opened.fence_target())
     finally:
         opened.close()
+    # the guard's no-retry pool, made for the registry's client, is closed with it (it was
+    # left connected until garbage collection)
+    pool = opened.guard._writer.connection_pool
+    assert pool._created_connections >= 1
+    assert not any(c._sock for c in pool._available_connections)
 
 
 def test_etcd_from_its_url(etcd_server: EtcdServer) -> None:

@@ -629,9 +629,10 @@ async def test_retried_acquire_of_a_waiter_keeps_its_place(
         await async_wait_for(waiters(1), 10, "b queued")
         with grpc.insecure_channel(etcd_server.endpoint) as channel:
             place = rpc.KVStub(channel).Range(rpc.RangeRequest(key=key), timeout=2).kvs[0]
-        # b's connection breaks mid-wait: the acquire fails as unreachable and leaves its key
-        # (a retry may come); the retry, over another connection, takes the same key back.
-        await b.aclose()
+        # b's connection breaks mid-wait (its channels closed under it, not b.aclose(), which
+        # gives the place up): the acquire fails as unreachable and leaves its key (a retry
+        # may come); the retry, over another connection, takes the same key back.
+        await b._client.close()
         with pytest.raises(fenced.BackendUnavailable):
             await asyncio.wait_for(first_try, 10)
         retry = asyncio.create_task(
@@ -671,10 +672,89 @@ async def test_closing_under_a_waiter_is_backend_unavailable(
             await asyncio.wait_for(task, 10)
         with pytest.raises(fenced.BackendUnavailable):
             await b.status(name)
+        # b's place in the queue went with it: the closed connection is not granted the
+        # lock when a releases (it was, blocking live clients for b's ttl)
+        assert (await a.status(name)).waiters == 0
         await a.release(held)
+        await _granted_at_once(a, name, held.token.value)
     finally:
         await a.aclose()
         await b.aclose()
+
+
+async def _granted_at_once(a: EtcdBackend, name: str, above: int) -> None:
+    """A live acquire gets the free lock within 2 s, with a higher token (both sides)."""
+    deadline = _clock.now() + 2.0
+    grant = await a.acquire(name, request_id="next", ttl=10, deadline=deadline, on_lost=NOOP)
+    assert grant.token.value > above
+    assert await a.release(grant) is True
+
+
+async def test_closing_right_after_a_waiter_was_cancelled_leaves_no_queue_key(
+    etcd_server: EtcdServer, prefix: str
+) -> None:
+    """A cancelled waiter leaves the queue in the background; closing the client cancelled
+    that leave and the key stayed for its lease's ttl. aclose deletes it first."""
+    a = await open_backend(EtcdBackend, etcd_server.url, prefix)
+    b = await open_backend(EtcdBackend, etcd_server.url, prefix)
+    name = unique_name()
+    try:
+        held = await a.acquire(name, request_id="a", ttl=10, deadline=None, on_lost=NOOP)
+        task = asyncio.create_task(
+            b.acquire(name, request_id="b", ttl=10, deadline=None, on_lost=NOOP)
+        )
+
+        async def queued() -> bool:
+            return (await a.status(name)).waiters == 1
+
+        await async_wait_for(queued, 10, "b queued")
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await b.aclose()
+        assert (await a.status(name)).waiters == 0
+        await a.release(held)
+        await _granted_at_once(a, name, held.token.value)
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
+def test_sync_close_under_waiting_threads_leaves_the_lock_to_live_clients(
+    etcd_server: EtcdServer, prefix: str
+) -> None:
+    """The attacker's repro: a connection's threads wait (no timeout, and a 5 s one); the
+    connection is closed under them. They get BackendUnavailable, their keys are gone at once,
+    and the next live acquire gets the lock as soon as the holder releases."""
+    url = etcd_server.url
+    name = unique_name()
+    with fenced.connect(url, prefix=prefix) as holder:
+        h = holder.lock(name, ttl=10)
+        h.acquire()
+        locks = fenced.connect(url, prefix=prefix)
+        errors: list[BaseException] = []
+
+        def waiter(timeout: float | None) -> None:
+            try:
+                locks.lock(name, ttl=10).acquire(timeout=timeout)
+            except BaseException as exc:  # (the test looks at it)
+                errors.append(exc)
+
+        threads = [threading.Thread(target=waiter, args=(t,)) for t in (None, 5.0)]
+        for t in threads:
+            t.start()
+        wait_for(lambda: holder.status(name).waiters == 2, 10, "two waiters")
+        locks.close()
+        for t in threads:
+            t.join(10)
+        assert [type(e) for e in errors] == [fenced.BackendUnavailable] * 2
+        assert holder.status(name).waiters == 0
+        token = h.token
+        h.release()
+        nxt = holder.lock(name, ttl=10)
+        nxt.acquire(timeout=2.0)
+        assert token is not None and nxt.token is not None and nxt.token.value > token.value
+        nxt.release()
 
 
 async def test_a_channel_closed_under_a_call_is_not_a_cancellation(

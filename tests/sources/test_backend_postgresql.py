@@ -1043,3 +1043,39 @@ async def test_a_call_right_after_the_server_ended_the_idle_connection_reconnect
         assert await backend.release(grant) is True
         again = await backend.acquire(name, request_id="b", ttl=5, deadline=0, on_lost=_noop)
         assert again.token.value == grant.token.value + 1
+
+
+async def test_close_with_a_statement_hung_leaves_no_task_pending(pg_dsn: str) -> None:
+    """The server stops answering (its backend process SIGSTOPped) under a statement that timed
+    out: aclose cancelled the clean-ups without awaiting them, and left the abandoned
+    statement untracked, so at exit asyncio printed 'Task was destroyed but it is pending!'
+    and 'Event loop is closed'. After aclose (bounded) none of its tasks is pending; a new
+    connection works once the server answers again."""
+    backend = await open_backend(pg_dsn, command_timeout=0.5)
+    name = unique_name()
+    await backend.status(name)  # (connected)
+    assert backend._conn is not None
+    pid = backend._conn.info.backend_pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(fenced.BackendUnavailable):
+            await backend.status(name)  # times out: the statement is abandoned, still running
+        started = time.monotonic()
+        await backend.aclose()
+        took = time.monotonic() - started
+        left = [
+            t
+            for t in asyncio.all_tasks()
+            if t.get_coro().__qualname__ in ("_fetch", "_close_when_idle")  # type: ignore[union-attr]
+        ]
+        assert left == []
+        assert took < 5.0
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    other = await open_backend(pg_dsn)
+    try:
+        grant = await other.acquire(name, request_id="r", ttl=5, deadline=None, on_lost=print)
+        assert grant.token.value >= 1
+        assert await other.release(grant) is True
+    finally:
+        await other.aclose()

@@ -744,3 +744,41 @@ async def test_a_renewal_is_proven_through_the_leader(zk_server: ZooKeeperServer
         await backend.release(renewed)
     with dead_port() as closed:
         assert conf_tick(f"127.0.0.1:{closed}", timeout=0.2) is None
+
+
+async def test_a_release_cut_off_then_closed_says_what_happens_to_the_node(
+    proxy: Proxy, zk_server: ZooKeeperServer
+) -> None:
+    """A release while the connection is down is retried by the session's janitor, but only
+    while the connection is open: closing stops it. The error said "released once it is back"
+    / "retried in the background" without that; it now says that, closed first, the node goes
+    when its session ends, which it does (and the lock is free for live clients then)."""
+    name = unique_name()
+    async with fenced.connect_async(zk_server.url) as other:
+        locks = fenced.connect_async(proxy.url)
+        lease = locks.lock(name, ttl=4)
+        token = await lease.acquire()
+        session = session_of(lease)
+        proxy.pause()
+        proxy.reset()
+        try:
+            await async_wait_for(
+                lambda: _true(not session.connected.is_set()), 10, "the client to see the drop"
+            )
+            with pytest.raises(fenced.BackendUnavailable) as err:
+                await lease.release()
+            message = str(err.value)
+            assert "closed first" in message and "session ends" in message, message
+            assert "\n" not in message
+            await locks.aclose()
+            assert (await other.status(name)).token == token  # the node is still there...
+
+            async def freed() -> bool:
+                return (await other.status(name)).token is None
+
+            await async_wait_for(freed, 30, "the session to end")  # ...until its session ends
+        finally:
+            proxy.resume()
+        again = other.lock(name, ttl=5)
+        assert (await again.acquire(timeout=5)).value > token.value
+        await again.release()

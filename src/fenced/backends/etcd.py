@@ -323,6 +323,11 @@ class EtcdBackend(Backend):
         self._pool_size = lease_pool
         self._pool: dict[int, list[_Lease]] = {}
         self._holds: dict[bytes, _Hold] = {}
+        # Keys this backend put in a lock's queue and may still have there, not granted: a
+        # waiter's, or one whose leave is in flight or failed. aclose deletes them (with
+        # their leases): left behind, the closed connection was granted the lock for its ttl.
+        self._queued: dict[bytes, _Hold] = {}
+        self._closing = False
 
     @classmethod
     async def open(cls, url: SplitResult, options: dict[str, Any]) -> EtcdBackend:
@@ -344,7 +349,8 @@ class EtcdBackend(Backend):
 
     @property
     def closed(self) -> bool:
-        return self._client.closed
+        # (closing: a waiter whose key aclose deleted must not queue again)
+        return self._closing or self._client.closed
 
     def _lock_prefix(self, name: str) -> bytes:
         # "/" in a name is escaped: the prefix of "jobs" must not cover "jobs/nightly"'s keys.
@@ -547,6 +553,7 @@ class EtcdBackend(Backend):
         watch: WatchHandle | None = None
         watched: tuple[bytes, int] | None = None
         leave = True  # leave the queue on the way out unless granted/vanished/unreachable
+        self._queued[hold.key] = hold
         try:
             need_check = before is None
             while True:
@@ -554,6 +561,7 @@ class EtcdBackend(Backend):
                     before, seen = await self._check(hold, lock_prefix, deadline)
                     if before is None:
                         leave = False
+                        self._unqueue(hold)  # granted
                         return
                 need_check = True
                 if deadline is not None and _clock.now() >= deadline:
@@ -586,6 +594,7 @@ class EtcdBackend(Backend):
             raise
         except _Vanished:
             leave = False
+            self._unqueue(hold)
             raise
         finally:
             keeper.cancel()
@@ -630,9 +639,22 @@ class EtcdBackend(Backend):
         try:
             reply = await self._txn(release_txn(hold.key, hold.revision), "leave queue")
         except (BackendError, asyncio.CancelledError):
-            return  # the key goes when its lease (no longer kept alive) expires
+            return  # the key goes when its lease (no longer kept alive) expires, or aclose
+        self._unqueue(hold)
         if reply.succeeded:
             self._recycle(hold.lease)
+
+    def _unqueue(self, hold: _Hold) -> None:
+        if self._queued.get(hold.key) is hold:
+            del self._queued[hold.key]
+
+    async def _drop(self, hold: _Hold) -> None:
+        """aclose's leave: the key deleted with its lease (an adopted lease is not ours to
+        revoke: the key alone then)."""
+        if hold.lease.owned:
+            await self._revoke(hold.lease.id)  # (deletes the key with it)
+        else:
+            await self._txn(release_txn(hold.key, hold.revision), "leave queue")
 
     # -- renew / release / status --------------------------------------------------------------
 
@@ -802,13 +824,21 @@ class EtcdBackend(Backend):
     async def aclose(self) -> None:
         if self._client.closed:
             return
+        # No acquire queues from now on, and the keys still queued go while calls can still
+        # run (closing the client cancels a waiter's background leave, and a waiter cut off by
+        # the close keeps its place for a retry that never comes).
+        self._closing = True
+        queued = list(self._queued.values())
+        self._queued.clear()
         pooled = [lease for pool in self._pool.values() for lease in pool]
         self._pool.clear()
-        if pooled:
+        if pooled or queued:
             with contextlib.suppress(Exception, TimeoutError):
                 async with asyncio.timeout(1.0):
                     await asyncio.gather(
-                        *(self._revoke(lease.id) for lease in pooled), return_exceptions=True
+                        *(self._drop(hold) for hold in queued),
+                        *(self._revoke(lease.id) for lease in pooled),
+                        return_exceptions=True,
                     )
         await self._client.close()
 

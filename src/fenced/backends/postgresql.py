@@ -444,6 +444,9 @@ class PostgreSQLBackend(Backend):
         if late is not None and not task.done():
             self._late.add(task)
             task.add_done_callback(self._late.discard)
+        if not task.done():  # (still running: aclose must end it, see there)
+            self._tasks.add(task)  # type: ignore[arg-type]
+            task.add_done_callback(_forget(self._tasks))  # type: ignore[arg-type]
 
         def done(t: asyncio.Future[_Row | None]) -> None:
             row = None if t.cancelled() or t.exception() is not None else t.result()
@@ -634,9 +637,23 @@ class PostgreSQLBackend(Backend):
                 await _close_when_idle(conn, timeout=1.0)
         tasks = list(self._tasks)
         if tasks:
-            _done, pending = await asyncio.wait(tasks, timeout=1.0)
+            await asyncio.wait(tasks, timeout=1.0)
+            await self._end_tasks(1.0)
+
+    async def _end_tasks(self, timeout: float) -> None:
+        """Cancel the background tasks left and wait for them to end (at most ``timeout``).
+
+        Not awaited, they were destroyed pending when the loop stopped ("Task was destroyed
+        but it is pending!", "Event loop is closed" at exit). psycopg answers a cancelled
+        statement by cancelling it at the server and waiting (5 s + 5 s against a hung one);
+        cancelled again, it closes the connection: so cancel until each has ended. Tasks the
+        ends spawn (a connection's close) are taken along."""
+        deadline = _clock.now() + timeout
+        while self._tasks and _clock.now() < deadline:
+            pending = set(self._tasks)
             for task in pending:
                 task.cancel()
+            await asyncio.wait(pending, timeout=min(0.05, max(0.0, deadline - _clock.now())))
 
 
 async def _fetch(

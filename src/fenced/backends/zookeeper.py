@@ -756,7 +756,8 @@ class ZooKeeperBackend(Backend):
         if not s.connected.is_set():
             s.discard(path)
             raise BackendUnavailable(
-                "ZooKeeper connection lost: the lock is released once it is back"
+                "ZooKeeper connection lost: the lock is released once it is back (if this "
+                "connection is closed first, when its ZooKeeper session ends)"
             )
         return await self._delete_own(s, path, version, seq, node.parent)
 
@@ -777,7 +778,7 @@ class ZooKeeperBackend(Backend):
             return False
         except KazooException as exc:
             s.discard(path)
-            raise unavailable("release failed (retried in the background)", exc) from exc
+            raise unavailable(_RELEASE_FAILED, exc) from exc
         if any(isinstance(r, Exception) for r in results):
             if not isinstance(results[0], BadVersionError):
                 return False  # gone already (expired or deleted): nothing was changed
@@ -789,7 +790,7 @@ class ZooKeeperBackend(Backend):
                 return False
             except KazooException as exc:
                 s.discard(path)
-                raise unavailable("release failed (retried in the background)", exc) from exc
+                raise unavailable(_RELEASE_FAILED, exc) from exc
         if seq >= _RESET_SEQ or seq < 0:
             # Re-create the lock node (if empty) so its sequence counter starts again; the
             # tokens are czxids, which keep growing across a re-created parent.
@@ -971,6 +972,14 @@ class ZooKeeperBackend(Backend):
         for task in [*self._leaving, *(s.proving for s in sessions if s.proving is not None)]:
             task.cancel()  # closing the session deletes its nodes
         await asyncio.to_thread(_stop_clients, [s.client for s in sessions])
+
+
+# Retried only while the backend is open: aclose stops the janitor, and the ephemeral node goes
+# when the session ends (at once if the close reaches the server, else at its expiry).
+_RELEASE_FAILED: Final = (
+    "release failed (retried in the background while this connection is open; if it is "
+    "closed first, the node goes when its ZooKeeper session ends)"
+)
 
 
 def _stop_clients(clients: list[Any]) -> None:

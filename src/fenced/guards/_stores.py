@@ -670,7 +670,7 @@ class RedisFenceStore(_CloseAlias):
     async def aclose(self) -> None:
         """Close the guards' own connections (the client belongs to the caller)."""
         guards = self._guards.all()
-        if guards:  # (they share one pool per client: closing one closes it)
+        if guards:  # (they share one pool per client: closing one closes its idle connections)
             await guards[0].aclose()
 
     def __repr__(self) -> str:

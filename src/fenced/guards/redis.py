@@ -38,6 +38,7 @@ classes only send them.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import dataclasses
@@ -475,6 +476,14 @@ def map_error(exc: Exception, resource: str, token: FencingToken | None = None) 
     return FencedError(f"Redis refused a guarded write on {resource!r}: {exc}{hint}")
 
 
+def _cut(resource: str, exc: Exception) -> BackendUnavailable:
+    """A write whose connection was closed under it (by another thread): outcome unknown."""
+    return BackendUnavailable(
+        f"Redis connection closed during a guarded write on {resource!r} (outcome unknown: "
+        f"the request may have been applied): {type(exc).__name__}: {exc}"
+    )
+
+
 def _bytes(value: Any) -> bytes:
     return value.encode() if isinstance(value, str) else bytes(value)
 
@@ -787,6 +796,10 @@ class RedisGuard(_GuardBase):
             reply = script(keys=call.keys, args=call.args)
         except _NATIVE_ERRORS as exc:
             raise self._failed(call, exc) from exc
+        except (ValueError, AttributeError) as exc:
+            # redis-py reading a socket that another thread closed meanwhile ("I/O operation
+            # on closed file", its parser's buffer gone): the request may have been applied.
+            raise _cut(self.resource, exc) from exc
         self._outcome(call)
         return reply
 
@@ -906,12 +919,15 @@ class RedisGuard(_GuardBase):
         check_policy(_text(next(iter(policy.values()), "")))
 
     def close(self) -> None:
-        """Close the connections the guard made (the client you passed stays open).
+        """Close the idle connections of the guard's no-retry pool (the client you passed
+        stays open).
 
-        The sibling pool is shared by the guards of one client; a guard that writes again
-        after ``close`` simply reconnects."""
+        That pool is shared by every guard of one client (see :func:`_no_retry_client`), so a
+        connection in use is another guard's write in flight: it is left alone (closing it
+        cut that write, outcome unknown). A guard that writes again after ``close`` simply
+        reconnects."""
         if self._writer is not self._client:
-            self._writer.connection_pool.disconnect()
+            self._writer.connection_pool.disconnect(inuse_connections=False)
 
     def __enter__(self) -> RedisGuard:
         return self
@@ -941,6 +957,8 @@ class AsyncRedisGuard(_GuardBase):
             reply = await script(keys=call.keys, args=call.args)
         except _NATIVE_ERRORS as exc:
             raise self._failed(call, exc) from exc
+        except (ValueError, AttributeError) as exc:  # (see RedisGuard._run)
+            raise _cut(self.resource, exc) from exc
         self._outcome(call)
         return reply
 
@@ -1049,7 +1067,13 @@ class AsyncRedisGuard(_GuardBase):
     async def aclose(self) -> None:
         """See :meth:`RedisGuard.close`."""
         if self._writer is not self._client:
-            await self._writer.connection_pool.disconnect()
+            # Idle connections only (see there), and taken out of the pool first: redis-py's
+            # disconnect(inuse_connections=False) awaits each close while the connection is
+            # still on offer, and another guard's write took it and was cut.
+            pool = self._writer.connection_pool
+            idle = list(pool._available_connections)
+            pool._available_connections.clear()  # (no await since the copy: nothing took one)
+            await asyncio.gather(*(c.disconnect() for c in idle), return_exceptions=True)
 
     async def __aenter__(self) -> AsyncRedisGuard:
         return self

@@ -248,7 +248,12 @@ def open_guard(
             parsed.target, socket_timeout=timeout, socket_connect_timeout=timeout
         )
         redis_guard = RedisGuard(client, resource, lock=lock, verify=verify)
-        return OpenedGuard(parsed, redis_guard, None, client.close, client)
+
+        def close() -> None:  # (the guard's no-retry pool too: made for this client alone)
+            redis_guard.close()
+            client.close()
+
+        return OpenedGuard(parsed, redis_guard, None, close, client)
     if name == "sql":
         from .sql import SQLGuard
 
