@@ -485,19 +485,19 @@ class AsyncLease:
             self._stop_timers()
             was_held = self._state.phase is Phase.HELD
             self._state.released()
-            locks._held.discard(self)
+        # It stays in ``_held`` until the source has answered: close() names it if it gives
+        # up waiting for it, and releases it again if this call fails.
         task = locks._call_begins()  # (close() waits for it before it closes the source)
-        locks._releasing[self] = grant  # (named if close() gives up waiting for it)
         try:
             released = await backend.release(grant)
         except BaseException:
             # Its outcome is unknown: releasable again, and close() retries it.
             self._unreleased = (grant, was_held)
-            locks._held.add(self)
+            locks._held.add(self)  # (a lost lease had left it)
             raise
         finally:
-            locks._releasing.pop(self, None)
             locks._call_ends(task)
+        locks._held.discard(self)
         if was_held and not released:
             # We believed we held it, but the source had already let it go: the critical
             # section just ended ran, at least in part, unprotected. Say so.
@@ -788,7 +788,6 @@ class AsyncLocks:
         self._settled: asyncio.Event | None = None  # set when _in_flight drops to 0 (closing)
         self._close_done: asyncio.Event | None = None
         self._held: weakref.WeakSet[AsyncLease] = weakref.WeakSet()
-        self._releasing: dict[AsyncLease, Grant] = {}  # the releases in flight, by lease
         self._fork_gen = _fork.generation()
 
     def _check_fork(self) -> None:
@@ -1047,8 +1046,7 @@ class AsyncLocks:
         except BaseException:
             # Interrupted (Ctrl-C, a cancellation or timeout around aclose()): say what is
             # left held, as a close that could not release it would.
-            left = dict.fromkeys(self._releasing, "its release was running")
-            left.update(dict.fromkeys(self._held, "not released"))
+            left = {lease: "its release got no answer" for lease in self._held}
             if left:
                 logger.warning(
                     "closing the connection to %s was interrupted: %d lease(s) may still be "
@@ -1106,6 +1104,14 @@ class AsyncLocks:
                 failed.append((lease, exc))
         return failed
 
+    def _releasing(self) -> list[AsyncLease]:
+        """The leases whose release is running now (they stay in ``_held`` until it ends)."""
+        return [
+            lease
+            for lease in self._held
+            if lease._state.phase is not Phase.HELD and lease._unreleased is None
+        ]
+
     def _closed_error(self) -> BackendUnavailable:
         return BackendUnavailable(f"connection to {_redact(self.url)} is closed")
 
@@ -1151,7 +1157,7 @@ class AsyncLocks:
                 await self._settled.wait()
         except TimeoutError:
             releasing = "".join(
-                f"; release of {lease.name!r} (token {lease.token})" for lease in self._releasing
+                f"; release of {lease.name!r} (token {lease.token})" for lease in self._releasing()
             )
             logger.warning(
                 "closing the connection to %s: %d call(s) still running after %g s; closing "
