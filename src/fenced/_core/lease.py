@@ -1015,13 +1015,15 @@ class AsyncLocks:
         connection: from the moment it begins, a new acquire raises
         :class:`~fenced.BackendUnavailable`; an acquire in flight is stopped (raising the
         same; a grant the source made for it is given back, by the source's own undo of an
-        abandoned acquire, or released below); releases in flight are awaited. Then every
-        lease still held is released, and only then is the source closed. A lease that
+        abandoned acquire, or released below); releases in flight are awaited (at most
+        5 s). Then every lease still held is released, all at once and within 5 s in all,
+        and only then is the source closed. A lease that
         cannot be released (the source unreachable) is named in a warning on the ``fenced``
         logger: its grant stays held at the source until its ttl runs out (unless a release
         that got no answer reached the source after all). Closing does not
         raise for that (like kazoo's ``stop()`` or psycopg's pool ``close()``: it is often
-        called on the way out of an error, which it must not replace).
+        called on the way out of an error, which it must not replace). An interrupted close
+        (a cancellation, a timeout around it) names in the same way what it leaves held.
         """
         self._check_fork()
         if self._closed:
