@@ -163,3 +163,56 @@ def test_a_close_stopped_by_another_threads_close_does_not_raise() -> None:
     portal.stop(final=quick())
     t.join(20)
     assert not t.is_alive() and errors == [] and portal.closed
+
+
+async def test_close_under_a_running_with_body_is_a_loss(redis: RedisServer) -> None:
+    """close() releases a lease whose ``async with`` body is still running: the holder is
+    told (``lost``, on_lost), and the block ends with LeaseLostError. Both sides: a block that
+    ended before close() ends normally, with no loss."""
+    told: list[str] = []
+    locks = fenced.connect_async(redis.url)
+    done = locks.lock(unique_name("w"), ttl=60)
+    async with done:
+        pass
+    lease = locks.lock(unique_name("w"), ttl=60, on_lost=lambda lease: told.append(lease.name))
+    inside, go = asyncio.Event(), asyncio.Event()
+
+    async def body() -> None:
+        async with lease:
+            inside.set()
+            await go.wait()
+
+    running = asyncio.ensure_future(body())
+    await asyncio.wait_for(inside.wait(), 10)
+    await locks.aclose()
+    assert lease.lost.is_set() and told == [lease.name]
+    go.set()
+    with pytest.raises(fenced.LeaseLostError):
+        await running
+    assert not done.lost.is_set()
+    assert await asyncio.to_thread(_holder, redis.url, lease.name) is None
+
+
+def test_close_under_a_running_sync_with_body_is_a_loss(redis: RedisServer) -> None:
+    locks = fenced.connect(redis.url)
+    lease = locks.lock(unique_name("w"), ttl=60)
+    inside, go = threading.Event(), threading.Event()
+    raised: list[BaseException] = []
+
+    def body() -> None:
+        try:
+            with lease:
+                inside.set()
+                assert go.wait(10)
+        except BaseException as exc:
+            raised.append(exc)
+
+    t = threading.Thread(target=body)
+    t.start()
+    assert inside.wait(10)
+    locks.close()
+    assert lease.lost.is_set()
+    go.set()
+    t.join(10)
+    assert [type(e) for e in raised] == [fenced.LeaseLostError]
+    assert _holder(redis.url, lease.name) is None

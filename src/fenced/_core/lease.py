@@ -648,15 +648,15 @@ class AsyncLease:
 
         return lost
 
-    def _mark_lost(self, cause: BaseException) -> None:
+    def _mark_lost(self, cause: BaseException, level: int = logging.WARNING) -> None:
         if not self._state.lose(cause):
             return
         self._stop_timers()
         self._locks._held.discard(self)
-        self._signal_lost(cause)
+        self._signal_lost(cause, level)
 
-    def _signal_lost(self, cause: BaseException) -> None:
-        logger.warning("lease on %s (token %s) lost: %s", self.name, self._last_token, cause)
+    def _signal_lost(self, cause: BaseException, level: int = logging.WARNING) -> None:
+        logger.log(level, "lease on %s (token %s) lost: %s", self.name, self._last_token, cause)
         self.lost._set(cause)
         for hook in self._lost_hooks:
             _call_safely(hook, cause)
@@ -1083,6 +1083,17 @@ class AsyncLocks:
     ) -> list[tuple[AsyncLease, BaseException]]:
         """Release ``leases`` concurrently, until ``end`` at most; the ones that failed (those
         still running at ``end`` are stopped, and fail with a TimeoutError)."""
+        for lease in leases:
+            # Taken from its holder, whose ``with`` body may still be running: that body runs
+            # unprotected from here, so the holder learns of it as of any loss (``lost``,
+            # on_lost, LeaseLostError at the block's end). (Logged at debug: closing with
+            # leases held is ordinary, and what close could not release is warned of.)
+            lease._mark_lost(
+                LeaseLostError(
+                    f"lease on {lease.name!r} released by close() of its connection while held"
+                ),
+                logging.DEBUG,
+            )
         tasks = {asyncio.ensure_future(lease.release()): lease for lease in leases}
         try:
             _done, pending = await asyncio.wait(tasks, timeout=max(end - _clock.now(), 0.0))
