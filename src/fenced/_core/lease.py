@@ -1017,7 +1017,9 @@ class AsyncLocks:
         same; a grant the source made for it is given back, by the source's own undo of an
         abandoned acquire, or released below); releases in flight are awaited (at most
         5 s). Then every lease still held is released, all at once and within 5 s in all,
-        and only then is the source closed. A lease that
+        and only then is the source closed. A lease released so is lost to its holder
+        (``lost`` set, ``on_lost`` called: a ``with`` body still running ends with
+        :class:`~fenced.LeaseLostError`). A lease that
         cannot be released (the source unreachable) is named in a warning on the ``fenced``
         logger: its grant stays held at the source until its ttl runs out (unless a release
         that got no answer reached the source after all). Closing does not
