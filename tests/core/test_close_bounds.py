@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -216,3 +218,38 @@ def test_close_under_a_running_sync_with_body_is_a_loss(redis: RedisServer) -> N
     t.join(10)
     assert [type(e) for e in raised] == [fenced.LeaseLostError]
     assert _holder(redis.url, lease.name) is None
+
+
+@pytest.mark.usefixtures("sigint_raises")
+def test_ctrl_c_during_close_names_what_it_left(
+    redis: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Ctrl-C while close() waits on a stopped source: close raises KeyboardInterrupt, and a
+    warning names each lease it leaves held (a second close() has nothing left to do)."""
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signals are delivered to the main thread only")
+    names = [unique_name("c") for _ in range(3)]
+    locks = fenced.connect(redis.url)
+    leases = [locks.lock(n, ttl=60) for n in names]
+    tokens = [lease.acquire() for lease in leases]
+
+    def interrupt_once_close_releases() -> None:
+        # (close has taken them from their holders: its releases are on their way)
+        wait_until = time.monotonic() + 10
+        while not all(lease.lost.is_set() for lease in leases):
+            assert time.monotonic() < wait_until
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    redis.pause()
+    try:
+        with caplog.at_level(logging.WARNING, logger="fenced"):
+            threading.Thread(target=interrupt_once_close_releases, daemon=True).start()
+            with pytest.raises(KeyboardInterrupt):
+                locks.close()
+            locks.close()
+    finally:
+        redis.resume()
+    (said,) = [r.message for r in caplog.records if "was interrupted" in r.message]
+    for n, t in zip(names, tokens, strict=True):
+        assert f"{n!r} (token {t})" in said

@@ -150,7 +150,8 @@ class Lease:
         return self._locks._portal.call(self._inner.renew())
 
     def release(self) -> bool:
-        """Give the lock up; False if it was no longer held. Never frees a later grant."""
+        """Give the lock up; False if it was no longer held. Never frees a later grant. If it
+        raises, the lease stays releasable: calling it again (or close()) retries it."""
         self._check_fork()
         return self._locks._portal.call(self._inner.release())
 
