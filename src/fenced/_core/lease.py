@@ -82,6 +82,9 @@ bounds its own by the deadline + 1 s: this is the backstop)."""
 _CLOSE_SETTLE: Final = 5.0
 """Seconds close() gives the acquires and releases in flight to end before it releases the
 leases held and closes the source (each call is bounded by its source's own timeout too)."""
+_CLOSE_RELEASE: Final = 5.0
+"""Seconds close() gives the release of the leases still held, all of them together (they run
+at once): so a close ends within about _CLOSE_SETTLE + _CLOSE_RELEASE + the source's close."""
 DEFAULT_CONNECT_TIMEOUT: Final = 10.0
 """Seconds opening a connection may take (retrying a source that is down) by default."""
 _CONNECT_TIMEOUT: Final = Option("number", low=0, low_open=True, high=MAX_TIMEOUT)
@@ -227,6 +230,8 @@ class AsyncLease:
         self._request_id = None if request_id is None else check_request_id(request_id)
         self._state = LeaseState(ttl, safety_margin)
         self._last_token: FencingToken | None = None
+        # A grant whose release raised (and whether it was held then): release() retries it.
+        self._unreleased: tuple[Grant, bool] | None = None
         self._keepalive: asyncio.Task[None] | None = None
         self._watchdog: asyncio.TimerHandle | None = None
         self._keepalive_timer: asyncio.TimerHandle | None = None
@@ -249,7 +254,7 @@ class AsyncLease:
         _fork.left_behind(self._state, self._keepalive, self._watchdog, self._keepalive_timer)
         self._fork_gen = _fork.generation()
         self._state = LeaseState(self._state.ttl, self._state.safety_margin)
-        self._last_token = None
+        self._last_token = self._unreleased = None
         self._keepalive = self._watchdog = self._keepalive_timer = None
         self._loop = None
         self.lost = LostSignal()
@@ -458,22 +463,41 @@ class AsyncLease:
 
         Returns True if this call released a grant it still held, False otherwise (already
         released, lost, expired or taken over). Safe to call more than once.
+
+        If it raises (the source unreachable, or the call cancelled), the lease stays
+        releasable: calling release() again (or closing the connection) asks the source
+        again. Meanwhile ``held`` is False and the lease is not renewed (the release may
+        have reached the source, and the caller has given the lease up).
         """
         self._check_fork()
         grant = self._state.grant
-        if self._state.phase not in (Phase.HELD, Phase.LOST) or grant is None:
-            return False
-        self._stop_timers()
-        was_held = self._state.phase is Phase.HELD
-        self._state.released()
         locks = self._locks
-        locks._held.discard(self)
-        backend = locks._backend_or_fail()
+        if self._state.phase not in (Phase.HELD, Phase.LOST) or grant is None:
+            pending = self._unreleased
+            if pending is None or pending[0] is not grant:
+                return False
+            # A release of this grant that raised: ask again.
+            self._unreleased = None
+            was_held = pending[1]
+            backend = locks._backend_or_fail()
+        else:
+            backend = locks._backend_or_fail()
+            self._stop_timers()
+            was_held = self._state.phase is Phase.HELD
+            self._state.released()
+        # It stays in ``_held`` until the source has answered: close() names it if it gives
+        # up waiting for it, and releases it again if this call fails.
         task = locks._call_begins()  # (close() waits for it before it closes the source)
         try:
             released = await backend.release(grant)
+        except BaseException:
+            # Its outcome is unknown: releasable again, and close() retries it.
+            self._unreleased = (grant, was_held)
+            locks._held.add(self)  # (a lost lease had left it)
+            raise
         finally:
             locks._call_ends(task)
+        locks._held.discard(self)
         if was_held and not released:
             # We believed we held it, but the source had already let it go: the critical
             # section just ended ran, at least in part, unprotected. Say so.
@@ -624,15 +648,15 @@ class AsyncLease:
 
         return lost
 
-    def _mark_lost(self, cause: BaseException) -> None:
+    def _mark_lost(self, cause: BaseException, level: int = logging.WARNING) -> None:
         if not self._state.lose(cause):
             return
         self._stop_timers()
         self._locks._held.discard(self)
-        self._signal_lost(cause)
+        self._signal_lost(cause, level)
 
-    def _signal_lost(self, cause: BaseException) -> None:
-        logger.warning("lease on %s (token %s) lost: %s", self.name, self._last_token, cause)
+    def _signal_lost(self, cause: BaseException, level: int = logging.WARNING) -> None:
+        logger.log(level, "lease on %s (token %s) lost: %s", self.name, self._last_token, cause)
         self.lost._set(cause)
         for hook in self._lost_hooks:
             _call_safely(hook, cause)
@@ -991,13 +1015,17 @@ class AsyncLocks:
         connection: from the moment it begins, a new acquire raises
         :class:`~fenced.BackendUnavailable`; an acquire in flight is stopped (raising the
         same; a grant the source made for it is given back, by the source's own undo of an
-        abandoned acquire, or released below); releases in flight are awaited. Then every
-        lease still held is released, and only then is the source closed. A lease that
+        abandoned acquire, or released below); releases in flight are awaited (at most
+        5 s). Then every lease still held is released, all at once and within 5 s in all,
+        and only then is the source closed. A lease released so is lost to its holder
+        (``lost`` set, ``on_lost`` called: a ``with`` body still running ends with
+        :class:`~fenced.LeaseLostError`). A lease that
         cannot be released (the source unreachable) is named in a warning on the ``fenced``
         logger: its grant stays held at the source until its ttl runs out (unless a release
         that got no answer reached the source after all). Closing does not
         raise for that (like kazoo's ``stop()`` or psycopg's pool ``close()``: it is often
-        called on the way out of an error, which it must not replace).
+        called on the way out of an error, which it must not replace). An interrupted close
+        (a cancellation, a timeout around it) names in the same way what it leaves held.
         """
         self._check_fork()
         if self._closed:
@@ -1011,15 +1039,30 @@ class AsyncLocks:
         failed: list[tuple[AsyncLease, BaseException]] = []
         try:
             await self._settle()
+            # All at once, and all within one bound: a source that does not answer costs
+            # _CLOSE_RELEASE, not its timeout once per lease.
+            end = _clock.now() + _CLOSE_RELEASE
             for _ in range(3):  # (releasing one may not add another: a pass or two)
                 leases = list(self._held)
-                if not leases:
+                if not leases or _clock.now() >= end:
                     break
-                for lease in leases:
-                    try:
-                        await lease.release()
-                    except Exception as exc:
-                        failed.append((lease, exc))
+                failed = await self._release_all(leases, end)
+        except BaseException:
+            # Interrupted (Ctrl-C, a cancellation or timeout around aclose()): say what is
+            # left held, as a close that could not release it would.
+            left = {lease: "its release got no answer" for lease in self._held}
+            if left:
+                logger.warning(
+                    "closing the connection to %s was interrupted: %d lease(s) may still be "
+                    "held at the source until their ttl runs out: %s",
+                    _redact(self.url),
+                    len(left),
+                    "; ".join(
+                        f"{lease.name!r} (token {lease.token}): {why}"
+                        for lease, why in left.items()
+                    ),
+                )
+            raise
         finally:
             self._closed = True
             try:
@@ -1036,6 +1079,53 @@ class AsyncLocks:
                 len(failed),
                 "; ".join(f"{lease.name!r} (token {lease.token}): {exc}" for lease, exc in failed),
             )
+
+    async def _release_all(
+        self, leases: list[AsyncLease], end: float
+    ) -> list[tuple[AsyncLease, BaseException]]:
+        """Release ``leases`` concurrently, until ``end`` at most; the ones that failed (those
+        still running at ``end`` are stopped, and fail with a TimeoutError)."""
+        for lease in leases:
+            # Taken from its holder, whose ``with`` body may still be running: that body runs
+            # unprotected from here, so the holder learns of it as of any loss (``lost``,
+            # on_lost, LeaseLostError at the block's end). (Logged at debug: closing with
+            # leases held is ordinary, and what close could not release is warned of.)
+            lease._mark_lost(
+                LeaseLostError(
+                    f"lease on {lease.name!r} released by close() of its connection while held"
+                ),
+                logging.DEBUG,
+            )
+        tasks = {asyncio.ensure_future(lease.release()): lease for lease in leases}
+        try:
+            _done, pending = await asyncio.wait(tasks, timeout=max(end - _clock.now(), 0.0))
+        except BaseException:
+            # close() interrupted: stop them, so that each is counted held again (and named).
+            for task in tasks:
+                task.cancel()
+            await asyncio.wait(tasks, timeout=1.0)
+            raise
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending)
+        failed: list[tuple[AsyncLease, BaseException]] = []
+        for task, lease in tasks.items():
+            if task.cancelled():
+                failed.append(
+                    (lease, TimeoutError(f"no answer within close's {_CLOSE_RELEASE:g} s"))
+                )
+            elif (exc := task.exception()) is not None:
+                failed.append((lease, exc))
+        return failed
+
+    def _releasing(self) -> list[AsyncLease]:
+        """The leases whose release is running now (they stay in ``_held`` until it ends)."""
+        return [
+            lease
+            for lease in self._held
+            if lease._state.phase is not Phase.HELD and lease._unreleased is None
+        ]
 
     def _closed_error(self) -> BackendUnavailable:
         return BackendUnavailable(f"connection to {_redact(self.url)} is closed")
@@ -1081,11 +1171,16 @@ class AsyncLocks:
             async with asyncio.timeout(_CLOSE_SETTLE):
                 await self._settled.wait()
         except TimeoutError:
+            releasing = "".join(
+                f"; release of {lease.name!r} (token {lease.token})" for lease in self._releasing()
+            )
             logger.warning(
-                "closing the connection to %s: %d call(s) still running after %g s; closing anyway",
+                "closing the connection to %s: %d call(s) still running after %g s; closing "
+                "anyway%s",
                 _redact(self.url),
                 self._in_flight,
                 _CLOSE_SETTLE,
+                releasing,
             )
 
     async def __aenter__(self) -> AsyncLocks:

@@ -390,6 +390,11 @@ class Portal:
             else:
                 try:
                     self.call(final)
+                except BackendUnavailable:
+                    # Another thread's close stopped the loop under this one (its final
+                    # had ended: this one waited for it): closed, as asked.
+                    if not self._stopping:
+                        raise
                 finally:
                     self.stop()
                 return

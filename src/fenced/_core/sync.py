@@ -20,6 +20,7 @@ from typing import Any, ParamSpec, TypeVar
 
 from . import fork as _fork
 from .backend import Characteristic, LockStatus, Record, TokenCheck
+from .errors import BackendUnavailable, LeaseLostError
 from .leadership import Leader, LeaderChanges
 from .lease import _UNSET, DEFAULT_TTL, AsyncLease, AsyncLocks, FenceTarget, NotFenced, _wants_token
 from .paths import default_url
@@ -149,7 +150,8 @@ class Lease:
         return self._locks._portal.call(self._inner.renew())
 
     def release(self) -> bool:
-        """Give the lock up; False if it was no longer held. Never frees a later grant."""
+        """Give the lock up; False if it was no longer held. Never frees a later grant. If it
+        raises, the lease stays releasable: calling it again (or close()) retries it."""
         self._check_fork()
         return self._locks._portal.call(self._inner.release())
 
@@ -164,7 +166,18 @@ class Lease:
         tb: TracebackType | None,
     ) -> None:
         self._check_fork()
-        self._locks._portal.call(self._inner.finish(exc_type, exc))
+        try:
+            self._locks._portal.call(self._inner.finish(exc_type, exc))
+        except BackendUnavailable:
+            # The connection was closed under the body, and its close released the lease
+            # (and said so: ``lost``): the block's outcome is that loss, not the closed call.
+            cause = self._inner.lost.cause
+            if cause is None:
+                raise
+            if exc is None:
+                raise LeaseLostError(
+                    f"lease on {self._inner.name!r} (token {self._inner.token}) was lost while held"
+                ) from cause
 
     def __repr__(self) -> str:
         return repr(self._inner).replace("AsyncLease", "Lease", 1)
