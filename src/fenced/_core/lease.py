@@ -80,11 +80,11 @@ _ACQUIRE_GRACE: Final = 2.0
 """Seconds past its deadline an acquire's call to its source may take at most (each source
 bounds its own by the deadline + 1 s: this is the backstop)."""
 _CLOSE_SETTLE: Final = 5.0
-"""Seconds close() gives the acquires and releases in flight to end before it releases the
-leases held and closes the source (each call is bounded by its source's own timeout too)."""
-_CLOSE_RELEASE: Final = 5.0
-"""Seconds close() gives the release of the leases still held, all of them together (they run
-at once): so a close ends within about _CLOSE_SETTLE + _CLOSE_RELEASE + the source's close."""
+"""Seconds close() gives, all together, the acquires and releases in flight to end and then the
+leases still held to be released (at once), before it closes the source; the releases get at
+least _CLOSE_RELEASE of it. So a close ends within about _CLOSE_SETTLE + _CLOSE_RELEASE + the
+source's own close, however many leases (each call is bounded by its source's timeout too)."""
+_CLOSE_RELEASE: Final = 1.0
 DEFAULT_CONNECT_TIMEOUT: Final = 10.0
 """Seconds opening a connection may take (retrying a source that is down) by default."""
 _CONNECT_TIMEOUT: Final = Option("number", low=0, low_open=True, high=MAX_TIMEOUT)
@@ -1038,10 +1038,12 @@ class AsyncLocks:
         self._close_done = asyncio.Event()
         failed: list[tuple[AsyncLease, BaseException]] = []
         try:
-            await self._settle()
+            end = _clock.now() + _CLOSE_SETTLE
+            await self._settle(end)
             # All at once, and all within one bound: a source that does not answer costs
-            # _CLOSE_RELEASE, not its timeout once per lease.
-            end = _clock.now() + _CLOSE_RELEASE
+            # what is left of _CLOSE_SETTLE (at least _CLOSE_RELEASE), not its timeout once
+            # per lease.
+            end = max(end, _clock.now() + _CLOSE_RELEASE)
             for _ in range(3):  # (releasing one may not add another: a pass or two)
                 leases = list(self._held)
                 if not leases or _clock.now() >= end:
@@ -1113,7 +1115,12 @@ class AsyncLocks:
         for task, lease in tasks.items():
             if task.cancelled():
                 failed.append(
-                    (lease, TimeoutError(f"no answer within close's {_CLOSE_RELEASE:g} s"))
+                    (
+                        lease,
+                        TimeoutError(
+                            f"no answer within close's bound ({_CLOSE_SETTLE:g} s in all)"
+                        ),
+                    )
                 )
             elif (exc := task.exception()) is not None:
                 failed.append((lease, exc))
@@ -1155,8 +1162,8 @@ class AsyncLocks:
         task.uncancel()
         return True
 
-    async def _settle(self) -> None:
-        """Stop the acquires in flight and wait (at most :data:`_CLOSE_SETTLE` seconds) until
+    async def _settle(self, end: float) -> None:
+        """Stop the acquires in flight and wait (until ``end``, by fenced's clock) until
         they and the releases in flight have ended: each acquire's own undo (leaving the
         queue, giving back a grant made for it) runs while the source is still open."""
         me = asyncio.current_task()
@@ -1168,7 +1175,7 @@ class AsyncLocks:
             return
         self._settled = asyncio.Event()
         try:
-            async with asyncio.timeout(_CLOSE_SETTLE):
+            async with asyncio.timeout(max(end - _clock.now(), 0.0)):
                 await self._settled.wait()
         except TimeoutError:
             releasing = "".join(
