@@ -29,6 +29,7 @@ from aetcd import rpc
 import fenced
 from fenced._clients.etcd_conn import EtcdClient
 from fenced._core import clock as _clock
+from fenced._core.backend import Grant
 from fenced.backends.etcd import (
     EtcdBackend,
     lease_seconds,
@@ -649,6 +650,20 @@ async def test_retried_acquire_of_a_waiter_keeps_its_place(
             await x.aclose()
 
 
+async def _a_holds_and_b_waits(
+    a: EtcdBackend, b: EtcdBackend, name: str
+) -> tuple[Grant, asyncio.Task[Grant]]:
+    """``a`` holds ``name``; ``b``'s acquire (no deadline) is queued behind it."""
+    held = await a.acquire(name, request_id="a", ttl=10, deadline=None, on_lost=NOOP)
+    task = asyncio.create_task(b.acquire(name, request_id="b", ttl=10, deadline=None, on_lost=NOOP))
+
+    async def queued() -> bool:
+        return (await a.status(name)).waiters == 1
+
+    await async_wait_for(queued, 10, "b queued")
+    return held, task
+
+
 async def test_closing_under_a_waiter_is_backend_unavailable(
     etcd_server: EtcdServer, prefix: str
 ) -> None:
@@ -656,15 +671,7 @@ async def test_closing_under_a_waiter_is_backend_unavailable(
     b = await open_backend(EtcdBackend, etcd_server.url, prefix)
     name = unique_name()
     try:
-        held = await a.acquire(name, request_id="a", ttl=10, deadline=None, on_lost=NOOP)
-        task = asyncio.create_task(
-            b.acquire(name, request_id="b", ttl=10, deadline=None, on_lost=NOOP)
-        )
-
-        async def queued() -> bool:
-            return (await a.status(name)).waiters == 1
-
-        await async_wait_for(queued, 10, "b queued")
+        held, task = await _a_holds_and_b_waits(a, b, name)
         await b.aclose()
         # gRPC cancels the calls of a closed channel with CancelledError: that must surface
         # as the typed error, not as a cancellation of the caller's task.
@@ -699,15 +706,7 @@ async def test_closing_right_after_a_waiter_was_cancelled_leaves_no_queue_key(
     b = await open_backend(EtcdBackend, etcd_server.url, prefix)
     name = unique_name()
     try:
-        held = await a.acquire(name, request_id="a", ttl=10, deadline=None, on_lost=NOOP)
-        task = asyncio.create_task(
-            b.acquire(name, request_id="b", ttl=10, deadline=None, on_lost=NOOP)
-        )
-
-        async def queued() -> bool:
-            return (await a.status(name)).waiters == 1
-
-        await async_wait_for(queued, 10, "b queued")
+        held, task = await _a_holds_and_b_waits(a, b, name)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
