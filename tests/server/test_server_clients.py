@@ -30,8 +30,10 @@ import pytest
 
 from fenced.testing.servers import FencedServer, free_port
 from tests.helpers import ROOT, wait_for
-from tests.server.gateway import TLS  # (polled: one TLS context, not one per call)
-from tests.server.gateway import keyed_server
+from tests.server.gateway import (
+    TLS,  # (polled: one TLS context, not one per call)
+    keyed_server,
+)
 
 
 def _need(tool: str) -> str:

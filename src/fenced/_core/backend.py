@@ -29,6 +29,7 @@ from .token import FencingToken
 __all__ = [
     "BUILTIN_SCHEMES",
     "ENTRY_POINT_GROUP",
+    "MAX_HEADER_SECRET",
     "MAX_OWNER",
     "MAX_RECORD",
     "SECRET_QUERY_KEYS",
@@ -41,7 +42,6 @@ __all__ = [
     "TokenCheck",
     "backend_class",
     "commits_per_turn",
-    "MAX_HEADER_SECRET",
     "is_header_secret",
     "known_schemes",
     "lock_timeout",
