@@ -288,7 +288,7 @@ export class FencedClient {
             "POST",
             this._lockPath(name, "renew"),
             { token, request_id: requestId, ttl },
-            ttl * 1000,
+            Math.min(ttl, this.requestTimeout) * 1000,
           );
           if (rr.status !== 200 || typeof rr.body.expires_in !== "number") {
             await this._call("POST", this._lockPath(name, "release"), { token, request_id: requestId }, 2000);
@@ -421,7 +421,8 @@ export class Lease extends EventTarget {
     this.#releasing = (async () => {
       const path = this.#client._lockPath(this.name, "release");
       for (;;) {
-        const r = await this.#client._call("POST", path, this.#body, Math.max(until - performance.now(), 2000));
+        const wait = Math.min(Math.max(until - performance.now(), 2000), this.#client.requestTimeout * 1000);
+        const r = await this.#client._call("POST", path, this.#body, wait);
         if (r.status === 200) return r.body.released === true;
         if (r.status === 410) return false;
         // Sent again only if it surely did not arrive (refused connection) or was refused
@@ -478,8 +479,11 @@ export class Lease extends EventTarget {
     if (this.state !== "held") return;
     const sent = performance.now();
     const path = this.#client._lockPath(this.name, "renew");
-    // An answer that comes after the lease's confirmed end could not confirm it anyway.
-    const r = await this.#client._call("POST", path, this.#body, this.#validUntil - sent);
+    // An answer that comes after the lease's confirmed end could not confirm it anyway; one
+    // that has not come within requestTimeout is asked again (a fresh connection: the old one
+    // may lead to a gateway that hangs) while the lease lasts.
+    const bound = Math.min(this.#validUntil - sent, this.#client.requestTimeout * 1000);
+    const r = await this.#client._call("POST", path, this.#body, bound);
     if (this.#state !== "held") return;
     if (r.status === 200 && typeof r.body.expires_in === "number") {
       // Counted from when it was sent: the safe side.

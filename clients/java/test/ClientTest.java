@@ -26,7 +26,10 @@ import java.util.LinkedHashMap;
 import java.util.List;
 import java.util.Map;
 import java.util.concurrent.CompletableFuture;
+import java.util.concurrent.CountDownLatch;
+import java.util.concurrent.Executors;
 import java.util.concurrent.TimeUnit;
+import java.util.concurrent.atomic.AtomicInteger;
 import java.util.function.Supplier;
 
 public final class ClientTest {
@@ -43,6 +46,7 @@ public final class ClientTest {
         keyed();
         notJson();
         hung();
+        renewalHung();
         System.out.println("ok");
     }
 
@@ -376,6 +380,65 @@ public final class ClientTest {
         } finally {
             silent.close();
             halfway.close();
+        }
+    }
+
+    /** A renewal hung on its connection is asked again within requestTimeout: the lease is kept
+     * (it waited out the lease's whole confirmed time, and the lease was lost). */
+    static void renewalHung() throws Exception {
+        // A gateway that grants (ttl 3 s), never answers the first renewal, and answers the next.
+        AtomicInteger renewals = new AtomicInteger();
+        CountDownLatch done = new CountDownLatch(1);
+        HttpServer server = HttpServer.create(new InetSocketAddress(InetAddress.getLoopbackAddress(), 0), 0);
+        server.setExecutor(Executors.newCachedThreadPool(r -> {
+            Thread t = new Thread(r);
+            t.setDaemon(true);
+            return t;
+        }));
+        server.createContext("/", ex -> {
+            ex.getRequestBody().readAllBytes();
+            String path = ex.getRequestURI().getPath();
+            String body;
+            if (path.endsWith("/-/acquire")) {
+                body = "{\"lock\": \"r\", \"token\": \"r:1\", \"value\": 1, \"ttl\": 3, \"request_id\": \"q\", \"expires_in\": 3}";
+            } else if (path.endsWith("/-/renew")) {
+                if (renewals.incrementAndGet() == 1) {
+                    try {
+                        done.await(); // (hangs: the answer never comes)
+                    } catch (InterruptedException e) {
+                        Thread.currentThread().interrupt();
+                    }
+                    ex.close();
+                    return;
+                }
+                body = "{\"ttl\": 3, \"expires_in\": 3}";
+            } else {
+                body = "{\"released\": true}";
+            }
+            byte[] bytes = body.getBytes(java.nio.charset.StandardCharsets.UTF_8);
+            ex.getResponseHeaders().set("content-type", "application/json");
+            ex.sendResponseHeaders(200, bytes.length);
+            try (OutputStream out = ex.getResponseBody()) {
+                out.write(bytes);
+            }
+        });
+        server.start();
+        try {
+            FencedClient client = new FencedClient(
+                    "http://127.0.0.1:" + server.getAddress().getPort(), null, Duration.ofMillis(300));
+            Lease lease = client.lock("r", new LockOptions().ttl(Duration.ofSeconds(3)));
+            long deadline = System.nanoTime() + 10_000_000_000L;
+            while (lease.renewals() < 1 && lease.state() == Lease.State.HELD) {
+                check(System.nanoTime() - deadline < 0, "no renewal");
+                Thread.sleep(20);
+            }
+            check(lease.state() == Lease.State.HELD, "lost: " + lease.lostReason());
+            check(lease.renewals() == 1, "renewals " + lease.renewals());
+            check(renewals.get() >= 2 && lease.renewalFailures() >= 1, renewals.get() + " renewals sent");
+            check(lease.release() == Lease.Released.RELEASED, "release");
+        } finally {
+            done.countDown();
+            server.stop(0);
         }
     }
 }

@@ -260,3 +260,40 @@ test("a hung server: requestTimeout bounds each call, connecting included; lock(
   }
   assert.throws(() => new FencedClient("http://127.0.0.1:9", { requestTimeout: 0 }), /requestTimeout must be/);
 });
+
+test("a renewal hung on its connection is asked again within requestTimeout: the lease is kept", async () => {
+  // A gateway that grants (ttl 3 s), never answers the first renewal, and answers the next.
+  let renewals = 0;
+  const held = [];
+  const s = await serving((req, res) => {
+    req.resume();
+    req.on("end", () => {
+      if (req.url.endsWith("/-/acquire")) {
+        res.writeHead(200, { "content-type": "application/json" });
+        res.end(JSON.stringify({ lock: "r", token: "r:1", value: 1, ttl: 3, request_id: "q", expires_in: 3 }));
+      } else if (req.url.endsWith("/-/renew")) {
+        renewals += 1;
+        if (renewals === 1) held.push(res); // (hangs: the answer never comes)
+        else res.writeHead(200, { "content-type": "application/json" }).end('{"ttl": 3, "expires_in": 3}');
+      } else {
+        res.writeHead(200, { "content-type": "application/json" }).end('{"released": true}');
+      }
+    });
+  });
+  try {
+    const lease = await new FencedClient(s.url, { requestTimeout: 0.3 }).lock("r", { ttl: 3 });
+    const deadline = performance.now() + 10_000;
+    while (lease.renewals < 1 && lease.state === "held") {
+      assert.ok(performance.now() < deadline, "no renewal");
+      await new Promise((ok) => setTimeout(ok, 20));
+    }
+    // (was: the hung renewal waited out the lease's whole confirmed time, and it was lost)
+    assert.equal(lease.state, "held", lease.lostReason);
+    assert.equal(lease.renewals, 1);
+    assert.ok(renewals >= 2 && lease.renewalFailures >= 1, `${renewals} renewals sent`);
+    assert.equal(await lease.release(), true);
+  } finally {
+    for (const res of held) res.destroy();
+    s.close();
+  }
+});

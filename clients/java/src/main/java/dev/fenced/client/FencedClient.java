@@ -42,7 +42,7 @@ public final class FencedClient {
     private final String url;
     private final String key; // the secret: never in a message or toString
     private final String auth; // "Bearer <secret>"
-    private final long requestTimeout; // nanoseconds
+    final long requestTimeout; // nanoseconds
     private final HttpClient http;
     final ScheduledExecutorService timers;
 
@@ -249,7 +249,8 @@ public final class FencedClient {
                     renew.put("request_id", requestId);
                     renew.put("ttl", ttl);
                     long again = System.nanoTime();
-                    Answer rr = call("POST", lockPath(name, "renew"), Json.object(renew), (long) (ttl * 1e9));
+                    Answer rr = call("POST", lockPath(name, "renew"), Json.object(renew),
+                            Math.min((long) (ttl * 1e9), requestTimeout));
                     if (rr.status != 200 || !(rr.body.get("expires_in") instanceof Number renewed)) {
                         Map<String, Object> rel = new LinkedHashMap<>();
                         rel.put("token", token);
