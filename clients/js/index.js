@@ -118,9 +118,9 @@ function shown(url) {
 
 // The server's base URL (no trailing slash), or one clear error.
 function baseUrl(url) {
-  let u;
+  let u = null;
   try {
-    u = new URL(url);
+    if (typeof url === "string") u = new URL(url);
   } catch {
     u = null;
   }

@@ -153,8 +153,11 @@ public final class FencedClient {
         } catch (URISyntaxException e) {
             u = null;
         }
-        if (u == null || u.getScheme() == null || !u.getScheme().matches("(?i)https?") || u.getHost() == null) {
+        if (u == null || u.getScheme() == null || !u.getScheme().matches("(?i)https?")) {
             throw invalid("not an http(s) URL of a fenced server: " + shown(url));
+        }
+        if (u.getHost() == null) { // (java.net reads no host in "my_host": '_' is no host name's)
+            throw invalid("the URL " + shown(url) + " names no host that java.net can reach (a name with '_'?)");
         }
         if (u.getRawUserInfo() != null) {
             // (java.net.http drops it, unsent; and a URL naming a secret ends up in logs)
