@@ -3,7 +3,8 @@
 export class FencedError extends Error {
   /** The HTTP status (0: no answer). */
   status: number;
-  /** The server's error code: "timeout", "lease_lost", "forbidden", "invalid_request", ... */
+  /** The server's error code: "timeout", "lease_lost", "forbidden", "invalid_request", ...;
+   * "bad_answer": a 200 that is no JSON object or lacks what it must carry. */
   code: string;
   constructor(message: string, options?: { status?: number; code?: string });
 }
@@ -98,9 +99,15 @@ export interface LockStatus {
 }
 
 export class FencedClient {
+  /** The server's base URL, without a trailing slash. */
   readonly url: string;
-  /** url: e.g. "http://127.0.0.1:7400"; apiKey: a bearer secret (default $FENCED_API_KEY). */
-  constructor(url: string, options?: { apiKey?: string });
+  /** Seconds one request may take, connecting included (past a long poll's own wait). */
+  readonly requestTimeout: number;
+  /** url: e.g. "http://127.0.0.1:7400" (no user name or password, query or fragment: a
+   * FencedError). apiKey: a bearer secret, visible ASCII with blanks inside only, at most 4096
+   * characters, else a FencedError that never shows it (default $FENCED_API_KEY, unset or
+   * empty: none; null: none). requestTimeout: default 10 (0.001-3600). */
+  constructor(url: string, options?: { apiKey?: string | null; requestTimeout?: number });
   lock(name: string, options?: LockOptions): Promise<Lease>;
   withLock<T>(name: string, options: LockOptions, fn: (lease: Lease) => Promise<T> | T): Promise<T>;
   check(token: string): Promise<CheckResult>;

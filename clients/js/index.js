@@ -13,6 +13,10 @@ const REQUEST_ID = /^[A-Za-z0-9_][A-Za-z0-9_.:-]{0,63}$/;
 const MIN_TTL = 0.1;
 const MAX_TTL = 86_400;
 const MAX_TIMEOUT = 31_536_000;
+// An API key travels as written in "Authorization: Bearer <key>": visible ASCII, blanks inside
+// only (the server's rule for its keys file, and the Python client's); at most 4096 characters
+// (proxies refuse longer header lines: nginx's default buffer is 8 KiB for a whole line).
+const MAX_KEY = 4096;
 
 /** Every error this package throws. `status` is the HTTP status (0: no answer), `code` the
  * server's error code (`timeout`, `lease_lost`, `forbidden`, ...). */
@@ -60,25 +64,110 @@ function describe(r) {
 
 const sleep = (ms) => new Promise((ok) => setTimeout(ok, Math.max(0, ms)));
 
+function invalid(message) {
+  return new FencedError(message, { code: "invalid_request" });
+}
+
+// What is wrong with an API key, never the key itself (nor any of its characters).
+function keyProblem(key) {
+  if (key === "") return "is empty: give the key, or null for a server without keys";
+  if (key.length > MAX_KEY) return `is ${key.length} characters long: an API key is at most ${MAX_KEY}`;
+  for (let i = 0; i < key.length; i++) {
+    const c = key.charCodeAt(i);
+    const blank = c === 0x20 && (i === 0 || i === key.length - 1);
+    if (c > 0x20 && c < 0x7f && !blank) continue;
+    if (c === 0x20 && !blank) continue;
+    const kind =
+      c === 0x0a || c === 0x0d
+        ? "a line break"
+        : blank
+          ? "a blank at its start or end"
+          : c < 0x20 || c === 0x7f
+            ? "a control character"
+            : "a non-ASCII character";
+    return `has ${kind} (character ${i + 1}): an API key is visible ASCII, blanks inside only (an Authorization header carries it as written)`;
+  }
+  return null;
+}
+
+// The key to send: apiKey as given (null: none), else $FENCED_API_KEY (empty: none, as unset).
+function apiKeyOf(apiKey) {
+  let where = "apiKey";
+  if (apiKey === undefined) {
+    apiKey = globalThis.process?.env?.FENCED_API_KEY || null;
+    where = "$FENCED_API_KEY";
+  }
+  if (apiKey === null) return null;
+  if (typeof apiKey !== "string") throw invalid(`apiKey must be a string (or null: no key), not ${typeof apiKey}`);
+  const problem = keyProblem(apiKey);
+  if (problem) throw invalid(`${where} ${problem}`);
+  return apiKey;
+}
+
+// A URL as an error may show it: no user name or password, query or fragment; text that is no
+// URL at all only by its first character (it may be a secret pasted in the wrong place).
+function shown(url) {
+  if (typeof url !== "string") return String(typeof url);
+  try {
+    const u = new URL(url);
+    return `${u.protocol}//${u.host}${u.pathname}`;
+  } catch {
+    return url.includes("://") ? `${url.split("://", 1)[0]}://…` : `${url.slice(0, 1)}…`;
+  }
+}
+
+// The server's base URL (no trailing slash), or one clear error.
+function baseUrl(url) {
+  let u = null;
+  try {
+    if (typeof url === "string") u = new URL(url);
+  } catch {
+    u = null;
+  }
+  if (!u || (u.protocol !== "http:" && u.protocol !== "https:") || !u.hostname) {
+    throw invalid(`not an http(s) URL of a fenced server: ${shown(url)}`);
+  }
+  if (u.username || u.password) {
+    // (fetch refuses such a URL, and one that names a secret ends up in logs and errors)
+    throw invalid(
+      `the URL ${shown(url)} has a user name or password in it: give the API key as apiKey or $FENCED_API_KEY`,
+    );
+  }
+  if (u.search || u.hash || url.includes("?") || url.includes("#")) {
+    throw invalid(`the URL ${shown(url)} has a query or fragment: give the server's base URL`);
+  }
+  return `${u.origin}${u.pathname}`.replace(/\/+$/, "");
+}
+
 export class FencedClient {
   /**
-   * @param {string} url the server, e.g. "http://127.0.0.1:7400"
-   * @param {{apiKey?: string}} [options] apiKey: sent as a bearer token (default
-   *   $FENCED_API_KEY)
+   * @param {string} url the server, e.g. "http://127.0.0.1:7400" (no user name or password)
+   * @param {{apiKey?: string | null, requestTimeout?: number}} [options] apiKey: sent as a
+   *   bearer token (default $FENCED_API_KEY; null: none); requestTimeout: seconds one request
+   *   may take, connecting included, past a long poll's own wait (default 10)
    */
-  constructor(url, { apiKey = globalThis.process?.env?.FENCED_API_KEY } = {}) {
-    if (typeof url !== "string" || !/^https?:\/\/[^/]+/.test(url)) {
-      throw new FencedError(`not an http(s) URL of a fenced server: ${url}`, {
-        code: "invalid_request",
-      });
-    }
-    this.url = url.replace(/\/+$/, "");
+  constructor(url, { apiKey, requestTimeout = 10 } = {}) {
+    this.url = baseUrl(url);
+    checkNumber("requestTimeout", requestTimeout, 0.001, 3600);
+    this.requestTimeout = requestTimeout;
     this._headers = { "content-type": "application/json", accept: "application/json" };
+    const key = apiKeyOf(apiKey);
     // (kept out of every message and property listing: a secret)
-    if (apiKey) Object.defineProperty(this, "_auth", { value: `Bearer ${apiKey}` });
+    if (key !== null) {
+      Object.defineProperty(this, "_key", { value: key });
+      Object.defineProperty(this, "_auth", { value: `Bearer ${key}` });
+    }
   }
 
-  // One request; never throws: a transport failure or timeout is status 0 with its reason.
+  // Text from elsewhere (an answer, a transport error) without the key, should it echo it.
+  _scrub(text) {
+    const s = String(text);
+    return this._key ? s.replaceAll(this._key, "***") : s;
+  }
+
+  // One request, bounded by timeoutMs from the start (connecting included); never throws: a
+  // transport failure or timeout is status 0 with its reason. `bad`: the answer is no JSON
+  // object (a proxy's page, another server).
   async _call(method, path, body, timeoutMs) {
     const headers = { ...this._headers };
     if (this._auth) headers.authorization = this._auth;
@@ -94,13 +183,36 @@ export class FencedClient {
       try {
         json = JSON.parse(text);
       } catch {
-        json = { message: text.replace(/\s+/g, " ").slice(0, 200) };
+        json = undefined;
       }
-      return { status: r.status, body: json ?? {} };
+      if (json === null || typeof json !== "object" || Array.isArray(json)) {
+        const snippet = this._scrub(text.replace(/\s+/g, " ").trim().slice(0, 200));
+        return { status: r.status, body: { message: `not JSON: ${snippet || "(empty)"}` }, bad: true };
+      }
+      if (typeof json.message === "string") json.message = this._scrub(json.message);
+      return { status: r.status, body: json };
     } catch (err) {
       const why = err?.name === "TimeoutError" ? "timed out" : err?.cause?.code ?? err?.message;
-      return { status: 0, body: { message: String(why) } };
+      return { status: 0, body: { message: this._scrub(why) } };
     }
+  }
+
+  // The bound of one call of lock(): the long poll's own wait and requestTimeout, but no more
+  // than the time lock() has left + 1 s (a last try gets a fair chance to be answered).
+  _lockBound(left, until) {
+    const own = Math.min(left, 60) + this.requestTimeout;
+    return Math.min(own, Math.max(0, until - performance.now()) / 1000 + 1) * 1000;
+  }
+
+  // An answer that must be a 200 with a JSON object.
+  _ok(what, r) {
+    if (r.status === 200 && r.bad) {
+      throw new FencedError(`${what} failed: the answer is ${r.body.message}`, { status: 200, code: "bad_answer" });
+    }
+    if (r.status !== 200) {
+      throw new FencedError(`${what} failed: ${describe(r)}`, { status: r.status, code: r.body.error ?? (r.status ? "error" : "unavailable") });
+    }
+    return r.body;
   }
 
   _lockPath(name, action) {
@@ -148,14 +260,17 @@ export class FencedClient {
       const left = Math.max(0, (waitUntil - performance.now()) / 1000);
       const body = { ttl, timeout: left, request_id: requestId };
       if (owner !== undefined) body.owner = owner;
-      // The server answers a long poll within its max wait (60 s): a little more is allowed.
+      // The server answers a long poll within its max wait (60 s), requestTimeout is for
+      // the rest (connecting, the source), and lock() ends by its time left + 1 s.
       const sent = performance.now();
-      const r = await this._call("POST", path, body, (Math.min(left, 60) + 15) * 1000);
+      const r = await this._call("POST", path, body, this._lockBound(left, retryUntil));
       const received = performance.now();
       if (r.status === 200) {
         const expiresIn = r.body.expires_in;
-        if (typeof expiresIn !== "number" || !Number.isFinite(expiresIn) || expiresIn < 0) {
-          throw new FencedError(`could not take ${name}: the answer has no expires_in`, {
+        const token = r.body.signed ?? r.body.token;
+        if (typeof expiresIn !== "number" || !Number.isFinite(expiresIn) || expiresIn < 0 || typeof token !== "string") {
+          const what = r.bad ? `is ${r.body.message}` : "has no expires_in or token";
+          throw new FencedError(`could not take ${name}: the answer ${what}`, {
             status: 200,
             code: "bad_answer",
           });
@@ -169,12 +284,11 @@ export class FencedClient {
           // Waited in line, or paused: confirm the grant (a renewal, counted from its own
           // send) before handing out its token; one that cannot be confirmed is not held.
           const again = performance.now();
-          const token = r.body.signed ?? r.body.token;
           const rr = await this._call(
             "POST",
             this._lockPath(name, "renew"),
             { token, request_id: requestId, ttl },
-            ttl * 1000,
+            Math.min(ttl, this.requestTimeout) * 1000,
           );
           if (rr.status !== 200 || typeof rr.body.expires_in !== "number") {
             await this._call("POST", this._lockPath(name, "release"), { token, request_id: requestId }, 2000);
@@ -215,16 +329,13 @@ export class FencedClient {
 
   /** `POST /v1/check`: is this token the current grant of its lock? */
   async check(token) {
-    const r = await this._call("POST", "/v1/check", { token }, 30_000);
-    if (r.status !== 200) throw new FencedError(`check failed: ${describe(r)}`, { status: r.status, code: r.body.error });
-    return r.body;
+    return this._ok("check", await this._call("POST", "/v1/check", { token }, this.requestTimeout * 1000));
   }
 
   /** `GET /v1/locks/{name}`: who holds it, and the highest token granted. */
   async status(name) {
-    const r = await this._call("GET", this._lockPath(name), undefined, 30_000);
-    if (r.status !== 200) throw new FencedError(`status failed: ${describe(r)}`, { status: r.status, code: r.body.error });
-    return r.body;
+    const path = this._lockPath(name);
+    return this._ok("status", await this._call("GET", path, undefined, this.requestTimeout * 1000));
   }
 }
 
@@ -310,7 +421,8 @@ export class Lease extends EventTarget {
     this.#releasing = (async () => {
       const path = this.#client._lockPath(this.name, "release");
       for (;;) {
-        const r = await this.#client._call("POST", path, this.#body, Math.max(until - performance.now(), 2000));
+        const wait = Math.min(Math.max(until - performance.now(), 2000), this.#client.requestTimeout * 1000);
+        const r = await this.#client._call("POST", path, this.#body, wait);
         if (r.status === 200) return r.body.released === true;
         if (r.status === 410) return false;
         // Sent again only if it surely did not arrive (refused connection) or was refused
@@ -367,8 +479,11 @@ export class Lease extends EventTarget {
     if (this.state !== "held") return;
     const sent = performance.now();
     const path = this.#client._lockPath(this.name, "renew");
-    // An answer that comes after the lease's confirmed end could not confirm it anyway.
-    const r = await this.#client._call("POST", path, this.#body, this.#validUntil - sent);
+    // An answer that comes after the lease's confirmed end could not confirm it anyway; one
+    // that has not come within requestTimeout is asked again (a fresh connection: the old one
+    // may lead to a gateway that hangs) while the lease lasts.
+    const bound = Math.min(this.#validUntil - sent, this.#client.requestTimeout * 1000);
+    const r = await this.#client._call("POST", path, this.#body, bound);
     if (this.#state !== "held") return;
     if (r.status === 200 && typeof r.body.expires_in === "number") {
       // Counted from when it was sent: the safe side.

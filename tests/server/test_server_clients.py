@@ -30,7 +30,10 @@ import pytest
 
 from fenced.testing.servers import FencedServer, free_port
 from tests.helpers import ROOT, wait_for
-from tests.server.gateway import TLS  # (polled: one TLS context, not one per call)
+from tests.server.gateway import (
+    TLS,  # (polled: one TLS context, not one per call)
+    keyed_server,
+)
 
 
 def _need(tool: str) -> str:
@@ -125,6 +128,60 @@ def test_the_curl_lines_of_the_docs_work_as_they_say(server: FencedServer) -> No
 
 # -- the packages' own contract tests ------------------------------------------------------------
 
+KEY = "fk_clients_key_0123456789abcdef"
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FencedServer]:
+    """A ``fenced serve`` with one API key (``KEY``, every lock), for both packages' tests of
+    the rightful key's side."""
+    base = tmp_path_factory.mktemp("keyed")
+    keys = [{"id": "clients", "secret": KEY, "prefixes": [""], "verbs": ["acquire"]}]
+    with keyed_server(f"sqlite:///{base / 'locks.db'}", base / "keys.toml", keys) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def unaccepted_port() -> Iterator[int]:
+    """A loopback port whose connections never complete: a listening socket whose queue (of
+    one) is full and never accepted, so the kernel drops every new SYN — a server hung before
+    the connect is made, for the clients' connect timeouts."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        port = listener.getsockname()[1]
+        held: list[socket.socket] = []
+        try:
+            for _ in range(8):  # (until one connect hangs: the queue is full)
+                conn = socket.socket()
+                conn.settimeout(0.5)
+                try:
+                    conn.connect(("127.0.0.1", port))
+                except TimeoutError:
+                    conn.close()
+                    break
+                held.append(conn)
+            else:
+                pytest.fail("the listen queue never filled: connects did not hang")
+            yield port
+        finally:
+            for conn in held:
+                conn.close()
+
+
+def _contract_env(
+    server: FencedServer, keyed: FencedServer, refused_port: int, unaccepted_port: int
+) -> dict[str, str]:
+    return {
+        **os.environ,
+        "FENCED_TEST_URL": server.url,
+        "FENCED_TEST_DEAD_PORT": str(refused_port),
+        "FENCED_TEST_KEYED_URL": keyed.url,
+        "FENCED_TEST_KEY": KEY,
+        "FENCED_TEST_UNACCEPTED_PORT": str(unaccepted_port),
+    }
+
+
 JS = ROOT / "clients" / "js"
 JAVA = ROOT / "clients" / "java"
 LANGUAGES = ["node", "java"]
@@ -181,33 +238,31 @@ def _java(classes: Path) -> list[str]:
 
 
 def test_the_javascript_package_passes_its_node_tests(
-    server: FencedServer, refused_port: int
+    server: FencedServer, keyed: FencedServer, refused_port: int, unaccepted_port: int
 ) -> None:
+    """Its contract (clients/js/test), bad keys, URLs, answers and hung servers included."""
     r = subprocess.run(
         [_need("node"), "--test", str(JS / "test")],
-        env={
-            **os.environ,
-            "FENCED_TEST_URL": server.url,
-            "FENCED_TEST_DEAD_PORT": str(refused_port),
-        },
+        env=_contract_env(server, keyed, refused_port, unaccepted_port),
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
-    assert "# pass 5" in r.stdout and "# skipped 0" in r.stdout, r.stdout[-2000:]
+    assert "# pass 11" in r.stdout and "# skipped 0" in r.stdout, r.stdout[-2000:]
 
 
 def test_the_java_package_passes_its_tests(
-    server: FencedServer, java_classes: Path, refused_port: int
+    server: FencedServer,
+    keyed: FencedServer,
+    java_classes: Path,
+    refused_port: int,
+    unaccepted_port: int,
 ) -> None:
+    """Its contract (clients/java/test), bad keys, URLs, answers and hung servers included."""
     r = subprocess.run(
         [*_java(java_classes), "ClientTest"],
-        env={
-            **os.environ,
-            "FENCED_TEST_URL": server.url,
-            "FENCED_TEST_DEAD_PORT": str(refused_port),
-        },
+        env=_contract_env(server, keyed, refused_port, unaccepted_port),
         capture_output=True,
         text=True,
         timeout=120,

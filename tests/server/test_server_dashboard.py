@@ -199,6 +199,27 @@ def test_with_api_keys_the_page_asks_for_a_key(keyed: FencedServer, browser: Bro
     assert dom.body.get("data-loaded") is None and dom.tables["locks"] == []
 
 
+def test_a_key_no_header_can_carry_is_one_clear_line_on_the_page(
+    keyed: FencedServer, browser: Browser
+) -> None:
+    """A key pasted with a tab inside, or a character that is not ASCII: the page says what
+    is wrong with it (never the key) and keeps asking — it said "server unreachable" (fetch
+    refuses such a header); the rightful key then loads the page. (A line break never
+    arrives: a password field drops it from its value.)"""
+    browser.go(keyed.url + "/", ready="document.getElementById('auth').style.display === 'flex'")
+    for bad, kind in (("fk_alice\tsecret_0000", "control"), ("fk_alicé_secret_00", "non-ASCII")):
+        browser.js(
+            f"document.getElementById('key').value = {json.dumps(bad)}; "
+            "document.getElementById('auth').requestSubmit()"
+        )
+        said = browser.js("document.getElementById('state').textContent")
+        assert said.startswith("the API key has") and kind in said, said
+        assert "alice" not in said and "secret" not in said, said
+        assert browser.js("document.getElementById('auth').style.display") == "flex"
+        assert browser.js("sessionStorage.getItem('fenced-key')") is None
+    _keyed(browser, keyed.url + "/", ALICE)
+
+
 def test_the_dom_check_catches_a_page_that_shows_nothing(
     server: FencedServer, browser: Browser
 ) -> None:

@@ -8,6 +8,13 @@ import dev.fenced.client.Lease;
 import dev.fenced.client.LeaseLostException;
 import dev.fenced.client.LockOptions;
 import dev.fenced.client.LockTimeoutException;
+import com.sun.net.httpserver.HttpServer;
+import java.io.IOException;
+import java.io.OutputStream;
+import java.net.InetAddress;
+import java.net.InetSocketAddress;
+import java.net.ServerSocket;
+import java.net.Socket;
 import java.net.URI;
 import java.net.http.HttpClient;
 import java.net.http.HttpRequest;
@@ -15,8 +22,15 @@ import java.net.http.HttpResponse;
 import java.time.Duration;
 import java.util.ArrayList;
 import java.util.Collections;
+import java.util.LinkedHashMap;
 import java.util.List;
+import java.util.Map;
+import java.util.concurrent.CompletableFuture;
+import java.util.concurrent.CountDownLatch;
+import java.util.concurrent.Executors;
 import java.util.concurrent.TimeUnit;
+import java.util.concurrent.atomic.AtomicInteger;
+import java.util.function.Supplier;
 
 public final class ClientTest {
     static final String URL = System.getenv("FENCED_TEST_URL");
@@ -27,6 +41,12 @@ public final class ClientTest {
         busy();
         badInput();
         unreachable();
+        badKeys();
+        badUrls();
+        keyed();
+        notJson();
+        hung();
+        renewalHung();
         System.out.println("ok");
     }
 
@@ -137,5 +157,288 @@ public final class ClientTest {
             check(e.status() == 0, "status " + e.status());
         }
         check(System.nanoTime() - started >= 400_000_000L, "it did not retry");
+    }
+
+    // -- what a client must refuse or survive: bad keys and URLs, odd answers, hung servers ----
+
+    /** A bad API key is one clear FencedException before any request; the key never shown. */
+    static void badKeys() {
+        Map<String, String> bad = new LinkedHashMap<>();
+        bad.put("non-ASCII", "fk_sécret_0123456789abcdef");
+        bad.put("not Latin-1", "fk_ключ_密钥_0123456789abcdef");
+        bad.put("header injection", "fk_secret_0123\r\nX-Evil: injected");
+        bad.put("a newline", "fk_secret_0123\nmore_secret_456");
+        bad.put("a control character", "fk_secret_0123\tmore_secret_456");
+        bad.put("blanks around it", " fk_secret_0123456789abcdef ");
+        bad.put("empty", "");
+        bad.put("too long", "fk_" + "x".repeat(4094));
+        for (Map.Entry<String, String> e : bad.entrySet()) {
+            String what = e.getKey(), key = e.getValue();
+            try {
+                new FencedClient("http://127.0.0.1:9", key);
+                throw new AssertionError(what + ": accepted");
+            } catch (FencedException x) {
+                String m = x.getMessage();
+                check("invalid_request".equals(x.code()) && m.startsWith("apiKey "), what + ": " + m);
+                check(!m.contains("\n") && !m.contains("\r"), what + ": two lines");
+                for (String part : key.split("[\r\n\t ]+")) {
+                    check(part.length() <= 3 || !m.contains(part), what + ": the key shown: " + m);
+                }
+            }
+        }
+        // What the rule lets through: 4096 visible characters, blanks inside; null: no key.
+        new FencedClient("http://127.0.0.1:9", "fk_" + "x".repeat(4093));
+        new FencedClient("http://127.0.0.1:9", "fk two words !#$%&()*+,-./:;<=>?@[]^_`{|}~");
+        new FencedClient("http://127.0.0.1:9", null);
+        expect(FencedException.class,
+                () -> new FencedClient("http://127.0.0.1:9", null, Duration.ZERO), "requestTimeout 0");
+    }
+
+    /** A URL with credentials, a query or no URL at all: one clear error never showing them. */
+    static void badUrls() {
+        String[][] cases = {
+            {"http://tenant:hunter2-pass@127.0.0.1:7400", "hunter2"},
+            {"http://fk_secret_in_user@127.0.0.1:7400/", "fk_secret"},
+            {"https://127.0.0.1:7400/?key=fk_secret_query", "fk_secret"},
+            {"http://127.0.0.1:7400/#fk_secret_fragment", "fk_secret"},
+            {"fk_secret_pasted_here", "k_secret"},
+            {"ftp://127.0.0.1/", "\u0000"},
+        };
+        for (String[] c : cases) {
+            try {
+                new FencedClient(c[0], (String) null);
+                throw new AssertionError(c[0] + ": accepted");
+            } catch (FencedException e) {
+                check("invalid_request".equals(e.code()) && !e.getMessage().contains(c[1]), c[0] + ": " + e.getMessage());
+            }
+        }
+        String url = new FencedClient("http://127.0.0.1:7400/base/", (String) null).url();
+        check(url.equals("http://127.0.0.1:7400/base"), "base " + url);
+    }
+
+    /** A keyed server: the rightful key takes and releases, a wrong one is 401 (not shown). */
+    static void keyed() {
+        String keyedUrl = System.getenv("FENCED_TEST_KEYED_URL");
+        if (keyedUrl == null) return;
+        FencedClient client = new FencedClient(keyedUrl, System.getenv("FENCED_TEST_KEY"));
+        Lease lease = client.lock(unique("java/keyed"), new LockOptions().ttl(Duration.ofSeconds(5)));
+        check(lease.value() == 1, "keyed token " + lease.value());
+        check(lease.release() == Lease.Released.RELEASED, "keyed release");
+        String wrong = "fk_wrong_but_well_formed_0123";
+        try {
+            new FencedClient(keyedUrl, wrong).lock("java/keyed-wrong");
+            throw new AssertionError("a wrong key was granted");
+        } catch (FencedException e) {
+            check(e.status() == 401 && !e.getMessage().contains(wrong), "wrong key: " + e.getMessage());
+        }
+    }
+
+    /** A real HTTP server (the JDK's) that answers every request with {@code status, body}, or
+     * with the request's Authorization header (an echoing proxy) if body is null. */
+    static HttpServer serving(int status, String body) throws IOException {
+        HttpServer server = HttpServer.create(new InetSocketAddress(InetAddress.getLoopbackAddress(), 0), 0);
+        server.createContext("/", ex -> {
+            ex.getRequestBody().readAllBytes();
+            String text = body != null ? body : "bad request: " + ex.getRequestHeaders().getFirst("authorization");
+            byte[] bytes = text.getBytes(java.nio.charset.StandardCharsets.UTF_8);
+            ex.getResponseHeaders().set("content-type", "text/html");
+            ex.sendResponseHeaders(status, bytes.length == 0 ? -1 : bytes.length);
+            try (OutputStream out = ex.getResponseBody()) {
+                out.write(bytes);
+            }
+        });
+        server.start();
+        return server;
+    }
+
+    /** An answer that is no JSON object: one clear FencedException, never taken for a result. */
+    static void notJson() throws Exception {
+        String key = "fk_echoed_secret_0123456789";
+        Object[][] cases = {
+            {200, "<html><body>Welcome to nginx!</body></html>"},
+            {200, "[1, 2]"},
+            {200, "null"},
+            {200, ""},
+            {200, "[".repeat(100_000)}, // (nested past any stack)
+            {502, "<html><head><title>502 Bad Gateway</title></head></html>"},
+        };
+        for (Object[] c : cases) {
+            int status = (Integer) c[0];
+            HttpServer server = serving(status, (String) c[1]);
+            try {
+                FencedClient client = new FencedClient("http://127.0.0.1:" + server.getAddress().getPort(), key);
+                List<Runnable> calls = List.of(
+                        () -> client.status("x"),
+                        () -> client.check("x:1"),
+                        () -> client.lock("x", new LockOptions().retryFor(Duration.ZERO)));
+                for (Runnable call : calls) {
+                    try {
+                        call.run();
+                        throw new AssertionError(status + ": taken for a result");
+                    } catch (FencedException e) {
+                        String m = e.getMessage();
+                        check(!(e instanceof LeaseLostException) && e.status() == status, status + ": " + e);
+                        check(status != 200 || "bad_answer".equals(e.code()), status + ": " + e.code() + " " + m);
+                        check(m.contains("not JSON") && !m.contains("\n"), status + ": " + m);
+                    }
+                }
+            } finally {
+                server.stop(0);
+            }
+        }
+        HttpServer echo = serving(400, null);
+        try {
+            new FencedClient("http://127.0.0.1:" + echo.getAddress().getPort(), key).status("x");
+            throw new AssertionError("echo: a 400 taken for a result");
+        } catch (FencedException e) {
+            check(!e.getMessage().contains(key) && e.getMessage().contains("Bearer ***"), "echo: " + e.getMessage());
+        } finally {
+            echo.stop(0);
+        }
+    }
+
+    /** A server that accepts and never answers, or sends a head and never the whole body. */
+    static ServerSocket hanging(boolean head) throws IOException {
+        ServerSocket server = new ServerSocket(0, 50, InetAddress.getLoopbackAddress());
+        Thread t = new Thread(() -> {
+            List<Socket> held = new ArrayList<>();
+            try {
+                for (;;) {
+                    Socket s = server.accept();
+                    held.add(s);
+                    if (head) {
+                        s.getInputStream().read(new byte[4096]);
+                        s.getOutputStream().write(("HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                                + "content-length: 90\r\n\r\n{\"held\"").getBytes(java.nio.charset.StandardCharsets.US_ASCII));
+                        s.getOutputStream().flush();
+                    }
+                }
+            } catch (IOException e) {
+                for (Socket s : held) {
+                    try {
+                        s.close();
+                    } catch (IOException ignored) {
+                        // closing: nothing to do
+                    }
+                }
+            }
+        });
+        t.setDaemon(true);
+        t.start();
+        return server;
+    }
+
+    /** Milliseconds {@code call} takes to throw a FencedException with status 0. */
+    static long rejection(String what, Runnable call) {
+        long started = System.nanoTime();
+        try {
+            call.run();
+        } catch (FencedException e) {
+            check(e.status() == 0 && e.getMessage().contains("timed out"), what + ": " + e.getMessage());
+            return (System.nanoTime() - started) / 1_000_000;
+        }
+        throw new AssertionError(what + ": it did not fail");
+    }
+
+    /** A hung server: requestTimeout bounds each call, connecting included; lock() its timeout. */
+    static void hung() throws Exception {
+        ServerSocket silent = hanging(false), halfway = hanging(true);
+        List<String> urls = new ArrayList<>(List.of(
+                "http://127.0.0.1:" + silent.getLocalPort(), "http://127.0.0.1:" + halfway.getLocalPort()));
+        // (never accepted: a full listen queue, held by tests/server/test_server_clients.py)
+        String unaccepted = System.getenv("FENCED_TEST_UNACCEPTED_PORT");
+        if (unaccepted != null) urls.add("http://127.0.0.1:" + unaccepted);
+        try {
+            List<CompletableFuture<Void>> runs = new ArrayList<>();
+            for (String url : urls) {
+                Supplier<Void> each = () -> {
+                    FencedClient quick = new FencedClient(url, null, Duration.ofMillis(500));
+                    List<Runnable> calls = List.of(
+                            () -> quick.status("x"),
+                            () -> quick.check("x:1"),
+                            () -> quick.lock("x", new LockOptions().retryFor(Duration.ZERO)));
+                    for (Runnable call : calls) {
+                        long took = rejection(url, call);
+                        check(took >= 450 && took < 4000, url + ": " + took + " ms for a 0.5 s requestTimeout");
+                    }
+                    // lock()'s own timeout bounds it (+ 1 s for a last try), whatever requestTimeout says
+                    FencedClient plain = new FencedClient(url, (String) null);
+                    long took = rejection(url, () -> plain.lock("x", new LockOptions().timeout(Duration.ofMillis(500))));
+                    check(took >= 450 && took < 4500, url + ": " + took + " ms for a 0.5 s timeout");
+                    return null;
+                };
+                runs.add(CompletableFuture.supplyAsync(each)); // (side by side: 3 s, not 9)
+            }
+            for (CompletableFuture<Void> run : runs) {
+                try {
+                    run.join();
+                } catch (java.util.concurrent.CompletionException e) {
+                    if (e.getCause() instanceof Error err) throw err;
+                    throw e;
+                }
+            }
+        } finally {
+            silent.close();
+            halfway.close();
+        }
+    }
+
+    /** A renewal hung on its connection is asked again within requestTimeout: the lease is kept
+     * (it waited out the lease's whole confirmed time, and the lease was lost). */
+    static void renewalHung() throws Exception {
+        // A gateway that grants (ttl 3 s), never answers the first renewal, and answers the next.
+        AtomicInteger renewals = new AtomicInteger();
+        CountDownLatch done = new CountDownLatch(1);
+        HttpServer server = HttpServer.create(new InetSocketAddress(InetAddress.getLoopbackAddress(), 0), 0);
+        server.setExecutor(Executors.newCachedThreadPool(r -> {
+            Thread t = new Thread(r);
+            t.setDaemon(true);
+            return t;
+        }));
+        server.createContext("/", ex -> {
+            ex.getRequestBody().readAllBytes();
+            String path = ex.getRequestURI().getPath();
+            String body;
+            if (path.endsWith("/-/acquire")) {
+                body = "{\"lock\": \"r\", \"token\": \"r:1\", \"value\": 1, \"ttl\": 3, \"request_id\": \"q\", \"expires_in\": 3}";
+            } else if (path.endsWith("/-/renew")) {
+                if (renewals.incrementAndGet() == 1) {
+                    try {
+                        done.await(); // (hangs: the answer never comes)
+                    } catch (InterruptedException e) {
+                        Thread.currentThread().interrupt();
+                    }
+                    ex.close();
+                    return;
+                }
+                body = "{\"ttl\": 3, \"expires_in\": 3}";
+            } else {
+                body = "{\"released\": true}";
+            }
+            byte[] bytes = body.getBytes(java.nio.charset.StandardCharsets.UTF_8);
+            ex.getResponseHeaders().set("content-type", "application/json");
+            ex.sendResponseHeaders(200, bytes.length);
+            try (OutputStream out = ex.getResponseBody()) {
+                out.write(bytes);
+            }
+        });
+        server.start();
+        try {
+            FencedClient client = new FencedClient(
+                    "http://127.0.0.1:" + server.getAddress().getPort(), null, Duration.ofMillis(300));
+            Lease lease = client.lock("r", new LockOptions().ttl(Duration.ofSeconds(3)));
+            long deadline = System.nanoTime() + 10_000_000_000L;
+            while (lease.renewals() < 1 && lease.state() == Lease.State.HELD) {
+                check(System.nanoTime() - deadline < 0, "no renewal");
+                Thread.sleep(20);
+            }
+            check(lease.state() == Lease.State.HELD, "lost: " + lease.lostReason());
+            check(lease.renewals() == 1, "renewals " + lease.renewals());
+            check(renewals.get() >= 2 && lease.renewalFailures() >= 1, renewals.get() + " renewals sent");
+            check(lease.release() == Lease.Released.RELEASED, "release");
+        } finally {
+            done.countDown();
+            server.stop(0);
+        }
     }
 }

@@ -29,6 +29,7 @@ from .token import FencingToken
 __all__ = [
     "BUILTIN_SCHEMES",
     "ENTRY_POINT_GROUP",
+    "MAX_HEADER_SECRET",
     "MAX_OWNER",
     "MAX_RECORD",
     "SECRET_QUERY_KEYS",
@@ -506,12 +507,16 @@ _SECRET_QUERY: Final = re.compile(
 
 _HEADER_SECRET: Final = re.compile(r"[\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?")
 
+MAX_HEADER_SECRET: Final = 4096
+"""The longest API key: proxies refuse longer header lines (nginx's default buffer holds 8 KiB
+for a whole line); the JavaScript and Java clients check the same bound."""
+
 
 def is_header_secret(secret: str) -> bool:
     """Can ``secret`` (an API key's) travel in an ``Authorization: Bearer`` header as written?
     Visible ASCII, blanks inside only: clients (httpx) send ASCII alone, servers read
-    latin-1 and strip the blanks around a value."""
-    return _HEADER_SECRET.fullmatch(secret) is not None
+    latin-1 and strip the blanks around a value; at most :data:`MAX_HEADER_SECRET`."""
+    return len(secret) <= MAX_HEADER_SECRET and _HEADER_SECRET.fullmatch(secret) is not None
 
 
 def redacted(url: str) -> str:

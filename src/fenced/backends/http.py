@@ -104,8 +104,8 @@ class HttpBackend(Backend):
         if key:
             if not is_header_secret(key):  # (never shown: it is the secret)
                 raise ConfigurationError(
-                    f"{where}: an API key is visible ASCII, blanks inside only (an "
-                    "Authorization header carries it); this one has other characters"
+                    f"{where}: an API key is visible ASCII, blanks inside only, at most 4096 "
+                    "characters (an Authorization header carries it); this one is not"
                 )
             headers["authorization"] = f"Bearer {key}"
         timeout = opts["request_timeout"]

@@ -53,7 +53,7 @@ from .._core.signing import Keyring, SignatureError
 from .._core.state import DEFAULT_TTL, check_request_id, check_timeout, check_ttl
 from .._core.token import MAX_NAME, FencingToken, validate_lock_name
 from ._auth import ApiKey, Keys, Verb
-from ._gateway import READY_LOCK, RESERVED, ForeignGrant, Gateway, client_id
+from ._gateway import READY_LOCK, RESERVED, Gateway, client_id
 from ._http import READ_TIMEOUT
 from ._layers import DirectLane, _BodyLimit, _FastLane, _Lane, _Service, _Timing
 from ._metrics import CONTENT_TYPE_LATEST
@@ -483,8 +483,6 @@ def create_app(settings: ServerSettings) -> FastAPI:
         if isinstance(exc, ConfigurationError):
             gw.metrics.refused.labels("invalid").inc()
             return ApiError(400, "invalid_request", str(exc))
-        if isinstance(exc, ForeignGrant):  # (counted where it was refused)
-            return ApiError(403, "forbidden", str(exc))
         if isinstance(exc, BackendUnavailable):
             return ApiError(503, "unavailable", str(exc))
         return ApiError(503, "unavailable", f"{type(exc).__name__}: {exc}")

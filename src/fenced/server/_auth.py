@@ -166,7 +166,8 @@ def _parse_key(path: str | Path, n: int, entry: Mapping[str, Any]) -> ApiKey:
             # (a client sends it in a header: other characters never arrive as written)
             raise ConfigurationError(
                 f"{where} ({key_id}): 'secret' must be visible ASCII (no other characters, "
-                "no blanks around it), as an Authorization header carries it"
+                "no blanks around it), at most 4096 characters, as an Authorization header "
+                "carries it"
             )
         digest = hashlib.sha256(secret.encode()).digest()
     else:

@@ -52,8 +52,9 @@ __all__ = [
 
 logger = logging.getLogger("fenced.server")
 
-Foreign = Callable[[], Awaitable[None]]
-"""Raises ForeignGrant if a request named another key's grant (``Gateway._foreign``)."""
+Foreign = Callable[[], Awaitable[bool]]
+"""True if a request named another key's grant (``Gateway._foreign``): counted as a refusal,
+answered as an unknown id."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -69,7 +70,9 @@ class Transition:
 
 
 class ForeignGrant(AccessDenied):
-    """The request id names another key's grant: refused (403 forbidden), nothing changed."""
+    """The request id names another key's grant. No longer raised: such a request is answered
+    exactly as one naming an unknown id (a 403 told a key which guessed ids were taken); kept
+    for code that catches it."""
 
 
 def own_id(key: ApiKey | None, request_id: str) -> str:
@@ -219,15 +222,18 @@ class Gateway:
 
     # -- grants, by API key (what the routes call) ---------------------------------------------
 
-    async def refuse_others(self, key: ApiKey | None, name: str, request_id: str) -> None:
-        """ForeignGrant if the lock's holder is another key's grant with this request id: a
-        request id is a capability, and it is the key's that made the grant."""
+    async def refuse_others(self, key: ApiKey | None, name: str, request_id: str) -> bool:
+        """True (and counted as a refusal) if the lock's holder is another key's grant with
+        this request id. Only counted: the request is answered as one naming an unknown id
+        (it never reaches that grant: at the source its id is this key's tag and the id), so
+        that a key cannot tell which guessed ids another key's grants use."""
         if key is None:
-            return
+            return False
         status = await self.backend.status(name)
         if status.token is not None and others_id(key, status.holder, request_id):
             self.metrics.refused.labels("forbidden").inc()
-            raise ForeignGrant(f"request id {request_id!r} is another key's grant")
+            return True
+        return False
 
     async def acquire_for(
         self,
@@ -241,13 +247,11 @@ class Gateway:
         waiting: Callable[[Awaitable[Any]], Awaitable[Any]] | None = None,
         count_timeout: bool = True,
     ) -> tuple[Grant, FencingToken]:
-        """:meth:`acquire` as ``key``'s grant. A waiting acquire (``wait`` > 0) is checked
-        before it queues, and runs inside ``waiting`` (the HTTP layer's watch for the client
-        leaving); a try-once is checked only when refused (only then does it pay the look).
-        ``count_timeout`` False: a LockTimeout is not counted as an acquire timeout (a
-        try-once standing in for a waiting acquire its client may not add: a refusal)."""
-        if wait:  # (checked before it queues: a refused request changes nothing)
-            await self.refuse_others(key, name, request_id)
+        """:meth:`acquire` as ``key``'s grant. A waiting acquire (``wait`` > 0) runs inside
+        ``waiting`` (the HTTP layer's watch for the client leaving); one naming another key's
+        request id waits in line as any other (its grant would be its own). ``count_timeout``
+        False: a LockTimeout is not counted as an acquire timeout (a try-once standing in for
+        a waiting acquire its client may not add: a refusal)."""
         granting = self.acquire(
             name,
             own_id(key, request_id),
@@ -278,9 +282,9 @@ class Gateway:
 
     def _foreign(self, key: ApiKey | None, name: str, request_id: str) -> Foreign | None:
         """What a request of ``key`` that was refused or found its grant gone asks before it
-        is counted: ForeignGrant if it named another key's grant — then it counts as a
-        refusal only, not as an acquire timeout, a lost renewal or a release of nothing too
-        (a scraper saw leases lost that were not)."""
+        is counted: True if it named another key's grant — then it counts as a refusal only,
+        not as an acquire timeout, a lost renewal or a release of nothing too (a scraper saw
+        leases lost that were not). Its answer is an unknown id's all the same."""
         if key is None:
             return None
         return lambda: self.refuse_others(key, name, request_id)
@@ -299,14 +303,12 @@ class Gateway:
         count_timeout: bool = True,
     ) -> tuple[Grant, FencingToken]:
         """Grant ``name`` to ``request_id`` (idempotent), waiting FIFO up to ``wait`` seconds;
-        LockTimeout after that (or ForeignGrant, from ``foreign``: see :meth:`_foreign`).
-        Returns the grant and its token as the holder gets it."""
+        LockTimeout after that (counted as a refusal instead if ``foreign`` says so: see
+        :meth:`_foreign`). Returns the grant and its token as the holder gets it."""
         try:
             return await self._acquire(name, request_id, ttl, wait, owner)
         except LockTimeout:
-            if foreign is not None and not wait:  # (a waiting one was asked before it queued)
-                await foreign()
-            if count_timeout:
+            if (foreign is None or not await foreign()) and count_timeout:
                 self.metrics.acquire_timeouts.inc()
             raise
 
@@ -380,14 +382,13 @@ class Gateway:
         *,
         foreign: Foreign | None = None,
     ) -> Grant:
-        """Renew the grant; LeaseLostError if it has ended (or ForeignGrant, from
-        ``foreign``)."""
+        """Renew the grant; LeaseLostError if it has ended (counted as a refusal instead if
+        ``foreign`` says so)."""
         try:
             return await self._renew(name, token, request_id, ttl)
         except LeaseLostError:
-            if foreign is not None:
-                await foreign()
-            self.metrics.renewals.labels("lost").inc()
+            if foreign is None or not await foreign():
+                self.metrics.renewals.labels("lost").inc()
             raise
 
     async def _renew(
@@ -447,8 +448,8 @@ class Gateway:
     async def release(
         self, name: str, token: FencingToken, request_id: str, *, foreign: Foreign | None = None
     ) -> bool:
-        """Release the grant; False if it had ended already (or ForeignGrant, from
-        ``foreign``)."""
+        """Release the grant; False if it had ended already (counted as a refusal instead if
+        ``foreign`` says so)."""
         key = (name, request_id, token.value)
         self._releasing[key] = self._releasing.get(key, 0) + 1
         try:
@@ -460,9 +461,7 @@ class Gateway:
                 self._releasing[key] -= 1
         if released:
             self._released.inc()
-        else:
-            if foreign is not None:
-                await foreign()
+        elif foreign is None or not await foreign():
             self._not_held.inc()
         return released
 

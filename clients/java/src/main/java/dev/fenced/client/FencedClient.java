@@ -1,6 +1,7 @@
 package dev.fenced.client;
 
 import java.net.URI;
+import java.net.URISyntaxException;
 import java.net.http.HttpClient;
 import java.net.http.HttpRequest;
 import java.net.http.HttpResponse;
@@ -33,28 +34,54 @@ public final class FencedClient {
     static final double MIN_TTL = 0.1;
     static final double MAX_TTL = 86_400;
     static final double MAX_TIMEOUT = 31_536_000;
+    /** The longest API key: proxies refuse longer header lines (nginx's default buffer holds
+     * 8 KiB for a whole line); the server's keys file and the other clients have the same. */
+    static final int MAX_KEY = 4096;
+    static final Duration DEFAULT_REQUEST_TIMEOUT = Duration.ofSeconds(10);
 
     private final String url;
-    private final String auth; // "Bearer <secret>": never in a message or toString
+    private final String key; // the secret: never in a message or toString
+    private final String auth; // "Bearer <secret>"
+    final long requestTimeout; // nanoseconds
     private final HttpClient http;
     final ScheduledExecutorService timers;
 
-    /** {@code url}: e.g. "http://127.0.0.1:7400"; the API key is $FENCED_API_KEY, if set. */
+    /** {@code url}: e.g. "http://127.0.0.1:7400"; the API key is $FENCED_API_KEY, if set and
+     * not empty. */
     public FencedClient(String url) {
-        this(url, System.getenv("FENCED_API_KEY"));
+        this(url, envKey(), "$FENCED_API_KEY", DEFAULT_REQUEST_TIMEOUT);
     }
 
     /** {@code apiKey}: sent as a bearer token (null: none). */
     public FencedClient(String url, String apiKey) {
-        if (url == null || !url.matches("https?://[^/]+.*")) {
-            throw new FencedException("not an http(s) URL of a fenced server: " + url, 0, "invalid_request");
+        this(url, apiKey, "apiKey", DEFAULT_REQUEST_TIMEOUT);
+    }
+
+    /**
+     * {@code url}: no user name or password, query or fragment. {@code apiKey} (null: none):
+     * visible ASCII, blanks inside only, at most 4096 characters, as an Authorization header
+     * carries it. {@code requestTimeout}: how long one request may take, connecting included,
+     * past a long poll's own wait (default 10 s). Anything else is a {@link FencedException}
+     * ("invalid_request") that never shows the key.
+     */
+    public FencedClient(String url, String apiKey, Duration requestTimeout) {
+        this(url, apiKey, "apiKey", requestTimeout);
+    }
+
+    private FencedClient(String url, String apiKey, String where, Duration requestTimeout) {
+        this.url = baseUrl(url);
+        double timeout = seconds("requestTimeout", requestTimeout, 0.001, 3600);
+        this.requestTimeout = (long) (timeout * 1e9);
+        if (apiKey != null) {
+            String problem = keyProblem(apiKey);
+            if (problem != null) throw invalid(where + " " + problem);
         }
-        this.url = url.replaceAll("/+$", "");
-        this.auth = apiKey == null || apiKey.isEmpty() ? null : "Bearer " + apiKey;
+        this.key = apiKey;
+        this.auth = apiKey == null ? null : "Bearer " + apiKey;
         // HTTP/1.1: no h2c upgrade dance with the server.
         this.http = HttpClient.newBuilder()
                 .version(HttpClient.Version.HTTP_1_1)
-                .connectTimeout(Duration.ofSeconds(10))
+                .connectTimeout(requestTimeout)
                 .build();
         this.timers = Executors.newSingleThreadScheduledExecutor(r -> {
             Thread t = new Thread(r, "fenced-lease-timers");
@@ -67,6 +94,95 @@ public final class FencedClient {
         return url;
     }
 
+    /** How long one request may take, connecting included (past a long poll's own wait). */
+    public Duration requestTimeout() {
+        return Duration.ofNanos(requestTimeout);
+    }
+
+    private static FencedException invalid(String message) {
+        return new FencedException(message, 0, "invalid_request");
+    }
+
+    private static String envKey() {
+        String key = System.getenv("FENCED_API_KEY");
+        return key == null || key.isEmpty() ? null : key; // (empty: as unset)
+    }
+
+    /** What is wrong with an API key (null: nothing), never the key nor any of its characters. */
+    static String keyProblem(String key) {
+        if (key.isEmpty()) return "is empty: give the key, or null for a server without keys";
+        if (key.length() > MAX_KEY) {
+            return "is " + key.length() + " characters long: an API key is at most " + MAX_KEY;
+        }
+        for (int i = 0; i < key.length(); i++) {
+            char c = key.charAt(i);
+            boolean blank = c == ' ' && (i == 0 || i == key.length() - 1);
+            if (c >= 0x20 && c < 0x7f && !blank) continue;
+            String kind = c == '\n' || c == '\r' ? "a line break"
+                    : blank ? "a blank at its start or end"
+                    : c < 0x20 || c == 0x7f ? "a control character"
+                    : "a non-ASCII character";
+            return "has " + kind + " (character " + (i + 1) + "): an API key is visible ASCII, blanks "
+                    + "inside only (an Authorization header carries it as written)";
+        }
+        return null;
+    }
+
+    /** A URL as an error may show it: no user name or password, query or fragment; text that is
+     * no URL at all only by its first character (it may be a secret pasted in the wrong place). */
+    static String shown(String url) {
+        if (url == null) return "null";
+        try {
+            URI u = new URI(url);
+            if (u.getScheme() != null && u.getRawAuthority() != null) {
+                String host = u.getHost() != null ? u.getHost() + (u.getPort() >= 0 ? ":" + u.getPort() : "") : "…";
+                return u.getScheme() + "://" + host + (u.getRawPath() == null ? "" : u.getRawPath());
+            }
+        } catch (URISyntaxException e) {
+            // (shown as below)
+        }
+        int scheme = url.indexOf("://");
+        return scheme >= 0 ? url.substring(0, scheme) + "://…" : url.isEmpty() ? "" : url.charAt(0) + "…";
+    }
+
+    /** The server's base URL (no trailing slash), or one clear error. */
+    static String baseUrl(String url) {
+        URI u;
+        try {
+            u = url == null ? null : new URI(url);
+        } catch (URISyntaxException e) {
+            u = null;
+        }
+        if (u == null || u.getScheme() == null || !u.getScheme().matches("(?i)https?")) {
+            throw invalid("not an http(s) URL of a fenced server: " + shown(url));
+        }
+        if (u.getHost() == null) { // (java.net reads no host in "my_host": '_' is no host name's)
+            throw invalid("the URL " + shown(url) + " names no host that java.net can reach (a name with '_'?)");
+        }
+        if (u.getRawUserInfo() != null) {
+            // (java.net.http drops it, unsent; and a URL naming a secret ends up in logs)
+            throw invalid("the URL " + shown(url) + " has a user name or password in it: give the API key as "
+                    + "apiKey or $FENCED_API_KEY");
+        }
+        if (u.getRawQuery() != null || u.getRawFragment() != null || url.contains("?") || url.contains("#")) {
+            throw invalid("the URL " + shown(url) + " has a query or fragment: give the server's base URL");
+        }
+        String port = u.getPort() >= 0 ? ":" + u.getPort() : "";
+        String path = u.getRawPath() == null ? "" : u.getRawPath();
+        return u.getScheme().toLowerCase() + "://" + u.getHost() + port + path.replaceAll("/+$", "");
+    }
+
+    /** Text from elsewhere (an answer, a transport error) without the key, should it echo it. */
+    String scrub(String text) {
+        return key == null || text == null ? text : text.replace(key, "***");
+    }
+
+    /** The bound of one call of lock(): the long poll's own wait and requestTimeout, but no
+     * more than the time lock() has left + 1 s (a last try gets a fair chance to be answered). */
+    private long lockBound(double left, long until) {
+        long own = (long) (Math.min(left, 60) * 1e9) + requestTimeout;
+        return Math.min(own, Math.max(0, until - System.nanoTime()) + 1_000_000_000L);
+    }
     @Override
     public String toString() {
         return "FencedClient(" + url + ")";
@@ -110,14 +226,18 @@ public final class FencedClient {
             body.put("timeout", left);
             body.put("request_id", requestId);
             if (o.owner != null) body.put("owner", o.owner);
-            // The server answers a long poll within its max wait (60 s): a little more is allowed.
+            // The server answers a long poll within its max wait (60 s), requestTimeout is for
+            // the rest (connecting, the source), and lock() ends by its time left + 1 s.
             long sent = System.nanoTime();
-            Answer r = call("POST", path, Json.object(body), (long) ((Math.min(left, 60) + 15) * 1e9));
+            Answer r = call("POST", path, Json.object(body), lockBound(left, retryUntil));
             long received = System.nanoTime();
             if (r.status == 200) {
+                Object token = r.body.get("signed") != null ? r.body.get("signed") : r.body.get("token");
                 if (!(r.body.get("expires_in") instanceof Number expires)
-                        || !Double.isFinite(expires.doubleValue()) || expires.doubleValue() < 0) {
-                    throw new FencedException("could not take " + name + ": the answer has no expires_in", 200, "bad_answer");
+                        || !Double.isFinite(expires.doubleValue()) || expires.doubleValue() < 0
+                        || !(token instanceof String)) {
+                    String what = r.bad ? "is " + r.body.get("message") : "has no expires_in or token";
+                    throw new FencedException("could not take " + name + ": the answer " + what, 200, "bad_answer");
                 }
                 // Counted from when the request was sent, never from the answer's arrival: the
                 // grant was made after the send, and an answer can wait in a socket for any time
@@ -127,13 +247,13 @@ public final class FencedClient {
                 if (received - sent > (long) (ttl * 1e9 / 3)) {
                     // Waited in line, or paused: confirm the grant (a renewal, counted from its
                     // own send) before handing out its token; one not confirmed is not held.
-                    Object token = r.body.get("signed") != null ? r.body.get("signed") : r.body.get("token");
                     Map<String, Object> renew = new LinkedHashMap<>();
                     renew.put("token", token);
                     renew.put("request_id", requestId);
                     renew.put("ttl", ttl);
                     long again = System.nanoTime();
-                    Answer rr = call("POST", lockPath(name, "renew"), Json.object(renew), (long) (ttl * 1e9));
+                    Answer rr = call("POST", lockPath(name, "renew"), Json.object(renew),
+                            Math.min((long) (ttl * 1e9), requestTimeout));
                     if (rr.status != 200 || !(rr.body.get("expires_in") instanceof Number renewed)) {
                         Map<String, Object> rel = new LinkedHashMap<>();
                         rel.put("token", token);
@@ -168,16 +288,22 @@ public final class FencedClient {
     public Map<String, Object> check(String token) {
         Map<String, Object> body = new LinkedHashMap<>();
         body.put("token", token);
-        return ok("check", call("POST", "/v1/check", Json.object(body), 30_000_000_000L));
+        return ok("check", call("POST", "/v1/check", Json.object(body), requestTimeout));
     }
 
     /** {@code GET /v1/locks/{name}}: who holds it, and the highest token granted. */
     public Map<String, Object> status(String name) {
-        return ok("status", call("GET", lockPath(name, null), null, 30_000_000_000L));
+        return ok("status", call("GET", lockPath(name, null), null, requestTimeout));
     }
 
     private static Map<String, Object> ok(String what, Answer r) {
-        if (r.status != 200) throw new FencedException(what + " failed: " + r.describe(), r.status, r.error());
+        if (r.status == 200 && r.bad) {
+            throw new FencedException(what + " failed: the answer is " + r.body.get("message"), 200, "bad_answer");
+        }
+        if (r.status != 200) {
+            String code = r.error() != null ? r.error() : r.status == 0 ? "unavailable" : "error";
+            throw new FencedException(what + " failed: " + r.describe(), r.status, code);
+        }
         return r.body;
     }
 
@@ -205,14 +331,17 @@ public final class FencedClient {
         }
     }
 
-    /** An answer: the status (0: none, the reason in message) and the JSON body. */
+    /** An answer: the status (0: none, the reason in message) and the JSON body; {@code bad}:
+     * the answer is no JSON object (a proxy's page, another server), its text in message. */
     static final class Answer {
         final int status;
         final Map<String, Object> body;
+        final boolean bad;
 
-        Answer(int status, Map<String, Object> body) {
+        Answer(int status, Map<String, Object> body, boolean bad) {
             this.status = status;
             this.body = body;
+            this.bad = bad;
         }
 
         String error() {
@@ -226,7 +355,8 @@ public final class FencedClient {
         }
     }
 
-    /** One request, bounded by {@code timeoutNanos}; never completes exceptionally. */
+    /** One request, bounded by {@code timeoutNanos} from the start (connecting included);
+     * never completes exceptionally. */
     CompletableFuture<Answer> callAsync(String method, String path, String body, long timeoutNanos) {
         Duration timeout = Duration.ofNanos(Math.max(1_000_000, timeoutNanos));
         HttpRequest.Builder b;
@@ -248,15 +378,24 @@ public final class FencedClient {
         } catch (RuntimeException e) {
             return CompletableFuture.completedFuture(failure(e));
         }
-        return sent.orTimeout(timeout.toNanos(), TimeUnit.NANOSECONDS).handle((resp, err) -> {
-            if (err != null) return failure(err);
-            Map<String, Object> json = Json.parseObject(resp.body());
-            if (json == null) {
-                json = new LinkedHashMap<>();
-                String text = resp.body().replaceAll("\\s+", " ");
-                json.put("message", text.substring(0, Math.min(200, text.length())));
+        // (on a copy: the timeout then cancels the exchange itself, its connect included,
+        // which java.net.http aborts; completing the exchange's own future would not)
+        return sent.copy().orTimeout(timeout.toNanos(), TimeUnit.NANOSECONDS).handle((resp, err) -> {
+            if (err != null) {
+                sent.cancel(true);
+                return failure(err);
             }
-            return new Answer(resp.statusCode(), json);
+            Map<String, Object> json = Json.parseObject(resp.body());
+            boolean bad = json == null;
+            if (bad) {
+                json = new LinkedHashMap<>();
+                String text = resp.body().replaceAll("\\s+", " ").trim();
+                text = scrub(text.substring(0, Math.min(200, text.length())));
+                json.put("message", "not JSON: " + (text.isEmpty() ? "(empty)" : text));
+            } else if (json.get("message") instanceof String m) {
+                json.put("message", scrub(m));
+            }
+            return new Answer(resp.statusCode(), json, bad);
         });
     }
 
@@ -264,13 +403,13 @@ public final class FencedClient {
         return callAsync(method, path, body, timeoutNanos).join();
     }
 
-    private static Answer failure(Throwable err) {
+    private Answer failure(Throwable err) {
         while (err instanceof CompletionException && err.getCause() != null) err = err.getCause();
         String why = err instanceof TimeoutException || err instanceof java.net.http.HttpTimeoutException
                 ? "timed out"
                 : err.getClass().getSimpleName() + (err.getMessage() != null ? ": " + err.getMessage() : "");
         Map<String, Object> m = new LinkedHashMap<>();
-        m.put("message", why);
-        return new Answer(0, m);
+        m.put("message", scrub(why));
+        return new Answer(0, m, false);
     }
 }

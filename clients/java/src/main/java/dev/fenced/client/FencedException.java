@@ -18,7 +18,8 @@ public class FencedException extends RuntimeException {
         return status;
     }
 
-    /** The server's error code: "timeout", "lease_lost", "forbidden", "invalid_request", ... */
+    /** The server's error code: "timeout", "lease_lost", "forbidden", "invalid_request", ...;
+     * "bad_answer": a 200 that is no JSON object or lacks what it must carry. */
     public String code() {
         return code;
     }

@@ -10,6 +10,8 @@ import java.util.Map;
 final class Json {
     private final String s;
     private int i;
+    private int depth; // (bounded: a hostile answer nested 100,000 deep overflowed the stack)
+    private static final int MAX_DEPTH = 64;
 
     private Json(String s) {
         this.s = s;
@@ -67,6 +69,15 @@ final class Json {
     }
 
     private Object value() {
+        if (++depth > MAX_DEPTH) throw new IllegalArgumentException("nested too deep");
+        try {
+            return value1();
+        } finally {
+            depth--;
+        }
+    }
+
+    private Object value1() {
         ws();
         char c = s.charAt(i);
         if (c == '{') {

@@ -175,7 +175,7 @@ public final class Lease implements AutoCloseable {
         String path = client.lockPath(name, "release");
         Released result;
         for (;;) {
-            long wait = Math.max(until - System.nanoTime(), 2_000_000_000L);
+            long wait = Math.min(Math.max(until - System.nanoTime(), 2_000_000_000L), client.requestTimeout);
             FencedClient.Answer r = client.call("POST", path, body, wait);
             if (r.status == 200) {
                 result = Boolean.TRUE.equals(r.body.get("released")) ? Released.RELEASED : Released.ALREADY_ENDED;
@@ -283,8 +283,11 @@ public final class Lease implements AutoCloseable {
             until = validUntil;
         }
         String path = client.lockPath(name, "renew");
-        // An answer after the lease's confirmed end could not confirm it anyway.
-        client.callAsync("POST", path, body, until - sent).whenComplete((r, err) -> {
+        // An answer after the lease's confirmed end could not confirm it anyway; one that has
+        // not come within requestTimeout is asked again (a fresh connection: the old one may
+        // lead to a gateway that hangs) while the lease lasts.
+        long bound = Math.min(until - sent, client.requestTimeout);
+        client.callAsync("POST", path, body, bound).whenComplete((r, err) -> {
             try {
                 renewed(sent, r);
             } catch (Throwable e) {
