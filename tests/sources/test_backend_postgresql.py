@@ -709,7 +709,9 @@ async def test_grant_of_a_timed_out_call_is_found_by_the_retry(pg_dsn: str) -> N
         assert await backend.release(first) is True
         async with await psycopg.AsyncConnection.connect(pg_dsn) as blocker:
             await blocker.execute(b"SELECT 1 FROM fenced_locks WHERE name = %s FOR UPDATE", (name,))
-            with pytest.raises(fenced.BackendUnavailable, match=r"within 0.3 s \(command_timeout\)"):
+            with pytest.raises(
+                fenced.BackendUnavailable, match=r"within 0.3 s \(command_timeout\)"
+            ):
                 await backend.acquire(name, request_id="b", ttl=30, deadline=None, on_lost=_noop)
             await blocker.commit()
 
