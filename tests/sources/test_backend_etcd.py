@@ -585,6 +585,49 @@ async def test_a_release_asked_again_after_one_that_raised_is_a_release(
             assert (await locks.status(lease.name)).holder is None
 
 
+async def test_a_force_release_whose_reply_was_lost_still_revokes_the_holders_lease(
+    etcd_server: EtcdServer, prefix: str
+) -> None:
+    """A force release's delete reaches etcd, its reply is lost, the client's retry finds the
+    key gone: it answered "nothing held" and never revoked the holder's lease, whose
+    keepalives went on succeeding (the holder believed it held a lock a new client was then
+    granted). Now it names what it released and revokes the lease: the holder's next renewal
+    is a loss. The other side: a lock nobody holds is still "nothing held"."""
+    holder = await open_backend(EtcdBackend, etcd_server.url, prefix)
+    with (
+        TcpProxy("127.0.0.1", etcd_server.port) as near,
+        TcpProxy("127.0.0.1", etcd_server.port) as far,
+    ):
+        url = f"etcd://127.0.0.1:{near.port},127.0.0.1:{far.port}"
+        forcer = await EtcdBackend.open(urlsplit(url), {"prefix": prefix, "timeout": 1.0})
+        try:
+            name = unique_name()
+            grant = await holder.acquire(name, request_id="h", ttl=30, deadline=None, on_lost=NOOP)
+            await forcer.status(name)  # (its first member's connection made)
+            # The replies are dropped from its delete on (the second call it makes: the
+            # key's range first), so that the delete itself is the request retried.
+            client_call = forcer._client.call
+            calls: list[str] = []
+
+            async def call(fn: Any, *, what: str, deadline: float | None = None) -> Any:
+                calls.append(what)
+                if calls.count("force release") == 2:
+                    near.drop_replies()
+                return await client_call(fn, what=what, deadline=deadline)
+
+            forcer._client.call = call  # type: ignore[method-assign]
+            released = await asyncio.wait_for(forcer.force_release(name), 15)
+            near.heal()
+            assert released is not None and released.token == grant.token
+            with pytest.raises(fenced.LeaseLostError):
+                await holder.renew(grant)
+            assert await forcer.force_release(name) is None
+        finally:
+            near.heal()
+            await forcer.aclose()
+            await holder.aclose()
+
+
 # -- the rest of the contract ----------------------------------------------------------------
 
 

@@ -759,9 +759,30 @@ class EtcdBackend(Backend):
             if not got.kvs or got.kvs[0].create_revision != status.token.value:
                 continue
             lease_id = got.kvs[0].lease
-            reply = await self._txn(release_txn(key, status.token.value), "force release")
+            request = release_txn(key, status.token.value)
+            attempts = 0
+
+            def send(member: Any, timeout: float, request: Any = request) -> Any:
+                nonlocal attempts
+                attempts += 1
+                return member.kv.Txn(request, timeout=timeout)
+
+            reply = await self._client.call(send, what="force release")
             if not reply.succeeded:
-                continue  # released or expired meanwhile: look again
+                # Retried, and the key is gone: an earlier attempt whose reply was lost may
+                # have deleted it. Its lease is revoked all the same, so that the holder
+                # learns of it (else its keepalives go on succeeding, and it believes it
+                # holds a lock another client may be granted).
+                retried_gone = (
+                    attempts > 1
+                    and not (
+                        await self._client.call(
+                            functools.partial(_range_of, key), what="force release"
+                        )
+                    ).kvs
+                )
+                if not retried_gone:
+                    continue  # released or expired meanwhile: look again
             if lease_id:
                 await self._revoke(lease_id)
             return status
