@@ -152,7 +152,6 @@ async def test_an_interrupted_close_is_finished_by_the_next(
     server: RedisServer, tmp_path: Path
 ) -> None:
     async with fenced.connect_async(f"sqlite:///{tmp_path}/locks.db") as locks:
-        client = redis.asyncio.Redis(port=server.port)
         group = fenced.replicated.AsyncGroup(
             "orders",
             locks,
@@ -179,7 +178,6 @@ async def test_an_interrupted_close_is_finished_by_the_next(
                 await group.read("k")
         finally:
             server.resume()
-            await client.aclose()
 
 
 def test_a_member_that_cannot_close_costs_the_bound_and_is_named(
