@@ -75,6 +75,36 @@ async def test_close_releases_what_a_failed_release_left(redis: RedisServer) -> 
     assert await asyncio.to_thread(_holder, redis.url, name) is None
 
 
+async def test_close_does_not_wait_again_for_a_lost_lease_whose_release_failed(
+    redis: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A lease lost (its renewals failed for a ttl: the source stopped), then released: the
+    release gets no answer within the source's timeout. close() then waited out its own
+    release bound (5 s) on the same release again (a poisoned ``fenced elect`` leader took
+    14 s to exit through a partition, 9 s before): its ttl has run out, so the source has
+    let it go as surely as a retry could. Now close() leaves it (an explicit release() may
+    still retry it); the other side, a lease whose ttl still runs when its release failed,
+    is released by close (test_close_releases_what_a_failed_release_left, and close's own
+    interrupted releases are named: test_interrupted_close_names_what_it_left)."""
+    name = unique_name("lost")
+    locks = fenced.connect_async(redis.url, socket_timeout=1.0)
+    lease = locks.lock(name, ttl=1)
+    await lease.acquire()
+    redis.pause()
+    try:
+        await asyncio.wait_for(lease.lost.wait(), 10)
+        with pytest.raises(fenced.BackendUnavailable):
+            await lease.release()
+        with caplog.at_level(logging.WARNING, logger="fenced"):
+            began = time.monotonic()
+            await locks.aclose()
+            took = time.monotonic() - began
+    finally:
+        redis.resume()
+    assert took < 1.0, took  # (was 5 s: close's release bound, waited out again)
+    assert "could not be released" not in caplog.text
+
+
 def test_close_is_bounded_and_names_what_it_left(
     redis: RedisServer, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -36,6 +36,7 @@ from fenced.backends.etcd import (
     parse_endpoints,
     range_end,
 )
+from fenced.testing.proxy import TcpProxy
 from fenced.testing.servers import EtcdCluster, EtcdServer
 from tests.helpers import async_wait_for, dead_port, unique_name, wait_for
 
@@ -487,6 +488,144 @@ async def test_etcd_22082_planted_plain_delete_release_is_caught(
 ) -> None:
     with pytest.raises(AssertionError, match="deleted a newer grant"):
         await retried_release_scenario(PlainDeleteRelease, etcd_server.url, prefix)
+
+
+# -- a release whose first reply is lost ---------------------------------------------------------
+
+
+async def lost_reply_release(
+    etcd_server: EtcdServer, prefix: str, before: Callable[[Grant], Awaitable[None]] | None = None
+) -> bool:
+    """Release a grant through two proxies to one etcd; the first attempt goes through the
+    first, which passes the request on but drops etcd's reply: the client's retry goes
+    through the second. ``before``: what happens to the grant first (another client takes
+    its key). The release's answer."""
+    with (
+        TcpProxy("127.0.0.1", etcd_server.port) as near,
+        TcpProxy("127.0.0.1", etcd_server.port) as far,
+    ):
+        url = f"etcd://127.0.0.1:{near.port},127.0.0.1:{far.port}"
+        backend = await EtcdBackend.open(urlsplit(url), {"prefix": prefix, "timeout": 1.0})
+        try:
+            name = unique_name()
+            grant = await backend.acquire(name, request_id="w", ttl=30, deadline=None, on_lost=NOOP)
+            if before is not None:
+                await before(grant)
+            near.drop_replies()
+            started = time.monotonic()
+            answer = await asyncio.wait_for(backend.release(grant), 15)
+            assert time.monotonic() - started < 10  # (one attempt's timeout, then the retry)
+            assert near.forwarded and far.forwarded
+            return answer
+        finally:
+            near.heal()
+            await backend.aclose()
+
+
+async def test_a_release_whose_reply_was_lost_is_still_a_release(
+    etcd_server: EtcdServer, prefix: str
+) -> None:
+    """The first attempt deleted the key, its reply was lost; the retry finds the key gone.
+    That is this release's own doing (its lease is still alive: the key did not expire):
+    True, not a lost lease (it answered False, and the lease core reported a loss)."""
+    assert await lost_reply_release(etcd_server, prefix) is True
+
+
+async def test_a_retried_release_of_a_key_taken_over_stays_false(
+    etcd_server: EtcdServer, prefix: str
+) -> None:
+    """The other side: the grant's lease was revoked (its key gone with it) and another
+    client took the key (the same request id): the retried release answers False, and the
+    other holder's key stays; and without a new holder (the key gone with its lease): False."""
+    host, port = etcd_server.endpoint.split(":")
+    native = aetcd.Client(host=host, port=int(port))
+    other = await open_backend(EtcdBackend, etcd_server.url, prefix)
+    taken: list[Grant] = []
+
+    async def take_over(grant: Grant) -> None:
+        await native.revoke_lease(grant.handle.lease.id)
+        taken.append(
+            await other.acquire(
+                grant.token.lock, request_id="w", ttl=30, deadline=None, on_lost=NOOP
+            )
+        )
+
+    async def revoke(grant: Grant) -> None:
+        await native.revoke_lease(grant.handle.lease.id)
+
+    try:
+        assert await lost_reply_release(etcd_server, prefix, take_over) is False
+        assert (await other.status(taken[0].token.lock)).token == taken[0].token
+        assert await other.release(taken[0]) is True
+        # Its lease revoked, its key gone with it, nobody else's since: False too.
+        assert await lost_reply_release(etcd_server, prefix, revoke) is False
+    finally:
+        await native.close()
+        await other.aclose()
+
+
+async def test_a_release_asked_again_after_one_that_raised_is_a_release(
+    etcd_server: EtcdServer, prefix: str
+) -> None:
+    """A lease's release reaches etcd (the key is deleted) but every reply is lost until the
+    call gives up (BackendUnavailable: outcome unknown, the lease stays releasable). Asked
+    again once etcd answers, it finds the key gone by its own doing: True, and no loss is
+    reported (it answered False and reported the lease lost when it was released)."""
+    with TcpProxy("127.0.0.1", etcd_server.port) as proxy:
+        url = f"etcd://127.0.0.1:{proxy.port}"
+        async with fenced.connect_async(url, prefix=prefix, timeout=0.5, retry_for=1.0) as locks:
+            lease = locks.lock(unique_name(), ttl=30)
+            await lease.acquire()
+            proxy.drop_replies()
+            with pytest.raises(fenced.BackendUnavailable):
+                await lease.release()
+            proxy.heal()
+            assert await lease.release() is True
+            assert not lease.lost.is_set(), lease.lost.cause
+            assert (await locks.status(lease.name)).holder is None
+
+
+async def test_a_force_release_whose_reply_was_lost_still_revokes_the_holders_lease(
+    etcd_server: EtcdServer, prefix: str
+) -> None:
+    """A force release's delete reaches etcd, its reply is lost, the client's retry finds the
+    key gone: it answered "nothing held" and never revoked the holder's lease, whose
+    keepalives went on succeeding (the holder believed it held a lock a new client was then
+    granted). Now it names what it released and revokes the lease: the holder's next renewal
+    is a loss. The other side: a lock nobody holds is still "nothing held"."""
+    holder = await open_backend(EtcdBackend, etcd_server.url, prefix)
+    with (
+        TcpProxy("127.0.0.1", etcd_server.port) as near,
+        TcpProxy("127.0.0.1", etcd_server.port) as far,
+    ):
+        url = f"etcd://127.0.0.1:{near.port},127.0.0.1:{far.port}"
+        forcer = await EtcdBackend.open(urlsplit(url), {"prefix": prefix, "timeout": 1.0})
+        try:
+            name = unique_name()
+            grant = await holder.acquire(name, request_id="h", ttl=30, deadline=None, on_lost=NOOP)
+            await forcer.status(name)  # (its first member's connection made)
+            # The replies are dropped from its delete on (the second call it makes: the
+            # key's range first), so that the delete itself is the request retried.
+            client_call = forcer._client.call
+            calls: list[str] = []
+
+            async def call(fn: Any, *, what: str, deadline: float | None = None) -> Any:
+                calls.append(what)
+                if calls.count("force release") == 2:
+                    near.drop_replies()
+                return await client_call(fn, what=what, deadline=deadline)
+
+            forcer._client.call = call  # type: ignore[method-assign]
+            released = await asyncio.wait_for(forcer.force_release(name), 15)
+            near.heal()
+            assert released is not None and released.token == grant.token
+            with pytest.raises(fenced.LeaseLostError):
+                await holder.renew(grant)
+            assert await forcer.force_release(name) is None
+        finally:
+            near.heal()
+            await forcer.aclose()
+            await holder.aclose()
 
 
 # -- the rest of the contract ----------------------------------------------------------------

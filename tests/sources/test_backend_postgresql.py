@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -708,7 +709,9 @@ async def test_grant_of_a_timed_out_call_is_found_by_the_retry(pg_dsn: str) -> N
         assert await backend.release(first) is True
         async with await psycopg.AsyncConnection.connect(pg_dsn) as blocker:
             await blocker.execute(b"SELECT 1 FROM fenced_locks WHERE name = %s FOR UPDATE", (name,))
-            with pytest.raises(fenced.BackendUnavailable, match="in time"):
+            with pytest.raises(
+                fenced.BackendUnavailable, match=r"within 0.3 s \(command_timeout\)"
+            ):
                 await backend.acquire(name, request_id="b", ttl=30, deadline=None, on_lost=_noop)
             await blocker.commit()
 
@@ -1043,6 +1046,47 @@ async def test_a_call_right_after_the_server_ended_the_idle_connection_reconnect
         assert await backend.release(grant) is True
         again = await backend.acquire(name, request_id="b", ttl=5, deadline=0, on_lost=_noop)
         assert again.token.value == grant.token.value + 1
+
+
+async def test_a_hung_server_fails_a_call_at_its_bound_and_names_it(pg_dsn: str) -> None:
+    """The server stops answering (its backend process SIGSTOPped): a call without a deadline
+    fails at ``command_timeout``, an acquire's at its timeout + 1 s (fenced._core.backend's
+    call_bound, the rule of every source), each error naming the bound that ended it."""
+    backend = await open_backend(pg_dsn, command_timeout=2.0)
+    name = unique_name()
+    try:
+        await backend.status(name)  # (connected)
+        assert backend._conn is not None
+        pid = backend._conn.info.backend_pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            deadline = _clock.now() + 0.3
+            with pytest.raises(fenced.BackendUnavailable) as err:
+                await backend.acquire(name, request_id="r", ttl=5, deadline=deadline, on_lost=_noop)
+            assert time.monotonic() - started < 2.0  # 1.3 s, not command_timeout's 2 s
+            # (the time left when the statement was sent, + 1 s)
+            assert re.search(
+                r"within 1(\.[0-3]\d*)? s \(the acquire's timeout \+ 1 s\)", str(err.value)
+            )
+            assert backend._conn is None or backend._conn.info.backend_pid != pid
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        # The next statement, on a new connection, to a backend paused in turn.
+        await backend.status(name)
+        assert backend._conn is not None
+        pid = backend._conn.info.backend_pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(fenced.BackendUnavailable, match=r"within 2 s \(command_timeout\)"):
+                await backend.status(name)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        # The rightful call, once the server answers: a grant.
+        grant = await backend.acquire(name, request_id="r2", ttl=5, deadline=None, on_lost=_noop)
+        assert await backend.release(grant) is True
+    finally:
+        await backend.aclose()
 
 
 async def test_close_with_a_statement_hung_leaves_no_task_pending(pg_dsn: str) -> None:

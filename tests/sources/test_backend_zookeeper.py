@@ -746,6 +746,82 @@ async def test_a_renewal_is_proven_through_the_leader(zk_server: ZooKeeperServer
         assert conf_tick(f"127.0.0.1:{closed}", timeout=0.2) is None
 
 
+async def test_a_release_asked_again_after_one_that_raised_is_a_release(
+    proxy: Proxy, zk_server: ZooKeeperServer
+) -> None:
+    """A release while the connection is down raises (the session's janitor deletes the node
+    once it is back). Asked again, once it has: it answered False, and the lease core
+    reported the lease lost ("had already expired or been taken over"), although the node
+    was deleted for that very release while its session lived. Now True, no loss; asked
+    again while the node is still there, it deletes it itself (True too)."""
+    name = unique_name()
+    async with (
+        fenced.connect_async(zk_server.url) as other,
+        fenced.connect_async(proxy.url) as locks,
+    ):
+        for finished_by_janitor in (True, False):
+            lease = locks.lock(name, ttl=10)
+            await lease.acquire()
+            session = session_of(lease)
+            proxy.pause()
+            proxy.reset()
+            try:
+                await async_wait_for(
+                    lambda s=session: _true(not s.connected.is_set()), 10, "the drop to be seen"
+                )
+                with pytest.raises(fenced.BackendUnavailable):
+                    await lease.release()
+            finally:
+                proxy.resume()
+            if finished_by_janitor:
+
+                async def freed() -> bool:
+                    return (await other.status(name)).token is None
+
+                await async_wait_for(freed, 20, "the janitor to delete the node")
+            else:
+                await async_wait_for(
+                    lambda s=session: _true(s.connected.is_set()), 20, "the connection back"
+                )
+            assert await lease.release() is True
+            assert not lease.lost.is_set(), lease.lost.cause
+            assert (await other.status(name)).token is None
+
+
+async def test_a_release_asked_again_after_its_session_ended_stays_false(
+    proxy: Proxy, zk_server: ZooKeeperServer
+) -> None:
+    """The other side: the connection stays down until the session expires (the node goes
+    with it, perhaps before the release): asked again, the release answers False, and the
+    lease is reported lost."""
+    name = unique_name()
+    async with (
+        fenced.connect_async(zk_server.url) as other,
+        fenced.connect_async(proxy.url) as locks,
+    ):
+        lease = locks.lock(name, ttl=4)
+        await lease.acquire()
+        session = session_of(lease)
+        proxy.pause()
+        proxy.reset()
+        try:
+            await async_wait_for(
+                lambda: _true(not session.connected.is_set()), 10, "the drop to be seen"
+            )
+            with pytest.raises(fenced.BackendUnavailable):
+                await lease.release()
+
+            async def freed() -> bool:
+                return (await other.status(name)).token is None
+
+            await async_wait_for(freed, 30, "the session to end")
+        finally:
+            proxy.resume()
+        await async_wait_for(lambda: _true(session.connected.is_set()), 20, "a new session")
+        assert await lease.release() is False
+        assert lease.lost.is_set()
+
+
 async def test_a_release_cut_off_then_closed_says_what_happens_to_the_node(
     proxy: Proxy, zk_server: ZooKeeperServer
 ) -> None:

@@ -41,6 +41,7 @@ __all__ = [
     "Record",
     "TokenCheck",
     "backend_class",
+    "call_bound",
     "commits_per_turn",
     "is_header_secret",
     "known_schemes",
@@ -456,6 +457,30 @@ def wait_budget(deadline: float | None, *caps: float | None) -> float:
     if deadline is not None:
         wait = min(wait, deadline - _clock.now())
     return wait
+
+
+LAST_TRY_GRACE: Final = 1.0
+"""Seconds a source's call may run past an acquire's deadline: the last try gets a fair
+chance to answer (a grant decided just at the deadline is not thrown away as a timeout)."""
+
+
+def call_bound(
+    own: float, deadline: float | None, after: float = 0.0, *, name: str
+) -> tuple[float, str]:
+    """How long one call to a source may take in all, and what says so (for its error).
+
+    The source's own per-call timeout ``own`` (called ``name``: ``socket_timeout``,
+    ``request_timeout``...), or, when an acquire's ``deadline`` leaves less, the time left
+    + :data:`LAST_TRY_GRACE` (even past the deadline: a try-once still gets that second).
+    ``after``: how long the call blocks by design before it can answer (a ``BLPOP``, a long
+    poll's wait), added to either bound and not counted against the deadline's grace.
+    One rule for every source, so that an acquire's timeout means the same on each.
+    """
+    if deadline is not None:
+        left = max(deadline - _clock.now() - after, 0.0)
+        if left + LAST_TRY_GRACE < own:
+            return after + left + LAST_TRY_GRACE, "the acquire's timeout + 1 s"
+    return after + own, name
 
 
 def parse_url(url: str) -> SplitResult:

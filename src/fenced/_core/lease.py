@@ -465,8 +465,8 @@ class AsyncLease:
         released, lost, expired or taken over). Safe to call more than once.
 
         If it raises (the source unreachable, or the call cancelled), the lease stays
-        releasable: calling release() again (or closing the connection) asks the source
-        again. Meanwhile ``held`` is False and the lease is not renewed (the release may
+        releasable: calling release() again asks the source again, and so does closing the
+        connection (unless the lease's ttl has run out: the source has let it go then). Meanwhile ``held`` is False and the lease is not renewed (the release may
         have reached the source, and the caller has given the lease up).
         """
         self._check_fork()
@@ -491,9 +491,13 @@ class AsyncLease:
         try:
             released = await backend.release(grant)
         except BaseException:
-            # Its outcome is unknown: releasable again, and close() retries it.
+            # Its outcome is unknown: releasable again, and close() retries it while the
+            # source may still hold the grant. Not once its ttl has run out (a lease lost by
+            # expiry: the source has let it go as surely as a retry could): close() waiting
+            # its bound out on that release again cost a poisoned `fenced elect` 5 s more.
             self._unreleased = (grant, was_held)
-            locks._held.add(self)  # (a lost lease had left it)
+            if was_held or _clock.now() < grant.sent_at + grant.ttl:
+                locks._held.add(self)
             raise
         finally:
             locks._call_ends(task)

@@ -56,6 +56,7 @@ __all__ = [
 logger = logging.getLogger("fenced.zookeeper")
 
 UNAVAILABLE: Final = _kazoo_errors.UNREACHABLE
+_CLEANED_KEPT: Final = 1024  # paths the janitor remembers having deleted
 """Errors that say nothing about the session (one reading with the guards': _kazoo_errors)."""
 
 
@@ -297,6 +298,8 @@ class Node:
     own_watch: Callable[[Any], None] = dataclasses.field(default=lambda ev: None)
     pred_watch: Callable[[Any], None] = dataclasses.field(default=lambda ev: None)
     owner: bytes = b""  # the node's data: who queued it (user@host pid N: description)
+    # A release of this node's grant raised (path, session id): a second release finishes it.
+    unreleased: tuple[str, int] | None = None
 
     def forget(self) -> None:
         """Our node is gone (session ended, deleted): the next round creates a new one."""
@@ -347,6 +350,9 @@ class Session:
         self.nodes: dict[str, Node] = {}  # path -> node, for nodes of the current session
         self.queued: set[Node] = set()  # nodes whose acquire is waiting
         self.doomed: set[str] = set()  # paths to delete once connected
+        # Paths the janitor deleted (not found gone): a release asked again after one that
+        # raised learns here that its node was deleted for it. (Bounded: oldest dropped.)
+        self.cleaned: dict[str, None] = {}
         self.orphans: set[tuple[str, str]] = (
             set()
         )  # (parent, prefix) of creates whose reply was lost
@@ -461,6 +467,7 @@ class Session:
         self.proven_at = -math.inf
         self.leader_since = -math.inf
         self.doomed.clear()
+        self.cleaned.clear()
         self.orphans.clear()
         nodes, self.nodes = list(self.nodes.values()), {}
         for node in nodes:
@@ -546,6 +553,9 @@ class Session:
                 for path in list(self.doomed):
                     with contextlib.suppress(NoNodeError, BadVersionError):
                         await self.future(self.client.delete_async(path))
+                        self.cleaned[path] = None
+                        if len(self.cleaned) > _CLEANED_KEPT:
+                            del self.cleaned[next(iter(self.cleaned))]
                     self.doomed.discard(path)
             except (*UNAVAILABLE, SessionExpiredError):
                 self.work.set()  # retried at the next connection (or dropped if it expired)

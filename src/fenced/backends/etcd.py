@@ -294,6 +294,7 @@ class _Hold:
     revision: int
     lease: _Lease
     released: bool = False
+    release_sent: bool = False  # a release was sent (perhaps applied, its reply lost)
 
 
 class _Vanished(Exception):
@@ -692,15 +693,51 @@ class EtcdBackend(Backend):
         hold: _Hold = grant.handle
         if hold.released:
             return False
-        reply = await self._txn(self._release_request(hold), "release")
+        request = self._release_request(hold)
+        retried = hold.release_sent  # (a release of this grant raised: this is its retry)
+
+        def send(member: Any, timeout: float) -> Any:
+            nonlocal retried
+            retried = retried or hold.release_sent
+            hold.release_sent = True
+            return member.kv.Txn(request, timeout=timeout)
+
+        reply = await self._client.call(send, what="release")
         hold.released = True
         self._forget(hold)
-        if not reply.succeeded:
+        if reply.succeeded:
+            deleted = bool(reply.responses and reply.responses[0].response_delete_range.deleted)
+        elif retried:
+            # An earlier attempt (of this call, or of one that raised), whose reply was lost,
+            # may have deleted the key.
+            deleted = await self._deleted_by_us(hold)
+        else:
             return False  # expired, or already released: nothing of ours to delete
-        deleted = bool(reply.responses and reply.responses[0].response_delete_range.deleted)
         if deleted:
             self._recycle(hold.lease)
         return deleted
+
+    async def _deleted_by_us(self, hold: _Hold) -> bool:
+        """After a retried release found nothing to delete: was the key deleted by an earlier
+        attempt of that release (True), or did the grant end otherwise (False)?
+
+        A key that expired went with its lease, and a force release revokes the lease too;
+        our release deletes the key and keeps the lease. So: the key gone (not re-created by
+        another client of the request id) and its lease still alive is our own release. When
+        in doubt (the lease gone since, e.g. a long partition), False: a loss reported that
+        was not one is safe, a release claimed for a grant already lost is not.
+        """
+        got = await self._client.call(functools.partial(_range_of, hold.key), what="release")
+        if got.kvs:
+            return False  # the key exists anew: another grant's, not to be touched
+        lease_id = hold.lease.id
+        info = await self._client.call(
+            lambda m, t: m.lease.LeaseTimeToLive(
+                rpc.LeaseTimeToLiveRequest(ID=lease_id), timeout=t
+            ),
+            what="release",
+        )
+        return bool(info.TTL > 0)
 
     def _release_request(self, hold: _Hold) -> Any:
         return release_txn(hold.key, hold.revision)
@@ -722,9 +759,30 @@ class EtcdBackend(Backend):
             if not got.kvs or got.kvs[0].create_revision != status.token.value:
                 continue
             lease_id = got.kvs[0].lease
-            reply = await self._txn(release_txn(key, status.token.value), "force release")
+            request = release_txn(key, status.token.value)
+            attempts = 0
+
+            def send(member: Any, timeout: float, request: Any = request) -> Any:
+                nonlocal attempts
+                attempts += 1
+                return member.kv.Txn(request, timeout=timeout)
+
+            reply = await self._client.call(send, what="force release")
             if not reply.succeeded:
-                continue  # released or expired meanwhile: look again
+                # Retried, and the key is gone: an earlier attempt whose reply was lost may
+                # have deleted it. Its lease is revoked all the same, so that the holder
+                # learns of it (else its keepalives go on succeeding, and it believes it
+                # holds a lock another client may be granted).
+                retried_gone = (
+                    attempts > 1
+                    and not (
+                        await self._client.call(
+                            functools.partial(_range_of, key), what="force release"
+                        )
+                    ).kvs
+                )
+                if not retried_gone:
+                    continue  # released or expired meanwhile: look again
             if lease_id:
                 await self._revoke(lease_id)
             return status

@@ -34,6 +34,7 @@ from .._core.backend import (
     LostCallback,
     Record,
     TokenCheck,
+    call_bound,
     is_header_secret,
 )
 from .._core.errors import (
@@ -202,15 +203,10 @@ class HttpBackend(Backend):
         ) from last
 
     def _bound(self, wait: float, deadline: float | None) -> tuple[float, str]:
-        """How long one call may take in all (and what says so): ``request_timeout`` (past a
-        long poll's own ``wait``), or an acquire's timeout + 1 s if shorter: a last try gets
-        a fair chance to answer, as on the other sources (Redis, PostgreSQL)."""
-        own = wait + self._timeout
-        if deadline is not None:
-            left = max(deadline - _clock.now(), wait)
-            if left + 1.0 < own:
-                return left + 1.0, "the acquire's timeout + 1 s"
-        return own, "request_timeout"
+        """How long one call may take in all (and what says so): ``request_timeout`` past a
+        long poll's own ``wait``, or an acquire's timeout + 1 s if shorter
+        (:func:`~fenced._core.backend.call_bound`, the rule every source follows)."""
+        return call_bound(self._timeout, deadline, wait, name="request_timeout")
 
     # -- the Backend API -------------------------------------------------------------------------
 

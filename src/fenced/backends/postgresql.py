@@ -45,6 +45,7 @@ from .._core.backend import (
     LockStatus,
     LostCallback,
     Record,
+    call_bound,
     lock_timeout,
     wait_budget,
 )
@@ -403,7 +404,7 @@ class PostgreSQLBackend(Backend):
         query: bytes,
         params: tuple[Any, ...] | dict[str, Any],
         *,
-        timeout: float | None = None,
+        bound: tuple[float, str] | None = None,
         late: Callable[[_Row | None], None] | None = None,
     ) -> _Row | None:
         """Run one statement and return its row.
@@ -416,17 +417,22 @@ class PostgreSQLBackend(Backend):
         request id (and so finds that grant by the idempotent path).
         """
         self._check_open()
+        seconds, what = bound or (self._command_timeout, "command_timeout")
         conn = await self._command_conn()
         task = asyncio.ensure_future(_fetch(conn, query, params))
         try:
             try:
-                async with asyncio.timeout(self._command_timeout if timeout is None else timeout):
+                async with asyncio.timeout(seconds) as limit:
                     return await asyncio.shield(task)
             except TimeoutError as exc:
+                if not limit.expired():
+                    raise  # (someone else's timeout: the caller's)
                 if task.done():  # answered just as the time ran out
                     return task.result()
                 self._abandon(conn, task, None)
-                raise BackendUnavailable("PostgreSQL did not answer in time") from exc
+                raise BackendUnavailable(
+                    f"PostgreSQL did not answer within {seconds:.3g} s ({what})"
+                ) from exc
         except asyncio.CancelledError:
             self._abandon(conn, task, late)
             raise
@@ -510,14 +516,12 @@ class PostgreSQLBackend(Backend):
                 last_try = deadline is not None and now >= deadline
                 channel = listener.channel if listener.alive else None
                 wake.clear()
-                timeout = self._command_timeout
-                if deadline is not None:
-                    timeout = min(timeout, max(deadline - now, 0.0) + 1.0)
+                bound = call_bound(self._command_timeout, deadline, name="command_timeout")
                 sent_at = _clock.now()
                 enqueue = not last_try
                 params = (name, request_id, ttl, self._waiter_ttl, channel, enqueue, owner or None)
                 self._in_flight[ident] = marker
-                row = await self._call(names.q_acquire, params, timeout=timeout, late=late)
+                row = await self._call(names.q_acquire, params, bound=bound, late=late)
                 self._settled(ident, marker)
                 status, token, hint = _one(row)
                 if status == "granted":

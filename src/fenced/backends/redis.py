@@ -52,6 +52,7 @@ from .._core.backend import (
     LockStatus,
     LostCallback,
     Record,
+    call_bound,
     lock_timeout,
     wait_budget,
 )
@@ -776,13 +777,9 @@ class RedisBackend(Backend):
 
     def _bound(self, deadline: float | None, after: float = 0.0) -> tuple[float, str]:
         """How long a call may wait for its reply (and what says so): ``socket_timeout``, or
-        an acquire's timeout + 1 s if shorter (a last try gets a fair chance to answer, as
-        on the other sources); ``after``: a blocking command's own wait, on top."""
-        if deadline is not None:
-            left = max(deadline - _clock.now(), 0.0) - after
-            if left + 1.0 < self._socket_timeout:
-                return after + max(left, 0.0) + 1.0, "the acquire's timeout + 1 s"
-        return after + self._socket_timeout, "socket_timeout"
+        an acquire's timeout + 1 s if shorter (:func:`~fenced._core.backend.call_bound`, the
+        rule every source follows); ``after``: a blocking command's own wait, on top."""
+        return call_bound(self._socket_timeout, deadline, after, name="socket_timeout")
 
     async def _blpop(self, key: str, wait: float, deadline: float | None) -> Any:
         """A waiter's ``BLPOP`` of ``wait`` seconds, its reply bounded like a script's."""

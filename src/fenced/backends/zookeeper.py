@@ -744,22 +744,68 @@ class ZooKeeperBackend(Backend):
     async def release(self, grant: Grant) -> bool:
         self._check_open()
         node = self._node_of(grant)
+        if node is not None and node.unreleased is not None:
+            return await self._release_again(node)
         if node is None or node.phase is not NodePhase.HELD or node.path is None:
             return False
         self._end_hold(node)
         s = node.session
         path, version, seq = node.path, node.version, node.seq
         same_session = node.session_id == s.session_id
+        session_id = node.session_id
         node.forget()
-        if not same_session:
+        if not same_session or session_id is None:
             return False  # the session, and the node with it, is gone
+        node.unreleased = (path, session_id)  # (until it answers: asked again, finished)
         if not s.connected.is_set():
             s.discard(path)
             raise BackendUnavailable(
                 "ZooKeeper connection lost: the lock is released once it is back (if this "
                 "connection is closed first, when its ZooKeeper session ends)"
             )
-        return await self._delete_own(s, path, version, seq, node.parent)
+        released = await self._delete_own(s, path, version, seq, node.parent)
+        node.unreleased = None
+        return released
+
+    async def _release_again(self, node: Node) -> bool:
+        """A release of ``node``'s grant raised (the connection was down, or the reply lost):
+        finish it. The node is ephemeral and its path names one acquire call: while its
+        session lives, only a delete takes it away. Still there: deleted now, True. Deleted
+        by the session's janitor (the release handed to it): True. Its session ended: False
+        (the node went with it, perhaps before the release). Found gone otherwise (the lost
+        reply's delete, or a force release: nothing tells which): False, the safe side."""
+        assert node.unreleased is not None
+        path, session_id = node.unreleased
+        s = node.session
+        if s.session_id != session_id:
+            node.unreleased = None
+            return False
+        if path in s.cleaned:
+            node.unreleased = None
+            del s.cleaned[path]
+            return True
+        if not s.connected.is_set():
+            s.discard(path)
+            raise BackendUnavailable(
+                "ZooKeeper connection lost: the lock is released once it is back (if this "
+                "connection is closed first, when its ZooKeeper session ends)"
+            )
+        try:
+            await s.future(s.client.delete_async(path))
+        except NoNodeError:
+            deleted = path in s.cleaned  # (the janitor, meanwhile)
+            s.cleaned.pop(path, None)
+            node.unreleased = None
+            return deleted
+        except SessionExpiredError:
+            node.unreleased = None
+            return False
+        except KazooException as exc:
+            s.discard(path)
+            raise unavailable(_RELEASE_FAILED, exc) from exc
+        s.doomed.discard(path)
+        node.unreleased = None
+        return True
 
     async def _delete_own(self, s: Session, path: str, version: int, seq: int, parent: str) -> bool:
         """Delete exactly our node: one transaction marks it released, then deletes it.

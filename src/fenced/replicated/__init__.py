@@ -135,7 +135,8 @@ class Group:
         return self._portal
 
     def close(self) -> None:
-        """Close the members' own connections (the guards you gave stay yours)."""
+        """Close the members' own connections (the guards you gave stay yours); safe while
+        other threads use the group: see :meth:`AsyncGroup.aclose`."""
         if not self._portal.closed:
             self._portal.call(self.aio.aclose())
 

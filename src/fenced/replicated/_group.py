@@ -78,6 +78,7 @@ logger = logging.getLogger("fenced.replicated")
 
 RECORD_PREFIX: Final = GROUP_RECORDS  # (one place for the names fenced keeps at a source)
 _SETTLE: Final = 0.05  # first pause before looking again at a change in progress
+_CLOSE_BOUND: Final = 2.0  # seconds aclose() waits for the members' own closes, all together
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -165,6 +166,11 @@ class AsyncGroup:
             self._check_member_name(member_name)
             self._members[member_name] = as_member(spec, self.name)
         self._initial = tuple(members)
+        # Closing: the member calls in flight (stopped by aclose), and the one close that
+        # every aclose() awaits (a second, or one after an interrupted first, ends it).
+        self._calls: set[asyncio.Future[Any]] = set()
+        self._closing = False
+        self._close_task: asyncio.Future[None] | None = None
         self.observed: list[Configuration] = []
         """Every configuration this process has read or installed, in order (for checkers)."""
 
@@ -189,12 +195,33 @@ class AsyncGroup:
 
     # -- calls to members, bounded -------------------------------------------------------------
 
+    def _check_open(self) -> None:
+        if self._closing:
+            raise BackendUnavailable(f"group {self.name!r} is closed")
+
     async def _bounded(self, aw: Awaitable[T], what: str) -> T:
+        """``aw`` (a call to a member) within ``timeout``; stopped by :meth:`aclose`."""
+        if self._closing:
+            if inspect.iscoroutine(aw):
+                aw.close()  # (never started: no "never awaited" warning)
+            self._check_open()
+        call = asyncio.ensure_future(aw)
+        self._calls.add(call)
         try:
             async with asyncio.timeout(self.timeout):
-                return await aw
+                return await call
         except TimeoutError:
             raise BackendUnavailable(f"{what}: no answer within {self.timeout} s") from None
+        except asyncio.CancelledError:
+            # Stopped by aclose (the call, not its caller, was cancelled): say so, typed.
+            current = asyncio.current_task()
+            if self._closing and call.cancelled() and not (current and current.cancelling()):
+                raise BackendUnavailable(
+                    f"group {self.name!r} was closed while {what} had not answered"
+                ) from None
+            raise
+        finally:
+            self._calls.discard(call)
 
     async def _fence(
         self, names: Iterable[str], token: FencingToken | None, epoch: int, *, since: int
@@ -226,6 +253,7 @@ class AsyncGroup:
             return await self._bounded(call(n, self.member(n)), f"member {n!r}")
 
         results = await asyncio.gather(*(one(n) for n in names), return_exceptions=True)
+        self._check_open()  # (closed meanwhile: that, not each member's "closed", is the error)
         out: dict[str, T | BaseException] = {}
         for n, r in zip(names, results, strict=True):
             if isinstance(r, BaseException) and not isinstance(r, Exception):
@@ -238,6 +266,7 @@ class AsyncGroup:
     async def configuration(self) -> Configuration:
         """The current configuration (the first is made, with every member given, if none)."""
         while True:
+            self._check_open()
             record = await self.source.read_record(self.record)
             if record is not None:
                 cfg = Configuration.decode(record.version, record.value, self.name)
@@ -622,8 +651,44 @@ class AsyncGroup:
         return w
 
     async def aclose(self) -> None:
-        for m in self._members.values():
-            await m.aclose()
+        """Close the members' own connections (the guards given stay the caller's).
+
+        Safe while other tasks (or, through :class:`~fenced.replicated.Group`, other
+        threads) use the group: from the moment it begins, every call raises
+        :class:`~fenced.BackendUnavailable` ("closed"), and the member calls in flight are
+        stopped (their callers get the same at once; a write so stopped was not
+        acknowledged, as any write that raises). The members close all at once, within
+        2 s in all: one that does not (a member hung) is named in a warning on the
+        ``fenced.replicated`` logger, and left. A second close, at the same time or after
+        an interrupted one, waits for the same close to end; closing never raises for a
+        member (it is often called on the way out of an error).
+        """
+        if self._close_task is None:
+            self._closing = True
+            for call in list(self._calls):
+                call.cancel()
+            self._close_task = asyncio.ensure_future(self._close_members())
+        # Shielded: a close interrupted (cancelled, a timeout around it) goes on to its end.
+        await asyncio.shield(self._close_task)
+
+    async def _close_members(self) -> None:
+        closes = {asyncio.ensure_future(m.aclose()): n for n, m in self._members.items()}
+        if not closes:
+            return
+        done, pending = await asyncio.wait(closes, timeout=_CLOSE_BOUND)
+        for task in pending:
+            task.cancel()
+        failed = {closes[t]: t.exception() for t in done if not t.cancelled() and t.exception()}
+        for task in pending:
+            failed[closes[task]] = TimeoutError(f"no answer within {_CLOSE_BOUND:g} s")
+        if failed:
+            logger.warning(
+                "group %s: closing: %d member(s) could not be closed (their connections may "
+                "stay open until the process ends): %s",
+                self.name,
+                len(failed),
+                "; ".join(f"{n!r}: {type(e).__name__}: {e}" for n, e in sorted(failed.items())),
+            )
 
 
 class AsyncWriter:

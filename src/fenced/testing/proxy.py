@@ -4,6 +4,7 @@ the network between them without touching either process.
     proxy = TcpProxy("127.0.0.1", redis.port).start()
     locks = fenced.connect(f"redis://127.0.0.1:{proxy.port}/0")
     proxy.partition()   # bytes stop flowing both ways; connections stay open (a real partition)
+    proxy.drop_replies()  # requests still reach the server, its replies stop (one way)
     proxy.heal()        # they flow again, in order
     proxy.delay(0.2)    # every chunk waits 0.2 s each way
     proxy.cut()         # every connection is reset now (a crashed middlebox, a NAT timeout)
@@ -32,6 +33,7 @@ class TcpProxy:
         self.port = listen_port
         self._loop = asyncio.new_event_loop()
         self._flowing: asyncio.Event | None = None
+        self._replying: asyncio.Event | None = None  # (server to client only)
         self._delay = 0.0
         self._writers: set[asyncio.StreamWriter] = set()
         self._server: asyncio.Server | None = None
@@ -68,6 +70,8 @@ class TcpProxy:
     async def _listen(self) -> None:
         self._flowing = asyncio.Event()
         self._flowing.set()
+        self._replying = asyncio.Event()
+        self._replying.set()
         self._server = await asyncio.start_server(self._accept, "127.0.0.1", self.port)
         self.port = self._server.sockets[0].getsockname()[1]
 
@@ -99,8 +103,17 @@ class TcpProxy:
         """Stop every byte, both ways, on every connection, new ones included."""
         self._call(lambda: self._flow().clear())
 
+    def drop_replies(self) -> None:
+        """Hold every byte from the server, on every connection: requests still arrive and are
+        applied, their replies are lost (a request whose outcome the client cannot know)."""
+        self._call(lambda: self._reply_flow().clear())
+
     def heal(self) -> None:
-        self._call(lambda: self._flow().set())
+        def both() -> None:
+            self._flow().set()
+            self._reply_flow().set()
+
+        self._call(both)
 
     def delay(self, seconds: float) -> None:
         """Hold every chunk ``seconds`` before passing it on (0: no delay)."""
@@ -115,6 +128,10 @@ class TcpProxy:
     def _flow(self) -> asyncio.Event:
         assert self._flowing is not None
         return self._flowing
+
+    def _reply_flow(self) -> asyncio.Event:
+        assert self._replying is not None
+        return self._replying
 
     def _call(self, fn: Any) -> None:
         done = threading.Event()
@@ -171,6 +188,8 @@ class TcpProxy:
                 if self._delay:
                     await asyncio.sleep(self._delay)
                 await self._flow().wait()  # partitioned while this chunk was in flight: held
+                if not upstream:
+                    await self._reply_flow().wait()
                 writer.write(data)
                 await writer.drain()
                 if upstream:
