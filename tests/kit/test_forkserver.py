@@ -1,0 +1,145 @@
+"""The testing room's fork server (``fenced.testing.forkserver``) behind ``FencedServer``: a
+``fenced serve`` forked from a zygote that has imported its modules runs what the command runs
+(its prelude first, ``fenced.cli.main`` with its argv, its environment), in a process group of
+its own that pause, kill, restart and stop reach as before; a start-up environment unlike the
+zygote's is a real exec; and nothing outlives the process that started them."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from fenced.testing import forkserver
+from fenced.testing.servers import FencedServer, python_env, wait_until
+
+# Run first in the server (its prelude): what the process looks like before the command runs.
+_PROBE = """
+import gc, os
+print("probe", sum(s["collections"] for s in gc.get_stats()), gc.get_freeze_count(),
+      gc.isenabled(), os.environ.get("FENCED_PROBE"), " ".join(sys.argv[:2]), __name__,
+      os.getpgid(0) == os.getpid(), file=sys.stderr, flush=True)
+"""
+
+
+def _grant(server: FencedServer, lock: str, request_id: str) -> str:
+    r = httpx.post(
+        f"{server.url}/v1/locks/{lock}/-/acquire",
+        json={"ttl": 30, "request_id": request_id},
+        timeout=30,
+    )
+    assert r.status_code == 200, r.text
+    token: str = r.json()["token"]
+    return token
+
+
+def _release(server: FencedServer, lock: str, token: str, request_id: str) -> None:
+    r = httpx.post(
+        f"{server.url}/v1/locks/{lock}/-/release",
+        json={"token": token, "request_id": request_id},
+        timeout=30,
+    )
+    assert r.json() == {"released": True}, r.text
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+        return f.read().rsplit(")", 1)[-1].split()[0]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return _state(pid) == "Z"  # (an orphaned zygote waits for init to reap it)
+    except OSError:
+        return True
+
+
+def test_a_forked_fenced_serve_runs_the_command_its_prelude_first(tmp_path: Path) -> None:
+    """The child runs the prelude in a fresh ``__main__`` with the command's argv, in the
+    server's environment and its own process group; the zygote's imports were made with the
+    collector off and are frozen (as ``fenced serve`` does over its own), the collector on."""
+    source = f"sqlite:///{tmp_path / 'l.db'}"
+    with FencedServer(source, prelude=_PROBE, env={"FENCED_PROBE": "seen"}) as server:
+        assert isinstance(server.proc, forkserver.Child)
+        assert _grant(server, "p", "r") == "p:1"
+        log = server.log_path.read_text()
+    [line] = [ln for ln in log.splitlines() if ln.startswith("probe ")]
+    _, runs, frozen, enabled, env, argv0, argv1, name, own_group = line.split()
+    assert (argv0, argv1, name) == ("-c", "serve", "__main__"), line
+    assert env == "seen" and own_group == "True", line
+    # (the server's stack made the collector run ~110 times when imported with it on)
+    assert int(runs) < 100 and int(frozen) > 50_000 and enabled == "True", line
+
+
+def test_pause_kill_restart_and_stop_reach_a_forked_server(tmp_path: Path) -> None:
+    """SIGSTOP and SIGCONT reach it; kill -9 and a restart on the same data reuse no token;
+    a graceful stop is its SIGTERM."""
+    with FencedServer(f"sqlite:///{tmp_path / 'l.db'}") as server:
+        assert isinstance(server.proc, forkserver.Child)
+        first = server.proc
+        assert _grant(server, "k", "r1") == "k:1"
+        _release(server, "k", "k:1", "r1")
+        server.pause()
+        assert _state(first.pid) == "T"
+        server.resume()
+        assert _state(first.pid) != "T"
+        server.restart(kill=True)
+        assert first.returncode == -signal.SIGKILL
+        assert server.proc is not None and server.proc.pid != first.pid
+        assert _grant(server, "k", "r2") == "k:2"  # (the mark survived kill -9)
+        second = server.proc
+        server.stop()
+        assert second.returncode == -signal.SIGTERM
+
+
+def test_a_start_up_environment_unlike_the_zygotes_is_a_real_exec(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A variable a Python start-up reads (here PYTHONDONTWRITEBYTECODE; LD_PRELOAD for
+    libfaketime), ``fork=False`` and ``FENCED_FORKSERVER=0`` each start it with an exec."""
+    source = f"sqlite:///{tmp_path / 'l.db'}"
+    for server in (
+        FencedServer(source, env={"PYTHONDONTWRITEBYTECODE": "1"}),
+        FencedServer(source, fork=False),
+    ):
+        with server:
+            assert isinstance(server.proc, subprocess.Popen)
+    monkeypatch.setenv("FENCED_FORKSERVER", "0")
+    with FencedServer(source) as server:
+        assert isinstance(server.proc, subprocess.Popen)
+
+
+_STARTER = """
+import sys, time
+from fenced.testing.servers import FencedServer
+server = FencedServer(sys.argv[1]).start()
+print(server.proc.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def test_the_zygote_and_its_servers_die_with_the_process_that_started_them(
+    tmp_path: Path,
+) -> None:
+    """A test process killed with SIGKILL (no clean-up of its own) leaves no server and no
+    zygote behind: the zygote sees its socket close, kills its children and exits."""
+    starter = subprocess.Popen(
+        [sys.executable, "-c", _STARTER, f"sqlite:///{tmp_path / 'l.db'}"],
+        stdout=subprocess.PIPE,
+        env=python_env(),
+        text=True,
+    )
+    try:
+        assert starter.stdout is not None
+        server = int(starter.stdout.readline())
+        with open(f"/proc/{server}/stat", encoding="ascii") as f:
+            zygote = int(f.read().rsplit(")", 1)[-1].split()[1])
+        assert zygote != starter.pid and not _gone(zygote) and not _gone(server)
+    finally:
+        starter.kill()
+        starter.wait()
+    wait_until(lambda: _gone(server) and _gone(zygote), 20, "the server and its zygote to exit")
