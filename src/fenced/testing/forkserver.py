@@ -61,6 +61,7 @@ __all__ = [
     "enabled",
     "fork_this_process",
     "forked",
+    "popen",
     "server_for",
     "spawn",
     "startup_key",
@@ -95,13 +96,19 @@ def startup_key(env: Mapping[str, str], cwd: str) -> tuple[str, tuple[tuple[str,
 
 class Child:
     """A process forked by a zygote: the subset of :class:`subprocess.Popen` the testing room
-    uses (``pid``, ``stdin``, ``stdout``, ``returncode``, ``poll``, ``wait``, ``kill``,
-    ``terminate``, ``send_signal``)."""
+    uses (``pid``, ``stdin``, ``stdout``, ``stderr``, ``returncode``, ``poll``, ``wait``,
+    ``kill``, ``terminate``, ``send_signal``)."""
 
     def __init__(
-        self, zygote: ForkServer, pid: int, stdin: IO[bytes] | None, stdout: IO[bytes] | None
+        self,
+        zygote: ForkServer,
+        pid: int,
+        stdin: IO[Any] | None = None,
+        stdout: IO[Any] | None = None,
+        stderr: IO[Any] | None = None,
     ) -> None:
-        self._zygote, self.pid, self.stdin, self.stdout = zygote, pid, stdin, stdout
+        self._zygote, self.pid = zygote, pid
+        self.stdin, self.stdout, self.stderr = stdin, stdout, stderr
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
@@ -324,6 +331,86 @@ def _close_all() -> None:
 atexit.register(_close_all)
 
 
+_Stream = int | IO[Any] | None
+
+
+def popen(
+    module: str,
+    argv: Sequence[str],
+    *,
+    env: Mapping[str, str] | None = None,
+    cwd: str | os.PathLike[str] | None = None,
+    stdin: _Stream = None,
+    stdout: _Stream = None,
+    stderr: _Stream = None,
+    text: bool = False,
+    prelude: str | None = None,
+    warm: Sequence[str] = (),
+    opt_out: str = FORKSERVER_ENV,
+) -> Process:
+    """``subprocess.Popen([sys.executable, "-m", module, *argv], ...)`` in a process group of
+    its own, forked by this process's zygote for ``env`` and ``cwd`` (started at the first
+    spawn, importing ``warm``), or a real exec when not :func:`enabled` (``opt_out``). The
+    streams as Popen's: ``subprocess.PIPE``, ``DEVNULL``, ``STDOUT`` (stderr), a file, or None
+    (this process's); ``text`` makes the pipes UTF-8 text. ``module`` must have ``main(argv)``.
+    With ``prelude``, as ``python -c "PRELUDE; from MODULE import main; sys.exit(main())"``."""
+    env = dict(os.environ if env is None else env)
+    cwd = os.path.abspath(cwd if cwd is not None else os.getcwd())
+    if not enabled(opt_out):
+        command = ["-m", module] if prelude is None else [
+            "-c", f"import sys\n{prelude}\nfrom {module} import main\nsys.exit(main())"
+        ]  # fmt: skip
+        return subprocess.Popen(
+            [sys.executable, *command, *argv],
+            stdin=stdin, stdout=stdout, stderr=stderr, text=text, env=env, cwd=cwd,
+            start_new_session=True,
+        )  # fmt: skip
+    zygote = server_for(env, cwd, warm=warm)
+    ours: list[int | None] = [None, None, None]  # (this process's ends of the pipes)
+    theirs: list[int] = []
+    opened: list[int] = []  # (to close here once the child has its copies)
+    try:
+        for n, stream in enumerate((stdin, stdout, stderr)):
+            if stream == subprocess.PIPE:
+                r, w = os.pipe()
+                ours[n], fd = (w, r) if n == 0 else (r, w)
+                opened.append(fd)
+            elif stream == subprocess.DEVNULL:
+                fd = os.open(os.devnull, os.O_RDWR)
+                opened.append(fd)
+            elif stream == subprocess.STDOUT and n == 2:
+                fd = theirs[1]
+            elif stream is None:
+                fd = n
+            elif isinstance(stream, int):
+                fd = stream
+            else:
+                fd = stream.fileno()
+            theirs.append(fd)
+        pid = zygote.spawn(
+            module, argv, env, cwd, (theirs[0], theirs[1], theirs[2]), prelude=prelude
+        )
+    except BaseException:
+        for one in ours:
+            if one is not None:
+                os.close(one)
+        raise
+    finally:
+        for one in opened:
+            os.close(one)
+
+    def wrap(n: int) -> IO[Any] | None:
+        fd = ours[n]
+        if fd is None:
+            return None
+        if text:  # (its stdin line-buffered: a command line reaches the child as it is sent)
+            mode, buffering = ("w", 1) if n == 0 else ("r", -1)
+            return open(fd, mode, encoding="utf-8", buffering=buffering)
+        return open(fd, "wb" if n == 0 else "rb")
+
+    return Child(zygote, pid, wrap(0), wrap(1), wrap(2))
+
+
 def spawn(
     module: str,
     argv: Sequence[str],
@@ -334,38 +421,12 @@ def spawn(
     opt_out: str = FORKSERVER_ENV,
     warm: Sequence[str] = (),
 ) -> Process:
-    """Start ``python -m module *argv`` in a process group of its own: its stdout a pipe, its
-    stderr ``stderr``, its stdin a pipe (``stdin_pipe``) or /dev/null; forked by this
-    process's zygote for ``env`` (started at the first spawn, importing ``warm``), or by
-    ``subprocess.Popen`` when not :func:`enabled` (``opt_out``)."""
-    if not enabled(opt_out):
-        return subprocess.Popen(
-            [sys.executable, "-m", module, *argv],
-            stdin=subprocess.PIPE if stdin_pipe else subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=stderr,
-            env=dict(env),
-            start_new_session=True,
-        )
-    cwd = os.getcwd()
-    zygote = server_for(env, cwd, warm=warm)
-    out_r, out_w = os.pipe()
-    if stdin_pipe:
-        in_r, in_w = os.pipe()
-    else:
-        in_r, in_w = os.open(os.devnull, os.O_RDONLY), -1
-    try:
-        pid = zygote.spawn(module, argv, env, cwd, (in_r, out_w, stderr.fileno()))
-    except BaseException:
-        for fd in (out_r, in_w):
-            if fd >= 0:
-                os.close(fd)
-        raise
-    finally:
-        os.close(in_r)
-        os.close(out_w)
-    stdin = open(in_w, "wb") if stdin_pipe else None  # noqa: SIM115 (the Child owns it)
-    return Child(zygote, pid, stdin, open(out_r, "rb"))
+    """:func:`popen` with its stdout a pipe, its stderr ``stderr``, its stdin a pipe
+    (``stdin_pipe``) or /dev/null (the check kit's workers)."""
+    return popen(
+        module, argv, env=env, stdin=subprocess.PIPE if stdin_pipe else subprocess.DEVNULL,
+        stdout=subprocess.PIPE, stderr=stderr, opt_out=opt_out, warm=warm,
+    )  # fmt: skip
 
 
 # -- the zygote's side ---------------------------------------------------------------------------
