@@ -83,10 +83,10 @@ def test_pause_kill_restart_and_stop_reach_a_forked_server(tmp_path: Path) -> No
         first = server.proc
         assert _grant(server, "k", "r1") == "k:1"
         _release(server, "k", "k:1", "r1")
-        server.pause()
-        assert _state(first.pid) == "T"
+        server.pause()  # (the signal lands when the kernel next schedules it: a bounded wait)
+        wait_until(lambda: _state(first.pid) == "T", 10, "the paused server to stop")
         server.resume()
-        assert _state(first.pid) != "T"
+        wait_until(lambda: _state(first.pid) != "T", 10, "the resumed server to run")
         server.restart(kill=True)
         assert first.returncode == -signal.SIGKILL
         assert server.proc is not None and server.proc.pid != first.pid

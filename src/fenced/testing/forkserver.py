@@ -207,11 +207,14 @@ class ForkServer:
         fds: tuple[int, int, int],
         *,
         prelude: str | None = None,
+        warm: Sequence[str] = (),
     ) -> int:
         """Fork ``module.main(argv)`` with stdin, stdout and stderr ``fds``; its pid. With
         ``prelude`` (Python source), as ``python -c "PRELUDE; from MODULE import main;
-        sys.exit(main())" *argv``: the prelude runs first, in a fresh ``__main__``."""
+        sys.exit(main())" *argv``: the prelude runs first, in a fresh ``__main__``. The zygote
+        imports ``warm`` and ``module`` first, if it has not yet (another caller's zygote)."""
         request = {"module": module, "argv": list(argv), "env": dict(env), "cwd": cwd}
+        request["warm"] = list(warm)
         if prelude is not None:
             request["prelude"] = prelude
         with self.lock:
@@ -387,9 +390,8 @@ def popen(
             else:
                 fd = stream.fileno()
             theirs.append(fd)
-        pid = zygote.spawn(
-            module, argv, env, cwd, (theirs[0], theirs[1], theirs[2]), prelude=prelude
-        )
+        fds = (theirs[0], theirs[1], theirs[2])
+        pid = zygote.spawn(module, argv, env, cwd, fds, prelude=prelude, warm=warm)
     except BaseException:
         for one in ours:
             if one is not None:
@@ -438,8 +440,10 @@ def _status(info: Any) -> int:
 
 
 def _import_frozen(names: Sequence[str]) -> None:
-    """Import ``names`` with the cyclic collector off, then freeze what is there: the objects
+    """Import ``names`` (if any) with the cyclic collector off, then freeze what is there: the objects
     every child inherits stay out of its collections (and its pages shared)."""
+    if not names:
+        return
     gc.disable()
     try:
         for name in names:
@@ -509,8 +513,8 @@ def _serve(fd: int, warm: Sequence[str]) -> Callable[[], int] | None:
                 # children; nothing it imports may start a thread (it would be a lock held
                 # forever in the child).
                 try:
-                    if request["module"] not in sys.modules:
-                        _import_frozen([request["module"]])
+                    wanted = [*request.get("warm", ()), request["module"]]
+                    _import_frozen([m for m in wanted if m not in sys.modules])
                     if threading.active_count() != 1:
                         raise RuntimeError(f"importing {request['module']} started a thread")
                 except Exception as exc:

@@ -913,7 +913,8 @@ class FencedServer(Server):
         zygote = forkserver.server_for(env, cwd, warm=_SERVE_WARM, here=False)
         with open(os.devnull, "rb") as devnull:
             fds = (devnull.fileno(), log.fileno(), log.fileno())
-            pid = zygote.spawn("fenced.cli", self._argv(), env, cwd, fds, prelude=self.prelude)
+            argv, prelude = self._argv(), self.prelude
+            pid = zygote.spawn("fenced.cli", argv, env, cwd, fds, prelude=prelude, warm=_SERVE_WARM)
         return forkserver.Child(zygote, pid, None, None)
 
     def ready(self) -> bool:
