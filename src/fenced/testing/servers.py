@@ -906,11 +906,12 @@ class FencedServer(Server):
         argv), forked from this process's zygote for ``fenced serve``: ~0.1 s of CPU a start,
         not ~0.8 s. A real exec when ``fork`` is off, ``FENCED_FORKSERVER=0``, or its start-up
         environment (``PYTHON*``, ``LD_PRELOAD``: libfaketime) is not the zygote's."""
-        env, cwd = self.full_env() or dict(os.environ), os.getcwd()
-        home = forkserver.startup_key(python_env(), cwd)
+        env, cwd, plain = self.full_env() or dict(os.environ), os.getcwd(), python_env()
+        home = forkserver.startup_key(plain, cwd)
         if not (self.fork and forkserver.enabled() and forkserver.startup_key(env, cwd) == home):
             return super().spawn(log)
-        zygote = forkserver.server_for(env, cwd, warm=_SERVE_WARM, here=False)
+        # (the zygote in this process's environment, not in the first server's variables)
+        zygote = forkserver.server_for(plain, cwd, warm=_SERVE_WARM, here=False)
         with open(os.devnull, "rb") as devnull:
             fds = (devnull.fileno(), log.fileno(), log.fileno())
             argv, prelude = self._argv(), self.prelude
