@@ -143,3 +143,32 @@ def test_the_zygote_and_its_servers_die_with_the_process_that_started_them(
         starter.kill()
         starter.wait()
     wait_until(lambda: _gone(server) and _gone(zygote), 20, "the server and its zygote to exit")
+
+
+_FORKER = """
+import os, sys, httpx
+from fenced.testing.servers import FencedServer
+server = FencedServer(sys.argv[1]).start()
+pid = os.fork()
+if pid == 0:
+    sys.exit(0)  # (a forked child's exit runs the exit handlers this process registered)
+_, status = os.waitpid(pid, 0)
+grant = httpx.post(f"{server.url}/v1/locks/f/-/acquire", json={"ttl": 30}, timeout=30)
+print(os.waitstatus_to_exitcode(status), grant.status_code, grant.json().get("token"))
+server.close()
+"""
+
+
+def test_a_forked_copy_of_the_test_process_leaves_its_servers_alone(tmp_path: Path) -> None:
+    """A test that forks its process (``os.fork()``) gets a child that exits through the exit
+    handlers it inherited: those must not close the parent's zygote (a shutdown of the shared
+    socket ended every server of the parent). The parent's server still grants after it."""
+    done = subprocess.run(
+        [sys.executable, "-c", _FORKER, f"sqlite:///{tmp_path / 'l.db'}"],
+        capture_output=True,
+        text=True,
+        env=python_env(),
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["0", "200", "f:1"], done.stdout

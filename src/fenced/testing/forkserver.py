@@ -331,7 +331,17 @@ def _close_all() -> None:
         zygote.close()
 
 
+def _forget() -> None:
+    """In a child forked from this process (a test's ``os.fork()``, a zygote's child): its
+    parent's zygotes are not its own. Its exit must not close them (a shutdown of the shared
+    socket would end the parent's servers), nor may it wait on a lock a thread of the parent
+    held at the fork."""
+    global _zygotes, _zygotes_lock
+    _zygotes, _zygotes_lock = {}, threading.Lock()
+
+
 atexit.register(_close_all)
+os.register_at_fork(after_in_child=_forget)
 
 
 _Stream = int | IO[Any] | None
