@@ -19,10 +19,12 @@ from fenced.testing.servers import FencedServer, python_env, wait_until
 
 # Run first in the server (its prelude): what the process looks like before the command runs.
 _PROBE = """
-import gc, os
+import gc, logging, os, signal
+fresh = (signal.getsignal(signal.SIGCHLD) == signal.SIG_DFL and signal.set_wakeup_fd(-1) == -1
+         and not logging.getLogger().handlers)
 print("probe", sum(s["collections"] for s in gc.get_stats()), gc.get_freeze_count(),
       gc.isenabled(), os.environ.get("FENCED_PROBE"), " ".join(sys.argv[:2]), __name__,
-      os.getpgid(0) == os.getpid(), file=sys.stderr, flush=True)
+      os.getpgid(0) == os.getpid(), fresh, file=sys.stderr, flush=True)
 """
 
 
@@ -60,7 +62,8 @@ def _gone(pid: int) -> bool:
 
 def test_a_forked_fenced_serve_runs_the_command_its_prelude_first(tmp_path: Path) -> None:
     """The child runs the prelude in a fresh ``__main__`` with the command's argv, in the
-    server's environment and its own process group; the zygote's imports were made with the
+    server's environment and its own process group, with a fresh interpreter's signal
+    handlers and no logging set up; the zygote's imports were made with the
     collector off and are frozen (as ``fenced serve`` does over its own), the collector on."""
     source = f"sqlite:///{tmp_path / 'l.db'}"
     with FencedServer(source, prelude=_PROBE, env={"FENCED_PROBE": "seen"}) as server:
@@ -68,9 +71,12 @@ def test_a_forked_fenced_serve_runs_the_command_its_prelude_first(tmp_path: Path
         assert _grant(server, "p", "r") == "p:1"
         log = server.log_path.read_text()
     [line] = [ln for ln in log.splitlines() if ln.startswith("probe ")]
-    _, runs, frozen, enabled, env, argv0, argv1, name, own_group = line.split()
+    _, runs, frozen, enabled, env, argv0, argv1, name, own_group, fresh = line.split()
     assert (argv0, argv1, name) == ("-c", "serve", "__main__"), line
     assert env == "seen" and own_group == "True", line
+    # (a fresh interpreter's signal handlers, no wake-up fd, no logging set up: the zygote's
+    # own SIGCHLD handler and wake-up pipe are undone in the child)
+    assert fresh == "True", line
     # (the server's stack made the collector run ~110 times when imported with it on)
     assert int(runs) < 100 and int(frozen) > 50_000 and enabled == "True", line
 
