@@ -297,20 +297,16 @@ def fork_this_process(warm: Sequence[str] = ()) -> bool:
 
 
 def server_for(
-    env: Mapping[str, str], cwd: str, *, warm: Sequence[str] = (), start: bool = True,
-    here: bool = True,
-) -> ForkServer:  # fmt: skip
+    env: Mapping[str, str], cwd: str, *, warm: Sequence[str] = (), here: bool = True
+) -> ForkServer:
     """The zygote that serves spawns in ``env`` and ``cwd``: this process's own (``here``:
-    forked from it, which serves every spawn), or the one started for their start-up
-    environment, started now (importing ``warm``) if there is none and ``start``; else
-    :class:`LookupError`."""
+    forked from it, which serves every spawn), or the one for their start-up environment,
+    started now in ``env`` and ``cwd`` (importing ``warm``) if there is none."""
     global _forked_by_closed
     key = startup_key(env, cwd)
     with _zygotes_lock:
         zygote = _zygotes.get(key) or (_zygotes.get(_HERE) if here else None)
         if zygote is None or zygote.dead:
-            if not start:
-                raise LookupError(f"no fork server for {key}")
             if zygote is not None:
                 _forked_by_closed += zygote.forked
             zygote = _zygotes[key] = ForkServer(env, cwd, warm)

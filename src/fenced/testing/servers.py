@@ -861,7 +861,8 @@ _SERVE_WARM: Final = (
 
 class FencedServer(Server):
     """``fenced serve`` (this process's Python and fenced) in front of the token source
-    ``source_url``: a real OS process on loopback, killable like any other server."""
+    ``source_url``: a real OS process on loopback, killable like any other server; forked
+    from this process's zygote (:mod:`fenced.testing.forkserver`) unless ``fork`` is off."""
 
     name = "fenced-serve"
     start_timeout = 30.0
