@@ -6,6 +6,8 @@ zygote's is a real exec; and nothing outlives the process that started them."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import subprocess
 import sys
@@ -157,10 +159,15 @@ from fenced.testing.servers import FencedServer
 server = FencedServer(sys.argv[1]).start()
 pid = os.fork()
 if pid == 0:
+    if sys.argv[2] == "close":  # (its copy of the server: as a Popen's, closed at once)
+        server.close()
     sys.exit(0)  # (a forked child's exit runs the exit handlers this process registered)
 _, status = os.waitpid(pid, 0)
-grant = httpx.post(f"{server.url}/v1/locks/f/-/acquire", json={"ttl": 30}, timeout=30)
-print(os.waitstatus_to_exitcode(status), grant.status_code, grant.json().get("token"))
+if sys.argv[2] == "close":
+    print(os.waitstatus_to_exitcode(status))
+else:
+    grant = httpx.post(f"{server.url}/v1/locks/f/-/acquire", json={"ttl": 30}, timeout=30)
+    print(os.waitstatus_to_exitcode(status), grant.status_code, grant.json().get("token"))
 server.close()
 """
 
@@ -170,7 +177,7 @@ def test_a_forked_copy_of_the_test_process_leaves_its_servers_alone(tmp_path: Pa
     handlers it inherited: those must not close the parent's zygote (a shutdown of the shared
     socket ended every server of the parent). The parent's server still grants after it."""
     done = subprocess.run(
-        [sys.executable, "-c", _FORKER, f"sqlite:///{tmp_path / 'l.db'}"],
+        [sys.executable, "-c", _FORKER, f"sqlite:///{tmp_path / 'l.db'}", "exit"],
         capture_output=True,
         text=True,
         env=python_env(),
@@ -178,3 +185,24 @@ def test_a_forked_copy_of_the_test_process_leaves_its_servers_alone(tmp_path: Pa
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["0", "200", "f:1"], done.stdout
+
+
+def test_a_forked_copy_that_closes_its_copy_of_a_server_does_not_hang(tmp_path: Path) -> None:
+    """The copy has no reader of the zygote's reports: waiting for the server's exit there
+    would never end (a Popen's wait there returns at once: not its child)."""
+    starter = subprocess.Popen(
+        [sys.executable, "-c", _FORKER, f"sqlite:///{tmp_path / 'l.db'}", "close"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=python_env(),
+        start_new_session=True,  # (its group: the copy too, if it hangs)
+    )
+    try:
+        out, err = starter.communicate(timeout=60)
+    finally:  # (a hung copy would be left behind: end it with its parent)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(starter.pid, signal.SIGKILL)
+        starter.wait()
+    assert starter.returncode == 0, err
+    assert out.split() == ["0"], out  # (the copy exited 0: its close() returned)

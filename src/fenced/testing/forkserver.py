@@ -179,6 +179,7 @@ class ForkServer:
         self.reaped: set[int] = set()
         self.dead = False
         self.forked = 0
+        self.owner = os.getpid()  # (a forked copy of this process gets no exit reports)
         threading.Thread(target=self._read, name="fenced-forkserver", daemon=True).start()
 
     def _read(self) -> None:
@@ -240,6 +241,10 @@ class ForkServer:
     def exited(self, pid: int, timeout: float | None) -> int | None:
         """``pid``'s exit status once it has exited (then it is reaped), else None after
         ``timeout`` seconds (None: no limit)."""
+        if os.getpid() != self.owner:
+            # A forked copy of the process that started it (no reader thread, no reports):
+            # as Popen there, which cannot wait for what is not its child, an exit at once.
+            return 0
         with self.changed:
             if not self.changed.wait_for(lambda: pid in self.exits, timeout):
                 return None
