@@ -10,11 +10,11 @@ import os
 import queue
 import signal
 import subprocess
-import sys
 import threading
 from typing import Any
 
 from fenced import FencingToken
+from fenced.testing import forkserver
 from tests.helpers import ROOT
 from tests.workers.guard_writer import LOCK, STEP_TIMEOUT
 
@@ -57,16 +57,20 @@ def history_violations(log: list[int], data: str | None) -> list[str]:
 
 
 class Proc:
-    """A client process speaking JSON lines on stdout, commands on stdin."""
+    """A client process (``python -m WORKER *args``) speaking JSON lines on stdout, commands
+    on stdin: forked from the testing room's fork server, which has imported the worker (no
+    Python start-up and no ``import fenced`` a client; ``FENCED_FORKSERVER=0``: an exec)."""
 
     def __init__(self, *args: str) -> None:
-        self.popen = subprocess.Popen(
-            [sys.executable, *args],
+        self.popen = forkserver.popen(
+            WORKER,
+            args,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
             cwd=ROOT,
+            warm=(WORKER,),
         )
         self.events: queue.Queue[dict[str, Any] | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
@@ -109,7 +113,7 @@ def race(target: str, resource: str, writers: int, per_writer: int) -> list[int]
     Returns how many writes each process saw accepted, in process order.
     """
     procs = [
-        Proc("-m", WORKER, "race", target, resource, str(i + 1), str(writers), str(per_writer))
+        Proc("race", target, resource, str(i + 1), str(writers), str(per_writer))
         for i in range(writers)
     ]
     try:
@@ -126,12 +130,12 @@ def race(target: str, resource: str, writers: int, per_writer: int) -> list[int]
 def paused_holder(source_url: str, target: str, resource: str, guarded: bool) -> dict[str, Any]:
     """Figure 8-5: holder 1 is SIGSTOPped past its ttl, holder 2 writes, holder 1 resumes and writes."""
     mode = "guarded" if guarded else "unguarded"
-    c1 = Proc("-m", WORKER, "holder", source_url, target, resource, "1.0", mode)
+    c1 = Proc("holder", source_url, target, resource, "1.0", mode)
     c2: Proc | None = None
     try:
         t1 = c1.expect("acquired")["token"]
         os.kill(c1.popen.pid, signal.SIGSTOP)  # before it writes
-        c2 = Proc("-m", WORKER, "holder", source_url, target, resource, "1.0", mode)
+        c2 = Proc("holder", source_url, target, resource, "1.0", mode)
         t2 = c2.expect("acquired")["token"]  # only after c1's lease ran out
         c2.send("write 2:client-2")
         ok2 = c2.expect("write-ok", "write-rejected")["event"] == "write-ok"

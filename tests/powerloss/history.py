@@ -7,7 +7,6 @@ import queue
 import random
 import sqlite3
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from fenced.testing import forkserver
 from fenced.testing.powerloss import PowerLossMount, unavailable
 from fenced.testing.servers import python_env
 from tests.sources.envs.sqlite import read_counters
@@ -32,13 +32,16 @@ class Client:
     """A worker process (tests.powerloss.workers); its ``LOCK TOKEN`` lines read on a thread."""
 
     def __init__(self, *args: str) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.powerloss.workers", *args],
+        # (forked from the testing room's fork server, which has imported the workers)
+        self.proc = forkserver.popen(
+            "tests.powerloss.workers",
+            args,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             text=True,
             cwd=ROOT,
             env={**python_env(), "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"},
+            warm=("tests.powerloss.workers",),
         )
         self.lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()

@@ -18,6 +18,14 @@ import fenced
 from fenced.server import ServerSettings, create_app
 from fenced.testing.servers import FencedServer
 
+
+@pytest.fixture(autouse=True)
+def _a_real_exec(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These are tests of the command's own start-up: each ``fenced serve`` here is a real
+    exec, not forked from the suite's fork server (which has imported its modules)."""
+    monkeypatch.setenv("FENCED_FORKSERVER", "0")
+
+
 LEGACY = {
     "/v1/locks/{name:lock}/acquire": "/v1/locks/{name:lock}/-/acquire",
     "/v1/locks/{name:lock}/renew": "/v1/locks/{name:lock}/-/renew",
