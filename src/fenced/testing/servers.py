@@ -461,7 +461,7 @@ def zookeeper_cds_args(classpath: str) -> list[str]:
     """JVM flags that map the classes a ZooKeeper server loads from one class-data archive
     made once for the test run (AppCDS, JDK 13+), or none outside a run that keeps
     templates (``FENCED_TEST_TEMPLATES``: see :func:`_from_template`) or where no archive
-    could be made. Each JVM otherwise loads and verifies the same ~1,500 classes from the
+    could be made. Each JVM otherwise loads and verifies the same classes from the
     jars again: with the archive a start plus 50 writes costs 0.76-0.79 s of CPU, not
     1.04-1.11 s (session 10, JDK 17). An archive that does not fit (another JDK or class
     path) is ignored by the JVM (``-Xshare:auto``): the server starts as without it."""
