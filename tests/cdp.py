@@ -18,7 +18,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from tests.helpers import chromium
+from tests.helpers import CHROMIUM_LEAN, chromium
 
 __all__ = ["Browser", "CdpError"]
 
@@ -51,6 +51,7 @@ class Browser:
                 "--no-sandbox",
                 "--disable-gpu",
                 "--hide-scrollbars",
+                *CHROMIUM_LEAN,
                 "--remote-debugging-pipe",
                 f"--user-data-dir={self._profile.name}",
                 f"--window-size={width},{height}",

@@ -194,8 +194,32 @@ def pytest_itemcollected(item: pytest.Item) -> None:
 _MOTO_ENVS = frozenset({"dynamodb", "s3", "dynamodb-async", "s3-async"})
 
 
+def _mark_units_for_xdist(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The ``@group`` suffix xdist's ``loadgroup`` reads from each grouped test's id, set
+    where xdist's own setting did not take: xdist 3.8 writes ``item._nodeid``, and pytest 9
+    keeps the id in ``item._id`` (pytest-dev/pytest-xdist#1386). Without it every group was
+    handed out test by test (session 10: the moto group's tests on five workers, five
+    emulators; each source group's servers started on every worker). A no-op where xdist's
+    own suffix is there (pytest 8), and outside an xdist worker."""
+    if not getattr(config.option, "loadgroup", False) or not hasattr(config, "workerinput"):
+        return
+    for item in items:
+        names = sorted({str(m.args[0]) for m in item.iter_markers("xdist_group") if m.args})
+        if not names:
+            continue
+        suffix = "@" + "_".join(names)
+        if item.nodeid.endswith(suffix):
+            continue
+        if hasattr(item, "_id"):  # (pytest 9: a structured id; parse keeps the string as is)
+            from _pytest.nodeid import NodeId
+
+            item._id = NodeId.parse(item.nodeid + suffix)
+        else:
+            item._nodeid = item.nodeid + suffix  # type: ignore[attr-defined]
+
+
 @pytest.hookimpl(trylast=True)  # (the order: after every other plugin's)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Order the run for ``pytest -n N --dist loadgroup`` (the groups: pytest_itemcollected):
     the work units (an xdist group, or a single test) in the order xdist hands them out
     (its own reordering off, pytest_configure): units holding a test marked ``slow`` or
@@ -223,6 +247,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         for item, unit in zip(items, units, strict=True)
     }
     items.sort(key=lambda item: (*key[id(item)], order[id(item)]))
+    _mark_units_for_xdist(config, items)
 
 
 @pytest.fixture
@@ -386,7 +411,12 @@ def _pg_empty_again(server: PostgresServer, db: str) -> bool:
     ``public`` schema, no per-database settings), or False (then it is dropped instead)."""
     import psycopg
 
-    with psycopg.connect(server.dsn, autocommit=True) as conn:
+    # One session, in the database itself (a backend costs the server ~12 ms of CPU to start:
+    # a second one, from the server's own database, only to end the test's sessions, was one
+    # too many in each of some 500 tests). A database a session cannot use (a test made it
+    # refuse connections, or read-only) raises here: then it is dropped instead.
+    url = f"postgresql://postgres@127.0.0.1:{server.port}/{db}"
+    with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(
             "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
             " WHERE datname = %s AND pid <> pg_backend_pid()",
@@ -400,8 +430,6 @@ def _pg_empty_again(server: PostgresServer, db: str) -> bool:
         ).fetchone()
         if leftovers is None or leftovers[0]:
             return False
-    url = f"postgresql://postgres@127.0.0.1:{server.port}/{db}"
-    with psycopg.connect(url, autocommit=True) as conn:
         schemas = conn.execute(
             "SELECT nspname FROM pg_namespace"
             " WHERE nspname NOT LIKE 'pg\\_%' AND nspname <> 'information_schema'"

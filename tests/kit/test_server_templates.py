@@ -77,3 +77,48 @@ def test_the_servers_of_a_run_copy_one_bootstrap_and_stay_apart(
     with cls() as third:  # a later server copies the same template: no bootstrap again
         assert len(made) == 1
         assert _sql(third)("SELECT 1") == [(1,)]
+
+
+def _mapped(pid: int, path: Path) -> bool:
+    """Whether process ``pid`` maps the file ``path`` (its /proc maps)."""
+    return str(path) in Path(f"/proc/{pid}/maps").read_text()
+
+
+def test_the_zookeeper_servers_of_a_run_map_one_class_archive(templates: Path) -> None:
+    """The run's first ZooKeeper makes the class-data archive (once), and every server maps
+    it: each JVM does not load and verify ZooKeeper's classes from the jars again."""
+    from fenced.testing.servers import ZooKeeperServer
+
+    with ZooKeeperServer() as first, ZooKeeperServer() as second:
+        archive = templates / "zookeeper.jsa"
+        assert archive.exists()
+        for server in (first, second):
+            assert server.proc is not None and _mapped(server.proc.pid, archive)
+            assert "-XX:SharedArchiveFile=" + str(archive) in server.command()
+        made = archive.stat().st_mtime_ns
+    with ZooKeeperServer() as third:  # (made once a run, not again)
+        assert archive.stat().st_mtime_ns == made
+        assert third.proc is not None and _mapped(third.proc.pid, archive)
+
+
+def test_a_zookeeper_starts_and_serves_with_an_archive_that_does_not_fit(
+    templates: Path,
+) -> None:
+    """An archive of another JDK (here: garbage bytes) is ignored by the JVM, not fatal:
+    the server starts and serves as it would without one."""
+    from kazoo.client import KazooClient
+
+    from fenced.testing.servers import ZooKeeperServer
+
+    (templates / "zookeeper.jsa.tried").touch()
+    (templates / "zookeeper.jsa").write_bytes(b"not an archive" * 100)
+    with ZooKeeperServer() as server:
+        assert server.proc is not None and not _mapped(server.proc.pid, templates / "zookeeper.jsa")
+        client = KazooClient(hosts=server.hosts)
+        client.start(timeout=20)
+        try:
+            client.create("/written", b"x")
+            assert client.get("/written")[0] == b"x"
+        finally:
+            client.stop()
+            client.close()

@@ -4,7 +4,10 @@ dropped instead, so that each test still starts as on a new database."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import psycopg
+import pytest
 
 from fenced.testing.servers import PostgresServer
 from tests.conftest import _pg_empty_again
@@ -64,6 +67,49 @@ def test_a_database_with_its_own_settings_is_not_reused(pg_server: PostgresServe
         with psycopg.connect(pg_server.dsn, autocommit=True) as conn:
             conn.execute(f"ALTER DATABASE {db} SET statement_timeout = '1s'")
         assert _pg_empty_again(pg_server, db) is False
+    finally:
+        with psycopg.connect(pg_server.dsn, autocommit=True) as conn:
+            conn.execute(f"DROP DATABASE IF EXISTS {db} WITH (FORCE)")
+
+
+def test_emptying_a_database_takes_one_session(
+    pg_server: PostgresServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each session is a server process to start (~12 ms of the server's CPU): the emptying
+    after each of some 500 tests opens one, in the database itself (not a second one from the
+    server's own database to end the test's sessions)."""
+    db, url = _new_db(pg_server)
+    lingering = psycopg.connect(url)  # (a session the test left: ended from inside)
+    lingering.execute("SELECT pg_advisory_lock(8)")
+    opened: list[str] = []
+    real = psycopg.connect
+
+    def connect(conninfo: str = "", **kwargs: Any) -> Any:
+        opened.append(conninfo)
+        return real(conninfo, **kwargs)
+
+    monkeypatch.setattr(psycopg, "connect", connect)
+    try:
+        assert _pg_empty_again(pg_server, db) is True
+        assert opened == [url]
+    finally:
+        monkeypatch.undo()
+        lingering.close()
+        with psycopg.connect(pg_server.dsn, autocommit=True) as conn:
+            conn.execute(f"DROP DATABASE IF EXISTS {db} WITH (FORCE)")
+
+
+def test_a_database_that_refuses_sessions_is_dropped_not_reused(
+    pg_server: PostgresServer,
+) -> None:
+    """A test that made its database refuse connections: emptying it fails loudly (the
+    fixture then drops it), it is never handed to the next test."""
+    db, _ = _new_db(pg_server)
+    try:
+        with psycopg.connect(pg_server.dsn, autocommit=True) as conn:
+            conn.execute(f"ALTER DATABASE {db} ALLOW_CONNECTIONS false")
+        with pytest.raises(psycopg.OperationalError):
+            _pg_empty_again(pg_server, db)
     finally:
         with psycopg.connect(pg_server.dsn, autocommit=True) as conn:
             conn.execute(f"DROP DATABASE IF EXISTS {db} WITH (FORCE)")

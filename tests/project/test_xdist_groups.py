@@ -61,3 +61,29 @@ def test_the_groups_are_set_before_xdist_reads_them(tmp_path: Path) -> None:
     assert groups["tests/server/test_server.py::test_health_ready_and_info"] == (
         "module:tests/server/test_server.py"
     )
+
+
+def test_xdist_hands_out_a_group_whole_to_one_worker() -> None:
+    """A real ``-n 2 --dist loadgroup`` run: the group's tests carry its ``@name`` (what
+    xdist's scheduler reads) and all run on one worker. Under pytest 9 with xdist 3.8 the
+    suffix xdist writes was lost (pytest-dev/pytest-xdist#1386: ``_nodeid`` became ``_id``),
+    and a group's tests were handed out one by one, each worker starting its servers."""
+    module = "tests/sources/conformance/test_conformance.py"
+    names = [
+        "test_repeated_release_is_harmless",
+        "test_status_remembers_a_released_or_expired_lock",
+        "test_force_release_frees_only_that_grant_and_the_holder_learns",
+        "test_tokens_strictly_increase",
+    ]
+    path = os.pathsep.join([str(ROOT / "src"), str(ROOT)])
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "2",
+         "--dist", "loadgroup", "-v", *(f"{module}::{n}[memory]" for n in names)],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": path, "FENCED_TEST_WARMED": "1"},
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    ran = [line.split() for line in run.stdout.splitlines() if " PASSED " in line]
+    assert len(ran) == len(names), run.stdout[-3000:]
+    assert {r[-1].rsplit("@", 1)[-1] for r in ran} == {"source-memory"}, ran
+    assert len({r[0] for r in ran}) == 1, ran  # ([gw0] or [gw1], the same for all)

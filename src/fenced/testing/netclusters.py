@@ -23,7 +23,12 @@ from pathlib import Path
 from typing import Final, Self
 
 from fenced.testing.netns import NetLab, NetProcess, Node
-from fenced.testing.servers import ServerUnavailable, _zookeeper_classpath, wait_until
+from fenced.testing.servers import (
+    ServerUnavailable,
+    _zookeeper_classpath,
+    wait_until,
+    zookeeper_cds_args,
+)
 
 __all__ = ["EtcdNetCluster", "RedisNet", "ZooKeeperNetCluster"]
 
@@ -194,7 +199,7 @@ class ZooKeeperNetCluster(_Cluster):
             )
             argv = [
                 self.java, "-Xmx192m", "-XX:+UseSerialGC", "-XX:-UsePerfData",
-                "-XX:TieredStopAtLevel=1",
+                "-XX:TieredStopAtLevel=1", *zookeeper_cds_args(self.classpath),
                 f"-Dlog4j.configuration=file:{d / 'log4j.properties'}",
                 "-Dzookeeper.admin.enableServer=false",
                 "-cp", self.classpath,
