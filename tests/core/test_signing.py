@@ -28,6 +28,7 @@ from fenced._core.signing import (
     load_keys,
     token_message,
 )
+from tests.helpers import TLS
 
 KEY = HmacKey("k1", b"k" * 32)
 
@@ -443,13 +444,13 @@ def test_fenced_serve_binds_its_signatures_to_its_source_id(tmp_path: Path) -> N
     source = f"sqlite:///{tmp_path / 'locks.db'}"
     with FencedServer(source, args=["--signing-key", str(key_file), "--source-id", "prod"]) as s:
         u = s.url  # type: ignore[attr-defined]
-        got = httpx.post(f"{u}/v1/locks/acct/acquire", json={}, timeout=30).json()
+        got = httpx.post(f"{u}/v1/locks/acct/acquire", json={}, timeout=30, verify=TLS).json()
         signed = FencingToken.parse(got["signed"])
         assert str(signed).startswith("acct:1.prod.k1.")
         Keyring([KEY], source_id="prod").verify(signed.lock, signed.value, signed.signature)
 
         def check(text: str) -> httpx.Response:
-            return httpx.post(f"{u}/v1/check", json={"token": text}, timeout=30)
+            return httpx.post(f"{u}/v1/check", json={"token": text}, timeout=30, verify=TLS)
 
         assert check(str(signed)).json()["verdict"] == "current"
         for bad in (sign_bound(signed.unsigned(), "staging"), sign(signed.unsigned()),
@@ -457,7 +458,7 @@ def test_fenced_serve_binds_its_signatures_to_its_source_id(tmp_path: Path) -> N
             r = check(str(bad))
             assert r.status_code == 400 and r.json()["error"] == "invalid_token", bad
         httpx.post(f"{u}/v1/locks/acct/release",
-                   json={"token": got["signed"], "request_id": got["request_id"]}, timeout=30)  # fmt: skip
+                   json={"token": got["signed"], "request_id": got["request_id"]}, timeout=30, verify=TLS)  # fmt: skip
         with fenced.connect(u) as locks:
             with locks.lock("acct", ttl=5) as lease:
                 assert lease.token.signature is not None and lease.token.signature[2:] == ("prod",)
@@ -590,7 +591,7 @@ def test_naming_a_running_fenced_serve_keeps_its_handed_out_tokens_with_accept_u
     signing = ["--signing-key", str(key_file)]
 
     def post(u: str, path: str, body: object) -> httpx.Response:
-        return httpx.post(f"{u}{path}", json=body, timeout=30)
+        return httpx.post(f"{u}{path}", json=body, timeout=30, verify=TLS)
 
     with FencedServer(source, args=signing) as s:
         got = post(s.url, "/v1/locks/acct/acquire", {"ttl": 60, "request_id": "r1"}).json()  # type: ignore[attr-defined]
