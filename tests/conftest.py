@@ -194,8 +194,28 @@ def pytest_itemcollected(item: pytest.Item) -> None:
 _MOTO_ENVS = frozenset({"dynamodb", "s3", "dynamodb-async", "s3-async"})
 
 
+def _group_ids(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """On an xdist worker under ``--dist loadgroup``: each grouped test's id with its group
+    suffix (``@name``), which is what xdist's scheduler groups by. xdist 3.8 writes it to
+    ``_nodeid``, which pytest 9.2 no longer reads (the id is a structured ``_id``): no group
+    reached the scheduler and every group's tests ran spread over all the workers, each
+    starting the group's servers (pytest-dev/pytest-xdist#1386). A no-op where xdist's took."""
+    if not getattr(config.option, "loadgroup", False) or not hasattr(config, "workerinput"):
+        return
+    from _pytest.nodeid import NodeId  # (pytest >= 9.2; xdist's suffix works before it)
+
+    for item in items:
+        names = sorted(
+            {str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+             for m in item.iter_markers("xdist_group")}
+        )  # fmt: skip
+        suffix = "@" + "_".join(names)
+        if names and hasattr(item, "_id") and not item.nodeid.endswith(suffix):
+            item._id = NodeId.parse(item.nodeid + suffix)
+
+
 @pytest.hookimpl(trylast=True)  # (the order: after every other plugin's)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Order the run for ``pytest -n N --dist loadgroup`` (the groups: pytest_itemcollected):
     the work units (an xdist group, or a single test) in the order xdist hands them out
     (its own reordering off, pytest_configure): units holding a test marked ``slow`` or
@@ -203,6 +223,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     and schema tests), then groups largest first, then single tests in collection order.
     Longest first: a long unit handed out last ran on one worker while the others idled.
     """
+    _group_ids(config, items)
     units = [_unit(item) for item in items]
     size: dict[str, int] = {}
     first: dict[str, int] = {}

@@ -4,12 +4,18 @@ xdist's worker reads each test's ``xdist_group`` marks in its own
 ``pytest_collection_modifyitems`` (a plugin registered after the first conftests, a plain
 hook): groups set later (in the conftest's ``trylast`` hook, until session 8) never reached it,
 and the guards' MySQL environments ran outside the ``mariadb`` group. A plugin registered the
-same way reads the marks as xdist does."""
+same way reads the marks as xdist does.
+
+And they reach xdist's scheduler (``_group_ids``): under pytest 9.2 and xdist 3.8 none did
+(xdist writes the group into ``_nodeid``, which pytest 9.2 no longer reads:
+pytest-dev/pytest-xdist#1386), and every group's tests ran spread over all the workers, each
+starting the group's servers (the session-10 profile: test_guard_mysql.py's on all six)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -61,3 +67,17 @@ def test_the_groups_are_set_before_xdist_reads_them(tmp_path: Path) -> None:
     assert groups["tests/server/test_server.py::test_health_ready_and_info"] == (
         "module:tests/server/test_server.py"
     )
+
+
+def test_a_groups_tests_run_on_one_worker_under_loadgroup() -> None:
+    env = {**os.environ, "FENCED_TEST_WARMED": "1"}  # (no warm-up: one file is collected)
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-v", "-n", "2"]
+    cmd += ["--dist", "loadgroup", "tests/project/test_layers.py", "-k", "tree or offers_passes"]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    ran = re.findall(r"\[(gw\d)\] \[ *\d+%\] PASSED (\S+)", out.stdout)
+    grouped = {test: worker for worker, test in ran if "_tree_" in test}
+    assert len(grouped) == 2 and all(t.endswith("@layers-tree") for t in grouped), ran
+    assert len(set(grouped.values())) == 1, grouped  # (one worker: one check of src)
+    # a test in no group keeps its id
+    assert any(t.endswith("::test_what_a_package_offers_passes") for _, t in ran), ran
