@@ -28,7 +28,7 @@ from fenced.testing.servers import (
     RedisServer,
     ZooKeeperServer,
 )
-from tests.helpers import aws_client, dead_port, unique_name
+from tests.helpers import NO_TLS, aws_client, dead_port, unique_name
 
 _PYCACHE: list[str] = []  # the bytecode cache this run made (pytest_configure), removed at exit
 _TEMPLATES: list[str] = []  # the run's server data templates (pytest_configure), removed at exit
@@ -355,12 +355,13 @@ def mariadb_server() -> Iterator[MariaDBServer]:
 
 @pytest.fixture
 def mysql_db(mariadb_server: MariaDBServer) -> Iterator[dict[str, object]]:
-    """A fresh database on the worker's MariaDB server (PyMySQL/asyncmy connect arguments),
-    dropped afterwards."""
+    """A fresh database on the worker's MariaDB server (PyMySQL connect arguments, TLS off:
+    tests.helpers.NO_TLS; asyncmy_args() for asyncmy), dropped afterwards."""
     import pymysql
 
     db = unique_name("db").replace("-", "_")
     args: dict[str, object] = {"host": "127.0.0.1", "port": mariadb_server.port, "user": "root"}
+    args.update(NO_TLS)
     with pymysql.connect(**args, autocommit=True) as conn:  # type: ignore[arg-type]
         conn.cursor().execute(f"CREATE DATABASE {db}")
     yield {**args, "database": db}

@@ -41,7 +41,7 @@ from fenced.guards.s3 import S3VersionStore
 from fenced.guards.sql import RowGuard, SQLGuard
 from fenced.guards.zookeeper import ZooKeeperGuard
 from tests.guards.planted import LessThanGuard, LessThanRowGuard
-from tests.helpers import unique_name
+from tests.helpers import asyncmy_args, unique_name
 
 LOCK = "conformance"
 Write = Callable[[FencingToken, str], None]
@@ -868,7 +868,7 @@ class _AsyncSQL:
             else:
                 import asyncmy
 
-                self.conn = await asyncmy.connect(**self.mysql, autocommit=True)
+                self.conn = await asyncmy.connect(**asyncmy_args(self.mysql), autocommit=True)
         return self.conn
 
     async def execute(self, conn: Any, sql: str, params: tuple[Any, ...]) -> None:

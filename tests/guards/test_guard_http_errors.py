@@ -36,7 +36,7 @@ from fenced.guards.asgi import (
 from fenced.guards.redis import default_fence_key
 from fenced.guards.wsgi import FencingWSGIMiddleware
 from fenced.testing.servers import RedisServer
-from tests.helpers import serve, unique_name
+from tests.helpers import TLS, serve, unique_name
 
 LOCK = "jobs"
 
@@ -317,12 +317,14 @@ def test_wsgi_corrupt_mark_of_every_store_is_503_problem(kind: Kind) -> None:
         for how in kind.corruptions():
             resource = unique_name("res")
             url = f"{base}/{resource}"
-            r = httpx.post(url, headers={"Fencing-Token": "jobs:5"}, timeout=10)
+            r = httpx.post(url, headers={"Fencing-Token": "jobs:5"}, timeout=10, verify=TLS)
             assert r.status_code == 200 and handler.calls == 1
             kind.corrupt(how, resource)
             damaged = kind.raw(resource)
             for value in (4, 5, 6):
-                r = httpx.post(url, headers={"Fencing-Token": f"jobs:{value}"}, timeout=10)
+                r = httpx.post(
+                    url, headers={"Fencing-Token": f"jobs:{value}"}, timeout=10, verify=TLS
+                )
                 assert r.status_code == 503, (how, value, r.status_code, r.text)
                 assert problem(r.status_code, r.headers, r.content)["type"].endswith("corrupt-mark")
             assert handler.calls == 1 and kind.raw(resource) == damaged
@@ -336,16 +338,19 @@ def test_wsgi_misconfigured_and_broken_stores_are_500_problem(tmp_path: Path) ->
         FencingWSGIMiddleware(handler.wsgi, store=kind.make(), lock=LOCK) as app,
         wsgi_serve(app) as base,
     ):
-        assert httpx.post(base + "/x", headers={"Fencing-Token": "jobs:1"}).status_code == 200
+        assert (
+            httpx.post(base + "/x", headers={"Fencing-Token": "jobs:1"}, verify=TLS).status_code
+            == 200
+        )
         kind.drop()
-        r = httpx.post(base + "/x", headers={"Fencing-Token": "jobs:2"})
+        r = httpx.post(base + "/x", headers={"Fencing-Token": "jobs:2"}, verify=TLS)
         assert r.status_code == 500, r.text
         assert problem(500, r.headers, r.content)["type"].endswith("fence-misconfigured")
     with (
         FencingWSGIMiddleware(handler.wsgi, store=BrokenStore(), lock=LOCK) as app,
         wsgi_serve(app) as base,
     ):
-        r = httpx.post(base + "/x", headers={"Fencing-Token": "jobs:3"})
+        r = httpx.post(base + "/x", headers={"Fencing-Token": "jobs:3"}, verify=TLS)
         assert r.status_code == 500 and "/secret/path" not in r.text
         assert problem(500, r.headers, r.content)["type"].endswith("fence-error")
     assert handler.calls == 1

@@ -27,7 +27,7 @@ from tests.guards.processes import (
     paused_holder,
     race,
 )
-from tests.helpers import wait_for
+from tests.helpers import NO_TLS, asyncmy_args, wait_for
 
 pytestmark = pytest.mark.xdist_group("mariadb")
 
@@ -233,7 +233,13 @@ def test_clients_that_count_found_rows_get_the_same_verdicts(connect: Any, form:
 
 def test_the_mark_survives_kill_9_of_the_server() -> None:
     with MariaDBServer() as db:
-        args = {"host": "127.0.0.1", "port": db.port, "user": "root", "database": "fenced"}
+        args = {
+            "host": "127.0.0.1",
+            "port": db.port,
+            "user": "root",
+            "database": "fenced",
+            **NO_TLS,
+        }
         guard = SQLGuard("orders")
         conn = pymysql.connect(**args, autocommit=True)
         guard.install(conn)
@@ -300,7 +306,7 @@ def test_asyncmy_is_the_same_guard(mysql_db: dict[str, Any]) -> None:
     import asyncmy
 
     async def go() -> None:
-        conn = await asyncmy.connect(**mysql_db, autocommit=True)
+        conn = await asyncmy.connect(**asyncmy_args(mysql_db), autocommit=True)
         try:
             guard = SQLGuard("orders")
             await guard.ainstall(conn)
@@ -581,7 +587,7 @@ def test_asyncmy_checks_tables_and_verdicts_the_same_way(mysql_db: dict[str, Any
     import asyncmy
 
     async def go() -> None:
-        conn = await asyncmy.connect(**mysql_db, autocommit=True)
+        conn = await asyncmy.connect(**asyncmy_args(mysql_db), autocommit=True)
         try:
             async with conn.cursor() as cur:
                 await cur.execute("CREATE TABLE acct (id BIGINT AUTO_INCREMENT PRIMARY KEY, v INT)")

@@ -20,6 +20,7 @@ import pytest
 from fenced import FencingToken, StaleTokenError
 from fenced.guards.asgi import PostgresFenceStore, SQLiteFenceStore
 from fenced.guards.wsgi import FencingWSGIMiddleware
+from tests.helpers import TLS
 
 LOCK = "jobs"
 
@@ -75,7 +76,7 @@ class ForgetfulStore:
 
 def post(base: str, path: str, token: str | None) -> httpx.Response:
     headers = {} if token is None else {"Fencing-Token": token}
-    return httpx.post(base + path, headers=headers, timeout=10)
+    return httpx.post(base + path, headers=headers, timeout=10, verify=TLS)
 
 
 def test_wsgi_middleware_responses_both_sides(tmp_path: Path) -> None:
@@ -102,7 +103,9 @@ def test_wsgi_middleware_responses_both_sides(tmp_path: Path) -> None:
         assert post(base, "/jobs/1", "jobs:0").status_code == 400
         other = post(base, "/jobs/1", "reports:9")
         assert other.status_code == 400 and json.loads(other.content)["lock"] == LOCK
-        assert httpx.get(base + "/jobs/1", timeout=10).status_code == 200  # safe: no token
+        assert (
+            httpx.get(base + "/jobs/1", timeout=10, verify=TLS).status_code == 200
+        )  # safe: no token
         # A refusal the handler itself raises, before its response started, is the same 409.
         assert post(base, "/raise-stale", "jobs:7").status_code == 409
         assert post(base, "/generator-stale", "jobs:7").status_code == 409

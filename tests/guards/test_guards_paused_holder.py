@@ -26,7 +26,7 @@ from fenced.guards.asgi import FencingMiddleware, SQLiteFenceStore
 from fenced.guards.files import FileGuard
 from fenced.guards.sql import SQLGuard
 from tests.guards.processes import LOCK, figure_8_5_violations, paused_holder
-from tests.helpers import serve, unique_name
+from tests.helpers import TLS, serve, unique_name
 
 # -- files --------------------------------------------------------------------------------------
 
@@ -87,7 +87,7 @@ def fenced_service(tmp_path: Path) -> Iterator[str]:
 def test_http_paused_holder(tmp_path: Path, guarded: bool) -> None:
     with fenced_service(tmp_path) as base:
         run = paused_holder(f"sqlite:///{tmp_path}/locks.db", f"http:{base}", "report", guarded)
-        data = httpx.get(f"{base}/data/report").text
+        data = httpx.get(f"{base}/data/report", verify=TLS).text
     bad = figure_8_5_violations(run, data)
     if guarded:
         assert bad == []

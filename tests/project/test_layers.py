@@ -22,6 +22,12 @@ def tree_violations() -> list[check_layers.Violation]:
     return check_layers.check()
 
 
+# (the two tests of the tree on one xdist worker, so that the cache above serves both: on two
+# workers each ran the check, ~3 s of CPU each in CI)
+TREE = pytest.mark.xdist_group("layers-tree")
+
+
+@TREE
 def test_the_tree_has_no_violation_but_its_listed_debts() -> None:
     found = {v.key() for v in tree_violations()}
     allowed = check_layers.allowed()
@@ -120,6 +126,7 @@ def test_a_planted_import_cycle_is_caught(tmp_path: Path, files: dict[str, str])
     assert set(cycle) == {m.replace("/", ".")[:-3] for m in files}, found
 
 
+@TREE
 def test_the_tree_has_no_import_cycle_but_a_listed_one() -> None:
     """Each cycle the check finds in src is listed (as a debt), and none but the one the CLI's
     package split pays: the core's cycles (the lease and the election, the token and the

@@ -4,12 +4,18 @@ xdist's worker reads each test's ``xdist_group`` marks in its own
 ``pytest_collection_modifyitems`` (a plugin registered after the first conftests, a plain
 hook): groups set later (in the conftest's ``trylast`` hook, until session 8) never reached it,
 and the guards' MySQL environments ran outside the ``mariadb`` group. A plugin registered the
-same way reads the marks as xdist does."""
+same way reads the marks as xdist does.
+
+And they reach xdist's scheduler (``_group_ids``): under pytest 9.2 and xdist 3.8 none did
+(xdist writes the group into ``_nodeid``, which pytest 9.2 no longer reads:
+pytest-dev/pytest-xdist#1386), and every group's tests ran spread over all the workers, each
+starting the group's servers (the session-10 profile: test_guard_mysql.py's on all six)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path

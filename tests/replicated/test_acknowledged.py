@@ -30,7 +30,7 @@ from fenced.guards.redis import RedisGuard
 from fenced.guards.sql import SQLGuard
 from fenced.replicated import Group, Item, SQLMember, stamp
 from fenced.testing.servers import MariaDBServer, RedisServer
-from tests.helpers import spawn_python
+from tests.helpers import NO_TLS, spawn_python
 
 pytestmark = pytest.mark.xdist_group("replicated-acknowledged")
 
@@ -120,7 +120,12 @@ class MariaDBReplica:
 
         def connect() -> Any:
             return pymysql.connect(
-                host="127.0.0.1", port=port, user="root", database="fenced", connect_timeout=2
+                host="127.0.0.1",
+                port=port,
+                user="root",
+                database="fenced",
+                connect_timeout=2,
+                **NO_TLS,
             )
 
         return SQLMember(SQLGuard("orders", **kw), connect, "orders", keep_connection=False)

@@ -21,7 +21,7 @@ from fenced.guards.sql import SQLGuard
 from fenced.replicated import Item, Member, stamp
 from fenced.replicated._members import as_member
 from fenced.testing.servers import EtcdServer, MariaDBServer, PostgresServer, RedisServer
-from tests.helpers import unique_name
+from tests.helpers import NO_TLS, unique_name
 
 KINDS = [
     "redis",
@@ -97,7 +97,9 @@ class Made:
             port = self.server.port
             # (PyMySQL's default: autocommit off, the transaction opened by the first statement)
             return SQLGuard(self.resource).fencer(
-                lambda: pymysql.connect(host="127.0.0.1", port=port, user="root", database="fenced")
+                lambda: pymysql.connect(
+                    host="127.0.0.1", port=port, user="root", database="fenced", **NO_TLS
+                )
             )
         if self.kind == "psycopg-async":
             import psycopg
@@ -452,7 +454,7 @@ def test_racing_changes_leave_the_highest_epoch_and_refuse_only_lower_ones(
 
         def connect() -> Any:
             return pymysql.connect(
-                host="127.0.0.1", port=server.port, user="root", database="fenced"
+                host="127.0.0.1", port=server.port, user="root", database="fenced", **NO_TLS
             )
     else:
         import psycopg

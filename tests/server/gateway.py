@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import socket
-import ssl
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -14,11 +13,7 @@ import httpx
 
 from fenced.server import hash_secret
 from fenced.testing.servers import FencedServer
-
-# One TLS context for every call: httpx.get/post/stream build a client per call, and each
-# client its own context from certifi's bundle (~40 ms of CPU; ~1 ms given this one). The
-# calls still open a connection each, as before.
-TLS = ssl.create_default_context()
+from tests.helpers import TLS  # (one TLS context for every call: see there)
 
 
 def post(url: str, body: object = None, key: str | None = None, **kw: Any) -> httpx.Response:

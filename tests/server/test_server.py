@@ -27,7 +27,7 @@ from fenced import cli
 from fenced._core.backend import MAX_RECORD
 from fenced.guards.sql import SQLGuard
 from fenced.testing.servers import FencedServer
-from tests.helpers import ROOT, forged, wait_for
+from tests.helpers import ROOT, TLS, forged, wait_for
 from tests.server.gateway import get, keyed_server, post, until_closed
 
 # -- the API ---------------------------------------------------------------------------------------
@@ -112,7 +112,7 @@ def test_bad_input_gets_a_one_line_400_and_changes_nothing(server: FencedServer)
         r = post(u + path, body)
         assert r.status_code == 400, (path, body, r.text)
         assert set(r.json()) == {"error", "message"} and "\n" not in r.json()["message"]
-    r = httpx.post(u + "/v1/locks/x/acquire", content=b"{not json", timeout=10)
+    r = httpx.post(u + "/v1/locks/x/acquire", content=b"{not json", timeout=10, verify=TLS)
     assert r.status_code == 400
     assert get(f"{u}/v1/locks").json() == {"locks": []}
 
@@ -123,6 +123,7 @@ def test_curl_bodies_without_a_json_content_type_are_read_as_json(shared: Fenced
         content=b'{"ttl": 10, "timeout": 1}',
         headers={"content-type": "application/x-www-form-urlencoded"},  # what curl -d sends
         timeout=10,
+        verify=TLS,
     )
     assert r.status_code == 200 and r.json()["ttl"] == 10
 
@@ -164,7 +165,7 @@ def test_watch_streams_each_change_and_a_blocking_query_returns_on_change(
     first = threading.Event()
 
     def watch() -> None:
-        with httpx.stream("GET", f"{u}/v1/locks/w/-/watch", timeout=30) as r:
+        with httpx.stream("GET", f"{u}/v1/locks/w/-/watch", timeout=30, verify=TLS) as r:
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     events.append(json.loads(line[6:]))
@@ -549,7 +550,7 @@ def test_a_body_over_the_limit_is_refused_and_changes_nothing(source: str) -> No
     with FencedServer(source, args=["--max-request-bytes", "4096"]) as server:
         u = f"{server.url}/v1/locks/jobs"
         big = {"owner": "x" * 10_000}
-        r = httpx.post(f"{u}/acquire", json=big, timeout=30)
+        r = httpx.post(f"{u}/acquire", json=big, timeout=30, verify=TLS)
         assert r.status_code == 413, r.text
         assert r.json() == {"error": "too_large", "message": "request body over 4096 bytes"}
 
@@ -560,7 +561,10 @@ def test_a_body_over_the_limit_is_refused_and_changes_nothing(source: str) -> No
             yield b'"}'
 
         r = httpx.post(
-            f"{u}/acquire", content=chunks(), headers={"content-type": "application/json"}
+            f"{u}/acquire",
+            content=chunks(),
+            headers={"content-type": "application/json"},
+            verify=TLS,
         )
         assert "content-length" not in r.request.headers  # (sent chunked)
         assert r.status_code == 413, r.text
@@ -587,6 +591,7 @@ def test_the_largest_record_fits_under_the_default_limit(shared: FencedServer) -
         content=body,
         headers={"content-type": "application/json"},
         timeout=30,
+        verify=TLS,
     )
     assert r.status_code == 200, r.text
     assert get(f"{shared.url}/v1/records/big").json()["value"] == value
@@ -595,6 +600,7 @@ def test_the_largest_record_fits_under_the_default_limit(shared: FencedServer) -
         content=b" " * (1 << 20) + body.encode(),
         headers={"content-type": "application/json"},
         timeout=30,
+        verify=TLS,
     )
     assert r.status_code == 413, r.text
 

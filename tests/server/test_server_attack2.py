@@ -208,7 +208,7 @@ def test_another_keys_request_id_is_answered_as_unknown_and_counts_as_a_refusal_
         get(f"{keyed.url}/v1/dashboard?prefix={name}", key=SECRETS["eve"]).text,
     ]
     headers = {"authorization": f"Bearer {SECRETS['eve']}"}
-    with httpx.stream("GET", f"{u}/watch", headers=headers, timeout=30) as watch:
+    with httpx.stream("GET", f"{u}/watch", headers=headers, timeout=30, verify=TLS) as watch:
         lines = watch.iter_lines()
         reads.append(next(lines) + next(lines))  # (the event's name, then its data)
     for text in reads:

@@ -20,6 +20,7 @@ import pytest
 from fenced.server import hash_secret
 from fenced.server._app import ServerSettings
 from fenced.testing.servers import FencedServer
+from tests.helpers import TLS
 from tests.server.test_direct_lane import read_answer, request, serving
 
 
@@ -192,7 +193,9 @@ def test_one_clients_waiting_acquires_are_bounded_as_its_watches_are(tmp_path: P
     source = f"sqlite:///{tmp_path / 'locks.db'}"
     with FencedServer(source, args=["--max-waiting-per-client", "4"]) as server:
         url = server.url
-        held = httpx.post(f"{url}/v1/locks/h/-/acquire", json={"ttl": 60, "request_id": "h"})
+        held = httpx.post(
+            f"{url}/v1/locks/h/-/acquire", json={"ttl": 60, "request_id": "h"}, verify=TLS
+        )
         assert held.status_code == 200
         socks = []
         try:
@@ -212,23 +215,23 @@ def test_one_clients_waiting_acquires_are_bounded_as_its_watches_are(tmp_path: P
                 for i, s in enumerate(socks):
                     if i not in answers and (got := _answer(s, 0.05)) is not None:
                         answers[i] = got
-            waiting = httpx.get(f"{url}/v1/locks/h").json()["waiters"]
+            waiting = httpx.get(f"{url}/v1/locks/h", verify=TLS).json()["waiters"]
             assert waiting == 4, f"{waiting} waiting acquires of one client"
             assert not any(_answer(s, 0.01) for i, s in enumerate(socks) if i not in answers)
             for head, body in answers.values():
                 assert head.startswith(b"HTTP/1.1 429 "), head
                 assert b"\r\nretry-after: 1\r\n" in head.lower(), head
                 assert json.loads(body)["error"] == "too_many_waiting"
-            metrics = httpx.get(f"{url}/metrics").text
+            metrics = httpx.get(f"{url}/metrics", verify=TLS).text
             assert 'fenced_refused_requests_total{reason="too_many_waiting"} 16.0' in metrics
             assert "fenced_acquire_timeouts_total 0.0" in metrics  # (refused, not timed out)
             # The same client's acquire that is answered at once is served at its bound.
-            free = httpx.post(f"{url}/v1/locks/free/-/acquire", json={"timeout": 30})
+            free = httpx.post(f"{url}/v1/locks/free/-/acquire", json={"timeout": 30}, verify=TLS)
             assert free.status_code == 200, free.text
             # The other side: those within the bound were waiting, and one is granted.
             token = held.json()["token"]
             gone = httpx.post(
-                f"{url}/v1/locks/h/-/release", json={"token": token, "request_id": "h"}
+                f"{url}/v1/locks/h/-/release", json={"token": token, "request_id": "h"}, verify=TLS
             )
             assert gone.json() == {"released": True}
             waiters = [s for i, s in enumerate(socks) if i not in answers]
@@ -289,5 +292,7 @@ def test_two_keys_with_one_secret_are_refused_without_quoting_it(tmp_path: Path)
     assert "'ops'" in lines[0] and "'ci'" in lines[0]
     assert secret not in done.stderr and hash_secret(secret) not in done.stderr
     with FencedServer(f"sqlite:///{tmp_path}/l.db", args=["--api-keys", str(keys(other))]) as s:
-        info = httpx.get(f"{s.url}/v1/info", headers={"authorization": f"Bearer {other}"})
+        info = httpx.get(
+            f"{s.url}/v1/info", headers={"authorization": f"Bearer {other}"}, verify=TLS
+        )
         assert info.status_code == 200

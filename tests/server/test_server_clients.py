@@ -386,8 +386,8 @@ def test_a_holder_takes_a_lock_writes_through_the_guard_and_releases_once(
     h.say("write")
     assert h.line() == "write skipped: the lease is lost"  # (released: no token handed out)
     assert h.end() == 0
-    assert httpx.get(f"{storage}/files/report", timeout=10).text == "from the holder"
-    assert not httpx.get(f"{server.url}/v1/locks/{lock}", timeout=10).json()["held"]
+    assert httpx.get(f"{storage}/files/report", timeout=10, verify=TLS).text == "from the holder"
+    assert not httpx.get(f"{server.url}/v1/locks/{lock}", timeout=10, verify=TLS).json()["held"]
 
 
 def test_a_holder_renews_and_releases_on_a_server_that_signs(
@@ -413,7 +413,7 @@ def test_a_holder_renews_and_releases_on_a_server_that_signs(
         h.say("release")
         assert h.line() == "released true"
         assert h.end() == 0
-        assert not httpx.get(f"{server.url}/v1/locks/{lock}", timeout=10).json()["held"]
+        assert not httpx.get(f"{server.url}/v1/locks/{lock}", timeout=10, verify=TLS).json()["held"]
 
 
 def test_figure_8_5_a_holder_paused_past_its_ttl_sees_lost_and_its_late_write_is_refused(
@@ -507,7 +507,7 @@ def _figure_8_5(
     lines = one.until("write ")
     if lines[-1].startswith("write skipped"):
         lines += one.until("write ")
-    return lines[-1], lines, httpx.get(target, timeout=10).text
+    return lines[-1], lines, httpx.get(target, timeout=10, verify=TLS).text
 
 
 # -- renewals that cannot be confirmed -----------------------------------------------------------
@@ -531,7 +531,7 @@ def test_a_holder_whose_gateway_is_killed_reports_lost_and_stops_writing(
     h.say("release")
     assert h.line() == "released unknown"
     assert h.end() == 0
-    assert httpx.get(target, timeout=10).status_code == 404  # nothing written
+    assert httpx.get(target, timeout=10, verify=TLS).status_code == 404  # nothing written
 
 
 # uvicorn's keep-alive (5 s; `fenced serve` has no option for it) set to 1 s in this gateway
@@ -634,7 +634,7 @@ class _Front:
                 if unavailable:
                     status, payload = 503, b'{"error":"unavailable","message":"no upstream"}'
                 else:
-                    r = httpx.post(upstream + self.path, content=body, timeout=60)
+                    r = httpx.post(upstream + self.path, content=body, timeout=60, verify=TLS)
                     status, payload = r.status_code, r.content
                 self.send_response(status)
                 self.send_header("content-type", "application/json")
@@ -684,7 +684,7 @@ def test_a_holder_speaks_the_api_as_the_openapi_document_says(
     """Every request a holder makes (acquire, renewals, release) goes through a front that
     checks it against the server's own /openapi.json: documented paths (the /-/ actions),
     bodies the schemas accept (ranges, request id pattern, no unknown fields)."""
-    document = httpx.get(f"{server.url}/openapi.json", timeout=10).json()
+    document = httpx.get(f"{server.url}/openapi.json", timeout=10, verify=TLS).json()
     front = _Front(server.url, document=document)
     try:
         # (ttl 3: a renewal through the front, a new upstream connection each, takes a few
@@ -726,7 +726,7 @@ def test_a_holder_takes_503_renewals_as_lost_once_its_time_is_up(
         assert h.line() == "write skipped: the lease is lost"
     finally:
         front.close()
-    assert httpx.get(target, timeout=10).text == "through the front"
+    assert httpx.get(target, timeout=10, verify=TLS).text == "through the front"
 
 
 def test_a_holder_retries_an_acquire_answered_503_with_the_same_request_id(
@@ -756,7 +756,9 @@ def test_a_holder_paused_while_its_grant_waits_in_the_socket_never_hands_it_out(
     token 2 with ~2 s left while token 3 was the holder.)"""
     lock = f"pause-in-line-{os.getpid()}-{time.monotonic_ns()}"
     url = f"{server.url}/v1/locks/{lock}"
-    first = httpx.post(f"{url}/-/acquire", json={"ttl": 60, "request_id": "first"}, timeout=30)
+    first = httpx.post(
+        f"{url}/-/acquire", json={"ttl": 60, "request_id": "first"}, timeout=30, verify=TLS
+    )
     assert first.status_code == 200, first.text
     h = holder(server.url, lock, storage, "paused in line", 2)
     wait_for(
@@ -768,7 +770,10 @@ def test_a_holder_paused_while_its_grant_waits_in_the_socket_never_hands_it_out(
     try:
         token1 = first.json()["token"]
         gone = httpx.post(
-            f"{url}/-/release", json={"token": token1, "request_id": "first"}, timeout=30
+            f"{url}/-/release",
+            json={"token": token1, "request_id": "first"},
+            timeout=30,
+            verify=TLS,
         )
         assert gone.json()["released"] is True, gone.text
         # The holder's grant (token 2) is made now, and runs out at the source in 2 s.
@@ -782,7 +787,9 @@ def test_a_holder_paused_while_its_grant_waits_in_the_socket_never_hands_it_out(
             30,
             "its expiry",
         )
-        third = httpx.post(f"{url}/-/acquire", json={"ttl": 60, "request_id": "third"}, timeout=30)
+        third = httpx.post(
+            f"{url}/-/acquire", json={"ttl": 60, "request_id": "third"}, timeout=30, verify=TLS
+        )
         assert third.json()["token"] == f"{lock}:3", third.text
     finally:
         os.kill(h.proc.pid, signal.SIGCONT)
@@ -857,5 +864,5 @@ def test_the_holder_examples_keep_the_order_of_a_pipe(
         assert lines[1].startswith("write 200"), lines  # (before the release: not "lost")
         assert lines[2:] == ["released true", "released true"], lines  # (the end of stdin
         # releases again: the same answer)
-        got = httpx.get(f"{storage}/files/report", timeout=10)
+        got = httpx.get(f"{storage}/files/report", timeout=10, verify=TLS)
         assert got.text == f"run-{run}", got.text

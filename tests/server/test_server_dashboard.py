@@ -20,7 +20,7 @@ import pytest
 
 from fenced.testing.servers import FencedServer
 from tests.cdp import Browser
-from tests.helpers import wait_for
+from tests.helpers import TLS, wait_for
 from tests.png import count_near, read_png
 
 HELD_GREEN = (0x1F, 0x7A, 0x44)
@@ -146,7 +146,7 @@ def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FencedServer]:
 
 
 def _post(url: str, body: object = None) -> dict[str, object]:
-    return httpx.post(url, json=body, timeout=30).json()  # type: ignore[no-any-return]
+    return httpx.post(url, json=body, timeout=30, verify=TLS).json()  # type: ignore[no-any-return]
 
 
 def test_the_dashboard_shows_locks_counters_and_transitions(
@@ -159,7 +159,7 @@ def test_the_dashboard_shows_locks_counters_and_transitions(
     _post(f"{u}/v1/locks/reports/acquire", {"ttl": 600, "request_id": "r2"})
     _post(f"{u}/v1/check", {"token": "reports:1"})  # stale: the dashboard counts it
     _post(f"{u}/v1/check", {"token": "reports:2"})
-    httpx.post(f"{u}/v1/check", json={"token": "reports:x"}, timeout=10)  # invalid
+    httpx.post(f"{u}/v1/check", json={"token": "reports:x"}, timeout=10, verify=TLS)  # invalid
 
     dom = _dom(browser, u + "/")
     assert dom.body.get("data-loaded") == "yes"
@@ -225,7 +225,9 @@ def test_the_dom_check_catches_a_page_that_shows_nothing(
 ) -> None:
     """Planted: the page's data request fails (a wrong path), so no lock is rendered."""
     _post(f"{server.url}/v1/locks/invoices/acquire", {"ttl": 600})
-    page = httpx.get(server.url + "/", timeout=10).text.replace('"/v1/dashboard"', '"/v1/nothing"')
+    page = httpx.get(server.url + "/", timeout=10, verify=TLS).text.replace(
+        '"/v1/dashboard"', '"/v1/nothing"'
+    )
     broken = server.dir / "broken.html"
     broken.write_text(page.replace('fetch("/v1/', f'fetch("{server.url}/v1/'))
     dom = _dom(browser, broken.as_uri())
@@ -511,7 +513,7 @@ def test_a_lease_the_source_freed_before_the_pages_countdown_ended_is_drawn_expi
     _post(f"{u}/v1/locks/done/-/release", {"token": done["token"], "request_id": "d"})
 
     def free() -> bool:
-        return not httpx.get(f"{u}/v1/locks/short", timeout=10).json()["held"]
+        return not httpx.get(f"{u}/v1/locks/short", timeout=10, verify=TLS).json()["held"]
 
     wait_for(free, 30, "the source to free the lease")
     left = browser.js("rows.get('short').expires - now()")
@@ -574,7 +576,9 @@ def test_a_holder_that_died_shows_as_expired_with_its_description(
     u = keyed.url
 
     def status(name: str, secret: str) -> dict[str, Any]:
-        r = httpx.get(f"{u}/v1/locks/{name}", headers={"authorization": f"Bearer {secret}"})
+        r = httpx.get(
+            f"{u}/v1/locks/{name}", headers={"authorization": f"Bearer {secret}"}, verify=TLS
+        )
         return r.json()  # type: ignore[no-any-return]
 
     dying, living = _holder(u, "a/job", ALICE), _holder(u, "b/job", BOB)
@@ -634,9 +638,11 @@ def test_lock_names_and_holders_are_text_never_markup(
     and in the transitions: no element is made from it and no script runs."""
     u = server.url
     attack = "<img src=x onerror=\"document.body.dataset.pwned='yes'\"><script>document.body.dataset.pwned='yes'</script>"
-    r = httpx.post(f"{u}/v1/locks/{quote(attack, safe='')}/-/acquire", json={}, timeout=10)
+    r = httpx.post(
+        f"{u}/v1/locks/{quote(attack, safe='')}/-/acquire", json={}, timeout=10, verify=TLS
+    )
     assert r.status_code in (400, 404) and r.json()["error"] in ("invalid_request", "not_found")
-    assert httpx.get(f"{u}/v1/locks", timeout=10).json()["locks"] == []
+    assert httpx.get(f"{u}/v1/locks", timeout=10, verify=TLS).json()["locks"] == []
     owner = attack[:200]
     assert _post(f"{u}/v1/locks/xss/-/acquire", {"ttl": 60, "owner": owner})["token"] == "xss:1"
     browser.go(u + "/?prefix=" + quote("<b>x</b>"))
@@ -655,7 +661,7 @@ def test_lock_names_and_holders_are_text_never_markup(
     # And should markup ever slip into the page, its inline handlers do not run: the page's
     # policy allows only its own script (by hash), loads nothing from elsewhere, and may not
     # be framed by another site.
-    policy = httpx.get(u + "/", timeout=10).headers["content-security-policy"]
+    policy = httpx.get(u + "/", timeout=10, verify=TLS).headers["content-security-policy"]
     assert "script-src 'sha256-" in policy and "'unsafe-inline'" not in policy
     assert "frame-ancestors 'none'" in policy and "default-src 'none'" in policy
     slipped = browser.js(
@@ -726,19 +732,22 @@ def test_without_keys_only_loopback_hosts_are_answered(
     for host in (f"evil.test:{port}", "Evil.Test.", f"127.0.0.1.evil.test:{port}", "a.b.c"):
         h = {"host": host}
         for r in (
-            httpx.get(f"{u}/v1/dashboard", headers=h, timeout=10),
-            httpx.get(f"{u}/", headers=h, timeout=10),
-            httpx.post(f"{u}/v1/locks/jobs/b/-/acquire", json={}, headers=h, timeout=10),
+            httpx.get(f"{u}/v1/dashboard", headers=h, timeout=10, verify=TLS),
+            httpx.get(f"{u}/", headers=h, timeout=10, verify=TLS),
+            httpx.post(
+                f"{u}/v1/locks/jobs/b/-/acquire", json={}, headers=h, timeout=10, verify=TLS
+            ),
             httpx.post(
                 f"{u}/v1/locks/jobs/a/-/release",
                 json={"token": grant["token"], "request_id": "mine"},
                 headers=h,
                 timeout=10,
+                verify=TLS,
             ),
         ):
             assert r.status_code == 403 and r.json()["error"] == "forbidden", (host, r.text)
             assert "mine" not in r.text
-    names = httpx.get(f"{u}/v1/locks", timeout=10).json()["locks"]
+    names = httpx.get(f"{u}/v1/locks", timeout=10, verify=TLS).json()["locks"]
     assert names == ["jobs/a"]  # nothing made, nothing released
     for host in (
         f"127.0.0.1:{port}",
@@ -749,7 +758,7 @@ def test_without_keys_only_loopback_hosts_are_answered(
         "x",  # (a single-label name: this machine's resolver, not the web's)
         "a.localhost",
     ):
-        r = httpx.get(f"{u}/v1/dashboard", headers={"host": host}, timeout=10)
+        r = httpx.get(f"{u}/v1/dashboard", headers={"host": host}, timeout=10, verify=TLS)
         assert r.status_code == 200 and r.json()["total"] == 1, (host, r.text)
     # ... and in a real browser whose resolver says evil.test is 127.0.0.1 (the module's)
     browser.call("Page.navigate", url=f"http://evil.test:{port}/v1/dashboard")
@@ -760,6 +769,10 @@ def test_without_keys_only_loopback_hosts_are_answered(
 def test_with_keys_any_host_is_answered_with_a_key(keyed: FencedServer) -> None:
     """With API keys the key protects (a browser sends none by itself): any Host is served."""
     h = {"host": "gateway.example:7400"}
-    assert httpx.get(f"{keyed.url}/v1/dashboard", headers=h, timeout=10).status_code == 401
+    assert (
+        httpx.get(f"{keyed.url}/v1/dashboard", headers=h, timeout=10, verify=TLS).status_code == 401
+    )
     h["authorization"] = f"Bearer {OPS}"
-    assert httpx.get(f"{keyed.url}/v1/dashboard", headers=h, timeout=10).status_code == 200
+    assert (
+        httpx.get(f"{keyed.url}/v1/dashboard", headers=h, timeout=10, verify=TLS).status_code == 200
+    )

@@ -18,7 +18,7 @@ import pytest
 
 import fenced
 from fenced.testing.servers import FencedServer
-from tests.helpers import wait_for
+from tests.helpers import TLS, wait_for
 from tests.server.gateway import get, post, write_keys
 
 ALICE, BOB, OPS = (
@@ -101,7 +101,7 @@ def test_another_keys_request_id_never_reaches_her_grant_and_changes_nothing(
     assert again["token"] == "shared/job:1"  # her own retry: the same grant
     # the watch and the dashboard data show bob no request id either
     with httpx.stream(
-        "GET", f"{lock}/-/watch", headers={"authorization": f"Bearer {BOB}"}, timeout=30
+        "GET", f"{lock}/-/watch", headers={"authorization": f"Bearer {BOB}"}, timeout=30, verify=TLS
     ) as stream:
         first = next(line for line in stream.iter_lines() if line.startswith("data:"))
     assert "job-1" not in first and '"held":true' in first
@@ -161,7 +161,7 @@ def test_a_lock_named_like_an_action_has_its_status_and_actions(shared: FencedSe
     assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
     assert post(f"{u}/v1/locks/foo").status_code == 405
     assert post(f"{u}/v1/locks/foo").headers["allow"] == "GET"
-    with httpx.stream("GET", f"{u}/v1/locks/jobs/-/watch", timeout=30) as stream:
+    with httpx.stream("GET", f"{u}/v1/locks/jobs/-/watch", timeout=30, verify=TLS) as stream:
         assert stream.headers["content-type"].startswith("text/event-stream")
         first = next(line for line in stream.iter_lines() if line.startswith("data:"))
     assert '"name":"jobs"' in first

@@ -17,6 +17,7 @@ from fastapi.routing import APIRoute
 import fenced
 from fenced.server import ServerSettings, create_app
 from fenced.testing.servers import FencedServer
+from tests.helpers import TLS
 
 
 @pytest.fixture(autouse=True)
@@ -157,11 +158,13 @@ def test_the_collector_does_not_walk_the_servers_modules_as_they_are_imported(
 
     with FencedServer(f"sqlite:///{tmp_path / 'l.db'}", prelude=_GC_WATCH) as server:
         lock = f"{server.url}/v1/locks/gc/-"
-        grant = httpx.post(f"{lock}/acquire", json={"ttl": 30, "request_id": "r"}, timeout=30)
+        grant = httpx.post(
+            f"{lock}/acquire", json={"ttl": 30, "request_id": "r"}, timeout=30, verify=TLS
+        )
         assert grant.status_code == 200 and grant.json()["token"] == "gc:1", grant.text
         lease = {"token": "gc:1", "request_id": "r"}
-        assert httpx.post(f"{lock}/renew", json=lease, timeout=30).status_code == 200
-        released = httpx.post(f"{lock}/release", json=lease, timeout=30)
+        assert httpx.post(f"{lock}/renew", json=lease, timeout=30, verify=TLS).status_code == 200
+        released = httpx.post(f"{lock}/release", json=lease, timeout=30, verify=TLS)
         assert released.json() == {"released": True}
         server.stop()
         log = server.log_path.read_text()

@@ -19,7 +19,7 @@ from fenced._core.errors import ConfigurationError
 from fenced._core.state import check_request_id
 from fenced.server._gateway import claim_record
 from fenced.testing.servers import FencedServer
-from tests.helpers import forged, wait_for
+from tests.helpers import TLS, forged, wait_for
 from tests.server.test_server_attack5 import _post
 
 A, B, OPS = "secret-aaaaaaaaaaaaaaaa", "secret-bbbbbbbbbbbbbbbb", "secret-oooooooooooooooo"
@@ -62,7 +62,7 @@ class _Client:
         return int(answer[:3]), json.loads(answer[4:])
 
     def get(self, path: str) -> tuple[int, dict[str, object]]:
-        r = httpx.get(self.server.url + path, headers=self.headers, timeout=30)
+        r = httpx.get(self.server.url + path, headers=self.headers, timeout=30, verify=TLS)
         return r.status_code, r.json()
 
 
@@ -142,7 +142,7 @@ def test_without_signing_a_keyless_status_still_shows_the_request_id(tmp_path: P
 
 def _renewed(server: FencedServer, secret: str | None) -> float:
     headers = {"authorization": f"Bearer {secret}"} if secret else {}
-    text = httpx.get(f"{server.url}/metrics", headers=headers, timeout=30).text
+    text = httpx.get(f"{server.url}/metrics", headers=headers, timeout=30, verify=TLS).text
     for line in text.splitlines():
         if line.startswith('fenced_renewals_total{result="ok"}'):
             return float(line.split()[1])
@@ -204,7 +204,7 @@ def test_fenced_s_own_names_are_no_client_s_locks_or_records(
         assert c.get(claims)[1] == record  # (unchanged, still readable)
         assert not [n for n in c.get("/v1/locks")[1]["locks"] if n.startswith("_fenced-")]
 
-        paths = httpx.get(f"{server.url}/openapi.json", timeout=30).json()["paths"]
+        paths = httpx.get(f"{server.url}/openapi.json", timeout=30, verify=TLS).json()["paths"]
         for path, refused in (
             ("/v1/locks/{name}/-/acquire", True),
             ("/v1/records/{name}/-/swap", True),
@@ -254,7 +254,9 @@ def test_a_record_named_after_a_lock_is_that_lock_s_keys(tmp_path: Path, kind: s
 
 
 def _checks(server: FencedServer, result: str) -> float:
-    text = httpx.get(f"{server.url}/metrics", headers={"authorization": f"Bearer {OPS}"}).text
+    text = httpx.get(
+        f"{server.url}/metrics", headers={"authorization": f"Bearer {OPS}"}, verify=TLS
+    ).text
     for line in text.splitlines():
         if line.startswith(f'fenced_checks_total{{result="{result}"}}'):
             return float(line.split()[1])
@@ -307,10 +309,13 @@ def test_a_local_client_cannot_claim_another_address_unless_its_proxy_is_named(
     with FencedServer(f"sqlite:///{tmp_path / 'x.db'}", args=args) as server:
         url = server.url
         held = httpx.post(
-            f"{url}/v1/locks/x/-/acquire", json={"ttl": 30}, headers={"X-Forwarded-For": "10.9.8.7"}
+            f"{url}/v1/locks/x/-/acquire",
+            json={"ttl": 30},
+            headers={"X-Forwarded-For": "10.9.8.7"},
+            verify=TLS,
         )
         assert held.status_code == 200
-        owner = httpx.get(f"{url}/v1/locks/x").json()["owner"]
+        owner = httpx.get(f"{url}/v1/locks/x", verify=TLS).json()["owner"]
         assert owner == ("http client 10.9.8.7" if trusted else "http client 127.0.0.1")
         with httpx.Client(timeout=10) as one, httpx.Client(timeout=10) as two:
             import concurrent.futures
@@ -322,7 +327,7 @@ def test_a_local_client_cannot_claim_another_address_unless_its_proxy_is_named(
                     json={"ttl": 5, "timeout": 3},
                     headers={"X-Forwarded-For": "10.0.0.1"},
                 )
-                wait_for(lambda: httpx.get(f"{url}/v1/locks/x").json()["waiters"] == 1)
+                wait_for(lambda: httpx.get(f"{url}/v1/locks/x", verify=TLS).json()["waiters"] == 1)
                 second = two.post(
                     f"{url}/v1/locks/x/-/acquire",
                     json={"ttl": 5, "timeout": 1},

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import ssl
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, ClassVar, Final
@@ -25,6 +24,7 @@ from urllib.parse import SplitResult, quote
 
 import httpx
 
+from .._clients.tls import tls_context
 from .._core import clock as _clock
 from .._core.backend import (
     Backend,
@@ -113,7 +113,7 @@ class HttpBackend(Backend):
         client = httpx.AsyncClient(
             headers=headers,
             timeout=httpx.Timeout(timeout),
-            verify=_tls_context(opts.get("ca_file")),
+            verify=tls_context(scheme, opts.get("ca_file")),
             limits=httpx.Limits(
                 max_connections=_MAX_CONNECTIONS, max_keepalive_connections=_MAX_CONNECTIONS
             ),
@@ -329,14 +329,6 @@ class HttpBackend(Backend):
 
 
 _KNOWN: Final = {c.value for c in Characteristic}
-
-
-def _tls_context(ca_file: str | None) -> ssl.SSLContext:
-    """The system's trusted CAs, or only ``ca_file`` (a private CA); a bad file is one line."""
-    try:
-        return ssl.create_default_context(cafile=ca_file)
-    except (OSError, ssl.SSLError) as exc:
-        raise ConfigurationError(f"cannot use ca_file {ca_file!r}: {exc}") from None
 
 
 def _path(name: str) -> str:
