@@ -24,6 +24,10 @@ The nemesis, on a schedule drawn from ``seed`` (the same seed, the same schedule
   was granted — a high value under a forged signature, under a key id the resource does not
   know, or signed well for another source — as a client that edits its token would, or a
   staging source sharing the key; it must be refused;
+- ``impostor``: write to the resource with a token it must refuse whatever the mark: one of
+  another lock (far above any real value; signed well for that lock with ``signing``), one
+  malformed (an HTTP resource: a header a lenient parser reads as a high value of the lock),
+  and none at all — as a client of another lock, a buggy client or a script would;
 - ``race`` (a resource reached over TCP): two takeovers timed to land inside the resource.
   First the holder stops itself before its write; every other worker's way to the resource
   is held (its own proxy); once a successor is granted, the old holder goes on, and as soon
@@ -76,7 +80,7 @@ from ._engine import Campaign, CampaignError, Fault, short_of_counts
 from ._history import Event, History
 from ._plants import PLANTS, SIGNING_PLANTS, plant_role, source_plant_server
 from ._report import write_report
-from ._resources import open_resource
+from ._resources import HttpResource, open_resource
 from ._zygote import Worker
 
 __all__ = [
@@ -94,7 +98,7 @@ __all__ = [
 ]
 
 NEMESES = (
-    "pause", "stall", "kill", "partition", "delay", "restart", "clock", "forge",
+    "pause", "stall", "kill", "partition", "delay", "restart", "clock", "forge", "impostor",
     "race", "resource-restart", "resource-pause", "resource-partition", "resource-delay",
 )  # fmt: skip
 ENGINES = ("redis", "etcd", "postgresql", "zookeeper")
@@ -122,6 +126,8 @@ PLANT_NEEDS: dict[str, tuple[str, ...]] = {
     "signature-skipped": ("forge",),
     "key-id-ignored": ("forge",),
     "source-ignored": ("forge",),
+    "lock-ignored": ("impostor",),
+    "tokenless-ok": ("impostor",),
     "check-then-write": ("stall",),
     "off-by-one": ("stall",),  # (a chained stall: the late write one grant behind)
     "write-then-check": ("stall",),
@@ -138,6 +144,8 @@ PLANT_NEMESES: dict[str, tuple[str, ...]] = {
     "signature-skipped": ("forge", "stall"),
     "key-id-ignored": ("forge", "stall"),
     "source-ignored": ("forge", "stall"),
+    "lock-ignored": ("impostor", "stall"),
+    "tokenless-ok": ("impostor", "stall"),
 }  # (any other plant: stalls, the late writer inside its successor's round)
 _FAKETIME_ENGINES = frozenset({"postgresql"})
 FAKETIME_LIBS = (
@@ -262,6 +270,57 @@ def _forge(
     history.append("write", lock=lock, token=forged, value=value, ok=ok, sent=sent, forged=True)
 
 
+IMPOSTORS = ("another lock's token", "a malformed token", "no token")
+"""What the ``impostor`` nemesis writes with, in turn (a resource not reached over HTTP gets
+no malformed token: its adapter takes a parsed one)."""
+
+
+def _impostor(resource: Any, lock: str, history: History, n: int, key: Any = None) -> None:
+    """One write the resource must refuse whatever its mark (see ``impostor``): the register
+    with one more entry, under the ``n``-th of :data:`IMPOSTORS` — the value far above any real
+    one, so a resource that lets it in moves its mark past every rightful holder."""
+    from ..._core.errors import FencedError
+    from ..._core.signing import token_message
+    from ..._core.token import FencingToken
+
+    data, _ = resource.final()
+    try:
+        entries = json.loads(data) if data else []
+    except ValueError:
+        entries = []
+    value = entries[-1][1] + 1 if entries else 1
+    forged = 1_000_000_000 + n
+    http = isinstance(resource, HttpResource)
+    kinds = IMPOSTORS if http else (IMPOSTORS[0], IMPOSTORS[2])
+    kind = kinds[n % len(kinds)]
+    entries.append([forged, value])
+    body = json.dumps(entries, separators=(",", ":")).encode()
+    other = f"{lock}-elsewhere"  # (a lock whose name starts as this one's: a prefix test fails)
+    token: FencingToken | None = None
+    if kind == IMPOSTORS[0]:
+        token = FencingToken(other, forged)
+        if key is not None:  # signed well, for that lock: only the lock's name tells it apart
+            signature = key.sign(token_message(other, forged, key.kid, _SOURCE_ID))
+            token = FencingToken(other, forged, (key.kid, signature, _SOURCE_ID))
+    # (a lenient parser reads a value out of these; a strict one refuses them)
+    sent = {IMPOSTORS[1]: f"{lock}:+{forged}", IMPOSTORS[2]: None}.get(kind, str(token))
+    at = _clock.now()
+    try:
+        if http:
+            ok = resource.write_header(sent, body)
+        else:
+            resource.write(token, body)
+            ok = True
+    except FencedError:
+        ok = False  # (refused, as it must be)
+    except Exception:
+        ok = None
+    history.append(
+        "write", lock=other if token is not None else lock, token=forged, value=value, ok=ok,
+        sent=at, forged=True, impostor=kind, header=sent,
+    )  # fmt: skip
+
+
 # The run's source id (workers sign for it, the resource trusts it), and another one.
 _SOURCE_ID = "check"
 _OTHER_SOURCE = "elsewhere"
@@ -369,11 +428,14 @@ def _faketime_env(offset_file: Path) -> dict[str, str]:
     }
 
 
-def default_nemeses(resource: str, resource_cmd: object) -> list[str]:
-    """The faults of a campaign given none: pauses, stalls and kills of the workers; with a
-    resource reached over TCP, takeover races timed inside it; with the resource's own
-    process (``resource_cmd``), its kill -9 restarts and pauses too."""
-    out = ["pause", "stall", "kill"]
+def default_nemeses(resource: str, resource_cmd: object, signing: bool = False) -> list[str]:
+    """The faults of a campaign given none: pauses, stalls and kills of the workers, and
+    writes by impostors (another lock's token, a malformed one, none); with ``signing``,
+    forged tokens; with a resource reached over TCP, takeover races timed inside it; with the
+    resource's own process (``resource_cmd``), its kill -9 restarts and pauses too."""
+    out = ["pause", "stall", "kill", "impostor"]
+    if signing:  # (a resource that never verifies a signature passes every other fault)
+        out.append("forge")
     if resource and _tcp(resource):
         out.append("race")
     if resource_cmd:
@@ -584,7 +646,9 @@ class LocksWorkload:
         plant_role(plant)  # (an unknown plant: a typed error first)
         if nemesis is None:
             nemesis = PLANT_NEMESES.get(plant, ("stall",)) if plant else None
-        nemesis = list(default_nemeses(resource, resource_cmd) if nemesis is None else nemesis)
+        nemesis = list(
+            default_nemeses(resource, resource_cmd, signing) if nemesis is None else nemesis
+        )
         self.needs = PLANT_NEEDS.get(plant, ())
         if self.needs and not set(self.needs) & set(nemesis):
             nemesis.append(self.needs[0])  # the plant turns on what shows it
@@ -633,7 +697,7 @@ class LocksWorkload:
         self.server_clock: Path | None = None  # the kit-started source's libfaketime offset
         self.forger: Any = None
         self.forger_history: History | None = None
-        self.forged = 0
+        self.forged = self.impostors = 0
         self.key: Any = None
         self.key_file: Path | None = None
         self.proxies: dict[int, list[TcpProxy]] = {}  # worker pid -> its ways to source, resource
@@ -727,7 +791,7 @@ class LocksWorkload:
             self.key_file.write_text(key_text(self.key))
             self.key_file.chmod(0o600)
             keyring = Keyring([self.key], source_id=_SOURCE_ID)
-        if "forge" in nemesis:
+        if {"forge", "impostor"} & set(nemesis):
             self.forger = open_resource(resource, self.lock, keyring)
         self.env = python_env()
         self.env["PYTHONPATH"] = os.pathsep.join(
@@ -828,7 +892,7 @@ class LocksWorkload:
         victim = procs[i]
         who = (
             "source" if on_server
-            else "forger" if kind == "forge"
+            else "forger" if kind in ("forge", "impostor")
             else "resource" if kind.startswith("resource-")
             else names[victim.pid]
         )  # fmt: skip
@@ -894,12 +958,16 @@ class LocksWorkload:
             else:
                 (Path(self.scratch) / f"clock-{who}").write_text(f"{step:.3f}\n")
                 os.kill(victim.pid, signal.SIGWINCH)
-        elif kind == "forge":
+        elif kind in ("forge", "impostor"):
             assert self.forger is not None
             if self.forger_history is None:
                 self.forger_history = History(path, "forger")  # (a lane of its own)
-            self.forged += 1
-            _forge(self.forger, self.lock, self.forger_history, rng, self.forged, self.key)
+            if kind == "forge":
+                self.forged += 1
+                _forge(self.forger, self.lock, self.forger_history, rng, self.forged, self.key)
+            else:  # (its own count: each of IMPOSTORS in turn)
+                self.impostors += 1
+                _impostor(self.forger, self.lock, self.forger_history, self.impostors, self.key)
         else:
             os.killpg(victim.pid, signal.SIGKILL)
             victim.wait()
@@ -1069,7 +1137,7 @@ def run_campaign(
     return campaign.run()
 
 
-PREFIX_CHECKERS = ("token reuse", "lost update", "overlap", "forged token")
+PREFIX_CHECKERS = ("token reuse", "lost update", "overlap", "forged token", "impostor accepted")
 """The checkers whose violations in a history's prefix stay violations in the whole history
 (nothing appended later takes them back), so a run may end at the first
 (``run_campaign(stop_at_first=True)``). The others need the final state."""
