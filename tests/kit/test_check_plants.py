@@ -168,3 +168,23 @@ def test_a_campaign_with_no_source_uses_its_own_not_the_machines(
     assert not machine.exists()
     grants = [e["token"] for e in read_history(result.history) if e["op"] == "grant"]
     assert min(grants) == 1
+
+
+def test_signing_turns_on_forged_tokens_by_default(tmp_path: Path) -> None:
+    """``signing`` with no nemesis asked for: the default faults include ``forge``, so a
+    resource that never verifies a signature (here the planted register's
+    ``signature-skipped``, given as the user's resource) is caught, not passed."""
+    db = tmp_path / "register.db"
+    result = run_campaign(
+        f"sqlite:///{tmp_path}/locks.db",
+        tmp_path / "r",
+        resource=f"planted+sqlite://{db}?plant=signature-skipped",
+        seconds=90,
+        faults=1,
+        ttl=0.5,
+        seed=1,
+        signing=True,
+        stop_at_first=True,
+    )
+    assert result.faults.get("forge", 0) >= 1, result.faults
+    assert "forged token" in {v.checker for v in result.violations}, result.violations
