@@ -71,6 +71,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from ..._core import clock as _clock
+from ..._core.backend import redacted
 from ..._core.errors import ConfigurationError
 from ..proxy import TcpProxy
 from ..servers import python_env
@@ -168,10 +169,18 @@ class CampaignResult:
     seconds: float
     first_violation_after: float | None  # seconds from the start to the first bad event
     refused_reads: int = 0
+    seed: int = 0
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)  # the run's, as recorded
 
     @property
     def ok(self) -> bool:
         return not self.violations
+
+    @property
+    def inconclusive(self) -> bool:
+        """Nothing failed, and nothing was shown to hold either: a fault asked for was never
+        dealt (``fenced check`` exits 75, not 0)."""
+        return bool(self.violations) and all(v.checker == INCONCLUSIVE for v in self.violations)
 
     @property
     def ops_per_second(self) -> float:
@@ -320,6 +329,9 @@ def _impostor(resource: Any, lock: str, history: History, n: int, key: Any = Non
         sent=at, forged=True, impostor=kind, header=sent,
     )  # fmt: skip
 
+
+INCONCLUSIVE = "inconclusive"
+"""The verdict's name for a run that dealt some fault asked for no time (not a pass)."""
 
 # The run's source id (workers sign for it, the resource trusts it), and another one.
 _SOURCE_ID = "check"
@@ -642,6 +654,7 @@ class LocksWorkload:
         plant: str = "",
         signing: bool = False,
         resource_cmd: str | Sequence[str] = "",
+        options: dict[str, Any] | None = None,
     ) -> None:
         plant_role(plant)  # (an unknown plant: a typed error first)
         if nemesis is None:
@@ -691,6 +704,9 @@ class LocksWorkload:
         self.source, self.resource, self.resource_cmd = source, resource, resource_cmd
         self.out, self.lock, self.workers, self.ttl = out, lock, workers, ttl
         self.seed, self.plant = seed, plant
+        # Every option of the run, recorded first in the history (and shown in the report):
+        # with the seed, what a failure is reproduced from.
+        self.options = {**(options or {}), "seed": seed, "nemesis": list(self.nemeses)}
         self.path = out / "history.jsonl"
         self.scratch = ""
         self.server: Any = None
@@ -715,6 +731,8 @@ class LocksWorkload:
     # -- setup ---------------------------------------------------------------------------------
 
     def setup(self, history: Path) -> None:
+        with History(history, "nemesis") as h:
+            h.append("run", options=self.options)
         self.scratch = scratch = tempfile.mkdtemp(prefix="fenced-check-")
         nemesis, source, plant = self.nemeses, self.source, self.plant
         if self.role == "source":
@@ -874,12 +892,12 @@ class LocksWorkload:
 
     def aim(self, kind: str, rng: random.Random) -> Fault:
         ttl, procs, names = self.ttl, self.procs, self.names
+        # The victim from the seed alone, never from who holds the lock now (that depends on
+        # timing: the same seed then struck other workers, and a verdict did not reproduce).
+        # A stall or a takeover waits for its victim's own next write; a pause or a kill of a
+        # waiting worker lands when the source may grant it the lock meanwhile.
         i = rng.randrange(len(procs))
-        # Half the time the fault goes to whoever holds the lock now (Jepsen's nemeses
-        # target the leader too): a fault on a waiting worker tests little. (The draws
-        # are made either way, so a seed's sequence of faults stays the same.)
-        if rng.random() < 0.5:
-            i = self._holding(i)
+        rng.random()  # (the draw that once chose the holder: kept, so the seeds' schedules stay)
         # Past the lease, by a varying margin: a late writer then lands anywhere in its
         # successor's round (between its read and its write too).
         lasts = rng.uniform(1.2, 3.0) * ttl if kind in _LASTING else 0.0
@@ -887,8 +905,6 @@ class LocksWorkload:
             kind == "clock" and self.server_clock is not None and rng.random() < 0.5
         )
         after = rng.uniform(0.002, 0.03)  # race: the successor's request, that much later
-        if kind in ("race", "resource-restart"):  # the holder is the one to race
-            i = self._holding(i)
         victim = procs[i]
         who = (
             "source" if on_server
@@ -1071,8 +1087,19 @@ class LocksWorkload:
                     f"seed {self.seed}) did not open its window; give it more --time or another --seed",
                 )
             )
+        undealt = [n for n in self.nemeses if not faults.get(n)]
+        if undealt and not violations:
+            # A run that dealt a kind of fault no time proves nothing about it: never a pass
+            # (a short --time, a long --ttl, a slow resource).
+            violations.append(
+                Violation(
+                    INCONCLUSIVE,
+                    f"no {', no '.join(undealt)} fault was dealt in {seconds:.1f} s: nothing "
+                    "failed, and nothing was shown to hold under it; give it more --time",
+                )
+            )
         violations = short_of_counts(violations, short)
-        report = write_report(events, violations, self.out / "report.html")
+        report = write_report(events, violations, self.out / "report.html", self.options)
         return CampaignResult(
             violations=violations,
             report=report,
@@ -1085,6 +1112,8 @@ class LocksWorkload:
             seconds=seconds,
             first_violation_after=_first_violation_after(events, violations),
             refused_reads=sum(1 for e in events if e["op"] == "read" and e["ok"] is False),
+            seed=self.seed,
+            options=self.options,
         )
 
 
@@ -1126,15 +1155,32 @@ def run_campaign(
     as soon as both are reached; ``seconds`` is then the run's bound, and a run whose bound
     ends first fails ("counts not reached") unless it already found a violation."""
     out = Path(out)
+    options = {
+        "source": _shown(source), "resource": _shown(resource), "resource_cmd": _shown_cmd(
+            resource_cmd), "lock": lock, "workers": workers, "seconds": seconds, "ttl": ttl,
+        "plant": plant, "signing": signing, "stop_at_first": stop_at_first, "faults": faults,
+        "writes": writes,
+    }  # fmt: skip
     workload = LocksWorkload(
         source, out, resource=resource, lock=lock, workers=workers, ttl=ttl, nemesis=nemesis,
-        seed=seed, plant=plant, signing=signing, resource_cmd=resource_cmd,
+        seed=seed, plant=plant, signing=signing, resource_cmd=resource_cmd, options=options,
     )  # fmt: skip
     campaign: Campaign[CampaignResult] = Campaign(
         workload, out, seconds=seconds, seed=seed, progress=progress,
         stop_at_first=stop_at_first, faults=faults, operations=writes,
     )  # fmt: skip
     return campaign.run()
+
+
+def _shown(url: str | None) -> str | None:
+    """A URL as the history and the report record it: its password never."""
+    return url if not url else redacted(url)
+
+
+def _shown_cmd(cmd: str | Sequence[str]) -> str:
+    """``--resource-cmd`` as recorded: any URL in it without its password."""
+    argv = shlex.split(cmd) if isinstance(cmd, str) else list(cmd)
+    return shlex.join(redacted(a) if "://" in a else a for a in argv)
 
 
 PREFIX_CHECKERS = ("token reuse", "lost update", "overlap", "forged token", "impostor accepted")

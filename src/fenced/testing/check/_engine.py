@@ -182,7 +182,10 @@ class Campaign(Generic[R]):
         w, faults = self.workload, self.faults
         deck: list[str] = []
         while time.monotonic() - start < self.seconds:
-            time.sleep(w.pace(rng))  # (the schedule's own clock, not a synchronisation)
+            # (the schedule's own clock, not a synchronisation; never past the time left: a
+            # long ttl's pace must not stretch a short run it deals nothing in)
+            left = self.seconds - (time.monotonic() - start)
+            time.sleep(max(0.0, min(w.pace(rng), left)))
             if time.monotonic() - start >= self.seconds:
                 break  # (no fault dealt once the time is up)
             if self._counted and not self._shortfall(self._count()):
