@@ -1,6 +1,6 @@
 """A small inventory service that fences its writers with the ``Fencing-Token`` header, written
 with the standard library only (``http.server`` and ``sqlite3``), as a user of fenced would
-write it — and with four realistic bugs you can switch on, one at a time, to watch
+write it — and with six realistic bugs you can switch on, one at a time, to watch
 ``fenced check`` find them in a process it knows nothing about:
 
     python examples/inventory_service.py --port 8000 --db /tmp/inventory.db [--bug NAME]
@@ -25,7 +25,10 @@ row of the same database, so it survives a kill -9 with the data it guards.
 - ``check-then-write``: the write checks and raises the mark in one transaction and writes in a
   second one ``--gap`` seconds later (0.08): a newer holder's read between the two sees the
   record before a write that then lands anyway;
-- ``unfenced-reads``: reads check no token and leave the mark alone.
+- ``unfenced-reads``: reads check no token and leave the mark alone;
+- ``lock-ignored``: the token's lock name is not compared, only its value: a holder of another
+  lock (or a client that made one up) moves the mark, and the rightful holder is refused;
+- ``tokenless-ok``: a write without a ``Fencing-Token`` is written unchecked.
 """
 
 from __future__ import annotations
@@ -38,7 +41,10 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-BUGS = ("string-tokens", "mark-in-memory", "check-then-write", "unfenced-reads")
+BUGS = (
+    "string-tokens", "mark-in-memory", "check-then-write", "unfenced-reads", "lock-ignored",
+    "tokenless-ok",
+)  # fmt: skip
 VALUE = re.compile(r"[1-9][0-9]{0,18}")  # a token's value, after "<lock>:" (a signature not used)
 
 
@@ -94,11 +100,12 @@ class Inventory:
             conn.execute("COMMIT")
         return None if row is None else bytes(row[0])
 
-    def write(self, name: str, value: int, data: bytes) -> None:
+    def write(self, name: str, value: int | None, data: bytes) -> None:
         with contextlib.closing(self.connect()) as conn:
             conn.execute("BEGIN IMMEDIATE")
             try:
-                self._fence(conn, name, value)
+                if value is not None:  # (None: tokenless-ok's unchecked write)
+                    self._fence(conn, name, value)
                 if self.bug == "check-then-write":
                     conn.execute("COMMIT")
                     time.sleep(self.gap)  # (whatever the handler does between its two steps)
@@ -146,6 +153,8 @@ def make_server(host: str, port: int, inventory: Inventory) -> ThreadingHTTPServ
             # or larger token of this one (its value would move this lock's mark). A lock name
             # may hold ":" and ".", the value neither: what follows "<lock>:" up to a "." is it.
             prefix = f"{inventory.lock}:"
+            if inventory.bug == "lock-ignored":  # the bug: any lock's name before the value
+                prefix = sent.split(".", 1)[0].rpartition(":")[0] + ":"
             if not sent.startswith(prefix):
                 self._send(400, b"Fencing-Token of another lock\n")
                 return False, None
@@ -185,7 +194,7 @@ def make_server(host: str, port: int, inventory: Inventory) -> ThreadingHTTPServ
             ok, value = self._token() if name else (False, None)
             if name is None or not ok:
                 return
-            if value is None:
+            if value is None and inventory.bug != "tokenless-ok":
                 return self._send(428, b"a Fencing-Token header is required\n")
             try:
                 inventory.write(name, value, body)

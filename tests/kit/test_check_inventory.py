@@ -277,3 +277,18 @@ def test_the_service_refuses_another_locks_token_a_malformed_one_and_none(
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.mark.parametrize("bug", ["lock-ignored", "tokenless-ok"])
+def test_a_service_that_takes_an_impostors_write_is_caught(bug: str, tmp_path: Path) -> None:
+    """The impostor nemesis, in the default campaign: writes with another lock's token, a
+    malformed one and none, over HTTP; a service that takes one fails with its own verdict."""
+    port = free_port()
+    cmd = [sys.executable, str(SERVICE), "--port", str(port), "--db", str(tmp_path / "inv.db")]
+    result = run_campaign(
+        None, tmp_path / "r", resource=f"http://127.0.0.1:{port}/items/widgets",
+        resource_cmd=[*cmd, "--bug", bug], seconds=60, faults=3, ttl=0.5, seed=1,
+        nemesis=["impostor"], stop_at_first=True,
+    )  # fmt: skip
+    found = {v.checker for v in result.violations}
+    assert "impostor accepted" in found, (found, result.faults)

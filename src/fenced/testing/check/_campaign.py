@@ -301,7 +301,7 @@ def _impostor(resource: Any, lock: str, history: History, n: int, key: Any = Non
     forged = 1_000_000_000 + n
     http = isinstance(resource, HttpResource)
     kinds = IMPOSTORS if http else (IMPOSTORS[0], IMPOSTORS[2])
-    kind = kinds[n % len(kinds)]
+    kind = kinds[(n - 1) % len(kinds)]  # (the first: another lock's, the likeliest in use)
     entries.append([forged, value])
     body = json.dumps(entries, separators=(",", ":")).encode()
     other = f"{lock}-elsewhere"  # (a lock whose name starts as this one's: a prefix test fails)
