@@ -73,3 +73,16 @@ def test_the_cli_says_inconclusive_with_its_own_exit_status_and_prints_the_seed(
     assert r.returncode == 75, r.stdout + r.stderr
     assert "INCONCLUSIVE" in r.stdout and "seed 5" in r.stdout, r.stdout
     assert "every invariant held" not in r.stdout, r.stdout
+
+
+def test_every_workloads_verdict_calls_an_undealt_fault_inconclusive() -> None:
+    """The one rule both workloads' ``judge`` apply (the locks' and the replicated group's):
+    a kind never dealt makes a clean run inconclusive; a real violation stays the verdict."""
+    from fenced.testing.check._checkers import Violation
+    from fenced.testing.check._engine import INCONCLUSIVE, undealt
+
+    said = undealt([], ["pause", "kill"], {"pause": 2, "kill": 0}, 3.0)
+    assert [v.checker for v in said] == [INCONCLUSIVE] and "no kill fault" in said[0].message
+    assert undealt([], ["pause"], {"pause": 1}, 3.0) == []
+    real = [Violation("lost update", "value 3 written twice")]
+    assert undealt(real, ["kill"], {"kill": 0}, 3.0) == real

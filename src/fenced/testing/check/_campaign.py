@@ -77,7 +77,7 @@ from ..proxy import TcpProxy
 from ..servers import python_env
 from . import _zygote
 from ._checkers import CHECKERS, Violation, check_all
-from ._engine import Campaign, CampaignError, Fault, short_of_counts
+from ._engine import INCONCLUSIVE, Campaign, CampaignError, Fault, short_of_counts, undealt
 from ._history import Event, History
 from ._plants import PLANTS, SIGNING_PLANTS, plant_role, source_plant_server
 from ._report import write_report
@@ -329,9 +329,6 @@ def _impostor(resource: Any, lock: str, history: History, n: int, key: Any = Non
         sent=at, forged=True, impostor=kind, header=sent,
     )  # fmt: skip
 
-
-INCONCLUSIVE = "inconclusive"
-"""The verdict's name for a run that dealt some fault asked for no time (not a pass)."""
 
 # The run's source id (workers sign for it, the resource trusts it), and another one.
 _SOURCE_ID = "check"
@@ -1087,18 +1084,8 @@ class LocksWorkload:
                     f"seed {self.seed}) did not open its window; give it more --time or another --seed",
                 )
             )
-        undealt = [n for n in self.nemeses if not faults.get(n)]
-        if undealt and not violations:
-            # A run that dealt a kind of fault no time proves nothing about it: never a pass
-            # (a short --time, a long --ttl, a slow resource).
-            violations.append(
-                Violation(
-                    INCONCLUSIVE,
-                    f"no {', no '.join(undealt)} fault was dealt in {seconds:.1f} s: nothing "
-                    "failed, and nothing was shown to hold under it; give it more --time",
-                )
-            )
-        violations = short_of_counts(violations, short)
+        # (a run short of its counts says so; one that dealt some kind no time: inconclusive)
+        violations = undealt(short_of_counts(violations, short), self.nemeses, faults, seconds)
         report = write_report(events, violations, self.out / "report.html", self.options)
         return CampaignResult(
             violations=violations,
