@@ -1,6 +1,6 @@
 """A small inventory service that fences its writers with the ``Fencing-Token`` header, written
 with the standard library only (``http.server`` and ``sqlite3``), as a user of fenced would
-write it — and with four realistic bugs you can switch on, one at a time, to watch
+write it — and with six realistic bugs you can switch on, one at a time, to watch
 ``fenced check`` find them in a process it knows nothing about:
 
     python examples/inventory_service.py --port 8000 --db /tmp/inventory.db [--bug NAME]
@@ -9,8 +9,10 @@ write it — and with four realistic bugs you can switch on, one at a time, to w
 
 ``GET /items/NAME`` reads an item's record (200, or 404 when there is none), ``PUT`` replaces
 it, ``DELETE`` removes it and its high-water mark (a campaign starts from a clean slate). A
-request carries ``Fencing-Token: <lock>:<value>``; a token below the item's mark is refused
-with 409 and nothing is read or written. Right (no ``--bug``): the check, the mark's advance
+request carries ``Fencing-Token: <lock>:<value>`` of the service's lock (``--lock``, default
+``counter``, the lock ``fenced check`` takes by default); a token below the item's mark is
+refused with 409, a token of another lock or a malformed one with 400, a write with none with
+428, and nothing is read or written. Right (no ``--bug``): the check, the mark's advance
 and the read or the write are one SQLite transaction (``BEGIN IMMEDIATE``), and the mark is a
 row of the same database, so it survives a kill -9 with the data it guards.
 
@@ -23,7 +25,10 @@ row of the same database, so it survives a kill -9 with the data it guards.
 - ``check-then-write``: the write checks and raises the mark in one transaction and writes in a
   second one ``--gap`` seconds later (0.08): a newer holder's read between the two sees the
   record before a write that then lands anyway;
-- ``unfenced-reads``: reads check no token and leave the mark alone.
+- ``unfenced-reads``: reads check no token and leave the mark alone;
+- ``lock-ignored``: the token's lock name is not compared, only its value: a holder of another
+  lock (or a client that made one up) moves the mark, and the rightful holder is refused;
+- ``tokenless-ok``: a write without a ``Fencing-Token`` is written unchecked.
 """
 
 from __future__ import annotations
@@ -36,8 +41,11 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-BUGS = ("string-tokens", "mark-in-memory", "check-then-write", "unfenced-reads")
-TOKEN = re.compile(r"([^:\s]+):([1-9][0-9]{0,18})")  # lock:value (a signature is not used)
+BUGS = (
+    "string-tokens", "mark-in-memory", "check-then-write", "unfenced-reads", "lock-ignored",
+    "tokenless-ok",
+)  # fmt: skip
+VALUE = re.compile(r"[1-9][0-9]{0,18}")  # a token's value, after "<lock>:" (a signature not used)
 
 
 class Stale(Exception):
@@ -45,8 +53,8 @@ class Stale(Exception):
 
 
 class Inventory:
-    def __init__(self, db: str, bug: str = "", gap: float = 0.08) -> None:
-        self.db, self.bug, self.gap = db, bug, gap
+    def __init__(self, db: str, bug: str = "", gap: float = 0.08, lock: str = "counter") -> None:
+        self.db, self.bug, self.gap, self.lock = db, bug, gap, lock
         self.memory: dict[str, int] = {}  # mark-in-memory: the marks, lost on restart
         self.memory_lock = threading.Lock()
         with contextlib.closing(self.connect()) as conn:
@@ -92,11 +100,12 @@ class Inventory:
             conn.execute("COMMIT")
         return None if row is None else bytes(row[0])
 
-    def write(self, name: str, value: int, data: bytes) -> None:
+    def write(self, name: str, value: int | None, data: bytes) -> None:
         with contextlib.closing(self.connect()) as conn:
             conn.execute("BEGIN IMMEDIATE")
             try:
-                self._fence(conn, name, value)
+                if value is not None:  # (None: tokenless-ok's unchecked write)
+                    self._fence(conn, name, value)
                 if self.bug == "check-then-write":
                     conn.execute("COMMIT")
                     time.sleep(self.gap)  # (whatever the handler does between its two steps)
@@ -140,11 +149,20 @@ def make_server(host: str, port: int, inventory: Inventory) -> ThreadingHTTPServ
             sent = self.headers.get("Fencing-Token")
             if sent is None:
                 return True, None
-            m = TOKEN.fullmatch(sent.split(".", 1)[0])
-            if m is None:
+            # The lock's name first, compared whole: a token of another lock is not a smaller
+            # or larger token of this one (its value would move this lock's mark). A lock name
+            # may hold ":" and ".", the value neither: what follows "<lock>:" up to a "." is it.
+            prefix = f"{inventory.lock}:"
+            if inventory.bug == "lock-ignored":  # the bug: any lock's name before the value
+                prefix = sent.split(".", 1)[0].rpartition(":")[0] + ":"
+            if not sent.startswith(prefix):
+                self._send(400, b"Fencing-Token of another lock\n")
+                return False, None
+            value = sent[len(prefix) :].split(".", 1)[0]
+            if VALUE.fullmatch(value) is None:
                 self._send(400, b"malformed Fencing-Token\n")
                 return False, None
-            return True, int(m.group(2))
+            return True, int(value)
 
         def _send(self, status: int, body: bytes, headers: dict[str, str] | None = None) -> None:
             self.send_response(status)
@@ -176,7 +194,7 @@ def make_server(host: str, port: int, inventory: Inventory) -> ThreadingHTTPServ
             ok, value = self._token() if name else (False, None)
             if name is None or not ok:
                 return
-            if value is None:
+            if value is None and inventory.bug != "tokenless-ok":
                 return self._send(428, b"a Fencing-Token header is required\n")
             try:
                 inventory.write(name, value, body)
@@ -200,8 +218,10 @@ def main() -> None:
     parser.add_argument("--db", required=True, help="SQLite file for the items and their marks")
     parser.add_argument("--bug", choices=BUGS, default="", help="switch one bug on")
     parser.add_argument("--gap", type=float, default=0.08, help="check-then-write's gap (s)")
+    parser.add_argument("--lock", default="counter", help="the lock whose tokens it takes")
     args = parser.parse_args()
-    server = make_server(args.host, args.port, Inventory(args.db, args.bug, args.gap))
+    inventory = Inventory(args.db, args.bug, args.gap, args.lock)
+    server = make_server(args.host, args.port, inventory)
     server.daemon_threads = True
     server.serve_forever()
 

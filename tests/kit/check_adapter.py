@@ -17,7 +17,11 @@ class Adapter:
         self.db = sqlite3.connect(os.environ["CHECK_ADAPTER_DB"], timeout=30, isolation_level=None)
         self.db.execute("CREATE TABLE IF NOT EXISTS reg (id INTEGER PRIMARY KEY, data, mark)")
 
-    def _fence(self, token: fenced.FencingToken) -> None:
+    def _fence(self, token: fenced.FencingToken | None) -> None:
+        # The lock's name first: another lock's token (or none) is no token of this register's
+        # lock, whatever its value (the kit's impostor nemesis sends both).
+        if token is None or token.lock != self.lock:
+            raise fenced.InvalidTokenError(f"not a token of lock {self.lock!r}: {token}")
         row = self.db.execute("SELECT mark FROM reg WHERE id = 1").fetchone()
         mark = row[0] if row else 0
         if token.value < mark:
@@ -39,7 +43,7 @@ class Adapter:
             self.db.execute("COMMIT")
         return data
 
-    def write(self, token: fenced.FencingToken, data: bytes) -> None:
+    def write(self, token: fenced.FencingToken | None, data: bytes) -> None:
         self.db.execute("BEGIN IMMEDIATE")
         try:
             self._fence(token)
@@ -60,7 +64,7 @@ class CheckThenWrite(Adapter):
     (``fenced.testing.check.SplitWrite``): the token checked in one transaction, the data
     written in the next. The kit stalls its workers between the two."""
 
-    def _check(self, token: fenced.FencingToken) -> None:
+    def _check(self, token: fenced.FencingToken | None) -> None:
         self.db.execute("BEGIN IMMEDIATE")
         try:
             self._fence(token)
@@ -70,9 +74,11 @@ class CheckThenWrite(Adapter):
     def _store(self, data: bytes) -> None:
         self.db.execute("UPDATE reg SET data = ? WHERE id = 1", (data,))
 
-    def write_steps(self, token: fenced.FencingToken, data: bytes) -> list[Callable[[], None]]:
+    def write_steps(
+        self, token: fenced.FencingToken | None, data: bytes
+    ) -> list[Callable[[], None]]:
         return [lambda: self._check(token), lambda: self._store(data)]
 
-    def write(self, token: fenced.FencingToken, data: bytes) -> None:
+    def write(self, token: fenced.FencingToken | None, data: bytes) -> None:
         for step in self.write_steps(token, data):
             step()

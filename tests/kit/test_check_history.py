@@ -140,6 +140,13 @@ def _plant(history: list[dict[str, Any]], fault: str) -> list[dict[str, Any]]:
     elif fault == "forged token":  # a signature check skipped: a made-up token got in
         write = next(e for e in h if e["op"] == "write" and e["ok"])
         h.append({**write, "token": 10**9, "value": log[-1][1] + 1})
+    elif fault == "impostor accepted":  # the token's lock name not compared: another's got in
+        write = next(e for e in h if e["op"] == "write" and e["ok"])
+        h.append(
+            {**write, "worker": "forger", "lock": "counter-elsewhere", "token": 10**9,
+             "value": log[-1][1] + 1, "forged": True, "impostor": "another lock's token",
+             "header": "counter-elsewhere:1000000000"}
+        )  # fmt: skip
     elif fault == "current holder refused":  # tokens compared as strings: "10" < "9"
         last = max((e for e in h if e["op"] == "write" and e["ok"]), key=lambda e: e["token"])
         last["ok"] = False

@@ -236,3 +236,59 @@ def test_sigterm_stops_the_campaign_and_the_resource_it_started(tmp_path: Path) 
         return False
 
     assert refused(), "the resource the campaign started outlived it"
+
+
+def test_the_service_refuses_another_locks_token_a_malformed_one_and_none(
+    tmp_path: Path,
+) -> None:
+    """The example compares a token's lock name, not only its value: a holder of another lock
+    (its value far above this lock's) must not move the mark and lock the rightful holder out."""
+    import httpx
+
+    port = free_port()
+    cmd = [sys.executable, str(SERVICE), "--port", str(port), "--db", str(tmp_path / "inv.db")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+
+        def listening() -> bool:
+            try:
+                socket.create_connection(("127.0.0.1", port), 0.5).close()
+            except OSError:
+                return False
+            return True
+
+        wait_until(listening, 30, "the inventory service")
+        url = f"http://127.0.0.1:{port}/items/w"
+        with httpx.Client(timeout=30) as c:
+
+            def put(header: str | None, body: bytes) -> int:
+                headers = {} if header is None else {"Fencing-Token": header}
+                return c.put(url, content=body, headers=headers).status_code
+
+            assert put("counter:3", b"three") == 204
+            assert put("some-other-lock:999999", b"FOREIGN") == 400
+            assert put("counter-elsewhere:999999", b"FOREIGN") == 400  # (a prefix is no match)
+            assert put("counter:+999999", b"MALFORMED") == 400
+            assert put(None, b"NONE") == 428
+            assert put("counter:4", b"four") == 204  # the rightful holder: still served
+            assert put("counter:3", b"stale") == 409
+            got = c.get(url)
+            assert got.content == b"four" and got.headers["fenced-high-water"] == "4"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize("bug", ["lock-ignored", "tokenless-ok"])
+def test_a_service_that_takes_an_impostors_write_is_caught(bug: str, tmp_path: Path) -> None:
+    """The impostor nemesis, in the default campaign: writes with another lock's token, a
+    malformed one and none, over HTTP; a service that takes one fails with its own verdict."""
+    port = free_port()
+    cmd = [sys.executable, str(SERVICE), "--port", str(port), "--db", str(tmp_path / "inv.db")]
+    result = run_campaign(
+        None, tmp_path / "r", resource=f"http://127.0.0.1:{port}/items/widgets",
+        resource_cmd=[*cmd, "--bug", bug], seconds=60, faults=3, ttl=0.5, seed=1,
+        nemesis=["impostor"], stop_at_first=True,
+    )  # fmt: skip
+    found = {v.checker for v in result.violations}
+    assert "impostor accepted" in found, (found, result.faults)

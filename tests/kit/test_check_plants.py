@@ -22,6 +22,8 @@ NEMESIS = {
     "signature-skipped": ["forge", "stall"],
     "key-id-ignored": ["forge", "stall"],
     "source-ignored": ["forge", "stall"],
+    "lock-ignored": ["impostor", "stall"],
+    "tokenless-ok": ["impostor", "stall"],
 }
 EXPECTED = {
     "no-fence": {"lost update", "acceptance order", "acknowledged write"},
@@ -34,6 +36,8 @@ EXPECTED = {
     "signature-skipped": {"forged token"},
     "key-id-ignored": {"forged token"},
     "source-ignored": {"forged token"},
+    "lock-ignored": {"impostor accepted"},
+    "tokenless-ok": {"impostor accepted"},
     "lease-overestimated": {"overlap"},
     "unfenced-release": {"overlap"},
     "token-in-memory": {"token reuse"},
@@ -106,7 +110,7 @@ def test_the_planted_resource_without_a_plant_holds_every_invariant(tmp_path: Pa
         faults=1,
         writes=20,
         ttl=0.5,
-        nemesis=["stall", "pause", "kill", "forge"],
+        nemesis=["stall", "pause", "kill", "forge", "impostor"],
         seed=1,
         signing=True,
     )
@@ -114,6 +118,7 @@ def test_the_planted_resource_without_a_plant_holds_every_invariant(tmp_path: Pa
     assert result.refused >= 1  # the late writers were there, and turned away
     forged = [e for e in read_history(result.history) if e.get("forged")]
     assert forged and not any(e["ok"] for e in forged)  # forged tokens: refused too
+    assert any(e.get("impostor") for e in forged)  # (and another lock's, and none)
 
 
 def test_a_plant_turns_on_the_fault_that_shows_it(tmp_path: Path) -> None:
@@ -163,3 +168,23 @@ def test_a_campaign_with_no_source_uses_its_own_not_the_machines(
     assert not machine.exists()
     grants = [e["token"] for e in read_history(result.history) if e["op"] == "grant"]
     assert min(grants) == 1
+
+
+def test_signing_turns_on_forged_tokens_by_default(tmp_path: Path) -> None:
+    """``signing`` with no nemesis asked for: the default faults include ``forge``, so a
+    resource that never verifies a signature (here the planted register's
+    ``signature-skipped``, given as the user's resource) is caught, not passed."""
+    db = tmp_path / "register.db"
+    result = run_campaign(
+        f"sqlite:///{tmp_path}/locks.db",
+        tmp_path / "r",
+        resource=f"planted+sqlite://{db}?plant=signature-skipped",
+        seconds=90,
+        faults=1,
+        ttl=0.5,
+        seed=1,
+        signing=True,
+        stop_at_first=True,
+    )
+    assert result.faults.get("forge", 0) >= 1, result.faults
+    assert "forged token" in {v.checker for v in result.violations}, result.violations

@@ -27,6 +27,7 @@ EXIT_REFUSED = 65  # EX_DATAERR: fenced group: a change refused for the group's 
 EXIT_UNAVAILABLE = 69
 EXIT_SOFTWARE = 70
 EXIT_LEASE_LOST = 75
+EXIT_INCONCLUSIVE = 75  # EX_TEMPFAIL: fenced check dealt a fault asked for no time: try longer
 EXIT_VIOLATION = 65  # EX_DATAERR: fenced check / sim found a violation in what it ran
 EXIT_STALE = 77  # EX_NOPERM: a guarded write refused, the writer's token is stale
 EXIT_NOT_CURRENT = 78  # check-token: released or expired, and no later grant known
@@ -46,7 +47,8 @@ exit status (fenced's own outcomes never use 1, which commands use for their own
   69     the token source (fenced group: a member) could not be reached (EX_UNAVAILABLE)
   70     another fenced error (EX_SOFTWARE)
   75     the lease was lost while the command ran; the command was terminated (EX_TEMPFAIL);
-         fenced elect: leadership no longer sure, or a poison pill: the command was stopped
+         fenced elect: leadership no longer sure, or a poison pill: the command was stopped;
+         fenced check: inconclusive, a fault asked for was never dealt (give it more --time)
   77     fenced write: refused, the token is older than the newest version; check-token: stale
   78     check-token: the token is not current, and no later grant is known
   79     fenced elect: the fence command never succeeded; the command was not started

@@ -24,6 +24,10 @@ The nemesis, on a schedule drawn from ``seed`` (the same seed, the same schedule
   was granted — a high value under a forged signature, under a key id the resource does not
   know, or signed well for another source — as a client that edits its token would, or a
   staging source sharing the key; it must be refused;
+- ``impostor``: write to the resource with a token it must refuse whatever the mark: one of
+  another lock (far above any real value; signed well for that lock with ``signing``), one
+  malformed (an HTTP resource: a header a lenient parser reads as a high value of the lock),
+  and none at all — as a client of another lock, a buggy client or a script would;
 - ``race`` (a resource reached over TCP): two takeovers timed to land inside the resource.
   First the holder stops itself before its write; every other worker's way to the resource
   is held (its own proxy); once a successor is granted, the old holder goes on, and as soon
@@ -67,16 +71,17 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from ..._core import clock as _clock
+from ..._core.backend import redacted
 from ..._core.errors import ConfigurationError
 from ..proxy import TcpProxy
 from ..servers import python_env
 from . import _zygote
 from ._checkers import CHECKERS, Violation, check_all
-from ._engine import Campaign, CampaignError, Fault, short_of_counts
+from ._engine import INCONCLUSIVE, Campaign, CampaignError, Fault, short_of_counts, undealt
 from ._history import Event, History
 from ._plants import PLANTS, SIGNING_PLANTS, plant_role, source_plant_server
 from ._report import write_report
-from ._resources import open_resource
+from ._resources import HttpResource, open_resource
 from ._zygote import Worker
 
 __all__ = [
@@ -94,7 +99,7 @@ __all__ = [
 ]
 
 NEMESES = (
-    "pause", "stall", "kill", "partition", "delay", "restart", "clock", "forge",
+    "pause", "stall", "kill", "partition", "delay", "restart", "clock", "forge", "impostor",
     "race", "resource-restart", "resource-pause", "resource-partition", "resource-delay",
 )  # fmt: skip
 ENGINES = ("redis", "etcd", "postgresql", "zookeeper")
@@ -122,6 +127,8 @@ PLANT_NEEDS: dict[str, tuple[str, ...]] = {
     "signature-skipped": ("forge",),
     "key-id-ignored": ("forge",),
     "source-ignored": ("forge",),
+    "lock-ignored": ("impostor",),
+    "tokenless-ok": ("impostor",),
     "check-then-write": ("stall",),
     "off-by-one": ("stall",),  # (a chained stall: the late write one grant behind)
     "write-then-check": ("stall",),
@@ -138,6 +145,8 @@ PLANT_NEMESES: dict[str, tuple[str, ...]] = {
     "signature-skipped": ("forge", "stall"),
     "key-id-ignored": ("forge", "stall"),
     "source-ignored": ("forge", "stall"),
+    "lock-ignored": ("impostor", "stall"),
+    "tokenless-ok": ("impostor", "stall"),
 }  # (any other plant: stalls, the late writer inside its successor's round)
 _FAKETIME_ENGINES = frozenset({"postgresql"})
 FAKETIME_LIBS = (
@@ -160,10 +169,18 @@ class CampaignResult:
     seconds: float
     first_violation_after: float | None  # seconds from the start to the first bad event
     refused_reads: int = 0
+    seed: int = 0
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)  # the run's, as recorded
 
     @property
     def ok(self) -> bool:
         return not self.violations
+
+    @property
+    def inconclusive(self) -> bool:
+        """Nothing failed, and nothing was shown to hold either: a fault asked for was never
+        dealt (``fenced check`` exits 75, not 0)."""
+        return bool(self.violations) and all(v.checker == INCONCLUSIVE for v in self.violations)
 
     @property
     def ops_per_second(self) -> float:
@@ -260,6 +277,57 @@ def _forge(
     except Exception:
         ok = None
     history.append("write", lock=lock, token=forged, value=value, ok=ok, sent=sent, forged=True)
+
+
+IMPOSTORS = ("another lock's token", "a malformed token", "no token")
+"""What the ``impostor`` nemesis writes with, in turn (a resource not reached over HTTP gets
+no malformed token: its adapter takes a parsed one)."""
+
+
+def _impostor(resource: Any, lock: str, history: History, n: int, key: Any = None) -> None:
+    """One write the resource must refuse whatever its mark (see ``impostor``): the register
+    with one more entry, under the ``n``-th of :data:`IMPOSTORS` — the value far above any real
+    one, so a resource that lets it in moves its mark past every rightful holder."""
+    from ..._core.errors import FencedError
+    from ..._core.signing import token_message
+    from ..._core.token import FencingToken
+
+    data, _ = resource.final()
+    try:
+        entries = json.loads(data) if data else []
+    except ValueError:
+        entries = []
+    value = entries[-1][1] + 1 if entries else 1
+    forged = 1_000_000_000 + n
+    http = isinstance(resource, HttpResource)
+    kinds = IMPOSTORS if http else (IMPOSTORS[0], IMPOSTORS[2])
+    kind = kinds[(n - 1) % len(kinds)]  # (the first: another lock's, the likeliest in use)
+    entries.append([forged, value])
+    body = json.dumps(entries, separators=(",", ":")).encode()
+    other = f"{lock}-elsewhere"  # (a lock whose name starts as this one's: a prefix test fails)
+    token: FencingToken | None = None
+    if kind == IMPOSTORS[0]:
+        token = FencingToken(other, forged)
+        if key is not None:  # signed well, for that lock: only the lock's name tells it apart
+            signature = key.sign(token_message(other, forged, key.kid, _SOURCE_ID))
+            token = FencingToken(other, forged, (key.kid, signature, _SOURCE_ID))
+    # (a lenient parser reads a value out of these; a strict one refuses them)
+    sent = {IMPOSTORS[1]: f"{lock}:+{forged}", IMPOSTORS[2]: None}.get(kind, str(token))
+    at = _clock.now()
+    try:
+        if http:
+            ok = resource.write_header(sent, body)
+        else:
+            resource.write(token, body)
+            ok = True
+    except FencedError:
+        ok = False  # (refused, as it must be)
+    except Exception:
+        ok = None
+    history.append(
+        "write", lock=other if token is not None else lock, token=forged, value=value, ok=ok,
+        sent=at, forged=True, impostor=kind, header=sent,
+    )  # fmt: skip
 
 
 # The run's source id (workers sign for it, the resource trusts it), and another one.
@@ -369,11 +437,14 @@ def _faketime_env(offset_file: Path) -> dict[str, str]:
     }
 
 
-def default_nemeses(resource: str, resource_cmd: object) -> list[str]:
-    """The faults of a campaign given none: pauses, stalls and kills of the workers; with a
-    resource reached over TCP, takeover races timed inside it; with the resource's own
-    process (``resource_cmd``), its kill -9 restarts and pauses too."""
-    out = ["pause", "stall", "kill"]
+def default_nemeses(resource: str, resource_cmd: object, signing: bool = False) -> list[str]:
+    """The faults of a campaign given none: pauses, stalls and kills of the workers, and
+    writes by impostors (another lock's token, a malformed one, none); with ``signing``,
+    forged tokens; with a resource reached over TCP, takeover races timed inside it; with the
+    resource's own process (``resource_cmd``), its kill -9 restarts and pauses too."""
+    out = ["pause", "stall", "kill", "impostor"]
+    if signing:  # (a resource that never verifies a signature passes every other fault)
+        out.append("forge")
     if resource and _tcp(resource):
         out.append("race")
     if resource_cmd:
@@ -580,11 +651,14 @@ class LocksWorkload:
         plant: str = "",
         signing: bool = False,
         resource_cmd: str | Sequence[str] = "",
+        options: dict[str, Any] | None = None,
     ) -> None:
         plant_role(plant)  # (an unknown plant: a typed error first)
         if nemesis is None:
             nemesis = PLANT_NEMESES.get(plant, ("stall",)) if plant else None
-        nemesis = list(default_nemeses(resource, resource_cmd) if nemesis is None else nemesis)
+        nemesis = list(
+            default_nemeses(resource, resource_cmd, signing) if nemesis is None else nemesis
+        )
         self.needs = PLANT_NEEDS.get(plant, ())
         if self.needs and not set(self.needs) & set(nemesis):
             nemesis.append(self.needs[0])  # the plant turns on what shows it
@@ -627,13 +701,16 @@ class LocksWorkload:
         self.source, self.resource, self.resource_cmd = source, resource, resource_cmd
         self.out, self.lock, self.workers, self.ttl = out, lock, workers, ttl
         self.seed, self.plant = seed, plant
+        # Every option of the run, recorded first in the history (and shown in the report):
+        # with the seed, what a failure is reproduced from.
+        self.options = {**(options or {}), "seed": seed, "nemesis": list(self.nemeses)}
         self.path = out / "history.jsonl"
         self.scratch = ""
         self.server: Any = None
         self.server_clock: Path | None = None  # the kit-started source's libfaketime offset
         self.forger: Any = None
         self.forger_history: History | None = None
-        self.forged = 0
+        self.forged = self.impostors = 0
         self.key: Any = None
         self.key_file: Path | None = None
         self.proxies: dict[int, list[TcpProxy]] = {}  # worker pid -> its ways to source, resource
@@ -651,6 +728,8 @@ class LocksWorkload:
     # -- setup ---------------------------------------------------------------------------------
 
     def setup(self, history: Path) -> None:
+        with History(history, "nemesis") as h:
+            h.append("run", options=self.options)
         self.scratch = scratch = tempfile.mkdtemp(prefix="fenced-check-")
         nemesis, source, plant = self.nemeses, self.source, self.plant
         if self.role == "source":
@@ -727,7 +806,7 @@ class LocksWorkload:
             self.key_file.write_text(key_text(self.key))
             self.key_file.chmod(0o600)
             keyring = Keyring([self.key], source_id=_SOURCE_ID)
-        if "forge" in nemesis:
+        if {"forge", "impostor"} & set(nemesis):
             self.forger = open_resource(resource, self.lock, keyring)
         self.env = python_env()
         self.env["PYTHONPATH"] = os.pathsep.join(
@@ -810,12 +889,12 @@ class LocksWorkload:
 
     def aim(self, kind: str, rng: random.Random) -> Fault:
         ttl, procs, names = self.ttl, self.procs, self.names
+        # The victim from the seed alone, never from who holds the lock now (that depends on
+        # timing: the same seed then struck other workers, and a verdict did not reproduce).
+        # A stall or a takeover waits for its victim's own next write; a pause or a kill of a
+        # waiting worker lands when the source may grant it the lock meanwhile.
         i = rng.randrange(len(procs))
-        # Half the time the fault goes to whoever holds the lock now (Jepsen's nemeses
-        # target the leader too): a fault on a waiting worker tests little. (The draws
-        # are made either way, so a seed's sequence of faults stays the same.)
-        if rng.random() < 0.5:
-            i = self._holding(i)
+        rng.random()  # (the draw that once chose the holder: kept, so the seeds' schedules stay)
         # Past the lease, by a varying margin: a late writer then lands anywhere in its
         # successor's round (between its read and its write too).
         lasts = rng.uniform(1.2, 3.0) * ttl if kind in _LASTING else 0.0
@@ -823,12 +902,10 @@ class LocksWorkload:
             kind == "clock" and self.server_clock is not None and rng.random() < 0.5
         )
         after = rng.uniform(0.002, 0.03)  # race: the successor's request, that much later
-        if kind in ("race", "resource-restart"):  # the holder is the one to race
-            i = self._holding(i)
         victim = procs[i]
         who = (
             "source" if on_server
-            else "forger" if kind == "forge"
+            else "forger" if kind in ("forge", "impostor")
             else "resource" if kind.startswith("resource-")
             else names[victim.pid]
         )  # fmt: skip
@@ -894,12 +971,16 @@ class LocksWorkload:
             else:
                 (Path(self.scratch) / f"clock-{who}").write_text(f"{step:.3f}\n")
                 os.kill(victim.pid, signal.SIGWINCH)
-        elif kind == "forge":
+        elif kind in ("forge", "impostor"):
             assert self.forger is not None
             if self.forger_history is None:
                 self.forger_history = History(path, "forger")  # (a lane of its own)
-            self.forged += 1
-            _forge(self.forger, self.lock, self.forger_history, rng, self.forged, self.key)
+            if kind == "forge":
+                self.forged += 1
+                _forge(self.forger, self.lock, self.forger_history, rng, self.forged, self.key)
+            else:  # (its own count: each of IMPOSTORS in turn)
+                self.impostors += 1
+                _impostor(self.forger, self.lock, self.forger_history, self.impostors, self.key)
         else:
             os.killpg(victim.pid, signal.SIGKILL)
             victim.wait()
@@ -1003,8 +1084,9 @@ class LocksWorkload:
                     f"seed {self.seed}) did not open its window; give it more --time or another --seed",
                 )
             )
-        violations = short_of_counts(violations, short)
-        report = write_report(events, violations, self.out / "report.html")
+        # (a run short of its counts says so; one that dealt some kind no time: inconclusive)
+        violations = undealt(short_of_counts(violations, short), self.nemeses, faults, seconds)
+        report = write_report(events, violations, self.out / "report.html", self.options)
         return CampaignResult(
             violations=violations,
             report=report,
@@ -1017,6 +1099,8 @@ class LocksWorkload:
             seconds=seconds,
             first_violation_after=_first_violation_after(events, violations),
             refused_reads=sum(1 for e in events if e["op"] == "read" and e["ok"] is False),
+            seed=self.seed,
+            options=self.options,
         )
 
 
@@ -1058,9 +1142,15 @@ def run_campaign(
     as soon as both are reached; ``seconds`` is then the run's bound, and a run whose bound
     ends first fails ("counts not reached") unless it already found a violation."""
     out = Path(out)
+    options = {
+        "source": _shown(source), "resource": _shown(resource), "resource_cmd": _shown_cmd(
+            resource_cmd), "lock": lock, "workers": workers, "seconds": seconds, "ttl": ttl,
+        "plant": plant, "signing": signing, "stop_at_first": stop_at_first, "faults": faults,
+        "writes": writes,
+    }  # fmt: skip
     workload = LocksWorkload(
         source, out, resource=resource, lock=lock, workers=workers, ttl=ttl, nemesis=nemesis,
-        seed=seed, plant=plant, signing=signing, resource_cmd=resource_cmd,
+        seed=seed, plant=plant, signing=signing, resource_cmd=resource_cmd, options=options,
     )  # fmt: skip
     campaign: Campaign[CampaignResult] = Campaign(
         workload, out, seconds=seconds, seed=seed, progress=progress,
@@ -1069,7 +1159,18 @@ def run_campaign(
     return campaign.run()
 
 
-PREFIX_CHECKERS = ("token reuse", "lost update", "overlap", "forged token")
+def _shown(url: str | None) -> str | None:
+    """A URL as the history and the report record it: its password never."""
+    return url if not url else redacted(url)
+
+
+def _shown_cmd(cmd: str | Sequence[str]) -> str:
+    """``--resource-cmd`` as recorded: any URL in it without its password."""
+    argv = shlex.split(cmd) if isinstance(cmd, str) else list(cmd)
+    return shlex.join(redacted(a) if "://" in a else a for a in argv)
+
+
+PREFIX_CHECKERS = ("token reuse", "lost update", "overlap", "forged token", "impostor accepted")
 """The checkers whose violations in a history's prefix stay violations in the whole history
 (nothing appended later takes them back), so a run may end at the first
 (``run_campaign(stop_at_first=True)``). The others need the final state."""

@@ -20,6 +20,7 @@ __all__ = [
     "check_all",
     "current_holder_is_served",
     "grants_do_not_overlap_in_grant_order",
+    "impostors_refused",
     "mark_is_the_highest_accepted",
     "no_lost_update",
     "no_token_granted_twice",
@@ -259,12 +260,28 @@ def only_granted_tokens_accepted(history: list[Event]) -> list[Violation]:
     granted = {(e["lock"], e["token"]) for e in history if e["op"] == "grant"}
     out = []
     for e in _accepted(history):
-        if (e["lock"], e["token"]) not in granted:
+        if (e["lock"], e["token"]) not in granted and not e.get("impostor"):  # (its own)
             out.append(
                 Violation("forged token", f"{e['worker']}'s write with token {e['token']} was "
                           "accepted, and no grant had that token", (e,))
             )  # fmt: skip
     return out
+
+
+def impostors_refused(history: list[Event]) -> list[Violation]:
+    """Every write sent with another lock's token, a malformed token or none was refused:
+    whatever the mark, only a token of the resource's own lock may write (a resource that
+    ignores the lock name lets a holder of any lock move its mark past the rightful holder)."""
+    return [
+        Violation(
+            "impostor accepted",
+            f"a write with {e['impostor']} ({'no header' if e.get('header') is None else repr(e['header'])}) "
+            "was accepted: the resource must refuse it whatever its mark",
+            (e,),
+        )
+        for e in _accepted(history)
+        if e.get("impostor")
+    ]
 
 
 def _refused(history: list[Event]) -> list[Event]:
@@ -338,6 +355,7 @@ CHECKERS: dict[str, Checker] = {
     "acknowledged writes": acknowledged_writes_survive,
     "overlap": grants_do_not_overlap_in_grant_order,
     "forged token": only_granted_tokens_accepted,
+    "impostor accepted": impostors_refused,
     "current holder refused": current_holder_is_served,
     "nothing checked": something_was_checked,
 }

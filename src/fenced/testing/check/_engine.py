@@ -21,7 +21,7 @@ from ..._core.errors import ConfigurationError
 from ._checkers import Checker, Violation
 from ._history import Event, History, read_history
 
-__all__ = ["Campaign", "CampaignError", "Fault", "Workload"]
+__all__ = ["INCONCLUSIVE", "Campaign", "CampaignError", "Fault", "Workload", "undealt"]
 
 R = TypeVar("R")
 R_co = TypeVar("R_co", covariant=True)
@@ -111,6 +111,29 @@ def short_of_counts(violations: list[Violation], short: str) -> list[Violation]:
     return violations
 
 
+INCONCLUSIVE = "inconclusive"
+"""The verdict's name for a run that dealt some fault asked for no time (not a pass)."""
+
+
+def undealt(
+    violations: list[Violation], nemeses: Sequence[str], faults: Mapping[str, int], seconds: float
+) -> list[Violation]:
+    """``violations``, and when they are none and some of ``nemeses`` was never dealt, the
+    violation "inconclusive": a run that dealt a kind of fault no time proves nothing about
+    it, and never passes (a short time, a long ttl, a slow resource). One rule for every
+    workload's verdict, as :func:`short_of_counts`."""
+    missing = [n for n in nemeses if not faults.get(n)]
+    if violations or not missing:
+        return violations
+    return [
+        Violation(
+            INCONCLUSIVE,
+            f"no {', no '.join(missing)} fault was dealt in {seconds:.1f} s: nothing failed, "
+            "and nothing was shown to hold under it; give it more --time",
+        )
+    ]
+
+
 class Campaign(Generic[R]):
     """Runs ``workload`` for ``seconds`` under the nemesis drawn from ``seed`` (the same seed,
     the same schedule), writing ``out/history.jsonl``. ``progress(elapsed, what)`` is called
@@ -182,7 +205,10 @@ class Campaign(Generic[R]):
         w, faults = self.workload, self.faults
         deck: list[str] = []
         while time.monotonic() - start < self.seconds:
-            time.sleep(w.pace(rng))  # (the schedule's own clock, not a synchronisation)
+            # (the schedule's own clock, not a synchronisation; never past the time left: a
+            # long ttl's pace must not stretch a short run it deals nothing in)
+            left = self.seconds - (time.monotonic() - start)
+            time.sleep(max(0.0, min(w.pace(rng), left)))
             if time.monotonic() - start >= self.seconds:
                 break  # (no fault dealt once the time is up)
             if self._counted and not self._shortfall(self._count()):

@@ -48,7 +48,7 @@ from ..proxy import TcpProxy
 from ..servers import EtcdServer, PostgresServer, RedisServer, Server, ZooKeeperServer, python_env
 from . import _zygote
 from ._checkers import Checker, Violation
-from ._engine import Campaign, CampaignError, Fault, short_of_counts
+from ._engine import Campaign, CampaignError, Fault, short_of_counts, undealt
 from ._group_checkers import check_group, operations
 from ._group_worker import ConfigLog, make_members
 from ._history import Event, History, read_history
@@ -445,7 +445,8 @@ class GroupWorkload:
     def judge(
         self, events: list[Event], faults: dict[str, int], seconds: float, short: str = ""
     ) -> GroupRun:
-        violations = short_of_counts(check_group(events), short)
+        violations = check_group(events)
+        violations = undealt(short_of_counts(violations, short), self.nemeses, faults, seconds)
         return GroupRun(violations, group_counts(events), faults, events)
 
 

@@ -5,7 +5,8 @@ Each is a mistake people make when they build fencing by hand, put in one place:
 
 - in the **resource** (a hand-written fence over the same SQLite register, ``planted+sqlite``):
   ``no-fence``, ``unfenced-read``, ``off-by-one``, ``check-then-write``, ``mark-in-memory``,
-  ``mark-not-raised``, ``write-then-check``, and with signed tokens ``signature-skipped``,
+  ``mark-not-raised``, ``write-then-check``, ``lock-ignored``, ``tokenless-ok`` (the
+  ``impostor`` nemesis writes with another lock's token and with none), and with signed tokens ``signature-skipped``,
   ``key-id-ignored``, ``source-ignored`` (the ``forge`` nemesis writes with forged tokens);
 - in the **worker's use of its lease**: ``lease-overestimated``, ``unfenced-release``;
 - in the **token source** (one the kit starts and kills -9 and restarts): ``token-in-memory``
@@ -24,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
-from ..._core.errors import ConfigurationError, StaleTokenError
+from ..._core.errors import ConfigurationError, InvalidTokenError, StaleTokenError
 from ..._core.signing import Keyring, TokenVerifier
 from ..._core.token import FencingToken
 from ._register import KEY, query_of, sqlite_transaction
@@ -39,6 +40,8 @@ PLANTS: dict[str, str] = {
     "mark-in-memory": "each process keeps the mark in its own memory",
     "mark-not-raised": "checks against the mark but never raises it",
     "write-then-check": "writes first, then checks; a refusal leaves the write in place",
+    "lock-ignored": "compares a token's value with the mark, never its lock's name",
+    "tokenless-ok": "a write that carries no token is written unchecked",
     "signature-skipped": "signing is on, but the resource never verifies a token's signature",
     "key-id-ignored": "a token signed under a key id the resource does not know is let through",
     "source-ignored": "a token well signed for another source is let through (the resource "
@@ -49,7 +52,7 @@ PLANTS: dict[str, str] = {
     "counter-not-fsynced": "the token source (Redis, no AOF) loses its counter on kill -9",
 }
 
-_RESOURCE_PLANTS = frozenset(list(PLANTS)[:10])
+_RESOURCE_PLANTS = frozenset(list(PLANTS)[:12])
 SIGNING_PLANTS = frozenset({"signature-skipped", "key-id-ignored", "source-ignored"})
 _WORKER_PLANTS = frozenset({"lease-overestimated", "unfenced-release"})
 
@@ -106,10 +109,12 @@ class PlantedSQLite:
         row = db.execute("SELECT mark FROM planted_fence WHERE resource = ?", (KEY,)).fetchone()
         return 0 if row is None else int(row[0])
 
-    def _fence(self, db: sqlite3.Connection, token: FencingToken) -> None:
+    def _fence(self, db: sqlite3.Connection, token: FencingToken | None) -> None:
         """Check ``token`` against the mark and raise the mark (inside the caller's
         transaction), with the plant's mistake if it has one."""
-        if token.lock != self.lock:
+        if token is None:  # (an impostor's write: no token at all)
+            raise InvalidTokenError("a write with no fencing token")
+        if token.lock != self.lock and self.plant != "lock-ignored":
             raise ConfigurationError(f"token of lock {token.lock!r}, not {self.lock!r}")
         self._verify(token)
         mark = self._stored_mark(db)
@@ -158,7 +163,7 @@ class PlantedSQLite:
     def _put(self, db: sqlite3.Connection, data: bytes) -> None:
         db.execute("INSERT OR REPLACE INTO fenced_check VALUES (?, ?)", (KEY, data.decode()))
 
-    def _check(self, token: FencingToken) -> None:
+    def _check(self, token: FencingToken | None) -> None:
         db = self._db()
         with sqlite_transaction(db):
             self._fence(db, token)
@@ -168,7 +173,7 @@ class PlantedSQLite:
         with sqlite_transaction(db):
             self._put(db, data)
 
-    def _write(self, token: FencingToken, data: bytes) -> None:
+    def _write(self, token: FencingToken | None, data: bytes) -> None:
         db = self._db()
         if self.plant == "write-then-check":
             with sqlite_transaction(db):
@@ -177,18 +182,18 @@ class PlantedSQLite:
                 self._fence(db, token)
         else:
             with sqlite_transaction(db):
-                if self.plant != "no-fence":
+                if self.plant != "no-fence" and (token or self.plant != "tokenless-ok"):
                     self._fence(db, token)
                 self._put(db, data)
 
-    def write_steps(self, token: FencingToken, data: bytes) -> list[Callable[[], None]]:
+    def write_steps(self, token: FencingToken | None, data: bytes) -> list[Callable[[], None]]:
         """One step; two with ``check-then-write``: the check (its own transaction), then
         the write (the next one) — a pause between them lets a newer holder write first."""
         if self.plant == "check-then-write":
             return [lambda: self._check(token), lambda: self._store(data)]
         return [lambda: self._write(token, data)]
 
-    def write(self, token: FencingToken, data: bytes) -> None:
+    def write(self, token: FencingToken | None, data: bytes) -> None:
         for step in self.write_steps(token, data):
             step()
 

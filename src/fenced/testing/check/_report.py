@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import html
 from pathlib import Path
+from typing import Any
 
 from ._checkers import Violation
 from ._history import Event
@@ -32,8 +33,28 @@ _LABELS = {
 }
 
 
-def write_report(events: list[Event], violations: list[Violation], path: str | Path) -> Path:
+def write_report(
+    events: list[Event],
+    violations: list[Violation],
+    path: str | Path,
+    options: dict[str, Any] | None = None,
+) -> Path:
+    """The report page of a run: its verdict, its counts, its options (``options``, else the
+    history's ``run`` event: the seed and all, to reproduce it) and its timeline."""
     path = Path(path)
+    if options is None:
+        options = next((e.get("options") for e in events if e["op"] == "run"), None)
+    ran = (
+        '<p id="options">'
+        + html.escape(
+            "; ".join(
+                f"{k.replace('_', '-')} {v}" for k, v in options.items() if v not in ("", None)
+            )
+        )
+        + "</p>"
+        if options
+        else ""
+    )
     named = {e["worker"] for e in events if e["worker"] not in ("nemesis", "checker")}
     named |= {e["victim"] for e in events if e["op"] == "nemesis"}  # (killed before a step)
     lane = {w: i for i, w in enumerate(sorted(named, key=lambda w: (len(w), w)))}
@@ -133,6 +154,7 @@ body {{ font: 14px/1.45 system-ui, sans-serif; color: {INK}; margin: 1.2rem 1.5r
 refused, {sum(1 for e in writes if e["ok"] is None)} unanswered, {refused_reads} reads refused,
 {len(faults)} faults, {t1 - t0:.1f} s.</p>
 <div id="verdict">{verdict}</div>
+{ran}
 <p class="key"><span style="color:{BLUE}">■ lease held</span><span style="color:{GREEN}">● write accepted</span>
 <span style="color:{RED}">✕ write refused (stale)</span><span style="color:{RED}">× read refused</span><span style="color:{GREY}">○ write unanswered</span><span style="color:{GREY}">▮ paused, stalled, killed, cut off, delayed, restarted, clock stepped</span></p>
 <svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}">

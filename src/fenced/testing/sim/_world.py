@@ -67,10 +67,13 @@ SYSTEMS = ("lease", "group", "gateway")
 #: which imports the server only when asked for) add them, as they build on this module.
 SYSTEM_RUNS: dict[str, Callable[[_World], Any]] = {}
 # The check kit's plants the simulator can play, plus one of its own. (It has no signed
-# tokens and no forger, and its source's volatile counter is counter-not-fsynced.)
+# tokens, no forger and no impostor, and its source's volatile counter is counter-not-fsynced.)
 NOT_SIMULATED = frozenset(
-    {"token-in-memory", "signature-skipped", "key-id-ignored", "source-ignored"}
-)
+    {
+        "token-in-memory", "signature-skipped", "key-id-ignored", "source-ignored",
+        "lock-ignored", "tokenless-ok",
+    }
+)  # fmt: skip
 SIM_PLANTS: dict[str, str] = {
     **{k: v for k, v in PLANTS.items() if k not in NOT_SIMULATED},
     "clock-fast": "the source's clock runs 30 % fast: leases end before their holders think",

@@ -1,0 +1,88 @@
+"""A run that tested nothing does not pass, and a run can be reproduced from its report:
+``fenced check`` caps the nemesis's wait by the time left, calls a run that dealt some fault
+kind no time "inconclusive" (exit 75, not 0), prints the seed, records the seed and every
+option in history.jsonl and report.html, and draws its victims from the seed alone."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from fenced.testing.check import read_history, run_campaign
+from tests.helpers import ROOT
+
+
+def test_a_run_that_dealt_no_fault_is_inconclusive_and_ends_on_time(tmp_path: Path) -> None:
+    """ttl 4: the nemesis's first wait is 2-6 s (5.4 s for seed 0), longer than the 1 s asked
+    for; it is cut to the time left, no fault is dealt, and the run says so instead of passing."""
+    result = run_campaign(
+        f"sqlite:///{tmp_path}/locks.db", tmp_path / "r", seconds=1, ttl=4, workers=1, seed=0
+    )
+    assert not any(result.faults.values()), result.faults
+    assert not result.ok and result.inconclusive, [str(v) for v in result.violations]
+    assert "no pause, no stall, no kill" in str(result.violations[0]), result.violations
+    events = read_history(result.history)
+    began = min(e["mono"] for e in events if e["worker"] == "w1")
+    final = next(e["mono"] for e in events if e["op"] == "final")
+    assert final - began < 4.0, final - began  # (1 s of faults, one round to finish: not 5.4)
+
+
+def test_the_seed_and_every_option_are_recorded(tmp_path: Path) -> None:
+    result = run_campaign(
+        f"sqlite:///{tmp_path}/locks.db", tmp_path / "r", seconds=60, faults=1, ttl=0.3,
+        nemesis=["stall"], seed=7, workers=2,
+    )  # fmt: skip
+    assert result.ok, [str(v) for v in result.violations]
+    run = read_history(result.history)[0]
+    assert run["op"] == "run" and run["options"]["seed"] == 7, run
+    assert run["options"]["nemesis"] == ["stall"] and run["options"]["workers"] == 2, run
+    assert run["options"]["ttl"] == 0.3 and run["options"]["faults"] == 1, run
+    page = result.report.read_text()
+    assert "seed 7" in page and "nemesis [&#x27;stall&#x27;]" in page, page[:2000]
+
+
+def test_the_same_seed_strikes_the_same_victims(tmp_path: Path) -> None:
+    """The victims come from the seed, not from who holds the lock when a fault is dealt
+    (timing): two runs of one seed strike the same workers in the same order."""
+    struck = []
+    for run in ("a", "b"):
+        result = run_campaign(
+            f"sqlite:///{tmp_path}/locks-{run}.db", tmp_path / run, seconds=60, faults=3,
+            ttl=0.3, nemesis=["pause", "kill", "stall"], seed=4,
+        )  # fmt: skip
+        assert result.ok, [str(v) for v in result.violations]
+        events = read_history(result.history)
+        struck.append([(e["kind"], e["victim"]) for e in events if e["op"] == "nemesis"])
+    n = min(map(len, struck))
+    assert n >= 9 and struck[0][:n] == struck[1][:n], struck
+
+
+def test_the_cli_says_inconclusive_with_its_own_exit_status_and_prints_the_seed(
+    tmp_path: Path,
+) -> None:
+    r = subprocess.run(
+        [
+            sys.executable, "-m", "fenced.cli", "check", "--time", "0.5", "--ttl", "4",
+            "--workers", "1", "--seed", "5", "--report", str(tmp_path / "r"),
+        ],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"},
+    )  # fmt: skip
+    assert r.returncode == 75, r.stdout + r.stderr
+    assert "INCONCLUSIVE" in r.stdout and "seed 5" in r.stdout, r.stdout
+    assert "every invariant held" not in r.stdout, r.stdout
+
+
+def test_every_workloads_verdict_calls_an_undealt_fault_inconclusive() -> None:
+    """The one rule both workloads' ``judge`` apply (the locks' and the replicated group's):
+    a kind never dealt makes a clean run inconclusive; a real violation stays the verdict."""
+    from fenced.testing.check._checkers import Violation
+    from fenced.testing.check._engine import INCONCLUSIVE, undealt
+
+    said = undealt([], ["pause", "kill"], {"pause": 2, "kill": 0}, 3.0)
+    assert [v.checker for v in said] == [INCONCLUSIVE] and "no kill fault" in said[0].message
+    assert undealt([], ["pause"], {"pause": 1}, 3.0) == []
+    real = [Violation("lost update", "value 3 written twice")]
+    assert undealt(real, ["kill"], {"kill": 0}, 3.0) == real
