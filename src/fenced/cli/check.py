@@ -144,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt  # (so the campaign stops its workers and the resource it ran)
 
     signal.signal(signal.SIGTERM, terminated)
+    signal.signal(signal.SIGHUP, terminated)  # (a closed terminal: clean up as for SIGTERM)
     progress = _progress_bar(args.time)
     # With a plant the run is a demonstration that the kit catches it: it stops at the first
     # violation, and a fault schedule that missed the plant's window gets another seed while

@@ -68,6 +68,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from ..._core import clock as _clock
 from ..._core.errors import ConfigurationError
+from .. import parentdeath
 from ..proxy import TcpProxy
 from ..servers import python_env
 from . import _zygote
@@ -355,6 +356,7 @@ def _start_engine(name: str, base: str, clock_file: Path | None) -> Any:
         "zookeeper": servers.ZooKeeperServer,
     }
     made = kinds[name](base)
+    made.die_with_parent = True  # (a kill -9 of the kit leaves no server behind)
     if clock_file is not None:
         made.extra_env = _faketime_env(clock_file)
     return made.start()
@@ -435,7 +437,8 @@ class _ResourceProcess:
         with open(self.log, "ab") as log:
             try:
                 self.proc = subprocess.Popen(
-                    self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                    # (SIGKILLed if the kit dies, even by SIGKILL: none left on the port)
+                    parentdeath.argv(self.argv), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                     start_new_session=True,  # its own process group: signals reach it alone
                 )  # fmt: skip
             except OSError as exc:
@@ -654,7 +657,9 @@ class LocksWorkload:
         self.scratch = scratch = tempfile.mkdtemp(prefix="fenced-check-")
         nemesis, source, plant = self.nemeses, self.source, self.plant
         if self.role == "source":
-            self.server = source_plant_server(plant, scratch).start()
+            self.server = source_plant_server(plant, scratch)
+            self.server.die_with_parent = True  # (a kill -9 of the kit leaves no server behind)
+            self.server.start()
             source = (
                 # The planted mistake made on purpose: fenced refuses a Redis without AOF unless
                 # told to accept that tokens may be reused.
@@ -769,7 +774,7 @@ class LocksWorkload:
 
                 ns = self.netns[(serial - 1) % len(self.netns)]
                 proc: Worker = subprocess.Popen(
-                    [str(_ip_binary()), "netns", "exec", ns, *argv],
+                    parentdeath.argv([str(_ip_binary()), "netns", "exec", ns, *argv]),
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     stderr=log,
