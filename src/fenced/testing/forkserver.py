@@ -211,8 +211,8 @@ class ForkServer:
     ) -> int:
         """Fork ``module.main(argv)`` with stdin, stdout and stderr ``fds``; its pid. With
         ``prelude`` (Python source), as ``python -c "PRELUDE; from MODULE import main;
-        sys.exit(main())" *argv``: the prelude runs first, in a fresh ``__main__``. The zygote
-        imports ``warm`` and ``module`` first, if it has not yet (another caller's zygote)."""
+        sys.exit(main(sys.argv[1:]))" *argv``: the prelude runs first, in a fresh ``__main__``.
+        The zygote imports ``warm`` and ``module`` first, if it has not yet (another caller's zygote)."""
         request = {"module": module, "argv": list(argv), "env": dict(env), "cwd": cwd}
         request["warm"] = list(warm)
         if prelude is not None:
@@ -356,12 +356,14 @@ def popen(
     spawn, importing ``warm``), or a real exec when not :func:`enabled` (``opt_out``). The
     streams as Popen's: ``subprocess.PIPE``, ``DEVNULL``, ``STDOUT`` (stderr), a file, or None
     (this process's); ``text`` makes the pipes UTF-8 text. ``module`` must have ``main(argv)``.
-    With ``prelude``, as ``python -c "PRELUDE; from MODULE import main; sys.exit(main())"``."""
+    With ``prelude``, as ``python -c "PRELUDE; from MODULE import main;
+    sys.exit(main(sys.argv[1:]))"`` (``main(argv)`` in both ways)."""
     env = dict(os.environ if env is None else env)
     cwd = os.path.abspath(cwd if cwd is not None else os.getcwd())
     if not enabled(opt_out):
         command = ["-m", module] if prelude is None else [
-            "-c", f"import sys\n{prelude}\nfrom {module} import main\nsys.exit(main())"
+            "-c",
+            f"import sys\n{prelude}\nfrom {module} import main\nsys.exit(main(sys.argv[1:]))",
         ]  # fmt: skip
         return subprocess.Popen(
             [sys.executable, *command, *argv],
