@@ -123,5 +123,148 @@ def test_a_killed_or_hung_up_check_leaves_no_process_behind(
     def all_gone() -> bool:
         return all(_state(p) in ("", "Z") for p in seen)
 
-    _wait(all_gone, 30, f"left behind: {[names.get(p) for p in seen if _state(p) not in ('', 'Z')]}")
+    _wait(
+        all_gone, 30, f"left behind: {[names.get(p) for p in seen if _state(p) not in ('', 'Z')]}"
+    )
     assert not _accepts(port)
+
+
+def _run(
+    *args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "fenced", "check", *args],
+        cwd=cwd,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _one_line_error(done: subprocess.CompletedProcess[str]) -> str:
+    """The run's stderr, asserted to be one line and no traceback, exit 2 (usage)."""
+    assert done.returncode == 2, (done.returncode, done.stdout, done.stderr)
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, (
+        done.stderr
+    )
+    return done.stderr
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("--resource", "redis://:hunter2@127.0.0.1:1/0"),
+        ("--resource", "postgresql://u:hunter2@127.0.0.1:1/db"),
+        ("--resource", "http://user:hunter2@127.0.0.1:1/x"),
+        ("--resource", "http://user:hunter2@127.0.0.1/x", "--resource-cmd", "true",
+         "--nemesis", "pause"),
+        ("--source", "etcd://u:hunter2@127.0.0.1:1,127.0.0.1:2", "--nemesis", "partition"),
+    ],
+)  # fmt: skip
+def test_no_password_of_a_url_in_an_error(tmp_path: Path, args: tuple[str, ...]) -> None:
+    error = _one_line_error(_run(*args, "--time", "1", "--report", "r", cwd=tmp_path))
+    assert "hunter2" not in error and ":***@" in error, error
+
+
+def test_the_source_from_a_file_or_the_environment_as_the_other_commands(tmp_path: Path) -> None:
+    """--source-file FILE and $FENCED_URL give the source (a password kept out of the process
+    list); the output names where it came from, never the password; a URL file with a
+    password that others may read is refused."""
+    url = f"sqlite:///{tmp_path / 'src.db'}"
+    done = _run("--time", "1", "--writes", "2", "--report", "r1", cwd=tmp_path,
+                env={"FENCED_URL": url})  # fmt: skip
+    assert done.returncode == 0, (done.stdout, done.stderr)
+    assert "from $FENCED_URL" in done.stdout, done.stdout
+    assert (tmp_path / "src.db").exists()  # (the run's grants went there)
+    (tmp_path / "src.url").write_text("postgresql://u:hunter2@127.0.0.1:1/db\n")
+    (tmp_path / "src.url").chmod(0o644)
+    error = _one_line_error(_run("--source-file", "src.url", "--report", "r2", cwd=tmp_path))
+    assert "hunter2" not in error and "src.url" in error, error
+
+
+def test_bad_report_directories_and_host_lists_are_one_line(tmp_path: Path) -> None:
+    (tmp_path / "afile").write_text("mine\n")
+    assert "not a directory" in _one_line_error(_run("--report", "afile", cwd=tmp_path))
+    assert "cannot make" in _one_line_error(_run("--report", "afile/sub", cwd=tmp_path))
+    error = _one_line_error(
+        _run("--source", "etcd://127.0.0.1:1,127.0.0.1:2", "--nemesis", "partition",
+             "--report", "r", cwd=tmp_path)
+    )  # fmt: skip
+    assert "one host:port" in error, error
+
+
+def test_a_report_directory_holding_the_users_files_is_refused(tmp_path: Path) -> None:
+    """--report . where the user keeps a resource.db and a report.html: refused, both as they
+    were; a directory an earlier run made is the kit's to write again."""
+    mine = {"resource.db": b"my orders table", "report.html": b"<p>my report</p>"}
+    for name, data in mine.items():
+        (tmp_path / name).write_bytes(data)
+    error = _one_line_error(_run("--report", ".", "--time", "1", cwd=tmp_path))
+    assert "resource.db" in error, error
+    assert {n: (tmp_path / n).read_bytes() for n in mine} == mine
+    assert not (tmp_path / "history.jsonl").exists()
+    for _ in range(2):  # (the second run: in the directory the first made)
+        done = _run("--report", "r", "--time", "1", "--writes", "2", cwd=tmp_path)
+        assert done.returncode == 0, (done.stdout, done.stderr)
+
+
+@pytest.mark.parametrize("forkserver", ["1", "0"])
+def test_a_worker_that_crashes_mid_run_ends_in_a_verdict(tmp_path: Path, forkserver: str) -> None:
+    """A python: adapter that takes its worker's process down: the run ends with a verdict
+    ("run incomplete", which worker, its status), a report, exit 65: not a usage error."""
+    done = _run(
+        "--resource", "python:tests.kit.check_adapter:CrashMidRun", "--time", "60", "--report",
+        "r", cwd=tmp_path, env={"CHECK_ADAPTER_DB": str(tmp_path / "a.db"),
+                                "FENCED_CHECK_FORKSERVER": forkserver},
+    )  # fmt: skip
+    assert done.returncode == 65, (done.stdout, done.stderr)
+    assert "run incomplete" in done.stdout and "status 3" in done.stdout, done.stdout
+    assert "Traceback" not in done.stderr and (tmp_path / "r" / "report.html").exists()
+
+
+def test_a_killed_fork_server_ends_in_a_verdict(tmp_path: Path) -> None:
+    check = _fenced("--nemesis", "kill", "--time", "20", "--report", "r", cwd=tmp_path)
+    try:
+
+        def zygote() -> int | None:
+            tree = _children()
+            return next((p for p in tree.get(check.pid, []) if tree.get(p)), None)
+
+        history = tmp_path / "r" / "history.jsonl"
+        _wait(lambda: history.exists() and b'"ok":true' in history.read_bytes(), 60, "no write")
+        pid = zygote()
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        out, err = check.communicate(timeout=300)
+    finally:
+        if check.poll() is None:
+            check.kill()
+    assert check.returncode == 65, (out, err)
+    assert "run incomplete" in out and "Traceback" not in err, (out, err)
+    assert (tmp_path / "r" / "report.html").exists()
+
+
+def test_an_http_resource_that_dies_ends_in_a_verdict(tmp_path: Path) -> None:
+    """The user's service dies by itself mid-run (not by the kit's hand): the verdict says the
+    final state could not be read; a report; exit 65; no traceback."""
+    port = free_port()
+    service = subprocess.Popen(
+        [sys.executable, str(SERVICE), "--port", str(port), "--db", str(tmp_path / "inv.db")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        _wait(lambda: _accepts(port), 30, "the service did not start")
+        check = _fenced("--resource", f"http://127.0.0.1:{port}/items/w", "--nemesis", "pause",
+                        "--time", "15", "--report", "r", cwd=tmp_path)  # fmt: skip
+        history = tmp_path / "r" / "history.jsonl"
+        _wait(lambda: history.exists() and history.read_bytes().count(b'"ok":true') >= 3, 90,
+              "no write accepted")  # fmt: skip
+        service.kill()
+        out, err = check.communicate(timeout=300)
+    finally:
+        service.kill()
+        service.wait()
+    assert check.returncode == 65, (out, err)
+    assert "final state could not be read" in out and "Traceback" not in err, (out, err)
+    assert (tmp_path / "r" / "report.html").exists()

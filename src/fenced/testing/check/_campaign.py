@@ -67,6 +67,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from ..._core import clock as _clock
+from ..._core.backend import redacted
 from ..._core.errors import ConfigurationError
 from .. import parentdeath
 from ..proxy import TcpProxy
@@ -307,12 +308,13 @@ def faketime_library() -> str | None:
 
 def _via_proxy(url: str, proxies: list[TcpProxy]) -> str:
     """``url`` with its one host:port replaced by a new proxy's (appended to ``proxies``)."""
-    parts = urlsplit(url)
-    if not parts.hostname or not parts.port or "," in parts.netloc:
+    address = _host_port(url)
+    if address is None:
         raise ConfigurationError(
-            f"partition/delay need a source and resource at one host:port, not {url.split('?')[0]!r}"
+            f"partition/delay need a source and resource at one host:port, not {_shown(url)!r}"
         )
-    proxy = TcpProxy(parts.hostname, parts.port).start()
+    proxy = TcpProxy(*address).start()
+    parts = urlsplit(url)
     proxies.append(proxy)
     userinfo = parts.netloc.rsplit("@", 1)
     host = f"127.0.0.1:{proxy.port}"
@@ -341,9 +343,24 @@ def _worker_netns() -> list[str]:
     return names
 
 
+def _host_port(url: str) -> tuple[str, int] | None:
+    """The one host and port ``url`` names, or None (none, several, or a port that is no
+    number: ``etcd://a:1,b:2``)."""
+    try:
+        parts = urlsplit(url)
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        return None
+    return (host, port) if host and port and "," not in parts.netloc else None
+
+
 def _tcp(url: str) -> bool:
-    parts = urlsplit(url)
-    return bool(parts.hostname and parts.port) and "," not in parts.netloc
+    return _host_port(url) is not None
+
+
+def _shown(url: str) -> str:
+    """``url`` as a message may show it: no password, no query (fenced's ``redacted``)."""
+    return redacted(url).split("?")[0]
 
 
 def _start_engine(name: str, base: str, clock_file: Path | None) -> Any:
@@ -417,12 +434,12 @@ class _ResourceProcess:
         self.argv = shlex.split(cmd) if isinstance(cmd, str) else list(cmd)
         if not self.argv:
             raise ConfigurationError("--resource-cmd: no command given")
-        parts = urlsplit(url)
-        if not parts.hostname or not parts.port:
+        address = _host_port(url)
+        if address is None:
             raise ConfigurationError(
-                f"--resource-cmd needs --resource at one host:port, not {url.split('?')[0]!r}"
+                f"--resource-cmd needs --resource at one host:port, not {_shown(url)!r}"
             )
-        self.address = (parts.hostname, parts.port)
+        self.address = address
         self.log = log
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -706,7 +723,7 @@ class LocksWorkload:
             self.served.start()
         if set(nemesis) & _NEEDS_TCP and not _tcp(source):
             raise ConfigurationError(
-                f"partition/delay need a source at one host:port, not {source.split('?')[0]!r}"
+                f"partition/delay need a source at one host:port, not {_shown(source)!r}"
             )
         from ..._core import sync as _sync
 
@@ -721,8 +738,9 @@ class LocksWorkload:
         except ConfigurationError:
             raise
         except Exception as exc:  # (any adapter's own error: one line, with its type)
-            shown = resource.split("?")[0]
-            raise CampaignError(f"resource {shown}: {type(exc).__name__}: {exc}") from exc
+            raise CampaignError(
+                f"resource {_shown(resource)}: {type(exc).__name__}: {exc}"
+            ) from exc
         keyring: Any = None
         if self.signing:
             from ..._core.signing import Keyring, generate_key, key_text
@@ -963,11 +981,16 @@ class LocksWorkload:
 
     def settle(self, history: History) -> None:
         self._stop_workers()
-        final = open_resource(self.resource, self.lock)
         try:
-            data, mark = final.final()
-        finally:
-            final.close()
+            final = open_resource(self.resource, self.lock)
+            try:
+                data, mark = final.final()
+            finally:
+                final.close()
+        except Exception as exc:  # (the verdict says so: "run incomplete")
+            raise CampaignError(
+                f"the resource's final state could not be read: {type(exc).__name__}: {exc}"
+            ) from exc
         history.append("final", lock=self.lock, mark=mark, log=_log(data))
 
     def close(self) -> None:
