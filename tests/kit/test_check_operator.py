@@ -268,3 +268,53 @@ def test_an_http_resource_that_dies_ends_in_a_verdict(tmp_path: Path) -> None:
     assert check.returncode == 65, (out, err)
     assert "final state could not be read" in out and "Traceback" not in err, (out, err)
     assert (tmp_path / "r" / "report.html").exists()
+
+
+@pytest.mark.parametrize("forkserver", ["1", "0"])
+def test_a_deleted_working_directory_is_no_traceback(tmp_path: Path, forkserver: str) -> None:
+    """``fenced check`` started in a directory deleted since (its fork server falls back to a
+    real exec there, as FENCED_CHECK_FORKSERVER=0 does), killed workers replaced too."""
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    check = subprocess.Popen(
+        [sys.executable, "-c", f"import os, sys, runpy; os.rmdir({str(gone)!r}); "
+         "sys.argv = ['fenced', 'check', '--nemesis', 'kill', '--writes', '4', '--faults', '1', "
+         f"'--time', '90', '--report', {str(tmp_path / 'r')!r}]; "
+         "runpy.run_module('fenced', run_name='__main__')"],
+        cwd=gone, env={**os.environ, "FENCED_CHECK_FORKSERVER": forkserver},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    out, err = check.communicate(timeout=110)
+    assert check.returncode == 0 and "every invariant held" in out, (out, err)
+
+
+def test_a_forked_worker_that_fails_on_a_full_disk_is_not_status_0(tmp_path: Path) -> None:
+    """A worker forked by a zygote forked from its parent (as ``fenced check``'s), whose
+    stderr is a full disk's (/dev/full), fails: its status says so (1), not 0."""
+    script = (
+        "import subprocess\n"
+        "from fenced.testing import forkserver\n"
+        "assert forkserver.fork_this_process(('tests.kit.zygote_child',))\n"
+        "with open('/dev/full', 'wb') as full:\n"
+        "    child = forkserver.popen('tests.kit.zygote_child', ['0'], stdin=subprocess.DEVNULL,\n"
+        "                             stdout=subprocess.PIPE, stderr=full)\n"
+        "child.stdout.readline()\n"
+        "print(child.wait(30))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
+    assert done.stdout.strip() == "1", (done.stdout, done.stderr)
+
+
+def test_the_interpreters_warning_flags_are_not_the_workers(tmp_path: Path) -> None:
+    """``python -W error::DeprecationWarning -m fenced check``: the workers run as ``python -m``
+    would start them (as FENCED_CHECK_FORKSERVER=0 does), not under the CLI's -W."""
+    done = subprocess.run(
+        [sys.executable, "-W", "error::DeprecationWarning", "-m", "fenced", "check",
+         "--resource", "python:tests.kit.check_adapter:Warns", "--writes", "4", "--time", "60",
+         "--nemesis", "", "--report", "r"],
+        cwd=tmp_path, env={**os.environ, "CHECK_ADAPTER_DB": str(tmp_path / "a.db")},
+        capture_output=True, text=True, timeout=100,
+    )  # fmt: skip
+    assert done.returncode == 0, (done.stdout, done.stderr)

@@ -753,9 +753,11 @@ class LocksWorkload:
         if "forge" in nemesis:
             self.forger = open_resource(resource, self.lock, keyring)
         self.env = python_env()
-        self.env["PYTHONPATH"] = os.pathsep.join(
-            filter(None, [self.env.get("PYTHONPATH"), os.getcwd()])
-        )
+        try:
+            here = os.getcwd()
+        except FileNotFoundError:  # (a deleted directory: nothing to import from there)
+            here = ""
+        self.env["PYTHONPATH"] = os.pathsep.join(filter(None, [self.env.get("PYTHONPATH"), here]))
         # Started together, then each waited for: a Python start-up each, side by side (one
         # after the other, a loaded machine's start-ups added up to seconds before any fault).
         self.procs.extend(self._spawn(ready=False) for _ in range(self.workers))
