@@ -318,3 +318,36 @@ def test_the_interpreters_warning_flags_are_not_the_workers(tmp_path: Path) -> N
         capture_output=True, text=True, timeout=100,
     )  # fmt: skip
     assert done.returncode == 0, (done.stdout, done.stderr)
+
+
+@pytest.mark.parametrize("forkserver", ["1", "0"])
+def test_a_hung_write_is_bounded_and_named(tmp_path: Path, forkserver: str) -> None:
+    """An adapter whose writes hang (--time 3, ttl 1): the run ends within a bound derived from
+    the ttl (10 ttls + 5 s to end the workers' rounds), not 30 ttls + 30 s per worker, and the
+    verdict says which worker hung and where."""
+    started = time.monotonic()
+    done = _run(
+        "--resource", "python:tests.kit.check_adapter:HangWrites", "--time", "3", "--nemesis",
+        "", "--report", "r", cwd=tmp_path,
+        env={"CHECK_ADAPTER_DB": str(tmp_path / "a.db"), "FENCED_CHECK_FORKSERVER": forkserver},
+    )  # fmt: skip
+    took = time.monotonic() - started
+    assert done.returncode == 65, (done.stdout, done.stderr)
+    assert "run incomplete" in done.stdout and "hung in its write" in done.stdout, done.stdout
+    assert took < 45, took
+
+
+def test_a_black_hole_http_resource_is_bounded(tmp_path: Path) -> None:
+    """A resource that accepts connections and never answers: a one-line error within a bound
+    derived from the ttl (--ttl 0.5: 10 s), not httpx's 30 s per request."""
+    with socket.socket() as hole:
+        hole.bind(("127.0.0.1", 0))
+        hole.listen(16)
+        port = hole.getsockname()[1]
+        started = time.monotonic()
+        done = _run("--resource", f"http://127.0.0.1:{port}/x", "--ttl", "0.5", "--time", "3",
+                    "--report", "r", cwd=tmp_path)  # fmt: skip
+        took = time.monotonic() - started
+    error = _one_line_error(done)
+    assert "did not return within 10 s" in error or "Timeout" in error, error
+    assert took < 25, took

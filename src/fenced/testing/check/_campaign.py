@@ -63,7 +63,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 from ..._core import clock as _clock
@@ -78,7 +78,7 @@ from ._engine import Campaign, CampaignError, Fault, short_of_counts
 from ._history import Event, History
 from ._plants import PLANTS, SIGNING_PLANTS, plant_role, source_plant_server
 from ._report import write_report
-from ._resources import open_resource
+from ._resources import IO_TIMEOUT_ENV, open_resource
 from ._zygote import Worker
 
 __all__ = [
@@ -501,6 +501,47 @@ class _ResourceProcess:
             self.proc.wait()
 
 
+def _last_step(path: Path, name: str) -> str:
+    """Worker ``name``'s last event in the history, as a verdict names it."""
+    last: Any = None
+    with contextlib.suppress(OSError), open(path, "rb") as f:
+        for line in f:
+            if f'"worker":"{name}"'.encode() in line:
+                with contextlib.suppress(ValueError):
+                    last = json.loads(line)
+    if last is None:
+        return "none"
+    step = f"{last['op']} (token {last['token']})" if "token" in last else str(last["op"])
+    after = {"read": ": hung in its write", "grant": ": hung in its read"}.get(last["op"], "")
+    return step + after
+
+
+T = TypeVar("T")
+
+
+def _bounded(call: Callable[[], T], limit: float, what: str) -> T:
+    """``call()`` (made in a thread of its own), or a CampaignError naming ``what`` if it
+    has not returned within ``limit`` seconds (the thread is left to its fate: a user's
+    adapter may hang for ever, the run may not)."""
+    box: list[tuple[bool, Any]] = []
+
+    def run() -> None:
+        try:
+            box.append((True, call()))
+        except BaseException as exc:  # (raised below, in the caller's thread)
+            box.append((False, exc))
+
+    thread = threading.Thread(target=run, name="fenced-check-bounded", daemon=True)
+    thread.start()
+    thread.join(limit)
+    if not box:
+        raise CampaignError(f"{what} did not return within {limit:g} s")
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value  # type: ignore[no-any-return]
+
+
 def _stall_victim(pid: int, name: str, tail: _Tail, limit: float) -> Any:
     """Ask worker ``pid`` to stop itself before its next write; its ``stalled`` event, or
     None (the stall taken back) if it did not come within ``limit`` seconds."""
@@ -729,12 +770,16 @@ class LocksWorkload:
 
         with _sync.connect(source, connect_timeout=30):  # a bad source: a typed error, now
             pass
-        try:
-            made = open_resource(resource, self.lock)
+
+        def reset() -> None:
+            made = open_resource(resource, self.lock, timeout=self.io_limit)
             try:
                 made.reset()
             finally:
                 made.close()
+
+        try:
+            _bounded(reset, self.io_limit, f"resource {_shown(resource)}: its reset()")
         except ConfigurationError:
             raise
         except Exception as exc:  # (any adapter's own error: one line, with its type)
@@ -751,8 +796,9 @@ class LocksWorkload:
             self.key_file.chmod(0o600)
             keyring = Keyring([self.key], source_id=_SOURCE_ID)
         if "forge" in nemesis:
-            self.forger = open_resource(resource, self.lock, keyring)
+            self.forger = open_resource(resource, self.lock, keyring, timeout=self.io_limit)
         self.env = python_env()
+        self.env[IO_TIMEOUT_ENV] = f"{self.io_limit:g}"  # (an HTTP resource's bound, in workers)
         try:
             here = os.getcwd()
         except FileNotFoundError:  # (a deleted directory: nothing to import from there)
@@ -948,8 +994,18 @@ class LocksWorkload:
 
     # -- teardown and verdict ------------------------------------------------------------------
 
-    def _stop_workers(self) -> None:
+    @property
+    def io_limit(self) -> float:
+        """Seconds a step at the resource may take (an HTTP request, an adapter's reset() or
+        final(), a worker's last round once told to stop): past a resource pause (3 ttls)
+        and a delayed write (1.5 ttls), with room for a loaded machine."""
+        return 10 * self.ttl + 5
+
+    def _stop_workers(self) -> list[str]:
+        """Stop the workers; what hung: each worker that did not end its round within
+        :attr:`io_limit` of being told to (killed), with its last step in the history."""
         ttl = self.ttl
+        hung: list[str] = []
         for t in self.stalls:
             t.join(10 * ttl + 10)
         self.stalls = []
@@ -964,12 +1020,19 @@ class LocksWorkload:
         for p in self.procs:
             if p.stdin is not None:
                 p.stdin.close()  # finish the current round and stop
+        deadline = time.monotonic() + self.io_limit  # (one bound for all: they end side by side)
         for p in self.procs:
             try:
-                p.wait(30 * ttl + 30)
+                p.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
+                name = self.names[p.pid]
+                hung.append(
+                    f"worker {name} did not end its round within {self.io_limit:g} s of the "
+                    f"run's end (killed); its last step: {_last_step(self.path, name)}"
+                )
         for ways in self.proxies.values():
             for proxy in ways:
                 proxy.close()
@@ -980,15 +1043,22 @@ class LocksWorkload:
         if self.forger_history is not None:
             self.forger_history.close()
             self.forger_history = None
+        return hung
 
     def settle(self, history: History) -> None:
-        self._stop_workers()
-        try:
-            final = open_resource(self.resource, self.lock)
+        hung = self._stop_workers()
+        for why in hung:  # (the verdict says what hung: "run incomplete")
+            history.append("aborted", why=why)
+
+        def final() -> tuple[bytes | None, int | None]:
+            made = open_resource(self.resource, self.lock, timeout=self.io_limit)
             try:
-                data, mark = final.final()
+                return made.final()
             finally:
-                final.close()
+                made.close()
+
+        try:
+            data, mark = _bounded(final, self.io_limit, "its final()")
         except Exception as exc:  # (the verdict says so: "run incomplete")
             raise CampaignError(
                 f"the resource's final state could not be read: {type(exc).__name__}: {exc}"
