@@ -512,7 +512,12 @@ def _last_step(path: Path, name: str) -> str:
     if last is None:
         return "none"
     step = f"{last['op']} (token {last['token']})" if "token" in last else str(last["op"])
-    after = {"read": ": hung in its write", "grant": ": hung in its read"}.get(last["op"], "")
+    after = {
+        "read": ": hung in its write",
+        "grant": ": hung in its read",
+        "release": ": waiting for the lock",
+    }
+    after = after.get(last["op"], "")
     return step + after
 
 
