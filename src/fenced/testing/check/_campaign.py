@@ -74,7 +74,7 @@ from ..proxy import TcpProxy
 from ..servers import python_env
 from . import _zygote
 from ._checkers import CHECKERS, Violation, check_all
-from ._engine import Campaign, CampaignError, Fault, short_of_counts
+from ._engine import Campaign, CampaignError, Fault, end_by, short_of_counts
 from ._history import Event, History
 from ._plants import PLANTS, SIGNING_PLANTS, plant_role, source_plant_server
 from ._report import write_report
@@ -512,13 +512,12 @@ def _last_step(path: Path, name: str) -> str:
     if last is None:
         return "none"
     step = f"{last['op']} (token {last['token']})" if "token" in last else str(last["op"])
-    after = {
+    where = {
         "read": ": hung in its write",
         "grant": ": hung in its read",
         "release": ": waiting for the lock",
     }
-    after = after.get(last["op"], "")
-    return step + after
+    return step + where.get(last["op"], "")
 
 
 T = TypeVar("T")
@@ -1026,18 +1025,12 @@ class LocksWorkload:
             if p.stdin is not None:
                 p.stdin.close()  # finish the current round and stop
         deadline = time.monotonic() + self.io_limit  # (one bound for all: they end side by side)
-        for p in self.procs:
-            try:
-                p.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-                name = self.names[p.pid]
-                hung.append(
-                    f"worker {name} did not end its round within {self.io_limit:g} s of the "
-                    f"run's end (killed); its last step: {_last_step(self.path, name)}"
-                )
+        for p in end_by(self.procs, deadline):
+            name = self.names[p.pid]
+            hung.append(
+                f"worker {name} did not end its round within {self.io_limit:g} s of the "
+                f"run's end (killed); its last step: {_last_step(self.path, name)}"
+            )
         for ways in self.proxies.values():
             for proxy in ways:
                 proxy.close()

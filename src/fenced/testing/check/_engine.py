@@ -9,19 +9,31 @@ processes and servers, how each fault is aimed and struck, its final state and i
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import os
 import random
+import signal
+import subprocess
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from ..._core.errors import ConfigurationError
 from ._checkers import Checker, Violation
 from ._history import Event, History, read_history
 
-__all__ = ["REPORT_MARK", "Campaign", "CampaignError", "Fault", "Workload", "prepare_report_dir"]
+__all__ = [
+    "REPORT_MARK",
+    "Campaign",
+    "CampaignError",
+    "Fault",
+    "Workload",
+    "end_by",
+    "prepare_report_dir",
+]
 
 R = TypeVar("R")
 R_co = TypeVar("R_co", covariant=True)
@@ -141,6 +153,21 @@ def prepare_report_dir(out: Path) -> None:
         mark.write_text("made by fenced check: a later run replaces its history and report\n")
     except OSError as exc:
         raise ConfigurationError(f"--report {out}: cannot write in it: {exc.strerror}") from None
+
+
+def end_by(procs: Iterable[Any], deadline: float) -> list[Any]:
+    """Wait for each process (a Popen or a forked child) until ``deadline`` (monotonic), and
+    SIGKILL the process group of each not ended by then; those it had to kill."""
+    killed = []
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+            killed.append(p)
+    return killed
 
 
 def _one_line(exc: BaseException) -> str:
