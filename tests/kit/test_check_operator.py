@@ -351,3 +351,22 @@ def test_a_black_hole_http_resource_is_bounded(tmp_path: Path) -> None:
     error = _one_line_error(done)
     assert "did not return within 10 s" in error or "Timeout" in error, error
     assert took < 25, took
+
+
+def test_no_password_in_an_http_clients_own_message(tmp_path: Path) -> None:
+    """httpx quotes the URL whole in its errors ("... for url 'http://user:hunter2@...'"): the
+    kit's one line shows none of its password."""
+    import http.server
+    import threading
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://user:hunter2@127.0.0.1:{server.server_address[1]}/x"
+        error = _one_line_error(
+            _run("--resource", url, "--time", "1", "--report", "r", cwd=tmp_path)
+        )
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert "hunter2" not in error and "HTTPStatusError" in error, error

@@ -286,7 +286,9 @@ def _worker_log(out: Path, name: str) -> Path:
     return out / f"worker-{name}.log"
 
 
-def _wait_ready(proc: Worker, log: Path, limit: float = 60.0) -> None:
+def _wait_ready(
+    proc: Worker, log: Path, limit: float = 60.0, urls: Sequence[str | None] = ()
+) -> None:
     """Until the worker says it has its signal handlers (a SIGUSR1 before that kills it)."""
     assert proc.stdout is not None
     with selectors.DefaultSelector() as sel:
@@ -297,7 +299,8 @@ def _wait_ready(proc: Worker, log: Path, limit: float = 60.0) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
         tail = log.read_text(errors="replace").strip().splitlines()
         raise CampaignError(
-            f"a worker did not start: {tail[-1] if tail else 'no output'} (see {log})"
+            f"a worker did not start: {_scrubbed(tail[-1], urls) if tail else 'no output'} "
+            f"(see {log})"
         )
 
 
@@ -356,6 +359,17 @@ def _host_port(url: str) -> tuple[str, int] | None:
 
 def _tcp(url: str) -> bool:
     return _host_port(url) is not None
+
+
+def _scrubbed(text: str, urls: Sequence[str | None]) -> str:
+    """``text`` (an error's message, a log's line: a client library's may quote a URL whole)
+    without the passwords of ``urls``."""
+    for url in urls:
+        with contextlib.suppress(ValueError):
+            password = urlsplit(url or "").password
+            if password:
+                text = text.replace(password, "***")
+    return text
 
 
 def _shown(url: str) -> str:
@@ -787,8 +801,9 @@ class LocksWorkload:
         except ConfigurationError:
             raise
         except Exception as exc:  # (any adapter's own error: one line, with its type)
+            said = _scrubbed(str(exc), [resource, source])
             raise CampaignError(
-                f"resource {_shown(resource)}: {type(exc).__name__}: {exc}"
+                f"resource {_shown(resource)}: {type(exc).__name__}: {said}"
             ) from exc
         keyring: Any = None
         if self.signing:
@@ -812,7 +827,7 @@ class LocksWorkload:
         # after the other, a loaded machine's start-ups added up to seconds before any fault).
         self.procs.extend(self._spawn(ready=False) for _ in range(self.workers))
         for p in self.procs:
-            _wait_ready(p, _worker_log(self.out, self.names[p.pid]))
+            _wait_ready(p, _worker_log(self.out, self.names[p.pid]), urls=self._urls)
 
     def _spawn(self, ready: bool = True) -> Worker:
         self.serial += 1
@@ -861,7 +876,7 @@ class LocksWorkload:
             self.to_resource[proc.pid] = resource_way
         self.names[proc.pid] = f"w{serial}"
         if ready:
-            _wait_ready(proc, _worker_log(out, f"w{serial}"))
+            _wait_ready(proc, _worker_log(out, f"w{serial}"), urls=self._urls)
         return proc
 
     # -- the nemesis ---------------------------------------------------------------------------
@@ -876,7 +891,8 @@ class LocksWorkload:
                 tail = (self.out / log_name).read_text(errors="replace").strip().splitlines()
                 raise CampaignError(
                     f"worker {self.names[p.pid]} exited with status {p.returncode}: "
-                    f"{tail[-1] if tail else 'no output'} (see {self.out / log_name})"
+                    f"{_scrubbed(tail[-1], self._urls) if tail else 'no output'} "
+                    f"(see {self.out / log_name})"
                 )
 
     def _holding(self, default: int) -> int:
@@ -999,6 +1015,11 @@ class LocksWorkload:
     # -- teardown and verdict ------------------------------------------------------------------
 
     @property
+    def _urls(self) -> list[str | None]:
+        """The URLs whose passwords no message of the kit shows."""
+        return [self.source, self.resource]
+
+    @property
     def io_limit(self) -> float:
         """Seconds a step at the resource may take (an HTTP request, an adapter's reset() or
         final(), a worker's last round once told to stop): past a resource pause (3 ttls)
@@ -1058,8 +1079,9 @@ class LocksWorkload:
         try:
             data, mark = _bounded(final, self.io_limit, "its final()")
         except Exception as exc:  # (the verdict says so: "run incomplete")
+            said = _scrubbed(str(exc), [self.resource, self.source])
             raise CampaignError(
-                f"the resource's final state could not be read: {type(exc).__name__}: {exc}"
+                f"the resource's final state could not be read: {type(exc).__name__}: {said}"
             ) from exc
         history.append("final", lock=self.lock, mark=mark, log=_log(data))
 

@@ -280,7 +280,7 @@ class HttpResource:
 
     def _refused(self, response: Any, token: FencingToken) -> None:
         if response.status_code == 409:
-            raise StaleTokenError(token, None, self.url)
+            raise StaleTokenError(token, None, redacted(self.url))
         response.raise_for_status()
 
     def reset(self) -> None:
