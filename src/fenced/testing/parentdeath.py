@@ -16,6 +16,7 @@ Elsewhere than Linux nothing is set.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from collections.abc import Sequence
 
@@ -51,12 +52,17 @@ def supported() -> bool:
     return sys.platform.startswith("linux")
 
 
-def argv(command: Sequence[str]) -> list[str]:
-    """``command`` run through the launcher: the same process (it execs the command: the same
+def argv(command: Sequence[str], *, other_user: bool = False) -> list[str]:
+    """``command`` run through a launcher: the same process (it execs the command: the same
     pid, signals reach it as before), SIGKILLed when this process's calling thread ends. (As
-    it is elsewhere than Linux.)"""
+    it is elsewhere than Linux.) ``other_user``: the command runs as another user, who may
+    not be allowed to run this interpreter: util-linux's ``setpriv --pdeathsig`` instead
+    (without the launcher's check that the parent is still there)."""
     if not supported():
         return list(command)
+    if other_user:
+        setpriv = shutil.which("setpriv")
+        return [setpriv, "--pdeathsig", "KILL", "--", *command] if setpriv else list(command)
     # (-S -E: no site, no PYTHON* variables: a start-up of a few milliseconds, whatever the
     # environment the command is given)
     return [sys.executable, "-S", "-E", "-c", _LAUNCHER, str(os.getpid()), *command]

@@ -157,7 +157,9 @@ class Server:
         process group of its own."""
         command = list(self.command())
         return subprocess.Popen(
-            parentdeath.argv(command) if self.die_with_parent else command,
+            parentdeath.argv(command, other_user=self.popen_user() is not None)
+            if self.die_with_parent
+            else command,
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
