@@ -63,6 +63,15 @@ def _state(pid: int) -> str:
         return ""  # gone
 
 
+def _started(pid: int) -> str:
+    """The process's start time (with its pid, who it is: a pid may be reused meanwhile)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
+
+
 def _wait(condition: object, limit: float, what: str) -> None:
     deadline = time.monotonic() + limit
     while not condition():  # type: ignore[operator]
@@ -106,11 +115,11 @@ def test_a_killed_or_hung_up_check_leaves_no_process_behind(
         str(tmp_path / "r"), cwd=tmp_path, env={"FENCED_CHECK_FORKSERVER": forkserver},
     )  # fmt: skip
     reaped.append(check.pid)
-    seen: set[int] = set()
+    seen: dict[int, str] = {}
 
     def a_worker_is_paused() -> bool:
         now = _descendants(check.pid)
-        seen.update(now)
+        seen.update({p: _started(p) for p in now if p not in seen})
         reaped.extend(now - set(reaped))
         return _accepts(port) and any(_state(p) == "T" for p in now)
 
@@ -120,12 +129,13 @@ def test_a_killed_or_hung_up_check_leaves_no_process_behind(
     os.kill(check.pid, sig)
     check.communicate(timeout=60)
 
-    def all_gone() -> bool:
-        return all(_state(p) in ("", "Z") for p in seen)
+    def left() -> list[int]:  # (still there, and still the process seen: not a reused pid)
+        return [p for p, t in seen.items() if _state(p) not in ("", "Z") and _started(p) == t]
 
-    _wait(
-        all_gone, 30, f"left behind: {[names.get(p) for p in seen if _state(p) not in ('', 'Z')]}"
-    )
+    def all_gone() -> bool:
+        return not left()
+
+    _wait(all_gone, 30, f"left behind: {[names.get(p) for p in left()]}")
     assert not _accepts(port)
 
 
