@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import threading
+import warnings
 from collections.abc import Callable
 
 import fenced
@@ -82,3 +84,36 @@ class CheckThenWrite(Adapter):
     def write(self, token: fenced.FencingToken | None, data: bytes) -> None:
         for step in self.write_steps(token, data):
             step()
+
+
+class CrashMidRun(Adapter):
+    """A client that takes its process down (tests/kit/test_check_operator.py): the 5th write
+    of a worker exits its process."""
+
+    writes = 0
+
+    def write(self, token: fenced.FencingToken, data: bytes) -> None:
+        CrashMidRun.writes += 1
+        if CrashMidRun.writes == 5:
+            os._exit(3)
+        super().write(token, data)
+
+
+class HangWrites(Adapter):
+    """A client whose writes never return once the first went through (a hung connection)."""
+
+    writes = 0
+
+    def write(self, token: fenced.FencingToken, data: bytes) -> None:
+        HangWrites.writes += 1
+        if HangWrites.writes > 1:
+            threading.Event().wait()  # (for ever: the kit must bound it, not the adapter)
+        super().write(token, data)
+
+
+class Warns(Adapter):
+    """A correct adapter on a deprecated client API: a DeprecationWarning at each write."""
+
+    def write(self, token: fenced.FencingToken, data: bytes) -> None:
+        warnings.warn("this client API is deprecated", DeprecationWarning, stacklevel=2)
+        super().write(token, data)

@@ -40,7 +40,8 @@ exit status (fenced's own outcomes never use 1, which commands use for their own
   2      usage or configuration error (bad option, URL, lock name, number; credentials the
          source refused; a source whose settings cannot keep fenced's promises)
   65     fenced check, fenced sim: a violation was found (an invariant of fencing did not
-         hold); fenced demo: the run did not behave as fencing should; check-token: the
+         hold), or the run was cut short by a part that died midway (run incomplete);
+         fenced demo: the run did not behave as fencing should; check-token: the
          token is invalid: malformed, never issued by the source, or not well signed;
          fenced group remove/add: the change was refused for safety (it would keep no member
          holding the acknowledged writes, or fewer than min_members); nothing changed

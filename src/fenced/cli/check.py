@@ -7,7 +7,9 @@ import functools
 import signal
 from collections.abc import Callable
 
+from .._core.backend import redacted
 from .._core.errors import ConfigurationError
+from .._core.paths import environment_url, read_url_file
 from .._core.token import validate_lock_name
 from ._common import (
     EXIT_INCONCLUSIVE,
@@ -53,10 +55,20 @@ def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
         ),
         formatter_class=_PlantsHelp,
     )
-    check_kit.add_argument(
+    where = check_kit.add_mutually_exclusive_group()
+    where.add_argument(
         "--source",
-        help="token source URL, or redis|etcd|postgresql|zookeeper to start one "
-        "(default: a private SQLite source of the campaign's own)",
+        help="token source URL, or redis|etcd|postgresql|zookeeper to start one (default: "
+        "$FENCED_URL, else the URL in the file $FENCED_URL_FILE, else a private SQLite source "
+        "of the campaign's own); other local users can read a command line: give a URL with "
+        "a password with --source-file or an environment variable",
+    )
+    where.add_argument(
+        "--source-file",
+        "--url-file",
+        metavar="FILE",
+        help="read the token source URL from FILE (one line; # comments): keeps a password "
+        "out of the process list; refused if the URL has a password and FILE is not mode 600",
     )
     check_kit.add_argument(
         "--resource",
@@ -142,6 +154,18 @@ def _count(text: str) -> int:
     return n
 
 
+def _source(args: argparse.Namespace) -> tuple[str | None, str]:
+    """The source: --source, --source-file, $FENCED_URL, $FENCED_URL_FILE (as the other
+    commands take theirs), else None (a private SQLite source); and where it came from when
+    the command line does not show it ("" otherwise)."""
+    if args.source:
+        return str(args.source), ""
+    if args.source_file:
+        return read_url_file(args.source_file, "--source-file"), f"--source-file {args.source_file}"
+    found = environment_url()
+    return found if found is not None else (None, "")
+
+
 def _shifted(tick: Callable[[float, str], None], offset: float, elapsed: float, what: str) -> None:
     tick(offset + elapsed, what)  # (a later round's progress: after the rounds before it)
 
@@ -155,6 +179,7 @@ def run(args: argparse.Namespace) -> int:
     if not 1 <= args.workers <= 64:
         raise ConfigurationError("--workers must be 1-64")
     validate_lock_name(args.lock)
+    source, origin = _source(args)
     plant_role(args.plant)  # an unknown plant: a usage error before anything starts
     # The workers' fork server, forked from this process before it has a thread (see there).
     start_fork_server()
@@ -165,6 +190,8 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, terminated)
     if args.time is None:
         args.time = DEFAULT_TIME * max(1.0, args.ttl)
+
+    signal.signal(signal.SIGHUP, terminated)  # (a closed terminal: clean up as for SIGTERM)
     progress = _progress_bar(args.time)
     # With a plant the run is a demonstration that the kit catches it: it stops at the first
     # violation, and a fault schedule that missed the plant's window gets another seed while
@@ -177,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
     with progress as tick:
         while True:
             result = run_campaign(
-                args.source,
+                source,
                 args.report,
                 resource=args.resource,
                 lock=args.lock,
@@ -233,5 +260,7 @@ def run(args: argparse.Namespace) -> int:
         first = result.first_violation_after
         when = f", the first {first:.1f} s in" if first is not None else ""
         out.print(f"[bold red]{len(result.violations)} violation(s){when}[/bold red]")
+    if origin:  # (a source the command line does not show: say which, without its password)
+        out.print(f"source: {redacted(str(source))} (from {origin})")
     out.print(f"report: {result.report}  history: {result.history}")
     return 0 if result.ok else EXIT_VIOLATION

@@ -212,8 +212,8 @@ class ForkServer:
     ) -> int:
         """Fork ``module.main(argv)`` with stdin, stdout and stderr ``fds``; its pid. With
         ``prelude`` (Python source), as ``python -c "PRELUDE; from MODULE import main;
-        sys.exit(main())" *argv``: the prelude runs first, in a fresh ``__main__``. The zygote
-        imports ``warm`` and ``module`` first, if it has not yet (another caller's zygote)."""
+        sys.exit(main(sys.argv[1:]))" *argv``: the prelude runs first, in a fresh ``__main__``.
+        The zygote imports ``warm`` and ``module`` first, if it has not yet (another caller's zygote)."""
         request = {"module": module, "argv": list(argv), "env": dict(env), "cwd": cwd}
         request["warm"] = list(warm)
         if prelude is not None:
@@ -297,7 +297,11 @@ def fork_this_process(warm: Sequence[str] = ()) -> bool:
             return True
         if threading.active_count() != 1:  # (a thread forked into a child is a lock held)
             return False
-        _zygotes[_HERE] = ForkServer(None, os.getcwd(), warm)
+        # This interpreter's flags (-W error, -X dev, -O...) would be every child's, and a
+        # ``python -m`` child has none: such a process forks no zygote of itself.
+        if subprocess._args_from_interpreter_flags():  # type: ignore[attr-defined]
+            return False
+        _zygotes[_HERE] = ForkServer(None, "", warm)  # (its cwd: this process's, whatever it is)
     return True
 
 
@@ -367,19 +371,24 @@ def popen(
     spawn, importing ``warm``), or a real exec when not :func:`enabled` (``opt_out``). The
     streams as Popen's: ``subprocess.PIPE``, ``DEVNULL``, ``STDOUT`` (stderr), a file, or None
     (this process's); ``text`` makes the pipes UTF-8 text. ``module`` must have ``main(argv)``.
-    With ``prelude``, as ``python -c "PRELUDE; from MODULE import main; sys.exit(main())"``."""
+    With ``prelude``, as ``python -c "PRELUDE; from MODULE import main;
+    sys.exit(main(sys.argv[1:]))"`` (``main(argv)`` in both ways)."""
     env = dict(os.environ if env is None else env)
-    cwd = os.path.abspath(cwd if cwd is not None else os.getcwd())
-    if not enabled(opt_out):
+    try:
+        where = os.path.abspath(cwd if cwd is not None else os.getcwd())
+    except FileNotFoundError:  # (this process's directory was deleted: a real exec starts in it)
+        where = ""
+    if not enabled(opt_out) or not where:
         command = ["-m", module] if prelude is None else [
-            "-c", f"import sys\n{prelude}\nfrom {module} import main\nsys.exit(main())"
+            "-c",
+            f"import sys\n{prelude}\nfrom {module} import main\nsys.exit(main(sys.argv[1:]))",
         ]  # fmt: skip
         return subprocess.Popen(
             [sys.executable, *command, *argv],
-            stdin=stdin, stdout=stdout, stderr=stderr, text=text, env=env, cwd=cwd,
+            stdin=stdin, stdout=stdout, stderr=stderr, text=text, env=env, cwd=where or None,
             start_new_session=True,
         )  # fmt: skip
-    zygote = server_for(env, cwd, warm=warm)
+    zygote = server_for(env, where, warm=warm)
     ours: list[int | None] = [None, None, None]  # (this process's ends of the pipes)
     theirs: list[int] = []
     opened: list[int] = []  # (to close here once the child has its copies)
@@ -402,7 +411,7 @@ def popen(
                 fd = stream.fileno()
             theirs.append(fd)
         fds = (theirs[0], theirs[1], theirs[2])
-        pid = zygote.spawn(module, argv, env, cwd, fds, prelude=prelude, warm=warm)
+        pid = zygote.spawn(module, argv, env, where, fds, prelude=prelude, warm=warm)
     except BaseException:
         for one in ours:
             if one is not None:
@@ -581,7 +590,8 @@ def _child(request: dict[str, Any], fds: list[int]) -> Callable[[], int]:
         except SystemExit as exc:
             code = exc.code
         except BaseException:
-            traceback.print_exc()
+            with contextlib.suppress(Exception):  # (a full disk under its log: still 1)
+                traceback.print_exc()
             return 1
         if code is None or isinstance(code, int):
             return code or 0
@@ -594,7 +604,7 @@ def _child(request: dict[str, Any], fds: list[int]) -> Callable[[], int]:
 def _forked_zygote(fd: int, warm: Sequence[str]) -> NoReturn:
     """The zygote forked from a parent process: as a ``python -m`` zygote, but it leaves by
     ``os._exit``, never through the parent's own frames and exit handlers."""
-    code = 0
+    code = 1  # (until the zygote, or its child's job, says otherwise)
     try:
         os.setsid()  # (a terminal's ^C is the parent's to handle)
         with open(os.devnull, "r+b") as devnull:
@@ -604,10 +614,10 @@ def _forked_zygote(fd: int, warm: Sequence[str]) -> NoReturn:
             signal.signal(sig, signal.SIG_DFL)  # (a fresh interpreter's, not the command's)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         job = _serve(fd, warm)
-        if job is not None:  # (a child, forked from here)
-            code = job()
+        code = 0 if job is None else job()  # (a job: a child, forked from here)
     except BaseException:
-        traceback.print_exc()
+        with contextlib.suppress(Exception):  # (its stderr may be a full disk's file)
+            traceback.print_exc()
         code = 1
     finally:
         for stream in (sys.stdout, sys.stderr):

@@ -23,7 +23,7 @@ from typing import IO, Final
 
 from fenced._core.backoff import Backoff
 
-from . import forkserver
+from . import forkserver, parentdeath
 
 __all__ = [
     "EtcdCluster",
@@ -109,6 +109,9 @@ class Server:
         self.proc: forkserver.Process | None = None
         self.log_path = self.dir / f"{self.name}.log"
         self.extra_env: dict[str, str] = {}  # added to its environment (the check kit's faketime)
+        # SIGKILLed when the thread that started it ends (fenced.testing.parentdeath): the check
+        # kit's servers, so a kill -9 of ``fenced check`` leaves none behind
+        self.die_with_parent = False
 
     # subclass hooks
     def command(self) -> Sequence[str]:
@@ -153,8 +156,11 @@ class Server:
     def spawn(self, log: IO[bytes]) -> forkserver.Process:
         """Start the server's process with stdout and stderr ``log``, stdin /dev/null, in a
         process group of its own."""
+        command = list(self.command())
         return subprocess.Popen(
-            list(self.command()),
+            parentdeath.argv(command, other_user=self.popen_user() is not None)
+            if self.die_with_parent
+            else command,
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,

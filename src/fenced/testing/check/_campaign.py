@@ -67,21 +67,30 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 from ..._core import clock as _clock
 from ..._core.backend import redacted
 from ..._core.errors import ConfigurationError
+from .. import parentdeath
 from ..proxy import TcpProxy
 from ..servers import python_env
 from . import _zygote
 from ._checkers import CHECKERS, Violation, check_all
-from ._engine import INCONCLUSIVE, Campaign, CampaignError, Fault, short_of_counts, undealt
+from ._engine import (
+    INCONCLUSIVE,
+    Campaign,
+    CampaignError,
+    Fault,
+    end_by,
+    short_of_counts,
+    undealt,
+)
 from ._history import Event, History
 from ._plants import PLANTS, SIGNING_PLANTS, plant_role, source_plant_server
 from ._report import write_report
-from ._resources import HttpResource, open_resource
+from ._resources import IO_TIMEOUT_ENV, HttpResource, open_resource
 from ._zygote import Worker
 
 __all__ = [
@@ -352,7 +361,9 @@ def _worker_log(out: Path, name: str) -> Path:
     return out / f"worker-{name}.log"
 
 
-def _wait_ready(proc: Worker, log: Path, limit: float = 60.0) -> None:
+def _wait_ready(
+    proc: Worker, log: Path, limit: float = 60.0, urls: Sequence[str | None] = ()
+) -> None:
     """Until the worker says it has its signal handlers (a SIGUSR1 before that kills it)."""
     assert proc.stdout is not None
     with selectors.DefaultSelector() as sel:
@@ -363,7 +374,8 @@ def _wait_ready(proc: Worker, log: Path, limit: float = 60.0) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
         tail = log.read_text(errors="replace").strip().splitlines()
         raise CampaignError(
-            f"a worker did not start: {tail[-1] if tail else 'no output'} (see {log})"
+            f"a worker did not start: {_scrubbed(tail[-1], urls) if tail else 'no output'} "
+            f"(see {log})"
         )
 
 
@@ -374,12 +386,13 @@ def faketime_library() -> str | None:
 
 def _via_proxy(url: str, proxies: list[TcpProxy]) -> str:
     """``url`` with its one host:port replaced by a new proxy's (appended to ``proxies``)."""
-    parts = urlsplit(url)
-    if not parts.hostname or not parts.port or "," in parts.netloc:
+    address = _host_port(url)
+    if address is None:
         raise ConfigurationError(
-            f"partition/delay need a source and resource at one host:port, not {url.split('?')[0]!r}"
+            f"partition/delay need a source and resource at one host:port, not {_shown(url)!r}"
         )
-    proxy = TcpProxy(parts.hostname, parts.port).start()
+    proxy = TcpProxy(*address).start()
+    parts = urlsplit(url)
     proxies.append(proxy)
     userinfo = parts.netloc.rsplit("@", 1)
     host = f"127.0.0.1:{proxy.port}"
@@ -408,9 +421,35 @@ def _worker_netns() -> list[str]:
     return names
 
 
+def _host_port(url: str) -> tuple[str, int] | None:
+    """The one host and port ``url`` names, or None (none, several, or a port that is no
+    number: ``etcd://a:1,b:2``)."""
+    try:
+        parts = urlsplit(url)
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        return None
+    return (host, port) if host and port and "," not in parts.netloc else None
+
+
 def _tcp(url: str) -> bool:
-    parts = urlsplit(url)
-    return bool(parts.hostname and parts.port) and "," not in parts.netloc
+    return _host_port(url) is not None
+
+
+def _scrubbed(text: str, urls: Sequence[str | None]) -> str:
+    """``text`` (an error's message, a log's line: a client library's may quote a URL whole)
+    without the passwords of ``urls``."""
+    for url in urls:
+        with contextlib.suppress(ValueError):
+            password = urlsplit(url or "").password
+            if password:
+                text = text.replace(password, "***")
+    return text
+
+
+def _shown(url: str) -> str:
+    """``url`` as a message may show it: no password, no query (fenced's ``redacted``)."""
+    return redacted(url).split("?")[0]
 
 
 def _start_engine(name: str, base: str, clock_file: Path | None) -> Any:
@@ -423,6 +462,7 @@ def _start_engine(name: str, base: str, clock_file: Path | None) -> Any:
         "zookeeper": servers.ZooKeeperServer,
     }
     made = kinds[name](base)
+    made.die_with_parent = True  # (a kill -9 of the kit leaves no server behind)
     if clock_file is not None:
         made.extra_env = _faketime_env(clock_file)
     return made.start()
@@ -486,12 +526,12 @@ class _ResourceProcess:
         self.argv = shlex.split(cmd) if isinstance(cmd, str) else list(cmd)
         if not self.argv:
             raise ConfigurationError("--resource-cmd: no command given")
-        parts = urlsplit(url)
-        if not parts.hostname or not parts.port:
+        address = _host_port(url)
+        if address is None:
             raise ConfigurationError(
-                f"--resource-cmd needs --resource at one host:port, not {url.split('?')[0]!r}"
+                f"--resource-cmd needs --resource at one host:port, not {_shown(url)!r}"
             )
-        self.address = (parts.hostname, parts.port)
+        self.address = address
         self.log = log
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -506,7 +546,8 @@ class _ResourceProcess:
         with open(self.log, "ab") as log:
             try:
                 self.proc = subprocess.Popen(
-                    self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                    # (SIGKILLed if the kit dies, even by SIGKILL: none left on the port)
+                    parentdeath.argv(self.argv), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                     start_new_session=True,  # its own process group: signals reach it alone
                 )  # fmt: skip
             except OSError as exc:
@@ -550,6 +591,51 @@ class _ResourceProcess:
         except subprocess.TimeoutExpired:
             self.signal(signal.SIGKILL)
             self.proc.wait()
+
+
+def _last_step(path: Path, name: str) -> str:
+    """Worker ``name``'s last event in the history, as a verdict names it."""
+    last: Any = None
+    with contextlib.suppress(OSError), open(path, "rb") as f:
+        for line in f:
+            if f'"worker":"{name}"'.encode() in line:
+                with contextlib.suppress(ValueError):
+                    last = json.loads(line)
+    if last is None:
+        return "none"
+    step = f"{last['op']} (token {last['token']})" if "token" in last else str(last["op"])
+    where = {
+        "read": ": hung in its write",
+        "grant": ": hung in its read",
+        "release": ": waiting for the lock",
+    }
+    return step + where.get(last["op"], "")
+
+
+T = TypeVar("T")
+
+
+def _bounded(call: Callable[[], T], limit: float, what: str) -> T:
+    """``call()`` (made in a thread of its own), or a CampaignError naming ``what`` if it
+    has not returned within ``limit`` seconds (the thread is left to its fate: a user's
+    adapter may hang for ever, the run may not)."""
+    box: list[tuple[bool, Any]] = []
+
+    def run() -> None:
+        try:
+            box.append((True, call()))
+        except BaseException as exc:  # (raised below, in the caller's thread)
+            box.append((False, exc))
+
+    thread = threading.Thread(target=run, name="fenced-check-bounded", daemon=True)
+    thread.start()
+    thread.join(limit)
+    if not box:
+        raise CampaignError(f"{what} did not return within {limit:g} s")
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value  # type: ignore[no-any-return]
 
 
 def _stall_victim(pid: int, name: str, tail: _Tail, limit: float) -> Any:
@@ -733,7 +819,9 @@ class LocksWorkload:
         self.scratch = scratch = tempfile.mkdtemp(prefix="fenced-check-")
         nemesis, source, plant = self.nemeses, self.source, self.plant
         if self.role == "source":
-            self.server = source_plant_server(plant, scratch).start()
+            self.server = source_plant_server(plant, scratch)
+            self.server.die_with_parent = True  # (a kill -9 of the kit leaves no server behind)
+            self.server.start()
             source = (
                 # The planted mistake made on purpose: fenced refuses a Redis without AOF unless
                 # told to accept that tokens may be reused.
@@ -780,23 +868,29 @@ class LocksWorkload:
             self.served.start()
         if set(nemesis) & _NEEDS_TCP and not _tcp(source):
             raise ConfigurationError(
-                f"partition/delay need a source at one host:port, not {source.split('?')[0]!r}"
+                f"partition/delay need a source at one host:port, not {_shown(source)!r}"
             )
         from ..._core import sync as _sync
 
         with _sync.connect(source, connect_timeout=30):  # a bad source: a typed error, now
             pass
-        try:
-            made = open_resource(resource, self.lock)
+
+        def reset() -> None:
+            made = open_resource(resource, self.lock, timeout=self.io_limit)
             try:
                 made.reset()
             finally:
                 made.close()
+
+        try:
+            _bounded(reset, self.io_limit, f"resource {_shown(resource)}: its reset()")
         except ConfigurationError:
             raise
         except Exception as exc:  # (any adapter's own error: one line, with its type)
-            shown = resource.split("?")[0]
-            raise CampaignError(f"resource {shown}: {type(exc).__name__}: {exc}") from exc
+            said = _scrubbed(str(exc), [resource, source])
+            raise CampaignError(
+                f"resource {_shown(resource)}: {type(exc).__name__}: {said}"
+            ) from exc
         keyring: Any = None
         if self.signing:
             from ..._core.signing import Keyring, generate_key, key_text
@@ -807,16 +901,19 @@ class LocksWorkload:
             self.key_file.chmod(0o600)
             keyring = Keyring([self.key], source_id=_SOURCE_ID)
         if {"forge", "impostor"} & set(nemesis):
-            self.forger = open_resource(resource, self.lock, keyring)
+            self.forger = open_resource(resource, self.lock, keyring, timeout=self.io_limit)
         self.env = python_env()
-        self.env["PYTHONPATH"] = os.pathsep.join(
-            filter(None, [self.env.get("PYTHONPATH"), os.getcwd()])
-        )
+        self.env[IO_TIMEOUT_ENV] = f"{self.io_limit:g}"  # (an HTTP resource's bound, in workers)
+        try:
+            here = os.getcwd()
+        except FileNotFoundError:  # (a deleted directory: nothing to import from there)
+            here = ""
+        self.env["PYTHONPATH"] = os.pathsep.join(filter(None, [self.env.get("PYTHONPATH"), here]))
         # Started together, then each waited for: a Python start-up each, side by side (one
         # after the other, a loaded machine's start-ups added up to seconds before any fault).
         self.procs.extend(self._spawn(ready=False) for _ in range(self.workers))
         for p in self.procs:
-            _wait_ready(p, _worker_log(self.out, self.names[p.pid]))
+            _wait_ready(p, _worker_log(self.out, self.names[p.pid]), urls=self._urls)
 
     def _spawn(self, ready: bool = True) -> Worker:
         self.serial += 1
@@ -848,7 +945,7 @@ class LocksWorkload:
 
                 ns = self.netns[(serial - 1) % len(self.netns)]
                 proc: Worker = subprocess.Popen(
-                    [str(_ip_binary()), "netns", "exec", ns, *argv],
+                    parentdeath.argv([str(_ip_binary()), "netns", "exec", ns, *argv]),
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     stderr=log,
@@ -865,7 +962,7 @@ class LocksWorkload:
             self.to_resource[proc.pid] = resource_way
         self.names[proc.pid] = f"w{serial}"
         if ready:
-            _wait_ready(proc, _worker_log(out, f"w{serial}"))
+            _wait_ready(proc, _worker_log(out, f"w{serial}"), urls=self._urls)
         return proc
 
     # -- the nemesis ---------------------------------------------------------------------------
@@ -880,7 +977,8 @@ class LocksWorkload:
                 tail = (self.out / log_name).read_text(errors="replace").strip().splitlines()
                 raise CampaignError(
                     f"worker {self.names[p.pid]} exited with status {p.returncode}: "
-                    f"{tail[-1] if tail else 'no output'} (see {self.out / log_name})"
+                    f"{_scrubbed(tail[-1], self._urls) if tail else 'no output'} "
+                    f"(see {self.out / log_name})"
                 )
 
     def _holding(self, default: int) -> int:
@@ -1004,8 +1102,23 @@ class LocksWorkload:
 
     # -- teardown and verdict ------------------------------------------------------------------
 
-    def _stop_workers(self) -> None:
+    @property
+    def _urls(self) -> list[str | None]:
+        """The URLs whose passwords no message of the kit shows."""
+        return [self.source, self.resource]
+
+    @property
+    def io_limit(self) -> float:
+        """Seconds a step at the resource may take (an HTTP request, an adapter's reset() or
+        final(), a worker's last round once told to stop): past a resource pause (3 ttls)
+        and a delayed write (1.5 ttls), with room for a loaded machine."""
+        return 10 * self.ttl + 5
+
+    def _stop_workers(self) -> list[str]:
+        """Stop the workers; what hung: each worker that did not end its round within
+        :attr:`io_limit` of being told to (killed), with its last step in the history."""
         ttl = self.ttl
+        hung: list[str] = []
         for t in self.stalls:
             t.join(10 * ttl + 10)
         self.stalls = []
@@ -1020,12 +1133,13 @@ class LocksWorkload:
         for p in self.procs:
             if p.stdin is not None:
                 p.stdin.close()  # finish the current round and stop
-        for p in self.procs:
-            try:
-                p.wait(30 * ttl + 30)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        deadline = time.monotonic() + self.io_limit  # (one bound for all: they end side by side)
+        for p in end_by(self.procs, deadline):
+            name = self.names[p.pid]
+            hung.append(
+                f"worker {name} did not end its round within {self.io_limit:g} s of the "
+                f"run's end (killed); its last step: {_last_step(self.path, name)}"
+            )
         for ways in self.proxies.values():
             for proxy in ways:
                 proxy.close()
@@ -1036,14 +1150,27 @@ class LocksWorkload:
         if self.forger_history is not None:
             self.forger_history.close()
             self.forger_history = None
+        return hung
 
     def settle(self, history: History) -> None:
-        self._stop_workers()
-        final = open_resource(self.resource, self.lock)
+        hung = self._stop_workers()
+        for why in hung:  # (the verdict says what hung: "run incomplete")
+            history.append("aborted", why=why)
+
+        def final() -> tuple[bytes | None, int | None]:
+            made = open_resource(self.resource, self.lock, timeout=self.io_limit)
+            try:
+                return made.final()
+            finally:
+                made.close()
+
         try:
-            data, mark = final.final()
-        finally:
-            final.close()
+            data, mark = _bounded(final, self.io_limit, "its final()")
+        except Exception as exc:  # (the verdict says so: "run incomplete")
+            said = _scrubbed(str(exc), [self.resource, self.source])
+            raise CampaignError(
+                f"the resource's final state could not be read: {type(exc).__name__}: {said}"
+            ) from exc
         history.append("final", lock=self.lock, mark=mark, log=_log(data))
 
     def close(self) -> None:
@@ -1143,7 +1270,7 @@ def run_campaign(
     ends first fails ("counts not reached") unless it already found a violation."""
     out = Path(out)
     options = {
-        "source": _shown(source), "resource": _shown(resource), "resource_cmd": _shown_cmd(
+        "source": _recorded(source), "resource": _recorded(resource), "resource_cmd": _shown_cmd(
             resource_cmd), "lock": lock, "workers": workers, "seconds": seconds, "ttl": ttl,
         "plant": plant, "signing": signing, "stop_at_first": stop_at_first, "faults": faults,
         "writes": writes,
@@ -1159,7 +1286,7 @@ def run_campaign(
     return campaign.run()
 
 
-def _shown(url: str | None) -> str | None:
+def _recorded(url: str | None) -> str | None:
     """A URL as the history and the report record it: its password never."""
     return url if not url else redacted(url)
 

@@ -26,6 +26,7 @@ __all__ = [
     "no_token_granted_twice",
     "only_granted_tokens_accepted",
     "something_was_checked",
+    "the_run_completed",
     "tokens_never_decrease_in_acceptance_order",
 ]
 
@@ -361,9 +362,22 @@ CHECKERS: dict[str, Checker] = {
 }
 
 
+def the_run_completed(history: list[Event]) -> list[Violation]:
+    """The run was not cut short by a part that died under it (a worker's process, the fork
+    server, the resource: an ``aborted`` event says which): a run that tested less than it set
+    out to never passes, whatever the other checkers found in what did run."""
+    return [
+        Violation("run incomplete", str(e["why"]), (e,)) for e in history if e["op"] == "aborted"
+    ]
+
+
 def check_all(
     history: list[Event],
     checkers: Mapping[str, Checker] = CHECKERS,
 ) -> list[Violation]:
-    """Every violation ``checkers`` (the locks workload's by default) find in ``history``."""
-    return [v for checker in checkers.values() for v in checker(history)]
+    """Every violation ``checkers`` (the locks workload's by default) find in ``history``, and
+    an incomplete run's (:func:`the_run_completed`, whatever the workload)."""
+    found = [v for checker in checkers.values() for v in checker(history)]
+    if the_run_completed not in checkers.values():
+        found += the_run_completed(history)
+    return found

@@ -9,19 +9,33 @@ processes and servers, how each fault is aimed and struck, its final state and i
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import os
 import random
+import signal
+import subprocess
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from ..._core.errors import ConfigurationError
 from ._checkers import Checker, Violation
 from ._history import Event, History, read_history
 
-__all__ = ["INCONCLUSIVE", "Campaign", "CampaignError", "Fault", "Workload", "undealt"]
+__all__ = [
+    "INCONCLUSIVE",
+    "REPORT_MARK",
+    "Campaign",
+    "CampaignError",
+    "Fault",
+    "Workload",
+    "end_by",
+    "prepare_report_dir",
+    "undealt",
+]
 
 R = TypeVar("R")
 R_co = TypeVar("R_co", covariant=True)
@@ -134,6 +148,58 @@ def undealt(
     ]
 
 
+REPORT_MARK = ".fenced-check"
+"""The file a campaign leaves in its report directory: the kit made it, so a later run may
+replace what an earlier one wrote there."""
+# What a run writes in its report directory (and replaces when it is there).
+_WRITES = ("history.jsonl", "report.html", "resource.db*", "resource.log", "worker-*.log", "stop")
+
+
+def prepare_report_dir(out: Path) -> None:
+    """Make the report directory ``out``, or take one an earlier run made: never one holding
+    a file a run would replace that no run of the kit made (a user's ``resource.db`` or
+    ``report.html``); a file, or a path that cannot be made, is a one-line error."""
+    if out.exists() and not out.is_dir():
+        raise ConfigurationError(f"--report {out}: not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigurationError(f"--report {out}: cannot make it: {exc.strerror}") from None
+    mark = out / REPORT_MARK
+    if mark.exists():
+        return
+    theirs = sorted(p.name for pattern in _WRITES for p in out.glob(pattern))
+    if theirs:
+        raise ConfigurationError(
+            f"--report {out}: it holds {', '.join(theirs[:3])}, which a run would replace, and "
+            "no run of fenced check made it: give a new or empty directory"
+        )
+    try:
+        mark.write_text("made by fenced check: a later run replaces its history and report\n")
+    except OSError as exc:
+        raise ConfigurationError(f"--report {out}: cannot write in it: {exc.strerror}") from None
+
+
+def end_by(procs: Iterable[Any], deadline: float) -> list[Any]:
+    """Wait for each process (a Popen or a forked child) until ``deadline`` (monotonic), and
+    SIGKILL the process group of each not ended by then; those it had to kill."""
+    killed = []
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+            killed.append(p)
+    return killed
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or "(no message)"
+    return f"{type(exc).__name__}: {text}" if not isinstance(exc, ConfigurationError) else text
+
+
 class Campaign(Generic[R]):
     """Runs ``workload`` for ``seconds`` under the nemesis drawn from ``seed`` (the same seed,
     the same schedule), writing ``out/history.jsonl``. ``progress(elapsed, what)`` is called
@@ -178,17 +244,26 @@ class Campaign(Generic[R]):
 
     def run(self) -> R:
         w = self.workload
-        self.out.mkdir(parents=True, exist_ok=True)
+        prepare_report_dir(self.out)
         self.path.unlink(missing_ok=True)
         rng = random.Random(self.seed)
         start = time.monotonic()
         history = History(self.path, "nemesis")
         try:
             w.setup(self.path)
-            # (``seconds`` of faults, counted once the workers are up: starting servers and
-            # processes takes seconds of its own on a loaded machine)
-            self._nemesis(history, rng, time.monotonic())
-            w.settle(history)
+            # A part that dies once the run is under way (a worker's process, the fork server,
+            # the resource) ends it with a verdict, not an error: what ran is judged, and the
+            # history says why it ended early ("run incomplete": it never passes).
+            try:
+                # (``seconds`` of faults, counted once the workers are up: starting servers and
+                # processes takes seconds of its own on a loaded machine)
+                self._nemesis(history, rng, time.monotonic())
+            except Exception as exc:
+                history.append("aborted", why=f"during the faults: {_one_line(exc)}")
+            try:
+                w.settle(history)
+            except Exception as exc:
+                history.append("aborted", why=f"at the end of the run: {_one_line(exc)}")
         finally:
             try:
                 w.close()

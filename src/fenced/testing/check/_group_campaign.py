@@ -33,7 +33,6 @@ import re
 import selectors
 import shutil
 import signal
-import subprocess
 import tempfile
 import time
 import warnings
@@ -48,7 +47,7 @@ from ..proxy import TcpProxy
 from ..servers import EtcdServer, PostgresServer, RedisServer, Server, ZooKeeperServer, python_env
 from . import _zygote
 from ._checkers import Checker, Violation
-from ._engine import Campaign, CampaignError, Fault, short_of_counts, undealt
+from ._engine import Campaign, CampaignError, Fault, end_by, short_of_counts, undealt
 from ._group_checkers import check_group, operations
 from ._group_worker import ConfigLog, make_members
 from ._history import Event, History, read_history
@@ -230,13 +229,7 @@ class Workers:
         for p in self.procs.values():
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGCONT)
-        for p in self.procs.values():
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        end_by(self.procs.values(), deadline)
 
 
 def final_state(cluster: GroupCluster, out: Path, attempts: int = 20) -> None:

@@ -37,6 +37,7 @@ With no URL the kit uses an embedded SQLite file in the report directory.
 from __future__ import annotations
 
 import importlib
+import os
 import sqlite3
 import warnings
 from collections.abc import Callable
@@ -262,13 +263,19 @@ class HttpResource:
     ``PUT URL`` writes (2xx accepted, 409 refused as stale), each with the token; ``DELETE
     URL`` resets; a ``Fenced-High-Water`` response header, if sent, is the mark."""
 
-    def __init__(self, url: str, lock: str, verify: TokenVerifier | None = None) -> None:
+    def __init__(
+        self, url: str, lock: str, verify: TokenVerifier | None = None, timeout: float | None = None
+    ) -> None:
         import httpx
 
         self.url = url
+        # A request's bound: the campaign's (derived from its ttl: $FENCED_CHECK_IO_TIMEOUT in
+        # its workers), else 30 s; a black hole then ends a run, not hangs it.
+        if timeout is None:
+            timeout = float(os.environ.get(IO_TIMEOUT_ENV) or 30)
         # (for http://, no CA bundle read: ~30 ms of CPU in each worker that opens one)
         plain = urlsplit(url).scheme.lower() == "http"
-        self.client = httpx.Client(timeout=30, verify=tls_context("http") if plain else True)
+        self.client = httpx.Client(timeout=timeout, verify=tls_context("http") if plain else True)
         self._mark: int | None = None
 
     def _headers(self, token: FencingToken) -> dict[str, str]:
@@ -276,7 +283,7 @@ class HttpResource:
 
     def _refused(self, response: Any, token: FencingToken) -> None:
         if response.status_code == 409:
-            raise StaleTokenError(token, None, self.url)
+            raise StaleTokenError(token, None, redacted(self.url))
         response.raise_for_status()
 
     def reset(self) -> None:
@@ -340,11 +347,18 @@ def _takes_argument(factory: Callable[..., Any]) -> bool:
     return any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
 
 
-def open_resource(spec: str, lock: str, verify: TokenVerifier | None = None) -> Resource:
+IO_TIMEOUT_ENV = "FENCED_CHECK_IO_TIMEOUT"
+"""Seconds an HTTP resource's request may take in a campaign's worker (the campaign sets it)."""
+
+
+def open_resource(
+    spec: str, lock: str, verify: TokenVerifier | None = None, *, timeout: float | None = None
+) -> Resource:
     """The resource a URL names (see the module docstring), its guard verifying token
     signatures with ``verify`` when given (an HTTP service verifies for itself, a ``python:``
-    adapter as it likes). Raises :class:`~fenced.ConfigurationError` for a URL it does not
-    know."""
+    adapter as it likes); an HTTP resource's requests bounded by ``timeout`` seconds (default:
+    ``$FENCED_CHECK_IO_TIMEOUT``, else 30). Raises :class:`~fenced.ConfigurationError` for a
+    URL it does not know."""
     scheme = urlsplit(spec).scheme.lower()
     if spec.startswith("python:"):
         return _python(spec, lock)
@@ -353,7 +367,7 @@ def open_resource(spec: str, lock: str, verify: TokenVerifier | None = None) -> 
 
         return PlantedSQLite(spec, lock, verify)
     if scheme in ("http", "https"):
-        return HttpResource(spec, lock, verify)
+        return HttpResource(spec, lock, verify, timeout)
     from ...guards.registry import parse_guard_url
 
     if scheme not in _DEPRECATED_SQL and scheme not in _kit_schemes():

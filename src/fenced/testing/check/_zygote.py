@@ -10,10 +10,12 @@ starts workers with ``subprocess.Popen`` instead.
 
 from __future__ import annotations
 
-import functools
 import os
+import subprocess
+from collections.abc import Mapping, Sequence
+from typing import IO
 
-from .. import forkserver
+from .. import forkserver, parentdeath
 from ..forkserver import Child, forked
 
 __all__ = ["FORKSERVER_ENV", "WARM", "Child", "Worker", "forked", "spawn", "start_fork_server"]
@@ -40,7 +42,17 @@ def start_fork_server() -> bool:
     return forkserver.fork_this_process(("fenced.testing.check._worker", *WARM))
 
 
-spawn = functools.partial(forkserver.spawn, opt_out=FORKSERVER_ENV, warm=WARM)
-"""``spawn(module, argv, *, env, stderr, stdin_pipe)``: worker ``python -m module *argv`` in a
-process group of its own (its stdout a pipe), forked by this process's zygote (started at the
-first spawn), or by ``subprocess.Popen`` when ``FENCED_CHECK_FORKSERVER=0``."""
+def spawn(
+    module: str, argv: Sequence[str], *, env: Mapping[str, str], stderr: IO[bytes],
+    stdin_pipe: bool,
+) -> Worker:  # fmt: skip
+    """Worker ``python -m module *argv`` in a process group of its own (its stdout a pipe, its
+    stdin a pipe or /dev/null), forked by this process's zygote (started at the first spawn), or
+    by ``subprocess.Popen`` when ``FENCED_CHECK_FORKSERVER=0``. Either way it is SIGKILLed when
+    its parent dies (:mod:`fenced.testing.parentdeath`): a worker the nemesis stopped is not
+    left stopped for ever by a kill -9 of the kit."""
+    return forkserver.popen(
+        module, argv, env=env, stdin=subprocess.PIPE if stdin_pipe else subprocess.DEVNULL,
+        stdout=subprocess.PIPE, stderr=stderr, opt_out=FORKSERVER_ENV, warm=WARM,
+        prelude=parentdeath.PRELUDE if parentdeath.supported() else None,
+    )  # fmt: skip
