@@ -511,6 +511,7 @@ def _takeover(
     after: float,
     restart: Callable[[], None] | None,
     read_first: bool = False,
+    successors: Sequence[int] = (),
 ) -> None:
     """The ``race`` and ``resource-restart`` nemeses: stop the victim before its write, hold
     every other worker's way to the resource, wait for a successor's grant (``race``) or its
@@ -518,7 +519,12 @@ def _takeover(
     victim's write go and, ``after`` seconds after it reached the resource (``race``) or once
     it was answered, the others' held requests. ``read_first`` (a ``race`` the other way
     round): nothing is held; the victim goes on as soon as its successor's read was answered,
-    so its write lands between that read and the successor's write."""
+    so its write lands between that read and the successor's write. ``successors`` (the other
+    workers' pids, ``resource-restart`` only): the restart comes instead after the successor's
+    fenced read and before its write (each of them stops itself before its next write; the one
+    granted does, after its read): a mark that only a read raised must survive the restart (a
+    mark rebuilt from the data at start-up lets the stale write in, and the successor's write
+    then loses it)."""
     limit = 4 * ttl + 2
     stalled = _stall_victim(victim.pid, name, tail, limit)
     if stalled is None:
@@ -535,6 +541,14 @@ def _takeover(
             for p in others:  # (before any successor can send its read)
                 p.partition()
             successor = tail.wait(lambda e: e["op"] == "grant" and e["token"] > token, limit)
+        elif successors:
+            for pid in successors:  # (the victim holds the lock: none is in its write yet)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGUSR1)
+            tail.wait(lambda e: e["op"] == "stalled" and e["token"] > token, limit)
+            for p in others:  # (the victim's write is the first the restarted resource hears)
+                p.partition()
+            restart()
         else:
             tail.wait(lambda e: e["op"] == "write" and e["token"] > token and e["ok"], limit)
             for p in others:  # (the victim's write is the first the restarted resource hears)
@@ -553,6 +567,10 @@ def _takeover(
             p.heal()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(victim.pid, signal.SIGCONT)
+        for pid in successors:  # (the stalls not taken are taken back; the one taken goes on)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGUSR2)
+                os.killpg(pid, signal.SIGCONT)
     if successor is not None:  # its round ends before the next fault (which may stall it)
         who = successor["worker"]
         tail.wait(lambda e: e["op"] in ("write", "releasing") and e["worker"] == who, limit)
@@ -634,6 +652,7 @@ class LocksWorkload:
         self.forger: Any = None
         self.forger_history: History | None = None
         self.forged = 0
+        self.restarts = 0  # resource-restarts struck (odd ones: after the successor's read)
         self.key: Any = None
         self.key_file: Path | None = None
         self.proxies: dict[int, list[TcpProxy]] = {}  # worker pid -> its ways to source, resource
@@ -871,7 +890,16 @@ class LocksWorkload:
             mine = to_resource.get(victim.pid)
             others = [w for pid, w in to_resource.items() if pid != victim.pid]
             restart = served.restart if kind == "resource-restart" and served else None
-            _takeover(victim, names[victim.pid], others, mine, _Tail(path), ttl, after, restart)
+            # Every other resource-restart (the first too) lands between the successor's
+            # fenced read and its write; the rest after its acknowledged write.
+            successors: list[int] = []
+            self.restarts += restart is not None
+            if restart is not None and self.restarts % 2 == 1:
+                successors = [p.pid for p in procs if p.pid != victim.pid]
+            _takeover(
+                victim, names[victim.pid], others, mine, _Tail(path), ttl, after, restart,
+                successors=successors,
+            )  # fmt: skip
             if kind == "race":  # and the other way round, on whoever holds it next
                 nxt = procs[self._holding(i)]
                 _takeover(nxt, names[nxt.pid], [], None, _Tail(path), ttl, after, None, True)
