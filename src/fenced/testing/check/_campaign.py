@@ -7,7 +7,9 @@ The nemesis, on a schedule drawn from ``seed`` (the same seed, the same schedule
 - ``pause``: SIGSTOP a worker's process group for 1.2-3 ttls, anywhere in its loop;
 - ``stall``: the worker stops itself inside its critical section, between its read and its
   guarded write (DDIA's GC pause), until a successor has been granted the lock, and a
-  moment more: its late write lands inside the successor's round;
+  moment more: its late write lands inside the successor's round. With a ``python:``
+  adapter's one-step write, every other stall lands inside that write instead and is stepped
+  C call by C call until the successor's fenced read is answered (``_worker.InWrite``);
 - ``kill``: SIGKILL a worker; a replacement starts;
 - ``partition``: cut one worker off the source and the resource for 1.2-3 ttls (its own
   :class:`~fenced.testing.proxy.TcpProxy` on each path reached over TCP);
@@ -28,13 +30,16 @@ The nemesis, on a schedule drawn from ``seed`` (the same seed, the same schedule
   First the holder stops itself before its write; every other worker's way to the resource
   is held (its own proxy); once a successor is granted, the old holder goes on, and as soon
   as its write has reached the resource, the successor's held fenced read is let through
-  after it: a resource whose check and write are two steps lets the read in between. Then
+  after it (0.07-1 ms in every other race, the first too: at the same instant; else 2-30 ms):
+  a resource whose check and write are two steps lets the read in between. Then
   the next holder stops before its write and goes on as soon as its successor's read was
   answered: its write lands between that read and the successor's write (an unfenced read);
 - ``resource-restart`` (``resource_cmd``): kill -9 the user's resource process and start it
   again on the same data, with a stale writer ready: a holder stopped before its write, a
-  successor's write acknowledged, the others held until the old holder's write is in. A mark
-  kept only in memory lets that write in;
+  successor's fenced read answered and the successor stopped before its write (every other
+  restart, the first too: a mark rebuilt from the data forgets what only a read raised) or
+  its write acknowledged, the others held until the old holder's write is in. A mark kept
+  only in memory lets that write in;
 - ``resource-pause``: SIGSTOP the resource process for 1.2-3 ttls;
 - ``resource-partition``, ``resource-delay``: hold (or delay by 1.5 ttls) every worker's way
   to the resource for 1.2-3 ttls.
