@@ -30,7 +30,7 @@ The nemesis, on a schedule drawn from ``seed`` (the same seed, the same schedule
   First the holder stops itself before its write; every other worker's way to the resource
   is held (its own proxy); once a successor is granted, the old holder goes on, and as soon
   as its write has reached the resource, the successor's held fenced read is let through
-  after it (0.07-1 ms in every other race, the first too: at the same instant; else 2-30 ms):
+  after it (2-30 ms; in every other race, the second first, 0.07-1 ms: at the same instant):
   a resource whose check and write are two steps lets the read in between. Then
   the next holder stops before its write and goes on as soon as its successor's read was
   answered: its write lands between that read and the successor's write (an unfenced read);
@@ -682,7 +682,7 @@ class LocksWorkload:
         self.forger_history: History | None = None
         self.forged = 0
         self.restarts = 0  # resource-restarts struck (odd ones: after the successor's read)
-        self.races = 0  # races struck (odd ones: at the same instant)
+        self.races = 0  # races struck (even ones: at the same instant)
         self.key: Any = None
         self.key_file: Path | None = None
         self.proxies: dict[int, list[TcpProxy]] = {}  # worker pid -> its ways to source, resource
@@ -927,11 +927,12 @@ class LocksWorkload:
             if restart is not None and self.restarts % 2 == 1:
                 successors = [p.pid for p in procs if p.pid != victim.pid]
             self.races += kind == "race"
-            if kind == "race" and self.races % 2 == 1:
-                # The first race (and every other): the successor's read at the same instant
+            if kind == "race" and self.races % 2 == 0:
+                # The second race (and every other): the successor's read at the same instant
                 # (0.07-1 ms after the stale write), inside a check-then-write with no gap to
                 # speak of (two transactions back to back: measured 13% of such pairs land
-                # in between, 0% at the 2-30 ms of the others, which wide gaps need).
+                # in between, 0% at the 2-30 ms of the first, which an 80 ms gap needs: the
+                # read sent 1 ms behind can be handled before the write's check).
                 after /= 30
             _takeover(
                 victim, names[victim.pid], others, mine, _Tail(path), ttl, after, restart,
