@@ -1,6 +1,6 @@
 """A small inventory service that fences its writers with the ``Fencing-Token`` header, written
 with the standard library only (``http.server`` and ``sqlite3``), as a user of fenced would
-write it — and with six realistic bugs you can switch on, one at a time, to watch
+write it — and with seven realistic bugs you can switch on, one at a time, to watch
 ``fenced check`` find them in a process it knows nothing about:
 
     python examples/inventory_service.py --port 8000 --db /tmp/inventory.db [--bug NAME]
@@ -28,7 +28,10 @@ row of the same database, so it survives a kill -9 with the data it guards.
 - ``unfenced-reads``: reads check no token and leave the mark alone;
 - ``lock-ignored``: the token's lock name is not compared, only its value: a holder of another
   lock (or a client that made one up) moves the mark, and the rightful holder is refused;
-- ``tokenless-ok``: a write without a ``Fencing-Token`` is written unchecked.
+- ``tokenless-ok``: a write without a ``Fencing-Token`` is written unchecked;
+- ``mark-from-data``: the mark is a variable of the process, rebuilt at start-up from the
+  writer's token stored next to each item: a fenced read raised it but wrote nothing, so a
+  restart between a newer holder's read and its write lowers it, and a stale write gets in.
 """
 
 from __future__ import annotations
@@ -42,8 +45,8 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 BUGS = (
-    "string-tokens", "mark-in-memory", "check-then-write", "unfenced-reads", "lock-ignored",
-    "tokenless-ok",
+    "string-tokens", "mark-in-memory", "check-then-write", "unfenced-reads", "mark-from-data",
+    "lock-ignored", "tokenless-ok",
 )  # fmt: skip
 VALUE = re.compile(r"[1-9][0-9]{0,18}")  # a token's value, after "<lock>:" (a signature not used)
 
@@ -56,10 +59,17 @@ class Inventory:
     def __init__(self, db: str, bug: str = "", gap: float = 0.08, lock: str = "counter") -> None:
         self.db, self.bug, self.gap, self.lock = db, bug, gap, lock
         self.memory: dict[str, int] = {}  # mark-in-memory: the marks, lost on restart
+        self.in_memory = bug in ("mark-in-memory", "mark-from-data")
         self.memory_lock = threading.Lock()
         with contextlib.closing(self.connect()) as conn:
             conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute("CREATE TABLE IF NOT EXISTS items (name TEXT PRIMARY KEY, data BLOB)")
+            # (writer: the token of the item's last write)
+            conn.execute(
+                "CREATE TABLE IF NOT EXISTS items (name TEXT PRIMARY KEY, data BLOB, writer INTEGER)"
+            )
+            if bug == "mark-from-data":  # the bug: the marks recovered from the writers' tokens
+                for name, writer in conn.execute("SELECT name, writer FROM items"):
+                    self.memory[name] = int(writer)
             # (typeless column: string-tokens stores text in it, the right one an integer)
             conn.execute("CREATE TABLE IF NOT EXISTS marks (name TEXT PRIMARY KEY, mark)")
 
@@ -71,7 +81,7 @@ class Inventory:
     def _fence(self, conn: sqlite3.Connection, name: str, value: int) -> None:
         """Check ``value`` against the item's mark and raise the mark, inside the caller's
         transaction (or, with the bug, in this process's memory)."""
-        if self.bug == "mark-in-memory":
+        if self.in_memory:
             with self.memory_lock:
                 if value < self.memory.get(name, 0):
                     raise Stale
@@ -110,7 +120,7 @@ class Inventory:
                     conn.execute("COMMIT")
                     time.sleep(self.gap)  # (whatever the handler does between its two steps)
                     conn.execute("BEGIN IMMEDIATE")
-                conn.execute("INSERT OR REPLACE INTO items VALUES (?, ?)", (name, data))
+                conn.execute("INSERT OR REPLACE INTO items VALUES (?, ?, ?)", (name, data, value))
             except BaseException:
                 conn.execute("ROLLBACK")
                 raise
@@ -124,7 +134,7 @@ class Inventory:
             self.memory.pop(name, None)
 
     def mark(self, name: str) -> int | None:
-        if self.bug == "mark-in-memory":
+        if self.in_memory:
             return self.memory.get(name)
         with contextlib.closing(self.connect()) as conn:
             row = conn.execute("SELECT mark FROM marks WHERE name = ?", (name,)).fetchone()

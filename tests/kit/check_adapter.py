@@ -117,3 +117,18 @@ class Warns(Adapter):
     def write(self, token: fenced.FencingToken, data: bytes) -> None:
         warnings.warn("this client API is deprecated", DeprecationWarning, stacklevel=2)
         super().write(token, data)
+
+
+class PlainCheckThenWrite(Adapter):
+    """The same mistake in a one-step ``write()`` the kit cannot see into (no ``write_steps``):
+    the token checked (and the mark raised) in one transaction, the data written in the next,
+    right after it (no gap). Only a stall inside the write reaches the window
+    (``_worker.InWrite``)."""
+
+    def write(self, token: fenced.FencingToken, data: bytes) -> None:
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            self._fence(token)
+        finally:
+            self.db.execute("COMMIT")
+        self.db.execute("UPDATE reg SET data = ? WHERE id = 1", (data,))

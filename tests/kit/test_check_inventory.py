@@ -31,6 +31,8 @@ EXPECTED = {
     "mark-in-memory": {"acceptance order", "lost update", "acknowledged write"},
     "check-then-write": {"acknowledged write", "lost update", "acceptance order"},
     "unfenced-reads": {"lost update", "acknowledged write", "acceptance order"},
+    # (shows only under a resource-restart between a successor's fenced read and its write)
+    "mark-from-data": {"acknowledged write", "lost update", "acceptance order"},
 }
 SWEEP = int(os.environ.get("FENCED_CHECK_SWEEP", "0"))
 
@@ -45,6 +47,7 @@ def campaign(
     faults: int = 0,
     writes: int = 0,
     stop_at_first: bool = False,
+    nemesis: list[str] | None = None,
 ) -> CampaignResult:
     """The default campaign against the service, started by the kit (a private source): for
     ``seconds``, or with counts (each nemesis ``faults`` times, ``writes`` writes) until they
@@ -62,6 +65,7 @@ def campaign(
         ttl=ttl,
         seed=seed,
         stop_at_first=stop_at_first,
+        nemesis=nemesis,
     )
 
 
@@ -74,10 +78,15 @@ def test_each_bug_of_the_users_service_is_caught(bug: str, tmp_path: Path) -> No
     # from token 10 every read is refused, so no count of writes would ever be reached, and 3
     # rounds of faults that wait for acknowledged writes took 70-105 s at load 26).
     faults = 1 if bug == "string-tokens" else 3
-    result = campaign(tmp_path, bug, seed=1, faults=faults, ttl=0.5, stop_at_first=True)
+    if bug == "mark-from-data":  # (its fault alone: the 1st and 3rd restarts come after a read)
+        result = campaign(tmp_path, bug, seed=1, faults=3, ttl=0.5, stop_at_first=True,
+                          nemesis=["resource-restart"])  # fmt: skip
+    else:
+        result = campaign(tmp_path, bug, seed=1, faults=faults, ttl=0.5, stop_at_first=True)
+        assert result.faults["race"] >= 1, result.faults
     found = {v.checker for v in result.violations}
     assert found & EXPECTED[bug], (found, result.faults)
-    assert result.faults["race"] >= 1 and result.faults["resource-restart"] >= 1, result.faults
+    assert result.faults["resource-restart"] >= 1, result.faults
 
 
 def test_the_right_service_passes(tmp_path: Path) -> None:

@@ -33,6 +33,7 @@ EXPECTED = {
     "mark-in-memory": {"lost update", "acceptance order", "acknowledged write"},
     "mark-not-raised": {"mark", "lost update", "acceptance order", "acknowledged write"},
     "write-then-check": {"refused write", "lost update", "acknowledged write"},
+    "hidden-check-then-write": {"lost update", "acceptance order", "acknowledged write"},
     "signature-skipped": {"forged token"},
     "key-id-ignored": {"forged token"},
     "source-ignored": {"forged token"},

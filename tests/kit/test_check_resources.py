@@ -130,6 +130,24 @@ def test_a_users_adapter_whose_write_is_two_steps_is_stalled_between_them(
     assert found & {"lost update", "acknowledged write", "acceptance order"}, found
 
 
+def test_a_users_one_step_check_then_write_is_stalled_inside_its_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same mistake inside one ``write()`` that says nothing of its steps, with no gap
+    between its two transactions (an outside tester's adapter passed 4 runs in 6 with a 200 ms
+    gap, and with none): the worker stops inside the write, C call by C call, until the
+    successor's fenced read lands between the check and the write. Default nemeses, as
+    ``fenced check --resource python:...`` runs them."""
+    monkeypatch.setenv("CHECK_ADAPTER_DB", str(tmp_path / "adapter.db"))
+    monkeypatch.chdir(ROOT)  # (the workers import tests.kit.check_adapter from here)
+    result = _campaign(
+        tmp_path, "python:tests.kit.check_adapter:PlainCheckThenWrite",
+        nemesis=["pause", "stall", "kill"], faults=4, workers=3, stop_at_first=True,
+    )  # fmt: skip
+    found = {v.checker for v in result.violations}
+    assert found & {"lost update", "acknowledged write", "acceptance order"}, found
+
+
 @pytest.fixture
 def register_service(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[str]:
     port = free_port()

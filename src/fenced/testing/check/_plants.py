@@ -5,8 +5,9 @@ Each is a mistake people make when they build fencing by hand, put in one place:
 
 - in the **resource** (a hand-written fence over the same SQLite register, ``planted+sqlite``):
   ``no-fence``, ``unfenced-read``, ``off-by-one``, ``check-then-write``, ``mark-in-memory``,
-  ``mark-not-raised``, ``write-then-check``, ``lock-ignored``, ``tokenless-ok`` (the
-  ``impostor`` nemesis writes with another lock's token and with none), and with signed tokens ``signature-skipped``,
+  ``mark-not-raised``, ``write-then-check``, ``hidden-check-then-write``, ``lock-ignored``,
+  ``tokenless-ok`` (the ``impostor`` nemesis writes with another lock's token and with none),
+  and with signed tokens ``signature-skipped``,
   ``key-id-ignored``, ``source-ignored`` (the ``forge`` nemesis writes with forged tokens);
 - in the **worker's use of its lease**: ``lease-overestimated``, ``unfenced-release``;
 - in the **token source** (one the kit starts and kills -9 and restarts): ``token-in-memory``
@@ -40,6 +41,8 @@ PLANTS: dict[str, str] = {
     "mark-in-memory": "each process keeps the mark in its own memory",
     "mark-not-raised": "checks against the mark but never raises it",
     "write-then-check": "writes first, then checks; a refusal leaves the write in place",
+    "hidden-check-then-write": "checks in one transaction and writes in the next, back to back "
+    "inside one write() (no write_steps: the kit is not told where the seam is)",
     "lock-ignored": "compares a token's value with the mark, never its lock's name",
     "tokenless-ok": "a write that carries no token is written unchecked",
     "signature-skipped": "signing is on, but the resource never verifies a token's signature",
@@ -52,7 +55,7 @@ PLANTS: dict[str, str] = {
     "counter-not-fsynced": "the token source (Redis, no AOF) loses its counter on kill -9",
 }
 
-_RESOURCE_PLANTS = frozenset(list(PLANTS)[:12])
+_RESOURCE_PLANTS = frozenset(list(PLANTS)[: list(PLANTS).index("source-ignored") + 1])  # (in order)
 SIGNING_PLANTS = frozenset({"signature-skipped", "key-id-ignored", "source-ignored"})
 _WORKER_PLANTS = frozenset({"lease-overestimated", "unfenced-release"})
 
@@ -191,7 +194,13 @@ class PlantedSQLite:
         the write (the next one) — a pause between them lets a newer holder write first."""
         if self.plant == "check-then-write":
             return [lambda: self._check(token), lambda: self._store(data)]
+        if self.plant == "hidden-check-then-write":  # (the same two, as one step)
+            return [lambda: self._check_then_store(token, data)]
         return [lambda: self._write(token, data)]
+
+    def _check_then_store(self, token: FencingToken | None, data: bytes) -> None:
+        self._check(token)
+        self._store(data)
 
     def write(self, token: FencingToken | None, data: bytes) -> None:
         for step in self.write_steps(token, data):

@@ -60,10 +60,11 @@ def main(argv: list[str]) -> None:
     history = History(cfg["history"], cfg["name"])
     print("ready", flush=True)  # (the nemesis signals a worker only once it can take them)
 
-    def critical(token: int) -> None:
+    def critical(token: int, inside: bool = False) -> None:
         if stall.is_set():
             stall.clear()
-            history.append("stalled", lock=lock, token=token)
+            where = {"inside": True} if inside else {}
+            history.append("stalled", lock=lock, token=token, **where)
             os.kill(os.getpid(), signal.SIGSTOP)  # the nemesis sends SIGCONT later
 
     _wall_clock_steps(os.environ.get("FENCED_CHECK_CLOCK"))
@@ -76,6 +77,12 @@ def main(argv: list[str]) -> None:
             [public_half(load_key(cfg["signing_key"]))], source_id=cfg.get("source_id")
         )
     resource = open_resource(cfg["resource"], lock, verify)
+    # A user's own adapter (python:) writes in steps the kit cannot see: every other stall
+    # lands inside its write instead (see InWrite).
+    in_write = None
+    opaque = str(cfg["resource"]).startswith("python:") or plant == "hidden-check-then-write"
+    if opaque:  # (w1, w3...: the first stall inside)
+        in_write = InWrite(stall, critical, first_inside=cfg["name"][-1:] in "13579")
     # Test plant of the partition lab only (fenced.testing.partitions.run_check): a holder
     # that takes no notice of its lease's loss, and thinks long enough to outlive it.
     ignore_loss = os.environ.get(LAB_PLANT_ENV) == "ignore-loss"
@@ -126,7 +133,7 @@ def main(argv: list[str]) -> None:
                 lab_think = float(os.environ.get(LAB_THINK_ENV) or 0) or None
                 think = 3 * ttl if ignore_loss else lab_think or ttl / 4
                 step(resource, token, lease, history, rng, think, critical, ignore_loss,
-                     promise_now, fixed_think=lab_think is not None)  # fmt: skip
+                     promise_now, fixed_think=lab_think is not None, in_write=in_write)  # fmt: skip
             except Exception as exc:  # (a user's adapter may raise anything: record, go on)
                 history.append("error", lock=lock, token=token.value, error=type(exc).__name__)
             # Said before it is sent: a worker killed while releasing has still let go, and
@@ -144,6 +151,57 @@ def main(argv: list[str]) -> None:
             promised.pop(token.value, None)
             history.append("release", lock=lock, token=token.value, released=released, sent=sent)
     resource.close()
+
+
+class InWrite:
+    """Stalls inside a user's one-step write (a ``python:`` adapter's ``write()``): a check
+    and a write made as two steps in there (two transactions; a check in memory, then a file
+    written) leave a window no stall before the call can reach, however small it is. Every
+    other stall a worker takes (half the workers begin with one) stops it inside its write,
+    just after the first return of the C function its last write called most (a database's
+    ``execute``: the check's ``BEGIN``), and again after each C call that follows while the
+    nemesis asks (SIGUSR1 before each SIGCONT: single steps). The nemesis steps it until the
+    successor's fenced read, blocked while the stopped write holds a lock, is answered: that
+    read then lands at the first seam between two transactions, after the check."""
+
+    def __init__(
+        self, stall: threading.Event, critical: Callable[..., None], first_inside: bool
+    ) -> None:
+        self.stall, self.critical = stall, critical
+        self.calls: list[str] = []  # the C functions the last write called, in order
+        self.taken = int(first_inside)  # stalls taken (even: before the write, odd: inside)
+
+    def wrap(self, write: Callable[[], None], token: int) -> Callable[[], None] | None:
+        """``write`` watched (and stopped inside, when a stall is due there), or None: the
+        stall is due before the write (the caller's ``critical``)."""
+        calls = self.calls
+        inside = self.stall.is_set() and self.taken % 2 == 1 and bool(calls)
+        if self.stall.is_set():
+            self.taken += 1
+            if not inside:
+                return None
+        first = max(calls, key=calls.count) if inside else ""
+        seen: list[str] = []
+        armed = False  # (from the first return of ``first`` on)
+
+        def hook(_frame: Any, event: str, arg: Any) -> None:
+            nonlocal armed
+            if event == "c_call":
+                seen.append(getattr(arg, "__qualname__", ""))
+            elif inside and event in ("c_return", "c_exception"):
+                armed = armed or seen[-1] == first
+                if armed:
+                    self.critical(token, True)  # (stops only while a stall is asked for)
+
+        def watched() -> None:
+            sys.setprofile(hook)
+            try:
+                write()
+            finally:
+                sys.setprofile(None)
+                self.calls = seen[:-1]  # (the last: that setprofile's own)
+
+        return watched
 
 
 def _wall_clock_steps(offset_file: str | None) -> None:
@@ -178,9 +236,10 @@ def step(
     promise: Callable[[], float | None] = lambda: None,
     *,
     fixed_think: bool = False,
+    in_write: InWrite | None = None,
 ) -> None:
     """One read-modify-write of the register under ``token``, thinking up to ``think`` s
-    (``fixed_think``: exactly that long)."""
+    (``fixed_think``: exactly that long); ``in_write``: stalls inside a one-step write too."""
     lock = token.lock
     try:
         entries = _entries(resource.read(token))
@@ -210,7 +269,11 @@ def step(
         else [lambda: resource.write(token, data)]
     )
     if len(steps) == 1:
-        critical(token.value)
+        wrapped = in_write.wrap(steps[0], token.value) if in_write is not None else None
+        if wrapped is None:
+            critical(token.value)
+        else:
+            steps = [wrapped]
     sent = _clock.now()
     remaining = lease.remaining()
     lost = lease.lost.is_set() and not ignore_loss  # (whether it knew, as it sent)
