@@ -212,6 +212,11 @@ def test_a_key_no_header_can_carry_is_one_clear_line_on_the_page(
             f"document.getElementById('key').value = {json.dumps(bad)}; "
             "document.getElementById('auth').requestSubmit()"
         )
+        # (the page's submit handler answers on a later turn of its event loop: wait for it)
+        browser.wait_for(
+            "document.getElementById('state').textContent.startsWith('the API key has') && "
+            f"document.getElementById('state').textContent.includes({json.dumps(kind)})"
+        )
         said = browser.js("document.getElementById('state').textContent")
         assert said.startswith("the API key has") and kind in said, said
         assert "alice" not in said and "secret" not in said, said
