@@ -270,8 +270,11 @@ PINNED = {
     # each plant is still found)
     ("group", 7): "f9be932a2f591d73",
     ("group", 1113): "c5c2ba833bde4ed9",
-    ("gateway", 7): "49bd137572574847",
-    ("gateway", 1113): "0500b99387522529",
+    # (re-pinned at session 10's merge of the request-id oracle's fix: a request naming another
+    # key's request id is answered as an unknown one, which moves the gateway runs; seeds 0-299
+    # of the gateway system all hold, and test_sim_gateway's plants are still found)
+    ("gateway", 7): "76cbaf32de6db09e",
+    ("gateway", 1113): "bfbe698721c3b5b4",
 }
 
 
