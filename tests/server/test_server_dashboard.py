@@ -217,6 +217,10 @@ def test_a_key_no_header_can_carry_is_one_clear_line_on_the_page(
             "document.getElementById('state').textContent.startsWith('the API key has') && "
             f"document.getElementById('state').textContent.includes({json.dumps(kind)})"
         )
+        # and it stays said through the page's next polls (each answered 401 meanwhile: they
+        # wrote the server's "send Authorization..." over it, so a user never saw it)
+        polls = int(browser.js("document.body.dataset.polls || '0'"))
+        browser.wait_for(f"Number(document.body.dataset.polls || '0') >= {polls + 2}")
         said = browser.js("document.getElementById('state').textContent")
         assert said.startswith("the API key has") and kind in said, said
         assert "alice" not in said and "secret" not in said, said
