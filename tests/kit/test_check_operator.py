@@ -21,11 +21,18 @@ from tests.helpers import ROOT
 SERVICE = ROOT / "examples" / "inventory_service.py"
 
 
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment with the project's root on the path: a ``python:tests...``
+    resource is imported by the kit from there, wherever it runs (CI sets no PYTHONPATH)."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, **(extra or {})}
+
+
 def _fenced(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "fenced", "check", *args],
         cwd=cwd,
-        env={**os.environ, **(env or {})},
+        env=_env(env),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -145,7 +152,7 @@ def _run(
     return subprocess.run(
         [sys.executable, "-m", "fenced", "check", *args],
         cwd=cwd,
-        env={**os.environ, **(env or {})},
+        env=_env(env),
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -182,7 +189,8 @@ def test_the_source_from_a_file_or_the_environment_as_the_other_commands(tmp_pat
     list); the output names where it came from, never the password; a URL file with a
     password that others may read is refused."""
     url = f"sqlite:///{tmp_path / 'src.db'}"
-    done = _run("--time", "1", "--writes", "2", "--report", "r1", cwd=tmp_path,
+    # (no faults: a run about where its source comes from, not one that could be inconclusive)
+    done = _run("--time", "1", "--writes", "2", "--nemesis", "", "--report", "r1", cwd=tmp_path,
                 env={"FENCED_URL": url})  # fmt: skip
     assert done.returncode == 0, (done.stdout, done.stderr)
     assert "from $FENCED_URL" in done.stdout, done.stdout
@@ -215,7 +223,7 @@ def test_a_report_directory_holding_the_users_files_is_refused(tmp_path: Path) -
     assert {n: (tmp_path / n).read_bytes() for n in mine} == mine
     assert not (tmp_path / "history.jsonl").exists()
     for _ in range(2):  # (the second run: in the directory the first made)
-        done = _run("--report", "r", "--time", "1", "--writes", "2", cwd=tmp_path)
+        done = _run("--report", "r", "--time", "1", "--writes", "2", "--nemesis", "", cwd=tmp_path)
         assert done.returncode == 0, (done.stdout, done.stderr)
 
 
@@ -291,7 +299,7 @@ def test_a_deleted_working_directory_is_no_traceback(tmp_path: Path, forkserver:
          "sys.argv = ['fenced', 'check', '--nemesis', 'kill', '--writes', '4', '--faults', '1', "
          f"'--time', '90', '--report', {str(tmp_path / 'r')!r}]; "
          "runpy.run_module('fenced', run_name='__main__')"],
-        cwd=gone, env={**os.environ, "FENCED_CHECK_FORKSERVER": forkserver},
+        cwd=gone, env=_env({"FENCED_CHECK_FORKSERVER": forkserver}),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     out, err = check.communicate(timeout=110)
@@ -324,7 +332,7 @@ def test_the_interpreters_warning_flags_are_not_the_workers(tmp_path: Path) -> N
         [sys.executable, "-W", "error::DeprecationWarning", "-m", "fenced", "check",
          "--resource", "python:tests.kit.check_adapter:Warns", "--writes", "4", "--time", "60",
          "--nemesis", "", "--report", "r"],
-        cwd=tmp_path, env={**os.environ, "CHECK_ADAPTER_DB": str(tmp_path / "a.db")},
+        cwd=tmp_path, env=_env({"CHECK_ADAPTER_DB": str(tmp_path / "a.db")}),
         capture_output=True, text=True, timeout=100,
     )  # fmt: skip
     assert done.returncode == 0, (done.stdout, done.stderr)
