@@ -466,8 +466,9 @@ class AsyncLease:
 
         If it raises (the source unreachable, or the call cancelled), the lease stays
         releasable: calling release() again asks the source again, and so does closing the
-        connection (unless the lease's ttl has run out: the source has let it go then). Meanwhile ``held`` is False and the lease is not renewed (the release may
-        have reached the source, and the caller has given the lease up).
+        connection (unless the lease's ttl has run out: the source has let it go then).
+        Meanwhile ``held`` is False and the lease is not renewed (the release may have
+        reached the source, and the caller has given the lease up).
         """
         self._check_fork()
         grant = self._state.grant
