@@ -17,7 +17,7 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -493,6 +493,21 @@ async def test_etcd_22082_planted_plain_delete_release_is_caught(
 # -- a release whose first reply is lost ---------------------------------------------------------
 
 
+@contextlib.asynccontextmanager
+async def two_ways(
+    etcd_server: EtcdServer, prefix: str
+) -> AsyncIterator[tuple[TcpProxy, TcpProxy, EtcdBackend]]:
+    """A backend with two ways to one etcd (proxies ``near`` and ``far``, in that order): a
+    reply ``near`` drops sends the client's retry through ``far``."""
+    with (
+        TcpProxy("127.0.0.1", etcd_server.port) as near,
+        TcpProxy("127.0.0.1", etcd_server.port) as far,
+    ):
+        url = f"etcd://127.0.0.1:{near.port},127.0.0.1:{far.port}"
+        backend = await EtcdBackend.open(urlsplit(url), {"prefix": prefix, "timeout": 1.0})
+        yield near, far, backend
+
+
 async def lost_reply_release(
     etcd_server: EtcdServer, prefix: str, before: Callable[[Grant], Awaitable[None]] | None = None
 ) -> bool:
@@ -500,12 +515,7 @@ async def lost_reply_release(
     first, which passes the request on but drops etcd's reply: the client's retry goes
     through the second. ``before``: what happens to the grant first (another client takes
     its key). The release's answer."""
-    with (
-        TcpProxy("127.0.0.1", etcd_server.port) as near,
-        TcpProxy("127.0.0.1", etcd_server.port) as far,
-    ):
-        url = f"etcd://127.0.0.1:{near.port},127.0.0.1:{far.port}"
-        backend = await EtcdBackend.open(urlsplit(url), {"prefix": prefix, "timeout": 1.0})
+    async with two_ways(etcd_server, prefix) as (near, far, backend):
         try:
             name = unique_name()
             grant = await backend.acquire(name, request_id="w", ttl=30, deadline=None, on_lost=NOOP)
@@ -594,12 +604,7 @@ async def test_a_force_release_whose_reply_was_lost_still_revokes_the_holders_le
     granted). Now it names what it released and revokes the lease: the holder's next renewal
     is a loss. The other side: a lock nobody holds is still "nothing held"."""
     holder = await open_backend(EtcdBackend, etcd_server.url, prefix)
-    with (
-        TcpProxy("127.0.0.1", etcd_server.port) as near,
-        TcpProxy("127.0.0.1", etcd_server.port) as far,
-    ):
-        url = f"etcd://127.0.0.1:{near.port},127.0.0.1:{far.port}"
-        forcer = await EtcdBackend.open(urlsplit(url), {"prefix": prefix, "timeout": 1.0})
+    async with two_ways(etcd_server, prefix) as (near, _far, forcer):
         try:
             name = unique_name()
             grant = await holder.acquire(name, request_id="h", ttl=30, deadline=None, on_lost=NOOP)

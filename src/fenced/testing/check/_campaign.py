@@ -282,6 +282,17 @@ def _resume_after(
         os.killpg(pid, signal.SIGCONT)
 
 
+def _register_now(resource: Any) -> tuple[list[Any], int]:
+    """The register's entries as the resource holds them now (none if unreadable), and the
+    value one more entry would carry: what a forged or impostor write appends to."""
+    data, _ = resource.final()
+    try:
+        entries = json.loads(data) if data else []
+    except ValueError:
+        entries = []
+    return entries, entries[-1][1] + 1 if entries else 1
+
+
 def _forge(
     resource: Any, lock: str, history: History, rng: random.Random, n: int, key: Any = None
 ) -> None:
@@ -293,12 +304,7 @@ def _forge(
     from ..._core.signing import token_message
     from ..._core.token import FencingToken
 
-    data, _ = resource.final()
-    try:
-        entries = json.loads(data) if data else []
-    except ValueError:
-        entries = []
-    value = entries[-1][1] + 1 if entries else 1
+    entries, value = _register_now(resource)
     forged = 1_000_000_000 + n
     kid = "check" if n % 2 else "stolen"
     token = FencingToken(lock, forged, (kid, rng.randbytes(32)))
@@ -330,12 +336,7 @@ def _impostor(resource: Any, lock: str, history: History, n: int, key: Any = Non
     from ..._core.signing import token_message
     from ..._core.token import FencingToken
 
-    data, _ = resource.final()
-    try:
-        entries = json.loads(data) if data else []
-    except ValueError:
-        entries = []
-    value = entries[-1][1] + 1 if entries else 1
+    entries, value = _register_now(resource)
     forged = 1_000_000_000 + n
     http = isinstance(resource, HttpResource)
     kinds = IMPOSTORS if http else (IMPOSTORS[0], IMPOSTORS[2])
