@@ -206,3 +206,30 @@ def test_a_forked_copy_that_closes_its_copy_of_a_server_does_not_hang(tmp_path: 
         starter.wait()
     assert starter.returncode == 0, err
     assert out.split() == ["0"], out  # (the copy exited 0: its close() returned)
+
+
+@pytest.mark.parametrize("fork", ["1", "0"])
+def test_a_child_whose_parent_died_before_its_death_signal_was_set_exits(
+    tmp_path: Path, fork: str
+) -> None:
+    """The parent-death signal is set by the child's prelude: a parent killed before that
+    (during a real exec's Python start-up) sends none, and the child lived on re-parented (a
+    stopped check worker for ever). The prelude compares its parent with the one that started
+    it (``__parent__``, which popen defines in both ways): a stranger, and it exits at once.
+    The other side: started by its real parent, it runs."""
+    from fenced.testing import parentdeath
+
+    out = tmp_path / "ran"
+    code = f"open({str(out)!r}, 'w').close()"
+    env = {**python_env(), forkserver.FORKSERVER_ENV: fork}
+    (tmp_path / "runs.py").write_text(f"def main(argv):\n    {code}\n    return 0\n")
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
+    child = forkserver.popen("runs", [], env=env, cwd=tmp_path, prelude=parentdeath.PRELUDE)
+    assert child.wait(60) == 0 and out.exists()
+    out.unlink()
+    # A prelude told another parent than its own: as if the real one had died first.
+    stranger = "__parent__ = 1\n" + parentdeath.PRELUDE
+    done = subprocess.run(
+        [sys.executable, "-c", f"{stranger}\n{code}"], env=env, cwd=tmp_path, timeout=60
+    )
+    assert done.returncode == 1 and not out.exists()

@@ -372,16 +372,19 @@ def popen(
     streams as Popen's: ``subprocess.PIPE``, ``DEVNULL``, ``STDOUT`` (stderr), a file, or None
     (this process's); ``text`` makes the pipes UTF-8 text. ``module`` must have ``main(argv)``.
     With ``prelude``, as ``python -c "PRELUDE; from MODULE import main;
-    sys.exit(main(sys.argv[1:]))"`` (``main(argv)`` in both ways)."""
+    sys.exit(main(sys.argv[1:]))"`` (``main(argv)`` in both ways); the prelude may read
+    ``__parent__``, the pid of the process that starts the child (this one, or the zygote)."""
     env = dict(os.environ if env is None else env)
     try:
         where = os.path.abspath(cwd if cwd is not None else os.getcwd())
     except FileNotFoundError:  # (this process's directory was deleted: a real exec starts in it)
         where = ""
     if not enabled(opt_out) or not where:
+        # (a prelude reads ``__parent__``, the pid of the process that started it: this one)
         command = ["-m", module] if prelude is None else [
             "-c",
-            f"import sys\n{prelude}\nfrom {module} import main\nsys.exit(main(sys.argv[1:]))",
+            f"import sys\n__parent__ = {os.getpid()}\n{prelude}\n"
+            f"from {module} import main\nsys.exit(main(sys.argv[1:]))",
         ]  # fmt: skip
         return subprocess.Popen(
             [sys.executable, *command, *argv],
@@ -411,6 +414,8 @@ def popen(
                 fd = stream.fileno()
             theirs.append(fd)
         fds = (theirs[0], theirs[1], theirs[2])
+        if prelude is not None:  # (its ``__parent__``: the zygote, which forks it)
+            prelude = f"__parent__ = {zygote.pid}\n{prelude}"
         pid = zygote.spawn(module, argv, env, where, fds, prelude=prelude, warm=warm)
     except BaseException:
         for one in ours:

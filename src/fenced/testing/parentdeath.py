@@ -25,12 +25,16 @@ __all__ = ["PRELUDE", "argv", "supported"]
 _PR_SET_PDEATHSIG = 1
 
 PRELUDE = (
-    "import ctypes as _c, signal as _s\n"
+    "import ctypes as _c, os as _o, signal as _s\n"
     f"_c.CDLL(None).prctl({_PR_SET_PDEATHSIG}, int(_s.SIGKILL), 0, 0, 0)\n"
-    "del _c, _s\n"
+    "if _o.getppid() != globals().get('__parent__', _o.getppid()):\n"
+    "    _o._exit(1)\n"
+    "del _c, _o, _s\n"
 )
 """Python source a child Python runs first (``python -c``, or a fork server's prelude): it is
-SIGKILLed when its parent dies."""
+SIGKILLed when its parent dies. Given ``__parent__`` (:func:`fenced.testing.forkserver.popen`
+defines it), a child whose parent died before the signal was set — during a real exec's
+Python start-up, tens of milliseconds — exits at once instead of living on re-parented."""
 
 # The launcher: set the signal, then check the parent is still the one that started it (it may
 # have died between the fork and the prctl: no signal would come), then exec the command.
