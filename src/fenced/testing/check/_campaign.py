@@ -72,7 +72,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 from ..._core import clock as _clock
@@ -623,14 +623,27 @@ class _ResourceProcess:
             self.proc.wait()
 
 
-def _last_step(path: Path, name: str) -> str:
-    """Worker ``name``'s last event in the history, as a verdict names it."""
+def _last_event(path: Path, name: str) -> Any:
+    """Worker ``name``'s last event in the history (None: none yet)."""
     last: Any = None
     with contextlib.suppress(OSError), open(path, "rb") as f:
         for line in f:
             if f'"worker":"{name}"'.encode() in line:
                 with contextlib.suppress(ValueError):
                     last = json.loads(line)
+    return last
+
+
+# A worker's last event when it is inside a call to the resource: granted (its read), read
+# (its write), stopped inside its write. After any other (none yet, a write answered, a
+# release) it waits for the token source: killed there at the run's end, it leaves nothing
+# half-done at the resource, and the resource is not what hung.
+_AT_RESOURCE: Final = frozenset({"grant", "read", "stalled"})
+
+
+def _last_step(path: Path, name: str) -> str:
+    """Worker ``name``'s last event in the history, as a verdict names it."""
+    last = _last_event(path, name)
     if last is None:
         return "none"
     step = f"{last['op']} (token {last['token']})" if "token" in last else str(last["op"])
@@ -1205,6 +1218,9 @@ class LocksWorkload:
         deadline = time.monotonic() + self.io_limit  # (one bound for all: they end side by side)
         for p in end_by(self.procs, deadline):
             name = self.names[p.pid]
+            last = _last_event(self.path, name)
+            if last is None or last.get("op") not in _AT_RESOURCE:
+                continue  # (waiting for the lock, e.g. through a partition: not the resource)
             hung.append(
                 f"worker {name} did not end its round within {self.io_limit:g} s of the "
                 f"run's end (killed); its last step: {_last_step(self.path, name)}"
