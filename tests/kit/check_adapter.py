@@ -132,3 +132,13 @@ class PlainCheckThenWrite(Adapter):
         finally:
             self.db.execute("COMMIT")
         self.db.execute("UPDATE reg SET data = ? WHERE id = 1", (data,))
+
+
+class CaseBlindLock(Adapter):
+    """Compares lock names case-blind (``.lower()``, or a MySQL ``*_ci`` fence column): a
+    token of lock ``COUNTER`` passes for one of ``counter``, and its value moves the mark."""
+
+    def _fence(self, token: fenced.FencingToken | None) -> None:
+        if token is not None and token.lock.lower() == self.lock.lower():
+            token = fenced.FencingToken(self.lock, token.value)
+        super()._fence(token)

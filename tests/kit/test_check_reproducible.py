@@ -86,3 +86,21 @@ def test_every_workloads_verdict_calls_an_undealt_fault_inconclusive() -> None:
     assert undealt([], ["pause"], {"pause": 1}, 3.0) == []
     real = [Violation("lost update", "value 3 written twice")]
     assert undealt(real, ["kill"], {"kill": 0}, 3.0) == real
+
+
+def test_the_record_keeps_a_python_resource_and_masks_a_commands_secrets() -> None:
+    """What history.jsonl and report.html record to reproduce a run: a ``python:`` resource
+    as given (it was cut to "p…" as a possible secret), a URL without its password, and a
+    ``--resource-cmd`` without the secrets CI would publish with the report (variables set
+    by ``env``, a DSN, the value of a ``--password`` option)."""
+    from fenced.testing.check._campaign import _recorded, _shown_cmd
+
+    assert _recorded("python:bugs:Slow") == "python:bugs:Slow"
+    assert "hunter2" not in str(_recorded("redis://:hunter2@127.0.0.1:1/0"))
+    cmd = (
+        "env PGPASSWORD=s3cret-pw 'DATABASE_DSN=host=db password=s3cret-dsn' python svc.py "
+        "--password s3cret-opt --port 8000 --db /tmp/d.db --url http://u:s3cret-url@h/x"
+    )
+    shown = _shown_cmd(cmd)
+    assert "s3cret" not in shown, shown
+    assert "PGPASSWORD=***" in shown and "--port 8000" in shown and "svc.py" in shown, shown

@@ -233,3 +233,22 @@ def test_postgresql_clock_steps_end_leases_early_but_the_fence_holds(tmp_path: P
     found = {v.checker for v in result.violations}
     assert found <= {"overlap"}, [str(v) for v in result.violations]
     assert result.faults["clock"] >= 2 and result.accepted >= 5, result.faults
+
+
+def test_an_adapter_that_compares_lock_names_case_blind_is_caught(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The impostor nemesis's second token of another lock differs from the run's only in
+    case (``COUNTER`` for ``counter``): an adapter comparing names case-blind lets it in
+    ("impostor accepted"; the first, ``counter-elsewhere``, catches a prefix test). The other
+    side: the exact-compare adapter holds under the same faults."""
+    monkeypatch.setenv("CHECK_ADAPTER_DB", str(tmp_path / "adapter.db"))
+    monkeypatch.chdir(ROOT)  # (the workers import tests.kit.check_adapter from here)
+    result = _campaign(
+        tmp_path / "blind", "python:tests.kit.check_adapter:CaseBlindLock",
+        nemesis=["impostor"], faults=4, workers=2, stop_at_first=True,
+    )  # fmt: skip
+    assert "impostor accepted" in {v.checker for v in result.violations}, result.violations
+    monkeypatch.setenv("CHECK_ADAPTER_DB", str(tmp_path / "exact.db"))
+    _holds(_campaign(tmp_path / "exact", "python:tests.kit.check_adapter:Adapter",
+                     nemesis=["impostor"], faults=4, workers=2))  # fmt: skip

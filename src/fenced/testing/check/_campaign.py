@@ -60,6 +60,7 @@ import dataclasses
 import json
 import os
 import random
+import re
 import selectors
 import shlex
 import shutil
@@ -343,7 +344,11 @@ def _impostor(resource: Any, lock: str, history: History, n: int, key: Any = Non
     kind = kinds[(n - 1) % len(kinds)]  # (the first: another lock's, the likeliest in use)
     entries.append([forged, value])
     body = json.dumps(entries, separators=(",", ":")).encode()
-    other = f"{lock}-elsewhere"  # (a lock whose name starts as this one's: a prefix test fails)
+    # Another lock's name: one that starts as this one's (a prefix test lets it in), then one
+    # that differs only in case (a name compared case-blind: .lower(), a MySQL *_ci column).
+    other = f"{lock}-elsewhere"
+    if (n - 1) // len(kinds) % 2 == 1 and lock.swapcase() != lock:
+        other = lock.swapcase()
     token: FencingToken | None = None
     if kind == IMPOSTORS[0]:
         token = FencingToken(other, forged)
@@ -1372,14 +1377,33 @@ def run_campaign(
 
 
 def _recorded(url: str | None) -> str | None:
-    """A URL as the history and the report record it: its password never."""
-    return url if not url else redacted(url)
+    """A URL as the history and the report record it: its password never (a resource that is
+    no URL, ``python:MODULE:CLASS`` or a file's path, as given)."""
+    return redacted(url) if url and "://" in url else url
+
+
+# An argument of a command that carries a secret: NAME=VALUE with such a NAME (an environment
+# variable set by `env`, a DSN), or the value after such an option (--password VALUE).
+_SECRET_NAME: Final = re.compile(r"pass|secret|token|key|pwd|dsn|credential|auth", re.I)
 
 
 def _shown_cmd(cmd: str | Sequence[str]) -> str:
-    """``--resource-cmd`` as recorded: any URL in it without its password."""
+    """``--resource-cmd`` as recorded: any URL in it without its password, any NAME=VALUE
+    whose name says secret (``PGPASSWORD=...``, ``DATABASE_DSN=...``) and the value after
+    such an option (``--password VALUE``) as ``***``."""
     argv = shlex.split(cmd) if isinstance(cmd, str) else list(cmd)
-    return shlex.join(redacted(a) if "://" in a else a for a in argv)
+    shown: list[str] = []
+    for i, a in enumerate(argv):
+        before = argv[i - 1] if i else ""
+        name, eq, _ = a.partition("=")
+        if before.startswith("-") and "=" not in before and _SECRET_NAME.search(before):
+            a = "***"
+        elif eq and _SECRET_NAME.search(name):
+            a = f"{name}=***"
+        elif "://" in a:
+            a = redacted(a)
+        shown.append(a)
+    return shlex.join(shown)
 
 
 PREFIX_CHECKERS = ("token reuse", "lost update", "overlap", "forged token", "impostor accepted")
