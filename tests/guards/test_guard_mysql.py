@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -65,12 +66,26 @@ def fence_table(connect: Any) -> SQLGuard:
     return guard
 
 
-def waiting_for_a_lock(connect: Any) -> bool:
-    rows = sql(
-        connect(autocommit=True),
-        "SELECT COUNT(*) FROM information_schema.INNODB_TRX WHERE trx_state = 'LOCK WAIT'",
+def wait_until_waiting_for_a_lock(connect: Any, conn: Any, what: str) -> None:
+    """Wait (20 s at most) until ``conn``'s transaction waits for a row lock.
+
+    INNODB_TRX is a cache that InnoDB refreshes only when nobody has read it for 100 ms
+    (every read restarts that clock: trx_i_s_cache), so polls come 0.15 s apart; polled
+    faster, it showed the wait's start forever (CI, 2026-11-27: once the test's connections
+    stopped costing 30 ms each). One connection for every poll, closed after."""
+    poll = connect(autocommit=True)
+    query = (
+        "SELECT COUNT(*) FROM information_schema.INNODB_TRX "
+        "WHERE trx_state = 'LOCK WAIT' AND trx_mysql_thread_id = %s"
     )
-    return bool(rows[0][0])
+    deadline = time.monotonic() + 20
+    try:
+        while not sql(poll, query, (conn.thread_id(),))[0][0]:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out after 20 s waiting for {what}")
+            time.sleep(0.15)
+    finally:
+        poll.close()
 
 
 # -- racing transactions ------------------------------------------------------------------------
@@ -109,7 +124,7 @@ def test_two_racing_transactions_cannot_both_pass_out_of_order(
 
     thread = threading.Thread(target=second)
     thread.start()
-    wait_for(lambda: waiting_for_a_lock(connect), 20, "the second check to wait for the row")
+    wait_until_waiting_for_a_lock(connect, b, "the second check to wait for the row")
     assert not outcome  # it cannot decide while the first holds the row
     a.commit()
     thread.join(20)
@@ -146,7 +161,7 @@ def test_the_row_form_races_the_same_way(connect: Any) -> None:
 
     thread = threading.Thread(target=second)
     thread.start()
-    wait_for(lambda: waiting_for_a_lock(connect), 20, "the second write to wait for the row")
+    wait_until_waiting_for_a_lock(connect, b, "the second write to wait for the row")
     a.commit()
     thread.join(20)
     assert isinstance(outcome[0], fenced.StaleTokenError) and outcome[0].high_water == tok(9)
