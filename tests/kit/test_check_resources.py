@@ -145,7 +145,9 @@ def test_a_users_one_step_check_then_write_is_stalled_inside_its_write(
         nemesis=["pause", "stall", "kill"], faults=4, workers=3, stop_at_first=True,
     )  # fmt: skip
     found = {v.checker for v in result.violations}
-    assert found & {"lost update", "acknowledged write", "acceptance order"}, found
+    assert found & {"lost update", "acknowledged write", "acceptance order"}, [
+        (v.checker, v.message) for v in result.violations
+    ]
 
 
 @pytest.fixture
