@@ -829,3 +829,29 @@ async def test_async_file_guard_both_sides_and_concurrent_writers(tmp_path: Path
     # The highest token is never stale, so it always lands, and last: it is the newest.
     assert await guard.read("race") == (tok(20), b"v20")
     assert await guard.high_water("race") == tok(20)
+
+
+def test_claim_returns_a_stale_write_that_landed_before_its_fence(tmp_path: Path) -> None:
+    """A stale writer's version accepted between claim()'s read and its publish was accepted
+    before the mark rose: the fenced read must return it (the check kit's read-modify-write
+    lost it once on a loaded machine: claim() returned its own copy of the older version)."""
+    directory = tmp_path / "files"
+    FileGuard(directory, lock=LOCK).write("r", b"v9", token=tok(9))
+    stale = FileGuard(directory, lock=LOCK)
+    slipped: list[Version] = []
+
+    class SlowReader(FileGuard):
+        def read_version(self, name: str, version: Version) -> bytes:
+            data = super().read_version(name, version)
+            if not slipped:  # (the stale write lands right after the claim's first read)
+                slipped.append(stale.write("r", b"v10", token=tok(10)))
+            return data
+
+    assert SlowReader(directory, lock=LOCK).claim("r", token=tok(11)) == b"v10"
+    assert FileGuard(directory, lock=LOCK).read("r") == (tok(11), b"v10")
+    with pytest.raises(StaleTokenError):
+        stale.write("r", b"late", token=tok(10))  # the current holder's mark stands
+    guard = FileGuard(directory, lock=LOCK)
+    assert guard.claim("r", token=tok(11)) == b"v10"  # (again: its own version, unchanged)
+    guard.write("r", b"v10+1", token=tok(11))  # the holder's own write is accepted
+    assert guard.read("r") == (tok(11), b"v10+1")

@@ -420,24 +420,29 @@ class FileGuard:
     def claim(self, name: str, *, token: TokenLike) -> bytes | None:
         """Raise ``name``'s mark to ``token`` without changing what it holds; return what it
         holds (None if it has no version). A file's mark is its newest version's token, so
-        this publishes the newest data again under ``token``; a stale writer may slip a
-        version in between the read and that publish, so it then checks that the version
-        before its own is the one it copied, and copies again if not (after its own version
-        every older writer is refused: twice is enough). For a read-modify-write whose read
-        must be fenced, and for ``fence=`` on acquire."""
+        this publishes the newest data again under ``token``. A stale writer may slip a
+        version in between the read and that publish: it was accepted before the mark rose,
+        so what this returns must hold it. Once this version is published every older writer
+        is refused, so the versions below ``token`` are then final: if the newest of them is
+        not the one copied, its data is published again (a second version under ``token``)
+        and returned. For a read-modify-write whose read must be fenced, and for ``fence=``
+        on acquire."""
         tok = FencingToken.coerce(token, self.lock, self.verifier)
-        for _ in range(3):
-            latest = self.latest(name)
-            data = None if latest is None else self.read_version(name, latest)
-            if latest is not None and latest.token.value >= tok.value:
-                if latest.token.value > tok.value:
-                    raise StaleTokenError(tok, latest.token, name)
+        latest = self.latest(name)
+        if latest is not None and latest.token.value >= tok.value:
+            if latest.token.value > tok.value:
+                raise StaleTokenError(tok, latest.token, name)
+            return self.read_version(name, latest)  # (already fenced with this token)
+        source = latest
+        for _ in range(2):
+            data = None if source is None else self.read_version(name, source)
+            self._publish(name, data or b"", tok)
+            # (the newest below ``token``: final now that a version under it is published)
+            below = [v for v in self.versions(name) if v.token.value < tok.value]
+            newest_below = below[-1] if below else None
+            if newest_below == source:
                 return data
-            mine = self._publish(name, data or b"", tok)
-            versions = self.versions(name)
-            at = versions.index(mine)
-            if (versions[at - 1] if at else None) == latest:
-                return data
+            source = newest_below
         raise FenceConflictError(f"versions of {name!r} kept arriving while fencing with {tok}")
 
     def fence(self, token: TokenLike, names: Iterable[str] | None = None) -> None:
