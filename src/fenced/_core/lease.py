@@ -499,6 +499,8 @@ class AsyncLease:
             self._unreleased = (grant, was_held)
             if was_held or _clock.now() < grant.sent_at + grant.ttl:
                 locks._held.add(self)
+            else:
+                locks._held.discard(self)  # (kept in it by close() while it was releasing)
             raise
         finally:
             locks._call_ends(task)
@@ -653,11 +655,16 @@ class AsyncLease:
 
         return lost
 
-    def _mark_lost(self, cause: BaseException, level: int = logging.WARNING) -> None:
+    def _mark_lost(
+        self, cause: BaseException, level: int = logging.WARNING, *, keep_held: bool = False
+    ) -> None:
+        """Lost to its holder; ``keep_held``: still counted held at the source (close() is
+        releasing it: named if interrupted before its release has answered)."""
         if not self._state.lose(cause):
             return
         self._stop_timers()
-        self._locks._held.discard(self)
+        if not keep_held:
+            self._locks._held.discard(self)
         self._signal_lost(cause, level)
 
     def _signal_lost(self, cause: BaseException, level: int = logging.WARNING) -> None:
@@ -1097,11 +1104,14 @@ class AsyncLocks:
             # unprotected from here, so the holder learns of it as of any loss (``lost``,
             # on_lost, LeaseLostError at the block's end). (Logged at debug: closing with
             # leases held is ordinary, and what close could not release is warned of.)
+            # It stays in ``_held`` until its release has answered: a Ctrl-C anywhere from
+            # here on (before its task has even started) leaves it named as held.
             lease._mark_lost(
                 LeaseLostError(
                     f"lease on {lease.name!r} released by close() of its connection while held"
                 ),
                 logging.DEBUG,
+                keep_held=True,
             )
         tasks = {asyncio.ensure_future(lease.release()): lease for lease in leases}
         try:
