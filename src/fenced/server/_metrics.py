@@ -125,6 +125,13 @@ class Metrics:
             ["result"],
             registry=r,
         )
+        self.retired_key = Counter(
+            "fenced_retired_key_tokens",
+            "Renewals and releases whose token a retired key (--verify-key) signed, by key id: "
+            "while it grows on any gateway, grants made under that key are still live",
+            ["kid"],
+            registry=r,
+        )
         self.refused = Counter(
             "fenced_refused_requests",
             "Requests refused: unauthenticated, forbidden, invalid, too_large, too_slow, "
