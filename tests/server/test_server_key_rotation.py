@@ -51,11 +51,11 @@ def _post(server: FencedServer, path: str, body: dict[str, object]) -> httpx.Res
     return httpx.post(f"{server.url}{path}", json=body, headers=headers, timeout=30)
 
 
-def _retired_uses(server: FencedServer, kid: str) -> float:
+def _verify_key_uses(server: FencedServer, kid: str) -> float:
     text = httpx.get(
         f"{server.url}/metrics", headers={"authorization": f"Bearer {OPS}"}, timeout=30
     ).text
-    found = re.search(rf'^fenced_retired_key_tokens_total{{kid="{kid}"}} (\S+)$', text, re.M)
+    found = re.search(rf'^fenced_verify_key_tokens_total{{kid="{kid}"}} (\S+)$', text, re.M)
     return float(found.group(1)) if found else 0.0
 
 
@@ -95,7 +95,7 @@ def test_a_rotation_with_the_old_key_verify_only_keeps_every_lease(
         server.restart()
         assert lease.renew() > 0 and not lease.lost.is_set()
         assert lease.token == held  # (the same token: the one its writes already carry)
-        assert _retired_uses(server, "k1") == 1
+        assert _verify_key_uses(server, "k1") == 1
         assert mark.check_and_advance(token=lease.token) == held  # the holder's write, after
         with pytest.raises(fenced.StaleTokenError):
             mark.check_and_advance(token=stale)  # well signed by the old key, and stale
@@ -153,6 +153,35 @@ def test_without_the_old_key_a_rotation_still_ends_the_lease_at_its_renewal(
         with pytest.raises(fenced.LeaseLostError, match="invalid_token"):
             lease.renew()
         assert _post(server, "/v1/check", {"token": str(held)}).status_code == 400
+
+
+def test_gateways_mid_rotation_renew_each_others_grants(tmp_path: Path) -> None:
+    """Several gateways behind one address are restarted one at a time: while one already
+    signs with the new key and another still with the old, a holder's renewal may reach
+    either. Each verifying the other's key (the old one signing with --verify-key new.pub
+    first), both renew and release both keys' grants."""
+    old, new = _keygen(tmp_path, "ed25519", "k1"), _keygen(tmp_path, "ed25519", "k2")
+    keys = ["--api-keys", str(_keys_file(tmp_path))]
+    signing = ["--source-id", "prod", "--signing-key"]
+    url = f"sqlite:///{tmp_path / 'l.db'}"
+    with (
+        FencedServer(url, args=[*keys, *signing, str(old), "--verify-key", f"{new}.pub"]) as g1,
+        FencedServer(url, args=[*keys, *signing, str(new), "--verify-key", f"{old}.pub"]) as g2,
+    ):
+        for maker, other, kid in ((g1, g2, "k1"), (g2, g1, "k2")):
+            lock = f"by-{kid}"
+            grant = _post(maker, f"/v1/locks/{lock}/-/acquire", {"ttl": 30}).json()
+            signed, rid = grant["signed"], grant["request_id"]
+            assert _kid(fenced.FencingToken.parse(signed)) == kid
+            renewed = _post(
+                other, f"/v1/locks/{lock}/-/renew", {"token": signed, "request_id": rid}
+            )
+            assert renewed.status_code == 200, renewed.text
+            assert _verify_key_uses(other, kid) == 1 and _verify_key_uses(maker, kid) == 0
+            released = _post(
+                other, f"/v1/locks/{lock}/-/release", {"token": signed, "request_id": rid}
+            )
+            assert released.json() == {"released": True}, released.text
 
 
 def _serve(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> tuple[int, str]:

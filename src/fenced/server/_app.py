@@ -415,7 +415,9 @@ def create_app(settings: ServerSettings) -> FastAPI:
     for kid in retired_kids:
         gw.metrics.retired_key.labels(kid)  # (shown at 0 from the start)
     if retired_kids:
-        logger.info("verifying the tokens of retired key(s) %s too", ", ".join(retired_kids))
+        logger.info(
+            "also verifying the tokens of key(s) %s (--verify-key)", ", ".join(retired_kids)
+        )
 
     def status_out(status: LockStatus, key: ApiKey | None) -> StatusOut:
         return _status_out(status, key, ids=not signing)

@@ -126,9 +126,10 @@ class Metrics:
             registry=r,
         )
         self.retired_key = Counter(
-            "fenced_retired_key_tokens",
-            "Renewals and releases whose token a retired key (--verify-key) signed, by key id: "
-            "while it grows on any gateway, grants made under that key are still live",
+            "fenced_verify_key_tokens",
+            "Renewals and releases whose token a --verify-key key signed (one this gateway "
+            "verifies but does not sign with), by key id: while it grows on any gateway, grants "
+            "made under that key are live",
             ["kid"],
             registry=r,
         )
