@@ -72,6 +72,7 @@ __all__ = [
     "parse_key",
     "public_half",
     "read_key",
+    "same_key",
     "signer",
     "token_message",
     "verify_all",
@@ -446,6 +447,16 @@ def public_half(key: object) -> VerifyKey:
     if not isinstance(key, HmacKey | Ed25519VerifyKey):
         raise ConfigurationError(f"not a key, but {type(key).__name__}")
     return key
+
+
+def same_key(a: object, b: object) -> bool:
+    """Whether two keys verify alike: the same kind, key id and material (an Ed25519 private
+    key is taken for its public half)."""
+    pa, pb = public_half(a), public_half(b)
+    if type(pa) is not type(pb) or pa.kid != pb.kid:
+        return False
+    assert isinstance(pa, HmacKey | Ed25519VerifyKey) and isinstance(pb, HmacKey | Ed25519VerifyKey)
+    return hmac.compare_digest(pa._material(), pb._material())
 
 
 def verify_key(

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
+from typing import Any
 
 from .._core.errors import ConfigurationError
 from ._common import (
     Subparsers,
     _body_limit,
+    _named,
     _read_timeout,
     _signing_key,
     _source_arguments,
@@ -57,6 +60,14 @@ def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
         "--signing-key",
         metavar="FILE",
         help="sign every token with this key (fenced keygen); default: $FENCED_SIGNING_KEY",
+    )
+    serve.add_argument(
+        "--verify-key",
+        metavar="FILE",
+        action="append",
+        help="also accept tokens this retired key signed (an Ed25519 .pub or an HMAC key; "
+        "repeatable): renewals, releases and /v1/check of grants made before a rotation "
+        "(docs/signing.md, rotating); default: $FENCED_VERIFY_KEY",
     )
     _source_id_argument(serve)
     serve.add_argument(
@@ -138,6 +149,55 @@ def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
     return serve
 
 
+def _retired_keys(args: argparse.Namespace, key: Any, signing: dict[str, Any]) -> Any:
+    """connect()'s ``verify=`` of a server that still verifies retired keys' tokens: a keyring
+    of the signing key's public half and the keys of --verify-key (else $FENCED_VERIFY_KEY),
+    bound as the signing options are; None without retired keys. The signing key's id names
+    one key only: a verify key of that id with other bytes is refused, as two verify keys of
+    one id with other bytes are (the same key given twice is taken once)."""
+    from .._core.signing import Keyring, public_half, same_key, verify_key
+
+    if key is None:
+        if args.verify_key:  # ($FENCED_VERIFY_KEY alone is shared configuration: no error)
+            raise ConfigurationError(
+                "--verify-key needs a signing key (--signing-key or $FENCED_SIGNING_KEY): it "
+                "admits a retired key's tokens beside the key that signs"
+            )
+        return None
+    given: list[tuple[str, Any]] = []
+    if args.verify_key:
+        given = [
+            (f"--verify-key {p}", verify_key(p, "--verify-key", path_shown=True))
+            for p in args.verify_key
+        ]
+    elif os.environ.get("FENCED_VERIFY_KEY"):
+        with _named("$FENCED_VERIFY_KEY"):
+            text = os.environ["FENCED_VERIFY_KEY"]
+            given = [("$FENCED_VERIFY_KEY", verify_key(text, "$FENCED_VERIFY_KEY"))]
+    if not given:
+        return None
+    current = public_half(key)
+    ring = {current.kid: current}
+    for where, retired in given:
+        known = ring.get(retired.kid)
+        if known is None:
+            ring[retired.kid] = retired
+        elif not same_key(known, retired):
+            if known is current:
+                raise ConfigurationError(
+                    f"{where} has the key id {retired.kid!r} of the signing key, but is another "
+                    "key: a retired key keeps its own key id (give a new key a new one)"
+                )
+            raise ConfigurationError(
+                f"{where}: two keys with the key id {retired.kid!r} (each key has its own id)"
+            )
+    return Keyring(
+        ring.values(),
+        source_id=signing.get("source_id"),
+        accept_unbound=bool(signing.get("accept_unbound")),
+    )
+
+
 def _watch_count(text: str) -> int:
     try:
         value = int(text)
@@ -190,7 +250,13 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigurationError("--tls-cert and --tls-key go together")
     options: dict[str, object] = {"connect_timeout": args.timeout}
     # (read here, so its errors name --signing-key or $FENCED_SIGNING_KEY, never its text)
-    options.update(_source_options(args, _signing_key(args)))
+    key = _signing_key(args)
+    signing = _source_options(args, key)
+    retired = _retired_keys(args, key, signing)
+    if retired is not None:  # (the keyring takes accept_unbound: connect() then refuses it)
+        signing.pop("accept_unbound", None)
+        signing["verify"] = retired
+    options.update(signing)
     settings = ServerSettings(
         url=_url(args),
         options=options,

@@ -408,6 +408,16 @@ def create_app(settings: ServerSettings) -> FastAPI:
     waiting = _Places(gw, "acquires waiting", "too_many_waiting", settings.max_waiting_per_client)
     verifier = locks.verifier  # (its key's public half, bound to its source id)
     signing = locks.signing_key_id is not None
+    # Retired keys (fenced serve --verify-key): their tokens' renewals and releases are
+    # counted, so an operator sees when no grant made under one is live any more.
+    signing_kid = locks.signing_key_id[0] if locks.signing_key_id else None
+    retired_kids = sorted(verifier.kids - {signing_kid}) if isinstance(verifier, Keyring) else []
+    for kid in retired_kids:
+        gw.metrics.retired_key.labels(kid)  # (shown at 0 from the start)
+    if retired_kids:
+        logger.info(
+            "also verifying the tokens of key(s) %s (--verify-key)", ", ".join(retired_kids)
+        )
 
     def status_out(status: LockStatus, key: ApiKey | None) -> StatusOut:
         return _status_out(status, key, ids=not signing)
@@ -562,6 +572,8 @@ def create_app(settings: ServerSettings) -> FastAPI:
                 verifier.verify(token.lock, token.value, token.signature)
             except InvalidTokenError as exc:
                 raise fail(exc) from None
+            if retired_kids and token.signature[0] != signing_kid:
+                gw.metrics.retired_key.labels(token.signature[0]).inc()
         return name, token, rid
 
     # -- locks -------------------------------------------------------------------------------

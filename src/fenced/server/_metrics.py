@@ -125,6 +125,14 @@ class Metrics:
             ["result"],
             registry=r,
         )
+        self.retired_key = Counter(
+            "fenced_verify_key_tokens",
+            "Renewals and releases whose token a --verify-key key signed (one this gateway "
+            "verifies but does not sign with), by key id: while it grows on any gateway, grants "
+            "made under that key are live",
+            ["kid"],
+            registry=r,
+        )
         self.refused = Counter(
             "fenced_refused_requests",
             "Requests refused: unauthenticated, forbidden, invalid, too_large, too_slow, "
