@@ -47,7 +47,7 @@ from ..._core.errors import (
 )
 from ..._core.lease import AsyncLocks
 from ..._core.token import FencingToken
-from ...server import ApiKey, ForeignGrant, Gateway, Metrics, Verb, hash_secret, own_id
+from ...server import ApiKey, Gateway, Metrics, Verb, hash_secret, own_id
 from ..check._checkers import Violation, check_all
 from ..check._resources import SQLResource
 from ._world import _Client, _running, _World, failures, next_entry
@@ -542,9 +542,6 @@ class GatewayRun:
                 value, expires_in = await self.ask(c, slot, req, make, wait + 1.0)
             except LockTimeout:
                 w.record(c.name, "error", step="acquire", lock=lock, error="LockTimeout")
-                return None
-            except ForeignGrant:
-                w.record(c.name, "refused", step="acquire", lock=lock, rid=rid)
                 return None
             except BackendUnavailable as exc:
                 w.record(c.name, "error", step="acquire", lock=lock, error=type(exc).__name__)
