@@ -73,6 +73,9 @@ __all__ = ["PostgreSQLBackend"]
 _Conn = psycopg.AsyncConnection[tuple[Any, ...]]
 _Row = tuple[Any, ...]
 
+_OWN = "own"
+"""The handle of a grant made by this backend's acquire: its release is its holder's own."""
+
 
 class _Listener:
     """The LISTEN connection: one channel private to this backend, one event per waiter.
@@ -526,7 +529,7 @@ class PostgreSQLBackend(Backend):
                 status, token, hint = _one(row)
                 if status == "granted":
                     queued = False
-                    return Grant(FencingToken(name, token), request_id, ttl, sent_at)
+                    return Grant(FencingToken(name, token), request_id, ttl, sent_at, _OWN)
                 queued = queued or not last_try
                 if last_try:
                     raise lock_timeout(name)
@@ -585,7 +588,12 @@ class PostgreSQLBackend(Backend):
 
     async def release(self, grant: Grant) -> bool:
         token = grant.token
-        row = await self._call(self._names.q_release, (token.lock, grant.request_id, token.value))
+        # Its holder's own release (a grant made here): a retry after a lost reply finds it
+        # released by itself (True). A grant without the mark (a force release's, made from
+        # the lock's status; a resumed one) is never taken for such a retry.
+        own = grant.handle == _OWN
+        params = (token.lock, grant.request_id, token.value, own)
+        row = await self._call(self._names.q_release, params)
         return bool(row is not None and row[0])
 
     async def lock_names(self) -> list[str]:
