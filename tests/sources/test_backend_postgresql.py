@@ -1130,13 +1130,13 @@ async def test_close_with_a_statement_hung_leaves_no_task_pending(pg_dsn: str) -
 
 
 class ReleaseForgetsItsOwn(PostgreSQLBackend):
-    """BUG: a release that no longer finds its grant answers true without looking at the
-    mark its own earlier attempt leaves: a grant that expired, or was taken over or forced,
+    """BUG: a retried release that no longer finds its grant answers true without looking at
+    the mark its own earlier attempt leaves: a grant that expired, or was taken over or forced,
     would be reported released."""
 
     _ddl_template: ClassVar[str] = _plant(
-        "RETURN p_own AND r.released_token = p_token AND r.released_holder = p_req;",
-        "RETURN p_own;",
+        "RETURN p_own AND p_retry AND r.released_token = p_token AND r.released_holder = p_req;",
+        "RETURN p_own AND p_retry;",
     )
 
 

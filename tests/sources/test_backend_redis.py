@@ -1312,7 +1312,7 @@ async def asked_again(
     try:
         with TcpProxy("127.0.0.1", port) as proxy:
             via = url.replace(f":{port}", f":{proxy.port}", 1)
-            opts = {"key_prefix": prefix, "socket_timeout": 0.5}
+            opts = {"key_prefix": prefix, "socket_timeout": 1.0}
             async with (
                 fenced.connect_async(via, **opts) as locks,
                 fenced.connect_async(url, key_prefix=prefix) as other,

@@ -153,10 +153,12 @@ LANGUAGE sql AS $fn$
     SELECT * FROM {acquire_as}(p_name, p_req, p_ttl, p_wait_ttl, p_channel, p_enqueue, NULL)
 $fn$;
 
-DROP FUNCTION IF EXISTS {release_as}(text, text, bigint, boolean);
--- p_own: the holder's own release (its retry after a lost reply is answered true), not a
--- force release by someone else (the holder must then hear that it lost the lock).
-CREATE FUNCTION {release_as}(p_name text, p_req text, p_token bigint, p_own boolean)
+DROP FUNCTION IF EXISTS {release_as}(text, text, bigint, boolean, boolean);
+-- p_own: the holder's own release (marked, for its retry), not a force release by someone
+-- else (the holder must then hear that it lost the lock). p_retry: a retry of a release
+-- whose reply was lost (the client saw it raise): true if that earlier attempt released.
+CREATE FUNCTION {release_as}(
+    p_name text, p_req text, p_token bigint, p_own boolean, p_retry boolean)
 RETURNS boolean LANGUAGE plpgsql AS $fn$
 DECLARE
     r record;
@@ -173,7 +175,7 @@ BEGIN
         -- Fenced: never touches another grant. True only if this very grant was released by
         -- its holder's release (an earlier attempt of this one, whose reply was lost); a
         -- grant that expired or was taken over or forced has left no such mark.
-        RETURN p_own AND r.released_token = p_token AND r.released_holder = p_req;
+        RETURN p_own AND p_retry AND r.released_token = p_token AND r.released_holder = p_req;
     END IF;
     t := clock_timestamp();
     mine := p_own AND r.expires_at > t;
@@ -194,7 +196,7 @@ $fn$;
 DROP FUNCTION IF EXISTS {release}(text, text, bigint);
 CREATE FUNCTION {release}(p_name text, p_req text, p_token bigint)
 RETURNS boolean LANGUAGE sql AS $fn$
-    SELECT {release_as}(p_name, p_req, p_token, false)
+    SELECT {release_as}(p_name, p_req, p_token, false, false)
 $fn$;
 
 DROP FUNCTION IF EXISTS {leave}(text, text);
@@ -330,7 +332,9 @@ class Names:
             "SELECT o_status, o_token, o_hint FROM {acquire_as}"
             "(%s::text, %s::text, %s::float8, %s::float8, %s::text, %s::boolean, %s::text)"
         )
-        self.q_release = render("SELECT {release_as}(%s::text, %s::text, %s::bigint, %s::boolean)")
+        self.q_release = render(
+            "SELECT {release_as}(%s::text, %s::text, %s::bigint, %s::boolean, %s::boolean)"
+        )
         self.q_leave = render("SELECT {leave}(%s::text, %s::text)")
         self.q_renew = render(RENEW_SQL)
         self.q_status = render(STATUS_SQL)

@@ -45,6 +45,7 @@ from .._core.backend import (
     LockStatus,
     LostCallback,
     Record,
+    UnsureReleases,
     call_bound,
     lock_timeout,
     wait_budget,
@@ -245,6 +246,7 @@ class PostgreSQLBackend(Backend):
         self._cleanups: dict[tuple[str, str], set[asyncio.Task[Any]]] = {}
         # Statements of cancelled acquires still running: their answer may start a clean-up.
         self._late: set[asyncio.Future[Any]] = set()
+        self._unsure = UnsureReleases()  # (releases that raised: their next one is a retry)
         self._closed = False
 
     # -- opening ------------------------------------------------------------------------
@@ -588,12 +590,16 @@ class PostgreSQLBackend(Backend):
 
     async def release(self, grant: Grant) -> bool:
         token = grant.token
-        # Its holder's own release (a grant made here): a retry after a lost reply finds it
-        # released by itself (True). A grant without the mark (a force release's, made from
-        # the lock's status; a resumed one) is never taken for such a retry.
+        # Its holder's own release (a grant made here) is marked, and its retry after a
+        # lost reply (the earlier attempt raised: UnsureReleases) finds it released by
+        # itself (True). A grant without the handle (a force release's, made from the lock's
+        # status; a resumed one) neither marks nor reads the mark.
         own = grant.handle == _OWN
-        params = (token.lock, grant.request_id, token.value, own)
+        retry = own and self._unsure.sending(grant)
+        params = (token.lock, grant.request_id, token.value, own, retry)
         row = await self._call(self._names.q_release, params)
+        if own:
+            self._unsure.answered(grant)
         return bool(row is not None and row[0])
 
     async def lock_names(self) -> list[str]:

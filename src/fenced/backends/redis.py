@@ -52,6 +52,7 @@ from .._core.backend import (
     LockStatus,
     LostCallback,
     Record,
+    UnsureReleases,
     call_bound,
     lock_timeout,
     wait_budget,
@@ -356,14 +357,15 @@ end
 
 
 # Not (or no longer) the holder (``v`` is false): was this grant released by an earlier
-# attempt of this very release, whose reply was lost? Its holder's own release (the grant's
-# value in ARGV[1]) renames the holder key to "released", its remaining ttl with it: that key
-# naming this grant (the same value, or the same token and request id) says so. A grant that
+# attempt of this very release, whose reply was lost (ARGV[2] 'retry': that attempt raised,
+# UnsureReleases)? Its holder's own release (the grant's value in ARGV[1]) renames the holder
+# key to "released", its remaining ttl with it: that key naming this grant (the same value,
+# or the same token and request id) says so. Not a retry: 0 (already released). A grant that
 # expired or was taken over leaves none; a force release (no value: ARGV[1] is '') leaves none
 # and never finds one: its holder must hear that it lost the lock.
 _RELEASED_BEFORE: Final = """
 if v == false then
-  if ARGV[1] == '' then return 0 end
+  if ARGV[1] == '' or ARGV[2] ~= 'retry' then return 0 end
   local r = redis.call('GET', string.sub(KEYS[1], 1, -7) .. 'released')
   if r == ARGV[1] then return 1 end
   if not r then return 0 end
@@ -375,7 +377,8 @@ end
 """
 
 # KEYS: 1 holder, 2 queue. ARGV: 1 the grant's holder value or '', then (only without it) 2
-# request id, 3 token. Returns 1 if it was held (and is now released), else 0. With nobody
+# request id, 3 token; with it, 2 'retry' for a retry (see _RELEASED_BEFORE). Returns 1 if it
+# was held (and is now released, or was by this release's earlier attempt), else 0. With nobody
 # queued it returns before making the queue's functions (see _FREE_FAST).
 RELEASE_LUA: Final = (
     _is_holder("v = false")
@@ -582,11 +585,14 @@ def _granted_value(grant: Grant) -> str:
     return f"{grant.token.value} {ttl_ms} {grant.request_id}{grant.handle}"
 
 
-def _holder_args(grant: Grant) -> tuple[str | int, ...]:
-    """ARGV of the holder check (_IS_HOLDER): the grant's holder value alone (it names the
-    request id and token), or '', request id and token when there is none."""
+def _holder_args(grant: Grant, retry: bool = False) -> tuple[str | int, ...]:
+    """ARGV of the holder check (_is_holder): the grant's holder value alone (it names the
+    request id and token; then 'retry' for a release's retry), or '', request id and token
+    when there is none."""
     value = _granted_value(grant)
-    return (value,) if value else ("", grant.request_id, grant.token.value)
+    if not value:
+        return ("", grant.request_id, grant.token.value)
+    return (value, "retry") if retry else (value,)
 
 
 class RedisBackend(Backend):
@@ -647,6 +653,7 @@ class RedisBackend(Backend):
         self._own_busy = False
         self._own_dirty: Callable[[], Awaitable[bool]] = _never
         self._key_cache: dict[str, tuple[list[str], str]] = {}
+        self._unsure = UnsureReleases()  # (releases that raised: their next one is a retry)
         self._recheck_safety = False
         self.verified_durable = False
         """True when the last check of the server's configuration found it durable."""
@@ -1013,8 +1020,9 @@ class RedisBackend(Backend):
 
     async def release(self, grant: Grant) -> bool:
         keys, _ = self._keys(grant.token.lock)
-        args = _holder_args(grant)
+        args = _holder_args(grant, self._unsure.sending(grant))
         done = await self._call(lambda: self._script(self._release, keys[1:3], args))
+        self._unsure.answered(grant)
         return bool(int(done))
 
     async def lock_names(self) -> list[str]:

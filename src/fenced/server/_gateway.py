@@ -284,10 +284,20 @@ class Gateway:
         )
 
     async def release_for(
-        self, key: ApiKey | None, name: str, token: FencingToken, request_id: str
+        self,
+        key: ApiKey | None,
+        name: str,
+        token: FencingToken,
+        request_id: str,
+        *,
+        retry: bool = False,
     ) -> bool:
         return await self.release(
-            name, token, own_id(key, request_id), foreign=self._foreign(key, name, request_id)
+            name,
+            token,
+            own_id(key, request_id),
+            foreign=self._foreign(key, name, request_id),
+            retry=retry,
         )
 
     def _foreign(self, key: ApiKey | None, name: str, request_id: str) -> Foreign | None:
@@ -456,17 +466,25 @@ class Gateway:
             self._settled.setdefault(key, set()).add(token.value)
 
     async def release(
-        self, name: str, token: FencingToken, request_id: str, *, foreign: Foreign | None = None
+        self,
+        name: str,
+        token: FencingToken,
+        request_id: str,
+        *,
+        foreign: Foreign | None = None,
+        retry: bool = False,
     ) -> bool:
         """Release the grant; False if it had ended already (counted as a refusal instead if
-        ``foreign`` says so). A release of a grant this gateway released, asked again (the
-        client never got the answer), is answered True again and counted once: by request
-        id (the source's: the key's tag and the client's id) and token, for the rest of the
-        grant's ttl; the source no longer holds the grant, and said False."""
+        ``foreign`` says so). ``retry``: the client asks again because the answer to its
+        earlier release was lost; if this gateway released the grant (by request id, the
+        source's: the key's tag and the client's id; and token; within the rest of the
+        grant's ttl), True again, counted once (the source no longer holds it, and would
+        say False). Not a retry: a grant already released is False, as the contract says."""
         key = (name, request_id, token.value)
-        until = self._released_here.get(key)
-        if until is not None and _clock.now() < until:
-            return True
+        if retry:
+            until = self._released_here.get(key)
+            if until is not None and _clock.now() < until:
+                return True
         self._releasing[key] = self._releasing.get(key, 0) + 1
         try:
             released = await self._release(name, token, request_id)
