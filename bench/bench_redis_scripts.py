@@ -19,7 +19,8 @@ loop's ``beforeSleep``, after the command is timed), but a script run right afte
 thread that slept through it, runs cold.
 
 ``--ablate`` adds the current scripts each without one of the things its uncontended path
-does (the `EXISTS`, the `INCR`, the `PX`, the release's queue check): what each one costs.
+does (the `EXISTS`, the `INCR`, the `PX`, the release's marker and its queue check): what
+each one costs.
 ``--handoff`` measures the contended cycle instead (a waiter queues, the release hands it
 the lock, it releases).
 
@@ -322,6 +323,14 @@ def ablations() -> dict[str, tuple[str, str]]:
                 "redis.call('SET', KEYS[2], value)",
             ),
             r,
+        ),
+        "- release's marker (DEL, not RENAME)": (
+            a,
+            without(
+                r,
+                "redis.call('RENAME', KEYS[1], string.sub(KEYS[1], 1, -7) .. 'released')",
+                "redis.call('DEL', KEYS[1])",
+            ),
         ),
         "- release's queue check": (
             a,

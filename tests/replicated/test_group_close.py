@@ -225,3 +225,93 @@ def test_a_member_that_cannot_close_costs_the_bound_and_is_named(
                 assert out and isinstance(out[0], fenced.BackendUnavailable), out
         finally:
             pg.resume()
+
+
+# -- the group and its connection: closed in either order ------------------------------------
+
+
+def _member_threads() -> int:
+    return sum(1 for t in threading.enumerate() if t.name.startswith("fenced-member-"))
+
+
+def _open_members(pg_dsn: str) -> int:
+    """The members' PostgreSQL connections open now (their application_name, as the server
+    counts them)."""
+    psycopg = pytest.importorskip("psycopg")
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'fenced-member'"
+        ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def group_on(locks: fenced.Locks, server: RedisServer, pg_dsn: str) -> tuple[Group, redis.Redis]:
+    """A group with a Redis member (its own thread) and a PostgreSQL one (its own kept
+    connection), both used: a write through each."""
+    psycopg = pytest.importorskip("psycopg")
+    client = redis.Redis(port=server.port)
+    pg = SQLGuard("orders").fencer(
+        lambda: psycopg.connect(pg_dsn, autocommit=True, application_name="fenced-member")
+    )
+    group = Group("orders", locks, {"a": RedisGuard(client, "orders-a"), "b": pg})
+    with locks.lock("orders", ttl=30) as lease:
+        group.writer(lease).set("k", b"v")
+    return group, client
+
+
+def test_closing_the_connection_first_closes_its_groups(
+    server: RedisServer, pg_dsn: str, tmp_path: Path
+) -> None:
+    """The connection closed (its ``with`` block left) before the group: the group's members'
+    own connections and threads stayed open (the group's close then did nothing: the
+    connection's loop was gone). Now the connection closes its groups first: the member's
+    thread ends, its PostgreSQL connection is closed, and the group's next use raises
+    BackendUnavailable ("closed"), its close a no-op; the guards given stay the caller's."""
+    threads, conns = _member_threads(), _open_members(pg_dsn)
+    with fenced.connect(f"sqlite:///{tmp_path}/locks.db") as locks:
+        group, client = group_on(locks, server, pg_dsn)
+        assert _member_threads() == threads + 1 and _open_members(pg_dsn) == conns + 1
+    try:
+        wait_for(lambda: _member_threads() == threads, timeout=BOUND, what="the thread's end")
+        wait_for(
+            lambda: _open_members(pg_dsn) == conns, timeout=BOUND, what="the connection closed"
+        )
+        with pytest.raises(fenced.BackendUnavailable, match="closed"):
+            group.read("k")
+        group.close()
+        assert client.ping()  # (the caller's client, open)
+    finally:
+        client.close()
+
+
+def test_closing_the_group_first_then_its_connection(
+    server: RedisServer, pg_dsn: str, tmp_path: Path
+) -> None:
+    """The other order, as before: the group's close closes its members; the connection's
+    close then closes nothing twice and raises nothing."""
+    threads, conns = _member_threads(), _open_members(pg_dsn)
+    with fenced.connect(f"sqlite:///{tmp_path}/locks.db") as locks:
+        group, client = group_on(locks, server, pg_dsn)
+        group.close()
+        wait_for(lambda: _member_threads() == threads, timeout=BOUND, what="the thread's end")
+        assert _open_members(pg_dsn) == conns
+        with pytest.raises(fenced.BackendUnavailable, match="closed"):
+            group.read("k")
+        assert locks.status("orders").holder is None  # (the connection, still working)
+    client.close()
+
+
+async def test_an_async_group_closes_with_its_connection_and_not_on_a_closed_one(
+    tmp_path: Path,
+) -> None:
+    """The same with the async API; and a group made on a connection already closed is
+    refused at once (BackendUnavailable), not made to leak what it would open."""
+    locks = fenced.connect_async(f"sqlite:///{tmp_path}/locks.db")
+    group = fenced.replicated.AsyncGroup("orders", locks, {"b": sqlite_member(tmp_path, "b")})
+    assert await group.read("k") is None
+    await locks.aclose()
+    with pytest.raises(fenced.BackendUnavailable, match="closed"):
+        await group.read("k")
+    with pytest.raises(fenced.BackendUnavailable, match="closed"):
+        fenced.replicated.AsyncGroup("orders", locks, {"b": sqlite_member(tmp_path, "b")})

@@ -59,11 +59,34 @@ SCRIPT: list[tuple[str, str, Any, str | None]] = [
     ("POST", "/v1/locks/inv/acquire", {"ttl": 5, "owner": "me", "timeout": 1}, SECRET),
     ("POST", "/v1/locks/inv/force-release", None, SECRET),  # another route: not the lane's
     ("GET", "/v1/locks/inv", None, SECRET),
+    # A release asked again (its answer lost): true from the gateway that released it; the
+    # same without "retry" is a release of a grant already released: false.
+    (
+        "POST",
+        "/v1/locks/inv/release",
+        {"token": "inv:1", "request_id": "r-1", "retry": True},
+        SECRET,
+    ),
+    ("POST", "/v1/locks/inv/release", {"token": "inv:1", "request_id": "r-1"}, SECRET),
+    (
+        "POST",
+        "/v1/locks/inv/release",
+        {"token": "inv:1", "request_id": "r-1", "retry": None},
+        SECRET,
+    ),
+    ("POST", "/v1/locks/inv/release", {"token": "inv:1", "request_id": "r-1", "retry": 1}, SECRET),
+    (
+        "POST",
+        "/v1/locks/inv/release",
+        {"token": "inv:1", "request_id": "r-1", "retry": "yes"},
+        SECRET,
+    ),
+    ("POST", "/v1/locks/inv/renew", {"token": "inv:2", "request_id": "r-1", "retry": True}, SECRET),
 ]
 # Taken by the lane: bodies that validate, from a key allowed on the lock — including the
 # handlers' own refusals (a ttl out of range, a bad request id or lock name, another lock's
 # token), answered there by the same code. Bad bodies, missing or wrong keys, other routes: not.
-GOOD = {0, 1, 2, 3, 4, 11, 12, 14, 15, 20, 21, 22, 23, 24, 28, 29, 30, 31}
+GOOD = {0, 1, 2, 3, 4, 11, 12, 14, 15, 20, 21, 22, 23, 24, 28, 29, 30, 31, 34, 35, 36}
 
 
 def keys_file(tmp_path: Path) -> Path:
@@ -162,6 +185,9 @@ async def test_the_fast_lane_answers_what_fastapi_answers(tmp_path: Path) -> Non
     statuses = [status for status, _ in fast]
     assert statuses.count(200) >= 8 and {400, 401, 403, 409, 410} <= set(statuses)
     assert taken == GOOD
+    # the release asked again: true; without "retry" (or with null): false; 1, "yes": 400
+    assert [fast[i] for i in (34, 35, 36)] == [(200, {"released": x}) for x in (True, False, False)]
+    assert {fast[i][0] for i in (37, 38, 39)} == {400}
 
 
 @pytest.mark.asyncio
@@ -185,7 +211,10 @@ async def test_the_comparison_catches_a_lane_that_answers_differently(
     slow, _ = await run_script(tmp_path, fast=False)
     fast, _ = await run_script(tmp_path, fast=True)
     # the answer to request 9, and the counters (that refusal went uncounted)
-    assert [i for i, (a, b) in enumerate(zip(slow, fast, strict=True)) if a != b] == [9, 34]
+    assert [i for i, (a, b) in enumerate(zip(slow, fast, strict=True)) if a != b] == [
+        9,
+        len(SCRIPT),
+    ]
 
 
 @pytest.mark.asyncio

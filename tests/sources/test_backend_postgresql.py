@@ -35,6 +35,7 @@ from fenced._core import clock as _clock
 from fenced._core.backend import Grant
 from fenced.backends._postgresql_schema import DDL
 from fenced.backends.postgresql import PostgreSQLBackend
+from fenced.testing.proxy import TcpProxy
 from fenced.testing.servers import PostgresServer
 from tests.helpers import async_wait_for, dead_port, unique_name
 from tests.sources.envs.postgresql import crash
@@ -1123,3 +1124,108 @@ async def test_close_with_a_statement_hung_leaves_no_task_pending(pg_dsn: str) -
         assert await other.release(grant) is True
     finally:
         await other.aclose()
+
+
+# -- a release whose reply was lost, asked again -----------------------------------------------
+
+
+class ReleaseForgetsItsOwn(PostgreSQLBackend):
+    """BUG: a retried release that no longer finds its grant answers true without looking at
+    the mark its own earlier attempt leaves: a grant that expired, or was taken over or forced,
+    would be reported released."""
+
+    _ddl_template: ClassVar[str] = _plant(
+        "RETURN p_own AND p_retry AND r.released_token = p_token AND r.released_holder = p_req;",
+        "RETURN p_own AND p_retry;",
+    )
+
+
+Step = Callable[[PostgreSQLBackend, str, Grant], Awaitable[None]]
+
+
+async def asked_again(
+    pg_dsn: str,
+    cls: type[PostgreSQLBackend] = PostgreSQLBackend,
+    before: Step | None = None,
+    after: Step | None = None,
+) -> tuple[bool, fenced.LockStatus]:
+    """A grant released through a proxy that passes the release on but drops the server's
+    reply: the call raises (BackendUnavailable at command_timeout, the outcome unknown);
+    asked again once replies flow, the release's answer, and the lock's status then.
+    ``before``: what happens to the grant before the release (it expires and another client
+    takes the lock; it is force-released); ``after``: between the two asks."""
+    url = urlsplit(pg_dsn)
+    assert url.port is not None
+    name = unique_name()
+    with TcpProxy("127.0.0.1", url.port) as proxy:
+        via = pg_dsn.replace(f":{url.port}/", f":{proxy.port}/", 1)
+        async with backends(pg_dsn, 1, cls) as (other,):
+            backend = await open_backend(via, cls, command_timeout=1.0)
+            try:
+                grant = await backend.acquire(
+                    name, request_id="r", ttl=30, deadline=None, on_lost=_noop
+                )
+                if before is not None:
+                    await before(other, name, grant)
+                proxy.drop_replies()
+                sent = proxy.forwarded
+                with pytest.raises(fenced.BackendUnavailable):
+                    await backend.release(grant)
+                assert proxy.forwarded > sent  # (the release reached the server)
+                proxy.heal()
+                if after is not None:
+                    await after(other, name, grant)
+                return await backend.release(grant), await other.status(name)
+            finally:
+                proxy.heal()
+                await backend.aclose()
+
+
+def _expire_and_take(pg_dsn: str) -> Step:
+    async def step(other: PostgreSQLBackend, name: str, grant: Grant) -> None:
+        """The grant's lease runs out (the database's clock); another client takes the lock."""
+        async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as conn:
+            await conn.execute(
+                "UPDATE fenced_locks SET expires_at = clock_timestamp() WHERE name = %s", (name,)
+            )
+        await other.acquire(name, request_id="o", ttl=30, deadline=None, on_lost=_noop)
+
+    return step
+
+
+async def _force_release(other: PostgreSQLBackend, name: str, grant: Grant) -> None:
+    assert await other.force_release(name) is not None
+
+
+async def _take(other: PostgreSQLBackend, name: str, grant: Grant) -> None:
+    await other.acquire(name, request_id="o", ttl=30, deadline=_clock.now() + 5, on_lost=_noop)
+
+
+async def test_a_release_whose_reply_was_lost_asked_again_is_a_release(pg_dsn: str) -> None:
+    """The release reached the database and freed the lock, its reply was lost: asked again,
+    it answered False (a lease reported lost that was not). Now True; and so too if another
+    client took the lock in between (its grant untouched)."""
+    for after in (None, _take):
+        released, status = await asked_again(pg_dsn, after=after)
+        assert released is True, after
+        assert (status.holder == "o") is (after is _take)
+
+
+async def test_a_release_asked_again_after_a_takeover_or_force_release_stays_false(
+    pg_dsn: str,
+) -> None:
+    """The other side: the grant expired and another client took the lock, or an operator
+    force-released it, before the release arrived: asked again, False, and the other
+    holder's grant kept."""
+    for taken in (True, False):
+        before = _expire_and_take(pg_dsn) if taken else _force_release
+        released, status = await asked_again(pg_dsn, before=before)
+        assert released is False, before
+        assert (status.holder == "o") is taken
+
+
+async def test_the_retried_release_check_catches_a_release_that_forgets_its_own(
+    pg_dsn: str,
+) -> None:
+    released, _ = await asked_again(pg_dsn, ReleaseForgetsItsOwn, _expire_and_take(pg_dsn))
+    assert released is True  # (what the check above refuses)

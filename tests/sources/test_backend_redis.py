@@ -25,6 +25,7 @@ from fenced._core import clock as _clock
 from fenced._core.backend import Grant, LostCallback
 from fenced._core.token import FencingToken
 from fenced.backends.redis import ACQUIRE_LUA, LEAVE_LUA, RELEASE_LUA, RENEW_LUA, RedisBackend
+from fenced.testing.proxy import TcpProxy
 from fenced.testing.servers import RedisServer
 from tests.helpers import (
     async_wait_for,
@@ -457,8 +458,8 @@ class CounterDeletedWithHolder(RedisBackend):
     """Planted bug: release deletes the token counter along with the holder key."""
 
     release_lua: ClassVar[str] = RELEASE_LUA.replace(
-        "redis.call('DEL', KEYS[1])",
-        "redis.call('DEL', KEYS[1], string.sub(KEYS[1], 1, -7) .. 'token')",
+        "redis.call('RENAME', KEYS[1],",
+        "redis.call('DEL', string.sub(KEYS[1], 1, -7) .. 'token')\n  redis.call('RENAME', KEYS[1],",
         1,
     )
 
@@ -825,7 +826,8 @@ def test_an_uncontended_acquire_and_release_run_the_fewest_commands(
 ) -> None:
     """Server time is paid per command a script runs, cold after each fsync (docs/backend-
     redis.md, "Server time"): an uncontended acquire runs EXISTS (holder and queue at once),
-    INCR and SET; its release GET, DEL and EXISTS (the queue) - no ZCARD, TIME or PTTL."""
+    INCR and SET; its release GET, RENAME (the holder key becomes the grant's "released"
+    marker, for a retry of the release) and EXISTS (the queue) - no ZCARD, TIME or PTTL."""
     prefix, name = _prefix(), unique_name()
     native = redis.Redis(port=redis_server.port)
     try:
@@ -842,7 +844,7 @@ def test_an_uncontended_acquire_and_release_run_the_fewest_commands(
         native.close()
     calls = {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in stats.items()}
     calls.pop("config|resetstat", None)
-    assert calls == {"evalsha": 20, "exists": 20, "incr": 10, "set": 10, "get": 10, "del": 10}
+    assert calls == {"evalsha": 20, "exists": 20, "incr": 10, "set": 10, "get": 10, "rename": 10}
 
 
 def test_the_uncontended_scripts_get_only_the_keys_and_arguments_they_use(
@@ -1280,3 +1282,108 @@ async def test_a_pool_call_right_after_the_server_closed_its_connection_reconnec
         (idle,) = pool._available_connections
         _kill_and_wait_for_the_fin(server.port, idle)
         assert (await locks.swap_record(name, 1, "two")).version == 2
+
+
+# -- a release whose reply was lost, asked again -----------------------------------------------
+
+
+class ReleaseForgetsItsOwn(RedisBackend):
+    """Planted bug: the release answers 1 for any grant it no longer finds (the marker of an
+    earlier attempt not looked at): a lease that expired, or was taken over or force-released,
+    would be reported released."""
+
+    release_lua: ClassVar[str] = RELEASE_LUA.replace(
+        "if v == false then", "if v == false then do return 1 end", 1
+    )
+
+
+async def asked_again(
+    url: str,
+    port: int,
+    before: Callable[[fenced.AsyncLocks, redis.Redis, str], Any] | None = None,
+    after: Callable[[fenced.AsyncLocks, str], Any] | None = None,
+) -> tuple[bool, fenced.AsyncLease, fenced.LockStatus]:
+    """A lease released through a proxy that passes the release on but drops Redis's reply:
+    the call raises (BackendUnavailable, the outcome unknown); asked again once replies
+    flow, the release's answer (with the lease and the lock's status then). ``before``: what happens to the grant before the release
+    (its key expires, another client takes the lock); ``after``: between the two asks."""
+    prefix, name = _prefix(), unique_name()
+    raw = redis.Redis(port=port, decode_responses=True)
+    try:
+        with TcpProxy("127.0.0.1", port) as proxy:
+            via = url.replace(f":{port}", f":{proxy.port}", 1)
+            opts = {"key_prefix": prefix, "socket_timeout": 1.0}
+            async with (
+                fenced.connect_async(via, **opts) as locks,
+                fenced.connect_async(url, key_prefix=prefix) as other,
+            ):
+                lease = locks.lock(name, ttl=30)
+                await lease.acquire()
+                if before is not None:
+                    await before(other, raw, name)
+                proxy.drop_replies()
+                sent = proxy.forwarded
+                with pytest.raises(fenced.BackendUnavailable):
+                    await lease.release()
+                assert proxy.forwarded > sent  # (the release reached the server)
+                proxy.heal()
+                if after is not None:
+                    await after(other, name)
+                released = await lease.release()
+                return released, lease, await other.status(name)
+    finally:
+        raw.close()
+
+
+async def _expire_and_take(other: fenced.AsyncLocks, raw: redis.Redis, name: str) -> None:
+    """The grant's key runs out (the server's clock); another client takes the lock."""
+    key = next(k for k in raw.scan_iter(match=f"*{{{name}}}:holder"))
+    raw.pexpire(key, 1)
+    wait_for(lambda: not raw.exists(key), what="the holder's key to expire")
+    await other.lock(name, ttl=30).acquire()
+
+
+async def _force_release(other: fenced.AsyncLocks, raw: redis.Redis, name: str) -> None:
+    assert await other.force_release(name) is not None
+
+
+async def _take(other: fenced.AsyncLocks, name: str) -> None:
+    await other.lock(name, ttl=30, timeout=5).acquire()
+
+
+async def test_a_release_whose_reply_was_lost_asked_again_is_a_release(
+    redis_server: RedisServer,
+) -> None:
+    """The release reached Redis and freed the lock, its reply was lost: asked again, it
+    answered False and the lease reported a loss that did not happen. Now True, no loss;
+    and so too if another client took the lock in between (its grant untouched)."""
+    for after in (None, _take):
+        released, lease, status = await asked_again(
+            redis_server.url, redis_server.port, after=after
+        )
+        assert released is True, after
+        assert not lease.lost.is_set(), lease.lost.cause
+        assert (status.token is not None) is (after is _take)
+
+
+async def test_a_release_asked_again_after_a_takeover_or_force_release_stays_false(
+    redis_server: RedisServer,
+) -> None:
+    """The other side: the grant expired and another client took the lock, or an operator
+    force-released it, before the release arrived: asked again, False and the loss reported,
+    and the other holder's grant kept."""
+    for before in (_expire_and_take, _force_release):
+        released, lease, status = await asked_again(redis_server.url, redis_server.port, before)
+        assert released is False, before
+        assert lease.lost.is_set(), before
+        assert (status.token is not None) is (before is _expire_and_take)
+
+
+async def test_the_retried_release_check_catches_a_release_that_forgets_its_own(
+    redis_server: RedisServer, register_scheme: Callable[[str, str], None]
+) -> None:
+    assert ReleaseForgetsItsOwn.release_lua != RELEASE_LUA  # (the bug is really planted)
+    register_scheme("redisforgets", f"{__name__}:ReleaseForgetsItsOwn")
+    url = redis_server.url.replace("redis://", "redisforgets://", 1)
+    released, _, _ = await asked_again(url, redis_server.port, _expire_and_take)
+    assert released is True  # (what the checks above refuse)

@@ -40,6 +40,7 @@ __all__ = [
     "LostCallback",
     "Record",
     "TokenCheck",
+    "UnsureReleases",
     "backend_class",
     "call_bound",
     "commits_per_turn",
@@ -462,6 +463,36 @@ def wait_budget(deadline: float | None, *caps: float | None) -> float:
 LAST_TRY_GRACE: Final = 1.0
 """Seconds a source's call may run past an acquire's deadline: the last try gets a fair
 chance to answer (a grant decided just at the deadline is not thrown away as a timeout)."""
+
+
+class UnsureReleases:
+    """The grants whose release raised here (no answer: its outcome unknown), by lock, token
+    and request id: the next release of one of them is a *retry*, which a source that marks
+    its releases may answer True (its earlier attempt did release). Only a retry: a second
+    release of a grant released and answered is False (the contract: "already released").
+    At most ``keep`` of them, the oldest forgotten first (its retry answered as a first
+    release: False, a loss reported that was not one, never the other way)."""
+
+    def __init__(self, keep: int = 1024) -> None:
+        self._keep = keep
+        self._sent: dict[tuple[str, int, str], None] = {}
+
+    @staticmethod
+    def _key(grant: Grant) -> tuple[str, int, str]:
+        return (grant.token.lock, grant.token.value, grant.request_id)
+
+    def sending(self, grant: Grant) -> bool:
+        """A release of ``grant`` is about to be sent: True if it is a retry."""
+        key = self._key(grant)
+        retry = key in self._sent
+        self._sent[key] = None
+        if len(self._sent) > self._keep:
+            del self._sent[next(iter(self._sent))]
+        return retry
+
+    def answered(self, grant: Grant) -> None:
+        """The release of ``grant`` was answered (whatever the answer)."""
+        self._sent.pop(self._key(grant), None)
 
 
 def call_bound(

@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import inspect
 import logging
+import threading
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator, Iterable
 from types import TracebackType
@@ -800,6 +801,10 @@ class AsyncLocks:
         self._settled: asyncio.Event | None = None  # set when _in_flight drops to 0 (closing)
         self._close_done: asyncio.Event | None = None
         self._held: weakref.WeakSet[AsyncLease] = weakref.WeakSet()
+        # What was built on this connection and closes with it, first (replicated groups):
+        # weakly, so that a group the caller dropped is not kept alive by it.
+        self._dependents: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._dependents_lock = threading.Lock()  # (a sync Group registers from its thread)
         self._fork_gen = _fork.generation()
 
     def _check_fork(self) -> None:
@@ -815,6 +820,8 @@ class AsyncLocks:
         self._backend = None
         self._opening = None
         self._held = weakref.WeakSet()
+        self._dependents = weakref.WeakSet()  # (the parent's: closing them here would cut it)
+        self._dependents_lock = threading.Lock()
         self._in_flight = 0  # (the parent's calls: they do not run here)
         self._acquiring = set()
         self._stopped = set()
@@ -836,6 +843,18 @@ class AsyncLocks:
     async def opened_backend(self) -> Backend:
         """The open backend, opening it first if needed (as any call would)."""
         return await self._get_backend()
+
+    def close_with(self, dependent: Any) -> None:
+        """Close ``dependent`` (something built on this connection that holds connections
+        of its own: a replicated group) when this connection closes: its ``aclose()`` is
+        awaited first, before the leases are released and the source closed. Kept by a weak
+        reference. On a connection closing or closed, :class:`~fenced.BackendUnavailable`:
+        nothing built on it now could be closed with it."""
+        self._check_fork()
+        with self._dependents_lock:  # (aclose sets _closing before it takes them: see there)
+            if self._closing or self._closed:
+                raise BackendUnavailable(f"the connection to {_redact(self.url)} is closed")
+            self._dependents.add(dependent)
 
     def sign(self, token: FencingToken) -> FencingToken:
         """``token`` as a holder gets it from this connection: signed (bound to the source id,
@@ -1051,6 +1070,7 @@ class AsyncLocks:
         failed: list[tuple[AsyncLease, BaseException]] = []
         try:
             end = _clock.now() + _CLOSE_SETTLE
+            await self._close_dependents()
             await self._settle(end)
             # All at once, and all within one bound: a source that does not answer costs
             # what is left of _CLOSE_SETTLE (at least _CLOSE_RELEASE), not its timeout once
@@ -1093,6 +1113,22 @@ class AsyncLocks:
                 len(failed),
                 "; ".join(f"{lease.name!r} (token {lease.token}): {exc}" for lease, exc in failed),
             )
+
+    async def _close_dependents(self) -> None:
+        """Close what was built on this connection (:meth:`close_with`), all at once; each
+        bounds its own close and never raises for what it holds (a group warns of a member
+        it could not close), so an error here is a bug of its own: logged, and the close
+        goes on."""
+        with self._dependents_lock:  # (_closing is set: none is added after this)
+            dependents = list(self._dependents)
+        if not dependents:
+            return
+        results = await asyncio.gather(*(d.aclose() for d in dependents), return_exceptions=True)
+        for dependent, result in zip(dependents, results, strict=True):
+            if isinstance(result, asyncio.CancelledError):
+                raise result
+            if isinstance(result, BaseException):
+                logger.warning("closing %r with its connection failed: %s", dependent, result)
 
     async def _release_all(
         self, leases: list[AsyncLease], end: float

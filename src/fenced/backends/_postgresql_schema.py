@@ -49,6 +49,10 @@ CREATE TABLE IF NOT EXISTS {locks} (
 -- made by fenced 0.1's acquire() leaves them alone).
 ALTER TABLE {locks} ADD COLUMN IF NOT EXISTS owner text,
                     ADD COLUMN IF NOT EXISTS owner_token bigint;
+-- The last grant its holder released (request id and token), until the lock's next release:
+-- a retry of that release, whose reply was lost, is answered true (see {release_as}).
+ALTER TABLE {locks} ADD COLUMN IF NOT EXISTS released_holder text,
+                    ADD COLUMN IF NOT EXISTS released_token bigint;
 CREATE TABLE IF NOT EXISTS {waiters} (
     id          bigserial PRIMARY KEY,
     name        text NOT NULL,
@@ -149,20 +153,35 @@ LANGUAGE sql AS $fn$
     SELECT * FROM {acquire_as}(p_name, p_req, p_ttl, p_wait_ttl, p_channel, p_enqueue, NULL)
 $fn$;
 
-DROP FUNCTION IF EXISTS {release}(text, text, bigint);
-CREATE FUNCTION {release}(p_name text, p_req text, p_token bigint)
+DROP FUNCTION IF EXISTS {release_as}(text, text, bigint, boolean, boolean);
+-- p_own: the holder's own release (marked, for its retry), not a force release by someone
+-- else (the holder must then hear that it lost the lock). p_retry: a retry of a release
+-- whose reply was lost (the client saw it raise): true if that earlier attempt released.
+CREATE FUNCTION {release_as}(
+    p_name text, p_req text, p_token bigint, p_own boolean, p_retry boolean)
 RETURNS boolean LANGUAGE plpgsql AS $fn$
 DECLARE
     r record;
     h record;
     t timestamptz;
+    mine boolean;
 BEGIN
-    SELECT l.holder, l.token, l.expires_at INTO r FROM {locks} l WHERE l.name = p_name FOR UPDATE;
-    IF NOT FOUND OR r.token IS DISTINCT FROM p_token OR r.holder IS DISTINCT FROM p_req THEN
-        RETURN false;  -- fenced: never touches another grant
+    SELECT l.holder, l.token, l.expires_at, l.released_holder, l.released_token INTO r
+      FROM {locks} l WHERE l.name = p_name FOR UPDATE;
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    IF r.token IS DISTINCT FROM p_token OR r.holder IS DISTINCT FROM p_req THEN
+        -- Fenced: never touches another grant. True only if this very grant was released by
+        -- its holder's release (an earlier attempt of this one, whose reply was lost); a
+        -- grant that expired or was taken over or forced has left no such mark.
+        RETURN p_own AND p_retry AND r.released_token = p_token AND r.released_holder = p_req;
     END IF;
     t := clock_timestamp();
-    UPDATE {locks} SET holder = NULL, token = NULL, ttl = NULL, expires_at = NULL
+    mine := p_own AND r.expires_at > t;
+    UPDATE {locks} SET holder = NULL, token = NULL, ttl = NULL, expires_at = NULL,
+                       released_holder = CASE WHEN mine THEN p_req END,
+                       released_token = CASE WHEN mine THEN p_token END
      WHERE name = p_name;
     SELECT w.request_id, w.channel INTO h FROM {waiters} w
      WHERE w.name = p_name AND w.expires_at > t ORDER BY w.id LIMIT 1;
@@ -171,6 +190,13 @@ BEGIN
     END IF;
     RETURN r.expires_at > t;
 END
+$fn$;
+
+-- The signature of fenced 0.1 (and of a release without its grant: a force release).
+DROP FUNCTION IF EXISTS {release}(text, text, bigint);
+CREATE FUNCTION {release}(p_name text, p_req text, p_token bigint)
+RETURNS boolean LANGUAGE sql AS $fn$
+    SELECT {release_as}(p_name, p_req, p_token, false, false)
 $fn$;
 
 DROP FUNCTION IF EXISTS {leave}(text, text);
@@ -283,6 +309,7 @@ class Names:
             "acquire": ident("acquire"),
             "acquire_as": ident("acquire_as"),
             "release": ident("release"),
+            "release_as": ident("release_as"),
             "leave": ident("leave"),
         }
         body = sql.SQL(ddl).format(**names).as_string(None)
@@ -305,7 +332,9 @@ class Names:
             "SELECT o_status, o_token, o_hint FROM {acquire_as}"
             "(%s::text, %s::text, %s::float8, %s::float8, %s::text, %s::boolean, %s::text)"
         )
-        self.q_release = render("SELECT {release}(%s::text, %s::text, %s::bigint)")
+        self.q_release = render(
+            "SELECT {release_as}(%s::text, %s::text, %s::bigint, %s::boolean, %s::boolean)"
+        )
         self.q_leave = render("SELECT {leave}(%s::text, %s::text)")
         self.q_renew = render(RENEW_SQL)
         self.q_status = render(STATUS_SQL)

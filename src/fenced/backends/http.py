@@ -34,6 +34,7 @@ from .._core.backend import (
     LostCallback,
     Record,
     TokenCheck,
+    UnsureReleases,
     call_bound,
     is_header_secret,
 )
@@ -90,6 +91,7 @@ class HttpBackend(Backend):
         self._timeout = timeout
         self._have: frozenset[Characteristic] = frozenset()
         self._knows_highest = True
+        self._unsure = UnsureReleases()  # (releases that raised: their next one is a retry)
 
     @classmethod
     async def open(cls, url: SplitResult, options: dict[str, Any]) -> HttpBackend:
@@ -278,13 +280,17 @@ class HttpBackend(Backend):
         return Grant(grant.token, grant.request_id, float(got["ttl"]), sent, grant.handle)
 
     async def release(self, grant: Grant) -> bool:
-        body = {"token": str(grant.token), "request_id": grant.request_id}
+        body: dict[str, object] = {"token": str(grant.token), "request_id": grant.request_id}
+        if self._unsure.sending(grant):  # (an earlier release of it raised: it may have
+            body["retry"] = True  # released, which the gateway that did remembers)
         try:
             got = await self._call(
                 "POST", f"/v1/locks/{_path(grant.token.lock)}/-/release", body, idempotent=False
             )
         except InvalidTokenError:
+            self._unsure.answered(grant)
             return False  # (the server no longer takes the grant's token: not released by it)
+        self._unsure.answered(grant)
         return bool(got["released"])
 
     async def status(self, name: str) -> LockStatus:

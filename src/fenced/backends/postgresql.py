@@ -45,6 +45,7 @@ from .._core.backend import (
     LockStatus,
     LostCallback,
     Record,
+    UnsureReleases,
     call_bound,
     lock_timeout,
     wait_budget,
@@ -72,6 +73,9 @@ __all__ = ["PostgreSQLBackend"]
 
 _Conn = psycopg.AsyncConnection[tuple[Any, ...]]
 _Row = tuple[Any, ...]
+
+_OWN = "own"
+"""The handle of a grant made by this backend's acquire: its release is its holder's own."""
 
 
 class _Listener:
@@ -242,6 +246,7 @@ class PostgreSQLBackend(Backend):
         self._cleanups: dict[tuple[str, str], set[asyncio.Task[Any]]] = {}
         # Statements of cancelled acquires still running: their answer may start a clean-up.
         self._late: set[asyncio.Future[Any]] = set()
+        self._unsure = UnsureReleases()  # (releases that raised: their next one is a retry)
         self._closed = False
 
     # -- opening ------------------------------------------------------------------------
@@ -526,7 +531,7 @@ class PostgreSQLBackend(Backend):
                 status, token, hint = _one(row)
                 if status == "granted":
                     queued = False
-                    return Grant(FencingToken(name, token), request_id, ttl, sent_at)
+                    return Grant(FencingToken(name, token), request_id, ttl, sent_at, _OWN)
                 queued = queued or not last_try
                 if last_try:
                     raise lock_timeout(name)
@@ -585,7 +590,16 @@ class PostgreSQLBackend(Backend):
 
     async def release(self, grant: Grant) -> bool:
         token = grant.token
-        row = await self._call(self._names.q_release, (token.lock, grant.request_id, token.value))
+        # Its holder's own release (a grant made here) is marked, and its retry after a
+        # lost reply (the earlier attempt raised: UnsureReleases) finds it released by
+        # itself (True). A grant without the handle (a force release's, made from the lock's
+        # status; a resumed one) neither marks nor reads the mark.
+        own = grant.handle == _OWN
+        retry = own and self._unsure.sending(grant)
+        params = (token.lock, grant.request_id, token.value, own, retry)
+        row = await self._call(self._names.q_release, params)
+        if own:
+            self._unsure.answered(grant)
         return bool(row is not None and row[0])
 
     async def lock_names(self) -> list[str]:

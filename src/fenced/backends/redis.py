@@ -52,6 +52,7 @@ from .._core.backend import (
     LockStatus,
     LostCallback,
     Record,
+    UnsureReleases,
     call_bound,
     lock_timeout,
     wait_budget,
@@ -327,34 +328,67 @@ return 1
 """
 )
 
+
 # The holder check of release and renew. ARGV[1]: the holder value this client was granted
 # with (or ''), so that the usual check is one string comparison (Lua strings are interned: a
 # pointer comparison) where a parse costs the pattern matcher's code, cold. Any other value (a
 # grant written by another version's script, a release without its grant's value) is parsed
 # and checked: request id and token, from ARGV[1] or else from ARGV[2] and ARGV[3].
-_IS_HOLDER: Final = """
+def _is_holder(otherwise: str) -> str:
+    """Lua that runs ``otherwise`` unless KEYS[1] holds this grant (see above)."""
+    return f"""
 local v = redis.call('GET', KEYS[1])
 if v ~= ARGV[1] then
-  if not v then return 0 end
-  local want_token, want_rid = ARGV[3], ARGV[2]
-  if ARGV[1] ~= '' then
-    local t, _, r = string.match(ARGV[1], '^(%d+) (%d+) ([^\\n]*)')
-    want_token, want_rid = t, r
-  end
-  local h_token, _, h_rid = string.match(v, '^(%d+) (%d+) ([^\\n]*)\\n?(.*)$')
-  if h_rid ~= want_rid or h_token ~= want_token then
-    return 0
+  if not v then
+    {otherwise}
+  else
+    local want_token, want_rid = ARGV[3], ARGV[2]
+    if ARGV[1] ~= '' then
+      local t, _, r = string.match(ARGV[1], '^(%d+) (%d+) ([^\\n]*)')
+      want_token, want_rid = t, r
+    end
+    local h_token, _, h_rid = string.match(v, '^(%d+) (%d+) ([^\\n]*)\\n?(.*)$')
+    if h_rid ~= want_rid or h_token ~= want_token then
+      {otherwise}
+    end
   end
 end
 """
 
+
+# Not (or no longer) the holder (``v`` is false): was this grant released by an earlier
+# attempt of this very release, whose reply was lost (ARGV[2] 'retry': that attempt raised,
+# UnsureReleases)? Its holder's own release (the grant's value in ARGV[1]) renames the holder
+# key to "released", its remaining ttl with it: that key naming this grant (the same value,
+# or the same token and request id) says so. Not a retry: 0 (already released). A grant that
+# expired or was taken over leaves none; a force release (no value: ARGV[1] is '') leaves none
+# and never finds one: its holder must hear that it lost the lock.
+_RELEASED_BEFORE: Final = """
+if v == false then
+  if ARGV[1] == '' or ARGV[2] ~= 'retry' then return 0 end
+  local r = redis.call('GET', string.sub(KEYS[1], 1, -7) .. 'released')
+  if r == ARGV[1] then return 1 end
+  if not r then return 0 end
+  local t, _, id = string.match(ARGV[1], '^(%d+) (%d+) ([^\\n]*)')
+  local r_t, _, r_id = string.match(r, '^(%d+) (%d+) ([^\\n]*)')
+  if r_t and r_t == t and r_id == id then return 1 end
+  return 0
+end
+"""
+
 # KEYS: 1 holder, 2 queue. ARGV: 1 the grant's holder value or '', then (only without it) 2
-# request id, 3 token. Returns 1 if it was held (and is now released), else 0. With nobody
+# request id, 3 token; with it, 2 'retry' for a retry (see _RELEASED_BEFORE). Returns 1 if it
+# was held (and is now released, or was by this release's earlier attempt), else 0. With nobody
 # queued it returns before making the queue's functions (see _FREE_FAST).
 RELEASE_LUA: Final = (
-    _IS_HOLDER
+    _is_holder("v = false")
+    + _RELEASED_BEFORE
     + """
-redis.call('DEL', KEYS[1])
+if ARGV[1] == '' then
+  redis.call('DEL', KEYS[1])
+else  -- (a release by the grant's own value: remembered for its retry, see _RELEASED_BEFORE)
+  redis.call('RENAME', KEYS[1], string.sub(KEYS[1], 1, -7) .. 'released')
+end
 if redis.call('EXISTS', KEYS[2]) == 0 then return 1 end
 """
     + _full_layout("KEYS[1]", len("holder"), "'', '0', 'release', '0', base .. 'wake:', ''")
@@ -368,7 +402,7 @@ return 1
 # KEYS: 1 holder. ARGV: 1 the grant's holder value or '', 2 request id, 3 token (as in
 # RELEASE_LUA), 4 ttl ms.
 RENEW_LUA: Final = (
-    _IS_HOLDER
+    _is_holder("return 0")
     + """
 local token, ttl, rest
 if v then token, ttl, rest = string.match(v, '^(%d+) (%d+) (.*)$') end
@@ -551,11 +585,14 @@ def _granted_value(grant: Grant) -> str:
     return f"{grant.token.value} {ttl_ms} {grant.request_id}{grant.handle}"
 
 
-def _holder_args(grant: Grant) -> tuple[str | int, ...]:
-    """ARGV of the holder check (_IS_HOLDER): the grant's holder value alone (it names the
-    request id and token), or '', request id and token when there is none."""
+def _holder_args(grant: Grant, retry: bool = False) -> tuple[str | int, ...]:
+    """ARGV of the holder check (_is_holder): the grant's holder value alone (it names the
+    request id and token; then 'retry' for a release's retry), or '', request id and token
+    when there is none."""
     value = _granted_value(grant)
-    return (value,) if value else ("", grant.request_id, grant.token.value)
+    if not value:
+        return ("", grant.request_id, grant.token.value)
+    return (value, "retry") if retry else (value,)
 
 
 class RedisBackend(Backend):
@@ -616,6 +653,7 @@ class RedisBackend(Backend):
         self._own_busy = False
         self._own_dirty: Callable[[], Awaitable[bool]] = _never
         self._key_cache: dict[str, tuple[list[str], str]] = {}
+        self._unsure = UnsureReleases()  # (releases that raised: their next one is a retry)
         self._recheck_safety = False
         self.verified_durable = False
         """True when the last check of the server's configuration found it durable."""
@@ -982,8 +1020,9 @@ class RedisBackend(Backend):
 
     async def release(self, grant: Grant) -> bool:
         keys, _ = self._keys(grant.token.lock)
-        args = _holder_args(grant)
+        args = _holder_args(grant, self._unsure.sending(grant))
         done = await self._call(lambda: self._script(self._release, keys[1:3], args))
+        self._unsure.answered(grant)
         return bool(int(done))
 
     async def lock_names(self) -> list[str]:

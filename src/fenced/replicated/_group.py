@@ -173,6 +173,11 @@ class AsyncGroup:
         self._close_task: asyncio.Future[None] | None = None
         self.observed: list[Configuration] = []
         """Every configuration this process has read or installed, in order (for checkers)."""
+        # Closed with its connection: closed first, the members' connections and threads
+        # stayed open (the connection's loop, where they would close, is gone by then). On
+        # a closed connection, BackendUnavailable (the members made above have opened
+        # nothing yet: they connect on first use).
+        source.close_with(self)
 
     @staticmethod
     def _check_member_name(name: object) -> None:

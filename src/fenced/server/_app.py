@@ -74,6 +74,7 @@ from ._wire import (
     LeaseIn,
     ListOut,
     RecordOut,
+    ReleaseIn,
     ReleaseOut,
     RenewOut,
     StatusOut,
@@ -699,7 +700,8 @@ def create_app(settings: ServerSettings) -> FastAPI:
     ) -> Answer:
         try:
             name, token, rid = lease_args(name, fields, key)
-            released = await call(gw.release_for(key, name, token, rid))
+            retry = fields.get("retry") is True
+            released = await call(gw.release_for(key, name, token, rid, retry=retry))
         except ApiError as exc:
             return error_answer(exc)
         return ok(RELEASED[0] if released else RELEASED[1])
@@ -723,9 +725,9 @@ def create_app(settings: ServerSettings) -> FastAPI:
         tags=["locks"],
         summary="Release a grant (fenced: never frees a later grant)",
     )
-    async def release(name: str, body: LeaseIn, key: Principal) -> ReleaseOut:
+    async def release(name: str, body: ReleaseIn, key: Principal) -> ReleaseOut:
         name, token, rid = lease_args(name, body.__dict__, key)
-        released = await call(gw.release_for(key, name, token, rid))
+        released = await call(gw.release_for(key, name, token, rid, retry=body.retry is True))
         return ReleaseOut(released=released)
 
     @app.post(
@@ -1042,7 +1044,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
     lanes: dict[str, _Lane] = {
         "acquire": _Lane(routes["acquire"], AcquireIn, acquire_now),
         "renew": _Lane(routes["renew"], LeaseIn, renew_now),
-        "release": _Lane(routes["release"], LeaseIn, release_now),
+        "release": _Lane(routes["release"], ReleaseIn, release_now),
     }
     app.openapi = lambda: _document(app, keyed=keys is not None)  # type: ignore[method-assign]
     app.add_middleware(_Timing, gateway=gw)

@@ -115,6 +115,11 @@ EXPIRY_CLAIMS = RESERVED + "expired/"
 """The records (one a lock, named by its name's hash) in which gateways claim the expiries
 they count: the source lets one of them claim each (compare-and-set), so a grant two
 gateways tracked is counted once."""
+RELEASES_KEPT = 16_384
+"""Grants released here a gateway remembers at most (a repeat of a release is answered True
+for the rest of the grant's ttl: see ``Gateway.release``): about 6 MB with keys' request
+ids. Past it the oldest is forgotten, and a repeat of its release answers False (as before:
+a loss reported that was not one, never the other way)."""
 CLAIMS_KEPT = 64
 """Token values a lock's claim record keeps (the highest): a claim of a token below them all
 is refused (counted long ago, or too late to tell)."""
@@ -162,6 +167,11 @@ class Gateway:
         self._grants: dict[tuple[str, str], Grant] = {}
         self._owners: dict[tuple[str, str], str] = {}
         self._releasing: dict[tuple[str, str, int], int] = {}  # releases under way, by grant
+        # Grants released here, until their ttl would have run out: a repeat of the release
+        # (its answer lost) is answered True, as the first (see release()).
+        self._released_here: collections.OrderedDict[tuple[str, str, int], float] = (
+            collections.OrderedDict()
+        )
         self._busy: dict[tuple[str, str], int] = {}  # acquires and renewals under way
         self._settled: dict[tuple[str, str], set[int]] = {}  # released/ended meanwhile
         self._changed: dict[str, asyncio.Event] = {}
@@ -274,10 +284,20 @@ class Gateway:
         )
 
     async def release_for(
-        self, key: ApiKey | None, name: str, token: FencingToken, request_id: str
+        self,
+        key: ApiKey | None,
+        name: str,
+        token: FencingToken,
+        request_id: str,
+        *,
+        retry: bool = False,
     ) -> bool:
         return await self.release(
-            name, token, own_id(key, request_id), foreign=self._foreign(key, name, request_id)
+            name,
+            token,
+            own_id(key, request_id),
+            foreign=self._foreign(key, name, request_id),
+            retry=retry,
         )
 
     def _foreign(self, key: ApiKey | None, name: str, request_id: str) -> Foreign | None:
@@ -446,11 +466,25 @@ class Gateway:
             self._settled.setdefault(key, set()).add(token.value)
 
     async def release(
-        self, name: str, token: FencingToken, request_id: str, *, foreign: Foreign | None = None
+        self,
+        name: str,
+        token: FencingToken,
+        request_id: str,
+        *,
+        foreign: Foreign | None = None,
+        retry: bool = False,
     ) -> bool:
         """Release the grant; False if it had ended already (counted as a refusal instead if
-        ``foreign`` says so)."""
+        ``foreign`` says so). ``retry``: the client asks again because the answer to its
+        earlier release was lost; if this gateway released the grant (by request id, the
+        source's: the key's tag and the client's id; and token; within the rest of the
+        grant's ttl), True again, counted once (the source no longer holds it, and would
+        say False). Not a retry: a grant already released is False, as the contract says."""
         key = (name, request_id, token.value)
+        if retry:
+            until = self._released_here.get(key)
+            if until is not None and _clock.now() < until:
+                return True
         self._releasing[key] = self._releasing.get(key, 0) + 1
         try:
             released = await self._release(name, token, request_id)
@@ -475,6 +509,7 @@ class Gateway:
         else:
             released = await self.backend.release(grant)
         if released:
+            self._remember_released((name, request_id, token.value), grant.ttl)
             self._supersede(key, token)
             self._settle(key, token)
             self._grants.pop(key, None)
@@ -483,6 +518,19 @@ class Gateway:
             # It ended before: an expiry, if this gateway knew it; a repeat: nothing.
             self._ended(key, token)
         return released
+
+    def _remember_released(self, key: tuple[str, str, int], ttl: float) -> None:
+        """Keep ``key`` (lock, request id, token) released here for ``ttl`` from now; the
+        oldest forgotten first, once their time is out or past :data:`RELEASES_KEPT`."""
+        now = _clock.now()
+        kept = self._released_here
+        kept[key] = now + ttl
+        kept.move_to_end(key)
+        while kept:
+            oldest, until = next(iter(kept.items()))
+            if until > now and len(kept) <= RELEASES_KEPT:
+                break
+            del kept[oldest]
 
     def ttls(self, current: dict[str, FencingToken]) -> dict[str, float]:
         """The ttl of each lock's current grant (``current``: lock -> its token) where this

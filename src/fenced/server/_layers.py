@@ -127,7 +127,7 @@ _LOCKS = "/v1/locks/"
 
 _scan: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
 # (json's own scanner, without json.loads' layers)
-_NUMBER, _TEXT = "number", "text"
+_NUMBER, _TEXT, _BOOL = "number", "text", "bool"
 _PLAIN: dict[type[_In], tuple[dict[str, str], frozenset[str]]] = {}
 """A body model's fields by kind, and those required: what ``_fields`` takes as they are."""
 
@@ -158,6 +158,10 @@ def _fields(model: type[_In], body: bytes) -> dict[str, Any] | None:
                     if name in required:
                         break
                 elif type(value) is not str:
+                    if kind is _BOOL:
+                        if type(value) is not bool:
+                            break
+                        continue
                     if kind is not _NUMBER or type(value) not in (int, float):
                         break
                     if type(value) is int:
@@ -177,10 +181,17 @@ def _fields(model: type[_In], body: bytes) -> dict[str, Any] | None:
 
 
 def _kinds(model: type[_In]) -> tuple[dict[str, str], frozenset[str]]:
-    """``model``'s fields that are a number (float | None) or a string (str | None)."""
+    """``model``'s fields that are a number (float | None), a string (str | None) or a
+    boolean (bool | None)."""
     kinds, required = {}, set()
     for name, field in model.model_fields.items():
-        kind = {float: _NUMBER, float | None: _NUMBER, str: _TEXT, str | None: _TEXT}.get(
+        kind = {
+            float: _NUMBER,
+            float | None: _NUMBER,
+            str: _TEXT,
+            str | None: _TEXT,
+            bool | None: _BOOL,
+        }.get(
             field.annotation  # type: ignore[arg-type]
         )
         if kind is None:

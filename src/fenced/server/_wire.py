@@ -100,6 +100,15 @@ class LeaseIn(_In):
     )
 
 
+class ReleaseIn(LeaseIn):
+    retry: bool | None = Field(
+        default=None,
+        description="True when this release is asked again because the answer to an earlier "
+        "one was lost (it may have released): the gateway that released the grant answers "
+        "true again. Without it, a release of a grant already released answers false.",
+    )
+
+
 class RenewOut(BaseModel):
     ttl: float
     expires_in: float

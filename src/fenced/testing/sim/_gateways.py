@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import dataclasses
+import functools
 import itertools
 import json
 from collections.abc import Awaitable, Callable
@@ -47,7 +48,7 @@ from ..._core.errors import (
 )
 from ..._core.lease import AsyncLocks
 from ..._core.token import FencingToken
-from ...server import ApiKey, ForeignGrant, Gateway, Metrics, Verb, hash_secret, own_id
+from ...server import ApiKey, Gateway, Metrics, Verb, hash_secret, own_id
 from ..check._checkers import Violation, check_all
 from ..check._resources import SQLResource
 from ._world import _Client, _running, _World, failures, next_entry
@@ -313,12 +314,18 @@ class _SimGateway(Gateway):
 
 class _ReleaseAnyKey(_SimGateway):
     async def release_for(
-        self, key: ApiKey | None, name: str, token: FencingToken, request_id: str
+        self,
+        key: ApiKey | None,
+        name: str,
+        token: FencingToken,
+        request_id: str,
+        *,
+        retry: bool = False,
     ) -> bool:
         # (Planted: "release by token" — the holder's source id taken from the source.)
         status = await self.backend.status(name)
         holder = status.holder if status.token == token else None
-        return await self.release(name, token, holder or own_id(key, request_id))
+        return await self.release(name, token, holder or own_id(key, request_id), retry=retry)
 
 
 class _RetryNewGrant(_SimGateway):
@@ -543,9 +550,6 @@ class GatewayRun:
             except LockTimeout:
                 w.record(c.name, "error", step="acquire", lock=lock, error="LockTimeout")
                 return None
-            except ForeignGrant:
-                w.record(c.name, "refused", step="acquire", lock=lock, rid=rid)
-                return None
             except BackendUnavailable as exc:
                 w.record(c.name, "error", step="acquire", lock=lock, error=type(exc).__name__)
                 if c.dead:
@@ -616,9 +620,10 @@ class GatewayRun:
         w.record(c.name, "releasing", lock=lock, token=token.value)
         sent = w.now()
         released = False
-        for _ in range(2):  # (a lost answer: once more; a repeat finds it gone)
+        for attempt in range(2):  # (a lost answer: once more, as a retry, as fenced's client)
             try:
-                released = await self._rpc(a, lambda gw: gw.release_for(a.key, lock, token, a.rid))
+                release = functools.partial(_release, a.key, lock, token, a.rid, attempt > 0)
+                released = await self._rpc(a, release)
                 break
             except BackendUnavailable:
                 if c.dead:
@@ -810,14 +815,20 @@ class GatewayRun:
             GwSourceBackend._gateways.pop(f"{id(self.w)}-{g.name.replace('#', '.')}", None)
 
 
+def _release(
+    key: ApiKey, lock: str, token: FencingToken, rid: str, retry: bool, gw: Gateway
+) -> Awaitable[bool]:
+    return gw.release_for(key, lock, token, rid, retry=retry)
+
+
 def _intrusion(
     verb: str, key: ApiKey, lock: str, token: FencingToken, rid: str, ttl: float, who: str
 ) -> Callable[[Gateway], Awaitable[Any]]:
     """What an intruder asks a gateway with ``key``: ``verb`` on another key's grant."""
     if verb == "renew":
         return lambda gw: gw.renew_for(key, lock, token, rid, ttl)
-    if verb == "release":
-        return lambda gw: gw.release_for(key, lock, token, rid)
+    if verb == "release":  # (as a retry too: what a gateway remembers is no way in either)
+        return lambda gw: gw.release_for(key, lock, token, rid, retry=True)
     wait = 0.0 if verb == "acquire" else 0.5 * ttl
     return lambda gw: gw.acquire_for(key, lock, rid, ttl, wait, who)
 
