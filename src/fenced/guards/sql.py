@@ -117,6 +117,7 @@ from .._core.token import FencingToken, TokenLike, validate_lock_name
 from ._plan import check_group_change
 from ._sql_driver import (
     CHECKED,
+    SQLiteAutocommitTransaction,
     SQLiteTransaction,
     afence_transaction,
     aguarded_transaction,
@@ -330,8 +331,12 @@ class SQLGuard:
                     self._hot = (token, params, tok)
             try:
                 cur = conn.cursor()  # (one for the guard's three statements)
+                # (isolation_level None: the block runs deferred, see SQLiteAutocommitTransaction)
+                deferred = conn.isolation_level is None
             except Exception as exc:  # closed
                 sqlite_cursor_refused(conn, exc)
+            if deferred:
+                return SQLiteAutocommitTransaction((cur, self._sqlite_sql, params, tok))
             return SQLiteTransaction((cur, self._sqlite_sql, params, tok))
         return self._transaction(conn, FencingToken.coerce(token, self.lock, self.verifier))
 
