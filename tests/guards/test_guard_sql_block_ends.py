@@ -423,3 +423,35 @@ def test_psycopg_is_untouched_by_the_witness(pg_dsn: str) -> None:
                 c.commit()
                 c.execute("UPDATE acct SET v = 'b'")
         assert c.execute("SELECT v FROM acct").fetchall() == [("a",)]
+
+
+def test_sqlite_autocommit_after_the_end_is_told_as_it_ran(tmp_path: Path) -> None:
+    """sqlite3 with ``isolation_level=None``: the guard runs the block DEFERRED, so a write
+    after an end opens a transaction (rolled back above); a statement sqlite3 opens none
+    for (DDL), or any once the block sets ``isolation_level`` back to None, commits as it
+    runs: told so, never as "rolled back"; the level is None again after the block."""
+    import sqlite3
+
+    d = _sqlite(tmp_path / "guarded.db", isolation_level=None)
+    c = d.connect()
+    guard = SQLGuard("acct")
+    try:
+        with pytest.raises(ConfigurationError, match="committed as it ran, unfenced"):
+            with guard.transaction(c, token=tok(5)):
+                d.write(c, "a")
+                c.execute("COMMIT")
+                c.isolation_level = None
+                d.write(c, "b")
+        assert d.read() == "b"  # (as told)
+        assert c.isolation_level is None
+        with pytest.raises(ConfigurationError, match="other than INSERT, UPDATE, DELETE"):
+            with guard.transaction(c, token=tok(5)):
+                c.execute("COMMIT")
+                c.execute("CREATE TABLE made_after_the_end (i INTEGER)")
+                d.write(c, "c")
+        assert d.read() == "b"
+        assert c.isolation_level is None and not c.in_transaction
+        with sqlite3.connect(tmp_path / "guarded.db") as other:
+            assert other.execute("SELECT count(*) FROM made_after_the_end").fetchone() == (0,)
+    finally:
+        c.close()

@@ -1466,11 +1466,20 @@ def _sqlite_ended(
     resource: str,
     token: FencingToken,
     exc: Exception,
-    deferred_block: bool,
+    deferred: bool,
 ) -> NoReturn:
-    """RELEASE of the witness failed: roll back what is open, raise the end (or the error).
-    ``deferred_block``: the guard ran the block with isolation_level DEFERRED."""
-    if not _witness_gone(exc):  # (a failed commit: left open, as COMMIT's failure is)
+    """RELEASE of the witness failed: if the witness is gone, roll back what is open and raise
+    the end; else the error (a failed commit: left open, as a failed COMMIT is, unless the
+    guard ran the block ``deferred``: then rolled back, as setting the level back to None
+    would commit it)."""
+    # (the block may have set isolation_level None itself: all as it ran then)
+    as_ran = "all" if _sqlite_autocommits(conn) else _SQLITE_DDL_AS_RAN if deferred else ""
+    if deferred:
+        with contextlib.suppress(Exception):
+            conn.rollback()
+        with contextlib.suppress(Exception):
+            conn.isolation_level = None
+    if not _witness_gone(exc):
         _raise_mapped(SQLITE, conn, exc)
     with contextlib.suppress(Exception):
         conn.rollback()
@@ -1480,26 +1489,33 @@ def _sqlite_ended(
         cur.close()
     except Exception as why:
         _raise_mapped(SQLITE, conn, why)
-    autocommit = getattr(conn, "autocommit", -1)  # (Python 3.12+; -1: legacy mode)
-    as_ran = ""
-    if autocommit is True or (autocommit == -1 and conn.isolation_level is None):
-        as_ran = "all"
-    elif deferred_block:
-        as_ran = _SQLITE_DDL_AS_RAN
     raise _ended_error(resource, token, row, as_ran=as_ran) from exc
 
 
-class SQLiteTransaction(tuple[sqlite3.Cursor, FenceSQL, tuple[str, str, int], FencingToken]):
+_PY312: Final = sys.version_info >= (3, 12)  # (sqlite3's autocommit attribute)
+
+
+def _sqlite_autocommits(conn: sqlite3.Connection) -> bool:
+    """Does sqlite3 run every statement in autocommit (no transaction opened for a write)?
+    autocommit=True (Python 3.12+), or legacy mode with isolation_level None."""
+    autocommit = conn.autocommit if _PY312 else -1  # type: ignore[attr-defined,unused-ignore]
+    return autocommit is True or (autocommit == -1 and conn.isolation_level is None)
+
+
+class SQLiteTransaction(tuple[sqlite3.Cursor, FenceSQL, tuple[str, str, int], FencingToken, bool]):
     """``transaction()`` on a plain ``sqlite3.Connection``: ``SAVEPOINT`` (which opens the
     transaction, deferred: its first statement, the fence, is a write, so it takes the write
     lock waiting as ``BEGIN IMMEDIATE`` would), the fence's UPDATE (accepted in place: its
     row count is the verdict; else the accepting upsert and its verdict, the plan: a first
     check, or a refusal), the block, ``RELEASE`` (the outermost: the COMMIT), or ROLLBACK if
     the block raises. A RELEASE that finds no savepoint means the block ended the
-    transaction (see above). Made of ``(cursor, fence SQL, (resource, lock, value),
-    token)``: one cursor of the connection (made by ``transaction()``) runs the three
+    transaction (see above). Made of ``(cursor, fence SQL, (resource, lock, value), token,
+    deferred)``: one cursor of the connection (made by ``transaction()``) runs the three
     statements (``conn.execute`` would make a cursor for each, a fifth of what the guard
-    costs above its SQL).
+    costs above its SQL). ``deferred``: the connection is in legacy autocommit
+    (``isolation_level`` None), and the block runs with ``isolation_level`` ``DEFERRED``, so
+    that sqlite3 opens a transaction for a write after one of the block's statements ended
+    ours (else it would commit as it ran, past the witness); set back to None after.
 
     Chosen by ``type(conn) is sqlite3.Connection`` before any other dispatch, and a tuple
     (made without a Python ``__init__``) rather than a generator context manager: in process
@@ -1509,7 +1525,7 @@ class SQLiteTransaction(tuple[sqlite3.Cursor, FenceSQL, tuple[str, str, int], Fe
     __slots__ = ()
 
     def __enter__(self) -> FencingToken:
-        cur, sql, params, token = self
+        cur, sql, params, token, deferred = self
         conn = cur.connection
         try:
             # (SAVEPOINT would nest in the caller's transaction: refused, as BEGIN would be)
@@ -1518,66 +1534,39 @@ class SQLiteTransaction(tuple[sqlite3.Cursor, FenceSQL, tuple[str, str, int], Fe
             _raise_mapped(SQLITE, conn, exc)
         try:
             cur.execute(_SET_WITNESS)
-            if cur.execute(sql.update, params).rowcount == 1:  # (accepted in place)
-                return token
-        except Exception as exc:
+            if cur.execute(sql.update, params).rowcount != 1:  # (1: accepted in place)
+                # no row yet, or not accepted: the upsert decides, and says why not
+                drive(
+                    accept_plan(sql, params[0], token),
+                    lambda stmt: _exec_sqlite(conn, stmt),
+                    lambda exc: map_error(SQLITE, conn, exc),
+                )
+        except BaseException as exc:
             with contextlib.suppress(Exception):
                 conn.rollback()
-            _raise_mapped(SQLITE, conn, exc)
-        try:  # no row yet, or not accepted: the upsert decides, and says why not
-            drive(
-                accept_plan(sql, params[0], token),
-                lambda stmt: _exec_sqlite(conn, stmt),
-                lambda exc: map_error(SQLITE, conn, exc),
-            )
-        except BaseException:
-            with contextlib.suppress(Exception):
-                conn.rollback()
+            if isinstance(exc, Exception):
+                _raise_mapped(SQLITE, conn, exc)
             raise
+        if deferred:
+            conn.isolation_level = "DEFERRED"
         return token
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         cur = self[0]
         if exc_type is not None:
+            conn = cur.connection
             with contextlib.suppress(Exception):
-                cur.connection.rollback()
+                conn.rollback()
+            if self[4]:
+                with contextlib.suppress(Exception):
+                    conn.isolation_level = None
             return
         try:
             cur.execute(_RELEASE_WITNESS)  # (the outermost savepoint: the COMMIT)
         except Exception as e:
-            deferred_block = type(self) is SQLiteAutocommitTransaction
-            _sqlite_ended(cur.connection, self[1], self[2][0], self[3], e, deferred_block)
-
-
-class SQLiteAutocommitTransaction(SQLiteTransaction):
-    """:class:`SQLiteTransaction` on a connection in legacy autocommit mode (``isolation_level
-    None``): the block runs with ``isolation_level`` ``DEFERRED``, so that sqlite3 opens a
-    transaction for a write after one of the block's statements ended ours (else it would
-    commit as it ran, past any witness); set back to None after the end."""
-
-    __slots__ = ()
-
-    def __enter__(self) -> FencingToken:
-        conn = self[0].connection
-        token = super().__enter__()
-        if getattr(conn, "autocommit", -1) == -1:  # (autocommit=True ignores the level)
-            conn.isolation_level = "DEFERRED"
-        return token
-
-    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        conn = self[0].connection
-        if conn.isolation_level is None:  # (autocommit=True: not changed)
-            super().__exit__(exc_type, exc, tb)
-            return
-        try:
-            super().__exit__(exc_type, exc, tb)
-        except BaseException:
-            with contextlib.suppress(Exception):
-                conn.rollback()  # (left open, the level's change back would commit it)
-            raise
-        finally:
-            with contextlib.suppress(Exception):
-                conn.isolation_level = None
+            _sqlite_ended(cur.connection, self[1], self[2][0], self[3], e, self[4])
+        if self[4]:
+            cur.connection.isolation_level = None  # (nothing open: no COMMIT made by it)
 
 
 def sqlite_transaction(
@@ -1586,10 +1575,15 @@ def sqlite_transaction(
     """The :class:`SQLiteTransaction` for ``conn`` (its cursor made here)."""
     try:
         cur = conn.cursor()
-        cls = SQLiteTransaction if conn.isolation_level is not None else SQLiteAutocommitTransaction
+        deferred = conn.isolation_level is None and not sqlite_autocommit_true(conn)
     except Exception as exc:  # closed
         sqlite_cursor_refused(conn, exc)
-    return cls((cur, sql, params, token))
+    return SQLiteTransaction((cur, sql, params, token, deferred))
+
+
+def sqlite_autocommit_true(conn: sqlite3.Connection) -> bool:
+    """``autocommit=True`` (Python 3.12+), which the isolation level does not change."""
+    return _PY312 and conn.autocommit is True  # type: ignore[attr-defined,unused-ignore]
 
 
 # -- the witness on PyMySQL, asyncmy and SQLAlchemy (a statement of its own each way) ---------

@@ -117,7 +117,6 @@ from .._core.token import FencingToken, TokenLike, validate_lock_name
 from ._plan import check_group_change
 from ._sql_driver import (
     CHECKED,
-    SQLiteAutocommitTransaction,
     SQLiteTransaction,
     afence_transaction,
     aguarded_transaction,
@@ -134,6 +133,7 @@ from ._sql_driver import (
     run_install,
     run_own_row,
     run_transaction,
+    sqlite_autocommit_true,
     sqlite_cursor_refused,
 )
 from ._sql_plan import (
@@ -331,13 +331,11 @@ class SQLGuard:
                     self._hot = (token, params, tok)
             try:
                 cur = conn.cursor()  # (one for the guard's three statements)
-                # (isolation_level None: the block runs deferred, see SQLiteAutocommitTransaction)
-                deferred = conn.isolation_level is None
+                # (isolation_level None: the block runs deferred, see SQLiteTransaction)
+                deferred = conn.isolation_level is None and not sqlite_autocommit_true(conn)
             except Exception as exc:  # closed
                 sqlite_cursor_refused(conn, exc)
-            if deferred:
-                return SQLiteAutocommitTransaction((cur, self._sqlite_sql, params, tok))
-            return SQLiteTransaction((cur, self._sqlite_sql, params, tok))
+            return SQLiteTransaction((cur, self._sqlite_sql, params, tok, deferred))
         return self._transaction(conn, FencingToken.coerce(token, self.lock, self.verifier))
 
     def _transaction(
