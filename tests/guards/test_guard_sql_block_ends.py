@@ -455,3 +455,99 @@ def test_sqlite_autocommit_after_the_end_is_told_as_it_ran(tmp_path: Path) -> No
             assert other.execute("SELECT count(*) FROM made_after_the_end").fetchone() == (0,)
     finally:
         c.close()
+
+
+def _in_mode(d: Driver, mode: str) -> Driver:
+    """``d``'s connections with ``sql_mode`` set (PyMySQL or asyncmy)."""
+    connect = d.connect
+
+    async def aconnect() -> Any:
+        c = await connect()
+        async with c.cursor() as cur:
+            await cur.execute(f"SET SESSION sql_mode = '{mode}'")
+        return c
+
+    def sconnect() -> Any:
+        c = connect()
+        _mysql_sql(c, f"SET SESSION sql_mode = '{mode}'")
+        return c
+
+    return Driver(aconnect if d.is_async else sconnect, d.write, d.end, d.read, d.close, d.is_async)
+
+
+@pytest.mark.xdist_group("mariadb")
+@pytest.mark.parametrize("mode", ["ORACLE", "TRADITIONAL", "ANSI,NO_BACKSLASH_ESCAPES"])
+@pytest.mark.parametrize("kind", ["pymysql", "asyncmy"])
+def test_the_witness_rides_on_mariadb_under_every_sql_mode(
+    mysql_db: dict[str, Any], mode: str, kind: str
+) -> None:
+    """On MariaDB the witness rides in compound statements with the check and the COMMIT;
+    sql_mode=ORACLE parses none (a syntax error before anything ran): the statements then go
+    one by one. Either way the block commits, and one that ends its transaction midway lets
+    no stale write in."""
+    d = _in_mode((_pymysql if kind == "pymysql" else _asyncmy)(mysql_db, False), mode)
+    assert _run(d, None, newer=False) == "committed"
+    assert d.read() == "old-2"
+    outcome = _run(d, "COMMIT", newer=True)
+    assert isinstance(outcome, StaleTokenError), outcome
+    assert d.read() == "new"
+    assert _high_water(d) == tok(6)
+
+
+@pytest.mark.xdist_group("mariadb")
+def test_a_block_that_sets_sql_mode_oracle_still_commits_and_is_still_fenced(
+    mysql_db: dict[str, Any],
+) -> None:
+    """The check rode in a compound statement; the block then sets sql_mode=ORACLE, so the
+    riding COMMIT is a syntax error (nothing ran): RELEASE and COMMIT go one by one."""
+    d = _pymysql(mysql_db, False)
+    guard = SQLGuard("acct")
+    c = d.connect()
+    try:
+        with guard.transaction(c, token=tok(5)):
+            d.write(c, "oracle")
+            _mysql_sql(c, "SET SESSION sql_mode = 'ORACLE'")
+        assert d.read() == "oracle"
+        with pytest.raises(ConfigurationError, match="ended the transaction"):
+            with guard.transaction(c, token=tok(5)):
+                _mysql_sql(c, "SET SESSION sql_mode = 'TRADITIONAL'")
+                c.commit()
+                _mysql_sql(c, "SET SESSION sql_mode = 'ORACLE'")
+                d.write(c, "after the end")
+        assert d.read() == "oracle"
+        assert not c.server_status & 1
+    finally:
+        c.close()
+
+
+@pytest.mark.xdist_group("mariadb")
+def test_the_witness_costs_no_statement_of_its_own_on_mariadb(mysql_db: dict[str, Any]) -> None:
+    """The server's count of statements sent by the client (``Questions``): the guarded
+    transaction of one UPDATE sends as many as the unfenced one (the check with the
+    savepoint, the UPDATE, the release with the COMMIT)."""
+    d = _pymysql(mysql_db, False)
+    guard = SQLGuard("acct")
+    c = d.connect()
+
+    def questions() -> int:
+        return int(_mysql_sql(c, "SHOW SESSION STATUS LIKE 'Questions'")[0][1])
+
+    def sent(transaction: Callable[[], None]) -> int:
+        before = questions()
+        transaction()
+        return questions() - before - 1  # (the SHOW itself)
+
+    def guarded() -> None:
+        with guard.transaction(c, token=tok(5)):
+            d.write(c, "guarded")
+
+    def unfenced() -> None:
+        d.write(c, "unfenced")
+        _mysql_sql(c, "UPDATE acct SET v = 'also' WHERE id = 1")  # (the check's peer)
+        c.commit()
+
+    try:
+        guarded()  # (the first use of the table on a connection verifies it: not counted)
+        assert sent(guarded) == sent(unfenced) == 3
+    finally:
+        c.close()

@@ -57,6 +57,7 @@ from ._sql_plan import (
     Stmt,
     TableUse,
     accept_plan,
+    check_plan,
     check_verdict,
     fence_sql,
     mariadb_batch_check,
@@ -1361,15 +1362,27 @@ def guarded_transaction(
         back = _no_autocommit(conn) if kind == "pymysql" else False
         try:
             try:
-                accepted = begin()
-                _set_witness(conn)
+                if kind == "pymysql" and _mariadb(conn):  # (the witness rides: see _Riding)
+                    riding = _Riding(table)
+                    _refuse_open_transaction(conn)
+                    drive(
+                        _using(conn, MYSQL, use, check_plan(riding.sql, resource, token)),
+                        lambda stmt: riding.send(conn, stmt),
+                        lambda exc: map_error(MYSQL, conn, exc),
+                    )
+                    accepted = token
+                else:
+                    accepted = begin()
+                    riding = None
+                    _set_witness(conn)
                 yield accepted
             except BaseException:
                 with contextlib.suppress(Exception):
                     conn.rollback()
                 raise
-            _release_witness(conn, table, resource, token)
-            _commit_any(conn)
+            if riding is None or not riding.end(conn, resource, token):
+                _release_witness(conn, table, resource, token)
+                _commit_any(conn)
         finally:
             if back:
                 _autocommit_back(conn)
@@ -1712,6 +1725,151 @@ async def _arelease_witness(conn: Any, table: str, resource: str, token: Fencing
     raise _ended_error(resource, token, rows[0] if rows else None) from failed
 
 
+# -- on MariaDB the witness rides in the statements sent anyway ----------------------------------
+# MariaDB runs a compound statement (BEGIN NOT ATOMIC ... END) outside stored programs, and
+# one may hold SAVEPOINT, RELEASE SAVEPOINT and COMMIT. So the check's UPDATE goes as
+# ``BEGIN NOT ATOMIC SAVEPOINT w; <UPDATE>; END`` (the compound's affected-row count is its
+# last statement's, the UPDATE's: the verdict reads as before) and the COMMIT as ``BEGIN NOT
+# ATOMIC RELEASE SAVEPOINT w; COMMIT; END``: a failing RELEASE stops the compound before
+# the COMMIT. The unfenced transaction's round trips, no more. sql_mode=ORACLE parses no
+# BEGIN NOT ATOMIC: refused as syntax (1064) before anything ran, then the statements go
+# one by one (MySQL has no compound statement outside stored programs: one by one always).
+
+_RIDE_SET: Final = f"BEGIN NOT ATOMIC {_SET_WITNESS}; {{}}; END"
+_RIDE_COMMIT: Final = f"BEGIN NOT ATOMIC {_RELEASE_WITNESS}; COMMIT; END"
+
+
+def _mariadb(conn: Any) -> bool:
+    """PyMySQL or asyncmy connected to MariaDB (its compound statements carry the witness)."""
+    try:
+        return "mariadb" in str(conn.get_server_info()).lower()
+    except Exception:  # (closed: the statements report it)
+        return False
+
+
+def _syntax(exc: BaseException) -> bool:
+    return getattr(exc, "args", (None,))[0] == 1064
+
+
+class _Riding:
+    """The witness riding with the check and the COMMIT on MariaDB (see above)."""
+
+    __slots__ = ("plain", "set", "sql")
+
+    def __init__(self, table: str) -> None:
+        self.sql = fence_sql(MYSQL, table)
+        self.set = False  # the witness is set (riding, or on its own)
+        self.plain = False  # one by one (sql_mode=ORACLE)
+
+    def _first(self, stmt: Stmt) -> bool:
+        return not self.set and stmt.sql == self.sql.accept
+
+    def send(self, conn: Any, stmt: Stmt) -> Result:
+        if not self._first(stmt):
+            return _exec_mysql(conn, stmt)
+        self.set = True
+        try:
+            return _exec_mysql(conn, Stmt(_RIDE_SET.format(stmt.sql), stmt.params))
+        except Exception as exc:
+            if not (_syntax(exc) and _oracle_mode(conn)):
+                raise
+        self.plain = True
+        _exec_mysql(conn, Stmt(_SET_WITNESS))
+        return _exec_mysql(conn, stmt)
+
+    async def asend(self, conn: Any, stmt: Stmt) -> Result:
+        if not self._first(stmt):
+            return await _aexec_mysql(conn, stmt)
+        self.set = True
+        try:
+            return await _aexec_mysql(conn, Stmt(_RIDE_SET.format(stmt.sql), stmt.params))
+        except Exception as exc:
+            if not (_syntax(exc) and await _aoracle_mode(conn)):
+                raise
+        self.plain = True
+        await _aexec_mysql(conn, Stmt(_SET_WITNESS))
+        return await _aexec_mysql(conn, stmt)
+
+    def end(self, conn: Any, resource: str, token: FencingToken) -> bool:
+        """RELEASE and COMMIT in one statement; False: send them one by one instead (ORACLE
+        mode, or set by the block since). A gone witness: rolled back, raised."""
+        if self.plain:
+            return False
+        try:
+            _exec_mysql(conn, Stmt(_RIDE_COMMIT))
+            return True
+        except Exception as exc:
+            if _syntax(exc):
+                return False
+            failed = exc
+        _end_refused(conn, failed)
+        raise _mysql_ended(conn, self.sql, resource, token, failed)
+
+    async def aend(self, conn: Any, resource: str, token: FencingToken) -> bool:
+        if self.plain:
+            return False
+        try:
+            await _aexec_mysql(conn, Stmt(_RIDE_COMMIT))
+            return True
+        except Exception as exc:
+            if _syntax(exc):
+                return False
+            failed = exc
+        with contextlib.suppress(Exception):
+            await conn.rollback()
+        if not _witness_gone(failed):
+            _raise_mapped(MYSQL, conn, failed)
+        raise await _amysql_ended(conn, self.sql, resource, token, failed)
+
+
+def _end_refused(conn: Any, exc: Exception) -> None:
+    """The RELEASE failed: roll back what is open; raise the error unless the witness is gone."""
+    with contextlib.suppress(Exception):
+        conn.rollback()
+    if not _witness_gone(exc):
+        _raise_mapped(MYSQL, conn, exc)
+
+
+def _mysql_ended(
+    conn: Any, sql: FenceSQL, resource: str, token: FencingToken, exc: Exception
+) -> Exception:
+    """The end, from the fence row read after the rollback (in a read of its own)."""
+    try:
+        rows = _exec_mysql(conn, Stmt(sql.read.removesuffix(" FOR UPDATE"), (resource,))).rows
+    except Exception as why:
+        _raise_mapped(MYSQL, conn, why)
+    finally:
+        with contextlib.suppress(Exception):
+            conn.rollback()
+    error = _ended_error(resource, token, rows[0] if rows else None)
+    error.__cause__ = exc
+    return error
+
+
+async def _amysql_ended(
+    conn: Any, sql: FenceSQL, resource: str, token: FencingToken, exc: Exception
+) -> Exception:
+    try:
+        read = Stmt(sql.read.removesuffix(" FOR UPDATE"), (resource,))
+        rows = (await _aexec_mysql(conn, read)).rows
+    except Exception as why:
+        _raise_mapped(MYSQL, conn, why)
+    finally:
+        with contextlib.suppress(Exception):
+            await conn.rollback()
+    error = _ended_error(resource, token, rows[0] if rows else None)
+    error.__cause__ = exc
+    return error
+
+
+async def _aoracle_mode(conn: Any) -> bool:
+    try:
+        rows = (await _aexec_mysql(conn, Stmt("SELECT @@SESSION.sql_mode"))).rows
+    except Exception:
+        return False
+    return bool(rows) and "ORACLE" in str(rows[0][0]).upper().split(",")
+
+
 def sqlite_cursor_refused(conn: sqlite3.Connection, exc: Exception) -> NoReturn:
     """``conn.cursor()`` failed (a closed connection): as fenced's error."""
     _raise_mapped(SQLITE, conn, exc)
@@ -1743,13 +1901,24 @@ async def aguarded_transaction(
             )
         sa = sa_async(conn)  # else asyncmy: a savepoint witness either way (see WITNESS)
         back = False if sa else await _ano_autocommit(conn)
+        riding: _Riding | None = None
         try:
             try:
-                accepted = await begin()
-                if sa:
-                    await conn.run_sync(_set_witness)
+                if not sa and _mariadb(conn):  # (the witness rides: see _Riding)
+                    riding = _Riding(table)
+                    _refuse_open_transaction(conn)
+                    await adrive(
+                        _using(conn, MYSQL, use, check_plan(riding.sql, resource, token)),
+                        partial(riding.asend, conn),
+                        lambda exc: map_error(MYSQL, conn, exc),
+                    )
+                    accepted = token
                 else:
-                    await _aset_witness(conn)
+                    accepted = await begin()
+                    if sa:
+                        await conn.run_sync(_set_witness)
+                    else:
+                        await _aset_witness(conn)
                 yield accepted
             except BaseException:
                 with contextlib.suppress(Exception):
@@ -1758,7 +1927,7 @@ async def aguarded_transaction(
             if sa:
                 await conn.run_sync(lambda c: _release_witness(c, table, resource, token))
                 await conn.commit()
-            else:
+            elif riding is None or not await riding.aend(conn, resource, token):
                 await _arelease_witness(conn, table, resource, token)
                 await _aend(conn, commit=True)
         finally:
