@@ -551,3 +551,19 @@ def test_the_witness_costs_no_statement_of_its_own_on_mariadb(mysql_db: dict[str
         assert sent(guarded) == sent(unfenced) == 3
     finally:
         c.close()
+
+
+@pytest.mark.parametrize("driver", [_marks(n) for n in SYNC if n.startswith("sa-")], indirect=True)
+def test_a_savepoint_of_sqlalchemys_left_open_in_the_block_is_committed_with_it(
+    driver: Driver,
+) -> None:
+    """``begin_nested()`` left open at the block's end: released before the witness (as
+    SQLAlchemy's commit would), then the whole committed, as before the witness."""
+
+    async def old(c: Any) -> None:
+        await _maybe(driver.write(c, "outer"))
+        c.begin_nested()
+        await _maybe(driver.write(c, "nested"))
+
+    assert asyncio.run(_block(driver, 5, old)) == "committed"
+    assert driver.read() == "nested"

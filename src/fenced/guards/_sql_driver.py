@@ -1675,6 +1675,12 @@ def _release_witness(conn: Any, table: str, resource: str, token: FencingToken) 
     the check ran in: roll back what is open (the statements after the end), read the fence
     row, raise the end (:func:`_ended_error`). (A SQLAlchemy Session whose block committed
     begins a new transaction for the RELEASE: refused the same way.)"""
+    if sa_connection_kind(conn):
+        # A savepoint of SQLAlchemy's (begin_nested) the block left open sits inside the
+        # witness: released first, as SQLAlchemy's commit would (RELEASE of the witness
+        # would release it too, and SQLAlchemy's own RELEASE of it then fail).
+        while (nested := conn.get_nested_transaction()) is not None:
+            nested.commit()
     sa = sa_connection(conn)
     try:
         if sa is None:
