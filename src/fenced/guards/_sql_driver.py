@@ -1802,7 +1802,7 @@ class _Riding:
         if self.plain:
             return False
         try:
-            _exec_mysql(conn, Stmt(_RIDE_COMMIT))
+            conn.query(_RIDE_COMMIT)  # (no cursor: nothing to read but the OK)
             return True
         except Exception as exc:
             if _syntax(exc):
@@ -1815,7 +1815,7 @@ class _Riding:
         if self.plain:
             return False
         try:
-            await _aexec_mysql(conn, Stmt(_RIDE_COMMIT))
+            await conn.query(_RIDE_COMMIT)
             return True
         except Exception as exc:
             if _syntax(exc):
