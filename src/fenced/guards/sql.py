@@ -133,6 +133,7 @@ from ._sql_driver import (
     run_install,
     run_own_row,
     run_transaction,
+    sqlite_autocommit_true,
     sqlite_cursor_refused,
 )
 from ._sql_plan import (
@@ -304,11 +305,18 @@ class SQLGuard:
         and a lost connection (:class:`~fenced.BackendUnavailable`). Inside your own psycopg
         pipeline: the pipelined form (see :meth:`batch`).
 
-        Elsewhere (SQLite, MySQL, SQLAlchemy): :meth:`begin` (on ``sqlite3``: ``BEGIN
-        IMMEDIATE`` and the check straight to the driver), the block, ``COMMIT``, with
-        ``ROLLBACK`` if the block raises. Yields the token; the transaction is committed
-        once the block has ended without an error. A connection already in a transaction is
-        refused.
+        Elsewhere (SQLite, MySQL, SQLAlchemy): the check (on ``sqlite3`` straight to the
+        driver), a savepoint ``fenced_transaction`` set in its transaction, the block, ``RELEASE
+        SAVEPOINT`` and ``COMMIT``, with ``ROLLBACK`` if the block raises (on SQLite the
+        savepoint opens the transaction and its ``RELEASE`` commits it; on MariaDB it rides
+        in compound statements with the check and the ``COMMIT``). The savepoint lives only
+        as long as the transaction the check ran in, so a statement of the block that ended
+        it (``COMMIT``, ``ROLLBACK``, ``commit()``, DDL on MySQL) makes the ``RELEASE`` fail:
+        what is open is rolled back and the block raises
+        :class:`~fenced.StaleTokenError` if a newer token was accepted meanwhile, else
+        :class:`~fenced.ConfigurationError`, as on psycopg. Yields the token; the
+        transaction is committed once the block has ended without an error. A connection
+        already in a transaction is refused.
         """
         if type(conn) is sqlite3.Connection:  # (the in-process path: no dispatch to pay for)
             # The token this guard coerced last, with no verifier, and the fence's parameters
@@ -330,9 +338,11 @@ class SQLGuard:
                     self._hot = (token, params, tok)
             try:
                 cur = conn.cursor()  # (one for the guard's three statements)
+                # (isolation_level None: the block runs deferred, see SQLiteTransaction)
+                deferred = conn.isolation_level is None and not sqlite_autocommit_true(conn)
             except Exception as exc:  # closed
                 sqlite_cursor_refused(conn, exc)
-            return SQLiteTransaction((cur, self._sqlite_sql, params, tok))
+            return SQLiteTransaction((cur, self._sqlite_sql, params, tok, deferred))
         return self._transaction(conn, FencingToken.coerce(token, self.lock, self.verifier))
 
     def _transaction(
@@ -522,7 +532,8 @@ class SQLGuard:
         """:meth:`transaction` as ``async with``: the check riding with ``BEGIN`` and the
         recheck with ``COMMIT`` on a ``psycopg.AsyncConnection`` with no transaction open
         (the same steps as the sync form); elsewhere (asyncmy, SQLAlchemy's
-        ``AsyncConnection`` or ``AsyncSession``) :meth:`abegin`, the block, ``COMMIT``."""
+        ``AsyncConnection`` or ``AsyncSession``) :meth:`abegin` and the savepoint witness,
+        the block, ``RELEASE SAVEPOINT`` and ``COMMIT`` (see :meth:`transaction`)."""
         tok = FencingToken.coerce(token, self.lock, self.verifier)
         return aguarded_transaction(
             conn, self._quoted, self.resource, tok, self._use, lambda: self._abegin(conn, tok)
