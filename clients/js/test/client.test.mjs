@@ -371,8 +371,13 @@ async function gateway(grant, renew) {
 const lostWithin = (lease, ms) => Promise.race([lease.lost, new Promise((ok) => setTimeout(() => ok(null), ms))]);
 
 test("an expires_in past the ttl is not believed: unconfirmed, the lease ends at its ttl", async () => {
-  // Grants (and confirms nothing after): expires_in 1000 for a ttl of 1 s; renewals 503.
-  const g = await gateway({ ttl: 1, expires_in: 1000 }, (res) => res.writeHead(503).end('{"error": "unavailable"}'));
+  // Grants, and confirms one renewal (a lock() slower than ttl/3 asks one), with expires_in
+  // 1000 for a ttl of 1 s; the next renewals are 503.
+  const g = await gateway({ ttl: 1, expires_in: 1000 }, (res, n) =>
+    n === 1
+      ? res.writeHead(200, { "content-type": "application/json" }).end('{"ttl": 1, "expires_in": 1000}')
+      : res.writeHead(503).end('{"error": "unavailable"}'),
+  );
   try {
     const lease = await new FencedClient(g.url).lock("r", { ttl: 1 });
     assert.equal(lease.token, "r:1"); // (the holder, confirmed: its token)
