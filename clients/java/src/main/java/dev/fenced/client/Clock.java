@@ -23,7 +23,7 @@ final class Clock {
 
     private static final Object LOCK = new Object();
     private static boolean started;
-    private static long base; // boot - monotonic (ns) at the first reading
+    private static long base; // boot - monotonic (ns) at the first reading: its highest possible value
     private static long ahead; // how far the boot clock has run ahead since: suspended (ns)
 
     private Clock() {}
@@ -38,26 +38,34 @@ final class Clock {
     }
 
     /** Nanoseconds on a clock that never goes back and keeps counting through a suspend (where
-     * one can be read). (Its 10 ms resolution only ever makes it run ahead: the safe side.) */
+     * one can be read). The boot clock was read at some moment between {@code before} and
+     * {@code after}: the first reading takes the highest difference it allows and later ones
+     * the lowest, so a thread descheduled (or a GC) during a reading never looks like a suspend
+     * (which would cut leases short); a suspend is counted short by that time at most
+     * (milliseconds, within the safety margin). The first reading is tried a few times for a
+     * tight one. */
     static long now() {
-        double b;
-        try {
-            b = boot.getAsDouble();
-        } catch (RuntimeException e) {
-            b = Double.NaN;
-        }
-        long mono = System.nanoTime();
-        synchronized (LOCK) {
-            if (Double.isFinite(b)) {
-                long skew = (long) (b * 1e9) - mono;
-                if (!started) {
-                    started = true;
-                    base = skew;
-                } else if (skew - base > ahead) {
-                    ahead = skew - base;
-                }
+        for (int tries = 0;; tries++) {
+            long before = System.nanoTime();
+            double b;
+            try {
+                b = boot.getAsDouble();
+            } catch (RuntimeException e) {
+                b = Double.NaN;
             }
-            return mono + ahead;
+            long after = System.nanoTime();
+            synchronized (LOCK) {
+                if (!Double.isFinite(b)) return after + ahead;
+                long bootNanos = (long) (b * 1e9);
+                if (!started) {
+                    if (after - before > 1_000_000L && tries < 4) continue;
+                    started = true;
+                    base = bootNanos - before;
+                } else if (bootNanos - after - base > ahead) {
+                    ahead = bootNanos - after - base;
+                }
+                return after + ahead;
+            }
         }
     }
 
