@@ -54,7 +54,8 @@ export class Lease extends EventTarget {
   readonly lostReason: string | null;
   /** Resolves with the reason once lost; never rejects (pending forever if released). */
   readonly lost: Promise<string>;
-  /** "held" while confirmed valid by this process's monotonic clock. */
+  /** "held" while confirmed valid by this process's clock (monotonic; on Linux also counting
+   * through a suspend of the machine: clock.js). */
   readonly state: "held" | "lost" | "released";
   /** Milliseconds the lease is surely still valid for (0 once lost or released). */
   readonly remaining: number;

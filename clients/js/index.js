@@ -2,11 +2,14 @@
 // fetch; no dependencies). See README.md and index.d.ts.
 //
 // The contract: `lease.token` is handed out only while the lease is confirmed valid by this
-// process's own monotonic clock (the last confirmed renewal, counted from when it was sent,
-// plus the ttl, minus a safety margin). After that it throws LeaseLostError, never the stale
+// process's own clock (monotonic, and counting through a suspend on Linux: clock.js): the last
+// confirmed renewal, counted from when it was sent, plus the ttl (never more: whatever the
+// server says), minus a safety margin. After that it throws LeaseLostError, never the stale
 // token. Renewals run in the background; a failure that leaves the lease unconfirmed past its
 // time (no answer, a 5xx, a 410, a timeout) ends in "lost" (an event, a state, a promise that
 // resolves) and never in an unhandled rejection.
+
+import { now } from "./clock.js";
 
 const NAME = /^[A-Za-z0-9_][A-Za-z0-9_.:@+=-]*(\/[A-Za-z0-9_][A-Za-z0-9_.:@+=-]*)*$/;
 const REQUEST_ID = /^[A-Za-z0-9_][A-Za-z0-9_.:-]{0,63}$/;
@@ -17,6 +20,15 @@ const MAX_TIMEOUT = 31_536_000;
 // only (the server's rule for its keys file, and the Python client's); at most 4096 characters
 // (proxies refuse longer header lines: nginx's default buffer is 8 KiB for a whole line).
 const MAX_KEY = 4096;
+// The most of an answer that is read (fenced serve's answers are a few hundred bytes): a
+// runaway page (an error loop, a misrouted download) must not fill the memory.
+const MAX_ANSWER = 1 << 20;
+// An error code as fenced serve sends them ("timeout", "lease_lost"); anything else is no code.
+const CODE = /^[a-z][a-z0-9_]{0,63}$/;
+// Server text that repeats this many letters and digits of the key in a row, however spaced,
+// escaped or cased (a proxy's page echoing the header: "&amp;", squeezed blanks), is withheld.
+const KEY_RUN = 8;
+const WITHHELD = "(withheld: it repeats part of the API key)";
 
 /** Every error this package throws. `status` is the HTTP status (0: no answer), `code` the
  * server's error code (`timeout`, `lease_lost`, `forbidden`, ...). */
@@ -57,10 +69,56 @@ function checkNumber(what, value, min, max) {
   }
 }
 
+// Letters and digits only, lower-cased: what survives escaping, squeezing and re-casing.
+const skeleton = (text) => text.toLowerCase().replace(/[^a-z0-9]+/g, "");
+
+// The runs of KEY_RUN letters and digits of the key (all of them if it has fewer; none if it has
+// fewer than 4: then only the key as written is replaced).
+function keyRuns(key) {
+  const k = skeleton(key);
+  if (k.length < 4) return null;
+  const n = Math.min(KEY_RUN, k.length);
+  const runs = new Set();
+  for (let i = 0; i + n <= k.length; i++) runs.add(k.slice(i, i + n));
+  return { n, runs };
+}
+
+// The first part of a body, at most `cap` bytes, and whether there was more (not read).
+async function readCapped(r, cap) {
+  if (!r.body) return { text: "", over: false };
+  if (Number(r.headers.get("content-length")) > cap) {
+    await r.body.cancel().catch(() => {});
+    return { text: "", over: true };
+  }
+  const reader = r.body.getReader();
+  const chunks = [];
+  let size = 0;
+  for (;;) {
+    const { done, value } = await reader.read();
+    if (done) break;
+    size += value.byteLength;
+    if (size > cap) {
+      await reader.cancel().catch(() => {});
+      return { text: "", over: true };
+    }
+    chunks.push(value);
+  }
+  const all = new Uint8Array(size);
+  let at = 0;
+  for (const c of chunks) {
+    all.set(c, at);
+    at += c.byteLength;
+  }
+  return { text: new TextDecoder().decode(all), over: false };
+}
+
 function describe(r) {
   if (r.status === 0) return `no answer: ${r.body.message}`;
   return `${r.status} ${r.body.error ?? "error"}: ${r.body.message ?? ""}`.trim();
 }
+
+// Half to all of `ms`: clients that failed together do not retry in step.
+const jitter = (ms) => ms * (0.5 + Math.random() / 2);
 
 const sleep = (ms) => new Promise((ok) => setTimeout(ok, Math.max(0, ms)));
 
@@ -156,18 +214,32 @@ export class FencedClient {
     if (key !== null) {
       Object.defineProperty(this, "_key", { value: key });
       Object.defineProperty(this, "_auth", { value: `Bearer ${key}` });
+      Object.defineProperty(this, "_keyRuns", { value: keyRuns(key) });
     }
   }
 
-  // Text from elsewhere (an answer, a transport error) without the key, should it echo it.
+  // Text from elsewhere (an answer, a transport error) without the key, should it echo it: the
+  // key as written is "***"; text that still repeats a run of its letters and digits (escaped,
+  // spaced, cut) is withheld whole. Applied to the whole text, before any cutting or squeezing.
   _scrub(text) {
-    const s = String(text);
-    return this._key ? s.replaceAll(this._key, "***") : s;
+    let s = String(text);
+    if (!this._key) return s;
+    s = s.replaceAll(this._key, "***");
+    const k = this._keyRuns;
+    if (k) {
+      const bare = skeleton(s);
+      for (let i = 0; i + k.n <= bare.length; i++) {
+        if (k.runs.has(bare.slice(i, i + k.n))) return WITHHELD;
+      }
+    }
+    return s;
   }
 
   // One request, bounded by timeoutMs from the start (connecting included); never throws: a
   // transport failure or timeout is status 0 with its reason. `bad`: the answer is no JSON
-  // object (a proxy's page, another server).
+  // object (a proxy's page, another server, a redirect). Every text from the server is
+  // scrubbed (_scrub) and an error code that is none is dropped, so describe() and `code`
+  // show nothing of the key.
   async _call(method, path, body, timeoutMs) {
     const headers = { ...this._headers };
     if (this._auth) headers.authorization = this._auth;
@@ -176,9 +248,30 @@ export class FencedClient {
         method,
         headers,
         body: body === undefined ? undefined : JSON.stringify(body),
+        // Never followed: the request id and the token (a capability) would go to another
+        // origin, and its answer would be taken for this server's grant.
+        redirect: "manual",
         signal: AbortSignal.timeout(Math.max(1, Math.ceil(timeoutMs))),
       });
-      const text = await r.text();
+      if (r.status >= 300 && r.status < 400) {
+        await r.body?.cancel().catch(() => {});
+        const to = r.headers.get("location");
+        let where = "";
+        if (to) {
+          let abs = to;
+          try {
+            abs = new URL(to, `${this.url}/`).href;
+          } catch {
+            // (shown as given)
+          }
+          where = `to ${this._scrub(shown(abs))}`;
+        }
+        return { status: r.status, body: { message: `redirected ${where}: not followed (give the server's own URL)` }, bad: true };
+      }
+      const { text, over } = await readCapped(r, MAX_ANSWER);
+      if (over) {
+        return { status: r.status, body: { message: `not JSON: an answer over ${MAX_ANSWER} bytes (not read)` }, bad: true };
+      }
       let json;
       try {
         json = JSON.parse(text);
@@ -186,10 +279,16 @@ export class FencedClient {
         json = undefined;
       }
       if (json === null || typeof json !== "object" || Array.isArray(json)) {
-        const snippet = this._scrub(text.replace(/\s+/g, " ").trim().slice(0, 200));
+        const snippet = this._scrub(text).replace(/\s+/g, " ").trim().slice(0, 200);
         return { status: r.status, body: { message: `not JSON: ${snippet || "(empty)"}` }, bad: true };
       }
-      if (typeof json.message === "string") json.message = this._scrub(json.message);
+      if (json.message !== undefined) {
+        if (typeof json.message === "string") json.message = this._scrub(json.message);
+        else delete json.message;
+      }
+      if (json.error !== undefined && !(typeof json.error === "string" && CODE.test(json.error) && this._scrub(json.error) === json.error)) {
+        delete json.error;
+      }
       return { status: r.status, body: json };
     } catch (err) {
       const why = err?.name === "TimeoutError" ? "timed out" : err?.cause?.code ?? err?.message;
@@ -201,7 +300,7 @@ export class FencedClient {
   // than the time lock() has left + 1 s (a last try gets a fair chance to be answered).
   _lockBound(left, until) {
     const own = Math.min(left, 60) + this.requestTimeout;
-    return Math.min(own, Math.max(0, until - performance.now()) / 1000 + 1) * 1000;
+    return Math.min(own, Math.max(0, until - now()) / 1000 + 1) * 1000;
   }
 
   // An answer that must be a 200 with a JSON object.
@@ -252,19 +351,20 @@ export class FencedClient {
     }
     const margin = safetyMargin ?? Math.min(1, ttl / 10);
     checkNumber("safetyMargin", margin, 0, ttl / 2);
-    const start = performance.now();
+    const start = now();
     const waitUntil = start + timeout * 1000;
     const retryUntil = start + (timeout > 0 ? timeout : retryFor) * 1000;
     let backoff = 100;
+    let busy = 50; // the pause after a 409 that came at once (a front that cannot long-poll)
     for (;;) {
-      const left = Math.max(0, (waitUntil - performance.now()) / 1000);
+      const left = Math.max(0, (waitUntil - now()) / 1000);
       const body = { ttl, timeout: left, request_id: requestId };
       if (owner !== undefined) body.owner = owner;
       // The server answers a long poll within its max wait (60 s), requestTimeout is for
       // the rest (connecting, the source), and lock() ends by its time left + 1 s.
-      const sent = performance.now();
+      const sent = now();
       const r = await this._call("POST", path, body, this._lockBound(left, retryUntil));
-      const received = performance.now();
+      const received = now();
       if (r.status === 200) {
         const expiresIn = r.body.expires_in;
         const token = r.body.signed ?? r.body.token;
@@ -278,34 +378,45 @@ export class FencedClient {
         // Counted from when the request was sent, never from the answer's arrival: the grant
         // was made after the send, and an answer can wait in a socket for any time (a paused
         // process, a slow network) while the lease runs out at the source.
-        let validUntil = sent + (expiresIn - margin) * 1000;
+        // Never longer than the ttl asked for, whatever the answer says (a broken or foreign
+        // gateway's "expires_in": 1000 would keep a dead lease "held" for 16 minutes).
+        let validUntil = sent + (Math.min(expiresIn, ttl) - margin) * 1000;
         let grant = r.body;
         if (received - sent > (ttl * 1000) / 3) {
           // Waited in line, or paused: confirm the grant (a renewal, counted from its own
           // send) before handing out its token; one that cannot be confirmed is not held.
-          const again = performance.now();
+          const again = now();
           const rr = await this._call(
             "POST",
             this._lockPath(name, "renew"),
             { token, request_id: requestId, ttl },
             Math.min(ttl, this.requestTimeout) * 1000,
           );
-          if (rr.status !== 200 || typeof rr.body.expires_in !== "number") {
+          if (rr.status !== 200 || typeof rr.body.expires_in !== "number" || !(rr.body.expires_in >= 0)) {
             await this._call("POST", this._lockPath(name, "release"), { token, request_id: requestId }, 2000);
             throw new LeaseLostError(`took ${name}, but could not confirm the grant: ${describe(rr)}`, {
               status: rr.status,
               code: "lease_lost",
             });
           }
-          validUntil = again + (rr.body.expires_in - margin) * 1000;
+          validUntil = again + (Math.min(rr.body.expires_in, ttl) - margin) * 1000;
           grant = { ...r.body, ...rr.body };
         }
         return new Lease(this, name, grant, { ttl, requestId, margin, validUntil, onLost });
       }
       const transient = r.status === 0 || r.status === 503;
-      if (r.status === 409 && r.body.error === "timeout" && received < waitUntil) continue;
+      if (r.status === 409 && r.body.error === "timeout" && received < waitUntil) {
+        // Asked again at once after a long poll; after one that came at once, after a pause
+        // (doubling, jittered, within the time left): no spinning on a front that answers 409.
+        if (received - sent >= 1000) busy = 50;
+        else {
+          await sleep(Math.min(jitter(busy), waitUntil - received));
+          busy = Math.min(busy * 2, 1000);
+        }
+        continue;
+      }
       if (transient && received < retryUntil) {
-        await sleep(Math.min(backoff, retryUntil - received));
+        await sleep(Math.min(jitter(backoff), retryUntil - received));
         backoff = Math.min(backoff * 2, 2000);
         continue;
       }
@@ -356,7 +467,9 @@ export class Lease extends EventTarget {
     this.#client = client;
     this.name = name;
     this.requestId = requestId;
-    this.ttl = grant.ttl ?? ttl;
+    // The ttl granted, if the server says (it may grant less than asked), never more than asked.
+    const granted = grant.ttl;
+    this.ttl = typeof granted === "number" && granted >= MIN_TTL && granted < ttl ? granted : ttl;
     this.value = grant.value;
     this.margin = margin;
     this.renewals = 0;
@@ -383,7 +496,7 @@ export class Lease extends EventTarget {
 
   /** "held", "lost" or "released". A held lease whose time has run out is "lost". */
   get state() {
-    if (this.#state === "held" && performance.now() >= this.#validUntil) {
+    if (this.#state === "held" && now() >= this.#validUntil) {
       this.#lose(this.#expiredReason());
     }
     return this.#state;
@@ -391,7 +504,7 @@ export class Lease extends EventTarget {
 
   /** Milliseconds the lease is surely still valid for (0 once lost or released). */
   get remaining() {
-    return this.state === "held" ? Math.max(0, this.#validUntil - performance.now()) : 0;
+    return this.state === "held" ? Math.max(0, this.#validUntil - now()) : 0;
   }
 
   /** The fencing token to send with every write; throws LeaseLostError unless confirmed
@@ -417,18 +530,18 @@ export class Lease extends EventTarget {
     this.#state = wasHeld ? "released" : this.#state;
     // Retried only while the lease's confirmed time lasts: after it the source ends the
     // lease by itself, and a lost lease gets one attempt.
-    const until = Math.min(this.#validUntil, performance.now() + 10_000);
+    const until = Math.min(this.#validUntil, now() + 10_000);
     this.#releasing = (async () => {
       const path = this.#client._lockPath(this.name, "release");
       for (;;) {
-        const wait = Math.min(Math.max(until - performance.now(), 2000), this.#client.requestTimeout * 1000);
+        const wait = Math.min(Math.max(until - now(), 2000), this.#client.requestTimeout * 1000);
         const r = await this.#client._call("POST", path, this.#body, wait);
         if (r.status === 200) return r.body.released === true;
         if (r.status === 410) return false;
         // Sent again only if it surely did not arrive (refused connection) or was refused
         // unprocessed (503); a release by request id is idempotent in any case.
         const again = r.status === 503 || (r.status === 0 && /ECONNREFUSED/.test(r.body.message));
-        if (!again || performance.now() + 200 > until) return null;
+        if (!again || now() + 200 > until) return null;
         await sleep(200);
       }
     })();
@@ -462,7 +575,7 @@ export class Lease extends EventTarget {
   // Fires at the end of the confirmed time unless a renewal moved it on.
   #armWatchdog() {
     clearTimeout(this.#watchdog);
-    const left = this.#validUntil - performance.now();
+    const left = this.#validUntil - now();
     this.#watchdog = setTimeout(() => void this.state, Math.max(0, left) + 1);
   }
 
@@ -477,17 +590,21 @@ export class Lease extends EventTarget {
 
   async #renew() {
     if (this.state !== "held") return;
-    const sent = performance.now();
+    const sent = now();
     const path = this.#client._lockPath(this.name, "renew");
-    // An answer that comes after the lease's confirmed end could not confirm it anyway; one
-    // that has not come within requestTimeout is asked again (a fresh connection: the old one
-    // may lead to a gateway that hangs) while the lease lasts.
-    const bound = Math.min(this.#validUntil - sent, this.#client.requestTimeout * 1000);
+    // An answer that comes after the lease's confirmed end could not confirm it anyway. Each
+    // attempt gets half the time left (at least 200 ms, if there is that much; at most
+    // requestTimeout): one hung on a dead connection (a gateway that hangs, a NAT's idle drop)
+    // is cut off with time to ask again, on a fresh connection, while the lease lasts.
+    const left = this.#validUntil - sent;
+    const bound = Math.min(this.#client.requestTimeout * 1000, Math.max(left / 2, Math.min(left, 200)));
     const r = await this.#client._call("POST", path, this.#body, bound);
     if (this.#state !== "held") return;
-    if (r.status === 200 && typeof r.body.expires_in === "number") {
-      // Counted from when it was sent: the safe side.
-      this.#validUntil = Math.max(this.#validUntil, sent + (r.body.expires_in - this.margin) * 1000);
+    const expiresIn = r.body.expires_in;
+    if (r.status === 200 && typeof expiresIn === "number" && expiresIn >= 0) {
+      // Counted from when it was sent (the safe side), and never longer than the ttl.
+      const until = sent + (Math.min(expiresIn, this.ttl) - this.margin) * 1000;
+      this.#validUntil = Math.max(this.#validUntil, until);
       this.renewals += 1;
       this.#lastFailure = null;
       this.#armWatchdog();
@@ -496,14 +613,14 @@ export class Lease extends EventTarget {
     }
     this.renewalFailures += 1;
     // A request cut off at the lease's end says nothing new: keep the failure before it.
-    const cutOff = r.status === 0 && r.body.message === "timed out" && performance.now() >= this.#validUntil;
+    const cutOff = r.status === 0 && r.body.message === "timed out" && now() >= this.#validUntil;
     if (!(cutOff && this.#lastFailure)) this.#lastFailure = describe(r);
     // No answer, a timeout, 5xx, 408, 429: the lease may still be good; ask again while its
     // confirmed time lasts. Anything else (410 lease_lost, 403, 400) is final.
     const transient = r.status === 0 || r.status >= 500 || r.status === 408 || r.status === 429;
-    const left = this.#validUntil - performance.now();
+    const rest = this.#validUntil - now();
     if (!transient) this.#lose(this.#lastFailure);
-    else if (left <= 0) this.#lose(this.#expiredReason());
-    else this.#schedule(Math.min(Math.max(50, (this.ttl * 1000) / 20), 1000, left));
+    else if (rest <= 0) this.#lose(this.#expiredReason());
+    else this.#schedule(Math.min(Math.max(50, (this.ttl * 1000) / 20), 1000, rest));
   }
 }

@@ -30,12 +30,19 @@ import java.util.concurrent.CountDownLatch;
 import java.util.concurrent.Executors;
 import java.util.concurrent.TimeUnit;
 import java.util.concurrent.atomic.AtomicInteger;
+import java.util.function.DoubleSupplier;
+import java.util.function.Function;
 import java.util.function.Supplier;
 
 public final class ClientTest {
     static final String URL = System.getenv("FENCED_TEST_URL");
 
     public static void main(String[] args) throws Exception {
+        if (args.length > 0) { // only these (by name): one test, against a planted bug say
+            for (String name : args) ClientTest.class.getDeclaredMethod(name).invoke(null);
+            System.out.println("ok");
+            return;
+        }
         basic();
         lostOn410();
         busy();
@@ -47,6 +54,16 @@ public final class ClientTest {
         notJson();
         hung();
         renewalHung();
+        // (session 11: an outside attack's findings)
+        keyNeverShown();
+        expiresInCapped();
+        renewalHungDefaultTimeout();
+        redirectNotFollowed();
+        hugeAnswer();
+        busy409();
+        concurrentRelease();
+        noThreadLeft();
+        suspended(); // (last: it moves this JVM's lease clock an hour on)
         System.out.println("ok");
     }
 
@@ -439,6 +456,309 @@ public final class ClientTest {
         } finally {
             done.countDown();
             server.stop(0);
+        }
+    }
+
+    // -- an outside attack's findings (session 11) ---------------------------------------------
+
+    /** A fake gateway (the JDK's server, daemon threads): {@code reply} gives {status, body} or
+     * {status, body, location}, or null to hang (never answer). */
+    static HttpServer fake(Function<com.sun.net.httpserver.HttpExchange, Object[]> reply) throws IOException {
+        HttpServer server = HttpServer.create(new InetSocketAddress(InetAddress.getLoopbackAddress(), 0), 0);
+        server.setExecutor(Executors.newCachedThreadPool(r -> {
+            Thread t = new Thread(r);
+            t.setDaemon(true);
+            return t;
+        }));
+        server.createContext("/", ex -> {
+            ex.getRequestBody().readAllBytes();
+            Object[] r = reply.apply(ex);
+            if (r == null) return; // (hangs: the answer never comes)
+            byte[] bytes = ((String) r[1]).getBytes(java.nio.charset.StandardCharsets.UTF_8);
+            ex.getResponseHeaders().set("content-type", "application/json");
+            if (r.length > 2) ex.getResponseHeaders().set("location", (String) r[2]);
+            ex.sendResponseHeaders((Integer) r[0], bytes.length == 0 ? -1 : bytes.length);
+            try (OutputStream out = ex.getResponseBody()) {
+                out.write(bytes);
+            }
+        });
+        server.start();
+        return server;
+    }
+
+    static String at(HttpServer s) {
+        return "http://127.0.0.1:" + s.getAddress().getPort();
+    }
+
+    static String grant(double ttl, double expiresIn) {
+        return "{\"lock\": \"r\", \"token\": \"r:1\", \"value\": 1, \"request_id\": \"q\", \"ttl\": " + ttl
+                + ", \"expires_in\": " + expiresIn + "}";
+    }
+
+    /** Server text repeating the API key never shows it: code, message, a page cut or squeezed
+     * or escaped (was: error as sent; cut before scrubbing; squeezed before; "&amp;"). */
+    static void keyNeverShown() throws Exception {
+        String key = "fk_S3cr3t&K3y  abcdefghijklmnop";
+        List<String> pieces = List.of("S3cr3t", "K3y", "abcdefghijklmnop");
+        Map<String, Function<String, Object[]>> pages = new LinkedHashMap<>();
+        pages.put("a JSON error's code", a -> new Object[] {502, "{\"error\": \"rejected " + a + "\", \"message\": \"denied\"}"});
+        pages.put("a JSON error's message", a -> new Object[] {403, "{\"error\": \"forbidden\", \"message\": \"you sent " + a + "\"}"});
+        pages.put("a page cut across the key", a -> new Object[] {502, "x".repeat(200 - 7 - 12) + " " + a + " end"});
+        pages.put("a page with the key's blanks", a -> new Object[] {502, "<html>bad gateway; you sent: " + a + "</html>"});
+        pages.put("an HTML-escaped page", a -> new Object[] {502, "<html>you sent: " + a.replace("&", "&amp;") + "</html>"});
+        for (Map.Entry<String, Function<String, Object[]>> page : pages.entrySet()) {
+            HttpServer s = fake(ex -> page.getValue().apply(ex.getRequestHeaders().getFirst("authorization")));
+            try {
+                FencedClient client = new FencedClient(at(s), key, Duration.ofSeconds(2));
+                List<Runnable> calls = List.of(
+                        () -> client.lock("invoices", new LockOptions().retryFor(Duration.ZERO)),
+                        () -> client.status("x"));
+                for (Runnable call : calls) {
+                    try {
+                        call.run();
+                        throw new AssertionError(page.getKey() + ": taken for a result");
+                    } catch (FencedException e) {
+                        String shown = e.code() + " " + e.getMessage() + " " + e;
+                        for (String p : pieces) check(!shown.contains(p), page.getKey() + ": " + p + " shown: " + shown);
+                    }
+                }
+            } finally {
+                s.stop(0);
+            }
+        }
+        // The other side: an error without the key is shown, its code kept.
+        HttpServer plain = fake(ex -> new Object[] {403, "{\"error\": \"forbidden\", \"message\": \"not on lock x\"}"});
+        try {
+            new FencedClient(at(plain), key).status("x");
+            throw new AssertionError("a 403 taken for a result");
+        } catch (FencedException e) {
+            check("forbidden".equals(e.code()) && e.getMessage().contains("403 forbidden: not on lock x"), e.getMessage());
+        } finally {
+            plain.stop(0);
+        }
+    }
+
+    /** An expires_in past the ttl is not believed: unconfirmed, the lease ends at its ttl (was:
+     * held, handing out its token, for 1000 s). */
+    static void expiresInCapped() throws Exception {
+        // Grants, and confirms one renewal (a lock() slower than ttl/3 asks one), with expires_in
+        // 1000 for a ttl of 1 s; the next renewals are 503.
+        AtomicInteger renewals = new AtomicInteger();
+        HttpServer s = fake(ex -> ex.getRequestURI().getPath().endsWith("/-/acquire")
+                ? new Object[] {200, grant(1, 1000)}
+                : renewals.incrementAndGet() == 1
+                ? new Object[] {200, "{\"ttl\": 1, \"expires_in\": 1000}"}
+                : new Object[] {503, "{\"error\": \"unavailable\"}"});
+        try {
+            Lease lease = new FencedClient(at(s)).lock("r", new LockOptions().ttl(Duration.ofSeconds(1)));
+            check("r:1".equals(lease.token()), "the holder's token");
+            check(lease.remaining().toMillis() <= 1000, "remaining " + lease.remaining());
+            String reason = lease.lost().get(5, TimeUnit.SECONDS);
+            check(reason.startsWith("not confirmed within its ttl (last renewal: 503"), reason);
+            expect(LeaseLostException.class, lease::token, "token after its ttl");
+        } finally {
+            s.stop(0);
+        }
+    }
+
+    /** With the default requestTimeout (10 s), a renewal hung on its connection is cut off in time
+     * and asked again (was: waited on to the lease's end: lost). */
+    static void renewalHungDefaultTimeout() throws Exception {
+        AtomicInteger renewals = new AtomicInteger();
+        HttpServer s = fake(ex -> {
+            String path = ex.getRequestURI().getPath();
+            if (path.endsWith("/-/acquire")) return new Object[] {200, grant(4, 4)};
+            if (path.endsWith("/-/renew")) {
+                return renewals.incrementAndGet() == 1 ? null : new Object[] {200, "{\"ttl\": 4, \"expires_in\": 4}"};
+            }
+            return new Object[] {200, "{\"released\": true}"};
+        });
+        try {
+            Lease lease = new FencedClient(at(s)).lock("r", new LockOptions().ttl(Duration.ofSeconds(4)));
+            long deadline = System.nanoTime() + 10_000_000_000L;
+            while (lease.renewals() < 1 && lease.state() == Lease.State.HELD) {
+                check(System.nanoTime() - deadline < 0, "no renewal");
+                Thread.sleep(20);
+            }
+            check(lease.state() == Lease.State.HELD, "lost: " + lease.lostReason());
+            check(renewals.get() >= 2 && lease.renewalFailures() >= 1, renewals.get() + " renewals sent");
+            check(lease.release() == Lease.Released.RELEASED, "release");
+        } finally {
+            s.stop(0);
+        }
+    }
+
+    /** A redirect is not followed, and says where it led (without its query). */
+    static void redirectNotFollowed() throws Exception {
+        AtomicInteger reached = new AtomicInteger();
+        HttpServer other = fake(ex -> {
+            reached.incrementAndGet();
+            return new Object[] {200, grant(10, 10)};
+        });
+        HttpServer front = fake(ex -> new Object[] {307, "", at(other) + ex.getRequestURI().getPath() + "?key=fk_leaked_query"});
+        try {
+            FencedClient client = new FencedClient(at(front), "alice-secret-0123456789");
+            try {
+                client.lock("invoices", new LockOptions().retryFor(Duration.ZERO));
+                throw new AssertionError("a redirect's grant was taken");
+            } catch (FencedException e) {
+                String m = e.getMessage();
+                check(e.status() == 307 && m.matches(".*redirected to http://127\\.0\\.0\\.1:\\d+/v1/locks/invoices/-/acquire: not followed.*"), m);
+                check(!m.contains("fk_leaked"), m);
+            }
+            check(reached.get() == 0, "the other origin was asked");
+        } finally {
+            front.stop(0);
+            other.stop(0);
+        }
+    }
+
+    /** An answer larger than 1 MiB is cut off unread, with or without a content-length. */
+    static void hugeAnswer() throws Exception {
+        for (boolean length : new boolean[] {true, false}) {
+            AtomicInteger sent = new AtomicInteger();
+            HttpServer s = HttpServer.create(new InetSocketAddress(InetAddress.getLoopbackAddress(), 0), 0);
+            s.setExecutor(Executors.newCachedThreadPool(r -> {
+                Thread t = new Thread(r);
+                t.setDaemon(true);
+                return t;
+            }));
+            s.createContext("/", ex -> {
+                ex.getRequestBody().readAllBytes();
+                ex.sendResponseHeaders(502, length ? 64 << 20 : 0);
+                byte[] chunk = new byte[1 << 16];
+                java.util.Arrays.fill(chunk, (byte) 'A');
+                try (OutputStream out = ex.getResponseBody()) {
+                    while (sent.get() < 64 << 20) {
+                        out.write(chunk);
+                        sent.addAndGet(chunk.length);
+                    }
+                } catch (IOException hungUp) {
+                    // the client closed the connection: what is tested
+                }
+            });
+            s.start();
+            try {
+                new FencedClient(at(s), null, Duration.ofSeconds(20)).check("x:1");
+                throw new AssertionError("a 502 taken for a result");
+            } catch (FencedException e) {
+                check(e.status() == 502 && e.getMessage().contains("over 1048576 bytes (not read)"),
+                        e.getMessage().substring(0, Math.min(200, e.getMessage().length())));
+                check(sent.get() < 16 << 20, (sent.get() >> 20) + " MiB sent before the client hung up");
+            } finally {
+                s.stop(0);
+            }
+        }
+    }
+
+    /** A lock() answered 409 at once backs off (jittered) until its timeout, not a spin. */
+    static void busy409() throws Exception {
+        AtomicInteger asked = new AtomicInteger();
+        HttpServer s = fake(ex -> {
+            asked.incrementAndGet();
+            return new Object[] {409, "{\"error\": \"timeout\", \"message\": \"not acquired\"}"};
+        });
+        try {
+            long started = System.nanoTime();
+            expect(LockTimeoutException.class,
+                    () -> new FencedClient(at(s)).lock("x", new LockOptions().timeout(Duration.ofMillis(1500))), "409");
+            long took = (System.nanoTime() - started) / 1_000_000;
+            check(took >= 1400 && took < 4000, took + " ms for a 1.5 s timeout");
+            check(asked.get() >= 3 && asked.get() <= 15, asked.get() + " requests in 1.5 s");
+        } finally {
+            s.stop(0);
+        }
+    }
+
+    /** Two threads releasing one lease get the same, first, answer: RELEASED (was: both could
+     * get ALREADY_ENDED, 15 runs of 40). */
+    static void concurrentRelease() throws Exception {
+        FencedClient client = new FencedClient(URL);
+        var pool = Executors.newFixedThreadPool(2);
+        try {
+            for (int i = 0; i < 40; i++) {
+                Lease lease = client.lock(unique("java/rel") + "-" + i, new LockOptions().ttl(Duration.ofSeconds(30)));
+                java.util.concurrent.CyclicBarrier together = new java.util.concurrent.CyclicBarrier(2);
+                java.util.concurrent.Callable<Lease.Released> release = () -> {
+                    together.await(10, TimeUnit.SECONDS);
+                    return lease.release();
+                };
+                var one = pool.submit(release);
+                var two = pool.submit(release);
+                Lease.Released a = one.get(30, TimeUnit.SECONDS), b = two.get(30, TimeUnit.SECONDS);
+                check(a == Lease.Released.RELEASED && b == Lease.Released.RELEASED, "run " + i + ": " + a + " / " + b);
+            }
+        } finally {
+            pool.shutdownNow();
+        }
+    }
+
+    static long timerThreads() {
+        return Thread.getAllStackTraces().keySet().stream()
+                .filter(t -> t.getName().equals("fenced-lease-timers") && t.isAlive()).count();
+    }
+
+    /** Clients whose leases ended leave no timer thread behind (was: one per client, forever);
+     * close() releases what is held and refuses lock() after it. */
+    static void noThreadLeft() throws Exception {
+        HttpServer s = fake(ex -> ex.getRequestURI().getPath().endsWith("/-/release")
+                ? new Object[] {200, "{\"released\": true}"}
+                : new Object[] {200, grant(30, 30)});
+        try {
+            long before = timerThreads();
+            for (int i = 0; i < 50; i++) {
+                try (Lease lease = new FencedClient(at(s)).lock("r", new LockOptions().ttl(Duration.ofSeconds(30)))) {
+                    lease.token();
+                }
+            }
+            long deadline = System.nanoTime() + 15_000_000_000L; // (each ends 1 s after its last timer)
+            while (timerThreads() > before) {
+                check(System.nanoTime() - deadline < 0, timerThreads() + " timer threads left (" + before + " before)");
+                Thread.sleep(50);
+            }
+            FencedClient client = new FencedClient(at(s));
+            Lease held = client.lock("r", new LockOptions().ttl(Duration.ofSeconds(30)));
+            client.close();
+            check(held.state() == Lease.State.RELEASED, "close() left it " + held.state());
+            try {
+                client.lock("r");
+                throw new AssertionError("a closed client took a lock");
+            } catch (FencedException e) {
+                check("closed".equals(e.code()), e.code());
+            }
+            client.close(); // (idempotent)
+        } finally {
+            s.stop(0);
+        }
+    }
+
+    /** A lease whose machine was suspended past its ttl hands out no token on waking: played by
+     * moving the boot-time clock the package reads (/proc/uptime on Linux) an hour on while the
+     * monotonic one stands (was: System.nanoTime() alone; "held" for the rest of the ttl). */
+    static void suspended() throws Exception {
+        HttpServer s = fake(ex -> ex.getRequestURI().getPath().endsWith("/-/release")
+                ? new Object[] {200, "{\"released\": true}"}
+                : new Object[] {200, grant(30, 30)});
+        Class<?> clock = Class.forName("dev.fenced.client.Clock");
+        java.lang.reflect.Field boot = clock.getDeclaredField("boot");
+        boot.setAccessible(true);
+        java.lang.reflect.Method restart = clock.getDeclaredMethod("restart");
+        restart.setAccessible(true);
+        Object original = boot.get(null);
+        double[] suspended = {0};
+        boot.set(null, (DoubleSupplier) () -> System.nanoTime() / 1e9 + suspended[0]);
+        restart.invoke(null);
+        try {
+            Lease lease = new FencedClient(at(s)).lock("s", new LockOptions().ttl(Duration.ofSeconds(30)));
+            check("r:1".equals(lease.token()), "the holder before the suspend: its token");
+            suspended[0] = 3600; // an hour, in which the source let the lease go
+            expect(LeaseLostException.class, lease::token, "token after a suspend of an hour");
+            check(lease.state() == Lease.State.LOST, "state " + lease.state());
+            check(lease.remaining().isZero(), "remaining " + lease.remaining());
+        } finally {
+            boot.set(null, original);
+            restart.invoke(null);
+            s.stop(0);
         }
     }
 }

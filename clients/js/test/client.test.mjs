@@ -297,3 +297,193 @@ test("a renewal hung on its connection is asked again within requestTimeout: the
     s.close();
   }
 });
+
+// -- an outside attack's findings (session 11): the key in errors, odd answers, spinning ---------
+
+// The pieces of a key an error must not show (its runs of letters and digits, 3 or more).
+const pieces = (key) => key.split(/[^A-Za-z0-9]+/).filter((p) => p.length >= 3);
+
+test("server text repeating the API key never shows it: code, message, a page cut or squeezed or escaped", async () => {
+  const key = "fk_S3cr3t&K3y  abcdefghijklmnop";
+  const escaped = (text) => text.replaceAll("&", "&amp;").replaceAll("<", "&lt;");
+  const pages = {
+    // (was: `error` echoed as sent, in e.code and the message)
+    "a JSON error's code": (auth) => [502, JSON.stringify({ error: `rejected ${auth}`, message: "denied" })],
+    "a JSON error's message": (auth) => [403, JSON.stringify({ error: "forbidden", message: `you sent ${auth}` })],
+    // (was: cut at 200 characters before scrubbing: the key's first part showed)
+    "a page cut across the key": (auth) => [502, `${"x".repeat(200 - "Bearer ".length - 12)} ${auth} end`],
+    // (was: blanks squeezed before scrubbing: a key with two blanks in a row showed whole)
+    "a page with the key's blanks": (auth) => [502, `<html>bad gateway; you sent: ${auth}</html>`],
+    // (was: "&amp;" in place of "&": almost the whole key)
+    "an HTML-escaped page": (auth) => [502, `<html>you sent: ${escaped(auth)}</html>`],
+    "an escaped JSON error": (auth) => [502, JSON.stringify({ error: "bad_gateway", message: escaped(auth) })],
+  };
+  for (const [what, page] of Object.entries(pages)) {
+    const s = await serving((req, res) => {
+      req.resume();
+      const [status, body] = page(req.headers.authorization);
+      res.writeHead(status, { "content-type": "text/html" }).end(body);
+    });
+    try {
+      const client = new FencedClient(s.url, { apiKey: key, requestTimeout: 2 });
+      for (const call of [() => client.lock("invoices", { retryFor: 0 }), () => client.status("x")]) {
+        await assert.rejects(call(), (e) => {
+          assert.ok(e instanceof FencedError && e.status >= 400, `${what}: ${e}`);
+          const shown = `${e.code} ${e.message} ${JSON.stringify(e)} ${String(e)}`;
+          for (const p of pieces(key)) assert.ok(!shown.includes(p), `${what}: ${p} shown: ${shown}`);
+          return true;
+        });
+      }
+    } finally {
+      s.close();
+    }
+  }
+  // The other side: an error page without the key is shown (cut, one line), its code kept.
+  const plain = await serving((req, res) => res.writeHead(403, { "content-type": "application/json" }).end('{"error": "forbidden", "message": "not on lock x"}'));
+  try {
+    await assert.rejects(new FencedClient(plain.url, { apiKey: key }).status("x"), (e) => e.code === "forbidden" && /403 forbidden: not on lock x/.test(e.message));
+  } finally {
+    plain.close();
+  }
+});
+
+// A fake gateway: grants `grant` to acquires; renewals as `renew(res, n)` says (n: 1, 2, ...).
+async function gateway(grant, renew) {
+  let renewals = 0;
+  const held = [];
+  const s = await serving((req, res) => {
+    req.resume();
+    req.on("end", () => {
+      if (req.url.endsWith("/-/acquire")) {
+        res.writeHead(200, { "content-type": "application/json" }).end(JSON.stringify({ lock: "r", token: "r:1", value: 1, request_id: "q", ...grant }));
+      } else if (req.url.endsWith("/-/renew")) {
+        renewals += 1;
+        if (renew(res, renewals) === "hang") held.push(res);
+      } else {
+        res.writeHead(200, { "content-type": "application/json" }).end('{"released": true}');
+      }
+    });
+  });
+  return { ...s, renewals: () => renewals, close: () => (held.forEach((r) => r.destroy()), s.close()) };
+}
+
+// Resolves with the lease's loss reason, or null if it is not lost within `ms`.
+const lostWithin = (lease, ms) => Promise.race([lease.lost, new Promise((ok) => setTimeout(() => ok(null), ms))]);
+
+test("an expires_in past the ttl is not believed: unconfirmed, the lease ends at its ttl", async () => {
+  // Grants, and confirms one renewal (a lock() slower than ttl/3 asks one), with expires_in
+  // 1000 for a ttl of 1 s; the next renewals are 503.
+  const g = await gateway({ ttl: 1, expires_in: 1000 }, (res, n) =>
+    n === 1
+      ? res.writeHead(200, { "content-type": "application/json" }).end('{"ttl": 1, "expires_in": 1000}')
+      : res.writeHead(503).end('{"error": "unavailable"}'),
+  );
+  try {
+    const lease = await new FencedClient(g.url).lock("r", { ttl: 1 });
+    assert.equal(lease.token, "r:1"); // (the holder, confirmed: its token)
+    assert.ok(lease.remaining <= 1000, `${lease.remaining} ms left of a 1 s ttl`);
+    // (was: held, handing out its token, for 1000 s)
+    const reason = await lostWithin(lease, 5000);
+    assert.match(String(reason), /not confirmed within its ttl \(last renewal: 503/);
+    assert.throws(() => lease.token, LeaseLostError);
+  } finally {
+    g.close();
+  }
+});
+
+test("with the default requestTimeout, a renewal hung on its connection is cut off in time and asked again", async () => {
+  // The first renewal is never answered (a blackholed keep-alive connection), the next are.
+  const g = await gateway({ ttl: 4, expires_in: 4 }, (res, n) =>
+    n === 1 ? "hang" : res.writeHead(200, { "content-type": "application/json" }).end('{"ttl": 4, "expires_in": 4}'),
+  );
+  try {
+    const lease = await new FencedClient(g.url).lock("r", { ttl: 4 }); // (requestTimeout 10 s)
+    const deadline = performance.now() + 10_000;
+    while (lease.renewals < 1 && lease.state === "held") {
+      assert.ok(performance.now() < deadline, "no renewal");
+      await new Promise((ok) => setTimeout(ok, 20));
+    }
+    // (was: the hung renewal waited out the whole lease: lost at its end)
+    assert.equal(lease.state, "held", lease.lostReason);
+    assert.ok(g.renewals() >= 2 && lease.renewalFailures >= 1, `${g.renewals()} renewals`);
+    assert.equal(await lease.release(), true);
+  } finally {
+    g.close();
+  }
+});
+
+test("a redirect is not followed: nothing reaches the other origin, and its grant is not taken", async () => {
+  const reached = [];
+  const other = await serving((req, res) => {
+    req.resume();
+    reached.push(req.url);
+    res.writeHead(200, { "content-type": "application/json" }).end('{"lock": "x", "token": "x:9", "value": 9, "ttl": 10, "expires_in": 10}');
+  });
+  const front = await serving((req, res) => {
+    req.resume();
+    res.writeHead(307, { location: `${other.url}${req.url}?key=fk_leaked_query` }).end();
+  });
+  try {
+    const client = new FencedClient(front.url, { apiKey: "alice-secret-0123456789" });
+    await assert.rejects(client.lock("invoices", { ttl: 10, requestId: "job-17", retryFor: 0 }), (e) => {
+      assert.ok(e instanceof FencedError && e.status === 307, String(e));
+      assert.match(e.message, /redirected to http:\/\/127\.0\.0\.1:\d+\/v1\/locks\/invoices\/-\/acquire: not followed/);
+      assert.ok(!e.message.includes("fk_leaked"), e.message);
+      return true;
+    });
+    await assert.rejects(client.check("x:1"), (e) => e.status === 307);
+    assert.deepEqual(reached, []); // (was: acquire and release went there, request id and token)
+  } finally {
+    front.close();
+    other.close();
+  }
+});
+
+test("an answer larger than 1 MiB is cut off unread, with or without a content-length", async () => {
+  for (const length of [true, false]) {
+    let sent = 0;
+    const s = await serving((req, res) => {
+      req.resume();
+      res.writeHead(502, length ? { "content-length": String(64 << 20) } : {});
+      const chunk = Buffer.alloc(1 << 16, 65);
+      const more = () => {
+        while (sent < 64 << 20 && !res.destroyed) {
+          sent += chunk.length;
+          if (!res.write(chunk)) return void res.once("drain", more);
+        }
+        res.end();
+      };
+      res.on("close", () => {});
+      more();
+    });
+    try {
+      await assert.rejects(new FencedClient(s.url, { requestTimeout: 20 }).check("x:1"), (e) => {
+        assert.ok(e.status === 502 && /over 1048576 bytes \(not read\)/.test(e.message), e.message.slice(0, 200));
+        return true;
+      });
+      // (was: all 64 MiB read and kept; 700 MB pushed node to 1.5 GB)
+      assert.ok(sent < 16 << 20, `${sent >> 20} MiB sent before the client hung up`);
+    } finally {
+      s.close();
+    }
+  }
+});
+
+test("a lock() answered 409 at once backs off (jittered) until its timeout, not a spin", async () => {
+  let asked = 0;
+  const s = await serving((req, res) => {
+    req.resume();
+    asked += 1;
+    res.writeHead(409, { "content-type": "application/json" }).end('{"error": "timeout", "message": "not acquired"}');
+  });
+  try {
+    const started = performance.now();
+    await assert.rejects(new FencedClient(s.url).lock("x", { timeout: 1.5 }), LockTimeoutError);
+    const took = performance.now() - started;
+    assert.ok(took >= 1400 && took < 4000, `${took} ms for a 1.5 s timeout`);
+    // (was: over 100 requests in 3 s) 50, 100, 200, 400, 800 ms at most, at least half each
+    assert.ok(asked >= 3 && asked <= 15, `${asked} requests in 1.5 s`);
+  } finally {
+    s.close();
+  }
+});

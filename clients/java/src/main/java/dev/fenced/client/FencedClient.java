@@ -6,13 +6,17 @@ import java.net.http.HttpClient;
 import java.net.http.HttpRequest;
 import java.net.http.HttpResponse;
 import java.time.Duration;
+import java.util.HashSet;
 import java.util.LinkedHashMap;
 import java.util.Map;
+import java.util.Set;
 import java.util.UUID;
 import java.util.concurrent.CompletableFuture;
 import java.util.concurrent.CompletionException;
-import java.util.concurrent.Executors;
+import java.util.concurrent.ConcurrentHashMap;
 import java.util.concurrent.ScheduledExecutorService;
+import java.util.concurrent.ScheduledThreadPoolExecutor;
+import java.util.concurrent.ThreadLocalRandom;
 import java.util.concurrent.TimeUnit;
 import java.util.concurrent.TimeoutException;
 import java.util.regex.Pattern;
@@ -27,7 +31,7 @@ import java.util.regex.Pattern;
  * }
  * }</pre>
  */
-public final class FencedClient {
+public final class FencedClient implements AutoCloseable {
     static final Pattern NAME =
             Pattern.compile("[A-Za-z0-9_][A-Za-z0-9_.:@+=-]*(/[A-Za-z0-9_][A-Za-z0-9_.:@+=-]*)*");
     static final Pattern REQUEST_ID = Pattern.compile("[A-Za-z0-9_][A-Za-z0-9_.:-]{0,63}");
@@ -38,13 +42,27 @@ public final class FencedClient {
      * 8 KiB for a whole line); the server's keys file and the other clients have the same. */
     static final int MAX_KEY = 4096;
     static final Duration DEFAULT_REQUEST_TIMEOUT = Duration.ofSeconds(10);
+    /** The most of an answer that is read (fenced serve's answers are a few hundred bytes): a
+     * runaway page (an error loop, a misrouted download) must not fill the heap. */
+    static final int MAX_ANSWER = 1 << 20;
+    /** An error code as fenced serve sends them ("timeout", "lease_lost"); else no code. */
+    static final Pattern CODE = Pattern.compile("[a-z][a-z0-9_]{0,63}");
+    /** Server text that repeats this many letters and digits of the key in a row, however
+     * spaced, escaped or cased (a proxy's page echoing the header: "&amp;", squeezed blanks),
+     * is withheld. */
+    static final int KEY_RUN = 8;
+    static final String WITHHELD = "(withheld: it repeats part of the API key)";
 
     private final String url;
     private final String key; // the secret: never in a message or toString
     private final String auth; // "Bearer <secret>"
+    private final Set<String> keyRuns; // the key's runs of KEY_RUN letters and digits (or null)
+    private final int keyRun;
     final long requestTimeout; // nanoseconds
     private final HttpClient http;
     final ScheduledExecutorService timers;
+    private final Set<Lease> leases = ConcurrentHashMap.newKeySet(); // held: released by close()
+    private volatile boolean closed;
 
     /** {@code url}: e.g. "http://127.0.0.1:7400"; the API key is $FENCED_API_KEY, if set and
      * not empty. */
@@ -78,16 +96,55 @@ public final class FencedClient {
         }
         this.key = apiKey;
         this.auth = apiKey == null ? null : "Bearer " + apiKey;
+        String bare = apiKey == null ? "" : skeleton(apiKey);
+        if (bare.length() >= 4) { // (fewer: only the key as written is replaced)
+            this.keyRun = Math.min(KEY_RUN, bare.length());
+            this.keyRuns = new HashSet<>();
+            for (int i = 0; i + keyRun <= bare.length(); i++) keyRuns.add(bare.substring(i, i + keyRun));
+        } else {
+            this.keyRun = 0;
+            this.keyRuns = null;
+        }
         // HTTP/1.1: no h2c upgrade dance with the server.
         this.http = HttpClient.newBuilder()
                 .version(HttpClient.Version.HTTP_1_1)
                 .connectTimeout(requestTimeout)
                 .build();
-        this.timers = Executors.newSingleThreadScheduledExecutor(r -> {
+        ScheduledThreadPoolExecutor timers = new ScheduledThreadPoolExecutor(1, r -> {
             Thread t = new Thread(r, "fenced-lease-timers");
             t.setDaemon(true); // a forgotten lease does not keep the JVM alive; it expires
             return t;
         });
+        // The thread ends when no lease has a timer pending (a cancelled one is removed): a
+        // client dropped without close() leaves no thread behind. (A worker with a delayed
+        // task queued never times out: ThreadPoolExecutor keeps one while the queue holds any.)
+        timers.setRemoveOnCancelPolicy(true);
+        timers.setKeepAliveTime(1, TimeUnit.SECONDS);
+        timers.allowCoreThreadTimeOut(true);
+        this.timers = timers;
+    }
+
+    /** Releases the leases still held (as {@link Lease#release()}) and stops the renewal timer;
+     * a lock() after it is refused ("closed"). Idempotent. */
+    @Override
+    public void close() {
+        closed = true;
+        for (Lease lease : leases.toArray(new Lease[0])) lease.release();
+        timers.shutdownNow();
+    }
+
+    void forget(Lease lease) {
+        leases.remove(lease);
+    }
+
+    // Letters and digits only, lower-cased: what survives escaping, squeezing and re-casing.
+    private static String skeleton(String text) {
+        StringBuilder b = new StringBuilder(text.length());
+        for (int i = 0; i < text.length(); i++) {
+            char c = Character.toLowerCase(text.charAt(i));
+            if ((c >= 'a' && c <= 'z') || (c >= '0' && c <= '9')) b.append(c);
+        }
+        return b.toString();
     }
 
     public String url() {
@@ -172,16 +229,27 @@ public final class FencedClient {
         return u.getScheme().toLowerCase() + "://" + u.getHost() + port + path.replaceAll("/+$", "");
     }
 
-    /** Text from elsewhere (an answer, a transport error) without the key, should it echo it. */
+    /** Text from elsewhere (an answer, a transport error) without the key, should it echo it:
+     * the key as written is "***"; text that still repeats a run of its letters and digits
+     * (escaped, spaced, cut) is withheld whole. Applied to the whole text, before any cutting
+     * or squeezing. */
     String scrub(String text) {
-        return key == null || text == null ? text : text.replace(key, "***");
+        if (key == null || text == null) return text;
+        String s = text.replace(key, "***");
+        if (keyRuns != null) {
+            String bare = skeleton(s);
+            for (int i = 0; i + keyRun <= bare.length(); i++) {
+                if (keyRuns.contains(bare.substring(i, i + keyRun))) return WITHHELD;
+            }
+        }
+        return s;
     }
 
     /** The bound of one call of lock(): the long poll's own wait and requestTimeout, but no
      * more than the time lock() has left + 1 s (a last try gets a fair chance to be answered). */
     private long lockBound(double left, long until) {
         long own = (long) (Math.min(left, 60) * 1e9) + requestTimeout;
-        return Math.min(own, Math.max(0, until - System.nanoTime()) + 1_000_000_000L);
+        return Math.min(own, Math.max(0, until - Clock.now()) + 1_000_000_000L);
     }
     @Override
     public String toString() {
@@ -203,6 +271,7 @@ public final class FencedClient {
      * @throws FencedException any other refusal, or the server could not be reached
      */
     public Lease lock(String name, LockOptions o) {
+        if (closed) throw new FencedException("this client is closed", 0, "closed");
         String path = lockPath(name, "acquire");
         double ttl = seconds("ttl", o.ttl, MIN_TTL, MAX_TTL);
         double timeout = seconds("timeout", o.timeout, 0, MAX_TIMEOUT);
@@ -215,12 +284,13 @@ public final class FencedClient {
         double margin = o.safetyMargin != null
                 ? seconds("safetyMargin", o.safetyMargin, 0, ttl / 2)
                 : Math.min(1.0, ttl / 10);
-        long start = System.nanoTime();
+        long start = Clock.now();
         long waitUntil = start + (long) (timeout * 1e9);
         long retryUntil = start + (long) ((timeout > 0 ? timeout : retryFor) * 1e9);
         long backoff = 100;
+        long busy = 50; // the pause after a 409 that came at once (a front that cannot long-poll)
         for (;;) {
-            double left = Math.max(0, (waitUntil - System.nanoTime()) / 1e9);
+            double left = Math.max(0, (waitUntil - Clock.now()) / 1e9);
             Map<String, Object> body = new LinkedHashMap<>();
             body.put("ttl", ttl);
             body.put("timeout", left);
@@ -228,9 +298,9 @@ public final class FencedClient {
             if (o.owner != null) body.put("owner", o.owner);
             // The server answers a long poll within its max wait (60 s), requestTimeout is for
             // the rest (connecting, the source), and lock() ends by its time left + 1 s.
-            long sent = System.nanoTime();
+            long sent = Clock.now();
             Answer r = call("POST", path, Json.object(body), lockBound(left, retryUntil));
-            long received = System.nanoTime();
+            long received = Clock.now();
             if (r.status == 200) {
                 Object token = r.body.get("signed") != null ? r.body.get("signed") : r.body.get("token");
                 if (!(r.body.get("expires_in") instanceof Number expires)
@@ -242,7 +312,9 @@ public final class FencedClient {
                 // Counted from when the request was sent, never from the answer's arrival: the
                 // grant was made after the send, and an answer can wait in a socket for any time
                 // (a GC pause, a slow network) while the lease runs out at the source.
-                long validUntil = sent + (long) ((expires.doubleValue() - margin) * 1e9);
+                // Never longer than the ttl asked for, whatever the answer says (a broken or
+                // foreign gateway's "expires_in": 1000 would keep a dead lease "held").
+                long validUntil = sent + (long) ((Math.min(expires.doubleValue(), ttl) - margin) * 1e9);
                 Map<String, Object> grant = r.body;
                 if (received - sent > (long) (ttl * 1e9 / 3)) {
                     // Waited in line, or paused: confirm the grant (a renewal, counted from its
@@ -251,10 +323,11 @@ public final class FencedClient {
                     renew.put("token", token);
                     renew.put("request_id", requestId);
                     renew.put("ttl", ttl);
-                    long again = System.nanoTime();
+                    long again = Clock.now();
                     Answer rr = call("POST", lockPath(name, "renew"), Json.object(renew),
                             Math.min((long) (ttl * 1e9), requestTimeout));
-                    if (rr.status != 200 || !(rr.body.get("expires_in") instanceof Number renewed)) {
+                    if (rr.status != 200 || !(rr.body.get("expires_in") instanceof Number renewed)
+                            || !(renewed.doubleValue() >= 0)) {
                         Map<String, Object> rel = new LinkedHashMap<>();
                         rel.put("token", token);
                         rel.put("request_id", requestId);
@@ -263,17 +336,30 @@ public final class FencedClient {
                                 "took " + name + ", but could not confirm the grant: " + rr.describe(),
                                 "lease_lost");
                     }
-                    validUntil = again + (long) ((renewed.doubleValue() - margin) * 1e9);
+                    validUntil = again + (long) ((Math.min(renewed.doubleValue(), ttl) - margin) * 1e9);
                     grant = new LinkedHashMap<>(r.body);
                     grant.putAll(rr.body);
                 }
-                return new Lease(this, name, requestId, grant, ttl, margin, validUntil, o.onLost);
+                Lease lease = new Lease(this, name, requestId, grant, ttl, margin, validUntil, o.onLost);
+                leases.add(lease);
+                if (closed) lease.release(); // (closed meanwhile: not left behind)
+                return lease;
             }
             boolean waitMore = r.status == 409 && "timeout".equals(r.error());
-            if (waitMore && received - waitUntil < 0) continue;
+            if (waitMore && received - waitUntil < 0) {
+                // Asked again at once after a long poll; after one that came at once, after a
+                // pause (doubling, jittered, within the time left): no spinning on a 409 front.
+                if (received - sent >= 1_000_000_000L) {
+                    busy = 50;
+                } else {
+                    sleepMillis(Math.min(jitter(busy), Math.max(0, (waitUntil - received) / 1_000_000)));
+                    busy = Math.min(busy * 2, 1000);
+                }
+                continue;
+            }
             boolean transient_ = r.status == 0 || r.status == 503;
             if (transient_ && received - retryUntil < 0) {
-                sleepMillis(Math.min(backoff, Math.max(0, (retryUntil - received) / 1_000_000)));
+                sleepMillis(Math.min(jitter(backoff), Math.max(0, (retryUntil - received) / 1_000_000)));
                 backoff = Math.min(backoff * 2, 2000);
                 continue;
             }
@@ -320,6 +406,11 @@ public final class FencedClient {
             throw new FencedException(what + " must be from " + min + " to " + max + " s, not " + d, 0, "invalid_request");
         }
         return s;
+    }
+
+    /** Half to all of {@code ms}: clients that failed together do not retry in step. */
+    static long jitter(long ms) {
+        return (long) (ms * (0.5 + ThreadLocalRandom.current().nextDouble() / 2));
     }
 
     static void sleepMillis(long ms) {
@@ -372,9 +463,9 @@ public final class FencedClient {
         } catch (RuntimeException e) {
             return CompletableFuture.completedFuture(failure(e));
         }
-        CompletableFuture<HttpResponse<String>> sent;
+        CompletableFuture<HttpResponse<Capped.Body>> sent;
         try {
-            sent = http.sendAsync(b.build(), HttpResponse.BodyHandlers.ofString());
+            sent = http.sendAsync(b.build(), info -> new Capped(info, MAX_ANSWER));
         } catch (RuntimeException e) {
             return CompletableFuture.completedFuture(failure(e));
         }
@@ -385,18 +476,44 @@ public final class FencedClient {
                 sent.cancel(true);
                 return failure(err);
             }
-            Map<String, Object> json = Json.parseObject(resp.body());
-            boolean bad = json == null;
-            if (bad) {
-                json = new LinkedHashMap<>();
-                String text = resp.body().replaceAll("\\s+", " ").trim();
-                text = scrub(text.substring(0, Math.min(200, text.length())));
-                json.put("message", "not JSON: " + (text.isEmpty() ? "(empty)" : text));
-            } else if (json.get("message") instanceof String m) {
-                json.put("message", scrub(m));
+            int status = resp.statusCode();
+            if (status >= 300 && status < 400) {
+                // Never followed (java.net.http's default, kept): the request id and the token
+                // would go to another origin, and its answer be taken for this server's grant.
+                String to = resp.headers().firstValue("location").map(l -> {
+                    try {
+                        return " to " + scrub(shown(URI.create(url + "/").resolve(l).toString()));
+                    } catch (RuntimeException e) {
+                        return " to " + scrub(shown(l));
+                    }
+                }).orElse("");
+                return bad(status, "redirected" + to + ": not followed (give the server's own URL)");
             }
-            return new Answer(resp.statusCode(), json, bad);
+            Capped.Body answer = resp.body();
+            if (answer.over()) return bad(status, "not JSON: an answer over " + MAX_ANSWER + " bytes (not read)");
+            Map<String, Object> json = Json.parseObject(answer.text());
+            if (json == null) {
+                String text = scrub(answer.text()).replaceAll("\\s+", " ").trim();
+                text = text.substring(0, Math.min(200, text.length()));
+                return bad(status, "not JSON: " + (text.isEmpty() ? "(empty)" : text));
+            }
+            // Every text from the server scrubbed, and an error code that is none dropped: so
+            // describe() and code() show nothing of the key.
+            Object m = json.get("message");
+            if (m instanceof String text) json.put("message", scrub(text));
+            else json.remove("message");
+            Object e = json.get("error");
+            if (e != null && !(e instanceof String code && CODE.matcher(code).matches() && scrub(code).equals(code))) {
+                json.remove("error");
+            }
+            return new Answer(status, json, false);
         });
+    }
+
+    private static Answer bad(int status, String message) {
+        Map<String, Object> m = new LinkedHashMap<>();
+        m.put("message", message);
+        return new Answer(status, m, true);
     }
 
     Answer call(String method, String path, String body, long timeoutNanos) {
