@@ -69,10 +69,11 @@ def test_the_plant_is_caught(plant: str, tmp_path: Path) -> None:
             stop_at_first=True,  # (the verdict is still the whole run's: the checkers at the end)
         )
         found = {v.checker for v in result.violations} - {"plant not exercised"}
-        if found:
+        # (a run that ended early, "run incomplete" on a loaded machine, gets the next seed)
+        if found & EXPECTED[plant]:
             break
     assert found, f"{plant} was not caught ({result.grants} grants, {result.accepted} accepted)"
-    assert found & EXPECTED[plant], found  # (a reused token also upsets what follows)
+    assert found & EXPECTED[plant], [str(v) for v in result.violations]  # (also: what follows)
     assert result.first_violation_after is not None
 
 
