@@ -232,7 +232,7 @@ export class FencedClient {
    * @returns {Promise<Lease>}
    */
   async lock(name, options = {}) {
-    const {
+    let {
       ttl = 10,
       timeout = 0,
       requestId = randomId(),
@@ -256,13 +256,15 @@ export class FencedClient {
     const waitUntil = start + timeout * 1000;
     const retryUntil = start + (timeout > 0 ? timeout : retryFor) * 1000;
     let backoff = 100;
+    let sent = 0; // (sends of this request id)
     for (;;) {
       const left = Math.max(0, (waitUntil - performance.now()) / 1000);
       const body = { ttl, timeout: left, request_id: requestId };
       if (owner !== undefined) body.owner = owner;
       // The server answers a long poll within its max wait (60 s), requestTimeout is for
       // the rest (connecting, the source), and lock() ends by its time left + 1 s.
-      const sent = performance.now();
+      const sentAt = performance.now();
+      sent += 1;
       const r = await this._call("POST", path, body, this._lockBound(left, retryUntil));
       const received = performance.now();
       if (r.status === 200) {
@@ -278,9 +280,9 @@ export class FencedClient {
         // Counted from when the request was sent, never from the answer's arrival: the grant
         // was made after the send, and an answer can wait in a socket for any time (a paused
         // process, a slow network) while the lease runs out at the source.
-        let validUntil = sent + (expiresIn - margin) * 1000;
+        let validUntil = sentAt + (expiresIn - margin) * 1000;
         let grant = r.body;
-        if (received - sent > (ttl * 1000) / 3) {
+        if (received - sentAt > (ttl * 1000) / 3) {
           // Waited in line, or paused: confirm the grant (a renewal, counted from its own
           // send) before handing out its token; one that cannot be confirmed is not held.
           const again = performance.now();
@@ -302,6 +304,14 @@ export class FencedClient {
         }
         return new Lease(this, name, grant, { ttl, requestId, margin, validUntil, onLost });
       }
+      if (r.status === 410 && sent > 1 && received < retryUntil) {
+        // A retry of ours answered "this request id's grant has ended": it was granted and
+        // ran out before an answer got through. A new attempt, under a new id (a request id
+        // names one attempt: the gateway refuses a late duplicate of an ended grant).
+        requestId = randomId();
+        sent = 0;
+        continue;
+      }
       const transient = r.status === 0 || r.status === 503;
       if (r.status === 409 && r.body.error === "timeout" && received < waitUntil) continue;
       if (transient && received < retryUntil) {
@@ -309,7 +319,12 @@ export class FencedClient {
         backoff = Math.min(backoff * 2, 2000);
         continue;
       }
-      const Err = r.status === 409 && r.body.error === "timeout" ? LockTimeoutError : FencedError;
+      const Err =
+        r.status === 409 && r.body.error === "timeout"
+          ? LockTimeoutError
+          : r.status === 410
+            ? LeaseLostError
+            : FencedError;
       throw new Err(`could not take ${name}: ${describe(r)}`, {
         status: r.status,
         code: r.body.error ?? (r.status ? "error" : "unavailable"),

@@ -571,6 +571,10 @@ def create_app(settings: ServerSettings) -> FastAPI:
         response_model=GrantOut,
         responses={
             409: {"model": ErrorOut, "description": "timeout: not granted in time"},
+            410: {
+                "model": ErrorOut,
+                "description": "lease_lost: this request id's grant has ended (a late duplicate)",
+            },
             **_TOO_MANY_WAITING,
         },
         tags=["locks"],

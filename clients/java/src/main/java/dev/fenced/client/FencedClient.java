@@ -219,6 +219,7 @@ public final class FencedClient {
         long waitUntil = start + (long) (timeout * 1e9);
         long retryUntil = start + (long) ((timeout > 0 ? timeout : retryFor) * 1e9);
         long backoff = 100;
+        int sends = 0; // (of this request id)
         for (;;) {
             double left = Math.max(0, (waitUntil - System.nanoTime()) / 1e9);
             Map<String, Object> body = new LinkedHashMap<>();
@@ -229,6 +230,7 @@ public final class FencedClient {
             // The server answers a long poll within its max wait (60 s), requestTimeout is for
             // the rest (connecting, the source), and lock() ends by its time left + 1 s.
             long sent = System.nanoTime();
+            sends += 1;
             Answer r = call("POST", path, Json.object(body), lockBound(left, retryUntil));
             long received = System.nanoTime();
             if (r.status == 200) {
@@ -269,6 +271,14 @@ public final class FencedClient {
                 }
                 return new Lease(this, name, requestId, grant, ttl, margin, validUntil, o.onLost);
             }
+            if (r.status == 410 && sends > 1 && received - retryUntil < 0) {
+                // A retry of ours answered "this request id's grant has ended": granted, and
+                // run out before an answer got through. A new attempt, under a new id (a request
+                // id names one attempt: the gateway refuses a late duplicate of an ended grant).
+                requestId = "java-" + UUID.randomUUID().toString().replace("-", "");
+                sends = 0;
+                continue;
+            }
             boolean waitMore = r.status == 409 && "timeout".equals(r.error());
             if (waitMore && received - waitUntil < 0) continue;
             boolean transient_ = r.status == 0 || r.status == 503;
@@ -280,6 +290,7 @@ public final class FencedClient {
             String msg = "could not take " + name + ": " + r.describe();
             String code = r.error() != null ? r.error() : r.status == 0 ? "unavailable" : "error";
             if (waitMore) throw new LockTimeoutException(msg, r.status, code);
+            if (r.status == 410) throw new LeaseLostException(msg, code);
             throw new FencedException(msg, r.status, code);
         }
     }
