@@ -275,7 +275,8 @@ class AsyncLease:
 
     @property
     def request_id(self) -> str | None:
-        """The client-chosen id of the current or last acquire (makes retries idempotent)."""
+        """The id of the current or last acquire (makes retries idempotent): a ``request_id``
+        given to the lease is its first grant's; each later acquire draws a new one."""
         return self._state.grant.request_id if self._state.grant else self._request_id
 
     @property
