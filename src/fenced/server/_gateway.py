@@ -317,11 +317,8 @@ class Gateway:
         LockTimeout after that (counted as a refusal instead if ``foreign`` says so: see
         :meth:`_foreign`). Returns the grant and its token as the holder gets it."""
         try:
-            live = (
-                await self._live(name, request_id)
-                if (name, request_id) in self._remembered
-                else None
-            )
+            known = self._known((name, request_id)) is not None
+            live = await self._live(name, request_id) if known else None
             return await self._acquire(name, request_id, ttl, wait, owner, live)
         except LockTimeout:
             if (foreign is None or not await foreign()) and count_timeout:
@@ -341,6 +338,12 @@ class Gateway:
                 "a new attempt needs a new request id"
             )
         return status.token
+
+    def _known(self, key: tuple[str, str]) -> int | None:
+        """The token value of ``key``'s grant, if this gateway remembers it (seen within
+        :data:`IDS_KEPT_FOR` s)."""
+        had = self._remembered.get(key)
+        return had[0] if had is not None and had[1] >= _clock.now() - IDS_KEPT_FOR else None
 
     def _seen(self, key: tuple[str, str], token: FencingToken) -> None:
         """``key``'s request id had grant ``token`` here now: remembered (:data:`IDS_KEPT`,
@@ -380,8 +383,8 @@ class Gateway:
             self._waiting -= 1
             stale = self._done(key, grant)
         self.metrics.wait.observe(_clock.now() - start)
-        had = self._remembered.get(key)
-        if grant.token != live and had is not None and had[0] != grant.token.value:
+        had = self._known(key)
+        if grant.token != live and had is not None and had != grant.token.value:
             # A new grant for an id whose grant here ended: the one this retry found live
             # ended before its acquire, or this acquire waited in line while a retry of it
             # was granted (through here) and released. Nobody will hold it: given back.
