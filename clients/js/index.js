@@ -331,7 +331,7 @@ export class FencedClient {
    * @returns {Promise<Lease>}
    */
   async lock(name, options = {}) {
-    const {
+    let {
       ttl = 10,
       timeout = 0,
       requestId = randomId(),
@@ -356,6 +356,7 @@ export class FencedClient {
     const retryUntil = start + (timeout > 0 ? timeout : retryFor) * 1000;
     let backoff = 100;
     let busy = 50; // the pause after a 409 that came at once (a front that cannot long-poll)
+    let sends = 0; // (sends of this request id)
     for (;;) {
       const left = Math.max(0, (waitUntil - now()) / 1000);
       const body = { ttl, timeout: left, request_id: requestId };
@@ -363,6 +364,7 @@ export class FencedClient {
       // The server answers a long poll within its max wait (60 s), requestTimeout is for
       // the rest (connecting, the source), and lock() ends by its time left + 1 s.
       const sent = now();
+      sends += 1;
       const r = await this._call("POST", path, body, this._lockBound(left, retryUntil));
       const received = now();
       if (r.status === 200) {
@@ -404,6 +406,14 @@ export class FencedClient {
         }
         return new Lease(this, name, grant, { ttl, requestId, margin, validUntil, onLost });
       }
+      if (r.status === 410 && sends > 1 && received < retryUntil) {
+        // A retry of ours answered "this request id's grant has ended": it was granted and
+        // ran out before an answer got through. A new attempt, under a new id (a request id
+        // names one attempt: the gateway refuses a late duplicate of an ended grant).
+        requestId = randomId();
+        sends = 0;
+        continue;
+      }
       const transient = r.status === 0 || r.status === 503;
       if (r.status === 409 && r.body.error === "timeout" && received < waitUntil) {
         // Asked again at once after a long poll; after one that came at once, after a pause
@@ -420,7 +430,12 @@ export class FencedClient {
         backoff = Math.min(backoff * 2, 2000);
         continue;
       }
-      const Err = r.status === 409 && r.body.error === "timeout" ? LockTimeoutError : FencedError;
+      const Err =
+        r.status === 409 && r.body.error === "timeout"
+          ? LockTimeoutError
+          : r.status === 410
+            ? LeaseLostError
+            : FencedError;
       throw new Err(`could not take ${name}: ${describe(r)}`, {
         status: r.status,
         code: r.body.error ?? (r.status ? "error" : "unavailable"),

@@ -49,6 +49,7 @@ def test_gateway_seeds_hold_every_invariant(part: int) -> None:
         ("gw-release-any-key", "foreign-request"),
         ("gw-retry-new-grant", "retry-new-grant"),
         ("gw-expiry-recounted", "expiry-count"),
+        ("gw-late-duplicate-granted", "retry-new-grant"),
     ],
 )
 def test_each_gateway_plant_is_named_by_its_checker(plant: str, checker: str) -> None:

@@ -204,8 +204,8 @@ def _counter(text: bytes, name: str) -> float:
 async def test_a_retried_acquire_is_one_grant_in_the_metrics(direct: bool) -> None:
     """docs/server.md: a retry with the same request id returns the same grant, never a
     second one. ``fenced_grants_total`` counted every answer: three pipelined retries of one
-    acquire said 3 grants. Now one; the same id after its release is a new grant (g:2), the
-    second, and its retry none."""
+    acquire said 3 grants. Now one; the same id after its release is a late duplicate,
+    answered as ended (410), and no grant either."""
     settings = ServerSettings(url=f"sqlite:///{tempfile.mkdtemp()}/locks.db")
     async with serving(settings, direct) as served:
         reader, writer = await served.connect()
@@ -218,9 +218,10 @@ async def test_a_retried_acquire_is_one_grant_in_the_metrics(direct: bool) -> No
         assert _counter((await read_answer(reader))[2], "fenced_grants_total") == 1
         writer.write(request("/v1/locks/g/-/release", b'{"token": "g:1", "request_id": "g1"}'))
         assert (await read_answer(reader))[2] == b'{"released":true}'
-        writer.write(acquire * 2)  # (the same id after its release: a new grant, then a retry)
+        writer.write(acquire * 2)  # (the same id after its release: late duplicates)
         for _ in range(2):
-            assert b'"token":"g:2"' in (await read_answer(reader))[2]
+            status, _, body = await read_answer(reader)
+            assert status == b"HTTP/1.1 410 Gone" and b"lease_lost" in body, (status, body)
         writer.write(request("/metrics", method="GET"))
-        assert _counter((await read_answer(reader))[2], "fenced_grants_total") == 2
+        assert _counter((await read_answer(reader))[2], "fenced_grants_total") == 1
         writer.close()

@@ -249,7 +249,7 @@ def test_the_javascript_package_passes_its_node_tests(
         timeout=120,
     )
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
-    assert "# pass 18" in r.stdout and "# skipped 0" in r.stdout, r.stdout[-2000:]
+    assert "# pass 19" in r.stdout and "# skipped 0" in r.stdout, r.stdout[-2000:]
 
 
 def test_the_java_package_passes_its_tests(

@@ -632,6 +632,10 @@ def test_a_holder_that_died_shows_as_expired_with_its_description(
         )
         assert "a/job" not in events and "b/job" in events
         assert "a/job" not in browser.js("document.body.innerText")
+        # no counters for bob, who may not read /metrics (they count every key's requests:
+        # a refusal counted for a request id another key uses told him it is in use)
+        assert browser.js("document.querySelectorAll('[data-counter]').length") == 0
+        assert "metrics verb" in browser.js("document.getElementById('nocounters').textContent")
     finally:
         for p in (dying, living):
             if p.poll() is None:

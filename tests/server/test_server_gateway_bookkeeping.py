@@ -6,7 +6,8 @@ Redis, SQLite, PostgreSQL): the gateway learns of it by its sweep, or not at all
 
 * A request id granted anew (its first grant ended, its expiry not yet swept) overwrote the
   ended grant in the table: that expiry was never counted. The same through a renewal that
-  resumed the new grant.
+  resumed the new grant. (Through the same gateway such an acquire is now a late duplicate,
+  answered as ended: the tests of that are here too.)
 * The same release delivered twice: the copy that found the grant gone answered first and
   counted an expiry of a grant the other copy had released.
 """
@@ -24,6 +25,7 @@ from fenced import AsyncLocks
 from fenced._core import clock as _clock
 from fenced._core.backend import Grant
 from fenced._core.errors import LeaseLostError, LockTimeout
+from fenced.server import _gateway as _gateway_module
 from fenced.server._auth import ApiKey, Verb, hash_secret
 from fenced.server._gateway import Gateway
 from fenced.testing.sim import VirtualLoop
@@ -68,21 +70,117 @@ def _expired(gw: Gateway) -> list[str]:
     return [e.token for e in gw.events if e.event == "expired"]
 
 
-def test_a_request_id_granted_anew_counts_the_ended_grants_expiry() -> None:
+def test_a_late_duplicate_after_the_expiry_is_told_its_grant_ended_and_counted_once() -> None:
+    """The same request id after its grant expired (its expiry not yet swept) was granted
+    anew, l:2, held by nobody; now answered as ended (410), nothing granted, and the expiry
+    of l:1 counted once, by the sweep."""
+
     async def body(url: str) -> None:
         gw = await _gateway(url)
+        await asyncio.sleep(0.5)  # (a grant sent at 0.0 reads as resumed: never swept)
         first, _ = await gw.acquire("l", "r", 1.0, 0.0, "o")
         await asyncio.sleep(1.2)  # expired at the source; the sweep looks only after 2 s
-        again, _ = await gw.acquire("l", "r", 1.0, 0.0, "o")
-        assert again.token.value == first.token.value + 1
-        # Found ended now (it was lost, never counted), and counted once claimed at the
-        # source (the sweep's next turn: another gateway may have tracked it too).
-        assert list(gw._unclaimed) == [("l", 1)]
-        await gw._count_ended()
+        with pytest.raises(LeaseLostError, match="has ended"):
+            await gw.acquire("l", "r", 1.0, 0.0, "o")
+        status = await gw.backend.status("l")
+        assert status.token is None and status.last_token == first.token  # (no l:2)
+        await asyncio.sleep(2.5)  # swept, claimed at the source, counted
         assert _expired(gw) == ["l:1"]
         assert gw.metrics.expiries._value.get() == 1
-        await asyncio.sleep(3.5)  # the second one runs out too: swept, counted once
-        assert _expired(gw) == ["l:1", "l:2"]
+        assert gw.metrics.grants._value.get() == 1
+        await gw.stop()
+
+    _virtual(body)
+
+
+def test_a_late_duplicate_after_the_release_is_told_its_grant_ended() -> None:
+    """Outside tester: an acquire retried with its request id after that grant's release got
+    a second grant (l:2) nobody held, the lock idle for its ttl. Now 410 (LeaseLostError),
+    the lock stays free, and a new attempt (a new id) is granted l:2 at once; a retry before
+    the release still gets the same grant. Seen failing without the fix (l:2 granted)."""
+
+    async def body(url: str) -> None:
+        gw = await _gateway(url)
+        first, _ = await gw.acquire("l", "r", 30.0, 0.0, "o")
+        retry, _ = await gw.acquire("l", "r", 30.0, 0.0, "o")  # (its answer was lost)
+        assert retry.token == first.token and gw.metrics.grants._value.get() == 1
+        assert await gw.release("l", first.token, "r")
+        for _ in range(2):
+            with pytest.raises(LeaseLostError, match="new attempt needs a new request id"):
+                await gw.acquire("l", "r", 30.0, 5.0, "o")  # (a waiting one too: no wait)
+        status = await gw.backend.status("l")
+        assert status.token is None and status.last_token == first.token
+        new, _ = await gw.acquire("l", "r2", 30.0, 0.0, "o")
+        assert new.token.value == 2 and gw.metrics.grants._value.get() == 2
+        # and the late duplicate while another holds the lock: told at once, not queued
+        with pytest.raises(LeaseLostError):
+            await gw.acquire("l", "r", 30.0, 5.0, "o")
+        assert (await gw.backend.status("l")).waiters == 0
+        await gw.stop()
+
+    _virtual(body)
+
+
+def test_a_gateway_forgets_a_request_id_after_its_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/server.md: ids are remembered IDS_KEPT_FOR s after their grant was last granted,
+    renewed or released here, the latest IDS_KEPT: after that, the id is a new request."""
+    monkeypatch.setattr(_gateway_module, "IDS_KEPT", 2)
+
+    async def body(url: str) -> None:
+        gw = await _gateway(url)
+        for rid in ("a", "b", "c"):  # (a is the oldest, past the bound of 2)
+            got, _ = await gw.acquire("l", rid, 30.0, 0.0, "o")
+            assert await gw.release("l", got.token, rid)
+        with pytest.raises(LeaseLostError):
+            await gw.acquire("l", "b", 30.0, 0.0, "o")
+        again, _ = await gw.acquire("l", "a", 30.0, 0.0, "o")  # (forgotten: granted)
+        assert again.token.value == 4
+        assert await gw.release("l", again.token, "a")
+        with pytest.raises(LeaseLostError):  # (c is still remembered)
+            await gw.acquire("l", "c", 30.0, 0.0, "o")
+        await asyncio.sleep(_gateway_module.IDS_KEPT_FOR + 1)  # (nothing else meanwhile)
+        again, _ = await gw.acquire("l", "c", 30.0, 0.0, "o")
+        assert again.token.value == 5
+        await gw.stop()
+
+    _virtual(body)
+
+
+class _ReleasedAfterTheLook:
+    """The real source; the release of ``grant`` (through another gateway) lands just after
+    the gateway's look at the lock's status, before its acquire."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+        self.grant: Grant | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.backend, name)
+
+    async def status(self, name: str) -> Any:
+        status = await self.backend.status(name)
+        if self.grant is not None:
+            assert await self.backend.release(self.grant)
+            self.grant = None
+        return status
+
+
+def test_a_late_duplicate_racing_the_release_leaves_no_grant() -> None:
+    """The look said the retried grant lived; its release landed before the acquire, which
+    was granted l:2: given back at once and answered as ended (never handed out, never
+    held for its ttl)."""
+
+    async def body(url: str) -> None:
+        gw = await _gateway(url)
+        first, _ = await gw.acquire("l", "r", 30.0, 0.0, "o")
+        racing = _ReleasedAfterTheLook(gw._backend)
+        racing.grant = first
+        gw._backend = racing  # type: ignore[assignment]
+        with pytest.raises(LeaseLostError):
+            await gw.acquire("l", "r", 30.0, 0.0, "o")
+        status = await racing.backend.status("l")
+        assert status.token is None and status.last_token is not None
+        assert status.last_token.value == 2  # (granted, and given back)
         await gw.stop()
 
     _virtual(body)

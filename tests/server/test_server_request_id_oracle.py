@@ -112,3 +112,51 @@ async def test_another_keys_request_id_is_answered_as_an_unknown_one(
         line = 'fenced_refused_requests_total{reason="forbidden"}'
         counted = [x for x in metrics.text.splitlines() if x.startswith(line)]
         assert counted == [f"{line} 8.0"], counted
+
+
+def _seen(dashboard: dict[str, Any]) -> dict[str, Any]:
+    """What a dashboard answer tells, but the time passing (the grants' time left)."""
+    out = dict(dashboard)
+    out["locks"] = [{k: v for k, v in lock.items() if k != "remaining"} for lock in out["locks"]]
+    return out
+
+
+async def test_nothing_a_key_reads_moves_for_another_keys_request_id(tmp_path: Path) -> None:
+    """Bob (no metrics verb) probes with alice's request id and with one nobody uses: his
+    dashboard (its counters, locks, transitions, ttls) and the lock's status read the same
+    after either. The server-wide counters, in which the first counts as a refusal, are
+    /metrics's: null for him, shown to a key that may read /metrics."""
+    app = _app(tmp_path, True)
+    lock = "/v1/locks/shared/job"
+    as_ = {
+        k: {"authorization": f"Bearer {v}"}
+        for k, v in (("alice", ALICE), ("bob", BOB), ("admin", ADMIN))
+    }
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c,
+    ):
+
+        async def seen() -> tuple[dict[str, Any], dict[str, Any]]:
+            dash = (await c.get("/v1/dashboard", headers=as_["bob"])).json()
+            status = (await c.get(lock, headers=as_["bob"])).json()
+            status.pop("remaining")
+            return _seen(dash), status
+
+        got = await c.post(f"{lock}/-/acquire", json={"ttl": 60, "request_id": "job-17"},
+                           headers=as_["alice"])  # fmt: skip
+        token = got.json()["token"]
+        before = await seen()
+        for probe in range(len(_probes(token, "x"))):
+            after = {}
+            before = await seen()  # (without the fix, the counters of the probe before)
+            for rid in ("job-17", "job-99"):
+                verb, body = _probes(token, rid)[probe]
+                await c.post(f"{lock}/-/{verb}", json=body, headers=as_["bob"])
+                after[rid] = await seen()
+            assert after["job-17"] == after["job-99"] == before, (probe, after, before)
+        assert before[0]["counters"] is None, before[0]["counters"]
+        # the operators' view: a key with the metrics verb (here admin) sees the counters, and
+        # each foreign probe counted as a refusal there
+        counters = (await c.get("/v1/dashboard", headers=as_["admin"])).json()["counters"]
+        assert counters["fenced_refused_requests_total{forbidden}"] == 7, counters

@@ -63,6 +63,7 @@ public final class ClientTest {
         busy409();
         concurrentRelease();
         noThreadLeft();
+        lateDuplicate();
         suspended(); // (last: it moves this JVM's lease clock an hour on)
         System.out.println("ok");
     }
@@ -759,6 +760,58 @@ public final class ClientTest {
             boot.set(null, original);
             restart.invoke(null);
             s.stop(0);
+        }
+    }
+
+    /** A 410 to a retried acquire (its grant was made and ended before an answer got through)
+     * is a new attempt under a new id; a 410 to a first send (a caller's id whose grant has
+     * ended) is one LeaseLostException. */
+    static void lateDuplicate() throws Exception {
+        List<String> ids = Collections.synchronizedList(new ArrayList<>());
+        HttpServer server = HttpServer.create(new InetSocketAddress(InetAddress.getLoopbackAddress(), 0), 0);
+        server.createContext("/", ex -> {
+            String sent = new String(ex.getRequestBody().readAllBytes(), java.nio.charset.StandardCharsets.UTF_8);
+            String rid = sent.replaceAll(".*\"request_id\"\\s*:\\s*\"([^\"]*)\".*", "$1");
+            String path = ex.getRequestURI().getPath();
+            int status = 200;
+            String body;
+            if (path.endsWith("/-/release")) {
+                body = "{\"released\": true}";
+            } else {
+                ids.add(rid);
+                if (ids.size() == 1) {
+                    status = 503;
+                    body = "{\"error\": \"unavailable\", \"message\": \"source down\"}";
+                } else if (rid.equals(ids.get(0))) {
+                    status = 410;
+                    body = "{\"error\": \"lease_lost\", \"message\": \"the grant of this request id has ended\"}";
+                } else {
+                    body = "{\"lock\": \"x\", \"token\": \"x:2\", \"value\": 2, \"ttl\": 10, \"request_id\": \"" + rid + "\", \"expires_in\": 10}";
+                }
+            }
+            byte[] bytes = body.getBytes(java.nio.charset.StandardCharsets.UTF_8);
+            ex.getResponseHeaders().set("content-type", "application/json");
+            ex.sendResponseHeaders(status, bytes.length);
+            try (OutputStream out = ex.getResponseBody()) {
+                out.write(bytes);
+            }
+        });
+        server.start();
+        try {
+            FencedClient client = new FencedClient("http://127.0.0.1:" + server.getAddress().getPort(), null);
+            Lease lease = client.lock("x", new LockOptions().retryFor(Duration.ofSeconds(5)));
+            check(ids.size() == 3, "sends " + ids);
+            check(ids.get(1).equals(ids.get(0)), "the retry: the same id " + ids);
+            check(!ids.get(2).equals(ids.get(0)), "the new attempt: a new id " + ids);
+            check(lease.requestId().equals(ids.get(2)), "the lease's id " + lease.requestId());
+            check(lease.release() == Lease.Released.RELEASED, "release");
+            ids.clear();
+            ids.add("spent");
+            expect(LeaseLostException.class,
+                    () -> client.lock("x", new LockOptions().requestId("spent").retryFor(Duration.ofSeconds(5))),
+                    "a caller's id whose grant has ended");
+        } finally {
+            server.stop(0);
         }
     }
 }

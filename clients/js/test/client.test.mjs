@@ -487,3 +487,42 @@ test("a lock() answered 409 at once backs off (jittered) until its timeout, not 
     s.close();
   }
 });
+
+test("a 410 to a retried acquire is a new attempt under a new id; to a first send, LeaseLostError", async () => {
+  // A gateway: the first send is lost (503), its retry finds the grant made meanwhile ended
+  // (410: a late duplicate), and only a new request id is granted.
+  const ids = [];
+  const gw = await serving((req, res) => {
+    let data = "";
+    req.on("data", (c) => (data += c));
+    req.on("end", () => {
+      const rid = JSON.parse(data).request_id;
+      ids.push(rid);
+      const json = (status, body) =>
+        res.writeHead(status, { "content-type": "application/json" }).end(JSON.stringify(body));
+      if (req.url.endsWith("/release")) return json(200, { released: true });
+      if (ids.length === 1) return json(503, { error: "unavailable", message: "source down" });
+      if (rid === ids[0]) return json(410, { error: "lease_lost", message: "the grant of this request id has ended" });
+      json(200, { lock: "x", token: "x:2", value: 2, signed: null, request_id: rid, ttl: 10, expires_in: 10 });
+    });
+  });
+  try {
+    const client = new FencedClient(gw.url);
+    const lease = await client.lock("x", { retryFor: 5 });
+    assert.equal(ids.length, 3);
+    assert.equal(ids[1], ids[0]); // (the retry: the same id)
+    assert.notEqual(ids[2], ids[0]); // (the new attempt: a new one)
+    assert.equal(lease.requestId, ids[2]);
+    assert.equal(lease.token, "x:2");
+    await lease.release();
+    // an id given by the caller whose grant has ended: the first answer is 410, one clear error
+    ids.length = 0;
+    ids.push("spent"); // (as if the lost send had been this id's)
+    await assert.rejects(client.lock("x", { requestId: "spent", retryFor: 5 }), (e) => {
+      assert.ok(e instanceof LeaseLostError && e.status === 410, String(e));
+      return true;
+    });
+  } finally {
+    gw.close();
+  }
+});

@@ -276,7 +276,8 @@ class AsyncLease:
 
     @property
     def request_id(self) -> str | None:
-        """The client-chosen id of the current or last acquire (makes retries idempotent)."""
+        """The id of the current or last acquire (makes retries idempotent): a ``request_id``
+        given to the lease is its first grant's; each later acquire draws a new one."""
         return self._state.grant.request_id if self._state.grant else self._request_id
 
     @property
@@ -331,7 +332,11 @@ class AsyncLease:
         try:
             self._state.start_acquiring()
             self._loop = asyncio.get_running_loop()
-            request_id = self._request_id or _fork.request_id()
+            # A request id names one attempt: the given one is this lease's first grant's; an
+            # acquire after that grant (released or lost) is a new attempt, under a new id (a
+            # gateway answers the old one's late duplicate as ended: docs/server.md).
+            given = self._request_id if self._last_token is None else None
+            request_id = given or _fork.request_id()
             deadline = None if timeout is None else start + timeout
             # With no deadline, a dead source is given a bounded time to come back.
             give_up = deadline if deadline is not None else start + max(self.ttl, 5.0)
@@ -358,6 +363,16 @@ class AsyncLease:
                                 on_lost=on_lost,
                                 owner=self.owner,
                             )
+                    except LeaseLostError:
+                        # (fenced serve: this request id's grant was made and has ended — its
+                        # answer lost until after its ttl: a new attempt, with a new id)
+                        late += 1
+                        request_id = _fork.request_id()
+                        if late >= _MAX_LATE_GRANTS or (
+                            deadline is not None and _clock.now() >= deadline
+                        ):
+                            raise
+                        continue
                     except BackendUnavailable:
                         # A closed connection will not come back: only a dead source is retried.
                         # (a whole pause or none: waking at the deadline leaves no time to try)

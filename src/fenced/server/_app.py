@@ -584,6 +584,10 @@ def create_app(settings: ServerSettings) -> FastAPI:
         response_model=GrantOut,
         responses={
             409: {"model": ErrorOut, "description": "timeout: not granted in time"},
+            410: {
+                "model": ErrorOut,
+                "description": "lease_lost: this request id's grant has ended (a late duplicate)",
+            },
             **_TOO_MANY_WAITING,
         },
         tags=["locks"],
@@ -1005,8 +1009,12 @@ def create_app(settings: ServerSettings) -> FastAPI:
         matching = [n for n in names if n.startswith(prefix)]
         shown = matching[:DASHBOARD_LOCKS]
         statuses = await call(asyncio.gather(*(gw.backend.status(n) for n in shown)))
+        # The counters are the server's, across keys — /metrics's data: a key without the
+        # metrics verb gets none (null). A refusal counted for another key's request id, and
+        # not for an unknown one, told any key which ids it guessed are in use.
+        counted = key is None or key.allows(Verb.METRICS)
         counters: dict[str, float] = {}
-        for family in gw.metrics.registry.collect():
+        for family in gw.metrics.registry.collect() if counted else ():
             for sample in family.samples:
                 if sample.name.endswith("_total") or sample.name in (
                     "fenced_acquires_waiting",
@@ -1016,7 +1024,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
                     counters[sample.name + (f"{{{label}}}" if label else "")] = sample.value
         return DashboardOut(
             locks=[status_out(s, key) for s in statuses],
-            counters=counters,
+            counters=counters if counted else None,
             events=[e.json() for e in reversed(gw.events) if key is None or key.sees(e.lock)],
             info=info(),
             truncated=len(matching) > len(shown),

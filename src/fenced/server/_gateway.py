@@ -123,6 +123,13 @@ a loss reported that was not one, never the other way)."""
 CLAIMS_KEPT = 64
 """Token values a lock's claim record keeps (the highest): a claim of a token below them all
 is refused (counted long ago, or too late to tell)."""
+IDS_KEPT = 100_000
+"""Request ids whose grants a gateway remembers (the latest granted, renewed or released
+here): an acquire naming one whose grant has ended is a late duplicate, answered as ended
+(410), not granted anew."""
+IDS_KEPT_FOR = 600.0
+"""Seconds a gateway remembers a request id after it last granted, renewed or released its
+grant."""
 
 
 def claim_record(name: str) -> str:
@@ -175,6 +182,10 @@ class Gateway:
         self._busy: dict[tuple[str, str], int] = {}  # acquires and renewals under way
         self._settled: dict[tuple[str, str], set[int]] = {}  # released/ended meanwhile
         self._changed: dict[str, asyncio.Event] = {}
+        # (lock, source id) of grants made, renewed or released here -> (the grant's token
+        # value, when last: monotonic), oldest first: a late duplicate of an acquire whose
+        # grant ended is told so
+        self._remembered: dict[tuple[str, str], tuple[int, float]] = {}
         self._sweeper: asyncio.Task[None] | None = None
         self._claims = False  # (the source keeps records: expiries are claimed there)
         self._unclaimed: dict[tuple[str, int], str | None] = {}  # ended, to claim: its owner
@@ -326,14 +337,53 @@ class Gateway:
         LockTimeout after that (counted as a refusal instead if ``foreign`` says so: see
         :meth:`_foreign`). Returns the grant and its token as the holder gets it."""
         try:
-            return await self._acquire(name, request_id, ttl, wait, owner)
+            known = self._known((name, request_id)) is not None
+            live = await self._live(name, request_id) if known else None
+            return await self._acquire(name, request_id, ttl, wait, owner, live)
         except LockTimeout:
             if (foreign is None or not await foreign()) and count_timeout:
                 self.metrics.acquire_timeouts.inc()
             raise
 
+    async def _live(self, name: str, request_id: str) -> FencingToken:
+        """The token of the live grant of ``request_id``, which this gateway granted, renewed
+        or released before; LeaseLostError if that grant has ended (released or expired): an
+        acquire naming it is a late duplicate (a retry delivered after the release, a copy
+        the network held), and a new grant would sit unheld, the lock idle for its ttl. (As
+        Consul's and etcd's idempotent acquires: an id names one attempt.)"""
+        status = await self.backend.status(name)
+        if status.token is None or status.holder != request_id:
+            raise LeaseLostError(
+                f"the grant of this request id on {name!r} has ended (released or expired): "
+                "a new attempt needs a new request id"
+            )
+        return status.token
+
+    def _known(self, key: tuple[str, str]) -> int | None:
+        """The token value of ``key``'s grant, if this gateway remembers it (seen within
+        :data:`IDS_KEPT_FOR` s)."""
+        had = self._remembered.get(key)
+        return had[0] if had is not None and had[1] >= _clock.now() - IDS_KEPT_FOR else None
+
+    def _seen(self, key: tuple[str, str], token: FencingToken) -> None:
+        """``key``'s request id had grant ``token`` here now: remembered (:data:`IDS_KEPT`,
+        for :data:`IDS_KEPT_FOR` s)."""
+        ids, now = self._remembered, _clock.now()
+        ids.pop(key, None)
+        ids[key] = (token.value, now)
+        for old, (_, at) in ids.items():  # (the oldest: one a call keeps the bounds)
+            if len(ids) > IDS_KEPT or at < now - IDS_KEPT_FOR:
+                del ids[old]
+            break
+
     async def _acquire(
-        self, name: str, request_id: str, ttl: float, wait: float, owner: str
+        self,
+        name: str,
+        request_id: str,
+        ttl: float,
+        wait: float,
+        owner: str,
+        live: FencingToken | None = None,
     ) -> tuple[Grant, FencingToken]:
         start = _clock.now()
         key = (name, request_id)
@@ -353,6 +403,18 @@ class Gateway:
             self._waiting -= 1
             stale = self._done(key, grant)
         self.metrics.wait.observe(_clock.now() - start)
+        had = self._known(key)
+        if grant.token != live and had is not None and had != grant.token.value:
+            # A new grant for an id whose grant here ended: the one this retry found live
+            # ended before its acquire, or this acquire waited in line while a retry of it
+            # was granted (through here) and released. Nobody will hold it: given back.
+            with contextlib.suppress(Exception):
+                await self.backend.release(grant)
+            raise LeaseLostError(
+                f"the grant of this request id on {name!r} has ended (released or expired): "
+                "a new attempt needs a new request id"
+            )
+        self._seen(key, grant.token)
         if stale:  # (a retry answered after its grant was released or ended here)
             return grant, self.locks.sign(grant.token)
         known = self._grants.get(key)
@@ -435,6 +497,7 @@ class Gateway:
         finally:
             stale = self._done(key, new)
         self._renewed.inc()
+        self._seen(key, new.token)
         if stale:  # (its answer came back after the grant was released or ended here:
             return new  # kept again, it would be counted an expiry later)
         self._supersede(key, new.token)
@@ -510,6 +573,7 @@ class Gateway:
             released = await self.backend.release(grant)
         if released:
             self._remember_released((name, request_id, token.value), grant.ttl)
+            self._seen(key, token)
             self._supersede(key, token)
             self._settle(key, token)
             self._grants.pop(key, None)

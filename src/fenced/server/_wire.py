@@ -188,7 +188,10 @@ class InfoOut(BaseModel):
 
 class DashboardOut(BaseModel):
     locks: list[StatusOut]
-    counters: dict[str, float]
+    counters: dict[str, float] | None = Field(
+        description="The gateway's counters (all keys'): null for a key without the metrics "
+        "verb (they are /metrics's)."
+    )
     events: list[dict[str, Any]]
     info: InfoOut
     truncated: bool = Field(description="More locks have the prefix than the answer holds.")

@@ -16,7 +16,11 @@ The checkers: the check kit's on each lock's history (the stale writer refused, 
 holder served, no overlap, ...), and the gateway's own:
 
 * ``retry-new-grant``: a request (key, request id) whose grant is live at the source never
-  gets a second one: a retried acquire returns the same grant;
+  gets a second one: a retried acquire returns the same grant; nor does a late duplicate
+  (one delivered after that grant was released or expired) reaching a gateway that granted,
+  renewed or released that grant (a gateway remembers the ids it saw; a restarted one, or
+  one that never saw the grant, may grant it anew) — unless that gateway gives the new grant
+  back at once, unanswered (the release raced its look at the source);
 * ``wrong-grant``: a client is answered only with a grant made for its own request;
 * ``foreign-request``: another key's request id never renews, releases or is granted a
   grant (at the source, and in the answers);
@@ -118,6 +122,15 @@ class _Source:
         # (lock, token) -> (how it ended, when, by which gateway); the checkers read it
         self.ended: dict[tuple[str, int], tuple[str, float, str]] = {}
         self.grants: dict[tuple[str, int], tuple[str, str, str] | None] = {}
+        # (gateway, lock, key id, request id): a gateway answered a grant, renewal or release
+        # of that request as done (it remembers the id); the last grant of each request; and
+        # grants made for late duplicates (lock, token) -> (gateway, request)
+        self.seen: set[tuple[str, str, str, str]] = set()
+        self.last_grant: dict[tuple[str, str, str], int] = {}
+        self.late: dict[tuple[str, int], tuple[str, tuple[str, str, str]]] = {}
+        self.delivered: set[tuple[str, str, int]] = set()  # (gateway, lock, token) it was told
+        self.answered: set[tuple[str, int]] = set()  # and those a client was answered with
+        self.releasing: set[tuple[str, str, int]] = set()  # (gateway, lock, token) it released
 
     def clock(self) -> float:
         return self.w.source_clock()
@@ -131,7 +144,12 @@ class _Source:
             self.w.record("source", "expired", lock=lock, token=h.value, at=round(when, 9))
 
     def try_acquire(
-        self, lock: str, source_id: str, ttl: float, req: tuple[str, str, str] | None
+        self,
+        lock: str,
+        source_id: str,
+        ttl: float,
+        req: tuple[str, str, str] | None,
+        by: str = "",
     ) -> tuple[int, float] | None:
         self._expire(lock)
         h = self.held.get(lock)
@@ -150,6 +168,15 @@ class _Source:
         value = self.counters[lock]
         self.held[lock] = _Held(source_id, value, self.clock() + ttl, ttl, req)
         self.grants[(lock, value)] = req
+        if req is not None:
+            before = self.last_grant.get((lock, req[0], req[1]))
+            self.last_grant[(lock, req[0], req[1])] = value
+            if (
+                before is not None
+                and (lock, before) in self.ended
+                and (by, lock, req[0], req[1]) in self.seen
+            ):
+                self.late[(lock, value)] = (by, req)  # (judged at the end: see late_grants)
         self.w.record("source", "granted", lock=lock, token=value, to=_who(req))
         self._wake_at_expiry(lock)
         return value, ttl
@@ -255,12 +282,13 @@ class GwSourceBackend(Backend):
         on_lost: LostCallback,
         owner: str = "",
     ) -> Grant:
-        s, req = self.source, REQUEST.get()
+        s, req, by = self.source, REQUEST.get(), self.gw.name
         while True:
             sent = self.w.now()
-            got = await self._call(lambda: s.try_acquire(name, request_id, ttl, req))
+            got = await self._call(lambda: s.try_acquire(name, request_id, ttl, req, by))
             if got is not None:
                 value, left = got
+                s.delivered.add((by, name, value))
                 return Grant(FencingToken(name, value), request_id, ttl, sent + left - ttl)
             if deadline is not None and self.w.now() >= deadline:
                 raise lock_timeout(name)
@@ -279,6 +307,7 @@ class GwSourceBackend(Backend):
 
     async def release(self, grant: Grant) -> bool:
         s, req, t, by = self.source, REQUEST.get(), grant.token, self.gw.name
+        s.releasing.add((by, t.lock, t.value))  # (sent: it may be lost, the source down)
         return bool(await self._call(lambda: s.release(t.lock, t.value, req, by)))
 
     async def status(self, name: str) -> LockStatus:
@@ -304,12 +333,32 @@ class _SimGateway(Gateway):
         self.run.w.record(self.gw_name, event, lock=name, token=token.value)
         self.run.noted.append((self.gw_name, event, name, token.value, self.run.w.now()))
 
+    def _answered(self, name: str) -> None:
+        """This gateway answers the request it serves as done: it knows its request id."""
+        req = REQUEST.get()
+        if req is not None:
+            self.run.source.seen.add((self.gw_name, name, req[0], req[1]))
+
+    async def acquire(
+        self, name: str, request_id: str, ttl: float, wait: float, owner: str, **kw: Any
+    ) -> tuple[Grant, FencingToken]:
+        got = await super().acquire(name, request_id, ttl, wait, owner, **kw)
+        self._answered(name)
+        return got
+
     async def renew(
         self, name: str, token: FencingToken, request_id: str, ttl: float | None, **kw: Any
     ) -> Grant:
         grant = await super().renew(name, token, request_id, ttl, **kw)
         self.run.w.record(self.gw_name, "gw-renewed", lock=name, token=token.value)
+        self._answered(name)
         return grant
+
+    async def release(self, name: str, token: FencingToken, request_id: str, **kw: Any) -> bool:
+        released = await super().release(name, token, request_id, **kw)
+        if released:
+            self._answered(name)
+        return released
 
 
 class _ReleaseAnyKey(_SimGateway):
@@ -362,9 +411,18 @@ class _ExpiryRecounted(_SimGateway):
         return released
 
 
+class _LateDuplicateGranted(_SimGateway):
+    async def acquire(
+        self, name: str, request_id: str, ttl: float, wait: float, owner: str, **kw: Any
+    ) -> tuple[Grant, FencingToken]:
+        self._remembered.clear()  # (planted: no id remembered, a late duplicate granted anew)
+        return await super().acquire(name, request_id, ttl, wait, owner, **kw)
+
+
 _PLANTED: dict[str, type[_SimGateway]] = {
     "gw-release-any-key": _ReleaseAnyKey,
     "gw-retry-new-grant": _RetryNewGrant,
+    "gw-late-duplicate-granted": _LateDuplicateGranted,
     "gw-expiry-recounted": _ExpiryRecounted,
 }
 
@@ -550,6 +608,9 @@ class GatewayRun:
             except LockTimeout:
                 w.record(c.name, "error", step="acquire", lock=lock, error="LockTimeout")
                 return None
+            except LeaseLostError:  # (its grant ended before this retry: a new round, new id)
+                w.record(c.name, "error", step="acquire", lock=lock, error="LeaseLostError")
+                return None
             except BackendUnavailable as exc:
                 w.record(c.name, "error", step="acquire", lock=lock, error=type(exc).__name__)
                 if c.dead:
@@ -561,6 +622,7 @@ class GatewayRun:
                 attempt=attempt, surely_until=round(believed, 9),
             )  # fmt: skip
             made_for = self.source.grants.get((lock, value))
+            self.source.answered.add((lock, value))
             if made_for is None or made_for[:2] != req[:2]:
                 self.violate(
                     "wrong-grant",
@@ -766,7 +828,29 @@ class GatewayRun:
             ]
         if not any(e["op"] == "write" and e["ok"] for e in self.w.trace):
             out.append(Violation("nothing checked", "no write was accepted in the whole run"))
-        return out + self._expiries()
+        return out + self._late_grants() + self._expiries()
+
+    def _late_grants(self) -> list[Violation]:
+        """A grant the source made for a late duplicate, at a gateway that knew the request,
+        and answered to no client (held by nobody), must have been given back by that
+        gateway (a release sent: lost, or the source down, it expires), not left to expire —
+        unless its answer never reached the gateway (lost: nobody knows of it). (One a
+        client was answered with — its retry, still waiting — is held: its own grant.)"""
+        out = []
+        for (lock, value), (by, req) in sorted(self.source.late.items()):
+            how = self.source.ended.get((lock, value), ("held",))[0]
+            told = (by, lock, value) in self.source.delivered
+            given_back = (by, lock, value) in self.source.releasing
+            if not told or given_back or (lock, value) in self.source.answered:
+                continue
+            if how != "released":
+                out.append(Violation(
+                    "retry-new-grant",
+                    f"{by} granted {lock}:{value} to {_who(req)}, a late duplicate of a request "
+                    f"whose grant had ended and which {by} had answered; it was {how}, not "
+                    "given back",
+                ))  # fmt: skip
+        return out[:3]
 
     def _expiries(self) -> list[Violation]:
         """Each gateway counts a grant's expiry at most once and never one it released; the

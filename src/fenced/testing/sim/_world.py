@@ -89,9 +89,13 @@ SIM_PLANTS: dict[str, str] = {
     "second grant",
     "gw-expiry-recounted": "(gateway) a release that finds its grant gone counts an expiry "
     "(again, if the sweep counted it)",
+    "gw-late-duplicate-granted": "(gateway) no request id is remembered: an acquire delivered "
+    "after its grant was released or expired is granted anew, and nobody holds the grant",
 }
 GROUP_PLANTS = frozenset({"empty-member-counted", "member-unfenced"})
-GATEWAY_PLANTS = frozenset({"gw-release-any-key", "gw-retry-new-grant", "gw-expiry-recounted"})
+GATEWAY_PLANTS = frozenset(
+    {"gw-release-any-key", "gw-retry-new-grant", "gw-expiry-recounted", "gw-late-duplicate-granted"}
+)
 
 
 def plant_system(plant: str) -> str:

@@ -289,6 +289,7 @@ public final class FencedClient implements AutoCloseable {
         long retryUntil = start + (long) ((timeout > 0 ? timeout : retryFor) * 1e9);
         long backoff = 100;
         long busy = 50; // the pause after a 409 that came at once (a front that cannot long-poll)
+        int sends = 0; // (of this request id)
         for (;;) {
             double left = Math.max(0, (waitUntil - Clock.now()) / 1e9);
             Map<String, Object> body = new LinkedHashMap<>();
@@ -299,6 +300,7 @@ public final class FencedClient implements AutoCloseable {
             // The server answers a long poll within its max wait (60 s), requestTimeout is for
             // the rest (connecting, the source), and lock() ends by its time left + 1 s.
             long sent = Clock.now();
+            sends += 1;
             Answer r = call("POST", path, Json.object(body), lockBound(left, retryUntil));
             long received = Clock.now();
             if (r.status == 200) {
@@ -345,6 +347,14 @@ public final class FencedClient implements AutoCloseable {
                 if (closed) lease.release(); // (closed meanwhile: not left behind)
                 return lease;
             }
+            if (r.status == 410 && sends > 1 && received - retryUntil < 0) {
+                // A retry of ours answered "this request id's grant has ended": granted, and
+                // run out before an answer got through. A new attempt, under a new id (a request
+                // id names one attempt: the gateway refuses a late duplicate of an ended grant).
+                requestId = "java-" + UUID.randomUUID().toString().replace("-", "");
+                sends = 0;
+                continue;
+            }
             boolean waitMore = r.status == 409 && "timeout".equals(r.error());
             if (waitMore && received - waitUntil < 0) {
                 // Asked again at once after a long poll; after one that came at once, after a
@@ -366,6 +376,7 @@ public final class FencedClient implements AutoCloseable {
             String msg = "could not take " + name + ": " + r.describe();
             String code = r.error() != null ? r.error() : r.status == 0 ? "unavailable" : "error";
             if (waitMore) throw new LockTimeoutException(msg, r.status, code);
+            if (r.status == 410) throw new LeaseLostException(msg, code);
             throw new FencedException(msg, r.status, code);
         }
     }
