@@ -27,10 +27,12 @@ own, but ``/proc/PID/environ`` (``ps e``) shows its zygote's start-up environmen
 command that forked it), never another spawn's variables or arguments. A child has only its
 stdin, stdout and stderr of the descriptors (as ``close_fds``); ``tempfile`` looks for its
 directory again (``TMPDIR``). One zygote serves every working directory: it has no directory on
-its path (as ``python -P``), a child has its own first, and a module found there (or imported by
-the zygote from elsewhere) is imported by the child itself, as ``python -m`` would. What no
-fork can give: every child of a zygote has that zygote's hash seed (``PYTHONHASHSEED`` unset: one random
-seed for all, not one each).
+its path (as ``python -P``) but while it imports a spawn's modules (that spawn's directory
+first, as the child's path has it); a module it has from elsewhere than the child's path finds
+it (another directory's of the same name) is imported by the child itself, as ``python -m``
+there would. What no fork can give: every child of a zygote has that zygote's hash seed
+(``PYTHONHASHSEED`` unset: one random seed for all, not one each). A child killed by SIGINT
+(an uncaught KeyboardInterrupt) dies of SIGINT, as Python does.
 
 Protocol (a Unix socket pair, one JSON line a message): the parent sends a spawn request with
 an id and the child's stdin, stdout and stderr as SCM_RIGHTS; the zygote answers with that id
@@ -204,8 +206,10 @@ class ForkServer:
                 _forked_zygote(theirs.fileno(), warm)  # (never returns)
         else:
             with open(os.devnull, "r+b") as devnull:
+                # (``warm`` is imported at its first spawn, with that spawn's path: a module in
+                # its directory, as the child's path would find it)
                 self.proc = subprocess.Popen(
-                    [sys.executable, "-m", __name__, str(theirs.fileno()), *warm],
+                    [sys.executable, "-m", __name__, str(theirs.fileno())],
                     stdin=devnull,
                     stdout=devnull,  # (not the parent's: a reader of it would wait for it)
                     pass_fds=(theirs.fileno(),),
@@ -230,39 +234,14 @@ class ForkServer:
         self.dead = False
         self.retired = False  # (it has a thread: it forks no more; its children live on)
         self.forked = 0
+        self.warm = list(warm)
         self.owner = os.getpid()  # (a forked copy of this process gets no exit reports)
         threading.Thread(target=self._read, name="fenced-forkserver", daemon=True).start()
 
     def _read(self) -> None:
-        for line in self.reader:
-            message = json.loads(line)
-            reap = None
-            with self.changed:
-                if "exit" in message:
-                    self.exits[message["exit"]] = message["status"]
-                    if message["exit"] in self.reaped:  # (a given-up request's child)
-                        reap = message["exit"]
-                elif "pid" in message and message["id"] not in self.given_up:
-                    # (a pid used again: what was known of it was another process's)
-                    self.exits.pop(message["pid"], None)
-                    self.reaped.discard(message["pid"])
-                    self.replies[message["id"]] = message
-                elif "pid" in message:
-                    # No one waits for this answer (its request timed out): its child is no
-                    # one's. Killed, then reaped: never taken for another request's.
-                    self.given_up.discard(message["id"])
-                    self.exits.pop(message["pid"], None)
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(message["pid"], signal.SIGKILL)
-                    self.reaped.add(message["pid"])
-                elif message["id"] in self.given_up:
-                    self.given_up.discard(message["id"])  # (an error: nothing to undo)
-                else:
-                    self.replies[message["id"]] = message
-                self.changed.notify_all()
-            if reap is not None:
-                with contextlib.suppress(OSError):
-                    self._send({"reap": reap})
+        with contextlib.suppress(OSError):  # (a reset: the zygote died with a request unread)
+            for line in self.reader:
+                self._handle(json.loads(line))
         with self.changed:  # the zygote is gone: its children were killed with it
             self.dead = True
             for pid in self.children - set(self.exits):
@@ -270,6 +249,36 @@ class ForkServer:
                     os.killpg(pid, signal.SIGKILL)
                 self.exits[pid] = -signal.SIGKILL
             self.changed.notify_all()
+
+    def _handle(self, message: dict[str, Any]) -> None:
+        """One message of the zygote's: an exit, or an answer to a request."""
+        reap = None
+        with self.changed:
+            if "exit" in message:
+                self.exits[message["exit"]] = message["status"]
+                if message["exit"] in self.reaped:  # (a given-up request's child)
+                    reap = message["exit"]
+            elif "pid" in message and message["id"] not in self.given_up:
+                # (a pid used again: what was known of it was another process's)
+                self.exits.pop(message["pid"], None)
+                self.reaped.discard(message["pid"])
+                self.replies[message["id"]] = message
+            elif "pid" in message:
+                # No one waits for this answer (its request timed out): its child is no
+                # one's. Killed, then reaped: never taken for another request's.
+                self.given_up.discard(message["id"])
+                self.exits.pop(message["pid"], None)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(message["pid"], signal.SIGKILL)
+                self.reaped.add(message["pid"])
+            elif message["id"] in self.given_up:
+                self.given_up.discard(message["id"])  # (an error: nothing to undo)
+            else:
+                self.replies[message["id"]] = message
+            self.changed.notify_all()
+        if reap is not None:
+            with contextlib.suppress(OSError):
+                self._send({"reap": reap})
 
     def _send(self, message: dict[str, Any], fds: Sequence[int] = ()) -> None:
         data = json.dumps(message).encode() + b"\n"
@@ -296,7 +305,7 @@ class ForkServer:
         The zygote imports ``warm`` and ``module`` first, if it has not yet (another caller's
         zygote). :class:`Unfit` when this zygote cannot fork it (start it with a real exec)."""
         request: dict[str, Any] = {"module": module, "argv": list(argv), "env": dict(env)}
-        request.update(cwd=cwd, warm=list(warm))
+        request.update(cwd=cwd, warm=list(dict.fromkeys([*self.warm, *warm])))
         if prelude is not None:
             request["prelude"] = prelude
         with self.changed:
@@ -621,12 +630,12 @@ def _import_frozen(names: Sequence[str]) -> None:
         gc.enable()
 
 
-def _where(spec: Any) -> object:
+def _where(spec: Any) -> str | tuple[str, ...] | None:
     """Where a module's spec says it comes from (a namespace package: its directories)."""
     if spec is None:
         return None
     if spec.origin not in (None, "namespace"):
-        return spec.origin
+        return str(spec.origin)
     return tuple(spec.submodule_search_locations or ())
 
 
@@ -637,28 +646,50 @@ def _child_first(request: dict[str, Any]) -> list[str]:
     return [request["cwd"], *filter(None, pythonpath.split(os.pathsep))]
 
 
-def _local(names: Sequence[str], path: list[str]) -> list[str]:
-    """The top-level packages of ``names`` that the child must import itself: found on its
-    ``path`` elsewhere than where this zygote has them (or would find them), as a module in its
-    working directory."""
+def _local(names: Sequence[str], first: list[str]) -> list[str]:
+    """The top-level packages the child must import itself: those this zygote has from
+    elsewhere than the child's path (``first``, then the zygote's) finds them, among ``names``'
+    and those it imported from a directory not on its own path (a spawn's, the parent's
+    script's: :data:`_owned`)."""
+    path = [*first, *sys.path]
     local = []
-    for top in dict.fromkeys(name.partition(".")[0] for name in names):
+    for top in dict.fromkeys([*(name.partition(".")[0] for name in names), *_owned]):
         have = sys.modules.get(top)
-        if top in sys.builtin_module_names or (have is not None and have.__spec__ is None):
-            continue
-        if have is not None and getattr(have.__spec__, "origin", None) in ("built-in", "frozen"):
-            continue
-        want = _where(importlib.machinery.PathFinder.find_spec(top, path))
-        if want is None:  # (nowhere: the zygote's import says so)
-            continue
-        ours = (
-            _where(have.__spec__)
-            if have is not None
-            else _where(importlib.machinery.PathFinder.find_spec(top, sys.path))
-        )
-        if want != ours:
+        spec = getattr(have, "__spec__", None)
+        if spec is None or spec.origin in ("built-in", "frozen"):
+            continue  # (not imported yet: it will be, the child's path first)
+        if _where(importlib.machinery.PathFinder.find_spec(top, path)) != _where(spec):
             local.append(top)
     return local
+
+
+_owned: set[str] = set()
+"""The top-level modules this zygote imported from a directory not on its own path."""
+
+
+def _own(entries: Sequence[str], before: set[str]) -> None:
+    """Note the top-level modules imported since ``before`` from under ``entries``."""
+    under = tuple(os.path.join(os.path.abspath(entry), "") for entry in entries)
+    for name in set(sys.modules) - before:
+        where = _where(getattr(sys.modules[name], "__spec__", None))
+        places = [where] if isinstance(where, str) else list(where or ())
+        if "." not in name and any(str(p).startswith(under) for p in places):
+            _owned.add(name)
+
+
+def _import_for(names: Sequence[str], first: list[str]) -> None:
+    """Import ``names`` here (frozen) with ``first`` (a spawn's directory, its PYTHONPATH)
+    first on the path, as the child would: noting what came from there."""
+    new = [entry for entry in first if entry not in sys.path]
+    before, saved = set(sys.modules), sys.path[:]
+    sys.path[:0] = new
+    try:
+        _import_frozen([name for name in names if name not in sys.modules])
+    finally:
+        sys.path[:] = saved
+        for entry in new:  # (one a directory: not kept)
+            sys.path_importer_cache.pop(entry, None)
+        _own(new, before)
 
 
 def _findable(name: str, path: list[str]) -> bool:
@@ -744,16 +775,16 @@ def _serve(fd: int, warm: Sequence[str]) -> Callable[[], int] | None:
                 # children (unless it is the child's own: found in its directory); nothing it
                 # imports may start a thread (it would be a lock held forever in the child).
                 wanted = [*request.get("warm", ()), request["module"]]
-                local = _local(wanted, [*_child_first(request), *sys.path])
-                sys.path_importer_cache.pop(request["cwd"], None)  # (one a directory: not kept)
+                first = _child_first(request)
                 try:
                     if broken:
                         raise RuntimeError(broken)
+                    local = _local(wanted, first)
                     shared = [m for m in wanted if m.partition(".")[0] not in local]
                     for name in set(wanted) - set(shared):  # (the child's own: said here)
-                        if not _findable(name, [*_child_first(request), *sys.path]):
+                        if not _findable(name, [*first, *sys.path]):
                             raise ModuleNotFoundError(f"No module named {name!r}")
-                    _import_frozen([m for m in shared if m not in sys.modules])
+                    _import_for(shared, first)
                 except Exception as exc:
                     reply: dict[str, Any] = {"id": request["id"]}
                     reply["error"] = f"{type(exc).__name__}: {exc}"
@@ -853,8 +884,9 @@ def _forked_zygote(fd: int, warm: Sequence[str]) -> NoReturn:
             signal.signal(sig, signal.SIG_DFL)  # (a fresh interpreter's, not the command's)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         # No directory of its own on its path (the script's, the command's): a child puts its
-        # own first. (The interpreter's flags, -P -I included, are none: fork_this_process.)
-        del sys.path[0]
+        # own first, and imports itself what the parent had from there. (The interpreter's
+        # flags, -P -I included, are none: fork_this_process.)
+        _own([sys.path.pop(0) or os.getcwd()], set())
         job = _serve(fd, warm)
         code = 0 if job is None else job()  # (a job: a child, forked from here)
     except BaseException:
