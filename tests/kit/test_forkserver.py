@@ -490,8 +490,13 @@ tempfile.gettempdir()  # (this process found its directory before it forked: as 
 secret = os.open(sys.argv[1], os.O_RDONLY)  # (a descriptor of this process's)
 from fenced.testing import forkserver
 assert forkserver.fork_this_process()
-[here] = [int(p) for p in os.listdir("/proc") if p.isdigit()
-          and open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1] == str(os.getpid())]
+def parent(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except OSError:  # (gone meanwhile)
+        return 0
+[here] = [int(p) for p in os.listdir("/proc") if p.isdigit() and parent(p) == os.getpid()]
 def run(cwd, **extra):
     child = forkserver.popen("probe", [], env={**os.environ, **extra}, cwd=cwd,
                              stdout=subprocess.PIPE)

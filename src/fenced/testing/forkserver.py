@@ -668,12 +668,15 @@ _owned: set[str] = set()
 
 
 def _own(entries: Sequence[str], before: set[str]) -> None:
-    """Note the top-level modules imported since ``before`` from under ``entries``."""
+    """Note the top-level modules imported since ``before`` from ``entries``: from under one,
+    and not where this zygote's own path finds them (a checkout's virtualenv is under it)."""
     under = tuple(os.path.join(os.path.abspath(entry), "") for entry in entries)
     for name in set(sys.modules) - before:
         where = _where(getattr(sys.modules[name], "__spec__", None))
         places = [where] if isinstance(where, str) else list(where or ())
-        if "." not in name and any(str(p).startswith(under) for p in places):
+        if "." in name or not any(str(p).startswith(under) for p in places):
+            continue
+        if where != _where(importlib.machinery.PathFinder.find_spec(name, sys.path)):
             _owned.add(name)
 
 
