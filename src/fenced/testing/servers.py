@@ -978,7 +978,12 @@ class FencedServer(Server):
         with open(os.devnull, "rb") as devnull:
             fds = (devnull.fileno(), log.fileno(), log.fileno())
             argv, prelude = self._argv(), self.prelude
-            pid = zygote.spawn("fenced.cli", argv, env, cwd, fds, prelude=prelude, warm=_SERVE_WARM)
+            try:
+                pid = zygote.spawn(
+                    "fenced.cli", argv, env, cwd, fds, prelude=prelude, warm=_SERVE_WARM
+                )
+            except forkserver.Unfit:  # (a module it imported started a thread: it forks no more)
+                return super().spawn(log)
         return forkserver.Child(zygote, pid, None, None)
 
     def ready(self) -> bool:
