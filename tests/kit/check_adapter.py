@@ -142,3 +142,33 @@ class CaseBlindLock(Adapter):
         if token is not None and token.lock.lower() == self.lock.lower():
             token = fenced.FencingToken(self.lock, token.value)
         super()._fence(token)
+
+
+class ReadLockIgnored(Adapter):
+    """Writes fenced right, reads fenced by the token's value alone (the lock's name checked
+    on the write path only): another lock's token is served, and raises the mark with it."""
+
+    def read(self, token: fenced.FencingToken) -> bytes | None:
+        if token is not None and token.lock != self.lock:
+            token = fenced.FencingToken(self.lock, token.value)  # (the mistake)
+        return super().read(token)
+
+
+class ReadRefusedMarkMoved(Adapter):
+    """Refuses another lock's token on a read, but only after raising the mark with its value
+    (and the refusal commits what came before it): the impostor is refused, and the rightful
+    holder is refused from then on."""
+
+    def read(self, token: fenced.FencingToken) -> bytes | None:
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            self.db.execute(  # (the mistake: the mark first, the lock's name after)
+                "INSERT INTO reg VALUES (1, NULL, ?) ON CONFLICT (id) DO UPDATE "
+                "SET mark = max(mark, ?)",
+                (token.value, token.value),
+            )
+            self._fence(token)
+            data = self.db.execute("SELECT data FROM reg WHERE id = 1").fetchone()[0]
+        finally:
+            self.db.execute("COMMIT")
+        return data

@@ -20,7 +20,7 @@ from fenced.testing.check import CampaignResult, run_campaign
 from fenced.testing.servers import EtcdServer, RedisServer, free_port, wait_until
 from tests.helpers import ROOT
 
-FAULTS = ["stall", "pause", "kill"]
+FAULTS = ["stall", "pause", "kill", "impostor"]
 
 
 def _campaign(
@@ -252,3 +252,25 @@ def test_an_adapter_that_compares_lock_names_case_blind_is_caught(
     monkeypatch.setenv("CHECK_ADAPTER_DB", str(tmp_path / "exact.db"))
     _holds(_campaign(tmp_path / "exact", "python:tests.kit.check_adapter:Adapter",
                      nemesis=["impostor"], faults=4, workers=2))  # fmt: skip
+
+
+@pytest.mark.parametrize("adapter", ["ReadLockIgnored", "ReadRefusedMarkMoved"])
+def test_a_fenced_read_that_lets_another_locks_token_move_the_mark_is_caught(
+    adapter: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An outside tester's adapters: writes fenced right, the fenced read wrong — it serves
+    another lock's token and raises the mark with it, or refuses it after raising the mark.
+    The impostor sent only writes, and both passed; its reads now judge them (served: the
+    read is the violation; refused with the mark moved: the mark read back says so). The right
+    adapter holds under the same faults (test_a_users_python_adapter)."""
+    monkeypatch.setenv("CHECK_ADAPTER_DB", str(tmp_path / "adapter.db"))
+    monkeypatch.chdir(ROOT)  # (the workers import tests.kit.check_adapter from here)
+    result = _campaign(
+        tmp_path, f"python:tests.kit.check_adapter:{adapter}", nemesis=["impostor"],
+        stop_at_first=True,
+    )  # fmt: skip
+    found = [str(v) for v in result.violations if v.checker == "impostor accepted"]
+    said = "was served" if adapter == "ReadLockIgnored" else "mark moved to 1000000001"
+    assert any("a fenced read with another lock's token" in v and said in v for v in found), [
+        str(v) for v in result.violations
+    ]

@@ -330,9 +330,13 @@ no malformed token: its adapter takes a parsed one)."""
 
 
 def _impostor(resource: Any, lock: str, history: History, n: int, key: Any = None) -> None:
-    """One write the resource must refuse whatever its mark (see ``impostor``): the register
-    with one more entry, under the ``n``-th of :data:`IMPOSTORS` — the value far above any real
-    one, so a resource that lets it in moves its mark past every rightful holder."""
+    """One write and one fenced read the resource must refuse whatever its mark (see
+    ``impostor``): the write of the register with one more entry, under the ``n``-th of
+    :data:`IMPOSTORS` — the value far above any real one, so a resource that lets it in moves
+    its mark past every rightful holder — then a read under the same token (not with none: a
+    read without a token is the unfenced read ``final()`` makes, and moves no mark). A read
+    that serves another lock's token, or a malformed one, lets its value raise the mark as
+    surely as a write: the rightful holder is refused from then on."""
     from ..._core.errors import FencedError
     from ..._core.signing import token_message
     from ..._core.token import FencingToken
@@ -357,21 +361,47 @@ def _impostor(resource: Any, lock: str, history: History, n: int, key: Any = Non
             token = FencingToken(other, forged, (key.kid, signature, _SOURCE_ID))
     # (a lenient parser reads a value out of these; a strict one refuses them)
     sent = {IMPOSTORS[1]: f"{lock}:+{forged}", IMPOSTORS[2]: None}.get(kind, str(token))
-    at = _clock.now()
+    named = other if token is not None else lock
+    ops: list[tuple[str, Callable[[], bool | None]]] = [
+        ("write", lambda: resource.write_header(sent, body) if http else _served(
+            lambda: resource.write(token, body))),
+    ]  # fmt: skip
+    if kind != IMPOSTORS[2]:  # (the same token on a fenced read)
+        ops.append(
+            ("read", lambda: resource.read_header(sent) if http else _served(
+                lambda: resource.read(token))),
+        )  # fmt: skip
+    for op, call in ops:
+        at = _clock.now()
+        try:
+            ok = call()
+        except FencedError:
+            ok = False  # (refused, as it must be)
+        except Exception:
+            ok = None
+        fields: dict[str, Any] = {"value": value} if op == "write" else {}
+        if ok is False:  # (the mark read back: a refusal must not have moved it)
+            fields["mark_after"] = _mark_now(resource)
+        history.append(
+            op, lock=named, token=forged, ok=ok, sent=at, forged=True, impostor=kind,
+            header=sent, **fields,
+        )  # fmt: skip
+
+
+def _mark_now(resource: Any) -> int | None:
+    """The resource's mark as its ``final()`` reports it now (None: it reports none, or
+    could not be read)."""
     try:
-        if http:
-            ok = resource.write_header(sent, body)
-        else:
-            resource.write(token, body)
-            ok = True
-    except FencedError:
-        ok = False  # (refused, as it must be)
+        _, mark = resource.final()
     except Exception:
-        ok = None
-    history.append(
-        "write", lock=other if token is not None else lock, token=forged, value=value, ok=ok,
-        sent=at, forged=True, impostor=kind, header=sent,
-    )  # fmt: skip
+        return None
+    return mark if isinstance(mark, int) else None
+
+
+def _served(call: Callable[[], object]) -> bool:
+    """True once ``call()`` returned (an adapter's refusal is its exception)."""
+    call()
+    return True
 
 
 # The run's source id (workers sign for it, the resource trusts it), and another one.
@@ -861,7 +891,7 @@ class LocksWorkload:
         self.server: Any = None
         self.server_clock: Path | None = None  # the kit-started source's libfaketime offset
         self.forger: Any = None
-        self.forger_history: History | None = None
+        self.lanes: dict[str, History] = {}  # the forger's and the impostor's histories
         self.forged = self.impostors = 0
         self.restarts = 0  # resource-restarts struck (odd ones: after the successor's read)
         self.races = 0  # races struck (even ones: at the same instant)
@@ -1071,7 +1101,8 @@ class LocksWorkload:
         victim = procs[i]
         who = (
             "source" if on_server
-            else "forger" if kind in ("forge", "impostor")
+            else "forger" if kind == "forge"
+            else "impostor" if kind == "impostor"
             else "resource" if kind.startswith("resource-")
             else names[victim.pid]
         )  # fmt: skip
@@ -1156,14 +1187,14 @@ class LocksWorkload:
                 os.kill(victim.pid, signal.SIGWINCH)
         elif kind in ("forge", "impostor"):
             assert self.forger is not None
-            if self.forger_history is None:
-                self.forger_history = History(path, "forger")  # (a lane of its own)
+            # (each a lane of its own: "forger", "impostor")
+            lane = self.lanes.get(who) or self.lanes.setdefault(who, History(path, who))
             if kind == "forge":
                 self.forged += 1
-                _forge(self.forger, self.lock, self.forger_history, rng, self.forged, self.key)
+                _forge(self.forger, self.lock, lane, rng, self.forged, self.key)
             else:  # (its own count: each of IMPOSTORS in turn)
                 self.impostors += 1
-                _impostor(self.forger, self.lock, self.forger_history, self.impostors, self.key)
+                _impostor(self.forger, self.lock, lane, self.impostors, self.key)
         else:
             os.killpg(victim.pid, signal.SIGKILL)
             victim.wait()
@@ -1237,9 +1268,9 @@ class LocksWorkload:
         if self.forger is not None:
             self.forger.close()
             self.forger = None
-        if self.forger_history is not None:
-            self.forger_history.close()
-            self.forger_history = None
+        for lane in self.lanes.values():
+            lane.close()
+        self.lanes = {}
         return hung
 
     def settle(self, history: History) -> None:
