@@ -172,3 +172,19 @@ class ReadRefusedMarkMoved(Adapter):
         finally:
             self.db.execute("COMMIT")
         return data
+
+
+class ResetKeepsMark(Adapter):
+    """A ``reset()`` that empties the register and keeps its mark (an outside tester's): after
+    an earlier run, every token of a fresh source is below it."""
+
+    def reset(self) -> None:
+        self.db.execute("UPDATE reg SET data = NULL")
+
+
+class ResetKeepsHiddenMark(ResetKeepsMark):
+    """The same, with a ``final()`` that reports no mark (as an HTTP service without a
+    ``Fenced-High-Water`` header): only a fenced request under a low token shows it."""
+
+    def final(self) -> tuple[bytes | None, int | None]:
+        return super().final()[0], None

@@ -274,3 +274,40 @@ def test_a_fenced_read_that_lets_another_locks_token_move_the_mark_is_caught(
     assert any("a fenced read with another lock's token" in v and said in v for v in found), [
         str(v) for v in result.violations
     ]
+
+
+@pytest.mark.parametrize("adapter", ["ResetKeepsMark", "ResetKeepsHiddenMark"])
+def test_a_reset_that_keeps_its_mark_is_a_set_up_error_before_the_run(
+    adapter: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An outside tester's adapter whose ``reset()`` keeps the mark an earlier run left: every
+    first write was refused and the verdict blamed fencing ("current holder refused"). It is
+    the adapter's set-up: a ResetError naming reset(), before any worker starts (its final()
+    shows the mark, or a fenced read under token 1 is refused), and on the command line exit 2,
+    one line, no verdict."""
+    import fenced
+    from fenced.cli._common import EXIT_VIOLATION
+    from fenced.testing.check import ResetError
+    from tests.kit import check_adapter
+
+    monkeypatch.setenv("CHECK_ADAPTER_DB", str(tmp_path / "adapter.db"))
+    monkeypatch.chdir(ROOT)  # (the workers import tests.kit.check_adapter from here)
+    earlier = getattr(check_adapter, adapter)("counter")  # (an earlier run's mark: 500)
+    earlier.reset()
+    earlier.write(fenced.FencingToken("counter", 500), b"[[500,1]]")
+    earlier.close()
+    spec = f"python:tests.kit.check_adapter:{adapter}"
+    with pytest.raises(ResetError, match=r"its reset\(\) (left the mark at 500|kept a mark)"):
+        _campaign(tmp_path, spec)
+    assert not list((tmp_path / "r").glob("worker-*.log"))  # (no worker started)
+    if adapter == "ResetKeepsHiddenMark":
+        run = subprocess.run(
+            [sys.executable, "-m", "fenced", "check", "--resource", spec, "--time", "2",
+             "--report", str(tmp_path / "cli")],
+            capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        assert run.returncode not in (0, EXIT_VIOLATION), (run.returncode, run.stdout)
+        assert (
+            f"resource {spec}: its reset() kept a mark" in run.stderr
+            and len(run.stderr.splitlines()) == 1
+        ), run.stderr

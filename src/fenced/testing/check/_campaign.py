@@ -89,6 +89,7 @@ from ._engine import (
     Campaign,
     CampaignError,
     Fault,
+    ResetError,
     end_by,
     short_of_counts,
     undealt,
@@ -404,6 +405,52 @@ def _served(call: Callable[[], object]) -> bool:
     return True
 
 
+def _reset_left_nothing(resource: Any, lock: str, shown: str, key: Any = None) -> None:
+    """Raise :class:`ResetError` if ``resource``, just reset, still has a mark or data: what
+    its ``final()`` says, then a fenced read and a write of an empty register under the
+    lowest token there is (1; signed with ``key`` when the run signs) — refused as stale, the
+    reset kept a mark the ``final()`` does not show. Otherwise every worker's first writes are
+    refused (a mark from an earlier run is above a fresh source's tokens) and the verdict
+    blames fencing for what is the adapter's set-up. Any other error of a probe is left to the
+    run to show. (The caller resets again after: the probes raised the mark to 1.)"""
+    from ..._core.errors import StaleTokenError
+    from ..._core.signing import token_message
+    from ..._core.token import FencingToken
+
+    fix = "reset() must clear the resource's mark as well as its data (docs/testing.md)"
+    data, mark = resource.final()
+    if isinstance(mark, int) and mark > 0:
+        raise ResetError(
+            f"resource {shown}: its reset() left the mark at {mark} (its final() says so right "
+            f"after): the first holder's writes would be refused as stale; {fix}"
+        )
+    if data and _log(data) != []:
+        raise ResetError(
+            f"resource {shown}: its reset() left data in the register ({len(data)} bytes, its "
+            f"final() says so right after): the run would build on an earlier one's; {fix}"
+        )
+    token = FencingToken(lock, 1)
+    if key is not None:
+        token = FencingToken(
+            lock, 1, (key.kid, key.sign(token_message(lock, 1, key.kid, _SOURCE_ID)), _SOURCE_ID)
+        )
+    probes: list[tuple[str, Callable[[], object]]] = [
+        ("a fenced read", lambda: resource.read(token)),
+        ("a write", lambda: resource.write(token, b"[]")),
+    ]
+    for what, probe in probes:
+        try:
+            probe()
+        except StaleTokenError:
+            raise ResetError(
+                f"resource {shown}: its reset() kept a mark: {what} with token 1, the lowest "
+                f"there is, was refused as stale right after it; the first holder's writes "
+                f"would be refused too, and the run blamed on fencing; {fix}"
+            ) from None
+        except Exception:
+            return  # (the probe's own error: the run shows it, with the workers' writes)
+
+
 # The run's source id (workers sign for it, the resource trusts it), and another one.
 _SOURCE_ID = "check"
 _OTHER_SOURCE = "elsewhere"
@@ -513,8 +560,9 @@ def _scrubbed(text: str, urls: Sequence[str | None]) -> str:
 
 
 def _shown(url: str) -> str:
-    """``url`` as a message may show it: no password, no query (fenced's ``redacted``)."""
-    return redacted(url).split("?")[0]
+    """``url`` as a message may show it: no password, no query (fenced's ``redacted``); a
+    resource that is no URL (``python:MODULE:CLASS``) as given."""
+    return redacted(url).split("?")[0] if "://" in url else url
 
 
 def _start_engine(name: str, base: str, clock_file: Path | None) -> Any:
@@ -973,10 +1021,22 @@ class LocksWorkload:
         with _sync.connect(source, connect_timeout=30):  # a bad source: a typed error, now
             pass
 
+        keyring: Any = None
+        if self.signing:
+            from ..._core.signing import Keyring, generate_key, key_text
+
+            self.key = generate_key("hmac", "check")
+            self.key_file = Path(scratch) / "signing.key"
+            self.key_file.write_text(key_text(self.key))
+            self.key_file.chmod(0o600)
+            keyring = Keyring([self.key], source_id=_SOURCE_ID)
+
         def reset() -> None:
             made = open_resource(resource, self.lock, timeout=self.io_limit)
             try:
                 made.reset()
+                _reset_left_nothing(made, self.lock, _shown(resource), self.key)
+                made.reset()  # (what the probes wrote: gone again)
             finally:
                 made.close()
 
@@ -989,15 +1049,6 @@ class LocksWorkload:
             raise CampaignError(
                 f"resource {_shown(resource)}: {type(exc).__name__}: {said}"
             ) from exc
-        keyring: Any = None
-        if self.signing:
-            from ..._core.signing import Keyring, generate_key, key_text
-
-            self.key = generate_key("hmac", "check")
-            self.key_file = Path(scratch) / "signing.key"
-            self.key_file.write_text(key_text(self.key))
-            self.key_file.chmod(0o600)
-            keyring = Keyring([self.key], source_id=_SOURCE_ID)
         if {"forge", "impostor"} & set(nemesis):
             self.forger = open_resource(resource, self.lock, keyring, timeout=self.io_limit)
         self.env = python_env()
