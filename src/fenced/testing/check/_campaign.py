@@ -98,6 +98,8 @@ from ._history import Event, History
 from ._plants import PLANTS, SIGNING_PLANTS, plant_role, source_plant_server
 from ._report import write_report
 from ._resources import IO_TIMEOUT_ENV, HttpResource, open_resource
+from ._worker import STALL_INSIDE
+from ._worker import opaque as _opaque
 from ._zygote import Worker
 
 __all__ = [
@@ -865,7 +867,8 @@ class LocksWorkload:
     nemeses of the module docstring; judged by every checker of ``_checkers``. The arguments
     are :func:`run_campaign`'s; bad ones raise a ConfigurationError before anything starts."""
 
-    first = _AT_THE_RESOURCE
+    # (and stalls: the window of a fence off by one or a read left unfenced, in any resource)
+    first = _AT_THE_RESOURCE | {"stall"}
 
     def __init__(
         self,
@@ -941,6 +944,8 @@ class LocksWorkload:
         self.forger: Any = None
         self.lanes: dict[str, History] = {}  # the forger's and the impostor's histories
         self.forged = self.impostors = 0
+        self.stalls_dealt = 0  # stall faults struck (which kind of stall: their count)
+        self.opaque = _opaque(resource, plant)  # (a one-step write the kit cannot see into)
         self.restarts = 0  # resource-restarts struck (odd ones: after the successor's read)
         self.races = 0  # races struck (even ones: at the same instant)
         self.key: Any = None
@@ -1180,9 +1185,22 @@ class LocksWorkload:
             time.sleep(lasts)  # past its lease: a successor is granted meanwhile
             os.killpg(victim.pid, signal.SIGCONT)
         elif kind == "stall":  # it stops itself inside its critical section
-            # Half the stalls chain (see _resume_after): the late write lands one grant behind.
-            chain = self._stall if rng.random() < 0.5 else None
-            self._stall(who, rng.uniform(0, ttl / 4), chain)
+            # The stalls go in turn (their count, not a draw: a run's first stall opens the
+            # window most mistakes need): chained (see _resume_after: the late write lands one
+            # grant behind, after the successor's fenced read: an off-by-one fence, an unfenced
+            # read, a write before its check let it in), plain (it lands anywhere in the
+            # successor's round), and with an adapter's one-step write every other one inside
+            # that write (``_worker.InWrite``).
+            rng.random()  # (the draw that once chose a chained stall: kept, so the rest stay)
+            self.stalls_dealt += 1
+            turns = ("chain", "inside", "plain", "inside") if self.opaque else ("chain", "plain")
+            turn = turns[(self.stalls_dealt - 1) % len(turns)]
+            chain = self._stall if turn == "chain" else None
+            self._stall(who, rng.uniform(0, ttl / 4), chain, inside=turn == "inside")
+            # Over only once its late write is in (and a chained successor's too): a fault
+            # dealt meanwhile on the stalled worker or its successor (a kill, a pause: one in
+            # three aimed at either) closed the window before the write reached it.
+            self._await_stalls()
         elif kind in ("partition", "delay"):
             for proxy in self.proxies[victim.pid]:
                 proxy.partition() if kind == "partition" else proxy.delay(1.5 * ttl)
@@ -1255,19 +1273,35 @@ class LocksWorkload:
             procs[i] = self._spawn()
 
     def _stall(
-        self, who: str, delay: float = 0.0, chain: Callable[[str], None] | None = None
+        self,
+        who: str,
+        delay: float = 0.0,
+        chain: Callable[[str], None] | None = None,
+        inside: bool = False,
     ) -> None:
-        """Have worker ``who`` stop itself before its next write, and continue it later."""
+        """Have worker ``who`` stop itself before its next write (``inside``: inside it, a
+        one-step write's), and continue it later."""
         pid = next((p.pid for p in self.procs if self.names[p.pid] == who), None)
         if pid is None:
             return
         # (from where the history ends now: an earlier stall's events are not this one's)
         offset = self.path.stat().st_size
         with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGUSR1)
+            os.kill(pid, STALL_INSIDE if inside else signal.SIGUSR1)
         args = (pid, who, self.path, delay, 4 * self.ttl + 2, chain, offset)
         self.stalls.append(threading.Thread(target=_resume_after, args=args, daemon=True))
         self.stalls[-1].start()
+
+    def _await_stalls(self) -> None:
+        """Until every stall under way (a chained one's successor's too) has continued its
+        worker: each is bounded by its own limit (4 ttls + 2 s), so this by two of them."""
+        deadline = time.monotonic() + 2 * (4 * self.ttl + 2) + 1
+        while True:
+            alive = [t for t in self.stalls if t.is_alive()]  # (a chain adds its own)
+            left = deadline - time.monotonic()
+            if not alive or left <= 0:
+                return
+            alive[0].join(left)
 
     # -- teardown and verdict ------------------------------------------------------------------
 
