@@ -188,3 +188,30 @@ class ResetKeepsHiddenMark(ResetKeepsMark):
 
     def final(self) -> tuple[bytes | None, int | None]:
         return super().final()[0], None
+
+
+class OffByOne(Adapter):
+    """Refuses only tokens two below the mark (``token + 1 < mark``, where ``token < mark``
+    belongs): the previous holder's late write gets in (an outside tester's)."""
+
+    def _fence(self, token: fenced.FencingToken | None) -> None:
+        if token is None or token.lock != self.lock:
+            raise fenced.InvalidTokenError(f"not a token of lock {self.lock!r}: {token}")
+        row = self.db.execute("SELECT mark FROM reg WHERE id = 1").fetchone()
+        mark = row[0] if row else 0
+        if token.value + 1 < mark:  # (the mistake)
+            raise fenced.StaleTokenError(token, fenced.FencingToken(self.lock, mark), "reg")
+        self.db.execute(
+            "INSERT INTO reg VALUES (1, NULL, ?) ON CONFLICT (id) DO UPDATE "
+            "SET mark = max(mark, ?)",
+            (token.value, token.value),
+        )
+
+
+class UnfencedRead(Adapter):
+    """Writes fenced, the read before them not (no mark raised): a late writer gets in after
+    the successor read (an outside tester's)."""
+
+    def read(self, token: fenced.FencingToken) -> bytes | None:
+        row = self.db.execute("SELECT data FROM reg WHERE id = 1").fetchone()
+        return row[0] if row else None

@@ -21,6 +21,7 @@ from fenced.testing.servers import EtcdServer, RedisServer, free_port, wait_unti
 from tests.helpers import ROOT
 
 FAULTS = ["stall", "pause", "kill", "impostor"]
+DEFAULT = ["pause", "stall", "kill", "impostor"]  # (fenced check --resource python:...'s)
 
 
 def _campaign(
@@ -311,3 +312,38 @@ def test_a_reset_that_keeps_its_mark_is_a_set_up_error_before_the_run(
             f"resource {spec}: its reset() kept a mark" in run.stderr
             and len(run.stderr.splitlines()) == 1
         ), run.stderr
+
+
+@pytest.mark.parametrize("adapter", ["OffByOne", "UnfencedRead"])
+def test_an_off_by_one_fence_or_an_unfenced_read_is_caught_by_the_first_stall(
+    adapter: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An outside tester's adapters, caught only 25-29 s into a 30 s run (one of ten seeds
+    not at all): the stall that opens their window came anywhere in the first round; by the
+    worker's name it was taken inside the write, where neither shows, or not chained; and the
+    next fault (a kill, a pause) often struck the stalled worker or its successor before the
+    late write was in. Now the first fault of the default mix is a chained stall before the
+    write, and no fault comes before its late write: caught at the first stall (counts, not
+    seconds: one fault of each kind)."""
+    from fenced.testing.check import read_history
+
+    monkeypatch.setenv("CHECK_ADAPTER_DB", str(tmp_path / "adapter.db"))
+    monkeypatch.chdir(ROOT)  # (the workers import tests.kit.check_adapter from here)
+    result = _campaign(
+        tmp_path, f"python:tests.kit.check_adapter:{adapter}", nemesis=DEFAULT, workers=3,
+        ttl=1.0, seed=0, stop_at_first=True,
+    )  # fmt: skip
+    found = {v.checker for v in result.violations}
+    assert found & {"acceptance order", "lost update", "acknowledged write"}, [
+        str(v) for v in result.violations
+    ]
+    events = read_history(result.history)
+    faults = [e for e in events if e["op"] == "nemesis"]
+    assert faults[0]["kind"] == "stall", [e["kind"] for e in faults]
+    stalled = next(e for e in events if e["op"] == "stalled")
+    assert stalled["worker"] == faults[0]["victim"] and not stalled.get("inside"), stalled
+    late = next(
+        e for e in events if e["op"] == "write" and e["worker"] == stalled["worker"]
+        and e["mono"] > stalled["mono"]
+    )  # fmt: skip
+    assert late["mono"] < faults[1]["mono"], (late, faults[1])  # (its window, left open)
