@@ -122,6 +122,18 @@ def test_the_report_renders_the_run_and_its_verdict(tmp_path: Path) -> None:
         shot = browser.screenshot(tmp_path / "report.png")
     assert "Every invariant held." in dom
     assert dom.count('class="accepted"') == accepted
+    # The options as the command that runs it again (no Python reprs: "signing False",
+    # "nemesis ['pause', ...]"), and the impostor's requests on a lane of its own, each
+    # refused as it must be (it was a "forger" lane of red crosses, as stale writes).
+    assert "signing False" not in dom and "[&#x27;" not in dom and "['" not in dom
+    line = dom.split("Run again with: <code>")[1].split("</code>")[0]
+    assert line == (
+        f"fenced check --source sqlite:///{tmp_path}/l.db --workers 2 --time 90 --ttl 0.5 "
+        "--nemesis pause,stall,kill,impostor --faults 1 --writes 10 --seed 3"
+    ), line
+    outsiders = [e for e in events if e.get("impostor")]
+    assert ">impostor</text>" in dom and ">forger</text>" not in dom and outsiders
+    assert dom.count('class="turned-away"') == len(outsiders)  # (all refused: none let in)
     drawn = [k for k in _faults(tmp_path) if k != "stall"]  # stalls: where they happened
     drawn += [e for e in events if e["op"] == "stalled"]
     assert dom.count('class="nemesis"') == len(drawn)

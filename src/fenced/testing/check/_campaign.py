@@ -189,6 +189,7 @@ class CampaignResult:
     first_violation_after: float | None  # seconds from the start to the first bad event
     refused_reads: int = 0
     seed: int = 0
+    turned_away: int = 0  # the forger's and the impostor's writes and reads refused (rightly)
     options: dict[str, Any] = dataclasses.field(default_factory=dict)  # the run's, as recorded
 
     @property
@@ -1396,7 +1397,7 @@ class LocksWorkload:
     def judge(
         self, events: list[Event], faults: dict[str, int], seconds: float, short: str = ""
     ) -> CampaignResult:
-        writes = [e for e in events if e["op"] == "write"]
+        writes = [e for e in events if e["op"] == "write" and not e.get("forged")]  # (workers')
         violations = check_all(events)
         needs, plant = self.needs, self.plant
         if needs and not any(faults.get(n) for n in needs):
@@ -1431,7 +1432,14 @@ class LocksWorkload:
             faults=faults,
             seconds=seconds,
             first_violation_after=_first_violation_after(events, violations),
-            refused_reads=sum(1 for e in events if e["op"] == "read" and e["ok"] is False),
+            refused_reads=sum(
+                1 for e in events if e["op"] == "read" and e["ok"] is False and not e.get("forged")
+            ),
+            turned_away=sum(
+                1
+                for e in events
+                if e["op"] in ("write", "read") and e.get("forged") and e["ok"] is False
+            ),
             seed=self.seed,
             options=self.options,
         )
