@@ -7,9 +7,11 @@ The nemesis, on a schedule drawn from ``seed`` (the same seed, the same schedule
 - ``pause``: SIGSTOP a worker's process group for 1.2-3 ttls, anywhere in its loop;
 - ``stall``: the worker stops itself inside its critical section, between its read and its
   guarded write (DDIA's GC pause), until a successor has been granted the lock, and a
-  moment more: its late write lands inside the successor's round. With a ``python:``
-  adapter's one-step write, every other stall lands inside that write instead and is stepped
-  C call by C call until the successor's fenced read is answered (``_worker.InWrite``);
+  moment more: its late write lands inside the successor's round. In turn: chained (the late
+  write right after the successor's fenced read, one grant behind), plain; with a
+  ``python:`` adapter's one-step write every other one lands inside that write instead and
+  is stepped C call by C call until the successor's fenced read is answered
+  (``_worker.InWrite``). No other fault comes before the late write is in;
 - ``kill``: SIGKILL a worker; a replacement starts;
 - ``partition``: cut one worker off the source and the resource for 1.2-3 ttls (its own
   :class:`~fenced.testing.proxy.TcpProxy` on each path reached over TCP);
@@ -26,10 +28,11 @@ The nemesis, on a schedule drawn from ``seed`` (the same seed, the same schedule
   was granted — a high value under a forged signature, under a key id the resource does not
   know, or signed well for another source — as a client that edits its token would, or a
   staging source sharing the key; it must be refused;
-- ``impostor``: write to the resource with a token it must refuse whatever the mark: one of
-  another lock (far above any real value; signed well for that lock with ``signing``), one
-  malformed (an HTTP resource: a header a lenient parser reads as a high value of the lock),
-  and none at all — as a client of another lock, a buggy client or a script would;
+- ``impostor``: write to the resource, then read it fenced, with a token it must refuse
+  whatever the mark: one of another lock (far above any real value; signed well for that lock
+  with ``signing``), one malformed (an HTTP resource: a header a lenient parser reads as a
+  high value of the lock), and none at all (a write only) — as a client of another lock, a
+  buggy client or a script would; the mark read back after each refusal must not have moved;
 - ``race`` (a resource reached over TCP): two takeovers timed to land inside the resource.
   First the holder stops itself before its write; every other worker's way to the resource
   is held (its own proxy); once a successor is granted, the old holder goes on, and as soon
@@ -50,7 +53,7 @@ The nemesis, on a schedule drawn from ``seed`` (the same seed, the same schedule
 
 Faults are dealt as from a deck: each round is a seeded shuffle of every nemesis asked for,
 so each is exercised within the first rounds of any campaign; the first round opens with
-``race`` and ``resource-restart``, the faults aimed inside the resource.
+``race``, ``resource-restart`` and ``stall``, the faults aimed inside the resource.
 """
 
 from __future__ import annotations
