@@ -331,7 +331,7 @@ def test_an_off_by_one_fence_or_an_unfenced_read_is_caught_by_the_first_stall(
     monkeypatch.chdir(ROOT)  # (the workers import tests.kit.check_adapter from here)
     result = _campaign(
         tmp_path, f"python:tests.kit.check_adapter:{adapter}", nemesis=DEFAULT, workers=3,
-        ttl=1.0, seed=0, stop_at_first=True,
+        seed=0, stop_at_first=True,
     )  # fmt: skip
     found = {v.checker for v in result.violations}
     assert found & {"acceptance order", "lost update", "acknowledged write"}, [

@@ -11,7 +11,7 @@ The nemesis, on a schedule drawn from ``seed`` (the same seed, the same schedule
   write right after the successor's fenced read, one grant behind), plain; with a
   ``python:`` adapter's one-step write every other one lands inside that write instead and
   is stepped C call by C call until the successor's fenced read is answered
-  (``_worker.InWrite``). No other fault comes before the late write is in;
+  (``_worker.InWrite``). No other fault comes before the stalled worker goes on to its late write;
 - ``kill``: SIGKILL a worker; a replacement starts;
 - ``partition``: cut one worker off the source and the resource for 1.2-3 ttls (its own
   :class:`~fenced.testing.proxy.TcpProxy` on each path reached over TCP);
@@ -224,7 +224,7 @@ def _resume_after(
     path: Path,
     delay: float,
     limit: float,
-    chain: Callable[[str], None] | None = None,
+    chain: Callable[[str], object] | None = None,
     offset: int = 0,
 ) -> None:
     """Once worker ``pid`` has stopped itself inside its critical section, wait until a
@@ -1200,11 +1200,13 @@ class LocksWorkload:
             turns = ("chain", "inside", "plain", "inside") if self.opaque else ("chain", "plain")
             turn = turns[(self.stalls_dealt - 1) % len(turns)]
             chain = self._stall if turn == "chain" else None
-            self._stall(who, rng.uniform(0, ttl / 4), chain, inside=turn == "inside")
-            # Over only once its late write is in (and a chained successor's too): a fault
-            # dealt meanwhile on the stalled worker or its successor (a kill, a pause: one in
-            # three aimed at either) closed the window before the write reached it.
-            self._await_stalls()
+            stalled = self._stall(who, rng.uniform(0, ttl / 4), chain, inside=turn == "inside")
+            # Over only once its worker goes on to its late write: a fault dealt meanwhile on
+            # the stalled worker or its successor (a kill, a pause: one in three aimed at
+            # either) closed the window before the write reached it. (A chained successor's
+            # own stall is not waited for: the late write it made room for is in.)
+            if stalled is not None:
+                stalled.join(4 * ttl + 3)  # (its own bound is 4 ttls + 2 s)
         elif kind in ("partition", "delay"):
             for proxy in self.proxies[victim.pid]:
                 proxy.partition() if kind == "partition" else proxy.delay(1.5 * ttl)
@@ -1280,32 +1282,24 @@ class LocksWorkload:
         self,
         who: str,
         delay: float = 0.0,
-        chain: Callable[[str], None] | None = None,
+        chain: Callable[[str], object] | None = None,
         inside: bool = False,
-    ) -> None:
+    ) -> threading.Thread | None:
         """Have worker ``who`` stop itself before its next write (``inside``: inside it, a
-        one-step write's), and continue it later."""
+        one-step write's), and continue it later (the thread that will; None: no such
+        worker)."""
         pid = next((p.pid for p in self.procs if self.names[p.pid] == who), None)
         if pid is None:
-            return
+            return None
         # (from where the history ends now: an earlier stall's events are not this one's)
         offset = self.path.stat().st_size
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, STALL_INSIDE if inside else signal.SIGUSR1)
         args = (pid, who, self.path, delay, 4 * self.ttl + 2, chain, offset)
-        self.stalls.append(threading.Thread(target=_resume_after, args=args, daemon=True))
-        self.stalls[-1].start()
-
-    def _await_stalls(self) -> None:
-        """Until every stall under way (a chained one's successor's too) has continued its
-        worker: each is bounded by its own limit (4 ttls + 2 s), so this by two of them."""
-        deadline = time.monotonic() + 2 * (4 * self.ttl + 2) + 1
-        while True:
-            alive = [t for t in self.stalls if t.is_alive()]  # (a chain adds its own)
-            left = deadline - time.monotonic()
-            if not alive or left <= 0:
-                return
-            alive[0].join(left)
+        thread = threading.Thread(target=_resume_after, args=args, daemon=True)
+        self.stalls.append(thread)
+        thread.start()
+        return thread
 
     # -- teardown and verdict ------------------------------------------------------------------
 
