@@ -216,3 +216,26 @@ def test_an_unfenced_read_is_caught_as_a_lost_update(tmp_path: Path) -> None:
     r = _check(tmp_path, "--nemesis", "stall", "--plant", "unfenced-read", faults=10, workers=3)
     assert r.returncode == 65, r.stdout + r.stderr
     assert "VIOLATION lost update" in r.stdout
+
+
+def test_a_stall_is_drawn_as_long_as_its_worker_stood_still(tmp_path: Path) -> None:
+    """A stall's bar runs from where its worker stopped to its next step (its late write),
+    not for the seconds its nemesis event carries (drawn at random, never used: a 0.1 s stall
+    was drawn 2.9 s long, over the worker's next leases)."""
+    from fenced.testing.check._report import write_report
+
+    def ev(op: str, mono: float, worker: str = "w1", **fields: object) -> dict[str, object]:
+        return {"worker": worker, "pid": 1, "op": op, "mono": mono, "wall": mono, **fields}
+
+    events = [
+        ev("grant", 0.0, lock="counter", token=1, surely_until=1.0, remaining=1.0),
+        ev("nemesis", 1.0, "nemesis", kind="stall", victim="w1", seconds=2.9),
+        ev("stalled", 1.0, lock="counter", token=1),
+        ev("write", 1.1, lock="counter", token=1, value=1, ok=True, sent=1.1),
+        ev("release", 10.0, lock="counter", token=1, released=True, sent=10.0),
+    ]
+    page = write_report(events, [], tmp_path / "report.html").read_text()
+    bar = page.split('<rect class="nemesis"')[1].split(">")[0]
+    width = float(bar.split('width="')[1].split('"')[0])
+    scale = (1000 - 70 - 10) / 10.0  # (the page's: 920 px for the run's 10 s)
+    assert width == pytest.approx(max(4.0, 0.1 * scale), abs=0.2), bar

@@ -168,7 +168,26 @@ def write_report(
             f'<line x1="{left}" x2="{width - 10}" y1="{y + 11}" y2="{y + 11}" stroke="#e3e6ea"/>'
         )
     granted: dict[tuple[str, int], float] = {}
-    stall_for: dict[str, float] = {}
+    # A stall lasts until its worker's next step (continued: its late write, or a step of a
+    # write it stopped inside), not the seconds its nemesis event carries (drawn, not used).
+    until: dict[int, float] = {}
+    stopped: dict[str, int] = {}
+    for n, e in enumerate(events):
+        if e["worker"] in stopped:  # (a step inside a write: the next stop ends this one)
+            until[stopped.pop(e["worker"])] = e["mono"]
+        if e["op"] == "stalled":
+            stopped[e["worker"]] = n
+    for n, e in enumerate(events):
+        w = e["worker"]
+        if w not in lane and e["op"] != "nemesis":
+            continue
+        if e["op"] == "stalled":  # drawn where the worker stopped, not where it was asked
+            y = 20 + lane[w] * row
+            span = max(4.0, (until.get(n, t1) - e["mono"]) * scale)
+            what = (
+                "stalled inside its write" if e.get("inside") else "stalled between read and write"
+            )
+            parts.append(f'<rect class="nemesis" x="{x(e["mono"]):.1f}" y="{y}" width="{span:.1f}" height="22" fill="{GREY}" fill-opacity="0.6"><title>{what}</title></rect>')  # fmt: skip
     for e in events:
         w = e["worker"]
         if w not in lane and e["op"] != "nemesis":
@@ -203,12 +222,8 @@ def write_report(
             if any(item is e or item == e for item in (violations[0].events if violations else ())):
                 parts.append(f'<circle class="violation" cx="{cx:.1f}" cy="{y}" r="9" fill="none" stroke="{RED}" stroke-width="2.5"/>')  # fmt: skip
             parts.append(f'<g class="refused-read"><title>read refused: token {e["token"]}</title><line x1="{cx - 3:.1f}" x2="{cx + 3:.1f}" y1="{y - 3}" y2="{y + 3}" stroke="{RED}" stroke-width="1.5"/><line x1="{cx - 3:.1f}" x2="{cx + 3:.1f}" y1="{y + 3}" y2="{y - 3}" stroke="{RED}" stroke-width="1.5"/></g>')  # fmt: skip
-        elif e["op"] == "stalled":  # drawn where the worker stopped, not where it was asked
-            y = 20 + lane[w] * row
-            span = max(4.0, stall_for.get(w, 0.0) * scale)
-            parts.append(f'<rect class="nemesis" x="{x(e["mono"]):.1f}" y="{y}" width="{span:.1f}" height="22" fill="{GREY}" fill-opacity="0.6"><title>stalled between read and write</title></rect>')  # fmt: skip
-        elif e["op"] == "nemesis" and e["kind"] == "stall":
-            stall_for[e["victim"]] = e.get("seconds", 0.0)
+        elif e["op"] == "stalled" or (e["op"] == "nemesis" and e["kind"] == "stall"):
+            continue  # (drawn above)
         elif e["op"] == "nemesis":
             label = str(_LABELS.get(e["kind"], e["kind"]))
             span = max(4.0, e.get("seconds", 0) * scale)
