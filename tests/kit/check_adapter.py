@@ -142,3 +142,76 @@ class CaseBlindLock(Adapter):
         if token is not None and token.lock.lower() == self.lock.lower():
             token = fenced.FencingToken(self.lock, token.value)
         super()._fence(token)
+
+
+class ReadLockIgnored(Adapter):
+    """Writes fenced right, reads fenced by the token's value alone (the lock's name checked
+    on the write path only): another lock's token is served, and raises the mark with it."""
+
+    def read(self, token: fenced.FencingToken) -> bytes | None:
+        if token is not None and token.lock != self.lock:
+            token = fenced.FencingToken(self.lock, token.value)  # (the mistake)
+        return super().read(token)
+
+
+class ReadRefusedMarkMoved(Adapter):
+    """Refuses another lock's token on a read, but only after raising the mark with its value
+    (and the refusal commits what came before it): the impostor is refused, and the rightful
+    holder is refused from then on."""
+
+    def read(self, token: fenced.FencingToken) -> bytes | None:
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            self.db.execute(  # (the mistake: the mark first, the lock's name after)
+                "INSERT INTO reg VALUES (1, NULL, ?) ON CONFLICT (id) DO UPDATE "
+                "SET mark = max(mark, ?)",
+                (token.value, token.value),
+            )
+            self._fence(token)
+            data = self.db.execute("SELECT data FROM reg WHERE id = 1").fetchone()[0]
+        finally:
+            self.db.execute("COMMIT")
+        return data
+
+
+class ResetKeepsMark(Adapter):
+    """A ``reset()`` that empties the register and keeps its mark (an outside tester's): after
+    an earlier run, every token of a fresh source is below it."""
+
+    def reset(self) -> None:
+        self.db.execute("UPDATE reg SET data = NULL")
+
+
+class ResetKeepsHiddenMark(ResetKeepsMark):
+    """The same, with a ``final()`` that reports no mark (as an HTTP service without a
+    ``Fenced-High-Water`` header): only a fenced request under a low token shows it."""
+
+    def final(self) -> tuple[bytes | None, int | None]:
+        return super().final()[0], None
+
+
+class OffByOne(Adapter):
+    """Refuses only tokens two below the mark (``token + 1 < mark``, where ``token < mark``
+    belongs): the previous holder's late write gets in (an outside tester's)."""
+
+    def _fence(self, token: fenced.FencingToken | None) -> None:
+        if token is None or token.lock != self.lock:
+            raise fenced.InvalidTokenError(f"not a token of lock {self.lock!r}: {token}")
+        row = self.db.execute("SELECT mark FROM reg WHERE id = 1").fetchone()
+        mark = row[0] if row else 0
+        if token.value + 1 < mark:  # (the mistake)
+            raise fenced.StaleTokenError(token, fenced.FencingToken(self.lock, mark), "reg")
+        self.db.execute(
+            "INSERT INTO reg VALUES (1, NULL, ?) ON CONFLICT (id) DO UPDATE "
+            "SET mark = max(mark, ?)",
+            (token.value, token.value),
+        )
+
+
+class UnfencedRead(Adapter):
+    """Writes fenced, the read before them not (no mark raised): a late writer gets in after
+    the successor read (an outside tester's)."""
+
+    def read(self, token: fenced.FencingToken) -> bytes | None:
+        row = self.db.execute("SELECT data FROM reg WHERE id = 1").fetchone()
+        return row[0] if row else None

@@ -122,6 +122,18 @@ def test_the_report_renders_the_run_and_its_verdict(tmp_path: Path) -> None:
         shot = browser.screenshot(tmp_path / "report.png")
     assert "Every invariant held." in dom
     assert dom.count('class="accepted"') == accepted
+    # The options as the command that runs it again (no Python reprs: "signing False",
+    # "nemesis ['pause', ...]"), and the impostor's requests on a lane of its own, each
+    # refused as it must be (it was a "forger" lane of red crosses, as stale writes).
+    assert "signing False" not in dom and "[&#x27;" not in dom and "['" not in dom
+    line = dom.split("Run again with: <code>")[1].split("</code>")[0]
+    assert line == (
+        f"fenced check --source sqlite:///{tmp_path}/l.db --workers 2 --time 90 --ttl 0.5 "
+        "--nemesis pause,stall,kill,impostor --faults 1 --writes 10 --seed 3"
+    ), line
+    outsiders = [e for e in events if e.get("impostor")]
+    assert ">impostor</text>" in dom and ">forger</text>" not in dom and outsiders
+    assert dom.count('class="turned-away"') == len(outsiders)  # (all refused: none let in)
     drawn = [k for k in _faults(tmp_path) if k != "stall"]  # stalls: where they happened
     drawn += [e for e in events if e["op"] == "stalled"]
     assert dom.count('class="nemesis"') == len(drawn)
@@ -204,3 +216,26 @@ def test_an_unfenced_read_is_caught_as_a_lost_update(tmp_path: Path) -> None:
     r = _check(tmp_path, "--nemesis", "stall", "--plant", "unfenced-read", faults=10, workers=3)
     assert r.returncode == 65, r.stdout + r.stderr
     assert "VIOLATION lost update" in r.stdout
+
+
+def test_a_stall_is_drawn_as_long_as_its_worker_stood_still(tmp_path: Path) -> None:
+    """A stall's bar runs from where its worker stopped to its next step (its late write),
+    not for the seconds its nemesis event carries (drawn at random, never used: a 0.1 s stall
+    was drawn 2.9 s long, over the worker's next leases)."""
+    from fenced.testing.check._report import write_report
+
+    def ev(op: str, mono: float, worker: str = "w1", **fields: object) -> dict[str, object]:
+        return {"worker": worker, "pid": 1, "op": op, "mono": mono, "wall": mono, **fields}
+
+    events = [
+        ev("grant", 0.0, lock="counter", token=1, surely_until=1.0, remaining=1.0),
+        ev("nemesis", 1.0, "nemesis", kind="stall", victim="w1", seconds=2.9),
+        ev("stalled", 1.0, lock="counter", token=1),
+        ev("write", 1.1, lock="counter", token=1, value=1, ok=True, sent=1.1),
+        ev("release", 10.0, lock="counter", token=1, released=True, sent=10.0),
+    ]
+    page = write_report(events, [], tmp_path / "report.html").read_text()
+    bar = page.split('<rect class="nemesis"')[1].split(">")[0]
+    width = float(bar.split('width="')[1].split('"')[0])
+    scale = (1000 - 70 - 10) / 10.0  # (the page's: 920 px for the run's 10 s)
+    assert width == pytest.approx(max(4.0, 0.1 * scale), abs=0.2), bar

@@ -298,3 +298,34 @@ def test_a_file_that_is_not_a_history_is_refused_with_a_typed_error(tmp_path: Pa
     # A last line cut short by a kill (no newline after it) is dropped, not an error.
     path.write_text(f'{_W1}\n{{"op":"gra')
     assert [e["worker"] for e in read_history(path)] == ["w1"]
+
+
+@pytest.mark.parametrize("served", [True, False])
+def test_an_impostors_fenced_read_served_or_moving_the_mark_is_caught(
+    real_history: list[dict[str, Any]], served: bool
+) -> None:
+    """An impostor's fenced read (another lock's token, far above any real one): served, it is
+    "impostor accepted"; refused with the mark read back at its token, too (a refusal must
+    leave the mark where it was); refused with the mark left below it, nothing. Neither makes
+    every later write an "acceptance order" violation (an impostor's read is no holder's)."""
+    h = copy.deepcopy(real_history)
+    final = next(e for e in h if e["op"] == "final")
+    at = h.index(next(e for e in h if e["op"] == "write" and e["ok"]))
+    read = {
+        **h[at], "op": "read", "worker": "impostor", "lock": "COUNTER", "token": 10**9 + 1,
+        "ok": served, "forged": True, "impostor": "another lock's token",
+        "header": "COUNTER:1000000001",
+    }  # fmt: skip
+    del read["value"]
+    if not served:
+        read["mark_after"] = 10**9 + 1
+    h.insert(at + 1, read)
+    found = check_all(h)
+    said = "was served" if served else "was refused, and the resource's mark moved to 1000000001"
+    assert [v.checker for v in found] == ["impostor accepted"], [str(v) for v in found]
+    assert (
+        "a fenced read with another lock's token" in found[0].message and said in found[0].message
+    )
+    read["mark_after"] = final["mark"]  # (refused, the mark where the holders left it)
+    if not served:
+        assert check_all(h) == []

@@ -40,7 +40,8 @@ def test_the_seed_and_every_option_are_recorded(tmp_path: Path) -> None:
     assert run["options"]["nemesis"] == ["stall"] and run["options"]["workers"] == 2, run
     assert run["options"]["ttl"] == 0.3 and run["options"]["faults"] == 1, run
     page = result.report.read_text()
-    assert "seed 7" in page and "nemesis [&#x27;stall&#x27;]" in page, page[:2000]
+    line = page.split("Run again with: <code>")[1].split("</code>")[0]  # (the command's own)
+    assert "--nemesis stall" in line and line.endswith("--seed 7"), line
 
 
 def test_the_same_seed_strikes_the_same_victims(tmp_path: Path) -> None:
@@ -104,3 +105,34 @@ def test_the_record_keeps_a_python_resource_and_masks_a_commands_secrets() -> No
     shown = _shown_cmd(cmd)
     assert "s3cret" not in shown, shown
     assert "PGPASSWORD=***" in shown and "--port 8000" in shown and "svc.py" in shown, shown
+
+
+def test_the_reports_command_line_parses_back_to_the_runs_options() -> None:
+    """report.html's "Run again with:" line is a command ``fenced check`` takes, whose options
+    are the run's: quoted for a shell (a command with spaces), ``--signing`` with no value, the
+    nemeses comma-separated, an option at its default left out (it showed "signing False",
+    "nemesis ['pause', ...]": Python's reprs)."""
+    import shlex
+
+    from fenced.cli import _parser
+    from fenced.testing.check._report import command_line
+
+    options = {
+        "source": "redis://:***@db:6379/0", "resource": "http://127.0.0.1:8000/items/a b",
+        "resource_cmd": "python inv.py --port 8000 --db 'my inv.db'", "lock": "orders",
+        "workers": 3, "seconds": 12.5, "ttl": 2.0, "plant": "", "signing": True,
+        "stop_at_first": False, "faults": 2, "writes": 0, "seed": 7,
+        "nemesis": ["pause", "stall", "race"],
+    }  # fmt: skip
+    line = command_line(options)
+    assert "False" not in line and "[" not in line and "--workers" not in line, line
+    argv = shlex.split(line)
+    assert argv[:2] == ["fenced", "check"]
+    args = _parser().parse_args(argv[1:])
+    assert (args.source, args.resource, args.resource_cmd, args.lock) == (
+        options["source"], options["resource"], options["resource_cmd"], "orders"
+    )  # fmt: skip
+    assert (args.time, args.ttl, args.signing, args.faults, args.writes, args.seed) == (
+        12.5, 2.0, True, 2, 0, 7
+    )  # fmt: skip
+    assert args.nemesis == "pause,stall,race" and args.workers == 3 and not args.plant

@@ -20,7 +20,8 @@ from fenced.testing.check import CampaignResult, run_campaign
 from fenced.testing.servers import EtcdServer, RedisServer, free_port, wait_until
 from tests.helpers import ROOT
 
-FAULTS = ["stall", "pause", "kill"]
+FAULTS = ["stall", "pause", "kill", "impostor"]
+DEFAULT = ["pause", "stall", "kill", "impostor"]  # (fenced check --resource python:...'s)
 
 
 def _campaign(
@@ -254,3 +255,97 @@ def test_an_adapter_that_compares_lock_names_case_blind_is_caught(
     monkeypatch.setenv("CHECK_ADAPTER_DB", str(tmp_path / "exact.db"))
     _holds(_campaign(tmp_path / "exact", "python:tests.kit.check_adapter:Adapter",
                      nemesis=["impostor"], faults=4, workers=2))  # fmt: skip
+
+
+@pytest.mark.parametrize("adapter", ["ReadLockIgnored", "ReadRefusedMarkMoved"])
+def test_a_fenced_read_that_lets_another_locks_token_move_the_mark_is_caught(
+    adapter: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An outside tester's adapters: writes fenced right, the fenced read wrong — it serves
+    another lock's token and raises the mark with it, or refuses it after raising the mark.
+    The impostor sent only writes, and both passed; its reads now judge them (served: the
+    read is the violation; refused with the mark moved: the mark read back says so). The right
+    adapter holds under the same faults (test_a_users_python_adapter)."""
+    monkeypatch.setenv("CHECK_ADAPTER_DB", str(tmp_path / "adapter.db"))
+    monkeypatch.chdir(ROOT)  # (the workers import tests.kit.check_adapter from here)
+    result = _campaign(
+        tmp_path, f"python:tests.kit.check_adapter:{adapter}", nemesis=["impostor"],
+        stop_at_first=True,
+    )  # fmt: skip
+    found = [str(v) for v in result.violations if v.checker == "impostor accepted"]
+    said = "was served" if adapter == "ReadLockIgnored" else "mark moved to 1000000001"
+    assert any("a fenced read with another lock's token" in v and said in v for v in found), [
+        str(v) for v in result.violations
+    ]
+
+
+@pytest.mark.parametrize("adapter", ["ResetKeepsMark", "ResetKeepsHiddenMark"])
+def test_a_reset_that_keeps_its_mark_is_a_set_up_error_before_the_run(
+    adapter: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An outside tester's adapter whose ``reset()`` keeps the mark an earlier run left: every
+    first write was refused and the verdict blamed fencing ("current holder refused"). It is
+    the adapter's set-up: a ResetError naming reset(), before any worker starts (its final()
+    shows the mark, or a fenced read under token 1 is refused), and on the command line exit 2,
+    one line, no verdict."""
+    import fenced
+    from fenced.cli._common import EXIT_VIOLATION
+    from fenced.testing.check import ResetError
+    from tests.kit import check_adapter
+
+    monkeypatch.setenv("CHECK_ADAPTER_DB", str(tmp_path / "adapter.db"))
+    monkeypatch.chdir(ROOT)  # (the workers import tests.kit.check_adapter from here)
+    earlier = getattr(check_adapter, adapter)("counter")  # (an earlier run's mark: 500)
+    earlier.reset()
+    earlier.write(fenced.FencingToken("counter", 500), b"[[500,1]]")
+    earlier.close()
+    spec = f"python:tests.kit.check_adapter:{adapter}"
+    with pytest.raises(ResetError, match=r"its reset\(\) (left the mark at 500|kept a mark)"):
+        _campaign(tmp_path, spec)
+    assert not list((tmp_path / "r").glob("worker-*.log"))  # (no worker started)
+    if adapter == "ResetKeepsHiddenMark":
+        run = subprocess.run(
+            [sys.executable, "-m", "fenced", "check", "--resource", spec, "--time", "2",
+             "--report", str(tmp_path / "cli")],
+            capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        assert run.returncode not in (0, EXIT_VIOLATION), (run.returncode, run.stdout)
+        assert (
+            f"resource {spec}: its reset() kept a mark" in run.stderr
+            and len(run.stderr.splitlines()) == 1
+        ), run.stderr
+
+
+@pytest.mark.parametrize("adapter", ["OffByOne", "UnfencedRead"])
+def test_an_off_by_one_fence_or_an_unfenced_read_is_caught_by_the_first_stall(
+    adapter: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An outside tester's adapters, caught only 25-29 s into a 30 s run (one of ten seeds
+    not at all): the stall that opens their window came anywhere in the first round; by the
+    worker's name it was taken inside the write, where neither shows, or not chained; and the
+    next fault (a kill, a pause) often struck the stalled worker or its successor before the
+    late write was in. Now the first fault of the default mix is a chained stall before the
+    write, and no fault comes before its late write: caught at the first stall (counts, not
+    seconds: one fault of each kind)."""
+    from fenced.testing.check import read_history
+
+    monkeypatch.setenv("CHECK_ADAPTER_DB", str(tmp_path / "adapter.db"))
+    monkeypatch.chdir(ROOT)  # (the workers import tests.kit.check_adapter from here)
+    result = _campaign(
+        tmp_path, f"python:tests.kit.check_adapter:{adapter}", nemesis=DEFAULT, workers=3,
+        seed=0, stop_at_first=True,
+    )  # fmt: skip
+    found = {v.checker for v in result.violations}
+    assert found & {"acceptance order", "lost update", "acknowledged write"}, [
+        str(v) for v in result.violations
+    ]
+    events = read_history(result.history)
+    faults = [e for e in events if e["op"] == "nemesis"]
+    assert faults[0]["kind"] == "stall", [e["kind"] for e in faults]
+    stalled = next(e for e in events if e["op"] == "stalled")
+    assert stalled["worker"] == faults[0]["victim"] and not stalled.get("inside"), stalled
+    late = next(
+        e for e in events if e["op"] == "write" and e["worker"] == stalled["worker"]
+        and e["mono"] > stalled["mono"]
+    )  # fmt: skip
+    assert late["mono"] < faults[1]["mono"], (late, faults[1])  # (its window, left open)

@@ -233,7 +233,13 @@ def run(args: argparse.Namespace) -> int:
     faults = ", ".join(f"{n} {k}" for k, n in result.faults.items()) or "none"
     out.print(
         f"{result.grants} grants, {result.accepted} writes accepted, {result.refused} refused "
-        f"(stale), {result.unknown} unanswered, {result.refused_reads} reads refused; "
+        f"(stale), {result.unknown} unanswered, {result.refused_reads} reads refused"
+        + (
+            f", {result.turned_away} forged or impostor requests refused"
+            if result.turned_away
+            else ""
+        )
+        + "; "
         f"{result.ops_per_second:.0f} writes/s; "
         f"faults: {faults}"
     )

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
         only_granted_tokens_accepted,
         tokens_never_decrease_in_acceptance_order,
     )
-    from ._engine import Campaign, CampaignError, Fault, Workload
+    from ._engine import Campaign, CampaignError, Fault, ResetError, Workload
     from ._group_campaign import GroupRun, GroupWorkload, run_group_campaign
     from ._history import Event, History, HistoryError, read_history
     from ._plants import plant_role
@@ -61,6 +61,7 @@ _WHERE = {
     "Campaign": "._engine",
     "CampaignError": "._engine",
     "Fault": "._engine",
+    "ResetError": "._engine",
     "Workload": "._engine",
     "GroupRun": "._group_campaign",
     "GroupWorkload": "._group_campaign",
@@ -122,6 +123,7 @@ __all__ = [
     "History",
     "HistoryError",
     "LocksWorkload",
+    "ResetError",
     "Resource",
     "SplitWrite",
     "Violation",

@@ -7,9 +7,11 @@ The nemesis, on a schedule drawn from ``seed`` (the same seed, the same schedule
 - ``pause``: SIGSTOP a worker's process group for 1.2-3 ttls, anywhere in its loop;
 - ``stall``: the worker stops itself inside its critical section, between its read and its
   guarded write (DDIA's GC pause), until a successor has been granted the lock, and a
-  moment more: its late write lands inside the successor's round. With a ``python:``
-  adapter's one-step write, every other stall lands inside that write instead and is stepped
-  C call by C call until the successor's fenced read is answered (``_worker.InWrite``);
+  moment more: its late write lands inside the successor's round. In turn: chained (the late
+  write right after the successor's fenced read, one grant behind), plain; with a
+  ``python:`` adapter's one-step write every other one lands inside that write instead and
+  is stepped C call by C call until the successor's fenced read is answered
+  (``_worker.InWrite``). No other fault comes before the stalled worker goes on to its late write;
 - ``kill``: SIGKILL a worker; a replacement starts;
 - ``partition``: cut one worker off the source and the resource for 1.2-3 ttls (its own
   :class:`~fenced.testing.proxy.TcpProxy` on each path reached over TCP);
@@ -26,10 +28,11 @@ The nemesis, on a schedule drawn from ``seed`` (the same seed, the same schedule
   was granted — a high value under a forged signature, under a key id the resource does not
   know, or signed well for another source — as a client that edits its token would, or a
   staging source sharing the key; it must be refused;
-- ``impostor``: write to the resource with a token it must refuse whatever the mark: one of
-  another lock (far above any real value; signed well for that lock with ``signing``), one
-  malformed (an HTTP resource: a header a lenient parser reads as a high value of the lock),
-  and none at all — as a client of another lock, a buggy client or a script would;
+- ``impostor``: write to the resource, then read it fenced, with a token it must refuse
+  whatever the mark: one of another lock (far above any real value; signed well for that lock
+  with ``signing``), one malformed (an HTTP resource: a header a lenient parser reads as a
+  high value of the lock), and none at all (a write only) — as a client of another lock, a
+  buggy client or a script would; the mark read back after each refusal must not have moved;
 - ``race`` (a resource reached over TCP): two takeovers timed to land inside the resource.
   First the holder stops itself before its write; every other worker's way to the resource
   is held (its own proxy); once a successor is granted, the old holder goes on, and as soon
@@ -50,7 +53,7 @@ The nemesis, on a schedule drawn from ``seed`` (the same seed, the same schedule
 
 Faults are dealt as from a deck: each round is a seeded shuffle of every nemesis asked for,
 so each is exercised within the first rounds of any campaign; the first round opens with
-``race`` and ``resource-restart``, the faults aimed inside the resource.
+``race``, ``resource-restart`` and ``stall``, the faults aimed inside the resource.
 """
 
 from __future__ import annotations
@@ -89,6 +92,7 @@ from ._engine import (
     Campaign,
     CampaignError,
     Fault,
+    ResetError,
     end_by,
     short_of_counts,
     undealt,
@@ -97,6 +101,8 @@ from ._history import Event, History
 from ._plants import PLANTS, SIGNING_PLANTS, plant_role, source_plant_server
 from ._report import write_report
 from ._resources import IO_TIMEOUT_ENV, HttpResource, open_resource
+from ._worker import STALL_INSIDE
+from ._worker import opaque as _opaque
 from ._zygote import Worker
 
 __all__ = [
@@ -186,6 +192,7 @@ class CampaignResult:
     first_violation_after: float | None  # seconds from the start to the first bad event
     refused_reads: int = 0
     seed: int = 0
+    turned_away: int = 0  # the forger's and the impostor's writes and reads refused (rightly)
     options: dict[str, Any] = dataclasses.field(default_factory=dict)  # the run's, as recorded
 
     @property
@@ -217,7 +224,7 @@ def _resume_after(
     path: Path,
     delay: float,
     limit: float,
-    chain: Callable[[str], None] | None = None,
+    chain: Callable[[str], object] | None = None,
     offset: int = 0,
 ) -> None:
     """Once worker ``pid`` has stopped itself inside its critical section, wait until a
@@ -330,9 +337,13 @@ no malformed token: its adapter takes a parsed one)."""
 
 
 def _impostor(resource: Any, lock: str, history: History, n: int, key: Any = None) -> None:
-    """One write the resource must refuse whatever its mark (see ``impostor``): the register
-    with one more entry, under the ``n``-th of :data:`IMPOSTORS` — the value far above any real
-    one, so a resource that lets it in moves its mark past every rightful holder."""
+    """One write and one fenced read the resource must refuse whatever its mark (see
+    ``impostor``): the write of the register with one more entry, under the ``n``-th of
+    :data:`IMPOSTORS` — the value far above any real one, so a resource that lets it in moves
+    its mark past every rightful holder — then a read under the same token (not with none: a
+    read without a token is the unfenced read ``final()`` makes, and moves no mark). A read
+    that serves another lock's token, or a malformed one, lets its value raise the mark as
+    surely as a write: the rightful holder is refused from then on."""
     from ..._core.errors import FencedError
     from ..._core.signing import token_message
     from ..._core.token import FencingToken
@@ -357,21 +368,93 @@ def _impostor(resource: Any, lock: str, history: History, n: int, key: Any = Non
             token = FencingToken(other, forged, (key.kid, signature, _SOURCE_ID))
     # (a lenient parser reads a value out of these; a strict one refuses them)
     sent = {IMPOSTORS[1]: f"{lock}:+{forged}", IMPOSTORS[2]: None}.get(kind, str(token))
-    at = _clock.now()
+    named = other if token is not None else lock
+    ops: list[tuple[str, Callable[[], bool | None]]] = [
+        ("write", lambda: resource.write_header(sent, body) if http else _served(
+            lambda: resource.write(token, body))),
+    ]  # fmt: skip
+    if kind != IMPOSTORS[2]:  # (the same token on a fenced read)
+        ops.append(
+            ("read", lambda: resource.read_header(sent) if http else _served(
+                lambda: resource.read(token))),
+        )  # fmt: skip
+    for op, call in ops:
+        at = _clock.now()
+        try:
+            ok = call()
+        except FencedError:
+            ok = False  # (refused, as it must be)
+        except Exception:
+            ok = None
+        fields: dict[str, Any] = {"value": value} if op == "write" else {}
+        if ok is False:  # (the mark read back: a refusal must not have moved it)
+            fields["mark_after"] = _mark_now(resource)
+        history.append(
+            op, lock=named, token=forged, ok=ok, sent=at, forged=True, impostor=kind,
+            header=sent, **fields,
+        )  # fmt: skip
+
+
+def _mark_now(resource: Any) -> int | None:
+    """The resource's mark as its ``final()`` reports it now (None: it reports none, or
+    could not be read)."""
     try:
-        if http:
-            ok = resource.write_header(sent, body)
-        else:
-            resource.write(token, body)
-            ok = True
-    except FencedError:
-        ok = False  # (refused, as it must be)
+        _, mark = resource.final()
     except Exception:
-        ok = None
-    history.append(
-        "write", lock=other if token is not None else lock, token=forged, value=value, ok=ok,
-        sent=at, forged=True, impostor=kind, header=sent,
-    )  # fmt: skip
+        return None
+    return mark if isinstance(mark, int) else None
+
+
+def _served(call: Callable[[], object]) -> bool:
+    """True once ``call()`` returned (an adapter's refusal is its exception)."""
+    call()
+    return True
+
+
+def _reset_left_nothing(resource: Any, lock: str, shown: str, key: Any = None) -> None:
+    """Raise :class:`ResetError` if ``resource``, just reset, still has a mark or data: what
+    its ``final()`` says, then a fenced read and a write of an empty register under the
+    lowest token there is (1; signed with ``key`` when the run signs) — refused as stale, the
+    reset kept a mark the ``final()`` does not show. Otherwise every worker's first writes are
+    refused (a mark from an earlier run is above a fresh source's tokens) and the verdict
+    blames fencing for what is the adapter's set-up. Any other error of a probe is left to the
+    run to show. (The caller resets again after: the probes raised the mark to 1.)"""
+    from ..._core.errors import StaleTokenError
+    from ..._core.signing import token_message
+    from ..._core.token import FencingToken
+
+    fix = "reset() must clear the resource's mark as well as its data (docs/testing.md)"
+    data, mark = resource.final()
+    if isinstance(mark, int) and mark > 0:
+        raise ResetError(
+            f"resource {shown}: its reset() left the mark at {mark} (its final() says so right "
+            f"after): the first holder's writes would be refused as stale; {fix}"
+        )
+    if data and _log(data) != []:
+        raise ResetError(
+            f"resource {shown}: its reset() left data in the register ({len(data)} bytes, its "
+            f"final() says so right after): the run would build on an earlier one's; {fix}"
+        )
+    token = FencingToken(lock, 1)
+    if key is not None:
+        token = FencingToken(
+            lock, 1, (key.kid, key.sign(token_message(lock, 1, key.kid, _SOURCE_ID)), _SOURCE_ID)
+        )
+    probes: list[tuple[str, Callable[[], object]]] = [
+        ("a fenced read", lambda: resource.read(token)),
+        ("a write", lambda: resource.write(token, b"[]")),
+    ]
+    for what, probe in probes:
+        try:
+            probe()
+        except StaleTokenError:
+            raise ResetError(
+                f"resource {shown}: its reset() kept a mark: {what} with token 1, the lowest "
+                f"there is, was refused as stale right after it; the first holder's writes "
+                f"would be refused too, and the run blamed on fencing; {fix}"
+            ) from None
+        except Exception:
+            return  # (the probe's own error: the run shows it, with the workers' writes)
 
 
 # The run's source id (workers sign for it, the resource trusts it), and another one.
@@ -483,8 +566,9 @@ def _scrubbed(text: str, urls: Sequence[str | None]) -> str:
 
 
 def _shown(url: str) -> str:
-    """``url`` as a message may show it: no password, no query (fenced's ``redacted``)."""
-    return redacted(url).split("?")[0]
+    """``url`` as a message may show it: no password, no query (fenced's ``redacted``); a
+    resource that is no URL (``python:MODULE:CLASS``) as given."""
+    return redacted(url).split("?")[0] if "://" in url else url
 
 
 def _start_engine(name: str, base: str, clock_file: Path | None) -> Any:
@@ -787,7 +871,8 @@ class LocksWorkload:
     nemeses of the module docstring; judged by every checker of ``_checkers``. The arguments
     are :func:`run_campaign`'s; bad ones raise a ConfigurationError before anything starts."""
 
-    first = _AT_THE_RESOURCE
+    # (and stalls: the window of a fence off by one or a read left unfenced, in any resource)
+    first = _AT_THE_RESOURCE | {"stall"}
 
     def __init__(
         self,
@@ -861,8 +946,10 @@ class LocksWorkload:
         self.server: Any = None
         self.server_clock: Path | None = None  # the kit-started source's libfaketime offset
         self.forger: Any = None
-        self.forger_history: History | None = None
+        self.lanes: dict[str, History] = {}  # the forger's and the impostor's histories
         self.forged = self.impostors = 0
+        self.stalls_dealt = 0  # stall faults struck (which kind of stall: their count)
+        self.opaque = _opaque(resource, plant)  # (a one-step write the kit cannot see into)
         self.restarts = 0  # resource-restarts struck (odd ones: after the successor's read)
         self.races = 0  # races struck (even ones: at the same instant)
         self.key: Any = None
@@ -943,10 +1030,22 @@ class LocksWorkload:
         with _sync.connect(source, connect_timeout=30):  # a bad source: a typed error, now
             pass
 
+        keyring: Any = None
+        if self.signing:
+            from ..._core.signing import Keyring, generate_key, key_text
+
+            self.key = generate_key("hmac", "check")
+            self.key_file = Path(scratch) / "signing.key"
+            self.key_file.write_text(key_text(self.key))
+            self.key_file.chmod(0o600)
+            keyring = Keyring([self.key], source_id=_SOURCE_ID)
+
         def reset() -> None:
             made = open_resource(resource, self.lock, timeout=self.io_limit)
             try:
                 made.reset()
+                _reset_left_nothing(made, self.lock, _shown(resource), self.key)
+                made.reset()  # (what the probes wrote: gone again)
             finally:
                 made.close()
 
@@ -959,15 +1058,6 @@ class LocksWorkload:
             raise CampaignError(
                 f"resource {_shown(resource)}: {type(exc).__name__}: {said}"
             ) from exc
-        keyring: Any = None
-        if self.signing:
-            from ..._core.signing import Keyring, generate_key, key_text
-
-            self.key = generate_key("hmac", "check")
-            self.key_file = Path(scratch) / "signing.key"
-            self.key_file.write_text(key_text(self.key))
-            self.key_file.chmod(0o600)
-            keyring = Keyring([self.key], source_id=_SOURCE_ID)
         if {"forge", "impostor"} & set(nemesis):
             self.forger = open_resource(resource, self.lock, keyring, timeout=self.io_limit)
         self.env = python_env()
@@ -1071,7 +1161,8 @@ class LocksWorkload:
         victim = procs[i]
         who = (
             "source" if on_server
-            else "forger" if kind in ("forge", "impostor")
+            else "forger" if kind == "forge"
+            else "impostor" if kind == "impostor"
             else "resource" if kind.startswith("resource-")
             else names[victim.pid]
         )  # fmt: skip
@@ -1098,9 +1189,24 @@ class LocksWorkload:
             time.sleep(lasts)  # past its lease: a successor is granted meanwhile
             os.killpg(victim.pid, signal.SIGCONT)
         elif kind == "stall":  # it stops itself inside its critical section
-            # Half the stalls chain (see _resume_after): the late write lands one grant behind.
-            chain = self._stall if rng.random() < 0.5 else None
-            self._stall(who, rng.uniform(0, ttl / 4), chain)
+            # The stalls go in turn (their count, not a draw: a run's first stall opens the
+            # window most mistakes need): chained (see _resume_after: the late write lands one
+            # grant behind, after the successor's fenced read: an off-by-one fence, an unfenced
+            # read, a write before its check let it in), plain (it lands anywhere in the
+            # successor's round), and with an adapter's one-step write every other one inside
+            # that write (``_worker.InWrite``).
+            rng.random()  # (the draw that once chose a chained stall: kept, so the rest stay)
+            self.stalls_dealt += 1
+            turns = ("chain", "inside", "plain", "inside") if self.opaque else ("chain", "plain")
+            turn = turns[(self.stalls_dealt - 1) % len(turns)]
+            chain = self._stall if turn == "chain" else None
+            stalled = self._stall(who, rng.uniform(0, ttl / 4), chain, inside=turn == "inside")
+            # Over only once its worker goes on to its late write: a fault dealt meanwhile on
+            # the stalled worker or its successor (a kill, a pause: one in three aimed at
+            # either) closed the window before the write reached it. (A chained successor's
+            # own stall is not waited for: the late write it made room for is in.)
+            if stalled is not None:
+                stalled.join(4 * ttl + 3)  # (its own bound is 4 ttls + 2 s)
         elif kind in ("partition", "delay"):
             for proxy in self.proxies[victim.pid]:
                 proxy.partition() if kind == "partition" else proxy.delay(1.5 * ttl)
@@ -1156,14 +1262,14 @@ class LocksWorkload:
                 os.kill(victim.pid, signal.SIGWINCH)
         elif kind in ("forge", "impostor"):
             assert self.forger is not None
-            if self.forger_history is None:
-                self.forger_history = History(path, "forger")  # (a lane of its own)
+            # (each a lane of its own: "forger", "impostor")
+            lane = self.lanes.get(who) or self.lanes.setdefault(who, History(path, who))
             if kind == "forge":
                 self.forged += 1
-                _forge(self.forger, self.lock, self.forger_history, rng, self.forged, self.key)
+                _forge(self.forger, self.lock, lane, rng, self.forged, self.key)
             else:  # (its own count: each of IMPOSTORS in turn)
                 self.impostors += 1
-                _impostor(self.forger, self.lock, self.forger_history, self.impostors, self.key)
+                _impostor(self.forger, self.lock, lane, self.impostors, self.key)
         else:
             os.killpg(victim.pid, signal.SIGKILL)
             victim.wait()
@@ -1173,19 +1279,27 @@ class LocksWorkload:
             procs[i] = self._spawn()
 
     def _stall(
-        self, who: str, delay: float = 0.0, chain: Callable[[str], None] | None = None
-    ) -> None:
-        """Have worker ``who`` stop itself before its next write, and continue it later."""
+        self,
+        who: str,
+        delay: float = 0.0,
+        chain: Callable[[str], object] | None = None,
+        inside: bool = False,
+    ) -> threading.Thread | None:
+        """Have worker ``who`` stop itself before its next write (``inside``: inside it, a
+        one-step write's), and continue it later (the thread that will; None: no such
+        worker)."""
         pid = next((p.pid for p in self.procs if self.names[p.pid] == who), None)
         if pid is None:
-            return
+            return None
         # (from where the history ends now: an earlier stall's events are not this one's)
         offset = self.path.stat().st_size
         with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGUSR1)
+            os.kill(pid, STALL_INSIDE if inside else signal.SIGUSR1)
         args = (pid, who, self.path, delay, 4 * self.ttl + 2, chain, offset)
-        self.stalls.append(threading.Thread(target=_resume_after, args=args, daemon=True))
-        self.stalls[-1].start()
+        thread = threading.Thread(target=_resume_after, args=args, daemon=True)
+        self.stalls.append(thread)
+        thread.start()
+        return thread
 
     # -- teardown and verdict ------------------------------------------------------------------
 
@@ -1237,9 +1351,9 @@ class LocksWorkload:
         if self.forger is not None:
             self.forger.close()
             self.forger = None
-        if self.forger_history is not None:
-            self.forger_history.close()
-            self.forger_history = None
+        for lane in self.lanes.values():
+            lane.close()
+        self.lanes = {}
         return hung
 
     def settle(self, history: History) -> None:
@@ -1280,7 +1394,7 @@ class LocksWorkload:
     def judge(
         self, events: list[Event], faults: dict[str, int], seconds: float, short: str = ""
     ) -> CampaignResult:
-        writes = [e for e in events if e["op"] == "write"]
+        writes = [e for e in events if e["op"] == "write" and not e.get("forged")]  # (workers')
         violations = check_all(events)
         needs, plant = self.needs, self.plant
         if needs and not any(faults.get(n) for n in needs):
@@ -1315,7 +1429,14 @@ class LocksWorkload:
             faults=faults,
             seconds=seconds,
             first_violation_after=_first_violation_after(events, violations),
-            refused_reads=sum(1 for e in events if e["op"] == "read" and e["ok"] is False),
+            refused_reads=sum(
+                1 for e in events if e["op"] == "read" and e["ok"] is False and not e.get("forged")
+            ),
+            turned_away=sum(
+                1
+                for e in events
+                if e["op"] in ("write", "read") and e.get("forged") and e["ok"] is False
+            ),
             seed=self.seed,
             options=self.options,
         )

@@ -79,10 +79,17 @@ def tokens_never_decrease_in_acceptance_order(history: list[Event]) -> list[Viol
             )
     # Acknowledged writes and acknowledged *fenced reads*: a read under token 123 raised the
     # mark, so a write with 122 sent after it was answered must be refused all the same.
+    # (An impostor's read served is "impostor accepted", not a grant's read every later write
+    # would then be judged against.)
     acked = sorted(
-        (e for e in history if e["op"] in ("write", "read") and e.get("ok") is True),
+        (
+            e
+            for e in history
+            if e["op"] in ("write", "read") and e.get("ok") is True
+            and not (e["op"] == "read" and e.get("impostor"))
+        ),
         key=lambda e: e["mono"],
-    )
+    )  # fmt: skip
     highest: Event | None = None  # the highest-token operation acknowledged so far
     done = 0
     for e in sorted(_accepted(history), key=_sent):
@@ -270,19 +277,41 @@ def only_granted_tokens_accepted(history: list[Event]) -> list[Violation]:
 
 
 def impostors_refused(history: list[Event]) -> list[Violation]:
-    """Every write sent with another lock's token, a malformed token or none was refused:
-    whatever the mark, only a token of the resource's own lock may write (a resource that
-    ignores the lock name lets a holder of any lock move its mark past the rightful holder)."""
-    return [
-        Violation(
-            "impostor accepted",
-            f"a write with {e['impostor']} ({'no header' if e.get('header') is None else repr(e['header'])}) "
-            "was accepted: the resource must refuse it whatever its mark",
-            (e,),
+    """Every write sent with another lock's token, a malformed token or none was refused, and
+    every fenced read with another lock's token or a malformed one too: whatever the mark, only
+    a token of the resource's own lock may write or read fenced (a resource that ignores the
+    lock name lets a holder of any lock move its mark past the rightful holder; a read served
+    with such a token raised the mark with it, or read past the fence). A refusal must leave
+    the mark where it was: one after which the mark read back (``mark_after``) had reached the
+    impostor's token is a violation too; where the resource reports no mark, the rightful
+    holder's next write refused says it (:func:`current_holder_is_served`)."""
+    out = []
+    for e in history:
+        if not (e.get("impostor") and e["op"] in ("write", "read")):
+            continue
+        header = "no header" if e.get("header") is None else repr(e["header"])
+        what, done = ("write", "accepted") if e["op"] == "write" else ("fenced read", "served")
+        if e.get("ok") is True:
+            said = f"was {done}: the resource must refuse it whatever its mark"
+        elif _moved_the_mark(e):
+            said = (
+                f"was refused, and the resource's mark moved to {e['mark_after']} all the same "
+                "(read back right after it): a refused token must leave the mark where it was"
+            )
+        else:
+            continue
+        out.append(
+            Violation("impostor accepted", f"a {what} with {e['impostor']} ({header}) {said}", (e,))
         )
-        for e in _accepted(history)
-        if e.get("impostor")
-    ]
+    return out
+
+
+def _moved_the_mark(e: Event) -> bool:
+    """Whether the resource's mark, read back right after an impostor's refused write or read
+    (``mark_after``), had reached its token: no real token comes near (the impostors' are
+    above 10**9), so the refusal moved it."""
+    after = e.get("mark_after")
+    return e.get("ok") is False and isinstance(after, int) and after >= e["token"]
 
 
 def _refused(history: list[Event]) -> list[Event]:
@@ -303,9 +332,12 @@ def current_holder_is_served(history: list[Event]) -> list[Violation]:
     raisers = sorted(  # (lock, token, when): what may legitimately have raised the mark
         [(e["lock"], e["token"], float(e["mono"])) for e in history if e["op"] == "grant"]
         + [
-            (e["lock"], e["token"], _sent(e))
+            # (a forged write or an impostor's read let in raised it: their own violations)
+            (e.get("lock") if not e.get("impostor") else "", e["token"], _sent(e))
             for e in history
-            if e["op"] == "write" and e.get("forged") and e.get("ok") is not False
+            if e["op"] in ("write", "read")
+            and e.get("forged")
+            and (e.get("ok") is not False or _moved_the_mark(e))
         ],
         key=lambda r: r[2],
     )
@@ -313,7 +345,9 @@ def current_holder_is_served(history: list[Event]) -> list[Violation]:
     for e in sorted(_refused(history), key=lambda e: e["mono"]):
         # (A grant is in the history before its holder's first request: a higher mark that
         # came from a real holder shows as an earlier grant.)
-        newer = [r for r in raisers if r[2] < e["mono"] and r[0] == e["lock"] and r[1] > e["token"]]
+        newer = [
+            r for r in raisers if r[2] < e["mono"] and r[0] in (e["lock"], "") and r[1] > e["token"]
+        ]
         if not newer:
             what = "write" if e["op"] == "write" else "fenced read"
             out.append(

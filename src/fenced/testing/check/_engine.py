@@ -31,6 +31,7 @@ __all__ = [
     "Campaign",
     "CampaignError",
     "Fault",
+    "ResetError",
     "Workload",
     "end_by",
     "prepare_report_dir",
@@ -44,6 +45,12 @@ R_co = TypeVar("R_co", covariant=True)
 class CampaignError(ConfigurationError):
     """A campaign could not run as asked (a worker died by itself, a part would not start):
     nothing was checked."""
+
+
+class ResetError(CampaignError):
+    """The resource's ``reset()`` left it as no run can start from: its mark (or its data)
+    still there, so the first holder's writes would be refused and the run blamed on fencing.
+    Raised before any worker starts: nothing was checked."""
 
 
 @dataclasses.dataclass(frozen=True)

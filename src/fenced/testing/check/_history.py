@@ -4,7 +4,8 @@ file — one schema for every workload of the kit (locks, replicated groups) and
 Every line is one event, written with a single ``write`` on a file opened ``O_APPEND`` (so
 lines of several processes never interleave) and fsynced before the process goes on (so a
 process killed with SIGKILL has recorded everything it did before). Every event has
-``worker`` (who saw it: a worker, ``nemesis``, ``forger``, ``operator``, ``final``), ``pid``,
+``worker`` (who saw it: a worker, ``nemesis``, ``forger``, ``impostor``, ``operator``,
+``final``), ``pid``,
 ``op``, ``mono`` (:func:`fenced._core.clock.now`, ``CLOCK_BOOTTIME``: one clock for every
 process of the machine; every other time field of an event is on it too) and ``wall`` (the
 wall clock, for people); then the fields of its ``op``.
@@ -29,6 +30,9 @@ The locks workload (``_worker``, checked by ``_checkers``):
   (as in ``lost``)
 * ``read``: ``ok`` and ``value`` (the counter read), or ``ok`` False: the fenced read was
   refused (stale); ``stalled``: the worker stopped itself in its critical section
+* the forger's and the impostor's ``write`` and ``read``: ``forged`` True; the impostor's
+  ``impostor`` (what it sent: another lock's token, a malformed one, none), ``header`` (as
+  sent) and, once refused, ``mark_after`` (the resource's mark read back at once)
 * ``final``: what the resource holds at the end: ``mark`` (its high-water mark) and ``log``,
   the accepted writes in the resource's own order, as ``[token, value]`` pairs
 

@@ -309,6 +309,15 @@ class HttpResource:
         status = self.client.put(self.url, content=data, headers=headers).status_code
         return True if 200 <= status < 300 else False if 400 <= status < 500 else None
 
+    def read_header(self, header: str | None) -> bool | None:
+        """A fenced GET with ``header`` as its ``Fencing-Token`` as sent: True if served (2xx,
+        or 404: the service looked past the token for the data), False if refused (any other
+        4xx), None for any other answer (the ``impostor`` nemesis' reads)."""
+        headers = {} if header is None else {"Fencing-Token": header}
+        status = self.client.get(self.url, headers=headers).status_code
+        served = 200 <= status < 300 or status == 404
+        return True if served else False if 400 <= status < 500 else None
+
     def final(self) -> tuple[bytes | None, int | None]:
         r = self.client.get(self.url)
         mark = r.headers.get("fenced-high-water")

@@ -28,6 +28,16 @@ from fenced._core import clock as _clock
 from ._history import History
 from ._resources import Resource, SplitWrite, open_resource
 
+STALL_INSIDE = signal.SIGRTMIN + 2
+"""The nemesis' ask for a stall inside a one-step write (SIGUSR1: before the write)."""
+
+
+def opaque(resource: str, plant: str) -> bool:
+    """Whether the resource's write is one step the kit cannot see into (a user's ``python:``
+    adapter without ``write_steps``): its stalls may land inside that write (:class:`InWrite`)."""
+    return resource.startswith("python:") or plant == "hidden-check-then-write"
+
+
 LAB_PLANT_ENV = "FENCED_CHECK_LAB_PLANT"
 LAB_THINK_ENV = "FENCED_CHECK_LAB_THINK"
 """The partition lab's: think exactly this long (seconds) between read and write, instead of
@@ -55,8 +65,19 @@ def main(argv: list[str]) -> None:
 
     threading.Thread(target=until_stdin_closes, daemon=True).start()
     stall = threading.Event()
+    inside_asked = threading.Event()  # (the stall asked for lands inside a one-step write)
+
+    def stall_inside(*_: object) -> None:
+        inside_asked.set()
+        stall.set()
+
+    def take_back(*_: object) -> None:  # the campaign is ending, or the stall was not taken
+        stall.clear()
+        inside_asked.clear()
+
     signal.signal(signal.SIGUSR1, lambda *_: stall.set())
-    signal.signal(signal.SIGUSR2, lambda *_: stall.clear())  # the campaign is ending
+    signal.signal(STALL_INSIDE, stall_inside)
+    signal.signal(signal.SIGUSR2, take_back)
     history = History(cfg["history"], cfg["name"])
     print("ready", flush=True)  # (the nemesis signals a worker only once it can take them)
 
@@ -80,9 +101,8 @@ def main(argv: list[str]) -> None:
     # A user's own adapter (python:) writes in steps the kit cannot see: every other stall
     # lands inside its write instead (see InWrite).
     in_write = None
-    opaque = str(cfg["resource"]).startswith("python:") or plant == "hidden-check-then-write"
-    if opaque:  # (w1, w3...: the first stall inside)
-        in_write = InWrite(stall, critical, first_inside=cfg["name"][-1:] in "13579")
+    if opaque(str(cfg["resource"]), plant):  # (which stalls: the nemesis', by its signal)
+        in_write = InWrite(stall, critical, inside_asked)
     # Test plant of the partition lab only (fenced.testing.partitions.run_check): a holder
     # that takes no notice of its lease's loss, and thinks long enough to outlive it.
     ignore_loss = os.environ.get(LAB_PLANT_ENV) == "ignore-loss"
@@ -156,28 +176,29 @@ def main(argv: list[str]) -> None:
 class InWrite:
     """Stalls inside a user's one-step write (a ``python:`` adapter's ``write()``): a check
     and a write made as two steps in there (two transactions; a check in memory, then a file
-    written) leave a window no stall before the call can reach, however small it is. Every
-    other stall a worker takes (half the workers begin with one) stops it inside its write,
-    just after the first return of the C function its last write called most (a database's
-    ``execute``: the check's ``BEGIN``), and again after each C call that follows while the
-    nemesis asks (SIGUSR1 before each SIGCONT: single steps). The nemesis steps it until the
-    successor's fenced read, blocked while the stopped write holds a lock, is answered: that
-    read then lands at the first seam between two transactions, after the check."""
+    written) leave a window no stall before the call can reach, however small it is. A stall
+    the nemesis asks for inside (:data:`STALL_INSIDE`, every other stall of such a run) stops
+    the worker inside its write, just after the first return of the C function its last write
+    called most (a database's ``execute``: the check's ``BEGIN``), and again after each C call
+    that follows while the nemesis asks (SIGUSR1 before each SIGCONT: single steps). The
+    nemesis steps it until the successor's fenced read, blocked while the stopped write holds
+    a lock, is answered: that read then lands at the first seam between two transactions,
+    after the check. (Before its first write the worker knows no C call: the stall is taken
+    before the write.)"""
 
     def __init__(
-        self, stall: threading.Event, critical: Callable[..., None], first_inside: bool
+        self, stall: threading.Event, critical: Callable[..., None], inside_asked: threading.Event
     ) -> None:
-        self.stall, self.critical = stall, critical
+        self.stall, self.critical, self.inside_asked = stall, critical, inside_asked
         self.calls: list[str] = []  # the C functions the last write called, in order
-        self.taken = int(first_inside)  # stalls taken (even: before the write, odd: inside)
 
     def wrap(self, write: Callable[[], None], token: int) -> Callable[[], None] | None:
         """``write`` watched (and stopped inside, when a stall is due there), or None: the
         stall is due before the write (the caller's ``critical``)."""
         calls = self.calls
-        inside = self.stall.is_set() and self.taken % 2 == 1 and bool(calls)
+        inside = self.stall.is_set() and self.inside_asked.is_set() and bool(calls)
         if self.stall.is_set():
-            self.taken += 1
+            self.inside_asked.clear()  # (this stall is taken, here or before the write)
             if not inside:
                 return None
         first = max(calls, key=calls.count) if inside else ""
