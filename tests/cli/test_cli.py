@@ -631,6 +631,32 @@ def test_errors_name_the_environment_variable_that_caused_them(tmp_path: Path) -
         assert "FENCED_URL" not in out.stderr and "Errno" not in out.stderr, out.stderr
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["serve", "--listen", "127.0.0.1:0", "--signing-key", "KEY"],
+        ["serve", "--listen", "127.0.0.1:0", "--signing-key", "FILE", "--verify-key", "KEY"],
+        ["check-token", "--verify-key", "KEY", "x:1"],
+        ["lock", "x", "--signing-key", "KEY", "--", "true"],
+    ],
+)
+def test_a_key_given_as_text_on_the_command_line_is_refused_unshown(
+    sqlite_url: str, tmp_path: Path, args: list[str]
+) -> None:
+    """A key's text where a key file goes is on every local user's `ps`: refused, one line
+    naming the flag and the variable to use, the secret never echoed (an outside tester saw
+    serve's --verify-key error print the whole HMAC secret)."""
+    key = tmp_path / "k"
+    assert run(["keygen", "hmac", "k1", str(key)], sqlite_url, process=True).returncode == 0
+    text = key.read_text().strip()
+    given = [text if a == "KEY" else str(key) if a == "FILE" else a for a in args]
+    out = run(given, sqlite_url, process=False)
+    assert out.returncode == 2, out.stderr
+    assert "takes a key file, not the key itself" in out.stderr, out.stderr
+    assert text.split()[-1] not in out.stderr + out.stdout
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
 def test_log_lines_say_fenced_once(sqlite_url: str, tmp_path: Path) -> None:
     """Bug: `fenced: fenced: signing without source_id ...` (the logger's name repeated)."""
     key = tmp_path / "k"

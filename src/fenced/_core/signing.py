@@ -66,6 +66,7 @@ __all__ = [
     "TokenVerifier",
     "VerifyKey",
     "generate_key",
+    "is_key_text",
     "key_text",
     "load_key",
     "load_keys",
@@ -412,6 +413,11 @@ def parse_key(text: str, where: str = "the key") -> HmacKey | Ed25519SigningKey 
 # Key text, not a path: the magic anywhere, followed by a blank (a path such as
 # /etc/fenced-keys/a.key has none after it).
 _KEY_TEXT: Final = re.compile(re.escape(_FILE_MAGIC.split(" ")[0]) + r"\s")
+
+
+def is_key_text(value: str) -> bool:
+    """Whether ``value`` is a key's text (its line's magic in it), not a key file's path."""
+    return bool(_KEY_TEXT.search(value))
 
 
 def read_key(key: object, where: str, *, path_shown: bool = False) -> object:

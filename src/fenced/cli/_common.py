@@ -247,12 +247,25 @@ def _named(variable: str) -> Iterator[None]:
         raise ConfigurationError(f"{variable}: {exc}") from None
 
 
+def key_file(value: str, flag: str, env: str) -> None:
+    """Refuse a key's text given where a key file is expected: a command line is visible to
+    every local user (``ps``, /proc/PID/cmdline), and the text may be the secret itself."""
+    from .._core.signing import is_key_text
+
+    if is_key_text(value):
+        raise ConfigurationError(
+            f"{flag} takes a key file, not the key itself (a command line is visible to every "
+            f"local user): give its file, or the key's text in {env}"
+        )
+
+
 def _signing_key(args: argparse.Namespace) -> Any:
     """The key of --signing-key, else of $FENCED_SIGNING_KEY (None: tokens are not signed),
     read before the source is reached, so its errors are not taken for the source's."""
     from .._core.signing import read_key
 
     if args.signing_key:
+        key_file(args.signing_key, "--signing-key", "$FENCED_SIGNING_KEY")
         return read_key(args.signing_key, "--signing-key", path_shown=True)
     if os.environ.get("FENCED_SIGNING_KEY"):
         with _named("$FENCED_SIGNING_KEY"):

@@ -24,6 +24,7 @@ from ._common import (
     _source_id_argument,
     _url,
     _verbose,
+    key_file,
 )
 
 NAME = "check-token"
@@ -80,6 +81,8 @@ def run(args: argparse.Namespace) -> int:
     # another source, as guards and fenced serve's /v1/check refuse it.
     keys: list[Any] = []
     if args.verify_key:
+        for path in args.verify_key:
+            key_file(path, "--verify-key", "$FENCED_VERIFY_KEY")
         keys = [verify_key(path, "--verify-key", path_shown=True) for path in args.verify_key]
     elif os.environ.get("FENCED_VERIFY_KEY"):
         with _named("$FENCED_VERIFY_KEY"):

@@ -21,6 +21,7 @@ from ._common import (
     _ttl,
     _url,
     _verbose,
+    key_file,
 )
 
 NAME = "serve"
@@ -166,6 +167,8 @@ def _retired_keys(args: argparse.Namespace, key: Any, signing: dict[str, Any]) -
         return None
     given: list[tuple[str, Any]] = []
     if args.verify_key:
+        for p in args.verify_key:
+            key_file(p, "--verify-key", "$FENCED_VERIFY_KEY")
         given = [
             (f"--verify-key {p}", verify_key(p, "--verify-key", path_shown=True))
             for p in args.verify_key
