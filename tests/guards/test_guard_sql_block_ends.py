@@ -567,3 +567,33 @@ def test_a_savepoint_of_sqlalchemys_left_open_in_the_block_is_committed_with_it(
 
     assert asyncio.run(_block(driver, 5, old)) == "committed"
     assert driver.read() == "nested"
+
+
+@pytest.mark.xdist_group("mariadb")
+@pytest.mark.parametrize("mode", ["TRADITIONAL", "ORACLE"])
+def test_a_rollback_to_the_witness_on_mariadb_keeps_the_fence(
+    mysql_db: dict[str, Any], mode: str
+) -> None:
+    """The block's ``ROLLBACK TO SAVEPOINT fenced_transaction``: the witness is set after
+    the check (riding or one by one), so the rollback undoes the block's work only: the
+    fence row stays locked (a newer holder waits) and the mark is the block's token."""
+    d = _in_mode(_pymysql(mysql_db, False), mode)
+    guard = SQLGuard("acct")
+    c = d.connect()
+    other = pymysql.connect(**mysql_db, autocommit=True)
+    try:
+        with guard.transaction(c, token=tok(5)):
+            d.write(c, "undone")
+            _mysql_sql(c, "ROLLBACK TO SAVEPOINT fenced_transaction")
+            with pytest.raises(pymysql.err.OperationalError):  # (locked: 1205 at once)
+                _mysql_sql(
+                    other,
+                    "SELECT token FROM fenced_fences WHERE resource = %s FOR UPDATE NOWAIT",
+                    ("acct",),
+                )
+            d.write(c, "kept")
+        assert d.read() == "kept"
+        assert _high_water(d) == tok(5)
+    finally:
+        other.close()
+        c.close()

@@ -1734,14 +1734,16 @@ async def _arelease_witness(conn: Any, table: str, resource: str, token: Fencing
 # -- on MariaDB the witness rides in the statements sent anyway ----------------------------------
 # MariaDB runs a compound statement (BEGIN NOT ATOMIC ... END) outside stored programs, and
 # one may hold SAVEPOINT, RELEASE SAVEPOINT and COMMIT. So the check's UPDATE goes as
-# ``BEGIN NOT ATOMIC SAVEPOINT w; <UPDATE>; END`` (the compound's affected-row count is its
-# last statement's, the UPDATE's: the verdict reads as before) and the COMMIT as ``BEGIN NOT
+# ``BEGIN NOT ATOMIC <UPDATE>; SAVEPOINT w; END`` (the compound's affected-row count is the
+# UPDATE's, which SAVEPOINT leaves as it is: the verdict reads as before). The savepoint
+# after the check, never before: the block's ROLLBACK TO SAVEPOINT w would otherwise undo the
+# fence (the mark back, the row released) and leave the witness standing and the COMMIT as ``BEGIN NOT
 # ATOMIC RELEASE SAVEPOINT w; COMMIT; END``: a failing RELEASE stops the compound before
 # the COMMIT. The unfenced transaction's round trips, no more. sql_mode=ORACLE parses no
 # BEGIN NOT ATOMIC: refused as syntax (1064) before anything ran, then the statements go
 # one by one (MySQL has no compound statement outside stored programs: one by one always).
 
-_RIDE_SET: Final = f"BEGIN NOT ATOMIC {_SET_WITNESS}; {{}}; END"
+_RIDE_SET: Final = f"BEGIN NOT ATOMIC {{}}; {_SET_WITNESS}; END"
 _RIDE_COMMIT: Final = f"BEGIN NOT ATOMIC {_RELEASE_WITNESS}; COMMIT; END"
 
 
@@ -1780,8 +1782,9 @@ class _Riding:
             if not (_syntax(exc) and _oracle_mode(conn)):
                 raise
         self.plain = True
-        _exec_mysql(conn, Stmt(_SET_WITNESS))
-        return _exec_mysql(conn, stmt)
+        res = _exec_mysql(conn, stmt)
+        _exec_mysql(conn, Stmt(_SET_WITNESS))  # (after the check: see above)
+        return res
 
     async def asend(self, conn: Any, stmt: Stmt) -> Result:
         if not self._first(stmt):
@@ -1793,8 +1796,9 @@ class _Riding:
             if not (_syntax(exc) and await _aoracle_mode(conn)):
                 raise
         self.plain = True
-        await _aexec_mysql(conn, Stmt(_SET_WITNESS))
-        return await _aexec_mysql(conn, stmt)
+        res = await _aexec_mysql(conn, stmt)
+        await _aexec_mysql(conn, Stmt(_SET_WITNESS))  # (after the check: see above)
+        return res
 
     def end(self, conn: Any, resource: str, token: FencingToken) -> bool:
         """RELEASE and COMMIT in one statement; False: send them one by one instead (ORACLE
