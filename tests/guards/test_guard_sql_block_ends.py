@@ -574,32 +574,37 @@ def test_a_savepoint_of_sqlalchemys_left_open_in_the_block_is_committed_with_it(
 
 @pytest.mark.xdist_group("mariadb")
 @pytest.mark.parametrize("mode", ["TRADITIONAL", "ORACLE"])
+@pytest.mark.parametrize("kind", ["pymysql", "asyncmy"])
 def test_a_rollback_to_the_witness_on_mariadb_keeps_the_fence(
-    mysql_db: dict[str, Any], mode: str
+    mysql_db: dict[str, Any], mode: str, kind: str
 ) -> None:
     """The block's ``ROLLBACK TO SAVEPOINT fenced_transaction``: the witness is set after
     the check (riding or one by one), so the rollback undoes the block's work only: the
     fence row stays locked (a newer holder waits) and the mark is the block's token."""
-    d = _in_mode(_pymysql(mysql_db, False), mode)
-    guard = SQLGuard("acct")
-    c = d.connect()
+    d = _in_mode((_pymysql if kind == "pymysql" else _asyncmy)(mysql_db, False), mode)
     other = pymysql.connect(**mysql_db, autocommit=True)
-    try:
-        with guard.transaction(c, token=tok(5)):
-            d.write(c, "undone")
+
+    async def steps(c: Any) -> None:
+        await _maybe(d.write(c, "undone"))
+        if d.is_async:
+            async with c.cursor() as cur:
+                await cur.execute("ROLLBACK TO SAVEPOINT fenced_transaction")
+        else:
             _mysql_sql(c, "ROLLBACK TO SAVEPOINT fenced_transaction")
-            with pytest.raises(pymysql.err.OperationalError):  # (locked: 1205 at once)
-                _mysql_sql(
-                    other,
-                    "SELECT token FROM fenced_fences WHERE resource = %s FOR UPDATE NOWAIT",
-                    ("acct",),
-                )
-            d.write(c, "kept")
+        with pytest.raises(pymysql.err.OperationalError):  # (locked: 1205 at once)
+            _mysql_sql(
+                other,
+                "SELECT token FROM fenced_fences WHERE resource = %s FOR UPDATE NOWAIT",
+                ("acct",),
+            )
+        await _maybe(d.write(c, "kept"))
+
+    try:
+        assert asyncio.run(_block(d, 5, steps)) == "committed"
         assert d.read() == "kept"
         assert _high_water(d) == tok(5)
     finally:
         other.close()
-        c.close()
 
 
 # -- statements after the end that commit as they run: never told as rolled back -----------
