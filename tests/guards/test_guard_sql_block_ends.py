@@ -740,3 +740,27 @@ def test_a_block_that_turns_autocommit_on_leaves_it_off_as_found(driver: Driver)
 
     assert asyncio.run(run(True)) is False
     assert asyncio.run(run(False)) is False
+
+
+@pytest.mark.parametrize("level", ["", None])
+def test_a_rollback_to_the_witness_on_sqlite_keeps_the_fence(tmp_path: Path, level: Any) -> None:
+    """sqlite3: the witness is a savepoint set after the check (inside a BEGIN), so the
+    block's ``ROLLBACK TO SAVEPOINT fenced_transaction`` undoes its own work only: the mark
+    is the block's token when it commits, and an older token is refused after it."""
+    d = _sqlite(tmp_path / "guarded.db", isolation_level=level)
+    guard = SQLGuard("acct")
+    c = d.connect()
+    try:
+        with guard.transaction(c, token=tok(3)):
+            d.write(c, "three")
+        with guard.transaction(c, token=tok(5)):
+            d.write(c, "undone")
+            c.execute("ROLLBACK TO SAVEPOINT fenced_transaction")
+            d.write(c, "five")
+        assert d.read() == "five"
+        assert guard.high_water(c) == tok(5)
+        with pytest.raises(StaleTokenError), guard.transaction(c, token=tok(3)):
+            d.write(c, "stale")
+        assert d.read() == "five"
+    finally:
+        c.close()

@@ -1493,9 +1493,10 @@ def guarded_transaction(
 # only as long as that transaction (every end drops it), so RELEASE SAVEPOINT before the
 # COMMIT fails exactly when the block ended it: then what is still open is rolled back and
 # the end raised (StaleTokenError if a newer token was accepted meanwhile, else
-# ConfigurationError), as psycopg's recheck does. On SQLite the savepoint *is* the
-# transaction (SAVEPOINT outside one opens it, the outermost RELEASE commits it): the witness
-# costs no statement there. (What ran between two ends of the block's own is not caught: the
+# ConfigurationError), as psycopg's recheck does. The witness is set after the check, never
+# before it: the block's ROLLBACK TO SAVEPOINT of it then undoes the block's work only (a
+# savepoint before the check would undo the fence, the mark back and, on MariaDB, the row
+# released). (What ran between two ends of the block's own is not caught: the
 # second commits it.)
 
 WITNESS: Final = "fenced_transaction"
@@ -1595,12 +1596,12 @@ def _sqlite_autocommits(conn: sqlite3.Connection) -> bool:
 
 
 class SQLiteTransaction(tuple[sqlite3.Cursor, FenceSQL, tuple[str, str, int], FencingToken, bool]):
-    """``transaction()`` on a plain ``sqlite3.Connection``: ``SAVEPOINT`` (which opens the
-    transaction, deferred: its first statement, the fence, is a write, so it takes the write
-    lock waiting as ``BEGIN IMMEDIATE`` would), the fence's UPDATE (accepted in place: its
-    row count is the verdict; else the accepting upsert and its verdict, the plan: a first
-    check, or a refusal), the block, ``RELEASE`` (the outermost: the COMMIT), or ROLLBACK if
-    the block raises. A RELEASE that finds no savepoint means the block ended the
+    """``transaction()`` on a plain ``sqlite3.Connection``: ``BEGIN`` (deferred: its first
+    statement, the fence, is a write, so it takes the write lock waiting as ``BEGIN
+    IMMEDIATE`` would), the fence's UPDATE (accepted in place: its row count is the verdict;
+    else the accepting upsert and its verdict, the plan: a first check, or a refusal),
+    ``SAVEPOINT`` (the witness, after the check), the block, ``RELEASE`` and ``COMMIT``, or
+    ROLLBACK if the block raises. A RELEASE that finds no savepoint means the block ended the
     transaction (see above). Made of ``(cursor, fence SQL, (resource, lock, value), token,
     deferred)``: one cursor of the connection (made by ``transaction()``) runs the three
     statements (``conn.execute`` would make a cursor for each, a fifth of what the guard
@@ -1625,7 +1626,7 @@ class SQLiteTransaction(tuple[sqlite3.Cursor, FenceSQL, tuple[str, str, int], Fe
         except sqlite3.ProgrammingError as exc:  # closed
             _raise_mapped(SQLITE, conn, exc)
         try:
-            cur.execute(_SET_WITNESS)
+            cur.execute("BEGIN")
             if cur.execute(sql.update, params).rowcount != 1:  # (1: accepted in place)
                 # no row yet, or not accepted: the upsert decides, and says why not
                 drive(
@@ -1633,6 +1634,7 @@ class SQLiteTransaction(tuple[sqlite3.Cursor, FenceSQL, tuple[str, str, int], Fe
                     lambda stmt: _exec_sqlite(conn, stmt),
                     lambda exc: map_error(SQLITE, conn, exc),
                 )
+            cur.execute(_SET_WITNESS)  # (after the check: see above)
         except BaseException as exc:
             with contextlib.suppress(Exception):
                 conn.rollback()
@@ -1654,7 +1656,8 @@ class SQLiteTransaction(tuple[sqlite3.Cursor, FenceSQL, tuple[str, str, int], Fe
                     conn.isolation_level = None
             return
         try:
-            cur.execute(_RELEASE_WITNESS)  # (the outermost savepoint: the COMMIT)
+            cur.execute(_RELEASE_WITNESS)
+            cur.execute("COMMIT")
         except Exception as e:
             _sqlite_ended(cur.connection, self[1], self[2][0], self[3], e, self[4])
         if self[4]:
