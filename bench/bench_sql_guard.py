@@ -12,8 +12,8 @@ innodb_flush_log_at_trx_commit=1; PyMySQL), one sequential client each. Each tra
 * SQLGuard.transaction - ``with guard.transaction(conn, token=...)``: on PostgreSQL the check
   rides with BEGIN (``BEGIN; EXECUTE <check>``, one message), the UPDATE, and the recheck
   with COMMIT (``SELECT <recheck>; COMMIT``): the unfenced transaction's three round trips;
-  on SQLite ``SAVEPOINT`` (the witness, which opens the transaction), the check, the UPDATE,
-  ``RELEASE`` (the COMMIT); on MariaDB the check with the witness in one compound statement,
+  on SQLite ``BEGIN``, the check, ``SAVEPOINT`` (the witness), the UPDATE, ``RELEASE``,
+  ``COMMIT``; on MariaDB the check with the witness in one compound statement,
   the UPDATE, the witness's release with COMMIT in another: again three statements;
   elsewhere ``begin``, ``SAVEPOINT``, the block, ``RELEASE SAVEPOINT``, COMMIT;
 * ride SQL by hand - (PostgreSQL) the same three messages sent straight through psycopg, no

@@ -347,9 +347,11 @@ ALL = [_marks(n) for n in SYNC + ASYNC]
 @pytest.mark.parametrize("driver", ALL, indirect=True)
 def test_a_block_that_commits_midway_lets_no_stale_write_in(driver: Driver, end: str) -> None:
     """After the block's own end a newer holder fences and writes: the old block's later
-    write is rolled back (the witness is gone), StaleTokenError; the newer write stays."""
+    write is rolled back (the witness is gone), StaleTokenError; the newer write stays. Its
+    message never claims more than the guard knows: what committed as it ran stays."""
     outcome = _run(driver, end, newer=True)
     assert isinstance(outcome, StaleTokenError), outcome
+    assert "stays committed, unfenced" in str(outcome)
     assert outcome.high_water == tok(6)
     assert driver.read() == "new"
     assert _high_water(driver) == tok(6)
@@ -363,6 +365,7 @@ def test_a_block_that_commits_midway_with_nobody_newer_is_told_so(driver: Driver
     outcome = _run(driver, end, newer=False)
     assert isinstance(outcome, ConfigurationError), outcome
     assert "ended the transaction" in str(outcome)
+    assert "stays committed, unfenced" in str(outcome)
     assert driver.read() == "old-1"
     assert _high_water(driver) == tok(5)
 
@@ -567,3 +570,197 @@ def test_a_savepoint_of_sqlalchemys_left_open_in_the_block_is_committed_with_it(
 
     assert asyncio.run(_block(driver, 5, old)) == "committed"
     assert driver.read() == "nested"
+
+
+@pytest.mark.xdist_group("mariadb")
+@pytest.mark.parametrize("mode", ["TRADITIONAL", "ORACLE"])
+@pytest.mark.parametrize("kind", ["pymysql", "asyncmy"])
+def test_a_rollback_to_the_witness_on_mariadb_keeps_the_fence(
+    mysql_db: dict[str, Any], mode: str, kind: str
+) -> None:
+    """The block's ``ROLLBACK TO SAVEPOINT fenced_transaction``: the witness is set after
+    the check (riding or one by one), so the rollback undoes the block's work only: the
+    fence row stays locked (a newer holder waits) and the mark is the block's token."""
+    d = _in_mode((_pymysql if kind == "pymysql" else _asyncmy)(mysql_db, False), mode)
+    other = pymysql.connect(**mysql_db, autocommit=True)
+
+    async def steps(c: Any) -> None:
+        await _maybe(d.write(c, "undone"))
+        if d.is_async:
+            async with c.cursor() as cur:
+                await cur.execute("ROLLBACK TO SAVEPOINT fenced_transaction")
+        else:
+            _mysql_sql(c, "ROLLBACK TO SAVEPOINT fenced_transaction")
+        with pytest.raises(pymysql.err.OperationalError):  # (locked: 1205 at once)
+            _mysql_sql(
+                other,
+                "SELECT token FROM fenced_fences WHERE resource = %s FOR UPDATE NOWAIT",
+                ("acct",),
+            )
+        await _maybe(d.write(c, "kept"))
+
+    try:
+        assert asyncio.run(_block(d, 5, steps)) == "committed"
+        assert d.read() == "kept"
+        assert _high_water(d) == tok(5)
+    finally:
+        other.close()
+
+
+# -- statements after the end that commit as they run: never told as rolled back -----------
+
+
+async def _late_sqlite_script(c: Any) -> None:
+    c.executescript("UPDATE acct SET v = 'old-2' WHERE id = 1;")
+
+
+async def _late_sqlite_cte(c: Any) -> None:
+    # (sqlite3 opens no transaction for a statement that starts with WITH)
+    c.execute("WITH n(v) AS (SELECT 'old-2') UPDATE acct SET v = (SELECT v FROM n) WHERE id = 1")
+
+
+async def _late_pymysql_autocommit(c: Any) -> None:
+    c.autocommit(True)
+    _mysql_sql(c, "UPDATE acct SET v = 'old-2' WHERE id = 1")
+
+
+async def _late_pymysql_set_autocommit(c: Any) -> None:
+    _mysql_sql(c, "SET autocommit = 1")
+    _mysql_sql(c, "UPDATE acct SET v = 'old-2' WHERE id = 1")
+
+
+async def _late_asyncmy_autocommit(c: Any) -> None:
+    await c.autocommit(True)
+    async with c.cursor() as cur:
+        await cur.execute("UPDATE acct SET v = 'old-2' WHERE id = 1")
+
+
+async def _late_sa_autocommit(c: Any) -> None:
+    c.execution_options(isolation_level="AUTOCOMMIT")
+    c.execute(sa.text("UPDATE acct SET v = 'old-2' WHERE id = 1"))
+
+
+async def _late_sa_several(c: Any) -> None:
+    c.exec_driver_sql("COMMIT; UPDATE acct SET v = 'old-2' WHERE id = 1")
+
+
+AS_THEY_RUN = [
+    ("sqlite3-deferred", _late_sqlite_script),
+    ("sqlite3-autocommit", _late_sqlite_script),
+    ("sqlite3-deferred", _late_sqlite_cte),
+    ("sqlite3-autocommit", _late_sqlite_cte),
+    ("pymysql", _late_pymysql_autocommit),
+    ("pymysql", _late_pymysql_set_autocommit),
+    ("asyncmy", _late_asyncmy_autocommit),
+    ("sa-core-sqlite", _late_sa_autocommit),
+    ("sa-core-mariadb", _late_sa_autocommit),
+    ("sa-core-postgresql", _late_sa_several),
+]
+
+
+@pytest.mark.parametrize(
+    ("driver", "late"),
+    [
+        pytest.param(n, f, marks=_marks(n).marks, id=f"{n}-{f.__name__.removeprefix('_late_')}")
+        for n, f in AS_THEY_RUN
+    ],
+    indirect=["driver"],
+)
+def test_a_stale_write_that_committed_as_it_ran_is_told_so_never_as_rolled_back(
+    driver: Driver, late: Callable[[Any], Awaitable[None]]
+) -> None:
+    """After the block's end a newer holder fences and writes; the old block's later write
+    then commits as it runs (autocommit turned on, executescript(), a WITH statement sqlite3
+    opens no transaction for, several statements in one message). No check at the end can
+    take it back: the guard, which can tell (autocommit on, or no transaction open, at the
+    block's end), says so in a ConfigurationError (never a refusal: a StaleTokenError tells
+    the caller nothing was written), and the write is there, as told."""
+
+    async def old(c: Any) -> None:
+        await _maybe(driver.write(c, "old-1"))
+        await _maybe(driver.end(c, "commit()"))
+        assert await _block(driver, 6, lambda n: _maybe(driver.write(n, "new"))) == "committed"
+        await late(c)
+
+    outcome = asyncio.run(_block(driver, 5, old))
+    assert isinstance(outcome, ConfigurationError), outcome
+    assert "committed as it ran, unfenced" in str(outcome)
+    assert "over the newer holder's writes" in str(outcome)
+    assert "was rolled back" not in str(outcome)
+    assert driver.read() == "old-2"  # (as told)
+
+
+def test_psycopg_several_statements_in_one_message_after_the_end_are_told_as_they_ran(
+    pg_dsn: str,
+) -> None:
+    """psycopg's ride: a message of several statements after the block's end commits as it
+    runs (BEGIN; UPDATE; COMMIT): no transaction open at the block's end, told so."""
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        guard = SQLGuard("acct")
+        guard.install(c)
+        c.execute("CREATE TABLE acct (id INTEGER PRIMARY KEY, v TEXT)")
+        c.execute("INSERT INTO acct VALUES (1, 'init')")
+        with pytest.raises(ConfigurationError) as caught:
+            with guard.transaction(c, token=tok(5)):
+                c.execute("UPDATE acct SET v = 'a'")
+                c.commit()
+                with psycopg.connect(pg_dsn) as n, guard.transaction(n, token=tok(6)):
+                    n.execute("UPDATE acct SET v = 'new'")
+                c.execute("UPDATE acct SET v = 'b'; COMMIT")
+        assert "committed as it ran, unfenced" in str(caught.value)
+        assert "was rolled back" not in str(caught.value)
+        assert c.execute("SELECT v FROM acct").fetchall() == [("b",)]
+
+
+@pytest.mark.parametrize("driver", [_marks("pymysql"), _marks("asyncmy")], indirect=True)
+def test_a_block_that_turns_autocommit_on_leaves_it_off_as_found(driver: Driver) -> None:
+    """A connection the guard found with autocommit off, whose block turned it on: off again
+    after the transaction (either way it ends)."""
+
+    async def run(ok: bool) -> bool:
+        c = await _maybe(driver.connect())
+        guard = SQLGuard("acct")
+        try:
+            try:
+                if driver.is_async:
+                    async with guard.atransaction(c, token=tok(5)):
+                        await c.autocommit(True)
+                        if not ok:
+                            raise RuntimeError("the block's")
+                else:
+                    with guard.transaction(c, token=tok(5)):
+                        c.autocommit(True)
+                        if not ok:
+                            raise RuntimeError("the block's")
+            except (fenced.FencedError, RuntimeError):
+                pass
+            return bool(c.get_autocommit())
+        finally:
+            await _maybe(driver.close(c))
+
+    assert asyncio.run(run(True)) is False
+    assert asyncio.run(run(False)) is False
+
+
+@pytest.mark.parametrize("level", ["", None])
+def test_a_rollback_to_the_witness_on_sqlite_keeps_the_fence(tmp_path: Path, level: Any) -> None:
+    """sqlite3: the witness is a savepoint set after the check (inside a BEGIN), so the
+    block's ``ROLLBACK TO SAVEPOINT fenced_transaction`` undoes its own work only: the mark
+    is the block's token when it commits, and an older token is refused after it."""
+    d = _sqlite(tmp_path / "guarded.db", isolation_level=level)
+    guard = SQLGuard("acct")
+    c = d.connect()
+    try:
+        with guard.transaction(c, token=tok(3)):
+            d.write(c, "three")
+        with guard.transaction(c, token=tok(5)):
+            d.write(c, "undone")
+            c.execute("ROLLBACK TO SAVEPOINT fenced_transaction")
+            d.write(c, "five")
+        assert d.read() == "five"
+        assert guard.high_water(c) == tok(5)
+        with pytest.raises(StaleTokenError), guard.transaction(c, token=tok(3)):
+            d.write(c, "stale")
+        assert d.read() == "five"
+    finally:
+        c.close()

@@ -38,7 +38,12 @@ from typing import Any, Final, NoReturn, TypeVar
 
 from .._clients.pg_errors import kind as pg_kind
 from .._clients.sqlite_errors import is_busy, is_unavailable
-from .._core.errors import BackendUnavailable, ConfigurationError, FencedError
+from .._core.errors import (
+    BackendUnavailable,
+    ConfigurationError,
+    FencedError,
+    StaleTokenError,
+)
 from .._core.token import FencingToken
 from ._plan import adrive, drive
 from ._sql_plan import (
@@ -1189,6 +1194,8 @@ def _ride(
                 f"with {token} and turned autocommit on: its statements after that were "
                 "committed as they ran, unfenced"
             )
+        # (psycopg opens a transaction for the recheck if none is open: read before it)
+        definite = None if in_transaction(conn) else "no transaction was open at the block's end"
         head, tail = _ride_last()
         try:
             yield _Message(head + b"%d" % xid + tail, rows=False)
@@ -1206,7 +1213,7 @@ def _ride(
                 raise _ride_error(conn, resource, token, why, first=True) from exc
             detail = str(found[0][0]) if found else None
             raise _ended_or_stale(
-                resource, token, pipelined_refusal(resource, token, detail)
+                resource, token, pipelined_refusal(resource, token, detail), definite
             ) from exc
     finally:
         conn._autocommit = autocommit
@@ -1256,17 +1263,84 @@ def _ride_error(
     return _pipelined_error(conn, resource, token, exc)
 
 
-def _ended_or_stale(resource: str, token: FencingToken, refusal: Exception) -> Exception:
-    """The recheck's refusal: ``refusal`` (from the fence row as it is now) if it says why
-    (stale, wrong lock, corrupt); a mark that does not say stale means the block ended the
-    transaction the check ran in."""
+# What the guard can say of the statements that ran after the block ended its transaction.
+# It rolls back what is still open, but statements that committed as they ran are past any
+# check at the end: never told as rolled back.
+AS_RAN_MAYBE: Final = (
+    "what ran after the end and is still open was rolled back, but what committed as it ran "
+    "(in autocommit, several statements in one message, executescript(), a statement the "
+    "driver ran outside a transaction) stays committed, unfenced"
+)
+
+
+def _as_ran_all(why: str) -> str:
+    return (
+        f"{why}: what ran after the end committed as it ran, unfenced (unless a ROLLBACK "
+        "of the block undid it); nothing of it was left for the guard to roll back"
+    )
+
+
+def _ended_or_stale(
+    resource: str, token: FencingToken, refusal: Exception, definite: str | None = None
+) -> Exception:
+    """The recheck's (or the witness's) refusal, from the fence row as it is now
+    (``refusal``): the block ended the transaction the check ran in. ``definite``: why the
+    guard knows that what ran after the end committed as it ran (:func:`_as_ran`), else None.
+    Stale (a newer token accepted since): StaleTokenError, which says what may have
+    committed; but a ConfigurationError when the guard knows the block's later statements
+    committed (a refusal would tell the caller nothing was written). Wrong lock, corrupt:
+    ``refusal``. Else ConfigurationError."""
+    ended = (
+        f"transaction(): a statement of the block ended the transaction (COMMIT, ROLLBACK, "
+        f"commit(), autocommit turned on, DDL on MySQL) that fenced {resource!r} with {token}"
+    )
+    after = AS_RAN_MAYBE if definite is None else _as_ran_all(definite)
+    if isinstance(refusal, StaleTokenError):
+        newer = f"{refusal.high_water or 'a higher token'} was accepted since"
+        if definite is None:
+            return StaleTokenError(
+                refusal.token,
+                refusal.high_water,
+                resource,
+                f"{refusal}: {ended}; what ran before the end was committed, fenced; {after}",
+            )
+        return ConfigurationError(
+            f"{ended}, and {newer}: {after}; it may have written over the newer holder's writes"
+        )
     if not isinstance(refusal, FenceConflictError):
         return refusal
-    return ConfigurationError(
-        f"transaction(): a statement of the block ended the transaction (COMMIT, "
-        f"ROLLBACK, commit()) that fenced {resource!r} with {token}: what ran before it "
-        "was committed, fenced; what ran after it was rolled back"
-    )
+    return ConfigurationError(f"{ended}: what ran before the end was committed, fenced; {after}")
+
+
+def _as_ran(conn: Any) -> str | None:
+    """Why what ran after the block's end committed as it ran, if the driver connection
+    ``conn`` tells (its flags, read before the guard sends anything more): autocommit on,
+    or no transaction open, at the block's end. None: it cannot tell."""
+    try:
+        kind = _kind(conn)
+        if kind == "sqlite3":
+            auto = _sqlite_autocommits(conn)
+        elif kind in ("pymysql", "asyncmy"):
+            auto = bool(conn.get_autocommit())
+        elif kind in ("psycopg", "psycopg-async"):
+            auto = bool(conn.autocommit)
+        else:
+            return None
+        if auto:
+            return "the connection was in autocommit at the block's end"
+        if not in_transaction(conn):
+            return "no transaction was open at the block's end"
+    except Exception:  # (closed: the guard's next statement reports it)
+        return None
+    return None
+
+
+def _sa_as_ran(sa: Any) -> str | None:
+    """:func:`_as_ran` of a SQLAlchemy Connection's driver connection."""
+    try:
+        return _as_ran(sa.connection.dbapi_connection)
+    except Exception:
+        return None
 
 
 def _rides(conn: Any) -> bool:
@@ -1386,6 +1460,8 @@ def guarded_transaction(
         finally:
             if back:
                 _autocommit_back(conn)
+            elif kind == "pymysql":
+                _autocommit_off_again(conn)
         return
     if not _rides(conn):
         with _pipelined_transaction(conn, table, resource, token, use):
@@ -1417,9 +1493,10 @@ def guarded_transaction(
 # only as long as that transaction (every end drops it), so RELEASE SAVEPOINT before the
 # COMMIT fails exactly when the block ended it: then what is still open is rolled back and
 # the end raised (StaleTokenError if a newer token was accepted meanwhile, else
-# ConfigurationError), as psycopg's recheck does. On SQLite the savepoint *is* the
-# transaction (SAVEPOINT outside one opens it, the outermost RELEASE commits it): the witness
-# costs no statement there. (What ran between two ends of the block's own is not caught: the
+# ConfigurationError), as psycopg's recheck does. The witness is set after the check, never
+# before it: the block's ROLLBACK TO SAVEPOINT of it then undoes the block's work only (a
+# savepoint before the check would undo the fence, the mark back and, on MariaDB, the row
+# released). (What ran between two ends of the block's own is not caught: the
 # second commits it.)
 
 WITNESS: Final = "fenced_transaction"
@@ -1441,29 +1518,31 @@ def _witness_gone(exc: BaseException) -> bool:
 
 
 def _ended_error(
-    resource: str, token: FencingToken, row: Sequence[Any] | None, *, as_ran: str = ""
+    resource: str,
+    token: FencingToken,
+    row: Sequence[Any] | None,
+    definite: str | None,
+    *,
+    note: str = "",
 ) -> Exception:
     """The error for a block that ended the transaction its check ran in, from the fence row
-    read afterwards (``row``: lock, token; None: no row): stale if a newer token was
-    accepted meanwhile. ``as_ran``: "all" if the connection ran what followed the end in
-    autocommit (nothing left to roll back: said so, never as a refusal); else a note on
+    read afterwards (``row``: lock, token; None: no row): :func:`_ended_or_stale`.
+    ``definite``: :func:`_as_ran`, read before the guard rolled back; ``note``: more on
     what of it was committed as it ran."""
     import json
 
-    if as_ran == "all":
-        return ConfigurationError(
-            f"transaction(): a statement of the block ended the transaction that fenced "
-            f"{resource!r} with {token}, and the connection runs in autocommit: what ran "
-            "after the end was committed as it ran, unfenced"
-        )
     detail = (
         None
         if row is None
         else json.dumps({"lock": row[0], "token": None if row[1] is None else str(row[1])})
     )
-    error = _ended_or_stale(resource, token, pipelined_refusal(resource, token, detail))
-    if as_ran and isinstance(error, ConfigurationError):
-        return ConfigurationError(f"{error} ({as_ran})")
+    refusal = pipelined_refusal(resource, token, detail)
+    error = _ended_or_stale(resource, token, refusal, definite)
+    if note and definite is None and isinstance(error, ConfigurationError | StaleTokenError):
+        message = f"{error} ({note})"
+        if isinstance(error, StaleTokenError):
+            return StaleTokenError(error.token, error.high_water, resource, message)
+        return ConfigurationError(message)
     return error
 
 
@@ -1485,8 +1564,8 @@ def _sqlite_ended(
     the end; else the error (a failed commit: left open, as a failed COMMIT is, unless the
     guard ran the block ``deferred``: then rolled back, as setting the level back to None
     would commit it)."""
-    # (the block may have set isolation_level None itself: all as it ran then)
-    as_ran = "all" if _sqlite_autocommits(conn) else _SQLITE_DDL_AS_RAN if deferred else ""
+    # (read before the rollback; the block may have set isolation_level None itself)
+    definite = _as_ran(conn)
     if deferred:
         with contextlib.suppress(Exception):
             conn.rollback()
@@ -1502,7 +1581,8 @@ def _sqlite_ended(
         cur.close()
     except Exception as why:
         _raise_mapped(SQLITE, conn, why)
-    raise _ended_error(resource, token, row, as_ran=as_ran) from exc
+    note = _SQLITE_DDL_AS_RAN if deferred else ""
+    raise _ended_error(resource, token, row, definite, note=note) from exc
 
 
 _PY312: Final = sys.version_info >= (3, 12)  # (sqlite3's autocommit attribute)
@@ -1516,12 +1596,12 @@ def _sqlite_autocommits(conn: sqlite3.Connection) -> bool:
 
 
 class SQLiteTransaction(tuple[sqlite3.Cursor, FenceSQL, tuple[str, str, int], FencingToken, bool]):
-    """``transaction()`` on a plain ``sqlite3.Connection``: ``SAVEPOINT`` (which opens the
-    transaction, deferred: its first statement, the fence, is a write, so it takes the write
-    lock waiting as ``BEGIN IMMEDIATE`` would), the fence's UPDATE (accepted in place: its
-    row count is the verdict; else the accepting upsert and its verdict, the plan: a first
-    check, or a refusal), the block, ``RELEASE`` (the outermost: the COMMIT), or ROLLBACK if
-    the block raises. A RELEASE that finds no savepoint means the block ended the
+    """``transaction()`` on a plain ``sqlite3.Connection``: ``BEGIN`` (deferred: its first
+    statement, the fence, is a write, so it takes the write lock waiting as ``BEGIN
+    IMMEDIATE`` would), the fence's UPDATE (accepted in place: its row count is the verdict;
+    else the accepting upsert and its verdict, the plan: a first check, or a refusal),
+    ``SAVEPOINT`` (the witness, after the check), the block, ``RELEASE`` and ``COMMIT``, or
+    ROLLBACK if the block raises. A RELEASE that finds no savepoint means the block ended the
     transaction (see above). Made of ``(cursor, fence SQL, (resource, lock, value), token,
     deferred)``: one cursor of the connection (made by ``transaction()``) runs the three
     statements (``conn.execute`` would make a cursor for each, a fifth of what the guard
@@ -1546,7 +1626,7 @@ class SQLiteTransaction(tuple[sqlite3.Cursor, FenceSQL, tuple[str, str, int], Fe
         except sqlite3.ProgrammingError as exc:  # closed
             _raise_mapped(SQLITE, conn, exc)
         try:
-            cur.execute(_SET_WITNESS)
+            cur.execute("BEGIN")
             if cur.execute(sql.update, params).rowcount != 1:  # (1: accepted in place)
                 # no row yet, or not accepted: the upsert decides, and says why not
                 drive(
@@ -1554,6 +1634,7 @@ class SQLiteTransaction(tuple[sqlite3.Cursor, FenceSQL, tuple[str, str, int], Fe
                     lambda stmt: _exec_sqlite(conn, stmt),
                     lambda exc: map_error(SQLITE, conn, exc),
                 )
+            cur.execute(_SET_WITNESS)  # (after the check: see above)
         except BaseException as exc:
             with contextlib.suppress(Exception):
                 conn.rollback()
@@ -1575,7 +1656,8 @@ class SQLiteTransaction(tuple[sqlite3.Cursor, FenceSQL, tuple[str, str, int], Fe
                     conn.isolation_level = None
             return
         try:
-            cur.execute(_RELEASE_WITNESS)  # (the outermost savepoint: the COMMIT)
+            cur.execute(_RELEASE_WITNESS)
+            cur.execute("COMMIT")
         except Exception as e:
             _sqlite_ended(cur.connection, self[1], self[2][0], self[3], e, self[4])
         if self[4]:
@@ -1621,6 +1703,20 @@ def _autocommit_back(conn: Any) -> None:
         if in_transaction(conn):  # (the transaction failed: not to be committed by SET)
             conn.rollback()
         conn.autocommit(True)
+
+
+def _autocommit_off_again(conn: Any) -> None:
+    """The block turned autocommit on (``autocommit(True)``, ``SET autocommit = 1``) on a
+    connection the guard found with it off: off again, as found (the transaction is over)."""
+    with contextlib.suppress(Exception):
+        if conn.get_autocommit():
+            conn.autocommit(False)
+
+
+async def _aautocommit_off_again(conn: Any) -> None:
+    with contextlib.suppress(Exception):
+        if conn.get_autocommit():
+            await conn.autocommit(False)
 
 
 async def _ano_autocommit(conn: Any) -> bool:
@@ -1682,6 +1778,9 @@ def _release_witness(conn: Any, table: str, resource: str, token: FencingToken) 
         while (nested := conn.get_nested_transaction()) is not None:
             nested.commit()
     sa = sa_connection(conn)
+    # (the driver's flags as the block left them: read before the RELEASE under SQLAlchemy,
+    # for which psycopg begins a transaction; a failed statement changes none of PyMySQL's)
+    definite = None if sa is None else _sa_as_ran(sa)
     try:
         if sa is None:
             _exec_mysql(conn, Stmt(_RELEASE_WITNESS))
@@ -1689,6 +1788,7 @@ def _release_witness(conn: Any, table: str, resource: str, token: FencingToken) 
             sa.exec_driver_sql(_RELEASE_WITNESS)
         return
     except Exception as exc:
+        definite = _as_ran(conn) if sa is None else definite
         with contextlib.suppress(Exception):
             conn.rollback()
         if not _witness_gone(exc):
@@ -1706,7 +1806,7 @@ def _release_witness(conn: Any, table: str, resource: str, token: FencingToken) 
     finally:
         with contextlib.suppress(Exception):
             conn.rollback()
-    raise _ended_error(resource, token, rows[0] if rows else None) from failed
+    raise _ended_error(resource, token, rows[0] if rows else None, definite) from failed
 
 
 async def _arelease_witness(conn: Any, table: str, resource: str, token: FencingToken) -> None:
@@ -1715,6 +1815,7 @@ async def _arelease_witness(conn: Any, table: str, resource: str, token: Fencing
         await _aexec_mysql(conn, Stmt(_RELEASE_WITNESS))
         return
     except Exception as exc:
+        definite = _as_ran(conn)  # (before the rollback: see _release_witness)
         with contextlib.suppress(Exception):
             await conn.rollback()
         if not _witness_gone(exc):
@@ -1728,20 +1829,22 @@ async def _arelease_witness(conn: Any, table: str, resource: str, token: Fencing
     finally:
         with contextlib.suppress(Exception):
             await conn.rollback()
-    raise _ended_error(resource, token, rows[0] if rows else None) from failed
+    raise _ended_error(resource, token, rows[0] if rows else None, definite) from failed
 
 
 # -- on MariaDB the witness rides in the statements sent anyway ----------------------------------
 # MariaDB runs a compound statement (BEGIN NOT ATOMIC ... END) outside stored programs, and
 # one may hold SAVEPOINT, RELEASE SAVEPOINT and COMMIT. So the check's UPDATE goes as
-# ``BEGIN NOT ATOMIC SAVEPOINT w; <UPDATE>; END`` (the compound's affected-row count is its
-# last statement's, the UPDATE's: the verdict reads as before) and the COMMIT as ``BEGIN NOT
+# ``BEGIN NOT ATOMIC <UPDATE>; SAVEPOINT w; END`` (the compound's affected-row count is the
+# UPDATE's, which SAVEPOINT leaves as it is: the verdict reads as before). The savepoint
+# after the check, never before: the block's ROLLBACK TO SAVEPOINT w would otherwise undo the
+# fence (the mark back, the row released) and leave the witness standing and the COMMIT as ``BEGIN NOT
 # ATOMIC RELEASE SAVEPOINT w; COMMIT; END``: a failing RELEASE stops the compound before
 # the COMMIT. The unfenced transaction's round trips, no more. sql_mode=ORACLE parses no
 # BEGIN NOT ATOMIC: refused as syntax (1064) before anything ran, then the statements go
 # one by one (MySQL has no compound statement outside stored programs: one by one always).
 
-_RIDE_SET: Final = f"BEGIN NOT ATOMIC {_SET_WITNESS}; {{}}; END"
+_RIDE_SET: Final = f"BEGIN NOT ATOMIC {{}}; {_SET_WITNESS}; END"
 _RIDE_COMMIT: Final = f"BEGIN NOT ATOMIC {_RELEASE_WITNESS}; COMMIT; END"
 
 
@@ -1780,8 +1883,9 @@ class _Riding:
             if not (_syntax(exc) and _oracle_mode(conn)):
                 raise
         self.plain = True
-        _exec_mysql(conn, Stmt(_SET_WITNESS))
-        return _exec_mysql(conn, stmt)
+        res = _exec_mysql(conn, stmt)
+        _exec_mysql(conn, Stmt(_SET_WITNESS))  # (after the check: see above)
+        return res
 
     async def asend(self, conn: Any, stmt: Stmt) -> Result:
         if not self._first(stmt):
@@ -1793,8 +1897,9 @@ class _Riding:
             if not (_syntax(exc) and await _aoracle_mode(conn)):
                 raise
         self.plain = True
-        await _aexec_mysql(conn, Stmt(_SET_WITNESS))
-        return await _aexec_mysql(conn, stmt)
+        res = await _aexec_mysql(conn, stmt)
+        await _aexec_mysql(conn, Stmt(_SET_WITNESS))  # (after the check: see above)
+        return res
 
     def end(self, conn: Any, resource: str, token: FencingToken) -> bool:
         """RELEASE and COMMIT in one statement; False: send them one by one instead (ORACLE
@@ -1808,8 +1913,9 @@ class _Riding:
             if _syntax(exc):
                 return False
             failed = exc
+        definite = _as_ran(conn)  # (before the rollback: see _release_witness)
         _end_refused(conn, failed)
-        raise _mysql_ended(conn, self.sql, resource, token, failed)
+        raise _mysql_ended(conn, self.sql, resource, token, failed, definite)
 
     async def aend(self, conn: Any, resource: str, token: FencingToken) -> bool:
         if self.plain:
@@ -1821,11 +1927,12 @@ class _Riding:
             if _syntax(exc):
                 return False
             failed = exc
+        definite = _as_ran(conn)
         with contextlib.suppress(Exception):
             await conn.rollback()
         if not _witness_gone(failed):
             _raise_mapped(MYSQL, conn, failed)
-        raise await _amysql_ended(conn, self.sql, resource, token, failed)
+        raise await _amysql_ended(conn, self.sql, resource, token, failed, definite)
 
 
 def _end_refused(conn: Any, exc: Exception) -> None:
@@ -1837,7 +1944,12 @@ def _end_refused(conn: Any, exc: Exception) -> None:
 
 
 def _mysql_ended(
-    conn: Any, sql: FenceSQL, resource: str, token: FencingToken, exc: Exception
+    conn: Any,
+    sql: FenceSQL,
+    resource: str,
+    token: FencingToken,
+    exc: Exception,
+    definite: str | None,
 ) -> Exception:
     """The end, from the fence row read after the rollback (in a read of its own)."""
     try:
@@ -1847,13 +1959,18 @@ def _mysql_ended(
     finally:
         with contextlib.suppress(Exception):
             conn.rollback()
-    error = _ended_error(resource, token, rows[0] if rows else None)
+    error = _ended_error(resource, token, rows[0] if rows else None, definite)
     error.__cause__ = exc
     return error
 
 
 async def _amysql_ended(
-    conn: Any, sql: FenceSQL, resource: str, token: FencingToken, exc: Exception
+    conn: Any,
+    sql: FenceSQL,
+    resource: str,
+    token: FencingToken,
+    exc: Exception,
+    definite: str | None,
 ) -> Exception:
     try:
         read = Stmt(sql.read.removesuffix(" FOR UPDATE"), (resource,))
@@ -1863,7 +1980,7 @@ async def _amysql_ended(
     finally:
         with contextlib.suppress(Exception):
             await conn.rollback()
-    error = _ended_error(resource, token, rows[0] if rows else None)
+    error = _ended_error(resource, token, rows[0] if rows else None, definite)
     error.__cause__ = exc
     return error
 
@@ -1939,6 +2056,8 @@ async def aguarded_transaction(
         finally:
             if back:
                 await _aautocommit_back(conn)
+            elif not sa:
+                await _aautocommit_off_again(conn)
         return
     steps = _ride(conn, table, resource, token, use)
     step = _advance(steps, None, None)

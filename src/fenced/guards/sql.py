@@ -307,14 +307,17 @@ class SQLGuard:
 
         Elsewhere (SQLite, MySQL, SQLAlchemy): the check (on ``sqlite3`` straight to the
         driver), a savepoint ``fenced_transaction`` set in its transaction, the block, ``RELEASE
-        SAVEPOINT`` and ``COMMIT``, with ``ROLLBACK`` if the block raises (on SQLite the
-        savepoint opens the transaction and its ``RELEASE`` commits it; on MariaDB it rides
-        in compound statements with the check and the ``COMMIT``). The savepoint lives only
+        SAVEPOINT`` and ``COMMIT``, with ``ROLLBACK`` if the block raises (the savepoint set
+        after the check, so that a ``ROLLBACK TO`` it never undoes the fence; on MariaDB it
+        rides in compound statements with the check and the ``COMMIT``). The savepoint lives only
         as long as the transaction the check ran in, so a statement of the block that ended
         it (``COMMIT``, ``ROLLBACK``, ``commit()``, DDL on MySQL) makes the ``RELEASE`` fail:
         what is open is rolled back and the block raises
         :class:`~fenced.StaleTokenError` if a newer token was accepted meanwhile, else
-        :class:`~fenced.ConfigurationError`, as on psycopg. Yields the token; the
+        :class:`~fenced.ConfigurationError`, as on psycopg; statements after the end that
+        committed as they ran (autocommit, several in one message, ``executescript()``) stay
+        committed, and where the driver tells so (autocommit on, or no transaction open, at
+        the block's end) a :class:`~fenced.ConfigurationError` says they did. Yields the token; the
         transaction is committed once the block has ended without an error. A connection
         already in a transaction is refused.
         """
