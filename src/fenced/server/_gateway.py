@@ -185,7 +185,12 @@ class Gateway:
         # (lock, source id) of grants made, renewed or released here -> (the grant's token
         # value, when last: monotonic), oldest first: a late duplicate of an acquire whose
         # grant ended is told so
-        self._remembered: dict[tuple[str, str], tuple[int, float]] = {}
+        # (an OrderedDict: its oldest is found in O(1); a dict's first entry, once entries are
+        # deleted from its front, is found past their dummies: 20.8 against 0.85 µs a call at
+        # IDS_KEPT, measured, a 64-client fenced serve bench 0.59-0.93x of the last session)
+        self._remembered: collections.OrderedDict[tuple[str, str], tuple[int, float]] = (
+            collections.OrderedDict()
+        )
         self._sweeper: asyncio.Task[None] | None = None
         self._claims = False  # (the source keeps records: expiries are claimed there)
         self._unclaimed: dict[tuple[str, int], str | None] = {}  # ended, to claim: its owner
@@ -369,12 +374,11 @@ class Gateway:
         """``key``'s request id had grant ``token`` here now: remembered (:data:`IDS_KEPT`,
         for :data:`IDS_KEPT_FOR` s)."""
         ids, now = self._remembered, _clock.now()
-        ids.pop(key, None)
         ids[key] = (token.value, now)
-        for old, (_, at) in ids.items():  # (the oldest: one a call keeps the bounds)
-            if len(ids) > IDS_KEPT or at < now - IDS_KEPT_FOR:
-                del ids[old]
-            break
+        ids.move_to_end(key)
+        _, (_, at) = next(iter(ids.items()))  # (the oldest: one a call keeps the bounds)
+        if len(ids) > IDS_KEPT or at < now - IDS_KEPT_FOR:
+            ids.popitem(last=False)
 
     async def _acquire(
         self,
