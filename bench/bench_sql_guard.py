@@ -43,6 +43,9 @@ innodb_flush_log_at_trx_commit=1; PyMySQL), one sequential client each. Each tra
   else checked: the floor of a block-shaped API such as SQLGuard.transaction;
 * fence SQL, one cursor - (SQLite) fence SQL by hand with BEGIN, the UPDATE and COMMIT on one
   cursor, as SQLGuard.transaction sends them (``conn.execute`` makes a cursor per statement);
+* fence SQL + witness, one cursor - (SQLite) fence SQL, one cursor with the savepoint witness
+  SQLGuard.transaction sends since session 11 (``SAVEPOINT`` after the fence, ``RELEASE``
+  before ``COMMIT``): the floor of the design that catches a block ending its transaction;
 * fence upsert by hand - (SQLite) the accepting upsert (``INSERT .. ON CONFLICT DO UPDATE ..
   RETURNING``) by hand, its row fetched: the fence SQL until session 8, when the UPDATE took
   its place on the accepting path (the upsert now inserts a first row and explains a refusal);
@@ -94,6 +97,7 @@ VARIANTS = (
     "fence SQL by hand",
     "fence SQL, a with block",
     "fence SQL, one cursor",
+    "fence SQL + witness, one cursor",
     "fence upsert by hand",
     "row SQL by hand",
     "ride: 2 SELECT 1",
@@ -163,6 +167,8 @@ PAIRED = (
     ("SQLGuard.transaction", "fence SQL, a with block"),
     ("fence upsert by hand", "unfenced"),
     ("SQLGuard.transaction", "fence SQL, one cursor"),
+    ("fence SQL + witness, one cursor", "unfenced"),
+    ("SQLGuard.transaction", "fence SQL + witness, one cursor"),
     ("SQLGuard.transaction", "unfenced, pipelined"),
     ("ride SQL by hand", "unfenced"),
     ("pipelined form", "unfenced"),
@@ -420,6 +426,16 @@ def make_ops(
         conn.execute(update, (next(counter),))
         cur.execute("COMMIT")
 
+    def fence_witness_one_cursor() -> None:
+        cur = conn.cursor()
+        cur.execute(begin)
+        if cur.execute(fence, fence_params).rowcount != 1:
+            raise RuntimeError("refused")
+        cur.execute("SAVEPOINT w")
+        conn.execute(update, (next(counter),))
+        cur.execute("RELEASE w")
+        cur.execute("COMMIT")
+
     upsert = fence_sql(d, guard._quoted).accept
 
     def upsert_by_hand() -> None:
@@ -463,6 +479,7 @@ def make_ops(
         "fence SQL by hand": fence_by_hand,
         **({"fence SQL, a with block": fence_with_block} if d is SQLITE else {}),
         **({"fence SQL, one cursor": fence_one_cursor} if d is SQLITE else {}),
+        **({"fence SQL + witness, one cursor": fence_witness_one_cursor} if d is SQLITE else {}),
         **({"fence upsert by hand": upsert_by_hand} if d is SQLITE else {}),
         "row SQL by hand": row_by_hand,
     }
