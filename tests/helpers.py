@@ -39,6 +39,18 @@ def asyncmy_args(pymysql_args: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in pymysql_args.items() if k not in NO_TLS}
 
 
+def write_key_file(path: Path, key: Any) -> Path:
+    """``key``'s key file, as ``fenced keygen`` writes it: mode 0600 (a secret key file that
+    other users may read is refused, and the default umask gives 0644)."""
+    from fenced._core.signing import key_text
+
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="ascii") as f:
+        os.fchmod(f.fileno(), 0o600)  # (a file that was there keeps its mode otherwise)
+        f.write(key_text(key))
+    return path
+
+
 def unique_name(prefix: str = "t") -> str:
     return f"{prefix}-{uuid.uuid4().hex[:12]}"
 

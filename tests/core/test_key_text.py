@@ -17,7 +17,7 @@ import pytest
 import fenced
 from fenced import ConfigurationError, FencingToken, HmacKey, Keyring
 from fenced._core.signing import Ed25519SigningKey, b64, key_text, read_key, verify_key
-from tests.helpers import ROOT
+from tests.helpers import ROOT, write_key_file
 
 HMAC = HmacKey("h1", b"h" * 32)
 ED = Ed25519SigningKey("e1", b"\x07" * 32)
@@ -88,7 +88,7 @@ def test_text_that_is_no_key_line_and_no_file_is_not_shown(tmp_path: Path) -> No
     with pytest.raises(ConfigurationError, match=f"cannot read key file {missing}: No such"):
         fenced.load_keys([missing])
     path = tmp_path / "fenced-keys.key"
-    path.write_text(key_text(HMAC))
+    write_key_file(path, HMAC)
     assert repr(read_key(f" {path}\n", "$FENCED_SIGNING_KEY")) == repr(HMAC)
     assert verify_key(str(path)).kid == "h1"
 
@@ -154,7 +154,7 @@ def test_signing_options_without_what_they_need_are_refused(
     args: list[str], message: str, tmp_path: Path
 ) -> None:
     key = tmp_path / "k.key"
-    key.write_text(key_text(HMAC))
+    write_key_file(key, HMAC)
     env = _clean_env(FENCED_URL=f"sqlite:///{tmp_path}/l.db")
     out = _fenced(args[0], "--timeout", "5", *(a.format(key=key) for a in args[1:]), env=env)
     assert out.returncode == 2, out.stderr

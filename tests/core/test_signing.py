@@ -28,7 +28,7 @@ from fenced._core.signing import (
     load_keys,
     token_message,
 )
-from tests.helpers import TLS
+from tests.helpers import TLS, write_key_file
 
 KEY = HmacKey("k1", b"k" * 32)
 
@@ -116,13 +116,13 @@ def test_keys_never_show_their_secret(tmp_path: Path) -> None:
     key = HmacKey("k1", b"secret-material-" * 2)
     assert "secret" not in repr(key) and "secret" not in repr(Keyring([key]))
     path = tmp_path / "key"
-    path.write_text(key_text(key))
+    write_key_file(path, key)
     assert repr(load_key(path)) == "HmacKey(kid='k1')"
 
 
 def test_connect_with_a_signing_key_signs_every_grant(memory_url: str, tmp_path: Path) -> None:
     path = tmp_path / "signing.key"
-    path.write_text(key_text(KEY))
+    write_key_file(path, KEY)
     with fenced.connect(memory_url, signing_key=str(path)) as locks:
         with locks.lock("jobs", ttl=5) as lease:
             token = lease.token
@@ -440,7 +440,7 @@ def test_fenced_serve_binds_its_signatures_to_its_source_id(tmp_path: Path) -> N
     from fenced.testing.servers import FencedServer
 
     key_file = tmp_path / "signing.key"
-    key_file.write_text(key_text(KEY))
+    write_key_file(key_file, KEY)
     source = f"sqlite:///{tmp_path / 'locks.db'}"
     with FencedServer(source, args=["--signing-key", str(key_file), "--source-id", "prod"]) as s:
         u = s.url  # type: ignore[attr-defined]
@@ -586,7 +586,7 @@ def test_naming_a_running_fenced_serve_keeps_its_handed_out_tokens_with_accept_u
     from fenced.testing.servers import FencedServer
 
     key_file = tmp_path / "signing.key"
-    key_file.write_text(key_text(KEY))
+    write_key_file(key_file, KEY)
     source = f"sqlite:///{tmp_path / 'locks.db'}"
     signing = ["--signing-key", str(key_file)]
 

@@ -25,12 +25,11 @@ import pytest
 import redis
 
 import fenced
-from fenced._core.signing import key_text
 from fenced.guards.redis import RedisGuard
 from fenced.guards.sql import SQLGuard
 from fenced.replicated import Group, Item, SQLMember, stamp
 from fenced.testing.servers import MariaDBServer, RedisServer
-from tests.helpers import NO_TLS, spawn_python
+from tests.helpers import NO_TLS, spawn_python, write_key_file
 
 pytestmark = pytest.mark.xdist_group("replicated-acknowledged")
 
@@ -296,7 +295,7 @@ def test_reads_after_a_writer_killed_mid_write_are_repaired_under_the_new_fence(
 ) -> None:
     a, b = replicas(kind, tmp_path, "ab")
     keyfile = tmp_path / "k1.key"
-    keyfile.write_text(key_text(KEY))
+    write_key_file(keyfile, KEY)
     url = f"sqlite:///{tmp_path}/locks.db"
     ring = fenced.Keyring([KEY]) if signed else None
     proc = spawn_python(HALF_WRITER, url, kind, a.spec(), b.spec(), str(keyfile))

@@ -38,7 +38,8 @@ Keys are files (``fenced keygen``): one line ``fenced-key 1 <kind> <key id> <bas
 ``signing_key=`` and ``$FENCED_SIGNING_KEY`` take that line itself too (for secrets injected as
 environment variables; blanks around it dropped, anything else around it malformed), or a
 key file's path. A key's ``repr`` and every error name the key id only, never the secret,
-and never a text that may be one (errors name where it came from).
+and never a text that may be one (errors name where it came from). A key file other users
+may read (a secret) or change is refused, as ssh refuses such a key (:func:`load_key`).
 """
 
 from __future__ import annotations
@@ -49,8 +50,8 @@ import hashlib
 import hmac
 import os
 import re
+import stat
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 from typing import Any, Final, Protocol
 
 from .errors import ConfigurationError, InvalidTokenError
@@ -387,15 +388,74 @@ def load_key(
 ) -> HmacKey | Ed25519SigningKey | Ed25519VerifyKey:
     """Read a key file written by :func:`key_text` (``fenced keygen``). ``where``: how errors
     name the file (default: its path; a path taken from a variable that may hold the secret
-    itself is named by the variable, never shown)."""
-    label = f"key file {os.fspath(path)}" if where is None else f"the key file named by {where}"
+    itself is named by the variable, never shown).
+
+    Refused, as ssh refuses such a private key: a secret key (HMAC, Ed25519 private) in a file
+    that group or others may read or write, a public key in one they may write (whoever swaps
+    it decides which tokens are trusted), and a key file owned by another user than the
+    reader or root (its owner can read and replace it, whatever its mode now)."""
+    shown = os.fspath(path) if where is None else None
+    label = f"key file {shown}" if where is None else f"the key file named by {where}"
     try:
-        text = Path(path).read_text(encoding="ascii").strip()
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOCTTY", 0))
     except OSError as exc:  # (its strerror: not Python's repr of the exception)
         raise ConfigurationError(f"cannot read {label}: {exc.strerror}") from None
+    try:
+        info = os.fstat(fd)  # (the file read, not a name that may be swapped meanwhile)
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(_MAX_KEY_FILE + 1)
+    except OSError as exc:  # (a directory: EISDIR on the read)
+        raise ConfigurationError(f"cannot read {label}: {exc.strerror}") from None
+    finally:
+        os.close(fd)
+    try:
+        text = data.decode("ascii").strip()
     except UnicodeDecodeError:
         raise ConfigurationError(f"{label} is not a fenced key file") from None
-    return parse_key(text, label)
+    if len(data) > _MAX_KEY_FILE:
+        raise ConfigurationError(f"{label} is not a fenced key file")
+    key = parse_key(text, label)
+    _check_key_file(info, secret=not isinstance(key, Ed25519VerifyKey), label=label, shown=shown)
+    return key
+
+
+_MAX_KEY_FILE: Final = 65_536  # (a key's line is ~100 bytes: not a device read forever)
+
+
+def _check_key_file(info: os.stat_result, *, secret: bool, label: str, shown: str | None) -> None:
+    """Refuse a key file others may read (a secret) or change (any key), or one owned by
+    another user than the reader or root. Not where file modes mean nothing (Windows)."""
+    if os.name != "posix":
+        return
+    me = os.geteuid()
+    if info.st_uid not in (me, 0):
+        # (ssh ignores a private key's mode when another user owns it; sshd's StrictModes
+        # refuses authorized_keys owned by another user: a key file is trusted as those are)
+        try:
+            import pwd
+
+            name = pwd.getpwuid(me).pw_name
+        except (ImportError, KeyError):
+            name = str(me)
+        can = "read and replace" if secret else "replace"
+        fix = f"`chown {name} {shown}`" if shown is not None else f"`chown {name}` on that file"
+        raise ConfigurationError(
+            f"{label} is owned by another user (uid {info.st_uid}), who can {can} it; run "
+            f"{fix} (a key file must be yours or root's)"
+        )
+    mode = stat.S_IMODE(info.st_mode)
+    if secret and mode & 0o077:
+        fix = f"`chmod 600 {shown}`" if shown is not None else "`chmod 600` on that file"
+        raise ConfigurationError(
+            f"{label} holds a secret key and other users may read or change it (mode "
+            f"{mode:04o}); run {fix}"
+        )
+    if not secret and mode & 0o022:
+        fix = f"`chmod 644 {shown}`" if shown is not None else "`chmod 644` on that file"
+        raise ConfigurationError(
+            f"{label} holds a public key that other users may change (mode {mode:04o}), "
+            f"choosing which tokens are trusted; run {fix}"
+        )
 
 
 def parse_key(text: str, where: str = "the key") -> HmacKey | Ed25519SigningKey | Ed25519VerifyKey:

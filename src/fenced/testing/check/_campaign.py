@@ -1036,8 +1036,10 @@ class LocksWorkload:
 
             self.key = generate_key("hmac", "check")
             self.key_file = Path(scratch) / "signing.key"
-            self.key_file.write_text(key_text(self.key))
-            self.key_file.chmod(0o600)
+            # (made 0600: written first and chmod-ed after, it was readable by all meanwhile)
+            fd = os.open(self.key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w", encoding="ascii") as f:
+                f.write(key_text(self.key))
             keyring = Keyring([self.key], source_id=_SOURCE_ID)
 
         def reset() -> None:
