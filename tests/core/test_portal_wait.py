@@ -266,10 +266,12 @@ def test_a_reply_wakes_only_the_driving_thread(
             lease.acquire()
             lease.release()
         woke = _switches(locks.portal.thread) - before
+    # (measured: 1 on a quiet machine, 5-6 beside three busy loops, 21 in a CI run at load
+    # 7-9, each a GIL hand-off; planted, 330-500: one a reply)
     if planted:
-        assert woke >= 50, woke  # caught
+        assert woke >= 150, woke  # caught
     else:
-        assert woke <= 15, woke
+        assert woke <= 50, woke
 
 
 @pytest.mark.parametrize("planted", [False, True], ids=["fenced", "planted-never-wakes"])
