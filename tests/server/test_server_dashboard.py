@@ -157,6 +157,8 @@ def test_the_dashboard_shows_locks_counters_and_transitions(
     first = _post(f"{u}/v1/locks/reports/acquire", {"ttl": 600, "request_id": "r1"})
     _post(f"{u}/v1/locks/reports/release", {"token": first["token"], "request_id": "r1"})
     _post(f"{u}/v1/locks/reports/acquire", {"ttl": 600, "request_id": "r2"})
+    late = _post(f"{u}/v1/locks/reports/-/acquire", {"ttl": 600, "request_id": "r1"})
+    assert late["error"] == "lease_lost"  # (r1's copy, too late: a 410, counted)
     _post(f"{u}/v1/check", {"token": "reports:1"})  # stale: the dashboard counts it
     _post(f"{u}/v1/check", {"token": "reports:2"})
     httpx.post(f"{u}/v1/check", json={"token": "reports:x"}, timeout=10, verify=TLS)  # invalid
@@ -174,6 +176,7 @@ def test_the_dashboard_shows_locks_counters_and_transitions(
     assert dom.counters["fenced_checks_total{current}"] == "1"
     assert dom.counters["fenced_checks_total{invalid}"] == "1"
     assert dom.counters["fenced_grants_total"] == "3"
+    assert dom.counters["fenced_acquire_late_duplicates_total"] == "1"
     events = [(e[1], e[2], e[3]) for e in dom.tables["events"]]
     assert events[:4] == [
         ("reports", "granted", "2"),

@@ -50,23 +50,35 @@ async def asked_again(
             return released, lease, await other.status(name)
 
 
+def _sample(server: FencedServer, family: str, result: str) -> float:
+    """``family{result=...}`` as the server's /metrics says it."""
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    lines = [x for x in text.splitlines() if x.startswith(family + "{")]
+    return sum(float(x.rsplit(" ", 1)[1]) for x in lines if f'result="{result}"' in x)
+
+
 def _released_total(server: FencedServer) -> float:
     """``fenced_releases_total{result="released"}`` as the server's /metrics says it."""
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    lines = [x for x in text.splitlines() if x.startswith("fenced_releases_total{")]
-    return sum(float(x.rsplit(" ", 1)[1]) for x in lines if 'result="released"' in x)
+    return _sample(server, "fenced_releases_total", "released")
+
+
+def _retries(server: FencedServer, result: str) -> float:
+    """``fenced_release_retries_total{result=...}``."""
+    return _sample(server, "fenced_release_retries_total", result)
 
 
 async def test_a_release_whose_answer_was_lost_asked_again_is_a_release(
     server: FencedServer,
 ) -> None:
-    """True, no loss reported, the lock free; and the release counted once."""
-    before = _released_total(server)
+    """True, no loss reported, the lock free; and the release counted once, the retry
+    answered from the gateway's memory counted as such."""
+    before, remembered = _released_total(server), _retries(server, "remembered")
     released, lease, status = await asked_again(server)
     assert released is True
     assert not lease.lost.is_set(), lease.lost.cause
     assert status.holder is None
     assert _released_total(server) == before + 1
+    assert _retries(server, "remembered") == remembered + 1
 
 
 async def test_a_release_asked_again_after_a_takeover_stays_false(server: FencedServer) -> None:
@@ -77,7 +89,10 @@ async def test_a_release_asked_again_after_a_takeover_stays_false(server: Fenced
         assert await other.force_release(name) is not None
         await other.lock(name, ttl=30).acquire()
 
+    remembered, not_held = _retries(server, "remembered"), _retries(server, "not_held")
     released, lease, status = await asked_again(server, take_over)
     assert released is False
     assert lease.lost.is_set()
     assert status.holder is not None
+    assert _retries(server, "not_held") == not_held + 1  # (the retry: answered false)
+    assert _retries(server, "remembered") == remembered

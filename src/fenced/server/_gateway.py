@@ -203,6 +203,8 @@ class Gateway:
         self._waiting = 0
         self.metrics.waiting.set_function(lambda: self._waiting)
         self.metrics.tracked.set_function(lambda: len(self._grants))
+        self.metrics.releases_remembered.set_function(lambda: len(self._released_here))
+        self.metrics.ids_remembered.set_function(lambda: len(self._remembered))
         self._released = self.metrics.releases.labels("released")  # (children looked up once)
         self._not_held = self.metrics.releases.labels("not_held")
         self._renewed = self.metrics.renewals.labels("ok")
@@ -348,6 +350,10 @@ class Gateway:
         except LockTimeout:
             if (foreign is None or not await foreign()) and count_timeout:
                 self.metrics.acquire_timeouts.inc()
+            raise
+        except LeaseLostError:
+            # (only a late duplicate: the id is this key's own, never another key's grant)
+            self.metrics.late_duplicates.inc()
             raise
 
     async def _live(self, name: str, request_id: str) -> FencingToken:
@@ -551,6 +557,7 @@ class Gateway:
         if retry:
             until = self._released_here.get(key)
             if until is not None and _clock.now() < until:
+                self.metrics.release_retries.labels("remembered").inc()
                 return True
         self._releasing[key] = self._releasing.get(key, 0) + 1
         try:
@@ -564,6 +571,10 @@ class Gateway:
             self._released.inc()
         elif foreign is None or not await foreign():
             self._not_held.inc()
+        else:
+            return released  # (another key's grant: a refusal only)
+        if retry:  # (asked again, and not from memory: gone past it, or never released)
+            self.metrics.release_retries.labels("released" if released else "not_held").inc()
         return released
 
     async def _release(self, name: str, token: FencingToken, request_id: str) -> bool:

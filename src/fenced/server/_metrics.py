@@ -99,6 +99,13 @@ class Metrics:
         self.acquire_timeouts = _LoopCounter(
             "fenced_acquire_timeouts", "Acquires whose timeout passed before a grant", registry=r
         )
+        self.late_duplicates = Counter(
+            "fenced_acquire_late_duplicates",
+            "Acquires answered 410 lease_lost: their request id's grant, made, renewed or "
+            "released through this gateway, had ended (a retry or copy delivered after the "
+            "release or expiry: client timeouts shorter than the network's delays)",
+            registry=r,
+        )
         self.releases = _LoopCounter(
             "fenced_releases",
             "Releases, by whether the grant was still held",
@@ -108,6 +115,15 @@ class Metrics:
         self.renewals = _LoopCounter(
             "fenced_renewals",
             "Renewals: ok, lost (the grant had expired), error",
+            ["result"],
+            registry=r,
+        )
+        self.release_retries = Counter(
+            "fenced_release_retries",
+            "Releases asked again (retry: the answer to the first was lost): remembered "
+            "(answered true from this gateway's memory of the grants it released), released "
+            "(the first never released it), not_held (answered false: ended or taken over "
+            "before, or released beyond this gateway's memory)",
             ["result"],
             registry=r,
         )
@@ -164,6 +180,21 @@ class Metrics:
             "Grants this gateway knows (made or resumed here)",
             registry=r,
         )
+
+        self.releases_remembered = Gauge(
+            "fenced_releases_remembered",
+            "Grants released here this gateway holds in memory now (a retry of their release "
+            "is answered true within one ttl from it; bounded, the oldest dropped first)",
+            registry=r,
+        )
+        self.ids_remembered = Gauge(
+            "fenced_request_ids_remembered",
+            "Request ids this gateway holds in memory now (an acquire naming one whose grant "
+            "ended is answered as a late duplicate; bounded, the oldest dropped first)",
+            registry=r,
+        )
+        for result in ("remembered", "released", "not_held"):
+            self.release_retries.labels(result)  # (shown at 0 from the start)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
