@@ -26,7 +26,12 @@ their temp file. The kernel releases a flock when its holder dies (even by SIGKI
 version name only ever appears, via ``link``, for a complete fsync'd file, so a crash leaves
 the old versions, or the old versions plus the complete new one, never a partial file.
 Temp files of dead writers are ignored by readers and removed by later writes (a live
-writer keeps its temp file flocked, which is how a collector tells them apart).
+writer keeps its temp file flocked, which is how a collector tells them apart); what cannot
+be removed is logged and left, never failing a write that was accepted.
+
+:meth:`FileGuard.claim`, the fenced read, reads the newest version and publishes its copy
+under the new token in one critical section under the same lock, so neither a write nor a
+prune can come between the two.
 
 Equal tokens: a token equal to the newest is accepted (the holder of that grant writing
 again) and creates the next *sub-version* ``<token>.<seq+1>``; nothing is ever overwritten,
@@ -584,8 +589,9 @@ class HighWaterFile:
     """A durable high-water mark in one small file, for a resource updated in place elsewhere.
 
     The file holds the canonical token text ``lock:value``; it is only ever replaced
-    atomically (fixed temp name written under the lock, fsync, rename, fsync the directory),
-    so it is never seen half-written. ``<path>.lock`` is the ``flock`` every writer takes.
+    atomically (a uniquely named temp file, created O_EXCL | O_NOFOLLOW and written under the
+    lock, fsync, rename, fsync the directory), so it is never seen half-written, and never
+    written through a symlink. ``<path>.lock`` is the ``flock`` every writer takes.
 
     * ``with mark.hold(token=t): write()`` — check, advance durably, and keep the lock across
       your write: check and write are one step for everyone using this file. The mark is
