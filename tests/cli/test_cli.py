@@ -510,6 +510,22 @@ def test_another_fenced_error_exits_70(sqlite_url: str, tmp_path: Path) -> None:
     assert "corrupt" in out.stderr.lower() and len(out.stderr.splitlines()) == 1
 
 
+def test_fenced_write_errors_are_one_line_never_a_traceback(
+    sqlite_url: str, tmp_path: Path
+) -> None:
+    """A file where the resource's directory belongs: exit 2 naming it; a file-system error
+    (here the resource's lock file is a directory): exit 70, one line (both were a raw
+    traceback and exit 1)."""
+    (tmp_path / "report.txt").write_text("a plain file\n")
+    out = run(["write", str(tmp_path / "report.txt"), "--token", "jobs:5"], sqlite_url, input="x")
+    assert out.returncode == 2 and "not a directory" in out.stderr, out.stderr
+    assert len(out.stderr.splitlines()) == 1 and (tmp_path / "report.txt").read_text() != "x"
+    (tmp_path / "daily.csv" / ".lock").mkdir(parents=True)
+    out = run(["write", str(tmp_path / "daily.csv"), "--token", "jobs:5"], sqlite_url, input="x")
+    assert out.returncode == 70 and "write failed" in out.stderr, out.stderr
+    assert len(out.stderr.splitlines()) == 1
+
+
 def test_check_token_exit_statuses(sqlite_url: str) -> None:
     """`fenced check-token`: 0 current, 77 stale, 78 neither, 65 malformed or never issued,
     2 a usage error (before: 2 for both, so a script could not tell them apart)."""

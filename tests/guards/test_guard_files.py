@@ -831,27 +831,231 @@ async def test_async_file_guard_both_sides_and_concurrent_writers(tmp_path: Path
     assert await guard.high_water("race") == tok(20)
 
 
-def test_claim_returns_a_stale_write_that_landed_before_its_fence(tmp_path: Path) -> None:
-    """A stale writer's version accepted between claim()'s read and its publish was accepted
-    before the mark rose: the fenced read must return it (the check kit's read-modify-write
-    lost it once on a loaded machine: claim() returned its own copy of the older version)."""
-    directory = tmp_path / "files"
-    FileGuard(directory, lock=LOCK).write("r", b"v9", token=tok(9))
-    stale = FileGuard(directory, lock=LOCK)
-    slipped: list[Version] = []
-
-    class SlowReader(FileGuard):
-        def read_version(self, name: str, version: Version) -> bytes:
-            data = super().read_version(name, version)
-            if not slipped:  # (the stale write lands right after the claim's first read)
-                slipped.append(stale.write("r", b"v10", token=tok(10)))
-            return data
-
-    assert SlowReader(directory, lock=LOCK).claim("r", token=tok(11)) == b"v10"
-    assert FileGuard(directory, lock=LOCK).read("r") == (tok(11), b"v10")
+def test_claim_returns_a_stale_write_accepted_before_its_fence(guard: FileGuard) -> None:
+    """A stale writer (another process) stopped inside its critical section, its write
+    accepted: the claim waits for it on the resource lock, then returns that write (the
+    check kit's read-modify-write once lost it: claim() had returned its own copy of the
+    older version). Afterwards the stale token is refused and the holder's write accepted."""
+    guard.write("r", b"v9", token=tok(9))
+    with stopped_child(Path(guard.directory), "r", "jobs:10", "checked") as child:
+        claimed: list[bytes | None] = []
+        claimer = threading.Thread(target=lambda: claimed.append(guard.claim("r", token=tok(11))))
+        claimer.start()
+        lock_path = os.path.join(guard.directory, "r", ".lock")
+        wait_for(lambda: flock_waiters(lock_path) > 0, what="the claim to wait for the lock")
+        assert child.stdin is not None and child.stdout is not None
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "done"
+        claimer.join(30)
+    assert claimed == [b"N" * 100000]
+    assert guard.read("r") == (tok(11), b"N" * 100000)
     with pytest.raises(StaleTokenError):
-        stale.write("r", b"late", token=tok(10))  # the current holder's mark stands
-    guard = FileGuard(directory, lock=LOCK)
-    assert guard.claim("r", token=tok(11)) == b"v10"  # (again: its own version, unchanged)
-    guard.write("r", b"v10+1", token=tok(11))  # the holder's own write is accepted
-    assert guard.read("r") == (tok(11), b"v10+1")
+        guard.write("r", b"late", token=tok(10))  # the current holder's mark stands
+    assert guard.claim("r", token=tok(11)) == b"N" * 100000  # (again: unchanged, no publish)
+    assert tokens_of(guard, "r") == [9, 10, 11]
+    guard.write("r", b"v11", token=tok(11))  # the holder's own write is accepted
+    assert guard.read("r") == (tok(11), b"v11")
+
+
+_PRUNER = """
+import select, sys
+from fenced.guards.files import FileGuard
+guard = FileGuard(sys.argv[1], lock="jobs")
+guard.prune("r", keep=1)
+print("ready", flush=True)
+deleted = 0
+while not select.select([sys.stdin], [], [], 0)[0]:  # until the test closes our stdin
+    deleted += len(guard.prune("r", keep=1))
+print(deleted, flush=True)
+"""
+
+
+def test_claim_racing_prune_in_another_process_keeps_the_newest_data(tmp_path: Path) -> None:
+    """Bug (outside attack): claim() republished "the newest version below its token" after
+    its publish; a prune(keep=1) from another process in between had removed it, so claim
+    published b"" as the newest version and returned None (the data then lived only in an
+    older version the next prune deleted), or raised ResourceNotFoundError when the version
+    it was about to copy was pruned. Claims with rising tokens, each holder writing now and
+    then, race a process pruning in a loop: every claim returns the newest accepted data,
+    which stays the newest, and the stale token is refused each time."""
+    store = tmp_path / "store"
+    guard = FileGuard(store, lock=LOCK)
+    guard.write("r", b"v1", token=tok(1))
+    pruner = _child(_PRUNER, str(store), stdin=subprocess.PIPE)
+    try:
+        assert pruner.stdout is not None and pruner.stdout.readline().strip() == "ready"
+        expected = b"v1"
+        for t in range(2, 302):
+            assert guard.claim("r", token=tok(t)) == expected, t
+            assert guard.read("r") == (tok(t), expected), t
+            with pytest.raises(StaleTokenError):
+                guard.write("r", b"stale", token=tok(t - 1))
+            if t % 3 == 0:  # the holder's own write, accepted; the next claim returns it
+                expected = f"v{t}".encode()
+                guard.write("r", expected, token=tok(t))
+    finally:
+        out, err = pruner.communicate(timeout=30)  # (closes its stdin: it stops)
+    assert pruner.returncode == 0, err
+    assert int(out) > 0  # the prunes really interleaved with the claims
+
+
+# -- what garbage collection cannot remove ---------------------------------------------------
+
+
+def _plant_strays(rdir: Path, outside: Path) -> list[Path]:
+    """Entries named like temp files that no writer of the guard made: a directory, a
+    symlink to a file outside, a FIFO (opening it for reading would block)."""
+    outside.write_bytes(b"not yours")
+    strays = [rdir / f"{TEMP_PREFIX}dir", rdir / f"{TEMP_PREFIX}link", rdir / f"{TEMP_PREFIX}fifo"]
+    strays[0].mkdir()
+    strays[1].symlink_to(outside)
+    os.mkfifo(strays[2])
+    return strays
+
+
+def test_writes_stay_accepted_past_temp_names_they_cannot_collect(
+    guard: FileGuard, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Bug (outside attack): a directory (or symlink) named ``.tmp-*`` in a resource
+    directory made every later write publish its version, then raise from the garbage
+    collection that follows (`fenced write` printed a traceback, exit 1, with the version
+    current); a FIFO of that name would have blocked it. Now they are skipped and logged
+    once; a dead writer's real temp file beside them is still collected."""
+    guard.write("r", b"v1", token=tok(1))
+    rdir = Path(guard.directory, "r")
+    strays = _plant_strays(rdir, tmp_path / "outside")
+    dead = rdir / f"{TEMP_PREFIX}{'0' * 32}"
+    dead.write_bytes(b"a crashed writer's data")
+    with caplog.at_level("DEBUG", logger="fenced.guards.files"):
+        assert guard.write("r", b"v2", token=tok(2)) == Version(tok(2))
+        assert guard.write("r", b"v3", token=tok(3)) == Version(tok(3))
+        assert guard.claim("r", token=tok(4)) == b"v3"
+    assert guard.read("r") == (tok(4), b"v3") and tokens_of(guard, "r") == [1, 2, 3, 4]
+    with pytest.raises(StaleTokenError):
+        guard.write("r", b"stale", token=tok(3))
+    assert not dead.exists()  # collected
+    assert all(os.path.lexists(p) for p in strays)  # left alone
+    assert (tmp_path / "outside").read_bytes() == b"not yours"
+    assert guard.collect_garbage("r") == 0
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert sorted(r.args[0] for r in warnings) == sorted(map(str, strays))  # type: ignore[index]
+
+
+def test_fenced_write_is_not_failed_by_a_stray_temp_directory(tmp_path: Path) -> None:
+    """The attacker's command: `mkdir DIR/daily.csv/.tmp-x; echo v2 | FENCING_TOKEN=reports:2
+    fenced write DIR/daily.csv` printed a traceback and exited 1 while v2 was current."""
+    target = tmp_path / "out" / "daily.csv"
+    FileGuard(target.parent, lock="reports").write("daily.csv", b"v1\n", token="reports:1")
+    (target / f"{TEMP_PREFIX}x").mkdir()
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "FENCING_TOKEN": "reports:2"}
+    out = subprocess.run(
+        [sys.executable, "-m", "fenced", "write", str(target)],
+        input="v2\n",
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "Traceback" not in out.stderr and "left" in out.stderr and "in place" in out.stderr
+    assert (target / "current").read_text() == "v2\n"
+
+
+def test_high_water_file_never_follows_a_planted_temp_symlink(tmp_path: Path) -> None:
+    """Bug (outside attack): the mark's temp file had a fixed name (``.<base>.tmp``) opened
+    without O_NOFOLLOW/O_EXCL: a symlink planted there (a shared directory) had its target
+    truncated and overwritten with the mark, and the mark path became that symlink. Now the
+    temp name is unique and created O_EXCL | O_NOFOLLOW; the plant and its target are left
+    alone, and the mark is a regular file."""
+    victim = tmp_path / "victim.conf"
+    victim.write_text("precious\n")
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    (marks / ".accounts.mark.tmp").symlink_to(victim)
+    mark = HighWaterFile(marks / "accounts.mark", lock=LOCK)
+    assert mark.check_and_advance(token=tok(7)) == tok(7)
+    assert victim.read_text() == "precious\n"
+    assert not (marks / "accounts.mark").is_symlink()
+    assert (marks / "accounts.mark").read_text() == "jobs:7\n"
+    with pytest.raises(StaleTokenError):
+        mark.check_and_advance(token=tok(6))
+    assert mark.check_and_advance(token=tok(8)) == tok(8)  # (the current holder, later)
+    assert sorted(p.name for p in marks.iterdir()) == [
+        ".accounts.mark.tmp",  # the plant, untouched
+        "accounts.mark",
+        "accounts.mark.lock",
+    ]
+
+
+def test_high_water_file_refuses_a_mark_that_is_a_symlink(tmp_path: Path) -> None:
+    """A symlink at the mark's path was planted (the guard only ever renames a regular file
+    there): it is refused as a corrupt mark, not followed to a file someone else chose, and
+    neither it nor its target is replaced."""
+    chosen = tmp_path / "chosen"
+    chosen.write_text("jobs:1\n")
+    (tmp_path / "mark").symlink_to(chosen)
+    mark = HighWaterFile(tmp_path / "mark", lock=LOCK)
+    for value in (1, 5):
+        with pytest.raises(CorruptMarkError, match="symlink"):
+            mark.check_and_advance(token=tok(value))
+    assert (tmp_path / "mark").is_symlink() and chosen.read_text() == "jobs:1\n"
+
+
+def test_high_water_file_collects_the_temp_file_of_a_writer_that_died(tmp_path: Path) -> None:
+    """A writer killed between its temp file and its rename leaves ``.<base>.tmp-<hex>``:
+    the next advance removes it (and only temp files of this mark, never a live writer's)."""
+    script = """
+import os, signal, sys
+from fenced.guards import files
+real_rename = os.rename
+def die(src, dst):
+    os.kill(os.getpid(), signal.SIGKILL)
+files.os.rename = die
+files.HighWaterFile(sys.argv[1], lock="jobs").check_and_advance(token="jobs:3")
+"""
+    child = _child(script, str(tmp_path / "mark"))
+    child.communicate(timeout=60)
+    assert child.returncode == -signal.SIGKILL
+    left = [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name]
+    assert len(left) == 1 and left[0].startswith(".mark.tmp-")
+    other = tmp_path / ".other.tmp-0123456789abcdef0123456789abcdef"
+    other.write_text("another mark's")
+    mark = HighWaterFile(tmp_path / "mark", lock=LOCK)
+    assert mark.current() is None  # the dead writer published nothing
+    assert mark.check_and_advance(token=tok(4)) == tok(4)
+    assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name] == [other.name]
+
+
+async def test_async_file_guard_has_every_method_of_file_guard(tmp_path: Path) -> None:
+    """Bug (outside attack): AsyncFileGuard lacked claim, fence, publish, read_version, path
+    and collect_garbage, though the docs said it had the same methods. Each public method
+    of FileGuard is there (a coroutine, but path(), which does no I/O), and each works
+    through the one implementation: both sides of the rule included."""
+    import inspect
+
+    from fenced.guards.files import AsyncFileGuard
+
+    public = {
+        n for n in dir(FileGuard) if not n.startswith("_") and callable(getattr(FileGuard, n))
+    }
+    guard = AsyncFileGuard(tmp_path / "store", lock=LOCK)
+    assert sorted(public - set(dir(AsyncFileGuard))) == []
+    for n in public - {"path"}:
+        assert inspect.iscoroutinefunction(getattr(AsyncFileGuard, n)), n
+
+    v2 = await guard.publish("r", b"two", token=tok(2))
+    assert await guard.read_version("r", v2) == b"two"
+    assert Path(guard.path("r", v2)).read_bytes() == b"two"
+    assert await guard.claim("r", token=tok(3)) == b"two"
+    with pytest.raises(StaleTokenError):
+        await guard.claim("r", token=tok(2))
+    with pytest.raises(StaleTokenError):
+        await guard.publish("r", b"stale", token=tok(2))
+    await guard.fence(tok(4), iter(["r", "s"]))
+    assert await guard.read("r") == (tok(4), b"two") and await guard.high_water("s") == tok(4)
+    await guard.fence(tok(5))  # every resource of the directory
+    assert await guard.high_water("r") == tok(5) == await guard.high_water("s")
+    (tmp_path / "store" / "r" / f"{TEMP_PREFIX}{'0' * 32}").write_bytes(b"dead writer's")
+    assert await guard.collect_garbage("r") == 1
+    assert await guard.write("r", b"six", token=tok(6)) == Version(tok(6))

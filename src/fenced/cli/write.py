@@ -9,7 +9,16 @@ import sys
 
 from .._core.errors import StaleTokenError
 from .._core.token import FencingToken
-from ._common import EXIT_STALE, EXIT_USAGE, Subparsers, _examples, _HelpFormatter, _say, _verbose
+from ._common import (
+    EXIT_SOFTWARE,
+    EXIT_STALE,
+    EXIT_USAGE,
+    Subparsers,
+    _examples,
+    _HelpFormatter,
+    _say,
+    _verbose,
+)
 
 NAME = "write"
 
@@ -66,4 +75,7 @@ def run(args: argparse.Namespace) -> int:
     except StaleTokenError as exc:
         _say(f"write refused: {exc}")
         return EXIT_STALE
+    except OSError as exc:  # the file system's word (no space, I/O error, a lock file in
+        _say(f"write failed: {exc}")  # the way): one line, no traceback
+        return EXIT_SOFTWARE
     return 0

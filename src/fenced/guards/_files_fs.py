@@ -10,9 +10,11 @@ not give the same guarantees.
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
+import logging
 import os
+import re
+import stat
 import uuid
 from collections.abc import Iterator
 from typing import Final
@@ -31,6 +33,9 @@ __all__ = [
 
 TEMP_PREFIX: Final = ".tmp-"
 _OPEN_FLAGS: Final = os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
+
+logger = logging.getLogger("fenced.guards.files")
+_reported: set[str] = set()  # entries already warned about (then at debug level)
 
 
 def fsync_dir(path: str) -> None:
@@ -101,8 +106,10 @@ class TempFile:
 
     __slots__ = ("fd", "name", "path")
 
-    def __init__(self, directory: str) -> None:
-        self.name = f"{TEMP_PREFIX}{uuid.uuid4().hex}"
+    def __init__(self, directory: str, prefix: str = TEMP_PREFIX) -> None:
+        # Unpredictable, created with O_EXCL | O_NOFOLLOW: a name planted in advance (a
+        # symlink to someone's file) is never opened, followed or truncated.
+        self.name = f"{prefix}{uuid.uuid4().hex}"
         self.path = os.path.join(directory, self.name)
         self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, 0o644)
         try:
@@ -131,13 +138,20 @@ class TempFile:
             self.fd = -1
 
 
-def collect_temps(directory: str, names: list[str] | None = None) -> int:
+def collect_temps(
+    directory: str, names: list[str] | None = None, pattern: re.Pattern[str] | None = None
+) -> int:
     """Remove temp files whose writer is gone (their flock is free); return how many.
 
     Safe against live writers: a temp file whose writer is alive is locked and is skipped; a
     writer whose fresh temp file is taken in the instant before it locks it notices (its
     ``TempFile()`` or ``link_to`` fails) and retries. Only names starting with
-    :data:`TEMP_PREFIX` are ever removed, never a published file.
+    :data:`TEMP_PREFIX` (or matching ``pattern``) are ever removed, never a published file.
+
+    Never raises for one entry: what cannot be collected (a directory, a symlink, a FIFO, a
+    file it may not open or unlink) is left in place and logged (a warning the first time,
+    then at debug level), because a caller collecting after its write was accepted must not
+    turn that write into a failure.
     """
     if names is None:
         try:
@@ -146,26 +160,46 @@ def collect_temps(directory: str, names: list[str] | None = None) -> int:
             return 0
     removed = 0
     for name in names:
-        if not name.startswith(TEMP_PREFIX):
+        if not (pattern.fullmatch(name) if pattern else name.startswith(TEMP_PREFIX)):
             continue
         path = os.path.join(directory, name)
         try:
-            fd = os.open(path, os.O_RDONLY | _OPEN_FLAGS)
-        except FileNotFoundError:
-            continue
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as exc:
-                if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                    continue  # a live writer holds it
-                raise
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-                removed += 1
-        finally:
-            os.close(fd)
+            removed += _collect_one(path)
+        except OSError as exc:
+            _left_in_place(path, exc.strerror or str(exc))
     return removed
+
+
+def _collect_one(path: str) -> int:
+    # O_NONBLOCK: a FIFO of that name must not block the open; O_NOFOLLOW: nor a symlink
+    # lead anywhere (ELOOP).
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _OPEN_FLAGS)
+    except FileNotFoundError:
+        return 0
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            _left_in_place(path, "not a regular file, so no writer's temp file")
+            return 0
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return 0  # a live writer holds it
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return 0
+        return 1
+    finally:
+        os.close(fd)
+
+
+def _left_in_place(path: str, why: str) -> None:
+    if len(_reported) > 1024:  # (bounded: a directory full of strays must not grow it)
+        _reported.clear()
+    level = logging.DEBUG if path in _reported else logging.WARNING
+    _reported.add(path)
+    logger.log(level, "garbage collection left %s in place: %s", path, why)
 
 
 def create_with_content(directory: str, name: str, data: bytes) -> bool:

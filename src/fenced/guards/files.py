@@ -26,7 +26,12 @@ their temp file. The kernel releases a flock when its holder dies (even by SIGKI
 version name only ever appears, via ``link``, for a complete fsync'd file, so a crash leaves
 the old versions, or the old versions plus the complete new one, never a partial file.
 Temp files of dead writers are ignored by readers and removed by later writes (a live
-writer keeps its temp file flocked, which is how a collector tells them apart).
+writer keeps its temp file flocked, which is how a collector tells them apart); what cannot
+be removed is logged and left, never failing a write that was accepted.
+
+:meth:`FileGuard.claim`, the fenced read, reads the newest version and publishes its copy
+under the new token in one critical section under the same lock, so neither a write nor a
+prune can come between the two.
 
 Equal tokens: a token equal to the newest is accepted (the holder of that grant writing
 again) and creates the next *sub-version* ``<token>.<seq+1>``; nothing is ever overwritten,
@@ -51,13 +56,13 @@ import contextlib
 import dataclasses
 import os
 import re
+import stat
 from collections.abc import Iterable, Iterator
 from typing import Any, Final, Protocol, overload, runtime_checkable
 
 from .._core.errors import (
     ConfigurationError,
     CorruptMarkError,
-    FenceConflictError,
     InvalidTokenError,
     ResourceNotFoundError,
     StaleTokenError,
@@ -72,6 +77,7 @@ from ._files_fs import (
     create_with_content,
     flocked,
     fsync_dir,
+    logger,
     make_dirs_durably,
     mkdir_durably,
     write_all,
@@ -147,12 +153,32 @@ def _point_current(rdir: str, filename: str) -> None:
     """Point ``<name>/current`` at the version just published (a relative symlink, replaced
     with one rename), so that ``cat reports/daily.csv/current`` reads the newest version.
     Done under the resource's lock, so it always moves forward; after a crash it may name
-    the version before the newest until the next write (``read()`` is never misled)."""
+    the version before the newest until the next write (``read()`` is never misled).
+
+    The version is published already: a link that cannot be moved (something else in the
+    way) is logged and left, never turned into a failure of the accepted write."""
     temp = os.path.join(rdir, f".current-{os.getpid()}")
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(temp)
-    os.symlink(filename, temp)
-    os.replace(temp, os.path.join(rdir, CURRENT))
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp)
+        os.symlink(filename, temp)
+        os.replace(temp, os.path.join(rdir, CURRENT))
+    except OSError as exc:
+        logger.warning("%s/%s not moved to %s: %s", rdir, CURRENT, filename, exc)
+
+
+def _collect_leftovers(rdir: str, names: list[str], own: str) -> None:
+    """Collect the temp files of dead writers seen in ``names`` (after an accepted write:
+    :func:`collect_temps` skips and logs what it cannot remove, never raises for it)."""
+    leftovers = [n for n in names if n.startswith(TEMP_PREFIX) and n != own]
+    if leftovers:
+        collect_temps(rdir, leftovers)
+
+
+def _read_version_file(rdir: str, version: tuple[int, int]) -> bytes:
+    """A version's content, read under the resource lock (no prune can remove it then)."""
+    with open(os.path.join(rdir, f"{version[0]:019d}.{version[1]:06d}"), "rb") as f:
+        return f.read()
 
 
 def _validate_name(name: object) -> str:
@@ -280,25 +306,34 @@ class FileGuard:
                 os.fsync(temp.fd)
                 with self._resource_lock(rdir):
                     names = os.listdir(rdir)
-                    newest = self._newest(names, name)
-                    self._reject_if_stale(name, tok, newest)
-                    seq = newest[1] + 1 if newest is not None and newest[0] == tok.value else 0
-                    version = Version(tok, seq)
-                    self._checked(name, version)
-                    try:
-                        temp.link_to(os.path.join(rdir, version.filename))
-                    except FileNotFoundError:
-                        continue  # a collector removed our temp name: write it again
-                    _point_current(rdir, version.filename)
-                    fsync_dir(rdir)
-                    self._published(name, version)
+                    version = self._link_locked(rdir, name, names, tok, temp)
             finally:
                 temp.close()
-            leftovers = [n for n in names if n.startswith(TEMP_PREFIX) and n != temp.name]
-            if leftovers:
-                collect_temps(rdir, leftovers)
+            if version is None:
+                continue  # a collector removed our temp name: write it again
+            _collect_leftovers(rdir, names, temp.name)
             return version
         raise OSError(f"could not publish {name!r} in {rdir}: temp files kept disappearing")
+
+    def _link_locked(
+        self, rdir: str, name: str, names: list[str], tok: FencingToken, temp: TempFile
+    ) -> Version | None:
+        """Under the resource lock (``names`` listed under it): check ``tok`` against the
+        newest version and publish the fsync'd ``temp`` as the next version; None if the
+        temp name was taken by a collector."""
+        newest = self._newest(names, name)
+        self._reject_if_stale(name, tok, newest)
+        seq = newest[1] + 1 if newest is not None and newest[0] == tok.value else 0
+        version = Version(tok, seq)
+        self._checked(name, version)
+        try:
+            temp.link_to(os.path.join(rdir, version.filename))
+        except FileNotFoundError:
+            return None
+        _point_current(rdir, version.filename)
+        fsync_dir(rdir)
+        self._published(name, version)
+        return version
 
     def _reject_if_stale(
         self, name: str, token: FencingToken, newest: tuple[int, int] | None
@@ -420,30 +455,41 @@ class FileGuard:
     def claim(self, name: str, *, token: TokenLike) -> bytes | None:
         """Raise ``name``'s mark to ``token`` without changing what it holds; return what it
         holds (None if it has no version). A file's mark is its newest version's token, so
-        this publishes the newest data again under ``token``. A stale writer may slip a
-        version in between the read and that publish: it was accepted before the mark rose,
-        so what this returns must hold it. Once this version is published every older writer
-        is refused, so the versions below ``token`` are then final: if the newest of them is
-        not the one copied, its data is published again (a second version under ``token``)
-        and returned. For a read-modify-write whose read must be fenced, and for ``fence=``
-        on acquire."""
+        this publishes the newest data again under ``token`` (a token equal to the mark
+        publishes nothing; a lower one raises StaleTokenError). For a read-modify-write whose
+        read must be fenced, and for ``fence=`` on acquire.
+
+        The read and the publish are one step under the resource's lock, the lock every
+        write and :meth:`prune` take: no version can land between them (it would be lost to
+        the claimer) and the version being copied cannot be pruned under it. The copy is
+        written and fsync'd under the lock, so writers of ``name`` wait for it (they are
+        stale then, bar the claimer itself); readers never do."""
         tok = FencingToken.coerce(token, self.lock, self.verifier)
-        latest = self.latest(name)
-        if latest is not None and latest.token.value >= tok.value:
-            if latest.token.value > tok.value:
-                raise StaleTokenError(tok, latest.token, name)
-            return self.read_version(name, latest)  # (already fenced with this token)
-        source = latest
-        for _ in range(2):
-            data = None if source is None else self.read_version(name, source)
-            self._publish(name, data or b"", tok)
-            # (the newest below ``token``: final now that a version under it is published)
-            below = [v for v in self.versions(name) if v.token.value < tok.value]
-            newest_below = below[-1] if below else None
-            if newest_below == source:
-                return data
-            source = newest_below
-        raise FenceConflictError(f"versions of {name!r} kept arriving while fencing with {tok}")
+        rdir = self._resource_dir(_validate_name(name), create=True)
+        for _ in range(_RETRIES):
+            with self._resource_lock(rdir):
+                names = os.listdir(rdir)
+                newest = self._newest(names, name)
+                data = None if newest is None else _read_version_file(rdir, newest)
+                if newest is not None and newest[0] >= tok.value:
+                    if newest[0] > tok.value:
+                        raise StaleTokenError(tok, FencingToken(self.lock, newest[0]), name)
+                    return data  # (already fenced with this token)
+                try:
+                    temp = TempFile(rdir)
+                except BlockingIOError:  # a collector grabbed it (see write): take another
+                    continue
+                try:
+                    write_all(temp.fd, data or b"")
+                    os.fsync(temp.fd)
+                    version = self._link_locked(rdir, name, names, tok, temp)
+                finally:
+                    temp.close()
+            if version is None:
+                continue
+            _collect_leftovers(rdir, names, temp.name)
+            return data
+        raise OSError(f"could not publish {name!r} in {rdir}: temp files kept disappearing")
 
     def fence(self, token: TokenLike, names: Iterable[str] | None = None) -> None:
         """:meth:`claim` every file of the directory (or ``names``): ``fence=`` on acquire."""
@@ -460,6 +506,11 @@ class FileGuard:
         if create and rdir not in self._known_dirs:
             # Durable even when it existed: its maker may have died before its fsync.
             mkdir_durably(rdir)
+            if not os.path.isdir(rdir):
+                raise ConfigurationError(
+                    f"{rdir} is not a directory: the file guard keeps the versions of "
+                    f"{name!r} in a directory of that name"
+                )
             self._known_dirs.add(rdir)
         return rdir
 
@@ -507,6 +558,29 @@ class AsyncFileGuard:
     async def prune(self, name: str, keep: int = 1) -> list[Version]:
         return await asyncio.to_thread(self.sync.prune, name, keep)
 
+    async def publish(self, name: str, data: Data, *, token: TokenLike) -> Version:
+        """See :meth:`FileGuard.publish` (the :class:`VersionStore` spelling of write)."""
+        return await asyncio.to_thread(self.sync.publish, name, data, token=token)
+
+    async def read_version(self, name: str, version: Version) -> bytes:
+        return await asyncio.to_thread(self.sync.read_version, name, version)
+
+    async def claim(self, name: str, *, token: TokenLike) -> bytes | None:
+        """See :meth:`FileGuard.claim`: the fenced read."""
+        return await asyncio.to_thread(self.sync.claim, name, token=token)
+
+    async def fence(self, token: TokenLike, names: Iterable[str] | None = None) -> None:
+        """See :meth:`FileGuard.fence`: ``fence=`` on acquire."""
+        names = None if names is None else list(names)  # (an iterator: consumed here)
+        await asyncio.to_thread(self.sync.fence, token, names)
+
+    async def collect_garbage(self, name: str) -> int:
+        return await asyncio.to_thread(self.sync.collect_garbage, name)
+
+    def path(self, name: str, version: Version) -> str:
+        """See :meth:`FileGuard.path`; not a coroutine: it only joins names (no I/O)."""
+        return self.sync.path(name, version)
+
     def __repr__(self) -> str:
         return repr(self.sync).replace("FileGuard", "AsyncFileGuard", 1)
 
@@ -515,8 +589,9 @@ class HighWaterFile:
     """A durable high-water mark in one small file, for a resource updated in place elsewhere.
 
     The file holds the canonical token text ``lock:value``; it is only ever replaced
-    atomically (fixed temp name written under the lock, fsync, rename, fsync the directory),
-    so it is never seen half-written. ``<path>.lock`` is the ``flock`` every writer takes.
+    atomically (a uniquely named temp file, created O_EXCL | O_NOFOLLOW and written under the
+    lock, fsync, rename, fsync the directory), so it is never seen half-written, and never
+    written through a symlink. ``<path>.lock`` is the ``flock`` every writer takes.
 
     * ``with mark.hold(token=t): write()`` — check, advance durably, and keep the lock across
       your write: check and write are one step for everyone using this file. The mark is
@@ -535,15 +610,27 @@ class HighWaterFile:
         self.path = os.path.abspath(os.fspath(path))
         self._dir, base = os.path.split(self.path)
         self._lock_path = self.path + ".lock"
-        self._temp_path = os.path.join(self._dir, f".{base}.tmp")
+        self._temp_prefix = f".{base}.tmp-"
+        self._temp_pattern = re.compile(re.escape(self._temp_prefix) + "[0-9a-f]{32}")
 
     def current(self) -> FencingToken | None:
-        """The mark: the highest token accepted so far, or None if none was."""
+        """The mark: the highest token accepted so far, or None if none was.
+
+        The mark file is never a symlink (the guard replaces it with ``rename``, which does
+        not follow one): a symlink there was planted, and is refused as a corrupt mark
+        rather than followed to a file someone else chose."""
         try:
-            with open(self.path, "rb") as f:
-                text = f.read()
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
         except FileNotFoundError:
             return None
+        except OSError:
+            if os.path.islink(self.path):
+                raise CorruptMarkError(self.path, "high-water file is a symlink") from None
+            raise
+        with open(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise CorruptMarkError(self.path, "high-water file is not a regular file")
+            text = f.read()
         try:
             return FencingToken.parse(text.rstrip(b"\n"), self.lock)
         except WrongLockError as exc:
@@ -582,14 +669,28 @@ class HighWaterFile:
         return flocked(self._lock_path)
 
     def _store(self, token: FencingToken) -> None:
-        fd = os.open(self._temp_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-        try:
-            write_all(fd, f"{token}\n".encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.rename(self._temp_path, self.path)
-        fsync_dir(self._dir)
+        # A unique temp name, created O_EXCL | O_NOFOLLOW: a name planted in a shared
+        # directory (a symlink to someone's file) is never followed, truncated or renamed
+        # into the mark's place; rename replaces the mark's *name*, never what it points to.
+        for _ in range(_RETRIES):
+            try:
+                temp = TempFile(self._dir, self._temp_prefix)
+            except BlockingIOError:  # a collector grabbed the fresh temp file: take another
+                continue
+            try:
+                write_all(temp.fd, f"{token}\n".encode())
+                os.fsync(temp.fd)
+                try:
+                    os.rename(temp.path, self.path)
+                except FileNotFoundError:
+                    continue  # a collector removed our temp name: write it again
+            finally:
+                temp.close()
+            fsync_dir(self._dir)
+            # Temp files of writers that died before their rename (never a live one's).
+            collect_temps(self._dir, pattern=self._temp_pattern)
+            return
+        raise OSError(f"could not replace {self.path}: temp files kept disappearing")
 
     def __repr__(self) -> str:
         return f"HighWaterFile({self.path!r}, lock={self.lock!r})"
