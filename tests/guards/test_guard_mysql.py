@@ -1003,3 +1003,46 @@ def test_a_batch_on_an_autocommit_connection_that_commits_lets_no_stale_write_in
     ]
     assert conn.get_autocommit()
     assert sql(watch, "SELECT v FROM acct") == [("six",)]
+
+
+def test_an_asyncmy_transaction_cancelled_mid_statement_leaves_a_closed_connection_told_so(
+    connect: Any, mysql_db: dict[str, Any]
+) -> None:
+    """A statement of an ``atransaction()`` block is cancelled (a timeout) while the server
+    runs it: asyncmy closes the connection. The next ``atransaction()`` on it said "already
+    open" (the server status asyncmy last read); now BackendUnavailable, saying it is
+    closed. The cancelled transaction committed nothing."""
+    import asyncmy
+
+    guard = fence_table(connect)
+    gate = connect(autocommit=True)
+    sql(gate, "SELECT GET_LOCK('gate', 30)")
+    watch = connect(autocommit=True)
+
+    async def main() -> None:
+        conn = await asyncmy.connect(**asyncmy_args(mysql_db))
+
+        async def block() -> None:
+            async with guard.atransaction(conn, token=tok(5)), conn.cursor() as cur:
+                await cur.execute("INSERT INTO data VALUES (1, 'five')")
+                await cur.execute("DO GET_LOCK('gate', 30)")  # (held by the test)
+
+        task = asyncio.ensure_future(block())
+        deadline = time.monotonic() + 20
+        while not sql(watch, "SELECT COUNT(*) FROM information_schema.PROCESSLIST "
+                             "WHERE STATE = 'User lock'")[0][0]:  # fmt: skip
+            assert time.monotonic() < deadline and not task.done(), "the block never waited"
+            await asyncio.sleep(0.01)  # (lets the block's task run: polling, not a wait)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        with pytest.raises(fenced.BackendUnavailable, match="closed"):
+            async with guard.atransaction(conn, token=tok(6)):
+                pass
+        conn.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        sql(gate, "DO RELEASE_LOCK('gate')")
+    assert sql(watch, "SELECT COUNT(*) FROM data") == [(0,)]

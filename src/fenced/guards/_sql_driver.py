@@ -764,10 +764,20 @@ def _refuse_open_transaction(conn: Any) -> None:
 
 
 def _refuse_closed(conn: Any) -> None:
-    """A closed psycopg connection is BackendUnavailable (its transaction status, unknown,
-    would otherwise read as a transaction already open)."""
-    if _kind(conn) in ("psycopg", "psycopg-async") and conn.closed:
+    """A closed psycopg or MySQL connection is BackendUnavailable (its transaction status,
+    unknown or as last reported, would otherwise read as a transaction already open)."""
+    kind = _kind(conn)
+    if kind in ("psycopg", "psycopg-async") and conn.closed:
         raise BackendUnavailable("the psycopg connection is closed")
+    if kind == "asyncmy" and not conn.connected:
+        # (asyncmy closes a connection whose statement was cancelled mid-way, a timeout's
+        # cancellation included: the server rolls back what it had open)
+        raise BackendUnavailable(
+            "the asyncmy connection is closed (asyncmy closes a connection whose statement "
+            "was cancelled, e.g. by a timeout): open another"
+        )
+    if kind == "pymysql" and not conn.open:
+        raise BackendUnavailable("the MySQL connection is closed")
 
 
 def _refuse_open(already: bool, what: str) -> None:
