@@ -1694,8 +1694,8 @@ def commit_failed(d: Dialect, conn: Any, exc: Exception, what: str = "COMMIT") -
     said = f"{type(exc).__name__}: {exc}"
     if isinstance(mapped, BackendUnavailable):
         return BackendUnavailable(
-            f"transaction(): the {what} failed, the connection lost ({said}): whether the "
-            "transaction committed is unknown"
+            f"transaction(): the {what} failed, the database unavailable ({said}): whether "
+            "the transaction committed is unknown"
         )
     try:
         still_open = in_transaction(conn)
