@@ -904,3 +904,145 @@ def test_batch_under_every_sql_mode_takes_the_holder_and_refuses_the_stale(
     other = connect(autocommit=True)
     assert sql(other, "SELECT v FROM acct") == [("five",)]
     assert guard.high_water(other) == tok(5)
+
+
+def _batch_with_a_newer_holder_in_its_pause(
+    connect: Any, conn: Any, guard: SQLGuard, before: list[str]
+) -> object:
+    """The old holder's (token 5) one-request batch: ``before``, a pause (a user lock the
+    test holds), then its stale UPDATE; during the pause the newer holder (token 6, another
+    connection) fences and writes 'new'. Returns the old batch's outcome."""
+    gate = connect(autocommit=True)
+    sql(gate, "SELECT GET_LOCK('gate', 30)")
+    outcome: list[object] = []
+
+    def old_holder() -> None:
+        try:
+            guard.batch(
+                conn,
+                [
+                    *((s, None) for s in before),
+                    ("DO GET_LOCK('gate', 30)", None),  # (paused here, as by a GC pause)
+                    ("UPDATE acct SET v = 'old' WHERE id = 1", None),
+                ],
+                token=tok(5),
+            )
+            outcome.append("committed")
+        except fenced.FencedError as exc:
+            outcome.append(exc)
+
+    watch = connect(autocommit=True)
+    thread = threading.Thread(target=old_holder)
+    thread.start()
+    wait_for(
+        lambda: outcome
+        or sql(watch, "SELECT COUNT(*) FROM information_schema.PROCESSLIST "
+                      "WHERE STATE = 'User lock' AND ID <> CONNECTION_ID()")[0][0],
+        what="the old holder at its pause",
+    )  # fmt: skip
+    new = connect()
+    with guard.transaction(new, token=tok(6)):
+        sql(new, "UPDATE acct SET v = 'new' WHERE id = 1")
+    sql(gate, "DO RELEASE_LOCK('gate')")
+    thread.join(30)
+    assert not thread.is_alive()
+    return outcome[0]
+
+
+def test_a_batch_that_turns_autocommit_on_is_told_as_it_ran_never_as_refused(
+    connect: Any,
+) -> None:
+    """The one-request batch turns autocommit on (``SET autocommit = 1``): its later UPDATE
+    commits as it runs, over the newer holder's write. The re-check then found the mark
+    moved and raised StaleTokenError, which tells the caller nothing was written, and left
+    autocommit on. Now the re-check sees autocommit on: a ConfigurationError says the later
+    statements committed as they ran, over the newer holder's writes (as they did), and the
+    connection's autocommit is as it was found; with nobody newer, the same error (the
+    batch returned its counts, as if fenced)."""
+    autocommit = False
+    conn, guard = _batch_conn(connect, "multi")
+    outcome = _batch_with_a_newer_holder_in_its_pause(connect, conn, guard, ["SET autocommit = 1"])
+    assert isinstance(outcome, fenced.ConfigurationError), outcome
+    assert "committed as it ran, unfenced" in str(outcome)
+    assert "over the newer holder's writes" in str(outcome)
+    assert bool(conn.get_autocommit()) is autocommit
+    watch = connect(autocommit=True)
+    assert sql(watch, "SELECT v FROM acct") == [("old",)]  # (as told)
+    assert guard.high_water(watch) == tok(6)
+    # nobody newer: told all the same, autocommit as found
+    statements = [("SET autocommit = 1", None), ("UPDATE acct SET v = 'x' WHERE id = 1", None)]
+    with pytest.raises(fenced.ConfigurationError, match="committed as it ran"):
+        guard.batch(conn, statements, token=tok(7))
+    assert bool(conn.get_autocommit()) is autocommit
+    # and the rightful holder's next batch commits, fenced
+    assert guard.batch(conn, [("UPDATE acct SET v = 'y' WHERE id = 1", None)], token=tok(7)) == [1]
+    assert sql(watch, "SELECT v FROM acct") == [("y",)]
+    assert bool(conn.get_autocommit()) is autocommit
+
+
+def test_a_batch_on_an_autocommit_connection_that_commits_lets_no_stale_write_in(
+    connect: Any,
+) -> None:
+    """In autocommit, the one-request batch's statements after its own COMMIT committed as
+    they ran (over the newer holder's write), and the re-check's StaleTokenError said
+    nothing was written. Now the request runs with autocommit off (set in it, and back on
+    after): the statements after the COMMIT open a transaction the re-check refuses, rolled
+    back; the newer write stays."""
+    conn, guard = _batch_conn(connect, "multi")
+    conn.autocommit(True)
+    outcome = _batch_with_a_newer_holder_in_its_pause(connect, conn, guard, ["COMMIT"])
+    assert isinstance(outcome, fenced.StaleTokenError), outcome
+    assert outcome.high_water == tok(6)
+    assert "stays committed, unfenced" in str(outcome)  # (what committed as it ran: none)
+    watch = connect(autocommit=True)
+    assert sql(watch, "SELECT v FROM acct") == [("new",)]
+    assert conn.get_autocommit()
+    assert not conn.server_status & 1
+    assert guard.batch(conn, [("UPDATE acct SET v = 'six' WHERE id = 1", None)], token=tok(6)) == [
+        1
+    ]
+    assert conn.get_autocommit()
+    assert sql(watch, "SELECT v FROM acct") == [("six",)]
+
+
+def test_an_asyncmy_transaction_cancelled_mid_statement_leaves_a_closed_connection_told_so(
+    connect: Any, mysql_db: dict[str, Any]
+) -> None:
+    """A statement of an ``atransaction()`` block is cancelled (a timeout) while the server
+    runs it: asyncmy closes the connection. The next ``atransaction()`` on it said "already
+    open" (the server status asyncmy last read); now BackendUnavailable, saying it is
+    closed. The cancelled transaction committed nothing."""
+    import asyncmy
+
+    guard = fence_table(connect)
+    gate = connect(autocommit=True)
+    sql(gate, "SELECT GET_LOCK('gate', 30)")
+    watch = connect(autocommit=True)
+
+    async def main() -> None:
+        conn = await asyncmy.connect(**asyncmy_args(mysql_db))
+
+        async def block() -> None:
+            async with guard.atransaction(conn, token=tok(5)), conn.cursor() as cur:
+                await cur.execute("INSERT INTO data VALUES (1, 'five')")
+                await cur.execute("DO GET_LOCK('gate', 30)")  # (held by the test)
+
+        task = asyncio.ensure_future(block())
+        deadline = time.monotonic() + 20
+        while not sql(watch, "SELECT COUNT(*) FROM information_schema.PROCESSLIST "
+                             "WHERE STATE = 'User lock'")[0][0]:  # fmt: skip
+            assert time.monotonic() < deadline and not task.done(), "the block never waited"
+            await asyncio.sleep(0.01)  # (lets the block's task run: polling, not a wait)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        with pytest.raises(fenced.BackendUnavailable, match="closed"):
+            async with guard.atransaction(conn, token=tok(6)):
+                pass
+        conn.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        sql(gate, "DO RELEASE_LOCK('gate')")
+    assert sql(watch, "SELECT COUNT(*) FROM data") == [(0,)]

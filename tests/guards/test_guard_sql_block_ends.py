@@ -764,3 +764,93 @@ def test_a_rollback_to_the_witness_on_sqlite_keeps_the_fence(tmp_path: Path, lev
         assert d.read() == "five"
     finally:
         c.close()
+
+
+# -- what ran before the end: told only as the guard knows it ---------------------------------
+
+ROLLED_BACK = "what ran before the end was rolled back"
+NEVER_CLAIMED = "before the end was committed"  # (unless the guard knows: psycopg's txid)
+
+
+@pytest.mark.parametrize("end", ["ROLLBACK", "RELEASE SAVEPOINT fenced_transaction"])
+@pytest.mark.parametrize("driver", ALL, indirect=True)
+def test_a_block_whose_end_rolled_back_is_never_told_committed(driver: Driver, end: str) -> None:
+    """The block rolls its transaction back (a ROLLBACK, as a caught deadlock's does), or
+    releases the witness itself (the guard's RELEASE then fails, its rollback undoes the
+    whole transaction), then writes again. The error said "what ran before the end was
+    committed, fenced": nothing was. The fence row (none: a first fence) shows the check's
+    transaction never committed: told as rolled back."""
+    outcome = _run(driver, end, newer=False)
+    assert isinstance(outcome, ConfigurationError), outcome
+    assert ROLLED_BACK in str(outcome)
+    assert NEVER_CLAIMED not in str(outcome)
+    assert driver.read() == "init"
+    assert _high_water(driver) is None
+
+
+@pytest.mark.parametrize("driver", ALL, indirect=True)
+def test_a_block_that_committed_midway_is_told_committed_or_rolled_back(driver: Driver) -> None:
+    """The block commits midway (nobody newer): the fence row holds the token, which this
+    transaction or another of the same token may have committed: the guard says "committed
+    or rolled back", never a commit it cannot know (off psycopg's ride)."""
+    outcome = _run(driver, "COMMIT", newer=False)
+    assert isinstance(outcome, ConfigurationError), outcome
+    assert "committed or rolled back, depending on how it ended" in str(outcome)
+    assert driver.read() == "old-1"
+
+
+def test_sqlite_insert_or_rollback_caught_in_the_block_is_told_rolled_back(
+    tmp_path: Path,
+) -> None:
+    """``INSERT OR ROLLBACK`` fails and rolls back the whole transaction, fence included; the
+    block catches it and writes on (in a new transaction). Told as rolled back (the mark
+    below the token: 3 committed before, 5 rolled back), nothing of 5 committed."""
+    import sqlite3
+
+    d = _sqlite(tmp_path / "guarded.db")
+    guard = SQLGuard("acct")
+    c = d.connect()
+    try:
+        with guard.transaction(c, token=tok(3)):
+            d.write(c, "three")
+        with pytest.raises(ConfigurationError) as caught, guard.transaction(c, token=tok(5)):
+            d.write(c, "five")
+            with pytest.raises(sqlite3.IntegrityError):
+                c.execute("INSERT OR ROLLBACK INTO acct VALUES (1, 'dup')")
+            d.write(c, "after")
+        assert ROLLED_BACK in str(caught.value)
+        assert NEVER_CLAIMED not in str(caught.value)
+        assert d.read() == "three"
+        assert guard.high_water(c) == tok(3)
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("how", ["rollback()", "commit()", "commit() and a newer holder"])
+def test_psycopg_tells_what_became_of_the_checked_transaction(pg_dsn: str, how: str) -> None:
+    """psycopg's ride: the refusal read asks txid_status of the transaction the check ran
+    in: a block's conn.rollback() is told as rolled back (was: "committed, fenced"), its
+    conn.commit() as committed, fenced (definite), with or without a newer holder."""
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        guard = SQLGuard("acct")
+        guard.install(c)
+        c.execute("CREATE TABLE acct (id INTEGER PRIMARY KEY, v TEXT)")
+        c.execute("INSERT INTO acct VALUES (1, 'init')")
+        with pytest.raises(fenced.FencedError) as caught:
+            with guard.transaction(c, token=tok(5)):
+                c.execute("UPDATE acct SET v = 'a'")
+                c.rollback() if how == "rollback()" else c.commit()
+                if how.endswith("newer holder"):
+                    with psycopg.connect(pg_dsn) as n, guard.transaction(n, token=tok(6)):
+                        n.execute("UPDATE acct SET v = 'new'")
+                c.execute("UPDATE acct SET v = 'b'")
+        said = str(caught.value)
+        if how == "rollback()":
+            assert isinstance(caught.value, ConfigurationError), caught.value
+            assert ROLLED_BACK in said and NEVER_CLAIMED not in said
+            assert c.execute("SELECT v FROM acct").fetchall() == [("init",)]
+        else:
+            stale = how.endswith("newer holder")
+            assert isinstance(caught.value, StaleTokenError if stale else ConfigurationError)
+            assert "what ran before the end was committed, fenced" in said
+            assert c.execute("SELECT v FROM acct").fetchall() == [("new" if stale else "a",)]

@@ -231,3 +231,45 @@ def test_a_database_installed_by_an_older_version_is_used_as_it_is(tmp_path: Pat
         conn.execute("UPDATE acct SET v = 11")
     assert conn.execute("SELECT v FROM acct").fetchall() == [(10,)]
     conn.close()
+
+
+@pytest.mark.parametrize("level", ["", None])
+def test_a_commit_refused_by_a_reader_rolls_back_and_says_so(tmp_path: Path, level: Any) -> None:
+    """Rollback-journal mode: a reader holds SHARED while the holder's block ends, so the
+    guard's COMMIT fails (SQLITE_BUSY). SQLite leaves the transaction open: it was left so,
+    the fence and the block's write pending under the write lock (the next holder refused,
+    a retry "already open", a later unrelated commit() committing the old block), and the
+    error blamed a writer. Now the block is rolled back, as a failed block is, and the
+    error says the COMMIT failed and nothing of it committed; the next holder commits."""
+    from fenced import FenceConflictError
+
+    path = tmp_path / "journal.db"
+    setup = sqlite3.connect(path, isolation_level=None)
+    setup.execute("CREATE TABLE t (v TEXT)")
+    SQLGuard(LOCK).install(setup)
+    setup.close()
+    guard = SQLGuard(LOCK)
+    db = sqlite3.connect(path, timeout=0.05, isolation_level=level)
+    reader = sqlite3.connect(path, isolation_level=None)
+    try:
+        with pytest.raises(FenceConflictError) as caught, guard.transaction(db, token=tok(5)):
+            db.execute("INSERT INTO t VALUES ('five')")
+            reader.execute("BEGIN")
+            reader.execute("SELECT * FROM t").fetchall()  # (SHARED, held to its ROLLBACK)
+        assert "the COMMIT failed" in str(caught.value)
+        assert "nothing of it committed" in str(caught.value)
+        assert not db.in_transaction
+        assert db.isolation_level == level
+        reader.execute("ROLLBACK")
+        db.commit()  # (an unrelated commit later commits nothing of the old block)
+        other = sqlite3.connect(path, timeout=5)
+        with guard.transaction(other, token=tok(6)):
+            other.execute("INSERT INTO t VALUES ('six')")
+        other.close()
+        assert reader.execute("SELECT v FROM t").fetchall() == [("six",)]
+        assert guard.high_water(reader) == tok(6)
+        with pytest.raises(StaleTokenError), guard.transaction(db, token=tok(5)):
+            db.execute("INSERT INTO t VALUES ('five again')")
+    finally:
+        db.close()
+        reader.close()

@@ -47,6 +47,9 @@ from .._core.errors import (
 from .._core.token import FencingToken
 from ._plan import adrive, drive
 from ._sql_plan import (
+    AUTOCOMMIT_ON as _AUTOCOMMIT_ON,
+)
+from ._sql_plan import (
     MYSQL,
     POSTGRESQL,
     RIDE_REFUSED,
@@ -761,10 +764,20 @@ def _refuse_open_transaction(conn: Any) -> None:
 
 
 def _refuse_closed(conn: Any) -> None:
-    """A closed psycopg connection is BackendUnavailable (its transaction status, unknown,
-    would otherwise read as a transaction already open)."""
-    if _kind(conn) in ("psycopg", "psycopg-async") and conn.closed:
+    """A closed psycopg or MySQL connection is BackendUnavailable (its transaction status,
+    unknown or as last reported, would otherwise read as a transaction already open)."""
+    kind = _kind(conn)
+    if kind in ("psycopg", "psycopg-async") and conn.closed:
         raise BackendUnavailable("the psycopg connection is closed")
+    if kind == "asyncmy" and not conn.connected:
+        # (asyncmy closes a connection whose statement was cancelled mid-way, a timeout's
+        # cancellation included: the server rolls back what it had open)
+        raise BackendUnavailable(
+            "the asyncmy connection is closed (asyncmy closes a connection whose statement "
+            "was cancelled, e.g. by a timeout): open another"
+        )
+    if kind == "pymysql" and not conn.open:
+        raise BackendUnavailable("the MySQL connection is closed")
 
 
 def _refuse_open(already: bool, what: str) -> None:
@@ -915,12 +928,12 @@ def run_transaction(
     d = sync_dialect(conn)
     try:
         value = run(conn, make_plan, begin=True, use=use, dialect=d)
+        _end(conn, commit=True, d=d)  # (failed: not left open, see _commit_or_roll_back)
     except BaseException:
         with contextlib.suppress(Exception):
             if in_transaction(conn):
                 conn.rollback()
         raise
-    _end(conn, commit=True, d=d)
     return value
 
 
@@ -935,12 +948,12 @@ async def arun_transaction(
         )
     try:
         value = await arun(conn, make_plan, begin=True, use=use)
+        await _aend(conn, commit=True)  # (failed: not left open)
     except BaseException:
         with contextlib.suppress(Exception):
             if in_transaction(conn):
                 await conn.rollback()
         raise
-    await _aend(conn, commit=True)
     return value
 
 
@@ -1090,11 +1103,27 @@ def _ride_last() -> tuple[bytes, bytes]:
     return head.encode("ascii"), (tail + "; COMMIT").encode("ascii")
 
 
-def _ride_refusal_read(table: str, resource: str, path: str, encoding: str) -> bytes:
+def _ride_refusal_read(table: str, resource: str, path: str, xid: int, encoding: str) -> bytes:
     """The message that reads why the recheck refused (:func:`pg_ride_refusal_read`)."""
     pg = _psycopg()
     lits = [pg.sql.Literal(v).as_string(None) for v in (path, resource)]
-    return _encoded(pg_ride_refusal_read(table).format(*lits), encoding)
+    return _encoded(pg_ride_refusal_read(table).format(*lits, str(int(xid))), encoding)
+
+
+_XACT_FATE: Final = {"committed": "committed", "aborted": "rolled back"}  # (txid_status)
+
+
+def _fate_from_detail(token: FencingToken, detail: str | None) -> str | None:
+    """:func:`fate_from_row` of the refusal read's JSON (None: no row)."""
+    import json
+
+    if detail is None:
+        return fate_from_row(token, None)
+    try:
+        row = json.loads(detail)
+        return fate_from_row(token, (row["lock"], row["token"]))
+    except (ValueError, TypeError, KeyError):
+        return None
 
 
 def _recheck_refused(exc: BaseException) -> bool:
@@ -1207,13 +1236,16 @@ def _ride(
             # read is a transaction of its own)
             conn._autocommit = True
             try:
-                read = _ride_refusal_read(table, resource, path, conn.info.encoding)
+                read = _ride_refusal_read(table, resource, path, xid, conn.info.encoding)
                 found = yield _Message(read)
             except Exception as why:
                 raise _ride_error(conn, resource, token, why, first=True) from exc
-            detail = str(found[0][0]) if found else None
+            detail = None if not found or found[0][0] is None else str(found[0][0])
+            # (the checked transaction's fate by its id, else what the fence row says)
+            status = found[0][1] if found else None
+            fate = _XACT_FATE.get(str(status)) or _fate_from_detail(token, detail)
             raise _ended_or_stale(
-                resource, token, pipelined_refusal(resource, token, detail), definite
+                resource, token, pipelined_refusal(resource, token, detail), definite, fate=fate
             ) from exc
     finally:
         conn._autocommit = autocommit
@@ -1280,21 +1312,73 @@ def _as_ran_all(why: str) -> str:
     )
 
 
+# What the guard can say of the statements that ran BEFORE the end: the block's end may have
+# committed them (COMMIT, commit(), DDL on MySQL, autocommit turned on) or rolled them back
+# (ROLLBACK, rollback(), a deadlock or an INSERT OR ROLLBACK that undid the transaction, the
+# witness released so that the guard's rollback undid it); the guard says which only when it
+# knows (the fence row, or PostgreSQL's txid_status), never a commit it cannot know.
+COMMITTED: Final = "committed"
+ROLLED_BACK: Final = "rolled back"
+
+
+def _before_end(fate: str | None) -> str:
+    if fate == COMMITTED:
+        return "what ran before the end was committed, fenced"
+    if fate == ROLLED_BACK:
+        return (
+            "what ran before the end was rolled back, the fence with it (the transaction "
+            "that accepted the token did not commit)"
+        )
+    return (
+        "what ran before the end was committed or rolled back, depending on how it ended "
+        "(the guard cannot tell which)"
+    )
+
+
+def fate_from_row(token: FencingToken, row: Sequence[Any] | None) -> str | None:
+    """What the fence row read after the end (``row``: lock, token; None: no row) says of
+    the transaction the check ran in: ROLLED_BACK when no row is there, or this lock's mark
+    is below the token (a committed check leaves the mark at the token or above: marks only
+    rise); else None (at the token: this transaction or another of the same token; above
+    it: a newer holder, either way)."""
+    if row is None:
+        return ROLLED_BACK
+    try:
+        lock = row[0].decode() if isinstance(row[0], bytes) else row[0]
+        value = int(str(row[1]))
+    except (TypeError, ValueError, IndexError, UnicodeDecodeError):
+        return None
+    return ROLLED_BACK if lock == token.lock and value < token.value else None
+
+
+BLOCK: Final = "transaction(): a statement of the block"
+_ENDS: Final = (
+    "(COMMIT, ROLLBACK, commit(), rollback(), autocommit turned on, DDL on MySQL, a deadlock "
+    "that rolled it back, the savepoint fenced_transaction released)"
+)
+
+
 def _ended_or_stale(
-    resource: str, token: FencingToken, refusal: Exception, definite: str | None = None
+    resource: str,
+    token: FencingToken,
+    refusal: Exception,
+    definite: str | None = None,
+    *,
+    fate: str | None = None,
+    where: str = BLOCK,
 ) -> Exception:
     """The recheck's (or the witness's) refusal, from the fence row as it is now
     (``refusal``): the block ended the transaction the check ran in. ``definite``: why the
     guard knows that what ran after the end committed as it ran (:func:`_as_ran`), else None.
+    ``fate``: what became of the transaction the check ran in, if the guard knows
+    (:func:`fate_from_row`; psycopg: txid_status), else None. ``where``: whose statement.
     Stale (a newer token accepted since): StaleTokenError, which says what may have
     committed; but a ConfigurationError when the guard knows the block's later statements
     committed (a refusal would tell the caller nothing was written). Wrong lock, corrupt:
     ``refusal``. Else ConfigurationError."""
-    ended = (
-        f"transaction(): a statement of the block ended the transaction (COMMIT, ROLLBACK, "
-        f"commit(), autocommit turned on, DDL on MySQL) that fenced {resource!r} with {token}"
-    )
+    ended = f"{where} ended the transaction {_ENDS} that fenced {resource!r} with {token}"
     after = AS_RAN_MAYBE if definite is None else _as_ran_all(definite)
+    before = _before_end(fate)
     if isinstance(refusal, StaleTokenError):
         newer = f"{refusal.high_water or 'a higher token'} was accepted since"
         if definite is None:
@@ -1302,14 +1386,15 @@ def _ended_or_stale(
                 refusal.token,
                 refusal.high_water,
                 resource,
-                f"{refusal}: {ended}; what ran before the end was committed, fenced; {after}",
+                f"{refusal}: {ended}; {before}; {after}",
             )
         return ConfigurationError(
-            f"{ended}, and {newer}: {after}; it may have written over the newer holder's writes"
+            f"{ended}, and {newer}: {before}; {after}; it may have written over the newer "
+            "holder's writes"
         )
     if not isinstance(refusal, FenceConflictError):
         return refusal
-    return ConfigurationError(f"{ended}: what ran before the end was committed, fenced; {after}")
+    return ConfigurationError(f"{ended}: {before}; {after}")
 
 
 def _as_ran(conn: Any) -> str | None:
@@ -1456,7 +1541,7 @@ def guarded_transaction(
                 raise
             if riding is None or not riding.end(conn, resource, token):
                 _release_witness(conn, table, resource, token)
-                _commit_any(conn)
+                _commit_or_roll_back(conn)
         finally:
             if back:
                 _autocommit_back(conn)
@@ -1524,6 +1609,7 @@ def _ended_error(
     definite: str | None,
     *,
     note: str = "",
+    where: str = BLOCK,
 ) -> Exception:
     """The error for a block that ended the transaction its check ran in, from the fence row
     read afterwards (``row``: lock, token; None: no row): :func:`_ended_or_stale`.
@@ -1537,7 +1623,8 @@ def _ended_error(
         else json.dumps({"lock": row[0], "token": None if row[1] is None else str(row[1])})
     )
     refusal = pipelined_refusal(resource, token, detail)
-    error = _ended_or_stale(resource, token, refusal, definite)
+    fate = fate_from_row(token, row)
+    error = _ended_or_stale(resource, token, refusal, definite, fate=fate, where=where)
     if note and definite is None and isinstance(error, ConfigurationError | StaleTokenError):
         message = f"{error} ({note})"
         if isinstance(error, StaleTokenError):
@@ -1560,21 +1647,19 @@ def _sqlite_ended(
     exc: Exception,
     deferred: bool,
 ) -> NoReturn:
-    """RELEASE of the witness failed: if the witness is gone, roll back what is open and raise
-    the end; else the error (a failed commit: left open, as a failed COMMIT is, unless the
-    guard ran the block ``deferred``: then rolled back, as setting the level back to None
-    would commit it)."""
+    """RELEASE of the witness failed: what is open is rolled back (the transaction is the
+    guard's: COMMIT, or ROLLBACK); if the witness is gone, the end raised, else the error
+    (:func:`commit_failed`). (Rolled back before a ``deferred`` block's level is set back
+    to None, which would commit it.)"""
     # (read before the rollback; the block may have set isolation_level None itself)
     definite = _as_ran(conn)
+    with contextlib.suppress(Exception):
+        conn.rollback()
     if deferred:
-        with contextlib.suppress(Exception):
-            conn.rollback()
         with contextlib.suppress(Exception):
             conn.isolation_level = None
     if not _witness_gone(exc):
-        _raise_mapped(SQLITE, conn, exc)
-    with contextlib.suppress(Exception):
-        conn.rollback()
+        raise commit_failed(SQLITE, conn, exc, "RELEASE SAVEPOINT") from exc
     try:
         cur = conn.execute(sql.read, (resource,))  # (a read: opens nothing in legacy mode)
         row = cur.fetchone()
@@ -1583,6 +1668,55 @@ def _sqlite_ended(
         _raise_mapped(SQLITE, conn, why)
     note = _SQLITE_DDL_AS_RAN if deferred else ""
     raise _ended_error(resource, token, row, definite, note=note) from exc
+
+
+def _sqlite_commit_failed(conn: sqlite3.Connection, exc: Exception, deferred: bool) -> NoReturn:
+    """The guard's COMMIT failed (SQLITE_BUSY: a reader holds SHARED in rollback-journal
+    mode; a deferred foreign key; I/O): SQLite leaves the transaction open, the fence and
+    the block's writes pending under the write lock, for any later commit() on the
+    connection to commit. Rolled back, as the block promised (COMMIT, or ROLLBACK), and
+    raised as what it was (:func:`commit_failed`)."""
+    with contextlib.suppress(Exception):
+        conn.rollback()
+    if deferred:
+        with contextlib.suppress(Exception):
+            conn.isolation_level = None
+    raise commit_failed(SQLITE, conn, exc, "COMMIT") from exc
+
+
+def commit_failed(d: Dialect, conn: Any, exc: Exception, what: str = "COMMIT") -> Exception:
+    """The error for the guard's own ``what`` (COMMIT, or the RELEASE before it) that failed,
+    once the guard has tried to roll back: what the driver's error means (a conflict: retry;
+    the connection lost; else refused), and what became of the transaction, as far as the
+    guard knows (rolled back if no transaction is open now; a lost connection's COMMIT may
+    have committed)."""
+    mapped = map_error(d, conn, exc)
+    said = f"{type(exc).__name__}: {exc}"
+    if isinstance(mapped, BackendUnavailable):
+        return BackendUnavailable(
+            f"transaction(): the {what} failed, the database unavailable ({said}): whether "
+            "the transaction committed is unknown"
+        )
+    try:
+        still_open = in_transaction(conn)
+    except Exception:
+        still_open = True
+    outcome = (
+        "the transaction is still open: roll it back"
+        if still_open
+        else "the transaction was rolled back, nothing of it committed"
+    )
+    if isinstance(mapped, FenceConflictError):
+        why = (
+            "another connection holds a lock on the database (in rollback-journal mode a "
+            "reader's SHARED lock keeps a COMMIT from writing)"
+            if d is SQLITE
+            else "a concurrent transaction conflicted"
+        )
+        return FenceConflictError(
+            f"transaction(): the {what} failed ({said}): {why}; {outcome}: retry it"
+        )
+    return ConfigurationError(f"transaction(): the {what} failed ({said}); {outcome}")
 
 
 _PY312: Final = sys.version_info >= (3, 12)  # (sqlite3's autocommit attribute)
@@ -1657,9 +1791,12 @@ class SQLiteTransaction(tuple[sqlite3.Cursor, FenceSQL, tuple[str, str, int], Fe
             return
         try:
             cur.execute(_RELEASE_WITNESS)
-            cur.execute("COMMIT")
         except Exception as e:
             _sqlite_ended(cur.connection, self[1], self[2][0], self[3], e, self[4])
+        try:
+            cur.execute("COMMIT")
+        except Exception as e:
+            _sqlite_commit_failed(cur.connection, e, self[4])
         if self[4]:
             cur.connection.isolation_level = None  # (nothing open: no COMMIT made by it)
 
@@ -2049,10 +2186,10 @@ async def aguarded_transaction(
                 raise
             if sa:
                 await conn.run_sync(lambda c: _release_witness(c, table, resource, token))
-                await conn.commit()
+                await _acommit_or_roll_back(conn, conn.commit)
             elif riding is None or not await riding.aend(conn, resource, token):
                 await _arelease_witness(conn, table, resource, token)
-                await _aend(conn, commit=True)
+                await _acommit_or_roll_back(conn, partial(_aend, conn, commit=True))
         finally:
             if back:
                 await _aautocommit_back(conn)
@@ -2184,37 +2321,62 @@ def guarded_batch(
     check = (resource, token.lock, token.value, resource, token.value, token.lock)
     counts: list[int] = []
     extra = 0
-    answered = 0  # (the answers read: 1 = START TRANSACTION's, so the check's failed)
+    # Found in autocommit: off for the request (in it, no round trip of its own), so that a
+    # statement after one of the batch's that ended the transaction opens a transaction the
+    # re-check can refuse, and at the re-check autocommit on means the batch turned it on
+    # (what ran after that committed as it ran); on again after the COMMIT, or on failure.
+    back = bool(conn.get_autocommit())
+    lead = 2 if back else 1  # (the answers before the check's: [SET,] START TRANSACTION)
+    answered = 0  # (the answers read)
     with conn.cursor() as cur:
         parts = [cur.mogrify(mariadb_batch_check(table), check)]
         parts += [_one_statement(cur.mogrify(sql, params)) for sql, params in statements]
         # (the server has run the whole request before any answer is read, so a statement
         # that ended the transaction is caught in the server: by the re-check, which refuses
-        # unless the fence row still holds this token, under this transaction's lock)
+        # unless the fence row still holds this token, under this transaction's lock, and
+        # autocommit is off)
         parts.append(cur.mogrify(mariadb_batch_recheck(table), (resource, token.value, token.lock)))
         # (each statement ends its line: a trailing "-- " or "#" comment ends there, not
         # swallowing the separator, the statements after it, the re-check and the COMMIT)
         request = "START TRANSACTION;\n" + "\n;\n".join(parts) + "\n;\nCOMMIT"
+        if back:
+            request = f"SET autocommit = 0;\n{request};\nSET autocommit = 1"
         try:
-            cur.execute(request)  # START TRANSACTION's answer
+            cur.execute(request)  # the first answer
             answered = 1
-            cur.nextset()  # the check's
-            answered = 2  # (a syntax error after this is the caller's statement's)
-            for _ in statements:
+            for _ in range(lead):  # START TRANSACTION's (if SET's came first), the check's
                 cur.nextset()
+                answered += 1
+            for _ in statements:  # (a syntax error now is the caller's statement's)
+                cur.nextset()
+                answered += 1
                 counts.append(cur.rowcount)
             cur.nextset()  # the re-check's
+            answered += 1
             if not cur.nextset():  # COMMIT's
                 raise ConfigurationError("the batch's COMMIT did not run")
+            if back:
+                cur.nextset()  # SET autocommit = 1's
             while cur.nextset():  # (a "statement" that held several: counts are off)
                 extra += 1
         except Exception as exc:
+            failed = answered  # the index of the answer that failed
+            code = getattr(exc, "args", (None,))[0]
+            ours = code == 1644 and "fenced:" in str(exc)
+            turned_on = ours and _AUTOCOMMIT_ON in str(exc)
             with contextlib.suppress(Exception):
                 conn.rollback()
-            code = getattr(exc, "args", (None,))[0]
-            if code == 1644 and "fenced:" in str(exc):
+            if back:
+                _autocommit_back(conn)
+            elif turned_on:
+                _autocommit_off_again(conn)  # (as found)
+            if ours and (turned_on or failed == lead + len(statements) + 1):
+                # the re-check's: a statement of the batch ended the transaction
+                definite = _BATCH_AUTOCOMMIT if turned_on else None
+                raise _batch_ended(conn, table, resource, token, definite) from exc
+            if ours:
                 raise _batch_refusal(conn, table, resource, token) from exc
-            if code == 1064 and answered == 1 and _oracle_mode(conn):
+            if code == 1064 and failed == lead and _oracle_mode(conn):
                 # sql_mode=ORACLE parses no BEGIN NOT ATOMIC: the check was refused as
                 # syntax, before anything ran; the block form then, not the holder refused
                 return _block_batch(conn, statements, transaction)
@@ -2231,6 +2393,27 @@ def guarded_batch(
             "are unknown"
         )
     return counts
+
+
+_BATCH_AUTOCOMMIT: Final = "autocommit was on at the batch's re-check"
+
+
+def _batch_ended(
+    conn: Any, table: str, resource: str, token: FencingToken, definite: str | None
+) -> Exception:
+    """The re-check refused (rolled back): a statement of the batch ended the transaction
+    the check ran in; the error from the fence row as it is now (:func:`_ended_error`)."""
+    read = fence_sql(MYSQL, table).read.removesuffix(" FOR UPDATE")
+    try:
+        res = _exec_mysql(conn, Stmt(read, (resource,)))
+        _end(conn, commit=False, d=MYSQL)
+    except Exception as exc:
+        mapped = map_error(MYSQL, conn, exc)
+        if mapped is not None:
+            return mapped
+        return FenceConflictError(f"the fence refused {token} for {resource!r}; reading why: {exc}")
+    row = res.rows[0] if res.rows else None
+    return _ended_error(resource, token, row, definite, where="batch(): a statement of the batch")
 
 
 def _block_batch(
@@ -2331,6 +2514,28 @@ def _pipelined_error(conn: Any, resource: str, token: FencingToken, exc: Excepti
         if mapped is not None:
             return mapped
     return exc
+
+
+def _commit_or_roll_back(conn: Any) -> None:
+    """The guard's COMMIT; if it fails, ROLLBACK (a failed COMMIT may leave the transaction
+    open: sqlite3 after SQLITE_BUSY, a SQLAlchemy transaction that needs its rollback), then
+    the error."""
+    try:
+        _commit_any(conn)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            conn.rollback()
+        raise
+
+
+async def _acommit_or_roll_back(conn: Any, commit: Callable[[], Awaitable[object]]) -> None:
+    """The async :func:`_commit_or_roll_back` (``commit``: the connection's own)."""
+    try:
+        await commit()
+    except BaseException:
+        with contextlib.suppress(Exception):
+            await conn.rollback()
+        raise
 
 
 def _commit_any(conn: Any) -> None:

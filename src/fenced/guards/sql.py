@@ -378,7 +378,9 @@ class SQLGuard:
         statement, ``BEGIN NOT ATOMIC``), the statements and ``COMMIT`` go as one request;
         the server runs nothing after the first statement that fails, so a refused token
         commits nothing (the transaction is rolled back, the refusal raised as :meth:`check`
-        raises it). On a psycopg connection, one pipeline: ``BEGIN``, a check that raises
+        raises it); the request runs with autocommit off, and a statement of the batch that
+        turned it on is a :class:`~fenced.ConfigurationError` saying that what ran after it
+        committed as it ran (autocommit then as found). On a psycopg connection, one pipeline: ``BEGIN``, a check that raises
         in the server, the statements, the check again and ``COMMIT``. Elsewhere
         (SQLite, MySQL, PyMySQL without multi-statements, SQLAlchemy):
         :meth:`transaction`'s block, statement by statement. No transaction may be open.
