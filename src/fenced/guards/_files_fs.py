@@ -29,6 +29,7 @@ __all__ = [
     "create_with_content",
     "flocked",
     "fsync_dir",
+    "log_stray",
     "make_dirs_durably",
     "mkdir_durably",
     "require_owned",
@@ -43,7 +44,7 @@ LOCK_FILE_MODE: Final = 0o600
 any user who may *read* a lock file can hold its lock forever and stop every writer."""
 
 logger = logging.getLogger("fenced.guards.files")
-_reported: set[str] = set()  # entries already warned about (then at debug level)
+_reported: set[tuple[str, str]] = set()  # entries already warned about (then at debug level)
 
 
 def fsync_dir(path: str) -> None:
@@ -249,11 +250,17 @@ def _collect_one(path: str) -> int:
 
 
 def _left_in_place(path: str, why: str) -> None:
+    log_stray("garbage collection left %s in place: %s", path, why)
+
+
+def log_stray(template: str, path: str, why: str) -> None:
+    """Log an entry left alone (``template % (path, why)``): a warning the first time, then
+    at debug level."""
     if len(_reported) > 1024:  # (bounded: a directory full of strays must not grow it)
         _reported.clear()
-    level = logging.DEBUG if path in _reported else logging.WARNING
-    _reported.add(path)
-    logger.log(level, "garbage collection left %s in place: %s", path, why)
+    level = logging.DEBUG if (template, path) in _reported else logging.WARNING
+    _reported.add((template, path))
+    logger.log(level, template, path, why)
 
 
 def create_with_content(directory: str, name: str, data: bytes) -> bool:

@@ -54,7 +54,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import logging
 import os
 import re
 import stat
@@ -78,6 +77,7 @@ from ._files_fs import (
     create_with_content,
     flocked,
     fsync_dir,
+    log_stray,
     logger,
     make_dirs_durably,
     mkdir_durably,
@@ -170,18 +170,6 @@ def _point_current(rdir: str, filename: str) -> None:
         logger.warning("%s/%s not moved to %s: %s", rdir, CURRENT, filename, exc)
         with contextlib.suppress(OSError):  # (our link, if made: not left behind)
             os.unlink(temp)
-
-
-_skipped_reported: set[str] = set()
-
-
-def _skipped(path: str, why: str) -> None:
-    """Log an entry :meth:`FileGuard.fence` skips (a warning the first time, then debug)."""
-    if len(_skipped_reported) > 1024:  # (bounded, as garbage collection's)
-        _skipped_reported.clear()
-    level = logging.DEBUG if path in _skipped_reported else logging.WARNING
-    _skipped_reported.add(path)
-    logger.log(level, "fence skipped %s: %s", path, why)
 
 
 def _collect_leftovers(rdir: str, names: list[str], own: str) -> None:
@@ -540,7 +528,7 @@ class FileGuard:
             else:
                 names.append(entry)
                 continue
-            _skipped(os.path.join(self.directory, entry), why)
+            log_stray("fence skipped %s: %s", os.path.join(self.directory, entry), why)
         return names
 
     def _resource_dir(self, name: str, *, create: bool) -> str:
@@ -644,6 +632,11 @@ class HighWaterFile:
     atomically (a uniquely named temp file, created O_EXCL | O_NOFOLLOW and written under the
     lock, fsync, rename, fsync the directory), so it is never seen half-written, and never
     written through a symlink. ``<path>.lock`` is the ``flock`` every writer takes.
+
+    Keep it in a directory only its user can write: a directory owned by another user, or
+    writable by group or others without the sticky bit (they could delete the mark or put an
+    old one back), and a mark or lock file owned by another user, are refused
+    (ConfigurationError).
 
     * ``with mark.hold(token=t): write()`` — check, advance durably, and keep the lock across
       your write: check and write are one step for everyone using this file. The mark is
