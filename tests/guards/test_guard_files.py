@@ -1059,3 +1059,252 @@ async def test_async_file_guard_has_every_method_of_file_guard(tmp_path: Path) -
     (tmp_path / "store" / "r" / f"{TEMP_PREFIX}{'0' * 32}").write_bytes(b"dead writer's")
     assert await guard.collect_garbage("r") == 1
     assert await guard.write("r", b"six", token=tok(6)) == Version(tok(6))
+
+
+# -- another user on the same machine (outside attack 4) -------------------------------------
+# Run as root (as the attacker's reproduction was): files are given to user nobody with
+# os.chown, and the attacker's own attempts run in a child that setuid()s to nobody.
+
+NOBODY = 65534
+as_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: chown and setuid")
+
+
+@pytest.fixture
+def open_dir() -> Iterator[Path]:
+    """A 0755 directory other users may enter and read (pytest's tmp_path is 0700)."""
+    import shutil
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="fenced-files-", dir="/tmp"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+_AS_NOBODY = f"""
+import errno, fcntl, os, sys
+os.setgroups([]); os.setgid({NOBODY}); os.setuid({NOBODY})
+for path in sys.argv[1:]:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as exc:
+        print("refused" if exc.errno == errno.EACCES else f"error {{exc}}")
+        continue
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (the attacker would hold it forever)
+    print("locked")
+"""
+
+
+def lock_as_nobody(*paths: Path) -> list[str]:
+    out = subprocess.run(
+        [sys.executable, "-c", _AS_NOBODY, *map(str, paths)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split("\n")[:-1]
+
+
+@as_root
+def test_another_user_cannot_hold_a_lock_file_whatever_the_umask(open_dir: Path) -> None:
+    """Bug (outside attack): lock files were made 0644 and flock(LOCK_EX) works on a read-only
+    descriptor: user nobody locked them and every writer blocked forever. Now 0600, set
+    explicitly (a umask of 0 does not widen it): nobody cannot even open them."""
+    old = os.umask(0)
+    try:
+        guard = FileGuard(open_dir / "fg", lock="reports")
+        guard.write("daily.csv", b"v1", token="reports:1")
+        mark = HighWaterFile(open_dir / "accounts.mark", lock="accounts")
+        with mark.hold(token="accounts:1"):
+            pass
+    finally:
+        os.umask(old)
+    locks = [open_dir / "fg" / "daily.csv" / ".lock", open_dir / "accounts.mark.lock"]
+    assert [oct(p.stat().st_mode & 0o777) for p in locks] == ["0o600", "0o600"]
+    assert lock_as_nobody(*locks) == ["refused", "refused"]
+    # the owner still writes (the other side)
+    assert guard.write("daily.csv", b"v2", token="reports:2").token == FencingToken("reports", 2)
+    with mark.hold(token="accounts:2"):
+        pass
+    assert mark.current() == FencingToken("accounts", 2)
+
+
+def test_a_lock_file_an_older_version_left_readable_is_narrowed(tmp_path: Path) -> None:
+    guard = FileGuard(tmp_path / "fg", lock=LOCK)
+    (tmp_path / "fg" / "r").mkdir()
+    lock_file = tmp_path / "fg" / "r" / ".lock"
+    lock_file.touch(mode=0o644)
+    lock_file.chmod(0o644)
+    guard.write("r", b"x", token=tok(1))
+    assert lock_file.stat().st_mode & 0o777 == 0o600
+
+
+def one_line_refusal(info: pytest.ExceptionInfo[ConfigurationError], path: Path) -> None:
+    text = str(info.value)
+    assert "\n" not in text and str(path) in text and f"uid {NOBODY}" in text, text
+
+
+@as_root
+def test_a_lock_file_or_resource_directory_of_another_user_is_refused(open_dir: Path) -> None:
+    """A lock file or resource directory owned by another user than the reader or root is
+    refused in one line, before locking (its owner could hold the lock, or change the
+    versions, at will); given back to its user, writes are accepted again."""
+    guard = FileGuard(open_dir / "fg", lock="reports")
+    guard.write("daily.csv", b"v1", token="reports:1")
+    lock_file = open_dir / "fg" / "daily.csv" / ".lock"
+    os.chown(lock_file, NOBODY, NOBODY)
+    with pytest.raises(ConfigurationError, match=r"lock file .* owned by another user") as info:
+        guard.write("daily.csv", b"v2", token="reports:2")
+    one_line_refusal(info, lock_file)
+    with pytest.raises(ConfigurationError, match="lock file"):
+        guard.claim("daily.csv", token="reports:2")
+    out = subprocess.run(
+        [sys.executable, "-m", "fenced", "write", str(open_dir / "fg" / "daily.csv")],
+        input="v3\n",
+        env={**os.environ, "PYTHONPATH": str(REPO / "src"), "FENCING_TOKEN": "reports:3"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert "owned by another user" in out.stderr and len(out.stderr.splitlines()) == 1
+    os.chown(lock_file, 0, 0)
+    assert guard.read("daily.csv") == (FencingToken("reports", 1), b"v1")  # nothing written
+    guard.write("daily.csv", b"v2", token="reports:2")
+
+    rdir = open_dir / "fg" / "weekly.csv"
+    rdir.mkdir()
+    os.chown(rdir, NOBODY, NOBODY)
+    fresh = FileGuard(open_dir / "fg", lock="reports")
+    for call in (
+        lambda: fresh.write("weekly.csv", b"w", token="reports:2"),
+        lambda: fresh.read("weekly.csv"),
+    ):
+        with pytest.raises(ConfigurationError, match="resource directory") as info:
+            call()
+        one_line_refusal(info, rdir)
+    assert fresh.read("daily.csv") == (FencingToken("reports", 2), b"v2")
+
+
+@as_root
+def test_a_mark_or_mark_lock_of_another_user_is_refused(tmp_path: Path) -> None:
+    """Bug (outside attack): in a sticky world-writable directory, a mark planted before first
+    use at the maximum value refused every write for good; one planted lower let stale
+    tokens in. A mark, or its lock file, owned by another user is now refused."""
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o1777)
+    shared.chmod(0o1777)
+    planted = shared / "accounts.mark"
+    planted.write_text("accounts:1\n")
+    os.chown(planted, NOBODY, NOBODY)
+    mark = HighWaterFile(planted, lock="accounts")
+    for call in (mark.current, lambda: mark.check_and_advance(token="accounts:5")):
+        with pytest.raises(
+            ConfigurationError, match=r"high-water file .* owned by another"
+        ) as info:
+            call()
+        one_line_refusal(info, planted)
+    assert planted.read_text() == "accounts:1\n"
+    os.chown(planted, 0, 0)  # ours: the same directory is fine (the sticky bit)
+    assert mark.check_and_advance(token="accounts:5") == FencingToken("accounts", 5)
+    with pytest.raises(StaleTokenError):
+        mark.check_and_advance(token="accounts:3")
+    os.chown(shared / "accounts.mark.lock", NOBODY, NOBODY)
+    with pytest.raises(ConfigurationError, match="lock file") as info:
+        mark.check_and_advance(token="accounts:6")
+    one_line_refusal(info, shared / "accounts.mark.lock")
+
+
+@as_root
+@pytest.mark.parametrize("mode", [0o777, 0o775, 0o757])
+def test_high_water_file_refuses_a_directory_others_may_rewrite(open_dir: Path, mode: int) -> None:
+    """Bug (outside attack): in a 0777 directory user nobody replaced accounts.mark (at
+    accounts:10) with accounts:1, and the stale token accounts:3 was accepted. A directory
+    others may write without the sticky bit (they can rename anything in it) is refused."""
+    shared = open_dir / "shared"
+    shared.mkdir()
+    mark = HighWaterFile(shared / "accounts.mark", lock="accounts")
+    mark.check_and_advance(token="accounts:10")
+    shared.chmod(mode)
+    reset = (
+        f"import os; os.setgroups([]); os.setgid({NOBODY}); os.setuid({NOBODY}); "
+        f"p = {str(shared / 'accounts.mark')!r}; os.unlink(p); open(p, 'w').write('accounts:1')"
+    )
+    if mode & 0o002:  # (a 0775 directory: only its group may write; nobody is not in it)
+        subprocess.run([sys.executable, "-c", reset], check=True, timeout=60)
+    for call in (mark.current, lambda: mark.check_and_advance(token="accounts:3")):
+        with pytest.raises(ConfigurationError, match="may be written by other users") as info:
+            call()
+        assert "\n" not in str(info.value) and str(shared) in str(info.value)
+    shared.chmod(0o755)
+    (shared / "accounts.mark").unlink()
+    (shared / "accounts.mark").write_text("accounts:10\n")  # (the owner repairs it)
+    with pytest.raises(StaleTokenError):
+        mark.check_and_advance(token="accounts:3")
+    assert mark.check_and_advance(token="accounts:11") == FencingToken("accounts", 11)
+
+
+@as_root
+def test_high_water_file_refuses_a_directory_of_another_user(tmp_path: Path) -> None:
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o755)
+    os.chown(theirs, NOBODY, NOBODY)  # (even sticky, its owner may rename anything in it)
+    with pytest.raises(ConfigurationError, match=r"directory of .* owned by another user"):
+        HighWaterFile(theirs / "m", lock=LOCK).check_and_advance(token=tok(1))
+
+
+def test_fence_skips_what_is_not_a_resource_and_fences_every_real_one(
+    guard: FileGuard, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Bug (outside attack): a stray directory whose name the guard refuses (``a b``) made
+    fence() raise ConfigurationError, with the resources sorted before it fenced and those
+    after it not (partial fencing). Strays are now skipped and logged; every resource is
+    claimed."""
+    guard.write("daily.csv", b"d1", token=tok(1))
+    guard.write("weekly.csv", b"w1", token=tok(1))
+    directory = Path(guard.directory)
+    (directory / "a b").mkdir()
+    (directory / "notes.txt").write_text("a plain file")
+    with caplog.at_level("WARNING", logger="fenced.guards.files"):
+        guard.fence(tok(2))
+    assert tokens_of(guard, "daily.csv") == [1, 2] and tokens_of(guard, "weekly.csv") == [1, 2]
+    assert guard.read("weekly.csv") == (tok(2), b"w1")
+    skipped = [r.getMessage() for r in caplog.records]
+    assert any("a b" in m and "fence skipped" in m for m in skipped), skipped
+    assert any("notes.txt" in m for m in skipped), skipped
+    assert sorted(os.listdir(directory / "a b")) == []  # left as found
+
+
+def test_fence_fences_every_other_resource_before_raising(guard: FileGuard) -> None:
+    """A resource that cannot be fenced (a newer holder wrote it: StaleTokenError) no longer
+    leaves the resources sorted after it unfenced: all the others are claimed, then the
+    error is raised."""
+    for name in ("a", "m", "z"):
+        guard.write(name, name.encode(), token=tok(1))
+    guard.write("m", b"newer", token=tok(5))
+    with pytest.raises(StaleTokenError) as info:
+        guard.fence(tok(3))
+    assert info.value.resource == "m"
+    assert [tokens_of(guard, n) for n in ("a", "m", "z")] == [[1, 3], [1, 5], [1, 3]]
+    with pytest.raises(ConfigurationError, match="invalid resource name"):
+        guard.fence(tok(4), ["a", "a b", "z"])  # named ones too: the others first
+    assert [tokens_of(guard, n)[-1] for n in ("a", "z")] == [4, 4]
+
+
+def test_no_current_link_left_behind_when_current_is_blocked(
+    guard: FileGuard, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Bug (outside attack): with ``current`` replaced by a directory, each write left its
+    ``.current-<pid>`` symlink behind. The write is still accepted (and the link logged)."""
+    guard.write("r", b"v1", token=tok(1))
+    rdir = Path(guard.directory) / "r"
+    (rdir / "current").unlink()
+    (rdir / "current").mkdir()
+    (rdir / "current" / "x").write_text("y")
+    with caplog.at_level("WARNING", logger="fenced.guards.files"):
+        guard.write("r", b"v2", token=tok(2))
+    assert guard.read("r") == (tok(2), b"v2")
+    assert [n for n in os.listdir(rdir) if n.startswith(".current-")] == []
+    assert (rdir / "current" / "x").read_text() == "y"
+    assert any("not moved" in r.getMessage() for r in caplog.records)

@@ -19,23 +19,32 @@ import uuid
 from collections.abc import Iterator
 from typing import Final
 
+from .._core.errors import ConfigurationError
+
 __all__ = [
+    "LOCK_FILE_MODE",
     "TEMP_PREFIX",
     "TempFile",
     "collect_temps",
     "create_with_content",
     "flocked",
     "fsync_dir",
+    "log_stray",
     "make_dirs_durably",
     "mkdir_durably",
+    "require_owned",
+    "require_unshared_dir",
     "write_all",
 ]
 
 TEMP_PREFIX: Final = ".tmp-"
 _OPEN_FLAGS: Final = os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
+LOCK_FILE_MODE: Final = 0o600
+"""Lock files are the owner's alone: ``flock(LOCK_EX)`` works on a read-only descriptor, so
+any user who may *read* a lock file can hold its lock forever and stop every writer."""
 
 logger = logging.getLogger("fenced.guards.files")
-_reported: set[str] = set()  # entries already warned about (then at debug level)
+_reported: set[tuple[str, str]] = set()  # entries already warned about (then at debug level)
 
 
 def fsync_dir(path: str) -> None:
@@ -72,6 +81,41 @@ def make_dirs_durably(path: str) -> None:
     mkdir_durably(path)
 
 
+def _user_name(uid: int) -> str:
+    try:
+        import pwd
+
+        return pwd.getpwuid(uid).pw_name
+    except (ImportError, KeyError):
+        return str(uid)
+
+
+def require_owned(path: str, info: os.stat_result, what: str, can: str) -> None:
+    """Refuse (ConfigurationError, one line) ``path`` owned by another user than the reader
+    or root: its owner can ``can`` (said in the error), whatever its mode."""
+    me = os.geteuid()
+    if info.st_uid not in (me, 0):
+        raise ConfigurationError(
+            f"{what} {path} is owned by another user (uid {info.st_uid}), who can {can}; "
+            f"remove it or run `chown {_user_name(me)} {path}` (it must be yours or root's)"
+        )
+
+
+def require_unshared_dir(path: str, what: str) -> None:
+    """Refuse a directory whose names others may replace: owned by another user than the
+    reader or root, or writable by group or others without the sticky bit (anyone who may
+    write it can rename or delete any entry, a mark included, and put an old one back)."""
+    info = os.stat(path)
+    require_owned(path, info, f"the directory of {what}", "rename or delete anything in it")
+    mode = stat.S_IMODE(info.st_mode)
+    if mode & 0o022 and not mode & stat.S_ISVTX:
+        raise ConfigurationError(
+            f"the directory of {what}, {path}, may be written by other users (mode "
+            f"{mode:04o}, no sticky bit), who can delete or replace {what}; use a directory "
+            f"only its owner can write (`chmod go-w {path}`)"
+        )
+
+
 @contextlib.contextmanager
 def flocked(path: str) -> Iterator[int]:
     """Hold an exclusive ``flock`` on ``path`` (created if missing) for the ``with`` body.
@@ -79,9 +123,20 @@ def flocked(path: str) -> Iterator[int]:
     flock locks belong to the open file description: every call opens the file anew, so two
     threads of one process exclude each other just like two processes do. The kernel drops
     the lock when the holder dies (even by SIGKILL), so a crashed writer never wedges others.
+
+    The lock file is made mode :data:`LOCK_FILE_MODE` whatever the umask (and one left by an
+    older version with a wider mode is narrowed), and one owned by another user than the
+    reader or root, or not a regular file, is refused (ConfigurationError) before locking:
+    its owner could hold the lock forever.
     """
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | _OPEN_FLAGS, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | _OPEN_FLAGS, LOCK_FILE_MODE)
     try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ConfigurationError(f"lock file {path} is not a regular file")
+        require_owned(path, info, "lock file", "hold its lock and stop every writer")
+        if stat.S_IMODE(info.st_mode) != LOCK_FILE_MODE and info.st_uid == os.geteuid():
+            os.fchmod(fd, LOCK_FILE_MODE)  # (the umask narrowed it, or an older version made it)
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield fd
     finally:
@@ -195,11 +250,17 @@ def _collect_one(path: str) -> int:
 
 
 def _left_in_place(path: str, why: str) -> None:
+    log_stray("garbage collection left %s in place: %s", path, why)
+
+
+def log_stray(template: str, path: str, why: str) -> None:
+    """Log an entry left alone (``template % (path, why)``): a warning the first time, then
+    at debug level."""
     if len(_reported) > 1024:  # (bounded: a directory full of strays must not grow it)
         _reported.clear()
-    level = logging.DEBUG if path in _reported else logging.WARNING
-    _reported.add(path)
-    logger.log(level, "garbage collection left %s in place: %s", path, why)
+    level = logging.DEBUG if (template, path) in _reported else logging.WARNING
+    _reported.add((template, path))
+    logger.log(level, template, path, why)
 
 
 def create_with_content(directory: str, name: str, data: bytes) -> bool:

@@ -77,9 +77,12 @@ from ._files_fs import (
     create_with_content,
     flocked,
     fsync_dir,
+    log_stray,
     logger,
     make_dirs_durably,
     mkdir_durably,
+    require_owned,
+    require_unshared_dir,
     write_all,
 )
 from ._token_arg import token_keyword, warn_positional
@@ -165,6 +168,8 @@ def _point_current(rdir: str, filename: str) -> None:
         os.replace(temp, os.path.join(rdir, CURRENT))
     except OSError as exc:
         logger.warning("%s/%s not moved to %s: %s", rdir, CURRENT, filename, exc)
+        with contextlib.suppress(OSError):  # (our link, if made: not left behind)
+            os.unlink(temp)
 
 
 def _collect_leftovers(rdir: str, names: list[str], own: str) -> None:
@@ -492,25 +497,60 @@ class FileGuard:
         raise OSError(f"could not publish {name!r} in {rdir}: temp files kept disappearing")
 
     def fence(self, token: TokenLike, names: Iterable[str] | None = None) -> None:
-        """:meth:`claim` every file of the directory (or ``names``): ``fence=`` on acquire."""
+        """:meth:`claim` every file of the directory (or ``names``): ``fence=`` on acquire.
+
+        Entries of the directory that are not resources (not a directory, or a name the guard
+        never gives one, such as ``a b``) are skipped and logged. Every resource is claimed
+        even if one cannot be: the first error is raised after all the others are fenced
+        (the rest are logged), never leaving those after it unfenced."""
         if names is None:
-            names = sorted(
-                n for n in os.listdir(self.directory)
-                if not n.startswith(".") and os.path.isdir(os.path.join(self.directory, n))
-            )  # fmt: skip
+            names = self._resource_names()
+        errors: list[Exception] = []
         for name in names:
-            self.claim(name, token=token)
+            try:
+                self.claim(name, token=token)
+            except Exception as exc:  # (each one: fence the others first)
+                if errors:
+                    logger.warning("fence: %r not fenced either: %s", name, exc)
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def _resource_names(self) -> list[str]:
+        names = []
+        for entry in sorted(os.listdir(self.directory)):
+            if entry.startswith("."):
+                continue  # (the guard's own files: .fenced-lock)
+            if not os.path.isdir(os.path.join(self.directory, entry)):
+                why = "not a directory"
+            elif not _NAME_RE.fullmatch(entry):
+                why = "not a name the guard gives a resource"
+            else:
+                names.append(entry)
+                continue
+            log_stray("fence skipped %s: %s", os.path.join(self.directory, entry), why)
+        return names
 
     def _resource_dir(self, name: str, *, create: bool) -> str:
         rdir = os.path.join(self.directory, name)
-        if create and rdir not in self._known_dirs:
-            # Durable even when it existed: its maker may have died before its fsync.
-            mkdir_durably(rdir)
-            if not os.path.isdir(rdir):
+        if rdir not in self._known_dirs:
+            if create:
+                # Durable even when it existed: its maker may have died before its fsync.
+                mkdir_durably(rdir)
+            try:
+                info = os.stat(rdir)
+            except FileNotFoundError:
+                if create:
+                    raise
+                return rdir  # (nothing to read yet: the caller finds it missing)
+            if not stat.S_ISDIR(info.st_mode):
                 raise ConfigurationError(
                     f"{rdir} is not a directory: the file guard keeps the versions of "
                     f"{name!r} in a directory of that name"
                 )
+            # Checked once per guard and resource (never on the hot path): its owner could
+            # plant versions, hold its lock file, or delete the mark they stand for.
+            require_owned(rdir, info, "resource directory", "change or delete its versions")
             self._known_dirs.add(rdir)
         return rdir
 
@@ -593,6 +633,11 @@ class HighWaterFile:
     lock, fsync, rename, fsync the directory), so it is never seen half-written, and never
     written through a symlink. ``<path>.lock`` is the ``flock`` every writer takes.
 
+    Keep it in a directory only its user can write: a directory owned by another user, or
+    writable by group or others without the sticky bit (they could delete the mark or put an
+    old one back), and a mark or lock file owned by another user, are refused
+    (ConfigurationError).
+
     * ``with mark.hold(token=t): write()`` — check, advance durably, and keep the lock across
       your write: check and write are one step for everyone using this file. The mark is
       advanced *before* your write, so a crash in between leaves the mark ahead of the data
@@ -619,6 +664,9 @@ class HighWaterFile:
         The mark file is never a symlink (the guard replaces it with ``rename``, which does
         not follow one): a symlink there was planted, and is refused as a corrupt mark
         rather than followed to a file someone else chose."""
+        # A directory others could write would let them delete or replace the mark (and put
+        # an old one back): refused, as a mark owned by another user is.
+        require_unshared_dir(self._dir, f"the high-water file {os.path.basename(self.path)}")
         try:
             fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
         except FileNotFoundError:
@@ -628,8 +676,10 @@ class HighWaterFile:
                 raise CorruptMarkError(self.path, "high-water file is a symlink") from None
             raise
         with open(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
                 raise CorruptMarkError(self.path, "high-water file is not a regular file")
+            require_owned(self.path, info, "high-water file", "set the mark to any value")
             text = f.read()
         try:
             return FencingToken.parse(text.rstrip(b"\n"), self.lock)
