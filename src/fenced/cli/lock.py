@@ -41,6 +41,7 @@ from ._common import (
     _ttl,
     _url_arguments,
     _verbose,
+    child_environment,
 )
 
 LOCK_EXIT_STATUSES = """\
@@ -204,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
 def _run_holding(
     lease: _sync.Lease, token: str, cmd: list[str], grace: float, new_session: bool = False
 ) -> int:
-    env = dict(os.environ, FENCING_TOKEN=token, FENCED_LOCK=lease.name)
+    env = child_environment(os.environ, FENCING_TOKEN=token, FENCED_LOCK=lease.name)
     # The handlers go in before the command starts: a Ctrl-C or SIGTERM in between would
     # otherwise end `fenced lock` (releasing the lock) and leave the command running.
     child: Command | None = None
