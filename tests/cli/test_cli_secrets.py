@@ -155,3 +155,22 @@ def test_fenced_lock_and_write_end_to_end_with_a_verify_key(signed: dict[str, st
                   f'test -z "$FENCED_SIGNING_KEY" && {write}', env=env)  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert (Path(signed["target"]) / "current").read_text() == "job\n"
+
+
+def test_fenced_elect_never_hands_the_sources_secrets_to_its_commands(tmp_path: Path) -> None:
+    """The same for `fenced elect`: neither the fence command nor the leader's command gets
+    the signing key, the API key, or a URL with a password."""
+    secret_env = {
+        "FENCED_SIGNING_KEY": key_text(HmacKey("hk", b"\x11" * 32)).strip(),
+        "FENCED_API_KEY": "api-secret-123",
+        "FENCED_URL": "postgresql://fenced:pw-secret@db.internal/locks",
+    }
+    fence_out = tmp_path / "fence.json"
+    fence = f'{sys.executable} -c "{SHOW_ENV}" > {fence_out}'
+    out = _fenced("elect", "svc", "--url", f"sqlite:///{tmp_path}/l.db", "--fence-cmd", fence,
+                  "--", sys.executable, "-c", SHOW_ENV, env=_env(**secret_env))  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    for seen in (json.loads(out.stdout), json.loads(fence_out.read_text())):
+        assert "FENCING_TOKEN" in seen
+        for name in secret_env:
+            assert name not in seen, (name, seen)

@@ -38,7 +38,9 @@ Keys are files (``fenced keygen``): one line ``fenced-key 1 <kind> <key id> <bas
 ``signing_key=`` and ``$FENCED_SIGNING_KEY`` take that line itself too (for secrets injected as
 environment variables; blanks around it dropped, anything else around it malformed), or a
 key file's path. A key's ``repr`` and every error name the key id only, never the secret,
-and never a text that may be one (errors name where it came from). A key file other users
+and never a text that may be one (errors name where it came from); a malformed key line's
+errors name none of its fields, not even the key id (swapped, it may be the secret). A key
+file must be a regular file (opened non-blocking: a FIFO is refused, never waited on). A key file other users
 may read (a secret) or change is refused, as ssh refuses such a key (:func:`load_key`).
 """
 

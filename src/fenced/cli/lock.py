@@ -69,8 +69,10 @@ def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
         usage="fenced lock NAME [options] -- COMMAND [ARGS ...]",
         description=(
             "Take the lock NAME from the token source (renewing its lease in the background), "
-            "run COMMAND with FENCING_TOKEN and FENCED_LOCK in its environment, release the "
-            "lock when it ends. If the lease is lost meanwhile, COMMAND is terminated. Give "
+            "run COMMAND with FENCING_TOKEN and FENCED_LOCK in its environment (and without "
+            "the source's secrets: $FENCED_SIGNING_KEY, $FENCED_API_KEY, a $FENCED_URL with a "
+            "password, an HMAC key's text in $FENCED_VERIFY_KEY), release the lock when it "
+            "ends. If the lease is lost meanwhile, COMMAND is terminated. Give "
             "FENCING_TOKEN to what the command writes (fenced write, a guard), so that a run "
             "that lost its lease cannot overwrite a later one's work."
         ),
