@@ -357,7 +357,7 @@ class Keyring:
         elif self.source_id is None:
             raise SignatureError(
                 f"fencing token {lock}:{value} is bound to source {source!r}: this resource "
-                "names no source it trusts (give the keyring source_id=)"
+                "names no source it trusts (give the keyring source_id=; a command, --source-id)"
             )
         elif source != self.source_id:
             raise SignatureError(
@@ -485,7 +485,9 @@ def parse_key(text: str, where: str = "the key") -> HmacKey | Ed25519SigningKey 
         )
     kind = _KINDS.get(parts[2])
     if kind is None:
-        raise ConfigurationError(f"{where}: unknown key kind (not {', '.join(_KINDS)})")
+        raise ConfigurationError(
+            f"{where} is not a fenced key file: unknown key kind (not {', '.join(_KINDS)})"
+        )
     if not KID_RE.fullmatch(parts[3]):
         raise ConfigurationError(
             f"{where}: the key id is not 1-32 characters of A-Z a-z 0-9 _ - (not shown: "
