@@ -772,7 +772,10 @@ class AsyncLocks:
         accept_unbound = bool(options.pop("accept_unbound", False))
         verify: TokenVerifier | None = options.pop("verify", None)
         if verify is not None and not callable(getattr(verify, "verify", None)):
-            raise ConfigurationError(f"verify= takes a Keyring (fenced.load_keys), not {verify!r}")
+            # (its type only: a key's text given here by mistake may be the secret)
+            raise ConfigurationError(
+                f"verify= takes a Keyring (fenced.load_keys), not {type(verify).__name__}"
+            )
         # What check() verifies a token with, before asking the source: verify= (public keys
         # suffice), else this connection's own key's public half. With either, an unsigned
         # token is refused, as guards and fenced serve's /v1/check refuse it.

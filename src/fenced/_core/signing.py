@@ -38,7 +38,9 @@ Keys are files (``fenced keygen``): one line ``fenced-key 1 <kind> <key id> <bas
 ``signing_key=`` and ``$FENCED_SIGNING_KEY`` take that line itself too (for secrets injected as
 environment variables; blanks around it dropped, anything else around it malformed), or a
 key file's path. A key's ``repr`` and every error name the key id only, never the secret,
-and never a text that may be one (errors name where it came from). A key file other users
+and never a text that may be one (errors name where it came from); a malformed key line's
+errors name none of its fields, not even the key id (swapped, it may be the secret). A key
+file must be a regular file (opened non-blocking: a FIFO is refused, never waited on). A key file other users
 may read (a secret) or change is refused, as ssh refuses such a key (:func:`load_key`).
 """
 
@@ -68,6 +70,7 @@ __all__ = [
     "VerifyKey",
     "generate_key",
     "is_key_text",
+    "is_public_key_text",
     "key_text",
     "load_key",
     "load_keys",
@@ -155,7 +158,12 @@ class VerifyKey(Protocol):
 
 def _check_kid(kid: object) -> str:
     if not isinstance(kid, str) or not KID_RE.fullmatch(kid):
-        raise ConfigurationError(f"key id must be 1-32 characters of A-Z a-z 0-9 _ -, not {kid!r}")
+        # Never shown: a key id in the wrong place may be the secret itself (a key line's
+        # fields swapped, HmacKey(secret, kid)).
+        raise ConfigurationError(
+            "a key id must be 1-32 characters of A-Z a-z 0-9 _ - (the one given is not; "
+            "not shown: it may be the secret, e.g. a key line's fields swapped)"
+        )
     return kid
 
 
@@ -349,7 +357,7 @@ class Keyring:
         elif self.source_id is None:
             raise SignatureError(
                 f"fencing token {lock}:{value} is bound to source {source!r}: this resource "
-                "names no source it trusts (give the keyring source_id=)"
+                "names no source it trusts (give the keyring source_id=; a command, --source-id)"
             )
         elif source != self.source_id:
             raise SignatureError(
@@ -396,12 +404,17 @@ def load_key(
     reader or root (its owner can read and replace it, whatever its mode now)."""
     shown = os.fspath(path) if where is None else None
     label = f"key file {shown}" if where is None else f"the key file named by {where}"
+    # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer, for ever,
+    # before any check could refuse it (on a regular file it changes nothing).
+    flags = os.O_RDONLY | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_NONBLOCK", 0)
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOCTTY", 0))
+        fd = os.open(path, flags)
     except OSError as exc:  # (its strerror: not Python's repr of the exception)
         raise ConfigurationError(f"cannot read {label}: {exc.strerror}") from None
     try:
         info = os.fstat(fd)  # (the file read, not a name that may be swapped meanwhile)
+        if not stat.S_ISREG(info.st_mode):  # (a FIFO, a device, a directory, a socket)
+            raise ConfigurationError(f"{label} is not a regular file")
         with os.fdopen(os.dup(fd), "rb") as f:
             data = f.read(_MAX_KEY_FILE + 1)
     except OSError as exc:  # (a directory: EISDIR on the read)
@@ -459,15 +472,44 @@ def _check_key_file(info: os.stat_result, *, secret: bool, label: str, shown: st
 
 
 def parse_key(text: str, where: str = "the key") -> HmacKey | Ed25519SigningKey | Ed25519VerifyKey:
-    """A key from its one-line text (a key file's content, or an environment variable's)."""
+    """A key from its one-line text (a key file's content, or an environment variable's).
+
+    Errors name ``where`` and what is wrong, never a field of the line (the key id
+    included: until the line is parsed whole, any field may be the secret, e.g. the key id
+    and the material swapped)."""
     parts = text.strip().split(" ")
-    if len(parts) != 5 or " ".join(parts[:2]) != _FILE_MAGIC or parts[2] not in _KINDS:
-        raise ConfigurationError(f"{where} is not a fenced key file")
+    if len(parts) != 5 or " ".join(parts[:2]) != _FILE_MAGIC:
+        raise ConfigurationError(
+            f"{where} is not a fenced key file (one line '{_FILE_MAGIC} <kind> <key id> "
+            "<base64url>')"
+        )
+    kind = _KINDS.get(parts[2])
+    if kind is None:
+        raise ConfigurationError(
+            f"{where} is not a fenced key file: unknown key kind (not {', '.join(_KINDS)})"
+        )
+    if not KID_RE.fullmatch(parts[3]):
+        raise ConfigurationError(
+            f"{where}: the key id is not 1-32 characters of A-Z a-z 0-9 _ - (not shown: "
+            "it may be the secret; are the key id and the key material swapped?)"
+        )
     try:
         material = unb64(parts[4])
     except InvalidTokenError:
         raise ConfigurationError(f"{where}: the key material is not base64url") from None
-    return _KINDS[parts[2]](parts[3], material)
+    try:
+        return kind(parts[3], material)
+    except ConfigurationError:  # (the material's size for its kind: said without the line)
+        raise ConfigurationError(
+            f"{where}: the key material is not a valid {parts[2]} key (wrong size)"
+        ) from None
+
+
+def is_public_key_text(value: str) -> bool:
+    """Whether ``value`` is an Ed25519 public key's line (no secret in it): other key text
+    (an HMAC key, a private key, a malformed line) may hold a secret."""
+    parts = value.strip().split(" ")
+    return len(parts) == 5 and " ".join(parts[:3]) == f"{_FILE_MAGIC} ed25519-public"
 
 
 # Key text, not a path: the magic anywhere, followed by a blank (a path such as

@@ -10,7 +10,7 @@ import logging
 import math
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NoReturn, TypeAlias
 
 from .._core.backend import redacted
@@ -43,6 +43,8 @@ exit status (fenced's own outcomes never use 1, which commands use for their own
          hold), or the run was cut short by a part that died midway (run incomplete);
          fenced demo: the run did not behave as fencing should; check-token: the
          token is invalid: malformed, never issued by the source, or not well signed;
+         fenced write: refused, the token is not well signed (unsigned, forged, of another
+         source) where a key is given; nothing written;
          fenced group remove/add: the change was refused for safety (it would keep no member
          holding the acknowledged writes, or fewer than min_members); nothing changed
   69     the token source (fenced group: a member) could not be reached (EX_UNAVAILABLE)
@@ -271,6 +273,95 @@ def _signing_key(args: argparse.Namespace) -> Any:
         with _named("$FENCED_SIGNING_KEY"):
             return read_key(os.environ["FENCED_SIGNING_KEY"], "$FENCED_SIGNING_KEY")
     return None
+
+
+def verify_keys(args: argparse.Namespace) -> list[Any]:
+    """The keys a command verifies tokens with (check-token, write): --verify-key FILE
+    (repeatable), else $FENCED_VERIFY_KEY, else the public half of $FENCED_SIGNING_KEY's key;
+    [] when none is given. Errors name the flag or the variable, never a key's text."""
+    from .._core.signing import public_half, read_key, verify_key
+
+    if args.verify_key:
+        for path in args.verify_key:
+            key_file(path, "--verify-key", "$FENCED_VERIFY_KEY")
+        return [verify_key(path, "--verify-key", path_shown=True) for path in args.verify_key]
+    if os.environ.get("FENCED_VERIFY_KEY"):
+        with _named("$FENCED_VERIFY_KEY"):
+            return [verify_key(os.environ["FENCED_VERIFY_KEY"], "$FENCED_VERIFY_KEY")]
+    if os.environ.get("FENCED_SIGNING_KEY"):
+        # (the source's own key, private or public: its public half verifies)
+        with _named("$FENCED_SIGNING_KEY"):
+            return [public_half(read_key(os.environ["FENCED_SIGNING_KEY"], "$FENCED_SIGNING_KEY"))]
+    return []
+
+
+def verify_key_arguments(parser: argparse.ArgumentParser, refused: str) -> None:
+    """--verify-key FILE, --source-id, --accept-unbound: how a command verifies tokens."""
+    parser.add_argument(
+        "--verify-key",
+        metavar="FILE",
+        action="append",
+        help="verify the token's signature with this key file first: an Ed25519 .pub or an "
+        f"HMAC key (repeat for rotation); an unsigned, forged or foreign token then {refused} "
+        "(default: $FENCED_VERIFY_KEY, else the key of $FENCED_SIGNING_KEY)",
+    )
+    _source_id_argument(parser)
+    parser.add_argument(
+        "--accept-unbound",
+        action="store_true",
+        help="with --source-id, also accept tokens signed before the source had an id (v1)",
+    )
+
+
+def verify_keyring(args: argparse.Namespace) -> Any:
+    """The Keyring of :func:`verify_keys`, bound to --source-id (else $FENCED_SOURCE_ID) and
+    --accept-unbound; None without a key (then --source-id and --accept-unbound, which would
+    mean nothing, are refused)."""
+    from .._core.signing import Keyring
+
+    keys = verify_keys(args)
+    source_id = _source_id(args)
+    if keys and args.accept_unbound and not source_id:
+        raise ConfigurationError(
+            "--accept-unbound needs --source-id (or $FENCED_SOURCE_ID): a keyring without a "
+            "source accepts unbound tokens only"
+        )
+    if not keys:
+        if args.source_id or args.accept_unbound:  # ($FENCED_SOURCE_ID alone: nothing to check)
+            raise ConfigurationError("--source-id and --accept-unbound need a key (--verify-key)")
+        return None
+    return Keyring(
+        keys, source_id=source_id, accept_unbound=args.accept_unbound and bool(source_id)
+    )
+
+
+#: Secrets fenced reads from the environment that a command run by `fenced lock` or `fenced
+#: elect` never gets: the signing key (it would sign any token: any lock, any value) and the
+#: API key of fenced serve (it takes and releases locks). $FENCED_URL and $FENCED_VERIFY_KEY
+#: are dropped only when they hold a secret (see :func:`child_environment`).
+CHILD_SECRETS = ("FENCED_SIGNING_KEY", "FENCED_API_KEY")
+
+
+def child_environment(base: Mapping[str, str], **extra: str) -> dict[str, str]:
+    """The environment of a command fenced runs holding a lock: ``base`` and ``extra``
+    without the source's secrets. The command gets its token, never the power to mint one
+    or the source's credentials (nor do its children, its ``env`` dumps, a CI log): no
+    $FENCED_SIGNING_KEY, no $FENCED_API_KEY, no $FENCED_URL holding a password or a secret
+    query parameter (a URL without one is kept: a nested `fenced check-token` uses it; give
+    a command that needs the credentials $FENCED_URL_FILE, kept), no $FENCED_VERIFY_KEY
+    holding an HMAC key's text (it signs too; one naming a file or holding a .pub line is
+    kept: a nested `fenced write` verifies with it)."""
+    from .._core.signing import is_key_text, is_public_key_text
+
+    env = {k: v for k, v in base.items() if k not in CHILD_SECRETS}
+    url = env.get("FENCED_URL")
+    if url is not None and redacted(url) != url:
+        del env["FENCED_URL"]
+    verify = env.get("FENCED_VERIFY_KEY")
+    if verify is not None and is_key_text(verify) and not is_public_key_text(verify):
+        del env["FENCED_VERIFY_KEY"]
+    env.update(extra)
+    return env
 
 
 def _source_options(args: argparse.Namespace, key: Any) -> dict[str, Any]:

@@ -41,6 +41,7 @@ from .._core.fork import whoami
 from .._core.names import ELECTION_RECORDS
 from .._core.token import validate_lock_name
 from ._command import Command, spawn
+from ._common import child_environment
 
 __all__ = ["poison", "run_elected"]
 
@@ -221,7 +222,7 @@ def run_elected(
     child: Command | None = None
     try:
         _, record = _read_record(locks, name)
-        env = dict(
+        env = child_environment(  # (the leader's command never gets the source's secrets)
             os.environ,
             FENCING_TOKEN=str(epoch),
             FENCED_EPOCH=str(epoch.value),

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from typing import Any
 
 from .._core import sync as _sync
-from .._core.errors import ConfigurationError
 from .._core.token import FencingToken
 from ._common import (
     EXIT_INVALID_TOKEN,
@@ -18,13 +16,11 @@ from ._common import (
     _examples,
     _from_source,
     _HelpFormatter,
-    _named,
     _source_arguments,
-    _source_id,
-    _source_id_argument,
     _url,
     _verbose,
-    key_file,
+    verify_key_arguments,
+    verify_keyring,
 )
 
 NAME = "check-token"
@@ -52,58 +48,21 @@ def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
     )
     check.add_argument("token", metavar="TOKEN")
     check.add_argument("--json", action="store_true", help="print the result as JSON")
-    check.add_argument(
-        "--verify-key",
-        metavar="FILE",
-        action="append",
-        help="verify the token's signature with this key file first: an Ed25519 .pub or an "
-        "HMAC key (repeat for rotation); an unsigned, forged or foreign token then exits 65 "
-        "(default: $FENCED_VERIFY_KEY, else the key of $FENCED_SIGNING_KEY)",
-    )
-    _source_id_argument(check)
-    check.add_argument(
-        "--accept-unbound",
-        action="store_true",
-        help="with --source-id, also accept tokens signed before the source had an id (v1)",
-    )
+    verify_key_arguments(check, "exits 65")
     _source_arguments(check)
     return check
 
 
 def run(args: argparse.Namespace) -> int:
-    from .._core.signing import Keyring, public_half, read_key, verify_key
-
     token = FencingToken.parse(args.token)
     url = _url(args)
     options: dict[str, Any] = {"connect_timeout": max(args.timeout, 0.1)}
     # Verifying needs only a public key (or the HMAC secret), never the power to sign:
     # the token is checked locally first, and refused (exit 65) if unsigned, forged or of
     # another source, as guards and fenced serve's /v1/check refuse it.
-    keys: list[Any] = []
-    if args.verify_key:
-        for path in args.verify_key:
-            key_file(path, "--verify-key", "$FENCED_VERIFY_KEY")
-        keys = [verify_key(path, "--verify-key", path_shown=True) for path in args.verify_key]
-    elif os.environ.get("FENCED_VERIFY_KEY"):
-        with _named("$FENCED_VERIFY_KEY"):
-            keys = [verify_key(os.environ["FENCED_VERIFY_KEY"], "$FENCED_VERIFY_KEY")]
-    elif os.environ.get("FENCED_SIGNING_KEY"):
-        # (the source's own key, private or public: its public half verifies)
-        with _named("$FENCED_SIGNING_KEY"):
-            key = read_key(os.environ["FENCED_SIGNING_KEY"], "$FENCED_SIGNING_KEY")
-            keys = [public_half(key)]
-    source_id = _source_id(args)
-    if keys and args.accept_unbound and not source_id:
-        raise ConfigurationError(
-            "--accept-unbound needs --source-id (or $FENCED_SOURCE_ID): a keyring without a "
-            "source accepts unbound tokens only"
-        )
-    if keys:
-        options["verify"] = Keyring(
-            keys, source_id=source_id, accept_unbound=args.accept_unbound and bool(source_id)
-        )
-    elif args.source_id or args.accept_unbound:  # ($FENCED_SOURCE_ID alone: nothing to check)
-        raise ConfigurationError("--source-id and --accept-unbound need a key (--verify-key)")
+    keyring = verify_keyring(args)
+    if keyring is not None:
+        options["verify"] = keyring
     with _from_source(args), _sync.connect(url, **options) as locks:
         result = locks.check(token)
     verdict = result.verdict.replace("_", "-")

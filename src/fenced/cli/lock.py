@@ -41,6 +41,7 @@ from ._common import (
     _ttl,
     _url_arguments,
     _verbose,
+    child_environment,
 )
 
 LOCK_EXIT_STATUSES = """\
@@ -68,8 +69,10 @@ def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
         usage="fenced lock NAME [options] -- COMMAND [ARGS ...]",
         description=(
             "Take the lock NAME from the token source (renewing its lease in the background), "
-            "run COMMAND with FENCING_TOKEN and FENCED_LOCK in its environment, release the "
-            "lock when it ends. If the lease is lost meanwhile, COMMAND is terminated. Give "
+            "run COMMAND with FENCING_TOKEN and FENCED_LOCK in its environment (and without "
+            "the source's secrets: $FENCED_SIGNING_KEY, $FENCED_API_KEY, a $FENCED_URL with a "
+            "password, an HMAC key's text in $FENCED_VERIFY_KEY), release the lock when it "
+            "ends. If the lease is lost meanwhile, COMMAND is terminated. Give "
             "FENCING_TOKEN to what the command writes (fenced write, a guard), so that a run "
             "that lost its lease cannot overwrite a later one's work."
         ),
@@ -204,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
 def _run_holding(
     lease: _sync.Lease, token: str, cmd: list[str], grace: float, new_session: bool = False
 ) -> int:
-    env = dict(os.environ, FENCING_TOKEN=token, FENCED_LOCK=lease.name)
+    env = child_environment(os.environ, FENCING_TOKEN=token, FENCED_LOCK=lease.name)
     # The handlers go in before the command starts: a Ctrl-C or SIGTERM in between would
     # otherwise end `fenced lock` (releasing the lock) and leave the command running.
     child: Command | None = None

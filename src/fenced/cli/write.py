@@ -7,9 +7,10 @@ import os
 import stat
 import sys
 
-from .._core.errors import StaleTokenError
+from .._core.errors import InvalidTokenError, StaleTokenError
 from .._core.token import FencingToken
 from ._common import (
+    EXIT_INVALID_TOKEN,
     EXIT_SOFTWARE,
     EXIT_STALE,
     EXIT_USAGE,
@@ -18,6 +19,8 @@ from ._common import (
     _HelpFormatter,
     _say,
     _verbose,
+    verify_key_arguments,
+    verify_keyring,
 )
 
 NAME = "write"
@@ -31,8 +34,10 @@ def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
         description=(
             "Store standard input as the newest version of DIR/NAME through the files guard: "
             "refused (exit 77, nothing written) if DIR/NAME has a version with a higher token. "
-            "Inside `fenced lock` the token comes from $FENCING_TOKEN. Plain tools read the "
-            "newest version at DIR/NAME/current."
+            "Inside `fenced lock` the token comes from $FENCING_TOKEN. With a key "
+            "(--verify-key, $FENCED_VERIFY_KEY) the token's signature is checked first: an "
+            "unsigned, forged or foreign token exits 65, nothing written; a signed token with "
+            "no key exits 2. Plain tools read the newest version at DIR/NAME/current."
         ),
         epilog=_examples(
             "fenced lock reports -- sh -c 'mkdir -p out && date | fenced write out/daily.csv'",
@@ -45,6 +50,14 @@ def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
     write.add_argument(
         "--token", help="the fencing token, e.g. reports:34 (default: $FENCING_TOKEN)"
     )
+    verify_key_arguments(write, "is refused (exit 65, nothing written)")
+    write.add_argument(
+        "--insecure-no-verify",
+        action="store_true",
+        help="store a signed token's write without checking its signature, where no key is "
+        "given (anyone can then forge its number and fence out every later holder); without "
+        "a key and without this, a signed token is refused (exit 2)",
+    )
     return write
 
 
@@ -56,6 +69,25 @@ def run(args: argparse.Namespace) -> int:
         _say("write: no token: pass --token or run inside `fenced lock` ($FENCING_TOKEN)")
         return EXIT_USAGE
     token = FencingToken.parse(text)
+    # The same verification as check-token, before anything is touched: a forged token
+    # (a real signature, its number raised) would otherwise move the mark for good.
+    if args.insecure_no_verify and args.verify_key:
+        _say("write: --insecure-no-verify and --verify-key contradict each other: give one")
+        return EXIT_USAGE
+    keyring = verify_keyring(args)
+    if keyring is None and token.signature is not None and not args.insecure_no_verify:
+        # Fail closed: a signed token says signing is on, and its signature is all that
+        # tells a granted number from a forged one.
+        _say(
+            "write: the token is signed but no key verifies it: give --verify-key FILE (the "
+            "source's .pub, or its HMAC key) or $FENCED_VERIFY_KEY (or --insecure-no-verify)"
+        )
+        return EXIT_USAGE
+    try:
+        token = FencingToken.coerce(token, token.lock, keyring)
+    except InvalidTokenError as exc:  # (unsigned, forged, unknown key, another source)
+        _say(f"write refused: {exc}")
+        return EXIT_INVALID_TOKEN
     directory, name = os.path.split(os.path.abspath(args.path))
     if not os.path.isdir(directory):
         _say(f"write: directory {directory} does not exist")
@@ -71,10 +103,13 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     data = sys.stdin.buffer.read()
     try:
-        FileGuard(directory, lock=token.lock).write(name, data, token=token)
+        FileGuard(directory, lock=token.lock, verify=keyring).write(name, data, token=token)
     except StaleTokenError as exc:
         _say(f"write refused: {exc}")
         return EXIT_STALE
+    except InvalidTokenError as exc:  # (the guard's own verification: as above)
+        _say(f"write refused: {exc}")
+        return EXIT_INVALID_TOKEN
     except OSError as exc:  # the file system's word (no space, I/O error, a lock file in
         _say(f"write failed: {exc}")  # the way): one line, no traceback
         return EXIT_SOFTWARE
