@@ -1985,7 +1985,12 @@ def _no_stale_write_after_the_end(env: Env, conn: Any, form: str, **kw: Any) -> 
     rows, mark, outcome = _old_holder_commits_midway(env, conn, form, **kw)
     assert rows == [("new",)]
     assert mark == tok(6)
-    assert isinstance(outcome, StaleTokenError if env.kind == "pg" else ConfigurationError), outcome
+    # (StaleTokenError says nothing of the call was written: only when the end rolled back
+    # the check's transaction; a COMMIT committed it and 'old-1', told so)
+    refused = env.kind == "pg" and kw.get("end") == "ROLLBACK"
+    assert isinstance(outcome, StaleTokenError if refused else ConfigurationError), outcome
+    if env.kind == "pg" and not refused:
+        assert "what ran before the end was committed" in str(outcome)
     guard = SQLGuard("acct", lock=LOCK)
     assert guard.batch(conn, [("UPDATE acct SET v = 'six' WHERE id = 1", None)], token=tok(6)) == [
         1
@@ -1995,6 +2000,38 @@ def _no_stale_write_after_the_end(env: Env, conn: Any, form: str, **kw: Any) -> 
 
 def test_a_batch_statement_that_commits_lets_no_stale_write_in(env: Env, conn: Any) -> None:
     _no_stale_write_after_the_end(env, conn, "batch")
+
+
+@pytest.mark.parametrize(("end", "fate"), [("ROLLBACK", "rolled back"), ("COMMIT", "committed")])
+def test_a_psycopg_batch_that_ends_its_transaction_midway_is_told_never_returned(
+    pg_dsn: str, end: str, fate: str
+) -> None:
+    """psycopg's pipelined batch ``[UPDATE a, ROLLBACK, UPDATE b]`` returned ``[1, -1, 1]``:
+    'a' rolled back, 'b' committed in a transaction of its own, the re-check passing in it.
+    Now a witness (the check's transaction id, transaction-local) refuses any other
+    transaction before the re-check: a ConfigurationError saying what the end made of the
+    check's transaction (txid_status), and 'b' rolled back with the pipeline. Nobody newer
+    here; the rightful holder's next batch commits."""
+    env = Env("pg", pg_dsn)
+    with env.connect() as conn:
+        conn.autocommit = True
+        guard = SQLGuard("acct", lock=LOCK)
+        guard.install(conn)
+        conn.execute("CREATE TABLE t (k TEXT PRIMARY KEY, v INT)")
+        conn.execute("INSERT INTO t VALUES ('a', 0), ('b', 0)")
+        statements: list[tuple[str, None]] = [
+            ("UPDATE t SET v = 1 WHERE k = 'a'", None),
+            (end, None),
+            ("UPDATE t SET v = 1 WHERE k = 'b'", None),
+        ]
+        with pytest.raises(ConfigurationError, match="ended the transaction") as caught:
+            guard.batch(conn, statements, token=tok(5))
+        assert f"what ran before the end was {fate}" in str(caught.value)
+        a = 1 if end == "COMMIT" else 0
+        assert conn.execute("SELECT k, v FROM t ORDER BY k").fetchall() == [("a", a), ("b", 0)]
+        assert guard.high_water(conn) == (tok(5) if end == "COMMIT" else None)
+        assert guard.batch(conn, [("UPDATE t SET v = 2 WHERE k = 'b'", None)], token=tok(5)) == [1]
+        assert conn.execute("SELECT v FROM t WHERE k = 'b'").fetchone() == (2,)
 
 
 @pytest.mark.parametrize(
@@ -2077,7 +2114,9 @@ def test_a_commit_in_an_async_pipelined_transaction_lets_no_stale_write_in(pg_ds
 
     outcome = asyncio.run(main())
     gate.close()
-    assert isinstance(outcome, StaleTokenError), outcome
+    # (the COMMIT committed the check and 'old-1': told, never a refusal)
+    assert isinstance(outcome, ConfigurationError), outcome
+    assert "what ran before the end was committed" in str(outcome)
     with psycopg.connect(pg_dsn, autocommit=True) as check:
         assert check.execute("SELECT v FROM acct").fetchall() == [("new",)]
         assert guard.high_water(check) == tok(6)

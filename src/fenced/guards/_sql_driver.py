@@ -1374,14 +1374,17 @@ def _ended_or_stale(
     (:func:`fate_from_row`; psycopg: txid_status), else None. ``where``: whose statement.
     Stale (a newer token accepted since): StaleTokenError, which says what may have
     committed; but a ConfigurationError when the guard knows the block's later statements
-    committed (a refusal would tell the caller nothing was written). Wrong lock, corrupt:
+    committed, or that the end committed the check's transaction (a refusal would tell the
+    caller nothing was written). Wrong lock, corrupt:
     ``refusal``. Else ConfigurationError."""
     ended = f"{where} ended the transaction {_ENDS} that fenced {resource!r} with {token}"
     after = AS_RAN_MAYBE if definite is None else _as_ran_all(definite)
     before = _before_end(fate)
     if isinstance(refusal, StaleTokenError):
         newer = f"{refusal.high_water or 'a higher token'} was accepted since"
-        if definite is None:
+        # (a refusal says nothing of the call was written: not when the end is known to have
+        # committed the check and what ran before it)
+        if definite is None and fate != COMMITTED:
             return StaleTokenError(
                 refusal.token,
                 refusal.high_water,
@@ -2224,16 +2227,33 @@ async def aguarded_transaction(
 # schema), in which the second check would not find the table or the refusal function. (If a
 # statement ended the transaction, the kept path is gone with it: the path stays as it is,
 # and the second check refuses, or fails: either way nothing after the end commits.)
-_KEEP_PATH: Final = "SELECT set_config('fenced.search_path', current_setting('search_path'), true)"
+# (with the search_path, the id of the transaction the check ran in, both transaction-local:
+# a statement of the pipeline that ended that transaction drops them)
+_KEEP_PATH: Final = (
+    "SELECT set_config('fenced.search_path', current_setting('search_path'), true), "
+    "set_config('fenced.xid', pg_catalog.txid_current()::text, true)"
+)
+_PIPE_ENDED: Final = "fenced: the transaction of the pipeline ended"
+# (raises, so that neither the re-check nor the COMMIT runs and what is open is rolled back,
+# unless this is still the transaction the check ran in; the cast's argument is not a
+# constant, else it would be folded and raise in every case)
 _BACK_TO_PATH: Final = (
     "SELECT set_config('search_path', coalesce(nullif("
-    "current_setting('fenced.search_path', true), ''), current_setting('search_path')), true)"
+    "current_setting('fenced.search_path', true), ''), current_setting('search_path')), true), "
+    "CASE WHEN pg_catalog.current_setting('fenced.xid', true) = "
+    "pg_catalog.txid_current()::text THEN 0 ELSE "
+    f"CAST(pg_catalog.concat('{_PIPE_ENDED} ', pg_catalog.txid_current()) AS bigint) END"
 )
 
 
 @contextlib.contextmanager
 def _pipelined_transaction(
-    conn: Any, table: str, resource: str, token: FencingToken, use: TableUse
+    conn: Any,
+    table: str,
+    resource: str,
+    token: FencingToken,
+    use: TableUse,
+    where: str = BLOCK,
 ) -> Iterator[None]:
     """BEGIN, the raising check (:func:`pg_pipelined_check`), the statements and COMMIT in
     one psycopg pipeline, answered at its sync point; a refusal aborts the transaction in
@@ -2251,18 +2271,48 @@ def _pipelined_transaction(
         if opened and in_transaction(conn):
             _end(conn, commit=False, d=POSTGRESQL)  # (a catalog read opened it: nothing to keep)
     params = (resource, token.lock, token.value, table, resource)
+    kept = None
     try:
         with conn.pipeline(), conn.transaction():
             conn.execute(pg_pipelined_check(table), params)
-            conn.execute(_KEEP_PATH)
+            kept = conn.execute(_KEEP_PATH)
             yield
             conn.execute(_BACK_TO_PATH)
             conn.execute(pg_pipelined_check(table), params)  # (_RECHECK)
     except Exception as exc:
+        if getattr(exc, "sqlstate", None) == "22P02" and _PIPE_ENDED in str(exc):
+            raise _pipeline_ended(conn, table, resource, token, kept, where) from exc
         mapped = _pipelined_error(conn, resource, token, exc)
         if mapped is exc:
             raise
         raise mapped from exc
+
+
+def _pipeline_ended(
+    conn: Any, table: str, resource: str, token: FencingToken, kept: Any, where: str
+) -> Exception:
+    """A statement of the pipeline ended the transaction the check ran in (the xid witness
+    of :data:`_BACK_TO_PATH` refused; what was open is rolled back): the error from the fence
+    row as it is now and ``txid_status`` of that transaction (committed, rolled back)."""
+    xid = None
+    with contextlib.suppress(Exception):  # (the witness's row: answered before the end)
+        xid = int(kept.fetchone()[1])
+    read = fence_sql(POSTGRESQL, table).read.removesuffix(" FOR UPDATE")
+    try:
+        with conn.transaction():  # (a read of its own, whatever the autocommit)
+            row = conn.execute(read, (resource,)).fetchone()
+            status = None
+            if xid is not None:
+                status = conn.execute("SELECT txid_status(%s)", (xid,)).fetchone()[0]
+    except Exception as exc:
+        mapped = map_error(POSTGRESQL, conn, exc)
+        return mapped if mapped is not None else exc
+    import json
+
+    detail = None if row is None else json.dumps({"lock": row[0], "token": str(row[1])})
+    refusal = pipelined_refusal(resource, token, detail)
+    fate = _XACT_FATE.get(status or "") or fate_from_row(token, row)
+    return _ended_or_stale(resource, token, refusal, fate=fate, where=where)
 
 
 # -- a batch of statements, guarded, in one request where the server allows ----------------
@@ -2304,7 +2354,7 @@ def guarded_batch(
     how = batch_kind(conn)
     if how == "pipeline":  # (a pipelined cursor's row count is known after the sync)
         _refuse_open(in_transaction(conn), "batch()")
-        with _pipelined_transaction(conn, table, resource, token, use):  # (checks again last)
+        with _pipelined_transaction(conn, table, resource, token, use, _BATCH):  # (again last)
             cursors = [conn.execute(sql, params) for sql, params in statements]
         return [int(cur.rowcount) for cur in cursors]
     if how == "block":
@@ -2396,6 +2446,7 @@ def guarded_batch(
 
 
 _BATCH_AUTOCOMMIT: Final = "autocommit was on at the batch's re-check"
+_BATCH: Final = "batch(): a statement of the batch"
 
 
 def _batch_ended(
