@@ -1366,6 +1366,7 @@ def _ended_or_stale(
     *,
     fate: str | None = None,
     where: str = BLOCK,
+    told: bool = False,
 ) -> Exception:
     """The recheck's (or the witness's) refusal, from the fence row as it is now
     (``refusal``): the block ended the transaction the check ran in. ``definite``: why the
@@ -1375,7 +1376,8 @@ def _ended_or_stale(
     Stale (a newer token accepted since): StaleTokenError, which says what may have
     committed; but a ConfigurationError when the guard knows the block's later statements
     committed, or that the end committed the check's transaction (a refusal would tell the
-    caller nothing was written). Wrong lock, corrupt:
+    caller nothing was written), or ``told`` (the caller knows the end may have written:
+    MariaDB's batch, whose end no server function tells). Wrong lock, corrupt:
     ``refusal``. Else ConfigurationError."""
     ended = f"{where} ended the transaction {_ENDS} that fenced {resource!r} with {token}"
     after = AS_RAN_MAYBE if definite is None else _as_ran_all(definite)
@@ -1384,7 +1386,7 @@ def _ended_or_stale(
         newer = f"{refusal.high_water or 'a higher token'} was accepted since"
         # (a refusal says nothing of the call was written: not when the end is known to have
         # committed the check and what ran before it)
-        if definite is None and fate != COMMITTED:
+        if definite is None and fate != COMMITTED and not told:
             return StaleTokenError(
                 refusal.token,
                 refusal.high_water,
@@ -1613,6 +1615,7 @@ def _ended_error(
     *,
     note: str = "",
     where: str = BLOCK,
+    told: bool = False,
 ) -> Exception:
     """The error for a block that ended the transaction its check ran in, from the fence row
     read afterwards (``row``: lock, token; None: no row): :func:`_ended_or_stale`.
@@ -1627,7 +1630,7 @@ def _ended_error(
     )
     refusal = pipelined_refusal(resource, token, detail)
     fate = fate_from_row(token, row)
-    error = _ended_or_stale(resource, token, refusal, definite, fate=fate, where=where)
+    error = _ended_or_stale(resource, token, refusal, definite, fate=fate, where=where, told=told)
     if note and definite is None and isinstance(error, ConfigurationError | StaleTokenError):
         message = f"{error} ({note})"
         if isinstance(error, StaleTokenError):
@@ -2464,7 +2467,9 @@ def _batch_ended(
             return mapped
         return FenceConflictError(f"the fence refused {token} for {resource!r}; reading why: {exc}")
     row = res.rows[0] if res.rows else None
-    return _ended_error(resource, token, row, definite, where="batch(): a statement of the batch")
+    # (never StaleTokenError: a COMMIT, an implicit commit or autocommit turned on wrote the
+    # check and what ran before the end, and nothing here tells those from a ROLLBACK)
+    return _ended_error(resource, token, row, definite, where=_BATCH, told=True)
 
 
 def _block_batch(
