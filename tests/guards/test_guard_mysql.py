@@ -1030,6 +1030,27 @@ def test_a_batch_that_ends_its_transaction_with_nobody_newer_is_told_never_retur
     assert sql(watch, "SELECT v FROM acct") == [("c",)]
 
 
+def test_a_batch_that_locks_tables_is_told_and_leaves_no_table_locked(connect: Any) -> None:
+    """``LOCK TABLES acct WRITE`` among the statements commits the check and the UPDATE
+    before it implicitly, then the re-check cannot read the fence table (1100): surfaced as
+    a bare OperationalError, and the WRITE lock outlived the guard's rollback (everyone else
+    timed out, 1205). Now a ConfigurationError (the witness gone, or the 1100 told as LOCK
+    TABLES), the tables unlocked: the next batch on the connection, and others, run."""
+    conn, guard = _batch_conn(connect, "multi")
+    statements: list[tuple[str, None]] = [
+        ("UPDATE acct SET v = 'a' WHERE id = 1", None),
+        ("LOCK TABLES acct WRITE", None),
+        ("UPDATE acct SET v = 'b' WHERE id = 1", None),
+    ]
+    with pytest.raises(fenced.ConfigurationError, match="ended the transaction"):
+        guard.batch(conn, statements, token=tok(5))
+    watch = connect(autocommit=True)
+    sql(watch, "SET SESSION lock_wait_timeout = 2")
+    assert sql(watch, "SELECT v FROM acct") == [("a",)]  # (not locked out)
+    assert guard.batch(conn, [("UPDATE acct SET v = 'c' WHERE id = 1", None)], token=tok(5)) == [1]
+    assert sql(watch, "SELECT v FROM acct") == [("c",)]
+
+
 def test_a_batch_on_an_autocommit_connection_that_commits_lets_no_stale_write_in(
     connect: Any,
 ) -> None:

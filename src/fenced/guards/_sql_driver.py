@@ -2419,6 +2419,10 @@ def guarded_batch(
             turned_on = ours and _AUTOCOMMIT_ON in str(exc)
             with contextlib.suppress(Exception):
                 conn.rollback()
+            # (a LOCK TABLES of the batch's outlives the rollback and locks everyone else out;
+            # after the rollback: UNLOCK TABLES commits what is open. On failure only)
+            with contextlib.suppress(Exception), conn.cursor() as unlock:
+                unlock.execute("UNLOCK TABLES")
             if back:
                 _autocommit_back(conn)
             elif turned_on:
@@ -2429,6 +2433,17 @@ def guarded_batch(
                 raise _batch_ended(conn, table, resource, token, definite) from exc
             if ours:
                 raise _batch_refusal(conn, table, resource, token) from exc
+            if code == _MYSQL_NOT_LOCKED and failed > lead:
+                # LOCK TABLES among the statements: it committed what was open (the check,
+                # what ran before it), and the tables it left out cannot be read after it
+                ended = _batch_ended(conn, table, resource, token, None)
+                if not isinstance(ended, ConfigurationError):
+                    raise ended from exc
+                raise ConfigurationError(
+                    f"{ended} (LOCK TABLES among the statements: it commits the open "
+                    "transaction implicitly, and the guard cannot read the fence table after "
+                    "it; the tables were unlocked)"
+                ) from exc
             if code == 1064 and failed == lead and _oracle_mode(conn):
                 # sql_mode=ORACLE parses no BEGIN NOT ATOMIC: the check was refused as
                 # syntax, before anything ran; the block form then, not the holder refused
@@ -2449,6 +2464,7 @@ def guarded_batch(
 
 
 _BATCH_AUTOCOMMIT: Final = "autocommit was on at the batch's re-check"
+_MYSQL_NOT_LOCKED: Final = 1100  # (a table not locked with LOCK TABLES)
 _BATCH: Final = "batch(): a statement of the batch"
 
 
