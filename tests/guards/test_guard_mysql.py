@@ -1051,6 +1051,26 @@ def test_a_batch_that_locks_tables_is_told_and_leaves_no_table_locked(connect: A
     assert sql(watch, "SELECT v FROM acct") == [("c",)]
 
 
+def test_a_batch_whose_connection_is_lost_after_the_request_went_out_is_told_unknown(
+    connect: Any,
+) -> None:
+    """The one request holds the COMMIT: a read timeout (the connection dropped) while the
+    server runs it was a plain BackendUnavailable ("Lost connection"), and the server ran it
+    to COMMIT; a retry with the same token applied it twice. Now the error says the outcome
+    is unknown (read back first) — and the write did commit, as it may."""
+    _, guard = _batch_conn(connect, "multi")
+    conn = connect(client_flag=CLIENT.MULTI_STATEMENTS, read_timeout=0.3)
+    statements: list[tuple[str, None]] = [
+        ("DO SLEEP(1)", None),
+        ("UPDATE acct SET v = 'done' WHERE id = 1", None),
+    ]
+    with pytest.raises(fenced.BackendUnavailable, match="the outcome is unknown"):
+        guard.batch(conn, statements, token=tok(5))
+    watch = connect(autocommit=True)
+    wait_for(lambda: sql(watch, "SELECT v FROM acct") == [("done",)], 20, "the server's COMMIT")
+    assert guard.high_water(watch) == tok(5)
+
+
 def test_a_batch_on_an_autocommit_connection_that_commits_lets_no_stale_write_in(
     connect: Any,
 ) -> None:

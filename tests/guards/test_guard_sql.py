@@ -2002,6 +2002,40 @@ def test_a_batch_statement_that_commits_lets_no_stale_write_in(env: Env, conn: A
     _no_stale_write_after_the_end(env, conn, "batch")
 
 
+def test_a_psycopg_batch_whose_connection_is_lost_mid_pipeline_is_told_unknown(
+    pg_dsn: str,
+) -> None:
+    """The pipeline holds the COMMIT: a connection lost while it runs was a plain
+    BackendUnavailable, which invites a retry with the same token though the server may
+    have committed. Now the error says the outcome is unknown (here the server was told to
+    end the session, so it rolled back: the caller reads back and sees)."""
+    env = Env("pg", pg_dsn)
+    with env.connect() as conn, env.connect() as killer:
+        conn.autocommit = killer.autocommit = True
+        guard = SQLGuard("acct", lock=LOCK)
+        guard.install(conn)
+        conn.execute("CREATE TABLE t (k TEXT PRIMARY KEY, v INT)")
+        conn.execute("INSERT INTO t VALUES ('a', 0)")
+        pid = conn.info.backend_pid
+        guard.batch(conn, [("SELECT 1", None)], token=tok(5))  # (the table verified)
+        asleep = "SELECT count(*) FROM pg_stat_activity WHERE pid = %s AND query LIKE '%%sleep%%'"
+
+        def kill() -> None:
+            wait_for(lambda: killer.execute(asleep, (pid,)).fetchone()[0], 20, "the sleep")
+            killer.execute("SELECT pg_terminate_backend(%s)", (pid,))
+
+        thread = threading.Thread(target=kill)
+        thread.start()
+        statements: list[tuple[str, None]] = [
+            ("UPDATE t SET v = 1 WHERE k = 'a'", None),
+            ("SELECT pg_sleep(20)", None),
+        ]
+        with pytest.raises(fenced.BackendUnavailable, match="the outcome is unknown"):
+            guard.batch(conn, statements, token=tok(5))
+        thread.join(30)
+        assert killer.execute("SELECT v FROM t").fetchone() == (0,)
+
+
 @pytest.mark.parametrize(("end", "fate"), [("ROLLBACK", "rolled back"), ("COMMIT", "committed")])
 def test_a_psycopg_batch_that_ends_its_transaction_midway_is_told_never_returned(
     pg_dsn: str, end: str, fate: str

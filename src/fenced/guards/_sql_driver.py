@@ -2394,6 +2394,7 @@ def guarded_batch(
         request = "START TRANSACTION;\n" + "\n;\n".join(parts) + "\n;\nCOMMIT"
         if back:
             request = f"SET autocommit = 0;\n{request};\nSET autocommit = 1"
+        sent = conn.open  # (closed before: nothing goes out, nothing can commit)
         try:
             cur.execute(request)  # the first answer
             answered = 1
@@ -2451,6 +2452,8 @@ def guarded_batch(
             # (as the pipeline: in one request the guard cannot tell whose statement failed,
             # so only whole-transaction conditions are mapped; the rest comes as raised)
             mapped = map_error(MYSQL, conn, exc)
+            if isinstance(mapped, BackendUnavailable) and sent:
+                raise outcome_unknown(mapped) from exc
             if isinstance(mapped, FenceConflictError | BackendUnavailable):
                 raise mapped from exc
             raise
@@ -2583,9 +2586,22 @@ def _pipelined_error(conn: Any, resource: str, token: FencingToken, exc: Excepti
     what = pg_kind(exc, conn)
     if what in ("conflict", "unreachable"):
         mapped = map_error(POSTGRESQL, conn, exc)
+        if isinstance(mapped, BackendUnavailable):
+            return outcome_unknown(mapped)  # (the pipeline holds the COMMIT)
         if mapped is not None:
             return mapped
     return exc
+
+
+def outcome_unknown(lost: BackendUnavailable) -> BackendUnavailable:
+    """The connection was lost (``lost``) while a request holding the guard's ``COMMIT`` was
+    out (MariaDB's one request, psycopg's pipeline): the server may have run it all to the
+    COMMIT. Never told as a plain failure, which a retry with the same token would apply
+    twice: the caller must read back first."""
+    return BackendUnavailable(
+        f"{lost}; the outcome is unknown: the request held the COMMIT, which the server may "
+        "have run (read back what the call wrote before retrying it)"
+    )
 
 
 def _commit_or_roll_back(conn: Any) -> None:
