@@ -2361,7 +2361,7 @@ def guarded_batch(
             cursors = [conn.execute(sql, params) for sql, params in statements]
         return [int(cur.rowcount) for cur in cursors]
     if how == "block":
-        return _block_batch(conn, statements, transaction)
+        return _block_batch(conn, statements, transaction, (table, resource, token))
     _refuse_open(in_transaction(conn), "batch()")
     if not _is_verified(conn, use):  # once per connection: its answer is needed first
         drive(
@@ -2448,7 +2448,7 @@ def guarded_batch(
             if code == 1064 and failed == lead and _oracle_mode(conn):
                 # sql_mode=ORACLE parses no BEGIN NOT ATOMIC: the check was refused as
                 # syntax, before anything ran; the block form then, not the holder refused
-                return _block_batch(conn, statements, transaction)
+                return _block_batch(conn, statements, transaction, (table, resource, token))
             # (as the pipeline: in one request the guard cannot tell whose statement failed,
             # so only whole-transaction conditions are mapped; the rest comes as raised)
             mapped = map_error(MYSQL, conn, exc)
@@ -2495,20 +2495,45 @@ def _block_batch(
     conn: Any,
     statements: Sequence[Statement],
     transaction: Callable[[], contextlib.AbstractContextManager[FencingToken]],
+    fence: tuple[str, str, FencingToken],
 ) -> list[int]:
     """``batch`` as ``transaction()``'s block, statement by statement, stopping at one that
-    ended the transaction (what follows it would run unfenced)."""
+    ended the transaction (what follows it would run unfenced). ``fence``: the table, the
+    resource, the token."""
     counts: list[int] = []
     with transaction():
         # (SQLAlchemy keeps its own idea of the transaction: ask its driver connection)
         sa = sa_connection(conn)
         driver = conn if sa is None else sa.connection.dbapi_connection
-        watch = _kind(driver) in ("sqlite3", "psycopg", "pymysql")
+        kind = _kind(driver)
+        watch = kind in ("sqlite3", "psycopg", "pymysql")
         for n, (sql, params) in enumerate(statements, 1):
             counts.append(_execute(conn, sql, params))
             if watch and not in_transaction(driver):
-                raise _ended_transaction(n)
+                fate = _fate_after_end(driver, _SYNC_DIALECTS[kind], fence)
+                raise _ended_transaction(n, fate)
     return counts
+
+
+def _fate_after_end(driver: Any, d: Dialect, fence: tuple[str, str, FencingToken]) -> str | None:
+    """What the end made of the checked transaction, as the fence row read now tells
+    (:func:`fate_from_row`: rolled back when the row is gone or below the token), else None.
+    A read on the driver connection, on the end only; what it opens is rolled back with the
+    rest."""
+    table, resource, token = fence
+    read = fence_sql(d, table).read.removesuffix(" FOR UPDATE")
+    try:
+        if d is SQLITE:
+            cur = driver.execute(read, (resource,))
+            row = cur.fetchone()
+            cur.close()
+        else:
+            with driver.cursor() as cur:
+                cur.execute(read, (resource,))
+                row = cur.fetchone()
+    except Exception:  # (the guard's rollback, or its next statement, reports a dead one)
+        return None
+    return fate_from_row(token, row)
 
 
 def _oracle_mode(conn: Any) -> bool:
@@ -2527,11 +2552,13 @@ def _one_statement(sql: str) -> str:
     return sql.rstrip().rstrip(";").rstrip()
 
 
-def _ended_transaction(n: int) -> ConfigurationError:
+def _ended_transaction(n: int, fate: str | None) -> ConfigurationError:
+    # (what ran before the end is what the end made of it: never told rolled back unless
+    # the fence row says so; a COMMIT wrote the check and the statements before it)
     return ConfigurationError(
         f"batch(): statement {n} ended the transaction (COMMIT, ROLLBACK, or a statement "
-        "that commits implicitly such as DDL): the statements after it would not be fenced; "
-        "none of them was run, the open transaction is rolled back"
+        "that commits implicitly such as DDL): the statements after it would not be fenced, "
+        f"none of them was run; {_before_end(fate)}; what is open now is rolled back"
     )
 
 
