@@ -2036,6 +2036,23 @@ def test_a_psycopg_batch_whose_connection_is_lost_mid_pipeline_is_told_unknown(
         assert killer.execute("SELECT v FROM t").fetchone() == (0,)
 
 
+def test_a_search_path_left_by_a_psycopg_batch_is_named_by_the_next_call(pg_dsn: str) -> None:
+    """A batch's ``SET search_path = pg_catalog`` stays for the session: the next guarded
+    call failed with a bare UndefinedTable. Now a ConfigurationError naming the fence table
+    missing from the search_path, and the path; set back, the next batch commits."""
+    env = Env("pg", pg_dsn)
+    with env.connect() as conn:
+        conn.autocommit = True
+        guard = SQLGuard("acct", lock=LOCK)
+        guard.install(conn)
+        path = conn.execute("SHOW search_path").fetchone()[0]
+        guard.batch(conn, [("SET search_path = pg_catalog", None)], token=tok(5))
+        with pytest.raises(ConfigurationError, match=r"search_path \(pg_catalog\)"):
+            guard.batch(conn, [("SELECT 1", None)], token=tok(5))
+        conn.execute(f"SET search_path = {path}")
+        assert guard.batch(conn, [("SELECT 1", None)], token=tok(5)) == [1]
+
+
 @pytest.mark.parametrize(("end", "fate"), [("ROLLBACK", "rolled back"), ("COMMIT", "committed")])
 def test_a_psycopg_batch_that_ends_its_transaction_midway_is_told_never_returned(
     pg_dsn: str, end: str, fate: str

@@ -313,3 +313,24 @@ def test_a_block_batch_that_ends_its_transaction_never_tells_a_commit_as_rolled_
         assert conn.execute("SELECT v FROM t WHERE k = 'b'").fetchone() == (2,)
     finally:
         conn.close()
+
+
+def test_query_only_left_on_by_a_batch_is_named_by_the_next_call(tmp_path: Path) -> None:
+    """A batch that sets ``PRAGMA query_only = 1`` leaves it on for the connection: the next
+    guarded call failed with a bare "attempt to write a readonly database". Now a one-line
+    ConfigurationError naming the cause; set off, the next batch commits."""
+    conn = sqlite3.connect(tmp_path / "qo.db")
+    try:
+        guard = SQLGuard("inv")
+        guard.install(conn)
+        conn.execute("CREATE TABLE t (k TEXT PRIMARY KEY, v INT)")
+        conn.execute("INSERT INTO t VALUES ('a', 0)")
+        conn.commit()
+        guard.batch(conn, [("PRAGMA query_only = 1", ())], token="inv:1")
+        with pytest.raises(ConfigurationError, match="PRAGMA query_only is on"):
+            guard.batch(conn, [("UPDATE t SET v = 1", ())], token="inv:1")
+        conn.rollback()
+        conn.execute("PRAGMA query_only = 0")
+        assert guard.batch(conn, [("UPDATE t SET v = 1", ())], token="inv:1") == [1]
+    finally:
+        conn.close()

@@ -521,6 +521,11 @@ def map_error(d: Dialect, conn: Any, exc: BaseException) -> FencedError | None:
             return DuplicateColumn(msg)
         if msg.startswith(("no such table", "no such column", "table ")) or "ON CONFLICT" in msg:
             return ConfigurationError(f"{msg}: has the guard been installed (guard.install())?")
+        if "readonly database" in msg and _sqlite_query_only(conn):
+            return ConfigurationError(
+                f"SQLite refused the guard's write ({msg}): PRAGMA query_only is on for this "
+                "connection (an earlier statement on it set it, e.g. a batch's); set it off"
+            )
         return _refused("SQLite", exc)
     what = pg_kind(exc, conn)
     if what is None:
@@ -554,6 +559,14 @@ def map_error(d: Dialect, conn: Any, exc: BaseException) -> FencedError | None:
             "roll it back (the error that failed it is the one to look at)"
         )
     return _refused("PostgreSQL", exc)
+
+
+def _sqlite_query_only(conn: Any) -> bool:
+    """Is PRAGMA query_only on for ``conn``? (Asked on a read-only refusal only.)"""
+    try:
+        return bool(conn.execute("PRAGMA query_only").fetchone()[0])
+    except Exception:
+        return False
 
 
 def _refused(engine: str, exc: BaseException) -> ConfigurationError:
@@ -2285,7 +2298,7 @@ def _pipelined_transaction(
     except Exception as exc:
         if getattr(exc, "sqlstate", None) == "22P02" and _PIPE_ENDED in str(exc):
             raise _pipeline_ended(conn, table, resource, token, kept, where) from exc
-        mapped = _pipelined_error(conn, resource, token, exc)
+        mapped = _pipelined_error(conn, resource, token, exc, table)
         if mapped is exc:
             raise
         raise mapped from exc
@@ -2599,7 +2612,17 @@ def _execute(conn: Any, sql: str, params: Sequence[Any] | Mapping[str, Any] | No
         return int(cur.rowcount)
 
 
-def _pipelined_error(conn: Any, resource: str, token: FencingToken, exc: Exception) -> Exception:
+def _search_path(conn: Any) -> str:
+    try:
+        with conn.transaction():
+            return str(conn.execute("SHOW search_path").fetchone()[0])
+    except Exception:
+        return "unknown"
+
+
+def _pipelined_error(
+    conn: Any, resource: str, token: FencingToken, exc: Exception, table: str | None = None
+) -> Exception:
     """The fence's refusal (:data:`STALE_SQLSTATE`) as fenced's error; a whole-transaction
     condition (conflict: retry; connection lost) mapped as ``check`` maps it; anything else
     as raised (in one round trip the guard cannot tell whose statement failed)."""
@@ -2610,6 +2633,15 @@ def _pipelined_error(conn: Any, resource: str, token: FencingToken, exc: Excepti
             f"{exc}: the pipelined check needs the function guard.install() creates "
             "(run install() again after upgrading fenced)"
         )
+    if getattr(exc, "sqlstate", None) == "42P01" and table is not None:
+        name = table.rpartition(".")[2].strip('"')
+        if f'"{name}"' in str(exc):  # (the fence table's, not one of the caller's)
+            return ConfigurationError(
+                f"{str(exc).splitlines()[0]}: the fence table is not on this connection's "
+                f"search_path ({_search_path(conn)}): has the guard been installed "
+                "(guard.install())? A SET search_path run on the connection (a batch's "
+                "statement included) stays for the session"
+            )
     what = pg_kind(exc, conn)
     if what in ("conflict", "unreachable"):
         mapped = map_error(POSTGRESQL, conn, exc)
