@@ -876,8 +876,8 @@ def test_a_batch_statement_that_commits_lets_no_stale_write_in(connect: Any, fla
     thread.join(30)
     assert sql(watch, "SELECT v FROM acct") == [("new",)]
     assert guard.high_water(watch) == tok(6)
-    expected = fenced.StaleTokenError if flags == "multi" else fenced.ConfigurationError
-    assert isinstance(outcome[0], expected), outcome
+    # (never StaleTokenError: the COMMIT wrote the check and 'old-1')
+    assert isinstance(outcome[0], fenced.ConfigurationError), outcome
     assert not conn.server_status & 1
     # the rightful holder: its batch (no COMMIT in it) commits
     assert guard.batch(conn, [("UPDATE acct SET v = 'six' WHERE id = 1", None)], token=tok(6)) == [
@@ -907,7 +907,7 @@ def test_batch_under_every_sql_mode_takes_the_holder_and_refuses_the_stale(
 
 
 def _batch_with_a_newer_holder_in_its_pause(
-    connect: Any, conn: Any, guard: SQLGuard, before: list[str]
+    connect: Any, conn: Any, guard: SQLGuard, before: list[str], after: tuple[str, ...] = ()
 ) -> object:
     """The old holder's (token 5) one-request batch: ``before``, a pause (a user lock the
     test holds), then its stale UPDATE; during the pause the newer holder (token 6, another
@@ -924,6 +924,7 @@ def _batch_with_a_newer_holder_in_its_pause(
                     *((s, None) for s in before),
                     ("DO GET_LOCK('gate', 30)", None),  # (paused here, as by a GC pause)
                     ("UPDATE acct SET v = 'old' WHERE id = 1", None),
+                    *((s, None) for s in after),
                 ],
                 token=tok(5),
             )
@@ -980,6 +981,96 @@ def test_a_batch_that_turns_autocommit_on_is_told_as_it_ran_never_as_refused(
     assert bool(conn.get_autocommit()) is autocommit
 
 
+def test_a_batch_that_turns_autocommit_on_and_off_again_is_told_never_refused(
+    connect: Any,
+) -> None:
+    """``[SET autocommit = 1, (a newer holder writes), UPDATE, SET autocommit = 0]``: the
+    UPDATE commits as it runs, over the newer write; the re-check, which looked only at
+    @@autocommit (off again), then found the mark moved: StaleTokenError, which tells the
+    caller nothing was written. Now the check sets a savepoint (the witness) that any end
+    of its transaction drops, and the re-check's RELEASE of it fails: a ConfigurationError
+    (the end may have written), autocommit as found; the rightful holder's batch commits."""
+    conn, guard = _batch_conn(connect, "multi")
+    outcome = _batch_with_a_newer_holder_in_its_pause(
+        connect, conn, guard, ["SET autocommit = 1"], ("SET autocommit = 0",)
+    )
+    assert isinstance(outcome, fenced.ConfigurationError), outcome
+    assert "ended the transaction" in str(outcome)
+    assert "over the newer holder's writes" in str(outcome)
+    assert not conn.get_autocommit()
+    assert not conn.server_status & 1
+    watch = connect(autocommit=True)
+    assert sql(watch, "SELECT v FROM acct") == [("old",)]  # (as told)
+    assert guard.high_water(watch) == tok(6)
+    assert guard.batch(conn, [("UPDATE acct SET v = 'y' WHERE id = 1", None)], token=tok(6)) == [1]
+    assert sql(watch, "SELECT v FROM acct") == [("y",)]
+
+
+@pytest.mark.parametrize("end", ["COMMIT", "START TRANSACTION", "CREATE TABLE other (id INT)"])
+def test_a_batch_that_ends_its_transaction_with_nobody_newer_is_told_never_returned(
+    connect: Any, end: str
+) -> None:
+    """``[UPDATE, COMMIT | START TRANSACTION | DDL, UPDATE]`` with nobody newer: the end
+    committed the check and the first UPDATE, the second ran in a new transaction, and the
+    re-check (the fence row still at this token) passed: counts returned, as if fenced.
+    Now the re-check's RELEASE of the witness savepoint fails: a ConfigurationError, the
+    second UPDATE rolled back; the next batch commits."""
+    conn, guard = _batch_conn(connect, "multi")
+    statements: list[tuple[str, None]] = [
+        ("UPDATE acct SET v = 'a' WHERE id = 1", None),
+        (end, None),
+        ("UPDATE acct SET v = 'b' WHERE id = 1", None),
+    ]
+    with pytest.raises(fenced.ConfigurationError, match="ended the transaction"):
+        guard.batch(conn, statements, token=tok(5))
+    assert not conn.server_status & 1
+    watch = connect(autocommit=True)
+    assert sql(watch, "SELECT v FROM acct") == [("a",)]
+    assert guard.batch(conn, [("UPDATE acct SET v = 'c' WHERE id = 1", None)], token=tok(5)) == [1]
+    assert sql(watch, "SELECT v FROM acct") == [("c",)]
+
+
+def test_a_batch_that_locks_tables_is_told_and_leaves_no_table_locked(connect: Any) -> None:
+    """``LOCK TABLES acct WRITE`` among the statements commits the check and the UPDATE
+    before it implicitly, then the re-check cannot read the fence table (1100): surfaced as
+    a bare OperationalError, and the WRITE lock outlived the guard's rollback (everyone else
+    timed out, 1205). Now a ConfigurationError (the witness gone, or the 1100 told as LOCK
+    TABLES), the tables unlocked: the next batch on the connection, and others, run."""
+    conn, guard = _batch_conn(connect, "multi")
+    statements: list[tuple[str, None]] = [
+        ("UPDATE acct SET v = 'a' WHERE id = 1", None),
+        ("LOCK TABLES acct WRITE", None),
+        ("UPDATE acct SET v = 'b' WHERE id = 1", None),
+    ]
+    with pytest.raises(fenced.ConfigurationError, match="ended the transaction"):
+        guard.batch(conn, statements, token=tok(5))
+    watch = connect(autocommit=True)
+    sql(watch, "SET SESSION lock_wait_timeout = 2")
+    assert sql(watch, "SELECT v FROM acct") == [("a",)]  # (not locked out)
+    assert guard.batch(conn, [("UPDATE acct SET v = 'c' WHERE id = 1", None)], token=tok(5)) == [1]
+    assert sql(watch, "SELECT v FROM acct") == [("c",)]
+
+
+def test_a_batch_whose_connection_is_lost_after_the_request_went_out_is_told_unknown(
+    connect: Any,
+) -> None:
+    """The one request holds the COMMIT: a read timeout (the connection dropped) while the
+    server runs it was a plain BackendUnavailable ("Lost connection"), and the server ran it
+    to COMMIT; a retry with the same token applied it twice. Now the error says the outcome
+    is unknown (read back first) — and the write did commit, as it may."""
+    _, guard = _batch_conn(connect, "multi")
+    conn = connect(client_flag=CLIENT.MULTI_STATEMENTS, read_timeout=0.3)
+    statements: list[tuple[str, None]] = [
+        ("DO SLEEP(1)", None),
+        ("UPDATE acct SET v = 'done' WHERE id = 1", None),
+    ]
+    with pytest.raises(fenced.BackendUnavailable, match="the outcome is unknown"):
+        guard.batch(conn, statements, token=tok(5))
+    watch = connect(autocommit=True)
+    wait_for(lambda: sql(watch, "SELECT v FROM acct") == [("done",)], 20, "the server's COMMIT")
+    assert guard.high_water(watch) == tok(5)
+
+
 def test_a_batch_on_an_autocommit_connection_that_commits_lets_no_stale_write_in(
     connect: Any,
 ) -> None:
@@ -991,8 +1082,9 @@ def test_a_batch_on_an_autocommit_connection_that_commits_lets_no_stale_write_in
     conn, guard = _batch_conn(connect, "multi")
     conn.autocommit(True)
     outcome = _batch_with_a_newer_holder_in_its_pause(connect, conn, guard, ["COMMIT"])
-    assert isinstance(outcome, fenced.StaleTokenError), outcome
-    assert outcome.high_water == tok(6)
+    # (told, never StaleTokenError: the COMMIT wrote the check; what followed is refused)
+    assert isinstance(outcome, fenced.ConfigurationError), outcome
+    assert "inv" not in str(outcome) and "orders:6 was accepted since" in str(outcome)
     assert "stays committed, unfenced" in str(outcome)  # (what committed as it ran: none)
     watch = connect(autocommit=True)
     assert sql(watch, "SELECT v FROM acct") == [("new",)]

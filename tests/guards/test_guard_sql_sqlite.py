@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from fenced import (
+    ConfigurationError,
     CorruptMarkError,
     FencingToken,
     HmacKey,
@@ -273,3 +274,63 @@ def test_a_commit_refused_by_a_reader_rolls_back_and_says_so(tmp_path: Path, lev
     finally:
         db.close()
         reader.close()
+
+
+@pytest.mark.parametrize("isolation", ["", None])
+@pytest.mark.parametrize(
+    ("end", "said", "a"),
+    [
+        ("COMMIT", "committed or rolled back, depending on how it ended", 1),
+        ("ROLLBACK", "what ran before the end was rolled back, the fence with it", 0),
+    ],
+)
+def test_a_block_batch_that_ends_its_transaction_never_tells_a_commit_as_rolled_back(
+    tmp_path: Path, isolation: str | None, end: str, said: str, a: int
+) -> None:
+    """``[UPDATE a, COMMIT, UPDATE b]`` on sqlite3 ended with "the open transaction is
+    rolled back" while 'a' and the fence had committed. Now what ran before the end is told
+    from the fence row: rolled back when it is gone (a ROLLBACK), else "committed or rolled
+    back" (the row at the token cannot tell); 'b' never runs. The next batch commits."""
+    path = tmp_path / "batch.db"
+    conn = sqlite3.connect(path, isolation_level=isolation)
+    try:
+        guard = SQLGuard("inv")
+        guard.install(conn)
+        conn.execute("CREATE TABLE t (k TEXT PRIMARY KEY, v INT)")
+        conn.execute("INSERT INTO t VALUES ('a', 0), ('b', 0)")
+        conn.commit()
+        statements = [
+            ("UPDATE t SET v = 1 WHERE k = 'a'", ()),
+            (end, ()),
+            ("UPDATE t SET v = 1 WHERE k = 'b'", ()),
+        ]
+        with pytest.raises(ConfigurationError, match="statement 2 ended the transaction") as caught:
+            guard.batch(conn, statements, token="inv:1")
+        assert said in str(caught.value)
+        assert "the open transaction is rolled back" not in str(caught.value)
+        assert conn.execute("SELECT k, v FROM t ORDER BY k").fetchall() == [("a", a), ("b", 0)]
+        assert guard.batch(conn, [("UPDATE t SET v = 2 WHERE k = 'b'", ())], token="inv:1") == [1]
+        assert conn.execute("SELECT v FROM t WHERE k = 'b'").fetchone() == (2,)
+    finally:
+        conn.close()
+
+
+def test_query_only_left_on_by_a_batch_is_named_by_the_next_call(tmp_path: Path) -> None:
+    """A batch that sets ``PRAGMA query_only = 1`` leaves it on for the connection: the next
+    guarded call failed with a bare "attempt to write a readonly database". Now a one-line
+    ConfigurationError naming the cause; set off, the next batch commits."""
+    conn = sqlite3.connect(tmp_path / "qo.db")
+    try:
+        guard = SQLGuard("inv")
+        guard.install(conn)
+        conn.execute("CREATE TABLE t (k TEXT PRIMARY KEY, v INT)")
+        conn.execute("INSERT INTO t VALUES ('a', 0)")
+        conn.commit()
+        guard.batch(conn, [("PRAGMA query_only = 1", ())], token="inv:1")
+        with pytest.raises(ConfigurationError, match="PRAGMA query_only is on"):
+            guard.batch(conn, [("UPDATE t SET v = 1", ())], token="inv:1")
+        conn.rollback()
+        conn.execute("PRAGMA query_only = 0")
+        assert guard.batch(conn, [("UPDATE t SET v = 1", ())], token="inv:1") == [1]
+    finally:
+        conn.close()

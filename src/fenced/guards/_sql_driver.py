@@ -521,6 +521,11 @@ def map_error(d: Dialect, conn: Any, exc: BaseException) -> FencedError | None:
             return DuplicateColumn(msg)
         if msg.startswith(("no such table", "no such column", "table ")) or "ON CONFLICT" in msg:
             return ConfigurationError(f"{msg}: has the guard been installed (guard.install())?")
+        if "readonly database" in msg and _sqlite_query_only(conn):
+            return ConfigurationError(
+                f"SQLite refused the guard's write ({msg}): PRAGMA query_only is on for this "
+                "connection (an earlier statement on it set it, e.g. a batch's); set it off"
+            )
         return _refused("SQLite", exc)
     what = pg_kind(exc, conn)
     if what is None:
@@ -554,6 +559,14 @@ def map_error(d: Dialect, conn: Any, exc: BaseException) -> FencedError | None:
             "roll it back (the error that failed it is the one to look at)"
         )
     return _refused("PostgreSQL", exc)
+
+
+def _sqlite_query_only(conn: Any) -> bool:
+    """Is PRAGMA query_only on for ``conn``? (Asked on a read-only refusal only.)"""
+    try:
+        return bool(conn.execute("PRAGMA query_only").fetchone()[0])
+    except Exception:
+        return False
 
 
 def _refused(engine: str, exc: BaseException) -> ConfigurationError:
@@ -1366,6 +1379,7 @@ def _ended_or_stale(
     *,
     fate: str | None = None,
     where: str = BLOCK,
+    told: bool = False,
 ) -> Exception:
     """The recheck's (or the witness's) refusal, from the fence row as it is now
     (``refusal``): the block ended the transaction the check ran in. ``definite``: why the
@@ -1374,14 +1388,18 @@ def _ended_or_stale(
     (:func:`fate_from_row`; psycopg: txid_status), else None. ``where``: whose statement.
     Stale (a newer token accepted since): StaleTokenError, which says what may have
     committed; but a ConfigurationError when the guard knows the block's later statements
-    committed (a refusal would tell the caller nothing was written). Wrong lock, corrupt:
+    committed, or that the end committed the check's transaction (a refusal would tell the
+    caller nothing was written), or ``told`` (the caller knows the end may have written:
+    MariaDB's batch, whose end no server function tells). Wrong lock, corrupt:
     ``refusal``. Else ConfigurationError."""
     ended = f"{where} ended the transaction {_ENDS} that fenced {resource!r} with {token}"
     after = AS_RAN_MAYBE if definite is None else _as_ran_all(definite)
     before = _before_end(fate)
     if isinstance(refusal, StaleTokenError):
         newer = f"{refusal.high_water or 'a higher token'} was accepted since"
-        if definite is None:
+        # (a refusal says nothing of the call was written: not when the end is known to have
+        # committed the check and what ran before it)
+        if definite is None and fate != COMMITTED and not told:
             return StaleTokenError(
                 refusal.token,
                 refusal.high_water,
@@ -1610,6 +1628,7 @@ def _ended_error(
     *,
     note: str = "",
     where: str = BLOCK,
+    told: bool = False,
 ) -> Exception:
     """The error for a block that ended the transaction its check ran in, from the fence row
     read afterwards (``row``: lock, token; None: no row): :func:`_ended_or_stale`.
@@ -1624,7 +1643,7 @@ def _ended_error(
     )
     refusal = pipelined_refusal(resource, token, detail)
     fate = fate_from_row(token, row)
-    error = _ended_or_stale(resource, token, refusal, definite, fate=fate, where=where)
+    error = _ended_or_stale(resource, token, refusal, definite, fate=fate, where=where, told=told)
     if note and definite is None and isinstance(error, ConfigurationError | StaleTokenError):
         message = f"{error} ({note})"
         if isinstance(error, StaleTokenError):
@@ -2224,16 +2243,33 @@ async def aguarded_transaction(
 # schema), in which the second check would not find the table or the refusal function. (If a
 # statement ended the transaction, the kept path is gone with it: the path stays as it is,
 # and the second check refuses, or fails: either way nothing after the end commits.)
-_KEEP_PATH: Final = "SELECT set_config('fenced.search_path', current_setting('search_path'), true)"
+# (with the search_path, the id of the transaction the check ran in, both transaction-local:
+# a statement of the pipeline that ended that transaction drops them)
+_KEEP_PATH: Final = (
+    "SELECT set_config('fenced.search_path', current_setting('search_path'), true), "
+    "set_config('fenced.xid', pg_catalog.txid_current()::text, true)"
+)
+_PIPE_ENDED: Final = "fenced: the transaction of the pipeline ended"
+# (raises, so that neither the re-check nor the COMMIT runs and what is open is rolled back,
+# unless this is still the transaction the check ran in; the cast's argument is not a
+# constant, else it would be folded and raise in every case)
 _BACK_TO_PATH: Final = (
     "SELECT set_config('search_path', coalesce(nullif("
-    "current_setting('fenced.search_path', true), ''), current_setting('search_path')), true)"
+    "current_setting('fenced.search_path', true), ''), current_setting('search_path')), true), "
+    "CASE WHEN pg_catalog.current_setting('fenced.xid', true) = "
+    "pg_catalog.txid_current()::text THEN 0 ELSE "
+    f"CAST(pg_catalog.concat('{_PIPE_ENDED} ', pg_catalog.txid_current()) AS bigint) END"
 )
 
 
 @contextlib.contextmanager
 def _pipelined_transaction(
-    conn: Any, table: str, resource: str, token: FencingToken, use: TableUse
+    conn: Any,
+    table: str,
+    resource: str,
+    token: FencingToken,
+    use: TableUse,
+    where: str = BLOCK,
 ) -> Iterator[None]:
     """BEGIN, the raising check (:func:`pg_pipelined_check`), the statements and COMMIT in
     one psycopg pipeline, answered at its sync point; a refusal aborts the transaction in
@@ -2251,18 +2287,48 @@ def _pipelined_transaction(
         if opened and in_transaction(conn):
             _end(conn, commit=False, d=POSTGRESQL)  # (a catalog read opened it: nothing to keep)
     params = (resource, token.lock, token.value, table, resource)
+    kept = None
     try:
         with conn.pipeline(), conn.transaction():
             conn.execute(pg_pipelined_check(table), params)
-            conn.execute(_KEEP_PATH)
+            kept = conn.execute(_KEEP_PATH)
             yield
             conn.execute(_BACK_TO_PATH)
             conn.execute(pg_pipelined_check(table), params)  # (_RECHECK)
     except Exception as exc:
-        mapped = _pipelined_error(conn, resource, token, exc)
+        if getattr(exc, "sqlstate", None) == "22P02" and _PIPE_ENDED in str(exc):
+            raise _pipeline_ended(conn, table, resource, token, kept, where) from exc
+        mapped = _pipelined_error(conn, resource, token, exc, table)
         if mapped is exc:
             raise
         raise mapped from exc
+
+
+def _pipeline_ended(
+    conn: Any, table: str, resource: str, token: FencingToken, kept: Any, where: str
+) -> Exception:
+    """A statement of the pipeline ended the transaction the check ran in (the xid witness
+    of :data:`_BACK_TO_PATH` refused; what was open is rolled back): the error from the fence
+    row as it is now and ``txid_status`` of that transaction (committed, rolled back)."""
+    xid = None
+    with contextlib.suppress(Exception):  # (the witness's row: answered before the end)
+        xid = int(kept.fetchone()[1])
+    read = fence_sql(POSTGRESQL, table).read.removesuffix(" FOR UPDATE")
+    try:
+        with conn.transaction():  # (a read of its own, whatever the autocommit)
+            row = conn.execute(read, (resource,)).fetchone()
+            status = None
+            if xid is not None:
+                status = conn.execute("SELECT txid_status(%s)", (xid,)).fetchone()[0]
+    except Exception as exc:
+        mapped = map_error(POSTGRESQL, conn, exc)
+        return mapped if mapped is not None else exc
+    import json
+
+    detail = None if row is None else json.dumps({"lock": row[0], "token": str(row[1])})
+    refusal = pipelined_refusal(resource, token, detail)
+    fate = _XACT_FATE.get(status or "") or fate_from_row(token, row)
+    return _ended_or_stale(resource, token, refusal, fate=fate, where=where)
 
 
 # -- a batch of statements, guarded, in one request where the server allows ----------------
@@ -2304,11 +2370,11 @@ def guarded_batch(
     how = batch_kind(conn)
     if how == "pipeline":  # (a pipelined cursor's row count is known after the sync)
         _refuse_open(in_transaction(conn), "batch()")
-        with _pipelined_transaction(conn, table, resource, token, use):  # (checks again last)
+        with _pipelined_transaction(conn, table, resource, token, use, _BATCH):  # (again last)
             cursors = [conn.execute(sql, params) for sql, params in statements]
         return [int(cur.rowcount) for cur in cursors]
     if how == "block":
-        return _block_batch(conn, statements, transaction)
+        return _block_batch(conn, statements, transaction, (table, resource, token))
     _refuse_open(in_transaction(conn), "batch()")
     if not _is_verified(conn, use):  # once per connection: its answer is needed first
         drive(
@@ -2341,6 +2407,7 @@ def guarded_batch(
         request = "START TRANSACTION;\n" + "\n;\n".join(parts) + "\n;\nCOMMIT"
         if back:
             request = f"SET autocommit = 0;\n{request};\nSET autocommit = 1"
+        sent = conn.open  # (closed before: nothing goes out, nothing can commit)
         try:
             cur.execute(request)  # the first answer
             answered = 1
@@ -2366,6 +2433,10 @@ def guarded_batch(
             turned_on = ours and _AUTOCOMMIT_ON in str(exc)
             with contextlib.suppress(Exception):
                 conn.rollback()
+            # (a LOCK TABLES of the batch's outlives the rollback and locks everyone else out;
+            # after the rollback: UNLOCK TABLES commits what is open. On failure only)
+            with contextlib.suppress(Exception), conn.cursor() as unlock:
+                unlock.execute("UNLOCK TABLES")
             if back:
                 _autocommit_back(conn)
             elif turned_on:
@@ -2376,13 +2447,26 @@ def guarded_batch(
                 raise _batch_ended(conn, table, resource, token, definite) from exc
             if ours:
                 raise _batch_refusal(conn, table, resource, token) from exc
+            if code == _MYSQL_NOT_LOCKED and failed > lead:
+                # LOCK TABLES among the statements: it committed what was open (the check,
+                # what ran before it), and the tables it left out cannot be read after it
+                ended = _batch_ended(conn, table, resource, token, None)
+                if not isinstance(ended, ConfigurationError):
+                    raise ended from exc
+                raise ConfigurationError(
+                    f"{ended} (LOCK TABLES among the statements: it commits the open "
+                    "transaction implicitly, and the guard cannot read the fence table after "
+                    "it; the tables were unlocked)"
+                ) from exc
             if code == 1064 and failed == lead and _oracle_mode(conn):
                 # sql_mode=ORACLE parses no BEGIN NOT ATOMIC: the check was refused as
                 # syntax, before anything ran; the block form then, not the holder refused
-                return _block_batch(conn, statements, transaction)
+                return _block_batch(conn, statements, transaction, (table, resource, token))
             # (as the pipeline: in one request the guard cannot tell whose statement failed,
             # so only whole-transaction conditions are mapped; the rest comes as raised)
             mapped = map_error(MYSQL, conn, exc)
+            if isinstance(mapped, BackendUnavailable) and sent:
+                raise outcome_unknown(mapped) from exc
             if isinstance(mapped, FenceConflictError | BackendUnavailable):
                 raise mapped from exc
             raise
@@ -2396,6 +2480,8 @@ def guarded_batch(
 
 
 _BATCH_AUTOCOMMIT: Final = "autocommit was on at the batch's re-check"
+_MYSQL_NOT_LOCKED: Final = 1100  # (a table not locked with LOCK TABLES)
+_BATCH: Final = "batch(): a statement of the batch"
 
 
 def _batch_ended(
@@ -2413,27 +2499,54 @@ def _batch_ended(
             return mapped
         return FenceConflictError(f"the fence refused {token} for {resource!r}; reading why: {exc}")
     row = res.rows[0] if res.rows else None
-    return _ended_error(resource, token, row, definite, where="batch(): a statement of the batch")
+    # (never StaleTokenError: a COMMIT, an implicit commit or autocommit turned on wrote the
+    # check and what ran before the end, and nothing here tells those from a ROLLBACK)
+    return _ended_error(resource, token, row, definite, where=_BATCH, told=True)
 
 
 def _block_batch(
     conn: Any,
     statements: Sequence[Statement],
     transaction: Callable[[], contextlib.AbstractContextManager[FencingToken]],
+    fence: tuple[str, str, FencingToken],
 ) -> list[int]:
     """``batch`` as ``transaction()``'s block, statement by statement, stopping at one that
-    ended the transaction (what follows it would run unfenced)."""
+    ended the transaction (what follows it would run unfenced). ``fence``: the table, the
+    resource, the token."""
     counts: list[int] = []
     with transaction():
         # (SQLAlchemy keeps its own idea of the transaction: ask its driver connection)
         sa = sa_connection(conn)
         driver = conn if sa is None else sa.connection.dbapi_connection
-        watch = _kind(driver) in ("sqlite3", "psycopg", "pymysql")
+        kind = _kind(driver)
+        watch = kind in ("sqlite3", "psycopg", "pymysql")
         for n, (sql, params) in enumerate(statements, 1):
             counts.append(_execute(conn, sql, params))
             if watch and not in_transaction(driver):
-                raise _ended_transaction(n)
+                fate = _fate_after_end(driver, _SYNC_DIALECTS[kind], fence)
+                raise _ended_transaction(n, fate)
     return counts
+
+
+def _fate_after_end(driver: Any, d: Dialect, fence: tuple[str, str, FencingToken]) -> str | None:
+    """What the end made of the checked transaction, as the fence row read now tells
+    (:func:`fate_from_row`: rolled back when the row is gone or below the token), else None.
+    A read on the driver connection, on the end only; what it opens is rolled back with the
+    rest."""
+    table, resource, token = fence
+    read = fence_sql(d, table).read.removesuffix(" FOR UPDATE")
+    try:
+        if d is SQLITE:
+            cur = driver.execute(read, (resource,))
+            row = cur.fetchone()
+            cur.close()
+        else:
+            with driver.cursor() as cur:
+                cur.execute(read, (resource,))
+                row = cur.fetchone()
+    except Exception:  # (the guard's rollback, or its next statement, reports a dead one)
+        return None
+    return fate_from_row(token, row)
 
 
 def _oracle_mode(conn: Any) -> bool:
@@ -2452,11 +2565,13 @@ def _one_statement(sql: str) -> str:
     return sql.rstrip().rstrip(";").rstrip()
 
 
-def _ended_transaction(n: int) -> ConfigurationError:
+def _ended_transaction(n: int, fate: str | None) -> ConfigurationError:
+    # (what ran before the end is what the end made of it: never told rolled back unless
+    # the fence row says so; a COMMIT wrote the check and the statements before it)
     return ConfigurationError(
         f"batch(): statement {n} ended the transaction (COMMIT, ROLLBACK, or a statement "
-        "that commits implicitly such as DDL): the statements after it would not be fenced; "
-        "none of them was run, the open transaction is rolled back"
+        "that commits implicitly such as DDL): the statements after it would not be fenced, "
+        f"none of them was run; {_before_end(fate)}; what is open now is rolled back"
     )
 
 
@@ -2497,7 +2612,17 @@ def _execute(conn: Any, sql: str, params: Sequence[Any] | Mapping[str, Any] | No
         return int(cur.rowcount)
 
 
-def _pipelined_error(conn: Any, resource: str, token: FencingToken, exc: Exception) -> Exception:
+def _search_path(conn: Any) -> str:
+    try:
+        with conn.transaction():
+            return str(conn.execute("SHOW search_path").fetchone()[0])
+    except Exception:
+        return "unknown"
+
+
+def _pipelined_error(
+    conn: Any, resource: str, token: FencingToken, exc: Exception, table: str | None = None
+) -> Exception:
     """The fence's refusal (:data:`STALE_SQLSTATE`) as fenced's error; a whole-transaction
     condition (conflict: retry; connection lost) mapped as ``check`` maps it; anything else
     as raised (in one round trip the guard cannot tell whose statement failed)."""
@@ -2508,12 +2633,34 @@ def _pipelined_error(conn: Any, resource: str, token: FencingToken, exc: Excepti
             f"{exc}: the pipelined check needs the function guard.install() creates "
             "(run install() again after upgrading fenced)"
         )
+    if getattr(exc, "sqlstate", None) == "42P01" and table is not None:
+        name = table.rpartition(".")[2].strip('"')
+        if f'"{name}"' in str(exc):  # (the fence table's, not one of the caller's)
+            return ConfigurationError(
+                f"{str(exc).splitlines()[0]}: the fence table is not on this connection's "
+                f"search_path ({_search_path(conn)}): has the guard been installed "
+                "(guard.install())? A SET search_path run on the connection (a batch's "
+                "statement included) stays for the session"
+            )
     what = pg_kind(exc, conn)
     if what in ("conflict", "unreachable"):
         mapped = map_error(POSTGRESQL, conn, exc)
+        if isinstance(mapped, BackendUnavailable):
+            return outcome_unknown(mapped)  # (the pipeline holds the COMMIT)
         if mapped is not None:
             return mapped
     return exc
+
+
+def outcome_unknown(lost: BackendUnavailable) -> BackendUnavailable:
+    """The connection was lost (``lost``) while a request holding the guard's ``COMMIT`` was
+    out (MariaDB's one request, psycopg's pipeline): the server may have run it all to the
+    COMMIT. Never told as a plain failure, which a retry with the same token would apply
+    twice: the caller must read back first."""
+    return BackendUnavailable(
+        f"{lost}; the outcome is unknown: the request held the COMMIT, which the server may "
+        "have run (read back what the call wrote before retrying it)"
+    )
 
 
 def _commit_or_roll_back(conn: Any) -> None:

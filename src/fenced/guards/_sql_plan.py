@@ -45,10 +45,12 @@ from ._plan import GroupItem, GroupState, checked_group_state
 
 __all__ = [
     "AUTOCOMMIT_ON",
+    "BATCH_WITNESS",
     "MYSQL",
     "MYSQL_MAX_NAME",
     "POSTGRESQL",
     "SQLITE",
+    "TRANSACTION_ENDED",
     "Add",
     "Dialect",
     "DuplicateColumn",
@@ -575,8 +577,18 @@ def mariadb_batch_check(table: str) -> str:
         "IF found_token IS NULL OR found_token <> CAST(%s AS SIGNED) "
         "OR CAST(found_lock AS BINARY) <> CAST(%s AS BINARY) THEN "
         f"SIGNAL SQLSTATE '{STALE_SQLSTATE}' "
-        "SET MESSAGE_TEXT = 'fenced: the fence refused the token'; END IF; END"
+        "SET MESSAGE_TEXT = 'fenced: the fence refused the token'; END IF; "
+        # (the witness: lives as long as this transaction; the re-check releases it)
+        f"SAVEPOINT {BATCH_WITNESS}; END"
     )
+
+
+BATCH_WITNESS: Final = "fenced_batch"
+"""The savepoint the MariaDB batch check sets after accepting: every end of its transaction
+(COMMIT, ROLLBACK, an implicit commit, ``SET autocommit = 1``) drops it, so the re-check's
+``RELEASE`` fails exactly when a statement of the batch ended the checked transaction."""
+TRANSACTION_ENDED: Final = "the checked transaction ended"
+"""The batch re-check's refusal when the witness is gone (:func:`mariadb_batch_recheck`)."""
 
 
 AUTOCOMMIT_ON: Final = "autocommit was turned on"
@@ -597,11 +609,15 @@ def mariadb_batch_recheck(table: str) -> str:
         "DECLARE found_lock VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin; "
         "DECLARE found_token BIGINT; "
         "DECLARE CONTINUE HANDLER FOR NOT FOUND SET found_token = NULL; "
+        # (1305: no such savepoint, the witness is gone: told as the re-check's own refusal)
+        f"DECLARE EXIT HANDLER FOR 1305 SIGNAL SQLSTATE '{STALE_SQLSTATE}' "
+        f"SET MESSAGE_TEXT = 'fenced: {TRANSACTION_ENDED}';\n"
         # (the batch runs with autocommit off: on now, a statement of it turned it on, and
         # what ran after that committed as it ran; refused before the row is read. The
         # line ends before END IF: a planted no-op SIGNAL in a test comments out to it)
         f"IF @@autocommit <> 0 THEN SIGNAL SQLSTATE '{STALE_SQLSTATE}' "
         f"SET MESSAGE_TEXT = 'fenced: {AUTOCOMMIT_ON}';\nEND IF; "
+        f"RELEASE SAVEPOINT {BATCH_WITNESS}; "
         f"SELECT lock_name, token INTO found_lock, found_token FROM {quoted} "
         "WHERE resource = %s FOR UPDATE; "
         "IF found_token IS NULL OR found_token <> CAST(%s AS SIGNED) "
