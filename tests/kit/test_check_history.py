@@ -357,3 +357,16 @@ def test_a_burst_copy_that_landed_after_a_fenced_read_is_caught_and_the_others_p
     found = check_all(h)
     assert [v.checker for v in found] == ["acceptance order"], found
     assert "token 1's write (value 1) landed after w2's fenced read with token 2" in str(found[0])
+    # (a later holder's fenced read, sent after, sees it the same way; one sent before not)
+    del h[6]
+    h[1]["surely_until"] = 1.65
+    h[-1:-1] = [
+        ev("w3", "grant", 1.7, lock="counter", token=3, surely_until=9.0),
+        ev("w3", "read", 1.8, lock="counter", token=3, ok=True, value=1, seen="bb",
+           last=[1, 1], sent=1.75),
+    ]  # fmt: skip
+    found = check_all(h)
+    assert [v.checker for v in found] == ["acceptance order"], found
+    assert "w3's read, sent after" in str(found[0])
+    h[-2]["sent"] = 1.25
+    assert check_all(h) == []

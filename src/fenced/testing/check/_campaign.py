@@ -893,7 +893,8 @@ class _Burst:
     same instant did so 13% of the time by hand; a read among a stream of copies meets many
     gaps. The successor is then stopped before its write (as a stall) while the kit looks at
     the register without a token (``look``): bytes other than its read saw, last written by
-    the stale token, are a copy that landed after the read (``_checkers``). Drawn from its
+    the stale token, are a copy that landed after the read (``_checkers``; so are a later
+    holder's read's). Drawn from its
     own seeded generator (the run's schedule of faults stays the seed's); bounded by its
     count and the resource's time limit."""
 
@@ -979,12 +980,13 @@ class _Burst:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGUSR1)  # (the successor stops after its read, before its write)
         heal()
-        deadline = time.monotonic() + w.io_limit + 1
-        for t in threads:
-            t.join(max(0.0, deadline - time.monotonic()))
         tail = _Tail(w.path)
         tail.offset = offset
-        stopped = tail.wait(lambda e: e["op"] == "stalled" and e["worker"] == name, limit)
+        # (its read refused, it never writes: no stall to wait for)
+        read = tail.wait(lambda e: e["op"] == "read" and e["worker"] == name, limit)
+        stopped = None
+        if read is not None and read["ok"] is True:
+            stopped = tail.wait(lambda e: e["op"] == "stalled" and e["worker"] == name, limit)
         try:
             if stopped is not None:
                 sent = _clock.now()
@@ -999,6 +1001,10 @@ class _Burst:
                 if stopped is None:
                     os.kill(pid, signal.SIGUSR2)  # (the stall not taken: taken back)
                 os.killpg(pid, signal.SIGCONT)
+        # (the look comes first: a successor stopped past its lease lets a third holder in)
+        deadline = time.monotonic() + w.io_limit + 1
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
 
     def close(self) -> None:
         for made in self.made:

@@ -113,10 +113,10 @@ def tokens_never_decrease_in_acceptance_order(history: list[Event]) -> list[Viol
 
 def _changed_after_a_read(history: list[Event]) -> list[Violation]:
     """Once a fenced read with token T was answered, only a write with a token of T or more
-    may change the register: a look at it (the ``race`` nemesis' burst, ``look``) that finds
-    other bytes than that read saw, last written by a lower token, saw a stale write that
-    landed after the read (a check and its write in two steps, the read in between)."""
-    looks = [e for e in history if e["op"] == "look"]
+    may change the register: a later look at it (a fenced read sent after, or the ``race``
+    burst's ``look`` without a token) that finds other bytes than that read saw, last written
+    by a lower token, saw a stale write that landed after the read (a check and its write in
+    two steps, the read in between)."""
     reads = sorted(
         (
             e
@@ -126,18 +126,20 @@ def _changed_after_a_read(history: list[Event]) -> list[Violation]:
         ),
         key=lambda e: -e["token"],
     )  # fmt: skip
+    looks = [e for e in history if e["op"] == "look"] + [e for e in reads if "sent" in e]
     out = []
     for look in looks:
         last = look.get("last") or [0, 0]
         for r in reads:
             if r["mono"] < look["sent"] and r["token"] > last[0] and r["seen"] != look["seen"]:
+                by = "a look at it" if look["op"] == "look" else f"{look['worker']}'s read"
                 out.append(
                     Violation(
                         "acceptance order",
                         f"token {last[0]}'s write (value {last[1]}) landed after "
-                        f"{r['worker']}'s fenced read with token {r['token']} was answered: the "
-                        "register, looked at after it, holds other bytes than that read saw, "
-                        f"last written by token {last[0]}",
+                        f"{r['worker']}'s fenced read with token {r['token']} was answered: "
+                        f"{by}, sent after, found other bytes than that read saw, last written "
+                        f"by token {last[0]}",
                         (r, look),
                     )
                 )

@@ -262,6 +262,7 @@ def step(
     """One read-modify-write of the register under ``token``, thinking up to ``think`` s
     (``fixed_think``: exactly that long); ``in_write``: stalls inside a one-step write too."""
     lock = token.lock
+    sent = _clock.now()
     try:
         raw = resource.read(token)
     except fenced.StaleTokenError:
@@ -270,8 +271,12 @@ def step(
         return
     entries = _entries(raw)
     value = entries[-1][1] + 1 if entries else 1
-    # (seen: which bytes, so a later look at the register tells a write that landed after it)
-    history.append("read", lock=lock, token=token.value, ok=True, value=value - 1, seen=digest(raw))
+    # (seen: which bytes, last: their last entry; a later read tells by them a stale write
+    # that landed after this one was answered)
+    history.append(
+        "read", lock=lock, token=token.value, ok=True, value=value - 1, seen=digest(raw),
+        last=entries[-1] if entries else None, sent=sent,
+    )  # fmt: skip
     entries.append([token.value, value])
     # Think, looking at the lease every 50 ms: renewals move its promised end on (each by
     # about ttl/3), and the end it promised last is what its loss is checked against. (On
