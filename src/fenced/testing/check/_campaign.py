@@ -37,10 +37,13 @@ The nemesis, on a schedule drawn from ``seed`` (the same seed, the same schedule
   First the holder stops itself before its write; every other worker's way to the resource
   is held (its own proxy); once a successor is granted, the old holder goes on, and as soon
   as its write has reached the resource, the successor's held fenced read is let through
-  after it (2-30 ms; in every other race, the second first, 0.07-1 ms: at the same instant):
-  a resource whose check and write are two steps lets the read in between. Then
+  after it (without a burst, below: 2-30 ms; in every other race, the second first,
+  0.07-1 ms: at the same instant): a resource whose check and write are two steps lets the
+  read in between. Then
   the next holder stops before its write and goes on as soon as its successor's read was
-  answered: its write lands between that read and the successor's write (an unfenced read);
+  answered: its write lands between that read and the successor's write (an unfenced read).
+  The first takeover is a burst (``_Burst``): the stale write sent again and again around the
+  successor's read, then a look at the register before the successor writes;
 - ``resource-restart`` (``resource_cmd``): kill -9 the user's resource process and start it
   again on the same data, with a stale writer ready: a holder stopped before its write, a
   successor's fenced read answered and the successor stopped before its write (every other
@@ -879,7 +882,7 @@ def _takeover(
         tail.wait(lambda e: e["op"] in ("write", "releasing") and e["worker"] == who, limit)
 
 
-BURST_COPIES: Final = 24
+BURST_COPIES: Final = 48
 """How many times the ``race`` nemesis sends a stale write again (see :class:`_Burst`)."""
 
 
@@ -901,7 +904,7 @@ class _Burst:
     def __init__(self, workload: LocksWorkload, victim: str, rng: random.Random) -> None:
         self.workload, self.victim = workload, victim
         self.spacing = rng.uniform(0.0005, 0.001)
-        self.slot = rng.randrange(BURST_COPIES // 3, 2 * BURST_COPIES // 3)
+        self.slot = rng.randrange(BURST_COPIES // 8, BURST_COPIES // 3)
         self.made: list[Any] = []
         self.copies: list[bytes] = []
         self.token: Any = None
