@@ -42,8 +42,9 @@ The nemesis, on a schedule drawn from ``seed`` (the same seed, the same schedule
   read in between. Then
   the next holder stops before its write and goes on as soon as its successor's read was
   answered: its write lands between that read and the successor's write (an unfenced read).
-  The first takeover is a burst (``_Burst``): the stale write sent again and again around the
-  successor's read, then a look at the register before the successor writes;
+  The first takeover is a burst (``_Burst``), and so is a second one on the next holder before
+  that: the stale write sent again and again around the successor's read, then a look at the
+  register before the successor writes;
 - ``resource-restart`` (``resource_cmd``): kill -9 the user's resource process and start it
   again on the same data, with a stale writer ready: a holder stopped before its write, a
   successor's fenced read answered and the successor stopped before its write (every other
@@ -1407,7 +1408,15 @@ class LocksWorkload:
                 victim, names[victim.pid], others, mine, _Tail(path), ttl, after, restart,
                 successors=successors, burst=burst,
             )  # fmt: skip
-            if kind == "race":  # and the other way round, on whoever holds it next
+            if kind == "race":
+                # A second burst on whoever holds it next (one meets the gap of a check and
+                # a write back to back about 7 times in 10), then the other way round.
+                nxt = procs[self._holding(i)]
+                _takeover(
+                    nxt, names[nxt.pid], [w for p, w in to_resource.items() if p != nxt.pid],
+                    to_resource.get(nxt.pid), _Tail(path), ttl, after, None,
+                    burst=_Burst(self, names[nxt.pid], random.Random(f"{self.seed}-burst-{self.races}-2")),
+                )  # fmt: skip
                 nxt = procs[self._holding(i)]
                 _takeover(nxt, names[nxt.pid], [], None, _Tail(path), ttl, after, None, True)
         elif kind == "resource-pause":
