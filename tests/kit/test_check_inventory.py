@@ -96,7 +96,7 @@ def test_a_check_then_write_with_no_gap_is_caught_by_the_race_burst(tmp_path: Pa
     successor's read sent at the same instant met in it 13% of the time (the default campaign
     caught it in 0 of 6 seeds); the race's burst (the stale write sent again 24 times around
     the read, then a look at the register before the successor writes) catches it."""
-    result = campaign(tmp_path, "check-then-write", seed=2, faults=4, ttl=0.5,
+    result = campaign(tmp_path, "check-then-write", seed=2, faults=2, ttl=0.5,
                       stop_at_first=True, nemesis=["race"], args=("--gap", "0"))  # fmt: skip
     found = {v.checker for v in result.violations}
     assert found & EXPECTED["check-then-write"], (found, result.faults)
