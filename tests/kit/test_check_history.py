@@ -329,3 +329,44 @@ def test_an_impostors_fenced_read_served_or_moving_the_mark_is_caught(
     read["mark_after"] = final["mark"]  # (refused, the mark where the holders left it)
     if not served:
         assert check_all(h) == []
+
+
+def test_a_burst_copy_that_landed_after_a_fenced_read_is_caught_and_the_others_pass() -> None:
+    """The race burst sends one stale write again and again: copies accepted before the
+    successor's read, refused after it, are no lost update nor a refused write in the final
+    state; a look that finds other bytes than the read saw, last written by the stale token,
+    is a copy that landed after the read (a check and its write in two steps)."""
+
+    def ev(worker: str, op: str, mono: float, **fields: Any) -> dict[str, Any]:
+        return {"worker": worker, "pid": 1, "op": op, "mono": mono, "wall": mono, **fields}
+
+    copy_ = {"lock": "counter", "token": 1, "value": 1, "of": "w1"}
+    h = [
+        ev("w1", "grant", 0.0, lock="counter", token=1, surely_until=0.5),
+        ev("w2", "grant", 0.6, lock="counter", token=2, surely_until=5.0),
+        ev("w1", "write", 1.1, lock="counter", token=1, value=1, ok=True, sent=1.0),
+        ev("burst", "write", 1.2, **copy_, ok=True, sent=1.05, burst=0),
+        ev("w2", "read", 1.3, lock="counter", token=2, ok=True, value=1, seen="aa"),
+        ev("burst", "write", 1.35, **copy_, ok=False, sent=1.1, burst=1),
+        ev("burst", "look", 1.45, sent=1.4, seen="aa", last=[1, 1], of="w2"),
+        ev("w2", "write", 1.6, lock="counter", token=2, value=2, ok=True, sent=1.5),
+        ev("kit", "final", 2.0, lock="counter", mark=2, log=[[1, 1], [2, 2]]),
+    ]
+    assert check_all(h) == []
+    h[6]["seen"] = "bb"  # a copy's bytes, after the read was answered
+    found = check_all(h)
+    assert [v.checker for v in found] == ["acceptance order"], found
+    assert "token 1's write (value 1) landed after w2's fenced read with token 2" in str(found[0])
+    # (a later holder's fenced read, sent after, sees it the same way; one sent before not)
+    del h[6]
+    h[1]["surely_until"] = 1.65
+    h[-1:-1] = [
+        ev("w3", "grant", 1.7, lock="counter", token=3, surely_until=9.0),
+        ev("w3", "read", 1.8, lock="counter", token=3, ok=True, value=1, seen="bb",
+           last=[1, 1], sent=1.75),
+    ]  # fmt: skip
+    found = check_all(h)
+    assert [v.checker for v in found] == ["acceptance order"], found
+    assert "w3's read, sent after" in str(found[0])
+    h[-2]["sent"] = 1.25
+    assert check_all(h) == []

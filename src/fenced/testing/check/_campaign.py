@@ -37,10 +37,14 @@ The nemesis, on a schedule drawn from ``seed`` (the same seed, the same schedule
   First the holder stops itself before its write; every other worker's way to the resource
   is held (its own proxy); once a successor is granted, the old holder goes on, and as soon
   as its write has reached the resource, the successor's held fenced read is let through
-  after it (2-30 ms; in every other race, the second first, 0.07-1 ms: at the same instant):
-  a resource whose check and write are two steps lets the read in between. Then
+  after it (without a burst, below: 2-30 ms; in every other race, the second first,
+  0.07-1 ms: at the same instant): a resource whose check and write are two steps lets the
+  read in between. Then
   the next holder stops before its write and goes on as soon as its successor's read was
-  answered: its write lands between that read and the successor's write (an unfenced read);
+  answered: its write lands between that read and the successor's write (an unfenced read).
+  The first takeover is a burst (``_Burst``), and so is a second one on the next holder before
+  that: the stale write sent again and again around the successor's read, then a look at the
+  register before the successor writes;
 - ``resource-restart`` (``resource_cmd``): kill -9 the user's resource process and start it
   again on the same data, with a stale writer ready: a holder stopped before its write, a
   successor's fenced read answered and the successor stopped before its write (every other
@@ -81,7 +85,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from ..._core import clock as _clock
 from ..._core.backend import redacted
-from ..._core.errors import ConfigurationError
+from ..._core.errors import ConfigurationError, StaleTokenError
 from .. import parentdeath
 from ..proxy import TcpProxy
 from ..servers import python_env
@@ -97,7 +101,7 @@ from ._engine import (
     short_of_counts,
     undealt,
 )
-from ._history import Event, History
+from ._history import Event, History, digest
 from ._plants import PLANTS, SIGNING_PLANTS, plant_role, source_plant_server
 from ._report import write_report
 from ._resources import IO_TIMEOUT_ENV, HttpResource, open_resource
@@ -801,6 +805,7 @@ def _takeover(
     restart: Callable[[], None] | None,
     read_first: bool = False,
     successors: Sequence[int] = (),
+    burst: _Burst | None = None,
 ) -> None:
     """The ``race`` and ``resource-restart`` nemeses: stop the victim before its write, hold
     every other worker's way to the resource, wait for a successor's grant (``race``) or its
@@ -813,7 +818,8 @@ def _takeover(
     fenced read and before its write (each of them stops itself before its next write; the one
     granted does, after its read): a mark that only a read raised must survive the restart (a
     mark rebuilt from the data at start-up lets the stale write in, and the successor's write
-    then loses it)."""
+    then loses it). ``burst`` (a ``race``): the victim's write sent again and again around the
+    successor's read instead of that read ``after`` seconds behind it (see :class:`_Burst`)."""
     limit = 4 * ttl + 2
     stalled = _stall_victim(victim.pid, name, tail, limit)
     if stalled is None:
@@ -830,6 +836,8 @@ def _takeover(
             for p in others:  # (before any successor can send its read)
                 p.partition()
             successor = tail.wait(lambda e: e["op"] == "grant" and e["token"] > token, limit)
+            if burst is not None and successor is not None:
+                burst = burst if burst.ready(stalled, successor) else None
         elif successors:
             for pid in successors:  # (the victim holds the lock: none is in its write yet)
                 with contextlib.suppress(ProcessLookupError):
@@ -848,7 +856,15 @@ def _takeover(
             os.killpg(victim.pid, signal.SIGCONT)
         if restart is None:
             _wait_forwarded(mine, before, limit)
-            time.sleep(after)  # (the successor's request follows the victim's in)
+            if burst is not None and successor is not None:
+
+                def heal() -> None:
+                    for p in others:
+                        p.heal()
+
+                burst.fire(heal)
+            else:
+                time.sleep(after)  # (the successor's request follows the victim's in)
         else:
             tail.wait(lambda e: e["op"] == "write" and e["worker"] == name, limit)
     finally:
@@ -856,6 +872,8 @@ def _takeover(
             p.heal()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(victim.pid, signal.SIGCONT)
+        if burst is not None:
+            burst.close()
         for pid in successors:  # (the stalls not taken are taken back; the one taken goes on)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGUSR2)
@@ -863,6 +881,153 @@ def _takeover(
     if successor is not None:  # its round ends before the next fault (which may stall it)
         who = successor["worker"]
         tail.wait(lambda e: e["op"] in ("write", "releasing") and e["worker"] == who, limit)
+
+
+BURST_COPIES: Final = 48
+"""How many times the ``race`` nemesis sends a stale write again (see :class:`_Burst`)."""
+
+
+class _Burst:
+    """The ``race`` nemesis' burst: the stale holder's write, sent :data:`BURST_COPIES` times
+    more under its token (each copy on its own connection, told apart by trailing whitespace
+    a JSON reader skips), one every 0.5-1 ms from the instant the holder's own write reached
+    the resource, with the successor's held fenced read let through among them. A check and a
+    write made in two steps with no gap between them (two transactions back to back) let a
+    read in between only when it lands in that gap, microseconds wide: one pair sent at the
+    same instant did so 13% of the time by hand; a read among a stream of copies meets many
+    gaps. The successor is then stopped before its write (as a stall) while the kit looks at
+    the register without a token (``look``): bytes other than its read saw, last written by
+    the stale token, are a copy that landed after the read (``_checkers``; so are a later
+    holder's read's). Drawn from its
+    own seeded generator (the run's schedule of faults stays the seed's); bounded by its
+    count and the resource's time limit."""
+
+    def __init__(self, workload: LocksWorkload, victim: str, rng: random.Random) -> None:
+        self.workload, self.victim = workload, victim
+        self.spacing = rng.uniform(0.0005, 0.001)
+        self.slot = rng.randrange(BURST_COPIES // 8, BURST_COPIES // 3)
+        self.made: list[Any] = []
+        self.copies: list[bytes] = []
+        self.token: Any = None
+        self.value = 0
+        self.successor: tuple[int, str] | None = None
+
+    def ready(self, stalled: Any, successor: Any) -> bool:
+        """Make the copies of the victim's write (its register as it read it, one more entry)
+        and their connections, before it goes on; False: no burst (the register is not what
+        it read, or the resource did not answer)."""
+        from ..._core.signing import token_message
+        from ..._core.token import FencingToken
+
+        w = self.workload
+        read = _event_of(w.path, self.victim, "read", stalled["token"])
+        pid = next((p.pid for p in w.procs if w.names[p.pid] == successor["worker"]), None)
+        if read is None or pid is None:
+            return False
+        self.successor = (pid, successor["worker"])
+        t, lock = stalled["token"], w.lock
+        try:
+            self.made = [
+                open_resource(w.resource, lock, timeout=w.io_limit) for _ in range(BURST_COPIES)
+            ]
+            data, _ = _bounded(self.made[0].final, w.io_limit, "the resource's final()")
+            entries = json.loads(data) if data else []
+        except Exception:  # (the burst is the nemesis' extra: none this time)
+            return False
+        if (entries[-1][1] if entries else 0) != read.get("value"):
+            return False  # (someone else wrote since: the copies would not be the victim's)
+        self.value = read["value"] + 1
+        base = json.dumps([*entries, [t, self.value]], separators=(",", ":")).encode()
+        self.copies = [base + b" " * (k + 1) for k in range(BURST_COPIES)]
+        signature = None
+        if w.key is not None:
+            signature = (
+                w.key.kid,
+                w.key.sign(token_message(lock, t, w.key.kid, _SOURCE_ID)),
+                _SOURCE_ID,
+            )
+        self.token = FencingToken(lock, t, signature)
+        return True
+
+    def fire(self, heal: Callable[[], None]) -> None:
+        """The copies, ``heal`` (the successor's read let through) at its slot among them;
+        then, once every copy was answered and the successor stopped before its write, the
+        look; then the successor goes on."""
+        w, lock, token = self.workload, self.workload.lock, self.token
+        lane = w.lanes.get("burst") or w.lanes.setdefault("burst", History(w.path, "burst"))
+        assert self.successor is not None
+        pid, name = self.successor
+        limit = 4 * w.ttl + 2
+        start = time.monotonic() + 0.002  # (every thread started and waiting by then)
+
+        def send(k: int) -> None:
+            time.sleep(max(0.0, start + k * self.spacing - time.monotonic()))
+            sent = _clock.now()
+            try:
+                self.made[k].write(token, self.copies[k])
+                ok: bool | None = True
+            except StaleTokenError:
+                ok = False
+            except Exception:
+                ok = None
+            lane.append("write", lock=lock, token=token.value, value=self.value, ok=ok,
+                        sent=sent, burst=k, of=self.victim)  # fmt: skip
+
+        offset = w.path.stat().st_size
+        threads = [
+            threading.Thread(target=send, args=(k,), name="fenced-check-burst", daemon=True)
+            for k in range(BURST_COPIES)
+        ]
+        for t in threads:
+            t.start()
+        time.sleep(max(0.0, start + self.slot * self.spacing - time.monotonic()))
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGUSR1)  # (the successor stops after its read, before its write)
+        heal()
+        tail = _Tail(w.path)
+        tail.offset = offset
+        # (its read refused, it never writes: no stall to wait for)
+        read = tail.wait(lambda e: e["op"] == "read" and e["worker"] == name, limit)
+        stopped = None
+        if read is not None and read["ok"] is True:
+            stopped = tail.wait(lambda e: e["op"] == "stalled" and e["worker"] == name, limit)
+        try:
+            if stopped is not None:
+                sent = _clock.now()
+                data, _ = _bounded(self.made[0].final, w.io_limit, "the resource's final()")
+                entries = json.loads(data) if data else []
+                lane.append("look", sent=sent, seen=digest(data), last=entries[-1] if entries else None,
+                            of=name)  # fmt: skip
+        except Exception:  # (no look: nothing judged by it)
+            pass
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                if stopped is None:
+                    os.kill(pid, signal.SIGUSR2)  # (the stall not taken: taken back)
+                os.killpg(pid, signal.SIGCONT)
+        # (the look comes first: a successor stopped past its lease lets a third holder in)
+        deadline = time.monotonic() + w.io_limit + 1
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+
+    def close(self) -> None:
+        for made in self.made:
+            with contextlib.suppress(Exception):
+                made.close()
+        self.made = []
+
+
+def _event_of(path: Path, name: str, op: str, token: int) -> Any:
+    """Worker ``name``'s last ``op`` event with ``token`` in the history (None: none)."""
+    found: Any = None
+    with contextlib.suppress(OSError), open(path, "rb") as f:
+        for line in f:
+            if f'"worker":"{name}"'.encode() in line and f'"op":"{op}"'.encode() in line:
+                with contextlib.suppress(ValueError):
+                    e = json.loads(line)
+                    if e.get("token") == token:
+                        found = e
+    return found
 
 
 class LocksWorkload:
@@ -1236,11 +1401,24 @@ class LocksWorkload:
                 # in between, 0% at the 2-30 ms of the first, which an 80 ms gap needs: the
                 # read sent 1 ms behind can be handled before the write's check).
                 after /= 30
+            burst = None
+            if kind == "race":  # (its own generator: the run's schedule stays the seed's)
+                burst = _Burst(
+                    self, names[victim.pid], random.Random(f"{self.seed}-burst-{self.races}")
+                )
             _takeover(
                 victim, names[victim.pid], others, mine, _Tail(path), ttl, after, restart,
-                successors=successors,
+                successors=successors, burst=burst,
             )  # fmt: skip
-            if kind == "race":  # and the other way round, on whoever holds it next
+            if kind == "race":
+                # A second burst on whoever holds it next (one meets the gap of a check and
+                # a write back to back about 7 times in 10), then the other way round.
+                nxt = procs[self._holding(i)]
+                _takeover(
+                    nxt, names[nxt.pid], [w for p, w in to_resource.items() if p != nxt.pid],
+                    to_resource.get(nxt.pid), _Tail(path), ttl, after, None,
+                    burst=_Burst(self, names[nxt.pid], random.Random(f"{self.seed}-burst-{self.races}-2")),
+                )  # fmt: skip
                 nxt = procs[self._holding(i)]
                 _takeover(nxt, names[nxt.pid], [], None, _Tail(path), ttl, after, None, True)
         elif kind == "resource-pause":
@@ -1391,7 +1569,8 @@ class LocksWorkload:
                 shutil.rmtree(self.scratch, ignore_errors=True)
 
     def is_operation(self, event: Event) -> bool:
-        return event["op"] == "write" and not event.get("forged")  # (a forger's: the nemesis')
+        # (a forger's and the race burst's: the nemesis')
+        return event["op"] == "write" and not event.get("forged") and event.get("burst") is None
 
     def judge(
         self, events: list[Event], faults: dict[str, int], seconds: float, short: str = ""

@@ -28,8 +28,14 @@ The locks workload (``_worker``, checked by ``_checkers``):
   answer, it may have landed), ``sent`` (mono when it was sent), ``remaining`` (the worker's
   view of its lease then), ``lost`` (whether it knew its lease lost as it sent), ``promised``
   (as in ``lost``)
-* ``read``: ``ok`` and ``value`` (the counter read), or ``ok`` False: the fenced read was
-  refused (stale); ``stalled``: the worker stopped itself in its critical section
+* ``read``: ``ok``, ``value`` (the counter read) and ``seen`` (:func:`digest` of the bytes
+  read), or ``ok`` False: the fenced read was refused (stale); ``stalled``: the worker
+  stopped itself in its critical section
+* the ``race`` nemesis' burst (lane ``burst``): each stale ``write`` sent again under the
+  stale holder's token, ``burst`` (its copy's number) and ``of`` (the holder); then a
+  ``look``: the register read without a token once the burst is over and before the
+  successor's write, ``sent``, ``seen`` (:func:`digest`) and ``last`` (its last ``[token,
+  value]``, None when empty)
 * the forger's and the impostor's ``write`` and ``read``: ``forged`` True; the impostor's
   ``impostor`` (what it sent: another lock's token, a malformed one, none), ``header`` (as
   sent) and, once refused, ``mark_after`` (the resource's mark read back at once)
@@ -55,6 +61,7 @@ schema (a file ``history-PROC.jsonl`` a process, events naming their process ``p
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -65,9 +72,15 @@ from typing import Any, Final
 from ..._core import clock as _clock
 from ..._core.errors import ConfigurationError
 
-__all__ = ["Event", "History", "HistoryError", "read_history"]
+__all__ = ["Event", "History", "HistoryError", "digest", "read_history"]
 
 Event = dict[str, Any]
+
+
+def digest(data: bytes | None) -> str:
+    """A short digest of a register's bytes as read (None: empty), which tells apart two
+    states whose entries are the same (the race burst's copies differ in whitespace only)."""
+    return hashlib.blake2b(data or b"", digest_size=8).hexdigest()
 
 
 class HistoryError(ConfigurationError):
@@ -157,6 +170,7 @@ _NEEDS: Final = {
     "grant": ("lock", "token", "surely_until"),
     "write": ("lock", "token", "ok"),
     "read": ("lock", "token", "ok"),
+    "look": ("sent", "seen"),
     "releasing": ("lock", "token"),
     "release": ("lock", "token"),
     "lost": ("lock", "token"),

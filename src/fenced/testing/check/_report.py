@@ -35,7 +35,7 @@ _LABELS = {
 
 
 # The nemesis' own lanes: who writes (and reads) with tokens the resource must refuse.
-_OUTSIDERS = frozenset({"forger", "impostor"})
+_OUTSIDERS = frozenset({"forger", "impostor", "burst"})
 
 # ``fenced check``'s option for each recorded option of a run, and its default there (an
 # option at its default is left out of the command line; None: always shown).

@@ -25,7 +25,7 @@ from typing import Any
 import fenced
 from fenced._core import clock as _clock
 
-from ._history import History
+from ._history import History, digest
 from ._resources import Resource, SplitWrite, open_resource
 
 STALL_INSIDE = signal.SIGRTMIN + 2
@@ -262,14 +262,21 @@ def step(
     """One read-modify-write of the register under ``token``, thinking up to ``think`` s
     (``fixed_think``: exactly that long); ``in_write``: stalls inside a one-step write too."""
     lock = token.lock
+    sent = _clock.now()
     try:
-        entries = _entries(resource.read(token))
+        raw = resource.read(token)
     except fenced.StaleTokenError:
         history.append("read", lock=lock, token=token.value, ok=False)
         time.sleep(rng.uniform(0, think))  # (a client backs off before it tries again)
         return
+    entries = _entries(raw)
     value = entries[-1][1] + 1 if entries else 1
-    history.append("read", lock=lock, token=token.value, ok=True, value=value - 1)
+    # (seen: which bytes, last: their last entry; a later read tells by them a stale write
+    # that landed after this one was answered)
+    history.append(
+        "read", lock=lock, token=token.value, ok=True, value=value - 1, seen=digest(raw),
+        last=entries[-1] if entries else None, sent=sent,
+    )  # fmt: skip
     entries.append([token.value, value])
     # Think, looking at the lease every 50 ms: renewals move its promised end on (each by
     # about ttl/3), and the end it promised last is what its loss is checked against. (On
