@@ -43,6 +43,7 @@ from ._common import (
     _verbose,
     child_environment,
 )
+from ._hide import hide_secrets
 
 LOCK_EXIT_STATUSES = """\
 exit status (fenced's own outcomes never use 1, which commands use for their own failures):
@@ -154,6 +155,8 @@ def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    # First: the command's /proc/$PPID/environ must not show the source's secrets.
+    hide_secrets()
     cmd = list(args.cmd)
     if not cmd:
         _say("lock: no command given (fenced lock NAME -- COMMAND ...)")
