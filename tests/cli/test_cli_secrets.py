@@ -52,8 +52,9 @@ def test_fenced_lock_never_hands_the_sources_secrets_to_its_command(tmp_path: Pa
                   sys.executable, "-c", SHOW_ENV, env=_env(**secret_env))  # fmt: skip
     assert out.returncode == 0, out.stderr
     seen = json.loads(out.stdout)
-    for name in secret_env:
-        assert name not in seen, (name, seen)
+    for name in secret_env:  # ($FENCED_URL is --url's, which holds no secret)
+        assert name not in seen or name == "FENCED_URL", (name, seen)
+    assert seen["FENCED_URL"] == url
     assert seen["FENCING_TOKEN"].startswith("jobs:1.prod.hk.")  # (it did sign)
     assert seen["FENCED_LOCK"] == "jobs"
 
@@ -174,3 +175,92 @@ def test_fenced_elect_never_hands_the_sources_secrets_to_its_commands(tmp_path: 
         assert "FENCING_TOKEN" in seen
         for name in secret_env:
             assert name not in seen, (name, seen)
+
+
+# A third outside attack (session 12, w3j-keys3): the order of check-token's checks, what a
+# command of `fenced lock` needs to verify, pinning a directory's lock, exit codes.
+
+
+def test_fenced_check_token_refuses_a_forged_token_before_asking_the_source(
+    signed: dict[str, str],
+) -> None:
+    """Verified before the source is asked: with the source down, a forged or unsigned
+    token is 65 (refused), not 69 ("try later"); the genuine one does ask, and gets 69."""
+    down = _env(FENCED_URL="redis://127.0.0.1:1")
+    args = ["--verify-key", signed["pub"], "--source-id", "prod", "--timeout", "3"]
+    for token in (signed["forged"], signed["real"].split(".")[0]):
+        out = _fenced("check-token", token, *args, env=down)
+        assert out.returncode == 65, (token, out.stderr)
+        assert "unavailable" not in out.stderr
+    out = _fenced("check-token", signed["real"], *args, env=down)
+    assert out.returncode == 69, out.stderr
+
+
+def test_fenced_lock_gives_its_command_what_a_nested_write_needs_to_verify(
+    signed: dict[str, str], tmp_path: Path
+) -> None:
+    """`fenced lock --signing-key ed.key --source-id prod -- ... fenced write` works with no
+    variable set: the command gets $FENCED_SOURCE_ID and the key's public line in
+    $FENCED_VERIFY_KEY. An HMAC key is never handed down (it signs): only the source id."""
+    key = str(Path(signed["pub"]).with_suffix(""))
+    nested = (
+        f"echo job | {sys.executable} -m fenced write {signed['target']} && "
+        f'{sys.executable} -m fenced check-token "$FENCING_TOKEN" && {sys.executable} -c "{SHOW_ENV}"'
+    )
+    out = _fenced("lock", "reports", "--url", signed["url"], "--signing-key", key,
+                  "--source-id", "prod", "--", "sh", "-c", nested, env=_env())  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    seen = json.loads(out.stdout.splitlines()[-1])
+    assert seen["FENCED_SOURCE_ID"] == "prod"
+    assert seen["FENCED_VERIFY_KEY"] == Path(signed["pub"]).read_text().strip()
+    assert (Path(signed["target"]) / "current").read_text() == "job\n"
+
+    hmac = write_key_file(tmp_path / "h.key", HmacKey("hk", b"\x11" * 32))
+    out = _fenced("lock", "jobs", "--url", signed["url"], "--signing-key", str(hmac),
+                  "--source-id", "prod", "--", sys.executable, "-c", SHOW_ENV,
+                  env=_env())  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    seen = json.loads(out.stdout)
+    assert seen["FENCED_SOURCE_ID"] == "prod" and "FENCED_VERIFY_KEY" not in seen
+
+
+def test_fenced_write_lock_pins_the_directory_to_one_lock(tmp_path: Path) -> None:
+    """--lock NAME: a token of another lock is refused (65) and claims nothing, so an empty
+    directory goes to NAME, not to the first token's lock; the holder of NAME writes."""
+    (tmp_path / "out").mkdir()
+    target = str(tmp_path / "out" / "daily.csv")
+    out = _fenced("write", target, "--lock", "reports", "--token", "other:5", env=_env(),
+                  stdin="oops\n")  # fmt: skip
+    assert out.returncode == 65 and "takes lock 'reports' (--lock)" in out.stderr
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == []
+    out = _fenced("write", target, "--lock", "reports", "--token", "reports:1", env=_env(),
+                  stdin="real\n")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "out" / ".fenced-lock").read_text() == "reports\n"
+    assert (Path(target) / "current").read_text() == "real\n"
+    out = _fenced("write", target, "--lock", "other", "--token", "other:9", env=_env())
+    assert out.returncode == 2 and "fenced by lock 'reports'" in out.stderr
+    out = _fenced("write", target, "--lock", "a" * 300, "--token", "reports:2", env=_env())
+    assert out.returncode == 2 and len(out.stderr) < 600
+
+
+def test_a_cut_or_altered_signature_is_65_for_write_and_check_token_alike(
+    signed: dict[str, str],
+) -> None:
+    args = ["--verify-key", signed["pub"], "--source-id", "prod"]
+    real = signed["real"]
+    for bad in (real[:-1], real[:-6], real[:-1] + ("A" if real[-1] != "A" else "B")):
+        out = _fenced("write", signed["target"], "--token", bad, *args, env=_env(), stdin="x")
+        assert out.returncode == 65, (bad, out.stderr)
+        out = _fenced("check-token", bad, *args, "--url", signed["url"], env=_env())
+        assert out.returncode == 65, (bad, out.stderr)
+    assert _versions(signed["target"]) == []
+
+
+def test_a_huge_lock_name_is_cut_in_errors() -> None:
+    """A 100 KB name is shown as its first 200 characters and its length."""
+    name = "a" * 100_000
+    for args in (("write", "x/y", "--token", f"{name}:1"), ("check-token", f"{name}:1")):
+        out = _fenced(*args, env=_env(FENCED_URL="sqlite:///:memory:"))
+        assert out.returncode in (2, 65), out.stderr
+        assert len(out.stderr) < 600 and "(100000 characters)" in out.stderr, out.stderr[:300]

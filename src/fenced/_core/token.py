@@ -14,6 +14,7 @@ __all__ = [
     "FencingToken",
     "TokenLike",
     "escape_name",
+    "shown",
     "unescape_name",
     "validate_lock_name",
 ]
@@ -53,7 +54,7 @@ def validate_lock_name(name: object) -> str:
         return name
     if not isinstance(name, str) or len(name) > MAX_NAME or not _NAME_RE.fullmatch(name):
         raise InvalidTokenError(
-            f"invalid lock name {name!r}: use 1-200 characters of A-Z a-z 0-9 _ . : @ + = -, "
+            f"invalid lock name {shown(name)}: use 1-200 characters of A-Z a-z 0-9 _ . : @ + = -, "
             "in segments joined by '/', each starting with a letter, digit or _"
         )
     if name.__class__ is str:
@@ -61,6 +62,14 @@ def validate_lock_name(name: object) -> str:
             _VALID_NAMES.clear()
         _VALID_NAMES.add(name)
     return name
+
+
+def shown(text: object, limit: int = MAX_NAME) -> str:
+    """``text`` as an error shows it: its repr, cut to its first ``limit`` characters (with
+    its length) when longer, so a 100 KB name never fills a terminal or a log."""
+    if isinstance(text, (str, bytes)) and len(text) > limit:
+        return f"{text[:limit]!r}... ({len(text)} characters)"
+    return repr(text)
 
 
 # Names seen valid lately: every grant makes a token, and the pattern costs more than a lookup.
@@ -149,13 +158,13 @@ class FencingToken:
             try:
                 text = text.decode("ascii")
             except UnicodeDecodeError:
-                raise InvalidTokenError(f"malformed fencing token {text!r}") from None
+                raise InvalidTokenError(f"malformed fencing token {shown(text)}") from None
         if not isinstance(text, str):
             raise InvalidTokenError(f"fencing token must be text, not {type(text).__name__}")
         m = _TEXT_RE.fullmatch(text)
         if m is None:
             raise InvalidTokenError(
-                f"malformed fencing token {text[:80]!r}: expected '<lock>:<positive integer>'"
+                f"malformed fencing token {shown(text, 80)}: expected '<lock>:<positive integer>'"
             )
         value = int(m["value"])
         if value > MAX_TOKEN:

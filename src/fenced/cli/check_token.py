@@ -62,6 +62,9 @@ def run(args: argparse.Namespace) -> int:
     # another source, as guards and fenced serve's /v1/check refuse it.
     keyring = verify_keyring(args)
     if keyring is not None:
+        # Before the source is asked: a forged token is refused at once (65), even with the
+        # source down (it was 69, "try later", after the timeout).
+        FencingToken.coerce(token, token.lock, keyring)
         options["verify"] = keyring
     with _from_source(args), _sync.connect(url, **options) as locks:
         result = locks.check(token)

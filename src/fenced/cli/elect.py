@@ -74,7 +74,10 @@ def run(args: argparse.Namespace) -> int:
     import socket
 
     from ._elect import run_elected
+    from ._hide import hide_secrets
 
+    # First: the commands' /proc/$PPID/environ must not show the source's secrets.
+    hide_secrets()
     cmd = list(args.cmd)
     if not cmd:
         raise ConfigurationError("elect: no command given (fenced elect NAME -- COMMAND ...)")

@@ -35,6 +35,7 @@ from ._common import (
     _say,
     _shared_source_url,
     _signing_key,
+    _source_id,
     _source_id_argument,
     _source_options,
     _timeout,
@@ -43,6 +44,7 @@ from ._common import (
     _verbose,
     child_environment,
 )
+from ._hide import hide_secrets
 
 LOCK_EXIT_STATUSES = """\
 exit status (fenced's own outcomes never use 1, which commands use for their own failures):
@@ -71,7 +73,10 @@ def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
             "Take the lock NAME from the token source (renewing its lease in the background), "
             "run COMMAND with FENCING_TOKEN and FENCED_LOCK in its environment (and without "
             "the source's secrets: $FENCED_SIGNING_KEY, $FENCED_API_KEY, a $FENCED_URL with a "
-            "password, an HMAC key's text in $FENCED_VERIFY_KEY), release the lock when it "
+            "password, an HMAC key's text in $FENCED_VERIFY_KEY; nor can it read them from "
+            "/proc/$PPID/environ), with what a nested fenced write needs to verify its token "
+            "($FENCED_SOURCE_ID from --source-id, an Ed25519 key's .pub line in "
+            "$FENCED_VERIFY_KEY), release the lock when it "
             "ends. If the lease is lost meanwhile, COMMAND is terminated. Give "
             "FENCING_TOKEN to what the command writes (fenced write, a guard), so that a run "
             "that lost its lease cannot overwrite a later one's work."
@@ -154,6 +159,8 @@ def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    # First: the command's /proc/$PPID/environ must not show the source's secrets.
+    hide_secrets()
     cmd = list(args.cmd)
     if not cmd:
         _say("lock: no command given (fenced lock NAME -- COMMAND ...)")
@@ -167,7 +174,8 @@ def run(args: argparse.Namespace) -> int:
     if connect_timeout is not None:
         options["connect_timeout"] = connect_timeout
     # (with a key, FENCING_TOKEN carries the signed form)
-    options.update(_source_options(args, _signing_key(args)))
+    key = _signing_key(args)
+    options.update(_source_options(args, key))
     with _from_source(args), _sync.connect(url, **options) as locks:
         remaining = None if deadline is None else max(0.0, deadline - _clock.now())
         lease = locks.lock(
@@ -184,7 +192,9 @@ def run(args: argparse.Namespace) -> int:
                 _say(f"lock: {args.name!r} not acquired within {args.timeout:g} s")
             return int(args.conflict_exit_code)
         try:
-            code = _run_holding(lease, str(token), cmd, args.grace, args.new_session)
+            code = _run_holding(
+                lease, str(token), cmd, args.grace, args.new_session, _to_verify(args, key)
+            )
         except BaseException:
             with contextlib.suppress(FencedError):
                 lease.release()
@@ -204,10 +214,39 @@ def run(args: argparse.Namespace) -> int:
         return code
 
 
+def _to_verify(args: argparse.Namespace, key: Any) -> dict[str, str]:
+    """What a nested `fenced write` or `check-token` needs to verify the command's token and
+    ask its source, none of it secret: the source id its signature is bound to (--source-id,
+    which the command would not see otherwise), an Ed25519 key's public line unless
+    $FENCED_VERIFY_KEY is set (an HMAC key is never handed down: it signs too), and --url
+    when it holds no secret (--url-file is not: give $FENCED_URL_FILE on purpose)."""
+    from .._core.backend import redacted
+    from .._core.signing import Ed25519SigningKey, key_text
+
+    env: dict[str, str] = {}
+    if args.url and redacted(args.url) == args.url:
+        env["FENCED_URL"] = args.url
+    if key is None:
+        return env
+    source_id = _source_id(args)
+    if source_id:
+        env["FENCED_SOURCE_ID"] = source_id
+    if isinstance(key, Ed25519SigningKey) and not os.environ.get("FENCED_VERIFY_KEY"):
+        env["FENCED_VERIFY_KEY"] = key_text(key.public()).strip()
+    return env
+
+
 def _run_holding(
-    lease: _sync.Lease, token: str, cmd: list[str], grace: float, new_session: bool = False
+    lease: _sync.Lease,
+    token: str,
+    cmd: list[str],
+    grace: float,
+    new_session: bool = False,
+    to_verify: dict[str, str] | None = None,
 ) -> int:
-    env = child_environment(os.environ, FENCING_TOKEN=token, FENCED_LOCK=lease.name)
+    env = child_environment(
+        os.environ, **(to_verify or {}), FENCING_TOKEN=token, FENCED_LOCK=lease.name
+    )
     # The handlers go in before the command starts: a Ctrl-C or SIGTERM in between would
     # otherwise end `fenced lock` (releasing the lock) and leave the command running.
     child: Command | None = None

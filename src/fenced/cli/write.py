@@ -8,7 +8,7 @@ import stat
 import sys
 
 from .._core.errors import InvalidTokenError, StaleTokenError
-from .._core.token import FencingToken
+from .._core.token import FencingToken, shown, validate_lock_name
 from ._common import (
     EXIT_INVALID_TOKEN,
     EXIT_SOFTWARE,
@@ -36,8 +36,9 @@ def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
             "refused (exit 77, nothing written) if DIR/NAME has a version with a higher token. "
             "Inside `fenced lock` the token comes from $FENCING_TOKEN. With a key "
             "(--verify-key, $FENCED_VERIFY_KEY) the token's signature is checked first: an "
-            "unsigned, forged or foreign token exits 65, nothing written; a signed token with "
-            "no key exits 2. Plain tools read the newest version at DIR/NAME/current."
+            "unsigned, forged or foreign token exits 65, nothing written (a malformed one too); "
+            "a signed token with no key exits 2; an unsigned one with no key is stored. --lock "
+            "pins DIR's lock. Plain tools read the newest version at DIR/NAME/current."
         ),
         epilog=_examples(
             "fenced lock reports -- sh -c 'mkdir -p out && date | fenced write out/daily.csv'",
@@ -49,6 +50,13 @@ def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
     write.add_argument("path", metavar="DIR/NAME", help="the resource: its directory and name")
     write.add_argument(
         "--token", help="the fencing token, e.g. reports:34 (default: $FENCING_TOKEN)"
+    )
+    write.add_argument(
+        "--lock",
+        metavar="NAME",
+        help="the lock whose tokens DIR takes: a token of another lock is refused (exit 65, "
+        "nothing written or recorded), and an empty DIR is claimed for NAME, never for the "
+        "first token's lock (default: the token's lock)",
     )
     verify_key_arguments(write, "is refused (exit 65, nothing written)")
     write.add_argument(
@@ -68,12 +76,24 @@ def run(args: argparse.Namespace) -> int:
     if not text:
         _say("write: no token: pass --token or run inside `fenced lock` ($FENCING_TOKEN)")
         return EXIT_USAGE
-    token = FencingToken.parse(text)
+    try:
+        token = FencingToken.parse(text)
+    except InvalidTokenError as exc:  # (malformed: a cut or altered signature too) as
+        _say(f"write refused: {exc}")  # check-token says it: 65, not a usage error
+        return EXIT_INVALID_TOKEN
     # The same verification as check-token, before anything is touched: a forged token
     # (a real signature, its number raised) would otherwise move the mark for good.
     if args.insecure_no_verify and args.verify_key:
         _say("write: --insecure-no-verify and --verify-key contradict each other: give one")
         return EXIT_USAGE
+    if args.lock is not None:
+        validate_lock_name(args.lock)
+        if token.lock != args.lock:
+            _say(
+                f"write refused: the token is of lock {shown(token.lock)}, and "
+                f"{shown(args.path)} takes lock {args.lock!r} (--lock)"
+            )
+            return EXIT_INVALID_TOKEN
     keyring = verify_keyring(args)
     if keyring is None and token.signature is not None and not args.insecure_no_verify:
         # Fail closed: a signed token says signing is on, and its signature is all that
@@ -103,7 +123,9 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     data = sys.stdin.buffer.read()
     try:
-        FileGuard(directory, lock=token.lock, verify=keyring).write(name, data, token=token)
+        FileGuard(directory, lock=args.lock or token.lock, verify=keyring).write(
+            name, data, token=token
+        )
     except StaleTokenError as exc:
         _say(f"write refused: {exc}")
         return EXIT_STALE
