@@ -257,3 +257,16 @@ def test_high_water_file_refuses_a_parent_another_user_owns(base: Path) -> None:
     with pytest.raises(StaleTokenError):
         good.check_and_advance(token="accounts:3")
     assert good.check_and_advance(token="accounts:10").value == 10
+
+
+def test_trusted_path_walks_dot_dot_where_the_kernel_goes(base: Path) -> None:
+    """``own/link/../key`` is ``nb/key`` for the kernel (``link`` -> ``nb/x``), not
+    ``own/key`` as text: a check of the text would pass a key in nobody's directory."""
+    nb = _theirs(base / "nb")
+    _as_nobody(f"mkdir -m 755 {nb}/x && echo k > {nb}/key")
+    own = base / "own"
+    own.mkdir(mode=0o755)
+    (own / "link").symlink_to(nb / "x")
+    (own / "key").write_text("")
+    with pytest.raises(ConfigurationError, match=r"nb on its path is owned by another user"):
+        require_trusted_path(f"{own}/link/../key", "key file")

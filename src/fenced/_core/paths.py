@@ -207,7 +207,10 @@ def require_trusted_path(path: str | os.PathLike[str], what: str, *, show: bool 
     if os.name != "posix":
         return True  # (modes and owners mean nothing there)
     me = os.geteuid()
-    parts = [p for p in os.path.abspath(os.fspath(path)).split("/") if p]
+    # (not os.path.abspath: it drops ``link/..`` as text, where the kernel goes to the
+    # parent of the link's target; the walk below goes where the kernel goes)
+    raw = os.fspath(path)
+    parts = [p for p in os.path.join(os.getcwd(), raw).split("/") if p]
     current = "/"
     root = os.lstat(current)
     _check_trusted_dir(current, root, me, what, show)
