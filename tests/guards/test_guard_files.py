@@ -1250,7 +1250,7 @@ def test_high_water_file_refuses_a_directory_of_another_user(tmp_path: Path) -> 
     theirs = tmp_path / "theirs"
     theirs.mkdir(mode=0o755)
     os.chown(theirs, NOBODY, NOBODY)  # (even sticky, its owner may rename anything in it)
-    with pytest.raises(ConfigurationError, match=r"directory of .* owned by another user"):
+    with pytest.raises(ConfigurationError, match=r"directory .* owned by another user"):
         HighWaterFile(theirs / "m", lock=LOCK).check_and_advance(token=tok(1))
 
 

@@ -27,10 +27,17 @@ from __future__ import annotations
 import os
 import stat
 
-from .backend import SECRET_QUERY_KEYS
 from .errors import ConfigurationError
+from .options import SECRET_QUERY_KEYS
 
-__all__ = ["MACHINE_DIR", "default_url", "environment_url", "machine_database", "read_url_file"]
+__all__ = [
+    "MACHINE_DIR",
+    "default_url",
+    "environment_url",
+    "machine_database",
+    "read_url_file",
+    "require_trusted_path",
+]
 
 MACHINE_DIR = "/var/tmp/fenced"
 _DATABASE = "locks.db"
@@ -179,3 +186,98 @@ def _fsync_dir(directory: str) -> None:
         pass
     finally:
         os.close(fd)
+
+
+_MAX_SYMLINKS = 40  # (as the kernel's ELOOP limit)
+
+
+def require_trusted_path(path: str | os.PathLike[str], what: str, *, show: bool = True) -> bool:
+    """Refuse (ConfigurationError, one line) a ``path`` that another user could redirect: sshd's
+    StrictModes rule. Every directory from ``/`` down to ``path`` (``path`` included when it is
+    a directory) must be owned by the caller or root and not writable by group or others, except
+    a sticky directory (``/tmp``), whose next component must then be owned by the caller or
+    root (its owner alone can remove or rename it). A symlink on the way is followed only if it
+    is the caller's or root's (it sits in a directory already found trusted, so nobody else
+    can swap it). Each component is ``lstat``-ed, never followed blindly. Components not there
+    yet end the walk (the caller creates them, in a directory found trusted). A final
+    component that is not a directory (a key file, a mark) is left to the caller's own owner
+    and mode checks. ``show=False``: the error names no path (one taken from a variable that
+    may hold a secret). Returns whether the whole path was there (False: the walk ended at a
+    missing component)."""
+    if os.name != "posix":
+        return True  # (modes and owners mean nothing there)
+    me = os.geteuid()
+    # (not os.path.abspath: it drops ``link/..`` as text, where the kernel goes to the
+    # parent of the link's target; the walk below goes where the kernel goes)
+    raw = os.fspath(path)
+    parts = [p for p in os.path.join(os.getcwd(), raw).split("/") if p]
+    current = "/"
+    root = os.lstat(current)
+    _check_trusted_dir(current, root, me, what, show)
+    sticky_parent = bool(root.st_mode & stat.S_ISVTX)
+    links = 0
+    while parts:
+        part = parts.pop(0)
+        if part in (".", ".."):
+            # (``current`` is always a real directory, never a symlink's name: its parent
+            # is the one walked through already)
+            current = os.path.dirname(current) if part == ".." else current
+            sticky_parent = bool(os.lstat(current).st_mode & stat.S_ISVTX)
+            continue
+        here = os.path.join(current, part)
+        try:
+            info = os.lstat(here)
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            raise ConfigurationError(
+                f"{what}: cannot check {_shown(here, show, 'name')} on its path: {exc.strerror}"
+            ) from None
+        if stat.S_ISLNK(info.st_mode):
+            _check_owner(here, info, me, what, show, "symlink")
+            links += 1
+            if links > _MAX_SYMLINKS:
+                raise ConfigurationError(f"{what}: too many symlinks on its path")
+            target = os.readlink(here)
+            if target.startswith("/"):
+                current = "/"
+                sticky_parent = bool(root.st_mode & stat.S_ISVTX)
+            parts[:0] = [p for p in target.split("/") if p]
+            continue
+        if not stat.S_ISDIR(info.st_mode):
+            if parts:
+                raise ConfigurationError(f"{what}: {_shown(here, show, 'file')} is not a directory")
+            if sticky_parent:  # (in /tmp: only its owner may remove or replace it)
+                _check_owner(here, info, me, what, show, "file")
+            return True  # the file itself: the caller checks its owner and mode
+        _check_trusted_dir(here, info, me, what, show)
+        sticky_parent = bool(info.st_mode & stat.S_ISVTX)
+        current = here
+    return True
+
+
+def _shown(path: str, show: bool, kind: str = "directory") -> str:
+    return f"the {kind} {path}" if show else f"a {kind}"
+
+
+def _check_owner(
+    path: str, info: os.stat_result, me: int, what: str, show: bool, kind: str
+) -> None:
+    if info.st_uid not in (me, 0):
+        raise ConfigurationError(
+            f"{what}: {_shown(path, show, kind)} on its path is owned by another user "
+            f"(uid {info.st_uid}), who can redirect it; use a path whose every directory is "
+            "yours or root's"
+        )
+
+
+def _check_trusted_dir(path: str, info: os.stat_result, me: int, what: str, show: bool) -> None:
+    _check_owner(path, info, me, what, show, "directory")
+    mode = stat.S_IMODE(info.st_mode)
+    if mode & 0o022 and not mode & stat.S_ISVTX:
+        shown = _shown(path, show)
+        fix = f"`chmod go-w {path}`" if show else "`chmod go-w` on it"
+        raise ConfigurationError(
+            f"{what}: {shown} on its path may be written by other users "
+            f"(mode {mode:04o}, no sticky bit), who can redirect it; run {fix}"
+        )

@@ -57,6 +57,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Final, Protocol
 
 from .errors import ConfigurationError, InvalidTokenError
+from .paths import require_trusted_path
 
 __all__ = [
     "Ed25519SigningKey",
@@ -401,9 +402,13 @@ def load_key(
     Refused, as ssh refuses such a private key: a secret key (HMAC, Ed25519 private) in a file
     that group or others may read or write, a public key in one they may write (whoever swaps
     it decides which tokens are trusted), and a key file owned by another user than the
-    reader or root (its owner can read and replace it, whatever its mode now)."""
+    reader or root (its owner can read and replace it, whatever its mode now). So is a key
+    file whose path is not trusted (:func:`~fenced._core.paths.require_trusted_path`): a
+    directory on the way that another user owns or may write lets them swap the name for
+    another key (a retired one whose private half they hold)."""
     shown = os.fspath(path) if where is None else None
     label = f"key file {shown}" if where is None else f"the key file named by {where}"
+    require_trusted_path(path, label, show=shown is not None)
     # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer, for ever,
     # before any check could refuse it (on a regular file it changes nothing).
     flags = os.O_RDONLY | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_NONBLOCK", 0)

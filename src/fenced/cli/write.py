@@ -113,9 +113,11 @@ def run(args: argparse.Namespace) -> int:
         _say(f"write: directory {directory} does not exist")
         return EXIT_USAGE
     mode = os.stat(directory).st_mode
-    if mode & (stat.S_IWOTH | stat.S_ISVTX):
+    if mode & stat.S_ISVTX and mode & (stat.S_IWOTH | stat.S_IWGRP):
         # The guard marks its whole directory as the resource of one lock: done implicitly
-        # on /tmp, it would refuse every other user's and job's writes there.
+        # on /tmp, it would refuse every other user's and job's writes there. (A sticky
+        # directory only its owner may write, 1755, is nobody else's: accepted. One others
+        # may write without the sticky bit is refused by the guard: not a trusted path.)
         _say(
             f"write: {directory} is shared (world-writable or sticky, as /tmp is): the files "
             "guard would claim all of it for one lock; write into a directory of your own"

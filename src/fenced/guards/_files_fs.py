@@ -22,6 +22,7 @@ from typing import Final
 from .._core.errors import ConfigurationError
 
 __all__ = [
+    "DIR_MODE",
     "LOCK_FILE_MODE",
     "TEMP_PREFIX",
     "TempFile",
@@ -39,6 +40,9 @@ __all__ = [
 
 TEMP_PREFIX: Final = ".tmp-"
 _OPEN_FLAGS: Final = os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
+DIR_MODE: Final = 0o755
+"""Directories the guards make: the owner's to write, whatever the umask (0775 under umask
+002 let a group member delete the newest version); others may read the versions."""
 LOCK_FILE_MODE: Final = 0o600
 """Lock files are the owner's alone: ``flock(LOCK_EX)`` works on a read-only descriptor, so
 any user who may *read* a lock file can hold its lock forever and stop every writer."""
@@ -57,13 +61,17 @@ def fsync_dir(path: str) -> None:
 
 
 def mkdir_durably(path: str) -> None:
-    """Make directory ``path`` if missing, and make its name durable: fsync its parent, also
-    when it already existed (its maker may have died between mkdir and that fsync, leaving a
-    name a power loss would take back, and everything written under it with it)."""
+    """Make directory ``path`` (mode :data:`DIR_MODE`) if missing, and make its name durable:
+    fsync its parent, also when it already existed (its maker may have died between mkdir and
+    that fsync, leaving a name a power loss would take back, and everything written under it
+    with it)."""
     try:
-        os.mkdir(path)
+        # 0700 first: never, even for an instant, writable by a group the umask lets in
+        os.mkdir(path, 0o700)
     except FileExistsError:
         pass
+    else:
+        os.chmod(path, DIR_MODE)  # (in a trusted parent: nobody else can swap the name)
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 

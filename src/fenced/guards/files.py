@@ -54,6 +54,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import os
 import re
 import stat
@@ -68,9 +69,11 @@ from .._core.errors import (
     StaleTokenError,
     WrongLockError,
 )
+from .._core.paths import require_trusted_path
 from .._core.signing import TokenVerifier
 from .._core.token import MAX_TOKEN, FencingToken, TokenLike, validate_lock_name
 from ._files_fs import (
+    DIR_MODE,
     TEMP_PREFIX,
     TempFile,
     collect_temps,
@@ -95,6 +98,7 @@ _LOCK_FILE: Final = ".lock"
 CURRENT: Final = "current"
 """``<directory>/<name>/current``: a symlink to the newest version, for plain tools."""
 _LOCK_NAME_FILE: Final = ".fenced-lock"
+_LOCK_NAME_MAX: Final = 1024  # (a lock name and a newline: never a device read for ever)
 _RETRIES: Final = 16
 
 Data = bytes | bytearray | memoryview
@@ -186,6 +190,31 @@ def _read_version_file(rdir: str, version: tuple[int, int]) -> bytes:
         return f.read()
 
 
+def _read_lock_name(marker: str) -> str | None:
+    """The lock recorded in ``.fenced-lock``, or None if it holds no lock name. Opened
+    O_NOFOLLOW (a symlink planted there is never read: it led to a key file once) and
+    O_NONBLOCK (a FIFO never hangs), a regular file of the caller's or root's only, read
+    bounded. Its content is never put in an error: only its name."""
+    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY
+    try:
+        fd = os.open(marker, flags)
+    except OSError as exc:
+        why = "it is a symlink: remove it" if exc.errno == errno.ELOOP else exc.strerror
+        raise ConfigurationError(f"cannot read {marker}: {why}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ConfigurationError(f"{marker} is not a regular file: remove it")
+        require_owned(marker, info, "the guard's lock record", "choose the lock it accepts")
+        data = os.read(fd, _LOCK_NAME_MAX + 1)
+    finally:
+        os.close(fd)
+    try:
+        return data.decode("ascii").strip() if len(data) <= _LOCK_NAME_MAX else None
+    except UnicodeDecodeError:
+        return None
+
+
 def _validate_name(name: object) -> str:
     if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
         raise ConfigurationError(
@@ -251,14 +280,19 @@ class FileGuard:
         self.lock = validate_lock_name(lock)
         self.directory = os.fspath(directory)
         self._known_dirs: set[str] = set()
+        # A trusted path (sshd's StrictModes rule): checked before anything is made under it,
+        # and once more with the directories made, once per guard: nobody else can change a
+        # trusted path, so writes need not check it again.
+        what = "the file guard's directory"
+        require_trusted_path(self.directory, what)
         make_dirs_durably(self.directory)  # (a name only in memory: lost with the power)
-        marker = os.path.join(self.directory, _LOCK_NAME_FILE)
+        require_trusted_path(self.directory, what)
         if not create_with_content(self.directory, _LOCK_NAME_FILE, f"{lock}\n".encode()):
-            with open(marker, encoding="ascii", errors="replace") as f:
-                recorded = f.read().strip()
+            recorded = _read_lock_name(os.path.join(self.directory, _LOCK_NAME_FILE))
             if recorded != lock:
                 raise ConfigurationError(
-                    f"{self.directory} is fenced by lock {recorded!r}, not {lock!r}"
+                    f"{self.directory} is fenced by another lock than {lock!r} (the lock named "
+                    f"in {os.path.join(self.directory, _LOCK_NAME_FILE)})"
                 )
 
     # -- the write path ---------------------------------------------------------------------
@@ -538,19 +572,27 @@ class FileGuard:
                 # Durable even when it existed: its maker may have died before its fsync.
                 mkdir_durably(rdir)
             try:
-                info = os.stat(rdir)
+                info = os.lstat(rdir)  # (a symlink is never followed: it is refused)
             except FileNotFoundError:
                 if create:
                     raise
                 return rdir  # (nothing to read yet: the caller finds it missing)
             if not stat.S_ISDIR(info.st_mode):
                 raise ConfigurationError(
-                    f"{rdir} is not a directory: the file guard keeps the versions of "
-                    f"{name!r} in a directory of that name"
+                    f"{rdir} is not a directory (a symlink or a file): the file guard keeps "
+                    f"the versions of {name!r} in a directory of that name"
                 )
-            # Checked once per guard and resource (never on the hot path): its owner could
-            # plant versions, hold its lock file, or delete the mark they stand for.
+            # Checked once per guard and resource (never on the hot path; in the guard's
+            # trusted directory nobody else can swap it): its owner, or anyone who may write
+            # it, could plant versions, hold its lock file, or delete the mark they stand for.
             require_owned(rdir, info, "resource directory", "change or delete its versions")
+            mode = stat.S_IMODE(info.st_mode)
+            if mode & 0o022:
+                raise ConfigurationError(
+                    f"resource directory {rdir} may be written by other users (mode "
+                    f"{mode:04o}), who can delete its newest version; run "
+                    f"`chmod {DIR_MODE:o} {rdir}`"
+                )
             self._known_dirs.add(rdir)
         return rdir
 
@@ -657,6 +699,17 @@ class HighWaterFile:
         self._lock_path = self.path + ".lock"
         self._temp_prefix = f".{base}.tmp-"
         self._temp_pattern = re.compile(re.escape(self._temp_prefix) + "[0-9a-f]{32}")
+        self._dir_trusted = False
+
+    def _check_dir(self) -> None:
+        """The mark's directory and every parent: a trusted path (see
+        :func:`~fenced._core.paths.require_trusted_path`), walked once (nobody else can
+        change a trusted path); the directory itself on every call, one stat, as before (its
+        owner may have opened it to others since)."""
+        if not self._dir_trusted:
+            what = f"the high-water file {self.path}"
+            self._dir_trusted = require_trusted_path(self._dir, what)
+        require_unshared_dir(self._dir, f"the high-water file {os.path.basename(self.path)}")
 
     def current(self) -> FencingToken | None:
         """The mark: the highest token accepted so far, or None if none was.
@@ -664,9 +717,9 @@ class HighWaterFile:
         The mark file is never a symlink (the guard replaces it with ``rename``, which does
         not follow one): a symlink there was planted, and is refused as a corrupt mark
         rather than followed to a file someone else chose."""
-        # A directory others could write would let them delete or replace the mark (and put
-        # an old one back): refused, as a mark owned by another user is.
-        require_unshared_dir(self._dir, f"the high-water file {os.path.basename(self.path)}")
+        # A directory others could write, or one on its path, would let them delete or
+        # replace the mark (and put an old one back): refused, as a mark of another user is.
+        self._check_dir()
         try:
             fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
         except FileNotFoundError:
@@ -703,6 +756,7 @@ class HighWaterFile:
     def hold(self, *, token: TokenLike) -> Iterator[FencingToken]:
         """Check and advance the mark, then hold the lock for the ``with`` body (your write)."""
         tok = FencingToken.coerce(token, self.lock, self.verifier)
+        self._check_dir()  # (before its lock file is opened there)
         with self._locked():
             mark = self.current()
             if mark is not None and not self._accepts(tok.value, mark.value):
