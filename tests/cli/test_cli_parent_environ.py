@@ -95,6 +95,10 @@ def nobody_home() -> Iterator[Path]:
         pytest.skip(f"no {SYSTEM_PYTHON}")
     home = Path(tempfile.mkdtemp(prefix="fenced-nobody-"))
     os.chown(home, NOBODY, NOBODY)
+    # (a copy of fenced the user may read: the checkout may sit in a directory only root
+    # enters, as CI's fresh clone under a 0700 mktemp directory does)
+    shutil.copytree(ROOT / "src" / "fenced", home / "src" / "fenced",
+                    ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
     try:
         yield home
     finally:
@@ -120,7 +124,8 @@ def test_fenced_lock_of_an_ordinary_user_is_unreadable_to_its_command(nobody_hom
     out = subprocess.run(
         [SYSTEM_PYTHON, "-m", "fenced", "lock", "jobs", "--url",
          f"sqlite:///{nobody_home}/l.db", "--source-id", "prod", "--", "sh", "-c", probe],
-        env=_env(**secrets, HOME=str(nobody_home)), cwd=nobody_home, preexec_fn=_as_nobody,
+        env=_env(**secrets, HOME=str(nobody_home), PYTHONPATH=str(nobody_home / "src")),
+        cwd=nobody_home, preexec_fn=_as_nobody,
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
@@ -146,7 +151,8 @@ def test_hidden_process_still_reads_its_own_proc_self(nobody_home: Path) -> None
         "print(os.environ['FENCED_API_KEY'], len(fds) > 0)"
     )
     out = subprocess.run(
-        [SYSTEM_PYTHON, "-c", code], env=_env(**secrets), cwd=nobody_home,
+        [SYSTEM_PYTHON, "-c", code], env=_env(**secrets, PYTHONPATH=str(nobody_home / "src")),
+        cwd=nobody_home,
         preexec_fn=_as_nobody, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr

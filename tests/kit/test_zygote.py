@@ -28,7 +28,10 @@ from tests.helpers import ROOT
 
 def _state(pid: int) -> str:
     """The process's state letter (R, S, T stopped, Z exited and not yet waited for)."""
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:  # (gone: reaped between the open and the read, ESRCH)
+        return ""
 
 
 def _until(predicate: object, limit: float = 10.0) -> None:

@@ -21,7 +21,6 @@ Only `fenced serve` keeps a key from the workload entirely (the key stays in the
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import sys
 from collections.abc import Callable, Mapping
@@ -90,11 +89,10 @@ def _wipe_values(names: list[str]) -> int:
 
 
 def _libc_prctl() -> Callable[..., int] | None:
-    path = ctypes.util.find_library("c")
-    if path is None:
-        return None
+    # (the process's own symbols, libc's among them: ctypes.util.find_library would run
+    # /sbin/ldconfig -p, a process of its own, before every command fenced lock starts)
     try:
-        prctl: Callable[..., int] = ctypes.CDLL(path, use_errno=True).prctl
+        prctl: Callable[..., int] = ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
         return None
     return prctl
