@@ -115,21 +115,22 @@ def _holders(port: int) -> list[str]:
     return out
 
 
-def _ppid(pid: int) -> str:
+def _stat_field(pid: int, index: int, missing: str) -> str:
+    """Field ``index`` of /proc/PID/stat after the command's name (``missing``: gone)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[1]
+            return f.read().rsplit(")", 1)[1].split()[index]
     except (OSError, IndexError):
-        return "?"
+        return missing
+
+
+def _ppid(pid: int) -> str:
+    return _stat_field(pid, 1, "?")
 
 
 def _started(pid: int) -> str:
     """The process's start time (with its pid, who it is: a pid may be reused meanwhile)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return ""
+    return _stat_field(pid, 19, "")
 
 
 def _wait(condition: object, limit: float, what: str) -> None:

@@ -2484,11 +2484,9 @@ _MYSQL_NOT_LOCKED: Final = 1100  # (a table not locked with LOCK TABLES)
 _BATCH: Final = "batch(): a statement of the batch"
 
 
-def _batch_ended(
-    conn: Any, table: str, resource: str, token: FencingToken, definite: str | None
-) -> Exception:
-    """The re-check refused (rolled back): a statement of the batch ended the transaction
-    the check ran in; the error from the fence row as it is now (:func:`_ended_error`)."""
+def _fence_row_after_refusal(conn: Any, table: str, resource: str, token: FencingToken) -> Any:
+    """The fence row read back after the server refused ``token`` (a read of its own, then
+    rolled back): the result, or the error to raise instead if the read failed."""
     read = fence_sql(MYSQL, table).read.removesuffix(" FOR UPDATE")
     try:
         res = _exec_mysql(conn, Stmt(read, (resource,)))
@@ -2498,6 +2496,17 @@ def _batch_ended(
         if mapped is not None:
             return mapped
         return FenceConflictError(f"the fence refused {token} for {resource!r}; reading why: {exc}")
+    return res
+
+
+def _batch_ended(
+    conn: Any, table: str, resource: str, token: FencingToken, definite: str | None
+) -> Exception:
+    """The re-check refused (rolled back): a statement of the batch ended the transaction
+    the check ran in; the error from the fence row as it is now (:func:`_ended_error`)."""
+    res = _fence_row_after_refusal(conn, table, resource, token)
+    if isinstance(res, FencedError):
+        return res
     row = res.rows[0] if res.rows else None
     # (never StaleTokenError: a COMMIT, an implicit commit or autocommit turned on wrote the
     # check and what ran before the end, and nothing here tells those from a ROLLBACK)
@@ -2580,15 +2589,9 @@ def _batch_refusal(conn: Any, table: str, resource: str, token: FencingToken) ->
     refusing transaction is rolled back: one more round trip, on the refusal only)."""
     import json
 
-    read = fence_sql(MYSQL, table).read.removesuffix(" FOR UPDATE")
-    try:
-        res = _exec_mysql(conn, Stmt(read, (resource,)))
-        _end(conn, commit=False, d=MYSQL)
-    except Exception as exc:
-        mapped = map_error(MYSQL, conn, exc)
-        if mapped is not None:
-            return mapped
-        return FenceConflictError(f"the fence refused {token} for {resource!r}; reading why: {exc}")
+    res = _fence_row_after_refusal(conn, table, resource, token)
+    if isinstance(res, FencedError):
+        return res
     if not res.rows:
         return pipelined_refusal(resource, token, None)
     lock, value = res.rows[0]
