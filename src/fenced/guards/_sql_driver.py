@@ -1951,7 +1951,7 @@ def _release_witness(conn: Any, table: str, resource: str, token: FencingToken) 
             _raise_witness_error(conn, sa, exc)
         failed = exc
     d = MYSQL if sa is None else _sa_dialect(sa)
-    read = fence_sql(d, table).read.removesuffix(" FOR UPDATE")
+    read = fence_sql(d, table).plain_read
     try:
         if sa is None:
             rows = _exec_mysql(conn, Stmt(read, (resource,))).rows
@@ -1977,7 +1977,7 @@ async def _arelease_witness(conn: Any, table: str, resource: str, token: Fencing
         if not _witness_gone(exc):
             _raise_mapped(MYSQL, conn, exc)
         failed = exc
-    read = fence_sql(MYSQL, table).read.removesuffix(" FOR UPDATE")
+    read = fence_sql(MYSQL, table).plain_read
     try:
         rows = (await _aexec_mysql(conn, Stmt(read, (resource,)))).rows
     except Exception as why:
@@ -2109,12 +2109,19 @@ def _mysql_ended(
 ) -> Exception:
     """The end, from the fence row read after the rollback (in a read of its own)."""
     try:
-        rows = _exec_mysql(conn, Stmt(sql.read.removesuffix(" FOR UPDATE"), (resource,))).rows
+        rows = _exec_mysql(conn, Stmt(sql.plain_read, (resource,))).rows
     except Exception as why:
         _raise_mapped(MYSQL, conn, why)
     finally:
         with contextlib.suppress(Exception):
             conn.rollback()
+    return _ended_from(rows, resource, token, exc, definite)
+
+
+def _ended_from(
+    rows: Sequence[Any], resource: str, token: FencingToken, exc: Exception, definite: str | None
+) -> Exception:
+    """:func:`_mysql_ended`'s error (either twin's) from the fence rows read back."""
     error = _ended_error(resource, token, rows[0] if rows else None, definite)
     error.__cause__ = exc
     return error
@@ -2129,16 +2136,13 @@ async def _amysql_ended(
     definite: str | None,
 ) -> Exception:
     try:
-        read = Stmt(sql.read.removesuffix(" FOR UPDATE"), (resource,))
-        rows = (await _aexec_mysql(conn, read)).rows
+        rows = (await _aexec_mysql(conn, Stmt(sql.plain_read, (resource,)))).rows
     except Exception as why:
         _raise_mapped(MYSQL, conn, why)
     finally:
         with contextlib.suppress(Exception):
             await conn.rollback()
-    error = _ended_error(resource, token, rows[0] if rows else None, definite)
-    error.__cause__ = exc
-    return error
+    return _ended_from(rows, resource, token, exc, definite)
 
 
 async def _aoracle_mode(conn: Any) -> bool:
@@ -2313,7 +2317,7 @@ def _pipeline_ended(
     xid = None
     with contextlib.suppress(Exception):  # (the witness's row: answered before the end)
         xid = int(kept.fetchone()[1])
-    read = fence_sql(POSTGRESQL, table).read.removesuffix(" FOR UPDATE")
+    read = fence_sql(POSTGRESQL, table).plain_read
     try:
         with conn.transaction():  # (a read of its own, whatever the autocommit)
             row = conn.execute(read, (resource,)).fetchone()
@@ -2487,7 +2491,7 @@ _BATCH: Final = "batch(): a statement of the batch"
 def _fence_row_after_refusal(conn: Any, table: str, resource: str, token: FencingToken) -> Any:
     """The fence row read back after the server refused ``token`` (a read of its own, then
     rolled back): the result, or the error to raise instead if the read failed."""
-    read = fence_sql(MYSQL, table).read.removesuffix(" FOR UPDATE")
+    read = fence_sql(MYSQL, table).plain_read
     try:
         res = _exec_mysql(conn, Stmt(read, (resource,)))
         _end(conn, commit=False, d=MYSQL)
@@ -2543,7 +2547,7 @@ def _fate_after_end(driver: Any, d: Dialect, fence: tuple[str, str, FencingToken
     A read on the driver connection, on the end only; what it opens is rolled back with the
     rest."""
     table, resource, token = fence
-    read = fence_sql(d, table).read.removesuffix(" FOR UPDATE")
+    read = fence_sql(d, table).plain_read
     try:
         if d is SQLITE:
             cur = driver.execute(read, (resource,))

@@ -212,6 +212,12 @@ class FenceSQL:
     # SQLite: an UPDATE (accept's params) that accepts in place, its row count the verdict
     update: str = ""
 
+    @property
+    def plain_read(self) -> str:
+        """``read`` without its row lock (MySQL's ``FOR UPDATE``): a read-back after a
+        refusal or an end, which must not wait on another holder's lock."""
+        return self.read.removesuffix(" FOR UPDATE")
+
 
 @functools.lru_cache(maxsize=128)
 def fence_sql(d: Dialect, table: str) -> FenceSQL:
@@ -652,7 +658,7 @@ def pipelined_refusal(resource: str, token: FencingToken, detail: str | None) ->
 
 def fence_high_water_plan(sql: FenceSQL, resource: str) -> Plan[FencingToken | None]:
     # (MySQL's read locks the row for a refusal's report; a look at the mark need not)
-    res = yield Stmt(sql.read.removesuffix(" FOR UPDATE"), (resource,))
+    res = yield Stmt(sql.plain_read, (resource,))
     if not res.rows:
         return None
     lock, value = res.rows[0]
